@@ -1,0 +1,32 @@
+"""skyformer: efficient attention for long sequences.
+
+Skyformer (Chen et al., NeurIPS 2021) replaces softmax attention by Gaussian
+kernelized attention and approximates it with a modified Nystrom method; this
+package implements it, the methods it is compared with, and the experiments that
+compare them. Layout everywhere: ``[B, H, N, D]``; masks: ``key_padding_mask [B, N]``
+bool, True = real token.
+"""
+
+from .nn import MultiHeadAttention
+from .ops import (
+    kernelized_attention,
+    nystrom_softmax_attention,
+    skyformer_attention,
+    softmax_attention,
+)
+from .registry import Capabilities, CapabilityError, attention, get_method, list_methods
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Capabilities",
+    "CapabilityError",
+    "MultiHeadAttention",
+    "attention",
+    "get_method",
+    "kernelized_attention",
+    "list_methods",
+    "nystrom_softmax_attention",
+    "skyformer_attention",
+    "softmax_attention",
+]

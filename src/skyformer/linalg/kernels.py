@@ -1,0 +1,58 @@
+"""Gaussian kernel blocks, computed stably from dot products and half squared norms.
+
+Skyformer's kernel (eq. (1)): kappa(x, y) = exp(-|x - y|^2 / 2) applied to inputs
+already scaled by p^(-1/4), so that C_ij = exp(-|q_i - k_j|^2 / (2 sqrt(p))).
+Expanded, exp(x.y - |x|^2/2 - |y|^2/2): one matrix product plus two rank-one
+shifts, never a [N1, N2, D] difference tensor.
+
+Masking: a half norm of ``+inf`` turns that row or column of the block into exact
+zeros (exp(-inf) = 0, and its gradient is 0, never NaN).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def half_sq_norm(x: Tensor) -> Tensor:
+    """|x|^2 / 2 over the last dim: ``[..., N, D] -> [..., N]``."""
+    return 0.5 * (x * x).sum(dim=-1)
+
+
+def gaussian_exponent(x1: Tensor, x2: Tensor, half_norm1: Tensor, half_norm2: Tensor) -> Tensor:
+    """x1.x2 - |x1|^2/2 - |x2|^2/2, i.e. -|x1 - x2|^2/2: ``[..., N1, N2]``."""
+    logits = x1 @ x2.transpose(-1, -2)
+    return logits.sub_(half_norm1[..., :, None]).sub_(half_norm2[..., None, :])
+
+
+def gaussian_kernel_block(
+    x1: Tensor,
+    x2: Tensor,
+    half_norm1: Tensor | None = None,
+    half_norm2: Tensor | None = None,
+    *,
+    shift_rows: bool = False,
+) -> Tensor:
+    """Gaussian kernel block exp(-|x1_i - x2_j|^2 / 2).
+
+    Args:
+        x1: ``[..., N1, D]``; x2: ``[..., N2, D]`` (already scaled by p^(-1/4)).
+        half_norm1, half_norm2: precomputed ``|x|^2/2`` (``[..., N1]``, ``[..., N2]``),
+            ``+inf`` for rows/columns that must be zero.
+        shift_rows: divide each row by its largest entry (computed in log space).
+            Used where a per-row factor cancels, e.g. a row-normalised output.
+    Returns:
+        ``[..., N1, N2]``.
+    """
+    if half_norm1 is None:
+        half_norm1 = half_sq_norm(x1)
+    if half_norm2 is None:
+        half_norm2 = half_sq_norm(x2)
+    exponent = gaussian_exponent(x1, x2, half_norm1, half_norm2)
+    if shift_rows:
+        row_max = exponent.detach().amax(dim=-1, keepdim=True)
+        # A row with every column masked has max -inf: leave it at exp(-inf) = 0.
+        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+        exponent = exponent - row_max
+    return exponent.exp_()

@@ -1,0 +1,111 @@
+"""``nn.Module`` wrappers: projections and head split/merge around a registered method."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .registry import check_capabilities, get_method
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention whose core is any registered method.
+
+    A drop-in layer: ``x: [B, N, dim] -> [B, N, dim]``, with separate q/k/v/output
+    projections. ``dropout`` is applied to the attention output before the output
+    projection (approximate methods have no attention matrix to drop entries of).
+
+    Args:
+        dim: model width; must be divisible by ``num_heads``.
+        num_heads: number of heads H (head dim = dim / H).
+        method: a name from ``skyformer.list_methods()``.
+        dropout: dropout probability on the attention output.
+        bias: whether the projections have biases.
+        **method_options: options of the method (e.g. ``num_features=64``).
+
+    Example::
+
+        layer = MultiHeadAttention(64, 2, method="skyformer", num_features=128)
+        y = layer(x, key_padding_mask=mask)   # x: [B, N, 64], mask: [B, N] bool
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        method: str = "skyformer",
+        *,
+        dropout: float = 0.0,
+        bias: bool = True,
+        **method_options: Any,
+    ) -> None:
+        super().__init__()
+        if not isinstance(dim, int) or not isinstance(num_heads, int) or dim <= 0 or num_heads <= 0:
+            raise ValueError(f"dim and num_heads must be positive integers, got {dim}, {num_heads}.")
+        if dim % num_heads:
+            raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads}).")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}.")
+        self.spec = get_method(method)
+        self.config = self.spec.make_config(**method_options)
+        self.dim = dim
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.q_proj = nn.Linear(dim, dim, bias=bias)
+        self.k_proj = nn.Linear(dim, dim, bias=bias)
+        self.v_proj = nn.Linear(dim, dim, bias=bias)
+        self.out_proj = nn.Linear(dim, dim, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    @property
+    def method(self) -> str:
+        return self.spec.name
+
+    def _split(self, x: Tensor) -> Tensor:
+        b, n, _ = x.shape
+        return x.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, N, Dh]
+
+    def forward(
+        self,
+        x: Tensor,
+        key_padding_mask: Tensor | None = None,
+        *,
+        context: Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Attend from ``x: [B, N, dim]`` to itself, or to ``context: [B, M, dim]``.
+
+        ``key_padding_mask: [B, N]`` (or ``[B, M]`` with a context), True = real token.
+        Returns ``[B, N, dim]``.
+        """
+        source = x if context is None else context
+        for name, t in (("x", x), ("context", source)):
+            if t.dim() != 3 or t.shape[-1] != self.dim:
+                raise ValueError(
+                    f"MultiHeadAttention: {name} must have shape [B, N, {self.dim}], got "
+                    f"{tuple(t.shape)}."
+                )
+        check_capabilities(
+            self.spec.name,
+            mask=key_padding_mask is not None,
+            cross_attention=source.shape[1] != x.shape[1],
+        )
+        q = self._split(self.q_proj(x))
+        k = self._split(self.k_proj(source))
+        v = self._split(self.v_proj(source))
+        out = self.spec.function(
+            q, k, v, key_padding_mask=key_padding_mask, generator=generator,
+            **dataclasses.asdict(self.config),
+        )  # [B, H, N, Dh]
+        b, _, n, _ = out.shape
+        out = out.transpose(1, 2).reshape(b, n, self.dim)
+        return self.out_proj(self.dropout(out))
+
+    def extra_repr(self) -> str:
+        options = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(self.config).items())
+        return f"dim={self.dim}, num_heads={self.num_heads}, method={self.method!r}" + (
+            f", {options}" if options else ""
+        )

@@ -1,0 +1,126 @@
+"""The modified Nystrom factorisation shared by ``skyformer`` and ``nystrom_softmax``.
+
+Skyformer eqs. (4)-(6): lift the (non-PSD) Q-vs-K Gaussian kernel matrix C into the
+PSD matrix C_bar of [Q; K] against itself, approximate C_bar by
+C_bar S (S^T C_bar S)^+ S^T C_bar with S a uniform sub-sampling of d = m rows, and
+keep the off-diagonal (Q-rows, K-columns) block:
+
+    C ~ C(Q, X_S)  W  C(X_S, K),     W = Lemma-3 inverse of M = C(X_S, X_S).
+
+Only the blocks [Nq, m], [m, m] and [Nk, m] are formed: O(N m) time and memory per
+head, never an n x n or 2n x 2n matrix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..inputs import AttentionInputs, check_choice, check_nonnegative_float, check_positive_int
+from ..linalg import PINV_INITS, PINV_METHODS, gaussian_kernel_block, half_sq_norm, lemma3_inverse
+from ..sketch import Landmarks, gather_rows, gather_values, uniform_landmarks
+
+
+@dataclass(frozen=True)
+class NystromOptions:
+    """Options common to the modified Nystrom methods (defaults of the Skyformer paper).
+
+    num_features: number of landmarks m sampled from the rows of [Q; K] (half from
+        each); capped by the valid rows, so m >= 2 N uses every row once.
+    gamma: ridge added to M before the Lemma 3 normalisation.
+    pinv: ``"iterative"`` (Razavi et al.) or ``"exact"`` (torch.linalg.pinv).
+    pinv_iterations: iterations of the iterative inverse.
+    pinv_init: starting point of the iteration, ``"identity"`` (justified by Lemma 3)
+        or ``"scaled_transpose"`` (A^T / (|A|_1 |A|_inf), per matrix).
+    """
+
+    num_features: int = 128
+    gamma: float = 0.1
+    pinv: str = "iterative"
+    pinv_iterations: int = 6
+    pinv_init: str = "identity"
+
+    def validate(self, method: str) -> None:
+        check_positive_int(method, "num_features", self.num_features)
+        check_nonnegative_float(method, "gamma", self.gamma)
+        check_choice(method, "pinv", self.pinv, PINV_METHODS)
+        check_choice(method, "pinv_init", self.pinv_init, PINV_INITS)
+        if isinstance(self.pinv_iterations, bool) or not isinstance(self.pinv_iterations, int) \
+                or self.pinv_iterations < 0:
+            raise ValueError(
+                f"{method}: pinv_iterations must be an integer >= 0, got {self.pinv_iterations!r}."
+            )
+
+
+@dataclass(frozen=True)
+class NystromFactors:
+    """C ~ c_qx @ w @ c_kx^T for the Gaussian kernel of the scaled inputs."""
+
+    c_qx: Tensor  # [B, H, Nq, m]
+    w: Tensor  # [B, H, m, m]
+    c_kx: Tensor  # [B, H, Nk, m]  (rows of padded keys are zero)
+    landmarks: Landmarks
+
+
+def sample_landmarks(
+    info: AttentionInputs, num_features: int, device: torch.device,
+    generator: torch.Generator | None,
+) -> Landmarks:
+    """Uniform landmarks for one call (the first and only draw from ``generator``)."""
+    return uniform_landmarks(
+        num_features,
+        batch=info.batch,
+        query_len=info.query_len,
+        key_len=info.key_len,
+        query_valid=info.query_valid,
+        key_valid=info.key_valid,
+        device=device,
+        generator=generator,
+    )
+
+
+def modified_nystrom_factors(
+    q_hat: Tensor,
+    k_hat: Tensor,
+    info: AttentionInputs,
+    options: NystromOptions,
+    landmarks: Landmarks,
+    *,
+    shift_query_rows: bool = False,
+) -> NystromFactors:
+    """Factors of the modified Nystrom approximation of exp(-|q^_i - k^_j|^2 / 2).
+
+    Args:
+        q_hat: scaled queries ``[B, H, Nq, D]``; k_hat: scaled keys ``[B, H, Nk, D]``.
+        shift_query_rows: divide each row of ``c_qx`` by its maximum (for row-normalised
+            outputs, where that factor cancels).
+    """
+    inf = torch.tensor(float("inf"), dtype=q_hat.dtype, device=q_hat.device)
+    q_norm = half_sq_norm(q_hat)  # [B, H, Nq]
+    k_norm = half_sq_norm(k_hat)  # [B, H, Nk]
+    x = torch.cat(
+        [gather_rows(q_hat, landmarks.query_index), gather_rows(k_hat, landmarks.key_index)],
+        dim=2,
+    )  # [B, H, m, D]
+    x_norm = torch.cat(
+        [gather_values(q_norm, landmarks.query_index), gather_values(k_norm, landmarks.key_index)],
+        dim=2,
+    )  # [B, H, m]
+    x_norm = torch.where(landmarks.live[:, None, :], x_norm, inf)
+    if info.key_valid is not None:
+        k_norm = torch.where(info.key_valid[:, None, :], k_norm, inf)
+
+    c_qx = gaussian_kernel_block(q_hat, x, q_norm, x_norm, shift_rows=shift_query_rows)
+    c_kx = gaussian_kernel_block(k_hat, x, k_norm, x_norm)
+    m = gaussian_kernel_block(x, x, x_norm, x_norm)  # [B, H, m, m]
+    w = lemma3_inverse(
+        m,
+        gamma=options.gamma,
+        pinv=options.pinv,  # type: ignore[arg-type]
+        iterations=options.pinv_iterations,
+        init=options.pinv_init,  # type: ignore[arg-type]
+        live=landmarks.live,
+    )
+    return NystromFactors(c_qx, w, c_kx, landmarks)

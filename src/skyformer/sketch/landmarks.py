@@ -1,0 +1,84 @@
+"""Uniform landmark sampling from the rows of [Q; K] (Skyformer eq. (5), Definition 1).
+
+Skyformer sub-samples d rows of the lifted 2n-row matrix [Q; K]. As the reference
+implementation does, half of the landmarks come from Q and half from K, drawn per
+batch element and shared by the heads. Unlike the reference we
+
+- draw without replacement (a repeated landmark adds nothing to the Nystrom span),
+  so that with ``num_features >= 2 n`` every valid row is used exactly once;
+- draw only among *valid* rows wherever the padding is (the reference assumes
+  right padding);
+- take randomness only from the caller's ``generator``.
+
+Sampling is a top-k of uniform scores with padded rows scored out of reach. The
+scores are drawn as one ``[B, N, 2]`` tensor (query score, key score per position),
+so for a batch of one, right padding draws the same landmarks as truncating the
+sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+_OUT_OF_REACH = 2.0  # uniform scores lie in [0, 1)
+
+
+@dataclass(frozen=True)
+class Landmarks:
+    """Indices of the sampled rows of Q and K, with slots that hold no landmark."""
+
+    query_index: Tensor  # [B, mq] long
+    query_live: Tensor  # [B, mq] bool
+    key_index: Tensor  # [B, mk] long
+    key_live: Tensor  # [B, mk] bool
+
+    @property
+    def live(self) -> Tensor:
+        """``[B, mq + mk]`` bool, in the order [query landmarks, key landmarks]."""
+        return torch.cat([self.query_live, self.key_live], dim=1)
+
+
+def _pick(scores: Tensor, valid: Tensor | None, count: int) -> tuple[Tensor, Tensor]:
+    if valid is not None:
+        scores = scores.masked_fill(~valid, _OUT_OF_REACH)
+    count = min(count, scores.shape[1])
+    picked, index = scores.topk(count, dim=1, largest=False, sorted=False)
+    return index, picked < _OUT_OF_REACH
+
+
+def uniform_landmarks(
+    num_features: int,
+    *,
+    batch: int,
+    query_len: int,
+    key_len: int,
+    query_valid: Tensor | None,
+    key_valid: Tensor | None,
+    device: torch.device,
+    generator: torch.Generator | None = None,
+) -> Landmarks:
+    """Sample ``ceil(m/2)`` rows of Q and ``floor(m/2)`` rows of K without replacement.
+
+    Each side is capped by its number of valid rows; unused slots are marked dead.
+    """
+    scores = torch.rand(
+        (batch, max(query_len, key_len), 2), device=device, generator=generator
+    )
+    q_index, q_live = _pick(scores[:, :query_len, 0], query_valid, (num_features + 1) // 2)
+    k_index, k_live = _pick(scores[:, :key_len, 1], key_valid, num_features // 2)
+    return Landmarks(q_index, q_live, k_index, k_live)
+
+
+def gather_rows(x: Tensor, index: Tensor) -> Tensor:
+    """Rows ``index: [B, m]`` of ``x: [B, H, N, D]`` for every head: ``[B, H, m, D]``."""
+    b, h, _, d = x.shape
+    return x.gather(2, index[:, None, :, None].expand(b, h, index.shape[1], d))
+
+
+def gather_values(x: Tensor, index: Tensor) -> Tensor:
+    """Entries ``index: [B, m]`` of ``x: [B, H, N]`` for every head: ``[B, H, m]``."""
+    b, h, _ = x.shape
+    return x.gather(2, index[:, None, :].expand(b, h, index.shape[1]))

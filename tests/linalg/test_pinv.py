@@ -1,0 +1,107 @@
+"""The iterative pseudo-inverse (Razavi et al.) against torch.linalg.pinv."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from skyformer.linalg import initial_inverse, inverse_residual, iterative_pinv, lemma3_inverse
+from tests.conftest import gen
+
+
+def spd(batch, m, cond, seed=0):
+    """Symmetric positive definite matrices with condition number ``cond``."""
+    g = gen(seed)
+    q, _ = torch.linalg.qr(torch.randn(batch, m, m, generator=g, dtype=torch.float64))
+    eig = torch.logspace(0, -torch.log10(torch.tensor(float(cond))).item(), m, dtype=torch.float64)
+    return q @ torch.diag_embed(eig.expand(batch, m)) @ q.transpose(-1, -2)
+
+
+@pytest.mark.parametrize("init", ["scaled_transpose", "identity"])
+def test_matches_pinv_on_well_conditioned(init):
+    a = spd(3, 16, cond=10.0)
+    if init == "identity":
+        a = a / (1.01 * torch.linalg.matrix_norm(a, ord=2))[:, None, None]  # ||I - A|| < 1
+    v = iterative_pinv(a, 30, init=init)
+    torch.testing.assert_close(v, torch.linalg.pinv(a), rtol=1e-8, atol=1e-8)
+    assert inverse_residual(a, v).max() < 1e-8
+
+
+def test_general_nonsymmetric_matrix():
+    g = gen(1)
+    a = torch.eye(12, dtype=torch.float64) * 3 + 0.3 * torch.randn(2, 12, 12, generator=g, dtype=torch.float64)
+    v = iterative_pinv(a, 40)
+    torch.testing.assert_close(v, torch.linalg.inv(a), rtol=1e-8, atol=1e-8)
+
+
+def test_residual_shrinks_with_iterations():
+    a = spd(2, 20, cond=100.0)
+    residuals = [inverse_residual(a, iterative_pinv(a, t)).max().item() for t in (2, 4, 8, 16)]
+    assert all(r2 < r1 for r1, r2 in zip(residuals, residuals[1:]))
+    assert residuals[-1] < 1e-6
+
+
+def test_badly_conditioned_stays_bounded():
+    a = spd(2, 32, cond=1e14)
+    v = iterative_pinv(a, 6)
+    assert torch.isfinite(v).all()
+    # the iteration is a matrix polynomial of a started at a^T / (|a|_1 |a|_inf): its
+    # norm grows by at most 13/4 (= max of the step's factor) per step.
+    bound = (13 / 4) ** 6 / torch.linalg.matrix_norm(a, ord=2).min()
+    assert torch.linalg.matrix_norm(v, ord=2).max() <= bound
+    singular = torch.zeros(2, 8, 8, dtype=torch.float64)
+    assert torch.isfinite(iterative_pinv(singular, 6)).all()
+
+
+def test_scaling_is_per_matrix():
+    """One matrix's start (and so its result) does not depend on the others in the batch."""
+    a = spd(2, 10, cond=10.0)
+    alone = iterative_pinv(a[:1], 6)
+    b = a.clone()
+    b[1] = b[1] * 1000
+    together = iterative_pinv(b, 6)
+    torch.testing.assert_close(together[:1], alone, rtol=0, atol=0)
+    v0 = initial_inverse(b, "scaled_transpose")
+    torch.testing.assert_close(v0[:1], initial_inverse(a[:1], "scaled_transpose"))
+
+
+def test_lemma3_normalised_matrix_is_contractive():
+    """Skyformer Lemma 3: ||I - D^-1/2 (M + gamma I) D^-1/2|| < 1. The lemma states the
+    singular values lie in (0, 1); in fact the largest is exactly 1 (eigenvector
+    D^1/2 1, as for a normalised graph Laplacian), which leaves the conclusion intact."""
+    g = gen(2)
+    x = torch.randn(4, 24, 6, generator=g, dtype=torch.float64)
+    m = torch.exp(-torch.cdist(x, x) ** 2 / 2)
+    for gamma in (1e-3, 0.1, 1.0):
+        mg = m + gamma * torch.eye(24, dtype=torch.float64)
+        d = mg.sum(-1).rsqrt()
+        a = d[..., :, None] * mg * d[..., None, :]
+        s = torch.linalg.svdvals(a)
+        assert (s > 0).all() and (s <= 1 + 1e-12).all()
+        torch.testing.assert_close(s[..., 0], torch.ones(4, dtype=torch.float64))
+        eye = torch.eye(24, dtype=torch.float64)
+        assert (torch.linalg.matrix_norm(eye - a, ord=2) < 1).all()
+        w = lemma3_inverse(m, gamma=gamma, pinv="iterative", iterations=40)
+        torch.testing.assert_close(w, torch.linalg.inv(mg), rtol=1e-6, atol=1e-6)
+
+
+def test_lemma3_identity_start_converges_faster():
+    g = gen(3)
+    x = torch.randn(2, 64, 8, generator=g, dtype=torch.float64)
+    m = torch.exp(-torch.cdist(x, x) ** 2 / 4)
+    exact = torch.linalg.inv(m + 0.1 * torch.eye(64, dtype=torch.float64))
+    errors = {
+        init: (lemma3_inverse(m, gamma=0.1, iterations=6, init=init) - exact).norm().item()
+        for init in ("identity", "scaled_transpose")
+    }
+    assert errors["identity"] <= errors["scaled_transpose"]
+
+
+def test_rejects_bad_arguments():
+    a = torch.eye(3)
+    with pytest.raises(ValueError, match="iterations"):
+        iterative_pinv(a, -1)
+    with pytest.raises(ValueError, match="init"):
+        iterative_pinv(a, 2, init="nope")
+    with pytest.raises(ValueError, match="pinv"):
+        lemma3_inverse(a, gamma=0.1, pinv="nope")

@@ -1,0 +1,102 @@
+"""Modified Nystrom on the softmax kernel: reference, exactness limit, stability."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from skyformer import nystrom_softmax_attention, softmax_attention
+from skyformer.eval.metrics import relative_error
+from skyformer.inputs import check_attention_inputs
+from skyformer.ops import reference_nystrom_softmax_attention
+from skyformer.ops.modified_nystrom import sample_landmarks
+from tests.conftest import gen, make_qkv
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("threshold", [0.0, 0.3, 0.9])
+def test_fast_matches_naive_reference(masked, threshold):
+    q, k, v = make_qkv(2, 2, 22, 8)
+    mask = None
+    if masked:
+        mask = torch.ones(2, 22, dtype=torch.bool)
+        mask[1, 16:] = False
+    fast = nystrom_softmax_attention(
+        q, k, v, key_padding_mask=mask, generator=gen(2), num_features=10,
+        normalizer_threshold=threshold,
+    )
+    info = check_attention_inputs(q, k, v, mask, method="test")
+    lm = sample_landmarks(info, 10, q.device, gen(2))
+    ref = reference_nystrom_softmax_attention(
+        q, k, v, lm, key_padding_mask=mask, normalizer_threshold=threshold
+    )
+    torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)
+
+
+def test_equals_eq5_on_the_raw_softmax_matrix():
+    """gamma = 0 and the exact inverse: the stable factorisation equals eq. (5) applied
+    literally to A_bar = exp(s [Q;K][Q;K]^T), then D~^-1 A~ V."""
+    q, k, v = make_qkv(1, 2, 12, 6, scale=0.7)
+    info = check_attention_inputs(q, k, v, None, method="test")
+    lm = sample_landmarks(info, 8, q.device, gen(0))
+    out = nystrom_softmax_attention(
+        q, k, v, generator=gen(0), num_features=8, gamma=0.0, pinv="exact", normalizer_threshold=0.0
+    )
+    s = 6**-0.5
+    z = torch.cat([q, k], dim=2)  # [1, H, 2n, D]
+    a_bar = torch.exp(s * z @ z.transpose(-1, -2))
+    cols = torch.cat([lm.query_index[0], 12 + lm.key_index[0]])
+    sel = torch.zeros(24, 8, dtype=q.dtype)
+    sel[cols, torch.arange(8)] = 1.0
+    a_tilde = (a_bar @ sel @ torch.linalg.pinv(sel.T @ a_bar @ sel) @ sel.T @ a_bar)[..., :12, 12:]
+    expected = (a_tilde @ v) / a_tilde.sum(-1, keepdim=True)
+    torch.testing.assert_close(out, expected, rtol=1e-7, atol=1e-9)
+
+
+def test_every_row_as_landmark_reproduces_softmax_attention():
+    q, k, v = make_qkv(2, 2, 14, 8)
+    mask = torch.ones(2, 14, dtype=torch.bool)
+    mask[0, 10:] = False
+    out = nystrom_softmax_attention(
+        q, k, v, key_padding_mask=mask, num_features=28, gamma=0.0, pinv="exact"
+    )
+    torch.testing.assert_close(out, softmax_attention(q, k, v, key_padding_mask=mask), rtol=1e-7, atol=1e-9)
+
+
+def test_error_falls_as_features_grow():
+    q, k, v = make_qkv(1, 2, 96, 16, seed=4, scale=0.8)
+    exact = softmax_attention(q, k, v)
+    means = []
+    for m in (16, 64, 192):
+        errs = [
+            relative_error(nystrom_softmax_attention(q, k, v, generator=gen(s), num_features=m), exact).mean()
+            for s in range(4)
+        ]
+        means.append(torch.stack(errs).mean().item())
+    assert all(b < a for a, b in zip(means, means[1:])), means
+
+
+def test_unreliable_rows_fall_back_to_mean_of_values():
+    """Queries far from every landmark have no normaliser: they return mean(V), not 1e30."""
+    q, k, v = make_qkv(1, 1, 40, 8, seed=5)
+    q = q.clone()
+    q[..., 0, :] = 200.0  # far from all keys and landmarks
+    out = nystrom_softmax_attention(q, k, v, generator=gen(0), num_features=8)
+    assert torch.isfinite(out).all()
+    assert out.abs().max() <= v.abs().max() * 10
+
+
+def test_overflow_safe_for_large_logits():
+    q, k, v = make_qkv(1, 2, 30, 32, dtype=torch.float32)
+    q = q / q.norm(dim=-1, keepdim=True) * 40
+    k = k / k.norm(dim=-1, keepdim=True) * 40
+    out = nystrom_softmax_attention(q, k, v, generator=gen(0), num_features=60, gamma=1e-6)
+    assert torch.isfinite(out).all()
+
+
+def test_bad_options():
+    q, k, v = make_qkv(1, 1, 8, 4)
+    with pytest.raises(ValueError, match="scale"):
+        nystrom_softmax_attention(q, k, v, scale=0.0)
+    with pytest.raises(ValueError, match="normalizer_threshold"):
+        nystrom_softmax_attention(q, k, v, normalizer_threshold=1.5)

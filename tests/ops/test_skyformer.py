@@ -1,0 +1,128 @@
+"""Skyformer against the paper's equations (naive lifted reference) and its limits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from skyformer import kernelized_attention, skyformer_attention
+from skyformer.eval.metrics import relative_error
+from skyformer.inputs import check_attention_inputs
+from skyformer.ops import reference_skyformer_attention
+from skyformer.ops.modified_nystrom import sample_landmarks
+from tests.conftest import gen, make_qkv
+
+
+def landmarks_for(q, k, v, mask, m, seed):
+    info = check_attention_inputs(q, k, v, mask, method="test")
+    return sample_landmarks(info, m, q.device, gen(seed))
+
+
+@pytest.mark.parametrize("pinv", ["iterative", "exact"])
+@pytest.mark.parametrize("init", ["identity", "scaled_transpose"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_fast_matches_naive_lifted_reference(pinv, init, masked):
+    q, k, v = make_qkv(2, 2, 26, 8)
+    mask = None
+    if masked:
+        mask = torch.ones(2, 26, dtype=torch.bool)
+        mask[0, 20:] = False
+        mask[1, :6] = False
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    fast = skyformer_attention(
+        q, k, v, key_padding_mask=mask, generator=gen(3), num_features=12, pinv=pinv, pinv_init=init
+    )
+    lm = landmarks_for(q, k, v, mask, 12, 3)
+    ref = reference_skyformer_attention(
+        q, k, v, lm, key_padding_mask=mask, pinv=pinv, pinv_init=init
+    )
+    torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)
+    if pinv == "iterative":  # eigh's gradient is not a fair target for exact pinv
+        for a, b in zip(
+            torch.autograd.grad(fast.sum(), (q, k, v)), torch.autograd.grad(ref.sum(), (q, k, v))
+        ):
+            torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_every_row_as_landmark_reproduces_kernelized_attention(masked):
+    """Exactness limit: S = I, gamma = 0, exact inverse => C~ = C."""
+    q, k, v = make_qkv(2, 2, 15, 8)
+    mask = None
+    if masked:
+        mask = torch.ones(2, 15, dtype=torch.bool)
+        mask[1, 9:] = False
+    out = skyformer_attention(q, k, v, key_padding_mask=mask, num_features=30, gamma=0.0, pinv="exact")
+    torch.testing.assert_close(out, kernelized_attention(q, k, v, key_padding_mask=mask), rtol=1e-7, atol=1e-9)
+
+
+def test_iterative_inverse_error_small_and_shrinks_with_iterations():
+    q, k, v = make_qkv(2, 2, 64, 16)
+    exact = skyformer_attention(q, k, v, generator=gen(1), num_features=32, pinv="exact")
+    errors = [
+        relative_error(
+            skyformer_attention(q, k, v, generator=gen(1), num_features=32, pinv_iterations=t), exact
+        ).mean().item()
+        for t in (1, 3, 6, 12)
+    ]
+    assert all(b <= a for a, b in zip(errors, errors[1:]))
+    assert errors[2] < 0.05  # the paper's 6 iterations
+    assert errors[3] < 1e-4
+
+
+def test_error_falls_as_features_grow():
+    """Averaged over seeds, more landmarks approximate kernelized attention better."""
+    q, k, v = make_qkv(1, 2, 96, 16, seed=4, scale=0.8)
+    exact = kernelized_attention(q, k, v)
+    means = []
+    for m in (8, 32, 96, 192):
+        errs = [
+            relative_error(skyformer_attention(q, k, v, generator=gen(s), num_features=m), exact).mean()
+            for s in range(4)
+        ]
+        means.append(torch.stack(errs).mean().item())
+    assert all(b < a for a, b in zip(means, means[1:])), means
+    assert means[-1] < 0.05
+
+
+def test_landmarks_half_from_queries_half_from_keys_and_only_valid_rows():
+    q, k, v = make_qkv(3, 1, 40, 4)
+    mask = torch.ones(3, 40, dtype=torch.bool)
+    mask[1, :30] = False  # left padding: only rows 30..39 are real
+    lm = landmarks_for(q, k, v, mask, 16, 0)
+    assert lm.query_index.shape == (3, 8) and lm.key_index.shape == (3, 8)
+    for b in range(3):
+        for index, live in ((lm.query_index[b], lm.query_live[b]), (lm.key_index[b], lm.key_live[b])):
+            assert live.all()
+            assert mask[b, index].all()
+            assert len(set(index.tolist())) == len(index)  # without replacement
+    few = landmarks_for(q, k, v, mask, 30, 0)  # row 1 has only 10 real rows per side
+    assert few.query_live[1].sum() == 10 and few.key_live[1].sum() == 10
+    assert few.query_live[0].all()
+
+
+def test_half_precision_is_computed_in_float32():
+    q, k, v = make_qkv(1, 2, 40, 16, dtype=torch.float32)
+    out = skyformer_attention(q.half(), k.half(), v.half(), generator=gen(0), num_features=16)
+    ref = skyformer_attention(
+        q.half().float(), k.half().float(), v.half().float(), generator=gen(0), num_features=16
+    )
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), ref, rtol=2e-3, atol=2e-3)
+
+
+def test_bad_options_name_the_problem():
+    q, k, v = make_qkv(1, 1, 8, 4)
+    for options, word in (
+        ({"num_features": 0}, "num_features"),
+        ({"num_features": 2.5}, "num_features"),
+        ({"gamma": -1.0}, "gamma"),
+        ({"pinv": "svd"}, "pinv"),
+        ({"pinv_iterations": -2}, "pinv_iterations"),
+        ({"pinv_init": "zeros"}, "pinv_init"),
+    ):
+        with pytest.raises(ValueError, match=word):
+            skyformer_attention(q, k, v, **options)
+    with pytest.raises(TypeError, match="generator"):
+        skyformer_attention(q, k, v, generator=0)

@@ -1,0 +1,181 @@
+"""The contract every registered method must honour (DESIGN.md, "Tests").
+
+Parametrised over ``list_methods()``: a new method is covered as soon as it registers.
+Methods that need extra call arguments (e.g. learned projections) add them in
+``extra_options``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from skyformer import attention, get_method, list_methods
+from tests.conftest import gen, make_qkv
+
+METHODS = list_methods()
+
+
+def extra_options(method: str, n: int, d: int) -> dict:
+    """Per-method arguments the contract calls need beyond the defaults."""
+    return {}
+
+
+def run(method, q, k, v, mask=None, seed=0, **options):
+    options = {**extra_options(method, k.shape[2], q.shape[-1]), **options}
+    return attention(q, k, v, method, key_padding_mask=mask, generator=gen(seed), **options)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_shape_and_dtype(method, dtype):
+    q, k, v = make_qkv(2, 3, 20, 8, dv=5, dtype=dtype)
+    out = run(method, q, k, v)
+    assert out.shape == (2, 3, 20, 5)
+    assert out.dtype == dtype
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_bfloat16(method):
+    if not get_method(method).capabilities.half_precision:
+        pytest.skip("no half precision")
+    q, k, v = make_qkv(1, 2, 32, 8, dtype=torch.float32)
+    out16 = run(method, q.bfloat16(), k.bfloat16(), v.bfloat16())
+    out32 = run(method, *(t.bfloat16().float() for t in (q, k, v)))
+    assert out16.dtype == torch.bfloat16
+    assert torch.isfinite(out16.float()).all()
+    # bfloat16 keeps 8 mantissa bits: compare with the float32 run on the same inputs.
+    scale = out32.abs().max().clamp_min(1e-6)
+    assert ((out16.float() - out32).abs().max() / scale) < 0.05
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_padding_equals_truncation(method):
+    """For a batch of one, right padding gives the real rows the output of the truncated
+    input (randomised methods too: their draws for real rows do not depend on padding)."""
+    n, real = 24, 17
+    q, k, v = make_qkv(1, 2, n, 8, seed=1)
+    mask = torch.zeros(1, n, dtype=torch.bool)
+    mask[:, :real] = True
+    budgets = [{}]
+    if "num_features" in get_method(method).option_names():
+        budgets.append({"num_features": 6})  # fewer features than rows: the draw matters
+    for options in budgets:
+        padded = run(method, q, k, v, mask, **options)
+        truncated = run(method, q[:, :, :real], k[:, :, :real], v[:, :, :real], **options)
+        torch.testing.assert_close(padded[:, :, :real], truncated, rtol=1e-7, atol=1e-9)
+        assert torch.all(padded[:, :, real:] == 0), "padded query rows must be zero"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_padded_keys_get_no_weight(method):
+    """Whatever the padded positions hold, the real rows' output does not change."""
+    n = 20
+    q, k, v = make_qkv(2, 2, n, 8, seed=2)
+    mask = torch.ones(2, n, dtype=torch.bool)
+    mask[0, :5] = False  # left padding
+    mask[1, 13:] = False  # right padding
+    base = run(method, q, k, v, mask)
+    q2, k2, v2 = (t.clone() for t in (q, k, v))
+    junk = torch.randn(2, 2, n, 8, generator=gen(9), dtype=q.dtype) * 5
+    for t in (q2, k2, v2):
+        t[~mask[:, None, :].expand(-1, 2, -1)] = junk[~mask[:, None, :].expand(-1, 2, -1)]
+    out = run(method, q2, k2, v2, mask)
+    torch.testing.assert_close(out, base, rtol=1e-7, atol=1e-9)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_gradients_flow(method):
+    q, k, v = make_qkv(1, 2, 16, 8, dtype=torch.float64)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    mask = torch.ones(1, 16, dtype=torch.bool)
+    mask[:, 12:] = False
+    out = run(method, q, k, v, mask)
+    out.square().sum().backward()
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        assert t.grad is not None and torch.isfinite(t.grad).all(), name
+        assert t.grad[:, :, :12].abs().sum() > 0, f"no gradient reaches {name}"
+    assert torch.all(v.grad[:, :, 12:] == 0), "padded values must get no gradient"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_deterministic_given_generator(method):
+    q, k, v = make_qkv(2, 2, 30, 8)
+    a = run(method, q, k, v, seed=5)
+    b = run(method, q, k, v, seed=5)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    if get_method(method).capabilities.randomized:
+        # with few features the draw matters (with num_features >= 2N Nystrom uses every row)
+        a = run(method, q, k, v, seed=5, num_features=8)
+        c = run(method, q, k, v, seed=6, num_features=8)
+        assert not torch.allclose(a, c), "a randomised method ignored its generator"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_batch_independence(method):
+    q, k, v = make_qkv(3, 2, 24, 8, seed=3)
+    mask = torch.ones(3, 24, dtype=torch.bool)
+    mask[2, 20:] = False
+    base = run(method, q, k, v, mask)
+    q2, k2, v2 = (t.clone() for t in (q, k, v))
+    for t in (q2, k2, v2):
+        t[1:] = torch.randn(t[1:].shape, generator=gen(4), dtype=t.dtype) * 3
+    mask2 = mask.clone()
+    mask2[1, :7] = False
+    out = run(method, q2, k2, v2, mask2)
+    torch.testing.assert_close(out[0], base[0], rtol=1e-7, atol=1e-9)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_large_norms_stay_finite(method, dtype):
+    q, k, v = make_qkv(2, 2, 40, 32, dtype=dtype, seed=6)
+    q = q / q.norm(dim=-1, keepdim=True) * 30
+    k = k / k.norm(dim=-1, keepdim=True) * 30
+    out = run(method, q, k, v)
+    assert torch.isfinite(out).all()
+    assert out.abs().max() < 1e3 * v.abs().max()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_sequence_shorter_than_features(method):
+    q, k, v = make_qkv(2, 2, 5, 8, seed=7)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mask[1, 3:] = False
+    out = run(method, q, k, v, mask)
+    assert out.shape == (2, 2, 5, 8)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_fully_padded_sequence_gives_zeros(method):
+    q, k, v = make_qkv(2, 2, 10, 8, seed=8)
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    mask[1] = False
+    out = run(method, q, k, v, mask)
+    assert torch.isfinite(out).all()
+    assert torch.all(out[1] == 0)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_cross_attention_capability(method):
+    q, k, v = make_qkv(1, 2, 12, 8, nk=20)
+    if get_method(method).capabilities.cross_attention:
+        assert run(method, q, k, v).shape == (1, 2, 12, 8)
+    else:
+        with pytest.raises(ValueError, match="different number of queries and keys"):
+            run(method, q, k, v)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_num_features_is_the_common_knob(method):
+    spec = get_method(method)
+    if spec.capabilities.exact:
+        assert "num_features" not in spec.option_names()
+    else:
+        assert "num_features" in spec.option_names()
+        with pytest.raises(ValueError, match="num_features"):
+            run(method, *make_qkv(1, 1, 8, 4), num_features=0)

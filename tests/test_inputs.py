@@ -1,0 +1,56 @@
+"""Bad input gets a clear error naming the problem (for every method, through the dispatcher)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from skyformer import attention, list_methods
+from tests.conftest import make_qkv
+
+METHODS = list_methods()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_shape_errors(method):
+    q, k, v = make_qkv(2, 2, 8, 4)
+    with pytest.raises(ValueError, match=r"\[B, H, N, D\]"):
+        attention(q[0], k, v, method)
+    with pytest.raises(ValueError, match="same head dim"):
+        attention(q, k[..., :3], v, method)
+    with pytest.raises(ValueError, match="same sequence length"):
+        attention(q, k, v[:, :, :5], method)
+    with pytest.raises(ValueError, match="batch and head sizes"):
+        attention(q, k[:1], v[:1], method)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_dtype_errors(method):
+    q, k, v = make_qkv(1, 1, 6, 4)
+    with pytest.raises(TypeError, match="floating point"):
+        attention(q.long(), k.long(), v.long(), method)
+    with pytest.raises(TypeError, match="one dtype"):
+        attention(q, k.float(), v, method)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_mask_errors(method):
+    q, k, v = make_qkv(2, 1, 6, 4)
+    with pytest.raises(TypeError, match="bool"):
+        attention(q, k, v, method, key_padding_mask=torch.ones(2, 6))
+    with pytest.raises(ValueError, match=r"\[B, Nk\]"):
+        attention(q, k, v, method, key_padding_mask=torch.ones(2, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"\[B, Nk\]"):
+        attention(q, k, v, method, key_padding_mask=torch.ones(2, 1, 1, 6, dtype=torch.bool))
+
+
+def test_unknown_method_lists_available():
+    q, k, v = make_qkv(1, 1, 4, 4)
+    with pytest.raises(ValueError, match="unknown attention method 'flash'.*skyformer"):
+        attention(q, k, v, "flash")
+
+
+def test_unknown_option_lists_known_ones():
+    q, k, v = make_qkv(1, 1, 4, 4)
+    with pytest.raises(ValueError, match="no option 'landmarks'.*num_features"):
+        attention(q, k, v, "skyformer", landmarks=4)

@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from skyformer import MultiHeadAttention, list_methods
+from skyformer.registry import CapabilityError
+
+
+@pytest.mark.parametrize("method", list_methods())
+def test_module_forward_backward_and_mask(method):
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(32, 4, method=method)
+    x = torch.randn(2, 20, 32)
+    mask = torch.ones(2, 20, dtype=torch.bool)
+    mask[1, 14:] = False
+    y = layer(x, key_padding_mask=mask, generator=torch.Generator().manual_seed(0))
+    assert y.shape == x.shape
+    y.sum().backward()
+    assert all(p.grad is not None for p in layer.parameters())
+    assert method in repr(layer)
+
+
+def test_module_equals_manual_projection_pipeline():
+    torch.manual_seed(1)
+    layer = MultiHeadAttention(16, 2, method="softmax")
+    x = torch.randn(1, 7, 16)
+    q = layer.q_proj(x).view(1, 7, 2, 8).transpose(1, 2)
+    k = layer.k_proj(x).view(1, 7, 2, 8).transpose(1, 2)
+    v = layer.v_proj(x).view(1, 7, 2, 8).transpose(1, 2)
+    attn = torch.softmax(q @ k.transpose(-1, -2) / 8**0.5, -1) @ v
+    expected = layer.out_proj(attn.transpose(1, 2).reshape(1, 7, 16))
+    torch.testing.assert_close(layer(x), expected)
+
+
+def test_cross_attention_with_context():
+    layer = MultiHeadAttention(16, 2, method="kernelized")
+    x, ctx = torch.randn(2, 5, 16), torch.randn(2, 9, 16)
+    assert layer(x, context=ctx).shape == (2, 5, 16)
+
+
+def test_options_and_errors():
+    layer = MultiHeadAttention(16, 2, method="skyformer", num_features=8)
+    assert layer.config.num_features == 8
+    with pytest.raises(ValueError, match="divisible"):
+        MultiHeadAttention(10, 3)
+    with pytest.raises(ValueError, match="no option"):
+        MultiHeadAttention(16, 2, method="skyformer", features=8)
+    with pytest.raises(ValueError, match=r"\[B, N, 16\]"):
+        layer(torch.randn(2, 5, 8))
+    with pytest.raises(ValueError, match="unknown attention method"):
+        MultiHeadAttention(16, 2, method="nope")
+    with pytest.raises(CapabilityError):
+        MultiHeadAttention(16, 2, method="skyformer", causal=True)

@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import skyformer
+from skyformer.registry import Capabilities, CapabilityError, check_capabilities, get_method, register
+from tests.conftest import make_qkv
+
+
+def test_foundation_methods_are_registered_with_targets():
+    names = skyformer.list_methods()
+    assert names[:4] == ["softmax", "kernelized", "skyformer", "nystrom_softmax"]
+    assert get_method("skyformer").capabilities.target == "gaussian"
+    assert get_method("nystrom_softmax").capabilities.target == "softmax"
+    assert get_method("softmax").capabilities.exact
+
+
+def test_configs_are_frozen_dataclasses_with_paper_defaults():
+    cfg = get_method("skyformer").make_config()
+    assert dataclasses.is_dataclass(cfg)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.num_features = 3  # type: ignore[misc]
+    assert (cfg.num_features, cfg.gamma, cfg.pinv_iterations, cfg.pinv) == (128, 0.1, 6, "iterative")
+
+
+def test_public_functions_are_the_registered_ones():
+    assert get_method("skyformer").function is skyformer.skyformer_attention
+    assert get_method("softmax").function is skyformer.softmax_attention
+    q, k, v = make_qkv(1, 2, 10, 4)
+    g1, g2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+    torch.testing.assert_close(
+        skyformer.attention(q, k, v, "skyformer", generator=g1, num_features=6),
+        skyformer.skyformer_attention(q, k, v, generator=g2, num_features=6),
+    )
+
+
+def test_duplicate_names_are_rejected():
+    @dataclasses.dataclass(frozen=True)
+    class Cfg:
+        pass
+
+    with pytest.raises(ValueError, match="already registered"):
+        register("skyformer", Cfg, Capabilities(target="softmax"))(lambda q, k, v, **kw: q)
+
+
+def test_capability_errors_are_sentences():
+    q, k, v = make_qkv(1, 1, 6, 4)
+    with pytest.raises(CapabilityError, match="skyformer cannot do causal masking; methods that can: softmax, kernelized"):
+        skyformer.attention(q, k, v, "skyformer", causal=True)
+    with pytest.raises(CapabilityError, match="causal"):
+        check_capabilities("nystrom_softmax", causal=True)
+    assert check_capabilities("softmax", causal=True, mask=True).name == "softmax"
