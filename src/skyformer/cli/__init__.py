@@ -1,0 +1,51 @@
+"""The ``skyformer`` command. Thin: each subcommand module parses arguments and calls
+the library; this file only wires them up and turns user errors into one-line messages.
+
+Subcommand modules define ``NAME``, ``HELP``, ``add_arguments(parser)`` and ``run(args)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from types import ModuleType
+
+from . import compare_cmd, list_cmd
+
+SUBCOMMANDS: list[ModuleType] = [list_cmd, compare_cmd]
+
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, ImportError, RuntimeError)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="skyformer",
+        description="Efficient attention for long sequences: Skyformer and the methods it is "
+        "compared with.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module in SUBCOMMANDS:
+        p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except USER_ERRORS as err:
+        print(f"skyformer {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

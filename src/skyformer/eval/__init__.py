@@ -1,0 +1,1 @@
+"""Experiments: approximation error, speed and memory (they use the registry, never ops internals)."""

@@ -1,0 +1,127 @@
+"""Peak memory of one attention call.
+
+CUDA: ``torch.cuda.max_memory_allocated`` around the call, in process.
+CPU: the call runs in a fresh Python process (so nothing cached by earlier work hides
+its peak): after one warm-up call the kernel's peak-RSS counter is reset through
+``/proc/self/clear_refs`` and the measured call's peak is VmHWM minus the resident
+size just before it. Run as ``python -m skyformer.eval.memory '<job json>'``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class MemoryJob:
+    """One attention call to measure: random inputs of ``shape`` or tensors from a file."""
+
+    method: str  # a registered name, or "package.module:function" for any f(q, k, v, **options)
+    shape: tuple[int, int, int, int]  # [B, H, N, D]
+    options: dict[str, Any] = field(default_factory=dict)
+    dtype: str = "float32"
+    seed: int = 0
+    backward: bool = False
+    inputs: str | None = None  # a file written by torch.save({"q", "k", "v"})
+
+
+def _inputs(job: MemoryJob, device: torch.device) -> tuple[torch.Tensor, ...]:
+    if job.inputs is not None:
+        data = torch.load(job.inputs, map_location=device, weights_only=True)
+        tensors = (data["q"], data["k"], data["v"])
+    else:
+        g = torch.Generator(device=device).manual_seed(job.seed)
+        dtype = getattr(torch, job.dtype)
+        tensors = tuple(
+            torch.randn(job.shape, generator=g, device=device, dtype=dtype) for _ in range(3)
+        )
+    return tuple(t.detach().requires_grad_(job.backward) for t in tensors)
+
+
+def _run(job: MemoryJob, q, k, v, device: torch.device) -> None:
+    g = torch.Generator(device=device).manual_seed(job.seed)
+    if ":" in job.method:
+        module, name = job.method.split(":")
+        fn = getattr(importlib.import_module(module), name)
+        out = fn(q, k, v, **job.options)
+    else:
+        from ..registry import attention
+
+        out = attention(q, k, v, job.method, generator=g, **job.options)
+    if job.backward:
+        out.backward(torch.ones_like(out))
+        for t in (q, k, v):
+            t.grad = None
+    del out
+
+
+def _status_kib(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{key} not found in /proc/self/status")
+
+
+def measure_in_this_process(job: MemoryJob, device: torch.device | str = "cpu") -> int:
+    """Peak bytes of one call above what was resident before it."""
+    device = torch.device(device)
+    q, k, v = _inputs(job, device)
+    _run(job, q, k, v, device)  # warm-up: one-time allocations are not the call's cost
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        _run(job, q, k, v, device)
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device) - base)
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    base = _status_kib("VmRSS")
+    _run(job, q, k, v, device)
+    return int((_status_kib("VmHWM") - base) * 1024)
+
+
+def peak_memory_bytes(job: MemoryJob, device: torch.device | str = "cpu", timeout: float = 600) -> int:
+    """Peak memory of ``job``: in process on CUDA, in a fresh subprocess on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return measure_in_this_process(job, device)
+    if not Path("/proc/self/clear_refs").exists():
+        raise RuntimeError("CPU peak memory needs Linux /proc (clear_refs, VmHWM).")
+    src_root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = src_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["SKYFORMER_THREADS"] = str(torch.get_num_threads())
+    payload = json.dumps(dataclasses.asdict(job))
+    proc = subprocess.run(
+        [sys.executable, "-m", "skyformer.eval.memory", payload],
+        capture_output=True, text=True, env=env, timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"memory measurement of {job.method} failed:\n{proc.stderr.strip()[-2000:]}"
+        )
+    return int(json.loads(proc.stdout.strip().splitlines()[-1])["peak_bytes"])
+
+
+def _main(argv: list[str]) -> None:
+    spec = json.loads(argv[0])
+    spec["shape"] = tuple(spec["shape"])
+    job = MemoryJob(**spec)
+    threads = os.environ.get("SKYFORMER_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+    print(json.dumps({"peak_bytes": measure_in_this_process(job, "cpu")}))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])

