@@ -52,3 +52,36 @@ def test_options_and_errors():
         MultiHeadAttention(16, 2, method="nope")
     with pytest.raises(CapabilityError):
         MultiHeadAttention(16, 2, method="skyformer", causal=True)
+
+
+def test_method_state_module_is_owned_and_passed():
+    """A method's state module (e.g. learned projections) is a submodule of the layer and
+    its output reaches the function as keyword arguments."""
+    import dataclasses as dc
+
+    from skyformer.registry import _REGISTRY, Capabilities, register
+
+    @dc.dataclass(frozen=True)
+    class Cfg:
+        num_features: int = 3
+
+    class State(torch.nn.Module):
+        def __init__(self, cfg, heads, head_dim):
+            super().__init__()
+            self.gain = torch.nn.Parameter(torch.full((heads, 1, 1), 2.0))
+
+        def forward(self, q, k):
+            return {"gain": self.gain}
+
+    def scaled_values(q, k, v, *, key_padding_mask=None, generator=None, num_features=3, gain=None):
+        return v * (1.0 if gain is None else gain)
+
+    register("test_state_method", Cfg, Capabilities(target="softmax"), state=State)(scaled_values)
+    try:
+        layer = MultiHeadAttention(8, 2, method="test_state_method")
+        assert any(name.startswith("method_state") for name, _ in layer.named_parameters())
+        x = torch.randn(1, 4, 8)
+        layer(x).sum().backward()
+        assert layer.method_state.gain.grad is not None
+    finally:
+        del _REGISTRY["test_state_method"]

@@ -59,6 +59,10 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(dim, dim, bias=bias)
         self.out_proj = nn.Linear(dim, dim, bias=bias)
         self.dropout = nn.Dropout(dropout)
+        # Per-layer state of the method (learned projections, kept random features).
+        self.method_state = (
+            self.spec.state(self.config, num_heads, self.head_dim) if self.spec.state else None
+        )
 
     @property
     def method(self) -> str:
@@ -96,9 +100,10 @@ class MultiHeadAttention(nn.Module):
         q = self._split(self.q_proj(x))
         k = self._split(self.k_proj(source))
         v = self._split(self.v_proj(source))
+        extra = self.method_state(q, k) if self.method_state is not None else {}
         out = self.spec.function(
             q, k, v, key_padding_mask=key_padding_mask, generator=generator,
-            **dataclasses.asdict(self.config),
+            **dataclasses.asdict(self.config), **extra,
         )  # [B, H, N, Dh]
         b, _, n, _ = out.shape
         out = out.transpose(1, 2).reshape(b, n, self.dim)

@@ -43,7 +43,7 @@ class Capabilities:
     cross_attention: accepts Nq != Nk.
     randomized: output depends on the ``generator``.
     fixed_length: needs a fixed ``max_seq_len`` (e.g. Linformer's projections).
-    learned_parameters: owns trainable parameters (see ``nn.MultiHeadAttention``).
+    learned_parameters: owns trainable parameters (a ``state`` module, see ``Method``).
     half_precision: accepts float16/bfloat16 inputs.
     """
 
@@ -58,15 +58,27 @@ class Capabilities:
     half_precision: bool = True
 
 
+StateFactory = Callable[[Any, int, int], "torch.nn.Module"]
+
+
 @dataclass(frozen=True)
 class Method:
-    """A registered attention method."""
+    """A registered attention method.
+
+    ``state``, when set, builds the per-layer module a method needs beyond its options
+    (learned projections, random features kept between calls):
+    ``state(config, num_heads, head_dim) -> nn.Module``. ``nn.MultiHeadAttention`` owns
+    that module and, on every call, passes ``module(q, k)`` (a dict of extra keyword
+    arguments) to the function. Called directly, such functions must work without
+    those arguments (e.g. by drawing them from the generator) or say what is missing.
+    """
 
     name: str
     function: Callable[..., Tensor]
     config_class: type
     capabilities: Capabilities
     summary: str
+    state: StateFactory | None = None
 
     def defaults(self) -> dict[str, Any]:
         """Option name -> default value."""
@@ -97,7 +109,12 @@ _REGISTRY: dict[str, Method] = {}
 
 
 def register(
-    name: str, config_class: type, capabilities: Capabilities, *, summary: str = ""
+    name: str,
+    config_class: type,
+    capabilities: Capabilities,
+    *,
+    summary: str = "",
+    state: StateFactory | None = None,
 ) -> Callable[[Callable[..., Tensor]], Callable[..., Tensor]]:
     """Decorator that registers an attention function under ``name``."""
     if not dataclasses.is_dataclass(config_class):
@@ -106,7 +123,7 @@ def register(
     def decorator(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
         if name in _REGISTRY:
             raise ValueError(f"attention method {name!r} is already registered.")
-        _REGISTRY[name] = Method(name, fn, config_class, capabilities, summary)
+        _REGISTRY[name] = Method(name, fn, config_class, capabilities, summary, state)
         return fn
 
     return decorator
