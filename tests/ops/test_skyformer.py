@@ -66,7 +66,10 @@ def test_iterative_inverse_error_small_and_shrinks_with_iterations():
         ).mean().item()
         for t in (1, 3, 6, 12)
     ]
-    assert all(b <= a for a, b in zip(errors, errors[1:]))
+    # Non-increasing up to rounding: on this input 6 iterations already reach ~1e-15,
+    # where which of two such values is smaller is rounding noise.
+    assert all(b <= a + 1e-12 for a, b in zip(errors, errors[1:]))
+    assert errors[0] > errors[1] > errors[2]
     assert errors[2] < 0.05  # the paper's 6 iterations
     assert errors[3] < 1e-4
 
