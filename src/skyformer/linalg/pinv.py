@@ -24,6 +24,7 @@ from typing import Literal
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 PinvInit = Literal["scaled_transpose", "identity"]
 PINV_INITS: tuple[str, ...] = ("scaled_transpose", "identity")
@@ -42,6 +43,76 @@ def initial_inverse(a: Tensor, init: PinvInit) -> Tensor:
     raise ValueError(f"init must be one of {PINV_INITS}, got {init!r}.")
 
 
+class _RazaviIteration(torch.autograd.Function):
+    """``iterations`` Razavi steps from ``v0`` (``None`` = identity) with a hand-written
+    backward pass.
+
+    One step, in Horner form with P = A V (all ``[..., m, m]``):
+
+        T1 = 7I - P,   T2 = 15I - P T1,   T3 = 13I - P T2,   V' = V T3 / 4.
+
+    Its adjoint, for an incoming gradient G' of V':
+
+        dT3 = V^T G' / 4,   dT2 = -P^T dT3,   dT1 = -P^T dT2,
+        dP  = -dT3 T2^T - dT2 T1^T - dT1,
+        dV  = G' T3^T / 4 + A^T dP,   dA += dP V^T,
+
+    the products autograd would run, without its graph of ~15 nodes per step; each
+    "cI - X Y" is one fused ``baddbmm``. From V0 = I the first step needs no product
+    with V (P = A, V1 = T3 / 4): 2 products instead of 4 forward, 4 instead of 8 back.
+    """
+
+    @staticmethod
+    def forward(ctx, a, v0, iterations):  # type: ignore[override]
+        batch_shape = a.shape[:-2]
+        m = a.shape[-1]
+        a3 = a.reshape(-1, m, m)
+        eye = torch.eye(m, dtype=a.dtype, device=a.device).expand_as(a3)
+        v = None if v0 is None else v0.reshape(-1, m, m)
+        saved = []
+        for _ in range(iterations):
+            p = a3 if v is None else torch.bmm(a3, v)
+            t1 = 7 * eye - p
+            t2 = torch.baddbmm(eye, p, t1, beta=15, alpha=-1)
+            t3 = torch.baddbmm(eye, p, t2, beta=13, alpha=-1)
+            saved.append((v, p, t2, t3))  # T1 = 7I - P is rebuilt in the backward pass
+            v = 0.25 * t3 if v is None else torch.bmm(v, t3).mul_(0.25)
+        ctx.save_for_backward(a3, *(t for step in saved for t in step))
+        ctx.has_v0 = v0 is not None
+        ctx.batch_shape = batch_shape
+        return v.reshape(*batch_shape, m, m)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):  # type: ignore[override]
+        a3, *flat = ctx.saved_tensors
+        steps = [flat[i:i + 4] for i in range(0, len(flat), 4)]
+        m = a3.shape[-1]
+        g = grad.reshape(-1, m, m).contiguous()
+        da = torch.zeros_like(a3)
+        a_t = a3.transpose(1, 2)
+        eye = torch.eye(m, dtype=a3.dtype, device=a3.device)
+        for v, p, t2, t3 in reversed(steps):
+            p_t = p.transpose(1, 2)
+            t1 = 7 * eye - p
+            if v is None:
+                dt3 = 0.25 * g
+            else:
+                dt3 = torch.bmm(v.transpose(1, 2), g).mul_(0.25)
+            dt2 = -torch.bmm(p_t, dt3)
+            dt1 = -torch.bmm(p_t, dt2)
+            dp = torch.baddbmm(dt1, dt3, t2.transpose(1, 2), beta=-1, alpha=-1)
+            dp.baddbmm_(dt2, t1.transpose(1, 2), alpha=-1)
+            if v is None:  # P = A
+                da.add_(dp)
+                g = None
+            else:
+                da.baddbmm_(dp, v.transpose(1, 2))
+                g = torch.baddbmm(torch.bmm(a_t, dp), g, t3.transpose(1, 2), alpha=0.25)
+        dv0 = g.reshape(*ctx.batch_shape, m, m) if ctx.has_v0 else None
+        return da.reshape(*ctx.batch_shape, m, m), dv0, None
+
+
 def iterative_pinv(
     a: Tensor,
     iterations: int = 6,
@@ -50,19 +121,15 @@ def iterative_pinv(
 ) -> Tensor:
     """Approximate pseudo-inverse of ``a: [..., m, m]`` by ``iterations`` Razavi steps.
 
-    Each step costs four batched m x m products. Differentiable by autograd.
+    Each step costs four batched m x m products (two for the first step from the
+    identity). Differentiable, by a hand-written backward pass (``_RazaviIteration``).
     """
     if iterations < 0:
         raise ValueError(f"iterations must be >= 0, got {iterations}.")
-    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
-    v = initial_inverse(a, init)
-    for _ in range(iterations):
-        av = a @ v
-        t = 7 * eye - av
-        t = 15 * eye - av @ t
-        t = 13 * eye - av @ t
-        v = 0.25 * (v @ t)
-    return v
+    v0 = None if init == "identity" else initial_inverse(a, init)
+    if iterations == 0:
+        return initial_inverse(a, init) if v0 is None else v0
+    return _RazaviIteration.apply(a, v0, iterations)
 
 
 def inverse_residual(a: Tensor, v: Tensor) -> Tensor:
