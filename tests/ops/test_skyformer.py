@@ -8,7 +8,9 @@ import torch
 from skyformer import kernelized_attention, skyformer_attention
 from skyformer.eval.metrics import relative_error
 from skyformer.inputs import check_attention_inputs
+from skyformer.linalg import kernel_matmul
 from skyformer.ops import reference_skyformer_attention
+from skyformer.ops.skyformer import materialised_skyformer_attention
 from skyformer.ops.modified_nystrom import sample_landmarks
 from tests.conftest import gen, make_qkv
 
@@ -129,3 +131,40 @@ def test_bad_options_name_the_problem():
             skyformer_attention(q, k, v, **options)
     with pytest.raises(TypeError, match="generator"):
         skyformer_attention(q, k, v, generator=0)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("init", ["identity", "scaled_transpose"])
+@pytest.mark.parametrize("chunk_elements", [1, 2**18])  # 64-row chunks (several); one chunk
+def test_fused_path_equals_materialised_path(masked, init, chunk_elements, monkeypatch):
+    """The chunked path with its own backward equals the previous implementation (whole
+    [N, m] blocks, autograd) on outputs and gradients, masks included."""
+    monkeypatch.setattr(kernel_matmul, "CPU_CHUNK_ELEMENTS", chunk_elements)
+    q, k, v = make_qkv(2, 2, 150, 8, dv=5)
+    mask = None
+    if masked:
+        mask = torch.ones(2, 150, dtype=torch.bool)
+        mask[0, 130:] = False
+        mask[1, :70] = False
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    options = dict(key_padding_mask=mask, num_features=24, pinv_init=init)
+    fast = skyformer_attention(q, k, v, generator=gen(5), **options)
+    before = materialised_skyformer_attention(q, k, v, generator=gen(5), **options)
+    torch.testing.assert_close(fast, before, rtol=1e-10, atol=1e-12)
+    g = torch.randn(fast.shape, generator=gen(6), dtype=fast.dtype)
+    for a, b in zip(torch.autograd.grad((fast * g).sum(), (q, k, v)),
+                    torch.autograd.grad((before * g).sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_fused_path_equals_materialised_path_in_float32():
+    q, k, v = make_qkv(1, 2, 700, 32, dtype=torch.float32)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    fast = skyformer_attention(q, k, v, generator=gen(0))
+    before = materialised_skyformer_attention(q, k, v, generator=gen(0))
+    torch.testing.assert_close(fast, before, rtol=1e-4, atol=1e-6)
+    for a, b in zip(torch.autograd.grad(fast.sum(), (q, k, v)),
+                    torch.autograd.grad(before.sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
