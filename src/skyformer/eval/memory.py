@@ -10,7 +10,6 @@ size just before it. Run as ``python -m skyformer.eval.memory '<job json>'``.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import os
 import subprocess
@@ -21,12 +20,14 @@ from typing import Any
 
 import torch
 
+from .callables import resolve
+
 
 @dataclass(frozen=True)
 class MemoryJob:
     """One attention call to measure: random inputs of ``shape`` or tensors from a file."""
 
-    method: str  # a registered name, or "package.module:function" for any f(q, k, v, **options)
+    method: str  # a registered name, or "package.module:function" (see ``callables.resolve``)
     shape: tuple[int, int, int, int]  # [B, H, N, D]
     options: dict[str, Any] = field(default_factory=dict)
     dtype: str = "float32"
@@ -50,14 +51,7 @@ def _inputs(job: MemoryJob, device: torch.device) -> tuple[torch.Tensor, ...]:
 
 def _run(job: MemoryJob, q, k, v, device: torch.device) -> None:
     g = torch.Generator(device=device).manual_seed(job.seed)
-    if ":" in job.method:
-        module, name = job.method.split(":")
-        fn = getattr(importlib.import_module(module), name)
-        out = fn(q, k, v, **job.options)
-    else:
-        from ..registry import attention
-
-        out = attention(q, k, v, job.method, generator=g, **job.options)
+    out = resolve(job.method)(q, k, v, g, job.options)
     if job.backward:
         out.backward(torch.ones_like(out))
         for t in (q, k, v):
