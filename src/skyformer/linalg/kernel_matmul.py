@@ -14,7 +14,8 @@ With b = |x|^2/2, C is the Gaussian kernel exp(-|s y_i - x_s|^2 / 2) of the scal
 with ``row_norm=False`` it is that kernel times exp(|s y_i|^2 / 2) (the softmax kernel's
 E factor, ``nystrom_softmax``). Invalid rows (``row_valid``) and columns with b = +inf
 are exact zeros with zero gradient. The row scale s and the row norms are applied
-inside, so no scaled copy of y and no [N, D] norm temporaries are made.
+inside, so no scaled copy of y and no [N, D] norm temporaries are made; exp is
+evaluated as exp2 of the exponent times log2(e), folded into x and the offsets.
 
 Backward, with E the exponent and dE = dC * C (chunked):
 
@@ -27,6 +28,7 @@ for ``out = C^T V``, ``(dE 1)_i = v_i . (C g)_i`` and ``(dE^T 1)_s = g_s . out_s
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -38,6 +40,9 @@ from torch.autograd.function import once_differentiable
 # cache; on CUDA nothing is gained by small chunks but launches, so they are large.
 CPU_CHUNK_ELEMENTS = 2**18
 CUDA_CHUNK_ELEMENTS = 2**26
+# C is evaluated as 2^(E log2 e): exp2 is ~3x cheaper than exp on CPU (PyTorch 2.x, AVX-512),
+# and the factor folds into the m landmark rows and the offsets at no cost.
+LOG2E = 1.0 / math.log(2.0)
 
 
 def chunk_rows(rows: int, batch: int, m: int, device: torch.device) -> int:
@@ -47,22 +52,38 @@ def chunk_rows(rows: int, batch: int, m: int, device: torch.device) -> int:
 
 
 def _row_offsets(y: Tensor, scale: float, row_norm: bool, row_valid: Tensor | None) -> Tensor | None:
-    """a = s^2 |y|^2 / 2 (or 0), +inf on invalid rows: ``[BH, N]`` (None if all zero)."""
+    """a log2(e), a = s^2 |y|^2 / 2 (or 0), +inf on invalid rows: ``[BH, N]`` (None if all 0)."""
     a = None
     if row_norm:
-        a = torch.einsum("bnd,bnd->bn", y, y).mul_(0.5 * scale * scale)
+        a = torch.einsum("bnd,bnd->bn", y, y).mul_(0.5 * scale * scale * LOG2E)
     if row_valid is not None:
         inf = torch.tensor(float("inf"), dtype=y.dtype, device=y.device)
         a = torch.where(row_valid, 0.0 if a is None else a, inf)
     return a
 
 
-def _exponent(y: Tensor, xt: Tensor, a: Tensor | None, neg_b: Tensor | None) -> Tensor:
-    """y xt - a - b for one chunk: ``[BH, c, D] x [BH, D, m] -> [BH, c, m]``."""
-    e = torch.bmm(y, xt) if neg_b is None else torch.baddbmm(neg_b, y, xt)
+class _Workspace:
+    """Chunk buffers reused by every chunk of one call: a fresh ~1 MiB tensor per chunk
+    would be a fresh allocation each time (page faults, cold cache lines)."""
+
+    def __init__(self, like: Tensor, chunk: int, widths: dict[str, int]) -> None:
+        self.bh = like.shape[0]
+        self.buffers = {name: like.new_empty(self.bh * chunk * w) for name, w in widths.items()}
+
+    def get(self, name: str, rows: int, width: int) -> Tensor:
+        """A contiguous ``[BH, rows, width]`` view of buffer ``name``."""
+        return self.buffers[name][: self.bh * rows * width].view(self.bh, rows, width)
+
+
+def _exponent(y: Tensor, xt: Tensor, a: Tensor | None, neg_b: Tensor | None, out: Tensor) -> Tensor:
+    """y xt - a - b for one chunk (in log2 units): ``[BH, c, D] x [BH, D, m] -> [BH, c, m]``."""
+    if neg_b is None:
+        torch.bmm(y, xt, out=out)
+    else:
+        torch.baddbmm(neg_b, y, xt, out=out)
     if a is not None:
-        e.sub_(a[:, :, None])
-    return e
+        out.sub_(a[:, :, None])
+    return out
 
 
 class _GaussianBlockProduct(torch.autograd.Function):
@@ -77,8 +98,9 @@ class _GaussianBlockProduct(torch.autograd.Function):
                 row_valid: Tensor | None, scale: float, row_norm: bool, transpose: bool,
                 shift_rows: bool, chunk: int) -> Tensor:
         n = y.shape[1]
-        xt = (x * scale).transpose(1, 2)  # the row scale, applied to the m landmark rows
-        neg_b = None if b is None else b.neg()[:, None, :]  # [BH, 1, m]
+        # the row scale (and log2 e), applied to the m landmark rows: [BH, D, m]
+        xt = (x * (scale * LOG2E)).transpose(1, 2)
+        neg_b = None if b is None else (b * -LOG2E)[:, None, :]  # [BH, 1, m]
         a = _row_offsets(y, scale, row_norm, row_valid)  # [BH, N]
         shift = None
         if transpose:
@@ -87,20 +109,24 @@ class _GaussianBlockProduct(torch.autograd.Function):
             out = y.new_empty(y.shape[0], n, rhs.shape[-1])  # [BH, N, R]
             if shift_rows:
                 shift = y.new_empty(y.shape[0], n)
+        m, width = x.shape[1], rhs.shape[-1]
+        ws = _Workspace(y, min(chunk, n), {"block": m, "out": width})
         for s in range(0, n, chunk):
             rows = slice(s, s + chunk)
-            e = _exponent(y[:, rows], xt, None if a is None else a[:, rows], neg_b)
+            size = min(chunk, n - s)
+            e = _exponent(y[:, rows], xt, None if a is None else a[:, rows], neg_b,
+                          ws.get("block", size, m))
             if shift is not None:
                 r = e.amax(dim=-1)
                 # A row with every column masked has max -inf: leave it at exp(-inf) = 0.
                 r = torch.where(torch.isfinite(r), r, torch.zeros_like(r))
                 shift[:, rows] = r
                 e.sub_(r[:, :, None])
-            c = e.exp_()  # [BH, c, m]
+            c = e.exp2_()  # [BH, c, m]
             if transpose:
                 out.baddbmm_(c.transpose(1, 2), rhs[:, rows])
             else:
-                out[:, rows] = torch.bmm(c, rhs)
+                out[:, rows] = torch.bmm(c, rhs, out=ws.get("out", size, width))
         if shift is not None:
             a = shift if a is None else a + shift  # the backward pass rebuilds C with both
         ctx.save_for_backward(y, x, b, rhs, a, out)
@@ -115,8 +141,8 @@ class _GaussianBlockProduct(torch.autograd.Function):
         need_y, need_x, need_b, need_rhs = ctx.needs_input_grad[:4]
         n = y.shape[1]
         xs = x * scale
-        xt = xs.transpose(1, 2)
-        neg_b = None if b is None else b.neg()[:, None, :]
+        xt = (x * (scale * LOG2E)).transpose(1, 2)
+        neg_b = None if b is None else (b * -LOG2E)[:, None, :]
         grad = grad.contiguous()
         # (dE 1): for C Z it is g . out; for C^T V it is v . dV, computed per chunk below.
         row_sums = None
@@ -131,23 +157,27 @@ class _GaussianBlockProduct(torch.autograd.Function):
             drhs = torch.zeros_like(rhs) if (need_rhs or need_b) else None  # dZ = C^T g
             zt = rhs.transpose(1, 2)  # [BH, R, m]
         need_de = need_y or need_x
+        m, d, width = x.shape[1], x.shape[2], rhs.shape[-1]
+        ws = _Workspace(y, min(chunk, n), {"block": m, "de": m, "dv": width, "dy": d})
         for s in range(0, n, chunk):
             rows = slice(s, s + chunk)
+            size = min(chunk, n - s)
             y_c = y[:, rows]
-            c = _exponent(y_c, xt, None if a is None else a[:, rows], neg_b).exp_()
+            c = _exponent(y_c, xt, None if a is None else a[:, rows], neg_b,
+                          ws.get("block", size, m)).exp2_()
             if transpose:
                 if drhs is not None:
-                    dv = torch.bmm(c, grad)  # [BH, c, R]
+                    dv = torch.bmm(c, grad, out=ws.get("dv", size, width))  # [BH, c, R]
                     drhs[:, rows] = dv
                 if need_de:
-                    de = torch.bmm(rhs[:, rows], gt).mul_(c)
+                    de = torch.bmm(rhs[:, rows], gt, out=ws.get("de", size, m)).mul_(c)
             else:
                 if drhs is not None:
                     drhs.baddbmm_(c.transpose(1, 2), grad[:, rows])
                 if need_de:
-                    de = torch.bmm(grad[:, rows], zt).mul_(c)
+                    de = torch.bmm(grad[:, rows], zt, out=ws.get("de", size, m)).mul_(c)
             if need_y:
-                dy_c = torch.bmm(de, xs)  # [BH, c, D]
+                dy_c = torch.bmm(de, xs, out=ws.get("dy", size, d))  # [BH, c, D]
                 if row_norm:
                     sums = (torch.einsum("bnr,bnr->bn", rhs[:, rows], dv) if transpose
                             else row_sums[:, rows])
