@@ -229,8 +229,15 @@ def _load() -> list[float] | None:
         return None
 
 
-def _measure_length(config, methods, labels, shape, n, dtype, device, limit, times, peaks,
-                    gflops, group) -> list[dict[str, Any]]:
+History = dict[str, list[tuple[int, float]]]  # label -> (N, seconds or bytes) measured so far
+
+
+def _measure_length(
+    config: BenchConfig, methods: list[NamedAttention], labels: list[str],
+    shape: tuple[int, int, int], n: int, dtype: torch.dtype, device: torch.device, limit: float,
+    times: History, peaks: History, gflops: float, group: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """One row per method at sequence length ``n`` (all methods on the same inputs)."""
     b, h, d = shape
     q, k, v, grad = _inputs(shape, n, dtype, device, config.seed)
     rows: dict[str, dict[str, Any]] = {}
@@ -298,7 +305,9 @@ def _measure_length(config, methods, labels, shape, n, dtype, device, limit, tim
     return [rows[label] for label in labels]
 
 
-def _skip_reason(config, method, dtype_name, n, time_history, peak_history, limit) -> str:
+def _skip_reason(config: BenchConfig, method: NamedAttention, dtype_name: str, n: int,
+                 time_history: list[tuple[int, float]], peak_history: list[tuple[int, float]],
+                 limit: float) -> str:
     if dtype_name in HALF and not method.half_precision:
         return f"{method.name} does not take {dtype_name} inputs"
     seconds = _extrapolate(time_history, n)

@@ -22,7 +22,8 @@ def _exact_flops(nq: int, nk: int, d: int, dv: int, options: dict[str, Any]) -> 
 
 
 def _nystrom_flops(nq: int, nk: int, d: int, dv: int, options: dict[str, Any]) -> float | None:
-    """Skyformer eqs. (5)-(6) with the Lemma 3 iterative inverse (per head)."""
+    """Skyformer eqs. (5)-(6) with the Lemma 3 iterative inverse (per head; the modified
+    Nystrom softmax has one or two more value columns, not counted)."""
     if options.get("pinv", "iterative") != "iterative":
         return None  # an SVD: no meaningful product count
     m = min(options.get("num_features", 128), nq + nk)
@@ -41,6 +42,7 @@ FORWARD_FLOPS: dict[str, Callable[[int, int, int, int, dict[str, Any]], float | 
     "softmax": _exact_flops,
     "kernelized": _exact_flops,
     "skyformer": _nystrom_flops,
+    "nystrom_softmax": _nystrom_flops,
 }
 
 
