@@ -55,7 +55,7 @@ def _row_offsets(y: Tensor, scale: float, row_norm: bool, row_valid: Tensor | No
     """a log2(e), a = s^2 |y|^2 / 2 (or 0), +inf on invalid rows: ``[BH, N]`` (None if all 0)."""
     a = None
     if row_norm:
-        a = torch.einsum("bnd,bnd->bn", y, y).mul_(0.5 * scale * scale * LOG2E)
+        a = torch.linalg.vecdot(y, y).mul_(0.5 * scale * scale * LOG2E)
     if row_valid is not None:
         inf = torch.tensor(float("inf"), dtype=y.dtype, device=y.device)
         a = torch.where(row_valid, 0.0 if a is None else a, inf)
@@ -147,7 +147,7 @@ class _GaussianBlockProduct(torch.autograd.Function):
         # (dE 1): for C Z it is g . out; for C^T V it is v . dV, computed per chunk below.
         row_sums = None
         if need_y and row_norm and not transpose:
-            row_sums = torch.einsum("bnr,bnr->bn", grad, out)
+            row_sums = torch.linalg.vecdot(grad, out)
         dy = torch.empty_like(y) if need_y else None
         dx = torch.zeros_like(x) if need_x else None
         if transpose:
@@ -179,7 +179,7 @@ class _GaussianBlockProduct(torch.autograd.Function):
             if need_y:
                 dy_c = torch.bmm(de, xs, out=ws.get("dy", size, d))  # [BH, c, D]
                 if row_norm:
-                    sums = (torch.einsum("bnr,bnr->bn", rhs[:, rows], dv) if transpose
+                    sums = (torch.linalg.vecdot(rhs[:, rows], dv) if transpose
                             else row_sums[:, rows])
                     dy_c.addcmul_(y_c, sums[:, :, None], value=-scale * scale)
                 dy[:, rows] = dy_c
@@ -189,8 +189,8 @@ class _GaussianBlockProduct(torch.autograd.Function):
             dx.mul_(scale)
         db = None
         if need_b:
-            db = -(torch.einsum("bmr,bmr->bm", grad, out) if transpose
-                   else torch.einsum("bmr,bmr->bm", rhs, drhs))
+            db = -(torch.linalg.vecdot(grad, out) if transpose
+                   else torch.linalg.vecdot(rhs, drhs))
         return dy, dx, db, drhs if need_rhs else None, None, None, None, None, None, None
 
 

@@ -138,7 +138,7 @@ def nystrom_softmax_attention(
     # C(X_S, K) E_K up to a common factor: entries exp(k^.x - |x|^2/2 - max_j |k^_j|^2/2),
     # at most 1 since k^.x - |x|^2/2 <= |k^|^2/2. No gradient through the common factor.
     with torch.no_grad():
-        log_e_k = torch.einsum("bhnd,bhnd->bhn", kw, kw).mul_(0.5 * root * root)  # [B, H, Nk]
+        log_e_k = torch.linalg.vecdot(kw, kw).mul_(0.5 * root * root)  # [B, H, Nk]
         if key_valid is not None:
             log_e_k = log_e_k.masked_fill(~key_valid, float("-inf"))
         shift = log_e_k.amax(dim=-1, keepdim=True)
