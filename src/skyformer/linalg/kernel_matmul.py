@@ -129,14 +129,17 @@ class _GaussianBlockProduct(torch.autograd.Function):
                 out[:, rows] = torch.bmm(c, rhs, out=ws.get("out", size, width))
         if shift is not None:
             a = shift if a is None else a + shift  # the backward pass rebuilds C with both
-        ctx.save_for_backward(y, x, b, rhs, a, out)
+        # One chunk is the whole block and already in cache-sized memory: keep it rather
+        # than rebuild it (longer inputs are rebuilt chunk by chunk, memory O(N)).
+        block = c if n <= chunk else None
+        ctx.save_for_backward(y, x, b, rhs, a, out, block)
         ctx.options = (scale, row_norm, transpose, chunk)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        y, x, b, rhs, a, out = ctx.saved_tensors
+        y, x, b, rhs, a, out, block = ctx.saved_tensors
         scale, row_norm, transpose, chunk = ctx.options
         need_y, need_x, need_b, need_rhs = ctx.needs_input_grad[:4]
         n = y.shape[1]
@@ -163,8 +166,9 @@ class _GaussianBlockProduct(torch.autograd.Function):
             rows = slice(s, s + chunk)
             size = min(chunk, n - s)
             y_c = y[:, rows]
-            c = _exponent(y_c, xt, None if a is None else a[:, rows], neg_b,
-                          ws.get("block", size, m)).exp2_()
+            c = block if block is not None else _exponent(
+                y_c, xt, None if a is None else a[:, rows], neg_b, ws.get("block", size, m)
+            ).exp2_()
             if transpose:
                 if drhs is not None:
                     dv = torch.bmm(c, grad, out=ws.get("dv", size, width))  # [BH, c, R]

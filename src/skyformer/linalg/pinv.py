@@ -68,48 +68,69 @@ class _RazaviIteration(torch.autograd.Function):
         m = a.shape[-1]
         a3 = a.reshape(-1, m, m)
         eye = torch.eye(m, dtype=a.dtype, device=a.device).expand_as(a3)
+        eye7 = 7 * eye
+        # Everything the backward pass needs, in one allocation: per step V (its input),
+        # P, T2, T3 (T1 = 7I - P is rebuilt). Dozens of separate [BH, m, m] tensors per
+        # call cost more in allocation (page faults) than in arithmetic at m = 128.
+        store = a3.new_empty(iterations, 4, *a3.shape)
+        t1 = torch.empty_like(a3)
+        out = torch.empty_like(a3)
         v = None if v0 is None else v0.reshape(-1, m, m)
-        saved = []
-        for _ in range(iterations):
-            p = a3 if v is None else torch.bmm(a3, v)
-            t1 = 7 * eye - p
-            t2 = torch.baddbmm(eye, p, t1, beta=15, alpha=-1)
-            t3 = torch.baddbmm(eye, p, t2, beta=13, alpha=-1)
-            saved.append((v, p, t2, t3))  # T1 = 7I - P is rebuilt in the backward pass
-            v = 0.25 * t3 if v is None else torch.bmm(v, t3).mul_(0.25)
-        ctx.save_for_backward(a3, *(t for step in saved for t in step))
-        ctx.has_v0 = v0 is not None
+        for i in range(iterations):
+            v_in, p, t2, t3 = store[i]
+            if v is None:
+                p = a3
+            else:
+                v_in.copy_(v) if i == 0 else None  # later inputs were written in place
+                torch.bmm(a3, v, out=p)
+            torch.sub(eye7, p, out=t1)
+            torch.baddbmm(eye, p, t1, beta=15, alpha=-1, out=t2)
+            torch.baddbmm(eye, p, t2, beta=13, alpha=-1, out=t3)
+            v_next = out if i == iterations - 1 else store[i + 1, 0]
+            if v is None:
+                torch.mul(t3, 0.25, out=v_next)
+            else:
+                torch.bmm(v, t3, out=v_next).mul_(0.25)
+            v = v_next
+        ctx.save_for_backward(a3, store)
+        ctx.identity_start = v0 is None
         ctx.batch_shape = batch_shape
-        return v.reshape(*batch_shape, m, m)
+        return out.reshape(*batch_shape, m, m)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):  # type: ignore[override]
-        a3, *flat = ctx.saved_tensors
-        steps = [flat[i:i + 4] for i in range(0, len(flat), 4)]
+        a3, store = ctx.saved_tensors
         m = a3.shape[-1]
         g = grad.reshape(-1, m, m).contiguous()
         da = torch.zeros_like(a3)
         a_t = a3.transpose(1, 2)
-        eye = torch.eye(m, dtype=a3.dtype, device=a3.device)
-        for v, p, t2, t3 in reversed(steps):
+        eye7 = 7 * torch.eye(m, dtype=a3.dtype, device=a3.device)
+        t1, dt3, m1, m2, dp, tmp = torch.empty(6, *a3.shape, dtype=a3.dtype, device=a3.device)
+        g_next = torch.empty(2, *a3.shape, dtype=a3.dtype, device=a3.device)
+        for i in reversed(range(store.shape[0])):
+            v, p, t2, t3 = store[i]
+            first_from_identity = i == 0 and ctx.identity_start
+            if first_from_identity:
+                p = a3
             p_t = p.transpose(1, 2)
-            t1 = 7 * eye - p
-            if v is None:
-                dt3 = 0.25 * g
+            torch.sub(eye7, p, out=t1)
+            if first_from_identity:
+                torch.mul(g, 0.25, out=dt3)
             else:
-                dt3 = torch.bmm(v.transpose(1, 2), g).mul_(0.25)
-            dt2 = -torch.bmm(p_t, dt3)
-            dt1 = -torch.bmm(p_t, dt2)
-            dp = torch.baddbmm(dt1, dt3, t2.transpose(1, 2), beta=-1, alpha=-1)
-            dp.baddbmm_(dt2, t1.transpose(1, 2), alpha=-1)
-            if v is None:  # P = A
+                torch.bmm(v.transpose(1, 2), g, out=dt3).mul_(0.25)
+            # with the signs folded in: dT2 = -m2, dT1 = m1, dP = -m1 - dT3 T2^T + m2 T1^T
+            torch.bmm(p_t, dt3, out=m2)
+            torch.bmm(p_t, m2, out=m1)
+            torch.baddbmm(m1, dt3, t2.transpose(1, 2), beta=-1, alpha=-1, out=dp)
+            dp.baddbmm_(m2, t1.transpose(1, 2))
+            if first_from_identity:  # P = A
                 da.add_(dp)
-                g = None
-            else:
-                da.baddbmm_(dp, v.transpose(1, 2))
-                g = torch.baddbmm(torch.bmm(a_t, dp), g, t3.transpose(1, 2), alpha=0.25)
-        dv0 = g.reshape(*ctx.batch_shape, m, m) if ctx.has_v0 else None
+                break
+            da.baddbmm_(dp, v.transpose(1, 2))
+            torch.bmm(a_t, dp, out=tmp)
+            g = torch.baddbmm(tmp, g, t3.transpose(1, 2), alpha=0.25, out=g_next[i % 2])
+        dv0 = None if ctx.identity_start else g.reshape(*ctx.batch_shape, m, m).clone()
         return da.reshape(*ctx.batch_shape, m, m), dv0, None
 
 
