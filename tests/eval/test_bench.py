@@ -73,7 +73,7 @@ def test_files_and_table(tiny, tmp_path):
 
 def test_memory_and_skips(capsys):
     config = BenchConfig(methods=("skyformer",), seq_lens=(64, 128), shapes=((1, 1, 8),),
-                         num_features=8, repeats=1, warmup=0, max_seconds=1e-9)
+                         num_features=8, repeats=1, warmup=0, max_seconds=1e-9, clock="cpu")
     rows = run_bench(config).rows
     first = [r for r in rows if r["n"] == 64]
     # measured in a fresh process each (tiny: may be 0 pages above the resident size)
@@ -128,6 +128,8 @@ def test_config_and_names_are_checked():
         BenchConfig(dtypes=("float8",))
     with pytest.raises(ValueError, match="B, H, D"):
         BenchConfig(shapes=((1, 2),))
+    with pytest.raises(ValueError, match="clock"):
+        BenchConfig(clock="sundial")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
             BenchConfig(device="cuda")

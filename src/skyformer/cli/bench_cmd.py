@@ -49,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-seconds", type=float, default=60.0,
                         help="skip configurations predicted to take longer per call (default 60)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="wall time (default) or process CPU time (robust to other load on "
+                        "a shared machine; use with --threads 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of inputs and landmarks")
     parser.add_argument("--out", default=None,
                         help="write OUT.json, OUT.csv and OUT.png (e.g. benchmarks/results/bench_cpu)")
@@ -74,13 +77,14 @@ def run(args: argparse.Namespace) -> int:
         shapes=tuple(args.shapes), dtypes=tuple(args.dtypes), device=args.device,
         num_features=args.features, repeats=args.repeats, warmup=args.warmup,
         backward=not args.forward_only, memory=not args.no_memory, error=not args.no_error,
-        seed=args.seed, max_seconds=args.max_seconds,
+        seed=args.seed, max_seconds=args.max_seconds, clock=args.clock,
     )
     result = run_bench(config, progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(format_table(result, markdown=args.markdown))
     env = result.environment
-    print(f"\ntorch {env['torch']}, {env['device']}, {env['torch_threads']} threads, load average "
-          f"{env.get('load_average_start')} -> {env.get('load_average_end')}")
+    print(f"\ntorch {env['torch']}, {env['device']}, {env['torch_threads']} threads, "
+          f"{config.clock} clock, load average {env.get('load_average_start')} -> "
+          f"{env.get('load_average_end')}")
     if args.out:
         command = "skyformer " + " ".join(shlex.quote(a) for a in sys.argv[1:]) \
             if sys.argv and sys.argv[0].endswith(("skyformer", "__main__.py")) else None

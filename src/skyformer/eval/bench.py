@@ -38,7 +38,7 @@ from .compare import EXACT_METHOD
 from .flops import attention_flops, matmul_flops_per_second
 from .memory import MemoryJob, peak_memory_bytes
 from .metrics import relative_error
-from .timing import interleaved_median_seconds
+from .timing import CLOCKS, interleaved_median_seconds
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 HALF = ("bfloat16", "float16")
@@ -60,6 +60,8 @@ class BenchConfig:
     memory, error: measure peak memory / relative error.
     max_seconds: skip a configuration predicted to take longer per call.
     reference: the method speed and memory ratios are taken against.
+    clock: "wall" (default) or "cpu" (process CPU time: robust to the load of a shared
+        machine, meaningful with one thread; see ``timing``).
     """
 
     methods: tuple[str, ...] | None = None
@@ -76,6 +78,7 @@ class BenchConfig:
     seed: int = 0
     max_seconds: float = 60.0
     reference: str = "softmax"
+    clock: str = "wall"
 
     def __post_init__(self) -> None:
         if not self.seq_lens or any(not isinstance(n, int) or n < 1 for n in self.seq_lens):
@@ -94,7 +97,11 @@ class BenchConfig:
             raise ValueError(f"num_features must be a positive integer, got {self.num_features}.")
         if not self.max_seconds > 0:
             raise ValueError(f"max_seconds must be positive, got {self.max_seconds}.")
+        if self.clock not in CLOCKS:
+            raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}.")
         device = torch.device(self.device)
+        if self.clock == "cpu" and device.type == "cuda":
+            raise ValueError("clock 'cpu' times host CPU work only; on CUDA use the wall clock.")
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}.")
         if device.type == "cuda" and not torch.cuda.is_available():
@@ -269,7 +276,7 @@ def _measure_length(
         if config.backward:
             fns[f"{label}/fwd_bwd"] = step
     medians = interleaved_median_seconds(fns, device=device, warmup=config.warmup,
-                                         repeats=config.repeats) if fns else {}
+                                         repeats=config.repeats, clock=config.clock) if fns else {}
 
     exact: dict[str, Tensor] = {}
     for label, (method, options, forward, _) in runnable.items():

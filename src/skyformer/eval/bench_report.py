@@ -45,7 +45,9 @@ def format_table(result: BenchResult, *, markdown: bool = False) -> str:
     """Every row, grouped by shape/dtype and method, with the summary under each group."""
     ref = result.config.reference
     timed = "forward+backward" if result.config.backward else "forward"
+    cfg = result.config
     lines = [
+        f"times: median of {cfg.repeats} after {cfg.warmup} warm-up, {cfg.clock} clock; "
         f"speed-up and memory: {ref} / method ({timed}); N->2N: time growth; rel. error: "
         "spectral norm against the exact target; SOL: the method's matmul FLOPs at the "
         f"measured matmul throughput ({', '.join(f'{k} {v:.0f} GFLOP/s' for k, v in result.matmul_gflops.items())}) "
