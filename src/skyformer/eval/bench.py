@@ -201,7 +201,8 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
         raise ValueError(f"two methods share a name in {labels}; give each once.")
     load_start = _load()
     throughput = {
-        dtype: matmul_flops_per_second(device, getattr(torch, dtype)) / 1e9 for dtype in config.dtypes
+        dtype: matmul_flops_per_second(device, getattr(torch, dtype), clock=config.clock) / 1e9
+        for dtype in config.dtypes
     }
     limit = _available_bytes(device)
     rows: list[dict[str, Any]] = []

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from .timing import median_seconds
+from .timing import interleaved_median_seconds
 
 
 def _exact_flops(nq: int, nk: int, d: int, dv: int, options: dict[str, Any]) -> float:
@@ -62,15 +62,19 @@ def attention_flops(
 
 def matmul_flops_per_second(
     device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, size: int | None = None,
-    repeats: int = 5,
+    repeats: int = 5, clock: str = "wall",
 ) -> float:
     """Attainable throughput: a square ``size x size`` matmul on ``device``, the fastest
-    of ``repeats`` runs (on a shared machine the fastest is the least disturbed)."""
+    of ``repeats`` runs (on a shared machine the fastest is the least disturbed), timed
+    with the same ``clock`` as the measurements it is compared with."""
     device = torch.device(device)
     size = size or (8192 if device.type == "cuda" else 1024)
     g = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(size, size, generator=g, device=device).to(dtype)
     b = torch.randn(size, size, generator=g, device=device).to(dtype)
-    seconds = min(median_seconds(lambda: a @ b, device=device, warmup=1 if i == 0 else 0, repeats=1)
-                  for i in range(repeats))
+    seconds = min(
+        interleaved_median_seconds({"mm": lambda: a @ b}, device=device, warmup=1 if i == 0 else 0,
+                                   repeats=1, clock=clock)["mm"]
+        for i in range(repeats)
+    )
     return 2.0 * size**3 / seconds
