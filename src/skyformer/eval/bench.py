@@ -223,11 +223,23 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
                     for row in new_rows:
                         progress(_progress_line(row))
     env = environment(device)
+    if device.type == "cpu":
+        env.setdefault("device_name", _cpu_model())
     env["load_average_start"] = load_start
     env["load_average_end"] = _load()
     result = BenchResult(config, env, throughput, rows)
     result.summary = summarise(rows, config.reference, config.backward)
     return result
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
 
 
 def _load() -> list[float] | None:
