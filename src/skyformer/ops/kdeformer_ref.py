@@ -57,11 +57,13 @@ def reference_block_pattern(
             planes = hyperplanes[bi, hi].to(q.dtype)
             q_order = _sorted_rows(q[bi, hi], planes, q_real, nq)
             k_order = _sorted_rows(k[bi, hi], planes, k_real, nk)
-            q_blk = {i: t // q_size for t, i in enumerate(q_order)}
-            k_blk = {j: t // block_size for t, j in enumerate(k_order)}
-            for i in range(nq):
-                for j in range(nk):
-                    pattern[bi, hi, i, j] = q_blk[i] == k_blk[j]
+            q_blk = torch.empty(nq, dtype=torch.long)
+            k_blk = torch.empty(nk, dtype=torch.long)
+            for t, i in enumerate(q_order):
+                q_blk[i] = t // q_size
+            for t, j in enumerate(k_order):
+                k_blk[j] = t // block_size
+            pattern[bi, hi] = q_blk[:, None] == k_blk[None, :]
     return pattern
 
 

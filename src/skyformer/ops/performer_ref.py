@@ -43,4 +43,4 @@ def reference_performer_attention(
     info = check_attention_inputs(q, k, v, key_padding_mask, method="performer reference")
     a = performer_scores(q, k, projection, key_padding_mask=key_padding_mask, scale=scale)
     out = (a @ v) / a.sum(-1, keepdim=True)
-    return zero_padded_queries(torch.nan_to_num(out), info.query_valid)
+    return zero_padded_queries(out, info.query_valid)
