@@ -5,15 +5,15 @@ generator=None, **options)`` and a naive ``reference_*`` version for tests.
 """
 
 from . import softmax, kernelized, skyformer, nystrom_softmax  # noqa: F401  (registration order = listing order)
-from . import performer  # noqa: F401
-from . import reformer  # noqa: F401
-from . import kdeformer  # noqa: F401
-from . import scatterbrain  # noqa: F401
 from .kernelized import gaussian_scores, kernelized_attention, reference_kernelized_attention
 from .nystrom_softmax import nystrom_softmax_attention
 from .reference import reference_nystrom_softmax_attention, reference_skyformer_attention
 from .skyformer import skyformer_attention
 from .softmax import reference_softmax_attention, softmax_attention, softmax_scores
+from .performer import performer_attention  # noqa: F401
+from .reformer import reformer_attention  # noqa: F401
+from .kdeformer import kdeformer_attention  # noqa: F401
+from .scatterbrain import scatterbrain_attention  # noqa: F401
 
 __all__ = [
     "gaussian_scores",

@@ -85,6 +85,8 @@ class ReformerConfig:
                 f"num_features // 2 keys), got {self.num_features!r}."
             )
         check_positive_int("reformer", "num_hashes", self.num_hashes)
+        if self.num_hashes > 255:
+            raise ValueError(f"reformer: num_hashes must be at most 255, got {self.num_hashes}.")
         if self.num_buckets is not None:
             check_positive_int("reformer", "num_buckets", self.num_buckets)
             if self.num_buckets > 1 and self.num_buckets % 2:
@@ -229,15 +231,16 @@ def reformer_attention(
     base = _at(key_ok, pos_k)[..., None, :]
     if cfg.exclude_self:
         base = base & (qi != kj)
-    counts = torch.zeros(logits.shape, dtype=torch.int8, device=q.device)
+    counts = torch.zeros(logits.shape, dtype=torch.uint8, device=q.device)
     attended = []
     for r in range(rounds):
         same_bucket = _at(ext(q_buckets[:, r], -1), pos_q)[..., :, None] == \
             _at(ext(k_buckets[:, r], -2), pos_k)[..., None, :]
-        gap = _at(ext(q_rank[:, r] // m, -1), pos_q)[..., :, None] - \
-            _at(ext(k_rank[:, r] // m, -1), pos_k)[..., None, :]
-        in_round = base & same_bucket & ((gap == 0) | (gap == 1))  # evaluated on all windows
-        counts += in_round.to(torch.int8)
+        q_chunk = _at(ext(q_rank[:, r] // m, -1), pos_q)[..., :, None]
+        k_chunk = _at(ext(k_rank[:, r] // m, -3), pos_k)[..., None, :]
+        window = (q_chunk == k_chunk) | (q_chunk == k_chunk + 1)  # own or previous chunk
+        in_round = base & same_bucket & window  # round r's sets, on every round's windows
+        counts += in_round.to(torch.uint8)
         attended.append(in_round[:, r])
     attended = torch.stack(attended, dim=1)
     neg_inf = torch.tensor(float("-inf"), dtype=work, device=q.device)

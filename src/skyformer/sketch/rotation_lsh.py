@@ -35,6 +35,10 @@ def rotation_hash(x: Tensor, rotations: Tensor, num_buckets: Tensor) -> Tensor:
     """Buckets h(x) = argmax([x R_b ; -x R_b]) with R_b the first ``num_buckets[b] / 2``
     columns, per batch element.
 
+    The argmax over [xR, -xR] is the column of largest |xR|, in the first half if that
+    entry is positive and in the second half otherwise: computed that way, without
+    forming the doubled projection.
+
     Args:
         x: ``[B, H, N, D]``.
         rotations: ``[H, R, D, C]`` with C >= max(num_buckets) / 2.
@@ -42,15 +46,19 @@ def rotation_hash(x: Tensor, rotations: Tensor, num_buckets: Tensor) -> Tensor:
     Returns:
         ``[B, R, H, N]`` long buckets in ``[0, num_buckets[b])``.
     """
-    b = x.shape[0]
-    columns = rotations.shape[-1]
-    proj = torch.einsum("bhnd,hrdc->brhnc", x, rotations.to(x.dtype))  # [B, R, H, N, C]
-    half = (num_buckets // 2).view(b, 1, 1, 1, 1)
-    live = torch.arange(columns, device=x.device) < half  # [B, 1, 1, 1, C]
-    neg_inf = torch.finfo(proj.dtype).min
-    both = torch.cat([proj.masked_fill(~live, neg_inf), (-proj).masked_fill(~live, neg_inf)], -1)
-    idx = both.argmax(dim=-1) if columns else torch.zeros(proj.shape[:-1], dtype=torch.long,
-                                                          device=x.device)
-    # Index in [0, C) is column c -> bucket c; in [C, 2C) is -column c -> bucket half + c.
-    bucket = torch.where(idx < columns, idx, idx - columns + half[..., 0])
-    return bucket.masked_fill((num_buckets <= 1).view(b, 1, 1, 1), 0)
+    b, h, n, d = x.shape
+    rounds, columns = rotations.shape[1], rotations.shape[-1]
+    if columns == 0:
+        return torch.zeros((b, rounds, h, n), dtype=torch.long, device=x.device)
+    flat = rotations.to(x.dtype).permute(0, 2, 1, 3).reshape(h, d, rounds * columns)
+    proj = (x @ flat).view(b, h, n, rounds, columns)  # [B, H, N, R, C]
+    half = (num_buckets // 2).view(b, 1, 1, 1)
+    magnitude = proj.abs()
+    if bool((half != columns).any()):
+        live = torch.arange(columns, device=x.device) < half[..., None]  # [B, 1, 1, 1, C]
+        magnitude = magnitude.masked_fill(~live, -1.0)
+    column = magnitude.argmax(dim=-1)  # [B, H, N, R]
+    positive = proj.gather(-1, column[..., None])[..., 0] >= 0
+    bucket = torch.where(positive, column, column + half)
+    bucket = bucket.masked_fill((num_buckets <= 1).view(b, 1, 1, 1), 0)
+    return bucket.permute(0, 3, 1, 2)
