@@ -19,10 +19,11 @@ What is exact and what is estimated:
 - exact: A_spar (all entries of the diagonal blocks, block size ``block_size``), the
   value norms ||v_j|| and gamma (from the eigenvalues of V^T V, where the paper uses a
   power method), the sampled columns of A_res.
-- estimated, D~ = diag(alpha) (Algorithm 1 line 3, WExpKDE): alpha_i = the exact
-  row sum of A_spar + the row sum of A_res estimated from ``kde_samples`` keys drawn
+- estimated, alpha ~ diag(D) (Algorithm 1 line 3, WExpKDE): alpha_i = the exact row
+  sum of A_spar + the row sum of A_res estimated from ``kde_samples`` keys drawn
   uniformly among the real keys ((n / s) sum over the samples outside i's block) - a
-  random-sampling KDE in place of the paper's Gaussian-KDE data structure.
+  random-sampling KDE in place of the paper's Gaussian-KDE data structure. It weighs
+  the column norms below and, with ``normalizer="kde"``, is D~.
 - estimated, the residual column norms ||D~^-1 A_res e_j||^2 (Algorithm 1 line 4,
   Algorithm 3 line 3): from ``kde_samples`` queries drawn uniformly.
 - estimated, A_res V (and with ``normalizer="sampled"`` also A_res 1): the AMM of
@@ -35,7 +36,7 @@ alpha, as Algorithm 3 returns it. The paper's alpha comes from a KDE oracle with
 (1 +- eps) guarantee; the uniform-sampling stand-in has none, and on peaked rows it
 misses the keys that dominate while the importance samples find them: numerator and
 denominator then disagree without bound (on MiniLM-L6 layer 0, N = 512, a relative
-spectral error of 6.5e5 against 0.38 with ``"sampled"``).
+spectral error of 6.5e5 against 0.36 with ``"sampled"``).
 
 Budget (``num_features`` = k, as in the paper's comparison code for its Figure 4):
 m = k sampled residual columns and blocks of ``block_size`` = k/2 keys, so a query
