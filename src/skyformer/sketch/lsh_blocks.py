@@ -7,10 +7,11 @@ ceil(Nk / block_size)`` blocks of ``block_size`` keys and ``query_block_size`` q
 (equal to ``block_size`` in self-attention). Query i and key j are in the same bucket
 iff ``q_block[i] == k_block[j]``.
 
-Padded rows sort last, so they never share a block with a real row of another block
-position, and for one sequence right padding leaves the blocks of the real rows as
-truncation does. Slots past the end of the sequence hold the index N (one past the
-last row): ``gather_block_rows`` reads a zero row there.
+Padded rows sort after the real ones, so the real rows fill the leading blocks in the
+same order with or without padding (for one sequence, right padding gives the blocks
+of truncation); callers mask padded keys inside a block. Slots past the end of the
+sequence hold the index N (one past the last row): ``gather_block_rows`` reads a zero
+row there.
 """
 
 from __future__ import annotations
