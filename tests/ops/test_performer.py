@@ -64,11 +64,11 @@ def test_kernel_estimate_is_unbiased():
 
 
 def test_error_falls_as_features_grow():
-    """Averaged over 8 draws, the error falls with every 8-fold increase of features."""
+    """Averaged over 8 draws, the error falls as the features grow (Monte Carlo rate)."""
     q, k, v = make_qkv(1, 2, 64, 16, seed=6, scale=0.7)
     exact = softmax_attention(q, k, v)
     means = []
-    for m in (8, 64, 512, 4096):
+    for m in (8, 64, 512, 2048):
         errs = [relative_error(performer_attention(q, k, v, generator=gen(s), num_features=m),
                                exact, ord="fro").mean() for s in range(8)]
         means.append(torch.stack(errs).mean().item())
