@@ -157,12 +157,13 @@ class LRAClassifier(nn.Module):
                                   nn.Linear(cfg.hidden, cfg.num_classes))
 
     def _flat(self, tokens: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor | None]:
-        b, s, n = tokens.shape
-        if s != self.cfg.segments or lengths.shape != (b, s):
+        if tokens.dim() != 3 or tokens.shape[1] != self.cfg.segments \
+                or lengths.shape != tokens.shape[:2]:
             raise ValueError(
                 f"expected tokens [B, {self.cfg.segments}, N] and lengths [B, "
                 f"{self.cfg.segments}], got {tuple(tokens.shape)} and {tuple(lengths.shape)}."
             )
+        b, s, n = tokens.shape
         # Segments are encoded independently: stack them along the batch.
         flat = tokens.transpose(0, 1).reshape(s * b, n)
         return flat, lengths_to_mask(lengths.transpose(0, 1).reshape(s * b), n)
