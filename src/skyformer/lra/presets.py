@@ -15,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..registry import get_method
 from .tasks import get_task
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -57,6 +58,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         get_task(self.task)
+        get_method(self.attention)
+        if not isinstance(self.attention_options, dict):
+            raise TypeError(f"attention_options must be a dict, got {self.attention_options!r}.")
         positive = ("steps", "batch_size", "eval_every", "grad_accum", "log_every")
         for name in positive:
             value = getattr(self, name)
