@@ -52,7 +52,8 @@ def test_padding_does_not_change_the_prediction(method):
     padded_tokens = tokens.clone()
     padded_tokens[..., real:] = 0
     with torch.no_grad():
-        padded = model(padded_tokens, torch.tensor([[real]]), generator=torch.Generator().manual_seed(1))
+        padded = model(padded_tokens, torch.tensor([[real]]),
+                       generator=torch.Generator().manual_seed(1))
         short = model(tokens[..., :real], torch.tensor([[real]]),
                       generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(padded, short, rtol=1e-5, atol=1e-6)

@@ -48,7 +48,8 @@ def test_listops_errors_name_the_file_and_line(tmp_path):
 
 def test_imdb_bytes_labels_and_seeded_dev_split(tmp_path):
     make_imdb(tmp_path)
-    data = load_cache(prepare("text", tmp_path, tmp_path / "cache", dev_fraction=0.25).parent, "text")
+    folder = prepare("text", tmp_path, tmp_path / "cache", dev_fraction=0.25)
+    data = load_cache(folder.parent, "text")
     train, dev, test = (data.splits[s] for s in ("train", "dev", "test"))
     assert (len(train), len(dev), len(test)) == (6, 2, 4)
     assert data.meta["dev_fraction"] == 0.25 and not data.meta.get("dev_is_test")
@@ -83,7 +84,8 @@ def test_imdb_truncates_to_max_len_and_reports_missing_folders(tmp_path):
 
 def test_aan_pairs_become_two_segments(tmp_path):
     make_aan(tmp_path)
-    data = load_cache(prepare("retrieval", tmp_path, tmp_path / "c", max_len=16).parent, "retrieval")
+    folder = prepare("retrieval", tmp_path, tmp_path / "c", max_len=16)
+    data = load_cache(folder.parent, "retrieval")
     train = data.splits["train"]
     assert train.tokens.shape == (3, 2, 16) and train.labels.tolist() == [1, 0, 1]
     assert bytes((_tokens(train, 0, 1) - 1).astype(np.uint8)) == b"parsing graphs"

@@ -70,7 +70,8 @@ def test_table_three_layout_and_softmax_baseline(listops_cache):
     assert ratio == pytest.approx(by_hand)
     table = format_table(report)
     assert "| model | ListOps |" in table and f"| kernelized | {ratio:.2f} |" in table
-    assert report.to_dict()["ratios"]["listops"]["skyformer"] == report.ratio("listops", "skyformer")
+    ratios = report.to_dict()["ratios"]["listops"]
+    assert ratios["skyformer"] == report.ratio("listops", "skyformer")
     assert report.settings["listops"]["batch_size"] == 16
     with pytest.raises(ValueError, match="unknown attention method"):
         run_stability(["listops"], ["nope"], cache_root=listops_cache)

@@ -157,3 +157,24 @@ def test_settings_are_validated_with_sentences(listops_cache, tmp_path):
         _run(_cfg(max_len=9), listops_cache, tmp_path)
     with pytest.raises(FileNotFoundError, match="skyformer lra prepare text"):
         train(make_config("text", quick=True), cache_root=listops_cache, out_dir=tmp_path / "t")
+
+
+def test_tensorboard_events_and_purge_on_resume(listops_cache, tmp_path):
+    """A run that goes on after its last checkpoint and then dies: on resume, both the
+    metrics files and TensorBoard drop what it logged after the checkpoint."""
+    pytest.importorskip("tensorboard")
+    import shutil
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = _cfg(steps=6, eval_every=2, log_every=2)
+    train(cfg, cache_root=listops_cache, out_dir=tmp_path, quiet=True, stop_after=4)
+    shutil.copy(tmp_path / "last.pt", tmp_path / "at4.pt")
+    train(cfg, cache_root=listops_cache, out_dir=tmp_path, quiet=True, resume=True)
+    shutil.copy(tmp_path / "at4.pt", tmp_path / "last.pt")  # as if it died after step 4
+    train(cfg, cache_root=listops_cache, out_dir=tmp_path, quiet=True, resume=True)
+    events = EventAccumulator(str(tmp_path / "tensorboard"))  # purges as TensorBoard does
+    events.Reload()
+    assert {"train/loss", "dev/accuracy", "test/accuracy"} <= set(events.Tags()["scalars"])
+    assert [e.step for e in events.Scalars("dev/accuracy")] == [2, 4, 6]
+    assert [r["step"] for r in _history(tmp_path) if r["kind"] == "dev"] == [2, 4, 6]

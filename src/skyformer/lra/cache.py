@@ -196,7 +196,8 @@ def load_cache(cache_root: str | os.PathLike[str], task: str) -> TaskData:
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
-        raise ValueError(f"{meta_path} is not valid JSON ({err}); prepare the task again.") from None
+        raise ValueError(f"{meta_path} is not valid JSON ({err}); prepare the task "
+                         "again.") from None
     if meta.get("format") != CACHE_FORMAT or meta.get("task") != task:
         raise ValueError(
             f"{folder} holds a cache of format {meta.get('format')!r} for task "

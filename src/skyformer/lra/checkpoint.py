@@ -53,10 +53,12 @@ def load_checkpoint(path: str | os.PathLike[str], device: torch.device | str = "
     try:
         return torch.load(target, map_location=device, weights_only=True)
     except Exception as err:  # truncated or foreign files raise many different errors
-        raise ValueError(f"cannot read checkpoint {target} ({type(err).__name__}: {err}).") from None
+        raise ValueError(f"cannot read checkpoint {target} ({type(err).__name__}: "
+                         f"{err}).") from None
 
 
-def device_rng_state(device: torch.device, attention_generator: torch.Generator) -> dict[str, Tensor]:
+def device_rng_state(device: torch.device, attention_generator: torch.Generator
+                     ) -> dict[str, Tensor]:
     """The generators that differ between processes, as tensors."""
     state = {"torch": torch.get_rng_state(), "attention": attention_generator.get_state()}
     if device.type == "cuda":

@@ -37,7 +37,9 @@ class DistInfo:
 def pick_device(request: str, local_rank: int) -> torch.device:
     """``auto`` = this process's GPU if CUDA is available, else the CPU."""
     if request == "auto":
-        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+        if torch.cuda.is_available():
+            return torch.device(f"cuda:{local_rank}")
+        return torch.device("cpu")
     device = torch.device(request)
     if device.type == "cuda":
         if not torch.cuda.is_available():

@@ -41,4 +41,5 @@ def evaluate(model: LRAClassifier, split: SplitData, *, batch_size: int, device:
     sums = all_reduce_sum(sums, info)
     model.train(was_training)
     loss, correct, count = sums.tolist()
-    return {"accuracy": correct / max(count, 1.0), "loss": loss / max(count, 1.0), "count": int(count)}
+    return {"accuracy": correct / max(count, 1.0), "loss": loss / max(count, 1.0),
+            "count": int(count)}

@@ -166,7 +166,8 @@ def write_listops(out: str | os.PathLike[str], *, train: int = 96_000, dev: int 
     counts = {"train": train, "dev": dev, "test": test}
     for name, n in counts.items():
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-            raise ValueError(f"the number of {name} examples must be a positive integer, got {n!r}.")
+            raise ValueError(f"the number of {name} examples must be a positive integer, "
+                             f"got {n!r}.")
     examples = generate_examples(train + dev + test, rules, seed)
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)

@@ -11,8 +11,9 @@ from .readers import READERS
 from .tasks import get_task
 
 
-def prepare(task: str, src: str | os.PathLike[str], cache_root: str | os.PathLike[str] | None = None,
-            *, max_len: int | None = None, **options: Any) -> Path:
+def prepare(task: str, src: str | os.PathLike[str],
+            cache_root: str | os.PathLike[str] | None = None, *, max_len: int | None = None,
+            **options: Any) -> Path:
     """Convert the files of ``task`` under ``src`` into ``<cache_root>/<task>``.
 
     max_len: tokens kept per document (default: the task's LRA length; for Pathfinder

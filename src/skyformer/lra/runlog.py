@@ -19,19 +19,17 @@ from ..io import atomic_write_text
 
 
 def tensorboard_available() -> bool:
-    try:
-        import tensorboard  # noqa: F401
-        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    import importlib.util
+
+    return importlib.util.find_spec("tensorboard") is not None
 
 
 class RunLog:
     """Append-only record of a run, mirrored to files by the main process only."""
 
-    def __init__(self, folder: str | Path, *, enabled: bool, history: list[dict[str, Any]] | None = None,
-                 tensorboard: bool = True, purge_step: int | None = None) -> None:
+    def __init__(self, folder: str | Path, *, enabled: bool,
+                 history: list[dict[str, Any]] | None = None, tensorboard: bool = True,
+                 purge_step: int | None = None) -> None:
         self.folder = Path(folder)
         self.enabled = enabled
         self.history: list[dict[str, Any]] = list(history or [])
@@ -74,7 +72,8 @@ class RunLog:
         self._write_csv(kind)
         if self._writer is not None and "step" in values:
             for name, value in values.items():
-                if name != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+                if name != "step" and numeric:
                     self._writer.add_scalar(f"{kind}/{name}", value, values["step"])
             self._writer.flush()
         return entry

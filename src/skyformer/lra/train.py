@@ -33,8 +33,8 @@ from .batches import BatchOrder, Position, fetch, micro_batches
 from .cache import TaskData, load_cache
 from .checkpoint import (device_rng_state, host_rng_state, load_checkpoint, save_checkpoint,
                          set_device_rng_state, set_host_rng_state)
-from .distributed import DistInfo, all_gather, all_reduce_sum, barrier, broadcast_state, \
-    init_distributed, shutdown
+from .distributed import (all_gather, all_reduce_sum, barrier, broadcast_state, init_distributed,
+                          shutdown)
 from .evaluate import evaluate
 from .metrics import Running, peak_memory_bytes, reset_peak_memory
 from .model import LRAClassifier, ModelConfig
@@ -218,8 +218,8 @@ class Trainer:
     # -- the loop -----------------------------------------------------------------------
     def _eval_kwargs(self) -> dict[str, Any]:
         return dict(batch_size=self.cfg.batch_size // self.info.world_size, device=self.device,
-                    info=self.info, seed=derive_seed(self.cfg.seed, 3), max_len=self.model_cfg.max_len,
-                    autocast=self.autocast)
+                    info=self.info, seed=derive_seed(self.cfg.seed, 3),
+                    max_len=self.model_cfg.max_len, autocast=self.autocast)
 
     def _train_step(self) -> None:
         cfg, state = self.cfg, self.state
@@ -270,7 +270,8 @@ class Trainer:
         self.log.record("dev", step=state.step, accuracy=dev["accuracy"], loss=dev["loss"],
                         seconds=round(state.train_seconds, 3), examples=dev["count"])
         if dev["accuracy"] > state.best_accuracy:
-            state.best_accuracy, state.best_step, state.evals_since_best = dev["accuracy"], state.step, 0
+            state.best_accuracy, state.best_step = dev["accuracy"], state.step
+            state.evals_since_best = 0
             self._save_best(dev)
         else:
             state.evals_since_best += 1
@@ -379,7 +380,7 @@ class Trainer:
                 })
             self.log = RunLog(self.folder, enabled=self.info.is_main, history=self.state.history,
                               tensorboard=self.tensorboard,
-                              purge_step=self.state.step if resumed else None)
+                              purge_step=self.state.step + 1 if resumed else None)
             try:
                 finished = self._loop()
                 return self._finish() if finished else None

@@ -34,7 +34,8 @@ def _label(text: str, path: Path, number: int) -> int:
 def _examples(path: Path) -> Iterator[tuple[list[np.ndarray], int]]:
     for number, fields in tsv_rows(path, 5, header="label\t"):
         label = _label(fields[0], path, number)
-        yield [encode_bytes(fields[3].encode("utf-8")), encode_bytes(fields[4].encode("utf-8"))], label
+        documents = [encode_bytes(text.encode("utf-8")) for text in fields[3:5]]
+        yield documents, label
 
 
 def read_retrieval(src: str | Path) -> tuple[dict[str, SplitSource], dict[str, Any]]:
