@@ -75,7 +75,11 @@ def _train_args(p: argparse.ArgumentParser) -> None:
                    "(repeatable)")
     p.add_argument("--quick", action="store_true",
                    help="a short CPU-sized run (200 steps) to check that everything works")
-    p.add_argument("--seed", type=int, default=None)
+    seeds = p.add_mutually_exclusive_group()
+    seeds.add_argument("--seed", type=int, default=None, help="one run with this seed (default 0)")
+    seeds.add_argument("--seeds", type=int, nargs="+", default=None,
+                       help="one run per seed, one after another, in OUT/seedN (the papers "
+                       "average 3 seeds: --seeds 0 1 2)")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=None, help="global batch size")
     p.add_argument("--lr", type=float, default=None)
@@ -101,8 +105,10 @@ def _train_args(p: argparse.ArgumentParser) -> None:
                    help="CPU threads per process (shared machines: 1 avoids contention)")
     p.add_argument("--cache", default=None, help="cache root used by prepare")
     p.add_argument("--out", default=None,
-                   help="run folder (default runs/lra/TASK/METHOD/seedN)")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/last.pt")
+                   help="run folder (default runs/lra/TASK/METHOD/seedN); with --seeds the "
+                   "folder holding seedN/ (default runs/lra/TASK/METHOD)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from OUT/last.pt (finished runs are left as they are)")
     p.add_argument("--stop-after", type=int, default=None,
                    help="checkpoint and exit after this step (continue with --resume)")
     p.add_argument("--no-tensorboard", action="store_true")
@@ -201,7 +207,10 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def _run_train(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from ..lra import make_config, train
+    from ..lra.train import default_run_dir
 
     _threads(args.threads)
     cfg = make_config(
@@ -213,14 +222,19 @@ def _run_train(args: argparse.Namespace) -> int:
         max_len=args.max_len, log_every=args.log_every, checkpoint_every=args.checkpoint_every,
     )
     if args.full_dev:
-        import dataclasses
-
         cfg = dataclasses.replace(cfg, eval_batches=None)
-    result = train(cfg, cache_root=_cache(args), out_dir=args.out, resume=args.resume,
-                   stop_after=args.stop_after, device=args.device,
-                   tensorboard=not args.no_tensorboard, quiet=args.quiet)
-    if result is None:
-        print(f"stopped after step {args.stop_after}; continue with --resume")
+    if args.seeds is None:
+        runs = [(cfg, args.out)]
+    else:
+        parent = Path(args.out) if args.out else default_run_dir(cfg).parent
+        runs = [(dataclasses.replace(cfg, seed=s), parent / f"seed{s}") for s in args.seeds]
+    for run_cfg, out in runs:
+        result = train(run_cfg, cache_root=_cache(args), out_dir=out, resume=args.resume,
+                       stop_after=args.stop_after, device=args.device,
+                       tensorboard=not args.no_tensorboard, quiet=args.quiet)
+        if result is None:
+            print(f"stopped after step {args.stop_after}; continue with --resume")
+            return 0
     return 0
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import random
 import time
@@ -363,11 +364,25 @@ class Trainer:
                   f"{test['accuracy']:.4f}  ({self.folder / 'result.json'})")
         return result
 
+    def _finished_result(self) -> dict[str, Any] | None:
+        """The stored result when the resumed checkpoint is the end of a finished run."""
+        path = self.folder / "result.json"
+        if not path.is_file():
+            return None
+        result = json.loads(path.read_text(encoding="utf-8"))
+        if result.get("config") != self.cfg.to_dict() or result.get("steps") != self.state.step:
+            return None
+        return result
+
     def run(self) -> dict[str, Any] | None:
         self.info, self.device = init_distributed(self.device_request)
         try:
             self._build()
             resumed = self._restore()
+            finished = self._finished_result() if resumed else None
+            if finished is not None:
+                self._say(f"{self.folder} is finished (result.json); nothing to do")
+                return finished
             self.net = self.model
             if self.info.enabled:
                 ids = [self.device.index] if self.device.type == "cuda" else None
