@@ -289,7 +289,7 @@ class Trainer:
         self.model.train()
         reset_peak_memory(self.device)
         segment = time.perf_counter()
-        log_clock, log_steps = segment, 0
+        log_steps, log_seconds = 0, 0.0  # training time only: evaluations do not count
         while state.step < cfg.steps:
             self._train_step()
             log_steps += 1
@@ -303,16 +303,17 @@ class Trainer:
             now = time.perf_counter()
             state.train_seconds += now - segment
             state.wall_seconds += now - segment
+            log_seconds += now - segment
             state.peak_memory = max(state.peak_memory, peak_memory_bytes(self.device))
             if at_log:
-                self._log_train(log_steps, now - log_clock)
-                log_steps = 0
+                self._log_train(log_steps, log_seconds)
+                log_steps, log_seconds = 0, 0.0
             done_early = self._evaluate_dev() if at_eval else False
             if at_ckpt or done_early:
                 self._save_last()
             resumed = time.perf_counter()
             state.wall_seconds += resumed - now
-            segment = log_clock = resumed
+            segment = resumed
             if done_early:
                 self._say(f"no dev improvement in {cfg.patience} evaluations: stopping")
                 return True
