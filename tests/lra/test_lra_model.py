@@ -80,10 +80,15 @@ def test_mean_pooling_ignores_padding_and_embed_zeroes_it():
     model = _model("softmax").eval()
     tokens, lengths = _batch(3)
     with torch.no_grad():
-        hidden = model.embed(tokens, lengths)
-    assert hidden.shape == (3, 12, 16)
-    for i in range(3):
-        assert torch.all(hidden[i, lengths[i, 0]:] == 0)
+        for normed in (True, False):
+            hidden = model.embed(tokens, lengths, normed=normed)
+            assert hidden.shape == (3, 12, 16)
+            for i in range(3):
+                assert torch.all(hidden[i, lengths[i, 0]:] == 0)
+                assert torch.all(hidden[i, :lengths[i, 0]].abs().sum(-1) > 0)
+        normed = model.embed(tokens, lengths)
+        pooled = model.encoder(tokens[:, 0], (torch.arange(12) < lengths)[:, :])
+    torch.testing.assert_close(pooled, normed.sum(1) / lengths.float(), rtol=1e-5, atol=1e-6)
 
 
 def test_shape_and_length_errors_are_sentences():

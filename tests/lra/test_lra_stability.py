@@ -20,10 +20,11 @@ def _cfg(method="softmax", **kw):
     return make_config("listops", attention=method, batch_size=16, dropout=0.0, **kw)
 
 
-def test_tau_is_output_change_over_parameter_change(listops_cache):
+@pytest.mark.parametrize("probe", ["normed", "hidden"])
+def test_tau_is_output_change_over_parameter_change(listops_cache, probe):
     """Recompute tau_1 and tau_2 by hand for a deterministic method without dropout."""
     cfg = _cfg("kernelized")
-    taus = instability_taus(cfg, listops_cache, steps=2)
+    taus = instability_taus(cfg, listops_cache, steps=2, probe=probe)
     data = load_cache(listops_cache, "listops")
     torch.manual_seed(cfg.seed)
     model = LRAClassifier(model_config(cfg, data))
@@ -33,14 +34,16 @@ def test_tau_is_output_change_over_parameter_change(listops_cache):
         tokens, lengths, labels = fetch(data.splits["train"], order.batch(position), "cpu")
         w0 = [p.detach().clone() for p in model.parameters()]
         with torch.no_grad():
-            f0 = copy.deepcopy(model).double().eval().embed(tokens, lengths)
+            f0 = copy.deepcopy(model).double().eval().embed(tokens, lengths,
+                                                            normed=probe == "normed")
         F.cross_entropy(model(tokens, lengths), labels).backward()
         for group in opt.param_groups:
             group["lr"] = learning_rate(step, cfg)
         opt.step()
         opt.zero_grad()
         with torch.no_grad():
-            f1 = copy.deepcopy(model).double().eval().embed(tokens, lengths)
+            f1 = copy.deepcopy(model).double().eval().embed(tokens, lengths,
+                                                            normed=probe == "normed")
         dw = sum((p.double() - q.double()).square().sum() for p, q in zip(model.parameters(), w0))
         assert taus[step] == pytest.approx(((f1 - f0).square().sum() / dw).item(), rel=1e-6)
         position = order.next(position)
@@ -75,3 +78,5 @@ def test_table_three_layout_and_softmax_baseline(listops_cache):
     assert report.settings["listops"]["batch_size"] == 16
     with pytest.raises(ValueError, match="unknown attention method"):
         run_stability(["listops"], ["nope"], cache_root=listops_cache)
+    with pytest.raises(ValueError, match="probe must be one of normed, hidden"):
+        instability_taus(_cfg(), listops_cache, steps=1, probe="logits")

@@ -127,6 +127,9 @@ def _stability_args(p: argparse.ArgumentParser) -> None:
                    help="methods compared with softmax")
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--probe", choices=("normed", "hidden"), default="normed",
+                   help="f = the encoder output after its final LayerNorm (default) or the raw "
+                   "output of the last layer")
     p.add_argument("--features", type=int, default=None,
                    help="num_features of every method that has it (default: each method's)")
     p.add_argument("--batch-size", type=int, default=None)
@@ -261,7 +264,7 @@ def _run_stability(args: argparse.Namespace) -> int:
                  if v is not None}
     report = run_stability(args.tasks, args.methods, cache_root=_cache(args), seeds=args.seeds,
                            steps=args.steps, device=args.device, num_features=args.features,
-                           overrides=overrides, progress=print)
+                           probe=args.probe, overrides=overrides, progress=print)
     print(format_table(report))
     if args.json_path:
         print(f"wrote {write_json(args.json_path, report.to_dict())}")

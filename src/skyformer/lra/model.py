@@ -168,14 +168,19 @@ class LRAClassifier(nn.Module):
         flat = tokens.transpose(0, 1).reshape(s * b, n)
         return flat, lengths_to_mask(lengths.transpose(0, 1).reshape(s * b), n)
 
-    def embed(self, tokens: Tensor, lengths: Tensor,
-              generator: torch.Generator | None = None) -> Tensor:
-        """Hidden states after the transformer layers, ``[S * B, N, dim]`` (segment-major).
-
-        This is f(x, W) of the instability score (Skyformer Appendix F).
-        """
+    def embed(self, tokens: Tensor, lengths: Tensor, generator: torch.Generator | None = None,
+              *, normed: bool = True) -> Tensor:
+        """The encoder's output for every token, ``[S * B, N, dim]`` (segment-major), padded
+        rows zero: after the final LayerNorm (``normed``, what the encoder hands to pooling)
+        or the raw output of the last transformer layer. f(x, W) of the instability score
+        (Skyformer Appendix F)."""
         flat, mask = self._flat(tokens, lengths)
-        return self.encoder.hidden_states(flat, mask, generator)
+        x = self.encoder.hidden_states(flat, mask, generator)
+        if normed:
+            x = self.encoder.norm(x)
+            if mask is not None:
+                x = x * mask[..., None].to(x.dtype)
+        return x
 
     def forward(self, tokens: Tensor, lengths: Tensor,
                 generator: torch.Generator | None = None) -> Tensor:

@@ -4,10 +4,17 @@ After Liu et al. (2020), for the first ``steps`` (20) updates of training,
 
     tau_i = ||f(x_i, W_i) - f(x_i, W_{i-1})||_F^2 / ||W_i - W_{i-1}||_F^2 ,
 
-with f the embedding after the transformer layers (``LRAClassifier.embed``), x_i the
+with f the embedding after the two transformer layers (``LRAClassifier.embed``), x_i the
 i-th training batch, W_0 the initial and W_i the parameters after step i. A method's
 score on a task is the mean over the steps of tau_i(method) / tau_i(softmax); below 1
 means more stable than softmax attention.
+
+"The embedding after two layers" can be read two ways, and the reading matters:
+``probe="normed"`` (default) takes the encoder's output as the reference model returns
+it, after its final LayerNorm; ``probe="hidden"`` takes the raw output of the second
+layer. Kernelized attention ``C V`` is not normalised (a sum over keys, not an
+average), so its raw hidden states are far larger than softmax's and change
+correspondingly more; the final LayerNorm removes that scale.
 
 To compare like with like, every method starts from the same W_0 (same seed; the
 methods share the parameter layout) and sees the same batches with the same dropout
@@ -47,15 +54,20 @@ def _flat_parameters(model: torch.nn.Module) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _embedding(model: LRAClassifier, tokens, lengths, seed: int) -> torch.Tensor:
-    probe = copy.deepcopy(model).double().eval()
+def _embedding(model: LRAClassifier, tokens, lengths, seed: int, probe: str) -> torch.Tensor:
+    copy64 = copy.deepcopy(model).double().eval()
     generator = torch.Generator(device=tokens.device).manual_seed(seed)
-    return probe.embed(tokens, lengths, generator=generator)
+    return copy64.embed(tokens, lengths, generator=generator, normed=probe == "normed")
+
+
+PROBES = ("normed", "hidden")
 
 
 def instability_taus(cfg: TrainConfig, cache_root: str | os.PathLike[str], *, steps: int = 20,
-                     device: torch.device | str = "cpu") -> list[float]:
+                     device: torch.device | str = "cpu", probe: str = "normed") -> list[float]:
     """tau_1 .. tau_steps of one method (``cfg.attention``) on ``cfg.task``."""
+    if probe not in PROBES:
+        raise ValueError(f"probe must be one of {', '.join(PROBES)}, got {probe!r}.")
     device = torch.device(device)
     data = load_cache(cache_root, cfg.task)
     mcfg = model_config(cfg, data)
@@ -72,7 +84,7 @@ def instability_taus(cfg: TrainConfig, cache_root: str | os.PathLike[str], *, st
     for step in range(steps):
         tokens, lengths, labels = fetch(split, order.batch(position), device, mcfg.max_len)
         probe_seed = derive_seed(cfg.seed, 4, step)
-        before = _embedding(model, tokens, lengths, probe_seed)
+        before = _embedding(model, tokens, lengths, probe_seed, probe)
         w_before = _flat_parameters(model)
         model.train()
         loss = F.cross_entropy(model(tokens, lengths, generator=attention_generator), labels)
@@ -81,7 +93,7 @@ def instability_taus(cfg: TrainConfig, cache_root: str | os.PathLike[str], *, st
             group["lr"] = learning_rate(step, cfg)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        after = _embedding(model, tokens, lengths, probe_seed)
+        after = _embedding(model, tokens, lengths, probe_seed, probe)
         dw = (_flat_parameters(model) - w_before).square().sum().item()
         if dw == 0:
             raise ValueError(f"step {step + 1} did not change the parameters (learning rate "
@@ -99,6 +111,7 @@ class StabilityReport:
     methods: list[str]
     seeds: list[int]
     steps: int
+    probe: str = "normed"
     taus: dict[str, dict[str, dict[int, list[float]]]] = field(default_factory=dict)
     settings: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -114,7 +127,7 @@ class StabilityReport:
     def to_dict(self) -> dict[str, Any]:
         return {
             "tasks": self.tasks, "methods": self.methods, "seeds": self.seeds,
-            "steps": self.steps, "baseline": BASELINE,
+            "steps": self.steps, "probe": self.probe, "baseline": BASELINE,
             "ratios": {t: {m: self.ratio(t, m) for m in self.methods} for t in self.tasks},
             "taus": {t: {m: {str(s): v for s, v in per.items()} for m, per in methods.items()}
                      for t, methods in self.taus.items()},
@@ -125,7 +138,7 @@ class StabilityReport:
 def run_stability(tasks: list[str], methods: list[str], *, cache_root: str | os.PathLike[str],
                   seeds: list[int] | tuple[int, ...] = (0,), steps: int = 20,
                   device: torch.device | str = "cpu", num_features: int | None = None,
-                  overrides: dict[str, Any] | None = None,
+                  probe: str = "normed", overrides: dict[str, Any] | None = None,
                   progress: Callable[[str], None] | None = None) -> StabilityReport:
     """Instability scores of ``methods`` relative to softmax on ``tasks``.
 
@@ -140,7 +153,7 @@ def run_stability(tasks: list[str], methods: list[str], *, cache_root: str | os.
     compared = [m for m in dict.fromkeys(methods) if m != BASELINE]
     for method in compared:
         get_method(method)
-    report = StabilityReport(list(tasks), compared, list(seeds), steps)
+    report = StabilityReport(list(tasks), compared, list(seeds), steps, probe)
     for task in tasks:
         report.taus[task] = {}
         for method in [BASELINE, *compared]:
@@ -153,7 +166,7 @@ def run_stability(tasks: list[str], methods: list[str], *, cache_root: str | os.
                                   **(overrides or {}))
                 report.settings.setdefault(task, cfg.to_dict() | {"attention": None,
                                                                   "attention_options": None})
-                taus = instability_taus(cfg, cache_root, steps=steps, device=device)
+                taus = instability_taus(cfg, cache_root, steps=steps, device=device, probe=probe)
                 report.taus[task][method][seed] = taus
                 if progress:
                     progress(f"{task} {method} seed {seed}: mean tau {np.mean(taus):.4g}")
@@ -164,7 +177,8 @@ def format_table(report: StabilityReport) -> str:
     """Table 3's layout: methods as rows, tasks as columns, ratios to softmax."""
     titles = [TASKS[t].title for t in report.tasks]
     lines = ["Table 3: ratios of instability score (method / softmax, mean over "
-             f"{report.steps} steps and {len(report.seeds)} seed(s)); < 1 = more stable.", "",
+             f"{report.steps} steps and {len(report.seeds)} seed(s); f = {report.probe} "
+             "encoder output); < 1 = more stable.", "",
              "| model | " + " | ".join(titles) + " |",
              "|" + "|".join(" --- " for _ in range(len(titles) + 1)) + "|"]
     for method in report.methods:
