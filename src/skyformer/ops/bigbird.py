@@ -200,8 +200,9 @@ def _gather_blocks(xb: Tensor, index: Tensor) -> Tensor:
     """Blocks ``index: [B, H, nb, S]`` of ``xb: [B, H, nb, bs, D]``: ``[B, H, nb, S * bs, D]``."""
     b, h, nb, bs, d = xb.shape
     s = index.shape[-1]
-    flat = xb.reshape(b, h, nb, bs * d)
-    picked = flat.gather(2, index.reshape(b, h, nb * s, 1).expand(b, h, nb * s, bs * d))
+    offset = (torch.arange(b * h, device=xb.device) * nb).view(b, h, 1, 1)
+    # whole-block row copies (index_select) are much faster than an expanded gather
+    picked = xb.reshape(b * h * nb, bs * d).index_select(0, (offset + index).flatten())
     return picked.view(b, h, nb, s * bs, d)
 
 
