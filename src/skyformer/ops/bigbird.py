@@ -46,7 +46,7 @@ from ..inputs import (
 )
 from ..registry import Capabilities, register
 from ..sketch.streams import sequence_generators
-from .masked import masked_softmax
+from .masked import masked_attention, masked_softmax
 
 WINDOW_BLOCKS = 3
 GLOBAL_BLOCKS = 2
@@ -262,18 +262,22 @@ def bigbird_attention(
     real_b = real.view(info.batch, 1, nb, bs).expand(-1, info.heads, -1, -1)
     key_ok = (real_b.gather(2, index.reshape(*index.shape[:2], -1, 1).expand(-1, -1, -1, bs))
               .view(*index.shape, bs) & ok[..., None]).flatten(-2)  # [B, H, nb, S*bs]
-    probs = masked_softmax(qb @ keys.transpose(-1, -2), key_ok[:, :, :, None, :])
-    out = probs @ values  # [B, H, nb, bs, Dv]
+    # Fused masked SDPA over (batch, head, query block): the [bs, S*bs] logits of each
+    # block are never stored.
+    bh = (info.batch, info.heads * nb)
+    out = masked_attention(
+        qb.reshape(*bh, bs, -1), keys.reshape(*bh, keys.shape[-2], -1),
+        values.reshape(*bh, keys.shape[-2], -1), key_ok.reshape(*bh, 1, -1),
+    ).view(info.batch, info.heads, nb, bs, -1)  # [B, H, nb, bs, Dv]
 
     # Global query blocks (first and last real block) attend to every real key.
     ends = torch.stack([torch.zeros_like(layout.last), layout.last.clamp_min(0)], dim=1)  # [B, 2]
     q_glob = qb.gather(
         2, ends[:, None, :, None, None].expand(-1, info.heads, -1, bs, qb.shape[-1])
     ).flatten(2, 3)  # [B, H, 2*bs, D]
-    glob = masked_softmax(
-        q_glob @ kb.flatten(2, 3).transpose(-1, -2), real[:, None, None, :]
-    ) @ vb.flatten(2, 3)  # [B, H, 2*bs, Dv]
-    glob = glob.view(info.batch, info.heads, 2, bs, -1)
+    glob = masked_attention(
+        q_glob, kb.flatten(2, 3), vb.flatten(2, 3), real[:, None, None, :]
+    ).view(info.batch, info.heads, 2, bs, -1)  # [B, H, 2, bs, Dv]
     block = torch.arange(nb, device=q.device)[None, :]
     is_first = (block == 0)[:, None, :, None, None]
     is_last = (block == layout.last[:, None])[:, None, :, None, None]

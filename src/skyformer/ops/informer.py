@@ -41,7 +41,7 @@ from ..inputs import (
 )
 from ..registry import Capabilities, register
 from ..sketch.streams import sequence_generators
-from .masked import masked_softmax
+from .masked import masked_attention
 
 _CHUNK_ELEMENTS = 1 << 22  # bound on the [B, H, chunk, U, D] gather of sampled keys
 
@@ -202,12 +202,10 @@ def informer_attention(
 
     b, h, _, d = qw.shape
     q_top = qw.gather(2, top[..., None].expand(b, h, u, d))  # [B, H, u, D]
-    visible = (True if info.key_valid is None else info.key_valid[:, None, None, :])
-    probs = masked_softmax(
-        (q_top * s) @ kw.transpose(-1, -2), torch.as_tensor(visible, device=q.device)
-    )  # [B, H, u, Nk]
+    visible = None if info.key_valid is None else info.key_valid[:, None, None, :]
+    attended = masked_attention(q_top * s, kw, vw, visible)  # [B, H, u, Dv]
     lazy = mean_values(vw, info.key_valid)  # [B, H, 1, Dv]
-    rows = torch.where(active[:, None, :, None], probs @ vw, lazy)  # [B, H, u, Dv]
+    rows = torch.where(active[:, None, :, None], attended, lazy)  # [B, H, u, Dv]
     dv = vw.shape[-1]
     out = lazy.expand(b, h, info.query_len, dv).scatter(
         2, top[..., None].expand(b, h, u, dv), rows

@@ -41,7 +41,7 @@ from ..inputs import (
 )
 from ..registry import Capabilities, register
 from ..sketch.streams import gaussian_columns
-from .masked import masked_softmax
+from .masked import masked_attention
 
 
 @dataclass(frozen=True)
@@ -195,8 +195,9 @@ def linformer_attention(
     k_proj = e @ kw  # [B, H, k, D]
     v_proj = f @ vw  # [B, H, k, Dv]
     s = cfg.scale if cfg.scale is not None else 1.0 / math.sqrt(info.head_dim)
-    logits = (q.to(work) * s) @ k_proj.transpose(-1, -2)  # [B, H, Nq, k]
-    out = masked_softmax(logits, slot_live[..., None, :]) @ v_proj
+    visible = None if bool(slot_live.all()) else slot_live[..., None, :]
+    # softmax(s Q K_proj^T) V_proj by fused SDPA: the [Nq, k] matrix is never stored
+    out = masked_attention(q.to(work) * s, k_proj, v_proj, visible)  # [B, H, Nq, Dv]
     return zero_padded_queries(out, info.query_valid).to(dtype)
 
 

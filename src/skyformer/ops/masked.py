@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -19,3 +20,25 @@ def masked_softmax(logits: Tensor, visible: Tensor) -> Tensor:
     """
     filled = logits.masked_fill(~visible, torch.finfo(logits.dtype).min)
     return torch.softmax(filled, dim=-1) * visible.to(logits.dtype)
+
+
+def masked_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None) -> Tensor:
+    """``masked_softmax(q @ k^T, visible) @ v`` without materialising the logits.
+
+    Through ``scaled_dot_product_attention`` (scale 1: scale ``q`` beforehand), whose
+    fused kernels take O(Nq + Nk) memory instead of O(Nq Nk), also with a boolean mask.
+
+    Args:
+        q: ``[..., Nq, D]``; k: ``[..., Nk, D]``; v: ``[..., Nk, Dv]``.
+        visible: bool broadcastable to ``[..., Nq, Nk]`` (typically ``[..., 1, Nk]``), or
+            ``None`` when every key is visible.
+    Returns:
+        ``[..., Nq, Dv]``; rows with no visible key are zero.
+    """
+    if visible is None:
+        return F.scaled_dot_product_attention(q, k, v, scale=1.0)
+    has_key = visible.any(dim=-1, keepdim=True)
+    # A row without keys would be NaN: let it attend to everything, then zero it.
+    safe = visible | ~has_key
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=safe, scale=1.0)
+    return out * has_key.to(out.dtype)

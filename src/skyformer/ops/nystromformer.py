@@ -43,7 +43,7 @@ from ..inputs import (
 )
 from ..linalg import iterative_pinv
 from ..registry import Capabilities, register
-from .masked import masked_softmax
+from .masked import masked_attention, masked_softmax
 
 
 @dataclass(frozen=True)
@@ -232,24 +232,24 @@ def nystromformer_attention(
     k_land = segment_means(ks, k_seg)  # [B, H, m, D]
     q_live = q_seg.live[:, None, :, None].to(work)  # [B, 1, m, 1]
     k_live = k_seg.live[:, None, None, :]  # [B, 1, 1, m]
+    key_visible = None if info.key_valid is None else info.key_valid[:, None, None, :]
 
-    kernel_1 = masked_softmax(qs @ k_land.transpose(-1, -2), k_live)  # [B, H, Nq, m]
+    # kernel_1 [N, m] and kernel_3 [m, N] are only ever applied to a matrix: fused
+    # masked SDPA computes kernel @ X without forming them (O(N) instead of O(N m) memory).
     kernel_2 = masked_softmax(q_land @ k_land.transpose(-1, -2), k_live) * q_live  # [B, H, m, m]
-    key_visible = True if info.key_valid is None else info.key_valid[:, None, None, :]
-    kernel_3 = masked_softmax(
-        q_land @ ks.transpose(-1, -2),
-        torch.as_tensor(key_visible, device=q.device),
-    ) * q_live  # [B, H, m, Nk]
+    kernel_3_v = masked_attention(q_land, ks, vw, key_visible) * q_live  # [B, H, m, Dv]
     # Dead landmark rows/columns of kernel_2 are zero and stay zero through the
     # iteration, so the live block is inverted as if it were alone.
     inverse = iterative_pinv(kernel_2, cfg.pinv_iterations, init="scaled_transpose")
-    out = kernel_1 @ (inverse @ (kernel_3 @ vw))  # [B, H, Nq, Dv]
+    values = inverse @ kernel_3_v  # [B, H, m, Dv]
 
     q_valid, k_valid = q_seg.n_valid, k_seg.n_valid
     own_landmarks = (k_valid <= m) & (torch.clamp(q_valid, max=m) >= k_valid)  # [B]
     if bool(own_landmarks.any()):
-        exact = kernel_1 @ segment_means(vw, k_seg)  # K~ = K, V~ = V: softmax attention
-        out = torch.where(own_landmarks[:, None, None, None], exact, out)
+        # K~ = K and V~ = V: kernel_1 V~ is exact softmax attention.
+        exact_values = segment_means(vw, k_seg)
+        values = torch.where(own_landmarks[:, None, None, None], exact_values, values)
+    out = masked_attention(qs, k_land, values, k_live)  # kernel_1 @ values  [B, H, Nq, Dv]
     if conv_weight is not None:
         out = out + depthwise_conv(vw, conv_weight, info.key_valid)
     return zero_padded_queries(out, info.query_valid).to(dtype)
