@@ -16,9 +16,9 @@ is b = num_features // (5 + r) (at least 1), so the default 512 gives b = 64, an
 Skyformer comparisons' 128 would give b = 16.
 
 Computation without an n x n matrix: for each query block the 5 + r key blocks are
-gathered (``[B, H, nb, (5 + r) b, D]``) and attended to with a masked softmax; the two
-global query blocks attend densely to all keys (``[B, H, 2b, N]``). Memory and time are
-O(N (5 + r) b), linear in N for a fixed block size.
+gathered (``[B, H, nb, (5 + r) b, D]``) and attended to by fused masked SDPA (the
+``[b, (5 + r) b]`` logits are never stored); the two global query blocks attend to all
+keys. Time O(N (5 + r) b D), memory O(N (5 + r) D) for the gathered blocks: linear in N.
 
 Padding. Blocks are formed over the *real* tokens, gathered to the front in order
 (``order``), so the last global block is the last block of real tokens, a padded

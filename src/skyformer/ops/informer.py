@@ -8,7 +8,7 @@ Only the u "active" queries attend; the others ("lazy") output the mean of the v
 2. Keep the top u queries by M, u = c * ceil(ln n_q) (``num_features=None``), or
    u = ``num_features`` when given (the number of queries that attend: with 128, as in
    the Skyformer comparisons, 128 N entries of the attention matrix are visited).
-3. Active queries get exact softmax attention over all keys (eq. (3)); lazy queries get
+3. Active queries get exact softmax attention over all keys (eq. (3), fused masked SDPA); lazy queries get
    mean(V) over the real keys (self-attention without a causal mask).
 
 n_q and n_k are the numbers of *real* queries and keys; u and U are capped by them

@@ -1,10 +1,11 @@
 """Linformer (Wang et al., 2020): attention over k projected keys and values.
 
-Linformer eq. (7): each head computes
+Linformer's linear self-attention head (Wang et al. 2020, Section 4) computes
 
     softmax( s Q (E K)^T ) (F V),        E, F: [k, N],   s = 1/sqrt(D),
 
-so the attention matrix is ``[N, k]`` and time and memory are O(N k). E and F are
+so the attention matrix is ``[N, k]``: O(N k) time; it is applied through fused masked
+SDPA and never stored, so memory is O(N D + k N) for the projections. E and F are
 learned, one pair per head (the paper's unshared setting; ``share_kv`` is its
 key-value sharing, E = F), and have one column per position up to a fixed
 ``max_seq_len``: a shorter input uses their first N columns, as if it were padded.
@@ -144,7 +145,7 @@ def linformer_attention(
     proj_k: Tensor | None = None,
     proj_v: Tensor | None = None,
 ) -> Tensor:
-    """Linformer attention (eq. (7)), O(N k).
+    """Linformer attention (linear self-attention head, Section 4), O(N k).
 
     Args:
         q: ``[B, H, Nq, D]``; k: ``[B, H, Nk, D]``; v: ``[B, H, Nk, Dv]``.

@@ -6,7 +6,9 @@ s = 1/sqrt(D), Nystromformer approximates the softmax attention matrix by
     S^ = softmax(s Q K~^T)  [softmax(s Q~ K~^T)]^+  softmax(s Q~ K^T),        [N, m][m, m][m, N]
 
 (the paper's Nystrom-based self-attention; the blog post in the papers folder,
-``003_*.txt``, derives it) and computes ``S^ V`` right to left in O(N m). The
+``003_*.txt``, derives it) and computes ``S^ V`` right to left in O(N m) time. The
+``[N, m]`` and ``[m, N]`` kernels are only applied to matrices, through fused masked
+SDPA, so they are never stored: memory O(N D + m^2), that of exact SDPA. The
 pseudo-inverse is the iterative one of Razavi et al. (2014) with 6 iterations started
 from A^T / (|A|_1 |A|_inf) (``linalg.iterative_pinv(init="scaled_transpose")``).
 An optional depthwise convolution of the values along the sequence is added to the
