@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     writer.writeheader()
     writer.writerows(rows)
     atomic_write_text(out.with_suffix(".csv"), buf.getvalue())
-    plot(rows, out.with_suffix(".png"))
+    plot(rows, out.with_suffix(".png"), f"{args.clock} clock, {torch.get_num_threads()} thread(s)")
     print()
     print(summary(rows))
     return 0
@@ -166,7 +166,7 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(time_lines + ["", f"1-minute load average during timing: {loads}", ""] + mem_lines)
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, timing: str) -> None:
     try:
         import matplotlib
 
@@ -191,7 +191,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"B={B}, H={H}, D={D}, float32, CPU")
+    fig.suptitle(f"B={B}, H={H}, D={D}, float32, CPU; time: {timing}")
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)

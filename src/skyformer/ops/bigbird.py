@@ -223,7 +223,7 @@ def bigbird_attention(
     num_random_blocks: int = BigBirdConfig.num_random_blocks,
     scale: float | None = BigBirdConfig.scale,
 ) -> Tensor:
-    """BigBird block-sparse self-attention (module docstring), O(N num_features).
+    """BigBird block-sparse self-attention (module docstring), O(N num_features D) time.
 
     Args:
         q, k: ``[B, H, N, D]``; v: ``[B, H, N, Dv]`` (self-attention: Nq == Nk).

@@ -184,15 +184,18 @@ def linformer_attention(
     e, f = e.to(work), f.to(work)  # [H, k, Nk] or [k, Nk]
 
     kw, vw = k.to(work), v.to(work)
-    if info.key_valid is None:
-        slot_live = e.abs().sum(dim=-1) > 0  # [H, k] or [k]
-    else:
-        real = info.key_valid.to(work)  # [B, Nk]
-        kw = kw * real[:, None, :, None]
-        vw = vw * real[:, None, :, None]
-        slot_live = (e.abs() @ real.T).movedim(-1, 0) > 0  # [B, H, k] or [B, k]
-        if slot_live.dim() == 2:
-            slot_live = slot_live[:, None, :]
+    with torch.no_grad():  # which slots have weight on a real key (bool, no float copy of E)
+        support = e != 0  # [H, k, Nk] or [k, Nk]
+        if info.key_valid is None:
+            slot_live = support.any(dim=-1)  # [H, k] or [k]
+        else:
+            real_keys = info.key_valid[:, None, None, :] if e.dim() == 3 else info.key_valid[:, None, :]
+            slot_live = (support & real_keys).any(dim=-1)  # [B, H, k] or [B, k]
+            if e.dim() == 2:
+                slot_live = slot_live[:, None, :]
+    if info.key_valid is not None:
+        real = info.key_valid[:, None, :, None].to(work)  # [B, 1, Nk, 1]
+        kw, vw = kw * real, vw * real
     k_proj = e @ kw  # [B, H, k, D]
     v_proj = f @ vw  # [B, H, k, Dv]
     s = cfg.scale if cfg.scale is not None else 1.0 / math.sqrt(info.head_dim)

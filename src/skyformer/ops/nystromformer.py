@@ -205,7 +205,7 @@ def nystromformer_attention(
     scale: float | None = NystromformerConfig.scale,
     conv_weight: Tensor | None = None,
 ) -> Tensor:
-    """Nystromformer attention, O(N m) time and memory.
+    """Nystromformer attention, O(N m) time, O(N D + m^2) memory.
 
     Args:
         q: ``[B, H, Nq, D]``; k: ``[B, H, Nk, D]``; v: ``[B, H, Nk, Dv]``.
