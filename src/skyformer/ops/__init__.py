@@ -5,6 +5,11 @@ generator=None, **options)`` and a naive ``reference_*`` version for tests.
 """
 
 from . import softmax, kernelized, skyformer, nystrom_softmax  # noqa: F401  (registration order = listing order)
+from . import nystromformer  # noqa: F401
+from . import linformer  # noqa: F401
+from . import linear  # noqa: F401
+from . import informer  # noqa: F401
+from . import bigbird  # noqa: F401
 from .kernelized import gaussian_scores, kernelized_attention, reference_kernelized_attention
 from .nystrom_softmax import nystrom_softmax_attention
 from .reference import reference_nystrom_softmax_attention, reference_skyformer_attention
