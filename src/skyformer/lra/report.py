@@ -103,7 +103,8 @@ def tables(runs: list[Run]) -> str:
         rows.append(row)
     titles = [TASKS[t].title for t in tasks]
     out = ["Table 1: test accuracy (%) of the best dev checkpoint, mean ± std over seeds "
-           "(number of seeds).", "", _table(["method", *titles, "avg"], rows), ""]
+           "(number of seeds); avg over the tasks a method has results for.", "",
+           _table(["method", *titles, "avg"], rows), ""]
     rows = []
     for method in methods:
         row = [method]
