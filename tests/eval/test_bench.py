@@ -11,7 +11,7 @@ import torch
 
 from skyformer.cli import main
 from skyformer.eval.bench import BenchConfig, crossover, run_bench, summarise
-from skyformer.eval.bench_report import format_table, write_results
+from skyformer.eval.bench_report import format_table, format_wide, write_results
 from skyformer.eval.callables import resolve
 from skyformer.eval.flops import attention_flops, matmul_flops_per_second
 
@@ -19,7 +19,7 @@ MATERIALISED = "skyformer.ops.skyformer:materialised_skyformer_attention@gaussia
 ROW_KEYS = {
     "method", "spec", "device", "dtype", "batch", "heads", "head_dim", "n", "target", "exact",
     "num_features", "status", "reason", "fwd_ms", "fwd_bwd_ms", "peak_mib", "rel_error", "gflop",
-    "sol_ms", "sol_fraction", "speedup", "memory_ratio", "growth",
+    "sol_ms", "sol_fraction", "speedup", "memory_ratio", "growth", "load_avg",
 }
 
 
@@ -69,6 +69,9 @@ def test_files_and_table(tiny, tmp_path):
     table = format_table(tiny)
     assert "skyformer" in table and "speed-up" in table and "B=1 H=2 D=8 float32 cpu" in table
     assert format_table(tiny, markdown=True).count("| skyformer |") == 2
+    wide = format_wide(tiny)
+    assert "| method | N=64 | N=128 |" in wide and wide.count("| skyformer |") == 3  # time, error, SOL
+    assert "faster than softmax" in wide or "slower than softmax" in wide
 
 
 def test_memory_and_skips(capsys):

@@ -9,7 +9,7 @@ import sys
 import torch
 
 from ..eval.bench import DTYPES, BenchConfig, run_bench
-from ..eval.bench_report import format_table, write_results
+from ..eval.bench_report import format_table, format_wide, write_results
 
 NAME = "bench"
 HELP = (
@@ -56,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None,
                         help="write OUT.json, OUT.csv and OUT.png (e.g. benchmarks/results/bench_cpu)")
     parser.add_argument("--no-plot", action="store_true", help="with --out: no PNG")
-    parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    parser.add_argument("--markdown", action="store_true",
+                        help="print Markdown tables, one column per N (time with speed-up, memory)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -80,14 +81,13 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed, max_seconds=args.max_seconds, clock=args.clock,
     )
     result = run_bench(config, progress=lambda line: print(line, file=sys.stderr, flush=True))
-    print(format_table(result, markdown=args.markdown))
+    print(format_wide(result) if args.markdown else format_table(result))
     env = result.environment
     print(f"\ntorch {env['torch']}, {env['device']}, {env['torch_threads']} threads, "
           f"{config.clock} clock, load average {env.get('load_average_start')} -> "
           f"{env.get('load_average_end')}")
     if args.out:
-        command = "skyformer " + " ".join(shlex.quote(a) for a in sys.argv[1:]) \
-            if sys.argv and sys.argv[0].endswith(("skyformer", "__main__.py")) else None
+        command = "skyformer " + shlex.join(getattr(args, "_argv", sys.argv[1:]))
         for path in write_results(result, args.out, plot=not args.no_plot, command=command):
             print(f"wrote {path}")
     return 0

@@ -269,7 +269,8 @@ def _measure_length(
                "num_features": _config_options(method, options).get("num_features"),
                "status": "ok", "reason": "", "fwd_ms": None, "fwd_bwd_ms": None,
                "peak_mib": None, "rel_error": None, "gflop": None, "sol_ms": None,
-               "sol_fraction": None, "speedup": None, "memory_ratio": None, "growth": None}
+               "sol_fraction": None, "speedup": None, "memory_ratio": None, "growth": None,
+               "load_avg": None}
         rows[label] = row
         reason = _skip_reason(config, method, group["dtype"], n, times[label], peaks[label], limit)
         if reason:
@@ -288,8 +289,13 @@ def _measure_length(
         fns[f"{label}/fwd"] = forward
         if config.backward:
             fns[f"{label}/fwd_bwd"] = step
+    load_before = _load()
     medians = interleaved_median_seconds(fns, device=device, warmup=config.warmup,
                                          repeats=config.repeats, clock=config.clock) if fns else {}
+    load_after = _load()
+    if load_before and load_after:
+        for row in rows.values():
+            row["load_avg"] = round((load_before[0] + load_after[0]) / 2, 2)
 
     exact: dict[str, Tensor] = {}
     for label, (method, options, forward, _) in runnable.items():
@@ -300,7 +306,8 @@ def _measure_length(
         main = row["fwd_bwd_ms"] if config.backward else row["fwd_ms"]
         times[label].append((n, main / 1e3))
         if config.memory:
-            job = MemoryJob(method.name, (b, h, n, d), options, dtype=group["dtype"],
+            name, job_options = method.job_spec(options)
+            job = MemoryJob(name, (b, h, n, d), job_options, dtype=group["dtype"],
                             seed=config.seed, backward=config.backward)
             try:
                 peak = peak_memory_bytes(job, device)

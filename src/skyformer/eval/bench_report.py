@@ -41,50 +41,114 @@ def _title(g: tuple) -> str:
     return f"B={b} H={h} D={d} {dtype} {device}"
 
 
-def format_table(result: BenchResult, *, markdown: bool = False) -> str:
-    """Every row, grouped by shape/dtype and method, with the summary under each group."""
-    ref = result.config.reference
-    timed = "forward+backward" if result.config.backward else "forward"
+def _header(result: BenchResult) -> str:
     cfg = result.config
-    lines = [
+    timed = "forward+backward" if cfg.backward else "forward"
+    rates = ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in result.matmul_gflops.items())
+    return (
         f"times: median of {cfg.repeats} after {cfg.warmup} warm-up, {cfg.clock} clock; "
-        f"speed-up and memory: {ref} / method ({timed}); N->2N: time growth; rel. error: "
-        "spectral norm against the exact target; SOL: the method's matmul FLOPs at the "
-        f"measured matmul throughput ({', '.join(f'{k} {v:.0f} GFLOP/s' for k, v in result.matmul_gflops.items())}) "
-        "over the measured time"
-    ]
+        f"speed-up and memory: {cfg.reference} / method ({timed}); N->2N: time growth; "
+        "rel. error: spectral norm against the exact target; SOL: the method's matmul FLOPs "
+        f"at the measured matmul throughput ({rates}) over the measured time"
+    )
+
+
+def _notes(result: BenchResult, g: tuple, rows: list[dict[str, Any]]) -> list[str]:
+    """Crossover and scaling exponent per method, and the load during the runs."""
+    ref = result.config.reference
     summary = {(s["device"], s["dtype"], s["batch"], s["heads"], s["head_dim"], s["method"]): s
                for s in result.summary}
+    notes = []
+    for method in dict.fromkeys(r["method"] for r in rows):
+        s = summary.get((*g, method))
+        if not s:
+            continue
+        parts = []
+        if method != ref:
+            if s["crossover"] == "never":
+                parts.append(f"slower than {ref} at every N measured")
+            elif s["crossover"] == "at most":
+                parts.append(f"faster than {ref} from N <= {s['crossover_n']:.0f}")
+            else:
+                parts.append(f"faster than {ref} from N ~ {s['crossover_n']:.0f}")
+        if s["exponent"] is not None:
+            lo, hi = s["exponent_range"]
+            parts.append(f"time ~ N^{s['exponent']:.2f} (N {lo}..{hi})")
+        if parts:
+            notes.append(f"{method}: {', '.join(parts)}")
+    loads = {r["n"]: r.get("load_avg") for r in rows if r.get("load_avg") is not None}
+    if loads:
+        notes.append("1-minute load average while timing: "
+                     + ", ".join(f"N={n}: {load:.1f}" for n, load in sorted(loads.items())))
+    return notes
+
+
+def format_table(result: BenchResult, *, markdown: bool = False) -> str:
+    """Every row, grouped by shape/dtype and method, with the summary under each group."""
+    lines = [_header(result)]
     for g, rows in _groups(result).items():
         lines += ["", f"{'### ' if markdown else ''}{_title(g)}", ""]
         header = ["method"] + [c[0] for c in COLUMNS]
+        order = list(dict.fromkeys(r["method"] for r in rows))
         table = []
-        for row in sorted(rows, key=lambda r: (list(dict.fromkeys(x["method"] for x in rows)).index(r["method"]), r["n"])):
+        for row in sorted(rows, key=lambda r: (order.index(r["method"]), r["n"])):
             if row["status"] != "ok":
-                table.append([row["method"], str(row["n"]), f"skipped: {row['reason']}"] + [""] * (len(COLUMNS) - 2))
+                table.append([row["method"], str(row["n"]), f"skipped: {row['reason']}"]
+                             + [""] * (len(COLUMNS) - 2))
                 continue
             table.append([row["method"]] + [_cell(row, key, fmt) for _, key, fmt in COLUMNS])
         lines += _render(header, table, markdown)
-        notes = []
-        for method in dict.fromkeys(r["method"] for r in rows):
-            s = summary.get((*g, method))
-            if not s or method == ref:
+        lines.append("")
+        lines += [("- " if markdown else "  ") + note for note in _notes(result, g, rows)]
+    return "\n".join(lines)
+
+
+WIDE = [  # (title, value key, ratio key or None, format)
+    ("{timed} ms, {clock} clock ({ref} time / method time)", "{time}", "speedup", "{:.1f}", "{:.1f}x"),
+    ("Peak memory MiB (x {ref}'s)", "peak_mib", "memory_ratio", "{:.1f}", "{:.2f}x"),
+    ("Relative spectral error against the exact target", "rel_error", None, "{:.2e}", ""),
+    ("Speed of light: matmul FLOPs at the measured matmul rate / measured time", "sol_fraction",
+     None, "{:.0%}", ""),
+]
+
+
+def format_wide(result: BenchResult) -> str:
+    """Markdown tables with one column per N: time (with the speed-up over the reference),
+    peak memory, relative error and speed of light, then crossover, exponent and load."""
+    cfg = result.config
+    time_key = "fwd_bwd_ms" if cfg.backward else "fwd_ms"
+    timed = "Forward+backward" if cfg.backward else "Forward"
+    lines = [_header(result)]
+    for g, rows in _groups(result).items():
+        by = {(r["method"], r["n"]): r for r in rows}
+        ns = sorted({r["n"] for r in rows})
+        methods = list(dict.fromkeys(r["method"] for r in rows))
+        lines += ["", f"### {_title(g)}"]
+        for title, key, ratio, fmt, ratio_fmt in WIDE:
+            key = time_key if key == "{time}" else key
+            shown = [m for m in methods if any(by[(m, n)].get(key) is not None for n in ns)]
+            if not shown:
                 continue
-            if s["crossover"] == "never":
-                cross = f"slower than {ref} at every N measured" if s["crossover_n"] is None else ""
-            elif s["crossover"] == "at most":
-                cross = f"faster than {ref} from N <= {s['crossover_n']:.0f}"
-            else:
-                cross = f"faster than {ref} from N ~ {s['crossover_n']:.0f}"
-            exp = "" if s["exponent"] is None else (
-                f"time ~ N^{s['exponent']:.2f} (N {s['exponent_range'][0]}..{s['exponent_range'][1]})")
-            notes.append(f"{method}: {', '.join(p for p in (cross, exp) if p)}")
-        ref_s = summary.get((*g, ref))
-        if ref_s and ref_s["exponent"] is not None:
-            notes.append(f"{ref}: time ~ N^{ref_s['exponent']:.2f}")
-        if notes:
-            lines.append("")
-            lines += [("- " if markdown else "  ") + note for note in notes]
+            lines += ["", title.format(timed=timed, clock=cfg.clock, ref=cfg.reference) + ":", "",
+                      "| method | " + " | ".join(f"N={n}" for n in ns) + " |",
+                      "|---" * (len(ns) + 1) + "|"]
+            for m in shown:
+                cells = []
+                for n in ns:
+                    r = by[(m, n)]
+                    if r["status"] != "ok":
+                        cells.append("skipped")
+                    elif r.get(key) is None:
+                        cells.append("-")
+                    else:
+                        cell = fmt.format(r[key])
+                        if ratio and m != cfg.reference and r.get(ratio) is not None:
+                            cell += f" ({ratio_fmt.format(r[ratio])})"
+                        cells.append(cell)
+                lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        skipped = [f"{r['method']} at N={r['n']}: {r['reason']}" for r in rows if r["status"] != "ok"]
+        lines.append("")
+        lines += ["- " + note for note in _notes(result, g, rows) + [f"skipped {s}" for s in skipped]]
     return "\n".join(lines)
 
 

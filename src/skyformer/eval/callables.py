@@ -4,7 +4,9 @@ Experiments take a list of names. A name is either a registered method (``skyfor
 or ``package.module:function`` for any ``f(q, k, v, **options)`` outside the registry
 (e.g. a materialised reference kept for comparison), optionally followed by
 ``@softmax`` or ``@gaussian``: the exact attention it approximates, so that its error
-can be measured.
+can be measured. Registered methods are called as inside ``MultiHeadAttention``
+(``layer_call.call_as_layer``: methods with a per-layer state, such as Linformer's
+learned projections, get it), so what is measured is what a model runs.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from ..registry import attention, get_method
+from ..registry import get_method
+from .layer_call import call_as_layer
+
+LAYER_CALL = "skyformer.eval.layer_call:call_as_layer"
 
 TARGETS = ("softmax", "gaussian")
 
@@ -58,10 +63,16 @@ class NamedAttention:
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, generator: torch.Generator | None,
                  options: dict[str, Any]) -> Tensor:
         if self.function is None:
-            return attention(q, k, v, self.name, generator=generator, **options)
+            return call_as_layer(q, k, v, method=self.name, generator=generator, **options)
         if self.takes_generator:
             return self.function(q, k, v, generator=generator, **options)
         return self.function(q, k, v, **options)
+
+    def job_spec(self, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """(name, options) that make the same call from a ``memory.MemoryJob``."""
+        if self.registered:
+            return LAYER_CALL, {"method": self.name, **options}
+        return self.name, dict(options)
 
 
 def resolve(spec: str) -> NamedAttention:
