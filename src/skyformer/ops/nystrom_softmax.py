@@ -58,6 +58,7 @@ from ..inputs import (
 )
 from ..linalg import gaussian_kernel_matmul, half_sq_norm
 from ..registry import Capabilities, register
+from ..sketch import Landmarks
 from .modified_nystrom import (
     NystromOptions,
     modified_nystrom_factors,
@@ -127,10 +128,11 @@ def nystrom_softmax_attention(
     Returns:
         ``[B, H, Nq, Dv]``; rows of padded queries (self-attention) are zero.
     """
-    info, options, landmarks, root, work = _prepare(
-        q, k, v, key_padding_mask, generator, num_features, gamma, pinv, pinv_iterations,
-        pinv_init, scale, normalizer_threshold,
+    options = NystromSoftmaxConfig(
+        num_features=num_features, gamma=gamma, pinv=pinv, pinv_iterations=pinv_iterations,
+        pinv_init=pinv_init, scale=scale, normalizer_threshold=normalizer_threshold,
     )
+    info, landmarks, root, work = _prepare(q, k, v, key_padding_mask, generator, options)
     qw, kw, vw = q.to(work), k.to(work), v.to(work)
     core = nystrom_core(qw, kw, root, options, landmarks)
     key_valid = None if info.key_valid is None else info.key_valid[:, None, :]  # [B, 1, Nk]
@@ -159,17 +161,16 @@ def nystrom_softmax_attention(
     return _normalise(o[..., :dv], o[..., dv : dv + 1], o[..., dv + 1 :], vw, info, options, q.dtype)
 
 
-def _prepare(q, k, v, key_padding_mask, generator, num_features, gamma, pinv, pinv_iterations,
-             pinv_init, scale, normalizer_threshold):
+def _prepare(
+    q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None,
+    generator: torch.Generator | None, options: NystromSoftmaxConfig,
+) -> tuple[AttentionInputs, Landmarks, float, torch.dtype]:
+    """Checks, landmarks, sqrt of the logit scale and compute dtype (both evaluations)."""
     info = check_attention_inputs(q, k, v, key_padding_mask, method="nystrom_softmax")
     check_generator("nystrom_softmax", generator, q.device)
-    options = NystromSoftmaxConfig(
-        num_features=num_features, gamma=gamma, pinv=pinv, pinv_iterations=pinv_iterations,
-        pinv_init=pinv_init, scale=scale, normalizer_threshold=normalizer_threshold,
-    )
     s = options.scale if options.scale is not None else 1.0 / math.sqrt(info.head_dim)
     landmarks = sample_landmarks(info, options.num_features, q.device, generator)
-    return info, options, landmarks, math.sqrt(s), compute_dtype(q.dtype)
+    return info, landmarks, math.sqrt(s), compute_dtype(q.dtype)
 
 
 def _normalise(numerator: Tensor, denominator: Tensor, bound: Tensor, vw: Tensor,
@@ -203,10 +204,11 @@ def materialised_nystrom_softmax_attention(
     Same arguments and landmarks, same result up to rounding; the reference the fused
     path is tested against.
     """
-    info, options, landmarks, root, work = _prepare(
-        q, k, v, key_padding_mask, generator, num_features, gamma, pinv, pinv_iterations,
-        pinv_init, scale, normalizer_threshold,
+    options = NystromSoftmaxConfig(
+        num_features=num_features, gamma=gamma, pinv=pinv, pinv_iterations=pinv_iterations,
+        pinv_init=pinv_init, scale=scale, normalizer_threshold=normalizer_threshold,
     )
+    info, landmarks, root, work = _prepare(q, k, v, key_padding_mask, generator, options)
     q_hat = q.to(work) * root
     k_hat = k.to(work) * root
     f = modified_nystrom_factors(q_hat, k_hat, info, options, landmarks, shift_query_rows=True)

@@ -26,9 +26,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..inputs import check_attention_inputs, check_generator, compute_dtype, zero_padded_queries
+from ..inputs import (
+    AttentionInputs,
+    check_attention_inputs,
+    check_generator,
+    compute_dtype,
+    zero_padded_queries,
+)
 from ..linalg import gaussian_kernel_matmul
 from ..registry import Capabilities, register
+from ..sketch import Landmarks
 from .kernelized import kernel_scale
 from .modified_nystrom import (
     NystromOptions,
@@ -77,9 +84,8 @@ def skyformer_attention(
         ``[B, H, Nq, Dv]`` in the dtype of ``q`` (half types computed in float32);
         rows of padded queries (self-attention) are zero.
     """
-    info, options, landmarks, scale, work = _prepare(
-        q, k, v, key_padding_mask, generator, num_features, gamma, pinv, pinv_iterations, pinv_init
-    )
+    options = SkyformerConfig(num_features, gamma, pinv, pinv_iterations, pinv_init)
+    info, landmarks, scale, work = _prepare(q, k, v, key_padding_mask, generator, options)
     qw, kw, vw = q.to(work), k.to(work), v.to(work)
     core = nystrom_core(qw, kw, scale, options, landmarks)
     key_valid = None if info.key_valid is None else info.key_valid[:, None, :]  # [B, 1, Nk]
@@ -90,13 +96,15 @@ def skyformer_attention(
     return zero_padded_queries(out, info.query_valid).to(q.dtype)  # [B, H, Nq, Dv]
 
 
-def _prepare(q, k, v, key_padding_mask, generator, num_features, gamma, pinv, pinv_iterations,
-             pinv_init):
+def _prepare(
+    q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None,
+    generator: torch.Generator | None, options: SkyformerConfig,
+) -> tuple[AttentionInputs, Landmarks, float, torch.dtype]:
+    """Checks, landmarks, kernel scale p^-1/4 and compute dtype (both evaluations)."""
     info = check_attention_inputs(q, k, v, key_padding_mask, method="skyformer")
     check_generator("skyformer", generator, q.device)
-    options = SkyformerConfig(num_features, gamma, pinv, pinv_iterations, pinv_init)
     landmarks = sample_landmarks(info, options.num_features, q.device, generator)
-    return info, options, landmarks, kernel_scale(info.head_dim), compute_dtype(q.dtype)
+    return info, landmarks, kernel_scale(info.head_dim), compute_dtype(q.dtype)
 
 
 def materialised_skyformer_attention(
@@ -118,9 +126,8 @@ def materialised_skyformer_attention(
     rounding; O(N m) memory per head. The reference for the fused path (tests) and
     the "before" of the benchmark.
     """
-    info, options, landmarks, scale, work = _prepare(
-        q, k, v, key_padding_mask, generator, num_features, gamma, pinv, pinv_iterations, pinv_init
-    )
+    options = SkyformerConfig(num_features, gamma, pinv, pinv_iterations, pinv_init)
+    info, landmarks, scale, work = _prepare(q, k, v, key_padding_mask, generator, options)
     f = modified_nystrom_factors(q.to(work) * scale, k.to(work) * scale, info, options, landmarks)
     context = f.c_kx.transpose(-1, -2) @ v.to(work)  # [B, H, m, Dv]
     out = f.c_qx @ (f.w @ context)  # [B, H, Nq, Dv]
