@@ -203,12 +203,19 @@ def plot_results(result: BenchResult, path: str | Path) -> Path:
     key = "fwd_bwd_ms" if result.config.backward else "fwd_ms"
     groups = _groups(result)
     fig, axes = plt.subplots(len(groups), 2, figsize=(11, 4.2 * len(groups)), squeeze=False)
+    tab20 = plt.get_cmap("tab20").colors  # dark shades first, then light; red kept for Skyformer
+    colors = [c for i, c in enumerate(tab20[0::2]) if i != 3] + [c for i, c in enumerate(tab20[1::2]) if i != 3]
+    markers = "os^vD<>ph*"
     for (g, rows), (ax_t, ax_m) in zip(groups.items(), axes):
-        for method in dict.fromkeys(r["method"] for r in rows):
+        for i, method in enumerate(dict.fromkeys(r["method"] for r in rows)):
             pts = sorted((r["n"], r[key], r["peak_mib"]) for r in rows
                          if r["method"] == method and r["status"] == "ok")
-            style = dict(color="black", linestyle="--", linewidth=2.5) \
-                if method == result.config.reference else dict(marker="o", markersize=3)
+            style: dict[str, Any] = dict(color=colors[i % len(colors)],
+                                         marker=markers[i % len(markers)], markersize=3)
+            if method == result.config.reference:
+                style = dict(color="black", linestyle="--", linewidth=2.5)
+            elif method == "skyformer":
+                style.update(color="tab:red", linewidth=2.5, markersize=5)
             if pts:
                 ax_t.plot([p[0] for p in pts], [p[1] for p in pts], label=method, **style)
                 mem = [(p[0], p[2]) for p in pts if p[2]]
