@@ -1,0 +1,438 @@
+"""Near field exact, far field expanded around query cluster centres (sparse + low-rank).
+
+For logits l_ij = q_i.k_j + b_j (b_j a per-key bias, -inf for padded keys) the multipole
+methods approximate, for every query,
+
+    S_i = sum_j exp(l_ij) [v_j, 1]
+
+(softmax attention is S_i[:Dv] / S_i[Dv]; Gaussian kernelized attention is
+exp(-|q_i|^2/2) S_i[:Dv] with b_j = -|k_j|^2/2). Queries are clustered by k-means
+(``sketch/kmeans.py``); query i belongs to cluster a with centre z_a, delta_i = q_i - z_a.
+
+- **Near field (sparse, exact)**: the ``near`` keys with the largest centre logits
+  z_a.k_j + b_j (the cluster's heavy keys), plus, in self-attention, the local window
+  |i - j| <= ``window``. Every near key of every query is computed exactly.
+- **Far field (low-rank)**: every other key. With the far distribution of the centre,
+  p_aj = exp(z_a.k_j + b_j) / R_a over the far keys F_a, first-order expansion in
+  delta_i (exponential tilting) gives
+
+      sum_{j in F_a} exp(l_ij) [v_j, 1] ~ exp(log R_a + delta_i.kbar_a) [vbar_a + Cov_a(v, k) delta_i, 1]
+
+  with kbar_a, vbar_a the p_a-means and Cov_a(v, k) the p_a-covariance of values and
+  keys. The same expansion serves the numerator and the normaliser, so nothing is
+  counted twice and the normaliser is always positive. The covariance is kept for the
+  ``tilt_rank`` leading principal directions of the values (per head; the basis carries
+  no gradient), and the tilted mean is clamped to the range of the values, so softmax
+  outputs stay inside the values' per-coordinate range like exact attention.
+- **Window keys in the far field** are removed from it with their first-order model
+  weight exp(z_a.k_j + b_j + delta_i.kbar_a) (1 + delta_i.(k_j - kbar_a)), so no key
+  is counted twice (``docs/accuracy-first.md``).
+
+Every row of the expansion is a rank-(1 + D) function of the query, so the far field is
+a low-rank matrix with c (1 + D) columns; with c clusters, t near keys and a window of
+2w + 1 keys a query evaluates c + t + 2w + 1 kernel entries (its feature count), and
+the cost is O(N (c + t + w) D + c N D r) for a tilt of rank r.
+
+Computation: queries are sorted by cluster and cut into blocks of at most ceil(N / c)
+rows (at most 2c + 1 blocks), so the near field and the far-field expansion run as
+batched products per block; the window runs on positional blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..inputs import AttentionInputs, check_positive_int
+from ..sketch.kmeans import Clusters, kmeans_clusters
+
+_NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class MultipoleOptions:
+    """Options of the multipole (near field + far-field expansion) methods.
+
+    num_features: kernel evaluations per query: clusters + near keys + window keys.
+    window: local window half-width w (keys |i - j| <= w, self-attention only; 0 = none);
+        shrunk to at most a quarter of ``num_features``.
+    clusters: number of query clusters c; ``None`` = half of what the window leaves.
+        The remaining budget goes to the near keys of each cluster.
+    tilt_rank: value directions kept in the far-field covariance term (0 = zeroth-order
+        far field, ``None`` = every direction).
+    kmeans_iterations: Lloyd iterations on the k-means sub-sample.
+    kmeans_sample: rows sub-sampled for the Lloyd iterations (``None`` = all).
+    """
+
+    num_features: int = 128
+    window: int = 8
+    clusters: int | None = None
+    tilt_rank: int | None = 8
+    kmeans_iterations: int = 10
+    kmeans_sample: int | None = 2048
+
+    def validate(self, method: str) -> None:
+        check_positive_int(method, "num_features", self.num_features)
+        for name in ("window", "kmeans_iterations"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{method}: {name} must be an integer >= 0, got {value!r}.")
+        for name in ("clusters", "kmeans_sample"):
+            value = getattr(self, name)
+            if value is not None:
+                check_positive_int(method, name, value)
+        if self.tilt_rank is not None and (
+            isinstance(self.tilt_rank, bool) or not isinstance(self.tilt_rank, int) or self.tilt_rank < 0
+        ):
+            raise ValueError(
+                f"{method}: tilt_rank must be an integer >= 0 or None, got {self.tilt_rank!r}."
+            )
+        window, _, _ = feature_split(self.num_features, self.window, None, self_attention=True)
+        left = self.num_features - (2 * window + 1 if window else 0)
+        if self.clusters is not None and self.clusters > left:
+            raise ValueError(
+                f"{method}: clusters={self.clusters} leaves no budget: num_features="
+                f"{self.num_features} with a window of {2 * window + 1 if window else 0} keys "
+                f"allows at most {left} clusters; raise num_features or lower clusters."
+            )
+
+
+def feature_split(
+    num_features: int, window: int, clusters: int | None, *, self_attention: bool
+) -> tuple[int, int, int]:
+    """(window half-width, clusters, near keys) for a budget of ``num_features`` per query.
+
+    The window (2w + 1 keys) takes at most a quarter of the budget and exists only in
+    self-attention; of the rest, ``clusters`` (default: half, at least 1) are cluster
+    centres and the remainder near keys.
+    """
+    w = 0
+    if self_attention and window > 0:
+        w = min(window, max(0, (num_features // 4 - 1) // 2))
+    left = num_features - (2 * w + 1 if w else 0)
+    c = max(1, left // 2) if clusters is None else min(clusters, left)
+    return w, c, left - c
+
+
+def value_basis(v: Tensor, key_valid: Tensor | None, rank: int | None) -> Tensor | None:
+    """Leading principal directions of the values, ``[B, H, Dv, r]`` (no gradient), or
+    ``None`` when every direction is kept."""
+    dv = v.shape[-1]
+    if rank is None or rank >= dv:
+        return None
+    with torch.no_grad():
+        vv = v.detach()
+        if key_valid is not None:
+            w = key_valid[:, None, :, None].to(v.dtype)
+            count = w.sum(2, keepdim=True).clamp_min(1.0)
+            centred = (vv - (vv * w).sum(2, keepdim=True) / count) * w
+        else:
+            centred = vv - vv.mean(2, keepdim=True)
+        cov = centred.transpose(-1, -2) @ centred  # [B, H, Dv, Dv]
+        basis = torch.linalg.eigh(cov.double()).eigenvectors[..., dv - rank:]
+    return basis.to(v.dtype)
+
+
+def _safe_max(x: Tensor, dim: int) -> Tensor:
+    """Max over ``dim`` (kept), detached, 0 where every entry is -inf."""
+    m = x.detach().amax(dim=dim, keepdim=True)
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+
+@dataclass(frozen=True)
+class FarField:
+    """Per-cluster far-field statistics."""
+
+    log_mass: Tensor  # [B, H, c]  log R_a (-inf: empty far field)
+    kbar: Tensor  # [B, H, c, D]
+    vbar: Tensor  # [B, H, c, Dv]
+    tilt: Tensor  # [B, H, c, r, D]  Cov_a(U^T v, k)
+    live: Tensor  # [B, H, c] bool
+
+
+def far_field(
+    centre_logits: Tensor, member: Tensor, k: Tensor, v: Tensor, basis: Tensor | None, rank: int
+) -> FarField:
+    """Far-field moments of each cluster centre's distribution over its far keys.
+
+    Args:
+        centre_logits: ``[B, H, c, Nk]`` z_a.k_j + b_j; member: ``[B, H, c, Nk]`` near keys.
+        basis: ``[B, H, Dv, r]`` or ``None`` (identity).
+        rank: r (0 = no covariance).
+    """
+    logits = centre_logits.masked_fill(member, _NEG_INF)
+    shift = _safe_max(logits, -1)  # [B, H, c, 1]
+    weights = (logits - shift).exp()  # [B, H, c, Nk]
+    mass = weights.sum(-1, keepdim=True)
+    live = mass[..., 0] > 0
+    p = weights / mass.clamp_min(torch.finfo(mass.dtype).tiny)
+    kbar = p @ k  # [B, H, c, D]
+    vbar = p @ v  # [B, H, c, Dv]
+    log_mass = torch.where(live, mass[..., 0].clamp_min(torch.finfo(mass.dtype).tiny).log() + shift[..., 0], _NEG_INF)
+    b, h, nk, d = k.shape
+    if rank == 0:
+        tilt = k.new_zeros(b, h, p.shape[2], 0, d)
+    else:
+        vr = v if basis is None else v @ basis  # [B, H, Nk, r]
+        outer = (vr[..., :, None] * k[..., None, :]).reshape(b, h, nk, rank * d)
+        second = (p @ outer).view(b, h, p.shape[2], rank, d)
+        vbar_r = vbar if basis is None else vbar @ basis
+        tilt = second - vbar_r[..., :, None] * kbar[..., None, :]
+    return FarField(log_mass, kbar, vbar, tilt, live)
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Queries sorted by cluster and cut into blocks of ``size`` rows."""
+
+    size: int
+    slot_query: Tensor  # [B, H, nb * size] query index per slot (Nq = empty slot)
+    query_slot: Tensor  # [B, H, Nq] slot of each query
+    block_cluster: Tensor  # [B, H, nb]
+
+
+def block_layout(assignment: Tensor, num_clusters: int) -> BlockLayout:
+    """Sort queries by cluster; each cluster fills ceil(size_a / block) blocks."""
+    b, h, n = assignment.shape
+    size = max(1, -(-n // num_clusters))
+    nb = -(-n // size) + num_clusters
+    with torch.no_grad():
+        sorted_cluster, order = torch.sort(assignment, dim=-1, stable=True)
+        counts = torch.zeros(b, h, num_clusters, dtype=torch.long, device=assignment.device)
+        counts.scatter_add_(-1, assignment, torch.ones_like(assignment))
+        blocks = -(-counts // size)
+        first_block = blocks.cumsum(-1) - blocks
+        first_row = counts.cumsum(-1) - counts
+        rank = torch.arange(n, device=assignment.device) - first_row.gather(-1, sorted_cluster)
+        block = first_block.gather(-1, sorted_cluster) + rank // size
+        flat = block * size + rank % size  # [B, H, N] slot of the sorted queries
+        slot_query = torch.full((b, h, nb * size), n, dtype=torch.long, device=assignment.device)
+        slot_query.scatter_(-1, flat, order)
+        query_slot = torch.empty_like(flat).scatter_(-1, order, flat)
+        block_cluster = torch.zeros(b, h, nb, dtype=torch.long, device=assignment.device)
+        block_cluster.scatter_(-1, block, sorted_cluster)
+    return BlockLayout(size, slot_query, query_slot, block_cluster)
+
+
+def _gather_rows(x: Tensor, index: Tensor) -> Tensor:
+    """``x: [B, H, N, D]`` rows at ``index: [B, H, ...]`` -> ``[B, H, ..., D]``."""
+    b, h, _, d = x.shape
+    flat = index.reshape(b, h, -1)
+    return x.gather(2, flat[..., None].expand(b, h, flat.shape[-1], d)).view(*index.shape, d)
+
+
+def _gather_last(x: Tensor, index: Tensor) -> Tensor:
+    """``x: [B, H, M]`` entries at ``index: [B, H, ...]``."""
+    b, h = x.shape[:2]
+    return x.gather(2, index.reshape(b, h, -1)).view(index.shape)
+
+
+@dataclass(frozen=True)
+class PartialSums:
+    """sum_j exp(l_ij) [v_j, 1] ~ exp(log_scale) [numerator, denominator] per query."""
+
+    log_scale: Tensor  # [B, H, Nq, 1] (detached)
+    numerator: Tensor  # [B, H, Nq, Dv]
+    denominator: Tensor  # [B, H, Nq, 1]
+
+
+def multipole_sums(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    key_bias: Tensor,
+    info: AttentionInputs,
+    options: MultipoleOptions,
+    generator: torch.Generator | None,
+    *,
+    live_clusters: Tensor | None = None,
+    live_near: Tensor | None = None,
+    clusters: Clusters | None = None,
+) -> PartialSums:
+    """Near field + far-field expansion of sum_j exp(q_i.k_j + b_j) [v_j, 1].
+
+    Args:
+        q: ``[B, H, Nq, D]``, k: ``[B, H, Nk, D]`` (already scaled), v: ``[B, H, Nk, Dv]``.
+        key_bias: ``[B, H, Nk]`` b_j, ``-inf`` for padded keys.
+        live_clusters, live_near: ``[B, H]`` optional per-head budgets (<= the split).
+        clusters: precomputed clusters (tests); drawn from ``generator`` otherwise.
+    Returns:
+        ``PartialSums``; rows of padded queries are finite and meaningless.
+    """
+    b, h, nq, d = q.shape
+    nk, dv = k.shape[2], v.shape[-1]
+    self_attention = nq == nk
+    w, c, t = feature_split(options.num_features, options.window, options.clusters,
+                            self_attention=self_attention)
+    c = min(c, nq)
+    t = min(t, nk)
+    if clusters is None:
+        clusters = kmeans_clusters(
+            q, c, valid=info.query_valid, generator=generator,
+            iterations=options.kmeans_iterations, sample=options.kmeans_sample,
+            live_clusters=live_clusters,
+        )
+    c = clusters.centres.shape[2]
+    z, a = clusters.centres, clusters.assignment
+    dots = z @ k.transpose(-1, -2)  # [B, H, c, Nk]
+    logits = dots + key_bias[:, :, None, :]
+    near_logits, near = logits.detach().topk(t, dim=-1)  # [B, H, c, t]
+    near_live = torch.isfinite(near_logits)
+    if live_near is not None:
+        near_live = near_live & (torch.arange(t, device=q.device) < live_near[..., None, None])
+    member = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, near, near_live)
+
+    rank = dv if options.tilt_rank is None else min(options.tilt_rank, dv)
+    basis = value_basis(v, info.key_valid, rank) if rank else None
+    far = far_field(logits, member, k, v, basis, rank)
+
+    # Near field and far-field expansion on blocks of queries that share a cluster.
+    layout = block_layout(a, c)
+    nb = layout.block_cluster.shape[-1]
+    q_pad = torch.cat([q, q.new_zeros(b, h, 1, d)], dim=2)
+    qb = _gather_rows(q_pad, layout.slot_query.view(b, h, nb, layout.size))  # [B, H, nb, s, D]
+    bc = layout.block_cluster
+    delta = qb - _gather_rows(z, bc)[..., None, :]  # [B, H, nb, s, D]
+    kbar_b = _gather_rows(far.kbar, bc)  # [B, H, nb, D]
+    delta_kbar = (delta * kbar_b[..., None, :]).sum(-1)  # [B, H, nb, s]
+    log_far = _gather_last(far.log_mass, bc)[..., None] + delta_kbar  # [B, H, nb, s]
+    vbar_b = _gather_rows(far.vbar, bc)[..., None, :]  # [B, H, nb, 1, Dv]
+    if rank:
+        tilt_b = far.tilt.reshape(b, h, c, -1).gather(
+            2, bc[..., None].expand(b, h, nb, rank * d)
+        ).view(b, h, nb, rank, d)
+        shift = delta @ tilt_b.transpose(-1, -2)  # [B, H, nb, s, r]
+        if basis is not None:
+            shift = shift @ basis.transpose(-1, -2)[:, :, None]  # [B, H, nb, s, Dv]
+        v_far = vbar_b + shift
+    else:
+        v_far = vbar_b.expand(b, h, nb, layout.size, dv)
+    # Keep the tilted mean inside the values' range (the expansion is first order).
+    low, high = _value_range(v, info.key_valid)
+    v_far = torch.maximum(torch.minimum(v_far, high), low)
+
+    if t:
+        near_b = near.gather(2, bc[..., None].expand(b, h, nb, t))  # [B, H, nb, t]
+        live_b = near_live.gather(2, bc[..., None].expand(b, h, nb, t))
+        scores = qb @ _gather_rows(k, near_b).transpose(-1, -2)  # [B, H, nb, s, t]
+        scores = scores + _gather_last(key_bias, near_b)[..., None, :]
+        scores = scores.masked_fill(~live_b[..., None, :], _NEG_INF)
+        near_max = _safe_max(scores, -1)
+        e = (scores - near_max).exp()
+        near_num = e @ _gather_rows(v, near_b)  # [B, H, nb, s, Dv]
+        near_den = e.sum(-1, keepdim=True)
+        near_max = torch.where(near_den > 0, near_max, _NEG_INF)
+    else:
+        near_max = q.new_full((b, h, nb, layout.size, 1), _NEG_INF)
+        near_num = q.new_zeros(b, h, nb, layout.size, dv)
+        near_den = q.new_zeros(b, h, nb, layout.size, 1)
+
+    def back(x: Tensor) -> Tensor:  # block layout -> query order
+        x = x.reshape(b, h, nb * layout.size, -1)
+        return x.gather(2, layout.query_slot[..., None].expand(b, h, nq, x.shape[-1]))
+
+    near_max, near_num, near_den = back(near_max), back(near_num), back(near_den)
+    log_far, v_far, delta_kbar = back(log_far[..., None]), back(v_far), back(delta_kbar[..., None])
+    far_live = _gather_last(far.live, a)[..., None]  # [B, H, Nq, 1]
+    far_num, far_den = v_far, torch.ones_like(log_far)
+    parts = [(near_max, near_num, near_den)]
+    if w and self_attention:
+        window_part, removed_num, removed_den = _window(
+            q, k, v, key_bias, dots, member, a, far.log_mass, far_live, delta_kbar, w
+        )
+        parts.append(window_part)
+        far_num = far_num - removed_num
+        far_den = far_den - removed_den
+        far_live = far_live & (far_den > 0)  # the window took the whole far field
+    # exp(log_far - sg(log_far)) is 1 with the gradient of log_far.
+    safe_log_far = torch.where(far_live, log_far, 0.0)
+    far_weight = torch.where(far_live, (safe_log_far - safe_log_far.detach()).exp(), 0.0)
+    far_scale = torch.where(far_live, safe_log_far.detach(), _NEG_INF)
+    parts.append((far_scale, far_num * far_weight, far_den * far_weight))
+    return _merge(parts)
+
+
+def _value_range(v: Tensor, key_valid: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Per-coordinate min and max of the valid values, ``[B, H, 1, 1, Dv]`` each."""
+    vv = v.detach()
+    if key_valid is None:
+        low, high = vv.amin(2, keepdim=True), vv.amax(2, keepdim=True)
+    else:
+        real = key_valid[:, None, :, None]
+        low = vv.masked_fill(~real, float("inf")).amin(2, keepdim=True)
+        high = vv.masked_fill(~real, float("-inf")).amax(2, keepdim=True)
+        low = torch.where(torch.isfinite(low), low, torch.zeros_like(low))
+        high = torch.where(torch.isfinite(high), high, torch.zeros_like(high))
+    return low[:, :, :, None, :], high[:, :, :, None, :]
+
+
+def _merge(parts: list[tuple[Tensor, Tensor, Tensor]]) -> PartialSums:
+    """Combine (log scale, numerator, denominator) triples in log space; a part with
+    scale -inf is empty. The common scale is 0 for rows where every part is empty."""
+    top = _safe_max(torch.stack([p[0] for p in parts], -1), -1)[..., 0]
+    num = sum((p[0] - top).exp() * p[1] for p in parts)
+    den = sum((p[0] - top).exp() * p[2] for p in parts)
+    return PartialSums(top, num, den)  # type: ignore[arg-type]
+
+
+def _window(
+    q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, dots: Tensor, member: Tensor,
+    assignment: Tensor, log_mass: Tensor, far_live: Tensor, delta_kbar: Tensor, w: int,
+) -> tuple[tuple[Tensor, Tensor, Tensor], Tensor, Tensor]:
+    """Exact local window |i - j| <= w (keys not already near), and the first-order
+    far-field model weights of those keys (relative to the far mass), to be removed.
+
+    Returns ((log scale, numerator, denominator), removed numerator, removed weight).
+    """
+    b, h, n, d = q.shape
+    dv = v.shape[-1]
+    c = dots.shape[2]
+    beta = w
+    nblocks = -(-n // beta)
+    padded = nblocks * beta
+    qw = torch.nn.functional.pad(q, (0, 0, 0, padded - n)).view(b, h, nblocks, beta, d)
+
+    def windows(x: Tensor, fill: float = 0.0) -> Tensor:  # [B, H, N, ...] -> [B, H, nblocks, 3 beta, ...]
+        extra = x.shape[3:]
+        flat = x.reshape(b, h, n, -1)
+        flat = torch.nn.functional.pad(flat, (0, 0, beta, padded - n + beta), value=fill)
+        return flat.unfold(2, 3 * beta, beta).transpose(-1, -2).reshape(b, h, nblocks, 3 * beta, *extra)
+
+    i = torch.arange(padded, device=q.device).view(nblocks, beta, 1)
+    j = (torch.arange(nblocks, device=q.device) * beta - beta).view(nblocks, 1, 1) + torch.arange(3 * beta, device=q.device)
+    inside = ((i - j).abs() <= w) & (j >= 0) & (j < n) & (i < n)  # [nblocks, beta, 3 beta]
+    jc = j.clamp(0, n - 1).expand(nblocks, beta, 3 * beta)
+    a_pad = torch.nn.functional.pad(assignment, (0, padded - n)).view(b, h, nblocks, beta, 1)
+    flat_index = a_pad * n + jc  # [B, H, nblocks, beta, 3 beta]
+    near = _gather_last(member.reshape(b, h, c * n), flat_index)
+    bias = windows(key_bias[..., None], _NEG_INF)[..., 0][..., None, :]  # [B, H, nb, 1, 3 beta]
+    mask = inside & ~near & torch.isfinite(bias)
+    kw = windows(k)
+    window_dots = qw @ kw.transpose(-1, -2)  # [B, H, nb, beta, 3 beta]
+    scores = (window_dots + bias).masked_fill(~mask, _NEG_INF)
+    top = _safe_max(scores, -1)
+    e = (scores - top).exp()
+    vw = windows(v)
+    num = e @ vw
+    den = e.sum(-1, keepdim=True)
+    top = torch.where(den > 0, top, _NEG_INF)
+
+    # First-order far-field model weight of window key j for query i, relative to R_a.
+    centre_dots = _gather_last(dots.reshape(b, h, c * n), flat_index)  # z_a.k_j
+    log_mass_q = torch.nn.functional.pad(_gather_last(log_mass, assignment), (0, padded - n))
+    far_live_q = torch.nn.functional.pad(far_live[..., 0], (0, padded - n)).view(b, h, nblocks, beta, 1)
+    log_mass_q = torch.where(far_live_q, log_mass_q.view(b, h, nblocks, beta, 1), 0.0)
+    dk = torch.nn.functional.pad(delta_kbar[..., 0], (0, padded - n)).view(b, h, nblocks, beta, 1)
+    linear = (1.0 + (window_dots - centre_dots) - dk).clamp_min(0.0)
+    weight = ((centre_dots + bias - log_mass_q).clamp_max(0.0).exp() * linear)
+    weight = torch.where(mask & far_live_q, weight, 0.0)
+    removed_num = weight @ vw
+    removed_den = weight.sum(-1, keepdim=True)
+
+    def back(x: Tensor) -> Tensor:
+        return x.reshape(b, h, padded, -1)[:, :, :n]
+
+    return (back(top), back(num), back(den)), back(removed_num), back(removed_den)
