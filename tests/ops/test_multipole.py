@@ -27,21 +27,31 @@ REFERENCE = {
 }
 
 
-def assignment_for(target, q, k, v, mask, seed, num_features, window, clusters=None):
-    """The clusters the fast path draws from ``gen(seed)`` (k-means is its only draw)."""
+def draws_for(target, q, k, v, mask, seed, num_features, window, clusters=None, tilt_sample=None):
+    """The clusters and covariance keys the fast path draws from ``gen(seed)``: one
+    ``[B, N, 2]`` uniform draw (queries' k-means scores, keys' sample scores)."""
     info = check_attention_inputs(q, k, v, mask, method="test")
-    _, c, _ = feature_split(num_features, window, clusters, self_attention=q.shape[2] == k.shape[2])
+    nq, nk = q.shape[2], k.shape[2]
+    _, c, _ = feature_split(num_features, window, clusters, self_attention=nq == nk)
     scale = 1 / math.sqrt(q.shape[-1]) if target == "softmax" else kernel_scale(q.shape[-1])
-    return kmeans_clusters(
-        q.detach() * scale, min(c, q.shape[2]), valid=info.query_valid, generator=gen(seed),
+    scores = torch.rand((q.shape[0], max(nq, nk), 2), generator=gen(seed))
+    assignment = kmeans_clusters(
+        q.detach() * scale, min(c, nq), valid=info.query_valid, scores=scores[:, :nq, 0],
         iterations=MultipoleOptions.kmeans_iterations, sample=MultipoleOptions.kmeans_sample,
     ).assignment
+    sample = None
+    if tilt_sample is not None:
+        key_scores = scores[:, :nk, 1]
+        if mask is not None:
+            key_scores = key_scores.masked_fill(~mask, 2.0)
+        sample = key_scores.argsort(dim=1)[:, :tilt_sample]
+    return assignment, sample
 
 
 @pytest.mark.parametrize("target", ["softmax", "gaussian"])
-@pytest.mark.parametrize("tilt_rank", [0, 3, None])
+@pytest.mark.parametrize("tilt_rank, tilt_sample", [(0, None), (3, None), (None, None), (3, 11)])
 @pytest.mark.parametrize("masked", [False, True])
-def test_fast_matches_naive_reference(target, tilt_rank, masked):
+def test_fast_matches_naive_reference(target, tilt_rank, tilt_sample, masked):
     q, k, v = make_qkv(2, 2, 26, 8, seed=11, scale=0.7)
     mask = None
     if masked:
@@ -52,12 +62,13 @@ def test_fast_matches_naive_reference(target, tilt_rank, masked):
         t.requires_grad_(True)
     m, window = 24, 2
     fast = FAST[target](q, k, v, key_padding_mask=mask, generator=gen(3), num_features=m,
-                        window=window, tilt_rank=tilt_rank)
+                        window=window, tilt_rank=tilt_rank, tilt_sample=tilt_sample)
     w, c, near = feature_split(m, window, None, self_attention=True)
     assert (w, c, near) == (2, 9, 10)
-    a = assignment_for(target, q, k, v, mask, 3, m, window)
+    a, sample = draws_for(target, q, k, v, mask, 3, m, window, tilt_sample=tilt_sample)
     rank = 8 if tilt_rank is None else tilt_rank
-    ref = REFERENCE[target](q, k, v, a, key_padding_mask=mask, near=near, window=w, rank=rank)
+    ref = REFERENCE[target](q, k, v, a, key_padding_mask=mask, near=near, window=w, rank=rank,
+                            tilt_sample=sample)
     torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)
     grads_fast = torch.autograd.grad((fast * fast).sum(), (q, k, v))
     grads_ref = torch.autograd.grad((ref * ref).sum(), (q, k, v))
@@ -71,7 +82,7 @@ def test_cross_attention_matches_reference_and_has_no_window(target):
     fast = FAST[target](q, k, v, generator=gen(1), num_features=12, window=4)
     w, c, near = feature_split(12, 4, None, self_attention=False)
     assert w == 0 and c + near == 12
-    a = assignment_for(target, q, k, v, None, 1, 12, 4)
+    a, _ = draws_for(target, q, k, v, None, 1, 12, 4)
     ref = REFERENCE[target](q, k, v, a, near=near, window=0, rank=8)
     torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)
 
@@ -171,6 +182,7 @@ def test_options_are_checked_with_sentences():
         ({"clusters": 0}, "clusters"),
         ({"clusters": 200}, "leaves no budget"),
         ({"tilt_rank": -1}, "tilt_rank"),
+        ({"tilt_sample": 0}, "tilt_sample"),
         ({"kmeans_iterations": 1.5}, "kmeans_iterations"),
         ({"kmeans_sample": 0}, "kmeans_sample"),
     ):

@@ -78,6 +78,7 @@ def skyformer_multipole_attention(
     window: int = SkyformerMultipoleConfig.window,
     clusters: int | None = SkyformerMultipoleConfig.clusters,
     tilt_rank: int | None = SkyformerMultipoleConfig.tilt_rank,
+    tilt_sample: int | None = SkyformerMultipoleConfig.tilt_sample,
     kmeans_iterations: int = SkyformerMultipoleConfig.kmeans_iterations,
     kmeans_sample: int | None = SkyformerMultipoleConfig.kmeans_sample,
 ) -> Tensor:
@@ -87,15 +88,16 @@ def skyformer_multipole_attention(
         q: ``[B, H, Nq, D]``; k: ``[B, H, Nk, D]``; v: ``[B, H, Nk, Dv]``.
         key_padding_mask: ``[B, Nk]`` bool, True = real token.
         generator: draws the k-means sub-sample and initial centres.
-        num_features, window, clusters, tilt_rank, kmeans_iterations, kmeans_sample:
-            see ``MultipoleOptions``.
+        num_features, window, clusters, tilt_rank, tilt_sample, kmeans_iterations,
+            kmeans_sample: see ``MultipoleOptions``.
     Returns:
         ``[B, H, Nq, Dv]`` in the dtype of ``q``; rows of padded queries are zero.
     """
     info = check_attention_inputs(q, k, v, key_padding_mask, method="skyformer_multipole")
     check_generator("skyformer_multipole", generator, q.device)
     options = SkyformerMultipoleConfig(
-        num_features, window, clusters, tilt_rank, kmeans_iterations, kmeans_sample
+        num_features=num_features, window=window, clusters=clusters, tilt_rank=tilt_rank,
+        tilt_sample=tilt_sample, kmeans_iterations=kmeans_iterations, kmeans_sample=kmeans_sample,
     )
     dtype = q.dtype
     work = compute_dtype(dtype)
@@ -125,6 +127,7 @@ def softmax_multipole_attention(
     window: int = SoftmaxMultipoleConfig.window,
     clusters: int | None = SoftmaxMultipoleConfig.clusters,
     tilt_rank: int | None = SoftmaxMultipoleConfig.tilt_rank,
+    tilt_sample: int | None = SoftmaxMultipoleConfig.tilt_sample,
     kmeans_iterations: int = SoftmaxMultipoleConfig.kmeans_iterations,
     kmeans_sample: int | None = SoftmaxMultipoleConfig.kmeans_sample,
     scale: float | None = SoftmaxMultipoleConfig.scale,
@@ -136,8 +139,8 @@ def softmax_multipole_attention(
         q: ``[B, H, Nq, D]``; k: ``[B, H, Nk, D]``; v: ``[B, H, Nk, Dv]``.
         key_padding_mask: ``[B, Nk]`` bool, True = real token.
         generator: draws the k-means sub-sample and initial centres.
-        num_features, window, clusters, tilt_rank, kmeans_iterations, kmeans_sample,
-            scale: see ``SoftmaxMultipoleConfig``.
+        num_features, window, clusters, tilt_rank, tilt_sample, kmeans_iterations,
+            kmeans_sample, scale: see ``SoftmaxMultipoleConfig``.
     Returns:
         ``[B, H, Nq, Dv]`` in the dtype of ``q``; rows of padded queries and of queries
         without any real key are zero.
@@ -145,7 +148,9 @@ def softmax_multipole_attention(
     info = check_attention_inputs(q, k, v, key_padding_mask, method="softmax_multipole")
     check_generator("softmax_multipole", generator, q.device)
     options = SoftmaxMultipoleConfig(
-        num_features, window, clusters, tilt_rank, kmeans_iterations, kmeans_sample, scale
+        num_features=num_features, window=window, clusters=clusters, tilt_rank=tilt_rank,
+        tilt_sample=tilt_sample, kmeans_iterations=kmeans_iterations, kmeans_sample=kmeans_sample,
+        scale=scale,
     )
     dtype = q.dtype
     work = compute_dtype(dtype)

@@ -57,20 +57,25 @@ class MultipoleOptions:
     """Options of the multipole (near field + far-field expansion) methods.
 
     num_features: kernel evaluations per query: clusters + near keys + window keys.
-    window: local window half-width w (keys |i - j| <= w, self-attention only; 0 = none);
-        shrunk to at most a quarter of ``num_features``.
+    window: local window half-width w (keys |i - j| <= w, self-attention only; 0 = none,
+        the default: with the first-order far field it bought little on MiniLM, see
+        ``docs/accuracy-first.md``); shrunk to at most a quarter of ``num_features``.
     clusters: number of query clusters c; ``None`` = half of what the window leaves.
         The remaining budget goes to the near keys of each cluster.
     tilt_rank: value directions kept in the far-field covariance term (0 = zeroth-order
         far field, ``None`` = every direction).
+    tilt_sample: keys (a uniform sample, shared by the clusters) from which the
+        covariance term is estimated (``None`` = every key); caps its cost at
+        c * tilt_sample * D * tilt_rank whatever N.
     kmeans_iterations: Lloyd iterations on the k-means sub-sample.
     kmeans_sample: rows sub-sampled for the Lloyd iterations (``None`` = all).
     """
 
     num_features: int = 128
-    window: int = 8
+    window: int = 0
     clusters: int | None = None
     tilt_rank: int | None = 8
+    tilt_sample: int | None = 2048
     kmeans_iterations: int = 10
     kmeans_sample: int | None = 2048
 
@@ -80,7 +85,7 @@ class MultipoleOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{method}: {name} must be an integer >= 0, got {value!r}.")
-        for name in ("clusters", "kmeans_sample"):
+        for name in ("clusters", "kmeans_sample", "tilt_sample"):
             value = getattr(self, name)
             if value is not None:
                 check_positive_int(method, name, value)
@@ -154,33 +159,46 @@ class FarField:
 
 
 def far_field(
-    centre_logits: Tensor, member: Tensor, k: Tensor, v: Tensor, basis: Tensor | None, rank: int
+    centre_logits: Tensor, member: Tensor, shift: Tensor, k: Tensor, v: Tensor,
+    basis: Tensor | None, rank: int, sample: Tensor | None = None,
 ) -> FarField:
     """Far-field moments of each cluster centre's distribution over its far keys.
 
     Args:
         centre_logits: ``[B, H, c, Nk]`` z_a.k_j + b_j; member: ``[B, H, c, Nk]`` near keys.
+        shift: ``[B, H, c, 1]`` finite, at least the largest far logit up to float range
+            (far keys more than ~80 below it underflow: their share is below 1e-30).
         basis: ``[B, H, Dv, r]`` or ``None`` (identity).
         rank: r (0 = no covariance).
+        sample: ``[B, S]`` keys from which the covariance is estimated (self-normalised
+            over the sampled far keys), ``None`` = every key.
     """
-    logits = centre_logits.masked_fill(member, _NEG_INF)
-    shift = _safe_max(logits, -1)  # [B, H, c, 1]
-    weights = (logits - shift).exp()  # [B, H, c, Nk]
+    weights = (centre_logits - shift).masked_fill_(member, _NEG_INF).exp_()  # [B, H, c, Nk]
     mass = weights.sum(-1, keepdim=True)
     live = mass[..., 0] > 0
-    p = weights / mass.clamp_min(torch.finfo(mass.dtype).tiny)
-    kbar = p @ k  # [B, H, c, D]
-    vbar = p @ v  # [B, H, c, Dv]
+    inv_mass = 1.0 / mass.clamp_min(torch.finfo(mass.dtype).tiny)
+    kbar = (weights @ k) * inv_mass  # [B, H, c, D]
+    vbar = (weights @ v) * inv_mass  # [B, H, c, Dv]
     log_mass = torch.where(live, mass[..., 0].clamp_min(torch.finfo(mass.dtype).tiny).log() + shift[..., 0], _NEG_INF)
     b, h, nk, d = k.shape
+    c = weights.shape[2]
     if rank == 0:
-        tilt = k.new_zeros(b, h, p.shape[2], 0, d)
+        tilt = k.new_zeros(b, h, c, 0, d)
     else:
-        vr = v if basis is None else v @ basis  # [B, H, Nk, r]
-        outer = (vr[..., :, None] * k[..., None, :]).reshape(b, h, nk, rank * d)
-        second = (p @ outer).view(b, h, p.shape[2], rank, d)
-        vbar_r = vbar if basis is None else vbar @ basis
-        tilt = second - vbar_r[..., :, None] * kbar[..., None, :]
+        ks, vs, ws, inv = k, v, weights, inv_mass
+        if sample is not None:
+            idx = sample[:, None, :].expand(b, h, -1)
+            ks = k.gather(2, idx[..., None].expand(-1, -1, -1, d))
+            vs = v.gather(2, idx[..., None].expand(-1, -1, -1, v.shape[-1]))
+            ws = weights.gather(3, idx[:, :, None, :].expand(-1, -1, c, -1))
+            inv = 1.0 / ws.sum(-1, keepdim=True).clamp_min(torch.finfo(ws.dtype).tiny)
+        vr = vs if basis is None else vs @ basis  # [B, H, S, r]
+        outer = (vr[..., :, None] * ks[..., None, :]).view(b, h, ks.shape[2], rank * d)
+        second = ((ws @ outer) * inv).view(b, h, c, rank, d)
+        mean_k, mean_vr = kbar, (vbar if basis is None else vbar @ basis)
+        if sample is not None:
+            mean_k, mean_vr = (ws @ ks) * inv, (ws @ vr) * inv
+        tilt = second - mean_vr[..., :, None] * mean_k[..., None, :]
     return FarField(log_mass, kbar, vbar, tilt, live)
 
 
@@ -195,15 +213,17 @@ class BlockLayout:
 
 
 def block_layout(assignment: Tensor, num_clusters: int) -> BlockLayout:
-    """Sort queries by cluster; each cluster fills ceil(size_a / block) blocks."""
+    """Sort queries by cluster; cluster a fills ceil(|a| / size) blocks of
+    size = ceil(N / 2c) rows, so at most N/size + c blocks, of which only as many as the
+    fullest head needs are allocated (at most 1.5 N rows)."""
     b, h, n = assignment.shape
-    size = max(1, -(-n // num_clusters))
-    nb = -(-n // size) + num_clusters
+    size = max(1, -(-n // (2 * num_clusters)))
     with torch.no_grad():
         sorted_cluster, order = torch.sort(assignment, dim=-1, stable=True)
         counts = torch.zeros(b, h, num_clusters, dtype=torch.long, device=assignment.device)
         counts.scatter_add_(-1, assignment, torch.ones_like(assignment))
         blocks = -(-counts // size)
+        nb = int(blocks.sum(-1).max())
         first_block = blocks.cumsum(-1) - blocks
         first_row = counts.cumsum(-1) - counts
         rank = torch.arange(n, device=assignment.device) - first_row.gather(-1, sorted_cluster)
@@ -269,76 +289,86 @@ def multipole_sums(
                             self_attention=self_attention)
     c = min(c, nq)
     t = min(t, nk)
+    # All randomness in one draw, [B, N, 2], so that right padding of a batch of one
+    # draws what truncation draws: column 0 scores queries for k-means, column 1 keys
+    # for the covariance sample.
+    scores = torch.rand((b, max(nq, nk), 2), device=q.device, generator=generator)
     if clusters is None:
         clusters = kmeans_clusters(
-            q, c, valid=info.query_valid, generator=generator,
-            iterations=options.kmeans_iterations, sample=options.kmeans_sample,
-            live_clusters=live_clusters,
+            q, c, valid=info.query_valid, iterations=options.kmeans_iterations,
+            sample=options.kmeans_sample, live_clusters=live_clusters, scores=scores[:, :nq, 0],
         )
     c = clusters.centres.shape[2]
     z, a = clusters.centres, clusters.assignment
     dots = z @ k.transpose(-1, -2)  # [B, H, c, Nk]
     logits = dots + key_bias[:, :, None, :]
-    near_logits, near = logits.detach().topk(t, dim=-1)  # [B, H, c, t]
-    near_live = torch.isfinite(near_logits)
-    if live_near is not None:
-        near_live = near_live & (torch.arange(t, device=q.device) < live_near[..., None, None])
-    member = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, near, near_live)
+    if t:
+        near_logits, near = logits.detach().topk(t, dim=-1)  # [B, H, c, t]
+        near_live = torch.isfinite(near_logits)
+        if live_near is not None:
+            near_live = near_live & (torch.arange(t, device=q.device) < live_near[..., None, None])
+        shift = near_logits[..., :1]
+        member = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, near, near_live)
+    else:
+        shift = logits.detach().amax(-1, keepdim=True)
+        member = torch.zeros_like(logits, dtype=torch.bool)
+    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
 
     rank = dv if options.tilt_rank is None else min(options.tilt_rank, dv)
     basis = value_basis(v, info.key_valid, rank) if rank else None
-    far = far_field(logits, member, k, v, basis, rank)
+    sample = None
+    if rank and options.tilt_sample is not None and options.tilt_sample < nk:
+        key_scores = scores[:, :nk, 1]
+        if info.key_valid is not None:
+            key_scores = key_scores.masked_fill(~info.key_valid, 2.0)  # uniform scores < 1
+        sample = key_scores.topk(options.tilt_sample, dim=1, largest=False, sorted=False).indices
+    far = far_field(logits, member, shift, k, v, basis, rank, sample)
 
     # Near field and far-field expansion on blocks of queries that share a cluster.
     layout = block_layout(a, c)
-    nb = layout.block_cluster.shape[-1]
+    nb, size = layout.block_cluster.shape[-1], layout.size
+    bc = layout.block_cluster  # [B, H, nb]
     q_pad = torch.cat([q, q.new_zeros(b, h, 1, d)], dim=2)
-    qb = _gather_rows(q_pad, layout.slot_query.view(b, h, nb, layout.size))  # [B, H, nb, s, D]
-    bc = layout.block_cluster
+    qb = _gather_rows(q_pad, layout.slot_query.view(b, h, nb, size))  # [B, H, nb, s, D]
     delta = qb - _gather_rows(z, bc)[..., None, :]  # [B, H, nb, s, D]
-    kbar_b = _gather_rows(far.kbar, bc)  # [B, H, nb, D]
-    delta_kbar = (delta * kbar_b[..., None, :]).sum(-1)  # [B, H, nb, s]
-    log_far = _gather_last(far.log_mass, bc)[..., None] + delta_kbar  # [B, H, nb, s]
-    vbar_b = _gather_rows(far.vbar, bc)[..., None, :]  # [B, H, nb, 1, Dv]
-    if rank:
-        tilt_b = far.tilt.reshape(b, h, c, -1).gather(
-            2, bc[..., None].expand(b, h, nb, rank * d)
-        ).view(b, h, nb, rank, d)
-        shift = delta @ tilt_b.transpose(-1, -2)  # [B, H, nb, s, r]
-        if basis is not None:
-            shift = shift @ basis.transpose(-1, -2)[:, :, None]  # [B, H, nb, s, Dv]
-        v_far = vbar_b + shift
-    else:
-        v_far = vbar_b.expand(b, h, nb, layout.size, dv)
-    # Keep the tilted mean inside the values' range (the expansion is first order).
-    low, high = _value_range(v, info.key_valid)
-    v_far = torch.maximum(torch.minimum(v_far, high), low)
+    # delta.kbar and (for the tilt) Cov(U^T v, k) delta, with one product per block.
+    kbar_tilt = far.kbar[..., None, :] if not rank else torch.cat([far.kbar[..., None, :], far.tilt], 3)
+    kbar_tilt = kbar_tilt.reshape(b, h, c, -1).gather(
+        2, bc[..., None].expand(b, h, nb, (rank + 1) * d)
+    ).view(b, h, nb, rank + 1, d)
+    projected = delta @ kbar_tilt.transpose(-1, -2)  # [B, H, nb, s, 1 + r]
 
+    blocked = [projected]
     if t:
         near_b = near.gather(2, bc[..., None].expand(b, h, nb, t))  # [B, H, nb, t]
-        live_b = near_live.gather(2, bc[..., None].expand(b, h, nb, t))
-        scores = qb @ _gather_rows(k, near_b).transpose(-1, -2)  # [B, H, nb, s, t]
-        scores = scores + _gather_last(key_bias, near_b)[..., None, :]
-        scores = scores.masked_fill(~live_b[..., None, :], _NEG_INF)
+        bias_b = _gather_last(key_bias, near_b).masked_fill(
+            ~near_live.gather(2, bc[..., None].expand(b, h, nb, t)), _NEG_INF
+        )
+        scores = torch.baddbmm(
+            bias_b.view(b * h * nb, 1, t), qb.view(b * h * nb, size, d),
+            _gather_rows(k, near_b).view(b * h * nb, t, d).transpose(1, 2),
+        ).view(b, h, nb, size, t)
         near_max = _safe_max(scores, -1)
-        e = (scores - near_max).exp()
+        e = (scores - near_max).exp_()
         near_num = e @ _gather_rows(v, near_b)  # [B, H, nb, s, Dv]
-        near_den = e.sum(-1, keepdim=True)
-        near_max = torch.where(near_den > 0, near_max, _NEG_INF)
-    else:
-        near_max = q.new_full((b, h, nb, layout.size, 1), _NEG_INF)
-        near_num = q.new_zeros(b, h, nb, layout.size, dv)
-        near_den = q.new_zeros(b, h, nb, layout.size, 1)
+        blocked += [near_max, near_num, e.sum(-1, keepdim=True)]
+    flat = torch.cat(blocked, -1).view(b, h, nb * size, -1)
+    flat = flat.gather(2, layout.query_slot[..., None].expand(b, h, nq, flat.shape[-1]))  # query order
+    delta_kbar, shift_r = flat[..., :1], flat[..., 1:1 + rank]
+    parts = []
+    if t:
+        near_max, near_num, near_den = flat[..., 1 + rank:2 + rank], flat[..., 2 + rank:-1], flat[..., -1:]
+        parts.append((torch.where(near_den > 0, near_max, _NEG_INF), near_num, near_den))
 
-    def back(x: Tensor) -> Tensor:  # block layout -> query order
-        x = x.reshape(b, h, nb * layout.size, -1)
-        return x.gather(2, layout.query_slot[..., None].expand(b, h, nq, x.shape[-1]))
-
-    near_max, near_num, near_den = back(near_max), back(near_num), back(near_den)
-    log_far, v_far, delta_kbar = back(log_far[..., None]), back(v_far), back(delta_kbar[..., None])
+    log_far = _gather_last(far.log_mass, a)[..., None] + delta_kbar  # [B, H, Nq, 1]
+    v_far = _gather_rows(far.vbar, a)  # [B, H, Nq, Dv]
+    if rank:
+        v_far = v_far + (shift_r if basis is None else shift_r @ basis.transpose(-1, -2))
+        # Keep the tilted mean inside the values' range (the expansion is first order).
+        low, high = _value_range(v, info.key_valid)
+        v_far = torch.maximum(torch.minimum(v_far, high), low)
     far_live = _gather_last(far.live, a)[..., None]  # [B, H, Nq, 1]
     far_num, far_den = v_far, torch.ones_like(log_far)
-    parts = [(near_max, near_num, near_den)]
     if w and self_attention:
         window_part, removed_num, removed_den = _window(
             q, k, v, key_bias, dots, member, a, far.log_mass, far_live, delta_kbar, w
@@ -356,7 +386,7 @@ def multipole_sums(
 
 
 def _value_range(v: Tensor, key_valid: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Per-coordinate min and max of the valid values, ``[B, H, 1, 1, Dv]`` each."""
+    """Per-coordinate min and max of the valid values, ``[B, H, 1, Dv]`` each."""
     vv = v.detach()
     if key_valid is None:
         low, high = vv.amin(2, keepdim=True), vv.amax(2, keepdim=True)
@@ -366,7 +396,7 @@ def _value_range(v: Tensor, key_valid: Tensor | None) -> tuple[Tensor, Tensor]:
         high = vv.masked_fill(~real, float("-inf")).amax(2, keepdim=True)
         low = torch.where(torch.isfinite(low), low, torch.zeros_like(low))
         high = torch.where(torch.isfinite(high), high, torch.zeros_like(high))
-    return low[:, :, :, None, :], high[:, :, :, None, :]
+    return low, high
 
 
 def _merge(parts: list[tuple[Tensor, Tensor, Tensor]]) -> PartialSums:

@@ -32,11 +32,11 @@ def _value_projector(v: Tensor, rank: int) -> Tensor:
     return u @ u.T
 
 
-def _one_head(q, k, v, bias, assignment, rows, near, window, rank, self_attention):
+def _one_head(q, k, v, bias, assignment, rows, near, window, rank, self_attention, tilt_keys):
     """S_i = sum_j exp(l_ij)[v_j, 1] approximated for the query positions ``rows`` of one
     head: ``[len(rows), Dv + 1]``."""
     nk = k.shape[0]
-    real = [j for j in range(nk) if math.isfinite(float(bias[j]))]
+    real = [j for j in range(nk) if math.isfinite(float(bias[j].detach()))]
     v_real = v[real]
     projector = _value_projector(v_real, rank) if rank else None
     low, high = v_real.detach().amin(0), v_real.detach().amax(0)
@@ -64,7 +64,13 @@ def _one_head(q, k, v, bias, assignment, rows, near, window, rank, self_attentio
             vbar = p @ v[far]
             tilted = vbar
             if rank:
-                cov = (v[far] - vbar).T @ (p[:, None] * (k[far] - kbar))  # [Dv, D]
+                sampled = far if tilt_keys is None else [j for j in far if j in tilt_keys]
+                cov = torch.zeros(v.shape[1], k.shape[1], dtype=q.dtype)
+                if sampled:
+                    ps = torch.exp(centre_logits[sampled])
+                    ps = ps / ps.sum()
+                    ks, vs = k[sampled], v[sampled]
+                    cov = (vs - ps @ vs).T @ (ps[:, None] * (ks - ps @ ks))  # [Dv, D]
                 tilted = vbar + projector @ (cov @ delta)
             tilted = torch.maximum(torch.minimum(tilted, high), low)
             far_num, far_den = tilted, torch.ones((), dtype=q.dtype)
@@ -83,7 +89,7 @@ def _one_head(q, k, v, bias, assignment, rows, near, window, rank, self_attentio
 
 def reference_multipole_sums(
     q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, assignment: Tensor, *,
-    query_valid: Tensor | None, near: int, window: int, rank: int,
+    query_valid: Tensor | None, near: int, window: int, rank: int, tilt_sample: Tensor | None = None,
 ) -> Tensor:
     """``[B, H, Nq, Dv + 1]`` approximations of sum_j exp(q_i.k_j + b_j) [v_j, 1].
 
@@ -93,6 +99,9 @@ def reference_multipole_sums(
         assignment: ``[B, H, Nq]`` cluster of every query (padded queries ignored).
         query_valid: ``[B, Nq]`` or ``None``.
         near, window, rank: near keys per cluster, window half-width, tilt rank.
+        tilt_sample: ``[B, S]`` keys the covariance term is estimated from (``None`` = all):
+            self-normalised centre weights over the sampled far keys, centred on their
+            own means.
     Rows of padded queries are zero.
     """
     b, h, nq, _ = q.shape
@@ -106,13 +115,14 @@ def reference_multipole_sums(
             out[bi, hi, rows] = _one_head(
                 q[bi, hi], k[bi, hi], v[bi, hi], key_bias[bi, hi], assignment[bi, hi], rows,
                 near, window, rank, self_attention,
+                None if tilt_sample is None else set(tilt_sample[bi].tolist()),
             )
     return out
 
 
 def reference_softmax_multipole_attention(
     q: Tensor, k: Tensor, v: Tensor, assignment: Tensor, *, key_padding_mask: Tensor | None = None,
-    near: int, window: int, rank: int, scale: float | None = None,
+    near: int, window: int, rank: int, scale: float | None = None, tilt_sample: Tensor | None = None,
 ) -> Tensor:
     """Naive ``softmax_multipole`` for given cluster assignments. ``[B, H, Nq, Dv]``."""
     s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -121,14 +131,14 @@ def reference_softmax_multipole_attention(
         bias = bias.masked_fill(~key_padding_mask[:, None, :], float("-inf"))
     query_valid = key_padding_mask if q.shape[2] == k.shape[2] else None
     sums = reference_multipole_sums(q * s, k, v, bias, assignment, query_valid=query_valid,
-                                    near=near, window=window, rank=rank)
+                                    near=near, window=window, rank=rank, tilt_sample=tilt_sample)
     out = sums[..., :-1] / sums[..., -1:].clamp_min(1e-300)
     return out if query_valid is None else out * query_valid[:, None, :, None]
 
 
 def reference_skyformer_multipole_attention(
     q: Tensor, k: Tensor, v: Tensor, assignment: Tensor, *, key_padding_mask: Tensor | None = None,
-    near: int, window: int, rank: int,
+    near: int, window: int, rank: int, tilt_sample: Tensor | None = None,
 ) -> Tensor:
     """Naive ``skyformer_multipole`` for given cluster assignments. ``[B, H, Nq, Dv]``."""
     c = q.shape[-1] ** -0.25
@@ -138,6 +148,6 @@ def reference_skyformer_multipole_attention(
         bias = bias.masked_fill(~key_padding_mask[:, None, :], float("-inf"))
     query_valid = key_padding_mask if q.shape[2] == k.shape[2] else None
     sums = reference_multipole_sums(q_hat, k_hat, v, bias, assignment, query_valid=query_valid,
-                                    near=near, window=window, rank=rank)
+                                    near=near, window=window, rank=rank, tilt_sample=tilt_sample)
     out = torch.exp(-0.5 * (q_hat * q_hat).sum(-1))[..., None] * sums[..., :-1]
     return out if query_valid is None else out * query_valid[:, None, :, None]

@@ -34,17 +34,26 @@ class Clusters:
     sizes: Tensor  # [B, H, c] number of valid members
 
 
-def _sq_dist(x: Tensor, z: Tensor, live: Tensor) -> Tensor:
-    """|x_i - z_c|^2 ``[..., n, c]`` with dead centres at +inf."""
-    d = (x * x).sum(-1)[..., :, None] - 2.0 * (x @ z.transpose(-1, -2)) + (z * z).sum(-1)[..., None, :]
-    return d.masked_fill(~live[..., None, :], float("inf"))
+def _nearest(x: Tensor, z: Tensor, live: Tensor) -> Tensor:
+    """Index of the nearest live centre ``[B, H, n]``: argmin of |z|^2 - 2 x.z (|x|^2
+    is the same for every centre), dead centres at +inf."""
+    b, h, n, d = x.shape
+    c = z.shape[2]
+    norms = (z * z).sum(-1).masked_fill(~live, float("inf"))  # [B, H, c]
+    dist = torch.baddbmm(
+        norms.reshape(b * h, 1, c), x.reshape(b * h, n, d), z.reshape(b * h, c, d).transpose(1, 2),
+        alpha=-2.0,
+    )
+    return dist.argmin(-1).view(b, h, n)
 
 
 def _means(x: Tensor, assignment: Tensor, weight: Tensor, count: int) -> tuple[Tensor, Tensor]:
-    """Weighted member means ``[..., c, D]`` and member weights ``[..., c]``."""
-    onehot = torch.nn.functional.one_hot(assignment, count).to(x.dtype) * weight[..., None]
-    sizes = onehot.sum(-2)  # [..., c]
-    sums = onehot.transpose(-1, -2) @ x  # [..., c, D]
+    """Weighted member means ``[B, H, c, D]`` and member weights ``[B, H, c]``."""
+    b, h, _, d = x.shape
+    sizes = x.new_zeros(b, h, count).scatter_add_(-1, assignment, weight)
+    sums = x.new_zeros(b, h, count, d).scatter_add(
+        2, assignment[..., None].expand(-1, -1, -1, d), x * weight[..., None]
+    )
     return sums / sizes.clamp_min(1.0)[..., None], sizes
 
 
@@ -57,6 +66,7 @@ def kmeans_clusters(
     iterations: int = 10,
     sample: int | None = None,
     live_clusters: Tensor | None = None,
+    scores: Tensor | None = None,
 ) -> Clusters:
     """Cluster the rows of ``x`` with k-means.
 
@@ -69,11 +79,14 @@ def kmeans_clusters(
         sample: sub-sample size (``None`` = every valid row).
         live_clusters: ``[B, H]`` long, optional per-head number of centres <= c
             (slots beyond it stay empty), used to give heads different budgets.
+        scores: ``[B, N]`` uniform scores drawn by the caller (then ``generator`` is
+            unused), for callers that draw all their randomness at once.
     Returns:
         ``Clusters``; ``centres`` are differentiable member means.
     """
     b, h, n, d = x.shape
-    scores = torch.rand((b, n), device=x.device, generator=generator)
+    if scores is None:
+        scores = torch.rand((b, n), device=x.device, generator=generator)
     if valid is not None:
         scores = scores.masked_fill(~valid, _OUT_OF_REACH)
     s = n if sample is None else max(min(sample, n), min(num_clusters, n))
@@ -93,11 +106,11 @@ def kmeans_clusters(
         weight = sample_live[:, None, :].to(x.dtype).expand(b, h, s)
         centres = init
         for _ in range(iterations):
-            assign = _sq_dist(xs, centres, live).argmin(-1)  # [B, H, s]
+            assign = _nearest(xs, centres, live)  # [B, H, s]
             means, sizes = _means(xs, assign, weight, c)
             # An emptied cluster keeps its previous centre (it may win rows back).
             centres = torch.where((sizes > 0)[..., None], means, centres)
-        assignment = _sq_dist(x.detach(), centres, live).argmin(-1)  # [B, H, N]
+        assignment = _nearest(x.detach(), centres, live)  # [B, H, N]
     row_weight = (
         torch.ones(b, h, n, dtype=x.dtype, device=x.device) if valid is None
         else valid[:, None, :].to(x.dtype).expand(b, h, n)
