@@ -5,7 +5,7 @@ generator=None, **options)`` and a naive ``reference_*`` version for tests.
 """
 
 from . import softmax, kernelized, skyformer, nystrom_softmax  # noqa: F401  (registration order = listing order)
-from . import multipole  # noqa: F401
+from . import multipole, skyformer_adaptive  # noqa: F401
 from .kernelized import gaussian_scores, kernelized_attention, reference_kernelized_attention
 from .nystrom_softmax import nystrom_softmax_attention
 from .reference import reference_nystrom_softmax_attention, reference_skyformer_attention
