@@ -11,8 +11,13 @@ from skyformer import attention, kernelized_attention, softmax_attention
 from skyformer.eval.metrics import relative_error
 from skyformer.inputs import check_attention_inputs
 from skyformer.ops.kernelized import kernel_scale
-from skyformer.ops.multipole import skyformer_multipole_attention, softmax_multipole_attention
+from skyformer.ops.multipole import (
+    multipole_with_choice,
+    skyformer_multipole_attention,
+    softmax_multipole_attention,
+)
 from skyformer.ops.multipole_core import MultipoleOptions, block_layout, feature_split
+from skyformer.ops.multipole_targeted import feature_ladder
 from skyformer.ops.multipole_reference import (
     reference_skyformer_multipole_attention,
     reference_softmax_multipole_attention,
@@ -202,3 +207,75 @@ def test_half_precision_is_computed_in_float32():
         ref = fn(q.half().float(), k.half().float(), v.half().float(), generator=gen(0), num_features=16)
         assert out.dtype == torch.float16
         torch.testing.assert_close(out.float(), ref, rtol=2e-3, atol=2e-3)
+
+
+def structured_qkv(seed=7, n=160, d=16):
+    g = gen(seed)
+    centres = torch.randn(6, d, generator=g, dtype=torch.float64) * 1.5
+    q = centres[torch.randint(6, (1, 2, n), generator=g)] + 0.3 * torch.randn(1, 2, n, d, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 2, n, d, generator=g, dtype=torch.float64) * 1.2
+    v = torch.randn(1, 2, n, d, generator=g, dtype=torch.float64)
+    return q, k, v
+
+
+@pytest.mark.parametrize("method", ["softmax_multipole", "skyformer_multipole"])
+def test_tolerance_picks_a_rung_of_the_ladder_and_returns_its_output(method):
+    q, k, v = structured_qkv()
+    exact = (softmax_attention if method == "softmax_multipole" else kernelized_attention)(q, k, v)
+    loose, choice = multipole_with_choice(method, q, k, v, generator=gen(1), num_features=64,
+                                          tolerance=10.0, probe=16)
+    assert choice.ladder == feature_ladder(64) == (8, 16, 32, 64)
+    assert (choice.features == 8).all()
+    plain = attention(q, k, v, method, generator=gen(1), num_features=8)
+    scores = torch.rand((1, 160, 2), generator=gen(1))
+    probes = scores[0, :, 0].argsort()[:16]
+    others = torch.ones(160, dtype=torch.bool)
+    others[probes] = False
+    torch.testing.assert_close(loose[:, :, others], plain[:, :, others], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(loose[:, :, probes], exact[:, :, probes], rtol=1e-10, atol=1e-12)
+
+    strict, choice = multipole_with_choice(method, q, k, v, generator=gen(1), num_features=64,
+                                           tolerance=1e-9, probe=16)
+    assert (choice.features == 64).all() and (choice.estimate > 1e-9).all()
+    plain = attention(q, k, v, method, generator=gen(1), num_features=64)
+    torch.testing.assert_close(strict[:, :, others], plain[:, :, others], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", ["softmax_multipole", "skyformer_multipole"])
+def test_error_estimate_tracks_the_true_error(method):
+    """The probe estimate of the relative Frobenius error is within a factor 2 of the
+    error of the non-probe rows, and the chosen budget meets the tolerance when it can."""
+    q, k, v = structured_qkv(seed=8, n=256)
+    exact = (softmax_attention if method == "softmax_multipole" else kernelized_attention)(q, k, v)
+    for budget in (8, 32):
+        out, choice = multipole_with_choice(method, q, k, v, generator=gen(2), num_features=budget,
+                                            tolerance=1e-9, probe=64)
+        true = relative_error(out, exact, ord="fro")[0]
+        estimate = choice.estimate[0]
+        assert ((estimate < 2 * true) & (true < 2 * estimate)).all(), (estimate, true)
+    out, choice = multipole_with_choice(method, q, k, v, generator=gen(2), num_features=64,
+                                        tolerance=0.2, probe=64)
+    met = choice.estimates.min(-1).values <= 0.2
+    assert (choice.estimate[met] <= 0.2).all()
+
+
+def test_tolerance_keeps_padding_equal_to_truncation():
+    q, k, v = make_qkv(1, 2, 24, 8, seed=1)
+    mask = torch.zeros(1, 24, dtype=torch.bool)
+    mask[:, :17] = True
+    for method in ("softmax_multipole", "skyformer_multipole"):
+        options = dict(num_features=12, tolerance=0.05, probe=5)
+        padded = attention(q, k, v, method, key_padding_mask=mask, generator=gen(0), **options)
+        truncated = attention(q[:, :, :17], k[:, :, :17], v[:, :, :17], method, generator=gen(0), **options)
+        torch.testing.assert_close(padded[:, :, :17], truncated, rtol=1e-7, atol=1e-9)
+        assert torch.all(padded[:, :, 17:] == 0)
+
+
+def test_tolerance_options_are_checked():
+    q, k, v = make_qkv(1, 1, 8, 4)
+    for options, word in (({"tolerance": 0.0}, "tolerance"), ({"tolerance": 0.1, "clusters": 4}, "clusters"),
+                          ({"probe": 0}, "probe")):
+        with pytest.raises(ValueError, match=word):
+            attention(q, k, v, "softmax_multipole", **options)
+    with pytest.raises(ValueError, match="method must be one of"):
+        multipole_with_choice("skyformer", q, k, v)

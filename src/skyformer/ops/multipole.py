@@ -26,7 +26,8 @@ from ..inputs import check_attention_inputs, check_generator, compute_dtype, zer
 from ..linalg import half_sq_norm
 from ..registry import Capabilities, register
 from .kernelized import kernel_scale
-from .multipole_core import MultipoleOptions, multipole_sums
+from .multipole_core import MultipoleOptions, PartialSums, multipole_sums
+from .multipole_targeted import FeatureChoice, targeted_multipole
 
 
 @dataclass(frozen=True)
@@ -60,12 +61,65 @@ def masked_bias(bias: Tensor, key_valid: Tensor | None) -> Tensor:
     return bias.masked_fill(~key_valid[:, None, :], float("-inf"))
 
 
+def _gaussian_finish(sums: PartialSums, q_rows: Tensor) -> Tensor:
+    """C V rows: exp(-|q^|^2/2) sum_j exp(q^.k^_j - |k^_j|^2/2) v_j."""
+    return (sums.log_scale - half_sq_norm(q_rows)[..., None]).exp() * sums.numerator
+
+
+def _softmax_finish(sums: PartialSums, q_rows: Tensor) -> Tensor:
+    """Softmax rows: numerator / normaliser (0 for rows without a real key)."""
+    den = sums.denominator
+    return torch.where(den > 0, sums.numerator / den.clamp_min(torch.finfo(den.dtype).tiny), 0.0)
+
+
+def multipole_with_choice(
+    method: str, q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask: Tensor | None = None,
+    generator: torch.Generator | None = None, **options,
+) -> tuple[Tensor, FeatureChoice | None]:
+    """``softmax_multipole`` or ``skyformer_multipole`` output and, with ``tolerance``, the
+    per-head budgets and error estimates (``None`` without a tolerance).
+
+    Args:
+        method: ``"softmax_multipole"`` or ``"skyformer_multipole"``.
+        q: ``[B, H, Nq, D]``; k: ``[B, H, Nk, D]``; v: ``[B, H, Nk, Dv]``.
+        options: the method's options (``SoftmaxMultipoleConfig`` / ``SkyformerMultipoleConfig``).
+    """
+    configs = {"softmax_multipole": SoftmaxMultipoleConfig, "skyformer_multipole": SkyformerMultipoleConfig}
+    if method not in configs:
+        raise ValueError(f"method must be one of {', '.join(configs)}, got {method!r}.")
+    info = check_attention_inputs(q, k, v, key_padding_mask, method=method)
+    check_generator(method, generator, q.device)
+    config = configs[method](**options)
+    dtype = q.dtype
+    work = compute_dtype(dtype)
+    if method == "softmax_multipole":
+        s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
+        q_, k_ = q.to(work) * s, k.to(work)
+        bias = q_.new_zeros(q.shape[0], q.shape[1], k.shape[2])
+        finish = _softmax_finish
+    else:
+        scale = kernel_scale(info.head_dim)
+        q_, k_ = q.to(work) * scale, k.to(work) * scale
+        bias = -half_sq_norm(k_)
+        finish = _gaussian_finish
+    bias = masked_bias(bias, info.key_valid)
+    choice = None
+    if config.tolerance is None:
+        out = finish(multipole_sums(q_, k_, v.to(work), bias, info, config, generator), q_)
+    else:
+        out, choice = targeted_multipole(
+            q_, k_, v.to(work), bias, info, config, generator, finish,
+            tolerance=config.tolerance, probe=config.probe,
+        )
+    return zero_padded_queries(out, info.query_valid).to(dtype), choice
+
+
 @register(
     "skyformer_multipole",
     SkyformerMultipoleConfig,
     Capabilities(target="gaussian", randomized=True),
-    summary="kernelized attention: exact near field (cluster heavy keys + local window) "
-    "+ first-order far-field expansion around k-means query centres",
+    summary="kernelized attention: exact near field (heavy keys of k-means query clusters) "
+    "+ first-order far-field expansion around the cluster centres",
 )
 def skyformer_multipole_attention(
     q: Tensor,
@@ -81,40 +135,32 @@ def skyformer_multipole_attention(
     tilt_sample: int | None = SkyformerMultipoleConfig.tilt_sample,
     kmeans_iterations: int = SkyformerMultipoleConfig.kmeans_iterations,
     kmeans_sample: int | None = SkyformerMultipoleConfig.kmeans_sample,
+    tolerance: float | None = SkyformerMultipoleConfig.tolerance,
+    probe: int = SkyformerMultipoleConfig.probe,
 ) -> Tensor:
     """Gaussian kernelized attention ``C V`` by near field + far-field expansion.
 
     Args:
         q: ``[B, H, Nq, D]``; k: ``[B, H, Nk, D]``; v: ``[B, H, Nk, Dv]``.
         key_padding_mask: ``[B, Nk]`` bool, True = real token.
-        generator: draws the k-means sub-sample and initial centres.
+        generator: draws the k-means sub-sample, initial centres and covariance keys.
         num_features, window, clusters, tilt_rank, tilt_sample, kmeans_iterations,
-            kmeans_sample: see ``MultipoleOptions``.
+            kmeans_sample, tolerance, probe: see ``MultipoleOptions``.
     Returns:
         ``[B, H, Nq, Dv]`` in the dtype of ``q``; rows of padded queries are zero.
     """
-    info = check_attention_inputs(q, k, v, key_padding_mask, method="skyformer_multipole")
-    check_generator("skyformer_multipole", generator, q.device)
-    options = SkyformerMultipoleConfig(
-        num_features=num_features, window=window, clusters=clusters, tilt_rank=tilt_rank,
-        tilt_sample=tilt_sample, kmeans_iterations=kmeans_iterations, kmeans_sample=kmeans_sample,
-    )
-    dtype = q.dtype
-    work = compute_dtype(dtype)
-    scale = kernel_scale(info.head_dim)
-    q_hat, k_hat = q.to(work) * scale, k.to(work) * scale
-    bias = masked_bias(-half_sq_norm(k_hat), info.key_valid)
-    sums = multipole_sums(q_hat, k_hat, v.to(work), bias, info, options, generator)
-    out = (sums.log_scale - half_sq_norm(q_hat)[..., None]).exp() * sums.numerator
-    return zero_padded_queries(out, info.query_valid).to(dtype)
+    return multipole_with_choice(
+        "skyformer_multipole", q, k, v, key_padding_mask=key_padding_mask, generator=generator,
+        num_features=num_features, window=window, clusters=clusters, tilt_rank=tilt_rank, tilt_sample=tilt_sample, kmeans_iterations=kmeans_iterations, kmeans_sample=kmeans_sample, tolerance=tolerance, probe=probe,
+    )[0]
 
 
 @register(
     "softmax_multipole",
     SoftmaxMultipoleConfig,
     Capabilities(target="softmax", randomized=True),
-    summary="softmax attention: exact near field (cluster heavy keys + local window) "
-    "+ first-order far-field expansion around k-means query centres",
+    summary="softmax attention: exact near field (heavy keys of k-means query clusters) "
+    "+ first-order far-field expansion around the cluster centres",
 )
 def softmax_multipole_attention(
     q: Tensor,
@@ -130,6 +176,8 @@ def softmax_multipole_attention(
     tilt_sample: int | None = SoftmaxMultipoleConfig.tilt_sample,
     kmeans_iterations: int = SoftmaxMultipoleConfig.kmeans_iterations,
     kmeans_sample: int | None = SoftmaxMultipoleConfig.kmeans_sample,
+    tolerance: float | None = SoftmaxMultipoleConfig.tolerance,
+    probe: int = SoftmaxMultipoleConfig.probe,
     scale: float | None = SoftmaxMultipoleConfig.scale,
 ) -> Tensor:
     """Softmax attention by near field + far-field expansion (normaliser from the same
@@ -138,25 +186,13 @@ def softmax_multipole_attention(
     Args:
         q: ``[B, H, Nq, D]``; k: ``[B, H, Nk, D]``; v: ``[B, H, Nk, Dv]``.
         key_padding_mask: ``[B, Nk]`` bool, True = real token.
-        generator: draws the k-means sub-sample and initial centres.
-        num_features, window, clusters, tilt_rank, tilt_sample, kmeans_iterations,
-            kmeans_sample, scale: see ``SoftmaxMultipoleConfig``.
+        generator: draws the k-means sub-sample, initial centres and covariance keys.
+        num_features, ..., probe, scale: see ``SoftmaxMultipoleConfig``.
     Returns:
         ``[B, H, Nq, Dv]`` in the dtype of ``q``; rows of padded queries and of queries
         without any real key are zero.
     """
-    info = check_attention_inputs(q, k, v, key_padding_mask, method="softmax_multipole")
-    check_generator("softmax_multipole", generator, q.device)
-    options = SoftmaxMultipoleConfig(
-        num_features=num_features, window=window, clusters=clusters, tilt_rank=tilt_rank,
-        tilt_sample=tilt_sample, kmeans_iterations=kmeans_iterations, kmeans_sample=kmeans_sample,
-        scale=scale,
-    )
-    dtype = q.dtype
-    work = compute_dtype(dtype)
-    s = options.scale if options.scale is not None else 1.0 / math.sqrt(info.head_dim)
-    bias = masked_bias(q.new_zeros(q.shape[0], q.shape[1], k.shape[2], dtype=work), info.key_valid)
-    sums = multipole_sums(q.to(work) * s, k.to(work), v.to(work), bias, info, options, generator)
-    den = sums.denominator
-    out = torch.where(den > 0, sums.numerator / den.clamp_min(torch.finfo(work).tiny), 0.0)
-    return zero_padded_queries(out, info.query_valid).to(dtype)
+    return multipole_with_choice(
+        "softmax_multipole", q, k, v, key_padding_mask=key_padding_mask, generator=generator,
+        num_features=num_features, window=window, clusters=clusters, tilt_rank=tilt_rank, tilt_sample=tilt_sample, kmeans_iterations=kmeans_iterations, kmeans_sample=kmeans_sample, tolerance=tolerance, probe=probe, scale=scale,
+    )[0]

@@ -47,7 +47,7 @@ import torch
 from torch import Tensor
 
 from ..inputs import AttentionInputs, check_positive_int
-from ..sketch.kmeans import Clusters, kmeans_clusters
+from ..sketch.kmeans import kmeans_clusters
 
 _NEG_INF = float("-inf")
 
@@ -69,6 +69,10 @@ class MultipoleOptions:
         c * tilt_sample * D * tilt_rank whatever N.
     kmeans_iterations: Lloyd iterations on the k-means sub-sample.
     kmeans_sample: rows sub-sampled for the Lloyd iterations (``None`` = all).
+    tolerance: target relative error; when set, each head takes the smallest budget of
+        the ladder m/8 .. m (m = ``num_features``) whose error, measured on ``probe``
+        exact query rows, is at most ``tolerance`` (``multipole_targeted.py``).
+    probe: query rows computed exactly to estimate the error (with ``tolerance``).
     """
 
     num_features: int = 128
@@ -78,6 +82,8 @@ class MultipoleOptions:
     tilt_sample: int | None = 2048
     kmeans_iterations: int = 10
     kmeans_sample: int | None = 2048
+    tolerance: float | None = None
+    probe: int = 32
 
     def validate(self, method: str) -> None:
         check_positive_int(method, "num_features", self.num_features)
@@ -85,6 +91,18 @@ class MultipoleOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{method}: {name} must be an integer >= 0, got {value!r}.")
+        check_positive_int(method, "probe", self.probe)
+        if self.tolerance is not None:
+            if isinstance(self.tolerance, bool) or not isinstance(self.tolerance, (int, float)) \
+                    or not self.tolerance > 0:
+                raise ValueError(
+                    f"{method}: tolerance must be a positive number or None, got {self.tolerance!r}."
+                )
+            if self.clusters is not None:
+                raise ValueError(
+                    f"{method}: clusters cannot be combined with tolerance (each budget of the "
+                    f"ladder uses its own split); leave clusters=None."
+                )
         for name in ("clusters", "kmeans_sample", "tilt_sample"):
             value = getattr(self, name)
             if value is not None:
@@ -250,6 +268,14 @@ def _gather_last(x: Tensor, index: Tensor) -> Tensor:
     return x.gather(2, index.reshape(b, h, -1)).view(index.shape)
 
 
+def draw_scores(b: int, nq: int, nk: int, device: torch.device,
+                generator: torch.Generator | None) -> Tensor:
+    """All the randomness of one call, ``[B, max(Nq, Nk), 2]`` uniform: column 0 scores
+    the queries (k-means sub-sample and initial centres), column 1 the keys (covariance
+    sample). One draw, so that right padding of a batch of one draws what truncation draws."""
+    return torch.rand((b, max(nq, nk), 2), device=device, generator=generator)
+
+
 @dataclass(frozen=True)
 class PartialSums:
     """sum_j exp(l_ij) [v_j, 1] ~ exp(log_scale) [numerator, denominator] per query."""
@@ -268,17 +294,15 @@ def multipole_sums(
     options: MultipoleOptions,
     generator: torch.Generator | None,
     *,
-    live_clusters: Tensor | None = None,
-    live_near: Tensor | None = None,
-    clusters: Clusters | None = None,
+    scores: Tensor | None = None,
 ) -> PartialSums:
     """Near field + far-field expansion of sum_j exp(q_i.k_j + b_j) [v_j, 1].
 
     Args:
         q: ``[B, H, Nq, D]``, k: ``[B, H, Nk, D]`` (already scaled), v: ``[B, H, Nk, Dv]``.
         key_bias: ``[B, H, Nk]`` b_j, ``-inf`` for padded keys.
-        live_clusters, live_near: ``[B, H]`` optional per-head budgets (<= the split).
-        clusters: precomputed clusters (tests); drawn from ``generator`` otherwise.
+        scores: ``[B, max(Nq, Nk), 2]`` uniform draws to use instead of drawing from
+            ``generator`` (callers that run several budgets on one draw).
     Returns:
         ``PartialSums``; rows of padded queries are finite and meaningless.
     """
@@ -289,15 +313,12 @@ def multipole_sums(
                             self_attention=self_attention)
     c = min(c, nq)
     t = min(t, nk)
-    # All randomness in one draw, [B, N, 2], so that right padding of a batch of one
-    # draws what truncation draws: column 0 scores queries for k-means, column 1 keys
-    # for the covariance sample.
-    scores = torch.rand((b, max(nq, nk), 2), device=q.device, generator=generator)
-    if clusters is None:
-        clusters = kmeans_clusters(
-            q, c, valid=info.query_valid, iterations=options.kmeans_iterations,
-            sample=options.kmeans_sample, live_clusters=live_clusters, scores=scores[:, :nq, 0],
-        )
+    if scores is None:
+        scores = draw_scores(b, nq, nk, q.device, generator)
+    clusters = kmeans_clusters(
+        q, c, valid=info.query_valid, iterations=options.kmeans_iterations,
+        sample=options.kmeans_sample, scores=scores[:, :nq, 0],
+    )
     c = clusters.centres.shape[2]
     z, a = clusters.centres, clusters.assignment
     dots = z @ k.transpose(-1, -2)  # [B, H, c, Nk]
@@ -305,8 +326,6 @@ def multipole_sums(
     if t:
         near_logits, near = logits.detach().topk(t, dim=-1)  # [B, H, c, t]
         near_live = torch.isfinite(near_logits)
-        if live_near is not None:
-            near_live = near_live & (torch.arange(t, device=q.device) < live_near[..., None, None])
         shift = near_logits[..., :1]
         member = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, near, near_live)
     else:
