@@ -22,7 +22,9 @@ from skyformer.ops.multipole_reference import (
     reference_skyformer_multipole_attention,
     reference_softmax_multipole_attention,
 )
+from skyformer.sketch.angular_lsh import draw_hyperplanes
 from skyformer.sketch.kmeans import kmeans_clusters
+from skyformer.sketch.lsh_blocks import hamming_blocks
 from tests.conftest import gen, make_qkv
 
 FAST = {"softmax": softmax_multipole_attention, "gaussian": skyformer_multipole_attention}
@@ -32,14 +34,25 @@ REFERENCE = {
 }
 
 
-def draws_for(target, q, k, v, mask, seed, num_features, window, clusters=None, tilt_sample=None):
-    """The clusters and covariance keys the fast path draws from ``gen(seed)``: one
-    ``[B, N, 2]`` uniform draw (queries' k-means scores, keys' sample scores)."""
+def draws_for(target, q, k, v, mask, seed, num_features, window, clusters=None, tilt_sample=None,
+              lsh_block=0):
+    """The clusters, covariance keys and LSH buckets the fast path draws from
+    ``gen(seed)``: hyperplanes ``[B, H, D, 7]`` (with LSH), then one ``[B, N, 2]`` uniform
+    draw (queries' k-means scores, keys' sample scores)."""
     info = check_attention_inputs(q, k, v, mask, method="test")
     nq, nk = q.shape[2], k.shape[2]
-    _, c, _ = feature_split(num_features, window, clusters, self_attention=nq == nk)
+    _, lsh, c, _ = feature_split(num_features, window, clusters, self_attention=nq == nk,
+                                 lsh_block=lsh_block)
     scale = 1 / math.sqrt(q.shape[-1]) if target == "softmax" else kernel_scale(q.shape[-1])
-    scores = torch.rand((q.shape[0], max(nq, nk), 2), generator=gen(seed))
+    g = gen(seed)
+    planes = draw_hyperplanes(q.shape[:2], q.shape[-1], 7, dtype=q.dtype, generator=g) if lsh else None
+    scores = torch.rand((q.shape[0], max(nq, nk), 2), generator=g)
+    buckets = None
+    if lsh:
+        k_scaled = k.detach() * (1.0 if target == "softmax" else scale)
+        blocks = hamming_blocks(q.detach() * scale, k_scaled, planes, lsh,
+                                query_valid=info.query_valid, key_valid=info.key_valid)
+        buckets = (blocks.q_block, blocks.k_block)
     assignment = kmeans_clusters(
         q.detach() * scale, min(c, nq), valid=info.query_valid, scores=scores[:, :nq, 0],
         iterations=MultipoleOptions.kmeans_iterations, sample=MultipoleOptions.kmeans_sample,
@@ -50,7 +63,7 @@ def draws_for(target, q, k, v, mask, seed, num_features, window, clusters=None, 
         if mask is not None:
             key_scores = key_scores.masked_fill(~mask, 2.0)
         sample = key_scores.argsort(dim=1)[:, :tilt_sample]
-    return assignment, sample
+    return assignment, sample, buckets
 
 
 @pytest.mark.parametrize("target", ["softmax", "gaussian"])
@@ -68,9 +81,9 @@ def test_fast_matches_naive_reference(target, tilt_rank, tilt_sample, masked):
     m, window = 24, 2
     fast = FAST[target](q, k, v, key_padding_mask=mask, generator=gen(3), num_features=m,
                         window=window, tilt_rank=tilt_rank, tilt_sample=tilt_sample)
-    w, c, near = feature_split(m, window, None, self_attention=True)
+    w, _, c, near = feature_split(m, window, None, self_attention=True)
     assert (w, c, near) == (2, 9, 10)
-    a, sample = draws_for(target, q, k, v, mask, 3, m, window, tilt_sample=tilt_sample)
+    a, sample, _ = draws_for(target, q, k, v, mask, 3, m, window, tilt_sample=tilt_sample)
     rank = 8 if tilt_rank is None else tilt_rank
     ref = REFERENCE[target](q, k, v, a, key_padding_mask=mask, near=near, window=w, rank=rank,
                             tilt_sample=sample)
@@ -82,12 +95,33 @@ def test_fast_matches_naive_reference(target, tilt_rank, tilt_sample, masked):
 
 
 @pytest.mark.parametrize("target", ["softmax", "gaussian"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_lsh_buckets_match_naive_reference(target, masked):
+    q, k, v = make_qkv(2, 2, 26, 8, seed=13, scale=0.7)
+    mask = None
+    if masked:
+        mask = torch.ones(2, 26, dtype=torch.bool)
+        mask[0, 20:] = False
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    fast = FAST[target](q, k, v, key_padding_mask=mask, generator=gen(4), num_features=24, lsh_block=5)
+    _, lsh, c, near = feature_split(24, 0, None, self_attention=True, lsh_block=5)
+    assert (lsh, c, near) == (5, 9, 10)
+    a, _, buckets = draws_for(target, q, k, v, mask, 4, 24, 0, lsh_block=5)
+    ref = REFERENCE[target](q, k, v, a, key_padding_mask=mask, near=near, window=0, rank=8,
+                            buckets=buckets)
+    torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)
+    for a_, b_ in zip(torch.autograd.grad(fast.sum(), (q, k, v)), torch.autograd.grad(ref.sum(), (q, k, v))):
+        torch.testing.assert_close(a_, b_, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("target", ["softmax", "gaussian"])
 def test_cross_attention_matches_reference_and_has_no_window(target):
     q, k, v = make_qkv(1, 2, 10, 8, nk=23, seed=12, scale=0.7)
     fast = FAST[target](q, k, v, generator=gen(1), num_features=12, window=4)
-    w, c, near = feature_split(12, 4, None, self_attention=False)
+    w, _, c, near = feature_split(12, 4, None, self_attention=False)
     assert w == 0 and c + near == 12
-    a, _ = draws_for(target, q, k, v, None, 1, 12, 4)
+    a, _, _ = draws_for(target, q, k, v, None, 1, 12, 4)
     ref = REFERENCE[target](q, k, v, a, near=near, window=0, rank=8)
     torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)
 
@@ -155,12 +189,15 @@ def test_softmax_output_stays_in_the_value_range_with_large_norms():
 def test_feature_split_spends_the_budget():
     for m in (1, 2, 5, 6, 17, 64, 128, 300):
         for window in (0, 3, 8):
-            w, c, near = feature_split(m, window, None, self_attention=True)
+            w, _, c, near = feature_split(m, window, None, self_attention=True)
             used = c + near + (2 * w + 1 if w else 0)
             assert used == m and c >= 1 and near >= 0, (m, window, w, c, near)
             assert 2 * w + 1 <= max(1, m // 4) or w == 0
-    assert feature_split(128, 8, None, self_attention=True) == (8, 55, 56)
-    assert feature_split(128, 8, 64, self_attention=True) == (8, 64, 47)
+            _, lsh, c, near = feature_split(m, 0, None, self_attention=True, lsh_block=window * 4)
+            assert c + near + lsh == m and lsh <= m // 4
+    assert feature_split(128, 8, None, self_attention=True) == (8, 0, 55, 56)
+    assert feature_split(128, 8, 64, self_attention=True) == (8, 0, 64, 47)
+    assert feature_split(128, 0, None, self_attention=True, lsh_block=16) == (0, 16, 56, 56)
 
 
 def test_block_layout_places_every_query_once_in_a_block_of_its_cluster():
@@ -188,6 +225,9 @@ def test_options_are_checked_with_sentences():
         ({"clusters": 200}, "leaves no budget"),
         ({"tilt_rank": -1}, "tilt_rank"),
         ({"tilt_sample": 0}, "tilt_sample"),
+        ({"lsh_block": -1}, "lsh_block"),
+        ({"lsh_block": 4, "window": 2}, "choose one of"),
+        ({"lsh_hyperplanes": 31}, "lsh_hyperplanes"),
         ({"kmeans_iterations": 1.5}, "kmeans_iterations"),
         ({"kmeans_sample": 0}, "kmeans_sample"),
     ):
@@ -259,12 +299,17 @@ def test_error_estimate_tracks_the_true_error(method):
     assert (choice.estimate[met] <= 0.2).all()
 
 
-def test_tolerance_keeps_padding_equal_to_truncation():
+@pytest.mark.parametrize("options", [
+    dict(num_features=12, tolerance=0.05, probe=5),
+    dict(num_features=24, window=2),
+    dict(num_features=24, lsh_block=5),
+    dict(num_features=12, tilt_sample=9),
+])
+def test_options_keep_padding_equal_to_truncation(options):
     q, k, v = make_qkv(1, 2, 24, 8, seed=1)
     mask = torch.zeros(1, 24, dtype=torch.bool)
     mask[:, :17] = True
     for method in ("softmax_multipole", "skyformer_multipole"):
-        options = dict(num_features=12, tolerance=0.05, probe=5)
         padded = attention(q, k, v, method, key_padding_mask=mask, generator=gen(0), **options)
         truncated = attention(q[:, :, :17], k[:, :, :17], v[:, :, :17], method, generator=gen(0), **options)
         torch.testing.assert_close(padded[:, :, :17], truncated, rtol=1e-7, atol=1e-9)

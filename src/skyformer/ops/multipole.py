@@ -130,6 +130,8 @@ def skyformer_multipole_attention(
     generator: torch.Generator | None = None,
     num_features: int = SkyformerMultipoleConfig.num_features,
     window: int = SkyformerMultipoleConfig.window,
+    lsh_block: int = SkyformerMultipoleConfig.lsh_block,
+    lsh_hyperplanes: int = SkyformerMultipoleConfig.lsh_hyperplanes,
     clusters: int | None = SkyformerMultipoleConfig.clusters,
     tilt_rank: int | None = SkyformerMultipoleConfig.tilt_rank,
     tilt_sample: int | None = SkyformerMultipoleConfig.tilt_sample,
@@ -144,14 +146,17 @@ def skyformer_multipole_attention(
         q: ``[B, H, Nq, D]``; k: ``[B, H, Nk, D]``; v: ``[B, H, Nk, Dv]``.
         key_padding_mask: ``[B, Nk]`` bool, True = real token.
         generator: draws the k-means sub-sample, initial centres and covariance keys.
-        num_features, window, clusters, tilt_rank, tilt_sample, kmeans_iterations,
-            kmeans_sample, tolerance, probe: see ``MultipoleOptions``.
+        num_features, window, lsh_block, lsh_hyperplanes, clusters, tilt_rank, tilt_sample,
+            kmeans_iterations, kmeans_sample, tolerance, probe: see ``MultipoleOptions``.
     Returns:
         ``[B, H, Nq, Dv]`` in the dtype of ``q``; rows of padded queries are zero.
     """
     return multipole_with_choice(
         "skyformer_multipole", q, k, v, key_padding_mask=key_padding_mask, generator=generator,
-        num_features=num_features, window=window, clusters=clusters, tilt_rank=tilt_rank, tilt_sample=tilt_sample, kmeans_iterations=kmeans_iterations, kmeans_sample=kmeans_sample, tolerance=tolerance, probe=probe,
+        num_features=num_features, window=window, lsh_block=lsh_block,
+        lsh_hyperplanes=lsh_hyperplanes, clusters=clusters, tilt_rank=tilt_rank,
+        tilt_sample=tilt_sample, kmeans_iterations=kmeans_iterations,
+        kmeans_sample=kmeans_sample, tolerance=tolerance, probe=probe,
     )[0]
 
 
@@ -171,6 +176,8 @@ def softmax_multipole_attention(
     generator: torch.Generator | None = None,
     num_features: int = SoftmaxMultipoleConfig.num_features,
     window: int = SoftmaxMultipoleConfig.window,
+    lsh_block: int = SoftmaxMultipoleConfig.lsh_block,
+    lsh_hyperplanes: int = SoftmaxMultipoleConfig.lsh_hyperplanes,
     clusters: int | None = SoftmaxMultipoleConfig.clusters,
     tilt_rank: int | None = SoftmaxMultipoleConfig.tilt_rank,
     tilt_sample: int | None = SoftmaxMultipoleConfig.tilt_sample,
@@ -194,5 +201,8 @@ def softmax_multipole_attention(
     """
     return multipole_with_choice(
         "softmax_multipole", q, k, v, key_padding_mask=key_padding_mask, generator=generator,
-        num_features=num_features, window=window, clusters=clusters, tilt_rank=tilt_rank, tilt_sample=tilt_sample, kmeans_iterations=kmeans_iterations, kmeans_sample=kmeans_sample, tolerance=tolerance, probe=probe, scale=scale,
+        num_features=num_features, window=window, lsh_block=lsh_block,
+        lsh_hyperplanes=lsh_hyperplanes, clusters=clusters, tilt_rank=tilt_rank,
+        tilt_sample=tilt_sample, kmeans_iterations=kmeans_iterations,
+        kmeans_sample=kmeans_sample, tolerance=tolerance, probe=probe, scale=scale,
     )[0]

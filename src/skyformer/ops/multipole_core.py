@@ -47,7 +47,9 @@ import torch
 from torch import Tensor
 
 from ..inputs import AttentionInputs, check_positive_int
+from ..sketch.angular_lsh import draw_hyperplanes
 from ..sketch.kmeans import kmeans_clusters
+from .multipole_extra import exact_blocks_part, lsh_blocks, window_blocks
 
 _NEG_INF = float("-inf")
 
@@ -60,6 +62,10 @@ class MultipoleOptions:
     window: local window half-width w (keys |i - j| <= w, self-attention only; 0 = none,
         the default: with the first-order far field it bought little on MiniLM, see
         ``docs/accuracy-first.md``); shrunk to at most a quarter of ``num_features``.
+    lsh_block: keys per angular-LSH bucket (KDEformer Appendix A, Hamming-ordered
+        equal-sized buckets) computed exactly for each query (0 = none); at most a
+        quarter of ``num_features``. Exclusive with ``window``.
+    lsh_hyperplanes: hyperplanes r of the LSH (2^r buckets before equal-size cutting).
     clusters: number of query clusters c; ``None`` = half of what the window leaves.
         The remaining budget goes to the near keys of each cluster.
     tilt_rank: value directions kept in the far-field covariance term (0 = zeroth-order
@@ -77,6 +83,8 @@ class MultipoleOptions:
 
     num_features: int = 128
     window: int = 0
+    lsh_block: int = 0
+    lsh_hyperplanes: int = 7
     clusters: int | None = None
     tilt_rank: int | None = 8
     tilt_sample: int | None = 2048
@@ -87,11 +95,21 @@ class MultipoleOptions:
 
     def validate(self, method: str) -> None:
         check_positive_int(method, "num_features", self.num_features)
-        for name in ("window", "kmeans_iterations"):
+        for name in ("window", "lsh_block", "kmeans_iterations"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{method}: {name} must be an integer >= 0, got {value!r}.")
         check_positive_int(method, "probe", self.probe)
+        check_positive_int(method, "lsh_hyperplanes", self.lsh_hyperplanes)
+        if self.lsh_hyperplanes > 30:
+            raise ValueError(
+                f"{method}: lsh_hyperplanes must be at most 30 (2^r buckets), got {self.lsh_hyperplanes}."
+            )
+        if self.window and self.lsh_block:
+            raise ValueError(
+                f"{method}: choose one of window={self.window} and lsh_block={self.lsh_block} "
+                f"for the per-query exact keys (set the other to 0)."
+            )
         if self.tolerance is not None:
             if isinstance(self.tolerance, bool) or not isinstance(self.tolerance, (int, float)) \
                     or not self.tolerance > 0:
@@ -113,31 +131,36 @@ class MultipoleOptions:
             raise ValueError(
                 f"{method}: tilt_rank must be an integer >= 0 or None, got {self.tilt_rank!r}."
             )
-        window, _, _ = feature_split(self.num_features, self.window, None, self_attention=True)
-        left = self.num_features - (2 * window + 1 if window else 0)
+        window, lsh, _, _ = feature_split(self.num_features, self.window, None,
+                                          self_attention=True, lsh_block=self.lsh_block)
+        extra = (2 * window + 1 if window else 0) + lsh
+        left = self.num_features - extra
         if self.clusters is not None and self.clusters > left:
             raise ValueError(
                 f"{method}: clusters={self.clusters} leaves no budget: num_features="
-                f"{self.num_features} with a window of {2 * window + 1 if window else 0} keys "
-                f"allows at most {left} clusters; raise num_features or lower clusters."
+                f"{self.num_features} with {extra} window/LSH keys allows at most {left} "
+                f"clusters; raise num_features or lower clusters."
             )
 
 
 def feature_split(
-    num_features: int, window: int, clusters: int | None, *, self_attention: bool
-) -> tuple[int, int, int]:
-    """(window half-width, clusters, near keys) for a budget of ``num_features`` per query.
+    num_features: int, window: int, clusters: int | None, *, self_attention: bool,
+    lsh_block: int = 0,
+) -> tuple[int, int, int, int]:
+    """(window half-width, LSH block, clusters, near keys) for ``num_features`` per query.
 
-    The window (2w + 1 keys) takes at most a quarter of the budget and exists only in
-    self-attention; of the rest, ``clusters`` (default: half, at least 1) are cluster
-    centres and the remainder near keys.
+    The window (2w + 1 keys, self-attention only) or the LSH bucket takes at most a
+    quarter of the budget; of the rest, ``clusters`` (default: half, at least 1) are
+    cluster centres and the remainder near keys.
     """
+    quarter = num_features // 4
     w = 0
     if self_attention and window > 0:
-        w = min(window, max(0, (num_features // 4 - 1) // 2))
-    left = num_features - (2 * w + 1 if w else 0)
+        w = min(window, max(0, (quarter - 1) // 2))
+    lsh = min(lsh_block, quarter) if lsh_block > 0 else 0
+    left = num_features - (2 * w + 1 if w else 0) - lsh
     c = max(1, left // 2) if clusters is None else min(clusters, left)
-    return w, c, left - c
+    return w, lsh, c, left - c
 
 
 def value_basis(v: Tensor, key_valid: Tensor | None, rank: int | None) -> Tensor | None:
@@ -268,12 +291,24 @@ def _gather_last(x: Tensor, index: Tensor) -> Tensor:
     return x.gather(2, index.reshape(b, h, -1)).view(index.shape)
 
 
-def draw_scores(b: int, nq: int, nk: int, device: torch.device,
-                generator: torch.Generator | None) -> Tensor:
-    """All the randomness of one call, ``[B, max(Nq, Nk), 2]`` uniform: column 0 scores
-    the queries (k-means sub-sample and initial centres), column 1 the keys (covariance
-    sample). One draw, so that right padding of a batch of one draws what truncation draws."""
-    return torch.rand((b, max(nq, nk), 2), device=device, generator=generator)
+@dataclass(frozen=True)
+class Draws:
+    """All the randomness of one call."""
+
+    scores: Tensor  # [B, max(Nq, Nk), 2] uniform: queries (k-means), keys (covariance sample)
+    hyperplanes: Tensor | None  # [B, H, D, r] LSH normals (None without LSH buckets)
+
+
+def draw(q: Tensor, k: Tensor, options: MultipoleOptions, generator: torch.Generator | None) -> Draws:
+    """The fixed-shape hyperplanes first, then one ``[B, N, 2]`` uniform tensor, so that
+    right padding of a batch of one draws what truncation draws."""
+    b, h, nq, d = q.shape
+    planes = None
+    if options.lsh_block:
+        planes = draw_hyperplanes((b, h), d, options.lsh_hyperplanes, device=q.device,
+                                  dtype=q.dtype, generator=generator)
+    scores = torch.rand((b, max(nq, k.shape[2]), 2), device=q.device, generator=generator)
+    return Draws(scores, planes)
 
 
 @dataclass(frozen=True)
@@ -294,27 +329,28 @@ def multipole_sums(
     options: MultipoleOptions,
     generator: torch.Generator | None,
     *,
-    scores: Tensor | None = None,
+    draws: Draws | None = None,
 ) -> PartialSums:
     """Near field + far-field expansion of sum_j exp(q_i.k_j + b_j) [v_j, 1].
 
     Args:
         q: ``[B, H, Nq, D]``, k: ``[B, H, Nk, D]`` (already scaled), v: ``[B, H, Nk, Dv]``.
         key_bias: ``[B, H, Nk]`` b_j, ``-inf`` for padded keys.
-        scores: ``[B, max(Nq, Nk), 2]`` uniform draws to use instead of drawing from
-            ``generator`` (callers that run several budgets on one draw).
+        draws: the random draws to use instead of drawing from ``generator`` (callers
+            that run several budgets on one draw).
     Returns:
         ``PartialSums``; rows of padded queries are finite and meaningless.
     """
     b, h, nq, d = q.shape
     nk, dv = k.shape[2], v.shape[-1]
     self_attention = nq == nk
-    w, c, t = feature_split(options.num_features, options.window, options.clusters,
-                            self_attention=self_attention)
+    w, lsh, c, t = feature_split(options.num_features, options.window, options.clusters,
+                                 self_attention=self_attention, lsh_block=options.lsh_block)
     c = min(c, nq)
     t = min(t, nk)
-    if scores is None:
-        scores = draw_scores(b, nq, nk, q.device, generator)
+    if draws is None:
+        draws = draw(q, k, options, generator)
+    scores = draws.scores
     clusters = kmeans_clusters(
         q, c, valid=info.query_valid, iterations=options.kmeans_iterations,
         sample=options.kmeans_sample, scores=scores[:, :nq, 0],
@@ -388,11 +424,16 @@ def multipole_sums(
         v_far = torch.maximum(torch.minimum(v_far, high), low)
     far_live = _gather_last(far.live, a)[..., None]  # [B, H, Nq, 1]
     far_num, far_den = v_far, torch.ones_like(log_far)
+    blocks = None
     if w and self_attention:
-        window_part, removed_num, removed_den = _window(
-            q, k, v, key_bias, dots, member, a, far.log_mass, far_live, delta_kbar, w
+        blocks = window_blocks(b, h, nq, w, q.device)
+    elif lsh:
+        blocks = lsh_blocks(q, k, draws.hyperplanes, lsh, info.query_valid, info.key_valid)
+    if blocks is not None:
+        exact_part, removed_num, removed_den = exact_blocks_part(
+            q, k, v, key_bias, dots, member, a, far.log_mass, far_live, delta_kbar, blocks
         )
-        parts.append(window_part)
+        parts.append(exact_part)
         far_num = far_num - removed_num
         far_den = far_den - removed_den
         far_live = far_live & (far_den > 0)  # the window took the whole far field
@@ -425,63 +466,3 @@ def _merge(parts: list[tuple[Tensor, Tensor, Tensor]]) -> PartialSums:
     num = sum((p[0] - top).exp() * p[1] for p in parts)
     den = sum((p[0] - top).exp() * p[2] for p in parts)
     return PartialSums(top, num, den)  # type: ignore[arg-type]
-
-
-def _window(
-    q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, dots: Tensor, member: Tensor,
-    assignment: Tensor, log_mass: Tensor, far_live: Tensor, delta_kbar: Tensor, w: int,
-) -> tuple[tuple[Tensor, Tensor, Tensor], Tensor, Tensor]:
-    """Exact local window |i - j| <= w (keys not already near), and the first-order
-    far-field model weights of those keys (relative to the far mass), to be removed.
-
-    Returns ((log scale, numerator, denominator), removed numerator, removed weight).
-    """
-    b, h, n, d = q.shape
-    dv = v.shape[-1]
-    c = dots.shape[2]
-    beta = w
-    nblocks = -(-n // beta)
-    padded = nblocks * beta
-    qw = torch.nn.functional.pad(q, (0, 0, 0, padded - n)).view(b, h, nblocks, beta, d)
-
-    def windows(x: Tensor, fill: float = 0.0) -> Tensor:  # [B, H, N, ...] -> [B, H, nblocks, 3 beta, ...]
-        extra = x.shape[3:]
-        flat = x.reshape(b, h, n, -1)
-        flat = torch.nn.functional.pad(flat, (0, 0, beta, padded - n + beta), value=fill)
-        return flat.unfold(2, 3 * beta, beta).transpose(-1, -2).reshape(b, h, nblocks, 3 * beta, *extra)
-
-    i = torch.arange(padded, device=q.device).view(nblocks, beta, 1)
-    j = (torch.arange(nblocks, device=q.device) * beta - beta).view(nblocks, 1, 1) + torch.arange(3 * beta, device=q.device)
-    inside = ((i - j).abs() <= w) & (j >= 0) & (j < n) & (i < n)  # [nblocks, beta, 3 beta]
-    jc = j.clamp(0, n - 1).expand(nblocks, beta, 3 * beta)
-    a_pad = torch.nn.functional.pad(assignment, (0, padded - n)).view(b, h, nblocks, beta, 1)
-    flat_index = a_pad * n + jc  # [B, H, nblocks, beta, 3 beta]
-    near = _gather_last(member.reshape(b, h, c * n), flat_index)
-    bias = windows(key_bias[..., None], _NEG_INF)[..., 0][..., None, :]  # [B, H, nb, 1, 3 beta]
-    mask = inside & ~near & torch.isfinite(bias)
-    kw = windows(k)
-    window_dots = qw @ kw.transpose(-1, -2)  # [B, H, nb, beta, 3 beta]
-    scores = (window_dots + bias).masked_fill(~mask, _NEG_INF)
-    top = _safe_max(scores, -1)
-    e = (scores - top).exp()
-    vw = windows(v)
-    num = e @ vw
-    den = e.sum(-1, keepdim=True)
-    top = torch.where(den > 0, top, _NEG_INF)
-
-    # First-order far-field model weight of window key j for query i, relative to R_a.
-    centre_dots = _gather_last(dots.reshape(b, h, c * n), flat_index)  # z_a.k_j
-    log_mass_q = torch.nn.functional.pad(_gather_last(log_mass, assignment), (0, padded - n))
-    far_live_q = torch.nn.functional.pad(far_live[..., 0], (0, padded - n)).view(b, h, nblocks, beta, 1)
-    log_mass_q = torch.where(far_live_q, log_mass_q.view(b, h, nblocks, beta, 1), 0.0)
-    dk = torch.nn.functional.pad(delta_kbar[..., 0], (0, padded - n)).view(b, h, nblocks, beta, 1)
-    linear = (1.0 + (window_dots - centre_dots) - dk).clamp_min(0.0)
-    weight = ((centre_dots + bias - log_mass_q).clamp_max(0.0).exp() * linear)
-    weight = torch.where(mask & far_live_q, weight, 0.0)
-    removed_num = weight @ vw
-    removed_den = weight.sum(-1, keepdim=True)
-
-    def back(x: Tensor) -> Tensor:
-        return x.reshape(b, h, padded, -1)[:, :, :n]
-
-    return (back(top), back(num), back(den)), back(removed_num), back(removed_den)

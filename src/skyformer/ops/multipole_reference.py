@@ -32,7 +32,7 @@ def _value_projector(v: Tensor, rank: int) -> Tensor:
     return u @ u.T
 
 
-def _one_head(q, k, v, bias, assignment, rows, near, window, rank, self_attention, tilt_keys):
+def _one_head(q, k, v, bias, assignment, rows, near, window, rank, self_attention, tilt_keys, buckets):
     """S_i = sum_j exp(l_ij)[v_j, 1] approximated for the query positions ``rows`` of one
     head: ``[len(rows), Dv + 1]``."""
     nk = k.shape[0]
@@ -53,6 +53,9 @@ def _one_head(q, k, v, bias, assignment, rows, near, window, rank, self_attentio
         window_set = set()
         if self_attention and window:
             window_set = {j for j in real if abs(i - j) <= window and j not in near_set}
+        if buckets is not None:
+            q_bucket, k_bucket = buckets
+            window_set = {j for j in real if k_bucket[j] == q_bucket[i] and j not in near_set}
         total = torch.zeros(v.shape[1] + 1, dtype=q.dtype)
         for j in sorted(near_set | window_set):
             total = total + torch.exp(q[i] @ k[j] + bias[j]) * torch.cat([v[j], v.new_ones(1)])
@@ -90,6 +93,7 @@ def _one_head(q, k, v, bias, assignment, rows, near, window, rank, self_attentio
 def reference_multipole_sums(
     q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, assignment: Tensor, *,
     query_valid: Tensor | None, near: int, window: int, rank: int, tilt_sample: Tensor | None = None,
+    buckets: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """``[B, H, Nq, Dv + 1]`` approximations of sum_j exp(q_i.k_j + b_j) [v_j, 1].
 
@@ -102,6 +106,8 @@ def reference_multipole_sums(
         tilt_sample: ``[B, S]`` keys the covariance term is estimated from (``None`` = all):
             self-normalised centre weights over the sampled far keys, centred on their
             own means.
+        buckets: (query bucket ``[B, H, Nq]``, key bucket ``[B, H, Nk]``): keys of the
+            query's bucket are exact (instead of a window).
     Rows of padded queries are zero.
     """
     b, h, nq, _ = q.shape
@@ -116,6 +122,7 @@ def reference_multipole_sums(
                 q[bi, hi], k[bi, hi], v[bi, hi], key_bias[bi, hi], assignment[bi, hi], rows,
                 near, window, rank, self_attention,
                 None if tilt_sample is None else set(tilt_sample[bi].tolist()),
+                None if buckets is None else (buckets[0][bi, hi].tolist(), buckets[1][bi, hi].tolist()),
             )
     return out
 
@@ -123,6 +130,7 @@ def reference_multipole_sums(
 def reference_softmax_multipole_attention(
     q: Tensor, k: Tensor, v: Tensor, assignment: Tensor, *, key_padding_mask: Tensor | None = None,
     near: int, window: int, rank: int, scale: float | None = None, tilt_sample: Tensor | None = None,
+    buckets: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Naive ``softmax_multipole`` for given cluster assignments. ``[B, H, Nq, Dv]``."""
     s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -131,7 +139,8 @@ def reference_softmax_multipole_attention(
         bias = bias.masked_fill(~key_padding_mask[:, None, :], float("-inf"))
     query_valid = key_padding_mask if q.shape[2] == k.shape[2] else None
     sums = reference_multipole_sums(q * s, k, v, bias, assignment, query_valid=query_valid,
-                                    near=near, window=window, rank=rank, tilt_sample=tilt_sample)
+                                    near=near, window=window, rank=rank, tilt_sample=tilt_sample,
+                                    buckets=buckets)
     out = sums[..., :-1] / sums[..., -1:].clamp_min(1e-300)
     return out if query_valid is None else out * query_valid[:, None, :, None]
 
@@ -139,6 +148,7 @@ def reference_softmax_multipole_attention(
 def reference_skyformer_multipole_attention(
     q: Tensor, k: Tensor, v: Tensor, assignment: Tensor, *, key_padding_mask: Tensor | None = None,
     near: int, window: int, rank: int, tilt_sample: Tensor | None = None,
+    buckets: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Naive ``skyformer_multipole`` for given cluster assignments. ``[B, H, Nq, Dv]``."""
     c = q.shape[-1] ** -0.25
@@ -148,6 +158,7 @@ def reference_skyformer_multipole_attention(
         bias = bias.masked_fill(~key_padding_mask[:, None, :], float("-inf"))
     query_valid = key_padding_mask if q.shape[2] == k.shape[2] else None
     sums = reference_multipole_sums(q_hat, k_hat, v, bias, assignment, query_valid=query_valid,
-                                    near=near, window=window, rank=rank, tilt_sample=tilt_sample)
+                                    near=near, window=window, rank=rank, tilt_sample=tilt_sample,
+                                    buckets=buckets)
     out = torch.exp(-0.5 * (q_hat * q_hat).sum(-1))[..., None] * sums[..., :-1]
     return out if query_valid is None else out * query_valid[:, None, :, None]

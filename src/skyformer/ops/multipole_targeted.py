@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from ..inputs import AttentionInputs
-from .multipole_core import MultipoleOptions, PartialSums, draw_scores, multipole_sums
+from .multipole_core import MultipoleOptions, PartialSums, draw, multipole_sums
 
 Finish = Callable[[PartialSums, Tensor], Tensor]  # (sums, scaled query rows) -> output rows
 
@@ -70,8 +70,8 @@ def targeted_multipole(
     """
     b, h, nq, d = q.shape
     nk = k.shape[2]
-    scores = draw_scores(b, nq, nk, q.device, generator)
-    query_scores = scores[:, :nq, 0]
+    draws = draw(q, k, options, generator)
+    query_scores = draws.scores[:, :nq, 0]
     if info.query_valid is not None:
         query_scores = query_scores.masked_fill(~info.query_valid, 2.0)  # uniform scores < 1
     picked, probe_index = query_scores.topk(min(probe, nq), dim=1, largest=False)  # [B, P]
@@ -85,7 +85,7 @@ def targeted_multipole(
     outputs, estimates = [], []
     for budget in ladder:
         rung = dataclasses.replace(options, num_features=budget)
-        out = finish(multipole_sums(q, k, v, key_bias, info, rung, generator, scores=scores), q)
+        out = finish(multipole_sums(q, k, v, key_bias, info, rung, generator, draws=draws), q)
         rows = out.gather(2, index.expand(b, h, -1, out.shape[-1])) * probe_live
         error = (rows.detach() - exact.detach()).square().sum((-1, -2)).sqrt()
         estimates.append(error / exact_norm.clamp_min(torch.finfo(error.dtype).tiny))
