@@ -421,7 +421,7 @@ def multipole_sums(
         v_far = v_far + (shift_r if basis is None else shift_r @ basis.transpose(-1, -2))
         # Keep the tilted mean inside the values' range (the expansion is first order).
         low, high = _value_range(v, info.key_valid)
-        v_far = torch.maximum(torch.minimum(v_far, high), low)
+        v_far = torch.clamp(v_far, min=low, max=high)
     far_live = _gather_last(far.live, a)[..., None]  # [B, H, Nq, 1]
     far_num, far_den = v_far, torch.ones_like(log_far)
     blocks = None

@@ -48,12 +48,11 @@ def _nearest(x: Tensor, z: Tensor, live: Tensor) -> Tensor:
 
 
 def _means(x: Tensor, assignment: Tensor, weight: Tensor, count: int) -> tuple[Tensor, Tensor]:
-    """Weighted member means ``[B, H, c, D]`` and member weights ``[B, H, c]``."""
-    b, h, _, d = x.shape
-    sizes = x.new_zeros(b, h, count).scatter_add_(-1, assignment, weight)
-    sums = x.new_zeros(b, h, count, d).scatter_add(
-        2, assignment[..., None].expand(-1, -1, -1, d), x * weight[..., None]
-    )
+    """Weighted member means ``[B, H, c, D]`` and member weights ``[B, H, c]``, as one
+    product with the weighted one-hot matrix (a scatter-add serialises on collisions)."""
+    onehot = torch.nn.functional.one_hot(assignment, count).to(x.dtype).mul_(weight[..., None])
+    sizes = onehot.sum(-2)  # [B, H, c]
+    sums = onehot.transpose(-1, -2) @ x  # [B, H, c, D]
     return sums / sizes.clamp_min(1.0)[..., None], sizes
 
 
