@@ -281,7 +281,7 @@ def plot_baselines(rows: list[dict[str, Any]], path: Path) -> None:
 def write_rows(out: Path, part: str, rows: list[dict[str, Any]], config: dict[str, Any]) -> None:
     write_json(out / f"{part}.json", {"config": config, "environment": environment("cpu"), "rows": rows})
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
+    writer = csv.DictWriter(buf, fieldnames=list(dict.fromkeys(key for row in rows for key in row)))
     writer.writeheader()
     writer.writerows(rows)
     atomic_write_text(out / f"{part}.csv", buf.getvalue())

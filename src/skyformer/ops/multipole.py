@@ -22,7 +22,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..inputs import check_attention_inputs, check_generator, compute_dtype, zero_padded_queries
+from ..inputs import (
+    check_attention_inputs,
+    check_generator,
+    compute_dtype,
+    mean_values,
+    zero_padded_queries,
+)
 from ..linalg import half_sq_norm
 from ..registry import Capabilities, register
 from .kernelized import kernel_scale
@@ -92,23 +98,30 @@ def multipole_with_choice(
     config = configs[method](**options)
     dtype = q.dtype
     work = compute_dtype(dtype)
+    values = v.to(work)
     if method == "softmax_multipole":
         s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
         q_, k_ = q.to(work) * s, k.to(work)
         bias = q_.new_zeros(q.shape[0], q.shape[1], k.shape[2])
         finish = _softmax_finish
+
+        def trivial(exact: Tensor, live: Tensor) -> Tensor:  # uniform attention: mean(V)
+            return mean_values(values, info.key_valid)
     else:
         scale = kernel_scale(info.head_dim)
         q_, k_ = q.to(work) * scale, k.to(work) * scale
         bias = -half_sq_norm(k_)
         finish = _gaussian_finish
+
+        def trivial(exact: Tensor, live: Tensor) -> Tensor:  # the mean output row
+            return (exact * live).sum(2, keepdim=True) / live.sum(2, keepdim=True).clamp_min(1)
     bias = masked_bias(bias, info.key_valid)
     choice = None
     if config.tolerance is None:
-        out = finish(multipole_sums(q_, k_, v.to(work), bias, info, config, generator), q_)
+        out = finish(multipole_sums(q_, k_, values, bias, info, config, generator), q_)
     else:
         out, choice = targeted_multipole(
-            q_, k_, v.to(work), bias, info, config, generator, finish,
+            q_, k_, values, bias, info, config, generator, finish, trivial,
             tolerance=config.tolerance, probe=config.probe,
         )
     return zero_padded_queries(out, info.query_valid).to(dtype), choice

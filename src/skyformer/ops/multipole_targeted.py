@@ -9,9 +9,13 @@ least 4). The estimate at a budget is the relative Frobenius error over the prob
 
     e_h(m') = ||O~_P - O_P||_F / ||O_P||_F,
 
-and each head takes the smallest budget with e_h <= ``tolerance`` (else m). Every rung
-runs on the same random draw, so the chosen output is exactly what a call with that
-``num_features`` would return, and the probe rows are returned exact. Compute: the
+and each head takes the smallest budget with e_h <= ``tolerance``. The trivial answer
+(every row = mean(V) for softmax, every row = the mean exact probe row for the Gaussian
+target) is rung 0 with 0 features: a head where it already meets the tolerance spends
+nothing, and a head where no rung meets it takes the rung with the smallest estimate,
+so that, as far as the probes can tell, no head is worse than the trivial answer. Every
+rung runs on the same random draw, so the chosen output is exactly what a call with
+that ``num_features`` would return, and the probe rows are returned exact. Compute: the
 ladder costs less than twice the top rung, plus the probe rows.
 """
 
@@ -28,14 +32,15 @@ from ..inputs import AttentionInputs
 from .multipole_core import MultipoleOptions, PartialSums, draw, multipole_sums
 
 Finish = Callable[[PartialSums, Tensor], Tensor]  # (sums, scaled query rows) -> output rows
+Trivial = Callable[[Tensor, Tensor], Tensor]  # (exact probe rows, probe live) -> [B, H, 1, Dv]
 
 
 @dataclass(frozen=True)
 class FeatureChoice:
     """Per-head budgets chosen for a tolerance."""
 
-    ladder: tuple[int, ...]  # the budgets tried, ascending
-    features: Tensor  # [B, H] long, chosen num_features per head
+    ladder: tuple[int, ...]  # the budgets tried, ascending; 0 = the trivial answer
+    features: Tensor  # [B, H] long, chosen num_features per head (0 = trivial answer)
     estimate: Tensor  # [B, H] estimated relative error at the chosen budget
     estimates: Tensor  # [B, H, len(ladder)] estimate at every budget
 
@@ -56,8 +61,8 @@ def exact_rows(q_rows: Tensor, k: Tensor, v: Tensor, key_bias: Tensor) -> Partia
 
 def targeted_multipole(
     q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, info: AttentionInputs,
-    options: MultipoleOptions, generator: torch.Generator | None, finish: Finish, *,
-    tolerance: float, probe: int,
+    options: MultipoleOptions, generator: torch.Generator | None, finish: Finish,
+    trivial: Trivial, *, tolerance: float, probe: int,
 ) -> tuple[Tensor, FeatureChoice]:
     """Multipole attention with per-head budgets for ``tolerance``.
 
@@ -65,6 +70,7 @@ def targeted_multipole(
         q, k: scaled ``[B, H, Nq, D]``, ``[B, H, Nk, D]``; v ``[B, H, Nk, Dv]``;
         key_bias ``[B, H, Nk]`` (-inf for padded keys).
         finish: turns partial sums of given query rows into output rows.
+        trivial: the trivial answer's row from the exact probe rows.
     Returns:
         (output ``[B, H, Nq, Dv]`` before zeroing padded queries, ``FeatureChoice``).
     """
@@ -81,18 +87,21 @@ def targeted_multipole(
     exact = finish(exact_rows(q_probe, k, v, key_bias), q_probe) * probe_live  # [B, H, P, Dv]
     exact_norm = exact.detach().square().sum((-1, -2)).sqrt()
 
-    ladder = feature_ladder(options.num_features)
+    ladder = (0, *feature_ladder(options.num_features))
     outputs, estimates = [], []
     for budget in ladder:
-        rung = dataclasses.replace(options, num_features=budget)
-        out = finish(multipole_sums(q, k, v, key_bias, info, rung, generator, draws=draws), q)
+        if budget == 0:
+            out = trivial(exact, probe_live).expand(b, h, nq, exact.shape[-1])
+        else:
+            rung = dataclasses.replace(options, num_features=budget)
+            out = finish(multipole_sums(q, k, v, key_bias, info, rung, generator, draws=draws), q)
         rows = out.gather(2, index.expand(b, h, -1, out.shape[-1])) * probe_live
         error = (rows.detach() - exact.detach()).square().sum((-1, -2)).sqrt()
         estimates.append(error / exact_norm.clamp_min(torch.finfo(error.dtype).tiny))
         outputs.append(out)
     estimates_t = torch.stack(estimates, -1)  # [B, H, L]
     meets = estimates_t <= tolerance
-    level = torch.where(meets.any(-1), meets.int().argmax(-1), len(ladder) - 1)  # [B, H]
+    level = torch.where(meets.any(-1), meets.int().argmax(-1), estimates_t.argmin(-1))  # [B, H]
     stacked = torch.stack(outputs, 0)  # [L, B, H, Nq, Dv]
     out = stacked.gather(0, level[None, :, :, None, None].expand(1, b, h, nq, stacked.shape[-1]))[0]
     # The probe rows were computed exactly: return them exact.
