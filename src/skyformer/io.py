@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+FILE_MODE = 0o644
+
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
     """Write ``text`` to ``path`` through a temporary file in the same folder, then rename."""
@@ -22,6 +24,7 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
+        os.chmod(tmp, FILE_MODE)  # mkstemp creates 0600: results should be readable
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
