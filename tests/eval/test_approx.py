@@ -172,3 +172,11 @@ def test_outputs_without_plots(tmp_path):
     assert "source,seq_len,kind,method,target,num_features" in csv
     report = (tmp_path / "approx.md").read_text()
     assert "skyformer approx --x" in report and "![errors]" not in report
+
+
+def test_analysis_only():
+    result = run_approx(small(sweep=False), log=lambda s: None)
+    assert result.rows == [] and result.samples == [] and len(result.analysis) == 1
+    assert result.sources[0]["part"] == "analysis"
+    with pytest.raises(ValueError, match="nothing to do"):
+        small(sweep=False, analysis=False)

@@ -63,6 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seed of the random init and the synthetic data (default 0)")
     parser.add_argument("--no-analysis", action="store_true",
                         help="skip the spectra and leverage analysis")
+    parser.add_argument("--no-sweep", action="store_true",
+                        help="only the analysis: no method runs, no error plot")
     parser.add_argument("--analysis-len", type=int, default=None,
                         help=f"sequence length of the analysis (default {d.analysis_seq_len})")
     parser.add_argument("--residual-block", type=int, default=None,
@@ -100,6 +102,8 @@ def config_from_args(args: argparse.Namespace) -> ApproxConfig:
                     from None
     if args.no_analysis:
         values["analysis"] = False
+    if args.no_sweep:
+        values["sweep"] = False
     if args.no_progress:
         values["progress"] = False
     return ApproxConfig(**values)
@@ -130,9 +134,10 @@ def run(args: argparse.Namespace) -> int:
     print("Q/K/V:")
     for s in result.sources:
         print(f"  {s['source']} N={s['seq_len']}: {s['description']}")
-    print("error: relative spectral norm ||O - O_exact||_2 / ||O_exact||_2 against the method's "
-          "target, mean over seeds and heads")
-    print(format_table(result.rows))
+    if result.rows:
+        print("error: relative spectral norm ||O - O_exact||_2 / ||O_exact||_2 against the "
+              "method's target, mean over seeds and heads")
+        print(format_table(result.rows))
     if result.analysis:
         print()
         print(analysis_table(result.analysis))

@@ -26,7 +26,8 @@ import dataclasses
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,8 +68,9 @@ class ApproxConfig:
         row norm and width of synthetic Q, K; data_seed: random init / synthetic data.
     floor_*: randomized subspace iteration for the rank-m floors (full SVD when
         N <= floor_exact_below).
-    analysis: also run the spectra and leverage analysis at ``analysis_seq_len``;
-        residual_block: entries per row the sparse part keeps; eps, delta: Theorem 2.
+    sweep: measure the methods (error against m); analysis: the spectra and leverage
+        analysis at ``analysis_seq_len``; residual_block: entries per row the sparse
+        part keeps; eps, delta: Theorem 2.
     """
 
     sources: tuple[str, ...] = ("pretrained", "init")
@@ -87,8 +89,9 @@ class ApproxConfig:
     floor_oversample: int = 64
     floor_power_iterations: int = 3
     floor_exact_below: int = 1024
+    sweep: bool = True
     analysis: bool = True
-    analysis_seq_len: int = 1024
+    analysis_seq_len: int = 512
     residual_block: int = 64
     eps: tuple[float, ...] = (0.1, 0.01)
     delta: float = 0.1
@@ -108,6 +111,10 @@ class ApproxConfig:
             raise ValueError("sequence lengths must be at least 3.")
         if self.heads is not None and (not self.heads or any(h < 0 for h in self.heads)):
             raise ValueError(f"heads must be non-negative indices, got {list(self.heads)}.")
+        if not (self.sweep or self.analysis):
+            raise ValueError("nothing to do: both the sweep and the analysis are switched off.")
+        if self.floor_oversample < 0 or self.floor_power_iterations < 0:
+            raise ValueError("floor_oversample and floor_power_iterations must be >= 0.")
         if self.residual_block < 1:
             raise ValueError(f"residual_block must be at least 1, got {self.residual_block}.")
         for e in self.eps:
@@ -259,7 +266,19 @@ class _Sweep:
         self.notes: list[str] = []
         self.rows: list[dict[str, Any]] = []
         self.samples: list[dict[str, Any]] = []
-        self.seconds = {"load": 0.0, "targets_and_floors": 0.0, "methods": 0.0, "analysis": 0.0}
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        """Adds wall and CPU seconds (all threads, ``cpu_<phase>``) of the block to ``phase``.
+        CPU time is what to compare on a shared machine: wall time depends on its load."""
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            yield
+        finally:
+            for key, value in ((phase, time.perf_counter() - wall),
+                               (f"cpu_{phase}", time.process_time() - cpu)):
+                self.seconds[key] = self.seconds.get(key, 0.0) + value
 
     def note(self, text: str) -> None:
         self.notes.append(text)
@@ -417,32 +436,34 @@ def run_approx(config: ApproxConfig = ApproxConfig(), *,
     analysis: list[dict[str, Any]] = []
     per_n = {n: len([m for m in set(config.features) if m < n]) for n in config.seq_lens}
     total = len(config.sources) * len(methods) * len(config.seeds) * sum(per_n.values())
+    total = total if config.sweep else 0
     with tqdm(total=total, unit="run", desc="approx", disable=not config.progress,
               leave=False) as bar:
         for source in config.sources:
-            for n in config.seq_lens:
-                t0 = time.perf_counter()
-                data = loader.load(source, n)
-                sweep.seconds["load"] += time.perf_counter() - t0
-                sources.append({"source": source, "seq_len": n, "description": data.description,
-                                "windows": data.windows})
+            for n in config.seq_lens if config.sweep else ():
+                with sweep.timed("load"):
+                    data = loader.load(source, n)
+                sources.append({"source": source, "seq_len": n, "part": "sweep",
+                                "description": data.description, "windows": data.windows})
                 if data.windows > 1:
                     sweep.note(f"{source} N={n}: Q/K/V concatenated from {data.windows} windows "
                                f"of the model's position limit.")
                 ms = sweep.features_for(n)
-                t0 = time.perf_counter()
-                exact = sweep.references(data, targets, ms)
-                sweep.seconds["targets_and_floors"] += time.perf_counter() - t0
-                t0 = time.perf_counter()
-                for spec in methods:
-                    sweep.method(spec, data, exact[spec.capabilities.target], ms, bar)
-                sweep.seconds["methods"] += time.perf_counter() - t0
+                with sweep.timed("targets_and_floors"):
+                    exact = sweep.references(data, targets, ms)
+                with sweep.timed("methods"):
+                    for spec in methods:
+                        sweep.method(spec, data, exact[spec.capabilities.target], ms, bar)
             if config.analysis:
-                t0 = time.perf_counter()
-                bar.set_postfix_str(f"{source} analysis N={config.analysis_seq_len}")
-                data = loader.load(source, config.analysis_seq_len)
-                analysis.append(analyse_source(data, config))
-                sweep.seconds["analysis"] += time.perf_counter() - t0
+                with sweep.timed("analysis"):
+                    bar.set_postfix_str(f"{source} analysis N={config.analysis_seq_len}")
+                    data = loader.load(source, config.analysis_seq_len)
+                    if not any(s["source"] == source and s["seq_len"] == config.analysis_seq_len
+                               for s in sources):
+                        sources.append({"source": source, "seq_len": config.analysis_seq_len,
+                                        "part": "analysis", "description": data.description,
+                                        "windows": data.windows})
+                    analysis.append(analyse_source(data, config))
     sweep.seconds["total"] = time.perf_counter() - started
     sweep.seconds["cpu_total"] = time.process_time() - cpu_started
     env = environment(torch.device("cpu"))

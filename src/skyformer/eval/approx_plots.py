@@ -14,6 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..io import FILE_MODE
+
 SOURCE_LABEL = {
     "pretrained": "pretrained",
     "init": "randomly initialised",
@@ -47,6 +49,7 @@ def _save(fig: Any, path: str | Path) -> Path:
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=120, bbox_inches="tight")
+        os.chmod(tmp, FILE_MODE)
         os.replace(tmp, target)
     finally:
         Path(tmp).unlink(missing_ok=True)

@@ -120,10 +120,11 @@ def markdown_report(result: Any, command: str | None = None, plots: bool = True)
     for s in result.sources:
         lines.append(f"- {s['source']}, N={s['seq_len']}: {s['description']}")
     lines.append("")
-    if plots:
-        lines += ["## Error against the number of features", "",
-                  f"![errors]({FILES['errors']})", ""]
-    lines += [_markdown_table(result.rows), ""]
+    if result.rows:
+        lines += ["## Error against the number of features", ""]
+        if plots:
+            lines += [f"![errors]({FILES['errors']})", ""]
+        lines += [_markdown_table(result.rows), ""]
     if result.analysis:
         lines += ["## Spectra, stable rank and statistical dimension", ""]
         if plots:
@@ -169,7 +170,8 @@ def write_outputs(result: Any, out_dir: str | Path, *, plots: bool = True,
         "command": command,
     })
     if plots:
-        written["errors"] = plot_errors(result, out / FILES["errors"])
+        if result.rows:
+            written["errors"] = plot_errors(result, out / FILES["errors"])
         if result.analysis:
             written["spectra"] = plot_spectra(result, out / FILES["spectra"])
             written["leverage"] = plot_leverage(result, out / FILES["leverage"])
