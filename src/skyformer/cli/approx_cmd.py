@@ -25,7 +25,8 @@ _FIELDS = {
     "sources": "sources", "seq_lens": "seq_lens", "features": "features", "seeds": "seeds",
     "methods": "methods", "layer": "layer", "model": "model", "text": "text", "glove": "glove",
     "gaussian_norm": "gaussian_norm", "gaussian_dim": "gaussian_dim", "data_seed": "data_seed",
-    "analysis_len": "analysis_seq_len", "residual_block": "residual_block", "eps": "eps",
+    "analysis_len": "analysis_seq_len", "residual_block": "residual_block",
+    "lsh_bits": "lsh_bits", "eps": "eps",
     "delta": "delta", "floor_power_iterations": "floor_power_iterations",
     "floor_oversample": "floor_oversample",
 }
@@ -68,7 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--analysis-len", type=int, default=None,
                         help=f"sequence length of the analysis (default {d.analysis_seq_len})")
     parser.add_argument("--residual-block", type=int, default=None,
-                        help=f"entries per row in the sparse part (default {d.residual_block})")
+                        help=f"keys per LSH bucket (and entries per row of the oracle mask) of "
+                        f"the sparse part (default {d.residual_block})")
+    parser.add_argument("--lsh-bits", type=int, default=None,
+                        help=f"hyperplanes of the angular LSH (default {d.lsh_bits})")
     parser.add_argument("--eps", nargs="+", type=float, default=None,
                         help="relative errors eps for Theorem 2 (default: 0.1 0.01)")
     parser.add_argument("--delta", type=float, default=None,

@@ -40,10 +40,11 @@ from ..ops.kernelized import gaussian_scores
 from ..ops.softmax import softmax_scores
 from ..registry import Method, attention, get_method, list_methods
 from .compare import EXACT_METHOD
+from .layer_call import call_as_layer
 from .leverage import THEOREM_CONSTANT, leverage_analysis
 from .metrics import constant_row_error, rank_m_floor, relative_error
 from .sources import SOURCES, SourceData, SourceLoader, SourceOptions, check_source
-from .spectra import MaskFn, attention_spectra, oracle_mask
+from .spectra import attention_spectra, lsh_mask, oracle_mask
 
 FLOOR = "svd_floor"
 MEAN_V = "mean_v"
@@ -69,8 +70,9 @@ class ApproxConfig:
     floor_*: randomized subspace iteration for the rank-m floors (full SVD when
         N <= floor_exact_below).
     sweep: measure the methods (error against m); analysis: the spectra and leverage
-        analysis at ``analysis_seq_len``; residual_block: entries per row the sparse
-        part keeps; eps, delta: Theorem 2.
+        analysis at ``analysis_seq_len``; residual_block: keys per LSH bucket (and
+        entries per row of the oracle mask) of the sparse part, lsh_bits: hyperplanes
+        of the angular LSH (KDEformer's default 7); eps, delta: Theorem 2.
     """
 
     sources: tuple[str, ...] = ("pretrained", "init")
@@ -93,6 +95,7 @@ class ApproxConfig:
     analysis: bool = True
     analysis_seq_len: int = 512
     residual_block: int = 64
+    lsh_bits: int = 7
     eps: tuple[float, ...] = (0.1, 0.01)
     delta: float = 0.1
     progress: bool = True
@@ -115,8 +118,9 @@ class ApproxConfig:
             raise ValueError("nothing to do: both the sweep and the analysis are switched off.")
         if self.floor_oversample < 0 or self.floor_power_iterations < 0:
             raise ValueError("floor_oversample and floor_power_iterations must be >= 0.")
-        if self.residual_block < 1:
-            raise ValueError(f"residual_block must be at least 1, got {self.residual_block}.")
+        if self.residual_block < 1 or self.lsh_bits < 1:
+            raise ValueError(f"residual_block and lsh_bits must be at least 1, got "
+                             f"{self.residual_block} and {self.lsh_bits}.")
         for e in self.eps:
             if not 0 < e < 1:
                 raise ValueError(f"eps must be in (0, 1) (Theorem 2), got {e}.")
@@ -227,27 +231,20 @@ def resolve_methods(names: tuple[str, ...] | None, notes: list[str]) -> list[Met
 
 def _call(spec: Method, q: Tensor, k: Tensor, v: Tensor, m: int, seed: int) -> Tensor:
     """One run of ``spec`` with ``num_features=m`` (and ``max_seq_len=N`` for methods
-    that need a fixed length); methods with a state module get a fresh one, seeded."""
+    that need a fixed length). A method that cannot run without its per-layer state
+    module (learned projections) is called as a layer would call it."""
     options: dict[str, Any] = {"num_features": m}
     if "max_seq_len" in spec.option_names():
         options["max_seq_len"] = q.shape[2]
-    g = torch.Generator(device=q.device).manual_seed(seed)
     with torch.no_grad():
         try:
+            g = torch.Generator(device=q.device).manual_seed(seed)
             return attention(q, k, v, spec.name, generator=g, **options)
         except _CALL_ERRORS:
             if spec.state is None:
                 raise
-        # The method needs its per-layer state (e.g. learned projections): build it
-        # as nn.MultiHeadAttention would, with weights drawn from the seed.
-        config = spec.make_config(**options)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            module = spec.state(config, q.shape[1], q.shape[-1])
-        extra = module(q, k)
         g = torch.Generator(device=q.device).manual_seed(seed)
-        return spec.function(q, k, v, key_padding_mask=None, generator=g,
-                             **dataclasses.asdict(config), **extra)
+        return call_as_layer(q, k, v, method=spec.name, generator=g, **options)
 
 
 def _matrix(target: str, q: Tensor, k: Tensor) -> Tensor:
@@ -374,28 +371,34 @@ class _Sweep:
                                   torch.stack(spectral), torch.stack(frob)))
 
 
-def analyse_source(data: SourceData, config: ApproxConfig, mask_fn: MaskFn | None = None,
-                   mask_name: str | None = None) -> dict[str, Any]:
-    """Spectra (softmax matrix, its sparse residual, outputs) and Theorem 2 leverage
+def analyse_source(data: SourceData, config: ApproxConfig) -> dict[str, Any]:
+    """Spectra (softmax matrix, its residuals after KDEformer's LSH blocks and after the
+    oracle mask with as many entries per row, outputs) and Theorem 2 leverage
     quantities of one source's Q/K/V; JSON-ready."""
     q, k, v = data.q[0], data.k[0], data.v[0]
-    if mask_fn is None:
-        mask_fn = oracle_mask(config.residual_block)
-        mask_name = f"oracle: each row's {config.residual_block} largest entries"
-    spectra = attention_spectra(q, k, v, mask_fn, mask_name=mask_name or "custom mask")
+    block = config.residual_block
+    masks = {"lsh": lsh_mask(block, config.lsh_bits, config.data_seed),
+             "oracle": oracle_mask(block)}
+    described = {
+        "lsh": f"angular LSH, {config.lsh_bits} hyperplanes, equal-sized buckets of {block} "
+               f"(KDEformer Def. A.3)",
+        "oracle": f"each row's {block} largest entries (oracle)",
+    }
+    spectra = attention_spectra(q, k, v, masks)
     out: dict[str, Any] = {
         "source": data.source,
         "seq_len": q.shape[1],
         "description": data.description,
-        "mask": spectra.mask,
-        "mask_density": spectra.mask_density.tolist(),
         "softmax_srank": spectra.softmax_srank.tolist(),
-        "residual_srank": spectra.residual_srank.tolist(),
         "output_srank": spectra.output_srank.tolist(),
         "layer_output_srank": float(spectra.layer_output_srank),
+        "residuals": [
+            {"mask": r.mask, "description": described[r.mask], "density": r.density.tolist(),
+             "srank": r.stable_rank.tolist(), "singular_values": r.singular_values.tolist()}
+            for r in spectra.residuals
+        ],
         "spectra": {
             "softmax": spectra.softmax.tolist(),
-            "residual": spectra.residual.tolist(),
             "output": spectra.output.tolist(),
             "layer_output": spectra.layer_output.tolist(),
         },

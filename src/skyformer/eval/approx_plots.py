@@ -24,6 +24,8 @@ SOURCE_LABEL = {
 }
 TARGET_STYLE = {"softmax": "-", "gaussian": "--"}
 REFERENCE_COLOR = {"softmax": "black", "gaussian": "0.55"}
+RESIDUAL_LABEL = {"lsh": "without the LSH blocks", "oracle": "without each row's top entries"}
+MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "<", ">", "h")
 
 
 def require_pyplot() -> Any:
@@ -66,8 +68,10 @@ def plot_errors(result: Any, path: str | Path) -> Path:
     config = result.config
     rows = result.rows
     methods = list(dict.fromkeys(r["method"] for r in rows if r["kind"] == "method"))
-    cmap = plt.get_cmap("tab10" if len(methods) <= 10 else "tab20")
-    colors = {m: cmap(i % cmap.N) for i, m in enumerate(methods)}
+    cmap = plt.get_cmap("tab10")
+    # tab10 colours with a marker cycle of another length: 11+ methods stay distinct.
+    colors = {m: cmap(i % 10) for i, m in enumerate(methods)}
+    markers = {m: MARKERS[i % len(MARKERS)] for i, m in enumerate(methods)}
     n_rows, n_cols = len(config.sources), len(config.seq_lens)
     fig, axes = plt.subplots(n_rows, n_cols, figsize=(3.4 * n_cols + 0.6, 2.9 * n_rows + 0.4),
                              squeeze=False, sharey="row")
@@ -84,7 +88,8 @@ def plot_errors(result: Any, path: str | Path) -> Path:
                     continue
                 target = line[0]["target"]
                 x = [r["num_features"] for r in line]
-                (h,) = ax.plot(x, [r["spectral_mean"] for r in line], marker="o", markersize=3,
+                (h,) = ax.plot(x, [r["spectral_mean"] for r in line], marker=markers[method],
+                               markersize=3.5,
                                linestyle=TARGET_STYLE[target], color=colors[method], linewidth=1.4)
                 ax.fill_between(x, [r["spectral_min"] for r in line],
                                 [r["spectral_max"] for r in line], color=colors[method], alpha=0.12,
@@ -127,6 +132,10 @@ def plot_errors(result: Any, path: str | Path) -> Path:
     return out
 
 
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
 def _mean_curve(values: list[list[float]]) -> tuple[list[int], list[float]]:
     """Mean over heads of per-head curves (equal lengths), indices from 1."""
     import torch
@@ -145,20 +154,20 @@ def plot_spectra(result: Any, path: str | Path) -> Path:
     for j, a in enumerate(analysis):
         ax = axes[0][j]
         soft = torch.tensor(a["spectra"]["softmax"], dtype=torch.float64)  # [H, N]
-        res = torch.tensor(a["spectra"]["residual"], dtype=torch.float64)
         top = soft[:, :1]
         idx = list(range(1, soft.shape[-1] + 1))
-        mean_srank = sum(a["softmax_srank"]) / len(a["softmax_srank"])
-        mean_res = sum(a["residual_srank"]) / len(a["residual_srank"])
         ax.plot(idx, (soft / top).mean(0).tolist(), color="C0",
-                label=f"softmax D^-1 A (srank {mean_srank:.1f})")
-        ax.plot(idx, (res / top).mean(0).tolist(), color="C3",
-                label=f"residual D^-1 A_res (srank {mean_res:.1f})")
+                label=f"softmax D^-1 A (srank {_mean(a['softmax_srank']):.1f})")
+        for i, r in enumerate(a["residuals"]):
+            res = torch.tensor(r["singular_values"], dtype=torch.float64)
+            ax.plot(idx, (res / top).mean(0).tolist(), color=("C3", "C4", "C5")[i % 3],
+                    label=f"residual {RESIDUAL_LABEL.get(r['mask'], r['mask'])} "
+                          f"(srank {_mean(r['srank']):.1f})")
         ax.set_yscale("log")
         ax.set_title(f"{_label(a['source'])}, N={a['seq_len']}", fontsize=9)
         ax.set_xlabel("index i", fontsize=8)
         ax.set_ylabel("sigma_i / sigma_1(D^-1 A), mean over heads", fontsize=8)
-        ax.legend(fontsize=7, title=f"sparse part: {a['mask']}", title_fontsize=7)
+        ax.legend(fontsize=7)
         ax.grid(True, which="both", alpha=0.25)
         ax = axes[1][j]
         layer = torch.tensor(a["spectra"]["layer_output"], dtype=torch.float64)
@@ -166,15 +175,14 @@ def plot_spectra(result: Any, path: str | Path) -> Path:
                 label=f"heads side by side [N, H Dv] (srank {a['layer_output_srank']:.1f})")
         out = torch.tensor(a["spectra"]["output"], dtype=torch.float64)
         x, y = _mean_curve((out / out[:, :1]).tolist())
-        mean_out = sum(a["output_srank"]) / len(a["output_srank"])
-        ax.plot(x, y, color="C1", label=f"one head [N, Dv], mean (srank {mean_out:.1f})")
+        ax.plot(x, y, color="C1", label=f"one head [N, Dv], mean (srank {_mean(a['output_srank']):.1f})")
         ax.set_yscale("log")
         ax.set_xlabel("index i", fontsize=8)
         ax.set_ylabel("sigma_i / sigma_1 of the exact output", fontsize=8)
         ax.legend(fontsize=7)
         ax.grid(True, which="both", alpha=0.25)
-    fig.suptitle("Singular values: softmax matrix and its sparse residual (KDEformer Fig. 2); "
-                 "attention outputs (Skyformer App. B)", fontsize=9)
+    fig.suptitle("Singular values: softmax matrix and its residuals without a sparse part "
+                 "(KDEformer Fig. 2); attention outputs (Skyformer App. B)", fontsize=9)
     fig.tight_layout()
     path_out = _save(fig, path)
     plt.close(fig)
@@ -190,10 +198,8 @@ def plot_leverage(result: Any, path: str | Path) -> Path:
         ax = axes[0][j]
         for i, lev in enumerate(a["leverage"]):
             x, y = _mean_curve(lev["leverage_sorted"])
-            d_stat = sum(lev["d_stat"]) / len(lev["d_stat"])
-            d_th = sum(lev["d_theorem"]) / len(lev["d_theorem"])
-            ax.plot(x, y, color=f"C{i}",
-                    label=f"eps={lev['eps']:g}: d_stat={d_stat:.0f}, Thm 2 d={d_th:.3g}")
+            ax.plot(x, y, color=f"C{i}", label=f"eps={lev['eps']:g}: d_stat="
+                    f"{_mean(lev['d_stat']):.0f}, Thm 2 d={_mean(lev['d_theorem']):.3g}")
         ax.set_xscale("log")
         ax.set_yscale("log")
         n2 = 2 * a["seq_len"]

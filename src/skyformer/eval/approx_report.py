@@ -83,14 +83,17 @@ def analysis_table(analysis: list[dict[str, Any]]) -> str:
     """Stable ranks and Theorem 2 numbers (means over heads), markdown."""
     if not analysis:
         return ""
-    out = ["| source | N | srank D^-1 A | srank residual | sparse part | srank output (head) "
-           "| srank output (heads side by side) |", "|---|---|---|---|---|---|---|"]
+    out = ["| source | N | srank D^-1 A | residual without | entries removed | srank residual "
+           "| srank output (one head) | srank output (heads side by side) |",
+           "|---|---|---|---|---|---|---|---|"]
     for a in analysis:
-        out.append(
-            f"| {a['source']} | {a['seq_len']} | {_mean(a['softmax_srank']):.2f} | "
-            f"{_mean(a['residual_srank']):.2f} | {100 * _mean(a['mask_density']):.1f}% of entries "
-            f"| {_mean(a['output_srank']):.2f} | {a['layer_output_srank']:.2f} |"
-        )
+        head = [a["source"], str(a["seq_len"]), f"{_mean(a['softmax_srank']):.2f}"]
+        tail = [f"{_mean(a['output_srank']):.2f}", f"{a['layer_output_srank']:.2f}"]
+        for i, r in enumerate(a["residuals"]):
+            cells = [*(head if i == 0 else [""] * 3), r["description"],
+                     f"{100 * _mean(r['density']):.1f}%", f"{_mean(r['srank']):.2f}",
+                     *(tail if i == 0 else [""] * 2)]
+            out.append("| " + " | ".join(cells) + " |")
     out += ["", "| source | 2n | eps | lambda = eps ‖C‖ | d_stat | max leverage | beta "
             "| d = d_stat/beta ln(n/delta) (C=1) | d = 56/3 d_stat/beta ln(4n/delta) |",
             "|---|---|---|---|---|---|---|---|---|"]
