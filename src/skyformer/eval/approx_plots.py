@@ -25,6 +25,8 @@ SOURCE_LABEL = {
 TARGET_STYLE = {"softmax": "-", "gaussian": "--"}
 REFERENCE_COLOR = {"softmax": "black", "gaussian": "0.55"}
 RESIDUAL_LABEL = {"lsh": "without the LSH blocks", "oracle": "without each row's top entries"}
+# After tab10's ten: colours far from them and from the black/grey references.
+EXTRA_COLORS = ("#000080", "#9acd32", "#ff1493", "#8b4513", "#00ced1", "#ffa500")
 MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "<", ">", "h")
 
 
@@ -68,9 +70,8 @@ def plot_errors(result: Any, path: str | Path) -> Path:
     config = result.config
     rows = result.rows
     methods = list(dict.fromkeys(r["method"] for r in rows if r["kind"] == "method"))
-    cmap = plt.get_cmap("tab10")
-    # tab10 colours with a marker cycle of another length: 11+ methods stay distinct.
-    colors = {m: cmap(i % 10) for i, m in enumerate(methods)}
+    palette = [plt.get_cmap("tab10")(i) for i in range(10)] + list(EXTRA_COLORS)
+    colors = {m: palette[i % len(palette)] for i, m in enumerate(methods)}
     markers = {m: MARKERS[i % len(MARKERS)] for i, m in enumerate(methods)}
     n_rows, n_cols = len(config.sources), len(config.seq_lens)
     fig, axes = plt.subplots(n_rows, n_cols, figsize=(3.4 * n_cols + 0.6, 2.9 * n_rows + 0.4),
