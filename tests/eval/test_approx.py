@@ -180,3 +180,19 @@ def test_analysis_only():
     assert result.sources[0]["part"] == "analysis"
     with pytest.raises(ValueError, match="nothing to do"):
         small(sweep=False, analysis=False)
+
+
+def test_randomized_floors_agree_with_the_full_svd():
+    """The subspace iteration used above N = 1024 gives the floors of the full SVD."""
+    from skyformer.eval.metrics import rank_m_floor
+    from skyformer.linalg import top_singular_subspace
+    from tests.conftest import gen
+
+    data = SourceLoader(SourceOptions(heads=(0, 1))).load("gaussian", 600)
+    q, k, v = (t[0].double() for t in (data.q, data.k, data.v))
+    p = softmax_scores(q[None], k[None])[0]
+    out = p @ v
+    exact = rank_m_floor(top_singular_subspace(p, 128).u, out, [16, 64, 128])
+    fast = rank_m_floor(top_singular_subspace(p.float(), 128, generator=gen(0), exact_below=0).u,
+                        out, [16, 64, 128])
+    torch.testing.assert_close(fast, exact, rtol=0.02, atol=0)

@@ -7,6 +7,8 @@ import argparse
 import shlex
 from typing import Any
 
+import torch
+
 from ..eval.approx import QUICK, ApproxConfig, run_approx
 from ..eval.approx_report import analysis_table, format_table, write_outputs
 from ..eval.sources import SOURCES
@@ -82,6 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"{d.floor_power_iterations})")
     parser.add_argument("--floor-oversample", type=int, default=None,
                         help=f"oversampling of the rank-m floors (default {d.floor_oversample})")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's own choice); on a machine "
+                        "busier than its cores, 1 avoids threads spinning on each other")
     parser.add_argument("--out", default="results/approx",
                         help="output folder (default results/approx)")
     parser.add_argument("--no-plots", action="store_true", help="write no PNG plots")
@@ -130,6 +135,10 @@ def _command(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {args.threads}.")
+        torch.set_num_threads(args.threads)
     if not args.no_plots:
         from ..eval.approx_plots import require_pyplot
 

@@ -5,9 +5,9 @@ Used for the rank-m floors of the approximation study: the best rank-m approxima
 of A (Eckart-Young, spectral and Frobenius norm) is U_m U_m^T A, so only the top-m
 left singular vectors U_m are needed, never the full SVD. A full SVD of an n x n
 matrix costs O(n^3) with a large constant (about 100 s at n = 4096 on 2 CPU cores);
-subspace iteration costs ``2 q + 1`` products with an n x (k + p) block and is
-accurate to about a percent on attention matrices (see
-``tests/linalg/test_subspace.py`` and docs/approximation.md).
+subspace iteration costs ``2 q + 1`` products with an n x (k + p) block; with
+p = 64, q = 3 the rank-m floors it gives on MiniLM attention matrices agree with the
+full SVD's to within 1% (docs/approximation.md, ``tests/eval/test_approx.py``).
 """
 
 from __future__ import annotations
