@@ -25,7 +25,8 @@ def test_lifted_kernel_is_psd_and_holds_c_off_the_diagonal():
     assert cbar.shape == (2, 60, 60)
     torch.testing.assert_close(cbar, cbar.transpose(-1, -2))
     torch.testing.assert_close(cbar[:, :30, 30:], gaussian_scores(q, k)[0])
-    torch.testing.assert_close(torch.diagonal(cbar, dim1=-2, dim2=-1), torch.ones(2, 60, dtype=cbar.dtype))
+    torch.testing.assert_close(torch.diagonal(cbar, dim1=-2, dim2=-1),
+                               torch.ones(2, 60, dtype=cbar.dtype))
     assert torch.linalg.eigvalsh(cbar).min() > -1e-10
 
 

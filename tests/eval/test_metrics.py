@@ -55,7 +55,7 @@ def test_singular_values_and_stable_rank():
         ref = np.linalg.norm(x[i].numpy(), "fro") ** 2 / np.linalg.norm(x[i].numpy(), 2) ** 2
         assert stable_rank(x)[i].item() == pytest.approx(ref, rel=1e-12)
     assert (stable_rank(x) >= 1).all() and (stable_rank(x) <= 12).all()
-    rank_one = torch.ones(5, 1, dtype=torch.float64) @ torch.arange(1.0, 4.0, dtype=torch.float64)[None]
+    rank_one = torch.ones(5, 1, dtype=torch.float64) * torch.tensor([[1.0, 2.0, 3.0]])
     assert stable_rank(rank_one).item() == pytest.approx(1.0)
     assert stable_rank(torch.zeros(3, 3)).item() == 0.0
 

@@ -81,7 +81,8 @@ def test_model_folders_that_cannot_be_used_give_sentences(tmp_path):
     with pytest.raises(ValueError, match="could not load a Hugging Face model .* no file named"):
         load_model(config_only)
     gpt2 = tmp_path / "gpt2"
-    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=30522, n_positions=32)
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=30522,
+                                     n_positions=32)
     transformers.GPT2Model(config).save_pretrained(gpt2)
     for name in ("vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(default_model_dir() / name, gpt2 / name)

@@ -77,4 +77,5 @@ def test_residual_of_the_largest_entries_has_smaller_frobenius_norm():
         assert ((r.singular_values ** 2).sum(-1) < (s.softmax ** 2).sum(-1)).all()
     # no mask with 8 entries per row removes more Frobenius mass than the oracle
     oracle, lsh = s.residuals
-    assert ((oracle.singular_values ** 2).sum(-1) <= (lsh.singular_values ** 2).sum(-1) + 1e-12).all()
+    left_by_oracle = (oracle.singular_values ** 2).sum(-1)
+    assert (left_by_oracle <= (lsh.singular_values ** 2).sum(-1) + 1e-12).all()

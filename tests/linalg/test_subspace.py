@@ -47,7 +47,8 @@ def test_randomized_path_finds_the_top_subspace():
     # sigma_31 / sigma_10 = 0.9^20 = 0.12 and 7 products: the subspaces agree to ~1e-10
     assert (projector_gap(approx.u, exact.u) < 1e-6).all()
     u = approx.u
-    torch.testing.assert_close(u.transpose(-1, -2) @ u, torch.eye(10, dtype=u.dtype).expand(2, -1, -1))
+    eye = torch.eye(10, dtype=u.dtype).expand(2, -1, -1)
+    torch.testing.assert_close(u.transpose(-1, -2) @ u, eye)
 
 
 def test_randomized_path_is_deterministic_given_a_generator():

@@ -41,23 +41,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "16 32 64, heads 0 1 (explicit options still apply)")
     parser.add_argument("--sources", nargs="+", choices=SOURCES, default=None,
                         help=f"Q/K/V sources (default: {' '.join(d.sources)})")
-    parser.add_argument("--seq-lens", nargs="+", type=int, default=None,
+    parser.add_argument("--seq-lens", nargs="+", type=int, default=None, metavar="N",
                         help=f"sequence lengths N (default: {' '.join(map(str, d.seq_lens))})")
-    parser.add_argument("--features", nargs="+", type=int, default=None,
+    parser.add_argument("--features", nargs="+", type=int, default=None, metavar="M",
                         help=f"numbers of features m (default: {' '.join(map(str, d.features))}); "
                         "values >= N are dropped for that N")
-    parser.add_argument("--seeds", nargs="+", type=int, default=None,
-                        help=f"random seeds of the methods (default: {' '.join(map(str, d.seeds))})")
-    parser.add_argument("--methods", nargs="+", default=None,
+    parser.add_argument("--seeds", nargs="+", type=int, default=None, metavar="SEED",
+                        help="random seeds of the methods (default: "
+                        f"{' '.join(map(str, d.seeds))})")
+    parser.add_argument("--methods", nargs="+", default=None, metavar="NAME",
                         help="subset of methods (default: every approximate method)")
     parser.add_argument("--layer", type=int, default=None, help=f"model layer (default {d.layer})")
-    parser.add_argument("--heads", nargs="+", default=None,
+    parser.add_argument("--heads", nargs="+", default=None, metavar="H",
                         help="head indices, or 'all' (default: 0 3 6 9); for glove/gaussian "
                         "the number of independent slices")
-    parser.add_argument("--model", default=None,
+    parser.add_argument("--model", default=None, metavar="DIR",
                         help="local BERT-type Hugging Face model folder (default: MiniLM-L6)")
-    parser.add_argument("--text", default=None, help="UTF-8 text file (default: shipped text)")
-    parser.add_argument("--glove", default=None, help="GloVe-format word vector file")
+    parser.add_argument("--text", default=None, metavar="FILE",
+                        help="UTF-8 text file (default: shipped text)")
+    parser.add_argument("--glove", default=None, metavar="FILE",
+                        help="GloVe-format word vector file")
     parser.add_argument("--gaussian-norm", type=float, default=None,
                         help=f"expected row norm of synthetic Q, K (default {d.gaussian_norm:g})")
     parser.add_argument("--gaussian-dim", type=int, default=None,
@@ -68,14 +71,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip the spectra and leverage analysis")
     parser.add_argument("--no-sweep", action="store_true",
                         help="only the analysis: no method runs, no error plot")
-    parser.add_argument("--analysis-len", type=int, default=None,
+    parser.add_argument("--analysis-len", type=int, default=None, metavar="N",
                         help=f"sequence length of the analysis (default {d.analysis_seq_len})")
     parser.add_argument("--residual-block", type=int, default=None,
                         help=f"keys per LSH bucket (and entries per row of the oracle mask) of "
                         f"the sparse part (default {d.residual_block})")
     parser.add_argument("--lsh-bits", type=int, default=None,
                         help=f"hyperplanes of the angular LSH (default {d.lsh_bits})")
-    parser.add_argument("--eps", nargs="+", type=float, default=None,
+    parser.add_argument("--eps", nargs="+", type=float, default=None, metavar="EPS",
                         help="relative errors eps for Theorem 2 (default: 0.1 0.01)")
     parser.add_argument("--delta", type=float, default=None,
                         help=f"failure probability delta for Theorem 2 (default {d.delta:g})")
@@ -87,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's own choice); on a machine "
                         "busier than its cores, 1 avoids threads spinning on each other")
-    parser.add_argument("--out", default="results/approx",
+    parser.add_argument("--out", default="results/approx", metavar="DIR",
                         help="output folder (default results/approx)")
     parser.add_argument("--no-plots", action="store_true", help="write no PNG plots")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

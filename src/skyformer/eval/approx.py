@@ -320,7 +320,8 @@ class _Sweep:
             spectral_t = torch.stack(spectral, dim=-1)  # [len(ms), H]
             frob_t = torch.stack(frob, dim=-1)
             for i, m in enumerate(ms):
-                self.rows.append(_row(data.source, n, "floor", FLOOR, target, m, spectral_t[i], frob_t[i]))
+                self.rows.append(_row(data.source, n, "floor", FLOOR, target, m,
+                                      spectral_t[i], frob_t[i]))
                 self._samples(data.source, n, FLOOR, target, m, None, spectral_t[i], frob_t[i])
             baselines = [(CONSTANT_ROW, None)]
             if target == "softmax":
@@ -340,7 +341,8 @@ class _Sweep:
                 "num_features": m, "seed": seed, "head": h, "spectral": s, "frobenius": f,
             })
 
-    def method(self, spec: Method, data: SourceData, exact: Tensor, ms: list[int], bar: Any) -> None:
+    def method(self, spec: Method, data: SourceData, exact: Tensor, ms: list[int],
+               bar: Any) -> None:
         n = data.q.shape[2]
         target = spec.capabilities.target
         seeds = self.config.seeds

@@ -101,7 +101,8 @@ def plot_errors(result: Any, path: str | Path) -> Path:
                                key=lambda r: r["num_features"])
                 if floor:
                     (h,) = ax.plot([r["num_features"] for r in floor],
-                                   [r["spectral_mean"] for r in floor], color=REFERENCE_COLOR[target],
+                                   [r["spectral_mean"] for r in floor],
+                                   color=REFERENCE_COLOR[target],
                                    linestyle=":", linewidth=1.6)
                     handles.setdefault(f"rank-m SVD floor ({target})", h)
                 name, text = ("mean_v", "mean of V") if target == "softmax" else (
@@ -176,7 +177,8 @@ def plot_spectra(result: Any, path: str | Path) -> Path:
                 label=f"heads side by side [N, H Dv] (srank {a['layer_output_srank']:.1f})")
         out = torch.tensor(a["spectra"]["output"], dtype=torch.float64)
         x, y = _mean_curve((out / out[:, :1]).tolist())
-        ax.plot(x, y, color="C1", label=f"one head [N, Dv], mean (srank {_mean(a['output_srank']):.1f})")
+        ax.plot(x, y, color="C1",
+                label=f"one head [N, Dv], mean (srank {_mean(a['output_srank']):.1f})")
         ax.set_yscale("log")
         ax.set_xlabel("index i", fontsize=8)
         ax.set_ylabel("sigma_i / sigma_1 of the exact output", fontsize=8)

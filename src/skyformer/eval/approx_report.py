@@ -34,7 +34,8 @@ def _pivot(rows: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
         ms = sorted({r["num_features"] for r in panel if r["num_features"] is not None})
         lines = []
         for kind, method, target in _order(panel):
-            cells = [r for r in panel if (r["kind"], r["method"], r["target"]) == (kind, method, target)]
+            cells = [r for r in panel
+                     if (r["kind"], r["method"], r["target"]) == (kind, method, target)]
             by_m = {m: cells[0] for m in ms} if kind == "baseline" else {
                 r["num_features"]: r for r in cells}
             label = {"svd_floor": "rank-m SVD floor", "mean_v": "trivial: mean of V",
@@ -67,7 +68,8 @@ def _markdown_table(rows: list[dict[str, Any]]) -> str:
         out.append("|---|---|" + "---|" * len(ms))
         for label, target, by_m in lines:
             cells = [
-                f"{by_m[m]['spectral_mean']:.3g} ± {by_m[m]['spectral_std']:.2g}" if m in by_m else "-"
+                f"{by_m[m]['spectral_mean']:.3g} ± {by_m[m]['spectral_std']:.2g}"
+                if m in by_m else "-"
                 for m in ms
             ]
             out.append(f"| {label} | {target} | " + " | ".join(cells) + " |")
@@ -131,7 +133,8 @@ def markdown_report(result: Any, command: str | None = None, plots: bool = True)
     if result.analysis:
         lines += ["## Spectra, stable rank and statistical dimension", ""]
         if plots:
-            lines += [f"![spectra]({FILES['spectra']})", "", f"![leverage]({FILES['leverage']})", ""]
+            lines += [f"![spectra]({FILES['spectra']})", "",
+                      f"![leverage]({FILES['leverage']})", ""]
         lines += [analysis_table(result.analysis), ""]
     if result.notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in result.notes] + [""]
