@@ -19,7 +19,8 @@ and the environment; a PNG plots the baseline sweep):
 - ``tolerance``: the error-targeted mode on pretrained layers 0/2/4 at N = 2048: budget
   chosen per head, its estimate, and the measured errors.
 - ``speed``: forward + backward at N = 16384, B = 1, H = 2, D = 32, every method timed in
-  turn inside each repetition (medians; ratios to Skyformer); ``uptime`` before and after.
+  turn inside each repetition (medians; ratios to Skyformer); ``uptime`` before and after;
+  peak memory of forward + backward in a fresh process per method.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from typing import Any
 
 import torch
 
+from skyformer.eval.memory import MemoryJob, peak_memory_bytes
 from skyformer.eval.metrics import relative_error
 from skyformer.eval.qkv import extract_qkv, load_model
 from skyformer.eval.text import default_text
@@ -225,8 +227,11 @@ def part_speed(n: int, repeats: int) -> list[dict[str, Any]]:
             times[name].append(step(name))
     after = uptime()
     base = statistics.median(times["skyformer"])
+    peaks = {name: peak_memory_bytes(MemoryJob(name, (1, 2, n, 32), backward=True)) / 2**20
+             for name in methods}
     return [{"method": name, "n": n, "fwd_bwd_ms": statistics.median(times[name]) * 1e3,
              "ratio_to_skyformer": statistics.median(times[name]) / base,
+             "peak_mib": peaks[name], "peak_ratio_to_skyformer": peaks[name] / peaks["skyformer"],
              "uptime_before": before, "uptime_after": after} for name in methods]
 
 
@@ -316,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
                                   "frobenius_error", "spectral_error", "heads_meeting"]))
         elif part == "speed":
             rows = part_speed(args.speed_n, args.repeats)
-            print(markdown(rows, ["method", "n", "fwd_bwd_ms", "ratio_to_skyformer"]))
+            print(markdown(rows, ["method", "n", "fwd_bwd_ms", "ratio_to_skyformer", "peak_mib",
+                                  "peak_ratio_to_skyformer"]))
             print(rows[0]["uptime_before"], "|", rows[0]["uptime_after"])
         else:
             raise SystemExit(f"unknown part {part!r}; parts: table, baselines, tolerance, speed.")
