@@ -29,7 +29,6 @@ import argparse
 import csv
 import io
 import math
-import os
 import statistics
 import subprocess
 import sys

@@ -9,9 +9,10 @@ methods approximate, for every query,
 exp(-|q_i|^2/2) S_i[:Dv] with b_j = -|k_j|^2/2). Queries are clustered by k-means
 (``sketch/kmeans.py``); query i belongs to cluster a with centre z_a, delta_i = q_i - z_a.
 
-- **Near field (sparse, exact)**: the ``near`` keys with the largest centre logits
-  z_a.k_j + b_j (the cluster's heavy keys), plus, in self-attention, the local window
-  |i - j| <= ``window``. Every near key of every query is computed exactly.
+- **Near field (sparse, exact)**: the t keys with the largest centre logits
+  z_a.k_j + b_j (the cluster's heavy keys), optionally plus per-query keys: a local
+  window |i - j| <= ``window`` or the query's LSH bucket (``multipole_extra.py``). Every
+  near key of every query is computed exactly.
 - **Far field (low-rank)**: every other key. With the far distribution of the centre,
   p_aj = exp(z_a.k_j + b_j) / R_a over the far keys F_a, first-order expansion in
   delta_i (exponential tilting) gives
@@ -24,23 +25,23 @@ exp(-|q_i|^2/2) S_i[:Dv] with b_j = -|k_j|^2/2). Queries are clustered by k-mean
   ``tilt_rank`` leading principal directions of the values (per head; the basis carries
   no gradient), and the tilted mean is clamped to the range of the values, so softmax
   outputs stay inside the values' per-coordinate range like exact attention.
-- **Window keys in the far field** are removed from it with their first-order model
-  weight exp(z_a.k_j + b_j + delta_i.kbar_a) (1 + delta_i.(k_j - kbar_a)), so no key
-  is counted twice (``docs/accuracy-first.md``).
+  The covariance is estimated from a uniform sample of ``tilt_sample`` keys, so its
+  cost does not grow with N.
+- **Window / LSH keys in the far field** are removed from it with their first-order
+  model weight exp(z_a.k_j + b_j + delta_i.kbar_a) (1 + delta_i.(k_j - kbar_a)), so no
+  key is counted twice (``docs/accuracy-first.md``).
 
 Every row of the expansion is a rank-(1 + D) function of the query, so the far field is
-a low-rank matrix with c (1 + D) columns; with c clusters, t near keys and a window of
-2w + 1 keys a query evaluates c + t + 2w + 1 kernel entries (its feature count), and
-the cost is O(N (c + t + w) D + c N D r) for a tilt of rank r.
+a low-rank matrix with c (1 + D) columns; with c clusters and t near keys a query
+evaluates c + t kernel entries (its feature count; plus the window or bucket), and the
+cost is O(N (c + t) D + c min(N, tilt_sample) D r) for a tilt of rank r, plus k-means.
 
-Computation: queries are sorted by cluster and cut into blocks of at most ceil(N / c)
-rows (at most 2c + 1 blocks), so the near field and the far-field expansion run as
-batched products per block; the window runs on positional blocks.
+Computation: queries are sorted by cluster and cut into blocks of at most ceil(N / 2c)
+rows, so the near field and the far-field expansion run as batched products per block.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
