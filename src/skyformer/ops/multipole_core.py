@@ -221,7 +221,8 @@ def far_field(
     inv_mass = 1.0 / mass.clamp_min(torch.finfo(mass.dtype).tiny)
     kbar = (weights @ k) * inv_mass  # [B, H, c, D]
     vbar = (weights @ v) * inv_mass  # [B, H, c, Dv]
-    log_mass = torch.where(live, mass[..., 0].clamp_min(torch.finfo(mass.dtype).tiny).log() + shift[..., 0], _NEG_INF)
+    log_mass = mass[..., 0].clamp_min(torch.finfo(mass.dtype).tiny).log() + shift[..., 0]
+    log_mass = torch.where(live, log_mass, _NEG_INF)
     b, h, nk, d = k.shape
     c = weights.shape[2]
     if rank == 0:

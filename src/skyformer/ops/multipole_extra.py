@@ -80,7 +80,8 @@ def exact_blocks_part(
     bias = gather_block_values(key_bias, kj, _NEG_INF)[..., None, :]  # [B, H, nb, 1, sk]
     a = gather_block_values(assignment, qi, 0)[..., None]  # [B, H, nb, sq, 1]
     flat = a * nk + kj.clamp_max(nk - 1)[..., None, :]  # [B, H, nb, sq, sk]
-    mask = torch.isfinite(bias) & ~member.reshape(b, h, c * nk).gather(2, flat.view(b, h, -1)).view(flat.shape)
+    near = member.reshape(b, h, c * nk).gather(2, flat.view(b, h, -1)).view(flat.shape)
+    mask = torch.isfinite(bias) & ~near
     if blocks.max_offset is not None:
         mask = mask & ((qi[..., :, None] - kj[..., None, :]).abs() <= blocks.max_offset)
     block_dots = qb @ kb.transpose(-1, -2)  # [B, H, nb, sq, sk]
