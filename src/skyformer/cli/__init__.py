@@ -10,9 +10,9 @@ import argparse
 import sys
 from types import ModuleType
 
-from . import bench_cmd, compare_cmd, list_cmd, lra_cmd
+from . import approx_cmd, bench_cmd, compare_cmd, list_cmd, lra_cmd
 
-SUBCOMMANDS: list[ModuleType] = [list_cmd, compare_cmd, bench_cmd, lra_cmd]
+SUBCOMMANDS: list[ModuleType] = [list_cmd, compare_cmd, bench_cmd, approx_cmd, lra_cmd]
 
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, ImportError, RuntimeError)
 
