@@ -142,3 +142,17 @@ def test_config_and_names_are_checked():
         resolve("skyformer.ops.nothing:here")
     plain = resolve("skyformer.ops.kernelized:reference_materialised_kernelized_attention@gaussian")
     assert plain.target == "gaussian" and not plain.takes_generator and plain.label.startswith("reference")
+
+
+def test_every_registered_method_runs():
+    """The default method list: all registered methods, including those with a per-layer
+    state (Linformer, Nystromformer, Performer) and the multipole/adaptive variants."""
+    from skyformer.registry import list_methods
+
+    config = BenchConfig(seq_lens=(64,), shapes=((1, 2, 8),), num_features=8, repeats=1,
+                         warmup=0, memory=False)
+    rows = run_bench(config).rows
+    assert [r["method"] for r in rows] == list_methods()
+    failed = {r["method"]: r["reason"] for r in rows if r["status"] != "ok"}
+    assert not failed
+    assert all(r["rel_error"] is not None and math.isfinite(r["rel_error"]) for r in rows)
