@@ -25,22 +25,39 @@ ROW_KEYS = {
 
 @pytest.fixture(scope="module")
 def tiny():
-    config = BenchConfig(methods=("skyformer", MATERIALISED), seq_lens=(64, 128), shapes=((1, 2, 8),),
-                         num_features=16, repeats=1, warmup=0, memory=False)
+    config = BenchConfig(
+        methods=("skyformer", MATERIALISED),
+        seq_lens=(64, 128),
+        shapes=((1, 2, 8),),
+        num_features=16,
+        repeats=1,
+        warmup=0,
+        memory=False,
+    )
     return run_bench(config)
 
 
 def test_rows_have_the_schema_and_sensible_values(tiny):
     rows = tiny.rows
     assert [(r["method"], r["n"]) for r in rows] == [
-        (m, n) for n in (64, 128) for m in ("softmax", "skyformer", "materialised_skyformer_attention")
+        (m, n)
+        for n in (64, 128)
+        for m in ("softmax", "skyformer", "materialised_skyformer_attention")
     ]  # the reference is added first
     for r in rows:
         assert set(r) == ROW_KEYS
         assert r["status"] == "ok" and r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0
-        assert (r["batch"], r["heads"], r["head_dim"], r["dtype"], r["device"]) == (1, 2, 8, "float32", "cpu")
-        assert r["speedup"] == pytest.approx(next(
-            x["fwd_bwd_ms"] for x in rows if x["method"] == "softmax" and x["n"] == r["n"]) / r["fwd_bwd_ms"])
+        assert (r["batch"], r["heads"], r["head_dim"], r["dtype"], r["device"]) == (
+            1,
+            2,
+            8,
+            "float32",
+            "cpu",
+        )
+        assert r["speedup"] == pytest.approx(
+            next(x["fwd_bwd_ms"] for x in rows if x["method"] == "softmax" and x["n"] == r["n"])
+            / r["fwd_bwd_ms"]
+        )
     by = {(r["method"], r["n"]): r for r in rows}
     assert by[("softmax", 64)]["rel_error"] < 1e-5 and by[("softmax", 64)]["speedup"] == 1.0
     for n in (64, 128):
@@ -51,9 +68,15 @@ def test_rows_have_the_schema_and_sensible_values(tiny):
         assert sky["gflop"] > 0 and sky["sol_fraction"] > 0 and before["gflop"] is None
     assert by[("skyformer", 128)]["growth"] == pytest.approx(
         by[("skyformer", 128)]["fwd_bwd_ms"] / by[("skyformer", 64)]["fwd_bwd_ms"])
-    assert {s["method"] for s in tiny.summary} == {"softmax", "skyformer", "materialised_skyformer_attention"}
+    assert {s["method"] for s in tiny.summary} == {
+        "softmax",
+        "skyformer",
+        "materialised_skyformer_attention",
+    }
     for s in tiny.summary:
-        assert s["crossover"] in ("never", "at most", "interpolated") and math.isfinite(s["exponent"])
+        assert s["crossover"] in ("never", "at most", "interpolated") and math.isfinite(
+            s["exponent"]
+        )
     assert tiny.matmul_gflops["float32"] > 0
     assert "torch" in tiny.environment and "load_average_start" in tiny.environment
 
@@ -70,7 +93,9 @@ def test_files_and_table(tiny, tmp_path):
     assert "skyformer" in table and "speed-up" in table and "B=1 H=2 D=8 float32 cpu" in table
     assert format_table(tiny, markdown=True).count("| skyformer |") == 2
     wide = format_wide(tiny)
-    assert "| method | N=64 | N=128 |" in wide and wide.count("| skyformer |") == 3  # time, error, SOL
+    assert (
+        "| method | N=64 | N=128 |" in wide and wide.count("| skyformer |") == 3
+    )  # time, error, SOL
     assert "faster than softmax" in wide or "slower than softmax" in wide
 
 
@@ -100,16 +125,35 @@ def test_command_line(tmp_path, capsys):
 
 
 def test_crossover_and_summary_arithmetic():
-    assert crossover([(512, 0.5), (1024, 2.0)]) == (pytest.approx(724.08, rel=1e-3), "interpolated")
+    assert crossover([(512, 0.5), (1024, 2.0)]) == (
+        pytest.approx(724.08, rel=1e-3),
+        "interpolated",
+    )
     assert crossover([(512, 1.5), (1024, 3.0)]) == (512.0, "at most")
     assert crossover([(512, 0.5), (1024, 0.9)]) == (None, "never")
     # faster, slower, then faster for good: the crossover is the last one
     assert crossover([(256, 1.2), (512, 0.8), (1024, 1.6)])[0] > 512
-    rows = [{"device": "cpu", "dtype": "float32", "batch": 1, "heads": 1, "head_dim": 8, "method": m,
-             "n": n, "status": "ok", "fwd_ms": t, "fwd_bwd_ms": t, "peak_mib": None,
-             "speedup": None, "memory_ratio": None, "growth": None}
-            for m, c, p in (("softmax", 1e-6, 2), ("lin", 1e-3, 1)) for n in (256, 512, 1024, 2048)
-            for t in [c * n**p]]
+    rows = [
+        {
+            "device": "cpu",
+            "dtype": "float32",
+            "batch": 1,
+            "heads": 1,
+            "head_dim": 8,
+            "method": m,
+            "n": n,
+            "status": "ok",
+            "fwd_ms": t,
+            "fwd_bwd_ms": t,
+            "peak_mib": None,
+            "speedup": None,
+            "memory_ratio": None,
+            "growth": None,
+        }
+        for m, c, p in (("softmax", 1e-6, 2), ("lin", 1e-3, 1))
+        for n in (256, 512, 1024, 2048)
+        for t in [c * n**p]
+    ]
     summary = {s["method"]: s for s in summarise(rows, "softmax", True)}
     assert summary["lin"]["exponent"] == pytest.approx(1.0)
     assert summary["softmax"]["exponent"] == pytest.approx(2.0)
@@ -121,7 +165,10 @@ def test_flop_counts():
                           options={"num_features": 10, "pinv_iterations": 2})
     # 4 products of [100 x 10 x 4]; C(X, X) and W ctx; 4 * 2 - 2 products of 10^3
     assert sky == 2 * (4 * 100 * 10 * 4 + 2 * 10 * 10 * 4 + 6 * 10**3)
-    assert attention_flops("softmax", batch=2, heads=3, nq=10, nk=20, d=4, dv=4, backward=True) == 3 * 6 * 2 * 10 * 20 * 8
+    assert (
+        attention_flops("softmax", batch=2, heads=3, nq=10, nk=20, d=4, dv=4, backward=True)
+        == 3 * 6 * 2 * 10 * 20 * 8
+    )
     assert attention_flops("not-a-counted-method", batch=1, heads=1, nq=1, nk=1, d=1, dv=1) is None
     assert matmul_flops_per_second("cpu", torch.float32, size=64, repeats=1) > 0
 
@@ -140,8 +187,14 @@ def test_config_and_names_are_checked():
         resolve("skyformer.ops.skyformer:materialised_skyformer_attention@exact")
     with pytest.raises(ValueError, match="cannot load"):
         resolve("skyformer.ops.nothing:here")
-    plain = resolve("skyformer.ops.kernelized:reference_materialised_kernelized_attention@gaussian")
-    assert plain.target == "gaussian" and not plain.takes_generator and plain.label.startswith("reference")
+    plain = resolve(
+        "skyformer.ops.kernelized:reference_materialised_kernelized_attention@gaussian"
+    )
+    assert (
+        plain.target == "gaussian"
+        and not plain.takes_generator
+        and plain.label.startswith("reference")
+    )
 
 
 def test_every_registered_method_runs():

@@ -42,7 +42,9 @@ def materialised(y, x, rhs, scale, row_norm, valid, transpose, shift_rows):
 @pytest.mark.parametrize("row_norm", [True, False])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("chunk", [4, 64])  # several chunks with a ragged last one; one chunk
-def test_matches_materialised_block_outputs_and_gradients(transpose, shift_rows, row_norm, masked, chunk):
+def test_matches_materialised_block_outputs_and_gradients(
+    transpose, shift_rows, row_norm, masked, chunk
+):
     y, x, z, v, valid = inputs()
     valid = valid if masked else None
     rhs = v if transpose else z
@@ -72,7 +74,9 @@ def test_gradcheck_including_column_offsets(transpose):
     rhs = torch.randn(1, 2, 11 if transpose else 4, 2, generator=g, dtype=torch.float64,
                       requires_grad=True)
     assert torch.autograd.gradcheck(
-        lambda y, x, b, r: gaussian_kernel_matmul(y, x, r, b, scale=0.8, transpose=transpose, chunk=3),
+        lambda y, x, b, r: gaussian_kernel_matmul(
+            y, x, r, b, scale=0.8, transpose=transpose, chunk=3
+        ),
         (y, x, b, rhs),
     )
 

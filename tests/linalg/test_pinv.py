@@ -29,7 +29,9 @@ def test_matches_pinv_on_well_conditioned(init):
 
 def test_general_nonsymmetric_matrix():
     g = gen(1)
-    a = torch.eye(12, dtype=torch.float64) * 3 + 0.3 * torch.randn(2, 12, 12, generator=g, dtype=torch.float64)
+    a = torch.eye(12, dtype=torch.float64) * 3 + 0.3 * torch.randn(
+        2, 12, 12, generator=g, dtype=torch.float64
+    )
     v = iterative_pinv(a, 40)
     torch.testing.assert_close(v, torch.linalg.inv(a), rtol=1e-8, atol=1e-8)
 
@@ -136,5 +138,7 @@ def test_hand_written_backward_matches_autograd(init, iterations):
 
 def test_zero_iterations_return_the_start():
     a = torch.rand(2, 4, 4, dtype=torch.float64)
-    torch.testing.assert_close(iterative_pinv(a, 0, init="identity"), torch.eye(4, dtype=torch.float64).expand(2, 4, 4))
+    torch.testing.assert_close(
+        iterative_pinv(a, 0, init="identity"), torch.eye(4, dtype=torch.float64).expand(2, 4, 4)
+    )
     torch.testing.assert_close(iterative_pinv(a, 0), initial_inverse(a, "scaled_transpose"))

@@ -42,7 +42,14 @@ def test_equals_eq5_on_the_raw_softmax_matrix():
     info = check_attention_inputs(q, k, v, None, method="test")
     lm = sample_landmarks(info, 8, q.device, gen(0))
     out = nystrom_softmax_attention(
-        q, k, v, generator=gen(0), num_features=8, gamma=0.0, pinv="exact", normalizer_threshold=0.0
+        q,
+        k,
+        v,
+        generator=gen(0),
+        num_features=8,
+        gamma=0.0,
+        pinv="exact",
+        normalizer_threshold=0.0,
     )
     s = 6**-0.5
     z = torch.cat([q, k], dim=2)  # [1, H, 2n, D]
@@ -62,7 +69,9 @@ def test_every_row_as_landmark_reproduces_softmax_attention():
     out = nystrom_softmax_attention(
         q, k, v, key_padding_mask=mask, num_features=28, gamma=0.0, pinv="exact"
     )
-    torch.testing.assert_close(out, softmax_attention(q, k, v, key_padding_mask=mask), rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(
+        out, softmax_attention(q, k, v, key_padding_mask=mask), rtol=1e-7, atol=1e-9
+    )
 
 
 def test_error_falls_as_features_grow():
@@ -71,7 +80,9 @@ def test_error_falls_as_features_grow():
     means = []
     for m in (16, 64, 192):
         errs = [
-            relative_error(nystrom_softmax_attention(q, k, v, generator=gen(s), num_features=m), exact).mean()
+            relative_error(
+                nystrom_softmax_attention(q, k, v, generator=gen(s), num_features=m), exact
+            ).mean()
             for s in range(4)
         ]
         means.append(torch.stack(errs).mean().item())

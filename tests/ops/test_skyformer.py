@@ -33,7 +33,14 @@ def test_fast_matches_naive_lifted_reference(pinv, init, masked):
     for t in (q, k, v):
         t.requires_grad_(True)
     fast = skyformer_attention(
-        q, k, v, key_padding_mask=mask, generator=gen(3), num_features=12, pinv=pinv, pinv_init=init
+        q,
+        k,
+        v,
+        key_padding_mask=mask,
+        generator=gen(3),
+        num_features=12,
+        pinv=pinv,
+        pinv_init=init,
     )
     lm = landmarks_for(q, k, v, mask, 12, 3)
     ref = reference_skyformer_attention(
@@ -55,8 +62,12 @@ def test_every_row_as_landmark_reproduces_kernelized_attention(masked):
     if masked:
         mask = torch.ones(2, 15, dtype=torch.bool)
         mask[1, 9:] = False
-    out = skyformer_attention(q, k, v, key_padding_mask=mask, num_features=30, gamma=0.0, pinv="exact")
-    torch.testing.assert_close(out, kernelized_attention(q, k, v, key_padding_mask=mask), rtol=1e-7, atol=1e-9)
+    out = skyformer_attention(
+        q, k, v, key_padding_mask=mask, num_features=30, gamma=0.0, pinv="exact"
+    )
+    torch.testing.assert_close(
+        out, kernelized_attention(q, k, v, key_padding_mask=mask), rtol=1e-7, atol=1e-9
+    )
 
 
 def test_iterative_inverse_error_small_and_shrinks_with_iterations():
@@ -64,8 +75,11 @@ def test_iterative_inverse_error_small_and_shrinks_with_iterations():
     exact = skyformer_attention(q, k, v, generator=gen(1), num_features=32, pinv="exact")
     errors = [
         relative_error(
-            skyformer_attention(q, k, v, generator=gen(1), num_features=32, pinv_iterations=t), exact
-        ).mean().item()
+            skyformer_attention(q, k, v, generator=gen(1), num_features=32, pinv_iterations=t),
+            exact,
+        )
+        .mean()
+        .item()
         for t in (1, 3, 6, 12)
     ]
     # Non-increasing up to rounding: on this input 6 iterations already reach ~1e-15,
@@ -83,7 +97,9 @@ def test_error_falls_as_features_grow():
     means = []
     for m in (8, 32, 96, 192):
         errs = [
-            relative_error(skyformer_attention(q, k, v, generator=gen(s), num_features=m), exact).mean()
+            relative_error(
+                skyformer_attention(q, k, v, generator=gen(s), num_features=m), exact
+            ).mean()
             for s in range(4)
         ]
         means.append(torch.stack(errs).mean().item())
@@ -98,7 +114,10 @@ def test_landmarks_half_from_queries_half_from_keys_and_only_valid_rows():
     lm = landmarks_for(q, k, v, mask, 16, 0)
     assert lm.query_index.shape == (3, 8) and lm.key_index.shape == (3, 8)
     for b in range(3):
-        for index, live in ((lm.query_index[b], lm.query_live[b]), (lm.key_index[b], lm.key_live[b])):
+        for index, live in (
+            (lm.query_index[b], lm.query_live[b]),
+            (lm.key_index[b], lm.key_live[b]),
+        ):
             assert live.all()
             assert mask[b, index].all()
             assert len(set(index.tolist())) == len(index)  # without replacement

@@ -36,12 +36,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-n", type=int, default=16384, help="longest length (default 16384)")
     parser.add_argument("--shapes", nargs="+", type=_shape, default=[(1, 2, 32)], metavar="B,H,D",
                         help="batch,heads,head-dim triples (default 1,2,32; e.g. also 4,8,64)")
-    parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=DTYPES,
-                        help="input dtypes (default float32; on a GPU e.g. bfloat16 float16 float32)")
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=["float32"],
+        choices=DTYPES,
+        help="input dtypes (default float32; on a GPU e.g. bfloat16 float16 float32)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument("--features", type=int, default=None,
                         help="num_features for every method that has it (default: each method's)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (median)")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed runs per configuration (median)"
+    )
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs first")
     parser.add_argument("--forward-only", action="store_true", help="time the forward pass only")
     parser.add_argument("--no-memory", action="store_true", help="skip peak-memory measurement")
@@ -53,11 +60,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="wall time (default) or process CPU time (robust to other load on "
                         "a shared machine; use with --threads 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of inputs and landmarks")
-    parser.add_argument("--out", default=None,
-                        help="write OUT.json, OUT.csv and OUT.png (e.g. benchmarks/results/bench_cpu)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="write OUT.json, OUT.csv and OUT.png (e.g. benchmarks/results/bench_cpu)",
+    )
     parser.add_argument("--no-plot", action="store_true", help="with --out: no PNG")
-    parser.add_argument("--markdown", action="store_true",
-                        help="print Markdown tables, one column per N (time with speed-up, memory)")
+    parser.add_argument(
+        "--markdown",
+        action="store_true",
+        help="print Markdown tables, one column per N (time with speed-up, memory)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

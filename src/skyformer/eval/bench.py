@@ -92,7 +92,9 @@ class BenchConfig:
             if dtype not in DTYPES:
                 raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
         if self.repeats < 1 or self.warmup < 0:
-            raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {self.repeats}, {self.warmup}.")
+            raise ValueError(
+                f"repeats must be >= 1 and warmup >= 0, got {self.repeats}, {self.warmup}."
+            )
         if self.num_features is not None and self.num_features < 1:
             raise ValueError(f"num_features must be a positive integer, got {self.num_features}.")
         if not self.max_seconds > 0:
@@ -105,7 +107,9 @@ class BenchConfig:
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}.")
         if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device 'cuda' was asked for but CUDA is not available here; use --device cpu.")
+            raise ValueError(
+                "device 'cuda' was asked for but CUDA is not available here; use --device cpu."
+            )
 
     def method_names(self) -> list[str]:
         names = list(self.methods) if self.methods else list_methods()
@@ -163,12 +167,21 @@ def _inputs(shape: tuple[int, int, int], n: int, dtype: torch.dtype, device: tor
             seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     b, h, d = shape
     g = torch.Generator(device=device).manual_seed(seed)
-    q, k, v, grad = (torch.randn(b, h, n, d, generator=g, device=device).to(dtype) for _ in range(4))
+    q, k, v, grad = (
+        torch.randn(b, h, n, d, generator=g, device=device).to(dtype) for _ in range(4)
+    )
     return q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True), grad
 
 
-def _closures(method: NamedAttention, q: Tensor, k: Tensor, v: Tensor, grad: Tensor,
-              options: dict[str, Any], seed: int) -> tuple[Callable[[], Tensor], Callable[[], None]]:
+def _closures(
+    method: NamedAttention,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    grad: Tensor,
+    options: dict[str, Any],
+    seed: int,
+) -> tuple[Callable[[], Tensor], Callable[[], None]]:
     def generator() -> torch.Generator:
         return torch.Generator(device=q.device).manual_seed(seed)
 
@@ -359,7 +372,8 @@ def _one_line(err: BaseException) -> str:
 
 
 def _progress_line(row: dict[str, Any]) -> str:
-    head = f"B={row['batch']} H={row['heads']} D={row['head_dim']} {row['dtype']} N={row['n']:>6} {row['method']:<28}"
+    shape = f"B={row['batch']} H={row['heads']} D={row['head_dim']} {row['dtype']}"
+    head = f"{shape} N={row['n']:>6} {row['method']:<28}"
     if row["status"] != "ok":
         return f"{head} skipped: {row['reason']}"
     parts = [f"fwd {row['fwd_ms']:9.2f} ms"]

@@ -104,11 +104,22 @@ def format_table(result: BenchResult, *, markdown: bool = False) -> str:
 
 
 WIDE = [  # (title, value key, ratio key or None, format)
-    ("{timed} ms, {clock} clock ({ref} time / method time)", "{time}", "speedup", "{:.1f}", "{:.1f}x"),
+    (
+        "{timed} ms, {clock} clock ({ref} time / method time)",
+        "{time}",
+        "speedup",
+        "{:.1f}",
+        "{:.1f}x",
+    ),
     ("Peak memory MiB (x {ref}'s)", "peak_mib", "memory_ratio", "{:.1f}", "{:.2f}x"),
     ("Relative spectral error against the exact target", "rel_error", None, "{:.2e}", ""),
-    ("Speed of light: matmul FLOPs at the measured matmul rate / measured time", "sol_fraction",
-     None, "{:.0%}", ""),
+    (
+        "Speed of light: matmul FLOPs at the measured matmul rate / measured time",
+        "sol_fraction",
+        None,
+        "{:.0%}",
+        "",
+    ),
 ]
 
 
@@ -146,9 +157,13 @@ def format_wide(result: BenchResult) -> str:
                             cell += f" ({ratio_fmt.format(r[ratio])})"
                         cells.append(cell)
                 lines.append(f"| {m} | " + " | ".join(cells) + " |")
-        skipped = [f"{r['method']} at N={r['n']}: {r['reason']}" for r in rows if r["status"] != "ok"]
+        skipped = [
+            f"{r['method']} at N={r['n']}: {r['reason']}" for r in rows if r["status"] != "ok"
+        ]
         lines.append("")
-        lines += ["- " + note for note in _notes(result, g, rows) + [f"skipped {s}" for s in skipped]]
+        lines += [
+            "- " + note for note in _notes(result, g, rows) + [f"skipped {s}" for s in skipped]
+        ]
     return "\n".join(lines)
 
 
@@ -160,15 +175,21 @@ def _render(header: list[str], table: list[list[str]], markdown: bool) -> list[s
                 row = row[:3] + [""] * (len(header) - 3)
             out.append("| " + " | ".join(row) + " |")
         return out
-    widths = [max(len(header[i]), *(len(r[i]) for r in table if not r[2].startswith("skipped") or i < 2))
-              for i in range(len(header))]
-    out = ["  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(header, widths)))]
+    widths = [
+        max(len(header[i]), *(len(r[i]) for r in table if not r[2].startswith("skipped") or i < 2))
+        for i in range(len(header))
+    ]
+    out = [
+        "  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(header, widths)))
+    ]
     out.append("-" * len(out[0]))
     for row in table:
         if row[2].startswith("skipped"):
             out.append(f"{row[0].ljust(widths[0])}  {row[1].rjust(widths[1])}  {row[2]}")
             continue
-        out.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        out.append(
+            "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        )
     return out
 
 
@@ -204,7 +225,9 @@ def plot_results(result: BenchResult, path: str | Path) -> Path:
     groups = _groups(result)
     fig, axes = plt.subplots(len(groups), 2, figsize=(11, 4.2 * len(groups)), squeeze=False)
     tab20 = plt.get_cmap("tab20").colors  # dark shades first, then light; red kept for Skyformer
-    colors = [c for i, c in enumerate(tab20[0::2]) if i != 3] + [c for i, c in enumerate(tab20[1::2]) if i != 3]
+    colors = [c for i, c in enumerate(tab20[0::2]) if i != 3] + [
+        c for i, c in enumerate(tab20[1::2]) if i != 3
+    ]
     markers = "os^vD<>ph*"
     for (g, rows), (ax_t, ax_m) in zip(groups.items(), axes):
         for i, method in enumerate(dict.fromkeys(r["method"] for r in rows)):
@@ -221,8 +244,10 @@ def plot_results(result: BenchResult, path: str | Path) -> Path:
                 mem = [(p[0], p[2]) for p in pts if p[2]]
                 if mem:
                     ax_m.plot([p[0] for p in mem], [p[1] for p in mem], label=method, **style)
-        for ax, ylabel in ((ax_t, f"{'forward+backward' if result.config.backward else 'forward'} ms"),
-                           (ax_m, "peak MiB")):
+        for ax, ylabel in (
+            (ax_t, f"{'forward+backward' if result.config.backward else 'forward'} ms"),
+            (ax_m, "peak MiB"),
+        ):
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("sequence length N")

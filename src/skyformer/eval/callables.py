@@ -97,15 +97,24 @@ def resolve(spec: str) -> NamedAttention:
     try:
         function = getattr(importlib.import_module(module_name), function_name)
     except (ImportError, AttributeError) as err:
-        raise ValueError(f"cannot load {name!r} ({err}); expected 'package.module:function'.") from None
+        raise ValueError(
+            f"cannot load {name!r} ({err}); expected 'package.module:function'."
+        ) from None
     parameters = inspect.signature(function).parameters
     takes_generator = "generator" in parameters or any(
         p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()
     )
     option_names = tuple(
-        p for p, info in parameters.items()
-        if info.kind is inspect.Parameter.KEYWORD_ONLY and p not in ("generator", "key_padding_mask")
+        p
+        for p, info in parameters.items()
+        if info.kind is inspect.Parameter.KEYWORD_ONLY
+        and p not in ("generator", "key_padding_mask")
     )
     return NamedAttention(
-        name, target or None, False, option_names, function=function, takes_generator=takes_generator
+        name,
+        target or None,
+        False,
+        option_names,
+        function=function,
+        takes_generator=takes_generator,
     )

@@ -29,7 +29,9 @@ def _nystrom_flops(nq: int, nk: int, d: int, dv: int, options: dict[str, Any]) -
     m = min(options.get("num_features", 128), nq + nk)
     iterations = options.get("pinv_iterations", 6)
     # 4 products of m x m per Razavi step; 2 in the first step from the identity.
-    steps = 4 * iterations - (2 if options.get("pinv_init", "identity") == "identity" and iterations else 0)
+    steps = 4 * iterations - (
+        2 if options.get("pinv_init", "identity") == "identity" and iterations else 0
+    )
     return (
         2.0 * nk * m * (d + dv)  # C(K, X) and C(X, K) V
         + 2.0 * m * m * (d + dv)  # C(X, X) and W (C(X, K) V)
@@ -61,8 +63,11 @@ def attention_flops(
 
 
 def matmul_flops_per_second(
-    device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, size: int | None = None,
-    repeats: int = 5, clock: str = "wall",
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    size: int | None = None,
+    repeats: int = 5,
+    clock: str = "wall",
 ) -> float:
     """Attainable throughput: a square ``size x size`` matmul on ``device``, the fastest
     of ``repeats`` runs (on a shared machine the fastest is the least disturbed), timed

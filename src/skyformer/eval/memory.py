@@ -90,7 +90,9 @@ def measure_in_this_process(job: MemoryJob, device: torch.device | str = "cpu") 
     return int((_status_kib("VmHWM") - base) * 1024)
 
 
-def peak_memory_bytes(job: MemoryJob, device: torch.device | str = "cpu", timeout: float = 600) -> int:
+def peak_memory_bytes(
+    job: MemoryJob, device: torch.device | str = "cpu", timeout: float = 600
+) -> int:
     """Peak memory of ``job``: in process on CUDA, in a fresh subprocess on CPU."""
     device = torch.device(device)
     if device.type == "cuda":
@@ -99,7 +101,9 @@ def peak_memory_bytes(job: MemoryJob, device: torch.device | str = "cpu", timeou
         raise RuntimeError("CPU peak memory needs Linux /proc (clear_refs, VmHWM).")
     src_root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ)
-    env["PYTHONPATH"] = src_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = src_root + (
+        os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""
+    )
     env["SKYFORMER_THREADS"] = str(torch.get_num_threads())
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))  # see the module docstring
     payload = json.dumps(dataclasses.asdict(job))

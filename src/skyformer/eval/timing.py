@@ -26,7 +26,9 @@ def median_seconds(
     repeats: int = 5,
 ) -> float:
     """Median wall time of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
-    return interleaved_median_seconds({"fn": fn}, device=device, warmup=warmup, repeats=repeats)["fn"]
+    return interleaved_median_seconds({"fn": fn}, device=device, warmup=warmup, repeats=repeats)[
+        "fn"
+    ]
 
 
 def interleaved_median_seconds(

@@ -51,7 +51,9 @@ def chunk_rows(rows: int, batch: int, m: int, device: torch.device) -> int:
     return max(1, min(rows, max(64, budget // max(1, batch * m))))
 
 
-def _row_offsets(y: Tensor, scale: float, row_norm: bool, row_valid: Tensor | None) -> Tensor | None:
+def _row_offsets(
+    y: Tensor, scale: float, row_norm: bool, row_valid: Tensor | None
+) -> Tensor | None:
     """a log2(e), a = s^2 |y|^2 / 2 (or 0), +inf on invalid rows: ``[BH, N]`` (None if all 0)."""
     a = None
     if row_norm:
@@ -75,7 +77,9 @@ class _Workspace:
         return self.buffers[name][: self.bh * rows * width].view(self.bh, rows, width)
 
 
-def _exponent(y: Tensor, xt: Tensor, a: Tensor | None, neg_b: Tensor | None, out: Tensor) -> Tensor:
+def _exponent(
+    y: Tensor, xt: Tensor, a: Tensor | None, neg_b: Tensor | None, out: Tensor
+) -> Tensor:
     """y xt - a - b for one chunk (in log2 units): ``[BH, c, D] x [BH, D, m] -> [BH, c, m]``."""
     if neg_b is None:
         torch.bmm(y, xt, out=out)
@@ -250,8 +254,15 @@ def gaussian_kernel_matmul(
     if row_valid is not None:
         row_valid = row_valid.expand(*batch_shape, n).reshape(bh, n)
     out = _GaussianBlockProduct.apply(
-        y.reshape(bh, n, d), x.reshape(bh, m, d),
-        None if col_offset is None else col_offset.reshape(bh, m), rhs.reshape(bh, *rhs.shape[-2:]),
-        row_valid, float(scale), row_norm, transpose, shift_rows, chunk,
+        y.reshape(bh, n, d),
+        x.reshape(bh, m, d),
+        None if col_offset is None else col_offset.reshape(bh, m),
+        rhs.reshape(bh, *rhs.shape[-2:]),
+        row_valid,
+        float(scale),
+        row_norm,
+        transpose,
+        shift_rows,
+        chunk,
     )
     return out.reshape(*batch_shape, *out.shape[1:])

@@ -88,7 +88,9 @@ class NystromSoftmaxConfig(NystromOptions):
             raise ValueError(
                 f"nystrom_softmax: scale must be a positive number or None, got {self.scale!r}."
             )
-        check_nonnegative_float("nystrom_softmax", "normalizer_threshold", self.normalizer_threshold)
+        check_nonnegative_float(
+            "nystrom_softmax", "normalizer_threshold", self.normalizer_threshold
+        )
         if self.normalizer_threshold >= 1:
             raise ValueError(
                 "nystrom_softmax: normalizer_threshold must be below 1, got "
@@ -158,7 +160,9 @@ def nystrom_softmax_attention(
         scale=root, row_norm=False, shift_rows=True,
     )  # [B, H, Nq, Dv + 2]
     dv = vw.shape[-1]
-    return _normalise(o[..., :dv], o[..., dv : dv + 1], o[..., dv + 1 :], vw, info, options, q.dtype)
+    return _normalise(
+        o[..., :dv], o[..., dv : dv + 1], o[..., dv + 1 :], vw, info, options, q.dtype
+    )
 
 
 def _prepare(
@@ -179,7 +183,9 @@ def _normalise(numerator: Tensor, denominator: Tensor, bound: Tensor, vw: Tensor
     reliable = denominator > options.normalizer_threshold * bound
     reliable = reliable & (denominator > 0)
     out = torch.where(
-        reliable, numerator / torch.where(reliable, denominator, 1.0), mean_values(vw, info.key_valid)
+        reliable,
+        numerator / torch.where(reliable, denominator, 1.0),
+        mean_values(vw, info.key_valid),
     )
     return zero_padded_queries(out, info.query_valid).to(dtype)
 
