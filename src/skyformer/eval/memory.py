@@ -16,7 +16,6 @@ memory resident: the same job measured 30 or 57 MiB from one run to the next.)
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import os
 import subprocess
@@ -27,12 +26,14 @@ from typing import Any
 
 import torch
 
+from .callables import resolve
+
 
 @dataclass(frozen=True)
 class MemoryJob:
     """One attention call to measure: random inputs of ``shape`` or tensors from a file."""
 
-    method: str  # a registered name, or "package.module:function" for any f(q, k, v, **options)
+    method: str  # a registered name, or "package.module:function" (see ``callables.resolve``)
     shape: tuple[int, int, int, int]  # [B, H, N, D]
     options: dict[str, Any] = field(default_factory=dict)
     dtype: str = "float32"
@@ -56,14 +57,7 @@ def _inputs(job: MemoryJob, device: torch.device) -> tuple[torch.Tensor, ...]:
 
 def _run(job: MemoryJob, q, k, v, device: torch.device) -> None:
     g = torch.Generator(device=device).manual_seed(job.seed)
-    if ":" in job.method:
-        module, name = job.method.split(":")
-        fn = getattr(importlib.import_module(module), name)
-        out = fn(q, k, v, **job.options)
-    else:
-        from ..registry import attention
-
-        out = attention(q, k, v, job.method, generator=g, **job.options)
+    out = resolve(job.method)(q, k, v, g, job.options)
     if job.backward:
         out.backward(torch.ones_like(out))
         for t in (q, k, v):
@@ -96,7 +90,9 @@ def measure_in_this_process(job: MemoryJob, device: torch.device | str = "cpu") 
     return int((_status_kib("VmHWM") - base) * 1024)
 
 
-def peak_memory_bytes(job: MemoryJob, device: torch.device | str = "cpu", timeout: float = 600) -> int:
+def peak_memory_bytes(
+    job: MemoryJob, device: torch.device | str = "cpu", timeout: float = 600
+) -> int:
     """Peak memory of ``job``: in process on CUDA, in a fresh subprocess on CPU."""
     device = torch.device(device)
     if device.type == "cuda":
@@ -105,7 +101,9 @@ def peak_memory_bytes(job: MemoryJob, device: torch.device | str = "cpu", timeou
         raise RuntimeError("CPU peak memory needs Linux /proc (clear_refs, VmHWM).")
     src_root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ)
-    env["PYTHONPATH"] = src_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = src_root + (
+        os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""
+    )
     env["SKYFORMER_THREADS"] = str(torch.get_num_threads())
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))  # see the module docstring
     payload = json.dumps(dataclasses.asdict(job))
