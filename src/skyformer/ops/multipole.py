@@ -116,13 +116,15 @@ def multipole_with_choice(
         def trivial(exact: Tensor, live: Tensor) -> Tensor:  # the mean output row
             return (exact * live).sum(2, keepdim=True) / live.sum(2, keepdim=True).clamp_min(1)
     bias = masked_bias(bias, info.key_valid)
+    gaussian = method == "skyformer_multipole"
     choice = None
     if config.tolerance is None:
-        out = finish(multipole_sums(q_, k_, values, bias, info, config, generator), q_)
+        out = finish(multipole_sums(q_, k_, values, bias, info, config, generator,
+                                    gaussian=gaussian), q_)
     else:
         out, choice = targeted_multipole(
             q_, k_, values, bias, info, config, generator, finish, trivial,
-            tolerance=config.tolerance, probe=config.probe,
+            tolerance=config.tolerance, probe=config.probe, gaussian=gaussian,
         )
     return zero_padded_queries(out, info.query_valid).to(dtype), choice
 

@@ -50,6 +50,7 @@ from torch import Tensor
 from ..inputs import AttentionInputs, check_positive_int
 from ..sketch.angular_lsh import draw_hyperplanes
 from ..sketch.kmeans import kmeans_clusters
+from ..linalg import gaussian_kernel_matmul
 from .multipole_extra import exact_blocks_part, lsh_blocks, window_blocks
 
 _NEG_INF = float("-inf")
@@ -201,39 +202,62 @@ class FarField:
 
 
 def far_field(
-    centre_logits: Tensor, member: Tensor, shift: Tensor, k: Tensor, v: Tensor,
-    basis: Tensor | None, rank: int, sample: Tensor | None = None,
+    z: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, shift: Tensor, member: Tensor,
+    key_valid: Tensor | None, basis: Tensor | None, rank: int, sample: Tensor | None = None,
+    *, gaussian: bool = False,
 ) -> FarField:
     """Far-field moments of each cluster centre's distribution over its far keys.
 
+    The sums sum_j exp(z_a.k_j + b_j - shift_a) [k_j, v_j, 1] over the far keys go through
+    ``gaussian_kernel_matmul`` with the keys as rows and the near keys excluded: the
+    c x Nk weights are built in cache-sized chunks and rebuilt in the backward pass,
+    never stored (as Skyformer's [N, m] blocks).
+
     Args:
-        centre_logits: ``[B, H, c, Nk]`` z_a.k_j + b_j; member: ``[B, H, c, Nk]`` near keys.
-        shift: ``[B, H, c, 1]`` finite, at least the largest far logit up to float range
-            (far keys more than ~80 below it underflow: their share is below 1e-30).
+        z: ``[B, H, c, D]`` centres; k: ``[B, H, Nk, D]``; v: ``[B, H, Nk, Dv]``.
+        key_bias: ``[B, H, Nk]`` b_j (-inf for padded keys): 0 on the valid keys, or
+            -|k_j|^2/2 with ``gaussian=True``; used for the covariance sample.
+        shift: ``[B, H, c, 1]`` finite, detached, at least the largest far logit up to
+            float range (far keys more than ~80 below it underflow: share below 1e-30).
+        member: ``[B, H, c, Nk]`` near keys; key_valid: ``[B, Nk]`` or ``None``.
         basis: ``[B, H, Dv, r]`` or ``None`` (identity).
         rank: r (0 = no covariance).
         sample: ``[B, S]`` keys from which the covariance is estimated (self-normalised
             over the sampled far keys), ``None`` = every key.
+        gaussian: b_j = -|k_j|^2/2 (Gaussian target) rather than 0.
     """
-    weights = (centre_logits - shift).masked_fill_(member, _NEG_INF).exp_()  # [B, H, c, Nk]
-    mass = weights.sum(-1, keepdim=True)
+    b, h, nk, d = k.shape
+    c, dv = z.shape[2], v.shape[-1]
+    rhs = torch.cat([k, v, k.new_ones(b, h, nk, 1)], -1)  # [B, H, Nk, D + Dv + 1]
+    sums = gaussian_kernel_matmul(
+        k, z, rhs, shift[..., 0], row_norm=gaussian, transpose=True,
+        row_valid=None if key_valid is None else key_valid[:, None, :],
+        # keys-by-centres and contiguous: masking chunks through a strided view is slow
+        exclude=member.transpose(-1, -2).contiguous(),
+    )  # [B, H, c, D + Dv + 1]
+    mass = sums[..., -1:]
     live = mass[..., 0] > 0
     inv_mass = 1.0 / mass.clamp_min(torch.finfo(mass.dtype).tiny)
-    kbar = (weights @ k) * inv_mass  # [B, H, c, D]
-    vbar = (weights @ v) * inv_mass  # [B, H, c, Dv]
+    kbar = sums[..., :d] * inv_mass  # [B, H, c, D]
+    vbar = sums[..., d:d + dv] * inv_mass  # [B, H, c, Dv]
     log_mass = mass[..., 0].clamp_min(torch.finfo(mass.dtype).tiny).log() + shift[..., 0]
     log_mass = torch.where(live, log_mass, _NEG_INF)
-    b, h, nk, d = k.shape
-    c = weights.shape[2]
     if rank == 0:
         tilt = k.new_zeros(b, h, c, 0, d)
     else:
-        ks, vs, ws, inv = k, v, weights, inv_mass
+        ks, vs, bias, near, inv = k, v, key_bias, member, inv_mass
         if sample is not None:
             idx = sample[:, None, :].expand(b, h, -1)
             ks = k.gather(2, idx[..., None].expand(-1, -1, -1, d))
-            vs = v.gather(2, idx[..., None].expand(-1, -1, -1, v.shape[-1]))
-            ws = weights.gather(3, idx[:, :, None, :].expand(-1, -1, c, -1))
+            vs = v.gather(2, idx[..., None].expand(-1, -1, -1, dv))
+            bias = key_bias.gather(2, idx)
+            near = member.gather(3, idx[:, :, None, :].expand(-1, -1, c, -1))
+        # The weights of the (sampled) keys only: [B, H, c, S].
+        ws = torch.baddbmm(
+            (bias[:, :, None, :] - shift).view(b * h, c, -1), z.reshape(b * h, c, d),
+            ks.reshape(b * h, -1, d).transpose(1, 2),
+        ).view(b, h, c, -1).masked_fill_(near, _NEG_INF).exp_()
+        if sample is not None:
             inv = 1.0 / ws.sum(-1, keepdim=True).clamp_min(torch.finfo(ws.dtype).tiny)
         vr = vs if basis is None else vs @ basis  # [B, H, S, r]
         outer = (vr[..., :, None] * ks[..., None, :]).view(b, h, ks.shape[2], rank * d)
@@ -332,6 +356,7 @@ def multipole_sums(
     generator: torch.Generator | None,
     *,
     draws: Draws | None = None,
+    gaussian: bool = False,
 ) -> PartialSums:
     """Near field + far-field expansion of sum_j exp(q_i.k_j + b_j) [v_j, 1].
 
@@ -340,6 +365,8 @@ def multipole_sums(
         key_bias: ``[B, H, Nk]`` b_j, ``-inf`` for padded keys.
         draws: the random draws to use instead of drawing from ``generator`` (callers
             that run several budgets on one draw).
+        gaussian: ``key_bias`` is -|k_j|^2/2 on the valid keys (Gaussian target); else
+            it is 0 there (softmax target). The far field evaluates it itself.
     Returns:
         ``PartialSums``; rows of padded queries are finite and meaningless.
     """
@@ -359,17 +386,28 @@ def multipole_sums(
     )
     c = clusters.centres.shape[2]
     z, a = clusters.centres, clusters.assignment
-    dots = z @ k.transpose(-1, -2)  # [B, H, c, Nk]
-    logits = dots + key_bias[:, :, None, :]
-    if t:
-        near_logits, near = logits.detach().topk(t, dim=-1)  # [B, H, c, t]
-        near_live = torch.isfinite(near_logits)
-        shift = near_logits[..., :1]
-        member = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, near, near_live)
-    else:
-        shift = logits.detach().amax(-1, keepdim=True)
-        member = torch.zeros_like(logits, dtype=torch.bool)
-    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+    exact_blocks = bool((w and self_attention) or lsh)
+    # The centre logits only select the near keys (no gradient): the far field rebuilds
+    # them in chunks, so they are freed here unless the window/LSH correction needs them.
+    with torch.no_grad():
+        logits = torch.baddbmm(
+            key_bias.reshape(b * h, 1, nk), z.detach().reshape(b * h, c, d),
+            k.detach().reshape(b * h, nk, d).transpose(1, 2),
+        ).view(b, h, c, nk)  # [B, H, c, Nk]
+        if t:
+            near_logits, near = logits.topk(t, dim=-1)  # [B, H, c, t]
+            near_live = torch.isfinite(near_logits)
+            shift = near_logits[..., :1]
+            # stored keys-by-centres, the layout the far field's chunks read
+            member = torch.zeros(b, h, nk, c, dtype=torch.bool, device=q.device).scatter_(
+                2, near.transpose(-1, -2), near_live.transpose(-1, -2)
+            ).transpose(-1, -2)  # [B, H, c, Nk] view
+        else:
+            shift = logits.amax(-1, keepdim=True)
+            member = torch.zeros_like(logits, dtype=torch.bool)
+        shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+        del logits
+    dots = z @ k.transpose(-1, -2) if exact_blocks else None  # [B, H, c, Nk]
 
     rank = dv if options.tilt_rank is None else min(options.tilt_rank, dv)
     basis = value_basis(v, info.key_valid, rank) if rank else None
@@ -379,7 +417,8 @@ def multipole_sums(
         if info.key_valid is not None:
             key_scores = key_scores.masked_fill(~info.key_valid, 2.0)  # uniform scores < 1
         sample = key_scores.topk(options.tilt_sample, dim=1, largest=False, sorted=False).indices
-    far = far_field(logits, member, shift, k, v, basis, rank, sample)
+    far = far_field(z, k, v, key_bias, shift, member, info.key_valid, basis, rank, sample,
+                    gaussian=gaussian)
 
     # Near field and far-field expansion on blocks of queries that share a cluster.
     layout = block_layout(a, c)
@@ -407,8 +446,10 @@ def multipole_sums(
         ).view(b, h, nb, size, t)
         near_max = _safe_max(scores, -1)
         e = (scores - near_max).exp_()
-        near_num = e @ _gather_rows(v, near_b)  # [B, H, nb, s, Dv]
-        blocked += [near_max, near_num, e.sum(-1, keepdim=True)]
+        # numerator and normaliser from one product (a ones column on the values), so the
+        # backward pass forms one [s, t] gradient per block, not two to be added
+        near_v = _gather_rows(torch.cat([v, v.new_ones(b, h, nk, 1)], -1), near_b)
+        blocked += [near_max, e @ near_v]  # [B, H, nb, s, 1], [B, H, nb, s, Dv + 1]
     flat = torch.cat(blocked, -1).view(b, h, nb * size, -1)
     flat = flat.gather(2, layout.query_slot[..., None].expand(b, h, nq, flat.shape[-1]))  # query order
     delta_kbar, shift_r = flat[..., :1], flat[..., 1:1 + rank]
@@ -432,6 +473,7 @@ def multipole_sums(
     elif lsh:
         blocks = lsh_blocks(q, k, draws.hyperplanes, lsh, info.query_valid, info.key_valid)
     if blocks is not None:
+        assert dots is not None
         exact_part, removed_num, removed_den = exact_blocks_part(
             q, k, v, key_bias, dots, member, a, far.log_mass, far_live, delta_kbar, blocks
         )
