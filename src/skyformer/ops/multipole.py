@@ -53,7 +53,8 @@ class SoftmaxMultipoleConfig(MultipoleOptions):
     def __post_init__(self) -> None:
         self.validate("softmax_multipole")
         if self.scale is not None and not (
-            isinstance(self.scale, (int, float)) and not isinstance(self.scale, bool) and self.scale > 0
+            isinstance(self.scale, (int, float)) and not isinstance(self.scale, bool)
+            and self.scale > 0
         ):
             raise ValueError(
                 f"softmax_multipole: scale must be a positive number or None, got {self.scale!r}."
@@ -90,7 +91,10 @@ def multipole_with_choice(
         q: ``[B, H, Nq, D]``; k: ``[B, H, Nk, D]``; v: ``[B, H, Nk, Dv]``.
         options: the method's options (``SoftmaxMultipoleConfig`` / ``SkyformerMultipoleConfig``).
     """
-    configs = {"softmax_multipole": SoftmaxMultipoleConfig, "skyformer_multipole": SkyformerMultipoleConfig}
+    configs = {
+        "softmax_multipole": SoftmaxMultipoleConfig,
+        "skyformer_multipole": SkyformerMultipoleConfig,
+    }
     if method not in configs:
         raise ValueError(f"method must be one of {', '.join(configs)}, got {method!r}.")
     info = check_attention_inputs(q, k, v, key_padding_mask, method=method)

@@ -105,10 +105,15 @@ def targeted_multipole(
     meets = estimates_t <= tolerance
     level = torch.where(meets.any(-1), meets.int().argmax(-1), estimates_t.argmin(-1))  # [B, H]
     stacked = torch.stack(outputs, 0)  # [L, B, H, Nq, Dv]
-    out = stacked.gather(0, level[None, :, :, None, None].expand(1, b, h, nq, stacked.shape[-1]))[0]
+    out = stacked.gather(
+        0, level[None, :, :, None, None].expand(1, b, h, nq, stacked.shape[-1])
+    )[0]
     # The probe rows were computed exactly: return them exact.
     out = out.scatter(2, index.expand(b, h, -1, out.shape[-1]),
-                      torch.where(probe_live, exact, out.gather(2, index.expand(b, h, -1, out.shape[-1]))))
+                      torch.where(probe_live, exact,
+                                  out.gather(2, index.expand(b, h, -1, out.shape[-1]))))
     features = torch.tensor(ladder, device=q.device)[level]
-    choice = FeatureChoice(ladder, features, estimates_t.gather(-1, level[..., None])[..., 0], estimates_t)
+    choice = FeatureChoice(
+        ladder, features, estimates_t.gather(-1, level[..., None])[..., 0], estimates_t
+    )
     return out, choice

@@ -65,17 +65,21 @@ class SkyformerAdaptiveConfig(NystromOptions):
     def __post_init__(self) -> None:
         method = "skyformer_adaptive"
         self.validate(method)
-        if isinstance(self.query_fraction, bool) or not isinstance(self.query_fraction, (int, float)) \
+        if isinstance(self.query_fraction, bool) \
+                or not isinstance(self.query_fraction, (int, float)) \
                 or not 0 < self.query_fraction <= 1:
             raise ValueError(
                 f"{method}: query_fraction must be in (0, 1], got {self.query_fraction!r}."
             )
-        if isinstance(self.ridge, bool) or not isinstance(self.ridge, (int, float)) or not self.ridge > 0:
+        if isinstance(self.ridge, bool) or not isinstance(self.ridge, (int, float)) \
+                or not self.ridge > 0:
             raise ValueError(f"{method}: ridge must be a positive number, got {self.ridge!r}.")
-        if isinstance(self.kmeans_iterations, bool) or not isinstance(self.kmeans_iterations, int) \
+        if isinstance(self.kmeans_iterations, bool) \
+                or not isinstance(self.kmeans_iterations, int) \
                 or self.kmeans_iterations < 0:
             raise ValueError(
-                f"{method}: kmeans_iterations must be an integer >= 0, got {self.kmeans_iterations!r}."
+                f"{method}: kmeans_iterations must be an integer >= 0, "
+                f"got {self.kmeans_iterations!r}."
             )
         if self.kmeans_sample is not None:
             check_positive_int(method, "kmeans_sample", self.kmeans_sample)
@@ -130,7 +134,8 @@ def nystrom_with_landmarks(
     core = gaussian_kernel_block(x, x, x_norm, x_norm)  # [B, H, m, m]
     b, h, m, _ = core.shape
     w = lemma3_inverse(
-        core.reshape(b * h, 1, m, m), gamma=options.gamma, pinv=options.pinv,  # type: ignore[arg-type]
+        core.reshape(b * h, 1, m, m), gamma=options.gamma,
+        pinv=options.pinv,  # type: ignore[arg-type]
         iterations=options.pinv_iterations, init=options.pinv_init,  # type: ignore[arg-type]
         live=landmarks.live.reshape(b * h, m),
     ).view(b, h, m, m)
