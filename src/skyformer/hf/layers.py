@@ -103,7 +103,7 @@ def is_cross_attention(module: nn.Module, name: str = "") -> bool:
 
 def heads_and_dim(module: nn.Module) -> tuple[int | None, int | None]:
     """Number of query heads and head dim of an attention module, when it says."""
-    config = module.config
+    config = getattr(module, "config", None)
     heads = (
         getattr(module, "num_attention_heads", None)
         or getattr(module, "num_heads", None)
@@ -118,7 +118,7 @@ def heads_and_dim(module: nn.Module) -> tuple[int | None, int | None]:
 def model_defaults(spec: Method, module: nn.Module) -> dict[str, Any]:
     """Options a model fixes for a method: ``max_seq_len`` from the position limit."""
     options: dict[str, Any] = {}
-    limit = getattr(module.config, "max_position_embeddings", None)
+    limit = getattr(getattr(module, "config", None), "max_position_embeddings", None)
     if "max_seq_len" in spec.option_names() and isinstance(limit, int):
         options["max_seq_len"] = limit
     return options
