@@ -64,8 +64,12 @@ _REFUSED_KWARGS = {
     "sliding_window": "a sliding-window pattern",
     "softcap": "logit soft-capping",
     "s_aux": "attention sinks",
+    "sinks": "attention sinks",
     "position_bias": "an additive position bias",
-    "attention_bias": "an additive attention bias",
+    "cu_seq_lens_q": "packed sequences",
+    "cu_seq_lens_k": "packed sequences",
+    "indices": "a sparse key selection",
+    "block_indices": "a sparse key selection",
 }
 
 _EXACT_LAYER = LayerAttention(EXACT, None, (), None, None, PER_LAYER, False)
