@@ -242,3 +242,15 @@ def test_importing_skyformer_never_needs_transformers():
                          env={"PYTHONPATH": src, "PATH": "/usr/bin:/bin"}, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "skyformer.hf needs transformers: pip install 'skyformer[hf]'" in out.stdout
+
+
+def test_restore_returns_to_the_implementation_the_model_had():
+    model = tiny_bert()
+    model.set_attn_implementation("eager")
+    shf.restore_exact(model)  # nothing to restore: stays eager
+    assert model.config._attn_implementation == "eager"
+    shf.set_attention(model, "softmax", layers=[0])
+    shf.set_attention(model, "kernelized", layers=[1])
+    assert model.config._attn_implementation == "skyformer"
+    shf.restore_exact(model)
+    assert model.config._attn_implementation == "eager"

@@ -160,10 +160,10 @@ def restore_exact(model: nn.Module, *, layers: Iterable[int] | int | None = None
     """
     if layers is not None:
         return set_attention(model, EXACT, layers=layers)
-    _implementation(model)
+    current = _implementation(model)
     for _, _, module in attention_modules(model):
         clear_layer(module)
-    original = model.__dict__.pop(_ORIGINAL, None)
+    original = model.__dict__.pop(_ORIGINAL, None) or current
     _switch(model, original if original and not _is_ours(original) else "sdpa")
     return model
 
