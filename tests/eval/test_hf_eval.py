@@ -104,6 +104,8 @@ def test_hf_eval_end_to_end(tmp_path, capsys):
     with open(out / "hf_eval.csv", newline="") as handle:
         assert len(list(csv.DictReader(handle))) == len(data["rows"]) == 8
     assert (out / "hf_eval.png").stat().st_size > 10_000
+    markdown = (out / "hf_eval.md").read_text()
+    assert "| long | `skyformer` | 8 |" in markdown and "not a drop-in" in markdown
 
 
 def test_forward_pass_memory_of_the_model():

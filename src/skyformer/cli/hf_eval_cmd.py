@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="local BERT-type model folder (default: pretrained MiniLM-L6)")
     parser.add_argument("--out", default="results/hf-eval",
-                        help="folder for hf_eval.json, hf_eval.csv and hf_eval.png "
+                        help="folder for hf_eval.json, .csv, .md (table) and .png "
                         "(default results/hf-eval)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -42,8 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..eval.hf_eval import HFEvalConfig, evaluate
-    from ..eval.hf_report import format_table, plot, write_csv
-    from ..io import write_json
+    from ..eval.hf_report import format_table, markdown_table, plot, write_csv
+    from ..io import atomic_write_text, write_json
 
     config = HFEvalConfig(
         methods=tuple(args.methods) if args.methods else None, features=tuple(args.features),
@@ -65,7 +65,11 @@ def run(args: argparse.Namespace) -> int:
           f"of {config.time_batch} text(s)")
     print(format_table(result.rows))
     out = Path(args.out)
-    written = [write_json(out / "hf_eval.json", result.to_dict()), write_csv(out / "hf_eval.csv", result.rows)]
+    written = [
+        write_json(out / "hf_eval.json", result.to_dict()),
+        write_csv(out / "hf_eval.csv", result.rows),
+        atomic_write_text(out / "hf_eval.md", markdown_table(result.rows) + "\n"),
+    ]
     if not args.no_plot:
         written.append(plot(out / "hf_eval.png", result.rows,
                             title=f"{result.model} with each method's attention, no fine-tuning"))

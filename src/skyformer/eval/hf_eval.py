@@ -14,9 +14,11 @@ L2-normalised, as sentence-transformers computes it) to the exact model's, agree
 nearest-neighbour retrieval among the texts (recall@1 against the exact model's nearest
 neighbours), forward time (median) and peak memory (fresh process on CPU) of one batch.
 
+Two kinds of method are not drop-ins, and rows say so (``drop_in`` False, ``note``):
 Gaussian-target methods (``kernelized``, ``skyformer``) replace softmax by a Gaussian
-kernel: a different function, so without fine-tuning they are not expected to keep a
-softmax-pretrained model's embeddings; rows say so (``drop_in`` is False).
+kernel, a different function; methods with learned parameters (e.g. Linformer's
+projections) start them from their initialisation, not from pretrained weights. Neither
+is expected to keep a softmax-pretrained model's embeddings without fine-tuning.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from .text import read_text, sentences
 from .timing import median_seconds
 
 SETTINGS = ("short", "long")
+NOT_DROP_IN_GAUSSIAN = "Gaussian kernel, not a drop-in"
+NOT_DROP_IN_LEARNED = "untrained learned projections, not a drop-in"
 BASELINE = "sdpa"  # transformers' own exact attention
 
 
@@ -230,14 +234,19 @@ def memory_probe(model_dir: str | None, method: str, options: dict[str, Any],
 
 
 def _row(setting: str, method: str, features: int | None, inputs: Inputs) -> dict[str, Any]:
+    note = ""
     if method == BASELINE:
-        target, exact, drop_in = "softmax", True, True
+        target, exact = "softmax", True
     else:
         caps = get_method(method).capabilities
-        target, exact, drop_in = caps.target, caps.exact, caps.target == "softmax"
+        target, exact = caps.target, caps.exact
+        if caps.target != "softmax":
+            note = NOT_DROP_IN_GAUSSIAN
+        elif caps.learned_parameters:
+            note = NOT_DROP_IN_LEARNED
     return {
         "setting": setting, "method": method, "target": target, "exact": exact,
-        "drop_in": drop_in, "num_features": features, "texts": len(inputs.ids),
+        "drop_in": not note, "note": note, "num_features": features, "texts": len(inputs.ids),
         "cosine_mean": None, "cosine_min": None, "recall_at_1": None, "time_ms": None,
         "peak_mib": None, "error": None,
     }

@@ -11,9 +11,7 @@ from typing import Any
 from ..io import atomic_write_text
 
 COLUMNS = ("setting", "method", "target", "drop_in", "num_features", "texts", "cosine_mean",
-           "cosine_min", "recall_at_1", "time_ms", "peak_mib", "error")
-
-NOT_DROP_IN = "Gaussian kernel, not a drop-in"
+           "cosine_min", "recall_at_1", "time_ms", "peak_mib", "note", "error")
 
 
 def _num(value: Any, spec: str) -> str:
@@ -21,15 +19,13 @@ def _num(value: Any, spec: str) -> str:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """Plain-text table; Gaussian-target methods are marked as not drop-ins."""
+    """Plain-text table; methods that are not drop-ins say why."""
     header = (f"{'setting':<8}{'method':<18}{'features':>9}{'cos mean':>10}{'cos min':>9}"
               f"{'R@1':>7}{'time ms':>10}{'peak MiB':>10}  note")
     lines = [header, "-" * len(header)]
     for r in rows:
         features = "exact" if r["exact"] else _num(r["num_features"], "d")
-        note = "" if r["drop_in"] else NOT_DROP_IN
-        if r["error"]:
-            note = "not run: " + r["error"]
+        note = ("not run: " + r["error"]) if r["error"] else r["note"]
         method = r["method"] + (" (HF)" if r["method"] == "sdpa" else "")
         lines.append(
             f"{r['setting']:<8}{method:<18}{features:>9}{_num(r['cosine_mean'], '.4f'):>10}"
@@ -45,7 +41,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         features = "exact" if r["exact"] else _num(r["num_features"], "d")
-        note = ("not run: " + r["error"]) if r["error"] else ("" if r["drop_in"] else NOT_DROP_IN)
+        note = ("not run: " + r["error"]) if r["error"] else r["note"]
         method = "sdpa (transformers)" if r["method"] == "sdpa" else f"`{r['method']}`"
         out.append(
             f"| {r['setting']} | {method} | {features} | {_num(r['cosine_mean'], '.4f')} | "
@@ -66,7 +62,7 @@ def write_csv(path: str | os.PathLike[str], rows: list[dict[str, Any]]) -> Path:
 
 def plot(path: str | os.PathLike[str], rows: list[dict[str, Any]], title: str = "") -> Path:
     """PNG: cosine similarity, recall@1 and forward time against num_features, one column
-    per setting; exact methods are horizontal lines, Gaussian-target methods dashed."""
+    per setting; exact methods are horizontal lines, methods that are not drop-ins dashed."""
     try:
         import matplotlib
 
@@ -92,7 +88,7 @@ def plot(path: str | os.PathLike[str], rows: list[dict[str, Any]], title: str = 
                     continue
                 style = dict(color=colours[m_index % len(colours)],
                              linestyle="--" if not points[0]["drop_in"] else "-")
-                name = method + ("" if points[0]["drop_in"] else " (Gaussian)")
+                name = method + ("" if points[0]["drop_in"] else " (not a drop-in)")
                 if points[0]["num_features"] is None:
                     ax.axhline(points[0][key], linewidth=1, label=name, alpha=0.8, **style)
                 else:
