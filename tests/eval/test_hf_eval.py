@@ -85,13 +85,14 @@ def test_hf_eval_end_to_end(tmp_path, capsys):
     code = main([
         "hf-eval", "--methods", "softmax", "skyformer", "nystrom_softmax", "--features", "8",
         "--max-texts", "6", "--seq-len", "64", "--repeats", "1", "--no-memory", "--quiet",
-        "--out", str(out),
+        "--layers", "0", "1", "--out", str(out),
     ])
     assert code == 0
     printed = capsys.readouterr().out
     assert "Gaussian kernel, not a drop-in" in printed
     data = json.loads((out / "hf_eval.json").read_text())
     assert data["config"]["features"] == [8] and "torch" in data["environment"]
+    assert data["config"]["layers"] == [0, 1]
     assert data["texts"]["long"]["count"] == 6 and data["texts"]["long"]["max_tokens"] == 64
     rows = {(r["setting"], r["method"]): r for r in data["rows"]}
     for setting in ("short", "long"):

@@ -54,7 +54,8 @@ class HFEvalConfig:
     layers: layers whose attention is replaced (``None`` = all).
     max_texts: at most this many texts per setting.
     batch_size: texts per forward pass.
-    time_batch: texts in the timed / memory-measured forward pass.
+    time_batch: texts in the timed and memory-measured forward pass (the setting's first
+        texts); ``None`` = ``batch_size`` sentences (short) or one input (long).
     """
 
     methods: tuple[str, ...] | None = None
@@ -64,7 +65,7 @@ class HFEvalConfig:
     seq_len: int = 512
     max_texts: int = 128
     batch_size: int = 16
-    time_batch: int = 1
+    time_batch: int | None = None
     seed: int = 0
     repeats: int = 3
     memory: bool = True
@@ -74,6 +75,8 @@ class HFEvalConfig:
     def validate(self) -> None:
         for name in ("seq_len", "max_texts", "batch_size", "time_batch", "repeats"):
             value = getattr(self, name)
+            if name == "time_batch" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
         if self.seq_len < 8:
@@ -201,6 +204,13 @@ def quality(embeddings: Tensor, exact: Tensor) -> dict[str, float]:
     }
 
 
+def timed_texts(config: HFEvalConfig, setting: str) -> int:
+    """How many texts the timed forward pass takes in ``setting``."""
+    if config.time_batch is not None:
+        return config.time_batch
+    return config.batch_size if setting == "short" else 1
+
+
 def _configurations(config: HFEvalConfig) -> list[tuple[str, int | None]]:
     """(method, num_features or None) pairs in table order."""
     out = []
@@ -269,8 +279,9 @@ def evaluate(config: HFEvalConfig = HFEvalConfig(),
                               max_texts=config.max_texts)
         lengths = [len(x) for x in inputs.ids]
         described[setting] = {"count": len(lengths), "min_tokens": min(lengths),
-                              "mean_tokens": sum(lengths) / len(lengths), "max_tokens": max(lengths)}
-        timed = pad_batch(inputs.ids[: config.time_batch])
+                              "mean_tokens": sum(lengths) / len(lengths), "max_tokens": max(lengths),
+                              "timed_texts": min(timed_texts(config, setting), len(lengths))}
+        timed = pad_batch(inputs.ids[: timed_texts(config, setting)])
         timed_device = {k: v.to(device) for k, v in timed.items()}
         restore_exact(model)
         exact = embed_all(model, inputs, config.batch_size)
