@@ -13,11 +13,9 @@ def test_subprocess_peak_memory_grows_with_materialised_size():
     assert sky > 2**20
 
 
-def test_peak_counts_live_memory_not_heap_left_by_the_warm_up():
-    """Naive softmax attention on [1, 4, 1024, 32] holds at most three [4, 1024, 1024]
-    float32 matrices (16 MiB each) at once: logits, masked logits, probabilities. With
-    glibc's dynamic mmap threshold the warm-up's frees left a fragmented heap and the
-    measured call read 80 MiB; the fixed threshold makes the reading track live memory."""
-    job = MemoryJob("skyformer.ops.softmax:reference_softmax_attention", (1, 4, 1024, 32))
-    peak = peak_memory_bytes(job) / 2**20
-    assert 32 <= peak <= 56, peak
+def test_peak_is_the_true_peak_whatever_the_allocator_kept():
+    """glibc's adaptive mmap threshold serves blocks from a heap it keeps resident, so
+    resident-size deltas depend on what earlier calls freed (this job read 50 MiB, and
+    Performer at N=4096 3.9 or 18.9 MiB from run to run). The true peak here is 40 MiB."""
+    job = MemoryJob("tests.eval.memory_helpers:free_one_then_hold_two", (1, 1, 8, 4))
+    assert 38 * 2**20 <= peak_memory_bytes(job) <= 42 * 2**20

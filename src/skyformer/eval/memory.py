@@ -4,8 +4,9 @@ CUDA: ``torch.cuda.max_memory_allocated`` around the call, in process.
 CPU: the call runs in a fresh Python process (so nothing cached by earlier work hides
 its peak): after one warm-up call the kernel's peak-RSS counter is reset through
 ``/proc/self/clear_refs`` and the measured call's peak is VmHWM minus the resident
-size just before it (with a fixed glibc mmap threshold, so that memory freed by the
-warm-up is not silently reused). Run as ``python -m skyformer.eval.memory '<job json>'``.
+size just before it. The subprocess runs with glibc's mmap threshold fixed at 64 KiB,
+so that freed tensors leave the resident set instead of being silently reused.
+Run as ``python -m skyformer.eval.memory '<job json>'``.
 """
 
 from __future__ import annotations
@@ -125,10 +126,9 @@ def peak_memory_bytes(
     env = dict(os.environ)
     env["PYTHONPATH"] = src_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["SKYFORMER_THREADS"] = str(torch.get_num_threads())
-    # A fixed glibc mmap threshold: freed blocks above it go back to the OS. With the
-    # default (dynamic) threshold the warm-up's frees raise it, the measured call's
-    # blocks then come from the already resident heap, and its peak reads as ~0
-    # (MiniLM-L6's forward on 512 tokens: 0.0 MiB instead of 8.2 MiB).
+    # A fixed mmap threshold turns off glibc's adaptive one, under which freed blocks stay
+    # resident and are reused unseen by the next call: every block >= 64 KiB is then
+    # mapped on allocation and unmapped on free, so RSS follows the live tensors.
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
     payload = json.dumps({"kind": type(job).__name__, **dataclasses.asdict(job)})
     proc = subprocess.run(

@@ -10,6 +10,10 @@ from .nystrom_softmax import nystrom_softmax_attention
 from .reference import reference_nystrom_softmax_attention, reference_skyformer_attention
 from .skyformer import skyformer_attention
 from .softmax import reference_softmax_attention, softmax_attention, softmax_scores
+from .performer import performer_attention  # noqa: F401
+from .reformer import reformer_attention  # noqa: F401
+from .kdeformer import kdeformer_attention  # noqa: F401
+from .scatterbrain import scatterbrain_attention  # noqa: F401
 
 __all__ = [
     "gaussian_scores",

@@ -1,0 +1,160 @@
+"""Performer (FAVOR+) against its materialised reference, unbiasedness, redraw policy."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from skyformer import MultiHeadAttention, softmax_attention
+from skyformer.eval.metrics import relative_error
+from skyformer.ops.performer import PerformerFeatures, performer_attention
+from skyformer.ops.performer_ref import performer_scores, reference_performer_attention
+from skyformer.registry import get_method
+from skyformer.sketch import gaussian_projection, softmax_log_features
+from tests.conftest import gen, make_qkv
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("orthogonal", [True, False])
+def test_fast_matches_reference_outputs_and_gradients(masked, orthogonal):
+    q, k, v = make_qkv(2, 2, 19, 8, dv=5, seed=1)
+    mask = None
+    if masked:
+        mask = torch.ones(2, 19, dtype=torch.bool)
+        mask[0, 15:] = False
+        mask[1, :4] = False
+    w = gaussian_projection(24, 8, orthogonal=orthogonal, generator=gen(2)).double()
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    fast = performer_attention(q, k, v, key_padding_mask=mask, num_features=24, projection=w)
+    ref = reference_performer_attention(q, k, v, w, key_padding_mask=mask)
+    torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(fast.square().sum(), (q, k, v)),
+                    torch.autograd.grad(ref.square().sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_generator_draw_equals_passing_the_same_projection():
+    q, k, v = make_qkv(1, 2, 12, 8)
+    w = gaussian_projection(16, 8, generator=gen(4))
+    drawn = performer_attention(q, k, v, generator=gen(4), num_features=16)
+    given = performer_attention(q, k, v, num_features=16, projection=w.double())
+    torch.testing.assert_close(drawn, given, rtol=0, atol=0)
+
+
+def test_kernel_estimate_is_unbiased():
+    """Lemma 1: E[phi(q).phi(k)] = exp(s q.k), entry by entry, within 4 standard errors
+    of the mean over 4000 independent draws of 12 orthogonal features."""
+    draws, m, d = 4000, 12, 6
+    q, k, _ = make_qkv(1, 1, 4, d, seed=5, scale=0.8)
+    qs, ks = q[0, 0] * d**-0.25, k[0, 0] * d**-0.25
+    exact = torch.exp(qs @ ks.T)
+    # m = 2 d: every 12 consecutive rows are two orthogonal blocks, one independent draw
+    w = gaussian_projection(draws * m, d, generator=gen(0)).double()
+    fq = softmax_log_features(qs, w).exp().view(4, draws, m)
+    fk = softmax_log_features(ks, w).exp().view(4, draws, m)
+    estimates = torch.einsum("idf,jdf->dij", fq, fk) / m  # one estimate per draw
+    mean, stderr = estimates.mean(0), estimates.std(0) / math.sqrt(draws)
+    assert torch.all((mean - exact).abs() < 4 * stderr), ((mean - exact) / stderr).abs().max()
+    # the reference's materialised estimate is the same quantity
+    one = performer_scores(q, k, w[:m])[0, 0]
+    torch.testing.assert_close(one, estimates[0])
+
+
+def test_error_falls_as_features_grow():
+    """Averaged over 8 draws, the error falls as the features grow (Monte Carlo rate)."""
+    q, k, v = make_qkv(1, 2, 64, 16, seed=6, scale=0.7)
+    exact = softmax_attention(q, k, v)
+    means = []
+    for m in (8, 64, 512, 2048):
+        errs = [relative_error(performer_attention(q, k, v, generator=gen(s), num_features=m),
+                               exact, ord="fro").mean() for s in range(8)]
+        means.append(torch.stack(errs).mean().item())
+    assert all(b < a for a, b in zip(means, means[1:])), means
+    assert means[-1] < means[0] / 3, means
+
+
+def test_stable_at_large_norms_where_the_naive_features_overflow():
+    q, k, v = make_qkv(1, 1, 16, 32, dtype=torch.float32, seed=7)
+    q = q / q.norm(dim=-1, keepdim=True) * 40
+    k = k / k.norm(dim=-1, keepdim=True) * 40
+    w = gaussian_projection(64, 32, generator=gen(7))
+    # the naive features underflow to 0 for every key: 0/0
+    assert not torch.isfinite(reference_performer_attention(q, k, v, w)).all()
+    out = performer_attention(q, k, v, num_features=64, projection=w)
+    assert torch.isfinite(out).all()
+    # the same computation in float64, where the naive features still fit
+    ref64 = reference_performer_attention(q.double(), k.double(), v.double(), w.double())
+    torch.testing.assert_close(out.double(), ref64, rtol=1e-3, atol=1e-4)
+
+
+def test_padded_keys_contribute_nothing_even_when_huge():
+    q, k, v = make_qkv(1, 2, 10, 8, seed=8)
+    mask = torch.ones(1, 10, dtype=torch.bool)
+    mask[0, 7:] = False
+    k2 = k.clone()
+    k2[:, :, 7:] = 1e4  # would dominate the key max-shift if it were counted
+    a = performer_attention(q, k, v, key_padding_mask=mask, generator=gen(0), num_features=8)
+    b = performer_attention(q, k2, v, key_padding_mask=mask, generator=gen(0), num_features=8)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_layer_state_redraws_every_interval_in_training_only():
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(16, 2, method="performer", num_features=8, feature_redraw_interval=2)
+    state = layer.method_state
+    assert isinstance(state, PerformerFeatures)
+    assert not any(True for _ in state.parameters())  # buffers, not learned
+    assert set(dict(state.named_buffers())) == {"projection", "calls_since_redraw"}
+    x = torch.randn(1, 6, 16)
+    seen = []
+    for _ in range(5):
+        layer(x)
+        seen.append(state.projection.clone())
+    # used for 2 calls each: calls 1-2 share features, 3-4 share new ones, 5 new again
+    assert torch.equal(seen[0], seen[1]) and torch.equal(seen[2], seen[3])
+    assert not torch.equal(seen[1], seen[2]) and not torch.equal(seen[3], seen[4])
+    layer.eval()
+    before = state.projection.clone()
+    outs = [layer(x) for _ in range(4)]
+    assert torch.equal(state.projection, before)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+def test_layer_without_redraw_keeps_features_and_ignores_the_generator():
+    torch.manual_seed(1)
+    layer = MultiHeadAttention(16, 2, method="performer", num_features=8,
+                               feature_redraw_interval=None)
+    x = torch.randn(2, 5, 16)
+    a = layer(x, generator=gen(1))
+    b = layer(x, generator=gen(2))
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    state = layer.state_dict()
+    assert "method_state.projection" in state
+
+
+def test_defaults_are_the_published_settings():
+    cfg = get_method("performer").make_config()
+    assert (cfg.num_features, cfg.orthogonal, cfg.feature_redraw_interval) == (128, True, 1000)
+    caps = get_method("performer").capabilities
+    assert caps.randomized and caps.mask and caps.cross_attention and not caps.learned_parameters
+
+
+def test_bad_inputs_name_the_problem():
+    q, k, v = make_qkv(1, 1, 8, 4)
+    for options, word in (
+        ({"num_features": 0}, "num_features"),
+        ({"feature_redraw_interval": 0}, "feature_redraw_interval"),
+        ({"scale": -1.0}, "scale"),
+        ({"orthogonal": "yes"}, "orthogonal"),
+    ):
+        with pytest.raises(ValueError, match=word):
+            performer_attention(q, k, v, **options)
+    with pytest.raises(ValueError, match=r"\[num_features, D\] = \[8, 4\]"):
+        performer_attention(q, k, v, num_features=8, projection=torch.randn(8, 5))
+    with pytest.raises(TypeError, match="projection"):
+        performer_attention(q, k, v, projection=[[1.0]])
+    with pytest.raises(TypeError, match="generator"):
+        performer_attention(q, k, v, generator=1)
