@@ -20,10 +20,10 @@ def test_readme_hugging_face_example_runs_offline(tmp_path):
     readme = (ROOT / "README.md").read_text()
     section = readme.split("## Hugging Face models", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    assert len(code.strip().splitlines()) <= 7
+    assert len(code.strip().splitlines()) <= 6
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path),
            "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "torch.Size([1, 8, 384]) nystrom_softmax" in out.stdout
+    assert "torch.Size([1, 8, 384])" in out.stdout
