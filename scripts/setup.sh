@@ -10,5 +10,5 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
-.venv/bin/python -m pip install --quiet -e ".[hf,plot,dev]"
+.venv/bin/python -m pip install --quiet -e ".[hf,plot,dev,lra]"
 echo "skyformer is set up in .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

@@ -18,6 +18,8 @@ METHODS = list_methods()
 
 def extra_options(method: str, n: int, d: int) -> dict:
     """Per-method arguments the contract calls need beyond the defaults."""
+    if get_method(method).capabilities.fixed_length:
+        return {"max_seq_len": 64}  # a fixed bound above every length used here (n <= 40)
     return {}
 
 

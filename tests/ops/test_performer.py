@@ -107,7 +107,7 @@ def test_layer_state_redraws_every_interval_in_training_only():
     state = layer.method_state
     assert isinstance(state, PerformerFeatures)
     assert not any(True for _ in state.parameters())  # buffers, not learned
-    assert set(dict(state.named_buffers())) == {"projection", "calls_since_redraw"}
+    assert set(dict(state.named_buffers())) == {"projection", "calls_since_redraw", "seed", "redraws"}
     x = torch.randn(1, 6, 16)
     seen = []
     for _ in range(5):
@@ -158,3 +158,21 @@ def test_bad_inputs_name_the_problem():
         performer_attention(q, k, v, projection=[[1.0]])
     with pytest.raises(TypeError, match="generator"):
         performer_attention(q, k, v, generator=1)
+
+
+def test_redraws_are_the_same_in_every_process_whatever_the_global_stream():
+    """Data-parallel processes (and resumed runs) must redraw identical features: the draw
+    depends on the layer's (seed, redraw count) buffers, not on the global generator."""
+    torch.manual_seed(0)
+    a = MultiHeadAttention(16, 2, method="performer", num_features=8, feature_redraw_interval=1)
+    b = MultiHeadAttention(16, 2, method="performer", num_features=8, feature_redraw_interval=1)
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(1, 6, 16)
+    a.train(), b.train()
+    for step in range(3):
+        torch.manual_seed(100 + step)  # a different global stream for each "process"
+        a(x)
+        torch.manual_seed(200 + step)
+        b(x)
+        torch.testing.assert_close(a.method_state.projection, b.method_state.projection)
+    assert int(a.method_state.redraws) == 2

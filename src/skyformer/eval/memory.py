@@ -4,9 +4,13 @@ CUDA: ``torch.cuda.max_memory_allocated`` around the call, in process.
 CPU: the call runs in a fresh Python process (so nothing cached by earlier work hides
 its peak): after one warm-up call the kernel's peak-RSS counter is reset through
 ``/proc/self/clear_refs`` and the measured call's peak is VmHWM minus the resident
-size just before it. The subprocess runs with glibc's mmap threshold fixed at 64 KiB,
-so that freed tensors leave the resident set instead of being silently reused.
-Run as ``python -m skyformer.eval.memory '<job json>'``.
+size just before it. Run as ``python -m skyformer.eval.memory '<job json>'``.
+
+That process runs with glibc's ``MALLOC_MMAP_THRESHOLD_`` fixed at 64 KiB: every
+tensor buffer of 64 KiB or more is then its own mapping, returned to the system when
+freed, so resident size follows live tensors. (By default the threshold grows after
+each freed mapping, up to 32 MiB, and later buffers come from a heap that keeps freed
+memory resident: the same job measured 30 or 57 MiB from one run to the next.)
 """
 
 from __future__ import annotations
@@ -126,10 +130,7 @@ def peak_memory_bytes(
     env = dict(os.environ)
     env["PYTHONPATH"] = src_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["SKYFORMER_THREADS"] = str(torch.get_num_threads())
-    # A fixed mmap threshold turns off glibc's adaptive one, under which freed blocks stay
-    # resident and are reused unseen by the next call: every block >= 64 KiB is then
-    # mapped on allocation and unmapped on free, so RSS follows the live tensors.
-    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))  # see the module docstring
     payload = json.dumps({"kind": type(job).__name__, **dataclasses.asdict(job)})
     proc = subprocess.run(
         [sys.executable, "-m", "skyformer.eval.memory", payload],

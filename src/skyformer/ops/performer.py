@@ -133,9 +133,11 @@ class PerformerFeatures(nn.Module):
 
     Built by the registry's state hook: ``MultiHeadAttention`` owns it and passes
     ``{"projection": ...}`` to ``performer_attention`` on every call. In training mode
-    the features are redrawn (from torch's global generator, like dropout) once
-    ``feature_redraw_interval`` calls have used them; in eval mode never. The counter
-    is a buffer, so a checkpoint resumes the schedule.
+    the features are redrawn once ``feature_redraw_interval`` calls have used them; in
+    eval mode never. Redraw r draws from a generator seeded by (``seed``, r), both
+    buffers: every data-parallel process (and a resumed run) draws the same features,
+    whatever else consumed the global random stream. ``seed`` itself is drawn from the
+    global generator at construction, so it follows the model's seed.
     """
 
     def __init__(self, config: PerformerConfig, num_heads: int, head_dim: int) -> None:
@@ -147,10 +149,20 @@ class PerformerFeatures(nn.Module):
             gaussian_projection(config.num_features, head_dim, orthogonal=config.orthogonal),
         )
         self.register_buffer("calls_since_redraw", torch.zeros((), dtype=torch.long))
+        self.register_buffer("seed", torch.randint(0, 2**62, (), dtype=torch.long))
+        self.register_buffer("redraws", torch.zeros((), dtype=torch.long))
+
+    def _next_generator(self) -> torch.Generator:
+        self.redraws += 1
+        seed = (int(self.seed) + 1_000_003 * int(self.redraws)) % 2**63
+        return torch.Generator(device=self.projection.device).manual_seed(seed)
 
     @torch.no_grad()
     def redraw(self, generator: torch.Generator | None = None) -> None:
-        """Draw new features now and restart the redraw counter."""
+        """Draw new features now (from ``generator``, else from the (seed, redraw count)
+        stream) and restart the redraw counter."""
+        if generator is None:
+            generator = self._next_generator()
         fresh = gaussian_projection(
             self.config.num_features, self.head_dim, orthogonal=self.config.orthogonal,
             device=self.projection.device, generator=generator,

@@ -1,0 +1,297 @@
+"""``skyformer lra``: Long Range Arena data, training, reports and the instability score.
+
+Subcommands: ``prepare``, ``generate``, ``train``, ``report``, ``stability``, ``presets``.
+Thin: each parses its arguments and calls ``skyformer.lra``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+NAME = "lra"
+HELP = "Long Range Arena: prepare data, train, report the papers' tables, instability score"
+
+TASK_NAMES = ("text", "listops", "retrieval", "pathfinder", "image")
+
+
+def _option(text: str) -> tuple[str, Any]:
+    """``key=value`` with a JSON value (bare words stay strings)."""
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}.")
+    key, raw = text.split("=", 1)
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    return key.strip(), value
+
+
+def _prepare_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("task", choices=TASK_NAMES)
+    p.add_argument("--src", required=True,
+                   help="the task's files in the LRA release layout (see docs/lra.md)")
+    p.add_argument("--cache", default=None, help="cache root (default: $SKYFORMER_LRA_CACHE or "
+                   "~/.cache/skyformer/lra)")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="tokens kept per document (default: the task's LRA length)")
+    p.add_argument("--dev-fraction", type=float, default=None,
+                   help="text: share of the training reviews held out as dev (default 0.1; "
+                   "0 = validate on test as LRA does)")
+    p.add_argument("--difficulty", default=None,
+                   help="pathfinder: sub-folder of --src (default curv_contour_length_14)")
+    p.add_argument("--split-seed", type=int, default=None,
+                   help="text, pathfinder: seed of the dev/test split (default 0)")
+
+
+def _generate_args(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="what", metavar="KIND", required=True)
+    lo = sub.add_parser("listops", help="ListOps by LRA's rules, as basic_{train,val,test}.tsv")
+    lo.add_argument("--out", required=True, help="folder to write the tsv files to")
+    lo.add_argument("--train", type=int, default=96_000)
+    lo.add_argument("--dev", type=int, default=2_000)
+    lo.add_argument("--test", type=int, default=2_000)
+    lo.add_argument("--max-depth", type=int, default=10)
+    lo.add_argument("--max-args", type=int, default=10)
+    lo.add_argument("--min-length", type=int, default=500, help="exclusive lower length bound")
+    lo.add_argument("--max-length", type=int, default=2000, help="exclusive upper length bound")
+    lo.add_argument("--seed", type=int, default=0)
+    pf = sub.add_parser("pathfinder", help="synthetic Pathfinder-like images (release layout)")
+    pf.add_argument("--out", required=True, help="folder to write imgs/ and metadata/ to")
+    pf.add_argument("--count", type=int, default=10_000)
+    pf.add_argument("--resolution", type=int, default=32)
+    pf.add_argument("--dashes", type=int, default=6, help="dashes per path")
+    pf.add_argument("--distractors", type=int, default=1, help="paths without dots")
+    pf.add_argument("--seed", type=int, default=0)
+
+
+def _train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("task", choices=TASK_NAMES)
+    p.add_argument("--attn", default="skyformer", help="attention method (skyformer list)")
+    p.add_argument("--option", dest="options", type=_option, action="append", default=[],
+                   metavar="KEY=VALUE", help="option of the method, e.g. num_features=64 "
+                   "(repeatable)")
+    p.add_argument("--quick", action="store_true",
+                   help="a short CPU-sized run (200 steps) to check that everything works")
+    seeds = p.add_mutually_exclusive_group()
+    seeds.add_argument("--seed", type=int, default=None, help="one run with this seed (default 0)")
+    seeds.add_argument("--seeds", type=int, nargs="+", default=None,
+                       help="one run per seed, one after another, in OUT/seedN (the papers "
+                       "average 3 seeds: --seeds 0 1 2)")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=None, help="global batch size")
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--weight-decay", type=float, default=None)
+    p.add_argument("--eval-every", type=int, default=None)
+    p.add_argument("--eval-batches", type=int, default=None,
+                   help="dev batches per evaluation (default: the preset's)")
+    p.add_argument("--full-dev", action="store_true", help="evaluate on the whole dev split")
+    p.add_argument("--patience", type=int, default=None,
+                   help="stop after this many evaluations without dev improvement")
+    p.add_argument("--grad-accum", type=int, default=None)
+    p.add_argument("--grad-clip", type=float, default=None)
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
+                   help="autocast dtype (fp16 needs CUDA)")
+    p.add_argument("--dropout", type=float, default=None)
+    p.add_argument("--max-len", type=int, default=None,
+                   help="truncate documents to this many tokens")
+    p.add_argument("--log-every", type=int, default=None)
+    p.add_argument("--checkpoint-every", type=int, default=None)
+    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:K")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads per process (shared machines: 1 avoids contention)")
+    p.add_argument("--cache", default=None, help="cache root used by prepare")
+    p.add_argument("--out", default=None,
+                   help="run folder (default runs/lra/TASK/METHOD/seedN); with --seeds the "
+                   "folder holding seedN/ (default runs/lra/TASK/METHOD)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from OUT/last.pt (finished runs are left as they are)")
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="checkpoint and exit after this step (continue with --resume)")
+    p.add_argument("--no-tensorboard", action="store_true")
+    p.add_argument("--quiet", action="store_true")
+
+
+def _report_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("runs", nargs="+", help="folders holding run folders (result.json)")
+    p.add_argument("--markdown", default=None, help="also write the tables to this file")
+    p.add_argument("--plot", default=None, help="write Figure 2 (dev accuracy vs time) here")
+
+
+def _stability_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tasks", nargs="+", choices=TASK_NAMES, default=["listops"])
+    p.add_argument("--methods", nargs="+",
+                   default=["nystromformer", "kernelized", "skyformer"],
+                   help="methods compared with softmax (default: Table 3's rows)")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--probe", choices=("normed", "hidden"), default="normed",
+                   help="f = the encoder output after its final LayerNorm (default) or the raw "
+                   "output of the last layer")
+    p.add_argument("--features", type=int, default=None,
+                   help="num_features of every method that has it (default: each method's)")
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--max-len", type=int, default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--cache", default=None)
+    p.add_argument("--json", dest="json_path", default=None, help="write all tau values here")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="lra_command", metavar="SUBCOMMAND")
+    for name, helptext, adder in (
+        ("prepare", "convert a task's release files into the array cache", _prepare_args),
+        ("generate", "write ListOps or synthetic Pathfinder data in the release format",
+         _generate_args),
+        ("train", "train the LRA model with one attention method on one task (settings not "
+         "given come from the task's preset: skyformer lra presets)", _train_args),
+        ("report", "collect finished runs into Tables 1-2 and Figure 2", _report_args),
+        ("stability", "instability score relative to softmax (Appendix F, Table 3)",
+         _stability_args),
+        ("presets", "print the per-task training presets", lambda p: None),
+    ):
+        adder(sub.add_parser(name, help=helptext, description=helptext))
+    parser.set_defaults(_lra_parser=parser)
+
+
+def _cache(args: argparse.Namespace) -> Path:
+    from ..lra.cache import default_cache_root
+
+    return Path(args.cache) if args.cache else default_cache_root()
+
+
+def _threads(n: int | None) -> None:
+    if n is not None:
+        import torch
+
+        if n < 1:
+            raise ValueError(f"--threads must be at least 1, got {n}.")
+        torch.set_num_threads(n)
+
+
+def _run_prepare(args: argparse.Namespace) -> int:
+    from ..lra import prepare
+
+    options = {k: v for k, v in (("dev_fraction", args.dev_fraction),
+                                 ("difficulty", args.difficulty),
+                                 ("split_seed", args.split_seed)) if v is not None}
+    allowed = {"text": {"dev_fraction", "split_seed"}, "pathfinder": {"difficulty", "split_seed"}}
+    extra = set(options) - allowed.get(args.task, set())
+    if extra:
+        flags = ", ".join("--" + e.replace("_", "-") for e in sorted(extra))
+        raise ValueError(f"{flags} do(es) not apply to {args.task}.")
+    folder = prepare(args.task, args.src, _cache(args), max_len=args.max_len, **options)
+    meta = json.loads((folder / "meta.json").read_text())
+    counts = ", ".join(f"{s} {meta['splits'][s]['count']}" for s in ("train", "dev", "test"))
+    print(f"prepared {args.task} in {folder}: {counts}; max length {meta['max_len']}"
+          + ("; SYNTHETIC data" if meta.get("synthetic") else ""))
+    return 0
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    if args.what == "listops":
+        from ..lra import ListOpsRules, write_listops
+
+        rules = ListOpsRules(max_depth=args.max_depth, max_args=args.max_args,
+                             min_length=args.min_length, max_length=args.max_length)
+        paths = write_listops(args.out, train=args.train, dev=args.dev, test=args.test,
+                              rules=rules, seed=args.seed)
+        print(f"wrote {', '.join(str(p) for p in paths.values())}")
+    else:
+        from ..lra import PathfinderRules, write_pathfinder
+
+        rules = PathfinderRules(resolution=args.resolution, dashes=args.dashes,
+                                distractors=args.distractors)
+        folder = write_pathfinder(args.out, args.count, rules=rules, seed=args.seed)
+        print(f"wrote {args.count} synthetic images to {folder}")
+    return 0
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from ..lra import make_config, train
+    from ..lra.train import default_run_dir
+
+    _threads(args.threads)
+    cfg = make_config(
+        args.task, quick=args.quick, attention=args.attn, attention_options=dict(args.options),
+        seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+        warmup=args.warmup, weight_decay=args.weight_decay, eval_every=args.eval_every,
+        eval_batches=args.eval_batches, patience=args.patience, grad_accum=args.grad_accum,
+        grad_clip=args.grad_clip, precision=args.precision, dropout=args.dropout,
+        max_len=args.max_len, log_every=args.log_every, checkpoint_every=args.checkpoint_every,
+    )
+    if args.full_dev:
+        cfg = dataclasses.replace(cfg, eval_batches=None)
+    if args.seeds is None:
+        runs = [(cfg, args.out)]
+    else:
+        parent = Path(args.out) if args.out else default_run_dir(cfg).parent
+        runs = [(dataclasses.replace(cfg, seed=s), parent / f"seed{s}") for s in args.seeds]
+    for run_cfg, out in runs:
+        result = train(run_cfg, cache_root=_cache(args), out_dir=out, resume=args.resume,
+                       stop_after=args.stop_after, device=args.device,
+                       tensorboard=not args.no_tensorboard, quiet=args.quiet)
+        if result is None:
+            print(f"stopped after step {args.stop_after}; continue with --resume")
+            return 0
+    return 0
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from ..io import atomic_write_text
+    from ..lra.report import collect_runs, plot_dev_curves, tables
+
+    runs = collect_runs(args.runs)
+    text = tables(runs)
+    print(text)
+    if args.markdown:
+        print(f"wrote {atomic_write_text(args.markdown, text)}")
+    if args.plot:
+        print(f"wrote {plot_dev_curves(runs, args.plot)}")
+    return 0
+
+
+def _run_stability(args: argparse.Namespace) -> int:
+    from ..io import write_json
+    from ..lra.stability import format_table, run_stability
+
+    _threads(args.threads)
+    overrides = {k: v for k, v in (("batch_size", args.batch_size), ("max_len", args.max_len))
+                 if v is not None}
+    report = run_stability(args.tasks, args.methods, cache_root=_cache(args), seeds=args.seeds,
+                           steps=args.steps, device=args.device, num_features=args.features,
+                           probe=args.probe, overrides=overrides, progress=print)
+    print(format_table(report))
+    if args.json_path:
+        print(f"wrote {write_json(args.json_path, report.to_dict())}")
+    return 0
+
+
+def _run_presets(args: argparse.Namespace) -> int:
+    from ..lra.presets import PRESETS, QUICK, TrainConfig
+
+    common = TrainConfig(task="listops")
+    print("per task (Skyformer paper section 5; warm-up and evaluation from the reference "
+          "LRA configuration):")
+    for task, values in PRESETS.items():
+        print(f"  {task:<11}" + "  ".join(f"{k}={v}" for k, v in values.items()))
+    print(f"all tasks: steps={common.steps}, weight_decay={common.weight_decay}, "
+          f"dim={common.dim}, hidden={common.hidden}, heads={common.heads}, "
+          f"layers={common.layers}, dropout={common.dropout}, patience={common.patience}")
+    print("--quick: " + "  ".join(f"{k}={v}" for k, v in QUICK.items()) + "  batch_size<=16")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    runners = {"prepare": _run_prepare, "generate": _run_generate, "train": _run_train,
+               "report": _run_report, "stability": _run_stability, "presets": _run_presets}
+    if not args.lra_command:
+        args._lra_parser.print_help()
+        return 2
+    return runners[args.lra_command](args)

@@ -1,0 +1,226 @@
+"""The prepared-data cache: one folder per task of plain ``.npy`` arrays plus ``meta.json``.
+
+Layout of ``<cache root>/<task>/``::
+
+    meta.json                 task, lengths, counts, label counts, source, notes
+    <split>.tokens.npy        [N, S, L] uint8/uint16  token ids, right padded with 0
+    <split>.lengths.npy       [N, S] int32            real tokens per document
+    <split>.labels.npy        [N] int64
+
+S is 1, or 2 for Retrieval's document pairs. Arrays are written through
+``numpy.lib.format.open_memmap`` (streaming, no pickle) and opened memory-mapped
+with ``allow_pickle=False``. The folder is built under a temporary name and renamed
+into place only when complete, so an interrupted ``prepare`` never leaves a cache
+that looks usable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from ..io import atomic_write_text
+from .tasks import SPLITS, TaskSpec, get_task
+
+CACHE_FORMAT = 1
+CACHE_ENV = "SKYFORMER_LRA_CACHE"
+
+
+def default_cache_root() -> Path:
+    """``$SKYFORMER_LRA_CACHE`` or ``~/.cache/skyformer/lra``."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "skyformer" / "lra"
+
+
+@dataclass
+class SplitSource:
+    """What a reader hands to the cache writer for one split.
+
+    count: number of examples ``examples`` yields.
+    examples: ``(segments, label)`` pairs; ``segments`` holds S 1-D integer arrays
+        (any length: longer ones are truncated to the cache's max length).
+    """
+
+    count: int
+    examples: Iterable[tuple[Sequence[np.ndarray], int]]
+
+
+@dataclass(frozen=True)
+class SplitData:
+    """One split of a prepared task (memory-mapped arrays)."""
+
+    tokens: np.ndarray  # [N, S, L]
+    lengths: np.ndarray  # [N, S]
+    labels: np.ndarray  # [N]
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+
+@dataclass(frozen=True)
+class TaskData:
+    """A prepared task: its spec, cache folder, metadata and splits."""
+
+    task: TaskSpec
+    root: Path
+    meta: dict[str, Any]
+    splits: dict[str, SplitData]
+
+    @property
+    def max_len(self) -> int:
+        return int(self.meta["max_len"])
+
+    @property
+    def synthetic(self) -> bool:
+        return bool(self.meta.get("synthetic", False))
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint8 if vocab_size <= 256 else np.uint16)
+
+
+def cache_dir(cache_root: str | os.PathLike[str], task: str) -> Path:
+    return Path(cache_root) / task
+
+
+def _write_split(folder: Path, name: str, task: TaskSpec, source: SplitSource,
+                 max_len: int) -> dict[str, Any]:
+    if source.count <= 0:
+        raise ValueError(f"the {name} split of {task.name} has no examples.")
+    n, s = source.count, task.segments
+    dtype = token_dtype(task.vocab_size)
+    tokens = np.lib.format.open_memmap(folder / f"{name}.tokens.npy", "w+", dtype, (n, s, max_len))
+    lengths = np.lib.format.open_memmap(folder / f"{name}.lengths.npy", "w+", np.int32, (n, s))
+    labels = np.lib.format.open_memmap(folder / f"{name}.labels.npy", "w+", np.int64, (n,))
+    i = -1
+    for i, (segments, label) in enumerate(source.examples):
+        if i >= n:
+            raise ValueError(f"the {name} split of {task.name} yields more than the {n} "
+                             "examples announced.")
+        if len(segments) != s:
+            raise ValueError(f"{task.name} examples have {s} document(s), got {len(segments)}.")
+        if not 0 <= int(label) < task.num_classes:
+            raise ValueError(f"{task.name} {name} example {i}: label {label} is outside "
+                             f"0..{task.num_classes - 1}.")
+        for j, seg in enumerate(segments):
+            seg = np.asarray(seg)[:max_len]
+            if seg.size and (seg.min() < 0 or seg.max() >= task.vocab_size):
+                raise ValueError(f"{task.name} {name} example {i}: token ids must lie in "
+                                 f"0..{task.vocab_size - 1}.")
+            tokens[i, j, : seg.size] = seg
+            lengths[i, j] = seg.size
+        labels[i] = int(label)
+    if i + 1 != n:
+        raise ValueError(f"the {name} split of {task.name} announced {n} examples but "
+                         f"yielded {i + 1}.")
+    counts = np.bincount(np.asarray(labels), minlength=task.num_classes)
+    info = {
+        "count": n,
+        "label_counts": counts.tolist(),
+        "mean_length": float(np.asarray(lengths).mean()),
+        "truncated": int((np.asarray(lengths) == max_len).sum()),
+    }
+    for array in (tokens, lengths, labels):
+        array.flush()
+    del tokens, lengths, labels
+    return info
+
+
+def write_cache(
+    cache_root: str | os.PathLike[str],
+    task: TaskSpec,
+    splits: dict[str, SplitSource],
+    *,
+    max_len: int,
+    meta: dict[str, Any] | None = None,
+) -> Path:
+    """Write ``splits`` (train, dev, test) to ``<cache_root>/<task>``, atomically.
+
+    Returns the cache folder. An existing cache of the task is replaced only once the
+    new one is complete.
+    """
+    if sorted(splits) != sorted(SPLITS):
+        raise ValueError(f"a cache needs the splits {', '.join(SPLITS)}, got {', '.join(splits)}.")
+    if not isinstance(max_len, int) or max_len <= 0:
+        raise ValueError(f"max_len must be a positive integer, got {max_len!r}.")
+    root = Path(cache_root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = cache_dir(root, task.name)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{task.name}.", suffix=".tmp", dir=root))
+    try:
+        infos = {name: _write_split(tmp, name, task, splits[name], max_len) for name in SPLITS}
+        record = {
+            "format": CACHE_FORMAT,
+            "task": task.name,
+            "max_len": max_len,
+            "segments": task.segments,
+            "vocab_size": task.vocab_size,
+            "num_classes": task.num_classes,
+            "token_dtype": token_dtype(task.vocab_size).name,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            **(meta or {}),
+            "splits": infos,
+        }
+        atomic_write_text(tmp / "meta.json", json.dumps(record, indent=2) + "\n")
+        old = None
+        if final.exists():
+            old = root / f".{task.name}.old-{os.getpid()}"
+            os.replace(final, old)
+        os.replace(tmp, final)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def load_cache(cache_root: str | os.PathLike[str], task: str) -> TaskData:
+    """Open the prepared cache of ``task`` (arrays memory-mapped, read-only)."""
+    spec = get_task(task)
+    folder = cache_dir(cache_root, task)
+    meta_path = folder / "meta.json"
+    if not meta_path.is_file():
+        raise FileNotFoundError(
+            f"no prepared {task} data in {folder} (missing {meta_path.name}); run "
+            f"`skyformer lra prepare {task} --src PATH --cache {Path(cache_root)}` first."
+        )
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{meta_path} is not valid JSON ({err}); prepare the task "
+                         "again.") from None
+    if meta.get("format") != CACHE_FORMAT or meta.get("task") != task:
+        raise ValueError(
+            f"{folder} holds a cache of format {meta.get('format')!r} for task "
+            f"{meta.get('task')!r}; this version reads format {CACHE_FORMAT} for {task!r}: "
+            "prepare the task again."
+        )
+    splits = {}
+    for name in SPLITS:
+        arrays = []
+        for part in ("tokens", "lengths", "labels"):
+            path = folder / f"{name}.{part}.npy"
+            try:
+                arrays.append(np.load(path, mmap_mode="r", allow_pickle=False))
+            except (OSError, ValueError) as err:
+                raise ValueError(f"cannot read {path} ({err}); prepare the task again.") from None
+        tokens, lengths, labels = arrays
+        n = meta["splits"][name]["count"]
+        if tokens.shape != (n, spec.segments, meta["max_len"]) or lengths.shape != (
+            n, spec.segments
+        ) or labels.shape != (n,):
+            raise ValueError(
+                f"{folder}: the {name} arrays have shapes {tokens.shape}, {lengths.shape}, "
+                f"{labels.shape}, which do not match meta.json; prepare the task again."
+            )
+        splits[name] = SplitData(tokens, lengths, labels)
+    return TaskData(spec, folder, meta, splits)

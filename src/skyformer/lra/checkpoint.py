@@ -1,0 +1,98 @@
+"""Checkpoints: ``torch.save`` written atomically, read back with ``weights_only=True``.
+
+A checkpoint holds only tensors and plain Python values (no pickled objects), so
+loading one never runs code. Besides model, optimizer and scaler state it keeps every
+random number generator a run draws from, so that a resumed run continues exactly as
+an uninterrupted one would:
+
+- torch's CPU generator (dropout on CPU) and, on CUDA, the device generator,
+- the generator that feeds the attention methods' own randomness (landmarks,
+  random features), kept apart from dropout,
+- numpy's and Python's global generators (nothing here draws from them, but code a
+  user adds might).
+
+Data order needs no state beyond its position (see ``batches.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+def save_checkpoint(path: str | os.PathLike[str], payload: dict[str, Any]) -> Path:
+    """``torch.save(payload)`` through a temporary file in the same folder, then rename."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            torch.save(payload, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def load_checkpoint(path: str | os.PathLike[str], device: torch.device | str = "cpu"
+                    ) -> dict[str, Any]:
+    """Read a checkpoint written by ``save_checkpoint`` (tensors mapped to ``device``)."""
+    target = Path(path)
+    if not target.is_file():
+        raise FileNotFoundError(f"no checkpoint at {target}.")
+    try:
+        return torch.load(target, map_location=device, weights_only=True)
+    except Exception as err:  # truncated or foreign files raise many different errors
+        raise ValueError(f"cannot read checkpoint {target} ({type(err).__name__}: "
+                         f"{err}).") from None
+
+
+def device_rng_state(device: torch.device, attention_generator: torch.Generator
+                     ) -> dict[str, Tensor]:
+    """The generators that differ between processes, as tensors."""
+    state = {"torch": torch.get_rng_state(), "attention": attention_generator.get_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_device_rng_state(state: dict[str, Tensor], device: torch.device,
+                         attention_generator: torch.Generator) -> None:
+    torch.set_rng_state(state["torch"].cpu())
+    attention_generator.set_state(state["attention"].cpu())
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+
+
+def host_rng_state() -> dict[str, Any]:
+    """numpy's and Python's global generators as plain values and tensors."""
+    numpy_state = np.random.get_state(legacy=False)
+    key = torch.from_numpy(np.asarray(numpy_state["state"]["key"]).astype(np.int64))
+    return {
+        "numpy": {"bit_generator": numpy_state["bit_generator"], "key": key,
+                  "pos": int(numpy_state["state"]["pos"]),
+                  "has_gauss": int(numpy_state["has_gauss"]),
+                  "gauss": float(numpy_state["gauss"])},
+        "python": random.getstate(),
+    }
+
+
+def set_host_rng_state(state: dict[str, Any]) -> None:
+    n = state["numpy"]
+    np.random.set_state({
+        "bit_generator": n["bit_generator"],
+        "state": {"key": n["key"].cpu().numpy().astype(np.uint32), "pos": n["pos"]},
+        "has_gauss": n["has_gauss"], "gauss": n["gauss"],
+    })
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))

@@ -1,0 +1,45 @@
+"""Accuracy and mean loss of a model on a split, shared out over processes."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .batches import fetch
+from .cache import SplitData
+from .distributed import DistInfo, all_reduce_sum
+from .model import LRAClassifier
+
+
+@torch.no_grad()
+def evaluate(model: LRAClassifier, split: SplitData, *, batch_size: int, device: torch.device,
+             info: DistInfo, seed: int, limit: int | None = None, max_len: int | None = None,
+             autocast: Callable[[], ContextManager] = contextlib.nullcontext) -> dict[str, float]:
+    """``{"accuracy", "loss", "count"}`` over the first ``limit`` examples (None = all).
+
+    Process r takes examples r, r + world_size, ...; sums are reduced over processes.
+    Randomised attention draws from a generator seeded with ``seed``, so an evaluation
+    is reproducible and leaves the training generators untouched.
+    """
+    was_training = model.training
+    model.eval()
+    total = len(split) if limit is None else min(limit, len(split))
+    mine = np.arange(info.rank, total, info.world_size)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    for start in range(0, len(mine), batch_size):
+        tokens, lengths, labels = fetch(split, mine[start:start + batch_size], device, max_len)
+        with autocast():
+            logits = model(tokens, lengths, generator=generator)
+        sums[0] += F.cross_entropy(logits.float(), labels, reduction="sum").double()
+        sums[1] += (logits.argmax(dim=-1) == labels).sum().double()
+        sums[2] += labels.numel()
+    sums = all_reduce_sum(sums, info)
+    model.train(was_training)
+    loss, correct, count = sums.tolist()
+    return {"accuracy": correct / max(count, 1.0), "loss": loss / max(count, 1.0),
+            "count": int(count)}

@@ -1,0 +1,182 @@
+"""A ListOps generator following the rules of the LRA release (Tay et al., 2020; after
+Nangia & Bowman, 2018), writing the release's ``basic_{train,val,test}.tsv`` format.
+
+A tree is a digit 0-9, or an operator applied to 2..``max_args`` sub-trees:
+MIN, MAX, MED (median; the mean of the two middle values rounded down when the count
+is even) and SM (sum modulo 10). Above ``max_depth`` a node is an operator with
+probability ``value_p`` (0.25), otherwise a digit; at ``max_depth`` it is a digit.
+A tree's length counts operators, closing brackets and digits (the tokens the model
+sees); LRA keeps trees with ``min_length < length < max_length`` (500 and 2000) and
+drops duplicates. The string form nests each argument in parentheses the way the
+release does: ``[MAX 2 9 ]`` is written ``( ( ( [MAX 2 ) 9 ) ] )``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Union
+
+from ..io import atomic_write_text
+from .readers.listops import FILES, GENERATOR_RECORD
+from .vocab import LISTOPS_CLOSE, LISTOPS_OPERATORS
+
+Tree = Union[int, tuple[str, list["Tree"]]]
+
+MAX_DEPTH_LIMIT = 100  # trees are built recursively
+
+
+@dataclass(frozen=True)
+class ListOpsRules:
+    """Generation rules; defaults are LRA's."""
+
+    max_depth: int = 10
+    max_args: int = 10
+    min_length: int = 500
+    max_length: int = 2000
+    value_p: float = 0.25
+
+    def __post_init__(self) -> None:
+        for name in ("max_depth", "max_args", "min_length", "max_length"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"ListOps {name} must be an integer >= 0, got {value!r}.")
+        if not 1 <= self.max_depth <= MAX_DEPTH_LIMIT:
+            raise ValueError(f"ListOps max_depth must be in 1..{MAX_DEPTH_LIMIT}, got "
+                             f"{self.max_depth}.")
+        if self.max_args < 2:
+            raise ValueError(f"ListOps max_args must be at least 2, got {self.max_args}.")
+        if not 0.0 < self.value_p <= 1.0:
+            raise ValueError(f"ListOps value_p must be in (0, 1], got {self.value_p}.")
+        if self.min_length + 1 >= self.max_length:
+            raise ValueError(
+                f"no length lies strictly between min_length={self.min_length} and "
+                f"max_length={self.max_length}."
+            )
+        if self.longest() <= self.min_length:
+            raise ValueError(
+                f"trees of depth <= {self.max_depth} with <= {self.max_args} arguments have at "
+                f"most {self.longest()} tokens, not more than min_length={self.min_length}; "
+                "raise max_depth or max_args, or lower min_length."
+            )
+
+    def longest(self) -> int:
+        """Length of the largest tree the rules allow."""
+        length = 1
+        for _ in range(self.max_depth - 1):
+            length = 2 + self.max_args * length
+        return length
+
+
+def random_tree(rng: random.Random, rules: ListOpsRules, depth: int = 1) -> tuple[Tree, int]:
+    """A random tree and its length (operators + closing brackets + digits)."""
+    if depth < rules.max_depth and rng.random() < rules.value_p:
+        args, length = [], 2
+        for _ in range(rng.randint(2, rules.max_args)):
+            sub, sub_length = random_tree(rng, rules, depth + 1)
+            args.append(sub)
+            length += sub_length
+        return (rng.choice(LISTOPS_OPERATORS), args), length
+    return rng.randrange(10), 1
+
+
+def tree_value(tree: Tree) -> int:
+    """The value 0-9 of a tree."""
+    if isinstance(tree, int):
+        return tree
+    op, args = tree
+    values = sorted(tree_value(a) for a in args)
+    if op == "[MIN":
+        return values[0]
+    if op == "[MAX":
+        return values[-1]
+    if op == "[MED":
+        mid = len(values) // 2
+        return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) // 2
+    if op == "[SM":
+        return sum(values) % 10
+    raise ValueError(f"unknown ListOps operator {op!r}.")
+
+
+def tree_source(tree: Tree) -> str:
+    """The release's string form of a tree (binary nesting in parentheses)."""
+    if isinstance(tree, int):
+        return str(tree)
+    op, args = tree
+    parts = ["("] * (len(args) + 1) + [op]
+    for arg in args:
+        parts += [tree_source(arg), ")"]
+    parts += [LISTOPS_CLOSE, ")"]
+    return " ".join(parts)
+
+
+def generate_examples(count: int, rules: ListOpsRules, seed: int) -> list[tuple[str, int]]:
+    """``count`` distinct ``(source, value)`` pairs whose length satisfies the rules."""
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    examples = []
+    budget = 2000 * count + 100_000  # draws before we call the rules too restrictive
+    for _ in range(budget):
+        if len(examples) == count:
+            break
+        tree, length = random_tree(rng, rules)
+        if not rules.min_length < length < rules.max_length:
+            continue
+        source = tree_source(tree)
+        if source in seen:
+            continue
+        seen.add(source)
+        examples.append((source, tree_value(tree)))
+    if len(examples) < count:
+        raise ValueError(
+            f"found only {len(examples)} of {count} distinct trees with "
+            f"{rules.min_length} < length < {rules.max_length} after {budget} draws; widen the "
+            "length bounds or raise max_depth / max_args."
+        )
+    return examples
+
+
+def _write_tsv(path: Path, rows: list[tuple[str, int]]) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
+            handle.write("Source\tTarget\n")
+            for source, value in rows:
+                handle.write(f"{source}\t{value}\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_listops(out: str | os.PathLike[str], *, train: int = 96_000, dev: int = 2_000,
+                  test: int = 2_000, rules: ListOpsRules | None = None, seed: int = 0
+                  ) -> dict[str, Path]:
+    """Generate ListOps and write ``basic_{train,val,test}.tsv`` plus ``generator.json``.
+
+    Defaults are the LRA release's sizes and rules. Returns split -> file.
+    """
+    rules = rules or ListOpsRules()
+    counts = {"train": train, "dev": dev, "test": test}
+    for name, n in counts.items():
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise ValueError(f"the number of {name} examples must be a positive integer, "
+                             f"got {n!r}.")
+    examples = generate_examples(train + dev + test, rules, seed)
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths, start = {}, 0
+    for name, n in counts.items():
+        paths[name] = folder / FILES[name]
+        _write_tsv(paths[name], examples[start:start + n])
+        start += n
+    record = {"generator": "skyformer.lra.listops_gen", "seed": seed, "counts": counts,
+              "rules": asdict(rules)}
+    atomic_write_text(folder / GENERATOR_RECORD, json.dumps(record, indent=2) + "\n")
+    return paths

@@ -1,0 +1,61 @@
+"""Helpers shared by the task readers: locating the release files and naming problems."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+
+def locate(src: str | Path, marker: str, *, subfolders: tuple[str, ...] = ()) -> Path:
+    """The folder holding ``marker``: ``src`` itself or one of ``src/<subfolder>``.
+
+    Fails with a sentence naming what was expected where.
+    """
+    root = Path(src).expanduser()
+    if not root.exists():
+        raise FileNotFoundError(f"{root} does not exist.")
+    for folder in (root, *(root / s for s in subfolders)):
+        if (folder / marker).exists():
+            return folder
+    places = ", ".join(str(root / s / marker) for s in ("", *subfolders))
+    raise FileNotFoundError(f"expected {marker!r} in {root}; looked for {places}.")
+
+
+def require_file(path: Path, what: str) -> Path:
+    if not path.is_file():
+        raise FileNotFoundError(f"missing {path} ({what}).")
+    return path
+
+
+def count_rows(path: Path, *, header: str | None = None) -> int:
+    """Number of non-empty lines of a text file, minus a first line starting with ``header``."""
+    count = 0
+    with path.open("rb") as handle:
+        for i, line in enumerate(handle):
+            if i == 0 and header is not None and line.startswith(header.encode()):
+                continue
+            if line.strip():
+                count += 1
+    return count
+
+
+def tsv_rows(path: Path, columns: int, *, header: str | None = None
+             ) -> Iterator[tuple[int, list[str]]]:
+    """``(line number, fields)`` of a tab-separated UTF-8 file with ``columns`` fields.
+
+    A first line starting with ``header`` is skipped; blank lines are ignored.
+    """
+    with path.open("r", encoding="utf-8", newline="\n") as handle:
+        for number, line in enumerate(handle, start=1):
+            line = line.rstrip("\r\n")
+            if number == 1 and header is not None and line.startswith(header):
+                continue
+            if not line.strip():
+                continue
+            fields = line.split("\t")
+            if len(fields) != columns:
+                raise ValueError(
+                    f"{path} line {number}: expected {columns} tab-separated columns, got "
+                    f"{len(fields)}."
+                )
+            yield number, fields

@@ -1,0 +1,64 @@
+"""CIFAR-10 (LRA Image) from the official binary batches (``cifar-10-batches-bin``).
+
+Each record is 1 label byte then 3 x 1024 bytes (red, green, blue planes, row-major).
+As in LRA the image becomes one grey level per pixel,
+``round(0.2989 R + 0.5870 G + 0.1140 B)`` (the weights of ``tf.image.rgb_to_grayscale``),
+1024 tokens with 256 values. Splits as in LRA: the first 90 % of the training records
+(45,000) train, the last 10 % (5,000) validate, ``test_batch.bin`` tests.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from ..cache import SplitSource
+from .common import locate, require_file
+
+RECORD = 1 + 3 * 1024
+RECORDS_PER_FILE = 10_000
+TRAIN_FILES = tuple(f"data_batch_{i}.bin" for i in range(1, 6))
+TEST_FILE = "test_batch.bin"
+GREY_WEIGHTS = np.array([0.2989, 0.5870, 0.1140])
+
+
+def read_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Grey images ``[N, 1024]`` uint8 and labels ``[N]`` of one binary batch file."""
+    require_file(path, "CIFAR-10 binary batch")
+    raw = np.fromfile(path, dtype=np.uint8)
+    if raw.size == 0 or raw.size % RECORD:
+        raise ValueError(
+            f"{path} has {raw.size} bytes; a CIFAR-10 binary batch holds records of {RECORD} "
+            f"bytes (label + 3072 pixels), {RECORDS_PER_FILE * RECORD} bytes in all."
+        )
+    records = raw.reshape(-1, RECORD)
+    labels = records[:, 0].astype(np.int64)
+    if labels.max() > 9:
+        raise ValueError(f"{path}: found label {labels.max()}; CIFAR-10 labels are 0-9. Is this "
+                         "a CIFAR-100 file?")
+    rgb = records[:, 1:].reshape(-1, 3, 1024).astype(np.float64)
+    grey = np.floor(np.einsum("c,ncp->np", GREY_WEIGHTS, rgb) + 0.5)
+    return np.clip(grey, 0, 255).astype(np.uint8), labels
+
+
+def _examples(images: np.ndarray, labels: np.ndarray) -> Iterator[tuple[list[np.ndarray], int]]:
+    for image, label in zip(images, labels):
+        yield [image], int(label)
+
+
+def read_image(src: str | Path) -> tuple[dict[str, SplitSource], dict[str, Any]]:
+    """Split sources and metadata of the CIFAR-10 binary batches in ``src``."""
+    folder = locate(src, TRAIN_FILES[0], subfolders=("cifar-10-batches-bin",))
+    parts = [read_batch(folder / name) for name in TRAIN_FILES]
+    images = np.concatenate([p[0] for p in parts])
+    labels = np.concatenate([p[1] for p in parts])
+    cut = int(0.9 * len(labels))
+    test_images, test_labels = read_batch(folder / TEST_FILE)
+    splits = {
+        "train": SplitSource(cut, _examples(images[:cut], labels[:cut])),
+        "dev": SplitSource(len(labels) - cut, _examples(images[cut:], labels[cut:])),
+        "test": SplitSource(len(test_labels), _examples(test_images, test_labels)),
+    }
+    return splits, {"source": str(folder.resolve()), "grey_weights": GREY_WEIGHTS.tolist()}

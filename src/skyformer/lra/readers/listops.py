@@ -1,0 +1,47 @@
+"""ListOps from the LRA release: ``basic_{train,val,test}.tsv`` with columns Source, Target.
+
+Source is the nested expression as the LRA generator writes it, e.g.
+``( ( ( [MAX 2 ) 9 ) ] )``; Target its value 0-9. Tokens as LRA's pipeline keeps
+them (see ``vocab.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from ..cache import SplitSource
+from ..vocab import encode_listops
+from .common import count_rows, locate, require_file, tsv_rows
+
+FILES = {"train": "basic_train.tsv", "dev": "basic_val.tsv", "test": "basic_test.tsv"}
+GENERATOR_RECORD = "generator.json"  # written by `skyformer lra generate listops`
+
+
+def _examples(path: Path) -> Iterator[tuple[list[np.ndarray], int]]:
+    for number, (source, target) in tsv_rows(path, 2, header="Source"):
+        try:
+            tokens = encode_listops(source)
+            label = int(target)
+        except ValueError as err:
+            raise ValueError(f"{path} line {number}: {err}") from None
+        if not 0 <= label <= 9:
+            raise ValueError(f"{path} line {number}: Target must be a digit 0-9, got {target!r}.")
+        yield [tokens], label
+
+
+def read_listops(src: str | Path) -> tuple[dict[str, SplitSource], dict[str, Any]]:
+    """Split sources and metadata of the ListOps files in ``src`` (or ``src/listops-1000``)."""
+    folder = locate(src, FILES["train"], subfolders=("listops-1000", "listops"))
+    splits = {}
+    for split, name in FILES.items():
+        path = require_file(folder / name, f"ListOps {split} split, tab-separated Source, Target")
+        splits[split] = SplitSource(count_rows(path, header="Source"), _examples(path))
+    meta: dict[str, Any] = {"source": str(folder.resolve())}
+    record = folder / GENERATOR_RECORD
+    if record.is_file():
+        meta["generated"] = json.loads(record.read_text(encoding="utf-8"))
+    return splits, meta

@@ -1,0 +1,113 @@
+"""Pathfinder from the LRA release layout ``pathfinder32/<difficulty>/{imgs,metadata}``.
+
+``metadata/<k>.npy`` files are, despite their suffix, text: one line per image with
+space-separated fields, field 0 the image folder (``imgs/<k>``), field 1 the file name
+and field 3 the label (1 = the two dots are connected). Images are 8-bit grey PNGs;
+each becomes ``resolution**2`` pixel tokens. The release contains a few empty (0-byte)
+images; like LRA's own loader we skip those and count them in the metadata. Anything
+else that is not a readable grey image of the common size is an error naming the file.
+
+Splits as in the PyTorch LRA code the Skyformer paper used: a seeded shuffle, then
+80 % train, 10 % dev, 10 % test.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from ..cache import SplitSource
+from .common import locate
+
+DIFFICULTIES = ("curv_baseline", "curv_contour_length_9", "curv_contour_length_14")
+SYNTHETIC_MARKER = "SYNTHETIC.txt"  # written by `skyformer lra generate pathfinder`
+
+
+def _pil():
+    try:
+        from PIL import Image
+    except ImportError:
+        raise ImportError("reading Pathfinder images needs Pillow: pip install pillow "
+                          "(or pip install 'skyformer[lra]').") from None
+    return Image
+
+
+def _metadata(folder: Path) -> tuple[list[tuple[Path, int]], int]:
+    meta_dir = folder / "metadata"
+    files = sorted(meta_dir.glob("*.npy"), key=lambda p: (len(p.stem), p.stem))
+    if not files:
+        raise FileNotFoundError(f"{meta_dir} holds no metadata files (*.npy).")
+    samples, empty = [], 0
+    for path in files:
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            fields = line.split()
+            if not fields:
+                continue
+            if len(fields) < 4 or fields[3] not in ("0", "1"):
+                raise ValueError(
+                    f"{path} line {number}: expected 'folder file index label ...' with label "
+                    f"0 or 1, got {line[:80]!r}."
+                )
+            image = folder / fields[0] / fields[1]
+            if not image.is_file():
+                raise FileNotFoundError(f"missing {image} (listed in {path} line {number}).")
+            if image.stat().st_size == 0:
+                empty += 1
+                continue
+            samples.append((image, int(fields[3])))
+    if not samples:
+        raise ValueError(f"{folder} lists no readable images.")
+    return samples, empty
+
+
+def load_grey(path: Path, size: int | None = None) -> np.ndarray:
+    """Pixels of a grey PNG as a flat uint8 array; checks the side length if given."""
+    Image = _pil()
+    try:
+        with Image.open(path) as img:
+            pixels = np.asarray(img.convert("L"), dtype=np.uint8)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path} is not a readable image ({err}).") from None
+    if pixels.shape[0] != pixels.shape[1] or (size is not None and pixels.shape[0] != size):
+        raise ValueError(f"{path} is {pixels.shape[1]} x {pixels.shape[0]} pixels; expected "
+                         f"{size} x {size} like the other images.")
+    return pixels.reshape(-1)
+
+
+def _examples(samples: Sequence[tuple[Path, int]], size: int
+              ) -> Iterator[tuple[list[np.ndarray], int]]:
+    for path, label in samples:
+        yield [load_grey(path, size)], label
+
+
+def read_pathfinder(src: str | Path, *, difficulty: str = "curv_contour_length_14",
+                    split_seed: int = 0) -> tuple[dict[str, SplitSource], dict[str, Any]]:
+    """Split sources and metadata of one Pathfinder difficulty.
+
+    ``src`` is the difficulty folder itself (holding ``metadata/``), or the resolution
+    folder (e.g. ``pathfinder32``) holding ``<difficulty>/metadata``.
+    """
+    folder = locate(src, "metadata", subfolders=(difficulty,))
+    samples, empty = _metadata(folder)
+    side = int(np.sqrt(load_grey(samples[0][0]).size))
+    order = np.random.default_rng(split_seed).permutation(len(samples))
+    a, b = int(0.8 * len(samples)), int(0.9 * len(samples))
+    parts = {"train": order[:a], "dev": order[a:b], "test": order[b:]}
+    splits = {
+        name: SplitSource(len(idx), _examples([samples[i] for i in idx], side))
+        for name, idx in parts.items()
+    }
+    meta: dict[str, Any] = {
+        "source": str(folder.resolve()),
+        "difficulty": folder.name,
+        "resolution": side,
+        "empty_images_skipped": empty,
+        "split_seed": split_seed,
+    }
+    marker = folder / SYNTHETIC_MARKER
+    if marker.is_file():
+        meta["synthetic"] = True
+        meta["synthetic_note"] = marker.read_text(encoding="utf-8").strip()
+    return splits, meta

@@ -1,0 +1,63 @@
+"""IMDb reviews (LRA Text) from the standard ``aclImdb/{train,test}/{pos,neg}/*.txt`` tree.
+
+Byte-level tokens of the raw review. IMDb has no validation split: LRA's pipeline (and
+the PyTorch code the Skyformer paper used) validates on the test set, which turns
+"best dev checkpoint" into selection on test. By default we hold out a seeded
+``dev_fraction`` of the training reviews instead; ``dev_fraction=0`` reproduces the
+LRA behaviour and is recorded as ``dev_is_test`` in the cache metadata.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from ..cache import SplitSource
+from ..vocab import encode_bytes
+from .common import locate
+
+LABELS = {"neg": 0, "pos": 1}
+
+
+def _reviews(folder: Path) -> list[tuple[Path, int]]:
+    items = []
+    for name, label in LABELS.items():
+        sub = folder / name
+        if not sub.is_dir():
+            raise FileNotFoundError(f"missing folder {sub} (IMDb reviews labelled {name}).")
+        files = sorted(sub.glob("*.txt"))
+        if not files:
+            raise FileNotFoundError(f"{sub} holds no *.txt reviews.")
+        items.extend((f, label) for f in files)
+    return items
+
+
+def _examples(items: Sequence[tuple[Path, int]]) -> Iterator[tuple[list[np.ndarray], int]]:
+    for path, label in items:
+        yield [encode_bytes(path.read_bytes())], label
+
+
+def read_text(src: str | Path, *, dev_fraction: float = 0.1, split_seed: int = 0
+              ) -> tuple[dict[str, SplitSource], dict[str, Any]]:
+    """Split sources and metadata of IMDb under ``src`` (the ``aclImdb`` folder or its parent)."""
+    if not 0.0 <= dev_fraction < 1.0:
+        raise ValueError(f"dev_fraction must be in [0, 1), got {dev_fraction}.")
+    root = locate(src, "train", subfolders=("aclImdb",))
+    if not (root / "test").is_dir():
+        raise FileNotFoundError(f"missing folder {root / 'test'} (IMDb test reviews).")
+    train, test = _reviews(root / "train"), _reviews(root / "test")
+    meta: dict[str, Any] = {"source": str(root.resolve()), "dev_fraction": dev_fraction}
+    if dev_fraction == 0:
+        dev = test
+        meta["dev_is_test"] = True
+    else:
+        order = np.random.default_rng(split_seed).permutation(len(train))
+        n_dev = max(1, int(round(dev_fraction * len(train))))
+        dev = [train[i] for i in order[:n_dev]]
+        train = [train[i] for i in np.sort(order[n_dev:])]
+        meta["split_seed"] = split_seed
+    splits = {name: SplitSource(len(items), _examples(items))
+              for name, items in (("train", train), ("dev", dev), ("test", test))}
+    return splits, meta

@@ -1,0 +1,84 @@
+"""Run records: every entry goes to ``metrics.jsonl``, per-kind CSV files (``train.csv``,
+``dev.csv``) and, when the ``tensorboard`` package is installed, TensorBoard event
+files under ``tensorboard/``.
+
+The history also lives in the checkpoint: on resume the files are rewritten from it,
+so entries logged after the last checkpoint by an interrupted run disappear, and
+TensorBoard is told to purge events from the resumed step on.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+from ..io import atomic_write_text
+
+
+def tensorboard_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("tensorboard") is not None
+
+
+class RunLog:
+    """Append-only record of a run, mirrored to files by the main process only."""
+
+    def __init__(self, folder: str | Path, *, enabled: bool,
+                 history: list[dict[str, Any]] | None = None, tensorboard: bool = True,
+                 purge_step: int | None = None) -> None:
+        self.folder = Path(folder)
+        self.enabled = enabled
+        self.history: list[dict[str, Any]] = list(history or [])
+        self._writer = None
+        if not enabled:
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.folder / "metrics.jsonl",
+                          "".join(json.dumps(e) + "\n" for e in self.history))
+        for kind in {e["kind"] for e in self.history}:
+            self._write_csv(kind)
+        if tensorboard and tensorboard_available():
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(str(self.folder / "tensorboard"), purge_step=purge_step)
+
+    @property
+    def tensorboard(self) -> bool:
+        return self._writer is not None
+
+    def _write_csv(self, kind: str) -> None:
+        rows = [e for e in self.history if e["kind"] == kind]
+        columns: list[str] = []
+        for row in rows:
+            columns += [k for k in row if k != "kind" and k not in columns]
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+        atomic_write_text(self.folder / f"{kind}.csv", buffer.getvalue())
+
+    def record(self, kind: str, **values: Any) -> dict[str, Any]:
+        """Add an entry ``{"kind": kind, **values}`` (values must be JSON-able)."""
+        entry = {"kind": kind, **values}
+        self.history.append(entry)
+        if not self.enabled:
+            return entry
+        with (self.folder / "metrics.jsonl").open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(entry) + "\n")
+        self._write_csv(kind)
+        if self._writer is not None and "step" in values:
+            for name, value in values.items():
+                numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+                if name != "step" and numeric:
+                    self._writer.add_scalar(f"{kind}/{name}", value, values["step"])
+            self._writer.flush()
+        return entry
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

@@ -1,0 +1,187 @@
+"""``skyformer lra stability``: the instability score of Skyformer Appendix F (Table 3).
+
+After Liu et al. (2020), for the first ``steps`` (20) updates of training,
+
+    tau_i = ||f(x_i, W_i) - f(x_i, W_{i-1})||_F^2 / ||W_i - W_{i-1}||_F^2 ,
+
+with f the embedding after the two transformer layers (``LRAClassifier.embed``), x_i the
+i-th training batch, W_0 the initial and W_i the parameters after step i. A method's
+score on a task is the mean over the steps of tau_i(method) / tau_i(softmax); below 1
+means more stable than softmax attention.
+
+"The embedding after two layers" can be read two ways, and the reading matters:
+``probe="normed"`` (default) takes the encoder's output as the reference model returns
+it, after its final LayerNorm; ``probe="hidden"`` takes the raw output of the second
+layer. Kernelized attention ``C V`` is not normalised (a sum over keys, not an
+average), so its raw hidden states are far larger than softmax's and change
+correspondingly more; the final LayerNorm removes that scale.
+
+To compare like with like, every method starts from the same W_0 (same seed; the
+methods share the parameter layout) and sees the same batches with the same dropout
+masks, under the task's training settings (optimizer, learning-rate schedule,
+dropout). f is evaluated without dropout, in float64 (early learning rates are tiny,
+and float32 rounding would swamp the change), and with the same attention randomness
+(landmarks, features) before and after the step, so that tau measures the effect of
+the parameter change only.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..registry import get_method
+from .batches import BatchOrder, Position, fetch
+from .cache import load_cache
+from .model import LRAClassifier
+from .presets import TrainConfig, learning_rate, make_config
+from .tasks import TASKS
+from .seeds import derive_seed
+from .train import model_config
+
+BASELINE = "softmax"
+
+
+def _flat_parameters(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+
+
+@torch.no_grad()
+def _embedding(model: LRAClassifier, tokens, lengths, seed: int, probe: str) -> torch.Tensor:
+    copy64 = copy.deepcopy(model).double().eval()
+    generator = torch.Generator(device=tokens.device).manual_seed(seed)
+    return copy64.embed(tokens, lengths, generator=generator, normed=probe == "normed")
+
+
+PROBES = ("normed", "hidden")
+
+
+def instability_taus(cfg: TrainConfig, cache_root: str | os.PathLike[str], *, steps: int = 20,
+                     device: torch.device | str = "cpu", probe: str = "normed") -> list[float]:
+    """tau_1 .. tau_steps of one method (``cfg.attention``) on ``cfg.task``."""
+    if probe not in PROBES:
+        raise ValueError(f"probe must be one of {', '.join(PROBES)}, got {probe!r}.")
+    device = torch.device(device)
+    data = load_cache(cache_root, cfg.task)
+    mcfg = model_config(cfg, data)
+    split = data.splits["train"]
+    torch.manual_seed(cfg.seed)
+    model = LRAClassifier(mcfg).to(device)
+    torch.manual_seed(derive_seed(cfg.seed, 0, 1))
+    attention_generator = torch.Generator(device=device).manual_seed(derive_seed(cfg.seed, 0, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-6,
+                                  weight_decay=cfg.weight_decay)
+    order = BatchOrder(len(split), cfg.batch_size, cfg.seed)
+    position = Position()
+    taus = []
+    for step in range(steps):
+        tokens, lengths, labels = fetch(split, order.batch(position), device, mcfg.max_len)
+        probe_seed = derive_seed(cfg.seed, 4, step)
+        before = _embedding(model, tokens, lengths, probe_seed, probe)
+        w_before = _flat_parameters(model)
+        model.train()
+        loss = F.cross_entropy(model(tokens, lengths, generator=attention_generator), labels)
+        loss.backward()
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, cfg)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        after = _embedding(model, tokens, lengths, probe_seed, probe)
+        dw = (_flat_parameters(model) - w_before).square().sum().item()
+        if dw == 0:
+            raise ValueError(f"step {step + 1} did not change the parameters (learning rate "
+                             f"{learning_rate(step, cfg)}); the instability score is undefined.")
+        taus.append((after - before).square().sum().item() / dw)
+        position = order.next(position)
+    return taus
+
+
+@dataclass
+class StabilityReport:
+    """Scores of Table 3 and the tau values behind them."""
+
+    tasks: list[str]
+    methods: list[str]
+    seeds: list[int]
+    steps: int
+    probe: str = "normed"
+    taus: dict[str, dict[str, dict[int, list[float]]]] = field(default_factory=dict)
+    settings: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def ratio(self, task: str, method: str) -> float:
+        """Mean over seeds of the mean over steps of tau(method) / tau(softmax)."""
+        per_seed = []
+        for seed in self.seeds:
+            base = self.taus[task][BASELINE][seed]
+            mine = self.taus[task][method][seed]
+            per_seed.append(statistics.fmean(a / b for a, b in zip(mine, base)))
+        return statistics.fmean(per_seed)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tasks": self.tasks, "methods": self.methods, "seeds": self.seeds,
+            "steps": self.steps, "probe": self.probe, "baseline": BASELINE,
+            "ratios": {t: {m: self.ratio(t, m) for m in self.methods} for t in self.tasks},
+            "taus": {t: {m: {str(s): v for s, v in per.items()} for m, per in methods.items()}
+                     for t, methods in self.taus.items()},
+            "settings": self.settings,
+        }
+
+
+def run_stability(tasks: list[str], methods: list[str], *, cache_root: str | os.PathLike[str],
+                  seeds: list[int] | tuple[int, ...] = (0,), steps: int = 20,
+                  device: torch.device | str = "cpu", num_features: int | None = None,
+                  probe: str = "normed", overrides: dict[str, Any] | None = None,
+                  progress: Callable[[str], None] | None = None) -> StabilityReport:
+    """Instability scores of ``methods`` relative to softmax on ``tasks``.
+
+    overrides: training settings applied to every task's preset (e.g. ``batch_size``,
+    ``max_len`` to fit a CPU). num_features: set for every method that has the option.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps}.")
+    for task in tasks:
+        if task not in TASKS:
+            raise ValueError(f"unknown LRA task {task!r}; tasks: {', '.join(TASKS)}.")
+    compared = [m for m in dict.fromkeys(methods) if m != BASELINE]
+    for method in compared:
+        get_method(method)
+    report = StabilityReport(list(tasks), compared, list(seeds), steps, probe)
+    for task in tasks:
+        report.taus[task] = {}
+        for method in [BASELINE, *compared]:
+            options = {}
+            if num_features is not None and "num_features" in get_method(method).option_names():
+                options["num_features"] = num_features
+            report.taus[task][method] = {}
+            for seed in seeds:
+                cfg = make_config(task, attention=method, attention_options=options, seed=seed,
+                                  **(overrides or {}))
+                report.settings.setdefault(task, cfg.to_dict() | {"attention": None,
+                                                                  "attention_options": None})
+                taus = instability_taus(cfg, cache_root, steps=steps, device=device, probe=probe)
+                report.taus[task][method][seed] = taus
+                if progress:
+                    progress(f"{task} {method} seed {seed}: mean tau {np.mean(taus):.4g}")
+    return report
+
+
+def format_table(report: StabilityReport) -> str:
+    """Table 3's layout: methods as rows, tasks as columns, ratios to softmax."""
+    titles = [TASKS[t].title for t in report.tasks]
+    lines = ["Table 3: ratios of instability score (method / softmax, mean over "
+             f"{report.steps} steps and {len(report.seeds)} seed(s); f = {report.probe} "
+             "encoder output); < 1 = more stable.", "",
+             "| model | " + " | ".join(titles) + " |",
+             "|" + "|".join(" --- " for _ in range(len(titles) + 1)) + "|"]
+    for method in report.methods:
+        cells = [f"{report.ratio(t, method):.2f}" for t in report.tasks]
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,411 @@
+"""``skyformer lra train``: train the LRA model with one attention method on one task.
+
+The loop follows the paper's protocol: AdamW with the task's preset schedule, a dev
+evaluation every ``eval_every`` steps, the best dev checkpoint kept (``best.pt``) and,
+at the end, evaluated on the test split (evaluating the last checkpoint instead is a
+known reproduction trap). ``last.pt`` is written every ``checkpoint_every`` steps;
+``resume=True`` continues from it and reproduces the uninterrupted run exactly
+(same data order, dropout masks and attention randomness).
+
+Files in the run folder: ``config.json`` (resolved config, data, environment),
+``metrics.jsonl``, ``train.csv``, ``dev.csv``, ``tensorboard/``, ``last.pt``,
+``best.pt`` and ``result.json``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ContextManager
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from ..io import environment, write_json
+from .batches import BatchOrder, Position, fetch, micro_batches
+from .cache import TaskData, load_cache
+from .checkpoint import (device_rng_state, host_rng_state, load_checkpoint, save_checkpoint,
+                         set_device_rng_state, set_host_rng_state)
+from .distributed import (all_gather, all_reduce_sum, barrier, broadcast_state, init_distributed,
+                          shutdown)
+from .evaluate import evaluate
+from .metrics import Running, peak_memory_bytes, reset_peak_memory
+from .model import LRAClassifier, ModelConfig
+from .presets import TrainConfig, learning_rate
+from .runlog import RunLog
+from .seeds import derive_seed
+
+CHECKPOINT_FORMAT = 1
+
+
+def default_run_dir(cfg: TrainConfig) -> Path:
+    return Path("runs") / "lra" / cfg.task / cfg.attention / f"seed{cfg.seed}"
+
+
+def model_config(cfg: TrainConfig, data: TaskData) -> ModelConfig:
+    """The model for ``cfg`` on the prepared ``data``."""
+    max_len = cfg.max_len or data.max_len
+    if max_len > data.max_len:
+        raise ValueError(f"max_len {max_len} exceeds the prepared length {data.max_len} of "
+                         f"{cfg.task}; prepare the task again with --max-len {max_len}.")
+    task = data.task
+    return ModelConfig(
+        vocab_size=task.vocab_size, num_classes=task.num_classes, max_len=max_len,
+        segments=task.segments, dim=cfg.dim, hidden=cfg.hidden, heads=cfg.heads,
+        layers=cfg.layers, dropout=cfg.dropout, attention=cfg.attention,
+        attention_options=dict(cfg.attention_options),
+    )
+
+
+def autocast_factory(precision: str, device: torch.device) -> Callable[[], ContextManager]:
+    """Context manager factory for the forward pass (bf16/fp16 autocast, or nothing)."""
+    if precision == "fp32":
+        return contextlib.nullcontext
+    if precision == "fp16" and device.type != "cuda":
+        raise ValueError("fp16 autocast needs a CUDA device; use --precision bf16 or fp32 on CPU.")
+    dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+    return lambda: torch.autocast(device.type, dtype=dtype)
+
+
+@dataclass
+class TrainState:
+    """What the loop carries from step to step besides model and optimizer."""
+
+    step: int = 0
+    position: Position = field(default_factory=Position)
+    best_accuracy: float = -1.0
+    best_step: int = 0
+    evals_since_best: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+    train_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    peak_memory: int = 0
+
+
+def _config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    return sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+
+
+class Trainer:
+    """One training run; ``run()`` returns the result, or None when stopped early by
+    ``stop_after`` (to be resumed)."""
+
+    def __init__(self, cfg: TrainConfig, *, cache_root: str | os.PathLike[str],
+                 out_dir: str | os.PathLike[str] | None = None, resume: bool = False,
+                 stop_after: int | None = None, device: str = "auto", tensorboard: bool = True,
+                 quiet: bool = False) -> None:
+        self.cfg = cfg
+        self.cache_root = Path(cache_root)
+        self.folder = Path(out_dir) if out_dir is not None else default_run_dir(cfg)
+        self.resume = resume
+        self.stop_after = stop_after
+        self.device_request = device
+        self.tensorboard = tensorboard
+        self.quiet = quiet
+
+    # -- set-up -------------------------------------------------------------------------
+    def _say(self, text: str) -> None:
+        if self.info.is_main and not self.quiet:
+            print(text, flush=True)
+
+    def _build(self) -> None:
+        cfg = self.cfg
+        self.data = load_cache(self.cache_root, cfg.task)
+        self.model_cfg = model_config(cfg, self.data)
+        parts = self.info.world_size * cfg.grad_accum
+        if cfg.batch_size % parts:
+            raise ValueError(f"batch size {cfg.batch_size} is not divisible by processes x "
+                             f"accumulation steps = {self.info.world_size} x {cfg.grad_accum}.")
+        self.autocast = autocast_factory(cfg.precision, self.device)
+        torch.manual_seed(cfg.seed)  # the same initial weights in every process
+        np.random.seed(cfg.seed % 2**32)
+        random.seed(cfg.seed)
+        self.model = LRAClassifier(self.model_cfg).to(self.device)
+        # Dropout and attention randomness: separate streams, different per process.
+        torch.manual_seed(derive_seed(cfg.seed, self.info.rank, 1))
+        self.attention_generator = torch.Generator(device=self.device)
+        self.attention_generator.manual_seed(derive_seed(cfg.seed, self.info.rank, 2))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.999),
+                                           eps=1e-6, weight_decay=cfg.weight_decay)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.precision == "fp16")
+        self.order = BatchOrder(len(self.data.splits["train"]), cfg.batch_size, cfg.seed)
+        self.state = TrainState()
+        self.running = Running(self.device)
+
+    def _restore(self) -> bool:
+        last = self.folder / "last.pt"
+        if not last.exists():
+            if self.resume:
+                self._say(f"no checkpoint in {self.folder}; starting a new run")
+            return False
+        if not self.resume:
+            raise ValueError(f"{self.folder} already holds a run (last.pt); pass --resume to "
+                             "continue it, or choose another --out.")
+        ckpt = load_checkpoint(last, self.device)
+        if ckpt.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"{last} has checkpoint format {ckpt.get('format')!r}; this version "
+                             f"reads {CHECKPOINT_FORMAT}.")
+        diff = _config_differences(ckpt["config"], self.cfg.to_dict())
+        if diff:
+            raise ValueError(f"cannot resume {last}: the settings {', '.join(diff)} differ from "
+                             "the run being resumed; resume with the same settings.")
+        self.model.load_state_dict(ckpt["model"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.scaler.load_state_dict(ckpt["scaler"])
+        s = ckpt["state"]
+        self.state = TrainState(
+            step=s["step"], position=Position(*s["position"]), best_accuracy=s["best_accuracy"],
+            best_step=s["best_step"], evals_since_best=s["evals_since_best"],
+            history=list(ckpt["history"]), train_seconds=s["train_seconds"],
+            wall_seconds=s["wall_seconds"], peak_memory=s["peak_memory"],
+        )
+        self.running.sums.copy_(ckpt["running"].to(self.device))
+        set_host_rng_state(ckpt["rng"]["host"])
+        per_process = ckpt["rng"]["processes"]
+        if len(per_process) == self.info.world_size:
+            set_device_rng_state(per_process[self.info.rank], self.device, self.attention_generator)
+        else:
+            self._say(f"resuming with {self.info.world_size} processes instead of "
+                      f"{len(per_process)}: data order is kept but dropout and attention draws "
+                      "are reseeded, so the run will not match an uninterrupted one exactly")
+            torch.manual_seed(derive_seed(self.cfg.seed, self.info.rank, 1, self.state.step))
+            self.attention_generator.manual_seed(derive_seed(self.cfg.seed, self.info.rank, 2,
+                                                       self.state.step))
+        self._say(f"resumed {self.folder} at step {self.state.step}")
+        return True
+
+    # -- checkpoints --------------------------------------------------------------------
+    def _save_last(self) -> None:
+        rng = device_rng_state(self.device, self.attention_generator)
+        gathered = {k: all_gather(v, self.info) for k, v in rng.items()}  # collective
+        if not self.info.is_main:
+            return
+        s = self.state
+        save_checkpoint(self.folder / "last.pt", {
+            "format": CHECKPOINT_FORMAT,
+            "config": self.cfg.to_dict(),
+            "model_config": dataclasses.asdict(self.model.cfg),
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "state": {"step": s.step, "position": [s.position.epoch, s.position.batch],
+                      "best_accuracy": s.best_accuracy, "best_step": s.best_step,
+                      "evals_since_best": s.evals_since_best, "train_seconds": s.train_seconds,
+                      "wall_seconds": s.wall_seconds, "peak_memory": s.peak_memory},
+            "history": self.log.history,
+            "running": self.running.sums.cpu(),
+            "rng": {"host": host_rng_state(),
+                    "processes": [{k: gathered[k][r] for k in gathered}
+                                  for r in range(self.info.world_size)]},
+            "world_size": self.info.world_size,
+        })
+
+    def _save_best(self, dev: dict[str, float]) -> None:
+        if self.info.is_main:
+            save_checkpoint(self.folder / "best.pt", {
+                "format": CHECKPOINT_FORMAT, "config": self.cfg.to_dict(),
+                "model_config": dataclasses.asdict(self.model.cfg),
+                "model": self.model.state_dict(), "step": self.state.step, "dev": dev,
+            })
+
+    # -- the loop -----------------------------------------------------------------------
+    def _eval_kwargs(self) -> dict[str, Any]:
+        return dict(batch_size=self.cfg.batch_size // self.info.world_size, device=self.device,
+                    info=self.info, seed=derive_seed(self.cfg.seed, 3),
+                    max_len=self.model_cfg.max_len, autocast=self.autocast)
+
+    def _train_step(self) -> None:
+        cfg, state = self.cfg, self.state
+        indices = self.order.batch(state.position)
+        parts = micro_batches(indices, self.info.rank, self.info.world_size, cfg.grad_accum)
+        train = self.data.splits["train"]
+        for j, part in enumerate(parts):
+            tokens, lengths, labels = fetch(train, part, self.device, self.model_cfg.max_len)
+            last = j == len(parts) - 1
+            sync = contextlib.nullcontext() if last or not self.info.enabled else self.net.no_sync()
+            with sync:
+                with self.autocast():
+                    logits = self.net(tokens, lengths, generator=self.attention_generator)
+                loss = F.cross_entropy(logits.float(), labels)
+                self.scaler.scale(loss / cfg.grad_accum).backward()
+            self.running.add(loss.detach() * labels.numel(),
+                             (logits.detach().argmax(dim=-1) == labels).sum(), labels.numel())
+        lr = learning_rate(state.step, cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if cfg.grad_clip is not None:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        state.step += 1
+        state.position = self.order.next(state.position)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _log_train(self, steps: int, seconds: float) -> None:
+        loss_sum, correct, count = all_reduce_sum(self.running.sums, self.info).tolist()
+        self.running.reset()
+        self.log.record("train", step=self.state.step, loss=loss_sum / max(count, 1.0),
+                        accuracy=correct / max(count, 1.0),
+                        lr=learning_rate(self.state.step - 1, self.cfg),
+                        seconds=round(self.state.train_seconds, 3),
+                        steps_per_second=steps / seconds if seconds > 0 else None)
+
+    def _evaluate_dev(self) -> bool:
+        """Evaluate on dev, keep the best checkpoint; True when patience runs out."""
+        cfg, state = self.cfg, self.state
+        limit = None if cfg.eval_batches is None else cfg.eval_batches * cfg.batch_size
+        dev = evaluate(self.model, self.data.splits["dev"], limit=limit, **self._eval_kwargs())
+        self.log.record("dev", step=state.step, accuracy=dev["accuracy"], loss=dev["loss"],
+                        seconds=round(state.train_seconds, 3), examples=dev["count"])
+        if dev["accuracy"] > state.best_accuracy:
+            state.best_accuracy, state.best_step = dev["accuracy"], state.step
+            state.evals_since_best = 0
+            self._save_best(dev)
+        else:
+            state.evals_since_best += 1
+        self._say(f"step {state.step}/{cfg.steps}  dev acc {dev['accuracy']:.4f}  loss "
+                  f"{dev['loss']:.4f}  (best {state.best_accuracy:.4f} at {state.best_step})  "
+                  f"{state.train_seconds:.0f}s, {state.step / max(state.train_seconds, 1e-9):.2f} "
+                  "steps/s")
+        return cfg.patience is not None and state.evals_since_best >= cfg.patience
+
+    def _loop(self) -> bool:
+        """Train until ``steps`` (True) or until ``stop_after`` (False)."""
+        cfg, state = self.cfg, self.state
+        checkpoint_every = cfg.checkpoint_every or cfg.eval_every
+        self.model.train()
+        reset_peak_memory(self.device)
+        segment = time.perf_counter()
+        log_steps, log_seconds = 0, 0.0  # training time only: evaluations do not count
+        while state.step < cfg.steps:
+            self._train_step()
+            log_steps += 1
+            at_log = state.step % cfg.log_every == 0
+            at_eval = state.step % cfg.eval_every == 0 or state.step == cfg.steps
+            stop_here = self.stop_after is not None and state.step >= self.stop_after
+            at_ckpt = state.step % checkpoint_every == 0 or state.step == cfg.steps or stop_here
+            if not (at_log or at_eval or at_ckpt):
+                continue
+            self._sync()
+            now = time.perf_counter()
+            state.train_seconds += now - segment
+            state.wall_seconds += now - segment
+            log_seconds += now - segment
+            state.peak_memory = max(state.peak_memory, peak_memory_bytes(self.device))
+            if at_log:
+                self._log_train(log_steps, log_seconds)
+                log_steps, log_seconds = 0, 0.0
+            done_early = self._evaluate_dev() if at_eval else False
+            if at_ckpt or done_early:
+                self._save_last()
+            resumed = time.perf_counter()
+            state.wall_seconds += resumed - now
+            segment = resumed
+            if done_early:
+                self._say(f"no dev improvement in {cfg.patience} evaluations: stopping")
+                return True
+            if stop_here and state.step < cfg.steps:
+                return False
+        return True
+
+    def _finish(self) -> dict[str, Any]:
+        """Evaluate the best dev checkpoint on dev (whole split) and test; write result.json."""
+        barrier(self.info)
+        if self.info.is_main:
+            best = load_checkpoint(self.folder / "best.pt", self.device)
+            self.model.load_state_dict(best["model"])
+        broadcast_state(self.model, self.info)
+        kwargs = self._eval_kwargs()
+        dev = evaluate(self.model, self.data.splits["dev"], **kwargs)
+        test = evaluate(self.model, self.data.splits["test"], **kwargs)
+        peaks = all_gather(torch.tensor([self.state.peak_memory], dtype=torch.int64), self.info)
+        s = self.state
+        self.log.record("test", step=s.best_step, accuracy=test["accuracy"], loss=test["loss"],
+                        dev_accuracy=dev["accuracy"], examples=test["count"])
+        result = {
+            "task": self.cfg.task,
+            "attention": self.cfg.attention,
+            "seed": self.cfg.seed,
+            "test_accuracy": test["accuracy"],
+            "test_loss": test["loss"],
+            "dev_accuracy": dev["accuracy"],
+            "best_step": s.best_step,
+            "best_dev_accuracy_during_training": s.best_accuracy,
+            "steps": s.step,
+            "train_seconds": s.train_seconds,
+            "wall_seconds": s.wall_seconds,
+            "steps_per_second": s.step / s.train_seconds if s.train_seconds > 0 else None,
+            "peak_memory_bytes": int(max(int(p) for p in peaks)),
+            "peak_memory_kind": "cuda max_memory_allocated" if self.device.type == "cuda"
+            else "max RSS",
+            "world_size": self.info.world_size,
+            "synthetic_data": self.data.synthetic,
+            "dev_is_test": bool(self.data.meta.get("dev_is_test", False)),
+            "config": self.cfg.to_dict(),
+            "model": dataclasses.asdict(self.model.cfg),
+            "data": {k: v for k, v in self.data.meta.items() if k != "splits"},
+            "environment": environment(self.device),
+        }
+        if self.info.is_main:
+            write_json(self.folder / "result.json", result)
+        self._say(f"best dev step {s.best_step}: dev acc {dev['accuracy']:.4f}, test acc "
+                  f"{test['accuracy']:.4f}  ({self.folder / 'result.json'})")
+        return result
+
+    def _finished_result(self) -> dict[str, Any] | None:
+        """The stored result when the resumed checkpoint is the end of a finished run."""
+        path = self.folder / "result.json"
+        if not path.is_file():
+            return None
+        result = json.loads(path.read_text(encoding="utf-8"))
+        if result.get("config") != self.cfg.to_dict() or result.get("steps") != self.state.step:
+            return None
+        return result
+
+    def run(self) -> dict[str, Any] | None:
+        self.info, self.device = init_distributed(self.device_request)
+        try:
+            self._build()
+            resumed = self._restore()
+            finished = self._finished_result() if resumed else None
+            if finished is not None:
+                self._say(f"{self.folder} is finished (result.json); nothing to do")
+                return finished
+            self.net = self.model
+            if self.info.enabled:
+                ids = [self.device.index] if self.device.type == "cuda" else None
+                self.net = DistributedDataParallel(self.model, device_ids=ids)
+            if self.info.is_main:
+                write_json(self.folder / "config.json", {
+                    "train": self.cfg.to_dict(), "model": dataclasses.asdict(self.model.cfg),
+                    "data": {k: v for k, v in self.data.meta.items()},
+                    "world_size": self.info.world_size, "environment": environment(self.device),
+                })
+            self.log = RunLog(self.folder, enabled=self.info.is_main, history=self.state.history,
+                              tensorboard=self.tensorboard,
+                              purge_step=self.state.step + 1 if resumed else None)
+            try:
+                finished = self._loop()
+                return self._finish() if finished else None
+            finally:
+                self.log.close()
+        finally:
+            shutdown(self.info)
+
+
+def train(cfg: TrainConfig, **kwargs: Any) -> dict[str, Any] | None:
+    """Train ``cfg`` (see ``Trainer`` for the keyword arguments)."""
+    return Trainer(cfg, **kwargs).run()

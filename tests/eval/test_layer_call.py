@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+import torch
+
+from skyformer import attention
+from skyformer.eval.layer_call import call_as_layer
+from skyformer.eval.memory import MemoryJob, peak_memory_bytes
+from skyformer.ops.linformer import linformer_attention
+from tests.conftest import gen, make_qkv
+
+
+def test_stateful_method_gets_its_kept_state_module():
+    q, k, v = make_qkv(1, 2, 20, 8)
+    a = call_as_layer(q, k, v, method="linformer", num_features=6, max_seq_len=20)
+    b = call_as_layer(q, k, v, method="linformer", num_features=6, max_seq_len=20)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same learned projections
+    # not the bare call's Gaussian projections drawn from the generator
+    assert not torch.allclose(a, linformer_attention(q, k, v, num_features=6, generator=gen(0)))
+
+
+def test_stateless_method_equals_attention():
+    q, k, v = make_qkv(1, 2, 20, 8)
+    torch.testing.assert_close(
+        call_as_layer(q, k, v, method="informer", generator=gen(1)),
+        attention(q, k, v, "informer", generator=gen(1)),
+        rtol=0, atol=0,
+    )
+
+
+def test_usable_as_a_memory_job():
+    job = MemoryJob("skyformer.eval.layer_call:call_as_layer", (1, 2, 1024, 16),
+                    options={"method": "linformer", "num_features": 32, "max_seq_len": 1024},
+                    backward=True)
+    # the [2, 1024, 32] float32 attention matrix alone is 256 KiB
+    assert peak_memory_bytes(job) > 2**18

@@ -1,0 +1,90 @@
+"""The array cache: complete-or-nothing writes, safe reads, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from skyformer.lra.cache import SplitSource, load_cache, write_cache
+from skyformer.lra.tasks import get_task
+
+LISTOPS = get_task("listops")
+
+
+def _split(n, start=1):
+    return SplitSource(n, (([np.arange(start, start + 1 + i % 3)], i % 10) for i in range(n)))
+
+
+def _splits(n=4):
+    return {"train": _split(n), "dev": _split(2), "test": _split(2)}
+
+
+def test_round_trip_with_lengths_padding_and_readonly_memmaps(tmp_path):
+    write_cache(tmp_path, LISTOPS, _splits(), max_len=5)
+    data = load_cache(tmp_path, "listops")
+    train = data.splits["train"]
+    assert train.tokens.shape == (4, 1, 5) and train.tokens.dtype == np.uint8
+    assert train.lengths[:, 0].tolist() == [1, 2, 3, 1]
+    assert np.asarray(train.tokens[2, 0]).tolist() == [1, 2, 3, 0, 0]
+    assert isinstance(train.tokens, np.memmap) and not train.tokens.flags.writeable
+    assert data.meta["splits"]["train"]["label_counts"][:4] == [1, 1, 1, 1]
+
+
+def test_a_failing_write_keeps_the_previous_cache_and_leaves_no_temporary(tmp_path):
+    write_cache(tmp_path, LISTOPS, _splits(), max_len=5)
+
+    def broken():
+        yield [np.array([1, 2])], 3
+        raise OSError("disk on fire")
+
+    splits = _splits()
+    splits["test"] = SplitSource(2, broken())
+    with pytest.raises(OSError, match="disk on fire"):
+        write_cache(tmp_path, LISTOPS, splits, max_len=7)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["listops"]
+    assert load_cache(tmp_path, "listops").max_len == 5
+
+
+def test_counts_labels_and_token_ids_are_checked(tmp_path):
+    splits = _splits()
+    splits["dev"] = _split(3)
+    splits["dev"].count = 2
+    with pytest.raises(ValueError, match="yields more than the 2 examples announced"):
+        write_cache(tmp_path, LISTOPS, splits, max_len=5)
+    splits = _splits()
+    splits["dev"] = SplitSource(5, iter([([np.array([1])], 0)]))
+    with pytest.raises(ValueError, match="announced 5 examples but yielded 1"):
+        write_cache(tmp_path, LISTOPS, splits, max_len=5)
+    splits = _splits()
+    splits["test"] = SplitSource(1, iter([([np.array([1])], 10)]))
+    with pytest.raises(ValueError, match="label 10 is outside 0..9"):
+        write_cache(tmp_path, LISTOPS, splits, max_len=5)
+    splits = _splits()
+    splits["test"] = SplitSource(1, iter([([np.array([16])], 1)]))
+    with pytest.raises(ValueError, match="token ids must lie in 0..15"):
+        write_cache(tmp_path, LISTOPS, splits, max_len=5)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_missing_or_damaged_caches_say_how_to_fix(tmp_path):
+    with pytest.raises(FileNotFoundError, match="skyformer lra prepare listops"):
+        load_cache(tmp_path, "listops")
+    folder = write_cache(tmp_path, LISTOPS, _splits(), max_len=5)
+    meta = json.loads((folder / "meta.json").read_text())
+    (folder / "meta.json").write_text(json.dumps({**meta, "format": 99}))
+    with pytest.raises(ValueError, match="prepare the task again"):
+        load_cache(tmp_path, "listops")
+    (folder / "meta.json").write_text(json.dumps(meta))
+    (folder / "dev.labels.npy").write_bytes(b"junk")
+    with pytest.raises(ValueError, match=r"cannot read .*dev.labels.npy"):
+        load_cache(tmp_path, "listops")
+
+
+def test_pickled_arrays_are_refused(tmp_path):
+    folder = write_cache(tmp_path, LISTOPS, _splits(), max_len=5)
+    np.save(folder / "test.labels.npy", np.array([{"a": 1}, {"b": 2}], dtype=object),
+            allow_pickle=True)
+    with pytest.raises(ValueError, match="cannot read"):
+        load_cache(tmp_path, "listops")

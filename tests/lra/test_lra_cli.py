@@ -1,0 +1,67 @@
+"""``skyformer lra ...`` as a user runs it: generate, prepare, train, report, stability."""
+
+from __future__ import annotations
+
+import json
+
+from skyformer.cli import main
+
+
+def test_generate_prepare_train_report_stability(tmp_path, capsys):
+    src, cache, runs = tmp_path / "listops", tmp_path / "cache", tmp_path / "runs"
+    assert main(["lra", "generate", "listops", "--out", str(src), "--train", "64", "--dev", "16",
+                 "--test", "16", "--max-depth", "2", "--max-args", "4", "--min-length", "3",
+                 "--max-length", "7"]) == 0
+    assert main(["lra", "prepare", "listops", "--src", str(src), "--cache", str(cache),
+                 "--max-len", "8"]) == 0
+    assert "prepared listops" in capsys.readouterr().out
+    for method in ("softmax", "skyformer"):
+        assert main(["lra", "train", "listops", "--attn", method, "--quick", "--steps", "4",
+                     "--eval-every", "2", "--option", "num_features=4" if method == "skyformer"
+                     else "scale=0.2", "--cache", str(cache), "--out", str(runs / method),
+                     "--no-tensorboard"]) == 0
+    result = json.loads((runs / "skyformer" / "result.json").read_text())
+    assert result["config"]["attention_options"] == {"num_features": 4}
+    assert result["config"]["steps"] == 4 and result["config"]["batch_size"] == 16
+    capsys.readouterr()
+    assert main(["lra", "report", str(runs), "--markdown", str(tmp_path / "tables.md")]) == 0
+    out = capsys.readouterr().out
+    assert "| skyformer |" in out and "| softmax |" in out
+    assert (tmp_path / "tables.md").read_text().startswith("Table 1")
+    assert main(["lra", "stability", "--tasks", "listops", "--methods", "kernelized",
+                 "--steps", "2", "--batch-size", "16", "--cache", str(cache)]) == 0
+    assert "| kernelized |" in capsys.readouterr().out
+
+
+def test_seeds_stop_after_then_resume(tmp_path, capsys, listops_cache):
+    args = ["lra", "train", "listops", "--attn", "softmax", "--steps", "6", "--eval-every", "3",
+            "--batch-size", "16", "--cache", str(listops_cache), "--out", str(tmp_path),
+            "--no-tensorboard", "--quiet", "--seeds", "0", "1"]
+    assert main(args + ["--stop-after", "3"]) == 0
+    assert "continue with --resume" in capsys.readouterr().out
+    assert not (tmp_path / "seed0" / "result.json").exists()
+    assert not (tmp_path / "seed1").exists(), "the next seed waits for the first"
+    assert main(args + ["--resume"]) == 0
+    results = [json.loads((tmp_path / f"seed{s}" / "result.json").read_text()) for s in (0, 1)]
+    assert [r["steps"] for r in results] == [6, 6] and [r["seed"] for r in results] == [0, 1]
+    before = (tmp_path / "seed0" / "result.json").stat().st_mtime_ns
+    assert main(args + ["--resume"]) == 0  # finished runs are left alone
+    assert (tmp_path / "seed0" / "result.json").stat().st_mtime_ns == before
+
+
+def test_user_errors_are_one_line(tmp_path, capsys):
+    cases = [
+        (["lra", "prepare", "listops", "--src", str(tmp_path / "none")], "does not exist"),
+        (["lra", "prepare", "listops", "--src", str(tmp_path), "--dev-fraction", "0.1"],
+         "--dev-fraction do(es) not apply to listops"),
+        (["lra", "train", "image", "--cache", str(tmp_path)], "lra prepare image"),
+        (["lra", "train", "listops", "--attn", "nope", "--cache", str(tmp_path)],
+         "unknown attention method 'nope'"),
+        (["lra", "generate", "listops", "--out", str(tmp_path), "--max-args", "1"],
+         "max_args must be at least 2"),
+        (["lra", "report", str(tmp_path)], "no result.json"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err and err.count("\n") == 1, err

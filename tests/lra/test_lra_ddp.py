@@ -1,0 +1,50 @@
+"""Data-parallel training: 2 CPU processes (gloo) under torchrun match one process that
+accumulates the same two micro-batches."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+import skyformer
+from skyformer.lra import make_config, train
+from skyformer.lra.checkpoint import load_checkpoint
+
+ARGS = ["--attn", "softmax", "--dropout", "0", "--steps", "6", "--batch-size", "16",
+        "--lr", "3e-3", "--warmup", "2", "--eval-every", "3", "--log-every", "3", "--full-dev",
+        "--no-tensorboard"]
+
+
+def test_two_gloo_processes_match_one_process_with_accumulation(listops_cache, tmp_path):
+    src = str(Path(skyformer.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "skyformer", "lra", "train", "listops", *ARGS, "--cache", str(listops_cache),
+           "--out", str(tmp_path / "ddp")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("best dev step") == 1, "only the main process reports"
+
+    cfg = make_config("listops", attention="softmax", dropout=0.0, steps=6, batch_size=16, lr=3e-3,
+                      warmup=2, eval_every=3, log_every=3, eval_batches=None, grad_accum=2)
+    single = train(cfg, cache_root=listops_cache, out_dir=tmp_path / "one", quiet=True,
+                   tensorboard=False)
+    ddp = json.loads((tmp_path / "ddp" / "result.json").read_text())
+    assert ddp["world_size"] == 2 and single["world_size"] == 1
+    a = load_checkpoint(tmp_path / "ddp" / "last.pt")
+    b = load_checkpoint(tmp_path / "one" / "last.pt")
+    for key in b["model"]:
+        # Same examples per step; only the order of floating-point sums differs.
+        torch.testing.assert_close(a["model"][key], b["model"][key], rtol=1e-4, atol=2e-5)
+    assert len(a["rng"]["processes"]) == 2
+    assert not torch.equal(a["rng"]["processes"][0]["torch"], a["rng"]["processes"][1]["torch"])
+    # Evaluation is shared out and summed: the whole dev split is counted once.
+    dev = [json.loads(l) for l in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]
+    assert {r["examples"] for r in dev if r["kind"] == "dev"} == {64}
+    assert ddp["test_accuracy"] == single["test_accuracy"]

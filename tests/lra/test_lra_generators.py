@@ -1,0 +1,158 @@
+"""ListOps and synthetic Pathfinder generators."""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+
+import numpy as np
+import pytest
+
+from skyformer.lra import ListOpsRules, load_cache, prepare, write_listops, write_pathfinder
+from skyformer.lra.listops_gen import generate_examples, random_tree, tree_source, tree_value
+from skyformer.lra.pathfinder_gen import PathfinderRules, draw_example
+from skyformer.lra.vocab import LISTOPS_TOKENS
+
+
+def evaluate_tokens(source: str) -> int:
+    """Independent stack evaluator of a ListOps string (parentheses ignored)."""
+    stack: list = []
+    for token in source.split():
+        if token in ("(", ")"):
+            continue
+        if token.startswith("["):
+            stack.append((token, []))
+        elif token == "]":
+            op, args = stack.pop()
+            s = sorted(args)
+            value = {"[MIN": s[0], "[MAX": s[-1], "[SM": sum(s) % 10,
+                     "[MED": int(np.median(s))}[op]
+            if not stack:
+                return value
+            stack[-1][1].append(value)
+        else:
+            if not stack:
+                return int(token)
+            stack[-1][1].append(int(token))
+    raise AssertionError("unbalanced expression")
+
+
+def test_listops_values_match_an_independent_evaluator():
+    rules = ListOpsRules(max_depth=5, max_args=6, min_length=10, max_length=200)
+    rng = random.Random(3)
+    checked = 0
+    while checked < 300:
+        tree, length = random_tree(rng, rules)
+        source = tree_source(tree)
+        tokens = [t for t in source.split() if t not in "()"]
+        assert len(tokens) == length
+        assert source.count("(") == source.count(")")
+        assert set(tokens) <= set(LISTOPS_TOKENS)
+        assert tree_value(tree) == evaluate_tokens(source)
+        checked += 1
+
+
+def test_listops_release_format_example():
+    assert tree_source(("[MAX", [2, 9])) == "( ( ( [MAX 2 ) 9 ) ] )"
+    assert tree_value(("[MED", [1, 2, 7, 9])) == 4  # mean of the middle pair, rounded down
+    assert tree_value(("[SM", [9, 8, ("[MIN", [3, 5])])) == 0
+
+
+def test_listops_lengths_bounds_distinctness_and_determinism():
+    rules = ListOpsRules(max_depth=4, max_args=5, min_length=20, max_length=60)
+    examples = generate_examples(200, rules, seed=1)
+    lengths = [sum(t not in "()" for t in s.split()) for s, _ in examples]
+    assert min(lengths) > 20 and max(lengths) < 60
+    assert len({s for s, _ in examples}) == 200
+    assert generate_examples(200, rules, seed=1) == examples
+    assert generate_examples(200, rules, seed=2) != examples
+
+
+def test_listops_rules_that_cannot_be_met_fail_early():
+    with pytest.raises(ValueError, match="at most 4 tokens"):
+        ListOpsRules(max_depth=2, max_args=2, min_length=10, max_length=20)
+    with pytest.raises(ValueError, match="no length lies strictly between"):
+        ListOpsRules(min_length=5, max_length=6)
+    with pytest.raises(ValueError, match="max_args must be at least 2"):
+        ListOpsRules(max_args=1)
+
+
+def test_written_listops_reads_back_with_its_generator_record(tmp_path):
+    rules = ListOpsRules(max_depth=3, max_args=4, min_length=4, max_length=40)
+    write_listops(tmp_path / "src", train=30, dev=5, test=5, rules=rules, seed=0)
+    data = load_cache(prepare("listops", tmp_path / "src", tmp_path / "c", max_len=40).parent,
+                      "listops")
+    assert [len(data.splits[s]) for s in ("train", "dev", "test")] == [30, 5, 5]
+    assert data.meta["generated"]["rules"]["max_depth"] == 3
+    lines = (tmp_path / "src" / "basic_train.tsv").read_text().splitlines()
+    assert lines[0] == "Source\tTarget"
+    for line, label in zip(lines[1:], data.splits["train"].labels):
+        source, target = line.split("\t")
+        assert evaluate_tokens(source) == int(target) == label
+
+
+def _components(mask: np.ndarray) -> np.ndarray:
+    """8-connected component labels of a boolean image."""
+    labels = np.zeros(mask.shape, dtype=int)
+    current = 0
+    for start in zip(*np.nonzero(mask)):
+        if labels[start]:
+            continue
+        current += 1
+        labels[start] = current
+        queue = deque([start])
+        while queue:
+            r, c = queue.popleft()
+            for dr in (-1, 0, 1):
+                for dc in (-1, 0, 1):
+                    q = (r + dr, c + dc)
+                    if 0 <= q[0] < mask.shape[0] and 0 <= q[1] < mask.shape[1] \
+                            and mask[q] and not labels[q]:
+                        labels[q] = current
+                        queue.append(q)
+    return labels
+
+
+def _grow(mask: np.ndarray) -> np.ndarray:
+    padded = np.pad(mask, 1)
+    n, m = mask.shape
+    return np.any([padded[i:i + n, j:j + m] for i in range(3) for j in range(3)], axis=0)
+
+
+@pytest.mark.parametrize("label", [0, 1])
+def test_pathfinder_label_is_a_property_of_the_picture(label):
+    """Growing the lit pixels by one pixel joins each path's dashes, never two paths:
+    the dots share a component exactly when the label says connected."""
+    rules = PathfinderRules()
+    rng = np.random.default_rng(label)
+    dashed = 0
+    for _ in range(15):
+        drawing = draw_example(rng, rules, label)
+        image = drawing.image > 0
+        components = _components(_grow(image))
+        a, b = (components[d] for d in drawing.dots)
+        assert (a == b) == bool(label)
+        # as many separate paths as drawn (dots sit on them)
+        assert len(np.unique(components[components > 0])) == 2 + rules.distractors
+        dashed += len(np.unique(_components(image))) - 1 > 2 + rules.distractors
+    assert dashed > 0, "paths should show gaps between dashes"
+
+
+def test_synthetic_pathfinder_round_trip_is_labelled_synthetic(tmp_path):
+    write_pathfinder(tmp_path / "pf", 30, seed=0)
+    data = load_cache(prepare("pathfinder", tmp_path / "pf", tmp_path / "c").parent, "pathfinder")
+    assert data.synthetic and "Synthetic" in data.meta["synthetic_note"]
+    assert [len(data.splits[s]) for s in ("train", "dev", "test")] == [24, 3, 3]
+    assert set(np.unique(np.asarray(data.splits["train"].tokens))) <= {0, 255}
+    labels = np.concatenate([data.splits[s].labels for s in ("train", "dev", "test")])
+    assert 0 < labels.mean() < 1
+
+
+def test_pathfinder_rules_guard_the_label_property():
+    with pytest.raises(ValueError, match="gap_length must be at most 2"):
+        PathfinderRules(gap_length=2.5)
+    with pytest.raises(ValueError, match="clearance must be at least 4"):
+        PathfinderRules(clearance=3)
+    with pytest.raises(ValueError, match="could not place"):
+        draw_example(np.random.default_rng(0), PathfinderRules(resolution=8, distractors=3), 1,
+                     attempts=3)

@@ -1,0 +1,166 @@
+"""The LRA model with every registered method, padding, the dual encoder and capabilities."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from skyformer import list_methods, registry
+from skyformer.lra.model import LRAClassifier, ModelConfig, resolve_attention_options
+from skyformer.ops.softmax import softmax_attention
+
+
+def _model(method="softmax", segments=1, max_len=12, dropout=0.0, **options):
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=20, num_classes=3, max_len=max_len, segments=segments,
+                      dim=16, hidden=32, heads=2, dropout=dropout, attention=method,
+                      attention_options=options)
+    return LRAClassifier(cfg)
+
+
+def _batch(b=3, s=1, n=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, 20, (b, s, n), generator=g)
+    lengths = torch.randint(3, n + 1, (b, s), generator=g)
+    lengths[0] = n
+    return tokens, lengths
+
+
+@pytest.mark.parametrize("method", list_methods())
+def test_forward_backward_with_every_method(method):
+    model = _model(method, dropout=0.1, **({"num_features": 8}
+                   if "num_features" in registry.get_method(method).option_names() else {}))
+    tokens, lengths = _batch()
+    logits = model(tokens, lengths, generator=torch.Generator().manual_seed(0))
+    assert logits.shape == (3, 3) and torch.isfinite(logits).all()
+    logits.logsumexp(-1).sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert model.encoder.layers[0].attn.q_proj.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("method", [m for m in list_methods()
+                                    if registry.get_method(m).capabilities.mask])
+def test_padding_does_not_change_the_prediction(method):
+    """A document padded to the model length gives the logits of the unpadded document
+    (masked attention, masked mean pooling; same attention draws for a batch of one)."""
+    model = _model(method).eval()
+    tokens, _ = _batch(1)
+    real = 7
+    padded_tokens = tokens.clone()
+    padded_tokens[..., real:] = 0
+    with torch.no_grad():
+        padded = model(padded_tokens, torch.tensor([[real]]),
+                       generator=torch.Generator().manual_seed(1))
+        short = model(tokens[..., :real], torch.tensor([[real]]),
+                      generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(padded, short, rtol=1e-5, atol=1e-6)
+
+
+def test_dual_encoder_classifies_u_v_products_and_differences():
+    model = _model("softmax", segments=2).eval()
+    tokens, lengths = _batch(2, s=2)
+    with torch.no_grad():
+        logits = model(tokens, lengths)
+        enc = model.encoder
+        u = torch.stack([enc(tokens[i:i + 1, 0], _mask(lengths[i, 0], 12))[0] for i in range(2)])
+        v = torch.stack([enc(tokens[i:i + 1, 1], _mask(lengths[i, 1], 12))[0] for i in range(2)])
+        expected = model.head(torch.cat([u, v, u * v, u - v], dim=-1))
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
+    assert model.head[0].in_features == 64
+
+
+def _mask(length, n):
+    return None if length == n else (torch.arange(n) < length)[None]
+
+
+def test_mean_pooling_ignores_padding_and_embed_zeroes_it():
+    model = _model("softmax").eval()
+    tokens, lengths = _batch(3)
+    with torch.no_grad():
+        for normed in (True, False):
+            hidden = model.embed(tokens, lengths, normed=normed)
+            assert hidden.shape == (3, 12, 16)
+            for i in range(3):
+                assert torch.all(hidden[i, lengths[i, 0]:] == 0)
+                assert torch.all(hidden[i, :lengths[i, 0]].abs().sum(-1) > 0)
+        normed = model.embed(tokens, lengths)
+        pooled = model.encoder(tokens[:, 0], (torch.arange(12) < lengths)[:, :])
+    torch.testing.assert_close(pooled, normed.sum(1) / lengths.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_shape_and_length_errors_are_sentences():
+    model = _model("softmax", max_len=12)
+    with pytest.raises(ValueError, match=r"expected tokens \[B, 1, N\]"):
+        model(torch.zeros(2, 12, dtype=torch.long), torch.ones(2, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="built for at most 12"):
+        model(torch.zeros(1, 1, 13, dtype=torch.long), torch.tensor([[13]]))
+    with pytest.raises(ValueError, match="skyformer has no option 'bogus'"):
+        _model("skyformer", bogus=1)
+
+
+@dataclass(frozen=True)
+class _FixedConfig:
+    max_seq_len: int | None = None
+    num_features: int = 4
+
+
+@pytest.fixture
+def fake_methods(monkeypatch):
+    """Temporarily registered methods with unusual capabilities; they record their calls."""
+    calls: list[dict] = []
+
+    def fixed(q, k, v, *, key_padding_mask=None, generator=None, max_seq_len=None,
+              num_features=4):
+        calls.append({"max_seq_len": max_seq_len, "mask": key_padding_mask, "dtype": q.dtype})
+        if max_seq_len is None or q.shape[2] > max_seq_len:
+            raise ValueError("needs max_seq_len >= N")
+        return softmax_attention(q, k, v, key_padding_mask=key_padding_mask)
+
+    def unmasked(q, k, v, *, key_padding_mask=None, generator=None):
+        calls.append({"mask": key_padding_mask, "q": q.detach().clone(), "dtype": q.dtype})
+        return softmax_attention(q, k, v)
+
+    @dataclass(frozen=True)
+    class _NoOptions:
+        pass
+
+    monkeypatch.setitem(registry._REGISTRY, "_fixed", registry.Method(
+        "_fixed", fixed, _FixedConfig,
+        registry.Capabilities(target="softmax", fixed_length=True, half_precision=False), "test"))
+    monkeypatch.setitem(registry._REGISTRY, "_unmasked", registry.Method(
+        "_unmasked", unmasked, _NoOptions, registry.Capabilities(target="softmax", mask=False),
+        "test"))
+    return calls
+
+
+def test_fixed_length_methods_get_the_task_length(fake_methods):
+    assert resolve_attention_options("_fixed", {}, 12) == {"max_seq_len": 12}
+    assert resolve_attention_options("_fixed", {"max_seq_len": 40}, 12) == {"max_seq_len": 40}
+    model = _model("_fixed")
+    assert model.cfg.attention_options == {"max_seq_len": 12}
+    model(*_batch())
+    assert {c["max_seq_len"] for c in fake_methods} == {12}
+
+
+def test_methods_without_mask_support_see_zeroed_padding(fake_methods):
+    model = _model("_unmasked").eval()
+    tokens, lengths = _batch(2)
+    lengths[1] = 5
+    with torch.no_grad():
+        model(tokens, lengths)
+    first = fake_methods[0]
+    assert first["mask"] is None
+    # q of padded positions is the projection bias only (inputs zeroed before attention)
+    bias = model.encoder.layers[0].attn.q_proj.bias.view(2, 8)
+    torch.testing.assert_close(first["q"][1, :, 5:], bias[:, None, :].expand(2, 7, 8))
+
+
+def test_methods_without_half_precision_run_in_float32_under_autocast(fake_methods):
+    model = _model("_fixed")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(*_batch())
+    assert logits.dtype == torch.bfloat16
+    assert {c["dtype"] for c in fake_methods} == {torch.float32}

@@ -1,0 +1,162 @@
+"""Each task's reader on a tiny fixture in the LRA release format, through the cache."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from skyformer.lra import load_cache, prepare
+from skyformer.lra.vocab import LISTOPS_IDS
+from tests.lra.release_files import (make_aan, make_cifar, make_imdb, make_listops_release,
+                                     make_pathfinder_release, write_tsv)
+
+
+def _tokens(split, i, segment=0):
+    n = split.lengths[i, segment]
+    return np.asarray(split.tokens[i, segment, :n])
+
+
+def test_listops_tokens_drop_parentheses_and_keep_targets(tmp_path):
+    rows = make_listops_release(tmp_path / "src")
+    data = load_cache(prepare("listops", tmp_path / "src", tmp_path / "cache").parent, "listops")
+    assert data.max_len == 2000 and data.task.segments == 1
+    train = data.splits["train"]
+    assert len(train) == 3 and len(data.splits["dev"]) == 1 and len(data.splits["test"]) == 2
+    ids = [LISTOPS_IDS[t] for t in ("[MAX", "2", "9", "]")]
+    assert _tokens(train, 0).tolist() == ids
+    assert train.labels.tolist() == [t for _, t in rows["basic_train.tsv"]]
+    assert np.all(np.asarray(train.tokens[0, 0, 4:]) == 0), "right padded with 0"
+    assert data.splits["test"].lengths[0, 0] == 1  # a bare digit is a valid tree
+
+
+def test_listops_errors_name_the_file_and_line(tmp_path):
+    make_listops_release(tmp_path / "src")
+    write_tsv(tmp_path / "src" / "basic_val.tsv", [["( [MAX 2 FOO ] )", "2"]], ["Source", "Target"])
+    with pytest.raises(ValueError, match=r"basic_val.tsv line 2: unknown token 'FOO'"):
+        prepare("listops", tmp_path / "src", tmp_path / "cache")
+    assert not (tmp_path / "cache" / "listops").exists()
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [], "no partial cache left"
+    write_tsv(tmp_path / "src" / "basic_val.tsv", [["[MAX 2 ]", "2", "x"]], ["Source", "Target"])
+    with pytest.raises(ValueError, match="expected 2 tab-separated columns, got 3"):
+        prepare("listops", tmp_path / "src", tmp_path / "cache")
+    (tmp_path / "src" / "basic_test.tsv").unlink()
+    with pytest.raises(FileNotFoundError, match="basic_test.tsv"):
+        prepare("listops", tmp_path / "src", tmp_path / "cache")
+
+
+def test_imdb_bytes_labels_and_seeded_dev_split(tmp_path):
+    make_imdb(tmp_path)
+    folder = prepare("text", tmp_path, tmp_path / "cache", dev_fraction=0.25)
+    data = load_cache(folder.parent, "text")
+    train, dev, test = (data.splits[s] for s in ("train", "dev", "test"))
+    assert (len(train), len(dev), len(test)) == (6, 2, 4)
+    assert data.meta["dev_fraction"] == 0.25 and not data.meta.get("dev_is_test")
+    # Test split in file order: neg then pos; bytes + 1, UTF-8 encoded.
+    assert test.labels.tolist() == [0, 0, 1, 1]
+    expected = np.frombuffer("Brilliant caf\u00e9 scene".encode(), dtype=np.uint8) + 1
+    assert _tokens(test, 2).tolist() == expected.tolist()
+    assert data.task.vocab_size == 257 and data.splits["test"].tokens.dtype == np.uint16
+    train_texts = {bytes((_tokens(train, i) - 1).astype(np.uint8)) for i in range(len(train))}
+    dev_texts = {bytes((_tokens(dev, i) - 1).astype(np.uint8)) for i in range(len(dev))}
+    assert len(train_texts | dev_texts) == 8 and not train_texts & dev_texts
+
+
+def test_imdb_dev_fraction_zero_validates_on_test_and_says_so(tmp_path):
+    make_imdb(tmp_path)
+    data = load_cache(prepare("text", tmp_path / "aclImdb", tmp_path / "c", dev_fraction=0).parent,
+                      "text")
+    assert data.meta["dev_is_test"] is True
+    assert np.array_equal(data.splits["dev"].tokens, data.splits["test"].tokens)
+
+
+def test_imdb_truncates_to_max_len_and_reports_missing_folders(tmp_path):
+    root = make_imdb(tmp_path)
+    data = load_cache(prepare("text", tmp_path, tmp_path / "c", max_len=5).parent, "text")
+    assert data.splits["train"].tokens.shape[-1] == 5
+    assert data.meta["splits"]["train"]["truncated"] > 0
+    for f in (root / "test" / "neg").iterdir():
+        f.unlink()
+    with pytest.raises(FileNotFoundError, match=r"test/neg holds no \*.txt"):
+        prepare("text", tmp_path, tmp_path / "c")
+
+
+def test_aan_pairs_become_two_segments(tmp_path):
+    make_aan(tmp_path)
+    folder = prepare("retrieval", tmp_path, tmp_path / "c", max_len=16)
+    data = load_cache(folder.parent, "retrieval")
+    train = data.splits["train"]
+    assert train.tokens.shape == (3, 2, 16) and train.labels.tolist() == [1, 0, 1]
+    assert bytes((_tokens(train, 0, 1) - 1).astype(np.uint8)) == b"parsing graphs"
+    assert train.lengths[2].tolist() == [16, 1]
+
+
+def test_aan_bad_label_names_the_line(tmp_path):
+    files = make_aan(tmp_path)
+    write_tsv(files["new_aan_pairs.eval.tsv"], [["0", "a", "b", "t1", "t2"],
+                                                ["maybe", "a", "b", "t1", "t2"]])
+    with pytest.raises(ValueError, match=r"eval.tsv line 2: the label column holds 'maybe'"):
+        prepare("retrieval", tmp_path, tmp_path / "c")
+
+
+def test_cifar_grey_levels_and_lra_split(tmp_path):
+    rgb, labels = make_cifar(tmp_path, records=10)
+    data = load_cache(prepare("image", tmp_path, tmp_path / "c").parent, "image")
+    train, dev, test = (data.splits[s] for s in ("train", "dev", "test"))
+    assert (len(train), len(dev), len(test)) == (45, 5, 10)
+    # Independent recomputation: weighted sum rounded half up (tf.image.rgb_to_grayscale weights).
+    r, g, b = (rgb[:, c].astype(np.float64) for c in range(3))
+    grey = np.floor(0.2989 * r + 0.5870 * g + 0.1140 * b + 0.5).astype(np.uint8)
+    assert np.array_equal(np.asarray(train.tokens[:, 0]), grey[:45])
+    assert np.array_equal(np.asarray(dev.tokens[:, 0]), grey[45:50])
+    assert np.array_equal(np.asarray(test.tokens[:, 0]), grey[50:])
+    assert test.labels.tolist() == labels[50:].tolist()
+    assert data.max_len == 1024 and int(train.lengths.min()) == 1024
+
+
+def test_cifar_wrong_size_names_the_file(tmp_path):
+    make_cifar(tmp_path, records=2)
+    path = tmp_path / "cifar-10-batches-bin" / "data_batch_3.bin"
+    path.write_bytes(path.read_bytes()[:-7])
+    with pytest.raises(ValueError, match=r"data_batch_3.bin has 6139 bytes"):
+        prepare("image", tmp_path, tmp_path / "c")
+
+
+def test_pathfinder_layout_skips_empty_images_and_splits_80_10_10(tmp_path):
+    root, images = make_pathfinder_release(tmp_path, count=20)
+    data = load_cache(prepare("pathfinder", root, tmp_path / "c").parent, "pathfinder")
+    splits = [data.splits[s] for s in ("train", "dev", "test")]
+    assert [len(s) for s in splits] == [16, 2, 2]
+    assert data.meta["empty_images_skipped"] == 1 and data.max_len == 1024
+    assert not data.synthetic
+    by_pixels = {pixels.tobytes(): label for pixels, label in images.values()}
+    seen = 0
+    for split in splits:
+        for i in range(len(split)):
+            key = np.asarray(split.tokens[i, 0]).tobytes()
+            assert by_pixels[key] == split.labels[i]
+            seen += 1
+    assert seen == 20
+
+
+def test_pathfinder_wrong_size_image_is_an_error(tmp_path):
+    from PIL import Image
+
+    root, _ = make_pathfinder_release(tmp_path, count=20)
+    bad = root / "curv_contour_length_14" / "imgs" / "1" / "sample_3.png"
+    Image.fromarray(np.zeros((16, 16), dtype=np.uint8), mode="L").save(bad)
+    with pytest.raises(ValueError, match=r"sample_3.png is 16 x 16 pixels; expected 32 x 32"):
+        prepare("pathfinder", root, tmp_path / "c")
+    bad.write_bytes(b"not a png")
+    with pytest.raises(ValueError, match=r"sample_3.png is not a readable image"):
+        prepare("pathfinder", root, tmp_path / "c")
+
+
+def test_meta_records_counts_and_source(tmp_path):
+    make_listops_release(tmp_path / "src")
+    folder = prepare("listops", tmp_path / "src", tmp_path / "cache", max_len=6)
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta["splits"]["train"]["count"] == 3
+    assert meta["splits"]["train"]["label_counts"][9] == 1
+    assert meta["max_len"] == 6 and meta["source"].endswith("src")

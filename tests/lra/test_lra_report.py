@@ -1,0 +1,67 @@
+"""Tables 1-2 and Figure 2 from finished runs."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+from skyformer.lra.report import collect_runs, plot_dev_curves, tables
+
+
+def _fake_run(root, task, method, seed, accuracy, seconds=7200.0, memory=2**30, **extra):
+    folder = root / task / method / f"seed{seed}"
+    folder.mkdir(parents=True)
+    result = {"task": task, "attention": method, "seed": seed, "test_accuracy": accuracy,
+              "train_seconds": seconds, "peak_memory_bytes": memory, "steps": 50_000,
+              "peak_memory_kind": "cuda max_memory_allocated", **extra}
+    (folder / "result.json").write_text(json.dumps(result))
+    rows = [{"kind": "dev", "step": s, "seconds": s / 10, "accuracy": accuracy * s / 300}
+            for s in (100, 200, 300)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def test_tables_average_seeds_and_tasks(tmp_path):
+    for seed, acc in enumerate((0.60, 0.62, 0.64)):
+        _fake_run(tmp_path, "text", "skyformer", seed, acc)
+    _fake_run(tmp_path, "listops", "skyformer", 0, 0.38, seconds=3600, memory=3 * 2**30)
+    _fake_run(tmp_path, "listops", "softmax", 0, 0.36)
+    text = tables(collect_runs([tmp_path]))
+    std = statistics.stdev([60, 62, 64])
+    row = next(line for line in text.splitlines() if line.startswith("| skyformer |")
+               and "±" in line)
+    assert f"62.00 ± {std:.2f} (3)" in row and "38.00 (1)" in row
+    assert row.rstrip(" |").endswith(f"{(62 + 38) / 2:.2f}")  # average over its tasks
+    assert row.index("62.00") < row.index("38.00"), "paper order: Text before ListOps"
+    time_row = [line for line in text.splitlines() if line.startswith("| skyformer |")][1]
+    assert "| 2.000 | 1.000 | 1.000 | 3.000 |" in time_row
+    assert "softmax" in text and "Notes" not in text
+
+
+def test_synthetic_and_short_runs_are_flagged(tmp_path):
+    _fake_run(tmp_path, "pathfinder", "softmax", 0, 0.7, synthetic_data=True)
+    _fake_run(tmp_path, "text", "softmax", 0, 0.5, dev_is_test=True)
+    folder = _fake_run(tmp_path, "image", "softmax", 0, 0.4)
+    result = json.loads((folder / "result.json").read_text())
+    (folder / "result.json").write_text(json.dumps({**result, "steps": 200}))
+    text = tables(collect_runs([tmp_path]))
+    assert "pathfinder/softmax: synthetic data" in text
+    assert "text/softmax: the dev split is the test split" in text
+    assert "image/softmax: trained for 200 steps" in text
+
+
+def test_figure_two_is_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    _fake_run(tmp_path, "text", "skyformer", 0, 0.6)
+    _fake_run(tmp_path, "text", "softmax", 0, 0.55)
+    runs = collect_runs([tmp_path])
+    assert [x for x, _ in runs[0].dev_curve] == [10.0, 20.0, 30.0]
+    path = plot_dev_curves(runs, tmp_path / "fig" / "figure2.png")
+    assert path.stat().st_size > 1000 and path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_no_runs_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no result.json"):
+        collect_runs([tmp_path])

@@ -1,0 +1,82 @@
+"""The instability score of Skyformer Appendix F."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from skyformer.lra import load_cache, make_config
+from skyformer.lra.batches import BatchOrder, Position, fetch
+from skyformer.lra.model import LRAClassifier
+from skyformer.lra.presets import learning_rate
+from skyformer.lra.stability import format_table, instability_taus, run_stability
+from skyformer.lra.train import model_config
+
+
+def _cfg(method="softmax", **kw):
+    return make_config("listops", attention=method, batch_size=16, dropout=0.0, **kw)
+
+
+@pytest.mark.parametrize("probe", ["normed", "hidden"])
+def test_tau_is_output_change_over_parameter_change(listops_cache, probe):
+    """Recompute tau_1 and tau_2 by hand for a deterministic method without dropout."""
+    cfg = _cfg("kernelized")
+    taus = instability_taus(cfg, listops_cache, steps=2, probe=probe)
+    data = load_cache(listops_cache, "listops")
+    torch.manual_seed(cfg.seed)
+    model = LRAClassifier(model_config(cfg, data))
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, eps=1e-6, weight_decay=0.0)
+    order, position = BatchOrder(len(data.splits["train"]), 16, cfg.seed), Position()
+    for step in range(2):
+        tokens, lengths, labels = fetch(data.splits["train"], order.batch(position), "cpu")
+        w0 = [p.detach().clone() for p in model.parameters()]
+        with torch.no_grad():
+            f0 = copy.deepcopy(model).double().eval().embed(tokens, lengths,
+                                                            normed=probe == "normed")
+        F.cross_entropy(model(tokens, lengths), labels).backward()
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(step, cfg)
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            f1 = copy.deepcopy(model).double().eval().embed(tokens, lengths,
+                                                            normed=probe == "normed")
+        dw = sum((p.double() - q.double()).square().sum() for p, q in zip(model.parameters(), w0))
+        assert taus[step] == pytest.approx(((f1 - f0).square().sum() / dw).item(), rel=1e-6)
+        position = order.next(position)
+    assert all(t > 0 for t in taus)
+
+
+def test_randomised_methods_use_the_same_draws_before_and_after(listops_cache):
+    """With a zero learning rate nothing changes, so tau is undefined, and says so; with a
+    tiny one tau stays finite for a randomised method (no sampling noise in the numerator)."""
+    with pytest.raises(ValueError, match="did not change the parameters"):
+        instability_taus(_cfg("skyformer", lr=1e-300), listops_cache, steps=1)
+    taus = instability_taus(_cfg("skyformer", attention_options={"num_features": 4}),
+                            listops_cache, steps=3)
+    assert all(0 < t < 1e6 for t in taus)
+
+
+def test_table_three_layout_and_softmax_baseline(listops_cache):
+    report = run_stability(["listops"], ["softmax", "kernelized", "skyformer"],
+                           cache_root=listops_cache, seeds=[0, 1], steps=3, num_features=4,
+                           overrides={"batch_size": 16})
+    assert report.methods == ["kernelized", "skyformer"]
+    assert len(report.taus["listops"]["softmax"][1]) == 3
+    ratio = report.ratio("listops", "kernelized")
+    by_hand = sum(
+        sum(a / b for a, b in zip(report.taus["listops"]["kernelized"][s],
+                                  report.taus["listops"]["softmax"][s])) / 3 for s in (0, 1)) / 2
+    assert ratio == pytest.approx(by_hand)
+    table = format_table(report)
+    assert "| model | ListOps |" in table and f"| kernelized | {ratio:.2f} |" in table
+    ratios = report.to_dict()["ratios"]["listops"]
+    assert ratios["skyformer"] == report.ratio("listops", "skyformer")
+    assert report.settings["listops"]["batch_size"] == 16
+    with pytest.raises(ValueError, match="unknown attention method"):
+        run_stability(["listops"], ["nope"], cache_root=listops_cache)
+    with pytest.raises(ValueError, match="probe must be one of normed, hidden"):
+        instability_taus(_cfg(), listops_cache, steps=1, probe="logits")

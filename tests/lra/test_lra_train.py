@@ -1,0 +1,180 @@
+"""Training: learning, best-dev selection, exact resume, accumulation, precision, errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from skyformer.lra import load_cache, make_config, train
+from skyformer.lra.batches import fetch
+from skyformer.lra.checkpoint import load_checkpoint, save_checkpoint
+from skyformer.lra.model import LRAClassifier, ModelConfig
+
+TIME_FIELDS = ("seconds", "steps_per_second")
+
+
+def _cfg(**overrides):
+    base = dict(steps=12, batch_size=16, lr=3e-3, warmup=2, eval_every=4, log_every=3,
+                eval_batches=None, attention="softmax")
+    return make_config("listops", **{**base, **overrides})
+
+
+def _run(cfg, cache, out, **kwargs):
+    return train(cfg, cache_root=cache, out_dir=out, quiet=True, tensorboard=False, **kwargs)
+
+
+def _history(folder):
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in TIME_FIELDS} for r in rows]
+
+
+def _assert_same_tensors(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], dict):
+            _assert_same_tensors(a[key], b[key])
+        elif isinstance(a[key], torch.Tensor):
+            assert torch.equal(a[key], b[key]), key
+        else:
+            assert a[key] == b[key], key
+
+
+def test_loss_falls_and_the_best_dev_checkpoint_is_the_one_tested(listops_cache, tmp_path):
+    result = _run(_cfg(steps=40, eval_every=10, log_every=10), listops_cache, tmp_path)
+    rows = _history(tmp_path)
+    train_losses = [r["loss"] for r in rows if r["kind"] == "train"]
+    assert train_losses[-1] < train_losses[0] - 0.2, train_losses
+    dev = [r for r in rows if r["kind"] == "dev"]
+    best = max(dev, key=lambda r: (r["accuracy"], -r["step"]))
+    assert result["best_step"] == best["step"]
+    # Recompute the test accuracy of best.pt independently of the training code.
+    ckpt = load_checkpoint(tmp_path / "best.pt")
+    assert ckpt["step"] == best["step"]
+    model = LRAClassifier(ModelConfig(**ckpt["model_config"]))
+    model.load_state_dict(ckpt["model"])
+    model.eval()
+    test = load_cache(listops_cache, "listops").splits["test"]
+    import numpy as np
+
+    tokens, lengths, labels = fetch(test, np.arange(len(test)), torch.device("cpu"))
+    with torch.no_grad():
+        accuracy = (model(tokens, lengths).argmax(-1) == labels).float().mean().item()
+    assert result["test_accuracy"] == pytest.approx(accuracy)
+    assert result["test_accuracy"] > 0.2  # 10 classes, about uniform: chance is ~0.1
+    for name in ("config.json", "train.csv", "dev.csv", "result.json", "last.pt"):
+        assert (tmp_path / name).is_file()
+    assert result["config"]["attention"] == "softmax" and result["peak_memory_bytes"] > 0
+
+
+def test_resume_reproduces_an_uninterrupted_run_exactly(listops_cache, tmp_path):
+    """Dropout, randomised attention (landmarks), data order across epochs, the learning-rate
+    schedule and partial log sums all continue as if never interrupted."""
+    cfg = _cfg(attention="skyformer", attention_options={"num_features": 4}, steps=20,
+               checkpoint_every=5, batch_size=32)  # 8 batches per epoch: crosses epochs
+    whole = _run(cfg, listops_cache, tmp_path / "whole")
+    assert _run(cfg, listops_cache, tmp_path / "cut", stop_after=5) is None
+    assert load_checkpoint(tmp_path / "cut" / "last.pt")["state"]["step"] == 5
+    # Entries an interrupted run logged after its last checkpoint must disappear.
+    with (tmp_path / "cut" / "metrics.jsonl").open("a") as handle:
+        handle.write(json.dumps({"kind": "train", "step": 6, "loss": 99.0}) + "\n")
+    resumed = _run(cfg, listops_cache, tmp_path / "cut", resume=True)
+    a = load_checkpoint(tmp_path / "whole" / "last.pt")
+    b = load_checkpoint(tmp_path / "cut" / "last.pt")
+    _assert_same_tensors(a["model"], b["model"])
+    _assert_same_tensors(a["optimizer"], b["optimizer"])
+    _assert_same_tensors(a["rng"]["processes"][0], b["rng"]["processes"][0])
+    assert _history(tmp_path / "whole") == _history(tmp_path / "cut")
+    _assert_same_tensors(load_checkpoint(tmp_path / "whole" / "best.pt")["model"],
+                         load_checkpoint(tmp_path / "cut" / "best.pt")["model"])
+    assert whole["test_accuracy"] == resumed["test_accuracy"]
+    assert whole["best_step"] == resumed["best_step"]
+
+    # Control: the same resume with the dropout generator re-seeded ends elsewhere.
+    _run(cfg, listops_cache, tmp_path / "control", stop_after=5)
+    ckpt = load_checkpoint(tmp_path / "control" / "last.pt")
+    ckpt["rng"]["processes"][0]["torch"] = torch.manual_seed(123).get_state()
+    save_checkpoint(tmp_path / "control" / "last.pt", ckpt)
+    _run(cfg, listops_cache, tmp_path / "control", resume=True)
+    c = load_checkpoint(tmp_path / "control" / "last.pt")
+    assert not torch.equal(a["model"]["head.0.weight"], c["model"]["head.0.weight"])
+
+
+def test_an_existing_run_needs_resume_and_the_same_settings(listops_cache, tmp_path):
+    cfg = _cfg(steps=4)
+    _run(cfg, listops_cache, tmp_path)
+    with pytest.raises(ValueError, match="already holds a run.*--resume"):
+        _run(cfg, listops_cache, tmp_path)
+    with pytest.raises(ValueError, match="the settings lr differ"):
+        _run(dataclasses.replace(cfg, lr=1e-3), listops_cache, tmp_path, resume=True)
+    again = _run(cfg, listops_cache, tmp_path, resume=True)  # finished: evaluates again
+    assert again["steps"] == 4
+
+
+def test_gradient_accumulation_matches_the_full_batch(listops_cache, tmp_path):
+    cfg = _cfg(steps=3, dropout=0.0, eval_every=3)
+    _run(cfg, listops_cache, tmp_path / "full")
+    _run(dataclasses.replace(cfg, grad_accum=4), listops_cache, tmp_path / "accum")
+    a = load_checkpoint(tmp_path / "full" / "last.pt")["model"]
+    b = load_checkpoint(tmp_path / "accum" / "last.pt")["model"]
+    # Adam divides by sqrt(v): for near-zero gradients the order of summation shows up at
+    # ~1e-6, against updates of lr = 3e-3 per step.
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=2e-5)
+    assert not torch.equal(a["head.0.weight"], _initial_head(listops_cache))
+    with pytest.raises(ValueError, match="not divisible by processes x accumulation"):
+        _run(dataclasses.replace(cfg, grad_accum=3), listops_cache, tmp_path / "bad")
+
+
+def _initial_head(cache):
+    torch.manual_seed(0)
+    data = load_cache(cache, "listops")
+    from skyformer.lra.train import model_config
+
+    return LRAClassifier(model_config(_cfg(), data)).state_dict()["head.0.weight"]
+
+
+def test_patience_stops_when_dev_accuracy_stalls(listops_cache, tmp_path):
+    result = _run(_cfg(steps=40, lr=1e-12, eval_every=2, patience=2), listops_cache, tmp_path)
+    assert result["steps"] == 6  # first evaluation sets the best, two more without gain
+
+
+def test_bf16_autocast_on_cpu_and_fp16_refused(listops_cache, tmp_path):
+    result = _run(_cfg(steps=2, eval_every=2, precision="bf16"), listops_cache, tmp_path / "bf16")
+    assert 0.0 <= result["test_accuracy"] <= 1.0
+    with pytest.raises(ValueError, match="fp16 autocast needs a CUDA device"):
+        _run(_cfg(steps=2, precision="fp16"), listops_cache, tmp_path / "fp16", device="cpu")
+
+
+def test_settings_are_validated_with_sentences(listops_cache, tmp_path):
+    with pytest.raises(ValueError, match="unknown training setting"):
+        make_config("listops", learning_rate=1)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        make_config("listops", precision="fp8")
+    with pytest.raises(ValueError, match="exceeds the prepared length 8"):
+        _run(_cfg(max_len=9), listops_cache, tmp_path)
+    with pytest.raises(FileNotFoundError, match="skyformer lra prepare text"):
+        train(make_config("text", quick=True), cache_root=listops_cache, out_dir=tmp_path / "t")
+
+
+def test_tensorboard_events_and_purge_on_resume(listops_cache, tmp_path):
+    """A run that goes on after its last checkpoint and then dies: on resume, both the
+    metrics files and TensorBoard drop what it logged after the checkpoint."""
+    pytest.importorskip("tensorboard")
+    import shutil
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = _cfg(steps=6, eval_every=2, log_every=2)
+    train(cfg, cache_root=listops_cache, out_dir=tmp_path, quiet=True, stop_after=4)
+    shutil.copy(tmp_path / "last.pt", tmp_path / "at4.pt")
+    train(cfg, cache_root=listops_cache, out_dir=tmp_path, quiet=True, resume=True)
+    shutil.copy(tmp_path / "at4.pt", tmp_path / "last.pt")  # as if it died after step 4
+    train(cfg, cache_root=listops_cache, out_dir=tmp_path, quiet=True, resume=True)
+    events = EventAccumulator(str(tmp_path / "tensorboard"))  # purges as TensorBoard does
+    events.Reload()
+    assert {"train/loss", "dev/accuracy", "test/accuracy"} <= set(events.Tags()["scalars"])
+    assert [e.step for e in events.Scalars("dev/accuracy")] == [2, 4, 6]
+    assert [r["step"] for r in _history(tmp_path) if r["kind"] == "dev"] == [2, 4, 6]

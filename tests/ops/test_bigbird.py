@@ -1,0 +1,124 @@
+"""BigBird block-sparse attention against the dense masked reference, and its layout rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from skyformer import softmax_attention
+from skyformer.ops.bigbird import (
+    BigBirdConfig,
+    bigbird_attention,
+    bigbird_layout,
+    bigbird_pattern,
+    reference_bigbird_attention,
+)
+from tests.conftest import gen, make_qkv
+
+
+def layout_for(mask, b, h, n, num_features, seed, r=3):
+    cfg = BigBirdConfig(num_features, r)
+    return bigbird_layout(mask, b, h, n, cfg.block_size, r, torch.device("cpu"), gen(seed))
+
+
+def holes_mask(b, n):
+    mask = torch.ones(b, n, dtype=torch.bool)
+    mask[0, :5] = False  # left padding
+    mask[1, n - 8:] = False  # right padding
+    mask[1, 10] = False  # a hole
+    return mask
+
+
+@pytest.mark.parametrize("n, num_features, r", [(48, 32, 3), (45, 32, 3), (61, 24, 1), (30, 8, 3)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_fast_matches_dense_reference_outputs_and_gradients(n, num_features, r, masked):
+    """Block sizes 4, 4 (N not a multiple), 4 with r = 1, and 1."""
+    q, k, v = make_qkv(2, 2, n, 8)
+    mask = holes_mask(2, n) if masked else None
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    fast = bigbird_attention(q, k, v, key_padding_mask=mask, generator=gen(5),
+                             num_features=num_features, num_random_blocks=r)
+    layout = layout_for(mask, 2, 2, n, num_features, 5, r)
+    ref = reference_bigbird_attention(q, k, v, layout, key_padding_mask=mask)
+    torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)
+    for a, b in zip(torch.autograd.grad(fast.square().sum(), (q, k, v)),
+                    torch.autograd.grad(ref.square().sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_one_block_covering_the_sequence_is_exact_softmax(masked):
+    q, k, v = make_qkv(2, 2, 40, 8)
+    mask = holes_mask(2, 40) if masked else None
+    exact = softmax_attention(q, k, v, key_padding_mask=mask)
+    for num_features in (8 * 40, 512):  # block size >= N
+        out = bigbird_attention(q, k, v, key_padding_mask=mask, generator=gen(0), num_features=num_features)
+        torch.testing.assert_close(out, exact, rtol=1e-9, atol=1e-11)
+    # three blocks: every query block's window or globality covers everything
+    out = bigbird_attention(q, k, v, generator=gen(0), num_features=8 * 14)
+    torch.testing.assert_close(out, softmax_attention(q, k, v), rtol=1e-9, atol=1e-11)
+
+
+def test_block_size_mapping():
+    assert BigBirdConfig().block_size == 64  # 512 keys = (3 + 2 + 3) blocks of 64
+    assert BigBirdConfig(num_features=128).block_size == 16
+    assert BigBirdConfig(num_features=512, num_random_blocks=0).block_size == 102
+    assert BigBirdConfig(num_features=6).block_size == 1
+
+
+def test_pattern_follows_the_paper():
+    """Block size 2, 20 blocks, r = 3: middle rows see 8 distinct blocks (7 for the rows
+    next to a global block), global blocks are dense rows and columns, random blocks lie
+    outside the window and the global blocks."""
+    n, bs = 40, 2
+    layout = layout_for(None, 1, 3, n, 16, 0)
+    assert layout.block_size == bs and layout.num_blocks == 20
+    pattern = bigbird_pattern(layout, n)[0]  # [H, N, N]
+    per_query = pattern.sum(-1)  # [H, N]
+    assert torch.all(per_query[:, :bs] == n) and torch.all(per_query[:, -bs:] == n)
+    assert torch.all(pattern[:, :, :bs]) and torch.all(pattern[:, :, -bs:])
+    assert torch.all(per_query[:, bs:2 * bs] == 7 * bs) and torch.all(per_query[:, -2 * bs:-bs] == 7 * bs)
+    assert torch.all(per_query[:, 2 * bs:-2 * bs] == 8 * bs)
+    for h in range(3):
+        for i in range(1, 19):
+            picked = layout.random[0, h, i][layout.random_live[0, h, i]].tolist()
+            assert len(picked) == 3 and len(set(picked)) == 3
+            assert not set(picked) & {0, 19, i - 1, i, i + 1}
+    assert not torch.equal(layout.random[0, 0], layout.random[0, 1]), "heads draw their own blocks"
+
+
+def test_random_blocks_are_uniform_among_candidates():
+    """Query block 5 of 12 blocks has the 7 candidates {1, 2, 3, 7, 8, 9, 10}; over 4000
+    draws each should be picked 3/7 of the time."""
+    layout = layout_for(None, 1, 4000, 12, 8, 0)  # block size 1, 4000 heads as draws
+    picks = layout.random[0, :, 5].flatten()
+    counts = torch.bincount(picks, minlength=12).double()
+    candidates = [1, 2, 3, 7, 8, 9, 10]
+    assert counts[[0, 4, 5, 6, 11]].sum() == 0
+    expected = 4000 * 3 / 7
+    chi2 = ((counts[candidates] - expected) ** 2 / expected).sum().item()
+    assert chi2 < 30, chi2  # 6 degrees of freedom (a bit fewer: no replacement): p < 1e-4
+
+
+def test_padding_builds_blocks_over_real_tokens():
+    """Right and left padding give the layout (and output) of the truncated sequence."""
+    q, k, v = make_qkv(1, 2, 30, 8)
+    trunc = bigbird_attention(q[:, :, 4:27], k[:, :, 4:27], v[:, :, 4:27], generator=gen(3), num_features=16)
+    mask = torch.zeros(1, 30, dtype=torch.bool)
+    mask[0, 4:27] = True
+    padded = bigbird_attention(q, k, v, key_padding_mask=mask, generator=gen(3), num_features=16)
+    torch.testing.assert_close(padded[:, :, 4:27], trunc, rtol=1e-12, atol=1e-12)
+    assert torch.all(padded[:, :, :4] == 0) and torch.all(padded[:, :, 27:] == 0)
+
+
+def test_self_attention_only_and_bad_options():
+    q, k, v = make_qkv(1, 2, 12, 8, nk=20)
+    with pytest.raises(ValueError, match="different number of queries and keys"):
+        bigbird_attention(q, k, v)
+    q, k, v = make_qkv(1, 1, 8, 4)
+    for options, word in (({"num_features": 0}, "num_features"),
+                          ({"num_random_blocks": -1}, "num_random_blocks"),
+                          ({"scale": 0.0}, "scale")):
+        with pytest.raises(ValueError, match=word):
+            bigbird_attention(q, k, v, **options)

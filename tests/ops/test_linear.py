@@ -1,0 +1,58 @@
+"""Linear attention (elu + 1) against its materialised reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from skyformer.ops.linear import elu_feature_map, linear_attention, reference_linear_attention
+from tests.conftest import make_qkv
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("nk", [20, 33])  # self- and cross-attention
+def test_fast_matches_naive_reference_outputs_and_gradients(masked, nk):
+    q, k, v = make_qkv(2, 2, 20, 8, nk=nk, dv=5)
+    mask = None
+    if masked:
+        mask = torch.ones(2, nk, dtype=torch.bool)
+        mask[0, :3] = False
+        mask[1, nk - 7:] = False
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    fast = linear_attention(q, k, v, key_padding_mask=mask)
+    ref = reference_linear_attention(q, k, v, key_padding_mask=mask)
+    torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(fast.square().sum(), (q, k, v)),
+                    torch.autograd.grad(ref.square().sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_weights_are_a_convex_combination():
+    """With eps = 0 the weights phi(q).phi(k_j) / sum_j are positive and sum to one: a
+    constant value comes back unchanged and outputs stay in the values' range."""
+    q, k, v = make_qkv(1, 2, 30, 8, scale=3.0)
+    const = torch.full_like(v, 2.5)
+    torch.testing.assert_close(linear_attention(q, k, const, eps=0.0), const, rtol=1e-12, atol=1e-12)
+    out = linear_attention(q, k, v, eps=0.0)
+    assert torch.all(out <= v.amax(dim=2, keepdim=True) + 1e-12)
+    assert torch.all(out >= v.amin(dim=2, keepdim=True) - 1e-12)
+
+
+def test_feature_map_is_elu_plus_one():
+    x = torch.tensor([-2.0, 0.0, 3.0], dtype=torch.float64)
+    torch.testing.assert_close(elu_feature_map(x), torch.tensor([torch.e**-2.0, 1.0, 4.0], dtype=torch.float64))
+
+
+def test_num_features_is_accepted_and_has_no_effect():
+    q, k, v = make_qkv(1, 2, 12, 8)
+    base = linear_attention(q, k, v)
+    for m in (1, 16, 128):
+        torch.testing.assert_close(linear_attention(q, k, v, num_features=m), base, rtol=0, atol=0)
+
+
+def test_bad_options():
+    q, k, v = make_qkv(1, 1, 8, 4)
+    for options, word in (({"num_features": 0}, "num_features"), ({"eps": -1.0}, "eps")):
+        with pytest.raises(ValueError, match=word):
+            linear_attention(q, k, v, **options)

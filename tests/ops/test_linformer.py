@@ -1,0 +1,134 @@
+"""Linformer against its naive reference, its identity-projection limit, its length rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from skyformer import MultiHeadAttention, attention, softmax_attention
+from skyformer.ops.linformer import linformer_attention, reference_linformer_attention
+from skyformer.sketch.streams import gaussian_columns
+from tests.conftest import gen, make_qkv
+
+
+def mixed_mask(b, n):
+    mask = torch.ones(b, n, dtype=torch.bool)
+    mask[0, :4] = False  # left padding
+    mask[-1, n - 6:] = False  # right padding
+    return mask
+
+
+@pytest.mark.parametrize("shared_heads", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_fast_matches_naive_reference_outputs_and_gradients(shared_heads, masked):
+    q, k, v = make_qkv(2, 2, 20, 8)
+    shape = (6, 28) if shared_heads else (2, 6, 28)  # L = 28 > N: first N columns used
+    e = torch.randn(shape, generator=gen(1), dtype=torch.float64, requires_grad=True)
+    f = torch.randn(shape, generator=gen(2), dtype=torch.float64, requires_grad=True)
+    mask = mixed_mask(2, 20) if masked else None
+    inputs = (q, k, v, e, f)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    fast = linformer_attention(q, k, v, key_padding_mask=mask, num_features=6, proj_k=e, proj_v=f)
+    ref = reference_linformer_attention(q, k, v, e, f, key_padding_mask=mask)
+    torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)
+    for a, b in zip(torch.autograd.grad(fast.square().sum(), inputs),
+                    torch.autograd.grad(ref.square().sum(), inputs)):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_identity_projections_at_k_equal_n_are_exact_softmax(masked):
+    q, k, v = make_qkv(2, 2, 18, 8)
+    mask = mixed_mask(2, 18) if masked else None
+    eye = torch.eye(18, dtype=torch.float64)
+    out = linformer_attention(q, k, v, key_padding_mask=mask, num_features=18, proj_k=eye, proj_v=eye)
+    torch.testing.assert_close(out, softmax_attention(q, k, v, key_padding_mask=mask),
+                               rtol=1e-9, atol=1e-11)
+
+
+def test_cross_attention_projects_keys_only():
+    q, k, v = make_qkv(1, 2, 7, 8, nk=15)
+    e = torch.randn(2, 5, 15, generator=gen(0), dtype=torch.float64)
+    out = linformer_attention(q, k, v, num_features=5, proj_k=e, proj_v=e)
+    torch.testing.assert_close(out, reference_linformer_attention(q, k, v, e, e),
+                               rtol=1e-9, atol=1e-11)
+
+
+def test_direct_call_draws_fixed_jl_projections_from_the_generator():
+    q, k, v = make_qkv(1, 2, 20, 8)
+    out = linformer_attention(q, k, v, generator=gen(3), num_features=16)
+    g = gen(3)
+    e = gaussian_columns((2, 16), 20, g, q.device) / 4.0
+    f = gaussian_columns((2, 16), 20, g, q.device) / 4.0
+    expected = linformer_attention(q, k, v, num_features=16, proj_k=e.double(), proj_v=f.double())
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    shared = linformer_attention(q, k, v, generator=gen(3), num_features=16, share_kv=True)
+    torch.testing.assert_close(
+        shared, linformer_attention(q, k, v, num_features=16, proj_k=e.double(), proj_v=e.double())
+    )
+
+
+def test_jl_entries_have_variance_one_over_k():
+    e = gaussian_columns((4, 128), 1000, gen(0), torch.device("cpu")) / 128**0.5
+    # 512k draws: the sample variance is within 1% of 1/k with overwhelming probability
+    assert abs(e.var().item() * 128 - 1.0) < 0.01
+    assert abs(e.mean().item()) < 5e-4
+
+
+def test_shorter_input_uses_the_first_columns():
+    q, k, v = make_qkv(1, 2, 12, 8)
+    e = torch.randn(2, 5, 30, generator=gen(4), dtype=torch.float64)
+    long = linformer_attention(q, k, v, num_features=5, max_seq_len=30, proj_k=e, proj_v=e)
+    cut = e[..., :12].clone()
+    short = linformer_attention(q, k, v, num_features=5, proj_k=cut, proj_v=cut)
+    torch.testing.assert_close(long, short, rtol=0, atol=0)
+
+
+def test_module_learns_projections_and_padding_equals_truncation():
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(16, 2, method="linformer", num_features=8, max_seq_len=24).double()
+    assert layer.method_state.proj_k.shape == (2, 8, 24)
+    x = torch.randn(1, 24, 16, dtype=torch.float64)
+    mask = torch.zeros(1, 24, dtype=torch.bool)
+    mask[:, :17] = True
+    padded = layer(x, key_padding_mask=mask)
+    truncated = layer(x[:, :17])
+    torch.testing.assert_close(padded[:, :17], truncated, rtol=1e-10, atol=1e-12)
+    padded.sum().backward()
+    for p in (layer.method_state.proj_k, layer.method_state.proj_v):
+        assert p.grad is not None
+        assert torch.all(p.grad[..., 17:] == 0), "padded positions' columns get no gradient"
+        assert p.grad[..., :17].abs().sum() > 0
+    shared = MultiHeadAttention(16, 2, method="linformer", max_seq_len=24, share_kv=True)
+    assert shared.method_state.proj_v is None
+    assert sum(1 for n, _ in shared.named_parameters() if "method_state" in n) == 1
+
+
+def test_fixed_length_errors_are_sentences():
+    with pytest.raises(ValueError, match="linformer needs a fixed max_seq_len"):
+        MultiHeadAttention(16, 2, method="linformer")
+    layer = MultiHeadAttention(16, 2, method="linformer", max_seq_len=10)
+    with pytest.raises(ValueError, match="max_seq_len=10"):
+        layer(torch.randn(1, 12, 16))
+    q, k, v = make_qkv(1, 2, 12, 8)
+    with pytest.raises(ValueError, match="max_seq_len=10"):
+        attention(q, k, v, "linformer", max_seq_len=10)
+
+
+def test_bad_projections_and_options():
+    q, k, v = make_qkv(1, 2, 10, 4)
+    e = torch.randn(2, 5, 10, dtype=torch.float64)
+    for options, word in (
+        ({"proj_k": e}, "both proj_k and proj_v"),
+        ({"proj_k": e, "proj_v": e}, r"\[H, num_features, L\]"),  # num_features 128 != 5
+        ({"num_features": 5, "proj_k": e[:, :, :6], "proj_v": e[:, :, :6]}, "one column per position"),
+        ({"num_features": 5, "proj_k": e[:1], "proj_v": e[:1]}, r"\[2, 5, L\]"),
+        ({"num_features": 5, "max_seq_len": 12, "proj_k": e, "proj_v": e}, "max_seq_len=12"),
+        ({"num_features": 0}, "num_features"),
+        ({"max_seq_len": 0}, "max_seq_len"),
+        ({"share_kv": 1}, "share_kv"),
+        ({"scale": 0}, "scale"),
+    ):
+        with pytest.raises(ValueError, match=word):
+            linformer_attention(q, k, v, **options)
