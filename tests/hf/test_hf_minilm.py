@@ -83,8 +83,8 @@ def test_padded_batch_equals_each_sequence_alone(minilm, model, padded_batch, me
 
 @pytest.mark.parametrize("method", list_methods())
 def test_every_method_runs_forward_and_backward_in_minilm(minilm, model, padded_batch, method):
-    """Through the plain transformers route (defaults, lazily set up), in training mode
-    (dropout on), and again with options, a seed and only some layers."""
+    """Through the plain transformers route (default options, set up at the first call) in
+    training mode (dropout on), then with options and a seed (deterministic)."""
     caps = get_method(method).capabilities
     batch = padded_batch
     if not caps.mask:  # a method without mask support gets an unpadded batch
@@ -98,15 +98,14 @@ def test_every_method_runs_forward_and_backward_in_minilm(minilm, model, padded_
     grad = model.encoder.layer[0].attention.self.query.weight.grad
     assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
 
-    model.zero_grad()
     model.eval()
     shf.set_attention(model, method, seed=0, **small_options(method))
     assert [r["seed"] for r in shf.describe(model)] == [0] * 6
-    out = mean_pooled(model, batch)
-    again = mean_pooled(model, batch)
+    with torch.no_grad():
+        out = mean_pooled(model, batch)
+        again = mean_pooled(model, batch)
+    assert torch.isfinite(out).all()
     torch.testing.assert_close(out, again, rtol=0, atol=0)  # seeded: deterministic
-    out.sum().backward()
-    assert torch.isfinite(model.encoder.layer[1].attention.self.key.weight.grad).all()
 
 
 def test_layer_choice_changes_only_the_chosen_layers(minilm, model, padded_batch):
