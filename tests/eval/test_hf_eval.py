@@ -77,6 +77,11 @@ def test_config_errors():
         HFEvalConfig(settings=("medium",)).validate()
     with pytest.raises(ValueError, match="repeats must be a positive integer"):
         HFEvalConfig(repeats=0).validate()
+    with pytest.raises(ValueError, match="device must be e.g. 'cpu'"):
+        HFEvalConfig(device="tpu-ish").validate()
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available here"):
+            HFEvalConfig(device="cuda").validate()
     assert main(["hf-eval", "--methods", "nope", "--out", "/nonexistent/x"]) == 2
 
 

@@ -34,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text", default=None, help="UTF-8 text file (default: shipped text)")
     parser.add_argument("--model", default=None,
                         help="local BERT-type model folder (default: pretrained MiniLM-L6)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:i]")
     parser.add_argument("--out", default="results/hf-eval",
                         help="folder for hf_eval.json, .csv, .md (table) and .png "
                         "(default results/hf-eval)")
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         layers=tuple(args.layers) if args.layers is not None else None, seq_len=args.seq_len,
         max_texts=args.max_texts, batch_size=args.batch_size, time_batch=args.time_batch,
         seed=args.seed, repeats=args.repeats, memory=not args.no_memory, text=args.text,
-        model=args.model,
+        model=args.model, device=args.device,
     )
     progress = None if args.quiet else (lambda line: print(f"  {line}", file=sys.stderr))
     result = evaluate(config, progress=progress)

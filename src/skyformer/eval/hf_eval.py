@@ -71,6 +71,7 @@ class HFEvalConfig:
     memory: bool = True
     text: str | None = None  # UTF-8 text file; None = shipped public-domain text
     model: str | None = None  # local model folder; None = pretrained MiniLM-L6
+    device: str = "cpu"
 
     def validate(self) -> None:
         for name in ("seq_len", "max_texts", "batch_size", "time_batch", "repeats"):
@@ -92,6 +93,18 @@ class HFEvalConfig:
             )
         for m in self.methods or ():
             get_method(m)  # unknown names fail before any work
+        check_device(self.device)
+
+
+def check_device(device: str) -> torch.device:
+    """``torch.device(device)``, failing with a sentence if it is not usable here."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be e.g. 'cpu' or 'cuda:0', got {device!r}.") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for, but CUDA is not available here.")
+    return resolved
 
 
 @dataclass
@@ -224,17 +237,18 @@ def _configurations(config: HFEvalConfig) -> list[tuple[str, int | None]]:
 
 def memory_probe(model_dir: str | None, method: str, options: dict[str, Any],
                  layers: list[int] | None, seed: int, input_ids: list[list[int]],
-                 threads: int | None = None) -> Callable[[], None]:
-    """Memory-job setup (run in a fresh process): the model with ``method`` and the
+                 threads: int | None = None, device: str = "cpu") -> Callable[[], None]:
+    """Memory-job setup (a fresh process on CPU): the model with ``method`` and the
     forward pass of one batch, ready to call."""
     if threads:
         torch.set_num_threads(threads)
     model, _, _ = load_model(model_dir)
+    model.to(device)
     if method != BASELINE:
         from ..hf import set_attention
 
         set_attention(model, method, layers=layers, seed=seed, **options)
-    batch = pad_batch(input_ids)
+    batch = {k: v.to(device) for k, v in pad_batch(input_ids).items()}
 
     def forward() -> None:
         with torch.no_grad():
@@ -270,7 +284,8 @@ def evaluate(config: HFEvalConfig = HFEvalConfig(),
     config.validate()
     text = read_text(config.text)
     model, tokenizer, name = load_model(config.model)
-    device = next(model.parameters()).device
+    device = check_device(config.device)
+    model.to(device)
     layers = list(config.layers) if config.layers is not None else None
     rows: list[dict[str, Any]] = []
     described: dict[str, dict[str, Any]] = {}
@@ -306,7 +321,7 @@ def evaluate(config: HFEvalConfig = HFEvalConfig(),
                         "model_dir": config.model, "method": method, "options": options,
                         "layers": layers, "seed": config.seed,
                         "input_ids": timed["input_ids"].tolist(),
-                        "threads": torch.get_num_threads(),
+                        "threads": torch.get_num_threads(), "device": str(device),
                     })
                     row["peak_mib"] = peak_memory_bytes(job, device) / 2**20
             except (CapabilityError, ValueError) as err:  # e.g. no mask support: say why
