@@ -121,6 +121,14 @@ def test_llama_grouped_query_attention_with_padding():
     torch.testing.assert_close(out[real], exact[real], rtol=0, atol=ATOL)
     with pytest.raises(CapabilityError, match="causal"):
         shf.set_attention(model, "skyformer")
+    # Training with attention dropout: softmax hands the un-repeated heads to SDPA.
+    config.attention_dropout = 0.5
+    trained = copy_as(model, "skyformer:softmax").train()
+    for _, _, module in shf.attention_modules(trained):
+        module.attention_dropout = 0.5
+    with torch.enable_grad():
+        out = trained(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert torch.isfinite(out).all()
 
 
 @torch.no_grad()

@@ -161,9 +161,6 @@ def skyformer_attention_forward(
                 f"{where}: the model asks for {what} ({name}=...), which {spec.name} cannot "
                 f"apply; keep exact attention in this layer."
             )
-    groups = getattr(module, "num_key_value_groups", 1)
-    if isinstance(groups, int) and groups > 1:
-        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     b, _, nq, head_dim = query.shape
     nk = key.shape[2]
     if is_causal is None:
@@ -179,6 +176,9 @@ def skyformer_attention_forward(
             scaling=options.get("scale") or scaling, is_causal=is_causal, **kwargs,
         )
 
+    groups = getattr(module, "num_key_value_groups", 1)
+    if isinstance(groups, int) and groups > 1:  # grouped-query attention
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     key_padding_mask = resolved.key_padding_mask
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.to(query.device)
