@@ -82,6 +82,8 @@ def test_config_errors():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available here"):
             HFEvalConfig(device="cuda").validate()
+    with pytest.raises(ValueError, match="clock must be one of wall, cpu"):
+        HFEvalConfig(clock="tsc").validate()
     assert main(["hf-eval", "--methods", "nope", "--out", "/nonexistent/x"]) == 2
 
 
@@ -90,14 +92,14 @@ def test_hf_eval_end_to_end(tmp_path, capsys):
     code = main([
         "hf-eval", "--methods", "softmax", "skyformer", "nystrom_softmax", "--features", "8",
         "--max-texts", "6", "--seq-len", "64", "--repeats", "1", "--no-memory", "--quiet",
-        "--layers", "0", "1", "--out", str(out),
+        "--layers", "0", "1", "--clock", "cpu", "--out", str(out),
     ])
     assert code == 0
     printed = capsys.readouterr().out
     assert "Gaussian kernel, not a drop-in" in printed
     data = json.loads((out / "hf_eval.json").read_text())
     assert data["config"]["features"] == [8] and "torch" in data["environment"]
-    assert data["config"]["layers"] == [0, 1]
+    assert data["config"]["layers"] == [0, 1] and data["config"]["clock"] == "cpu"
     assert data["texts"]["long"]["count"] == 6 and data["texts"]["long"]["max_tokens"] == 64
     rows = {(r["setting"], r["method"]): r for r in data["rows"]}
     for setting in ("short", "long"):
@@ -123,3 +125,4 @@ def test_forward_pass_memory_of_the_model():
     # MiniLM-L6 on 256 tokens: activations of a few MiB (the 256 x 1536 float32
     # feed-forward hidden layer alone is 1.5 MiB).
     assert 1.5 * 2**20 < peak_memory_bytes(job) < 64 * 2**20
+

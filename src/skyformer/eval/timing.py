@@ -1,4 +1,4 @@
-"""Wall-clock timing with warm-up, medians and CUDA synchronisation."""
+"""Timing with warm-up, medians and CUDA synchronisation (wall clock by default)."""
 
 from __future__ import annotations
 
@@ -16,17 +16,21 @@ def _sync(device: torch.device) -> None:
 
 def median_seconds(
     fn: Callable[[], object], *, device: torch.device | str = "cpu", warmup: int = 1,
-    repeats: int = 5,
+    repeats: int = 5, clock: Callable[[], float] = time.perf_counter,
 ) -> float:
-    """Median wall time of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
+    """Median time of ``fn()`` over ``repeats`` runs after ``warmup`` runs.
+
+    ``clock``: ``time.perf_counter`` (wall time) or e.g. ``time.process_time`` (CPU time
+    of this process: on a shared CPU it leaves out the time spent waiting for a core).
+    """
     device = torch.device(device)
     for _ in range(warmup):
         fn()
     _sync(device)
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
         _sync(device)
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times)
