@@ -262,3 +262,22 @@ def test_restore_returns_to_the_implementation_the_model_had():
     assert model.config._attn_implementation == "skyformer"
     shf.restore_exact(model)
     assert model.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize(
+    "method", [m for m in registry.list_methods() if registry.get_method(m).state is not None])
+def test_seed_fixes_the_per_layer_state(method):
+    a, b, c = tiny_bert(), tiny_bert(), tiny_bert()
+    options = {"num_features": 8} if "num_features" in registry.get_method(method).option_names() else {}
+    shf.set_attention(a, method, seed=3, **options)
+    shf.set_attention(b, method, seed=3, **options)
+    shf.set_attention(c, method, seed=4, **options)
+    sa, sb, sc = (m.encoder.layer[1].attention.self.skyformer_state.state_dict() for m in (a, b, c))
+    assert sa.keys() == sb.keys()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    ids, mask = ids_and_padding()
+    with torch.no_grad():
+        torch.testing.assert_close(a(input_ids=ids, attention_mask=mask).last_hidden_state,
+                                   b(input_ids=ids, attention_mask=mask).last_hidden_state,
+                                   rtol=0, atol=0)
+    assert not all(torch.equal(sa[k], sc[k]) for k in sa) or not sa, "the seed must matter"

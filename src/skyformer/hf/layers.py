@@ -38,7 +38,8 @@ class LayerAttention:
         e.g. a user-given ``scale`` over the model's ``scaling``).
     seed: ``None`` = randomised methods draw from torch's global generator (fresh draws
         every call, as in training); an int = every call draws from a generator seeded
-        with ``seed + index`` (the same input gives the same output).
+        with ``seed + index`` (the same input gives the same output), and the per-layer
+        state is initialised under that seed too.
     index: the layer number (``module.layer_idx`` or the module's position in the model;
         ``None`` for a module set up during a forward pass without a ``layer_idx``).
     implementation: the ``attn_implementation`` name this setting was made for; it is
@@ -207,7 +208,12 @@ def build_layer(
             f"of {type(module).__name__} are unknown (no num_attention_heads/head_dim "
             f"attributes)."
         )
-    state = spec.state(config, heads, head_dim)
+    if seed is None:
+        state = spec.state(config, heads, head_dim)
+    else:  # the seed also fixes the state's initialisation (projections, feature seeds)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + (index or 0))
+            state = spec.state(config, heads, head_dim)
     param = next(module.parameters(), None)
     if param is not None:
         state = state.to(device=param.device, dtype=param.dtype)
