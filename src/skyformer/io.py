@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+FILE_MODE = 0o644
+
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
     """Write ``text`` to ``path`` through a temporary file in the same folder, then rename."""
@@ -22,6 +24,7 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
+        os.chmod(tmp, FILE_MODE)  # mkstemp creates 0600: results should be readable
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -29,9 +32,11 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
     return target
 
 
-def write_json(path: str | os.PathLike[str], data: Any) -> Path:
-    """Atomically write ``data`` as indented JSON."""
-    return atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+def write_json(path: str | os.PathLike[str], data: Any, *, indent: int | None = 2) -> Path:
+    """Atomically write ``data`` as JSON (``indent=None``: compact, for long arrays)."""
+    separators = (",", ":") if indent is None else None
+    text = json.dumps(data, indent=indent, separators=separators, sort_keys=False, default=str)
+    return atomic_write_text(path, text + "\n")
 
 
 def environment(device: torch.device | str | None = None) -> dict[str, Any]:
@@ -56,3 +61,26 @@ def environment(device: torch.device | str | None = None) -> dict[str, Any]:
     except Exception:  # not installed (running from a source tree)
         info["skyformer"] = "source"
     return info
+
+
+def write_csv(
+    path: str | os.PathLike[str], rows: list[dict[str, Any]], *,
+    metadata: dict[str, Any] | None = None,
+) -> Path:
+    """Atomically write ``rows`` (dicts; columns = union of their keys, first-seen order)
+    as CSV. ``metadata`` (e.g. the resolved config and environment) goes first, one
+    ``# key: <json>`` comment line per key (``pandas.read_csv(path, comment="#")``)."""
+    import csv
+    import io
+
+    columns: list[str] = []
+    for row in rows:
+        columns.extend(k for k in row if k not in columns)
+    buffer = io.StringIO()
+    for key, value in (metadata or {}).items():
+        buffer.write(f"# {key}: {json.dumps(value, default=str)}\n")
+    writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in columns})
+    return atomic_write_text(path, buffer.getvalue())

@@ -62,3 +62,29 @@ def test_random_init_differs_from_pretrained(minilm):
     a = extract_qkv(model, tokenizer, default_text(), seq_len=16, layer=0, pretrained=False)
     b = extract_qkv(minilm[0], tokenizer, default_text(), seq_len=16, layer=0)
     assert not torch.allclose(a.q, b.q)
+
+
+def test_model_folders_that_cannot_be_used_give_sentences(tmp_path):
+    import shutil
+
+    import transformers
+
+    from skyformer.eval.qkv import default_model_dir
+
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    (config_only / "config.json").write_text('{"model_type": "bert", "hidden_size": 8, '
+                                             '"num_attention_heads": 2, "num_hidden_layers": 1, '
+                                             '"intermediate_size": 8, "vocab_size": 30522}')
+    for name in ("vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(default_model_dir() / name, config_only / name)
+    with pytest.raises(ValueError, match="could not load a Hugging Face model .* no file named"):
+        load_model(config_only)
+    gpt2 = tmp_path / "gpt2"
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=30522,
+                                     n_positions=32)
+    transformers.GPT2Model(config).save_pretrained(gpt2)
+    for name in ("vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(default_model_dir() / name, gpt2 / name)
+    with pytest.raises(ValueError, match="holds a GPT2Model, not a BERT-type encoder"):
+        load_model(gpt2)

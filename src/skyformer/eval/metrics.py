@@ -1,9 +1,42 @@
-"""Approximation error of attention outputs."""
+"""Approximation error of attention outputs, rank-m floors, trivial baselines, stable rank.
+
+Every function works on batches ``[..., N, D]`` (e.g. ``[B, H, N, D]``: one value per
+matrix, i.e. per head) and computes in float64.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+_TINY = torch.finfo(torch.float64).tiny
+
+
+def _f64(x: Tensor) -> Tensor:
+    return x.detach().to(torch.float64)
+
+
+def spectral_norm(x: Tensor) -> Tensor:
+    """Largest singular value of every matrix in ``x: [..., N, D]``: ``[...]``."""
+    return torch.linalg.matrix_norm(_f64(x), ord=2)
+
+
+def singular_values(x: Tensor) -> Tensor:
+    """Singular values, descending, of every matrix in ``x: [..., N, D]``: ``[..., min(N, D)]``."""
+    return torch.linalg.svdvals(_f64(x))
+
+
+def stable_rank(x: Tensor) -> Tensor:
+    """Stable rank ||x||_F^2 / ||x||_2^2 of every matrix in ``x: [..., N, D]``: ``[...]``
+    (KDEformer section 2; always between 1 and the rank; 0 for a zero matrix)."""
+    return stable_rank_from_singular_values(singular_values(x))
+
+
+def stable_rank_from_singular_values(s: Tensor) -> Tensor:
+    """Stable rank sum(s^2) / max(s)^2 from singular values ``s: [..., r]``: ``[...]``."""
+    s = _f64(s)
+    top = s.amax(dim=-1)
+    return (s * s).sum(dim=-1) / (top * top).clamp_min(_TINY)
 
 
 def relative_error(approx: Tensor, exact: Tensor, ord: int | str = 2) -> Tensor:
@@ -14,8 +47,46 @@ def relative_error(approx: Tensor, exact: Tensor, ord: int | str = 2) -> Tensor:
     """
     if approx.shape != exact.shape:
         raise ValueError(f"shapes differ: {tuple(approx.shape)} vs {tuple(exact.shape)}.")
-    a = approx.detach().to(torch.float64)
-    e = exact.detach().to(torch.float64)
+    a = _f64(approx)
+    e = _f64(exact)
     num = torch.linalg.matrix_norm(a - e, ord=ord)
     den = torch.linalg.matrix_norm(e, ord=ord)
-    return num / den.clamp_min(torch.finfo(torch.float64).tiny)
+    return num / den.clamp_min(_TINY)
+
+
+def rank_m_floor(basis: Tensor, exact: Tensor, ranks: list[int], ord: int | str = 2) -> Tensor:
+    """Relative error of ``A_m V`` against ``A V`` for each rank m in ``ranks``.
+
+    A_m is the best rank-m approximation of the attention matrix A (truncated SVD,
+    Eckart-Young), so ``A_m V = U_m U_m^T (A V)`` with U_m the top-m left singular
+    vectors of A.
+
+    Args:
+        basis: top left singular vectors of A, ``[..., N, k]`` with ``k >= max(ranks)``
+            (e.g. ``linalg.top_singular_subspace(A, k).u``).
+        exact: the exact output ``A V``, ``[..., N, Dv]``.
+    Returns:
+        ``[len(ranks), ...]``.
+    """
+    if max(ranks) > basis.shape[-1]:
+        raise ValueError(f"basis has {basis.shape[-1]} vectors, ranks need {max(ranks)}.")
+    u = _f64(basis)
+    o = _f64(exact)
+    coeff = u.transpose(-1, -2) @ o  # [..., k, Dv]
+    out = []
+    for m in ranks:
+        projected = u[..., :m] @ coeff[..., :m, :]
+        out.append(relative_error(projected, o, ord=ord))
+    return torch.stack(out)
+
+
+def constant_row_error(exact: Tensor, row: Tensor | None = None, ord: int | str = 2) -> Tensor:
+    """Relative error of the answer whose every row is ``row`` (``[..., Dv]``).
+
+    With ``row=None`` the row is the mean of the exact output's rows, the best
+    constant-row answer in Frobenius norm (the projection of ``exact`` onto matrices
+    with equal rows). ``row = mean of V`` is uniform attention's answer.
+    """
+    o = _f64(exact)
+    r = o.mean(dim=-2) if row is None else _f64(row)
+    return relative_error(r[..., None, :].expand_as(o), o, ord=ord)

@@ -75,15 +75,23 @@ def load_model(
             f"{str(path)!r} is not a Hugging Face model folder (no config.json); pass the folder "
             f"that holds config.json, the weights and the tokenizer files."
         )
-    with _quiet_transformers():
-        config = transformers.AutoConfig.from_pretrained(path)
-        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-        if pretrained:
-            model = transformers.AutoModel.from_pretrained(path)
-        else:
-            with torch.random.fork_rng():
-                torch.manual_seed(seed)
-                model = transformers.AutoModel.from_config(config)
+    try:
+        with _quiet_transformers():
+            config = transformers.AutoConfig.from_pretrained(path)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+            if pretrained:
+                model = transformers.AutoModel.from_pretrained(path)
+            else:
+                with torch.random.fork_rng():
+                    torch.manual_seed(seed)
+                    model = transformers.AutoModel.from_config(config)
+    except (OSError, KeyError, ValueError) as err:
+        # transformers reports missing weights/tokenizer files as OSError and unknown
+        # model types as KeyError/ValueError: say which folder and what it lacks.
+        raise ValueError(
+            f"could not load a Hugging Face model and tokenizer from {str(path)!r}: "
+            f"{str(err).strip().splitlines()[0]}"
+        ) from None
     model.eval()
     name = getattr(config, "_name_or_path", "") or path.name
     if model_dir is None:

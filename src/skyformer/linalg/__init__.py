@@ -1,12 +1,15 @@
-"""Shared numerics: iterative pseudo-inverse, Gaussian kernel blocks, Lemma 3 inverse."""
+"""Shared numerics: iterative pseudo-inverse, Gaussian kernel blocks, Lemma 3 inverse,
+top singular subspaces."""
 
 from .kernels import gaussian_exponent, gaussian_kernel_block, half_sq_norm
 from .nystrom import PINV_METHODS, lemma3_inverse
 from .pinv import PINV_INITS, initial_inverse, inverse_residual, iterative_pinv
+from .subspace import Subspace, top_singular_subspace
 
 __all__ = [
     "PINV_INITS",
     "PINV_METHODS",
+    "Subspace",
     "gaussian_exponent",
     "gaussian_kernel_block",
     "half_sq_norm",
@@ -14,4 +17,5 @@ __all__ = [
     "inverse_residual",
     "iterative_pinv",
     "lemma3_inverse",
+    "top_singular_subspace",
 ]

@@ -1,0 +1,165 @@
+"""``skyformer approx``: approximation error against m on real and synthetic Q/K/V, with
+rank-m floors, trivial baselines, spectra and statistical dimension."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from typing import Any
+
+import torch
+
+from ..eval.approx import QUICK, ApproxConfig, run_approx
+from ..eval.approx_report import analysis_table, format_table, write_outputs
+from ..eval.sources import SOURCES
+
+NAME = "approx"
+HELP = (
+    "approximation study: relative spectral error of every method against its exact target "
+    "as the number of features grows, on MiniLM-L6 Q/K/V (pretrained and randomly "
+    "initialised), GloVe vectors or Gaussian data, with rank-m SVD floors, trivial "
+    "baselines, spectra and Theorem 2 statistical dimension; writes JSON, CSV, PNG and a "
+    "markdown report"
+)
+
+# Options that map one-to-one onto ApproxConfig fields (None = not given).
+_FIELDS = {
+    "sources": "sources", "seq_lens": "seq_lens", "features": "features", "seeds": "seeds",
+    "methods": "methods", "layer": "layer", "model": "model", "text": "text", "glove": "glove",
+    "gaussian_norm": "gaussian_norm", "gaussian_dim": "gaussian_dim", "data_seed": "data_seed",
+    "analysis_len": "analysis_seq_len", "residual_block": "residual_block",
+    "lsh_bits": "lsh_bits", "eps": "eps",
+    "delta": "delta", "floor_power_iterations": "floor_power_iterations",
+    "floor_oversample": "floor_oversample",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = ApproxConfig()
+    parser.add_argument("--quick", action="store_true",
+                        help="small preset that runs in well under a minute: N=256, m in "
+                        "16 32 64, heads 0 1 (explicit options still apply)")
+    parser.add_argument("--sources", nargs="+", choices=SOURCES, default=None,
+                        help=f"Q/K/V sources (default: {' '.join(d.sources)})")
+    parser.add_argument("--seq-lens", nargs="+", type=int, default=None, metavar="N",
+                        help=f"sequence lengths N (default: {' '.join(map(str, d.seq_lens))})")
+    parser.add_argument("--features", nargs="+", type=int, default=None, metavar="M",
+                        help=f"numbers of features m (default: {' '.join(map(str, d.features))}); "
+                        "values >= N are dropped for that N")
+    parser.add_argument("--seeds", nargs="+", type=int, default=None, metavar="SEED",
+                        help="random seeds of the methods (default: "
+                        f"{' '.join(map(str, d.seeds))})")
+    parser.add_argument("--methods", nargs="+", default=None, metavar="NAME",
+                        help="subset of methods (default: every approximate method)")
+    parser.add_argument("--layer", type=int, default=None, help=f"model layer (default {d.layer})")
+    parser.add_argument("--heads", nargs="+", default=None, metavar="H",
+                        help="head indices, or 'all' (default: 0 3 6 9); for glove/gaussian "
+                        "the number of independent slices")
+    parser.add_argument("--model", default=None, metavar="DIR",
+                        help="local BERT-type Hugging Face model folder (default: MiniLM-L6)")
+    parser.add_argument("--text", default=None, metavar="FILE",
+                        help="UTF-8 text file (default: shipped text)")
+    parser.add_argument("--glove", default=None, metavar="FILE",
+                        help="GloVe-format word vector file")
+    parser.add_argument("--gaussian-norm", type=float, default=None,
+                        help=f"expected row norm of synthetic Q, K (default {d.gaussian_norm:g})")
+    parser.add_argument("--gaussian-dim", type=int, default=None,
+                        help=f"head dim of synthetic Q/K/V (default {d.gaussian_dim})")
+    parser.add_argument("--data-seed", type=int, default=None,
+                        help="seed of the random init and the synthetic data (default 0)")
+    parser.add_argument("--no-analysis", action="store_true",
+                        help="skip the spectra and leverage analysis")
+    parser.add_argument("--no-sweep", action="store_true",
+                        help="only the analysis: no method runs, no error plot")
+    parser.add_argument("--analysis-len", type=int, default=None, metavar="N",
+                        help=f"sequence length of the analysis (default {d.analysis_seq_len})")
+    parser.add_argument("--residual-block", type=int, default=None,
+                        help=f"keys per LSH bucket (and entries per row of the oracle mask) of "
+                        f"the sparse part (default {d.residual_block})")
+    parser.add_argument("--lsh-bits", type=int, default=None,
+                        help=f"hyperplanes of the angular LSH (default {d.lsh_bits})")
+    parser.add_argument("--eps", nargs="+", type=float, default=None, metavar="EPS",
+                        help="relative errors eps for Theorem 2 (default: 0.1 0.01)")
+    parser.add_argument("--delta", type=float, default=None,
+                        help=f"failure probability delta for Theorem 2 (default {d.delta:g})")
+    parser.add_argument("--floor-power-iterations", type=int, default=None,
+                        help=f"subspace iterations of the rank-m floors (default "
+                        f"{d.floor_power_iterations})")
+    parser.add_argument("--floor-oversample", type=int, default=None,
+                        help=f"oversampling of the rank-m floors (default {d.floor_oversample})")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's own choice); on a machine "
+                        "busier than its cores, 1 avoids threads spinning on each other")
+    parser.add_argument("--out", default="results/approx", metavar="DIR",
+                        help="output folder (default results/approx)")
+    parser.add_argument("--no-plots", action="store_true", help="write no PNG plots")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def config_from_args(args: argparse.Namespace) -> ApproxConfig:
+    """The resolved config: defaults, then the --quick preset, then explicit options."""
+    values: dict[str, Any] = dict(QUICK) if args.quick else {}
+    for arg, name in _FIELDS.items():
+        value = getattr(args, arg)
+        if value is not None:
+            values[name] = tuple(value) if isinstance(value, list) else value
+    if args.heads is not None:
+        if [h.lower() for h in args.heads] == ["all"]:
+            values["heads"] = None
+        else:
+            try:
+                values["heads"] = tuple(int(h) for h in args.heads)
+            except ValueError:
+                raise ValueError(f"--heads takes integers or 'all', got {' '.join(args.heads)}.") \
+                    from None
+    if args.no_analysis:
+        values["analysis"] = False
+    if args.no_sweep:
+        values["sweep"] = False
+    if args.no_progress:
+        values["progress"] = False
+    return ApproxConfig(**values)
+
+
+def _command(args: argparse.Namespace) -> str:
+    parts = ["skyformer", "approx"]
+    for key, value in vars(args).items():
+        if key.startswith("_") or key == "command" or value in (None, False):
+            continue
+        if key == "out" and value == "results/approx":
+            continue
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            parts.append(flag)
+        else:
+            parts += [flag, *map(str, value if isinstance(value, list) else [value])]
+    return shlex.join(parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {args.threads}.")
+        torch.set_num_threads(args.threads)
+    if not args.no_plots:
+        from ..eval.approx_plots import require_pyplot
+
+        require_pyplot()  # fail before the run, not after it, when matplotlib is missing
+    result = run_approx(config)
+    print("Q/K/V:")
+    for s in result.sources:
+        print(f"  {s['source']} N={s['seq_len']}: {s['description']}")
+    if result.rows:
+        print("error: relative spectral norm ||O - O_exact||_2 / ||O_exact||_2 against the "
+              "method's target, mean over seeds and heads")
+        print(format_table(result.rows))
+    if result.analysis:
+        print()
+        print(analysis_table(result.analysis))
+    written = write_outputs(result, args.out, plots=not args.no_plots, command=_command(args))
+    print()
+    for kind, path in written.items():
+        print(f"wrote {path}")
+    print(f"took {result.seconds['total']:.1f} s")
+    return 0

@@ -1,0 +1,135 @@
+"""Where the approximation study's queries, keys and values come from.
+
+- ``pretrained``: a BERT-type Hugging Face model (default the pretrained MiniLM-L6) on
+  real text, one layer, chosen heads (``eval.qkv``);
+- ``init``: the same architecture randomly initialised (Skyformer Figure 1's
+  "initialized" setting);
+- ``glove``: word vectors from a GloVe-format file, KDEformer section 4.1's setup:
+  keys equal queries, values another slice of the file;
+- ``gaussian``: synthetic i.i.d. Gaussian rows with a chosen expected norm.
+
+Every source returns ``[1, H, N, D]`` float32 tensors, H = the number of chosen heads
+(for ``glove`` and ``gaussian`` the heads are independent slices or draws).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .glove import read_glove
+from .qkv import extract_qkv, load_model
+from .text import read_text
+
+SOURCES = ("pretrained", "init", "glove", "gaussian")
+
+
+@dataclass(frozen=True)
+class SourceData:
+    """Q/K/V of one source at one length, ``[1, H, N, D]`` each, and what they are."""
+
+    source: str
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    description: str
+    windows: int = 1
+
+
+@dataclass(frozen=True)
+class SourceOptions:
+    """What the sources need; see ``ApproxConfig`` for the meaning of each field."""
+
+    model: str | None = None
+    text: str | None = None
+    layer: int = 0
+    heads: tuple[int, ...] | None = None
+    glove: str | None = None
+    gaussian_norm: float = 6.0
+    gaussian_dim: int = 32
+    data_seed: int = 0
+
+
+def check_source(source: str) -> None:
+    if source not in SOURCES:
+        raise ValueError(f"unknown source {source!r}; choose from: {', '.join(SOURCES)}.")
+
+
+class SourceLoader:
+    """Loads each source's data, keeping models and text between sequence lengths."""
+
+    def __init__(self, options: SourceOptions) -> None:
+        self.options = options
+        self._models: dict[bool, tuple[Any, Any, str]] = {}
+        self._text: str | None = None
+
+    def num_heads(self) -> int:
+        """H for the synthetic sources (the BERT sources use the model's own count)."""
+        return len(self.options.heads) if self.options.heads else 12
+
+    def load(self, source: str, seq_len: int) -> SourceData:
+        check_source(source)
+        if source in ("pretrained", "init"):
+            return self._bert(source == "pretrained", seq_len)
+        if source == "glove":
+            return self._glove(seq_len)
+        return self._gaussian(seq_len)
+
+    def _bert(self, pretrained: bool, seq_len: int) -> SourceData:
+        o = self.options
+        if pretrained not in self._models:
+            self._models[pretrained] = load_model(o.model, pretrained=pretrained, seed=o.data_seed)
+        if self._text is None:
+            self._text = read_text(o.text)
+        model, tokenizer, name = self._models[pretrained]
+        qkv = extract_qkv(
+            model, tokenizer, self._text, seq_len=seq_len, layer=o.layer, name=name,
+            pretrained=pretrained,
+        )
+        total = qkv.q.shape[1]
+        heads = list(o.heads) if o.heads else list(range(total))
+        bad = [h for h in heads if not 0 <= h < total]
+        if bad:
+            raise ValueError(f"heads must be in 0..{total - 1} for this model, got {bad}.")
+        q, k, v = (t[:, heads].contiguous() for t in (qkv.q, qkv.k, qkv.v))
+        text = qkv.describe() + f", heads {','.join(map(str, heads))}"
+        return SourceData("pretrained" if pretrained else "init", q, k, v, text, qkv.windows)
+
+    def _glove(self, seq_len: int) -> SourceData:
+        o = self.options
+        if o.glove is None:
+            raise ValueError("the glove source needs a GloVe-format file: pass --glove FILE.")
+        h = self.num_heads()
+        # Q = K = vectors [0, H N), V = the next H N vectors. Methods scale logits by
+        # 1/sqrt(d), so softmax(q k^T / sqrt(d)) is KDEformer's softmax(Q K^T) with
+        # Q = K = vectors / d^(1/4).
+        x = read_glove(o.glove, 2 * h * seq_len).float()
+        d = x.shape[1]
+        q = x[: h * seq_len].reshape(1, h, seq_len, d)
+        v = x[h * seq_len :].reshape(1, h, seq_len, d)
+        text = (
+            f"GloVe vectors from {Path(o.glove).name} (d={d}), {h} slices of N={seq_len}, "
+            f"K = Q, V = the next {h * seq_len} vectors"
+        )
+        return SourceData("glove", q, q.clone(), v.contiguous(), text)
+
+    def _gaussian(self, seq_len: int) -> SourceData:
+        o = self.options
+        if not (o.gaussian_norm > 0 and math.isfinite(o.gaussian_norm)):
+            raise ValueError(f"gaussian_norm must be a positive number, got {o.gaussian_norm}.")
+        if o.gaussian_dim < 1:
+            raise ValueError(f"gaussian_dim must be at least 1, got {o.gaussian_dim}.")
+        h, d = self.num_heads(), o.gaussian_dim
+        g = torch.Generator().manual_seed(o.data_seed)
+        sigma = o.gaussian_norm / math.sqrt(d)  # E|q|^2 = d sigma^2 = norm^2
+        q, k, v = (torch.randn(1, h, seq_len, d, generator=g) for _ in range(3))
+        text = (
+            f"synthetic Gaussian Q, K with expected row norm {o.gaussian_norm:g} "
+            f"(entries N(0, {sigma:.3g}^2)), V ~ N(0, 1), d={d}, {h} draws of N={seq_len}"
+        )
+        return SourceData("gaussian", q * sigma, k * sigma, v, text)

@@ -1,0 +1,198 @@
+"""The approximation study: sweep, references, determinism, generic method handling."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import scipy.linalg
+import torch
+
+from skyformer import registry
+from skyformer.eval.approx import ApproxConfig, resolve_methods, run_approx
+from skyformer.eval.approx_report import format_table, write_outputs
+from skyformer.eval.sources import SourceLoader, SourceOptions
+from skyformer.ops.softmax import softmax_scores
+from skyformer.registry import Capabilities, Method
+
+SMALL = dict(sources=("gaussian",), seq_lens=(48,), features=(4, 8, 16), seeds=(0, 1),
+             heads=(0, 1), analysis_seq_len=32, eps=(0.1,), progress=False)
+
+
+def small(**overrides) -> ApproxConfig:
+    return ApproxConfig(**{**SMALL, **overrides})
+
+
+def rows_of(result, **match):
+    return [r for r in result.rows if all(r[k] == v for k, v in match.items())]
+
+
+def test_sweep_rows_references_and_notes():
+    result = run_approx(small(seq_lens=(12, 48)), log=lambda s: None)
+    methods = [s.name for s in resolve_methods(None, [])]
+    assert {"skyformer", "nystrom_softmax"} <= set(methods)
+    for name in methods:
+        line = rows_of(result, source="gaussian", seq_len=48, kind="method", method=name)
+        assert [r["num_features"] for r in line] == [4, 8, 16]
+        assert all(r["samples"] == 4 and r["spectral_mean"] > 0 for r in line)  # 2 seeds x 2 heads
+    for target in ("softmax", "gaussian"):
+        floor = rows_of(result, seq_len=48, kind="floor", target=target)
+        errs = [r["spectral_mean"] for r in floor]
+        assert errs == sorted(errs, reverse=True) and errs[-1] < errs[0]
+    assert len(rows_of(result, seq_len=48, method="mean_v", target="softmax")) == 1
+    assert len(rows_of(result, seq_len=48, method="constant_row")) == 2
+    assert not rows_of(result, method="mean_v", target="gaussian")
+    # m >= N is dropped for N = 12 with a note, not an error
+    assert {r["num_features"] for r in rows_of(result, seq_len=12, kind="method")} == {4, 8}
+    assert any("N=12: m=16 dropped" in n for n in result.notes)
+    assert "gaussian N=48" in format_table(result.rows)
+    assert result.analysis[0]["seq_len"] == 32 and result.analysis[0]["leverage"][0]["eps"] == 0.1
+
+
+def test_floor_rows_equal_a_direct_truncated_svd():
+    result = run_approx(small(features=(3, 10), analysis=False), log=lambda s: None)
+    data = SourceLoader(small().source_options()).load("gaussian", 48)
+    q, k, v = (t[0].double() for t in (data.q, data.k, data.v))
+    p = softmax_scores(q[None], k[None])[0]
+    errs = []
+    for h in range(2):
+        u, s, vt = scipy.linalg.svd(p[h].numpy())
+        o = p[h].numpy() @ v[h].numpy()
+        o_m = (u[:, :10] * s[:10]) @ vt[:10] @ v[h].numpy()
+        errs.append(np.linalg.norm(o_m - o, 2) / np.linalg.norm(o, 2))
+    row = rows_of(result, kind="floor", target="softmax", num_features=10)[0]
+    assert row["spectral_mean"] == pytest.approx(np.mean(errs), rel=1e-8)
+    mean_v = rows_of(result, method="mean_v")[0]
+    o = p @ v
+    ref = [np.linalg.norm((o[h] - v[h].mean(0)).numpy(), 2) / np.linalg.norm(o[h].numpy(), 2)
+           for h in range(2)]
+    assert mean_v["spectral_mean"] == pytest.approx(np.mean(ref), rel=1e-10)
+
+
+def test_same_seed_same_numbers_other_seed_other_numbers():
+    one = run_approx(small(), log=lambda s: None)
+    two = run_approx(small(), log=lambda s: None)
+    assert one.rows == two.rows and one.samples == two.samples
+    assert one.analysis == two.analysis
+    other = run_approx(small(seeds=(5, 6), analysis=False), log=lambda s: None)
+    a = rows_of(one, method="skyformer", num_features=8)[0]["spectral_mean"]
+    b = rows_of(other, method="skyformer", num_features=8)[0]["spectral_mean"]
+    assert a != b
+
+
+def test_glove_source_is_kdeformers_setup(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    vectors = torch.randn(2 * 2 * 40, 6, generator=g)
+    path = tmp_path / "glove.txt"
+    path.write_text("".join(f"w{i} " + " ".join(f"{x:.6f}" for x in row) + "\n"
+                            for i, row in enumerate(vectors.tolist())), encoding="utf-8")
+    loader = SourceLoader(SourceOptions(glove=str(path), heads=(0, 1)))
+    data = loader.load("glove", 40)
+    x = torch.tensor([[float(f"{x:.6f}") for x in row] for row in vectors.tolist()])
+    assert data.q.shape == (1, 2, 40, 6) and torch.equal(data.q, data.k)
+    torch.testing.assert_close(data.q[0, 1], x[40:80])
+    torch.testing.assert_close(data.v[0, 0], x[80:120])
+    # our softmax(q k^T / sqrt(d)) on raw vectors == KDEformer's softmax(Q K^T), Q = K = x / d^(1/4)
+    scaled = data.q.double() / 6 ** 0.25
+    torch.testing.assert_close(softmax_scores(data.q.double(), data.k.double()),
+                               torch.softmax(scaled @ scaled.transpose(-1, -2), dim=-1))
+    result = run_approx(small(sources=("glove",), glove=str(path), seq_lens=(40,),
+                              analysis_seq_len=40), log=lambda s: None)
+    assert rows_of(result, source="glove", kind="method")
+    assert "GloVe vectors from glove.txt (d=6)" in result.sources[0]["description"]
+    with pytest.raises(ValueError, match="holds 160 vectors, 400 are needed"):
+        loader.load("glove", 100)
+
+
+def test_gaussian_source_has_the_chosen_norm():
+    data = SourceLoader(SourceOptions(gaussian_norm=9.0, gaussian_dim=64, heads=(0, 1, 2))
+                        ).load("gaussian", 4000)
+    assert data.q.shape == (1, 3, 4000, 64)
+    assert data.q.norm(dim=-1).pow(2).mean().sqrt().item() == pytest.approx(9.0, rel=0.01)
+    assert data.v.std().item() == pytest.approx(1.0, rel=0.01)
+
+
+def _register(monkeypatch, name, fn, config, **caps):
+    spec = Method(name, fn, config, Capabilities(target="softmax", **caps), "test method")
+    monkeypatch.setitem(registry._REGISTRY, name, spec)
+
+
+def test_generic_methods_fixed_length_failures_and_skips(monkeypatch):
+    @dataclasses.dataclass(frozen=True)
+    class FixedConfig:
+        num_features: int = 8
+        max_seq_len: int | None = None
+
+    def fixed(q, k, v, *, key_padding_mask=None, generator=None, num_features=8, max_seq_len=None):
+        if max_seq_len != q.shape[2]:
+            raise ValueError("fixed_test needs max_seq_len equal to the sequence length.")
+        if num_features == 8:
+            raise ValueError("fixed_test cannot use 8 features.")
+        return torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, -1) @ v
+
+    @dataclasses.dataclass(frozen=True)
+    class PlainConfig:
+        scale: float = 1.0
+
+    _register(monkeypatch, "fixed_test", fixed, FixedConfig, fixed_length=True)
+    _register(monkeypatch, "plain_test", fixed, PlainConfig)
+    notes: list[str] = []
+    result = run_approx(small(methods=("fixed_test", "plain_test", "softmax", "skyformer"),
+                              analysis=False), log=notes.append)
+    assert any("plain_test: skipped: it has no num_features option" in n for n in notes)
+    assert any("softmax: skipped: exact" in n for n in notes)
+    assert any("fixed_test: skipped at N=48, m=8" in n and "cannot use 8" in n for n in notes)
+    line = rows_of(result, method="fixed_test")
+    assert [r["num_features"] for r in line] == [4, 16]
+    assert all(r["spectral_mean"] < 1e-6 for r in line)  # it is exact softmax in disguise
+    with pytest.raises(ValueError, match="no approximate method to sweep"):
+        run_approx(small(methods=("softmax",)), log=lambda s: None)
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="unknown source 'bert'"):
+        small(sources=("bert",))
+    with pytest.raises(ValueError, match="needs a GloVe-format file"):
+        small(sources=("glove",))
+    with pytest.raises(ValueError, match="features must be positive integers"):
+        small(features=(0, 4))
+    with pytest.raises(ValueError, match="every number of features is >= N=8"):
+        run_approx(small(seq_lens=(8,), features=(8, 16)), log=lambda s: None)
+    with pytest.raises(ValueError, match="unknown attention method 'nope'"):
+        run_approx(small(methods=("nope",)), log=lambda s: None)
+
+
+def test_outputs_without_plots(tmp_path):
+    result = run_approx(small(), log=lambda s: None)
+    written = write_outputs(result, tmp_path, plots=False, command="skyformer approx --x")
+    assert set(written) == {"json", "csv", "report"}
+    csv = (tmp_path / "approx.csv").read_text()
+    assert csv.startswith("# config: {") and "\n# environment: {" in csv
+    assert "source,seq_len,kind,method,target,num_features" in csv
+    report = (tmp_path / "approx.md").read_text()
+    assert "skyformer approx --x" in report and "![errors]" not in report
+
+
+def test_analysis_only():
+    result = run_approx(small(sweep=False), log=lambda s: None)
+    assert result.rows == [] and result.samples == [] and len(result.analysis) == 1
+    assert result.sources[0]["part"] == "analysis"
+    with pytest.raises(ValueError, match="nothing to do"):
+        small(sweep=False, analysis=False)
+
+
+def test_randomized_floors_agree_with_the_full_svd():
+    """The subspace iteration used above N = 1024 gives the floors of the full SVD."""
+    from skyformer.eval.metrics import rank_m_floor
+    from skyformer.linalg import top_singular_subspace
+    from tests.conftest import gen
+
+    data = SourceLoader(SourceOptions(heads=(0, 1))).load("gaussian", 600)
+    q, k, v = (t[0].double() for t in (data.q, data.k, data.v))
+    p = softmax_scores(q[None], k[None])[0]
+    out = p @ v
+    exact = rank_m_floor(top_singular_subspace(p, 128).u, out, [16, 64, 128])
+    fast = rank_m_floor(top_singular_subspace(p.float(), 128, generator=gen(0), exact_below=0).u,
+                        out, [16, 64, 128])
+    torch.testing.assert_close(fast, exact, rtol=0.02, atol=0)

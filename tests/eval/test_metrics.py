@@ -1,0 +1,98 @@
+"""Error metrics, rank-m floors, baselines and stable rank against numpy/scipy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.linalg
+import torch
+
+from skyformer.eval.metrics import (
+    constant_row_error,
+    rank_m_floor,
+    relative_error,
+    singular_values,
+    spectral_norm,
+    stable_rank,
+)
+from tests.conftest import gen
+
+
+def batch(shape=(2, 3, 50, 8), seed=0):
+    return torch.randn(*shape, generator=gen(seed), dtype=torch.float64)
+
+
+def test_spectral_norm_per_head_matches_scipy():
+    x = batch()
+    got = spectral_norm(x)
+    assert got.shape == (2, 3)
+    for b in range(2):
+        for h in range(3):
+            expected = scipy.linalg.svdvals(x[b, h].numpy())[0]
+            assert got[b, h].item() == pytest.approx(expected, rel=1e-12)
+            assert got[b, h].item() == pytest.approx(np.linalg.norm(x[b, h].numpy(), 2), rel=1e-12)
+
+
+def test_relative_error_per_head_matches_numpy():
+    exact = batch(seed=1)
+    approx = exact + 0.1 * batch(seed=2)
+    for ord_, np_ord in ((2, 2), ("fro", "fro")):
+        got = relative_error(approx.float(), exact.float(), ord=ord_)
+        for b in range(2):
+            for h in range(3):
+                e, a = exact[b, h].float().double().numpy(), approx[b, h].float().double().numpy()
+                ref = np.linalg.norm(a - e, np_ord) / np.linalg.norm(e, np_ord)
+                assert got[b, h].item() == pytest.approx(ref, rel=1e-10)
+    with pytest.raises(ValueError, match="shapes differ"):
+        relative_error(approx[..., :4], exact)
+
+
+def test_singular_values_and_stable_rank():
+    x = batch((4, 30, 12), seed=3)
+    s = singular_values(x)
+    for i in range(4):
+        np.testing.assert_allclose(s[i].numpy(), scipy.linalg.svdvals(x[i].numpy()), rtol=1e-12)
+        ref = np.linalg.norm(x[i].numpy(), "fro") ** 2 / np.linalg.norm(x[i].numpy(), 2) ** 2
+        assert stable_rank(x)[i].item() == pytest.approx(ref, rel=1e-12)
+    assert (stable_rank(x) >= 1).all() and (stable_rank(x) <= 12).all()
+    rank_one = torch.ones(5, 1, dtype=torch.float64) * torch.tensor([[1.0, 2.0, 3.0]])
+    assert stable_rank(rank_one).item() == pytest.approx(1.0)
+    assert stable_rank(torch.zeros(3, 3)).item() == 0.0
+
+
+def test_rank_m_floor_is_truncated_svd_times_v():
+    g = gen(4)
+    a = torch.softmax(torch.randn(2, 40, 40, generator=g, dtype=torch.float64) * 2, dim=-1)
+    v = torch.randn(2, 40, 6, generator=g, dtype=torch.float64)
+    exact = a @ v
+    u, _, _ = torch.linalg.svd(a)
+    ranks = [1, 5, 20, 40]
+    got = rank_m_floor(u[..., :40], exact, ranks)
+    got_f = rank_m_floor(u[..., :40], exact, ranks, ord="fro")
+    assert got.shape == (4, 2)
+    for i in range(2):
+        uu, s, vt = scipy.linalg.svd(a[i].numpy())
+        for j, m in enumerate(ranks):
+            a_m = (uu[:, :m] * s[:m]) @ vt[:m]
+            o, o_m = exact[i].numpy(), a_m @ v[i].numpy()
+            ref = np.linalg.norm(o_m - o, 2) / np.linalg.norm(o, 2)
+            ref_f = np.linalg.norm(o_m - o, "fro") / np.linalg.norm(o, "fro")
+            assert got[j, i].item() == pytest.approx(ref, rel=1e-8, abs=1e-13)
+            assert got_f[j, i].item() == pytest.approx(ref_f, rel=1e-8, abs=1e-13)
+    assert (got[-1] < 1e-12).all()  # rank N: exact
+    with pytest.raises(ValueError, match="basis has 5 vectors"):
+        rank_m_floor(u[..., :5], exact, [6])
+
+
+def test_constant_row_baselines():
+    g = gen(5)
+    o = torch.randn(3, 20, 4, generator=g, dtype=torch.float64)
+    best = constant_row_error(o, ord="fro")
+    for i in range(3):
+        # the mean row is the Frobenius-optimal constant row: any other row does worse
+        for _ in range(5):
+            other = o[i].mean(0) + 0.1 * torch.randn(4, generator=g, dtype=torch.float64)
+            assert constant_row_error(o[i], other, ord="fro") > best[i]
+    constant = torch.ones(20, 1, dtype=torch.float64) * torch.tensor([[1.0, 2.0, 3.0]])
+    assert constant_row_error(constant).item() == pytest.approx(0.0, abs=1e-15)
+    assert constant_row_error(o, torch.zeros(3, 4)).allclose(torch.ones(3, dtype=torch.float64))

