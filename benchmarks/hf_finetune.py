@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
 
     header = (f"{'method':<12}{'features':>9}{'steps':>7}{'cos before':>12}{'cos after':>11}"
               f"{'R@1 before':>12}{'R@1 after':>11}{'train s':>9}")
-    print(f"held-out sentences: {runs[0]['test_texts']}, training sentences: {runs[0]['train_texts']}")
+    print(f"held-out sentences: {runs[0]['test_texts']}, "
+          f"training sentences: {runs[0]['train_texts']}")
     print(header)
     print("-" * len(header))
     rows = []

@@ -74,10 +74,12 @@ def test_causal_gaussian_method_does_not_look_ahead():
 
 def test_decoder_refuses_methods_without_causal_masking(tmp_path):
     model = tiny_bert(is_decoder=True)
-    with pytest.raises(CapabilityError, match="layer 0 \\(BertSelfAttention\\) uses causal attention"):
+    with pytest.raises(CapabilityError,
+                       match="layer 0 \\(BertSelfAttention\\) uses causal attention"):
         shf.set_attention(model, "skyformer")
     model.save_pretrained(tmp_path)
-    with pytest.raises(CapabilityError, match="cannot do causal masking; methods that can: softmax"):
+    with pytest.raises(CapabilityError,
+                       match="cannot do causal masking; methods that can: softmax"):
         shf.from_pretrained(tmp_path, "nystrom_softmax")  # fails at load time
     from transformers import AutoModel
 
@@ -143,7 +145,8 @@ def test_vit_encoder():
     pixels = torch.randn(2, 3, 16, 16)
     exact = model(pixel_values=pixels).last_hidden_state
     ours = copy_as(model, "skyformer:softmax")
-    torch.testing.assert_close(ours(pixel_values=pixels).last_hidden_state, exact, rtol=0, atol=ATOL)
+    torch.testing.assert_close(ours(pixel_values=pixels).last_hidden_state, exact,
+                               rtol=0, atol=ATOL)
     shf.set_attention(ours, "skyformer", layers=[0], num_features=8, seed=0)
     assert [r["layer"] for r in shf.describe(ours)] == [0, 1]  # ViT has no layer_idx
     assert [r["method"] for r in shf.describe(ours)] == ["skyformer", "softmax"]
@@ -268,7 +271,8 @@ def test_restore_returns_to_the_implementation_the_model_had():
     "method", [m for m in registry.list_methods() if registry.get_method(m).state is not None])
 def test_seed_fixes_the_per_layer_state(method):
     a, b, c = tiny_bert(), tiny_bert(), tiny_bert()
-    options = {"num_features": 8} if "num_features" in registry.get_method(method).option_names() else {}
+    has_features = "num_features" in registry.get_method(method).option_names()
+    options = {"num_features": 8} if has_features else {}
     shf.set_attention(a, method, seed=3, **options)
     shf.set_attention(b, method, seed=3, **options)
     shf.set_attention(c, method, seed=4, **options)

@@ -15,15 +15,19 @@ HELP = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--methods", nargs="+", default=None, help="subset of methods (default: all)")
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help="subset of methods (default: all)")
     parser.add_argument("--features", nargs="+", type=int, default=[32, 64, 128],
                         help="num_features values for approximate methods (default: 32 64 128)")
-    parser.add_argument("--settings", nargs="+", choices=["short", "long"], default=["short", "long"],
+    parser.add_argument("--settings", nargs="+", choices=["short", "long"],
+                        default=["short", "long"],
                         help="short: sentences in padded batches; long: --seq-len token inputs")
     parser.add_argument("--layers", nargs="+", type=int, default=None,
                         help="replace attention only in these layers (default: all)")
-    parser.add_argument("--seq-len", type=int, default=512, help="tokens per long input (default 512)")
-    parser.add_argument("--max-texts", type=int, default=128, help="texts per setting (default 128)")
+    parser.add_argument("--seq-len", type=int, default=512,
+                        help="tokens per long input (default 512)")
+    parser.add_argument("--max-texts", type=int, default=128,
+                        help="texts per setting (default 128)")
     parser.add_argument("--batch-size", type=int, default=16, help="texts per forward pass")
     parser.add_argument("--time-batch", type=int, default=None,
                         help="texts in the timed and memory-measured forward pass (default: "

@@ -301,9 +301,11 @@ def evaluate(config: HFEvalConfig = HFEvalConfig(),
         inputs = build_inputs(tokenizer, text, setting, seq_len=config.seq_len,
                               max_texts=config.max_texts)
         lengths = [len(x) for x in inputs.ids]
-        described[setting] = {"count": len(lengths), "min_tokens": min(lengths),
-                              "mean_tokens": sum(lengths) / len(lengths), "max_tokens": max(lengths),
-                              "timed_texts": min(timed_texts(config, setting), len(lengths))}
+        described[setting] = {
+            "count": len(lengths), "min_tokens": min(lengths),
+            "mean_tokens": sum(lengths) / len(lengths), "max_tokens": max(lengths),
+            "timed_texts": min(timed_texts(config, setting), len(lengths)),
+        }
         timed = pad_batch(inputs.ids[: timed_texts(config, setting)])
         timed_device = {k: v.to(device) for k, v in timed.items()}
         restore_exact(model)

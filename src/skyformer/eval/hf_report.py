@@ -37,8 +37,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """The same table in Markdown (for docs)."""
-    out = ["| setting | method | features | cos mean | cos min | recall@1 | time ms | peak MiB | note |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    out = ["| setting | method | features | cos mean | cos min | recall@1 | time ms | peak MiB "
+           "| note |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         features = "exact" if r["exact"] else _num(r["num_features"], "d")
         note = ("not run: " + r["error"]) if r["error"] else r["note"]
@@ -107,8 +107,8 @@ def plot(path: str | os.PathLike[str], rows: list[dict[str, Any]], title: str = 
         for handle, label in zip(*ax.get_legend_handles_labels()):
             legend.setdefault(label, handle)
     labels = list(legend)
-    fig.legend([legend[k] for k in labels], labels, loc="lower center", ncol=min(4, max(1, len(labels))),
-               fontsize="small")
+    fig.legend([legend[k] for k in labels], labels, loc="lower center",
+               ncol=min(4, max(1, len(labels))), fontsize="small")
     if title:
         fig.suptitle(title)
     fig.tight_layout(rect=(0, 0.07, 1, 0.97))

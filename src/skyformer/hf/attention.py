@@ -113,7 +113,8 @@ def _options(spec: Any, layer: LayerAttention, scaling: float | None, head_dim: 
         options["causal"] = causal
     if scaling is not None and not is_default_scaling(scaling, head_dim):
         if "scale" not in options:
-            raise CapabilityError(f"{where}: " + scaling_sentence(spec.name, scaling, head_dim) + ".")
+            sentence = scaling_sentence(spec.name, scaling, head_dim)
+            raise CapabilityError(f"{where}: {sentence}.")
         if "scale" not in layer.explicit:
             options["scale"] = float(scaling)
     return options
@@ -201,7 +202,8 @@ def skyformer_attention_forward(
 
     generator = None
     if layer.seed is not None:
-        generator = torch.Generator(device=query.device).manual_seed(layer.seed + (layer.index or 0))
+        generator = torch.Generator(device=query.device)
+        generator.manual_seed(layer.seed + (layer.index or 0))
     state = module._modules.get(STATE_NAME)
     extra = state(query, key) if state is not None else {}
     out = spec.function(

@@ -198,7 +198,8 @@ def build_layer(
     spec = get_method(method)
     _check_module(spec, module, index, cross, options)
     config = spec.make_config(**{**model_defaults(spec, module), **options})
-    layer = LayerAttention(method, config, tuple(sorted(options)), seed, index, implementation, cross)
+    explicit = tuple(sorted(options))
+    layer = LayerAttention(method, config, explicit, seed, index, implementation, cross)
     if spec.state is None:
         return layer, None
     heads, head_dim = heads_and_dim(module)
