@@ -161,7 +161,6 @@ class _Module(nn.Module):
 def test_dropout_in_training():
     q, k, v = make_qkv(2, 2, 12, 8, dtype=torch.float32)
     module = _Module().train()
-    shf.set_attention  # noqa: B018  (names registered on import)
 
     def call(method, dropout, seed=0):
         torch.manual_seed(seed)

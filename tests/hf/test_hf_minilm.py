@@ -12,7 +12,7 @@ import skyformer.hf as shf  # noqa: E402
 from skyformer import CapabilityError, get_method, list_methods  # noqa: E402
 from skyformer.eval.qkv import default_model_dir  # noqa: E402
 from skyformer.hf import attention as hf_attention  # noqa: E402
-from tests.hf.conftest import mean_pooled  # noqa: E402
+from tests.hf.conftest import SENTENCES, mean_pooled  # noqa: E402
 
 # Float32 model, six layers of sums over 384 channels: SDPA and the registered path
 # differ only by rounding (measured max |diff| of the pooled embeddings ~1e-7).
@@ -74,8 +74,6 @@ def test_padded_batch_equals_each_sequence_alone(minilm, model, padded_batch, me
     shf.set_attention(model, method, **small_options(method))
     together = mean_pooled(model, padded_batch)
     tokenizer = minilm[1]
-    from tests.hf.conftest import SENTENCES
-
     for i, sentence in enumerate(SENTENCES):
         alone = mean_pooled(model, tokenizer([sentence], return_tensors="pt"))
         torch.testing.assert_close(together[i], alone[0], rtol=0, atol=ATOL)
