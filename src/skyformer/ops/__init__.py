@@ -24,6 +24,8 @@ from .kdeformer import kdeformer_attention
 from .kdeformer_ref import reference_kdeformer_attention
 from .scatterbrain import scatterbrain_attention
 from .scatterbrain_ref import reference_scatterbrain_attention
+from .skyformer_adaptive import skyformer_adaptive_attention
+from .multipole import skyformer_multipole_attention, softmax_multipole_attention
 
 __all__ = [
     "bigbird_attention",
@@ -50,7 +52,10 @@ __all__ = [
     "reference_skyformer_attention",
     "reference_softmax_attention",
     "scatterbrain_attention",
+    "skyformer_adaptive_attention",
     "skyformer_attention",
+    "skyformer_multipole_attention",
     "softmax_attention",
+    "softmax_multipole_attention",
     "softmax_scores",
 ]

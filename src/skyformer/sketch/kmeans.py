@@ -1,0 +1,123 @@
+"""k-means clusters of the rows of a ``[B, H, N, D]`` tensor, per batch element and head.
+
+Lloyd's algorithm (Lloyd 1982) run on a uniform sub-sample of the valid rows, then one
+assignment of every row to its nearest centre. Costs: ``iterations * s * c * D`` for the
+sub-sample of ``s`` rows and ``N * c * D`` for the final assignment, i.e. O(N c D).
+
+Randomness: one ``[B, N]`` uniform draw from the generator. The valid rows with the
+smallest scores form the sub-sample (in score order) and its first ``c`` rows are the
+initial centres, so for a batch of one, right padding draws the same clusters as
+truncation. Heads share the draw, batch elements never interact.
+
+Gradients: the assignments are piecewise constant and carry no gradient; the returned
+centres are the means of their members' rows *with* gradient (as Nystromformer's
+segment means), so ``d centre / d row = 1 / |cluster|`` for members.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+_OUT_OF_REACH = 2.0  # uniform scores lie in [0, 1)
+
+
+@dataclass(frozen=True)
+class Clusters:
+    """k-means clusters of N rows, per batch element and head."""
+
+    centres: Tensor  # [B, H, c, D]  mean of the members (0 for empty clusters)
+    assignment: Tensor  # [B, H, N] long in [0, c); padded rows go to their nearest live centre
+    live: Tensor  # [B, H, c] bool, False for empty clusters
+    sizes: Tensor  # [B, H, c] number of valid members
+
+
+def _nearest(x: Tensor, z: Tensor, live: Tensor) -> Tensor:
+    """Index of the nearest live centre ``[B, H, n]``: argmin of |z|^2 - 2 x.z (|x|^2
+    is the same for every centre), dead centres at +inf."""
+    b, h, n, d = x.shape
+    c = z.shape[2]
+    norms = (z * z).sum(-1).masked_fill(~live, float("inf"))  # [B, H, c]
+    dist = torch.baddbmm(
+        norms.reshape(b * h, 1, c), x.reshape(b * h, n, d), z.reshape(b * h, c, d).transpose(1, 2),
+        alpha=-2.0,
+    )
+    return dist.argmin(-1).view(b, h, n)
+
+
+def _means(x: Tensor, assignment: Tensor, weight: Tensor, count: int) -> tuple[Tensor, Tensor]:
+    """Weighted member means ``[B, H, c, D]`` and member weights ``[B, H, c]``, as one
+    product with the weighted one-hot matrix (a scatter-add serialises on collisions)."""
+    onehot = torch.nn.functional.one_hot(assignment, count).to(x.dtype).mul_(weight[..., None])
+    sizes = onehot.sum(-2)  # [B, H, c]
+    sums = onehot.transpose(-1, -2) @ x  # [B, H, c, D]
+    return sums / sizes.clamp_min(1.0)[..., None], sizes
+
+
+def kmeans_clusters(
+    x: Tensor,
+    num_clusters: int,
+    *,
+    valid: Tensor | None = None,
+    generator: torch.Generator | None = None,
+    iterations: int = 10,
+    sample: int | None = None,
+    live_clusters: Tensor | None = None,
+    scores: Tensor | None = None,
+) -> Clusters:
+    """Cluster the rows of ``x`` with k-means.
+
+    Args:
+        x: ``[B, H, N, D]``.
+        num_clusters: c, the number of centres (slots); capped by the valid rows.
+        valid: ``[B, N]`` bool, True = real row; padded rows take no part.
+        generator: draws the sub-sample and the initial centres.
+        iterations: Lloyd iterations on the sub-sample.
+        sample: sub-sample size (``None`` = every valid row).
+        live_clusters: ``[B, H]`` long, optional per-head number of centres <= c
+            (slots beyond it stay empty), used to give heads different budgets.
+        scores: ``[B, N]`` uniform scores drawn by the caller (then ``generator`` is
+            unused), for callers that draw all their randomness at once.
+    Returns:
+        ``Clusters``; ``centres`` are differentiable member means.
+    """
+    b, h, n, d = x.shape
+    if scores is None:
+        scores = torch.rand((b, n), device=x.device, generator=generator)
+    if valid is not None:
+        scores = scores.masked_fill(~valid, _OUT_OF_REACH)
+    s = n if sample is None else max(min(sample, n), min(num_clusters, n))
+    picked, index = scores.topk(s, dim=1, largest=False, sorted=True)  # [B, s]
+    sample_live = picked < _OUT_OF_REACH  # [B, s]
+    c = num_clusters
+    with torch.no_grad():
+        xs = x.detach().gather(2, index[:, None, :, None].expand(b, h, s, d))  # [B, H, s, D]
+        init = xs[:, :, :c]
+        live = sample_live[:, None, :c].expand(b, h, -1)
+        if c > s:  # more slots than rows: the extra slots stay empty
+            init = torch.cat([init, init.new_zeros(b, h, c - s, d)], dim=2)
+            live = torch.cat([live, live.new_zeros(b, h, c - s)], dim=2)
+        if live_clusters is not None:
+            slot = torch.arange(c, device=x.device)
+            live = live & (slot < live_clusters[..., None])
+        weight = sample_live[:, None, :].to(x.dtype).expand(b, h, s)
+        centres = init
+        for _ in range(iterations):
+            assign = _nearest(xs, centres, live)  # [B, H, s]
+            means, sizes = _means(xs, assign, weight, c)
+            # An emptied cluster keeps its previous centre (it may win rows back).
+            centres = torch.where((sizes > 0)[..., None], means, centres)
+        assignment = _nearest(x.detach(), centres, live)  # [B, H, N]
+    row_weight = (
+        torch.ones(b, h, n, dtype=x.dtype, device=x.device) if valid is None
+        else valid[:, None, :].to(x.dtype).expand(b, h, n)
+    )
+    means, sizes = _means(x, assignment, row_weight, c)
+    live = sizes > 0
+    if live.shape[-1] and not live.any(-1).all():
+        # Fully padded sequences: keep one live (zero) centre so that every row has one.
+        live = live.clone()
+        live[..., 0] |= ~live.any(-1)
+    return Clusters(means, assignment, live, sizes)

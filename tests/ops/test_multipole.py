@@ -1,0 +1,340 @@
+"""Multipole attention against its naive reference, its exactness limits and its budget."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from skyformer import attention, kernelized_attention, softmax_attention
+from skyformer.eval.metrics import relative_error
+from skyformer.inputs import check_attention_inputs
+from skyformer.ops.kernelized import kernel_scale
+from skyformer.ops.multipole import (
+    multipole_with_choice,
+    skyformer_multipole_attention,
+    softmax_multipole_attention,
+)
+from skyformer.ops.multipole_core import MultipoleOptions, block_layout, feature_split
+from skyformer.ops.multipole_targeted import feature_ladder
+from skyformer.ops.multipole_reference import (
+    reference_skyformer_multipole_attention,
+    reference_softmax_multipole_attention,
+)
+from skyformer.sketch.angular_lsh import draw_hyperplanes
+from skyformer.sketch.kmeans import kmeans_clusters
+from skyformer.sketch.lsh_blocks import hamming_blocks
+from tests.conftest import gen, make_qkv
+
+FAST = {"softmax": softmax_multipole_attention, "gaussian": skyformer_multipole_attention}
+REFERENCE = {
+    "softmax": reference_softmax_multipole_attention,
+    "gaussian": reference_skyformer_multipole_attention,
+}
+
+
+def structured_qkv(seed=7, n=160, d=16):
+    g = gen(seed)
+    centres = torch.randn(6, d, generator=g, dtype=torch.float64) * 1.5
+    q = centres[torch.randint(6, (1, 2, n), generator=g)] + 0.3 * torch.randn(1, 2, n, d, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 2, n, d, generator=g, dtype=torch.float64) * 1.2
+    v = torch.randn(1, 2, n, d, generator=g, dtype=torch.float64)
+    return q, k, v
+
+
+def draws_for(target, q, k, v, mask, seed, num_features, window, clusters=None, tilt_sample=None,
+              lsh_block=0):
+    """The clusters, covariance keys and LSH buckets the fast path draws from
+    ``gen(seed)``: hyperplanes ``[B, H, D, 7]`` (with LSH), then one ``[B, N, 2]`` uniform
+    draw (queries' k-means scores, keys' sample scores)."""
+    info = check_attention_inputs(q, k, v, mask, method="test")
+    nq, nk = q.shape[2], k.shape[2]
+    _, lsh, c, _ = feature_split(num_features, window, clusters, self_attention=nq == nk,
+                                 lsh_block=lsh_block)
+    scale = 1 / math.sqrt(q.shape[-1]) if target == "softmax" else kernel_scale(q.shape[-1])
+    g = gen(seed)
+    planes = draw_hyperplanes(q.shape[:2], q.shape[-1], 7, dtype=q.dtype, generator=g) if lsh else None
+    scores = torch.rand((q.shape[0], max(nq, nk), 2), generator=g)
+    buckets = None
+    if lsh:
+        k_scaled = k.detach() * (1.0 if target == "softmax" else scale)
+        blocks = hamming_blocks(q.detach() * scale, k_scaled, planes, lsh,
+                                query_valid=info.query_valid, key_valid=info.key_valid)
+        buckets = (blocks.q_block, blocks.k_block)
+    assignment = kmeans_clusters(
+        q.detach() * scale, min(c, nq), valid=info.query_valid, scores=scores[:, :nq, 0],
+        iterations=MultipoleOptions.kmeans_iterations, sample=MultipoleOptions.kmeans_sample,
+    ).assignment
+    sample = None
+    if tilt_sample is not None:
+        key_scores = scores[:, :nk, 1]
+        if mask is not None:
+            key_scores = key_scores.masked_fill(~mask, 2.0)
+        sample = key_scores.argsort(dim=1)[:, :tilt_sample]
+    return assignment, sample, buckets
+
+
+@pytest.mark.parametrize("target", ["softmax", "gaussian"])
+@pytest.mark.parametrize("tilt_rank, tilt_sample", [(0, None), (3, None), (None, None), (3, 11)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_fast_matches_naive_reference(target, tilt_rank, tilt_sample, masked):
+    q, k, v = make_qkv(2, 2, 26, 8, seed=11, scale=0.7)
+    mask = None
+    if masked:
+        mask = torch.ones(2, 26, dtype=torch.bool)
+        mask[0, 19:] = False
+        mask[1, :5] = False
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    m, window = 24, 2
+    fast = FAST[target](q, k, v, key_padding_mask=mask, generator=gen(3), num_features=m,
+                        window=window, tilt_rank=tilt_rank, tilt_sample=tilt_sample)
+    w, _, c, near = feature_split(m, window, None, self_attention=True)
+    assert (w, c, near) == (2, 9, 10)
+    a, sample, _ = draws_for(target, q, k, v, mask, 3, m, window, tilt_sample=tilt_sample)
+    rank = 8 if tilt_rank is None else tilt_rank
+    ref = REFERENCE[target](q, k, v, a, key_padding_mask=mask, near=near, window=w, rank=rank,
+                            tilt_sample=sample)
+    torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)
+    grads_fast = torch.autograd.grad((fast * fast).sum(), (q, k, v))
+    grads_ref = torch.autograd.grad((ref * ref).sum(), (q, k, v))
+    for name, a_, b_ in zip("qkv", grads_fast, grads_ref):
+        torch.testing.assert_close(a_, b_, rtol=1e-8, atol=1e-10, msg=f"gradient of {name}")
+
+
+@pytest.mark.parametrize("target", ["softmax", "gaussian"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_lsh_buckets_match_naive_reference(target, masked):
+    q, k, v = make_qkv(2, 2, 26, 8, seed=13, scale=0.7)
+    mask = None
+    if masked:
+        mask = torch.ones(2, 26, dtype=torch.bool)
+        mask[0, 20:] = False
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    fast = FAST[target](q, k, v, key_padding_mask=mask, generator=gen(4), num_features=24, lsh_block=5)
+    _, lsh, c, near = feature_split(24, 0, None, self_attention=True, lsh_block=5)
+    assert (lsh, c, near) == (5, 9, 10)
+    a, _, buckets = draws_for(target, q, k, v, mask, 4, 24, 0, lsh_block=5)
+    ref = REFERENCE[target](q, k, v, a, key_padding_mask=mask, near=near, window=0, rank=8,
+                            buckets=buckets)
+    torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)
+    for a_, b_ in zip(torch.autograd.grad(fast.sum(), (q, k, v)), torch.autograd.grad(ref.sum(), (q, k, v))):
+        torch.testing.assert_close(a_, b_, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("target", ["softmax", "gaussian"])
+def test_cross_attention_matches_reference_and_has_no_window(target):
+    q, k, v = make_qkv(1, 2, 10, 8, nk=23, seed=12, scale=0.7)
+    fast = FAST[target](q, k, v, generator=gen(1), num_features=12, window=4)
+    w, _, c, near = feature_split(12, 4, None, self_attention=False)
+    assert w == 0 and c + near == 12
+    a, _, _ = draws_for(target, q, k, v, None, 1, 12, 4)
+    ref = REFERENCE[target](q, k, v, a, near=near, window=0, rank=8)
+    torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("target", ["softmax", "gaussian"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_every_key_near_is_exact(target, masked):
+    """Exactness limit: with as many near keys as keys the far field is empty."""
+    q, k, v = make_qkv(2, 2, 14, 8, seed=5)
+    mask = None
+    if masked:
+        mask = torch.ones(2, 14, dtype=torch.bool)
+        mask[1, 9:] = False
+    out = FAST[target](q, k, v, key_padding_mask=mask, generator=gen(0), num_features=15,
+                       clusters=1, window=0)
+    exact = (softmax_attention if target == "softmax" else kernelized_attention)(
+        q, k, v, key_padding_mask=mask)
+    torch.testing.assert_close(out, exact, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("target", ["softmax", "gaussian"])
+def test_one_cluster_per_query_makes_the_far_field_exact(target):
+    """Exactness limit: every query is its own centre (delta = 0), so the far-field
+    expansion is the exact far sum whatever the tilt."""
+    q, k, v = make_qkv(1, 2, 12, 8, seed=6)
+    exact = (softmax_attention if target == "softmax" else kernelized_attention)(q, k, v)
+    for tilt_rank in (0, None):
+        out = FAST[target](q, k, v, generator=gen(0), num_features=15, clusters=12, window=0,
+                           tilt_rank=tilt_rank)
+        torch.testing.assert_close(out, exact, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("target", ["softmax", "gaussian"])
+def test_error_falls_as_features_grow_and_the_tilt_helps(target):
+    """Structured inputs (queries near a few directions): averaged over seeds, more
+    features approximate better, and the first-order far field beats the zeroth order."""
+    q, k, v = structured_qkv()
+    exact = (softmax_attention if target == "softmax" else kernelized_attention)(q, k, v)
+
+    def error(**options):
+        errs = [relative_error(FAST[target](q, k, v, generator=gen(s), **options), exact).mean()
+                for s in range(3)]
+        return torch.stack(errs).mean().item()
+
+    errors = [error(num_features=m, window=0) for m in (8, 32, 128)]
+    assert errors[0] > errors[1] > errors[2], errors
+    assert error(num_features=32, window=0, tilt_rank=None) < error(num_features=32, window=0, tilt_rank=0)
+
+
+def test_softmax_output_stays_in_the_value_range_with_large_norms():
+    q, k, v = make_qkv(2, 2, 40, 32, seed=6)
+    q = q / q.norm(dim=-1, keepdim=True) * 30
+    k = k / k.norm(dim=-1, keepdim=True) * 30
+    out = softmax_multipole_attention(q, k, v, generator=gen(0), num_features=16, tilt_rank=None)
+    assert torch.isfinite(out).all()
+    assert (out <= v.amax(2, keepdim=True) + 1e-12).all()
+    assert (out >= v.amin(2, keepdim=True) - 1e-12).all()
+
+
+def test_feature_split_spends_the_budget():
+    for m in (1, 2, 5, 6, 17, 64, 128, 300):
+        for window in (0, 3, 8):
+            w, _, c, near = feature_split(m, window, None, self_attention=True)
+            used = c + near + (2 * w + 1 if w else 0)
+            assert used == m and c >= 1 and near >= 0, (m, window, w, c, near)
+            assert 2 * w + 1 <= max(1, m // 4) or w == 0
+            _, lsh, c, near = feature_split(m, 0, None, self_attention=True, lsh_block=window * 4)
+            assert c + near + lsh == m and lsh <= m // 4
+    assert feature_split(128, 8, None, self_attention=True) == (8, 0, 55, 56)
+    assert feature_split(128, 8, 64, self_attention=True) == (8, 0, 64, 47)
+    assert feature_split(128, 0, None, self_attention=True, lsh_block=16) == (0, 16, 56, 56)
+
+
+def test_block_layout_places_every_query_once_in_a_block_of_its_cluster():
+    g = gen(0)
+    assignment = torch.randint(5, (2, 3, 37), generator=g)
+    assignment[0, 0] = 2  # one cluster holds everything
+    layout = block_layout(assignment, 5)
+    n = assignment.shape[-1]
+    for b in range(2):
+        for h in range(3):
+            slots = layout.slot_query[b, h]
+            used = slots[slots < n]
+            assert sorted(used.tolist()) == list(range(n))
+            assert torch.equal(slots[layout.query_slot[b, h]], torch.arange(n))
+            block_of_query = layout.query_slot[b, h] // layout.size
+            assert torch.equal(layout.block_cluster[b, h][block_of_query], assignment[b, h])
+
+
+def test_options_are_checked_with_sentences():
+    q, k, v = make_qkv(1, 1, 8, 4)
+    for options, word in (
+        ({"num_features": 0}, "num_features"),
+        ({"window": -1}, "window"),
+        ({"clusters": 0}, "clusters"),
+        ({"clusters": 200}, "leaves no budget"),
+        ({"tilt_rank": -1}, "tilt_rank"),
+        ({"tilt_sample": 0}, "tilt_sample"),
+        ({"lsh_block": -1}, "lsh_block"),
+        ({"lsh_block": 4, "window": 2}, "choose one of"),
+        ({"lsh_hyperplanes": 31}, "lsh_hyperplanes"),
+        ({"kmeans_iterations": 1.5}, "kmeans_iterations"),
+        ({"kmeans_sample": 0}, "kmeans_sample"),
+    ):
+        for method in ("softmax_multipole", "skyformer_multipole"):
+            with pytest.raises(ValueError, match=word):
+                attention(q, k, v, method, **options)
+    with pytest.raises(ValueError, match="scale"):
+        attention(q, k, v, "softmax_multipole", scale=-1.0)
+    with pytest.raises(TypeError, match="generator"):
+        softmax_multipole_attention(q, k, v, generator=1)
+
+
+def test_half_precision_is_computed_in_float32():
+    q, k, v = make_qkv(1, 2, 40, 16, dtype=torch.float32)
+    for fn in FAST.values():
+        out = fn(q.half(), k.half(), v.half(), generator=gen(0), num_features=16)
+        ref = fn(q.half().float(), k.half().float(), v.half().float(), generator=gen(0), num_features=16)
+        assert out.dtype == torch.float16
+        torch.testing.assert_close(out.float(), ref, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("method", ["softmax_multipole", "skyformer_multipole"])
+def test_tolerance_picks_a_rung_of_the_ladder_and_returns_its_output(method):
+    q, k, v = structured_qkv()
+    exact = (softmax_attention if method == "softmax_multipole" else kernelized_attention)(q, k, v)
+    scores = torch.rand((1, 160, 2), generator=gen(1))
+    probes = scores[0, :, 0].argsort()[:16]
+    others = torch.ones(160, dtype=torch.bool)
+    others[probes] = False
+
+    # Every estimate meets a loose tolerance: the trivial answer (0 features) is taken.
+    loose, choice = multipole_with_choice(method, q, k, v, generator=gen(1), num_features=64,
+                                          tolerance=10.0, probe=16)
+    assert choice.ladder == (0, *feature_ladder(64)) == (0, 8, 16, 32, 64)
+    assert (choice.features == 0).all()
+    if method == "softmax_multipole":
+        trivial = v.mean(2, keepdim=True).expand_as(exact)
+    else:
+        trivial = exact[:, :, probes].mean(2, keepdim=True).expand_as(exact)
+    torch.testing.assert_close(loose[:, :, others], trivial[:, :, others])
+    torch.testing.assert_close(loose[:, :, probes], exact[:, :, probes], rtol=1e-10, atol=1e-12)
+
+    # A tolerance between the rungs' estimates: the smallest rung that meets it, whose
+    # output is that of a plain call with its budget (same draw).
+    _, choice = multipole_with_choice(method, q, k, v, generator=gen(1), num_features=64,
+                                      tolerance=1e-9, probe=16)
+    estimates = choice.estimates[0, 0]
+    tolerance = float(estimates[2:].max())  # met by rung 16 at the latest
+    out, choice = multipole_with_choice(method, q, k, v, generator=gen(1), num_features=64,
+                                        tolerance=tolerance, probe=16)
+    for head in range(2):
+        met = (choice.estimates[0, head] <= tolerance).nonzero()[0, 0]
+        assert choice.features[0, head] == choice.ladder[met]
+        plain = attention(q, k, v, method, generator=gen(1), num_features=int(choice.features[0, head]))
+        torch.testing.assert_close(out[:, head, others], plain[:, head, others], rtol=1e-12, atol=1e-12)
+
+    # Nothing meets a tiny tolerance: each head takes its smallest estimate.
+    _, choice = multipole_with_choice(method, q, k, v, generator=gen(1), num_features=64,
+                                      tolerance=1e-9, probe=16)
+    best = choice.estimates.argmin(-1)
+    assert torch.equal(choice.features, torch.tensor(choice.ladder)[best])
+
+
+@pytest.mark.parametrize("method", ["softmax_multipole", "skyformer_multipole"])
+def test_error_estimate_tracks_the_true_error(method):
+    """The probe estimate of the relative Frobenius error is within a factor 2 of the
+    error of the non-probe rows, and the chosen budget meets the tolerance when it can."""
+    q, k, v = structured_qkv(seed=8, n=256)
+    exact = (softmax_attention if method == "softmax_multipole" else kernelized_attention)(q, k, v)
+    for budget in (8, 32):
+        out, choice = multipole_with_choice(method, q, k, v, generator=gen(2), num_features=budget,
+                                            tolerance=1e-9, probe=64)
+        true = relative_error(out, exact, ord="fro")[0]
+        estimate = choice.estimate[0]
+        assert ((estimate < 2 * true) & (true < 2 * estimate)).all(), (estimate, true)
+    out, choice = multipole_with_choice(method, q, k, v, generator=gen(2), num_features=64,
+                                        tolerance=0.2, probe=64)
+    met = choice.estimates.min(-1).values <= 0.2
+    assert (choice.estimate[met] <= 0.2).all()
+
+
+@pytest.mark.parametrize("options", [
+    dict(num_features=12, tolerance=0.05, probe=5),
+    dict(num_features=24, window=2),
+    dict(num_features=24, lsh_block=5),
+    dict(num_features=12, tilt_sample=9),
+])
+def test_options_keep_padding_equal_to_truncation(options):
+    q, k, v = make_qkv(1, 2, 24, 8, seed=1)
+    mask = torch.zeros(1, 24, dtype=torch.bool)
+    mask[:, :17] = True
+    for method in ("softmax_multipole", "skyformer_multipole"):
+        padded = attention(q, k, v, method, key_padding_mask=mask, generator=gen(0), **options)
+        truncated = attention(q[:, :, :17], k[:, :, :17], v[:, :, :17], method, generator=gen(0), **options)
+        torch.testing.assert_close(padded[:, :, :17], truncated, rtol=1e-7, atol=1e-9)
+        assert torch.all(padded[:, :, 17:] == 0)
+
+
+def test_tolerance_options_are_checked():
+    q, k, v = make_qkv(1, 1, 8, 4)
+    for options, word in (({"tolerance": 0.0}, "tolerance"), ({"tolerance": 0.1, "clusters": 4}, "clusters"),
+                          ({"probe": 0}, "probe")):
+        with pytest.raises(ValueError, match=word):
+            attention(q, k, v, "softmax_multipole", **options)
+    with pytest.raises(ValueError, match="method must be one of"):
+        multipole_with_choice("skyformer", q, k, v)
