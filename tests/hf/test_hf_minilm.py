@@ -79,6 +79,27 @@ def test_padded_batch_equals_each_sequence_alone(minilm, model, padded_batch, me
         torch.testing.assert_close(together[i], alone[0], rtol=0, atol=ATOL)
 
 
+RANDOMIZED = [
+    m for m in list_methods()
+    if get_method(m).capabilities.mask and get_method(m).capabilities.randomized
+]
+
+
+@pytest.mark.parametrize("method", RANDOMIZED)
+@torch.no_grad()
+def test_seeded_random_method_padded_equals_alone(minilm, model, method):
+    """Randomized methods draw per batch, so a batch of three is not three batches of one;
+    with a seed, one right-padded sentence gives the embedding of the sentence alone."""
+    shf.set_attention(model, method, seed=0, **small_options(method))
+    tokens = minilm[1]([SENTENCES[0]], return_tensors="pt")
+    n = tokens["input_ids"].shape[1]
+    padded = minilm[1]([SENTENCES[0]], padding="max_length", max_length=n + 5,
+                       return_tensors="pt")
+    assert padded["attention_mask"][0, n:].sum() == 0
+    torch.testing.assert_close(mean_pooled(model, padded), mean_pooled(model, tokens),
+                               rtol=0, atol=ATOL)
+
+
 @pytest.mark.parametrize("method", list_methods())
 def test_every_method_runs_forward_and_backward_in_minilm(minilm, model, padded_batch, method):
     """Through the plain transformers route (default options, set up at the first call) in
