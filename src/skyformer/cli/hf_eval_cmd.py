@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     progress = None if args.quiet else (lambda line: print(f"  {line}", file=sys.stderr))
     result = evaluate(config, progress=progress)
     texts = "; ".join(
-        f"{s}: {t['count']} texts of {t['min_tokens']}-{t['max_tokens']} tokens "
+        f"{s}: {t['count']} texts of {_token_range(t['min_tokens'], t['max_tokens'])} tokens "
         f"({t['timed_texts']} in the timed pass)"
         for s, t in result.texts.items()
     )
@@ -85,3 +85,7 @@ def run(args: argparse.Namespace) -> int:
                             title=f"{result.model} with each method's attention, no fine-tuning"))
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
+
+
+def _token_range(low: int, high: int) -> str:
+    return str(low) if low == high else f"{low}-{high}"
