@@ -11,10 +11,10 @@ attention-function registry as ``"skyformer:<method>"``::
 ``set_attention`` is the one route for options and per-layer choice; ``describe`` lists
 what each layer runs. Masks, causal flags, the model's logit scaling and dropout are
 handled as documented in ``skyformer.hf.attention`` and docs/hf.md; what a method cannot
-honour fails with a sentence. Gaussian-target methods (``kernelized``, ``skyformer``)
-compute a different function from softmax attention, and methods with learned parameters
-(``linformer``) start them untrained: in a softmax-pretrained model neither is a drop-in
-without fine-tuning.
+honour fails with a sentence. Gaussian-target methods (``kernelized``, ``skyformer``,
+``skyformer_adaptive``, ``skyformer_multipole``) compute a different function from
+softmax attention, and methods with learned parameters (``linformer``) start them
+untrained: in a softmax-pretrained model neither is a drop-in without fine-tuning.
 """
 
 from __future__ import annotations
