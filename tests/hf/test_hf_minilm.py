@@ -158,7 +158,8 @@ def test_restore_exact(minilm, model, padded_batch):
 
 @torch.no_grad()
 def test_model_scaling_is_passed_as_scale_or_refused(minilm, model, padded_batch):
-    reference = minilm[0].__class__.from_pretrained(default_model_dir(), attn_implementation="sdpa")
+    reference = minilm[0].__class__.from_pretrained(default_model_dir(),
+                                                    attn_implementation="sdpa")
     for m in (reference, model):
         for _, _, module in shf.attention_modules(m):
             module.scaling = module.scaling * 0.5  # a model with its own logit scale

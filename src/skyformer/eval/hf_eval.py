@@ -18,7 +18,8 @@ Two kinds of method are not drop-ins, and rows say so (``drop_in`` False, ``note
 Gaussian-target methods (``kernelized``, ``skyformer`` and its ``_adaptive`` and
 ``_multipole`` variants) replace softmax by a Gaussian kernel, a different function;
 methods with learned parameters (e.g. Linformer's projections) start them from their
-initialisation, not from pretrained weights. Neither is expected to keep a softmax-pretrained model's embeddings without fine-tuning.
+initialisation, not from pretrained weights. Neither is expected to keep a
+softmax-pretrained model's embeddings without fine-tuning.
 """
 
 from __future__ import annotations
