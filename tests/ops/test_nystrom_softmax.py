@@ -7,8 +7,10 @@ import torch
 
 from skyformer import nystrom_softmax_attention, softmax_attention
 from skyformer.eval.metrics import relative_error
-from skyformer.inputs import check_attention_inputs
+from skyformer.inputs import check_attention_inputs, mean_values
+from skyformer.linalg import kernel_matmul
 from skyformer.ops import reference_nystrom_softmax_attention
+from skyformer.ops.nystrom_softmax import materialised_nystrom_softmax_attention
 from skyformer.ops.modified_nystrom import sample_landmarks
 from tests.conftest import gen, make_qkv
 
@@ -40,7 +42,14 @@ def test_equals_eq5_on_the_raw_softmax_matrix():
     info = check_attention_inputs(q, k, v, None, method="test")
     lm = sample_landmarks(info, 8, q.device, gen(0))
     out = nystrom_softmax_attention(
-        q, k, v, generator=gen(0), num_features=8, gamma=0.0, pinv="exact", normalizer_threshold=0.0
+        q,
+        k,
+        v,
+        generator=gen(0),
+        num_features=8,
+        gamma=0.0,
+        pinv="exact",
+        normalizer_threshold=0.0,
     )
     s = 6**-0.5
     z = torch.cat([q, k], dim=2)  # [1, H, 2n, D]
@@ -60,7 +69,9 @@ def test_every_row_as_landmark_reproduces_softmax_attention():
     out = nystrom_softmax_attention(
         q, k, v, key_padding_mask=mask, num_features=28, gamma=0.0, pinv="exact"
     )
-    torch.testing.assert_close(out, softmax_attention(q, k, v, key_padding_mask=mask), rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(
+        out, softmax_attention(q, k, v, key_padding_mask=mask), rtol=1e-7, atol=1e-9
+    )
 
 
 def test_error_falls_as_features_grow():
@@ -69,7 +80,9 @@ def test_error_falls_as_features_grow():
     means = []
     for m in (16, 64, 192):
         errs = [
-            relative_error(nystrom_softmax_attention(q, k, v, generator=gen(s), num_features=m), exact).mean()
+            relative_error(
+                nystrom_softmax_attention(q, k, v, generator=gen(s), num_features=m), exact
+            ).mean()
             for s in range(4)
         ]
         means.append(torch.stack(errs).mean().item())
@@ -100,3 +113,28 @@ def test_bad_options():
         nystrom_softmax_attention(q, k, v, scale=0.0)
     with pytest.raises(ValueError, match="normalizer_threshold"):
         nystrom_softmax_attention(q, k, v, normalizer_threshold=1.5)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("chunk_elements", [1, 2**18])  # 64-row chunks (several); one chunk
+def test_fused_path_equals_materialised_path(masked, chunk_elements, monkeypatch):
+    """The chunked path equals the previous implementation (whole blocks, autograd) on
+    outputs and gradients, including rows that fall back to the mean of the values."""
+    monkeypatch.setattr(kernel_matmul, "CPU_CHUNK_ELEMENTS", chunk_elements)
+    q, k, v = make_qkv(2, 2, 140, 8, dv=5, scale=3.0)  # large logits: some rows fall back
+    mask = None
+    if masked:
+        mask = torch.ones(2, 140, dtype=torch.bool)
+        mask[1, 100:] = False
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    options = dict(key_padding_mask=mask, num_features=20, normalizer_threshold=0.3)
+    fast = nystrom_softmax_attention(q, k, v, generator=gen(4), **options)
+    before = materialised_nystrom_softmax_attention(q, k, v, generator=gen(4), **options)
+    torch.testing.assert_close(fast, before, rtol=1e-10, atol=1e-12)
+    fallback = (fast - mean_values(v, mask)).abs().amax(-1) < 1e-12
+    assert fallback.any() and not fallback.all()
+    g = torch.randn(fast.shape, generator=gen(6), dtype=fast.dtype)
+    for a, b in zip(torch.autograd.grad((fast * g).sum(), (q, k, v)),
+                    torch.autograd.grad((before * g).sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)

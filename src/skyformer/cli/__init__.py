@@ -10,9 +10,11 @@ import argparse
 import sys
 from types import ModuleType
 
-from . import approx_cmd, compare_cmd, hf_eval_cmd, list_cmd, lra_cmd
+from . import approx_cmd, bench_cmd, compare_cmd, hf_eval_cmd, list_cmd, lra_cmd
 
-SUBCOMMANDS: list[ModuleType] = [list_cmd, compare_cmd, approx_cmd, hf_eval_cmd, lra_cmd]
+SUBCOMMANDS: list[ModuleType] = [
+    list_cmd, compare_cmd, bench_cmd, approx_cmd, hf_eval_cmd, lra_cmd,
+]
 
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, ImportError, RuntimeError)
 
@@ -34,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args._argv = list(sys.argv[1:] if argv is None else argv)  # for result files
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -38,13 +37,12 @@ from ..registry import CapabilityError, get_method, list_methods
 from .memory import CallJob, peak_memory_bytes
 from .qkv import load_model
 from .text import read_text, sentences
-from .timing import median_seconds
+from .timing import CLOCKS, median_seconds
 
 SETTINGS = ("short", "long")
 NOT_DROP_IN_GAUSSIAN = "Gaussian kernel, not a drop-in"
 NOT_DROP_IN_LEARNED = "untrained learned projections, not a drop-in"
 BASELINE = "sdpa"  # transformers' own exact attention
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 @dataclass(frozen=True)
@@ -327,7 +325,7 @@ def evaluate(config: HFEvalConfig = HFEvalConfig(),
 
                 row["time_ms"] = 1e3 * median_seconds(
                     forward, device=device, warmup=1, repeats=config.repeats,
-                    clock=CLOCKS[config.clock])
+                    clock=config.clock)
                 if config.memory:
                     job = CallJob("skyformer.eval.hf_eval:memory_probe", {
                         "model_dir": config.model, "method": method, "options": options,

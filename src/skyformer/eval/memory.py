@@ -27,12 +27,14 @@ from typing import Any
 
 import torch
 
+from .callables import resolve
+
 
 @dataclass(frozen=True)
 class MemoryJob:
     """One attention call to measure: random inputs of ``shape`` or tensors from a file."""
 
-    method: str  # a registered name, or "package.module:function" for any f(q, k, v, **options)
+    method: str  # a registered name, or "package.module:function" (see ``callables.resolve``)
     shape: tuple[int, int, int, int]  # [B, H, N, D]
     options: dict[str, Any] = field(default_factory=dict)
     dtype: str = "float32"
@@ -71,12 +73,7 @@ def _inputs(job: MemoryJob, device: torch.device) -> tuple[torch.Tensor, ...]:
 
 def _run(job: MemoryJob, q, k, v, device: torch.device) -> None:
     g = torch.Generator(device=device).manual_seed(job.seed)
-    if ":" in job.method:
-        out = _resolve(job.method)(q, k, v, **job.options)
-    else:
-        from ..registry import attention
-
-        out = attention(q, k, v, job.method, generator=g, **job.options)
+    out = resolve(job.method)(q, k, v, g, job.options)
     if job.backward:
         out.backward(torch.ones_like(out))
         for t in (q, k, v):
@@ -128,7 +125,9 @@ def peak_memory_bytes(
         raise RuntimeError("CPU peak memory needs Linux /proc (clear_refs, VmHWM).")
     src_root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ)
-    env["PYTHONPATH"] = src_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = src_root + (
+        os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""
+    )
     env["SKYFORMER_THREADS"] = str(torch.get_num_threads())
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))  # see the module docstring
     payload = json.dumps({"kind": type(job).__name__, **dataclasses.asdict(job)})

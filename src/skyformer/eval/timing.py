@@ -1,12 +1,19 @@
-"""Timing with warm-up, medians and CUDA synchronisation (wall clock by default)."""
+"""Timing with warm-up, medians and CUDA synchronisation.
+
+The clock is wall time by default; ``clock="cpu"`` takes the process's CPU time
+instead (all threads), which a loaded shared machine disturbs far less (time slices
+given to other processes are not counted): meaningful with one thread, on CPU.
+"""
 
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
+
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def _sync(device: torch.device) -> None:
@@ -16,21 +23,39 @@ def _sync(device: torch.device) -> None:
 
 def median_seconds(
     fn: Callable[[], object], *, device: torch.device | str = "cpu", warmup: int = 1,
-    repeats: int = 5, clock: Callable[[], float] = time.perf_counter,
+    repeats: int = 5, clock: str = "wall",
 ) -> float:
-    """Median time of ``fn()`` over ``repeats`` runs after ``warmup`` runs.
+    """Median time of ``fn()`` over ``repeats`` runs after ``warmup`` runs (``clock``: "wall"
+    or "cpu", see the module docstring)."""
+    return interleaved_median_seconds(
+        {"fn": fn}, device=device, warmup=warmup, repeats=repeats, clock=clock
+    )["fn"]
 
-    ``clock``: ``time.perf_counter`` (wall time) or e.g. ``time.process_time`` (CPU time
-    of this process: on a shared CPU it leaves out the time spent waiting for a core).
+
+def interleaved_median_seconds(
+    fns: Mapping[str, Callable[[], object]], *, device: torch.device | str = "cpu",
+    warmup: int = 1, repeats: int = 5, clock: str = "wall",
+) -> dict[str, float]:
+    """Median wall time of each function, the repeats interleaved.
+
+    Round r runs every function once, so a change in machine load (shared machines)
+    hits all of them alike and their ratios stay meaningful.
     """
     device = torch.device(device)
-    for _ in range(warmup):
-        fn()
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}.")
+    if clock == "cpu" and device.type == "cuda":
+        raise ValueError("clock='cpu' measures host CPU time; time CUDA work with clock='wall'.")
+    now = CLOCKS[clock]
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
     _sync(device)
-    times = []
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        start = clock()
-        fn()
-        _sync(device)
-        times.append(clock() - start)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            start = now()
+            fn()
+            _sync(device)
+            times[name].append(now() - start)
+    return {name: statistics.median(t) for name, t in times.items()}

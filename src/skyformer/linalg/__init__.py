@@ -1,6 +1,7 @@
-"""Shared numerics: iterative pseudo-inverse, Gaussian kernel blocks, Lemma 3 inverse,
-top singular subspaces."""
+"""Shared numerics: iterative pseudo-inverse, Gaussian kernel blocks and products with
+them, Lemma 3 inverse, top singular subspaces."""
 
+from .kernel_matmul import gaussian_kernel_matmul
 from .kernels import gaussian_exponent, gaussian_kernel_block, half_sq_norm
 from .nystrom import PINV_METHODS, lemma3_inverse
 from .pinv import PINV_INITS, initial_inverse, inverse_residual, iterative_pinv
@@ -12,6 +13,7 @@ __all__ = [
     "Subspace",
     "gaussian_exponent",
     "gaussian_kernel_block",
+    "gaussian_kernel_matmul",
     "half_sq_norm",
     "initial_inverse",
     "inverse_residual",

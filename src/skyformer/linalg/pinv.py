@@ -24,6 +24,7 @@ from typing import Literal
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 PinvInit = Literal["scaled_transpose", "identity"]
 PINV_INITS: tuple[str, ...] = ("scaled_transpose", "identity")
@@ -42,6 +43,97 @@ def initial_inverse(a: Tensor, init: PinvInit) -> Tensor:
     raise ValueError(f"init must be one of {PINV_INITS}, got {init!r}.")
 
 
+class _RazaviIteration(torch.autograd.Function):
+    """``iterations`` Razavi steps from ``v0`` (``None`` = identity) with a hand-written
+    backward pass.
+
+    One step, in Horner form with P = A V (all ``[..., m, m]``):
+
+        T1 = 7I - P,   T2 = 15I - P T1,   T3 = 13I - P T2,   V' = V T3 / 4.
+
+    Its adjoint, for an incoming gradient G' of V':
+
+        dT3 = V^T G' / 4,   dT2 = -P^T dT3,   dT1 = -P^T dT2,
+        dP  = -dT3 T2^T - dT2 T1^T - dT1,
+        dV  = G' T3^T / 4 + A^T dP,   dA += dP V^T,
+
+    the products autograd would run, without its graph of ~15 nodes per step; each
+    "cI - X Y" is one fused ``baddbmm``. From V0 = I the first step needs no product
+    with V (P = A, V1 = T3 / 4): 2 products instead of 4 forward, 4 instead of 8 back.
+    """
+
+    @staticmethod
+    def forward(ctx, a, v0, iterations):  # type: ignore[override]
+        batch_shape = a.shape[:-2]
+        m = a.shape[-1]
+        a3 = a.reshape(-1, m, m)
+        eye = torch.eye(m, dtype=a.dtype, device=a.device).expand_as(a3)
+        eye7 = 7 * eye
+        # Everything the backward pass needs, in one allocation: per step V (its input),
+        # P, T2, T3 (T1 = 7I - P is rebuilt). Dozens of separate [BH, m, m] tensors per
+        # call cost more in allocation (page faults) than in arithmetic at m = 128.
+        store = a3.new_empty(iterations, 4, *a3.shape)
+        t1 = torch.empty_like(a3)
+        out = torch.empty_like(a3)
+        v = None if v0 is None else v0.reshape(-1, m, m)
+        for i in range(iterations):
+            v_in, p, t2, t3 = store[i]
+            if v is None:
+                p = a3
+            else:
+                v_in.copy_(v) if i == 0 else None  # later inputs were written in place
+                torch.bmm(a3, v, out=p)
+            torch.sub(eye7, p, out=t1)
+            torch.baddbmm(eye, p, t1, beta=15, alpha=-1, out=t2)
+            torch.baddbmm(eye, p, t2, beta=13, alpha=-1, out=t3)
+            v_next = out if i == iterations - 1 else store[i + 1, 0]
+            if v is None:
+                torch.mul(t3, 0.25, out=v_next)
+            else:
+                torch.bmm(v, t3, out=v_next).mul_(0.25)
+            v = v_next
+        ctx.save_for_backward(a3, store)
+        ctx.identity_start = v0 is None
+        ctx.batch_shape = batch_shape
+        return out.reshape(*batch_shape, m, m)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):  # type: ignore[override]
+        a3, store = ctx.saved_tensors
+        m = a3.shape[-1]
+        g = grad.reshape(-1, m, m).contiguous()
+        da = torch.zeros_like(a3)
+        a_t = a3.transpose(1, 2)
+        eye7 = 7 * torch.eye(m, dtype=a3.dtype, device=a3.device)
+        t1, dt3, m1, m2, dp, tmp = torch.empty(6, *a3.shape, dtype=a3.dtype, device=a3.device)
+        g_next = torch.empty(2, *a3.shape, dtype=a3.dtype, device=a3.device)
+        for i in reversed(range(store.shape[0])):
+            v, p, t2, t3 = store[i]
+            first_from_identity = i == 0 and ctx.identity_start
+            if first_from_identity:
+                p = a3
+            p_t = p.transpose(1, 2)
+            torch.sub(eye7, p, out=t1)
+            if first_from_identity:
+                torch.mul(g, 0.25, out=dt3)
+            else:
+                torch.bmm(v.transpose(1, 2), g, out=dt3).mul_(0.25)
+            # with the signs folded in: dT2 = -m2, dT1 = m1, dP = -m1 - dT3 T2^T + m2 T1^T
+            torch.bmm(p_t, dt3, out=m2)
+            torch.bmm(p_t, m2, out=m1)
+            torch.baddbmm(m1, dt3, t2.transpose(1, 2), beta=-1, alpha=-1, out=dp)
+            dp.baddbmm_(m2, t1.transpose(1, 2))
+            if first_from_identity:  # P = A
+                da.add_(dp)
+                break
+            da.baddbmm_(dp, v.transpose(1, 2))
+            torch.bmm(a_t, dp, out=tmp)
+            g = torch.baddbmm(tmp, g, t3.transpose(1, 2), alpha=0.25, out=g_next[i % 2])
+        dv0 = None if ctx.identity_start else g.reshape(*ctx.batch_shape, m, m).clone()
+        return da.reshape(*ctx.batch_shape, m, m), dv0, None
+
+
 def iterative_pinv(
     a: Tensor,
     iterations: int = 6,
@@ -50,19 +142,15 @@ def iterative_pinv(
 ) -> Tensor:
     """Approximate pseudo-inverse of ``a: [..., m, m]`` by ``iterations`` Razavi steps.
 
-    Each step costs four batched m x m products. Differentiable by autograd.
+    Each step costs four batched m x m products (two for the first step from the
+    identity). Differentiable, by a hand-written backward pass (``_RazaviIteration``).
     """
     if iterations < 0:
         raise ValueError(f"iterations must be >= 0, got {iterations}.")
-    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
-    v = initial_inverse(a, init)
-    for _ in range(iterations):
-        av = a @ v
-        t = 7 * eye - av
-        t = 15 * eye - av @ t
-        t = 13 * eye - av @ t
-        v = 0.25 * (v @ t)
-    return v
+    v0 = None if init == "identity" else initial_inverse(a, init)
+    if iterations == 0:
+        return initial_inverse(a, init) if v0 is None else v0
+    return _RazaviIteration.apply(a, v0, iterations)
 
 
 def inverse_residual(a: Tensor, v: Tensor) -> Tensor:

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..inputs import AttentionInputs, check_choice, check_nonnegative_float, check_positive_int
 from ..linalg import PINV_INITS, PINV_METHODS, gaussian_kernel_block, half_sq_norm, lemma3_inverse
-from ..sketch import Landmarks, gather_rows, gather_values, uniform_landmarks
+from ..sketch import Landmarks, gather_rows, uniform_landmarks
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,43 @@ def sample_landmarks(
     )
 
 
+@dataclass(frozen=True)
+class NystromCore:
+    """What the fused and the materialised paths share: landmark rows and W.
+
+    ``x_norm`` is |x|^2/2 of the landmark rows, +inf for slots holding no landmark
+    (which zeroes their column of every kernel block).
+    """
+
+    x: Tensor  # [B, H, m, D] landmark rows of [Q^; K^] (scaled)
+    x_norm: Tensor  # [B, H, m]
+    w: Tensor  # [B, H, m, m]  Lemma-3 inverse of C(X_S, X_S)
+    landmarks: Landmarks
+
+
+def nystrom_core(
+    q: Tensor, k: Tensor, scale: float, options: NystromOptions, landmarks: Landmarks,
+) -> NystromCore:
+    """Landmark rows X_S of [s Q; s K] (gathered, then scaled: m rows, not N), their half
+    squared norms, and W = Lemma-3 inverse of C(X_S, X_S) (Skyformer section 3.4)."""
+    x = torch.cat(
+        [gather_rows(q, landmarks.query_index), gather_rows(k, landmarks.key_index)], dim=2
+    ) * scale  # [B, H, m, D]
+    x_norm = torch.where(
+        landmarks.live[:, None, :], half_sq_norm(x),
+        torch.tensor(float("inf"), dtype=x.dtype, device=x.device),
+    )  # [B, H, m]
+    w = lemma3_inverse(
+        gaussian_kernel_block(x, x, x_norm, x_norm),  # [B, H, m, m]
+        gamma=options.gamma,
+        pinv=options.pinv,  # type: ignore[arg-type]
+        iterations=options.pinv_iterations,
+        init=options.pinv_init,  # type: ignore[arg-type]
+        live=landmarks.live,
+    )
+    return NystromCore(x, x_norm, w, landmarks)
+
+
 def modified_nystrom_factors(
     q_hat: Tensor,
     k_hat: Tensor,
@@ -90,37 +127,23 @@ def modified_nystrom_factors(
     *,
     shift_query_rows: bool = False,
 ) -> NystromFactors:
-    """Factors of the modified Nystrom approximation of exp(-|q^_i - k^_j|^2 / 2).
+    """Materialised factors of the modified Nystrom approximation of exp(-|q^_i - k^_j|^2 / 2).
+
+    Forms the [Nq, m] and [Nk, m] blocks whole: the straightforward path, kept as the
+    reference the fused path of ``skyformer``/``nystrom_softmax`` is tested against, and
+    for analyses that need the factors.
 
     Args:
         q_hat: scaled queries ``[B, H, Nq, D]``; k_hat: scaled keys ``[B, H, Nk, D]``.
         shift_query_rows: divide each row of ``c_qx`` by its maximum (for row-normalised
             outputs, where that factor cancels).
     """
-    inf = torch.tensor(float("inf"), dtype=q_hat.dtype, device=q_hat.device)
-    q_norm = half_sq_norm(q_hat)  # [B, H, Nq]
+    core = nystrom_core(q_hat, k_hat, 1.0, options, landmarks)
     k_norm = half_sq_norm(k_hat)  # [B, H, Nk]
-    x = torch.cat(
-        [gather_rows(q_hat, landmarks.query_index), gather_rows(k_hat, landmarks.key_index)],
-        dim=2,
-    )  # [B, H, m, D]
-    x_norm = torch.cat(
-        [gather_values(q_norm, landmarks.query_index), gather_values(k_norm, landmarks.key_index)],
-        dim=2,
-    )  # [B, H, m]
-    x_norm = torch.where(landmarks.live[:, None, :], x_norm, inf)
     if info.key_valid is not None:
-        k_norm = torch.where(info.key_valid[:, None, :], k_norm, inf)
-
-    c_qx = gaussian_kernel_block(q_hat, x, q_norm, x_norm, shift_rows=shift_query_rows)
-    c_kx = gaussian_kernel_block(k_hat, x, k_norm, x_norm)
-    m = gaussian_kernel_block(x, x, x_norm, x_norm)  # [B, H, m, m]
-    w = lemma3_inverse(
-        m,
-        gamma=options.gamma,
-        pinv=options.pinv,  # type: ignore[arg-type]
-        iterations=options.pinv_iterations,
-        init=options.pinv_init,  # type: ignore[arg-type]
-        live=landmarks.live,
+        k_norm = torch.where(info.key_valid[:, None, :], k_norm, float("inf"))
+    c_qx = gaussian_kernel_block(
+        q_hat, core.x, half_sq_norm(q_hat), core.x_norm, shift_rows=shift_query_rows
     )
-    return NystromFactors(c_qx, w, c_kx, landmarks)
+    c_kx = gaussian_kernel_block(k_hat, core.x, k_norm, core.x_norm)
+    return NystromFactors(c_qx, core.w, c_kx, landmarks)

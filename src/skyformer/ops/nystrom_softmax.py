@@ -31,6 +31,12 @@ pretrained MiniLM Q/K/V, layers 2 and 4, a few percent of rows: relative errors 
 returns the mean of the values instead (the answer of uniform attention). On the
 MiniLM data above rho = 0.3 cut the mean spectral error from 6.6 (rho = 0.01) to
 0.33-0.57 on the deeper layers and changed the first layer's by +0.006.
+
+Evaluation: as in ``skyformer``, the [N, m] blocks are never held whole
+(``gaussian_kernel_matmul``). E_K is folded into the exponent of C(X_S, K):
+exp(k^.x - |x|^2/2 - max_j |k^_j|^2/2) <= 1, so no [N] factor multiplies the values;
+the bound's column rides along in the product with C(Q, X_S).
+``materialised_nystrom_softmax_attention`` forms the blocks whole (the tested reference).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import torch
 from torch import Tensor
 
 from ..inputs import (
+    AttentionInputs,
     check_attention_inputs,
     check_generator,
     check_nonnegative_float,
@@ -49,9 +56,15 @@ from ..inputs import (
     mean_values,
     zero_padded_queries,
 )
-from ..linalg import half_sq_norm
+from ..linalg import gaussian_kernel_matmul, half_sq_norm
 from ..registry import Capabilities, register
-from .modified_nystrom import NystromOptions, modified_nystrom_factors, sample_landmarks
+from ..sketch import Landmarks
+from .modified_nystrom import (
+    NystromOptions,
+    modified_nystrom_factors,
+    nystrom_core,
+    sample_landmarks,
+)
 
 
 @dataclass(frozen=True)
@@ -75,7 +88,9 @@ class NystromSoftmaxConfig(NystromOptions):
             raise ValueError(
                 f"nystrom_softmax: scale must be a positive number or None, got {self.scale!r}."
             )
-        check_nonnegative_float("nystrom_softmax", "normalizer_threshold", self.normalizer_threshold)
+        check_nonnegative_float(
+            "nystrom_softmax", "normalizer_threshold", self.normalizer_threshold
+        )
         if self.normalizer_threshold >= 1:
             raise ValueError(
                 "nystrom_softmax: normalizer_threshold must be below 1, got "
@@ -115,19 +130,93 @@ def nystrom_softmax_attention(
     Returns:
         ``[B, H, Nq, Dv]``; rows of padded queries (self-attention) are zero.
     """
-    info = check_attention_inputs(q, k, v, key_padding_mask, method="nystrom_softmax")
-    check_generator("nystrom_softmax", generator, q.device)
     options = NystromSoftmaxConfig(
         num_features=num_features, gamma=gamma, pinv=pinv, pinv_iterations=pinv_iterations,
         pinv_init=pinv_init, scale=scale, normalizer_threshold=normalizer_threshold,
     )
-    dtype = q.dtype
-    work = compute_dtype(dtype)
+    info, landmarks, root, work = _prepare(q, k, v, key_padding_mask, generator, options)
+    qw, kw, vw = q.to(work), k.to(work), v.to(work)
+    core = nystrom_core(qw, kw, root, options, landmarks)
+    key_valid = None if info.key_valid is None else info.key_valid[:, None, :]  # [B, 1, Nk]
+
+    # C(X_S, K) E_K up to a common factor: entries exp(k^.x - |x|^2/2 - max_j |k^_j|^2/2),
+    # at most 1 since k^.x - |x|^2/2 <= |k^|^2/2. No gradient through the common factor.
+    with torch.no_grad():
+        log_e_k = torch.linalg.vecdot(kw, kw).mul_(0.5 * root * root)  # [B, H, Nk]
+        if key_valid is not None:
+            log_e_k = log_e_k.masked_fill(~key_valid, float("-inf"))
+        shift = log_e_k.amax(dim=-1, keepdim=True)
+        shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))  # [B, H, 1]
+    v_and_one = torch.cat([vw, torch.ones_like(vw[..., :1])], dim=-1)  # [B, H, Nk, Dv + 1]
+    context = gaussian_kernel_matmul(
+        kw, core.x, v_and_one, core.x_norm + shift, scale=root, row_norm=False,
+        row_valid=key_valid, transpose=True,
+    )  # [B, H, m, Dv + 1]
+    z = core.w @ context
+    # E_Q cancels in the ratio: rows of C(Q, X_S) are scaled by their own maximum instead.
+    # The last column gives sum_s C(q_i, x_s) |(W u)_s|, the bound on |D~_i|.
+    o = gaussian_kernel_matmul(
+        qw, core.x, torch.cat([z, z[..., -1:].detach().abs()], dim=-1), core.x_norm,
+        scale=root, row_norm=False, shift_rows=True,
+    )  # [B, H, Nq, Dv + 2]
+    dv = vw.shape[-1]
+    return _normalise(
+        o[..., :dv], o[..., dv : dv + 1], o[..., dv + 1 :], vw, info, options, q.dtype
+    )
+
+
+def _prepare(
+    q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None,
+    generator: torch.Generator | None, options: NystromSoftmaxConfig,
+) -> tuple[AttentionInputs, Landmarks, float, torch.dtype]:
+    """Checks, landmarks, sqrt of the logit scale and compute dtype (both evaluations)."""
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="nystrom_softmax")
+    check_generator("nystrom_softmax", generator, q.device)
     s = options.scale if options.scale is not None else 1.0 / math.sqrt(info.head_dim)
-    root = math.sqrt(s)
+    landmarks = sample_landmarks(info, options.num_features, q.device, generator)
+    return info, landmarks, math.sqrt(s), compute_dtype(q.dtype)
+
+
+def _normalise(numerator: Tensor, denominator: Tensor, bound: Tensor, vw: Tensor,
+               info: AttentionInputs, options: NystromSoftmaxConfig, dtype: torch.dtype) -> Tensor:
+    """D~^-1 A~ V on reliable rows, mean(V) on the others; zero padded queries."""
+    reliable = denominator > options.normalizer_threshold * bound
+    reliable = reliable & (denominator > 0)
+    out = torch.where(
+        reliable,
+        numerator / torch.where(reliable, denominator, 1.0),
+        mean_values(vw, info.key_valid),
+    )
+    return zero_padded_queries(out, info.query_valid).to(dtype)
+
+
+def materialised_nystrom_softmax_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    key_padding_mask: Tensor | None = None,
+    generator: torch.Generator | None = None,
+    num_features: int = NystromSoftmaxConfig.num_features,
+    gamma: float = NystromSoftmaxConfig.gamma,
+    pinv: str = NystromSoftmaxConfig.pinv,
+    pinv_iterations: int = NystromSoftmaxConfig.pinv_iterations,
+    pinv_init: str = NystromSoftmaxConfig.pinv_init,
+    scale: float | None = NystromSoftmaxConfig.scale,
+    normalizer_threshold: float = NystromSoftmaxConfig.normalizer_threshold,
+) -> Tensor:
+    """``nystrom_softmax_attention`` with the [N, m] blocks formed whole (autograd backward).
+
+    Same arguments and landmarks, same result up to rounding; the reference the fused
+    path is tested against.
+    """
+    options = NystromSoftmaxConfig(
+        num_features=num_features, gamma=gamma, pinv=pinv, pinv_iterations=pinv_iterations,
+        pinv_init=pinv_init, scale=scale, normalizer_threshold=normalizer_threshold,
+    )
+    info, landmarks, root, work = _prepare(q, k, v, key_padding_mask, generator, options)
     q_hat = q.to(work) * root
     k_hat = k.to(work) * root
-    landmarks = sample_landmarks(info, options.num_features, q.device, generator)
     f = modified_nystrom_factors(q_hat, k_hat, info, options, landmarks, shift_query_rows=True)
 
     # E_K up to a common factor: exp(|k^|^2/2 - max over valid keys), 0 for padded keys.
@@ -141,11 +230,5 @@ def nystrom_softmax_attention(
     v_and_one = torch.cat([v.to(work) * e_k, e_k], dim=-1)  # [B, H, Nk, Dv + 1]
     z = f.w @ (f.c_kx.transpose(-1, -2) @ v_and_one)  # [B, H, m, Dv + 1]
     o = f.c_qx @ z  # [B, H, Nq, Dv + 1]
-    numerator, denominator = o[..., :-1], o[..., -1:]
     bound = f.c_qx @ z[..., -1:].abs()  # >= |denominator|  [B, H, Nq, 1]
-    reliable = denominator > options.normalizer_threshold * bound
-    reliable = reliable & (denominator > 0)
-    out = torch.where(
-        reliable, numerator / torch.where(reliable, denominator, 1.0), mean_values(v.to(work), info.key_valid)
-    )
-    return zero_padded_queries(out, info.query_valid).to(dtype)
+    return _normalise(o[..., :-1], o[..., -1:], bound, v.to(work), info, options, q.dtype)

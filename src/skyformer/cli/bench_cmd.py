@@ -1,0 +1,106 @@
+"""``skyformer bench``: time and peak memory of every method against exact SDPA."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+import torch
+
+from ..eval.bench import DTYPES, BenchConfig, run_bench
+from ..eval.bench_report import format_table, format_wide, write_results
+
+NAME = "bench"
+HELP = (
+    "time (forward, forward+backward) and peak memory of attention methods against exact "
+    "SDPA over sequence lengths, with relative error, crossover length and scaling exponent"
+)
+
+
+def _shape(text: str) -> tuple[int, int, int]:
+    try:
+        b, h, d = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a shape is B,H,D (e.g. 1,2,32), got {text!r}") from None
+    return b, h, d
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help="registered names or package.module:function[@softmax|@gaussian] "
+                        "(default: every registered method; softmax is always included)")
+    parser.add_argument("--seq-lens", nargs="+", type=int, default=None,
+                        help="sequence lengths (default: --min-n doubling to --max-n)")
+    parser.add_argument("--min-n", type=int, default=512, help="shortest length (default 512)")
+    parser.add_argument("--max-n", type=int, default=16384, help="longest length (default 16384)")
+    parser.add_argument("--shapes", nargs="+", type=_shape, default=[(1, 2, 32)], metavar="B,H,D",
+                        help="batch,heads,head-dim triples (default 1,2,32; e.g. also 4,8,64)")
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=["float32"],
+        choices=DTYPES,
+        help="input dtypes (default float32; on a GPU e.g. bfloat16 float16 float32)",
+    )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    parser.add_argument("--features", type=int, default=None,
+                        help="num_features for every method that has it (default: each method's)")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed runs per configuration (median)"
+    )
+    parser.add_argument("--warmup", type=int, default=1, help="untimed runs first")
+    parser.add_argument("--forward-only", action="store_true", help="time the forward pass only")
+    parser.add_argument("--no-memory", action="store_true", help="skip peak-memory measurement")
+    parser.add_argument("--no-error", action="store_true", help="skip the relative error")
+    parser.add_argument("--max-seconds", type=float, default=60.0,
+                        help="skip configurations predicted to take longer per call (default 60)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="wall time (default) or process CPU time (robust to other load on "
+                        "a shared machine; use with --threads 1)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of inputs and landmarks")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="write OUT.json, OUT.csv and OUT.png (e.g. benchmarks/results/bench_cpu)",
+    )
+    parser.add_argument("--no-plot", action="store_true", help="with --out: no PNG")
+    parser.add_argument(
+        "--markdown",
+        action="store_true",
+        help="print Markdown tables, one column per N (time with speed-up, memory)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {args.threads}.")
+        torch.set_num_threads(args.threads)
+    seq_lens = args.seq_lens
+    if seq_lens is None:
+        if not 1 <= args.min_n <= args.max_n:
+            raise ValueError(f"need 1 <= --min-n <= --max-n, got {args.min_n} and {args.max_n}.")
+        seq_lens, n = [], args.min_n
+        while n <= args.max_n:
+            seq_lens.append(n)
+            n *= 2
+    config = BenchConfig(
+        methods=tuple(args.methods) if args.methods else None, seq_lens=tuple(seq_lens),
+        shapes=tuple(args.shapes), dtypes=tuple(args.dtypes), device=args.device,
+        num_features=args.features, repeats=args.repeats, warmup=args.warmup,
+        backward=not args.forward_only, memory=not args.no_memory, error=not args.no_error,
+        seed=args.seed, max_seconds=args.max_seconds, clock=args.clock,
+    )
+    result = run_bench(config, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(format_wide(result) if args.markdown else format_table(result))
+    env = result.environment
+    print(f"\ntorch {env['torch']}, {env['device']}, {env['torch_threads']} threads, "
+          f"{config.clock} clock, load average {env.get('load_average_start')} -> "
+          f"{env.get('load_average_end')}")
+    if args.out:
+        command = "skyformer " + shlex.join(getattr(args, "_argv", sys.argv[1:]))
+        for path in write_results(result, args.out, plot=not args.no_plot, command=command):
+            print(f"wrote {path}")
+    return 0

@@ -1,0 +1,85 @@
+"""Arithmetic a method must do at a shape, and the device's measured matmul throughput.
+
+Together they give a "speed of light" time: the matrix-product FLOPs of one call
+divided by what a large square matmul reaches on the same device in the same run. The
+counts are the minimum (no recomputation, elementwise work and exp not counted), and
+a backward pass is counted as twice the forward products (each product C = A B needs
+dA = dC B^T and dB = A^T dC), so forward + backward = 3x forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from .timing import interleaved_median_seconds
+
+
+def _exact_flops(nq: int, nk: int, d: int, dv: int, options: dict[str, Any]) -> float:
+    """Q K^T and P V of exact attention (softmax or Gaussian): 2 Nq Nk (D + Dv)."""
+    return 2.0 * nq * nk * (d + dv)
+
+
+def _nystrom_flops(nq: int, nk: int, d: int, dv: int, options: dict[str, Any]) -> float | None:
+    """Skyformer eqs. (5)-(6) with the Lemma 3 iterative inverse (per head; the modified
+    Nystrom softmax has one or two more value columns, not counted)."""
+    if options.get("pinv", "iterative") != "iterative":
+        return None  # an SVD: no meaningful product count
+    m = min(options.get("num_features", 128), nq + nk)
+    iterations = options.get("pinv_iterations", 6)
+    # 4 products of m x m per Razavi step; 2 in the first step from the identity.
+    steps = 4 * iterations - (
+        2 if options.get("pinv_init", "identity") == "identity" and iterations else 0
+    )
+    return (
+        2.0 * nk * m * (d + dv)  # C(K, X) and C(X, K) V
+        + 2.0 * m * m * (d + dv)  # C(X, X) and W (C(X, K) V)
+        + 2.0 * steps * m**3  # the iterative inverse
+        + 2.0 * nq * m * (d + dv)  # C(Q, X) and C(Q, X) Z
+    )
+
+
+FORWARD_FLOPS: dict[str, Callable[[int, int, int, int, dict[str, Any]], float | None]] = {
+    "softmax": _exact_flops,
+    "kernelized": _exact_flops,
+    "skyformer": _nystrom_flops,
+    "nystrom_softmax": _nystrom_flops,
+}
+
+
+def attention_flops(
+    method: str, *, batch: int, heads: int, nq: int, nk: int, d: int, dv: int,
+    options: dict[str, Any] | None = None, backward: bool = False,
+) -> float | None:
+    """Matrix-product FLOPs of one call of ``method`` (None if not known for it)."""
+    count = FORWARD_FLOPS.get(method)
+    if count is None:
+        return None
+    per_head = count(nq, nk, d, dv, options or {})
+    if per_head is None:
+        return None
+    return per_head * batch * heads * (3 if backward else 1)
+
+
+def matmul_flops_per_second(
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    size: int | None = None,
+    repeats: int = 5,
+    clock: str = "wall",
+) -> float:
+    """Attainable throughput: a square ``size x size`` matmul on ``device``, the fastest
+    of ``repeats`` runs (on a shared machine the fastest is the least disturbed), timed
+    with the same ``clock`` as the measurements it is compared with."""
+    device = torch.device(device)
+    size = size or (8192 if device.type == "cuda" else 1024)
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, generator=g, device=device).to(dtype)
+    b = torch.randn(size, size, generator=g, device=device).to(dtype)
+    seconds = min(
+        interleaved_median_seconds({"mm": lambda: a @ b}, device=device, warmup=1 if i == 0 else 0,
+                                   repeats=1, clock=clock)["mm"]
+        for i in range(repeats)
+    )
+    return 2.0 * size**3 / seconds

@@ -1,0 +1,268 @@
+"""Products with a Gaussian kernel block that is never held whole.
+
+The modified Nystrom methods need two products per call with [N, m] kernel blocks
+(Skyformer eqs. (5)-(6)): C(K, X)^T V and C(Q, X) Z. Formed whole, each block costs
+N m floats per head, kept alive for the backward pass, and every elementwise pass over
+it streams it through main memory. Here the block
+
+    C_is = exp(s y_i . x_s - a_i - b_s),   a_i = s^2 |y_i|^2 / 2  (or 0, ``row_norm=False``)
+
+(y: [N, D] unscaled rows, x: [m, D], b: [m] column offsets) is built ``chunk`` rows at
+a time, so that the chunk stays in cache, and multiplied at once. The backward pass
+rebuilds each chunk instead of storing C, so memory is O(N (D + R)), not O(N m).
+With b = |x|^2/2, C is the Gaussian kernel exp(-|s y_i - x_s|^2 / 2) of the scaled rows;
+with ``row_norm=False`` it is that kernel times exp(|s y_i|^2 / 2) (the softmax kernel's
+E factor, ``nystrom_softmax``). Invalid rows (``row_valid``) and columns with b = +inf
+are exact zeros with zero gradient. The row scale s and the row norms are applied
+inside, so no scaled copy of y and no [N, D] norm temporaries are made; exp is
+evaluated as exp2 of the exponent times log2(e), folded into x and the offsets.
+
+Backward, with E the exponent and dE = dC * C (chunked):
+
+    dy = s dE x - s^2 (dE 1) * y,   dx = s dE^T y,   db = -dE^T 1,
+
+and the two sums need no pass over the block (as the row terms of flash attention):
+for ``out = C Z``, ``(dE 1)_i = g_i . out_i`` and ``(dE^T 1)_s = z_s . (C^T g)_s``;
+for ``out = C^T V``, ``(dE 1)_i = v_i . (C g)_i`` and ``(dE^T 1)_s = g_s . out_s``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+# Elements of one chunk of the block, all heads together. 2^18 float32 = 1 MiB fits the
+# per-core L2 of current CPUs, so the elementwise passes (offsets, exp, dC * C) stay in
+# cache; on CUDA nothing is gained by small chunks but launches, so they are large.
+CPU_CHUNK_ELEMENTS = 2**18
+CUDA_CHUNK_ELEMENTS = 2**26
+# C is evaluated as 2^(E log2 e): exp2 is ~3x cheaper than exp on CPU (PyTorch 2.x, AVX-512),
+# and the factor folds into the m landmark rows and the offsets at no cost.
+LOG2E = 1.0 / math.log(2.0)
+
+
+def chunk_rows(rows: int, batch: int, m: int, device: torch.device) -> int:
+    """Rows per chunk for ``batch`` blocks of width ``m`` (at least 64, at most ``rows``)."""
+    budget = CUDA_CHUNK_ELEMENTS if device.type == "cuda" else CPU_CHUNK_ELEMENTS
+    return max(1, min(rows, max(64, budget // max(1, batch * m))))
+
+
+def _row_offsets(
+    y: Tensor, scale: float, row_norm: bool, row_valid: Tensor | None
+) -> Tensor | None:
+    """a log2(e), a = s^2 |y|^2 / 2 (or 0), +inf on invalid rows: ``[BH, N]`` (None if all 0)."""
+    a = None
+    if row_norm:
+        a = torch.linalg.vecdot(y, y).mul_(0.5 * scale * scale * LOG2E)
+    if row_valid is not None:
+        inf = torch.tensor(float("inf"), dtype=y.dtype, device=y.device)
+        a = torch.where(row_valid, 0.0 if a is None else a, inf)
+    return a
+
+
+class _Workspace:
+    """Chunk buffers reused by every chunk of one call: a fresh ~1 MiB tensor per chunk
+    would be a fresh allocation each time (page faults, cold cache lines)."""
+
+    def __init__(self, like: Tensor, chunk: int, widths: dict[str, int]) -> None:
+        self.bh = like.shape[0]
+        self.buffers = {name: like.new_empty(self.bh * chunk * w) for name, w in widths.items()}
+
+    def get(self, name: str, rows: int, width: int) -> Tensor:
+        """A contiguous ``[BH, rows, width]`` view of buffer ``name``."""
+        return self.buffers[name][: self.bh * rows * width].view(self.bh, rows, width)
+
+
+def _exponent(
+    y: Tensor, xt: Tensor, a: Tensor | None, neg_b: Tensor | None, out: Tensor
+) -> Tensor:
+    """y xt - a - b for one chunk (in log2 units): ``[BH, c, D] x [BH, D, m] -> [BH, c, m]``."""
+    if neg_b is None:
+        torch.bmm(y, xt, out=out)
+    else:
+        torch.baddbmm(neg_b, y, xt, out=out)
+    if a is not None:
+        out.sub_(a[:, :, None])
+    return out
+
+
+class _GaussianBlockProduct(torch.autograd.Function):
+    """out = C @ rhs (``transpose=False``) or C^T @ rhs (``transpose=True``), chunked.
+
+    Tensors have one batch dim: y ``[BH, N, D]``, x ``[BH, m, D]``, b ``[BH, m]``,
+    rhs ``[BH, m or N, R]``, row_valid ``[BH, N]`` bool.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, y: Tensor, x: Tensor, b: Tensor | None, rhs: Tensor,
+                row_valid: Tensor | None, scale: float, row_norm: bool, transpose: bool,
+                shift_rows: bool, chunk: int) -> Tensor:
+        n = y.shape[1]
+        # the row scale (and log2 e), applied to the m landmark rows: [BH, D, m]
+        xt = (x * (scale * LOG2E)).transpose(1, 2)
+        neg_b = None if b is None else (b * -LOG2E)[:, None, :]  # [BH, 1, m]
+        a = _row_offsets(y, scale, row_norm, row_valid)  # [BH, N]
+        shift = None
+        if transpose:
+            out = y.new_zeros(y.shape[0], x.shape[1], rhs.shape[-1])  # [BH, m, R]
+        else:
+            out = y.new_empty(y.shape[0], n, rhs.shape[-1])  # [BH, N, R]
+            if shift_rows:
+                shift = y.new_empty(y.shape[0], n)
+        m, width = x.shape[1], rhs.shape[-1]
+        ws = _Workspace(y, min(chunk, n), {"block": m, "out": width})
+        for s in range(0, n, chunk):
+            rows = slice(s, s + chunk)
+            size = min(chunk, n - s)
+            e = _exponent(y[:, rows], xt, None if a is None else a[:, rows], neg_b,
+                          ws.get("block", size, m))
+            if shift is not None:
+                r = e.amax(dim=-1)
+                # A row with every column masked has max -inf: leave it at exp(-inf) = 0.
+                r = torch.where(torch.isfinite(r), r, torch.zeros_like(r))
+                shift[:, rows] = r
+                e.sub_(r[:, :, None])
+            c = e.exp2_()  # [BH, c, m]
+            if transpose:
+                out.baddbmm_(c.transpose(1, 2), rhs[:, rows])
+            else:
+                out[:, rows] = torch.bmm(c, rhs, out=ws.get("out", size, width))
+        if shift is not None:
+            a = shift if a is None else a + shift  # the backward pass rebuilds C with both
+        # One chunk is the whole block and already in cache-sized memory: keep it rather
+        # than rebuild it (longer inputs are rebuilt chunk by chunk, memory O(N)).
+        block = c if n <= chunk else None
+        ctx.save_for_backward(y, x, b, rhs, a, out, block)
+        ctx.options = (scale, row_norm, transpose, chunk)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        y, x, b, rhs, a, out, block = ctx.saved_tensors
+        scale, row_norm, transpose, chunk = ctx.options
+        need_y, need_x, need_b, need_rhs = ctx.needs_input_grad[:4]
+        n = y.shape[1]
+        xs = x * scale
+        xt = (x * (scale * LOG2E)).transpose(1, 2)
+        neg_b = None if b is None else (b * -LOG2E)[:, None, :]
+        grad = grad.contiguous()
+        # (dE 1): for C Z it is g . out; for C^T V it is v . dV, computed per chunk below.
+        row_sums = None
+        if need_y and row_norm and not transpose:
+            row_sums = torch.linalg.vecdot(grad, out)
+        dy = torch.empty_like(y) if need_y else None
+        dx = torch.zeros_like(x) if need_x else None
+        if transpose:
+            drhs = torch.empty_like(rhs) if (need_rhs or (need_y and row_norm)) else None
+            gt = grad.transpose(1, 2)  # [BH, R, m]
+        else:
+            drhs = torch.zeros_like(rhs) if (need_rhs or need_b) else None  # dZ = C^T g
+            zt = rhs.transpose(1, 2)  # [BH, R, m]
+        need_de = need_y or need_x
+        m, d, width = x.shape[1], x.shape[2], rhs.shape[-1]
+        ws = _Workspace(y, min(chunk, n), {"block": m, "de": m, "dv": width, "dy": d})
+        for s in range(0, n, chunk):
+            rows = slice(s, s + chunk)
+            size = min(chunk, n - s)
+            y_c = y[:, rows]
+            c = block if block is not None else _exponent(
+                y_c, xt, None if a is None else a[:, rows], neg_b, ws.get("block", size, m)
+            ).exp2_()
+            if transpose:
+                if drhs is not None:
+                    dv = torch.bmm(c, grad, out=ws.get("dv", size, width))  # [BH, c, R]
+                    drhs[:, rows] = dv
+                if need_de:
+                    de = torch.bmm(rhs[:, rows], gt, out=ws.get("de", size, m)).mul_(c)
+            else:
+                if drhs is not None:
+                    drhs.baddbmm_(c.transpose(1, 2), grad[:, rows])
+                if need_de:
+                    de = torch.bmm(grad[:, rows], zt, out=ws.get("de", size, m)).mul_(c)
+            if need_y:
+                dy_c = torch.bmm(de, xs, out=ws.get("dy", size, d))  # [BH, c, D]
+                if row_norm:
+                    sums = (torch.linalg.vecdot(rhs[:, rows], dv) if transpose
+                            else row_sums[:, rows])
+                    dy_c.addcmul_(y_c, sums[:, :, None], value=-scale * scale)
+                dy[:, rows] = dy_c
+            if need_x:
+                dx.baddbmm_(de.transpose(1, 2), y_c)
+        if dx is not None:
+            dx.mul_(scale)
+        db = None
+        if need_b:
+            db = -(torch.linalg.vecdot(grad, out) if transpose
+                   else torch.linalg.vecdot(rhs, drhs))
+        return dy, dx, db, drhs if need_rhs else None, None, None, None, None, None, None
+
+
+def gaussian_kernel_matmul(
+    y: Tensor,
+    x: Tensor,
+    rhs: Tensor,
+    col_offset: Tensor | None,
+    *,
+    scale: float = 1.0,
+    row_norm: bool = True,
+    row_valid: Tensor | None = None,
+    transpose: bool = False,
+    shift_rows: bool = False,
+    chunk: int | None = None,
+) -> Tensor:
+    """C @ rhs or C^T @ rhs for C = exp(s y x^T - s^2|y|^2/2 - col_offset), never whole.
+
+    Args:
+        y: ``[..., N, D]`` rows, unscaled; x: ``[..., m, D]`` (already in the scaled space).
+        rhs: ``[..., m, R]`` (``transpose=False``) or ``[..., N, R]`` (``transpose=True``).
+        col_offset: ``[..., m]`` b_s (e.g. ``half_sq_norm(x)``), +inf for columns that
+            must be zero; ``None`` = 0.
+        scale: s, the factor applied to y (e.g. p^-1/4).
+        row_norm: subtract s^2 |y_i|^2 / 2 from row i (the Gaussian kernel); ``False``
+            leaves it out (rows scaled by exp(s^2 |y_i|^2 / 2)).
+        row_valid: ``[..., N]`` bool (broadcastable over the batch dims), False rows are 0.
+        transpose: compute C^T @ rhs instead of C @ rhs.
+        shift_rows: divide each row of C by its largest entry (computed in log space,
+            without gradient), as ``gaussian_kernel_block(shift_rows=True)``; only with
+            ``transpose=False``.
+        chunk: rows per chunk; default from ``chunk_rows``.
+    Returns:
+        ``[..., N, R]`` (``C @ rhs``) or ``[..., m, R]`` (``C^T @ rhs``); differentiable in
+        ``y``, ``x``, ``col_offset`` and ``rhs`` (the backward pass rebuilds C by chunks).
+    """
+    if shift_rows and transpose:
+        raise ValueError("shift_rows scales the rows of C; it is not defined with transpose=True.")
+    batch_shape = y.shape[:-2]
+    n, d = y.shape[-2:]
+    m = x.shape[-2]
+    if x.shape[:-2] != batch_shape or x.shape[-1] != d or rhs.shape[:-2] != batch_shape \
+            or rhs.shape[-2] != (n if transpose else m):
+        raise ValueError(
+            f"gaussian_kernel_matmul: shapes do not fit: y {tuple(y.shape)}, x {tuple(x.shape)}, "
+            f"rhs {tuple(rhs.shape)} (transpose={transpose})."
+        )
+    bh = 1
+    for size in batch_shape:
+        bh *= size
+    if chunk is None:
+        chunk = chunk_rows(n, bh, m, y.device)
+    if row_valid is not None:
+        row_valid = row_valid.expand(*batch_shape, n).reshape(bh, n)
+    out = _GaussianBlockProduct.apply(
+        y.reshape(bh, n, d),
+        x.reshape(bh, m, d),
+        None if col_offset is None else col_offset.reshape(bh, m),
+        rhs.reshape(bh, *rhs.shape[-2:]),
+        row_valid,
+        float(scale),
+        row_norm,
+        transpose,
+        shift_rows,
+        chunk,
+    )
+    return out.reshape(*batch_shape, *out.shape[1:])

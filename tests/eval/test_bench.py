@@ -1,0 +1,211 @@
+"""``skyformer bench`` in tiny configurations: result schema, ratios, skips, files."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import pytest
+import torch
+
+from skyformer.cli import main
+from skyformer.eval.bench import BenchConfig, crossover, run_bench, summarise
+from skyformer.eval.bench_report import format_table, format_wide, write_results
+from skyformer.eval.callables import resolve
+from skyformer.eval.flops import attention_flops, matmul_flops_per_second
+
+MATERIALISED = "skyformer.ops.skyformer:materialised_skyformer_attention@gaussian"
+ROW_KEYS = {
+    "method", "spec", "device", "dtype", "batch", "heads", "head_dim", "n", "target", "exact",
+    "num_features", "status", "reason", "fwd_ms", "fwd_bwd_ms", "peak_mib", "rel_error", "gflop",
+    "sol_ms", "sol_fraction", "speedup", "memory_ratio", "growth", "load_avg",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    config = BenchConfig(
+        methods=("skyformer", MATERIALISED),
+        seq_lens=(64, 128),
+        shapes=((1, 2, 8),),
+        num_features=16,
+        repeats=1,
+        warmup=0,
+        memory=False,
+    )
+    return run_bench(config)
+
+
+def test_rows_have_the_schema_and_sensible_values(tiny):
+    rows = tiny.rows
+    assert [(r["method"], r["n"]) for r in rows] == [
+        (m, n)
+        for n in (64, 128)
+        for m in ("softmax", "skyformer", "materialised_skyformer_attention")
+    ]  # the reference is added first
+    for r in rows:
+        assert set(r) == ROW_KEYS
+        assert r["status"] == "ok" and r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0
+        assert (r["batch"], r["heads"], r["head_dim"], r["dtype"], r["device"]) == (
+            1,
+            2,
+            8,
+            "float32",
+            "cpu",
+        )
+        assert r["speedup"] == pytest.approx(
+            next(x["fwd_bwd_ms"] for x in rows if x["method"] == "softmax" and x["n"] == r["n"])
+            / r["fwd_bwd_ms"]
+        )
+    by = {(r["method"], r["n"]): r for r in rows}
+    assert by[("softmax", 64)]["rel_error"] < 1e-5 and by[("softmax", 64)]["speedup"] == 1.0
+    for n in (64, 128):
+        sky, before = by[("skyformer", n)], by[("materialised_skyformer_attention", n)]
+        assert sky["num_features"] == 16 and sky["target"] == "gaussian"
+        # the fused path and the materialised one approximate equally well
+        assert 0 < sky["rel_error"] == pytest.approx(before["rel_error"], rel=1e-4)
+        assert sky["gflop"] > 0 and sky["sol_fraction"] > 0 and before["gflop"] is None
+    assert by[("skyformer", 128)]["growth"] == pytest.approx(
+        by[("skyformer", 128)]["fwd_bwd_ms"] / by[("skyformer", 64)]["fwd_bwd_ms"])
+    assert {s["method"] for s in tiny.summary} == {
+        "softmax",
+        "skyformer",
+        "materialised_skyformer_attention",
+    }
+    for s in tiny.summary:
+        assert s["crossover"] in ("never", "at most", "interpolated") and math.isfinite(
+            s["exponent"]
+        )
+    assert tiny.matmul_gflops["float32"] > 0
+    assert "torch" in tiny.environment and "load_average_start" in tiny.environment
+
+
+def test_files_and_table(tiny, tmp_path):
+    paths = write_results(tiny, tmp_path / "bench", command="skyformer bench ...")
+    assert sorted(p.suffix for p in paths) == [".csv", ".json", ".png"]
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert set(data) == {"config", "environment", "matmul_gflops", "rows", "summary", "command"}
+    assert data["config"]["seq_lens"] == [64, 128] and len(data["rows"]) == 6
+    with open(tmp_path / "bench.csv") as handle:
+        assert set(next(csv.reader(handle))) == ROW_KEYS
+    table = format_table(tiny)
+    assert "skyformer" in table and "speed-up" in table and "B=1 H=2 D=8 float32 cpu" in table
+    assert format_table(tiny, markdown=True).count("| skyformer |") == 2
+    wide = format_wide(tiny)
+    assert (
+        "| method | N=64 | N=128 |" in wide and wide.count("| skyformer |") == 3
+    )  # time, error, SOL
+    assert "faster than softmax" in wide or "slower than softmax" in wide
+
+
+def test_memory_and_skips(capsys):
+    config = BenchConfig(methods=("skyformer",), seq_lens=(64, 128), shapes=((1, 1, 8),),
+                         num_features=8, repeats=1, warmup=0, max_seconds=1e-9, clock="cpu")
+    rows = run_bench(config).rows
+    first = [r for r in rows if r["n"] == 64]
+    # measured in a fresh process each (tiny: may be 0 pages above the resident size)
+    assert all(r["status"] == "ok" and r["peak_mib"] >= 0 and not r["reason"] for r in first)
+    second = [r for r in rows if r["n"] == 128]
+    assert all(r["status"] == "skipped" and "predicted" in r["reason"] for r in second)
+
+
+def test_command_line(tmp_path, capsys):
+    out = tmp_path / "cli"
+    code = main(["bench", "--methods", "skyformer", "--seq-lens", "64", "--shapes", "1,1,8",
+                 "--features", "8", "--repeats", "1", "--warmup", "0", "--no-memory",
+                 "--out", str(out), "--no-plot"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "skyformer" in printed and "load average" in printed
+    assert json.loads(out.with_suffix(".json").read_text())["rows"][1]["method"] == "skyformer"
+    assert main(["bench", "--methods", "nope", "--no-memory"]) == 2
+    assert "unknown attention method 'nope'" in capsys.readouterr().err
+    assert main(["bench", "--min-n", "64", "--max-n", "32", "--no-memory"]) == 2
+
+
+def test_crossover_and_summary_arithmetic():
+    assert crossover([(512, 0.5), (1024, 2.0)]) == (
+        pytest.approx(724.08, rel=1e-3),
+        "interpolated",
+    )
+    assert crossover([(512, 1.5), (1024, 3.0)]) == (512.0, "at most")
+    assert crossover([(512, 0.5), (1024, 0.9)]) == (None, "never")
+    # faster, slower, then faster for good: the crossover is the last one
+    assert crossover([(256, 1.2), (512, 0.8), (1024, 1.6)])[0] > 512
+    rows = [
+        {
+            "device": "cpu",
+            "dtype": "float32",
+            "batch": 1,
+            "heads": 1,
+            "head_dim": 8,
+            "method": m,
+            "n": n,
+            "status": "ok",
+            "fwd_ms": t,
+            "fwd_bwd_ms": t,
+            "peak_mib": None,
+            "speedup": None,
+            "memory_ratio": None,
+            "growth": None,
+        }
+        for m, c, p in (("softmax", 1e-6, 2), ("lin", 1e-3, 1))
+        for n in (256, 512, 1024, 2048)
+        for t in [c * n**p]
+    ]
+    summary = {s["method"]: s for s in summarise(rows, "softmax", True)}
+    assert summary["lin"]["exponent"] == pytest.approx(1.0)
+    assert summary["softmax"]["exponent"] == pytest.approx(2.0)
+    assert summary["lin"]["crossover_n"] == pytest.approx(1000.0)
+
+
+def test_flop_counts():
+    sky = attention_flops("skyformer", batch=1, heads=1, nq=100, nk=100, d=4, dv=4,
+                          options={"num_features": 10, "pinv_iterations": 2})
+    # 4 products of [100 x 10 x 4]; C(X, X) and W ctx; 4 * 2 - 2 products of 10^3
+    assert sky == 2 * (4 * 100 * 10 * 4 + 2 * 10 * 10 * 4 + 6 * 10**3)
+    assert (
+        attention_flops("softmax", batch=2, heads=3, nq=10, nk=20, d=4, dv=4, backward=True)
+        == 3 * 6 * 2 * 10 * 20 * 8
+    )
+    assert attention_flops("not-a-counted-method", batch=1, heads=1, nq=1, nk=1, d=1, dv=1) is None
+    assert matmul_flops_per_second("cpu", torch.float32, size=64, repeats=1) > 0
+
+
+def test_config_and_names_are_checked():
+    with pytest.raises(ValueError, match="dtype"):
+        BenchConfig(dtypes=("float8",))
+    with pytest.raises(ValueError, match="B, H, D"):
+        BenchConfig(shapes=((1, 2),))
+    with pytest.raises(ValueError, match="clock"):
+        BenchConfig(clock="sundial")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            BenchConfig(device="cuda")
+    with pytest.raises(ValueError, match="exact target"):
+        resolve("skyformer.ops.skyformer:materialised_skyformer_attention@exact")
+    with pytest.raises(ValueError, match="cannot load"):
+        resolve("skyformer.ops.nothing:here")
+    plain = resolve(
+        "skyformer.ops.kernelized:reference_materialised_kernelized_attention@gaussian"
+    )
+    assert (
+        plain.target == "gaussian"
+        and not plain.takes_generator
+        and plain.label.startswith("reference")
+    )
+
+
+def test_every_registered_method_runs():
+    """The default method list: all registered methods, including those with a per-layer
+    state (Linformer, Nystromformer, Performer) and the multipole/adaptive variants."""
+    from skyformer.registry import list_methods
+
+    config = BenchConfig(seq_lens=(64,), shapes=((1, 2, 8),), num_features=8, repeats=1,
+                         warmup=0, memory=False)
+    rows = run_bench(config).rows
+    assert [r["method"] for r in rows] == list_methods()
+    failed = {r["method"]: r["reason"] for r in rows if r["status"] != "ok"}
+    assert not failed
+    assert all(r["rel_error"] is not None and math.isfinite(r["rel_error"]) for r in rows)
