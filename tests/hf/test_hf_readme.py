@@ -26,4 +26,4 @@ def test_readme_hugging_face_example_runs_offline(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "torch.Size([1, 8, 384])" in out.stdout
+    assert "torch.Size([1, 6, 384])" in out.stdout
