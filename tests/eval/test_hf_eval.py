@@ -127,3 +127,17 @@ def test_forward_pass_memory_of_the_model():
     # feed-forward hidden layer alone is 1.5 MiB).
     assert 1.5 * 2**20 < peak_memory_bytes(job) < 64 * 2**20
 
+
+
+def test_table_columns_line_up_with_long_method_names():
+    from pathlib import Path
+
+    from skyformer.eval.hf_report import format_table
+
+    shipped = Path(__file__).resolve().parents[2] / "benchmarks/results/hf_eval_64.json"
+    rows = json.loads(shipped.read_text())["rows"]
+    assert any(r["method"] == "skyformer_multipole" for r in rows)
+    lines = format_table(rows).splitlines()
+    start = lines[0].index("features")
+    for line in lines[2:]:  # every features cell ends where the header's does
+        assert line[start: start + len("features")].strip() in ("exact", "64"), line

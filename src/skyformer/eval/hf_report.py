@@ -20,15 +20,16 @@ def _num(value: Any, spec: str) -> str:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """Plain-text table; methods that are not drop-ins say why."""
-    header = (f"{'setting':<8}{'method':<18}{'features':>9}{'cos mean':>10}{'cos min':>9}"
-              f"{'R@1':>7}{'time ms':>10}{'peak MiB':>10}  note")
+    methods = [r["method"] + (" (HF)" if r["method"] == "sdpa" else "") for r in rows]
+    width = max([len("method"), *map(len, methods)]) + 1  # as wide as the longest name
+    header = (f"{'setting':<8}{'method':<{width}}{'features':>9}{'cos mean':>10}"
+              f"{'cos min':>9}{'R@1':>7}{'time ms':>10}{'peak MiB':>10}  note")
     lines = [header, "-" * len(header)]
-    for r in rows:
+    for r, method in zip(rows, methods):
         features = "exact" if r["exact"] else _num(r["num_features"], "d")
         note = ("not run: " + r["error"]) if r["error"] else r["note"]
-        method = r["method"] + (" (HF)" if r["method"] == "sdpa" else "")
         lines.append(
-            f"{r['setting']:<8}{method:<18}{features:>9}{_num(r['cosine_mean'], '.4f'):>10}"
+            f"{r['setting']:<8}{method:<{width}}{features:>9}{_num(r['cosine_mean'], '.4f'):>10}"
             f"{_num(r['cosine_min'], '.4f'):>9}{_num(r['recall_at_1'], '.3f'):>7}"
             f"{_num(r['time_ms'], '.1f'):>10}{_num(r['peak_mib'], '.1f'):>10}  {note}".rstrip()
         )
