@@ -10,9 +10,11 @@ import argparse
 import sys
 from types import ModuleType
 
-from . import approx_cmd, bench_cmd, compare_cmd, list_cmd, lra_cmd
+from . import approx_cmd, bench_cmd, compare_cmd, hf_eval_cmd, list_cmd, lra_cmd
 
-SUBCOMMANDS: list[ModuleType] = [list_cmd, compare_cmd, bench_cmd, approx_cmd, lra_cmd]
+SUBCOMMANDS: list[ModuleType] = [
+    list_cmd, compare_cmd, bench_cmd, approx_cmd, hf_eval_cmd, lra_cmd,
+]
 
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, ImportError, RuntimeError)
 

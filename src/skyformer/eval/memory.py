@@ -1,4 +1,4 @@
-"""Peak memory of one attention call.
+"""Peak memory of one attention call, or of any call (``CallJob``, e.g. a model's forward).
 
 CUDA: ``torch.cuda.max_memory_allocated`` around the call, in process.
 CPU: the call runs in a fresh Python process (so nothing cached by earlier work hides
@@ -16,6 +16,7 @@ memory resident: the same job measured 30 or 57 MiB from one run to the next.)
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 import subprocess
@@ -40,6 +41,21 @@ class MemoryJob:
     seed: int = 0
     backward: bool = False
     inputs: str | None = None  # a file written by torch.save({"q", "k", "v"})
+
+
+@dataclass(frozen=True)
+class CallJob:
+    """Any call to measure: ``setup(**kwargs)`` (an importable ``"package.module:function"``)
+    builds what the call needs outside the measurement (e.g. loads a model) and returns
+    the zero-argument callable whose peak memory is measured."""
+
+    setup: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def _resolve(target: str) -> Any:
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _inputs(job: MemoryJob, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -72,26 +88,34 @@ def _status_kib(key: str) -> int:
     raise RuntimeError(f"{key} not found in /proc/self/status")
 
 
-def measure_in_this_process(job: MemoryJob, device: torch.device | str = "cpu") -> int:
+def _call(job: MemoryJob | CallJob, device: torch.device) -> Any:
+    """The zero-argument callable to measure."""
+    if isinstance(job, CallJob):
+        return _resolve(job.setup)(**job.kwargs)
+    q, k, v = _inputs(job, device)
+    return lambda: _run(job, q, k, v, device)
+
+
+def measure_in_this_process(job: MemoryJob | CallJob, device: torch.device | str = "cpu") -> int:
     """Peak bytes of one call above what was resident before it."""
     device = torch.device(device)
-    q, k, v = _inputs(job, device)
-    _run(job, q, k, v, device)  # warm-up: one-time allocations are not the call's cost
+    call = _call(job, device)
+    call()  # warm-up: one-time allocations are not the call's cost
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-        _run(job, q, k, v, device)
+        call()
         torch.cuda.synchronize(device)
         return int(torch.cuda.max_memory_allocated(device) - base)
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     base = _status_kib("VmRSS")
-    _run(job, q, k, v, device)
+    call()
     return int((_status_kib("VmHWM") - base) * 1024)
 
 
 def peak_memory_bytes(
-    job: MemoryJob, device: torch.device | str = "cpu", timeout: float = 600
+    job: MemoryJob | CallJob, device: torch.device | str = "cpu", timeout: float = 600
 ) -> int:
     """Peak memory of ``job``: in process on CUDA, in a fresh subprocess on CPU."""
     device = torch.device(device)
@@ -106,22 +130,26 @@ def peak_memory_bytes(
     )
     env["SKYFORMER_THREADS"] = str(torch.get_num_threads())
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))  # see the module docstring
-    payload = json.dumps(dataclasses.asdict(job))
+    payload = json.dumps({"kind": type(job).__name__, **dataclasses.asdict(job)})
     proc = subprocess.run(
         [sys.executable, "-m", "skyformer.eval.memory", payload],
         capture_output=True, text=True, env=env, timeout=timeout,
     )
     if proc.returncode != 0:
+        what = job.method if isinstance(job, MemoryJob) else job.setup
         raise RuntimeError(
-            f"memory measurement of {job.method} failed:\n{proc.stderr.strip()[-2000:]}"
+            f"memory measurement of {what} failed:\n{proc.stderr.strip()[-2000:]}"
         )
     return int(json.loads(proc.stdout.strip().splitlines()[-1])["peak_bytes"])
 
 
 def _main(argv: list[str]) -> None:
     spec = json.loads(argv[0])
-    spec["shape"] = tuple(spec["shape"])
-    job = MemoryJob(**spec)
+    if spec.pop("kind", "MemoryJob") == "CallJob":
+        job: MemoryJob | CallJob = CallJob(**spec)
+    else:
+        spec["shape"] = tuple(spec["shape"])
+        job = MemoryJob(**spec)
     threads = os.environ.get("SKYFORMER_THREADS")
     if threads:
         torch.set_num_threads(int(threads))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from importlib import resources
 from pathlib import Path
 
@@ -29,3 +30,21 @@ def read_text(path: str | Path | None) -> str:
     if not text.strip():
         raise ValueError(f"text file {str(p)!r} is empty.")
     return text
+
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[\"'(\[]?[A-Z0-9])")
+
+
+def paragraphs(text: str) -> list[str]:
+    """Blank-line separated paragraphs, whitespace collapsed, empty ones dropped."""
+    return [" ".join(p.split()) for p in re.split(r"\n\s*\n", text) if p.strip()]
+
+
+def sentences(text: str, *, min_words: int = 4) -> list[str]:
+    """Sentences of ``text``: paragraphs split after ``.``, ``!`` or ``?`` followed by a
+    capital or a digit; sentences of fewer than ``min_words`` words (headings such as
+    "Section. 2.") are dropped."""
+    out = []
+    for paragraph in paragraphs(text):
+        out.extend(s for s in _SENTENCE_END.split(paragraph) if len(s.split()) >= min_words)
+    return out

@@ -23,12 +23,13 @@ def _sync(device: torch.device) -> None:
 
 def median_seconds(
     fn: Callable[[], object], *, device: torch.device | str = "cpu", warmup: int = 1,
-    repeats: int = 5,
+    repeats: int = 5, clock: str = "wall",
 ) -> float:
-    """Median wall time of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
-    return interleaved_median_seconds({"fn": fn}, device=device, warmup=warmup, repeats=repeats)[
-        "fn"
-    ]
+    """Median time of ``fn()`` over ``repeats`` runs after ``warmup`` runs (``clock``: "wall"
+    or "cpu", see the module docstring)."""
+    return interleaved_median_seconds(
+        {"fn": fn}, device=device, warmup=warmup, repeats=repeats, clock=clock
+    )["fn"]
 
 
 def interleaved_median_seconds(

@@ -1,0 +1,91 @@
+"""``skyformer hf-eval``: every method inside the pretrained MiniLM-L6, no fine-tuning."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+NAME = "hf-eval"
+HELP = (
+    "replace the attention of the pretrained MiniLM-L6 sentence-embedding model by each "
+    "method (no fine-tuning): embedding cosine similarity and retrieval recall@1 against the "
+    "exact model, forward time and peak memory, on short (sentences) and long (512-token) inputs"
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help="subset of methods (default: all)")
+    parser.add_argument("--features", nargs="+", type=int, default=[32, 64, 128],
+                        help="num_features values for approximate methods (default: 32 64 128)")
+    parser.add_argument("--settings", nargs="+", choices=["short", "long"],
+                        default=["short", "long"],
+                        help="short: sentences in padded batches; long: --seq-len token inputs")
+    parser.add_argument("--layers", nargs="+", type=int, default=None,
+                        help="replace attention only in these layers (default: all)")
+    parser.add_argument("--seq-len", type=int, default=512,
+                        help="tokens per long input (default 512)")
+    parser.add_argument("--max-texts", type=int, default=128,
+                        help="texts per setting (default 128)")
+    parser.add_argument("--batch-size", type=int, default=16, help="texts per forward pass")
+    parser.add_argument("--time-batch", type=int, default=None,
+                        help="texts in the timed and memory-measured forward pass (default: "
+                        "--batch-size sentences for short inputs, one long input)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the methods' randomness")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats (median)")
+    parser.add_argument("--no-memory", action="store_true", help="skip peak-memory measurement")
+    parser.add_argument("--text", default=None, help="UTF-8 text file (default: shipped text)")
+    parser.add_argument("--model", default=None,
+                        help="local BERT-type model folder (default: pretrained MiniLM-L6)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:i]")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="wall time (default) or CPU time of the process (on a shared "
+                        "CPU it leaves out waiting for a core; use with OMP_NUM_THREADS=1)")
+    parser.add_argument("--out", default="results/hf-eval",
+                        help="folder for hf_eval.json, .csv, .md (table) and .png "
+                        "(default results/hf-eval)")
+    parser.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..eval.hf_eval import HFEvalConfig, evaluate
+    from ..eval.hf_report import format_table, markdown_table, plot, write_csv
+    from ..io import atomic_write_text, write_json
+
+    config = HFEvalConfig(
+        methods=tuple(args.methods) if args.methods else None, features=tuple(args.features),
+        settings=tuple(dict.fromkeys(args.settings)),
+        layers=tuple(args.layers) if args.layers is not None else None, seq_len=args.seq_len,
+        max_texts=args.max_texts, batch_size=args.batch_size, time_batch=args.time_batch,
+        seed=args.seed, repeats=args.repeats, memory=not args.no_memory, text=args.text,
+        model=args.model, device=args.device, clock=args.clock,
+    )
+    progress = None if args.quiet else (lambda line: print(f"  {line}", file=sys.stderr))
+    result = evaluate(config, progress=progress)
+    texts = "; ".join(
+        f"{s}: {t['count']} texts of {_token_range(t['min_tokens'], t['max_tokens'])} tokens "
+        f"({t['timed_texts']} in the timed pass)"
+        for s, t in result.texts.items()
+    )
+    print(f"model: pretrained {result.model}, no fine-tuning; {texts}")
+    print("cos: cosine similarity of the embeddings to the exact model's (mean, min); R@1: "
+          f"nearest-neighbour agreement with the exact model; time ({config.clock} clock) and "
+          "memory: one forward pass")
+    print(format_table(result.rows))
+    out = Path(args.out)
+    written = [
+        write_json(out / "hf_eval.json", result.to_dict()),
+        write_csv(out / "hf_eval.csv", result.rows),
+        atomic_write_text(out / "hf_eval.md", markdown_table(result.rows) + "\n"),
+    ]
+    if not args.no_plot:
+        written.append(plot(out / "hf_eval.png", result.rows,
+                            title=f"{result.model} with each method's attention, no fine-tuning"))
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def _token_range(low: int, high: int) -> str:
+    return str(low) if low == high else f"{low}-{high}"

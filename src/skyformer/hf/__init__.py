@@ -1,0 +1,50 @@
+"""Drop-in attention for Hugging Face transformers models (optional extra ``hf``).
+
+Importing this module registers every skyformer method with transformers'
+attention-function registry as ``"skyformer:<method>"``::
+
+    import skyformer.hf
+    model = AutoModel.from_pretrained(path, attn_implementation="skyformer:nystrom_softmax")
+    skyformer.hf.set_attention(model, "nystrom_softmax", layers=[0, 1], num_features=64, seed=0)
+    skyformer.hf.restore_exact(model)
+
+``set_attention`` is the one route for options and per-layer choice; ``describe`` lists
+what each layer runs. Masks, causal flags, the model's logit scaling and dropout are
+handled as documented in ``skyformer.hf.attention`` and docs/hf.md; what a method cannot
+honour fails with a sentence. Gaussian-target methods (``kernelized``, ``skyformer``,
+``skyformer_adaptive``, ``skyformer_multipole``) compute a different function from
+softmax attention, and methods with learned parameters (``linformer``) start them
+untrained: in a softmax-pretrained model neither is a drop-in without fine-tuning.
+"""
+
+from __future__ import annotations
+
+try:
+    import transformers  # noqa: F401
+except ImportError:  # pragma: no cover - exercised in a subprocess test
+    raise ImportError(
+        "skyformer.hf needs transformers: pip install 'skyformer[hf]'."
+    ) from None
+
+from .attention import PER_LAYER, implementation_name, register_methods
+from .layers import EXACT, LayerAttention, attention_modules
+from .masks import ResolvedMask, UnsupportedMaskError, resolve_mask
+from .model import describe, from_pretrained, restore_exact, set_attention
+
+register_methods()
+
+__all__ = [
+    "EXACT",
+    "PER_LAYER",
+    "LayerAttention",
+    "ResolvedMask",
+    "UnsupportedMaskError",
+    "attention_modules",
+    "describe",
+    "from_pretrained",
+    "implementation_name",
+    "register_methods",
+    "resolve_mask",
+    "restore_exact",
+    "set_attention",
+]

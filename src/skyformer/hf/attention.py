@@ -1,0 +1,272 @@
+"""Attention functions in transformers' ``AttentionInterface`` form, one per method.
+
+transformers calls ``fn(module, query, key, value, attention_mask, dropout=..., scaling=...,
+is_causal=None, **kwargs)`` with ``query: [B, H, Nq, D]``, ``key, value: [B, Hkv, Nk, D]``
+and expects ``(attn_output [B, Nq, H, Dv], attn_weights or None)``. Each function here
+
+- picks the layer's setting (``skyformer.hf.layers``), or the method its name carries;
+- turns the mask into ``key_padding_mask`` and ``causal`` (``skyformer.hf.masks``),
+  refusing anything else, and follows the module's ``is_causal`` when no mask is given;
+- passes a model's own logit ``scaling`` to methods with a ``scale`` option and refuses it
+  for the others (every other method assumes 1/sqrt(head dim));
+- applies dropout in training: exact ``softmax`` runs transformers' SDPA path with
+  ``dropout_p`` (dropout on the attention probabilities, as the model was trained);
+  every other method has no attention matrix to drop entries of, so dropout is applied
+  to its output ``[B, H, Nq, Dv]`` before the heads are merged (unbiased, like dropout on
+  the probabilities, but it drops value mixtures instead of weights; this is also what
+  ``skyformer.nn.MultiHeadAttention`` does);
+- refuses keyword arguments that change the attention (sliding windows, soft-capping,
+  attention sinks, position biases);
+- repeats key/value heads for grouped-query attention;
+- returns ``(output.transpose(1, 2), None)``: no method materialises attention weights.
+
+The mask builder registered with each name gives padding-only masks as ``[B, 1, 1, Nk]``
+instead of transformers' ``[B, 1, Nq, Nk]`` (O(N) instead of O(N^2) memory for long
+inputs; SDPA broadcasts it for exact layers) and defers to transformers' SDPA masks for
+everything else.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.masking_utils import (
+    AttentionMaskInterface,
+    bidirectional_mask_function,
+    prepare_padding_mask,
+    sdpa_mask,
+)
+
+from ..registry import CapabilityError, check_capabilities, get_method, list_methods
+from .layers import (
+    EXACT,
+    STATE_NAME,
+    LayerAttention,
+    clear_layer,
+    current_layer,
+    is_cross_attention,
+    is_default_scaling,
+    make_layer,
+    scaling_sentence,
+)
+from .masks import resolve_mask
+
+PREFIX = "skyformer:"
+PER_LAYER = "skyformer"  # the implementation whose layers each follow their own setting
+
+# Keyword arguments some models pass that change what attention computes.
+_REFUSED_KWARGS = {
+    "sliding_window": "a sliding-window pattern",
+    "softcap": "logit soft-capping",
+    "s_aux": "attention sinks",
+    "sinks": "attention sinks",
+    "position_bias": "an additive position bias",
+    "cu_seq_lens_q": "packed sequences",
+    "cu_seq_lens_k": "packed sequences",
+    "indices": "a sparse key selection",
+    "block_indices": "a sparse key selection",
+}
+
+_EXACT_LAYER = LayerAttention(EXACT, None, (), None, None, PER_LAYER, False)
+
+
+def implementation_name(method: str) -> str:
+    """The ``attn_implementation`` name of a method: ``"skyformer:<method>"``."""
+    return PREFIX + method
+
+
+def _layer_for(module: nn.Module, implementation: str, default_method: str) -> LayerAttention:
+    layer = current_layer(module)
+    if layer is not None and layer.implementation == implementation:
+        return layer
+    if default_method == EXACT:
+        if layer is not None:
+            clear_layer(module)  # made for another implementation: stale
+        return _EXACT_LAYER
+    index = getattr(module, "layer_idx", None)
+    return make_layer(
+        module, default_method, index=index if isinstance(index, int) else None,
+        implementation=implementation, seed=None, cross=is_cross_attention(module), options={},
+    )
+
+
+def _where(module: nn.Module, layer: LayerAttention) -> str:
+    name = type(module).__name__
+    return name if layer.index is None else f"layer {layer.index} ({name})"
+
+
+def _options(spec: Any, layer: LayerAttention, scaling: float | None, head_dim: int,
+             causal: bool, where: str) -> dict[str, Any]:
+    options = layer.options()
+    if causal and not spec.capabilities.causal:
+        raise CapabilityError(
+            f"{where}: the model asks for causal attention (a decoder or a causal mask), and "
+            f"{spec.name} cannot do causal masking; methods that can: "
+            f"{', '.join(m for m in list_methods() if get_method(m).capabilities.causal)}."
+        )
+    if "causal" in options:
+        options["causal"] = causal
+    if scaling is not None and not is_default_scaling(scaling, head_dim):
+        if "scale" not in options:
+            sentence = scaling_sentence(spec.name, scaling, head_dim)
+            raise CapabilityError(f"{where}: {sentence}.")
+        if "scale" not in layer.explicit:
+            options["scale"] = float(scaling)
+    return options
+
+
+def skyformer_attention_forward(
+    implementation: str,
+    default_method: str,
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """One attention call of a transformers model through a skyformer method.
+
+    Args:
+        implementation: the ``attn_implementation`` name this function is registered as.
+        default_method: the method of layers without a setting (``"exact"`` for the
+            per-layer implementation).
+        module: the calling attention module.
+        query: ``[B, H, Nq, D]``; key, value: ``[B, Hkv, Nk, D]`` (``H`` a multiple of ``Hkv``).
+        attention_mask: see ``skyformer.hf.masks.resolve_mask``.
+        dropout: attention dropout probability (transformers passes 0 in eval mode).
+        scaling: the model's logit scale (``None`` = 1/sqrt(D)).
+        is_causal: causal flag; ``None`` = ``module.is_causal`` (as transformers' SDPA).
+    Returns:
+        ``(out [B, Nq, H, Dv], None)``.
+    """
+    layer = _layer_for(module, implementation, default_method)
+    if layer.method == EXACT:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+            is_causal=is_causal, **kwargs,
+        )
+    spec = get_method(layer.method)
+    where = _where(module, layer)
+    for name, what in _REFUSED_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise CapabilityError(
+                f"{where}: the model asks for {what} ({name}=...), which {spec.name} cannot "
+                f"apply; keep exact attention in this layer."
+            )
+    b, _, nq, head_dim = query.shape
+    nk = key.shape[2]
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    resolved = resolve_mask(attention_mask, batch=b, query_len=nq, key_len=nk, is_causal=is_causal)
+    options = _options(spec, layer, scaling, head_dim, resolved.causal, where)
+    training_dropout = float(dropout) if module.training and dropout else 0.0
+
+    if training_dropout and spec.name == "softmax":
+        # Dropout on the probabilities, exactly as the model was trained.
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=training_dropout,
+            scaling=options.get("scale") or scaling, is_causal=is_causal, **kwargs,
+        )
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    if isinstance(groups, int) and groups > 1:  # grouped-query attention
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    key_padding_mask = resolved.key_padding_mask
+    if key_padding_mask is not None:
+        key_padding_mask = key_padding_mask.to(query.device)
+        if layer.cross and nq == nk:
+            # With Nq == Nk skyformer's mask convention also marks padded *queries*; the
+            # decoder's queries are all real, so add one padded key to make Nk != Nq
+            # (a padded key gets zero weight: the result is unchanged).
+            key = F.pad(key, (0, 0, 0, 1))
+            value = F.pad(value, (0, 0, 0, 1))
+            key_padding_mask = F.pad(key_padding_mask, (0, 1), value=False)
+    try:
+        check_capabilities(
+            spec.name,
+            mask=key_padding_mask is not None,
+            cross_attention=key.shape[2] != nq,
+            half_precision=query.dtype in (torch.float16, torch.bfloat16),
+        )
+    except CapabilityError as err:
+        raise CapabilityError(f"{where}: {err}") from None
+
+    generator = None
+    if layer.seed is not None:
+        generator = torch.Generator(device=query.device)
+        generator.manual_seed(layer.seed + (layer.index or 0))
+    state = module._modules.get(STATE_NAME)
+    extra = state(query, key) if state is not None else {}
+    out = spec.function(
+        query, key, value, key_padding_mask=key_padding_mask, generator=generator,
+        **options, **extra,
+    )  # [B, H, Nq, Dv]
+    if training_dropout:
+        out = F.dropout(out, p=training_dropout, training=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def skyformer_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Callable = bidirectional_mask_function,
+    attention_mask: Tensor | None = None,
+    local_size: int | None = None,
+    allow_is_bidirectional_skip: bool = False,
+    **kwargs: Any,
+) -> Tensor | None:
+    """transformers mask builder: padding-only masks as ``[B, 1, 1, Nk]`` bool (or ``None``
+    without padding), every other pattern as transformers' SDPA mask."""
+    if (
+        mask_function is bidirectional_mask_function
+        and local_size is None
+        and isinstance(attention_mask, Tensor)
+        and attention_mask.dim() == 2
+    ):
+        padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
+        padding = padding[:, kv_offset : kv_offset + kv_length].to(torch.bool)
+        if allow_is_bidirectional_skip and bool(padding.all()):
+            return None
+        return padding[:, None, None, :]
+    return sdpa_mask(
+        batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+        local_size=local_size, allow_is_bidirectional_skip=allow_is_bidirectional_skip, **kwargs,
+    )
+
+
+def _function(implementation: str, default_method: str) -> Callable[..., tuple[Tensor, None]]:
+    def attention_forward(module, query, key, value, attention_mask, **kwargs):
+        return skyformer_attention_forward(
+            implementation, default_method, module, query, key, value, attention_mask, **kwargs
+        )
+
+    attention_forward.__name__ = f"skyformer_{default_method}_attention_forward"
+    attention_forward.__qualname__ = attention_forward.__name__
+    return attention_forward
+
+
+def register_methods() -> list[str]:
+    """Register ``"skyformer:<method>"`` for every registered method, and ``"skyformer"``
+    (each layer runs its own setting, exact by default), with transformers' attention-
+    function and mask registries. Idempotent; call again after registering a new method.
+
+    Returns:
+        the registered names.
+    """
+    names = {PER_LAYER: EXACT, **{implementation_name(m): m for m in list_methods()}}
+    for name, method in names.items():
+        AttentionInterface.register(name, _function(name, method))
+        AttentionMaskInterface.register(name, skyformer_mask)
+    return list(names)

@@ -1,0 +1,251 @@
+"""Per-layer attention settings of a Hugging Face model.
+
+Every attention module that dispatches through transformers' ``AttentionInterface``
+(BERT/RoBERTa/MiniLM self- and cross-attention, ViT, Llama-type decoders, ...) can carry
+a ``LayerAttention``: the method it runs, the method's resolved config, the seed of its
+randomness and, for methods with learned or kept parameters, a ``skyformer_state``
+submodule. Settings are made and checked here, before any forward pass, so that a
+method that cannot serve a layer (a decoder layer needs causal masking, a model with
+its own logit scale needs a ``scale`` option, ...) fails when it is chosen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..registry import CapabilityError, Method, check_capabilities, get_method, list_methods
+
+EXACT = "exact"  # run transformers' own SDPA attention in this layer
+STATE_NAME = "skyformer_state"  # submodule holding a method's per-layer parameters
+SETTING_NAME = "skyformer_layer"  # attribute holding a module's LayerAttention
+
+_CROSS_NAMES = ("encoder_attn", "crossattention", "cross_attn", "cross_attention")
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """What one attention module runs.
+
+    method: a registered method name, or ``"exact"`` (transformers' SDPA attention).
+    config: the method's frozen config (``None`` for exact).
+    explicit: option names the user set (they take precedence over the model's values,
+        e.g. a user-given ``scale`` over the model's ``scaling``).
+    seed: ``None`` = randomised methods draw from torch's global generator (fresh draws
+        every call, as in training); an int = every call draws from a generator seeded
+        with ``seed + index`` (the same input gives the same output), and the per-layer
+        state is initialised under that seed too.
+    index: the layer number (``module.layer_idx`` or the module's position in the model;
+        ``None`` for a module set up during a forward pass without a ``layer_idx``).
+    implementation: the ``attn_implementation`` name this setting was made for; it is
+        ignored once the model is switched to another implementation.
+    cross: the module attends from one sequence to another (cross-attention).
+    """
+
+    method: str
+    config: Any
+    explicit: tuple[str, ...]
+    seed: int | None
+    index: int | None
+    implementation: str
+    cross: bool
+
+    def options(self) -> dict[str, Any]:
+        return {} if self.config is None else dataclasses.asdict(self.config)
+
+    def describe(self) -> dict[str, Any]:
+        return {"layer": self.index, "method": self.method, "options": self.options(),
+                "seed": self.seed}
+
+
+def attention_modules(model: nn.Module) -> list[tuple[int, str, nn.Module]]:
+    """``(layer index, qualified name, module)`` of every attention module of ``model``
+    that dispatches through transformers' attention-function registry, in model order.
+
+    The index is the module's ``layer_idx`` when every such module has one (a decoder's
+    self- and cross-attention of one block share it), else its position in this list.
+    """
+    found = [(name, m) for name, m in model.named_modules() if _dispatches(m)]
+    if not found:
+        raise ValueError(
+            f"{type(model).__name__} has no attention module that dispatches through "
+            f"transformers' AttentionInterface (modules with config, scaling and is_causal "
+            f"that call ALL_ATTENTION_FUNCTIONS); skyformer.hf cannot change its attention."
+        )
+    indices = [getattr(m, "layer_idx", None) for _, m in found]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in indices):
+        indices = list(range(len(found)))
+    return [(i, name, m) for i, (name, m) in zip(indices, found)]
+
+
+def _dispatches(module: nn.Module) -> bool:
+    config = getattr(module, "config", None)
+    return (
+        config is not None
+        and hasattr(config, "_attn_implementation")
+        and hasattr(module, "is_causal")
+        and hasattr(module, "scaling")
+    )
+
+
+def is_cross_attention(module: nn.Module, name: str = "") -> bool:
+    """Whether ``module`` attends from one sequence to another (by its flags and names)."""
+    if getattr(module, "is_cross_attention", False):
+        return True
+    if "cross" in type(module).__name__.lower():
+        return True
+    return name.rsplit(".", 1)[-1].lower() in _CROSS_NAMES
+
+
+def heads_and_dim(module: nn.Module) -> tuple[int | None, int | None]:
+    """Number of query heads and head dim of an attention module, when it says."""
+    config = getattr(module, "config", None)
+    heads = (
+        getattr(module, "num_attention_heads", None)
+        or getattr(module, "num_heads", None)
+        or getattr(config, "num_attention_heads", None)
+    )
+    dim = getattr(module, "attention_head_size", None) or getattr(module, "head_dim", None)
+    if dim is None and heads and getattr(config, "hidden_size", None):
+        dim = config.hidden_size // heads
+    return (int(heads) if heads else None), (int(dim) if dim else None)
+
+
+def model_defaults(spec: Method, module: nn.Module) -> dict[str, Any]:
+    """Options a model fixes for a method: ``max_seq_len`` from the position limit."""
+    options: dict[str, Any] = {}
+    limit = getattr(getattr(module, "config", None), "max_position_embeddings", None)
+    if "max_seq_len" in spec.option_names() and isinstance(limit, int):
+        options["max_seq_len"] = limit
+    return options
+
+
+def resolve_method_name(method: str) -> str:
+    """``"skyformer:performer"`` or ``"performer"`` -> ``"performer"``; ``"exact"``/``"sdpa"``
+    -> ``"exact"``; unknown names fail with the list of known ones."""
+    if not isinstance(method, str):
+        raise TypeError(f"method must be a string, got {type(method).__name__}.")
+    name = method.removeprefix("skyformer:")
+    if name in (EXACT, "sdpa"):
+        return EXACT
+    if name not in list_methods():
+        raise ValueError(
+            f"unknown attention method {method!r}; available: {', '.join(list_methods())}, "
+            f"or 'exact' for the model's own attention."
+        )
+    return name
+
+
+def _check_module(spec: Method, module: nn.Module, index: int | None, cross: bool,
+                  explicit: dict[str, Any]) -> None:
+    """Fail now, with a sentence, if ``spec`` cannot serve this module."""
+    where = type(module).__name__ if index is None else f"layer {index} ({type(module).__name__})"
+    caps = spec.capabilities
+    if "causal" in explicit:
+        raise ValueError(
+            f"{spec.name}: do not pass causal; causal masking follows the model (its masks "
+            f"and is_causal flags)."
+        )
+    if getattr(module, "is_causal", False) and not cross and not caps.causal:
+        raise CapabilityError(
+            f"{where} uses causal attention (a decoder), and {spec.name} cannot do causal "
+            f"masking; methods that can: "
+            f"{', '.join(m for m in list_methods() if get_method(m).capabilities.causal)}."
+        )
+    if cross:
+        check_capabilities(spec.name, cross_attention=True)
+    scaling = getattr(module, "scaling", None)
+    _, head_dim = heads_and_dim(module)
+    if scaling is not None and head_dim and not is_default_scaling(scaling, head_dim) \
+            and "scale" not in spec.option_names():
+        raise CapabilityError(scaling_sentence(spec.name, scaling, head_dim) + f" ({where})")
+    param = next(module.parameters(), None)
+    if param is not None and param.dtype in (torch.float16, torch.bfloat16):
+        check_capabilities(spec.name, half_precision=True)
+
+
+def is_default_scaling(scaling: float, head_dim: int) -> bool:
+    """Whether a model's logit scale is the 1/sqrt(head dim) every method assumes."""
+    return math.isclose(float(scaling), head_dim**-0.5, rel_tol=1e-6)
+
+
+def scaling_sentence(method: str, scaling: float, head_dim: int) -> str:
+    having = [m for m in list_methods() if "scale" in get_method(m).option_names()]
+    return (
+        f"{method} cannot use the model's attention logit scale {float(scaling):.6g} (it "
+        f"computes with 1/sqrt(head dim) = {head_dim**-0.5:.6g} and has no scale option); "
+        f"methods with a scale option: {', '.join(having) or 'none'}"
+    )
+
+
+def build_layer(
+    module: nn.Module, method: str, *, index: int | None, implementation: str, seed: int | None,
+    cross: bool, options: dict[str, Any],
+) -> tuple[LayerAttention, nn.Module | None]:
+    """Check ``method`` against ``module`` and build its setting and per-layer state
+    (``None`` for methods without one). Changes nothing: see ``install_layer``."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f"seed must be an integer or None, got {seed!r}.")
+    if method == EXACT:
+        if options:
+            raise ValueError(f"exact attention takes no options, got {', '.join(options)}.")
+        return LayerAttention(EXACT, None, (), seed, index, implementation, cross), None
+    spec = get_method(method)
+    _check_module(spec, module, index, cross, options)
+    config = spec.make_config(**{**model_defaults(spec, module), **options})
+    explicit = tuple(sorted(options))
+    layer = LayerAttention(method, config, explicit, seed, index, implementation, cross)
+    if spec.state is None:
+        return layer, None
+    heads, head_dim = heads_and_dim(module)
+    if heads is None or head_dim is None:
+        raise ValueError(
+            f"{method} keeps per-layer parameters, but the number of heads and the head dim "
+            f"of {type(module).__name__} are unknown (no num_attention_heads/head_dim "
+            f"attributes)."
+        )
+    if seed is None:
+        state = spec.state(config, heads, head_dim)
+    else:  # the seed also fixes the state's initialisation (projections, feature seeds)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + (index or 0))
+            state = spec.state(config, heads, head_dim)
+    param = next(module.parameters(), None)
+    if param is not None:
+        state = state.to(device=param.device, dtype=param.dtype)
+    return layer, state
+
+
+def install_layer(module: nn.Module, layer: LayerAttention, state: nn.Module | None) -> None:
+    """Attach a setting (and its state, as the submodule ``skyformer_state``) to ``module``."""
+    remove_state(module)
+    if state is not None:
+        module.add_module(STATE_NAME, state)
+    module.__dict__[SETTING_NAME] = layer
+
+
+def make_layer(module: nn.Module, method: str, **kwargs: Any) -> LayerAttention:
+    """``build_layer`` then ``install_layer``; returns the setting."""
+    layer, state = build_layer(module, method, **kwargs)
+    install_layer(module, layer, state)
+    return layer
+
+
+def remove_state(module: nn.Module) -> None:
+    if STATE_NAME in module._modules:
+        del module._modules[STATE_NAME]
+
+
+def clear_layer(module: nn.Module) -> None:
+    """Remove a module's setting and state (it runs whatever its config names)."""
+    module.__dict__.pop(SETTING_NAME, None)
+    remove_state(module)
+
+
+def current_layer(module: nn.Module) -> LayerAttention | None:
+    return module.__dict__.get(SETTING_NAME)

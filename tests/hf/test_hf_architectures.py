@@ -1,0 +1,287 @@
+"""Decoders, cross-attention, grouped-query attention, ViT, dropout and per-layer state,
+on tiny randomly initialised transformers models (exact method vs transformers' SDPA)."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers")
+
+import skyformer.hf as shf  # noqa: E402
+from skyformer import CapabilityError, registry  # noqa: E402
+from skyformer.hf.attention import skyformer_attention_forward  # noqa: E402
+from tests.conftest import make_qkv  # noqa: E402
+from tests.hf.conftest import tiny_bert  # noqa: E402
+
+ATOL = 1e-5  # float32 rounding between two exact computations
+
+
+def ids_and_padding(b=3, n=10, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 64, (b, n), generator=g)
+    mask = torch.ones(b, n, dtype=torch.long)
+    mask[0, 7:] = 0  # right padding
+    mask[1, :3] = 0  # left padding
+    return ids, mask
+
+
+def copy_as(model, implementation):
+    import copy
+
+    other = copy.deepcopy(model)
+    other.set_attn_implementation(implementation)
+    return other
+
+
+@torch.no_grad()
+def test_decoder_causal_with_left_and_right_padding():
+    model = tiny_bert(is_decoder=True)
+    ids, mask = ids_and_padding()
+    exact = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    every_layer = copy_as(model, "skyformer:softmax")
+    one_layer = copy_as(model, "sdpa")
+    shf.set_attention(one_layer, "softmax", layers=[1])
+    real = mask.bool()
+    for ours in (every_layer, one_layer):
+        out = ours(input_ids=ids, attention_mask=mask).last_hidden_state
+        torch.testing.assert_close(out[real], exact[real], rtol=0, atol=ATOL)
+    # No padding: transformers passes no mask and relies on is_causal.
+    full = torch.ones_like(mask)
+    torch.testing.assert_close(
+        copy_as(model, "skyformer:softmax")(input_ids=ids, attention_mask=full).last_hidden_state,
+        model(input_ids=ids, attention_mask=full).last_hidden_state, rtol=0, atol=ATOL,
+    )
+
+
+@torch.no_grad()
+def test_causal_gaussian_method_does_not_look_ahead():
+    model = copy_as(tiny_bert(is_decoder=True), "skyformer:kernelized")
+    ids = ids_and_padding()[0][:1]
+    changed = ids.clone()
+    changed[0, 6:] = (changed[0, 6:] + 5) % 64
+    a = model(input_ids=ids).last_hidden_state
+    b = model(input_ids=changed).last_hidden_state
+    torch.testing.assert_close(a[:, :6], b[:, :6], rtol=0, atol=1e-6)
+    assert (a[:, 6:] - b[:, 6:]).abs().max() > 1e-3
+
+
+def test_decoder_refuses_methods_without_causal_masking(tmp_path):
+    model = tiny_bert(is_decoder=True)
+    with pytest.raises(CapabilityError,
+                       match="layer 0 \\(BertSelfAttention\\) uses causal attention"):
+        shf.set_attention(model, "skyformer")
+    model.save_pretrained(tmp_path)
+    with pytest.raises(CapabilityError,
+                       match="cannot do causal masking; methods that can: softmax"):
+        shf.from_pretrained(tmp_path, "nystrom_softmax")  # fails at load time
+    from transformers import AutoModel
+
+    plain = AutoModel.from_pretrained(tmp_path, attn_implementation="skyformer:skyformer")
+    with pytest.raises(CapabilityError, match="causal"):  # the plain route: first forward pass
+        plain(input_ids=torch.ones(1, 4, dtype=torch.long))
+
+
+@torch.no_grad()
+def test_cross_attention_with_as_many_queries_as_encoder_tokens():
+    """Nq == Nk in cross-attention: the encoder's padding must not mark decoder queries."""
+    model = tiny_bert(is_decoder=True, add_cross_attention=True)
+    ids, mask = ids_and_padding()
+    g = torch.Generator().manual_seed(1)
+    encoder = torch.randn(3, 10, 32, generator=g)
+    encoder_mask = torch.ones(3, 10, dtype=torch.long)
+    encoder_mask[2, 4:] = 0
+    kwargs = dict(input_ids=ids, attention_mask=mask, encoder_hidden_states=encoder,
+                  encoder_attention_mask=encoder_mask)
+    exact = model(**kwargs).last_hidden_state
+    names = [r["module"] for r in shf.describe(model)]
+    assert any("crossattention" in n for n in names)
+    out = copy_as(model, "skyformer:softmax")(**kwargs).last_hidden_state
+    real = mask.bool()
+    torch.testing.assert_close(out[real], exact[real], rtol=0, atol=ATOL)
+
+
+@torch.no_grad()
+def test_llama_grouped_query_attention_with_padding():
+    from transformers import LlamaConfig, LlamaModel
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = LlamaModel(config).eval()
+    ids, mask = ids_and_padding()
+    exact = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    out = copy_as(model, "skyformer:softmax")(input_ids=ids, attention_mask=mask).last_hidden_state
+    real = mask.bool()
+    torch.testing.assert_close(out[real], exact[real], rtol=0, atol=ATOL)
+    with pytest.raises(CapabilityError, match="causal"):
+        shf.set_attention(model, "skyformer")
+    # Training with attention dropout: softmax hands the un-repeated heads to SDPA.
+    config.attention_dropout = 0.5
+    trained = copy_as(model, "skyformer:softmax").train()
+    for _, _, module in shf.attention_modules(trained):
+        module.attention_dropout = 0.5
+    with torch.enable_grad():
+        out = trained(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert torch.isfinite(out).all()
+
+
+@torch.no_grad()
+def test_vit_encoder():
+    from transformers import ViTConfig, ViTModel
+
+    config = ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32,
+                       num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = ViTModel(config).eval()
+    pixels = torch.randn(2, 3, 16, 16)
+    exact = model(pixel_values=pixels).last_hidden_state
+    ours = copy_as(model, "skyformer:softmax")
+    torch.testing.assert_close(ours(pixel_values=pixels).last_hidden_state, exact,
+                               rtol=0, atol=ATOL)
+    shf.set_attention(ours, "skyformer", layers=[0], num_features=8, seed=0)
+    assert [r["layer"] for r in shf.describe(ours)] == [0, 1]  # ViT has no layer_idx
+    assert [r["method"] for r in shf.describe(ours)] == ["skyformer", "softmax"]
+
+
+class _Module(nn.Module):
+    """Stands in for a transformers attention module in direct calls."""
+
+    is_causal = False
+
+
+def test_dropout_in_training():
+    q, k, v = make_qkv(2, 2, 12, 8, dtype=torch.float32)
+    module = _Module().train()
+
+    def call(method, dropout, seed=0):
+        torch.manual_seed(seed)
+        out, weights = skyformer_attention_forward(
+            f"skyformer:{method}", method, module, q, k, v, None, dropout=dropout)
+        assert weights is None
+        return out
+
+    # Other methods: inverted dropout on the attention output.
+    plain = call("kernelized", 0.0)
+    dropped = call("kernelized", 0.5)
+    kept = dropped != 0
+    assert 0.3 < kept.float().mean() < 0.7
+    torch.testing.assert_close(dropped[kept], 2 * plain[kept])
+    # Exact softmax: dropout on the probabilities, as transformers' SDPA path does it.
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(3)
+    reference, _ = sdpa_attention_forward(module, q, k, v, None, dropout=0.5)
+    torch.testing.assert_close(call("softmax", 0.5, seed=3), reference)
+    assert not torch.allclose(call("softmax", 0.5, seed=3), call("softmax", 0.0))
+    module.eval()  # transformers passes dropout=0 in eval; an explicit one is ignored too
+    torch.testing.assert_close(call("kernelized", 0.5), plain)
+
+
+def test_refused_keyword_arguments():
+    q, k, v = make_qkv(1, 2, 6, 8, dtype=torch.float32)
+    with pytest.raises(CapabilityError, match="sliding-window pattern \\(sliding_window=...\\)"):
+        skyformer_attention_forward("skyformer:softmax", "softmax", _Module(), q, k, v, None,
+                                    sliding_window=4)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ToyConfig:
+    scale: float | None = None
+
+
+class _ToyState(nn.Module):
+    def __init__(self, config, num_heads, head_dim):
+        super().__init__()
+        self.temperature = nn.Parameter(torch.ones(num_heads, 1, 1))
+
+    def forward(self, q, k):
+        return {"temperature": self.temperature}
+
+
+@pytest.fixture
+def learned_method():
+    """A method with a learned per-head temperature, registered for one test only."""
+    from skyformer.ops import softmax_attention
+
+    def toy(q, k, v, *, key_padding_mask=None, generator=None, scale=None, temperature=None):
+        t = temperature if temperature is not None else torch.ones(())
+        return softmax_attention(q * t, k, v, key_padding_mask=key_padding_mask, scale=scale)
+
+    registry.register("toy_learned", _ToyConfig, registry.Capabilities(target="softmax"),
+                      state=_ToyState)(toy)
+    yield "toy_learned"
+    del registry._REGISTRY["toy_learned"]
+
+
+def test_per_layer_state_is_a_trained_submodule(learned_method):
+    model = tiny_bert()
+    shf.set_attention(model, learned_method, layers=[0])
+    state = model.encoder.layer[0].attention.self.skyformer_state
+    assert any(p is state.temperature for p in model.parameters())
+    ids, mask = ids_and_padding()
+    model(input_ids=ids, attention_mask=mask).last_hidden_state.sum().backward()
+    assert state.temperature.grad is not None and state.temperature.grad.abs().sum() > 0
+    shf.set_attention(model, "kernelized", layers=[1])  # layer 0 keeps its trained state
+    assert model.encoder.layer[0].attention.self.skyformer_state is state
+    shf.restore_exact(model)
+    assert not hasattr(model.encoder.layer[0].attention.self, "skyformer_state")
+
+
+def test_importing_skyformer_never_needs_transformers():
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "import torch, skyformer, skyformer.cli\n"
+        "q = torch.randn(1, 1, 4, 2)\n"
+        "assert skyformer.attention(q, q, q, 'softmax').shape == (1, 1, 4, 2)\n"
+        "try:\n"
+        "    import skyformer.hf\n"
+        "except ImportError as err:\n"
+        "    print(err)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={"PYTHONPATH": src, "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "skyformer.hf needs transformers: pip install 'skyformer[hf]'" in out.stdout
+
+
+def test_restore_returns_to_the_implementation_the_model_had():
+    model = tiny_bert()
+    model.set_attn_implementation("eager")
+    shf.restore_exact(model)  # nothing to restore: stays eager
+    assert model.config._attn_implementation == "eager"
+    shf.set_attention(model, "softmax", layers=[0])
+    shf.set_attention(model, "kernelized", layers=[1])
+    assert model.config._attn_implementation == "skyformer"
+    shf.restore_exact(model)
+    assert model.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize(
+    "method", [m for m in registry.list_methods() if registry.get_method(m).state is not None])
+def test_seed_fixes_the_per_layer_state(method):
+    a, b, c = tiny_bert(), tiny_bert(), tiny_bert()
+    has_features = "num_features" in registry.get_method(method).option_names()
+    options = {"num_features": 8} if has_features else {}
+    shf.set_attention(a, method, seed=3, **options)
+    shf.set_attention(b, method, seed=3, **options)
+    shf.set_attention(c, method, seed=4, **options)
+    sa, sb, sc = (m.encoder.layer[1].attention.self.skyformer_state.state_dict()
+                  for m in (a, b, c))
+    assert sa.keys() == sb.keys()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    ids, mask = ids_and_padding()
+    with torch.no_grad():
+        torch.testing.assert_close(a(input_ids=ids, attention_mask=mask).last_hidden_state,
+                                   b(input_ids=ids, attention_mask=mask).last_hidden_state,
+                                   rtol=0, atol=0)
+    assert not all(torch.equal(sa[k], sc[k]) for k in sa) or not sa, "the seed must matter"

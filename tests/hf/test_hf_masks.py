@@ -1,0 +1,148 @@
+"""transformers attention masks -> key_padding_mask and causal (skyformer.hf.masks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers.masking_utils import (  # noqa: E402
+    bidirectional_mask_function,
+    causal_mask_function,
+    eager_mask,
+    sdpa_mask,
+    sliding_window_causal_mask_function,
+)
+
+from skyformer.hf.masks import UnsupportedMaskError, resolve_mask  # noqa: E402
+
+B, N = 3, 7
+
+
+def padding() -> torch.Tensor:
+    """Right padding, left padding and none: [B, N] bool, True = real."""
+    m = torch.ones(B, N, dtype=torch.bool)
+    m[0, 5:] = False
+    m[1, :2] = False
+    return m
+
+
+def resolve(mask, nq=N, nk=N, causal=False):
+    return resolve_mask(mask, batch=B, query_len=nq, key_len=nk, is_causal=causal)
+
+
+def hf_mask(builder, mask_function, pad, **kwargs):
+    """A 4-D mask built by transformers' own mask builders, as its models build them."""
+    return builder(batch_size=B, q_length=N, kv_length=N, mask_function=mask_function,
+                   attention_mask=pad, **kwargs)
+
+
+def test_no_mask_follows_the_causal_flag():
+    assert resolve(None).key_padding_mask is None and resolve(None).causal is False
+    assert resolve(None, causal=True).causal is True
+    assert resolve(None, nq=1, nk=N, causal=True).causal is False  # one query sees every key
+    with pytest.raises(UnsupportedMaskError, match="cached prefix"):
+        resolve(None, nq=3, nk=N, causal=True)
+
+
+@pytest.mark.parametrize("builder", [sdpa_mask, eager_mask], ids=["bool", "additive"])
+def test_padding_masks_from_transformers(builder):
+    pad = padding()
+    mask = hf_mask(builder, bidirectional_mask_function, pad)
+    assert mask.shape == (B, 1, N, N)
+    got = resolve(mask)
+    assert got.causal is False
+    assert torch.equal(got.key_padding_mask, pad)
+
+
+@pytest.mark.parametrize("builder", [sdpa_mask, eager_mask], ids=["bool", "additive"])
+def test_causal_masks_with_left_and_right_padding(builder):
+    pad = padding()
+    kwargs = {"allow_is_causal_skip": False} if builder is sdpa_mask else {}
+    mask = hf_mask(builder, causal_mask_function, pad, **kwargs)
+    got = resolve(mask)
+    assert got.causal is True
+    assert torch.equal(got.key_padding_mask, pad)
+
+
+def test_causal_mask_without_padding_is_causal_only():
+    mask = hf_mask(sdpa_mask, causal_mask_function, torch.ones(B, N, dtype=torch.bool),
+                   allow_is_causal_skip=False)
+    got = resolve(mask)
+    assert got.causal is True and got.key_padding_mask is None
+
+
+def test_broadcast_forms_and_two_dimensional_masks():
+    pad = padding()
+    assert torch.equal(resolve(pad[:, None, None, :]).key_padding_mask, pad)  # [B, 1, 1, Nk]
+    one = torch.ones(1, 1, 1, N, dtype=torch.bool)
+    one[..., -1] = False
+    assert torch.equal(resolve(one).key_padding_mask, one[0, 0, 0].expand(B, N))
+    assert torch.equal(resolve(pad.long()).key_padding_mask, pad)  # [B, Nk], 1 = real
+    assert resolve(torch.ones(B, 1, N, N, dtype=torch.bool)).key_padding_mask is None
+    additive = torch.zeros(B, 1, 1, N).masked_fill(~pad[:, None, None, :], float("-inf"))
+    assert torch.equal(resolve(additive).key_padding_mask, pad)
+    legacy = (1.0 - pad.float())[:, None, None, :] * -10000.0  # old BERT extended mask
+    assert torch.equal(resolve(legacy).key_padding_mask, pad)
+
+
+def test_identical_heads_accepted_differing_heads_refused():
+    pad = padding()
+    same = pad[:, None, None, :].expand(B, 4, N, N)
+    assert torch.equal(resolve(same).key_padding_mask, pad)
+    different = same.clone()
+    different[0, 2, :, 0] = False
+    with pytest.raises(UnsupportedMaskError, match="differs between heads"):
+        resolve(different)
+
+
+def test_fully_blocked_rows_of_padded_queries_are_accepted():
+    pad = padding()
+    mask = pad[:, None, None, :] & pad[:, None, :, None]  # padded query rows see nothing
+    got = resolve(mask)
+    assert torch.equal(got.key_padding_mask, pad) and got.causal is False
+
+
+def test_bias_masks_are_refused():
+    bias = torch.zeros(B, 1, N, N)
+    bias[..., 0] = -0.5  # e.g. an ALiBi-like term
+    with pytest.raises(UnsupportedMaskError, match="carries a bias"):
+        resolve(bias)
+
+
+def test_other_patterns_are_refused():
+    window = hf_mask(sdpa_mask, sliding_window_causal_mask_function(3), padding(),
+                     allow_is_causal_skip=False)
+    with pytest.raises(UnsupportedMaskError, match="neither key padding nor causal"):
+        resolve(window)
+    packed = torch.zeros(B, 1, N, N, dtype=torch.bool)
+    packed[..., :3, :3] = True
+    packed[..., 3:, 3:] = True  # two sequences packed in one row
+    with pytest.raises(UnsupportedMaskError, match="neither key padding nor causal"):
+        resolve(packed)
+    real_query_sees_nothing = torch.ones(B, 1, N, N, dtype=torch.bool)
+    real_query_sees_nothing[0, 0, 2] = False
+    with pytest.raises(UnsupportedMaskError, match="neither key padding"):
+        resolve(real_query_sees_nothing)
+
+
+def test_malformed_masks_are_refused():
+    with pytest.raises(UnsupportedMaskError, match="must broadcast"):
+        resolve(torch.ones(B, 1, N, N + 1, dtype=torch.bool))
+    with pytest.raises(UnsupportedMaskError, match="shape \\[B, Nk\\]"):
+        resolve(torch.ones(B, N + 2))
+    with pytest.raises(UnsupportedMaskError, match="boolean .* or additive"):
+        resolve(torch.ones(B, 1, N, N, dtype=torch.long))
+    with pytest.raises(UnsupportedMaskError, match="3 dimensions"):
+        resolve(torch.ones(B, N, N, dtype=torch.bool))
+    with pytest.raises(UnsupportedMaskError, match="not a tensor"):
+        resolve([[1, 0]])
+
+
+def test_cross_attention_padding_keeps_queries():
+    pad = torch.ones(B, 9, dtype=torch.bool)
+    pad[2, 6:] = False
+    mask = pad[:, None, None, :].expand(B, 1, N, 9)
+    got = resolve(mask, nq=N, nk=9)
+    assert torch.equal(got.key_padding_mask, pad) and got.causal is False

