@@ -17,6 +17,7 @@ from skyformer.ops.multipole import (
     softmax_multipole_attention,
 )
 from skyformer.ops.multipole_core import MultipoleOptions, block_layout, feature_split
+from skyformer.ops.multipole_near import near_field
 from skyformer.ops.multipole_targeted import feature_ladder
 from skyformer.ops.multipole_reference import (
     reference_skyformer_multipole_attention,
@@ -338,3 +339,29 @@ def test_tolerance_options_are_checked():
             attention(q, k, v, "softmax_multipole", **options)
     with pytest.raises(ValueError, match="method must be one of"):
         multipole_with_choice("skyformer", q, k, v)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, None])  # several groups with a ragged last one; one
+def test_near_field_matches_autograd_on_the_whole_scores(chunk):
+    """The chunked near field (scores rebuilt in the backward pass) against the scores
+    formed whole and differentiated by autograd, with dead keys and a block without any."""
+    g = gen(7)
+    q = torch.randn(5, 6, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(5, 3, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(5, 1, 3, generator=g, dtype=torch.float64)
+    bias[1, 0, 2] = float("-inf")
+    bias[3] = float("-inf")  # block 3 has no near key
+    bias.requires_grad_(True)
+    v = torch.randn(5, 3, 2, generator=g, dtype=torch.float64, requires_grad=True)
+    top, out = near_field(q, k, bias, v, chunk=chunk)
+    scores = torch.baddbmm(bias, q, k.transpose(1, 2))
+    ref_top = scores.detach().amax(-1, keepdim=True)
+    ref_top = torch.where(torch.isfinite(ref_top), ref_top, torch.zeros_like(ref_top))
+    ref = (scores - ref_top).exp() @ v
+    torch.testing.assert_close(top, ref_top)
+    torch.testing.assert_close(out, ref)
+    assert torch.all(out[3] == 0)
+    up = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    for a_, b_ in zip(torch.autograd.grad((out * up).sum(), (q, k, bias, v)),
+                      torch.autograd.grad((ref * up).sum(), (q, k, bias, v))):
+        torch.testing.assert_close(a_, b_)

@@ -39,6 +39,8 @@ cost is O(N (c + t) D + c min(N, tilt_sample) D r) for a tilt of rank r, plus k-
 
 Computation: queries are sorted by cluster and cut into blocks of at most ceil(N / 2c)
 rows, so the near field and the far-field expansion run as batched products per block.
+Neither the near field's score blocks (``multipole_near.py``) nor the far field's c x N
+weights (``gaussian_kernel_matmul``) are stored: the backward pass rebuilds them.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from ..linalg import gaussian_kernel_matmul
 from ..sketch.angular_lsh import draw_hyperplanes
 from ..sketch.kmeans import kmeans_clusters
 from .multipole_extra import exact_blocks_part, lsh_blocks, window_blocks
+from .multipole_near import near_field
 
 _NEG_INF = float("-inf")
 
@@ -475,16 +478,13 @@ def multipole_sums(
         bias_b = _gather_last(key_bias, near_b).masked_fill(
             ~near_live.gather(2, bc[..., None].expand(b, h, nb, t)), _NEG_INF
         )
-        scores = torch.baddbmm(
-            bias_b.view(b * h * nb, 1, t), qb.view(b * h * nb, size, d),
-            _gather_rows(k, near_b).view(b * h * nb, t, d).transpose(1, 2),
-        ).view(b, h, nb, size, t)
-        near_max = _safe_max(scores, -1)
-        e = (scores - near_max).exp_()
-        # numerator and normaliser from one product (a ones column on the values), so the
-        # backward pass forms one [s, t] gradient per block, not two to be added
+        # numerator and normaliser from one product (a ones column on the values)
         near_v = _gather_rows(torch.cat([v, v.new_ones(b, h, nk, 1)], -1), near_b)
-        blocked += [near_max, e @ near_v]  # [B, H, nb, s, 1], [B, H, nb, s, Dv + 1]
+        near_max, near_sums = near_field(
+            qb.view(b * h * nb, size, d), _gather_rows(k, near_b).view(b * h * nb, t, d),
+            bias_b.view(b * h * nb, 1, t), near_v.view(b * h * nb, t, dv + 1),
+        )  # [G, s, 1], [G, s, Dv + 1] for G = B H nb blocks
+        blocked += [near_max.view(b, h, nb, size, 1), near_sums.view(b, h, nb, size, dv + 1)]
     flat = torch.cat(blocked, -1).view(b, h, nb * size, -1)
     flat = _PermuteRows.apply(flat, layout.query_slot, layout.slot_query)  # query order
     # split (not sliced: the backward pass then concatenates instead of summing
