@@ -96,3 +96,41 @@ def test_rejects_mismatched_shapes():
         gaussian_kernel_matmul(y, x, v, None)  # C @ rhs needs rhs with m rows
     with pytest.raises(ValueError, match="shift_rows"):
         gaussian_kernel_matmul(y, x, v, None, transpose=True, shift_rows=True)
+
+
+@pytest.mark.parametrize("transpose,shift_rows", [(False, False), (False, True), (True, False)])
+@pytest.mark.parametrize("chunk", [4, 64])
+def test_excluded_entries_are_zero_with_zero_gradient(transpose, shift_rows, chunk):
+    """``exclude`` (here a transposed [m, N] mask, as the multipole far field passes it)
+    equals the materialised block with those entries zeroed, outputs and gradients."""
+    y, x, z, v, valid = inputs(4)
+    rhs = v if transpose else z
+    drop = torch.rand(B, H, M, N, generator=gen(5)) < 0.3
+    drop[0, 0, :, 7] = True  # a row with every entry excluded
+    exclude = drop.transpose(-1, -2)  # [B, H, N, M], not contiguous
+    out = gaussian_kernel_matmul(
+        y, x, rhs, col_offset(x), scale=0.6, row_valid=valid[:, None, :], transpose=transpose,
+        shift_rows=shift_rows, chunk=chunk, exclude=exclude,
+    )
+    ys = y * 0.6
+    a = torch.where(valid[:, None, :], half_sq_norm(ys), float("inf"))
+    e = ys @ x.transpose(-1, -2) - a[..., None] - col_offset(x)[..., None, :]
+    e = e.masked_fill(exclude, float("-inf"))
+    if shift_rows:
+        top = e.detach().amax(-1, keepdim=True)
+        e = e - torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    c = e.exp()
+    ref = c.transpose(-1, -2) @ rhs if transpose else c @ rhs
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-13)
+    g = torch.randn(out.shape, generator=gen(1), dtype=out.dtype)
+    for a_, b_ in zip(torch.autograd.grad((out * g).sum(), (y, x, rhs)),
+                      torch.autograd.grad((ref * g).sum(), (y, x, rhs))):
+        torch.testing.assert_close(a_, b_, rtol=1e-11, atol=1e-12)
+    if not transpose:
+        assert torch.all(out[0, 0, 7] == 0)
+
+
+def test_rejects_an_exclude_mask_of_the_wrong_shape():
+    y, x, z, _, _ = inputs()
+    with pytest.raises(ValueError, match="exclude"):
+        gaussian_kernel_matmul(y, x, z, None, exclude=torch.zeros(B, H, M, N, dtype=torch.bool))

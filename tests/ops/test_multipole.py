@@ -17,6 +17,7 @@ from skyformer.ops.multipole import (
     softmax_multipole_attention,
 )
 from skyformer.ops.multipole_core import MultipoleOptions, block_layout, feature_split
+from skyformer.ops.multipole_near import near_field
 from skyformer.ops.multipole_targeted import feature_ladder
 from skyformer.ops.multipole_reference import (
     reference_skyformer_multipole_attention,
@@ -37,7 +38,8 @@ REFERENCE = {
 def structured_qkv(seed=7, n=160, d=16):
     g = gen(seed)
     centres = torch.randn(6, d, generator=g, dtype=torch.float64) * 1.5
-    q = centres[torch.randint(6, (1, 2, n), generator=g)] + 0.3 * torch.randn(1, 2, n, d, generator=g, dtype=torch.float64)
+    q = centres[torch.randint(6, (1, 2, n), generator=g)] \
+        + 0.3 * torch.randn(1, 2, n, d, generator=g, dtype=torch.float64)
     k = torch.randn(1, 2, n, d, generator=g, dtype=torch.float64) * 1.2
     v = torch.randn(1, 2, n, d, generator=g, dtype=torch.float64)
     return q, k, v
@@ -54,7 +56,9 @@ def draws_for(target, q, k, v, mask, seed, num_features, window, clusters=None, 
                                  lsh_block=lsh_block)
     scale = 1 / math.sqrt(q.shape[-1]) if target == "softmax" else kernel_scale(q.shape[-1])
     g = gen(seed)
-    planes = draw_hyperplanes(q.shape[:2], q.shape[-1], 7, dtype=q.dtype, generator=g) if lsh else None
+    planes = None
+    if lsh:
+        planes = draw_hyperplanes(q.shape[:2], q.shape[-1], 7, dtype=q.dtype, generator=g)
     scores = torch.rand((q.shape[0], max(nq, nk), 2), generator=g)
     buckets = None
     if lsh:
@@ -113,14 +117,16 @@ def test_lsh_buckets_match_naive_reference(target, masked):
         mask[0, 20:] = False
     for t in (q, k, v):
         t.requires_grad_(True)
-    fast = FAST[target](q, k, v, key_padding_mask=mask, generator=gen(4), num_features=24, lsh_block=5)
+    fast = FAST[target](q, k, v, key_padding_mask=mask, generator=gen(4), num_features=24,
+                        lsh_block=5)
     _, lsh, c, near = feature_split(24, 0, None, self_attention=True, lsh_block=5)
     assert (lsh, c, near) == (5, 9, 10)
     a, _, buckets = draws_for(target, q, k, v, mask, 4, 24, 0, lsh_block=5)
     ref = REFERENCE[target](q, k, v, a, key_padding_mask=mask, near=near, window=0, rank=8,
                             buckets=buckets)
     torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)
-    for a_, b_ in zip(torch.autograd.grad(fast.sum(), (q, k, v)), torch.autograd.grad(ref.sum(), (q, k, v))):
+    for a_, b_ in zip(torch.autograd.grad(fast.sum(), (q, k, v)),
+                      torch.autograd.grad(ref.sum(), (q, k, v))):
         torch.testing.assert_close(a_, b_, rtol=1e-8, atol=1e-10)
 
 
@@ -177,7 +183,8 @@ def test_error_falls_as_features_grow_and_the_tilt_helps(target):
 
     errors = [error(num_features=m, window=0) for m in (8, 32, 128)]
     assert errors[0] > errors[1] > errors[2], errors
-    assert error(num_features=32, window=0, tilt_rank=None) < error(num_features=32, window=0, tilt_rank=0)
+    assert error(num_features=32, window=0, tilt_rank=None) \
+        < error(num_features=32, window=0, tilt_rank=0)
 
 
 def test_softmax_output_stays_in_the_value_range_with_large_norms():
@@ -248,7 +255,8 @@ def test_half_precision_is_computed_in_float32():
     q, k, v = make_qkv(1, 2, 40, 16, dtype=torch.float32)
     for fn in FAST.values():
         out = fn(q.half(), k.half(), v.half(), generator=gen(0), num_features=16)
-        ref = fn(q.half().float(), k.half().float(), v.half().float(), generator=gen(0), num_features=16)
+        ref = fn(q.half().float(), k.half().float(), v.half().float(), generator=gen(0),
+                 num_features=16)
         assert out.dtype == torch.float16
         torch.testing.assert_close(out.float(), ref, rtol=2e-3, atol=2e-3)
 
@@ -285,8 +293,10 @@ def test_tolerance_picks_a_rung_of_the_ladder_and_returns_its_output(method):
     for head in range(2):
         met = (choice.estimates[0, head] <= tolerance).nonzero()[0, 0]
         assert choice.features[0, head] == choice.ladder[met]
-        plain = attention(q, k, v, method, generator=gen(1), num_features=int(choice.features[0, head]))
-        torch.testing.assert_close(out[:, head, others], plain[:, head, others], rtol=1e-12, atol=1e-12)
+        plain = attention(q, k, v, method, generator=gen(1),
+                          num_features=int(choice.features[0, head]))
+        torch.testing.assert_close(out[:, head, others], plain[:, head, others],
+                                   rtol=1e-12, atol=1e-12)
 
     # Nothing meets a tiny tolerance: each head takes its smallest estimate.
     _, choice = multipole_with_choice(method, q, k, v, generator=gen(1), num_features=64,
@@ -325,16 +335,44 @@ def test_options_keep_padding_equal_to_truncation(options):
     mask[:, :17] = True
     for method in ("softmax_multipole", "skyformer_multipole"):
         padded = attention(q, k, v, method, key_padding_mask=mask, generator=gen(0), **options)
-        truncated = attention(q[:, :, :17], k[:, :, :17], v[:, :, :17], method, generator=gen(0), **options)
+        truncated = attention(q[:, :, :17], k[:, :, :17], v[:, :, :17], method,
+                              generator=gen(0), **options)
         torch.testing.assert_close(padded[:, :, :17], truncated, rtol=1e-7, atol=1e-9)
         assert torch.all(padded[:, :, 17:] == 0)
 
 
 def test_tolerance_options_are_checked():
     q, k, v = make_qkv(1, 1, 8, 4)
-    for options, word in (({"tolerance": 0.0}, "tolerance"), ({"tolerance": 0.1, "clusters": 4}, "clusters"),
+    for options, word in (({"tolerance": 0.0}, "tolerance"),
+                          ({"tolerance": 0.1, "clusters": 4}, "clusters"),
                           ({"probe": 0}, "probe")):
         with pytest.raises(ValueError, match=word):
             attention(q, k, v, "softmax_multipole", **options)
     with pytest.raises(ValueError, match="method must be one of"):
         multipole_with_choice("skyformer", q, k, v)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, None])  # several groups with a ragged last one; one
+def test_near_field_matches_autograd_on_the_whole_scores(chunk):
+    """The chunked near field (scores rebuilt in the backward pass) against the scores
+    formed whole and differentiated by autograd, with dead keys and a block without any."""
+    g = gen(7)
+    q = torch.randn(5, 6, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(5, 3, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(5, 1, 3, generator=g, dtype=torch.float64)
+    bias[1, 0, 2] = float("-inf")
+    bias[3] = float("-inf")  # block 3 has no near key
+    bias.requires_grad_(True)
+    v = torch.randn(5, 3, 2, generator=g, dtype=torch.float64, requires_grad=True)
+    top, out = near_field(q, k, bias, v, chunk=chunk)
+    scores = torch.baddbmm(bias, q, k.transpose(1, 2))
+    ref_top = scores.detach().amax(-1, keepdim=True)
+    ref_top = torch.where(torch.isfinite(ref_top), ref_top, torch.zeros_like(ref_top))
+    ref = (scores - ref_top).exp() @ v
+    torch.testing.assert_close(top, ref_top)
+    torch.testing.assert_close(out, ref)
+    assert torch.all(out[3] == 0)
+    up = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    for a_, b_ in zip(torch.autograd.grad((out * up).sum(), (q, k, bias, v)),
+                      torch.autograd.grad((ref * up).sum(), (q, k, bias, v))):
+        torch.testing.assert_close(a_, b_)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from skyformer.sketch.kmeans import kmeans_clusters
+from skyformer.sketch.kmeans import _means_index_add, _means_one_hot, kmeans_clusters
 from tests.conftest import gen
 
 
@@ -70,3 +70,21 @@ def test_fully_padded_rows_keep_one_live_centre():
     out = kmeans_clusters(x, 3, valid=mask, generator=gen(0))
     assert out.live[1, 0].any() and torch.isfinite(out.centres).all()
     assert out.sizes[1].sum() == 0
+
+
+def test_index_add_means_equal_one_hot_means_with_gradients():
+    """The CPU path of the member means (index-add) against the CUDA one (one-hot
+    product): weights with zeros, an empty cluster, values and gradients."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 40, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    assignment = torch.randint(0, 6, (2, 3, 40), generator=g)
+    assignment[assignment == 4] = 5  # cluster 4 stays empty
+    weight = (torch.rand(2, 3, 40, generator=g) > 0.2).to(torch.float64)
+    fast, fast_sizes = _means_index_add(x, assignment, weight, 6)
+    ref, ref_sizes = _means_one_hot(x, assignment, weight, 6)
+    torch.testing.assert_close(fast, ref)
+    torch.testing.assert_close(fast_sizes, ref_sizes)
+    assert torch.all(fast_sizes[..., 4] == 0) and torch.all(fast[..., 4, :] == 0)
+    up = torch.randn(fast.shape, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(torch.autograd.grad((fast * up).sum(), x)[0],
+                               torch.autograd.grad((ref * up).sum(), x)[0])

@@ -16,6 +16,9 @@ E factor, ``nystrom_softmax``). Invalid rows (``row_valid``) and columns with b 
 are exact zeros with zero gradient. The row scale s and the row norms are applied
 inside, so no scaled copy of y and no [N, D] norm temporaries are made; exp is
 evaluated as exp2 of the exponent times log2(e), folded into x and the offsets.
+Single entries can be excluded (``exclude``, an [N, m] bool mask read chunk by chunk,
+e.g. a transposed view of an [m, N] mask): they are exact zeros with zero gradient,
+as for the multipole far field, which leaves out each cluster's near keys.
 
 Backward, with E the exponent and dE = dC * C (chunked):
 
@@ -78,15 +81,19 @@ class _Workspace:
 
 
 def _exponent(
-    y: Tensor, xt: Tensor, a: Tensor | None, neg_b: Tensor | None, out: Tensor
+    y: Tensor, xt: Tensor, a: Tensor | None, neg_b: Tensor | None, out: Tensor,
+    exclude: Tensor | None = None,
 ) -> Tensor:
-    """y xt - a - b for one chunk (in log2 units): ``[BH, c, D] x [BH, D, m] -> [BH, c, m]``."""
+    """y xt - a - b for one chunk (in log2 units): ``[BH, c, D] x [BH, D, m] -> [BH, c, m]``;
+    -inf where ``exclude`` (``[BH, c, m]`` bool) is set."""
     if neg_b is None:
         torch.bmm(y, xt, out=out)
     else:
         torch.baddbmm(neg_b, y, xt, out=out)
     if a is not None:
         out.sub_(a[:, :, None])
+    if exclude is not None:
+        out.masked_fill_(exclude, float("-inf"))
     return out
 
 
@@ -94,13 +101,13 @@ class _GaussianBlockProduct(torch.autograd.Function):
     """out = C @ rhs (``transpose=False``) or C^T @ rhs (``transpose=True``), chunked.
 
     Tensors have one batch dim: y ``[BH, N, D]``, x ``[BH, m, D]``, b ``[BH, m]``,
-    rhs ``[BH, m or N, R]``, row_valid ``[BH, N]`` bool.
+    rhs ``[BH, m or N, R]``, row_valid ``[BH, N]`` bool, exclude ``[BH, N, m]`` bool.
     """
 
     @staticmethod
     def forward(ctx: Any, y: Tensor, x: Tensor, b: Tensor | None, rhs: Tensor,
                 row_valid: Tensor | None, scale: float, row_norm: bool, transpose: bool,
-                shift_rows: bool, chunk: int) -> Tensor:
+                shift_rows: bool, chunk: int, exclude: Tensor | None) -> Tensor:
         n = y.shape[1]
         # the row scale (and log2 e), applied to the m landmark rows: [BH, D, m]
         xt = (x * (scale * LOG2E)).transpose(1, 2)
@@ -119,7 +126,7 @@ class _GaussianBlockProduct(torch.autograd.Function):
             rows = slice(s, s + chunk)
             size = min(chunk, n - s)
             e = _exponent(y[:, rows], xt, None if a is None else a[:, rows], neg_b,
-                          ws.get("block", size, m))
+                          ws.get("block", size, m), None if exclude is None else exclude[:, rows])
             if shift is not None:
                 r = e.amax(dim=-1)
                 # A row with every column masked has max -inf: leave it at exp(-inf) = 0.
@@ -136,14 +143,14 @@ class _GaussianBlockProduct(torch.autograd.Function):
         # One chunk is the whole block and already in cache-sized memory: keep it rather
         # than rebuild it (longer inputs are rebuilt chunk by chunk, memory O(N)).
         block = c if n <= chunk else None
-        ctx.save_for_backward(y, x, b, rhs, a, out, block)
+        ctx.save_for_backward(y, x, b, rhs, a, out, block, exclude)
         ctx.options = (scale, row_norm, transpose, chunk)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        y, x, b, rhs, a, out, block = ctx.saved_tensors
+        y, x, b, rhs, a, out, block, exclude = ctx.saved_tensors
         scale, row_norm, transpose, chunk = ctx.options
         need_y, need_x, need_b, need_rhs = ctx.needs_input_grad[:4]
         n = y.shape[1]
@@ -171,7 +178,8 @@ class _GaussianBlockProduct(torch.autograd.Function):
             size = min(chunk, n - s)
             y_c = y[:, rows]
             c = block if block is not None else _exponent(
-                y_c, xt, None if a is None else a[:, rows], neg_b, ws.get("block", size, m)
+                y_c, xt, None if a is None else a[:, rows], neg_b, ws.get("block", size, m),
+                None if exclude is None else exclude[:, rows],
             ).exp2_()
             if transpose:
                 if drhs is not None:
@@ -199,7 +207,7 @@ class _GaussianBlockProduct(torch.autograd.Function):
         if need_b:
             db = -(torch.linalg.vecdot(grad, out) if transpose
                    else torch.linalg.vecdot(rhs, drhs))
-        return dy, dx, db, drhs if need_rhs else None, None, None, None, None, None, None
+        return dy, dx, db, drhs if need_rhs else None, None, None, None, None, None, None, None
 
 
 def gaussian_kernel_matmul(
@@ -214,6 +222,7 @@ def gaussian_kernel_matmul(
     transpose: bool = False,
     shift_rows: bool = False,
     chunk: int | None = None,
+    exclude: Tensor | None = None,
 ) -> Tensor:
     """C @ rhs or C^T @ rhs for C = exp(s y x^T - s^2|y|^2/2 - col_offset), never whole.
 
@@ -231,6 +240,8 @@ def gaussian_kernel_matmul(
             without gradient), as ``gaussian_kernel_block(shift_rows=True)``; only with
             ``transpose=False``.
         chunk: rows per chunk; default from ``chunk_rows``.
+        exclude: ``[..., N, m]`` bool (any strides, e.g. a transposed ``[..., m, N]``
+            mask), True entries of C are 0 (no gradient through them).
     Returns:
         ``[..., N, R]`` (``C @ rhs``) or ``[..., m, R]`` (``C^T @ rhs``); differentiable in
         ``y``, ``x``, ``col_offset`` and ``rhs`` (the backward pass rebuilds C by chunks).
@@ -253,6 +264,13 @@ def gaussian_kernel_matmul(
         chunk = chunk_rows(n, bh, m, y.device)
     if row_valid is not None:
         row_valid = row_valid.expand(*batch_shape, n).reshape(bh, n)
+    if exclude is not None:
+        if exclude.shape != (*batch_shape, n, m) or exclude.dtype != torch.bool:
+            raise ValueError(
+                f"gaussian_kernel_matmul: exclude must be a bool tensor of shape "
+                f"{(*batch_shape, n, m)}, got {exclude.dtype} {tuple(exclude.shape)}."
+            )
+        exclude = exclude.reshape(bh, n, m)
     out = _GaussianBlockProduct.apply(
         y.reshape(bh, n, d),
         x.reshape(bh, m, d),
@@ -264,5 +282,6 @@ def gaussian_kernel_matmul(
         transpose,
         shift_rows,
         chunk,
+        exclude,
     )
     return out.reshape(*batch_shape, *out.shape[1:])

@@ -53,7 +53,8 @@ class SoftmaxMultipoleConfig(MultipoleOptions):
     def __post_init__(self) -> None:
         self.validate("softmax_multipole")
         if self.scale is not None and not (
-            isinstance(self.scale, (int, float)) and not isinstance(self.scale, bool) and self.scale > 0
+            isinstance(self.scale, (int, float)) and not isinstance(self.scale, bool)
+            and self.scale > 0
         ):
             raise ValueError(
                 f"softmax_multipole: scale must be a positive number or None, got {self.scale!r}."
@@ -90,7 +91,10 @@ def multipole_with_choice(
         q: ``[B, H, Nq, D]``; k: ``[B, H, Nk, D]``; v: ``[B, H, Nk, Dv]``.
         options: the method's options (``SoftmaxMultipoleConfig`` / ``SkyformerMultipoleConfig``).
     """
-    configs = {"softmax_multipole": SoftmaxMultipoleConfig, "skyformer_multipole": SkyformerMultipoleConfig}
+    configs = {
+        "softmax_multipole": SoftmaxMultipoleConfig,
+        "skyformer_multipole": SkyformerMultipoleConfig,
+    }
     if method not in configs:
         raise ValueError(f"method must be one of {', '.join(configs)}, got {method!r}.")
     info = check_attention_inputs(q, k, v, key_padding_mask, method=method)
@@ -116,13 +120,15 @@ def multipole_with_choice(
         def trivial(exact: Tensor, live: Tensor) -> Tensor:  # the mean output row
             return (exact * live).sum(2, keepdim=True) / live.sum(2, keepdim=True).clamp_min(1)
     bias = masked_bias(bias, info.key_valid)
+    gaussian = method == "skyformer_multipole"
     choice = None
     if config.tolerance is None:
-        out = finish(multipole_sums(q_, k_, values, bias, info, config, generator), q_)
+        out = finish(multipole_sums(q_, k_, values, bias, info, config, generator,
+                                    gaussian=gaussian), q_)
     else:
         out, choice = targeted_multipole(
             q_, k_, values, bias, info, config, generator, finish, trivial,
-            tolerance=config.tolerance, probe=config.probe,
+            tolerance=config.tolerance, probe=config.probe, gaussian=gaussian,
         )
     return zero_padded_queries(out, info.query_valid).to(dtype), choice
 

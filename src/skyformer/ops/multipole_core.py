@@ -17,7 +17,8 @@ exp(-|q_i|^2/2) S_i[:Dv] with b_j = -|k_j|^2/2). Queries are clustered by k-mean
   p_aj = exp(z_a.k_j + b_j) / R_a over the far keys F_a, first-order expansion in
   delta_i (exponential tilting) gives
 
-      sum_{j in F_a} exp(l_ij) [v_j, 1] ~ exp(log R_a + delta_i.kbar_a) [vbar_a + Cov_a(v, k) delta_i, 1]
+      sum_{j in F_a} exp(l_ij) [v_j, 1]
+          ~ exp(log R_a + delta_i.kbar_a) [vbar_a + Cov_a(v, k) delta_i, 1]
 
   with kbar_a, vbar_a the p_a-means and Cov_a(v, k) the p_a-covariance of values and
   keys. The same expansion serves the numerator and the normaliser, so nothing is
@@ -38,19 +39,25 @@ cost is O(N (c + t) D + c min(N, tilt_sample) D r) for a tilt of rank r, plus k-
 
 Computation: queries are sorted by cluster and cut into blocks of at most ceil(N / 2c)
 rows, so the near field and the far-field expansion run as batched products per block.
+Neither the near field's score blocks (``multipole_near.py``) nor the far field's c x N
+weights (``gaussian_kernel_matmul``) are stored: the backward pass rebuilds them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from ..inputs import AttentionInputs, check_positive_int
+from ..linalg import gaussian_kernel_matmul
 from ..sketch.angular_lsh import draw_hyperplanes
 from ..sketch.kmeans import kmeans_clusters
 from .multipole_extra import exact_blocks_part, lsh_blocks, window_blocks
+from .multipole_near import near_field
 
 _NEG_INF = float("-inf")
 
@@ -104,7 +111,8 @@ class MultipoleOptions:
         check_positive_int(method, "lsh_hyperplanes", self.lsh_hyperplanes)
         if self.lsh_hyperplanes > 30:
             raise ValueError(
-                f"{method}: lsh_hyperplanes must be at most 30 (2^r buckets), got {self.lsh_hyperplanes}."
+                f"{method}: lsh_hyperplanes must be at most 30 (2^r buckets), "
+                f"got {self.lsh_hyperplanes}."
             )
         if self.window and self.lsh_block:
             raise ValueError(
@@ -115,7 +123,8 @@ class MultipoleOptions:
             if isinstance(self.tolerance, bool) or not isinstance(self.tolerance, (int, float)) \
                     or not self.tolerance > 0:
                 raise ValueError(
-                    f"{method}: tolerance must be a positive number or None, got {self.tolerance!r}."
+                    f"{method}: tolerance must be a positive number or None, "
+                    f"got {self.tolerance!r}."
                 )
             if self.clusters is not None:
                 raise ValueError(
@@ -127,7 +136,8 @@ class MultipoleOptions:
             if value is not None:
                 check_positive_int(method, name, value)
         if self.tilt_rank is not None and (
-            isinstance(self.tilt_rank, bool) or not isinstance(self.tilt_rank, int) or self.tilt_rank < 0
+            isinstance(self.tilt_rank, bool) or not isinstance(self.tilt_rank, int)
+            or self.tilt_rank < 0
         ):
             raise ValueError(
                 f"{method}: tilt_rank must be an integer >= 0 or None, got {self.tilt_rank!r}."
@@ -201,39 +211,62 @@ class FarField:
 
 
 def far_field(
-    centre_logits: Tensor, member: Tensor, shift: Tensor, k: Tensor, v: Tensor,
-    basis: Tensor | None, rank: int, sample: Tensor | None = None,
+    z: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, shift: Tensor, member: Tensor,
+    key_valid: Tensor | None, basis: Tensor | None, rank: int, sample: Tensor | None = None,
+    *, gaussian: bool = False,
 ) -> FarField:
     """Far-field moments of each cluster centre's distribution over its far keys.
 
+    The sums sum_j exp(z_a.k_j + b_j - shift_a) [k_j, v_j, 1] over the far keys go through
+    ``gaussian_kernel_matmul`` with the keys as rows and the near keys excluded: the
+    c x Nk weights are built in cache-sized chunks and rebuilt in the backward pass,
+    never stored (as Skyformer's [N, m] blocks).
+
     Args:
-        centre_logits: ``[B, H, c, Nk]`` z_a.k_j + b_j; member: ``[B, H, c, Nk]`` near keys.
-        shift: ``[B, H, c, 1]`` finite, at least the largest far logit up to float range
-            (far keys more than ~80 below it underflow: their share is below 1e-30).
+        z: ``[B, H, c, D]`` centres; k: ``[B, H, Nk, D]``; v: ``[B, H, Nk, Dv]``.
+        key_bias: ``[B, H, Nk]`` b_j (-inf for padded keys): 0 on the valid keys, or
+            -|k_j|^2/2 with ``gaussian=True``; used for the covariance sample.
+        shift: ``[B, H, c, 1]`` finite, detached, at least the largest far logit up to
+            float range (far keys more than ~80 below it underflow: share below 1e-30).
+        member: ``[B, H, c, Nk]`` near keys; key_valid: ``[B, Nk]`` or ``None``.
         basis: ``[B, H, Dv, r]`` or ``None`` (identity).
         rank: r (0 = no covariance).
         sample: ``[B, S]`` keys from which the covariance is estimated (self-normalised
             over the sampled far keys), ``None`` = every key.
+        gaussian: b_j = -|k_j|^2/2 (Gaussian target) rather than 0.
     """
-    weights = (centre_logits - shift).masked_fill_(member, _NEG_INF).exp_()  # [B, H, c, Nk]
-    mass = weights.sum(-1, keepdim=True)
+    b, h, nk, d = k.shape
+    c, dv = z.shape[2], v.shape[-1]
+    rhs = torch.cat([k, v, k.new_ones(b, h, nk, 1)], -1)  # [B, H, Nk, D + Dv + 1]
+    sums = gaussian_kernel_matmul(
+        k, z, rhs, shift[..., 0], row_norm=gaussian, transpose=True,
+        row_valid=None if key_valid is None else key_valid[:, None, :],
+        # keys-by-centres and contiguous: masking chunks through a strided view is slow
+        exclude=member.transpose(-1, -2).contiguous(),
+    )  # [B, H, c, D + Dv + 1]
+    mass = sums[..., -1:]
     live = mass[..., 0] > 0
     inv_mass = 1.0 / mass.clamp_min(torch.finfo(mass.dtype).tiny)
-    kbar = (weights @ k) * inv_mass  # [B, H, c, D]
-    vbar = (weights @ v) * inv_mass  # [B, H, c, Dv]
+    kbar = sums[..., :d] * inv_mass  # [B, H, c, D]
+    vbar = sums[..., d:d + dv] * inv_mass  # [B, H, c, Dv]
     log_mass = mass[..., 0].clamp_min(torch.finfo(mass.dtype).tiny).log() + shift[..., 0]
     log_mass = torch.where(live, log_mass, _NEG_INF)
-    b, h, nk, d = k.shape
-    c = weights.shape[2]
     if rank == 0:
         tilt = k.new_zeros(b, h, c, 0, d)
     else:
-        ks, vs, ws, inv = k, v, weights, inv_mass
+        ks, vs, bias, near, inv = k, v, key_bias, member, inv_mass
         if sample is not None:
             idx = sample[:, None, :].expand(b, h, -1)
             ks = k.gather(2, idx[..., None].expand(-1, -1, -1, d))
-            vs = v.gather(2, idx[..., None].expand(-1, -1, -1, v.shape[-1]))
-            ws = weights.gather(3, idx[:, :, None, :].expand(-1, -1, c, -1))
+            vs = v.gather(2, idx[..., None].expand(-1, -1, -1, dv))
+            bias = key_bias.gather(2, idx)
+            near = member.gather(3, idx[:, :, None, :].expand(-1, -1, c, -1))
+        # The weights of the (sampled) keys only: [B, H, c, S].
+        ws = torch.baddbmm(
+            (bias[:, :, None, :] - shift).view(b * h, c, -1), z.reshape(b * h, c, d),
+            ks.reshape(b * h, -1, d).transpose(1, 2),
+        ).view(b, h, c, -1).masked_fill_(near, _NEG_INF).exp_()
+        if sample is not None:
             inv = 1.0 / ws.sum(-1, keepdim=True).clamp_min(torch.finfo(ws.dtype).tiny)
         vr = vs if basis is None else vs @ basis  # [B, H, S, r]
         outer = (vr[..., :, None] * ks[..., None, :]).view(b, h, ks.shape[2], rank * d)
@@ -287,6 +320,32 @@ def _gather_rows(x: Tensor, index: Tensor) -> Tensor:
     return x.gather(2, flat[..., None].expand(b, h, flat.shape[-1], d)).view(*index.shape, d)
 
 
+class _PermuteRows(torch.autograd.Function):
+    """``out[:, :, j] = x_pad[:, :, index[j]]`` for a bijection between the rows of x and
+    the entries of ``index`` below the row count R (R = an empty slot, a zero row), with
+    ``inverse`` its inverse (R = empty). Autograd's gather backward is a scatter-add into
+    zeros; for a bijection it is a gather by the inverse, several times cheaper on CPU."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, index: Tensor, inverse: Tensor) -> Tensor:
+        ctx.save_for_backward(inverse)
+        return _gather_padded(x, index)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        (inverse,) = ctx.saved_tensors
+        return _gather_padded(grad, inverse), None, None
+
+
+def _gather_padded(x: Tensor, index: Tensor) -> Tensor:
+    """Rows of ``x: [B, H, R, D]`` at ``index: [B, H, S]`` (R = a zero row) -> ``[B, H, S, D]``."""
+    b, h, r, d = x.shape
+    if index.shape[-1] > r:  # a bijection's index reaches R only if it has more entries
+        x = torch.cat([x, x.new_zeros(b, h, 1, d)], dim=2)
+    return x.gather(2, index[..., None].expand(b, h, index.shape[-1], d))
+
+
 def _gather_last(x: Tensor, index: Tensor) -> Tensor:
     """``x: [B, H, M]`` entries at ``index: [B, H, ...]``."""
     b, h = x.shape[:2]
@@ -301,7 +360,9 @@ class Draws:
     hyperplanes: Tensor | None  # [B, H, D, r] LSH normals (None without LSH buckets)
 
 
-def draw(q: Tensor, k: Tensor, options: MultipoleOptions, generator: torch.Generator | None) -> Draws:
+def draw(
+    q: Tensor, k: Tensor, options: MultipoleOptions, generator: torch.Generator | None
+) -> Draws:
     """The fixed-shape hyperplanes first, then one ``[B, N, 2]`` uniform tensor, so that
     right padding of a batch of one draws what truncation draws."""
     b, h, nq, d = q.shape
@@ -332,6 +393,7 @@ def multipole_sums(
     generator: torch.Generator | None,
     *,
     draws: Draws | None = None,
+    gaussian: bool = False,
 ) -> PartialSums:
     """Near field + far-field expansion of sum_j exp(q_i.k_j + b_j) [v_j, 1].
 
@@ -340,6 +402,8 @@ def multipole_sums(
         key_bias: ``[B, H, Nk]`` b_j, ``-inf`` for padded keys.
         draws: the random draws to use instead of drawing from ``generator`` (callers
             that run several budgets on one draw).
+        gaussian: ``key_bias`` is -|k_j|^2/2 on the valid keys (Gaussian target); else
+            it is 0 there (softmax target). The far field evaluates it itself.
     Returns:
         ``PartialSums``; rows of padded queries are finite and meaningless.
     """
@@ -359,17 +423,28 @@ def multipole_sums(
     )
     c = clusters.centres.shape[2]
     z, a = clusters.centres, clusters.assignment
-    dots = z @ k.transpose(-1, -2)  # [B, H, c, Nk]
-    logits = dots + key_bias[:, :, None, :]
-    if t:
-        near_logits, near = logits.detach().topk(t, dim=-1)  # [B, H, c, t]
-        near_live = torch.isfinite(near_logits)
-        shift = near_logits[..., :1]
-        member = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, near, near_live)
-    else:
-        shift = logits.detach().amax(-1, keepdim=True)
-        member = torch.zeros_like(logits, dtype=torch.bool)
-    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+    exact_blocks = bool((w and self_attention) or lsh)
+    # The centre logits only select the near keys (no gradient): the far field rebuilds
+    # them in chunks, so they are freed here unless the window/LSH correction needs them.
+    with torch.no_grad():
+        logits = torch.baddbmm(
+            key_bias.reshape(b * h, 1, nk), z.detach().reshape(b * h, c, d),
+            k.detach().reshape(b * h, nk, d).transpose(1, 2),
+        ).view(b, h, c, nk)  # [B, H, c, Nk]
+        if t:
+            near_logits, near = logits.topk(t, dim=-1)  # [B, H, c, t]
+            near_live = torch.isfinite(near_logits)
+            shift = near_logits[..., :1]
+            # stored keys-by-centres, the layout the far field's chunks read
+            member = torch.zeros(b, h, nk, c, dtype=torch.bool, device=q.device).scatter_(
+                2, near.transpose(-1, -2), near_live.transpose(-1, -2)
+            ).transpose(-1, -2)  # [B, H, c, Nk] view
+        else:
+            shift = logits.amax(-1, keepdim=True)
+            member = torch.zeros_like(logits, dtype=torch.bool)
+        shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+        del logits
+    dots = z @ k.transpose(-1, -2) if exact_blocks else None  # [B, H, c, Nk]
 
     rank = dv if options.tilt_rank is None else min(options.tilt_rank, dv)
     basis = value_basis(v, info.key_valid, rank) if rank else None
@@ -379,17 +454,19 @@ def multipole_sums(
         if info.key_valid is not None:
             key_scores = key_scores.masked_fill(~info.key_valid, 2.0)  # uniform scores < 1
         sample = key_scores.topk(options.tilt_sample, dim=1, largest=False, sorted=False).indices
-    far = far_field(logits, member, shift, k, v, basis, rank, sample)
+    far = far_field(z, k, v, key_bias, shift, member, info.key_valid, basis, rank, sample,
+                    gaussian=gaussian)
 
     # Near field and far-field expansion on blocks of queries that share a cluster.
     layout = block_layout(a, c)
     nb, size = layout.block_cluster.shape[-1], layout.size
     bc = layout.block_cluster  # [B, H, nb]
-    q_pad = torch.cat([q, q.new_zeros(b, h, 1, d)], dim=2)
-    qb = _gather_rows(q_pad, layout.slot_query.view(b, h, nb, size))  # [B, H, nb, s, D]
+    qb = _PermuteRows.apply(q, layout.slot_query, layout.query_slot).view(b, h, nb, size, d)
     delta = qb - _gather_rows(z, bc)[..., None, :]  # [B, H, nb, s, D]
     # delta.kbar and (for the tilt) Cov(U^T v, k) delta, with one product per block.
-    kbar_tilt = far.kbar[..., None, :] if not rank else torch.cat([far.kbar[..., None, :], far.tilt], 3)
+    kbar_tilt = far.kbar[..., None, :]
+    if rank:
+        kbar_tilt = torch.cat([kbar_tilt, far.tilt], 3)
     kbar_tilt = kbar_tilt.reshape(b, h, c, -1).gather(
         2, bc[..., None].expand(b, h, nb, (rank + 1) * d)
     ).view(b, h, nb, rank + 1, d)
@@ -401,20 +478,22 @@ def multipole_sums(
         bias_b = _gather_last(key_bias, near_b).masked_fill(
             ~near_live.gather(2, bc[..., None].expand(b, h, nb, t)), _NEG_INF
         )
-        scores = torch.baddbmm(
-            bias_b.view(b * h * nb, 1, t), qb.view(b * h * nb, size, d),
-            _gather_rows(k, near_b).view(b * h * nb, t, d).transpose(1, 2),
-        ).view(b, h, nb, size, t)
-        near_max = _safe_max(scores, -1)
-        e = (scores - near_max).exp_()
-        near_num = e @ _gather_rows(v, near_b)  # [B, H, nb, s, Dv]
-        blocked += [near_max, near_num, e.sum(-1, keepdim=True)]
+        # numerator and normaliser from one product (a ones column on the values)
+        near_v = _gather_rows(torch.cat([v, v.new_ones(b, h, nk, 1)], -1), near_b)
+        near_max, near_sums = near_field(
+            qb.view(b * h * nb, size, d), _gather_rows(k, near_b).view(b * h * nb, t, d),
+            bias_b.view(b * h * nb, 1, t), near_v.view(b * h * nb, t, dv + 1),
+        )  # [G, s, 1], [G, s, Dv + 1] for G = B H nb blocks
+        blocked += [near_max.view(b, h, nb, size, 1), near_sums.view(b, h, nb, size, dv + 1)]
     flat = torch.cat(blocked, -1).view(b, h, nb * size, -1)
-    flat = flat.gather(2, layout.query_slot[..., None].expand(b, h, nq, flat.shape[-1]))  # query order
-    delta_kbar, shift_r = flat[..., :1], flat[..., 1:1 + rank]
+    flat = _PermuteRows.apply(flat, layout.query_slot, layout.slot_query)  # query order
+    # split (not sliced: the backward pass then concatenates instead of summing
+    # zero-padded copies of the whole tensor)
+    pieces = flat.split([1, rank] + ([1, dv, 1] if t else []), dim=-1)
+    delta_kbar, shift_r = pieces[:2]
     parts = []
     if t:
-        near_max, near_num, near_den = flat[..., 1 + rank:2 + rank], flat[..., 2 + rank:-1], flat[..., -1:]
+        near_max, near_num, near_den = pieces[2:]
         parts.append((torch.where(near_den > 0, near_max, _NEG_INF), near_num, near_den))
 
     log_far = _gather_last(far.log_mass, a)[..., None] + delta_kbar  # [B, H, Nq, 1]
@@ -432,6 +511,7 @@ def multipole_sums(
     elif lsh:
         blocks = lsh_blocks(q, k, draws.hyperplanes, lsh, info.query_valid, info.key_valid)
     if blocks is not None:
+        assert dots is not None
         exact_part, removed_num, removed_den = exact_blocks_part(
             q, k, v, key_bias, dots, member, a, far.log_mass, far_live, delta_kbar, blocks
         )

@@ -62,7 +62,7 @@ def exact_rows(q_rows: Tensor, k: Tensor, v: Tensor, key_bias: Tensor) -> Partia
 def targeted_multipole(
     q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, info: AttentionInputs,
     options: MultipoleOptions, generator: torch.Generator | None, finish: Finish,
-    trivial: Trivial, *, tolerance: float, probe: int,
+    trivial: Trivial, *, tolerance: float, probe: int, gaussian: bool = False,
 ) -> tuple[Tensor, FeatureChoice]:
     """Multipole attention with per-head budgets for ``tolerance``.
 
@@ -71,6 +71,7 @@ def targeted_multipole(
         key_bias ``[B, H, Nk]`` (-inf for padded keys).
         finish: turns partial sums of given query rows into output rows.
         trivial: the trivial answer's row from the exact probe rows.
+        gaussian: ``key_bias`` is -|k_j|^2/2 on the valid keys (see ``multipole_sums``).
     Returns:
         (output ``[B, H, Nq, Dv]`` before zeroing padded queries, ``FeatureChoice``).
     """
@@ -94,7 +95,8 @@ def targeted_multipole(
             out = trivial(exact, probe_live).expand(b, h, nq, exact.shape[-1])
         else:
             rung = dataclasses.replace(options, num_features=budget)
-            out = finish(multipole_sums(q, k, v, key_bias, info, rung, generator, draws=draws), q)
+            out = finish(multipole_sums(q, k, v, key_bias, info, rung, generator, draws=draws,
+                                        gaussian=gaussian), q)
         rows = out.gather(2, index.expand(b, h, -1, out.shape[-1])) * probe_live
         error = (rows.detach() - exact.detach()).square().sum((-1, -2)).sqrt()
         estimates.append(error / exact_norm.clamp_min(torch.finfo(error.dtype).tiny))
@@ -103,10 +105,15 @@ def targeted_multipole(
     meets = estimates_t <= tolerance
     level = torch.where(meets.any(-1), meets.int().argmax(-1), estimates_t.argmin(-1))  # [B, H]
     stacked = torch.stack(outputs, 0)  # [L, B, H, Nq, Dv]
-    out = stacked.gather(0, level[None, :, :, None, None].expand(1, b, h, nq, stacked.shape[-1]))[0]
+    out = stacked.gather(
+        0, level[None, :, :, None, None].expand(1, b, h, nq, stacked.shape[-1])
+    )[0]
     # The probe rows were computed exactly: return them exact.
     out = out.scatter(2, index.expand(b, h, -1, out.shape[-1]),
-                      torch.where(probe_live, exact, out.gather(2, index.expand(b, h, -1, out.shape[-1]))))
+                      torch.where(probe_live, exact,
+                                  out.gather(2, index.expand(b, h, -1, out.shape[-1]))))
     features = torch.tensor(ladder, device=q.device)[level]
-    choice = FeatureChoice(ladder, features, estimates_t.gather(-1, level[..., None])[..., 0], estimates_t)
+    choice = FeatureChoice(
+        ladder, features, estimates_t.gather(-1, level[..., None])[..., 0], estimates_t
+    )
     return out, choice

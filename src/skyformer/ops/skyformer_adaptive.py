@@ -34,7 +34,12 @@ from ..inputs import (
     compute_dtype,
     zero_padded_queries,
 )
-from ..linalg import gaussian_kernel_block, half_sq_norm, lemma3_inverse
+from ..linalg import (
+    gaussian_kernel_block,
+    gaussian_kernel_matmul,
+    half_sq_norm,
+    lemma3_inverse,
+)
 from ..registry import Capabilities, register
 from ..sketch.kmeans import kmeans_clusters
 from ..sketch.leverage import sketched_ridge_leverage, top_keys
@@ -60,17 +65,21 @@ class SkyformerAdaptiveConfig(NystromOptions):
     def __post_init__(self) -> None:
         method = "skyformer_adaptive"
         self.validate(method)
-        if isinstance(self.query_fraction, bool) or not isinstance(self.query_fraction, (int, float)) \
+        if isinstance(self.query_fraction, bool) \
+                or not isinstance(self.query_fraction, (int, float)) \
                 or not 0 < self.query_fraction <= 1:
             raise ValueError(
                 f"{method}: query_fraction must be in (0, 1], got {self.query_fraction!r}."
             )
-        if isinstance(self.ridge, bool) or not isinstance(self.ridge, (int, float)) or not self.ridge > 0:
+        if isinstance(self.ridge, bool) or not isinstance(self.ridge, (int, float)) \
+                or not self.ridge > 0:
             raise ValueError(f"{method}: ridge must be a positive number, got {self.ridge!r}.")
-        if isinstance(self.kmeans_iterations, bool) or not isinstance(self.kmeans_iterations, int) \
+        if isinstance(self.kmeans_iterations, bool) \
+                or not isinstance(self.kmeans_iterations, int) \
                 or self.kmeans_iterations < 0:
             raise ValueError(
-                f"{method}: kmeans_iterations must be an integer >= 0, got {self.kmeans_iterations!r}."
+                f"{method}: kmeans_iterations must be an integer >= 0, "
+                f"got {self.kmeans_iterations!r}."
             )
         if self.kmeans_sample is not None:
             check_positive_int(method, "kmeans_sample", self.kmeans_sample)
@@ -111,25 +120,30 @@ def adaptive_landmarks(
 
 def nystrom_with_landmarks(
     q_hat: Tensor, k_hat: Tensor, v: Tensor, landmarks: AdaptiveLandmarks, info: AttentionInputs,
-    options: NystromOptions,
+    options: NystromOptions, *, scale: float = 1.0,
 ) -> Tensor:
-    """C(Q, X) W C(X, K) V for landmark points X (Skyformer eqs. (5)-(6), Lemma 3)."""
+    """C(Q, X) W C(X, K) V for landmark points X (Skyformer eqs. (5)-(6), Lemma 3).
+
+    ``q_hat``, ``k_hat`` are the rows before the factor ``scale`` (1: already scaled);
+    X is in the scaled space. The [N, m] blocks are never held whole: both products go
+    through ``gaussian_kernel_matmul``, as in ``skyformer``.
+    """
     inf = torch.tensor(float("inf"), dtype=q_hat.dtype, device=q_hat.device)
     x = landmarks.points
-    x_norm = torch.where(landmarks.live, half_sq_norm(x), inf)  # dead landmarks -> zero rows
-    k_norm = half_sq_norm(k_hat)
-    if info.key_valid is not None:
-        k_norm = torch.where(info.key_valid[:, None, :], k_norm, inf)
-    c_qx = gaussian_kernel_block(q_hat, x, half_sq_norm(q_hat), x_norm)  # [B, H, Nq, m]
-    c_kx = gaussian_kernel_block(k_hat, x, k_norm, x_norm)  # [B, H, Nk, m]
+    x_norm = torch.where(landmarks.live, half_sq_norm(x), inf)  # dead landmarks -> zero columns
     core = gaussian_kernel_block(x, x, x_norm, x_norm)  # [B, H, m, m]
     b, h, m, _ = core.shape
     w = lemma3_inverse(
-        core.reshape(b * h, 1, m, m), gamma=options.gamma, pinv=options.pinv,  # type: ignore[arg-type]
+        core.reshape(b * h, 1, m, m), gamma=options.gamma,
+        pinv=options.pinv,  # type: ignore[arg-type]
         iterations=options.pinv_iterations, init=options.pinv_init,  # type: ignore[arg-type]
         live=landmarks.live.reshape(b * h, m),
     ).view(b, h, m, m)
-    return c_qx @ (w @ (c_kx.transpose(-1, -2) @ v))
+    key_valid = None if info.key_valid is None else info.key_valid[:, None, :]  # [B, 1, Nk]
+    context = gaussian_kernel_matmul(
+        k_hat, x, v, x_norm, scale=scale, row_valid=key_valid, transpose=True
+    )  # C(X, K) V: [B, H, m, Dv]
+    return gaussian_kernel_matmul(q_hat, x, w @ context, x_norm, scale=scale)
 
 
 @register(
@@ -177,7 +191,8 @@ def skyformer_adaptive_attention(
     dtype = q.dtype
     work = compute_dtype(dtype)
     scale = kernel_scale(info.head_dim)
-    q_hat, k_hat = q.to(work) * scale, k.to(work) * scale
-    landmarks = adaptive_landmarks(q_hat, k_hat, info, options, generator)
-    out = nystrom_with_landmarks(q_hat, k_hat, v.to(work), landmarks, info, options)
+    qw, kw = q.to(work), k.to(work)
+    landmarks = adaptive_landmarks(qw * scale, kw * scale, info, options, generator)
+    # The fused products scale the rows themselves: no scaled [N, D] copies kept for backward.
+    out = nystrom_with_landmarks(qw, kw, v.to(work), landmarks, info, options, scale=scale)
     return zero_padded_queries(out, info.query_valid).to(dtype)

@@ -48,8 +48,34 @@ def _nearest(x: Tensor, z: Tensor, live: Tensor) -> Tensor:
 
 
 def _means(x: Tensor, assignment: Tensor, weight: Tensor, count: int) -> tuple[Tensor, Tensor]:
-    """Weighted member means ``[B, H, c, D]`` and member weights ``[B, H, c]``, as one
-    product with the weighted one-hot matrix (a scatter-add serialises on collisions)."""
+    """Weighted member means ``[B, H, c, D]`` and member weights ``[B, H, c]``.
+
+    On CUDA as one product with the weighted one-hot matrix (a scatter-add serialises on
+    collisions); on CPU, where an index-add is a plain loop, by index-add, which skips
+    the [N, c] one-hot matrix (and its copy kept for the backward pass).
+    """
+    if x.device.type == "cpu":
+        return _means_index_add(x, assignment, weight, count)
+    return _means_one_hot(x, assignment, weight, count)
+
+
+def _means_index_add(
+    x: Tensor, assignment: Tensor, weight: Tensor, count: int
+) -> tuple[Tensor, Tensor]:
+    """``_means`` by index-add over the flattened (batch, head, cluster) slots."""
+    b, h, n, d = x.shape
+    slots = torch.arange(b * h, device=x.device).view(b, h, 1) * count
+    flat = (assignment + slots).reshape(-1)
+    sizes = x.new_zeros(b * h * count).index_add_(0, flat, weight.reshape(-1))
+    sums = x.new_zeros(b * h * count, d).index_add(0, flat, (x * weight[..., None]).reshape(-1, d))
+    sizes = sizes.view(b, h, count)
+    return sums.view(b, h, count, d) / sizes.clamp_min(1.0)[..., None], sizes
+
+
+def _means_one_hot(
+    x: Tensor, assignment: Tensor, weight: Tensor, count: int
+) -> tuple[Tensor, Tensor]:
+    """``_means`` as one product with the weighted one-hot matrix."""
     onehot = torch.nn.functional.one_hot(assignment, count).to(x.dtype).mul_(weight[..., None])
     sizes = onehot.sum(-2)  # [B, H, c]
     sums = onehot.transpose(-1, -2) @ x  # [B, H, c, D]
