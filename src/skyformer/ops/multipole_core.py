@@ -315,9 +315,18 @@ def block_layout(assignment: Tensor, num_clusters: int) -> BlockLayout:
 
 def _gather_rows(x: Tensor, index: Tensor) -> Tensor:
     """``x: [B, H, N, D]`` rows at ``index: [B, H, ...]`` -> ``[B, H, ..., D]``."""
-    b, h, _, d = x.shape
-    flat = index.reshape(b, h, -1)
-    return x.gather(2, flat[..., None].expand(b, h, flat.shape[-1], d)).view(*index.shape, d)
+    return _select_rows(x, index.reshape(*index.shape[:2], -1)).view(*index.shape, x.shape[-1])
+
+
+def _select_rows(x: Tensor, index: Tensor) -> Tensor:
+    """``x: [B, H, R, D]`` rows at ``index: [B, H, S]`` -> ``[B, H, S, D]``, as one
+    ``index_select`` of whole rows of the flattened tensor: the same values as
+    ``x.gather(2, index[..., None].expand(...))``, whose CPU kernel reads element by
+    element (about 10x slower for rows of 32-64 floats)."""
+    b, h, r, d = x.shape
+    offset = torch.arange(0, b * h * r, r, device=x.device).view(b, h, 1)
+    flat = (index + offset).reshape(-1)
+    return x.reshape(b * h * r, d).index_select(0, flat).view(b, h, index.shape[-1], d)
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -343,7 +352,7 @@ def _gather_padded(x: Tensor, index: Tensor) -> Tensor:
     b, h, r, d = x.shape
     if index.shape[-1] > r:  # a bijection's index reaches R only if it has more entries
         x = torch.cat([x, x.new_zeros(b, h, 1, d)], dim=2)
-    return x.gather(2, index[..., None].expand(b, h, index.shape[-1], d))
+    return _select_rows(x, index)
 
 
 def _gather_last(x: Tensor, index: Tensor) -> Tensor:
