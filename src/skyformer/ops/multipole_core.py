@@ -511,7 +511,10 @@ def multipole_sums(
         v_far = v_far + (shift_r if basis is None else shift_r @ basis.transpose(-1, -2))
         # Keep the tilted mean inside the values' range (the expansion is first order).
         low, high = _value_range(v, info.key_valid)
-        v_far = torch.clamp(v_far, min=low, max=high)
+        # As torch.clamp (gradient 1 inside the range, 0 outside), whose CPU kernel with
+        # tensor bounds is ~10x slower than a comparison and a where.
+        inside = (v_far >= low) & (v_far <= high)
+        v_far = torch.where(inside, v_far, torch.minimum(torch.maximum(v_far.detach(), low), high))
     far_live = _gather_last(far.live, a)[..., None]  # [B, H, Nq, 1]
     far_num, far_den = v_far, torch.ones_like(log_far)
     blocks = None
@@ -554,6 +557,10 @@ def _merge(parts: list[tuple[Tensor, Tensor, Tensor]]) -> PartialSums:
     """Combine (log scale, numerator, denominator) triples in log space; a part with
     scale -inf is empty. The common scale is 0 for rows where every part is empty."""
     top = _safe_max(torch.stack([p[0] for p in parts], -1), -1)[..., 0]
-    num = sum((p[0] - top).exp() * p[1] for p in parts)
-    den = sum((p[0] - top).exp() * p[2] for p in parts)
-    return PartialSums(top, num, den)  # type: ignore[arg-type]
+    weights = [(p[0] - top).exp() for p in parts]
+    # summed from the first term (Python's sum would add it to 0, a full extra pass)
+    num, den = weights[0] * parts[0][1], weights[0] * parts[0][2]
+    for weight, part in zip(weights[1:], parts[1:]):
+        num = num + weight * part[1]
+        den = den + weight * part[2]
+    return PartialSums(top, num, den)
