@@ -285,3 +285,18 @@ def test_seed_fixes_the_per_layer_state(method):
                                    b(input_ids=ids, attention_mask=mask).last_hidden_state,
                                    rtol=0, atol=0)
     assert not all(torch.equal(sa[k], sc[k]) for k in sa) or not sa, "the seed must matter"
+
+
+def test_an_old_transformers_gets_a_version_sentence():
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    code = (
+        "import transformers; transformers.__version__ = '4.57.1'\n"
+        "try:\n"
+        "    import skyformer.hf\n"
+        "except ImportError as err:\n"
+        "    print(err)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={"PYTHONPATH": src, "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "needs transformers >= 5.4, found 4.57.1" in out.stdout
