@@ -47,8 +47,11 @@ def _nearest(x: Tensor, z: Tensor, live: Tensor) -> Tensor:
     return dist.argmin(-1).view(b, h, n)
 
 
-def _means(x: Tensor, assignment: Tensor, weight: Tensor, count: int) -> tuple[Tensor, Tensor]:
-    """Weighted member means ``[B, H, c, D]`` and member weights ``[B, H, c]``.
+def _means(
+    x: Tensor, assignment: Tensor, weight: Tensor | None, count: int
+) -> tuple[Tensor, Tensor]:
+    """Weighted member means ``[B, H, c, D]`` and member weights ``[B, H, c]``
+    (``weight`` ``[B, H, N]``; ``None``: every row weighs 1).
 
     On CUDA as one product with the weighted one-hot matrix (a scatter-add serialises on
     collisions); on CPU, where an index-add is a plain loop, by index-add, which skips
@@ -60,23 +63,30 @@ def _means(x: Tensor, assignment: Tensor, weight: Tensor, count: int) -> tuple[T
 
 
 def _means_index_add(
-    x: Tensor, assignment: Tensor, weight: Tensor, count: int
+    x: Tensor, assignment: Tensor, weight: Tensor | None, count: int
 ) -> tuple[Tensor, Tensor]:
     """``_means`` by index-add over the flattened (batch, head, cluster) slots."""
     b, h, n, d = x.shape
     slots = torch.arange(b * h, device=x.device).view(b, h, 1) * count
     flat = (assignment + slots).reshape(-1)
-    sizes = x.new_zeros(b * h * count).index_add_(0, flat, weight.reshape(-1))
-    sums = x.new_zeros(b * h * count, d).index_add(0, flat, (x * weight[..., None]).reshape(-1, d))
+    if weight is None:  # every row counts once: skip the product by ones (and its backward)
+        sizes = x.new_zeros(b * h * count).index_add_(0, flat, x.new_ones(flat.shape))
+        rows = x.reshape(-1, d)
+    else:
+        sizes = x.new_zeros(b * h * count).index_add_(0, flat, weight.reshape(-1))
+        rows = (x * weight[..., None]).reshape(-1, d)
+    sums = x.new_zeros(b * h * count, d).index_add(0, flat, rows)
     sizes = sizes.view(b, h, count)
     return sums.view(b, h, count, d) / sizes.clamp_min(1.0)[..., None], sizes
 
 
 def _means_one_hot(
-    x: Tensor, assignment: Tensor, weight: Tensor, count: int
+    x: Tensor, assignment: Tensor, weight: Tensor | None, count: int
 ) -> tuple[Tensor, Tensor]:
     """``_means`` as one product with the weighted one-hot matrix."""
-    onehot = torch.nn.functional.one_hot(assignment, count).to(x.dtype).mul_(weight[..., None])
+    onehot = torch.nn.functional.one_hot(assignment, count).to(x.dtype)
+    if weight is not None:
+        onehot.mul_(weight[..., None])
     sizes = onehot.sum(-2)  # [B, H, c]
     sums = onehot.transpose(-1, -2) @ x  # [B, H, c, D]
     return sums / sizes.clamp_min(1.0)[..., None], sizes
@@ -136,10 +146,7 @@ def kmeans_clusters(
             # An emptied cluster keeps its previous centre (it may win rows back).
             centres = torch.where((sizes > 0)[..., None], means, centres)
         assignment = _nearest(x.detach(), centres, live)  # [B, H, N]
-    row_weight = (
-        torch.ones(b, h, n, dtype=x.dtype, device=x.device) if valid is None
-        else valid[:, None, :].to(x.dtype).expand(b, h, n)
-    )
+    row_weight = None if valid is None else valid[:, None, :].to(x.dtype).expand(b, h, n)
     means, sizes = _means(x, assignment, row_weight, c)
     live = sizes > 0
     if live.shape[-1] and not live.any(-1).all():
