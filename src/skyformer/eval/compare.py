@@ -59,6 +59,16 @@ class CompareResult:
         }
 
 
+def memory_job(method: str, shape: tuple[int, int, int, int], options: dict[str, Any],
+               seed: int, inputs: str) -> MemoryJob:
+    """The peak-memory job of the call ``compare`` times: the method's bare function
+    (a job given the registered name would call it as inside a layer, with its
+    per-layer state, which e.g. Linformer only has for a fixed ``max_seq_len``)."""
+    function = get_method(method).function
+    return MemoryJob(f"{function.__module__}:{function.__name__}", shape, options,
+                     seed=seed, inputs=inputs)
+
+
 def _options(method: str, num_features: int | None) -> dict[str, Any]:
     spec = get_method(method)
     if num_features is not None and "num_features" in spec.option_names():
@@ -96,7 +106,7 @@ def compare_on(qkv: QKV, config: CompareConfig) -> list[dict[str, Any]]:
             seconds = median_seconds(run, device=q.device, warmup=1, repeats=config.repeats)
             peak = None
             if config.memory:
-                job = MemoryJob(name, tuple(q.shape), options, seed=config.seed, inputs=str(inputs))
+                job = memory_job(name, tuple(q.shape), options, config.seed, str(inputs))
                 peak = peak_memory_bytes(job, q.device)
             rows.append(
                 {
