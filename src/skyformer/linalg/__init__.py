@@ -1,16 +1,18 @@
 """Shared numerics: iterative pseudo-inverse, Gaussian kernel blocks and products with
-them, Lemma 3 inverse, top singular subspaces."""
+them, Lemma 3 inverse, top singular subspaces, whole-row gathers."""
 
 from .kernel_matmul import gaussian_kernel_matmul
 from .kernels import gaussian_exponent, gaussian_kernel_block, half_sq_norm
 from .nystrom import PINV_METHODS, lemma3_inverse
 from .pinv import PINV_INITS, initial_inverse, inverse_residual, iterative_pinv
+from .rows import gather_rows
 from .subspace import Subspace, top_singular_subspace
 
 __all__ = [
     "PINV_INITS",
     "PINV_METHODS",
     "Subspace",
+    "gather_rows",
     "gaussian_exponent",
     "gaussian_kernel_block",
     "gaussian_kernel_matmul",

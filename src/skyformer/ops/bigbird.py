@@ -44,6 +44,7 @@ from ..inputs import (
     compute_dtype,
     zero_padded_queries,
 )
+from ..linalg import gather_rows
 from ..registry import Capabilities, register
 from ..sketch.streams import sequence_generators
 from .masked import masked_attention, masked_softmax
@@ -251,8 +252,8 @@ def bigbird_attention(
                             cfg.num_random_blocks, q.device, generator)
     qw, kw, vw = q.to(work) * s, k.to(work), v.to(work)
     if layout.order is not None:
-        gather = layout.order[:, None, :, None]
-        qw, kw, vw = (x.gather(2, gather.expand(*x.shape)) for x in (qw, kw, vw))
+        order = layout.order[:, None, :]  # [B, 1, N]: the same order for every head
+        qw, kw, vw = (gather_rows(x, order.expand(*x.shape[:3])) for x in (qw, kw, vw))
     nb = layout.num_blocks
     real = torch.arange(nb * bs, device=q.device)[None, :] < layout.n_valid[:, None]  # [B, nb*bs]
     qb, kb, vb = _blocks(qw, nb, bs), _blocks(kw, nb, bs), _blocks(vw, nb, bs)
@@ -272,9 +273,9 @@ def bigbird_attention(
 
     # Global query blocks (first and last real block) attend to every real key.
     ends = torch.stack([torch.zeros_like(layout.last), layout.last.clamp_min(0)], dim=1)  # [B, 2]
-    q_glob = qb.gather(
-        2, ends[:, None, :, None, None].expand(-1, info.heads, -1, bs, qb.shape[-1])
-    ).flatten(2, 3)  # [B, H, 2*bs, D]
+    q_glob = gather_rows(
+        qb.flatten(-2), ends[:, None, :].expand(-1, info.heads, -1)
+    ).view(info.batch, info.heads, 2 * bs, -1)  # [B, H, 2*bs, D]
     glob = masked_attention(
         q_glob, kb.flatten(2, 3), vb.flatten(2, 3), real[:, None, None, :]
     ).view(info.batch, info.heads, 2, bs, -1)  # [B, H, 2, bs, Dv]

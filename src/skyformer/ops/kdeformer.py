@@ -66,6 +66,7 @@ from ..inputs import (
     mean_values,
     zero_padded_queries,
 )
+from ..linalg import gather_rows
 from ..registry import Capabilities, register
 from ..sketch import (
     draw_hyperplanes,
@@ -174,7 +175,7 @@ def uniform_rows(u: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
 
 def _rows(x: Tensor, index: Tensor) -> Tensor:
     """``x [B, H, N, C]`` at ``index [B, H, s]`` -> ``[B, H, s, C]``."""
-    return x.gather(2, index[..., None].expand(-1, -1, -1, x.shape[-1]))
+    return gather_rows(x, index)
 
 
 def _finite_or(x: Tensor, fallback: Tensor | float) -> Tensor:

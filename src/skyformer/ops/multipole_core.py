@@ -53,7 +53,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ..inputs import AttentionInputs, check_positive_int
-from ..linalg import gaussian_kernel_matmul
+from ..linalg import gather_rows, gaussian_kernel_matmul
 from ..sketch.angular_lsh import draw_hyperplanes
 from ..sketch.kmeans import kmeans_clusters
 from .multipole_extra import exact_blocks_part, lsh_blocks, window_blocks
@@ -313,22 +313,6 @@ def block_layout(assignment: Tensor, num_clusters: int) -> BlockLayout:
     return BlockLayout(size, slot_query, query_slot, block_cluster)
 
 
-def _gather_rows(x: Tensor, index: Tensor) -> Tensor:
-    """``x: [B, H, N, D]`` rows at ``index: [B, H, ...]`` -> ``[B, H, ..., D]``."""
-    return _select_rows(x, index.reshape(*index.shape[:2], -1)).view(*index.shape, x.shape[-1])
-
-
-def _select_rows(x: Tensor, index: Tensor) -> Tensor:
-    """``x: [B, H, R, D]`` rows at ``index: [B, H, S]`` -> ``[B, H, S, D]``, as one
-    ``index_select`` of whole rows of the flattened tensor: the same values as
-    ``x.gather(2, index[..., None].expand(...))``, whose CPU kernel reads element by
-    element (about 10x slower for rows of 32-64 floats)."""
-    b, h, r, d = x.shape
-    offset = torch.arange(0, b * h * r, r, device=x.device).view(b, h, 1)
-    flat = (index + offset).reshape(-1)
-    return x.reshape(b * h * r, d).index_select(0, flat).view(b, h, index.shape[-1], d)
-
-
 class _PermuteRows(torch.autograd.Function):
     """``out[:, :, j] = x_pad[:, :, index[j]]`` for a bijection between the rows of x and
     the entries of ``index`` below the row count R (R = an empty slot, a zero row), with
@@ -352,7 +336,7 @@ def _gather_padded(x: Tensor, index: Tensor) -> Tensor:
     b, h, r, d = x.shape
     if index.shape[-1] > r:  # a bijection's index reaches R only if it has more entries
         x = torch.cat([x, x.new_zeros(b, h, 1, d)], dim=2)
-    return _select_rows(x, index)
+    return gather_rows(x, index)
 
 
 def _gather_last(x: Tensor, index: Tensor) -> Tensor:
@@ -471,7 +455,7 @@ def multipole_sums(
     nb, size = layout.block_cluster.shape[-1], layout.size
     bc = layout.block_cluster  # [B, H, nb]
     qb = _PermuteRows.apply(q, layout.slot_query, layout.query_slot).view(b, h, nb, size, d)
-    delta = qb - _gather_rows(z, bc)[..., None, :]  # [B, H, nb, s, D]
+    delta = qb - gather_rows(z, bc)[..., None, :]  # [B, H, nb, s, D]
     # delta.kbar and (for the tilt) Cov(U^T v, k) delta, with one product per block.
     kbar_tilt = far.kbar[..., None, :]
     if rank:
@@ -488,9 +472,9 @@ def multipole_sums(
             ~near_live.gather(2, bc[..., None].expand(b, h, nb, t)), _NEG_INF
         )
         # numerator and normaliser from one product (a ones column on the values)
-        near_v = _gather_rows(torch.cat([v, v.new_ones(b, h, nk, 1)], -1), near_b)
+        near_v = gather_rows(torch.cat([v, v.new_ones(b, h, nk, 1)], -1), near_b)
         near_max, near_sums = near_field(
-            qb.view(b * h * nb, size, d), _gather_rows(k, near_b).view(b * h * nb, t, d),
+            qb.view(b * h * nb, size, d), gather_rows(k, near_b).view(b * h * nb, t, d),
             bias_b.view(b * h * nb, 1, t), near_v.view(b * h * nb, t, dv + 1),
         )  # [G, s, 1], [G, s, Dv + 1] for G = B H nb blocks
         blocked += [near_max.view(b, h, nb, size, 1), near_sums.view(b, h, nb, size, dv + 1)]
@@ -506,7 +490,7 @@ def multipole_sums(
         parts.append((torch.where(near_den > 0, near_max, _NEG_INF), near_num, near_den))
 
     log_far = _gather_last(far.log_mass, a)[..., None] + delta_kbar  # [B, H, Nq, 1]
-    v_far = _gather_rows(far.vbar, a)  # [B, H, Nq, Dv]
+    v_far = gather_rows(far.vbar, a)  # [B, H, Nq, Dv]
     if rank:
         v_far = v_far + (shift_r if basis is None else shift_r @ basis.transpose(-1, -2))
         # Keep the tilted mean inside the values' range (the expansion is first order).

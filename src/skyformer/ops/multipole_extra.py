@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..linalg import gather_rows
 from ..sketch.lsh_blocks import gather_block_rows, gather_block_values, hamming_blocks
 
 _NEG_INF = float("-inf")
@@ -106,6 +107,6 @@ def exact_blocks_part(
 
     def back(x: Tensor) -> Tensor:  # block layout -> query order
         x = x.reshape(b, h, -1, x.shape[-1])
-        return x.gather(2, blocks.q_slot[..., None].expand(b, h, nq, x.shape[-1]))
+        return gather_rows(x, blocks.q_slot)
 
     return (back(top), back(num), back(den)), back(removed_num), back(removed_den)

@@ -51,6 +51,7 @@ from ..inputs import (
     compute_dtype,
     zero_padded_queries,
 )
+from ..linalg import gather_rows
 from ..registry import Capabilities, register
 from ..sketch import draw_rotations, rotation_hash
 from .performer import check_scale
@@ -120,10 +121,7 @@ def _at(values: Tensor, positions: Tensor) -> Tensor:
 
 def _rows_at(x: Tensor, positions: Tensor) -> Tensor:
     """``x [B, H, N + 1, C]`` at ``positions [B, R, H, *rest]`` -> ``[B, R, H, *rest, C]``."""
-    b, r, h = positions.shape[:3]
-    c = x.shape[-1]
-    flat = positions.reshape(b, r, h, -1, 1).expand(-1, -1, -1, -1, c)
-    return x[:, None].expand(b, r, h, *x.shape[2:]).gather(3, flat).view(*positions.shape, c)
+    return gather_rows(x[:, None], positions)  # every round reads the same rows
 
 
 def _sorted_order(buckets: Tensor, valid: Tensor | None) -> Tensor:
@@ -259,7 +257,7 @@ def reformer_attention(
     # Back to sequence order; combine rounds by their log-normalisers (Appendix A).
     def unsort(x: Tensor) -> Tensor:
         x = x.reshape(b, rounds, h, slots, -1)
-        return x.gather(3, q_rank[..., None].expand(-1, -1, -1, -1, x.shape[-1]))
+        return gather_rows(x, q_rank)
 
     o = unsort(o)  # [B, R, H, N, Dv]
     lse, has = unsort(lse)[..., 0], unsort(has)[..., 0]  # [B, R, H, N]

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..linalg.rows import gather_rows
 from .angular_lsh import equal_size_buckets, hamming_order
 
 
@@ -74,8 +75,7 @@ def gather_block_rows(x: Tensor, index: Tensor) -> Tensor:
     index N reads zeros."""
     b, h, n, c = x.shape
     padded = torch.cat([x, x.new_zeros(b, h, 1, c)], dim=2)
-    flat = index.reshape(b, h, -1, 1).expand(-1, -1, -1, c)
-    return padded.gather(2, flat).view(*index.shape, c)
+    return gather_rows(padded, index)
 
 
 def gather_block_values(x: Tensor, index: Tensor, fill: float | bool = 0) -> Tensor:
@@ -90,5 +90,4 @@ def gather_block_values(x: Tensor, index: Tensor, fill: float | bool = 0) -> Ten
 def scatter_block_rows(x: Tensor, blocks: LshBlocks) -> Tensor:
     """Per-query results in block layout ``[B, H, nb, sq, C]`` back to ``[B, H, Nq, C]``."""
     b, h, nb, sq, c = x.shape
-    flat = x.reshape(b, h, nb * sq, c)
-    return flat.gather(2, blocks.q_slot[..., None].expand(-1, -1, -1, c))
+    return gather_rows(x.reshape(b, h, nb * sq, c), blocks.q_slot)
