@@ -236,22 +236,25 @@ def test_per_layer_state_is_a_trained_submodule(learned_method):
     assert not hasattr(model.encoder.layer[0].attention.self, "skyformer_state")
 
 
-def test_importing_skyformer_never_needs_transformers():
+def _import_skyformer_hf_after(prelude: str) -> str:
+    """stdout of a fresh interpreter that runs ``prelude``, then imports skyformer.hf and
+    prints the ImportError it raises (if any)."""
     src = str(Path(__file__).resolve().parents[2] / "src")
-    code = (
+    code = prelude + "try:\n    import skyformer.hf\nexcept ImportError as err:\n    print(err)\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={"PYTHONPATH": src, "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_importing_skyformer_never_needs_transformers():
+    out = _import_skyformer_hf_after(
         "import sys; sys.modules['transformers'] = None\n"
         "import torch, skyformer, skyformer.cli\n"
         "q = torch.randn(1, 1, 4, 2)\n"
         "assert skyformer.attention(q, q, q, 'softmax').shape == (1, 1, 4, 2)\n"
-        "try:\n"
-        "    import skyformer.hf\n"
-        "except ImportError as err:\n"
-        "    print(err)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={"PYTHONPATH": src, "PATH": "/usr/bin:/bin"}, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "skyformer.hf needs transformers: pip install 'skyformer[hf]'" in out.stdout
+    assert "skyformer.hf needs transformers: pip install 'skyformer[hf]'" in out
 
 
 def test_restore_returns_to_the_implementation_the_model_had():
@@ -288,15 +291,5 @@ def test_seed_fixes_the_per_layer_state(method):
 
 
 def test_an_old_transformers_gets_a_version_sentence():
-    src = str(Path(__file__).resolve().parents[2] / "src")
-    code = (
-        "import transformers; transformers.__version__ = '4.57.1'\n"
-        "try:\n"
-        "    import skyformer.hf\n"
-        "except ImportError as err:\n"
-        "    print(err)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={"PYTHONPATH": src, "PATH": "/usr/bin:/bin"}, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "needs transformers >= 5.4, found 4.57.1" in out.stdout
+    out = _import_skyformer_hf_after("import transformers; transformers.__version__ = '4.57.1'\n")
+    assert "needs transformers >= 5.4, found 4.57.1" in out
