@@ -38,12 +38,12 @@ from typing import Any
 
 import torch
 
-from skyformer.eval.memory import MemoryJob, peak_memory_bytes
-from skyformer.eval.metrics import relative_error
-from skyformer.eval.qkv import extract_qkv, load_model
-from skyformer.eval.text import default_text
+from skyformer.eval.measure.memory import MemoryJob, peak_memory_bytes
+from skyformer.eval.measure.metrics import relative_error
+from skyformer.eval.data.qkv import extract_qkv, load_model
+from skyformer.eval.data.text import default_text
 from skyformer.io import atomic_write_text, environment, write_json
-from skyformer.ops import gaussian_scores, softmax_scores
+from skyformer.linalg import gaussian_scores, softmax_scores
 from skyformer.ops.multipole import multipole_with_choice
 from skyformer.registry import attention, get_method, list_methods
 

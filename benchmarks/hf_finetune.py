@@ -18,7 +18,7 @@ import io
 import sys
 from pathlib import Path
 
-from skyformer.eval.hf_finetune import FinetuneConfig, distill
+from skyformer.eval.hf.finetune import FinetuneConfig, distill
 from skyformer.io import atomic_write_text, environment, write_json
 
 

@@ -1,8 +1,8 @@
 """The contract every registered method must honour (DESIGN.md, "Tests").
 
 Parametrised over ``list_methods()``: a new method is covered as soon as it registers.
-Methods that need extra call arguments (e.g. learned projections) add them in
-``extra_options``.
+Methods are called through the registry's binding, as every caller calls them (a
+fixed-length method such as Linformer is bound for ``MAX_LEN`` tokens).
 """
 
 from __future__ import annotations
@@ -10,22 +10,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skyformer import attention, get_method, list_methods
+from skyformer import get_method, list_methods
 from tests.conftest import gen, make_qkv
 
 METHODS = list_methods()
-
-
-def extra_options(method: str, n: int, d: int) -> dict:
-    """Per-method arguments the contract calls need beyond the defaults."""
-    if get_method(method).capabilities.fixed_length:
-        return {"max_seq_len": 64}  # a fixed bound above every length used here (n <= 40)
-    return {}
+MAX_LEN = 64  # the length methods are bound for: above every length used here (n <= 40)
 
 
 def run(method, q, k, v, mask=None, seed=0, **options):
-    options = {**extra_options(method, k.shape[2], q.shape[-1]), **options}
-    return attention(q, k, v, method, key_padding_mask=mask, generator=gen(seed), **options)
+    bound = get_method(method).bind(seq_len=MAX_LEN, **options)
+    return bound(q, k, v, key_padding_mask=mask, generator=gen(seed))
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from .registry import check_capabilities, get_method
+from .registry import BoundMethod, Method, get_method
 
 
 class MultiHeadAttention(nn.Module):
@@ -49,24 +48,33 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads}).")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}.")
-        self.spec = get_method(method)
-        self.config = self.spec.make_config(**method_options)
         self.dim = dim
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
+        self.bound: BoundMethod = get_method(method).bind(
+            num_heads, self.head_dim, **method_options
+        )
         self.q_proj = nn.Linear(dim, dim, bias=bias)
         self.k_proj = nn.Linear(dim, dim, bias=bias)
         self.v_proj = nn.Linear(dim, dim, bias=bias)
         self.out_proj = nn.Linear(dim, dim, bias=bias)
         self.dropout = nn.Dropout(dropout)
         # Per-layer state of the method (learned projections, kept random features).
-        self.method_state = (
-            self.spec.state(self.config, num_heads, self.head_dim) if self.spec.state else None
-        )
+        self.method_state = self.bound.new_state()
 
     @property
     def method(self) -> str:
-        return self.spec.name
+        return self.bound.name
+
+    @property
+    def spec(self) -> Method:
+        """The registered method."""
+        return self.bound.method
+
+    @property
+    def config(self) -> Any:
+        """The method's resolved options (a frozen dataclass)."""
+        return self.bound.config
 
     def _split(self, x: Tensor) -> Tensor:
         b, n, _ = x.shape
@@ -92,25 +100,19 @@ class MultiHeadAttention(nn.Module):
                     f"MultiHeadAttention: {name} must have shape [B, N, {self.dim}], got "
                     f"{tuple(t.shape)}."
                 )
-        check_capabilities(
-            self.spec.name,
-            mask=key_padding_mask is not None,
-            cross_attention=source.shape[1] != x.shape[1],
-        )
         q = self._split(self.q_proj(x))
         k = self._split(self.k_proj(source))
         v = self._split(self.v_proj(source))
-        extra = self.method_state(q, k) if self.method_state is not None else {}
-        out = self.spec.function(
+        out = self.bound(
             q, k, v, key_padding_mask=key_padding_mask, generator=generator,
-            **dataclasses.asdict(self.config), **extra,
+            state=self.method_state,
         )  # [B, H, N, Dh]
         b, _, n, _ = out.shape
         out = out.transpose(1, 2).reshape(b, n, self.dim)
         return self.out_proj(self.dropout(out))
 
     def extra_repr(self) -> str:
-        options = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(self.config).items())
+        options = ", ".join(f"{k}={v!r}" for k, v in self.bound.options().items())
         return f"dim={self.dim}, num_heads={self.num_heads}, method={self.method!r}" + (
             f", {options}" if options else ""
         )

@@ -11,9 +11,9 @@ import torch
 
 from skyformer import registry
 from skyformer.eval.approx import ApproxConfig, resolve_methods, run_approx
-from skyformer.eval.approx_report import format_table, write_outputs
-from skyformer.eval.sources import SourceLoader, SourceOptions
-from skyformer.ops.softmax import softmax_scores
+from skyformer.eval.approx.report import format_table, write_outputs
+from skyformer.eval.data.sources import SourceLoader, SourceOptions
+from skyformer.linalg import softmax_scores
 from skyformer.registry import Capabilities, Method
 
 SMALL = dict(sources=("gaussian",), seq_lens=(48,), features=(4, 8, 16), seeds=(0, 1),
@@ -184,7 +184,7 @@ def test_analysis_only():
 
 def test_randomized_floors_agree_with_the_full_svd():
     """The subspace iteration used above N = 1024 gives the floors of the full SVD."""
-    from skyformer.eval.metrics import rank_m_floor
+    from skyformer.eval.measure.metrics import rank_m_floor
     from skyformer.linalg import top_singular_subspace
     from tests.conftest import gen
 

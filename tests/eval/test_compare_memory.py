@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skyformer.eval.compare import _options, memory_job
-from skyformer.eval.memory import measure_in_this_process
+from skyformer.eval.compare.run import memory_job
+from skyformer.eval.methods import resolve
+from skyformer.eval.measure.memory import measure_in_this_process
 from skyformer.registry import list_methods
 
 
@@ -16,6 +17,7 @@ def test_memory_job_of_every_method_runs(tmp_path, method):
     q, k, v = (torch.randn(1, 2, 96, 16, generator=g) for _ in range(3))
     inputs = tmp_path / "qkv.pt"
     torch.save({"q": q, "k": k, "v": v}, inputs)
-    job = memory_job(method, tuple(q.shape), _options(method, 16), seed=0, inputs=str(inputs))
-    assert ":" in job.method  # the bare function, as compare times it, not a layer call
+    job = memory_job(method, tuple(q.shape), resolve(method).options(16), seed=0,
+                     inputs=str(inputs))
+    assert not job.as_layer  # the bare function call, as compare times it, not a layer call
     assert measure_in_this_process(job, "cpu") >= 0

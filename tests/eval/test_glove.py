@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skyformer.eval.glove import read_glove
+from skyformer.eval.data.glove import read_glove
 
 
 def write_glove(path, rows, header=None):

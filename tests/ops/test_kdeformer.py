@@ -8,15 +8,14 @@ import pytest
 import torch
 
 from skyformer import softmax_attention
-from skyformer.eval.metrics import relative_error
-from skyformer.ops.kdeformer import (
-    KDEformerConfig,
+from skyformer.eval.measure.metrics import relative_error
+from skyformer.ops.kdeformer import KDEformerConfig, kdeformer_attention
+from skyformer.ops.kdeformer.kdeformer import (
     draw_kdeformer,
-    kdeformer_attention,
     sampling_log_probabilities,
     uniform_rows,
 )
-from skyformer.ops.kdeformer_ref import reference_kdeformer_attention
+from skyformer.ops.kdeformer.naive import reference_kdeformer_attention
 from skyformer.registry import get_method
 from tests.conftest import gen, make_qkv
 

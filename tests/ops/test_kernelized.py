@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from skyformer import kernelized_attention
-from skyformer.ops import gaussian_scores, reference_kernelized_attention
+from skyformer.linalg import gaussian_scores
+from skyformer.ops.kernelized.naive import reference_kernelized_attention
 from tests.conftest import make_qkv
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skyformer.ops.linear import elu_feature_map, linear_attention, reference_linear_attention
+from skyformer.ops.linear import linear_attention
+from skyformer.ops.linear.linear import elu_feature_map
+from skyformer.ops.linear.naive import reference_linear_attention
 from tests.conftest import make_qkv
 
 

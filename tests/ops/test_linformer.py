@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from skyformer import MultiHeadAttention, attention, softmax_attention
-from skyformer.ops.linformer import linformer_attention, reference_linformer_attention
+from skyformer.ops.linformer import linformer_attention
+from skyformer.ops.linformer.naive import reference_linformer_attention
 from skyformer.sketch.streams import gaussian_columns
 from tests.conftest import gen, make_qkv
 

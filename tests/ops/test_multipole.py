@@ -8,18 +8,19 @@ import pytest
 import torch
 
 from skyformer import attention, kernelized_attention, softmax_attention
-from skyformer.eval.metrics import relative_error
-from skyformer.inputs import check_attention_inputs
-from skyformer.ops.kernelized import kernel_scale
+from skyformer.eval.measure.metrics import relative_error
+from skyformer.ops.shared.inputs import check_attention_inputs
+from skyformer.linalg import kernel_scale
 from skyformer.ops.multipole import (
     multipole_with_choice,
     skyformer_multipole_attention,
     softmax_multipole_attention,
 )
-from skyformer.ops.multipole_core import MultipoleOptions, block_layout, feature_split
-from skyformer.ops.multipole_near import near_field
-from skyformer.ops.multipole_targeted import feature_ladder
-from skyformer.ops.multipole_reference import (
+from skyformer.ops.multipole.layout import block_layout
+from skyformer.ops.multipole.options import MultipoleOptions, feature_split
+from skyformer.ops.multipole.near_field import near_field
+from skyformer.ops.multipole.targeted import feature_ladder
+from skyformer.ops.multipole.naive import (
     reference_skyformer_multipole_attention,
     reference_softmax_multipole_attention,
 )

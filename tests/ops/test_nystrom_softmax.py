@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from skyformer import nystrom_softmax_attention, softmax_attention
-from skyformer.eval.metrics import relative_error
-from skyformer.inputs import check_attention_inputs, mean_values
+from skyformer.eval.measure.metrics import relative_error
+from skyformer.ops.shared.inputs import check_attention_inputs, mean_values
 from skyformer.linalg import kernel_matmul
-from skyformer.ops import reference_nystrom_softmax_attention
+from skyformer.ops.nystrom_softmax.naive import reference_nystrom_softmax_attention
 from skyformer.ops.nystrom_softmax import materialised_nystrom_softmax_attention
-from skyformer.ops.modified_nystrom import sample_landmarks
+from skyformer.ops.shared.modified_nystrom import sample_landmarks
 from tests.conftest import gen, make_qkv
 
 

@@ -6,13 +6,10 @@ import pytest
 import torch
 
 from skyformer import MultiHeadAttention, softmax_attention
-from skyformer.eval.metrics import relative_error
-from skyformer.ops.nystromformer import (
-    nystromformer_attention,
-    reference_nystromformer_attention,
-    segment_means,
-    segments,
-)
+from skyformer.eval.measure.metrics import relative_error
+from skyformer.ops.nystromformer import nystromformer_attention
+from skyformer.ops.nystromformer.naive import reference_nystromformer_attention
+from skyformer.ops.nystromformer.nystromformer import segment_means, segments
 from tests.conftest import make_qkv
 
 

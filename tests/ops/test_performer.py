@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from skyformer import MultiHeadAttention, softmax_attention
-from skyformer.eval.metrics import relative_error
+from skyformer.eval.measure.metrics import relative_error
 from skyformer.ops.performer import PerformerFeatures, performer_attention
-from skyformer.ops.performer_ref import performer_scores, reference_performer_attention
+from skyformer.ops.performer.naive import performer_scores, reference_performer_attention
 from skyformer.registry import get_method
 from skyformer.sketch import gaussian_projection, softmax_log_features
 from tests.conftest import gen, make_qkv

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from skyformer import softmax_attention
-from skyformer.ops.reformer import ReformerConfig, buckets_per_sequence, reformer_attention
-from skyformer.ops.reformer_ref import reference_reformer_attention, reformer_attention_sets
+from skyformer.ops.reformer import ReformerConfig, reformer_attention
+from skyformer.ops.reformer.reformer import buckets_per_sequence
+from skyformer.ops.reformer.naive import reference_reformer_attention, reformer_attention_sets
 from skyformer.registry import get_method
 from skyformer.sketch import draw_rotations
 from tests.conftest import gen, make_qkv

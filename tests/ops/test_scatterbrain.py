@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from skyformer import softmax_attention
-from skyformer.ops.kdeformer_ref import reference_block_pattern
+from skyformer.ops.kdeformer.naive import reference_block_pattern
 from skyformer.ops.performer import performer_attention
-from skyformer.ops.performer_ref import performer_scores
-from skyformer.ops.scatterbrain import ScatterbrainConfig, draw_scatterbrain, scatterbrain_attention
-from skyformer.ops.scatterbrain_ref import reference_scatterbrain_attention
+from skyformer.ops.performer.naive import performer_scores
+from skyformer.ops.scatterbrain import ScatterbrainConfig, scatterbrain_attention
+from skyformer.ops.scatterbrain.scatterbrain import draw_scatterbrain
+from skyformer.ops.scatterbrain.naive import reference_scatterbrain_attention
 from skyformer.registry import get_method
 from skyformer.sketch import draw_hyperplanes, gaussian_projection, softmax_log_features
 from tests.conftest import gen, make_qkv

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from skyformer import kernelized_attention, skyformer_attention
-from skyformer.eval.metrics import relative_error
-from skyformer.inputs import check_attention_inputs
+from skyformer.eval.measure.metrics import relative_error
+from skyformer.ops.shared.inputs import check_attention_inputs
 from skyformer.linalg import kernel_matmul
-from skyformer.ops import reference_skyformer_attention
+from skyformer.ops.skyformer.naive import reference_skyformer_attention
 from skyformer.ops.skyformer import materialised_skyformer_attention
-from skyformer.ops.modified_nystrom import sample_landmarks
+from skyformer.ops.shared.modified_nystrom import sample_landmarks
 from tests.conftest import gen, make_qkv
 
 

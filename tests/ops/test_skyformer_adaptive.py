@@ -6,36 +6,14 @@ import pytest
 import torch
 
 from skyformer import attention, kernelized_attention
-from skyformer.eval.metrics import relative_error
-from skyformer.inputs import check_attention_inputs
-from skyformer.ops.reference import naive_lemma3_inverse
-from skyformer.ops.skyformer_adaptive import (
-    SkyformerAdaptiveConfig,
-    adaptive_landmarks,
-    skyformer_adaptive_attention,
-)
+from skyformer.eval.measure.metrics import relative_error
+from skyformer.ops.shared.inputs import check_attention_inputs
+from skyformer.ops.skyformer_adaptive.naive import reference_skyformer_adaptive_attention
+from skyformer.ops.skyformer_adaptive import SkyformerAdaptiveConfig, skyformer_adaptive_attention
+from skyformer.ops.skyformer_adaptive.skyformer_adaptive import adaptive_landmarks
 from skyformer.sketch.kmeans import kmeans_clusters
 from skyformer.sketch.leverage import sketched_ridge_leverage
 from tests.conftest import gen, make_qkv
-
-
-def reference_adaptive(q, k, v, assignment, key_index, live, mask, gamma, pinv, iterations):
-    """Naive eqs. (5)-(6) for landmarks [member means of the queries; chosen keys]."""
-    scale = q.shape[-1] ** -0.25
-    out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype)
-    for b in range(q.shape[0]):
-        rows = torch.arange(q.shape[2]) if mask is None else mask[b].nonzero()[:, 0]
-        keys = torch.arange(k.shape[2]) if mask is None else mask[b].nonzero()[:, 0]
-        for h in range(q.shape[1]):
-            qh, kh = q[b, h] * scale, k[b, h] * scale
-            a = assignment[b, h][rows]
-            centres = [qh[rows][a == c].mean(0) for c in sorted(set(a.tolist()))]
-            chosen = [kh[j] for j, alive in zip(key_index[b, h].tolist(), live[b, h].tolist()) if alive]
-            x = torch.stack(centres + chosen)
-            kernel = lambda s, t: torch.exp(-torch.cdist(s, t) ** 2 / 2)  # noqa: E731
-            w = naive_lemma3_inverse(kernel(x, x), gamma, pinv, iterations, "identity")
-            out[b, h, rows] = kernel(qh[rows], x) @ w @ kernel(x, kh[keys]) @ v[b, h][keys]
-    return out
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -57,7 +35,7 @@ def test_fast_matches_naive_reference(masked, pinv):
                             SkyformerAdaptiveConfig(**options), gen(2))
     assignment = kmeans_clusters(q.detach() * scale, lm.centres, valid=info.query_valid,
                                  generator=gen(2), sample=2048).assignment
-    ref = reference_adaptive(q, k, v, assignment, lm.key_index, lm.live[..., lm.centres:], mask,
+    ref = reference_skyformer_adaptive_attention(q, k, v, assignment, lm.key_index, lm.live[..., lm.centres:], mask,
                              0.1, pinv, 6)
     torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)
     if pinv == "iterative":  # eigh's gradient is not a fair target for exact pinv

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from skyformer import softmax_attention
-from skyformer.ops import reference_softmax_attention
+from skyformer.ops.softmax.naive import reference_softmax_attention
 from tests.conftest import make_qkv
 
 

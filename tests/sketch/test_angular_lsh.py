@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from skyformer.ops.kdeformer_ref import reference_block_pattern
+from skyformer.ops.kdeformer.naive import reference_block_pattern
 from skyformer.sketch import (
     angular_hash,
     draw_hyperplanes,

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from ..eval.approx import QUICK, ApproxConfig, run_approx
-from ..eval.approx_report import analysis_table, format_table, write_outputs
-from ..eval.sources import SOURCES
+from ..eval.approx.run import QUICK, ApproxConfig, run_approx
+from ..eval.approx.report import analysis_table, format_table, write_outputs
+from ..eval.data.sources import SOURCES
 
 NAME = "approx"
 HELP = (
@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--threads must be at least 1, got {args.threads}.")
         torch.set_num_threads(args.threads)
     if not args.no_plots:
-        from ..eval.approx_plots import require_pyplot
+        from ..eval.approx.plots import require_pyplot
 
         require_pyplot()  # fail before the run, not after it, when matplotlib is missing
     result = run_approx(config)

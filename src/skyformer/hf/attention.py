@@ -42,7 +42,7 @@ from transformers.masking_utils import (
     sdpa_mask,
 )
 
-from ..registry import CapabilityError, check_capabilities, get_method, list_methods
+from ..registry import CapabilityError, Method, get_method, list_methods
 from .layers import (
     EXACT,
     STATE_NAME,
@@ -100,24 +100,27 @@ def _where(module: nn.Module, layer: LayerAttention) -> str:
     return name if layer.index is None else f"layer {layer.index} ({name})"
 
 
-def _options(spec: Any, layer: LayerAttention, scaling: float | None, head_dim: int,
-             causal: bool, where: str) -> dict[str, Any]:
-    options = layer.options()
+def _call_options(spec: Method, layer: LayerAttention, scaling: float | None, head_dim: int,
+                  causal: bool, where: str) -> dict[str, Any]:
+    """The options this call changes: ``causal`` from the model's masks, the model's own
+    logit ``scale`` (unless the user set one)."""
+    names = spec.option_names()
     if causal and not spec.capabilities.causal:
         raise CapabilityError(
             f"{where}: the model asks for causal attention (a decoder or a causal mask), and "
             f"{spec.name} cannot do causal masking; methods that can: "
             f"{', '.join(m for m in list_methods() if get_method(m).capabilities.causal)}."
         )
-    if "causal" in options:
-        options["causal"] = causal
+    changes: dict[str, Any] = {}
+    if "causal" in names:
+        changes["causal"] = causal
     if scaling is not None and not is_default_scaling(scaling, head_dim):
-        if "scale" not in options:
+        if "scale" not in names:
             sentence = scaling_sentence(spec.name, scaling, head_dim)
             raise CapabilityError(f"{where}: {sentence}.")
         if "scale" not in layer.explicit:
-            options["scale"] = float(scaling)
-    return options
+            changes["scale"] = float(scaling)
+    return changes
 
 
 def skyformer_attention_forward(
@@ -154,7 +157,8 @@ def skyformer_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
             is_causal=is_causal, **kwargs,
         )
-    spec = get_method(layer.method)
+    assert layer.bound is not None
+    spec = layer.bound.method
     where = _where(module, layer)
     for name, what in _REFUSED_KWARGS.items():
         if kwargs.get(name) is not None:
@@ -167,14 +171,15 @@ def skyformer_attention_forward(
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     resolved = resolve_mask(attention_mask, batch=b, query_len=nq, key_len=nk, is_causal=is_causal)
-    options = _options(spec, layer, scaling, head_dim, resolved.causal, where)
+    bound = layer.bound.replace(
+        **_call_options(spec, layer, scaling, head_dim, resolved.causal, where))
     training_dropout = float(dropout) if module.training and dropout else 0.0
 
     if training_dropout and spec.name == "softmax":
         # Dropout on the probabilities, exactly as the model was trained.
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=training_dropout,
-            scaling=options.get("scale") or scaling, is_causal=is_causal, **kwargs,
+            scaling=bound.options().get("scale") or scaling, is_causal=is_causal, **kwargs,
         )
 
     groups = getattr(module, "num_key_value_groups", 1)
@@ -191,12 +196,7 @@ def skyformer_attention_forward(
             value = F.pad(value, (0, 0, 0, 1))
             key_padding_mask = F.pad(key_padding_mask, (0, 1), value=False)
     try:
-        check_capabilities(
-            spec.name,
-            mask=key_padding_mask is not None,
-            cross_attention=key.shape[2] != nq,
-            half_precision=query.dtype in (torch.float16, torch.bfloat16),
-        )
+        spec.check_call(query, key, key_padding_mask)
     except CapabilityError as err:
         raise CapabilityError(f"{where}: {err}") from None
 
@@ -204,11 +204,9 @@ def skyformer_attention_forward(
     if layer.seed is not None:
         generator = torch.Generator(device=query.device)
         generator.manual_seed(layer.seed + (layer.index or 0))
-    state = module._modules.get(STATE_NAME)
-    extra = state(query, key) if state is not None else {}
-    out = spec.function(
+    out = bound(
         query, key, value, key_padding_mask=key_padding_mask, generator=generator,
-        **options, **extra,
+        state=module._modules.get(STATE_NAME),
     )  # [B, H, Nq, Dv]
     if training_dropout:
         out = F.dropout(out, p=training_dropout, training=True)

@@ -11,7 +11,6 @@ its own logit scale needs a ``scale`` option, ...) fails when it is chosen.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +18,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..registry import CapabilityError, Method, check_capabilities, get_method, list_methods
+from ..registry import (
+    BoundMethod,
+    CapabilityError,
+    Method,
+    check_capabilities,
+    get_method,
+    list_methods,
+)
 
 EXACT = "exact"  # run transformers' own SDPA attention in this layer
 STATE_NAME = "skyformer_state"  # submodule holding a method's per-layer parameters
@@ -33,7 +39,7 @@ class LayerAttention:
     """What one attention module runs.
 
     method: a registered method name, or ``"exact"`` (transformers' SDPA attention).
-    config: the method's frozen config (``None`` for exact).
+    bound: the method bound with its options (``None`` for exact).
     explicit: option names the user set (they take precedence over the model's values,
         e.g. a user-given ``scale`` over the model's ``scaling``).
     seed: ``None`` = randomised methods draw from torch's global generator (fresh draws
@@ -48,15 +54,20 @@ class LayerAttention:
     """
 
     method: str
-    config: Any
+    bound: BoundMethod | None
     explicit: tuple[str, ...]
     seed: int | None
     index: int | None
     implementation: str
     cross: bool
 
+    @property
+    def config(self) -> Any:
+        """The method's frozen config (``None`` for exact)."""
+        return None if self.bound is None else self.bound.config
+
     def options(self) -> dict[str, Any]:
-        return {} if self.config is None else dataclasses.asdict(self.config)
+        return {} if self.bound is None else self.bound.options()
 
     def describe(self) -> dict[str, Any]:
         return {"layer": self.index, "method": self.method, "options": self.options(),
@@ -116,13 +127,11 @@ def heads_and_dim(module: nn.Module) -> tuple[int | None, int | None]:
     return (int(heads) if heads else None), (int(dim) if dim else None)
 
 
-def model_defaults(spec: Method, module: nn.Module) -> dict[str, Any]:
-    """Options a model fixes for a method: ``max_seq_len`` from the position limit."""
-    options: dict[str, Any] = {}
+def position_limit(module: nn.Module) -> int | None:
+    """The longest sequence the model takes (``max_position_embeddings``), if it says:
+    fixed-length methods (Linformer) are bound for it."""
     limit = getattr(getattr(module, "config", None), "max_position_embeddings", None)
-    if "max_seq_len" in spec.option_names() and isinstance(limit, int):
-        options["max_seq_len"] = limit
-    return options
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
 
 
 def resolve_method_name(method: str) -> str:
@@ -197,24 +206,20 @@ def build_layer(
         return LayerAttention(EXACT, None, (), seed, index, implementation, cross), None
     spec = get_method(method)
     _check_module(spec, module, index, cross, options)
-    config = spec.make_config(**{**model_defaults(spec, module), **options})
+    heads, head_dim = heads_and_dim(module)
+    bound = spec.bind(heads, head_dim, seq_len=position_limit(module), **options)
     explicit = tuple(sorted(options))
-    layer = LayerAttention(method, config, explicit, seed, index, implementation, cross)
+    layer = LayerAttention(method, bound, explicit, seed, index, implementation, cross)
     if spec.state is None:
         return layer, None
-    heads, head_dim = heads_and_dim(module)
     if heads is None or head_dim is None:
         raise ValueError(
             f"{method} keeps per-layer parameters, but the number of heads and the head dim "
             f"of {type(module).__name__} are unknown (no num_attention_heads/head_dim "
             f"attributes)."
         )
-    if seed is None:
-        state = spec.state(config, heads, head_dim)
-    else:  # the seed also fixes the state's initialisation (projections, feature seeds)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed + (index or 0))
-            state = spec.state(config, heads, head_dim)
+    # the seed also fixes the state's initialisation (projections, feature seeds)
+    state = bound.new_state(seed=None if seed is None else seed + (index or 0))
     param = next(module.parameters(), None)
     if param is not None:
         state = state.to(device=param.device, dtype=param.dtype)

@@ -1,11 +1,13 @@
 """Shared numerics: iterative pseudo-inverse, Gaussian kernel blocks and products with
-them, Lemma 3 inverse, top singular subspaces, whole-row gathers."""
+them, Lemma 3 inverse, materialised attention matrices, top singular subspaces,
+whole-row gathers."""
 
 from .kernel_matmul import gaussian_kernel_matmul
 from .kernels import gaussian_exponent, gaussian_kernel_block, half_sq_norm
 from .nystrom import PINV_METHODS, lemma3_inverse
 from .pinv import PINV_INITS, initial_inverse, inverse_residual, iterative_pinv
 from .rows import gather_rows
+from .scores import gaussian_scores, kernel_scale, softmax_scores
 from .subspace import Subspace, top_singular_subspace
 
 __all__ = [
@@ -13,6 +15,7 @@ __all__ = [
     "PINV_METHODS",
     "Subspace",
     "gather_rows",
+    "gaussian_scores",
     "gaussian_exponent",
     "gaussian_kernel_block",
     "gaussian_kernel_matmul",
@@ -20,6 +23,8 @@ __all__ = [
     "initial_inverse",
     "inverse_residual",
     "iterative_pinv",
+    "kernel_scale",
     "lemma3_inverse",
+    "softmax_scores",
     "top_singular_subspace",
 ]

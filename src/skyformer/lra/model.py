@@ -54,9 +54,7 @@ def resolve_attention_options(method: str, options: dict[str, Any], max_len: int
     ``max_seq_len=max_len`` unless it is given.
     """
     spec = get_method(method)
-    resolved = dict(options)
-    if spec.capabilities.fixed_length and "max_seq_len" in spec.option_names():
-        resolved.setdefault("max_seq_len", max_len)
+    resolved = spec.resolve_options(options, max_len)
     spec.make_config(**resolved)  # unknown or invalid options fail here, early
     return resolved
 

@@ -8,7 +8,7 @@ from .angular_lsh import (
     gray_code_rank,
     hamming_order,
 )
-from .landmarks import Landmarks, gather_rows, gather_values, uniform_landmarks
+from .landmarks import Landmarks, uniform_landmarks
 from .lsh_blocks import (
     LshBlocks,
     gather_block_rows,
@@ -28,8 +28,6 @@ __all__ = [
     "equal_size_buckets",
     "gather_block_rows",
     "gather_block_values",
-    "gather_rows",
-    "gather_values",
     "gaussian_projection",
     "gray_code_order",
     "gray_code_rank",

@@ -70,15 +70,3 @@ def uniform_landmarks(
     q_index, q_live = _pick(scores[:, :query_len, 0], query_valid, (num_features + 1) // 2)
     k_index, k_live = _pick(scores[:, :key_len, 1], key_valid, num_features // 2)
     return Landmarks(q_index, q_live, k_index, k_live)
-
-
-def gather_rows(x: Tensor, index: Tensor) -> Tensor:
-    """Rows ``index: [B, m]`` of ``x: [B, H, N, D]`` for every head: ``[B, H, m, D]``."""
-    b, h, _, d = x.shape
-    return x.gather(2, index[:, None, :, None].expand(b, h, index.shape[1], d))
-
-
-def gather_values(x: Tensor, index: Tensor) -> Tensor:
-    """Entries ``index: [B, m]`` of ``x: [B, H, N]`` for every head: ``[B, H, m]``."""
-    b, h, _ = x.shape
-    return x.gather(2, index[:, None, :].expand(b, h, index.shape[1]))

@@ -1,0 +1,219 @@
+"""Plots of the approximation study (matplotlib, written as PNG).
+
+- errors: relative spectral error against m, one line per method (mean over seeds and
+  heads, shaded from min to max), one panel per source and sequence length, log
+  axes; the rank-m SVD floor and the trivial baseline of each target as references
+  (Skyformer Figure 1, KDEformer Figure 4);
+- spectra: singular values of the softmax matrix and of its sparse residual
+  (KDEformer Figure 2) and of the attention outputs (Skyformer Appendix B, Figure 4);
+- leverage: sorted ridge leverage scores of the lifted kernel matrix (Theorem 2).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ...io import FILE_MODE
+
+SOURCE_LABEL = {
+    "pretrained": "pretrained",
+    "init": "randomly initialised",
+    "glove": "GloVe",
+    "gaussian": "Gaussian",
+}
+TARGET_STYLE = {"softmax": "-", "gaussian": "--"}
+REFERENCE_COLOR = {"softmax": "black", "gaussian": "0.55"}
+RESIDUAL_LABEL = {"lsh": "without the LSH blocks", "oracle": "without each row's top entries"}
+# After tab10's ten: colours far from them and from the black/grey references.
+EXTRA_COLORS = ("#000080", "#9acd32", "#ff1493", "#8b4513", "#00ced1", "#ffa500")
+MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "<", ">", "h")
+
+
+def require_pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("plots need matplotlib: pip install 'skyformer[plot]' "
+                          "(or pass --no-plots).") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Any, path: str | Path) -> Path:
+    """Write the PNG through a temporary file and a rename (never half-written)."""
+    import os
+    import tempfile
+
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".png", dir=target.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=120, bbox_inches="tight")
+        os.chmod(tmp, FILE_MODE)
+        os.replace(tmp, target)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return target
+
+
+def _label(source: str) -> str:
+    return SOURCE_LABEL.get(source, source)
+
+
+def plot_errors(result: Any, path: str | Path) -> Path:
+    """Error against m for every method, panels = sources x sequence lengths."""
+    plt = require_pyplot()
+    config = result.config
+    rows = result.rows
+    methods = list(dict.fromkeys(r["method"] for r in rows if r["kind"] == "method"))
+    palette = [plt.get_cmap("tab10")(i) for i in range(10)] + list(EXTRA_COLORS)
+    colors = {m: palette[i % len(palette)] for i, m in enumerate(methods)}
+    markers = {m: MARKERS[i % len(MARKERS)] for i, m in enumerate(methods)}
+    n_rows, n_cols = len(config.sources), len(config.seq_lens)
+    fig, axes = plt.subplots(n_rows, n_cols, figsize=(3.4 * n_cols + 0.6, 2.9 * n_rows + 0.4),
+                             squeeze=False, sharey="row")
+    handles: dict[str, Any] = {}
+    for i, source in enumerate(config.sources):
+        for j, n in enumerate(config.seq_lens):
+            ax = axes[i][j]
+            panel = [r for r in rows if r["source"] == source and r["seq_len"] == n]
+            ms = sorted({r["num_features"] for r in panel if r["num_features"] is not None})
+            for method in methods:
+                line = sorted((r for r in panel if r["kind"] == "method" and r["method"] == method),
+                              key=lambda r: r["num_features"])
+                if not line:
+                    continue
+                target = line[0]["target"]
+                x = [r["num_features"] for r in line]
+                (h,) = ax.plot(x, [r["spectral_mean"] for r in line], marker=markers[method],
+                               markersize=3.5,
+                               linestyle=TARGET_STYLE[target], color=colors[method], linewidth=1.4)
+                ax.fill_between(x, [r["spectral_min"] for r in line],
+                                [r["spectral_max"] for r in line], color=colors[method], alpha=0.12,
+                                linewidth=0)
+                handles.setdefault(f"{method} ({target})", h)
+            for target in ("softmax", "gaussian"):
+                floor = sorted((r for r in panel if r["kind"] == "floor" and r["target"] == target),
+                               key=lambda r: r["num_features"])
+                if floor:
+                    (h,) = ax.plot([r["num_features"] for r in floor],
+                                   [r["spectral_mean"] for r in floor],
+                                   color=REFERENCE_COLOR[target],
+                                   linestyle=":", linewidth=1.6)
+                    handles.setdefault(f"rank-m SVD floor ({target})", h)
+                name, text = ("mean_v", "mean of V") if target == "softmax" else (
+                    "constant_row", "best constant row")
+                base = [r for r in panel if r["method"] == name and r["target"] == target]
+                if base and ms:
+                    h = ax.axhline(base[0]["spectral_mean"], color=REFERENCE_COLOR[target],
+                                   linestyle="-.", linewidth=1.0)
+                    handles.setdefault(f"trivial: {text} ({target})", h)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            if ms:
+                ax.set_xticks(ms, [str(m) for m in ms])
+            ax.set_title(f"{_label(source)}, N={n}", fontsize=9)
+            ax.grid(True, which="both", alpha=0.25)
+            ax.tick_params(labelsize=8)
+            if i == n_rows - 1:
+                ax.set_xlabel("number of features m", fontsize=8)
+            if j == 0:
+                ax.set_ylabel("relative spectral error", fontsize=8)
+    fig.legend(list(handles.values()), list(handles.keys()), loc="lower center",
+               ncol=min(4, len(handles)), fontsize=8, frameon=False,
+               bbox_to_anchor=(0.5, -0.02 - 0.035 * ((len(handles) + 3) // 4)))
+    fig.suptitle("||O - O_exact||_2 / ||O_exact||_2 against the method's exact target "
+                 "(line: mean over seeds and heads, band: min to max)", fontsize=9)
+    fig.tight_layout()
+    out = _save(fig, path)
+    plt.close(fig)
+    return out
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def _mean_curve(values: list[list[float]]) -> tuple[list[int], list[float]]:
+    """Mean over heads of per-head curves (equal lengths), indices from 1."""
+    import torch
+
+    t = torch.tensor(values, dtype=torch.float64)
+    return list(range(1, t.shape[-1] + 1)), t.mean(dim=0).tolist()
+
+
+def plot_spectra(result: Any, path: str | Path) -> Path:
+    """Singular values: softmax matrix vs its residual (top), attention outputs (bottom)."""
+    import torch
+
+    plt = require_pyplot()
+    analysis = result.analysis
+    fig, axes = plt.subplots(2, len(analysis), figsize=(4.2 * len(analysis), 6.4), squeeze=False)
+    for j, a in enumerate(analysis):
+        ax = axes[0][j]
+        soft = torch.tensor(a["spectra"]["softmax"], dtype=torch.float64)  # [H, N]
+        top = soft[:, :1]
+        idx = list(range(1, soft.shape[-1] + 1))
+        ax.plot(idx, (soft / top).mean(0).tolist(), color="C0",
+                label=f"softmax D^-1 A (srank {_mean(a['softmax_srank']):.1f})")
+        for i, r in enumerate(a["residuals"]):
+            res = torch.tensor(r["singular_values"], dtype=torch.float64)
+            ax.plot(idx, (res / top).mean(0).tolist(), color=("C3", "C4", "C5")[i % 3],
+                    label=f"residual {RESIDUAL_LABEL.get(r['mask'], r['mask'])} "
+                          f"(srank {_mean(r['srank']):.1f})")
+        ax.set_yscale("log")
+        ax.set_title(f"{_label(a['source'])}, N={a['seq_len']}", fontsize=9)
+        ax.set_xlabel("index i", fontsize=8)
+        ax.set_ylabel("sigma_i / sigma_1(D^-1 A), mean over heads", fontsize=8)
+        ax.legend(fontsize=7)
+        ax.grid(True, which="both", alpha=0.25)
+        ax = axes[1][j]
+        layer = torch.tensor(a["spectra"]["layer_output"], dtype=torch.float64)
+        ax.plot(range(1, layer.numel() + 1), (layer / layer[0]).tolist(), color="C2",
+                label=f"heads side by side [N, H Dv] (srank {a['layer_output_srank']:.1f})")
+        out = torch.tensor(a["spectra"]["output"], dtype=torch.float64)
+        x, y = _mean_curve((out / out[:, :1]).tolist())
+        ax.plot(x, y, color="C1",
+                label=f"one head [N, Dv], mean (srank {_mean(a['output_srank']):.1f})")
+        ax.set_yscale("log")
+        ax.set_xlabel("index i", fontsize=8)
+        ax.set_ylabel("sigma_i / sigma_1 of the exact output", fontsize=8)
+        ax.legend(fontsize=7)
+        ax.grid(True, which="both", alpha=0.25)
+    fig.suptitle("Singular values: softmax matrix and its residuals without a sparse part "
+                 "(KDEformer Fig. 2); attention outputs (Skyformer App. B)", fontsize=9)
+    fig.tight_layout()
+    path_out = _save(fig, path)
+    plt.close(fig)
+    return path_out
+
+
+def plot_leverage(result: Any, path: str | Path) -> Path:
+    """Sorted ridge leverage scores of the lifted kernel matrix, per epsilon."""
+    plt = require_pyplot()
+    analysis = result.analysis
+    fig, axes = plt.subplots(1, len(analysis), figsize=(4.2 * len(analysis), 3.4), squeeze=False)
+    for j, a in enumerate(analysis):
+        ax = axes[0][j]
+        for i, lev in enumerate(a["leverage"]):
+            x, y = _mean_curve(lev["leverage_sorted"])
+            ax.plot(x, y, color=f"C{i}", label=f"eps={lev['eps']:g}: d_stat="
+                    f"{_mean(lev['d_stat']):.0f}, Thm 2 d={_mean(lev['d_theorem']):.3g}")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        n2 = 2 * a["seq_len"]
+        ax.set_title(f"{_label(a['source'])}, 2n={n2}", fontsize=9)
+        ax.set_xlabel("rank of the row of [Q; K]", fontsize=8)
+        ax.set_ylabel("ridge leverage score (mean over heads)", fontsize=8)
+        ax.legend(fontsize=7)
+        ax.grid(True, which="both", alpha=0.25)
+    fig.suptitle("Ridge leverage scores of the lifted Gaussian kernel matrix "
+                 "(Skyformer Theorem 2, lambda = eps ||C||)", fontsize=9)
+    fig.tight_layout()
+    out = _save(fig, path)
+    plt.close(fig)
+    return out

@@ -1,0 +1,473 @@
+"""``skyformer approx``: how close each method gets to exact attention, against the
+number of features m, on real and synthetic Q/K/V (Skyformer Figure 1, KDEformer
+Figure 4), with the best any rank-m method could do and a trivial baseline, plus the
+spectral analysis of Skyformer Appendix B / Theorem 2 and KDEformer Figure 2.
+
+For every source, sequence length N, method, m and seed: the relative spectral-norm
+error ||O - O_exact||_2 / ||O_exact||_2 per head (and the Frobenius one) against the
+exact attention the method approximates (``capabilities.target``: softmax or
+Gaussian kernelized). References per target and head:
+
+- ``svd_floor``: the error of A_m V, A_m the best rank-m approximation (truncated SVD)
+  of the attention matrix A (the softmax matrix D^-1 A or the Gaussian C);
+- ``mean_v`` (softmax): every output row = mean of V, what uniform attention returns;
+- ``constant_row`` (both targets): every row = the mean row of the exact output, the
+  best answer that ignores the query (in Frobenius norm). For the Gaussian target the
+  output C V is not row-normalised, its rows' scale varies with the row sums of C,
+  and "mean of V" has no meaning there; the best constant row is the trivial answer.
+  Returning zeros scores exactly 1.0 for either target.
+
+See docs/approximation.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ...io import environment
+from ...linalg import gaussian_scores, softmax_scores, top_singular_subspace
+from ...registry import Method, exact_method, get_method, list_methods
+from .leverage import THEOREM_CONSTANT, leverage_analysis
+from ..measure.metrics import constant_row_error, rank_m_floor, relative_error
+from ..data.sources import SOURCES, SourceData, SourceLoader, SourceOptions, check_source
+from .spectra import attention_spectra, lsh_mask, oracle_mask
+
+FLOOR = "svd_floor"
+MEAN_V = "mean_v"
+CONSTANT_ROW = "constant_row"
+_CALL_ERRORS = (ValueError, TypeError, RuntimeError, NotImplementedError)
+
+
+@dataclass(frozen=True)
+class ApproxConfig:
+    """Settings of the approximation study (defaults: the figure in docs/approximation.md).
+
+    sources: any of ``pretrained`` (MiniLM-L6 or ``model``), ``init`` (same
+        architecture, random weights), ``glove`` (needs ``glove``), ``gaussian``.
+    seq_lens: sequence lengths N; features: numbers of features m (values >= N are
+        dropped for that N: a rank-N approximation is exact); seeds: the methods'
+        random seeds.
+    methods: names from the registry; ``None`` = every approximate method.
+    layer, heads: model layer and head indices (``None`` = all heads); for ``glove``
+        and ``gaussian`` the number of heads is the number of independent slices.
+    model, text: local BERT-type model folder and UTF-8 text file (``None`` = MiniLM-L6
+        and the shipped text); glove: GloVe-format file; gaussian_norm/dim: expected
+        row norm and width of synthetic Q, K; data_seed: random init / synthetic data.
+    floor_*: randomized subspace iteration for the rank-m floors (full SVD when
+        N <= floor_exact_below).
+    sweep: measure the methods (error against m); analysis: the spectra and leverage
+        analysis at ``analysis_seq_len``; residual_block: keys per LSH bucket (and
+        entries per row of the oracle mask) of the sparse part, lsh_bits: hyperplanes
+        of the angular LSH (KDEformer's default 7); eps, delta: Theorem 2.
+    """
+
+    sources: tuple[str, ...] = ("pretrained", "init")
+    seq_lens: tuple[int, ...] = (512, 1024, 2048, 4096)
+    features: tuple[int, ...] = (16, 32, 64, 128, 256)
+    seeds: tuple[int, ...] = (0, 1, 2)
+    methods: tuple[str, ...] | None = None
+    layer: int = 0
+    heads: tuple[int, ...] | None = (0, 3, 6, 9)
+    model: str | None = None
+    text: str | None = None
+    glove: str | None = None
+    gaussian_norm: float = 6.0
+    gaussian_dim: int = 32
+    data_seed: int = 0
+    floor_oversample: int = 64
+    floor_power_iterations: int = 3
+    floor_exact_below: int = 1024
+    sweep: bool = True
+    analysis: bool = True
+    analysis_seq_len: int = 512
+    residual_block: int = 64
+    lsh_bits: int = 7
+    eps: tuple[float, ...] = (0.1, 0.01)
+    delta: float = 0.1
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("sources", "seq_lens", "features", "seeds"):
+            if not getattr(self, name):
+                raise ValueError(f"{name} must not be empty.")
+        for s in self.sources:
+            check_source(s)
+        for name in ("seq_lens", "features"):
+            bad = [x for x in getattr(self, name) if not isinstance(x, int) or x < 1]
+            if bad:
+                raise ValueError(f"{name} must be positive integers, got {bad}.")
+        if any(n < 3 for n in self.seq_lens) or self.analysis_seq_len < 3:
+            raise ValueError("sequence lengths must be at least 3.")
+        if self.heads is not None and (not self.heads or any(h < 0 for h in self.heads)):
+            raise ValueError(f"heads must be non-negative indices, got {list(self.heads)}.")
+        if not (self.sweep or self.analysis):
+            raise ValueError("nothing to do: both the sweep and the analysis are switched off.")
+        if self.floor_oversample < 0 or self.floor_power_iterations < 0:
+            raise ValueError("floor_oversample and floor_power_iterations must be >= 0.")
+        if self.residual_block < 1 or self.lsh_bits < 1:
+            raise ValueError(f"residual_block and lsh_bits must be at least 1, got "
+                             f"{self.residual_block} and {self.lsh_bits}.")
+        for e in self.eps:
+            if not 0 < e < 1:
+                raise ValueError(f"eps must be in (0, 1) (Theorem 2), got {e}.")
+        if not 0 < self.delta < 0.5:
+            raise ValueError(f"delta must be in (0, 1/2) (Theorem 2), got {self.delta}.")
+        if "glove" in self.sources and self.glove is None:
+            raise ValueError("the glove source needs a GloVe-format file: pass --glove FILE.")
+
+    def source_options(self) -> SourceOptions:
+        return SourceOptions(
+            model=self.model, text=self.text, layer=self.layer, heads=self.heads,
+            glove=self.glove, gaussian_norm=self.gaussian_norm, gaussian_dim=self.gaussian_dim,
+            data_seed=self.data_seed,
+        )
+
+
+QUICK = dict(
+    seq_lens=(256,), features=(16, 32, 64), seeds=(0, 1, 2), heads=(0, 1),
+    analysis_seq_len=256, eps=(0.1,),
+)
+
+
+def quick_config(**overrides: Any) -> ApproxConfig:
+    """The ``--quick`` preset (one short length, three feature counts, two heads)."""
+    return ApproxConfig(**{**QUICK, **overrides})
+
+
+@dataclass
+class ApproxResult:
+    """Everything the study measured; ``rows`` is the results table."""
+
+    config: ApproxConfig
+    rows: list[dict[str, Any]]
+    samples: list[dict[str, Any]]
+    analysis: list[dict[str, Any]]
+    sources: list[dict[str, Any]]
+    notes: list[str]
+    environment: dict[str, Any] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "config": dataclasses.asdict(self.config),
+            "environment": self.environment,
+            "seconds": self.seconds,
+            "sources": self.sources,
+            "notes": self.notes,
+            "rows": self.rows,
+            "analysis": self.analysis,
+            "samples": self.samples,
+        }
+
+    def table(self) -> str:
+        from .report import format_table
+
+        return format_table(self.rows)
+
+
+def _stats(values: Tensor) -> dict[str, float]:
+    v = values.detach().to(torch.float64).flatten()
+    finite = v[torch.isfinite(v)]
+    if finite.numel() == 0:
+        return {k: math.nan for k in ("mean", "std", "median", "q25", "q75", "min", "max")}
+    q = torch.quantile(finite, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64))
+    return {
+        "mean": finite.mean().item(),
+        "std": finite.std().item() if finite.numel() > 1 else 0.0,
+        "median": q[1].item(),
+        "q25": q[0].item(),
+        "q75": q[2].item(),
+        "min": finite.min().item(),
+        "max": finite.max().item(),
+    }
+
+
+def _row(source: str, n: int, kind: str, method: str, target: str, m: int | None,
+         spectral: Tensor, frobenius: Tensor) -> dict[str, Any]:
+    s = _stats(spectral)
+    f = _stats(frobenius)
+    return {
+        "source": source, "seq_len": n, "kind": kind, "method": method, "target": target,
+        "num_features": m, "samples": int(spectral.numel()),
+        **{f"spectral_{k}": v for k, v in s.items()},
+        "frobenius_mean": f["mean"], "frobenius_std": f["std"],
+    }
+
+
+def resolve_methods(names: tuple[str, ...] | None, notes: list[str]) -> list[Method]:
+    """The methods to sweep: approximate methods with a ``num_features`` option."""
+    explicit = names is not None
+    chosen = [get_method(n) for n in (names if explicit else list_methods())]
+    out = []
+    for spec in chosen:
+        if spec.capabilities.exact:
+            if explicit:
+                notes.append(f"{spec.name}: skipped: exact, it is the {spec.capabilities.target} "
+                             f"target itself (error 0 up to rounding).")
+            continue
+        if "num_features" not in spec.option_names():
+            notes.append(f"{spec.name}: skipped: it has no num_features option to sweep.")
+            continue
+        out.append(spec)
+    if not out:
+        raise ValueError("no approximate method to sweep; pass --methods with at least one "
+                         "method that has num_features (see `skyformer list`).")
+    return out
+
+
+def _call(spec: Method, q: Tensor, k: Tensor, v: Tensor, m: int, seed: int) -> Tensor:
+    """One run of ``spec`` with ``num_features=m``, bound for sequences of N tokens
+    (fixed-length methods get ``max_seq_len=N``), as a function call: a method with
+    learned parameters uses its untrained form (Linformer: random projections)."""
+    bound = spec.bind(seq_len=q.shape[2], num_features=m)
+    with torch.no_grad():
+        return bound(q, k, v, generator=torch.Generator(device=q.device).manual_seed(seed))
+
+
+def _matrix(target: str, q: Tensor, k: Tensor) -> Tensor:
+    """The materialised attention matrix of ``target`` for ``q, k: [H, N, D]``: ``[H, N, N]``."""
+    if target == "softmax":
+        return softmax_scores(q[None], k[None])[0]
+    return gaussian_scores(q[None], k[None])[0]
+
+
+class _Sweep:
+    """The measurement loop; one instance per ``run_approx`` call."""
+
+    def __init__(self, config: ApproxConfig, log: Callable[[str], None]) -> None:
+        self.config = config
+        self.log = log
+        self.notes: list[str] = []
+        self.rows: list[dict[str, Any]] = []
+        self.samples: list[dict[str, Any]] = []
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        """Adds wall and CPU seconds (all threads, ``cpu_<phase>``) of the block to ``phase``.
+        CPU time is what to compare on a shared machine: wall time depends on its load."""
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            yield
+        finally:
+            for key, value in ((phase, time.perf_counter() - wall),
+                               (f"cpu_{phase}", time.process_time() - cpu)):
+                self.seconds[key] = self.seconds.get(key, 0.0) + value
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+        self.log(text)
+
+    def features_for(self, n: int) -> list[int]:
+        ms = sorted(m for m in set(self.config.features) if m < n)
+        dropped = sorted(m for m in set(self.config.features) if m >= n)
+        if dropped:
+            self.note(f"N={n}: m={','.join(map(str, dropped))} dropped (m >= N: a rank-N "
+                      f"approximation of an N x N matrix is exact).")
+        if not ms:
+            raise ValueError(f"every number of features is >= N={n}; pass smaller --features "
+                             f"or longer --seq-lens.")
+        return ms
+
+    def references(self, data: SourceData, targets: list[str], ms: list[int]) -> dict[str, Tensor]:
+        """Exact outputs per target ``[H, N, Dv]`` (float64); records floors and baselines."""
+        c = self.config
+        q, k, v = (t[0].to(torch.float64) for t in (data.q, data.k, data.v))
+        n = q.shape[1]
+        exact = {}
+        for target in targets:
+            out = exact_method(target).function(q[None], k[None], v[None])[0]  # [H, N, Dv]
+            exact[target] = out
+            spectral, frob = [], []
+            for h in range(q.shape[0]):
+                # One head at a time: [N, N] float64 is 128 MiB at N = 4096.
+                a = _matrix(target, q[h : h + 1], k[h : h + 1])[0]
+                if n > c.floor_exact_below:
+                    # The randomized path is as accurate in float32 as in float64 here
+                    # (floors agree to 1e-5 relative at N = 2048) and twice as fast.
+                    a = a.float()
+                g = torch.Generator().manual_seed(c.data_seed)
+                basis = top_singular_subspace(
+                    a, max(ms), generator=g, oversample=c.floor_oversample,
+                    power_iterations=c.floor_power_iterations, exact_below=c.floor_exact_below,
+                ).u
+                spectral.append(rank_m_floor(basis, out[h], ms, ord=2))
+                frob.append(rank_m_floor(basis, out[h], ms, ord="fro"))
+                del a, basis
+            spectral_t = torch.stack(spectral, dim=-1)  # [len(ms), H]
+            frob_t = torch.stack(frob, dim=-1)
+            for i, m in enumerate(ms):
+                self.rows.append(_row(data.source, n, "floor", FLOOR, target, m,
+                                      spectral_t[i], frob_t[i]))
+                self._samples(data.source, n, FLOOR, target, m, None, spectral_t[i], frob_t[i])
+            baselines = [(CONSTANT_ROW, None)]
+            if target == "softmax":
+                baselines.insert(0, (MEAN_V, v.mean(dim=-2)))
+            for name, row in baselines:
+                s = constant_row_error(out, row, ord=2)
+                f = constant_row_error(out, row, ord="fro")
+                self.rows.append(_row(data.source, n, "baseline", name, target, None, s, f))
+                self._samples(data.source, n, name, target, None, None, s, f)
+        return exact
+
+    def _samples(self, source: str, n: int, method: str, target: str, m: int | None,
+                 seed: int | None, spectral: Tensor, frob: Tensor) -> None:
+        for h, (s, f) in enumerate(zip(spectral.tolist(), frob.tolist())):
+            self.samples.append({
+                "source": source, "seq_len": n, "method": method, "target": target,
+                "num_features": m, "seed": seed, "head": h, "spectral": s, "frobenius": f,
+            })
+
+    def method(self, spec: Method, data: SourceData, exact: Tensor, ms: list[int],
+               bar: Any) -> None:
+        n = data.q.shape[2]
+        target = spec.capabilities.target
+        seeds = self.config.seeds
+        for m in ms:
+            spectral, frob = [], []
+            for seed in seeds:
+                bar.set_postfix_str(f"{data.source} N={n} {spec.name} m={m} seed={seed}")
+                try:
+                    out = _call(spec, data.q, data.k, data.v, m, seed)
+                except _CALL_ERRORS as err:
+                    self.note(f"{spec.name}: skipped at N={n}, m={m} ({data.source}): {err}")
+                    bar.update(len(seeds) - len(spectral))
+                    spectral = []
+                    break
+                if not torch.isfinite(out).all():
+                    self.note(f"{spec.name}: non-finite output at N={n}, m={m}, seed={seed} "
+                              f"({data.source}); its error is recorded as NaN.")
+                s = relative_error(out[0], exact, ord=2)  # [H]
+                f = relative_error(out[0], exact, ord="fro")
+                spectral.append(torch.where(torch.isfinite(s), s, torch.nan))
+                frob.append(torch.where(torch.isfinite(f), f, torch.nan))
+                bar.update(1)
+            if not spectral:
+                continue
+            for seed, s, f in zip(seeds, spectral, frob):
+                self._samples(data.source, n, spec.name, target, m, seed, s, f)
+            self.rows.append(_row(data.source, n, "method", spec.name, target, m,
+                                  torch.stack(spectral), torch.stack(frob)))
+
+
+def analyse_source(data: SourceData, config: ApproxConfig) -> dict[str, Any]:
+    """Spectra (softmax matrix, its residuals after KDEformer's LSH blocks and after the
+    oracle mask with as many entries per row, outputs) and Theorem 2 leverage
+    quantities of one source's Q/K/V; JSON-ready."""
+    q, k, v = data.q[0], data.k[0], data.v[0]
+    block = config.residual_block
+    masks = {"lsh": lsh_mask(block, config.lsh_bits, config.data_seed),
+             "oracle": oracle_mask(block)}
+    described = {
+        "lsh": f"angular LSH, {config.lsh_bits} hyperplanes, equal-sized buckets of {block} "
+               f"(KDEformer Def. A.3)",
+        "oracle": f"each row's {block} largest entries (oracle)",
+    }
+    spectra = attention_spectra(q, k, v, masks)
+    out: dict[str, Any] = {
+        "source": data.source,
+        "seq_len": q.shape[1],
+        "description": data.description,
+        "softmax_srank": spectra.softmax_srank.tolist(),
+        "output_srank": spectra.output_srank.tolist(),
+        "layer_output_srank": float(spectra.layer_output_srank),
+        "residuals": [
+            {"mask": r.mask, "description": described[r.mask], "density": r.density.tolist(),
+             "srank": r.stable_rank.tolist(), "singular_values": r.singular_values.tolist()}
+            for r in spectra.residuals
+        ],
+        "spectra": {
+            "softmax": spectra.softmax.tolist(),
+            "output": spectra.output.tolist(),
+            "layer_output": spectra.layer_output.tolist(),
+        },
+        "leverage": [],
+    }
+    for eps in config.eps:
+        lev = leverage_analysis(q, k, eps, delta=config.delta)
+        out["leverage"].append({
+            "eps": eps, "delta": config.delta, "n": lev.n,
+            "theorem_constant": THEOREM_CONSTANT,
+            "norm_c": lev.norm_c.tolist(), "lambda": lev.lam.tolist(),
+            "d_stat": lev.d_stat.tolist(), "max_leverage": lev.max_leverage.tolist(),
+            "beta": lev.beta.tolist(), "d_theorem": lev.d_theorem.tolist(),
+            "d_shape": lev.d_shape.tolist(), "leverage_sorted": lev.leverage.tolist(),
+        })
+    return out
+
+
+def run_approx(config: ApproxConfig = ApproxConfig(), *,
+               log: Callable[[str], None] | None = None) -> ApproxResult:
+    """Run the study; returns the results table (``rows``) and everything else measured.
+
+    ``log`` receives notes (skipped methods, dropped m, concatenated windows) as they
+    happen; default: ``tqdm.write``.
+    """
+    from tqdm.auto import tqdm
+
+    started = time.perf_counter()
+    cpu_started = time.process_time()
+    load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
+    sweep = _Sweep(config, log or tqdm.write)
+    methods = resolve_methods(config.methods, sweep.notes)
+    for text in sweep.notes:
+        sweep.log(text)
+    targets = sorted({s.capabilities.target for s in methods}, key=("softmax", "gaussian").index)
+    loader = SourceLoader(config.source_options())
+    sources: list[dict[str, Any]] = []
+    analysis: list[dict[str, Any]] = []
+    per_n = {n: len([m for m in set(config.features) if m < n]) for n in config.seq_lens}
+    total = len(config.sources) * len(methods) * len(config.seeds) * sum(per_n.values())
+    total = total if config.sweep else 0
+    with tqdm(total=total, unit="run", desc="approx", disable=not config.progress,
+              leave=False) as bar:
+        for source in config.sources:
+            for n in config.seq_lens if config.sweep else ():
+                with sweep.timed("load"):
+                    data = loader.load(source, n)
+                sources.append({"source": source, "seq_len": n, "part": "sweep",
+                                "description": data.description, "windows": data.windows})
+                if data.windows > 1:
+                    sweep.note(f"{source} N={n}: Q/K/V concatenated from {data.windows} windows "
+                               f"of the model's position limit.")
+                ms = sweep.features_for(n)
+                with sweep.timed("targets_and_floors"):
+                    exact = sweep.references(data, targets, ms)
+                with sweep.timed("methods"):
+                    for spec in methods:
+                        sweep.method(spec, data, exact[spec.capabilities.target], ms, bar)
+            if config.analysis:
+                with sweep.timed("analysis"):
+                    bar.set_postfix_str(f"{source} analysis N={config.analysis_seq_len}")
+                    data = loader.load(source, config.analysis_seq_len)
+                    if not any(s["source"] == source and s["seq_len"] == config.analysis_seq_len
+                               for s in sources):
+                        sources.append({"source": source, "seq_len": config.analysis_seq_len,
+                                        "part": "analysis", "description": data.description,
+                                        "windows": data.windows})
+                    analysis.append(analyse_source(data, config))
+    sweep.seconds["total"] = time.perf_counter() - started
+    sweep.seconds["cpu_total"] = time.process_time() - cpu_started
+    env = environment(torch.device("cpu"))
+    if load_before is not None:
+        env["loadavg_before"] = [round(x, 2) for x in load_before]
+        env["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+    env["methods"] = [s.name for s in methods]
+    return ApproxResult(config, sweep.rows, sweep.samples, analysis, sources, sweep.notes,
+                        env, sweep.seconds)
+
+
+__all__ = [
+    "ApproxConfig", "ApproxResult", "CONSTANT_ROW", "FLOOR", "MEAN_V", "QUICK", "SOURCES",
+    "analyse_source", "quick_config", "resolve_methods", "run_approx",
+]

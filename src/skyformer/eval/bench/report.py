@@ -1,0 +1,263 @@
+"""Tables, result files and plots of ``skyformer bench`` results."""
+
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+from typing import Any
+
+from ...io import atomic_write_text, write_json
+from .run import BenchResult
+
+COLUMNS = [
+    ("N", "n", "{:d}"),
+    ("fwd ms", "fwd_ms", "{:.2f}"),
+    ("fwd+bwd ms", "fwd_bwd_ms", "{:.2f}"),
+    ("speed-up", "speedup", "{:.2f}x"),
+    ("N->2N", "growth", "{:.2f}"),
+    ("peak MiB", "peak_mib", "{:.1f}"),
+    ("memory", "memory_ratio", "{:.2f}x"),
+    ("rel. error", "rel_error", "{:.2e}"),
+    ("SOL", "sol_fraction", "{:.0%}"),
+]
+
+
+def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
+    value = row.get(key)
+    return "-" if value is None else fmt.format(value)
+
+
+def _groups(result: BenchResult) -> dict[tuple, list[dict[str, Any]]]:
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for row in result.rows:
+        g = (row["device"], row["dtype"], row["batch"], row["heads"], row["head_dim"])
+        groups.setdefault(g, []).append(row)
+    return groups
+
+
+def _title(g: tuple) -> str:
+    device, dtype, b, h, d = g
+    return f"B={b} H={h} D={d} {dtype} {device}"
+
+
+def _header(result: BenchResult) -> str:
+    cfg = result.config
+    timed = "forward+backward" if cfg.backward else "forward"
+    rates = ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in result.matmul_gflops.items())
+    return (
+        f"times: median of {cfg.repeats} after {cfg.warmup} warm-up, {cfg.clock} clock; "
+        f"speed-up and memory: {cfg.reference} / method ({timed}); N->2N: time growth; "
+        "rel. error: spectral norm against the exact target; SOL: the method's matmul FLOPs "
+        f"at the measured matmul throughput ({rates}) over the measured time"
+    )
+
+
+def _notes(result: BenchResult, g: tuple, rows: list[dict[str, Any]]) -> list[str]:
+    """Crossover and scaling exponent per method, and the load during the runs."""
+    ref = result.config.reference
+    summary = {(s["device"], s["dtype"], s["batch"], s["heads"], s["head_dim"], s["method"]): s
+               for s in result.summary}
+    notes = []
+    for method in dict.fromkeys(r["method"] for r in rows):
+        s = summary.get((*g, method))
+        if not s:
+            continue
+        parts = []
+        if method != ref:
+            if s["crossover"] == "never":
+                parts.append(f"slower than {ref} at every N measured")
+            elif s["crossover"] == "at most":
+                parts.append(f"faster than {ref} from N <= {s['crossover_n']:.0f}")
+            else:
+                parts.append(f"faster than {ref} from N ~ {s['crossover_n']:.0f}")
+        if s["exponent"] is not None:
+            lo, hi = s["exponent_range"]
+            parts.append(f"time ~ N^{s['exponent']:.2f} (N {lo}..{hi})")
+        if parts:
+            notes.append(f"{method}: {', '.join(parts)}")
+    loads = {r["n"]: r.get("load_avg") for r in rows if r.get("load_avg") is not None}
+    if loads:
+        notes.append("1-minute load average while timing: "
+                     + ", ".join(f"N={n}: {load:.1f}" for n, load in sorted(loads.items())))
+    return notes
+
+
+def format_table(result: BenchResult, *, markdown: bool = False) -> str:
+    """Every row, grouped by shape/dtype and method, with the summary under each group."""
+    lines = [_header(result)]
+    for g, rows in _groups(result).items():
+        lines += ["", f"{'### ' if markdown else ''}{_title(g)}", ""]
+        header = ["method"] + [c[0] for c in COLUMNS]
+        order = list(dict.fromkeys(r["method"] for r in rows))
+        table = []
+        for row in sorted(rows, key=lambda r: (order.index(r["method"]), r["n"])):
+            if row["status"] != "ok":
+                table.append([row["method"], str(row["n"]), f"skipped: {row['reason']}"]
+                             + [""] * (len(COLUMNS) - 2))
+                continue
+            table.append([row["method"]] + [_cell(row, key, fmt) for _, key, fmt in COLUMNS])
+        lines += _render(header, table, markdown)
+        lines.append("")
+        lines += [("- " if markdown else "  ") + note for note in _notes(result, g, rows)]
+    return "\n".join(lines)
+
+
+WIDE = [  # (title, value key, ratio key or None, format)
+    (
+        "{timed} ms, {clock} clock ({ref} time / method time)",
+        "{time}",
+        "speedup",
+        "{:.1f}",
+        "{:.1f}x",
+    ),
+    ("Peak memory MiB (x {ref}'s)", "peak_mib", "memory_ratio", "{:.1f}", "{:.2f}x"),
+    ("Relative spectral error against the exact target", "rel_error", None, "{:.2e}", ""),
+    (
+        "Speed of light: matmul FLOPs at the measured matmul rate / measured time",
+        "sol_fraction",
+        None,
+        "{:.0%}",
+        "",
+    ),
+]
+
+
+def format_wide(result: BenchResult) -> str:
+    """Markdown tables with one column per N: time (with the speed-up over the reference),
+    peak memory, relative error and speed of light, then crossover, exponent and load."""
+    cfg = result.config
+    time_key = "fwd_bwd_ms" if cfg.backward else "fwd_ms"
+    timed = "Forward+backward" if cfg.backward else "Forward"
+    lines = [_header(result)]
+    for g, rows in _groups(result).items():
+        by = {(r["method"], r["n"]): r for r in rows}
+        ns = sorted({r["n"] for r in rows})
+        methods = list(dict.fromkeys(r["method"] for r in rows))
+        lines += ["", f"### {_title(g)}"]
+        for title, key, ratio, fmt, ratio_fmt in WIDE:
+            key = time_key if key == "{time}" else key
+            shown = [m for m in methods if any(by[(m, n)].get(key) is not None for n in ns)]
+            if not shown:
+                continue
+            lines += ["", title.format(timed=timed, clock=cfg.clock, ref=cfg.reference) + ":", "",
+                      "| method | " + " | ".join(f"N={n}" for n in ns) + " |",
+                      "|---" * (len(ns) + 1) + "|"]
+            for m in shown:
+                cells = []
+                for n in ns:
+                    r = by[(m, n)]
+                    if r["status"] != "ok":
+                        cells.append("skipped")
+                    elif r.get(key) is None:
+                        cells.append("-")
+                    else:
+                        cell = fmt.format(r[key])
+                        if ratio and m != cfg.reference and r.get(ratio) is not None:
+                            cell += f" ({ratio_fmt.format(r[ratio])})"
+                        cells.append(cell)
+                lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        skipped = [
+            f"{r['method']} at N={r['n']}: {r['reason']}" for r in rows if r["status"] != "ok"
+        ]
+        lines.append("")
+        lines += [
+            "- " + note for note in _notes(result, g, rows) + [f"skipped {s}" for s in skipped]
+        ]
+    return "\n".join(lines)
+
+
+def _render(header: list[str], table: list[list[str]], markdown: bool) -> list[str]:
+    if markdown:
+        out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for row in table:
+            if row[2].startswith("skipped"):
+                row = row[:3] + [""] * (len(header) - 3)
+            out.append("| " + " | ".join(row) + " |")
+        return out
+    widths = [
+        max(len(header[i]), *(len(r[i]) for r in table if not r[2].startswith("skipped") or i < 2))
+        for i in range(len(header))
+    ]
+    out = [
+        "  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(header, widths)))
+    ]
+    out.append("-" * len(out[0]))
+    for row in table:
+        if row[2].startswith("skipped"):
+            out.append(f"{row[0].ljust(widths[0])}  {row[1].rjust(widths[1])}  {row[2]}")
+            continue
+        out.append(
+            "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        )
+    return out
+
+
+def write_results(result: BenchResult, prefix: str | Path, *, plot: bool = True,
+                  command: str | None = None) -> list[Path]:
+    """``prefix``.json (config, environment, rows, summary), .csv (rows) and .png."""
+    prefix = Path(prefix)
+    data = result.to_dict()
+    if command:
+        data["command"] = command
+    written = [write_json(prefix.with_suffix(".json"), data)]
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(result.rows[0]) if result.rows else ["method"])
+    writer.writeheader()
+    writer.writerows(result.rows)
+    written.append(atomic_write_text(prefix.with_suffix(".csv"), buf.getvalue()))
+    if plot:
+        written.append(plot_results(result, prefix.with_suffix(".png")))
+    return written
+
+
+def plot_results(result: BenchResult, path: str | Path) -> Path:
+    """Log-log time and peak memory against N, one row of panels per shape/dtype, with
+    the reference (exact SDPA) drawn as a thick dashed black line."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise ImportError("plots need matplotlib: pip install 'skyformer[plot]'") from err
+    key = "fwd_bwd_ms" if result.config.backward else "fwd_ms"
+    groups = _groups(result)
+    fig, axes = plt.subplots(len(groups), 2, figsize=(11, 4.2 * len(groups)), squeeze=False)
+    tab20 = plt.get_cmap("tab20").colors  # dark shades first, then light; red kept for Skyformer
+    colors = [c for i, c in enumerate(tab20[0::2]) if i != 3] + [
+        c for i, c in enumerate(tab20[1::2]) if i != 3
+    ]
+    markers = "os^vD<>ph*"
+    for (g, rows), (ax_t, ax_m) in zip(groups.items(), axes):
+        for i, method in enumerate(dict.fromkeys(r["method"] for r in rows)):
+            pts = sorted((r["n"], r[key], r["peak_mib"]) for r in rows
+                         if r["method"] == method and r["status"] == "ok")
+            style: dict[str, Any] = dict(color=colors[i % len(colors)],
+                                         marker=markers[i % len(markers)], markersize=3)
+            if method == result.config.reference:
+                style = dict(color="black", linestyle="--", linewidth=2.5)
+            elif method == "skyformer":
+                style.update(color="tab:red", linewidth=2.5, markersize=5)
+            if pts:
+                ax_t.plot([p[0] for p in pts], [p[1] for p in pts], label=method, **style)
+                mem = [(p[0], p[2]) for p in pts if p[2]]
+                if mem:
+                    ax_m.plot([p[0] for p in mem], [p[1] for p in mem], label=method, **style)
+        for ax, ylabel in (
+            (ax_t, f"{'forward+backward' if result.config.backward else 'forward'} ms"),
+            (ax_m, "peak MiB"),
+        ):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("sequence length N")
+            ax.set_ylabel(ylabel)
+            ax.set_title(_title(g))
+            ax.grid(True, which="both", alpha=0.3)
+        ax_t.legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

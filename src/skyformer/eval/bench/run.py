@@ -1,0 +1,444 @@
+"""``skyformer bench``: speed and memory of attention methods against exact SDPA.
+
+For every method (registered names, or ``module:function`` entries, see
+``methods.resolve``; registered methods run as inside a layer, with their per-layer
+state), (B, H, D) shape, dtype and sequence length N, on random inputs:
+
+- forward time (under ``torch.no_grad``) and forward + backward time: medians after
+  warm-up, the repeats interleaved across methods so that load changes on a shared
+  machine hit all of them alike (``timing.interleaved_median_seconds``); CUDA is
+  synchronised;
+- peak memory of forward + backward (``memory.peak_memory_bytes``: a fresh process per
+  configuration on CPU, ``max_memory_allocated`` on CUDA);
+- relative spectral error against the exact attention the method approximates;
+- for methods with a FLOP count (``flops.py``), the "speed of light": that arithmetic at
+  the matmul throughput measured on the same device in the same run.
+
+A configuration predicted (from the previous N) to take more than ``max_seconds`` per
+call or more memory than is available is skipped, and the row says so. The summary
+gives, per method, the crossover length with the reference (exact SDPA softmax) and
+the fitted scaling exponent of its time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from ...io import environment
+from ...registry import exact_method, list_methods
+from ..methods import NamedAttention, PreparedCall, resolve
+from ..measure.flops import attention_flops, matmul_flops_per_second
+from ..measure.memory import MemoryJob, peak_memory_bytes
+from ..measure.metrics import relative_error
+from ..measure.timing import CLOCKS, interleaved_median_seconds
+
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+HALF = ("bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Settings of ``skyformer bench``.
+
+    methods: names to measure (None = every registered method); the reference is
+        added if missing.
+    seq_lens: sequence lengths N (Nq = Nk).
+    shapes: (B, H, D) triples; the value head dim equals D.
+    dtypes: input dtypes ("float32", "float64", "bfloat16", "float16").
+    device: "cpu" or "cuda" (never chosen for you).
+    num_features: for every method that has the option (None = each method's default).
+    repeats, warmup: timed runs (median) and untimed runs first.
+    backward: also time forward + backward (and measure its peak memory; else forward).
+    memory, error: measure peak memory / relative error.
+    max_seconds: skip a configuration predicted to take longer per call.
+    reference: the method speed and memory ratios are taken against.
+    clock: "wall" (default) or "cpu" (process CPU time: robust to the load of a shared
+        machine, meaningful with one thread; see ``timing``).
+    """
+
+    methods: tuple[str, ...] | None = None
+    seq_lens: tuple[int, ...] = (512, 1024, 2048, 4096, 8192, 16384)
+    shapes: tuple[tuple[int, int, int], ...] = ((1, 2, 32),)
+    dtypes: tuple[str, ...] = ("float32",)
+    device: str = "cpu"
+    num_features: int | None = None
+    repeats: int = 3
+    warmup: int = 1
+    backward: bool = True
+    memory: bool = True
+    error: bool = True
+    seed: int = 0
+    max_seconds: float = 60.0
+    reference: str = "softmax"
+    clock: str = "wall"
+
+    def __post_init__(self) -> None:
+        if not self.seq_lens or any(not isinstance(n, int) or n < 1 for n in self.seq_lens):
+            raise ValueError(f"seq_lens must be positive integers, got {self.seq_lens!r}.")
+        for shape in self.shapes:
+            if len(shape) != 3 or any(not isinstance(s, int) or s < 1 for s in shape):
+                raise ValueError(f"a shape is (B, H, D) with positive integers, got {shape!r}.")
+        if not self.shapes:
+            raise ValueError("give at least one (B, H, D) shape.")
+        for dtype in self.dtypes:
+            if dtype not in DTYPES:
+                raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
+        if self.repeats < 1 or self.warmup < 0:
+            raise ValueError(
+                f"repeats must be >= 1 and warmup >= 0, got {self.repeats}, {self.warmup}."
+            )
+        if self.num_features is not None and self.num_features < 1:
+            raise ValueError(f"num_features must be a positive integer, got {self.num_features}.")
+        if not self.max_seconds > 0:
+            raise ValueError(f"max_seconds must be positive, got {self.max_seconds}.")
+        if self.clock not in CLOCKS:
+            raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}.")
+        device = torch.device(self.device)
+        if self.clock == "cpu" and device.type == "cuda":
+            raise ValueError("clock 'cpu' times host CPU work only; on CUDA use the wall clock.")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}.")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                "device 'cuda' was asked for but CUDA is not available here; use --device cpu."
+            )
+
+    def method_names(self) -> list[str]:
+        names = list(self.methods) if self.methods else list_methods()
+        if self.reference not in names:  # speed-ups are taken against it
+            names.insert(0, self.reference)
+        return names
+
+
+@dataclass
+class BenchResult:
+    config: BenchConfig
+    environment: dict[str, Any]
+    matmul_gflops: dict[str, float]  # dtype -> measured square-matmul throughput
+    rows: list[dict[str, Any]]
+    summary: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "config": dataclasses.asdict(self.config),
+            "environment": self.environment,
+            "matmul_gflops": self.matmul_gflops,
+            "rows": self.rows,
+            "summary": self.summary,
+        }
+
+
+def _available_bytes(device: torch.device) -> float:
+    """Memory a configuration may use: most of what is free now."""
+    if device.type == "cuda":
+        return 0.9 * torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return 0.8 * int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return math.inf
+
+
+def _extrapolate(history: list[tuple[int, float]], n: int) -> float | None:
+    """Value at ``n`` from the last two points, growth exponent clipped to [1, 2]
+    (quadratic if only one point is known)."""
+    if not history:
+        return None
+    n1, y1 = history[-1]
+    exponent = 2.0
+    if len(history) > 1:
+        n0, y0 = history[-2]
+        if y0 > 0 and y1 > 0 and n1 != n0:
+            exponent = min(2.0, max(1.0, math.log(y1 / y0) / math.log(n1 / n0)))
+    return y1 * (n / n1) ** exponent
+
+
+def _inputs(shape: tuple[int, int, int], n: int, dtype: torch.dtype, device: torch.device,
+            seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    b, h, d = shape
+    g = torch.Generator(device=device).manual_seed(seed)
+    q, k, v, grad = (
+        torch.randn(b, h, n, d, generator=g, device=device).to(dtype) for _ in range(4)
+    )
+    return q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True), grad
+
+
+def _closures(
+    call: PreparedCall, q: Tensor, k: Tensor, v: Tensor, grad: Tensor, seed: int,
+) -> tuple[Callable[[], Tensor], Callable[[], None]]:
+    def generator() -> torch.Generator:
+        return torch.Generator(device=q.device).manual_seed(seed)
+
+    def forward() -> Tensor:
+        with torch.no_grad():
+            return call(q, k, v, generator())
+
+    def forward_backward() -> None:
+        out = call(q, k, v, generator())
+        out.backward(grad[..., : out.shape[-1]])
+        for t in (q, k, v):
+            t.grad = None
+
+    return forward, forward_backward
+
+
+def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None) -> BenchResult:
+    """Measure every configuration of ``config``; ``progress`` receives one line per row."""
+    device = torch.device(config.device)
+    methods = [resolve(name) for name in config.method_names()]  # unknown names fail first
+    labels = [m.label for m in methods]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"two methods share a name in {labels}; give each once.")
+    load_start = _load()
+    throughput = {
+        dtype: matmul_flops_per_second(device, getattr(torch, dtype), clock=config.clock) / 1e9
+        for dtype in config.dtypes
+    }
+    limit = _available_bytes(device)
+    rows: list[dict[str, Any]] = []
+    for shape in config.shapes:
+        for dtype_name in config.dtypes:
+            dtype = getattr(torch, dtype_name)
+            times: dict[str, list[tuple[int, float]]] = {label: [] for label in labels}
+            peaks: dict[str, list[tuple[int, float]]] = {label: [] for label in labels}
+            for n in sorted(config.seq_lens):
+                group = {"device": str(device), "dtype": dtype_name, "batch": shape[0],
+                         "heads": shape[1], "head_dim": shape[2], "n": n}
+                new_rows = _measure_length(
+                    config, methods, labels, shape, n, dtype, device, limit, times, peaks,
+                    throughput[dtype_name], group,
+                )
+                rows.extend(new_rows)
+                if progress:
+                    for row in new_rows:
+                        progress(_progress_line(row))
+    env = environment(device)
+    if device.type == "cpu":
+        env.setdefault("device_name", _cpu_model())
+    env["load_average_start"] = load_start
+    env["load_average_end"] = _load()
+    result = BenchResult(config, env, throughput, rows)
+    result.summary = summarise(rows, config.reference, config.backward)
+    return result
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def _load() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+History = dict[str, list[tuple[int, float]]]  # label -> (N, seconds or bytes) measured so far
+
+
+def _measure_length(
+    config: BenchConfig, methods: list[NamedAttention], labels: list[str],
+    shape: tuple[int, int, int], n: int, dtype: torch.dtype, device: torch.device, limit: float,
+    times: History, peaks: History, gflops: float, group: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """One row per method at sequence length ``n`` (all methods on the same inputs)."""
+    b, h, d = shape
+    q, k, v, grad = _inputs(shape, n, dtype, device, config.seed)
+    rows: dict[str, dict[str, Any]] = {}
+    runnable: dict[str, tuple[NamedAttention, dict[str, Any], Callable, Callable]] = {}
+    for label, method in zip(labels, methods):
+        options = method.options(config.num_features)
+        row = {"method": label, "spec": method.name, **group, "target": method.target,
+               "exact": method.exact,
+               "num_features": method.resolved_options(options, n).get("num_features"),
+               "status": "ok", "reason": "", "fwd_ms": None, "fwd_bwd_ms": None,
+               "peak_mib": None, "rel_error": None, "gflop": None, "sol_ms": None,
+               "sol_fraction": None, "speedup": None, "memory_ratio": None, "growth": None,
+               "load_avg": None}
+        rows[label] = row
+        reason = _skip_reason(config, method, group["dtype"], n, times[label], peaks[label], limit)
+        if reason:
+            row.update(status="skipped", reason=reason)
+            continue
+        try:  # a first call: one that fails (e.g. out of memory) is skipped, not fatal
+            call = method.prepare((b, h, n, d), options, device=device, dtype=dtype,
+                                  as_layer=True)
+            forward, step = _closures(call, q, k, v, grad, config.seed)
+            (step if config.backward else forward)()
+        except (RuntimeError, ValueError, TypeError) as err:
+            row.update(status="skipped", reason=_one_line(err))
+            continue
+        runnable[label] = (method, options, forward, step)
+
+    fns: dict[str, Callable[[], object]] = {}
+    for label, (_, _, forward, step) in runnable.items():
+        fns[f"{label}/fwd"] = forward
+        if config.backward:
+            fns[f"{label}/fwd_bwd"] = step
+    load_before = _load()
+    medians = interleaved_median_seconds(fns, device=device, warmup=config.warmup,
+                                         repeats=config.repeats, clock=config.clock) if fns else {}
+    load_after = _load()
+    if load_before and load_after:
+        for row in rows.values():
+            row["load_avg"] = round((load_before[0] + load_after[0]) / 2, 2)
+
+    exact: dict[str, Tensor] = {}
+    for label, (method, options, forward, _) in runnable.items():
+        row = rows[label]
+        row["fwd_ms"] = medians[f"{label}/fwd"] * 1e3
+        if config.backward:
+            row["fwd_bwd_ms"] = medians[f"{label}/fwd_bwd"] * 1e3
+        main = row["fwd_bwd_ms"] if config.backward else row["fwd_ms"]
+        times[label].append((n, main / 1e3))
+        if config.memory:
+            job = MemoryJob(method.name, (b, h, n, d), options, dtype=group["dtype"],
+                            seed=config.seed, backward=config.backward, as_layer=True)
+            try:
+                peak = peak_memory_bytes(job, device)
+                row["peak_mib"] = peak / 2**20
+                peaks[label].append((n, float(peak)))
+            except (RuntimeError, OSError) as err:
+                row["reason"] = f"peak memory not measured: {_one_line(err)}"
+        if config.error and method.target is not None:
+            if method.target not in exact:
+                exact[method.target] = _exact_output(q, k, v, method.target)
+            out = forward().float()
+            row["rel_error"] = relative_error(out, exact[method.target], ord=2).mean().item()
+        if method.registered:
+            flops = attention_flops(
+                method.name, batch=b, heads=h, nq=n, nk=n, d=d, dv=d,
+                options=method.resolved_options(options, n), backward=config.backward,
+            )
+            if flops is not None:
+                row["gflop"] = flops / 1e9
+                row["sol_ms"] = flops / (gflops * 1e9) * 1e3
+                row["sol_fraction"] = row["sol_ms"] / main
+    return [rows[label] for label in labels]
+
+
+def _skip_reason(config: BenchConfig, method: NamedAttention, dtype_name: str, n: int,
+                 time_history: list[tuple[int, float]], peak_history: list[tuple[int, float]],
+                 limit: float) -> str:
+    if dtype_name in HALF and not method.half_precision:
+        return f"{method.name} does not take {dtype_name} inputs"
+    seconds = _extrapolate(time_history, n)
+    if seconds is not None and seconds > config.max_seconds:
+        return f"predicted {seconds:.0f} s per call (> max_seconds = {config.max_seconds:g})"
+    peak = _extrapolate(peak_history, n)
+    if peak is not None and peak > limit:
+        return f"predicted peak {peak / 2**30:.1f} GiB > {limit / 2**30:.1f} GiB available"
+    return ""
+
+
+def _exact_output(q: Tensor, k: Tensor, v: Tensor, target: str) -> Tensor:
+    """The exact attention of the target in float32 (or the inputs' float64)."""
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    with torch.no_grad():
+        return exact_method(target).function(q.to(work), k.to(work), v.to(work))
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:200]
+
+
+def _progress_line(row: dict[str, Any]) -> str:
+    shape = f"B={row['batch']} H={row['heads']} D={row['head_dim']} {row['dtype']}"
+    head = f"{shape} N={row['n']:>6} {row['method']:<28}"
+    if row["status"] != "ok":
+        return f"{head} skipped: {row['reason']}"
+    parts = [f"fwd {row['fwd_ms']:9.2f} ms"]
+    if row["fwd_bwd_ms"] is not None:
+        parts.append(f"fwd+bwd {row['fwd_bwd_ms']:9.2f} ms")
+    if row["peak_mib"] is not None:
+        parts.append(f"peak {row['peak_mib']:8.1f} MiB")
+    if row["rel_error"] is not None:
+        parts.append(f"err {row['rel_error']:.2e}")
+    return head + "  " + "  ".join(parts)
+
+
+def _fit_exponent(points: list[tuple[int, float]]) -> float | None:
+    """Least-squares slope of log t against log N over the points given."""
+    if len(points) < 2:
+        return None
+    xs = [math.log(n) for n, _ in points]
+    ys = [math.log(t) for _, t in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else None
+
+
+def crossover(points: list[tuple[int, float]]) -> tuple[float | None, str]:
+    """Where a method becomes faster than the reference for good.
+
+    ``points``: (N, reference time / method time). Returns (N*, how): the length from
+    which the method is faster at every larger measured N, interpolated in log-log
+    between the last slower and the first faster length ("interpolated"); the first
+    length if it is faster everywhere ("at most"); None if it is slower at the largest.
+    """
+    points = sorted(points)
+    if not points or points[-1][1] < 1:
+        return None, "never"
+    i = len(points) - 1
+    while i > 0 and points[i - 1][1] >= 1:
+        i -= 1
+    if i == 0:
+        return float(points[0][0]), "at most"
+    (n0, r0), (n1, r1) = points[i - 1], points[i]
+    lr0, lr1 = math.log(r0), math.log(r1)
+    frac = -lr0 / (lr1 - lr0) if lr1 != lr0 else 0.0
+    return math.exp(math.log(n0) + frac * (math.log(n1) - math.log(n0))), "interpolated"
+
+
+def summarise(rows: list[dict[str, Any]], reference: str, backward: bool) -> list[dict[str, Any]]:
+    """Per (shape, dtype, device) and method: ratios to the reference, N -> 2N growth,
+    crossover length and the scaling exponent of time over the longest quarter of
+    the sweep (at least the two longest lengths)."""
+    key = "fwd_bwd_ms" if backward else "fwd_ms"
+    groups: dict[tuple, dict[str, dict[int, dict[str, Any]]]] = {}
+    for row in rows:
+        g = (row["device"], row["dtype"], row["batch"], row["heads"], row["head_dim"])
+        groups.setdefault(g, {}).setdefault(row["method"], {})[row["n"]] = row
+    out = []
+    for g, by_method in groups.items():
+        ref = by_method.get(reference, {})
+        for method, by_n in by_method.items():
+            ok = sorted((n, r) for n, r in by_n.items() if r["status"] == "ok" and r[key])
+            for n, r in ok:
+                base = ref.get(n)
+                if base and base["status"] == "ok" and base[key]:
+                    r["speedup"] = base[key] / r[key]
+                    if r["peak_mib"] and base["peak_mib"]:
+                        r["memory_ratio"] = r["peak_mib"] / base["peak_mib"]
+            for (n0, r0), (n1, r1) in zip(ok, ok[1:]):
+                if n1 == 2 * n0:
+                    r1["growth"] = r1[key] / r0[key]
+            times = [(n, r[key]) for n, r in ok]
+            longest = [p for p in times if times and p[0] * 4 >= times[-1][0]]
+            if len(longest) < 2:
+                longest = times[-2:]
+            cross, how = crossover([(n, r["speedup"]) for n, r in ok if r["speedup"]])
+            out.append({
+                "device": g[0], "dtype": g[1], "batch": g[2], "heads": g[3], "head_dim": g[4],
+                "method": method, "crossover_n": cross, "crossover": how,
+                "exponent": _fit_exponent(longest),
+                "exponent_range": [longest[0][0], longest[-1][0]] if len(longest) >= 2 else None,
+            })
+    return out

@@ -1,0 +1,21 @@
+"""The table ``skyformer compare`` prints."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """Plain-text table of compare rows (the method column fits the longest name)."""
+    width = max([18] + [len(r["method"]) + 2 for r in rows])
+    header = f"{'method':<{width}}{'target':<10}{'features':>9}{'spectral err':>22}{'frob err':>10}{'time ms':>10}{'peak MiB':>10}"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        feats = "exact" if r["exact"] else str(r["num_features"] if r["num_features"] is not None else "-")
+        err = f"{r['spectral_error']:.4f} +- {r['spectral_error_std']:.4f}"
+        peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.1f}"
+        lines.append(
+            f"{r['method']:<{width}}{r['target']:<10}{feats:>9}{err:>22}{r['frobenius_error']:>10.4f}"
+            f"{r['time_ms']:>10.2f}{peak:>10}"
+        )
+    return "\n".join(lines)

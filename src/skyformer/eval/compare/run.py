@@ -1,0 +1,127 @@
+"""``skyformer compare``: every registered method against its exact target on real Q/K/V.
+
+For each method: relative spectral-norm error of the output against the exact
+attention it approximates (softmax or Gaussian kernelized, per its capabilities),
+mean and spread over heads, relative Frobenius error, forward time and peak memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ...io import environment
+from ...registry import exact_method, get_method, list_methods
+from ..measure.memory import MemoryJob, peak_memory_bytes
+from ..measure.metrics import relative_error
+from ..data.qkv import QKV, load_qkv
+from ..data.text import read_text
+from ..measure.timing import median_seconds
+
+from ..methods import PreparedCall, resolve
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    """Settings of ``skyformer compare``; ``None`` means the method's own default."""
+
+    seq_len: int = 512
+    layer: int = 0
+    num_features: int | None = None
+    seed: int = 0
+    text: str | None = None  # path of a UTF-8 text file; None = shipped text
+    model: str | None = None  # local model folder; None = pretrained MiniLM-L6
+    pretrained: bool = True
+    methods: tuple[str, ...] | None = None
+    repeats: int = 3
+    memory: bool = True
+
+
+@dataclass
+class CompareResult:
+    config: CompareConfig
+    source: str
+    rows: list[dict[str, Any]]
+    environment: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "config": dataclasses.asdict(self.config),
+            "source": self.source,
+            "environment": self.environment,
+            "rows": self.rows,
+        }
+
+
+def memory_job(method: str, shape: tuple[int, int, int, int], options: dict[str, Any],
+               seed: int, inputs: str) -> MemoryJob:
+    """The peak-memory job of the call ``compare`` times: the method bound as a function
+    call (``as_layer=False``: no per-layer state, which e.g. Linformer only has for a
+    fixed ``max_seq_len``)."""
+    return MemoryJob(method, shape, options, seed=seed, inputs=inputs, as_layer=False)
+
+
+def compare_on(qkv: QKV, config: CompareConfig) -> list[dict[str, Any]]:
+    """Rows of the comparison on given Q/K/V ``[1, H, N, D]``."""
+    methods = list(config.methods) if config.methods else list_methods()
+    for m in methods:
+        get_method(m)  # unknown names fail before any work
+    q, k, v = qkv.q, qkv.k, qkv.v
+    exact: dict[str, Tensor] = {}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        inputs = Path(tmp) / "qkv.pt"
+        torch.save({"q": q, "k": k, "v": v}, inputs)
+        for name in methods:
+            spec = get_method(name)
+            target = spec.capabilities.target
+            if target not in exact:
+                with torch.no_grad():
+                    exact[target] = exact_method(target).function(q, k, v)
+            named = resolve(name)
+            options = named.options(config.num_features)
+            call = named.prepare(tuple(q.shape), options, device=q.device, dtype=q.dtype)
+
+            def run(call: PreparedCall = call) -> Tensor:
+                g = torch.Generator(device=q.device).manual_seed(config.seed)
+                with torch.no_grad():
+                    return call(q, k, v, g)
+
+            out = run()
+            spectral = relative_error(out, exact[target], ord=2)[0]  # [H]
+            frobenius = relative_error(out, exact[target], ord="fro")[0]
+            seconds = median_seconds(run, device=q.device, warmup=1, repeats=config.repeats)
+            peak = None
+            if config.memory:
+                job = memory_job(name, tuple(q.shape), options, config.seed, str(inputs))
+                peak = peak_memory_bytes(job, q.device)
+            rows.append(
+                {
+                    "method": name,
+                    "target": target,
+                    "exact": spec.capabilities.exact,
+                    "num_features": options.get("num_features", spec.defaults().get("num_features")),
+                    "spectral_error": spectral.mean().item(),
+                    "spectral_error_std": spectral.std().item() if spectral.numel() > 1 else 0.0,
+                    "frobenius_error": frobenius.mean().item(),
+                    "time_ms": seconds * 1e3,
+                    "peak_mib": None if peak is None else peak / 2**20,
+                }
+            )
+    return rows
+
+
+def compare(config: CompareConfig = CompareConfig()) -> CompareResult:
+    """Load real Q/K/V (default: pretrained MiniLM-L6 on shipped text) and compare."""
+    qkv = load_qkv(
+        seq_len=config.seq_len, layer=config.layer, text=read_text(config.text),
+        model_dir=config.model, pretrained=config.pretrained, seed=config.seed,
+    )
+    rows = compare_on(qkv, config)
+    return CompareResult(config, qkv.describe(), rows, environment(qkv.q.device))

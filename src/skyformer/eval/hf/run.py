@@ -1,0 +1,342 @@
+"""``skyformer hf-eval``: swap the attention of the pretrained MiniLM-L6 without fine-tuning.
+
+KDEformer (Zandieh et al., 2023) measures what a pretrained model loses when its
+attention is replaced by an approximation with no fine-tuning. This experiment does that
+for the sentence-embedding model all-MiniLM-L6-v2 (shipped offline) on real text, in two
+settings:
+
+- ``short``: the text's sentences, in padded batches (masks matter);
+- ``long``: the text's tokens cut into inputs of ``seq_len`` (512) tokens, where
+  attention is a large share of the cost.
+
+Per method and feature count: cosine similarity of each text's embedding (mean-pooled,
+L2-normalised, as sentence-transformers computes it) to the exact model's, agreement of
+nearest-neighbour retrieval among the texts (recall@1 against the exact model's nearest
+neighbours), forward time (median) and peak memory (fresh process on CPU) of one batch.
+
+Two kinds of method are not drop-ins, and rows say so (``drop_in`` False, ``note``):
+Gaussian-target methods (``kernelized``, ``skyformer`` and its ``_adaptive`` and
+``_multipole`` variants) replace softmax by a Gaussian kernel, a different function;
+methods with learned parameters (e.g. Linformer's projections) start them from their
+initialisation, not from pretrained weights. Neither is expected to keep a
+softmax-pretrained model's embeddings without fine-tuning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from ...io import environment
+from ...registry import CapabilityError, get_method, list_methods
+from ..measure.memory import CallJob, peak_memory_bytes
+from ..data.qkv import load_model
+from ..data.text import read_text, sentences
+from ..measure.timing import CLOCKS, median_seconds
+
+SETTINGS = ("short", "long")
+NOT_DROP_IN_GAUSSIAN = "Gaussian kernel, not a drop-in"
+NOT_DROP_IN_LEARNED = "untrained learned projections, not a drop-in"
+BASELINE = "sdpa"  # transformers' own exact attention
+
+
+@dataclass(frozen=True)
+class HFEvalConfig:
+    """Settings of ``skyformer hf-eval``.
+
+    methods: registered methods to evaluate (``None`` = all).
+    features: ``num_features`` values swept for approximate methods.
+    settings: ``"short"`` (sentences) and/or ``"long"`` (``seq_len``-token inputs).
+    layers: layers whose attention is replaced (``None`` = all).
+    max_texts: at most this many texts per setting.
+    batch_size: texts per forward pass.
+    time_batch: texts in the timed and memory-measured forward pass (the setting's first
+        texts); ``None`` = ``batch_size`` sentences (short) or one input (long).
+    """
+
+    methods: tuple[str, ...] | None = None
+    features: tuple[int, ...] = (32, 64, 128)
+    settings: tuple[str, ...] = SETTINGS
+    layers: tuple[int, ...] | None = None
+    seq_len: int = 512
+    max_texts: int = 128
+    batch_size: int = 16
+    time_batch: int | None = None
+    seed: int = 0
+    repeats: int = 3
+    memory: bool = True
+    text: str | None = None  # UTF-8 text file; None = shipped public-domain text
+    model: str | None = None  # local model folder; None = pretrained MiniLM-L6
+    device: str = "cpu"
+    clock: str = "wall"  # "wall" or "cpu" (process CPU time, for shared CPUs; CPU device only)
+
+    def validate(self) -> None:
+        for name in ("seq_len", "max_texts", "batch_size", "time_batch", "repeats"):
+            value = getattr(self, name)
+            if name == "time_batch" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        if self.seq_len < 8:
+            raise ValueError(f"seq_len must be at least 8, got {self.seq_len}.")
+        if not self.features or any(
+            isinstance(f, bool) or not isinstance(f, int) or f < 1 for f in self.features
+        ):
+            raise ValueError(f"features must be positive integers, got {self.features!r}.")
+        unknown = sorted(set(self.settings) - set(SETTINGS))
+        if unknown or not self.settings:
+            raise ValueError(
+                f"settings must be chosen from {', '.join(SETTINGS)}, got {self.settings!r}."
+            )
+        for m in self.methods or ():
+            get_method(m)  # unknown names fail before any work
+        device = check_device(self.device)
+        if self.clock not in CLOCKS:
+            raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}.")
+        if self.clock == "cpu" and device.type != "cpu":
+            raise ValueError("clock='cpu' (process CPU time) measures CPU work only; use "
+                             "clock='wall' on a GPU.")
+
+
+def check_device(device: str) -> torch.device:
+    """``torch.device(device)``, failing with a sentence if it is not usable here."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be e.g. 'cpu' or 'cuda:0', got {device!r}.") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for, but CUDA is not available here.")
+    return resolved
+
+
+@dataclass
+class HFEvalResult:
+    config: HFEvalConfig
+    model: str
+    texts: dict[str, dict[str, Any]]
+    rows: list[dict[str, Any]]
+    environment: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "config": dataclasses.asdict(self.config),
+            "model": self.model,
+            "texts": self.texts,
+            "environment": self.environment,
+            "rows": self.rows,
+        }
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Token ids of one setting: ``ids[i]`` is the i-th text, ``[CLS] ... [SEP]``."""
+
+    setting: str
+    ids: list[list[int]]
+
+    def batches(self, size: int) -> list[tuple[list[int], dict[str, Tensor]]]:
+        """(text indices, padded batch), texts grouped by length to limit padding."""
+        order = sorted(range(len(self.ids)), key=lambda i: len(self.ids[i]))
+        return [
+            (chunk, pad_batch([self.ids[i] for i in chunk]))
+            for chunk in (order[s : s + size] for s in range(0, len(order), size))
+        ]
+
+
+def pad_batch(ids: list[list[int]], pad_id: int = 0) -> dict[str, Tensor]:
+    """Right-padded ``input_ids`` and ``attention_mask`` ``[B, max length]``."""
+    width = max(len(x) for x in ids)
+    input_ids = torch.full((len(ids), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(ids), width), dtype=torch.long)
+    for row, x in enumerate(ids):
+        input_ids[row, : len(x)] = torch.tensor(x, dtype=torch.long)
+        mask[row, : len(x)] = 1
+    return {"input_ids": input_ids, "attention_mask": mask}
+
+
+def build_inputs(tokenizer: Any, text: str, setting: str, *, seq_len: int,
+                 max_texts: int) -> Inputs:
+    """Token ids of the ``short`` (sentences) or ``long`` (``seq_len``-token) setting."""
+    cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
+    if setting == "short":
+        found = sentences(text)[:max_texts]
+        if len(found) < 2:
+            raise ValueError(
+                f"the text has {len(found)} sentence(s); the short setting needs at least 2 "
+                f"for retrieval (pass a longer --text FILE)."
+            )
+        ids = [tokenizer(s, truncation=True, max_length=seq_len)["input_ids"] for s in found]
+        return Inputs(setting, ids)
+    from ..data.qkv import _quiet_transformers
+
+    with _quiet_transformers():  # the whole text is longer than the model's limit on purpose
+        stream = tokenizer(text, add_special_tokens=False)["input_ids"]
+    body = seq_len - 2
+    count = min(len(stream) // body, max_texts)
+    if count < 2:
+        raise ValueError(
+            f"the text has {len(stream)} tokens; the long setting needs at least 2 inputs of "
+            f"{seq_len} tokens ({2 * body} tokens of text): pass a longer --text FILE or a "
+            f"shorter --seq-len."
+        )
+    return Inputs(setting, [[cls, *stream[i * body : (i + 1) * body], sep] for i in range(count)])
+
+
+def embed(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    """all-MiniLM-L6-v2 sentence embeddings: mean over real tokens, L2-normalised ``[B, D]``."""
+    hidden = model(**batch).last_hidden_state  # [B, N, D]
+    weight = batch["attention_mask"][..., None].to(hidden.dtype)
+    pooled = (hidden * weight).sum(1) / weight.sum(1).clamp_min(1.0)
+    return torch.nn.functional.normalize(pooled, dim=-1)
+
+
+@torch.no_grad()
+def embed_all(model: nn.Module, inputs: Inputs, batch_size: int) -> Tensor:
+    """Embeddings of every text of ``inputs`` in their original order, ``[T, D]``."""
+    device = next(model.parameters()).device
+    parts: dict[int, Tensor] = {}
+    for indices, batch in inputs.batches(batch_size):
+        out = embed(model, {k: v.to(device) for k, v in batch.items()}).float().cpu()
+        parts.update(zip(indices, out))
+    return torch.stack([parts[i] for i in range(len(inputs.ids))])
+
+
+def nearest_neighbours(embeddings: Tensor) -> Tensor:
+    """Index of each text's most similar other text (cosine), ``[T]``."""
+    sims = embeddings @ embeddings.T
+    sims.fill_diagonal_(-math.inf)
+    return sims.argmax(dim=1)
+
+
+def quality(embeddings: Tensor, exact: Tensor) -> dict[str, float]:
+    """Cosine similarity to the exact embeddings and recall@1 of the exact neighbours."""
+    cos = torch.nn.functional.cosine_similarity(embeddings, exact, dim=-1)
+    agree = nearest_neighbours(embeddings) == nearest_neighbours(exact)
+    return {
+        "cosine_mean": cos.mean().item(),
+        "cosine_min": cos.min().item(),
+        "recall_at_1": agree.float().mean().item(),
+    }
+
+
+def timed_texts(config: HFEvalConfig, setting: str) -> int:
+    """How many texts the timed forward pass takes in ``setting``."""
+    if config.time_batch is not None:
+        return config.time_batch
+    return config.batch_size if setting == "short" else 1
+
+
+def _configurations(config: HFEvalConfig) -> list[tuple[str, int | None]]:
+    """(method, num_features or None) pairs in table order."""
+    out = []
+    for name in config.methods or tuple(list_methods()):
+        if "num_features" in get_method(name).option_names():
+            out.extend((name, f) for f in config.features)
+        else:
+            out.append((name, None))
+    return out
+
+
+def memory_probe(model_dir: str | None, method: str, options: dict[str, Any],
+                 layers: list[int] | None, seed: int, input_ids: list[list[int]],
+                 threads: int | None = None, device: str = "cpu") -> Callable[[], None]:
+    """Memory-job setup (a fresh process on CPU): the model with ``method`` and the
+    forward pass of one batch, ready to call."""
+    if threads:
+        torch.set_num_threads(threads)
+    model, _, _ = load_model(model_dir)
+    model.to(device)
+    if method != BASELINE:
+        from ...hf import set_attention
+
+        set_attention(model, method, layers=layers, seed=seed, **options)
+    batch = {k: v.to(device) for k, v in pad_batch(input_ids).items()}
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(**batch)
+
+    return forward
+
+
+def _row(setting: str, method: str, features: int | None, inputs: Inputs) -> dict[str, Any]:
+    note = ""
+    if method == BASELINE:
+        target, exact = "softmax", True
+    else:
+        caps = get_method(method).capabilities
+        target, exact = caps.target, caps.exact
+        if caps.target != "softmax":
+            note = NOT_DROP_IN_GAUSSIAN
+        elif caps.learned_parameters:
+            note = NOT_DROP_IN_LEARNED
+    return {
+        "setting": setting, "method": method, "target": target, "exact": exact,
+        "drop_in": not note, "note": note, "num_features": features, "texts": len(inputs.ids),
+        "cosine_mean": None, "cosine_min": None, "recall_at_1": None, "time_ms": None,
+        "peak_mib": None, "error": None,
+    }
+
+
+def evaluate(config: HFEvalConfig = HFEvalConfig(),
+             progress: Callable[[str], None] | None = None) -> HFEvalResult:
+    """Run the evaluation; rows are in (setting, method, features) order."""
+    from ...hf import restore_exact, set_attention
+
+    config.validate()
+    text = read_text(config.text)
+    model, tokenizer, name = load_model(config.model)
+    device = check_device(config.device)
+    model.to(device)
+    layers = list(config.layers) if config.layers is not None else None
+    rows: list[dict[str, Any]] = []
+    described: dict[str, dict[str, Any]] = {}
+    for setting in config.settings:
+        inputs = build_inputs(tokenizer, text, setting, seq_len=config.seq_len,
+                              max_texts=config.max_texts)
+        lengths = [len(x) for x in inputs.ids]
+        described[setting] = {
+            "count": len(lengths), "min_tokens": min(lengths),
+            "mean_tokens": sum(lengths) / len(lengths), "max_tokens": max(lengths),
+            "timed_texts": min(timed_texts(config, setting), len(lengths)),
+        }
+        timed = pad_batch(inputs.ids[: timed_texts(config, setting)])
+        timed_device = {k: v.to(device) for k, v in timed.items()}
+        restore_exact(model)
+        exact = embed_all(model, inputs, config.batch_size)
+        for method, features in [(BASELINE, None), *_configurations(config)]:
+            row = _row(setting, method, features, inputs)
+            options = {} if features is None else {"num_features": features}
+            if progress:
+                progress(f"{setting}: {method}" + (f" ({features} features)" if features else ""))
+            try:
+                if method != BASELINE:
+                    set_attention(model, method, layers=layers, seed=config.seed, **options)
+                row.update(quality(embed_all(model, inputs, config.batch_size), exact))
+
+                def forward() -> None:
+                    with torch.no_grad():
+                        model(**timed_device)
+
+                row["time_ms"] = 1e3 * median_seconds(
+                    forward, device=device, warmup=1, repeats=config.repeats,
+                    clock=config.clock)
+                if config.memory:
+                    job = CallJob("skyformer.eval.hf.run:memory_probe", {
+                        "model_dir": config.model, "method": method, "options": options,
+                        "layers": layers, "seed": config.seed,
+                        "input_ids": timed["input_ids"].tolist(),
+                        "threads": torch.get_num_threads(), "device": str(device),
+                    })
+                    row["peak_mib"] = peak_memory_bytes(job, device) / 2**20
+            except (CapabilityError, ValueError) as err:  # e.g. no mask support: say why
+                row["error"] = str(err)
+            finally:
+                restore_exact(model)
+            rows.append(row)
+    return HFEvalResult(config, name, described, rows, environment(device))

@@ -1,0 +1,163 @@
+"""Peak memory of one attention call, or of any call (``CallJob``, e.g. a model's forward).
+
+CUDA: ``torch.cuda.max_memory_allocated`` around the call, in process.
+CPU: the call runs in a fresh Python process (so nothing cached by earlier work hides
+its peak): after one warm-up call the kernel's peak-RSS counter is reset through
+``/proc/self/clear_refs`` and the measured call's peak is VmHWM minus the resident
+size just before it. Run as ``python -m skyformer.eval.measure.memory '<job json>'``.
+
+That process runs with glibc's ``MALLOC_MMAP_THRESHOLD_`` fixed at 64 KiB: every
+tensor buffer of 64 KiB or more is then its own mapping, returned to the system when
+freed, so resident size follows live tensors. (By default the threshold grows after
+each freed mapping, up to 32 MiB, and later buffers come from a heap that keeps freed
+memory resident: the same job measured 30 or 57 MiB from one run to the next.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..methods import resolve
+
+
+@dataclass(frozen=True)
+class MemoryJob:
+    """One attention call to measure: random inputs of ``shape`` or tensors from a file."""
+
+    method: str  # a registered name, or "package.module:function" (see ``methods.resolve``)
+    shape: tuple[int, int, int, int]  # [B, H, N, D]
+    options: dict[str, Any] = field(default_factory=dict)
+    dtype: str = "float32"
+    seed: int = 0
+    backward: bool = False
+    inputs: str | None = None  # a file written by torch.save({"q", "k", "v"})
+    as_layer: bool = False  # with the per-layer state a layer owns (``NamedAttention.prepare``)
+
+
+@dataclass(frozen=True)
+class CallJob:
+    """Any call to measure: ``setup(**kwargs)`` (an importable ``"package.module:function"``)
+    builds what the call needs outside the measurement (e.g. loads a model) and returns
+    the zero-argument callable whose peak memory is measured."""
+
+    setup: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def _resolve(target: str) -> Any:
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _inputs(job: MemoryJob, device: torch.device) -> tuple[torch.Tensor, ...]:
+    if job.inputs is not None:
+        data = torch.load(job.inputs, map_location=device, weights_only=True)
+        tensors = (data["q"], data["k"], data["v"])
+    else:
+        g = torch.Generator(device=device).manual_seed(job.seed)
+        dtype = getattr(torch, job.dtype)
+        tensors = tuple(
+            torch.randn(job.shape, generator=g, device=device, dtype=dtype) for _ in range(3)
+        )
+    return tuple(t.detach().requires_grad_(job.backward) for t in tensors)
+
+
+def _run(job: MemoryJob, call: Any, q, k, v, device: torch.device) -> None:
+    g = torch.Generator(device=device).manual_seed(job.seed)
+    out = call(q, k, v, g)
+    if job.backward:
+        out.backward(torch.ones_like(out))
+        for t in (q, k, v):
+            t.grad = None
+    del out
+
+
+def _status_kib(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{key} not found in /proc/self/status")
+
+
+def _call(job: MemoryJob | CallJob, device: torch.device) -> Any:
+    """The zero-argument callable to measure."""
+    if isinstance(job, CallJob):
+        return _resolve(job.setup)(**job.kwargs)
+    q, k, v = _inputs(job, device)
+    call = resolve(job.method).prepare(tuple(q.shape), job.options, device=device,
+                                       dtype=q.dtype, as_layer=job.as_layer)
+    return lambda: _run(job, call, q, k, v, device)
+
+
+def measure_in_this_process(job: MemoryJob | CallJob, device: torch.device | str = "cpu") -> int:
+    """Peak bytes of one call above what was resident before it."""
+    device = torch.device(device)
+    call = _call(job, device)
+    call()  # warm-up: one-time allocations are not the call's cost
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        call()
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device) - base)
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    base = _status_kib("VmRSS")
+    call()
+    return int((_status_kib("VmHWM") - base) * 1024)
+
+
+def peak_memory_bytes(
+    job: MemoryJob | CallJob, device: torch.device | str = "cpu", timeout: float = 600
+) -> int:
+    """Peak memory of ``job``: in process on CUDA, in a fresh subprocess on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return measure_in_this_process(job, device)
+    if not Path("/proc/self/clear_refs").exists():
+        raise RuntimeError("CPU peak memory needs Linux /proc (clear_refs, VmHWM).")
+    src_root = str(Path(__file__).resolve().parents[3])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = src_root + (
+        os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""
+    )
+    env["SKYFORMER_THREADS"] = str(torch.get_num_threads())
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))  # see the module docstring
+    payload = json.dumps({"kind": type(job).__name__, **dataclasses.asdict(job)})
+    proc = subprocess.run(
+        [sys.executable, "-m", "skyformer.eval.measure.memory", payload],
+        capture_output=True, text=True, env=env, timeout=timeout,
+    )
+    if proc.returncode != 0:
+        what = job.method if isinstance(job, MemoryJob) else job.setup
+        raise RuntimeError(
+            f"memory measurement of {what} failed:\n{proc.stderr.strip()[-2000:]}"
+        )
+    return int(json.loads(proc.stdout.strip().splitlines()[-1])["peak_bytes"])
+
+
+def _main(argv: list[str]) -> None:
+    spec = json.loads(argv[0])
+    if spec.pop("kind", "MemoryJob") == "CallJob":
+        job: MemoryJob | CallJob = CallJob(**spec)
+    else:
+        spec["shape"] = tuple(spec["shape"])
+        job = MemoryJob(**spec)
+    threads = os.environ.get("SKYFORMER_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+    print(json.dumps({"peak_bytes": measure_in_this_process(job, "cpu")}))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])

@@ -1,0 +1,123 @@
+"""Attention implementations named by a string: a registered method or any function.
+
+Experiments take a list of names. A name is either a registered method (``skyformer``)
+or ``package.module:function`` for any ``f(q, k, v, **options)`` outside the registry
+(e.g. a materialised reference kept for comparison), optionally followed by
+``@softmax`` or ``@gaussian``: the exact attention it approximates, so that its error
+can be measured. ``NamedAttention.prepare`` turns a name into the call an experiment
+times: registered methods are bound once through the registry (``Method.bind``), and
+``as_layer=True`` gives them the per-layer state a ``MultiHeadAttention`` layer owns
+(Linformer's learned projections, Performer's kept features), initialised from a fixed
+seed, so that what is measured is what a model runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from ..registry import get_method
+
+TARGETS = ("softmax", "gaussian")
+STATE_SEED = 0  # initialisation seed of the per-layer state of layer-like calls
+
+PreparedCall = Callable[[Tensor, Tensor, Tensor, "torch.Generator | None"], Tensor]
+
+
+@dataclass(frozen=True)
+class NamedAttention:
+    """A resolved name: how to call it, what it approximates, which options it has."""
+
+    name: str  # without the @target suffix: what a MemoryJob takes
+    target: str | None
+    exact: bool
+    option_names: tuple[str, ...] | None  # None: unknown (a plain function)
+    half_precision: bool = True
+    function: Callable[..., Tensor] | None = None  # set for plain functions
+    takes_generator: bool = True
+
+    @property
+    def registered(self) -> bool:
+        return self.function is None
+
+    @property
+    def label(self) -> str:
+        """Short name for tables: the registered name or the function's name."""
+        return self.name.rpartition(":")[2]
+
+    def options(self, num_features: int | None) -> dict[str, Any]:
+        """``num_features`` where the method has it (else no option)."""
+        if num_features is not None and "num_features" in (self.option_names or ()):
+            return {"num_features": num_features}
+        return {}
+
+    def resolved_options(self, options: dict[str, Any], seq_len: int) -> dict[str, Any]:
+        """Every option of a registered method with the defaults and the layer rules
+        filled in (what a result file records); a plain function's options as given."""
+        if not self.registered:
+            return dict(options)
+        return get_method(self.name).bind(seq_len=seq_len, **options).options()
+
+    def prepare(
+        self, shape: tuple[int, int, int, int], options: dict[str, Any], *,
+        device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+        as_layer: bool = False,
+    ) -> PreparedCall:
+        """The call ``f(q, k, v, generator) -> out`` for inputs of ``shape`` [B, H, N, D].
+
+        Registered methods are bound once (options validated, fixed-length methods given
+        ``max_seq_len = N``); with ``as_layer`` they get their per-layer state, built
+        under ``STATE_SEED`` on ``device`` in ``dtype``."""
+        if self.function is not None:
+            function = self.function
+            if self.takes_generator:
+                return lambda q, k, v, g: function(q, k, v, generator=g, **options)
+            return lambda q, k, v, g: function(q, k, v, **options)
+        _, heads, seq_len, head_dim = shape
+        bound = get_method(self.name).bind(heads, head_dim, seq_len=seq_len, **options)
+        state = bound.new_state(seed=STATE_SEED) if as_layer else None
+        if state is not None:
+            state = state.to(device=device, dtype=dtype)
+        return lambda q, k, v, g: bound(q, k, v, generator=g, state=state)
+
+
+def resolve(spec: str) -> NamedAttention:
+    """Resolve ``name``, ``module:function`` or ``module:function@target``."""
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"a method name must be a non-empty string, got {spec!r}.")
+    name, _, target = spec.partition("@")
+    if target and target not in TARGETS:
+        raise ValueError(
+            f"{spec!r}: the part after '@' names the exact target, one of {', '.join(TARGETS)}."
+        )
+    if ":" not in name:
+        if target:
+            raise ValueError(f"{spec!r}: registered methods know their target; drop '@{target}'.")
+        method = get_method(name)
+        caps = method.capabilities
+        return NamedAttention(name, caps.target, caps.exact, method.option_names(),
+                              caps.half_precision)
+    module_name, _, function_name = name.partition(":")
+    try:
+        function = getattr(importlib.import_module(module_name), function_name)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(
+            f"cannot load {name!r} ({err}); expected 'package.module:function'."
+        ) from None
+    parameters = inspect.signature(function).parameters
+    takes_generator = "generator" in parameters or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()
+    )
+    option_names = tuple(
+        p
+        for p, info in parameters.items()
+        if info.kind is inspect.Parameter.KEYWORD_ONLY
+        and p not in ("generator", "key_padding_mask")
+    )
+    return NamedAttention(name, target or None, False, option_names, function=function,
+                          takes_generator=takes_generator)

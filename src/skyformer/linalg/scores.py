@@ -1,0 +1,62 @@
+"""Materialised attention matrices ``[B, H, Nq, Nk]``: the exact targets, whole.
+
+For analyses and naive references on small inputs (O(Nq Nk) memory); the attention
+functions never form them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .kernels import gaussian_kernel_block
+
+
+def kernel_scale(head_dim: int) -> float:
+    """p^(-1/4): inputs are scaled by it so that the kernel bandwidth is p^(1/4)
+    (Skyformer eq. (1): C_ij = exp(-|q_i - k_j|^2 / (2 sqrt(p))))."""
+    return float(head_dim) ** -0.25
+
+
+def softmax_scores(
+    q: Tensor,
+    k: Tensor,
+    *,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+    causal: bool = False,
+) -> Tensor:
+    """The softmax attention matrix softmax(scale Q K^T) ``[B, H, Nq, Nk]`` (rows sum to 1).
+
+    ``q: [B, H, Nq, D]``, ``k: [B, H, Nk, D]``, ``key_padding_mask: [B, Nk]`` (True = real);
+    ``scale`` ``None`` = 1/sqrt(D). Rows with no visible key are zero.
+    """
+    s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    logits = (q @ k.transpose(-1, -2)) * s
+    visible = torch.ones(logits.shape[-2:], dtype=torch.bool, device=q.device)
+    if causal:
+        visible = torch.tril(visible)
+    visible = visible.expand(q.shape[0], 1, -1, -1)
+    if key_padding_mask is not None:
+        visible = visible & key_padding_mask[:, None, None, :]
+    logits = logits.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.nan_to_num(probs, nan=0.0)
+
+
+def gaussian_scores(
+    q: Tensor, k: Tensor, *, key_padding_mask: Tensor | None = None, causal: bool = False
+) -> Tensor:
+    """The kernelized attention matrix C ``[B, H, Nq, Nk]`` (Skyformer eq. (1)).
+
+    Columns of padded keys (and, with ``causal``, entries j > i) are zero.
+    """
+    scale = kernel_scale(q.shape[-1])
+    c = gaussian_kernel_block(q * scale, k * scale)
+    if key_padding_mask is not None:
+        c = c * key_padding_mask[:, None, None, :].to(c.dtype)
+    if causal:
+        c = torch.tril(c)
+    return c

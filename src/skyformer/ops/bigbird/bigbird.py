@@ -1,0 +1,281 @@
+"""BigBird block-sparse attention (Zaheer et al., NeurIPS 2020), ITC construction.
+
+The sequence is cut into blocks of b tokens. Exact softmax attention is computed on a
+block-sparse pattern (the paper's Section 2 graph, blockified as in its Appendix D):
+
+- global blocks: the first and the last block attend to every key and every query
+  attends to them (the internal-transformer construction, g = 2 blocks);
+- sliding window: query block i attends to key blocks i-1, i, i+1 (w = 3 blocks);
+- random: query block i attends to r = 3 further blocks drawn uniformly without
+  replacement among the blocks that are neither global nor in its window, independently
+  per head (as the reference code; per call, from ``generator``).
+
+With the paper's base setting b = 64 and r = 3, a query outside the global blocks sees
+(3 + 2 + 3) b = 512 keys. ``num_features`` is that per-query key budget: the block size
+is b = num_features // (5 + r) (at least 1), so the default 512 gives b = 64, and the
+Skyformer comparisons' 128 would give b = 16.
+
+Computation without an n x n matrix: for each query block the 5 + r key blocks are
+gathered (``[B, H, nb, (5 + r) b, D]``) and attended to by fused masked SDPA (the
+``[b, (5 + r) b]`` logits are never stored); the two global query blocks attend to all
+keys. Time O(N (5 + r) b D), memory O(N (5 + r) D) for the gathered blocks: linear in N.
+
+Padding. Blocks are formed over the *real* tokens, gathered to the front in order
+(``order``), so the last global block is the last block of real tokens, a padded
+sequence has the layout of its truncation, and N need not be a multiple of b (the last
+block is partial; its missing tokens are masked). Duplicate blocks (a window block that
+is also global) are counted once. With a single block (b >= n) attention is dense:
+exact softmax attention. Self-attention only: the window relates query block i to key
+block i.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ...linalg import gather_rows
+from ...registry import Capabilities, register
+from ...sketch.streams import sequence_generators
+from ..shared.inputs import (
+    check_attention_inputs,
+    check_generator,
+    compute_dtype,
+    zero_padded_queries,
+)
+from ..shared.masked import masked_attention
+from ..shared.options import check_nonnegative_int, check_positive_int, check_scale
+
+WINDOW_BLOCKS = 3
+GLOBAL_BLOCKS = 2
+
+
+@dataclass(frozen=True)
+class BigBirdConfig:
+    """Options of BigBird; defaults are the paper's (block 64, 3 random blocks).
+
+    num_features: keys each non-global query attends to, (3 + 2 + r) * block size;
+        block size = num_features // (5 + r) (default 512 -> 64).
+    num_random_blocks: r, random key blocks per query block.
+    scale: softmax logit scale s, ``None`` = 1/sqrt(head dim).
+    """
+
+    num_features: int = 512
+    num_random_blocks: int = 3
+    scale: float | None = None
+
+    def __post_init__(self) -> None:
+        check_positive_int("bigbird", "num_features", self.num_features)
+        check_nonnegative_int("bigbird", "num_random_blocks", self.num_random_blocks)
+        check_scale("bigbird", self.scale)
+
+    @property
+    def block_size(self) -> int:
+        return max(1, self.num_features // (WINDOW_BLOCKS + GLOBAL_BLOCKS + self.num_random_blocks))
+
+
+@dataclass(frozen=True)
+class BigBirdLayout:
+    """The block pattern of one call, over the real tokens gathered to the front."""
+
+    block_size: int
+    order: Tensor | None  # [B, N] long: real positions first, in order (None: no padding)
+    n_valid: Tensor  # [B] long
+    last: Tensor  # [B] long: index of the last real block (-1 if none)
+    random: Tensor  # [B, H, nb, r] long: random key blocks of each query block
+    random_live: Tensor  # [B, H, nb, r] bool
+
+    @property
+    def num_blocks(self) -> int:
+        return self.random.shape[2]
+
+
+def _choose_random_blocks(u: Tensor, last: Tensor, r: int) -> tuple[Tensor, Tensor]:
+    """Random blocks from uniforms ``u: [B, H, nb, r]``: pick j maps floor(u (c - j)) to
+    the (that)-th candidate not yet chosen, among the c middle blocks 1..L-1 outside the
+    window i-1..i+1 (a uniform draw without replacement)."""
+    b, h, nb, _ = u.shape
+    device = u.device
+    i = torch.arange(nb, device=device)[None, :]  # [1, nb]
+    last = last[:, None]  # [B, 1]
+    w_lo = torch.clamp(i - 1, min=1)
+    w_hi = torch.minimum(i + 1, last - 1)
+    in_window = (w_hi - w_lo + 1).clamp_min(0)  # [B, nb]
+    candidates = ((last - 1).clamp_min(0) - in_window).clamp_min(0)  # [B, nb]
+    c = candidates[:, None, :]  # [B, 1, nb]
+    picks: list[Tensor] = []
+    live: list[Tensor] = []
+    for j in range(r):
+        t = (u[..., j] * (c - j).clamp_min(0)).long()  # [B, H, nb]
+        t = torch.minimum(t, (c - j - 1).clamp_min(0))
+        if picks:
+            for prev in torch.sort(torch.stack(picks, dim=-1), dim=-1).values.unbind(-1):
+                t = t + (t >= prev).long()
+        picks.append(t)
+        live.append((c > j).expand(b, h, nb))
+    ranks = torch.stack(picks, dim=-1) if picks else u.new_zeros(b, h, nb, 0, dtype=torch.long)
+    alive = torch.stack(live, dim=-1) if live else torch.zeros_like(ranks, dtype=torch.bool)
+    blocks = 1 + ranks
+    blocks = blocks + torch.where(blocks >= w_lo[:, None, :, None], in_window[:, None, :, None], 0)
+    return blocks.masked_fill(~alive, 0), alive
+
+
+def bigbird_layout(
+    key_valid: Tensor | None,
+    batch: int,
+    heads: int,
+    n: int,
+    block_size: int,
+    num_random_blocks: int,
+    device: torch.device,
+    generator: torch.Generator | None,
+) -> BigBirdLayout:
+    """Draw the random blocks of one call (one stream per sequence, ``sketch.streams``:
+    a sequence with L+1 real blocks draws ``[L+1, H, r]`` uniforms)."""
+    if key_valid is None:
+        order = None
+        n_valid = torch.full((batch,), n, device=device, dtype=torch.long)
+    else:
+        order = torch.argsort((~key_valid).to(torch.uint8), dim=1, stable=True)
+        n_valid = key_valid.sum(dim=1)
+    real_blocks = [math.ceil(x / block_size) for x in n_valid.tolist()]
+    nb = math.ceil(n / block_size)
+    r = num_random_blocks
+    u = torch.zeros(batch, nb, heads, r, device=device)
+    for b, g in enumerate(sequence_generators(batch, generator, device)):
+        if real_blocks[b] and r:
+            u[b, : real_blocks[b]] = torch.rand((real_blocks[b], heads, r), generator=g, device=device)
+    last = torch.tensor(real_blocks, device=device, dtype=torch.long) - 1
+    blocks, alive = _choose_random_blocks(u.permute(0, 2, 1, 3), last, r)
+    return BigBirdLayout(block_size, order, n_valid, last, blocks, alive)
+
+
+def _key_slots(layout: BigBirdLayout) -> tuple[Tensor, Tensor]:
+    """Key blocks of every query block: ``[B, H, nb, 5 + r]`` indices and validity.
+
+    Slots: first block, last block, window i-1, i, i+1, then the random blocks. Rows of
+    the global blocks and of blocks past the last real one have no valid slot (the global
+    rows are computed densely)."""
+    b, h, nb, _ = layout.random.shape
+    device = layout.random.device
+    i = torch.arange(nb, device=device)[None, :]  # [1, nb]
+    last = layout.last[:, None]  # [B, 1]
+    first_idx = torch.zeros_like(i).expand(b, nb)
+    last_idx = last.clamp_min(0).expand(b, nb)
+    window = [i - 1, i, i + 1]
+    fixed = torch.stack([first_idx, last_idx] + [w.expand(b, nb) for w in window], dim=-1)
+    middle_row = (i >= 1) & (i <= last - 1)  # [B, nb]: rows with a sparse pattern
+    fixed_ok = torch.stack(
+        [middle_row, middle_row & (last > 0)]
+        + [middle_row & (w >= 1) & (w <= last - 1) for w in window],
+        dim=-1,
+    )  # [B, nb, 5]
+    index = torch.cat([fixed[:, None].expand(b, h, nb, 5), layout.random], dim=-1)
+    ok = torch.cat(
+        [fixed_ok[:, None].expand(b, h, nb, 5), layout.random_live & middle_row[:, None, :, None]],
+        dim=-1,
+    )
+    return index.clamp(0, nb - 1), ok
+
+
+def _blocks(x: Tensor, nb: int, bs: int) -> Tensor:
+    """``[B, H, N, D] -> [B, H, nb, bs, D]``, zero-padded to nb * bs."""
+    pad = nb * bs - x.shape[2]
+    if pad:
+        x = torch.cat([x, x.new_zeros(*x.shape[:2], pad, x.shape[3])], dim=2)
+    return x.view(*x.shape[:2], nb, bs, x.shape[3])
+
+
+def _gather_blocks(xb: Tensor, index: Tensor) -> Tensor:
+    """Blocks ``index: [B, H, nb, S]`` of ``xb: [B, H, nb, bs, D]``: ``[B, H, nb, S * bs, D]``."""
+    b, h, nb, bs, d = xb.shape
+    s = index.shape[-1]
+    offset = (torch.arange(b * h, device=xb.device) * nb).view(b, h, 1, 1)
+    # whole-block row copies (index_select) are much faster than an expanded gather
+    picked = xb.reshape(b * h * nb, bs * d).index_select(0, (offset + index).flatten())
+    return picked.view(b, h, nb, s * bs, d)
+
+
+@register(
+    "bigbird",
+    BigBirdConfig,
+    Capabilities(target="softmax", randomized=True, cross_attention=False),
+    summary="BigBird block-sparse attention: window + global + random blocks (block 64)",
+)
+def bigbird_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    config: BigBirdConfig,
+    *,
+    key_padding_mask: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """BigBird block-sparse self-attention (module docstring), O(N num_features D) time.
+
+    Args:
+        q, k: ``[B, H, N, D]``; v: ``[B, H, N, Dv]`` (self-attention: Nq == Nk).
+        key_padding_mask: ``[B, N]`` bool, True = real token.
+        generator: draws the random blocks.
+        config: the options (``BigBirdConfig``).
+    Returns:
+        ``[B, H, N, Dv]`` in the dtype of ``q`` (half types computed in float32); rows of
+        padded queries are zero.
+    """
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="bigbird")
+    if info.query_len != info.key_len:
+        raise ValueError(
+            f"bigbird cannot attend with a different number of queries and keys (got "
+            f"Nq={info.query_len}, Nk={info.key_len}): its window relates query block i to "
+            f"key block i."
+        )
+    check_generator("bigbird", generator, q.device)
+    dtype = q.dtype
+    work = compute_dtype(dtype)
+    s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
+    n, bs = info.key_len, config.block_size
+    layout = bigbird_layout(info.key_valid, info.batch, info.heads, n, bs,
+                            config.num_random_blocks, q.device, generator)
+    qw, kw, vw = q.to(work) * s, k.to(work), v.to(work)
+    if layout.order is not None:
+        order = layout.order[:, None, :]  # [B, 1, N]: the same order for every head
+        qw, kw, vw = (gather_rows(x, order.expand(*x.shape[:3])) for x in (qw, kw, vw))
+    nb = layout.num_blocks
+    real = torch.arange(nb * bs, device=q.device)[None, :] < layout.n_valid[:, None]  # [B, nb*bs]
+    qb, kb, vb = _blocks(qw, nb, bs), _blocks(kw, nb, bs), _blocks(vw, nb, bs)
+
+    index, ok = _key_slots(layout)  # [B, H, nb, S]
+    keys, values = _gather_blocks(kb, index), _gather_blocks(vb, index)  # [B, H, nb, S*bs, D]
+    real_b = real.view(info.batch, 1, nb, bs).expand(-1, info.heads, -1, -1)
+    key_ok = (real_b.gather(2, index.reshape(*index.shape[:2], -1, 1).expand(-1, -1, -1, bs))
+              .view(*index.shape, bs) & ok[..., None]).flatten(-2)  # [B, H, nb, S*bs]
+    # Fused masked SDPA over (batch, head, query block): the [bs, S*bs] logits of each
+    # block are never stored.
+    bh = (info.batch, info.heads * nb)
+    out = masked_attention(
+        qb.reshape(*bh, bs, -1), keys.reshape(*bh, keys.shape[-2], -1),
+        values.reshape(*bh, keys.shape[-2], -1), key_ok.reshape(*bh, 1, -1),
+    ).view(info.batch, info.heads, nb, bs, -1)  # [B, H, nb, bs, Dv]
+
+    # Global query blocks (first and last real block) attend to every real key.
+    ends = torch.stack([torch.zeros_like(layout.last), layout.last.clamp_min(0)], dim=1)  # [B, 2]
+    q_glob = gather_rows(
+        qb.flatten(-2), ends[:, None, :].expand(-1, info.heads, -1)
+    ).view(info.batch, info.heads, 2 * bs, -1)  # [B, H, 2*bs, D]
+    glob = masked_attention(
+        q_glob, kb.flatten(2, 3), vb.flatten(2, 3), real[:, None, None, :]
+    ).view(info.batch, info.heads, 2, bs, -1)  # [B, H, 2, bs, Dv]
+    block = torch.arange(nb, device=q.device)[None, :]
+    is_first = (block == 0)[:, None, :, None, None]
+    is_last = (block == layout.last[:, None])[:, None, :, None, None]
+    out = torch.where(is_first, glob[:, :, :1], torch.where(is_last, glob[:, :, 1:], out))
+
+    out = out.flatten(2, 3)[:, :, :n]  # [B, H, N, Dv] in gathered order
+    if layout.order is not None:
+        out = torch.zeros_like(out).scatter(
+            2, layout.order[:, None, :, None].expand(*out.shape), out
+        )
+    return zero_padded_queries(out, info.query_valid).to(dtype)

@@ -1,0 +1,205 @@
+"""Informer's ProbSparse self-attention (Zhou et al., AAAI 2021), Section 3.1.
+
+Only the u "active" queries attend; the others ("lazy") output the mean of the values:
+
+1. For each query, sample U = c * ceil(ln n_k) keys uniformly with replacement
+   (c = ``factor`` = 5 as in Informer) and evaluate the max-mean sparsity measurement
+   of eq. (4) on them:  M(q_i) = max_j (s q_i.k_j) - mean_j (s q_i.k_j),  s = 1/sqrt(D).
+2. Keep the top u queries by M, u = c * ceil(ln n_q) (``num_features=None``), or
+   u = ``num_features`` when given (the number of queries that attend: with 128, as in
+   the Skyformer comparisons, 128 N entries of the attention matrix are visited).
+3. Active queries get exact softmax attention over all keys (eq. (3), fused masked SDPA); lazy queries get
+   mean(V) over the real keys (self-attention without a causal mask).
+
+n_q and n_k are the numbers of *real* queries and keys; u and U are capped by them
+and are at least 1. With u >= n_q every query is active and the output is exact softmax
+attention. Costs: O(N U D) for the measurement (computed without gradient, in chunks of
+queries, since only the ranking is used), O(u N) for the active rows.
+
+Differences from the reference code, on purpose: the mean in M is over the sampled keys,
+as in eq. (4) (the code divides the sampled sum by n_k); key samples are drawn per
+sequence from the caller's generator (``sketch.streams``), among real keys only, so
+that padding never changes the samples; Informer shares one sample across the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ...registry import Capabilities, register
+from ...sketch.streams import sequence_generators
+from ..shared.inputs import (
+    AttentionInputs,
+    check_attention_inputs,
+    check_generator,
+    compute_dtype,
+    mean_values,
+    zero_padded_queries,
+)
+from ..shared.masked import masked_attention
+from ..shared.options import check_optional_positive_int, check_positive_int, check_scale
+
+_CHUNK_ELEMENTS = 1 << 22  # bound on the [B, H, chunk, U, D] gather of sampled keys
+
+
+@dataclass(frozen=True)
+class InformerConfig:
+    """Options of ProbSparse attention; defaults are Informer's.
+
+    num_features: number u of active queries; ``None`` = factor * ceil(ln n_q).
+    factor: sampling factor c (keys sampled per query: c * ceil(ln n_k)).
+    scale: softmax logit scale s, ``None`` = 1/sqrt(head dim).
+    """
+
+    num_features: int | None = None
+    factor: int = 5
+    scale: float | None = None
+
+    def __post_init__(self) -> None:
+        check_optional_positive_int("informer", "num_features", self.num_features)
+        check_positive_int("informer", "factor", self.factor)
+        check_scale("informer", self.scale)
+
+
+def log_budget(factor: int, n: int) -> int:
+    """Informer's c * ceil(ln n), capped at n and at least 1 (0 for n = 0)."""
+    if n <= 0:
+        return 0
+    return max(1, min(n, factor * math.ceil(math.log(n))))
+
+
+@dataclass(frozen=True)
+class KeySamples:
+    """Sampled key positions for every query."""
+
+    index: Tensor  # [B, Nq, U] long (0 where not live)
+    live: Tensor  # [B, Nq, U] bool: real query and within its sequence's sample size
+
+
+def _real_positions(valid: Tensor | None, batch: int, n: int, device: torch.device) -> list[Tensor]:
+    if valid is None:
+        return [torch.arange(n, device=device)] * batch
+    return [valid[b].nonzero()[:, 0] for b in range(batch)]
+
+
+def sample_keys(info: AttentionInputs, factor: int, device: torch.device,
+                generator: torch.Generator | None) -> KeySamples:
+    """Draw c * ceil(ln n_k) real keys per real query, uniformly with replacement.
+
+    Each sequence draws from its own stream (``sketch.streams``) a ``[n_q, U]`` uniform
+    tensor; the query of rank r among the real queries uses row r, and a draw x picks
+    the real key of rank floor(x n_k). A padded sequence therefore draws what its
+    truncation draws.
+    """
+    q_pos = _real_positions(info.query_valid, info.batch, info.query_len, device)
+    k_pos = _real_positions(info.key_valid, info.batch, info.key_len, device)
+    sizes = [log_budget(factor, len(p)) for p in k_pos]
+    width = max(max(sizes), 1)
+    index = torch.zeros(info.batch, info.query_len, width, dtype=torch.long, device=device)
+    live = torch.zeros(info.batch, info.query_len, width, dtype=torch.bool, device=device)
+    for b, g in enumerate(sequence_generators(info.batch, generator, device)):
+        n_k, size = len(k_pos[b]), sizes[b]
+        if n_k == 0 or len(q_pos[b]) == 0:
+            continue
+        draws = torch.rand((len(q_pos[b]), size), generator=g, device=device)
+        rank = (draws * n_k).long().clamp_max(n_k - 1)
+        index[b, q_pos[b], :size] = k_pos[b][rank]
+        live[b, q_pos[b], :size] = True
+    return KeySamples(index, live)
+
+
+@torch.no_grad()
+def sparsity_measurement(q: Tensor, k: Tensor, samples: KeySamples, scale: float,
+                         query_valid: Tensor | None) -> Tensor:
+    """M(q_i) = max - mean of s q_i.k_j over the sampled keys (eq. (4)): ``[B, H, Nq]``.
+
+    ``-inf`` for padded queries (never selected). Chunked over queries so that the
+    gathered keys take at most ``_CHUNK_ELEMENTS`` entries.
+    """
+    b, h, nq, d = q.shape
+    width = samples.index.shape[-1]
+    chunk = max(1, _CHUNK_ELEMENTS // max(1, b * h * width * d))
+    out = torch.empty(b, h, nq, dtype=q.dtype, device=q.device)
+    rows = k.reshape(-1, d)  # [B*H*Nk, D]: whole-row copies are faster than gather
+    offset = (torch.arange(b * h, device=q.device) * k.shape[2]).view(b, h, 1)
+    for start in range(0, nq, chunk):
+        stop = min(nq, start + chunk)
+        idx = samples.index[:, start:stop]  # [B, C, U]
+        live = samples.live[:, None, start:stop]  # [B, 1, C, U]
+        keys = rows.index_select(0, (offset + idx.reshape(b, 1, -1)).flatten()).view(
+            b, h, stop - start, width, d
+        )  # [B, H, C, U, D]
+        scores = (q[:, :, start:stop, None, :] @ keys.transpose(-1, -2))[..., 0, :] * scale  # [B, H, C, U]
+        top = scores.masked_fill(~live, float("-inf")).amax(dim=-1)
+        mean = (scores * live).sum(-1) / live.sum(-1).clamp_min(1)
+        out[:, :, start:stop] = top - mean
+    if query_valid is not None:
+        out = out.masked_fill(~query_valid[:, None, :], float("-inf"))
+    return out
+
+
+def active_counts(info: AttentionInputs, num_features: int | None, factor: int) -> list[int]:
+    """u per sequence: num_features or c * ceil(ln n_q), capped by n_q."""
+    n_q = (
+        [info.query_len] * info.batch if info.query_valid is None
+        else info.query_valid.sum(dim=1).tolist()
+    )
+    if num_features is None:
+        return [log_budget(factor, n) for n in n_q]
+    return [min(num_features, n) for n in n_q]
+
+
+@register(
+    "informer",
+    InformerConfig,
+    Capabilities(target="softmax", randomized=True),
+    summary="Informer ProbSparse attention: top-u queries by sampled max-mean measurement",
+)
+def informer_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    config: InformerConfig,
+    *,
+    key_padding_mask: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """ProbSparse self-attention (module docstring), O(N log N) time and memory.
+
+    Args:
+        q: ``[B, H, Nq, D]``; k: ``[B, H, Nk, D]``; v: ``[B, H, Nk, Dv]``.
+        key_padding_mask: ``[B, Nk]`` bool, True = real token.
+        generator: draws the sampled keys (the only randomness).
+        config: the options (``InformerConfig``).
+    Returns:
+        ``[B, H, Nq, Dv]`` in the dtype of ``q`` (half types computed in float32); rows of
+        padded queries (self-attention) are zero.
+    """
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="informer")
+    check_generator("informer", generator, q.device)
+    dtype = q.dtype
+    work = compute_dtype(dtype)
+    s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
+    qw, kw, vw = q.to(work), k.to(work), v.to(work)
+    samples = sample_keys(info, config.factor, q.device, generator)
+    measure = sparsity_measurement(qw, kw, samples, s, info.query_valid)  # [B, H, Nq]
+    counts = active_counts(info, config.num_features, config.factor)
+    u = max(max(counts), 1)
+    top = measure.topk(u, dim=-1, sorted=True).indices  # [B, H, u]
+    active = torch.arange(u, device=q.device) < torch.tensor(counts, device=q.device)[:, None]
+
+    b, h, _, d = qw.shape
+    q_top = qw.gather(2, top[..., None].expand(b, h, u, d))  # [B, H, u, D]
+    visible = None if info.key_valid is None else info.key_valid[:, None, None, :]
+    attended = masked_attention(q_top * s, kw, vw, visible)  # [B, H, u, Dv]
+    lazy = mean_values(vw, info.key_valid)  # [B, H, 1, Dv]
+    rows = torch.where(active[:, None, :, None], attended, lazy)  # [B, H, u, Dv]
+    dv = vw.shape[-1]
+    out = lazy.expand(b, h, info.query_len, dv).scatter(
+        2, top[..., None].expand(b, h, u, dv), rows
+    )
+    return zero_padded_queries(out, info.query_valid).to(dtype)

@@ -1,0 +1,134 @@
+"""Naive KDEformer (Algorithm 3) with the matrices of the paper materialised.
+
+For given draws, per batch element and head: the N x N attention matrix A, the 0/1
+block pattern of the equal-sized angular LSH (labels from explicit sign bits, Gray
+ranks from the closed form g ^ (g >> 1), Python ``sorted``), A_spar and A_res, the
+one-hot sampling matrices of the uniform KDE estimates, p, and the explicit sampling
+matrix Pi_res with rows e_l / sqrt(m p_l); then D~^-1 (A_spar V + A_res Pi^T Pi V).
+Memory O(N^2), Python loops: for tests only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ..shared.inputs import check_attention_inputs, zero_padded_queries
+from .kdeformer import KDEformerConfig, KDEformerDraws
+
+
+def _gray_rank(label: int) -> int:
+    """Position of ``label`` in the reflected Gray code, whose t-th word is t ^ (t >> 1)."""
+    rank = 0
+    while label:
+        rank ^= label
+        label >>= 1
+    return rank
+
+
+def _sorted_rows(x: Tensor, planes: Tensor, real: list[int], n: int) -> list[int]:
+    labels = {}
+    for i in real:
+        bits = (x[i] @ planes > 0).tolist()
+        labels[i] = sum(1 << r for r, bit in enumerate(bits) if bit)
+    order = sorted(real, key=lambda i: (_gray_rank(labels[i]), i))
+    return order + [i for i in range(n) if i not in labels]
+
+
+def reference_block_pattern(
+    q: Tensor, k: Tensor, hyperplanes: Tensor, block_size: int, *,
+    key_padding_mask: Tensor | None = None,
+) -> Tensor:
+    """``[B, H, Nq, Nk]`` bool: query i and key j fall in the same equal-sized LSH bucket
+    (Definition A.3 applied to queries and keys with the same hyperplanes)."""
+    b, h, nq, _ = q.shape
+    nk = k.shape[2]
+    kv = key_padding_mask if key_padding_mask is not None else torch.ones(b, nk, dtype=torch.bool)
+    qv = kv if nq == nk else torch.ones(b, nq, dtype=torch.bool)
+    blocks = math.ceil(nk / block_size)
+    q_size = block_size if nq == nk else math.ceil(nq / blocks)
+    pattern = torch.zeros(b, h, nq, nk, dtype=torch.bool)
+    for bi in range(b):
+        q_real = [i for i in range(nq) if qv[bi, i]]
+        k_real = [j for j in range(nk) if kv[bi, j]]
+        for hi in range(h):
+            planes = hyperplanes[bi, hi].to(q.dtype)
+            q_order = _sorted_rows(q[bi, hi], planes, q_real, nq)
+            k_order = _sorted_rows(k[bi, hi], planes, k_real, nk)
+            q_blk = torch.empty(nq, dtype=torch.long)
+            k_blk = torch.empty(nk, dtype=torch.long)
+            for t, i in enumerate(q_order):
+                q_blk[i] = t // q_size
+            for t, j in enumerate(k_order):
+                k_blk[j] = t // block_size
+            pattern[bi, hi] = q_blk[:, None] == k_blk[None, :]
+    return pattern
+
+
+def _uniform_pick(u: float, real: list[int]) -> int:
+    t = min(math.floor(float(u) * len(real)), len(real) - 1)
+    return real[t]
+
+
+def reference_kdeformer_attention(
+    q: Tensor, k: Tensor, v: Tensor, draws: KDEformerDraws, *,
+    key_padding_mask: Tensor | None = None, **options,
+) -> Tensor:
+    """D~^-1 (A_spar V + A_res Pi_res^T Pi_res V) with everything materialised (eq. (11)).
+
+    ``draws`` as made by ``draw_kdeformer`` for the same options. ``[B, H, Nq, Dv]``.
+    """
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="kdeformer reference")
+    cfg = KDEformerConfig(**options)
+    b, h, nq, d = q.shape
+    nk = k.shape[2]
+    s_scale = cfg.scale if cfg.scale is not None else 1.0 / math.sqrt(d)
+    kv = key_padding_mask if key_padding_mask is not None else torch.ones(b, nk, dtype=torch.bool)
+    qv = kv if nq == nk else torch.ones(b, nq, dtype=torch.bool)
+    if cfg.blocks > 0:
+        pattern = reference_block_pattern(
+            q.detach(), k.detach(), draws.hyperplanes, cfg.blocks, key_padding_mask=key_padding_mask
+        ).to(q.dtype)
+    else:
+        pattern = torch.zeros(b, h, nq, nk, dtype=q.dtype)
+    m, s = cfg.num_features, cfg.samples
+    rows = []
+    for bi in range(b):
+        k_real = [j for j in range(nk) if kv[bi, j]]
+        q_real = [i for i in range(nq) if qv[bi, i]]
+        real_cols = kv[bi].to(q.dtype)
+        heads = []
+        for hi in range(h):
+            a = torch.exp(s_scale * q[bi, hi] @ k[bi, hi].T) * real_cols  # A  [Nq, Nk]
+            a_spar = a * pattern[bi, hi]
+            a_res = a - a_spar
+            # alpha: exact sparse row sums + (n/s) * residual entries at s uniform keys.
+            u_keys = torch.zeros(s, nk, dtype=q.dtype)
+            for r in range(s):
+                u_keys[r, _uniform_pick(draws.key_uniform[bi, hi, r], k_real)] += 1.0
+            alpha = a_spar.sum(1) + len(k_real) / s * (a_res @ u_keys.T).sum(1)
+            # residual column norms of D~^-1 A at s uniform queries, p, Pi_res.
+            with torch.no_grad():
+                u_queries = torch.zeros(s, nq, dtype=q.dtype)
+                for r in range(s):
+                    u_queries[r, _uniform_pick(draws.query_uniform[bi, hi, r], q_real)] += 1.0
+                x = a_res.detach() / alpha.detach()[:, None]  # D~^-1 A_res
+                norms = len(q_real) / s * (u_queries @ (x * x)).sum(0)
+                v_real = v[bi, hi].detach() * real_cols[:, None]
+                gamma = torch.linalg.matrix_norm(v_real, ord=2) ** -2
+                p = (norms + gamma * (v_real * v_real).sum(1)) * real_cols
+                p = p / p.sum()
+                cdf = torch.cumsum(p, 0)
+                pi = torch.zeros(m, nk, dtype=q.dtype)
+                for r in range(m):
+                    target = float(draws.column_uniform[bi, hi, r]) * float(cdf[-1])
+                    col = min(int((cdf <= target).sum()), nk - 1)
+                    pi[r, col] = 1.0 / math.sqrt(m * float(p[col]))
+            residual = a_res @ pi.T @ pi  # A_res Pi^T Pi  [Nq, Nk]
+            approx = a_spar + residual
+            d_tilde = approx.sum(1) if cfg.normalizer == "sampled" else alpha
+            heads.append((approx @ v[bi, hi]) / d_tilde[:, None])
+        rows.append(torch.stack(heads))
+    return zero_padded_queries(torch.stack(rows), info.query_valid)

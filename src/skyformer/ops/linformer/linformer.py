@@ -1,0 +1,201 @@
+"""Linformer (Wang et al., 2020): attention over k projected keys and values.
+
+Linformer's linear self-attention head (Wang et al. 2020, Section 4) computes
+
+    softmax( s Q (E K)^T ) (F V),        E, F: [k, N],   s = 1/sqrt(D),
+
+so the attention matrix is ``[N, k]``: O(N k) time; it is applied through fused masked
+SDPA and never stored, so memory is O(N D + k N) for the projections. E and F are
+learned, one pair per head (the paper's unshared setting; ``share_kv`` is its
+key-value sharing, E = F), and have one column per position up to a fixed
+``max_seq_len``: a shorter input uses their first N columns, as if it were padded.
+
+Padding. Padded keys and values are zeroed before projecting, so they enter no
+projected key or value. A projected slot whose key row of E has no weight on any real
+token holds nothing (its key is the zero vector and carries no token): it is masked
+out of the softmax instead of diluting it. With E = F = I (k = N) this makes
+Linformer exactly masked softmax attention; for dense projections no slot is empty.
+A padded input has the output of its truncation (the first N columns of E and F,
+zeroed padded rows: the same sums).
+
+Called directly without ``proj_k``/``proj_v``, E and F are fixed Gaussian
+Johnson-Lindenstrauss projections with N(0, 1/k) entries (the distribution of the
+paper's Theorems 1-2) drawn from ``generator``, column by column, so that the first N
+columns do not depend on the input length. ``MultiHeadAttention`` instead owns learned
+E and F (``LinformerProjections``), initialised from the same distribution.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from ...registry import Capabilities, register
+from ...sketch.streams import gaussian_columns
+from ..shared.inputs import (
+    check_attention_inputs,
+    check_generator,
+    compute_dtype,
+    zero_padded_queries,
+)
+from ..shared.masked import masked_attention
+from ..shared.options import (
+    check_bool,
+    check_optional_positive_int,
+    check_positive_int,
+    check_scale,
+)
+
+
+@dataclass(frozen=True)
+class LinformerConfig:
+    """Options of Linformer; defaults are the settings of the Skyformer comparisons.
+
+    num_features: projected length k (rows of E and F), 128 as in the Skyformer
+        paper's LRA comparison.
+    max_seq_len: columns of the learned E and F, i.e. the longest input. Required by
+        ``MultiHeadAttention`` (learned projections); optional for direct calls, where
+        it only bounds the input length.
+    share_kv: one projection for keys and values (E = F, the paper's key-value sharing).
+    scale: softmax logit scale s, ``None`` = 1/sqrt(head dim).
+    """
+
+    num_features: int = 128
+    max_seq_len: int | None = None
+    share_kv: bool = False
+    scale: float | None = None
+
+    def __post_init__(self) -> None:
+        check_positive_int("linformer", "num_features", self.num_features)
+        check_optional_positive_int("linformer", "max_seq_len", self.max_seq_len)
+        check_bool("linformer", "share_kv", self.share_kv)
+        check_scale("linformer", self.scale)
+
+
+class LinformerProjections(nn.Module):
+    """Per-layer learned projections E, F: ``[H, k, max_seq_len]`` each (one if shared).
+
+    Initialised with N(0, 1/k) entries: at initialisation the layer computes the
+    Johnson-Lindenstrauss projected attention of Linformer's Theorem 2.
+    """
+
+    def __init__(self, config: LinformerConfig, num_heads: int, head_dim: int) -> None:
+        super().__init__()
+        if config.max_seq_len is None:
+            raise ValueError(
+                "linformer needs a fixed max_seq_len: its learned projections have one column "
+                "per position; pass e.g. MultiHeadAttention(dim, heads, method='linformer', "
+                "max_seq_len=4096)."
+            )
+        shape = (num_heads, config.num_features, config.max_seq_len)
+        std = 1.0 / math.sqrt(config.num_features)
+        self.proj_k = nn.Parameter(torch.randn(shape) * std)
+        self.proj_v = None if config.share_kv else nn.Parameter(torch.randn(shape) * std)
+
+    def forward(self, q: Tensor, k: Tensor) -> dict[str, Tensor]:
+        proj_v = self.proj_k if self.proj_v is None else self.proj_v
+        return {"proj_k": self.proj_k, "proj_v": proj_v}
+
+
+def _check_projection(name: str, p: Tensor, heads: int, k: int, n: int,
+                      max_seq_len: int | None) -> Tensor:
+    """Validate ``p`` (``[H, k, L]`` or ``[k, L]``) and return its first n columns."""
+    if not isinstance(p, Tensor) or p.dim() not in (2, 3) or p.shape[-2] != k or (
+        p.dim() == 3 and p.shape[0] != heads
+    ):
+        shape = tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__
+        raise ValueError(
+            f"linformer: {name} must have shape [H, num_features, L] = [{heads}, {k}, L] or "
+            f"[{k}, L], got {shape}."
+        )
+    if p.shape[-1] < n:
+        raise ValueError(
+            f"linformer: {name} has {p.shape[-1]} columns but the input has {n} keys; "
+            f"projections need one column per position (max_seq_len >= N)."
+        )
+    if max_seq_len is not None and p.shape[-1] != max_seq_len:
+        raise ValueError(
+            f"linformer: {name} has {p.shape[-1]} columns but max_seq_len={max_seq_len}."
+        )
+    return p[..., :n]
+
+
+@register(
+    "linformer",
+    LinformerConfig,
+    Capabilities(target="softmax", randomized=True, fixed_length=True, learned_parameters=True),
+    summary="Linformer: softmax attention over k projected keys/values (E, F: k x N)",
+    state=LinformerProjections,
+)
+def linformer_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    config: LinformerConfig,
+    *,
+    key_padding_mask: Tensor | None = None,
+    generator: torch.Generator | None = None,
+    proj_k: Tensor | None = None,
+    proj_v: Tensor | None = None,
+) -> Tensor:
+    """Linformer attention (linear self-attention head, Section 4), O(N k).
+
+    Args:
+        q: ``[B, H, Nq, D]``; k: ``[B, H, Nk, D]``; v: ``[B, H, Nk, Dv]``.
+        config: the options (``LinformerConfig``).
+        key_padding_mask: ``[B, Nk]`` bool, True = real token.
+        generator: draws E and F when they are not given (module docstring).
+        proj_k, proj_v: E and F, ``[H, k, L]`` (or ``[k, L]`` shared by the heads) with
+            L >= Nk; both or neither.
+    Returns:
+        ``[B, H, Nq, Dv]`` in the dtype of ``q`` (half types computed in float32); rows of
+        padded queries (self-attention) are zero.
+    """
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="linformer")
+    check_generator("linformer", generator, q.device)
+    cfg = config
+    n = info.key_len
+    if cfg.max_seq_len is not None and n > cfg.max_seq_len:
+        raise ValueError(
+            f"linformer: the input has {n} keys but max_seq_len={cfg.max_seq_len}; its "
+            f"projections have one column per position, so truncate the input or build the "
+            f"layer with a larger max_seq_len."
+        )
+    if (proj_k is None) != (proj_v is None):
+        raise ValueError("linformer: pass both proj_k and proj_v, or neither.")
+    dtype = q.dtype
+    work = compute_dtype(dtype)
+    if proj_k is None:
+        e = gaussian_columns((info.heads, cfg.num_features), n, generator, q.device)
+        f = e if cfg.share_kv else gaussian_columns(
+            (info.heads, cfg.num_features), n, generator, q.device
+        )
+        e, f = (p * (1.0 / math.sqrt(cfg.num_features)) for p in (e, f))
+    else:
+        e = _check_projection("proj_k", proj_k, info.heads, cfg.num_features, n, cfg.max_seq_len)
+        f = _check_projection("proj_v", proj_v, info.heads, cfg.num_features, n, cfg.max_seq_len)
+    e, f = e.to(work), f.to(work)  # [H, k, Nk] or [k, Nk]
+
+    kw, vw = k.to(work), v.to(work)
+    with torch.no_grad():  # which slots have weight on a real key (bool, no float copy of E)
+        support = e != 0  # [H, k, Nk] or [k, Nk]
+        if info.key_valid is None:
+            slot_live = support.any(dim=-1)  # [H, k] or [k]
+        else:
+            real_keys = info.key_valid[:, None, None, :] if e.dim() == 3 else info.key_valid[:, None, :]
+            slot_live = (support & real_keys).any(dim=-1)  # [B, H, k] or [B, k]
+            if e.dim() == 2:
+                slot_live = slot_live[:, None, :]
+    if info.key_valid is not None:
+        real = info.key_valid[:, None, :, None].to(work)  # [B, 1, Nk, 1]
+        kw, vw = kw * real, vw * real
+    k_proj = e @ kw  # [B, H, k, D]
+    v_proj = f @ vw  # [B, H, k, Dv]
+    s = cfg.scale if cfg.scale is not None else 1.0 / math.sqrt(info.head_dim)
+    visible = None if bool(slot_live.all()) else slot_live[..., None, :]
+    # softmax(s Q K_proj^T) V_proj by fused SDPA: the [Nq, k] matrix is never stored
+    out = masked_attention(q.to(work) * s, k_proj, v_proj, visible)  # [B, H, Nq, Dv]
+    return zero_padded_queries(out, info.query_valid).to(dtype)

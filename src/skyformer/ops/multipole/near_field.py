@@ -1,0 +1,91 @@
+"""The multipole near field, block by block, without keeping its score blocks.
+
+Each block g of ``s`` queries (one cluster, ``layout.block_layout``) meets the
+cluster's ``t`` near keys exactly:
+
+    l = q k^T + b,   M = max_j l (per query, no gradient),   out = exp(l - M) [v, 1]
+
+Formed whole, the scores and their exponentials are 1.5 N t floats per head, kept for the
+backward pass. Here groups of blocks small enough to stay in cache are computed at
+once and the backward pass rebuilds them (as ``linalg.kernel_matmul`` does for the
+[N, m] kernel blocks), with E = exp(l - M) and G the output gradient:
+
+    dE = (G [v, 1]^T) * E,   dq = dE k,   dk = dE^T q,   db = 1^T dE,   d[v, 1] = E^T G.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+# Elements of one group of score blocks: 2^18 float32 = 1 MiB, as kernel_matmul's chunks.
+CHUNK_ELEMENTS = 2**18
+
+
+def _scores(q: Tensor, kt: Tensor, bias: Tensor, top: Tensor | None) -> tuple[Tensor, Tensor]:
+    """exp(q k^T + b - M) for one group and M (0 for rows without a finite score)."""
+    e = torch.baddbmm(bias, q, kt)  # [g, s, t]
+    if top is None:
+        top = e.amax(-1, keepdim=True)
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    return e.sub_(top).exp_(), top
+
+
+class _NearField(torch.autograd.Function):
+    """(M, exp(l - M) V) per block; see the module docstring. M carries no gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, bias: Tensor, v: Tensor, chunk: int
+                ) -> tuple[Tensor, Tensor]:
+        groups, s, _ = q.shape
+        out = q.new_empty(groups, s, v.shape[-1])
+        top = q.new_empty(groups, s, 1)
+        kt = k.transpose(1, 2)
+        for g in range(0, groups, chunk):
+            rows = slice(g, g + chunk)
+            e, top[rows] = _scores(q[rows], kt[rows], bias[rows], None)
+            torch.bmm(e, v[rows], out=out[rows])
+        ctx.save_for_backward(q, k, bias, v, top)
+        ctx.chunk = chunk
+        ctx.mark_non_differentiable(top)
+        return top, out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, _: Tensor | None, grad: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, bias, v, top = ctx.saved_tensors
+        chunk = ctx.chunk
+        dq, dk = torch.empty_like(q), torch.empty_like(k)
+        db, dv = torch.empty_like(bias), torch.empty_like(v)
+        kt, vt = k.transpose(1, 2), v.transpose(1, 2)
+        for g in range(0, q.shape[0], chunk):
+            rows = slice(g, g + chunk)
+            e, _ = _scores(q[rows], kt[rows], bias[rows], top[rows])
+            torch.bmm(e.transpose(1, 2), grad[rows], out=dv[rows])
+            de = torch.bmm(grad[rows], vt[rows]).mul_(e)  # [g, s, t]
+            torch.bmm(de, k[rows], out=dq[rows])
+            torch.bmm(de.transpose(1, 2), q[rows], out=dk[rows])
+            torch.sum(de, dim=1, keepdim=True, out=db[rows])
+        return dq, dk, db, dv, None
+
+
+def near_field(q: Tensor, k: Tensor, bias: Tensor, v: Tensor, *, chunk: int | None = None
+               ) -> tuple[Tensor, Tensor]:
+    """Exact near-field sums of query blocks against their key blocks.
+
+    Args:
+        q: ``[G, s, D]`` query rows of each block; k: ``[G, t, D]`` its near keys.
+        bias: ``[G, 1, t]`` per-key logit bias (-inf: no key); v: ``[G, t, R]``.
+        chunk: blocks per group (default: about 1 MiB of scores).
+    Returns:
+        (M ``[G, s, 1]``, no gradient; exp(q k^T + b - M) v ``[G, s, R]``), differentiable
+        in q, k, bias and v; the scores are rebuilt in the backward pass, not stored.
+    """
+    groups, s, _ = q.shape
+    if chunk is None:
+        chunk = max(1, CHUNK_ELEMENTS // max(1, s * k.shape[1]))
+    bias = bias.expand(groups, 1, k.shape[1]).contiguous()
+    return _NearField.apply(q.contiguous(), k.contiguous(), bias, v.contiguous(), chunk)

@@ -1,0 +1,110 @@
+"""Options of the multipole methods and how a budget splits between their parts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..shared.options import (
+    check_nonnegative_int,
+    check_optional_positive_int,
+    check_positive_float,
+    check_positive_int,
+)
+
+
+@dataclass(frozen=True)
+class MultipoleOptions:
+    """Options of the multipole (near field + far-field expansion) methods.
+
+    num_features: kernel evaluations per query: clusters + near keys + window keys.
+    window: local window half-width w (keys |i - j| <= w, self-attention only; 0 = none,
+        the default: with the first-order far field it bought little on MiniLM, see
+        ``docs/accuracy-first.md``); shrunk to at most a quarter of ``num_features``.
+    lsh_block: keys per angular-LSH bucket (KDEformer Appendix A, Hamming-ordered
+        equal-sized buckets) computed exactly for each query (0 = none); at most a
+        quarter of ``num_features``. Exclusive with ``window``.
+    lsh_hyperplanes: hyperplanes r of the LSH (2^r buckets before equal-size cutting).
+    clusters: number of query clusters c; ``None`` = half of what the window leaves.
+        The remaining budget goes to the near keys of each cluster.
+    tilt_rank: value directions kept in the far-field covariance term (0 = zeroth-order
+        far field, ``None`` = every direction).
+    tilt_sample: keys (a uniform sample, shared by the clusters) from which the
+        covariance term is estimated (``None`` = every key); caps its cost at
+        c * tilt_sample * D * tilt_rank whatever N.
+    kmeans_iterations: Lloyd iterations on the k-means sub-sample.
+    kmeans_sample: rows sub-sampled for the Lloyd iterations (``None`` = all).
+    tolerance: target relative error; when set, each head takes the smallest budget of
+        the ladder m/8 .. m (m = ``num_features``) whose error, measured on ``probe``
+        exact query rows, is at most ``tolerance`` (``targeted.py``).
+    probe: query rows computed exactly to estimate the error (with ``tolerance``).
+    """
+
+    num_features: int = 128
+    window: int = 0
+    lsh_block: int = 0
+    lsh_hyperplanes: int = 7
+    clusters: int | None = None
+    tilt_rank: int | None = 8
+    tilt_sample: int | None = 2048
+    kmeans_iterations: int = 10
+    kmeans_sample: int | None = 2048
+    tolerance: float | None = None
+    probe: int = 32
+
+    def validate(self, method: str) -> None:
+        check_positive_int(method, "num_features", self.num_features)
+        for name in ("window", "lsh_block", "kmeans_iterations"):
+            check_nonnegative_int(method, name, getattr(self, name))
+        check_positive_int(method, "probe", self.probe)
+        check_positive_int(method, "lsh_hyperplanes", self.lsh_hyperplanes)
+        if self.lsh_hyperplanes > 30:
+            raise ValueError(
+                f"{method}: lsh_hyperplanes must be at most 30 (2^r buckets), "
+                f"got {self.lsh_hyperplanes}."
+            )
+        if self.window and self.lsh_block:
+            raise ValueError(
+                f"{method}: choose one of window={self.window} and lsh_block={self.lsh_block} "
+                f"for the per-query exact keys (set the other to 0)."
+            )
+        if self.tolerance is not None:
+            check_positive_float(method, "tolerance", self.tolerance)
+            if self.clusters is not None:
+                raise ValueError(
+                    f"{method}: clusters cannot be combined with tolerance (each budget of the "
+                    f"ladder uses its own split); leave clusters=None."
+                )
+        for name in ("clusters", "kmeans_sample", "tilt_sample"):
+            check_optional_positive_int(method, name, getattr(self, name))
+        if self.tilt_rank is not None:
+            check_nonnegative_int(method, "tilt_rank", self.tilt_rank)
+        window, lsh, _, _ = feature_split(self.num_features, self.window, None,
+                                          self_attention=True, lsh_block=self.lsh_block)
+        extra = (2 * window + 1 if window else 0) + lsh
+        left = self.num_features - extra
+        if self.clusters is not None and self.clusters > left:
+            raise ValueError(
+                f"{method}: clusters={self.clusters} leaves no budget: num_features="
+                f"{self.num_features} with {extra} window/LSH keys allows at most {left} "
+                f"clusters; raise num_features or lower clusters."
+            )
+
+
+def feature_split(
+    num_features: int, window: int, clusters: int | None, *, self_attention: bool,
+    lsh_block: int = 0,
+) -> tuple[int, int, int, int]:
+    """(window half-width, LSH block, clusters, near keys) for ``num_features`` per query.
+
+    The window (2w + 1 keys, self-attention only) or the LSH bucket takes at most a
+    quarter of the budget; of the rest, ``clusters`` (default: half, at least 1) are
+    cluster centres and the remainder near keys.
+    """
+    quarter = num_features // 4
+    w = 0
+    if self_attention and window > 0:
+        w = min(window, max(0, (quarter - 1) // 2))
+    lsh = min(lsh_block, quarter) if lsh_block > 0 else 0
+    left = num_features - (2 * w + 1 if w else 0) - lsh
+    c = max(1, left // 2) if clusters is None else min(clusters, left)
+    return w, lsh, c, left - c

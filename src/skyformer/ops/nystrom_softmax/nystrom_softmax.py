@@ -1,0 +1,169 @@
+"""The modified Nystrom method applied to the softmax kernel (Skyformer Figure 1).
+
+The curve labelled "Skyformer" in Figure 1 of the paper approximates the
+un-normalised softmax matrix A = exp(s Q K^T) with eq. (5) and then its row
+normaliser by D~ = A~ 1, as Performer does: out = D~^-1 A~ V.
+
+Stable evaluation. With q^ = sqrt(s) q and k^ = sqrt(s) k,
+
+    exp(q^.k^) = exp(|q^|^2/2) exp(-|q^ - k^|^2/2) exp(|k^|^2/2),
+
+so the lifted softmax matrix is A_bar = E C_bar E with E = diag(exp(|x^|^2/2)) and
+C_bar the Gaussian kernel matrix of [Q^; K^]. Nystrom approximation commutes with
+this diagonal congruence (A_bar S (S^T A_bar S)^+ S^T A_bar = E C_bar S (S^T C_bar S)^+
+S^T C_bar E: the Nystrom projector is unchanged by a diagonal rescaling), hence
+
+    A~ = E_Q  C(Q, X_S) W C(X_S, K)  E_K.
+
+E_Q is a per-row factor and cancels in D~^-1 A~, so each row of C(Q, X_S) is
+instead scaled by its own maximum; E_K is applied as exp(|k^|^2/2 - max_j |k^_j|^2/2)
+(a common factor, which also cancels). The regularised Lemma 3 inverse W is taken
+of the bounded Gaussian core C(X_S, X_S), not of exp(s X_S X_S^T), whose entries
+overflow float32 for |q| ~ 30. With ``gamma = 0`` and ``pinv="exact"`` this is
+exactly the modified Nystrom method of eq. (5) applied to A.
+
+Unreliable rows. The Nystrom approximation is not entrywise positive, so D~_i can
+be tiny or negative, and D~_i^-1 then multiplies the row's error without bound (on
+pretrained MiniLM Q/K/V, layers 2 and 4, a few percent of rows: relative errors of
+1e5). With u = C(X_S, K) E_K 1, the sum M_i = sum_s C(q_i, x_s) |(W u)_s| bounds
+|D~_i| and equals it when nothing cancels; a row with D~_i <= rho M_i
+(``normalizer_threshold``) has lost most of its normaliser to cancellation and
+returns the mean of the values instead (the answer of uniform attention). On the
+MiniLM data above rho = 0.3 cut the mean spectral error from 6.6 (rho = 0.01) to
+0.33-0.57 on the deeper layers and changed the first layer's by +0.006.
+
+Evaluation: as in ``skyformer``, the [N, m] blocks are never held whole
+(``gaussian_kernel_matmul``). E_K is folded into the exponent of C(X_S, K):
+exp(k^.x - |x|^2/2 - max_j |k^_j|^2/2) <= 1, so no [N] factor multiplies the values;
+the bound's column rides along in the product with C(Q, X_S).
+``materialised.py`` forms the blocks whole (the path the fused one is tested against).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ...linalg import gaussian_kernel_matmul
+from ...registry import Capabilities, register
+from ...sketch import Landmarks
+from ..shared.inputs import (
+    AttentionInputs,
+    check_attention_inputs,
+    check_generator,
+    compute_dtype,
+    mean_values,
+    zero_padded_queries,
+)
+from ..shared.modified_nystrom import NystromOptions, nystrom_core, sample_landmarks
+from ..shared.options import check_nonnegative_float, check_scale
+
+
+@dataclass(frozen=True)
+class NystromSoftmaxConfig(NystromOptions):
+    """Options of the modified Nystrom softmax approximation.
+
+    scale: softmax logit scale s, ``None`` = 1/sqrt(head dim).
+    normalizer_threshold: rows whose approximate normaliser is at most this fraction
+        of its magnitude bound return the mean of the values (module docstring).
+    Other options as ``SkyformerConfig``.
+    """
+
+    scale: float | None = None
+    normalizer_threshold: float = 0.3
+
+    def __post_init__(self) -> None:
+        self.validate("nystrom_softmax")
+        check_scale("nystrom_softmax", self.scale)
+        check_nonnegative_float(
+            "nystrom_softmax", "normalizer_threshold", self.normalizer_threshold
+        )
+        if self.normalizer_threshold >= 1:
+            raise ValueError(
+                "nystrom_softmax: normalizer_threshold must be below 1, got "
+                f"{self.normalizer_threshold!r}."
+            )
+
+
+@register(
+    "nystrom_softmax",
+    NystromSoftmaxConfig,
+    Capabilities(target="softmax", randomized=True),
+    summary="modified Nystrom approximation of softmax attention (Skyformer Figure 1)",
+)
+def nystrom_softmax_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    config: NystromSoftmaxConfig,
+    *,
+    key_padding_mask: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Softmax attention approximated by the modified Nystrom method (O(N m)).
+
+    Args:
+        q: ``[B, H, Nq, D]``; k: ``[B, H, Nk, D]``; v: ``[B, H, Nk, Dv]``.
+        config: the options (``NystromSoftmaxConfig``).
+        key_padding_mask: ``[B, Nk]`` bool, True = real token.
+        generator: draws the landmarks.
+    Returns:
+        ``[B, H, Nq, Dv]``; rows of padded queries (self-attention) are zero.
+    """
+    info, landmarks, root, work = prepare(q, k, v, key_padding_mask, generator, config)
+    qw, kw, vw = q.to(work), k.to(work), v.to(work)
+    core = nystrom_core(qw, kw, root, config, landmarks)
+    key_valid = None if info.key_valid is None else info.key_valid[:, None, :]  # [B, 1, Nk]
+
+    # C(X_S, K) E_K up to a common factor: entries exp(k^.x - |x|^2/2 - max_j |k^_j|^2/2),
+    # at most 1 since k^.x - |x|^2/2 <= |k^|^2/2. No gradient through the common factor.
+    with torch.no_grad():
+        log_e_k = torch.linalg.vecdot(kw, kw).mul_(0.5 * root * root)  # [B, H, Nk]
+        if key_valid is not None:
+            log_e_k = log_e_k.masked_fill(~key_valid, float("-inf"))
+        shift = log_e_k.amax(dim=-1, keepdim=True)
+        shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))  # [B, H, 1]
+    v_and_one = torch.cat([vw, torch.ones_like(vw[..., :1])], dim=-1)  # [B, H, Nk, Dv + 1]
+    context = gaussian_kernel_matmul(
+        kw, core.x, v_and_one, core.x_norm + shift, scale=root, row_norm=False,
+        row_valid=key_valid, transpose=True,
+    )  # [B, H, m, Dv + 1]
+    z = core.w @ context
+    # E_Q cancels in the ratio: rows of C(Q, X_S) are scaled by their own maximum instead.
+    # The last column gives sum_s C(q_i, x_s) |(W u)_s|, the bound on |D~_i|.
+    o = gaussian_kernel_matmul(
+        qw, core.x, torch.cat([z, z[..., -1:].detach().abs()], dim=-1), core.x_norm,
+        scale=root, row_norm=False, shift_rows=True,
+    )  # [B, H, Nq, Dv + 2]
+    dv = vw.shape[-1]
+    return normalise(
+        o[..., :dv], o[..., dv : dv + 1], o[..., dv + 1 :], vw, info, config, q.dtype
+    )
+
+
+def prepare(
+    q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None,
+    generator: torch.Generator | None, options: NystromSoftmaxConfig,
+) -> tuple[AttentionInputs, Landmarks, float, torch.dtype]:
+    """Checks, landmarks, sqrt of the logit scale and compute dtype (both evaluations)."""
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="nystrom_softmax")
+    check_generator("nystrom_softmax", generator, q.device)
+    s = options.scale if options.scale is not None else 1.0 / math.sqrt(info.head_dim)
+    landmarks = sample_landmarks(info, options.num_features, q.device, generator)
+    return info, landmarks, math.sqrt(s), compute_dtype(q.dtype)
+
+
+def normalise(numerator: Tensor, denominator: Tensor, bound: Tensor, vw: Tensor,
+               info: AttentionInputs, options: NystromSoftmaxConfig, dtype: torch.dtype) -> Tensor:
+    """D~^-1 A~ V on reliable rows, mean(V) on the others; zero padded queries."""
+    reliable = denominator > options.normalizer_threshold * bound
+    reliable = reliable & (denominator > 0)
+    out = torch.where(
+        reliable,
+        numerator / torch.where(reliable, denominator, 1.0),
+        mean_values(vw, info.key_valid),
+    )
+    return zero_padded_queries(out, info.query_valid).to(dtype)

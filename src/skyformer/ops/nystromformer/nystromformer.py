@@ -1,0 +1,246 @@
+"""Nystromformer (Xiong et al., AAAI 2021): softmax attention from three small softmax kernels.
+
+With landmarks Q~, K~ (``[m, D]``) the segment means of Q and K, and logits scaled by
+s = 1/sqrt(D), Nystromformer approximates the softmax attention matrix by
+
+    S^ = softmax(s Q K~^T)  [softmax(s Q~ K~^T)]^+  softmax(s Q~ K^T),        [N, m][m, m][m, N]
+
+(the paper's Nystrom-based self-attention; the blog post in the papers folder,
+``003_*.txt``, derives it) and computes ``S^ V`` right to left in O(N m) time. The
+``[N, m]`` and ``[m, N]`` kernels are only applied to matrices, through fused masked
+SDPA, so they are never stored: memory O(N D + m^2), that of exact SDPA. The
+pseudo-inverse is the iterative one of Razavi et al. (2014) with 6 iterations started
+from A^T / (|A|_1 |A|_inf) (``linalg.iterative_pinv(init="scaled_transpose")``).
+An optional depthwise convolution of the values along the sequence is added to the
+output (the paper's skip connection; ``conv_kernel``).
+
+Landmarks and padding. Segments are taken over the *real* tokens only: the token with
+rank r among the n real ones belongs to segment floor(r m / n). The m segments
+partition the real tokens into runs of floor(n/m) or ceil(n/m) consecutive tokens
+(adaptive pooling, so n need not be a multiple of m), padded tokens never enter a
+mean, and a padded sequence has the landmarks of its truncation.
+
+When every real token is its own segment (n <= m on both sides, so Q~ = Q and K~ = K),
+S^ = S S^+ S = S: the approximation is exact in exact arithmetic, but 6 iterations of
+the pseudo-inverse of an n x n softmax matrix are not. Such sequences get exact softmax
+attention, computed as softmax(s Q K~^T) V~ with V~ the (one-token) segment means of
+V. The reference implementation does the same when m equals the padded length.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ...linalg import iterative_pinv
+from ...registry import Capabilities, register
+from ..shared.inputs import (
+    check_attention_inputs,
+    check_generator,
+    compute_dtype,
+    zero_padded_queries,
+)
+from ..shared.masked import masked_attention, masked_softmax
+from ..shared.options import (
+    check_nonnegative_int,
+    check_optional_positive_int,
+    check_positive_int,
+    check_scale,
+)
+
+
+@dataclass(frozen=True)
+class NystromformerConfig:
+    """Options of Nystromformer; defaults are the settings of the Skyformer comparisons.
+
+    num_features: number of landmarks m (segment means), 128 as in the Skyformer
+        paper's LRA comparison (the Nystromformer paper itself uses 64).
+    pinv_iterations: Razavi iterations of the pseudo-inverse (the paper's 6).
+    conv_kernel: odd kernel size of the depthwise convolution of V added to the output,
+        ``None`` = no convolution (the Nystromformer LRA configuration uses 35). Its
+        weights are learned: ``MultiHeadAttention`` owns them; a direct call must pass
+        ``conv_weight``.
+    scale: softmax logit scale s, ``None`` = 1/sqrt(head dim).
+    """
+
+    num_features: int = 128
+    pinv_iterations: int = 6
+    conv_kernel: int | None = None
+    scale: float | None = None
+
+    def __post_init__(self) -> None:
+        check_positive_int("nystromformer", "num_features", self.num_features)
+        check_nonnegative_int("nystromformer", "pinv_iterations", self.pinv_iterations)
+        check_optional_positive_int("nystromformer", "conv_kernel", self.conv_kernel)
+        if self.conv_kernel is not None and self.conv_kernel % 2 == 0:
+            raise ValueError(
+                f"nystromformer: conv_kernel must be odd (a centred window keeps the "
+                f"sequence length), got {self.conv_kernel}; use e.g. {self.conv_kernel + 1}."
+            )
+        check_scale("nystromformer", self.scale)
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Assignment of tokens to m landmark segments, per batch element."""
+
+    index: Tensor  # [B, N] long, segment of each token (padded tokens: any, weight 0)
+    weight: Tensor  # [B, N] 1 for real tokens, 0 for padded ones (compute dtype)
+    count: Tensor  # [B, m] number of real tokens per segment
+    n_valid: Tensor  # [B] number of real tokens
+
+    @property
+    def live(self) -> Tensor:
+        """``[B, m]`` bool: segments holding at least one real token."""
+        return self.count > 0
+
+
+def segments(valid: Tensor | None, batch: int, n: int, m: int, device: torch.device,
+             dtype: torch.dtype) -> Segments:
+    """Segment r -> floor(r m / n_valid) over the ranks r of the real tokens."""
+    if valid is None:
+        rank = torch.arange(n, device=device).expand(batch, n)
+        n_valid = torch.full((batch,), n, device=device)
+        weight = torch.ones(batch, n, device=device, dtype=dtype)
+    else:
+        rank = valid.long().cumsum(dim=1) - 1
+        n_valid = valid.sum(dim=1)
+        weight = valid.to(dtype)
+    index = (rank.clamp_min(0) * m).div(n_valid.clamp_min(1)[:, None], rounding_mode="floor")
+    count = torch.zeros(batch, m, device=device, dtype=dtype).scatter_add_(1, index, weight)
+    return Segments(index, weight, count, n_valid)
+
+
+def segment_means(x: Tensor, seg: Segments) -> Tensor:
+    """Means of ``x: [B, H, N, D]`` over each segment's real tokens: ``[B, H, m, D]``
+    (zero for empty segments)."""
+    b, h, _, d = x.shape
+    m = seg.count.shape[1]
+    index = seg.index[:, None, :, None].expand(b, h, -1, d)
+    sums = x.new_zeros(b, h, m, d).scatter_add(2, index, x * seg.weight[:, None, :, None])
+    return sums / seg.count.clamp_min(1.0)[:, None, :, None]
+
+
+def depthwise_conv(v: Tensor, weight: Tensor, key_valid: Tensor | None) -> Tensor:
+    """Per-head convolution of the (masked) values along the sequence.
+
+    ``v: [B, H, N, Dv]``, ``weight: [H, K]`` (K odd) -> ``[B, H, N, Dv]``; padded values
+    count as zero, as do positions beyond either end.
+    """
+    if key_valid is not None:
+        v = v * key_valid[:, None, :, None].to(v.dtype)
+    h, kernel = weight.shape
+    return F.conv2d(v, weight.to(v.dtype).view(h, 1, kernel, 1), padding=(kernel // 2, 0), groups=h)
+
+
+def _check_conv_weight(weight: Tensor | None, kernel: int | None, heads: int) -> None:
+    if kernel is None:
+        if weight is not None:
+            raise ValueError(
+                "nystromformer: conv_weight was given but conv_kernel is None; set conv_kernel "
+                "to the weight's kernel size."
+            )
+        return
+    if weight is None:
+        raise ValueError(
+            f"nystromformer: conv_kernel={kernel} needs learned conv_weight of shape "
+            f"[H, {kernel}]; use skyformer.MultiHeadAttention(..., method='nystromformer', "
+            f"conv_kernel={kernel}), which owns it, or pass conv_weight."
+        )
+    if not isinstance(weight, Tensor) or tuple(weight.shape) != (heads, kernel):
+        shape = tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__
+        raise ValueError(
+            f"nystromformer: conv_weight must have shape [H, conv_kernel] = [{heads}, {kernel}], "
+            f"got {shape}."
+        )
+
+
+class NystromformerConv(nn.Module):
+    """Per-layer state of Nystromformer: the depthwise convolution weights (if any).
+
+    Initialised as ``nn.Conv2d(H, H, (K, 1), groups=H, bias=False)`` is (the reference
+    implementation's layer).
+    """
+
+    def __init__(self, config: NystromformerConfig, num_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.weight = None
+        if config.conv_kernel is not None:
+            conv = nn.Conv2d(num_heads, num_heads, (config.conv_kernel, 1), groups=num_heads,
+                             bias=False)
+            self.weight = nn.Parameter(conv.weight.detach().view(num_heads, config.conv_kernel))
+
+    def forward(self, q: Tensor, k: Tensor) -> dict[str, Tensor]:
+        return {} if self.weight is None else {"conv_weight": self.weight}
+
+
+@register(
+    "nystromformer",
+    NystromformerConfig,
+    Capabilities(target="softmax"),
+    summary="Nystromformer: segment-means landmarks, three softmax kernels, iterative pinv",
+    state=NystromformerConv,
+)
+def nystromformer_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    config: NystromformerConfig,
+    *,
+    key_padding_mask: Tensor | None = None,
+    generator: torch.Generator | None = None,
+    conv_weight: Tensor | None = None,
+) -> Tensor:
+    """Nystromformer attention, O(N m) time, O(N D + m^2) memory.
+
+    Args:
+        q: ``[B, H, Nq, D]``; k: ``[B, H, Nk, D]``; v: ``[B, H, Nk, Dv]``.
+        config: the options (``NystromformerConfig``).
+        key_padding_mask: ``[B, Nk]`` bool, True = real token. Padded tokens enter no
+            landmark and padded keys get zero weight.
+        generator: unused (the method is deterministic); accepted for a uniform signature.
+        conv_weight: ``[H, conv_kernel]`` depthwise convolution weights (with ``conv_kernel``).
+    Returns:
+        ``[B, H, Nq, Dv]`` in the dtype of ``q`` (half types computed in float32); rows of
+        padded queries (self-attention) are zero.
+    """
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="nystromformer")
+    check_generator("nystromformer", generator, q.device)
+    _check_conv_weight(conv_weight, config.conv_kernel, info.heads)
+    dtype = q.dtype
+    work = compute_dtype(dtype)
+    s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
+    root = math.sqrt(s)  # split between q and k, as the reference does, so landmarks are scaled too
+    qs, ks, vw = q.to(work) * root, k.to(work) * root, v.to(work)
+    m = config.num_features
+    q_seg = segments(info.query_valid, info.batch, info.query_len, m, q.device, work)
+    k_seg = segments(info.key_valid, info.batch, info.key_len, m, q.device, work)
+    q_land = segment_means(qs, q_seg)  # [B, H, m, D]
+    k_land = segment_means(ks, k_seg)  # [B, H, m, D]
+    q_live = q_seg.live[:, None, :, None].to(work)  # [B, 1, m, 1]
+    k_live = k_seg.live[:, None, None, :]  # [B, 1, 1, m]
+    key_visible = None if info.key_valid is None else info.key_valid[:, None, None, :]
+
+    # kernel_1 [N, m] and kernel_3 [m, N] are only ever applied to a matrix: fused
+    # masked SDPA computes kernel @ X without forming them (O(N) instead of O(N m) memory).
+    kernel_2 = masked_softmax(q_land @ k_land.transpose(-1, -2), k_live) * q_live  # [B, H, m, m]
+    kernel_3_v = masked_attention(q_land, ks, vw, key_visible) * q_live  # [B, H, m, Dv]
+    # Dead landmark rows/columns of kernel_2 are zero and stay zero through the
+    # iteration, so the live block is inverted as if it were alone.
+    inverse = iterative_pinv(kernel_2, config.pinv_iterations, init="scaled_transpose")
+    values = inverse @ kernel_3_v  # [B, H, m, Dv]
+
+    q_valid, k_valid = q_seg.n_valid, k_seg.n_valid
+    own_landmarks = (k_valid <= m) & (torch.clamp(q_valid, max=m) >= k_valid)  # [B]
+    if bool(own_landmarks.any()):
+        # K~ = K and V~ = V: kernel_1 V~ is exact softmax attention.
+        exact_values = segment_means(vw, k_seg)
+        values = torch.where(own_landmarks[:, None, None, None], exact_values, values)
+    out = masked_attention(qs, k_land, values, k_live)  # kernel_1 @ values  [B, H, Nq, Dv]
+    if conv_weight is not None:
+        out = out + depthwise_conv(vw, conv_weight, info.key_valid)
+    return zero_padded_queries(out, info.query_valid).to(dtype)

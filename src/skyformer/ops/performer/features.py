@@ -1,0 +1,61 @@
+"""FAVOR+ positive random features of queries and keys, stabilised per row / per head.
+
+Performer Lemma 1: phi(x) = m^-1/2 exp(W x - |x|^2/2). The log-features are shifted by
+maxima that cancel in the row normalisation (module docstring of ``performer.py``).
+Shared with ``scatterbrain``, whose low-rank part is Performer's estimate.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ...sketch import gaussian_projection, softmax_log_features
+
+
+def query_features(q_scaled: Tensor, projection: Tensor) -> tuple[Tensor, Tensor]:
+    """Positive features of the queries, each row shifted by its own maximum.
+
+    Returns ``(phi~ [B, H, N, m], log_scale [B, H, N, 1])`` with
+    phi(q) = exp(log_scale) phi~ / sqrt(m).
+    """
+    log_f = softmax_log_features(q_scaled, projection)
+    shift = log_f.detach().amax(dim=-1, keepdim=True)
+    return (log_f - shift).exp(), shift
+
+
+def key_features(
+    k_scaled: Tensor, projection: Tensor, key_valid: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """Positive features of the keys, shifted by the maximum over the real keys and
+    features of each batch element and head; padded keys get exact zeros.
+
+    Returns ``(phi~ [B, H, N, m], log_scale [B, H, 1, 1])``.
+    """
+    log_f = softmax_log_features(k_scaled, projection)
+    if key_valid is not None:
+        log_f = log_f.masked_fill(~key_valid[:, None, :, None], float("-inf"))
+    shift = log_f.detach().amax(dim=(-1, -2), keepdim=True)
+    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+    return (log_f - shift).exp(), shift
+
+
+def resolve_projection(
+    method: str, projection: Tensor | None, num_features: int, dim: int, orthogonal: bool,
+    device: torch.device, generator: torch.Generator | None,
+) -> Tensor:
+    """The caller's ``projection [m, D]`` (checked) or a fresh draw from ``generator``."""
+    if projection is None:
+        return gaussian_projection(
+            num_features, dim, orthogonal=orthogonal, device=device, generator=generator
+        )
+    if not isinstance(projection, Tensor) or not projection.is_floating_point():
+        raise TypeError(f"{method}: projection must be a floating point tensor [num_features, D].")
+    if tuple(projection.shape) != (num_features, dim):
+        raise ValueError(
+            f"{method}: projection must have shape [num_features, D] = [{num_features}, {dim}], "
+            f"got {tuple(projection.shape)}."
+        )
+    if projection.device != device:
+        raise ValueError(f"{method}: projection is on {projection.device} but q is on {device}.")
+    return projection

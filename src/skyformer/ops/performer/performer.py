@@ -1,0 +1,190 @@
+"""Performer: softmax attention through positive orthogonal random features (FAVOR+).
+
+Choromanski et al., "Rethinking Attention with Performers" (ICLR 2021). With
+q' = s^1/2 q, k' = s^1/2 k (s = 1/sqrt(D) unless ``scale`` is given), the softmax
+kernel exp(q'.k') is estimated by phi(q').phi(k') with the positive random features
+of Lemma 1, phi(x) = m^-1/2 exp(W x - |x|^2/2), W the m x D orthogonal random
+features of Section 2.4 (``sketch.random_features``). Eq. (5)-(6): with
+A^ = phi(Q') phi(K')^T,
+
+    out = diag(A^ 1)^-1 A^ V = phi(Q') (phi(K')^T V) / phi(Q') (phi(K')^T 1),
+
+in O(N m D) time and memory, never forming A^.
+
+Stabilisation (the max-subtraction of the reference implementation, without its
+coupling of batch elements): each query's log-features are shifted by their own
+maximum (a per-row factor, cancels in the row normalisation); the keys' by the
+maximum over the real keys and features of the same batch element and head (a
+common factor, cancels too). The shifts are constants for autograd. If a row's
+normaliser underflows to zero the row returns the mean of the values (uniform
+attention) instead of 0/0; no additive epsilon biases the features.
+
+Feature redraw: called as a function, the features come from ``projection`` or are
+drawn from ``generator`` on every call. In ``MultiHeadAttention`` the layer keeps
+them in a ``PerformerFeatures`` module (the registry's state hook) and redraws them
+every ``feature_redraw_interval`` training calls, never in eval mode.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from ...registry import Capabilities, register
+from ...sketch import gaussian_projection
+from ..shared.inputs import (
+    check_attention_inputs,
+    check_generator,
+    compute_dtype,
+    mean_values,
+    zero_padded_queries,
+)
+from ..shared.options import (
+    check_bool,
+    check_optional_positive_int,
+    check_positive_int,
+    check_scale,
+)
+from .features import key_features, query_features, resolve_projection
+
+
+@dataclass(frozen=True)
+class PerformerConfig:
+    """Options of Performer (FAVOR+); defaults are the published comparison settings.
+
+    num_features: random features m (128 in the Skyformer and KDEformer comparisons).
+    orthogonal: block-orthogonal features with chi-distributed norms (FAVOR+); False
+        draws i.i.d. Gaussian rows.
+    feature_redraw_interval: in ``MultiHeadAttention``, redraw the layer's features
+        after this many training calls (1000, performer-pytorch's default; None =
+        never). Called as a function, Performer draws fresh features each call
+        unless a ``projection`` is passed.
+    scale: softmax logit scale s, None = 1/sqrt(head dim).
+    """
+
+    num_features: int = 128
+    orthogonal: bool = True
+    feature_redraw_interval: int | None = 1000
+    scale: float | None = None
+
+    def __post_init__(self) -> None:
+        check_positive_int("performer", "num_features", self.num_features)
+        check_bool("performer", "orthogonal", self.orthogonal)
+        check_optional_positive_int(
+            "performer", "feature_redraw_interval", self.feature_redraw_interval
+        )
+        check_scale("performer", self.scale)
+
+
+class PerformerFeatures(nn.Module):
+    """Per-layer random features of Performer, redrawn during training.
+
+    Built by the registry's state hook: ``MultiHeadAttention`` owns it and passes
+    ``{"projection": ...}`` to ``performer_attention`` on every call. In training mode
+    the features are redrawn once ``feature_redraw_interval`` calls have used them; in
+    eval mode never. Redraw r draws from a generator seeded by (``seed``, r), both
+    buffers: every data-parallel process (and a resumed run) draws the same features,
+    whatever else consumed the global random stream. ``seed`` itself is drawn from the
+    global generator at construction, so it follows the model's seed.
+    """
+
+    def __init__(self, config: PerformerConfig, num_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.config = config
+        self.head_dim = head_dim
+        self.register_buffer(
+            "projection",
+            gaussian_projection(config.num_features, head_dim, orthogonal=config.orthogonal),
+        )
+        self.register_buffer("calls_since_redraw", torch.zeros((), dtype=torch.long))
+        self.register_buffer("seed", torch.randint(0, 2**62, (), dtype=torch.long))
+        self.register_buffer("redraws", torch.zeros((), dtype=torch.long))
+
+    def _next_generator(self) -> torch.Generator:
+        self.redraws += 1
+        seed = (int(self.seed) + 1_000_003 * int(self.redraws)) % 2**63
+        return torch.Generator(device=self.projection.device).manual_seed(seed)
+
+    @torch.no_grad()
+    def redraw(self, generator: torch.Generator | None = None) -> None:
+        """Draw new features now (from ``generator``, else from the (seed, redraw count)
+        stream) and restart the redraw counter."""
+        if generator is None:
+            generator = self._next_generator()
+        fresh = gaussian_projection(
+            self.config.num_features, self.head_dim, orthogonal=self.config.orthogonal,
+            device=self.projection.device, generator=generator,
+        )
+        self.projection.copy_(fresh.to(self.projection.dtype))
+        self.calls_since_redraw.zero_()
+
+    def forward(self, q: Tensor, k: Tensor) -> dict[str, Tensor]:
+        interval = self.config.feature_redraw_interval
+        if self.training and interval is not None:
+            if int(self.calls_since_redraw) >= interval:
+                self.redraw()
+            self.calls_since_redraw += 1
+        return {"projection": self.projection}
+
+    def extra_repr(self) -> str:
+        return (f"num_features={self.config.num_features}, head_dim={self.head_dim}, "
+                f"feature_redraw_interval={self.config.feature_redraw_interval}")
+
+
+@register(
+    "performer",
+    PerformerConfig,
+    Capabilities(target="softmax", randomized=True),
+    summary="positive orthogonal random features for the softmax kernel (Performer, FAVOR+)",
+    state=PerformerFeatures,
+)
+def performer_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    config: PerformerConfig,
+    *,
+    key_padding_mask: Tensor | None = None,
+    generator: torch.Generator | None = None,
+    projection: Tensor | None = None,
+) -> Tensor:
+    """Performer attention (FAVOR+, Choromanski et al. 2021, Lemma 1 and eqs. (5)-(6)).
+
+    Args:
+        q: ``[B, H, Nq, D]``; k: ``[B, H, Nk, D]``; v: ``[B, H, Nk, Dv]``.
+        key_padding_mask: ``[B, Nk]`` bool, True = real token; padded keys get zero
+            features, so they contribute nothing.
+        generator: draws the random features when ``projection`` is None.
+        config: the options (``PerformerConfig``); ``feature_redraw_interval`` is used
+            by the layer's ``PerformerFeatures`` and ignored here.
+        projection: fixed feature directions ``[num_features, D]`` (e.g. from
+            ``skyformer.sketch.gaussian_projection``), shared by batch and heads.
+    Returns:
+        ``[B, H, Nq, Dv]`` in the dtype of ``q`` (half types computed in float32);
+        rows of padded queries (self-attention) are zero.
+    """
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="performer")
+    check_generator("performer", generator, q.device)
+    w = resolve_projection(
+        "performer", projection, config.num_features, info.head_dim, config.orthogonal, q.device,
+        generator,
+    )
+    dtype = q.dtype
+    work = compute_dtype(dtype)
+    s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
+    root = math.sqrt(s)
+    w = w.to(work)
+    phi_q, _ = query_features(q.to(work) * root, w)  # [B, H, Nq, m]
+    phi_k, _ = key_features(k.to(work) * root, w, info.key_valid)  # [B, H, Nk, m]
+    vw = v.to(work)
+    v_and_one = torch.cat([vw, torch.ones_like(vw[..., :1])], dim=-1)  # [B, H, Nk, Dv + 1]
+    o = phi_q @ (phi_k.transpose(-1, -2) @ v_and_one)  # [B, H, Nq, Dv + 1]
+    numerator, denominator = o[..., :-1], o[..., -1:]
+    ok = denominator > 0
+    out = torch.where(
+        ok, numerator / torch.where(ok, denominator, 1.0), mean_values(vw, info.key_valid)
+    )
+    return zero_padded_queries(out, info.query_valid).to(dtype)

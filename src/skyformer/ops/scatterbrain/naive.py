@@ -1,0 +1,41 @@
+"""Naive Scatterbrain: A~ = phi(Q) phi(K)^T + S materialised (Algorithm 1).
+
+S = (A - phi(Q) phi(K)^T) restricted to the LSH support (the block pattern of
+``kdeformer.naive.reference_block_pattern``), then D~^-1 A~ V with D~ = diag(A~ 1).
+Memory O(N^2): for tests only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ..shared.inputs import check_attention_inputs, zero_padded_queries
+from ..kdeformer.naive import reference_block_pattern
+from ..performer.naive import performer_scores
+from .scatterbrain import ScatterbrainConfig
+
+
+def reference_scatterbrain_attention(
+    q: Tensor, k: Tensor, v: Tensor, projection: Tensor, hyperplanes: Tensor | None, *,
+    key_padding_mask: Tensor | None = None, **options,
+) -> Tensor:
+    """D~^-1 (phi(Q) phi(K)^T + S) V. ``projection [m, D]``, ``hyperplanes [B, H, D, r]``
+    as drawn by ``draw_scatterbrain``. Returns ``[B, H, Nq, Dv]``."""
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="scatterbrain reference")
+    cfg = ScatterbrainConfig(**options)
+    s = cfg.scale if cfg.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    low_rank = performer_scores(q, k, projection, key_padding_mask=key_padding_mask, scale=s)
+    exact = torch.exp(s * q @ k.transpose(-1, -2))
+    if key_padding_mask is not None:
+        exact = exact * key_padding_mask[:, None, None, :].to(exact.dtype)
+    support = torch.zeros_like(exact)
+    if cfg.blocks > 0:
+        support = reference_block_pattern(
+            q.detach(), k.detach(), hyperplanes, cfg.blocks, key_padding_mask=key_padding_mask
+        ).to(q.dtype)
+    approx = low_rank + (exact - low_rank) * support
+    out = (approx @ v) / approx.sum(-1, keepdim=True)
+    return zero_padded_queries(out, info.query_valid)

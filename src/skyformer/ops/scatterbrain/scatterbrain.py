@@ -1,0 +1,161 @@
+"""Scatterbrain: sparse (LSH) + low-rank (Performer) attention with the overlap corrected.
+
+Chen, Dao, Winsor, Song, Rudra, Ré, "Scatterbrain: Unifying Sparse and Low-rank
+Attention Approximation" (NeurIPS 2021), Section 4 / Algorithm 1. The softmax matrix
+A = exp(s Q K^T) is estimated by
+
+    A~ = phi(Q) phi(K)^T + S,   S_ij = A_ij - phi(q_i).phi(k_j) on the LSH support, 0 off it,
+
+so on the support the estimate is exact and elsewhere it is the unbiased Performer
+estimate: subtracting the low-rank estimate on the sparse support keeps it from
+being counted twice. The normaliser uses the same matrix, D~ = diag(A~ 1), and
+
+    out = D~^-1 (S V + phi(Q) (phi(K)^T V)),
+
+in O(N (b + m) D) with b the bucket size and m the random features.
+
+Components here: low-rank = Performer's positive orthogonal random features
+(``performer.query_features``/``key_features``, same stabilisation); sparse support =
+equal-sized angular LSH buckets (KDEformer's Definition A.3, ``sketch.lsh_blocks``),
+one hash, queries and keys hashed with the same hyperplanes and paired block by
+block: the balanced-bucket LSH attention Scatterbrain's LSH component uses (as
+SMYRF's balanced clusters do). Off the support the estimate is positive, so D~_i >=
+the exact support row sum > 0 and every output row is a combination of values whose
+weights sum to one.
+
+Budget (``num_features`` = k): m = k random features and buckets of
+``block_size`` = k/2 keys, the setting of the KDEformer paper's comparison code (it
+reports 1.5 k). ``block_size=0`` drops the sparse part and gives Performer with the
+same features; a block covering the whole sequence gives exact softmax attention.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ...registry import Capabilities, register
+from ...sketch import (
+    draw_hyperplanes,
+    gather_block_rows,
+    gather_block_values,
+    gaussian_projection,
+    scatter_block_rows,
+)
+from ..performer.features import key_features, query_features
+from ..shared.inputs import (
+    check_attention_inputs,
+    check_generator,
+    compute_dtype,
+    mean_values,
+    zero_padded_queries,
+)
+from ..shared.lsh_blocks import LshBlockOptions, lsh_block_logits
+from ..shared.options import check_bool, check_scale
+
+
+@dataclass(frozen=True)
+class ScatterbrainConfig(LshBlockOptions):
+    """Options of Scatterbrain; defaults follow the published comparison settings.
+
+    num_features: random features m of the low-rank part (128); ``block_size`` 0 = no
+        sparse part (Performer).
+    orthogonal: orthogonal random features (as Performer).
+    scale: logit scale s, None = 1/sqrt(head dim).
+    """
+
+    orthogonal: bool = True
+    scale: float | None = None
+
+    def __post_init__(self) -> None:
+        self.validate("scatterbrain")
+        check_bool("scatterbrain", "orthogonal", self.orthogonal)
+        check_scale("scatterbrain", self.scale)
+
+
+def draw_scatterbrain(
+    batch: int, heads: int, dim: int, config: ScatterbrainConfig, *,
+    device: torch.device | str = "cpu", generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Random features ``[m, D]`` (drawn first, as Performer draws them) and LSH
+    hyperplanes ``[B, H, D, r]`` (None without a sparse part)."""
+    projection = gaussian_projection(
+        config.num_features, dim, orthogonal=config.orthogonal, device=device, generator=generator
+    )
+    planes = None
+    if config.blocks > 0:
+        planes = draw_hyperplanes((batch, heads), dim, config.num_hyperplanes, device=device,
+                                  generator=generator)
+    return projection, planes
+
+
+@register(
+    "scatterbrain",
+    ScatterbrainConfig,
+    Capabilities(target="softmax", randomized=True),
+    summary="LSH sparse + Performer low-rank, overlap subtracted on the support (Scatterbrain)",
+)
+def scatterbrain_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    config: ScatterbrainConfig,
+    *,
+    key_padding_mask: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Scatterbrain attention (Chen et al. 2021, Algorithm 1): D~^-1 (S + phi(Q) phi(K)^T) V.
+
+    Args:
+        q: ``[B, H, Nq, D]``; k: ``[B, H, Nk, D]``; v: ``[B, H, Nk, Dv]``.
+        key_padding_mask: ``[B, Nk]`` bool, True = real token; padded keys have zero
+            features and are never in a bucket with real queries.
+        generator: draws the random features, then the hyperplanes.
+        config: the options (``ScatterbrainConfig``).
+    Returns:
+        ``[B, H, Nq, Dv]`` in the dtype of ``q`` (half types computed in float32);
+        rows of padded queries (self-attention) are zero.
+    """
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="scatterbrain")
+    check_generator("scatterbrain", generator, q.device)
+    projection, planes = draw_scatterbrain(
+        info.batch, info.heads, info.head_dim, config, device=q.device, generator=generator
+    )
+    dtype = q.dtype
+    work = compute_dtype(dtype)
+    s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
+    root = math.sqrt(s)
+    qh, kh, vw = q.to(work) * root, k.to(work) * root, v.to(work)
+    w = projection.to(work)
+
+    # Low-rank part: phi(q).phi(k) = exp(log_lr) phi~_q.phi~_k with shifted features.
+    phi_q, q_shift = query_features(qh, w)  # [B, H, Nq, m], [B, H, Nq, 1]
+    phi_k, k_shift = key_features(kh, w, info.key_valid)  # [B, H, Nk, m], [B, H, 1, 1]
+    log_lr = (q_shift + k_shift)[..., 0] - math.log(config.num_features)  # [B, H, Nq]
+    v_and_one = torch.cat([vw, torch.ones_like(vw[..., :1])], dim=-1)  # [B, H, Nk, Dv + 1]
+    low_rank = phi_q @ (phi_k.transpose(-1, -2) @ v_and_one)  # [B, H, Nq, Dv + 1]
+
+    if config.blocks > 0:
+        exact = lsh_block_logits(qh, kh, planes, config.blocks, info.query_valid, info.key_valid)
+        blocks, logits = exact.blocks, exact.logits  # [B, H, nb, sq, sk]
+        ref = torch.maximum(exact.row_max, log_lr.detach())  # per-row scale, cancels in D~^-1
+        ref = torch.where(torch.isfinite(ref), ref, torch.zeros_like(ref))
+        ref_b = gather_block_values(ref, blocks.q_index, 0.0)[..., None]
+        lr_b = gather_block_values(log_lr, blocks.q_index, 0.0)[..., None]
+        lr_entries = gather_block_rows(phi_q, blocks.q_index) @ gather_block_rows(
+            phi_k, blocks.k_index).transpose(-1, -2)
+        correction = torch.exp(logits - ref_b) - torch.exp(lr_b - ref_b) * lr_entries  # S
+        sparse = scatter_block_rows(correction @ gather_block_rows(v_and_one, blocks.k_index),
+                                    blocks)
+        o = sparse + torch.exp(log_lr - ref)[..., None] * low_rank
+    else:
+        o = low_rank
+    numerator, denominator = o[..., :-1], o[..., -1:]
+    ok = denominator > 0
+    out = torch.where(
+        ok, numerator / torch.where(ok, denominator, 1.0), mean_values(vw, info.key_valid)
+    )
+    return zero_padded_queries(out, info.query_valid).to(dtype)

@@ -1,0 +1,140 @@
+"""Input checks and mask conventions shared by every attention function.
+
+Layout: ``q: [B, H, Nq, D]``, ``k: [B, H, Nk, D]``, ``v: [B, H, Nk, Dv]``.
+Mask: ``key_padding_mask: [B, Nk]`` bool, True = real token.
+
+Self-attention convention: when ``Nq == Nk`` the key padding mask also marks
+which *queries* are padding. Padded queries take no part in anything computed
+from the set of queries (e.g. Skyformer's landmarks), and their output rows
+are zero. With ``Nq != Nk`` (cross-attention) every query is real.
+
+Errors are raised here, early, as sentences that name the problem and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    """Resolved shapes and masks of one attention call."""
+
+    batch: int
+    heads: int
+    query_len: int
+    key_len: int
+    head_dim: int
+    value_dim: int
+    key_valid: Tensor | None  # [B, Nk] bool, None = all real
+    query_valid: Tensor | None  # [B, Nq] bool, None = all real
+
+
+def check_attention_inputs(
+    q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, *, method: str
+) -> AttentionInputs:
+    """Validate ``q, k, v, key_padding_mask`` and resolve the query/key masks."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{method}: {name} must be a torch.Tensor, got {type(t).__name__}.")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{method}: {name} must have shape [B, H, N, D] (4 dimensions), got shape "
+                f"{tuple(t.shape)}; split heads first, e.g. x.view(B, N, H, D).transpose(1, 2)."
+            )
+        if not t.is_floating_point():
+            raise TypeError(
+                f"{method}: {name} has dtype {t.dtype}; attention needs floating point "
+                f"tensors, e.g. {name}.float()."
+            )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"{method}: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}."
+        )
+    if not (q.device == k.device == v.device):
+        raise ValueError(
+            f"{method}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}."
+        )
+    b, h, nq, d = q.shape
+    if k.shape[0] != b or v.shape[0] != b or k.shape[1] != h or v.shape[1] != h:
+        raise ValueError(
+            f"{method}: batch and head sizes differ: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+            f"v {tuple(v.shape)}; all must be [B, H, N, D] with the same B and H."
+        )
+    if k.shape[-1] != d:
+        raise ValueError(
+            f"{method}: q and k must have the same head dim, got {d} and {k.shape[-1]}."
+        )
+    nk = k.shape[2]
+    if v.shape[2] != nk:
+        raise ValueError(
+            f"{method}: k and v must have the same sequence length, got {nk} and {v.shape[2]}."
+        )
+    if nq == 0 or nk == 0 or d == 0:
+        raise ValueError(f"{method}: empty input, q {tuple(q.shape)}, k {tuple(k.shape)}.")
+
+    key_valid = None
+    query_valid = None
+    if key_padding_mask is not None:
+        m = key_padding_mask
+        if not isinstance(m, Tensor):
+            raise TypeError(f"{method}: key_padding_mask must be a torch.Tensor or None.")
+        if m.dtype != torch.bool:
+            raise TypeError(
+                f"{method}: key_padding_mask must be a bool tensor (True = real token), got "
+                f"{m.dtype}; convert with mask.bool() (or mask == 1 for a 0/1 attention mask)."
+            )
+        if tuple(m.shape) != (b, nk):
+            raise ValueError(
+                f"{method}: key_padding_mask must have shape [B, Nk] = [{b}, {nk}], got "
+                f"{tuple(m.shape)}."
+            )
+        if m.device != k.device:
+            raise ValueError(
+                f"{method}: key_padding_mask is on {m.device} but k is on {k.device}."
+            )
+        key_valid = m
+        if nq == nk:
+            query_valid = m
+    return AttentionInputs(b, h, nq, nk, d, v.shape[-1], key_valid, query_valid)
+
+
+def zero_padded_queries(out: Tensor, query_valid: Tensor | None) -> Tensor:
+    """Set the output rows of padded queries to zero. ``out: [B, H, Nq, Dv]``."""
+    if query_valid is None:
+        return out
+    return out * query_valid[:, None, :, None].to(out.dtype)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype the kernel arithmetic runs in: half types are upcast to float32.
+
+    The Gaussian kernel's exponent ``q.k - |q|^2/2 - |k|^2/2`` is a difference of
+    large terms; in 8 mantissa bits (bfloat16) it loses everything.
+    """
+    return torch.float32 if dtype in HALF_DTYPES else dtype
+
+
+def check_generator(method: str, generator: object, device: torch.device) -> None:
+    if generator is None:
+        return
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"{method}: generator must be a torch.Generator or None.")
+    if generator.device.type != device.type:
+        raise ValueError(
+            f"{method}: generator is on {generator.device} but the inputs are on {device}; "
+            f"create it with torch.Generator(device=q.device)."
+        )
+
+
+def mean_values(v: Tensor, key_valid: Tensor | None) -> Tensor:
+    """Mean of the values over real keys, ``[B, H, 1, Dv]`` (zero if there are none)."""
+    if key_valid is None:
+        return v.mean(dim=2, keepdim=True)
+    w = key_valid[:, None, :, None].to(v.dtype)  # [B, 1, Nk, 1]
+    return (v * w).sum(dim=2, keepdim=True) / w.sum(dim=2, keepdim=True).clamp_min(1.0)

@@ -1,0 +1,163 @@
+"""The modified Nystrom factorisation shared by ``skyformer`` and ``nystrom_softmax``.
+
+Skyformer eqs. (4)-(6): lift the (non-PSD) Q-vs-K Gaussian kernel matrix C into the
+PSD matrix C_bar of [Q; K] against itself, approximate C_bar by
+C_bar S (S^T C_bar S)^+ S^T C_bar with S a uniform sub-sampling of d = m rows, and
+keep the off-diagonal (Q-rows, K-columns) block:
+
+    C ~ C(Q, X_S)  W  C(X_S, K),     W = Lemma-3 inverse of M = C(X_S, X_S).
+
+Only the blocks [Nq, m], [m, m] and [Nk, m] are formed: O(N m) time and memory per
+head, never an n x n or 2n x 2n matrix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ...linalg import (
+    PINV_INITS,
+    PINV_METHODS,
+    gather_rows,
+    gaussian_kernel_block,
+    half_sq_norm,
+    lemma3_inverse,
+)
+from ...sketch import Landmarks, uniform_landmarks
+from .inputs import AttentionInputs
+from .options import (
+    check_choice,
+    check_nonnegative_float,
+    check_nonnegative_int,
+    check_positive_int,
+)
+
+
+@dataclass(frozen=True)
+class NystromOptions:
+    """Options common to the modified Nystrom methods (defaults of the Skyformer paper).
+
+    num_features: number of landmarks m sampled from the rows of [Q; K] (half from
+        each); capped by the valid rows, so m >= 2 N uses every row once.
+    gamma: ridge added to M before the Lemma 3 normalisation.
+    pinv: ``"iterative"`` (Razavi et al.) or ``"exact"`` (torch.linalg.pinv).
+    pinv_iterations: iterations of the iterative inverse.
+    pinv_init: starting point of the iteration, ``"identity"`` (justified by Lemma 3)
+        or ``"scaled_transpose"`` (A^T / (|A|_1 |A|_inf), per matrix).
+    """
+
+    num_features: int = 128
+    gamma: float = 0.1
+    pinv: str = "iterative"
+    pinv_iterations: int = 6
+    pinv_init: str = "identity"
+
+    def validate(self, method: str) -> None:
+        check_positive_int(method, "num_features", self.num_features)
+        check_nonnegative_float(method, "gamma", self.gamma)
+        check_choice(method, "pinv", self.pinv, PINV_METHODS)
+        check_choice(method, "pinv_init", self.pinv_init, PINV_INITS)
+        check_nonnegative_int(method, "pinv_iterations", self.pinv_iterations)
+
+
+@dataclass(frozen=True)
+class NystromFactors:
+    """C ~ c_qx @ w @ c_kx^T for the Gaussian kernel of the scaled inputs."""
+
+    c_qx: Tensor  # [B, H, Nq, m]
+    w: Tensor  # [B, H, m, m]
+    c_kx: Tensor  # [B, H, Nk, m]  (rows of padded keys are zero)
+    landmarks: Landmarks
+
+
+def sample_landmarks(
+    info: AttentionInputs, num_features: int, device: torch.device,
+    generator: torch.Generator | None,
+) -> Landmarks:
+    """Uniform landmarks for one call (the first and only draw from ``generator``)."""
+    return uniform_landmarks(
+        num_features,
+        batch=info.batch,
+        query_len=info.query_len,
+        key_len=info.key_len,
+        query_valid=info.query_valid,
+        key_valid=info.key_valid,
+        device=device,
+        generator=generator,
+    )
+
+
+def _rows(x: Tensor, index: Tensor) -> Tensor:
+    """Rows ``index: [B, m]`` of ``x: [B, H, N, D]`` for every head: ``[B, H, m, D]``."""
+    return gather_rows(x, index[:, None, :].expand(x.shape[0], x.shape[1], index.shape[1]))
+
+
+@dataclass(frozen=True)
+class NystromCore:
+    """What the fused and the materialised paths share: landmark rows and W.
+
+    ``x_norm`` is |x|^2/2 of the landmark rows, +inf for slots holding no landmark
+    (which zeroes their column of every kernel block).
+    """
+
+    x: Tensor  # [B, H, m, D] landmark rows of [Q^; K^] (scaled)
+    x_norm: Tensor  # [B, H, m]
+    w: Tensor  # [B, H, m, m]  Lemma-3 inverse of C(X_S, X_S)
+    landmarks: Landmarks
+
+
+def nystrom_core(
+    q: Tensor, k: Tensor, scale: float, options: NystromOptions, landmarks: Landmarks,
+) -> NystromCore:
+    """Landmark rows X_S of [s Q; s K] (gathered, then scaled: m rows, not N), their half
+    squared norms, and W = Lemma-3 inverse of C(X_S, X_S) (Skyformer section 3.4)."""
+    x = torch.cat(
+        [_rows(q, landmarks.query_index), _rows(k, landmarks.key_index)], dim=2
+    ) * scale  # [B, H, m, D]
+    x_norm = torch.where(
+        landmarks.live[:, None, :], half_sq_norm(x),
+        torch.tensor(float("inf"), dtype=x.dtype, device=x.device),
+    )  # [B, H, m]
+    w = lemma3_inverse(
+        gaussian_kernel_block(x, x, x_norm, x_norm),  # [B, H, m, m]
+        gamma=options.gamma,
+        pinv=options.pinv,  # type: ignore[arg-type]
+        iterations=options.pinv_iterations,
+        init=options.pinv_init,  # type: ignore[arg-type]
+        live=landmarks.live,
+    )
+    return NystromCore(x, x_norm, w, landmarks)
+
+
+def modified_nystrom_factors(
+    q_hat: Tensor,
+    k_hat: Tensor,
+    info: AttentionInputs,
+    options: NystromOptions,
+    landmarks: Landmarks,
+    *,
+    shift_query_rows: bool = False,
+) -> NystromFactors:
+    """Materialised factors of the modified Nystrom approximation of exp(-|q^_i - k^_j|^2 / 2).
+
+    Forms the [Nq, m] and [Nk, m] blocks whole: the straightforward path, kept as the
+    reference the fused path of ``skyformer``/``nystrom_softmax`` is tested against, and
+    for analyses that need the factors.
+
+    Args:
+        q_hat: scaled queries ``[B, H, Nq, D]``; k_hat: scaled keys ``[B, H, Nk, D]``.
+        shift_query_rows: divide each row of ``c_qx`` by its maximum (for row-normalised
+            outputs, where that factor cancels).
+    """
+    core = nystrom_core(q_hat, k_hat, 1.0, options, landmarks)
+    k_norm = half_sq_norm(k_hat)  # [B, H, Nk]
+    if info.key_valid is not None:
+        k_norm = torch.where(info.key_valid[:, None, :], k_norm, float("inf"))
+    c_qx = gaussian_kernel_block(
+        q_hat, core.x, half_sq_norm(q_hat), core.x_norm, shift_rows=shift_query_rows
+    )
+    c_kx = gaussian_kernel_block(k_hat, core.x, k_norm, core.x_norm)
+    return NystromFactors(c_qx, core.w, c_kx, landmarks)

@@ -1,0 +1,58 @@
+"""Checks of option values, called from the configs' ``__post_init__``.
+
+Each raises ``ValueError`` with a sentence naming the method, the option, what it must
+be and what it got: ``"skyformer: num_features must be a positive integer, got 0."``.
+"""
+
+from __future__ import annotations
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_positive_int(method: str, name: str, value: object) -> None:
+    if not _is_int(value) or value <= 0:  # type: ignore[operator]
+        raise ValueError(f"{method}: {name} must be a positive integer, got {value!r}.")
+
+
+def check_optional_positive_int(method: str, name: str, value: object) -> None:
+    if value is not None:
+        check_positive_int(method, name, value)
+
+
+def check_nonnegative_int(method: str, name: str, value: object) -> None:
+    if not _is_int(value) or value < 0:  # type: ignore[operator]
+        raise ValueError(f"{method}: {name} must be an integer >= 0, got {value!r}.")
+
+
+def check_nonnegative_float(method: str, name: str, value: object) -> None:
+    if not _is_number(value) or not value >= 0:  # type: ignore[operator]
+        raise ValueError(f"{method}: {name} must be a number >= 0, got {value!r}.")
+
+
+def check_bool(method: str, name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{method}: {name} must be True or False, got {value!r}.")
+
+
+def check_choice(method: str, name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(
+            f"{method}: {name} must be one of {', '.join(map(repr, choices))}, got {value!r}."
+        )
+
+
+def check_scale(method: str, scale: object) -> None:
+    """A softmax logit scale: a positive number, or ``None`` for 1/sqrt(head dim)."""
+    if scale is not None and (not _is_number(scale) or not scale > 0):  # type: ignore[operator]
+        raise ValueError(f"{method}: scale must be a positive number or None, got {scale!r}.")
+
+
+def check_positive_float(method: str, name: str, value: object) -> None:
+    if not _is_number(value) or not value > 0:  # type: ignore[operator]
+        raise ValueError(f"{method}: {name} must be a positive number, got {value!r}.")

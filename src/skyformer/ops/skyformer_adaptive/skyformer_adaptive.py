@@ -1,0 +1,177 @@
+"""Skyformer with adaptive landmarks: k-means query centres + ridge-leverage keys.
+
+Skyformer eqs. (5)-(6) with the Lemma 3 inverse, unchanged, but with landmarks chosen
+from the data instead of uniformly (Skyformer section 6 names importance sampling for
+Nystrom as the way forward):
+
+    out = C(Q, X) [ W ( C(X, K) V ) ],   X = [Z; K_J],   W = Lemma-3 inverse of C(X, X),
+
+- Z: the k-means centres of the scaled queries (``query_fraction`` of the landmarks);
+  the lifted matrix of [Q; K] has a statistical dimension close to 2n on real data (far
+  apart tokens give a near-identity kernel), so uniform rows waste the budget;
+- K_J: the keys with the largest approximate ridge leverage scores of the Q-vs-K block,
+  computed from the kernel rows of the centres, each weighted by sqrt(cluster size)
+  (``sketch/leverage.py``): the heavy columns ([CLS], [SEP], punctuation in BERT) that a
+  uniform sample misses and that dominate C V.
+
+Cost O(N m D + N s^2) with s = query_fraction m. Gradients flow through the centres
+(member means) and the selected keys' rows; the assignments and the selection are
+piecewise constant and carry none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ...linalg import (
+    gaussian_kernel_block,
+    gaussian_kernel_matmul,
+    half_sq_norm,
+    kernel_scale,
+    lemma3_inverse,
+)
+from ...registry import Capabilities, register
+from ...sketch.kmeans import kmeans_clusters
+from ...sketch.leverage import sketched_ridge_leverage, top_keys
+from ..shared.inputs import (
+    AttentionInputs,
+    check_attention_inputs,
+    check_generator,
+    compute_dtype,
+    zero_padded_queries,
+)
+from ..shared.modified_nystrom import NystromOptions
+from ..shared.options import check_nonnegative_int, check_optional_positive_int
+
+
+@dataclass(frozen=True)
+class SkyformerAdaptiveConfig(NystromOptions):
+    """Options of ``skyformer_adaptive`` (Nystrom options as ``skyformer``).
+
+    query_fraction: share of the landmarks that are k-means centres of the queries (at
+        least one); the rest are keys chosen by ridge leverage.
+    ridge: lambda of the leverage scores, relative to the mean diagonal of the sketch's Gram.
+    kmeans_iterations, kmeans_sample: Lloyd iterations and sub-sample size.
+    """
+
+    query_fraction: float = 0.25
+    ridge: float = 1e-3
+    kmeans_iterations: int = 10
+    kmeans_sample: int | None = 2048
+
+    def __post_init__(self) -> None:
+        method = "skyformer_adaptive"
+        self.validate(method)
+        if isinstance(self.query_fraction, bool) \
+                or not isinstance(self.query_fraction, (int, float)) \
+                or not 0 < self.query_fraction <= 1:
+            raise ValueError(
+                f"{method}: query_fraction must be in (0, 1], got {self.query_fraction!r}."
+            )
+        if isinstance(self.ridge, bool) or not isinstance(self.ridge, (int, float)) \
+                or not self.ridge > 0:
+            raise ValueError(f"{method}: ridge must be a positive number, got {self.ridge!r}.")
+        check_nonnegative_int(method, "kmeans_iterations", self.kmeans_iterations)
+        check_optional_positive_int(method, "kmeans_sample", self.kmeans_sample)
+
+
+@dataclass(frozen=True)
+class AdaptiveLandmarks:
+    """Landmark points X = [centres; selected keys] per head."""
+
+    points: Tensor  # [B, H, m, D] (scaled)
+    live: Tensor  # [B, H, m] bool
+    centres: int  # number of leading centre slots
+    key_index: Tensor  # [B, H, m - centres] selected keys
+
+
+def adaptive_landmarks(
+    q_hat: Tensor, k_hat: Tensor, info: AttentionInputs, options: SkyformerAdaptiveConfig,
+    generator: torch.Generator | None,
+) -> AdaptiveLandmarks:
+    """k-means centres of ``q_hat`` and ridge-leverage keys of ``k_hat`` (scaled inputs)."""
+    m = options.num_features
+    nq, nk = q_hat.shape[2], k_hat.shape[2]
+    centres = min(max(1, round(options.query_fraction * m)), m, nq)
+    clusters = kmeans_clusters(
+        q_hat, centres, valid=info.query_valid, generator=generator,
+        iterations=options.kmeans_iterations, sample=options.kmeans_sample,
+    )
+    sketch = gaussian_kernel_block(clusters.centres.detach(), k_hat.detach())
+    sketch = sketch * clusters.sizes.sqrt()[..., None]  # [B, H, s, Nk]; empty clusters weigh 0
+    scores = sketched_ridge_leverage(sketch, options.ridge, info.key_valid)
+    key_index, key_live = top_keys(scores, min(m - centres, nk))
+    d = k_hat.shape[-1]
+    keys = k_hat.gather(2, key_index[..., None].expand(-1, -1, -1, d))
+    points = torch.cat([clusters.centres, keys], dim=2)
+    live = torch.cat([clusters.live, key_live], dim=2)
+    return AdaptiveLandmarks(points, live, centres, key_index)
+
+
+def nystrom_with_landmarks(
+    q_hat: Tensor, k_hat: Tensor, v: Tensor, landmarks: AdaptiveLandmarks, info: AttentionInputs,
+    options: NystromOptions, *, scale: float = 1.0,
+) -> Tensor:
+    """C(Q, X) W C(X, K) V for landmark points X (Skyformer eqs. (5)-(6), Lemma 3).
+
+    ``q_hat``, ``k_hat`` are the rows before the factor ``scale`` (1: already scaled);
+    X is in the scaled space. The [N, m] blocks are never held whole: both products go
+    through ``gaussian_kernel_matmul``, as in ``skyformer``.
+    """
+    inf = torch.tensor(float("inf"), dtype=q_hat.dtype, device=q_hat.device)
+    x = landmarks.points
+    x_norm = torch.where(landmarks.live, half_sq_norm(x), inf)  # dead landmarks -> zero columns
+    core = gaussian_kernel_block(x, x, x_norm, x_norm)  # [B, H, m, m]
+    b, h, m, _ = core.shape
+    w = lemma3_inverse(
+        core.reshape(b * h, 1, m, m), gamma=options.gamma,
+        pinv=options.pinv,  # type: ignore[arg-type]
+        iterations=options.pinv_iterations, init=options.pinv_init,  # type: ignore[arg-type]
+        live=landmarks.live.reshape(b * h, m),
+    ).view(b, h, m, m)
+    key_valid = None if info.key_valid is None else info.key_valid[:, None, :]  # [B, 1, Nk]
+    context = gaussian_kernel_matmul(
+        k_hat, x, v, x_norm, scale=scale, row_valid=key_valid, transpose=True
+    )  # C(X, K) V: [B, H, m, Dv]
+    return gaussian_kernel_matmul(q_hat, x, w @ context, x_norm, scale=scale)
+
+
+@register(
+    "skyformer_adaptive",
+    SkyformerAdaptiveConfig,
+    Capabilities(target="gaussian", randomized=True),
+    summary="Skyformer with adaptive landmarks: k-means query centres + ridge-leverage keys",
+)
+def skyformer_adaptive_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    config: SkyformerAdaptiveConfig,
+    *,
+    key_padding_mask: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Kernelized attention by the modified Nystrom method with adaptive landmarks.
+
+    Args:
+        q: ``[B, H, Nq, D]``; k: ``[B, H, Nk, D]``; v: ``[B, H, Nk, Dv]``.
+        key_padding_mask: ``[B, Nk]`` bool, True = real token; padded rows never
+            influence the landmarks.
+        generator: draws the k-means sub-sample and initial centres (the only randomness).
+        config: the options (``SkyformerAdaptiveConfig``).
+    Returns:
+        ``[B, H, Nq, Dv]`` in the dtype of ``q``; rows of padded queries are zero.
+    """
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="skyformer_adaptive")
+    check_generator("skyformer_adaptive", generator, q.device)
+    dtype = q.dtype
+    work = compute_dtype(dtype)
+    scale = kernel_scale(info.head_dim)
+    qw, kw = q.to(work), k.to(work)
+    landmarks = adaptive_landmarks(qw * scale, kw * scale, info, config, generator)
+    # The fused products scale the rows themselves: no scaled [N, D] copies kept for backward.
+    out = nystrom_with_landmarks(qw, kw, v.to(work), landmarks, info, config, scale=scale)
+    return zero_padded_queries(out, info.query_valid).to(dtype)

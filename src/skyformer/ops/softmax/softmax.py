@@ -1,0 +1,87 @@
+"""Exact softmax attention through ``scaled_dot_product_attention`` (O(N) memory)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ...registry import Capabilities, register
+from ..shared.inputs import check_attention_inputs, zero_padded_queries
+from ..shared.options import check_bool, check_scale
+
+_MASKED_LOGIT = -1e6  # far enough below any real logit that exp() underflows to 0
+
+
+@dataclass(frozen=True)
+class SoftmaxConfig:
+    """Options of exact softmax attention.
+
+    scale: logit scale, ``None`` = 1/sqrt(head dim).
+    causal: query i attends to keys j <= i (requires Nq == Nk).
+    """
+
+    scale: float | None = None
+    causal: bool = False
+
+    def __post_init__(self) -> None:
+        check_scale("softmax", self.scale)
+        check_bool("softmax", "causal", self.causal)
+
+
+def _masked_sdpa(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, *, scale: float,
+                 causal: bool) -> Tensor:
+    """SDPA with a key padding mask that never yields NaN (fully padded rows give 0)."""
+    if key_valid is None:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=causal)
+    has_key = key_valid.any(dim=-1, keepdim=True)  # [B, 1]
+    if not causal:
+        safe = key_valid | ~has_key  # a row without keys attends to all, then is zeroed
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=safe[:, None, None, :], scale=scale)
+    else:
+        # SDPA takes no attn_mask together with is_causal: carry the padding in one
+        # extra logit column instead (q' = [s q, 1], k' = [k, 0 or -1e6]).
+        bias = torch.where(key_valid, 0.0, _MASKED_LOGIT).to(q.dtype)[:, None, :, None]
+        ones = torch.ones_like(q[..., :1])
+        q_aug = torch.cat([q * scale, ones], dim=-1)
+        k_aug = torch.cat([k, bias.expand(*k.shape[:-1], 1)], dim=-1)
+        out = F.scaled_dot_product_attention(q_aug, k_aug, v, scale=1.0, is_causal=True)
+    return out * has_key[:, None, :, None].to(out.dtype)
+
+
+@register(
+    "softmax",
+    SoftmaxConfig,
+    Capabilities(target="softmax", exact=True, causal=True, cross_attention=True),
+    summary="exact softmax attention (torch scaled_dot_product_attention)",
+)
+def softmax_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    config: SoftmaxConfig,
+    *,
+    key_padding_mask: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Exact softmax attention softmax(scale Q K^T) V.
+
+    Args:
+        q: ``[B, H, Nq, D]``; k: ``[B, H, Nk, D]``; v: ``[B, H, Nk, Dv]``.
+        key_padding_mask: ``[B, Nk]`` bool, True = real token.
+        generator: unused (exact method); accepted for a uniform signature.
+    Returns:
+        ``[B, H, Nq, Dv]``; rows of padded queries (self-attention) are zero.
+    """
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="softmax")
+    if config.causal and info.query_len != info.key_len:
+        raise ValueError(
+            f"softmax: causal=True needs as many queries as keys, got Nq={info.query_len}, "
+            f"Nk={info.key_len}."
+        )
+    s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
+    out = _masked_sdpa(q, k, v, info.key_valid, scale=s, causal=config.causal)
+    return zero_padded_queries(out, info.query_valid)

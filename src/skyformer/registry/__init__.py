@@ -1,0 +1,39 @@
+"""The one place method names live, and the one way to call a method.
+
+- ``capabilities``: what a method can do, as data (``Capabilities``, ``CapabilityError``).
+- ``methods``: the registry (``register``, ``get_method``, ``list_methods``,
+  ``attention``), one ``Method`` per name.
+- ``signature``: a method's public function (options as keyword arguments) generated
+  from its core and config dataclass.
+- ``binding``: ``Method.bind`` -> ``BoundMethod``, how every caller runs a method.
+"""
+
+from .binding import BoundMethod
+from .capabilities import Capabilities, CapabilityError, Target
+from .methods import (
+    _REGISTRY,
+    Method,
+    attention,
+    check_capabilities,
+    exact_method,
+    get_method,
+    list_methods,
+    register,
+    with_options,
+)
+
+__all__ = [
+    "_REGISTRY",
+    "BoundMethod",
+    "Capabilities",
+    "CapabilityError",
+    "Method",
+    "Target",
+    "attention",
+    "check_capabilities",
+    "exact_method",
+    "get_method",
+    "list_methods",
+    "register",
+    "with_options",
+]

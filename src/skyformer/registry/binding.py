@@ -1,0 +1,108 @@
+"""The one way to call a registered method: bind it once, then call the binding.
+
+``Method.bind`` validates the options once (the config), applies the rules every caller
+needs (a fixed-length method gets ``max_seq_len`` from the sequence length it is bound
+for) and returns a ``BoundMethod``. Calling it checks the call against the method's
+capabilities (a sentence, not a traceback, for a mask, cross-attention or half precision
+the method cannot take) and runs the method's core. Methods with a per-layer state
+(learned projections, kept random features) get it from ``BoundMethod.new_state``: the
+caller owns that module (a layer keeps it as a submodule, so it trains, moves and saves
+with the model) and passes it to every call.
+
+Used by ``skyformer.attention``, ``skyformer.MultiHeadAttention``, ``skyformer.hf``, the
+experiments and the peak-memory subprocess alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from .methods import Method
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class BoundMethod:
+    """A method with validated options, for layers of ``num_heads`` heads of ``head_dim``.
+
+    ``num_heads`` and ``head_dim`` are needed only to build a per-layer state
+    (``new_state``); a functional call leaves them ``None``.
+    """
+
+    method: Method
+    config: Any
+    num_heads: int | None = None
+    head_dim: int | None = None
+
+    @property
+    def name(self) -> str:
+        return self.method.name
+
+    def replace(self, **options: Any) -> BoundMethod:
+        """The same binding with some options changed (validated again); ``self`` when
+        nothing changes."""
+        current = self.options()
+        if all(name in current and current[name] == value for name, value in options.items()):
+            return self
+        config = self.method.make_config(**{**current, **options})
+        return dataclasses.replace(self, config=config)
+
+    def options(self) -> dict[str, Any]:
+        """Option name -> value, every option included."""
+        return self.method.options_of(self.config)
+
+    def new_state(self, seed: int | None = None) -> nn.Module | None:
+        """The method's per-layer state module (``None`` for methods without one).
+
+        Args:
+            seed: draw its initial parameters under this seed (torch's global random
+                state is left as it was); ``None`` draws from the global state, as any
+                ``nn.Module`` does.
+        """
+        factory = self.method.state
+        if factory is None:
+            return None
+        if self.num_heads is None or self.head_dim is None:
+            raise ValueError(
+                f"{self.name} keeps per-layer state (e.g. learned projections); bind it with "
+                f"the layer's shape: get_method({self.name!r}).bind(num_heads, head_dim, ...)."
+            )
+        if seed is None:
+            return factory(self.config, self.num_heads, self.head_dim)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return factory(self.config, self.num_heads, self.head_dim)
+
+    def __call__(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        key_padding_mask: Tensor | None = None,
+        generator: torch.Generator | None = None,
+        state: nn.Module | None = None,
+    ) -> Tensor:
+        """Attention of ``q: [B, H, Nq, D]`` to ``k: [B, H, Nk, D]``, ``v: [B, H, Nk, Dv]``.
+
+        Args:
+            key_padding_mask: ``[B, Nk]`` bool, True = real token.
+            generator: source of the method's randomness.
+            state: the module from ``new_state``; ``None`` calls the method as a bare
+                function call does (e.g. Linformer then draws its projections).
+        Returns:
+            ``[B, H, Nq, Dv]``.
+        """
+        self.method.check_call(q, k, key_padding_mask)
+        extra = state(q, k) if state is not None else {}
+        return self.method.core(
+            q, k, v, self.config, key_padding_mask=key_padding_mask, generator=generator,
+            **extra,
+        )

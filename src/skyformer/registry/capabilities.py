@@ -1,0 +1,61 @@
+"""What a method can do, as data, and the sentence a caller gets when it cannot."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Target = Literal["softmax", "gaussian"]
+
+CAPABILITY_TEXT = {
+    "mask": "honour a key_padding_mask",
+    "causal": "do causal masking",
+    "cross_attention": "attend with a different number of queries and keys",
+    "fixed_length": "run without a fixed max_seq_len",
+    "half_precision": "take float16/bfloat16 inputs",
+}
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a method can do, as data.
+
+    target: the exact attention the method equals or approximates: ``"softmax"``
+        (softmax(QK^T/sqrt(D))V) or ``"gaussian"`` (kernelized attention C V).
+    exact: computes its target exactly.
+    mask: honours ``key_padding_mask``.
+    causal: has a ``causal`` option.
+    cross_attention: accepts Nq != Nk.
+    randomized: output depends on the ``generator``.
+    fixed_length: needs a fixed ``max_seq_len`` (e.g. Linformer's projections).
+    learned_parameters: owns trainable parameters (a ``state`` module, see ``Method``).
+    half_precision: accepts float16/bfloat16 inputs.
+    """
+
+    target: Target
+    exact: bool = False
+    mask: bool = True
+    causal: bool = False
+    cross_attention: bool = True
+    randomized: bool = False
+    fixed_length: bool = False
+    learned_parameters: bool = False
+    half_precision: bool = True
+
+    def has(self, capability: str) -> bool:
+        """Whether the method can do ``capability`` (a key of ``CAPABILITY_TEXT``)."""
+        if capability == "fixed_length":
+            return not self.fixed_length
+        return bool(getattr(self, capability))
+
+
+class CapabilityError(ValueError):
+    """A method was asked for something its capabilities exclude."""
+
+
+def capability_sentence(name: str, capability: str, able: list[str]) -> str:
+    """``"<name> cannot <do it>; methods that can: <able>."``"""
+    return (
+        f"{name} cannot {CAPABILITY_TEXT[capability]}"
+        + (f"; methods that can: {', '.join(able)}." if able else ".")
+    )

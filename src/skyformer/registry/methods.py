@@ -1,0 +1,246 @@
+"""The one place method names live: name -> (function, config dataclass, capabilities).
+
+Methods register themselves with a decorator next to their implementation, written once
+as a core that reads its options from the config::
+
+    @register("skyformer", SkyformerConfig, Capabilities(target="gaussian", randomized=True))
+    def skyformer_attention(q, k, v, config: SkyformerConfig, *, key_padding_mask=None,
+                            generator=None) -> Tensor: ...
+
+The decorator returns the public function, options as keyword arguments
+(``skyformer_attention(q, k, v, num_features=64)``, see ``signature.public_function``).
+A function written directly in that public form may be registered too.
+
+Every config is a frozen dataclass whose defaults are the method's documented defaults;
+every approximate method has the common option ``num_features``. Capabilities are data;
+asking for something a method cannot do fails with a sentence naming the method, the
+missing capability and the methods that have it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from .binding import HALF_DTYPES, BoundMethod
+from .capabilities import Capabilities, CapabilityError, Target, capability_sentence
+from .signature import config_fields, core_of, public_function, takes_config
+
+StateFactory = Callable[[Any, int, int], "torch.nn.Module"]
+
+# Names ``Method.bind`` takes itself; no method may have an option of that name.
+_BIND_ARGUMENTS = ("num_heads", "head_dim", "seq_len")
+# The exact method of each target: what approximation errors are measured against.
+_EXACT = {"softmax": "softmax", "gaussian": "kernelized"}
+
+
+@dataclass(frozen=True)
+class Method:
+    """A registered attention method.
+
+    ``function`` is the public function (options as keyword arguments); ``core`` the same
+    computation with the options given as one config. ``state``, when set, builds the
+    per-layer module a method needs beyond its options (learned projections, random
+    features kept between calls): ``state(config, num_heads, head_dim) -> nn.Module``,
+    whose ``module(q, k)`` returns a dict of extra keyword arguments for the core. Called
+    without them, such methods work (e.g. by drawing them from the generator) or say
+    what is missing.
+    """
+
+    name: str
+    function: Callable[..., Tensor]
+    config_class: type
+    capabilities: Capabilities
+    summary: str
+    state: StateFactory | None = None
+
+    @property
+    def core(self) -> Callable[..., Tensor]:
+        """``core(q, k, v, config, *, key_padding_mask, generator, **state_arguments)``."""
+        return core_of(self.function)
+
+    def defaults(self) -> dict[str, Any]:
+        """Option name -> default value."""
+        return config_fields(self.config_class())
+
+    def option_names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(self.config_class))
+
+    def options_of(self, config: Any) -> dict[str, Any]:
+        """Option name -> value of a config of this method."""
+        return config_fields(config)
+
+    def make_config(self, **options: Any) -> Any:
+        """Build the frozen config, rejecting unknown options with the list of known ones."""
+        unknown = sorted(set(options) - set(self.option_names()))
+        if "causal" in unknown and options.get("causal"):
+            raise CapabilityError(_capability_sentence(self.name, "causal"))
+        if unknown:
+            known = ", ".join(self.option_names()) or "none"
+            raise ValueError(
+                f"{self.name} has no option {', '.join(map(repr, unknown))}; "
+                f"its options are: {known}."
+            )
+        return self.config_class(**options)
+
+    def resolve_options(self, options: dict[str, Any], seq_len: int | None) -> dict[str, Any]:
+        """``options`` with the rules of a layer that sees sequences of ``seq_len`` tokens:
+        a fixed-length method (Linformer) gets ``max_seq_len=seq_len`` unless it is given."""
+        resolved = dict(options)
+        if (seq_len is not None and self.capabilities.fixed_length
+                and "max_seq_len" in self.option_names()
+                and resolved.get("max_seq_len") is None):
+            resolved["max_seq_len"] = seq_len
+        return resolved
+
+    def bind(self, num_heads: int | None = None, head_dim: int | None = None, *,
+             seq_len: int | None = None, **options: Any) -> BoundMethod:
+        """Validate ``options`` once and return the callable binding (``binding.py``).
+
+        Args:
+            num_heads, head_dim: the layer's shape (needed for a per-layer state).
+            seq_len: the longest sequence the layer sees (fixed-length methods need it).
+            **options: the method's options (see ``skyformer list``).
+        """
+        config = self.make_config(**self.resolve_options(options, seq_len))
+        return BoundMethod(self, config, num_heads, head_dim)
+
+    def check_call(self, q: object, k: object, key_padding_mask: object) -> None:
+        """Fail with a sentence if this call needs a capability the method lacks. Inputs
+        that are not ``[B, H, N, D]`` tensors are left to the method's own input checks."""
+        q_ok = isinstance(q, Tensor) and q.dim() == 4
+        k_ok = isinstance(k, Tensor) and k.dim() == 4
+        check_capabilities(
+            self.name,
+            mask=key_padding_mask is not None,
+            cross_attention=q_ok and k_ok and q.shape[2] != k.shape[2],  # type: ignore[union-attr]
+            half_precision=q_ok and q.dtype in HALF_DTYPES,  # type: ignore[union-attr]
+        )
+
+
+_REGISTRY: dict[str, Method] = {}
+
+
+def register(
+    name: str,
+    config_class: type,
+    capabilities: Capabilities,
+    *,
+    summary: str = "",
+    state: StateFactory | None = None,
+) -> Callable[[Callable[..., Tensor]], Callable[..., Tensor]]:
+    """Decorator that registers an attention function under ``name``; returns its public
+    form (generated from a core, see the module docstring)."""
+    if not dataclasses.is_dataclass(config_class):
+        raise TypeError(f"config_class of {name!r} must be a dataclass.")
+    clash = [f.name for f in dataclasses.fields(config_class) if f.name in _BIND_ARGUMENTS]
+    if clash:
+        raise TypeError(f"{name!r}: option names {clash} are reserved for Method.bind.")
+
+    def decorator(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        if name in _REGISTRY:
+            raise ValueError(f"attention method {name!r} is already registered.")
+        public = with_options(config_class, name)(fn) if takes_config(fn) else fn
+        _REGISTRY[name] = Method(name, public, config_class, capabilities, summary, state)
+        return public
+
+    return decorator
+
+
+def with_options(config_class: type, method: str
+                 ) -> Callable[[Callable[..., Tensor]], Callable[..., Tensor]]:
+    """Decorator: the public form of a core whose options are those of the registered
+    ``method`` (``register`` applies it; use it alone for a core outside the registry,
+    e.g. a materialised variant of a method)."""
+
+    def decorator(core: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        return public_function(core, config_class,
+                               lambda options: get_method(method).make_config(**options))
+
+    return decorator
+
+
+def _load_builtin_methods() -> None:
+    from .. import ops  # noqa: F401  (importing ops registers the built-in methods)
+
+
+def list_methods() -> list[str]:
+    """Names of every registered method, in registration order."""
+    _load_builtin_methods()
+    return list(_REGISTRY)
+
+
+def get_method(name: str) -> Method:
+    """The registered method ``name``; unknown names fail with the list of known ones."""
+    _load_builtin_methods()
+    if not isinstance(name, str) or name not in _REGISTRY:
+        raise ValueError(
+            f"unknown attention method {name!r}; available: {', '.join(_REGISTRY)}."
+        )
+    return _REGISTRY[name]
+
+
+def exact_method(target: Target) -> Method:
+    """The exact method of ``target``: ``softmax`` or ``kernelized`` (Gaussian)."""
+    if target not in _EXACT:
+        raise ValueError(f"target must be one of {', '.join(_EXACT)}, got {target!r}.")
+    return get_method(_EXACT[target])
+
+
+def _capability_sentence(name: str, capability: str) -> str:
+    able = [m.name for m in _REGISTRY.values() if m.capabilities.has(capability)]
+    return capability_sentence(name, capability, able)
+
+
+def check_capabilities(
+    name: str,
+    *,
+    mask: bool = False,
+    causal: bool = False,
+    cross_attention: bool = False,
+    half_precision: bool = False,
+) -> Method:
+    """Fail with a sentence if method ``name`` cannot do what is asked."""
+    method = get_method(name)
+    caps = method.capabilities
+    for capability, wanted in (
+        ("mask", mask),
+        ("causal", causal),
+        ("cross_attention", cross_attention),
+        ("half_precision", half_precision),
+    ):
+        if wanted and not getattr(caps, capability):
+            raise CapabilityError(_capability_sentence(name, capability))
+    return method
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    method: str = "skyformer",
+    *,
+    key_padding_mask: Tensor | None = None,
+    generator: torch.Generator | None = None,
+    **options: Any,
+) -> Tensor:
+    """Dispatch to a registered method by name.
+
+    Args:
+        q: ``[B, H, Nq, D]``; k: ``[B, H, Nk, D]``; v: ``[B, H, Nk, Dv]``.
+        method: a name from ``list_methods()``.
+        key_padding_mask: ``[B, Nk]`` bool, True = real token.
+        generator: source of randomness for randomised methods.
+        **options: the method's options (see ``skyformer list``).
+    Returns:
+        ``[B, H, Nq, Dv]``.
+    """
+    if options.get("causal"):
+        check_capabilities(method, causal=True)
+    spec = get_method(method)
+    bound = BoundMethod(spec, spec.make_config(**options))
+    return bound(q, k, v, key_padding_mask=key_padding_mask, generator=generator)

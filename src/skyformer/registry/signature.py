@@ -1,0 +1,129 @@
+"""A method's public function, generated from its core and its config dataclass.
+
+Every built-in method is written once as a *core*
+``core(q, k, v, config, *, key_padding_mask=None, generator=None, **state_arguments)``
+that reads its options from ``config`` (a frozen dataclass: the one definition of the
+options and their defaults). Users call the *public* form, with the options as keyword
+arguments::
+
+    skyformer_attention(q, k, v, key_padding_mask=mask, generator=g, num_features=64)
+
+``public_function`` builds that form: its signature (``inspect.signature``, ``help()``,
+IPython and Jupyter show it) lists every config field with its default, followed by the
+core's own state arguments (e.g. Linformer's ``proj_k``); a call builds and validates
+the config, then runs the core.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from typing import Any, Callable
+
+from torch import Tensor
+
+CALL_ARGUMENTS = ("key_padding_mask", "generator")
+
+
+def config_fields(config: Any) -> dict[str, Any]:
+    """A config's fields as a dict (shallow: unlike ``dataclasses.asdict``, no deep copy)."""
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+
+
+def takes_config(function: Callable[..., Any]) -> bool:
+    """Whether ``function`` is a core: its fourth positional parameter is ``config``."""
+    try:
+        parameters = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 4 and positional[3].name == "config"
+
+
+def _state_parameters(core: Callable[..., Any]) -> list[inspect.Parameter]:
+    """The core's keyword-only arguments beyond the common call arguments."""
+    return [
+        p for p in inspect.signature(core).parameters.values()
+        if p.kind is p.KEYWORD_ONLY and p.name not in CALL_ARGUMENTS
+    ]
+
+
+def _signature(core: Callable[..., Any], config_class: type) -> inspect.Signature:
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    parameters = [inspect.Parameter(name, positional, annotation="Tensor") for name in "qkv"]
+    parameters += [
+        inspect.Parameter("key_padding_mask", keyword, default=None, annotation="Tensor | None"),
+        inspect.Parameter("generator", keyword, default=None,
+                          annotation="torch.Generator | None"),
+    ]
+    parameters += [
+        inspect.Parameter(f.name, keyword, default=f.default, annotation=f.type)
+        for f in dataclasses.fields(config_class)
+    ]
+    parameters += _state_parameters(core)
+    return inspect.Signature(parameters, return_annotation="Tensor")
+
+
+def _docstring(core: Callable[..., Any], config_class: type) -> str:
+    """The core's docstring, then the option descriptions of the config and of the
+    config classes it extends (``SkyformerConfig`` documents only what it adds)."""
+    docs = []
+    for cls in reversed(config_class.__mro__):
+        doc = cls.__dict__.get("__doc__")
+        if dataclasses.is_dataclass(cls) and doc and not doc.startswith(cls.__name__ + "("):
+            docs.append(inspect.cleandoc(doc))
+    head = inspect.cleandoc(core.__doc__ or "")
+    options = "\n\n".join(docs)
+    return f"{head}\n\nOptions (``{config_class.__name__}``, keyword arguments):\n\n{options}"
+
+
+def public_function(
+    core: Callable[..., Tensor],
+    config_class: type,
+    make_config: Callable[[dict[str, Any]], Any],
+) -> Callable[..., Tensor]:
+    """The public form of ``core``: options as keyword arguments, defaults from the config.
+
+    Args:
+        core: ``core(q, k, v, config, *, key_padding_mask, generator, **state_arguments)``.
+        config_class: the frozen dataclass of the options.
+        make_config: builds and validates the config from a dict of options (rejecting
+            unknown names with a sentence).
+    Returns:
+        ``f(q, k, v, *, key_padding_mask=None, generator=None, **options, **state_arguments)``
+        with ``f.core`` = ``core`` and ``f.config_class`` = ``config_class``.
+    """
+    state_names = frozenset(p.name for p in _state_parameters(core))
+
+    @functools.wraps(core, assigned=("__module__", "__name__", "__qualname__"), updated=())
+    def public(q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask: Tensor | None = None,
+               generator: Any = None, **kwargs: Any) -> Tensor:
+        state = {name: kwargs.pop(name) for name in state_names & kwargs.keys()}
+        config = make_config(kwargs)
+        return core(q, k, v, config, key_padding_mask=key_padding_mask, generator=generator,
+                    **state)
+
+    public.__signature__ = _signature(core, config_class)  # type: ignore[attr-defined]
+    public.__doc__ = _docstring(core, config_class)
+    public.core = core  # type: ignore[attr-defined]
+    public.config_class = config_class  # type: ignore[attr-defined]
+    return public
+
+
+def core_of(function: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """The core form of a registered function.
+
+    A generated public function carries its core. A function written with its options as
+    keyword arguments (how methods may be registered from outside the library) is
+    adapted: the config's fields become its keyword arguments.
+    """
+    core = getattr(function, "core", None)
+    if core is not None:
+        return core
+
+    def adapted(q: Tensor, k: Tensor, v: Tensor, config: Any, **kwargs: Any) -> Tensor:
+        return function(q, k, v, **config_fields(config), **kwargs)
+
+    return adapted

@@ -1,0 +1,42 @@
+"""Experiments call registered methods through the registry's binding: as a function call
+or, with ``as_layer``, with the per-layer state a layer owns."""
+
+from __future__ import annotations
+
+import torch
+
+from skyformer import attention
+from skyformer.eval.measure.memory import MemoryJob, peak_memory_bytes
+from skyformer.eval.methods import resolve
+from skyformer.ops.linformer import linformer_attention
+from tests.conftest import gen, make_qkv
+
+
+def as_layer(method, q, k, v, generator=None, **options):
+    call = resolve(method).prepare(tuple(q.shape), options, dtype=q.dtype, as_layer=True)
+    return call(q, k, v, generator)
+
+
+def test_stateful_method_gets_its_kept_state_module():
+    q, k, v = make_qkv(1, 2, 20, 8)
+    a = as_layer("linformer", q, k, v, num_features=6, max_seq_len=20)
+    b = as_layer("linformer", q, k, v, num_features=6, max_seq_len=20)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same learned projections
+    # not the bare call's Gaussian projections drawn from the generator
+    assert not torch.allclose(a, linformer_attention(q, k, v, num_features=6, generator=gen(0)))
+
+
+def test_stateless_method_equals_attention():
+    q, k, v = make_qkv(1, 2, 20, 8)
+    torch.testing.assert_close(
+        as_layer("informer", q, k, v, generator=gen(1)),
+        attention(q, k, v, "informer", generator=gen(1)),
+        rtol=0, atol=0,
+    )
+
+
+def test_usable_as_a_memory_job():
+    job = MemoryJob("linformer", (1, 2, 1024, 16), options={"num_features": 32},
+                    backward=True, as_layer=True)
+    # the [2, 1024, 32] float32 attention matrix alone is 256 KiB
+    assert peak_memory_bytes(job) > 2**18
