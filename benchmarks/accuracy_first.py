@@ -38,10 +38,10 @@ from typing import Any
 
 import torch
 
-from skyformer.eval.measure.memory import MemoryJob, peak_memory_bytes
-from skyformer.eval.measure.metrics import relative_error
 from skyformer.eval.data.qkv import extract_qkv, load_model
 from skyformer.eval.data.text import default_text
+from skyformer.eval.measure.memory import MemoryJob, peak_memory_bytes
+from skyformer.eval.measure.metrics import relative_error
 from skyformer.io import atomic_write_text, environment, write_json
 from skyformer.linalg import gaussian_scores, softmax_scores
 from skyformer.ops.multipole import multipole_with_choice
@@ -53,14 +53,19 @@ EXACT = {"softmax": "softmax", "gaussian": "kernelized"}
 
 def uptime() -> str:
     try:
-        return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+        return subprocess.run(
+            ["uptime"], capture_output=True, text=True, check=False
+        ).stdout.strip()
     except OSError:
         return "uptime unavailable"
 
 
 def approximate_methods() -> list[str]:
-    return [m for m in list_methods() if not get_method(m).capabilities.exact
-            and not get_method(m).capabilities.fixed_length]
+    return [
+        m
+        for m in list_methods()
+        if not get_method(m).capabilities.exact and not get_method(m).capabilities.fixed_length
+    ]
 
 
 class Data:
@@ -75,15 +80,24 @@ class Data:
         if key not in self.cache:
             if source == "gaussian":
                 g = torch.Generator().manual_seed(n)
-                q, k, v = (torch.randn(1, 12, n, 32, generator=g, dtype=torch.float64) for _ in range(3))
+                q, k, v = (
+                    torch.randn(1, 12, n, 32, generator=g, dtype=torch.float64) for _ in range(3)
+                )
                 q, k = q * 6 / math.sqrt(32), k * 6 / math.sqrt(32)  # expected row norm 6
             else:
                 pretrained = source == "pretrained"
                 if pretrained not in self.models:
                     self.models[pretrained] = load_model(pretrained=pretrained, seed=0)
                 model, tok, name = self.models[pretrained]
-                x = extract_qkv(model, tok, default_text(), seq_len=n, layer=layer, name=name,
-                                pretrained=pretrained)
+                x = extract_qkv(
+                    model,
+                    tok,
+                    default_text(),
+                    seq_len=n,
+                    layer=layer,
+                    name=name,
+                    pretrained=pretrained,
+                )
                 q, k, v = (t.double() for t in (x.q, x.k, x.v))
             self.cache[key] = (q, k, v)
         return self.cache[key]
@@ -96,7 +110,11 @@ def exact_outputs(q, k, v) -> dict[str, torch.Tensor]:
 
 def trivial_errors(v, exact) -> dict[str, torch.Tensor]:
     """[H] errors of: every row = mean(V) (softmax only), every row = the mean exact row."""
-    out = {"mean_v": relative_error(v.mean(2, keepdim=True).expand_as(exact["softmax"]), exact["softmax"])[0]}
+    out = {
+        "mean_v": relative_error(
+            v.mean(2, keepdim=True).expand_as(exact["softmax"]), exact["softmax"]
+        )[0]
+    }
     for t, o in exact.items():
         out[f"constant_row_{t}"] = relative_error(o.mean(2, keepdim=True).expand_as(o), o)[0]
     return out
@@ -131,25 +149,63 @@ def part_table(data: Data, seeds: int) -> list[dict[str, Any]]:
             q, k, v = data.get("pretrained", n, layer)
             exact = exact_outputs(q, k, v)
             base = trivial_errors(v, exact)
-            floors = {"softmax": floor(softmax_scores(q, k), v, exact["softmax"], 128),
-                      "gaussian": floor(gaussian_scores(q, k), v, exact["gaussian"], 128)}
+            floors = {
+                "softmax": floor(softmax_scores(q, k), v, exact["softmax"], 128),
+                "gaussian": floor(gaussian_scores(q, k), v, exact["gaussian"], 128),
+            }
             for t in EXACT:
-                rows.append({"n": n, "layer": layer, "method": "svd_floor", "target": t,
-                             "error": floors[t].mean().item()})
-                rows.append({"n": n, "layer": layer, "method": "constant_row", "target": t,
-                             "error": base[f"constant_row_{t}"].mean().item()})
-            rows.append({"n": n, "layer": layer, "method": "mean_v", "target": "softmax",
-                         "error": base["mean_v"].mean().item()})
+                rows.append(
+                    {
+                        "n": n,
+                        "layer": layer,
+                        "method": "svd_floor",
+                        "target": t,
+                        "error": floors[t].mean().item(),
+                    }
+                )
+                rows.append(
+                    {
+                        "n": n,
+                        "layer": layer,
+                        "method": "constant_row",
+                        "target": t,
+                        "error": base[f"constant_row_{t}"].mean().item(),
+                    }
+                )
+            rows.append(
+                {
+                    "n": n,
+                    "layer": layer,
+                    "method": "mean_v",
+                    "target": "softmax",
+                    "error": base["mean_v"].mean().item(),
+                }
+            )
             for name in methods:
                 target = get_method(name).capabilities.target
                 try:
-                    errs = [relative_error(run_method(name, q, k, v, s, num_features=128), exact[target]).mean().item()
-                            for s in range(seeds)]
+                    errs = [
+                        relative_error(
+                            run_method(name, q, k, v, s, num_features=128), exact[target]
+                        )
+                        .mean()
+                        .item()
+                        for s in range(seeds)
+                    ]
                 except (ValueError, RuntimeError) as err:  # a method that cannot run this setting
                     print(f"N={n} layer {layer} {name}: skipped ({err})", flush=True)
                     continue
-                rows.append({"n": n, "layer": layer, "method": name, "target": target,
-                             "error": statistics.mean(errs), "error_min": min(errs), "error_max": max(errs)})
+                rows.append(
+                    {
+                        "n": n,
+                        "layer": layer,
+                        "method": name,
+                        "target": target,
+                        "error": statistics.mean(errs),
+                        "error_min": min(errs),
+                        "error_max": max(errs),
+                    }
+                )
                 print(f"N={n} layer {layer} {name:<22} {rows[-1]['error']:.3f}", flush=True)
     return rows
 
@@ -164,15 +220,35 @@ def part_baselines(data: Data, seeds: int) -> list[dict[str, Any]]:
             for m in (16, 32, 64, 128, 256):
                 for name in NEW:
                     target = get_method(name).capabilities.target
-                    trivial = base["mean_v"] if target == "softmax" else base["constant_row_gaussian"]
-                    errs = torch.stack([relative_error(run_method(name, q, k, v, s, num_features=m), exact[target])[0]
-                                        for s in range(seeds)])  # [seeds, H]
+                    trivial = (
+                        base["mean_v"] if target == "softmax" else base["constant_row_gaussian"]
+                    )
+                    errs = torch.stack(
+                        [
+                            relative_error(
+                                run_method(name, q, k, v, s, num_features=m), exact[target]
+                            )[0]
+                            for s in range(seeds)
+                        ]
+                    )  # [seeds, H]
                     ratio = (errs / trivial).max().item()
-                    rows.append({"source": source, "n": n, "m": m, "method": name, "target": target,
-                                 "error": errs.mean().item(), "trivial": trivial.mean().item(),
-                                 "worst_ratio": ratio})
-                    print(f"{source:<10} N={n} m={m:<4} {name:<20} err {rows[-1]['error']:.3f} "
-                          f"trivial {rows[-1]['trivial']:.3f} worst ratio {ratio:.3f}", flush=True)
+                    rows.append(
+                        {
+                            "source": source,
+                            "n": n,
+                            "m": m,
+                            "method": name,
+                            "target": target,
+                            "error": errs.mean().item(),
+                            "trivial": trivial.mean().item(),
+                            "worst_ratio": ratio,
+                        }
+                    )
+                    print(
+                        f"{source:<10} N={n} m={m:<4} {name:<20} err {rows[-1]['error']:.3f} "
+                        f"trivial {rows[-1]['trivial']:.3f} worst ratio {ratio:.3f}",
+                        flush=True,
+                    )
     return rows
 
 
@@ -186,21 +262,38 @@ def part_tolerance(data: Data) -> list[dict[str, Any]]:
             for tol in (0.05, 0.1, 0.2):
                 with torch.no_grad():
                     out, choice = multipole_with_choice(
-                        name, q.float(), k.float(), v.float(), generator=torch.Generator().manual_seed(0),
-                        num_features=256, tolerance=tol)
-                rows.append({
-                    "layer": layer, "method": name, "tolerance": tol,
-                    "features": choice.features[0].tolist(),
-                    "mean_features": choice.features.double().mean().item(),
-                    "estimate": choice.estimate.mean().item(),
-                    "frobenius_error": relative_error(out, exact[target], ord="fro").mean().item(),
-                    "spectral_error": relative_error(out, exact[target]).mean().item(),
-                    "heads_meeting": (relative_error(out, exact[target], ord="fro")[0] <= tol).sum().item(),
-                })
+                        name,
+                        q.float(),
+                        k.float(),
+                        v.float(),
+                        generator=torch.Generator().manual_seed(0),
+                        num_features=256,
+                        tolerance=tol,
+                    )
+                rows.append(
+                    {
+                        "layer": layer,
+                        "method": name,
+                        "tolerance": tol,
+                        "features": choice.features[0].tolist(),
+                        "mean_features": choice.features.double().mean().item(),
+                        "estimate": choice.estimate.mean().item(),
+                        "frobenius_error": relative_error(out, exact[target], ord="fro")
+                        .mean()
+                        .item(),
+                        "spectral_error": relative_error(out, exact[target]).mean().item(),
+                        "heads_meeting": (relative_error(out, exact[target], ord="fro")[0] <= tol)
+                        .sum()
+                        .item(),
+                    }
+                )
                 r = rows[-1]
-                print(f"layer {layer} {name:<20} tol {tol:<5} features {r['mean_features']:6.1f} "
-                      f"estimate {r['estimate']:.3f} frob {r['frobenius_error']:.3f} "
-                      f"spectral {r['spectral_error']:.3f}", flush=True)
+                print(
+                    f"layer {layer} {name:<20} tol {tol:<5} features {r['mean_features']:6.1f} "
+                    f"estimate {r['estimate']:.3f} frob {r['frobenius_error']:.3f} "
+                    f"spectral {r['spectral_error']:.3f}",
+                    flush=True,
+                )
     return rows
 
 
@@ -226,37 +319,64 @@ def part_speed(n: int, repeats: int) -> list[dict[str, Any]]:
             times[name].append(step(name))
     after = uptime()
     base = statistics.median(times["skyformer"])
-    peaks = {name: peak_memory_bytes(MemoryJob(name, (1, 2, n, 32), backward=True)) / 2**20
-             for name in methods}
-    return [{"method": name, "n": n, "fwd_bwd_ms": statistics.median(times[name]) * 1e3,
-             "ratio_to_skyformer": statistics.median(times[name]) / base,
-             "peak_mib": peaks[name], "peak_ratio_to_skyformer": peaks[name] / peaks["skyformer"],
-             "uptime_before": before, "uptime_after": after} for name in methods]
+    peaks = {
+        name: peak_memory_bytes(MemoryJob(name, (1, 2, n, 32), backward=True)) / 2**20
+        for name in methods
+    }
+    return [
+        {
+            "method": name,
+            "n": n,
+            "fwd_bwd_ms": statistics.median(times[name]) * 1e3,
+            "ratio_to_skyformer": statistics.median(times[name]) / base,
+            "peak_mib": peaks[name],
+            "peak_ratio_to_skyformer": peaks[name] / peaks["skyformer"],
+            "uptime_before": before,
+            "uptime_after": after,
+        }
+        for name in methods
+    ]
 
 
 def markdown(rows: list[dict[str, Any]], keys: list[str]) -> str:
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     for r in rows:
-        lines.append("| " + " | ".join(f"{r[k]:.3f}" if isinstance(r[k], float) else str(r[k]) for k in keys) + " |")
+        lines.append(
+            "| "
+            + " | ".join(f"{r[k]:.3f}" if isinstance(r[k], float) else str(r[k]) for k in keys)
+            + " |"
+        )
     return "\n".join(lines)
 
 
 def table_markdown(rows: list[dict[str, Any]]) -> str:
     """One line per (method, target), columns N/layer."""
     cols = sorted({(r["n"], r["layer"]) for r in rows})
-    lines = ["| method | target | " + " | ".join(f"N={n} L{layer}" for n, layer in cols) + " | mean N=2048 |",
-             "|" + "---|" * (len(cols) + 3)]
+    lines = [
+        "| method | target | "
+        + " | ".join(f"N={n} L{layer}" for n, layer in cols)
+        + " | mean N=2048 |",
+        "|" + "---|" * (len(cols) + 3),
+    ]
     for method, target in dict.fromkeys((r["method"], r["target"]) for r in rows):
-        cells = {(r["n"], r["layer"]): r["error"] for r in rows if r["method"] == method and r["target"] == target}
+        cells = {
+            (r["n"], r["layer"]): r["error"]
+            for r in rows
+            if r["method"] == method and r["target"] == target
+        }
         big = [cells[c] for c in cols if c[0] == 2048 and c in cells]
-        lines.append(f"| {method} | {target} | " + " | ".join(f"{cells[c]:.3f}" if c in cells else "-" for c in cols)
-                     + f" | {statistics.mean(big):.3f} |")
+        lines.append(
+            f"| {method} | {target} | "
+            + " | ".join(f"{cells[c]:.3f}" if c in cells else "-" for c in cols)
+            + f" | {statistics.mean(big):.3f} |"
+        )
     return "\n".join(lines)
 
 
 def plot_baselines(rows: list[dict[str, Any]], path: Path) -> None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -264,12 +384,21 @@ def plot_baselines(rows: list[dict[str, Any]], path: Path) -> None:
         return
     sources = sorted({r["source"] for r in rows})
     fig, axes = plt.subplots(1, len(sources), figsize=(5 * len(sources), 4), squeeze=False)
-    for ax, source in zip(axes[0], sources):
+    for ax, source in zip(axes[0], sources, strict=True):
         for name in NEW:
             for n, style in ((512, "--"), (2048, "-")):
-                sel = [r for r in rows if r["source"] == source and r["method"] == name and r["n"] == n]
-                ax.plot([r["m"] for r in sel], [r["error"] / r["trivial"] for r in sel], style, marker="o",
-                        label=f"{name} N={n}")
+                sel = [
+                    r
+                    for r in rows
+                    if r["source"] == source and r["method"] == name and r["n"] == n
+                ]
+                ax.plot(
+                    [r["m"] for r in sel],
+                    [r["error"] / r["trivial"] for r in sel],
+                    style,
+                    marker="o",
+                    label=f"{name} N={n}",
+                )
         ax.axhline(1.0, color="black", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -283,9 +412,13 @@ def plot_baselines(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def write_rows(out: Path, part: str, rows: list[dict[str, Any]], config: dict[str, Any]) -> None:
-    write_json(out / f"{part}.json", {"config": config, "environment": environment("cpu"), "rows": rows})
+    write_json(
+        out / f"{part}.json", {"config": config, "environment": environment("cpu"), "rows": rows}
+    )
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(dict.fromkeys(key for row in rows for key in row)))
+    writer = csv.DictWriter(
+        buf, fieldnames=list(dict.fromkeys(key for row in rows for key in row))
+    )
     writer.writeheader()
     writer.writerows(rows)
     atomic_write_text(out / f"{part}.csv", buf.getvalue())
@@ -303,8 +436,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     data = Data()
-    config = {"command": "python benchmarks/accuracy_first.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "seeds": args.seeds, "threads": args.threads}
+    config = {
+        "command": "python benchmarks/accuracy_first.py "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "seeds": args.seeds,
+        "threads": args.threads,
+    }
     for part in args.parts.split(","):
         start = time.time()
         if part == "table":
@@ -312,16 +449,42 @@ def main(argv: list[str] | None = None) -> int:
             print(table_markdown(rows))
         elif part == "baselines":
             rows = part_baselines(data, args.seeds)
-            print(markdown(rows, ["source", "n", "m", "method", "error", "trivial", "worst_ratio"]))
+            print(
+                markdown(rows, ["source", "n", "m", "method", "error", "trivial", "worst_ratio"])
+            )
             plot_baselines(rows, out / "baselines.png")
         elif part == "tolerance":
             rows = part_tolerance(data)
-            print(markdown(rows, ["layer", "method", "tolerance", "mean_features", "estimate",
-                                  "frobenius_error", "spectral_error", "heads_meeting"]))
+            print(
+                markdown(
+                    rows,
+                    [
+                        "layer",
+                        "method",
+                        "tolerance",
+                        "mean_features",
+                        "estimate",
+                        "frobenius_error",
+                        "spectral_error",
+                        "heads_meeting",
+                    ],
+                )
+            )
         elif part == "speed":
             rows = part_speed(args.speed_n, args.repeats)
-            print(markdown(rows, ["method", "n", "fwd_bwd_ms", "ratio_to_skyformer", "peak_mib",
-                                  "peak_ratio_to_skyformer"]))
+            print(
+                markdown(
+                    rows,
+                    [
+                        "method",
+                        "n",
+                        "fwd_bwd_ms",
+                        "ratio_to_skyformer",
+                        "peak_mib",
+                        "peak_ratio_to_skyformer",
+                    ],
+                )
+            )
             print(rows[0]["uptime_before"], "|", rows[0]["uptime_after"])
         else:
             raise SystemExit(f"unknown part {part!r}; parts: table, baselines, tolerance, speed.")

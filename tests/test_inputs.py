@@ -46,11 +46,11 @@ def test_mask_errors(method):
 
 def test_unknown_method_lists_available():
     q, k, v = make_qkv(1, 1, 4, 4)
-    with pytest.raises(ValueError, match="unknown attention method 'flash'.*skyformer"):
+    with pytest.raises(ValueError, match=r"unknown attention method 'flash'.*skyformer"):
         attention(q, k, v, "flash")
 
 
 def test_unknown_option_lists_known_ones():
     q, k, v = make_qkv(1, 1, 4, 4)
-    with pytest.raises(ValueError, match="no option 'landmarks'.*num_features"):
+    with pytest.raises(ValueError, match=r"no option 'landmarks'.*num_features"):
         attention(q, k, v, "skyformer", landmarks=4)

@@ -5,13 +5,13 @@ import torch
 
 from skyformer import MultiHeadAttention, list_methods
 from skyformer.registry import CapabilityError
-from tests.test_contract import extra_options
+from tests.test_contract import MAX_LEN
 
 
 @pytest.mark.parametrize("method", list_methods())
 def test_module_forward_backward_and_mask(method):
     torch.manual_seed(0)
-    layer = MultiHeadAttention(32, 4, method=method, **extra_options(method, 20, 8))
+    layer = MultiHeadAttention(32, 4, method=method, seq_len=MAX_LEN)
     x = torch.randn(2, 20, 32)
     mask = torch.ones(2, 20, dtype=torch.bool)
     mask[1, 14:] = False

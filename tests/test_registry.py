@@ -6,7 +6,13 @@ import pytest
 import torch
 
 import skyformer
-from skyformer.registry import Capabilities, CapabilityError, check_capabilities, get_method, register
+from skyformer.registry import (
+    Capabilities,
+    CapabilityError,
+    check_capabilities,
+    get_method,
+    register,
+)
 from tests.conftest import make_qkv
 
 
@@ -23,7 +29,12 @@ def test_configs_are_frozen_dataclasses_with_paper_defaults():
     assert dataclasses.is_dataclass(cfg)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.num_features = 3  # type: ignore[misc]
-    assert (cfg.num_features, cfg.gamma, cfg.pinv_iterations, cfg.pinv) == (128, 0.1, 6, "iterative")
+    assert (cfg.num_features, cfg.gamma, cfg.pinv_iterations, cfg.pinv) == (
+        128,
+        0.1,
+        6,
+        "iterative",
+    )
 
 
 def test_public_functions_are_the_registered_ones():
@@ -48,7 +59,10 @@ def test_duplicate_names_are_rejected():
 
 def test_capability_errors_are_sentences():
     q, k, v = make_qkv(1, 1, 6, 4)
-    with pytest.raises(CapabilityError, match="skyformer cannot do causal masking; methods that can: softmax, kernelized"):
+    with pytest.raises(
+        CapabilityError,
+        match="skyformer cannot do causal masking; methods that can: softmax, kernelized",
+    ):
         skyformer.attention(q, k, v, "skyformer", causal=True)
     with pytest.raises(CapabilityError, match="causal"):
         check_capabilities("nystrom_softmax", causal=True)

@@ -23,6 +23,8 @@ class MultiHeadAttention(nn.Module):
         method: a name from ``skyformer.list_methods()``.
         dropout: dropout probability on the attention output.
         bias: whether the projections have biases.
+        seq_len: the longest sequence the layer will see; a fixed-length method
+            (Linformer) takes it as its ``max_seq_len`` unless that option is given.
         **method_options: options of the method (e.g. ``num_features=64``).
 
     Example::
@@ -39,11 +41,14 @@ class MultiHeadAttention(nn.Module):
         *,
         dropout: float = 0.0,
         bias: bool = True,
+        seq_len: int | None = None,
         **method_options: Any,
     ) -> None:
         super().__init__()
         if not isinstance(dim, int) or not isinstance(num_heads, int) or dim <= 0 or num_heads <= 0:
-            raise ValueError(f"dim and num_heads must be positive integers, got {dim}, {num_heads}.")
+            raise ValueError(
+                f"dim and num_heads must be positive integers, got {dim}, {num_heads}."
+            )
         if dim % num_heads:
             raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads}).")
         if not 0.0 <= dropout < 1.0:
@@ -52,7 +57,7 @@ class MultiHeadAttention(nn.Module):
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.bound: BoundMethod = get_method(method).bind(
-            num_heads, self.head_dim, **method_options
+            num_heads, self.head_dim, seq_len=seq_len, **method_options
         )
         self.q_proj = nn.Linear(dim, dim, bias=bias)
         self.k_proj = nn.Linear(dim, dim, bias=bias)
@@ -104,7 +109,11 @@ class MultiHeadAttention(nn.Module):
         k = self._split(self.k_proj(source))
         v = self._split(self.v_proj(source))
         out = self.bound(
-            q, k, v, key_padding_mask=key_padding_mask, generator=generator,
+            q,
+            k,
+            v,
+            key_padding_mask=key_padding_mask,
+            generator=generator,
             state=self.method_state,
         )  # [B, H, N, Dh]
         b, _, n, _ = out.shape

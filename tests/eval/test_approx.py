@@ -16,8 +16,8 @@ from skyformer.eval.data.sources import SourceLoader, SourceOptions
 from skyformer.linalg import softmax_scores
 from skyformer.registry import Capabilities, Method
 
-SMALL = dict(sources=("gaussian",), seq_lens=(48,), features=(4, 8, 16), seeds=(0, 1),
-             heads=(0, 1), analysis_seq_len=32, eps=(0.1,), progress=False)
+SMALL = {"sources": ("gaussian",), "seq_lens": (48,), "features": (4, 8, 16), "seeds": (0, 1),
+             "heads": (0, 1), "analysis_seq_len": 32, "eps": (0.1,), "progress": False}
 
 
 def small(**overrides) -> ApproxConfig:

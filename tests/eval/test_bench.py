@@ -12,8 +12,8 @@ import torch
 from skyformer.cli import main
 from skyformer.eval.bench import BenchConfig, crossover, run_bench, summarise
 from skyformer.eval.bench.report import format_table, format_wide, write_results
-from skyformer.eval.methods import resolve
 from skyformer.eval.measure.flops import attention_flops, matmul_flops_per_second
+from skyformer.eval.methods import resolve
 
 MATERIALISED = "skyformer.ops.skyformer:materialised_skyformer_attention@gaussian"
 ROW_KEYS = {

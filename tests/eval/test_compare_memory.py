@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from skyformer.eval.compare.run import memory_job
-from skyformer.eval.methods import resolve
 from skyformer.eval.measure.memory import measure_in_this_process
+from skyformer.eval.methods import resolve
 from skyformer.registry import list_methods
 
 

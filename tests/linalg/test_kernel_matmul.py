@@ -59,7 +59,7 @@ def test_matches_materialised_block_outputs_and_gradients(
     g = torch.randn(out.shape, generator=gen(1), dtype=out.dtype)
     fast_grads = torch.autograd.grad((out * g).sum(), (y, x, rhs))
     ref_grads = torch.autograd.grad((ref * g).sum(), (y, x, rhs))
-    for a, b in zip(fast_grads, ref_grads):
+    for a, b in zip(fast_grads, ref_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-12)
     if valid is not None and not transpose:
         assert torch.all(out[0, :, 30:] == 0)
@@ -91,7 +91,7 @@ def test_fully_masked_rows_and_dead_columns_are_zero_without_nan():
 
 
 def test_rejects_mismatched_shapes():
-    y, x, z, v, _ = inputs()
+    y, x, _, v, _ = inputs()
     with pytest.raises(ValueError, match="shapes do not fit"):
         gaussian_kernel_matmul(y, x, v, None)  # C @ rhs needs rhs with m rows
     with pytest.raises(ValueError, match="shift_rows"):
@@ -124,7 +124,7 @@ def test_excluded_entries_are_zero_with_zero_gradient(transpose, shift_rows, chu
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-13)
     g = torch.randn(out.shape, generator=gen(1), dtype=out.dtype)
     for a_, b_ in zip(torch.autograd.grad((out * g).sum(), (y, x, rhs)),
-                      torch.autograd.grad((ref * g).sum(), (y, x, rhs))):
+                      torch.autograd.grad((ref * g).sum(), (y, x, rhs)), strict=True):
         torch.testing.assert_close(a_, b_, rtol=1e-11, atol=1e-12)
     if not transpose:
         assert torch.all(out[0, 0, 7] == 0)

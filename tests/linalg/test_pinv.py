@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -39,7 +41,7 @@ def test_general_nonsymmetric_matrix():
 def test_residual_shrinks_with_iterations():
     a = spd(2, 20, cond=100.0)
     residuals = [inverse_residual(a, iterative_pinv(a, t)).max().item() for t in (2, 4, 8, 16)]
-    assert all(r2 < r1 for r1, r2 in zip(residuals, residuals[1:]))
+    assert all(r2 < r1 for r1, r2 in itertools.pairwise(residuals))
     assert residuals[-1] < 1e-6
 
 

@@ -64,5 +64,5 @@ def test_wide_blocks_fall_back_to_the_full_svd():
 
 
 def test_bad_rank():
-    with pytest.raises(ValueError, match="k must be in 1..30"):
+    with pytest.raises(ValueError, match=r"k must be in 1..30"):
         top_singular_subspace(torch.zeros(40, 30), 31)

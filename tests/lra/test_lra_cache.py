@@ -59,11 +59,11 @@ def test_counts_labels_and_token_ids_are_checked(tmp_path):
         write_cache(tmp_path, LISTOPS, splits, max_len=5)
     splits = _splits()
     splits["test"] = SplitSource(1, iter([([np.array([1])], 10)]))
-    with pytest.raises(ValueError, match="label 10 is outside 0..9"):
+    with pytest.raises(ValueError, match=r"label 10 is outside 0..9"):
         write_cache(tmp_path, LISTOPS, splits, max_len=5)
     splits = _splits()
     splits["test"] = SplitSource(1, iter([([np.array([16])], 1)]))
-    with pytest.raises(ValueError, match="token ids must lie in 0..15"):
+    with pytest.raises(ValueError, match=r"token ids must lie in 0..15"):
         write_cache(tmp_path, LISTOPS, splits, max_len=5)
     assert list(tmp_path.iterdir()) == []
 

@@ -37,15 +37,15 @@ def test_seeds_stop_after_then_resume(tmp_path, capsys, listops_cache):
     args = ["lra", "train", "listops", "--attn", "softmax", "--steps", "6", "--eval-every", "3",
             "--batch-size", "16", "--cache", str(listops_cache), "--out", str(tmp_path),
             "--no-tensorboard", "--quiet", "--seeds", "0", "1"]
-    assert main(args + ["--stop-after", "3"]) == 0
+    assert main([*args, "--stop-after", "3"]) == 0
     assert "continue with --resume" in capsys.readouterr().out
     assert not (tmp_path / "seed0" / "result.json").exists()
     assert not (tmp_path / "seed1").exists(), "the next seed waits for the first"
-    assert main(args + ["--resume"]) == 0
+    assert main([*args, "--resume"]) == 0
     results = [json.loads((tmp_path / f"seed{s}" / "result.json").read_text()) for s in (0, 1)]
     assert [r["steps"] for r in results] == [6, 6] and [r["seed"] for r in results] == [0, 1]
     before = (tmp_path / "seed0" / "result.json").stat().st_mtime_ns
-    assert main(args + ["--resume"]) == 0  # finished runs are left alone
+    assert main([*args, "--resume"]) == 0  # finished runs are left alone
     assert (tmp_path / "seed0" / "result.json").stat().st_mtime_ns == before
 
 

@@ -45,6 +45,7 @@ def test_two_gloo_processes_match_one_process_with_accumulation(listops_cache, t
     assert len(a["rng"]["processes"]) == 2
     assert not torch.equal(a["rng"]["processes"][0]["torch"], a["rng"]["processes"][1]["torch"])
     # Evaluation is shared out and summed: the whole dev split is counted once.
-    dev = [json.loads(l) for l in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]
+    lines = (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()
+    dev = [json.loads(line) for line in lines]
     assert {r["examples"] for r in dev if r["kind"] == "dev"} == {64}
     assert ddp["test_accuracy"] == single["test_accuracy"]

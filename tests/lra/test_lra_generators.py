@@ -86,7 +86,7 @@ def test_written_listops_reads_back_with_its_generator_record(tmp_path):
     assert data.meta["generated"]["rules"]["max_depth"] == 3
     lines = (tmp_path / "src" / "basic_train.tsv").read_text().splitlines()
     assert lines[0] == "Source\tTarget"
-    for line, label in zip(lines[1:], data.splits["train"].labels):
+    for line, label in zip(lines[1:], data.splits["train"].labels, strict=True):
         source, target = line.split("\t")
         assert evaluate_tokens(source) == int(target) == label
 
@@ -95,7 +95,7 @@ def _components(mask: np.ndarray) -> np.ndarray:
     """8-connected component labels of a boolean image."""
     labels = np.zeros(mask.shape, dtype=int)
     current = 0
-    for start in zip(*np.nonzero(mask)):
+    for start in zip(*np.nonzero(mask), strict=True):
         if labels[start]:
             continue
         current += 1

@@ -9,8 +9,14 @@ import pytest
 
 from skyformer.lra import load_cache, prepare
 from skyformer.lra.vocab import LISTOPS_IDS
-from tests.lra.release_files import (make_aan, make_cifar, make_imdb, make_listops_release,
-                                     make_pathfinder_release, write_tsv)
+from tests.lra.release_files import (
+    make_aan,
+    make_cifar,
+    make_imdb,
+    make_listops_release,
+    make_pathfinder_release,
+    write_tsv,
+)
 
 
 def _tokens(split, i, segment=0):
@@ -42,7 +48,7 @@ def test_listops_errors_name_the_file_and_line(tmp_path):
     with pytest.raises(ValueError, match="expected 2 tab-separated columns, got 3"):
         prepare("listops", tmp_path / "src", tmp_path / "cache")
     (tmp_path / "src" / "basic_test.tsv").unlink()
-    with pytest.raises(FileNotFoundError, match="basic_test.tsv"):
+    with pytest.raises(FileNotFoundError, match=r"basic_test.tsv"):
         prepare("listops", tmp_path / "src", tmp_path / "cache")
 
 

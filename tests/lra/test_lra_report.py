@@ -63,5 +63,5 @@ def test_figure_two_is_written(tmp_path):
 
 
 def test_no_runs_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no result.json"):
+    with pytest.raises(FileNotFoundError, match=r"no result.json"):
         collect_runs([tmp_path])

@@ -44,7 +44,10 @@ def test_tau_is_output_change_over_parameter_change(listops_cache, probe):
         with torch.no_grad():
             f1 = copy.deepcopy(model).double().eval().embed(tokens, lengths,
                                                             normed=probe == "normed")
-        dw = sum((p.double() - q.double()).square().sum() for p, q in zip(model.parameters(), w0))
+        dw = sum(
+            (p.double() - q.double()).square().sum()
+            for p, q in zip(model.parameters(), w0, strict=True)
+        )
         assert taus[step] == pytest.approx(((f1 - f0).square().sum() / dw).item(), rel=1e-6)
         position = order.next(position)
     assert all(t > 0 for t in taus)
@@ -55,21 +58,40 @@ def test_randomised_methods_use_the_same_draws_before_and_after(listops_cache):
     tiny one tau stays finite for a randomised method (no sampling noise in the numerator)."""
     with pytest.raises(ValueError, match="did not change the parameters"):
         instability_taus(_cfg("skyformer", lr=1e-300), listops_cache, steps=1)
-    taus = instability_taus(_cfg("skyformer", attention_options={"num_features": 4}),
-                            listops_cache, steps=3)
+    taus = instability_taus(
+        _cfg("skyformer", attention_options={"num_features": 4}), listops_cache, steps=3
+    )
     assert all(0 < t < 1e6 for t in taus)
 
 
 def test_table_three_layout_and_softmax_baseline(listops_cache):
-    report = run_stability(["listops"], ["softmax", "kernelized", "skyformer"],
-                           cache_root=listops_cache, seeds=[0, 1], steps=3, num_features=4,
-                           overrides={"batch_size": 16})
+    report = run_stability(
+        ["listops"],
+        ["softmax", "kernelized", "skyformer"],
+        cache_root=listops_cache,
+        seeds=[0, 1],
+        steps=3,
+        num_features=4,
+        overrides={"batch_size": 16},
+    )
     assert report.methods == ["kernelized", "skyformer"]
     assert len(report.taus["listops"]["softmax"][1]) == 3
     ratio = report.ratio("listops", "kernelized")
-    by_hand = sum(
-        sum(a / b for a, b in zip(report.taus["listops"]["kernelized"][s],
-                                  report.taus["listops"]["softmax"][s])) / 3 for s in (0, 1)) / 2
+    by_hand = (
+        sum(
+            sum(
+                a / b
+                for a, b in zip(
+                    report.taus["listops"]["kernelized"][s],
+                    report.taus["listops"]["softmax"][s],
+                    strict=True,
+                )
+            )
+            / 3
+            for s in (0, 1)
+        )
+        / 2
+    )
     assert ratio == pytest.approx(by_hand)
     table = format_table(report)
     assert "| model | ListOps |" in table and f"| kernelized | {ratio:.2f} |" in table

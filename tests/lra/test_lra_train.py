@@ -17,8 +17,8 @@ TIME_FIELDS = ("seconds", "steps_per_second")
 
 
 def _cfg(**overrides):
-    base = dict(steps=12, batch_size=16, lr=3e-3, warmup=2, eval_every=4, log_every=3,
-                eval_batches=None, attention="softmax")
+    base = {"steps": 12, "batch_size": 16, "lr": 3e-3, "warmup": 2, "eval_every": 4, "log_every": 3,
+                "eval_batches": None, "attention": "softmax"}
     return make_config("listops", **{**base, **overrides})
 
 
@@ -105,7 +105,7 @@ def test_resume_reproduces_an_uninterrupted_run_exactly(listops_cache, tmp_path)
 def test_an_existing_run_needs_resume_and_the_same_settings(listops_cache, tmp_path):
     cfg = _cfg(steps=4)
     _run(cfg, listops_cache, tmp_path)
-    with pytest.raises(ValueError, match="already holds a run.*--resume"):
+    with pytest.raises(ValueError, match=r"already holds a run.*--resume"):
         _run(cfg, listops_cache, tmp_path)
     with pytest.raises(ValueError, match="the settings lr differ"):
         _run(dataclasses.replace(cfg, lr=1e-3), listops_cache, tmp_path, resume=True)

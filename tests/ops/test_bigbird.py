@@ -39,7 +39,7 @@ def test_fast_matches_dense_reference_outputs_and_gradients(n, num_features, r, 
     ref = reference_bigbird_attention(q, k, v, layout, key_padding_mask=mask)
     torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)
     for a, b in zip(torch.autograd.grad(fast.square().sum(), (q, k, v)),
-                    torch.autograd.grad(ref.square().sum(), (q, k, v))):
+                    torch.autograd.grad(ref.square().sum(), (q, k, v)), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
 
 
@@ -49,7 +49,9 @@ def test_one_block_covering_the_sequence_is_exact_softmax(masked):
     mask = holes_mask(2, 40) if masked else None
     exact = softmax_attention(q, k, v, key_padding_mask=mask)
     for num_features in (8 * 40, 512):  # block size >= N
-        out = bigbird_attention(q, k, v, key_padding_mask=mask, generator=gen(0), num_features=num_features)
+        out = bigbird_attention(
+            q, k, v, key_padding_mask=mask, generator=gen(0), num_features=num_features
+        )
         torch.testing.assert_close(out, exact, rtol=1e-9, atol=1e-11)
     # three blocks: every query block's window or globality covers everything
     out = bigbird_attention(q, k, v, generator=gen(0), num_features=8 * 14)
@@ -74,8 +76,10 @@ def test_pattern_follows_the_paper():
     per_query = pattern.sum(-1)  # [H, N]
     assert torch.all(per_query[:, :bs] == n) and torch.all(per_query[:, -bs:] == n)
     assert torch.all(pattern[:, :, :bs]) and torch.all(pattern[:, :, -bs:])
-    assert torch.all(per_query[:, bs:2 * bs] == 7 * bs) and torch.all(per_query[:, -2 * bs:-bs] == 7 * bs)
-    assert torch.all(per_query[:, 2 * bs:-2 * bs] == 8 * bs)
+    assert torch.all(per_query[:, bs : 2 * bs] == 7 * bs) and torch.all(
+        per_query[:, -2 * bs : -bs] == 7 * bs
+    )
+    assert torch.all(per_query[:, 2 * bs : -2 * bs] == 8 * bs)
     for h in range(3):
         for i in range(1, 19):
             picked = layout.random[0, h, i][layout.random_live[0, h, i]].tolist()
@@ -100,7 +104,9 @@ def test_random_blocks_are_uniform_among_candidates():
 def test_padding_builds_blocks_over_real_tokens():
     """Right and left padding give the layout (and output) of the truncated sequence."""
     q, k, v = make_qkv(1, 2, 30, 8)
-    trunc = bigbird_attention(q[:, :, 4:27], k[:, :, 4:27], v[:, :, 4:27], generator=gen(3), num_features=16)
+    trunc = bigbird_attention(
+        q[:, :, 4:27], k[:, :, 4:27], v[:, :, 4:27], generator=gen(3), num_features=16
+    )
     mask = torch.zeros(1, 30, dtype=torch.bool)
     mask[0, 4:27] = True
     padded = bigbird_attention(q, k, v, key_padding_mask=mask, generator=gen(3), num_features=16)
@@ -113,8 +119,10 @@ def test_self_attention_only_and_bad_options():
     with pytest.raises(ValueError, match="different number of queries and keys"):
         bigbird_attention(q, k, v)
     q, k, v = make_qkv(1, 1, 8, 4)
-    for options, word in (({"num_features": 0}, "num_features"),
-                          ({"num_random_blocks": -1}, "num_random_blocks"),
-                          ({"scale": 0.0}, "scale")):
+    for options, word in (
+        ({"num_features": 0}, "num_features"),
+        ({"num_random_blocks": -1}, "num_random_blocks"),
+        ({"scale": 0.0}, "scale"),
+    ):
         with pytest.raises(ValueError, match=word):
             bigbird_attention(q, k, v, **options)

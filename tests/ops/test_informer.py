@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from skyformer import softmax_attention
-from skyformer.ops.shared.inputs import check_attention_inputs, mean_values
 from skyformer.ops.informer import informer as informer_module
 from skyformer.ops.informer import informer_attention
 from skyformer.ops.informer.informer import log_budget, sample_keys, sparsity_measurement
 from skyformer.ops.informer.naive import reference_informer_attention
+from skyformer.ops.shared.inputs import check_attention_inputs, mean_values
 from tests.conftest import gen, make_qkv
 
 
@@ -32,13 +32,18 @@ def test_fast_matches_naive_reference_outputs_and_gradients(num_features, masked
         mask[1, 29:] = False
     for t in (q, k, v):
         t.requires_grad_(True)
-    fast = informer_attention(q, k, v, key_padding_mask=mask, generator=gen(1), num_features=num_features)
+    fast = informer_attention(
+        q, k, v, key_padding_mask=mask, generator=gen(1), num_features=num_features
+    )
     ref = reference_informer_attention(
         q, k, v, samples_for(q, k, v, mask, 1), key_padding_mask=mask, num_features=num_features
     )
     torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)
-    for a, b in zip(torch.autograd.grad(fast.square().sum(), (q, k, v)),
-                    torch.autograd.grad(ref.square().sum(), (q, k, v))):
+    for a, b in zip(
+        torch.autograd.grad(fast.square().sum(), (q, k, v)),
+        torch.autograd.grad(ref.square().sum(), (q, k, v)),
+        strict=True,
+    ):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
 
 
@@ -57,8 +62,9 @@ def test_all_queries_active_is_exact_softmax(masked):
         mask = torch.ones(2, 24, dtype=torch.bool)
         mask[1, 15:] = False
     out = informer_attention(q, k, v, key_padding_mask=mask, generator=gen(0), num_features=24)
-    torch.testing.assert_close(out, softmax_attention(q, k, v, key_padding_mask=mask),
-                               rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(
+        out, softmax_attention(q, k, v, key_padding_mask=mask), rtol=1e-9, atol=1e-11
+    )
 
 
 def test_lazy_queries_output_the_mean_of_real_values():
@@ -79,7 +85,9 @@ def test_peaked_query_is_selected():
     q = q.clone()
     q[0, 0, 7] = k[0, 0, 42] * 20
     out = informer_attention(q, k, v, generator=gen(0), num_features=1)
-    torch.testing.assert_close(out[0, 0, 7], softmax_attention(q, k, v)[0, 0, 7], rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(
+        out[0, 0, 7], softmax_attention(q, k, v)[0, 0, 7], rtol=1e-9, atol=1e-11
+    )
     lazy = mean_values(v, None)[0, 0, 0]
     assert torch.equal(torch.cat([out[0, 0, :7], out[0, 0, 8:]]), lazy.expand(199, -1))
 
@@ -131,12 +139,17 @@ def test_chunked_measurement_equals_unchunked(monkeypatch):
     monkeypatch.setattr(informer_module, "_CHUNK_ELEMENTS", 1000)
     torch.testing.assert_close(sparsity_measurement(q, k, s, 0.3, None), whole, rtol=0, atol=0)
     scores = 0.3 * (q[0, 0, 3] @ k[0, 0, s.index[0, 3]].T)
-    assert math.isclose(whole[0, 0, 3].item(), (scores.max() - scores.mean()).item(), rel_tol=1e-12)
+    assert math.isclose(
+        whole[0, 0, 3].item(), (scores.max() - scores.mean()).item(), rel_tol=1e-12
+    )
 
 
 def test_bad_options():
     q, k, v = make_qkv(1, 1, 8, 4)
-    for options, word in (({"num_features": 0}, "num_features"), ({"factor": 0}, "factor"),
-                          ({"scale": -2.0}, "scale")):
+    for options, word in (
+        ({"num_features": 0}, "num_features"),
+        ({"factor": 0}, "factor"),
+        ({"scale": -2.0}, "scale"),
+    ):
         with pytest.raises(ValueError, match=word):
             informer_attention(q, k, v, **options)

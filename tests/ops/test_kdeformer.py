@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -46,7 +47,7 @@ def test_fast_matches_reference_outputs_and_gradients(options, nq):
                                         key_padding_mask=mask, **options)
     torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)
     for a, b in zip(torch.autograd.grad(fast.square().sum(), (q, k, v)),
-                    torch.autograd.grad(ref.square().sum(), (q, k, v))):
+                    torch.autograd.grad(ref.square().sum(), (q, k, v)), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
 
 
@@ -74,7 +75,7 @@ def test_error_falls_as_samples_grow(normalizer):
                                                    normalizer=normalizer), exact).mean()
                 for s in range(4)]
         means.append(torch.stack(errs).mean().item())
-    assert all(b < a for a, b in zip(means, means[1:])), means
+    assert all(b < a for a, b in itertools.pairwise(means)), means
 
 
 def test_sampling_distribution_is_algorithm_3_line_3():
@@ -92,7 +93,9 @@ def test_sampling_distribution_is_algorithm_3_line_3():
     assert torch.all(p[..., 7:] == 0)
     # nothing to weigh: uniform over the real keys
     flat = sampling_log_probabilities(torch.full_like(norms, -math.inf), torch.zeros_like(v), valid)
-    torch.testing.assert_close(flat.exp()[..., :7], torch.full((1, 2, 7), 1 / 7, dtype=torch.float64))
+    torch.testing.assert_close(
+        flat.exp()[..., :7], torch.full((1, 2, 7), 1 / 7, dtype=torch.float64)
+    )
 
 
 def test_uniform_rows_pick_real_rows_in_sequence_order():
@@ -107,8 +110,9 @@ def test_sampled_normaliser_gives_convex_combinations():
     """normalizer="sampled" divides by the same estimate applied to 1: the weights of
     each row sum to one, so constant values come back exactly."""
     q, k, v = make_qkv(1, 2, 40, 8, seed=6)
-    out = kdeformer_attention(q, k, torch.ones_like(v), generator=gen(1), num_features=16,
-                              normalizer="sampled")
+    out = kdeformer_attention(
+        q, k, torch.ones_like(v), generator=gen(1), num_features=16, normalizer="sampled"
+    )
     torch.testing.assert_close(out, torch.ones_like(out), rtol=1e-12, atol=1e-12)
 
 
@@ -127,7 +131,12 @@ def test_default_normaliser_stays_bounded_on_peaked_rows():
 def test_defaults_follow_the_paper():
     cfg = get_method("kdeformer").make_config()
     assert (cfg.num_features, cfg.blocks, cfg.samples, cfg.num_hyperplanes, cfg.normalizer) == (
-        128, 64, 128, 7, "sampled")
+        128,
+        64,
+        128,
+        7,
+        "sampled",
+    )
 
 
 def test_bad_inputs_name_the_problem():

@@ -28,7 +28,7 @@ def test_fast_path_matches_naive_reference_float64(causal, masked, d):
     torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-12)
     for a, b in zip(
         torch.autograd.grad(fast.cos().sum(), (q, k, v)),
-        torch.autograd.grad(ref.cos().sum(), (q, k, v)),
+        torch.autograd.grad(ref.cos().sum(), (q, k, v)), strict=True,
     ):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
 

@@ -26,7 +26,7 @@ def test_fast_matches_naive_reference_outputs_and_gradients(masked, nk):
     ref = reference_linear_attention(q, k, v, key_padding_mask=mask)
     torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-12)
     for a, b in zip(torch.autograd.grad(fast.square().sum(), (q, k, v)),
-                    torch.autograd.grad(ref.square().sum(), (q, k, v))):
+                    torch.autograd.grad(ref.square().sum(), (q, k, v)), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
 
 
@@ -35,7 +35,9 @@ def test_weights_are_a_convex_combination():
     constant value comes back unchanged and outputs stay in the values' range."""
     q, k, v = make_qkv(1, 2, 30, 8, scale=3.0)
     const = torch.full_like(v, 2.5)
-    torch.testing.assert_close(linear_attention(q, k, const, eps=0.0), const, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        linear_attention(q, k, const, eps=0.0), const, rtol=1e-12, atol=1e-12
+    )
     out = linear_attention(q, k, v, eps=0.0)
     assert torch.all(out <= v.amax(dim=2, keepdim=True) + 1e-12)
     assert torch.all(out >= v.amin(dim=2, keepdim=True) - 1e-12)
@@ -43,7 +45,9 @@ def test_weights_are_a_convex_combination():
 
 def test_feature_map_is_elu_plus_one():
     x = torch.tensor([-2.0, 0.0, 3.0], dtype=torch.float64)
-    torch.testing.assert_close(elu_feature_map(x), torch.tensor([torch.e**-2.0, 1.0, 4.0], dtype=torch.float64))
+    torch.testing.assert_close(
+        elu_feature_map(x), torch.tensor([torch.e**-2.0, 1.0, 4.0], dtype=torch.float64)
+    )
 
 
 def test_num_features_is_accepted_and_has_no_effect():

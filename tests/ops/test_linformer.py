@@ -34,7 +34,7 @@ def test_fast_matches_naive_reference_outputs_and_gradients(shared_heads, masked
     ref = reference_linformer_attention(q, k, v, e, f, key_padding_mask=mask)
     torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)
     for a, b in zip(torch.autograd.grad(fast.square().sum(), inputs),
-                    torch.autograd.grad(ref.square().sum(), inputs)):
+                    torch.autograd.grad(ref.square().sum(), inputs), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
 
 
@@ -43,17 +43,21 @@ def test_identity_projections_at_k_equal_n_are_exact_softmax(masked):
     q, k, v = make_qkv(2, 2, 18, 8)
     mask = mixed_mask(2, 18) if masked else None
     eye = torch.eye(18, dtype=torch.float64)
-    out = linformer_attention(q, k, v, key_padding_mask=mask, num_features=18, proj_k=eye, proj_v=eye)
-    torch.testing.assert_close(out, softmax_attention(q, k, v, key_padding_mask=mask),
-                               rtol=1e-9, atol=1e-11)
+    out = linformer_attention(
+        q, k, v, key_padding_mask=mask, num_features=18, proj_k=eye, proj_v=eye
+    )
+    torch.testing.assert_close(
+        out, softmax_attention(q, k, v, key_padding_mask=mask), rtol=1e-9, atol=1e-11
+    )
 
 
 def test_cross_attention_projects_keys_only():
     q, k, v = make_qkv(1, 2, 7, 8, nk=15)
     e = torch.randn(2, 5, 15, generator=gen(0), dtype=torch.float64)
     out = linformer_attention(q, k, v, num_features=5, proj_k=e, proj_v=e)
-    torch.testing.assert_close(out, reference_linformer_attention(q, k, v, e, e),
-                               rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(
+        out, reference_linformer_attention(q, k, v, e, e), rtol=1e-9, atol=1e-11
+    )
 
 
 def test_direct_call_draws_fixed_jl_projections_from_the_generator():
@@ -123,7 +127,10 @@ def test_bad_projections_and_options():
     for options, word in (
         ({"proj_k": e}, "both proj_k and proj_v"),
         ({"proj_k": e, "proj_v": e}, r"\[H, num_features, L\]"),  # num_features 128 != 5
-        ({"num_features": 5, "proj_k": e[:, :, :6], "proj_v": e[:, :, :6]}, "one column per position"),
+        (
+            {"num_features": 5, "proj_k": e[:, :, :6], "proj_v": e[:, :, :6]},
+            "one column per position",
+        ),
         ({"num_features": 5, "proj_k": e[:1], "proj_v": e[:1]}, r"\[2, 5, L\]"),
         ({"num_features": 5, "max_seq_len": 12, "proj_k": e, "proj_v": e}, "max_seq_len=12"),
         ({"num_features": 0}, "num_features"),

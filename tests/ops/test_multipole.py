@@ -9,7 +9,6 @@ import torch
 
 from skyformer import attention, kernelized_attention, softmax_attention
 from skyformer.eval.measure.metrics import relative_error
-from skyformer.ops.shared.inputs import check_attention_inputs
 from skyformer.linalg import kernel_scale
 from skyformer.ops.multipole import (
     multipole_with_choice,
@@ -17,13 +16,14 @@ from skyformer.ops.multipole import (
     softmax_multipole_attention,
 )
 from skyformer.ops.multipole.layout import block_layout
-from skyformer.ops.multipole.options import MultipoleOptions, feature_split
-from skyformer.ops.multipole.near_field import near_field
-from skyformer.ops.multipole.targeted import feature_ladder
 from skyformer.ops.multipole.naive import (
     reference_skyformer_multipole_attention,
     reference_softmax_multipole_attention,
 )
+from skyformer.ops.multipole.near_field import near_field
+from skyformer.ops.multipole.options import MultipoleOptions, feature_split
+from skyformer.ops.multipole.targeted import feature_ladder
+from skyformer.ops.shared.inputs import check_attention_inputs
 from skyformer.sketch.angular_lsh import draw_hyperplanes
 from skyformer.sketch.kmeans import kmeans_clusters
 from skyformer.sketch.lsh_blocks import hamming_blocks
@@ -104,7 +104,7 @@ def test_fast_matches_naive_reference(target, tilt_rank, tilt_sample, masked):
     torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)
     grads_fast = torch.autograd.grad((fast * fast).sum(), (q, k, v))
     grads_ref = torch.autograd.grad((ref * ref).sum(), (q, k, v))
-    for name, a_, b_ in zip("qkv", grads_fast, grads_ref):
+    for name, a_, b_ in zip("qkv", grads_fast, grads_ref, strict=True):
         torch.testing.assert_close(a_, b_, rtol=1e-8, atol=1e-10, msg=f"gradient of {name}")
 
 
@@ -127,7 +127,7 @@ def test_lsh_buckets_match_naive_reference(target, masked):
                             buckets=buckets)
     torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)
     for a_, b_ in zip(torch.autograd.grad(fast.sum(), (q, k, v)),
-                      torch.autograd.grad(ref.sum(), (q, k, v))):
+                      torch.autograd.grad(ref.sum(), (q, k, v)), strict=True):
         torch.testing.assert_close(a_, b_, rtol=1e-8, atol=1e-10)
 
 
@@ -325,10 +325,10 @@ def test_error_estimate_tracks_the_true_error(method):
 
 
 @pytest.mark.parametrize("options", [
-    dict(num_features=12, tolerance=0.05, probe=5),
-    dict(num_features=24, window=2),
-    dict(num_features=24, lsh_block=5),
-    dict(num_features=12, tilt_sample=9),
+    {"num_features": 12, "tolerance": 0.05, "probe": 5},
+    {"num_features": 24, "window": 2},
+    {"num_features": 24, "lsh_block": 5},
+    {"num_features": 12, "tilt_sample": 9},
 ])
 def test_options_keep_padding_equal_to_truncation(options):
     q, k, v = make_qkv(1, 2, 24, 8, seed=1)
@@ -375,5 +375,5 @@ def test_near_field_matches_autograd_on_the_whole_scores(chunk):
     assert torch.all(out[3] == 0)
     up = torch.randn(out.shape, generator=g, dtype=torch.float64)
     for a_, b_ in zip(torch.autograd.grad((out * up).sum(), (q, k, bias, v)),
-                      torch.autograd.grad((ref * up).sum(), (q, k, bias, v))):
+                      torch.autograd.grad((ref * up).sum(), (q, k, bias, v)), strict=True):
         torch.testing.assert_close(a_, b_)

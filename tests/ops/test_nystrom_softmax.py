@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
 from skyformer import nystrom_softmax_attention, softmax_attention
 from skyformer.eval.measure.metrics import relative_error
-from skyformer.ops.shared.inputs import check_attention_inputs, mean_values
 from skyformer.linalg import kernel_matmul
-from skyformer.ops.nystrom_softmax.naive import reference_nystrom_softmax_attention
 from skyformer.ops.nystrom_softmax import materialised_nystrom_softmax_attention
+from skyformer.ops.nystrom_softmax.naive import reference_nystrom_softmax_attention
+from skyformer.ops.shared.inputs import check_attention_inputs, mean_values
 from skyformer.ops.shared.modified_nystrom import sample_landmarks
 from tests.conftest import gen, make_qkv
 
@@ -86,7 +88,7 @@ def test_error_falls_as_features_grow():
             for s in range(4)
         ]
         means.append(torch.stack(errs).mean().item())
-    assert all(b < a for a, b in zip(means, means[1:])), means
+    assert all(b < a for a, b in itertools.pairwise(means)), means
 
 
 def test_unreliable_rows_fall_back_to_mean_of_values():
@@ -128,7 +130,7 @@ def test_fused_path_equals_materialised_path(masked, chunk_elements, monkeypatch
         mask[1, 100:] = False
     for t in (q, k, v):
         t.requires_grad_(True)
-    options = dict(key_padding_mask=mask, num_features=20, normalizer_threshold=0.3)
+    options = {"key_padding_mask": mask, "num_features": 20, "normalizer_threshold": 0.3}
     fast = nystrom_softmax_attention(q, k, v, generator=gen(4), **options)
     before = materialised_nystrom_softmax_attention(q, k, v, generator=gen(4), **options)
     torch.testing.assert_close(fast, before, rtol=1e-10, atol=1e-12)
@@ -136,5 +138,5 @@ def test_fused_path_equals_materialised_path(masked, chunk_elements, monkeypatch
     assert fallback.any() and not fallback.all()
     g = torch.randn(fast.shape, generator=gen(6), dtype=fast.dtype)
     for a, b in zip(torch.autograd.grad((fast * g).sum(), (q, k, v)),
-                    torch.autograd.grad((before * g).sum(), (q, k, v))):
+                    torch.autograd.grad((before * g).sum(), (q, k, v)), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)

@@ -32,7 +32,7 @@ def test_fast_matches_naive_reference_outputs_and_gradients(n, m, masked):
     fast = nystromformer_attention(q, k, v, key_padding_mask=mask, num_features=m)
     ref = reference_nystromformer_attention(q, k, v, key_padding_mask=mask, num_features=m)
     torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)
-    for a, b in zip(grads(fast, (q, k, v)), grads(ref, (q, k, v))):
+    for a, b in zip(grads(fast, (q, k, v)), grads(ref, (q, k, v)), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
 
 
@@ -145,7 +145,8 @@ def test_module_owns_learned_conv_weights():
 def test_half_precision_is_computed_in_float32():
     q, k, v = make_qkv(1, 2, 40, 16, dtype=torch.float32)
     out = nystromformer_attention(q.half(), k.half(), v.half(), num_features=8)
-    ref = nystromformer_attention(q.half().float(), k.half().float(), v.half().float(), num_features=8)
+    ref = nystromformer_attention(q.half().float(), k.half().float(), v.half().float(),
+                                  num_features=8)
     assert out.dtype == torch.float16
     torch.testing.assert_close(out.float(), ref, rtol=2e-3, atol=2e-3)
 

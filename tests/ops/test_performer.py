@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -32,7 +33,7 @@ def test_fast_matches_reference_outputs_and_gradients(masked, orthogonal):
     ref = reference_performer_attention(q, k, v, w, key_padding_mask=mask)
     torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-12)
     for a, b in zip(torch.autograd.grad(fast.square().sum(), (q, k, v)),
-                    torch.autograd.grad(ref.square().sum(), (q, k, v))):
+                    torch.autograd.grad(ref.square().sum(), (q, k, v)), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
 
 
@@ -72,7 +73,7 @@ def test_error_falls_as_features_grow():
         errs = [relative_error(performer_attention(q, k, v, generator=gen(s), num_features=m),
                                exact, ord="fro").mean() for s in range(8)]
         means.append(torch.stack(errs).mean().item())
-    assert all(b < a for a, b in zip(means, means[1:])), means
+    assert all(b < a for a, b in itertools.pairwise(means)), means
     assert means[-1] < means[0] / 3, means
 
 
@@ -107,7 +108,8 @@ def test_layer_state_redraws_every_interval_in_training_only():
     state = layer.method_state
     assert isinstance(state, PerformerFeatures)
     assert not any(True for _ in state.parameters())  # buffers, not learned
-    assert set(dict(state.named_buffers())) == {"projection", "calls_since_redraw", "seed", "redraws"}
+    buffers = {"projection", "calls_since_redraw", "seed", "redraws"}
+    assert set(dict(state.named_buffers())) == buffers
     x = torch.randn(1, 6, 16)
     seen = []
     for _ in range(5):
@@ -125,8 +127,9 @@ def test_layer_state_redraws_every_interval_in_training_only():
 
 def test_layer_without_redraw_keeps_features_and_ignores_the_generator():
     torch.manual_seed(1)
-    layer = MultiHeadAttention(16, 2, method="performer", num_features=8,
-                               feature_redraw_interval=None)
+    layer = MultiHeadAttention(
+        16, 2, method="performer", num_features=8, feature_redraw_interval=None
+    )
     x = torch.randn(2, 5, 16)
     a = layer(x, generator=gen(1))
     b = layer(x, generator=gen(2))

@@ -7,8 +7,8 @@ import torch
 
 from skyformer import softmax_attention
 from skyformer.ops.reformer import ReformerConfig, reformer_attention
-from skyformer.ops.reformer.reformer import buckets_per_sequence
 from skyformer.ops.reformer.naive import reference_reformer_attention, reformer_attention_sets
+from skyformer.ops.reformer.reformer import buckets_per_sequence
 from skyformer.registry import get_method
 from skyformer.sketch import draw_rotations
 from tests.conftest import gen, make_qkv
@@ -45,7 +45,7 @@ def test_fast_matches_reference_outputs_and_gradients(options):
     torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-12)
     inputs = (q, v) if options.get("shared_qk") else (q, k, v)
     for a, b in zip(torch.autograd.grad(fast.square().sum(), inputs),
-                    torch.autograd.grad(ref.square().sum(), inputs)):
+                    torch.autograd.grad(ref.square().sum(), inputs), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
 
 

@@ -12,8 +12,8 @@ from skyformer.ops.kdeformer.naive import reference_block_pattern
 from skyformer.ops.performer import performer_attention
 from skyformer.ops.performer.naive import performer_scores
 from skyformer.ops.scatterbrain import ScatterbrainConfig, scatterbrain_attention
-from skyformer.ops.scatterbrain.scatterbrain import draw_scatterbrain
 from skyformer.ops.scatterbrain.naive import reference_scatterbrain_attention
+from skyformer.ops.scatterbrain.scatterbrain import draw_scatterbrain
 from skyformer.registry import get_method
 from skyformer.sketch import draw_hyperplanes, gaussian_projection, softmax_log_features
 from tests.conftest import gen, make_qkv
@@ -40,7 +40,7 @@ def test_fast_matches_reference_outputs_and_gradients(options, nq):
                                            **options)
     torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-12)
     for a, b in zip(torch.autograd.grad(fast.square().sum(), (q, k, v)),
-                    torch.autograd.grad(ref.square().sum(), (q, k, v))):
+                    torch.autograd.grad(ref.square().sum(), (q, k, v)), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
 
 

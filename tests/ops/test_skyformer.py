@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
 from skyformer import kernelized_attention, skyformer_attention
 from skyformer.eval.measure.metrics import relative_error
-from skyformer.ops.shared.inputs import check_attention_inputs
 from skyformer.linalg import kernel_matmul
-from skyformer.ops.skyformer.naive import reference_skyformer_attention
-from skyformer.ops.skyformer import materialised_skyformer_attention
+from skyformer.ops.shared.inputs import check_attention_inputs
 from skyformer.ops.shared.modified_nystrom import sample_landmarks
+from skyformer.ops.skyformer import materialised_skyformer_attention
+from skyformer.ops.skyformer.naive import reference_skyformer_attention
 from tests.conftest import gen, make_qkv
 
 
@@ -49,7 +51,9 @@ def test_fast_matches_naive_lifted_reference(pinv, init, masked):
     torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)
     if pinv == "iterative":  # eigh's gradient is not a fair target for exact pinv
         for a, b in zip(
-            torch.autograd.grad(fast.sum(), (q, k, v)), torch.autograd.grad(ref.sum(), (q, k, v))
+            torch.autograd.grad(fast.sum(), (q, k, v)),
+            torch.autograd.grad(ref.sum(), (q, k, v)),
+            strict=True,
         ):
             torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
 
@@ -84,7 +88,7 @@ def test_iterative_inverse_error_small_and_shrinks_with_iterations():
     ]
     # Non-increasing up to rounding: on this input 6 iterations already reach ~1e-15,
     # where which of two such values is smaller is rounding noise.
-    assert all(b <= a + 1e-12 for a, b in zip(errors, errors[1:]))
+    assert all(b <= a + 1e-12 for a, b in itertools.pairwise(errors))
     assert errors[0] > errors[1] > errors[2]
     assert errors[2] < 0.05  # the paper's 6 iterations
     assert errors[3] < 1e-4
@@ -103,7 +107,7 @@ def test_error_falls_as_features_grow():
             for s in range(4)
         ]
         means.append(torch.stack(errs).mean().item())
-    assert all(b < a for a, b in zip(means, means[1:])), means
+    assert all(b < a for a, b in itertools.pairwise(means)), means
     assert means[-1] < 0.05
 
 
@@ -167,13 +171,16 @@ def test_fused_path_equals_materialised_path(masked, init, chunk_elements, monke
         mask[1, :70] = False
     for t in (q, k, v):
         t.requires_grad_(True)
-    options = dict(key_padding_mask=mask, num_features=24, pinv_init=init)
+    options = {"key_padding_mask": mask, "num_features": 24, "pinv_init": init}
     fast = skyformer_attention(q, k, v, generator=gen(5), **options)
     before = materialised_skyformer_attention(q, k, v, generator=gen(5), **options)
     torch.testing.assert_close(fast, before, rtol=1e-10, atol=1e-12)
     g = torch.randn(fast.shape, generator=gen(6), dtype=fast.dtype)
-    for a, b in zip(torch.autograd.grad((fast * g).sum(), (q, k, v)),
-                    torch.autograd.grad((before * g).sum(), (q, k, v))):
+    for a, b in zip(
+        torch.autograd.grad((fast * g).sum(), (q, k, v)),
+        torch.autograd.grad((before * g).sum(), (q, k, v)),
+        strict=True,
+    ):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
 
 
@@ -184,6 +191,9 @@ def test_fused_path_equals_materialised_path_in_float32():
     fast = skyformer_attention(q, k, v, generator=gen(0))
     before = materialised_skyformer_attention(q, k, v, generator=gen(0))
     torch.testing.assert_close(fast, before, rtol=1e-4, atol=1e-6)
-    for a, b in zip(torch.autograd.grad(fast.sum(), (q, k, v)),
-                    torch.autograd.grad(before.sum(), (q, k, v))):
+    for a, b in zip(
+        torch.autograd.grad(fast.sum(), (q, k, v)),
+        torch.autograd.grad(before.sum(), (q, k, v)),
+        strict=True,
+    ):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)

@@ -8,8 +8,8 @@ import torch
 from skyformer import attention, kernelized_attention
 from skyformer.eval.measure.metrics import relative_error
 from skyformer.ops.shared.inputs import check_attention_inputs
-from skyformer.ops.skyformer_adaptive.naive import reference_skyformer_adaptive_attention
 from skyformer.ops.skyformer_adaptive import SkyformerAdaptiveConfig, skyformer_adaptive_attention
+from skyformer.ops.skyformer_adaptive.naive import reference_skyformer_adaptive_attention
 from skyformer.ops.skyformer_adaptive.skyformer_adaptive import adaptive_landmarks
 from skyformer.sketch.kmeans import kmeans_clusters
 from skyformer.sketch.leverage import sketched_ridge_leverage
@@ -27,7 +27,7 @@ def test_fast_matches_naive_reference(masked, pinv):
         mask[1, :4] = False
     for t in (q, k, v):
         t.requires_grad_(True)
-    options = dict(num_features=12, query_fraction=0.25, pinv=pinv)
+    options = {"num_features": 12, "query_fraction": 0.25, "pinv": pinv}
     fast = skyformer_adaptive_attention(q, k, v, key_padding_mask=mask, generator=gen(2), **options)
     info = check_attention_inputs(q, k, v, mask, method="test")
     scale = q.shape[-1] ** -0.25
@@ -35,12 +35,16 @@ def test_fast_matches_naive_reference(masked, pinv):
                             SkyformerAdaptiveConfig(**options), gen(2))
     assignment = kmeans_clusters(q.detach() * scale, lm.centres, valid=info.query_valid,
                                  generator=gen(2), sample=2048).assignment
-    ref = reference_skyformer_adaptive_attention(q, k, v, assignment, lm.key_index, lm.live[..., lm.centres:], mask,
-                             0.1, pinv, 6)
+    ref = reference_skyformer_adaptive_attention(
+        q, k, v, assignment, lm.key_index, lm.live[..., lm.centres :], mask, 0.1, pinv, 6
+    )
     torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)
     if pinv == "iterative":  # eigh's gradient is not a fair target for exact pinv
-        for a, b in zip(torch.autograd.grad(fast.sum(), (q, k, v)),
-                        torch.autograd.grad(ref.sum(), (q, k, v))):
+        for a, b in zip(
+            torch.autograd.grad(fast.sum(), (q, k, v)),
+            torch.autograd.grad(ref.sum(), (q, k, v)),
+            strict=True,
+        ):
             torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
 
 
@@ -70,10 +74,20 @@ def test_every_query_and_key_as_landmark_is_exact(masked):
     if masked:
         mask = torch.ones(2, 10, dtype=torch.bool)
         mask[1, 7:] = False
-    out = skyformer_adaptive_attention(q, k, v, key_padding_mask=mask, generator=gen(0),
-                                       num_features=20, query_fraction=0.5, gamma=0.0, pinv="exact")
-    torch.testing.assert_close(out, kernelized_attention(q, k, v, key_padding_mask=mask),
-                               rtol=1e-6, atol=1e-8)
+    out = skyformer_adaptive_attention(
+        q,
+        k,
+        v,
+        key_padding_mask=mask,
+        generator=gen(0),
+        num_features=20,
+        query_fraction=0.5,
+        gamma=0.0,
+        pinv="exact",
+    )
+    torch.testing.assert_close(
+        out, kernelized_attention(q, k, v, key_padding_mask=mask), rtol=1e-6, atol=1e-8
+    )
 
 
 def test_beats_uniform_landmarks_when_a_few_keys_carry_the_mass():
@@ -83,13 +97,25 @@ def test_beats_uniform_landmarks_when_a_few_keys_carry_the_mass():
     n, d = 256, 16
     q = torch.randn(1, 2, n, d, generator=g, dtype=torch.float64)
     k = torch.randn(1, 2, n, d, generator=g, dtype=torch.float64) * 2.5
-    k[:, :, :4] = q.mean(2, keepdim=True) + 0.3 * torch.randn(1, 2, 4, d, generator=g, dtype=torch.float64)
+    k[:, :, :4] = q.mean(2, keepdim=True) + 0.3 * torch.randn(
+        1, 2, 4, d, generator=g, dtype=torch.float64
+    )
     v = torch.randn(1, 2, n, d, generator=g, dtype=torch.float64)
     exact = kernelized_attention(q, k, v)
 
     def error(method):
-        return torch.stack([relative_error(attention(q, k, v, method, generator=gen(s), num_features=16), exact).mean()
-                            for s in range(3)]).mean().item()
+        return (
+            torch.stack(
+                [
+                    relative_error(
+                        attention(q, k, v, method, generator=gen(s), num_features=16), exact
+                    ).mean()
+                    for s in range(3)
+                ]
+            )
+            .mean()
+            .item()
+        )
 
     assert error("skyformer_adaptive") < 0.5 * error("skyformer")
 

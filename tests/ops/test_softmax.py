@@ -24,7 +24,7 @@ def test_sdpa_path_matches_naive_reference(causal, masked):
     ref = reference_softmax_attention(q, k, v, key_padding_mask=mask, causal=causal)
     grads_ref = torch.autograd.grad(ref.sin().sum(), (q, k, v))
     torch.testing.assert_close(fast, ref)
-    for a, b in zip(grads_fast, grads_ref):
+    for a, b in zip(grads_fast, grads_ref, strict=True):
         torch.testing.assert_close(a, b)
 
 

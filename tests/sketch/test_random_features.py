@@ -8,7 +8,12 @@ import math
 import pytest
 import torch
 
-from skyformer.sketch import draw_rotations, gaussian_projection, rotation_hash, softmax_log_features
+from skyformer.sketch import (
+    draw_rotations,
+    gaussian_projection,
+    rotation_hash,
+    softmax_log_features,
+)
 from tests.conftest import gen
 
 

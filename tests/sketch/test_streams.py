@@ -12,7 +12,10 @@ CPU = torch.device("cpu")
 
 def test_sequence_draws_depend_only_on_the_caller_generator_and_index():
     a = [torch.rand(5, generator=g) for g in sequence_generators(3, gen(0), CPU)]
-    b = [torch.rand(n, generator=g) for n, g in zip((9, 2, 5), sequence_generators(3, gen(0), CPU))]
+    b = [
+        torch.rand(n, generator=g)
+        for n, g in zip((9, 2, 5), sequence_generators(3, gen(0), CPU), strict=True)
+    ]
     assert torch.equal(a[0], b[0][:5]) and torch.equal(a[2], b[2])
     c = [torch.rand(5, generator=g) for g in sequence_generators(3, gen(1), CPU)]
     assert not torch.equal(a[0], c[0])

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from ..eval.approx.run import QUICK, ApproxConfig, run_approx
 from ..eval.approx.report import analysis_table, format_table, write_outputs
+from ..eval.approx.run import QUICK, ApproxConfig, run_approx
 from ..eval.data.sources import SOURCES
 
 NAME = "approx"
@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         print(analysis_table(result.analysis))
     written = write_outputs(result, args.out, plots=not args.no_plots, command=_command(args))
     print()
-    for kind, path in written.items():
+    for _kind, path in written.items():
         print(f"wrote {path}")
     print(f"took {result.seconds['total']:.1f} s")
     return 0

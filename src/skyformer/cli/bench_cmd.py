@@ -8,8 +8,8 @@ import sys
 
 import torch
 
-from ..eval.bench.run import DTYPES, BenchConfig, run_bench
 from ..eval.bench.report import format_table, format_wide, write_results
+from ..eval.bench.run import DTYPES, BenchConfig, run_bench
 
 NAME = "bench"
 HELP = (

@@ -28,22 +28,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", nargs="+", default=None, help="subset of methods")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats (median)")
     parser.add_argument("--no-memory", action="store_true", help="skip peak-memory measurement")
-    parser.add_argument("--json", dest="json_path", default=None, help="write results to this JSON file")
+    parser.add_argument(
+        "--json", dest="json_path", default=None, help="write results to this JSON file"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}.")
     config = CompareConfig(
-        seq_len=args.seq_len, layer=args.layer, num_features=args.features, seed=args.seed,
-        text=args.text, model=args.model, pretrained=not args.random_init,
-        methods=tuple(args.methods) if args.methods else None, repeats=args.repeats,
+        seq_len=args.seq_len,
+        layer=args.layer,
+        num_features=args.features,
+        seed=args.seed,
+        text=args.text,
+        model=args.model,
+        pretrained=not args.random_init,
+        methods=tuple(args.methods) if args.methods else None,
+        repeats=args.repeats,
         memory=not args.no_memory,
     )
     result = compare(config)
     print(f"Q/K/V: {result.source}")
-    print("error: relative spectral norm ||O - O_exact||_2 / ||O_exact||_2 against the method's "
-          "target (mean +- std over heads)")
+    print(
+        "error: relative spectral norm ||O - O_exact||_2 / ||O_exact||_2 against the method's "
+        "target (mean +- std over heads)"
+    )
     print(format_table(result.rows))
     if args.json_path:
         path = write_json(args.json_path, result.to_dict())

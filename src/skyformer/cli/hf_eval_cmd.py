@@ -50,8 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..eval.hf.run import HFEvalConfig, evaluate
     from ..eval.hf.report import format_table, markdown_table, plot, write_csv
+    from ..eval.hf.run import HFEvalConfig, evaluate
     from ..io import atomic_write_text, write_json
 
     config = HFEvalConfig(

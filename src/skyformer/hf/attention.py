@@ -28,7 +28,8 @@ everything else.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -123,6 +124,26 @@ def _call_options(spec: Method, layer: LayerAttention, scaling: float | None, he
     return changes
 
 
+def _keys_for_call(module: nn.Module, layer: LayerAttention, query: Tensor, key: Tensor,
+                   value: Tensor, key_padding_mask: Tensor | None
+                   ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Keys, values and key padding mask as the methods take them: key/value heads
+    repeated for grouped-query attention, and one padded key added in cross-attention
+    with Nq == Nk (where skyformer's mask convention would also mark padded queries;
+    the decoder's queries are all real, and a padded key gets zero weight)."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if isinstance(groups, int) and groups > 1:  # grouped-query attention
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    if key_padding_mask is None:
+        return key, value, None
+    key_padding_mask = key_padding_mask.to(query.device)
+    if layer.cross and query.shape[2] == key.shape[2]:
+        key = F.pad(key, (0, 0, 0, 1))
+        value = F.pad(value, (0, 0, 0, 1))
+        key_padding_mask = F.pad(key_padding_mask, (0, 1), value=False)
+    return key, value, key_padding_mask
+
+
 def skyformer_attention_forward(
     implementation: str,
     default_method: str,
@@ -182,19 +203,8 @@ def skyformer_attention_forward(
             scaling=bound.options().get("scale") or scaling, is_causal=is_causal, **kwargs,
         )
 
-    groups = getattr(module, "num_key_value_groups", 1)
-    if isinstance(groups, int) and groups > 1:  # grouped-query attention
-        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    key_padding_mask = resolved.key_padding_mask
-    if key_padding_mask is not None:
-        key_padding_mask = key_padding_mask.to(query.device)
-        if layer.cross and nq == nk:
-            # With Nq == Nk skyformer's mask convention also marks padded *queries*; the
-            # decoder's queries are all real, so add one padded key to make Nk != Nq
-            # (a padded key gets zero weight: the result is unchanged).
-            key = F.pad(key, (0, 0, 0, 1))
-            value = F.pad(value, (0, 0, 0, 1))
-            key_padding_mask = F.pad(key_padding_mask, (0, 1), value=False)
+    key, value, key_padding_mask = _keys_for_call(module, layer, query, key, value,
+                                                  resolved.key_padding_mask)
     try:
         spec.check_call(query, key, key_padding_mask)
     except CapabilityError as err:

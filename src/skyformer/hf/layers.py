@@ -91,7 +91,7 @@ def attention_modules(model: nn.Module) -> list[tuple[int, str, nn.Module]]:
     indices = [getattr(m, "layer_idx", None) for _, m in found]
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in indices):
         indices = list(range(len(found)))
-    return [(i, name, m) for i, (name, m) in zip(indices, found)]
+    return [(i, name, m) for i, (name, m) in zip(indices, found, strict=True)]
 
 
 def _dispatches(module: nn.Module) -> bool:

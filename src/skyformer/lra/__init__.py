@@ -13,7 +13,20 @@ from .tasks import TASKS, get_task
 from .train import train
 
 __all__ = [
-    "LRAClassifier", "ListOpsRules", "ModelConfig", "PRESETS", "PathfinderRules", "TASKS",
-    "TaskData", "TrainConfig", "default_cache_root", "get_task", "load_cache", "make_config",
-    "prepare", "train", "write_listops", "write_pathfinder",
+    "PRESETS",
+    "TASKS",
+    "LRAClassifier",
+    "ListOpsRules",
+    "ModelConfig",
+    "PathfinderRules",
+    "TaskData",
+    "TrainConfig",
+    "default_cache_root",
+    "get_task",
+    "load_cache",
+    "make_config",
+    "prepare",
+    "train",
+    "write_listops",
+    "write_pathfinder",
 ]

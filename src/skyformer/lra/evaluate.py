@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import numpy as np
 import torch
@@ -18,7 +19,8 @@ from .model import LRAClassifier
 @torch.no_grad()
 def evaluate(model: LRAClassifier, split: SplitData, *, batch_size: int, device: torch.device,
              info: DistInfo, seed: int, limit: int | None = None, max_len: int | None = None,
-             autocast: Callable[[], ContextManager] = contextlib.nullcontext) -> dict[str, float]:
+             autocast: Callable[[], AbstractContextManager] = contextlib.nullcontext,
+             ) -> dict[str, float]:
     """``{"accuracy", "loss", "count"}`` over the first ``limit`` examples (None = all).
 
     Process r takes examples r, r + world_size, ...; sums are reduced over processes.

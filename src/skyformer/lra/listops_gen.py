@@ -19,13 +19,12 @@ import random
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Union
 
 from ..io import atomic_write_text
 from .readers.listops import FILES, GENERATOR_RECORD
 from .vocab import LISTOPS_CLOSE, LISTOPS_OPERATORS
 
-Tree = Union[int, tuple[str, list["Tree"]]]
+Tree = int | tuple[str, list["Tree"]]
 
 MAX_DEPTH_LIMIT = 100  # trees are built recursively
 

@@ -90,15 +90,39 @@ class TrainConfig:
 # Per task: the paper's batch size and learning rate; warm-up, evaluation interval and
 # dev batches per evaluation from the reference configuration.
 PRESETS: dict[str, dict[str, Any]] = {
-    "text": dict(batch_size=16, lr=1e-4, warmup=80, eval_every=500, eval_batches=200),
-    "listops": dict(batch_size=32, lr=1e-4, warmup=1000, eval_every=500, eval_batches=62),
-    "retrieval": dict(batch_size=16, lr=2e-4, warmup=800, eval_every=1000, eval_batches=300),
-    "pathfinder": dict(batch_size=128, lr=2e-4, warmup=312, eval_every=500, eval_batches=156),
-    "image": dict(batch_size=256, lr=1e-4, warmup=175, eval_every=50, eval_batches=20),
+    "text": {"batch_size": 16, "lr": 1e-4, "warmup": 80, "eval_every": 500, "eval_batches": 200},
+    "listops": {
+        "batch_size": 32,
+        "lr": 1e-4,
+        "warmup": 1000,
+        "eval_every": 500,
+        "eval_batches": 62,
+    },
+    "retrieval": {
+        "batch_size": 16,
+        "lr": 2e-4,
+        "warmup": 800,
+        "eval_every": 1000,
+        "eval_batches": 300,
+    },
+    "pathfinder": {
+        "batch_size": 128,
+        "lr": 2e-4,
+        "warmup": 312,
+        "eval_every": 500,
+        "eval_batches": 156,
+    },
+    "image": {"batch_size": 256, "lr": 1e-4, "warmup": 175, "eval_every": 50, "eval_batches": 20},
 }
 
 # A few minutes on a CPU: checks that everything runs and the loss moves, not accuracy.
-QUICK: dict[str, Any] = dict(steps=200, eval_every=50, warmup=20, eval_batches=4, log_every=10)
+QUICK: dict[str, Any] = {
+    "steps": 200,
+    "eval_every": 50,
+    "warmup": 20,
+    "eval_batches": 4,
+    "log_every": 10,
+}
 QUICK_MAX_BATCH = 16
 
 
@@ -115,8 +139,10 @@ def make_config(task: str, *, quick: bool = False, **overrides: Any) -> TrainCon
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = sorted(set(overrides) - names)
     if unknown:
-        raise ValueError(f"unknown training setting(s) {', '.join(unknown)}; settings: "
-                         f"{', '.join(sorted(names))}.")
+        raise ValueError(
+            f"unknown training setting(s) {', '.join(unknown)}; settings: "
+            f"{', '.join(sorted(names))}."
+        )
     values.update({k: v for k, v in overrides.items() if v is not None})
     return TrainConfig(task=task, **values)
 

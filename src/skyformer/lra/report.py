@@ -151,13 +151,13 @@ def plot_dev_curves(runs: list[Run], path: str | os.PathLike[str]) -> Path:
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
     methods = _method_order({r.key[1] for r in runs})
     colors = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(methods)}
-    for ax, task in zip(axes.flat, tasks):
+    for ax, task in zip(axes.flat, tasks, strict=False):
         seen = set()
         for run in sorted((r for r in runs if r.key[0] == task), key=lambda r: r.key[1]):
             if not run.dev_curve:
                 continue
             method = run.key[1]
-            xs, ys = zip(*run.dev_curve)
+            xs, ys = zip(*run.dev_curve, strict=True)
             ax.plot(xs, [100 * y for y in ys], color=colors[method], alpha=0.8, linewidth=1.2,
                     label=None if method in seen else method)
             seen.add(method)

@@ -30,8 +30,9 @@ from __future__ import annotations
 import copy
 import os
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,8 +43,8 @@ from .batches import BatchOrder, Position, fetch
 from .cache import load_cache
 from .model import LRAClassifier
 from .presets import TrainConfig, learning_rate, make_config
-from .tasks import TASKS
 from .seeds import derive_seed
+from .tasks import TASKS
 from .train import model_config
 
 BASELINE = "softmax"
@@ -121,7 +122,7 @@ class StabilityReport:
         for seed in self.seeds:
             base = self.taus[task][BASELINE][seed]
             mine = self.taus[task][method][seed]
-            per_seed.append(statistics.fmean(a / b for a, b in zip(mine, base)))
+            per_seed.append(statistics.fmean(a / b for a, b in zip(mine, base, strict=False)))
         return statistics.fmean(per_seed)
 
     def to_dict(self) -> dict[str, Any]:

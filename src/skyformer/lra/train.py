@@ -20,9 +20,11 @@ import json
 import os
 import random
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ContextManager
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,10 +34,22 @@ from torch.nn.parallel import DistributedDataParallel
 from ..io import environment, write_json
 from .batches import BatchOrder, Position, fetch, micro_batches
 from .cache import TaskData, load_cache
-from .checkpoint import (device_rng_state, host_rng_state, load_checkpoint, save_checkpoint,
-                         set_device_rng_state, set_host_rng_state)
-from .distributed import (all_gather, all_reduce_sum, barrier, broadcast_state, init_distributed,
-                          shutdown)
+from .checkpoint import (
+    device_rng_state,
+    host_rng_state,
+    load_checkpoint,
+    save_checkpoint,
+    set_device_rng_state,
+    set_host_rng_state,
+)
+from .distributed import (
+    all_gather,
+    all_reduce_sum,
+    barrier,
+    broadcast_state,
+    init_distributed,
+    shutdown,
+)
 from .evaluate import evaluate
 from .metrics import Running, peak_memory_bytes, reset_peak_memory
 from .model import LRAClassifier, ModelConfig
@@ -65,7 +79,7 @@ def model_config(cfg: TrainConfig, data: TaskData) -> ModelConfig:
     )
 
 
-def autocast_factory(precision: str, device: torch.device) -> Callable[[], ContextManager]:
+def autocast_factory(precision: str, device: torch.device) -> Callable[[], AbstractContextManager]:
     """Context manager factory for the forward pass (bf16/fp16 autocast, or nothing)."""
     if precision == "fp32":
         return contextlib.nullcontext
@@ -218,9 +232,9 @@ class Trainer:
 
     # -- the loop -----------------------------------------------------------------------
     def _eval_kwargs(self) -> dict[str, Any]:
-        return dict(batch_size=self.cfg.batch_size // self.info.world_size, device=self.device,
-                    info=self.info, seed=derive_seed(self.cfg.seed, 3),
-                    max_len=self.model_cfg.max_len, autocast=self.autocast)
+        return {"batch_size": self.cfg.batch_size // self.info.world_size, "device": self.device,
+                    "info": self.info, "seed": derive_seed(self.cfg.seed, 3),
+                    "max_len": self.model_cfg.max_len, "autocast": self.autocast}
 
     def _train_step(self) -> None:
         cfg, state = self.cfg, self.state
@@ -391,7 +405,7 @@ class Trainer:
             if self.info.is_main:
                 write_json(self.folder / "config.json", {
                     "train": self.cfg.to_dict(), "model": dataclasses.asdict(self.model.cfg),
-                    "data": {k: v for k, v in self.data.meta.items()},
+                    "data": dict(self.data.meta.items()),
                     "world_size": self.info.world_size, "environment": environment(self.device),
                 })
             self.log = RunLog(self.folder, enabled=self.info.is_main, history=self.state.history,

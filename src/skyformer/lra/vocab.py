@@ -17,7 +17,7 @@ PAD = 0
 
 LISTOPS_OPERATORS = ("[MIN", "[MAX", "[MED", "[SM")
 LISTOPS_CLOSE = "]"
-LISTOPS_TOKENS = LISTOPS_OPERATORS + (LISTOPS_CLOSE,) + tuple(str(d) for d in range(10))
+LISTOPS_TOKENS = (*LISTOPS_OPERATORS, LISTOPS_CLOSE, *tuple(str(d) for d in range(10)))
 LISTOPS_IDS = {token: i + 1 for i, token in enumerate(LISTOPS_TOKENS)}
 LISTOPS_IGNORED = ("(", ")")
 

@@ -6,9 +6,10 @@ the tests compare with) and a README (equations, paper, deliberate differences f
 published code). ``shared/`` holds what several methods use: input checks, option
 checks, masked softmax, the modified Nystrom core, the LSH-block exact part.
 
-Registration order (the order of ``list_methods()``) is the import order below: exact
-methods, Skyformer, then the methods it is compared with.
+Registration order (the order of ``list_methods()``) is the import order below, kept by
+hand (``isort: skip_file``): exact methods, Skyformer, then the methods it is compared with.
 """
+# isort: skip_file
 
 from .softmax import softmax_attention
 from .kernelized import kernelized_attention

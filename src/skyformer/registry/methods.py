@@ -20,8 +20,9 @@ missing capability and the methods that have it.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -165,7 +166,7 @@ def with_options(config_class: type, method: str
 
 
 def _load_builtin_methods() -> None:
-    from .. import ops  # noqa: F401  (importing ops registers the built-in methods)
+    pass
 
 
 def list_methods() -> list[str]:

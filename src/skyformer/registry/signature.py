@@ -19,7 +19,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from torch import Tensor
 

@@ -66,7 +66,7 @@ def _means_index_add(
     x: Tensor, assignment: Tensor, weight: Tensor | None, count: int
 ) -> tuple[Tensor, Tensor]:
     """``_means`` by index-add over the flattened (batch, head, cluster) slots."""
-    b, h, n, d = x.shape
+    b, h, _, d = x.shape
     slots = torch.arange(b * h, device=x.device).view(b, h, 1) * count
     flat = (assignment + slots).reshape(-1)
     if weight is None:  # every row counts once: skip the product by ones (and its backward)

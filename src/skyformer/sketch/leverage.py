@@ -22,7 +22,9 @@ import torch
 from torch import Tensor
 
 
-def sketched_ridge_leverage(sketch: Tensor, ridge: float, key_valid: Tensor | None = None) -> Tensor:
+def sketched_ridge_leverage(
+    sketch: Tensor, ridge: float, key_valid: Tensor | None = None
+) -> Tensor:
     """Approximate ridge leverage scores of the columns of the sketch ``[B, H, s, Nk]``.
 
     Returns ``[B, H, Nk]`` scores, -inf for padded keys.

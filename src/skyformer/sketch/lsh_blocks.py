@@ -73,7 +73,7 @@ def hamming_blocks(
 def gather_block_rows(x: Tensor, index: Tensor) -> Tensor:
     """Rows of ``x: [B, H, N, C]`` at ``index: [B, H, nb, s]`` -> ``[B, H, nb, s, C]``;
     index N reads zeros."""
-    b, h, n, c = x.shape
+    b, h, _, c = x.shape
     padded = torch.cat([x, x.new_zeros(b, h, 1, c)], dim=2)
     return gather_rows(padded, index)
 

@@ -36,7 +36,7 @@ def _pivot(rows: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
         for kind, method, target in _order(panel):
             cells = [r for r in panel
                      if (r["kind"], r["method"], r["target"]) == (kind, method, target)]
-            by_m = {m: cells[0] for m in ms} if kind == "baseline" else {
+            by_m = dict.fromkeys(ms, cells[0]) if kind == "baseline" else {
                 r["num_features"]: r for r in cells}
             label = {"svd_floor": "rank-m SVD floor", "mean_v": "trivial: mean of V",
                      "constant_row": "trivial: best constant row"}.get(method, method)

@@ -37,9 +37,9 @@ from torch import Tensor
 from ...io import environment
 from ...linalg import gaussian_scores, softmax_scores, top_singular_subspace
 from ...registry import Method, exact_method, get_method, list_methods
-from .leverage import THEOREM_CONSTANT, leverage_analysis
-from ..measure.metrics import constant_row_error, rank_m_floor, relative_error
 from ..data.sources import SOURCES, SourceData, SourceLoader, SourceOptions, check_source
+from ..measure.metrics import constant_row_error, rank_m_floor, relative_error
+from .leverage import THEOREM_CONSTANT, leverage_analysis
 from .spectra import attention_spectra, lsh_mask, oracle_mask
 
 FLOOR = "svd_floor"
@@ -133,10 +133,10 @@ class ApproxConfig:
         )
 
 
-QUICK = dict(
-    seq_lens=(256,), features=(16, 32, 64), seeds=(0, 1, 2), heads=(0, 1),
-    analysis_seq_len=256, eps=(0.1,),
-)
+QUICK = {
+    "seq_lens": (256,), "features": (16, 32, 64), "seeds": (0, 1, 2), "heads": (0, 1),
+    "analysis_seq_len": 256, "eps": (0.1,),
+}
 
 
 def quick_config(**overrides: Any) -> ApproxConfig:
@@ -179,7 +179,7 @@ def _stats(values: Tensor) -> dict[str, float]:
     v = values.detach().to(torch.float64).flatten()
     finite = v[torch.isfinite(v)]
     if finite.numel() == 0:
-        return {k: math.nan for k in ("mean", "std", "median", "q25", "q75", "min", "max")}
+        return dict.fromkeys(("mean", "std", "median", "q25", "q75", "min", "max"), math.nan)
     q = torch.quantile(finite, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64))
     return {
         "mean": finite.mean().item(),
@@ -322,7 +322,7 @@ class _Sweep:
 
     def _samples(self, source: str, n: int, method: str, target: str, m: int | None,
                  seed: int | None, spectral: Tensor, frob: Tensor) -> None:
-        for h, (s, f) in enumerate(zip(spectral.tolist(), frob.tolist())):
+        for h, (s, f) in enumerate(zip(spectral.tolist(), frob.tolist(), strict=True)):
             self.samples.append({
                 "source": source, "seq_len": n, "method": method, "target": target,
                 "num_features": m, "seed": seed, "head": h, "spectral": s, "frobenius": f,
@@ -354,7 +354,7 @@ class _Sweep:
                 bar.update(1)
             if not spectral:
                 continue
-            for seed, s, f in zip(seeds, spectral, frob):
+            for seed, s, f in zip(seeds, spectral, frob, strict=True):
                 self._samples(data.source, n, spec.name, target, m, seed, s, f)
             self.rows.append(_row(data.source, n, "method", spec.name, target, m,
                                   torch.stack(spectral), torch.stack(frob)))
@@ -468,6 +468,15 @@ def run_approx(config: ApproxConfig = ApproxConfig(), *,
 
 
 __all__ = [
-    "ApproxConfig", "ApproxResult", "CONSTANT_ROW", "FLOOR", "MEAN_V", "QUICK", "SOURCES",
-    "analyse_source", "quick_config", "resolve_methods", "run_approx",
+    "CONSTANT_ROW",
+    "FLOOR",
+    "MEAN_V",
+    "QUICK",
+    "SOURCES",
+    "ApproxConfig",
+    "ApproxResult",
+    "analyse_source",
+    "quick_config",
+    "resolve_methods",
+    "run_approx",
 ]

@@ -180,7 +180,10 @@ def _render(header: list[str], table: list[list[str]], markdown: bool) -> list[s
         for i in range(len(header))
     ]
     out = [
-        "  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(header, widths)))
+        "  ".join(
+            h.rjust(w) if i else h.ljust(w)
+            for i, (h, w) in enumerate(zip(header, widths, strict=True))
+        )
     ]
     out.append("-" * len(out[0]))
     for row in table:
@@ -188,13 +191,17 @@ def _render(header: list[str], table: list[list[str]], markdown: bool) -> list[s
             out.append(f"{row[0].ljust(widths[0])}  {row[1].rjust(widths[1])}  {row[2]}")
             continue
         out.append(
-            "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+            "  ".join(
+                c.rjust(w) if i else c.ljust(w)
+                for i, (c, w) in enumerate(zip(row, widths, strict=True))
+            )
         )
     return out
 
 
-def write_results(result: BenchResult, prefix: str | Path, *, plot: bool = True,
-                  command: str | None = None) -> list[Path]:
+def write_results(
+    result: BenchResult, prefix: str | Path, *, plot: bool = True, command: str | None = None
+) -> list[Path]:
     """``prefix``.json (config, environment, rows, summary), .csv (rows) and .png."""
     prefix = Path(prefix)
     data = result.to_dict()
@@ -229,14 +236,20 @@ def plot_results(result: BenchResult, path: str | Path) -> Path:
         c for i, c in enumerate(tab20[1::2]) if i != 3
     ]
     markers = "os^vD<>ph*"
-    for (g, rows), (ax_t, ax_m) in zip(groups.items(), axes):
+    for (g, rows), (ax_t, ax_m) in zip(groups.items(), axes, strict=True):
         for i, method in enumerate(dict.fromkeys(r["method"] for r in rows)):
-            pts = sorted((r["n"], r[key], r["peak_mib"]) for r in rows
-                         if r["method"] == method and r["status"] == "ok")
-            style: dict[str, Any] = dict(color=colors[i % len(colors)],
-                                         marker=markers[i % len(markers)], markersize=3)
+            pts = sorted(
+                (r["n"], r[key], r["peak_mib"])
+                for r in rows
+                if r["method"] == method and r["status"] == "ok"
+            )
+            style: dict[str, Any] = {
+                "color": colors[i % len(colors)],
+                "marker": markers[i % len(markers)],
+                "markersize": 3,
+            }
             if method == result.config.reference:
-                style = dict(color="black", linestyle="--", linewidth=2.5)
+                style = {"color": "black", "linestyle": "--", "linewidth": 2.5}
             elif method == "skyformer":
                 style.update(color="tab:red", linewidth=2.5, markersize=5)
             if pts:

@@ -23,22 +23,24 @@ the fitted scaling exponent of its time.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from ...io import environment
 from ...registry import exact_method, list_methods
-from ..methods import NamedAttention, PreparedCall, resolve
 from ..measure.flops import attention_flops, matmul_flops_per_second
 from ..measure.memory import MemoryJob, peak_memory_bytes
 from ..measure.metrics import relative_error
 from ..measure.timing import CLOCKS, interleaved_median_seconds
+from ..methods import NamedAttention, PreparedCall, resolve
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 HALF = ("bfloat16", "float16")
@@ -262,7 +264,7 @@ def _measure_length(
     q, k, v, grad = _inputs(shape, n, dtype, device, config.seed)
     rows: dict[str, dict[str, Any]] = {}
     runnable: dict[str, tuple[NamedAttention, dict[str, Any], Callable, Callable]] = {}
-    for label, method in zip(labels, methods):
+    for label, method in zip(labels, methods, strict=True):
         options = method.options(config.num_features)
         row = {"method": label, "spec": method.name, **group, "target": method.target,
                "exact": method.exact,
@@ -382,7 +384,7 @@ def _fit_exponent(points: list[tuple[int, float]]) -> float | None:
     ys = [math.log(t) for _, t in points]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     sxx = sum((x - mx) ** 2 for x in xs)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else None
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else None
 
 
 def crossover(points: list[tuple[int, float]]) -> tuple[float | None, str]:
@@ -427,7 +429,7 @@ def summarise(rows: list[dict[str, Any]], reference: str, backward: bool) -> lis
                     r["speedup"] = base[key] / r[key]
                     if r["peak_mib"] and base["peak_mib"]:
                         r["memory_ratio"] = r["peak_mib"] / base["peak_mib"]
-            for (n0, r0), (n1, r1) in zip(ok, ok[1:]):
+            for (n0, r0), (n1, r1) in itertools.pairwise(ok):
                 if n1 == 2 * n0:
                     r1["growth"] = r1[key] / r0[key]
             times = [(n, r[key]) for n, r in ok]

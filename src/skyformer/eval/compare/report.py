@@ -8,10 +8,15 @@ from typing import Any
 def format_table(rows: list[dict[str, Any]]) -> str:
     """Plain-text table of compare rows (the method column fits the longest name)."""
     width = max([18] + [len(r["method"]) + 2 for r in rows])
-    header = f"{'method':<{width}}{'target':<10}{'features':>9}{'spectral err':>22}{'frob err':>10}{'time ms':>10}{'peak MiB':>10}"
+    header = (f"{'method':<{width}}{'target':<10}{'features':>9}{'spectral err':>22}"
+              f"{'frob err':>10}{'time ms':>10}{'peak MiB':>10}")
     lines = [header, "-" * len(header)]
     for r in rows:
-        feats = "exact" if r["exact"] else str(r["num_features"] if r["num_features"] is not None else "-")
+        feats = (
+            "exact"
+            if r["exact"]
+            else str(r["num_features"] if r["num_features"] is not None else "-")
+        )
         err = f"{r['spectral_error']:.4f} +- {r['spectral_error_std']:.4f}"
         peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.1f}"
         lines.append(

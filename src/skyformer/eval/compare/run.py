@@ -18,12 +18,11 @@ from torch import Tensor
 
 from ...io import environment
 from ...registry import exact_method, get_method, list_methods
-from ..measure.memory import MemoryJob, peak_memory_bytes
-from ..measure.metrics import relative_error
 from ..data.qkv import QKV, load_qkv
 from ..data.text import read_text
+from ..measure.memory import MemoryJob, peak_memory_bytes
+from ..measure.metrics import relative_error
 from ..measure.timing import median_seconds
-
 from ..methods import PreparedCall, resolve
 
 
@@ -106,7 +105,9 @@ def compare_on(qkv: QKV, config: CompareConfig) -> list[dict[str, Any]]:
                     "method": name,
                     "target": target,
                     "exact": spec.capabilities.exact,
-                    "num_features": options.get("num_features", spec.defaults().get("num_features")),
+                    "num_features": options.get(
+                        "num_features", spec.defaults().get("num_features")
+                    ),
                     "spectral_error": spectral.mean().item(),
                     "spectral_error_std": spectral.std().item() if spectral.numel() > 1 else 0.0,
                     "frobenius_error": frobenius.mean().item(),
@@ -120,8 +121,12 @@ def compare_on(qkv: QKV, config: CompareConfig) -> list[dict[str, Any]]:
 def compare(config: CompareConfig = CompareConfig()) -> CompareResult:
     """Load real Q/K/V (default: pretrained MiniLM-L6 on shipped text) and compare."""
     qkv = load_qkv(
-        seq_len=config.seq_len, layer=config.layer, text=read_text(config.text),
-        model_dir=config.model, pretrained=config.pretrained, seed=config.seed,
+        seq_len=config.seq_len,
+        layer=config.layer,
+        text=read_text(config.text),
+        model_dir=config.model,
+        pretrained=config.pretrained,
+        seed=config.seed,
     )
     rows = compare_on(qkv, config)
     return CompareResult(config, qkv.describe(), rows, environment(qkv.q.device))

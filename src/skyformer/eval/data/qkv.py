@@ -150,14 +150,21 @@ def _windows(tokenizer: Any, text: str, seq_len: int, max_positions: int) -> lis
         )
     windows, used = [], 0
     for size in sizes:
-        windows.append([tokenizer.cls_token_id, *ids[used : used + size - 2], tokenizer.sep_token_id])
+        body = ids[used : used + size - 2]
+        windows.append([tokenizer.cls_token_id, *body, tokenizer.sep_token_id])
         used += size - 2
     return windows
 
 
 @torch.no_grad()
 def extract_qkv(
-    model: nn.Module, tokenizer: Any, text: str, *, seq_len: int, layer: int, name: str = "model",
+    model: nn.Module,
+    tokenizer: Any,
+    text: str,
+    *,
+    seq_len: int,
+    layer: int,
+    name: str = "model",
     pretrained: bool = True,
 ) -> QKV:
     """Q/K/V of ``layer`` for the first ``seq_len`` tokens of ``text``: ``[1, H, N, Dh]``.
@@ -181,11 +188,12 @@ def extract_qkv(
         def fn(_module, _inputs, output):
             b, n, width = output.shape
             captured[key].append(output.view(b, n, heads, width // heads).transpose(1, 2))
+
         return fn
 
     handles = [
         proj.register_forward_hook(hook(key))
-        for key, proj in zip(("q", "k", "v"), layers[layer])
+        for key, proj in zip(("q", "k", "v"), layers[layer], strict=True)
     ]
     windows = _windows(tokenizer, text, seq_len, max_positions)
     try:
@@ -200,14 +208,24 @@ def extract_qkv(
 
 
 def load_qkv(
-    *, seq_len: int = 512, layer: int = 0, text: str | None = None, model_dir: str | Path | None = None,
-    pretrained: bool = True, seed: int = 0,
+    *,
+    seq_len: int = 512,
+    layer: int = 0,
+    text: str | None = None,
+    model_dir: str | Path | None = None,
+    pretrained: bool = True,
+    seed: int = 0,
 ) -> QKV:
     """One call: load the model (default MiniLM-L6) and extract Q/K/V of ``layer``."""
     from .text import default_text
 
     model, tokenizer, name = load_model(model_dir, pretrained=pretrained, seed=seed)
     return extract_qkv(
-        model, tokenizer, text if text is not None else default_text(), seq_len=seq_len,
-        layer=layer, name=name, pretrained=pretrained,
+        model,
+        tokenizer,
+        text if text is not None else default_text(),
+        seq_len=seq_len,
+        layer=layer,
+        name=name,
+        pretrained=pretrained,
     )

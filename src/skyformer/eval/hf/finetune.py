@@ -15,16 +15,17 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from ...hf import set_attention
 from ...registry import get_method
-from .run import Inputs, build_inputs, embed, embed_all, pad_batch, quality
 from ..data.qkv import load_model
 from ..data.text import read_text
+from .run import Inputs, build_inputs, embed, embed_all, pad_batch, quality
 
 
 @dataclass(frozen=True)

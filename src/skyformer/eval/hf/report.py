@@ -25,7 +25,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     header = (f"{'setting':<8}{'method':<{width}}{'features':>9}{'cos mean':>10}"
               f"{'cos min':>9}{'R@1':>7}{'time ms':>10}{'peak MiB':>10}  note")
     lines = [header, "-" * len(header)]
-    for r, method in zip(rows, methods):
+    for r, method in zip(rows, methods, strict=True):
         features = "exact" if r["exact"] else _num(r["num_features"], "d")
         note = ("not run: " + r["error"]) if r["error"] else r["note"]
         lines.append(
@@ -87,8 +87,8 @@ def plot(path: str | os.PathLike[str], rows: list[dict[str, Any]], title: str = 
                 points = [r for r in here if r["method"] == method and r[key] is not None]
                 if not points:
                     continue
-                style = dict(color=colours[m_index % len(colours)],
-                             linestyle="--" if not points[0]["drop_in"] else "-")
+                style = {"color": colours[m_index % len(colours)],
+                             "linestyle": "--" if not points[0]["drop_in"] else "-"}
                 name = method + ("" if points[0]["drop_in"] else " (not a drop-in)")
                 if points[0]["num_features"] is None:
                     ax.axhline(points[0][key], linewidth=1, label=name, alpha=0.8, **style)
@@ -105,7 +105,7 @@ def plot(path: str | os.PathLike[str], rows: list[dict[str, Any]], title: str = 
                 ax.set_title(f"{setting} inputs")
     legend: dict[str, Any] = {}
     for ax in axes.flat:
-        for handle, label in zip(*ax.get_legend_handles_labels()):
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
             legend.setdefault(label, handle)
     labels = list(legend)
     fig.legend([legend[k] for k in labels], labels, loc="lower center",

@@ -26,17 +26,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from ...io import environment
 from ...registry import CapabilityError, get_method, list_methods
-from ..measure.memory import CallJob, peak_memory_bytes
 from ..data.qkv import load_model
 from ..data.text import read_text, sentences
+from ..measure.memory import CallJob, peak_memory_bytes
 from ..measure.timing import CLOCKS, median_seconds
 
 SETTINGS = ("short", "long")
@@ -202,7 +203,7 @@ def embed_all(model: nn.Module, inputs: Inputs, batch_size: int) -> Tensor:
     parts: dict[int, Tensor] = {}
     for indices, batch in inputs.batches(batch_size):
         out = embed(model, {k: v.to(device) for k, v in batch.items()}).float().cpu()
-        parts.update(zip(indices, out))
+        parts.update(zip(indices, out, strict=True))
     return torch.stack([parts[i] for i in range(len(inputs.ids))])
 
 
@@ -319,9 +320,9 @@ def evaluate(config: HFEvalConfig = HFEvalConfig(),
                     set_attention(model, method, layers=layers, seed=config.seed, **options)
                 row.update(quality(embed_all(model, inputs, config.batch_size), exact))
 
-                def forward() -> None:
+                def forward(batch: dict[str, Tensor] = timed_device) -> None:
                     with torch.no_grad():
-                        model(**timed_device)
+                        model(**batch)
 
                 row["time_ms"] = 1e3 * median_seconds(
                     forward, device=device, warmup=1, repeats=config.repeats,

@@ -9,7 +9,8 @@ dA = dC B^T and dB = A^T dC), so forward + backward = 3x forward.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

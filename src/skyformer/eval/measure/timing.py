@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 

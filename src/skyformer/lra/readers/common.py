@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 
 def locate(src: str | Path, marker: str, *, subfolders: tuple[str, ...] = ()) -> Path:

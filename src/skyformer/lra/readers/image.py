@@ -9,8 +9,9 @@ As in LRA the image becomes one grey level per pixel,
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -44,7 +45,7 @@ def read_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _examples(images: np.ndarray, labels: np.ndarray) -> Iterator[tuple[list[np.ndarray], int]]:
-    for image, label in zip(images, labels):
+    for image, label in zip(images, labels, strict=True):
         yield [image], int(label)
 
 

@@ -13,8 +13,9 @@ Splits as in the PyTorch LRA code the Skyformer paper used: a seeded shuffle, th
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -9,8 +9,9 @@ LRA behaviour and is recorded as ``dev_is_test`` in the cache metadata.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -54,7 +55,7 @@ def read_text(src: str | Path, *, dev_fraction: float = 0.1, split_seed: int = 0
         meta["dev_is_test"] = True
     else:
         order = np.random.default_rng(split_seed).permutation(len(train))
-        n_dev = max(1, int(round(dev_fraction * len(train))))
+        n_dev = max(1, round(dev_fraction * len(train)))
         dev = [train[i] for i in order[:n_dev]]
         train = [train[i] for i in np.sort(order[n_dev:])]
         meta["split_seed"] = split_seed

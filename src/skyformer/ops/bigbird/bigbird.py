@@ -147,7 +147,8 @@ def bigbird_layout(
     u = torch.zeros(batch, nb, heads, r, device=device)
     for b, g in enumerate(sequence_generators(batch, generator, device)):
         if real_blocks[b] and r:
-            u[b, : real_blocks[b]] = torch.rand((real_blocks[b], heads, r), generator=g, device=device)
+            u[b, : real_blocks[b]] = torch.rand((real_blocks[b], heads, r), generator=g,
+                                                device=device)
     last = torch.tensor(real_blocks, device=device, dtype=torch.long) - 1
     blocks, alive = _choose_random_blocks(u.permute(0, 2, 1, 3), last, r)
     return BigBirdLayout(block_size, order, n_valid, last, blocks, alive)
@@ -199,6 +200,39 @@ def _gather_blocks(xb: Tensor, index: Tensor) -> Tensor:
     return picked.view(b, h, nb, s * bs, d)
 
 
+def _sparse_rows(qb: Tensor, kb: Tensor, vb: Tensor, real: Tensor, layout: BigBirdLayout
+                 ) -> Tensor:
+    """Each query block against its window, global and random key blocks, by fused masked
+    SDPA over (batch, head, query block): the ``[bs, S*bs]`` logits are never stored.
+    ``qb, kb, vb: [B, H, nb, bs, D]``, ``real: [B, nb*bs]`` -> ``[B, H, nb, bs, Dv]``."""
+    b, h, nb, bs, _ = qb.shape
+    index, ok = _key_slots(layout)  # [B, H, nb, S]
+    keys, values = _gather_blocks(kb, index), _gather_blocks(vb, index)  # [B, H, nb, S*bs, D]
+    real_b = real.view(b, 1, nb, bs).expand(-1, h, -1, -1)
+    key_ok = real_b.gather(2, index.reshape(b, h, -1, 1).expand(-1, -1, -1, bs))
+    key_ok = (key_ok.view(*index.shape, bs) & ok[..., None]).flatten(-2)  # [B, H, nb, S*bs]
+    bh = (b, h * nb)
+    return masked_attention(
+        qb.reshape(*bh, bs, -1),
+        keys.reshape(*bh, keys.shape[-2], -1),
+        values.reshape(*bh, keys.shape[-2], -1),
+        key_ok.reshape(*bh, 1, -1),
+    ).view(b, h, nb, bs, -1)
+
+
+def _global_rows(qb: Tensor, kb: Tensor, vb: Tensor, real: Tensor, layout: BigBirdLayout
+                 ) -> Tensor:
+    """The global query blocks (first and last real block) against every real key:
+    ``[B, H, 2, bs, Dv]``."""
+    b, h, _, bs, _ = qb.shape
+    ends = torch.stack([torch.zeros_like(layout.last), layout.last.clamp_min(0)], dim=1)  # [B, 2]
+    q_glob = gather_rows(qb.flatten(-2), ends[:, None, :].expand(-1, h, -1))
+    q_glob = q_glob.view(b, h, 2 * bs, -1)  # [B, H, 2*bs, D]
+    return masked_attention(
+        q_glob, kb.flatten(2, 3), vb.flatten(2, 3), real[:, None, None, :]
+    ).view(b, h, 2, bs, -1)
+
+
 @register(
     "bigbird",
     BigBirdConfig,
@@ -246,28 +280,8 @@ def bigbird_attention(
     nb = layout.num_blocks
     real = torch.arange(nb * bs, device=q.device)[None, :] < layout.n_valid[:, None]  # [B, nb*bs]
     qb, kb, vb = _blocks(qw, nb, bs), _blocks(kw, nb, bs), _blocks(vw, nb, bs)
-
-    index, ok = _key_slots(layout)  # [B, H, nb, S]
-    keys, values = _gather_blocks(kb, index), _gather_blocks(vb, index)  # [B, H, nb, S*bs, D]
-    real_b = real.view(info.batch, 1, nb, bs).expand(-1, info.heads, -1, -1)
-    key_ok = (real_b.gather(2, index.reshape(*index.shape[:2], -1, 1).expand(-1, -1, -1, bs))
-              .view(*index.shape, bs) & ok[..., None]).flatten(-2)  # [B, H, nb, S*bs]
-    # Fused masked SDPA over (batch, head, query block): the [bs, S*bs] logits of each
-    # block are never stored.
-    bh = (info.batch, info.heads * nb)
-    out = masked_attention(
-        qb.reshape(*bh, bs, -1), keys.reshape(*bh, keys.shape[-2], -1),
-        values.reshape(*bh, keys.shape[-2], -1), key_ok.reshape(*bh, 1, -1),
-    ).view(info.batch, info.heads, nb, bs, -1)  # [B, H, nb, bs, Dv]
-
-    # Global query blocks (first and last real block) attend to every real key.
-    ends = torch.stack([torch.zeros_like(layout.last), layout.last.clamp_min(0)], dim=1)  # [B, 2]
-    q_glob = gather_rows(
-        qb.flatten(-2), ends[:, None, :].expand(-1, info.heads, -1)
-    ).view(info.batch, info.heads, 2 * bs, -1)  # [B, H, 2*bs, D]
-    glob = masked_attention(
-        q_glob, kb.flatten(2, 3), vb.flatten(2, 3), real[:, None, None, :]
-    ).view(info.batch, info.heads, 2, bs, -1)  # [B, H, 2, bs, Dv]
+    out = _sparse_rows(qb, kb, vb, real, layout)  # [B, H, nb, bs, Dv]
+    glob = _global_rows(qb, kb, vb, real, layout)  # [B, H, 2, bs, Dv]
     block = torch.arange(nb, device=q.device)[None, :]
     is_first = (block == 0)[:, None, :, None, None]
     is_last = (block == layout.last[:, None])[:, None, :, None, None]

@@ -22,8 +22,8 @@ def bigbird_pattern(layout: BigBirdLayout, n: int) -> Tensor:
         n_real, last = int(layout.n_valid[b]), int(layout.last[b])
         pos = (torch.arange(n) if layout.order is None else layout.order[b].cpu())[:n_real]
 
-        def tokens(block: int) -> Tensor:
-            return pos[block * bs: min(n_real, (block + 1) * bs)]
+        def tokens(block: int, pos: Tensor = pos, n_real: int = n_real) -> Tensor:
+            return pos[block * bs : min(n_real, (block + 1) * bs)]
 
         for h in range(heads):
             for i in range(last + 1):
@@ -32,7 +32,10 @@ def bigbird_pattern(layout: BigBirdLayout, n: int) -> Tensor:
                 else:
                     keys = {0, last, i - 1, i, i + 1}
                     keys |= {
-                        int(x) for x, alive in zip(layout.random[b, h, i], layout.random_live[b, h, i])
+                        int(x)
+                        for x, alive in zip(
+                            layout.random[b, h, i], layout.random_live[b, h, i], strict=True
+                        )
                         if alive
                     }
                 rows = tokens(i)

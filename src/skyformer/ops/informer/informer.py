@@ -8,8 +8,9 @@ Only the u "active" queries attend; the others ("lazy") output the mean of the v
 2. Keep the top u queries by M, u = c * ceil(ln n_q) (``num_features=None``), or
    u = ``num_features`` when given (the number of queries that attend: with 128, as in
    the Skyformer comparisons, 128 N entries of the attention matrix are visited).
-3. Active queries get exact softmax attention over all keys (eq. (3), fused masked SDPA); lazy queries get
-   mean(V) over the real keys (self-attention without a causal mask).
+3. Active queries get exact softmax attention over all keys (eq. (3), fused masked
+   SDPA); lazy queries get mean(V) over the real keys (self-attention without a causal
+   mask).
 
 n_q and n_k are the numbers of *real* queries and keys; u and U are capped by them
 and are at least 1. With u >= n_q every query is active and the output is exact softmax
@@ -80,14 +81,17 @@ class KeySamples:
     live: Tensor  # [B, Nq, U] bool: real query and within its sequence's sample size
 
 
-def _real_positions(valid: Tensor | None, batch: int, n: int, device: torch.device) -> list[Tensor]:
+def _real_positions(
+    valid: Tensor | None, batch: int, n: int, device: torch.device
+) -> list[Tensor]:
     if valid is None:
         return [torch.arange(n, device=device)] * batch
     return [valid[b].nonzero()[:, 0] for b in range(batch)]
 
 
-def sample_keys(info: AttentionInputs, factor: int, device: torch.device,
-                generator: torch.Generator | None) -> KeySamples:
+def sample_keys(
+    info: AttentionInputs, factor: int, device: torch.device, generator: torch.Generator | None
+) -> KeySamples:
     """Draw c * ceil(ln n_k) real keys per real query, uniformly with replacement.
 
     Each sequence draws from its own stream (``sketch.streams``) a ``[n_q, U]`` uniform
@@ -113,8 +117,9 @@ def sample_keys(info: AttentionInputs, factor: int, device: torch.device,
 
 
 @torch.no_grad()
-def sparsity_measurement(q: Tensor, k: Tensor, samples: KeySamples, scale: float,
-                         query_valid: Tensor | None) -> Tensor:
+def sparsity_measurement(
+    q: Tensor, k: Tensor, samples: KeySamples, scale: float, query_valid: Tensor | None
+) -> Tensor:
     """M(q_i) = max - mean of s q_i.k_j over the sampled keys (eq. (4)): ``[B, H, Nq]``.
 
     ``-inf`` for padded queries (never selected). Chunked over queries so that the
@@ -133,7 +138,9 @@ def sparsity_measurement(q: Tensor, k: Tensor, samples: KeySamples, scale: float
         keys = rows.index_select(0, (offset + idx.reshape(b, 1, -1)).flatten()).view(
             b, h, stop - start, width, d
         )  # [B, H, C, U, D]
-        scores = (q[:, :, start:stop, None, :] @ keys.transpose(-1, -2))[..., 0, :] * scale  # [B, H, C, U]
+        scores = (q[:, :, start:stop, None, :] @ keys.transpose(-1, -2))[
+            ..., 0, :
+        ] * scale  # [B, H, C, U]
         top = scores.masked_fill(~live, float("-inf")).amax(dim=-1)
         mean = (scores * live).sum(-1) / live.sum(-1).clamp_min(1)
         out[:, :, start:stop] = top - mean
@@ -145,7 +152,8 @@ def sparsity_measurement(q: Tensor, k: Tensor, samples: KeySamples, scale: float
 def active_counts(info: AttentionInputs, num_features: int | None, factor: int) -> list[int]:
     """u per sequence: num_features or c * ceil(ln n_q), capped by n_q."""
     n_q = (
-        [info.query_len] * info.batch if info.query_valid is None
+        [info.query_len] * info.batch
+        if info.query_valid is None
         else info.query_valid.sum(dim=1).tolist()
     )
     if num_features is None:

@@ -264,7 +264,7 @@ def kdeformer_core(
     draws: KDEformerDraws,
 ) -> Tensor:
     """Algorithm 3 for given draws. Inputs in the working dtype; ``[B, H, Nq, Dv]``."""
-    b, h, nq, _ = q.shape
+    b, _, nq, _ = q.shape
     nk = k.shape[2]
     s = cfg.scale if cfg.scale is not None else 1.0 / math.sqrt(info.head_dim)
     qs = q * s

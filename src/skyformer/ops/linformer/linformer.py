@@ -185,7 +185,8 @@ def linformer_attention(
         if info.key_valid is None:
             slot_live = support.any(dim=-1)  # [H, k] or [k]
         else:
-            real_keys = info.key_valid[:, None, None, :] if e.dim() == 3 else info.key_valid[:, None, :]
+            real_keys = (info.key_valid[:, None, None, :] if e.dim() == 3
+                         else info.key_valid[:, None, :])
             slot_live = (support & real_keys).any(dim=-1)  # [B, H, k] or [B, k]
             if e.dim() == 2:
                 slot_live = slot_live[:, None, :]

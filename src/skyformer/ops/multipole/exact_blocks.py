@@ -71,7 +71,7 @@ def exact_blocks_part(
         ((log scale, numerator, denominator) of the exact part, removed numerator and
         removed weight, relative to the far mass), each per query ``[B, H, Nq, .]``.
     """
-    b, h, nq, d = q.shape
+    b, h = q.shape[:2]
     nk = k.shape[2]
     c = dots.shape[2]
     qi, kj = blocks.q_index, blocks.k_index  # [B, H, nb, sq], [B, H, nb, sk]
@@ -95,7 +95,8 @@ def exact_blocks_part(
     top = torch.where(den > 0, top, _NEG_INF)
 
     # First-order far-field model weight of key j for query i, relative to R_a.
-    centre_dots = dots.reshape(b, h, c * nk).gather(2, flat.view(b, h, -1)).view(flat.shape)  # z_a.k_j
+    # z_a.k_j
+    centre_dots = dots.reshape(b, h, c * nk).gather(2, flat.view(b, h, -1)).view(flat.shape)
     live = gather_block_values(far_live[..., 0], qi, False)[..., None]  # [B, H, nb, sq, 1]
     log_mass_q = torch.where(live, log_mass.gather(2, a.view(b, h, -1)).view(a.shape), 0.0)
     dk = gather_block_values(delta_kbar[..., 0], qi, 0.0)[..., None]

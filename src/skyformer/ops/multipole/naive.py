@@ -32,7 +32,9 @@ def _value_projector(v: Tensor, rank: int) -> Tensor:
     return u @ u.T
 
 
-def _one_head(q, k, v, bias, assignment, rows, near, window, rank, self_attention, tilt_keys, buckets):
+def _one_head(
+    q, k, v, bias, assignment, rows, near, window, rank, self_attention, tilt_keys, buckets
+):
     """S_i = sum_j exp(l_ij)[v_j, 1] approximated for the query positions ``rows`` of one
     head: ``[len(rows), Dv + 1]``."""
     nk = k.shape[0]
@@ -78,8 +80,10 @@ def _one_head(q, k, v, bias, assignment, rows, near, window, rank, self_attentio
             tilted = torch.maximum(torch.minimum(tilted, high), low)
             far_num, far_den = tilted, torch.ones((), dtype=q.dtype)
             for j in sorted(window_set):
-                omega = torch.exp(centre_logits[j]) / mass * torch.clamp(
-                    1 + delta @ (k[j] - kbar), min=0.0
+                omega = (
+                    torch.exp(centre_logits[j])
+                    / mass
+                    * torch.clamp(1 + delta @ (k[j] - kbar), min=0.0)
                 )
                 far_num = far_num - omega * v[j]
                 far_den = far_den - omega
@@ -91,8 +95,17 @@ def _one_head(q, k, v, bias, assignment, rows, near, window, rank, self_attentio
 
 
 def reference_multipole_sums(
-    q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, assignment: Tensor, *,
-    query_valid: Tensor | None, near: int, window: int, rank: int, tilt_sample: Tensor | None = None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    key_bias: Tensor,
+    assignment: Tensor,
+    *,
+    query_valid: Tensor | None,
+    near: int,
+    window: int,
+    rank: int,
+    tilt_sample: Tensor | None = None,
     buckets: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """``[B, H, Nq, Dv + 1]`` approximations of sum_j exp(q_i.k_j + b_j) [v_j, 1].
@@ -119,17 +132,36 @@ def reference_multipole_sums(
             continue
         for hi in range(h):
             out[bi, hi, rows] = _one_head(
-                q[bi, hi], k[bi, hi], v[bi, hi], key_bias[bi, hi], assignment[bi, hi], rows,
-                near, window, rank, self_attention,
+                q[bi, hi],
+                k[bi, hi],
+                v[bi, hi],
+                key_bias[bi, hi],
+                assignment[bi, hi],
+                rows,
+                near,
+                window,
+                rank,
+                self_attention,
                 None if tilt_sample is None else set(tilt_sample[bi].tolist()),
-                None if buckets is None else (buckets[0][bi, hi].tolist(), buckets[1][bi, hi].tolist()),
+                None
+                if buckets is None
+                else (buckets[0][bi, hi].tolist(), buckets[1][bi, hi].tolist()),
             )
     return out
 
 
 def reference_softmax_multipole_attention(
-    q: Tensor, k: Tensor, v: Tensor, assignment: Tensor, *, key_padding_mask: Tensor | None = None,
-    near: int, window: int, rank: int, scale: float | None = None, tilt_sample: Tensor | None = None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    assignment: Tensor,
+    *,
+    key_padding_mask: Tensor | None = None,
+    near: int,
+    window: int,
+    rank: int,
+    scale: float | None = None,
+    tilt_sample: Tensor | None = None,
     buckets: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Naive ``softmax_multipole`` for given cluster assignments. ``[B, H, Nq, Dv]``."""
@@ -138,16 +170,34 @@ def reference_softmax_multipole_attention(
     if key_padding_mask is not None:
         bias = bias.masked_fill(~key_padding_mask[:, None, :], float("-inf"))
     query_valid = key_padding_mask if q.shape[2] == k.shape[2] else None
-    sums = reference_multipole_sums(q * s, k, v, bias, assignment, query_valid=query_valid,
-                                    near=near, window=window, rank=rank, tilt_sample=tilt_sample,
-                                    buckets=buckets)
+    sums = reference_multipole_sums(
+        q * s,
+        k,
+        v,
+        bias,
+        assignment,
+        query_valid=query_valid,
+        near=near,
+        window=window,
+        rank=rank,
+        tilt_sample=tilt_sample,
+        buckets=buckets,
+    )
     out = sums[..., :-1] / sums[..., -1:].clamp_min(1e-300)
     return out if query_valid is None else out * query_valid[:, None, :, None]
 
 
 def reference_skyformer_multipole_attention(
-    q: Tensor, k: Tensor, v: Tensor, assignment: Tensor, *, key_padding_mask: Tensor | None = None,
-    near: int, window: int, rank: int, tilt_sample: Tensor | None = None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    assignment: Tensor,
+    *,
+    key_padding_mask: Tensor | None = None,
+    near: int,
+    window: int,
+    rank: int,
+    tilt_sample: Tensor | None = None,
     buckets: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Naive ``skyformer_multipole`` for given cluster assignments. ``[B, H, Nq, Dv]``."""
@@ -157,8 +207,18 @@ def reference_skyformer_multipole_attention(
     if key_padding_mask is not None:
         bias = bias.masked_fill(~key_padding_mask[:, None, :], float("-inf"))
     query_valid = key_padding_mask if q.shape[2] == k.shape[2] else None
-    sums = reference_multipole_sums(q_hat, k_hat, v, bias, assignment, query_valid=query_valid,
-                                    near=near, window=window, rank=rank, tilt_sample=tilt_sample,
-                                    buckets=buckets)
+    sums = reference_multipole_sums(
+        q_hat,
+        k_hat,
+        v,
+        bias,
+        assignment,
+        query_valid=query_valid,
+        near=near,
+        window=window,
+        rank=rank,
+        tilt_sample=tilt_sample,
+        buckets=buckets,
+    )
     out = torch.exp(-0.5 * (q_hat * q_hat).sum(-1))[..., None] * sums[..., :-1]
     return out if query_valid is None else out * query_valid[:, None, :, None]

@@ -306,7 +306,7 @@ def _merge(parts: list[tuple[Tensor, Tensor, Tensor]]) -> PartialSums:
     weights = [(p[0] - top).exp() for p in parts]
     # summed from the first term (Python's sum would add it to 0, a full extra pass)
     num, den = weights[0] * parts[0][1], weights[0] * parts[0][2]
-    for weight, part in zip(weights[1:], parts[1:]):
+    for weight, part in zip(weights[1:], parts[1:], strict=True):
         num = num + weight * part[1]
         den = den + weight * part[2]
     return PartialSums(top, num, den)

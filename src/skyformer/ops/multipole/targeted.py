@@ -22,8 +22,8 @@ ladder costs less than twice the top rung, plus the probe rows.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -77,7 +77,6 @@ def targeted_multipole(
         (output ``[B, H, Nq, Dv]`` before zeroing padded queries, ``FeatureChoice``).
     """
     b, h, nq, d = q.shape
-    nk = k.shape[2]
     draws = draw(q, k, options, generator)
     query_scores = draws.scores[:, :nq, 0]
     if info.query_valid is not None:

@@ -69,7 +69,7 @@ def _averaging_matrix(n: int, m: int, dtype: torch.dtype, device: torch.device) 
 
 def _naive_conv(v: Tensor, weight: Tensor) -> Tensor:
     """out[h, i] = sum_t w[h, t] v[h, i + t - K//2] with zeros outside: ``[H, N, Dv]``."""
-    h, kernel = weight.shape
+    kernel = weight.shape[1]
     n = v.shape[1]
     out = torch.zeros_like(v)
     for i in range(n):

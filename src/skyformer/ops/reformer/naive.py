@@ -47,8 +47,12 @@ def reformer_attention_sets(
                 rot = rotations[hi, r]
                 hq = {i: _bucket(q[bi, hi, i], rot, nb) for i in real}
                 hk = {j: _bucket(k[bi, hi, j], rot, nb) for j in real}
-                chunk_q = {i: t // cfg.chunk for t, i in enumerate(sorted(real, key=lambda i: (hq[i], i)))}
-                chunk_k = {j: t // cfg.chunk for t, j in enumerate(sorted(real, key=lambda j: (hk[j], j)))}
+                chunk_q = {
+                    i: t // cfg.chunk for t, i in enumerate(sorted(real, key=lambda i: (hq[i], i)))
+                }
+                chunk_k = {
+                    j: t // cfg.chunk for t, j in enumerate(sorted(real, key=lambda j: (hk[j], j)))
+                }
                 for i in real:
                     for j in real:
                         if hq[i] == hk[j] and chunk_q[i] - chunk_k[j] in (0, 1):
@@ -62,8 +66,13 @@ def reformer_attention_sets(
 
 
 def reference_reformer_attention(
-    q: Tensor, k: Tensor, v: Tensor, rotations: Tensor, *,
-    key_padding_mask: Tensor | None = None, **options,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    rotations: Tensor,
+    *,
+    key_padding_mask: Tensor | None = None,
+    **options,
 ) -> Tensor:
     """softmax(s q_i . k_j) over the union of the LSH sets, rows without keys zero.
 

@@ -60,6 +60,7 @@ from ..shared.options import (
     check_scale,
 )
 
+
 @dataclass(frozen=True)
 class ReformerConfig:
     """Options of Reformer LSH attention; defaults are the published comparison settings.
@@ -111,7 +112,8 @@ def buckets_per_sequence(cfg: ReformerConfig, real_lengths: Tensor) -> Tensor:
     """Buckets of each batch element ``[B]``: ``num_buckets`` or 2 ceil(l / chunk), >= 1."""
     if cfg.num_buckets is not None:
         return torch.full_like(real_lengths, cfg.num_buckets)
-    return (2 * torch.div(real_lengths + cfg.chunk - 1, cfg.chunk, rounding_mode="floor")).clamp_min(1)
+    chunks = torch.div(real_lengths + cfg.chunk - 1, cfg.chunk, rounding_mode="floor")
+    return (2 * chunks).clamp_min(1)
 
 
 def _extend(x: Tensor, fill: float | int) -> Tensor:
@@ -158,14 +160,26 @@ class _Rounds:
     k_rank: Tensor
 
 
-def _hash_rounds(qw: Tensor, kw: Tensor, valid: Tensor | None, config: ReformerConfig,
-                 generator: torch.Generator | None) -> _Rounds:
+def _hash_rounds(
+    qw: Tensor,
+    kw: Tensor,
+    valid: Tensor | None,
+    config: ReformerConfig,
+    generator: torch.Generator | None,
+) -> _Rounds:
     """Random-rotation hashes of queries and keys (Section 2), and their sorted orders."""
     b, h, n, d = qw.shape
     lengths = valid.sum(-1) if valid is not None else torch.full((b,), n, device=qw.device)
     n_buckets = buckets_per_sequence(config, lengths)
-    rotations = draw_rotations(h, config.num_hashes, d, int(n_buckets.max()) // 2,
-                               device=qw.device, dtype=qw.dtype, generator=generator)
+    rotations = draw_rotations(
+        h,
+        config.num_hashes,
+        d,
+        int(n_buckets.max()) // 2,
+        device=qw.device,
+        dtype=qw.dtype,
+        generator=generator,
+    )
     q_buckets = rotation_hash(qw, rotations, n_buckets)  # [B, R, H, N]
     q_order = _sorted_order(q_buckets, valid)
     q_rank = torch.argsort(q_order, dim=-1)
@@ -192,24 +206,30 @@ def _windows(rounds: _Rounds, chunk: int) -> tuple[Tensor, Tensor]:
     return pos_q, torch.cat([prev, own], dim=-1)
 
 
-def _attended(rounds: _Rounds, pos_q: Tensor, pos_k: Tensor, valid: Tensor | None,
-              config: ReformerConfig) -> tuple[Tensor, Tensor]:
+def _attended(
+    rounds: _Rounds, pos_q: Tensor, pos_k: Tensor, valid: Tensor | None, config: ReformerConfig
+) -> tuple[Tensor, Tensor]:
     """``(attended, counts)``, both ``[B, R, H, C, m, 2m]``: whether key j of a window is
     in query i's set in that window's round, and N_ij, the number of rounds whose set
     holds j (Appendix A's duplicate count)."""
     b, _, h, n = rounds.q_order.shape
     m = config.chunk
-    key_ok = valid[:, None, :] if valid is not None else torch.ones(
-        b, 1, n, dtype=torch.bool, device=pos_q.device)
+    key_ok = (
+        valid[:, None, :]
+        if valid is not None
+        else torch.ones(b, 1, n, dtype=torch.bool, device=pos_q.device)
+    )
     key_ok = _extend(key_ok, False).expand(b, h, n + 1)
     base = _at(key_ok, pos_k)[..., None, :]
     if config.exclude_self:
         base = base & (pos_q[..., :, None] != pos_k[..., None, :])
-    counts = torch.zeros(base.shape[:-2] + (m, 2 * m), dtype=torch.uint8, device=pos_q.device)
+    counts = torch.zeros((*base.shape[:-2], m, 2 * m), dtype=torch.uint8, device=pos_q.device)
     attended = []
     for r in range(config.num_hashes):
-        same_bucket = _at(_extend(rounds.q_buckets[:, r], -1), pos_q)[..., :, None] == \
-            _at(_extend(rounds.k_buckets[:, r], -2), pos_k)[..., None, :]
+        same_bucket = (
+            _at(_extend(rounds.q_buckets[:, r], -1), pos_q)[..., :, None]
+            == _at(_extend(rounds.k_buckets[:, r], -2), pos_k)[..., None, :]
+        )
         q_chunk = _at(_extend(rounds.q_rank[:, r] // m, -1), pos_q)[..., :, None]
         k_chunk = _at(_extend(rounds.k_rank[:, r] // m, -3), pos_k)[..., None, :]
         window = (q_chunk == k_chunk) | (q_chunk == k_chunk + 1)  # own or previous chunk
@@ -219,11 +239,12 @@ def _attended(rounds: _Rounds, pos_q: Tensor, pos_k: Tensor, valid: Tensor | Non
     return torch.stack(attended, dim=1), counts
 
 
-def _combine_rounds(o: Tensor, lse: Tensor, has: Tensor, q_rank: Tensor,
-                    exclude_self: bool) -> Tensor:
+def _combine_rounds(
+    o: Tensor, lse: Tensor, has: Tensor, q_rank: Tensor, exclude_self: bool
+) -> Tensor:
     """Per-round outputs ``[B, R, H, C, m, Dv]`` (chunked, sorted) back in sequence order,
     combined by their log-normalisers (Appendix A): ``[B, H, N, Dv]``."""
-    b, r, h, n = q_rank.shape
+    b, r, h, _ = q_rank.shape
 
     def unsort(x: Tensor) -> Tensor:
         return gather_rows(x.reshape(b, r, h, -1, x.shape[-1]), q_rank)
@@ -278,8 +299,11 @@ def reformer_attention(
     work = compute_dtype(q.dtype)
     s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
     qw, vw = q.to(work), v.to(work)
-    kw = qw / qw.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(work).tiny) \
-        if config.shared_qk else k.to(work)
+    kw = (
+        qw / qw.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(work).tiny)
+        if config.shared_qk
+        else k.to(work)
+    )
     rounds = _hash_rounds(qw, kw, info.key_valid, config, generator)
     pos_q, pos_k = _windows(rounds, config.chunk)
     qs = _rows_at(_extend_rows(qw), pos_q)  # [B, R, H, C, m, D]

@@ -12,9 +12,9 @@ import math
 import torch
 from torch import Tensor
 
-from ..shared.inputs import check_attention_inputs, zero_padded_queries
 from ..kdeformer.naive import reference_block_pattern
 from ..performer.naive import performer_scores
+from ..shared.inputs import check_attention_inputs, zero_padded_queries
 from .scatterbrain import ScatterbrainConfig
 
 

@@ -50,7 +50,7 @@ def _selection_matrix(landmarks: Landmarks, b: int, q_rows: Tensor, k_rows: Tens
         (landmarks.key_index[b], landmarks.key_live[b], k_rows, len(q_rows)),
     ):
         position = {int(r): i for i, r in enumerate(rows)}
-        for i, alive in zip(index.tolist(), live.tolist()):
+        for i, alive in zip(index.tolist(), live.tolist(), strict=True):
             if alive:
                 col = torch.zeros(len(q_rows) + len(k_rows), dtype=dtype)
                 col[offset + position[i]] = 1.0

@@ -41,7 +41,7 @@ def reference_skyformer_adaptive_attention(
             a = assignment[b, h][rows]
             centres = [qh[rows][a == c].mean(0) for c in sorted(set(a.tolist()))]
             chosen = [kh[j] for j, alive in zip(key_index[b, h].tolist(),
-                                                key_live[b, h].tolist()) if alive]
+                                                key_live[b, h].tolist(), strict=True) if alive]
             x = torch.stack(centres + chosen)
             w = naive_lemma3_inverse(_kernel(x, x), gamma, pinv, pinv_iterations, "identity")
             out[b, h, rows] = _kernel(qh[rows], x) @ w @ _kernel(x, kh[keys]) @ v[b, h][keys]
