@@ -17,6 +17,7 @@ for tests only.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -150,75 +151,41 @@ def reference_multipole_sums(
     return out
 
 
-def reference_softmax_multipole_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    assignment: Tensor,
-    *,
-    key_padding_mask: Tensor | None = None,
-    near: int,
-    window: int,
-    rank: int,
-    scale: float | None = None,
-    tilt_sample: Tensor | None = None,
-    buckets: tuple[Tensor, Tensor] | None = None,
-) -> Tensor:
-    """Naive ``softmax_multipole`` for given cluster assignments. ``[B, H, Nq, Dv]``."""
-    s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    bias = torch.zeros(k.shape[:3], dtype=q.dtype)
+def _sums(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, assignment: Tensor,
+          key_padding_mask: Tensor | None, structure: dict[str, Any]
+          ) -> tuple[Tensor, Tensor | None]:
+    """``reference_multipole_sums`` with padded keys masked in ``bias``; also returns the
+    query mask (self-attention)."""
     if key_padding_mask is not None:
         bias = bias.masked_fill(~key_padding_mask[:, None, :], float("-inf"))
     query_valid = key_padding_mask if q.shape[2] == k.shape[2] else None
-    sums = reference_multipole_sums(
-        q * s,
-        k,
-        v,
-        bias,
-        assignment,
-        query_valid=query_valid,
-        near=near,
-        window=window,
-        rank=rank,
-        tilt_sample=tilt_sample,
-        buckets=buckets,
-    )
+    return reference_multipole_sums(q, k, v, bias, assignment, query_valid=query_valid,
+                                    **structure), query_valid
+
+
+def reference_softmax_multipole_attention(
+    q: Tensor, k: Tensor, v: Tensor, assignment: Tensor, *,
+    key_padding_mask: Tensor | None = None, scale: float | None = None, **structure: Any,
+) -> Tensor:
+    """Naive ``softmax_multipole`` for given cluster assignments; ``structure`` as
+    ``reference_multipole_sums`` (near, window, rank, tilt_sample, buckets).
+    ``[B, H, Nq, Dv]``."""
+    s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    bias = torch.zeros(k.shape[:3], dtype=q.dtype)
+    sums, query_valid = _sums(q * s, k, v, bias, assignment, key_padding_mask, structure)
     out = sums[..., :-1] / sums[..., -1:].clamp_min(1e-300)
     return out if query_valid is None else out * query_valid[:, None, :, None]
 
 
 def reference_skyformer_multipole_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    assignment: Tensor,
-    *,
-    key_padding_mask: Tensor | None = None,
-    near: int,
-    window: int,
-    rank: int,
-    tilt_sample: Tensor | None = None,
-    buckets: tuple[Tensor, Tensor] | None = None,
+    q: Tensor, k: Tensor, v: Tensor, assignment: Tensor, *,
+    key_padding_mask: Tensor | None = None, **structure: Any,
 ) -> Tensor:
-    """Naive ``skyformer_multipole`` for given cluster assignments. ``[B, H, Nq, Dv]``."""
+    """Naive ``skyformer_multipole`` for given cluster assignments; ``structure`` as
+    ``reference_multipole_sums``. ``[B, H, Nq, Dv]``."""
     c = q.shape[-1] ** -0.25
     q_hat, k_hat = q * c, k * c
     bias = -0.5 * (k_hat * k_hat).sum(-1)
-    if key_padding_mask is not None:
-        bias = bias.masked_fill(~key_padding_mask[:, None, :], float("-inf"))
-    query_valid = key_padding_mask if q.shape[2] == k.shape[2] else None
-    sums = reference_multipole_sums(
-        q_hat,
-        k_hat,
-        v,
-        bias,
-        assignment,
-        query_valid=query_valid,
-        near=near,
-        window=window,
-        rank=rank,
-        tilt_sample=tilt_sample,
-        buckets=buckets,
-    )
+    sums, query_valid = _sums(q_hat, k_hat, v, bias, assignment, key_padding_mask, structure)
     out = torch.exp(-0.5 * (q_hat * q_hat).sum(-1))[..., None] * sums[..., :-1]
     return out if query_valid is None else out * query_valid[:, None, :, None]

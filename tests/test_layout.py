@@ -1,0 +1,55 @@
+"""The procedure of CONTRIBUTING.md, checked for every registered method: one folder with
+its fast module, ``naive.py``, README and exports; options defined once in the config;
+a test module that compares with the naive reference."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from pathlib import Path
+
+import pytest
+
+from skyformer import get_method, list_methods
+from skyformer.registry.signature import takes_config
+
+ROOT = Path(__file__).resolve().parents[1]
+OPS = ROOT / "src" / "skyformer" / "ops"
+
+
+def package_of(method: str) -> str:
+    """``skyformer.ops.<package>.<module>`` -> ``<package>``."""
+    module = get_method(method).core.__module__
+    prefix = "skyformer.ops."
+    assert module.startswith(prefix), f"{method} is implemented outside skyformer.ops"
+    return module[len(prefix):].split(".")[0]
+
+
+@pytest.mark.parametrize("method", list_methods())
+def test_every_method_is_one_folder_with_its_naive_reference_and_readme(method):
+    folder = OPS / package_of(method)
+    for name in ("__init__.py", "naive.py", "README.md"):
+        assert (folder / name).is_file(), f"{method}: {folder / name} is missing"
+    assert "def reference_" in (folder / "naive.py").read_text()
+    readme = (folder / "README.md").read_text()
+    assert readme.startswith("# "), f"{method}: README.md has no title"
+
+
+@pytest.mark.parametrize("method", list_methods())
+def test_its_test_module_compares_with_the_naive_reference(method):
+    package = package_of(method)
+    test_file = ROOT / "tests" / "ops" / f"test_{package}.py"
+    assert test_file.is_file(), f"{method}: {test_file} is missing"
+    assert f"skyformer.ops.{package}.naive import" in test_file.read_text()
+
+
+@pytest.mark.parametrize("method", list_methods())
+def test_options_are_defined_once_by_the_config(method):
+    spec = get_method(method)
+    assert takes_config(spec.core), f"{method}: the core does not take its config"
+    core_parameters = inspect.signature(spec.core).parameters
+    for field in dataclasses.fields(spec.config_class):
+        assert field.name not in core_parameters, (
+            f"{method}: option {field.name!r} is restated as an argument of the core")
+        public = inspect.signature(spec.function).parameters[field.name]
+        assert public.default == field.default  # the public signature comes from the config
