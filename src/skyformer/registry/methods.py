@@ -59,6 +59,11 @@ class Method:
     summary: str
     state: StateFactory | None = None
 
+    def __post_init__(self) -> None:
+        # Read once: torch.compile cannot trace dataclasses.fields() of a class.
+        names = tuple(f.name for f in dataclasses.fields(self.config_class))
+        object.__setattr__(self, "_option_names", names)
+
     @property
     def core(self) -> Callable[..., Tensor]:
         """``core(q, k, v, config, *, key_padding_mask, generator, **state_arguments)``."""
@@ -69,7 +74,7 @@ class Method:
         return config_fields(self.config_class())
 
     def option_names(self) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(self.config_class))
+        return self._option_names  # type: ignore[attr-defined]
 
     def options_of(self, config: Any) -> dict[str, Any]:
         """Option name -> value of a config of this method."""

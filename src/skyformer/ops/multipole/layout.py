@@ -25,7 +25,8 @@ class BlockLayout:
 def block_layout(assignment: Tensor, num_clusters: int) -> BlockLayout:
     """Sort queries by cluster; cluster a fills ceil(|a| / size) blocks of
     size = ceil(N / 2c) rows, so at most N/size + c blocks, of which only as many as the
-    fullest head needs are allocated (at most 1.5 N rows)."""
+    fullest head needs are allocated (at most 1.5 N rows; under torch.compile, which
+    needs shapes that do not depend on the data, the bound itself)."""
     b, h, n = assignment.shape
     size = max(1, -(-n // (2 * num_clusters)))
     with torch.no_grad():
@@ -33,7 +34,10 @@ def block_layout(assignment: Tensor, num_clusters: int) -> BlockLayout:
         counts = torch.zeros(b, h, num_clusters, dtype=torch.long, device=assignment.device)
         counts.scatter_add_(-1, assignment, torch.ones_like(assignment))
         blocks = -(-counts // size)
-        nb = int(blocks.sum(-1).max())
+        if torch.compiler.is_compiling():
+            nb = -(-n // size) + num_clusters
+        else:
+            nb = int(blocks.sum(-1).max())
         first_block = blocks.cumsum(-1) - blocks
         first_row = counts.cumsum(-1) - counts
         rank = torch.arange(n, device=assignment.device) - first_row.gather(-1, sorted_cluster)

@@ -27,9 +27,9 @@ from ...linalg import half_sq_norm, kernel_scale
 from ...registry import Capabilities, register
 from ..shared.inputs import (
     check_attention_inputs,
-    check_generator,
     compute_dtype,
     mean_values,
+    resolve_key,
     zero_padded_queries,
 )
 from ..shared.options import check_scale
@@ -93,7 +93,7 @@ def multipole_and_choice(
     softmax = isinstance(config, SoftmaxMultipoleConfig)
     method = "softmax_multipole" if softmax else "skyformer_multipole"
     info = check_attention_inputs(q, k, v, key_padding_mask, method=method)
-    check_generator(method, generator, q.device)
+    generator = resolve_key(method, generator, q.device)
     work = compute_dtype(q.dtype)
     values = v.to(work)
     if softmax:

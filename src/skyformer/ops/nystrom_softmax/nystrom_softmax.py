@@ -53,9 +53,9 @@ from ...sketch import Landmarks
 from ..shared.inputs import (
     AttentionInputs,
     check_attention_inputs,
-    check_generator,
     compute_dtype,
     mean_values,
+    resolve_key,
     zero_padded_queries,
 )
 from ..shared.modified_nystrom import NystromOptions, nystrom_core, sample_landmarks
@@ -150,9 +150,9 @@ def prepare(
 ) -> tuple[AttentionInputs, Landmarks, float, torch.dtype]:
     """Checks, landmarks, sqrt of the logit scale and compute dtype (both evaluations)."""
     info = check_attention_inputs(q, k, v, key_padding_mask, method="nystrom_softmax")
-    check_generator("nystrom_softmax", generator, q.device)
+    key = resolve_key("nystrom_softmax", generator, q.device)
     s = options.scale if options.scale is not None else 1.0 / math.sqrt(info.head_dim)
-    landmarks = sample_landmarks(info, options.num_features, q.device, generator)
+    landmarks = sample_landmarks(info, options.num_features, q.device, key)
     return info, landmarks, math.sqrt(s), compute_dtype(q.dtype)
 
 

@@ -49,8 +49,8 @@ from ...registry import Capabilities, register
 from ...sketch import draw_rotations, rotation_hash
 from ..shared.inputs import (
     check_attention_inputs,
-    check_generator,
     compute_dtype,
+    resolve_key,
     zero_padded_queries,
 )
 from ..shared.options import (
@@ -165,21 +165,17 @@ def _hash_rounds(
     kw: Tensor,
     valid: Tensor | None,
     config: ReformerConfig,
-    generator: torch.Generator | None,
+    generator: torch.Generator | Tensor | None,
 ) -> _Rounds:
     """Random-rotation hashes of queries and keys (Section 2), and their sorted orders."""
     b, h, n, d = qw.shape
     lengths = valid.sum(-1) if valid is not None else torch.full((b,), n, device=qw.device)
     n_buckets = buckets_per_sequence(config, lengths)
-    rotations = draw_rotations(
-        h,
-        config.num_hashes,
-        d,
-        int(n_buckets.max()) // 2,
-        device=qw.device,
-        dtype=qw.dtype,
-        generator=generator,
-    )
+    # As many columns as the padded width could need: a data-independent shape (column c
+    # does not depend on how many are drawn, see sketch/rotation_lsh.py).
+    widest = int(buckets_per_sequence(config, torch.tensor([n]))[0])
+    rotations = draw_rotations(h, config.num_hashes, d, widest // 2, device=qw.device,
+                               dtype=qw.dtype, generator=generator)
     q_buckets = rotation_hash(qw, rotations, n_buckets)  # [B, R, H, N]
     q_order = _sorted_order(q_buckets, valid)
     q_rank = torch.argsort(q_order, dim=-1)
@@ -295,7 +291,7 @@ def reformer_attention(
             f"Nq={info.query_len}, Nk={info.key_len}): LSH attention pairs query and key "
             "chunks of one sequence."
         )
-    check_generator("reformer", generator, q.device)
+    key = resolve_key("reformer", generator, q.device)
     work = compute_dtype(q.dtype)
     s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
     qw, vw = q.to(work), v.to(work)
@@ -304,7 +300,7 @@ def reformer_attention(
         if config.shared_qk
         else k.to(work)
     )
-    rounds = _hash_rounds(qw, kw, info.key_valid, config, generator)
+    rounds = _hash_rounds(qw, kw, info.key_valid, config, key)
     pos_q, pos_k = _windows(rounds, config.chunk)
     qs = _rows_at(_extend_rows(qw), pos_q)  # [B, R, H, C, m, D]
     k_ext, v_ext = _extend_rows(kw), _extend_rows(vw)

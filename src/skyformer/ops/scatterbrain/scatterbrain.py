@@ -45,12 +45,13 @@ from ...sketch import (
     gaussian_projection,
     scatter_block_rows,
 )
+from ...sketch.rng import random_key
 from ..performer.features import key_features, query_features
 from ..shared.inputs import (
     check_attention_inputs,
-    check_generator,
     compute_dtype,
     mean_values,
+    resolve_key,
     zero_padded_queries,
 )
 from ..shared.lsh_blocks import LshBlockOptions, lsh_block_logits
@@ -78,17 +79,19 @@ class ScatterbrainConfig(LshBlockOptions):
 
 def draw_scatterbrain(
     batch: int, heads: int, dim: int, config: ScatterbrainConfig, *,
-    device: torch.device | str = "cpu", generator: torch.Generator | None = None,
+    device: torch.device | str = "cpu", generator: torch.Generator | Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Random features ``[m, D]`` (drawn first, as Performer draws them) and LSH
-    hyperplanes ``[B, H, D, r]`` (None without a sparse part)."""
+    hyperplanes ``[B, H, D, r]`` (None without a sparse part), from one key."""
+    key = random_key(generator, device)
     projection = gaussian_projection(
-        config.num_features, dim, orthogonal=config.orthogonal, device=device, generator=generator
+        config.num_features, dim, orthogonal=config.orthogonal, device=device,
+        generator=key,
     )
     planes = None
     if config.blocks > 0:
         planes = draw_hyperplanes((batch, heads), dim, config.num_hyperplanes, device=device,
-                                  generator=generator)
+                                  generator=key)
     return projection, planes
 
 
@@ -120,9 +123,9 @@ def scatterbrain_attention(
         rows of padded queries (self-attention) are zero.
     """
     info = check_attention_inputs(q, k, v, key_padding_mask, method="scatterbrain")
-    check_generator("scatterbrain", generator, q.device)
+    key = resolve_key("scatterbrain", generator, q.device)
     projection, planes = draw_scatterbrain(
-        info.batch, info.heads, info.head_dim, config, device=q.device, generator=generator
+        info.batch, info.heads, info.head_dim, config, device=q.device, generator=key
     )
     dtype = q.dtype
     work = compute_dtype(dtype)

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ...sketch.rng import check_key, random_key
+
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -121,15 +123,36 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def check_generator(method: str, generator: object, device: torch.device) -> None:
+    """``generator`` is ``None``, a ``torch.Generator`` on the inputs' device type, or a
+    random key (``skyformer.random_key``, ``sketch/rng.py``)."""
     if generator is None:
         return
+    if isinstance(generator, Tensor):
+        check_key(generator, method)
+        return
     if not isinstance(generator, torch.Generator):
-        raise TypeError(f"{method}: generator must be a torch.Generator or None.")
+        raise TypeError(
+            f"{method}: generator must be a torch.Generator, a random key "
+            f"(skyformer.random_key(...)) or None."
+        )
+    if torch.compiler.is_compiling():
+        raise TypeError(
+            f"{method}: torch.compile cannot trace a torch.Generator; pass a random key "
+            f"instead, generator=skyformer.random_key(g) (an int64 tensor, drawn outside "
+            f"the compiled code), or None to draw from torch's global generator."
+        )
     if generator.device.type != device.type:
         raise ValueError(
             f"{method}: generator is on {generator.device} but the inputs are on {device}; "
             f"create it with torch.Generator(device=q.device)."
         )
+
+
+def resolve_key(method: str, generator: object, device: torch.device) -> Tensor:
+    """The call's random key ``[2]``: checks ``generator`` (``check_generator``), then one
+    draw of it (of torch's global generator for ``None``), or the key it is."""
+    check_generator(method, generator, device)
+    return random_key(generator, device)  # type: ignore[arg-type]
 
 
 def mean_values(v: Tensor, key_valid: Tensor | None) -> Tensor:

@@ -32,8 +32,8 @@ from ...sketch import Landmarks
 from ..shared.inputs import (
     AttentionInputs,
     check_attention_inputs,
-    check_generator,
     compute_dtype,
+    resolve_key,
     zero_padded_queries,
 )
 from ..shared.modified_nystrom import NystromOptions, nystrom_core, sample_landmarks
@@ -91,6 +91,6 @@ def prepare(
 ) -> tuple[AttentionInputs, Landmarks, float, torch.dtype]:
     """Checks, landmarks, kernel scale p^-1/4 and compute dtype (both evaluations)."""
     info = check_attention_inputs(q, k, v, key_padding_mask, method="skyformer")
-    check_generator("skyformer", generator, q.device)
-    landmarks = sample_landmarks(info, config.num_features, q.device, generator)
+    key = resolve_key("skyformer", generator, q.device)
+    landmarks = sample_landmarks(info, config.num_features, q.device, key)
     return info, landmarks, kernel_scale(info.head_dim), compute_dtype(q.dtype)

@@ -39,8 +39,8 @@ from ...sketch.leverage import sketched_ridge_leverage, top_keys
 from ..shared.inputs import (
     AttentionInputs,
     check_attention_inputs,
-    check_generator,
     compute_dtype,
+    resolve_key,
     zero_padded_queries,
 )
 from ..shared.modified_nystrom import NystromOptions
@@ -90,7 +90,7 @@ class AdaptiveLandmarks:
 
 def adaptive_landmarks(
     q_hat: Tensor, k_hat: Tensor, info: AttentionInputs, options: SkyformerAdaptiveConfig,
-    generator: torch.Generator | None,
+    generator: torch.Generator | Tensor | None,
 ) -> AdaptiveLandmarks:
     """k-means centres of ``q_hat`` and ridge-leverage keys of ``k_hat`` (scaled inputs)."""
     m = options.num_features
@@ -166,12 +166,12 @@ def skyformer_adaptive_attention(
         ``[B, H, Nq, Dv]`` in the dtype of ``q``; rows of padded queries are zero.
     """
     info = check_attention_inputs(q, k, v, key_padding_mask, method="skyformer_adaptive")
-    check_generator("skyformer_adaptive", generator, q.device)
+    key = resolve_key("skyformer_adaptive", generator, q.device)
     dtype = q.dtype
     work = compute_dtype(dtype)
     scale = kernel_scale(info.head_dim)
     qw, kw = q.to(work), k.to(work)
-    landmarks = adaptive_landmarks(qw * scale, kw * scale, info, config, generator)
+    landmarks = adaptive_landmarks(qw * scale, kw * scale, info, config, key)
     # The fused products scale the rows themselves: no scaled [N, D] copies kept for backward.
     out = nystrom_with_landmarks(qw, kw, v.to(work), landmarks, info, config, scale=scale)
     return zero_padded_queries(out, info.query_valid).to(dtype)
