@@ -49,6 +49,7 @@ from ..shared.options import (
     check_positive_int,
     check_scale,
 )
+from ..shared.tracing import may_read_values
 
 
 @dataclass(frozen=True)
@@ -204,9 +205,9 @@ def linformer_attention(
     k_proj = e @ kw  # [B, H, k, D]
     v_proj = f @ vw  # [B, H, k, Dv]
     s = cfg.scale if cfg.scale is not None else 1.0 / math.sqrt(info.head_dim)
-    # Skip the mask when every slot is live (SDPA is faster without one), unless tracing
-    # for torch.compile, which must not branch on the data.
-    skip = not torch.compiler.is_compiling() and bool(slot_live.all())
+    # Skip the mask when every slot is live (SDPA is faster without one), unless the
+    # data may not be read (torch.compile, torch.func).
+    skip = may_read_values(slot_live) and bool(slot_live.all())
     visible = None if skip else slot_live[..., None, :]
     # softmax(s Q K_proj^T) V_proj by fused SDPA: the [Nq, k] matrix is never stored
     out = masked_attention(q.to(work) * s, k_proj, v_proj, visible)  # [B, H, Nq, Dv]

@@ -131,7 +131,7 @@ def _near_keys(z: Tensor, k: Tensor, key_bias: Tensor, t: int) -> _NearKeys:
         near_live = torch.isfinite(near_logits)
         shift = near_logits[..., :1]
         # stored keys-by-centres, the layout the far field's chunks read
-        member = torch.zeros(b, h, nk, c, dtype=torch.bool, device=z.device).scatter_(
+        member = torch.zeros(b, h, nk, c, dtype=torch.bool, device=z.device).scatter(
             2, near.transpose(-1, -2), near_live.transpose(-1, -2)
         ).transpose(-1, -2)  # [B, H, c, Nk] view
     else:

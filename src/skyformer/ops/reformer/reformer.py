@@ -138,12 +138,13 @@ def _rows_at(x: Tensor, positions: Tensor) -> Tensor:
     return gather_rows(x[:, None], positions)  # every round reads the same rows
 
 
-def _sorted_order(buckets: Tensor, valid: Tensor | None) -> Tensor:
-    """Positions sorted by (bucket, position), padded positions last: ``[B, R, H, N]``."""
+def _sorted_order(buckets: Tensor, valid: Tensor | None, num_buckets: int) -> Tensor:
+    """Positions sorted by (bucket, position), padded positions last: ``[B, R, H, N]``
+    (``num_buckets`` bounds the buckets)."""
     n = buckets.shape[-1]
     key = buckets.clone()
     if valid is not None:
-        key = key.masked_fill(~valid[:, None, None, :], int(buckets.max()) + 1)
+        key = key.masked_fill(~valid[:, None, None, :], num_buckets)
     pos = torch.arange(n, device=buckets.device)
     return torch.argsort(key * n + pos, dim=-1)
 
@@ -173,16 +174,16 @@ def _hash_rounds(
     n_buckets = buckets_per_sequence(config, lengths)
     # As many columns as the padded width could need: a data-independent shape (column c
     # does not depend on how many are drawn, see sketch/rotation_lsh.py).
-    widest = int(buckets_per_sequence(config, torch.tensor([n]))[0])
+    widest = config.num_buckets or max(1, 2 * -(-n // config.chunk))
     rotations = draw_rotations(h, config.num_hashes, d, widest // 2, device=qw.device,
                                dtype=qw.dtype, generator=generator)
     q_buckets = rotation_hash(qw, rotations, n_buckets)  # [B, R, H, N]
-    q_order = _sorted_order(q_buckets, valid)
+    q_order = _sorted_order(q_buckets, valid, widest)
     q_rank = torch.argsort(q_order, dim=-1)
     if config.shared_qk:
         return _Rounds(q_buckets, q_buckets, q_order, q_order, q_rank, q_rank)
     k_buckets = rotation_hash(kw, rotations, n_buckets)
-    k_order = _sorted_order(k_buckets, valid)
+    k_order = _sorted_order(k_buckets, valid, widest)
     return _Rounds(q_buckets, k_buckets, q_order, k_order, q_rank, torch.argsort(k_order, dim=-1))
 
 
@@ -230,7 +231,7 @@ def _attended(
         k_chunk = _at(_extend(rounds.k_rank[:, r] // m, -3), pos_k)[..., None, :]
         window = (q_chunk == k_chunk) | (q_chunk == k_chunk + 1)  # own or previous chunk
         in_round = base & same_bucket & window  # round r's sets, on every round's windows
-        counts += in_round.to(torch.uint8)
+        counts = counts + in_round.to(torch.uint8)
         attended.append(in_round[:, r])
     return torch.stack(attended, dim=1), counts
 
