@@ -124,24 +124,13 @@ def _call_options(spec: Method, layer: LayerAttention, scaling: float | None, he
     return changes
 
 
-def _keys_for_call(module: nn.Module, layer: LayerAttention, query: Tensor, key: Tensor,
-                   value: Tensor, key_padding_mask: Tensor | None
-                   ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Keys, values and key padding mask as the methods take them: key/value heads
-    repeated for grouped-query attention, and one padded key added in cross-attention
-    with Nq == Nk (where skyformer's mask convention would also mark padded queries;
-    the decoder's queries are all real, and a padded key gets zero weight)."""
+def _keys_for_call(module: nn.Module, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+    """Keys and values as the methods take them: key/value heads repeated for
+    grouped-query attention."""
     groups = getattr(module, "num_key_value_groups", 1)
     if isinstance(groups, int) and groups > 1:  # grouped-query attention
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    if key_padding_mask is None:
-        return key, value, None
-    key_padding_mask = key_padding_mask.to(query.device)
-    if layer.cross and query.shape[2] == key.shape[2]:
-        key = F.pad(key, (0, 0, 0, 1))
-        value = F.pad(value, (0, 0, 0, 1))
-        key_padding_mask = F.pad(key_padding_mask, (0, 1), value=False)
-    return key, value, key_padding_mask
+    return key, value
 
 
 def skyformer_attention_forward(
@@ -203,8 +192,10 @@ def skyformer_attention_forward(
             scaling=bound.options().get("scale") or scaling, is_causal=is_causal, **kwargs,
         )
 
-    key, value, key_padding_mask = _keys_for_call(module, layer, query, key, value,
-                                                  resolved.key_padding_mask)
+    key, value = _keys_for_call(module, key, value)
+    key_padding_mask = resolved.key_padding_mask
+    if key_padding_mask is not None:
+        key_padding_mask = key_padding_mask.to(query.device)
     try:
         spec.check_call(query, key, key_padding_mask)
     except CapabilityError as err:
@@ -215,8 +206,10 @@ def skyformer_attention_forward(
         generator = torch.Generator(device=query.device)
         generator.manual_seed(layer.seed + (layer.index or 0))
     out = bound(
-        query, key, value, key_padding_mask=key_padding_mask, generator=generator,
-        state=module._modules.get(STATE_NAME),
+        query, key, value, key_padding_mask=key_padding_mask,
+        # a decoder's queries in cross-attention are all real, also when Nq == Nk
+        query_padding_mask=None if layer.cross else "auto",
+        generator=generator, state=module._modules.get(STATE_NAME),
     )  # [B, H, Nq, Dv]
     if training_dropout:
         out = F.dropout(out, p=training_dropout, training=True)

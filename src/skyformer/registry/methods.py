@@ -231,7 +231,8 @@ def attention(
     method: str = "skyformer",
     *,
     key_padding_mask: Tensor | None = None,
-    generator: torch.Generator | None = None,
+    query_padding_mask: Tensor | str | None = "auto",
+    generator: torch.Generator | Tensor | None = None,
     **options: Any,
 ) -> Tensor:
     """Dispatch to a registered method by name.
@@ -240,7 +241,11 @@ def attention(
         q: ``[B, H, Nq, D]``; k: ``[B, H, Nk, D]``; v: ``[B, H, Nk, Dv]``.
         method: a name from ``list_methods()``.
         key_padding_mask: ``[B, Nk]`` bool, True = real token.
-        generator: source of randomness for randomised methods.
+        query_padding_mask: ``"auto"`` (in self-attention, Nq == Nk, the key mask also
+            marks padded queries), ``None`` (every query real: cross-attention with
+            Nq == Nk) or ``[B, Nq]`` bool.
+        generator: source of randomness for randomised methods (a torch.Generator, a
+            random key from ``skyformer.random_key``, or None).
         **options: the method's options (see ``skyformer list``).
     Returns:
         ``[B, H, Nq, Dv]``.
@@ -249,4 +254,5 @@ def attention(
         check_capabilities(method, causal=True)
     spec = get_method(method)
     bound = BoundMethod(spec, spec.make_config(**options))
-    return bound(q, k, v, key_padding_mask=key_padding_mask, generator=generator)
+    return bound(q, k, v, key_padding_mask=key_padding_mask,
+                 query_padding_mask=query_padding_mask, generator=generator)

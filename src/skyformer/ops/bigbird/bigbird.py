@@ -243,6 +243,7 @@ def bigbird_attention(
     config: BigBirdConfig,
     *,
     key_padding_mask: Tensor | None = None,
+    query_padding_mask: Tensor | str | None = "auto",
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """BigBird block-sparse self-attention (module docstring), O(N num_features D) time.
@@ -256,7 +257,8 @@ def bigbird_attention(
         ``[B, H, N, Dv]`` in the dtype of ``q`` (half types computed in float32); rows of
         padded queries are zero.
     """
-    info = check_attention_inputs(q, k, v, key_padding_mask, method="bigbird")
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="bigbird",
+                                  query_padding_mask=query_padding_mask)
     if info.query_len != info.key_len:
         raise ValueError(
             f"bigbird cannot attend with a different number of queries and keys (got "

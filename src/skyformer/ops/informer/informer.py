@@ -187,6 +187,7 @@ def informer_attention(
     config: InformerConfig,
     *,
     key_padding_mask: Tensor | None = None,
+    query_padding_mask: Tensor | str | None = "auto",
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """ProbSparse self-attention (module docstring), O(N log N) time and memory.
@@ -200,7 +201,8 @@ def informer_attention(
         ``[B, H, Nq, Dv]`` in the dtype of ``q`` (half types computed in float32); rows of
         padded queries (self-attention) are zero.
     """
-    info = check_attention_inputs(q, k, v, key_padding_mask, method="informer")
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="informer",
+                                  query_padding_mask=query_padding_mask)
     key = resolve_key("informer", generator, q.device)
     dtype = q.dtype
     work = compute_dtype(dtype)

@@ -317,6 +317,7 @@ def kdeformer_attention(
     config: KDEformerConfig,
     *,
     key_padding_mask: Tensor | None = None,
+    query_padding_mask: Tensor | str | None = "auto",
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """KDEformer attention (Zandieh et al. 2023, Algorithm 3 with Algorithm 1's estimates).
@@ -332,7 +333,8 @@ def kdeformer_attention(
         ``[B, H, Nq, Dv]`` in the dtype of ``q`` (half types computed in float32);
         rows of padded queries (self-attention) are zero.
     """
-    info = check_attention_inputs(q, k, v, key_padding_mask, method="kdeformer")
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="kdeformer",
+                                  query_padding_mask=query_padding_mask)
     key = resolve_key("kdeformer", generator, q.device)
     draws = draw_kdeformer(info.batch, info.heads, info.head_dim, config, device=q.device,
                            generator=key)

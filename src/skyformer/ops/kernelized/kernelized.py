@@ -62,6 +62,7 @@ def kernelized_attention(
     config: KernelizedConfig,
     *,
     key_padding_mask: Tensor | None = None,
+    query_padding_mask: Tensor | str | None = "auto",
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """Exact Gaussian kernelized attention ``C V`` (Skyformer section 3.1).
@@ -74,7 +75,8 @@ def kernelized_attention(
         ``[B, H, Nq, Dv]`` in the dtype of ``q`` (half types are computed in float32);
         rows of padded queries (self-attention) are zero.
     """
-    info = check_attention_inputs(q, k, v, key_padding_mask, method="kernelized")
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="kernelized",
+                                  query_padding_mask=query_padding_mask)
     causal = config.causal
     if causal and info.query_len != info.key_len:
         raise ValueError(

@@ -150,6 +150,7 @@ def linformer_attention(
     config: LinformerConfig,
     *,
     key_padding_mask: Tensor | None = None,
+    query_padding_mask: Tensor | str | None = "auto",
     generator: torch.Generator | None = None,
     proj_k: Tensor | None = None,
     proj_v: Tensor | None = None,
@@ -167,7 +168,8 @@ def linformer_attention(
         ``[B, H, Nq, Dv]`` in the dtype of ``q`` (half types computed in float32); rows of
         padded queries (self-attention) are zero.
     """
-    info = check_attention_inputs(q, k, v, key_padding_mask, method="linformer")
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="linformer",
+                                  query_padding_mask=query_padding_mask)
     key = resolve_key("linformer", generator, q.device)
     cfg = config
     n = info.key_len

@@ -86,13 +86,15 @@ def _mean_row(exact: Tensor, live: Tensor) -> Tensor:
 
 def multipole_and_choice(
     q: Tensor, k: Tensor, v: Tensor, config: MultipoleOptions, *,
-    key_padding_mask: Tensor | None = None, generator: torch.Generator | None = None,
+    key_padding_mask: Tensor | None = None, query_padding_mask: Tensor | str | None = "auto",
+    generator: torch.Generator | Tensor | None = None,
 ) -> tuple[Tensor, FeatureChoice | None]:
     """The multipole method of ``config``'s type: its output ``[B, H, Nq, Dv]`` and, with
     ``tolerance``, the per-head budgets and error estimates (``None`` without)."""
     softmax = isinstance(config, SoftmaxMultipoleConfig)
     method = "softmax_multipole" if softmax else "skyformer_multipole"
-    info = check_attention_inputs(q, k, v, key_padding_mask, method=method)
+    info = check_attention_inputs(q, k, v, key_padding_mask, method=method,
+                                  query_padding_mask=query_padding_mask)
     generator = resolve_key(method, generator, q.device)
     work = compute_dtype(q.dtype)
     values = v.to(work)
@@ -153,6 +155,7 @@ def skyformer_multipole_attention(
     config: SkyformerMultipoleConfig,
     *,
     key_padding_mask: Tensor | None = None,
+    query_padding_mask: Tensor | str | None = "auto",
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """Gaussian kernelized attention ``C V`` by near field + far-field expansion.
@@ -166,7 +169,7 @@ def skyformer_multipole_attention(
         ``[B, H, Nq, Dv]`` in the dtype of ``q``; rows of padded queries are zero.
     """
     return multipole_and_choice(q, k, v, config, key_padding_mask=key_padding_mask,
-                                generator=generator)[0]
+                                query_padding_mask=query_padding_mask, generator=generator)[0]
 
 
 @register(
@@ -183,6 +186,7 @@ def softmax_multipole_attention(
     config: SoftmaxMultipoleConfig,
     *,
     key_padding_mask: Tensor | None = None,
+    query_padding_mask: Tensor | str | None = "auto",
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """Softmax attention by near field + far-field expansion (normaliser from the same
@@ -198,4 +202,4 @@ def softmax_multipole_attention(
         without any real key are zero.
     """
     return multipole_and_choice(q, k, v, config, key_padding_mask=key_padding_mask,
-                                generator=generator)[0]
+                                query_padding_mask=query_padding_mask, generator=generator)[0]

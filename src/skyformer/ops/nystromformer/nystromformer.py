@@ -192,6 +192,7 @@ def nystromformer_attention(
     config: NystromformerConfig,
     *,
     key_padding_mask: Tensor | None = None,
+    query_padding_mask: Tensor | str | None = "auto",
     generator: torch.Generator | None = None,
     conv_weight: Tensor | None = None,
 ) -> Tensor:
@@ -208,7 +209,8 @@ def nystromformer_attention(
         ``[B, H, Nq, Dv]`` in the dtype of ``q`` (half types computed in float32); rows of
         padded queries (self-attention) are zero.
     """
-    info = check_attention_inputs(q, k, v, key_padding_mask, method="nystromformer")
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="nystromformer",
+                                  query_padding_mask=query_padding_mask)
     check_generator("nystromformer", generator, q.device)
     _check_conv_weight(conv_weight, config.conv_kernel, info.heads)
     dtype = q.dtype

@@ -162,6 +162,7 @@ def performer_attention(
     config: PerformerConfig,
     *,
     key_padding_mask: Tensor | None = None,
+    query_padding_mask: Tensor | str | None = "auto",
     generator: torch.Generator | None = None,
     projection: Tensor | None = None,
 ) -> Tensor:
@@ -180,7 +181,8 @@ def performer_attention(
         ``[B, H, Nq, Dv]`` in the dtype of ``q`` (half types computed in float32);
         rows of padded queries (self-attention) are zero.
     """
-    info = check_attention_inputs(q, k, v, key_padding_mask, method="performer")
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="performer",
+                                  query_padding_mask=query_padding_mask)
     key = resolve_key("performer", generator, q.device)
     w = resolve_projection(
         "performer", projection, config.num_features, info.head_dim, config.orthogonal, q.device,

@@ -270,6 +270,7 @@ def reformer_attention(
     config: ReformerConfig,
     *,
     key_padding_mask: Tensor | None = None,
+    query_padding_mask: Tensor | str | None = "auto",
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """Reformer LSH attention (Kitaev et al. 2020, Section 2 and Appendix A).
@@ -285,7 +286,8 @@ def reformer_attention(
     Returns:
         ``[B, H, N, Dv]`` in the dtype of ``q`` (half types computed in float32).
     """
-    info = check_attention_inputs(q, k, v, key_padding_mask, method="reformer")
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="reformer",
+                                  query_padding_mask=query_padding_mask)
     if info.query_len != info.key_len:
         raise ValueError(
             "reformer cannot attend with a different number of queries and keys (got "

@@ -108,6 +108,7 @@ def scatterbrain_attention(
     config: ScatterbrainConfig,
     *,
     key_padding_mask: Tensor | None = None,
+    query_padding_mask: Tensor | str | None = "auto",
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """Scatterbrain attention (Chen et al. 2021, Algorithm 1): D~^-1 (S + phi(Q) phi(K)^T) V.
@@ -122,7 +123,8 @@ def scatterbrain_attention(
         ``[B, H, Nq, Dv]`` in the dtype of ``q`` (half types computed in float32);
         rows of padded queries (self-attention) are zero.
     """
-    info = check_attention_inputs(q, k, v, key_padding_mask, method="scatterbrain")
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="scatterbrain",
+                                  query_padding_mask=query_padding_mask)
     key = resolve_key("scatterbrain", generator, q.device)
     projection, planes = draw_scatterbrain(
         info.batch, info.heads, info.head_dim, config, device=q.device, generator=key

@@ -60,6 +60,7 @@ def skyformer_attention(
     config: SkyformerConfig,
     *,
     key_padding_mask: Tensor | None = None,
+    query_padding_mask: Tensor | str | None = "auto",
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """Skyformer attention, an O(N m) approximation of ``kernelized_attention``.
@@ -74,7 +75,9 @@ def skyformer_attention(
         ``[B, H, Nq, Dv]`` in the dtype of ``q`` (half types computed in float32);
         rows of padded queries (self-attention) are zero.
     """
-    info, landmarks, scale, work = prepare(q, k, v, key_padding_mask, generator, config)
+    info, landmarks, scale, work = prepare(
+        q, k, v, config, key_padding_mask=key_padding_mask,
+        query_padding_mask=query_padding_mask, generator=generator)
     qw, kw, vw = q.to(work), k.to(work), v.to(work)
     core = nystrom_core(qw, kw, scale, config, landmarks)
     key_valid = None if info.key_valid is None else info.key_valid[:, None, :]  # [B, 1, Nk]
@@ -86,11 +89,13 @@ def skyformer_attention(
 
 
 def prepare(
-    q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None,
-    generator: torch.Generator | None, config: SkyformerConfig,
+    q: Tensor, k: Tensor, v: Tensor, config: SkyformerConfig, *,
+    key_padding_mask: Tensor | None, query_padding_mask: Tensor | str | None,
+    generator: torch.Generator | Tensor | None,
 ) -> tuple[AttentionInputs, Landmarks, float, torch.dtype]:
     """Checks, landmarks, kernel scale p^-1/4 and compute dtype (both evaluations)."""
-    info = check_attention_inputs(q, k, v, key_padding_mask, method="skyformer")
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="skyformer",
+                                  query_padding_mask=query_padding_mask)
     key = resolve_key("skyformer", generator, q.device)
     landmarks = sample_landmarks(info, config.num_features, q.device, key)
     return info, landmarks, kernel_scale(info.head_dim), compute_dtype(q.dtype)

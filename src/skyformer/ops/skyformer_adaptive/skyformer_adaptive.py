@@ -152,6 +152,7 @@ def skyformer_adaptive_attention(
     config: SkyformerAdaptiveConfig,
     *,
     key_padding_mask: Tensor | None = None,
+    query_padding_mask: Tensor | str | None = "auto",
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """Kernelized attention by the modified Nystrom method with adaptive landmarks.
@@ -165,7 +166,8 @@ def skyformer_adaptive_attention(
     Returns:
         ``[B, H, Nq, Dv]`` in the dtype of ``q``; rows of padded queries are zero.
     """
-    info = check_attention_inputs(q, k, v, key_padding_mask, method="skyformer_adaptive")
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="skyformer_adaptive",
+                                  query_padding_mask=query_padding_mask)
     key = resolve_key("skyformer_adaptive", generator, q.device)
     dtype = q.dtype
     work = compute_dtype(dtype)

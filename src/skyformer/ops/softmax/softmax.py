@@ -65,6 +65,7 @@ def softmax_attention(
     config: SoftmaxConfig,
     *,
     key_padding_mask: Tensor | None = None,
+    query_padding_mask: Tensor | str | None = "auto",
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """Exact softmax attention softmax(scale Q K^T) V.
@@ -76,7 +77,8 @@ def softmax_attention(
     Returns:
         ``[B, H, Nq, Dv]``; rows of padded queries (self-attention) are zero.
     """
-    info = check_attention_inputs(q, k, v, key_padding_mask, method="softmax")
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="softmax",
+                                  query_padding_mask=query_padding_mask)
     if config.causal and info.query_len != info.key_len:
         raise ValueError(
             f"softmax: causal=True needs as many queries as keys, got Nq={info.query_len}, "
