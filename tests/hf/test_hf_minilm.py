@@ -167,10 +167,12 @@ def test_model_scaling_is_passed_as_scale_or_refused(minilm, model, padded_batch
     assert (exact - mean_pooled(minilm[0], padded_batch)).abs().max() > 1e-3
     shf.set_attention(model, "softmax")
     torch.testing.assert_close(mean_pooled(model, padded_batch), exact, rtol=0, atol=ATOL)
+    # The Gaussian methods take it as their kernel's scale; linear attention has none.
+    shf.set_attention(model, "kernelized")
     with pytest.raises(CapabilityError,
                        match=r"logit scale 0.0883883 .* methods with a scale option: softmax"):
-        shf.set_attention(model, "kernelized")
-    model.set_attn_implementation("skyformer:kernelized")  # no check until the forward pass
+        shf.set_attention(model, "linear")
+    model.set_attn_implementation("skyformer:linear")  # no check until the forward pass
     with pytest.raises(CapabilityError, match="cannot use the model's attention logit scale"):
         model(**padded_batch)
 

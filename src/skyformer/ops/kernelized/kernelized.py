@@ -31,7 +31,7 @@ from torch import Tensor
 from ...linalg import half_sq_norm, kernel_scale
 from ...registry import Capabilities, register
 from ..shared.inputs import check_attention_inputs, compute_dtype, zero_padded_queries
-from ..shared.options import check_bool
+from ..shared.options import check_bool, check_scale
 
 _MASKED_LOGIT = -1e6
 
@@ -40,12 +40,16 @@ _MASKED_LOGIT = -1e6
 class KernelizedConfig:
     """Options of exact kernelized attention.
 
+    scale: s of the Gaussian kernel exp(-s |q - k|^2 / 2), ``None`` = 1/sqrt(head dim)
+        (Skyformer eq. (1)); a model that pre-scales its queries passes its own.
     causal: query i attends to keys j <= i (requires Nq == Nk).
     """
 
+    scale: float | None = None
     causal: bool = False
 
     def __post_init__(self) -> None:
+        check_scale("kernelized", self.scale)
         check_bool("kernelized", "causal", self.causal)
 
 
@@ -85,7 +89,7 @@ def kernelized_attention(
         )
     dtype = q.dtype
     work = compute_dtype(dtype)
-    scale = kernel_scale(info.head_dim)
+    scale = kernel_scale(info.head_dim, config.scale)
     qs = q.to(work) * scale
     ks = k.to(work) * scale
     vw = v.to(work)

@@ -40,10 +40,17 @@ from .targeted import FeatureChoice, targeted_multipole
 
 @dataclass(frozen=True)
 class SkyformerMultipoleConfig(MultipoleOptions):
-    """Options of ``skyformer_multipole`` (see ``MultipoleOptions``)."""
+    """Options of ``skyformer_multipole`` (see ``MultipoleOptions``).
+
+    scale: s of the Gaussian kernel exp(-s |q - k|^2 / 2), ``None`` = 1/sqrt(head dim)
+        (Skyformer eq. (1)); a model that pre-scales its queries passes its own.
+    """
+
+    scale: float | None = None
 
     def __post_init__(self) -> None:
         self.validate("skyformer_multipole")
+        check_scale("skyformer_multipole", self.scale)
 
 
 @dataclass(frozen=True)
@@ -107,7 +114,7 @@ def multipole_and_choice(
         def trivial(exact: Tensor, live: Tensor) -> Tensor:  # uniform attention: mean(V)
             return mean_values(values, info.key_valid)
     else:
-        scale = kernel_scale(info.head_dim)
+        scale = kernel_scale(info.head_dim, config.scale)
         q_, k_ = q.to(work) * scale, k.to(work) * scale
         bias = -half_sq_norm(k_)
         finish, trivial = _gaussian_finish, _mean_row

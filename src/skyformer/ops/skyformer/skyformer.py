@@ -37,14 +37,22 @@ from ..shared.inputs import (
     zero_padded_queries,
 )
 from ..shared.modified_nystrom import NystromOptions, nystrom_core, sample_landmarks
+from ..shared.options import check_scale
 
 
 @dataclass(frozen=True)
 class SkyformerConfig(NystromOptions):
-    """Options of Skyformer; defaults are the paper's (128 features, gamma 0.1, 6 iterations)."""
+    """Options of Skyformer; defaults are the paper's (128 features, gamma 0.1, 6 iterations).
+
+    scale: s of the Gaussian kernel exp(-s |q - k|^2 / 2), ``None`` = 1/sqrt(head dim)
+        (Skyformer eq. (1)); a model that pre-scales its queries passes its own.
+    """
+
+    scale: float | None = None
 
     def __post_init__(self) -> None:
         self.validate("skyformer")
+        check_scale("skyformer", self.scale)
 
 
 @register(
@@ -98,4 +106,4 @@ def prepare(
                                   query_padding_mask=query_padding_mask)
     key = resolve_key("skyformer", generator, q.device)
     landmarks = sample_landmarks(info, config.num_features, q.device, key)
-    return info, landmarks, kernel_scale(info.head_dim), compute_dtype(q.dtype)
+    return info, landmarks, kernel_scale(info.head_dim, config.scale), compute_dtype(q.dtype)

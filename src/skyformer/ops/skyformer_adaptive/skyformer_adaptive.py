@@ -44,7 +44,7 @@ from ..shared.inputs import (
     zero_padded_queries,
 )
 from ..shared.modified_nystrom import NystromOptions
-from ..shared.options import check_nonnegative_int, check_optional_positive_int
+from ..shared.options import check_nonnegative_int, check_optional_positive_int, check_scale
 
 
 @dataclass(frozen=True)
@@ -55,12 +55,15 @@ class SkyformerAdaptiveConfig(NystromOptions):
         least one); the rest are keys chosen by ridge leverage.
     ridge: lambda of the leverage scores, relative to the mean diagonal of the sketch's Gram.
     kmeans_iterations, kmeans_sample: Lloyd iterations and sub-sample size.
+    scale: s of the Gaussian kernel exp(-s |q - k|^2 / 2), ``None`` = 1/sqrt(head dim)
+        (Skyformer eq. (1)); a model that pre-scales its queries passes its own.
     """
 
     query_fraction: float = 0.25
     ridge: float = 1e-3
     kmeans_iterations: int = 10
     kmeans_sample: int | None = 2048
+    scale: float | None = None
 
     def __post_init__(self) -> None:
         method = "skyformer_adaptive"
@@ -76,6 +79,7 @@ class SkyformerAdaptiveConfig(NystromOptions):
             raise ValueError(f"{method}: ridge must be a positive number, got {self.ridge!r}.")
         check_nonnegative_int(method, "kmeans_iterations", self.kmeans_iterations)
         check_optional_positive_int(method, "kmeans_sample", self.kmeans_sample)
+        check_scale(method, self.scale)
 
 
 @dataclass(frozen=True)
@@ -171,7 +175,7 @@ def skyformer_adaptive_attention(
     key = resolve_key("skyformer_adaptive", generator, q.device)
     dtype = q.dtype
     work = compute_dtype(dtype)
-    scale = kernel_scale(info.head_dim)
+    scale = kernel_scale(info.head_dim, config.scale)
     qw, kw = q.to(work), k.to(work)
     landmarks = adaptive_landmarks(qw * scale, kw * scale, info, config, key)
     # The fused products scale the rows themselves: no scaled [N, D] copies kept for backward.
