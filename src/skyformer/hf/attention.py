@@ -5,7 +5,7 @@ is_causal=None, **kwargs)`` with ``query: [B, H, Nq, D]``, ``key, value: [B, Hkv
 and expects ``(attn_output [B, Nq, H, Dv], attn_weights or None)``. Each function here
 
 - picks the layer's setting (``skyformer.hf.layers``), or the method its name carries;
-- turns the mask into ``key_padding_mask`` and ``causal`` (``skyformer.hf.masks``),
+- turns the mask into ``key_padding_mask`` and ``causal`` (``skyformer.masks``),
   refusing anything else, and follows the module's ``is_causal`` when no mask is given;
 - passes a model's own logit ``scaling`` to methods with a ``scale`` option and refuses it
   for the others (every other method assumes 1/sqrt(head dim));
@@ -43,6 +43,7 @@ from transformers.masking_utils import (
     sdpa_mask,
 )
 
+from ..masks import resolve_mask
 from ..registry import CapabilityError, Method, get_method, list_methods
 from .layers import (
     EXACT,
@@ -55,9 +56,13 @@ from .layers import (
     make_layer,
     scaling_sentence,
 )
-from .masks import resolve_mask
 
 PREFIX = "skyformer:"
+# What to do with a layer whose mask a method cannot take, ending the error sentences.
+USE_SDPA = (
+    "load the model with attn_implementation='sdpa' or keep exact attention in the layers "
+    "that need it (skyformer.hf.set_attention(model, 'exact', layers=...))"
+)
 PER_LAYER = "skyformer"  # the implementation whose layers each follow their own setting
 
 # Keyword arguments some models pass that change what attention computes.
@@ -154,7 +159,7 @@ def skyformer_attention_forward(
             per-layer implementation).
         module: the calling attention module.
         query: ``[B, H, Nq, D]``; key, value: ``[B, Hkv, Nk, D]`` (``H`` a multiple of ``Hkv``).
-        attention_mask: see ``skyformer.hf.masks.resolve_mask``.
+        attention_mask: see ``skyformer.masks.resolve_mask``.
         dropout: attention dropout probability (transformers passes 0 in eval mode).
         scaling: the model's logit scale (``None`` = 1/sqrt(D)).
         is_causal: causal flag; ``None`` = ``module.is_causal`` (as transformers' SDPA).
@@ -180,7 +185,8 @@ def skyformer_attention_forward(
     nk = key.shape[2]
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
-    resolved = resolve_mask(attention_mask, batch=b, query_len=nq, key_len=nk, is_causal=is_causal)
+    resolved = resolve_mask(attention_mask, batch=b, query_len=nq, key_len=nk,
+                            is_causal=is_causal, advice=USE_SDPA)
     bound = layer.bound.replace(
         **_call_options(spec, layer, scaling, head_dim, resolved.causal, where))
     training_dropout = float(dropout) if module.training and dropout else 0.0

@@ -31,6 +31,7 @@ from torch import Tensor
 from ...linalg import half_sq_norm, kernel_scale
 from ...registry import Capabilities, register
 from ..shared.inputs import check_attention_inputs, compute_dtype, zero_padded_queries
+from ..shared.masked import attention_bias
 from ..shared.options import check_bool, check_scale
 
 _MASKED_LOGIT = -1e6
@@ -56,7 +57,8 @@ class KernelizedConfig:
 @register(
     "kernelized",
     KernelizedConfig,
-    Capabilities(target="gaussian", exact=True, causal=True, cross_attention=True),
+    Capabilities(target="gaussian", exact=True, causal=True, cross_attention=True,
+                 attn_mask=True),
     summary="exact Gaussian kernelized attention C V (Skyformer eq. (1)), O(N) memory",
 )
 def kernelized_attention(
@@ -68,6 +70,7 @@ def kernelized_attention(
     key_padding_mask: Tensor | None = None,
     query_padding_mask: Tensor | str | None = "auto",
     generator: torch.Generator | None = None,
+    attn_mask: Tensor | None = None,
 ) -> Tensor:
     """Exact Gaussian kernelized attention ``C V`` (Skyformer section 3.1).
 
@@ -75,6 +78,8 @@ def kernelized_attention(
         q: ``[B, H, Nq, D]``; k: ``[B, H, Nk, D]``; v: ``[B, H, Nk, Dv]``.
         key_padding_mask: ``[B, Nk]`` bool, True = real token.
         generator: unused (exact method).
+        attn_mask: SDPA's mask, broadcastable to ``[B, H, Nq, Nk]``: bool (False: weight
+            0) or float m_ij (weights C_ij exp(m_ij)); combined with padding and causal.
     Returns:
         ``[B, H, Nq, Dv]`` in the dtype of ``q`` (half types are computed in float32);
         rows of padded queries (self-attention) are zero.
@@ -116,7 +121,15 @@ def kernelized_attention(
         k_aug = F.pad(k_aug, (0, width - d_aug))
         extra_key = F.pad(extra_key, (0, width - d_aug))
 
-    if causal:
+    if attn_mask is not None:
+        bias = attention_bias(attn_mask, None, causal, info.query_len, info.key_len, work,
+                              "kernelized")
+        bias = F.pad(bias.expand(*bias.shape[:2], info.query_len, info.key_len), (0, 1))
+        out = F.scaled_dot_product_attention(  # the extra key (last column) always visible
+            q_aug, torch.cat([k_aug, extra_key], dim=2),
+            torch.cat([v_aug, extra_value], dim=2), attn_mask=bias, scale=1.0,
+        )
+    elif causal:
         dummy_query = torch.zeros_like(q_aug[..., :1, :])
         out = F.scaled_dot_product_attention(
             torch.cat([dummy_query, q_aug], dim=2),
