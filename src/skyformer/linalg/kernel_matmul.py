@@ -283,6 +283,10 @@ def gaussian_kernel_matmul(
         chunk = chunk_rows(n, bh, m, y.device)
     if row_valid is not None:
         row_valid = row_valid.expand(*batch_shape, n).reshape(bh, n)
+    if torch.compiler.is_exporting():
+        out = _product_by_autograd(y, x, col_offset, rhs, row_valid, scale, row_norm,
+                                   transpose, shift_rows, exclude, batch_shape)
+        return out.reshape(*batch_shape, *out.shape[-2:])
     if exclude is not None:
         if exclude.shape != (*batch_shape, n, m) or exclude.dtype != torch.bool:
             raise ValueError(
@@ -304,3 +308,30 @@ def gaussian_kernel_matmul(
         exclude,
     )
     return out.reshape(*batch_shape, *out.shape[1:])
+
+
+def _product_by_autograd(
+    y: Tensor, x: Tensor, col_offset: Tensor | None, rhs: Tensor, row_valid: Tensor | None,
+    scale: float, row_norm: bool, transpose: bool, shift_rows: bool, exclude: Tensor | None,
+    batch_shape: torch.Size,
+) -> Tensor:
+    """The same product with the block formed whole and differentiated by autograd.
+
+    ``torch.export`` traces through a custom Function's forward, whose ``out=`` writes
+    into preallocated buffers cannot run in the exported graph with grad enabled; this
+    path has only functional ops. ``row_valid`` is ``[BH, N]``; the rest as the caller's.
+    """
+    e = scale * (y @ x.transpose(-1, -2))  # [..., N, m]
+    if row_norm:
+        e = e - (0.5 * scale * scale) * (y * y).sum(-1, keepdim=True)
+    if col_offset is not None:
+        e = e - col_offset[..., None, :]
+    if row_valid is not None:
+        e = e.masked_fill(~row_valid.reshape(*batch_shape, -1, 1), float("-inf"))
+    if exclude is not None:
+        e = e.masked_fill(exclude, float("-inf"))
+    if shift_rows:
+        top = e.detach().amax(-1, keepdim=True)
+        e = e - torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    c = e.exp()
+    return c.transpose(-1, -2) @ rhs if transpose else c @ rhs

@@ -168,7 +168,21 @@ def iterative_pinv(
     v0 = None if init == "identity" else initial_inverse(a, init)
     if iterations == 0:
         return initial_inverse(a, init) if v0 is None else v0
+    if torch.compiler.is_exporting():
+        # torch.export traces through the Function's forward, whose out= writes cannot
+        # run in the exported graph with grad enabled: the same steps, by autograd.
+        return _iterate_by_autograd(a, initial_inverse(a, init) if v0 is None else v0,
+                                    iterations)
     return _RazaviIteration.apply(a, v0, iterations)[0]
+
+
+def _iterate_by_autograd(a: Tensor, v: Tensor, iterations: int) -> Tensor:
+    """The Razavi steps of the module docstring in plain ops: ``[..., m, m]``."""
+    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+    for _ in range(iterations):
+        p = a @ v
+        v = 0.25 * v @ (13 * eye - p @ (15 * eye - p @ (7 * eye - p)))
+    return v
 
 
 def inverse_residual(a: Tensor, v: Tensor) -> Tensor:

@@ -100,4 +100,11 @@ def near_field(q: Tensor, k: Tensor, bias: Tensor, v: Tensor, *, chunk: int | No
     if chunk is None:
         chunk = max(1, CHUNK_ELEMENTS // max(1, s * k.shape[1]))
     bias = bias.expand(groups, 1, k.shape[1]).contiguous()
+    if torch.compiler.is_exporting():
+        # torch.export traces through the Function's forward, whose out= writes cannot
+        # run in the exported graph with grad enabled: the same sums, by autograd.
+        e = torch.baddbmm(bias, q, k.transpose(1, 2))
+        top = e.detach().amax(-1, keepdim=True)
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        return top, (e - top).exp() @ v
     return _NearField.apply(q.contiguous(), k.contiguous(), bias, v.contiguous(), chunk)
