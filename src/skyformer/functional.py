@@ -142,8 +142,11 @@ def _as_padding(spec: Method, attn_mask: Tensor, key_padding_mask: Tensor | None
     takes (combined with the caller's ``key_padding_mask``), or a sentence."""
     b, _, lq, _ = query.shape
     lk = key.shape[2]
-    advice = (f"{spec.name} takes only key padding and causal masks; use an exact method "
-              f"(softmax or kernelized) for this mask")
+    advice = (f"{spec.name} is one of them: use method='softmax' or 'kernelized', which "
+              f"take any attn_mask")
+    # SDPA broadcasts attn_mask from the right ([L, S] is one mask for every batch and
+    # head); resolve_mask reads 2-D masks as [B, S] (transformers' form): make it 4-D.
+    attn_mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
     if may_read_values(attn_mask):
         resolved = resolve_mask(attn_mask, batch=b, query_len=lq, key_len=lk,
                                 is_causal=False, advice=advice)
@@ -154,7 +157,8 @@ def _as_padding(spec: Method, attn_mask: Tensor, key_padding_mask: Tensor | None
         valid = rows if rows.dtype == torch.bool else rows > BLOCKED_LOGIT
     else:
         raise CapabilityError(
-            f"{advice}; under torch.compile the mask's values cannot be read, so pass "
+            f"{spec.name} takes only key padding and causal masks, and under torch.compile "
+            f"the values of attn_mask cannot be read to check it is one: pass "
             f"key_padding_mask and is_causal, or a mask [B, 1, 1, S] that is the same for "
             f"every query."
         )

@@ -152,8 +152,8 @@ def resolve_mask(
             return ResolvedMask(_normalise(visible), True)
     raise UnsupportedMaskError(
         "the attention mask is neither key padding nor causal with key padding (e.g. a "
-        "sliding window, packed sequences, a cached prefix or a custom pattern); skyformer "
-        f"methods take only a key padding mask and causal masking; {advice}."
+        "sliding window, packed sequences, a cached prefix or a custom pattern); the "
+        f"approximate methods take only a key padding mask and causal masking; {advice}."
     )
 
 
