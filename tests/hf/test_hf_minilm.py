@@ -199,12 +199,19 @@ def test_unknown_names_options_and_layers(model):
     assert model.config._attn_implementation == "sdpa", "a failed call must change nothing"
 
 
-def test_refused_mask_through_the_model(model, padded_batch):
-    """A 4-D mask the model passes through unchanged: two sequences packed in one row."""
+def test_packed_mask_through_the_model(model, padded_batch):
+    """A 4-D mask the model passes through unchanged (two sequences packed in one row):
+    exact softmax applies it as SDPA does; an approximate method refuses it."""
     n = padded_batch["input_ids"].shape[1]
     packed = torch.zeros(3, 1, n, n, dtype=torch.bool)
     packed[..., :5, :5] = True
     packed[..., 5:, 5:] = True
-    shf.set_attention(model, "softmax")
-    with pytest.raises(shf.UnsupportedMaskError, match="neither key padding nor causal"):
-        model(input_ids=padded_batch["input_ids"], attention_mask=packed)
+    ids = padded_batch["input_ids"]
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=packed).last_hidden_state
+        shf.set_attention(model, "softmax")
+        torch.testing.assert_close(
+            model(input_ids=ids, attention_mask=packed).last_hidden_state, expected)
+        shf.set_attention(model, "skyformer")
+        with pytest.raises(shf.UnsupportedMaskError, match="neither key padding nor causal"):
+            model(input_ids=ids, attention_mask=packed)
