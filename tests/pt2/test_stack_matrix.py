@@ -10,6 +10,8 @@ test records its cell; ``tests/pt2/conftest.py`` prints the counts after the run
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -66,6 +68,8 @@ def test_compile_fullgraph_equals_eager(method, matrix):
                                                                    key=key))
 
 
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                    reason="inductor on CPU needs a C++ compiler")
 @pytest.mark.parametrize("method", INDUCTOR_CASES)
 def test_compile_inductor_equals_eager(method, matrix):
     matrix("compile (inductor)", method)
