@@ -1,6 +1,10 @@
-"""Shared test helpers: random Q/K/V in the [B, H, N, D] layout."""
+"""Shared test helpers: random Q/K/V in the [B, H, N, D] layout; the ``matrix`` fixture,
+with which a test names its cell (column, row) so that the counts per column are printed
+after the run (passed / cells): the support matrices are read off CI's log."""
 
 from __future__ import annotations
+
+from collections import defaultdict
 
 import pytest
 import torch
@@ -25,3 +29,40 @@ def gen(seed: int = 0) -> torch.Generator:
 @pytest.fixture
 def qkv64():
     return make_qkv()
+
+
+
+
+
+_CELLS: dict[str, dict[str, str]] = defaultdict(dict)
+
+
+@pytest.fixture
+def matrix(request):
+    def record(column: str, row: str) -> None:
+        request.node.matrix_cell = (column, row)
+
+    return record
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    cell = getattr(item, "matrix_cell", None)
+    if cell is None or report.when not in ("setup", "call"):
+        return
+    if report.when == "call" or not report.passed:
+        _CELLS[cell[0]][cell[1]] = report.outcome
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _CELLS:
+        return
+    terminalreporter.section("support matrices (passed / cells)")
+    for column, rows in _CELLS.items():
+        passed = sum(outcome == "passed" for outcome in rows.values())
+        failed = sorted(row for row, outcome in rows.items() if outcome != "passed")
+        line = f"{column:22s} {passed:3d} / {len(rows)}"
+        terminalreporter.write_line(line + (f"   not passing: {', '.join(failed)}" if failed
+                                            else ""))

@@ -7,6 +7,7 @@ compare them. Layout everywhere: ``[B, H, N, D]``; masks: ``key_padding_mask [B,
 bool, True = real token.
 """
 
+from .functional import scaled_dot_product_attention
 from .nn import MultiHeadAttention
 from .ops import (
     kernelized_attention,
@@ -15,6 +16,7 @@ from .ops import (
     softmax_attention,
 )
 from .registry import Capabilities, CapabilityError, attention, get_method, list_methods
+from .sketch.rng import random_key
 
 __version__ = "0.1.0"
 
@@ -27,6 +29,8 @@ __all__ = [
     "kernelized_attention",
     "list_methods",
     "nystrom_softmax_attention",
+    "random_key",
+    "scaled_dot_product_attention",
     "skyformer_attention",
     "softmax_attention",
 ]

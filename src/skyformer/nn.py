@@ -91,11 +91,14 @@ class MultiHeadAttention(nn.Module):
         key_padding_mask: Tensor | None = None,
         *,
         context: Tensor | None = None,
-        generator: torch.Generator | None = None,
+        query_padding_mask: Tensor | None = None,
+        generator: torch.Generator | Tensor | None = None,
     ) -> Tensor:
         """Attend from ``x: [B, N, dim]`` to itself, or to ``context: [B, M, dim]``.
 
-        ``key_padding_mask: [B, N]`` (or ``[B, M]`` with a context), True = real token.
+        ``key_padding_mask: [B, N]`` (or ``[B, M]`` with a context), True = real token;
+        in self-attention it also marks the padded queries. With a context the queries
+        are all real unless ``query_padding_mask: [B, N]`` says otherwise.
         Returns ``[B, N, dim]``.
         """
         source = x if context is None else context
@@ -109,12 +112,9 @@ class MultiHeadAttention(nn.Module):
         k = self._split(self.k_proj(source))
         v = self._split(self.v_proj(source))
         out = self.bound(
-            q,
-            k,
-            v,
-            key_padding_mask=key_padding_mask,
-            generator=generator,
-            state=self.method_state,
+            q, k, v, key_padding_mask=key_padding_mask,
+            query_padding_mask="auto" if context is None else query_padding_mask,
+            generator=generator, state=self.method_state,
         )  # [B, H, N, Dh]
         b, _, n, _ = out.shape
         out = out.transpose(1, 2).reshape(b, n, self.dim)

@@ -187,10 +187,21 @@ def test_dropout_in_training():
 
 
 def test_refused_keyword_arguments():
+    """A sliding window is in the mask transformers builds (as for SDPA): the methods that
+    take any mask honour it, the others refuse it; soft-capping no method applies."""
     q, k, v = make_qkv(1, 2, 6, 8, dtype=torch.float32)
+    window = torch.ones(6, 6, dtype=torch.bool).tril().triu(-3)[None, None]
+    out, _ = skyformer_attention_forward("skyformer:softmax", "softmax", _Module(), q, k, v,
+                                         window, sliding_window=4)
+    torch.testing.assert_close(out.transpose(1, 2),
+                               torch.nn.functional.scaled_dot_product_attention(
+                                   q, k, v, attn_mask=window))
     with pytest.raises(CapabilityError, match=r"sliding-window pattern \(sliding_window=...\)"):
+        skyformer_attention_forward("skyformer:skyformer", "skyformer", _Module(), q, k, v,
+                                    None, sliding_window=4)
+    with pytest.raises(CapabilityError, match=r"logit soft-capping \(softcap=...\)"):
         skyformer_attention_forward("skyformer:softmax", "softmax", _Module(), q, k, v, None,
-                                    sliding_window=4)
+                                    softcap=30.0)
 
 
 @dataclasses.dataclass(frozen=True)

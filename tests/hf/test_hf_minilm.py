@@ -167,10 +167,12 @@ def test_model_scaling_is_passed_as_scale_or_refused(minilm, model, padded_batch
     assert (exact - mean_pooled(minilm[0], padded_batch)).abs().max() > 1e-3
     shf.set_attention(model, "softmax")
     torch.testing.assert_close(mean_pooled(model, padded_batch), exact, rtol=0, atol=ATOL)
+    # The Gaussian methods take it as their kernel's scale; linear attention has none.
+    shf.set_attention(model, "kernelized")
     with pytest.raises(CapabilityError,
                        match=r"logit scale 0.0883883 .* methods with a scale option: softmax"):
-        shf.set_attention(model, "kernelized")
-    model.set_attn_implementation("skyformer:kernelized")  # no check until the forward pass
+        shf.set_attention(model, "linear")
+    model.set_attn_implementation("skyformer:linear")  # no check until the forward pass
     with pytest.raises(CapabilityError, match="cannot use the model's attention logit scale"):
         model(**padded_batch)
 
@@ -197,12 +199,19 @@ def test_unknown_names_options_and_layers(model):
     assert model.config._attn_implementation == "sdpa", "a failed call must change nothing"
 
 
-def test_refused_mask_through_the_model(model, padded_batch):
-    """A 4-D mask the model passes through unchanged: two sequences packed in one row."""
+def test_packed_mask_through_the_model(model, padded_batch):
+    """A 4-D mask the model passes through unchanged (two sequences packed in one row):
+    exact softmax applies it as SDPA does; an approximate method refuses it."""
     n = padded_batch["input_ids"].shape[1]
     packed = torch.zeros(3, 1, n, n, dtype=torch.bool)
     packed[..., :5, :5] = True
     packed[..., 5:, 5:] = True
-    shf.set_attention(model, "softmax")
-    with pytest.raises(shf.UnsupportedMaskError, match="neither key padding nor causal"):
-        model(input_ids=padded_batch["input_ids"], attention_mask=packed)
+    ids = padded_batch["input_ids"]
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=packed).last_hidden_state
+        shf.set_attention(model, "softmax")
+        torch.testing.assert_close(
+            model(input_ids=ids, attention_mask=packed).last_hidden_state, expected)
+        shf.set_attention(model, "skyformer")
+        with pytest.raises(shf.UnsupportedMaskError, match="neither key padding nor causal"):
+            model(input_ids=ids, attention_mask=packed)

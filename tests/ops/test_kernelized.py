@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skyformer import kernelized_attention
+from skyformer import kernelized_attention, skyformer_attention
 from skyformer.linalg import gaussian_scores
 from skyformer.ops.kernelized.naive import reference_kernelized_attention
 from tests.conftest import make_qkv
@@ -53,3 +53,20 @@ def test_far_apart_inputs_underflow_to_zero_not_nan():
     out = kernelized_attention(q * 100, k * 100 + 1000, v)
     assert torch.isfinite(out).all()
     assert out.abs().max() < 1e-30
+
+
+def test_scale_option_sets_the_kernel_bandwidth():
+    """exp(-s |q - k|^2 / 2): the default s is 1/sqrt(D) (Skyformer eq. (1)); a model that
+    pre-scales its queries passes its own s (e.g. 1.0)."""
+    q, k, v = make_qkv(2, 2, 12, 8)
+    torch.testing.assert_close(kernelized_attention(q, k, v, scale=8**-0.5),
+                               kernelized_attention(q, k, v), rtol=0, atol=0)
+    for s in (1.0, 0.05):
+        torch.testing.assert_close(kernelized_attention(q, k, v, scale=s),
+                                   reference_kernelized_attention(q, k, v, scale=s))
+        # every row a landmark, gamma 0, exact inverse: Skyformer is exact at any scale
+        torch.testing.assert_close(
+            skyformer_attention(q, k, v, scale=s, num_features=24, gamma=0.0, pinv="exact"),
+            kernelized_attention(q, k, v, scale=s), rtol=1e-6, atol=1e-8)
+    with pytest.raises(ValueError, match="scale must be a positive number"):
+        kernelized_attention(q, k, v, scale=0.0)

@@ -7,8 +7,10 @@ import torch
 
 from skyformer import MultiHeadAttention, attention, softmax_attention
 from skyformer.ops.linformer import linformer_attention
+from skyformer.ops.linformer.linformer import jl_projections
 from skyformer.ops.linformer.naive import reference_linformer_attention
-from skyformer.sketch.streams import gaussian_columns
+from skyformer.sketch.random_features import gaussian_columns
+from skyformer.sketch.rng import random_key
 from tests.conftest import gen, make_qkv
 
 
@@ -63,9 +65,7 @@ def test_cross_attention_projects_keys_only():
 def test_direct_call_draws_fixed_jl_projections_from_the_generator():
     q, k, v = make_qkv(1, 2, 20, 8)
     out = linformer_attention(q, k, v, generator=gen(3), num_features=16)
-    g = gen(3)
-    e = gaussian_columns((2, 16), 20, g, q.device) / 4.0
-    f = gaussian_columns((2, 16), 20, g, q.device) / 4.0
+    e, f = jl_projections(random_key(gen(3)), 2, 16, 20, share_kv=False)
     expected = linformer_attention(q, k, v, num_features=16, proj_k=e.double(), proj_v=f.double())
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
     shared = linformer_attention(q, k, v, generator=gen(3), num_features=16, share_kv=True)

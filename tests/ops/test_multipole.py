@@ -22,9 +22,9 @@ from skyformer.ops.multipole.naive import (
 )
 from skyformer.ops.multipole.near_field import near_field
 from skyformer.ops.multipole.options import MultipoleOptions, feature_split
+from skyformer.ops.multipole.sums import draw
 from skyformer.ops.multipole.targeted import feature_ladder
 from skyformer.ops.shared.inputs import check_attention_inputs
-from skyformer.sketch.angular_lsh import draw_hyperplanes
 from skyformer.sketch.kmeans import kmeans_clusters
 from skyformer.sketch.lsh_blocks import hamming_blocks
 from tests.conftest import gen, make_qkv
@@ -49,18 +49,16 @@ def structured_qkv(seed=7, n=160, d=16):
 def draws_for(target, q, k, v, mask, seed, num_features, window, clusters=None, tilt_sample=None,
               lsh_block=0):
     """The clusters, covariance keys and LSH buckets the fast path draws from
-    ``gen(seed)``: hyperplanes ``[B, H, D, 7]`` (with LSH), then one ``[B, N, 2]`` uniform
-    draw (queries' k-means scores, keys' sample scores)."""
+    ``gen(seed)`` (its own ``draw``: LSH hyperplanes, queries' k-means scores, keys'
+    sample scores), rebuilt here with the naive pieces."""
     info = check_attention_inputs(q, k, v, mask, method="test")
     nq, nk = q.shape[2], k.shape[2]
     _, lsh, c, _ = feature_split(num_features, window, clusters, self_attention=nq == nk,
                                  lsh_block=lsh_block)
     scale = 1 / math.sqrt(q.shape[-1]) if target == "softmax" else kernel_scale(q.shape[-1])
-    g = gen(seed)
-    planes = None
-    if lsh:
-        planes = draw_hyperplanes(q.shape[:2], q.shape[-1], 7, dtype=q.dtype, generator=g)
-    scores = torch.rand((q.shape[0], max(nq, nk), 2), generator=g)
+    options = MultipoleOptions(num_features=num_features, lsh_block=lsh_block)
+    draws = draw(q.detach(), k.detach(), options, gen(seed), info)
+    planes = draws.hyperplanes
     buckets = None
     if lsh:
         k_scaled = k.detach() * (1.0 if target == "softmax" else scale)
@@ -68,12 +66,12 @@ def draws_for(target, q, k, v, mask, seed, num_features, window, clusters=None, 
                                 query_valid=info.query_valid, key_valid=info.key_valid)
         buckets = (blocks.q_block, blocks.k_block)
     assignment = kmeans_clusters(
-        q.detach() * scale, min(c, nq), valid=info.query_valid, scores=scores[:, :nq, 0],
+        q.detach() * scale, min(c, nq), valid=info.query_valid, scores=draws.query_scores,
         iterations=MultipoleOptions.kmeans_iterations, sample=MultipoleOptions.kmeans_sample,
     ).assignment
     sample = None
     if tilt_sample is not None:
-        key_scores = scores[:, :nk, 1]
+        key_scores = draws.key_scores
         if mask is not None:
             key_scores = key_scores.masked_fill(~mask, 2.0)
         sample = key_scores.argsort(dim=1)[:, :tilt_sample]
@@ -266,8 +264,9 @@ def test_half_precision_is_computed_in_float32():
 def test_tolerance_picks_a_rung_of_the_ladder_and_returns_its_output(method):
     q, k, v = structured_qkv()
     exact = (softmax_attention if method == "softmax_multipole" else kernelized_attention)(q, k, v)
-    scores = torch.rand((1, 160, 2), generator=gen(1))
-    probes = scores[0, :, 0].argsort()[:16]
+    info = check_attention_inputs(q, k, v, None, method="test")
+    scores = draw(q, k, MultipoleOptions(), gen(1), info).query_scores
+    probes = scores[0].argsort()[:16]
     others = torch.ones(160, dtype=torch.bool)
     others[probes] = False
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from skyformer.sketch.kmeans import _means_index_add, _means_one_hot, kmeans_clusters
+from skyformer.sketch.rng import random_key, row_uniform, stream
 from tests.conftest import gen
 
 
@@ -22,7 +23,7 @@ def naive_kmeans(x, init, iterations):
 def test_matches_naive_lloyd_from_the_same_start():
     x = torch.randn(2, 3, 50, 4, generator=gen(0), dtype=torch.float64)
     out = kmeans_clusters(x, 6, generator=gen(1), iterations=5)
-    scores = torch.rand((2, 50), generator=gen(1))
+    scores = row_uniform(stream(random_key(gen(1)), "kmeans"), None, 2, 50)
     for b in range(2):
         init_rows = scores[b].argsort()[:6]
         for h in range(3):

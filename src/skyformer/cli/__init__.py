@@ -7,9 +7,11 @@ Subcommand modules define ``NAME``, ``HELP``, ``add_arguments(parser)`` and ``ru
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from types import ModuleType
 
+from ..logs import enable_console
 from . import approx_cmd, bench_cmd, compare_cmd, hf_eval_cmd, list_cmd, lra_cmd
 
 SUBCOMMANDS: list[ModuleType] = [
@@ -40,8 +42,15 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
+    enable_console()
     try:
         return int(args._run(args) or 0)
+    except BrokenPipeError:
+        # The reader went away (``skyformer list --json | head``): stop quietly; stdout
+        # is pointed at /dev/null so that the interpreter's final flush cannot fail too.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
     except USER_ERRORS as err:
         print(f"skyformer {args.command}: error: {err}", file=sys.stderr)
         return 2

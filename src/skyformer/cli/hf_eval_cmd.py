@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..eval.hf.report import format_table, markdown_table, plot, write_csv
-    from ..eval.hf.run import HFEvalConfig, evaluate
+    from ..eval.hf.run import HFEvalConfig, evaluate, hf_eval_steps
     from ..io import atomic_write_text, write_json
 
     config = HFEvalConfig(
@@ -62,8 +62,17 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed, repeats=args.repeats, memory=not args.no_memory, text=args.text,
         model=args.model, device=args.device, clock=args.clock,
     )
-    progress = None if args.quiet else (lambda line: print(f"  {line}", file=sys.stderr))
-    result = evaluate(config, progress=progress)
+    if args.quiet or not sys.stderr.isatty():
+        result = evaluate(config)
+    else:  # a bar on a terminal, naming what runs; nothing when piped
+        from tqdm.auto import tqdm
+
+        with tqdm(total=hf_eval_steps(config), desc="hf-eval", unit="run", leave=False) as bar:
+            def progress(line: str) -> None:
+                bar.set_postfix_str(line)
+                bar.update(1)
+
+            result = evaluate(config, progress=progress)
     texts = "; ".join(
         f"{s}: {t['count']} texts of {_token_range(t['min_tokens'], t['max_tokens'])} tokens "
         f"({t['timed_texts']} in the timed pass)"

@@ -17,18 +17,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def describe() -> list[dict]:
+    """Every method: summary, default options, capabilities (with ``scale``: whether it
+    takes a logit/kernel scale) and what each SDPA argument does with it."""
     out = []
     for name in list_methods():
         spec = get_method(name)
-        out.append(
-            {
-                "name": name,
-                "summary": spec.summary,
-                "defaults": spec.defaults(),
-                "capabilities": dataclasses.asdict(spec.capabilities),
-            }
-        )
+        caps = {**dataclasses.asdict(spec.capabilities),
+                "scale": "scale" in spec.option_names()}
+        out.append({"name": name, "summary": spec.summary, "defaults": spec.defaults(),
+                    "capabilities": caps, "sdpa": _sdpa_support(caps)})
     return out
+
+
+def _sdpa_support(caps: dict) -> dict[str, str]:
+    """How ``skyformer.scaled_dot_product_attention`` serves each argument."""
+    return {
+        "attn_mask": "any" if caps["attn_mask"] else (
+            "key padding / causal" if caps["causal"] else "key padding"),
+        "is_causal": "yes" if caps["causal"] else "no",
+        "scale": "yes" if caps["scale"] else "no",
+        "dropout_p": "on weights" if caps["weight_dropout"] else "on output",
+        "enable_gqa": "yes" if caps["gqa"] else "no",
+        "varlen": "yes" if caps["varlen"] and caps["mask"] else "no",
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
         flags = [k for k, v in caps.items() if v is True]
         print(f"{m['name']}: {m['summary']}")
         print(f"    target: {caps['target']}; capabilities: {', '.join(flags) or 'none'}")
+        sdpa = "; ".join(f"{k}: {v}" for k, v in m["sdpa"].items())
+        print(f"    scaled_dot_product_attention: {sdpa}")
         defaults = ", ".join(f"{k}={v!r}" for k, v in m["defaults"].items()) or "none"
         print(f"    options: {defaults}")
     return 0

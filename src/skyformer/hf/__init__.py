@@ -46,9 +46,9 @@ if _version_tuple(transformers.__version__) < MIN_TRANSFORMERS:
         f"pip install 'transformers>=5.4,<6')."
     )
 
+from ..masks import ResolvedMask, UnsupportedMaskError, resolve_mask  # noqa: E402
 from .attention import PER_LAYER, implementation_name, register_methods  # noqa: E402
 from .layers import EXACT, LayerAttention, attention_modules  # noqa: E402
-from .masks import ResolvedMask, UnsupportedMaskError, resolve_mask  # noqa: E402
 from .model import describe, from_pretrained, restore_exact, set_attention  # noqa: E402
 
 register_methods()

@@ -5,7 +5,7 @@ is_causal=None, **kwargs)`` with ``query: [B, H, Nq, D]``, ``key, value: [B, Hkv
 and expects ``(attn_output [B, Nq, H, Dv], attn_weights or None)``. Each function here
 
 - picks the layer's setting (``skyformer.hf.layers``), or the method its name carries;
-- turns the mask into ``key_padding_mask`` and ``causal`` (``skyformer.hf.masks``),
+- turns the mask into ``key_padding_mask`` and ``causal`` (``skyformer.masks``),
   refusing anything else, and follows the module's ``is_causal`` when no mask is given;
 - passes a model's own logit ``scaling`` to methods with a ``scale`` option and refuses it
   for the others (every other method assumes 1/sqrt(head dim));
@@ -15,8 +15,12 @@ and expects ``(attn_output [B, Nq, H, Dv], attn_weights or None)``. Each functio
   to its output ``[B, H, Nq, Dv]`` before the heads are merged (unbiased, like dropout on
   the probabilities, but it drops value mixtures instead of weights; this is also what
   ``skyformer.nn.MultiHeadAttention`` does);
-- refuses keyword arguments that change the attention (sliding windows, soft-capping,
-  attention sinks, position biases);
+- gives the methods that take any ``attn_mask`` (softmax, kernelized) the model's mask
+  as it is, with a T5 position bias added to it, so that sliding windows, packed
+  sequences, static caches and position biases work as with SDPA;
+- refuses keyword arguments that change the attention in a way the method cannot
+  apply (soft-capping, attention sinks; for the approximate methods also sliding
+  windows, position biases and packed sequences);
 - repeats key/value heads for grouped-query attention;
 - returns ``(output.transpose(1, 2), None)``: no method materialises attention weights.
 
@@ -43,7 +47,9 @@ from transformers.masking_utils import (
     sdpa_mask,
 )
 
+from ..masks import resolve_mask
 from ..registry import CapabilityError, Method, get_method, list_methods
+from ..sketch.rng import random_key
 from .layers import (
     EXACT,
     STATE_NAME,
@@ -55,22 +61,30 @@ from .layers import (
     make_layer,
     scaling_sentence,
 )
-from .masks import resolve_mask
 
 PREFIX = "skyformer:"
+# What to do with a layer whose mask a method cannot take, ending the error sentences.
+USE_SDPA = (
+    "load the model with attn_implementation='sdpa' or keep exact attention in the layers "
+    "that need it (skyformer.hf.set_attention(model, 'exact', layers=...))"
+)
 PER_LAYER = "skyformer"  # the implementation whose layers each follow their own setting
 
-# Keyword arguments some models pass that change what attention computes.
+# Keyword arguments some models pass that change what attention computes. Those in
+# _IN_THE_MASK are also in the mask transformers builds for SDPA (or, for a position
+# bias, merged into it here), so the methods that take any attn_mask honour them.
 _REFUSED_KWARGS = {
-    "sliding_window": "a sliding-window pattern",
     "softcap": "logit soft-capping",
     "s_aux": "attention sinks",
     "sinks": "attention sinks",
+    "indices": "a sparse key selection",
+    "block_indices": "a sparse key selection",
+}
+_IN_THE_MASK = {
+    "sliding_window": "a sliding-window pattern",
     "position_bias": "an additive position bias",
     "cu_seq_lens_q": "packed sequences",
     "cu_seq_lens_k": "packed sequences",
-    "indices": "a sparse key selection",
-    "block_indices": "a sparse key selection",
 }
 
 _EXACT_LAYER = LayerAttention(EXACT, None, (), None, None, PER_LAYER, False)
@@ -124,24 +138,13 @@ def _call_options(spec: Method, layer: LayerAttention, scaling: float | None, he
     return changes
 
 
-def _keys_for_call(module: nn.Module, layer: LayerAttention, query: Tensor, key: Tensor,
-                   value: Tensor, key_padding_mask: Tensor | None
-                   ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Keys, values and key padding mask as the methods take them: key/value heads
-    repeated for grouped-query attention, and one padded key added in cross-attention
-    with Nq == Nk (where skyformer's mask convention would also mark padded queries;
-    the decoder's queries are all real, and a padded key gets zero weight)."""
+def _keys_for_call(module: nn.Module, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+    """Keys and values as the methods take them: key/value heads repeated for
+    grouped-query attention."""
     groups = getattr(module, "num_key_value_groups", 1)
     if isinstance(groups, int) and groups > 1:  # grouped-query attention
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    if key_padding_mask is None:
-        return key, value, None
-    key_padding_mask = key_padding_mask.to(query.device)
-    if layer.cross and query.shape[2] == key.shape[2]:
-        key = F.pad(key, (0, 0, 0, 1))
-        value = F.pad(value, (0, 0, 0, 1))
-        key_padding_mask = F.pad(key_padding_mask, (0, 1), value=False)
-    return key, value, key_padding_mask
+    return key, value
 
 
 def skyformer_attention_forward(
@@ -165,7 +168,7 @@ def skyformer_attention_forward(
             per-layer implementation).
         module: the calling attention module.
         query: ``[B, H, Nq, D]``; key, value: ``[B, Hkv, Nk, D]`` (``H`` a multiple of ``Hkv``).
-        attention_mask: see ``skyformer.hf.masks.resolve_mask``.
+        attention_mask: see ``skyformer.masks.resolve_mask``.
         dropout: attention dropout probability (transformers passes 0 in eval mode).
         scaling: the model's logit scale (``None`` = 1/sqrt(D)).
         is_causal: causal flag; ``None`` = ``module.is_causal`` (as transformers' SDPA).
@@ -181,17 +184,23 @@ def skyformer_attention_forward(
     assert layer.bound is not None
     spec = layer.bound.method
     where = _where(module, layer)
-    for name, what in _REFUSED_KWARGS.items():
+    takes_any_mask = spec.capabilities.attn_mask
+    refused = _REFUSED_KWARGS if takes_any_mask else {**_REFUSED_KWARGS, **_IN_THE_MASK}
+    for name, what in refused.items():
         if kwargs.get(name) is not None:
             raise CapabilityError(
                 f"{where}: the model asks for {what} ({name}=...), which {spec.name} cannot "
                 f"apply; keep exact attention in this layer."
             )
-    b, _, nq, head_dim = query.shape
-    nk = key.shape[2]
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
-    resolved = resolve_mask(attention_mask, batch=b, query_len=nq, key_len=nk, is_causal=is_causal)
+    if takes_any_mask:
+        return _with_attn_mask(module, layer, where, query, key, value, attention_mask,
+                               dropout, scaling, bool(is_causal), kwargs.get("position_bias"))
+    b, _, nq, head_dim = query.shape
+    nk = key.shape[2]
+    resolved = resolve_mask(attention_mask, batch=b, query_len=nq, key_len=nk,
+                            is_causal=is_causal, advice=USE_SDPA)
     bound = layer.bound.replace(
         **_call_options(spec, layer, scaling, head_dim, resolved.causal, where))
     training_dropout = float(dropout) if module.training and dropout else 0.0
@@ -203,24 +212,80 @@ def skyformer_attention_forward(
             scaling=bound.options().get("scale") or scaling, is_causal=is_causal, **kwargs,
         )
 
-    key, value, key_padding_mask = _keys_for_call(module, layer, query, key, value,
-                                                  resolved.key_padding_mask)
+    key, value = _keys_for_call(module, key, value)
+    key_padding_mask = resolved.key_padding_mask
+    if key_padding_mask is not None:
+        key_padding_mask = key_padding_mask.to(query.device)
     try:
         spec.check_call(query, key, key_padding_mask)
     except CapabilityError as err:
         raise CapabilityError(f"{where}: {err}") from None
 
-    generator = None
-    if layer.seed is not None:
-        generator = torch.Generator(device=query.device)
-        generator.manual_seed(layer.seed + (layer.index or 0))
     out = bound(
-        query, key, value, key_padding_mask=key_padding_mask, generator=generator,
-        state=module._modules.get(STATE_NAME),
+        query, key, value, key_padding_mask=key_padding_mask,
+        # a decoder's queries in cross-attention are all real, also when Nq == Nk
+        query_padding_mask=None if layer.cross else "auto",
+        generator=_layer_key(layer, query.device), state=module._modules.get(STATE_NAME),
     )  # [B, H, Nq, Dv]
     if training_dropout:
         out = F.dropout(out, p=training_dropout, training=True)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _layer_key(layer: LayerAttention, device: torch.device) -> Tensor | None:
+    """The random key of a layer with a seed (a tensor: compile-friendly), else None."""
+    return None if layer.seed is None else random_key(layer.seed + (layer.index or 0), device)
+
+
+def _with_attn_mask(
+    module: nn.Module, layer: LayerAttention, where: str, query: Tensor, key: Tensor,
+    value: Tensor, attention_mask: Tensor | None, dropout: float, scaling: float | None,
+    is_causal: bool, position_bias: Tensor | None,
+) -> tuple[Tensor, None]:
+    """A method that takes any attn_mask gets the model's mask as SDPA would: sliding
+    windows, packed sequences and static caches are in the mask; a position bias (T5)
+    is added to it; without a mask, causal attention follows ``is_causal``."""
+    assert layer.bound is not None
+    spec = layer.bound.method
+    key, value = _keys_for_call(module, key, value)
+    nq, nk = query.shape[2], key.shape[2]
+    causal = is_causal and attention_mask is None and nq > 1
+    if causal and nk > nq:  # an empty static cache at prefill: the rest are unwritten
+        key, value = key[:, :, :nq], value[:, :, :nq]
+        position_bias = None if position_bias is None else position_bias[..., :nq]
+        nk = nq
+    if position_bias is not None:
+        attention_mask = _biased_mask(position_bias, attention_mask, causal, nq, nk)
+        causal = False
+    if attention_mask is not None:
+        attention_mask = attention_mask.to(query.device)
+    bound = layer.bound.replace(
+        **_call_options(spec, layer, scaling, query.shape[-1], causal, where))
+    training_dropout = float(dropout) if module.training and dropout else 0.0
+    arguments: dict[str, Any] = {}
+    if training_dropout and spec.capabilities.weight_dropout:
+        arguments["dropout_p"] = training_dropout
+    out = bound(query, key, value, attn_mask=attention_mask, query_padding_mask=None,
+                generator=_layer_key(layer, query.device),
+                state=module._modules.get(STATE_NAME), **arguments)  # [B, H, Nq, Dv]
+    if training_dropout and not spec.capabilities.weight_dropout:
+        out = F.dropout(out, p=training_dropout, training=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _biased_mask(bias: Tensor, mask: Tensor | None, causal: bool, nq: int, nk: int) -> Tensor:
+    """A position bias ``[B or 1, H, Nq, Nk]`` with the mask (bool or additive) or the
+    causal pattern added: one additive mask."""
+    blocked = torch.finfo(bias.dtype).min
+    if mask is not None:
+        mask = mask.to(bias.device)
+        add = torch.where(mask, 0.0, blocked).to(bias.dtype) if mask.dtype == torch.bool \
+            else mask.to(bias.dtype)
+        return bias + add
+    if causal:
+        tril = torch.ones(nq, nk, dtype=torch.bool, device=bias.device).tril()
+        return bias.masked_fill(~tril, blocked)
+    return bias
 
 
 def skyformer_mask(

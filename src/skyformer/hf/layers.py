@@ -11,6 +11,7 @@ its own logit scale needs a ``scale`` option, ...) fails when it is chosen.
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -95,13 +96,65 @@ def attention_modules(model: nn.Module) -> list[tuple[int, str, nn.Module]]:
 
 
 def _dispatches(module: nn.Module) -> bool:
+    """Whether the module calls transformers' attention-function registry: its forward
+    names ``ALL_ATTENTION_FUNCTIONS`` (CLIP, SigLIP, ModernBERT have no ``scaling``
+    attribute), or it has the attributes such modules have."""
     config = getattr(module, "config", None)
-    return (
-        config is not None
-        and hasattr(config, "_attn_implementation")
-        and hasattr(module, "is_causal")
-        and hasattr(module, "scaling")
-    )
+    if config is None or not hasattr(config, "_attn_implementation"):
+        return False
+    if "ALL_ATTENTION_FUNCTIONS" in _forward_names(module):
+        return True
+    return hasattr(module, "is_causal") and hasattr(module, "scaling")
+
+
+_CAUSAL_MASK_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask",
+                         "_create_4d_causal_attention_mask", "_prepare_4d_causal_attention_mask")
+
+
+def causal_scopes(model: nn.Module) -> list[str]:
+    """Qualified names of the submodules whose forward builds a causal mask (CLIP's text
+    transformer does, while its attention modules say ``is_causal = False``): the
+    attention modules below them attend causally."""
+    scopes = []
+    for name, module in model.named_modules():
+        if getattr(module, "is_decoder", None) is False:  # a stack shared with a decoder (T5)
+            continue
+        if any(b in _forward_names(module) for b in _CAUSAL_MASK_BUILDERS):
+            scopes.append(name)
+    return scopes
+
+
+def _forward_names(module: nn.Module) -> tuple[str, ...]:
+    """The global and attribute names the module's forward refers to (decorators
+    unwrapped)."""
+    code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
+    return () if code is None else code.co_names
+
+
+def under(name: str, scopes: list[str]) -> bool:
+    """Whether module ``name`` is one of ``scopes`` or below one."""
+    return any(s == "" or name == s or name.startswith(s + ".") for s in scopes)
+
+
+def mask_pattern(module: nn.Module) -> str | None:
+    """What the module adds to plain (padding, causal) masking, in words, or None: a
+    sliding window (Mistral, Qwen2, ModernBERT's local layers) or T5's position bias."""
+    window = getattr(module, "sliding_window", None) if hasattr(module, "sliding_window") \
+        else getattr(getattr(module, "config", None), "sliding_window", None)
+    if isinstance(window, int) and not isinstance(window, bool):
+        return f"a sliding window of {window} tokens"
+    if hasattr(module, "relative_attention_num_buckets"):
+        return "an additive relative position bias (T5)"
+    return None
+
+
+def model_scaling(module: nn.Module) -> float | None:
+    """The module's attention logit scale (``scaling``, or CLIP's ``scale``), if it says."""
+    for name in ("scaling", "scale"):
+        value = getattr(module, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
 
 
 def is_cross_attention(module: nn.Module, name: str = "") -> bool:
@@ -151,7 +204,7 @@ def resolve_method_name(method: str) -> str:
 
 
 def _check_module(spec: Method, module: nn.Module, index: int | None, cross: bool,
-                  explicit: dict[str, Any]) -> None:
+                  explicit: dict[str, Any], causal: bool = False) -> None:
     """Fail now, with a sentence, if ``spec`` cannot serve this module."""
     where = type(module).__name__ if index is None else f"layer {index} ({type(module).__name__})"
     caps = spec.capabilities
@@ -160,7 +213,7 @@ def _check_module(spec: Method, module: nn.Module, index: int | None, cross: boo
             f"{spec.name}: do not pass causal; causal masking follows the model (its masks "
             f"and is_causal flags)."
         )
-    if getattr(module, "is_causal", False) and not cross and not caps.causal:
+    if (causal or getattr(module, "is_causal", False)) and not cross and not caps.causal:
         raise CapabilityError(
             f"{where} uses causal attention (a decoder), and {spec.name} cannot do causal "
             f"masking; methods that can: "
@@ -168,7 +221,16 @@ def _check_module(spec: Method, module: nn.Module, index: int | None, cross: boo
         )
     if cross:
         check_capabilities(spec.name, cross_attention=True)
-    scaling = getattr(module, "scaling", None)
+    if not caps.attn_mask:
+        pattern = mask_pattern(module)
+        if pattern is not None:
+            raise CapabilityError(
+                f"{where} uses {pattern}, which {spec.name} cannot apply (it takes key "
+                f"padding and causal masks only); keep exact attention in this layer "
+                f"(skyformer.hf.set_attention(model, {spec.name!r}, layers=[...]) for the "
+                f"others), or use softmax or kernelized, which take any mask."
+            )
+    scaling = model_scaling(module)
     _, head_dim = heads_and_dim(module)
     if scaling is not None and head_dim and not is_default_scaling(scaling, head_dim) \
             and "scale" not in spec.option_names():
@@ -194,10 +256,12 @@ def scaling_sentence(method: str, scaling: float, head_dim: int) -> str:
 
 def build_layer(
     module: nn.Module, method: str, *, index: int | None, implementation: str, seed: int | None,
-    cross: bool, options: dict[str, Any],
+    cross: bool, options: dict[str, Any], causal: bool = False,
 ) -> tuple[LayerAttention, nn.Module | None]:
     """Check ``method`` against ``module`` and build its setting and per-layer state
-    (``None`` for methods without one). Changes nothing: see ``install_layer``."""
+    (``None`` for methods without one). ``causal``: the model gives this module causal
+    masks although its ``is_causal`` flag says no (``causal_scopes``). Changes nothing:
+    see ``install_layer``."""
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ValueError(f"seed must be an integer or None, got {seed!r}.")
     if method == EXACT:
@@ -205,7 +269,7 @@ def build_layer(
             raise ValueError(f"exact attention takes no options, got {', '.join(options)}.")
         return LayerAttention(EXACT, None, (), seed, index, implementation, cross), None
     spec = get_method(method)
-    _check_module(spec, module, index, cross, options)
+    _check_module(spec, module, index, cross, options, causal)
     heads, head_dim = heads_and_dim(module)
     bound = spec.bind(heads, head_dim, seq_len=position_limit(module), **options)
     explicit = tuple(sorted(options))

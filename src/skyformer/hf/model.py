@@ -28,11 +28,13 @@ from .layers import (
     SETTING_NAME,
     attention_modules,
     build_layer,
+    causal_scopes,
     clear_layer,
     current_layer,
     install_layer,
     is_cross_attention,
     resolve_method_name,
+    under,
 )
 
 _ORIGINAL = "_skyformer_original_attn_implementation"
@@ -116,6 +118,7 @@ def set_attention(
 
     # Build and check every setting before changing anything.
     built = []
+    scopes = causal_scopes(model)
     for index, qualified, module in modules:
         cross = is_cross_attention(module, qualified)
         old = current_layer(module)
@@ -130,7 +133,8 @@ def set_attention(
         else:
             plan = (EXACT, {}, None)
         layer, state = build_layer(module, plan[0], index=index, implementation=target,
-                                   seed=plan[2], cross=cross, options=dict(plan[1]))
+                                   seed=plan[2], cross=cross, options=dict(plan[1]),
+                                   causal=under(qualified, scopes))
         built.append((module, layer, state))
     for module, layer, state in built:  # only once every layer has passed its checks
         if state is KEEP_STATE:

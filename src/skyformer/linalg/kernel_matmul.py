@@ -38,6 +38,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .vmap import vmap_into_batch
+
 # Elements of one chunk of the block, all heads together. 2^18 float32 = 1 MiB fits the
 # per-core L2 of current CPUs, so the elementwise passes (offsets, exp, dC * C) stay in
 # cache; on CUDA nothing is gained by small chunks but launches, so they are large.
@@ -102,12 +104,16 @@ class _GaussianBlockProduct(torch.autograd.Function):
 
     Tensors have one batch dim: y ``[BH, N, D]``, x ``[BH, m, D]``, b ``[BH, m]``,
     rhs ``[BH, m or N, R]``, row_valid ``[BH, N]`` bool, exclude ``[BH, N, m]`` bool.
+    ``forward`` also returns what the backward pass needs (the row offsets, and the
+    block itself when it fits in one chunk), so that ``setup_context`` can save it: the
+    form ``torch.func`` transforms require. ``vmap`` folds the mapped dim into BH.
     """
 
     @staticmethod
-    def forward(ctx: Any, y: Tensor, x: Tensor, b: Tensor | None, rhs: Tensor,
+    def forward(y: Tensor, x: Tensor, b: Tensor | None, rhs: Tensor,  # type: ignore[override]
                 row_valid: Tensor | None, scale: float, row_norm: bool, transpose: bool,
-                shift_rows: bool, chunk: int, exclude: Tensor | None) -> Tensor:
+                shift_rows: bool, chunk: int, exclude: Tensor | None
+                ) -> tuple[Tensor, Tensor, Tensor]:
         n = y.shape[1]
         # the row scale (and log2 e), applied to the m landmark rows: [BH, D, m]
         xt = (x * (scale * LOG2E)).transpose(1, 2)
@@ -142,15 +148,28 @@ class _GaussianBlockProduct(torch.autograd.Function):
             a = shift if a is None else a + shift  # the backward pass rebuilds C with both
         # One chunk is the whole block and already in cache-sized memory: keep it rather
         # than rebuild it (longer inputs are rebuilt chunk by chunk, memory O(N)).
-        block = c if n <= chunk else None
+        block = c.clone() if n <= chunk else y.new_empty(0)
+        return out, (y.new_empty(0) if a is None else a), block
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        y, x, b, rhs, _, scale, row_norm, transpose, _, chunk, exclude = inputs
+        out, a, block = output
+        ctx.mark_non_differentiable(a, block)
         ctx.save_for_backward(y, x, b, rhs, a, out, block, exclude)
         ctx.options = (scale, row_norm, transpose, chunk)
-        return out
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, *args: Any) -> tuple[tuple, tuple]:
+        return vmap_into_batch(_GaussianBlockProduct.apply, info, in_dims, args,
+                               tensors=(0, 1, 2, 3, 4, 10), outputs=3)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx: Any, grad: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
         y, x, b, rhs, a, out, block, exclude = ctx.saved_tensors
+        a = a if a.numel() else None
+        block = block if block.numel() else None
         scale, row_norm, transpose, chunk = ctx.options
         need_y, need_x, need_b, need_rhs = ctx.needs_input_grad[:4]
         n = y.shape[1]
@@ -264,6 +283,10 @@ def gaussian_kernel_matmul(
         chunk = chunk_rows(n, bh, m, y.device)
     if row_valid is not None:
         row_valid = row_valid.expand(*batch_shape, n).reshape(bh, n)
+    if torch.compiler.is_exporting():
+        out = _product_by_autograd(y, x, col_offset, rhs, row_valid, scale, row_norm,
+                                   transpose, shift_rows, exclude, batch_shape)
+        return out.reshape(*batch_shape, *out.shape[-2:])
     if exclude is not None:
         if exclude.shape != (*batch_shape, n, m) or exclude.dtype != torch.bool:
             raise ValueError(
@@ -271,7 +294,7 @@ def gaussian_kernel_matmul(
                 f"{(*batch_shape, n, m)}, got {exclude.dtype} {tuple(exclude.shape)}."
             )
         exclude = exclude.reshape(bh, n, m)
-    out = _GaussianBlockProduct.apply(
+    out, _, _ = _GaussianBlockProduct.apply(
         y.reshape(bh, n, d),
         x.reshape(bh, m, d),
         None if col_offset is None else col_offset.reshape(bh, m),
@@ -285,3 +308,30 @@ def gaussian_kernel_matmul(
         exclude,
     )
     return out.reshape(*batch_shape, *out.shape[1:])
+
+
+def _product_by_autograd(
+    y: Tensor, x: Tensor, col_offset: Tensor | None, rhs: Tensor, row_valid: Tensor | None,
+    scale: float, row_norm: bool, transpose: bool, shift_rows: bool, exclude: Tensor | None,
+    batch_shape: torch.Size,
+) -> Tensor:
+    """The same product with the block formed whole and differentiated by autograd.
+
+    ``torch.export`` traces through a custom Function's forward, whose ``out=`` writes
+    into preallocated buffers cannot run in the exported graph with grad enabled; this
+    path has only functional ops. ``row_valid`` is ``[BH, N]``; the rest as the caller's.
+    """
+    e = scale * (y @ x.transpose(-1, -2))  # [..., N, m]
+    if row_norm:
+        e = e - (0.5 * scale * scale) * (y * y).sum(-1, keepdim=True)
+    if col_offset is not None:
+        e = e - col_offset[..., None, :]
+    if row_valid is not None:
+        e = e.masked_fill(~row_valid.reshape(*batch_shape, -1, 1), float("-inf"))
+    if exclude is not None:
+        e = e.masked_fill(exclude, float("-inf"))
+    if shift_rows:
+        top = e.detach().amax(-1, keepdim=True)
+        e = e - torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    c = e.exp()
+    return c.transpose(-1, -2) @ rhs if transpose else c @ rhs

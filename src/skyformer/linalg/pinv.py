@@ -63,7 +63,7 @@ class _RazaviIteration(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, a, v0, iterations):  # type: ignore[override]
+    def forward(a, v0, iterations):  # type: ignore[override]
         batch_shape = a.shape[:-2]
         m = a.shape[-1]
         a3 = a.reshape(-1, m, m)
@@ -92,16 +92,34 @@ class _RazaviIteration(torch.autograd.Function):
             else:
                 torch.bmm(v, t3, out=v_next).mul_(0.25)
             v = v_next
-        ctx.save_for_backward(a3, store)
+        # ``store`` is returned so that ``setup_context`` can save it (torch.func form).
+        return out.reshape(*batch_shape, m, m), store
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # type: ignore[override]
+        a, v0, _ = inputs
+        _, store = output
+        ctx.mark_non_differentiable(store)
+        ctx.save_for_backward(a, store)
         ctx.identity_start = v0 is None
-        ctx.batch_shape = batch_shape
-        return out.reshape(*batch_shape, m, m)
+
+    @staticmethod
+    def vmap(info, in_dims, a, v0, iterations):  # type: ignore[override]
+        """The iteration takes any batch shape: the mapped dim becomes the first one."""
+        a = a.movedim(in_dims[0], 0) if in_dims[0] is not None else a.expand(
+            info.batch_size, *a.shape)
+        if v0 is not None:
+            v0 = v0.movedim(in_dims[1], 0) if in_dims[1] is not None else v0.expand_as(a)
+        out, store = _RazaviIteration.apply(a, v0, iterations)
+        return (out, store), (0, None)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad):  # type: ignore[override]
-        a3, store = ctx.saved_tensors
-        m = a3.shape[-1]
+    def backward(ctx, grad, _):  # type: ignore[override]
+        a, store = ctx.saved_tensors
+        batch_shape = a.shape[:-2]
+        m = a.shape[-1]
+        a3 = a.reshape(-1, m, m)
         g = grad.reshape(-1, m, m).contiguous()
         da = torch.zeros_like(a3)
         a_t = a3.transpose(1, 2)
@@ -130,8 +148,8 @@ class _RazaviIteration(torch.autograd.Function):
             da.baddbmm_(dp, v.transpose(1, 2))
             torch.bmm(a_t, dp, out=tmp)
             g = torch.baddbmm(tmp, g, t3.transpose(1, 2), alpha=0.25, out=g_next[i % 2])
-        dv0 = None if ctx.identity_start else g.reshape(*ctx.batch_shape, m, m).clone()
-        return da.reshape(*ctx.batch_shape, m, m), dv0, None
+        dv0 = None if ctx.identity_start else g.reshape(*batch_shape, m, m).clone()
+        return da.reshape(*batch_shape, m, m), dv0, None
 
 
 def iterative_pinv(
@@ -150,7 +168,21 @@ def iterative_pinv(
     v0 = None if init == "identity" else initial_inverse(a, init)
     if iterations == 0:
         return initial_inverse(a, init) if v0 is None else v0
-    return _RazaviIteration.apply(a, v0, iterations)
+    if torch.compiler.is_exporting():
+        # torch.export traces through the Function's forward, whose out= writes cannot
+        # run in the exported graph with grad enabled: the same steps, by autograd.
+        return _iterate_by_autograd(a, initial_inverse(a, init) if v0 is None else v0,
+                                    iterations)
+    return _RazaviIteration.apply(a, v0, iterations)[0]
+
+
+def _iterate_by_autograd(a: Tensor, v: Tensor, iterations: int) -> Tensor:
+    """The Razavi steps of the module docstring in plain ops: ``[..., m, m]``."""
+    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+    for _ in range(iterations):
+        p = a @ v
+        v = 0.25 * v @ (13 * eye - p @ (15 * eye - p @ (7 * eye - p)))
+    return v
 
 
 def inverse_residual(a: Tensor, v: Tensor) -> Tensor:

@@ -14,10 +14,11 @@ from torch import Tensor
 from .kernels import gaussian_kernel_block
 
 
-def kernel_scale(head_dim: int) -> float:
-    """p^(-1/4): inputs are scaled by it so that the kernel bandwidth is p^(1/4)
-    (Skyformer eq. (1): C_ij = exp(-|q_i - k_j|^2 / (2 sqrt(p))))."""
-    return float(head_dim) ** -0.25
+def kernel_scale(head_dim: int, scale: float | None = None) -> float:
+    """sqrt(s), the factor the inputs are scaled by so that the Gaussian kernel is
+    exp(-s |q_i - k_j|^2 / 2); s = ``scale`` or, by default, 1/sqrt(p): p^(-1/4), the
+    bandwidth p^(1/4) of Skyformer eq. (1), C_ij = exp(-|q_i - k_j|^2 / (2 sqrt(p)))."""
+    return float(head_dim) ** -0.25 if scale is None else math.sqrt(scale)
 
 
 def softmax_scores(
@@ -47,13 +48,15 @@ def softmax_scores(
 
 
 def gaussian_scores(
-    q: Tensor, k: Tensor, *, key_padding_mask: Tensor | None = None, causal: bool = False
+    q: Tensor, k: Tensor, *, key_padding_mask: Tensor | None = None, causal: bool = False,
+    scale: float | None = None,
 ) -> Tensor:
-    """The kernelized attention matrix C ``[B, H, Nq, Nk]`` (Skyformer eq. (1)).
+    """The kernelized attention matrix C ``[B, H, Nq, Nk]`` (Skyformer eq. (1)),
+    exp(-s |q_i - k_j|^2 / 2) with s = ``scale`` (``None``: 1/sqrt(D)).
 
     Columns of padded keys (and, with ``causal``, entries j > i) are zero.
     """
-    scale = kernel_scale(q.shape[-1])
+    scale = kernel_scale(q.shape[-1], scale)
     c = gaussian_kernel_block(q * scale, k * scale)
     if key_padding_mask is not None:
         c = c * key_padding_mask[:, None, None, :].to(c.dtype)

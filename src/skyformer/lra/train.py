@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from ..io import environment, write_json
+from ..logs import get_logger
 from .batches import BatchOrder, Position, fetch, micro_batches
 from .cache import TaskData, load_cache
 from .checkpoint import (
@@ -56,6 +57,8 @@ from .model import LRAClassifier, ModelConfig
 from .presets import TrainConfig, learning_rate
 from .runlog import RunLog
 from .seeds import derive_seed
+
+_log = get_logger("lra")
 
 CHECKPOINT_FORMAT = 1
 
@@ -128,7 +131,7 @@ class Trainer:
     # -- set-up -------------------------------------------------------------------------
     def _say(self, text: str) -> None:
         if self.info.is_main and not self.quiet:
-            print(text, flush=True)
+            _log.info(text)
 
     def _build(self) -> None:
         cfg = self.cfg

@@ -22,8 +22,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from .autocast import call_core
+from .capabilities import CapabilityError
+
 if TYPE_CHECKING:
     from .methods import Method
+
+
+def capability_sentence_for(method: Method, capability: str) -> str:
+    from .methods import _capability_sentence  # the registry imports this module
+
+    return _capability_sentence(method.name, capability)
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -87,22 +96,30 @@ class BoundMethod:
         v: Tensor,
         *,
         key_padding_mask: Tensor | None = None,
-        generator: torch.Generator | None = None,
+        query_padding_mask: Tensor | str | None = "auto",
+        generator: torch.Generator | Tensor | None = None,
         state: nn.Module | None = None,
+        **arguments: Any,
     ) -> Tensor:
         """Attention of ``q: [B, H, Nq, D]`` to ``k: [B, H, Nk, D]``, ``v: [B, H, Nk, Dv]``.
 
         Args:
             key_padding_mask: ``[B, Nk]`` bool, True = real token.
+            query_padding_mask: ``"auto"`` (the key mask marks the queries when
+                Nq == Nk), ``None`` (every query real) or ``[B, Nq]`` bool.
             generator: source of the method's randomness.
             state: the module from ``new_state``; ``None`` calls the method as a bare
                 function call does (e.g. Linformer then draws its projections).
+            **arguments: further call arguments of the method's core (e.g. the exact
+                methods' ``attn_mask``).
         Returns:
             ``[B, H, Nq, Dv]``.
         """
         self.method.check_call(q, k, key_padding_mask)
-        extra = state(q, k) if state is not None else {}
-        return self.method.core(
-            q, k, v, self.config, key_padding_mask=key_padding_mask, generator=generator,
-            **extra,
-        )
+        if arguments.get("attn_mask") is not None and not self.method.capabilities.attn_mask:
+            raise CapabilityError(capability_sentence_for(self.method, "attn_mask"))
+        extra = {**(state(q, k) if state is not None else {}), **arguments}
+        if not isinstance(query_padding_mask, str):  # "auto" is every core's default
+            extra["query_padding_mask"] = query_padding_mask
+        return call_core(self.method.core, q, k, v, self.config,
+                         key_padding_mask=key_padding_mask, generator=generator, **extra)

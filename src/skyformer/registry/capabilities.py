@@ -13,6 +13,9 @@ CAPABILITY_TEXT = {
     "cross_attention": "attend with a different number of queries and keys",
     "fixed_length": "run without a fixed max_seq_len",
     "half_precision": "take float16/bfloat16 inputs",
+    "attn_mask": "take an arbitrary attn_mask (only key padding and causal masks)",
+    "gqa": "attend with fewer key/value heads than query heads",
+    "varlen": "run packed variable-length sequences (cu_seqlens)",
 }
 
 
@@ -30,6 +33,12 @@ class Capabilities:
     fixed_length: needs a fixed ``max_seq_len`` (e.g. Linformer's projections).
     learned_parameters: owns trainable parameters (a ``state`` module, see ``Method``).
     half_precision: accepts float16/bfloat16 inputs.
+    attn_mask: takes any SDPA-style ``attn_mask`` (bool or additive, broadcastable to
+        ``[B, H, Nq, Nk]``); the others take key padding and (if ``causal``) causal masks.
+    weight_dropout: ``dropout_p`` drops attention weights, as SDPA does; methods without
+        a weight matrix drop entries of their output instead.
+    gqa: runs grouped-query attention (key/value heads repeated to the query heads).
+    varlen: runs packed variable-length batches (``cu_seqlens``; needs ``mask``).
     """
 
     target: Target
@@ -41,6 +50,10 @@ class Capabilities:
     fixed_length: bool = False
     learned_parameters: bool = False
     half_precision: bool = True
+    attn_mask: bool = False
+    weight_dropout: bool = False
+    gqa: bool = True
+    varlen: bool = True
 
     def has(self, capability: str) -> bool:
         """Whether the method can do ``capability`` (a key of ``CAPABILITY_TEXT``)."""

@@ -59,6 +59,11 @@ class Method:
     summary: str
     state: StateFactory | None = None
 
+    def __post_init__(self) -> None:
+        # Read once: torch.compile cannot trace dataclasses.fields() of a class.
+        names = tuple(f.name for f in dataclasses.fields(self.config_class))
+        object.__setattr__(self, "_option_names", names)
+
     @property
     def core(self) -> Callable[..., Tensor]:
         """``core(q, k, v, config, *, key_padding_mask, generator, **state_arguments)``."""
@@ -69,7 +74,7 @@ class Method:
         return config_fields(self.config_class())
 
     def option_names(self) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(self.config_class))
+        return self._option_names  # type: ignore[attr-defined]
 
     def options_of(self, config: Any) -> dict[str, Any]:
         """Option name -> value of a config of this method."""
@@ -226,7 +231,8 @@ def attention(
     method: str = "skyformer",
     *,
     key_padding_mask: Tensor | None = None,
-    generator: torch.Generator | None = None,
+    query_padding_mask: Tensor | str | None = "auto",
+    generator: torch.Generator | Tensor | None = None,
     **options: Any,
 ) -> Tensor:
     """Dispatch to a registered method by name.
@@ -235,7 +241,11 @@ def attention(
         q: ``[B, H, Nq, D]``; k: ``[B, H, Nk, D]``; v: ``[B, H, Nk, Dv]``.
         method: a name from ``list_methods()``.
         key_padding_mask: ``[B, Nk]`` bool, True = real token.
-        generator: source of randomness for randomised methods.
+        query_padding_mask: ``"auto"`` (in self-attention, Nq == Nk, the key mask also
+            marks padded queries), ``None`` (every query real: cross-attention with
+            Nq == Nk) or ``[B, Nq]`` bool.
+        generator: source of randomness for randomised methods (a torch.Generator, a
+            random key from ``skyformer.random_key``, or None).
         **options: the method's options (see ``skyformer list``).
     Returns:
         ``[B, H, Nq, Dv]``.
@@ -244,4 +254,5 @@ def attention(
         check_capabilities(method, causal=True)
     spec = get_method(method)
     bound = BoundMethod(spec, spec.make_config(**options))
-    return bound(q, k, v, key_padding_mask=key_padding_mask, generator=generator)
+    return bound(q, k, v, key_padding_mask=key_padding_mask,
+                 query_padding_mask=query_padding_mask, generator=generator)

@@ -24,7 +24,9 @@ from typing import Any
 
 from torch import Tensor
 
-CALL_ARGUMENTS = ("key_padding_mask", "generator")
+from .autocast import call_core
+
+CALL_ARGUMENTS = ("key_padding_mask", "query_padding_mask", "generator")
 
 
 def config_fields(config: Any) -> dict[str, Any]:
@@ -56,6 +58,8 @@ def _signature(core: Callable[..., Any], config_class: type) -> inspect.Signatur
     parameters = [inspect.Parameter(name, positional, annotation="Tensor") for name in "qkv"]
     parameters += [
         inspect.Parameter("key_padding_mask", keyword, default=None, annotation="Tensor | None"),
+        inspect.Parameter("query_padding_mask", keyword, default="auto",
+                          annotation="Tensor | None | str"),
         inspect.Parameter("generator", keyword, default=None,
                           annotation="torch.Generator | None"),
     ]
@@ -100,11 +104,12 @@ def public_function(
 
     @functools.wraps(core, assigned=("__module__", "__name__", "__qualname__"), updated=())
     def public(q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask: Tensor | None = None,
-               generator: Any = None, **kwargs: Any) -> Tensor:
+               query_padding_mask: Tensor | str | None = "auto", generator: Any = None,
+               **kwargs: Any) -> Tensor:
         state = {name: kwargs.pop(name) for name in state_names & kwargs.keys()}
         config = make_config(kwargs)
-        return core(q, k, v, config, key_padding_mask=key_padding_mask, generator=generator,
-                    **state)
+        return call_core(core, q, k, v, config, key_padding_mask=key_padding_mask,
+                         query_padding_mask=query_padding_mask, generator=generator, **state)
 
     public.__signature__ = _signature(core, config_class)  # type: ignore[attr-defined]
     public.__doc__ = _docstring(core, config_class)

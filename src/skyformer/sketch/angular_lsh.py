@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .rng import normal, random_key, stream
+
 
 def gray_code_order(bits: int) -> Tensor:
     """The labels b_1, ..., b_{2^bits} of Lemma A.2, consecutive ones at Hamming distance 1.
@@ -49,14 +51,15 @@ def gray_code_rank(bits: int) -> Tensor:
 
 def draw_hyperplanes(
     prefix: tuple[int, ...], dim: int, bits: int, *, device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32, generator: torch.Generator | None = None,
+    dtype: torch.dtype = torch.float32, generator: torch.Generator | Tensor | None = None,
 ) -> Tensor:
     """Gaussian hyperplane normals ``[*prefix, dim, bits]`` (Definition A.1).
 
     Drawn in float32 and cast, so inputs of every dtype hash with the same numbers.
+    ``generator``: a generator or a random key (``rng.random_key``).
     """
-    w = torch.randn((*prefix, dim, bits), device=device, generator=generator)
-    return w.to(dtype)
+    key = stream(random_key(generator, device), "hyperplanes")
+    return normal(key, (*prefix, dim, bits)).to(dtype)
 
 
 def angular_hash(x: Tensor, hyperplanes: Tensor) -> Tensor:

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .rng import random_key, row_uniform, stream
+
 _OUT_OF_REACH = 2.0  # uniform scores lie in [0, 1)
 
 
@@ -97,7 +99,7 @@ def kmeans_clusters(
     num_clusters: int,
     *,
     valid: Tensor | None = None,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Tensor | None = None,
     iterations: int = 10,
     sample: int | None = None,
     live_clusters: Tensor | None = None,
@@ -109,7 +111,8 @@ def kmeans_clusters(
         x: ``[B, H, N, D]``.
         num_clusters: c, the number of centres (slots); capped by the valid rows.
         valid: ``[B, N]`` bool, True = real row; padded rows take no part.
-        generator: draws the sub-sample and the initial centres.
+        generator: draws the sub-sample and the initial centres (a generator or a random
+            key; the draws are indexed by each row's rank among the valid rows).
         iterations: Lloyd iterations on the sub-sample.
         sample: sub-sample size (``None`` = every valid row).
         live_clusters: ``[B, H]`` long, optional per-head number of centres <= c
@@ -121,7 +124,8 @@ def kmeans_clusters(
     """
     b, h, n, d = x.shape
     if scores is None:
-        scores = torch.rand((b, n), device=x.device, generator=generator)
+        key = stream(random_key(generator, x.device), "kmeans")
+        scores = row_uniform(key, valid, b, n)
     if valid is not None:
         scores = scores.masked_fill(~valid, _OUT_OF_REACH)
     s = n if sample is None else max(min(sample, n), min(num_clusters, n))
@@ -149,8 +153,9 @@ def kmeans_clusters(
     row_weight = None if valid is None else valid[:, None, :].to(x.dtype).expand(b, h, n)
     means, sizes = _means(x, assignment, row_weight, c)
     live = sizes > 0
-    if live.shape[-1] and not live.any(-1).all():
+    if live.shape[-1]:
         # Fully padded sequences: keep one live (zero) centre so that every row has one.
-        live = live.clone()
-        live[..., 0] |= ~live.any(-1)
+        first = torch.zeros_like(live)
+        first[..., 0] = True
+        live = live | (first & ~live.any(-1, keepdim=True))
     return Clusters(means, assignment, live, sizes)

@@ -10,10 +10,10 @@ batch element and shared by the heads. Unlike the reference we
   right padding);
 - take randomness only from the caller's ``generator``.
 
-Sampling is a top-k of uniform scores with padded rows scored out of reach. The
-scores are drawn as one ``[B, N, 2]`` tensor (query score, key score per position),
-so for a batch of one, right padding draws the same landmarks as truncating the
-sequence.
+Sampling is a top-k of uniform scores with padded rows scored out of reach. Each
+score is a counter-based draw indexed by the batch element and the row's rank among
+the valid rows (``rng.row_uniform``): a sequence draws the same landmarks whatever its
+padding (left, right, holes), its padded width and the other sequences of the batch.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from .rng import random_key, row_uniform, stream
 
 _OUT_OF_REACH = 2.0  # uniform scores lie in [0, 1)
 
@@ -58,15 +60,16 @@ def uniform_landmarks(
     query_valid: Tensor | None,
     key_valid: Tensor | None,
     device: torch.device,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Tensor | None = None,
 ) -> Landmarks:
     """Sample ``ceil(m/2)`` rows of Q and ``floor(m/2)`` rows of K without replacement.
 
     Each side is capped by its number of valid rows; unused slots are marked dead.
+    ``generator``: a generator or a random key (``rng.random_key``).
     """
-    scores = torch.rand(
-        (batch, max(query_len, key_len), 2), device=device, generator=generator
-    )
-    q_index, q_live = _pick(scores[:, :query_len, 0], query_valid, (num_features + 1) // 2)
-    k_index, k_live = _pick(scores[:, :key_len, 1], key_valid, num_features // 2)
+    key = random_key(generator, device)
+    q_scores = row_uniform(stream(key, "landmarks/queries"), query_valid, batch, query_len)
+    k_scores = row_uniform(stream(key, "landmarks/keys"), key_valid, batch, key_len)
+    q_index, q_live = _pick(q_scores, query_valid, (num_features + 1) // 2)
+    k_index, k_live = _pick(k_scores, key_valid, num_features // 2)
     return Landmarks(q_index, q_live, k_index, k_live)

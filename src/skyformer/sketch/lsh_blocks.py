@@ -38,9 +38,8 @@ class LshBlocks:
 
 
 def _inverse(order: Tensor) -> Tensor:
-    inv = torch.empty_like(order)
-    inv.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
-    return inv
+    positions = torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    return torch.empty_like(order).scatter(-1, order, positions)
 
 
 def hamming_blocks(

@@ -5,9 +5,10 @@ entries and set h(x) = argmax([x R ; -x R]); nearby directions collide with high
 probability. ``b = 1`` puts every vector in one bucket.
 
 The number of buckets depends on the sequence length (Reformer picks b = 2 l / m for
-chunks of m), so R is drawn one column at a time: column c is the same whatever the
-total number of columns, and a sequence hashed with the first b/2 columns hashes the
-same whether the draw went on for longer sequences of the batch or not.
+chunks of m), so the columns of R are counter-based draws indexed by their position:
+column c is the same whatever the total number of columns, and a sequence hashed with
+the first b/2 columns hashes the same whether the draw went on for longer sequences of
+the batch or not.
 """
 
 from __future__ import annotations
@@ -15,20 +16,20 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .rng import normal, random_key, stream
+
 
 def draw_rotations(
     heads: int, rounds: int, dim: int, columns: int, *, device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32, generator: torch.Generator | None = None,
+    dtype: torch.dtype = torch.float32, generator: torch.Generator | Tensor | None = None,
 ) -> Tensor:
     """Random rotations ``[heads, rounds, dim, columns]``, one independent set per head and
-    hash round, column by column (a prefix of columns does not depend on ``columns``)."""
-    cols = [
-        torch.randn((heads, rounds, dim), device=device, generator=generator)
-        for _ in range(columns)
-    ]
-    if not cols:
+    hash round; entry (h, r, d, c) is indexed by its position with the column last, so a
+    prefix of columns does not depend on ``columns``. ``generator``: or a random key."""
+    key = stream(random_key(generator, device), "rotations")
+    if columns == 0:
         return torch.zeros((heads, rounds, dim, 0), device=device, dtype=dtype)
-    return torch.stack(cols, dim=-1).to(dtype)
+    return normal(key, (columns, heads, rounds, dim)).movedim(0, -1).to(dtype)
 
 
 def rotation_hash(x: Tensor, rotations: Tensor, num_buckets: Tensor) -> Tensor:
@@ -53,10 +54,8 @@ def rotation_hash(x: Tensor, rotations: Tensor, num_buckets: Tensor) -> Tensor:
     flat = rotations.to(x.dtype).permute(0, 2, 1, 3).reshape(h, d, rounds * columns)
     proj = (x @ flat).view(b, h, n, rounds, columns)  # [B, H, N, R, C]
     half = (num_buckets // 2).view(b, 1, 1, 1)
-    magnitude = proj.abs()
-    if bool((half != columns).any()):
-        live = torch.arange(columns, device=x.device) < half[..., None]  # [B, 1, 1, 1, C]
-        magnitude = magnitude.masked_fill(~live, -1.0)
+    live = torch.arange(columns, device=x.device) < half[..., None]  # [B, 1, 1, 1, C]
+    magnitude = proj.abs().masked_fill(~live, -1.0)
     column = magnitude.argmax(dim=-1)  # [B, H, N, R]
     positive = proj.gather(-1, column[..., None])[..., 0] >= 0
     bucket = torch.where(positive, column, column + half)

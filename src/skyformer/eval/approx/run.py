@@ -36,6 +36,7 @@ from torch import Tensor
 
 from ...io import environment
 from ...linalg import gaussian_scores, softmax_scores, top_singular_subspace
+from ...logs import get_logger
 from ...registry import Method, exact_method, get_method, list_methods
 from ..data.sources import SOURCES, SourceData, SourceLoader, SourceOptions, check_source
 from ..measure.metrics import constant_row_error, rank_m_floor, relative_error
@@ -411,14 +412,14 @@ def run_approx(config: ApproxConfig = ApproxConfig(), *,
     """Run the study; returns the results table (``rows``) and everything else measured.
 
     ``log`` receives notes (skipped methods, dropped m, concatenated windows) as they
-    happen; default: ``tqdm.write``.
+    happen; default: the ``skyformer.approx`` logger (the ``skyformer`` command prints it).
     """
     from tqdm.auto import tqdm
 
     started = time.perf_counter()
     cpu_started = time.process_time()
     load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
-    sweep = _Sweep(config, log or tqdm.write)
+    sweep = _Sweep(config, log or get_logger("approx").info)
     methods = resolve_methods(config.methods, sweep.notes)
     for text in sweep.notes:
         sweep.log(text)
@@ -429,7 +430,7 @@ def run_approx(config: ApproxConfig = ApproxConfig(), *,
     per_n = {n: len([m for m in set(config.features) if m < n]) for n in config.seq_lens}
     total = len(config.sources) * len(methods) * len(config.seeds) * sum(per_n.values())
     total = total if config.sweep else 0
-    with tqdm(total=total, unit="run", desc="approx", disable=not config.progress,
+    with tqdm(total=total, unit="run", desc="approx", disable=None if config.progress else True,
               leave=False) as bar:
         for source in config.sources:
             for n in config.seq_lens if config.sweep else ():

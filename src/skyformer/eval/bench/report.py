@@ -47,7 +47,8 @@ def _header(result: BenchResult) -> str:
     rates = ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in result.matmul_gflops.items())
     return (
         f"times: median of {cfg.repeats} after {cfg.warmup} warm-up, {cfg.clock} clock; "
-        f"speed-up and memory: {cfg.reference} / method ({timed}); N->2N: time growth; "
+        f"speed-up: {cfg.reference}'s time / the method's ({timed}); memory: the method's "
+        f"peak / {cfg.reference}'s; N->2N: time growth; "
         "rel. error: spectral norm against the exact target; SOL: the method's matmul FLOPs "
         f"at the measured matmul throughput ({rates}) over the measured time"
     )

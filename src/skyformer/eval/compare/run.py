@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from ...io import environment
 from ...registry import exact_method, get_method, list_methods
@@ -77,7 +78,8 @@ def compare_on(qkv: QKV, config: CompareConfig) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
         inputs = Path(tmp) / "qkv.pt"
         torch.save({"q": q, "k": k, "v": v}, inputs)
-        for name in methods:
+        # a bar on a terminal, nothing when piped (tqdm's disable=None)
+        for name in tqdm(methods, desc="compare", unit="method", leave=False, disable=None):
             spec = get_method(name)
             target = spec.capabilities.target
             if target not in exact:

@@ -284,6 +284,11 @@ def _row(setting: str, method: str, features: int | None, inputs: Inputs) -> dic
     }
 
 
+def hf_eval_steps(config: HFEvalConfig) -> int:
+    """Runs ``evaluate`` makes: per setting, the exact model and every configuration."""
+    return len(config.settings) * (1 + len(_configurations(config)))
+
+
 def evaluate(config: HFEvalConfig = HFEvalConfig(),
              progress: Callable[[str], None] | None = None) -> HFEvalResult:
     """Run the evaluation; rows are in (setting, method, features) order."""

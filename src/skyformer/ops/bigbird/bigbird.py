@@ -39,7 +39,7 @@ from torch import Tensor
 
 from ...linalg import gather_rows
 from ...registry import Capabilities, register
-from ...sketch.streams import sequence_generators
+from ...sketch.rng import fold_in, random_key, uniform
 from ..shared.inputs import (
     check_attention_inputs,
     check_generator,
@@ -131,25 +131,22 @@ def bigbird_layout(
     block_size: int,
     num_random_blocks: int,
     device: torch.device,
-    generator: torch.Generator | None,
+    generator: torch.Generator | Tensor | None,
 ) -> BigBirdLayout:
-    """Draw the random blocks of one call (one stream per sequence, ``sketch.streams``:
-    a sequence with L+1 real blocks draws ``[L+1, H, r]`` uniforms)."""
+    """Draw the random blocks of one call: block i of sequence b draws its ``[H, r]``
+    uniforms from sequence b's counter-based stream (``sketch/rng.py``), so a sequence
+    draws what its truncation draws, whatever the other sequences."""
     if key_valid is None:
         order = None
         n_valid = torch.full((batch,), n, device=device, dtype=torch.long)
     else:
         order = torch.argsort((~key_valid).to(torch.uint8), dim=1, stable=True)
         n_valid = key_valid.sum(dim=1)
-    real_blocks = [math.ceil(x / block_size) for x in n_valid.tolist()]
     nb = math.ceil(n / block_size)
     r = num_random_blocks
-    u = torch.zeros(batch, nb, heads, r, device=device)
-    for b, g in enumerate(sequence_generators(batch, generator, device)):
-        if real_blocks[b] and r:
-            u[b, : real_blocks[b]] = torch.rand((real_blocks[b], heads, r), generator=g,
-                                                device=device)
-    last = torch.tensor(real_blocks, device=device, dtype=torch.long) - 1
+    keys = fold_in(random_key(generator, device), torch.arange(batch, device=device))
+    u = uniform(keys, (nb, heads, r))  # [B, nb, H, r]
+    last = torch.div(n_valid + block_size - 1, block_size, rounding_mode="floor") - 1
     blocks, alive = _choose_random_blocks(u.permute(0, 2, 1, 3), last, r)
     return BigBirdLayout(block_size, order, n_valid, last, blocks, alive)
 
@@ -246,6 +243,7 @@ def bigbird_attention(
     config: BigBirdConfig,
     *,
     key_padding_mask: Tensor | None = None,
+    query_padding_mask: Tensor | str | None = "auto",
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """BigBird block-sparse self-attention (module docstring), O(N num_features D) time.
@@ -259,7 +257,8 @@ def bigbird_attention(
         ``[B, H, N, Dv]`` in the dtype of ``q`` (half types computed in float32); rows of
         padded queries are zero.
     """
-    info = check_attention_inputs(q, k, v, key_padding_mask, method="bigbird")
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="bigbird",
+                                  query_padding_mask=query_padding_mask)
     if info.query_len != info.key_len:
         raise ValueError(
             f"bigbird cannot attend with a different number of queries and keys (got "

@@ -19,7 +19,7 @@ queries, since only the ranking is used), O(u N) for the active rows.
 
 Differences from the reference code, on purpose: the mean in M is over the sampled keys,
 as in eq. (4) (the code divides the sampled sum by n_k); key samples are drawn per
-sequence from the caller's generator (``sketch.streams``), among real keys only, so
+sequence from the caller's generator (``sketch/rng.py``), among real keys only, so
 that padding never changes the samples; Informer shares one sample across the batch.
 """
 
@@ -32,13 +32,13 @@ import torch
 from torch import Tensor
 
 from ...registry import Capabilities, register
-from ...sketch.streams import sequence_generators
+from ...sketch.rng import fold_in, random_key, uniform_at
 from ..shared.inputs import (
     AttentionInputs,
     check_attention_inputs,
-    check_generator,
     compute_dtype,
     mean_values,
+    resolve_key,
     zero_padded_queries,
 )
 from ..shared.masked import masked_attention
@@ -73,6 +73,13 @@ def log_budget(factor: int, n: int) -> int:
     return max(1, min(n, factor * math.ceil(math.log(n))))
 
 
+def log_budgets(factor: int, n: Tensor) -> Tensor:
+    """``log_budget`` of every entry of the long tensor ``n`` (float64 logarithms, so
+    ceil(ln n) matches Python's for every n below 2^52)."""
+    budget = (factor * torch.log(n.clamp_min(1).double()).ceil()).long()
+    return torch.where(n > 0, torch.minimum(budget.clamp_min(1), n), 0)
+
+
 @dataclass(frozen=True)
 class KeySamples:
     """Sampled key positions for every query."""
@@ -81,39 +88,45 @@ class KeySamples:
     live: Tensor  # [B, Nq, U] bool: real query and within its sequence's sample size
 
 
-def _real_positions(
-    valid: Tensor | None, batch: int, n: int, device: torch.device
-) -> list[Tensor]:
+def _ranks(valid: Tensor | None, batch: int, n: int, device: torch.device
+           ) -> tuple[Tensor, Tensor, Tensor]:
+    """``(rank of each row among the real rows [B, n], positions of the real rows first
+    [B, n], number of real rows [B])``."""
     if valid is None:
-        return [torch.arange(n, device=device)] * batch
-    return [valid[b].nonzero()[:, 0] for b in range(batch)]
+        rank = torch.arange(n, device=device).expand(batch, n)
+        return rank, rank, torch.full((batch,), n, device=device)
+    real_first = torch.sort((~valid).to(torch.uint8), dim=1, stable=True).indices
+    return valid.long().cumsum(1) - 1, real_first, valid.sum(1)
 
 
 def sample_keys(
-    info: AttentionInputs, factor: int, device: torch.device, generator: torch.Generator | None
+    info: AttentionInputs, factor: int, device: torch.device,
+    generator: torch.Generator | Tensor | None,
 ) -> KeySamples:
     """Draw c * ceil(ln n_k) real keys per real query, uniformly with replacement.
 
-    Each sequence draws from its own stream (``sketch.streams``) a ``[n_q, U]`` uniform
-    tensor; the query of rank r among the real queries uses row r, and a draw x picks
-    the real key of rank floor(x n_k). A padded sequence therefore draws what its
-    truncation draws.
+    Draw u of the query of rank r among the real queries of sequence b is the
+    counter-based uniform x at index u of the stream (b, r) (``sketch/rng.py``), and
+    picks the real key of rank floor(x n_k): a padded sequence draws what its
+    truncation draws, whatever the other sequences. ``U`` is the budget of the longest
+    possible sequence (the padded width), so shapes do not depend on the data.
     """
-    q_pos = _real_positions(info.query_valid, info.batch, info.query_len, device)
-    k_pos = _real_positions(info.key_valid, info.batch, info.key_len, device)
-    sizes = [log_budget(factor, len(p)) for p in k_pos]
-    width = max(max(sizes), 1)
-    index = torch.zeros(info.batch, info.query_len, width, dtype=torch.long, device=device)
-    live = torch.zeros(info.batch, info.query_len, width, dtype=torch.bool, device=device)
-    for b, g in enumerate(sequence_generators(info.batch, generator, device)):
-        n_k, size = len(k_pos[b]), sizes[b]
-        if n_k == 0 or len(q_pos[b]) == 0:
-            continue
-        draws = torch.rand((len(q_pos[b]), size), generator=g, device=device)
-        rank = (draws * n_k).long().clamp_max(n_k - 1)
-        index[b, q_pos[b], :size] = k_pos[b][rank]
-        live[b, q_pos[b], :size] = True
-    return KeySamples(index, live)
+    key = random_key(generator, device)
+    q_rank, _, _ = _ranks(info.query_valid, info.batch, info.query_len, device)
+    _, k_first, n_k = _ranks(info.key_valid, info.batch, info.key_len, device)
+    width = max(log_budget(factor, info.key_len), 1)
+    sizes = log_budgets(factor, n_k)  # [B]
+    u = torch.arange(width, device=device)
+    keys = fold_in(key, torch.arange(info.batch, device=device))  # [B, 2]
+    query_keys = fold_in(keys[:, None, :], q_rank)  # [B, Nq, 2]: one stream per query rank
+    draws = uniform_at(query_keys[:, :, None, :], u, torch.float64)  # [B, Nq, U]
+    rank = (draws * n_k[:, None, None]).long()
+    rank = torch.minimum(rank, (n_k - 1).clamp_min(0)[:, None, None])
+    index = k_first.gather(1, rank.reshape(info.batch, -1)).view_as(rank)
+    live = (u < sizes[:, None, None]).expand_as(rank)
+    if info.query_valid is not None:
+        live = live & info.query_valid[..., None]
+    return KeySamples(index.masked_fill(~live, 0), live)
 
 
 @torch.no_grad()
@@ -128,7 +141,7 @@ def sparsity_measurement(
     b, h, nq, d = q.shape
     width = samples.index.shape[-1]
     chunk = max(1, _CHUNK_ELEMENTS // max(1, b * h * width * d))
-    out = torch.empty(b, h, nq, dtype=q.dtype, device=q.device)
+    parts = []
     rows = k.reshape(-1, d)  # [B*H*Nk, D]: whole-row copies are faster than gather
     offset = (torch.arange(b * h, device=q.device) * k.shape[2]).view(b, h, 1)
     for start in range(0, nq, chunk):
@@ -143,22 +156,22 @@ def sparsity_measurement(
         ] * scale  # [B, H, C, U]
         top = scores.masked_fill(~live, float("-inf")).amax(dim=-1)
         mean = (scores * live).sum(-1) / live.sum(-1).clamp_min(1)
-        out[:, :, start:stop] = top - mean
+        parts.append(top - mean)
+    out = torch.cat(parts, dim=2)
     if query_valid is not None:
         out = out.masked_fill(~query_valid[:, None, :], float("-inf"))
     return out
 
 
-def active_counts(info: AttentionInputs, num_features: int | None, factor: int) -> list[int]:
-    """u per sequence: num_features or c * ceil(ln n_q), capped by n_q."""
-    n_q = (
-        [info.query_len] * info.batch
-        if info.query_valid is None
-        else info.query_valid.sum(dim=1).tolist()
-    )
+def active_counts(info: AttentionInputs, num_features: int | None, factor: int,
+                  device: torch.device) -> tuple[Tensor, int]:
+    """u per sequence ``[B]`` (num_features or c * ceil(ln n_q), capped by n_q) and its
+    bound for the padded width (a shape that does not depend on the data)."""
+    n_q = (torch.full((info.batch,), info.query_len, device=device)
+           if info.query_valid is None else info.query_valid.sum(dim=1))
     if num_features is None:
-        return [log_budget(factor, n) for n in n_q]
-    return [min(num_features, n) for n in n_q]
+        return log_budgets(factor, n_q), max(log_budget(factor, info.query_len), 1)
+    return n_q.clamp_max(num_features), max(min(num_features, info.query_len), 1)
 
 
 @register(
@@ -174,6 +187,7 @@ def informer_attention(
     config: InformerConfig,
     *,
     key_padding_mask: Tensor | None = None,
+    query_padding_mask: Tensor | str | None = "auto",
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """ProbSparse self-attention (module docstring), O(N log N) time and memory.
@@ -187,18 +201,18 @@ def informer_attention(
         ``[B, H, Nq, Dv]`` in the dtype of ``q`` (half types computed in float32); rows of
         padded queries (self-attention) are zero.
     """
-    info = check_attention_inputs(q, k, v, key_padding_mask, method="informer")
-    check_generator("informer", generator, q.device)
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="informer",
+                                  query_padding_mask=query_padding_mask)
+    key = resolve_key("informer", generator, q.device)
     dtype = q.dtype
     work = compute_dtype(dtype)
     s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
     qw, kw, vw = q.to(work), k.to(work), v.to(work)
-    samples = sample_keys(info, config.factor, q.device, generator)
+    samples = sample_keys(info, config.factor, q.device, key)
     measure = sparsity_measurement(qw, kw, samples, s, info.query_valid)  # [B, H, Nq]
-    counts = active_counts(info, config.num_features, config.factor)
-    u = max(max(counts), 1)
+    counts, u = active_counts(info, config.num_features, config.factor, q.device)
     top = measure.topk(u, dim=-1, sorted=True).indices  # [B, H, u]
-    active = torch.arange(u, device=q.device) < torch.tensor(counts, device=q.device)[:, None]
+    active = torch.arange(u, device=q.device) < counts[:, None]
 
     b, h, _, d = qw.shape
     q_top = qw.gather(2, top[..., None].expand(b, h, u, d))  # [B, H, u, D]

@@ -29,7 +29,7 @@ def reference_informer_attention(
     config = InformerConfig(**options)
     info = check_attention_inputs(q, k, v, key_padding_mask, method="informer reference")
     s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
-    counts = active_counts(info, config.num_features, config.factor)
+    counts = active_counts(info, config.num_features, config.factor, q.device)[0].tolist()
     out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=v.dtype, device=v.device)
     for b in range(info.batch):
         k_rows = (torch.arange(info.key_len) if info.key_valid is None

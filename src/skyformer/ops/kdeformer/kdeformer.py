@@ -65,12 +65,13 @@ from ...sketch import (
     gather_block_values,
     scatter_block_rows,
 )
+from ...sketch.rng import random_key, stream, uniform
 from ..shared.inputs import (
     AttentionInputs,
     check_attention_inputs,
-    check_generator,
     compute_dtype,
     mean_values,
+    resolve_key,
     zero_padded_queries,
 )
 from ..shared.lsh_blocks import LshBlockOptions, lsh_block_logits
@@ -118,20 +119,21 @@ class KDEformerDraws:
 
 def draw_kdeformer(
     batch: int, heads: int, dim: int, cfg: KDEformerConfig, *, device: torch.device | str = "cpu",
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Tensor | None = None,
 ) -> KDEformerDraws:
-    """Draw the hyperplanes and uniforms of one call (shapes independent of N)."""
+    """Draw the hyperplanes and uniforms of one call (shapes independent of N), each
+    batch element and head from its own counter-based stream (``sketch/rng.py``)."""
+    key = random_key(generator, device)
     planes = None
     if cfg.blocks > 0:
-        planes = draw_hyperplanes(
-            (batch, heads), dim, cfg.num_hyperplanes, device=device, generator=generator
-        )
+        planes = draw_hyperplanes((batch, heads), dim, cfg.num_hyperplanes, device=device,
+                                  generator=key)
     shape = (batch, heads)
     return KDEformerDraws(
         planes,
-        torch.rand((*shape, cfg.samples), device=device, generator=generator),
-        torch.rand((*shape, cfg.samples), device=device, generator=generator),
-        torch.rand((*shape, cfg.num_features), device=device, generator=generator),
+        uniform(stream(key, "kdeformer/keys"), (*shape, cfg.samples)),
+        uniform(stream(key, "kdeformer/queries"), (*shape, cfg.samples)),
+        uniform(stream(key, "kdeformer/columns"), (*shape, cfg.num_features)),
     )
 
 
@@ -315,6 +317,7 @@ def kdeformer_attention(
     config: KDEformerConfig,
     *,
     key_padding_mask: Tensor | None = None,
+    query_padding_mask: Tensor | str | None = "auto",
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """KDEformer attention (Zandieh et al. 2023, Algorithm 3 with Algorithm 1's estimates).
@@ -330,10 +333,11 @@ def kdeformer_attention(
         ``[B, H, Nq, Dv]`` in the dtype of ``q`` (half types computed in float32);
         rows of padded queries (self-attention) are zero.
     """
-    info = check_attention_inputs(q, k, v, key_padding_mask, method="kdeformer")
-    check_generator("kdeformer", generator, q.device)
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="kdeformer",
+                                  query_padding_mask=query_padding_mask)
+    key = resolve_key("kdeformer", generator, q.device)
     draws = draw_kdeformer(info.batch, info.heads, info.head_dim, config, device=q.device,
-                           generator=generator)
+                           generator=key)
     dtype = q.dtype
     work = compute_dtype(dtype)
     out = kdeformer_core(q.to(work), k.to(work), v.to(work), info, config, draws)

@@ -31,7 +31,8 @@ from torch import Tensor
 from ...linalg import half_sq_norm, kernel_scale
 from ...registry import Capabilities, register
 from ..shared.inputs import check_attention_inputs, compute_dtype, zero_padded_queries
-from ..shared.options import check_bool
+from ..shared.masked import attention_bias
+from ..shared.options import check_bool, check_scale
 
 _MASKED_LOGIT = -1e6
 
@@ -40,19 +41,24 @@ _MASKED_LOGIT = -1e6
 class KernelizedConfig:
     """Options of exact kernelized attention.
 
+    scale: s of the Gaussian kernel exp(-s |q - k|^2 / 2), ``None`` = 1/sqrt(head dim)
+        (Skyformer eq. (1)); a model that pre-scales its queries passes its own.
     causal: query i attends to keys j <= i (requires Nq == Nk).
     """
 
+    scale: float | None = None
     causal: bool = False
 
     def __post_init__(self) -> None:
+        check_scale("kernelized", self.scale)
         check_bool("kernelized", "causal", self.causal)
 
 
 @register(
     "kernelized",
     KernelizedConfig,
-    Capabilities(target="gaussian", exact=True, causal=True, cross_attention=True),
+    Capabilities(target="gaussian", exact=True, causal=True, cross_attention=True,
+                 attn_mask=True),
     summary="exact Gaussian kernelized attention C V (Skyformer eq. (1)), O(N) memory",
 )
 def kernelized_attention(
@@ -62,7 +68,9 @@ def kernelized_attention(
     config: KernelizedConfig,
     *,
     key_padding_mask: Tensor | None = None,
+    query_padding_mask: Tensor | str | None = "auto",
     generator: torch.Generator | None = None,
+    attn_mask: Tensor | None = None,
 ) -> Tensor:
     """Exact Gaussian kernelized attention ``C V`` (Skyformer section 3.1).
 
@@ -70,11 +78,14 @@ def kernelized_attention(
         q: ``[B, H, Nq, D]``; k: ``[B, H, Nk, D]``; v: ``[B, H, Nk, Dv]``.
         key_padding_mask: ``[B, Nk]`` bool, True = real token.
         generator: unused (exact method).
+        attn_mask: SDPA's mask, broadcastable to ``[B, H, Nq, Nk]``: bool (False: weight
+            0) or float m_ij (weights C_ij exp(m_ij)); combined with padding and causal.
     Returns:
         ``[B, H, Nq, Dv]`` in the dtype of ``q`` (half types are computed in float32);
         rows of padded queries (self-attention) are zero.
     """
-    info = check_attention_inputs(q, k, v, key_padding_mask, method="kernelized")
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="kernelized",
+                                  query_padding_mask=query_padding_mask)
     causal = config.causal
     if causal and info.query_len != info.key_len:
         raise ValueError(
@@ -83,7 +94,7 @@ def kernelized_attention(
         )
     dtype = q.dtype
     work = compute_dtype(dtype)
-    scale = kernel_scale(info.head_dim)
+    scale = kernel_scale(info.head_dim, config.scale)
     qs = q.to(work) * scale
     ks = k.to(work) * scale
     vw = v.to(work)
@@ -110,7 +121,15 @@ def kernelized_attention(
         k_aug = F.pad(k_aug, (0, width - d_aug))
         extra_key = F.pad(extra_key, (0, width - d_aug))
 
-    if causal:
+    if attn_mask is not None:
+        bias = attention_bias(attn_mask, None, causal, info.query_len, info.key_len, work,
+                              "kernelized")
+        bias = F.pad(bias.expand(*bias.shape[:2], info.query_len, info.key_len), (0, 1))
+        out = F.scaled_dot_product_attention(  # the extra key (last column) always visible
+            q_aug, torch.cat([k_aug, extra_key], dim=2),
+            torch.cat([v_aug, extra_value], dim=2), attn_mask=bias, scale=1.0,
+        )
+    elif causal:
         dummy_query = torch.zeros_like(q_aug[..., :1, :])
         out = F.scaled_dot_product_attention(
             torch.cat([dummy_query, q_aug], dim=2),

@@ -16,14 +16,16 @@ def reference_kernelized_attention(
     *,
     key_padding_mask: Tensor | None = None,
     causal: bool = False,
+    scale: float | None = None,
 ) -> Tensor:
-    """C V with C_ij = exp(-|q_i - k_j|^2 / (2 sqrt(p))) formed from the pairwise
-    differences ``[B, H, Nq, Nk, D]``. ``[B, H, Nq, Dv]``; rows of padded queries
-    (self-attention) are zero. For tests only."""
+    """C V with C_ij = exp(-s |q_i - k_j|^2 / 2), s = ``scale`` or 1/sqrt(p) (that is
+    exp(-|q_i - k_j|^2 / (2 sqrt(p)))), formed from the pairwise differences
+    ``[B, H, Nq, Nk, D]``. ``[B, H, Nq, Dv]``; rows of padded queries (self-attention)
+    are zero. For tests only."""
     info = check_attention_inputs(q, k, v, key_padding_mask, method="kernelized reference")
-    p = q.shape[-1]
+    s = q.shape[-1] ** -0.5 if scale is None else scale
     diff = q[..., :, None, :] - k[..., None, :, :]
-    c = torch.exp(-(diff * diff).sum(-1) / (2.0 * p**0.5))
+    c = torch.exp(-(diff * diff).sum(-1) * (s / 2.0))
     if key_padding_mask is not None:
         c = c * key_padding_mask[:, None, None, :].to(c.dtype)
     if causal:

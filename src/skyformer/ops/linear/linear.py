@@ -70,6 +70,7 @@ def linear_attention(
     config: LinearConfig,
     *,
     key_padding_mask: Tensor | None = None,
+    query_padding_mask: Tensor | str | None = "auto",
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """Linear attention phi(Q) (phi(K)^T V) / (phi(Q) phi(K)^T 1 + eps), O(N).
@@ -84,7 +85,8 @@ def linear_attention(
         ``[B, H, Nq, Dv]`` in the dtype of ``q`` (half types computed in float32); rows of
         padded queries (self-attention) are zero.
     """
-    info = check_attention_inputs(q, k, v, key_padding_mask, method="linear")
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="linear",
+                                  query_padding_mask=query_padding_mask)
     check_generator("linear", generator, q.device)
     dtype = q.dtype
     work = compute_dtype(dtype)

@@ -34,11 +34,12 @@ import torch
 from torch import Tensor, nn
 
 from ...registry import Capabilities, register
-from ...sketch.streams import gaussian_columns
+from ...sketch.random_features import gaussian_columns
+from ...sketch.rng import stream
 from ..shared.inputs import (
     check_attention_inputs,
-    check_generator,
     compute_dtype,
+    resolve_key,
     zero_padded_queries,
 )
 from ..shared.masked import masked_attention
@@ -48,6 +49,7 @@ from ..shared.options import (
     check_positive_int,
     check_scale,
 )
+from ..shared.tracing import may_read_values
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,17 @@ class LinformerProjections(nn.Module):
         return {"proj_k": self.proj_k, "proj_v": proj_v}
 
 
+def jl_projections(key: Tensor, heads: int, k: int, n: int, share_kv: bool
+                   ) -> tuple[Tensor, Tensor]:
+    """E and F ``[H, k, n]`` with N(0, 1/k) entries (Linformer Theorems 1-2), column j a
+    function of the key and j only, so a shorter input gets the first columns."""
+    scale = 1.0 / math.sqrt(k)
+    e = gaussian_columns((heads, k), n, stream(key, "linformer/E"), key.device) * scale
+    f = e if share_kv else gaussian_columns((heads, k), n, stream(key, "linformer/F"),
+                                            key.device) * scale
+    return e, f
+
+
 def _check_projection(name: str, p: Tensor, heads: int, k: int, n: int,
                       max_seq_len: int | None) -> Tensor:
     """Validate ``p`` (``[H, k, L]`` or ``[k, L]``) and return its first n columns."""
@@ -137,6 +150,7 @@ def linformer_attention(
     config: LinformerConfig,
     *,
     key_padding_mask: Tensor | None = None,
+    query_padding_mask: Tensor | str | None = "auto",
     generator: torch.Generator | None = None,
     proj_k: Tensor | None = None,
     proj_v: Tensor | None = None,
@@ -154,8 +168,9 @@ def linformer_attention(
         ``[B, H, Nq, Dv]`` in the dtype of ``q`` (half types computed in float32); rows of
         padded queries (self-attention) are zero.
     """
-    info = check_attention_inputs(q, k, v, key_padding_mask, method="linformer")
-    check_generator("linformer", generator, q.device)
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="linformer",
+                                  query_padding_mask=query_padding_mask)
+    key = resolve_key("linformer", generator, q.device)
     cfg = config
     n = info.key_len
     if cfg.max_seq_len is not None and n > cfg.max_seq_len:
@@ -169,11 +184,7 @@ def linformer_attention(
     dtype = q.dtype
     work = compute_dtype(dtype)
     if proj_k is None:
-        e = gaussian_columns((info.heads, cfg.num_features), n, generator, q.device)
-        f = e if cfg.share_kv else gaussian_columns(
-            (info.heads, cfg.num_features), n, generator, q.device
-        )
-        e, f = (p * (1.0 / math.sqrt(cfg.num_features)) for p in (e, f))
+        e, f = jl_projections(key, info.heads, cfg.num_features, n, cfg.share_kv)
     else:
         e = _check_projection("proj_k", proj_k, info.heads, cfg.num_features, n, cfg.max_seq_len)
         f = _check_projection("proj_v", proj_v, info.heads, cfg.num_features, n, cfg.max_seq_len)
@@ -196,7 +207,10 @@ def linformer_attention(
     k_proj = e @ kw  # [B, H, k, D]
     v_proj = f @ vw  # [B, H, k, Dv]
     s = cfg.scale if cfg.scale is not None else 1.0 / math.sqrt(info.head_dim)
-    visible = None if bool(slot_live.all()) else slot_live[..., None, :]
+    # Skip the mask when every slot is live (SDPA is faster without one), unless the
+    # data may not be read (torch.compile, torch.func).
+    skip = may_read_values(slot_live) and bool(slot_live.all())
+    visible = None if skip else slot_live[..., None, :]
     # softmax(s Q K_proj^T) V_proj by fused SDPA: the [Nq, k] matrix is never stored
     out = masked_attention(q.to(work) * s, k_proj, v_proj, visible)  # [B, H, Nq, Dv]
     return zero_padded_queries(out, info.query_valid).to(dtype)

@@ -10,6 +10,8 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ...linalg import gather_rows
+from ...linalg.vmap import vmap_into_batch
+from ..shared.tracing import may_read_values
 
 
 @dataclass(frozen=True)
@@ -25,25 +27,27 @@ class BlockLayout:
 def block_layout(assignment: Tensor, num_clusters: int) -> BlockLayout:
     """Sort queries by cluster; cluster a fills ceil(|a| / size) blocks of
     size = ceil(N / 2c) rows, so at most N/size + c blocks, of which only as many as the
-    fullest head needs are allocated (at most 1.5 N rows)."""
+    fullest head needs are allocated (at most 1.5 N rows; under torch.compile or torch.func,
+    which need shapes that do not depend on the data, the bound itself)."""
     b, h, n = assignment.shape
     size = max(1, -(-n // (2 * num_clusters)))
     with torch.no_grad():
         sorted_cluster, order = torch.sort(assignment, dim=-1, stable=True)
         counts = torch.zeros(b, h, num_clusters, dtype=torch.long, device=assignment.device)
-        counts.scatter_add_(-1, assignment, torch.ones_like(assignment))
+        counts = counts.scatter_add(-1, assignment, torch.ones_like(assignment))
         blocks = -(-counts // size)
-        nb = int(blocks.sum(-1).max())
+        bound = -(-n // size) + num_clusters
+        nb = int(blocks.sum(-1).max()) if may_read_values(blocks) else bound
         first_block = blocks.cumsum(-1) - blocks
         first_row = counts.cumsum(-1) - counts
         rank = torch.arange(n, device=assignment.device) - first_row.gather(-1, sorted_cluster)
         block = first_block.gather(-1, sorted_cluster) + rank // size
         flat = block * size + rank % size  # [B, H, N] slot of the sorted queries
         slot_query = torch.full((b, h, nb * size), n, dtype=torch.long, device=assignment.device)
-        slot_query.scatter_(-1, flat, order)
-        query_slot = torch.empty_like(flat).scatter_(-1, order, flat)
+        slot_query = slot_query.scatter(-1, flat, order)
+        query_slot = torch.empty_like(flat).scatter(-1, order, flat)
         block_cluster = torch.zeros(b, h, nb, dtype=torch.long, device=assignment.device)
-        block_cluster.scatter_(-1, block, sorted_cluster)
+        block_cluster = block_cluster.scatter(-1, block, sorted_cluster)
     return BlockLayout(size, slot_query, query_slot, block_cluster)
 
 
@@ -54,9 +58,18 @@ class PermuteRows(torch.autograd.Function):
     zeros; for a bijection it is a gather by the inverse, several times cheaper on CPU."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, index: Tensor, inverse: Tensor) -> Tensor:
-        ctx.save_for_backward(inverse)
+    def forward(x: Tensor, index: Tensor, inverse: Tensor) -> Tensor:  # type: ignore[override]
         return gather_padded(x, index)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        ctx.save_for_backward(inputs[2])
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, *args: Any) -> tuple[Tensor, int | None]:
+        (out,), (dim,) = vmap_into_batch(PermuteRows.apply, info, in_dims, args,
+                                         tensors=(0, 1, 2), outputs=1)
+        return out, dim
 
     @staticmethod
     @once_differentiable

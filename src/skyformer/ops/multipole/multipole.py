@@ -27,9 +27,9 @@ from ...linalg import half_sq_norm, kernel_scale
 from ...registry import Capabilities, register
 from ..shared.inputs import (
     check_attention_inputs,
-    check_generator,
     compute_dtype,
     mean_values,
+    resolve_key,
     zero_padded_queries,
 )
 from ..shared.options import check_scale
@@ -40,10 +40,17 @@ from .targeted import FeatureChoice, targeted_multipole
 
 @dataclass(frozen=True)
 class SkyformerMultipoleConfig(MultipoleOptions):
-    """Options of ``skyformer_multipole`` (see ``MultipoleOptions``)."""
+    """Options of ``skyformer_multipole`` (see ``MultipoleOptions``).
+
+    scale: s of the Gaussian kernel exp(-s |q - k|^2 / 2), ``None`` = 1/sqrt(head dim)
+        (Skyformer eq. (1)); a model that pre-scales its queries passes its own.
+    """
+
+    scale: float | None = None
 
     def __post_init__(self) -> None:
         self.validate("skyformer_multipole")
+        check_scale("skyformer_multipole", self.scale)
 
 
 @dataclass(frozen=True)
@@ -86,14 +93,16 @@ def _mean_row(exact: Tensor, live: Tensor) -> Tensor:
 
 def multipole_and_choice(
     q: Tensor, k: Tensor, v: Tensor, config: MultipoleOptions, *,
-    key_padding_mask: Tensor | None = None, generator: torch.Generator | None = None,
+    key_padding_mask: Tensor | None = None, query_padding_mask: Tensor | str | None = "auto",
+    generator: torch.Generator | Tensor | None = None,
 ) -> tuple[Tensor, FeatureChoice | None]:
     """The multipole method of ``config``'s type: its output ``[B, H, Nq, Dv]`` and, with
     ``tolerance``, the per-head budgets and error estimates (``None`` without)."""
     softmax = isinstance(config, SoftmaxMultipoleConfig)
     method = "softmax_multipole" if softmax else "skyformer_multipole"
-    info = check_attention_inputs(q, k, v, key_padding_mask, method=method)
-    check_generator(method, generator, q.device)
+    info = check_attention_inputs(q, k, v, key_padding_mask, method=method,
+                                  query_padding_mask=query_padding_mask)
+    generator = resolve_key(method, generator, q.device)
     work = compute_dtype(q.dtype)
     values = v.to(work)
     if softmax:
@@ -105,7 +114,7 @@ def multipole_and_choice(
         def trivial(exact: Tensor, live: Tensor) -> Tensor:  # uniform attention: mean(V)
             return mean_values(values, info.key_valid)
     else:
-        scale = kernel_scale(info.head_dim)
+        scale = kernel_scale(info.head_dim, config.scale)
         q_, k_ = q.to(work) * scale, k.to(work) * scale
         bias = -half_sq_norm(k_)
         finish, trivial = _gaussian_finish, _mean_row
@@ -153,6 +162,7 @@ def skyformer_multipole_attention(
     config: SkyformerMultipoleConfig,
     *,
     key_padding_mask: Tensor | None = None,
+    query_padding_mask: Tensor | str | None = "auto",
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """Gaussian kernelized attention ``C V`` by near field + far-field expansion.
@@ -166,7 +176,7 @@ def skyformer_multipole_attention(
         ``[B, H, Nq, Dv]`` in the dtype of ``q``; rows of padded queries are zero.
     """
     return multipole_and_choice(q, k, v, config, key_padding_mask=key_padding_mask,
-                                generator=generator)[0]
+                                query_padding_mask=query_padding_mask, generator=generator)[0]
 
 
 @register(
@@ -183,6 +193,7 @@ def softmax_multipole_attention(
     config: SoftmaxMultipoleConfig,
     *,
     key_padding_mask: Tensor | None = None,
+    query_padding_mask: Tensor | str | None = "auto",
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """Softmax attention by near field + far-field expansion (normaliser from the same
@@ -198,4 +209,4 @@ def softmax_multipole_attention(
         without any real key are zero.
     """
     return multipole_and_choice(q, k, v, config, key_padding_mask=key_padding_mask,
-                                generator=generator)[0]
+                                query_padding_mask=query_padding_mask, generator=generator)[0]

@@ -179,11 +179,12 @@ def reference_softmax_multipole_attention(
 
 def reference_skyformer_multipole_attention(
     q: Tensor, k: Tensor, v: Tensor, assignment: Tensor, *,
-    key_padding_mask: Tensor | None = None, **structure: Any,
+    key_padding_mask: Tensor | None = None, scale: float | None = None, **structure: Any,
 ) -> Tensor:
     """Naive ``skyformer_multipole`` for given cluster assignments; ``structure`` as
-    ``reference_multipole_sums``. ``[B, H, Nq, Dv]``."""
-    c = q.shape[-1] ** -0.25
+    ``reference_multipole_sums``; kernel exp(-s |q - k|^2 / 2), s = ``scale`` or
+    1/sqrt(D). ``[B, H, Nq, Dv]``."""
+    c = (q.shape[-1] ** -0.5 if scale is None else scale) ** 0.5
     q_hat, k_hat = q * c, k * c
     bias = -0.5 * (k_hat * k_hat).sum(-1)
     sums, query_valid = _sums(q_hat, k_hat, v, bias, assignment, key_padding_mask, structure)

@@ -21,6 +21,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from ...linalg.vmap import vmap_into_batch
+
 # Elements of one group of score blocks: 2^18 float32 = 1 MiB, as kernel_matmul's chunks.
 CHUNK_ELEMENTS = 2**18
 
@@ -38,8 +40,8 @@ class _NearField(torch.autograd.Function):
     """(M, exp(l - M) V) per block; see the module docstring. M carries no gradient."""
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, bias: Tensor, v: Tensor, chunk: int
-                ) -> tuple[Tensor, Tensor]:
+    def forward(q: Tensor, k: Tensor, bias: Tensor, v: Tensor,  # type: ignore[override]
+                chunk: int) -> tuple[Tensor, Tensor]:
         groups, s, _ = q.shape
         out = q.new_empty(groups, s, v.shape[-1])
         top = q.new_empty(groups, s, 1)
@@ -48,10 +50,20 @@ class _NearField(torch.autograd.Function):
             rows = slice(g, g + chunk)
             e, top[rows] = _scores(q[rows], kt[rows], bias[rows], None)
             torch.bmm(e, v[rows], out=out[rows])
+        return top, out
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        q, k, bias, v, chunk = inputs
+        top, _ = output
         ctx.save_for_backward(q, k, bias, v, top)
         ctx.chunk = chunk
         ctx.mark_non_differentiable(top)
-        return top, out
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, *args: Any) -> tuple[tuple, tuple]:
+        return vmap_into_batch(_NearField.apply, info, in_dims, args, tensors=(0, 1, 2, 3),
+                               outputs=2)
 
     @staticmethod
     @once_differentiable
@@ -88,4 +100,11 @@ def near_field(q: Tensor, k: Tensor, bias: Tensor, v: Tensor, *, chunk: int | No
     if chunk is None:
         chunk = max(1, CHUNK_ELEMENTS // max(1, s * k.shape[1]))
     bias = bias.expand(groups, 1, k.shape[1]).contiguous()
+    if torch.compiler.is_exporting():
+        # torch.export traces through the Function's forward, whose out= writes cannot
+        # run in the exported graph with grad enabled: the same sums, by autograd.
+        e = torch.baddbmm(bias, q, k.transpose(1, 2))
+        top = e.detach().amax(-1, keepdim=True)
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        return top, (e - top).exp() @ v
     return _NearField.apply(q.contiguous(), k.contiguous(), bias, v.contiguous(), chunk)

@@ -57,6 +57,7 @@ from torch import Tensor
 from ...linalg import gather_rows
 from ...sketch.angular_lsh import draw_hyperplanes
 from ...sketch.kmeans import kmeans_clusters
+from ...sketch.rng import random_key, row_uniform, stream
 from ..shared.inputs import AttentionInputs
 from .exact_blocks import exact_blocks_part, lsh_blocks, window_blocks
 from .far_field import FarField, far_field, value_basis
@@ -71,22 +72,29 @@ _NEG_INF = float("-inf")
 class Draws:
     """All the randomness of one call."""
 
-    scores: Tensor  # [B, max(Nq, Nk), 2] uniform: queries (k-means), keys (covariance sample)
+    query_scores: Tensor  # [B, Nq] uniform, by rank among real queries: k-means
+    key_scores: Tensor  # [B, Nk] uniform, by rank among real keys: covariance sample
     hyperplanes: Tensor | None  # [B, H, D, r] LSH normals (None without LSH buckets)
 
 
 def draw(
-    q: Tensor, k: Tensor, options: MultipoleOptions, generator: torch.Generator | None
+    q: Tensor, k: Tensor, options: MultipoleOptions, generator: torch.Generator | Tensor | None,
+    info: AttentionInputs,
 ) -> Draws:
-    """The fixed-shape hyperplanes first, then one ``[B, N, 2]`` uniform tensor, so that
-    right padding of a batch of one draws what truncation draws."""
+    """Counter-based draws (``sketch/rng.py``) indexed by each row's rank among the real
+    rows of its sequence, so that padding anywhere draws what truncation draws and no
+    sequence depends on the others."""
     b, h, nq, d = q.shape
+    key = random_key(generator, q.device)
     planes = None
     if options.lsh_block:
         planes = draw_hyperplanes((b, h), d, options.lsh_hyperplanes, device=q.device,
-                                  dtype=q.dtype, generator=generator)
-    scores = torch.rand((b, max(nq, k.shape[2]), 2), device=q.device, generator=generator)
-    return Draws(scores, planes)
+                                  dtype=q.dtype, generator=key)
+    return Draws(
+        row_uniform(stream(key, "multipole/queries"), info.query_valid, b, nq),
+        row_uniform(stream(key, "multipole/keys"), info.key_valid, b, k.shape[2]),
+        planes,
+    )
 
 
 @dataclass(frozen=True)
@@ -123,7 +131,7 @@ def _near_keys(z: Tensor, k: Tensor, key_bias: Tensor, t: int) -> _NearKeys:
         near_live = torch.isfinite(near_logits)
         shift = near_logits[..., :1]
         # stored keys-by-centres, the layout the far field's chunks read
-        member = torch.zeros(b, h, nk, c, dtype=torch.bool, device=z.device).scatter_(
+        member = torch.zeros(b, h, nk, c, dtype=torch.bool, device=z.device).scatter(
             2, near.transpose(-1, -2), near_live.transpose(-1, -2)
         ).transpose(-1, -2)  # [B, H, c, Nk] view
     else:
@@ -140,7 +148,7 @@ def _tilt_sample(draws: Draws, info: AttentionInputs, options: MultipoleOptions,
     nk = info.key_len
     if not rank or options.tilt_sample is None or options.tilt_sample >= nk:
         return None
-    key_scores = draws.scores[:, :nk, 1]
+    key_scores = draws.key_scores
     if info.key_valid is not None:
         key_scores = key_scores.masked_fill(~info.key_valid, 2.0)  # uniform scores < 1
     return key_scores.topk(options.tilt_sample, dim=1, largest=False, sorted=False).indices
@@ -232,10 +240,10 @@ def multipole_sums(
                                  self_attention=self_attention, lsh_block=options.lsh_block)
     t = min(t, nk)
     if draws is None:
-        draws = draw(q, k, options, generator)
+        draws = draw(q, k, options, generator, info)
     clusters = kmeans_clusters(
         q, min(c, nq), valid=info.query_valid, iterations=options.kmeans_iterations,
-        sample=options.kmeans_sample, scores=draws.scores[:, :nq, 0],
+        sample=options.kmeans_sample, scores=draws.query_scores,
     )
     z, a = clusters.centres, clusters.assignment
     near = _near_keys(z, k, key_bias, t)

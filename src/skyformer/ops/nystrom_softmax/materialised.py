@@ -23,13 +23,16 @@ def materialised_nystrom_softmax_attention(
     config: NystromSoftmaxConfig,
     *,
     key_padding_mask: Tensor | None = None,
+    query_padding_mask: Tensor | str | None = "auto",
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """``nystrom_softmax_attention`` with the [N, m] blocks formed whole.
 
     Args and returns as ``nystrom_softmax_attention``.
     """
-    info, landmarks, root, work = prepare(q, k, v, key_padding_mask, generator, config)
+    info, landmarks, root, work = prepare(
+        q, k, v, config, key_padding_mask=key_padding_mask,
+        query_padding_mask=query_padding_mask, generator=generator)
     q_hat = q.to(work) * root
     k_hat = k.to(work) * root
     f = modified_nystrom_factors(q_hat, k_hat, info, config, landmarks, shift_query_rows=True)

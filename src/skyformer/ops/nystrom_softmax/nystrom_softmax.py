@@ -53,9 +53,9 @@ from ...sketch import Landmarks
 from ..shared.inputs import (
     AttentionInputs,
     check_attention_inputs,
-    check_generator,
     compute_dtype,
     mean_values,
+    resolve_key,
     zero_padded_queries,
 )
 from ..shared.modified_nystrom import NystromOptions, nystrom_core, sample_landmarks
@@ -101,6 +101,7 @@ def nystrom_softmax_attention(
     config: NystromSoftmaxConfig,
     *,
     key_padding_mask: Tensor | None = None,
+    query_padding_mask: Tensor | str | None = "auto",
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """Softmax attention approximated by the modified Nystrom method (O(N m)).
@@ -113,7 +114,9 @@ def nystrom_softmax_attention(
     Returns:
         ``[B, H, Nq, Dv]``; rows of padded queries (self-attention) are zero.
     """
-    info, landmarks, root, work = prepare(q, k, v, key_padding_mask, generator, config)
+    info, landmarks, root, work = prepare(
+        q, k, v, config, key_padding_mask=key_padding_mask,
+        query_padding_mask=query_padding_mask, generator=generator)
     qw, kw, vw = q.to(work), k.to(work), v.to(work)
     core = nystrom_core(qw, kw, root, config, landmarks)
     key_valid = None if info.key_valid is None else info.key_valid[:, None, :]  # [B, 1, Nk]
@@ -145,14 +148,16 @@ def nystrom_softmax_attention(
 
 
 def prepare(
-    q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None,
-    generator: torch.Generator | None, options: NystromSoftmaxConfig,
+    q: Tensor, k: Tensor, v: Tensor, options: NystromSoftmaxConfig, *,
+    key_padding_mask: Tensor | None, query_padding_mask: Tensor | str | None,
+    generator: torch.Generator | Tensor | None,
 ) -> tuple[AttentionInputs, Landmarks, float, torch.dtype]:
     """Checks, landmarks, sqrt of the logit scale and compute dtype (both evaluations)."""
-    info = check_attention_inputs(q, k, v, key_padding_mask, method="nystrom_softmax")
-    check_generator("nystrom_softmax", generator, q.device)
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="nystrom_softmax",
+                                  query_padding_mask=query_padding_mask)
+    key = resolve_key("nystrom_softmax", generator, q.device)
     s = options.scale if options.scale is not None else 1.0 / math.sqrt(info.head_dim)
-    landmarks = sample_landmarks(info, options.num_features, q.device, generator)
+    landmarks = sample_landmarks(info, options.num_features, q.device, key)
     return info, landmarks, math.sqrt(s), compute_dtype(q.dtype)
 
 

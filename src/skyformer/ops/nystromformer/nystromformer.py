@@ -192,6 +192,7 @@ def nystromformer_attention(
     config: NystromformerConfig,
     *,
     key_padding_mask: Tensor | None = None,
+    query_padding_mask: Tensor | str | None = "auto",
     generator: torch.Generator | None = None,
     conv_weight: Tensor | None = None,
 ) -> Tensor:
@@ -208,7 +209,8 @@ def nystromformer_attention(
         ``[B, H, Nq, Dv]`` in the dtype of ``q`` (half types computed in float32); rows of
         padded queries (self-attention) are zero.
     """
-    info = check_attention_inputs(q, k, v, key_padding_mask, method="nystromformer")
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="nystromformer",
+                                  query_padding_mask=query_padding_mask)
     check_generator("nystromformer", generator, q.device)
     _check_conv_weight(conv_weight, config.conv_kernel, info.heads)
     dtype = q.dtype
@@ -236,10 +238,10 @@ def nystromformer_attention(
 
     q_valid, k_valid = q_seg.n_valid, k_seg.n_valid
     own_landmarks = (k_valid <= m) & (torch.clamp(q_valid, max=m) >= k_valid)  # [B]
-    if bool(own_landmarks.any()):
-        # K~ = K and V~ = V: kernel_1 V~ is exact softmax attention.
-        exact_values = segment_means(vw, k_seg)
-        values = torch.where(own_landmarks[:, None, None, None], exact_values, values)
+    # K~ = K and V~ = V: kernel_1 V~ is exact softmax attention (computed for every
+    # sequence, an O(N Dv) mean, so that no branch depends on the data).
+    exact_values = segment_means(vw, k_seg)
+    values = torch.where(own_landmarks[:, None, None, None], exact_values, values)
     out = masked_attention(qs, k_land, values, k_live)  # kernel_1 @ values  [B, H, Nq, Dv]
     if conv_weight is not None:
         out = out + depthwise_conv(vw, conv_weight, info.key_valid)

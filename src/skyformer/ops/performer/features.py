@@ -42,7 +42,7 @@ def key_features(
 
 def resolve_projection(
     method: str, projection: Tensor | None, num_features: int, dim: int, orthogonal: bool,
-    device: torch.device, generator: torch.Generator | None,
+    device: torch.device, generator: torch.Generator | Tensor | None,
 ) -> Tensor:
     """The caller's ``projection [m, D]`` (checked) or a fresh draw from ``generator``."""
     if projection is None:

@@ -35,11 +35,12 @@ from torch import Tensor, nn
 
 from ...registry import Capabilities, register
 from ...sketch import gaussian_projection
+from ...sketch.rng import fold_in, random_key
 from ..shared.inputs import (
     check_attention_inputs,
-    check_generator,
     compute_dtype,
     mean_values,
+    resolve_key,
     zero_padded_queries,
 )
 from ..shared.options import (
@@ -85,10 +86,13 @@ class PerformerFeatures(nn.Module):
     Built by the registry's state hook: ``MultiHeadAttention`` owns it and passes
     ``{"projection": ...}`` to ``performer_attention`` on every call. In training mode
     the features are redrawn once ``feature_redraw_interval`` calls have used them; in
-    eval mode never. Redraw r draws from a generator seeded by (``seed``, r), both
-    buffers: every data-parallel process (and a resumed run) draws the same features,
-    whatever else consumed the global random stream. ``seed`` itself is drawn from the
-    global generator at construction, so it follows the model's seed.
+    eval mode never. Redraw r draws from the random key ``fold_in(seed, r)``
+    (``sketch/rng.py``), ``seed`` and ``redraws`` being buffers: every data-parallel
+    process (and a resumed run) draws the same features, whatever else consumed the
+    global random stream. ``seed`` itself is drawn from the global generator at
+    construction, so it follows the model's seed. Under ``torch.compile`` the redraw is
+    made with tensor operations (the fresh features are computed every training call and
+    kept only when due), so the compiled layer has no data-dependent branch.
     """
 
     def __init__(self, config: PerformerConfig, num_heads: int, head_dim: int) -> None:
@@ -100,31 +104,41 @@ class PerformerFeatures(nn.Module):
             gaussian_projection(config.num_features, head_dim, orthogonal=config.orthogonal),
         )
         self.register_buffer("calls_since_redraw", torch.zeros((), dtype=torch.long))
-        self.register_buffer("seed", torch.randint(0, 2**62, (), dtype=torch.long))
+        self.register_buffer("seed", random_key())
         self.register_buffer("redraws", torch.zeros((), dtype=torch.long))
 
-    def _next_generator(self) -> torch.Generator:
-        self.redraws += 1
-        seed = (int(self.seed) + 1_000_003 * int(self.redraws)) % 2**63
-        return torch.Generator(device=self.projection.device).manual_seed(seed)
-
-    @torch.no_grad()
-    def redraw(self, generator: torch.Generator | None = None) -> None:
-        """Draw new features now (from ``generator``, else from the (seed, redraw count)
-        stream) and restart the redraw counter."""
-        if generator is None:
-            generator = self._next_generator()
+    def _features(self, generator: torch.Generator | Tensor) -> Tensor:
         fresh = gaussian_projection(
             self.config.num_features, self.head_dim, orthogonal=self.config.orthogonal,
             device=self.projection.device, generator=generator,
         )
-        self.projection.copy_(fresh.to(self.projection.dtype))
+        return fresh.to(self.projection.dtype)
+
+    @torch.no_grad()
+    def redraw(self, generator: torch.Generator | Tensor | None = None) -> None:
+        """Draw new features now (from ``generator``, else the next redraw of the
+        (seed, redraw count) stream) and restart the redraw counter."""
+        if generator is None:
+            self.redraws += 1
+            generator = fold_in(self.seed, self.redraws)
+        self.projection.copy_(self._features(generator))
         self.calls_since_redraw.zero_()
+
+    @torch.no_grad()
+    def _redraw_if_due(self, interval: int) -> None:
+        """``redraw()`` when ``interval`` calls have used the features, as tensor ops."""
+        due = self.calls_since_redraw >= interval
+        fresh = self._features(fold_in(self.seed, self.redraws + 1))
+        self.projection.copy_(torch.where(due, fresh, self.projection))
+        self.redraws.add_(due.long())
+        self.calls_since_redraw.masked_fill_(due, 0)
 
     def forward(self, q: Tensor, k: Tensor) -> dict[str, Tensor]:
         interval = self.config.feature_redraw_interval
         if self.training and interval is not None:
-            if int(self.calls_since_redraw) >= interval:
+            if torch.compiler.is_compiling():
+                self._redraw_if_due(interval)
+            elif int(self.calls_since_redraw) >= interval:
                 self.redraw()
             self.calls_since_redraw += 1
         return {"projection": self.projection}
@@ -148,6 +162,7 @@ def performer_attention(
     config: PerformerConfig,
     *,
     key_padding_mask: Tensor | None = None,
+    query_padding_mask: Tensor | str | None = "auto",
     generator: torch.Generator | None = None,
     projection: Tensor | None = None,
 ) -> Tensor:
@@ -166,11 +181,12 @@ def performer_attention(
         ``[B, H, Nq, Dv]`` in the dtype of ``q`` (half types computed in float32);
         rows of padded queries (self-attention) are zero.
     """
-    info = check_attention_inputs(q, k, v, key_padding_mask, method="performer")
-    check_generator("performer", generator, q.device)
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="performer",
+                                  query_padding_mask=query_padding_mask)
+    key = resolve_key("performer", generator, q.device)
     w = resolve_projection(
         "performer", projection, config.num_features, info.head_dim, config.orthogonal, q.device,
-        generator,
+        key,
     )
     dtype = q.dtype
     work = compute_dtype(dtype)

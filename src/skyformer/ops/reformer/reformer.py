@@ -49,8 +49,8 @@ from ...registry import Capabilities, register
 from ...sketch import draw_rotations, rotation_hash
 from ..shared.inputs import (
     check_attention_inputs,
-    check_generator,
     compute_dtype,
+    resolve_key,
     zero_padded_queries,
 )
 from ..shared.options import (
@@ -138,12 +138,13 @@ def _rows_at(x: Tensor, positions: Tensor) -> Tensor:
     return gather_rows(x[:, None], positions)  # every round reads the same rows
 
 
-def _sorted_order(buckets: Tensor, valid: Tensor | None) -> Tensor:
-    """Positions sorted by (bucket, position), padded positions last: ``[B, R, H, N]``."""
+def _sorted_order(buckets: Tensor, valid: Tensor | None, num_buckets: int) -> Tensor:
+    """Positions sorted by (bucket, position), padded positions last: ``[B, R, H, N]``
+    (``num_buckets`` bounds the buckets)."""
     n = buckets.shape[-1]
     key = buckets.clone()
     if valid is not None:
-        key = key.masked_fill(~valid[:, None, None, :], int(buckets.max()) + 1)
+        key = key.masked_fill(~valid[:, None, None, :], num_buckets)
     pos = torch.arange(n, device=buckets.device)
     return torch.argsort(key * n + pos, dim=-1)
 
@@ -165,28 +166,24 @@ def _hash_rounds(
     kw: Tensor,
     valid: Tensor | None,
     config: ReformerConfig,
-    generator: torch.Generator | None,
+    generator: torch.Generator | Tensor | None,
 ) -> _Rounds:
     """Random-rotation hashes of queries and keys (Section 2), and their sorted orders."""
     b, h, n, d = qw.shape
     lengths = valid.sum(-1) if valid is not None else torch.full((b,), n, device=qw.device)
     n_buckets = buckets_per_sequence(config, lengths)
-    rotations = draw_rotations(
-        h,
-        config.num_hashes,
-        d,
-        int(n_buckets.max()) // 2,
-        device=qw.device,
-        dtype=qw.dtype,
-        generator=generator,
-    )
+    # As many columns as the padded width could need: a data-independent shape (column c
+    # does not depend on how many are drawn, see sketch/rotation_lsh.py).
+    widest = config.num_buckets or max(1, 2 * -(-n // config.chunk))
+    rotations = draw_rotations(h, config.num_hashes, d, widest // 2, device=qw.device,
+                               dtype=qw.dtype, generator=generator)
     q_buckets = rotation_hash(qw, rotations, n_buckets)  # [B, R, H, N]
-    q_order = _sorted_order(q_buckets, valid)
+    q_order = _sorted_order(q_buckets, valid, widest)
     q_rank = torch.argsort(q_order, dim=-1)
     if config.shared_qk:
         return _Rounds(q_buckets, q_buckets, q_order, q_order, q_rank, q_rank)
     k_buckets = rotation_hash(kw, rotations, n_buckets)
-    k_order = _sorted_order(k_buckets, valid)
+    k_order = _sorted_order(k_buckets, valid, widest)
     return _Rounds(q_buckets, k_buckets, q_order, k_order, q_rank, torch.argsort(k_order, dim=-1))
 
 
@@ -234,7 +231,7 @@ def _attended(
         k_chunk = _at(_extend(rounds.k_rank[:, r] // m, -3), pos_k)[..., None, :]
         window = (q_chunk == k_chunk) | (q_chunk == k_chunk + 1)  # own or previous chunk
         in_round = base & same_bucket & window  # round r's sets, on every round's windows
-        counts += in_round.to(torch.uint8)
+        counts = counts + in_round.to(torch.uint8)
         attended.append(in_round[:, r])
     return torch.stack(attended, dim=1), counts
 
@@ -273,6 +270,7 @@ def reformer_attention(
     config: ReformerConfig,
     *,
     key_padding_mask: Tensor | None = None,
+    query_padding_mask: Tensor | str | None = "auto",
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """Reformer LSH attention (Kitaev et al. 2020, Section 2 and Appendix A).
@@ -288,14 +286,15 @@ def reformer_attention(
     Returns:
         ``[B, H, N, Dv]`` in the dtype of ``q`` (half types computed in float32).
     """
-    info = check_attention_inputs(q, k, v, key_padding_mask, method="reformer")
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="reformer",
+                                  query_padding_mask=query_padding_mask)
     if info.query_len != info.key_len:
         raise ValueError(
             "reformer cannot attend with a different number of queries and keys (got "
             f"Nq={info.query_len}, Nk={info.key_len}): LSH attention pairs query and key "
             "chunks of one sequence."
         )
-    check_generator("reformer", generator, q.device)
+    key = resolve_key("reformer", generator, q.device)
     work = compute_dtype(q.dtype)
     s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
     qw, vw = q.to(work), v.to(work)
@@ -304,7 +303,7 @@ def reformer_attention(
         if config.shared_qk
         else k.to(work)
     )
-    rounds = _hash_rounds(qw, kw, info.key_valid, config, generator)
+    rounds = _hash_rounds(qw, kw, info.key_valid, config, key)
     pos_q, pos_k = _windows(rounds, config.chunk)
     qs = _rows_at(_extend_rows(qw), pos_q)  # [B, R, H, C, m, D]
     k_ext, v_ext = _extend_rows(kw), _extend_rows(vw)

@@ -45,12 +45,13 @@ from ...sketch import (
     gaussian_projection,
     scatter_block_rows,
 )
+from ...sketch.rng import random_key
 from ..performer.features import key_features, query_features
 from ..shared.inputs import (
     check_attention_inputs,
-    check_generator,
     compute_dtype,
     mean_values,
+    resolve_key,
     zero_padded_queries,
 )
 from ..shared.lsh_blocks import LshBlockOptions, lsh_block_logits
@@ -78,17 +79,19 @@ class ScatterbrainConfig(LshBlockOptions):
 
 def draw_scatterbrain(
     batch: int, heads: int, dim: int, config: ScatterbrainConfig, *,
-    device: torch.device | str = "cpu", generator: torch.Generator | None = None,
+    device: torch.device | str = "cpu", generator: torch.Generator | Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Random features ``[m, D]`` (drawn first, as Performer draws them) and LSH
-    hyperplanes ``[B, H, D, r]`` (None without a sparse part)."""
+    hyperplanes ``[B, H, D, r]`` (None without a sparse part), from one key."""
+    key = random_key(generator, device)
     projection = gaussian_projection(
-        config.num_features, dim, orthogonal=config.orthogonal, device=device, generator=generator
+        config.num_features, dim, orthogonal=config.orthogonal, device=device,
+        generator=key,
     )
     planes = None
     if config.blocks > 0:
         planes = draw_hyperplanes((batch, heads), dim, config.num_hyperplanes, device=device,
-                                  generator=generator)
+                                  generator=key)
     return projection, planes
 
 
@@ -105,6 +108,7 @@ def scatterbrain_attention(
     config: ScatterbrainConfig,
     *,
     key_padding_mask: Tensor | None = None,
+    query_padding_mask: Tensor | str | None = "auto",
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """Scatterbrain attention (Chen et al. 2021, Algorithm 1): D~^-1 (S + phi(Q) phi(K)^T) V.
@@ -119,10 +123,11 @@ def scatterbrain_attention(
         ``[B, H, Nq, Dv]`` in the dtype of ``q`` (half types computed in float32);
         rows of padded queries (self-attention) are zero.
     """
-    info = check_attention_inputs(q, k, v, key_padding_mask, method="scatterbrain")
-    check_generator("scatterbrain", generator, q.device)
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="scatterbrain",
+                                  query_padding_mask=query_padding_mask)
+    key = resolve_key("scatterbrain", generator, q.device)
     projection, planes = draw_scatterbrain(
-        info.batch, info.heads, info.head_dim, config, device=q.device, generator=generator
+        info.batch, info.heads, info.head_dim, config, device=q.device, generator=key
     )
     dtype = q.dtype
     work = compute_dtype(dtype)

@@ -3,10 +3,12 @@
 Layout: ``q: [B, H, Nq, D]``, ``k: [B, H, Nk, D]``, ``v: [B, H, Nk, Dv]``.
 Mask: ``key_padding_mask: [B, Nk]`` bool, True = real token.
 
-Self-attention convention: when ``Nq == Nk`` the key padding mask also marks
-which *queries* are padding. Padded queries take no part in anything computed
-from the set of queries (e.g. Skyformer's landmarks), and their output rows
-are zero. With ``Nq != Nk`` (cross-attention) every query is real.
+Query mask: ``query_padding_mask`` is ``"auto"`` (the default), ``None`` or
+``[B, Nq]`` bool. ``"auto"`` is the self-attention convention: when ``Nq == Nk`` the key
+padding mask also marks which *queries* are padding, and with ``Nq != Nk`` every query
+is real. Cross-attention with ``Nq == Nk`` passes ``None`` (every query real) or its own
+mask. Padded queries take no part in anything computed from the set of queries (e.g.
+Skyformer's landmarks), and their output rows are zero.
 
 Errors are raised here, early, as sentences that name the problem and the fix.
 """
@@ -17,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from ...sketch.rng import check_key, random_key
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -35,10 +39,14 @@ class AttentionInputs:
     query_valid: Tensor | None  # [B, Nq] bool, None = all real
 
 
+AUTO = "auto"  # query_padding_mask: the key padding mask when Nq == Nk, else none
+
+
 def check_attention_inputs(
-    q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, *, method: str
+    q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, *, method: str,
+    query_padding_mask: Tensor | str | None = AUTO,
 ) -> AttentionInputs:
-    """Validate ``q, k, v, key_padding_mask`` and resolve the query/key masks."""
+    """Validate ``q, k, v`` and the masks and resolve the query/key masks (module doc)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{method}: {name} must be a torch.Tensor, got {type(t).__name__}.")
@@ -79,29 +87,40 @@ def check_attention_inputs(
         raise ValueError(f"{method}: empty input, q {tuple(q.shape)}, k {tuple(k.shape)}.")
 
     key_valid = None
-    query_valid = None
-    if key_padding_mask is not None:
-        m = key_padding_mask
-        if not isinstance(m, Tensor):
-            raise TypeError(f"{method}: key_padding_mask must be a torch.Tensor or None.")
-        if m.dtype != torch.bool:
-            raise TypeError(
-                f"{method}: key_padding_mask must be a bool tensor (True = real token), got "
-                f"{m.dtype}; convert with mask.bool() (or mask == 1 for a 0/1 attention mask)."
-            )
-        if tuple(m.shape) != (b, nk):
+    key_valid = _check_mask(method, "key_padding_mask", key_padding_mask, b, nk, "Nk", k)
+    if isinstance(query_padding_mask, str):
+        if query_padding_mask != AUTO:
             raise ValueError(
-                f"{method}: key_padding_mask must have shape [B, Nk] = [{b}, {nk}], got "
-                f"{tuple(m.shape)}."
+                f"{method}: query_padding_mask must be a bool tensor [B, Nq], None or "
+                f"{AUTO!r}, got {query_padding_mask!r}."
             )
-        if m.device != k.device:
-            raise ValueError(
-                f"{method}: key_padding_mask is on {m.device} but k is on {k.device}."
-            )
-        key_valid = m
-        if nq == nk:
-            query_valid = m
+        query_valid = key_valid if nq == nk else None
+    else:
+        query_valid = _check_mask(method, "query_padding_mask", query_padding_mask, b, nq,
+                                  "Nq", q)
     return AttentionInputs(b, h, nq, nk, d, v.shape[-1], key_valid, query_valid)
+
+
+def _check_mask(method: str, name: str, m: object, b: int, n: int, n_name: str,
+                like: Tensor) -> Tensor | None:
+    """A padding mask ``[B, n]`` bool (True = real token) on ``like``'s device, or None."""
+    if m is None:
+        return None
+    if not isinstance(m, Tensor):
+        raise TypeError(f"{method}: {name} must be a torch.Tensor or None.")
+    if m.dtype != torch.bool:
+        raise TypeError(
+            f"{method}: {name} must be a bool tensor (True = real token), got "
+            f"{m.dtype}; convert with mask.bool() (or mask == 1 for a 0/1 attention mask)."
+        )
+    if tuple(m.shape) != (b, n):
+        raise ValueError(
+            f"{method}: {name} must have shape [B, {n_name}] = [{b}, {n}], got "
+            f"{tuple(m.shape)}."
+        )
+    if m.device != like.device:
+        raise ValueError(f"{method}: {name} is on {m.device} but the inputs are on {like.device}.")
+    return m
 
 
 def zero_padded_queries(out: Tensor, query_valid: Tensor | None) -> Tensor:
@@ -121,15 +140,36 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def check_generator(method: str, generator: object, device: torch.device) -> None:
+    """``generator`` is ``None``, a ``torch.Generator`` on the inputs' device type, or a
+    random key (``skyformer.random_key``, ``sketch/rng.py``)."""
     if generator is None:
         return
+    if isinstance(generator, Tensor):
+        check_key(generator, method)
+        return
     if not isinstance(generator, torch.Generator):
-        raise TypeError(f"{method}: generator must be a torch.Generator or None.")
+        raise TypeError(
+            f"{method}: generator must be a torch.Generator, a random key "
+            f"(skyformer.random_key(...)) or None."
+        )
+    if torch.compiler.is_compiling():
+        raise TypeError(
+            f"{method}: torch.compile cannot trace a torch.Generator; pass a random key "
+            f"instead, generator=skyformer.random_key(g) (an int64 tensor, drawn outside "
+            f"the compiled code), or None to draw from torch's global generator."
+        )
     if generator.device.type != device.type:
         raise ValueError(
             f"{method}: generator is on {generator.device} but the inputs are on {device}; "
             f"create it with torch.Generator(device=q.device)."
         )
+
+
+def resolve_key(method: str, generator: object, device: torch.device) -> Tensor:
+    """The call's random key ``[2]``: checks ``generator`` (``check_generator``), then one
+    draw of it (of torch's global generator for ``None``), or the key it is."""
+    check_generator(method, generator, device)
+    return random_key(generator, device)  # type: ignore[arg-type]
 
 
 def mean_values(v: Tensor, key_valid: Tensor | None) -> Tensor:

@@ -1,4 +1,5 @@
-"""Softmax restricted to a visibility mask, shared by the sparse and projected methods."""
+"""Softmax restricted to a visibility mask (the sparse and projected methods), and
+SDPA-style attention masks as one additive bias (the exact methods)."""
 
 from __future__ import annotations
 
@@ -41,4 +42,52 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None) ->
     # A row without keys would be NaN: let it attend to everything, then zero it.
     safe = visible | ~has_key
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=safe, scale=1.0)
+    return out * has_key.to(out.dtype)
+
+
+def attention_bias(attn_mask: Tensor, key_valid: Tensor | None, causal: bool,
+                   query_len: int, key_len: int, dtype: torch.dtype, method: str) -> Tensor:
+    """One additive bias ``[B|1, H|1, Nq, Nk]`` from an SDPA-style ``attn_mask`` (bool:
+    True = may attend; float: added to the logits), the key padding and the causal
+    pattern; blocked entries are ``-inf``.
+
+    ``attn_mask`` must broadcast to ``[B, H, Nq, Nk]``; checked here with a sentence.
+    """
+    fits = isinstance(attn_mask, Tensor) and 1 <= attn_mask.dim() <= 4 \
+        and attn_mask.shape[-1] == key_len \
+        and (attn_mask.dim() == 1 or attn_mask.shape[-2] in (1, query_len))
+    if not fits:
+        shape = tuple(attn_mask.shape) if isinstance(attn_mask, Tensor) else type(attn_mask)
+        raise ValueError(
+            f"{method}: attn_mask must broadcast to [B, H, Nq, Nk] = [B, H, {query_len}, "
+            f"{key_len}], got {shape}."
+        )
+    if attn_mask.dtype == torch.bool:
+        bias = torch.where(attn_mask, 0.0, float("-inf")).to(dtype)
+    elif attn_mask.is_floating_point():
+        bias = attn_mask.to(dtype)
+    else:
+        raise TypeError(
+            f"{method}: attn_mask must be bool (True = may attend) or a float additive mask, "
+            f"got {attn_mask.dtype}."
+        )
+    while bias.dim() < 4:
+        bias = bias[None]
+    blocked = float("-inf")
+    if key_valid is not None:
+        bias = torch.where(key_valid[:, None, None, :], bias, blocked)
+    if causal:
+        tril = torch.ones(query_len, key_len, dtype=torch.bool, device=bias.device).tril()
+        bias = torch.where(tril, bias, blocked)
+    return bias
+
+
+def biased_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, *, scale: float,
+                     dropout_p: float = 0.0) -> Tensor:
+    """``softmax(scale q k^T + bias) v`` through SDPA, rows with no finite bias entry
+    returning zeros (never NaN). ``bias`` from ``attention_bias``."""
+    has_key = (bias > float("-inf")).any(dim=-1, keepdim=True)
+    safe = torch.where(has_key, bias, torch.zeros((), dtype=bias.dtype, device=bias.device))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=safe, dropout_p=dropout_p,
+                                         scale=scale)
     return out * has_key.to(out.dtype)

@@ -75,9 +75,9 @@ class NystromFactors:
 
 def sample_landmarks(
     info: AttentionInputs, num_features: int, device: torch.device,
-    generator: torch.Generator | None,
+    generator: torch.Generator | Tensor | None,
 ) -> Landmarks:
-    """Uniform landmarks for one call (the first and only draw from ``generator``)."""
+    """Uniform landmarks for one call (``generator``: a generator or a random key)."""
     return uniform_landmarks(
         num_features,
         batch=info.batch,

@@ -24,13 +24,16 @@ def materialised_skyformer_attention(
     config: SkyformerConfig,
     *,
     key_padding_mask: Tensor | None = None,
+    query_padding_mask: Tensor | str | None = "auto",
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """``skyformer_attention`` with the [N, m] blocks formed whole and autograd backward.
 
     Args and returns as ``skyformer_attention``.
     """
-    info, landmarks, scale, work = prepare(q, k, v, key_padding_mask, generator, config)
+    info, landmarks, scale, work = prepare(
+        q, k, v, config, key_padding_mask=key_padding_mask,
+        query_padding_mask=query_padding_mask, generator=generator)
     f = modified_nystrom_factors(q.to(work) * scale, k.to(work) * scale, info, config, landmarks)
     context = f.c_kx.transpose(-1, -2) @ v.to(work)  # [B, H, m, Dv]
     out = f.c_qx @ (f.w @ context)  # [B, H, Nq, Dv]

@@ -24,5 +24,5 @@ def reference_skyformer_attention(
     ``[B, H, Nq, Dv]``."""
     config = SkyformerConfig(**options)
     return naive_modified_nystrom(
-        q, k, v, landmarks, key_padding_mask, kernel_scale(q.shape[-1]), config
+        q, k, v, landmarks, key_padding_mask, kernel_scale(q.shape[-1], config.scale), config
     )

@@ -32,19 +32,27 @@ from ...sketch import Landmarks
 from ..shared.inputs import (
     AttentionInputs,
     check_attention_inputs,
-    check_generator,
     compute_dtype,
+    resolve_key,
     zero_padded_queries,
 )
 from ..shared.modified_nystrom import NystromOptions, nystrom_core, sample_landmarks
+from ..shared.options import check_scale
 
 
 @dataclass(frozen=True)
 class SkyformerConfig(NystromOptions):
-    """Options of Skyformer; defaults are the paper's (128 features, gamma 0.1, 6 iterations)."""
+    """Options of Skyformer; defaults are the paper's (128 features, gamma 0.1, 6 iterations).
+
+    scale: s of the Gaussian kernel exp(-s |q - k|^2 / 2), ``None`` = 1/sqrt(head dim)
+        (Skyformer eq. (1)); a model that pre-scales its queries passes its own.
+    """
+
+    scale: float | None = None
 
     def __post_init__(self) -> None:
         self.validate("skyformer")
+        check_scale("skyformer", self.scale)
 
 
 @register(
@@ -60,6 +68,7 @@ def skyformer_attention(
     config: SkyformerConfig,
     *,
     key_padding_mask: Tensor | None = None,
+    query_padding_mask: Tensor | str | None = "auto",
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """Skyformer attention, an O(N m) approximation of ``kernelized_attention``.
@@ -74,7 +83,9 @@ def skyformer_attention(
         ``[B, H, Nq, Dv]`` in the dtype of ``q`` (half types computed in float32);
         rows of padded queries (self-attention) are zero.
     """
-    info, landmarks, scale, work = prepare(q, k, v, key_padding_mask, generator, config)
+    info, landmarks, scale, work = prepare(
+        q, k, v, config, key_padding_mask=key_padding_mask,
+        query_padding_mask=query_padding_mask, generator=generator)
     qw, kw, vw = q.to(work), k.to(work), v.to(work)
     core = nystrom_core(qw, kw, scale, config, landmarks)
     key_valid = None if info.key_valid is None else info.key_valid[:, None, :]  # [B, 1, Nk]
@@ -86,11 +97,13 @@ def skyformer_attention(
 
 
 def prepare(
-    q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None,
-    generator: torch.Generator | None, config: SkyformerConfig,
+    q: Tensor, k: Tensor, v: Tensor, config: SkyformerConfig, *,
+    key_padding_mask: Tensor | None, query_padding_mask: Tensor | str | None,
+    generator: torch.Generator | Tensor | None,
 ) -> tuple[AttentionInputs, Landmarks, float, torch.dtype]:
     """Checks, landmarks, kernel scale p^-1/4 and compute dtype (both evaluations)."""
-    info = check_attention_inputs(q, k, v, key_padding_mask, method="skyformer")
-    check_generator("skyformer", generator, q.device)
-    landmarks = sample_landmarks(info, config.num_features, q.device, generator)
-    return info, landmarks, kernel_scale(info.head_dim), compute_dtype(q.dtype)
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="skyformer",
+                                  query_padding_mask=query_padding_mask)
+    key = resolve_key("skyformer", generator, q.device)
+    landmarks = sample_landmarks(info, config.num_features, q.device, key)
+    return info, landmarks, kernel_scale(info.head_dim, config.scale), compute_dtype(q.dtype)

@@ -17,6 +17,7 @@ def _kernel(s: Tensor, t: Tensor) -> Tensor:
 def reference_skyformer_adaptive_attention(
     q: Tensor, k: Tensor, v: Tensor, assignment: Tensor, key_index: Tensor, key_live: Tensor,
     key_padding_mask: Tensor | None, gamma: float, pinv: str, pinv_iterations: int,
+    scale: float | None = None,
 ) -> Tensor:
     """C(Q, X) W C(X, K) V for given landmarks.
 
@@ -27,10 +28,11 @@ def reference_skyformer_adaptive_attention(
         key_index, key_live: ``[B, H, s]`` chosen keys and which slots hold one.
         key_padding_mask: ``[B, N]`` bool or None.
         gamma, pinv, pinv_iterations: of the Lemma 3 inverse (identity start).
+        scale: s of the kernel exp(-s |q - k|^2 / 2), ``None`` = 1/sqrt(D).
     Returns:
         ``[B, H, N, Dv]``; padded query rows zero.
     """
-    scale = q.shape[-1] ** -0.25
+    scale = (q.shape[-1] ** -0.5 if scale is None else scale) ** 0.5
     out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype)
     for b in range(q.shape[0]):
         mask = key_padding_mask

@@ -39,12 +39,12 @@ from ...sketch.leverage import sketched_ridge_leverage, top_keys
 from ..shared.inputs import (
     AttentionInputs,
     check_attention_inputs,
-    check_generator,
     compute_dtype,
+    resolve_key,
     zero_padded_queries,
 )
 from ..shared.modified_nystrom import NystromOptions
-from ..shared.options import check_nonnegative_int, check_optional_positive_int
+from ..shared.options import check_nonnegative_int, check_optional_positive_int, check_scale
 
 
 @dataclass(frozen=True)
@@ -55,12 +55,15 @@ class SkyformerAdaptiveConfig(NystromOptions):
         least one); the rest are keys chosen by ridge leverage.
     ridge: lambda of the leverage scores, relative to the mean diagonal of the sketch's Gram.
     kmeans_iterations, kmeans_sample: Lloyd iterations and sub-sample size.
+    scale: s of the Gaussian kernel exp(-s |q - k|^2 / 2), ``None`` = 1/sqrt(head dim)
+        (Skyformer eq. (1)); a model that pre-scales its queries passes its own.
     """
 
     query_fraction: float = 0.25
     ridge: float = 1e-3
     kmeans_iterations: int = 10
     kmeans_sample: int | None = 2048
+    scale: float | None = None
 
     def __post_init__(self) -> None:
         method = "skyformer_adaptive"
@@ -76,6 +79,7 @@ class SkyformerAdaptiveConfig(NystromOptions):
             raise ValueError(f"{method}: ridge must be a positive number, got {self.ridge!r}.")
         check_nonnegative_int(method, "kmeans_iterations", self.kmeans_iterations)
         check_optional_positive_int(method, "kmeans_sample", self.kmeans_sample)
+        check_scale(method, self.scale)
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,7 @@ class AdaptiveLandmarks:
 
 def adaptive_landmarks(
     q_hat: Tensor, k_hat: Tensor, info: AttentionInputs, options: SkyformerAdaptiveConfig,
-    generator: torch.Generator | None,
+    generator: torch.Generator | Tensor | None,
 ) -> AdaptiveLandmarks:
     """k-means centres of ``q_hat`` and ridge-leverage keys of ``k_hat`` (scaled inputs)."""
     m = options.num_features
@@ -152,6 +156,7 @@ def skyformer_adaptive_attention(
     config: SkyformerAdaptiveConfig,
     *,
     key_padding_mask: Tensor | None = None,
+    query_padding_mask: Tensor | str | None = "auto",
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """Kernelized attention by the modified Nystrom method with adaptive landmarks.
@@ -165,13 +170,14 @@ def skyformer_adaptive_attention(
     Returns:
         ``[B, H, Nq, Dv]`` in the dtype of ``q``; rows of padded queries are zero.
     """
-    info = check_attention_inputs(q, k, v, key_padding_mask, method="skyformer_adaptive")
-    check_generator("skyformer_adaptive", generator, q.device)
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="skyformer_adaptive",
+                                  query_padding_mask=query_padding_mask)
+    key = resolve_key("skyformer_adaptive", generator, q.device)
     dtype = q.dtype
     work = compute_dtype(dtype)
-    scale = kernel_scale(info.head_dim)
+    scale = kernel_scale(info.head_dim, config.scale)
     qw, kw = q.to(work), k.to(work)
-    landmarks = adaptive_landmarks(qw * scale, kw * scale, info, config, generator)
+    landmarks = adaptive_landmarks(qw * scale, kw * scale, info, config, key)
     # The fused products scale the rows themselves: no scaled [N, D] copies kept for backward.
     out = nystrom_with_landmarks(qw, kw, v.to(work), landmarks, info, config, scale=scale)
     return zero_padded_queries(out, info.query_valid).to(dtype)

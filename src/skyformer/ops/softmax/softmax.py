@@ -11,6 +11,7 @@ from torch import Tensor
 
 from ...registry import Capabilities, register
 from ..shared.inputs import check_attention_inputs, zero_padded_queries
+from ..shared.masked import attention_bias, biased_attention
 from ..shared.options import check_bool, check_scale
 
 _MASKED_LOGIT = -1e6  # far enough below any real logit that exp() underflows to 0
@@ -55,7 +56,8 @@ def _masked_sdpa(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, *, s
 @register(
     "softmax",
     SoftmaxConfig,
-    Capabilities(target="softmax", exact=True, causal=True, cross_attention=True),
+    Capabilities(target="softmax", exact=True, causal=True, cross_attention=True,
+                 attn_mask=True, weight_dropout=True),
     summary="exact softmax attention (torch scaled_dot_product_attention)",
 )
 def softmax_attention(
@@ -65,23 +67,38 @@ def softmax_attention(
     config: SoftmaxConfig,
     *,
     key_padding_mask: Tensor | None = None,
+    query_padding_mask: Tensor | str | None = "auto",
     generator: torch.Generator | None = None,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
 ) -> Tensor:
-    """Exact softmax attention softmax(scale Q K^T) V.
+    """Exact softmax attention softmax(scale Q K^T + mask) V.
 
     Args:
         q: ``[B, H, Nq, D]``; k: ``[B, H, Nk, D]``; v: ``[B, H, Nk, Dv]``.
         key_padding_mask: ``[B, Nk]`` bool, True = real token.
         generator: unused (exact method); accepted for a uniform signature.
+        attn_mask: SDPA's mask, broadcastable to ``[B, H, Nq, Nk]``: bool (True = may
+            attend) or float (added to the logits); combined with the padding and
+            ``causal``. A row that may attend to nothing returns zeros.
+        dropout_p: dropout on the attention probabilities (applied whenever > 0, as SDPA).
     Returns:
         ``[B, H, Nq, Dv]``; rows of padded queries (self-attention) are zero.
     """
-    info = check_attention_inputs(q, k, v, key_padding_mask, method="softmax")
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="softmax",
+                                  query_padding_mask=query_padding_mask)
     if config.causal and info.query_len != info.key_len:
         raise ValueError(
             f"softmax: causal=True needs as many queries as keys, got Nq={info.query_len}, "
             f"Nk={info.key_len}."
         )
     s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
-    out = _masked_sdpa(q, k, v, info.key_valid, scale=s, causal=config.causal)
+    if attn_mask is None and not dropout_p:
+        out = _masked_sdpa(q, k, v, info.key_valid, scale=s, causal=config.causal)
+    else:
+        mask = attn_mask if attn_mask is not None else torch.ones(
+            info.key_len, dtype=torch.bool, device=q.device)
+        bias = attention_bias(mask, info.key_valid, config.causal, info.query_len,
+                              info.key_len, q.dtype, "softmax")
+        out = biased_attention(q, k, v, bias, scale=s, dropout_p=dropout_p)
     return zero_padded_queries(out, info.query_valid)

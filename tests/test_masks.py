@@ -1,4 +1,4 @@
-"""transformers attention masks -> key_padding_mask and causal (skyformer.hf.masks)."""
+"""transformers attention masks -> key_padding_mask and causal (skyformer.masks)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from transformers.masking_utils import (
     sliding_window_causal_mask_function,
 )
 
-from skyformer.hf.masks import UnsupportedMaskError, resolve_mask
+from skyformer.masks import UnsupportedMaskError, resolve_mask
 
 B, N = 3, 7
 

@@ -1,12 +1,13 @@
-"""The masks Hugging Face models pass to attention functions, turned into ours.
+"""SDPA-style attention masks turned into what the approximate methods take.
 
-transformers hands an attention function ``attention_mask`` as ``None``, a 4-D boolean
-mask ``[B or 1, 1 or H, Nq or 1, Nk]`` (True = may attend, built by ``masking_utils``
-for SDPA), a 4-D additive float mask (0 = attend, a large negative = blocked, the
-"eager" form and most user-supplied 4-D masks), or, in older code, a 2-D ``[B, Nk]``
-padding mask (1 = real token). Our methods take only ``key_padding_mask [B, Nk]``
-(True = real) and, where the capabilities allow, ``causal``. So a mask is accepted
-only if it is exactly one of
+``scaled_dot_product_attention`` (torch's, and skyformer's) and Hugging Face models pass
+``attn_mask`` as ``None``, a 4-D boolean mask ``[B or 1, 1 or H, Nq or 1, Nk]`` (True =
+may attend), a 4-D additive float mask (0 = attend, a large negative = blocked), or,
+in older transformers code, a 2-D ``[B, Nk]`` padding mask (1 = real token). The exact
+methods take any of these as they are (capability ``attn_mask``); the approximate
+methods take only ``key_padding_mask [B, Nk]`` (True = real) and, where the
+capabilities allow, ``causal``. So for them a mask is accepted only if it is exactly one
+of
 
 - key padding: every real query sees the same set of keys;
 - causal with key padding (``Nq == Nk``): query i sees the real keys j <= i;
@@ -33,10 +34,8 @@ from torch import Tensor
 # finfo(dtype).min (or -inf), legacy BERT code -10000.
 BLOCKED_LOGIT = -1e4
 
-_USE_SDPA = (
-    "load the model with attn_implementation='sdpa' or keep exact attention in the layers "
-    "that need it (skyformer.hf.set_attention(model, 'exact', layers=...))"
-)
+# What to do instead, named in the error sentences; callers pass their own.
+USE_EXACT = "use an exact method (softmax or kernelized), which takes any attn_mask"
 
 
 class UnsupportedMaskError(ValueError):
@@ -55,7 +54,7 @@ class ResolvedMask:
     causal: bool
 
 
-def _allowed(mask: Tensor, batch: int, query_len: int, key_len: int) -> Tensor:
+def _allowed(mask: Tensor, batch: int, query_len: int, key_len: int, advice: str) -> Tensor:
     """``[B, Hm, Qm, Nk]`` bool (True = may attend) from any accepted mask form."""
     if mask.dim() == 2:
         if tuple(mask.shape) != (batch, key_len):
@@ -88,7 +87,7 @@ def _allowed(mask: Tensor, batch: int, query_len: int, key_len: int) -> Tensor:
         raise UnsupportedMaskError(
             "the additive attention mask carries a bias (entries other than 0 and large "
             "negatives, e.g. ALiBi or relative-position terms), which skyformer methods "
-            f"cannot add to their attention; {_USE_SDPA}."
+            f"cannot add to their attention; {advice}."
         )
     return ~blocked
 
@@ -100,6 +99,7 @@ def resolve_mask(
     query_len: int,
     key_len: int,
     is_causal: bool,
+    advice: str = USE_EXACT,
 ) -> ResolvedMask:
     """Turn a transformers attention mask into ``key_padding_mask`` and ``causal``.
 
@@ -110,6 +110,7 @@ def resolve_mask(
         is_causal: the model's causal flag; as in transformers' SDPA path it applies only
             when no mask is given (a given mask already holds the causal pattern) and
             ``Nq > 1``.
+        advice: what the caller can do instead, ending every error sentence.
     Returns:
         ``ResolvedMask``; its ``key_padding_mask`` is ``None`` when every key is real.
     Raises:
@@ -121,19 +122,19 @@ def resolve_mask(
             raise UnsupportedMaskError(
                 f"causal attention over a cached prefix (Nq={query_len} queries, Nk={key_len} "
                 f"keys) is not supported by skyformer methods, whose causal option needs "
-                f"Nq == Nk; run the prompt without a cache, or {_USE_SDPA}."
+                f"Nq == Nk; run the prompt without a cache, or {advice}."
             )
         return ResolvedMask(None, causal)
     if not isinstance(attention_mask, Tensor):
         raise UnsupportedMaskError(
             f"the attention mask is a {type(attention_mask).__name__}, not a tensor (e.g. a "
-            f"flex-attention BlockMask); {_USE_SDPA}."
+            f"flex-attention BlockMask); {advice}."
         )
-    allowed = _allowed(attention_mask, batch, query_len, key_len)
+    allowed = _allowed(attention_mask, batch, query_len, key_len, advice)
     if allowed.shape[1] > 1 and not bool((allowed == allowed[:, :1]).all()):
         raise UnsupportedMaskError(
             f"the attention mask differs between heads; skyformer methods take one key "
-            f"padding mask for all heads; {_USE_SDPA}."
+            f"padding mask for all heads; {advice}."
         )
     rows = allowed[:, 0].expand(batch, -1, -1)  # [B, Qm, Nk]
     if rows.shape[1] == 1 or rows.stride(1) == 0:  # one row for every query: key padding
@@ -151,8 +152,8 @@ def resolve_mask(
             return ResolvedMask(_normalise(visible), True)
     raise UnsupportedMaskError(
         "the attention mask is neither key padding nor causal with key padding (e.g. a "
-        "sliding window, packed sequences, a cached prefix or a custom pattern); skyformer "
-        f"methods take only a key padding mask and causal masking; {_USE_SDPA}."
+        "sliding window, packed sequences, a cached prefix or a custom pattern); the "
+        f"approximate methods take only a key padding mask and causal masking; {advice}."
     )
 
 

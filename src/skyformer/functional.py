@@ -1,0 +1,188 @@
+"""``skyformer.scaled_dot_product_attention``: every method behind the signature of
+``torch.nn.functional.scaled_dot_product_attention``.
+
+Same layout (``[B, H, L, E]``, or ``[H, L, E]``) and the same arguments, with the
+method chosen by ``method=`` and its options as keyword arguments. Each argument is
+honoured where the method can honour it and refused with a sentence naming the method
+where it cannot:
+
+- ``attn_mask``: the exact methods (capability ``attn_mask``) take any bool or additive
+  mask broadcastable to ``[B, H, L, S]``; the approximate methods take masks that are
+  key padding, or causal with key padding (``skyformer.masks.resolve_mask``), which
+  reads the mask's values: under ``torch.compile`` they take masks that broadcast over
+  the queries (``[B, 1, 1, S]``), or pass ``key_padding_mask`` and ``is_causal``.
+- ``is_causal``: the methods with capability ``causal``.
+- ``scale``: the methods with a ``scale`` option (every method but ``linear``).
+- ``dropout_p``: applied, as by SDPA, whenever it is positive (pass 0 in evaluation):
+  on the attention probabilities for ``softmax``, on the output for the methods that
+  have no attention matrix (the same expectation, per entry of the output rather than
+  per weight).
+- ``enable_gqa``: fewer key/value heads than query heads (H a multiple of Hkv), each
+  group of H / Hkv query heads sharing one key/value head, as SDPA; the key/value heads
+  are repeated for the methods, so every method runs grouped-query attention.
+- Variable-length batches: packed sequences ``[1, H, T, E]`` with cumulative lengths
+  ``cu_seqlens`` ``[B + 1]`` (and ``cu_seqlens_k`` for keys of other lengths), as in
+  FlashAttention's varlen API and transformers' packed-sequence path; PyTorch's nested
+  jagged tensors were the alternative. Cumulative lengths are plain tensors, so they
+  pass through ``torch.compile`` and ``torch.export`` and come straight from the
+  packed batches transformers builds; they are unpacked here into a padded batch with
+  a key padding mask (``max_seqlen`` avoids reading the lengths on the host).
+
+Beyond SDPA: ``key_padding_mask`` ``[B, S]`` (True = real token) and
+``query_padding_mask`` (see ``skyformer.attention``), ``generator`` (a torch.Generator
+or a random key, ``skyformer.random_key``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .masks import BLOCKED_LOGIT, resolve_mask
+from .ops.shared.tracing import may_read_values
+from .registry import CapabilityError, check_capabilities, get_method
+from .registry.methods import Method
+from .varlen import pack, unpack
+
+
+def scaled_dot_product_attention(
+    query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+    enable_gqa: bool = False, *, method: str = "softmax",
+    key_padding_mask: Tensor | None = None, query_padding_mask: Tensor | str | None = "auto",
+    cu_seqlens: Tensor | None = None, cu_seqlens_k: Tensor | None = None,
+    max_seqlen: int | None = None, max_seqlen_k: int | None = None,
+    generator: torch.Generator | Tensor | None = None, **options: Any,
+) -> Tensor:
+    """Attention of ``query: [B, H, L, E]`` to ``key: [B, Hkv, S, E]``,
+    ``value: [B, Hkv, S, Ev]`` by ``method``; returns ``[B, H, L, Ev]`` (module doc)."""
+    spec = get_method(method)
+    if isinstance(query, Tensor) and query.dim() == 3:  # unbatched [H, L, E]
+        return scaled_dot_product_attention(
+            query[None], key[None], value[None],
+            None if attn_mask is None or attn_mask.dim() < 3 else attn_mask[None],
+            dropout_p, is_causal, scale, enable_gqa, method=method,
+            key_padding_mask=key_padding_mask, query_padding_mask=query_padding_mask,
+            generator=generator, **options)[0]
+    if cu_seqlens is not None:
+        return _varlen(spec, query, key, value, attn_mask, dropout_p, is_causal, scale,
+                       enable_gqa, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k,
+                       generator, options)
+    _check_layout(spec.name, query, key, value)
+    key, value = _grouped(spec.name, query, key, value, enable_gqa)
+    options = _sdpa_options(spec, options, is_causal, scale, query.shape[-1])
+    arguments: dict[str, Any] = {}
+    if attn_mask is not None:
+        if spec.capabilities.attn_mask:
+            arguments["attn_mask"] = attn_mask
+        else:
+            key_padding_mask, causal = _as_padding(spec, attn_mask, key_padding_mask, query,
+                                                   key, bool(options.get("causal")))
+            options = _sdpa_options(spec, options, causal, None, query.shape[-1])
+    if dropout_p and spec.capabilities.weight_dropout:
+        arguments["dropout_p"] = dropout_p
+    bound = spec.bind(**options)
+    out = bound(query, key, value, key_padding_mask=key_padding_mask,
+                query_padding_mask=query_padding_mask, generator=generator, **arguments)
+    if dropout_p and not spec.capabilities.weight_dropout:
+        out = F.dropout(out, p=dropout_p, training=True)
+    return out
+
+
+def _check_layout(method: str, query: Any, key: Any, value: Any) -> None:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(
+                f"{method}: scaled_dot_product_attention takes {name} as [B, H, L, E] (or "
+                f"[H, L, E]), got {shape}."
+            )
+
+
+def _grouped(method: str, query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool
+             ) -> tuple[Tensor, Tensor]:
+    """Keys and values with as many heads as the queries (SDPA's grouped-query rule)."""
+    h, hkv = query.shape[1], key.shape[1]
+    if h == hkv:
+        return key, value
+    if not enable_gqa or hkv == 0 or h % hkv or value.shape[1] != hkv:
+        raise ValueError(
+            f"{method}: the query has {h} heads but key/value have {key.shape[1]}/"
+            f"{value.shape[1]}; grouped-query attention needs enable_gqa=True and a number "
+            f"of query heads that is a multiple of the key/value heads."
+        )
+    group = h // hkv
+    return key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+
+
+def _sdpa_options(spec: Method, options: dict[str, Any], is_causal: bool,
+                  scale: float | None, head_dim: int) -> dict[str, Any]:
+    """The method's options with SDPA's ``is_causal`` and ``scale``, or a sentence."""
+    options = dict(options)
+    if is_causal:
+        check_capabilities(spec.name, causal=True)
+        options["causal"] = True
+    if scale is not None and not math.isclose(scale, head_dim**-0.5, rel_tol=1e-6):
+        if "scale" not in spec.option_names():
+            raise CapabilityError(
+                f"{spec.name} cannot use scale={scale:g} (it has no scale option and "
+                f"computes with 1/sqrt(E) = {head_dim**-0.5:.6g}); the other methods can."
+            )
+        options["scale"] = scale
+    return options
+
+
+def _as_padding(spec: Method, attn_mask: Tensor, key_padding_mask: Tensor | None,
+                query: Tensor, key: Tensor, causal: bool) -> tuple[Tensor | None, bool]:
+    """An ``attn_mask`` as the key padding mask and causal flag an approximate method
+    takes (combined with the caller's ``key_padding_mask``), or a sentence."""
+    b, _, lq, _ = query.shape
+    lk = key.shape[2]
+    advice = (f"{spec.name} is one of them: use method='softmax' or 'kernelized', which "
+              f"take any attn_mask")
+    # SDPA broadcasts attn_mask from the right ([L, S] is one mask for every batch and
+    # head); resolve_mask reads 2-D masks as [B, S] (transformers' form): make it 4-D.
+    attn_mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+    if may_read_values(attn_mask):
+        resolved = resolve_mask(attn_mask, batch=b, query_len=lq, key_len=lk,
+                                is_causal=False, advice=advice)
+        valid, causal = resolved.key_padding_mask, causal or resolved.causal
+    elif attn_mask.dim() >= 2 and attn_mask.shape[-2] == 1 and attn_mask.shape[-1] == lk \
+            and (attn_mask.dim() < 3 or attn_mask.shape[-3] == 1):
+        rows = attn_mask.reshape(-1, lk).expand(b, lk)
+        valid = rows if rows.dtype == torch.bool else rows > BLOCKED_LOGIT
+    else:
+        raise CapabilityError(
+            f"{spec.name} takes only key padding and causal masks, and under torch.compile "
+            f"the values of attn_mask cannot be read to check it is one: pass "
+            f"key_padding_mask and is_causal, or a mask [B, 1, 1, S] that is the same for "
+            f"every query."
+        )
+    if valid is not None and key_padding_mask is not None:
+        valid = valid & key_padding_mask
+    return (key_padding_mask if valid is None else valid), causal
+
+
+def _varlen(spec: Method, query: Tensor, key: Tensor, value: Tensor, attn_mask: Any,
+            dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool,
+            cu_seqlens: Tensor, cu_seqlens_k: Tensor | None, max_seqlen: int | None,
+            max_seqlen_k: int | None, generator: Any, options: dict[str, Any]) -> Tensor:
+    """Packed sequences: unpack to a padded batch with padding masks, attend, pack."""
+    _check_layout(spec.name, query, key, value)
+    if attn_mask is not None:
+        raise ValueError(f"{spec.name}: with cu_seqlens, pass no attn_mask (the sequences "
+                         f"are kept apart by the cumulative lengths; use is_causal).")
+    check_capabilities(spec.name, mask=True)
+    cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
+    q, q_valid = unpack(query, cu_seqlens, max_seqlen, spec.name)
+    k, k_valid = unpack(key, cu_k, max_seqlen_k if cu_seqlens_k is not None else max_seqlen,
+                        spec.name)
+    v, _ = unpack(value, cu_k, k.shape[2], spec.name)
+    out = scaled_dot_product_attention(
+        q, k, v, None, dropout_p, is_causal, scale, enable_gqa, method=spec.name,
+        key_padding_mask=k_valid, query_padding_mask=q_valid, generator=generator, **options)
+    return pack(out, cu_seqlens, query.shape[2])

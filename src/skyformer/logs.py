@@ -1,0 +1,39 @@
+"""The library's log messages go through ``logging`` (logger ``"skyformer"`` and its
+children); it prints nothing by itself. The ``skyformer`` command turns them on with
+``enable_console``, which writes them to standard output through ``tqdm.write`` so that
+they do not break a progress bar."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+ROOT = "skyformer"
+
+
+def get_logger(name: str) -> logging.Logger:
+    """The library logger ``skyformer.<name>``."""
+    return logging.getLogger(f"{ROOT}.{name}")
+
+
+class _Console(logging.Handler):
+    """Writes records to the current ``sys.stdout`` (looked up at each record, so that
+    redirections made later, e.g. by pytest's capture, are followed)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        try:
+            tqdm.write(self.format(record), file=sys.stdout)
+        except Exception:  # a logging handler must not raise
+            self.handleError(record)
+
+
+def enable_console(level: int = logging.INFO) -> None:
+    """Print the library's messages (``level`` and above) on standard output; idempotent."""
+    root = logging.getLogger(ROOT)
+    root.setLevel(level)
+    if not any(isinstance(h, _Console) for h in root.handlers):
+        handler = _Console()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        root.addHandler(handler)

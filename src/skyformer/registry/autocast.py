@@ -1,0 +1,31 @@
+"""Run a method's core the way ``scaled_dot_product_attention`` runs under autocast.
+
+Under ``torch.autocast`` SDPA casts its floating-point inputs to the autocast dtype and
+returns that dtype. Every method does the same: the inputs are cast, autocast is turned
+off inside the method (its own precision choices apply: the kernel methods compute half
+inputs in float32, and their fused products write into buffers of that dtype), and the
+output comes back in the autocast dtype. Outside autocast nothing changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def call_core(core: Callable[..., Tensor], q: Any, k: Any, v: Any, config: Any,
+              **kwargs: Any) -> Tensor:
+    """``core(q, k, v, config, **kwargs)``, with the autocast rule above."""
+    if not isinstance(q, Tensor) or not q.is_floating_point():
+        return core(q, k, v, config, **kwargs)
+    device_type = q.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return core(q, k, v, config, **kwargs)
+    dtype = torch.get_autocast_dtype(device_type)
+    q, k, v = (t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t
+               for t in (q, k, v))
+    with torch.autocast(device_type, enabled=False):
+        return core(q, k, v, config, **kwargs)

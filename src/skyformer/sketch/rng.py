@@ -1,0 +1,141 @@
+"""Counter-based random numbers: every draw is a pure function of a key and an index.
+
+A *key* is an int64 tensor ``[..., 2]`` of two 32-bit words. ``uniform_at(key, index)``
+hashes the key with each integer ``index`` (a 32-bit integer hash, Wellons' "lowbias32",
+applied in rounds), so the number drawn for an item depends only on the key and on that
+item's index, never on how many other numbers are drawn. That gives, by construction:
+
+- padding and batch independence: a sampler that indexes its draws by the batch
+  element and by the *rank of a real row* draws the same numbers whatever the padded
+  width, wherever the padding is and whatever the other sequences are;
+- ``torch.compile``: a draw is a few integer tensor ops, with no ``torch.Generator``
+  object in the graph (Dynamo cannot trace one);
+- the same numbers on every device.
+
+Callers keep passing a ``torch.Generator`` (or ``None``): ``random_key`` turns it into a
+key with one draw. A key tensor (``skyformer.random_key(generator)``) can be passed
+wherever a generator is, which is how randomised methods run inside ``torch.compile``
+reproducibly (with ``None`` the key is drawn from torch's global generator, which
+compiled code supports).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+_MASK = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9  # 2^32 / golden ratio: spreads consecutive indices
+
+
+def _mix(x: Tensor) -> Tensor:
+    """lowbias32 on int64 tensors holding 32-bit values (products wrap; the mask keeps
+    the low 32 bits, which is all the hash uses)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK
+    return x ^ (x >> 16)
+
+
+def random_key(source: torch.Generator | Tensor | int | None = None,
+               device: torch.device | str = "cpu") -> Tensor:
+    """A key ``[2]`` (int64 on ``device``) from a generator (one draw), an int seed, an
+    existing key (returned on ``device``) or ``None`` (one draw of torch's global
+    generator)."""
+    if isinstance(source, Tensor):
+        check_key(source)
+        return source.to(device)
+    if isinstance(source, int) and not isinstance(source, bool):
+        lo, hi = torch.tensor(source & _MASK), torch.tensor((source >> 32) & _MASK)
+        return fold_in(torch.stack([_mix(lo ^ 0x5BD1E995), _mix(hi ^ 0x27D4EB2F)]), lo
+                       ).to(device)
+    return torch.randint(0, 2**31, (2,), generator=source, device=device, dtype=torch.long)
+
+
+def check_key(key: object, method: str = "skyformer") -> None:
+    """A key is an int64 tensor whose last dim has size 2."""
+    if not isinstance(key, Tensor) or key.dtype != torch.long or key.dim() < 1 \
+            or key.shape[-1] != 2:
+        raise TypeError(
+            f"{method}: a random key must be an int64 tensor [..., 2] "
+            f"(skyformer.random_key(generator)), got "
+            f"{tuple(key.shape) if isinstance(key, Tensor) else type(key).__name__}"
+            f"{' ' + str(key.dtype) if isinstance(key, Tensor) else ''}."
+        )
+
+
+def fold_in(key: Tensor, data: int | Tensor) -> Tensor:
+    """A new key derived from ``key [..., 2]`` and ``data`` (an int or an integer tensor
+    broadcasting against ``key[..., 0]``): independent streams for parts of a method,
+    batch elements, heads."""
+    data = torch.as_tensor(data, device=key.device, dtype=torch.long) & _MASK
+    k0, k1 = key[..., 0], key[..., 1]
+    a = _mix(k0 ^ _mix((data * _GOLDEN) & _MASK))
+    b = _mix(k1 ^ _mix(a + 0x632BE5AB))
+    return torch.stack([a, b], dim=-1)
+
+
+def stream(key: Tensor, name: str) -> Tensor:
+    """The key of the named stream under ``key``: ``fold_in`` of a hash of ``name``
+    (e.g. ``stream(key, "landmarks/queries")``), so that independent draws of one call
+    never share numbers by accident."""
+    h = 0x811C9DC5  # FNV-1a, in plain Python so that torch.compile folds it to a constant
+    for ch in name:
+        h = ((h ^ ord(ch)) * 0x01000193) & _MASK
+    return fold_in(key, h)
+
+
+def _bits(key: Tensor, index: Tensor, salt: int) -> Tensor:
+    """32 random bits ``[...]`` for each ``index`` under ``key [..., 2]`` (broadcast)."""
+    i = index & _MASK
+    h = _mix(((i * _GOLDEN) & _MASK) ^ key[..., 0])
+    h = _mix(h ^ key[..., 1] ^ salt)
+    return _mix((h + i) & _MASK)
+
+
+def uniform_at(key: Tensor, index: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Uniform numbers in [0, 1), one per entry of the integer tensor ``index``; ``key``
+    ``[..., 2]`` broadcasts against ``index`` (its trailing dim aside). 24 random bits for
+    float32 and half types, 53 for float64."""
+    index = index.to(device=key.device, dtype=torch.long)
+    hi = _bits(key, index, 0x68E31DA4)
+    if dtype == torch.float64:
+        lo = _bits(key, index, 0x1B56C4E9) >> 11  # 21 bits
+        return ((hi << 21) + lo).to(torch.float64) * 2.0**-53
+    return ((hi >> 8).to(torch.float32) * 2.0**-24).to(dtype)  # 24 bits: exact in float32
+
+
+def uniform(key: Tensor, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> Tensor:
+    """Uniform numbers ``[*key.shape[:-1], *shape]`` in [0, 1), indexed by their flat
+    position in ``shape``."""
+    index = torch.arange(math.prod(shape), device=key.device).view(shape)
+    lead = key.shape[:-1]
+    return uniform_at(key.view(*lead, *([1] * len(shape)), 2), index, dtype)
+
+
+def normal(key: Tensor, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> Tensor:
+    """Standard normal numbers ``[*key.shape[:-1], *shape]`` (Box-Muller on two uniforms),
+    each a function of its flat position in ``shape``."""
+    u1 = uniform(fold_in(key, 0x51ED27), shape, torch.float64)
+    u2 = uniform(fold_in(key, 0x2D8D4F), shape, torch.float64)
+    radius = torch.sqrt(-2.0 * torch.log1p(-u1))  # 1 - u1 in (0, 1]: log finite
+    return (radius * torch.cos(2.0 * math.pi * u2)).to(dtype)
+
+
+def row_uniform(key: Tensor, valid: Tensor | None, batch: int, n: int,
+                dtype: torch.dtype = torch.float32) -> Tensor:
+    """One uniform number per row ``[B, n]``, indexed by (batch element, rank of the row
+    among the valid rows): a sequence draws the same numbers for its real rows whatever
+    its padding (left, right, holes), its padded width and the other sequences.
+    Padded rows get numbers too (by position); callers mask them."""
+    device = key.device
+    if valid is None:
+        rank = torch.arange(n, device=device).expand(batch, n)
+    else:
+        rank = valid.long().cumsum(dim=1) - 1
+        rank = torch.where(valid, rank, n + torch.arange(n, device=device))  # padded: apart
+    keys = fold_in(key, torch.arange(batch, device=device))  # [B, 2]
+    return uniform_at(keys[:, None, :], rank, dtype)

@@ -1,0 +1,66 @@
+"""Packed variable-length batches <-> padded batches with padding masks.
+
+A packed batch holds B sequences one after the other, ``[1, H, T, E]``, with cumulative
+lengths ``cu_seqlens = [0, n_0, n_0 + n_1, ..., T]`` (``[B + 1]``, as FlashAttention's
+varlen API and transformers' packed-sequence path pass them). The methods run on the
+padded form ``[B, H, max_len, E]`` with a key padding mask, where padding equals
+truncation for every method, so each sequence attends only to itself.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _check(cu_seqlens: object, total: int, method: str) -> Tensor:
+    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
+            or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"{method}: cu_seqlens must be an integer tensor [B + 1] of cumulative sequence "
+            f"lengths starting at 0, got "
+            f"{tuple(cu_seqlens.shape) if isinstance(cu_seqlens, Tensor) else cu_seqlens!r}."
+        )
+    if not torch.compiler.is_compiling() and (
+            int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != total
+            or bool((cu_seqlens[1:] < cu_seqlens[:-1]).any())):
+        raise ValueError(
+            f"{method}: cu_seqlens must rise from 0 to the packed length {total}, got "
+            f"{cu_seqlens.tolist()}."
+        )
+    return cu_seqlens.long()
+
+
+def _slots(cu_seqlens: Tensor, total: int, max_len: int) -> Tensor:
+    """The padded slot ``b * max_len + offset`` of every packed token ``[T]``."""
+    position = torch.arange(total, device=cu_seqlens.device)
+    seq = torch.searchsorted(cu_seqlens[1:], position, right=True)  # [T]
+    return seq * max_len + position - cu_seqlens[seq]
+
+
+def unpack(x: Tensor, cu_seqlens: Tensor, max_len: int | None, method: str
+           ) -> tuple[Tensor, Tensor]:
+    """``x: [1, H, T, E]`` -> ``([B, H, max_len, E], valid [B, max_len])``; ``max_len``
+    ``None`` reads the longest length from ``cu_seqlens`` (a host sync)."""
+    if x.shape[0] != 1:
+        raise ValueError(f"{method}: a packed batch has batch size 1 ([1, H, T, E]), got "
+                         f"{tuple(x.shape)}.")
+    h, total, e = x.shape[1:]
+    cu = _check(cu_seqlens, total, method)
+    batch = cu.numel() - 1
+    if max_len is None:
+        max_len = max(1, int((cu[1:] - cu[:-1]).max()))
+    slots = _slots(cu, total, max_len)
+    rows = x[0].transpose(0, 1)  # [T, H, E]
+    padded = rows.new_zeros(batch * max_len, h, e).index_copy(0, slots, rows)
+    valid = torch.zeros(batch * max_len, dtype=torch.bool, device=x.device)
+    valid = valid.index_fill(0, slots, True)
+    return padded.view(batch, max_len, h, e).transpose(1, 2), valid.view(batch, max_len)
+
+
+def pack(out: Tensor, cu_seqlens: Tensor, total: int) -> Tensor:
+    """``[B, H, max_len, E]`` -> the packed ``[1, H, T, E]`` (inverse of ``unpack``)."""
+    b, h, max_len, e = out.shape
+    slots = _slots(cu_seqlens.long(), total, max_len)
+    rows = out.transpose(1, 2).reshape(b * max_len, h, e).index_select(0, slots)  # [T, H, E]
+    return rows.transpose(0, 1)[None]

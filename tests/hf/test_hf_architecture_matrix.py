@@ -1,0 +1,151 @@
+"""Transformers architectures built from tiny configs (random weights): ``skyformer:softmax``
+equals SDPA in each; an approximate method either runs or is refused at
+``set_attention`` with a sentence naming what the layer needs (docs/pytorch2.md holds the
+table as measured; the counts are printed after the run)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import AutoConfig, AutoModel
+
+import skyformer.hf as shf
+from skyformer import CapabilityError
+
+_C = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
+          "vocab_size": 99, "max_position_embeddings": 64}
+_TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+_SEQ2SEQ = {"d_model": 32, "encoder_layers": 2, "decoder_layers": 2,
+            "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 64,
+            "decoder_ffn_dim": 64, "vocab_size": 99}
+_IMAGE = dict(_C, image_size=16, patch_size=4)
+
+# model_type -> tiny config. Windows and position biases are shorter than the 12 tokens
+# fed, so that they change the result.
+ARCHITECTURES = {
+    "bert": _C,
+    "roberta": _C,
+    "xlm-roberta": _C,
+    "electra": dict(_C, embedding_size=32),
+    "albert": dict(_C, embedding_size=16),
+    "distilbert": {"dim": 32, "n_layers": 2, "n_heads": 4, "hidden_dim": 64, "vocab_size": 99,
+                       "max_position_embeddings": 64},
+    "modernbert": dict(_C, global_attn_every_n_layers=2, local_attention=8, cls_token_id=1,
+                       sep_token_id=2, **_TOKENS),
+    "gpt2": {"n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 99, "n_positions": 64,
+             "bos_token_id": 1, "eos_token_id": 2},
+    "gpt_neox": _C,
+    "opt": dict(_C, ffn_dim=64, word_embed_proj_dim=32),
+    "llama": dict(_C, num_key_value_heads=2),
+    "mistral": dict(_C, num_key_value_heads=2, sliding_window=5),
+    "qwen2": dict(_C, num_key_value_heads=2),
+    "qwen3": dict(_C, num_key_value_heads=2, head_dim=8),
+    "gemma": dict(_C, num_key_value_heads=2, head_dim=8),
+    "phi": _C,
+    "bart": dict(_SEQ2SEQ, max_position_embeddings=64),
+    "t5": {"d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2, "num_heads": 4, "vocab_size": 99,
+               "relative_attention_num_buckets": 8},
+    "whisper": dict(_SEQ2SEQ, num_mel_bins=8, max_source_positions=16, max_target_positions=32,
+                    decoder_start_token_id=1, **_TOKENS),
+    "clip_text_model": dict(_C, **_TOKENS),
+    "clip_vision_model": _IMAGE,
+    "siglip_vision_model": _IMAGE,
+    "vit": _IMAGE,
+}
+CAUSAL_LMS = ("llama", "qwen2", "gpt2")
+
+
+def build(kind):
+    config = AutoConfig.for_model(kind, **ARCHITECTURES[kind])
+    torch.manual_seed(0)
+    return AutoModel.from_config(config, attn_implementation="sdpa").eval()
+
+
+def inputs(kind):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 90, (2, 12), generator=g)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 9:] = 0
+    if kind in ("vit", "clip_vision_model", "siglip_vision_model"):
+        return {"pixel_values": torch.randn(2, 3, 16, 16, generator=g)}, None
+    if kind == "whisper":
+        return {"input_features": torch.randn(2, 8, 32, generator=g),
+                    "decoder_input_ids": ids[:, :6]}, None
+    if kind in ("t5", "bart"):
+        return {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": ids[:, :6]}, None
+    return {"input_ids": ids, "attention_mask": mask}, mask.bool()
+
+
+def hidden(model, batch):
+    with torch.no_grad():
+        return model(**batch)[0]
+
+
+@pytest.mark.parametrize("kind", list(ARCHITECTURES))
+def test_softmax_equals_sdpa(kind, matrix):
+    matrix("HF skyformer:softmax = SDPA", kind)
+    model = build(kind)
+    batch, real = inputs(kind)
+    expected = hidden(model, batch)
+    ours = copy.deepcopy(model)
+    ours.set_attn_implementation("skyformer:softmax")
+    out = hidden(ours, batch)
+    if real is not None:
+        out, expected = out[real], expected[real]
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", list(ARCHITECTURES))
+def test_approximate_method_runs_or_is_refused_at_load(kind, matrix):
+    """skyformer in every layer: it runs (finite output), or set_attention refuses it with
+    a sentence naming what the layer needs (causal masking, a window, a position bias)."""
+    model = build(kind)
+    batch, _ = inputs(kind)
+    try:
+        shf.set_attention(model, "skyformer", num_features=8)
+    except CapabilityError as err:
+        matrix("HF skyformer refused at load", kind)
+        assert any(need in str(err) for need in (
+            "causal", "sliding window", "position bias")), str(err)
+        return
+    matrix("HF skyformer runs", kind)
+    assert torch.isfinite(hidden(model, batch)).all()
+
+
+@pytest.mark.parametrize("kind", CAUSAL_LMS)
+def test_static_cache_generation_with_exact_methods(kind, matrix):
+    """``cache_implementation="static"``: masks over a fixed-size cache, which the
+    methods that take any attn_mask apply as SDPA; greedy tokens equal SDPA's."""
+    from transformers import AutoModelForCausalLM
+
+    matrix("HF static cache", kind)
+    config = AutoConfig.for_model(kind, **ARCHITECTURES[kind])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    batch, _ = inputs(kind)
+    settings = {"max_new_tokens": 4, "do_sample": False, "cache_implementation": "static",
+                    "pad_token_id": 0}
+    expected = model.generate(**batch, **settings)
+    ours = copy.deepcopy(model)
+    ours.set_attn_implementation("skyformer:softmax")
+    torch.testing.assert_close(ours.generate(**batch, **settings), expected)
+    with pytest.raises(CapabilityError, match="causal"):
+        shf.set_attention(copy.deepcopy(model), "skyformer")
+
+
+def test_a_models_own_scaling_goes_to_the_scale_option():
+    """T5 computes with logit scale 1 (no 1/sqrt(d)) and a position bias: kernelized,
+    which takes any mask and has a scale option, runs it with both; linear, which has
+    neither, is refused at load with a sentence."""
+    model = build("t5")
+    batch, _ = inputs("t5")
+    shf.set_attention(model, "kernelized")
+    assert torch.isfinite(hidden(model, batch)).all()
+    encoder = build("t5").encoder
+    with pytest.raises(CapabilityError, match="relative position bias"):
+        shf.set_attention(encoder, "linear")

@@ -1,0 +1,153 @@
+"""Every method in the PyTorch 2 stack: autocast, torch.compile(fullgraph), torch.func,
+torch.export (docs/pytorch2.md holds the table as measured).
+
+Parametrised over ``list_methods()``: a new method is covered as soon as it registers.
+Tiny shapes; compile uses the ``eager`` and ``aot_eager`` backends (dynamo's tracing and
+AOT autograd, the parts that refuse data-dependent code) and one inductor case per
+family (``INDUCTOR_CASES``), whose C++ compile takes seconds per method on CPU. Each
+test records its cell; ``tests/pt2/conftest.py`` prints the counts after the run.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+import skyformer
+from skyformer import MultiHeadAttention, get_method, list_methods, random_key
+from tests.conftest import make_qkv
+
+METHODS = list_methods()
+SEQ_LEN = 32  # the length fixed-length methods (Linformer) are bound for
+# One method per family whose inductor compile takes seconds on 2 CPU cores: exact,
+# Gaussian kernel, feature map, Nystrom. The sampling and LSH methods unroll into graphs
+# whose C++ compile takes minutes there (docs/pytorch2.md); they are compiled with the
+# aot_eager backend only.
+INDUCTOR_CASES = ("softmax", "kernelized", "linear", "nystromformer")
+
+
+def call(method, q, k, v, mask=None, *, key=None, **options):
+    bound = get_method(method).bind(seq_len=SEQ_LEN, **options)
+    return bound(q, k, v, key_padding_mask=mask, generator=key)
+
+
+def padded(b, n, real):
+    mask = torch.ones(b, n, dtype=torch.bool)
+    mask[-1, real:] = False
+    return mask
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_autocast_bf16_returns_bf16_close_to_float32(method, matrix):
+    matrix("autocast", method)
+    q, k, v = make_qkv(2, 2, 24, 8, dtype=torch.float32)
+    mask, key = padded(2, 24, 19), random_key(0)
+    with torch.autocast("cpu", torch.bfloat16):
+        out = call(method, q, k, v, mask, key=key)
+    assert out.dtype == torch.bfloat16  # as SDPA under autocast
+    # The same method in float32 on the bf16-rounded inputs: bf16 keeps 8 bits.
+    ref = call(method, *(t.bfloat16().float() for t in (q, k, v)), mask, key=key)
+    real = mask[:, None, :, None].expand_as(ref)
+    error = (out.float() - ref)[real].abs().max() / ref[real].abs().max()
+    assert error < 0.05
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_compile_fullgraph_equals_eager(method, matrix):
+    """aot_eager: dynamo's graph capture and AOT autograd's functionalisation, without
+    inductor's code generation."""
+    matrix("compile (aot_eager)", method)
+    q, k, v = make_qkv(2, 2, 24, 8, dtype=torch.float32)
+    mask, key = padded(2, 24, 19), random_key(1)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: call(method, *a[:4], key=a[4]), fullgraph=True,
+                             backend="aot_eager")
+    torch.testing.assert_close(compiled(q, k, v, mask, key), call(method, q, k, v, mask,
+                                                                   key=key))
+
+
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                    reason="inductor on CPU needs a C++ compiler")
+@pytest.mark.parametrize("method", INDUCTOR_CASES)
+def test_compile_inductor_equals_eager(method, matrix):
+    matrix("compile (inductor)", method)
+    q, k, v = make_qkv(1, 2, 16, 8, dtype=torch.float32)
+    key = random_key(2)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: call(method, *a[:3], key=a[3]), fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v, key), call(method, q, k, v, key=key),
+                               atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_func_grad_equals_autograd(method, matrix):
+    matrix("func.grad", method)
+    q, k, v = make_qkv(2, 2, 16, 8)
+    mask, key = padded(2, 16, 12), random_key(3)
+
+    def loss(q):
+        return call(method, q, k, v, mask, key=key).square().sum()
+
+    grad = torch.func.grad(loss)(q)
+    q_leaf = q.clone().requires_grad_(True)
+    loss(q_leaf).backward()
+    torch.testing.assert_close(grad, q_leaf.grad)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_func_vmap_equals_loop(method, matrix):
+    matrix("func.vmap", method)
+    q, k, v = make_qkv(2, 2, 16, 8)
+    mask, key = padded(2, 16, 12), random_key(4)
+    qs = torch.stack([q, q.flip(-1)])
+
+    def f(q):
+        return call(method, q, k, v, mask, key=key)
+
+    torch.testing.assert_close(torch.func.vmap(f)(qs), torch.stack([f(x) for x in qs]))
+
+
+class _Layer(torch.nn.Module):
+    """A model holding one ``MultiHeadAttention``, its random key an input."""
+
+    def __init__(self, method):
+        super().__init__()
+        self.attention = MultiHeadAttention(32, 2, method=method, seq_len=SEQ_LEN)
+
+    def forward(self, x, mask, key):
+        return self.attention(x, mask, generator=key)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_export_multihead_attention(method, matrix):
+    matrix("export", method)
+    torch.manual_seed(0)
+    model = _Layer(method).eval()
+    x, mask, key = torch.randn(2, 24, 32), padded(2, 24, 18), random_key(5)
+    program = torch.export.export(model, (x, mask, key))
+    out = program.module()(x, mask, key)
+    torch.testing.assert_close(out, model(x, mask, key))
+    out.sum().backward()  # the exported graph differentiates (no out= writes in it)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_multihead_attention_compiles_fullgraph(method, matrix):
+    matrix("MHA compile", method)
+    torch.manual_seed(0)
+    model = _Layer(method)
+    x, mask, key = torch.randn(2, 24, 32), padded(2, 24, 18), random_key(6)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(x, mask, key), model(x, mask, key))
+
+
+def test_torch_generator_under_compile_gets_a_sentence():
+    q, k, v = make_qkv(1, 1, 16, 8, dtype=torch.float32)
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, k, v, g: skyformer.attention(
+        q, k, v, "skyformer", num_features=4, generator=g), fullgraph=True, backend="eager")
+    # dynamo wraps the library's TypeError; its sentence is in the message
+    with pytest.raises(Exception, match=r"generator=skyformer\.random_key\(g\)"):
+        f(q, k, v, torch.Generator().manual_seed(0))

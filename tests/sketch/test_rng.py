@@ -1,0 +1,74 @@
+"""Counter-based random numbers: keys, streams, and length-independent draws."""
+
+from __future__ import annotations
+
+import pytest
+import scipy.stats
+import torch
+
+from skyformer.sketch.random_features import gaussian_columns
+from skyformer.sketch.rng import (
+    check_key,
+    fold_in,
+    normal,
+    random_key,
+    row_uniform,
+    stream,
+    uniform,
+    uniform_at,
+)
+from tests.conftest import gen
+
+
+def test_a_draw_depends_only_on_the_key_and_its_index():
+    key = random_key(gen(0))
+    assert torch.equal(uniform(key, (10,)), uniform(key, (1000,))[:10])
+    assert torch.equal(uniform_at(key, torch.tensor([7, 3])), uniform(key, (8,))[[7, 3]])
+    assert not torch.equal(uniform(key, (10,)), uniform(random_key(gen(1)), (10,)))
+    assert torch.equal(random_key(gen(0)), key)  # one draw of the generator
+    assert torch.equal(random_key(key), key) and torch.equal(random_key(5), random_key(5))
+
+
+def test_streams_and_folded_keys_are_independent():
+    key = random_key(gen(0))
+    a, b = uniform(stream(key, "a"), (20000,)), uniform(stream(key, "b"), (20000,))
+    assert abs(torch.corrcoef(torch.stack([a, b]))[0, 1]) < 0.03  # 4 sigma at n = 20000
+    per_element = uniform(fold_in(key, torch.arange(3)), (5,))  # [3, 5]
+    assert per_element.shape == (3, 5)
+    assert not torch.equal(per_element[0], per_element[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_uniform_and_normal_have_their_distributions(dtype):
+    key = random_key(gen(2))
+    u = uniform(key, (50000,), dtype)
+    assert u.dtype == dtype and u.min() >= 0 and u.max() < 1
+    assert scipy.stats.kstest(u.double().numpy(), "uniform").pvalue > 1e-3
+    z = normal(key, (50000,), dtype)
+    assert scipy.stats.kstest(z.double().numpy(), "norm").pvalue > 1e-3
+
+
+def test_row_uniform_is_indexed_by_rank_among_valid_rows():
+    key = random_key(gen(0))
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 1, 0, 1, 1]], dtype=torch.bool)
+    masked = row_uniform(key, mask, 2, 5)
+    plain = row_uniform(key, None, 2, 3)
+    torch.testing.assert_close(masked[0, :3], plain[0], rtol=0, atol=0)
+    torch.testing.assert_close(masked[1, [1, 3, 4]], plain[1], rtol=0, atol=0)
+    # an element's numbers do not depend on the other elements
+    torch.testing.assert_close(row_uniform(key, None, 1, 3)[0], plain[0], rtol=0, atol=0)
+
+
+def test_bad_keys_get_a_sentence():
+    with pytest.raises(TypeError, match="random key must be an int64 tensor"):
+        check_key(torch.zeros(2))
+    with pytest.raises(TypeError, match="random key"):
+        check_key(torch.zeros(3, dtype=torch.long))
+
+
+def test_gaussian_columns_share_a_prefix_across_lengths():
+    short = gaussian_columns((2, 3), 17, gen(0))
+    long = gaussian_columns((2, 3), 600, gen(0))
+    assert short.shape == (2, 3, 17) and long.shape == (2, 3, 600)
+    assert torch.equal(long[..., :17], short)
+    assert not torch.equal(gaussian_columns((2, 3), 17, gen(1)), short)

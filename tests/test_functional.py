@@ -1,0 +1,216 @@
+"""``skyformer.scaled_dot_product_attention``: SDPA's signature and semantics for every
+method, and a sentence where a method cannot honour an argument."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import skyformer
+from skyformer import CapabilityError, list_methods, random_key
+from skyformer import scaled_dot_product_attention as sdpa
+from tests.conftest import make_qkv
+
+APPROXIMATE = [m for m in list_methods() if not skyformer.get_method(m).capabilities.exact]
+ATOL = 1e-10  # float64 inputs
+
+
+def test_default_is_softmax_and_equals_torch():
+    q, k, v = make_qkv(2, 3, 10, 8, nk=7)
+    torch.testing.assert_close(sdpa(q, k, v), F.scaled_dot_product_attention(q, k, v))
+
+
+@pytest.mark.parametrize("shape", [(10, 7), (1, 10, 7), (2, 1, 10, 7), (2, 3, 10, 7), (1, 7)])
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_attn_mask_broadcasts_like_sdpa(shape, kind):
+    q, k, v = make_qkv(2, 3, 10, 8, nk=7)
+    g = torch.Generator().manual_seed(1)
+    mask = torch.rand(shape, generator=g, dtype=torch.float64) > 0.3
+    mask[..., 0] = True  # every query sees a key (SDPA gives NaN for an empty row)
+    if kind == "additive":
+        mask = torch.where(mask, torch.randn(shape, generator=g, dtype=torch.float64),
+                           torch.tensor(float("-inf"), dtype=torch.float64))
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(sdpa(q, k, v, mask), expected)
+    # kernelized takes the same masks (its weights are Gaussian, not softmax)
+    out = sdpa(q, k, v, mask, method="kernelized")
+    assert out.shape == expected.shape and torch.isfinite(out).all()
+
+
+def test_kernelized_bool_mask_equals_gathered_keys():
+    q, k, v = make_qkv(1, 2, 6, 4, nk=9)
+    mask = torch.zeros(9, dtype=torch.bool)
+    mask[[0, 3, 4, 8]] = True
+    out = sdpa(q, k, v, mask, method="kernelized")
+    kept = sdpa(q, k[:, :, mask], v[:, :, mask], method="kernelized")
+    torch.testing.assert_close(out, kept)
+
+
+def test_is_causal_and_scale_equal_torch():
+    q, k, v = make_qkv(2, 2, 9, 8)
+    torch.testing.assert_close(sdpa(q, k, v, is_causal=True, scale=0.3),
+                               F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                              scale=0.3))
+
+
+@pytest.mark.parametrize("method", APPROXIMATE)
+def test_padding_attn_mask_equals_key_padding_mask(method):
+    """An approximate method reads a key-padding attn_mask (bool or additive) as its
+    key_padding_mask."""
+    q, k, v = make_qkv(2, 2, 24, 8)
+    valid = torch.ones(2, 24, dtype=torch.bool)
+    valid[1, 17:] = False
+    key = random_key(0)
+    opts = {"max_seq_len": 32} if method == "linformer" else {}
+    expected = sdpa(q, k, v, method=method, key_padding_mask=valid, generator=key, **opts)
+    additive = torch.zeros(2, 1, 1, 24, dtype=q.dtype).masked_fill(~valid[:, None, None], -1e9)
+    for mask in (valid[:, None, None, :], additive):
+        out = sdpa(q, k, v, mask, method=method, generator=key, **opts)
+        real = valid[:, None, :, None].expand_as(out)
+        torch.testing.assert_close(out[real], expected[real], atol=ATOL, rtol=0)
+
+
+def test_approximate_method_refuses_a_general_mask_with_a_sentence():
+    q, k, v = make_qkv(1, 1, 8, 4)
+    mask = torch.rand(8, 8, generator=torch.Generator().manual_seed(0)) > 0.5
+    mask[:, 0] = True
+    with pytest.raises(ValueError, match="approximate methods take only a key padding mask "
+                                         "and causal masking; skyformer is one of them: use "
+                                         "method='softmax' or 'kernelized'"):
+        sdpa(q, k, v, mask, method="skyformer")
+
+
+def test_causal_and_scale_refusals_name_the_method():
+    q, k, v = make_qkv(1, 1, 8, 4)
+    with pytest.raises(CapabilityError, match="skyformer"):
+        sdpa(q, k, v, is_causal=True, method="skyformer")
+    with pytest.raises(CapabilityError, match=r"linear cannot use scale=0\.3"):
+        sdpa(q, k, v, scale=0.3, method="linear")
+    # the default scale 1/sqrt(E) is what linear computes: accepted
+    sdpa(q, k, v, scale=4**-0.5, method="linear")
+
+
+@pytest.mark.parametrize("method", ["skyformer", "kernelized", "performer"])
+def test_scale_is_the_methods_scale_option(method):
+    q, k, v = make_qkv(1, 2, 12, 8)
+    key = random_key(3)
+    torch.testing.assert_close(
+        sdpa(q, k, v, scale=0.2, method=method, generator=key),
+        skyformer.attention(q, k, v, method, scale=0.2, generator=key))
+
+
+@pytest.mark.parametrize("method", ["softmax", "skyformer", "linear"])
+def test_gqa_shares_each_kv_head_with_a_group_of_query_heads(method):
+    q, _, _ = make_qkv(2, 6, 10, 8)
+    _, k, v = make_qkv(2, 2, 10, 8, seed=1)
+    key = random_key(0)
+    out = sdpa(q, k, v, enable_gqa=True, method=method, generator=key)
+    repeated = sdpa(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), method=method,
+                    generator=key)
+    torch.testing.assert_close(out, repeated)
+    if method == "softmax":
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v,
+                                                                       enable_gqa=True))
+    with pytest.raises(ValueError, match="enable_gqa=True"):
+        sdpa(q, k, v, method=method)
+
+
+def test_unbatched_inputs_as_sdpa():
+    q, k, v = make_qkv(1, 3, 10, 8)
+    torch.testing.assert_close(sdpa(q[0], k[0], v[0], is_causal=True),
+                               F.scaled_dot_product_attention(q[0], k[0], v[0],
+                                                              is_causal=True))
+
+
+def test_dropout_on_weights_for_softmax_matches_its_expectation():
+    q, k, v = make_qkv(1, 1, 6, 4)
+    torch.manual_seed(0)
+    draws = torch.stack([sdpa(q, k, v, dropout_p=0.5) for _ in range(4000)])
+    assert not torch.equal(draws[0], draws[1])
+    torch.testing.assert_close(draws.mean(0), sdpa(q, k, v), atol=0.1, rtol=0)
+
+
+def test_dropout_on_the_output_for_methods_without_weights():
+    q, k, v = make_qkv(1, 2, 64, 8, dtype=torch.float32)
+    key = random_key(0)
+    clean = sdpa(q, k, v, method="skyformer", generator=key)
+    torch.manual_seed(0)
+    out = sdpa(q, k, v, dropout_p=0.25, method="skyformer", generator=key)
+    kept = out != 0
+    assert 0.65 < kept.float().mean() < 0.85
+    torch.testing.assert_close(out[kept], clean[kept] / 0.75)
+
+
+@pytest.mark.parametrize("method", ["softmax", "skyformer", "performer", "linformer"])
+def test_varlen_equals_each_sequence_alone(method):
+    lengths = [5, 9, 3]
+    q, k, v = make_qkv(1, 2, sum(lengths), 8)
+    cu = torch.tensor([0, 5, 14, 17], dtype=torch.int32)
+    opts = {"max_seq_len": 16} if method == "linformer" else {}
+    key = random_key(2)
+    packed = sdpa(q, k, v, method=method, cu_seqlens=cu, generator=key, **opts)
+    assert packed.shape == q.shape
+    for b, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
+        alone = sdpa(*(t[:, :, start:end] for t in (q, k, v)), method=method, generator=key,
+                     **opts)
+        if skyformer.get_method(method).capabilities.randomized:
+            # random draws are indexed by (sequence, rank): the b-th sequence of a batch
+            # is not the first of a batch of one, so compare with the padded batch instead
+            valid = torch.zeros(3, 9, dtype=torch.bool)
+            for i, n in enumerate(lengths):
+                valid[i, :n] = True
+            padded = torch.zeros(3, 2, 9, 8, dtype=q.dtype)
+            tensors = []
+            for t in (q, k, v):
+                p = padded.clone()
+                for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(),
+                                               strict=True)):
+                    p[i, :, : e - s] = t[0, :, s:e]
+                tensors.append(p)
+            alone = sdpa(*tensors, method=method, key_padding_mask=valid, generator=key,
+                         **opts)[b : b + 1, :, : end - start]
+        torch.testing.assert_close(packed[:, :, start:end], alone, atol=ATOL, rtol=0)
+
+
+def test_varlen_causal_softmax_equals_each_sequence_alone():
+    q, k, v = make_qkv(1, 2, 12, 8)
+    cu = torch.tensor([0, 4, 12])
+    packed = sdpa(q, k, v, is_causal=True, cu_seqlens=cu, max_seqlen=8)
+    for s, e in ((0, 4), (4, 12)):
+        torch.testing.assert_close(
+            packed[:, :, s:e],
+            F.scaled_dot_product_attention(*(t[:, :, s:e] for t in (q, k, v)), is_causal=True))
+
+
+def test_varlen_errors_name_the_fix():
+    q, k, v = make_qkv(1, 2, 12, 8)
+    with pytest.raises(ValueError, match="rise from 0 to the packed length 12"):
+        sdpa(q, k, v, cu_seqlens=torch.tensor([0, 5, 11]))
+    with pytest.raises(ValueError, match="batch size 1"):
+        sdpa(*make_qkv(2, 2, 12, 8), cu_seqlens=torch.tensor([0, 12]))
+    with pytest.raises(ValueError, match="pass no attn_mask"):
+        sdpa(q, k, v, torch.ones(12, 12, dtype=torch.bool), cu_seqlens=torch.tensor([0, 12]))
+
+
+def test_layout_error_names_the_layout():
+    q, k, v = make_qkv(1, 2, 12, 8)
+    with pytest.raises(ValueError, match=r"\[B, H, L, E\]"):
+        sdpa(q[0, 0], k, v)
+
+
+def test_padding_mask_under_compile_and_the_sentence_for_other_masks():
+    q, k, v = make_qkv(2, 2, 16, 8, dtype=torch.float32)
+    valid = torch.ones(2, 16, dtype=torch.bool)
+    valid[0, 11:] = False
+    key = random_key(1)
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, k, v, m, g: sdpa(q, k, v, m, method="skyformer", generator=g),
+                      fullgraph=True, backend="eager")
+    torch.testing.assert_close(
+        f(q, k, v, valid[:, None, None], key),
+        sdpa(q, k, v, method="skyformer", key_padding_mask=valid, generator=key))
+    causal = torch.ones(16, 16, dtype=torch.bool).tril()
+    with pytest.raises(Exception, match="cannot be read to check it is one: pass "
+                                        "key_padding_mask and is_causal"):
+        f(q, k, v, causal, key)

@@ -1,0 +1,57 @@
+"""What a user sees besides results: no traceback when a pipe closes, log messages through
+``logging`` (silent unless enabled), and the cross-attention padding rule of
+``MultiHeadAttention``."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from skyformer import MultiHeadAttention
+from skyformer.logs import enable_console, get_logger
+
+
+def test_list_into_a_closed_pipe_ends_quietly():
+    proc = subprocess.run(
+        f"{sys.executable} -m skyformer list --json | head -c 10", shell=True,
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
+
+
+def test_library_logs_through_logging_and_prints_only_when_enabled(capsys, caplog):
+    log = get_logger("test")
+    with caplog.at_level(logging.INFO, logger="skyformer"):
+        log.info("a message")
+    assert "a message" in caplog.text
+    assert capsys.readouterr().out == ""  # no handler of its own: nothing printed
+    enable_console()
+    enable_console()  # idempotent: one handler
+    try:
+        log.info("printed once")
+        assert capsys.readouterr().out.count("printed once") == 1
+    finally:
+        root = logging.getLogger("skyformer")
+        root.handlers = [h for h in root.handlers if type(h).__name__ != "_Console"]
+        root.setLevel(logging.NOTSET)
+
+
+def test_cross_attention_key_mask_is_not_a_query_mask():
+    """With a context as long as x, the key padding mask marks padded context tokens
+    only: every query row is real (it was read as a query mask whenever Nq == Nk)."""
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(64, 4, method="softmax").eval()
+    x, ctx = torch.randn(2, 10, 64), torch.randn(2, 10, 64)
+    km = torch.ones(2, 10, dtype=torch.bool)
+    km[1, 6:] = False
+    y = layer(x, km, context=ctx)
+    q = layer._split(layer.q_proj(x))
+    k, v = layer._split(layer.k_proj(ctx)), layer._split(layer.v_proj(ctx))
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=km[:, None, None, :])
+    ref = layer.out_proj(ref.transpose(1, 2).reshape(2, 10, 64))
+    torch.testing.assert_close(y, ref)
+    assert y[1, 6:].abs().sum() > 0
