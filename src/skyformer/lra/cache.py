@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ..io import atomic_write_text
+from ..io import DIR_MODE, atomic_write_text
 from .tasks import SPLITS, TaskSpec, get_task
 
 CACHE_FORMAT = 1
@@ -156,6 +156,7 @@ def write_cache(
     root.mkdir(parents=True, exist_ok=True)
     final = cache_dir(root, task.name)
     tmp = Path(tempfile.mkdtemp(prefix=f".{task.name}.", suffix=".tmp", dir=root))
+    os.chmod(tmp, DIR_MODE)  # mkdtemp creates 0700; the cache is readable as results are
     try:
         infos = {name: _write_split(tmp, name, task, splits[name], max_len) for name in SPLITS}
         record = {
