@@ -19,7 +19,7 @@ def test_unwritable_output_paths_are_refused_up_front(tmp_path):
         check_output_path(afile / "out.json")
     with pytest.raises(IsADirectoryError, match="is a folder; choose a file name"):
         check_output_path(tmp_path)
-    with pytest.raises(NotADirectoryError, match="output folder .* is a file"):
+    with pytest.raises(NotADirectoryError, match=r"output folder .* is a file"):
         check_output_path(afile, folder=True)
     check_output_path(tmp_path / "new" / "deeper" / "out.json")  # creatable: fine
     check_output_path(None)
