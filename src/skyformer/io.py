@@ -12,6 +12,29 @@ from typing import Any
 import torch
 
 FILE_MODE = 0o644
+DIR_MODE = 0o755
+
+
+def check_output_path(path: str | os.PathLike[str] | None, *, folder: bool = False) -> None:
+    """Fail now, with a sentence, if ``path`` cannot be written later (a file where a
+    folder is needed, a folder where a file is needed, no write permission), so that a
+    long run does not end in an error at its last step. ``folder``: ``path`` is an
+    output folder (or a prefix whose folder is its parent when False)."""
+    if path is None or str(path) == "":
+        return
+    target = Path(path)
+    if folder and target.exists() and not target.is_dir():
+        raise NotADirectoryError(f"the output folder {target} is a file; choose another path.")
+    if not folder and target.is_dir():
+        raise IsADirectoryError(f"the output file {target} is a folder; choose a file name.")
+    ancestor = (target if folder else target.parent).absolute()
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise NotADirectoryError(
+            f"cannot write {target}: {ancestor} is a file, not a folder; choose another path.")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise PermissionError(f"cannot write {target}: no write permission in {ancestor}.")
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
@@ -29,6 +52,26 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return target
+
+
+def save_figure(fig: Any, path: str | os.PathLike[str], **savefig: Any) -> Path:
+    """Save a matplotlib figure atomically (a temporary file in the same folder, mode
+    ``FILE_MODE``, then rename) and close it: a reader never sees half a PNG."""
+    import matplotlib.pyplot as plt
+
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=target.suffix or ".png",
+                               dir=target.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, **savefig)
+        os.chmod(tmp, FILE_MODE)
+        os.replace(tmp, target)
+    finally:
+        plt.close(fig)
+        Path(tmp).unlink(missing_ok=True)
     return target
 
 

@@ -45,14 +45,18 @@ class MultiHeadAttention(nn.Module):
         **method_options: Any,
     ) -> None:
         super().__init__()
-        if not isinstance(dim, int) or not isinstance(num_heads, int) or dim <= 0 or num_heads <= 0:
-            raise ValueError(
-                f"dim and num_heads must be positive integers, got {dim}, {num_heads}."
-            )
+        for name, value in (("dim", dim), ("num_heads", num_heads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"MultiHeadAttention: {name} must be a positive integer, "
+                                 f"got {value!r}.")
         if dim % num_heads:
             raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads}).")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout}.")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) \
+                or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"MultiHeadAttention: dropout must be a number in [0, 1), got "
+                             f"{dropout!r}.")
+        if not isinstance(bias, bool):
+            raise ValueError(f"MultiHeadAttention: bias must be True or False, got {bias!r}.")
         self.dim = dim
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
@@ -102,11 +106,21 @@ class MultiHeadAttention(nn.Module):
         Returns ``[B, N, dim]``.
         """
         source = x if context is None else context
+        weight = self.q_proj.weight
         for name, t in (("x", x), ("context", source)):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"MultiHeadAttention: {name} must be a tensor [B, N, "
+                                f"{self.dim}], got {type(t).__name__}.")
             if t.dim() != 3 or t.shape[-1] != self.dim:
                 raise ValueError(
                     f"MultiHeadAttention: {name} must have shape [B, N, {self.dim}], got "
                     f"{tuple(t.shape)}."
+                )
+            if t.dtype != weight.dtype and not torch.is_autocast_enabled(t.device.type):
+                raise TypeError(
+                    f"MultiHeadAttention: {name} is {t.dtype} but the layer's weights are "
+                    f"{weight.dtype}; convert one of them (x.to({weight.dtype}) or "
+                    f"layer.to({t.dtype}))."
                 )
         q = self._split(self.q_proj(x))
         k = self._split(self.k_proj(source))

@@ -149,3 +149,19 @@ def test_a_models_own_scaling_goes_to_the_scale_option():
     encoder = build("t5").encoder
     with pytest.raises(CapabilityError, match="relative position bias"):
         shf.set_attention(encoder, "linear")
+
+
+@pytest.mark.parametrize("kind", CAUSAL_LMS)
+def test_causal_linear_attention_in_decoders_does_not_look_ahead(kind):
+    """linear has causal masking: decoders run it; changing a later token leaves the
+    hidden states of earlier positions unchanged."""
+    model = build(kind)
+    shf.set_attention(model, "linear")
+    batch, _ = inputs(kind)
+    ids = batch["input_ids"][:1]
+    changed = ids.clone()
+    changed[0, 8:] = (changed[0, 8:] + 7) % 90 + 3
+    with torch.no_grad():
+        a, b = model(input_ids=ids)[0], model(input_ids=changed)[0]
+    torch.testing.assert_close(a[:, :8], b[:, :8], rtol=0, atol=1e-6)
+    assert not torch.allclose(a[:, 8:], b[:, 8:])

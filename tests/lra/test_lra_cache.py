@@ -88,3 +88,32 @@ def test_pickled_arrays_are_refused(tmp_path):
             allow_pickle=True)
     with pytest.raises(ValueError, match="cannot read"):
         load_cache(tmp_path, "listops")
+
+
+def _damage(folder, name, array):
+    np.save(folder / f"train.{name}.npy", array)
+
+
+@pytest.mark.parametrize(("damage", "words"), [
+    (lambda f: (f / "train.labels.npy").write_bytes(b""), "cannot read"),
+    (lambda f: (f / "meta.json").write_text("[1, 2]"), "holds a list"),
+    (lambda f: (f / "meta.json").write_text(json.dumps(
+        {**json.loads((f / "meta.json").read_text()), "splits": None})), "example count"),
+    (lambda f: _damage(f, "labels", np.array([0, 1, 99, 2])), "labels lie outside"),
+    (lambda f: _damage(f, "lengths", np.zeros((4, 1), dtype=np.int32)), "lengths lie outside"),
+    (lambda f: _damage(f, "lengths", np.full((4, 1), 9, dtype=np.int32)), "lengths lie outside"),
+    (lambda f: _damage(f, "tokens", np.full((4, 1, 5), 250, dtype=np.uint8)),
+     "token ids lie outside"),
+    (lambda f: _damage(f, "tokens", np.ones((4, 1, 5), dtype=np.float32)), "not integers"),
+])
+def test_a_damaged_cache_is_named_not_trained_on(tmp_path, damage, words):
+    folder = write_cache(tmp_path, LISTOPS, _splits(), max_len=5)
+    damage(folder)
+    with pytest.raises(ValueError, match=words):
+        load_cache(tmp_path, "listops")
+
+
+def test_an_empty_document_is_refused_when_the_cache_is_written(tmp_path):
+    splits = {**_splits(), "dev": SplitSource(1, iter([([np.array([], dtype=int)], 0)]))}
+    with pytest.raises(ValueError, match="document 0 is empty"):
+        write_cache(tmp_path, LISTOPS, splits, max_len=5)

@@ -178,3 +178,19 @@ def test_tensorboard_events_and_purge_on_resume(listops_cache, tmp_path):
     assert {"train/loss", "dev/accuracy", "test/accuracy"} <= set(events.Tags()["scalars"])
     assert [e.step for e in events.Scalars("dev/accuracy")] == [2, 4, 6]
     assert [r["step"] for r in _history(tmp_path) if r["kind"] == "dev"] == [2, 4, 6]
+
+
+@pytest.mark.parametrize("payload", [[1, 2, 3], {"format": 1}, {"format": 12345}])
+def test_resume_from_a_foreign_last_pt_gets_a_sentence(listops_cache, tmp_path, payload):
+    import torch
+
+    from skyformer.lra.checkpoint import save_checkpoint
+
+    cfg = _cfg(steps=2, checkpoint_every=1)
+    tmp_path.mkdir(exist_ok=True)
+    if isinstance(payload, dict):
+        save_checkpoint(tmp_path / "last.pt", payload)
+    else:
+        torch.save(payload, tmp_path / "last.pt")
+    with pytest.raises(ValueError, match=r"not a training checkpoint|lacks"):
+        _run(cfg, listops_cache, tmp_path, resume=True)

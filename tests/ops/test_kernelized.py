@@ -68,5 +68,5 @@ def test_scale_option_sets_the_kernel_bandwidth():
         torch.testing.assert_close(
             skyformer_attention(q, k, v, scale=s, num_features=24, gamma=0.0, pinv="exact"),
             kernelized_attention(q, k, v, scale=s), rtol=1e-6, atol=1e-8)
-    with pytest.raises(ValueError, match="scale must be a positive number"):
+    with pytest.raises(ValueError, match="scale must be a finite positive number"):
         kernelized_attention(q, k, v, scale=0.0)

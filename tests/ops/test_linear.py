@@ -62,3 +62,48 @@ def test_bad_options():
     for options, word in (({"num_features": 0}, "num_features"), ({"eps": -1.0}, "eps")):
         with pytest.raises(ValueError, match=word):
             linear_attention(q, k, v, **options)
+
+
+@pytest.mark.parametrize("n", [1, 11, 64, 150])
+def test_causal_equals_the_naive_lower_triangular_form(n):
+    from skyformer.ops.linear.naive import reference_linear_attention
+
+    q, k, v = make_qkv(2, 2, n, 8)
+    mask = torch.ones(2, n, dtype=torch.bool)
+    mask[1, max(1, n - 3):] = False
+    out = linear_attention(q, k, v, key_padding_mask=mask, causal=True)
+    ref = reference_linear_attention(q, k, v, key_padding_mask=mask, causal=True)
+    torch.testing.assert_close(out, ref)
+
+
+def test_causal_chunks_of_any_size_agree():
+    from skyformer.ops.linear.linear import causal_linear, elu_feature_map
+
+    q, k, v = make_qkv(1, 2, 11, 4)
+    fq, fk = elu_feature_map(q), elu_feature_map(k)
+    whole = causal_linear(fq, fk, v, 1e-6, chunk=16)
+    for chunk in (1, 3, 4, 11):
+        torch.testing.assert_close(causal_linear(fq, fk, v, 1e-6, chunk=chunk), whole)
+
+
+def test_causal_output_never_depends_on_the_future():
+    """Gradient of output i with respect to every input after i is exactly zero, and
+    changing the future leaves outputs up to i bit-identical (chunk boundaries too)."""
+    n, i = 150, 70
+    q, k, v = make_qkv(1, 2, n, 8)
+    q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+    out = linear_attention(q, k, v, causal=True)
+    out[:, :, i].sum().backward()
+    for t in (q, k, v):
+        assert torch.equal(t.grad[:, :, i + 1:], torch.zeros_like(t.grad[:, :, i + 1:]))
+    future = [t.detach().clone() for t in (q, k, v)]
+    for t in future:
+        t[:, :, i + 1:] = torch.randn_like(t[:, :, i + 1:]) * 5
+    again = linear_attention(*future, causal=True)
+    assert torch.equal(again[:, :, : i + 1], out.detach()[:, :, : i + 1])
+
+
+def test_causal_needs_equal_lengths():
+    q, k, v = make_qkv(1, 1, 6, 4, nk=8)
+    with pytest.raises(ValueError, match="causal=True needs as many queries as keys"):
+        linear_attention(q, k, v, causal=True)

@@ -18,7 +18,7 @@ SUBCOMMANDS: list[ModuleType] = [
     list_cmd, compare_cmd, bench_cmd, approx_cmd, hf_eval_cmd, lra_cmd,
 ]
 
-USER_ERRORS = (ValueError, TypeError, FileNotFoundError, ImportError, RuntimeError)
+USER_ERRORS = (ValueError, TypeError, OSError, ImportError, RuntimeError)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,6 +12,7 @@ import torch
 from ..eval.approx.report import analysis_table, format_table, write_outputs
 from ..eval.approx.run import QUICK, ApproxConfig, run_approx
 from ..eval.data.sources import SOURCES
+from ..io import check_output_path
 
 NAME = "approx"
 HELP = (
@@ -137,6 +138,7 @@ def _command(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_output_path(args.out, folder=True)
     config = config_from_args(args)
     if args.threads is not None:
         if args.threads < 1:

@@ -10,6 +10,7 @@ import torch
 
 from ..eval.bench.report import format_table, format_wide, write_results
 from ..eval.bench.run import DTYPES, BenchConfig, run_bench
+from ..io import check_output_path
 
 NAME = "bench"
 HELP = (
@@ -74,6 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_output_path(args.out)  # a prefix: PREFIX.json, .csv, .png
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads must be at least 1, got {args.threads}.")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..eval.compare import CompareConfig, compare, format_table
-from ..io import write_json
+from ..io import check_output_path, write_json
 
 NAME = "compare"
 HELP = (
@@ -34,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_output_path(args.json_path)
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}.")
     config = CompareConfig(

@@ -52,7 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..eval.hf.report import format_table, markdown_table, plot, write_csv
     from ..eval.hf.run import HFEvalConfig, evaluate, hf_eval_steps
-    from ..io import atomic_write_text, write_json
+    from ..io import atomic_write_text, check_output_path, write_json
+
+    check_output_path(args.out, folder=True)
 
     config = HFEvalConfig(
         methods=tuple(args.methods) if args.methods else None, features=tuple(args.features),

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ..io import atomic_write_text
+from ..io import DIR_MODE, atomic_write_text
 from .tasks import SPLITS, TaskSpec, get_task
 
 CACHE_FORMAT = 1
@@ -113,7 +113,10 @@ def _write_split(folder: Path, name: str, task: TaskSpec, source: SplitSource,
                              f"0..{task.num_classes - 1}.")
         for j, seg in enumerate(segments):
             seg = np.asarray(seg)[:max_len]
-            if seg.size and (seg.min() < 0 or seg.max() >= task.vocab_size):
+            if seg.size == 0:
+                raise ValueError(f"{task.name} {name} example {i}: document {j} is empty; a "
+                                 f"model cannot attend over no tokens.")
+            if seg.min() < 0 or seg.max() >= task.vocab_size:
                 raise ValueError(f"{task.name} {name} example {i}: token ids must lie in "
                                  f"0..{task.vocab_size - 1}.")
             tokens[i, j, : seg.size] = seg
@@ -156,6 +159,7 @@ def write_cache(
     root.mkdir(parents=True, exist_ok=True)
     final = cache_dir(root, task.name)
     tmp = Path(tempfile.mkdtemp(prefix=f".{task.name}.", suffix=".tmp", dir=root))
+    os.chmod(tmp, DIR_MODE)  # mkdtemp creates 0700; the cache is readable as results are
     try:
         infos = {name: _write_split(tmp, name, task, splits[name], max_len) for name in SPLITS}
         record = {
@@ -199,12 +203,16 @@ def load_cache(cache_root: str | os.PathLike[str], task: str) -> TaskData:
     except json.JSONDecodeError as err:
         raise ValueError(f"{meta_path} is not valid JSON ({err}); prepare the task "
                          "again.") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{meta_path} holds a {type(meta).__name__}, not a cache description; "
+                         "prepare the task again.")
     if meta.get("format") != CACHE_FORMAT or meta.get("task") != task:
         raise ValueError(
             f"{folder} holds a cache of format {meta.get('format')!r} for task "
             f"{meta.get('task')!r}; this version reads format {CACHE_FORMAT} for {task!r}: "
             "prepare the task again."
         )
+    _check_meta(meta, meta_path)
     splits = {}
     for name in SPLITS:
         arrays = []
@@ -212,7 +220,7 @@ def load_cache(cache_root: str | os.PathLike[str], task: str) -> TaskData:
             path = folder / f"{name}.{part}.npy"
             try:
                 arrays.append(np.load(path, mmap_mode="r", allow_pickle=False))
-            except (OSError, ValueError) as err:
+            except (OSError, ValueError, EOFError) as err:
                 raise ValueError(f"cannot read {path} ({err}); prepare the task again.") from None
         tokens, lengths, labels = arrays
         n = meta["splits"][name]["count"]
@@ -223,5 +231,37 @@ def load_cache(cache_root: str | os.PathLike[str], task: str) -> TaskData:
                 f"{folder}: the {name} arrays have shapes {tokens.shape}, {lengths.shape}, "
                 f"{labels.shape}, which do not match meta.json; prepare the task again."
             )
+        _check_values(folder, name, spec, meta["max_len"], tokens, lengths, labels)
         splits[name] = SplitData(tokens, lengths, labels)
     return TaskData(spec, folder, meta, splits)
+
+
+def _check_meta(meta: dict, meta_path: Path) -> None:
+    """meta.json has what the reader uses: ``max_len`` and a count per split."""
+    max_len, splits = meta.get("max_len"), meta.get("splits")
+    counts_ok = isinstance(splits, dict) and all(
+        isinstance(splits.get(name), dict) and isinstance(splits[name].get("count"), int)
+        and splits[name]["count"] > 0 for name in SPLITS)
+    if not isinstance(max_len, int) or max_len <= 0 or not counts_ok:
+        raise ValueError(f"{meta_path} lacks a positive max_len or an example count for each "
+                         f"of the splits {', '.join(SPLITS)}; prepare the task again.")
+
+
+def _check_values(folder: Path, name: str, spec: TaskSpec, max_len: int, tokens: np.ndarray,
+                  lengths: np.ndarray, labels: np.ndarray) -> None:
+    """Integer arrays whose values a model can take: token ids in [0, vocab), lengths in
+    [1, max_len], labels in [0, classes). One pass over the memory-mapped arrays."""
+    problems = []
+    for part, array in (("tokens", tokens), ("lengths", lengths), ("labels", labels)):
+        if not np.issubdtype(array.dtype, np.integer):
+            problems.append(f"{part} are {array.dtype}, not integers")
+    if not problems:
+        if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= spec.vocab_size):
+            problems.append(f"token ids lie outside [0, {spec.vocab_size})")
+        if int(lengths.min()) < 1 or int(lengths.max()) > max_len:
+            problems.append(f"lengths lie outside [1, {max_len}]")
+        if int(labels.min()) < 0 or int(labels.max()) >= spec.num_classes:
+            problems.append(f"labels lie outside [0, {spec.num_classes})")
+    if problems:
+        raise ValueError(f"{folder}: in the {name} split, {'; '.join(problems)}; the cache is "
+                         f"damaged: prepare the task again.")

@@ -26,6 +26,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..io import FILE_MODE
+
 
 def save_checkpoint(path: str | os.PathLike[str], payload: dict[str, Any]) -> Path:
     """``torch.save(payload)`` through a temporary file in the same folder, then rename."""
@@ -37,6 +39,7 @@ def save_checkpoint(path: str | os.PathLike[str], payload: dict[str, Any]) -> Pa
             torch.save(payload, handle)
             handle.flush()
             os.fsync(handle.fileno())
+        os.chmod(tmp, FILE_MODE)  # mkstemp creates 0600, results are 0644
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

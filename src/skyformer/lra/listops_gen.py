@@ -20,7 +20,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..io import atomic_write_text
+from ..io import FILE_MODE, atomic_write_text
 from .readers.listops import FILES, GENERATOR_RECORD
 from .vocab import LISTOPS_CLOSE, LISTOPS_OPERATORS
 
@@ -148,6 +148,7 @@ def _write_tsv(path: Path, rows: list[tuple[str, int]]) -> None:
                 handle.write(f"{source}\t{value}\n")
             handle.flush()
             os.fsync(handle.fileno())
+        os.chmod(tmp, FILE_MODE)  # mkstemp creates 0600; data files are readable by all
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..io import save_figure
 from ..registry import list_methods
 from .tasks import TASKS
 
@@ -170,10 +171,4 @@ def plot_dev_curves(runs: list[Run], path: str | os.PathLike[str]) -> Path:
     for ax in list(axes.flat)[len(tasks):]:
         ax.axis("off")
     fig.tight_layout()
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.stem}.tmp{target.suffix}")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, target)
-    return target
+    return save_figure(fig, path, dpi=120)

@@ -167,9 +167,16 @@ class Trainer:
             raise ValueError(f"{self.folder} already holds a run (last.pt); pass --resume to "
                              "continue it, or choose another --out.")
         ckpt = load_checkpoint(last, self.device)
-        if ckpt.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"{last} has checkpoint format {ckpt.get('format')!r}; this version "
-                             f"reads {CHECKPOINT_FORMAT}.")
+        fmt = ckpt.get("format") if isinstance(ckpt, dict) else None
+        if fmt != CHECKPOINT_FORMAT:
+            raise ValueError(f"{last} is not a training checkpoint of format {CHECKPOINT_FORMAT} "
+                             f"(found {type(ckpt).__name__}, format {fmt!r}); start without "
+                             f"--resume or point --out at the run's own folder.")
+        missing = [k for k in ("config", "model", "optimizer", "scaler", "state")
+                   if k not in ckpt]
+        if missing:
+            raise ValueError(f"{last} lacks {', '.join(missing)}: the checkpoint is damaged; "
+                             f"resume from another copy or start again.")
         diff = _config_differences(ckpt["config"], self.cfg.to_dict())
         if diff:
             raise ValueError(f"cannot resume {last}: the settings {', '.join(diff)} differ from "

@@ -5,10 +5,14 @@ returns that dtype. Every method does the same: the inputs are cast, autocast is
 off inside the method (its own precision choices apply: the kernel methods compute half
 inputs in float32, and their fused products write into buffers of that dtype), and the
 output comes back in the autocast dtype. Outside autocast nothing changes.
+
+It is also where token budgets are capped by the sequence length (``capped``): the one
+place every call of every method passes through.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +22,9 @@ from torch import Tensor
 
 def call_core(core: Callable[..., Tensor], q: Any, k: Any, v: Any, config: Any,
               **kwargs: Any) -> Tensor:
-    """``core(q, k, v, config, **kwargs)``, with the autocast rule above."""
+    """``core(q, k, v, config, **kwargs)``, with the autocast rule above and the budget
+    caps of ``capped``."""
+    config = capped(config, q, k)
     if not isinstance(q, Tensor) or not q.is_floating_point():
         return core(q, k, v, config, **kwargs)
     device_type = q.device.type
@@ -29,3 +35,15 @@ def call_core(core: Callable[..., Tensor], q: Any, k: Any, v: Any, config: Any,
                for t in (q, k, v))
     with torch.autocast(device_type, enabled=False):
         return core(q, k, v, config, **kwargs)
+
+
+def capped(config: Any, q: Any, k: Any) -> Any:
+    """``config`` with its token budgets capped by the sequence: ``config.budget_caps(nq,
+    nk)`` returns the options to change (e.g. no more landmarks than tokens), so that a
+    budget far above the sequence costs what the sequence allows, not gigabytes. A
+    config without ``budget_caps``, or within its caps, is returned unchanged."""
+    caps = getattr(config, "budget_caps", None)
+    if caps is None or not isinstance(q, Tensor) or not isinstance(k, Tensor) or q.dim() < 2:
+        return config
+    over = caps(q.shape[-2], k.shape[-2])
+    return dataclasses.replace(config, **over) if over else config

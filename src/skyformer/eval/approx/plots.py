@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ...io import FILE_MODE
+from ...io import save_figure
 
 SOURCE_LABEL = {
     "pretrained": "pretrained",
@@ -44,20 +44,7 @@ def require_pyplot() -> Any:
 
 def _save(fig: Any, path: str | Path) -> Path:
     """Write the PNG through a temporary file and a rename (never half-written)."""
-    import os
-    import tempfile
-
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".png", dir=target.parent)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=120, bbox_inches="tight")
-        os.chmod(tmp, FILE_MODE)
-        os.replace(tmp, target)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-    return target
+    return save_figure(fig, path, dpi=120, bbox_inches="tight")
 
 
 def _label(source: str) -> str:

@@ -7,7 +7,7 @@ import io
 from pathlib import Path
 from typing import Any
 
-from ...io import atomic_write_text, write_json
+from ...io import atomic_write_text, save_figure, write_json
 from .run import BenchResult
 
 COLUMNS = [
@@ -270,8 +270,4 @@ def plot_results(result: BenchResult, path: str | Path) -> Path:
             ax.grid(True, which="both", alpha=0.3)
         ax_t.legend(fontsize=7)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)

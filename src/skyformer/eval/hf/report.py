@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ...io import atomic_write_text
+from ...io import atomic_write_text, save_figure
 
 COLUMNS = ("setting", "method", "target", "drop_in", "num_features", "texts", "cosine_mean",
            "cosine_min", "recall_at_1", "time_ms", "peak_mib", "note", "error")
@@ -113,10 +113,4 @@ def plot(path: str | os.PathLike[str], rows: list[dict[str, Any]], title: str = 
     if title:
         fig.suptitle(title)
     fig.tight_layout(rect=(0, 0.07, 1, 0.97))
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, target)
-    return target
+    return save_figure(fig, path, dpi=110)

@@ -72,6 +72,12 @@ class BigBirdConfig:
         check_nonnegative_int("bigbird", "num_random_blocks", self.num_random_blocks)
         check_scale("bigbird", self.scale)
 
+    def budget_caps(self, nq: int, nk: int) -> dict[str, int]:
+        """Options to change for Nq, Nk tokens: blocks of at most the sequence
+        (``num_features`` <= (5 + r) N)."""
+        cap = (WINDOW_BLOCKS + GLOBAL_BLOCKS + self.num_random_blocks) * max(nq, nk, 1)
+        return {"num_features": cap} if self.num_features > cap else {}
+
     @property
     def block_size(self) -> int:
         return max(1, self.num_features // (WINDOW_BLOCKS + GLOBAL_BLOCKS + self.num_random_blocks))

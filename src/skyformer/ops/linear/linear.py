@@ -15,6 +15,13 @@ replaces. ``eps`` = 1e-6 is the reference implementation's guard of the denomina
 feature dimension is the head dim D, and no setting of the paper changes it. The option
 exists so that a sweep over the common knob includes linear attention as a constant
 baseline (``None`` or any positive integer; invalid values are rejected).
+
+Causal attention (``causal=True``, the paper's eqs. (8)-(10): an RNN over the prefix
+sums S_i = sum_{j<=i} phi(k_j) v_j^T, z_i = sum_{j<=i} phi(k_j)) is computed by chunks of
+``CAUSAL_CHUNK`` positions, so that it stays matmul-bound and O(N D) in memory: within a
+chunk the lower-triangular block (phi(Q_c) phi(K_c)^T) V_c; across chunks phi(Q_c)
+S_{<c} with S_{<c} an exclusive prefix sum of the chunks' phi(K_c)^T V_c (a sum over
+earlier chunks only, so output i depends on no position after i, not even by rounding).
 """
 
 from __future__ import annotations
@@ -32,7 +39,11 @@ from ..shared.inputs import (
     compute_dtype,
     zero_padded_queries,
 )
-from ..shared.options import check_nonnegative_float, check_optional_positive_int
+from ..shared.options import check_bool, check_nonnegative_float, check_optional_positive_int
+
+# Positions per chunk of the causal form: the intra-chunk block is CAUSAL_CHUNK^2 per
+# head, the prefix state (N / CAUSAL_CHUNK) D Dv, both O(N D) for D ~ CAUSAL_CHUNK.
+CAUSAL_CHUNK = 64
 
 
 @dataclass(frozen=True)
@@ -42,14 +53,17 @@ class LinearConfig:
     num_features: accepted for uniform sweeps, no effect (the feature dimension of
         elu + 1 is the head dim; module docstring).
     eps: added to the denominator (1e-6, as the reference implementation).
+    causal: query i attends to keys j <= i (requires Nq == Nk; module docstring).
     """
 
     num_features: int | None = None
     eps: float = 1e-6
+    causal: bool = False
 
     def __post_init__(self) -> None:
         check_optional_positive_int("linear", "num_features", self.num_features)
         check_nonnegative_float("linear", "eps", self.eps)
+        check_bool("linear", "causal", self.causal)
 
 
 def elu_feature_map(x: Tensor) -> Tensor:
@@ -60,7 +74,7 @@ def elu_feature_map(x: Tensor) -> Tensor:
 @register(
     "linear",
     LinearConfig,
-    Capabilities(target="softmax"),
+    Capabilities(target="softmax", causal=True),
     summary="linear attention with the elu(x)+1 feature map (Katharopoulos et al.)",
 )
 def linear_attention(
@@ -92,9 +106,42 @@ def linear_attention(
     work = compute_dtype(dtype)
     phi_q = elu_feature_map(q.to(work))  # [B, H, Nq, D]
     phi_k = elu_feature_map(k.to(work))  # [B, H, Nk, D]
-    if info.key_valid is not None:
-        phi_k = phi_k * info.key_valid[:, None, :, None].to(work)
-    kv = phi_k.transpose(-1, -2) @ v.to(work)  # [B, H, D, Dv]
+    vw = v.to(work)
+    if info.key_valid is not None:  # by where: whatever a padded key holds stays out
+        real = info.key_valid[:, None, :, None]
+        phi_k = torch.where(real, phi_k, 0.0)
+        vw = torch.where(real, vw, 0.0)
+    if config.causal:
+        if info.query_len != info.key_len:
+            raise ValueError(f"linear: causal=True needs as many queries as keys, got "
+                             f"Nq={info.query_len}, Nk={info.key_len}.")
+        out = causal_linear(phi_q, phi_k, vw, config.eps)
+        return zero_padded_queries(out, info.query_valid).to(dtype)
+    kv = phi_k.transpose(-1, -2) @ vw  # [B, H, D, Dv]
     normaliser = phi_q @ phi_k.sum(dim=2)[..., None]  # [B, H, Nq, 1]
     out = (phi_q @ kv) / (normaliser + config.eps)
     return zero_padded_queries(out, info.query_valid).to(dtype)
+
+
+def causal_linear(phi_q: Tensor, phi_k: Tensor, v: Tensor, eps: float,
+                  chunk: int = CAUSAL_CHUNK) -> Tensor:
+    """sum_{j<=i} (phi_i . phi_j) v_j / (sum_{j<=i} phi_i . phi_j + eps) by chunks
+    (module docstring): ``[B, H, N, D]`` features, ``[B, H, N, Dv]`` values."""
+    b, h, n, d = phi_q.shape
+    pad = (-n) % chunk
+    if pad:  # zero rows: no feature mass, no value
+        phi_q, phi_k, v = (F.pad(t, (0, 0, 0, pad)) for t in (phi_q, phi_k, v))
+    c = (n + pad) // chunk
+    q_c = phi_q.reshape(b, h, c, chunk, d)
+    k_c = phi_k.reshape(b, h, c, chunk, d)
+    v_c = v.reshape(b, h, c, chunk, v.shape[-1])
+    kv = k_c.transpose(-1, -2) @ v_c  # [B, H, C, D, Dv]
+    ks = k_c.sum(-2)  # [B, H, C, D]
+    # exclusive prefix over chunks: chunk c sees chunks < c only
+    kv_before = torch.cat([torch.zeros_like(kv[:, :, :1]), kv.cumsum(2)[:, :, :-1]], dim=2)
+    ks_before = torch.cat([torch.zeros_like(ks[:, :, :1]), ks.cumsum(2)[:, :, :-1]], dim=2)
+    scores = (q_c @ k_c.transpose(-1, -2)).tril()  # [B, H, C, L, L], j <= i in the chunk
+    numerator = q_c @ kv_before + scores @ v_c
+    denominator = (q_c @ ks_before[..., None]) + scores.sum(-1, keepdim=True)
+    out = numerator / (denominator + eps)
+    return out.reshape(b, h, c * chunk, -1)[:, :, :n]

@@ -46,7 +46,7 @@ from ..shared.masked import masked_attention
 from ..shared.options import (
     check_bool,
     check_optional_positive_int,
-    check_positive_int,
+    check_random_features,
     check_scale,
 )
 from ..shared.tracing import may_read_values
@@ -71,7 +71,7 @@ class LinformerConfig:
     scale: float | None = None
 
     def __post_init__(self) -> None:
-        check_positive_int("linformer", "num_features", self.num_features)
+        check_random_features("linformer", self.num_features)
         check_optional_positive_int("linformer", "max_seq_len", self.max_seq_len)
         check_bool("linformer", "share_kv", self.share_kv)
         check_scale("linformer", self.scale)

@@ -83,6 +83,12 @@ class NystromformerConfig:
             )
         check_scale("nystromformer", self.scale)
 
+    def budget_caps(self, nq: int, nk: int) -> dict[str, int]:
+        """Options to change for Nq, Nk tokens: at most one landmark per token (segment
+        means of more segments than tokens are empty)."""
+        n = max(nq, nk, 1)
+        return {"num_features": n} if self.num_features > n else {}
+
 
 @dataclass(frozen=True)
 class Segments:

@@ -46,7 +46,7 @@ from ..shared.inputs import (
 from ..shared.options import (
     check_bool,
     check_optional_positive_int,
-    check_positive_int,
+    check_random_features,
     check_scale,
 )
 from .features import key_features, query_features, resolve_projection
@@ -72,7 +72,7 @@ class PerformerConfig:
     scale: float | None = None
 
     def __post_init__(self) -> None:
-        check_positive_int("performer", "num_features", self.num_features)
+        check_random_features("performer", self.num_features)
         check_bool("performer", "orthogonal", self.orthogonal)
         check_optional_positive_int(
             "performer", "feature_redraw_interval", self.feature_redraw_interval

@@ -103,6 +103,12 @@ class ReformerConfig:
         check_bool("reformer", "exclude_self", self.exclude_self)
         check_scale("reformer", self.scale)
 
+    def budget_caps(self, nq: int, nk: int) -> dict[str, int]:
+        """Options to change for Nq, Nk tokens: chunks of at most the sequence
+        (``num_features`` <= 2 N)."""
+        cap = max(2, 2 * max(nq, nk))
+        return {"num_features": cap} if self.num_features > cap else {}
+
     @property
     def chunk(self) -> int:
         return self.num_features // 2

@@ -55,7 +55,7 @@ from ..shared.inputs import (
     zero_padded_queries,
 )
 from ..shared.lsh_blocks import LshBlockOptions, lsh_block_logits
-from ..shared.options import check_bool, check_scale
+from ..shared.options import check_bool, check_random_features, check_scale
 
 
 @dataclass(frozen=True)
@@ -73,8 +73,13 @@ class ScatterbrainConfig(LshBlockOptions):
 
     def __post_init__(self) -> None:
         self.validate("scatterbrain")
+        check_random_features("scatterbrain", self.num_features)
         check_bool("scatterbrain", "orthogonal", self.orthogonal)
         check_scale("scatterbrain", self.scale)
+
+    @property
+    def sampled_budget(self) -> bool:
+        return False  # num_features counts random features, not sampled columns
 
 
 def draw_scatterbrain(

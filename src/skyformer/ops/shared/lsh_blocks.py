@@ -46,6 +46,27 @@ class LshBlockOptions:
                 f"got {self.num_hyperplanes}."
             )
 
+    def budget_caps(self, nq: int, nk: int) -> dict[str, int]:
+        """Options to change for Nq, Nk tokens: blocks of at most the sequence; a sampled
+        budget (``sampled_budget``, KDEformer) of at most N columns. Random features
+        (Scatterbrain) are bounded at construction instead."""
+        n = max(nq, nk, 1)
+        caps: dict[str, int] = {}
+        if self.blocks > n:
+            caps["block_size"] = n
+        if self.sampled_budget:
+            for name in ("num_features", "kde_samples"):
+                value = getattr(self, name, None)
+                if value is not None and value > n:
+                    caps[name] = n
+        return caps
+
+    @property
+    def sampled_budget(self) -> bool:
+        """Whether ``num_features`` counts sampled columns (capped by N) rather than
+        random features."""
+        return True
+
     @property
     def blocks(self) -> int:
         """Keys per block of the sparse part (0: none)."""

@@ -6,13 +6,17 @@ be and what it got: ``"skyformer: num_features must be a positive integer, got 0
 
 from __future__ import annotations
 
+import math
+
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite int or float (inf and NaN would turn every output into NaN)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value)
 
 
 def check_positive_int(method: str, name: str, value: object) -> None:
@@ -32,7 +36,7 @@ def check_nonnegative_int(method: str, name: str, value: object) -> None:
 
 def check_nonnegative_float(method: str, name: str, value: object) -> None:
     if not _is_number(value) or not value >= 0:  # type: ignore[operator]
-        raise ValueError(f"{method}: {name} must be a number >= 0, got {value!r}.")
+        raise ValueError(f"{method}: {name} must be a finite number >= 0, got {value!r}.")
 
 
 def check_bool(method: str, name: str, value: object) -> None:
@@ -50,9 +54,26 @@ def check_choice(method: str, name: str, value: object, choices: tuple[str, ...]
 def check_scale(method: str, scale: object) -> None:
     """A softmax logit scale: a positive number, or ``None`` for 1/sqrt(head dim)."""
     if scale is not None and (not _is_number(scale) or not scale > 0):  # type: ignore[operator]
-        raise ValueError(f"{method}: scale must be a positive number or None, got {scale!r}.")
+        raise ValueError(
+            f"{method}: scale must be a finite positive number or None, got {scale!r}.")
 
 
 def check_positive_float(method: str, name: str, value: object) -> None:
     if not _is_number(value) or not value > 0:  # type: ignore[operator]
-        raise ValueError(f"{method}: {name} must be a positive number, got {value!r}.")
+        raise ValueError(f"{method}: {name} must be a finite positive number, got {value!r}.")
+
+
+# Random features and projections are held as [B, H, N, m] / [H, m, N] tensors: a cap
+# that stops a typo such as num_features=10**7 before it asks for gigabytes (the papers
+# use at most a few hundred). Budgets that count tokens are capped by N instead
+# (``budget_caps`` of the configs).
+MAX_RANDOM_FEATURES = 2**16
+
+
+def check_random_features(method: str, value: object) -> None:
+    check_positive_int(method, "num_features", value)
+    if value > MAX_RANDOM_FEATURES:  # type: ignore[operator]
+        raise ValueError(
+            f"{method}: num_features must be at most {MAX_RANDOM_FEATURES} (its random "
+            f"features or projections hold N * num_features values per head), got {value!r}."
+        )
