@@ -12,9 +12,12 @@ from skyformer import softmax_attention
 from skyformer.eval.measure.metrics import relative_error
 from skyformer.ops.kdeformer import KDEformerConfig, kdeformer_attention
 from skyformer.ops.kdeformer.kdeformer import (
+    draw_columns,
     draw_kdeformer,
+    row_estimate_probabilities,
     sampling_log_probabilities,
     uniform_rows,
+    value_norm_probabilities,
 )
 from skyformer.ops.kdeformer.naive import reference_kdeformer_attention
 from skyformer.registry import get_method
@@ -22,9 +25,16 @@ from tests.conftest import gen, make_qkv
 
 OPTIONS = [
     {"num_features": 8},
-    {"num_features": 8, "normalizer": "kde"},
     {"num_features": 8, "block_size": 0},
-    {"num_features": 6, "block_size": 5, "kde_samples": 9, "num_hyperplanes": 3},
+    {"num_features": 6, "block_size": 5, "kde_rows": 7, "mix": 0.3, "num_hyperplanes": 3},
+    {"num_features": 8, "sampler": "iid", "mix": 1.0},
+    {"num_features": 8, "mix": 0.0},
+    # the earlier estimator (Algorithm 3 line 3 with uniform KDE samples)
+    {"num_features": 8, "estimator": "uniform", "sampler": "iid"},
+    {"num_features": 8, "estimator": "uniform", "normalizer": "kde"},
+    {"num_features": 8, "estimator": "uniform", "block_size": 0},
+    {"num_features": 6, "block_size": 5, "kde_samples": 9, "num_hyperplanes": 3,
+     "estimator": "uniform"},
 ]
 
 
@@ -51,28 +61,30 @@ def test_fast_matches_reference_outputs_and_gradients(options, nq):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
 
 
-@pytest.mark.parametrize("normalizer", ["kde", "sampled"])
-def test_one_block_holding_every_column_is_exact_softmax(normalizer):
+LEGACY_KDE = {"estimator": "uniform", "normalizer": "kde"}
+
+
+@pytest.mark.parametrize("options", [{}, {"sampler": "iid"}, LEGACY_KDE])
+def test_one_block_holding_every_column_is_exact_softmax(options):
     """All columns in the exact sparse part: A_res = 0, alpha = D."""
     q, k, v = make_qkv(2, 2, 20, 8, seed=3)
     mask = torch.ones(2, 20, dtype=torch.bool)
     mask[1, 14:] = False
     out = kdeformer_attention(q, k, v, key_padding_mask=mask, generator=gen(0), num_features=8,
-                              block_size=20, normalizer=normalizer)
+                              block_size=20, **options)
     torch.testing.assert_close(out, softmax_attention(q, k, v, key_padding_mask=mask),
                                rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("normalizer", ["kde", "sampled"])
-def test_error_falls_as_samples_grow(normalizer):
+@pytest.mark.parametrize("options", [{}, {"sampler": "iid"}, {**LEGACY_KDE, "kde_samples": 96}])
+def test_error_falls_as_samples_grow(options):
     """More sampled columns (fixed blocks) approximate better, averaged over draws."""
     q, k, v = make_qkv(1, 2, 96, 16, seed=4, scale=0.8)
     exact = softmax_attention(q, k, v)
     means = []
     for m in (8, 64, 512):
         errs = [relative_error(kdeformer_attention(q, k, v, generator=gen(s), num_features=m,
-                                                   block_size=16, kde_samples=96,
-                                                   normalizer=normalizer), exact).mean()
+                                                   block_size=16, **options), exact).mean()
                 for s in range(4)]
         means.append(torch.stack(errs).mean().item())
     assert all(b < a for a, b in itertools.pairwise(means)), means
@@ -96,6 +108,67 @@ def test_sampling_distribution_is_algorithm_3_line_3():
     torch.testing.assert_close(
         flat.exp()[..., :7], torch.full((1, 2, 7), 1 / 7, dtype=torch.float64)
     )
+
+
+def test_value_norm_distribution_is_the_released_codes():
+    """p_v_j ∝ ||[v_j 1]|| / ||[V 1]||_op^2 + 1/n over the real keys, 0 on padded ones."""
+    g = gen(8)
+    v = torch.randn(2, 3, 10, 4, generator=g, dtype=torch.float64)
+    valid = torch.ones(2, 10, dtype=torch.bool)
+    valid[1, :4] = False
+    p = value_norm_probabilities(v, valid)
+    for b, real in ((0, slice(0, 10)), (1, slice(4, 10))):
+        y = torch.cat([v[b, :, real], torch.ones_like(v[b, :, real, :1])], -1)
+        op2 = torch.linalg.matrix_norm(y, ord=2) ** 2
+        expected = y.norm(dim=-1) / op2[:, None] + 1.0 / y.shape[1]
+        torch.testing.assert_close(p[b, :, real], expected / expected.sum(-1, keepdim=True))
+    assert torch.all(p[1, :, :4] == 0)
+
+
+def test_systematic_draws_are_unbiased_and_take_heavy_columns():
+    """Each column's count, averaged over the offset u, is m p_j (so the 1/(m p) weights
+    are unbiased); a column with m p_j >= 1 is taken at least floor(m p_j) times for
+    every u; padded keys (p = 0) never."""
+    g = gen(9)
+    nk, m = 13, 5
+    p = torch.rand(1, 1, nk, generator=g, dtype=torch.float64)
+    p[..., 3] = 6.0  # heavy: m p > 1 after normalising
+    key_ok = torch.ones(1, nk, dtype=torch.bool)
+    key_ok[0, 10:] = False
+    p = torch.where(key_ok[:, None], p, 0.0)
+    p = p / p.sum()
+    order = torch.randperm(nk, generator=g)[None, None]
+    cfg = KDEformerConfig(num_features=m)
+    grid = 4000
+    counts = torch.zeros(nk, dtype=torch.float64)
+    for i in range(grid):
+        u = torch.full((1, 1, m), (i + 0.5) / grid)
+        index, live, weight = draw_columns(p, order, key_ok, cfg, u)
+        assert live.all()
+        c = torch.bincount(index.flatten(), minlength=nk).double()
+        assert c[3] >= math.floor(m * p[0, 0, 3])
+        torch.testing.assert_close(weight, 1.0 / (m * p.gather(-1, index)))
+        counts += c
+    torch.testing.assert_close(counts / grid, m * p[0, 0], atol=2e-3, rtol=0)
+    assert counts[10:].sum() == 0
+
+
+def test_rows_estimator_finds_the_heavy_column():
+    """With one key that every query attends to, the estimated column norms put most of
+    p on it (mix=1), where the value-norm distribution (mix=0) does not."""
+    q, k, v = make_qkv(1, 1, 64, 8, seed=10)
+    direction = torch.zeros(8, dtype=q.dtype)
+    direction[0] = 1.0
+    k[0, 0, 17] = 10.0 * direction
+    q = q + 3.0 * direction
+    key_ok = torch.ones(1, 64, dtype=torch.bool)
+    blocks = torch.full((1, 1, 64), -1), torch.full((1, 1, 64), -2)
+    for mix, heavy in ((1.0, True), (0.0, False)):
+        cfg = KDEformerConfig(num_features=16, block_size=0, mix=mix)
+        p = row_estimate_probabilities(q / math.sqrt(8), k, v, *blocks, key_ok, key_ok, cfg,
+                                       torch.rand(1, 1, cfg.rows, generator=gen(0)))
+        torch.testing.assert_close(p.sum(-1), torch.ones(1, 1, dtype=p.dtype))
+        assert bool(p[0, 0, 17] > 0.5) is heavy, p[0, 0, 17]
 
 
 def test_uniform_rows_pick_real_rows_in_sequence_order():
@@ -130,13 +203,9 @@ def test_default_normaliser_stays_bounded_on_peaked_rows():
 
 def test_defaults_follow_the_paper():
     cfg = get_method("kdeformer").make_config()
-    assert (cfg.num_features, cfg.blocks, cfg.samples, cfg.num_hyperplanes, cfg.normalizer) == (
-        128,
-        64,
-        128,
-        7,
-        "sampled",
-    )
+    assert (cfg.num_features, cfg.blocks, cfg.num_hyperplanes, cfg.normalizer) == (
+        128, 64, 7, "sampled")
+    assert (cfg.estimator, cfg.rows, cfg.mix, cfg.sampler) == ("rows", 32, 0.5, "systematic")
 
 
 def test_bad_inputs_name_the_problem():
@@ -148,6 +217,12 @@ def test_bad_inputs_name_the_problem():
         ({"num_hyperplanes": 40}, "num_hyperplanes"),
         ({"kde_samples": 0}, "kde_samples"),
         ({"normalizer": "exact"}, "normalizer"),
+        ({"normalizer": "kde"}, "estimator='uniform'"),
+        ({"estimator": "kde"}, "estimator"),
+        ({"kde_rows": 0}, "kde_rows"),
+        ({"mix": 1.5}, "mix"),
+        ({"mix": -0.1}, "mix"),
+        ({"sampler": "stratified"}, "sampler"),
         ({"scale": -2.0}, "scale"),
     ):
         with pytest.raises(ValueError, match=word):

@@ -37,6 +37,39 @@ def test_fast_matches_reference_outputs_and_gradients(masked, orthogonal):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.parametrize("eps", [1e-3, 0.5])
+def test_eps_matches_reference_with_performer_pytorch_features(eps):
+    """eps > 0: features m^-1/2 (exp(w.x' - |x'|^2/2 - c) + eps), c = row max of w.q'
+    for queries, max over real keys and features of w.k' for keys; padded keys zero."""
+    q, k, v = make_qkv(2, 2, 17, 8, dv=5, seed=11)
+    mask = torch.ones(2, 17, dtype=torch.bool)
+    mask[0, 12:] = False
+    mask[1, :3] = False
+    w = gaussian_projection(16, 8, generator=gen(3)).double()
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    fast = performer_attention(q, k, v, key_padding_mask=mask, num_features=16, projection=w,
+                               eps=eps)
+    ref = reference_performer_attention(q, k, v, w, key_padding_mask=mask, eps=eps)
+    torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(fast.square().sum(), (q, k, v)),
+                    torch.autograd.grad(ref.square().sum(), (q, k, v)), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    unbiased = performer_attention(q, k, v, key_padding_mask=mask, num_features=16,
+                                   projection=w)
+    assert (fast - unbiased).abs().max() > 1e-6
+
+
+def test_large_eps_returns_the_mean_of_the_real_values():
+    q, k, v = make_qkv(2, 2, 15, 8, seed=12)
+    mask = torch.ones(2, 15, dtype=torch.bool)
+    mask[1, 9:] = False
+    out = performer_attention(q, k, v, key_padding_mask=mask, generator=gen(0), eps=1e9)
+    mean = torch.stack([v[0].mean(-2), v[1, :, :9].mean(-2)])[:, :, None]
+    torch.testing.assert_close(out[0], mean[0].expand_as(out[0]), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(out[1, :, :9], mean[1].expand(2, 9, 8), rtol=1e-6, atol=1e-7)
+
+
 def test_generator_draw_equals_passing_the_same_projection():
     q, k, v = make_qkv(1, 2, 12, 8)
     w = gaussian_projection(16, 8, generator=gen(4))
@@ -141,6 +174,7 @@ def test_layer_without_redraw_keeps_features_and_ignores_the_generator():
 def test_defaults_are_the_published_settings():
     cfg = get_method("performer").make_config()
     assert (cfg.num_features, cfg.orthogonal, cfg.feature_redraw_interval) == (128, True, 1000)
+    assert cfg.eps == 0.0  # unbiased FAVOR+ (performer-pytorch hard-wires 1e-4)
     caps = get_method("performer").capabilities
     assert caps.randomized and caps.mask and caps.cross_attention and not caps.learned_parameters
 
@@ -152,6 +186,7 @@ def test_bad_inputs_name_the_problem():
         ({"feature_redraw_interval": 0}, "feature_redraw_interval"),
         ({"scale": -1.0}, "scale"),
         ({"orthogonal": "yes"}, "orthogonal"),
+        ({"eps": -1e-4}, "eps"),
     ):
         with pytest.raises(ValueError, match=word):
             performer_attention(q, k, v, **options)

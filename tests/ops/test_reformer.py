@@ -28,6 +28,11 @@ OPTIONS = [
     {"num_features": 8, "exclude_self": False},
     {"num_features": 6, "num_hashes": 3},
     {"num_features": 10, "num_buckets": 4, "shared_qk": True, "exclude_self": False},
+    {"num_features": 8, "exclude_self": True},
+    # the paper's same-bucket mask
+    {"num_features": 8, "attend_across_buckets": False},
+    {"num_features": 8, "attend_across_buckets": False, "shared_qk": True},
+    {"num_features": 6, "num_buckets": 6, "attend_across_buckets": False, "num_hashes": 3},
 ]
 
 
@@ -83,13 +88,30 @@ def test_one_bucket_one_chunk_with_self_is_exact_softmax(rounds):
 def test_no_attention_to_self_unless_alone():
     q, k, v = make_qkv(1, 1, 12, 4, seed=6)
     # one bucket, one chunk: everyone sees everyone, so self is always excluded
-    out = reformer_attention(q, k, v, num_features=24, num_buckets=1, generator=gen(0))
+    out = reformer_attention(q, k, v, num_features=24, num_buckets=1, exclude_self=True,
+                             generator=gen(0))
     logits = (q @ k.transpose(-1, -2)) / 2.0
     logits = logits.masked_fill(torch.eye(12, dtype=torch.bool), float("-inf"))
     torch.testing.assert_close(out, torch.softmax(logits, -1) @ v, rtol=1e-10, atol=1e-12)
     # a sequence of one token can only attend to itself
-    single = reformer_attention(q[:, :, :1], k[:, :, :1], v[:, :, :1], generator=gen(0))
+    single = reformer_attention(q[:, :, :1], k[:, :, :1], v[:, :, :1], exclude_self=True,
+                                generator=gen(0))
     torch.testing.assert_close(single, v[:, :, :1], rtol=0, atol=1e-15)
+
+
+def test_query_with_no_key_in_any_round_attends_to_itself():
+    """Same-bucket mask, self allowed: a query whose bucket holds no key of its window in
+    any round returns its own value, never a zero row."""
+    q, k, v = make_qkv(1, 2, 48, 6, seed=8)
+    options = {"num_features": 4, "num_buckets": 16, "num_hashes": 1,
+               "attend_across_buckets": False, "exclude_self": False}
+    sets = reformer_attention_sets(q, k, rotations_for(q, None, 3, **options), **options)
+    alone = sets.sum(-1) == 1
+    alone &= sets.diagonal(dim1=-2, dim2=-1)
+    assert alone.any()
+    out = reformer_attention(q, k, v, generator=gen(3), **options)
+    torch.testing.assert_close(out[alone], v[alone], rtol=0, atol=1e-15)
+    assert (out.abs().sum(-1) > 0).all()
 
 
 def test_shared_qk_uses_normalised_queries_and_ignores_k():
@@ -97,7 +119,7 @@ def test_shared_qk_uses_normalised_queries_and_ignores_k():
     shared = reformer_attention(q, k, v, num_features=8, shared_qk=True, generator=gen(1))
     junk = reformer_attention(q, 5 * k + 1, v, num_features=8, shared_qk=True, generator=gen(1))
     explicit = reformer_attention(q, q / q.norm(dim=-1, keepdim=True), v, num_features=8,
-                                  generator=gen(1))
+                                  exclude_self=True, generator=gen(1))
     torch.testing.assert_close(shared, junk, rtol=0, atol=0)
     # hashing both sides with the same rotations is the same computation (bucket of a
     # vector does not depend on its length)
@@ -113,7 +135,10 @@ def test_buckets_follow_the_real_length():
 
 def test_defaults_are_the_published_settings():
     cfg = get_method("reformer").make_config()
-    assert (cfg.num_features, cfg.chunk, cfg.num_hashes, cfg.exclude_self) == (128, 64, 2, True)
+    assert (cfg.num_features, cfg.chunk, cfg.num_hashes) == (128, 64, 2)
+    # reformer-pytorch's and trax's defaults: the whole window, self excluded with shared QK
+    assert cfg.attend_across_buckets and cfg.exclude_self is None and not cfg.self_excluded
+    assert ReformerConfig(shared_qk=True).self_excluded
     assert not get_method("reformer").capabilities.cross_attention
 
 
@@ -125,6 +150,8 @@ def test_bad_inputs_name_the_problem():
         ({"num_buckets": 3}, "num_buckets"),
         ({"num_buckets": 0}, "num_buckets"),
         ({"shared_qk": 1}, "shared_qk"),
+        ({"exclude_self": "no"}, "exclude_self"),
+        ({"attend_across_buckets": None}, "attend_across_buckets"),
         ({"scale": 0.0}, "scale"),
     ):
         with pytest.raises(ValueError, match=word):

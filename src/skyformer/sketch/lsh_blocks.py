@@ -35,6 +35,7 @@ class LshBlocks:
     q_slot: Tensor  # [B, H, Nq] long: flat slot of each query in [num_blocks * query_block_size]
     q_block: Tensor  # [B, H, Nq] long
     k_block: Tensor  # [B, H, Nk] long
+    k_order: Tensor  # [B, H, Nk] long: keys in Hamming (Gray-rank) order, padded keys last
 
 
 def _inverse(order: Tensor) -> Tensor:
@@ -66,6 +67,7 @@ def hamming_blocks(
         q_slot=q_slot,
         q_block=q_slot // q_size,
         k_block=_inverse(k_order) // block_size,
+        k_order=k_order,
     )
 
 

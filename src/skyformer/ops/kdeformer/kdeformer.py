@@ -8,44 +8,44 @@ and D = diag(A 1), Algorithm 3 (the practical version of Algorithm 1) computes
 
 where A_spar keeps the entries of query/key pairs in the same bucket of the
 equal-sized angular LSH (Definition A.3, ``sketch.lsh_blocks``), A_res = A - A_spar,
-and Pi_res samples m columns i.i.d. with probabilities (Algorithm 3 line 3)
+and Pi_res samples m = ``num_features`` columns, row r of Pi_res being
+e_{l_r}^T / sqrt(m p_{l_r}) (Algorithm 1 lines 6-7), so that Pi_res^T Pi_res is an
+unbiased estimate of the identity whatever p is. The output is self-normalised, as in
+the authors' released code: D~ = A_spar 1 + A_res Pi^T Pi 1 (``normalizer="sampled"``).
 
-    p_j  ∝  ||D~^-1 A_res e_j||^2 + gamma ||v_j||^2,    gamma = ||V||_op^-2,
+The paper samples columns by their norms in D^-1 A_res (Algorithm 1 line 5, Algorithm 3
+line 3), estimated with a Gaussian-KDE data structure (WExpKDE, Algorithm 2, super-linear
+time). Two estimators of those norms (``estimator``):
 
-row r of Pi_res being e_{l_r}^T / sqrt(m p_{l_r}) (Algorithm 1 lines 6-7).
+- ``"rows"`` (default), O(N r d) time, O(N r) memory: r = ``kde_rows`` query rows,
+  one uniformly inside each of r equal strata of the real queries, are computed in
+  full; their exact softmax rows (entries of the row's own block dropped) give the
+  unbiased estimate beta_j = (n / r) sum_rows P_ij^2 of ||D^-1 A_res e_j||^2. The
+  distribution is the mixture
+      p = mix * sqrt(beta) / sum sqrt(beta) + (1 - mix) * p_v,
+      p_v_j  ∝  ||[v_j 1]|| / ||[V 1]||_op^2 + 1/n,
+  where sqrt(beta) (column norms, not squared) is the Frobenius-optimal AMM weight for
+  (D^-1 A_res) V, and p_v, the value-norm-plus-uniform distribution of the authors'
+  released code, keeps every weight 1/(m p) below 2 n / ((1 - mix) m) (defensive
+  mixture; ``mix=0`` is exactly the released code's distribution).
+- ``"uniform"``: the earlier estimator of this library, Algorithm 3 line 3 literally,
+  p ∝ ||D~^-1 A_res e_j||^2 + gamma ||v_j||^2 (gamma = ||V||_op^-2) with D~ and the
+  column norms from ``kde_samples`` uniformly drawn keys and queries. Needed by
+  ``normalizer="kde"`` (D~ = alpha, literally Algorithm 3; unbounded on peaked rows).
 
-What is exact and what is estimated:
+Columns are drawn (``sampler``) either systematically (default: one uniform u, the m
+points (t + u)/m on the CDF of p taken over the keys in their LSH (Gray-rank) order,
+so heavy columns are always taken and the rest spread over angular strata; each
+column's expected count is still m p_j) or i.i.d. by inverse CDF (Algorithm 1).
 
-- exact: A_spar (all entries of the diagonal blocks, block size ``block_size``), the
-  value norms ||v_j|| and gamma (from the eigenvalues of V^T V, where the paper uses a
-  power method), the sampled columns of A_res.
-- estimated, alpha ~ diag(D) (Algorithm 1 line 3, WExpKDE): alpha_i = the exact row
-  sum of A_spar + the row sum of A_res estimated from ``kde_samples`` keys drawn
-  uniformly among the real keys ((n / s) sum over the samples outside i's block) - a
-  random-sampling KDE in place of the paper's Gaussian-KDE data structure. It weighs
-  the column norms below and, with ``normalizer="kde"``, is D~.
-- estimated, the residual column norms ||D~^-1 A_res e_j||^2 (Algorithm 1 line 4,
-  Algorithm 3 line 3): from ``kde_samples`` queries drawn uniformly.
-- estimated, A_res V (and with ``normalizer="sampled"`` also A_res 1): the AMM of
-  Lemma 3.2 with the m importance-sampled columns.
-
-``normalizer="sampled"`` (default) divides by A_spar 1 + A_res Pi^T Pi 1: the same
-importance-sampled estimate applied to a column of ones, as the authors' released code
-does; every output row is then a convex combination of values. ``"kde"`` divides by
-alpha, as Algorithm 3 returns it. The paper's alpha comes from a KDE oracle with a
-(1 +- eps) guarantee; the uniform-sampling stand-in has none, and on peaked rows it
-misses the keys that dominate while the importance samples find them: numerator and
-denominator then disagree without bound (on MiniLM-L6 layer 0, N = 512, a relative
-spectral error of 6.5e5 against 0.36 with ``"sampled"``).
-
-Budget (``num_features`` = k, as in the paper's comparison code for its Figure 4):
-m = k sampled residual columns and blocks of ``block_size`` = k/2 keys, so a query
-row touches k/2 + k keys (the paper reports 1.5 k), plus the ``kde_samples``
-estimates; memory O(N (block_size + m + 2 kde_samples)) per head, never N x N.
-``block_size=0`` drops the sparse part: Algorithm 1 with sampled KDE estimates.
-Every sample is drawn with a shape independent of N, and uniform indices are taken
-among the real rows in sequence order, so for one sequence right padding draws the
-same samples as truncation.
+Budget (``num_features`` = m, as in the paper's comparison code for its Figure 4):
+blocks of ``block_size`` = m/2 keys and m sampled residual columns per query, plus
+(``"rows"``) r = m/4 full rows, r N logits, i.e. r per query on average: the paper's
+feature dimension (memory at most N k) is k = m/2 + m + m/4 = 1.75 m, against the
+released code's 1.5 m (``"uniform"``: m/2 + m + 2 ``kde_samples`` = 3.5 m).
+``block_size=0`` drops the sparse part. Every sample is drawn with a shape independent
+of N, and rows are taken by rank among the real rows, so for one sequence right padding
+draws the same samples as truncation.
 """
 
 from __future__ import annotations
@@ -75,9 +75,16 @@ from ..shared.inputs import (
     zero_padded_queries,
 )
 from ..shared.lsh_blocks import LshBlockOptions, lsh_block_logits
-from ..shared.options import check_choice, check_optional_positive_int, check_scale
+from ..shared.options import (
+    check_choice,
+    check_nonnegative_float,
+    check_optional_positive_int,
+    check_scale,
+)
 
 NORMALIZERS = ("kde", "sampled")
+ESTIMATORS = ("rows", "uniform")
+SAMPLERS = ("systematic", "iid")
 
 
 @dataclass(frozen=True)
@@ -85,26 +92,53 @@ class KDEformerConfig(LshBlockOptions):
     """Options of KDEformer (Algorithm 3); defaults follow the paper's comparison code.
 
     num_features: m, importance-sampled residual columns (128).
+    estimator: how the residual column norms behind p are estimated: ``"rows"``
+        (``kde_rows`` full query rows) or ``"uniform"`` (the earlier estimator, see
+        module doc).
+    kde_rows: r, the query rows of the ``"rows"`` estimator; None = max(1, m // 4).
+    mix: weight of the estimated column norms in p (``"rows"``); the rest is the
+        value-norm + uniform distribution of the authors' code (0.5; 0 = that code's p).
+    sampler: ``"systematic"`` (along the LSH order of the keys) or ``"iid"``.
     kde_samples: uniformly sampled keys (for alpha) and queries (for the column
-        norms) of the KDE estimates; None = num_features.
+        norms) of the ``"uniform"`` estimator; None = num_features.
     normalizer: ``"sampled"`` (D~ from the importance samples, as the authors' code) or
-        ``"kde"`` (D~ = diag(alpha), literally Algorithm 3; unstable, see module doc).
+        ``"kde"`` (D~ = diag(alpha), literally Algorithm 3; needs
+        ``estimator="uniform"``; unstable, see module doc).
     scale: logit scale s, None = 1/sqrt(head dim).
     """
 
+    estimator: str = "rows"
+    kde_rows: int | None = None
+    mix: float = 0.5
+    sampler: str = "systematic"
     kde_samples: int | None = None
     normalizer: str = "sampled"
     scale: float | None = None
 
     def __post_init__(self) -> None:
         self.validate("kdeformer")
+        check_choice("kdeformer", "estimator", self.estimator, ESTIMATORS)
+        check_optional_positive_int("kdeformer", "kde_rows", self.kde_rows)
+        check_nonnegative_float("kdeformer", "mix", self.mix)
+        if self.mix > 1:
+            raise ValueError(f"kdeformer: mix must be a number in [0, 1], got {self.mix!r}.")
+        check_choice("kdeformer", "sampler", self.sampler, SAMPLERS)
         check_optional_positive_int("kdeformer", "kde_samples", self.kde_samples)
         check_choice("kdeformer", "normalizer", self.normalizer, NORMALIZERS)
+        if self.normalizer == "kde" and self.estimator != "uniform":
+            raise ValueError(
+                "kdeformer: normalizer='kde' divides by the KDE row sums alpha, which only "
+                "estimator='uniform' computes; pass estimator='uniform' with it."
+            )
         check_scale("kdeformer", self.scale)
 
     @property
     def samples(self) -> int:
         return self.num_features if self.kde_samples is None else self.kde_samples
+
+    @property
+    def rows(self) -> int:
+        return max(1, self.num_features // 4) if self.kde_rows is None else self.kde_rows
 
 
 @dataclass(frozen=True)
@@ -112,9 +146,10 @@ class KDEformerDraws:
     """All randomness of one call, drawn before any data-dependent step."""
 
     hyperplanes: Tensor | None  # [B, H, D, r] (None without a sparse part)
-    key_uniform: Tensor  # [B, H, kde_samples] in [0, 1): keys for alpha
-    query_uniform: Tensor  # [B, H, kde_samples]: queries for the column norms
-    column_uniform: Tensor  # [B, H, num_features]: inverse-CDF draws of Pi_res
+    key_uniform: Tensor | None  # [B, H, kde_samples] in [0, 1): keys for alpha ("uniform")
+    query_uniform: Tensor | None  # [B, H, kde_samples]: queries for the norms ("uniform")
+    row_uniform: Tensor | None  # [B, H, kde_rows]: one query per stratum ("rows")
+    column_uniform: Tensor  # [B, H, num_features]: draws of Pi_res ("systematic": the first)
 
 
 def draw_kdeformer(
@@ -129,10 +164,12 @@ def draw_kdeformer(
         planes = draw_hyperplanes((batch, heads), dim, cfg.num_hyperplanes, device=device,
                                   generator=key)
     shape = (batch, heads)
+    legacy = cfg.estimator == "uniform"
     return KDEformerDraws(
         planes,
-        uniform(stream(key, "kdeformer/keys"), (*shape, cfg.samples)),
-        uniform(stream(key, "kdeformer/queries"), (*shape, cfg.samples)),
+        uniform(stream(key, "kdeformer/keys"), (*shape, cfg.samples)) if legacy else None,
+        uniform(stream(key, "kdeformer/queries"), (*shape, cfg.samples)) if legacy else None,
+        None if legacy else uniform(stream(key, "kdeformer/rows"), (*shape, cfg.rows)),
         uniform(stream(key, "kdeformer/columns"), (*shape, cfg.num_features)),
     )
 
@@ -231,16 +268,13 @@ def _off_block(q_block: Tensor, k_block: Tensor, live: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def _residual_columns(
+def _uniform_estimate_probabilities(
     qs: Tensor, k: Tensor, v: Tensor, sparse: _SparsePart, alpha: Tensor, shift: Tensor,
     query_ok: Tensor, key_ok: Tensor, cfg: KDEformerConfig, draws: KDEformerDraws,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Pi_res (Algorithm 1 lines 6-7): ``num_features`` i.i.d. residual columns drawn by
-    inverse CDF from the estimated residual column norms ||D~^-1 A_res e_j||^2 (from
-    uniformly sampled queries, in log space against overflow). No gradient: they only
-    shape the sampling distribution. Returns ``(index, live, weight)``, each ``[B, H, m]``.
-    """
-    b, h, nk = k.shape[0], k.shape[1], k.shape[2]
+) -> Tensor:
+    """p of the ``"uniform"`` estimator ``[B, H, Nk]``: Algorithm 3 line 3 with the
+    residual column norms ||D~^-1 A_res e_j||^2 estimated from ``kde_samples`` uniformly
+    drawn queries (in log space against overflow). No gradient: p only shapes Pi_res."""
     neg_inf = float("-inf")
     n_queries = query_ok.sum(-1).to(qs.dtype)[:, None, None]
     idx_q, live_q = uniform_rows(draws.query_uniform, query_ok)
@@ -251,13 +285,77 @@ def _residual_columns(
         - (shift.gather(-1, idx_q) + log_alpha)[..., None]  # log (D~^-1 A)_{i_r, j}
     log_entry = log_entry.masked_fill(~off_q | ~torch.isfinite(log_alpha)[..., None], neg_inf)
     log_norms = torch.logsumexp(2 * log_entry, dim=-2) + (n_queries / cfg.samples).log()
-    p = sampling_log_probabilities(log_norms, v, key_ok).exp()  # [B, H, Nk]
-    cdf = p.cumsum(-1)
-    index = torch.searchsorted(cdf, draws.column_uniform.to(cdf.dtype) * cdf[..., -1:],
-                               right=True).clamp_max(nk - 1)
+    return sampling_log_probabilities(log_norms, v, key_ok).exp()
+
+
+def value_norm_probabilities(v: Tensor, key_ok: Tensor) -> Tensor:
+    """The distribution of the authors' released code, over the real keys ``[B, H, Nk]``:
+    p_j ∝ ||[v_j 1]|| / ||[V 1]||_op^2 + 1/n (exact top eigenvalue of [V 1]^T [V 1]
+    where that code runs a power method)."""
+    real = key_ok[:, None, :].to(v.dtype)  # [B, 1, Nk]
+    y = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1) * real[..., None]
+    top = torch.linalg.eigvalsh((y.transpose(-1, -2) @ y).double())[..., -1].to(v.dtype)
+    n = real.sum(-1, keepdim=True).clamp_min(1.0)
+    p = (y.norm(dim=-1) / top.clamp_min(1e-300)[..., None] + 1.0 / n) * real
+    total = p.sum(-1, keepdim=True)
+    return p / torch.where(total > 0, total, 1.0)
+
+
+def stratified_rows(u: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+    """One real row uniformly inside each of the r equal strata (by rank among the real
+    rows) for ``u [B, H, r]``: row floor((t + u_t) n / r) of stratum t. Every real row is
+    taken r/n times in expectation. Returns ``(index, live)`` as ``uniform_rows``."""
+    r = u.shape[-1]
+    t = torch.arange(r, device=u.device, dtype=torch.float64)
+    return uniform_rows((t + u.double()) / r, valid)
+
+
+@torch.no_grad()
+def row_estimate_probabilities(
+    qs: Tensor, k: Tensor, v: Tensor, q_block: Tensor, k_block: Tensor,
+    query_ok: Tensor, key_ok: Tensor, cfg: KDEformerConfig, row_uniform: Tensor,
+) -> Tensor:
+    """p of the ``"rows"`` estimator ``[B, H, Nk]`` (module doc): the exact softmax rows
+    of ``kde_rows`` stratified queries give beta_j ≈ ||D^-1 A_res e_j||^2, and
+    p = mix sqrt(beta)/sum sqrt(beta) + (1 - mix) p_v. O(N r d); no gradient."""
+    neg_inf = float("-inf")
+    idx_q, live_q = stratified_rows(row_uniform, query_ok)
+    logits = (_rows(qs, idx_q) @ k.transpose(-1, -2)).masked_fill(
+        ~key_ok[:, None, None, :], neg_inf)  # [B, H, r, Nk]
+    row_max = _finite_or(logits.amax(-1, keepdim=True), 0.0)
+    e = torch.exp(logits - row_max)
+    total = e.sum(-1, keepdim=True)
+    probs = e / torch.where(total > 0, total, 1.0)  # exact softmax rows
+    off = (q_block.gather(-1, idx_q)[..., :, None] != k_block[..., None, :]) \
+        & live_q[..., :, None]
+    probs = torch.where(off, probs, 0.0)
+    n_queries = query_ok.sum(-1).to(qs.dtype)[:, None, None]
+    norms = ((probs * probs).sum(-2) * (n_queries / cfg.rows)).sqrt()  # ||D^-1 A_res e_j||
+    norm_sum = norms.sum(-1, keepdim=True)
+    p_v = value_norm_probabilities(v, key_ok)
+    p_norms = torch.where(norm_sum > 0, norms / torch.where(norm_sum > 0, norm_sum, 1.0), p_v)
+    return cfg.mix * p_norms + (1.0 - cfg.mix) * p_v
+
+
+def draw_columns(p: Tensor, order: Tensor, key_ok: Tensor, cfg: KDEformerConfig,
+                 column_uniform: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Pi_res (Algorithm 1 lines 6-7) from ``p [B, H, Nk]``: ``num_features`` columns,
+    systematic along ``order [B, H, Nk]`` or i.i.d. by inverse CDF. Returns
+    ``(index, live, weight)``, each ``[B, H, m]``, weight = 1/(m p_l)."""
+    b, h, nk = p.shape
+    m = cfg.num_features
+    if cfg.sampler == "iid":
+        order = torch.arange(nk, device=p.device).expand(b, h, nk)
+        points = column_uniform.to(p.dtype)
+    else:
+        t = torch.arange(m, device=p.device, dtype=p.dtype)
+        points = (t + column_uniform[..., :1].to(p.dtype)) / m
+    cdf = p.gather(-1, order).cumsum(-1)
+    pos = torch.searchsorted(cdf, points * cdf[..., -1:], right=True).clamp_max(nk - 1)
+    index = order.gather(-1, pos)
     p_c = p.gather(-1, index)
     live = (p_c > 0) & key_ok[:, None, :].expand(b, h, nk).gather(-1, index)
-    weight = torch.where(live, 1.0 / (cfg.num_features * p_c.clamp_min(1e-300)), 0.0)
+    weight = torch.where(live, 1.0 / (m * p_c.clamp_min(1e-300)), 0.0)
     return index, live, weight
 
 
@@ -266,7 +364,7 @@ def kdeformer_core(
     draws: KDEformerDraws,
 ) -> Tensor:
     """Algorithm 3 for given draws. Inputs in the working dtype; ``[B, H, Nq, Dv]``."""
-    b, _, nq, _ = q.shape
+    b, h, nq, _ = q.shape
     nk = k.shape[2]
     s = cfg.scale if cfg.scale is not None else 1.0 / math.sqrt(info.head_dim)
     qs = q * s
@@ -277,18 +375,27 @@ def kdeformer_core(
         b, nq, dtype=torch.bool, device=q.device)
     sparse = _sparse_part(qs, k, info, cfg, draws)
 
-    # alpha (Algorithm 1 line 3): exact block row sums + uniform-sample estimate of the rest.
-    n_keys = key_ok.sum(-1).to(q.dtype)[:, None, None]  # [B, 1, 1]
-    idx_k, live_k = uniform_rows(draws.key_uniform, key_ok)
-    off_k = _off_block(sparse.q_block, sparse.k_block.gather(-1, idx_k), live_k)
-    logits_k = (qs @ _rows(k, idx_k).transpose(-1, -2)).masked_fill(~off_k, neg_inf)
-    shift = _finite_or(torch.maximum(sparse.row_max, logits_k.detach().amax(-1)), 0.0)
-    residual_sum = torch.exp(logits_k - shift[..., None]).sum(-1) * (n_keys / cfg.samples)
-    spar_num, spar_den = _sparse_sums(sparse, v, shift)
-    alpha = spar_den + residual_sum  # [B, H, Nq], in units of exp(shift)
-
-    idx_c, live_c, weight = _residual_columns(
-        qs, k, v, sparse, alpha, shift, query_ok, key_ok, cfg, draws)
+    if cfg.estimator == "uniform":
+        # alpha (Algorithm 1 line 3): exact block row sums + uniform-sample estimate.
+        n_keys = key_ok.sum(-1).to(q.dtype)[:, None, None]  # [B, 1, 1]
+        idx_k, live_k = uniform_rows(draws.key_uniform, key_ok)
+        off_k = _off_block(sparse.q_block, sparse.k_block.gather(-1, idx_k), live_k)
+        logits_k = (qs @ _rows(k, idx_k).transpose(-1, -2)).masked_fill(~off_k, neg_inf)
+        shift = _finite_or(torch.maximum(sparse.row_max, logits_k.detach().amax(-1)), 0.0)
+        residual_sum = torch.exp(logits_k - shift[..., None]).sum(-1) * (n_keys / cfg.samples)
+        spar_num, spar_den = _sparse_sums(sparse, v, shift)
+        alpha = spar_den + residual_sum  # [B, H, Nq], in units of exp(shift)
+        p = _uniform_estimate_probabilities(qs, k, v, sparse, alpha, shift, query_ok, key_ok,
+                                            cfg, draws)
+    else:
+        shift = _finite_or(sparse.row_max, 0.0)
+        spar_num, spar_den = _sparse_sums(sparse, v, shift)
+        alpha = spar_den
+        p = row_estimate_probabilities(qs, k, v, sparse.q_block, sparse.k_block, query_ok,
+                                       key_ok, cfg, draws.row_uniform)
+    order = sparse.blocks.k_order if sparse.blocks is not None else \
+        torch.arange(nk, device=q.device).expand(b, h, nk)
+    idx_c, live_c, weight = draw_columns(p, order, key_ok, cfg, draws.column_uniform)
     off_c = _off_block(sparse.q_block, sparse.k_block.gather(-1, idx_c), live_c)
     logits_c = (qs @ _rows(k, idx_c).transpose(-1, -2)).masked_fill(~off_c, neg_inf)
     shift2 = torch.maximum(shift, _finite_or(logits_c.detach().amax(-1), neg_inf))
@@ -327,8 +434,8 @@ def kdeformer_attention(
         key_padding_mask: ``[B, Nk]`` bool, True = real token; padded keys are never
             in a block with real queries, never sampled, and get zero weight.
         generator: draws the hyperplanes and all samples.
-        num_features, block_size, num_hyperplanes, kde_samples, normalizer, scale: see
-            ``KDEformerConfig``.
+        num_features, block_size, num_hyperplanes, estimator, kde_rows, mix, sampler,
+            kde_samples, normalizer, scale: see ``KDEformerConfig``.
     Returns:
         ``[B, H, Nq, Dv]`` in the dtype of ``q`` (half types computed in float32);
         rows of padded queries (self-attention) are zero.

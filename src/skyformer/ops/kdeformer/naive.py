@@ -3,8 +3,10 @@
 For given draws, per batch element and head: the N x N attention matrix A, the 0/1
 block pattern of the equal-sized angular LSH (labels from explicit sign bits, Gray
 ranks from the closed form g ^ (g >> 1), Python ``sorted``), A_spar and A_res, the
-one-hot sampling matrices of the uniform KDE estimates, p, and the explicit sampling
-matrix Pi_res with rows e_l / sqrt(m p_l); then D~^-1 (A_spar V + A_res Pi^T Pi V).
+exact softmax matrix D^-1 A whose stratified rows give the column norms (``"rows"``) or
+the one-hot sampling matrices of the uniform KDE estimates (``"uniform"``), p, the
+columns walked along the CDF (systematic or i.i.d.) and the explicit sampling matrix
+Pi_res with rows e_l / sqrt(m p_l); then D~^-1 (A_spar V + A_res Pi^T Pi V).
 Memory O(N^2), Python loops: for tests only.
 """
 
@@ -35,6 +37,14 @@ def _sorted_rows(x: Tensor, planes: Tensor, real: list[int], n: int) -> list[int
         labels[i] = sum(1 << r for r, bit in enumerate(bits) if bit)
     order = sorted(real, key=lambda i: (_gray_rank(labels[i]), i))
     return order + [i for i in range(n) if i not in labels]
+
+
+def reference_key_order(k: Tensor, hyperplanes: Tensor | None, real: list[int]) -> list[int]:
+    """The real keys of one (element, head) in the order that systematic sampling walks:
+    Gray rank of the label then position (no hyperplanes: sequence order)."""
+    if hyperplanes is None:
+        return list(real)
+    return _sorted_rows(k, hyperplanes.to(k.dtype), real, k.shape[0])[: len(real)]
 
 
 def reference_block_pattern(
@@ -72,6 +82,21 @@ def _uniform_pick(u: float, real: list[int]) -> int:
     return real[t]
 
 
+def _pick_columns(p: Tensor, order: list[int], points: list[float]) -> list[int]:
+    """For each point x in [0, 1): the first key along ``order`` whose cumulative p
+    exceeds x * (total p)."""
+    cum, acc = [], 0.0
+    for j in order:
+        acc += float(p[j])
+        cum.append(acc)
+    picks = []
+    for x in points:
+        target = x * cum[-1]
+        t = next((i for i, c in enumerate(cum) if c > target), len(order) - 1)
+        picks.append(order[t])
+    return picks
+
+
 def reference_kdeformer_attention(
     q: Tensor, k: Tensor, v: Tensor, draws: KDEformerDraws, *,
     key_padding_mask: Tensor | None = None, **options,
@@ -104,28 +129,52 @@ def reference_kdeformer_attention(
             a = torch.exp(s_scale * q[bi, hi] @ k[bi, hi].T) * real_cols  # A  [Nq, Nk]
             a_spar = a * pattern[bi, hi]
             a_res = a - a_spar
-            # alpha: exact sparse row sums + (n/s) * residual entries at s uniform keys.
-            u_keys = torch.zeros(s, nk, dtype=q.dtype)
-            for r in range(s):
-                u_keys[r, _uniform_pick(draws.key_uniform[bi, hi, r], k_real)] += 1.0
-            alpha = a_spar.sum(1) + len(k_real) / s * (a_res @ u_keys.T).sum(1)
-            # residual column norms of D~^-1 A at s uniform queries, p, Pi_res.
-            with torch.no_grad():
-                u_queries = torch.zeros(s, nq, dtype=q.dtype)
+            if cfg.estimator == "uniform":
+                # alpha: exact sparse row sums + (n/s) * residual entries at s uniform keys.
+                u_keys = torch.zeros(s, nk, dtype=q.dtype)
                 for r in range(s):
-                    u_queries[r, _uniform_pick(draws.query_uniform[bi, hi, r], q_real)] += 1.0
-                x = a_res.detach() / alpha.detach()[:, None]  # D~^-1 A_res
-                norms = len(q_real) / s * (u_queries @ (x * x)).sum(0)
+                    u_keys[r, _uniform_pick(draws.key_uniform[bi, hi, r], k_real)] += 1.0
+                alpha = a_spar.sum(1) + len(k_real) / s * (a_res @ u_keys.T).sum(1)
+            with torch.no_grad():
                 v_real = v[bi, hi].detach() * real_cols[:, None]
-                gamma = torch.linalg.matrix_norm(v_real, ord=2) ** -2
-                p = (norms + gamma * (v_real * v_real).sum(1)) * real_cols
+                if cfg.estimator == "uniform":
+                    # residual column norms of D~^-1 A at s uniform queries.
+                    u_queries = torch.zeros(s, nq, dtype=q.dtype)
+                    for r in range(s):
+                        u_queries[r, _uniform_pick(draws.query_uniform[bi, hi, r], q_real)] += 1.0
+                    x = a_res.detach() / alpha.detach()[:, None]  # D~^-1 A_res
+                    norms = len(q_real) / s * (u_queries @ (x * x)).sum(0)
+                    gamma = torch.linalg.matrix_norm(v_real, ord=2) ** -2
+                    p = (norms + gamma * (v_real * v_real).sum(1)) * real_cols
+                else:
+                    # exact softmax rows of r stratified queries, own block dropped.
+                    r_rows = cfg.rows
+                    x = a.detach() / a.detach().sum(1, keepdim=True)  # D^-1 A
+                    x = x * (1 - pattern[bi, hi])
+                    beta = torch.zeros(nk, dtype=q.dtype)
+                    for t in range(r_rows):
+                        i = _uniform_pick((t + float(draws.row_uniform[bi, hi, t])) / r_rows,
+                                          q_real)
+                        beta += x[i] ** 2
+                    root = (beta * len(q_real) / r_rows).sqrt()
+                    y = torch.cat([v_real, real_cols[:, None]], dim=1)  # [V 1] on real keys
+                    p_v = (y.norm(dim=1) / torch.linalg.matrix_norm(y, ord=2) ** 2
+                           + 1.0 / len(k_real)) * real_cols
+                    p_v = p_v / p_v.sum()
+                    p_norms = root / root.sum() if float(root.sum()) > 0 else p_v
+                    p = cfg.mix * p_norms + (1 - cfg.mix) * p_v
                 p = p / p.sum()
-                cdf = torch.cumsum(p, 0)
+                u_cols = [float(u) for u in draws.column_uniform[bi, hi]]
+                if cfg.sampler == "iid":
+                    cols = _pick_columns(p, list(range(nk)), u_cols)
+                else:
+                    planes = draws.hyperplanes[bi, hi] if cfg.blocks > 0 else None
+                    order = reference_key_order(k[bi, hi].detach(), planes, k_real)
+                    cols = _pick_columns(p, order, [(t + u_cols[0]) / m for t in range(m)])
                 pi = torch.zeros(m, nk, dtype=q.dtype)
-                for r in range(m):
-                    target = float(draws.column_uniform[bi, hi, r]) * float(cdf[-1])
-                    col = min(int((cdf <= target).sum()), nk - 1)
-                    pi[r, col] = 1.0 / math.sqrt(m * float(p[col]))
+                for r, col in enumerate(cols):
+                    if float(p[col]) > 0 and bool(kv[bi, col]):
+                        pi[r, col] = 1.0 / math.sqrt(m * float(p[col]))
             residual = a_res @ pi.T @ pi  # A_res Pi^T Pi  [Nq, Nk]
             approx = a_spar + residual
             d_tilde = approx.sum(1) if cfg.normalizer == "sampled" else alpha

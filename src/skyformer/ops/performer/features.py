@@ -13,31 +13,50 @@ from torch import Tensor
 from ...sketch import gaussian_projection, softmax_log_features
 
 
-def query_features(q_scaled: Tensor, projection: Tensor) -> tuple[Tensor, Tensor]:
+def _projections(x: Tensor, projection: Tensor) -> Tensor:
+    """w_f . x for every feature: ``[..., N, m]``."""
+    return x @ projection.to(x.dtype).transpose(-1, -2)
+
+
+def query_features(q_scaled: Tensor, projection: Tensor, eps: float = 0.0
+                   ) -> tuple[Tensor, Tensor]:
     """Positive features of the queries, each row shifted by its own maximum.
 
     Returns ``(phi~ [B, H, N, m], log_scale [B, H, N, 1])`` with
-    phi(q) = exp(log_scale) phi~ / sqrt(m).
+    phi(q) = exp(log_scale) phi~ / sqrt(m). With ``eps > 0`` (performer-pytorch's
+    stabiliser): phi~ = exp(w.q - |q|^2/2 - c) + eps with c = max_f w_f.q, and
+    log_scale = c.
     """
     log_f = softmax_log_features(q_scaled, projection)
-    shift = log_f.detach().amax(dim=-1, keepdim=True)
-    return (log_f - shift).exp(), shift
+    if eps == 0:
+        shift = log_f.detach().amax(dim=-1, keepdim=True)
+        return (log_f - shift).exp(), shift
+    shift = _projections(q_scaled, projection).detach().amax(dim=-1, keepdim=True)
+    return (log_f - shift).exp() + eps, shift
 
 
 def key_features(
-    k_scaled: Tensor, projection: Tensor, key_valid: Tensor | None
+    k_scaled: Tensor, projection: Tensor, key_valid: Tensor | None, eps: float = 0.0
 ) -> tuple[Tensor, Tensor]:
     """Positive features of the keys, shifted by the maximum over the real keys and
-    features of each batch element and head; padded keys get exact zeros.
+    features of each batch element and head; padded keys get exact zeros. With
+    ``eps > 0``: phi~ = exp(w.k - |k|^2/2 - c) + eps, c = the maximum of w_f.k over the
+    real keys and features of the element and head.
 
     Returns ``(phi~ [B, H, N, m], log_scale [B, H, 1, 1])``.
     """
     log_f = softmax_log_features(k_scaled, projection)
     if key_valid is not None:
         log_f = log_f.masked_fill(~key_valid[:, None, :, None], float("-inf"))
-    shift = log_f.detach().amax(dim=(-1, -2), keepdim=True)
+    basis = log_f if eps == 0 else _projections(k_scaled, projection).masked_fill(
+        torch.isinf(log_f), float("-inf"))
+    shift = basis.detach().amax(dim=(-1, -2), keepdim=True)
     shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
-    return (log_f - shift).exp(), shift
+    phi = (log_f - shift).exp()
+    if eps == 0:
+        return phi, shift
+    real = torch.isfinite(log_f) if key_valid is None else key_valid[:, None, :, None]
+    return torch.where(real, phi + eps, 0.0), shift
 
 
 def resolve_projection(

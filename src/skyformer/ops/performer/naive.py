@@ -21,15 +21,42 @@ def positive_features(x: Tensor, projection: Tensor) -> Tensor:
     return torch.exp(wx - 0.5 * (x * x).sum(-1, keepdim=True)) / math.sqrt(m)
 
 
+def eps_features(x: Tensor, projection: Tensor, eps: float, valid: Tensor | None,
+                 per_row: bool) -> Tensor:
+    """performer-pytorch's features m^-1/2 (exp(w.x - |x|^2/2 - c) + eps): c = max_f w_f.x
+    of each row (``per_row``, queries) or of all real rows and features of one batch
+    element and head (keys), a constant for autograd. Rows outside ``valid [B, N]`` are
+    zero."""
+    m = projection.shape[0]
+    b, h, n, _ = x.shape
+    wx = torch.einsum("...nd,fd->...nf", x, projection.to(x.dtype))
+    real = torch.ones(b, n, dtype=torch.bool) if valid is None else valid
+    out = torch.zeros_like(wx)
+    for bi in range(b):
+        for hi in range(h):
+            rows = [i for i in range(n) if real[bi, i]]
+            for i in rows:
+                c = (wx[bi, hi, i].max() if per_row else wx[bi, hi, rows].max()).detach()
+                out[bi, hi, i] = (torch.exp(wx[bi, hi, i] - 0.5 * (x[bi, hi, i] ** 2).sum() - c)
+                                  + eps) / math.sqrt(m)
+    return out
+
+
 def performer_scores(
     q: Tensor, k: Tensor, projection: Tensor, *, key_padding_mask: Tensor | None = None,
-    scale: float | None = None,
+    scale: float | None = None, eps: float = 0.0,
 ) -> Tensor:
-    """The estimate A^ of exp(s Q K^T): ``[B, H, Nq, Nk]``, columns of padded keys zero."""
+    """The estimate A^ of exp(s Q K^T): ``[B, H, Nq, Nk]``, columns of padded keys zero.
+    With ``eps > 0``, the features of ``eps_features`` (A^ is then off by per-row and
+    per-head factors, which cancel in the attention)."""
     s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    a = positive_features(q * math.sqrt(s), projection) @ positive_features(
-        k * math.sqrt(s), projection
-    ).transpose(-1, -2)
+    if eps > 0:
+        a = eps_features(q * math.sqrt(s), projection, eps, None, True) @ eps_features(
+            k * math.sqrt(s), projection, eps, key_padding_mask, False).transpose(-1, -2)
+    else:
+        a = positive_features(q * math.sqrt(s), projection) @ positive_features(
+            k * math.sqrt(s), projection
+        ).transpose(-1, -2)
     if key_padding_mask is not None:
         a = a * key_padding_mask[:, None, None, :].to(a.dtype)
     return a
@@ -37,10 +64,11 @@ def performer_scores(
 
 def reference_performer_attention(
     q: Tensor, k: Tensor, v: Tensor, projection: Tensor, *,
-    key_padding_mask: Tensor | None = None, scale: float | None = None,
+    key_padding_mask: Tensor | None = None, scale: float | None = None, eps: float = 0.0,
 ) -> Tensor:
     """diag(A^ 1)^-1 A^ V (Performer eq. (6)) through the materialised A^. ``[B, H, Nq, Dv]``."""
     info = check_attention_inputs(q, k, v, key_padding_mask, method="performer reference")
-    a = performer_scores(q, k, projection, key_padding_mask=key_padding_mask, scale=scale)
+    a = performer_scores(q, k, projection, key_padding_mask=key_padding_mask, scale=scale,
+                         eps=eps)
     out = (a @ v) / a.sum(-1, keepdim=True)
     return zero_padded_queries(out, info.query_valid)

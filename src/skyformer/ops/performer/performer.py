@@ -17,7 +17,10 @@ maximum (a per-row factor, cancels in the row normalisation); the keys' by the
 maximum over the real keys and features of the same batch element and head (a
 common factor, cancels too). The shifts are constants for autograd. If a row's
 normaliser underflows to zero the row returns the mean of the values (uniform
-attention) instead of 0/0; no additive epsilon biases the features.
+attention) instead of 0/0. By default no additive epsilon biases the features;
+``eps > 0`` adds performer-pytorch's (phi~ + eps after its shifts: max_f w_f.q' per
+query, max of w_f.k' over the keys and features of a batch element and head), which
+pulls every row towards the mean of the values (README).
 
 Feature redraw: called as a function, the features come from ``projection`` or are
 drawn from ``generator`` on every call. In ``MultiHeadAttention`` the layer keeps
@@ -45,6 +48,7 @@ from ..shared.inputs import (
 )
 from ..shared.options import (
     check_bool,
+    check_nonnegative_float,
     check_optional_positive_int,
     check_random_features,
     check_scale,
@@ -64,12 +68,16 @@ class PerformerConfig:
         never). Called as a function, Performer draws fresh features each call
         unless a ``projection`` is passed.
     scale: softmax logit scale s, None = 1/sqrt(head dim).
+    eps: additive stabiliser of performer-pytorch (1e-4 there): each feature is
+        m^-1/2 (exp(w.x' - |x'|^2/2 - c) + eps) with c its shift. 0 (default) is
+        unbiased FAVOR+; eps > 0 biases the output towards the mean of the values.
     """
 
     num_features: int = 128
     orthogonal: bool = True
     feature_redraw_interval: int | None = 1000
     scale: float | None = None
+    eps: float = 0.0
 
     def __post_init__(self) -> None:
         check_random_features("performer", self.num_features)
@@ -78,6 +86,7 @@ class PerformerConfig:
             "performer", "feature_redraw_interval", self.feature_redraw_interval
         )
         check_scale("performer", self.scale)
+        check_nonnegative_float("performer", "eps", self.eps)
 
 
 class PerformerFeatures(nn.Module):
@@ -193,8 +202,8 @@ def performer_attention(
     s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
     root = math.sqrt(s)
     w = w.to(work)
-    phi_q, _ = query_features(q.to(work) * root, w)  # [B, H, Nq, m]
-    phi_k, _ = key_features(k.to(work) * root, w, info.key_valid)  # [B, H, Nk, m]
+    phi_q, _ = query_features(q.to(work) * root, w, config.eps)  # [B, H, Nq, m]
+    phi_k, _ = key_features(k.to(work) * root, w, info.key_valid, config.eps)  # [B, H, Nk, m]
     vw = v.to(work)
     v_and_one = torch.cat([vw, torch.ones_like(vw[..., :1])], dim=-1)  # [B, H, Nk, Dv + 1]
     o = phi_q @ (phi_k.transpose(-1, -2) @ v_and_one)  # [B, H, Nq, Dv + 1]

@@ -4,9 +4,11 @@ For given rotations, per batch element, head and round: hash every real query an
 (argmax over [x R, -x R] with the sequence's b/2 columns), sort each side by (bucket,
 position) with Python's ``sorted``, and mark j in P_i^(r) iff query i and key j share
 the bucket and key j's chunk is query i's chunk or the one before (Section 2, eqs.
-(3)-(5)). P_i is the union over rounds; without attention to self unless P_i holds
-nothing else. The output is softmax(s q_i . k_j) over P_i (Appendix A's combination
-of rounds equals this), materialised as an N x N masked matrix. For tests only.
+(3)-(5)); with ``attend_across_buckets`` (default) every key of those chunks. P_i is
+the union over rounds; without attention to self (if excluded) unless P_i holds
+nothing else, and self alone when P_i is empty. The output is softmax(s q_i . k_j)
+over P_i (Appendix A's combination of rounds equals this), materialised as an N x N
+masked matrix. For tests only.
 """
 
 from __future__ import annotations
@@ -55,13 +57,14 @@ def reformer_attention_sets(
                 }
                 for i in real:
                     for j in real:
-                        if hq[i] == hk[j] and chunk_q[i] - chunk_k[j] in (0, 1):
+                        same = cfg.attend_across_buckets or hq[i] == hk[j]
+                        if same and chunk_q[i] - chunk_k[j] in (0, 1):
                             sets[bi, hi, i, j] = True
-            if cfg.exclude_self:
-                for i in real:
+            for i in real:
+                if cfg.self_excluded:
                     sets[bi, hi, i, i] = False
-                    if not sets[bi, hi, i].any():
-                        sets[bi, hi, i, i] = True
+                if not sets[bi, hi, i].any():  # nothing in any round: self alone
+                    sets[bi, hi, i, i] = True
     return sets
 
 
@@ -74,7 +77,7 @@ def reference_reformer_attention(
     key_padding_mask: Tensor | None = None,
     **options,
 ) -> Tensor:
-    """softmax(s q_i . k_j) over the union of the LSH sets, rows without keys zero.
+    """softmax(s q_i . k_j) over the union of the LSH sets.
 
     ``rotations: [H, num_hashes, D, C]`` as drawn by ``sketch.draw_rotations``.
     Returns ``[B, H, N, Dv]``.

@@ -3,17 +3,20 @@
 Per hash round r (``num_hashes`` = 2 rounds, each with its own random rotations,
 ``sketch.rotation_lsh``): hash queries and keys into b buckets, sort each by (bucket,
 position), cut the sorted sequences into chunks of m = ``num_features // 2`` and let
-query chunk c attend to key chunks c and c - 1 (eqs. (3)-(5): the window P~_i), keeping
-only keys in the query's own bucket (the mask m(j, P_i)). The number of buckets is
-b = 2 l / m rounded up to an even number (l = the sequence's real length; the paper's
-choice m = 2 l / b), unless ``num_buckets`` is given. ``num_features`` is thus the
-number of keys a query can see per round (own chunk + previous chunk = 2 m = 128 with
-the published chunk length 64).
+query chunk c attend to key chunks c and c - 1 (eqs. (3)-(5): the window P~_i); with
+``attend_across_buckets=False`` only keys in the query's own bucket (the mask
+m(j, P_i)), by default every key of the window, as reformer-pytorch and trax do. The
+number of buckets is b = 2 l / m rounded up to an even number (l = the sequence's real
+length; the paper's choice m = 2 l / b), unless ``num_buckets`` is given.
+``num_features`` is thus the number of keys a query can see per round (own chunk +
+previous chunk = 2 m = 128 with the published chunk length 64).
 
-No attention to self (Section 2, "Causal masking for shared-QK attention"): position i
-never attends to position i unless nothing else is available in any round, in which
-case it attends to itself alone (the paper's m_ii = 10^5 penalty, applied exactly:
-a large finite penalty loses the logits' precision in float32).
+No attention to self with shared QK (Section 2, "Causal masking for shared-QK
+attention"; ``exclude_self`` defaults to ``shared_qk``): position i never attends to
+position i unless nothing else is available in any round, in which case it attends to
+itself alone (the paper's m_ii = 10^5 penalty, applied exactly: a large finite penalty
+loses the logits' precision in float32). A query with no key in any round attends to
+itself in every configuration, never to nothing.
 
 Rounds are combined as in Appendix A: each round's softmax is taken with the logits
 lowered by log N_ij, N_ij = number of rounds in which i attends to j, and the rounds
@@ -72,7 +75,12 @@ class ReformerConfig:
         real tokens (Section 2). 1 (no hashing) or an even number.
     shared_qk: use normalised queries as keys (the paper's shared-QK attention; ``k``
         is then ignored). False hashes and uses the given keys.
-    exclude_self: forbid attention to self unless alone (the paper's rule).
+    exclude_self: forbid attention to self unless alone (the paper's rule for shared
+        QK, where a query is its own most similar key); None = ``shared_qk`` (trax's
+        rule).
+    attend_across_buckets: a query sees every key of its own and the previous chunk
+        (True, the default of reformer-pytorch and trax), or only those in its bucket
+        (False, the paper's mask m(j, P_i)).
     scale: logit scale s, None = 1/sqrt(head dim).
     """
 
@@ -80,7 +88,8 @@ class ReformerConfig:
     num_hashes: int = 2
     num_buckets: int | None = None
     shared_qk: bool = False
-    exclude_self: bool = True
+    exclude_self: bool | None = None
+    attend_across_buckets: bool = True
     scale: float | None = None
 
     def __post_init__(self) -> None:
@@ -100,7 +109,9 @@ class ReformerConfig:
                 f"{self.num_buckets}."
             )
         check_bool("reformer", "shared_qk", self.shared_qk)
-        check_bool("reformer", "exclude_self", self.exclude_self)
+        if self.exclude_self is not None:
+            check_bool("reformer", "exclude_self", self.exclude_self)
+        check_bool("reformer", "attend_across_buckets", self.attend_across_buckets)
         check_scale("reformer", self.scale)
 
     def budget_caps(self, nq: int, nk: int) -> dict[str, int]:
@@ -112,6 +123,10 @@ class ReformerConfig:
     @property
     def chunk(self) -> int:
         return self.num_features // 2
+
+    @property
+    def self_excluded(self) -> bool:
+        return self.shared_qk if self.exclude_self is None else self.exclude_self
 
 
 def buckets_per_sequence(cfg: ReformerConfig, real_lengths: Tensor) -> Tensor:
@@ -224,12 +239,12 @@ def _attended(
     )
     key_ok = _extend(key_ok, False).expand(b, h, n + 1)
     base = _at(key_ok, pos_k)[..., None, :]
-    if config.exclude_self:
+    if config.self_excluded:
         base = base & (pos_q[..., :, None] != pos_k[..., None, :])
     counts = torch.zeros((*base.shape[:-2], m, 2 * m), dtype=torch.uint8, device=pos_q.device)
     attended = []
     for r in range(config.num_hashes):
-        same_bucket = (
+        same_bucket = base if config.attend_across_buckets else (
             _at(_extend(rounds.q_buckets[:, r], -1), pos_q)[..., :, None]
             == _at(_extend(rounds.k_buckets[:, r], -2), pos_k)[..., None, :]
         )
@@ -242,9 +257,7 @@ def _attended(
     return torch.stack(attended, dim=1), counts
 
 
-def _combine_rounds(
-    o: Tensor, lse: Tensor, has: Tensor, q_rank: Tensor, exclude_self: bool
-) -> Tensor:
+def _combine_rounds(o: Tensor, lse: Tensor, has: Tensor, q_rank: Tensor) -> Tensor:
     """Per-round outputs ``[B, R, H, C, m, Dv]`` (chunked, sorted) back in sequence order,
     combined by their log-normalisers (Appendix A): ``[B, H, N, Dv]``."""
     b, r, h, _ = q_rank.shape
@@ -254,10 +267,9 @@ def _combine_rounds(
 
     o = unsort(o)  # [B, R, H, N, Dv]
     lse, has = unsort(lse[..., None])[..., 0], unsort(has[..., None])[..., 0]  # [B, R, H, N]
-    if exclude_self:
-        # Self counts only where no round attends to anything else (the m_ii = 10^5 rule,
-        # applied exactly rather than through a large finite penalty).
-        lse = torch.where(~has & has.any(dim=1, keepdim=True), float("-inf"), lse)
+    # Self counts only where no round attends to anything else (the m_ii = 10^5 rule,
+    # applied exactly rather than through a large finite penalty).
+    lse = torch.where(~has & has.any(dim=1, keepdim=True), float("-inf"), lse)
     total = torch.logsumexp(lse, dim=1, keepdim=True)
     total = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
     return (torch.exp(lse - total)[..., None] * o).sum(1)
@@ -322,10 +334,10 @@ def reformer_attention(
     has = torch.isfinite(lse)
     weights = torch.exp(logits - torch.where(has, lse, torch.zeros_like(lse))[..., None])
     o = weights @ _rows_at(v_ext, pos_k)  # [B, R, H, C, m, Dv]
-    if config.exclude_self:
-        # Alone in this round: attend to self (weight 1), with log-normaliser s q_i.k_i.
-        self_logit = (qs * _rows_at(k_ext, pos_q)).sum(-1) * s
-        o = torch.where(has[..., None], o, _rows_at(v_ext, pos_q))
-        lse = torch.where(has, lse, self_logit)
-    out = _combine_rounds(o, lse, has, rounds.q_rank, config.exclude_self)
+    # Alone in this round (self excluded, or no key in the bucket's window): attend to
+    # self (weight 1), with log-normaliser s q_i.k_i; used only if every round is empty.
+    self_logit = (qs * _rows_at(k_ext, pos_q)).sum(-1) * s
+    o = torch.where(has[..., None], o, _rows_at(v_ext, pos_q))
+    lse = torch.where(has, lse, self_logit)
+    out = _combine_rounds(o, lse, has, rounds.q_rank)
     return zero_padded_queries(out, info.query_valid).to(q.dtype)
