@@ -23,7 +23,14 @@ def test_list_into_a_closed_pipe_ends_quietly():
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
 
 
+def _without_console():
+    root = logging.getLogger("skyformer")
+    root.handlers = [h for h in root.handlers if type(h).__name__ != "_Console"]
+    root.setLevel(logging.NOTSET)
+
+
 def test_library_logs_through_logging_and_prints_only_when_enabled(capsys, caplog):
+    _without_console()  # the CLI tests turn the console on in this process
     log = get_logger("test")
     with caplog.at_level(logging.INFO, logger="skyformer"):
         log.info("a message")
@@ -35,9 +42,7 @@ def test_library_logs_through_logging_and_prints_only_when_enabled(capsys, caplo
         log.info("printed once")
         assert capsys.readouterr().out.count("printed once") == 1
     finally:
-        root = logging.getLogger("skyformer")
-        root.handlers = [h for h in root.handlers if type(h).__name__ != "_Console"]
-        root.setLevel(logging.NOTSET)
+        _without_console()
 
 
 def test_cross_attention_key_mask_is_not_a_query_mask():

@@ -12,3 +12,32 @@ def test_long_method_names_do_not_run_into_the_target_column():
     lines = format_table([row]).splitlines()
     assert lines[2].split()[:2] == ["skyformer_multipole_long_name", "gaussian"]
     assert lines[0].index("target") == lines[2].index("gaussian")
+
+
+def test_rows_worse_than_the_trivial_answer_are_marked_with_a_legend():
+    base = {"target": "softmax", "exact": False, "num_features": 32, "spectral_error_std": 0.0,
+            "frobenius_error": 0.2, "time_ms": 1.0, "peak_mib": None, "trivial_error": 0.5}
+    rows = [{**base, "method": "good", "spectral_error": 0.3, "worse_than_trivial": False},
+            {**base, "method": "bad", "spectral_error": 0.9, "worse_than_trivial": True}]
+    lines = format_table(rows).splitlines()
+    assert "trivial" in lines[0]
+    assert "0.3000 +- 0.0000 " in lines[2] and "!" not in lines[2]
+    assert "0.9000 +- 0.0000!" in lines[3] and "0.5000" in lines[3]
+    assert lines[-1].startswith("trivial: spectral error of the better trivial answer")
+
+
+def test_compare_rows_carry_the_trivial_error_of_their_target():
+    import torch
+
+    from skyformer.eval.compare.run import CompareConfig, compare_on
+    from skyformer.eval.data.qkv import QKV
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 64, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    qkv = QKV(q, k, v, model="gaussian", pretrained=False, layer=0, windows=1)
+    rows = compare_on(qkv, CompareConfig(methods=("softmax", "linear"), repeats=1,
+                                         memory=False))
+    by_name = {r["method"]: r for r in rows}
+    assert by_name["softmax"]["spectral_error"] < 1e-10
+    assert not by_name["softmax"]["worse_than_trivial"]
+    assert 0 < by_name["linear"]["trivial_error"] == by_name["softmax"]["trivial_error"]

@@ -8,8 +8,8 @@ from typing import Any
 def format_table(rows: list[dict[str, Any]]) -> str:
     """Plain-text table of compare rows (the method column fits the longest name)."""
     width = max([18] + [len(r["method"]) + 2 for r in rows])
-    header = (f"{'method':<{width}}{'target':<10}{'features':>9}{'spectral err':>22}"
-              f"{'frob err':>10}{'time ms':>10}{'peak MiB':>10}")
+    header = (f"{'method':<{width}}{'target':<10}{'features':>9}{'spectral err':>23}"
+              f"{'trivial':>9}{'frob err':>10}{'time ms':>10}{'peak MiB':>10}")
     lines = [header, "-" * len(header)]
     for r in rows:
         feats = (
@@ -17,10 +17,20 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             if r["exact"]
             else str(r["num_features"] if r["num_features"] is not None else "-")
         )
-        err = f"{r['spectral_error']:.4f} +- {r['spectral_error_std']:.4f}"
+        mark = "!" if r.get("worse_than_trivial") else " "
+        err = f"{r['spectral_error']:.4f} +- {r['spectral_error_std']:.4f}{mark}"
+        trivial = "-" if r.get("trivial_error") is None else f"{r['trivial_error']:.4f}"
         peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.1f}"
         lines.append(
-            f"{r['method']:<{width}}{r['target']:<10}{feats:>9}{err:>22}{r['frobenius_error']:>10.4f}"
-            f"{r['time_ms']:>10.2f}{peak:>10}"
+            f"{r['method']:<{width}}{r['target']:<10}{feats:>9}{err:>23}{trivial:>9}"
+            f"{r['frobenius_error']:>10.4f}{r['time_ms']:>10.2f}{peak:>10}"
         )
+    lines.append(TRIVIAL_LEGEND)
     return "\n".join(lines)
+
+
+TRIVIAL_LEGEND = (
+    "trivial: spectral error of the better trivial answer against the same target, every "
+    "row = the mean of V or all zeros (error 1); ! = the method is further from its target "
+    "than that answer."
+)

@@ -74,6 +74,10 @@ def compare_on(qkv: QKV, config: CompareConfig) -> list[dict[str, Any]]:
         get_method(m)  # unknown names fail before any work
     q, k, v = qkv.q, qkv.k, qkv.v
     exact: dict[str, Tensor] = {}
+    # per target: the error of the better trivial answer, every row = mean of V (the
+    # softmax target's constant) or all zeros (relative error 1: the Gaussian target's
+    # rows are not weighted means, so mean(V) can be far off there)
+    trivial: dict[str, float] = {}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         inputs = Path(tmp) / "qkv.pt"
@@ -85,6 +89,9 @@ def compare_on(qkv: QKV, config: CompareConfig) -> list[dict[str, Any]]:
             if target not in exact:
                 with torch.no_grad():
                     exact[target] = exact_method(target).function(q, k, v)
+                mean_v = v.mean(dim=-2, keepdim=True).expand_as(exact[target])
+                trivial[target] = min(
+                    1.0, relative_error(mean_v, exact[target], ord=2)[0].mean().item())
             named = resolve(name)
             options = named.options(config.num_features)
             call = named.prepare(tuple(q.shape), options, device=q.device, dtype=q.dtype)
@@ -112,6 +119,8 @@ def compare_on(qkv: QKV, config: CompareConfig) -> list[dict[str, Any]]:
                     ),
                     "spectral_error": spectral.mean().item(),
                     "spectral_error_std": spectral.std().item() if spectral.numel() > 1 else 0.0,
+                    "trivial_error": trivial[target],
+                    "worse_than_trivial": spectral.mean().item() > trivial[target],
                     "frobenius_error": frobenius.mean().item(),
                     "time_ms": seconds * 1e3,
                     "peak_mib": None if peak is None else peak / 2**20,
