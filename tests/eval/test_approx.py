@@ -196,3 +196,20 @@ def test_randomized_floors_agree_with_the_full_svd():
     fast = rank_m_floor(top_singular_subspace(p.float(), 128, generator=gen(0), exact_below=0).u,
                         out, [16, 64, 128])
     torch.testing.assert_close(fast, exact, rtol=0.02, atol=0)
+
+
+def test_report_marks_methods_worse_than_the_trivial_answer():
+    from skyformer.eval.approx.report import format_table
+
+    def row(kind, method, m, value, target="softmax"):
+        return {"kind": kind, "method": method, "target": target, "source": "minilm",
+                "seq_len": 512, "num_features": m, "spectral_mean": value,
+                "spectral_std": 0.0}
+
+    rows = [row("method", "performer", 32, 0.9), row("method", "performer", 64, 0.4),
+            row("floor", "svd_floor", 32, 0.1), row("baseline", "mean_v", None, 0.5)]
+    lines = format_table(rows).splitlines()
+    performer = next(line for line in lines if line.startswith("performer"))
+    assert "0.9!" in performer and "0.4 " in performer and "0.4!" not in performer
+    assert "!" not in next(line for line in lines if line.startswith("trivial"))
+    assert lines[-1].startswith("! = further from its target than the trivial answer")

@@ -18,7 +18,8 @@ from skyformer.eval.methods import resolve
 MATERIALISED = "skyformer.ops.skyformer:materialised_skyformer_attention@gaussian"
 ROW_KEYS = {
     "method", "spec", "device", "dtype", "batch", "heads", "head_dim", "n", "target", "exact",
-    "num_features", "status", "reason", "fwd_ms", "fwd_bwd_ms", "peak_mib", "rel_error", "gflop",
+    "num_features", "status", "reason", "fwd_ms", "fwd_bwd_ms", "peak_mib", "rel_error",
+    "trivial_error", "gflop",
     "sol_ms", "sol_fraction", "speedup", "memory_ratio", "growth", "load_avg",
 }
 
@@ -209,3 +210,13 @@ def test_every_registered_method_runs():
     failed = {r["method"]: r["reason"] for r in rows if r["status"] != "ok"}
     assert not failed
     assert all(r["rel_error"] is not None and math.isfinite(r["rel_error"]) for r in rows)
+
+
+def test_errors_above_the_trivial_answer_are_marked(tiny):
+    from skyformer.eval.bench.report import _cell, worse_than_trivial
+
+    for r in tiny.rows:
+        assert 0 < r["trivial_error"] <= 1.0
+    row = {"rel_error": 0.7, "trivial_error": 0.5}
+    assert worse_than_trivial(row) and _cell(row, "rel_error", "{:.2e}") == "7.00e-01!"
+    assert not worse_than_trivial({"rel_error": 0.2, "trivial_error": 0.5})

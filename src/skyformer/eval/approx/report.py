@@ -45,35 +45,64 @@ def _pivot(rows: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
     return blocks
 
 
+WORSE_THAN_TRIVIAL = (
+    "! = further from its target than the trivial answer for that target (the best "
+    "'trivial' row of the block)."
+)
+
+
+def _trivial(lines: list[tuple[str, str, dict]]) -> dict[str, float]:
+    """Per target, the smallest error of the block's trivial baselines."""
+    best: dict[str, float] = {}
+    for label, target, by_m in lines:
+        if label.startswith("trivial") and by_m:
+            value = next(iter(by_m.values()))["spectral_mean"]
+            best[target] = min(value, best.get(target, value))
+    return best
+
+
+def _worse(label: str, target: str, row: dict[str, Any], trivial: dict[str, float]) -> bool:
+    return (not label.startswith(("trivial", "rank-m")) and target in trivial
+            and row["spectral_mean"] > trivial[target])
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """Mean relative spectral error, one block per source and N, one column per m."""
+    """Mean relative spectral error, one block per source and N, one column per m; "!"
+    marks a method further from its target than the trivial answer."""
     out = []
     for source, n, ms, lines in _pivot(rows):
+        trivial = _trivial(lines)
         header = f"{source} N={n}".ljust(30) + f"{'target':<10}" + "".join(
             f"{'m=' + str(m):>10}" for m in ms)
         out += [header, "-" * len(header)]
         for label, target, by_m in lines:
             cells = "".join(
-                f"{by_m[m]['spectral_mean']:>10.3g}" if m in by_m else f"{'-':>10}" for m in ms)
+                (f"{by_m[m]['spectral_mean']:.3g}"
+                 + ("!" if _worse(label, target, by_m[m], trivial) else " ")).rjust(10)
+                if m in by_m else f"{'-':>10}" for m in ms)
             out.append(f"{label:<30}{target:<10}{cells}")
         out.append("")
+    out.append(WORSE_THAN_TRIVIAL)
     return "\n".join(out).rstrip()
 
 
 def _markdown_table(rows: list[dict[str, Any]]) -> str:
     out = []
     for source, n, ms, lines in _pivot(rows):
+        trivial = _trivial(lines)
         out.append(f"**{source}, N = {n}** (mean ± std over seeds and heads)\n")
         out.append("| method | target | " + " | ".join(f"m={m}" for m in ms) + " |")
         out.append("|---|---|" + "---|" * len(ms))
         for label, target, by_m in lines:
             cells = [
                 f"{by_m[m]['spectral_mean']:.3g} ± {by_m[m]['spectral_std']:.2g}"
+                + (" !" if _worse(label, target, by_m[m], trivial) else "")
                 if m in by_m else "-"
                 for m in ms
             ]
             out.append(f"| {label} | {target} | " + " | ".join(cells) + " |")
         out.append("")
+    out.append(WORSE_THAN_TRIVIAL)
     return "\n".join(out)
 
 

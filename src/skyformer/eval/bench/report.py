@@ -25,7 +25,16 @@ COLUMNS = [
 
 def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
     value = row.get(key)
-    return "-" if value is None else fmt.format(value)
+    if value is None:
+        return "-"
+    return fmt.format(value) + ("!" if key == "rel_error" and worse_than_trivial(row) else "")
+
+
+def worse_than_trivial(row: dict[str, Any]) -> bool:
+    """Whether the method's error exceeds the trivial answer's (mean of V or zeros)."""
+    trivial = row.get("trivial_error")
+    return trivial is not None and row.get("rel_error") is not None \
+        and row["rel_error"] > trivial
 
 
 def _groups(result: BenchResult) -> dict[tuple, list[dict[str, Any]]]:
@@ -49,7 +58,8 @@ def _header(result: BenchResult) -> str:
         f"times: median of {cfg.repeats} after {cfg.warmup} warm-up, {cfg.clock} clock; "
         f"speed-up: {cfg.reference}'s time / the method's ({timed}); memory: the method's "
         f"peak / {cfg.reference}'s; N->2N: time growth; "
-        "rel. error: spectral norm against the exact target; SOL: the method's matmul FLOPs "
+        "rel. error: spectral norm against the exact target, ! where it exceeds the trivial "
+        "answer's (every row = mean of V, or all zeros); SOL: the method's matmul FLOPs "
         f"at the measured matmul throughput ({rates}) over the measured time"
     )
 
@@ -154,6 +164,8 @@ def format_wide(result: BenchResult) -> str:
                         cells.append("-")
                     else:
                         cell = fmt.format(r[key])
+                        if key == "rel_error" and worse_than_trivial(r):
+                            cell += " !"
                         if ratio and m != cfg.reference and r.get(ratio) is not None:
                             cell += f" ({ratio_fmt.format(r[ratio])})"
                         cells.append(cell)

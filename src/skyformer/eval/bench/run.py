@@ -270,7 +270,8 @@ def _measure_length(
                "exact": method.exact,
                "num_features": method.resolved_options(options, n).get("num_features"),
                "status": "ok", "reason": "", "fwd_ms": None, "fwd_bwd_ms": None,
-               "peak_mib": None, "rel_error": None, "gflop": None, "sol_ms": None,
+               "peak_mib": None, "rel_error": None, "trivial_error": None, "gflop": None,
+               "sol_ms": None,
                "sol_fraction": None, "speedup": None, "memory_ratio": None, "growth": None,
                "load_avg": None}
         rows[label] = row
@@ -302,6 +303,7 @@ def _measure_length(
             row["load_avg"] = round((load_before[0] + load_after[0]) / 2, 2)
 
     exact: dict[str, Tensor] = {}
+    trivial: dict[str, float] = {}  # per target: the better of mean(V) rows and zeros
     for label, (method, options, forward, _) in runnable.items():
         row = rows[label]
         row["fwd_ms"] = medians[f"{label}/fwd"] * 1e3
@@ -321,8 +323,12 @@ def _measure_length(
         if config.error and method.target is not None:
             if method.target not in exact:
                 exact[method.target] = _exact_output(q, k, v, method.target)
+                mean_v = v.float().mean(dim=-2, keepdim=True).expand_as(exact[method.target])
+                trivial[method.target] = min(1.0, relative_error(
+                    mean_v, exact[method.target], ord=2).mean().item())
             out = forward().float()
             row["rel_error"] = relative_error(out, exact[method.target], ord=2).mean().item()
+            row["trivial_error"] = trivial[method.target]
         if method.registered:
             flops = attention_flops(
                 method.name, batch=b, heads=h, nq=n, nk=n, d=d, dv=d,
