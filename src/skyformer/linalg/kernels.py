@@ -56,3 +56,12 @@ def gaussian_kernel_block(
         row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
         exponent = exponent - row_max
     return exponent.exp_()
+
+
+def finite_matrices(x: Tensor) -> Tensor:
+    """``x: [..., n, n]`` with every matrix holding a NaN or inf replaced by zeros, so that
+    an eigen-solver over a batch does not fail (or return garbage) for all of it
+    because of one element; the rows such inputs reach are NaN anyway
+    (``registry/guard.py``)."""
+    ok = torch.isfinite(x).all(dim=-1, keepdim=True).all(dim=-2, keepdim=True)
+    return torch.where(ok, x, 0.0)

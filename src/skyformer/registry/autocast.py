@@ -19,22 +19,26 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .guard import show_nonfinite, zero_padding
+
 
 def call_core(core: Callable[..., Tensor], q: Any, k: Any, v: Any, config: Any,
               **kwargs: Any) -> Tensor:
-    """``core(q, k, v, config, **kwargs)``, with the autocast rule above and the budget
-    caps of ``capped``."""
+    """``core(q, k, v, config, **kwargs)``, with the autocast rule above, the budget caps
+    of ``capped`` and the padding and non-finite rules of ``guard``."""
     config = capped(config, q, k)
+    masks = (kwargs.get("key_padding_mask"), kwargs.get("query_padding_mask", "auto"))
+    q, k, v = zero_padding(q, k, v, *masks)
     if not isinstance(q, Tensor) or not q.is_floating_point():
         return core(q, k, v, config, **kwargs)
     device_type = q.device.type
     if not torch.is_autocast_enabled(device_type):
-        return core(q, k, v, config, **kwargs)
+        return show_nonfinite(core(q, k, v, config, **kwargs), q, k, v, *masks)
     dtype = torch.get_autocast_dtype(device_type)
     q, k, v = (t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t
                for t in (q, k, v))
     with torch.autocast(device_type, enabled=False):
-        return core(q, k, v, config, **kwargs)
+        return show_nonfinite(core(q, k, v, config, **kwargs), q, k, v, *masks)
 
 
 def capped(config: Any, q: Any, k: Any) -> Any:

@@ -47,7 +47,7 @@ from ..shared.inputs import (
     zero_padded_queries,
 )
 from ..shared.masked import masked_attention
-from ..shared.options import check_nonnegative_int, check_positive_int, check_scale
+from ..shared.options import check_budget, check_nonnegative_int, check_scale
 
 WINDOW_BLOCKS = 3
 GLOBAL_BLOCKS = 2
@@ -68,15 +68,9 @@ class BigBirdConfig:
     scale: float | None = None
 
     def __post_init__(self) -> None:
-        check_positive_int("bigbird", "num_features", self.num_features)
+        check_budget("bigbird", "num_features", self.num_features)
         check_nonnegative_int("bigbird", "num_random_blocks", self.num_random_blocks)
         check_scale("bigbird", self.scale)
-
-    def budget_caps(self, nq: int, nk: int) -> dict[str, int]:
-        """Options to change for Nq, Nk tokens: blocks of at most the sequence
-        (``num_features`` <= (5 + r) N)."""
-        cap = (WINDOW_BLOCKS + GLOBAL_BLOCKS + self.num_random_blocks) * max(nq, nk, 1)
-        return {"num_features": cap} if self.num_features > cap else {}
 
     @property
     def block_size(self) -> int:

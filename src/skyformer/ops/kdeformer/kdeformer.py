@@ -57,6 +57,7 @@ import torch
 from torch import Tensor
 
 from ...linalg import gather_rows
+from ...linalg.kernels import finite_matrices
 from ...registry import Capabilities, register
 from ...sketch import (
     LshBlocks,
@@ -76,6 +77,7 @@ from ..shared.inputs import (
 )
 from ..shared.lsh_blocks import LshBlockOptions, lsh_block_logits
 from ..shared.options import (
+    check_budget,
     check_choice,
     check_nonnegative_float,
     check_optional_positive_int,
@@ -124,6 +126,8 @@ class KDEformerConfig(LshBlockOptions):
             raise ValueError(f"kdeformer: mix must be a number in [0, 1], got {self.mix!r}.")
         check_choice("kdeformer", "sampler", self.sampler, SAMPLERS)
         check_optional_positive_int("kdeformer", "kde_samples", self.kde_samples)
+        if self.kde_samples is not None:
+            check_budget("kdeformer", "kde_samples", self.kde_samples)
         check_choice("kdeformer", "normalizer", self.normalizer, NORMALIZERS)
         if self.normalizer == "kde" and self.estimator != "uniform":
             raise ValueError(
@@ -208,8 +212,9 @@ def sampling_log_probabilities(
     """
     real = key_valid[:, None, :]
     vv = v * real[..., None].to(v.dtype)
-    gram = vv.transpose(-1, -2) @ vv  # [B, H, Dv, Dv]
-    top = torch.linalg.eigvalsh(gram.double())[..., -1].to(v.dtype)  # ||V||_op^2
+    vd = vv.double()  # float32 values of 1e19 square to inf
+    gram = finite_matrices(vd.transpose(-1, -2) @ vd)  # [B, H, Dv, Dv]
+    top = torch.linalg.eigvalsh(gram)[..., -1].to(v.dtype)  # ||V||_op^2
     sq = (vv * vv).sum(-1)  # [B, H, Nk]
     log_gv = torch.where(
         (top[..., None] > 0) & (sq > 0), sq.log() - top.clamp_min(1e-300).log()[..., None],
@@ -294,7 +299,8 @@ def value_norm_probabilities(v: Tensor, key_ok: Tensor) -> Tensor:
     where that code runs a power method)."""
     real = key_ok[:, None, :].to(v.dtype)  # [B, 1, Nk]
     y = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1) * real[..., None]
-    top = torch.linalg.eigvalsh((y.transpose(-1, -2) @ y).double())[..., -1].to(v.dtype)
+    yd = y.double()
+    top = torch.linalg.eigvalsh(finite_matrices(yd.transpose(-1, -2) @ yd))[..., -1].to(v.dtype)
     n = real.sum(-1, keepdim=True).clamp_min(1.0)
     p = (y.norm(dim=-1) / top.clamp_min(1e-300)[..., None] + 1.0 / n) * real
     total = p.sum(-1, keepdim=True)

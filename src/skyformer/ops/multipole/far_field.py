@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from ...linalg import gaussian_kernel_matmul
+from ...linalg.kernels import finite_matrices
 
 _NEG_INF = float("-inf")
 
@@ -27,8 +28,9 @@ def value_basis(v: Tensor, key_valid: Tensor | None, rank: int | None) -> Tensor
             centred = (vv - (vv * w).sum(2, keepdim=True) / count) * w
         else:
             centred = vv - vv.mean(2, keepdim=True)
-        cov = centred.transpose(-1, -2) @ centred  # [B, H, Dv, Dv]
-        basis = torch.linalg.eigh(cov.double()).eigenvectors[..., dv - rank:]
+        cd = centred.double()
+        cov = finite_matrices(cd.transpose(-1, -2) @ cd)  # [B, H, Dv, Dv]
+        basis = torch.linalg.eigh(cov).eigenvectors[..., dv - rank:]
     return basis.to(v.dtype)
 
 
@@ -41,6 +43,13 @@ class FarField:
     vbar: Tensor  # [B, H, c, Dv]
     tilt: Tensor  # [B, H, c, r, D]  Cov_a(U^T v, k)
     live: Tensor  # [B, H, c] bool
+
+
+def safe_reciprocal(x: Tensor, ok: Tensor) -> Tensor:
+    """1 / x where ``ok``, else 0, with a zero gradient there: the inner ``where`` keeps
+    the reciprocal's derivative -1/x^2 away from x = 0 (or a clamp at the smallest
+    float), where it overflows to inf and turns a zero upstream gradient into NaN."""
+    return torch.where(ok, 1.0 / torch.where(ok, x, 1.0), 0.0)
 
 
 def far_field(
@@ -78,12 +87,15 @@ def far_field(
         exclude=member.transpose(-1, -2).contiguous(),
     )  # [B, H, c, D + Dv + 1]
     mass = sums[..., -1:]
-    live = mass[..., 0] > 0
-    inv_mass = 1.0 / mass.clamp_min(torch.finfo(mass.dtype).tiny)
+    # A mass below sqrt(tiny) (1e-19 in float32) is a far field some 44 below the shift,
+    # at least that far below the largest logit: nothing at the output's precision, and
+    # 1/mass^2 in the backward pass would overflow. Such centres count as empty.
+    live = mass[..., 0] > torch.finfo(mass.dtype).tiny ** 0.5
+    inv_mass = safe_reciprocal(mass, live[..., None])
     kbar = sums[..., :d] * inv_mass  # [B, H, c, D]
     vbar = sums[..., d:d + dv] * inv_mass  # [B, H, c, Dv]
-    log_mass = mass[..., 0].clamp_min(torch.finfo(mass.dtype).tiny).log() + shift[..., 0]
-    log_mass = torch.where(live, log_mass, _NEG_INF)
+    log_mass = torch.where(live, torch.where(live, mass[..., 0], 1.0).log() + shift[..., 0],
+                           _NEG_INF)
     if rank == 0:
         tilt = k.new_zeros(b, h, c, 0, d)
     else:
@@ -100,7 +112,8 @@ def far_field(
             ks.reshape(b * h, -1, d).transpose(1, 2),
         ).view(b, h, c, -1).masked_fill_(near, _NEG_INF).exp_()
         if sample is not None:
-            inv = 1.0 / ws.sum(-1, keepdim=True).clamp_min(torch.finfo(ws.dtype).tiny)
+            total = ws.sum(-1, keepdim=True)
+            inv = safe_reciprocal(total, total > torch.finfo(total.dtype).tiny ** 0.5)
         vr = vs if basis is None else vs @ basis  # [B, H, S, r]
         outer = (vr[..., :, None] * ks[..., None, :]).view(b, h, ks.shape[2], rank * d)
         second = ((ws @ outer) * inv).view(b, h, c, rank, d)

@@ -77,10 +77,6 @@ class ScatterbrainConfig(LshBlockOptions):
         check_bool("scatterbrain", "orthogonal", self.orthogonal)
         check_scale("scatterbrain", self.scale)
 
-    @property
-    def sampled_budget(self) -> bool:
-        return False  # num_features counts random features, not sampled columns
-
 
 def draw_scatterbrain(
     batch: int, heads: int, dim: int, config: ScatterbrainConfig, *,

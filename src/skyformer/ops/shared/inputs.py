@@ -127,7 +127,7 @@ def zero_padded_queries(out: Tensor, query_valid: Tensor | None) -> Tensor:
     """Set the output rows of padded queries to zero. ``out: [B, H, Nq, Dv]``."""
     if query_valid is None:
         return out
-    return out * query_valid[:, None, :, None].to(out.dtype)
+    return torch.where(query_valid[:, None, :, None], out, 0.0)  # where: NaN * 0 is NaN
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -15,7 +15,7 @@ from ...sketch import (
     hamming_blocks,
     scatter_block_rows,
 )
-from .options import check_nonnegative_int, check_positive_int
+from .options import check_budget, check_nonnegative_int, check_positive_int
 
 MAX_HYPERPLANES = 30  # 2^r buckets must index in a long
 
@@ -36,7 +36,7 @@ class LshBlockOptions:
     num_hyperplanes: int = 7
 
     def validate(self, method: str) -> None:
-        check_positive_int(method, "num_features", self.num_features)
+        check_budget(method, "num_features", self.num_features)
         if self.block_size is not None:
             check_nonnegative_int(method, "block_size", self.block_size)
         check_positive_int(method, "num_hyperplanes", self.num_hyperplanes)
@@ -47,25 +47,11 @@ class LshBlockOptions:
             )
 
     def budget_caps(self, nq: int, nk: int) -> dict[str, int]:
-        """Options to change for Nq, Nk tokens: blocks of at most the sequence; a sampled
-        budget (``sampled_budget``, KDEformer) of at most N columns. Random features
-        (Scatterbrain) are bounded at construction instead."""
+        """Options to change for Nq, Nk tokens: blocks of at most the sequence. The
+        sampled or random-feature budget is bounded at construction
+        (``options.MAX_BUDGET``)."""
         n = max(nq, nk, 1)
-        caps: dict[str, int] = {}
-        if self.blocks > n:
-            caps["block_size"] = n
-        if self.sampled_budget:
-            for name in ("num_features", "kde_samples"):
-                value = getattr(self, name, None)
-                if value is not None and value > n:
-                    caps[name] = n
-        return caps
-
-    @property
-    def sampled_budget(self) -> bool:
-        """Whether ``num_features`` counts sampled columns (capped by N) rather than
-        random features."""
-        return True
+        return {"block_size": n} if self.blocks > n else {}
 
     @property
     def blocks(self) -> int:

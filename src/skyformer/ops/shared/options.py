@@ -63,17 +63,25 @@ def check_positive_float(method: str, name: str, value: object) -> None:
         raise ValueError(f"{method}: {name} must be a finite positive number, got {value!r}.")
 
 
-# Random features and projections are held as [B, H, N, m] / [H, m, N] tensors: a cap
-# that stops a typo such as num_features=10**7 before it asks for gigabytes (the papers
-# use at most a few hundred). Budgets that count tokens are capped by N instead
-# (``budget_caps`` of the configs).
-MAX_RANDOM_FEATURES = 2**16
+# Budgets whose size shapes the result for any sequence (random features, projections,
+# sampled columns, BigBird's blocks) are bounded by a constant, not by N: capping them by
+# the padded width would make a sequence's output depend on how far its batch is padded.
+# The bound stops a typo such as num_features=10**7 before it asks for gigabytes (the
+# papers use at most a few hundred). Budgets that stop mattering beyond the sequence
+# (landmarks, chunks, LSH blocks) are capped by N instead (``budget_caps`` of the configs).
+MAX_BUDGET = 2**16
+MAX_RANDOM_FEATURES = MAX_BUDGET
+
+
+def check_budget(method: str, name: str, value: object) -> None:
+    """A positive integer at most ``MAX_BUDGET`` (module comment)."""
+    check_positive_int(method, name, value)
+    if value > MAX_BUDGET:  # type: ignore[operator]
+        raise ValueError(
+            f"{method}: {name} must be at most {MAX_BUDGET} (the tensors it sizes hold N * "
+            f"{name} values per head), got {value!r}."
+        )
 
 
 def check_random_features(method: str, value: object) -> None:
-    check_positive_int(method, "num_features", value)
-    if value > MAX_RANDOM_FEATURES:  # type: ignore[operator]
-        raise ValueError(
-            f"{method}: num_features must be at most {MAX_RANDOM_FEATURES} (its random "
-            f"features or projections hold N * num_features values per head), got {value!r}."
-        )
+    check_budget(method, "num_features", value)

@@ -1,0 +1,79 @@
+"""What every call promises about padding and non-finite values (docs/reliability.md).
+
+- Padded positions never matter, whatever they hold: before a method runs, padded keys
+  and values (``key_padding_mask``) and padded queries are replaced by zeros with
+  ``torch.where`` (a NaN times a zero mask would still be NaN), so no NaN, inf or huge
+  value in padding can reach a real output or a gradient.
+- A non-finite value in a real token is never hidden: the output rows it can reach are
+  NaN, as with SDPA (a NaN query spoils its own row; a NaN key or value spoils every
+  row of its batch element and head), whatever the method's own arithmetic would have
+  made of it (a fallback to mean(V), a clamp, a zero).
+
+Both run at ``call_core``, the one path every call takes; they are elementwise and
+data-independent, so they compile, export and batch like the methods.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def _padding(mask: Any, batch: int, length: int) -> Tensor | None:
+    """A ``[B, N]`` bool mask (True = real) as given, or None (also for masks of another
+    form, which the method's own checks answer with a sentence)."""
+    if isinstance(mask, Tensor) and mask.dtype == torch.bool and tuple(mask.shape) == (
+            batch, length):
+        return mask
+    return None
+
+
+def valid_rows(q: Tensor, k: Tensor, key_padding_mask: Any, query_padding_mask: Any
+               ) -> tuple[Tensor | None, Tensor | None]:
+    """(query_valid ``[B, Nq]``, key_valid ``[B, Nk]``) as the methods read them:
+    ``"auto"`` takes the key mask for the queries when Nq == Nk."""
+    b, nq, nk = q.shape[0], q.shape[-2], k.shape[-2]
+    key_valid = _padding(key_padding_mask, b, nk)
+    if isinstance(query_padding_mask, str):
+        query_valid = key_valid if nq == nk else None
+    else:
+        query_valid = _padding(query_padding_mask, b, nq)
+    return query_valid, key_valid
+
+
+def zero_padding(q: Any, k: Any, v: Any, key_padding_mask: Any, query_padding_mask: Any
+                 ) -> tuple[Any, Any, Any]:
+    """q, k, v with padded rows replaced by zeros (module docstring)."""
+    if not all(isinstance(t, Tensor) and t.dim() == 4 for t in (q, k, v)) \
+            or k.shape[-2] != v.shape[-2]:
+        return q, k, v
+    query_valid, key_valid = valid_rows(q, k, key_padding_mask, query_padding_mask)
+    if key_valid is not None:
+        keep = key_valid[:, None, :, None]
+        k, v = torch.where(keep, k, 0.0), torch.where(keep, v, 0.0)
+    if query_valid is not None:
+        q = torch.where(query_valid[:, None, :, None], q, 0.0)
+    return q, k, v
+
+
+def show_nonfinite(out: Any, q: Any, k: Any, v: Any, key_padding_mask: Any,
+                   query_padding_mask: Any) -> Any:
+    """``out`` with NaN in every real row a non-finite real input can reach (module
+    docstring); q, k, v are the inputs after ``zero_padding``."""
+    if not isinstance(out, Tensor) or not out.is_floating_point() or out.dim() != 4 \
+            or not all(isinstance(t, Tensor) and t.dim() == 4 for t in (q, k, v)):
+        return out
+    query_valid, _ = valid_rows(q, k, key_padding_mask, query_padding_mask)
+    bad = ~torch.isfinite(q).all(dim=-1)  # [B, H, Nq]
+    bad_keys = ~(torch.isfinite(k).all(dim=-1) & torch.isfinite(v).all(dim=-1))  # [B, Hk, Nk]
+    spoiled = bad_keys.any(dim=-1)  # [B, Hk]
+    if spoiled.shape[1] != bad.shape[1]:  # fewer key heads (grouped queries): any head
+        spoiled = spoiled.any(dim=1, keepdim=True)
+    bad = bad | spoiled[..., None]
+    if query_valid is not None:
+        bad = bad & query_valid[:, None, :]
+    if bad.shape[:3] != out.shape[:3]:
+        return out
+    return torch.where(bad[..., None], float("nan"), out)
