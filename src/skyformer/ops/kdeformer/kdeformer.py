@@ -76,6 +76,7 @@ from ..shared.inputs import (
     zero_padded_queries,
 )
 from ..shared.lsh_blocks import LshBlockOptions, lsh_block_logits
+from ..shared.masked import normalised_or
 from ..shared.options import (
     check_budget,
     check_choice,
@@ -412,9 +413,7 @@ def kdeformer_core(
         denominator = spar_den[..., None] * factor + a_c.sum(-1, keepdim=True)
     else:
         denominator = alpha[..., None] * factor
-    ok = denominator > 0
-    return torch.where(ok, numerator / torch.where(ok, denominator, 1.0),
-                       mean_values(v, info.key_valid))
+    return normalised_or(numerator, denominator, mean_values(v, info.key_valid))
 
 
 @register(

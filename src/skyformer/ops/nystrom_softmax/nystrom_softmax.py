@@ -58,6 +58,7 @@ from ..shared.inputs import (
     resolve_key,
     zero_padded_queries,
 )
+from ..shared.masked import normalised_or
 from ..shared.modified_nystrom import NystromOptions, nystrom_core, sample_landmarks
 from ..shared.options import check_nonnegative_float, check_scale
 
@@ -165,10 +166,5 @@ def normalise(numerator: Tensor, denominator: Tensor, bound: Tensor, vw: Tensor,
                info: AttentionInputs, options: NystromSoftmaxConfig, dtype: torch.dtype) -> Tensor:
     """D~^-1 A~ V on reliable rows, mean(V) on the others; zero padded queries."""
     reliable = denominator > options.normalizer_threshold * bound
-    reliable = reliable & (denominator > 0)
-    out = torch.where(
-        reliable,
-        numerator / torch.where(reliable, denominator, 1.0),
-        mean_values(vw, info.key_valid),
-    )
+    out = normalised_or(numerator, denominator, mean_values(vw, info.key_valid), reliable)
     return zero_padded_queries(out, info.query_valid).to(dtype)

@@ -46,6 +46,7 @@ from ..shared.inputs import (
     resolve_key,
     zero_padded_queries,
 )
+from ..shared.masked import normalised_or
 from ..shared.options import (
     check_bool,
     check_nonnegative_float,
@@ -208,8 +209,5 @@ def performer_attention(
     v_and_one = torch.cat([vw, torch.ones_like(vw[..., :1])], dim=-1)  # [B, H, Nk, Dv + 1]
     o = phi_q @ (phi_k.transpose(-1, -2) @ v_and_one)  # [B, H, Nq, Dv + 1]
     numerator, denominator = o[..., :-1], o[..., -1:]
-    ok = denominator > 0
-    out = torch.where(
-        ok, numerator / torch.where(ok, denominator, 1.0), mean_values(vw, info.key_valid)
-    )
+    out = normalised_or(numerator, denominator, mean_values(vw, info.key_valid))
     return zero_padded_queries(out, info.query_valid).to(dtype)

@@ -55,6 +55,7 @@ from ..shared.inputs import (
     zero_padded_queries,
 )
 from ..shared.lsh_blocks import LshBlockOptions, lsh_block_logits
+from ..shared.masked import normalised_or
 from ..shared.options import check_bool, check_random_features, check_scale
 
 
@@ -160,8 +161,5 @@ def scatterbrain_attention(
     else:
         o = low_rank
     numerator, denominator = o[..., :-1], o[..., -1:]
-    ok = denominator > 0
-    out = torch.where(
-        ok, numerator / torch.where(ok, denominator, 1.0), mean_values(vw, info.key_valid)
-    )
+    out = normalised_or(numerator, denominator, mean_values(vw, info.key_valid))
     return zero_padded_queries(out, info.query_valid).to(dtype)
