@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ..linalg.rows import gather_rows
+from ..ops.shared.tracing import may_read_values
 from .angular_lsh import equal_size_buckets, hamming_order
 
 
@@ -57,18 +58,61 @@ def hamming_blocks(
     """
     nq, nk = q.shape[2], k.shape[2]
     num_blocks = math.ceil(nk / block_size)
-    q_size = block_size if nq == nk else math.ceil(nq / num_blocks)
     q_order = hamming_order(q, hyperplanes, query_valid)
     k_order = hamming_order(k, hyperplanes, key_valid)
+    k_index = equal_size_buckets(k_order, block_size, num_blocks)
+    k_block = _inverse(k_order) // block_size
+    if nq != nk:
+        q_index, q_slot, q_block = _cross_query_blocks(
+            q_order, block_size, num_blocks, query_valid, key_valid, nk)
+        return LshBlocks(q_index, k_index, q_slot, q_block, k_block, k_order)
     q_slot = _inverse(q_order)
     return LshBlocks(
-        q_index=equal_size_buckets(q_order, q_size, num_blocks),
-        k_index=equal_size_buckets(k_order, block_size, num_blocks),
+        q_index=equal_size_buckets(q_order, block_size, num_blocks),
+        k_index=k_index,
         q_slot=q_slot,
-        q_block=q_slot // q_size,
-        k_block=_inverse(k_order) // block_size,
+        q_block=q_slot // block_size,
+        k_block=k_block,
         k_order=k_order,
     )
+
+
+def _cross_query_blocks(q_order: Tensor, block_size: int, num_blocks: int,
+                        query_valid: Tensor | None, key_valid: Tensor | None, nk: int
+                        ) -> tuple[Tensor, Tensor, Tensor]:
+    """Query blocks in cross-attention, per batch element from its real counts: the
+    element's n_k real keys fill b = ceil(n_k / block_size) blocks, and its n_q real
+    queries (in Hamming order) are cut into b chunks of ceil(n_q / b), so that padding
+    gives the blocks of truncation. The slot count per block is the largest such chunk
+    (read from the masks in eager mode; ``nq`` under tracing, where values cannot be
+    read). Padded queries get slot 0 (their outputs are zeroed by the caller).
+    Returns (q_index ``[B, H, nb, sq]``, q_slot ``[B, H, Nq]``, q_block ``[B, H, Nq]``)."""
+    b, h, nq = q_order.shape
+    device = q_order.device
+    n_q = (query_valid.sum(-1) if query_valid is not None
+           else torch.full((b,), nq, device=device))  # [B]
+    n_k = (key_valid.sum(-1) if key_valid is not None
+           else torch.full((b,), nk, device=device))
+    blocks = torch.div(n_k + block_size - 1, block_size, rounding_mode="floor").clamp_min(1)
+    chunk = torch.div(n_q + blocks - 1, blocks, rounding_mode="floor").clamp_min(1)  # [B]
+    q_size = int(chunk.max()) if may_read_values(chunk) else nq
+    rank = torch.arange(nq, device=device)  # position in the Hamming order
+    real = rank[None, :] < n_q[:, None]  # [B, Nq]
+    block = torch.div(rank[None, :], chunk[:, None], rounding_mode="floor")
+    slot = block * q_size + rank[None, :] - block * chunk[:, None]  # [B, Nq] by rank
+    sentinel = num_blocks * q_size
+    target = torch.where(real, slot, sentinel)[:, None, :].expand(b, h, nq)
+    flat = q_order.new_full((b, h, sentinel + 1), nq)
+    flat = flat.scatter(2, target, q_order)[..., :sentinel]
+    q_index = flat.view(b, h, num_blocks, q_size)
+    # per query position: its rank in the order, then its block and slot
+    position_rank = _inverse(q_order)  # [B, H, Nq]
+    real_rank = position_rank < n_q[:, None, None]
+    q_block = torch.where(real_rank, torch.div(position_rank, chunk[:, None, None],
+                                               rounding_mode="floor"), 0)
+    q_slot = torch.where(real_rank, slot[:, None, :].expand(b, h, nq).gather(
+        2, position_rank), 0)
+    return q_index, q_slot, q_block
 
 
 def gather_block_rows(x: Tensor, index: Tensor) -> Tensor:

@@ -57,12 +57,14 @@ def reference_block_pattern(
     nk = k.shape[2]
     kv = key_padding_mask if key_padding_mask is not None else torch.ones(b, nk, dtype=torch.bool)
     qv = kv if nq == nk else torch.ones(b, nq, dtype=torch.bool)
-    blocks = math.ceil(nk / block_size)
-    q_size = block_size if nq == nk else math.ceil(nq / blocks)
     pattern = torch.zeros(b, h, nq, nk, dtype=torch.bool)
     for bi in range(b):
         q_real = [i for i in range(nq) if qv[bi, i]]
         k_real = [j for j in range(nk) if kv[bi, j]]
+        # cross-attention: the element's real keys fill ceil(n_k / block) blocks and its
+        # real queries are cut into as many chunks (padding = truncation)
+        blocks = max(1, math.ceil(len(k_real) / block_size))
+        q_size = block_size if nq == nk else max(1, math.ceil(len(q_real) / blocks))
         for hi in range(h):
             planes = hyperplanes[bi, hi].to(q.dtype)
             q_order = _sorted_rows(q[bi, hi], planes, q_real, nq)
