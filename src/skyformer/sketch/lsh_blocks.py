@@ -62,7 +62,9 @@ def hamming_blocks(
     k_order = hamming_order(k, hyperplanes, key_valid)
     k_index = equal_size_buckets(k_order, block_size, num_blocks)
     k_block = _inverse(k_order) // block_size
-    if nq != nk:
+    # Self-attention: the queries are the keys (one mask object, or none). Otherwise the
+    # queries are cut by the real counts, also when Nq == Nk.
+    if nq != nk or query_valid is not key_valid:
         q_index, q_slot, q_block = _cross_query_blocks(
             q_order, block_size, num_blocks, query_valid, key_valid, nk)
         return LshBlocks(q_index, k_index, q_slot, q_block, k_block, k_order)

@@ -49,14 +49,15 @@ def reference_key_order(k: Tensor, hyperplanes: Tensor | None, real: list[int]) 
 
 def reference_block_pattern(
     q: Tensor, k: Tensor, hyperplanes: Tensor, block_size: int, *,
-    key_padding_mask: Tensor | None = None,
+    key_padding_mask: Tensor | None = None, cross: bool | None = None,
 ) -> Tensor:
     """``[B, H, Nq, Nk]`` bool: query i and key j fall in the same equal-sized LSH bucket
     (Definition A.3 applied to queries and keys with the same hyperplanes)."""
     b, h, nq, _ = q.shape
     nk = k.shape[2]
     kv = key_padding_mask if key_padding_mask is not None else torch.ones(b, nk, dtype=torch.bool)
-    qv = kv if nq == nk else torch.ones(b, nq, dtype=torch.bool)
+    cross = nq != nk if cross is None else cross  # cross: every query is real
+    qv = torch.ones(b, nq, dtype=torch.bool) if cross else kv
     pattern = torch.zeros(b, h, nq, nk, dtype=torch.bool)
     for bi in range(b):
         q_real = [i for i in range(nq) if qv[bi, i]]
@@ -64,7 +65,7 @@ def reference_block_pattern(
         # cross-attention: the element's real keys fill ceil(n_k / block) blocks and its
         # real queries are cut into as many chunks (padding = truncation)
         blocks = max(1, math.ceil(len(k_real) / block_size))
-        q_size = block_size if nq == nk else max(1, math.ceil(len(q_real) / blocks))
+        q_size = max(1, math.ceil(len(q_real) / blocks)) if cross else block_size
         for hi in range(h):
             planes = hyperplanes[bi, hi].to(q.dtype)
             q_order = _sorted_rows(q[bi, hi], planes, q_real, nq)
