@@ -44,7 +44,12 @@ from ..shared.inputs import (
     zero_padded_queries,
 )
 from ..shared.modified_nystrom import NystromOptions
-from ..shared.options import check_nonnegative_int, check_optional_positive_int, check_scale
+from ..shared.options import (
+    check_nonnegative_int,
+    check_optional_positive_int,
+    check_positive_float,
+    check_scale,
+)
 
 
 @dataclass(frozen=True)
@@ -74,9 +79,7 @@ class SkyformerAdaptiveConfig(NystromOptions):
             raise ValueError(
                 f"{method}: query_fraction must be in (0, 1], got {self.query_fraction!r}."
             )
-        if isinstance(self.ridge, bool) or not isinstance(self.ridge, (int, float)) \
-                or not self.ridge > 0:
-            raise ValueError(f"{method}: ridge must be a positive number, got {self.ridge!r}.")
+        check_positive_float(method, "ridge", self.ridge)
         check_nonnegative_int(method, "kmeans_iterations", self.kmeans_iterations)
         check_optional_positive_int(method, "kmeans_sample", self.kmeans_sample)
         check_scale(method, self.scale)

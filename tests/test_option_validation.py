@@ -1,0 +1,41 @@
+"""Every option of every registered method refuses values of the wrong kind with a
+sentence naming the method and the option (``ops/shared/options.py``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from skyformer import get_method, list_methods
+
+
+def _bad_values(default):
+    """Values no option of this default's kind accepts."""
+    if isinstance(default, bool):
+        return ["yes", 1, None]
+    if isinstance(default, int):
+        return ["8", 1.5, True, -1]
+    if isinstance(default, float):
+        return ["0.1", math.inf, math.nan, True]
+    if isinstance(default, str):
+        return ["no-such-choice", 3]
+    return [object()]  # an option defaulting to None: no option takes an arbitrary object
+
+
+CASES = [
+    (method, field.name, bad)
+    for method in list_methods()
+    for field in dataclasses.fields(get_method(method).config_class)
+    for bad in _bad_values(field.default)
+]
+
+
+@pytest.mark.parametrize(("method", "option", "bad"), CASES,
+                         ids=[f"{m}-{o}-{b!r}" for m, o, b in CASES])
+def test_a_bad_option_value_gets_a_sentence(method, option, bad):
+    with pytest.raises((ValueError, TypeError)) as err:
+        get_method(method).bind(**{option: bad})
+    message = str(err.value)
+    assert option in message, message
