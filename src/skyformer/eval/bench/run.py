@@ -38,7 +38,7 @@ from ...io import environment
 from ...registry import exact_method, list_methods
 from ..measure.flops import attention_flops, matmul_flops_per_second
 from ..measure.memory import MemoryJob, peak_memory_bytes
-from ..measure.metrics import relative_error
+from ..measure.metrics import relative_error, trivial_error
 from ..measure.timing import CLOCKS, interleaved_median_seconds
 from ..methods import NamedAttention, PreparedCall, resolve
 
@@ -323,9 +323,7 @@ def _measure_length(
         if config.error and method.target is not None:
             if method.target not in exact:
                 exact[method.target] = _exact_output(q, k, v, method.target)
-                mean_v = v.float().mean(dim=-2, keepdim=True).expand_as(exact[method.target])
-                trivial[method.target] = min(1.0, relative_error(
-                    mean_v, exact[method.target], ord=2).mean().item())
+                trivial[method.target] = trivial_error(v, exact[method.target])
             out = forward().float()
             row["rel_error"] = relative_error(out, exact[method.target], ord=2).mean().item()
             row["trivial_error"] = trivial[method.target]

@@ -22,7 +22,7 @@ from ...registry import exact_method, get_method, list_methods
 from ..data.qkv import QKV, load_qkv
 from ..data.text import read_text
 from ..measure.memory import MemoryJob, peak_memory_bytes
-from ..measure.metrics import relative_error
+from ..measure.metrics import relative_error, trivial_error
 from ..measure.timing import median_seconds
 from ..methods import PreparedCall, resolve
 
@@ -89,9 +89,7 @@ def compare_on(qkv: QKV, config: CompareConfig) -> list[dict[str, Any]]:
             if target not in exact:
                 with torch.no_grad():
                     exact[target] = exact_method(target).function(q, k, v)
-                mean_v = v.mean(dim=-2, keepdim=True).expand_as(exact[target])
-                trivial[target] = min(
-                    1.0, relative_error(mean_v, exact[target], ord=2)[0].mean().item())
+                trivial[target] = trivial_error(v, exact[target])
             named = resolve(name)
             options = named.options(config.num_features)
             call = named.prepare(tuple(q.shape), options, device=q.device, dtype=q.dtype)

@@ -90,3 +90,11 @@ def constant_row_error(exact: Tensor, row: Tensor | None = None, ord: int | str 
     o = _f64(exact)
     r = o.mean(dim=-2) if row is None else _f64(row)
     return relative_error(r[..., None, :].expand_as(o), o, ord=ord)
+
+
+def trivial_error(v: Tensor, exact: Tensor) -> float:
+    """Mean relative spectral error of the better trivial answer against ``exact``
+    ``[B, H, N, Dv]``: every row = the mean of ``v`` (the softmax target's constant), or
+    all zeros (error 1; the Gaussian target's rows are not weighted means)."""
+    mean_v = v.to(exact.dtype).mean(dim=-2, keepdim=True).expand_as(exact)
+    return min(1.0, relative_error(mean_v, exact, ord=2).mean().item())
