@@ -4,10 +4,18 @@ after the run (passed / cells): the support matrices are read off CI's log."""
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 
 import pytest
 import torch
+
+from tests.devices import CUDA_TESTS
+
+# Without a GPU the Triton kernels run under Triton's interpreter (read when Triton is
+# first imported, hence here, before any test imports it).
+if not CUDA_TESTS:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 

@@ -2,7 +2,9 @@
 
 Parametrised over ``list_methods()``: a new method is covered as soon as it registers.
 Methods are called through the registry's binding, as every caller calls them (a
-fixed-length method such as Linformer is bound for ``MAX_LEN`` tokens).
+fixed-length method such as Linformer is bound for ``MAX_LEN`` tokens). Every test runs
+on each device of ``tests/devices.py`` (CUDA when ``SKYFORMER_TEST_CUDA=1``): inputs
+are made on the CPU, moved, and outputs come back, so the same assertions hold.
 """
 
 from __future__ import annotations
@@ -10,16 +12,32 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skyformer import get_method, list_methods
+from skyformer import get_method, list_methods, random_key
 from tests.conftest import gen, make_qkv
+from tests.devices import devices
 
 METHODS = list_methods()
 MAX_LEN = 64  # the length methods are bound for: above every length used here (n <= 40)
+DEVICE = {"name": "cpu"}
+
+
+@pytest.fixture(params=devices(), autouse=True)
+def device(request):
+    """Runs every test of this module on each device (``run`` moves the inputs)."""
+    DEVICE["name"] = request.param
+    yield request.param
+    DEVICE["name"] = "cpu"
 
 
 def run(method, q, k, v, mask=None, seed=0, **options):
     bound = get_method(method).bind(seq_len=MAX_LEN, **options)
-    return bound(q, k, v, key_padding_mask=mask, generator=gen(seed))
+    device = DEVICE["name"]
+    if device == "cpu":
+        return bound(q, k, v, key_padding_mask=mask, generator=gen(seed))
+    q, k, v = (t.to(device) for t in (q, k, v))
+    mask = None if mask is None else mask.to(device)
+    # a key drawn from the CPU generator: the same random numbers on every device
+    return bound(q, k, v, key_padding_mask=mask, generator=random_key(gen(seed))).cpu()
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -2,6 +2,7 @@
 them, Lemma 3 inverse, materialised attention matrices, top singular subspaces,
 whole-row gathers."""
 
+from .kernel_backend import KERNELS
 from .kernel_matmul import gaussian_kernel_matmul
 from .kernels import gaussian_exponent, gaussian_kernel_block, half_sq_norm
 from .nystrom import PINV_METHODS, lemma3_inverse
@@ -11,6 +12,7 @@ from .scores import gaussian_scores, kernel_scale, softmax_scores
 from .subspace import Subspace, top_singular_subspace
 
 __all__ = [
+    "KERNELS",
     "PINV_INITS",
     "PINV_METHODS",
     "Subspace",

@@ -38,6 +38,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .kernel_backend import use_triton
+from .kernel_matmul_triton import TritonGaussianBlockProduct
 from .vmap import vmap_into_batch
 
 # Elements of one chunk of the block, all heads together. 2^18 float32 = 1 MiB fits the
@@ -242,6 +244,7 @@ def gaussian_kernel_matmul(
     shift_rows: bool = False,
     chunk: int | None = None,
     exclude: Tensor | None = None,
+    kernel: str = "auto",
 ) -> Tensor:
     """C @ rhs or C^T @ rhs for C = exp(s y x^T - s^2|y|^2/2 - col_offset), never whole.
 
@@ -261,6 +264,8 @@ def gaussian_kernel_matmul(
         chunk: rows per chunk; default from ``chunk_rows``.
         exclude: ``[..., N, m]`` bool (any strides, e.g. a transposed ``[..., m, N]``
             mask), True entries of C are 0 (no gradient through them).
+        kernel: ``"auto"`` (Triton for float32 CUDA tensors, else PyTorch), ``"torch"``
+            or ``"triton"`` (``kernel_backend``).
     Returns:
         ``[..., N, R]`` (``C @ rhs``) or ``[..., m, R]`` (``C^T @ rhs``); differentiable in
         ``y``, ``x``, ``col_offset`` and ``rhs`` (the backward pass rebuilds C by chunks).
@@ -294,6 +299,14 @@ def gaussian_kernel_matmul(
                 f"{(*batch_shape, n, m)}, got {exclude.dtype} {tuple(exclude.shape)}."
             )
         exclude = exclude.reshape(bh, n, m)
+    if use_triton(kernel, y):
+        out, _ = TritonGaussianBlockProduct.apply(
+            y.reshape(bh, n, d), x.reshape(bh, m, d),
+            None if col_offset is None else col_offset.reshape(bh, m),
+            rhs.reshape(bh, *rhs.shape[-2:]), row_valid, float(scale), row_norm, transpose,
+            shift_rows, exclude,
+        )
+        return out.reshape(*batch_shape, *out.shape[1:])
     out, _, _ = _GaussianBlockProduct.apply(
         y.reshape(bh, n, d),
         x.reshape(bh, m, d),

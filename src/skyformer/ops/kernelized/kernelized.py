@@ -28,11 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ...linalg import half_sq_norm, kernel_scale
+from ...linalg import KERNELS, gaussian_kernel_matmul, half_sq_norm, kernel_scale
 from ...registry import Capabilities, register
 from ..shared.inputs import check_attention_inputs, compute_dtype, zero_padded_queries
 from ..shared.masked import attention_bias
-from ..shared.options import check_bool, check_scale
+from ..shared.options import check_bool, check_choice, check_scale
 
 _MASKED_LOGIT = -1e6
 
@@ -44,14 +44,20 @@ class KernelizedConfig:
     scale: s of the Gaussian kernel exp(-s |q - k|^2 / 2), ``None`` = 1/sqrt(head dim)
         (Skyformer eq. (1)); a model that pre-scales its queries passes its own.
     causal: query i attends to keys j <= i (requires Nq == Nk).
+    kernel: ``"torch"`` (the SDPA augmentation below), ``"triton"`` (the fused Gaussian
+        block product of ``linalg.kernel_matmul`` with every key as a column: a
+        flash-style kernel, O(N) memory, no mask other than padding, not causal) or
+        ``"auto"`` (``"torch"``).
     """
 
     scale: float | None = None
     causal: bool = False
+    kernel: str = "auto"
 
     def __post_init__(self) -> None:
         check_scale("kernelized", self.scale)
         check_bool("kernelized", "causal", self.causal)
+        check_choice("kernelized", "kernel", self.kernel, KERNELS)
 
 
 @register(
@@ -95,6 +101,17 @@ def kernelized_attention(
     dtype = q.dtype
     work = compute_dtype(dtype)
     scale = kernel_scale(info.head_dim, config.scale)
+    if config.kernel == "triton":
+        if causal or attn_mask is not None:
+            raise ValueError('kernelized: kernel="triton" takes no attn_mask and no causal '
+                             'mask (padding only); use kernel="torch" for those.')
+        ks = k.to(work) * scale
+        k_norm = half_sq_norm(ks)
+        if info.key_valid is not None:
+            k_norm = k_norm.masked_fill(~info.key_valid[:, None, :], float("inf"))
+        out = gaussian_kernel_matmul(q.to(work), ks, v.to(work), k_norm, scale=scale,
+                                     kernel="triton")  # [B, H, Nq, Dv]
+        return zero_padded_queries(out, info.query_valid).to(dtype)
     qs = q.to(work) * scale
     ks = k.to(work) * scale
     vw = v.to(work)

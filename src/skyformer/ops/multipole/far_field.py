@@ -55,7 +55,7 @@ def safe_reciprocal(x: Tensor, ok: Tensor) -> Tensor:
 def far_field(
     z: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, shift: Tensor, member: Tensor,
     key_valid: Tensor | None, basis: Tensor | None, rank: int, sample: Tensor | None = None,
-    *, gaussian: bool = False,
+    *, gaussian: bool = False, kernel: str = "auto",
 ) -> FarField:
     """Far-field moments of each cluster centre's distribution over its far keys.
 
@@ -76,6 +76,7 @@ def far_field(
         sample: ``[B, S]`` keys from which the covariance is estimated (self-normalised
             over the sampled far keys), ``None`` = every key.
         gaussian: b_j = -|k_j|^2/2 (Gaussian target) rather than 0.
+        kernel: ``gaussian_kernel_matmul``'s implementation choice.
     """
     b, h, nk, d = k.shape
     c, dv = z.shape[2], v.shape[-1]
@@ -84,7 +85,7 @@ def far_field(
         k, z, rhs, shift[..., 0], row_norm=gaussian, transpose=True,
         row_valid=None if key_valid is None else key_valid[:, None, :],
         # keys-by-centres and contiguous: masking chunks through a strided view is slow
-        exclude=member.transpose(-1, -2).contiguous(),
+        exclude=member.transpose(-1, -2).contiguous(), kernel=kernel,
     )  # [B, H, c, D + Dv + 1]
     mass = sums[..., -1:]
     # A mass below sqrt(tiny) (1e-19 in float32) is a far field some 44 below the shift,

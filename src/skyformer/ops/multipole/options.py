@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...linalg import KERNELS
 from ..shared.options import (
+    check_choice,
     check_nonnegative_int,
     check_optional_positive_int,
     check_positive_float,
@@ -37,6 +39,8 @@ class MultipoleOptions:
         the ladder m/8 .. m (m = ``num_features``) whose error, measured on ``probe``
         exact query rows, is at most ``tolerance`` (``targeted.py``).
     probe: query rows computed exactly to estimate the error (with ``tolerance``).
+    kernel: the far-field kernel products by ``"auto"``, ``"torch"`` or ``"triton"``
+        (``linalg.kernel_backend``).
     """
 
     num_features: int = 128
@@ -50,12 +54,14 @@ class MultipoleOptions:
     kmeans_sample: int | None = 2048
     tolerance: float | None = None
     probe: int = 32
+    kernel: str = "auto"
 
     def validate(self, method: str) -> None:
         check_positive_int(method, "num_features", self.num_features)
         for name in ("window", "lsh_block", "kmeans_iterations"):
             check_nonnegative_int(method, name, getattr(self, name))
         check_positive_int(method, "probe", self.probe)
+        check_choice(method, "kernel", self.kernel, KERNELS)
         check_positive_int(method, "lsh_hyperplanes", self.lsh_hyperplanes)
         if self.lsh_hyperplanes > 30:
             raise ValueError(

@@ -253,7 +253,8 @@ def multipole_sums(
     rank = dv if options.tilt_rank is None else min(options.tilt_rank, dv)
     basis = value_basis(v, info.key_valid, rank) if rank else None
     far = far_field(z, k, v, key_bias, near.shift, near.member, info.key_valid, basis, rank,
-                    _tilt_sample(draws, info, options, rank), gaussian=gaussian)
+                    _tilt_sample(draws, info, options, rank), gaussian=gaussian,
+                    kernel=options.kernel)
     pieces = _blocked_terms(q, k, v, key_bias, z, far, block_layout(a, z.shape[2]), near, rank)
     delta_kbar, shift_r = pieces[:2]
     parts = []

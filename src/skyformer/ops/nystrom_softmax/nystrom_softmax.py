@@ -133,14 +133,14 @@ def nystrom_softmax_attention(
     v_and_one = torch.cat([vw, torch.ones_like(vw[..., :1])], dim=-1)  # [B, H, Nk, Dv + 1]
     context = gaussian_kernel_matmul(
         kw, core.x, v_and_one, core.x_norm + shift, scale=root, row_norm=False,
-        row_valid=key_valid, transpose=True,
+        row_valid=key_valid, transpose=True, kernel=config.kernel,
     )  # [B, H, m, Dv + 1]
     z = core.w @ context
     # E_Q cancels in the ratio: rows of C(Q, X_S) are scaled by their own maximum instead.
     # The last column gives sum_s C(q_i, x_s) |(W u)_s|, the bound on |D~_i|.
     o = gaussian_kernel_matmul(
         qw, core.x, torch.cat([z, z[..., -1:].detach().abs()], dim=-1), core.x_norm,
-        scale=root, row_norm=False, shift_rows=True,
+        scale=root, row_norm=False, shift_rows=True, kernel=config.kernel,
     )  # [B, H, Nq, Dv + 2]
     dv = vw.shape[-1]
     return normalise(

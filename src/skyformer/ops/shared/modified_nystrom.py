@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from ...linalg import (
+    KERNELS,
     PINV_INITS,
     PINV_METHODS,
     gather_rows,
@@ -47,6 +48,9 @@ class NystromOptions:
     pinv_iterations: iterations of the iterative inverse.
     pinv_init: starting point of the iteration, ``"identity"`` (justified by Lemma 3)
         or ``"scaled_transpose"`` (A^T / (|A|_1 |A|_inf), per matrix).
+    kernel: the [N, m] kernel products by ``"auto"`` (fused Triton kernels for float32
+        CUDA tensors when Triton is installed, else PyTorch), ``"torch"`` or ``"triton"``
+        (``linalg.kernel_backend``).
     """
 
     num_features: int = 128
@@ -54,6 +58,7 @@ class NystromOptions:
     pinv: str = "iterative"
     pinv_iterations: int = 6
     pinv_init: str = "identity"
+    kernel: str = "auto"
 
     def validate(self, method: str) -> None:
         check_positive_int(method, "num_features", self.num_features)
@@ -61,6 +66,7 @@ class NystromOptions:
         check_choice(method, "pinv", self.pinv, PINV_METHODS)
         check_choice(method, "pinv_init", self.pinv_init, PINV_INITS)
         check_nonnegative_int(method, "pinv_iterations", self.pinv_iterations)
+        check_choice(method, "kernel", self.kernel, KERNELS)
 
 
 @dataclass(frozen=True)

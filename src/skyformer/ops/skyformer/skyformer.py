@@ -90,9 +90,11 @@ def skyformer_attention(
     core = nystrom_core(qw, kw, scale, config, landmarks)
     key_valid = None if info.key_valid is None else info.key_valid[:, None, :]  # [B, 1, Nk]
     context = gaussian_kernel_matmul(
-        kw, core.x, vw, core.x_norm, scale=scale, row_valid=key_valid, transpose=True
+        kw, core.x, vw, core.x_norm, scale=scale, row_valid=key_valid, transpose=True,
+        kernel=config.kernel,
     )  # C(X_S, K) V: [B, H, m, Dv]
-    out = gaussian_kernel_matmul(qw, core.x, core.w @ context, core.x_norm, scale=scale)
+    out = gaussian_kernel_matmul(qw, core.x, core.w @ context, core.x_norm, scale=scale,
+                                 kernel=config.kernel)
     return zero_padded_queries(out, info.query_valid).to(q.dtype)  # [B, H, Nq, Dv]
 
 

@@ -141,9 +141,11 @@ def nystrom_with_landmarks(
     ).view(b, h, m, m)
     key_valid = None if info.key_valid is None else info.key_valid[:, None, :]  # [B, 1, Nk]
     context = gaussian_kernel_matmul(
-        k_hat, x, v, x_norm, scale=scale, row_valid=key_valid, transpose=True
+        k_hat, x, v, x_norm, scale=scale, row_valid=key_valid, transpose=True,
+        kernel=options.kernel,
     )  # C(X, K) V: [B, H, m, Dv]
-    return gaussian_kernel_matmul(q_hat, x, w @ context, x_norm, scale=scale)
+    return gaussian_kernel_matmul(q_hat, x, w @ context, x_norm, scale=scale,
+                                  kernel=options.kernel)
 
 
 @register(

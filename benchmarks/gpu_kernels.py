@@ -1,0 +1,163 @@
+"""Fused Triton kernels against the PyTorch path and against flash SDPA, on CUDA.
+
+For each shape and N: forward + backward time (median, interleaved rounds, synchronised)
+and peak memory (``torch.cuda.max_memory_allocated``) of
+
+- ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` on the inputs' dtype
+  (the flash backend for bfloat16 / float16),
+- ``skyformer`` with ``kernel="torch"`` and ``kernel="triton"``,
+- ``kernelized`` (exact) with ``kernel="torch"`` (SDPA augmentation) and ``"triton"``,
+- at the lengths in ``--compile-seq-lens``: Skyformer (Triton kernels) under
+  ``torch.compile`` (Inductor fuses the small ops around the kernels) and under
+  ``torch.compile(mode="reduce-overhead")`` (CUDA graphs replay the whole call),
+
+and the speed of light of each (matmul FLOPs of the method at the matmul rate measured
+in the same run, ``skyformer.eval.measure.flops``). Writes JSON to ``--out``.
+
+    python benchmarks/gpu_kernels.py --out benchmarks/results/gpu_kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import skyformer
+from skyformer.eval.measure.timing import interleaved_median_seconds
+from skyformer.io import atomic_write_text
+
+
+def _calls(q, k, v, grad, features, compiled):
+    def run(fn):
+        def step():
+            for t in (q, k, v):
+                t.grad = None
+            fn().backward(grad)
+        return step
+
+    key = skyformer.random_key(0, device=q.device)
+
+    bound = skyformer.get_method("skyformer").bind(num_features=features, kernel="triton")
+
+    def sky(q, k, v):  # bound once, outside the compiled region
+        return bound(q, k, v, generator=key)
+
+    extra = {}
+    if compiled:
+        fused = torch.compile(sky, fullgraph=True, dynamic=False)
+        graphed = torch.compile(sky, fullgraph=True, dynamic=False, mode="reduce-overhead")
+        extra = {"skyformer/triton+compile": run(lambda: fused(q, k, v)),
+                 "skyformer/triton+cudagraphs": run(lambda: graphed(q, k, v))}
+    return extra | {
+        "sdpa": run(lambda: F.scaled_dot_product_attention(q, k, v)),
+        "skyformer/torch": run(lambda: skyformer.attention(
+            q, k, v, "skyformer", num_features=features, kernel="torch", generator=key)),
+        "skyformer/triton": run(lambda: skyformer.attention(
+            q, k, v, "skyformer", num_features=features, kernel="triton", generator=key)),
+        "kernelized/torch": run(lambda: skyformer.attention(q, k, v, "kernelized",
+                                                            kernel="torch")),
+        "kernelized/triton": run(lambda: skyformer.attention(q, k, v, "kernelized",
+                                                             kernel="triton")),
+    }
+
+
+def _flops(name: str, q, v, m: int) -> float:
+    """Matmul FLOPs of forward + backward (backward = 2x forward): the exact methods
+    4 N^2 D per head forward; Skyformer 2 N m (D + Dv) per product, two products."""
+    b, h, n, d = q.shape
+    dv = v.shape[-1]
+    per_head = 2 * (2 * n * m * (d + dv)) if name.startswith("skyformer") \
+        else 2 * n * n * (d + dv)
+    return 3.0 * per_head * b * h
+
+
+def _peak(fn) -> int:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def _matmul_rate() -> dict[str, float]:
+    """Measured FLOP/s of an 8192^3 matmul in bfloat16 and in float32 (TF32 allowed: the
+    tensor-core rate the Triton kernels' tf32x3 dots run at, a third of it each)."""
+    rates = {}
+    for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+        a = torch.randn(8192, 8192, device="cuda", dtype=dtype)
+        with _tf32():
+            t = interleaved_median_seconds({"mm": lambda a=a: a @ a}, device="cuda", warmup=3,
+                                           repeats=10)["mm"]
+        rates[name] = 2 * 8192**3 / t
+    return rates
+
+
+class _tf32:
+    def __enter__(self):
+        self.before = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+    def __exit__(self, *exc):
+        torch.backends.cuda.matmul.allow_tf32 = self.before
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["4,16,64,bfloat16", "1,2,32,float32"])
+    parser.add_argument("--seq-lens", nargs="+", type=int,
+                        default=[1024, 2048, 4096, 8192, 16384, 32768])
+    parser.add_argument("--features", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--compile-seq-lens", nargs="*", type=int, default=[4096],
+                        help="lengths at which the compiled variants are timed too")
+    parser.add_argument("--max-exact-n", type=int, default=32768,
+                        help="longest N for the exact kernelized variants")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_kernels.py needs a CUDA device.", file=sys.stderr)
+        return 2
+    torch._dynamo.config.cache_size_limit = 64
+    rate = _matmul_rate()
+    print(f"bf16 matmul {rate['bfloat16'] / 1e12:.0f} TFLOP/s, tf32 "
+          f"{rate['float32'] / 1e12:.0f} TFLOP/s", flush=True)
+    rows = []
+    for spec in args.shapes:
+        b, h, d, dtype_name = spec.split(",")
+        dtype = getattr(torch, dtype_name)
+        for n in args.seq_lens:
+            g = torch.Generator(device="cuda").manual_seed(n)
+            q, k, v, grad = (torch.randn(int(b), int(h), n, int(d), device="cuda", generator=g)
+                             .to(dtype) for _ in range(4))
+            for t in (q, k, v):
+                t.requires_grad_(True)
+            calls = _calls(q, k, v, grad, args.features, n in args.compile_seq_lens)
+            if n > args.max_exact_n:
+                calls = {name: fn for name, fn in calls.items() if "kernelized" not in name}
+            times = interleaved_median_seconds(calls, device="cuda", warmup=2,
+                                               repeats=args.repeats)
+            for name, fn in calls.items():
+                row = {"shape": spec, "n": n, "call": name, "ms": times[name] * 1e3,
+                       "peak_mib": _peak(fn) / 2**20,
+                       "vs_sdpa": times["sdpa"] / times[name], "flops": _flops(name, q, v,
+                                                                              args.features)}
+                row["speed_of_light"] = row["flops"] / (times[name] * rate[
+                    "bfloat16" if dtype != torch.float32 or name == "sdpa" else "float32"])
+                rows.append(row)
+                print(f"{spec:18s} N={n:6d} {name:18s} {row['ms']:9.3f} ms "
+                      f"{row['vs_sdpa']:7.2f}x sdpa  {row['peak_mib']:9.1f} MiB  "
+                      f"SoL {100 * row['speed_of_light']:5.1f} %", flush=True)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "features": args.features, "matmul_flops_per_s": rate, "rows": rows}
+    if args.out:
+        atomic_write_text(args.out, json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

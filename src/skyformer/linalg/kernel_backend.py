@@ -1,0 +1,62 @@
+"""Which implementation computes the Gaussian block products: PyTorch or Triton.
+
+``kernel="auto"`` takes the fused Triton kernels (``triton_kernels``) for float32 CUDA
+tensors when Triton imports, and the chunked PyTorch path otherwise (CPU, float64,
+``torch.export`` graphs). Under ``torch.compile`` the kernels are custom operators
+(``triton_ops``) that the compiled graph calls. ``"triton"`` insists: on a CPU tensor it
+runs under Triton's interpreter, which must be switched on with ``TRITON_INTERPRET=1``
+before Triton is first imported. ``"torch"`` always takes the PyTorch path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from functools import cache
+
+import torch
+from torch import Tensor
+
+KERNELS = ("auto", "torch", "triton")
+
+
+@cache
+def triton_available() -> bool:
+    """Whether Triton can be imported (it is not needed by the library otherwise)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreter_on() -> bool:
+    """Whether Triton runs kernels on the CPU through its interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def use_triton(kernel: str, y: Tensor) -> bool:
+    """True when the products of ``y`` (and its partners) go through the Triton kernels.
+
+    Raises a sentence saying how to get the Triton path where ``kernel="triton"`` cannot
+    be honoured.
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}.")
+    if kernel == "torch":
+        return False
+    exporting = torch.compiler.is_exporting()
+    if kernel == "auto":
+        return (y.is_cuda and y.dtype == torch.float32 and not exporting
+                and triton_available())
+    if not triton_available():
+        raise RuntimeError('kernel="triton" needs Triton: pip install triton (or use '
+                           'kernel="auto", which falls back to PyTorch).')
+    if exporting:
+        raise RuntimeError('kernel="triton" cannot be exported by torch.export; use '
+                           'kernel="auto" there (it takes the PyTorch path).')
+    if not y.is_cuda and not interpreter_on():
+        raise RuntimeError(
+            f'kernel="triton" runs on CUDA tensors; this one is on {y.device}. To run the '
+            "Triton kernels on the CPU, set TRITON_INTERPRET=1 before Python starts "
+            '(slow, for testing), or use kernel="auto".')
+    if y.dtype not in (torch.float32, torch.float64):
+        raise RuntimeError(f'kernel="triton" computes in float32 or float64, got {y.dtype}; '
+                           "the attention methods convert half types to float32 first.")
+    return True

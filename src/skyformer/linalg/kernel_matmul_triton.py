@@ -1,0 +1,136 @@
+"""The Triton path of ``gaussian_kernel_matmul``: forward and backward, C never formed.
+
+Same algebra as ``kernel_matmul`` (see its docstring), on the two kernels of
+``triton_kernels``. With dE = dC * C, the pairs of value matrices are:
+
+    out = C Z:    forward rows(V_M = Z);  backward rows(V_N = g, V_M = Z) -> dE x,
+                  cols(V_N = g, V_M = Z) -> (dZ = C^T g, dE^T y)
+    out = C^T V:  forward cols(V_N = V);  backward rows(V_N = V, V_M = g) -> (dV = C g,
+                  dE x), cols(V_N = V, V_M = g) -> dE^T y
+
+and the row sums of dE come from the identities of ``kernel_matmul`` (no extra pass).
+The kernels are called as the custom operators of ``triton_ops``, so that
+``torch.compile`` traces everything around them and CUDA graphs capture them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from .vmap import vmap_into_batch
+
+LOG2E = 1.0 / math.log(2.0)
+
+
+def _ops():
+    from . import triton_ops  # imports Triton: only when this path is taken
+
+    return triton_ops
+
+
+def _none_to_empty(t: Tensor | None, like: Tensor) -> Tensor:
+    return like.new_empty(0) if t is None else t
+
+
+def _empty_to_none(t: Tensor) -> Tensor | None:
+    return t if t.numel() else None
+
+
+def _rows(y, x, a, b, vm, vn, exclude, *, write_out1=True, shift_rows=False):
+    """``triton_ops.rows_product`` with ``None`` for absent tensors."""
+    out = _ops().rows_product(y, x, _none_to_empty(a, y), _none_to_empty(b, y), vm,
+                              _none_to_empty(vn, y), _none_to_empty(exclude, y),
+                              write_out1, shift_rows)
+    return tuple(_empty_to_none(t) for t in out)
+
+
+def _cols(y, x, a, b, vn, vm, exclude, *, write_out1=True):
+    """``triton_ops.cols_product`` with ``None`` for absent tensors."""
+    out = _ops().cols_product(y, x, _none_to_empty(a, y), _none_to_empty(b, y), vn,
+                              _none_to_empty(vm, y), _none_to_empty(exclude, y), write_out1)
+    return tuple(_empty_to_none(t) for t in out)
+
+
+def _offsets(y: Tensor, scale: float, row_norm: bool, row_valid: Tensor | None) -> Tensor | None:
+    """a log2(e), a = s^2 |y|^2 / 2 (or 0), +inf on invalid rows: ``[BH, N]``."""
+    a = None
+    if row_norm:
+        a = torch.linalg.vecdot(y, y).mul_(0.5 * scale * scale * LOG2E)
+    if row_valid is not None:
+        a = torch.where(row_valid, 0.0 if a is None else a, float("inf")).to(y.dtype)
+    return None if a is None else a.contiguous()
+
+
+class TritonGaussianBlockProduct(torch.autograd.Function):
+    """out = C @ rhs or C^T @ rhs; tensors as ``kernel_matmul._GaussianBlockProduct``."""
+
+    @staticmethod
+    def forward(y: Tensor, x: Tensor, b: Tensor | None, rhs: Tensor,  # type: ignore[override]
+                row_valid: Tensor | None, scale: float, row_norm: bool, transpose: bool,
+                shift_rows: bool, exclude: Tensor | None) -> tuple[Tensor, Tensor]:
+        y, rhs = y.contiguous(), rhs.contiguous()
+        xc = (x * (scale * LOG2E)).contiguous()
+        b2 = None if b is None else (b * LOG2E).contiguous()
+        a = _offsets(y, scale, row_norm, row_valid)
+        if transpose:
+            out, _ = _cols(y, xc, a, b2, rhs, None, exclude)
+        else:
+            out, _, shift = _rows(y, xc, a, b2, rhs, None, exclude, shift_rows=shift_rows)
+            if shift is not None:
+                a = shift if a is None else a + shift
+        return out, (y.new_empty(0) if a is None else a)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        y, x, b, rhs, _, scale, row_norm, transpose, _, exclude = inputs
+        out, a = output
+        ctx.mark_non_differentiable(a)
+        ctx.save_for_backward(y, x, b, rhs, a, out, exclude)
+        ctx.options = (scale, row_norm, transpose)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, *args: Any) -> tuple[tuple, tuple]:
+        return vmap_into_batch(TritonGaussianBlockProduct.apply, info, in_dims, args,
+                               tensors=(0, 1, 2, 3, 4, 9), outputs=2)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor, _: Any) -> tuple[Tensor | None, ...]:
+        y, x, b, rhs, a, out, exclude = ctx.saved_tensors
+        a = a if a.numel() else None
+        scale, row_norm, transpose = ctx.options
+        need_y, need_x, need_b, need_rhs = ctx.needs_input_grad[:4]
+        y, rhs, grad = y.contiguous(), rhs.contiguous(), grad.contiguous()
+        xc = (x * (scale * LOG2E)).contiguous()
+        b2 = None if b is None else (b * LOG2E).contiguous()
+        vn, vm = (rhs, grad) if transpose else (grad, rhs)
+        # the rows of C g (transpose: dV) and dE x; the columns of C^T g (dZ) and dE^T y
+        rows_first = transpose and (need_rhs or (need_y and row_norm))
+        c_vm, de_x = None, None
+        if need_y or rows_first:
+            c_vm, de_x, _ = _rows(y, xc, a, b2, vm, vn if need_y else None, exclude,
+                                  write_out1=rows_first)
+        cols_first = not transpose and (need_rhs or need_b)
+        c_vn, de_y = None, None
+        if need_x or cols_first:
+            c_vn, de_y = _cols(y, xc, a, b2, vn, vm if need_x else None, exclude,
+                                write_out1=cols_first)
+        drhs = c_vm if transpose else c_vn  # dV = C g, or dZ = C^T g
+        dy = dx = db = None
+        if need_y:
+            dy = de_x.mul_(1.0 / LOG2E)  # x went in scaled by s log2(e): this is s dE x
+            if row_norm:
+                sums = torch.linalg.vecdot(rhs, drhs) if transpose \
+                    else torch.linalg.vecdot(grad, out)  # (dE 1)_i
+                dy = dy.addcmul_(y, sums[:, :, None], value=-scale * scale)
+        if need_x:
+            dx = de_y.mul_(scale)
+        if need_b:
+            db = -(torch.linalg.vecdot(grad, out) if transpose
+                   else torch.linalg.vecdot(rhs, drhs))
+        return dy, dx, db, drhs if need_rhs else None, None, None, None, None, None, None

@@ -1,0 +1,286 @@
+"""Triton kernels for the Gaussian block products of ``kernel_matmul``, never forming C.
+
+With the block, in log2 units (exp2 is the hardware's exponential),
+
+    E_is = y_i . x_s - a_i - b_s,    C_is = 2^E_is,
+
+and two [N, R] / [m, R] value matrices V_N (one row per y row) and V_M (one row per x
+row), the two kernels compute everything the forward and backward passes need:
+
+    rows kernel (one program per BLOCK_N rows of y, loops over the m columns):
+        OUT1 = C V_M                      [N, R]
+        OUT2 = ((V_N V_M^T) * C) X        [N, D]   (the chunk of dy before its scale)
+    cols kernel (one program per BLOCK_M columns and one slice of the rows):
+        OUT1 = C^T V_N                    [m, R]
+        OUT2 = ((V_N V_M^T) * C)^T Y      [m, D]   (dx before its scale)
+
+The cols kernel splits the N rows into ``splits`` slices (m is small, so the column
+blocks alone would leave most of a GPU idle) and writes partial sums that the
+launcher adds. Tiles are [BLOCK_N, BLOCK_M] in registers; nothing of size N x m is
+written. Out-of-range rows/columns, a_i = +inf (rows to drop), b_s = +inf (columns to
+drop) and ``exclude`` entries give C = 0. ``shift_rows`` (rows kernel) first finds each
+row's largest exponent and subtracts it (a row with no live column keeps shift 0).
+The caller folds the row scale s and log2(e) into x. Inputs are float32 or float64;
+sums are kept in the inputs' dtype.
+
+This module imports Triton; ``kernel_matmul_triton`` imports it only when the Triton
+path is chosen, so the library runs without Triton installed.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _mm(a, b, PRECISION: tl.constexpr, FMA: tl.constexpr):
+    """a @ b: on the tensor cores, or (``FMA``, float64) as a broadcast sum, which
+    every Triton backend compiles (float64 MMA layouts fail to lower in Triton 3.6)."""
+    if FMA:
+        return tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+    else:
+        return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _rows_kernel(
+    Y, X, A, B, VM, VN, EXC, OUT1, OUT2, SHIFT,
+    N, M, D, R,
+    s_exc_b, s_exc_n, s_exc_m,
+    HAS_A: tl.constexpr, HAS_B: tl.constexpr, HAS_EXC: tl.constexpr,
+    WRITE_OUT1: tl.constexpr, HAS_VN: tl.constexpr, SHIFT_ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, FMA: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rd = tl.arange(0, BLOCK_D)
+    rr = tl.arange(0, BLOCK_R)
+    row_in = rn < N
+    y = tl.load(Y + bh * N * D + rn[:, None] * D + rd[None, :],
+                mask=row_in[:, None] & (rd < D)[None, :], other=0.0)
+    if HAS_A:
+        a = tl.load(A + bh * N + rn, mask=row_in, other=0.0)
+    else:
+        a = tl.zeros([BLOCK_N], dtype=y.dtype)
+    if HAS_VN:
+        vn = tl.load(VN + bh * N * R + rn[:, None] * R + rr[None, :],
+                     mask=row_in[:, None] & (rr < R)[None, :], other=0.0)
+    if SHIFT_ROWS:
+        top = tl.full([BLOCK_N], float("-inf"), dtype=y.dtype)
+        for m0 in range(0, M, BLOCK_M):
+            rm = m0 + tl.arange(0, BLOCK_M)
+            x = tl.load(X + bh * M * D + rm[:, None] * D + rd[None, :],
+                        mask=(rm < M)[:, None] & (rd < D)[None, :], other=0.0)
+            e = _mm(y, tl.trans(x), PRECISION, FMA).to(y.dtype)
+            e = e - a[:, None]
+            if HAS_B:
+                b = tl.load(B + bh * M + rm, mask=rm < M, other=float("inf"))
+                e = e - b[None, :]
+            e = tl.where((rm < M)[None, :], e, float("-inf"))
+            if HAS_EXC:
+                exc = tl.load(EXC + bh * s_exc_b + rn[:, None] * s_exc_n + rm[None, :] * s_exc_m,
+                              mask=row_in[:, None] & (rm < M)[None, :], other=0)
+                e = tl.where(exc != 0, float("-inf"), e)
+            top = tl.maximum(top, tl.max(e, axis=1))
+        top = tl.where(top == float("-inf"), 0.0, top)
+        tl.store(SHIFT + bh * N + rn, top, mask=row_in)
+        a = a + top
+    acc1 = tl.zeros([BLOCK_N, BLOCK_R], dtype=y.dtype)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_D], dtype=y.dtype)
+    for m0 in range(0, M, BLOCK_M):
+        rm = m0 + tl.arange(0, BLOCK_M)
+        col_in = rm < M
+        x = tl.load(X + bh * M * D + rm[:, None] * D + rd[None, :],
+                    mask=col_in[:, None] & (rd < D)[None, :], other=0.0)
+        e = _mm(y, tl.trans(x), PRECISION, FMA).to(y.dtype)
+        e = e - a[:, None]
+        if HAS_B:
+            b = tl.load(B + bh * M + rm, mask=col_in, other=float("inf"))
+            e = e - b[None, :]
+        e = tl.where(col_in[None, :], e, float("-inf"))
+        if HAS_EXC:
+            exc = tl.load(EXC + bh * s_exc_b + rn[:, None] * s_exc_n + rm[None, :] * s_exc_m,
+                          mask=row_in[:, None] & col_in[None, :], other=0)
+            e = tl.where(exc != 0, float("-inf"), e)
+        c = tl.exp2(e)  # [BLOCK_N, BLOCK_M]
+        vm = tl.load(VM + bh * M * R + rm[:, None] * R + rr[None, :],
+                     mask=col_in[:, None] & (rr < R)[None, :], other=0.0)
+        if WRITE_OUT1:
+            acc1 += _mm(c.to(vm.dtype), vm, PRECISION, FMA)
+        if HAS_VN:
+            de = _mm(vn, tl.trans(vm), PRECISION, FMA).to(c.dtype) * c
+            acc2 += _mm(de.to(x.dtype), x, PRECISION, FMA)
+    if WRITE_OUT1:
+        tl.store(OUT1 + bh * N * R + rn[:, None] * R + rr[None, :], acc1,
+                 mask=row_in[:, None] & (rr < R)[None, :])
+    if HAS_VN:
+        tl.store(OUT2 + bh * N * D + rn[:, None] * D + rd[None, :], acc2,
+                 mask=row_in[:, None] & (rd < D)[None, :])
+
+
+@triton.jit
+def _cols_kernel(
+    Y, X, A, B, VN, VM, EXC, OUT1, OUT2,
+    N, M, D, R, BH, rows_per_split,
+    s_exc_b, s_exc_n, s_exc_m,
+    HAS_A: tl.constexpr, HAS_B: tl.constexpr, HAS_EXC: tl.constexpr,
+    WRITE_OUT1: tl.constexpr, HAS_VM: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, FMA: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2).to(tl.int64)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rd = tl.arange(0, BLOCK_D)
+    rr = tl.arange(0, BLOCK_R)
+    col_in = rm < M
+    x = tl.load(X + bh * M * D + rm[:, None] * D + rd[None, :],
+                mask=col_in[:, None] & (rd < D)[None, :], other=0.0)
+    if HAS_B:
+        b = tl.load(B + bh * M + rm, mask=col_in, other=float("inf"))
+    else:
+        b = tl.zeros([BLOCK_M], dtype=x.dtype)
+    b = tl.where(col_in, b, float("inf"))
+    if HAS_VM:
+        vm = tl.load(VM + bh * M * R + rm[:, None] * R + rr[None, :],
+                     mask=col_in[:, None] & (rr < R)[None, :], other=0.0)
+    acc1 = tl.zeros([BLOCK_M, BLOCK_R], dtype=x.dtype)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_D], dtype=x.dtype)
+    start = split * rows_per_split
+    for n0 in range(0, rows_per_split, BLOCK_N):
+        rn = start + n0 + tl.arange(0, BLOCK_N)
+        row_in = (rn < N) & (rn < start + rows_per_split)
+        y = tl.load(Y + bh * N * D + rn[:, None] * D + rd[None, :],
+                    mask=row_in[:, None] & (rd < D)[None, :], other=0.0)
+        e = _mm(x, tl.trans(y), PRECISION, FMA).to(x.dtype)  # [M, N]
+        e = e - b[:, None]
+        if HAS_A:
+            a = tl.load(A + bh * N + rn, mask=row_in, other=float("inf"))
+            e = e - a[None, :]
+        e = tl.where(row_in[None, :], e, float("-inf"))
+        if HAS_EXC:
+            exc = tl.load(EXC + bh * s_exc_b + rn[None, :] * s_exc_n + rm[:, None] * s_exc_m,
+                          mask=col_in[:, None] & row_in[None, :], other=0)
+            e = tl.where(exc != 0, float("-inf"), e)
+        ct = tl.exp2(e)  # C^T tile: [BLOCK_M, BLOCK_N]
+        vn = tl.load(VN + bh * N * R + rn[:, None] * R + rr[None, :],
+                     mask=row_in[:, None] & (rr < R)[None, :], other=0.0)
+        if WRITE_OUT1:
+            acc1 += _mm(ct.to(vn.dtype), vn, PRECISION, FMA)
+        if HAS_VM:
+            de = _mm(vm, tl.trans(vn), PRECISION, FMA).to(ct.dtype) * ct
+            acc2 += _mm(de.to(y.dtype), y, PRECISION, FMA)
+    base = split * BH + bh
+    if WRITE_OUT1:
+        tl.store(OUT1 + base * M * R + rm[:, None] * R + rr[None, :], acc1,
+                 mask=col_in[:, None] & (rr < R)[None, :])
+    if HAS_VM:
+        tl.store(OUT2 + base * M * D + rm[:, None] * D + rd[None, :], acc2,
+                 mask=col_in[:, None] & (rd < D)[None, :])
+
+
+def _pow2(n: int, least: int = 16) -> int:
+    return max(least, triton.next_power_of_2(n))
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """tl.dot's input precision for float32: three TF32 passes (about float32's accuracy,
+    on the tensor cores) at PyTorch's default matmul precision "highest", one TF32 pass
+    where PyTorch allows TF32 ("high", "medium"); float64 is exact (IEEE)."""
+    if dtype != torch.float32:
+        return "ieee"
+    return "tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+def _exclude_args(exclude: Tensor | None, like: Tensor) -> tuple[Tensor, int, int, int]:
+    if exclude is None:
+        return like, 0, 0, 0
+    return (exclude.view(torch.uint8), *exclude.stride())
+
+
+def _tiles(d: int, r: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
+    """BLOCK_D, BLOCK_R, BLOCK_N, BLOCK_M, num_warps for head dims d, r (registers:
+    the [BLOCK_N, BLOCK_D] row tile and the two accumulators stay resident)."""
+    bd, br = _pow2(d), _pow2(r)
+    if dtype == torch.float64:  # broadcast sums of [BLOCK_N, BLOCK_M, BLOCK_D] values
+        return bd, br, 16, 16, 4
+    wide = max(bd, br) > 64
+    return bd, br, (32 if wide else 64), (32 if wide else 64), 4
+
+
+def rows_product(
+    y: Tensor, x: Tensor, a: Tensor | None, b: Tensor | None, vm: Tensor,
+    vn: Tensor | None, exclude: Tensor | None, *,
+    write_out1: bool = True, shift_rows: bool = False,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """(C V_M, ((V_N V_M^T) * C) X, row shifts); see the module docstring.
+
+    y ``[BH, N, D]``, x ``[BH, m, D]``, a ``[BH, N]``, b ``[BH, m]`` (log2 units),
+    vm ``[BH, m, R]``, vn ``[BH, N, R]``, exclude ``[BH, N, m]`` bool (any strides).
+    """
+    bh, n, d = y.shape
+    m, r = x.shape[1], vm.shape[-1]
+    bd, br, bn, bm, warps = _tiles(d, r, y.dtype)
+    out1 = y.new_empty(bh, n, r, dtype=y.dtype) if write_out1 else None
+    out2 = y.new_empty(bh, n, d, dtype=y.dtype) if vn is not None else None
+    shift = y.new_empty(bh, n) if shift_rows else None
+    exc, se_b, se_n, se_m = _exclude_args(exclude, y)
+    dummy = y
+    grid = (triton.cdiv(n, bn), bh)
+    _rows_kernel[grid](
+        y, x, dummy if a is None else a, dummy if b is None else b, vm,
+        dummy if vn is None else vn, exc,
+        dummy if out1 is None else out1, dummy if out2 is None else out2,
+        dummy if shift is None else shift,
+        n, m, d, r, se_b, se_n, se_m,
+        HAS_A=a is not None, HAS_B=b is not None, HAS_EXC=exclude is not None,
+        WRITE_OUT1=write_out1, HAS_VN=vn is not None, SHIFT_ROWS=shift_rows,
+        BLOCK_N=bn, BLOCK_M=bm, BLOCK_D=bd, BLOCK_R=br, PRECISION=_precision(y.dtype),
+        FMA=y.dtype == torch.float64,
+        num_warps=warps,
+    )
+    return out1, out2, shift
+
+
+def _splits(n: int, blocks: int, block_n: int, device: torch.device) -> int:
+    """Row slices for the cols kernel: about four programs per multiprocessor."""
+    if device.type != "cuda":
+        return min(2, triton.cdiv(n, block_n))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(triton.cdiv(n, block_n), triton.cdiv(4 * sms, max(1, blocks))))
+
+
+def cols_product(
+    y: Tensor, x: Tensor, a: Tensor | None, b: Tensor | None, vn: Tensor,
+    vm: Tensor | None, exclude: Tensor | None, *, write_out1: bool = True,
+) -> tuple[Tensor | None, Tensor | None]:
+    """(C^T V_N, ((V_N V_M^T) * C)^T Y); shapes as ``rows_product``."""
+    bh, n, d = y.shape
+    m, r = x.shape[1], vn.shape[-1]
+    bd, br, bn, bm, warps = _tiles(d, r, y.dtype)
+    col_blocks = triton.cdiv(m, bm)
+    splits = _splits(n, col_blocks * bh, bn, y.device)
+    rows_per_split = triton.cdiv(triton.cdiv(n, splits), bn) * bn
+    splits = triton.cdiv(n, rows_per_split)
+    out1 = y.new_empty(splits, bh, m, r, dtype=y.dtype) if write_out1 else None
+    out2 = y.new_empty(splits, bh, m, d, dtype=y.dtype) if vm is not None else None
+    exc, se_b, se_n, se_m = _exclude_args(exclude, y)
+    dummy = y
+    _cols_kernel[(col_blocks, bh, splits)](
+        y, x, dummy if a is None else a, dummy if b is None else b, vn,
+        dummy if vm is None else vm, exc,
+        dummy if out1 is None else out1, dummy if out2 is None else out2,
+        n, m, d, r, bh, rows_per_split, se_b, se_n, se_m,
+        HAS_A=a is not None, HAS_B=b is not None, HAS_EXC=exclude is not None,
+        WRITE_OUT1=write_out1, HAS_VM=vm is not None,
+        BLOCK_N=bn, BLOCK_M=bm, BLOCK_D=bd, BLOCK_R=br, PRECISION=_precision(y.dtype),
+        FMA=y.dtype == torch.float64,
+        num_warps=warps,
+    )
+    return (None if out1 is None else out1.sum(0)), (None if out2 is None else out2.sum(0))

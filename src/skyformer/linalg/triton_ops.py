@@ -1,0 +1,60 @@
+"""The Triton kernels as PyTorch custom operators (``torch.library.custom_op``).
+
+As operators they are opaque to ``torch.compile``: the graph around them (landmark
+draws, the m x m core, norms) is traced and fused by Inductor, the kernels are called
+as they are, and CUDA graphs (``mode="reduce-overhead"``) capture them. Gradients come
+from ``kernel_matmul_triton.TritonGaussianBlockProduct``, which calls these operators
+in its backward pass. Optional tensors are passed as empty tensors where absent.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import triton_kernels
+
+
+def _opt(t: Tensor) -> Tensor | None:
+    return t if t.numel() else None
+
+
+def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
+    """A fresh empty tensor for an absent output (outputs may not alias each other)."""
+    return like.new_empty(0) if t is None else t
+
+
+@torch.library.custom_op("skyformer::gaussian_rows_product", mutates_args=())
+def rows_product(y: Tensor, x: Tensor, a: Tensor, b: Tensor, vm: Tensor, vn: Tensor,
+                 exclude: Tensor, write_out1: bool, shift_rows: bool
+                 ) -> tuple[Tensor, Tensor, Tensor]:
+    """``triton_kernels.rows_product``; absent outputs are empty tensors."""
+    out1, out2, shift = triton_kernels.rows_product(
+        y, x, _opt(a), _opt(b), vm, _opt(vn), _opt(exclude), write_out1=write_out1,
+        shift_rows=shift_rows)
+    return (_or_empty(out1, y), _or_empty(out2, y), _or_empty(shift, y))
+
+
+@rows_product.register_fake
+def _(y, x, a, b, vm, vn, exclude, write_out1, shift_rows):
+    bh, n, d = y.shape
+    return (y.new_empty(bh, n, vm.shape[-1]) if write_out1 else y.new_empty(0),
+            y.new_empty(bh, n, d) if vn.numel() else y.new_empty(0),
+            y.new_empty(bh, n) if shift_rows else y.new_empty(0))
+
+
+@torch.library.custom_op("skyformer::gaussian_cols_product", mutates_args=())
+def cols_product(y: Tensor, x: Tensor, a: Tensor, b: Tensor, vn: Tensor, vm: Tensor,
+                 exclude: Tensor, write_out1: bool) -> tuple[Tensor, Tensor]:
+    """``triton_kernels.cols_product``; absent outputs are empty tensors."""
+    out1, out2 = triton_kernels.cols_product(
+        y, x, _opt(a), _opt(b), vn, _opt(vm), _opt(exclude), write_out1=write_out1)
+    return (_or_empty(out1, y), _or_empty(out2, y))
+
+
+@cols_product.register_fake
+def _(y, x, a, b, vn, vm, exclude, write_out1):
+    bh, _, d = y.shape
+    m = x.shape[1]
+    return (y.new_empty(bh, m, vn.shape[-1]) if write_out1 else y.new_empty(0),
+            y.new_empty(bh, m, d) if vm.numel() else y.new_empty(0))

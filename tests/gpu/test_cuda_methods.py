@@ -1,0 +1,68 @@
+"""Every method on CUDA, in float32 and bfloat16, masks included, against the same call
+in float64 on the CPU with the same random key (``tests/devices.py``).
+
+The CPU float64 path is itself checked against each method's naive reference
+(``tests/ops``), so agreement here carries that check to the GPU. Skipped unless
+``SKYFORMER_TEST_CUDA=1``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import skyformer
+from skyformer import get_method, list_methods, random_key
+from tests.conftest import gen, make_qkv
+from tests.devices import TOLERANCES, cuda_only, relative_error
+
+pytestmark = cuda_only
+METHODS = list_methods()
+
+
+def _call(method, q, k, v, mask, device, dtype, **options):
+    bound = get_method(method).bind(seq_len=64, **options)
+    leaves = [t.detach().to(device, dtype).requires_grad_(True) for t in (q, k, v)]
+    out = bound(*leaves, key_padding_mask=None if mask is None else mask.to(device),
+                generator=random_key(gen(3)))
+    (out.float() * torch.linspace(-1, 1, out.shape[-1], device=device)).sum().backward()
+    return out, [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("masked", [False, True])
+def test_cuda_equals_cpu_float64(method, dtype, masked, matrix):
+    matrix(f"cuda {str(dtype)[6:]}{' masked' if masked else ''}", method)
+    if dtype == torch.bfloat16 and not get_method(method).capabilities.half_precision:
+        pytest.skip(f"{method} does not run in half precision")
+    q, k, v = make_qkv(2, 2, 40, 16, dtype=torch.float64, seed=11)
+    mask = None
+    if masked:
+        mask = torch.ones(2, 40, dtype=torch.bool)
+        mask[0, 29:] = False
+        mask[1, :6] = False
+    ref, ref_grads = _call(method, q, k, v, mask, "cpu", torch.float64)
+    out, grads = _call(method, q, k, v, mask, "cuda", dtype)
+    assert out.device.type == "cuda" and out.dtype == dtype
+    tol = TOLERANCES[dtype]
+    assert relative_error(out, ref) < tol
+    for name, g, g_ref in zip("qkv", grads, ref_grads, strict=True):
+        assert relative_error(g, g_ref) < 5 * tol, f"gradient of {name}"
+
+
+@pytest.mark.parametrize("method", ["softmax", "kernelized", "skyformer", "linear"])
+def test_sdpa_entry_point_and_autocast_on_cuda(method):
+    layer = skyformer.MultiHeadAttention(dim=64, num_heads=4, method=method).cuda()
+    x = torch.randn(2, 96, 64, device="cuda")
+    mask = torch.ones(2, 96, dtype=torch.bool, device="cuda")
+    mask[1, 70:] = False
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = layer(x, key_padding_mask=mask)
+    assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
+    y.float().sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in layer.parameters())
+    q, k, v = (torch.randn(2, 4, 96, 32, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))
+    out = skyformer.scaled_dot_product_attention(q, k, v, method=method)
+    assert out.shape == (2, 4, 96, 32) and out.dtype == torch.bfloat16

@@ -1,0 +1,116 @@
+"""The Triton kernels of the Gaussian block products against the PyTorch path.
+
+On the CPU they run under Triton's interpreter (``tests/conftest.py`` sets
+``TRITON_INTERPRET=1``), on CUDA with ``SKYFORMER_TEST_CUDA=1``. Outputs and the
+gradients of y, x, the column offsets and rhs; odd sizes (N not a multiple of the
+block, m = 1, head dims 16..128), invalid rows, excluded entries, row shifts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import skyformer
+from skyformer.linalg import gaussian_kernel_matmul
+from skyformer.linalg.kernel_backend import interpreter_on
+from tests.devices import devices
+
+pytest.importorskip("triton")
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_for_cpu(request):
+    """CPU cases need the interpreter, which is off where the GPU runs the kernels."""
+    device = getattr(request.node, "callspec", None)
+    if device is not None and device.params.get("device") == "cpu" and not interpreter_on():
+        pytest.skip("Triton's interpreter is off (TRITON_INTERPRET=0): the kernels run on CUDA")
+
+CASES = [  # n, m, d, r
+    (37, 5, 16, 16),
+    (130, 1, 32, 8),
+    (70, 33, 24, 40),
+    (65, 70, 128, 64),
+    (20, 128, 64, 128),
+]
+TOLERANCE = {torch.float64: {"rtol": 1e-10, "atol": 1e-12},
+             torch.float32: {"rtol": 2e-4, "atol": 2e-5}}  # tf32x3 on GPUs: ~float32
+
+
+def _product(kernel, y, x, b, rhs, **options):
+    leaves = [t.detach().clone().requires_grad_(True) for t in (y, x, b, rhs)]
+    out = gaussian_kernel_matmul(leaves[0], leaves[1], leaves[3], leaves[2], kernel=kernel,
+                                 **options)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1),
+                          dtype=out.dtype).to(out.device)
+    grads = torch.autograd.grad((out * weights).sum(), leaves)
+    return [out, *grads]
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("transpose", [False, True])
+def test_triton_equals_torch(device, dtype, case, transpose):
+    n, m, d, r = case
+    g = torch.Generator().manual_seed(n * m + d)
+    y = torch.randn(2, n, d, generator=g, dtype=dtype).to(device)
+    x = (torch.randn(2, m, d, generator=g, dtype=dtype) * 0.7).to(device)
+    b = 0.5 * (x * x).sum(-1)
+    rhs = torch.randn(2, n if transpose else m, r, generator=g, dtype=dtype).to(device)
+    scale = d ** -0.25
+    ours = _product("triton", y, x, b, rhs, scale=scale, transpose=transpose)
+    ref = _product("torch", y, x, b, rhs, scale=scale, transpose=transpose)
+    for name, a, e in zip(("out", "dy", "dx", "db", "drhs"), ours, ref, strict=True):
+        torch.testing.assert_close(a, e, **TOLERANCE[dtype], msg=name)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("row_norm", [False, True])
+def test_triton_masks_and_shifts(device, transpose, row_norm):
+    """Invalid rows, +inf columns, excluded entries (a transposed view), row shifts."""
+    n, m, d, r = 53, 19, 16, 12
+    g = torch.Generator().manual_seed(7)
+    y = torch.randn(3, n, d, generator=g, dtype=torch.float64).to(device)
+    x = torch.randn(3, m, d, generator=g, dtype=torch.float64).to(device) * 0.5
+    b = 0.5 * (x * x).sum(-1)
+    b[:, 4] = float("inf")  # a dead column
+    rhs = torch.randn(3, n if transpose else m, r, generator=g, dtype=torch.float64).to(device)
+    row_valid = (torch.rand(3, n, generator=g) > 0.3).to(device)
+    exclude = (torch.rand(3, m, n, generator=g) > 0.8).to(device).transpose(-1, -2)
+    options = {"scale": 0.6, "row_norm": row_norm, "row_valid": row_valid, "transpose": transpose,
+                   "exclude": exclude, "shift_rows": not transpose}
+    ours = _product("triton", y, x, b, rhs, **options)
+    ref = _product("torch", y, x, b, rhs, **options)
+    for name, a, e in zip(("out", "dy", "dx", "db", "drhs"), ours, ref, strict=True):
+        if name == "db":  # the dead column's offset gets no gradient on either path
+            a, e = a.nan_to_num(), e.nan_to_num()
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax", "skyformer_adaptive",
+                                    "skyformer_multipole", "softmax_multipole"])
+def test_methods_with_triton_kernels(device, method):
+    """The option ``kernel="triton"`` gives the PyTorch path's outputs and gradients."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 45, 16, generator=g, dtype=torch.float64).to(device)
+               for _ in range(3))
+    mask = torch.ones(2, 45, dtype=torch.bool, device=device)
+    mask[1, 31:] = False
+    results = []
+    for kernel in ("torch", "triton"):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = skyformer.attention(*leaves, method, key_padding_mask=mask, kernel=kernel,
+                                  num_features=12, generator=skyformer.random_key(5))
+        results.append([out, *torch.autograd.grad(out.square().sum(), leaves)])
+    for a, e in zip(*results, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-11)
+
+
+def test_triton_on_cpu_without_interpreter_says_how(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q = torch.randn(1, 1, 8, 4)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        skyformer.attention(q, q, q, "skyformer", kernel="triton")
