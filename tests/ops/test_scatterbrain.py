@@ -18,7 +18,7 @@ from skyformer.registry import get_method
 from skyformer.sketch import draw_hyperplanes, gaussian_projection, softmax_log_features
 from tests.conftest import gen, make_qkv
 
-SUPPORT_DEFAULT = "lsh"
+SUPPORT_DEFAULT = "local"
 
 OPTIONS = [
     {"num_features": 8},
@@ -58,7 +58,7 @@ def test_one_bucket_holding_every_key_is_exact_softmax():
     mask = torch.ones(2, 20, dtype=torch.bool)
     mask[1, 13:] = False
     out = scatterbrain_attention(q, k, v, key_padding_mask=mask, generator=gen(0), num_features=8,
-                                 block_size=20)
+                                 block_size=20, support="lsh")
     torch.testing.assert_close(out, softmax_attention(q, k, v, key_padding_mask=mask),
                                rtol=1e-10, atol=1e-12)
 
@@ -73,7 +73,7 @@ def test_no_sparse_part_is_performer_with_the_same_features(support):
 
 
 def test_antithetic_features_are_a_direction_and_its_negation():
-    cfg = ScatterbrainConfig(num_features=7)
+    cfg = ScatterbrainConfig(num_features=7, support="lsh")
     w, planes = draw_scatterbrain(1, 1, 5, cfg, generator=gen(3))
     assert w.shape == (8, 5) and planes is not None
     torch.testing.assert_close(w[4:], -w[:4])
@@ -93,7 +93,8 @@ def test_local_window_covering_every_key_is_exact_softmax():
                                rtol=1e-10, atol=1e-12)
     cfg = ScatterbrainConfig(support="local", block_size=500)
     assert cfg.budget_caps(20, 20) == {"block_size": 39}
-    assert ScatterbrainConfig(block_size=500).budget_caps(20, 20) == {"block_size": 20}
+    lsh = ScatterbrainConfig(block_size=500, support="lsh")
+    assert lsh.budget_caps(20, 20) == {"block_size": 20}
 
 
 def test_local_window_positions():

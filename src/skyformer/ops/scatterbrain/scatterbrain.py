@@ -80,7 +80,7 @@ class ScatterbrainConfig(LshBlockOptions):
     scale: logit scale s, None = 1/sqrt(head dim).
     """
 
-    support: str = "lsh"
+    support: str = "local"
     antithetic: bool = True
     orthogonal: bool = True
     scale: float | None = None
