@@ -1,4 +1,4 @@
-"""Scatterbrain: sparse (LSH) + low-rank (Performer) attention with the overlap corrected.
+"""Scatterbrain: sparse (local window or LSH) + low-rank (Performer) attention, the overlap corrected.
 
 Chen, Dao, Winsor, Song, Rudra, Ré, "Scatterbrain: Unifying Sparse and Low-rank
 Attention Approximation" (NeurIPS 2021), Section 4 / Algorithm 1. The softmax matrix
@@ -14,7 +14,9 @@ being counted twice. The normaliser uses the same matrix, D~ = diag(A~ 1), and
 
 in O(N (b + m) D) with b the bucket size and m the random features.
 
-Components here: low-rank = Performer's positive orthogonal random features
+Components here (``support="local"``, the default, is the published SBLocal window of
+``block_size`` keys around each query; the text below describes ``support="lsh"``):
+low-rank = Performer's positive orthogonal random features
 (``performer.query_features``/``key_features``, same stabilisation); sparse support =
 equal-sized angular LSH buckets (KDEformer's Definition A.3, ``sketch.lsh_blocks``),
 one hash, queries and keys hashed with the same hyperplanes and paired block by
@@ -127,7 +129,7 @@ def draw_scatterbrain(
     "scatterbrain",
     ScatterbrainConfig,
     Capabilities(target="softmax", randomized=True),
-    summary="LSH sparse + Performer low-rank, overlap subtracted on the support (Scatterbrain)",
+    summary="local-window (or LSH) sparse + Performer low-rank, overlap subtracted (Scatterbrain)",
 )
 def scatterbrain_attention(
     q: Tensor,
