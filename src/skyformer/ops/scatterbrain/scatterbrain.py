@@ -1,4 +1,4 @@
-"""Scatterbrain: sparse (local window or LSH) + low-rank (Performer) attention, the overlap corrected.
+"""Scatterbrain: sparse (local window or LSH) + low-rank (Performer), overlap corrected.
 
 Chen, Dao, Winsor, Song, Rudra, Ré, "Scatterbrain: Unifying Sparse and Low-rank
 Attention Approximation" (NeurIPS 2021), Section 4 / Algorithm 1. The softmax matrix
