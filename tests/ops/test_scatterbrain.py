@@ -18,10 +18,18 @@ from skyformer.registry import get_method
 from skyformer.sketch import draw_hyperplanes, gaussian_projection, softmax_log_features
 from tests.conftest import gen, make_qkv
 
+SUPPORT_DEFAULT = "local"
+
 OPTIONS = [
     {"num_features": 8},
     {"num_features": 6, "block_size": 5, "num_hyperplanes": 3, "orthogonal": False},
     {"num_features": 8, "block_size": 0},
+    {"num_features": 7, "antithetic": False},
+    {"num_features": 8, "support": "local"},
+    {"num_features": 5, "block_size": 4, "support": "local", "orthogonal": False},
+    {"num_features": 6, "block_size": 1, "support": "local", "antithetic": False},
+    {"num_features": 6, "block_size": 9, "support": "local"},
+    {"num_features": 6, "block_size": 41, "support": "local"},
 ]
 
 
@@ -50,16 +58,71 @@ def test_one_bucket_holding_every_key_is_exact_softmax():
     mask = torch.ones(2, 20, dtype=torch.bool)
     mask[1, 13:] = False
     out = scatterbrain_attention(q, k, v, key_padding_mask=mask, generator=gen(0), num_features=8,
-                                 block_size=20)
+                                 block_size=20, support="lsh")
     torch.testing.assert_close(out, softmax_attention(q, k, v, key_padding_mask=mask),
                                rtol=1e-10, atol=1e-12)
 
 
-def test_no_sparse_part_is_performer_with_the_same_features():
+@pytest.mark.parametrize("support", ["lsh", "local"])
+def test_no_sparse_part_is_performer_with_the_same_features(support):
     q, k, v = make_qkv(1, 2, 18, 8, seed=4)
-    a = scatterbrain_attention(q, k, v, generator=gen(5), num_features=16, block_size=0)
+    a = scatterbrain_attention(q, k, v, generator=gen(5), num_features=16, block_size=0,
+                               antithetic=False, support=support)
     b = performer_attention(q, k, v, generator=gen(5), num_features=16)
     torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_antithetic_features_are_a_direction_and_its_negation():
+    cfg = ScatterbrainConfig(num_features=7, support="lsh")
+    w, planes = draw_scatterbrain(1, 1, 5, cfg, generator=gen(3))
+    assert w.shape == (8, 5) and planes is not None
+    torch.testing.assert_close(w[4:], -w[:4])
+    w, planes = draw_scatterbrain(1, 1, 5, ScatterbrainConfig(num_features=7, support="local"),
+                                  generator=gen(3))
+    assert w.shape == (8, 5) and planes is None
+
+
+def test_local_window_covering_every_key_is_exact_softmax():
+    """A window of 2 N - 1 keys holds every key of every query."""
+    q, k, v = make_qkv(2, 2, 20, 8, seed=3)
+    mask = torch.ones(2, 20, dtype=torch.bool)
+    mask[1, 13:] = False
+    out = scatterbrain_attention(q, k, v, key_padding_mask=mask, generator=gen(0), num_features=8,
+                                 block_size=39, support="local")
+    torch.testing.assert_close(out, softmax_attention(q, k, v, key_padding_mask=mask),
+                               rtol=1e-10, atol=1e-12)
+    cfg = ScatterbrainConfig(support="local", block_size=500)
+    assert cfg.budget_caps(20, 20) == {"block_size": 39}
+    lsh = ScatterbrainConfig(block_size=500, support="lsh")
+    assert lsh.budget_caps(20, 20) == {"block_size": 20}
+
+
+def test_local_window_positions():
+    """Query i's window is keys i - w // 2 ... i + (w + 1) // 2 - 1."""
+    from skyformer.ops.scatterbrain.naive import reference_local_pattern
+
+    band = reference_local_pattern(6, 6, 4)
+    assert band[3].nonzero().flatten().tolist() == [1, 2, 3, 4]
+    assert band[0].nonzero().flatten().tolist() == [0, 1]
+    assert reference_local_pattern(6, 6, 3)[3].nonzero().flatten().tolist() == [2, 3, 4]
+
+
+@pytest.mark.parametrize("support", ["lsh", "local"])
+def test_padding_equals_truncation_and_batches_are_independent(support):
+    """Right-padded keys change nothing for the real queries; each batch element's output
+    depends on its own inputs only (local: no random hash, so exactly)."""
+    q, k, v = make_qkv(2, 2, 16, 6, seed=9)
+    mask = torch.ones(2, 16, dtype=torch.bool)
+    mask[1, 11:] = False
+    opts = {"num_features": 6, "block_size": 4, "support": support}
+    both = scatterbrain_attention(q, k, v, key_padding_mask=mask, generator=gen(1), **opts)
+    short = scatterbrain_attention(q[1:, :, :11], k[1:, :, :11], v[1:, :, :11], generator=gen(1),
+                                   **opts)
+    first = scatterbrain_attention(q[:1], k[:1], v[:1], generator=gen(1), **opts)
+    if support == "local":
+        torch.testing.assert_close(both[1:, :, :11], short, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(both[:1], first, rtol=1e-10, atol=1e-12)
+    assert torch.all(both[1, :, 11:] == 0)
 
 
 def test_estimate_is_unbiased_and_exact_on_the_support():
@@ -87,6 +150,7 @@ def test_estimate_is_unbiased_and_exact_on_the_support():
 def test_defaults_follow_the_published_settings():
     cfg = get_method("scatterbrain").make_config()
     assert (cfg.num_features, cfg.blocks, cfg.num_hyperplanes, cfg.orthogonal) == (128, 64, 7, True)
+    assert (cfg.support, cfg.antithetic) == (SUPPORT_DEFAULT, True)
 
 
 def test_bad_inputs_name_the_problem():
@@ -97,6 +161,8 @@ def test_bad_inputs_name_the_problem():
         ({"num_hyperplanes": 0}, "num_hyperplanes"),
         ({"orthogonal": None}, "orthogonal"),
         ({"scale": float("nan")}, "scale"),
+        ({"support": "window"}, "support"),
+        ({"antithetic": 1}, "antithetic"),
     ):
         with pytest.raises(ValueError, match=word):
             scatterbrain_attention(q, k, v, **options)

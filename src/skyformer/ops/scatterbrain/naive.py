@@ -1,7 +1,8 @@
 """Naive Scatterbrain: A~ = phi(Q) phi(K)^T + S materialised (Algorithm 1).
 
-S = (A - phi(Q) phi(K)^T) restricted to the LSH support (the block pattern of
-``kdeformer.naive.reference_block_pattern``), then D~^-1 A~ V with D~ = diag(A~ 1).
+S = (A - phi(Q) phi(K)^T) restricted to the sparse support (the LSH block pattern of
+``kdeformer.naive.reference_block_pattern``, or the local band of
+``reference_local_pattern``), then D~^-1 A~ V with D~ = diag(A~ 1).
 Memory O(N^2): for tests only.
 """
 
@@ -18,12 +19,18 @@ from ..shared.inputs import check_attention_inputs, zero_padded_queries
 from .scatterbrain import ScatterbrainConfig
 
 
+def reference_local_pattern(nq: int, nk: int, window: int) -> Tensor:
+    """``[Nq, Nk]`` bool: key j is in query i's window, -(w // 2) <= j - i < (w + 1) // 2."""
+    d = torch.arange(nk)[None, :] - torch.arange(nq)[:, None]
+    return (d >= -(window // 2)) & (d < (window + 1) // 2)
+
+
 def reference_scatterbrain_attention(
     q: Tensor, k: Tensor, v: Tensor, projection: Tensor, hyperplanes: Tensor | None, *,
     key_padding_mask: Tensor | None = None, **options,
 ) -> Tensor:
     """D~^-1 (phi(Q) phi(K)^T + S) V. ``projection [m, D]``, ``hyperplanes [B, H, D, r]``
-    as drawn by ``draw_scatterbrain``. Returns ``[B, H, Nq, Dv]``."""
+    as drawn by ``draw_scatterbrain`` (None for the local support). Returns ``[B, H, Nq, Dv]``."""
     info = check_attention_inputs(q, k, v, key_padding_mask, method="scatterbrain reference")
     cfg = ScatterbrainConfig(**options)
     s = cfg.scale if cfg.scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -32,7 +39,10 @@ def reference_scatterbrain_attention(
     if key_padding_mask is not None:
         exact = exact * key_padding_mask[:, None, None, :].to(exact.dtype)
     support = torch.zeros_like(exact)
-    if cfg.blocks > 0:
+    if cfg.blocks > 0 and cfg.support == "local":
+        support = support + reference_local_pattern(q.shape[-2], k.shape[-2], cfg.blocks).to(
+            device=q.device, dtype=q.dtype)
+    elif cfg.blocks > 0:
         support = reference_block_pattern(
             q.detach(), k.detach(), hyperplanes, cfg.blocks, key_padding_mask=key_padding_mask
         ).to(q.dtype)

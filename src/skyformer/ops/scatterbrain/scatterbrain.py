@@ -1,4 +1,4 @@
-"""Scatterbrain: sparse (LSH) + low-rank (Performer) attention with the overlap corrected.
+"""Scatterbrain: sparse (local window or LSH) + low-rank (Performer), overlap corrected.
 
 Chen, Dao, Winsor, Song, Rudra, Ré, "Scatterbrain: Unifying Sparse and Low-rank
 Attention Approximation" (NeurIPS 2021), Section 4 / Algorithm 1. The softmax matrix
@@ -14,7 +14,9 @@ being counted twice. The normaliser uses the same matrix, D~ = diag(A~ 1), and
 
 in O(N (b + m) D) with b the bucket size and m the random features.
 
-Components here: low-rank = Performer's positive orthogonal random features
+Components here (``support="local"``, the default, is the published SBLocal window of
+``block_size`` keys around each query; the text below describes ``support="lsh"``):
+low-rank = Performer's positive orthogonal random features
 (``performer.query_features``/``key_features``, same stabilisation); sparse support =
 equal-sized angular LSH buckets (KDEformer's Definition A.3, ``sketch.lsh_blocks``),
 one hash, queries and keys hashed with the same hyperplanes and paired block by
@@ -54,9 +56,12 @@ from ..shared.inputs import (
     resolve_key,
     zero_padded_queries,
 )
+from ..shared.local_window import local_windows, query_chunks, unchunk, window_rows
 from ..shared.lsh_blocks import LshBlockOptions, lsh_block_logits
 from ..shared.masked import normalised_or
-from ..shared.options import check_bool, check_random_features, check_scale
+from ..shared.options import check_bool, check_choice, check_random_features, check_scale
+
+SUPPORTS = ("lsh", "local")
 
 
 @dataclass(frozen=True)
@@ -65,33 +70,56 @@ class ScatterbrainConfig(LshBlockOptions):
 
     num_features: random features m of the low-rank part (128); ``block_size`` 0 = no
         sparse part (Performer).
+    support: the sparse support where the estimate is exact. "lsh": balanced angular-LSH
+        buckets of ``block_size`` keys (one hash, ``num_hyperplanes``); "local": each query
+        sees the window of ``block_size`` neighbouring keys, positions -(w // 2) ... w - 1 -
+        w // 2 around its own (the published SBLocal code).
+    antithetic: features in pairs exp(+w.x), exp(-w.x) (the hyperbolic features of
+        Performer's paper, the published code's default): ceil(m / 2) directions, each
+        with its negation, 2 ceil(m / 2) columns. False: m independent directions
+        (Performer's own features).
     orthogonal: orthogonal random features (as Performer).
     scale: logit scale s, None = 1/sqrt(head dim).
     """
 
+    support: str = "local"
+    antithetic: bool = True
     orthogonal: bool = True
     scale: float | None = None
 
     def __post_init__(self) -> None:
         self.validate("scatterbrain")
+        check_choice("scatterbrain", "support", self.support, SUPPORTS)
         check_random_features("scatterbrain", self.num_features)
+        check_bool("scatterbrain", "antithetic", self.antithetic)
         check_bool("scatterbrain", "orthogonal", self.orthogonal)
         check_scale("scatterbrain", self.scale)
+
+    def budget_caps(self, nq: int, nk: int) -> dict[str, int]:
+        """Blocks of at most the sequence; windows of at most 2 N - 1 keys (which cover
+        every key of every query)."""
+        if self.support == "lsh":
+            return super().budget_caps(nq, nk)
+        n = 2 * max(nq, nk, 1) - 1
+        return {"block_size": n} if self.blocks > n else {}
 
 
 def draw_scatterbrain(
     batch: int, heads: int, dim: int, config: ScatterbrainConfig, *,
     device: torch.device | str = "cpu", generator: torch.Generator | Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Random features ``[m, D]`` (drawn first, as Performer draws them) and LSH
-    hyperplanes ``[B, H, D, r]`` (None without a sparse part), from one key."""
+    """Random features ``[m, D]`` (drawn first, as Performer draws them; antithetic:
+    ``[W; -W]`` with ceil(m / 2) rows in W) and LSH hyperplanes ``[B, H, D, r]`` (None
+    without an LSH part), from one key."""
     key = random_key(generator, device)
+    rows = -(-config.num_features // 2) if config.antithetic else config.num_features
     projection = gaussian_projection(
-        config.num_features, dim, orthogonal=config.orthogonal, device=device,
-        generator=key,
+        rows, dim, orthogonal=config.orthogonal, device=device, generator=key,
     )
+    if config.antithetic:
+        projection = torch.cat([projection, -projection])
     planes = None
-    if config.blocks > 0:
+    if config.blocks > 0 and config.support == "lsh":
         planes = draw_hyperplanes((batch, heads), dim, config.num_hyperplanes, device=device,
                                   generator=key)
     return projection, planes
@@ -101,7 +129,7 @@ def draw_scatterbrain(
     "scatterbrain",
     ScatterbrainConfig,
     Capabilities(target="softmax", randomized=True),
-    summary="LSH sparse + Performer low-rank, overlap subtracted on the support (Scatterbrain)",
+    summary="local-window (or LSH) sparse + Performer low-rank, overlap subtracted (Scatterbrain)",
 )
 def scatterbrain_attention(
     q: Tensor,
@@ -141,11 +169,14 @@ def scatterbrain_attention(
     # Low-rank part: phi(q).phi(k) = exp(log_lr) phi~_q.phi~_k with shifted features.
     phi_q, q_shift = query_features(qh, w)  # [B, H, Nq, m], [B, H, Nq, 1]
     phi_k, k_shift = key_features(kh, w, info.key_valid)  # [B, H, Nk, m], [B, H, 1, 1]
-    log_lr = (q_shift + k_shift)[..., 0] - math.log(config.num_features)  # [B, H, Nq]
+    log_lr = (q_shift + k_shift)[..., 0] - math.log(w.shape[0])  # [B, H, Nq]
     v_and_one = torch.cat([vw, torch.ones_like(vw[..., :1])], dim=-1)  # [B, H, Nk, Dv + 1]
     low_rank = phi_q @ (phi_k.transpose(-1, -2) @ v_and_one)  # [B, H, Nq, Dv + 1]
 
-    if config.blocks > 0:
+    if config.blocks > 0 and config.support == "local":
+        o = _local_part(qh, kh, phi_q, phi_k, v_and_one, log_lr, low_rank, config.blocks,
+                        info.key_valid)
+    elif config.blocks > 0:
         exact = lsh_block_logits(qh, kh, planes, config.blocks, info.query_valid, info.key_valid)
         blocks, logits = exact.blocks, exact.logits  # [B, H, nb, sq, sk]
         ref = torch.maximum(exact.row_max, log_lr.detach())  # per-row scale, cancels in D~^-1
@@ -163,3 +194,26 @@ def scatterbrain_attention(
     numerator, denominator = o[..., :-1], o[..., -1:]
     out = normalised_or(numerator, denominator, mean_values(vw, info.key_valid))
     return zero_padded_queries(out, info.query_valid).to(dtype)
+
+
+def _local_part(qh: Tensor, kh: Tensor, phi_q: Tensor, phi_k: Tensor, v_and_one: Tensor,
+                log_lr: Tensor, low_rank: Tensor, window: int, key_valid: Tensor | None
+                ) -> Tensor:
+    """S [V, 1] + phi(Q) phi(K)^T [V, 1] on local windows, rows scaled by exp(-ref)."""
+    layout = local_windows(qh.shape[-2], kh.shape[-2], window, qh.device)
+    allowed = layout.band  # [nc, c, span]
+    if key_valid is not None:
+        kv = window_rows(key_valid[:, None, :, None].to(qh.dtype), layout)[..., 0] > 0
+        allowed = allowed & kv[..., None, :]  # [B, 1, nc, c, span]
+    logits = (query_chunks(qh, layout) @ window_rows(kh, layout).transpose(-1, -2)
+              ).masked_fill(~allowed, float("-inf"))  # [B, H, nc, c, span]
+    row_max = unchunk(logits.detach().amax(-1, keepdim=True), layout)[..., 0]  # [B, H, Nq]
+    ref = torch.maximum(row_max, log_lr.detach())  # per-row scale, cancels in D~^-1
+    ref = torch.where(torch.isfinite(ref), ref, torch.zeros_like(ref))
+    ref_c = query_chunks(ref[..., None], layout)  # [B, H, nc, c, 1]
+    lr_c = query_chunks(log_lr[..., None], layout)
+    lr_entries = (query_chunks(phi_q, layout) @ window_rows(phi_k, layout).transpose(-1, -2)
+                  ).masked_fill(~allowed, 0.0)
+    correction = torch.exp(logits - ref_c) - torch.exp(lr_c - ref_c) * lr_entries  # S
+    sparse = unchunk(correction @ window_rows(v_and_one, layout), layout)
+    return sparse + torch.exp(log_lr - ref)[..., None] * low_rank
