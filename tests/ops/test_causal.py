@@ -34,7 +34,7 @@ def _run(method, q, k, v, mask, seed):
 
 
 def test_the_approximations_are_causal():
-    assert {"linear", "performer"} <= set(CAUSAL)
+    assert {"linear", "performer", "skyformer"} <= set(CAUSAL)
 
 
 @pytest.mark.parametrize("padded", [False, True])
