@@ -28,7 +28,8 @@ def reference_causal_nystrom(
 ) -> Tensor:
     """Causal Skyformer (``softmax=False``: sum_j a_ij v_j, a ~ C(q_i, k_j)) or causal
     Nystrom softmax (``softmax=True``: a_ij ~ exp(s q_i.k_j) up to a factor of row i,
-    out_i = sum_j a_ij v_j / sum_j a_ij). ``q, k: [B, H, N, D]`` unscaled; ``scale``
+    out_i = sum_j a_ij v_j / sum_j a_ij, the mean of the real v_j, j <= i, where that
+    sum is not positive). ``q, k: [B, H, N, D]`` unscaled; ``scale``
     multiplies them (p^-1/4 for the Gaussian kernel, sqrt(s) for softmax).
     ``[B, H, N, Dv]``; rows of padded queries are zero."""
     b, h, n, _ = q.shape
@@ -59,7 +60,10 @@ def reference_causal_nystrom(
                     weights[near] = _kernel(qi, ks[bi, hi, near])[0]
                 if softmax:  # exp(q.k) = exp(|q|^2/2) C(q, k) exp(|k|^2/2); the first cancels
                     weights = weights * torch.exp(0.5 * (ks[bi, hi] ** 2).sum(-1))
-                    out[bi, hi, i] = weights @ v[bi, hi] / weights.sum()
+                    if weights.sum() > 0:
+                        out[bi, hi, i] = weights @ v[bi, hi] / weights.sum()
+                    else:  # no normaliser (no landmark yet, no near key): uniform
+                        out[bi, hi, i] = v[bi, hi, far + near].mean(0)
                 else:
                     out[bi, hi, i] = weights @ v[bi, hi]
     return out

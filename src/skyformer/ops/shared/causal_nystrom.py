@@ -33,6 +33,7 @@ from torch import Tensor
 
 from ...linalg import gather_rows, gaussian_kernel_block, half_sq_norm
 from ...sketch.rng import fold_in, stream, uniform_at
+from .inputs import AttentionInputs
 from .options import check_bool, check_optional_positive_int
 
 
@@ -95,6 +96,14 @@ def causal_landmarks(num_features: int, stride: int, *, batch: int, n: int,
         position = torch.searchsorted(key_valid.long().cumsum(1), rank + 1)
     live = position < n
     return CausalLandmarks(torch.where(live, position, 0), live, slot % 2 == 0)
+
+
+def draw_causal_landmarks(info: AttentionInputs, num_features: int, stride: int | None,
+                          device: torch.device, key: Tensor) -> CausalLandmarks:
+    """The landmark slots of one call (``causal_nystrom.causal_landmarks``)."""
+    return causal_landmarks(
+        num_features, landmark_stride(stride, info.key_len, num_features),
+        batch=info.batch, n=info.key_len, key_valid=info.key_valid, device=device, key=key)
 
 
 @dataclass(frozen=True)

@@ -22,20 +22,13 @@ from ..shared.causal_nystrom import (
     CausalCore,
     CausalLandmarks,
     causal_core,
-    causal_landmarks,
-    landmark_stride,
+    draw_causal_landmarks,
     nystrom_features,
 )
 from ..shared.causal_prefix import CAUSAL_CHUNK, causal_feature_sums, chunk_rows
 from ..shared.inputs import AttentionInputs
 
-
-def draw_causal_landmarks(info: AttentionInputs, num_features: int, stride: int | None,
-                          device: torch.device, key: Tensor) -> CausalLandmarks:
-    """The landmark slots of one call (``causal_nystrom.causal_landmarks``)."""
-    return causal_landmarks(
-        num_features, landmark_stride(stride, info.key_len, num_features),
-        batch=info.batch, n=info.key_len, key_valid=info.key_valid, device=device, key=key)
+__all__ = ["causal_skyformer", "draw_causal_landmarks"]
 
 
 def causal_skyformer(q: Tensor, k: Tensor, v: Tensor, info: AttentionInputs, scale: float,
