@@ -3,8 +3,8 @@
     python benchmarks/causal_window.py [--n 1024] [--m 128] [--layers 0 2 4] [--seeds 3]
 
 On Q/K/V of pretrained MiniLM-L6 over the shipped public-domain text
-(``skyformer.eval.data.qkv.load_qkv``), the relative Frobenius error (mean over heads) of each causal
-approximation against its exact causal target (causal kernelized attention for
+(``skyformer.eval.data.qkv.load_qkv``), the relative Frobenius error (mean over
+heads) of each causal approximation against its exact causal target (causal kernelized attention for
 skyformer, causal softmax for nystrom_softmax), with ``causal_local`` True (exact keys
 in the query's chunk of 64, landmarks for earlier chunks) and False (landmarks for
 every key). Mean and standard deviation over seeds. Writes
