@@ -83,8 +83,11 @@ def test_approximate_method_refuses_a_general_mask_with_a_sentence():
 
 def test_causal_and_scale_refusals_name_the_method():
     q, k, v = make_qkv(1, 1, 8, 4)
-    with pytest.raises(CapabilityError, match="skyformer"):
-        sdpa(q, k, v, is_causal=True, method="skyformer")
+    with pytest.raises(CapabilityError, match="nystromformer cannot do causal"):
+        sdpa(q, k, v, is_causal=True, method="nystromformer")
+    torch.testing.assert_close(  # a causal approximation takes is_causal
+        sdpa(q, k, v, is_causal=True, method="skyformer", generator=torch.Generator()),
+        skyformer.attention(q, k, v, "skyformer", causal=True, generator=torch.Generator()))
     with pytest.raises(CapabilityError, match=r"linear cannot use scale=0\.3"):
         sdpa(q, k, v, scale=0.3, method="linear")
     # the default scale 1/sqrt(E) is what linear computes: accepted

@@ -52,7 +52,7 @@ def test_options_and_errors():
     with pytest.raises(ValueError, match="unknown attention method"):
         MultiHeadAttention(16, 2, method="nope")
     with pytest.raises(CapabilityError):
-        MultiHeadAttention(16, 2, method="skyformer", causal=True)
+        MultiHeadAttention(16, 2, method="nystromformer", causal=True)
 
 
 def test_method_state_module_is_owned_and_passed():

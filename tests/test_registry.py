@@ -61,9 +61,9 @@ def test_capability_errors_are_sentences():
     q, k, v = make_qkv(1, 1, 6, 4)
     with pytest.raises(
         CapabilityError,
-        match="skyformer cannot do causal masking; methods that can: softmax, kernelized",
+        match="nystromformer cannot do causal masking; methods that can: softmax, kernelized",
     ):
-        skyformer.attention(q, k, v, "skyformer", causal=True)
-    with pytest.raises(CapabilityError, match="causal"):
-        check_capabilities("nystrom_softmax", causal=True)
+        skyformer.attention(q, k, v, "nystromformer", causal=True)
+    with pytest.raises(CapabilityError, match="segment"):  # says why
+        check_capabilities("nystromformer", causal=True)
     assert check_capabilities("softmax", causal=True, mask=True).name == "softmax"

@@ -72,18 +72,33 @@ def test_causal_gaussian_method_does_not_look_ahead():
     assert (a[:, 6:] - b[:, 6:]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax", "performer"])
+@torch.no_grad()
+def test_causal_approximations_serve_a_decoder_without_looking_ahead(method):
+    model = copy_as(tiny_bert(is_decoder=True), f"skyformer:{method}")
+    ids = ids_and_padding()[0][:1]
+    changed = ids.clone()
+    changed[0, 6:] = (changed[0, 6:] + 5) % 64
+    torch.manual_seed(0)
+    a = model(input_ids=ids).last_hidden_state
+    torch.manual_seed(0)
+    b = model(input_ids=changed).last_hidden_state
+    torch.testing.assert_close(a[:, :6], b[:, :6], rtol=0, atol=0)
+    assert (a[:, 6:] - b[:, 6:]).abs().max() > 1e-3
+
+
 def test_decoder_refuses_methods_without_causal_masking(tmp_path):
     model = tiny_bert(is_decoder=True)
     with pytest.raises(CapabilityError,
                        match="layer 0 \\(BertSelfAttention\\) uses causal attention"):
-        shf.set_attention(model, "skyformer")
+        shf.set_attention(model, "nystromformer")
     model.save_pretrained(tmp_path)
     with pytest.raises(CapabilityError,
                        match="cannot do causal masking; methods that can: softmax"):
-        shf.from_pretrained(tmp_path, "nystrom_softmax")  # fails at load time
+        shf.from_pretrained(tmp_path, "nystromformer")  # fails at load time
     from transformers import AutoModel
 
-    plain = AutoModel.from_pretrained(tmp_path, attn_implementation="skyformer:skyformer")
+    plain = AutoModel.from_pretrained(tmp_path, attn_implementation="skyformer:nystromformer")
     with pytest.raises(CapabilityError, match="causal"):  # the plain route: first forward pass
         plain(input_ids=torch.ones(1, 4, dtype=torch.long))
 
@@ -122,7 +137,7 @@ def test_llama_grouped_query_attention_with_padding():
     real = mask.bool()
     torch.testing.assert_close(out[real], exact[real], rtol=0, atol=ATOL)
     with pytest.raises(CapabilityError, match="causal"):
-        shf.set_attention(model, "skyformer")
+        shf.set_attention(model, "nystromformer")
     # Training with attention dropout: softmax hands the un-repeated heads to SDPA.
     config.attention_dropout = 0.5
     trained = copy_as(model, "skyformer:softmax").train()

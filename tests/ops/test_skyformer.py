@@ -197,3 +197,49 @@ def test_fused_path_equals_materialised_path_in_float32():
         strict=True,
     ):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("local", [True, False])
+@pytest.mark.parametrize("padded", [False, True])
+def test_causal_matches_the_naive_per_query_construction(local, padded):
+    """The fast causal path (nested cores from one Cholesky, chunked prefix sums) equals
+    the per-query construction with explicit inverses, on outputs and gradients."""
+    from skyformer.linalg import kernel_scale
+    from skyformer.ops.shared.causal_naive import reference_causal_nystrom
+    from skyformer.ops.shared.inputs import check_attention_inputs
+    from skyformer.ops.skyformer.causal import causal_skyformer, draw_causal_landmarks
+    from skyformer.sketch.rng import random_key
+
+    n = 23
+    q, k, v = (t.requires_grad_(True) for t in make_qkv(2, 2, n, 6))
+    mask = None
+    if padded:
+        mask = torch.ones(2, n, dtype=torch.bool)
+        mask[0, :4] = False
+        mask[1, 9:12] = False
+    info = check_attention_inputs(q, k, v, mask, method="test")
+    marks = draw_causal_landmarks(info, 10, 2, q.device, random_key(gen(1)))
+    scale = kernel_scale(6, None)
+    fast, _ = causal_skyformer(q, k, v, info, scale, 0.1, local, marks, chunk=8)
+    if mask is not None:
+        fast = fast * mask[:, None, :, None]
+    ref = reference_causal_nystrom(q, k, v, marks, key_padding_mask=mask, scale=scale,
+                                   gamma=0.1, local=local, chunk=8)
+    torch.testing.assert_close(fast, ref)
+    for a, b in zip(torch.autograd.grad(fast.square().sum(), (q, k, v)),
+                    torch.autograd.grad(ref.square().sum(), (q, k, v)), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_causal_with_a_landmark_at_every_position_and_no_ridge_is_exact():
+    """Every token a landmark (query and key slots alike, stride 1) and gamma -> 0: the
+    far past is reproduced exactly, so causal Skyformer equals exact causal kernelized
+    attention (up to the ridge's effect, here 1e-9)."""
+    from skyformer.ops.kernelized.naive import reference_kernelized_attention
+
+    q, k, v = make_qkv(1, 2, 40, 6, scale=2.0)
+    k = q  # landmarks drawn from queries then span the keys too
+    out = skyformer_attention(q, k, v, num_features=40, landmark_stride=1, gamma=1e-9,
+                              causal=True, causal_local=False, generator=gen(0))
+    ref = reference_kernelized_attention(q, k, v, causal=True)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -39,6 +39,8 @@ class Capabilities:
         a weight matrix drop entries of their output instead.
     gqa: runs grouped-query attention (key/value heads repeated to the query heads).
     varlen: runs packed variable-length batches (``cu_seqlens``; needs ``mask``).
+    not_causal_because: for a method without ``causal``, why it cannot have it (a clause
+        appended to the refusal).
     """
 
     target: Target
@@ -54,6 +56,7 @@ class Capabilities:
     weight_dropout: bool = False
     gqa: bool = True
     varlen: bool = True
+    not_causal_because: str | None = None
 
     def has(self, capability: str) -> bool:
         """Whether the method can do ``capability`` (a key of ``CAPABILITY_TEXT``)."""

@@ -199,7 +199,11 @@ def exact_method(target: Target) -> Method:
 
 def _capability_sentence(name: str, capability: str) -> str:
     able = [m.name for m in _REGISTRY.values() if m.capabilities.has(capability)]
-    return capability_sentence(name, capability, able)
+    sentence = capability_sentence(name, capability, able)
+    why = _REGISTRY[name].capabilities.not_causal_because if name in _REGISTRY else None
+    if capability == "causal" and why:
+        sentence = f"{sentence[:-1]} ({name}: {why})."
+    return sentence
 
 
 def check_capabilities(

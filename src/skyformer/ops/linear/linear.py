@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ...registry import Capabilities, register
+from ..shared.causal_prefix import CAUSAL_CHUNK, causal_feature_sums
 from ..shared.inputs import (
     check_attention_inputs,
     check_generator,
@@ -40,10 +41,6 @@ from ..shared.inputs import (
     zero_padded_queries,
 )
 from ..shared.options import check_bool, check_nonnegative_float, check_optional_positive_int
-
-# Positions per chunk of the causal form: the intra-chunk block is CAUSAL_CHUNK^2 per
-# head, the prefix state (N / CAUSAL_CHUNK) D Dv, both O(N D) for D ~ CAUSAL_CHUNK.
-CAUSAL_CHUNK = 64
 
 
 @dataclass(frozen=True)
@@ -126,22 +123,7 @@ def linear_attention(
 def causal_linear(phi_q: Tensor, phi_k: Tensor, v: Tensor, eps: float,
                   chunk: int = CAUSAL_CHUNK) -> Tensor:
     """sum_{j<=i} (phi_i . phi_j) v_j / (sum_{j<=i} phi_i . phi_j + eps) by chunks
-    (module docstring): ``[B, H, N, D]`` features, ``[B, H, N, Dv]`` values."""
-    b, h, n, d = phi_q.shape
-    pad = (-n) % chunk
-    if pad:  # zero rows: no feature mass, no value
-        phi_q, phi_k, v = (F.pad(t, (0, 0, 0, pad)) for t in (phi_q, phi_k, v))
-    c = (n + pad) // chunk
-    q_c = phi_q.reshape(b, h, c, chunk, d)
-    k_c = phi_k.reshape(b, h, c, chunk, d)
-    v_c = v.reshape(b, h, c, chunk, v.shape[-1])
-    kv = k_c.transpose(-1, -2) @ v_c  # [B, H, C, D, Dv]
-    ks = k_c.sum(-2)  # [B, H, C, D]
-    # exclusive prefix over chunks: chunk c sees chunks < c only
-    kv_before = torch.cat([torch.zeros_like(kv[:, :, :1]), kv.cumsum(2)[:, :, :-1]], dim=2)
-    ks_before = torch.cat([torch.zeros_like(ks[:, :, :1]), ks.cumsum(2)[:, :, :-1]], dim=2)
-    scores = (q_c @ k_c.transpose(-1, -2)).tril()  # [B, H, C, L, L], j <= i in the chunk
-    numerator = q_c @ kv_before + scores @ v_c
-    denominator = (q_c @ ks_before[..., None]) + scores.sum(-1, keepdim=True)
-    out = numerator / (denominator + eps)
-    return out.reshape(b, h, c * chunk, -1)[:, :, :n]
+    (``shared/causal_prefix.py``): ``[B, H, N, D]`` features, ``[B, H, N, Dv]`` values."""
+    v_and_one = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # [B, H, N, Dv + 1]
+    o = causal_feature_sums(phi_q, phi_k, v_and_one, chunk=chunk)
+    return o[..., :-1] / (o[..., -1:] + eps)

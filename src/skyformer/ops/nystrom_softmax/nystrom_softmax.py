@@ -50,6 +50,7 @@ from torch import Tensor
 from ...linalg import gaussian_kernel_matmul
 from ...registry import Capabilities, register
 from ...sketch import Landmarks
+from ..shared.causal_nystrom import CausalNystromOptions
 from ..shared.inputs import (
     AttentionInputs,
     check_attention_inputs,
@@ -61,16 +62,18 @@ from ..shared.inputs import (
 from ..shared.masked import normalised_or
 from ..shared.modified_nystrom import NystromOptions, nystrom_core, sample_landmarks
 from ..shared.options import check_nonnegative_float, check_scale
+from ..skyformer.causal import draw_causal_landmarks
+from .causal import causal_nystrom_softmax
 
 
 @dataclass(frozen=True)
-class NystromSoftmaxConfig(NystromOptions):
+class NystromSoftmaxConfig(NystromOptions, CausalNystromOptions):
     """Options of the modified Nystrom softmax approximation.
 
     scale: softmax logit scale s, ``None`` = 1/sqrt(head dim).
     normalizer_threshold: rows whose approximate normaliser is at most this fraction
         of its magnitude bound return the mean of the values (module docstring).
-    Other options as ``SkyformerConfig``.
+    Other options as ``SkyformerConfig`` (the causal ones: ``causal.py``).
     """
 
     scale: float | None = None
@@ -78,6 +81,7 @@ class NystromSoftmaxConfig(NystromOptions):
 
     def __post_init__(self) -> None:
         self.validate("nystrom_softmax")
+        self.validate_causal("nystrom_softmax")
         check_scale("nystrom_softmax", self.scale)
         check_nonnegative_float(
             "nystrom_softmax", "normalizer_threshold", self.normalizer_threshold
@@ -92,7 +96,7 @@ class NystromSoftmaxConfig(NystromOptions):
 @register(
     "nystrom_softmax",
     NystromSoftmaxConfig,
-    Capabilities(target="softmax", randomized=True),
+    Capabilities(target="softmax", randomized=True, causal=True),
     summary="modified Nystrom approximation of softmax attention (Skyformer Figure 1)",
 )
 def nystrom_softmax_attention(
@@ -115,6 +119,8 @@ def nystrom_softmax_attention(
     Returns:
         ``[B, H, Nq, Dv]``; rows of padded queries (self-attention) are zero.
     """
+    if config.causal:
+        return _causal(q, k, v, config, key_padding_mask, query_padding_mask, generator)
     info, landmarks, root, work = prepare(
         q, k, v, config, key_padding_mask=key_padding_mask,
         query_padding_mask=query_padding_mask, generator=generator)
@@ -146,6 +152,25 @@ def nystrom_softmax_attention(
     return normalise(
         o[..., :dv], o[..., dv : dv + 1], o[..., dv + 1 :], vw, info, config, q.dtype
     )
+
+
+def _causal(q: Tensor, k: Tensor, v: Tensor, config: NystromSoftmaxConfig,
+            key_padding_mask: Tensor | None, query_padding_mask: Tensor | str | None,
+            generator: torch.Generator | Tensor | None) -> Tensor:
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="nystrom_softmax",
+                                  query_padding_mask=query_padding_mask)
+    if info.query_len != info.key_len:
+        raise ValueError(f"nystrom_softmax: causal=True needs as many queries as keys, got "
+                         f"Nq={info.query_len}, Nk={info.key_len}.")
+    key = resolve_key("nystrom_softmax", generator, q.device)
+    landmarks = draw_causal_landmarks(info, config.num_features, config.landmark_stride,
+                                      q.device, key)
+    s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
+    work = compute_dtype(q.dtype)
+    out = causal_nystrom_softmax(q.to(work), k.to(work), v.to(work), info, math.sqrt(s),
+                                 config.gamma, config.causal_local,
+                                 config.normalizer_threshold, landmarks)
+    return zero_padded_queries(out, info.query_valid).to(q.dtype)
 
 
 def prepare(

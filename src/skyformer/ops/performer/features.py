@@ -59,6 +59,20 @@ def key_features(
     return torch.where(real, phi + eps, 0.0), shift
 
 
+def causal_key_features(k_scaled: Tensor, projection: Tensor, key_valid: Tensor | None,
+                        eps: float = 0.0) -> Tensor:
+    """Positive key features for causal attention, ``[B, H, N, m]``: exp(w.k - |k|^2/2 - c)
+    (+ eps) with c = max_f |w_f|^2/2, a bound of w_f.k - |k|^2/2 over every k, so the
+    shift depends on no key (a shift by a maximum over the keys would let a later key
+    change earlier outputs). Padded keys get exact zeros."""
+    log_f = softmax_log_features(k_scaled, projection)
+    shift = 0.5 * (projection * projection).sum(-1).amax().to(log_f.dtype)
+    phi = (log_f - shift).exp() + eps
+    if key_valid is None:
+        return phi
+    return torch.where(key_valid[:, None, :, None], phi, 0.0)
+
+
 def resolve_projection(
     method: str, projection: Tensor | None, num_features: int, dim: int, orthogonal: bool,
     device: torch.device, generator: torch.Generator | Tensor | None,

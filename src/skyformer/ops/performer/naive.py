@@ -65,10 +65,14 @@ def performer_scores(
 def reference_performer_attention(
     q: Tensor, k: Tensor, v: Tensor, projection: Tensor, *,
     key_padding_mask: Tensor | None = None, scale: float | None = None, eps: float = 0.0,
+    causal: bool = False,
 ) -> Tensor:
-    """diag(A^ 1)^-1 A^ V (Performer eq. (6)) through the materialised A^. ``[B, H, Nq, Dv]``."""
+    """diag(A^ 1)^-1 A^ V (Performer eq. (6)) through the materialised A^, entries j > i
+    zero with ``causal``. ``[B, H, Nq, Dv]``."""
     info = check_attention_inputs(q, k, v, key_padding_mask, method="performer reference")
     a = performer_scores(q, k, projection, key_padding_mask=key_padding_mask, scale=scale,
                          eps=eps)
+    if causal:
+        a = a.tril()
     out = (a @ v) / a.sum(-1, keepdim=True)
     return zero_padded_queries(out, info.query_valid)

@@ -22,6 +22,14 @@ attention) instead of 0/0. By default no additive epsilon biases the features;
 query, max of w_f.k' over the keys and features of a batch element and head), which
 pulls every row towards the mean of the values (README).
 
+Causal attention (``causal=True``): out_i = sum_{j<=i} phi(q_i).phi(k_j) v_j / sum_{j<=i}
+phi(q_i).phi(k_j) by chunked prefix sums (``shared/causal_prefix.py``, as causal
+``linear``). The keys' shift above is a maximum over *all* keys, so a future key would
+change past outputs through rounding (and which of them underflow); the causal form
+shifts instead by a bound that holds for every key, max_f |w_f|^2/2 >= w_f.k' - |k'|^2/2
+(``causal_key_features``): data-independent, so output i depends on no later position.
+Rows whose normaliser underflows return the mean of the values of the keys j <= i.
+
 Feature redraw: called as a function, the features come from ``projection`` or are
 drawn from ``generator`` on every call. In ``MultiHeadAttention`` the layer keeps
 them in a ``PerformerFeatures`` module (the registry's state hook) and redraws them
@@ -39,6 +47,7 @@ from torch import Tensor, nn
 from ...registry import Capabilities, register
 from ...sketch import gaussian_projection
 from ...sketch.rng import fold_in, random_key
+from ..shared.causal_prefix import causal_feature_sums, prefix_mean_values
 from ..shared.inputs import (
     check_attention_inputs,
     compute_dtype,
@@ -54,7 +63,7 @@ from ..shared.options import (
     check_random_features,
     check_scale,
 )
-from .features import key_features, query_features, resolve_projection
+from .features import causal_key_features, key_features, query_features, resolve_projection
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,7 @@ class PerformerConfig:
     eps: additive stabiliser of performer-pytorch (1e-4 there): each feature is
         m^-1/2 (exp(w.x' - |x'|^2/2 - c) + eps) with c its shift. 0 (default) is
         unbiased FAVOR+; eps > 0 biases the output towards the mean of the values.
+    causal: query i attends to keys j <= i (requires Nq == Nk; module docstring).
     """
 
     num_features: int = 128
@@ -79,8 +89,10 @@ class PerformerConfig:
     feature_redraw_interval: int | None = 1000
     scale: float | None = None
     eps: float = 0.0
+    causal: bool = False
 
     def __post_init__(self) -> None:
+        check_bool("performer", "causal", self.causal)
         check_random_features("performer", self.num_features)
         check_bool("performer", "orthogonal", self.orthogonal)
         check_optional_positive_int(
@@ -161,7 +173,7 @@ class PerformerFeatures(nn.Module):
 @register(
     "performer",
     PerformerConfig,
-    Capabilities(target="softmax", randomized=True),
+    Capabilities(target="softmax", randomized=True, causal=True),
     summary="positive orthogonal random features for the softmax kernel (Performer, FAVOR+)",
     state=PerformerFeatures,
 )
@@ -204,8 +216,17 @@ def performer_attention(
     root = math.sqrt(s)
     w = w.to(work)
     phi_q, _ = query_features(q.to(work) * root, w, config.eps)  # [B, H, Nq, m]
-    phi_k, _ = key_features(k.to(work) * root, w, info.key_valid, config.eps)  # [B, H, Nk, m]
     vw = v.to(work)
+    if config.causal:
+        if info.query_len != info.key_len:
+            raise ValueError(f"performer: causal=True needs as many queries as keys, got "
+                             f"Nq={info.query_len}, Nk={info.key_len}.")
+        phi_k = causal_key_features(k.to(work) * root, w, info.key_valid, config.eps)
+        v_and_one = torch.cat([vw, torch.ones_like(vw[..., :1])], dim=-1)
+        o = causal_feature_sums(phi_q, phi_k, v_and_one)  # [B, H, N, Dv + 1]
+        out = normalised_or(o[..., :-1], o[..., -1:], prefix_mean_values(vw, info.key_valid))
+        return zero_padded_queries(out, info.query_valid).to(dtype)
+    phi_k, _ = key_features(k.to(work) * root, w, info.key_valid, config.eps)  # [B, H, Nk, m]
     v_and_one = torch.cat([vw, torch.ones_like(vw[..., :1])], dim=-1)  # [B, H, Nk, Dv + 1]
     o = phi_q @ (phi_k.transpose(-1, -2) @ v_and_one)  # [B, H, Nq, Dv + 1]
     numerator, denominator = o[..., :-1], o[..., -1:]

@@ -29,6 +29,7 @@ from torch import Tensor
 from ...linalg import gaussian_kernel_matmul, kernel_scale
 from ...registry import Capabilities, register
 from ...sketch import Landmarks
+from ..shared.causal_nystrom import CausalNystromOptions
 from ..shared.inputs import (
     AttentionInputs,
     check_attention_inputs,
@@ -38,11 +39,16 @@ from ..shared.inputs import (
 )
 from ..shared.modified_nystrom import NystromOptions, nystrom_core, sample_landmarks
 from ..shared.options import check_scale
+from .causal import causal_skyformer, draw_causal_landmarks
 
 
 @dataclass(frozen=True)
-class SkyformerConfig(NystromOptions):
+class SkyformerConfig(NystromOptions, CausalNystromOptions):
     """Options of Skyformer; defaults are the paper's (128 features, gamma 0.1, 6 iterations).
+
+    causal, causal_local, landmark_stride: the causal construction (``causal.py``,
+        README "Causal"); with ``causal`` the core is the exact ridge inverse (one
+        Cholesky), so ``pinv``, ``pinv_iterations`` and ``pinv_init`` do not apply.
 
     scale: s of the Gaussian kernel exp(-s |q - k|^2 / 2), ``None`` = 1/sqrt(head dim)
         (Skyformer eq. (1)); a model that pre-scales its queries passes its own.
@@ -52,13 +58,14 @@ class SkyformerConfig(NystromOptions):
 
     def __post_init__(self) -> None:
         self.validate("skyformer")
+        self.validate_causal("skyformer")
         check_scale("skyformer", self.scale)
 
 
 @register(
     "skyformer",
     SkyformerConfig,
-    Capabilities(target="gaussian", randomized=True),
+    Capabilities(target="gaussian", randomized=True, causal=True),
     summary="modified Nystrom approximation of kernelized attention (Skyformer)",
 )
 def skyformer_attention(
@@ -83,6 +90,8 @@ def skyformer_attention(
         ``[B, H, Nq, Dv]`` in the dtype of ``q`` (half types computed in float32);
         rows of padded queries (self-attention) are zero.
     """
+    if config.causal:
+        return _causal(q, k, v, config, key_padding_mask, query_padding_mask, generator)
     info, landmarks, scale, work = prepare(
         q, k, v, config, key_padding_mask=key_padding_mask,
         query_padding_mask=query_padding_mask, generator=generator)
@@ -96,6 +105,24 @@ def skyformer_attention(
     out = gaussian_kernel_matmul(qw, core.x, core.w @ context, core.x_norm, scale=scale,
                                  kernel=config.kernel)
     return zero_padded_queries(out, info.query_valid).to(q.dtype)  # [B, H, Nq, Dv]
+
+
+def _causal(q: Tensor, k: Tensor, v: Tensor, config: SkyformerConfig,
+            key_padding_mask: Tensor | None, query_padding_mask: Tensor | str | None,
+            generator: torch.Generator | Tensor | None) -> Tensor:
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="skyformer",
+                                  query_padding_mask=query_padding_mask)
+    if info.query_len != info.key_len:
+        raise ValueError(f"skyformer: causal=True needs as many queries as keys, got "
+                         f"Nq={info.query_len}, Nk={info.key_len}.")
+    key = resolve_key("skyformer", generator, q.device)
+    landmarks = draw_causal_landmarks(info, config.num_features, config.landmark_stride,
+                                      q.device, key)
+    work = compute_dtype(q.dtype)
+    out, _ = causal_skyformer(q.to(work), k.to(work), v.to(work), info,
+                              kernel_scale(info.head_dim, config.scale), config.gamma,
+                              config.causal_local, landmarks)
+    return zero_padded_queries(out, info.query_valid).to(q.dtype)
 
 
 def prepare(

@@ -1,0 +1,97 @@
+"""Causal modified Nystrom softmax: out_i ~ sum_{j<=i} exp(s q_i.k_j) v_j / (same, v = 1).
+
+The causal Skyformer construction (``ops/skyformer/README.md``, "Causal") applied to
+the lifted softmax matrix E_Q C E_K (module docstring of ``nystrom_softmax.py``): with
+q^ = sqrt(s) q, k^ = sqrt(s) k and phi = L^-1 C(X_S, .) masked to the available slots,
+
+    a_ij = phi(q^_i) . L^-1 C(X_S, k^_j) exp(|k^_j|^2/2)   (far keys, earlier chunks)
+    a_ij = C(q^_i, k^_j) exp(|k^_j|^2/2)                   (keys of i's chunk, exact)
+
+(E_Q is a factor of row i and cancels). Stabilisation must itself be causal: the
+non-causal path divides E_K by its maximum over *all* keys. Here r_i = max_{j<=i}
+|k^_j|^2/2 (a running maximum over the real keys) takes that role: row i is divided
+by exp(r_i), which cancels in its ratio. A key j enters its chunk's state with
+exp(|k^_j|^2/2 - R_c) <= 1, R_c = r at the end of chunk c; state S_c = sum_{c'<c}
+exp(R_c' - R_{c-1}) T_c' (weights <= 1, a [C, C] lower-triangular mix of the chunk
+sums); row i multiplies it by exp(R_{c-1} - r_i) <= 1. Nothing can overflow and no
+shift depends on a later key. The [C, C] mix costs O(N^2 m Dv / L^2), negligible up
+to N ~ 10^5 at L = 64.
+
+Unreliable rows: as in the non-causal path, a row whose normaliser D~_i is at most
+``normalizer_threshold`` times its bound sum_s |phi_s(q_i)| |z_s| + sum_{near j} |a_ij|
+(z the normaliser column of the state) returns the mean of the values j <= i.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ...linalg import gaussian_kernel_block, half_sq_norm
+from ..shared.causal_nystrom import CausalLandmarks, causal_core, nystrom_features
+from ..shared.causal_prefix import CAUSAL_CHUNK, chunk_rows, lower_triangle, prefix_mean_values
+from ..shared.inputs import AttentionInputs
+from ..shared.masked import normalised_or
+
+
+def _chunks(x: Tensor, chunk: int, fill: float) -> Tensor:
+    """``[B, H, N] -> [B, H, C, L]`` padded with ``fill``."""
+    n = x.shape[-1]
+    return F.pad(x, (0, (-n) % chunk), value=fill).unflatten(-1, (-1, chunk))
+
+
+def causal_nystrom_softmax(q: Tensor, k: Tensor, v: Tensor, info: AttentionInputs,
+                           root: float, gamma: float, local: bool, threshold: float,
+                           landmarks: CausalLandmarks, *, chunk: int = CAUSAL_CHUNK) -> Tensor:
+    """``q, k: [B, H, N, D]`` (unscaled, compute dtype), ``v: [B, H, N, Dv]`` ->
+    ``[B, H, N, Dv]``; rows of padded queries are not zeroed here."""
+    n, dv = q.shape[2], v.shape[-1]
+    qs, ks = q * root, k * root
+    core = causal_core(q, k, root, gamma, landmarks)
+    real = (torch.ones_like(qs[..., 0], dtype=torch.bool) if info.key_valid is None
+            else info.key_valid[:, None, :].expand_as(qs[..., 0]))  # [B, H, N]
+    with torch.no_grad():  # the shifts are constants: each cancels in its row's ratio
+        log_e = half_sq_norm(ks).masked_fill(~real, float("-inf"))
+        r = log_e.cummax(dim=-1).values  # [B, H, N], -inf before the first real key
+        r_c = _chunks(r, chunk, float("-inf"))  # [B, H, C, L]
+        end = r_c.amax(-1)  # R_c: [B, H, C]
+        before = torch.cat([torch.full_like(end[..., :1], float("-inf")), end[..., :-1]], -1)
+        c = end.shape[-1]
+        earlier = torch.ones(c, c, dtype=torch.bool, device=q.device).tril(-1)
+        mix = end[..., None, :] - before[..., :, None]  # R_c' - R_{c-1}: [B, H, C, C]
+        mix = torch.where(earlier & torch.isfinite(end)[..., None, :], mix, float("-inf")).exp()
+        r_safe = torch.where(torch.isfinite(r), r, 0.0)
+        row_factor = torch.where(torch.isfinite(before)[..., None],
+                                 before[..., None] - _chunks(r_safe, chunk, 0.0),
+                                 float("-inf")).exp()  # exp(R_{c-1} - r_i): [B, H, C, L]
+        own_end = end.repeat_interleave(chunk, -1)[..., :n]  # R_c of each key's chunk
+        key_factor = torch.where(real, r - own_end, float("-inf")).exp()  # [B, H, N]
+    # exp(k^.x_s - |x_s|^2/2 - r_j) <= 1: C(X_S, k_j) E_K / exp(r_j)
+    expo = ks @ core.x.transpose(-1, -2) - core.x_norm[..., None, :] - r_safe[..., None]
+    psi_k = nystrom_features(torch.where(real[..., None], expo, float("-inf")).exp(), core)
+    phi_q = nystrom_features(gaussian_kernel_block(qs, core.x, half_sq_norm(qs), core.x_norm),
+                             core)
+    phi_q = torch.where(landmarks.available(n), phi_q, 0.0)  # [B, H, N, m]
+    v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # [B, H, N, Dv + 1]
+    q_c, v_c = chunk_rows(phi_q, chunk), chunk_rows(v1, chunk)
+    t = chunk_rows(psi_k * key_factor[..., None], chunk).transpose(-1, -2) @ v_c
+    state = torch.einsum("bhcd,bhdmv->bhcmv", mix, t)  # S_c: [B, H, C, m, Dv + 1]
+    far = (q_c @ state) * row_factor[..., None]  # [B, H, C, L, Dv + 1]
+    bound = (q_c.abs() @ state[..., -1:].abs()) * row_factor[..., None]
+    r_rows = _chunks(r_safe, chunk, 0.0)
+    if local:  # exp(q^.k^ - |q^|^2/2 - r_i) <= 1 for real keys j <= i
+        visible = lower_triangle(chunk_rows(real[..., None].to(q.dtype), chunk)
+                                 .transpose(-1, -2).expand(*r_rows.shape, chunk)) > 0
+        logits = (chunk_rows(qs, chunk) @ chunk_rows(ks, chunk).transpose(-1, -2)
+                  - chunk_rows(half_sq_norm(qs)[..., None], chunk) - r_rows[..., None])
+        near = torch.where(visible, logits, float("-inf")).exp()  # [B, H, C, L, L]
+    else:  # through the landmarks, key j shifted by its own r_j <= r_i
+        shift = r_rows[..., None, :] - r_rows[..., :, None]  # r_j - r_i
+        near = lower_triangle((q_c @ chunk_rows(psi_k, chunk).transpose(-1, -2))
+                              * torch.where(shift <= 0, shift, 0.0).exp())
+    o = (far + near @ v_c).flatten(2, 3)[:, :, :n]
+    bound = (bound + near.abs().sum(-1, keepdim=True)).flatten(2, 3)[:, :, :n]
+    numerator, denominator = o[..., :dv], o[..., dv:]
+    fallback = prefix_mean_values(v, info.key_valid)
+    return normalised_or(numerator, denominator, fallback, denominator > threshold * bound)

@@ -1,0 +1,138 @@
+"""Causal modified Nystrom: landmarks revealed in order, nested cores from one Cholesky.
+
+Shared by ``skyformer`` and ``nystrom_softmax`` with ``causal=True``; the derivation is
+in ``ops/skyformer/README.md`` ("Causal"). In short:
+
+- Landmark slot s sits at the real token of rank r_s = s R + floor(u_s R) (R = the
+  landmark stride, u_s a counter-based uniform draw of the batch element and slot): its
+  position depends on the generator and on which earlier tokens are real, never on
+  the content nor on anything after it. Even slots take that token's query row, odd
+  slots its key row (half from each, as Skyformer's [Q; K] sampling). Slots are in
+  the order they become available; a slot past the sequence holds no landmark.
+- Query i uses the slots at positions <= i. The core of that nested set is the
+  ridge inverse (M_k + gamma I)^-1 of the leading k x k block of M = C(X_S, X_S). With
+  M + gamma I = L L^T (one Cholesky, slots in order), the leading block of L is the
+  Cholesky factor of the leading block of M + gamma I, so with phi(y) = L^-1 C(X_S, y)
+  (lower-triangular L^-1: entry s depends on slots <= s only)
+
+      C(q_i, X_k) (M_k + gamma I)^-1 C(X_k, k_j) = sum_{s <= k} phi_s(q_i) phi_s(k_j),
+
+  and the m nested cores cost one O(m^3) factorisation instead of one per set.
+- Then the far past is a feature-map attention with features phi (the query's masked to
+  its available slots), evaluated by the chunked prefix sums of ``causal_prefix.py``
+  ([m, Dv] states), and the keys of the query's own chunk are exact (``local``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ...linalg import gather_rows, gaussian_kernel_block, half_sq_norm
+from ...sketch.rng import fold_in, stream, uniform_at
+from .inputs import AttentionInputs
+from .options import check_bool, check_optional_positive_int
+
+
+@dataclass(frozen=True)
+class CausalNystromOptions:
+    """Causal options of the modified Nystrom methods (``causal_nystrom.py``).
+
+    causal: query i attends to keys j <= i, with no dependence on any later token
+        (requires Nq == Nk; ``ops/skyformer/README.md``).
+    causal_local: with ``causal``, the keys of the query's own chunk of 64 positions are
+        attended exactly and only earlier chunks through the landmarks (False: all
+        through the landmarks).
+    landmark_stride: with ``causal``, one landmark slot per this many real tokens;
+        None = ceil(N / num_features), spreading the landmarks over the sequence. Fix it
+        for outputs that do not depend on the sequence length (decoding).
+    """
+
+    causal: bool = False
+    causal_local: bool = True
+    landmark_stride: int | None = None
+
+    def validate_causal(self, method: str) -> None:
+        check_bool(method, "causal", self.causal)
+        check_bool(method, "causal_local", self.causal_local)
+        check_optional_positive_int(method, "landmark_stride", self.landmark_stride)
+        if self.causal and getattr(self, "gamma", 1.0) <= 0:
+            raise ValueError(f"{method}: causal=True needs gamma > 0 (its core factorises "
+                             f"C(X_S, X_S) + gamma I by Cholesky), got {self.gamma!r}.")
+
+
+@dataclass(frozen=True)
+class CausalLandmarks:
+    """Landmark slots in order of availability."""
+
+    position: Tensor  # [B, m] long; slots holding no landmark point at position 0
+    live: Tensor  # [B, m] bool
+    from_query: Tensor  # [m] bool: the slot takes the token's query row (else key row)
+
+    def available(self, n: int) -> Tensor:
+        """``[B, 1, N, m]`` bool: slot s may serve query i (live and at a position <= i)."""
+        i = torch.arange(n, device=self.position.device)
+        return (self.live[:, None, :] & (self.position[:, None, :] <= i[:, None]))[:, None]
+
+
+def landmark_stride(stride: int | None, n: int, m: int) -> int:
+    return stride if stride is not None else max(1, math.ceil(n / m))
+
+
+def causal_landmarks(num_features: int, stride: int, *, batch: int, n: int,
+                     key_valid: Tensor | None, device: torch.device, key: Tensor
+                     ) -> CausalLandmarks:
+    """Slot s at the real token of rank s R + floor(u_s R) (module docstring)."""
+    keys = fold_in(stream(key, "landmarks/causal"), torch.arange(batch, device=device))
+    slot = torch.arange(num_features, device=device)
+    u = uniform_at(keys[:, None, :], slot.expand(batch, num_features), torch.float64)
+    rank = slot * stride + (u * stride).floor().long()  # [B, m], increasing in s
+    if key_valid is None:
+        position = rank
+    else:  # the first position holding rank + 1 real tokens
+        position = torch.searchsorted(key_valid.long().cumsum(1), rank + 1)
+    live = position < n
+    return CausalLandmarks(torch.where(live, position, 0), live, slot % 2 == 0)
+
+
+def draw_causal_landmarks(info: AttentionInputs, num_features: int, stride: int | None,
+                          device: torch.device, key: Tensor) -> CausalLandmarks:
+    """The landmark slots of one call (``causal_nystrom.causal_landmarks``)."""
+    return causal_landmarks(
+        num_features, landmark_stride(stride, info.key_len, num_features),
+        batch=info.batch, n=info.key_len, key_valid=info.key_valid, device=device, key=key)
+
+
+@dataclass(frozen=True)
+class CausalCore:
+    """Landmark rows, their half norms (+inf for dead slots) and L^-1 (module docstring)."""
+
+    x: Tensor  # [B, H, m, D] scaled landmark rows
+    x_norm: Tensor  # [B, H, m]
+    l_inv: Tensor  # [B, H, m, m] lower triangular, L L^T = C(X, X) + gamma I
+
+
+def causal_core(q: Tensor, k: Tensor, scale: float, gamma: float,
+                landmarks: CausalLandmarks) -> CausalCore:
+    """X_S from the rows of ``q``/``k`` ``[B, H, N, D]`` at the slots' positions, scaled by
+    ``scale``; L^-1 of C(X_S, X_S) + gamma I (dead slots: unit diagonal, decoupled)."""
+    b, h = q.shape[:2]
+    index = landmarks.position[:, None, :].expand(b, h, -1)
+    x = torch.where(landmarks.from_query[:, None], gather_rows(q, index),
+                    gather_rows(k, index)) * scale  # [B, H, m, D]
+    inf = torch.tensor(float("inf"), dtype=x.dtype, device=x.device)
+    x_norm = torch.where(landmarks.live[:, None, :], half_sq_norm(x), inf)  # [B, H, m]
+    ridge = torch.where(landmarks.live, gamma, 1.0).to(x.dtype)  # [B, m]
+    gram = gaussian_kernel_block(x, x, x_norm, x_norm) + torch.diag_embed(ridge)[:, None]
+    chol = torch.linalg.cholesky(gram)
+    eye = torch.eye(gram.shape[-1], dtype=x.dtype, device=x.device).expand_as(gram)
+    l_inv = torch.linalg.solve_triangular(chol, eye, upper=False)
+    return CausalCore(x, x_norm, l_inv)
+
+
+def nystrom_features(kernel: Tensor, core: CausalCore) -> Tensor:
+    """phi = L^-1 C(X_S, y) for each row: ``[B, H, N, m]`` kernel columns -> ``[B, H, N, m]``."""
+    return kernel @ core.l_inv.transpose(-1, -2)

@@ -1,0 +1,83 @@
+"""Causal attention through feature maps, by chunked exclusive prefix sums.
+
+Every causal method whose weights factor as a_ij = phi(q_i) . psi(k_j) (linear attention,
+Performer, the causal Nystrom methods) computes
+
+    out_i = sum_{j <= i} a_ij v_j
+
+by chunks of L positions (Katharopoulos et al. 2020, eqs. (8)-(10), evaluated blockwise):
+for query i in chunk c, the keys of earlier chunks contribute phi(q_i) . S_c with
+S_c = sum_{c' < c} psi(K_c')^T V_c' an *exclusive* prefix sum over chunks ([m, Dv] per
+chunk), and the keys of chunk c up to i a lower-triangular L x L block. That block is
+phi(Q_c) psi(K_c)^T by default, or any exact local scores the caller passes (the causal
+Nystrom methods use the exact kernel there). Output i depends on no position after i,
+not even through rounding: S_c sums earlier chunks only, and the block is masked by
+``where`` (exact zeros, also in the gradient).
+
+Time O(N L m + N m Dv), memory O(N m Dv / L + N L): matmul-bound.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# Positions per chunk: the intra-chunk block is CAUSAL_CHUNK^2 per head, the prefix states
+# (N / CAUSAL_CHUNK) m Dv, both O(N m) for m ~ CAUSAL_CHUNK.
+CAUSAL_CHUNK = 64
+
+
+def chunk_rows(x: Tensor, chunk: int) -> Tensor:
+    """``[B, H, N, F] -> [B, H, C, L, F]`` with C = ceil(N / L), zero rows appended."""
+    b, h, n, f = x.shape
+    pad = (-n) % chunk
+    if pad:
+        x = F.pad(x, (0, 0, 0, pad))
+    return x.reshape(b, h, (n + pad) // chunk, chunk, f)
+
+
+def exclusive_chunk_sums(psi_k: Tensor, v: Tensor) -> Tensor:
+    """S_c = sum_{c' < c} psi(K_c')^T V_c': ``[B, H, C, L, m]``, ``[B, H, C, L, Dv]``
+    -> ``[B, H, C, m, Dv]`` (chunk 0 gets zeros)."""
+    kv = psi_k.transpose(-1, -2) @ v  # [B, H, C, m, Dv]
+    return torch.cat([torch.zeros_like(kv[:, :, :1]), kv.cumsum(2)[:, :, :-1]], dim=2)
+
+
+def lower_triangle(scores: Tensor) -> Tensor:
+    """Entries j > i of ``[..., L, L]`` set to exact zeros (values and gradients)."""
+    size = scores.shape[-1]
+    keep = torch.ones(size, size, dtype=torch.bool, device=scores.device).tril()
+    return torch.where(keep, scores, 0.0)
+
+
+def causal_feature_sums(phi_q: Tensor, psi_k: Tensor, v: Tensor, *,
+                        chunk: int = CAUSAL_CHUNK, local: Tensor | None = None) -> Tensor:
+    """sum_{j <= i} a_ij v_j by chunks (module docstring).
+
+    Args:
+        phi_q: ``[B, H, N, m]`` query features; psi_k: ``[B, H, N, m]`` key features
+            (zero rows for padded keys); v: ``[B, H, N, Dv]``.
+        chunk: L, positions per chunk.
+        local: ``[B, H, C, L, L]`` scores of each chunk's queries against the same
+            chunk's keys, replacing phi(Q_c) psi(K_c)^T (entries j > i are ignored).
+    Returns:
+        ``[B, H, N, Dv]``.
+    """
+    n = phi_q.shape[2]
+    q_c, k_c, v_c = (chunk_rows(t, chunk) for t in (phi_q, psi_k, v))
+    before = exclusive_chunk_sums(k_c, v_c)  # [B, H, C, m, Dv]
+    scores = q_c @ k_c.transpose(-1, -2) if local is None else local  # [B, H, C, L, L]
+    out = q_c @ before + lower_triangle(scores) @ v_c  # [B, H, C, L, Dv]
+    return out.flatten(2, 3)[:, :, :n]
+
+
+def prefix_mean_values(v: Tensor, key_valid: Tensor | None) -> Tensor:
+    """Mean of the values of the real keys j <= i, ``[B, H, N, Dv]`` (zero before the
+    first real key): the causal answer of uniform attention, for rows whose normaliser
+    is lost."""
+    if key_valid is None:
+        count = torch.arange(1, v.shape[2] + 1, device=v.device, dtype=v.dtype)[:, None]
+        return v.cumsum(2) / count
+    w = key_valid[:, None, :, None].to(v.dtype)  # [B, 1, N, 1]
+    return torch.where(w > 0, v, 0.0).cumsum(2) / w.cumsum(2).clamp_min(1.0)

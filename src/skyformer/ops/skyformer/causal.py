@@ -1,0 +1,54 @@
+"""Causal Skyformer: out_i ~ sum_{j <= i} C(q_i, k_j) v_j with no dependence on j > i.
+
+The construction is derived in this folder's README ("Causal") and built from
+``shared/causal_nystrom.py`` (landmarks revealed in order, nested cores from one
+Cholesky) and ``shared/causal_prefix.py`` (chunked prefix sums): for query i in
+chunk c (64 positions),
+
+    out_i = phi_<=i(q_i) . sum_{j < 64 c} phi(k_j) v_j^T  +  sum_{64 c <= j <= i} C(q_i, k_j) v_j,
+
+phi(y) = L^-1 C(X_S, y), phi_<=i its entries of the slots available at i. With
+``causal_local=False`` the second sum goes through the landmarks too. Time
+O(N m (m + D) + N 64 D), memory O(N m).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ...linalg import gaussian_kernel_block, half_sq_norm
+from ..shared.causal_nystrom import (
+    CausalCore,
+    CausalLandmarks,
+    causal_core,
+    draw_causal_landmarks,
+    nystrom_features,
+)
+from ..shared.causal_prefix import CAUSAL_CHUNK, causal_feature_sums, chunk_rows
+from ..shared.inputs import AttentionInputs
+
+__all__ = ["causal_skyformer", "draw_causal_landmarks"]
+
+
+def causal_skyformer(q: Tensor, k: Tensor, v: Tensor, info: AttentionInputs, scale: float,
+                     gamma: float, local: bool, landmarks: CausalLandmarks, *,
+                     chunk: int = CAUSAL_CHUNK) -> tuple[Tensor, CausalCore]:
+    """Causal Skyformer of ``q, k: [B, H, N, D]``, ``v: [B, H, N, Dv]`` (compute dtype,
+    unscaled): ``([B, H, N, Dv], core)``; rows of padded queries are not zeroed here."""
+    n = q.shape[2]
+    qs, ks = q * scale, k * scale
+    core = causal_core(q, k, scale, gamma, landmarks)
+    q_norm = half_sq_norm(qs)
+    k_norm = half_sq_norm(ks)  # [B, H, N]
+    if info.key_valid is not None:
+        k_norm = torch.where(info.key_valid[:, None, :], k_norm, float("inf"))
+    phi_q = nystrom_features(gaussian_kernel_block(qs, core.x, q_norm, core.x_norm), core)
+    phi_q = torch.where(landmarks.available(n), phi_q, 0.0)  # [B, H, N, m]
+    phi_k = nystrom_features(gaussian_kernel_block(ks, core.x, k_norm, core.x_norm), core)
+    exact = None
+    if local:  # C(q_i, k_j) within each chunk; padded keys have +inf norms: exact zeros
+        q_c, k_c = chunk_rows(qs, chunk), chunk_rows(ks, chunk)
+        qn_c, kn_c = (chunk_rows(t[..., None], chunk)[..., 0] for t in (q_norm, k_norm))
+        exact = gaussian_kernel_block(q_c, k_c, qn_c, kn_c)  # [B, H, C, L, L]
+    return causal_feature_sums(phi_q, phi_k, v, chunk=chunk, local=exact), core
