@@ -135,7 +135,7 @@ def test_static_cache_generation_with_exact_methods(kind, matrix):
     ours.set_attn_implementation("skyformer:softmax")
     torch.testing.assert_close(ours.generate(**batch, **settings), expected)
     with pytest.raises(CapabilityError, match="causal"):
-        shf.set_attention(copy.deepcopy(model), "skyformer")
+        shf.set_attention(copy.deepcopy(model), "nystromformer")
 
 
 def test_a_models_own_scaling_goes_to_the_scale_option():
