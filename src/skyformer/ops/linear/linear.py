@@ -34,12 +34,14 @@ from torch import Tensor
 
 from ...registry import Capabilities, register
 from ..shared.inputs import (
+    AttentionInputs,
     check_attention_inputs,
     check_generator,
     compute_dtype,
     zero_padded_queries,
 )
 from ..shared.options import check_bool, check_nonnegative_float, check_optional_positive_int
+from ..shared.reduction import WHOLE, KeyReduction
 
 # Positions per chunk of the causal form: the intra-chunk block is CAUSAL_CHUNK^2 per
 # head, the prefix state (N / CAUSAL_CHUNK) D Dv, both O(N D) for D ~ CAUSAL_CHUNK.
@@ -117,10 +119,22 @@ def linear_attention(
                              f"Nq={info.query_len}, Nk={info.key_len}.")
         out = causal_linear(phi_q, phi_k, vw, config.eps)
         return zero_padded_queries(out, info.query_valid).to(dtype)
-    kv = phi_k.transpose(-1, -2) @ vw  # [B, H, D, Dv]
-    normaliser = phi_q @ phi_k.sum(dim=2)[..., None]  # [B, H, Nq, 1]
-    out = (phi_q @ kv) / (normaliser + config.eps)
-    return zero_padded_queries(out, info.query_valid).to(dtype)
+    return linear_from_features(phi_q, phi_k, vw, info, config.eps).to(dtype)
+
+
+def linear_from_features(phi_q: Tensor, phi_k: Tensor, v: Tensor, info: AttentionInputs,
+                         eps: float, reduce: KeyReduction = WHOLE) -> Tensor:
+    """phi(Q) (phi(K)^T V) / (phi(Q) phi(K)^T 1 + eps) (Katharopoulos et al. eq. (6)).
+
+    ``phi_q: [B, H, Nq, D]``, ``phi_k: [B, H, Nk, D]`` and ``v: [B, H, Nk, Dv]`` with
+    padded keys zeroed; ``reduce`` completes the two sums over the keys (D x Dv and D)
+    when they are a shard (``shared/reduction.py``). Returns ``[B, H, Nq, Dv]``.
+    """
+    v_and_one = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # [B, H, Nk, Dv + 1]
+    kv = reduce.sum(phi_k.transpose(-1, -2) @ v_and_one)  # [B, H, D, Dv + 1]
+    o = phi_q @ kv  # [B, H, Nq, Dv + 1]
+    out = o[..., :-1] / (o[..., -1:] + eps)
+    return zero_padded_queries(out, info.query_valid)
 
 
 def causal_linear(phi_q: Tensor, phi_k: Tensor, v: Tensor, eps: float,

@@ -117,6 +117,12 @@ def nystrom_core(
     x = torch.cat(
         [_rows(q, landmarks.query_index), _rows(k, landmarks.key_index)], dim=2
     ) * scale  # [B, H, m, D]
+    return core_from_rows(x, options, landmarks)
+
+
+def core_from_rows(x: Tensor, options: NystromOptions, landmarks: Landmarks) -> NystromCore:
+    """``NystromCore`` of the scaled landmark rows ``x: [B, H, m, D]`` (slots that hold
+    no landmark may hold anything: their kernel entries are exact zeros)."""
     x_norm = torch.where(
         landmarks.live[:, None, :], half_sq_norm(x),
         torch.tensor(float("inf"), dtype=x.dtype, device=x.device),
