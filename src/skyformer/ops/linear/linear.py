@@ -105,14 +105,7 @@ def linear_attention(
                                   query_padding_mask=query_padding_mask)
     check_generator("linear", generator, q.device)
     dtype = q.dtype
-    work = compute_dtype(dtype)
-    phi_q = elu_feature_map(q.to(work))  # [B, H, Nq, D]
-    phi_k = elu_feature_map(k.to(work))  # [B, H, Nk, D]
-    vw = v.to(work)
-    if info.key_valid is not None:  # by where: whatever a padded key holds stays out
-        real = info.key_valid[:, None, :, None]
-        phi_k = torch.where(real, phi_k, 0.0)
-        vw = torch.where(real, vw, 0.0)
+    phi_q, phi_k, vw = linear_features(q, k, v, info.key_valid)
     if config.causal:
         if info.query_len != info.key_len:
             raise ValueError(f"linear: causal=True needs as many queries as keys, got "
@@ -120,6 +113,21 @@ def linear_attention(
         out = causal_linear(phi_q, phi_k, vw, config.eps)
         return zero_padded_queries(out, info.query_valid).to(dtype)
     return linear_from_features(phi_q, phi_k, vw, info, config.eps).to(dtype)
+
+
+def linear_features(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None
+                    ) -> tuple[Tensor, Tensor, Tensor]:
+    """phi(Q), phi(K) and V in the compute dtype, padded keys' features and values zeroed
+    (by ``where``: whatever a padded key holds stays out). Shapes as the inputs'."""
+    work = compute_dtype(q.dtype)
+    phi_q = elu_feature_map(q.to(work))  # [B, H, Nq, D]
+    phi_k = elu_feature_map(k.to(work))  # [B, H, Nk, D]
+    vw = v.to(work)
+    if key_valid is not None:
+        real = key_valid[:, None, :, None]
+        phi_k = torch.where(real, phi_k, 0.0)
+        vw = torch.where(real, vw, 0.0)
+    return phi_q, phi_k, vw
 
 
 def linear_from_features(phi_q: Tensor, phi_k: Tensor, v: Tensor, info: AttentionInputs,
