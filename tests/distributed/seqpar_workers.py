@@ -21,8 +21,8 @@ from skyformer.distributed import (
 )
 from skyformer.distributed.landmarks import draw_landmarks
 from skyformer.distributed.layout import agree_layout
-from skyformer.ops.shared.modified_nystrom import sample_landmarks
 from skyformer.ops.shared.inputs import check_attention_inputs
+from skyformer.ops.shared.modified_nystrom import sample_landmarks
 
 METHODS = {
     "skyformer": {"num_features": 8},

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from seqpar_workers import check_equal, check_errors, check_layer_2d, spawn
 
 import skyformer
 from skyformer.distributed import sequence_parallel_attention, shard_bounds
-
-from seqpar_workers import check_equal, check_errors, check_layer_2d, spawn
 
 
 def test_two_processes_uneven_shards_padding_on_the_boundary_and_a_padded_shard():
@@ -39,7 +38,7 @@ def test_layer_runs_data_by_sequence_parallel():
 
 def test_without_an_initialised_group_the_call_says_so():
     q = torch.randn(1, 1, 4, 2)
-    with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
+    with pytest.raises(RuntimeError, match=r"torch\.distributed is not initialised"):
         sequence_parallel_attention(q, q, q)
     with pytest.raises(ValueError, match="cannot run sequence parallel"):
         skyformer.MultiHeadAttention(8, 2, "reformer", process_group=object())
