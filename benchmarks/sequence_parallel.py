@@ -94,6 +94,7 @@ def _worker(rank: int, world: int, store: str, n: int, args: argparse.Namespace,
            "peak_above_start_mib": _rss_mib() - before}
     Path(out, f"{rank}.json").write_text(json.dumps(row))
     if group is not None:
+        dist.barrier()  # gloo: no rank closes its connections while another still reads
         dist.destroy_process_group()
 
 

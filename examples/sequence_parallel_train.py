@@ -133,6 +133,7 @@ def main() -> None:
         if rank == 0:
             print(f"step {step:3d}  loss {total.item() / args.data_parallel:.3f}  "
                   f"{time.perf_counter() - t0:.2f} s", flush=True)
+    dist.barrier()  # gloo: no rank closes its connections while another still reads
     dist.destroy_process_group() if not info.enabled else shutdown(info)
 
 

@@ -47,6 +47,7 @@ def _entry(rank: int, world: int, store: str, fn: Callable[..., None], args: tup
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
+        dist.barrier()  # gloo: no rank closes its connections while another still reads
     except Exception:
         traceback.print_exc()
         raise
