@@ -25,6 +25,11 @@ class MultiHeadAttention(nn.Module):
         bias: whether the projections have biases.
         seq_len: the longest sequence the layer will see; a fixed-length method
             (Linformer) takes it as its ``max_seq_len`` unless that option is given.
+        process_group: a ``torch.distributed`` process group over which the sequence is
+            sharded: each rank passes its contiguous shard ``[B, N_r, dim]`` of ``x`` (and
+            of the mask) and gets its shard of the output (``skyformer.distributed``,
+            docs/distributed.md). The parameters must be alike on every rank, and their
+            gradients summed over the group after backward (``distributed.sum_gradients``).
         **method_options: options of the method (e.g. ``num_features=64``).
 
     Example::
@@ -42,6 +47,7 @@ class MultiHeadAttention(nn.Module):
         dropout: float = 0.0,
         bias: bool = True,
         seq_len: int | None = None,
+        process_group: Any = None,
         **method_options: Any,
     ) -> None:
         super().__init__()
@@ -57,6 +63,10 @@ class MultiHeadAttention(nn.Module):
                              f"{dropout!r}.")
         if not isinstance(bias, bool):
             raise ValueError(f"MultiHeadAttention: bias must be True or False, got {bias!r}.")
+        if process_group is not None:
+            from .distributed.forms import form_of  # torch.distributed only when asked
+
+            form_of(method)
         self.dim = dim
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
@@ -70,6 +80,7 @@ class MultiHeadAttention(nn.Module):
         self.dropout = nn.Dropout(dropout)
         # Per-layer state of the method (learned projections, kept random features).
         self.method_state = self.bound.new_state()
+        self.process_group = process_group
 
     @property
     def method(self) -> str:
@@ -125,14 +136,30 @@ class MultiHeadAttention(nn.Module):
         q = self._split(self.q_proj(x))
         k = self._split(self.k_proj(source))
         v = self._split(self.v_proj(source))
-        out = self.bound(
-            q, k, v, key_padding_mask=key_padding_mask,
-            query_padding_mask="auto" if context is None else query_padding_mask,
-            generator=generator, state=self.method_state,
-        )  # [B, H, N, Dh]
+        if self.process_group is not None:
+            out = self._sequence_parallel(q, k, v, key_padding_mask, context, generator)
+        else:
+            out = self.bound(
+                q, k, v, key_padding_mask=key_padding_mask,
+                query_padding_mask="auto" if context is None else query_padding_mask,
+                generator=generator, state=self.method_state,
+            )  # [B, H, N, Dh]
         b, _, n, _ = out.shape
         out = out.transpose(1, 2).reshape(b, n, self.dim)
         return self.out_proj(self.dropout(out))
+
+    def _sequence_parallel(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None,
+                           context: Tensor | None, generator: Any) -> Tensor:
+        """Attention of this rank's shard of the sequence (``process_group``)."""
+        from .distributed import run_sequence_parallel
+
+        if context is not None:
+            raise ValueError("MultiHeadAttention: with a process_group the layer runs "
+                             "sequence-parallel self-attention; it takes no context.")
+        state = self.method_state(q, k) if self.method_state is not None else {}
+        return run_sequence_parallel(self.bound, q, k, v, group=self.process_group,
+                                     key_padding_mask=key_padding_mask, generator=generator,
+                                     **state)  # [B, H, N_r, Dh]
 
     def extra_repr(self) -> str:
         options = ", ".join(f"{k}={v!r}" for k, v in self.bound.options().items())

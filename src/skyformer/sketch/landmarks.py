@@ -10,10 +10,15 @@ batch element and shared by the heads. Unlike the reference we
   right padding);
 - take randomness only from the caller's ``generator``.
 
-Sampling is a top-k of uniform scores with padded rows scored out of reach. Each
-score is a counter-based draw indexed by the batch element and the row's rank among
-the valid rows (``rng.row_uniform``): a sequence draws the same landmarks whatever its
-padding (left, right, holes), its padded width and the other sequences of the batch.
+Sampling keeps the rows of smallest *selection key*. Each row's key is its uniform
+score (a counter-based draw indexed by the batch element and the row's rank among the
+valid rows, ``rng.row_uniform``) with that rank as tie-break; padded rows' keys lie
+beyond every valid one. So a sequence draws the same landmarks whatever its padding
+(left, right, holes), its padded width and the other sequences of the batch; the keys
+are distinct, so neither the set nor the order (increasing key) is left to how a sort
+breaks ties; and the smallest keys of a sequence are the smallest among the smallest
+keys of its pieces, which is how ``skyformer.distributed`` draws, across processes that
+each hold a shard of the sequence, the landmarks one process would draw.
 """
 
 from __future__ import annotations
@@ -23,9 +28,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .rng import random_key, row_uniform, stream
+from .rng import random_key, row_uniform, stream, valid_rank
 
-_OUT_OF_REACH = 2.0  # uniform scores lie in [0, 1)
+QUERY_STREAM, KEY_STREAM = "landmarks/queries", "landmarks/keys"
+_SCORE_SCALE = 2**24  # float32 row_uniform scores are multiples of 2^-24: exact integers
+_RANK_BITS = 32  # the rank among valid rows below the score bits (N < 2^32)
+PADDED_KEY = 1 << 62  # above every valid row's key (< 2^56)
 
 
 @dataclass(frozen=True)
@@ -43,12 +51,31 @@ class Landmarks:
         return torch.cat([self.query_live, self.key_live], dim=1)
 
 
-def _pick(scores: Tensor, valid: Tensor | None, count: int) -> tuple[Tensor, Tensor]:
-    if valid is not None:
-        scores = scores.masked_fill(~valid, _OUT_OF_REACH)
-    count = min(count, scores.shape[1])
-    picked, index = scores.topk(count, dim=1, largest=False, sorted=False)
-    return index, picked < _OUT_OF_REACH
+def selection_keys(
+    key: Tensor, valid: Tensor | None, batch: int, n: int, *,
+    valid_before: Tensor | None = None, rows_before: int = 0,
+) -> Tensor:
+    """Distinct int64 keys ``[B, n]`` of the rows under the stream ``key``: (score, rank
+    among the valid rows) for valid rows, ``PADDED_KEY`` + position for padded ones.
+
+    ``valid_before: [B]`` and ``rows_before`` place these ``n`` rows in a longer
+    sequence (the valid rows and the rows before them): a shard gets the keys that the
+    whole sequence gives its rows.
+    """
+    scores = row_uniform(key, valid, batch, n, before=valid_before)  # [B, n]
+    rank = valid_rank(valid, batch, n, key.device, valid_before)
+    ordered = (scores * _SCORE_SCALE).long() << _RANK_BITS | rank
+    if valid is None:
+        return ordered
+    position = rows_before + torch.arange(n, device=key.device)
+    return torch.where(valid, ordered, PADDED_KEY + position)
+
+
+def smallest_keys(keys: Tensor, count: int) -> tuple[Tensor, Tensor]:
+    """The ``min(count, n)`` smallest of ``keys: [B, n]`` in increasing order:
+    ``(index [B, c], keys [B, c])``."""
+    picked, index = keys.topk(min(count, keys.shape[1]), dim=1, largest=False, sorted=True)
+    return index, picked
 
 
 def uniform_landmarks(
@@ -68,8 +95,10 @@ def uniform_landmarks(
     ``generator``: a generator or a random key (``rng.random_key``).
     """
     key = random_key(generator, device)
-    q_scores = row_uniform(stream(key, "landmarks/queries"), query_valid, batch, query_len)
-    k_scores = row_uniform(stream(key, "landmarks/keys"), key_valid, batch, key_len)
-    q_index, q_live = _pick(q_scores, query_valid, (num_features + 1) // 2)
-    k_index, k_live = _pick(k_scores, key_valid, num_features // 2)
+    sides = []
+    for name, valid, n, count in ((QUERY_STREAM, query_valid, query_len, (num_features + 1) // 2),
+                                  (KEY_STREAM, key_valid, key_len, num_features // 2)):
+        index, picked = smallest_keys(selection_keys(stream(key, name), valid, batch, n), count)
+        sides.append((index, picked < PADDED_KEY))
+    (q_index, q_live), (k_index, k_live) = sides
     return Landmarks(q_index, q_live, k_index, k_live)

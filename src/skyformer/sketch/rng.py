@@ -125,17 +125,28 @@ def normal(key: Tensor, shape: tuple[int, ...], dtype: torch.dtype = torch.float
     return (radius * torch.cos(2.0 * math.pi * u2)).to(dtype)
 
 
-def row_uniform(key: Tensor, valid: Tensor | None, batch: int, n: int,
-                dtype: torch.dtype = torch.float32) -> Tensor:
-    """One uniform number per row ``[B, n]``, indexed by (batch element, rank of the row
-    among the valid rows): a sequence draws the same numbers for its real rows whatever
-    its padding (left, right, holes), its padded width and the other sequences.
-    Padded rows get numbers too (by position); callers mask them."""
-    device = key.device
+def valid_rank(valid: Tensor | None, batch: int, n: int, device: torch.device,
+               before: Tensor | None = None) -> Tensor:
+    """Rank ``[B, n]`` (int64) of each row among the valid rows of its batch element,
+    counted from ``before: [B]`` (the valid rows preceding these ``n``, when they are one
+    shard of a longer sequence; 0 by default). Padded rows get ranks apart from every
+    valid one (callers mask them)."""
     if valid is None:
         rank = torch.arange(n, device=device).expand(batch, n)
     else:
         rank = valid.long().cumsum(dim=1) - 1
         rank = torch.where(valid, rank, n + torch.arange(n, device=device))  # padded: apart
+    return rank if before is None else rank + before.to(device)[:, None]
+
+
+def row_uniform(key: Tensor, valid: Tensor | None, batch: int, n: int,
+                dtype: torch.dtype = torch.float32, *, before: Tensor | None = None) -> Tensor:
+    """One uniform number per row ``[B, n]``, indexed by (batch element, rank of the row
+    among the valid rows): a sequence draws the same numbers for its real rows whatever
+    its padding (left, right, holes), its padded width and the other sequences.
+    Padded rows get numbers too; callers mask them. ``before``: see ``valid_rank`` (a
+    shard of a sequence draws the numbers the whole sequence draws for those rows)."""
+    device = key.device
+    rank = valid_rank(valid, batch, n, device, before)
     keys = fold_in(key, torch.arange(batch, device=device))  # [B, 2]
     return uniform_at(keys[:, None, :], rank, dtype)

@@ -35,12 +35,14 @@ from torch import Tensor
 from ...registry import Capabilities, register
 from ..shared.causal_prefix import CAUSAL_CHUNK, causal_feature_sums
 from ..shared.inputs import (
+    AttentionInputs,
     check_attention_inputs,
     check_generator,
     compute_dtype,
     zero_padded_queries,
 )
 from ..shared.options import check_bool, check_nonnegative_float, check_optional_positive_int
+from ..shared.reduction import WHOLE, KeyReduction
 
 
 @dataclass(frozen=True)
@@ -100,24 +102,44 @@ def linear_attention(
                                   query_padding_mask=query_padding_mask)
     check_generator("linear", generator, q.device)
     dtype = q.dtype
-    work = compute_dtype(dtype)
-    phi_q = elu_feature_map(q.to(work))  # [B, H, Nq, D]
-    phi_k = elu_feature_map(k.to(work))  # [B, H, Nk, D]
-    vw = v.to(work)
-    if info.key_valid is not None:  # by where: whatever a padded key holds stays out
-        real = info.key_valid[:, None, :, None]
-        phi_k = torch.where(real, phi_k, 0.0)
-        vw = torch.where(real, vw, 0.0)
+    phi_q, phi_k, vw = linear_features(q, k, v, info.key_valid)
     if config.causal:
         if info.query_len != info.key_len:
             raise ValueError(f"linear: causal=True needs as many queries as keys, got "
                              f"Nq={info.query_len}, Nk={info.key_len}.")
         out = causal_linear(phi_q, phi_k, vw, config.eps)
         return zero_padded_queries(out, info.query_valid).to(dtype)
-    kv = phi_k.transpose(-1, -2) @ vw  # [B, H, D, Dv]
-    normaliser = phi_q @ phi_k.sum(dim=2)[..., None]  # [B, H, Nq, 1]
-    out = (phi_q @ kv) / (normaliser + config.eps)
-    return zero_padded_queries(out, info.query_valid).to(dtype)
+    return linear_from_features(phi_q, phi_k, vw, info, config.eps).to(dtype)
+
+
+def linear_features(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None
+                    ) -> tuple[Tensor, Tensor, Tensor]:
+    """phi(Q), phi(K) and V in the compute dtype, padded keys' features and values zeroed
+    (by ``where``: whatever a padded key holds stays out). Shapes as the inputs'."""
+    work = compute_dtype(q.dtype)
+    phi_q = elu_feature_map(q.to(work))  # [B, H, Nq, D]
+    phi_k = elu_feature_map(k.to(work))  # [B, H, Nk, D]
+    vw = v.to(work)
+    if key_valid is not None:
+        real = key_valid[:, None, :, None]
+        phi_k = torch.where(real, phi_k, 0.0)
+        vw = torch.where(real, vw, 0.0)
+    return phi_q, phi_k, vw
+
+
+def linear_from_features(phi_q: Tensor, phi_k: Tensor, v: Tensor, info: AttentionInputs,
+                         eps: float, reduce: KeyReduction = WHOLE) -> Tensor:
+    """phi(Q) (phi(K)^T V) / (phi(Q) phi(K)^T 1 + eps) (Katharopoulos et al. eq. (6)).
+
+    ``phi_q: [B, H, Nq, D]``, ``phi_k: [B, H, Nk, D]`` and ``v: [B, H, Nk, Dv]`` with
+    padded keys zeroed; ``reduce`` completes the two sums over the keys (D x Dv and D)
+    when they are a shard (``shared/reduction.py``). Returns ``[B, H, Nq, Dv]``.
+    """
+    v_and_one = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # [B, H, Nk, Dv + 1]
+    kv = reduce.sum(phi_k.transpose(-1, -2) @ v_and_one)  # [B, H, D, Dv + 1]
+    o = phi_q @ kv  # [B, H, Nq, Dv + 1]
+    out = o[..., :-1] / (o[..., -1:] + eps)
+    return zero_padded_queries(out, info.query_valid)
 
 
 def causal_linear(phi_q: Tensor, phi_k: Tensor, v: Tensor, eps: float,

@@ -60,8 +60,14 @@ from ..shared.inputs import (
     zero_padded_queries,
 )
 from ..shared.masked import normalised_or
-from ..shared.modified_nystrom import NystromOptions, nystrom_core, sample_landmarks
+from ..shared.modified_nystrom import (
+    NystromCore,
+    NystromOptions,
+    nystrom_core,
+    sample_landmarks,
+)
 from ..shared.options import check_nonnegative_float, check_scale
+from ..shared.reduction import WHOLE, KeyReduction
 from ..skyformer.causal import draw_causal_landmarks
 from .causal import causal_nystrom_softmax
 
@@ -126,32 +132,44 @@ def nystrom_softmax_attention(
         query_padding_mask=query_padding_mask, generator=generator)
     qw, kw, vw = q.to(work), k.to(work), v.to(work)
     core = nystrom_core(qw, kw, root, config, landmarks)
+    return nystrom_softmax_from_core(qw, kw, vw, core, info, root, config).to(q.dtype)
+
+
+def nystrom_softmax_from_core(
+    q: Tensor, k: Tensor, v: Tensor, core: NystromCore, info: AttentionInputs, root: float,
+    config: NystromSoftmaxConfig, reduce: KeyReduction = WHOLE,
+) -> Tensor:
+    """D~^-1 A~ V given the core (module docstring), in the inputs' dtype.
+
+    ``q: [B, H, Nq, D]``, ``k: [B, H, Nk, D]``, ``v: [B, H, Nk, Dv]``, ``root`` = sqrt
+    of the logit scale; ``reduce`` completes the sums and the maximum over the keys when
+    they are a shard (``shared/reduction.py``). Returns ``[B, H, Nq, Dv]``.
+    """
     key_valid = None if info.key_valid is None else info.key_valid[:, None, :]  # [B, 1, Nk]
 
     # C(X_S, K) E_K up to a common factor: entries exp(k^.x - |x|^2/2 - max_j |k^_j|^2/2),
     # at most 1 since k^.x - |x|^2/2 <= |k^|^2/2. No gradient through the common factor.
     with torch.no_grad():
-        log_e_k = torch.linalg.vecdot(kw, kw).mul_(0.5 * root * root)  # [B, H, Nk]
+        log_e_k = torch.linalg.vecdot(k, k).mul_(0.5 * root * root)  # [B, H, Nk]
         if key_valid is not None:
             log_e_k = log_e_k.masked_fill(~key_valid, float("-inf"))
-        shift = log_e_k.amax(dim=-1, keepdim=True)
+        shift = reduce.max(log_e_k.amax(dim=-1, keepdim=True))
         shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))  # [B, H, 1]
-    v_and_one = torch.cat([vw, torch.ones_like(vw[..., :1])], dim=-1)  # [B, H, Nk, Dv + 1]
-    context = gaussian_kernel_matmul(
-        kw, core.x, v_and_one, core.x_norm + shift, scale=root, row_norm=False,
+    v_and_one = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # [B, H, Nk, Dv + 1]
+    context = reduce.sum(gaussian_kernel_matmul(
+        k, core.x, v_and_one, core.x_norm + shift, scale=root, row_norm=False,
         row_valid=key_valid, transpose=True, kernel=config.kernel,
-    )  # [B, H, m, Dv + 1]
+    ))  # [B, H, m, Dv + 1]
     z = core.w @ context
     # E_Q cancels in the ratio: rows of C(Q, X_S) are scaled by their own maximum instead.
     # The last column gives sum_s C(q_i, x_s) |(W u)_s|, the bound on |D~_i|.
     o = gaussian_kernel_matmul(
-        qw, core.x, torch.cat([z, z[..., -1:].detach().abs()], dim=-1), core.x_norm,
+        q, core.x, torch.cat([z, z[..., -1:].detach().abs()], dim=-1), core.x_norm,
         scale=root, row_norm=False, shift_rows=True, kernel=config.kernel,
     )  # [B, H, Nq, Dv + 2]
-    dv = vw.shape[-1]
-    return normalise(
-        o[..., :dv], o[..., dv : dv + 1], o[..., dv + 1 :], vw, info, config, q.dtype
-    )
+    dv = v.shape[-1]
+    return normalise(o[..., :dv], o[..., dv : dv + 1], o[..., dv + 1 :], v, info, config,
+                     v.dtype, reduce)
 
 
 def _causal(q: Tensor, k: Tensor, v: Tensor, config: NystromSoftmaxConfig,
@@ -188,8 +206,10 @@ def prepare(
 
 
 def normalise(numerator: Tensor, denominator: Tensor, bound: Tensor, vw: Tensor,
-               info: AttentionInputs, options: NystromSoftmaxConfig, dtype: torch.dtype) -> Tensor:
+              info: AttentionInputs, options: NystromSoftmaxConfig, dtype: torch.dtype,
+              reduce: KeyReduction = WHOLE) -> Tensor:
     """D~^-1 A~ V on reliable rows, mean(V) on the others; zero padded queries."""
     reliable = denominator > options.normalizer_threshold * bound
-    out = normalised_or(numerator, denominator, mean_values(vw, info.key_valid), reliable)
+    out = normalised_or(numerator, denominator, mean_values(vw, info.key_valid, reduce),
+                        reliable)
     return zero_padded_queries(out, info.query_valid).to(dtype)

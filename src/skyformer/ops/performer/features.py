@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from ...sketch import gaussian_projection, softmax_log_features
+from ..shared.reduction import WHOLE, KeyReduction
 
 
 def _projections(x: Tensor, projection: Tensor) -> Tensor:
@@ -36,21 +37,23 @@ def query_features(q_scaled: Tensor, projection: Tensor, eps: float = 0.0
 
 
 def key_features(
-    k_scaled: Tensor, projection: Tensor, key_valid: Tensor | None, eps: float = 0.0
+    k_scaled: Tensor, projection: Tensor, key_valid: Tensor | None, eps: float = 0.0,
+    reduce: KeyReduction = WHOLE,
 ) -> tuple[Tensor, Tensor]:
     """Positive features of the keys, shifted by the maximum over the real keys and
     features of each batch element and head; padded keys get exact zeros. With
     ``eps > 0``: phi~ = exp(w.k - |k|^2/2 - c) + eps, c = the maximum of w_f.k over the
     real keys and features of the element and head.
 
-    Returns ``(phi~ [B, H, N, m], log_scale [B, H, 1, 1])``.
+    Returns ``(phi~ [B, H, N, m], log_scale [B, H, 1, 1])``. ``reduce`` completes the
+    maximum when the keys are a shard of the sequence (``shared/reduction.py``).
     """
     log_f = softmax_log_features(k_scaled, projection)
     if key_valid is not None:
         log_f = log_f.masked_fill(~key_valid[:, None, :, None], float("-inf"))
     basis = log_f if eps == 0 else _projections(k_scaled, projection).masked_fill(
         torch.isinf(log_f), float("-inf"))
-    shift = basis.detach().amax(dim=(-1, -2), keepdim=True)
+    shift = reduce.max(basis.detach().amax(dim=(-1, -2), keepdim=True))
     shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
     phi = (log_f - shift).exp()
     if eps == 0:

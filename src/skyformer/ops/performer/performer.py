@@ -49,6 +49,7 @@ from ...sketch import gaussian_projection
 from ...sketch.rng import fold_in, random_key
 from ..shared.causal_prefix import causal_feature_sums, prefix_mean_values
 from ..shared.inputs import (
+    AttentionInputs,
     check_attention_inputs,
     compute_dtype,
     mean_values,
@@ -63,6 +64,7 @@ from ..shared.options import (
     check_random_features,
     check_scale,
 )
+from ..shared.reduction import WHOLE, KeyReduction
 from .features import causal_key_features, key_features, query_features, resolve_projection
 
 
@@ -210,25 +212,38 @@ def performer_attention(
         "performer", projection, config.num_features, info.head_dim, config.orthogonal, q.device,
         key,
     )
-    dtype = q.dtype
-    work = compute_dtype(dtype)
+    work = compute_dtype(q.dtype)
+    return performer_from_projection(q.to(work), k.to(work), v.to(work), w.to(work), info,
+                                     config).to(q.dtype)
+
+
+def performer_from_projection(
+    q: Tensor, k: Tensor, v: Tensor, projection: Tensor, info: AttentionInputs,
+    config: PerformerConfig, reduce: KeyReduction = WHOLE,
+) -> Tensor:
+    """phi(Q') (phi(K')^T V) / phi(Q') (phi(K')^T 1) (eqs. (5)-(6)) given the feature
+    directions ``projection: [m, D]``, in the inputs' dtype.
+
+    ``q: [B, H, Nq, D]``, ``k: [B, H, Nk, D]``, ``v: [B, H, Nk, Dv]``; ``reduce``
+    completes the sums (m x (Dv + 1)) and the keys' shift when the keys are a shard
+    (``shared/reduction.py``). Returns ``[B, H, Nq, Dv]``.
+    """
     s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
     root = math.sqrt(s)
-    w = w.to(work)
-    phi_q, _ = query_features(q.to(work) * root, w, config.eps)  # [B, H, Nq, m]
-    vw = v.to(work)
+    phi_q, _ = query_features(q * root, projection, config.eps)  # [B, H, Nq, m]
     if config.causal:
         if info.query_len != info.key_len:
             raise ValueError(f"performer: causal=True needs as many queries as keys, got "
                              f"Nq={info.query_len}, Nk={info.key_len}.")
-        phi_k = causal_key_features(k.to(work) * root, w, info.key_valid, config.eps)
-        v_and_one = torch.cat([vw, torch.ones_like(vw[..., :1])], dim=-1)
+        phi_k = causal_key_features(k * root, projection, info.key_valid, config.eps)
+        v_and_one = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
         o = causal_feature_sums(phi_q, phi_k, v_and_one)  # [B, H, N, Dv + 1]
-        out = normalised_or(o[..., :-1], o[..., -1:], prefix_mean_values(vw, info.key_valid))
-        return zero_padded_queries(out, info.query_valid).to(dtype)
-    phi_k, _ = key_features(k.to(work) * root, w, info.key_valid, config.eps)  # [B, H, Nk, m]
-    v_and_one = torch.cat([vw, torch.ones_like(vw[..., :1])], dim=-1)  # [B, H, Nk, Dv + 1]
-    o = phi_q @ (phi_k.transpose(-1, -2) @ v_and_one)  # [B, H, Nq, Dv + 1]
+        out = normalised_or(o[..., :-1], o[..., -1:], prefix_mean_values(v, info.key_valid))
+        return zero_padded_queries(out, info.query_valid)
+    phi_k, _ = key_features(k * root, projection, info.key_valid, config.eps,
+                            reduce)  # [B, H, Nk, m]
+    v_and_one = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # [B, H, Nk, Dv + 1]
+    o = phi_q @ reduce.sum(phi_k.transpose(-1, -2) @ v_and_one)  # [B, H, Nq, Dv + 1]
     numerator, denominator = o[..., :-1], o[..., -1:]
-    out = normalised_or(numerator, denominator, mean_values(vw, info.key_valid))
-    return zero_padded_queries(out, info.query_valid).to(dtype)
+    out = normalised_or(numerator, denominator, mean_values(v, info.key_valid, reduce))
+    return zero_padded_queries(out, info.query_valid)

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from ...sketch.rng import check_key, random_key
+from .reduction import WHOLE, KeyReduction
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -172,9 +173,13 @@ def resolve_key(method: str, generator: object, device: torch.device) -> Tensor:
     return random_key(generator, device)  # type: ignore[arg-type]
 
 
-def mean_values(v: Tensor, key_valid: Tensor | None) -> Tensor:
-    """Mean of the values over real keys, ``[B, H, 1, Dv]`` (zero if there are none)."""
-    if key_valid is None:
+def mean_values(v: Tensor, key_valid: Tensor | None, reduce: KeyReduction = WHOLE) -> Tensor:
+    """Mean of the values over real keys, ``[B, H, 1, Dv]`` (zero if there are none);
+    ``reduce`` completes the sums when ``v`` is a shard of the keys (``reduction.py``)."""
+    if key_valid is None and reduce is WHOLE:
         return v.mean(dim=2, keepdim=True)
-    w = key_valid[:, None, :, None].to(v.dtype)  # [B, 1, Nk, 1]
-    return (v * w).sum(dim=2, keepdim=True) / w.sum(dim=2, keepdim=True).clamp_min(1.0)
+    w = torch.ones_like(v[:1, :1, :, :1]) if key_valid is None \
+        else key_valid[:, None, :, None].to(v.dtype)  # [B|1, 1, Nk, 1]
+    total = reduce.sum(torch.cat([(v * w).sum(dim=2, keepdim=True),
+                                  w.sum(dim=2, keepdim=True).expand(*v.shape[:2], 1, 1)], -1))
+    return total[..., :-1] / total[..., -1:].clamp_min(1.0)

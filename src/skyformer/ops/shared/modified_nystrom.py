@@ -96,7 +96,7 @@ def sample_landmarks(
     )
 
 
-def _rows(x: Tensor, index: Tensor) -> Tensor:
+def head_rows(x: Tensor, index: Tensor) -> Tensor:
     """Rows ``index: [B, m]`` of ``x: [B, H, N, D]`` for every head: ``[B, H, m, D]``."""
     return gather_rows(x, index[:, None, :].expand(x.shape[0], x.shape[1], index.shape[1]))
 
@@ -121,8 +121,14 @@ def nystrom_core(
     """Landmark rows X_S of [s Q; s K] (gathered, then scaled: m rows, not N), their half
     squared norms, and W = Lemma-3 inverse of C(X_S, X_S) (Skyformer section 3.4)."""
     x = torch.cat(
-        [_rows(q, landmarks.query_index), _rows(k, landmarks.key_index)], dim=2
+        [head_rows(q, landmarks.query_index), head_rows(k, landmarks.key_index)], dim=2
     ) * scale  # [B, H, m, D]
+    return core_from_rows(x, options, landmarks)
+
+
+def core_from_rows(x: Tensor, options: NystromOptions, landmarks: Landmarks) -> NystromCore:
+    """``NystromCore`` of the scaled landmark rows ``x: [B, H, m, D]`` (slots that hold
+    no landmark may hold anything: their kernel entries are exact zeros)."""
     x_norm = torch.where(
         landmarks.live[:, None, :], half_sq_norm(x),
         torch.tensor(float("inf"), dtype=x.dtype, device=x.device),

@@ -37,8 +37,14 @@ from ..shared.inputs import (
     resolve_key,
     zero_padded_queries,
 )
-from ..shared.modified_nystrom import NystromOptions, nystrom_core, sample_landmarks
+from ..shared.modified_nystrom import (
+    NystromCore,
+    NystromOptions,
+    nystrom_core,
+    sample_landmarks,
+)
 from ..shared.options import check_scale
+from ..shared.reduction import WHOLE, KeyReduction
 from .causal import causal_skyformer, draw_causal_landmarks
 
 
@@ -97,14 +103,28 @@ def skyformer_attention(
         query_padding_mask=query_padding_mask, generator=generator)
     qw, kw, vw = q.to(work), k.to(work), v.to(work)
     core = nystrom_core(qw, kw, scale, config, landmarks)
+    return skyformer_from_core(qw, kw, vw, core, info, scale,
+                               kernel=config.kernel).to(q.dtype)
+
+
+def skyformer_from_core(
+    q: Tensor, k: Tensor, v: Tensor, core: NystromCore, info: AttentionInputs, scale: float,
+    reduce: KeyReduction = WHOLE, kernel: str = "auto",
+) -> Tensor:
+    """C(Q, X_S) W (C(X_S, K) V) given the core (Skyformer eq. (5)), in the inputs' dtype.
+
+    ``q: [B, H, Nq, D]``, ``k: [B, H, Nk, D]``, ``v: [B, H, Nk, Dv]``; ``reduce``
+    completes the sum over the keys when they are a shard (``shared/reduction.py``).
+    Returns ``[B, H, Nq, Dv]`` with padded query rows zero.
+    """
     key_valid = None if info.key_valid is None else info.key_valid[:, None, :]  # [B, 1, Nk]
-    context = gaussian_kernel_matmul(
-        kw, core.x, vw, core.x_norm, scale=scale, row_valid=key_valid, transpose=True,
-        kernel=config.kernel,
-    )  # C(X_S, K) V: [B, H, m, Dv]
-    out = gaussian_kernel_matmul(qw, core.x, core.w @ context, core.x_norm, scale=scale,
-                                 kernel=config.kernel)
-    return zero_padded_queries(out, info.query_valid).to(q.dtype)  # [B, H, Nq, Dv]
+    context = reduce.sum(gaussian_kernel_matmul(
+        k, core.x, v, core.x_norm, scale=scale, row_valid=key_valid, transpose=True,
+        kernel=kernel,
+    ))  # C(X_S, K) V: [B, H, m, Dv]
+    out = gaussian_kernel_matmul(q, core.x, core.w @ context, core.x_norm, scale=scale,
+                                 kernel=kernel)
+    return zero_padded_queries(out, info.query_valid)  # [B, H, Nq, Dv]
 
 
 def _causal(q: Tensor, k: Tensor, v: Tensor, config: SkyformerConfig,

@@ -1,0 +1,141 @@
+"""Train a small bidirectional model on one long sequence sharded over processes.
+
+    torchrun --standalone --nproc-per-node 4 examples/sequence_parallel_train.py \\
+        --seq-len 262144 --steps 20                      # 4 CPU processes (gloo)
+    torchrun --standalone --nproc-per-node 8 examples/sequence_parallel_train.py \\
+        --seq-len 1048576 --data-parallel 2              # 2 sequences x 4 shards (nccl on GPUs)
+
+The task is masked-character prediction on the bundled public-domain text, tiled to
+``--seq-len`` characters: 15% of the characters are hidden and predicted from both sides.
+Ranks form a grid of ``--data-parallel`` groups (each trains on its own sequence) times
+``P / data-parallel`` sequence shards; each rank holds only its shard of the sequence and
+of every activation, so one process alone would need P / data-parallel times the memory.
+Attention is Skyformer through ``MultiHeadAttention(process_group=...)``; everything else
+in the model acts row by row. After backward the parameters' gradients are summed over
+every rank and divided by the number of data-parallel groups (each sequence's loss is
+already split over its shards), so all ranks take the same step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import tempfile
+import time
+from importlib import resources
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from skyformer import MultiHeadAttention
+from skyformer.distributed import shard_bounds, sum_gradients
+from skyformer.lra.distributed import init_distributed, shutdown
+
+MASK_RATE = 0.15
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, group: object, features: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = MultiHeadAttention(dim, heads, "skyformer", num_features=features,
+                                       process_group=group)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: Tensor, generator: torch.Generator) -> Tensor:
+        x = x + self.attn(self.norm1(x), generator=generator)
+        return x + self.mlp(self.norm2(x))
+
+
+class Model(nn.Module):
+    """Embedding + sinusoidal positions of the *global* index + pre-norm blocks + final
+    norm + classifier."""
+
+    def __init__(self, vocab: int, dim: int, heads: int, layers: int, group: object,
+                 features: int) -> None:
+        super().__init__()
+        self.dim = dim
+        self.embed = nn.Embedding(vocab + 1, dim)  # the last id is the mask token
+        self.blocks = nn.ModuleList(Block(dim, heads, group, features) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)  # Skyformer's kernelized attention is unnormalised
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: Tensor, start: int, generator: torch.Generator) -> Tensor:
+        pos = torch.arange(start, start + tokens.shape[1], device=tokens.device)[:, None]
+        freq = torch.exp(torch.arange(0, self.dim, 2, device=tokens.device)
+                         * (-math.log(10000.0) / self.dim))
+        x = self.embed(tokens) + torch.cat([torch.sin(pos * freq), torch.cos(pos * freq)], -1)
+        for block in self.blocks:
+            x = block(x, generator)
+        return self.head(self.norm(x))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq-len", type=int, default=2**16)
+    parser.add_argument("--data-parallel", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--features", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--device", default="auto")
+    args = parser.parse_args()
+
+    info, device = init_distributed(args.device)
+    if not info.enabled:  # one process: a group of one, so the same code runs
+        store = os.path.join(tempfile.mkdtemp(), "store")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                init_method=f"file://{store}", rank=0, world_size=1)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % args.data_parallel:
+        raise SystemExit(f"--data-parallel {args.data_parallel} must divide the {world} "
+                         f"processes.")
+    shards = world // args.data_parallel
+    data, seq = divmod(rank, shards)
+    groups = [dist.new_group(list(range(d * shards, (d + 1) * shards)))
+              for d in range(args.data_parallel)]  # every rank creates every group
+
+    text = resources.files("skyformer.data").joinpath("public_domain_en.txt").read_text()
+    chars = sorted(set(text))
+    ids = torch.tensor([chars.index(c) for c in text])
+    start, stop = shard_bounds(args.seq_len, shards, seq)
+    offset = data * 7919  # each data-parallel group reads the text from another place
+    tokens = ids[(torch.arange(start, stop) + offset) % len(ids)][None].to(device)  # [1, N_r]
+
+    torch.manual_seed(0)  # the same initial parameters on every rank
+    model = Model(len(chars), args.dim, args.heads, args.layers, groups[data],
+                  args.features).to(device)
+    optimiser = torch.optim.Adam(model.parameters(), lr=args.lr)
+    if rank == 0:
+        print(f"{world} processes: {args.data_parallel} sequences x {shards} shards of "
+              f"{args.seq_len} tokens ({stop - start} per rank) on {device}")
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        g = torch.Generator(device=device).manual_seed(1000 * step + seq)  # masks differ by shard
+        hidden = torch.rand(tokens.shape, generator=g, device=device) < MASK_RATE
+        inputs = torch.where(hidden, len(chars), tokens)
+        landmarks = torch.Generator(device=device).manual_seed(step)  # alike on every rank
+        logits = model(inputs, start, landmarks)
+        # the sequence's mean loss over its hidden characters, split over the shards
+        counts = hidden.sum().float().reshape(1)
+        dist.all_reduce(counts, group=groups[data])
+        loss = nn.functional.cross_entropy(logits[hidden], tokens[hidden], reduction="sum")
+        (loss / counts).backward()
+        sum_gradients(model, divide_by=args.data_parallel)
+        optimiser.step()
+        optimiser.zero_grad(set_to_none=True)
+        total = (loss.detach() / counts).reshape(1)
+        dist.all_reduce(total)
+        if rank == 0:
+            print(f"step {step:3d}  loss {total.item() / args.data_parallel:.3f}  "
+                  f"{time.perf_counter() - t0:.2f} s", flush=True)
+    dist.barrier()  # gloo: no rank closes its connections while another still reads
+    dist.destroy_process_group() if not info.enabled else shutdown(info)
+
+
+if __name__ == "__main__":
+    main()

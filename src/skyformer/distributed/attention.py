@@ -1,0 +1,97 @@
+"""Sequence-parallel attention: one sequence sharded along N over a process group.
+
+Each rank passes its contiguous shard of the sequence and gets its shard of the output;
+the ranks exchange only tensors whose size does not depend on N (``forms.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..ops.shared.inputs import (
+    AttentionInputs,
+    check_attention_inputs,
+    check_generator,
+    resolve_key,
+)
+from ..registry import BoundMethod, get_method
+from .forms import form_of
+from .layout import agree_layout, resolve_group
+from .reduction import GroupReduction
+
+
+def sequence_parallel_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    method: str = "skyformer",
+    *,
+    group: Any = None,
+    key_padding_mask: Tensor | None = None,
+    generator: torch.Generator | Tensor | None = None,
+    **options: Any,
+) -> Tensor:
+    """Self-attention of a sequence whose rows are sharded over the ranks of ``group``.
+
+    Equal, for the same generator seed, to ``skyformer.attention`` on the whole
+    sequence (the concatenation of the shards in rank order), up to the order of
+    floating-point sums; so are the gradients. Every rank of the group must call it.
+
+    Args:
+        q, k, v: this rank's shard ``[B, H, N_r, D]`` (``v``: ``[B, H, N_r, Dv]``) of the
+            sequence; shards are contiguous, in rank order, of any lengths N_r >= 1; B, H,
+            D, Dv and dtype the same on every rank.
+        method: ``skyformer``, ``nystrom_softmax``, ``linear`` or ``performer``.
+        group: a ``torch.distributed`` process group (``None`` = the default group).
+        key_padding_mask: this rank's shard ``[B, N_r]`` of the mask (True = real token),
+            or None; it marks padded queries too.
+        generator: the method's randomness, seeded alike on every rank (each rank draws
+            from its own; the group's first rank's draw is used by all).
+        **options: the method's options (e.g. ``num_features=128``).
+    Returns:
+        ``[B, H, N_r, Dv]``: this rank's rows of the output.
+    """
+    form_of(method)
+    bound = get_method(method).bind(**options)
+    return run_sequence_parallel(bound, q, k, v, group=group,
+                                 key_padding_mask=key_padding_mask, generator=generator)
+
+
+def run_sequence_parallel(
+    bound: BoundMethod, q: Tensor, k: Tensor, v: Tensor, *, group: Any,
+    key_padding_mask: Tensor | None, generator: torch.Generator | Tensor | None,
+    **state_arguments: Any,
+) -> Tensor:
+    """``sequence_parallel_attention`` for a bound method (``MultiHeadAttention`` calls
+    this); ``state_arguments`` from the layer's method state (e.g. Performer's features)."""
+    name = bound.name
+    caller = f"{name} (sequence parallel)"
+    form = form_of(name)
+    group = resolve_group(group, caller)
+    info: AttentionInputs | None = None
+    key = error = None
+    try:  # a rank that fails a check still joins the exchange (layout.py)
+        form.check(bound.config)
+        bound.method.check_call(q, k, key_padding_mask)
+        info = check_attention_inputs(q, k, v, key_padding_mask, method=name)
+        if info.query_len != info.key_len:
+            raise ValueError(
+                f"{caller}: q and k must be shards of one sequence (self-attention), got "
+                f"{info.query_len} query rows and {info.key_len} key rows on this rank.")
+        if bound.method.capabilities.randomized:
+            key = resolve_key(name, generator, q.device)
+            if key.shape != (2,):
+                raise ValueError(f"{caller}: pass one random key [2] (or a generator), got "
+                                 f"shape {tuple(key.shape)}.")
+        else:
+            check_generator(name, generator, q.device)
+    except (TypeError, ValueError) as failure:
+        error = failure
+    layout = agree_layout(caller, q, v, None if info is None else info.key_valid, key, error,
+                          group)
+    assert info is not None
+    return form.run(q, k, v, bound.config, info, layout, GroupReduction(group),
+                    **state_arguments)

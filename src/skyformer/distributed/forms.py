@@ -1,0 +1,122 @@
+"""The methods that run sequence parallel, each as its single-process evaluation with
+the sums over keys completed across ranks, and why the others cannot.
+
+A method runs sequence parallel with N-independent communication when the keys enter
+only through sums of a size independent of N (plus constants):
+
+- ``skyformer``, ``nystrom_softmax``: m landmark rows (m x D), C(X_S, K) V (m x Dv;
+  m x (Dv + 1) with the softmax normaliser), the keys' shift (B x H) and mean(V) (Dv + 1),
+  Skyformer eqs. (5)-(6); the m x m core W is computed on every rank.
+- ``linear``: phi(K)^T [V, 1] (D x (Dv + 1)), Katharopoulos et al. eq. (6).
+- ``performer``: phi(K)^T [V, 1] (m x (Dv + 1)), the keys' shift and mean(V), Performer
+  eqs. (5)-(6); the features come from the generator (or the layer), alike on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+from ..linalg import kernel_scale
+from ..ops.linear.linear import linear_features, linear_from_features
+from ..ops.nystrom_softmax.nystrom_softmax import nystrom_softmax_from_core
+from ..ops.performer.features import resolve_projection
+from ..ops.performer.performer import performer_from_projection
+from ..ops.shared.inputs import AttentionInputs, compute_dtype
+from ..ops.shared.modified_nystrom import NystromCore, NystromOptions, core_from_rows
+from ..ops.skyformer.skyformer import skyformer_from_core
+from .landmarks import draw_landmarks, landmark_rows
+from .layout import ShardLayout
+from .reduction import GroupReduction
+
+
+def _nystrom_core(q: Tensor, k: Tensor, scale: float, config: NystromOptions,
+                  info: AttentionInputs, layout: ShardLayout) -> NystromCore:
+    """Landmarks of the whole sequence, their rows shared, W computed here."""
+    landmarks, q_local, k_local = draw_landmarks(
+        config.num_features, layout, info.key_valid, info.batch, info.key_len)
+    return core_from_rows(landmark_rows(q, k, q_local, k_local, scale, layout), config, landmarks)
+
+
+def _skyformer(q: Tensor, k: Tensor, v: Tensor, config: Any, info: AttentionInputs,
+               layout: ShardLayout, reduce: GroupReduction) -> Tensor:
+    work = compute_dtype(q.dtype)
+    qw, kw, vw = q.to(work), k.to(work), v.to(work)
+    scale = kernel_scale(info.head_dim, config.scale)
+    core = _nystrom_core(qw, kw, scale, config, info, layout)
+    return skyformer_from_core(qw, kw, vw, core, info, scale, reduce).to(q.dtype)
+
+
+def _nystrom_softmax(q: Tensor, k: Tensor, v: Tensor, config: Any, info: AttentionInputs,
+                     layout: ShardLayout, reduce: GroupReduction) -> Tensor:
+    work = compute_dtype(q.dtype)
+    qw, kw, vw = q.to(work), k.to(work), v.to(work)
+    root = math.sqrt(config.scale if config.scale is not None else info.head_dim ** -0.5)
+    core = _nystrom_core(qw, kw, root, config, info, layout)
+    return nystrom_softmax_from_core(qw, kw, vw, core, info, root, config, reduce).to(q.dtype)
+
+
+def _linear(q: Tensor, k: Tensor, v: Tensor, config: Any, info: AttentionInputs,
+            layout: ShardLayout, reduce: GroupReduction) -> Tensor:
+    phi_q, phi_k, vw = linear_features(q, k, v, info.key_valid)
+    return linear_from_features(phi_q, phi_k, vw, info, config.eps, reduce).to(q.dtype)
+
+
+def _performer(q: Tensor, k: Tensor, v: Tensor, config: Any, info: AttentionInputs,
+               layout: ShardLayout, reduce: GroupReduction, projection: Tensor | None = None
+               ) -> Tensor:
+    w = resolve_projection("performer", projection, config.num_features, info.head_dim,
+                           config.orthogonal, q.device, layout.key)
+    work = compute_dtype(q.dtype)
+    return performer_from_projection(q.to(work), k.to(work), v.to(work), w.to(work), info,
+                                     config, reduce).to(q.dtype)
+
+
+def _no_causal(config: Any) -> None:
+    if config.causal:
+        raise ValueError(
+            "linear: causal=True does not run sequence parallel (its prefix sums would "
+            "need a scan across ranks); use causal=False or one process.")
+
+
+@dataclass(frozen=True)
+class Form:
+    """``run(q, k, v, config, info, layout, reduce, **state_arguments)``; ``check(config)``
+    raises a sentence for options the form cannot run (before any collective)."""
+
+    run: Callable[..., Tensor]
+    check: Callable[[Any], None] = lambda config: None
+
+
+FORMS = {
+    "skyformer": Form(_skyformer),
+    "nystrom_softmax": Form(_nystrom_softmax),
+    "linear": Form(_linear, _no_causal),
+    "performer": Form(_performer),
+}
+
+_WHY_NOT = {
+    "softmax": "exact attention needs every key for every query (ring attention moves "
+               "K and V around all ranks, traffic that grows with N)",
+    "kernelized": "exact attention needs every key for every query (ring attention moves "
+                  "K and V around all ranks, traffic that grows with N)",
+    "nystromformer": "its landmarks are segment means over the whole sequence",
+    "skyformer_adaptive": "its landmarks are cluster centres of the whole [Q; K]",
+    "linformer": "its projections span the fixed full length; E^T K is a sum over "
+                 "positions, so it could, but that form is not written",
+}
+
+
+def form_of(method: str) -> Form:
+    """The sequence-parallel form of ``method``, or a sentence saying why there is none."""
+    if method in FORMS:
+        return FORMS[method]
+    reason = _WHY_NOT.get(method, "its keys enter through more than sums of a size "
+                          "independent of N (sparse patterns, hashing or clustering need "
+                          "the other shards' keys themselves)")
+    raise ValueError(f"{method} cannot run sequence parallel: {reason}; methods that can: "
+                     f"{', '.join(FORMS)}.")

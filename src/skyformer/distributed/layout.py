@@ -1,0 +1,109 @@
+"""The process group and where this process's shard lies in the sequence.
+
+Each rank holds a contiguous shard ``[B, H, N_r, D]`` of the sequence (ranks in group
+order, shards of any lengths). Before anything else the ranks exchange, in two
+all-gathers of a few integers each, whether their inputs passed the checks, their
+shapes (which must agree but for N_r), their random keys (the first rank's is used by
+all), and their valid-row counts per batch element: from these every rank knows the
+sequence's length and where its rows lie among the valid rows, which is all the
+landmark draw needs (``landmarks.py``). A rank whose inputs fail a check still takes
+part in the exchange, so that every rank raises instead of waiting for it forever.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .collectives import all_gather
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FIELDS = ("B", "H", "D", "Dv", "dtype")
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """This rank's shard of a sequence held by the ranks of ``group``."""
+
+    group: Any
+    rank: int  # in the group
+    world: int
+    rows_before: int  # rows of the sequence on the ranks before this one
+    total_rows: int  # N, the whole sequence
+    valid_before: Tensor  # [B] long: valid rows before this shard, per batch element
+    key: Tensor  # [2] the random key every rank uses
+
+
+def resolve_group(group: Any, caller: str) -> Any:
+    """``group`` (``None`` = the default group), checked to be usable by this process."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"{caller}: torch.distributed is not initialised; call "
+            f"torch.distributed.init_process_group(...) first (torchrun sets the environment "
+            f"it reads), or use skyformer.attention for a sequence held by one process."
+        )
+    group = dist.group.WORLD if group is None else group
+    if dist.get_rank(group) < 0:
+        raise ValueError(f"{caller}: this process is not a member of the process group it "
+                         f"was given; pass a group that contains it (or None for all).")
+    return group
+
+
+def comm_device(group: Any) -> torch.device:
+    """Where collective buffers live: the current GPU for NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def agree_layout(
+    caller: str, q: Tensor, v: Tensor, key_valid: Tensor | None, key: Tensor | None,
+    error: Exception | None, group: Any,
+) -> ShardLayout:
+    """Exchange checks, shapes, keys and valid counts; raise the same failure everywhere.
+
+    ``error``: this rank's own failed check (re-raised here, after the exchange), else
+    ``q: [B, H, N_r, D]``, ``v: [B, H, N_r, Dv]``, ``key_valid: [B, N_r]`` or None, and
+    ``key: [2]`` (or None for deterministic methods).
+    """
+    device = comm_device(group)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    header = torch.full((8,), -1, dtype=torch.long)
+    if error is None:
+        b, h, n, d = q.shape
+        header[:6] = torch.tensor([b, h, d, v.shape[-1], _DTYPES.index(q.dtype), n])
+        if key is not None:
+            header[6:] = key.cpu()
+    headers = all_gather(header.to(device), group).cpu()  # [P, 8]
+    if error is not None:
+        raise error
+    failed = [r for r in range(world) if headers[r, 0] < 0]
+    if failed:
+        raise ValueError(f"{caller}: rank(s) {failed} of the group rejected their inputs "
+                         f"(see the error raised there); every rank stops.")
+    shapes = headers[:, :5]
+    if not (shapes == shapes[0]).all():
+        rows = "; ".join(f"rank {r}: {_describe(s)}" for r, s in enumerate(shapes.tolist()))
+        raise ValueError(
+            f"{caller}: every rank must pass shards with the same batch size B, heads H, head "
+            f"dims D and Dv and dtype (only the sequence length may differ), got {rows}.")
+    lengths = headers[:, 5]
+    b = int(shapes[0, 0])
+    counts = torch.full((b,), q.shape[2], dtype=torch.long) if key_valid is None \
+        else key_valid.sum(dim=1).cpu()
+    before = all_gather(counts.to(device), group).cpu()[:rank].sum(dim=0)  # [B]
+    return ShardLayout(
+        group=group, rank=rank, world=world,
+        rows_before=int(lengths[:rank].sum()), total_rows=int(lengths.sum()),
+        valid_before=before.to(q.device), key=headers[0, 6:8].to(q.device),
+    )
+
+
+def _describe(shape: list[int]) -> str:
+    """``B=.., H=.., D=.., Dv=.., dtype=..`` from a header's first five fields."""
+    values = [*map(str, shape[:4]), str(_DTYPES[shape[4]]).removeprefix("torch.")]
+    return ", ".join(f"{f}={x}" for f, x in zip(_FIELDS, values, strict=True))

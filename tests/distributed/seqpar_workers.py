@@ -1,0 +1,159 @@
+"""Code the spawned processes of ``test_sequence_parallel.py`` run (a module, not a test
+file, so that the children can import it). Each worker builds the whole inputs from a
+seed, computes the single-process reference itself, runs its shard and asserts."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import skyformer
+from skyformer.distributed import (
+    count_communication,
+    sequence_parallel_attention,
+    sum_gradients,
+)
+from skyformer.distributed.landmarks import draw_landmarks
+from skyformer.distributed.layout import agree_layout
+from skyformer.ops.shared.inputs import check_attention_inputs
+from skyformer.ops.shared.modified_nystrom import sample_landmarks
+
+METHODS = {
+    "skyformer": {"num_features": 8},
+    "nystrom_softmax": {"num_features": 8},
+    "linear": {},
+    "performer": {"num_features": 6},
+}
+# float64 rounding: the shards' partial sums are added in another order than one
+# process adds them; a few ulps of values of order 1, through the backward pass.
+TOL = {"rtol": 1e-9, "atol": 1e-11}
+
+
+def spawn(world: int, fn: Callable[..., None], *args: object) -> None:
+    """Run ``fn(rank, world, *args)`` in ``world`` gloo processes; re-raise a failure."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_entry, args=(world, os.path.join(tmp, "store"), fn, args), nprocs=world,
+                 join=True)
+
+
+def _entry(rank: int, world: int, store: str, fn: Callable[..., None], args: tuple) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+        dist.barrier()  # gloo: no rank closes its connections while another still reads
+    except Exception:
+        traceback.print_exc()
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def inputs(n: int, seed: int = 0, b: int = 2, h: int = 2, d: int = 4):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, h, n, d, generator=g, dtype=torch.float64) for _ in range(3))
+    return q, k, v, torch.randn(b, h, n, d, generator=g, dtype=torch.float64)
+
+
+def _shards(lengths: list[int]) -> list[slice]:
+    ends = torch.tensor(lengths).cumsum(0).tolist()
+    return [slice(e - n, e) for n, e in zip(lengths, ends, strict=True)]
+
+
+def check_equal(rank: int, world: int, lengths: list[int], mask: torch.Tensor | None) -> None:
+    """Outputs, gradients and landmarks equal to one process's, for every method."""
+    n = sum(lengths)
+    q, k, v, g = inputs(n)
+    mine = _shards(lengths)[rank]
+    local_mask = None if mask is None else mask[:, mine]
+    for method, options in METHODS.items():
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = skyformer.attention(*full, method, key_padding_mask=mask,
+                                  generator=torch.Generator().manual_seed(7), **options)
+        (ref * g).sum().backward()
+        part = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
+        out = sequence_parallel_attention(*part, method, key_padding_mask=local_mask,
+                                          generator=torch.Generator().manual_seed(7),
+                                          **options)
+        (out * g[:, :, mine]).sum().backward()
+        torch.testing.assert_close(out, ref[:, :, mine], **TOL, msg=f"{method} output")
+        for name, a, b in zip("qkv", part, full, strict=True):
+            torch.testing.assert_close(a.grad, b.grad[:, :, mine], **TOL,
+                                       msg=f"{method} gradient of {name}")
+    # the landmarks themselves, for a count that leaves slots without a landmark
+    info = check_attention_inputs(q, k, v, mask, method="skyformer")
+    key = skyformer.random_key(3)
+    for m in (6, 4 * n):
+        expected = sample_landmarks(info, m, q.device, key)
+        local_info = check_attention_inputs(q[:, :, mine], k[:, :, mine], v[:, :, mine],
+                                            local_mask, method="skyformer")
+        layout = agree_layout("test", q[:, :, mine], v[:, :, mine], local_info.key_valid, key,
+                              None, dist.group.WORLD)
+        got, _, _ = draw_landmarks(m, layout, local_info.key_valid, 2, mine.stop - mine.start)
+        for field in ("query_index", "query_live", "key_index", "key_live"):
+            assert torch.equal(getattr(got, field), getattr(expected, field)), (m, field)
+
+
+def check_errors(rank: int, world: int) -> None:
+    """Bad use gets the same sentence on every rank, and nobody waits forever."""
+    q, k, v, _ = inputs(4 * world)
+    s = slice(4 * rank, 4 * rank + 4)
+    q, k, v = q[:, :, s], k[:, :, s], v[:, :, s]
+
+    def raises(fragment: str, *args: object, **kwargs: object) -> None:
+        try:
+            sequence_parallel_attention(*args, **kwargs)
+        except (ValueError, TypeError) as error:
+            assert fragment in str(error), str(error)
+        else:
+            raise AssertionError(f"no error, expected {fragment!r}")
+
+    raises("cannot run sequence parallel: its landmarks are segment means", q, k, v,
+           "nystromformer")
+    raises("causal=True does not run sequence parallel", q, k, v, "linear", causal=True)
+    wide = torch.cat([q, q], dim=-1) if rank == 1 else q
+    raises("same batch size B, heads H, head dims D and Dv", wide, k if rank == 0 else wide,
+           v)
+    flat = q[0] if rank == 1 else q
+    raises("must have shape [B, H, N, D]" if rank == 1 else "rejected their inputs",
+           flat, k, v)
+    raises("q and k must be shards of one sequence", q, k[:, :, :2], v[:, :, :2])
+    skyformer.distributed.sequence_parallel_attention(q, k, v)  # the group still works
+
+
+def check_layer_2d(rank: int, world: int) -> None:
+    """MultiHeadAttention over a 2 x 2 grid: data parallel over rank // 2 (each data
+    group has its own sequence), sequence parallel over rank % 2 (uneven shards)."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    data, seq = divmod(rank, 2)
+    n, dim = 11, 8
+    torch.manual_seed(0)
+    layer = skyformer.MultiHeadAttention(dim, 2, "skyformer", num_features=6,
+                                         process_group=groups[data]).double()
+    reference = skyformer.MultiHeadAttention(dim, 2, "skyformer", num_features=6).double()
+    reference.load_state_dict(layer.state_dict())
+    g = torch.Generator().manual_seed(1)
+    xs = torch.randn(2, 1, n, dim, generator=g, dtype=torch.float64)  # one sequence per group
+    weights = torch.randn(2, 1, n, dim, generator=g, dtype=torch.float64)
+    mask = torch.ones(2, 1, n, dtype=torch.bool)
+    mask[1, 0, 4:7] = False  # padding across the shard boundary (shards 6 + 5)
+    mine = slice(0, 6) if seq == 0 else slice(6, n)
+    for d in range(2):
+        out = reference(xs[d], mask[d], generator=torch.Generator().manual_seed(5))
+        ((out * weights[d]).sum() / 2).backward()  # the mean over the data groups
+    with count_communication() as traffic:
+        out = layer(xs[data][:, mine], mask[data][:, mine],
+                    generator=torch.Generator().manual_seed(5))
+        (out * weights[data][:, mine]).sum().backward()
+    sum_gradients(layer, divide_by=2)
+    expected = reference(xs[data], mask[data], generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(out, expected[:, mine], **TOL)
+    for (name, a), b in zip(layer.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, **TOL, msg=name)
+    assert 0 < traffic.bytes < 10_000, traffic.calls

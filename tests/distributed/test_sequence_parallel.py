@@ -1,0 +1,51 @@
+"""Sequence-parallel attention on gloo: P = 2 and 3 CPU processes give the outputs,
+gradients and landmarks of one process (float64, uneven shards, padding across a shard
+boundary, shards that are entirely padding), bad use gets a sentence, and
+MultiHeadAttention trains data x sequence parallel on a 2 x 2 grid."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from seqpar_workers import check_equal, check_errors, check_layer_2d, spawn
+
+import skyformer
+from skyformer.distributed import sequence_parallel_attention, shard_bounds
+
+
+def test_two_processes_uneven_shards_padding_on_the_boundary_and_a_padded_shard():
+    mask = torch.ones(2, 23, dtype=torch.bool)
+    mask[0, 10:16] = False  # across the boundary between the shards (13 + 10 rows)
+    mask[1, :13] = False  # rank 0's shard of the second sequence is all padding
+    spawn(2, check_equal, [13, 10], mask)
+
+
+def test_three_processes_without_mask_and_with_a_wholly_padded_shard():
+    mask = torch.ones(2, 23, dtype=torch.bool)
+    mask[:, 16:] = False  # rank 2 holds only padding
+    mask[1, 2:4] = False
+    spawn(3, check_equal, [5, 11, 7], mask)
+    spawn(3, check_equal, [9, 1, 6], None)
+
+
+def test_bad_use_gets_a_sentence_on_every_rank():
+    spawn(2, check_errors)
+
+
+def test_layer_runs_data_by_sequence_parallel():
+    spawn(4, check_layer_2d)
+
+
+def test_without_an_initialised_group_the_call_says_so():
+    q = torch.randn(1, 1, 4, 2)
+    with pytest.raises(RuntimeError, match=r"torch\.distributed is not initialised"):
+        sequence_parallel_attention(q, q, q)
+    with pytest.raises(ValueError, match="cannot run sequence parallel"):
+        skyformer.MultiHeadAttention(8, 2, "reformer", process_group=object())
+
+
+def test_shard_bounds_cover_the_sequence_contiguously():
+    bounds = [shard_bounds(10, 4, r) for r in range(4)]
+    assert bounds == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    with pytest.raises(ValueError, match="rank < world <= n"):
+        shard_bounds(3, 4, 0)
