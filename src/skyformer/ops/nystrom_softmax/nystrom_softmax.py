@@ -50,7 +50,7 @@ from torch import Tensor
 from ...linalg import gaussian_kernel_matmul
 from ...registry import Capabilities, register
 from ...sketch import Landmarks
-from ..shared.causal_nystrom import CausalNystromOptions
+from ..shared.causal_nystrom import CausalNystromOptions, causal_inputs
 from ..shared.inputs import (
     AttentionInputs,
     check_attention_inputs,
@@ -68,7 +68,6 @@ from ..shared.modified_nystrom import (
 )
 from ..shared.options import check_nonnegative_float, check_scale
 from ..shared.reduction import WHOLE, KeyReduction
-from ..skyformer.causal import draw_causal_landmarks
 from .causal import causal_nystrom_softmax
 
 
@@ -175,14 +174,9 @@ def nystrom_softmax_from_core(
 def _causal(q: Tensor, k: Tensor, v: Tensor, config: NystromSoftmaxConfig,
             key_padding_mask: Tensor | None, query_padding_mask: Tensor | str | None,
             generator: torch.Generator | Tensor | None) -> Tensor:
-    info = check_attention_inputs(q, k, v, key_padding_mask, method="nystrom_softmax",
-                                  query_padding_mask=query_padding_mask)
-    if info.query_len != info.key_len:
-        raise ValueError(f"nystrom_softmax: causal=True needs as many queries as keys, got "
-                         f"Nq={info.query_len}, Nk={info.key_len}.")
-    key = resolve_key("nystrom_softmax", generator, q.device)
-    landmarks = draw_causal_landmarks(info, config.num_features, config.landmark_stride,
-                                      q.device, key)
+    info, landmarks = causal_inputs("nystrom_softmax", q, k, v, config.num_features,
+                                    config.landmark_stride, key_padding_mask,
+                                    query_padding_mask, generator)
     s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
     work = compute_dtype(q.dtype)
     out = causal_nystrom_softmax(q.to(work), k.to(work), v.to(work), info, math.sqrt(s),

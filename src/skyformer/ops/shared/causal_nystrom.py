@@ -33,7 +33,7 @@ from torch import Tensor
 
 from ...linalg import gather_rows, gaussian_kernel_block, half_sq_norm
 from ...sketch.rng import fold_in, stream, uniform_at
-from .inputs import AttentionInputs
+from .inputs import AttentionInputs, check_attention_inputs, resolve_key
 from .options import check_bool, check_optional_positive_int
 
 
@@ -104,6 +104,21 @@ def draw_causal_landmarks(info: AttentionInputs, num_features: int, stride: int 
     return causal_landmarks(
         num_features, landmark_stride(stride, info.key_len, num_features),
         batch=info.batch, n=info.key_len, key_valid=info.key_valid, device=device, key=key)
+
+
+def causal_inputs(method: str, q: Tensor, k: Tensor, v: Tensor, num_features: int,
+                  stride: int | None, key_padding_mask: Tensor | None,
+                  query_padding_mask: Tensor | str | None,
+                  generator: torch.Generator | Tensor | None,
+                  ) -> tuple[AttentionInputs, CausalLandmarks]:
+    """Checks of a causal call (``Nq == Nk``) and its landmark slots, for ``method``."""
+    info = check_attention_inputs(q, k, v, key_padding_mask, method=method,
+                                  query_padding_mask=query_padding_mask)
+    if info.query_len != info.key_len:
+        raise ValueError(f"{method}: causal=True needs as many queries as keys, got "
+                         f"Nq={info.query_len}, Nk={info.key_len}.")
+    key = resolve_key(method, generator, q.device)
+    return info, draw_causal_landmarks(info, num_features, stride, q.device, key)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from torch import Tensor
 from ...linalg import gaussian_kernel_matmul, kernel_scale
 from ...registry import Capabilities, register
 from ...sketch import Landmarks
-from ..shared.causal_nystrom import CausalNystromOptions
+from ..shared.causal_nystrom import CausalNystromOptions, causal_inputs
 from ..shared.inputs import (
     AttentionInputs,
     check_attention_inputs,
@@ -45,7 +45,7 @@ from ..shared.modified_nystrom import (
 )
 from ..shared.options import check_scale
 from ..shared.reduction import WHOLE, KeyReduction
-from .causal import causal_skyformer, draw_causal_landmarks
+from .causal import causal_skyformer
 
 
 @dataclass(frozen=True)
@@ -130,14 +130,9 @@ def skyformer_from_core(
 def _causal(q: Tensor, k: Tensor, v: Tensor, config: SkyformerConfig,
             key_padding_mask: Tensor | None, query_padding_mask: Tensor | str | None,
             generator: torch.Generator | Tensor | None) -> Tensor:
-    info = check_attention_inputs(q, k, v, key_padding_mask, method="skyformer",
-                                  query_padding_mask=query_padding_mask)
-    if info.query_len != info.key_len:
-        raise ValueError(f"skyformer: causal=True needs as many queries as keys, got "
-                         f"Nq={info.query_len}, Nk={info.key_len}.")
-    key = resolve_key("skyformer", generator, q.device)
-    landmarks = draw_causal_landmarks(info, config.num_features, config.landmark_stride,
-                                      q.device, key)
+    info, landmarks = causal_inputs("skyformer", q, k, v, config.num_features,
+                                    config.landmark_stride, key_padding_mask,
+                                    query_padding_mask, generator)
     work = compute_dtype(q.dtype)
     out, _ = causal_skyformer(q.to(work), k.to(work), v.to(work), info,
                               kernel_scale(info.head_dim, config.scale), config.gamma,
