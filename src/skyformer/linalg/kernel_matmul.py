@@ -31,7 +31,6 @@ for ``out = C^T V``, ``(dE 1)_i = v_i . (C g)_i`` and ``(dE^T 1)_s = g_s . out_s
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -40,6 +39,7 @@ from torch.autograd.function import once_differentiable
 
 from .kernel_backend import use_triton
 from .kernel_matmul_triton import TritonGaussianBlockProduct
+from .kernel_offsets import LOG2E, row_offsets
 from .vmap import vmap_into_batch
 
 # Elements of one chunk of the block, all heads together. 2^18 float32 = 1 MiB fits the
@@ -47,28 +47,12 @@ from .vmap import vmap_into_batch
 # cache; on CUDA nothing is gained by small chunks but launches, so they are large.
 CPU_CHUNK_ELEMENTS = 2**18
 CUDA_CHUNK_ELEMENTS = 2**26
-# C is evaluated as 2^(E log2 e): exp2 is ~3x cheaper than exp on CPU (PyTorch 2.x, AVX-512),
-# and the factor folds into the m landmark rows and the offsets at no cost.
-LOG2E = 1.0 / math.log(2.0)
 
 
 def chunk_rows(rows: int, batch: int, m: int, device: torch.device) -> int:
     """Rows per chunk for ``batch`` blocks of width ``m`` (at least 64, at most ``rows``)."""
     budget = CUDA_CHUNK_ELEMENTS if device.type == "cuda" else CPU_CHUNK_ELEMENTS
     return max(1, min(rows, max(64, budget // max(1, batch * m))))
-
-
-def _row_offsets(
-    y: Tensor, scale: float, row_norm: bool, row_valid: Tensor | None
-) -> Tensor | None:
-    """a log2(e), a = s^2 |y|^2 / 2 (or 0), +inf on invalid rows: ``[BH, N]`` (None if all 0)."""
-    a = None
-    if row_norm:
-        a = torch.linalg.vecdot(y, y).mul_(0.5 * scale * scale * LOG2E)
-    if row_valid is not None:
-        inf = torch.tensor(float("inf"), dtype=y.dtype, device=y.device)
-        a = torch.where(row_valid, 0.0 if a is None else a, inf)
-    return a
 
 
 class _Workspace:
@@ -120,7 +104,7 @@ class _GaussianBlockProduct(torch.autograd.Function):
         # the row scale (and log2 e), applied to the m landmark rows: [BH, D, m]
         xt = (x * (scale * LOG2E)).transpose(1, 2)
         neg_b = None if b is None else (b * -LOG2E)[:, None, :]  # [BH, 1, m]
-        a = _row_offsets(y, scale, row_norm, row_valid)  # [BH, N]
+        a = row_offsets(y, scale, row_norm, row_valid)  # [BH, N]
         shift = None
         if transpose:
             out = y.new_zeros(y.shape[0], x.shape[1], rhs.shape[-1])  # [BH, m, R]

@@ -15,16 +15,14 @@ The kernels are called as the custom operators of ``triton_ops``, so that
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .kernel_offsets import LOG2E, row_offsets
 from .vmap import vmap_into_batch
-
-LOG2E = 1.0 / math.log(2.0)
 
 
 def _ops():
@@ -56,16 +54,6 @@ def _cols(y, x, a, b, vn, vm, exclude, *, write_out1=True):
     return tuple(_empty_to_none(t) for t in out)
 
 
-def _offsets(y: Tensor, scale: float, row_norm: bool, row_valid: Tensor | None) -> Tensor | None:
-    """a log2(e), a = s^2 |y|^2 / 2 (or 0), +inf on invalid rows: ``[BH, N]``."""
-    a = None
-    if row_norm:
-        a = torch.linalg.vecdot(y, y).mul_(0.5 * scale * scale * LOG2E)
-    if row_valid is not None:
-        a = torch.where(row_valid, 0.0 if a is None else a, float("inf")).to(y.dtype)
-    return None if a is None else a.contiguous()
-
-
 class TritonGaussianBlockProduct(torch.autograd.Function):
     """out = C @ rhs or C^T @ rhs; tensors as ``kernel_matmul._GaussianBlockProduct``."""
 
@@ -76,7 +64,8 @@ class TritonGaussianBlockProduct(torch.autograd.Function):
         y, rhs = y.contiguous(), rhs.contiguous()
         xc = (x * (scale * LOG2E)).contiguous()
         b2 = None if b is None else (b * LOG2E).contiguous()
-        a = _offsets(y, scale, row_norm, row_valid)
+        a = row_offsets(y, scale, row_norm, row_valid)
+        a = None if a is None else a.contiguous()
         if transpose:
             out, _ = _cols(y, xc, a, b2, rhs, None, exclude)
         else:
