@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from .registry import BoundMethod, Method, get_method
+
+if TYPE_CHECKING:
+    from .decoding import DecodingState
 
 
 class MultiHeadAttention(nn.Module):
@@ -108,12 +111,15 @@ class MultiHeadAttention(nn.Module):
         context: Tensor | None = None,
         query_padding_mask: Tensor | None = None,
         generator: torch.Generator | Tensor | None = None,
+        cache: DecodingState | None = None,
     ) -> Tensor:
         """Attend from ``x: [B, N, dim]`` to itself, or to ``context: [B, M, dim]``.
 
         ``key_padding_mask: [B, N]`` (or ``[B, M]`` with a context), True = real token;
         in self-attention it also marks the padded queries. With a context the queries
-        are all real unless ``query_padding_mask: [B, N]`` says otherwise.
+        are all real unless ``query_padding_mask: [B, N]`` says otherwise. With a
+        ``cache`` (``new_cache()``), ``x`` holds the next positions of the sequences the
+        cache has seen: causal self-attention to all of them (decoding).
         Returns ``[B, N, dim]``.
         """
         source = x if context is None else context
@@ -136,7 +142,13 @@ class MultiHeadAttention(nn.Module):
         q = self._split(self.q_proj(x))
         k = self._split(self.k_proj(source))
         v = self._split(self.v_proj(source))
-        if self.process_group is not None:
+        if cache is not None:
+            if context is not None or self.process_group is not None:
+                raise ValueError("MultiHeadAttention: a decoding cache runs causal "
+                                 "self-attention on one process; it takes no context and no "
+                                 "process_group.")
+            out = cache.step(q, k, v, key_padding_mask)
+        elif self.process_group is not None:
             out = self._sequence_parallel(q, k, v, key_padding_mask, context, generator)
         else:
             out = self.bound(
@@ -147,6 +159,21 @@ class MultiHeadAttention(nn.Module):
         b, _, n, _ = out.shape
         out = out.transpose(1, 2).reshape(b, n, self.dim)
         return self.out_proj(self.dropout(out))
+
+    def new_cache(self, generator: torch.Generator | Tensor | None = None) -> DecodingState:
+        """An empty decoding cache for ``forward(x, cache=...)``: causal self-attention of
+        each new chunk of positions to every position before it, equal (to rounding) to
+        the causal forward over the whole sequence with the same random key. Its memory
+        is constant in the length for ``linear``, ``performer`` and ``skyformer``
+        (``skyformer.decoding``); the other causal methods keep the keys and values.
+
+        Args:
+            generator: the random key of the whole decode (``None``: drawn from torch's
+                global generator at the first step).
+        """
+        from .decoding import new_decoding_state
+
+        return new_decoding_state(self.bound, generator=generator, state=self.method_state)
 
     def _sequence_parallel(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None,
                            context: Tensor | None, generator: Any) -> Tensor:

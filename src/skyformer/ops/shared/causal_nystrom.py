@@ -82,20 +82,33 @@ def landmark_stride(stride: int | None, n: int, m: int) -> int:
     return stride if stride is not None else max(1, math.ceil(n / m))
 
 
+def slot_ranks(num_features: int, stride: int, *, batch: int, device: torch.device,
+               key: Tensor) -> Tensor:
+    """``[B, m]`` long: slot s takes the real token of rank s R + floor(u_s R), increasing
+    in s (at most one slot per token); a function of the key alone, never of the content."""
+    keys = fold_in(stream(key, "landmarks/causal"), torch.arange(batch, device=device))
+    slot = torch.arange(num_features, device=device)
+    u = uniform_at(keys[:, None, :], slot.expand(batch, num_features), torch.float64)
+    return slot * stride + (u * stride).floor().long()
+
+
+def slot_takes_query(num_features: int, device: torch.device) -> Tensor:
+    """``[m]`` bool: even slots take the token's query row, odd slots its key row."""
+    return torch.arange(num_features, device=device) % 2 == 0
+
+
 def causal_landmarks(num_features: int, stride: int, *, batch: int, n: int,
                      key_valid: Tensor | None, device: torch.device, key: Tensor
                      ) -> CausalLandmarks:
     """Slot s at the real token of rank s R + floor(u_s R) (module docstring)."""
-    keys = fold_in(stream(key, "landmarks/causal"), torch.arange(batch, device=device))
-    slot = torch.arange(num_features, device=device)
-    u = uniform_at(keys[:, None, :], slot.expand(batch, num_features), torch.float64)
-    rank = slot * stride + (u * stride).floor().long()  # [B, m], increasing in s
+    rank = slot_ranks(num_features, stride, batch=batch, device=device, key=key)
     if key_valid is None:
         position = rank
     else:  # the first position holding rank + 1 real tokens
         position = torch.searchsorted(key_valid.long().cumsum(1), rank + 1)
     live = position < n
-    return CausalLandmarks(torch.where(live, position, 0), live, slot % 2 == 0)
+    return CausalLandmarks(torch.where(live, position, 0), live,
+                           slot_takes_query(num_features, device))
 
 
 def draw_causal_landmarks(info: AttentionInputs, num_features: int, stride: int | None,
@@ -138,9 +151,17 @@ def causal_core(q: Tensor, k: Tensor, scale: float, gamma: float,
     index = landmarks.position[:, None, :].expand(b, h, -1)
     x = torch.where(landmarks.from_query[:, None], gather_rows(q, index),
                     gather_rows(k, index)) * scale  # [B, H, m, D]
+    return core_of_rows(x, landmarks.live, gamma)
+
+
+def core_of_rows(x: Tensor, live: Tensor, gamma: float) -> CausalCore:
+    """The core of scaled landmark rows ``x: [B, H, m, D]`` of which ``live: [B, m]``
+    hold a landmark: L^-1 of C(X, X) + gamma I with the other slots decoupled (unit
+    diagonal, +inf half norms). The leading block of L^-1 depends on the leading slots
+    only, so revealing a later slot leaves it unchanged."""
     inf = torch.tensor(float("inf"), dtype=x.dtype, device=x.device)
-    x_norm = torch.where(landmarks.live[:, None, :], half_sq_norm(x), inf)  # [B, H, m]
-    ridge = torch.where(landmarks.live, gamma, 1.0).to(x.dtype)  # [B, m]
+    x_norm = torch.where(live[:, None, :], half_sq_norm(x), inf)  # [B, H, m]
+    ridge = torch.where(live, gamma, 1.0).to(x.dtype)  # [B, m]
     gram = gaussian_kernel_block(x, x, x_norm, x_norm) + torch.diag_embed(ridge)[:, None]
     chol = torch.linalg.cholesky(gram)
     eye = torch.eye(gram.shape[-1], dtype=x.dtype, device=x.device).expand_as(gram)

@@ -1,0 +1,43 @@
+"""Which decoding state each method gets (``state.py``)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..registry import BoundMethod, CapabilityError
+from ..registry.methods import _capability_sentence
+from .keys import KeyValueDecoding
+from .nystrom import SkyformerDecoding
+from .prefix_sums import LinearDecoding, PerformerDecoding
+from .state import DecodingState
+
+# Methods whose decoding state is constant in the generated length.
+CONSTANT_MEMORY = ("linear", "performer", "skyformer")
+
+
+def new_decoding_state(bound: BoundMethod, *, generator: torch.Generator | Tensor | None = None,
+                       state: nn.Module | None = None) -> DecodingState:
+    """An empty decoding state for ``bound`` (causal attention, ``state.py``).
+
+    Args:
+        bound: the method with its options (``get_method(name).bind(...)``); decoding is
+            causal whatever its ``causal`` option says.
+        generator: the random key of every step (a layer's fixed key or a generator);
+            ``None`` draws one from torch's global generator at the first step.
+        state: the layer's method state (``BoundMethod.new_state``), e.g. Performer's
+            features, read once at the first step.
+    Raises:
+        CapabilityError: the method cannot attend causally.
+    """
+    spec = bound.method
+    if not spec.capabilities.causal:
+        raise CapabilityError(_capability_sentence(spec.name, "causal").replace(
+            "cannot do causal masking", "cannot decode (it cannot do causal masking)"))
+    if spec.name == "skyformer":
+        return SkyformerDecoding(bound, generator)
+    if spec.name == "linear":
+        return LinearDecoding(bound, generator)
+    if spec.name == "performer":
+        return PerformerDecoding(bound, generator, state)
+    return KeyValueDecoding(bound, generator)

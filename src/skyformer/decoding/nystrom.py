@@ -1,0 +1,166 @@
+"""Decoding state of the causal Skyformer (``ops/skyformer/causal.py``).
+
+The causal forward gives query i in chunk c (``CAUSAL_CHUNK`` = 64 positions)
+
+    out_i = phi_<=i(q_i) . L^-1 U_c  +  sum_{64 c <= j <= i} C(q_i, k_j) v_j,
+    U_c = sum_{j < 64 c} C(X_S, k_j) v_j,   phi(y) = L^-1 C(X_S, y),
+
+with landmark slot s revealed at the real token of rank r_s = s R + floor(u_s R). Token
+by token, the state keeps
+
+- the revealed landmark rows X_S and L^-1 (``[B, H, m, D]``, ``[B, H, m, m]``): a slot
+  revealed later leaves the leading block of L^-1 unchanged (``core_of_rows``);
+- U (``[B, H, m, Dv]``): at the end of each chunk its keys are added;
+- the keys and values of the current chunk (at most 63), for the exact local part;
+- the keys and values of the completed chunks *only while a slot is unrevealed*: slot s
+  revealed at position p needs C(x_s, k_j) v_j for every j before p's chunk. With stride
+  R every slot is revealed by position m R; from then on the state is constant
+  (m (D + m + Dv) + 63 (D + Dv) numbers per head).
+
+Outputs equal the full causal forward with the same key and ``landmark_stride`` R to
+rounding. Without a ``landmark_stride`` the state takes the prompt's default,
+R = ceil(prompt length / m), so the prompt's outputs are the full forward's and the
+landmarks lie in the prompt and the first tokens after it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..linalg import gaussian_kernel_block, half_sq_norm, kernel_scale
+from ..ops.shared.causal_nystrom import (
+    causal_core,
+    causal_landmarks,
+    core_of_rows,
+    slot_ranks,
+    slot_takes_query,
+)
+from ..ops.shared.causal_prefix import CAUSAL_CHUNK
+from ..ops.shared.inputs import compute_dtype
+from ..registry import BoundMethod
+from .state import DecodingState, append, padding_as_false
+
+
+class SkyformerDecoding(DecodingState):
+    """The causal Skyformer's decoding state (module docstring)."""
+
+    batched = ("ranks", "real", "revealed", "x", "x_norm", "l_inv", "u",
+               "chunk_k", "chunk_kn", "chunk_v", "past_k", "past_kn", "past_v")
+
+    def __init__(self, bound: BoundMethod, generator: torch.Generator | Tensor | None = None
+                 ) -> None:
+        super().__init__(bound.name, generator)
+        self.bound = bound.replace(causal=True)
+        config = self.bound.config
+        self.m, self.gamma, self.local = config.num_features, config.gamma, config.causal_local
+        self.stride: int | None = config.landmark_stride
+        self.scale = 1.0
+        self.ranks: Tensor | None = None  # [B, m] real-token rank of each slot
+        self.real: Tensor | None = None  # [B] real tokens seen
+        self.revealed: Tensor | None = None  # [B, m]
+        self.x = self.x_norm = self.l_inv = self.u = None  # type: ignore[assignment]
+        self.chunk_k = self.chunk_kn = self.chunk_v = None  # type: ignore[assignment]
+        self.past_k = self.past_kn = self.past_v = None  # type: ignore[assignment]
+
+    def _first(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None) -> Tensor:
+        b, _, n, d = q.shape
+        if self.stride is None:
+            self.stride = max(1, math.ceil(n / self.m))
+            self.bound = self.bound.replace(landmark_stride=self.stride)
+        out = self.bound(q, k, v, key_padding_mask=key_valid, generator=self.key)
+        work = compute_dtype(q.dtype)
+        qw, kw, vw = q.to(work), k.to(work), v.to(work)
+        self.scale = kernel_scale(d, self.bound.config.scale)
+        marks = causal_landmarks(self.m, self.stride, batch=b, n=n, key_valid=key_valid,
+                                 device=q.device, key=self.key)
+        core = causal_core(qw, kw, self.scale, self.gamma, marks)
+        self.ranks = slot_ranks(self.m, self.stride, batch=b, device=q.device, key=self.key)
+        self.real = padding_as_false(key_valid, q).sum(1)
+        self.revealed = marks.live
+        self.x = torch.where(marks.live[:, None, :, None], core.x, 0.0)
+        self.x_norm, self.l_inv = core.x_norm, core.l_inv
+        ks, kn, vw = self._keys(kw, vw, key_valid)
+        done = n - n % CAUSAL_CHUNK  # positions of the completed chunks
+        self.u = gaussian_kernel_block(self.x, ks[:, :, :done], self.x_norm,
+                                       kn[..., :done]) @ vw[:, :, :done]
+        self.chunk_k, self.chunk_kn, self.chunk_v = ks[:, :, done:], kn[..., done:], vw[:, :, done:]
+        if not bool(self.revealed.all()):
+            self.past_k, self.past_kn, self.past_v = ks[:, :, :done], kn[..., :done], \
+                vw[:, :, :done]
+        return out
+
+    def _keys(self, k: Tensor, v: Tensor, key_valid: Tensor | None
+              ) -> tuple[Tensor, Tensor, Tensor]:
+        """Scaled keys, their half norms (+inf for padded keys: zero kernel) and values."""
+        ks = k * self.scale
+        kn = half_sq_norm(ks)
+        if key_valid is not None:
+            kn = torch.where(key_valid[:, None, :], kn, float("inf"))
+        return ks, kn, v
+
+    def _extend(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None) -> Tensor:
+        valid = padding_as_false(key_valid, q)
+        work = compute_dtype(q.dtype)
+        outs = [self._advance(q[:, :, i:i + 1].to(work), k[:, :, i:i + 1].to(work),
+                              v[:, :, i:i + 1].to(work), valid[:, i], self.length + i)
+                for i in range(q.shape[2])]
+        return torch.cat(outs, dim=2).to(q.dtype)
+
+    def _advance(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor, position: int) -> Tensor:
+        """One position: reveal its slot, attend, absorb the chunk when it completes."""
+        qs = q * self.scale
+        ks, kn, v = self._keys(k, v, valid[:, None])
+        self._reveal(qs, ks, valid)
+        self.chunk_k = torch.cat([self.chunk_k, ks], 2)
+        self.chunk_kn = torch.cat([self.chunk_kn, kn], 2)
+        self.chunk_v = torch.cat([self.chunk_v, v], 2)
+        qn = half_sq_norm(qs)
+        phi_q = gaussian_kernel_block(qs, self.x, qn, self.x_norm) @ self.l_inv.transpose(-1, -2)
+        phi_q = torch.where(self.revealed[:, None, None, :], phi_q, 0.0)  # [B, H, 1, m]
+        out = phi_q @ (self.l_inv @ self.u)
+        if self.local:
+            out = out + gaussian_kernel_block(qs, self.chunk_k, qn, self.chunk_kn) @ self.chunk_v
+        else:
+            phi_k = gaussian_kernel_block(self.chunk_k, self.x, self.chunk_kn, self.x_norm) \
+                @ self.l_inv.transpose(-1, -2)
+            out = out + (phi_q @ phi_k.transpose(-1, -2)) @ self.chunk_v
+        if (position + 1) % CAUSAL_CHUNK == 0:
+            self._absorb_chunk()
+        return torch.where(valid[:, None, None, None], out, 0.0)
+
+    def _reveal(self, qs: Tensor, ks: Tensor, valid: Tensor) -> None:
+        """Reveal the next slot where this token is the real token of its rank."""
+        slot = self.revealed.sum(1)  # [B]: slots are revealed in order
+        safe = slot.clamp_max(self.m - 1)
+        hit = valid & (slot < self.m) & (self.ranks.gather(1, safe[:, None])[:, 0] == self.real)
+        self.real = self.real + valid.long()
+        if not bool(hit.any()):
+            return
+        new = F.one_hot(safe, self.m).bool() & hit[:, None]  # [B, m]
+        row = torch.where(slot_takes_query(self.m, qs.device)[safe][:, None, None], qs[:, :, 0],
+                          ks[:, :, 0])  # [B, H, D]
+        self.x = torch.where(new[:, None, :, None], row[:, :, None, :], self.x)
+        self.revealed = self.revealed | new
+        core = core_of_rows(self.x, self.revealed, self.gamma)
+        self.x_norm, self.l_inv = core.x_norm, core.l_inv
+        if self.past_k is not None and self.past_k.shape[2]:
+            fresh = gaussian_kernel_block(self.x, self.past_k, self.x_norm,
+                                          self.past_kn) @ self.past_v  # [B, H, m, Dv]
+            self.u = torch.where(new[:, None, :, None], fresh, self.u)
+
+    def _absorb_chunk(self) -> None:
+        """Add the completed chunk's keys to U; keep them while a slot is unrevealed."""
+        self.u = self.u + gaussian_kernel_block(self.x, self.chunk_k, self.x_norm,
+                                                self.chunk_kn) @ self.chunk_v
+        if bool(self.revealed.all()):
+            self.past_k = self.past_kn = self.past_v = None
+        else:
+            self.past_k = append(self.past_k, self.chunk_k, 2)
+            self.past_kn = append(self.past_kn, self.chunk_kn, 2)
+            self.past_v = append(self.past_v, self.chunk_v, 2)
+        self.chunk_k, self.chunk_kn, self.chunk_v = (t[:, :, :0] for t in
+                                                     (self.chunk_k, self.chunk_kn, self.chunk_v))

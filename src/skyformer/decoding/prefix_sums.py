@@ -1,0 +1,130 @@
+"""Decoding by prefix sums: ``linear`` and ``performer``, whose causal weights factor as
+a_ij = phi(q_i) . psi(k_j) (Katharopoulos et al. 2020, eqs. (8)-(10): attention as an RNN).
+
+The state is S = sum_{j < t} psi(k_j) [v_j, 1]^T (``[B, H, m, Dv + 1]``) plus, for the
+fallback rows of Performer, the sum and count of the real values: constant in the length.
+New positions get phi(q_i) . S plus their own lower-triangular block
+(``ops/shared/causal_prefix.py``), exactly the chunked causal forward's sums.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from ..ops.linear.linear import elu_feature_map
+from ..ops.performer.features import causal_key_features, query_features, resolve_projection
+from ..ops.shared.causal_prefix import causal_feature_sums
+from ..ops.shared.inputs import compute_dtype, zero_padded_queries
+from ..ops.shared.masked import normalised_or
+from ..registry import BoundMethod
+from .state import DecodingState, padding_as_false
+
+
+class PrefixSumDecoding(DecodingState):
+    """Shared by the feature-map methods; subclasses give ``features`` and ``finish``."""
+
+    batched = ("sums", "value_sum", "count")
+
+    def __init__(self, bound: BoundMethod, generator: torch.Generator | Tensor | None = None
+                 ) -> None:
+        super().__init__(bound.name, generator)
+        self.bound = bound.replace(causal=True)
+        self.sums: Tensor | None = None  # [B, H, m, Dv + 1]
+        self.value_sum: Tensor | None = None  # [B, H, 1, Dv]
+        self.count: Tensor | None = None  # [B, 1, 1, 1]
+
+    def features(self, q: Tensor, k: Tensor, key_valid: Tensor | None) -> tuple[Tensor, Tensor]:
+        """phi(q) ``[B, H, n, m]``, psi(k) ``[B, H, n, m]`` (zero rows for padded keys),
+        in the compute dtype."""
+        raise NotImplementedError
+
+    def finish(self, o: Tensor, mean: Tensor) -> Tensor:
+        """Output rows from ``o = [numerator, denominator]`` and the prefix mean of V."""
+        raise NotImplementedError
+
+    def _arguments(self) -> dict[str, Tensor]:
+        return {}
+
+    def _first(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None) -> Tensor:
+        out = self.bound(q, k, v, key_padding_mask=key_valid, generator=self.key,
+                         **self._arguments())
+        _, psi_k = self.features(q, k, key_valid)
+        vw, w = self._values(v, key_valid)
+        self.sums = psi_k.transpose(-1, -2) @ torch.cat([vw, w.expand_as(vw[..., :1])], -1)
+        self.value_sum = vw.sum(2, keepdim=True)
+        self.count = w.sum(2, keepdim=True)[:, :1]
+        return out
+
+    def _extend(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None) -> Tensor:
+        assert self.sums is not None and self.value_sum is not None and self.count is not None
+        phi_q, psi_k = self.features(q, k, key_valid)
+        vw, w = self._values(v, key_valid)
+        v1 = torch.cat([vw, w.expand_as(vw[..., :1])], -1)  # [B, H, n, Dv + 1]
+        o = causal_feature_sums(phi_q, psi_k, v1) + phi_q @ self.sums
+        value_sums = self.value_sum + vw.cumsum(2)
+        counts = self.count + w.cumsum(2)
+        out = self.finish(o, value_sums / counts.clamp_min(1.0))
+        self.sums = self.sums + psi_k.transpose(-1, -2) @ v1
+        self.value_sum, self.count = value_sums[:, :, -1:], counts[:, :1, -1:]
+        return zero_padded_queries(out, key_valid).to(q.dtype)
+
+    @staticmethod
+    def _values(v: Tensor, key_valid: Tensor | None) -> tuple[Tensor, Tensor]:
+        """V in the compute dtype with padded rows zeroed, and the ``[B, 1, n, 1]`` weights."""
+        vw = v.to(compute_dtype(v.dtype))
+        w = padding_as_false(key_valid, v)[:, None, :, None]
+        return torch.where(w, vw, 0.0), w.to(vw.dtype)
+
+
+class LinearDecoding(PrefixSumDecoding):
+    """``linear``: phi = psi = elu + 1 (``ops/linear``)."""
+
+    def features(self, q: Tensor, k: Tensor, key_valid: Tensor | None) -> tuple[Tensor, Tensor]:
+        work = compute_dtype(q.dtype)
+        phi_k = elu_feature_map(k.to(work))
+        if key_valid is not None:
+            phi_k = torch.where(key_valid[:, None, :, None], phi_k, 0.0)
+        return elu_feature_map(q.to(work)), phi_k
+
+    def finish(self, o: Tensor, mean: Tensor) -> Tensor:
+        return o[..., :-1] / (o[..., -1:] + self.bound.config.eps)
+
+
+class PerformerDecoding(PrefixSumDecoding):
+    """``performer``: positive random features with the causal key shift
+    (``ops/performer``); the feature directions are fixed at the first step (the layer's
+    own, or drawn from the key as the full forward draws them)."""
+
+    def __init__(self, bound: BoundMethod, generator: torch.Generator | Tensor | None = None,
+                 features: nn.Module | None = None) -> None:
+        super().__init__(bound, generator)
+        self.features_module = features  # the layer's PerformerFeatures, if any
+        self.projection: Tensor | None = None  # [m, D]
+
+    def _arguments(self) -> dict[str, Tensor]:
+        return {"projection": self.projection} if self.projection is not None else {}
+
+    def _first(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None) -> Tensor:
+        config = self.bound.config
+        if self.features_module is not None:
+            self.projection = self.features_module(q, k)["projection"]
+        self.projection = resolve_projection(
+            "performer", self.projection, config.num_features, q.shape[-1], config.orthogonal,
+            q.device, self.key)
+        return super()._first(q, k, v, key_valid)
+
+    def features(self, q: Tensor, k: Tensor, key_valid: Tensor | None) -> tuple[Tensor, Tensor]:
+        assert self.projection is not None
+        config = self.bound.config
+        work = compute_dtype(q.dtype)
+        s = config.scale if config.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        root = math.sqrt(s)
+        w = self.projection.to(work)
+        phi_q, _ = query_features(q.to(work) * root, w, config.eps)
+        return phi_q, causal_key_features(k.to(work) * root, w, key_valid, config.eps)
+
+    def finish(self, o: Tensor, mean: Tensor) -> Tensor:
+        return normalised_or(o[..., :-1], o[..., -1:], mean)

@@ -1,0 +1,134 @@
+"""One layer's decoding state: attention of new tokens to every token seen so far.
+
+A ``DecodingState`` is the cache of one attention layer during autoregressive decoding.
+``step(q, k, v)`` takes the queries, keys and values of the next ``n`` positions
+(``[B, H, n, D]``) and returns their outputs ``[B, H, n, Dv]``, equal (to rounding) to
+rows ``t .. t + n - 1`` of the method's full causal forward over all ``t + n`` positions
+with the same random key. The first step (the prompt) *is* that forward; later steps
+extend what the state keeps. What it keeps, per form (``forms.py``):
+
+- prefix-sum forms (``linear``, ``performer``): the m x (Dv + 1) sums of the keys'
+  features times [v, 1]; constant in the length;
+- ``skyformer``: the landmark rows, L^-1, the m x Dv kernel sums of the completed chunks
+  and the keys of the current chunk (at most 63); constant once every landmark slot is
+  revealed (m R tokens), before which it also keeps the earlier keys, which a slot
+  revealed later needs (``ops/skyformer/README.md``, "Decoding");
+- every other causal method: the keys and values (and, for methods without an
+  ``attn_mask``, the queries), O(length) (``keys.py``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import Tensor
+
+from ..ops.shared.inputs import resolve_key
+
+
+class DecodingState(ABC):
+    """The decoding cache of one layer (module docstring).
+
+    Subclasses name their batch-first tensors in ``batched`` (for ``reorder``) and
+    implement ``_first`` (the prompt: the full causal forward, then the state) and
+    ``_extend`` (later steps).
+    """
+
+    batched: tuple[str, ...] = ()
+
+    def __init__(self, method: str, generator: torch.Generator | Tensor | None = None) -> None:
+        self.method = method
+        self.generator = generator
+        self.key: Tensor | None = None  # the random key of every step, fixed at the first
+        self.length = 0  # positions seen
+
+    def step(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None = None
+             ) -> Tensor:
+        """Outputs of the next ``n`` positions.
+
+        Args:
+            q, k: ``[B, H, n, D]``; v: ``[B, H, n, Dv]`` of positions
+                ``length .. length + n - 1``.
+            key_valid: ``[B, n]`` bool, True = real token (padding, e.g. of a left-padded
+                prompt); ``None`` = all real. A padded position's output row is zero.
+        Returns:
+            ``[B, H, n, Dv]`` in the dtype of ``q``.
+        """
+        self._check(q, k, v, key_valid)
+        if key_valid is not None and bool(key_valid.all()):
+            key_valid = None
+        if self.length == 0:
+            self.key = resolve_key(self.method, self.generator, q.device)
+            out = self._first(q, k, v, key_valid)
+        else:
+            out = self._extend(q, k, v, key_valid)
+        self.length += q.shape[2]
+        return out
+
+    @abstractmethod
+    def _first(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None) -> Tensor:
+        """The first step: the full causal forward, then the state of its positions."""
+
+    @abstractmethod
+    def _extend(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None) -> Tensor:
+        """A later step (``self.length`` positions already absorbed)."""
+
+    def _check(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None) -> None:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, Tensor) or t.dim() != 4:
+                raise ValueError(f"{self.method} decoding: {name} must be a [B, H, n, D] "
+                                 f"tensor, got {_shape(t)}.")
+        if q.shape[:3] != k.shape[:3] or k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1]:
+            raise ValueError(f"{self.method} decoding: q, k, v must share B, H and n (and q, k "
+                             f"the head dim): got q {tuple(q.shape)}, k {tuple(k.shape)}, v "
+                             f"{tuple(v.shape)}.")
+        if q.shape[2] == 0:
+            raise ValueError(f"{self.method} decoding: a step needs at least one position.")
+        if key_valid is not None and (key_valid.dtype != torch.bool
+                                      or tuple(key_valid.shape) != (q.shape[0], q.shape[2])):
+            raise ValueError(f"{self.method} decoding: key_valid must be a [B, n] = "
+                             f"[{q.shape[0]}, {q.shape[2]}] bool tensor, got {_shape(key_valid)}.")
+        batch = self.batch_size()
+        if batch is not None and q.shape[0] != batch:
+            raise ValueError(f"{self.method} decoding: the state holds {batch} sequences, the "
+                             f"step has {q.shape[0]}; reorder the state (reorder(index)) "
+                             f"when the batch changes.")
+
+    def batch_size(self) -> int | None:
+        """B of the sequences held (None before the first step)."""
+        for name in self.batched:
+            t = getattr(self, name, None)
+            if isinstance(t, Tensor):
+                return t.shape[0]
+        return None
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep the sequences ``index`` (``[B']`` long, repeats allowed): beam search,
+        several samples per prompt, dropping finished sequences."""
+        for name in self.batched:
+            t = getattr(self, name, None)
+            if isinstance(t, Tensor):
+                setattr(self, name, t.index_select(0, index.to(t.device)))
+
+    def nbytes(self) -> int:
+        """Bytes of the tensors the state holds (the random key and fixed features
+        included)."""
+        return sum(t.numel() * t.element_size() for t in vars(self).values()
+                   if isinstance(t, Tensor))
+
+
+def _shape(t: object) -> str:
+    return f"shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+
+
+def padding_as_false(key_valid: Tensor | None, like: Tensor) -> Tensor:
+    """``[B, n]`` bool, all True when ``key_valid`` is None."""
+    if key_valid is not None:
+        return key_valid
+    return torch.ones(like.shape[0], like.shape[2], dtype=torch.bool, device=like.device)
+
+
+def append(old: Tensor | None, new: Tensor, dim: int) -> Tensor:
+    """``new`` after ``old`` along ``dim`` (``new`` alone when there is nothing yet)."""
+    return new if old is None else torch.cat([old, new], dim)

@@ -1,0 +1,150 @@
+"""Decoding states (``skyformer.decoding``): step by step, outputs equal the full causal
+forward with the same random key; memory constant where promised; clear errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from skyformer import MultiHeadAttention
+from skyformer.decoding import CONSTANT_MEMORY, new_decoding_state
+from skyformer.registry import CapabilityError, get_method
+from skyformer.sketch.rng import random_key
+from tests.conftest import make_qkv
+
+CASES = [
+    ("linear", {}),
+    ("performer", {"num_features": 16}),
+    ("skyformer", {"num_features": 10, "landmark_stride": 7}),
+    ("skyformer", {"num_features": 10, "landmark_stride": 7, "causal_local": False}),
+    ("nystrom_softmax", {"num_features": 10, "landmark_stride": 7}),
+    ("softmax", {}),
+    ("kernelized", {}),
+]
+# Chunk sizes of the steps after a 20-token prompt: single tokens, a block crossing the
+# 64-position chunk boundary and several landmark slots, a whole chunk.
+STEPS = [1, 1, 3, 40, 1, 64, 1, 7]
+
+
+def _padding(b: int, n: int) -> torch.Tensor:
+    valid = torch.ones(b, n, dtype=torch.bool)
+    valid[1, :5] = False  # a left-padded prompt
+    return valid
+
+
+def _decode(state, q, k, v, valid, prompt, steps):
+    outs = [state.step(q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt],
+                       None if valid is None else valid[:, :prompt])]
+    t = prompt
+    for n in steps:
+        sl = slice(t, t + n)
+        outs.append(state.step(q[:, :, sl], k[:, :, sl], v[:, :, sl],
+                               None if valid is None else valid[:, sl]))
+        t += n
+    return torch.cat(outs, dim=2)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize(("method", "options"), CASES, ids=lambda c: str(c))
+def test_steps_equal_full_causal_forward(method, options, padded):
+    n = 20 + sum(STEPS)
+    q, k, v = make_qkv(2, 2, n, 8, seed=1)
+    valid = _padding(2, n) if padded else None
+    bound = get_method(method).bind(**options)
+    key = random_key(3)
+    full = bound.replace(causal=True)(q, k, v, key_padding_mask=valid, generator=key)
+    decoded = _decode(new_decoding_state(bound, generator=key), q, k, v, valid, 20, STEPS)
+    torch.testing.assert_close(decoded, full, rtol=1e-10, atol=1e-10)
+
+
+def test_skyformer_without_stride_keeps_the_prompts():
+    """Without landmark_stride the state takes ceil(prompt / m): the prompt's outputs
+    are the default forward's, the rest the forward with that stride fixed."""
+    m, prompt, n = 6, 40, 100
+    q, k, v = make_qkv(1, 2, n, 8, seed=2)
+    bound = get_method("skyformer").bind(num_features=m)
+    key = random_key(5)
+    decoded = _decode(new_decoding_state(bound, generator=key), q, k, v, None, prompt,
+                      [1] * (n - prompt))
+    fixed = bound.replace(causal=True, landmark_stride=math.ceil(prompt / m))
+    torch.testing.assert_close(decoded, fixed(q, k, v, generator=key), rtol=1e-10, atol=1e-10)
+    prompt_only = bound.replace(causal=True)(q[:, :, :prompt], k[:, :, :prompt],
+                                             v[:, :, :prompt], generator=key)
+    torch.testing.assert_close(decoded[:, :, :prompt], prompt_only, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("method", CONSTANT_MEMORY)
+def test_memory_stops_growing(method):
+    """After every landmark slot is revealed (m R positions) the state's size is the same
+    at every later length."""
+    options = {"num_features": 8, "landmark_stride": 4} if method == "skyformer" else {}
+    q, k, v = make_qkv(1, 2, 400, 8, seed=3)
+    state = new_decoding_state(get_method(method).bind(**options), generator=random_key(0))
+    sizes = {}
+    for t in range(400):
+        state.step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1])
+        if t + 1 in (128, 192, 400):  # chunk boundaries and a position inside a chunk
+            sizes[t + 1] = state.nbytes()
+    assert sizes[128] == sizes[192], sizes
+    assert sizes[400] <= sizes[192] + 63 * 2 * (8 + 1 + 8) * 8, sizes  # + one partial chunk
+
+
+def test_keys_state_grows():
+    q, k, v = make_qkv(1, 2, 80, 8, seed=4)
+    state = new_decoding_state(get_method("nystrom_softmax").bind(num_features=4),
+                               generator=random_key(0))
+    state.step(q[:, :, :40], k[:, :, :40], v[:, :, :40])
+    small = state.nbytes()
+    state.step(q[:, :, 40:], k[:, :, 40:], v[:, :, 40:])
+    assert state.nbytes() > small
+
+
+@pytest.mark.parametrize(("method", "options"), CASES[:3], ids=lambda c: str(c))
+def test_reorder_follows_the_selected_sequences(method, options):
+    q, k, v = make_qkv(2, 2, 90, 8, seed=5)
+    bound = get_method(method).bind(**options)
+    key = random_key(1)
+    state = new_decoding_state(bound, generator=key)
+    state.step(q[:, :, :30], k[:, :, :30], v[:, :, :30])
+    index = torch.tensor([1, 1, 0])  # beam search: keep sequence 1 twice, then 0
+    state.reorder(index)
+    q2, k2, v2 = (t[index] for t in (q, k, v))
+    out = torch.cat([state.step(q2[:, :, t:t + 1], k2[:, :, t:t + 1], v2[:, :, t:t + 1])
+                     for t in range(30, 90)], dim=2)
+    # each kept sequence goes on as it was (its landmark draw included)
+    full = bound.replace(causal=True)(q, k, v, generator=key)[index][:, :, 30:]
+    torch.testing.assert_close(out, full, rtol=1e-10, atol=1e-10)
+
+
+def test_refusals_name_the_problem():
+    with pytest.raises(CapabilityError, match="nystromformer cannot decode"):
+        new_decoding_state(get_method("nystromformer").bind())
+    state = new_decoding_state(get_method("linear").bind())
+    q, k, v = make_qkv(2, 2, 4, 8)
+    with pytest.raises(ValueError, match=r"\[B, H, n, D\]"):
+        state.step(q[0], k, v)
+    with pytest.raises(ValueError, match="key_valid must be a \\[B, n\\]"):
+        state.step(q, k, v, torch.ones(2, 5, dtype=torch.bool))
+    state.step(q, k, v)
+    with pytest.raises(ValueError, match="holds 2 sequences, the step has 1"):
+        state.step(q[:1], k[:1], v[:1])
+
+
+@pytest.mark.parametrize(("method", "options"), [
+    ("skyformer", {"num_features": 6, "landmark_stride": 5}),
+    ("performer", {"num_features": 8}),
+])
+def test_layer_cache_equals_the_causal_layer(method, options):
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(16, 2, method, causal=True, **options).double().eval()
+    x = torch.randn(2, 70, 16, dtype=torch.float64)
+    key = random_key(9)
+    full = layer(x, generator=key)
+    cache = layer.new_cache(generator=key)
+    parts = [layer(x[:, :25], cache=cache)] + [layer(x[:, t:t + 1], cache=cache)
+                                               for t in range(25, 70)]
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="takes no context"):
+        layer(x[:, :1], context=x, cache=cache)
