@@ -161,3 +161,37 @@ def _normalise(key_valid: Tensor) -> Tensor | None:
     """``None`` when every key is real (lets methods without mask support run)."""
     key_valid = key_valid.to(torch.bool).contiguous()
     return None if bool(key_valid.all()) else key_valid
+
+
+def decoding_key_valid(
+    attention_mask: Tensor | None,
+    *,
+    batch: int,
+    new: int,
+    total: int,
+    advice: str = USE_EXACT,
+) -> Tensor | None:
+    """Which of the ``new`` positions a decoding step adds are real tokens.
+
+    A decoding step attends from its ``new`` queries to all ``total`` positions (the
+    cached ones first): its mask must be causal with key padding, the causal pattern
+    shifted by ``total - new``. Returns ``[B, new]`` bool (``None`` when all are real).
+    Raises ``UnsupportedMaskError`` for any other pattern.
+    """
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, Tensor):
+        raise UnsupportedMaskError(
+            f"the attention mask is a {type(attention_mask).__name__}, not a tensor; {advice}.")
+    allowed = _allowed(attention_mask, batch, new, total, advice)
+    rows = allowed[:, 0].expand(batch, new, total)  # [B, new, total]
+    real = rows.any(dim=1)  # [B, total]: positions some query may see; the rest are padding
+    position = torch.arange(total, device=rows.device)
+    causal = position[None, :] <= position[total - new:, None]  # [new, total]
+    new_real = real[:, total - new:]
+    query_real = new_real[:, :, None]  # rows of padded queries are not checked
+    if not bool(((rows == (causal & real[:, None, :])) | ~query_real).all()):
+        raise UnsupportedMaskError(
+            "a decoding step's attention mask is not causal with key padding (e.g. a sliding "
+            f"window or a custom pattern); the approximate methods cannot follow it; {advice}.")
+    return None if bool(new_real.all()) else new_real.contiguous()

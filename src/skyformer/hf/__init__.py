@@ -48,6 +48,7 @@ if _version_tuple(transformers.__version__) < MIN_TRANSFORMERS:
 
 from ..masks import ResolvedMask, UnsupportedMaskError, resolve_mask  # noqa: E402
 from .attention import PER_LAYER, implementation_name, register_methods  # noqa: E402
+from .decoding import DecodingCache  # noqa: E402
 from .layers import EXACT, LayerAttention, attention_modules  # noqa: E402
 from .model import describe, from_pretrained, restore_exact, set_attention  # noqa: E402
 
@@ -56,6 +57,7 @@ register_methods()
 __all__ = [
     "EXACT",
     "PER_LAYER",
+    "DecodingCache",
     "LayerAttention",
     "ResolvedMask",
     "UnsupportedMaskError",

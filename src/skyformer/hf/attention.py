@@ -47,9 +47,11 @@ from transformers.masking_utils import (
     sdpa_mask,
 )
 
-from ..masks import resolve_mask
+from ..decoding import new_decoding_state
+from ..masks import decoding_key_valid, resolve_mask
 from ..registry import CapabilityError, Method, get_method, list_methods
 from ..sketch.rng import random_key
+from .decoding import DecodingLayer, claimed_step
 from .layers import (
     EXACT,
     STATE_NAME,
@@ -176,6 +178,12 @@ def skyformer_attention_forward(
         ``(out [B, Nq, H, Dv], None)``.
     """
     layer = _layer_for(module, implementation, default_method)
+    decoding = claimed_step(module, key)
+    if decoding is not None:
+        if layer.method != EXACT and not layer.bound.method.capabilities.attn_mask:
+            return _decoding_step(module, layer, decoding, query, key, value, attention_mask,
+                                  scaling)
+        key, value = decoding.keep(key, value)  # exact attention over every key so far
     if layer.method == EXACT:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -229,6 +237,31 @@ def skyformer_attention_forward(
     )  # [B, H, Nq, Dv]
     if training_dropout:
         out = F.dropout(out, p=training_dropout, training=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _decoding_step(module: nn.Module, layer: LayerAttention, decoding: DecodingLayer,
+                   query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                   scaling: float | None) -> tuple[Tensor, None]:
+    """The next positions of a ``DecodingCache`` layer: its decoding state's step."""
+    assert layer.bound is not None
+    where = _where(module, layer)
+    b, _, n, head_dim = query.shape
+    key_valid = decoding_key_valid(attention_mask, batch=b, new=n, total=decoding.seen,
+                                   advice=USE_SDPA)
+    if decoding.state is None:
+        bound = layer.bound.replace(
+            **_call_options(layer.bound.method, layer, scaling, head_dim, True, where))
+        try:
+            decoding.state = new_decoding_state(
+                bound, generator=_layer_key(layer, query.device),
+                state=module._modules.get(STATE_NAME))
+        except CapabilityError as err:
+            raise CapabilityError(f"{where}: {err}") from None
+    key, value = _keys_for_call(module, key, value)
+    if key_valid is not None:
+        key_valid = key_valid.to(query.device)
+    out = decoding.state.step(query, key, value, key_valid)  # [B, H, n, Dv]
     return out.transpose(1, 2).contiguous(), None
 
 

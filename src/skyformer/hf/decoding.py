@@ -1,0 +1,165 @@
+"""``DecodingCache``: transformers' generation with constant-memory attention states.
+
+Pass one to ``generate`` (or to a forward) of a decoder whose attention runs through
+skyformer::
+
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="skyformer:skyformer")
+    skyformer.hf.set_attention(model, "skyformer", num_features=64, seed=0)
+    out = model.generate(ids, past_key_values=skyformer.hf.DecodingCache(model), ...)
+
+Each layer keeps its method's decoding state (``skyformer.decoding``): for ``linear``,
+``performer`` and ``skyformer`` its memory does not grow with the generated length; the
+layers that run exact attention (``softmax``, ``kernelized``, layers left exact) keep
+their keys and values as transformers' ``DynamicCache`` does, and the other causal
+methods keep them to recompute their causal forward. Tokens equal those of the full
+causal forward over the whole sequence with the same random key (a layer ``seed``).
+
+How it plugs in: the cache's ``update`` records the new keys and values and hands them
+back unchanged; the skyformer attention function of that layer recognises them (the
+very tensors, on the module the cache is bound to) and runs a decoding step instead of
+attention over a key cache.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import Tensor, nn
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .layers import attention_modules, is_cross_attention
+
+BOUND_NAME = "_skyformer_decoding_cache"  # module attribute: weakref to the bound cache
+
+
+class DecodingLayer(CacheLayerMixin):
+    """One layer of ``DecodingCache``: its decoding state, or its keys and values when
+    the layer runs exact attention."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = None  # skyformer.decoding.DecodingState, made at the first step
+        self.seen = 0  # positions given to update
+        self.pending: Tensor | None = None  # the keys of the step not yet attended
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs
+               ) -> tuple[Tensor, Tensor]:
+        """Record the step's keys; return them unchanged (the attention function decodes)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.pending = key_states
+        self.seen += key_states.shape[-2]
+        return key_states, value_states
+
+    def claim(self, key: Tensor) -> bool:
+        """Whether ``key`` is this step's keys (then the step is taken)."""
+        if self.pending is not key:
+            return False
+        self.pending = None
+        return True
+
+    def keep(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        """For a layer run exactly: every key and value so far, as a ``DynamicLayer``."""
+        self.keys = key if self.keys is None else torch.cat([self.keys, key], dim=-2)
+        self.values = value if self.values is None else torch.cat([self.values, value], dim=-2)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.state, self.seen, self.pending = None, 0, None
+        self.keys = self.values = None
+
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        if self.state is not None:
+            self.state.reorder(indices)
+        if self.keys is not None:
+            self.keys = self.keys.index_select(0, indices.to(self.keys.device))
+            self.values = self.values.index_select(0, indices.to(self.values.device))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        batch = self.state.batch_size() if self.state is not None else (
+            self.keys.shape[0] if self.keys is not None else None)
+        if batch is not None:
+            device = self.keys.device if self.keys is not None else None
+            index = torch.arange(batch, device=device).repeat_interleave(repeats)
+            self.batch_select_indices(index)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError("DecodingCache cannot drop positions (its states are sums over them); "
+                         "use transformers' DynamicCache for assisted decoding.")
+
+    def offload(self) -> None:
+        pass
+
+    def prefetch(self) -> None:
+        pass
+
+    def nbytes(self) -> int:
+        """Bytes held: the decoding state and any kept keys and values."""
+        total = self.state.nbytes() if self.state is not None else 0
+        for t in (self.keys, self.values):
+            if t is not None:
+                total += t.numel() * t.element_size()
+        return total
+
+
+class DecodingCache(Cache):
+    """A transformers ``Cache`` of skyformer decoding states for ``model`` (module
+    docstring). ``model`` is a decoder-only transformers model loaded with
+    ``attn_implementation="skyformer:<method>"`` (or ``"skyformer"`` with per-layer
+    settings); one cache per generation."""
+
+    def __init__(self, model: nn.Module) -> None:
+        from .model import _implementation, _is_ours
+
+        implementation = _implementation(model)
+        if not _is_ours(implementation):
+            raise ValueError(
+                f"DecodingCache needs a model whose attention runs through skyformer, but "
+                f"this one uses attn_implementation={implementation!r}; load it with "
+                f"attn_implementation='skyformer:<method>' or call "
+                f"skyformer.hf.set_attention(model, '<method>') first.")
+        modules = [(i, m) for i, name, m in attention_modules(model)
+                   if not is_cross_attention(m, name)]
+        if any(is_cross_attention(m, name) for _, name, m in attention_modules(model)):
+            raise ValueError("DecodingCache is for decoder-only models; this model has "
+                             "cross-attention (use transformers' EncoderDecoderCache).")
+        super().__init__(layers=[DecodingLayer() for _ in range(max(i for i, _ in modules) + 1)])
+        for index, module in modules:
+            setattr(module, BOUND_NAME, (weakref.ref(self), index))
+
+    def nbytes(self) -> int:
+        """Bytes held by every layer's state (``DecodingLayer.nbytes``)."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+
+def claimed_step(module: nn.Module, key: Tensor) -> DecodingLayer | None:
+    """The ``DecodingLayer`` whose ``update`` returned ``key`` to this module, if any."""
+    bound = getattr(module, BOUND_NAME, None)
+    if bound is None:
+        return None
+    cache = bound[0]()
+    if cache is None or bound[1] >= len(cache.layers):
+        return None
+    layer = cache.layers[bound[1]]
+    return layer if isinstance(layer, DecodingLayer) and layer.claim(key) else None
