@@ -220,3 +220,18 @@ def test_errors_above_the_trivial_answer_are_marked(tiny):
     row = {"rel_error": 0.7, "trivial_error": 0.5}
     assert worse_than_trivial(row) and _cell(row, "rel_error", "{:.2e}") == "7.00e-01!"
     assert not worse_than_trivial({"rel_error": 0.2, "trivial_error": 0.5})
+
+
+def test_causal_runs_the_causal_methods_against_causal_sdpa():
+    config = BenchConfig(seq_lens=(128,), shapes=((1, 2, 8),), num_features=8, repeats=1,
+                         warmup=0, memory=False, causal=True)
+    result = run_bench(config)
+    by_name = {row["method"]: row for row in result.rows}
+    assert set(by_name) == {"softmax", "kernelized", "skyformer", "nystrom_softmax", "linear",
+                            "performer"}
+    assert all(row["status"] == "ok" for row in by_name.values())
+    assert by_name["softmax"]["rel_error"] < 1e-5  # against the causal target
+    assert by_name["skyformer"]["rel_error"] < 1.0
+    with pytest.raises(ValueError, match="nystromformer cannot do causal masking"):
+        run_bench(BenchConfig(methods=("nystromformer",), seq_lens=(64,), shapes=((1, 1, 8),),
+                              repeats=1, warmup=0, memory=False, causal=True))

@@ -61,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="wall time (default) or process CPU time (robust to other load on "
                         "a shared machine; use with --threads 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of inputs and landmarks")
+    parser.add_argument("--causal", action="store_true",
+                        help="causal attention for every method (the reference is causal SDPA); "
+                        "default methods: those that can be causal")
     parser.add_argument(
         "--out",
         default=None,
@@ -93,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         shapes=tuple(args.shapes), dtypes=tuple(args.dtypes), device=args.device,
         num_features=args.features, repeats=args.repeats, warmup=args.warmup,
         backward=not args.forward_only, memory=not args.no_memory, error=not args.no_error,
-        seed=args.seed, max_seconds=args.max_seconds, clock=args.clock,
+        seed=args.seed, max_seconds=args.max_seconds, clock=args.clock, causal=args.causal,
     )
     result = run_bench(config, progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(format_wide(result) if args.markdown else format_table(result))

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from ...io import environment
-from ...registry import exact_method, list_methods
+from ...registry import exact_method, get_method, list_methods
 from ..measure.flops import attention_flops, matmul_flops_per_second
 from ..measure.memory import MemoryJob, peak_memory_bytes
 from ..measure.metrics import relative_error, trivial_error
@@ -64,6 +64,8 @@ class BenchConfig:
     reference: the method speed and memory ratios are taken against.
     clock: "wall" (default) or "cpu" (process CPU time: robust to the load of a shared
         machine, meaningful with one thread; see ``timing``).
+    causal: every method (the reference included) with ``causal=True``, errors against
+        the exact causal target; without ``methods``, the methods that can be causal.
     """
 
     methods: tuple[str, ...] | None = None
@@ -81,6 +83,7 @@ class BenchConfig:
     max_seconds: float = 60.0
     reference: str = "softmax"
     clock: str = "wall"
+    causal: bool = False
 
     def __post_init__(self) -> None:
         if not self.seq_lens or any(not isinstance(n, int) or n < 1 for n in self.seq_lens):
@@ -114,7 +117,8 @@ class BenchConfig:
             )
 
     def method_names(self) -> list[str]:
-        names = list(self.methods) if self.methods else list_methods()
+        names = list(self.methods) if self.methods else [
+            m for m in list_methods() if not self.causal or get_method(m).capabilities.causal]
         if self.reference not in names:  # speed-ups are taken against it
             names.insert(0, self.reference)
         return names
@@ -266,6 +270,8 @@ def _measure_length(
     runnable: dict[str, tuple[NamedAttention, dict[str, Any], Callable, Callable]] = {}
     for label, method in zip(labels, methods, strict=True):
         options = method.options(config.num_features)
+        if config.causal:
+            options["causal"] = True
         row = {"method": label, "spec": method.name, **group, "target": method.target,
                "exact": method.exact,
                "num_features": method.resolved_options(options, n).get("num_features"),
@@ -322,8 +328,9 @@ def _measure_length(
                 row["reason"] = f"peak memory not measured: {_one_line(err)}"
         if config.error and method.target is not None:
             if method.target not in exact:
-                exact[method.target] = _exact_output(q, k, v, method.target)
-                trivial[method.target] = trivial_error(v, exact[method.target])
+                exact[method.target] = _exact_output(q, k, v, method.target, config.causal)
+                trivial[method.target] = trivial_error(v, exact[method.target],
+                                                       causal=config.causal)
             out = forward().float()
             row["rel_error"] = relative_error(out, exact[method.target], ord=2).mean().item()
             row["trivial_error"] = trivial[method.target]
@@ -353,11 +360,11 @@ def _skip_reason(config: BenchConfig, method: NamedAttention, dtype_name: str, n
     return ""
 
 
-def _exact_output(q: Tensor, k: Tensor, v: Tensor, target: str) -> Tensor:
+def _exact_output(q: Tensor, k: Tensor, v: Tensor, target: str, causal: bool = False) -> Tensor:
     """The exact attention of the target in float32 (or the inputs' float64)."""
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     with torch.no_grad():
-        return exact_method(target).function(q.to(work), k.to(work), v.to(work))
+        return exact_method(target).function(q.to(work), k.to(work), v.to(work), causal=causal)
 
 
 def _one_line(err: BaseException) -> str:

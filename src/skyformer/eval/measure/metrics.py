@@ -92,9 +92,14 @@ def constant_row_error(exact: Tensor, row: Tensor | None = None, ord: int | str 
     return relative_error(r[..., None, :].expand_as(o), o, ord=ord)
 
 
-def trivial_error(v: Tensor, exact: Tensor) -> float:
+def trivial_error(v: Tensor, exact: Tensor, *, causal: bool = False) -> float:
     """Mean relative spectral error of the better trivial answer against ``exact``
-    ``[B, H, N, Dv]``: every row = the mean of ``v`` (the softmax target's constant), or
-    all zeros (error 1; the Gaussian target's rows are not weighted means)."""
-    mean_v = v.to(exact.dtype).mean(dim=-2, keepdim=True).expand_as(exact)
+    ``[B, H, N, Dv]``: every row = the mean of ``v`` (the softmax target's constant; with
+    ``causal``, row i = the mean of v_0..v_i), or all zeros (error 1; the Gaussian
+    target's rows are not weighted means)."""
+    if causal:
+        count = torch.arange(1, v.shape[-2] + 1, dtype=exact.dtype, device=v.device)[:, None]
+        mean_v = v.to(exact.dtype).cumsum(-2) / count
+    else:
+        mean_v = v.to(exact.dtype).mean(dim=-2, keepdim=True).expand_as(exact)
     return min(1.0, relative_error(mean_v, exact, ord=2).mean().item())
