@@ -164,8 +164,9 @@ class MultiHeadAttention(nn.Module):
         """An empty decoding cache for ``forward(x, cache=...)``: causal self-attention of
         each new chunk of positions to every position before it, equal (to rounding) to
         the causal forward over the whole sequence with the same random key. Its memory
-        is constant in the length for ``linear``, ``performer`` and ``skyformer``
-        (``skyformer.decoding``); the other causal methods keep the keys and values.
+        is constant in the length for ``linear``, ``performer``, ``skyformer`` and
+        ``nystrom_softmax`` (``skyformer.decoding``); the exact methods keep the keys
+        and values.
 
         Args:
             generator: the random key of the whole decode (``None``: drawn from torch's

@@ -20,6 +20,7 @@ CASES = [
     ("skyformer", {"num_features": 10, "landmark_stride": 7}),
     ("skyformer", {"num_features": 10, "landmark_stride": 7, "causal_local": False}),
     ("nystrom_softmax", {"num_features": 10, "landmark_stride": 7}),
+    ("nystrom_softmax", {"num_features": 10, "landmark_stride": 7, "causal_local": False}),
     ("softmax", {}),
     ("kernelized", {}),
 ]
@@ -79,7 +80,8 @@ def test_skyformer_without_stride_keeps_the_prompts():
 def test_memory_stops_growing(method):
     """After every landmark slot is revealed (m R positions) the state's size is the same
     at every later length."""
-    options = {"num_features": 8, "landmark_stride": 4} if method == "skyformer" else {}
+    nystrom = method in ("skyformer", "nystrom_softmax")
+    options = {"num_features": 8, "landmark_stride": 4} if nystrom else {}
     q, k, v = make_qkv(1, 2, 400, 8, seed=3)
     state = new_decoding_state(get_method(method).bind(**options), generator=random_key(0))
     sizes = {}
@@ -93,8 +95,7 @@ def test_memory_stops_growing(method):
 
 def test_keys_state_grows():
     q, k, v = make_qkv(1, 2, 80, 8, seed=4)
-    state = new_decoding_state(get_method("nystrom_softmax").bind(num_features=4),
-                               generator=random_key(0))
+    state = new_decoding_state(get_method("softmax").bind(), generator=random_key(0))
     state.step(q[:, :, :40], k[:, :, :40], v[:, :, :40])
     small = state.nbytes()
     state.step(q[:, :, 40:], k[:, :, 40:], v[:, :, 40:])

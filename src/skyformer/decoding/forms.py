@@ -8,12 +8,12 @@ from torch import Tensor, nn
 from ..registry import BoundMethod, CapabilityError
 from ..registry.methods import _capability_sentence
 from .keys import KeyValueDecoding
-from .nystrom import SkyformerDecoding
+from .nystrom import NystromSoftmaxDecoding, SkyformerDecoding
 from .prefix_sums import LinearDecoding, PerformerDecoding
 from .state import DecodingState
 
 # Methods whose decoding state is constant in the generated length.
-CONSTANT_MEMORY = ("linear", "performer", "skyformer")
+CONSTANT_MEMORY = ("linear", "performer", "skyformer", "nystrom_softmax")
 
 
 def new_decoding_state(bound: BoundMethod, *, generator: torch.Generator | Tensor | None = None,
@@ -36,6 +36,8 @@ def new_decoding_state(bound: BoundMethod, *, generator: torch.Generator | Tenso
             "cannot do causal masking", "cannot decode (it cannot do causal masking)"))
     if spec.name == "skyformer":
         return SkyformerDecoding(bound, generator)
+    if spec.name == "nystrom_softmax":
+        return NystromSoftmaxDecoding(bound, generator)
     if spec.name == "linear":
         return LinearDecoding(bound, generator)
     if spec.name == "performer":

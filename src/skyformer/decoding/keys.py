@@ -1,9 +1,9 @@
-"""Decoding state that keeps the keys and values: the exact methods and every causal
-method without a constant-size form.
+"""Decoding state that keeps the keys and values: the exact methods, and any causal
+method without a constant-size form (none of the built-in ones; ``forms.py``).
 
 - Methods that take any ``attn_mask`` (``softmax``, ``kernelized``): the new queries
   attend to every kept key under the causal pattern shifted by the length, as a KV cache.
-- The other causal methods (``nystrom_softmax``): their causal forward is recomputed
+- Any other causal method (a newly registered one): its causal forward is recomputed
   over all positions and the new rows kept, so outputs are the full forward's exactly;
   the queries are kept too. Memory O(length), time per step that of the full forward.
 """

@@ -41,6 +41,7 @@ from ..ops.shared.causal_nystrom import (
 )
 from ..ops.shared.causal_prefix import CAUSAL_CHUNK
 from ..ops.shared.inputs import compute_dtype
+from ..ops.shared.masked import normalised_or
 from ..registry import BoundMethod
 from .state import DecodingState, append, padding_as_false
 
@@ -85,8 +86,8 @@ class SkyformerDecoding(DecodingState):
         self.x_norm, self.l_inv = core.x_norm, core.l_inv
         ks, kn, vw = self._keys(kw, vw, key_valid)
         done = n - n % CAUSAL_CHUNK  # positions of the completed chunks
-        self.u = gaussian_kernel_block(self.x, ks[:, :, :done], self.x_norm,
-                                       kn[..., :done]) @ vw[:, :, :done]
+        self._start_sums(ks[:, :, :done], kn[..., :done])
+        self.u = self._block(ks[:, :, :done], kn[..., :done]) @ vw[:, :, :done]
         self.chunk_k, self.chunk_kn, self.chunk_v = ks[:, :, done:], kn[..., done:], vw[:, :, done:]
         if not bool(self.revealed.all()):
             self.past_k, self.past_kn, self.past_v = ks[:, :, :done], kn[..., :done], \
@@ -95,12 +96,20 @@ class SkyformerDecoding(DecodingState):
 
     def _keys(self, k: Tensor, v: Tensor, key_valid: Tensor | None
               ) -> tuple[Tensor, Tensor, Tensor]:
-        """Scaled keys, their half norms (+inf for padded keys: zero kernel) and values."""
+        """Scaled keys, their offsets in the kernel's exponent (here |k|^2/2; +inf for
+        padded keys: zero weight) and the values the sums carry."""
         ks = k * self.scale
         kn = half_sq_norm(ks)
         if key_valid is not None:
             kn = torch.where(key_valid[:, None, :], kn, float("inf"))
         return ks, kn, v
+
+    def _start_sums(self, keys: Tensor, offsets: Tensor) -> None:
+        """Set what ``_block`` needs before the first sums (nothing here)."""
+
+    def _block(self, keys: Tensor, offsets: Tensor) -> Tensor:
+        """``[B, H, m, L]`` weights of the landmarks against ``keys`` in the sums U."""
+        return gaussian_kernel_block(self.x, keys, self.x_norm, offsets)
 
     def _extend(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None) -> Tensor:
         valid = padding_as_false(key_valid, q)
@@ -118,19 +127,28 @@ class SkyformerDecoding(DecodingState):
         self.chunk_k = torch.cat([self.chunk_k, ks], 2)
         self.chunk_kn = torch.cat([self.chunk_kn, kn], 2)
         self.chunk_v = torch.cat([self.chunk_v, v], 2)
-        qn = half_sq_norm(qs)
-        phi_q = gaussian_kernel_block(qs, self.x, qn, self.x_norm) @ self.l_inv.transpose(-1, -2)
-        phi_q = torch.where(self.revealed[:, None, None, :], phi_q, 0.0)  # [B, H, 1, m]
-        out = phi_q @ (self.l_inv @ self.u)
-        if self.local:
-            out = out + gaussian_kernel_block(qs, self.chunk_k, qn, self.chunk_kn) @ self.chunk_v
-        else:
-            phi_k = gaussian_kernel_block(self.chunk_k, self.x, self.chunk_kn, self.x_norm) \
-                @ self.l_inv.transpose(-1, -2)
-            out = out + (phi_q @ phi_k.transpose(-1, -2)) @ self.chunk_v
+        out = self._attend(qs, kn)
         if (position + 1) % CAUSAL_CHUNK == 0:
             self._absorb_chunk()
         return torch.where(valid[:, None, None, None], out, 0.0)
+
+    def _query_features(self, qs: Tensor) -> Tensor:
+        """phi(q) = L^-1 C(X_S, q) over the revealed slots: ``[B, H, 1, m]``."""
+        phi_q = gaussian_kernel_block(qs, self.x, half_sq_norm(qs), self.x_norm) \
+            @ self.l_inv.transpose(-1, -2)
+        return torch.where(self.revealed[:, None, None, :], phi_q, 0.0)
+
+    def _attend(self, qs: Tensor, kn: Tensor) -> Tensor:
+        """Output of one query ``[B, H, 1, D]`` (scaled; ``kn`` its key's offset)."""
+        phi_q = self._query_features(qs)
+        out = phi_q @ (self.l_inv @ self.u)
+        if self.local:
+            near = gaussian_kernel_block(qs, self.chunk_k, half_sq_norm(qs), self.chunk_kn)
+        else:
+            phi_k = gaussian_kernel_block(self.chunk_k, self.x, self.chunk_kn, self.x_norm) \
+                @ self.l_inv.transpose(-1, -2)
+            near = phi_q @ phi_k.transpose(-1, -2)
+        return out + near @ self.chunk_v
 
     def _reveal(self, qs: Tensor, ks: Tensor, valid: Tensor) -> None:
         """Reveal the next slot where this token is the real token of its rank."""
@@ -148,14 +166,12 @@ class SkyformerDecoding(DecodingState):
         core = core_of_rows(self.x, self.revealed, self.gamma)
         self.x_norm, self.l_inv = core.x_norm, core.l_inv
         if self.past_k is not None and self.past_k.shape[2]:
-            fresh = gaussian_kernel_block(self.x, self.past_k, self.x_norm,
-                                          self.past_kn) @ self.past_v  # [B, H, m, Dv]
+            fresh = self._block(self.past_k, self.past_kn) @ self.past_v  # [B, H, m, Dv]
             self.u = torch.where(new[:, None, :, None], fresh, self.u)
 
     def _absorb_chunk(self) -> None:
         """Add the completed chunk's keys to U; keep them while a slot is unrevealed."""
-        self.u = self.u + gaussian_kernel_block(self.x, self.chunk_k, self.x_norm,
-                                                self.chunk_kn) @ self.chunk_v
+        self.u = self.u + self._block(self.chunk_k, self.chunk_kn) @ self.chunk_v
         if bool(self.revealed.all()):
             self.past_k = self.past_kn = self.past_v = None
         else:
@@ -164,3 +180,101 @@ class SkyformerDecoding(DecodingState):
             self.past_v = append(self.past_v, self.chunk_v, 2)
         self.chunk_k, self.chunk_kn, self.chunk_v = (t[:, :, :0] for t in
                                                      (self.chunk_k, self.chunk_kn, self.chunk_v))
+
+
+class NystromSoftmaxDecoding(SkyformerDecoding):
+    """The causal ``nystrom_softmax``'s decoding state (``ops/nystrom_softmax/causal.py``).
+
+    The weights are exp(x_s . k_j - |x_s|^2/2) (C(X_S, k) E_K) for the far keys and
+    exp(q . k_j - |q|^2/2) for the near ones, each row shifted by r_i, the running
+    maximum of |k_j|^2/2 over the real keys j <= i (it cancels in the row's ratio). U is
+    kept shifted by M, r at the end of the last completed chunk: far weights are then
+    multiplied by exp(M - r_i) <= 1, and U is rescaled by exp(M - M') when a chunk with
+    a larger key moves M to M'. The sums carry [v, 1] (numerator and normaliser); rows
+    whose normaliser is lost to cancellation get the prefix mean of the values, as in
+    the forward.
+    """
+
+    batched = (*SkyformerDecoding.batched, "shift", "running_max", "value_sum", "count")
+
+    def __init__(self, bound: BoundMethod, generator: torch.Generator | Tensor | None = None
+                 ) -> None:
+        super().__init__(bound, generator)
+        self.threshold = self.bound.config.normalizer_threshold
+        self.shift: Tensor | None = None  # M: [B, H]
+        self.running_max: Tensor | None = None  # r of the last position: [B, H]
+        self.value_sum: Tensor | None = None  # [B, H, 1, Dv]
+        self.count: Tensor | None = None  # [B, 1, 1, 1]
+
+    def _first(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None) -> Tensor:
+        out = super()._first(q, k, v, key_valid)
+        ks = k.to(self.x.dtype) * self.scale
+        log_e = torch.where(torch.isfinite(self._real_offsets(key_valid, ks)),
+                            half_sq_norm(ks), float("-inf"))  # [B, H, n]
+        self.running_max = log_e.amax(-1)
+        vw = v.to(self.x.dtype)
+        w = (torch.ones_like(vw[:, :1, :, :1]) if key_valid is None
+             else key_valid[:, None, :, None].to(vw.dtype))
+        self.value_sum = (vw * w).sum(2, keepdim=True)
+        self.count = w.sum(2, keepdim=True)
+        return out
+
+    @staticmethod
+    def _real_offsets(key_valid: Tensor | None, ks: Tensor) -> Tensor:
+        """0 for real keys, +inf for padded ones: ``[B, 1|H, n]``."""
+        if key_valid is None:
+            return torch.zeros_like(ks[..., 0])
+        return torch.where(key_valid[:, None, :], 0.0, float("inf")).to(ks.dtype)
+
+    def _keys(self, k: Tensor, v: Tensor, key_valid: Tensor | None
+              ) -> tuple[Tensor, Tensor, Tensor]:
+        ks = k * self.scale
+        offsets = self._real_offsets(key_valid, ks).expand_as(ks[..., 0])
+        return ks, offsets, torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+
+    def _start_sums(self, keys: Tensor, offsets: Tensor) -> None:
+        log_e = torch.where(torch.isfinite(offsets), half_sq_norm(keys), float("-inf"))
+        self.shift = log_e.amax(-1) if keys.shape[2] else \
+            torch.full(keys.shape[:2], float("-inf"), dtype=keys.dtype, device=keys.device)
+
+    def _block(self, keys: Tensor, offsets: Tensor) -> Tensor:
+        """exp(x_s . k_j - |x_s|^2/2 - M) (0 for padded keys and unrevealed slots)."""
+        shift = torch.where(torch.isfinite(self.shift), self.shift, 0.0)
+        return gaussian_kernel_block(self.x, keys, self.x_norm, offsets + shift[..., None])
+
+    def _absorb_chunk(self) -> None:
+        log_e = torch.where(torch.isfinite(self.chunk_kn), half_sq_norm(self.chunk_k),
+                            float("-inf"))
+        new = torch.maximum(self.shift, log_e.amax(-1))  # M' = r at the chunk's end
+        rescale = torch.where(torch.isfinite(self.shift), (self.shift - new).exp(), 0.0)
+        self.u = self.u * rescale[..., None, None]
+        self.shift = new
+        super()._absorb_chunk()
+
+    def _attend(self, qs: Tensor, kn: Tensor) -> Tensor:
+        ks = self.chunk_k[:, :, -1:]  # this position's key
+        real = torch.isfinite(kn[..., 0])  # [B, H]
+        key_log = torch.where(real, half_sq_norm(ks)[..., 0], float("-inf"))
+        self.running_max = torch.maximum(self.running_max, key_log)
+        r = torch.where(torch.isfinite(self.running_max), self.running_max, 0.0)  # r_i
+        far_factor = torch.where(torch.isfinite(self.shift), (self.shift - r).exp(), 0.0)
+        phi_q = self._query_features(qs)  # [B, H, 1, m]
+        state = self.l_inv @ self.u  # [B, H, m, Dv + 1]
+        far = (phi_q @ state) * far_factor[..., None, None]
+        bound = (phi_q.abs() @ state[..., -1:].abs()) * far_factor[..., None, None]
+        offsets = self.chunk_kn + r[..., None]
+        if self.local:  # exp(q.k_j - |q|^2/2 - r_i), real keys of the chunk
+            near = gaussian_kernel_block(qs, self.chunk_k, half_sq_norm(qs), offsets)
+        else:
+            psi = gaussian_kernel_block(self.chunk_k, self.x, offsets, self.x_norm) \
+                @ self.l_inv.transpose(-1, -2)
+            near = phi_q @ psi.transpose(-1, -2)  # [B, H, 1, L]
+        o = far + near @ self.chunk_v
+        bound = bound + near.abs().sum(-1, keepdim=True)
+        v = self.chunk_v[:, :, -1:, :-1]
+        w = real[:, :1, None, None].to(v.dtype)
+        self.value_sum = self.value_sum + v * w
+        self.count = self.count + w
+        mean = self.value_sum / self.count.clamp_min(1.0)
+        numerator, denominator = o[..., :-1], o[..., -1:]
+        return normalised_or(numerator, denominator, mean, denominator > self.threshold * bound)

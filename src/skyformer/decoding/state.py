@@ -9,12 +9,13 @@ extend what the state keeps. What it keeps, per form (``forms.py``):
 
 - prefix-sum forms (``linear``, ``performer``): the m x (Dv + 1) sums of the keys'
   features times [v, 1]; constant in the length;
-- ``skyformer``: the landmark rows, L^-1, the m x Dv kernel sums of the completed chunks
+- ``skyformer``, ``nystrom_softmax``: the landmark rows, L^-1, the m x Dv kernel sums of
+  the completed chunks
   and the keys of the current chunk (at most 63); constant once every landmark slot is
   revealed (m R tokens), before which it also keeps the earlier keys, which a slot
   revealed later needs (``ops/skyformer/README.md``, "Decoding");
-- every other causal method: the keys and values (and, for methods without an
-  ``attn_mask``, the queries), O(length) (``keys.py``).
+- the exact methods (and any causal method without a form): the keys and values,
+  O(length) (``keys.py``).
 """
 
 from __future__ import annotations

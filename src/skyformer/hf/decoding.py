@@ -8,11 +8,11 @@ skyformer::
     out = model.generate(ids, past_key_values=skyformer.hf.DecodingCache(model), ...)
 
 Each layer keeps its method's decoding state (``skyformer.decoding``): for ``linear``,
-``performer`` and ``skyformer`` its memory does not grow with the generated length; the
-layers that run exact attention (``softmax``, ``kernelized``, layers left exact) keep
-their keys and values as transformers' ``DynamicCache`` does, and the other causal
-methods keep them to recompute their causal forward. Tokens equal those of the full
-causal forward over the whole sequence with the same random key (a layer ``seed``).
+``performer``, ``skyformer`` and ``nystrom_softmax`` its memory does not grow with the
+generated length; the layers that run exact attention (``softmax``, ``kernelized``,
+layers left exact) keep their keys and values as transformers' ``DynamicCache`` does.
+Tokens equal those of the full causal forward over the whole sequence with the same
+random key (a layer ``seed``).
 
 How it plugs in: the cache's ``update`` records the new keys and values and hands them
 back unchanged; the skyformer attention function of that layer recognises them (the
