@@ -10,7 +10,10 @@
   made of it (a fallback to mean(V), a clamp, a zero).
 
 Both run at ``call_core``, the one path every call takes; they are elementwise and
-data-independent, so they compile, export and batch like the methods.
+data-independent, so they compile, export and batch like the methods. Eager calls on
+the CPU first ask whether q, k, v are finite at all (one min/max pass each, through
+which NaN and inf propagate) and skip the row-wise check when they are: in a decoding
+step over a long key/value cache that check cost ten times the attention itself.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from ..ops.shared.tracing import may_read_values
 
 
 def _padding(mask: Any, batch: int, length: int) -> Tensor | None:
@@ -65,15 +70,25 @@ def show_nonfinite(out: Any, q: Any, k: Any, v: Any, key_padding_mask: Any,
     if not isinstance(out, Tensor) or not out.is_floating_point() or out.dim() != 4 \
             or not all(isinstance(t, Tensor) and t.dim() == 4 for t in (q, k, v)):
         return out
+    quick = q.device.type == "cpu" and may_read_values(q, k, v, out)
+    keys_finite = quick and _finite(k) and _finite(v)
+    if keys_finite and _finite(q):
+        return out
     query_valid, _ = valid_rows(q, k, key_padding_mask, query_padding_mask)
     bad = ~torch.isfinite(q).all(dim=-1)  # [B, H, Nq]
-    bad_keys = ~(torch.isfinite(k).all(dim=-1) & torch.isfinite(v).all(dim=-1))  # [B, Hk, Nk]
-    spoiled = bad_keys.any(dim=-1)  # [B, Hk]
-    if spoiled.shape[1] != bad.shape[1]:  # fewer key heads (grouped queries): any head
-        spoiled = spoiled.any(dim=1, keepdim=True)
-    bad = bad | spoiled[..., None]
+    if not keys_finite:
+        bad_keys = ~(torch.isfinite(k).all(dim=-1) & torch.isfinite(v).all(dim=-1))
+        spoiled = bad_keys.any(dim=-1)  # [B, Hk]
+        if spoiled.shape[1] != bad.shape[1]:  # fewer key heads (grouped queries): any head
+            spoiled = spoiled.any(dim=1, keepdim=True)
+        bad = bad | spoiled[..., None]
     if query_valid is not None:
         bad = bad & query_valid[:, None, :]
     if bad.shape[:3] != out.shape[:3]:
         return out
     return torch.where(bad[..., None], float("nan"), out)
+
+
+def _finite(t: Tensor) -> bool:
+    """Whether every entry of ``t`` is finite: one pass (NaN and inf reach min or max)."""
+    return t.numel() == 0 or bool(torch.isfinite(torch.stack(t.aminmax())).all())
