@@ -1,0 +1,304 @@
+"""Side by side with the published implementations of KDEformer, Scatterbrain and Reformer.
+
+    KDEFORMER_OFFICIAL=~/src/kdeformer python benchmarks/published.py kdeformer
+    FLY_OFFICIAL=~/src/fly python benchmarks/published.py scatterbrain
+    pip install --target ~/rp --no-deps reformer-pytorch ...   # or install it normally
+    REFORMER_PYTORCH=~/rp python benchmarks/published.py reformer
+    python benchmarks/published.py reformer --seq-lens 512 --features 64 --layers 0  # quick
+
+The published code is never part of the library: each run imports it from the folder
+an environment variable names (``KDEFORMER_OFFICIAL``: a checkout of
+majid-daliri/kdeformer; ``FLY_OFFICIAL``: a checkout of HazyResearch/fly;
+``REFORMER_PYTORCH``: a folder holding the ``reformer_pytorch`` package, unneeded when it
+is installed) and calls it as its own demos do. Both sides get the same Q/K/V:
+pretrained MiniLM-L6 (``skyformer.eval.data.qkv``, the default text), all 12 heads, in
+float64. Error: relative spectral norm of the output difference per head, against the
+exact target of each comparison (softmax(s Q K^T) V; for Reformer, whose published code
+only has shared-QK attention, softmax_{j != i}(s q_i . q_j / |q_j|) V), averaged over
+heads; the table averages layers and seeds (± the sample std over seeds of the layer
+mean). "mean(V)" is the trivial answer every row = the mean of V. Rows are saved after
+every cell (atomic) and a rerun resumes; the tables in docs/approximation.md came from
+these calls.
+
+Scatterbrain's published code needs fast-transformers' compiled local-product kernels;
+when that package does not import, a dense stand-in with the same interface is used
+(``_DenseLocalProduct``, exact, slow: one head at a time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import types
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from skyformer.eval.data.qkv import extract_qkv, load_model
+from skyformer.eval.data.text import default_text
+from skyformer.io import atomic_write_text, environment, write_json
+from skyformer.registry import get_method
+
+RESULTS = Path(__file__).parent / "results" / "published"
+SOURCES = {
+    "kdeformer": ("KDEFORMER_OFFICIAL", "a checkout of github.com/majid-daliri/kdeformer"),
+    "scatterbrain": ("FLY_OFFICIAL", "a checkout of github.com/HazyResearch/fly"),
+    "reformer": ("REFORMER_PYTORCH",
+                 "a folder holding the reformer_pytorch package (pip install --target DIR "
+                 "--no-deps reformer-pytorch product-key-memory colt5-attention "
+                 "axial-positional-embedding local-attention hyper-connections einops)"),
+}
+Output = Callable[[int], torch.Tensor]  # seed -> output [1, H, N, D]
+
+
+def published_path(method: str) -> str | None:
+    """The folder to import the published ``method`` from, or a sentence why there is none."""
+    var, what = SOURCES[method]
+    path = os.environ.get(var)
+    if path:
+        if not Path(path).is_dir():
+            sys.exit(f"{var}={path!r} is not a folder; set it to {what}.")
+        return path
+    if method == "reformer":
+        return None  # an installed reformer_pytorch is fine
+    sys.exit(f"{method}: set {var} to {what} (the library never ships or imports it).")
+
+
+def _importable_from(path: str | None) -> None:
+    if path and path not in sys.path:
+        sys.path.insert(0, path)
+
+
+def relative_spectral(out: torch.Tensor, target: torch.Tensor) -> float:
+    """Mean over heads of ||O - T||_2 / ||T||_2 (``[1, H, N, D]``)."""
+    err = torch.linalg.matrix_norm(out - target, ord=2) / torch.linalg.matrix_norm(target, ord=2)
+    return err.mean().item()
+
+
+def softmax_target(q, k, v):
+    return torch.softmax(q.shape[-1] ** -0.5 * q @ k.transpose(-1, -2), -1) @ v
+
+
+def shared_qk_target(q, v):
+    """softmax_{j != i}(s q_i . q_j / |q_j|) V: Reformer's shared-QK attention, self excluded."""
+    logits = q.shape[-1] ** -0.5 * q @ F.normalize(q, dim=-1).transpose(-1, -2)
+    eye = torch.eye(q.shape[2], dtype=torch.bool)
+    return torch.softmax(logits.masked_fill(eye, float("-inf")), -1) @ v
+
+
+def ours(name: str, q, k, v, **options) -> Output:
+    attend = get_method(name).bind(seq_len=q.shape[2], **options)
+    return lambda seed: attend(q, k, v, generator=torch.Generator().manual_seed(seed))
+
+
+# -- KDEformer ---------------------------------------------------------------------------
+
+def kdeformer_variants(q, k, v, m: int) -> dict[str, Output]:
+    """Budget m/2 LSH-block keys + S sampled columns, S = m/2 and S = m (the demo's)."""
+    _importable_from(published_path("kdeformer"))
+    from KDEformer import KDEformer
+
+    def published(s: int) -> Output:
+        def run(seed: int) -> torch.Tensor:
+            torch.manual_seed(seed)
+            scale = q.shape[-1] ** -0.25  # the demo folds the softmax scale into Q and K
+            module = KDEformer(num_projs=7, Bucket_size=m // 2, sample_size=s)
+            # takes [B, N, H, D], returns [B, H, N, D]
+            return module(*(t.transpose(1, 2) for t in (q * scale, k * scale, v)))
+        return run
+
+    out = {}
+    for label, s in (("S=m/2", m // 2), ("S=m", m)):
+        out[f"released, {label}"] = published(s)
+        out[f"kdeformer, {label}"] = ours("kdeformer", q, k, v, num_features=s, block_size=m // 2)
+        out[f"kdeformer strict, {label}"] = ours(
+            "kdeformer", q, k, v, num_features=s - s // 8, kde_rows=max(1, s // 8),
+            block_size=m // 2)
+    return out
+
+
+# -- Scatterbrain ------------------------------------------------------------------------
+
+class _DenseLocalProduct(types.ModuleType):
+    """fast_transformers.local_product without the compiled kernels: slot c of query l is
+    key l - w//2 + c, valid inside [0, key length); invalid dot products are -1e24."""
+
+    def __init__(self) -> None:
+        super().__init__("fast_transformers.local_product")
+
+    @staticmethod
+    def _slots(length: int, width: int) -> torch.Tensor:
+        return torch.arange(length)[:, None] - width // 2 + torch.arange(width)[None, :]
+
+    def local_dot_product(self, queries, keys, attn_mask, key_lengths, local_context):
+        n, _, length, _ = queries.shape
+        slots = self._slots(length, local_context)
+        clamped = slots.clamp(0, keys.shape[2] - 1)
+        mask = attn_mask.to(queries.dtype)[torch.arange(length)[:, None], clamped]
+        out = queries.new_full((*queries.shape[:3], local_context), -1e24)
+        for b in range(n):
+            valid = (slots >= 0) & (slots < min(int(key_lengths[b]), keys.shape[2]))
+            dots = (queries[b] @ keys[b].transpose(-1, -2)).gather(
+                -1, clamped.expand(queries.shape[1], -1, -1)) + mask
+            out[b] = torch.where(valid, dots, out[b])
+        return out
+
+    def local_weighted_average(self, attention, values):
+        length, width = attention.shape[2], attention.shape[3]
+        slots = self._slots(length, width)
+        valid = (slots >= 0) & (slots < values.shape[2])
+        dense = attention.new_zeros(*attention.shape[:3], values.shape[2])
+        dense.scatter_add_(-1, slots.clamp(0, values.shape[2] - 1).expand_as(attention),
+                           torch.where(valid, attention, 0.0))
+        return dense @ values
+
+
+def _import_sblocal():
+    _importable_from(published_path("scatterbrain"))
+    try:
+        import fast_transformers.local_product  # noqa: F401
+    except ImportError:
+        print("fast_transformers.local_product does not import: using the dense stand-in")
+        package = types.ModuleType("fast_transformers")
+        package.local_product = _DenseLocalProduct()  # type: ignore[attr-defined]
+        sys.modules["fast_transformers"] = package
+        sys.modules["fast_transformers.local_product"] = package.local_product
+    from src.models.attention.sblocal_attention import SBLocalAttention
+    return SBLocalAttention
+
+
+def scatterbrain_variants(q, k, v, m: int) -> dict[str, Output]:
+    """m feature columns and a window of m/2 keys on both sides."""
+    sblocal = _import_sblocal()
+
+    def published(seed: int) -> torch.Tensor:
+        torch.manual_seed(seed)
+        module = sblocal(m // 2, q.shape[-1], m).double()
+        heads = []
+        for h in range(q.shape[1]):  # one head per call ([1, N, 1, D] layout)
+            o, _ = module(*(t[:, h:h + 1].transpose(1, 2) for t in (q, k, v)))
+            heads.append(o.transpose(1, 2))
+        return torch.cat(heads, 1)
+
+    return {
+        "published SBLocal": published,
+        "scatterbrain": ours("scatterbrain", q, k, v, num_features=m, support="local"),
+        "scatterbrain, support=lsh": ours("scatterbrain", q, k, v, num_features=m, support="lsh"),
+    }
+
+
+# -- Reformer ----------------------------------------------------------------------------
+
+def reformer_variants(q, k, v, m: int) -> dict[str, Output]:
+    """Shared QK, 2 rounds, m keys per query and round (published: bucket_size = m/2)."""
+    _importable_from(published_path("reformer"))
+    from reformer_pytorch.reformer_pytorch import LSHAttention
+
+    b, h, n, d = q.shape
+
+    def published(duplicates: bool) -> Output:
+        def run(seed: int) -> torch.Tensor:
+            torch.manual_seed(seed)
+            module = LSHAttention(bucket_size=m // 2, n_hashes=2, random_rotations_per_head=True,
+                                  allow_duplicate_attention=duplicates)
+            out, _, _ = module(q.reshape(b * h, n, d), v.reshape(b * h, n, d))
+            return out.reshape(b, h, n, d)
+        return run
+
+    return {
+        "published": published(True),
+        "published, allow_duplicate_attention=False": published(False),
+        "reformer": ours("reformer", q, q, v, num_features=m, shared_qk=True),
+        "reformer, published bucket count": ours(
+            "reformer", q, q, v, num_features=m, shared_qk=True, num_buckets=2 * n // m),
+    }
+
+
+VARIANTS = {"kdeformer": kdeformer_variants, "scatterbrain": scatterbrain_variants,
+            "reformer": reformer_variants}
+
+
+def cell(n: int, layer: int, m: int, variant: str, seed: int, err: float) -> dict:
+    return {"N": n, "layer": layer, "m": m, "variant": variant, "seed": seed, "err": err}
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: per N, a row per variant, m in columns; mean over layers and seeds ± the
+    sample std over seeds of the layer mean."""
+    cells: dict[tuple, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        cells[(r["N"], r["variant"], r["m"], r["seed"])][r["layer"]].append(r["err"])
+    lines = []
+    for n in sorted({r["N"] for r in rows}):
+        ms = sorted({r["m"] for r in rows if r["N"] == n and r["m"]})
+        trivial = [r["err"] for r in rows if r["N"] == n and r["variant"] == "mean(V)"]
+        lines += [f"\nN = {n} (mean(V) = {statistics.mean(trivial):.3f})\n",
+                  "| variant | " + " | ".join(f"m={m}" for m in ms) + " |",
+                  "|---|" + "---|" * len(ms)]
+        variants = dict.fromkeys(r["variant"] for r in rows if r["N"] == n and r["m"])
+        for name in variants:
+            row = []
+            for m in ms:
+                seeds = [statistics.mean(e for errs in cells[(n, name, m, s)].values()
+                                         for e in errs)
+                         for s in sorted({r["seed"] for r in rows})
+                         if cells.get((n, name, m, s))]
+                spread = statistics.stdev(seeds) if len(seeds) > 1 else 0.0
+                row.append(f"{statistics.mean(seeds):.3f} ± {spread:.3f}" if seeds else "")
+            lines.append(f"| {name} | " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("method", choices=sorted(VARIANTS))
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[512, 2048, 4096])
+    parser.add_argument("--features", type=int, nargs="+", default=[32, 64, 128, 256])
+    parser.add_argument("--layers", type=int, nargs="+", default=[0, 2, 4])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON of every cell (default results/published/METHOD.json)")
+    parser.add_argument("--fresh", action="store_true", help="ignore the saved cells")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = args.out or RESULTS / f"{args.method}.json"
+    saved = [] if args.fresh or not out.exists() else json.loads(out.read_text())["rows"]
+    done = {(r["N"], r["layer"], r["m"], r["variant"], r["seed"]) for r in saved}
+    rows = list(saved)
+    model, tokenizer, name = load_model(None, pretrained=True, seed=0)
+    for n in args.seq_lens:
+        for layer in args.layers:
+            qkv = extract_qkv(model, tokenizer, default_text(), seq_len=n, layer=layer, name=name)
+            q, k, v = (t.double() for t in (qkv.q, qkv.k, qkv.v))
+            target = shared_qk_target(q, v) if args.method == "reformer" \
+                else softmax_target(q, k, v)
+            if (n, layer, 0, "mean(V)", 0) not in done:
+                trivial = v.mean(2, keepdim=True).expand_as(target)
+                rows.append(cell(n, layer, 0, "mean(V)", 0, relative_spectral(trivial, target)))
+            for m in args.features:
+                for variant, run in VARIANTS[args.method](q, k, v, m).items():
+                    for seed in args.seeds:
+                        if (n, layer, m, variant, seed) in done:
+                            continue
+                        with torch.no_grad():
+                            err = relative_spectral(run(seed), target)
+                        rows.append(cell(n, layer, m, variant, seed, err))
+                write_json(out, {"method": args.method, "environment": environment(),
+                                 "command": " ".join(sys.argv), "rows": rows})
+                print(f"N={n} layer={layer} m={m} done", flush=True)
+    report = table(rows)
+    atomic_write_text(out.with_suffix(".md"), f"# {args.method} against its published code\n"
+                      + report)
+    print(report)
+
+
+if __name__ == "__main__":
+    main()
