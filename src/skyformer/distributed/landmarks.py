@@ -23,8 +23,13 @@ from torch import Tensor
 
 from ..ops.shared.modified_nystrom import head_rows
 from ..sketch import Landmarks
-from ..sketch.landmarks import KEY_STREAM, PADDED_KEY, QUERY_STREAM, selection_keys, smallest_keys
-from ..sketch.rng import stream
+from ..sketch.landmarks import (
+    KEY_STREAM,
+    PADDED_KEY,
+    QUERY_STREAM,
+    smallest_keys,
+    stream_selection_keys,
+)
 from .collectives import all_gather, all_reduce_sum
 from .layout import ShardLayout
 
@@ -46,9 +51,9 @@ def draw_landmarks(
     counts = ((num_features + 1) // 2, num_features // 2)
     keys, positions, rows = [], [], []
     for name, count in zip((QUERY_STREAM, KEY_STREAM), counts, strict=True):
-        shard_keys = selection_keys(stream(layout.key, name), valid, batch, n,
-                                    valid_before=layout.valid_before,
-                                    rows_before=layout.rows_before)  # [B, n]
+        shard_keys = stream_selection_keys(layout.key, name, valid, batch, n,
+                                           valid_before=layout.valid_before,
+                                           rows_before=layout.rows_before)  # [B, n]
         index, picked = smallest_keys(shard_keys, count)  # [B, min(count, n)]
         none = index.new_full((batch, count - index.shape[1]), -1)  # [B, count - c]
         keys.append(torch.cat([picked, none + 1 + _NO_CANDIDATE], 1))  # ints: F.pad is float

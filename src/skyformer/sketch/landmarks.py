@@ -30,6 +30,8 @@ from torch import Tensor
 
 from .rng import random_key, row_uniform, stream, valid_rank
 
+DRAWS = ("auto", "torch", "triton")
+
 QUERY_STREAM, KEY_STREAM = "landmarks/queries", "landmarks/keys"
 _SCORE_SCALE = 2**24  # float32 row_uniform scores are multiples of 2^-24: exact integers
 _RANK_BITS = 32  # the rank among valid rows below the score bits (N < 2^32)
@@ -71,6 +73,53 @@ def selection_keys(
     return torch.where(valid, ordered, PADDED_KEY + position)
 
 
+def use_triton_draw(draw: str, key: Tensor, *tensors: Tensor | None) -> bool:
+    """Whether ``stream_selection_keys`` takes the one-launch Triton kernel.
+
+    ``"auto"``: for eager CUDA tensors when Triton imports. ``"triton"``: wherever the
+    kernel can run (a CPU tensor needs ``TRITON_INTERPRET=1``). Under ``torch.compile``
+    (Inductor fuses the PyTorch path itself), ``torch.export`` and ``torch.func``
+    transforms both take the PyTorch path, which gives the same keys. ``"torch"``: never.
+    """
+    from ..linalg.kernel_backend import interpreter_on, triton_available
+    from ..ops.shared.tracing import may_read_values
+
+    if draw not in DRAWS:
+        raise ValueError(f"draw must be one of {', '.join(map(repr, DRAWS))}, got {draw!r}.")
+    if draw == "torch":
+        return False
+    plain = may_read_values(key, *(t for t in tensors if t is not None)) \
+        and not torch.compiler.is_exporting()
+    if draw == "auto" or not plain:
+        return key.is_cuda and plain and triton_available()
+    if not triton_available():
+        raise RuntimeError('the Triton landmark draw needs Triton: pip install triton (or '
+                           'use "auto", which falls back to PyTorch).')
+    if not key.is_cuda and not interpreter_on():
+        raise RuntimeError(
+            f"the Triton landmark draw runs on CUDA tensors; this key is on {key.device}. "
+            "Set TRITON_INTERPRET=1 before Python starts to run it on the CPU (slow, for "
+            'testing), or use "auto".')
+    return True
+
+
+def stream_selection_keys(
+    key: Tensor, name: str, valid: Tensor | None, batch: int, n: int, *,
+    valid_before: Tensor | None = None, rows_before: int = 0, draw: str = "auto",
+) -> Tensor:
+    """``selection_keys(stream(key, name), ...)``: by PyTorch operations or, on a GPU,
+    in one Triton kernel with the same bits (``triton_selection``)."""
+    if not use_triton_draw(draw, key, valid, valid_before):
+        return selection_keys(stream(key, name), valid, batch, n, valid_before=valid_before,
+                              rows_before=rows_before)
+    from . import triton_selection
+
+    rank = None if valid is None else valid_rank(valid, batch, n, key.device, valid_before)
+    return triton_selection.selection_keys(
+        key, name, valid, batch, n, rank=rank, valid_before=valid_before,
+        rows_before=rows_before, padded_key=PADDED_KEY)
+
+
 def smallest_keys(keys: Tensor, count: int) -> tuple[Tensor, Tensor]:
     """The ``min(count, n)`` smallest of ``keys: [B, n]`` in increasing order:
     ``(index [B, c], keys [B, c])``."""
@@ -88,17 +137,20 @@ def uniform_landmarks(
     key_valid: Tensor | None,
     device: torch.device,
     generator: torch.Generator | Tensor | None = None,
+    draw: str = "auto",
 ) -> Landmarks:
     """Sample ``ceil(m/2)`` rows of Q and ``floor(m/2)`` rows of K without replacement.
 
     Each side is capped by its number of valid rows; unused slots are marked dead.
-    ``generator``: a generator or a random key (``rng.random_key``).
+    ``generator``: a generator or a random key (``rng.random_key``). ``draw``: how the
+    selection keys are computed (``use_triton_draw``); the landmarks are the same.
     """
     key = random_key(generator, device)
     sides = []
     for name, valid, n, count in ((QUERY_STREAM, query_valid, query_len, (num_features + 1) // 2),
                                   (KEY_STREAM, key_valid, key_len, num_features // 2)):
-        index, picked = smallest_keys(selection_keys(stream(key, name), valid, batch, n), count)
+        keys = stream_selection_keys(key, name, valid, batch, n, draw=draw)
+        index, picked = smallest_keys(keys, count)
         sides.append((index, picked < PADDED_KEY))
     (q_index, q_live), (k_index, k_live) = sides
     return Landmarks(q_index, q_live, k_index, k_live)

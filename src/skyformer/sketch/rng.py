@@ -28,6 +28,7 @@ from torch import Tensor
 
 _MASK = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9  # 2^32 / golden ratio: spreads consecutive indices
+UNIFORM_SALT = 0x68E31DA4  # the salt of the (high) bits behind a uniform number
 
 
 def _mix(x: Tensor) -> Tensor:
@@ -78,14 +79,20 @@ def fold_in(key: Tensor, data: int | Tensor) -> Tensor:
     return torch.stack([a, b], dim=-1)
 
 
+def stream_data(name: str) -> int:
+    """The 32-bit FNV-1a hash of a stream's name (plain Python, so that torch.compile
+    folds it to a constant)."""
+    h = 0x811C9DC5
+    for ch in name:
+        h = ((h ^ ord(ch)) * 0x01000193) & _MASK
+    return h
+
+
 def stream(key: Tensor, name: str) -> Tensor:
     """The key of the named stream under ``key``: ``fold_in`` of a hash of ``name``
     (e.g. ``stream(key, "landmarks/queries")``), so that independent draws of one call
     never share numbers by accident."""
-    h = 0x811C9DC5  # FNV-1a, in plain Python so that torch.compile folds it to a constant
-    for ch in name:
-        h = ((h ^ ord(ch)) * 0x01000193) & _MASK
-    return fold_in(key, h)
+    return fold_in(key, stream_data(name))
 
 
 def _bits(key: Tensor, index: Tensor, salt: int) -> Tensor:
@@ -101,7 +108,7 @@ def uniform_at(key: Tensor, index: Tensor, dtype: torch.dtype = torch.float32) -
     ``[..., 2]`` broadcasts against ``index`` (its trailing dim aside). 24 random bits for
     float32 and half types, 53 for float64."""
     index = index.to(device=key.device, dtype=torch.long)
-    hi = _bits(key, index, 0x68E31DA4)
+    hi = _bits(key, index, UNIFORM_SALT)
     if dtype == torch.float64:
         lo = _bits(key, index, 0x1B56C4E9) >> 11  # 21 bits
         return ((hi << 21) + lo).to(torch.float64) * 2.0**-53

@@ -195,7 +195,8 @@ def prepare(
                                   query_padding_mask=query_padding_mask)
     key = resolve_key("nystrom_softmax", generator, q.device)
     s = options.scale if options.scale is not None else 1.0 / math.sqrt(info.head_dim)
-    landmarks = sample_landmarks(info, options.num_features, q.device, key)
+    landmarks = sample_landmarks(info, options.num_features, q.device, key,
+                                 draw=options.kernel)
     return info, landmarks, math.sqrt(s), compute_dtype(q.dtype)
 
 

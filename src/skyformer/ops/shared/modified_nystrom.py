@@ -50,7 +50,8 @@ class NystromOptions:
         or ``"scaled_transpose"`` (A^T / (|A|_1 |A|_inf), per matrix).
     kernel: the [N, m] kernel products by ``"auto"`` (fused Triton kernels for float32
         CUDA tensors when Triton is installed, else PyTorch), ``"torch"`` or ``"triton"``
-        (``linalg.kernel_backend``).
+        (``linalg.kernel_backend``); the landmark draw follows it (one Triton kernel
+        per side on eager CUDA tensors, the same landmarks, ``sketch.landmarks``).
     """
 
     num_features: int = 128
@@ -81,9 +82,11 @@ class NystromFactors:
 
 def sample_landmarks(
     info: AttentionInputs, num_features: int, device: torch.device,
-    generator: torch.Generator | Tensor | None,
+    generator: torch.Generator | Tensor | None, *, draw: str = "auto",
 ) -> Landmarks:
-    """Uniform landmarks for one call (``generator``: a generator or a random key)."""
+    """Uniform landmarks for one call (``generator``: a generator or a random key;
+    ``draw``: the ``kernel`` option, which also picks how the selection keys are computed,
+    ``sketch.landmarks.use_triton_draw``)."""
     return uniform_landmarks(
         num_features,
         batch=info.batch,
@@ -93,6 +96,7 @@ def sample_landmarks(
         key_valid=info.key_valid,
         device=device,
         generator=generator,
+        draw=draw,
     )
 
 

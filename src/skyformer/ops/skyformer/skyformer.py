@@ -149,5 +149,6 @@ def prepare(
     info = check_attention_inputs(q, k, v, key_padding_mask, method="skyformer",
                                   query_padding_mask=query_padding_mask)
     key = resolve_key("skyformer", generator, q.device)
-    landmarks = sample_landmarks(info, config.num_features, q.device, key)
+    landmarks = sample_landmarks(info, config.num_features, q.device, key,
+                                 draw=config.kernel)
     return info, landmarks, kernel_scale(info.head_dim, config.scale), compute_dtype(q.dtype)

@@ -1,0 +1,94 @@
+"""The one-launch Triton landmark draw gives the PyTorch path's selection keys bit for bit.
+
+On the CPU the kernel runs under Triton's interpreter (``tests/conftest.py``), on CUDA
+with ``SKYFORMER_TEST_CUDA=1``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from skyformer.linalg.kernel_backend import interpreter_on
+from skyformer.sketch import landmarks as lm
+from skyformer.sketch.rng import random_key
+from tests.devices import devices
+
+pytest.importorskip("triton")
+
+KEYS = [
+    random_key(torch.Generator().manual_seed(3)),
+    torch.tensor([2**32 - 1, 2**31 + 11]),  # words at the 32-bit edge
+    torch.tensor([2**40 + 5, -7]),  # not a key random_key makes: still the same bits
+]
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_for_cpu(request):
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and callspec.params.get("device") == "cpu" and not interpreter_on():
+        pytest.skip("Triton's interpreter is off (TRITON_INTERPRET=0): the kernel runs on CUDA")
+
+
+def _valid(kind: str, batch: int, n: int) -> torch.Tensor | None:
+    if kind == "none":
+        return None
+    valid = torch.rand(batch, n, generator=torch.Generator().manual_seed(1)) > 0.3
+    if kind == "with an empty row":
+        valid[1] = False
+    return valid
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("key", KEYS, ids=["drawn", "edge", "wide"])
+@pytest.mark.parametrize("valid_kind", ["none", "random", "with an empty row"])
+@pytest.mark.parametrize("n", [1, 37, 1500])
+def test_selection_keys_equal_the_pytorch_path(device, key, valid_kind, n):
+    valid = _valid(valid_kind, 3, n)
+    key = key.to(device)
+    valid = None if valid is None else valid.to(device)
+    for before, rows_before in ((None, 0), (torch.tensor([0, 5, 17], device=device), 9)):
+        args = (key, lm.QUERY_STREAM, valid, 3, n)
+        options = {"valid_before": before, "rows_before": rows_before}
+        want = lm.stream_selection_keys(*args, **options, draw="torch")
+        got = lm.stream_selection_keys(*args, **options, draw="triton")
+        assert got.dtype == torch.long and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_landmarks_are_the_same_whichever_path_draws_them(device):
+    valid = _valid("random", 2, 300)
+    options = {"batch": 2, "query_len": 300, "key_len": 200,
+               "query_valid": valid.to(device), "key_valid": None,
+               "device": torch.device(device), "generator": KEYS[0].to(device)}
+    want = lm.uniform_landmarks(64, **options, draw="torch")
+    got = lm.uniform_landmarks(64, **options, draw="triton")
+    for name in ("query_index", "query_live", "key_index", "key_live"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
+def test_an_empty_batch_or_sequence_draws_nothing():
+    for batch, n in ((0, 5), (2, 0)):
+        keys = lm.stream_selection_keys(KEYS[0], lm.KEY_STREAM, None, batch, n, draw="triton")
+        assert keys.shape == (batch, n)
+
+
+def test_under_vmap_the_pytorch_path_draws_the_same_keys():
+    valid = _valid("random", 4, 50)
+
+    def keys(one_valid):
+        return lm.stream_selection_keys(KEYS[0], lm.KEY_STREAM, one_valid[None], 1, 50,
+                                        draw="triton")[0]
+
+    mapped = torch.func.vmap(keys)(valid)
+    for i in range(4):
+        assert torch.equal(mapped[i], keys(valid[i]))
+
+
+def test_bad_choices_are_named(monkeypatch):
+    with pytest.raises(ValueError, match="draw must be one of 'auto', 'torch', 'triton'"):
+        lm.stream_selection_keys(KEYS[0], lm.KEY_STREAM, None, 1, 4, draw="cuda")
+    monkeypatch.setattr("skyformer.linalg.kernel_backend.interpreter_on", lambda: False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        lm.stream_selection_keys(KEYS[0], lm.KEY_STREAM, None, 1, 4, draw="triton")
+    assert not lm.use_triton_draw("auto", KEYS[0])  # a CPU key: the PyTorch path
