@@ -13,7 +13,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   echo "+ CUDA test run (contract, every method in float32 and bfloat16, Triton kernels)"
   parallel=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8" || true)
   SKYFORMER_TEST_CUDA=1 python3 -m pytest -q -p no:warnings -p no:cacheprovider $parallel \
-      tests/gpu tests/test_contract.py tests/linalg tests/sketch/test_triton_selection.py 2>&1 \
+      tests/gpu tests/test_contract.py tests/linalg tests/sketch/test_triton_draws.py 2>&1 \
       | tail -3 | tee "$out/tests.txt"
 fi
 echo "+ Triton kernels vs PyTorch path vs flash SDPA, eager and compiled"

@@ -108,14 +108,14 @@ def stream_selection_keys(
     valid_before: Tensor | None = None, rows_before: int = 0, draw: str = "auto",
 ) -> Tensor:
     """``selection_keys(stream(key, name), ...)``: by PyTorch operations or, on a GPU,
-    in one Triton kernel with the same bits (``triton_selection``)."""
+    in one Triton kernel with the same bits (``triton_draws``)."""
     if not use_triton_draw(draw, key, valid, valid_before):
         return selection_keys(stream(key, name), valid, batch, n, valid_before=valid_before,
                               rows_before=rows_before)
-    from . import triton_selection
+    from . import triton_draws
 
     rank = None if valid is None else valid_rank(valid, batch, n, key.device, valid_before)
-    return triton_selection.selection_keys(
+    return triton_draws.selection_keys(
         key, name, valid, batch, n, rank=rank, valid_before=valid_before,
         rows_before=rows_before, padded_key=PADDED_KEY)
 

@@ -29,6 +29,7 @@ from torch import Tensor
 _MASK = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9  # 2^32 / golden ratio: spreads consecutive indices
 UNIFORM_SALT = 0x68E31DA4  # the salt of the (high) bits behind a uniform number
+UNIFORM_LOW_SALT = 0x1B56C4E9  # the salt of float64's 21 low bits
 
 
 def _mix(x: Tensor) -> Tensor:
@@ -110,7 +111,7 @@ def uniform_at(key: Tensor, index: Tensor, dtype: torch.dtype = torch.float32) -
     index = index.to(device=key.device, dtype=torch.long)
     hi = _bits(key, index, UNIFORM_SALT)
     if dtype == torch.float64:
-        lo = _bits(key, index, 0x1B56C4E9) >> 11  # 21 bits
+        lo = _bits(key, index, UNIFORM_LOW_SALT) >> 11  # 21 bits
         return ((hi << 21) + lo).to(torch.float64) * 2.0**-53
     return ((hi >> 8).to(torch.float32) * 2.0**-24).to(dtype)  # 24 bits: exact in float32
 

@@ -176,7 +176,7 @@ def _causal(q: Tensor, k: Tensor, v: Tensor, config: NystromSoftmaxConfig,
             generator: torch.Generator | Tensor | None) -> Tensor:
     info, landmarks = causal_inputs("nystrom_softmax", q, k, v, config.num_features,
                                     config.landmark_stride, key_padding_mask,
-                                    query_padding_mask, generator)
+                                    query_padding_mask, generator, config.kernel)
     s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
     work = compute_dtype(q.dtype)
     out = causal_nystrom_softmax(q.to(work), k.to(work), v.to(work), info, math.sqrt(s),

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from ...linalg import gather_rows, gaussian_kernel_block, half_sq_norm
+from ...sketch.landmarks import use_triton_draw
 from ...sketch.rng import fold_in, stream, uniform_at
 from .inputs import AttentionInputs, check_attention_inputs, resolve_key
 from .options import check_bool, check_optional_positive_int
@@ -82,11 +83,21 @@ def landmark_stride(stride: int | None, n: int, m: int) -> int:
     return stride if stride is not None else max(1, math.ceil(n / m))
 
 
+CAUSAL_STREAM = "landmarks/causal"
+
+
 def slot_ranks(num_features: int, stride: int, *, batch: int, device: torch.device,
-               key: Tensor) -> Tensor:
+               key: Tensor, draw: str = "auto") -> Tensor:
     """``[B, m]`` long: slot s takes the real token of rank s R + floor(u_s R), increasing
-    in s (at most one slot per token); a function of the key alone, never of the content."""
-    keys = fold_in(stream(key, "landmarks/causal"), torch.arange(batch, device=device))
+    in s (at most one slot per token); a function of the key alone, never of the content.
+    ``draw``: PyTorch operations or one Triton kernel, the same ranks
+    (``sketch.landmarks.use_triton_draw``)."""
+    if use_triton_draw(draw, key):
+        from ...sketch import triton_draws
+
+        return triton_draws.slot_ranks(key.to(device), CAUSAL_STREAM, batch, num_features,
+                                       stride)
+    keys = fold_in(stream(key, CAUSAL_STREAM), torch.arange(batch, device=device))
     slot = torch.arange(num_features, device=device)
     u = uniform_at(keys[:, None, :], slot.expand(batch, num_features), torch.float64)
     return slot * stride + (u * stride).floor().long()
@@ -98,10 +109,10 @@ def slot_takes_query(num_features: int, device: torch.device) -> Tensor:
 
 
 def causal_landmarks(num_features: int, stride: int, *, batch: int, n: int,
-                     key_valid: Tensor | None, device: torch.device, key: Tensor
-                     ) -> CausalLandmarks:
+                     key_valid: Tensor | None, device: torch.device, key: Tensor,
+                     draw: str = "auto") -> CausalLandmarks:
     """Slot s at the real token of rank s R + floor(u_s R) (module docstring)."""
-    rank = slot_ranks(num_features, stride, batch=batch, device=device, key=key)
+    rank = slot_ranks(num_features, stride, batch=batch, device=device, key=key, draw=draw)
     if key_valid is None:
         position = rank
     else:  # the first position holding rank + 1 real tokens
@@ -112,26 +123,29 @@ def causal_landmarks(num_features: int, stride: int, *, batch: int, n: int,
 
 
 def draw_causal_landmarks(info: AttentionInputs, num_features: int, stride: int | None,
-                          device: torch.device, key: Tensor) -> CausalLandmarks:
+                          device: torch.device, key: Tensor, draw: str = "auto"
+                          ) -> CausalLandmarks:
     """The landmark slots of one call (``causal_nystrom.causal_landmarks``)."""
     return causal_landmarks(
         num_features, landmark_stride(stride, info.key_len, num_features),
-        batch=info.batch, n=info.key_len, key_valid=info.key_valid, device=device, key=key)
+        batch=info.batch, n=info.key_len, key_valid=info.key_valid, device=device, key=key,
+        draw=draw)
 
 
 def causal_inputs(method: str, q: Tensor, k: Tensor, v: Tensor, num_features: int,
                   stride: int | None, key_padding_mask: Tensor | None,
                   query_padding_mask: Tensor | str | None,
-                  generator: torch.Generator | Tensor | None,
+                  generator: torch.Generator | Tensor | None, draw: str = "auto",
                   ) -> tuple[AttentionInputs, CausalLandmarks]:
-    """Checks of a causal call (``Nq == Nk``) and its landmark slots, for ``method``."""
+    """Checks of a causal call (``Nq == Nk``) and its landmark slots, for ``method``
+    (``draw``: the method's ``kernel`` option, ``slot_ranks``)."""
     info = check_attention_inputs(q, k, v, key_padding_mask, method=method,
                                   query_padding_mask=query_padding_mask)
     if info.query_len != info.key_len:
         raise ValueError(f"{method}: causal=True needs as many queries as keys, got "
                          f"Nq={info.query_len}, Nk={info.key_len}.")
     key = resolve_key(method, generator, q.device)
-    return info, draw_causal_landmarks(info, num_features, stride, q.device, key)
+    return info, draw_causal_landmarks(info, num_features, stride, q.device, key, draw)
 
 
 @dataclass(frozen=True)

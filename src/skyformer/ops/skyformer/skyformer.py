@@ -132,7 +132,7 @@ def _causal(q: Tensor, k: Tensor, v: Tensor, config: SkyformerConfig,
             generator: torch.Generator | Tensor | None) -> Tensor:
     info, landmarks = causal_inputs("skyformer", q, k, v, config.num_features,
                                     config.landmark_stride, key_padding_mask,
-                                    query_padding_mask, generator)
+                                    query_padding_mask, generator, config.kernel)
     work = compute_dtype(q.dtype)
     out, _ = causal_skyformer(q.to(work), k.to(work), v.to(work), info,
                               kernel_scale(info.head_dim, config.scale), config.gamma,

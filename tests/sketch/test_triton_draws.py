@@ -1,4 +1,5 @@
-"""The one-launch Triton landmark draw gives the PyTorch path's selection keys bit for bit.
+"""The one-launch Triton landmark draws give the PyTorch path's numbers bit for bit:
+the selection keys of uniform landmarks and the causal landmark slots.
 
 On the CPU the kernel runs under Triton's interpreter (``tests/conftest.py``), on CUDA
 with ``SKYFORMER_TEST_CUDA=1``.
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from skyformer.linalg.kernel_backend import interpreter_on
+from skyformer.ops.shared.causal_nystrom import slot_ranks
 from skyformer.sketch import landmarks as lm
 from skyformer.sketch.rng import random_key
 from tests.devices import devices
@@ -65,6 +67,18 @@ def test_landmarks_are_the_same_whichever_path_draws_them(device):
     got = lm.uniform_landmarks(64, **options, draw="triton")
     for name in ("query_index", "query_live", "key_index", "key_live"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("key", KEYS, ids=["drawn", "edge", "wide"])
+@pytest.mark.parametrize(("m", "stride"), [(1, 1), (128, 1), (128, 7), (1500, 3), (37, 2**20)])
+def test_causal_slot_ranks_equal_the_pytorch_path(device, key, m, stride):
+    options = {"batch": 3, "device": torch.device(device), "key": key.to(device)}
+    want = slot_ranks(m, stride, **options, draw="torch")
+    got = slot_ranks(m, stride, **options, draw="triton")
+    assert torch.equal(got, want)
+    steps = got - torch.arange(m, device=device) * stride
+    assert (steps >= 0).all() and (steps < stride).all()  # one slot per stride window
 
 
 def test_an_empty_batch_or_sequence_draws_nothing():

@@ -1,0 +1,150 @@
+"""The landmark draws in one Triton kernel each, bit for bit those of ``rng``.
+
+A counter-based draw is a few dozen integer tensor operations (the hash rounds of
+``rng``), each a kernel launch on a GPU: about half of the launches of an eager
+Skyformer forward + backward at GPU speeds. These kernels compute the same numbers in
+one launch:
+
+- ``selection_keys``: ``landmarks.selection_keys(rng.stream(key, name), ...)``, the
+  int64 keys ``[B, n]`` (score, rank) whose smallest pick the landmarks, padded rows
+  ``PADDED_KEY`` + position;
+- ``slot_ranks``: the causal landmark slots' token ranks ``[B, m]``
+  (``ops.shared.causal_nystrom.slot_ranks``), s R + floor(u_s R) with a float64 u_s.
+
+Each derives the stream key and the per-batch keys (``rng.fold_in``) and hashes its
+indices (``rng._bits``) with ``rng``'s int64 arithmetic transcribed (wrapping products,
+arithmetic shifts, 32-bit masks), so the numbers are equal for any key tensor, not only
+for keys below 2^32.
+
+This module imports Triton; callers import it only when the Triton path is chosen, so
+the library runs without Triton installed.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from . import rng
+
+BLOCK = 1024
+
+
+@triton.jit
+def _mix(x):
+    """``rng._mix`` on int64 values (products wrap; the masks keep the low 32 bits)."""
+    mask = tl.full(x.shape, 0xFFFFFFFF, tl.int64)
+    x = x ^ (x >> 16)
+    x = (x * tl.full(x.shape, 0x7FEB352D, tl.int64)) & mask
+    x = x ^ (x >> 15)
+    x = (x * tl.full(x.shape, 0x846CA68B, tl.int64)) & mask
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _fold_in(k0, k1, data):
+    """``rng.fold_in`` of the key (k0, k1) with the int64 ``data``."""
+    mask = tl.full(data.shape, 0xFFFFFFFF, tl.int64)
+    data = data & mask
+    a = _mix(k0 ^ _mix((data * tl.full(data.shape, 0x9E3779B9, tl.int64)) & mask))
+    b = _mix(k1 ^ _mix(a + tl.full(data.shape, 0x632BE5AB, tl.int64)))
+    return a, b
+
+
+@triton.jit
+def _bits(k0, k1, index, salt):
+    """``rng._bits``: 32 random bits for each int64 ``index`` under the key (k0, k1)."""
+    mask = tl.full(index.shape, 0xFFFFFFFF, tl.int64)
+    i = index & mask
+    h = _mix(((i * tl.full(index.shape, 0x9E3779B9, tl.int64)) & mask) ^ k0)
+    h = _mix(h ^ k1 ^ salt)
+    return _mix((h + i) & mask)
+
+
+@triton.jit
+def _batch_key(KEY, stream_data, b):
+    """``fold_in(stream(key, name), b)`` as two int64 ``[1]`` words."""
+    one = tl.full([1], 0, tl.int64)
+    k0, k1 = _fold_in(tl.load(KEY + one), tl.load(KEY + 1 + one), one + stream_data)
+    return _fold_in(k0, k1, one + b)
+
+
+@triton.jit
+def _selection_keys_kernel(
+    KEY, RANK, VALID, BEFORE, OUT, n, stream_data, rows_before,
+    HAS_RANK: tl.constexpr, HAS_VALID: tl.constexpr, HAS_BEFORE: tl.constexpr,
+    SALT: tl.constexpr, PADDED: tl.constexpr, BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    pos = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    inside = pos < n
+    k0, k1 = _batch_key(KEY, stream_data, b)
+    if HAS_RANK:
+        rank = tl.load(RANK + b * n + pos, mask=inside, other=0)
+    else:
+        rank = pos
+        if HAS_BEFORE:
+            rank += tl.load(BEFORE + b + tl.full([1], 0, tl.int64))
+    # uniform_at's float32 score is the top 24 of the 32 bits, exactly
+    score = _bits(k0, k1, rank, tl.full(rank.shape, SALT, tl.int64)) >> 8
+    keys = (score << 32) | rank
+    if HAS_VALID:
+        valid = tl.load(VALID + b * n + pos, mask=inside, other=0) != 0
+        keys = tl.where(valid, keys, tl.full(pos.shape, PADDED, tl.int64) + rows_before + pos)
+    tl.store(OUT + b * n + pos, keys, mask=inside)
+
+
+@triton.jit
+def _slot_ranks_kernel(
+    KEY, OUT, m, stream_data, stride,
+    SALT: tl.constexpr, LOW_SALT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    slot = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    k0, k1 = _batch_key(KEY, stream_data, b)
+    hi = _bits(k0, k1, slot, tl.full(slot.shape, SALT, tl.int64))
+    lo = _bits(k0, k1, slot, tl.full(slot.shape, LOW_SALT, tl.int64)) >> 11
+    u = ((hi << 21) + lo).to(tl.float64) * 1.1102230246251565e-16  # uniform_at, float64
+    offset = (u * stride).to(tl.int64)  # floor, as u * stride >= 0
+    tl.store(OUT + b * m + slot, slot * stride + offset, mask=slot < m)
+
+
+def selection_keys(
+    key: Tensor, stream_name: str, valid: Tensor | None, batch: int, n: int, *,
+    rank: Tensor | None, valid_before: Tensor | None, rows_before: int, padded_key: int,
+) -> Tensor:
+    """``landmarks.selection_keys(rng.stream(key, stream_name), ...)`` in one launch.
+
+    ``rank``: ``rng.valid_rank`` of the rows when ``valid`` is given (else None: the
+    kernel counts positions, offset by ``valid_before``).
+    """
+    out = torch.empty(batch, n, dtype=torch.long, device=key.device)
+    if batch == 0 or n == 0:
+        return out
+    _selection_keys_kernel[(batch, triton.cdiv(n, BLOCK))](
+        key.contiguous(),
+        out if rank is None else rank.contiguous(),
+        out if valid is None else valid.contiguous().view(torch.uint8),
+        out if valid_before is None else valid_before.to(key.device, torch.long).contiguous(),
+        out, n, rng.stream_data(stream_name), rows_before,
+        HAS_RANK=rank is not None, HAS_VALID=valid is not None,
+        HAS_BEFORE=valid_before is not None, SALT=rng.UNIFORM_SALT, PADDED=padded_key,
+        BLOCK=BLOCK,
+    )
+    return out
+
+
+def slot_ranks(key: Tensor, stream_name: str, batch: int, num_features: int,
+               stride: int) -> Tensor:
+    """``[B, m]`` long: slot s takes the real token of rank s R + floor(u_s R), u_s the
+    float64 ``rng.uniform_at`` of s under ``fold_in(stream(key, stream_name), b)``."""
+    out = torch.empty(batch, num_features, dtype=torch.long, device=key.device)
+    if batch == 0 or num_features == 0:
+        return out
+    _slot_ranks_kernel[(batch, triton.cdiv(num_features, BLOCK))](
+        key.contiguous(), out, num_features, rng.stream_data(stream_name), stride,
+        SALT=rng.UNIFORM_SALT, LOW_SALT=rng.UNIFORM_LOW_SALT, BLOCK=BLOCK,
+    )
+    return out
