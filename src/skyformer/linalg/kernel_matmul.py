@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .flush import flush_exponent_on_cpu_
 from .kernel_backend import use_triton
 from .kernel_matmul_triton import TritonGaussianBlockProduct
 from .kernel_offsets import LOG2E, row_offsets
@@ -125,7 +126,7 @@ class _GaussianBlockProduct(torch.autograd.Function):
                 r = torch.where(torch.isfinite(r), r, torch.zeros_like(r))
                 shift[:, rows] = r
                 e.sub_(r[:, :, None])
-            c = e.exp2_()  # [BH, c, m]
+            c = flush_exponent_on_cpu_(e, base2=True).exp2_()  # [BH, c, m] (flush.py)
             if transpose:
                 out.baddbmm_(c.transpose(1, 2), rhs[:, rows])
             else:
@@ -182,10 +183,10 @@ class _GaussianBlockProduct(torch.autograd.Function):
             rows = slice(s, s + chunk)
             size = min(chunk, n - s)
             y_c = y[:, rows]
-            c = block if block is not None else _exponent(
+            c = block if block is not None else flush_exponent_on_cpu_(_exponent(
                 y_c, xt, None if a is None else a[:, rows], neg_b, ws.get("block", size, m),
                 None if exclude is None else exclude[:, rows],
-            ).exp2_()
+            ), base2=True).exp2_()
             if transpose:
                 if drhs is not None:
                     dv = torch.bmm(c, grad, out=ws.get("dv", size, width))  # [BH, c, R]

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .flush import flush_exponent_on_cpu_
+
 
 def half_sq_norm(x: Tensor) -> Tensor:
     """|x|^2 / 2 over the last dim: ``[..., N, D] -> [..., N]``."""
@@ -55,7 +57,8 @@ def gaussian_kernel_block(
         # A row with every column masked has max -inf: leave it at exp(-inf) = 0.
         row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
         exponent = exponent - row_max
-    return exponent.exp_()
+    # far pairs would give subnormal entries, slow on CPUs (flush.py)
+    return flush_exponent_on_cpu_(exponent).exp_()
 
 
 def finite_matrices(x: Tensor) -> Tensor:

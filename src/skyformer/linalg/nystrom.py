@@ -22,6 +22,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from .flush import flush_on_cpu
 from .pinv import PinvInit, iterative_pinv
 
 PinvMethod = Literal["iterative", "exact"]
@@ -59,6 +60,7 @@ def lemma3_inverse(
     m = m + torch.diag_embed(diag)
     d_inv_sqrt = m.sum(dim=-1).clamp_min(torch.finfo(m.dtype).tiny).rsqrt()  # [..., m]
     a = d_inv_sqrt[..., :, None] * m * d_inv_sqrt[..., None, :]
+    a = flush_on_cpu(a)  # far landmarks: subnormal entries (flush.py)
     if pinv == "iterative":
         a_inv = iterative_pinv(a, iterations, init=init)
     elif pinv == "exact":

@@ -26,6 +26,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .flush import flush_on_cpu_
+
 PinvInit = Literal["scaled_transpose", "identity"]
 PINV_INITS: tuple[str, ...] = ("scaled_transpose", "identity")
 
@@ -76,21 +78,22 @@ class _RazaviIteration(torch.autograd.Function):
         t1 = torch.empty_like(a3)
         out = torch.empty_like(a3)
         v = None if v0 is None else v0.reshape(-1, m, m)
+        flush = flush_on_cpu_  # subnormal iterates slow CPU products down (flush.py)
         for i in range(iterations):
             v_in, p, t2, t3 = store[i]
             if v is None:
                 p = a3
             else:
                 v_in.copy_(v) if i == 0 else None  # later inputs were written in place
-                torch.bmm(a3, v, out=p)
+                flush(torch.bmm(a3, v, out=p))
             torch.sub(eye7, p, out=t1)
-            torch.baddbmm(eye, p, t1, beta=15, alpha=-1, out=t2)
-            torch.baddbmm(eye, p, t2, beta=13, alpha=-1, out=t3)
+            flush(torch.baddbmm(eye, p, t1, beta=15, alpha=-1, out=t2))
+            flush(torch.baddbmm(eye, p, t2, beta=13, alpha=-1, out=t3))
             v_next = out if i == iterations - 1 else store[i + 1, 0]
             if v is None:
                 torch.mul(t3, 0.25, out=v_next)
             else:
-                torch.bmm(v, t3, out=v_next).mul_(0.25)
+                flush(torch.bmm(v, t3, out=v_next).mul_(0.25))
             v = v_next
         # ``store`` is returned so that ``setup_context`` can save it (torch.func form).
         return out.reshape(*batch_shape, m, m), store
@@ -126,6 +129,8 @@ class _RazaviIteration(torch.autograd.Function):
         eye7 = 7 * torch.eye(m, dtype=a3.dtype, device=a3.device)
         t1, dt3, m1, m2, dp, tmp = torch.empty(6, *a3.shape, dtype=a3.dtype, device=a3.device)
         g_next = torch.empty(2, *a3.shape, dtype=a3.dtype, device=a3.device)
+        flush = flush_on_cpu_  # as in the forward pass: products stay normal
+        g = flush(g.clone()) if g.device.type == "cpu" else g
         for i in reversed(range(store.shape[0])):
             v, p, t2, t3 = store[i]
             first_from_identity = i == 0 and ctx.identity_start
@@ -136,18 +141,18 @@ class _RazaviIteration(torch.autograd.Function):
             if first_from_identity:
                 torch.mul(g, 0.25, out=dt3)
             else:
-                torch.bmm(v.transpose(1, 2), g, out=dt3).mul_(0.25)
+                flush(torch.bmm(v.transpose(1, 2), g, out=dt3).mul_(0.25))
             # with the signs folded in: dT2 = -m2, dT1 = m1, dP = -m1 - dT3 T2^T + m2 T1^T
-            torch.bmm(p_t, dt3, out=m2)
-            torch.bmm(p_t, m2, out=m1)
+            flush(torch.bmm(p_t, dt3, out=m2))
+            flush(torch.bmm(p_t, m2, out=m1))
             torch.baddbmm(m1, dt3, t2.transpose(1, 2), beta=-1, alpha=-1, out=dp)
-            dp.baddbmm_(m2, t1.transpose(1, 2))
+            flush(dp.baddbmm_(m2, t1.transpose(1, 2)))
             if first_from_identity:  # P = A
                 da.add_(dp)
                 break
             da.baddbmm_(dp, v.transpose(1, 2))
             torch.bmm(a_t, dp, out=tmp)
-            g = torch.baddbmm(tmp, g, t3.transpose(1, 2), alpha=0.25, out=g_next[i % 2])
+            g = flush(torch.baddbmm(tmp, g, t3.transpose(1, 2), alpha=0.25, out=g_next[i % 2]))
         dv0 = None if ctx.identity_start else g.reshape(*batch_shape, m, m).clone()
         return da.reshape(*batch_shape, m, m), dv0, None
 

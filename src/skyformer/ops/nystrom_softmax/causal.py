@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ...linalg import gaussian_kernel_block, half_sq_norm
+from ...linalg.flush import flush_exponent_on_cpu_, flush_on_cpu
 from ..shared.causal_nystrom import CausalLandmarks, causal_core, nystrom_features
 from ..shared.causal_prefix import CAUSAL_CHUNK, chunk_rows, lower_triangle, prefix_mean_values
 from ..shared.inputs import AttentionInputs
@@ -69,14 +70,16 @@ def causal_nystrom_softmax(q: Tensor, k: Tensor, v: Tensor, info: AttentionInput
         key_factor = torch.where(real, r - own_end, float("-inf")).exp()  # [B, H, N]
     # exp(k^.x_s - |x_s|^2/2 - r_j) <= 1: C(X_S, k_j) E_K / exp(r_j)
     expo = ks @ core.x.transpose(-1, -2) - core.x_norm[..., None, :] - r_safe[..., None]
-    psi_k = nystrom_features(torch.where(real[..., None], expo, float("-inf")).exp(), core)
+    psi_k = nystrom_features(flush_exponent_on_cpu_(
+        torch.where(real[..., None], expo, float("-inf"))).exp(), core)
     phi_q = nystrom_features(gaussian_kernel_block(qs, core.x, half_sq_norm(qs), core.x_norm),
                              core)
     phi_q = torch.where(landmarks.available(n), phi_q, 0.0)  # [B, H, N, m]
     v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # [B, H, N, Dv + 1]
     q_c, v_c = chunk_rows(phi_q, chunk), chunk_rows(v1, chunk)
-    t = chunk_rows(psi_k * key_factor[..., None], chunk).transpose(-1, -2) @ v_c
-    state = torch.einsum("bhcd,bhdmv->bhcmv", mix, t)  # S_c: [B, H, C, m, Dv + 1]
+    # CPU products of subnormal numbers are slow: flush each factor (linalg.flush)
+    t = chunk_rows(flush_on_cpu(psi_k * key_factor[..., None]), chunk).transpose(-1, -2) @ v_c
+    state = flush_on_cpu(torch.einsum("bhcd,bhdmv->bhcmv", mix, t))  # S_c: [B, H, C, m, Dv + 1]
     far = (q_c @ state) * row_factor[..., None]  # [B, H, C, L, Dv + 1]
     bound = (q_c.abs() @ state[..., -1:].abs()) * row_factor[..., None]
     r_rows = _chunks(r_safe, chunk, 0.0)
@@ -85,7 +88,7 @@ def causal_nystrom_softmax(q: Tensor, k: Tensor, v: Tensor, info: AttentionInput
                                  .transpose(-1, -2).expand(*r_rows.shape, chunk)) > 0
         logits = (chunk_rows(qs, chunk) @ chunk_rows(ks, chunk).transpose(-1, -2)
                   - chunk_rows(half_sq_norm(qs)[..., None], chunk) - r_rows[..., None])
-        near = torch.where(visible, logits, float("-inf")).exp()  # [B, H, C, L, L]
+        near = flush_exponent_on_cpu_(torch.where(visible, logits, float("-inf"))).exp()
     else:  # through the landmarks, key j shifted by its own r_j <= r_i
         shift = r_rows[..., None, :] - r_rows[..., :, None]  # r_j - r_i
         near = lower_triangle((q_c @ chunk_rows(psi_k, chunk).transpose(-1, -2))

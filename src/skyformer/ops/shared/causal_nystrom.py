@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from ...linalg import gather_rows, gaussian_kernel_block, half_sq_norm
+from ...linalg.flush import flush_on_cpu
 from ...sketch.landmarks import use_triton_draw
 from ...sketch.rng import fold_in, stream, uniform_at
 from .inputs import AttentionInputs, check_attention_inputs, resolve_key
@@ -179,10 +180,11 @@ def core_of_rows(x: Tensor, live: Tensor, gamma: float) -> CausalCore:
     gram = gaussian_kernel_block(x, x, x_norm, x_norm) + torch.diag_embed(ridge)[:, None]
     chol = torch.linalg.cholesky(gram)
     eye = torch.eye(gram.shape[-1], dtype=x.dtype, device=x.device).expand_as(gram)
-    l_inv = torch.linalg.solve_triangular(chol, eye, upper=False)
+    l_inv = flush_on_cpu(torch.linalg.solve_triangular(chol, eye, upper=False))
     return CausalCore(x, x_norm, l_inv)
 
 
 def nystrom_features(kernel: Tensor, core: CausalCore) -> Tensor:
-    """phi = L^-1 C(X_S, y) for each row: ``[B, H, N, m]`` kernel columns -> ``[B, H, N, m]``."""
+    """phi = L^-1 C(X_S, y) for each row: ``[B, H, N, m]`` kernel columns -> ``[B, H, N, m]``
+    (``kernel`` flushed by the caller; the result is flushed here, ``linalg.flush``)."""
     return kernel @ core.l_inv.transpose(-1, -2)
