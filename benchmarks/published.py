@@ -4,7 +4,8 @@
     FLY_OFFICIAL=~/src/fly python benchmarks/published.py scatterbrain
     pip install --target ~/rp --no-deps reformer-pytorch ...   # or install it normally
     REFORMER_PYTORCH=~/rp python benchmarks/published.py reformer
-    python benchmarks/published.py reformer --seq-lens 512 --features 64 --layers 0  # quick
+    python benchmarks/published.py reformer --seq-lens 512 --features 64 --layers 0 \
+        --out /tmp/quick.json                                                # quick
 
 The published code is never part of the library: each run imports it from the folder
 an environment variable names (``KDEFORMER_OFFICIAL``: a checkout of
@@ -16,13 +17,14 @@ float64. Error: relative spectral norm of the output difference per head, agains
 exact target of each comparison (softmax(s Q K^T) V; for Reformer, whose published code
 only has shared-QK attention, softmax_{j != i}(s q_i . q_j / |q_j|) V), averaged over
 heads; the table averages layers and seeds (± the sample std over seeds of the layer
-mean). "mean(V)" is the trivial answer every row = the mean of V. Rows are saved after
-every cell (atomic) and a rerun resumes; the tables in docs/approximation.md came from
-these calls.
+mean). "mean(V)" is the trivial answer every row = the mean of V. Rows are saved (atomically) after
+every (N, layer, m) and a rerun resumes, trusting the saved rows: use ``--fresh`` or
+another ``--out`` after changing either code. The tables in docs/approximation.md came
+from these calls.
 
-Scatterbrain's published code needs fast-transformers' compiled local-product kernels;
-when that package does not import, a dense stand-in with the same interface is used
-(``_DenseLocalProduct``, exact, slow: one head at a time).
+Scatterbrain's published code calls fast-transformers' compiled local-product kernels,
+which take float32 only; the comparison runs in float64 through a dense stand-in with
+the same interface (``_DenseLocalProduct``, exact, slow: one head at a time), always.
 """
 
 from __future__ import annotations
@@ -161,14 +163,11 @@ class _DenseLocalProduct(types.ModuleType):
 
 def _import_sblocal():
     _importable_from(published_path("scatterbrain"))
-    try:
-        import fast_transformers.local_product  # noqa: F401
-    except ImportError:
-        print("fast_transformers.local_product does not import: using the dense stand-in")
-        package = types.ModuleType("fast_transformers")
-        package.local_product = _DenseLocalProduct()  # type: ignore[attr-defined]
-        sys.modules["fast_transformers"] = package
-        sys.modules["fast_transformers.local_product"] = package.local_product
+    # the compiled kernels are float32-only: the float64 comparison uses the stand-in
+    package = types.ModuleType("fast_transformers")
+    package.local_product = _DenseLocalProduct()  # type: ignore[attr-defined]
+    sys.modules["fast_transformers"] = package
+    sys.modules["fast_transformers.local_product"] = package.local_product
     from src.models.attention.sblocal_attention import SBLocalAttention
     return SBLocalAttention
 

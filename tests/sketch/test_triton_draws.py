@@ -44,7 +44,7 @@ def _valid(kind: str, batch: int, n: int) -> torch.Tensor | None:
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("key", KEYS, ids=["drawn", "edge", "wide"])
 @pytest.mark.parametrize("valid_kind", ["none", "random", "with an empty row"])
-@pytest.mark.parametrize("n", [1, 37, 1500])
+@pytest.mark.parametrize("n", [1, 37, 1024, 1500])
 def test_selection_keys_equal_the_pytorch_path(device, key, valid_kind, n):
     valid = _valid(valid_kind, 3, n)
     key = key.to(device)
@@ -79,6 +79,31 @@ def test_causal_slot_ranks_equal_the_pytorch_path(device, key, m, stride):
     assert torch.equal(got, want)
     steps = got - torch.arange(m, device=device) * stride
     assert (steps >= 0).all() and (steps < stride).all()  # one slot per stride window
+
+
+def test_a_key_per_batch_element_takes_the_pytorch_path():
+    """The kernels read one key [2]; keys [B, 2] fold per batch element in PyTorch."""
+    keys = torch.stack([random_key(i) for i in range(3)])  # [3, 2]
+    assert not lm.use_triton_draw("triton", keys)
+    want = lm.stream_selection_keys(keys, lm.KEY_STREAM, None, 3, 40, draw="torch")
+    got = lm.stream_selection_keys(keys, lm.KEY_STREAM, None, 3, 40, draw="triton")
+    assert torch.equal(got, want)
+
+
+def test_a_failed_launch_under_auto_warns_once_and_draws_the_same_keys(monkeypatch):
+    monkeypatch.setattr(lm, "_triton_draw_failed", False)
+
+    def broken():
+        raise RuntimeError("no C compiler")
+
+    want = lm.stream_selection_keys(KEYS[0], lm.KEY_STREAM, None, 2, 30, draw="torch")
+    with pytest.warns(RuntimeWarning, match="no C compiler"):
+        got = lm.launch_or_fall_back(
+            "auto", broken,
+            lambda: lm.stream_selection_keys(KEYS[0], lm.KEY_STREAM, None, 2, 30, draw="torch"))
+    assert torch.equal(got, want) and lm._triton_draw_failed
+    with pytest.raises(RuntimeError, match="no C compiler"):  # "triton" insists
+        lm.launch_or_fall_back("triton", broken, lambda: want)
 
 
 def test_an_empty_batch_or_sequence_draws_nothing():

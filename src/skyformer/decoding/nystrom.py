@@ -76,10 +76,12 @@ class SkyformerDecoding(DecodingState):
         work = compute_dtype(q.dtype)
         qw, kw, vw = q.to(work), k.to(work), v.to(work)
         self.scale = kernel_scale(d, self.bound.config.scale)
+        draw = self.bound.config.kernel
         marks = causal_landmarks(self.m, self.stride, batch=b, n=n, key_valid=key_valid,
-                                 device=q.device, key=self.key)
+                                 device=q.device, key=self.key, draw=draw)
         core = causal_core(qw, kw, self.scale, self.gamma, marks)
-        self.ranks = slot_ranks(self.m, self.stride, batch=b, device=q.device, key=self.key)
+        self.ranks = slot_ranks(self.m, self.stride, batch=b, device=q.device, key=self.key,
+                                draw=draw)
         self.real = padding_as_false(key_valid, q).sum(1)
         self.revealed = marks.live
         self.x = torch.where(marks.live[:, None, :, None], core.x, 0.0)

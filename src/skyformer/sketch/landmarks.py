@@ -23,6 +23,7 @@ each hold a shard of the sequence, the landmarks one process would draw.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ from torch import Tensor
 from .rng import random_key, row_uniform, stream, valid_rank
 
 DRAWS = ("auto", "torch", "triton")
+_triton_draw_failed = False  # set when a launch under "auto" failed (no compiler, old GPU)
 
 QUERY_STREAM, KEY_STREAM = "landmarks/queries", "landmarks/keys"
 _SCORE_SCALE = 2**24  # float32 row_uniform scores are multiples of 2^-24: exact integers
@@ -88,10 +90,11 @@ def use_triton_draw(draw: str, key: Tensor, *tensors: Tensor | None) -> bool:
         raise ValueError(f"draw must be one of {', '.join(map(repr, DRAWS))}, got {draw!r}.")
     if draw == "torch":
         return False
+    # the kernels read one key [2]; a key per batch element ([B, 2]) takes PyTorch
     plain = may_read_values(key, *(t for t in tensors if t is not None)) \
-        and not torch.compiler.is_exporting()
+        and not torch.compiler.is_exporting() and tuple(key.shape) == (2,)
     if draw == "auto" or not plain:
-        return key.is_cuda and plain and triton_available()
+        return key.is_cuda and plain and triton_available() and not _triton_draw_failed
     if not triton_available():
         raise RuntimeError('the Triton landmark draw needs Triton: pip install triton (or '
                            'use "auto", which falls back to PyTorch).')
@@ -115,9 +118,36 @@ def stream_selection_keys(
     from . import triton_draws
 
     rank = None if valid is None else valid_rank(valid, batch, n, key.device, valid_before)
-    return triton_draws.selection_keys(
-        key, name, valid, batch, n, rank=rank, valid_before=valid_before,
-        rows_before=rows_before, padded_key=PADDED_KEY)
+
+    def launch() -> Tensor:
+        return triton_draws.selection_keys(
+            key, name, None if valid is None else valid.bool(), batch, n, rank=rank,
+            valid_before=valid_before, rows_before=rows_before, padded_key=PADDED_KEY)
+
+    def fallback() -> Tensor:
+        return selection_keys(stream(key, name), valid, batch, n, valid_before=valid_before,
+                              rows_before=rows_before)
+
+    return launch_or_fall_back(draw, launch, fallback)
+
+
+def launch_or_fall_back(draw: str, launch: Callable[[], Tensor],
+                        fallback: Callable[[], Tensor]) -> Tensor:
+    """``launch()``; under ``"auto"`` a failure (Triton present but unable to compile or
+    launch here) warns once and takes ``fallback()`` from then on (the same numbers)."""
+    global _triton_draw_failed
+    if draw != "auto":
+        return launch()
+    try:
+        return launch()
+    except Exception as error:  # any compiler or driver error
+        import warnings
+
+        _triton_draw_failed = True
+        warnings.warn(f"the Triton landmark draw failed ({type(error).__name__}: {error}); "
+                      "drawing with PyTorch operations from now on (the same landmarks).",
+                      RuntimeWarning, stacklevel=3)
+        return fallback()
 
 
 def smallest_keys(keys: Tensor, count: int) -> tuple[Tensor, Tensor]:

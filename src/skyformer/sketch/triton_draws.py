@@ -22,6 +22,8 @@ the library runs without Triton installed.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -111,6 +113,11 @@ def _slot_ranks_kernel(
     tl.store(OUT + b * m + slot, slot * stride + offset, mask=slot < m)
 
 
+def _on(device: torch.device):
+    """Launch on ``device`` (Triton launches on the current CUDA device)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def selection_keys(
     key: Tensor, stream_name: str, valid: Tensor | None, batch: int, n: int, *,
     rank: Tensor | None, valid_before: Tensor | None, rows_before: int, padded_key: int,
@@ -123,16 +130,18 @@ def selection_keys(
     out = torch.empty(batch, n, dtype=torch.long, device=key.device)
     if batch == 0 or n == 0:
         return out
-    _selection_keys_kernel[(batch, triton.cdiv(n, BLOCK))](
-        key.contiguous(),
-        out if rank is None else rank.contiguous(),
-        out if valid is None else valid.contiguous().view(torch.uint8),
-        out if valid_before is None else valid_before.to(key.device, torch.long).contiguous(),
-        out, n, rng.stream_data(stream_name), rows_before,
-        HAS_RANK=rank is not None, HAS_VALID=valid is not None,
-        HAS_BEFORE=valid_before is not None, SALT=rng.UNIFORM_SALT, PADDED=padded_key,
-        BLOCK=BLOCK,
-    )
+    with _on(key.device):
+        _selection_keys_kernel[(batch, triton.cdiv(n, BLOCK))](
+            key.contiguous(),
+            out if rank is None else rank.contiguous(),
+            out if valid is None else valid.contiguous().view(torch.uint8),  # bool mask
+            out if valid_before is None
+            else valid_before.to(key.device, torch.long).contiguous(),
+            out, n, rng.stream_data(stream_name), rows_before,
+            HAS_RANK=rank is not None, HAS_VALID=valid is not None,
+            HAS_BEFORE=valid_before is not None, SALT=rng.UNIFORM_SALT, PADDED=padded_key,
+            BLOCK=BLOCK,
+        )
     return out
 
 
@@ -143,8 +152,9 @@ def slot_ranks(key: Tensor, stream_name: str, batch: int, num_features: int,
     out = torch.empty(batch, num_features, dtype=torch.long, device=key.device)
     if batch == 0 or num_features == 0:
         return out
-    _slot_ranks_kernel[(batch, triton.cdiv(num_features, BLOCK))](
-        key.contiguous(), out, num_features, rng.stream_data(stream_name), stride,
-        SALT=rng.UNIFORM_SALT, LOW_SALT=rng.UNIFORM_LOW_SALT, BLOCK=BLOCK,
-    )
+    with _on(key.device):
+        _slot_ranks_kernel[(batch, triton.cdiv(num_features, BLOCK))](
+            key.contiguous(), out, num_features, rng.stream_data(stream_name), stride,
+            SALT=rng.UNIFORM_SALT, LOW_SALT=rng.UNIFORM_LOW_SALT, BLOCK=BLOCK,
+        )
     return out

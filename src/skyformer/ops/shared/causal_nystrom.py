@@ -33,7 +33,7 @@ from torch import Tensor
 
 from ...linalg import gather_rows, gaussian_kernel_block, half_sq_norm
 from ...linalg.flush import flush_on_cpu
-from ...sketch.landmarks import use_triton_draw
+from ...sketch.landmarks import launch_or_fall_back, use_triton_draw
 from ...sketch.rng import fold_in, stream, uniform_at
 from .inputs import AttentionInputs, check_attention_inputs, resolve_key
 from .options import check_bool, check_optional_positive_int
@@ -96,8 +96,11 @@ def slot_ranks(num_features: int, stride: int, *, batch: int, device: torch.devi
     if use_triton_draw(draw, key):
         from ...sketch import triton_draws
 
-        return triton_draws.slot_ranks(key.to(device), CAUSAL_STREAM, batch, num_features,
-                                       stride)
+        return launch_or_fall_back(
+            draw, lambda: triton_draws.slot_ranks(key.to(device), CAUSAL_STREAM, batch,
+                                                  num_features, stride),
+            lambda: slot_ranks(num_features, stride, batch=batch, device=device, key=key,
+                               draw="torch"))
     keys = fold_in(stream(key, CAUSAL_STREAM), torch.arange(batch, device=device))
     slot = torch.arange(num_features, device=device)
     u = uniform_at(keys[:, None, :], slot.expand(batch, num_features), torch.float64)
