@@ -87,7 +87,10 @@ class LSHAttention(torch.nn.Module):
 '''
 
 
-def test_a_run_writes_every_cell_and_a_rerun_resumes(tmp_path, monkeypatch, capsys):
+@pytest.fixture
+def fake_reformer_pytorch(tmp_path, monkeypatch):
+    """A folder holding the stand-in package, named by REFORMER_PYTORCH; its modules are
+    forgotten afterwards."""
     package = tmp_path / "site" / "reformer_pytorch"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")
@@ -97,14 +100,12 @@ def test_a_run_writes_every_cell_and_a_rerun_resumes(tmp_path, monkeypatch, caps
     fake_modules = ("reformer_pytorch", "reformer_pytorch.reformer_pytorch")
     for name in fake_modules:
         monkeypatch.delitem(sys.modules, name, raising=False)
-    try:
-        run_and_resume(tmp_path, capsys)
-    finally:
-        for name in fake_modules:
-            sys.modules.pop(name, None)
+    yield
+    for name in fake_modules:
+        sys.modules.pop(name, None)
 
 
-def run_and_resume(tmp_path, capsys):
+def test_a_run_writes_every_cell_and_a_rerun_resumes(tmp_path, capsys, fake_reformer_pytorch):
     out = tmp_path / "reformer.json"
     argv = ["reformer", "--seq-lens", "32", "--features", "8", "16", "--layers", "0",
             "--seeds", "0", "1", "--out", str(out)]
