@@ -112,9 +112,12 @@ def stream_selection_keys(
 ) -> Tensor:
     """``selection_keys(stream(key, name), ...)``: by PyTorch operations or, on a GPU,
     in one Triton kernel with the same bits (``triton_draws``)."""
-    if not use_triton_draw(draw, key, valid, valid_before):
+    def by_pytorch() -> Tensor:
         return selection_keys(stream(key, name), valid, batch, n, valid_before=valid_before,
                               rows_before=rows_before)
+
+    if not use_triton_draw(draw, key, valid, valid_before):
+        return by_pytorch()
     from . import triton_draws
 
     rank = None if valid is None else valid_rank(valid, batch, n, key.device, valid_before)
@@ -124,11 +127,7 @@ def stream_selection_keys(
             key, name, None if valid is None else valid.bool(), batch, n, rank=rank,
             valid_before=valid_before, rows_before=rows_before, padded_key=PADDED_KEY)
 
-    def fallback() -> Tensor:
-        return selection_keys(stream(key, name), valid, batch, n, valid_before=valid_before,
-                              rows_before=rows_before)
-
-    return launch_or_fall_back(draw, launch, fallback)
+    return launch_or_fall_back(draw, launch, by_pytorch)
 
 
 def launch_or_fall_back(draw: str, launch: Callable[[], Tensor],

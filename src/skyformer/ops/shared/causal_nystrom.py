@@ -189,5 +189,6 @@ def core_of_rows(x: Tensor, live: Tensor, gamma: float) -> CausalCore:
 
 def nystrom_features(kernel: Tensor, core: CausalCore) -> Tensor:
     """phi = L^-1 C(X_S, y) for each row: ``[B, H, N, m]`` kernel columns -> ``[B, H, N, m]``
-    (``kernel`` flushed by the caller; the result is flushed here, ``linalg.flush``)."""
+    (``kernel`` and ``core.l_inv`` are flushed on the CPU, ``linalg.flush``, so the
+    product has no subnormal operand)."""
     return kernel @ core.l_inv.transpose(-1, -2)
