@@ -12,7 +12,10 @@ and peak memory (``torch.cuda.max_memory_allocated``) of
   ``torch.compile(mode="reduce-overhead")`` (CUDA graphs replay the whole call),
 
 and the speed of light of each (matmul FLOPs of the method at the matmul rate measured
-in the same run, ``skyformer.eval.measure.flops``). Writes JSON to ``--out``.
+in the same run, ``skyformer.eval.measure.flops``); then the m x m core alone: the
+Lemma 3 inverse forward + backward by the PyTorch path (about 110 launches) and by
+the one-launch Triton kernels (``linalg/triton_lemma3.py``), at each shape's B x H.
+Writes JSON to ``--out``.
 
     python benchmarks/gpu_kernels.py --out benchmarks/results/gpu_kernels.json
 """
@@ -97,6 +100,34 @@ def _matmul_rate() -> dict[str, float]:
     return rates
 
 
+def _core_rows(batch: int, heads: int, m: int, repeats: int) -> list[dict]:
+    """Forward + backward of ``lemma3_inverse`` on a float32 Gaussian landmark matrix
+    ``[batch, heads, m, m]``, PyTorch path against the Triton kernels."""
+    from skyformer.linalg import gaussian_kernel_block, half_sq_norm, lemma3_inverse
+
+    x = 0.5 * torch.randn(batch, heads, m, 64, device="cuda")
+    norm = half_sq_norm(x)
+    mat = gaussian_kernel_block(x, x, norm, norm).requires_grad_(True)
+    grad = torch.randn_like(mat)
+
+    def run(kernel):
+        def step():
+            mat.grad = None
+            lemma3_inverse(mat, gamma=0.1, kernel=kernel).backward(grad)
+        return step
+
+    calls = {f"core/{kernel}": run(kernel) for kernel in ("torch", "triton")}
+    times = interleaved_median_seconds(calls, device="cuda", warmup=3, repeats=repeats)
+    rows = []
+    for name in calls:
+        rows.append({"shape": f"{batch},{heads},m={m}", "call": name,
+                     "ms": times[name] * 1e3,
+                     "vs_torch": times["core/torch"] / times[name]})
+        print(f"{rows[-1]['shape']:18s} {name:18s} {rows[-1]['ms']:9.3f} ms "
+              f"{rows[-1]['vs_torch']:7.2f}x the PyTorch core", flush=True)
+    return rows
+
+
 class _tf32:
     def __enter__(self):
         self.before = torch.backends.cuda.matmul.allow_tf32
@@ -152,8 +183,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{spec:18s} N={n:6d} {name:18s} {row['ms']:9.3f} ms "
                       f"{row['vs_sdpa']:7.2f}x sdpa  {row['peak_mib']:9.1f} MiB  "
                       f"SoL {100 * row['speed_of_light']:5.1f} %", flush=True)
+    core = []
+    for spec in args.shapes:
+        b, h, _, _ = spec.split(",")
+        core += _core_rows(int(b), int(h), args.features, args.repeats)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "features": args.features, "matmul_flops_per_s": rate, "rows": rows}
+              "features": args.features, "matmul_flops_per_s": rate, "rows": rows,
+              "core": core}
     if args.out:
         atomic_write_text(args.out, json.dumps(result, indent=1))
     return 0

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from .flush import flush_on_cpu
+from .lemma3_triton import fused_lemma3_applies, triton_lemma3_inverse
 from .pinv import PinvInit, iterative_pinv
 
 PinvMethod = Literal["iterative", "exact"]
@@ -37,6 +38,7 @@ def lemma3_inverse(
     iterations: int = 6,
     init: PinvInit = "identity",
     live: Tensor | None = None,
+    kernel: str = "torch",
 ) -> Tensor:
     """W ~ (M + gamma I)^-1 through the Lemma 3 normalisation.
 
@@ -49,6 +51,8 @@ def lemma3_inverse(
         live: ``[B, m]`` bool, False for landmark slots that hold no landmark (more
             features asked for than valid rows). Their diagonal is set to 1 so they
             decouple from the live block; their rows/columns of W are unused.
+        kernel: ``"auto" | "torch" | "triton"`` as the methods' option: the Triton path
+            runs the whole chain in one launch where it applies (``lemma3_triton``).
     Returns:
         ``[..., m, m]``.
     """
@@ -57,6 +61,8 @@ def lemma3_inverse(
     if live is not None:
         # [B, 1, m]: broadcast over heads of m: [B, H, m, m]
         diag = torch.where(live[:, None, :], diag, torch.ones_like(diag))
+    if fused_lemma3_applies(kernel, m, pinv, init, iterations):
+        return triton_lemma3_inverse(m, diag.reshape(-1, size), iterations)
     m = m + torch.diag_embed(diag)
     d_inv_sqrt = m.sum(dim=-1).clamp_min(torch.finfo(m.dtype).tiny).rsqrt()  # [..., m]
     a = d_inv_sqrt[..., :, None] * m * d_inv_sqrt[..., None, :]

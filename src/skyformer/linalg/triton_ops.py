@@ -58,3 +58,30 @@ def _(y, x, a, b, vn, vm, exclude, write_out1):
     m = x.shape[1]
     return (y.new_empty(bh, m, vn.shape[-1]) if write_out1 else y.new_empty(0),
             y.new_empty(bh, m, d) if vm.numel() else y.new_empty(0))
+
+
+@torch.library.custom_op("skyformer::lemma3_inverse_forward", mutates_args=())
+def lemma3_forward(mat: Tensor, ridge: Tensor, iterations: int) -> tuple[Tensor, Tensor]:
+    """``triton_lemma3.lemma3_forward``: (W, the iterates for the backward pass)."""
+    from . import triton_lemma3
+
+    return triton_lemma3.lemma3_forward(mat, ridge, iterations)
+
+
+@lemma3_forward.register_fake
+def _(mat, ridge, iterations):
+    bh, m, _ = mat.shape
+    return mat.new_empty(bh, m, m), mat.new_empty(bh, iterations, m, m)
+
+
+@torch.library.custom_op("skyformer::lemma3_inverse_backward", mutates_args=())
+def lemma3_backward(mat: Tensor, ridge: Tensor, store: Tensor, grad: Tensor) -> Tensor:
+    """``triton_lemma3.lemma3_backward``: the gradient of the landmark matrix."""
+    from . import triton_lemma3
+
+    return triton_lemma3.lemma3_backward(mat, ridge, store, grad)
+
+
+@lemma3_backward.register_fake
+def _(mat, ridge, store, grad):
+    return torch.empty_like(mat)

@@ -144,6 +144,7 @@ def core_from_rows(x: Tensor, options: NystromOptions, landmarks: Landmarks) -> 
         iterations=options.pinv_iterations,
         init=options.pinv_init,  # type: ignore[arg-type]
         live=landmarks.live,
+        kernel=options.kernel,
     )
     return NystromCore(x, x_norm, w, landmarks)
 

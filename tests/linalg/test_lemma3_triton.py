@@ -1,0 +1,137 @@
+"""The Lemma 3 inverse in one Triton launch against the plain equations.
+
+``naive_lemma3_inverse`` (explicit diagonal matrices, autograd through the Razavi steps)
+is the reference for W and for the gradient of the landmark matrix; float64 under the
+interpreter checks the hand-written adjoint to rounding, float32 (CPU interpreter or
+CUDA) checks the kernel as the methods run it. Odd sizes (m = 1, m not a power of
+two, m = 128), slots that hold no landmark, one and six iterations, vmap, compile.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from skyformer.linalg import gaussian_kernel_block, half_sq_norm, lemma3_inverse
+from skyformer.linalg.kernel_backend import interpreter_on
+from skyformer.ops.shared.nystrom_naive import naive_lemma3_inverse
+from tests.devices import devices, relative_error
+
+pytest.importorskip("triton")
+
+CASES = [(1, 1, 1), (2, 3, 5), (1, 2, 16), (2, 1, 37), (1, 1, 128)]  # B, H, m
+GAMMA = 0.1
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_for_cpu(request):
+    callspec = getattr(request.node, "callspec", None)
+    on_cpu = callspec is None or callspec.params.get("device", "cpu") == "cpu"
+    if on_cpu and not interpreter_on():
+        pytest.skip("Triton's interpreter is off (TRITON_INTERPRET=0): the kernels run on CUDA")
+
+
+def _landmark_matrix(b, h, m, dtype, device, *, dead=True, seed=0):
+    """A Gaussian landmark kernel matrix [B, H, m, m] and its live slots [B, m]."""
+    gen = torch.Generator().manual_seed(seed)
+    x = 0.6 * torch.randn(b, h, m, 8, generator=gen, dtype=torch.float64)
+    live = torch.rand(b, m, generator=gen) > 0.25 if dead else torch.ones(b, m, dtype=torch.bool)
+    live[:, 0] = True
+    norm = torch.where(live[:, None, :], half_sq_norm(x), torch.tensor(float("inf")).double())
+    mat = gaussian_kernel_block(x, x, norm, norm)
+    return mat.to(device, dtype), live.to(device)
+
+
+def _reference(mat, live, iterations):
+    """W by the naive equations, float64 on the CPU: dead slots get ridge 1."""
+    mat, live = mat.double().cpu(), live.cpu()
+    ridge = torch.where(live, torch.tensor(GAMMA, dtype=torch.float64), 1.0)[:, None, :]
+    return naive_lemma3_inverse(mat + torch.diag_embed(ridge), 0.0, "iterative",
+                                iterations, "identity")
+
+
+def _value_and_grad(fn, mat, weights):
+    leaf = mat.detach().clone().requires_grad_(True)
+    w = fn(leaf)
+    (grad,) = torch.autograd.grad((w * weights.to(w)).sum(), leaf)
+    return w, grad
+
+
+def _live_block(grad, live):
+    """Gradient entries between live slots (the others multiply an exact zero of M,
+    whose gradient reaches no input; the CPU path flushes them)."""
+    keep = (live[:, None, :, None] & live[:, None, None, :]).to(grad.device)
+    return torch.where(keep, grad, 0.0)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("iterations", [1, 6])
+def test_fused_lemma3_equals_the_equations(device, dtype, case, iterations):
+    if device == "cuda" and dtype == torch.float64:
+        pytest.skip("float64 takes the PyTorch path on CUDA (lemma3_triton)")
+    b, h, m = case
+    mat, live = _landmark_matrix(b, h, m, dtype, device)
+    weights = torch.randn(mat.shape, generator=torch.Generator().manual_seed(1),
+                          dtype=torch.float64)
+    w, grad = _value_and_grad(lambda t: lemma3_inverse(
+        t, gamma=GAMMA, iterations=iterations, live=live, kernel="triton"), mat, weights)
+    w_ref, grad_ref = _value_and_grad(lambda t: _reference(t, live, iterations),
+                                      mat.double().cpu(), weights)
+    tolerance = 1e-10 if dtype == torch.float64 else 2e-4
+    assert relative_error(w, w_ref) < tolerance
+    assert relative_error(_live_block(grad, live), _live_block(grad_ref, live)) < tolerance
+
+
+class _Calls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("options, fused", [
+    ({}, True),
+    ({"init": "scaled_transpose"}, False),
+    ({"pinv": "exact"}, False),
+    ({"iterations": 0}, False),
+])
+def test_which_calls_take_the_kernel(options, fused):
+    mat, live = _landmark_matrix(1, 2, 9, torch.float32, "cpu")
+    with _Calls() as calls:
+        lemma3_inverse(mat, gamma=GAMMA, live=live, kernel="triton", **options)
+    assert ("skyformer::lemma3_inverse_forward" in calls.names) == fused
+    with _Calls() as calls:
+        lemma3_inverse(mat, gamma=GAMMA, live=live, kernel="torch", **options)
+    assert "skyformer::lemma3_inverse_forward" not in calls.names
+
+
+def test_more_landmarks_than_the_kernel_holds_take_pytorch():
+    mat, live = _landmark_matrix(1, 1, 130, torch.float32, "cpu", dead=False)
+    with _Calls() as calls:
+        w = lemma3_inverse(mat, gamma=GAMMA, live=live, kernel="triton")
+    assert "skyformer::lemma3_inverse_forward" not in calls.names
+    assert relative_error(w, _reference(mat, live, 6)) < 1e-4
+
+
+def test_vmap_and_compile_see_the_same_kernel():
+    mat, live = _landmark_matrix(3, 2, 12, torch.float32, "cpu")
+    direct = lemma3_inverse(mat, gamma=GAMMA, live=live, kernel="triton")
+    mapped = torch.func.vmap(lambda t, lv: lemma3_inverse(
+        t[None], gamma=GAMMA, live=lv[None], kernel="triton")[0])(mat, live)
+    torch.testing.assert_close(mapped, direct, rtol=0, atol=0)
+    leaf = mat.clone().requires_grad_(True)
+    compiled = torch.compile(lambda t: lemma3_inverse(t, gamma=GAMMA, live=live,
+                                                      kernel="triton"), fullgraph=True)
+    out = compiled(leaf)
+    out.sum().backward()
+    torch.testing.assert_close(out, direct, rtol=0, atol=0)
+    _, grad = _value_and_grad(lambda t: lemma3_inverse(t, gamma=GAMMA, live=live,
+                                                       kernel="triton"),
+                              mat, torch.ones(mat.shape, dtype=torch.float64))
+    torch.testing.assert_close(leaf.grad, grad, rtol=0, atol=0)
