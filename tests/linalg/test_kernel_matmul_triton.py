@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import skyformer
 from skyformer.linalg import gaussian_kernel_matmul
 from skyformer.linalg.kernel_backend import interpreter_on
-from tests.devices import devices
+from tests.devices import devices, relative_error
 
 pytest.importorskip("triton")
 
@@ -41,8 +42,8 @@ def _product(kernel, y, x, b, rhs, **options):
     leaves = [t.detach().clone().requires_grad_(True) for t in (y, x, b, rhs)]
     out = gaussian_kernel_matmul(leaves[0], leaves[1], leaves[3], leaves[2], kernel=kernel,
                                  **options)
-    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1),
-                          dtype=out.dtype).to(out.device)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(
+        torch.bfloat16).to(out.device, out.dtype)  # the same values in any dtype
     grads = torch.autograd.grad((out * weights).sum(), leaves)
     return [out, *grads]
 
@@ -63,6 +64,35 @@ def test_triton_equals_torch(device, dtype, case, transpose):
     ref = _product("torch", y, x, b, rhs, scale=scale, transpose=transpose)
     for name, a, e in zip(("out", "dy", "dx", "db", "drhs"), ours, ref, strict=True):
         torch.testing.assert_close(a, e, **TOLERANCE[dtype], msg=name)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_half_rows_are_read_without_a_float32_copy(device, half, transpose):
+    """bfloat16 / float16 y (and N-row rhs) go into the kernels as they are: every result
+    is the PyTorch path's on the same values converted to float32, N-row results
+    rounded once to the half type (one unit in their last place)."""
+    n, m, d, r = 70, 33, 24, 40
+    g = torch.Generator().manual_seed(11)
+    y = torch.randn(2, n, d, generator=g).to(device, half)
+    x = (torch.randn(2, m, d, generator=g) * 0.7).to(device)
+    b = 0.5 * (x * x).sum(-1)
+    rhs = torch.randn(2, n if transpose else m, r, generator=g).to(device)
+    if transpose:
+        rhs = rhs.to(half)
+    options = {"scale": d ** -0.25, "transpose": transpose,
+               "row_valid": (torch.rand(2, n, generator=g) > 0.2).to(device)}
+    ours = _product("triton", y, x, b, rhs, **options)
+    ref = _product("torch", y.float(), x, b, rhs.float(), **options)
+    eps = torch.finfo(half).eps
+    for name, a, e in zip(("out", "dy", "dx", "db", "drhs"), ours, ref, strict=True):
+        n_rows = name == "dy" or (name == "out" and not transpose) or (name == "drhs"
+                                                                      and transpose)
+        assert a.dtype == (half if n_rows else torch.float32), name
+        rtol = eps if n_rows else 2e-4  # one rounding of the result / float32 sums
+        torch.testing.assert_close(a.float(), e, rtol=rtol, atol=rtol * e.abs().max().item(),
+                                   msg=name)
 
 
 @pytest.mark.parametrize("device", devices())
@@ -107,6 +137,47 @@ def test_methods_with_triton_kernels(device, method):
         results.append([out, *torch.autograd.grad(out.square().sum(), leaves)])
     for a, e in zip(*results, strict=True):
         torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-11)
+
+
+class _Float32Copies(TorchDispatchMode):
+    """Records the shapes of every conversion to float32."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in ("_to_copy", "to") and isinstance(out, torch.Tensor) \
+                and out.dtype == torch.float32 and args[0].dtype != torch.float32:
+            self.shapes.append(tuple(out.shape))
+        return out
+
+
+@pytest.mark.parametrize("device", devices())
+def test_skyformer_in_bfloat16_makes_no_float32_copy_of_its_inputs(device):
+    """Half inputs on the Triton path: only the m landmark rows become float32; outputs
+    and gradients are the PyTorch path's (which converts) to bfloat16 rounding."""
+    n, m = 96, 16
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 3, n, 16, generator=g).to(device, torch.bfloat16)
+               for _ in range(3))
+    mask = torch.ones(2, n, dtype=torch.bool, device=device)
+    mask[0, 70:] = False
+    results = []
+    for kernel in ("torch", "triton"):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        with _Float32Copies() as copies:
+            out = skyformer.attention(*leaves, "skyformer", key_padding_mask=mask,
+                                      kernel=kernel, num_features=m,
+                                      generator=skyformer.random_key(2))
+            grads = torch.autograd.grad(out.square().sum(), leaves)
+        assert out.dtype == torch.bfloat16 and all(t.dtype == torch.bfloat16 for t in grads)
+        results.append([out, *grads])
+        if kernel == "triton":
+            assert not [s for s in copies.shapes if n in s], copies.shapes
+    for a, e in zip(*results, strict=True):
+        assert relative_error(a, e) < 2e-2
 
 
 def test_triton_on_cpu_without_interpreter_says_how(monkeypatch):

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 KERNELS = ("auto", "torch", "triton")
+HALF_TYPES = (torch.bfloat16, torch.float16)  # read by the kernels, computed in float32
 
 
 @cache

@@ -38,7 +38,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .flush import flush_exponent_on_cpu_
-from .kernel_backend import use_triton
+from .kernel_backend import HALF_TYPES, use_triton
 from .kernel_matmul_triton import TritonGaussianBlockProduct
 from .kernel_offsets import LOG2E, row_offsets
 from .vmap import vmap_into_batch
@@ -234,8 +234,12 @@ def gaussian_kernel_matmul(
     """C @ rhs or C^T @ rhs for C = exp(s y x^T - s^2|y|^2/2 - col_offset), never whole.
 
     Args:
-        y: ``[..., N, D]`` rows, unscaled; x: ``[..., m, D]`` (already in the scaled space).
+        y: ``[..., N, D]`` rows, unscaled; x: ``[..., m, D]`` (already in the scaled space),
+            in the compute dtype (float32 or float64).
         rhs: ``[..., m, R]`` (``transpose=False``) or ``[..., N, R]`` (``transpose=True``).
+            y and an N-row rhs may be bfloat16 / float16: the Triton kernels read them
+            as they are (no float32 copy) and return N-row results in y's dtype; the
+            PyTorch path converts them to x's dtype first.
         col_offset: ``[..., m]`` b_s (e.g. ``half_sq_norm(x)``), +inf for columns that
             must be zero; ``None`` = 0.
         scale: s, the factor applied to y (e.g. p^-1/4).
@@ -273,6 +277,11 @@ def gaussian_kernel_matmul(
         chunk = chunk_rows(n, bh, m, y.device)
     if row_valid is not None:
         row_valid = row_valid.expand(*batch_shape, n).reshape(bh, n)
+    triton = use_triton(kernel, x)
+    if not (triton and y.dtype in (x.dtype, *HALF_TYPES)):
+        y = y.to(x.dtype)
+    if not (triton and transpose and rhs.dtype in (x.dtype, *HALF_TYPES)):
+        rhs = rhs.to(x.dtype)
     if torch.compiler.is_exporting():
         out = _product_by_autograd(y, x, col_offset, rhs, row_valid, scale, row_norm,
                                    transpose, shift_rows, exclude, batch_shape)
@@ -284,7 +293,7 @@ def gaussian_kernel_matmul(
                 f"{(*batch_shape, n, m)}, got {exclude.dtype} {tuple(exclude.shape)}."
             )
         exclude = exclude.reshape(bh, n, m)
-    if use_triton(kernel, y):
+    if triton:
         out, _ = TritonGaussianBlockProduct.apply(
             y.reshape(bh, n, d), x.reshape(bh, m, d),
             None if col_offset is None else col_offset.reshape(bh, m),

@@ -8,7 +8,9 @@ Same algebra as ``kernel_matmul`` (see its docstring), on the two kernels of
     out = C^T V:  forward cols(V_N = V);  backward rows(V_N = V, V_M = g) -> (dV = C g,
                   dE x), cols(V_N = V, V_M = g) -> dE^T y
 
-and the row sums of dE come from the identities of ``kernel_matmul`` (no extra pass).
+and the row sums of dE come from the identities of ``kernel_matmul`` (no extra pass):
+(dE 1)_i = V_N,i . (C V_M)_i, which the rows kernel forms in the compute dtype to
+finish dy in place. y and the N-row values may be half types (``triton_kernels``).
 The kernels are called as the custom operators of ``triton_ops``, so that
 ``torch.compile`` traces everything around them and CUDA graphs capture them.
 """
@@ -39,18 +41,19 @@ def _empty_to_none(t: Tensor) -> Tensor | None:
     return t if t.numel() else None
 
 
-def _rows(y, x, a, b, vm, vn, exclude, *, write_out1=True, shift_rows=False):
+def _rows(y, x, a, b, vm, vn, exclude, *, write_out1=True, shift_rows=False,
+          out2_scale=1.0, norm_coef=None):
     """``triton_ops.rows_product`` with ``None`` for absent tensors."""
-    out = _ops().rows_product(y, x, _none_to_empty(a, y), _none_to_empty(b, y), vm,
+    out = _ops().rows_product(y, x, _none_to_empty(a, x), _none_to_empty(b, x), vm,
                               _none_to_empty(vn, y), _none_to_empty(exclude, y),
-                              write_out1, shift_rows)
+                              write_out1, shift_rows, out2_scale, norm_coef)
     return tuple(_empty_to_none(t) for t in out)
 
 
 def _cols(y, x, a, b, vn, vm, exclude, *, write_out1=True):
     """``triton_ops.cols_product`` with ``None`` for absent tensors."""
-    out = _ops().cols_product(y, x, _none_to_empty(a, y), _none_to_empty(b, y), vn,
-                              _none_to_empty(vm, y), _none_to_empty(exclude, y), write_out1)
+    out = _ops().cols_product(y, x, _none_to_empty(a, x), _none_to_empty(b, x), vn,
+                              _none_to_empty(vm, x), _none_to_empty(exclude, y), write_out1)
     return tuple(_empty_to_none(t) for t in out)
 
 
@@ -64,7 +67,7 @@ class TritonGaussianBlockProduct(torch.autograd.Function):
         y, rhs = y.contiguous(), rhs.contiguous()
         xc = (x * (scale * LOG2E)).contiguous()
         b2 = None if b is None else (b * LOG2E).contiguous()
-        a = row_offsets(y, scale, row_norm, row_valid)
+        a = row_offsets(y, scale, row_norm, row_valid, dtype=x.dtype)
         a = None if a is None else a.contiguous()
         if transpose:
             out, _ = _cols(y, xc, a, b2, rhs, None, exclude)
@@ -72,7 +75,7 @@ class TritonGaussianBlockProduct(torch.autograd.Function):
             out, _, shift = _rows(y, xc, a, b2, rhs, None, exclude, shift_rows=shift_rows)
             if shift is not None:
                 a = shift if a is None else a + shift
-        return out, (y.new_empty(0) if a is None else a)
+        return out, (x.new_empty(0) if a is None else a)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
@@ -100,23 +103,20 @@ class TritonGaussianBlockProduct(torch.autograd.Function):
         vn, vm = (rhs, grad) if transpose else (grad, rhs)
         # the rows of C g (transpose: dV) and dE x; the columns of C^T g (dZ) and dE^T y
         rows_first = transpose and (need_rhs or (need_y and row_norm))
-        c_vm, de_x = None, None
+        c_vm, dy = None, None
         if need_y or rows_first:
-            c_vm, de_x, _ = _rows(y, xc, a, b2, vm, vn if need_y else None, exclude,
-                                  write_out1=rows_first)
+            # x went in scaled by s log2(e): the kernel's dE x is s log2(e) dE x; the row
+            # norm adds -s^2 (dE 1)_i y_i, summed in the kernel (no rounded copy of dE 1)
+            c_vm, dy, _ = _rows(y, xc, a, b2, vm, vn if need_y else None, exclude,
+                                write_out1=rows_first, out2_scale=1.0 / LOG2E,
+                                norm_coef=-scale * scale if row_norm else None)
         cols_first = not transpose and (need_rhs or need_b)
         c_vn, de_y = None, None
         if need_x or cols_first:
             c_vn, de_y = _cols(y, xc, a, b2, vn, vm if need_x else None, exclude,
                                 write_out1=cols_first)
         drhs = c_vm if transpose else c_vn  # dV = C g, or dZ = C^T g
-        dy = dx = db = None
-        if need_y:
-            dy = de_x.mul_(1.0 / LOG2E)  # x went in scaled by s log2(e): this is s dE x
-            if row_norm:
-                sums = torch.linalg.vecdot(rhs, drhs) if transpose \
-                    else torch.linalg.vecdot(grad, out)  # (dE 1)_i
-                dy = dy.addcmul_(y, sums[:, :, None], value=-scale * scale)
+        dx = db = None
         if need_x:
             dx = de_y.mul_(scale)
         if need_b:

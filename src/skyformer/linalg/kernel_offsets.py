@@ -15,13 +15,18 @@ LOG2E = 1.0 / math.log(2.0)
 
 
 def row_offsets(
-    y: Tensor, scale: float, row_norm: bool, row_valid: Tensor | None
+    y: Tensor, scale: float, row_norm: bool, row_valid: Tensor | None,
+    dtype: torch.dtype | None = None,
 ) -> Tensor | None:
-    """a log2(e), a = s^2 |y|^2 / 2 (or 0), +inf on invalid rows: ``[BH, N]`` (None if all 0)."""
+    """a log2(e), a = s^2 |y|^2 / 2 (or 0), +inf on invalid rows: ``[BH, N]`` (None if all 0),
+    in ``dtype`` (default y's; a half-type y is summed in that dtype, not rounded first)."""
+    dtype = y.dtype if dtype is None else dtype
     a = None
     if row_norm:
-        a = torch.linalg.vecdot(y, y).mul_(0.5 * scale * scale * LOG2E)
+        norm = torch.linalg.vecdot(y, y) if dtype == y.dtype \
+            else torch.linalg.vector_norm(y, dim=-1, dtype=dtype).square_()
+        a = norm.mul_(0.5 * scale * scale * LOG2E)
     if row_valid is not None:
-        inf = torch.tensor(float("inf"), dtype=y.dtype, device=y.device)
+        inf = torch.tensor(float("inf"), dtype=dtype, device=y.device)
         a = torch.where(row_valid, 0.0 if a is None else a, inf)
     return a

@@ -20,8 +20,11 @@ launcher adds. Tiles are [BLOCK_N, BLOCK_M] in registers; nothing of size N x m 
 written. Out-of-range rows/columns, a_i = +inf (rows to drop), b_s = +inf (columns to
 drop) and ``exclude`` entries give C = 0. ``shift_rows`` (rows kernel) first finds each
 row's largest exponent and subtracts it (a row with no live column keeps shift 0).
-The caller folds the row scale s and log2(e) into x. Inputs are float32 or float64;
-sums are kept in the inputs' dtype.
+The caller folds the row scale s and log2(e) into x. x (and everything with m rows)
+is float32 or float64, the compute dtype; the N-row inputs y, V_N may also be
+bfloat16 or float16, read into the compute dtype tile by tile (exact), so that a
+half-precision model needs no float32 copy of its queries, keys and values. Sums are
+kept in the compute dtype; N-row outputs are stored in their input's dtype.
 
 This module imports Triton; ``kernel_matmul_triton`` imports it only when the Triton
 path is chosen, so the library runs without Triton installed.
@@ -49,9 +52,10 @@ def _mm(a, b, PRECISION: tl.constexpr, FMA: tl.constexpr):
 def _rows_kernel(
     Y, X, A, B, VM, VN, EXC, OUT1, OUT2, SHIFT,
     N, M, D, R,
-    s_exc_b, s_exc_n, s_exc_m,
+    s_exc_b, s_exc_n, s_exc_m, out2_scale, norm_coef,
     HAS_A: tl.constexpr, HAS_B: tl.constexpr, HAS_EXC: tl.constexpr,
     WRITE_OUT1: tl.constexpr, HAS_VN: tl.constexpr, SHIFT_ROWS: tl.constexpr,
+    NORM_TERM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, FMA: tl.constexpr,
 ):
@@ -62,14 +66,14 @@ def _rows_kernel(
     rr = tl.arange(0, BLOCK_R)
     row_in = rn < N
     y = tl.load(Y + bh * N * D + rn[:, None] * D + rd[None, :],
-                mask=row_in[:, None] & (rd < D)[None, :], other=0.0)
+                mask=row_in[:, None] & (rd < D)[None, :], other=0.0).to(X.dtype.element_ty)
     if HAS_A:
         a = tl.load(A + bh * N + rn, mask=row_in, other=0.0)
     else:
         a = tl.zeros([BLOCK_N], dtype=y.dtype)
     if HAS_VN:
         vn = tl.load(VN + bh * N * R + rn[:, None] * R + rr[None, :],
-                     mask=row_in[:, None] & (rr < R)[None, :], other=0.0)
+                     mask=row_in[:, None] & (rr < R)[None, :], other=0.0).to(y.dtype)
     if SHIFT_ROWS:
         top = tl.full([BLOCK_N], float("-inf"), dtype=y.dtype)
         for m0 in range(0, M, BLOCK_M):
@@ -110,7 +114,7 @@ def _rows_kernel(
         c = tl.exp2(e)  # [BLOCK_N, BLOCK_M]
         vm = tl.load(VM + bh * M * R + rm[:, None] * R + rr[None, :],
                      mask=col_in[:, None] & (rr < R)[None, :], other=0.0)
-        if WRITE_OUT1:
+        if WRITE_OUT1 or NORM_TERM:
             acc1 += _mm(c.to(vm.dtype), vm, PRECISION, FMA)
         if HAS_VN:
             de = _mm(vn, tl.trans(vm), PRECISION, FMA).to(c.dtype) * c
@@ -119,6 +123,9 @@ def _rows_kernel(
         tl.store(OUT1 + bh * N * R + rn[:, None] * R + rr[None, :], acc1,
                  mask=row_in[:, None] & (rr < R)[None, :])
     if HAS_VN:
+        acc2 = acc2 * out2_scale
+        if NORM_TERM:  # dy's term of the row norm: (dE 1)_i = vn_i . (C V_M)_i
+            acc2 += norm_coef * tl.sum(vn * acc1, axis=1)[:, None] * y
         tl.store(OUT2 + bh * N * D + rn[:, None] * D + rd[None, :], acc2,
                  mask=row_in[:, None] & (rd < D)[None, :])
 
@@ -157,7 +164,7 @@ def _cols_kernel(
         rn = start + n0 + tl.arange(0, BLOCK_N)
         row_in = (rn < N) & (rn < start + rows_per_split)
         y = tl.load(Y + bh * N * D + rn[:, None] * D + rd[None, :],
-                    mask=row_in[:, None] & (rd < D)[None, :], other=0.0)
+                    mask=row_in[:, None] & (rd < D)[None, :], other=0.0).to(x.dtype)
         e = _mm(x, tl.trans(y), PRECISION, FMA).to(x.dtype)  # [M, N]
         e = e - b[:, None]
         if HAS_A:
@@ -170,7 +177,7 @@ def _cols_kernel(
             e = tl.where(exc != 0, float("-inf"), e)
         ct = tl.exp2(e)  # C^T tile: [BLOCK_M, BLOCK_N]
         vn = tl.load(VN + bh * N * R + rn[:, None] * R + rr[None, :],
-                     mask=row_in[:, None] & (rr < R)[None, :], other=0.0)
+                     mask=row_in[:, None] & (rr < R)[None, :], other=0.0).to(x.dtype)
         if WRITE_OUT1:
             acc1 += _mm(ct.to(vn.dtype), vn, PRECISION, FMA)
         if HAS_VM:
@@ -218,18 +225,24 @@ def rows_product(
     y: Tensor, x: Tensor, a: Tensor | None, b: Tensor | None, vm: Tensor,
     vn: Tensor | None, exclude: Tensor | None, *,
     write_out1: bool = True, shift_rows: bool = False,
+    out2_scale: float = 1.0, norm_coef: float | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """(C V_M, ((V_N V_M^T) * C) X, row shifts); see the module docstring.
 
     y ``[BH, N, D]``, x ``[BH, m, D]``, a ``[BH, N]``, b ``[BH, m]`` (log2 units),
     vm ``[BH, m, R]``, vn ``[BH, N, R]``, exclude ``[BH, N, m]`` bool (any strides).
+    The second output is scaled by ``out2_scale`` and, with ``norm_coef``, gets
+    ``norm_coef (dE 1)_i y_i`` added (dy of the row norm, summed in the kernel's
+    precision). y and vn may be half types (read into x's dtype, the compute dtype);
+    outputs with N rows come in the dtype of the N-row input they belong to.
     """
     bh, n, d = y.shape
     m, r = x.shape[1], vm.shape[-1]
-    bd, br, bn, bm, warps = _tiles(d, r, y.dtype)
-    out1 = y.new_empty(bh, n, r, dtype=y.dtype) if write_out1 else None
+    bd, br, bn, bm, warps = _tiles(d, r, x.dtype)
+    out1 = y.new_empty(bh, n, r, dtype=y.dtype if vn is None else vn.dtype) \
+        if write_out1 else None
     out2 = y.new_empty(bh, n, d, dtype=y.dtype) if vn is not None else None
-    shift = y.new_empty(bh, n) if shift_rows else None
+    shift = x.new_empty(bh, n) if shift_rows else None
     exc, se_b, se_n, se_m = _exclude_args(exclude, y)
     dummy = y
     grid = (triton.cdiv(n, bn), bh)
@@ -238,11 +251,13 @@ def rows_product(
         dummy if vn is None else vn, exc,
         dummy if out1 is None else out1, dummy if out2 is None else out2,
         dummy if shift is None else shift,
-        n, m, d, r, se_b, se_n, se_m,
+        n, m, d, r, se_b, se_n, se_m, float(out2_scale),
+        0.0 if norm_coef is None else float(norm_coef),
         HAS_A=a is not None, HAS_B=b is not None, HAS_EXC=exclude is not None,
         WRITE_OUT1=write_out1, HAS_VN=vn is not None, SHIFT_ROWS=shift_rows,
-        BLOCK_N=bn, BLOCK_M=bm, BLOCK_D=bd, BLOCK_R=br, PRECISION=_precision(y.dtype),
-        FMA=y.dtype == torch.float64,
+        NORM_TERM=vn is not None and norm_coef is not None,
+        BLOCK_N=bn, BLOCK_M=bm, BLOCK_D=bd, BLOCK_R=br, PRECISION=_precision(x.dtype),
+        FMA=x.dtype == torch.float64,
         num_warps=warps,
     )
     return out1, out2, shift
@@ -260,16 +275,17 @@ def cols_product(
     y: Tensor, x: Tensor, a: Tensor | None, b: Tensor | None, vn: Tensor,
     vm: Tensor | None, exclude: Tensor | None, *, write_out1: bool = True,
 ) -> tuple[Tensor | None, Tensor | None]:
-    """(C^T V_N, ((V_N V_M^T) * C)^T Y); shapes as ``rows_product``."""
+    """(C^T V_N, ((V_N V_M^T) * C)^T Y); shapes as ``rows_product`` (y and vn may be
+    half types; the outputs, m rows, are in x's dtype)."""
     bh, n, d = y.shape
     m, r = x.shape[1], vn.shape[-1]
-    bd, br, bn, bm, warps = _tiles(d, r, y.dtype)
+    bd, br, bn, bm, warps = _tiles(d, r, x.dtype)
     col_blocks = triton.cdiv(m, bm)
     splits = _splits(n, col_blocks * bh, bn, y.device)
     rows_per_split = triton.cdiv(triton.cdiv(n, splits), bn) * bn
     splits = triton.cdiv(n, rows_per_split)
-    out1 = y.new_empty(splits, bh, m, r, dtype=y.dtype) if write_out1 else None
-    out2 = y.new_empty(splits, bh, m, d, dtype=y.dtype) if vm is not None else None
+    out1 = x.new_empty(splits, bh, m, r) if write_out1 else None
+    out2 = x.new_empty(splits, bh, m, d) if vm is not None else None
     exc, se_b, se_n, se_m = _exclude_args(exclude, y)
     dummy = y
     _cols_kernel[(col_blocks, bh, splits)](
@@ -279,8 +295,8 @@ def cols_product(
         n, m, d, r, bh, rows_per_split, se_b, se_n, se_m,
         HAS_A=a is not None, HAS_B=b is not None, HAS_EXC=exclude is not None,
         WRITE_OUT1=write_out1, HAS_VM=vm is not None,
-        BLOCK_N=bn, BLOCK_M=bm, BLOCK_D=bd, BLOCK_R=br, PRECISION=_precision(y.dtype),
-        FMA=y.dtype == torch.float64,
+        BLOCK_N=bn, BLOCK_M=bm, BLOCK_D=bd, BLOCK_R=br, PRECISION=_precision(x.dtype),
+        FMA=x.dtype == torch.float64,
         num_warps=warps,
     )
     return (None if out1 is None else out1.sum(0)), (None if out2 is None else out2.sum(0))

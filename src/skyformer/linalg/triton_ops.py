@@ -26,21 +26,23 @@ def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
 
 @torch.library.custom_op("skyformer::gaussian_rows_product", mutates_args=())
 def rows_product(y: Tensor, x: Tensor, a: Tensor, b: Tensor, vm: Tensor, vn: Tensor,
-                 exclude: Tensor, write_out1: bool, shift_rows: bool
-                 ) -> tuple[Tensor, Tensor, Tensor]:
+                 exclude: Tensor, write_out1: bool, shift_rows: bool, out2_scale: float,
+                 norm_coef: float | None) -> tuple[Tensor, Tensor, Tensor]:
     """``triton_kernels.rows_product``; absent outputs are empty tensors."""
     out1, out2, shift = triton_kernels.rows_product(
         y, x, _opt(a), _opt(b), vm, _opt(vn), _opt(exclude), write_out1=write_out1,
-        shift_rows=shift_rows)
-    return (_or_empty(out1, y), _or_empty(out2, y), _or_empty(shift, y))
+        shift_rows=shift_rows, out2_scale=out2_scale, norm_coef=norm_coef)
+    return (_or_empty(out1, y), _or_empty(out2, y), _or_empty(shift, x))
 
 
 @rows_product.register_fake
-def _(y, x, a, b, vm, vn, exclude, write_out1, shift_rows):
+def _(y, x, a, b, vm, vn, exclude, write_out1, shift_rows, out2_scale, norm_coef):
     bh, n, d = y.shape
-    return (y.new_empty(bh, n, vm.shape[-1]) if write_out1 else y.new_empty(0),
+    out1_dtype = vn.dtype if vn.numel() else y.dtype
+    return (y.new_empty(bh, n, vm.shape[-1], dtype=out1_dtype) if write_out1
+            else y.new_empty(0),
             y.new_empty(bh, n, d) if vn.numel() else y.new_empty(0),
-            y.new_empty(bh, n) if shift_rows else y.new_empty(0))
+            x.new_empty(bh, n) if shift_rows else x.new_empty(0))
 
 
 @torch.library.custom_op("skyformer::gaussian_cols_product", mutates_args=())
@@ -49,15 +51,15 @@ def cols_product(y: Tensor, x: Tensor, a: Tensor, b: Tensor, vn: Tensor, vm: Ten
     """``triton_kernels.cols_product``; absent outputs are empty tensors."""
     out1, out2 = triton_kernels.cols_product(
         y, x, _opt(a), _opt(b), vn, _opt(vm), _opt(exclude), write_out1=write_out1)
-    return (_or_empty(out1, y), _or_empty(out2, y))
+    return (_or_empty(out1, x), _or_empty(out2, x))
 
 
 @cols_product.register_fake
 def _(y, x, a, b, vn, vm, exclude, write_out1):
     bh, _, d = y.shape
     m = x.shape[1]
-    return (y.new_empty(bh, m, vn.shape[-1]) if write_out1 else y.new_empty(0),
-            y.new_empty(bh, m, d) if vm.numel() else y.new_empty(0))
+    return (x.new_empty(bh, m, vn.shape[-1]) if write_out1 else x.new_empty(0),
+            x.new_empty(bh, m, d) if vm.numel() else x.new_empty(0))
 
 
 @torch.library.custom_op("skyformer::lemma3_inverse_forward", mutates_args=())

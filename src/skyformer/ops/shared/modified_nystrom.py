@@ -28,7 +28,7 @@ from ...linalg import (
     lemma3_inverse,
 )
 from ...sketch import Landmarks, uniform_landmarks
-from .inputs import AttentionInputs
+from .inputs import AttentionInputs, compute_dtype
 from .options import (
     check_choice,
     check_nonnegative_float,
@@ -123,10 +123,12 @@ def nystrom_core(
     q: Tensor, k: Tensor, scale: float, options: NystromOptions, landmarks: Landmarks,
 ) -> NystromCore:
     """Landmark rows X_S of [s Q; s K] (gathered, then scaled: m rows, not N), their half
-    squared norms, and W = Lemma-3 inverse of C(X_S, X_S) (Skyformer section 3.4)."""
+    squared norms, and W = Lemma-3 inverse of C(X_S, X_S) (Skyformer section 3.4); half
+    inputs give float32 rows (``compute_dtype``)."""
     x = torch.cat(
         [head_rows(q, landmarks.query_index), head_rows(k, landmarks.key_index)], dim=2
-    ) * scale  # [B, H, m, D]
+    )
+    x = x.to(compute_dtype(x.dtype)) * scale  # [B, H, m, D]
     return core_from_rows(x, options, landmarks)
 
 

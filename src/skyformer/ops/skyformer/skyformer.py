@@ -98,12 +98,13 @@ def skyformer_attention(
     """
     if config.causal:
         return _causal(q, k, v, config, key_padding_mask, query_padding_mask, generator)
-    info, landmarks, scale, work = prepare(
+    info, landmarks, scale, _ = prepare(
         q, k, v, config, key_padding_mask=key_padding_mask,
         query_padding_mask=query_padding_mask, generator=generator)
-    qw, kw, vw = q.to(work), k.to(work), v.to(work)
-    core = nystrom_core(qw, kw, scale, config, landmarks)
-    return skyformer_from_core(qw, kw, vw, core, info, scale,
+    # half inputs stay half: the landmark rows are converted to float32 (m rows), the
+    # products read q, k, v as they are (Triton) or convert them (PyTorch path)
+    core = nystrom_core(q, k, scale, config, landmarks)
+    return skyformer_from_core(q, k, v, core, info, scale,
                                kernel=config.kernel).to(q.dtype)
 
 
@@ -111,7 +112,8 @@ def skyformer_from_core(
     q: Tensor, k: Tensor, v: Tensor, core: NystromCore, info: AttentionInputs, scale: float,
     reduce: KeyReduction = WHOLE, kernel: str = "auto",
 ) -> Tensor:
-    """C(Q, X_S) W (C(X_S, K) V) given the core (Skyformer eq. (5)), in the inputs' dtype.
+    """C(Q, X_S) W (C(X_S, K) V) given the core (Skyformer eq. (5)), in the compute dtype
+    or, for half inputs on the Triton path, in q's dtype (``gaussian_kernel_matmul``).
 
     ``q: [B, H, Nq, D]``, ``k: [B, H, Nk, D]``, ``v: [B, H, Nk, Dv]``; ``reduce``
     completes the sum over the keys when they are a shard (``shared/reduction.py``).
