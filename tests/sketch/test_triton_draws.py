@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import skyformer
 from skyformer.linalg.kernel_backend import interpreter_on
 from skyformer.ops.shared.causal_nystrom import slot_ranks
 from skyformer.sketch import landmarks as lm
@@ -131,3 +132,25 @@ def test_bad_choices_are_named(monkeypatch):
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         lm.stream_selection_keys(KEYS[0], lm.KEY_STREAM, None, 1, 4, draw="triton")
     assert not lm.use_triton_draw("auto", KEYS[0])  # a CPU key: the PyTorch path
+
+
+@pytest.mark.parametrize("tracer", ["make_fx", "jit.trace"])
+def test_tracers_record_the_draw(tracer):
+    """A traced graph replayed with another key gives that key's landmarks: under a
+    tracer the draw takes its PyTorch operators (a raw launch would not be recorded)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    if not interpreter_on():
+        pytest.skip("Triton's interpreter is off (TRITON_INTERPRET=0): the kernel runs on CUDA")
+    q, k, v = (torch.randn(1, 2, 40, 8, generator=torch.Generator().manual_seed(i))
+               for i in range(3))
+
+    def attend(q, k, v, key):
+        return skyformer.attention(q, k, v, "skyformer", num_features=8, kernel="triton",
+                                   generator=key)
+
+    first, second = random_key(1), random_key(2)
+    traced = make_fx(attend)(q, k, v, first) if tracer == "make_fx" \
+        else torch.jit.trace(attend, (q, k, v, first), check_trace=False)
+    for key in (first, second):
+        torch.testing.assert_close(traced(q, k, v, key), attend(q, k, v, key))

@@ -1,10 +1,11 @@
 """Whether a method may look at tensor values to choose a branch or a shape.
 
 Eager code can read a value (``bool(mask.all())``, a block count) to skip work or
-allocate less. ``torch.compile`` and ``torch.func`` transforms cannot: a compiled graph
-must not depend on the data, and a functorch-wrapped tensor (vmap, grad) has no single
-value. Methods ask ``may_read_values`` and take the data-independent path (a bound, an
-unconditional mask) when the answer is no; both paths give the same result.
+allocate less. ``torch.compile``, tracers and ``torch.func`` transforms cannot: a compiled
+or traced graph must not depend on the data, and a functorch-wrapped tensor (vmap,
+grad) has no single value. Methods ask ``may_read_values`` and take the
+data-independent path (a bound, an unconditional mask) when the answer is no; both
+paths give the same result.
 """
 
 from __future__ import annotations
@@ -14,8 +15,16 @@ from torch import Tensor
 
 
 def may_read_values(*tensors: Tensor) -> bool:
-    """False under ``torch.compile`` or when any tensor is wrapped by a ``torch.func``
-    transform."""
-    if torch.compiler.is_compiling():
+    """False under ``torch.compile``, ``torch.jit.trace`` and ``make_fx`` (proxy or fake
+    tensors: ``torch.export`` too), or when any tensor is wrapped by a ``torch.func``
+    transform. A tracer records operators only: a value read there would be baked into
+    the graph, and a raw Triton launch (the landmark draws) would not be recorded."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or _tracing_mode_active():
         return False
     return not any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+
+
+def _tracing_mode_active() -> bool:
+    """Whether a ``make_fx``-style tracer (proxy tensors) or fake tensors are active."""
+    keys = torch._C._TorchDispatchModeKey
+    return any(torch._C._get_dispatch_mode(key) is not None for key in (keys.PROXY, keys.FAKE))
