@@ -135,3 +135,31 @@ def test_vmap_and_compile_see_the_same_kernel():
                                                        kernel="triton"),
                               mat, torch.ones(mat.shape, dtype=torch.float64))
     torch.testing.assert_close(leaf.grad, grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fails", ["forward", "backward"])
+def test_a_failing_kernel_under_auto_warns_once_and_falls_back(monkeypatch, fails):
+    """Triton installed but unable to compile or launch the core (forward or backward):
+    "auto" warns, gives the PyTorch path's W and gradient, and stays on PyTorch."""
+    from skyformer.linalg import lemma3_triton, triton_ops
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of resources")
+
+    monkeypatch.setattr(lemma3_triton, "_fused_failed", False)
+    monkeypatch.setattr(lemma3_triton, "use_triton", lambda kernel, t: kernel != "torch")
+    monkeypatch.setattr(triton_ops, f"lemma3_{fails}", broken)
+    mat, live = _landmark_matrix(2, 2, 9, torch.float32, "cpu")
+    weights = torch.randn(mat.shape, dtype=torch.float64)
+    want = _value_and_grad(lambda t: lemma3_inverse(t, gamma=GAMMA, live=live, kernel="torch"),
+                           mat, weights)
+    with pytest.warns(RuntimeWarning, match="Lemma 3 kernel failed"):
+        got = _value_and_grad(lambda t: lemma3_inverse(t, gamma=GAMMA, live=live,
+                                                       kernel="auto"), mat, weights)
+    for a, e in zip(got, want, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+    assert lemma3_triton._fused_failed
+    assert not lemma3_triton.fused_lemma3_applies("auto", mat, "iterative", "identity", 6)
+    with pytest.raises(RuntimeError, match="out of resources"):  # "triton" insists
+        _value_and_grad(lambda t: lemma3_inverse(t, gamma=GAMMA, live=live, kernel="triton"),
+                        mat, weights)

@@ -62,7 +62,14 @@ def lemma3_inverse(
         # [B, 1, m]: broadcast over heads of m: [B, H, m, m]
         diag = torch.where(live[:, None, :], diag, torch.ones_like(diag))
     if fused_lemma3_applies(kernel, m, pinv, init, iterations):
-        return triton_lemma3_inverse(m, diag.reshape(-1, size), iterations)
+        return triton_lemma3_inverse(m, diag.reshape(-1, size), iterations, kernel=kernel)
+    return lemma3_by_pytorch(m, diag, pinv, iterations, init)
+
+
+def lemma3_by_pytorch(m: Tensor, diag: Tensor, pinv: PinvMethod, iterations: int,
+                      init: PinvInit) -> Tensor:
+    """``lemma3_inverse``'s PyTorch path, ``diag`` the ridge (broadcast against the
+    diagonal of ``m: [..., m, m]``)."""
     m = m + torch.diag_embed(diag)
     d_inv_sqrt = m.sum(dim=-1).clamp_min(torch.finfo(m.dtype).tiny).rsqrt()  # [..., m]
     a = d_inv_sqrt[..., :, None] * m * d_inv_sqrt[..., None, :]
