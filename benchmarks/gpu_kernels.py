@@ -13,8 +13,9 @@ and peak memory (``torch.cuda.max_memory_allocated``) of
 
 and the speed of light of each (matmul FLOPs of the method at the matmul rate measured
 in the same run, ``skyformer.eval.measure.flops``); then the m x m core alone: the
-Lemma 3 inverse forward + backward by the PyTorch path (about 110 launches) and by
-the one-launch Triton kernels (``linalg/triton_lemma3.py``), at each shape's B x H.
+landmark block and its Lemma 3 inverse, forward + backward, by the PyTorch path (about
+130 launches) and by the one-launch Triton kernels (``linalg/triton_lemma3.py``), at
+each shape's B x H.
 Writes JSON to ``--out``.
 
     python benchmarks/gpu_kernels.py --out benchmarks/results/gpu_kernels.json
@@ -101,19 +102,18 @@ def _matmul_rate() -> dict[str, float]:
 
 
 def _core_rows(batch: int, heads: int, m: int, repeats: int) -> list[dict]:
-    """Forward + backward of ``lemma3_inverse`` on a float32 Gaussian landmark matrix
-    ``[batch, heads, m, m]``, PyTorch path against the Triton kernels."""
-    from skyformer.linalg import gaussian_kernel_block, half_sq_norm, lemma3_inverse
+    """Forward + backward of ``landmark_inverse`` (C(X, X) and its Lemma 3 inverse) for
+    float32 landmark rows ``[batch, heads, m, 64]``, PyTorch path against the Triton
+    kernels."""
+    from skyformer.linalg import half_sq_norm, landmark_inverse
 
-    x = 0.5 * torch.randn(batch, heads, m, 64, device="cuda")
-    norm = half_sq_norm(x)
-    mat = gaussian_kernel_block(x, x, norm, norm).requires_grad_(True)
-    grad = torch.randn_like(mat)
+    x = (0.15 * torch.randn(batch, heads, m, 64, device="cuda")).requires_grad_(True)
+    grad = torch.randn(batch, heads, m, m, device="cuda")
 
     def run(kernel):
         def step():
-            mat.grad = None
-            lemma3_inverse(mat, gamma=0.1, kernel=kernel).backward(grad)
+            x.grad = None
+            landmark_inverse(x, half_sq_norm(x), gamma=0.1, kernel=kernel).backward(grad)
         return step
 
     calls = {f"core/{kernel}": run(kernel) for kernel in ("torch", "triton")}

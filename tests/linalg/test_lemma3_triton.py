@@ -13,7 +13,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from skyformer.linalg import gaussian_kernel_block, half_sq_norm, lemma3_inverse
+from skyformer.linalg import (
+    gaussian_kernel_block,
+    half_sq_norm,
+    landmark_inverse,
+    lemma3_inverse,
+)
 from skyformer.linalg.kernel_backend import interpreter_on
 from skyformer.ops.shared.nystrom_naive import naive_lemma3_inverse
 from tests.devices import devices, relative_error
@@ -83,6 +88,58 @@ def test_fused_lemma3_equals_the_equations(device, dtype, case, iterations):
     tolerance = 1e-10 if dtype == torch.float64 else 2e-4
     assert relative_error(w, w_ref) < tolerance
     assert relative_error(_live_block(grad, live), _live_block(grad_ref, live)) < tolerance
+
+
+def _rows(b, h, m, d, dtype, device, seed=0):
+    """Scaled landmark rows [B, H, m, D] and live slots [B, m] (one always live)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = 1.2 / d**0.5 * torch.randn(b, h, m, d, generator=gen, dtype=torch.float64)
+    live = torch.rand(b, m, generator=gen) > 0.25  # |x_i - x_j|^2 ~ 3: entries ~ 0.2
+    live[:, 0] = True
+    return x.to(device, dtype), live.to(device)
+
+
+def _inverse_of_rows(x, live, kernel, iterations=6):
+    norm = torch.where(live[:, None, :], half_sq_norm(x),
+                       torch.tensor(float("inf"), dtype=x.dtype, device=x.device))
+    return landmark_inverse(x, norm, gamma=GAMMA, iterations=iterations, live=live,
+                            kernel=kernel)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", [(1, 1, 1, 16), (2, 3, 5, 8), (1, 2, 37, 64),
+                                  (1, 1, 128, 128)])
+def test_fused_landmark_inverse_equals_the_equations(device, dtype, case):
+    """From the landmark rows: the kernel forms C(X, X) too; W and the gradient of X
+    (through the block and the norms) as the equations give them."""
+    if device == "cuda" and dtype == torch.float64:
+        pytest.skip("float64 takes the PyTorch path on CUDA (lemma3_triton)")
+    x, live = _rows(*case, dtype, device)
+    weights = torch.randn(*case[:2], case[2], case[2], dtype=torch.float64,
+                          generator=torch.Generator().manual_seed(1))
+    w, grad = _value_and_grad(lambda t: _inverse_of_rows(t, live, "triton"), x, weights)
+
+    def reference(t):
+        t, lv = t.double().cpu(), live.cpu()
+        norm = torch.where(lv[:, None, :], half_sq_norm(t), torch.tensor(float("inf")).double())
+        return _reference(gaussian_kernel_block(t, t, norm, norm), lv, 6)
+
+    w_ref, grad_ref = _value_and_grad(reference, x.double().cpu(), weights)
+    tolerance = 1e-10 if dtype == torch.float64 else 2e-4
+    assert relative_error(w, w_ref) < tolerance
+    assert relative_error(grad, grad_ref) < tolerance
+
+
+def test_rows_take_the_kernel_with_the_products():
+    x, live = _rows(2, 2, 9, 8, torch.float32, "cpu")
+    with _Calls() as calls:
+        _inverse_of_rows(x, live, "triton")
+    assert "skyformer::lemma3_inverse_forward" in calls.names
+    assert "aten::exp" not in calls.names  # C(X, X) formed in the kernel
+    with _Calls() as calls:
+        _inverse_of_rows(x, live, "torch")
+    assert "skyformer::lemma3_inverse_forward" not in calls.names
 
 
 class _Calls(TorchDispatchMode):
@@ -159,7 +216,7 @@ def test_a_failing_kernel_under_auto_warns_once_and_falls_back(monkeypatch, fail
     for a, e in zip(got, want, strict=True):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
     assert lemma3_triton._fused_failed
-    assert not lemma3_triton.fused_lemma3_applies("auto", mat, "iterative", "identity", 6)
+    assert not lemma3_triton.fused_lemma3_applies("auto", mat, 9, "iterative", "identity", 6)
     with pytest.raises(RuntimeError, match="out of resources"):  # "triton" insists
         _value_and_grad(lambda t: lemma3_inverse(t, gamma=GAMMA, live=live, kernel="triton"),
                         mat, weights)

@@ -5,7 +5,7 @@ whole-row gathers."""
 from .kernel_backend import KERNELS
 from .kernel_matmul import gaussian_kernel_matmul
 from .kernels import gaussian_exponent, gaussian_kernel_block, half_sq_norm
-from .nystrom import PINV_METHODS, lemma3_inverse
+from .nystrom import PINV_METHODS, landmark_inverse, lemma3_inverse
 from .pinv import PINV_INITS, initial_inverse, inverse_residual, iterative_pinv
 from .rows import gather_rows
 from .scores import gaussian_scores, kernel_scale, softmax_scores
@@ -26,6 +26,7 @@ __all__ = [
     "inverse_residual",
     "iterative_pinv",
     "kernel_scale",
+    "landmark_inverse",
     "lemma3_inverse",
     "softmax_scores",
     "top_singular_subspace",

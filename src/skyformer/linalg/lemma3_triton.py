@@ -1,9 +1,10 @@
-"""The Triton path of ``lemma3_inverse``: the whole Lemma 3 chain in one launch.
+"""The Triton path of ``lemma3_inverse`` and ``landmark_inverse``: the whole Lemma 3
+chain in one launch (from the landmark rows: the kernel block C(X, X) too).
 
-``lemma3_inverse(..., kernel=...)`` takes it where the method's products take Triton
-(``kernel_backend.use_triton``) and the kernel covers the call: the iterative inverse
-from the identity (the Lemma 3 default), at least one iteration, m <= ``MAX_M``, and
-float32 (float64 under Triton's interpreter, for the tests). Elsewhere the PyTorch
+They take it where the method's products take Triton (``kernel_backend.use_triton``)
+and the kernel covers the call: the iterative inverse from the identity (the Lemma 3
+default), at least one iteration, m <= ``MAX_M`` (and head dim <= ``MAX_M`` from
+rows), float32 (float64 under Triton's interpreter, for the tests). Elsewhere the PyTorch
 path runs; both give the same W up to rounding. Under ``"auto"`` it is an eager choice
 (``torch.compile`` fuses the PyTorch path itself, tracers record its operators), and a
 kernel that fails to compile or launch, forward or backward, warns once and hands the
@@ -27,20 +28,21 @@ MAX_M = 128  # a 128 x 128 float32 matrix per program, in registers (triton_lemm
 _fused_failed = False  # set when a kernel under "auto" failed (no compiler, resources)
 
 
-def fused_lemma3_applies(kernel: str, mat: Tensor, pinv: str, init: str,
+def fused_lemma3_applies(kernel: str, source: Tensor, size: int, pinv: str, init: str,
                          iterations: int) -> bool:
-    """Whether ``lemma3_inverse`` of ``mat: [..., m, m]`` runs as the Triton kernels."""
+    """Whether the Lemma 3 inverse of ``size`` landmarks, given as ``source`` (their
+    matrix ``[..., m, m]`` or rows ``[..., m, D]``), runs as the Triton kernels."""
     if pinv != "iterative" or init != "identity" or iterations < 1 \
-            or mat.shape[-1] > MAX_M or mat.numel() == 0:
+            or max(size, source.shape[-1]) > MAX_M or source.numel() == 0:
         return False
-    if not use_triton(kernel, mat):
+    if not use_triton(kernel, source):
         return False
     from ..ops.shared.tracing import may_read_values  # the ops package imports linalg
 
-    if kernel == "auto" and (_fused_failed or not may_read_values(mat)):
+    if kernel == "auto" and (_fused_failed or not may_read_values(source)):
         return False
-    return mat.dtype == torch.float32 or (mat.dtype == torch.float64 and not mat.is_cuda
-                                          and interpreter_on())
+    return source.dtype == torch.float32 or (source.dtype == torch.float64
+                                             and not source.is_cuda and interpreter_on())
 
 
 def _ops():
@@ -49,57 +51,75 @@ def _ops():
     return triton_ops
 
 
+def _flat(t: Tensor | None, trailing: int) -> Tensor:
+    """``t`` as a contiguous ``[BH, ...]`` (its last ``trailing`` dims kept); an empty
+    tensor for an absent one (the operators take tensors)."""
+    if t is None:
+        return torch.empty(0)
+    return t.reshape(-1, *t.shape[t.dim() - trailing:]).contiguous()
+
+
 class TritonLemma3Inverse(torch.autograd.Function):
-    """W = Lemma 3 inverse of ``mat: [..., m, m]`` with ridge ``[R, m]`` (the diagonal
-    of the matrices of leading index b, R dividing the number of matrices)."""
+    """W = Lemma 3 inverse of the landmark matrix ``source: [..., m, m]`` (``norm``
+    None) or of C(X, X) for landmark rows ``source: [..., m, D]`` with half squared
+    norms ``norm: [..., m]``; ridge ``[R, m]`` (the diagonal of the matrices of leading
+    index b, R dividing the number of matrices)."""
 
     @staticmethod
-    def forward(mat: Tensor, ridge: Tensor, iterations: int,  # type: ignore[override]
-                auto: bool) -> tuple[Tensor, Tensor]:
-        m = mat.shape[-1]
-        w, store = _ops().lemma3_forward(mat.reshape(-1, m, m).contiguous(),
+    def forward(source: Tensor, norm: Tensor | None, ridge: Tensor,  # type: ignore[override]
+                iterations: int, auto: bool) -> tuple[Tensor, Tensor]:
+        m = source.shape[-2]
+        w, store = _ops().lemma3_forward(_flat(source, 2), _flat(norm, 1).to(source),
                                          ridge.contiguous(), iterations)
-        return w.reshape(mat.shape), store
+        return w.reshape(*source.shape[:-2], m, m), store
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        mat, ridge, iterations, auto = inputs
+        source, norm, ridge, iterations, auto = inputs
         _, store = output
         ctx.mark_non_differentiable(store)
-        ctx.save_for_backward(mat, ridge, store)
+        ctx.save_for_backward(source, norm, ridge, store)
         ctx.iterations, ctx.auto = iterations, auto
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple, *args: Any) -> tuple[tuple, tuple]:
         return vmap_into_batch(TritonLemma3Inverse.apply, info, in_dims, args,
-                               tensors=(0, 1), outputs=2)
+                               tensors=(0, 1, 2), outputs=2)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad: Tensor, _: Any) -> tuple[Tensor | None, None, None, None]:
-        mat, ridge, store = ctx.saved_tensors
-        m = mat.shape[-1]
+    def backward(ctx: Any, grad: Tensor, _: Any
+                 ) -> tuple[Tensor | None, Tensor | None, None, None, None]:
+        source, norm, ridge, store = ctx.saved_tensors
+        m = source.shape[-2]
 
-        def launch() -> Tensor:
-            return _ops().lemma3_backward(mat.reshape(-1, m, m).contiguous(),
-                                          ridge.contiguous(), store,
-                                          grad.reshape(-1, m, m).contiguous())
+        def launch() -> tuple[Tensor, Tensor | None]:
+            dsource, dnorm = _ops().lemma3_backward(
+                _flat(source, 2), _flat(norm, 1).to(source), ridge.contiguous(), store,
+                grad.reshape(-1, m, m).contiguous())
+            return dsource, (dnorm if norm is not None else None)
 
-        def by_pytorch() -> Tensor:
+        def by_pytorch() -> tuple[Tensor, Tensor | None]:
             with torch.enable_grad():
-                leaf = mat.detach().requires_grad_(True)
-                (dm,) = torch.autograd.grad(_by_pytorch(leaf, ridge, ctx.iterations), leaf,
-                                            grad)
-            return dm
+                leaves = [t.detach().requires_grad_(True) for t in (source, norm)
+                          if t is not None]
+                w = _by_pytorch(leaves[0], leaves[1] if norm is not None else None, ridge,
+                                ctx.iterations)
+                grads = torch.autograd.grad(w, leaves, grad)
+            return grads[0], (grads[1] if norm is not None else None)
 
-        dm = _launch_or_fall_back(ctx.auto, launch, by_pytorch)
-        return dm.reshape(mat.shape), None, None, None
+        dsource, dnorm = _launch_or_fall_back(ctx.auto, launch, by_pytorch)
+        return (dsource.reshape(source.shape),
+                None if dnorm is None else dnorm.reshape(norm.shape), None, None, None)
 
 
-def _by_pytorch(mat: Tensor, ridge: Tensor, iterations: int) -> Tensor:
+def _by_pytorch(source: Tensor, norm: Tensor | None, ridge: Tensor, iterations: int
+                ) -> Tensor:
     """The same W by ``nystrom.lemma3_by_pytorch`` (differentiable by autograd)."""
+    from .kernels import gaussian_kernel_block
     from .nystrom import lemma3_by_pytorch  # nystrom imports this module
 
+    mat = source if norm is None else gaussian_kernel_block(source, source, norm, norm)
     m = mat.shape[-1]
     flat = mat.reshape(-1, m, m)
     diag = ridge.repeat_interleave(flat.shape[0] // ridge.shape[0], dim=0)  # [BH, m]
@@ -107,7 +127,7 @@ def _by_pytorch(mat: Tensor, ridge: Tensor, iterations: int) -> Tensor:
         mat.shape)
 
 
-def _launch_or_fall_back(auto: bool, launch: Any, fallback: Any) -> Tensor:
+def _launch_or_fall_back(auto: bool, launch: Any, fallback: Any) -> Any:
     """``launch()``; under ``"auto"`` a failure warns once and takes ``fallback()``."""
     global _fused_failed
     if not auto:
@@ -124,11 +144,11 @@ def _launch_or_fall_back(auto: bool, launch: Any, fallback: Any) -> Tensor:
         return fallback()
 
 
-def triton_lemma3_inverse(mat: Tensor, ridge: Tensor, iterations: int, *,
-                          kernel: str = "triton") -> Tensor:
-    """W for ``mat: [..., m, m]``, ``ridge: [R, m]`` (see ``TritonLemma3Inverse``);
-    ``kernel="auto"`` falls back to PyTorch where the kernel fails."""
+def triton_lemma3_inverse(source: Tensor, norm: Tensor | None, ridge: Tensor,
+                          iterations: int, *, kernel: str = "triton") -> Tensor:
+    """W (see ``TritonLemma3Inverse``); ``kernel="auto"`` falls back to PyTorch where
+    the kernel fails."""
     auto = kernel == "auto"
     return _launch_or_fall_back(
-        auto, lambda: TritonLemma3Inverse.apply(mat, ridge, iterations, auto)[0],
-        lambda: _by_pytorch(mat, ridge, iterations))
+        auto, lambda: TritonLemma3Inverse.apply(source, norm, ridge, iterations, auto)[0],
+        lambda: _by_pytorch(source, norm, ridge, iterations))

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from .flush import flush_on_cpu
+from .kernels import gaussian_kernel_block
 from .lemma3_triton import fused_lemma3_applies, triton_lemma3_inverse
 from .pinv import PinvInit, iterative_pinv
 
@@ -57,13 +58,46 @@ def lemma3_inverse(
         ``[..., m, m]``.
     """
     size = m.shape[-1]
-    diag = torch.full((size,), float(gamma), dtype=m.dtype, device=m.device)
-    if live is not None:
-        # [B, 1, m]: broadcast over heads of m: [B, H, m, m]
-        diag = torch.where(live[:, None, :], diag, torch.ones_like(diag))
-    if fused_lemma3_applies(kernel, m, pinv, init, iterations):
-        return triton_lemma3_inverse(m, diag.reshape(-1, size), iterations, kernel=kernel)
+    diag = _ridge(gamma, live, size, m)
+    if fused_lemma3_applies(kernel, m, size, pinv, init, iterations):
+        return triton_lemma3_inverse(m, None, diag.reshape(-1, size), iterations,
+                                     kernel=kernel)
     return lemma3_by_pytorch(m, diag, pinv, iterations, init)
+
+
+def landmark_inverse(
+    x: Tensor,
+    x_norm: Tensor,
+    *,
+    gamma: float,
+    pinv: PinvMethod = "iterative",
+    iterations: int = 6,
+    init: PinvInit = "identity",
+    live: Tensor | None = None,
+    kernel: str = "torch",
+) -> Tensor:
+    """``lemma3_inverse`` of M = C(X, X), the Gaussian block of the landmark rows
+    ``x: [..., m, D]`` (already scaled) with half squared norms ``x_norm: [..., m]``
+    (+inf for slots that hold no landmark). On the Triton path one launch forms M and
+    runs the whole chain (``lemma3_triton``); options as ``lemma3_inverse``.
+    Returns ``[..., m, m]``."""
+    size = x.shape[-2]
+    if fused_lemma3_applies(kernel, x, size, pinv, init, iterations):
+        ridge = _ridge(gamma, live, size, x)
+        return triton_lemma3_inverse(x, x_norm, ridge.reshape(-1, size), iterations,
+                                     kernel=kernel)
+    return lemma3_inverse(gaussian_kernel_block(x, x, x_norm, x_norm), gamma=gamma,
+                          pinv=pinv, iterations=iterations, init=init, live=live,
+                          kernel=kernel)
+
+
+def _ridge(gamma: float, live: Tensor | None, size: int, like: Tensor) -> Tensor:
+    """The diagonal added to M: gamma, 1 on dead slots; ``[m]`` or ``[B, 1, m]`` (for
+    ``live: [B, m]``, broadcast over the heads of ``[B, H, m, m]``)."""
+    diag = torch.full((size,), float(gamma), dtype=like.dtype, device=like.device)
+    if live is not None:
+        diag = torch.where(live[:, None, :], diag, torch.ones_like(diag))
+    return diag
 
 
 def lemma3_by_pytorch(m: Tensor, diag: Tensor, pinv: PinvMethod, iterations: int,

@@ -12,6 +12,10 @@ operations on this forward and seventy backward, each a kernel launch at m = 128
 does almost no work on a GPU; here the whole chain is one launch forward and one
 backward, every matrix of a program held in registers (m <= ``MAX_M``).
 
+Given the landmark rows X (scaled) and their half squared norms n instead of M
+(``FROM_ROWS``), the kernel forms M_ij = exp(x_i . x_j - n_i - n_j) itself and the
+backward kernel returns, with dE = dM * M, dX = (dE + dE^T) X and dn = -(dE 1 + dE^T 1).
+
 The forward kernel writes V_1 ... V_K (``store``, ``[BH, K, m, m]``); the backward
 kernel rebuilds P, T1, T2, T3 of each step from its V and runs the adjoint of
 ``pinv._RazaviIteration`` step by step, then the adjoints of the normalisation:
@@ -39,12 +43,31 @@ MAX_M = 128
 
 
 @triton.jit
-def _normalise(M, DIAG, bh, heads, m, TINY: tl.constexpr, BLOCK: tl.constexpr):
-    """(M_r, s = d^-1/2, A, I) of one matrix; rows and columns past m are zero."""
+def _landmark_matrix(M, X, XN, bh, m, D, FROM_ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                     BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    """(M, X) of one matrix: M loaded, or (``FROM_ROWS``) the Gaussian block
+    exp(x_i . x_j - n_i - n_j) of the landmark rows X (n = +inf: a dead slot)."""
     r = tl.arange(0, BLOCK)
     inside = r < m
-    mat = tl.load(M + bh * m * m + r[:, None] * m + r[None, :],
-                  mask=inside[:, None] & inside[None, :], other=0.0)
+    if FROM_ROWS:
+        rd = tl.arange(0, BLOCK_D)
+        x = tl.load(X + bh * m * D + r[:, None] * D + rd[None, :],
+                    mask=inside[:, None] & (rd < D)[None, :], other=0.0)
+        n = tl.load(XN + bh * m + r, mask=inside, other=float("inf"))
+        e = _mm(x, tl.trans(x), PRECISION, False) - n[:, None] - n[None, :]
+        mat = tl.exp(e)
+    else:
+        x = tl.zeros([BLOCK, BLOCK_D], dtype=M.dtype.element_ty)
+        mat = tl.load(M + bh * m * m + r[:, None] * m + r[None, :],
+                      mask=inside[:, None] & inside[None, :], other=0.0)
+    return mat, x
+
+
+@triton.jit
+def _normalise(mat, DIAG, bh, heads, m, TINY: tl.constexpr, BLOCK: tl.constexpr):
+    """(M_r, s = d^-1/2, A, I) of one matrix M; rows and columns past m are zero."""
+    r = tl.arange(0, BLOCK)
+    inside = r < m
     eye = tl.where((r[:, None] == r[None, :]) & inside[:, None], 1.0, 0.0).to(mat.dtype)
     ridge = tl.load(DIAG + (bh // heads) * m + r, mask=inside, other=0.0).to(mat.dtype)
     mat = mat + eye * ridge[None, :]
@@ -55,14 +78,16 @@ def _normalise(M, DIAG, bh, heads, m, TINY: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _forward_kernel(M, DIAG, W, STORE, m, heads, ITERATIONS: tl.constexpr,
-                    TINY: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+def _forward_kernel(M, X, XN, DIAG, W, STORE, m, D, heads, ITERATIONS: tl.constexpr,
+                    FROM_ROWS: tl.constexpr, TINY: tl.constexpr, BLOCK: tl.constexpr,
+                    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     bh = tl.program_id(0).to(tl.int64)
     r = tl.arange(0, BLOCK)
     inside = r < m
     mask = inside[:, None] & inside[None, :]
     offsets = r[:, None] * m + r[None, :]
-    _, s, a, eye = _normalise(M, DIAG, bh, heads, m, TINY, BLOCK)
+    mat, _ = _landmark_matrix(M, X, XN, bh, m, D, FROM_ROWS, BLOCK, BLOCK_D, PRECISION)
+    _, s, a, eye = _normalise(mat, DIAG, bh, heads, m, TINY, BLOCK)
     # step 1 from V_0 = I: P = A, V_1 = T3 / 4
     t1 = 7.0 * eye - a
     t2 = 15.0 * eye - _mm(a, t1, PRECISION, False)
@@ -79,14 +104,17 @@ def _forward_kernel(M, DIAG, W, STORE, m, heads, ITERATIONS: tl.constexpr,
 
 
 @triton.jit
-def _backward_kernel(M, DIAG, STORE, G, DM, m, heads, ITERATIONS: tl.constexpr,
-                     TINY: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+def _backward_kernel(M, X, XN, DIAG, STORE, G, DM, DX, DXN, m, D, heads,
+                     ITERATIONS: tl.constexpr, FROM_ROWS: tl.constexpr, TINY: tl.constexpr,
+                     BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     bh = tl.program_id(0).to(tl.int64)
     r = tl.arange(0, BLOCK)
     inside = r < m
     mask = inside[:, None] & inside[None, :]
     offsets = r[:, None] * m + r[None, :]
-    mat, s, a, eye = _normalise(M, DIAG, bh, heads, m, TINY, BLOCK)
+    kernel_block, x = _landmark_matrix(M, X, XN, bh, m, D, FROM_ROWS, BLOCK, BLOCK_D,
+                                       PRECISION)
+    mat, s, a, eye = _normalise(kernel_block, DIAG, bh, heads, m, TINY, BLOCK)
     a_t = tl.trans(a)
     grad = tl.load(G + bh * m * m + offsets, mask=mask, other=0.0)
     v_last = tl.load(STORE + (bh * ITERATIONS + ITERATIONS - 1) * m * m + offsets,
@@ -124,7 +152,15 @@ def _backward_kernel(M, DIAG, STORE, G, DM, m, heads, ITERATIONS: tl.constexpr,
     d = tl.sum(mat, axis=1)
     dd = tl.where(inside & (d > TINY), -0.5 * ds * s * s * s, 0.0)
     dm = s[:, None] * da * s[None, :] + dd[:, None]
-    tl.store(DM + bh * m * m + offsets, dm, mask=mask)
+    if FROM_ROWS:  # E_ij = x_i . x_j - n_i - n_j, dE = dM * M
+        de = dm * kernel_block
+        rd = tl.arange(0, BLOCK_D)
+        dx = _mm(de + tl.trans(de), x, PRECISION, False)
+        tl.store(DX + bh * m * D + r[:, None] * D + rd[None, :], dx,
+                 mask=inside[:, None] & (rd < D)[None, :])
+        tl.store(DXN + bh * m + r, -(tl.sum(de, axis=1) + tl.sum(de, axis=0)), mask=inside)
+    else:
+        tl.store(DM + bh * m * m + offsets, dm, mask=mask)
 
 
 def _launch_options(m: int) -> tuple[int, int]:
@@ -134,28 +170,42 @@ def _launch_options(m: int) -> tuple[int, int]:
     return block, (8 if block >= 128 else 4)
 
 
-def lemma3_forward(mat: Tensor, ridge: Tensor, iterations: int) -> tuple[Tensor, Tensor]:
-    """(W ``[BH, m, m]``, store ``[BH, iterations, m, m]``) for ``mat: [BH, m, m]`` and
-    ``ridge: [B, m]`` (the diagonal added to the matrices of batch element BH // B)."""
-    bh, m, _ = mat.shape
+def lemma3_forward(source: Tensor, norm: Tensor | None, ridge: Tensor, iterations: int
+                   ) -> tuple[Tensor, Tensor]:
+    """(W ``[BH, m, m]``, store ``[BH, iterations, m, m]``) for ``ridge: [R, m]`` (the
+    diagonal added to the matrices of batch element bh // (BH / R)) and either the
+    landmark matrix ``source: [BH, m, m]`` (``norm`` None) or the landmark rows
+    ``source: [BH, m, D]`` with their half squared norms ``norm: [BH, m]``."""
+    bh, m = source.shape[:2]
+    d = source.shape[2] if norm is not None else 1
     block, warps = _launch_options(m)
-    w = torch.empty_like(mat)
-    store = mat.new_empty(bh, iterations, m, m)
+    w = source.new_empty(bh, m, m)
+    store = source.new_empty(bh, iterations, m, m)
     _forward_kernel[(bh,)](
-        mat, ridge, w, store, m, bh // ridge.shape[0], ITERATIONS=iterations,
-        TINY=torch.finfo(mat.dtype).tiny, BLOCK=block, PRECISION=_precision(mat.dtype),
-        num_warps=warps)
+        source, source, source if norm is None else norm, ridge, w, store, m, d,
+        bh // ridge.shape[0], ITERATIONS=iterations, FROM_ROWS=norm is not None,
+        TINY=torch.finfo(source.dtype).tiny, BLOCK=block, BLOCK_D=_block_d(d),
+        PRECISION=_precision(source.dtype), num_warps=warps)
     return w, store
 
 
-def lemma3_backward(mat: Tensor, ridge: Tensor, store: Tensor, grad: Tensor) -> Tensor:
-    """dM ``[BH, m, m]`` for the incoming gradient ``grad`` of W; tensors as
-    ``lemma3_forward`` returned and took them."""
-    bh, m, _ = mat.shape
+def lemma3_backward(source: Tensor, norm: Tensor | None, ridge: Tensor, store: Tensor,
+                    grad: Tensor) -> tuple[Tensor, Tensor | None]:
+    """The gradients of ``lemma3_forward``'s inputs for the incoming gradient ``grad``
+    of W: (dM, None) for a landmark matrix, (dX, dnorm) for landmark rows."""
+    bh, m = source.shape[:2]
+    d = source.shape[2] if norm is not None else 1
     block, warps = _launch_options(m)
-    dm = torch.empty_like(mat)
+    dsource = torch.empty_like(source)
+    dnorm = None if norm is None else torch.empty_like(norm)
     _backward_kernel[(bh,)](
-        mat, ridge, store, grad, dm, m, bh // ridge.shape[0], ITERATIONS=store.shape[1],
-        TINY=torch.finfo(mat.dtype).tiny, BLOCK=block, PRECISION=_precision(mat.dtype),
-        num_warps=warps)
-    return dm
+        source, source, source if norm is None else norm, ridge, store, grad, dsource,
+        dsource, dsource if dnorm is None else dnorm, m, d, bh // ridge.shape[0],
+        ITERATIONS=store.shape[1], FROM_ROWS=norm is not None,
+        TINY=torch.finfo(source.dtype).tiny, BLOCK=block, BLOCK_D=_block_d(d),
+        PRECISION=_precision(source.dtype), num_warps=warps)
+    return dsource, dnorm
+
+
+def _block_d(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))

@@ -63,27 +63,32 @@ def _(y, x, a, b, vn, vm, exclude, write_out1):
 
 
 @torch.library.custom_op("skyformer::lemma3_inverse_forward", mutates_args=())
-def lemma3_forward(mat: Tensor, ridge: Tensor, iterations: int) -> tuple[Tensor, Tensor]:
-    """``triton_lemma3.lemma3_forward``: (W, the iterates for the backward pass)."""
+def lemma3_forward(source: Tensor, norm: Tensor, ridge: Tensor, iterations: int
+                   ) -> tuple[Tensor, Tensor]:
+    """``triton_lemma3.lemma3_forward`` (``norm`` empty: ``source`` is the matrix):
+    (W, the iterates for the backward pass)."""
     from . import triton_lemma3
 
-    return triton_lemma3.lemma3_forward(mat, ridge, iterations)
+    return triton_lemma3.lemma3_forward(source, _opt(norm), ridge, iterations)
 
 
 @lemma3_forward.register_fake
-def _(mat, ridge, iterations):
-    bh, m, _ = mat.shape
-    return mat.new_empty(bh, m, m), mat.new_empty(bh, iterations, m, m)
+def _(source, norm, ridge, iterations):
+    bh, m = source.shape[:2]
+    return source.new_empty(bh, m, m), source.new_empty(bh, iterations, m, m)
 
 
 @torch.library.custom_op("skyformer::lemma3_inverse_backward", mutates_args=())
-def lemma3_backward(mat: Tensor, ridge: Tensor, store: Tensor, grad: Tensor) -> Tensor:
-    """``triton_lemma3.lemma3_backward``: the gradient of the landmark matrix."""
+def lemma3_backward(source: Tensor, norm: Tensor, ridge: Tensor, store: Tensor,
+                    grad: Tensor) -> tuple[Tensor, Tensor]:
+    """``triton_lemma3.lemma3_backward``: the gradients of the source and the norms
+    (empty for a matrix)."""
     from . import triton_lemma3
 
-    return triton_lemma3.lemma3_backward(mat, ridge, store, grad)
+    dsource, dnorm = triton_lemma3.lemma3_backward(source, _opt(norm), ridge, store, grad)
+    return dsource, _or_empty(dnorm, source)
 
 
 @lemma3_backward.register_fake
-def _(mat, ridge, store, grad):
-    return torch.empty_like(mat)
+def _(source, norm, ridge, store, grad):
+    return torch.empty_like(source), torch.empty_like(norm)

@@ -25,7 +25,7 @@ from ...linalg import (
     gather_rows,
     gaussian_kernel_block,
     half_sq_norm,
-    lemma3_inverse,
+    landmark_inverse,
 )
 from ...sketch import Landmarks, uniform_landmarks
 from .inputs import AttentionInputs, compute_dtype
@@ -139,8 +139,8 @@ def core_from_rows(x: Tensor, options: NystromOptions, landmarks: Landmarks) -> 
         landmarks.live[:, None, :], half_sq_norm(x),
         torch.tensor(float("inf"), dtype=x.dtype, device=x.device),
     )  # [B, H, m]
-    w = lemma3_inverse(
-        gaussian_kernel_block(x, x, x_norm, x_norm),  # [B, H, m, m]
+    w = landmark_inverse(  # of C(X_S, X_S): [B, H, m, m]
+        x, x_norm,
         gamma=options.gamma,
         pinv=options.pinv,  # type: ignore[arg-type]
         iterations=options.pinv_iterations,

@@ -31,7 +31,7 @@ from ...linalg import (
     gaussian_kernel_matmul,
     half_sq_norm,
     kernel_scale,
-    lemma3_inverse,
+    landmark_inverse,
 )
 from ...registry import Capabilities, register
 from ...sketch.kmeans import kmeans_clusters
@@ -131,10 +131,9 @@ def nystrom_with_landmarks(
     inf = torch.tensor(float("inf"), dtype=q_hat.dtype, device=q_hat.device)
     x = landmarks.points
     x_norm = torch.where(landmarks.live, half_sq_norm(x), inf)  # dead landmarks -> zero columns
-    core = gaussian_kernel_block(x, x, x_norm, x_norm)  # [B, H, m, m]
-    b, h, m, _ = core.shape
-    w = lemma3_inverse(
-        core.reshape(b * h, 1, m, m), gamma=options.gamma,
+    b, h, m, _ = x.shape
+    w = landmark_inverse(  # of C(X, X): [B, H, m, m]
+        x.reshape(b * h, 1, m, -1), x_norm.reshape(b * h, 1, m), gamma=options.gamma,
         pinv=options.pinv,  # type: ignore[arg-type]
         iterations=options.pinv_iterations, init=options.pinv_init,  # type: ignore[arg-type]
         live=landmarks.live.reshape(b * h, m), kernel=options.kernel,
