@@ -203,7 +203,7 @@ def test_a_failing_kernel_under_auto_warns_once_and_falls_back(monkeypatch, fail
     def broken(*args, **kwargs):
         raise RuntimeError("out of resources")
 
-    monkeypatch.setattr(lemma3_triton, "_fused_failed", False)
+    monkeypatch.setattr(lemma3_triton.CORE_FALLBACK, "failed", False)
     monkeypatch.setattr(lemma3_triton, "use_triton", lambda kernel, t: kernel != "torch")
     monkeypatch.setattr(triton_ops, f"lemma3_{fails}", broken)
     mat, live = _landmark_matrix(2, 2, 9, torch.float32, "cpu")
@@ -215,7 +215,7 @@ def test_a_failing_kernel_under_auto_warns_once_and_falls_back(monkeypatch, fail
                                                        kernel="auto"), mat, weights)
     for a, e in zip(got, want, strict=True):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
-    assert lemma3_triton._fused_failed
+    assert lemma3_triton.CORE_FALLBACK.failed
     assert not lemma3_triton.fused_lemma3_applies("auto", mat, 9, "iterative", "identity", 6)
     with pytest.raises(RuntimeError, match="out of resources"):  # "triton" insists
         _value_and_grad(lambda t: lemma3_inverse(t, gamma=GAMMA, live=live, kernel="triton"),

@@ -92,7 +92,7 @@ def test_a_key_per_batch_element_takes_the_pytorch_path():
 
 
 def test_a_failed_launch_under_auto_warns_once_and_draws_the_same_keys(monkeypatch):
-    monkeypatch.setattr(lm, "_triton_draw_failed", False)
+    monkeypatch.setattr(lm.DRAW_FALLBACK, "failed", False)
 
     def broken():
         raise RuntimeError("no C compiler")
@@ -102,7 +102,7 @@ def test_a_failed_launch_under_auto_warns_once_and_draws_the_same_keys(monkeypat
         got = lm.launch_or_fall_back(
             "auto", broken,
             lambda: lm.stream_selection_keys(KEYS[0], lm.KEY_STREAM, None, 2, 30, draw="torch"))
-    assert torch.equal(got, want) and lm._triton_draw_failed
+    assert torch.equal(got, want) and lm.DRAW_FALLBACK.failed
     with pytest.raises(RuntimeError, match="no C compiler"):  # "triton" insists
         lm.launch_or_fall_back("triton", broken, lambda: want)
 

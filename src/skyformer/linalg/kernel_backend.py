@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
+from collections.abc import Callable
 from functools import cache
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -61,3 +64,25 @@ def use_triton(kernel: str, y: Tensor) -> bool:
         raise RuntimeError(f'kernel="triton" computes in float32 or float64, got {y.dtype}; '
                            "the attention methods convert half types to float32 first.")
     return True
+
+
+class KernelFallback:
+    """The ``"auto"`` safety net of one Triton kernel: ``run`` launches it and, under
+    ``"auto"``, a failure (Triton installed but unable to compile or launch here: no C
+    compiler, an old GPU, too few registers) warns once and takes the PyTorch path;
+    ``failed`` then stays True so that later calls skip the kernel. ``"triton"``
+    insists: its failures propagate."""
+
+    def __init__(self, name: str, instead: str) -> None:
+        self.name, self.instead, self.failed = name, instead, False
+
+    def run(self, auto: bool, launch: Callable[[], Any], fallback: Callable[[], Any]) -> Any:
+        if not auto:
+            return launch()
+        try:
+            return launch()
+        except Exception as error:  # any compiler or driver error
+            self.failed = True
+            warnings.warn(f"the Triton {self.name} failed ({type(error).__name__}: {error}); "
+                          f"{self.instead} from now on.", RuntimeWarning, stacklevel=3)
+            return fallback()

@@ -21,11 +21,12 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .kernel_backend import interpreter_on, use_triton
+from .kernel_backend import KernelFallback, interpreter_on, use_triton
 from .vmap import vmap_into_batch
 
 MAX_M = 128  # a 128 x 128 float32 matrix per program, in registers (triton_lemma3)
-_fused_failed = False  # set when a kernel under "auto" failed (no compiler, resources)
+CORE_FALLBACK = KernelFallback(
+    "Lemma 3 kernel", "computing the core with PyTorch operations (the same W up to rounding)")
 
 
 def fused_lemma3_applies(kernel: str, source: Tensor, size: int, pinv: str, init: str,
@@ -39,7 +40,7 @@ def fused_lemma3_applies(kernel: str, source: Tensor, size: int, pinv: str, init
         return False
     from ..ops.shared.tracing import may_read_values  # the ops package imports linalg
 
-    if kernel == "auto" and (_fused_failed or not may_read_values(source)):
+    if kernel == "auto" and (CORE_FALLBACK.failed or not may_read_values(source)):
         return False
     return source.dtype == torch.float32 or (source.dtype == torch.float64
                                              and not source.is_cuda and interpreter_on())
@@ -108,7 +109,7 @@ class TritonLemma3Inverse(torch.autograd.Function):
                 grads = torch.autograd.grad(w, leaves, grad)
             return grads[0], (grads[1] if norm is not None else None)
 
-        dsource, dnorm = _launch_or_fall_back(ctx.auto, launch, by_pytorch)
+        dsource, dnorm = CORE_FALLBACK.run(ctx.auto, launch, by_pytorch)
         return (dsource.reshape(source.shape),
                 None if dnorm is None else dnorm.reshape(norm.shape), None, None, None)
 
@@ -127,28 +128,11 @@ def _by_pytorch(source: Tensor, norm: Tensor | None, ridge: Tensor, iterations: 
         mat.shape)
 
 
-def _launch_or_fall_back(auto: bool, launch: Any, fallback: Any) -> Any:
-    """``launch()``; under ``"auto"`` a failure warns once and takes ``fallback()``."""
-    global _fused_failed
-    if not auto:
-        return launch()
-    try:
-        return launch()
-    except Exception as error:  # any compiler or driver error
-        import warnings
-
-        _fused_failed = True
-        warnings.warn(f"the Triton Lemma 3 kernel failed ({type(error).__name__}: {error}); "
-                      "computing the core with PyTorch operations from now on (the same W "
-                      "up to rounding).", RuntimeWarning, stacklevel=3)
-        return fallback()
-
-
 def triton_lemma3_inverse(source: Tensor, norm: Tensor | None, ridge: Tensor,
                           iterations: int, *, kernel: str = "triton") -> Tensor:
     """W (see ``TritonLemma3Inverse``); ``kernel="auto"`` falls back to PyTorch where
     the kernel fails."""
     auto = kernel == "auto"
-    return _launch_or_fall_back(
+    return CORE_FALLBACK.run(
         auto, lambda: TritonLemma3Inverse.apply(source, norm, ridge, iterations, auto)[0],
         lambda: _by_pytorch(source, norm, ridge, iterations))

@@ -29,10 +29,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..linalg.kernel_backend import KernelFallback
 from .rng import random_key, row_uniform, stream, valid_rank
 
 DRAWS = ("auto", "torch", "triton")
-_triton_draw_failed = False  # set when a launch under "auto" failed (no compiler, old GPU)
+DRAW_FALLBACK = KernelFallback(
+    "landmark draw", "drawing with PyTorch operations (the same landmarks)")
 
 QUERY_STREAM, KEY_STREAM = "landmarks/queries", "landmarks/keys"
 _SCORE_SCALE = 2**24  # float32 row_uniform scores are multiples of 2^-24: exact integers
@@ -94,7 +96,7 @@ def use_triton_draw(draw: str, key: Tensor, *tensors: Tensor | None) -> bool:
     plain = may_read_values(key, *(t for t in tensors if t is not None)) \
         and not torch.compiler.is_exporting() and tuple(key.shape) == (2,)
     if draw == "auto" or not plain:
-        return key.is_cuda and plain and triton_available() and not _triton_draw_failed
+        return key.is_cuda and plain and triton_available() and not DRAW_FALLBACK.failed
     if not triton_available():
         raise RuntimeError('the Triton landmark draw needs Triton: pip install triton (or '
                            'use "auto", which falls back to PyTorch).')
@@ -132,21 +134,9 @@ def stream_selection_keys(
 
 def launch_or_fall_back(draw: str, launch: Callable[[], Tensor],
                         fallback: Callable[[], Tensor]) -> Tensor:
-    """``launch()``; under ``"auto"`` a failure (Triton present but unable to compile or
-    launch here) warns once and takes ``fallback()`` from then on (the same numbers)."""
-    global _triton_draw_failed
-    if draw != "auto":
-        return launch()
-    try:
-        return launch()
-    except Exception as error:  # any compiler or driver error
-        import warnings
-
-        _triton_draw_failed = True
-        warnings.warn(f"the Triton landmark draw failed ({type(error).__name__}: {error}); "
-                      "drawing with PyTorch operations from now on (the same landmarks).",
-                      RuntimeWarning, stacklevel=3)
-        return fallback()
+    """``launch()``; under ``"auto"`` a failure warns once and takes ``fallback()`` from
+    then on (the same numbers; ``DRAW_FALLBACK``)."""
+    return DRAW_FALLBACK.run(draw == "auto", launch, fallback)
 
 
 def smallest_keys(keys: Tensor, count: int) -> tuple[Tensor, Tensor]:
