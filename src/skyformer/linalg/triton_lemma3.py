@@ -10,7 +10,7 @@ the ridge diagonal g (gamma, or 1 for slots that hold no landmark):
 with T3(P) = 13I - P (15I - P (7I - P)). The eager PyTorch path spends about forty
 operations on this forward and seventy backward, each a kernel launch at m = 128 that
 does almost no work on a GPU; here the whole chain is one launch forward and one
-backward, every matrix of a program held in registers (m <= ``MAX_M``).
+backward, every matrix of a program held in registers (m <= ``lemma3_triton.MAX_M``).
 
 Given the landmark rows X (scaled) and their half squared norms n instead of M
 (``FROM_ROWS``), the kernel forms M_ij = exp(x_i . x_j - n_i - n_j) itself and the
@@ -38,8 +38,6 @@ import triton.language as tl
 from torch import Tensor
 
 from .triton_kernels import _mm, _precision
-
-MAX_M = 128
 
 
 @triton.jit
