@@ -49,9 +49,11 @@ class NystromOptions:
     pinv_init: starting point of the iteration, ``"identity"`` (justified by Lemma 3)
         or ``"scaled_transpose"`` (A^T / (|A|_1 |A|_inf), per matrix).
     kernel: the [N, m] kernel products by ``"auto"`` (fused Triton kernels for float32
-        CUDA tensors when Triton is installed, else PyTorch), ``"torch"`` or ``"triton"``
-        (``linalg.kernel_backend``); the landmark draw follows it (one Triton kernel
-        per side on eager CUDA tensors, the same landmarks, ``sketch.landmarks``).
+        and half CUDA inputs when Triton is installed, else PyTorch), ``"torch"`` or
+        ``"triton"`` (``linalg.kernel_backend``); the landmark draw (one Triton kernel
+        per side on eager CUDA tensors, the same landmarks, ``sketch.landmarks``) and
+        the m x m core (C(X_S, X_S) and its Lemma 3 inverse in one launch,
+        ``linalg.lemma3_triton``) follow it.
     """
 
     num_features: int = 128
