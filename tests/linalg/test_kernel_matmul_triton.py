@@ -95,6 +95,26 @@ def test_half_rows_are_read_without_a_float32_copy(device, half, transpose):
                                    msg=name)
 
 
+def test_the_output_with_n_rows_is_not_kept_for_the_backward_pass():
+    """C Z keeps no [N, R] copy of its output alive until backward (the attention
+    output: the next layer usually saves its own contiguous copy)."""
+    n, m, d, r = 50, 7, 16, 24
+    y = torch.randn(2, n, d, requires_grad=True)
+    x = torch.randn(2, m, d) * 0.5
+    z = torch.randn(2, m, r, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = gaussian_kernel_matmul(y, x, z, 0.5 * (x * x).sum(-1), kernel="triton")
+    assert out.shape == (2, n, r) and (2, n, r) not in saved, saved
+    out.sum().backward()
+    assert y.grad is not None and z.grad is not None
+
+
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("transpose", [False, True])
 @pytest.mark.parametrize("row_norm", [False, True])

@@ -82,7 +82,9 @@ class TritonGaussianBlockProduct(torch.autograd.Function):
         y, x, b, rhs, _, scale, row_norm, transpose, _, exclude = inputs
         out, a = output
         ctx.mark_non_differentiable(a)
-        ctx.save_for_backward(y, x, b, rhs, a, out, exclude)
+        # C Z's backward needs no copy of its [N, R] output (the rows kernel forms dE 1
+        # itself); C^T V's [m, R] output gives the column offsets' gradient
+        ctx.save_for_backward(y, x, b, rhs, a, out if transpose else None, exclude)
         ctx.options = (scale, row_norm, transpose)
 
     @staticmethod
