@@ -175,7 +175,8 @@ class _Float32Copies(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("device", devices())
-def test_skyformer_in_bfloat16_makes_no_float32_copy_of_its_inputs(device):
+@pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax"])
+def test_bfloat16_makes_no_float32_copy_of_the_inputs(device, method):
     """Half inputs on the Triton path: only the m landmark rows become float32; outputs
     and gradients are the PyTorch path's (which converts) to bfloat16 rounding."""
     n, m = 96, 16
@@ -188,7 +189,7 @@ def test_skyformer_in_bfloat16_makes_no_float32_copy_of_its_inputs(device):
     for kernel in ("torch", "triton"):
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
         with _Float32Copies() as copies:
-            out = skyformer.attention(*leaves, "skyformer", key_padding_mask=mask,
+            out = skyformer.attention(*leaves, method, key_padding_mask=mask,
                                       kernel=kernel, num_features=m,
                                       generator=skyformer.random_key(2))
             grads = torch.autograd.grad(out.square().sum(), leaves)

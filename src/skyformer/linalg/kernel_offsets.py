@@ -23,10 +23,16 @@ def row_offsets(
     dtype = y.dtype if dtype is None else dtype
     a = None
     if row_norm:
-        norm = torch.linalg.vecdot(y, y) if dtype == y.dtype \
-            else torch.linalg.vector_norm(y, dim=-1, dtype=dtype).square_()
-        a = norm.mul_(0.5 * scale * scale * LOG2E)
+        a = squared_norms(y, dtype).mul_(0.5 * scale * scale * LOG2E)
     if row_valid is not None:
         inf = torch.tensor(float("inf"), dtype=dtype, device=y.device)
         a = torch.where(row_valid, 0.0 if a is None else a, inf)
     return a
+
+
+def squared_norms(y: Tensor, dtype: torch.dtype) -> Tensor:
+    """|y_i|^2 over the last dim in ``dtype``: ``[..., N, D] -> [..., N]``; half-type rows
+    are summed in ``dtype`` without a converted copy."""
+    if dtype == y.dtype:
+        return torch.linalg.vecdot(y, y)
+    return torch.linalg.vector_norm(y, dim=-1, dtype=dtype).square_()

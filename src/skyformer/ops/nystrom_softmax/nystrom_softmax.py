@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from ...linalg import gaussian_kernel_matmul
+from ...linalg.kernel_offsets import squared_norms
 from ...registry import Capabilities, register
 from ...sketch import Landmarks
 from ..shared.causal_nystrom import CausalNystromOptions, causal_inputs
@@ -126,19 +127,21 @@ def nystrom_softmax_attention(
     """
     if config.causal:
         return _causal(q, k, v, config, key_padding_mask, query_padding_mask, generator)
-    info, landmarks, root, work = prepare(
+    info, landmarks, root, _ = prepare(
         q, k, v, config, key_padding_mask=key_padding_mask,
         query_padding_mask=query_padding_mask, generator=generator)
-    qw, kw, vw = q.to(work), k.to(work), v.to(work)
-    core = nystrom_core(qw, kw, root, config, landmarks)
-    return nystrom_softmax_from_core(qw, kw, vw, core, info, root, config).to(q.dtype)
+    # half inputs stay half, as in skyformer: the landmark rows become float32, the
+    # products read q, k, v as they are (Triton) or convert them (PyTorch path)
+    core = nystrom_core(q, k, root, config, landmarks)
+    return nystrom_softmax_from_core(q, k, v, core, info, root, config).to(q.dtype)
 
 
 def nystrom_softmax_from_core(
     q: Tensor, k: Tensor, v: Tensor, core: NystromCore, info: AttentionInputs, root: float,
     config: NystromSoftmaxConfig, reduce: KeyReduction = WHOLE,
 ) -> Tensor:
-    """D~^-1 A~ V given the core (module docstring), in the inputs' dtype.
+    """D~^-1 A~ V given the core (module docstring), in the compute dtype or, for half
+    inputs on the Triton path, in their dtype.
 
     ``q: [B, H, Nq, D]``, ``k: [B, H, Nk, D]``, ``v: [B, H, Nk, Dv]``, ``root`` = sqrt
     of the logit scale; ``reduce`` completes the sums and the maximum over the keys when
@@ -149,7 +152,7 @@ def nystrom_softmax_from_core(
     # C(X_S, K) E_K up to a common factor: entries exp(k^.x - |x|^2/2 - max_j |k^_j|^2/2),
     # at most 1 since k^.x - |x|^2/2 <= |k^|^2/2. No gradient through the common factor.
     with torch.no_grad():
-        log_e_k = torch.linalg.vecdot(k, k).mul_(0.5 * root * root)  # [B, H, Nk]
+        log_e_k = squared_norms(k, core.x.dtype).mul_(0.5 * root * root)  # [B, H, Nk]
         if key_valid is not None:
             log_e_k = log_e_k.masked_fill(~key_valid, float("-inf"))
         shift = reduce.max(log_e_k.amax(dim=-1, keepdim=True))
