@@ -52,11 +52,11 @@ def _ops():
     return triton_ops
 
 
-def _flat(t: Tensor | None, trailing: int) -> Tensor:
+def _flat(t: Tensor | None, trailing: int, like: Tensor) -> Tensor:
     """``t`` as a contiguous ``[BH, ...]`` (its last ``trailing`` dims kept); an empty
-    tensor for an absent one (the operators take tensors)."""
+    tensor like ``like`` for an absent one (the operators take tensors)."""
     if t is None:
-        return torch.empty(0)
+        return like.new_empty(0)
     return t.reshape(-1, *t.shape[t.dim() - trailing:]).contiguous()
 
 
@@ -70,7 +70,7 @@ class TritonLemma3Inverse(torch.autograd.Function):
     def forward(source: Tensor, norm: Tensor | None, ridge: Tensor,  # type: ignore[override]
                 iterations: int, auto: bool) -> tuple[Tensor, Tensor]:
         m = source.shape[-2]
-        w, store = _ops().lemma3_forward(_flat(source, 2), _flat(norm, 1).to(source),
+        w, store = _ops().lemma3_forward(_flat(source, 2, source), _flat(norm, 1, source),
                                          ridge.contiguous(), iterations)
         return w.reshape(*source.shape[:-2], m, m), store
 
@@ -96,7 +96,7 @@ class TritonLemma3Inverse(torch.autograd.Function):
 
         def launch() -> tuple[Tensor, Tensor | None]:
             dsource, dnorm = _ops().lemma3_backward(
-                _flat(source, 2), _flat(norm, 1).to(source), ridge.contiguous(), store,
+                _flat(source, 2, source), _flat(norm, 1, source), ridge.contiguous(), store,
                 grad.reshape(-1, m, m).contiguous())
             return dsource, (dnorm if norm is not None else None)
 
