@@ -168,6 +168,13 @@ def test_which_calls_take_the_kernel(options, fused):
     assert "skyformer::lemma3_inverse_forward" not in calls.names
 
 
+def test_an_unknown_kernel_is_refused_whatever_the_other_options():
+    mat, live = _landmark_matrix(1, 1, 4, torch.float32, "cpu")
+    for options in ({}, {"pinv": "exact"}, {"init": "scaled_transpose"}):
+        with pytest.raises(ValueError, match="kernel must be one of"):
+            lemma3_inverse(mat, gamma=GAMMA, live=live, kernel="cuda", **options)
+
+
 def test_more_landmarks_than_the_kernel_holds_take_pytorch():
     mat, live = _landmark_matrix(1, 1, 130, torch.float32, "cpu", dead=False)
     with _Calls() as calls:

@@ -35,14 +35,19 @@ def interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def check_kernel(kernel: str) -> None:
+    """A ``kernel`` option is one of ``KERNELS``; anything else gets a sentence."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}.")
+
+
 def use_triton(kernel: str, y: Tensor) -> bool:
     """True when the products of ``y`` (and its partners) go through the Triton kernels.
 
     Raises a sentence saying how to get the Triton path where ``kernel="triton"`` cannot
     be honoured.
     """
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}.")
+    check_kernel(kernel)
     if kernel == "torch":
         return False
     exporting = torch.compiler.is_exporting()

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .kernel_backend import KernelFallback, interpreter_on, use_triton
+from .kernel_backend import KernelFallback, check_kernel, interpreter_on, use_triton
 from .vmap import vmap_into_batch
 
 MAX_M = 128  # a 128 x 128 float32 matrix per program, in registers (triton_lemma3)
@@ -33,6 +33,7 @@ def fused_lemma3_applies(kernel: str, source: Tensor, size: int, pinv: str, init
                          iterations: int) -> bool:
     """Whether the Lemma 3 inverse of ``size`` landmarks, given as ``source`` (their
     matrix ``[..., m, m]`` or rows ``[..., m, D]``), runs as the Triton kernels."""
+    check_kernel(kernel)
     if pinv != "iterative" or init != "identity" or iterations < 1 \
             or max(size, source.shape[-1]) > MAX_M or source.numel() == 0:
         return False
