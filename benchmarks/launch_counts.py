@@ -1,0 +1,84 @@
+"""Operations an eager call dispatches (each a kernel launch on a GPU), counted on the CPU.
+
+Forward + backward of Skyformer, ``nystrom_softmax`` and ``skyformer_adaptive`` with the
+products and landmark draws on Triton (run through Triton's interpreter here), once
+with the m x m core on the PyTorch path and once as the one-launch Triton kernels
+(``linalg/lemma3_triton.py``). Counted with a dispatch mode: views, allocations and
+copies are left out, and so are the CPU-only subnormal flush and finiteness checks
+(a CUDA call does not run them). Raw Triton launches are not dispatched operations:
+the draws add one launch per side, the core one per pass.
+
+    python benchmarks/launch_counts.py [--out FILE.md]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported
+
+import argparse
+import collections
+import sys
+from unittest import mock
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import skyformer
+from skyformer.io import atomic_write_text
+from skyformer.linalg import nystrom
+
+NOT_LAUNCHES = {"set_", "empty", "new_empty", "empty_like", "empty_strided", "copy_", "view",
+                "slice", "unsqueeze", "transpose", "select", "expand", "detach", "unbind",
+                "t", "permute", "_unsafe_view", "alias", "as_strided", "squeeze", "reshape",
+                "lift_fresh"}
+CPU_ONLY = {"hardshrink", "hardshrink_backward", "threshold_", "threshold_backward",
+            "aminmax", "stack", "_local_scalar_dense", "abs", "ne", "eq", "all"}
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in NOT_LAUNCHES | CPU_ONLY:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count(method: str, b: int, h: int, n: int, d: int, m: int) -> int:
+    q, k, v = (torch.randn(b, h, n, d, requires_grad=True) for _ in range(3))
+    key = skyformer.random_key(0)  # made once by the caller, outside the count
+    with _Count() as counter:
+        out = skyformer.attention(q, k, v, method, num_features=m, kernel="triton",
+                                  generator=key)
+        out.sum().backward()
+    return sum(counter.ops.values())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="4,16,256,64", help="B,H,N,D")
+    parser.add_argument("--features", type=int, default=128)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    b, h, n, d = map(int, args.shape.split(","))
+    lines = [f"B={b}, H={h}, N={n}, D={d}, m={args.features}, forward + backward", "",
+             "| | PyTorch core | Triton core |", "|---|---|---|"]
+    for method in ("skyformer", "nystrom_softmax", "skyformer_adaptive"):
+        with mock.patch.object(nystrom, "fused_lemma3_applies", lambda *_: False):
+            pytorch_core = count(method, b, h, n, d, args.features)
+        fused_core = count(method, b, h, n, d, args.features)
+        lines.append(f"| `{method}` | {pytorch_core} | {fused_core} |")
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    if args.out:
+        atomic_write_text(args.out, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
