@@ -66,3 +66,29 @@ def test_sdpa_entry_point_and_autocast_on_cuda(method):
                for _ in range(3))
     out = skyformer.scaled_dot_product_attention(q, k, v, method=method)
     assert out.shape == (2, 4, 96, 32) and out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", ["plain", "padded", "causal"])
+def test_exact_kernelized_takes_the_fused_sdpa_kernels(dtype, variant):
+    """The augmentation's head dim is a multiple of 8, so SDPA's memory-efficient kernel
+    (float32) and flash kernel (bfloat16) accept it; with only those backends allowed a
+    fall-back to the math backend (the [N, N] matrix) would raise."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = SDPBackend.FLASH_ATTENTION if dtype == torch.bfloat16 \
+        else SDPBackend.EFFICIENT_ATTENTION
+    q, k, v = (t.to("cuda", dtype).requires_grad_(True)
+               for t in make_qkv(2, 4, 300, 64, dtype=torch.float32, seed=5))
+    mask = None
+    if variant == "padded":
+        mask = torch.ones(2, 300, dtype=torch.bool, device="cuda")
+        mask[1, 211:] = False
+    with sdpa_kernel([backend]):
+        out = skyformer.kernelized_attention(q, k, v, key_padding_mask=mask,
+                                             causal=variant == "causal")
+        out.float().sum().backward()
+    exact = skyformer.kernelized_attention(
+        *(t.detach().double().cpu() for t in (q, k, v)),
+        key_padding_mask=None if mask is None else mask.cpu(), causal=variant == "causal")
+    assert relative_error(out, exact) < TOLERANCES[dtype]

@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+import skyformer
 from skyformer import kernelized_attention, skyformer_attention
 from skyformer.linalg import gaussian_scores
 from skyformer.ops.kernelized.naive import reference_kernelized_attention
 from tests.conftest import make_qkv
+from tests.devices import relative_error
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -70,3 +72,84 @@ def test_scale_option_sets_the_kernel_bandwidth():
             kernelized_attention(q, k, v, scale=s), rtol=1e-6, atol=1e-8)
     with pytest.raises(ValueError, match="scale must be a finite positive number"):
         kernelized_attention(q, k, v, scale=0.0)
+
+
+def test_augmented_width_is_a_multiple_of_eight():
+    """CUDA's memory-efficient SDPA kernel needs a head dim divisible by 4 (float32) or
+    8 (half types); otherwise SDPA takes its math backend, which forms [N, N]."""
+    from skyformer.ops.kernelized.sdpa_augmentation import augmented_width
+
+    for d, dv in [(64, 64), (32, 32), (1, 1), (50, 7), (8, 100), (128, 128)]:
+        width = augmented_width(d, dv)
+        assert width % 8 == 0 and width >= d + 4 and width >= dv + 1
+        assert width - max(d + 4, dv + 1) < 8
+
+
+def test_hi_lo_split_carries_twice_the_mantissa_and_the_gradient_once():
+    from skyformer.ops.kernelized.sdpa_augmentation import split_hi_lo
+
+    x = (torch.rand(1000, dtype=torch.float32, generator=torch.Generator().manual_seed(0))
+         * 200.0).requires_grad_(True)
+    hi, lo = split_hi_lo(x, torch.bfloat16)
+    assert hi.dtype == lo.dtype == torch.bfloat16
+    rounded = hi.float() - x
+    assert (rounded.abs() / x).max() > 2**-10  # one bfloat16 alone is that coarse
+    assert ((hi.float() + lo.float() - x).abs() / x).max() < 2**-16
+    (hi.float() * 3.0 + lo.float() * 3.0).sum().backward()  # both meet the same factor
+    torch.testing.assert_close(x.grad, torch.full_like(x, 3.0))
+
+
+@pytest.mark.parametrize("variant", ["plain", "padded", "causal", "attn_mask"])
+def test_bfloat16_keeps_float32_accuracy_in_the_exponent(variant):
+    """bfloat16 inputs go to SDPA as bfloat16. Against float64 on the same (rounded)
+    values the error is bfloat16's rounding of weights and outputs (0.003 here), not of
+    the exponent: with the norms |q|^2/2 ~ 50 as single bfloat16 numbers (no lo part)
+    it is ten times larger (0.03 for outputs and gradients)."""
+    q, k, v = make_qkv(2, 2, 40, 32, dtype=torch.float32, scale=1.8, seed=3)
+    k = q + 0.6 * k  # keys near the queries: many non-negligible weights
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    options, mask = {}, None
+    if variant == "padded":
+        mask = torch.ones(2, 40, dtype=torch.bool)
+        mask[0, 29:] = False
+    if variant == "causal":
+        options["causal"] = True
+    if variant == "attn_mask":
+        options["attn_mask"] = torch.rand(40, 40, generator=torch.Generator().manual_seed(1)) > 0.3
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = kernelized_attention(*leaves, key_padding_mask=mask, **options)
+    assert out.dtype == torch.bfloat16
+    exact_leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    exact = kernelized_attention(*exact_leaves, key_padding_mask=mask, **options)
+    assert relative_error(out, exact) < 1e-2
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    grads = torch.autograd.grad((out.float() * weights).sum(), leaves)
+    exact_grads = torch.autograd.grad((exact * weights.double()).sum(), exact_leaves)
+    for got, want in zip(grads, exact_grads, strict=True):
+        assert got.dtype == torch.bfloat16
+        assert relative_error(got, want) < 1.5e-2
+
+
+def test_bfloat16_makes_no_float32_copy_with_n_rows_and_d_columns():
+    """Only the norms ([.., N]) and the final division are float32: q', k', v' are
+    bfloat16 (half the memory of the float32 augmentation), float16 goes through float32."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Float32Tensors(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.widths = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.dim() == 4:
+                self.widths.append(out.shape[-1])
+            return out
+
+    q, k, v = (t.to(torch.bfloat16) for t in make_qkv(1, 2, 50, 16, dtype=torch.float32))
+    with Float32Tensors() as seen:
+        skyformer.attention(q, k, v, "kernelized")
+    assert max(seen.widths) <= 16  # the output before its cast, [.., N, Dv]
+    with Float32Tensors() as seen:
+        skyformer.attention(q.half(), k.half(), v.half(), "kernelized")
+    assert max(seen.widths) == 24  # float16: the augmentation in float32 (16 + 4 -> 24)

@@ -1,0 +1,146 @@
+"""Exact kernelized attention through the fused softmax kernels of SDPA.
+
+With the kernel scale s (1/sqrt(p) by default) and a_i = |q_i|^2/2, b_j = -|k_j|^2/2,
+
+    C_ij = exp(s (q_i.k_j + b_j - a_i)).
+
+Augment (``[hi, lo]`` is a value split into two numbers of the fused dtype whose sum
+carries it to about 16 mantissa bits)
+
+    q'_i = [q_i, 1, 1, a_i^hi, a_i^lo, 0...],   k'_j = [k_j, b_j^hi, b_j^lo, 0, 0, 0...],
+    k'_0 = [0, 0, 0, 1, 1, 0...]  (one extra key),
+
+give the extra key a one-hot value in an extra channel, and run softmax attention with
+SDPA's own scale s over the N+1 keys. Then s (q'_i.k'_j - q'_i.k'_0) = log C_ij <= 0,
+the extra key is every row's maximum, and
+
+    O_i[:Dv] = sum_j C_ij v_j / (1 + sum_j C_ij),    O_i[Dv] = 1 / (1 + sum_j C_ij),
+
+so ``O_i[:Dv] / O_i[Dv] = (C V)_i`` with the fused kernels' O(N) memory and no overflow
+(the softmax's max-shift is exactly the Gaussian's normaliser).
+
+Why this shape:
+
+- q and k enter unscaled and s is SDPA's ``scale``: the fused kernels multiply their
+  float32 accumulator by s, so bfloat16 inputs are never rounded again (q s would be),
+  and q.k is the exact products of the inputs summed in float32, as in flash attention.
+- The norms are what the cancellation q.k - |q|^2/2 - |k|^2/2 is sensitive to; split
+  into hi + lo they reach the logits with a relative error of about 2^-17 instead of
+  bfloat16's 2^-9 (for float32 and float64 inputs lo is zero).
+- The width is a multiple of 8: CUDA's memory-efficient kernel needs a head dim
+  divisible by 4 (float32) or 8 (half types), or SDPA falls back to its math backend,
+  which forms the [N, N] matrix (66 GiB at B = 4, H = 16, N = 8192).
+- bfloat16 inputs stay bfloat16 (flash attention on CUDA: the weights are rounded to
+  bfloat16 before the product with V, as in SDPA itself); float16 is computed in float32,
+  since |k|^2/2 and the padding logit can exceed float16's largest number (65504).
+
+Padded keys carry ``MASKED_LOGIT / s`` in the bias slot (weight exp(-1e6) = 0).
+Causal masking prepends the extra key and one dummy query, so that SDPA's causal mask
+lets query i see the extra key and keys 0..i.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ...linalg import half_sq_norm
+
+MASKED_LOGIT = -1e6
+WIDTH_MULTIPLE = 8
+
+
+def fused_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype q', k', v' are handed to SDPA in (see the module docstring)."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
+def augmented_width(head_dim: int, value_dim: int) -> int:
+    """Head dim of q', k', v': room for [q, 1, 1, a^hi, a^lo] and [v, 1], rounded up to
+    a multiple of ``WIDTH_MULTIPLE``."""
+    need = max(head_dim + 4, value_dim + 1)
+    return -(-need // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
+
+
+def split_hi_lo(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(hi, lo) in ``dtype`` with hi + lo ~ x (about twice dtype's mantissa bits).
+
+    Differentiable: d hi / dx = 1 and lo = x - hi contributes nothing net, so a gradient
+    that reaches hi and lo equally (they meet the same factor 1) reaches x once."""
+    hi = x.to(dtype)
+    return hi, (x - hi.to(x.dtype)).to(dtype)
+
+
+def _pad_to(x: Tensor, width: int) -> Tensor:
+    return F.pad(x, (0, width - x.shape[-1]))
+
+
+def augmented_inputs(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, key_valid: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(q', k', v', extra key, extra value) of the module docstring.
+
+    q ``[B, H, Nq, D]``, k ``[B, H, Nk, D]``, v ``[B, H, Nk, Dv]`` in any float dtype;
+    ``key_valid`` ``[B, Nk]`` bool or ``None``. Norms are formed in float32 (float64 for
+    float64 inputs); the results are ``[..., W]`` in ``fused_dtype(q.dtype)``.
+    """
+    dtype = fused_dtype(q.dtype)
+    norm_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    width = augmented_width(q.shape[-1], v.shape[-1])
+    a_hi, a_lo = split_hi_lo(half_sq_norm(q.to(norm_dtype)), dtype)
+    bias = -half_sq_norm(k.to(norm_dtype))
+    k = k.to(dtype)
+    if key_valid is not None:
+        valid = key_valid[:, None, :]
+        bias = torch.where(valid, bias, MASKED_LOGIT / scale)
+        k = k * valid[..., None].to(dtype)
+    b_hi, b_lo = split_hi_lo(bias, dtype)
+    q_aug = torch.cat([q.to(dtype), torch.ones_like(a_hi[..., None]).expand(*a_hi.shape, 2),
+                       a_hi[..., None], a_lo[..., None]], dim=-1)
+    zeros = torch.zeros_like(b_hi[..., None]).expand(*b_hi.shape, 2)
+    k_aug = torch.cat([k, b_hi[..., None], b_lo[..., None], zeros], dim=-1)
+    b, h, _, d = q.shape
+    dv = v.shape[-1]
+    extra_key = torch.zeros(b, h, 1, width, dtype=dtype, device=q.device)
+    extra_key[..., d + 2 : d + 4] = 1.0
+    extra_value = torch.zeros(b, h, 1, width, dtype=dtype, device=q.device)
+    extra_value[..., dv] = 1.0
+    return (_pad_to(q_aug, width), _pad_to(k_aug, width), _pad_to(v.to(dtype), width),
+            extra_key, extra_value)
+
+
+def kernelized_by_sdpa(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, *,
+    key_valid: Tensor | None = None, bias: Tensor | None = None, causal: bool = False,
+) -> Tensor:
+    """C V through ``scaled_dot_product_attention`` (module docstring).
+
+    ``bias``: an additive ``[B|1, H|1, Nq, Nk]`` mask (``-inf`` = blocked) already holding
+    padding and causality, or ``None``; ``causal`` is used only without it. Returns
+    ``[B, H, Nq, Dv]`` in float32 (float64 for float64 inputs), rows of padded queries
+    not zeroed.
+    """
+    q_aug, k_aug, v_aug, extra_key, extra_value = augmented_inputs(q, k, v, scale, key_valid)
+    if bias is not None:
+        bias = bias.to(q_aug.dtype)
+        bias = F.pad(bias.expand(*bias.shape[:2], q.shape[-2], k.shape[-2]), (0, 1))
+        out = F.scaled_dot_product_attention(  # the extra key (last column) always visible
+            q_aug, torch.cat([k_aug, extra_key], dim=2),
+            torch.cat([v_aug, extra_value], dim=2), attn_mask=bias, scale=scale,
+        )
+    elif causal:
+        out = F.scaled_dot_product_attention(
+            torch.cat([torch.zeros_like(q_aug[..., :1, :]), q_aug], dim=2),
+            torch.cat([extra_key, k_aug], dim=2),
+            torch.cat([extra_value, v_aug], dim=2),
+            scale=scale, is_causal=True,
+        )[..., 1:, :]
+    else:
+        out = F.scaled_dot_product_attention(
+            q_aug, torch.cat([k_aug, extra_key], dim=2),
+            torch.cat([v_aug, extra_value], dim=2), scale=scale,
+        )
+    work = torch.float64 if out.dtype == torch.float64 else torch.float32
+    dv = v.shape[-1]
+    return out[..., :dv].to(work) / out[..., dv : dv + 1].to(work)
