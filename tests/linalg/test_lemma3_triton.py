@@ -175,6 +175,22 @@ def test_an_unknown_kernel_is_refused_whatever_the_other_options():
             lemma3_inverse(mat, gamma=GAMMA, live=live, kernel="cuda", **options)
 
 
+@pytest.mark.parametrize("m, fused_with_grad", [(64, True), (65, False), (128, False)])
+def test_the_backward_kernel_is_taken_up_to_the_size_it_fits(m, fused_with_grad):
+    """Without a gradient the forward kernel takes m <= 128; a differentiated call takes
+    the kernels only up to MAX_M_BACKWARD (the backward kernel's shared memory)."""
+    mat, live = _landmark_matrix(1, 1, m, torch.float32, "cpu", dead=False)
+    with torch.no_grad(), _Calls() as calls:
+        w = lemma3_inverse(mat, gamma=GAMMA, live=live, kernel="triton")
+    assert "skyformer::lemma3_inverse_forward" in calls.names
+    assert relative_error(w, _reference(mat, live, 6)) < 2e-4
+    with _Calls() as calls:
+        w = lemma3_inverse(mat.requires_grad_(True), gamma=GAMMA, live=live, kernel="triton")
+        w.sum().backward()
+    assert ("skyformer::lemma3_inverse_forward" in calls.names) == fused_with_grad
+    assert ("skyformer::lemma3_inverse_backward" in calls.names) == fused_with_grad
+
+
 def test_more_landmarks_than_the_kernel_holds_take_pytorch():
     mat, live = _landmark_matrix(1, 1, 130, torch.float32, "cpu", dead=False)
     with _Calls() as calls:

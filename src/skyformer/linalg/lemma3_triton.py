@@ -4,8 +4,9 @@ chain in one launch (from the landmark rows: the kernel block C(X, X) too).
 They take it where the method's products take Triton (``kernel_backend.use_triton``)
 and the kernel covers the call: the iterative inverse from the identity (the Lemma 3
 default), at least one iteration, m <= ``MAX_M`` (and head dim <= ``MAX_M`` from
-rows), float32 (float64 under Triton's interpreter, for the tests). Elsewhere the PyTorch
-path runs; both give the same W up to rounding. Under ``"auto"`` it is an eager choice
+rows; ``MAX_M_BACKWARD`` where a gradient will be asked for), float32 (float64 under
+Triton's interpreter, for the tests). Elsewhere the PyTorch path runs; both give the
+same W up to rounding. Under ``"auto"`` it is an eager choice
 (``torch.compile`` fuses the PyTorch path itself, tracers record its operators), and a
 kernel that fails to compile or launch, forward or backward, warns once and hands the
 call to the PyTorch path from then on. ``triton_lemma3`` holds the kernels,
@@ -25,6 +26,12 @@ from .kernel_backend import KernelFallback, check_kernel, interpreter_on, use_tr
 from .vmap import vmap_into_batch
 
 MAX_M = 128  # a 128 x 128 float32 matrix per program, in registers (triton_lemma3)
+# The backward kernel keeps about a dozen m x m matrices alive: compiled for sm_90 at
+# m = 128 its layout conversions need 384 KiB of shared memory, more than an SM has
+# (227 KiB on an H100), so it cannot launch; at m = 64 it needs 64 KiB
+# (benchmarks/triton_resources.py). Calls that will be differentiated take the kernels
+# up to this size and the PyTorch path above it.
+MAX_M_BACKWARD = 64
 CORE_FALLBACK = KernelFallback(
     "Lemma 3 kernel", "computing the core with PyTorch operations (the same W up to rounding)")
 
@@ -34,8 +41,10 @@ def fused_lemma3_applies(kernel: str, source: Tensor, size: int, pinv: str, init
     """Whether the Lemma 3 inverse of ``size`` landmarks, given as ``source`` (their
     matrix ``[..., m, m]`` or rows ``[..., m, D]``), runs as the Triton kernels."""
     check_kernel(kernel)
+    differentiated = torch.is_grad_enabled() and source.requires_grad
+    largest = MAX_M_BACKWARD if differentiated else MAX_M
     if pinv != "iterative" or init != "identity" or iterations < 1 \
-            or max(size, source.shape[-1]) > MAX_M or source.numel() == 0:
+            or max(size, source.shape[-1]) > largest or source.numel() == 0:
         return False
     if not use_triton(kernel, source):
         return False

@@ -10,7 +10,8 @@ the ridge diagonal g (gamma, or 1 for slots that hold no landmark):
 with T3(P) = 13I - P (15I - P (7I - P)). The eager PyTorch path spends about forty
 operations on this forward and seventy backward, each a kernel launch at m = 128 that
 does almost no work on a GPU; here the whole chain is one launch forward and one
-backward, every matrix of a program held in registers (m <= ``lemma3_triton.MAX_M``).
+backward, every matrix of a program held in registers (m <= ``lemma3_triton.MAX_M``;
+the backward kernel fits an SM's shared memory up to ``MAX_M_BACKWARD``).
 
 Given the landmark rows X (scaled) and their half squared norms n instead of M
 (``FROM_ROWS``), the kernel forms M_ij = exp(x_i . x_j - n_i - n_j) itself and the
@@ -201,7 +202,8 @@ def lemma3_backward(source: Tensor, norm: Tensor | None, ridge: Tensor, store: T
         dsource, dsource if dnorm is None else dnorm, m, d, bh // ridge.shape[0],
         ITERATIONS=store.shape[1], FROM_ROWS=norm is not None,
         TINY=torch.finfo(source.dtype).tiny, BLOCK=block, BLOCK_D=_block_d(d),
-        PRECISION=_precision(source.dtype), num_warps=warps)
+        PRECISION=_precision(source.dtype), num_warps=warps,
+        num_stages=1)  # no loads worth pipelining; a third less shared memory at m = 64
     return dsource, dnorm
 
 
