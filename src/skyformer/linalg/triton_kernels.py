@@ -32,6 +32,8 @@ path is chosen, so the library runs without Triton installed.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -39,11 +41,39 @@ from torch import Tensor
 
 
 @triton.jit
+def _split_bf16(a):
+    """(hi, lo) bfloat16 tiles with hi + lo = a to about 16 mantissa bits."""
+    hi = a.to(tl.bfloat16)
+    return hi, (a - hi.to(a.dtype)).to(tl.bfloat16)
+
+
+@triton.jit
 def _mm(a, b, PRECISION: tl.constexpr, FMA: tl.constexpr):
     """a @ b: on the tensor cores, or (``FMA``, float64) as a broadcast sum, which
-    every Triton backend compiles (float64 MMA layouts fail to lower in Triton 3.6)."""
+    every Triton backend compiles (float64 MMA layouts fail to lower in Triton 3.6).
+
+    ``PRECISION="bf16x3"``: float32 tiles as hi + lo bfloat16 pairs, three bfloat16
+    products summed in float32 (a_hi b_hi + a_hi b_lo + a_lo b_hi, relative error about
+    2^-16), written out here so that every Triton version compiles it the same way.
+    ``"bf16x3-interpreted"``: the same parts multiplied as float32 values (exact, as
+    the tensor cores do), for Triton's interpreter, whose bfloat16 ``tl.dot`` is wrong
+    (Triton 3.9: errors of 1e10 on a 16 x 16 product of unit entries)."""
     if FMA:
         return tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+    elif PRECISION == "bf16x3":
+        a_hi, a_lo = _split_bf16(a)
+        b_hi, b_lo = _split_bf16(b)
+        acc = tl.dot(a_lo, b_hi, out_dtype=tl.float32)
+        acc = tl.dot(a_hi, b_lo, acc, out_dtype=tl.float32)
+        return tl.dot(a_hi, b_hi, acc, out_dtype=tl.float32)
+    elif PRECISION == "bf16x3-interpreted":
+        a_hi, a_lo = _split_bf16(a)
+        b_hi, b_lo = _split_bf16(b)
+        a_hi, a_lo = a_hi.to(tl.float32), a_lo.to(tl.float32)
+        b_hi, b_lo = b_hi.to(tl.float32), b_lo.to(tl.float32)
+        acc = tl.dot(a_lo, b_hi, input_precision="ieee")
+        acc = tl.dot(a_hi, b_lo, acc, input_precision="ieee")
+        return tl.dot(a_hi, b_hi, acc, input_precision="ieee")
     else:
         return tl.dot(a, b, input_precision=PRECISION)
 
@@ -196,13 +226,34 @@ def _pow2(n: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(n))
 
 
-def _precision(dtype: torch.dtype) -> str:
-    """tl.dot's input precision for float32: three TF32 passes (about float32's accuracy,
-    on the tensor cores) at PyTorch's default matmul precision "highest", one TF32 pass
-    where PyTorch allows TF32 ("high", "medium"); float64 is exact (IEEE)."""
+def _precision(dtype: torch.dtype, rows: torch.dtype | None = None,
+               device: torch.device | None = None) -> str:
+    """tl.dot's input precision for compute dtype ``dtype`` and N-row inputs ``rows``.
+
+    Float32 from half-precision rows: ``"bf16x3"`` (three bfloat16 products, relative
+    error about 2^-16, far below the half type's own 2^-9, at a third of the tensor-core
+    time of tf32x3 and half its registers and shared memory), on GPUs with bfloat16
+    tensor cores (compute capability 8.0 on). Float32 otherwise: three TF32 passes
+    (about float32's accuracy) at PyTorch's default matmul precision "highest", one TF32
+    pass where PyTorch allows TF32 ("high", "medium"). Float64 is exact (IEEE)."""
     if dtype != torch.float32:
         return "ieee"
+    if rows in (torch.bfloat16, torch.float16) and _has_bf16_tensor_cores(device):
+        return "bf16x3" if device is not None and device.type == "cuda" \
+            else "bf16x3-interpreted"
     return "tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+def _has_bf16_tensor_cores(device: torch.device | None) -> bool:
+    if device is None or device.type != "cuda":
+        return True  # the interpreter: products of the parts in float32
+    return _capability(device.index if device.index is not None else
+                       torch.cuda.current_device()) >= (8, 0)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def _exclude_args(exclude: Tensor | None, like: Tensor) -> tuple[Tensor, int, int, int]:
@@ -211,14 +262,28 @@ def _exclude_args(exclude: Tensor | None, like: Tensor) -> tuple[Tensor, int, in
     return (exclude.view(torch.uint8), *exclude.stride())
 
 
-def _tiles(d: int, r: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
-    """BLOCK_D, BLOCK_R, BLOCK_N, BLOCK_M, num_warps for head dims d, r (registers:
-    the [BLOCK_N, BLOCK_D] row tile and the two accumulators stay resident)."""
-    bd, br = _pow2(d), _pow2(r)
+# Tiles: (BLOCK_N, BLOCK_M, num_warps); one pipeline stage (the loop's loads are small
+# and come from L2; software pipelining doubled or tripled the shared memory, which held
+# a program to one per SM). Chosen from the registers, spills and shared memory of the
+# compiled kernels (benchmarks/triton_resources.py, sm_90): with these no kernel spills
+# at head dims <= 64 with half inputs or D <= 32 in float32, where 64 x 64 tiles with
+# three stages spilled up to 700 bytes a thread in the backward kernels.
+STAGES = 1
+
+
+def _row_tiles(bd: int, br: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """The rows kernel: BLOCK_N rows a program, BLOCK_M columns a loop step."""
     if dtype == torch.float64:  # broadcast sums of [BLOCK_N, BLOCK_M, BLOCK_D] values
-        return bd, br, 16, 16, 4
-    wide = max(bd, br) > 64
-    return bd, br, (32 if wide else 64), (32 if wide else 64), 4
+        return 16, 16, 4
+    return (64 if max(bd, br) <= 64 else 32), 32, 4
+
+
+def _col_tiles(bd: int, br: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """The cols kernel: BLOCK_M columns a program, BLOCK_N rows a loop step."""
+    if dtype == torch.float64:
+        return 16, 16, 4
+    wide = max(bd, br)
+    return (64 if wide <= 64 else 32), (64 if wide <= 32 else 32), 4
 
 
 def rows_product(
@@ -238,7 +303,8 @@ def rows_product(
     """
     bh, n, d = y.shape
     m, r = x.shape[1], vm.shape[-1]
-    bd, br, bn, bm, warps = _tiles(d, r, x.dtype)
+    bd, br = _pow2(d), _pow2(r)
+    bn, bm, warps = _row_tiles(bd, br, x.dtype)
     out1 = y.new_empty(bh, n, r, dtype=y.dtype if vn is None else vn.dtype) \
         if write_out1 else None
     out2 = y.new_empty(bh, n, d, dtype=y.dtype) if vn is not None else None
@@ -256,9 +322,9 @@ def rows_product(
         HAS_A=a is not None, HAS_B=b is not None, HAS_EXC=exclude is not None,
         WRITE_OUT1=write_out1, HAS_VN=vn is not None, SHIFT_ROWS=shift_rows,
         NORM_TERM=vn is not None and norm_coef is not None,
-        BLOCK_N=bn, BLOCK_M=bm, BLOCK_D=bd, BLOCK_R=br, PRECISION=_precision(x.dtype),
-        FMA=x.dtype == torch.float64,
-        num_warps=warps,
+        BLOCK_N=bn, BLOCK_M=bm, BLOCK_D=bd, BLOCK_R=br,
+        PRECISION=_precision(x.dtype, y.dtype, y.device), FMA=x.dtype == torch.float64,
+        num_warps=warps, num_stages=STAGES,
     )
     return out1, out2, shift
 
@@ -279,7 +345,8 @@ def cols_product(
     half types; the outputs, m rows, are in x's dtype)."""
     bh, n, d = y.shape
     m, r = x.shape[1], vn.shape[-1]
-    bd, br, bn, bm, warps = _tiles(d, r, x.dtype)
+    bd, br = _pow2(d), _pow2(r)
+    bn, bm, warps = _col_tiles(bd, br, x.dtype)
     col_blocks = triton.cdiv(m, bm)
     splits = _splits(n, col_blocks * bh, bn, y.device)
     rows_per_split = triton.cdiv(triton.cdiv(n, splits), bn) * bn
@@ -295,8 +362,8 @@ def cols_product(
         n, m, d, r, bh, rows_per_split, se_b, se_n, se_m,
         HAS_A=a is not None, HAS_B=b is not None, HAS_EXC=exclude is not None,
         WRITE_OUT1=write_out1, HAS_VM=vm is not None,
-        BLOCK_N=bn, BLOCK_M=bm, BLOCK_D=bd, BLOCK_R=br, PRECISION=_precision(x.dtype),
-        FMA=x.dtype == torch.float64,
-        num_warps=warps,
+        BLOCK_N=bn, BLOCK_M=bm, BLOCK_D=bd, BLOCK_R=br,
+        PRECISION=_precision(x.dtype, y.dtype, y.device), FMA=x.dtype == torch.float64,
+        num_warps=warps, num_stages=STAGES,
     )
     return (None if out1 is None else out1.sum(0)), (None if out2 is None else out2.sum(0))
