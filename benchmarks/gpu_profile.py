@@ -1,0 +1,139 @@
+"""Where the time of one attention call goes on a GPU: kernels, launches, idle time.
+
+For each method and N, one forward + backward is profiled (``torch.profiler``, after a
+warm-up) and summarised: the wall time of the call, the time the GPU spent in kernels
+(busy), their number (launches), the idle share (1 - busy / wall: the part that
+launch overhead and host-side work cost), and the kernels that took the most time.
+This is what decides the next optimisation: a launch-bound call needs fewer or
+captured launches (CUDA graphs), a busy one faster kernels.
+
+    python benchmarks/gpu_profile.py --out benchmarks/results/gpu/profile
+
+On a machine without CUDA, ``--device cpu`` profiles the CPU operators instead (for a
+quick check of the script; the numbers say nothing about a GPU). Writes OUT.json and
+OUT.md atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+import skyformer
+from skyformer.io import atomic_write_text
+
+METHODS = {
+    "sdpa": lambda q, k, v, key, m: F.scaled_dot_product_attention(q, k, v),
+    "skyformer": lambda q, k, v, key, m: skyformer.attention(
+        q, k, v, "skyformer", num_features=m, generator=key),
+    "skyformer/torch": lambda q, k, v, key, m: skyformer.attention(
+        q, k, v, "skyformer", num_features=m, generator=key, kernel="torch"),
+    "kernelized": lambda q, k, v, key, m: skyformer.attention(q, k, v, "kernelized"),
+}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile_call(fn, device: torch.device, iterations: int, top: int) -> dict:
+    """Profile ``iterations`` calls of ``fn`` (already warm); per-call figures."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
+                                           if device.type == "cuda" else [])
+    _sync(device)
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(iterations):
+            fn()
+        _sync(device)
+        wall = (time.perf_counter() - start) / iterations
+    kernels: dict[str, list[float]] = collections.defaultdict(list)
+    for event in prof.events():
+        on_device = device.type == "cuda" and str(event.device_type).endswith("CUDA")
+        on_cpu_op = device.type != "cuda" and event.cpu_parent is None
+        if on_device or on_cpu_op:  # kernels on a GPU, top-level operators on the CPU
+            kernels[event.name].append(event.time_range.elapsed_us())
+    busy_us = sum(sum(times) for times in kernels.values()) / iterations
+    launches = sum(len(times) for times in kernels.values()) / iterations
+    ranked = sorted(kernels.items(), key=lambda item: -sum(item[1]))[:top]
+    return {
+        "wall_ms": wall * 1e3,
+        "busy_ms": busy_us / 1e3,
+        "idle_share": max(0.0, 1.0 - busy_us / 1e3 / (wall * 1e3)),
+        "launches": launches,
+        "top": [{"kernel": name[:120], "calls": len(times) / iterations,
+                 "ms": sum(times) / iterations / 1e3,
+                 "share": sum(times) / iterations / max(busy_us, 1e-9)}
+                for name, times in ranked],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--shape", default="4,16,64,bfloat16", help="B,H,D,dtype")
+    parser.add_argument("--seq-lens", nargs="+", type=int, default=[4096, 16384])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--features", type=int, default=128)
+    parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gpu_profile.py: no CUDA device here (use --device cpu for a check of the "
+              "script).", file=sys.stderr)
+        return 2
+    b, h, d, dtype_name = args.shape.split(",")
+    dtype = getattr(torch, dtype_name)
+    key = skyformer.random_key(0, device=device)
+    rows = []
+    for n in args.seq_lens:
+        g = torch.Generator(device=device).manual_seed(n)
+        q, k, v, grad = (torch.randn(int(b), int(h), n, int(d), device=device, generator=g)
+                         .to(dtype) for _ in range(4))
+        leaves = [t.requires_grad_(True) for t in (q, k, v)]
+        for method in args.methods:
+            def step(method=method, leaves=leaves, grad=grad):
+                for t in leaves:
+                    t.grad = None
+                METHODS[method](*leaves, key, args.features).backward(grad)
+            for _ in range(2):  # warm-up: compilation, autotuning, allocator
+                step()
+            summary = profile_call(step, device, args.iterations, args.top)
+            rows.append({"n": n, "method": method} | summary)
+            print(f"N={n:6d} {method:16s} wall {summary['wall_ms']:9.3f} ms  busy "
+                  f"{summary['busy_ms']:9.3f} ms  idle {100 * summary['idle_share']:5.1f} %  "
+                  f"{summary['launches']:6.0f} launches", flush=True)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    lines = [f"{name}, torch {torch.__version__}, B,H,D,dtype = {args.shape}, m = "
+             f"{args.features}, forward + backward, per call", "",
+             "| N | method | wall ms | busy ms | idle | launches |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['n']} | {r['method']} | {r['wall_ms']:.3f} | {r['busy_ms']:.3f} | "
+              f"{100 * r['idle_share']:.0f} % | {r['launches']:.0f} |" for r in rows]
+    for r in rows:
+        lines += ["", f"N = {r['n']}, {r['method']}: the kernels that took the most time", "",
+                  "| kernel | calls | ms | share |", "|---|---|---|---|"]
+        lines += [f"| `{t['kernel']}` | {t['calls']:.0f} | {t['ms']:.3f} | "
+                  f"{100 * t['share']:.0f} % |" for t in r["top"]]
+    text = "\n".join(lines) + "\n"
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(args.out.with_suffix(".json"), json.dumps(
+            {"device": name, "torch": torch.__version__, "shape": args.shape,
+             "features": args.features, "rows": rows}, indent=1))
+        atomic_write_text(args.out.with_suffix(".md"), text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,276 @@
+"""What the GPU compiler makes of the Triton kernels, read without a GPU.
+
+Registers per thread, spilled bytes, shared memory, the resulting occupancy, and the
+tensor-core (MMA), exponential (MUFU.EX2) and spill (STL / LDL) instructions of each
+Triton kernel that Skyformer and exact kernelized attention launch, compiled ahead of
+time for a GPU architecture (default sm_90, the H100) by Triton's own ``ptxas`` and
+read back with ``cuobjdump``. Nothing runs on a GPU: these are properties of the
+compiled code (a spill or a low occupancy shows up here before a device measures it),
+not times.
+
+Two steps: the calls run once on the CPU under Triton's interpreter at a small N and
+record every kernel launch (kernel, argument dtypes, compile-time constants, warps:
+exactly what the library chooses for the shape); each distinct launch is then
+compiled for the target. Head dim, dtype, number of landmarks and method come from
+the options; N only enters as a runtime argument.
+
+    python benchmarks/triton_resources.py --out benchmarks/results/triton_resources
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+RECORD_ENV = "SKYFORMER_RECORD_LAUNCHES"
+DTYPE_CODES = {"float32": "fp32", "float64": "fp64", "bfloat16": "bf16", "float16": "fp16",
+               "uint8": "u8", "int8": "i8", "int32": "i32", "int64": "i64", "bool": "u8"}
+# Per-SM limits of the architectures (CUDA occupancy tables): registers, threads, shared
+# memory in bytes, and the register allocation granularity (per warp).
+SM_LIMITS = {
+    80: {"registers": 65536, "threads": 2048, "shared": 167936, "granularity": 256},
+    86: {"registers": 65536, "threads": 1536, "shared": 102400, "granularity": 256},
+    89: {"registers": 65536, "threads": 1536, "shared": 102400, "granularity": 256},
+    90: {"registers": 65536, "threads": 2048, "shared": 232448, "granularity": 256},
+}
+
+
+# --------------------------------------------------------------------------------------
+# Step 1 (a child process with TRITON_INTERPRET=1): run the calls, record the launches.
+
+def _record_launches(spec: dict) -> list[dict]:
+    import torch
+    from triton.runtime.interpreter import InterpretedFunction
+
+    import skyformer
+
+    launches: list[dict] = []
+    original_run = InterpretedFunction.run
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        names = list(inspect.signature(self.fn).parameters)
+        arguments, constants = {}, {}
+        for name, value in zip(names, args, strict=False):
+            if isinstance(value, torch.Tensor):
+                arguments[name] = {"pointer": DTYPE_CODES[str(value.dtype).split(".")[-1]],
+                                   "aligned": value.data_ptr() % 16 == 0}
+            elif isinstance(value, bool):
+                constants[name] = value
+            elif isinstance(value, int):
+                arguments[name] = {"int": value}
+            elif isinstance(value, float):
+                arguments[name] = {"float": value}
+            else:
+                constants[name] = value
+        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+        constants.update(kwargs)
+        launches.append({"module": self.fn.__module__, "kernel": self.fn.__name__,
+                         "names": names, "arguments": arguments, "constants": constants,
+                         "options": options})
+        return original_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = recording_run
+    dtype = getattr(torch, spec["dtype"])
+    g = torch.Generator().manual_seed(0)
+    shape = (1, 2, spec["n"], spec["head_dim"])
+    q, k, v = (torch.randn(shape, generator=g).to(dtype).requires_grad_(True)
+               for _ in range(3))
+    mask = torch.ones(1, spec["n"], dtype=torch.bool)
+    mask[0, -7:] = False
+    options = {"kernel": "triton"}
+    if spec["method"] != "kernelized":
+        options["num_features"] = spec["features"]
+    out = skyformer.attention(q, k, v, spec["method"], key_padding_mask=mask,
+                              generator=skyformer.random_key(0), **options)
+    out.float().square().sum().backward()
+    InterpretedFunction.run = original_run
+    return launches
+
+
+# --------------------------------------------------------------------------------------
+# Step 2: compile each distinct launch for the target and read the cubin.
+
+def _launch_key(launch: dict) -> str:
+    return json.dumps({k: launch[k] for k in ("module", "kernel", "constants", "options")}
+                      | {"types": {n: a.get("pointer", "i" if "int" in a else "f")
+                                   for n, a in launch["arguments"].items()}}, sort_keys=True)
+
+
+def _source(launch: dict):
+    import importlib
+
+    from triton.compiler import ASTSource
+
+    kernel = getattr(importlib.import_module(launch["module"]), launch["kernel"])
+    signature, constexprs, attrs = {}, {}, {}
+    for index, name in enumerate(launch["names"]):
+        if name in launch["constants"]:
+            signature[name] = "constexpr"
+            constexprs[(index,)] = launch["constants"][name]
+            continue
+        argument = launch["arguments"][name]
+        if "pointer" in argument:
+            signature[name] = "*" + argument["pointer"]
+            if argument["aligned"]:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+        elif "int" in argument:
+            value = argument["int"]
+            signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+            if value % 16 == 0:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "fp32"
+    return ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+
+
+def _cubin_facts(cubin: bytes, tools: Path) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+        path = f.name
+    try:
+        usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", path],
+                               capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([str(tools / "cuobjdump"), "-sass", path],
+                              capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(path)
+    fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage))
+    lines = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
+
+    def count(pattern: str) -> int:
+        return sum(1 for line in lines if re.search(pattern, line))
+
+    return {"registers": int(fields.get("REG", 0)), "stack": int(fields.get("STACK", 0)),
+            "local": int(fields.get("LOCAL", 0)), "shared_static": int(fields.get("SHARED", 0)),
+            "instructions": len(lines), "mma": count(r"\b(HMMA|HGMMA|DMMA|IMMA)\b"),
+            "exp2": count(r"MUFU\.EX2"), "spill_stores": count(r"\bSTL\b"),
+            "spill_loads": count(r"\bLDL\b")}
+
+
+def _occupancy(registers: int, shared: int, warps: int, arch: int) -> dict:
+    """Resident warps per SM as the register file and shared memory allow."""
+    limits = SM_LIMITS.get(arch, SM_LIMITS[90])
+    per_warp = -(-registers * 32 // limits["granularity"]) * limits["granularity"]
+    by_registers = limits["registers"] // max(1, per_warp * warps)
+    by_shared = limits["shared"] // shared if shared else 10**9
+    by_threads = limits["threads"] // (32 * warps)
+    blocks = min(by_registers, by_shared, by_threads)
+    return {"blocks_per_sm": blocks, "warps_per_sm": blocks * warps,
+            "occupancy": blocks * warps * 32 / limits["threads"]}
+
+
+def compile_launch(launch: dict, arch: int) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    options = {"num_warps": 4, "num_stages": 3} | launch["options"]
+    if launch["constants"].get("PRECISION") == "bf16x3-interpreted":  # what CUDA takes
+        launch = launch | {"constants": launch["constants"] | {"PRECISION": "bf16x3"}}
+    compiled = triton.compile(_source(launch), target=GPUTarget("cuda", arch, 32),
+                              options=options)
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    facts = _cubin_facts(compiled.asm["cubin"], tools)
+    shared = int(getattr(compiled.metadata, "shared", 0))
+    facts |= {"shared": shared, "num_warps": options["num_warps"]}
+    facts |= _occupancy(facts["registers"], shared, options["num_warps"], arch)
+    return facts
+
+
+def _label(launch: dict) -> str:
+    c = launch["constants"]
+    flags = [name.lower() for name in ("WRITE_OUT1", "HAS_VN", "HAS_VM", "SHIFT_ROWS",
+                                       "FROM_ROWS", "NORM_TERM") if c.get(name)]
+    tiles = "x".join(str(c[n]) for n in ("BLOCK_N", "BLOCK_M", "BLOCK", "BLOCK_D", "BLOCK_R")
+                     if n in c)
+    types = "/".join(sorted({a["pointer"] for a in launch["arguments"].values()
+                             if "pointer" in a and a["pointer"] in ("fp32", "bf16", "fp16",
+                                                                     "fp64")}))
+    precision = c.get("PRECISION", "").replace("-interpreted", "")
+    return f"{launch['kernel']} [{types}; {tiles}; {precision}; {' '.join(flags)}]"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability x 10")
+    parser.add_argument("--methods", nargs="+", default=["skyformer", "kernelized"])
+    parser.add_argument("--configs", nargs="+", default=["64:bfloat16", "32:float32",
+                                                         "128:bfloat16"],
+                        help="head_dim:dtype pairs")
+    parser.add_argument("--features", type=int, nargs="+", default=[128, 64],
+                        help="numbers of landmarks m")
+    parser.add_argument("--n", type=int, default=256, help="N of the recording run")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="write OUT.json and OUT.md (atomically)")
+    args = parser.parse_args(argv)
+    if os.environ.get(RECORD_ENV):  # the child: record and print the launches
+        print(json.dumps(_record_launches(json.loads(os.environ[RECORD_ENV]))))
+        return 0
+    import triton
+
+    rows, seen = [], {}
+    combos = [(method, config, m) for method in args.methods for config in args.configs
+              for m in (args.features if method != "kernelized" else args.features[:1])]
+    for method, config, m in combos:
+        head_dim, dtype = config.split(":")
+        spec = {"method": method, "head_dim": int(head_dim), "dtype": dtype,
+                "features": m, "n": args.n}
+        env = os.environ | {RECORD_ENV: json.dumps(spec), "TRITON_INTERPRET": "1"}
+        child = subprocess.run([sys.executable, __file__], env=env, capture_output=True,
+                               text=True, check=False)
+        if child.returncode != 0:
+            print(child.stderr[-2000:], file=sys.stderr)
+            return 1
+        launches = json.loads(child.stdout.strip().splitlines()[-1])
+        for launch in launches:
+            key = _launch_key(launch)
+            if key not in seen:
+                seen[key] = compile_launch(launch, args.arch)
+            rows.append({"method": method, "m": m if method != "kernelized" else "-",
+                         "head_dim": int(head_dim), "dtype": dtype,
+                         "kernel": _label(launch)} | seen[key])
+    unique = []
+    for row in rows:  # one line per (method, config, distinct kernel), launches counted
+        match = next((u for u in unique if all(u[k] == row[k] for k in
+                                                ("method", "m", "head_dim", "dtype",
+                                                 "kernel"))),
+                     None)
+        if match:
+            match["launches"] += 1
+        else:
+            unique.append(row | {"launches": 1})
+    header = (f"Triton {triton.__version__}, sm_{args.arch}, forward + backward of each "
+              "method with kernel=\"triton\"; registers per thread, spilled bytes a "
+              "thread, spill stores / loads, MMA and EX2 instructions in the compiled "
+              "code (static counts of loop bodies: compare them only between equal tiles), "
+              "shared memory, resident warps per SM (0: the kernel cannot launch)")
+    table = [header, "",
+             "| method | m | D | dtype | kernel | launches | warps | regs | spill B | STL/LDL "
+             "| MMA | EX2 | shared KiB | warps/SM |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for u in unique:
+        table.append(
+            f"| {u['method']} | {u['m']} | {u['head_dim']} | {u['dtype']} | {u['kernel']} | "
+            f"{u['launches']} | {u['num_warps']} | {u['registers']} | {u['stack']} | "
+            f"{u['spill_stores']}/{u['spill_loads']} | {u['mma']} | {u['exp2']} | "
+            f"{u['shared'] / 1024:.1f} | {u['warps_per_sm']} |")
+    text = "\n".join(table)
+    print(text)
+    if args.out is not None:
+        from skyformer.io import atomic_write_text
+
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(args.out.with_suffix(".json"), json.dumps(
+            {"triton": triton.__version__, "arch": args.arch, "rows": unique}, indent=1))
+        atomic_write_text(args.out.with_suffix(".md"), text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

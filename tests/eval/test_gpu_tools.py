@@ -1,0 +1,74 @@
+"""benchmarks/gpu_profile.py and benchmarks/triton_resources.py on the CPU (tiny shapes):
+the tools the GPU measurement depends on run, and say so where they cannot."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"{name}_benchmark", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_profile_summarises_every_method_on_the_cpu(tmp_path):
+    gpu_profile = _load("gpu_profile")
+    out = tmp_path / "profile"
+    assert gpu_profile.main(["--device", "cpu", "--shape", "1,2,8,float32", "--seq-lens", "32",
+                             "--features", "8", "--iterations", "1", "--top", "3",
+                             "--out", str(out)]) == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert {row["method"] for row in result["rows"]} == set(gpu_profile.METHODS)
+    for row in result["rows"]:
+        assert row["wall_ms"] > 0 and row["launches"] >= 1 and 0 <= row["idle_share"] <= 1
+        assert 1 <= len(row["top"]) <= 3
+        assert sum(t["share"] for t in row["top"]) <= 1 + 1e-6
+    assert "| 32 | skyformer |" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_profile_without_cuda_says_how_to_check_the_script(capsys):
+    assert _load("gpu_profile").main(["--seq-lens", "32"]) == 2
+    assert "--device cpu" in capsys.readouterr().err
+
+
+def test_occupancy_follows_the_register_file_and_shared_memory():
+    resources = _load("triton_resources")
+    # 128 registers x 128 threads = 16K of the 64K registers: 4 blocks, 16 warps
+    assert resources._occupancy(128, 0, 4, 90)["warps_per_sm"] == 16
+    # 255 registers round up to 256 a thread: 2 blocks of 4 warps
+    assert resources._occupancy(255, 0, 4, 90)["warps_per_sm"] == 8
+    # 100 KiB of shared memory: 2 blocks on sm_90 (227 KiB), none past the limit
+    assert resources._occupancy(64, 100 * 1024, 4, 90)["blocks_per_sm"] == 2
+    assert resources._occupancy(64, 384 * 1024, 8, 90)["blocks_per_sm"] == 0
+
+
+def test_triton_resources_compiles_the_launches_for_an_h100(tmp_path):
+    """The kernels exact kernelized attention launches (recorded under the interpreter),
+    compiled for sm_90 by Triton's ptxas and read back: no GPU involved."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    out = tmp_path / "resources"
+    subprocess.run([sys.executable, str(BENCHMARKS / "triton_resources.py"), "--methods",
+                    "kernelized", "--configs", "16:float32", "--n", "32", "--features", "8",
+                    "--out", str(out)], env=env, check=True, capture_output=True, text=True)
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    kernels = {row["kernel"].split()[0] for row in rows}
+    assert kernels == {"_rows_kernel", "_cols_kernel"}  # forward, and both backward ones
+    for row in rows:
+        assert 16 <= row["registers"] <= 255 and row["mma"] > 0 and row["exp2"] > 0
+        assert row["warps_per_sm"] >= row["num_warps"]  # it can launch on an H100
