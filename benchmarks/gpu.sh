@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole GPU measurement (issue goals: tests on CUDA, kernels, bench, LRA), in one run
+# The whole GPU measurement (issue goals: tests on CUDA, profile, kernels, bench, LRA), in one run
 # on a CUDA machine from the repository root, in about 8 minutes on an H100:
 #   bash benchmarks/gpu.sh [OUT_DIR]     (default benchmarks/results/gpu)
 # Needs torch with CUDA and Triton; skyformer from src/ (no install needed).
@@ -16,6 +16,9 @@ if [ -z "${SKIP_TESTS:-}" ]; then
       tests/gpu tests/test_contract.py tests/linalg tests/sketch/test_triton_draws.py 2>&1 \
       | tail -3 | tee "$out/tests.txt"
 fi
+echo "+ Where the time goes: kernels, launches and idle time of one call (torch.profiler)"
+python3 benchmarks/gpu_profile.py --seq-lens 4096 16384 --out "$out/profile" \
+    2>&1 | grep -v Warning | tee "$out/profile.txt"
 echo "+ Triton kernels vs PyTorch path vs flash SDPA, eager and compiled"
 python3 benchmarks/gpu_kernels.py --seq-lens 1024 2048 4096 8192 16384 32768 \
     --compile-seq-lens 4096 --max-exact-n 8192 --out "$out/kernels.json" \

@@ -13,9 +13,10 @@ and peak memory (``torch.cuda.max_memory_allocated``) of
 
 and the speed of light of each (matmul FLOPs of the method at the matmul rate measured
 in the same run, ``skyformer.eval.measure.flops``); then the m x m core alone: the
-landmark block and its Lemma 3 inverse, forward + backward, by the PyTorch path (about
-130 launches) and by the one-launch Triton kernels (``linalg/triton_lemma3.py``), at
-each shape's B x H.
+landmark block and its Lemma 3 inverse by the PyTorch path (about 130 launches forward
++ backward) and by the one-launch Triton kernels (``linalg/triton_lemma3.py``), at each
+shape's B x H, at 64 landmarks and at ``--features``, forward alone and forward +
+backward.
 Writes JSON to ``--out``.
 
     python benchmarks/gpu_kernels.py --out benchmarks/results/gpu_kernels.json
@@ -102,28 +103,34 @@ def _matmul_rate() -> dict[str, float]:
 
 
 def _core_rows(batch: int, heads: int, m: int, repeats: int) -> list[dict]:
-    """Forward + backward of ``landmark_inverse`` (C(X, X) and its Lemma 3 inverse) for
-    float32 landmark rows ``[batch, heads, m, 64]``, PyTorch path against the Triton
-    kernels."""
+    """``landmark_inverse`` (C(X, X) and its Lemma 3 inverse) for float32 landmark rows
+    ``[batch, heads, m, 64]``, PyTorch path against the Triton kernels: forward alone,
+    and forward + backward (which takes the kernels only up to
+    ``lemma3_triton.MAX_M_BACKWARD`` landmarks, PyTorch above)."""
     from skyformer.linalg import half_sq_norm, landmark_inverse
 
     x = (0.15 * torch.randn(batch, heads, m, 64, device="cuda")).requires_grad_(True)
     grad = torch.randn(batch, heads, m, m, device="cuda")
 
-    def run(kernel):
+    def run(kernel, backward):
         def step():
             x.grad = None
-            landmark_inverse(x, half_sq_norm(x), gamma=0.1, kernel=kernel).backward(grad)
+            if backward:
+                landmark_inverse(x, half_sq_norm(x), gamma=0.1, kernel=kernel).backward(grad)
+            else:
+                with torch.no_grad():
+                    landmark_inverse(x, half_sq_norm(x), gamma=0.1, kernel=kernel)
         return step
 
-    calls = {f"core/{kernel}": run(kernel) for kernel in ("torch", "triton")}
+    calls = {f"core/{kernel}/{'fwd+bwd' if backward else 'fwd'}": run(kernel, backward)
+             for backward in (False, True) for kernel in ("torch", "triton")}
     times = interleaved_median_seconds(calls, device="cuda", warmup=3, repeats=repeats)
     rows = []
     for name in calls:
+        base = name.replace("triton", "torch")
         rows.append({"shape": f"{batch},{heads},m={m}", "call": name,
-                     "ms": times[name] * 1e3,
-                     "vs_torch": times["core/torch"] / times[name]})
-        print(f"{rows[-1]['shape']:18s} {name:18s} {rows[-1]['ms']:9.3f} ms "
+                     "ms": times[name] * 1e3, "vs_torch": times[base] / times[name]})
+        print(f"{rows[-1]['shape']:18s} {name:22s} {rows[-1]['ms']:9.3f} ms "
               f"{rows[-1]['vs_torch']:7.2f}x the PyTorch core", flush=True)
     return rows
 
@@ -186,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     core = []
     for spec in args.shapes:
         b, h, _, _ = spec.split(",")
-        core += _core_rows(int(b), int(h), args.features, args.repeats)
+        for m in sorted({64, args.features}):
+            core += _core_rows(int(b), int(h), m, args.repeats)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "features": args.features, "matmul_flops_per_s": rate, "rows": rows,
               "core": core}

@@ -2,11 +2,13 @@
 
 Forward + backward of Skyformer, ``nystrom_softmax`` and ``skyformer_adaptive`` with the
 products and landmark draws on Triton (run through Triton's interpreter here), once
-with the m x m core on the PyTorch path and once as the one-launch Triton kernels
-(``linalg/lemma3_triton.py``). Counted with a dispatch mode: views, allocations and
-copies are left out, and so are the CPU-only subnormal flush and finiteness checks
-(a CUDA call does not run them). Raw Triton launches are not dispatched operations:
-the draws add one launch per side, the core one per pass.
+with the m x m core on the PyTorch path and once as the library chooses it: the
+one-launch Triton kernels (``linalg/lemma3_triton.py``) up to ``MAX_M_BACKWARD``
+landmarks, the PyTorch path above (where the backward kernel does not fit an SM).
+Counted with a dispatch mode: views, allocations and copies are left out, and so are
+the CPU-only subnormal flush and finiteness checks (a CUDA call does not run them).
+Raw Triton launches are not dispatched operations: the draws add one launch per side,
+the core one per pass.
 
     python benchmarks/launch_counts.py [--out FILE.md]
 """
@@ -62,17 +64,18 @@ def count(method: str, b: int, h: int, n: int, d: int, m: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="4,16,256,64", help="B,H,N,D")
-    parser.add_argument("--features", type=int, default=128)
+    parser.add_argument("--features", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     b, h, n, d = map(int, args.shape.split(","))
-    lines = [f"B={b}, H={h}, N={n}, D={d}, m={args.features}, forward + backward", "",
-             "| | PyTorch core | Triton core |", "|---|---|---|"]
+    lines = [f"B={b}, H={h}, N={n}, D={d}, forward + backward", "",
+             "| | m | PyTorch core | as chosen |", "|---|---|---|---|"]
     for method in ("skyformer", "nystrom_softmax", "skyformer_adaptive"):
-        with mock.patch.object(nystrom, "fused_lemma3_applies", lambda *_: False):
-            pytorch_core = count(method, b, h, n, d, args.features)
-        fused_core = count(method, b, h, n, d, args.features)
-        lines.append(f"| `{method}` | {pytorch_core} | {fused_core} |")
+        for m in args.features:
+            with mock.patch.object(nystrom, "fused_lemma3_applies", lambda *_: False):
+                pytorch_core = count(method, b, h, n, d, m)
+            chosen = count(method, b, h, n, d, m)
+            lines.append(f"| `{method}` | {m} | {pytorch_core} | {chosen} |")
     text = "\n".join(lines) + "\n"
     print(text, end="")
     if args.out:
