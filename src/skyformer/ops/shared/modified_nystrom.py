@@ -52,8 +52,9 @@ class NystromOptions:
         and half CUDA inputs when Triton is installed, else PyTorch), ``"torch"`` or
         ``"triton"`` (``linalg.kernel_backend``); the landmark draw (one Triton kernel
         per side on eager CUDA tensors, the same landmarks, ``sketch.landmarks``) and
-        the m x m core (C(X_S, X_S) and its Lemma 3 inverse in one launch,
-        ``linalg.lemma3_triton``) follow it.
+        the m x m core (C(X_S, X_S) and its Lemma 3 inverse in one launch, up to
+        m = 128, or 64 for a call that is differentiated, ``linalg.lemma3_triton``)
+        follow it.
     """
 
     num_features: int = 128
