@@ -191,6 +191,29 @@ def test_the_backward_kernel_is_taken_up_to_the_size_it_fits(m, fused_with_grad)
     assert ("skyformer::lemma3_inverse_backward" in calls.names) == fused_with_grad
 
 
+def test_a_gradient_the_forward_did_not_foresee_never_reaches_the_backward_kernel():
+    """Inside vmap a batched tensor does not say it requires a gradient, so the forward
+    kernel is taken at m = 96; the backward pass still takes PyTorch there."""
+    x, live = _rows(2, 3, 96, 8, torch.float32, "cpu")
+    norm = torch.where(live[:, None, :], half_sq_norm(x), float("inf"))
+    weights = torch.randn(2, 3, 96, 96, generator=torch.Generator().manual_seed(3))
+
+    def mapped(rows):
+        return torch.func.vmap(lambda r, n, lv: landmark_inverse(
+            r[None], n[None], gamma=GAMMA, live=lv[None], kernel="triton")[0])(
+            rows, norm, live)
+
+    leaf = x.clone().requires_grad_(True)
+    with _Calls() as calls:
+        (mapped(leaf) * weights).sum().backward()
+    assert "skyformer::lemma3_inverse_forward" in calls.names
+    assert "skyformer::lemma3_inverse_backward" not in calls.names
+    ref = x.clone().requires_grad_(True)
+    (landmark_inverse(ref, norm, gamma=GAMMA, live=live, kernel="torch") * weights).sum() \
+        .backward()
+    assert relative_error(leaf.grad, ref.grad) < 2e-4
+
+
 def test_more_landmarks_than_the_kernel_holds_take_pytorch():
     mat, live = _landmark_matrix(1, 1, 130, torch.float32, "cpu", dead=False)
     with _Calls() as calls:

@@ -37,11 +37,15 @@ CORE_FALLBACK = KernelFallback(
 
 
 def fused_lemma3_applies(kernel: str, source: Tensor, size: int, pinv: str, init: str,
-                         iterations: int) -> bool:
+                         iterations: int, norm: Tensor | None = None) -> bool:
     """Whether the Lemma 3 inverse of ``size`` landmarks, given as ``source`` (their
-    matrix ``[..., m, m]`` or rows ``[..., m, D]``), runs as the Triton kernels."""
+    matrix ``[..., m, m]`` or rows ``[..., m, D]`` with half squared norms ``norm``),
+    runs as the Triton kernels. A gradient that is asked for all the same (inside
+    ``torch.func.vmap`` a batched tensor does not say it requires one) is computed by
+    the PyTorch path above ``MAX_M_BACKWARD`` (``TritonLemma3Inverse.backward``)."""
     check_kernel(kernel)
-    differentiated = torch.is_grad_enabled() and source.requires_grad
+    differentiated = torch.is_grad_enabled() and (
+        source.requires_grad or (norm is not None and norm.requires_grad))
     largest = MAX_M_BACKWARD if differentiated else MAX_M
     if pinv != "iterative" or init != "identity" or iterations < 1 \
             or max(size, source.shape[-1]) > largest or source.numel() == 0:
@@ -119,7 +123,10 @@ class TritonLemma3Inverse(torch.autograd.Function):
                 grads = torch.autograd.grad(w, leaves, grad)
             return grads[0], (grads[1] if norm is not None else None)
 
-        dsource, dnorm = CORE_FALLBACK.run(ctx.auto, launch, by_pytorch)
+        if m > MAX_M_BACKWARD:  # the backward kernel does not fit an SM (MAX_M_BACKWARD)
+            dsource, dnorm = by_pytorch()
+        else:
+            dsource, dnorm = CORE_FALLBACK.run(ctx.auto, launch, by_pytorch)
         return (dsource.reshape(source.shape),
                 None if dnorm is None else dnorm.reshape(norm.shape), None, None, None)
 
