@@ -206,3 +206,29 @@ def test_triton_on_cpu_without_interpreter_says_how(monkeypatch):
     q = torch.randn(1, 1, 8, 4)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         skyformer.attention(q, q, q, "skyformer", kernel="triton")
+
+
+def test_the_products_precision_follows_the_rows_dtype_the_gpu_and_the_interpreter(monkeypatch):
+    """bf16x3 for half rows on GPUs with bfloat16 tensor cores, its float32 form under
+    the interpreter (whose bfloat16 tl.dot is wrong) whatever the tensors' device,
+    tf32x3 / tf32 for float32 rows by PyTorch's matmul precision, IEEE for float64."""
+    from skyformer.linalg import triton_kernels
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert triton_kernels._precision(torch.float32, torch.bfloat16, cuda) == \
+        "bf16x3-interpreted"
+    assert triton_kernels._precision(torch.float32, torch.float32, cuda) == "tf32x3"
+    assert triton_kernels._precision(torch.float64, torch.float64, cuda) == "ieee"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for capability, expected in (((9, 0), "bf16x3"), ((8, 0), "bf16x3"), ((7, 5), "tf32x3")):
+        monkeypatch.setattr(triton_kernels, "_capability", lambda index, c=capability: c)
+        assert triton_kernels._precision(torch.float32, torch.float16, cuda) == expected
+    monkeypatch.setattr(triton_kernels, "_capability", lambda index: (9, 0))
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        assert triton_kernels._precision(torch.float32, torch.float32, cuda) == "tf32"
+        assert triton_kernels._precision(torch.float32, torch.bfloat16, cuda) == "bf16x3"
+    finally:
+        torch.set_float32_matmul_precision(previous)

@@ -39,6 +39,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .kernel_backend import interpreter_on
+
 
 @triton.jit
 def _split_bf16(a):
@@ -57,7 +59,7 @@ def _mm(a, b, PRECISION: tl.constexpr, FMA: tl.constexpr):
     2^-16), written out here so that every Triton version compiles it the same way.
     ``"bf16x3-interpreted"``: the same parts multiplied as float32 values (exact, as
     the tensor cores do), for Triton's interpreter, whose bfloat16 ``tl.dot`` is wrong
-    (Triton 3.9: errors of 1e10 on a 16 x 16 product of unit entries)."""
+    (Triton 3.9: two 16 x 16 tiles of ones give 4.2e9 for 16)."""
     if FMA:
         return tl.sum(a[:, :, None] * b[None, :, :], axis=1)
     elif PRECISION == "bf16x3":
@@ -233,20 +235,24 @@ def _precision(dtype: torch.dtype, rows: torch.dtype | None = None,
     Float32 from half-precision rows: ``"bf16x3"`` (three bfloat16 products, relative
     error about 2^-16, far below the half type's own 2^-9, at a third of the tensor-core
     time of tf32x3 and half its registers and shared memory), on GPUs with bfloat16
-    tensor cores (compute capability 8.0 on). Float32 otherwise: three TF32 passes
-    (about float32's accuracy) at PyTorch's default matmul precision "highest", one TF32
-    pass where PyTorch allows TF32 ("high", "medium"). Float64 is exact (IEEE)."""
+    tensor cores (compute capability 8.0 on), whatever PyTorch's float32 matmul
+    precision; under Triton's interpreter ``"bf16x3-interpreted"`` (``_mm``). Float32
+    otherwise: three TF32 passes (about float32's accuracy) at PyTorch's default matmul
+    precision "highest", one TF32 pass where PyTorch allows TF32 ("high", "medium").
+    Float64 is exact (IEEE)."""
     if dtype != torch.float32:
         return "ieee"
-    if rows in (torch.bfloat16, torch.float16) and _has_bf16_tensor_cores(device):
-        return "bf16x3" if device is not None and device.type == "cuda" \
-            else "bf16x3-interpreted"
+    if rows in (torch.bfloat16, torch.float16):
+        if interpreter_on():  # whatever the tensors' device: the kernels run on the CPU
+            return "bf16x3-interpreted"
+        if _has_bf16_tensor_cores(device):
+            return "bf16x3"
     return "tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
 def _has_bf16_tensor_cores(device: torch.device | None) -> bool:
     if device is None or device.type != "cuda":
-        return True  # the interpreter: products of the parts in float32
+        return False
     return _capability(device.index if device.index is not None else
                        torch.cuda.current_device()) >= (8, 0)
 
@@ -266,8 +272,9 @@ def _exclude_args(exclude: Tensor | None, like: Tensor) -> tuple[Tensor, int, in
 # and come from L2; software pipelining doubled or tripled the shared memory, which held
 # a program to one per SM). Chosen from the registers, spills and shared memory of the
 # compiled kernels (benchmarks/triton_resources.py, sm_90): with these no kernel spills
-# at head dims <= 64 with half inputs or D <= 32 in float32, where 64 x 64 tiles with
-# three stages spilled up to 700 bytes a thread in the backward kernels.
+# at head dim 64 with half inputs (bf16x3), and at D = 32 in float32 one kernel spills
+# 32 bytes a thread, where 64 x 64 tiles with three stages spilled 536-632 bytes (half
+# inputs, D = 64) and 144-160 (float32, D = 32) in the backward kernels.
 STAGES = 1
 
 
