@@ -69,26 +69,38 @@ def test_sdpa_entry_point_and_autocast_on_cuda(method):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("variant", ["plain", "padded", "causal"])
+@pytest.mark.parametrize("variant", ["plain", "padded", "causal", "bool_mask"])
 def test_exact_kernelized_takes_the_fused_sdpa_kernels(dtype, variant):
     """The augmentation's head dim is a multiple of 8, so SDPA's memory-efficient kernel
-    (float32) and flash kernel (bfloat16) accept it; with only those backends allowed a
-    fall-back to the math backend (the [N, N] matrix) would raise."""
+    (float32, and any call with a mask) and flash kernel (bfloat16) accept it; with only
+    those backends allowed, a fall-back to the math backend (the [N, N] matrix) would
+    raise. Outputs and gradients against float64 on the CPU."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    backend = SDPBackend.FLASH_ATTENTION if dtype == torch.bfloat16 \
-        else SDPBackend.EFFICIENT_ATTENTION
-    q, k, v = (t.to("cuda", dtype).requires_grad_(True)
-               for t in make_qkv(2, 4, 300, 64, dtype=torch.float32, seed=5))
+    if dtype == torch.float32 or variant == "bool_mask":  # flash takes neither
+        backends = [SDPBackend.EFFICIENT_ATTENTION]
+    else:
+        backends = [SDPBackend.FLASH_ATTENTION]
+    q, k, v = make_qkv(2, 4, 300, 64, dtype=torch.float64, seed=5)
+    options = {"causal": variant == "causal"}
     mask = None
     if variant == "padded":
-        mask = torch.ones(2, 300, dtype=torch.bool, device="cuda")
+        mask = torch.ones(2, 300, dtype=torch.bool)
         mask[1, 211:] = False
-    with sdpa_kernel([backend]):
-        out = skyformer.kernelized_attention(q, k, v, key_padding_mask=mask,
-                                             causal=variant == "causal")
-        out.float().sum().backward()
-    exact = skyformer.kernelized_attention(
-        *(t.detach().double().cpu() for t in (q, k, v)),
-        key_padding_mask=None if mask is None else mask.cpu(), causal=variant == "causal")
-    assert relative_error(out, exact) < TOLERANCES[dtype]
+    if variant == "bool_mask":
+        options["attn_mask"] = torch.rand(300, 300, generator=gen(2)) > 0.2
+    weights = torch.randn(2, 4, 300, 64, generator=gen(7), dtype=torch.float64)
+    leaves = [t.to("cuda", dtype).requires_grad_(True) for t in (q, k, v)]
+    with sdpa_kernel(backends):
+        out = skyformer.kernelized_attention(
+            *leaves, key_padding_mask=None if mask is None else mask.cuda(),
+            **{key: (val.cuda() if isinstance(val, torch.Tensor) else val)
+               for key, val in options.items()})
+        (out.double() * weights.cuda()).sum().backward()
+    exact_leaves = [t.requires_grad_(True) for t in (q, k, v)]
+    exact = skyformer.kernelized_attention(*exact_leaves, key_padding_mask=mask, **options)
+    (exact * weights).sum().backward()
+    tol = TOLERANCES[dtype]
+    assert relative_error(out, exact) < tol
+    for name, got, want in zip("qkv", leaves, exact_leaves, strict=True):
+        assert relative_error(got.grad, want.grad) < 5 * tol, f"gradient of {name}"

@@ -153,3 +153,31 @@ def test_bfloat16_makes_no_float32_copy_with_n_rows_and_d_columns():
     with Float32Tensors() as seen:
         skyformer.attention(q.half(), k.half(), v.half(), "kernelized")
     assert max(seen.widths) == 24  # float16: the augmentation in float32 (16 + 4 -> 24)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padding_holds_at_any_scale(dtype):
+    """The padding logit MASKED_LOGIT / s is clamped to the float range for tiny s (it
+    overflowed float32 below s ~ 3e-33), and padded value rows are zero."""
+    q, k, v = make_qkv(2, 2, 12, 8, dtype=torch.float32, seed=4)
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[1, 5:] = False
+    for s in (1e-40, 1e-33, 1e-3, 30.0):
+        out = kernelized_attention(q.to(dtype), k.to(dtype), v.to(dtype),
+                                   key_padding_mask=mask, scale=s)
+        ref = reference_kernelized_attention(*(t.to(dtype).double() for t in (q, k, v)),
+                                             key_padding_mask=mask, scale=s)
+        assert torch.isfinite(out).all()
+        assert relative_error(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_a_float_mask_with_bfloat16_inputs_is_not_rounded_to_bfloat16():
+    """An additive float mask (ALiBi / T5-style biases reach ~20) would lose ~2^-9 of
+    its size in bfloat16: bfloat16 inputs with a float mask are computed in float32."""
+    q, k, v = (t.to(torch.bfloat16) for t in make_qkv(1, 2, 30, 16, dtype=torch.float32,
+                                                         seed=6))
+    bias = 20 * torch.rand(30, 30, generator=torch.Generator().manual_seed(0))
+    out = kernelized_attention(q, k, v, attn_mask=bias)
+    exact = kernelized_attention(q.double(), k.double(), v.double(), attn_mask=bias.double())
+    assert out.dtype == torch.bfloat16
+    assert relative_error(out, exact) < 5e-3  # the output's rounding (bfloat16 mask: 0.04)

@@ -75,7 +75,8 @@ def kernelized_attention(
     Returns:
         ``[B, H, Nq, Dv]`` in the dtype of ``q``; rows of padded queries
         (self-attention) are zero. bfloat16 goes through SDPA's fused kernels as it is
-        (float32 sums, the norms split hi + lo); float16 is computed in float32.
+        (float32 sums, the norms split hi + lo); float16, and bfloat16 with a float
+        ``attn_mask``, are computed in float32.
     """
     info = check_attention_inputs(q, k, v, key_padding_mask, method="kernelized",
                                   query_padding_mask=query_padding_mask)
@@ -101,8 +102,11 @@ def kernelized_attention(
         return zero_padded_queries(out, info.query_valid).to(dtype)
     bias = None
     if attn_mask is not None:
+        if attn_mask.is_floating_point() and dtype == torch.bfloat16:
+            # a float mask rounded to bfloat16 would shift logits by ~2^-9 |mask|
+            q, k, v = q.float(), k.float(), v.float()
         bias = attention_bias(attn_mask, None, causal, info.query_len, info.key_len,
-                              fused_dtype(dtype), "kernelized")
+                              fused_dtype(q.dtype), "kernelized")
     out = kernelized_by_sdpa(q, k, v, scale * scale, key_valid=info.key_valid, bias=bias,
                              causal=causal)
     return zero_padded_queries(out, info.query_valid).to(dtype)

@@ -32,9 +32,17 @@ Why this shape:
   which forms the [N, N] matrix (66 GiB at B = 4, H = 16, N = 8192).
 - bfloat16 inputs stay bfloat16 (flash attention on CUDA: the weights are rounded to
   bfloat16 before the product with V, as in SDPA itself); float16 is computed in float32,
-  since |k|^2/2 and the padding logit can exceed float16's largest number (65504).
+  since |k|^2/2 and the padding logit can exceed float16's largest number (65504); so is
+  bfloat16 with a float ``attn_mask`` (``kernelized.py``), which would be rounded to 8
+  bits (a bias of ~20 by ~0.04). A mask makes CUDA's SDPA take its memory-efficient
+  kernel (flash takes none), and head dims above 252 (width > 256) do too.
+- At D = 64 the width is 72: FlashAttention-2 rounds head dims up to a multiple of 32,
+  so it likely runs its 96 kernel, about 1.5x the products of D = 64 (read from its
+  dispatch rules, not measured).
 
-Padded keys carry ``MASKED_LOGIT / s`` in the bias slot (weight exp(-1e6) = 0).
+Padded keys carry ``MASKED_LOGIT / s`` in the bias slot (weight exp(-1e6) = 0; the
+value is clamped for tiny s, and padded value rows are zero, which keeps them out of
+C V exactly since the normaliser cancels in O[:Dv] / O[Dv]).
 Causal masking prepends the extra key and one dummy query, so that SDPA's causal mask
 lets query i see the extra key and keys 0..i.
 """
@@ -90,11 +98,15 @@ def augmented_inputs(
     width = augmented_width(q.shape[-1], v.shape[-1])
     a_hi, a_lo = split_hi_lo(half_sq_norm(q.to(norm_dtype)), dtype)
     bias = -half_sq_norm(k.to(norm_dtype))
-    k = k.to(dtype)
+    k, v = k.to(dtype), v.to(dtype)
     if key_valid is not None:
         valid = key_valid[:, None, :]
-        bias = torch.where(valid, bias, MASKED_LOGIT / scale)
-        k = k * valid[..., None].to(dtype)
+        # the logit s * masked <= MASKED_LOGIT for every scale down to ~1e-32; below
+        # that the zero value rows still keep padded keys out of C V exactly
+        masked = max(MASKED_LOGIT / scale, -torch.finfo(norm_dtype).max / 4)
+        bias = torch.where(valid, bias, masked)
+        k = torch.where(valid[..., None], k, 0.0)
+        v = torch.where(valid[..., None], v, 0.0)
     b_hi, b_lo = split_hi_lo(bias, dtype)
     q_aug = torch.cat([q.to(dtype), torch.ones_like(a_hi[..., None]).expand(*a_hi.shape, 2),
                        a_hi[..., None], a_lo[..., None]], dim=-1)
@@ -106,7 +118,7 @@ def augmented_inputs(
     extra_key[..., d + 2 : d + 4] = 1.0
     extra_value = torch.zeros(b, h, 1, width, dtype=dtype, device=q.device)
     extra_value[..., dv] = 1.0
-    return (_pad_to(q_aug, width), _pad_to(k_aug, width), _pad_to(v.to(dtype), width),
+    return (_pad_to(q_aug, width), _pad_to(k_aug, width), _pad_to(v, width),
             extra_key, extra_value)
 
 
