@@ -1,9 +1,10 @@
 """Where the time of one attention call goes on a GPU: kernels, launches, idle time.
 
-For each method and N, one forward + backward is profiled (``torch.profiler``, after a
-warm-up) and summarised: the wall time of the call, the time the GPU spent in kernels
-(busy), their number (launches), the idle share (1 - busy / wall: the part that
-launch overhead and host-side work cost), and the kernels that took the most time.
+For each method and N, one forward + backward is timed (median wall time, synchronised,
+without the profiler) and profiled (``torch.profiler``, after a warm-up) and
+summarised: the wall time of the call, the time the GPU spent in kernels (busy), their
+number (launches), the idle share (1 - busy / wall: the part that launch overhead and
+host-side work cost), and the kernels that took the most time.
 This is what decides the next optimisation: a launch-bound call needs fewer or
 captured launches (CUDA graphs), a busy one faster kernels.
 
@@ -45,17 +46,30 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def wall_seconds(fn, device: torch.device, iterations: int) -> float:
+    """Median wall time of one call of ``fn``, synchronised, without the profiler (whose
+    per-operation overhead would inflate exactly the host-bound time measured here)."""
+    times = []
+    for _ in range(iterations):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
 def profile_call(fn, device: torch.device, iterations: int, top: int) -> dict:
-    """Profile ``iterations`` calls of ``fn`` (already warm); per-call figures."""
+    """Profile ``iterations`` calls of ``fn`` (already warm); per-call figures, the wall
+    time measured apart from the profile."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
                                            if device.type == "cuda" else [])
+    wall = wall_seconds(fn, device, max(3, iterations))
     _sync(device)
     with profile(activities=activities) as prof:
-        start = time.perf_counter()
         for _ in range(iterations):
             fn()
         _sync(device)
-        wall = (time.perf_counter() - start) / iterations
     kernels: dict[str, list[float]] = collections.defaultdict(list)
     for event in prof.events():
         on_device = device.type == "cuda" and str(event.device_type).endswith("CUDA")

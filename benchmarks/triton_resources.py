@@ -1,12 +1,12 @@
 """What the GPU compiler makes of the Triton kernels, read without a GPU.
 
-Registers per thread, spilled bytes, shared memory, the resulting occupancy, and the
-tensor-core (MMA), exponential (MUFU.EX2) and spill (STL / LDL) instructions of each
-Triton kernel that Skyformer and exact kernelized attention launch, compiled ahead of
-time for a GPU architecture (default sm_90, the H100) by Triton's own ``ptxas`` and
-read back with ``cuobjdump``. Nothing runs on a GPU: these are properties of the
-compiled code (a spill or a low occupancy shows up here before a device measures it),
-not times.
+Registers per thread, stack frame bytes (spilled registers), shared memory, the
+resulting occupancy, and the tensor-core (MMA), exponential (MUFU.EX2) and spill
+(STL / LDL) instructions of each Triton kernel that Skyformer and exact kernelized
+attention launch, compiled ahead of time for a GPU architecture (default sm_90, the
+H100) by Triton's own ``ptxas`` and read back with ``cuobjdump``. Nothing runs on a
+GPU: these are properties of the compiled code (a spill or a low occupancy shows up
+here before a device measures it), not times.
 
 Two steps: the calls run once on the CPU under Triton's interpreter at a small N and
 record every kernel launch (kernel, argument dtypes, compile-time constants, warps:
@@ -155,7 +155,8 @@ def _cubin_facts(cubin: bytes, tools: Path) -> dict:
 
 
 def _occupancy(registers: int, shared: int, warps: int, arch: int) -> dict:
-    """Resident warps per SM as the register file and shared memory allow."""
+    """Resident warps per SM as the register file and shared memory allow (the 1 KiB
+    the driver reserves per block is left out: an edge case can be one block off)."""
     limits = SM_LIMITS.get(arch, SM_LIMITS[90])
     per_warp = -(-registers * 32 // limits["granularity"]) * limits["granularity"]
     by_registers = limits["registers"] // max(1, per_warp * warps)
@@ -185,8 +186,8 @@ def compile_launch(launch: dict, arch: int) -> dict:
 
 def _label(launch: dict) -> str:
     c = launch["constants"]
-    flags = [name.lower() for name in ("WRITE_OUT1", "HAS_VN", "HAS_VM", "SHIFT_ROWS",
-                                       "FROM_ROWS", "NORM_TERM") if c.get(name)]
+    flags = [name.lower() for name, value in c.items()
+             if value is True and name not in ("HAS_A", "HAS_B")]
     tiles = "x".join(str(c[n]) for n in ("BLOCK_N", "BLOCK_M", "BLOCK", "BLOCK_D", "BLOCK_R")
                      if n in c)
     types = "/".join(sorted({a["pointer"] for a in launch["arguments"].values()
@@ -200,9 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10")
     parser.add_argument("--methods", nargs="+", default=["skyformer", "kernelized"])
-    parser.add_argument("--configs", nargs="+", default=["64:bfloat16", "32:float32",
-                                                         "128:bfloat16"],
-                        help="head_dim:dtype pairs")
+    parser.add_argument("--configs", nargs="+", default=["64:bfloat16", "32:float32"],
+                        help="head_dim:dtype pairs (default: the model and LRA shapes)")
     parser.add_argument("--features", type=int, nargs="+", default=[128, 64],
                         help="numbers of landmarks m")
     parser.add_argument("--n", type=int, default=256, help="N of the recording run")
@@ -212,6 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get(RECORD_ENV):  # the child: record and print the launches
         print(json.dumps(_record_launches(json.loads(os.environ[RECORD_ENV]))))
         return 0
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        # compiling needs Triton's JIT functions, which the interpreter replaces
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        return subprocess.run([sys.executable, __file__, *sys.argv[1:]] if argv is None
+                              else [sys.executable, __file__, *argv], env=env).returncode
     import triton
 
     rows, seen = [], {}
@@ -234,24 +239,27 @@ def main(argv: list[str] | None = None) -> int:
                 seen[key] = compile_launch(launch, args.arch)
             rows.append({"method": method, "m": m if method != "kernelized" else "-",
                          "head_dim": int(head_dim), "dtype": dtype,
-                         "kernel": _label(launch)} | seen[key])
+                         "kernel": _label(launch), "key": key} | seen[key])
     unique = []
-    for row in rows:  # one line per (method, config, distinct kernel), launches counted
+    for row in rows:  # one line per (method, config, distinct compiled kernel)
         match = next((u for u in unique if all(u[k] == row[k] for k in
                                                 ("method", "m", "head_dim", "dtype",
-                                                 "kernel"))),
+                                                 "key"))),
                      None)
         if match:
             match["launches"] += 1
         else:
             unique.append(row | {"launches": 1})
+    for row in unique:
+        del row["key"]
     header = (f"Triton {triton.__version__}, sm_{args.arch}, forward + backward of each "
-              "method with kernel=\"triton\"; registers per thread, spilled bytes a "
-              "thread, spill stores / loads, MMA and EX2 instructions in the compiled "
-              "code (static counts of loop bodies: compare them only between equal tiles), "
+              "method with kernel=\"triton\"; registers per thread, stack frame bytes a "
+              "thread (where spilled registers go), spill stores / loads, MMA and EX2 "
+              "instructions in the compiled code (static counts of loop bodies: compare "
+              "them only between equal tiles), "
               "shared memory, resident warps per SM (0: the kernel cannot launch)")
     table = [header, "",
-             "| method | m | D | dtype | kernel | launches | warps | regs | spill B | STL/LDL "
+             "| method | m | D | dtype | kernel | launches | warps | regs | stack B | STL/LDL "
              "| MMA | EX2 | shared KiB | warps/SM |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for u in unique:
