@@ -3,7 +3,8 @@
 Under ``torch.autocast`` SDPA casts its floating-point inputs to the autocast dtype and
 returns that dtype. Every method does the same: the inputs are cast, autocast is turned
 off inside the method (its own precision choices apply: the kernel methods compute half
-inputs in float32, and their fused products write into buffers of that dtype), and the
+inputs in float32, except exact kernelized attention, which hands bfloat16 to SDPA's
+fused kernels, and their fused products write into buffers of that dtype), and the
 output comes back in the autocast dtype. Outside autocast nothing changes.
 
 It is also where token budgets are capped by the sequence length (``capped``): the one
