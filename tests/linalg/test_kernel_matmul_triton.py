@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import skyformer
 from skyformer.linalg import gaussian_kernel_matmul
 from skyformer.linalg.kernel_backend import interpreter_on
 from tests.devices import devices, relative_error
+from tests.dispatch import Recorder
 
 pytest.importorskip("triton")
 
@@ -159,19 +159,14 @@ def test_methods_with_triton_kernels(device, method):
         torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-11)
 
 
-class _Float32Copies(TorchDispatchMode):
+def _float32_copies() -> Recorder:
     """Records the shapes of every conversion to float32."""
-
-    def __init__(self):
-        super().__init__()
-        self.shapes = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+    def conversion(func, args, out):
         if func.overloadpacket.__name__ in ("_to_copy", "to") and isinstance(out, torch.Tensor) \
                 and out.dtype == torch.float32 and args[0].dtype != torch.float32:
-            self.shapes.append(tuple(out.shape))
-        return out
+            return tuple(out.shape)
+        return None
+    return Recorder(conversion)
 
 
 @pytest.mark.parametrize("device", devices())
@@ -188,7 +183,7 @@ def test_bfloat16_makes_no_float32_copy_of_the_inputs(device, method):
     results = []
     for kernel in ("torch", "triton"):
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        with _Float32Copies() as copies:
+        with _float32_copies() as copies:
             out = skyformer.attention(*leaves, method, key_padding_mask=mask,
                                       kernel=kernel, num_features=m,
                                       generator=skyformer.random_key(2))
@@ -196,7 +191,7 @@ def test_bfloat16_makes_no_float32_copy_of_the_inputs(device, method):
         assert out.dtype == torch.bfloat16 and all(t.dtype == torch.bfloat16 for t in grads)
         results.append([out, *grads])
         if kernel == "triton":
-            assert not [s for s in copies.shapes if n in s], copies.shapes
+            assert not [s for s in copies.items if n in s], copies.items
     for a, e in zip(*results, strict=True):
         assert relative_error(a, e) < 2e-2
 

@@ -11,6 +11,7 @@ from skyformer.linalg import gaussian_scores
 from skyformer.ops.kernelized.naive import reference_kernelized_attention
 from tests.conftest import make_qkv
 from tests.devices import relative_error
+from tests.dispatch import Recorder
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -133,26 +134,18 @@ def test_bfloat16_keeps_float32_accuracy_in_the_exponent(variant):
 def test_bfloat16_makes_no_float32_copy_with_n_rows_and_d_columns():
     """Only the norms ([.., N]) and the final division are float32: q', k', v' are
     bfloat16 (half the memory of the float32 augmentation), float16 goes through float32."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Float32Tensors(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.widths = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.dim() == 4:
-                self.widths.append(out.shape[-1])
-            return out
+    def float32_width(func, args, out):
+        if isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.dim() == 4:
+            return out.shape[-1]
+        return None
 
     q, k, v = (t.to(torch.bfloat16) for t in make_qkv(1, 2, 50, 16, dtype=torch.float32))
-    with Float32Tensors() as seen:
+    with Recorder(float32_width) as seen:
         skyformer.attention(q, k, v, "kernelized")
-    assert max(seen.widths) <= 16  # the output before its cast, [.., N, Dv]
-    with Float32Tensors() as seen:
+    assert max(seen.items) <= 16  # the output before its cast, [.., N, Dv]
+    with Recorder(float32_width) as seen:
         skyformer.attention(q.half(), k.half(), v.half(), "kernelized")
-    assert max(seen.widths) == 24  # float16: the augmentation in float32 (16 + 4 -> 24)
+    assert max(seen.items) == 24  # float16: the augmentation in float32 (16 + 4 -> 24)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
