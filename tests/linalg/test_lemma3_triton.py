@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from skyformer.linalg import (
     gaussian_kernel_block,
@@ -22,6 +21,7 @@ from skyformer.linalg import (
 from skyformer.linalg.kernel_backend import interpreter_on
 from skyformer.ops.shared.nystrom_naive import naive_lemma3_inverse
 from tests.devices import devices, relative_error
+from tests.dispatch import Recorder
 
 pytest.importorskip("triton")
 
@@ -133,23 +133,18 @@ def test_fused_landmark_inverse_equals_the_equations(device, dtype, case):
 
 def test_rows_take_the_kernel_with_the_products():
     x, live = _rows(2, 2, 9, 8, torch.float32, "cpu")
-    with _Calls() as calls:
+    with _operator_names() as calls:
         _inverse_of_rows(x, live, "triton")
-    assert "skyformer::lemma3_inverse_forward" in calls.names
-    assert "aten::exp" not in calls.names  # C(X, X) formed in the kernel
-    with _Calls() as calls:
+    assert "skyformer::lemma3_inverse_forward" in calls.items
+    assert "aten::exp" not in calls.items  # C(X, X) formed in the kernel
+    with _operator_names() as calls:
         _inverse_of_rows(x, live, "torch")
-    assert "skyformer::lemma3_inverse_forward" not in calls.names
+    assert "skyformer::lemma3_inverse_forward" not in calls.items
 
 
-class _Calls(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.name())
-        return func(*args, **(kwargs or {}))
+def _operator_names() -> Recorder:
+    """Records the name of every operator dispatched (``.items``)."""
+    return Recorder(lambda func, args, out: func.name())
 
 
 @pytest.mark.parametrize("options, fused", [
@@ -160,12 +155,12 @@ class _Calls(TorchDispatchMode):
 ])
 def test_which_calls_take_the_kernel(options, fused):
     mat, live = _landmark_matrix(1, 2, 9, torch.float32, "cpu")
-    with _Calls() as calls:
+    with _operator_names() as calls:
         lemma3_inverse(mat, gamma=GAMMA, live=live, kernel="triton", **options)
-    assert ("skyformer::lemma3_inverse_forward" in calls.names) == fused
-    with _Calls() as calls:
+    assert ("skyformer::lemma3_inverse_forward" in calls.items) == fused
+    with _operator_names() as calls:
         lemma3_inverse(mat, gamma=GAMMA, live=live, kernel="torch", **options)
-    assert "skyformer::lemma3_inverse_forward" not in calls.names
+    assert "skyformer::lemma3_inverse_forward" not in calls.items
 
 
 def test_an_unknown_kernel_is_refused_whatever_the_other_options():
@@ -180,15 +175,15 @@ def test_the_backward_kernel_is_taken_up_to_the_size_it_fits(m, fused_with_grad)
     """Without a gradient the forward kernel takes m <= 128; a differentiated call takes
     the kernels only up to MAX_M_BACKWARD (the backward kernel's shared memory)."""
     mat, live = _landmark_matrix(1, 1, m, torch.float32, "cpu", dead=False)
-    with torch.no_grad(), _Calls() as calls:
+    with torch.no_grad(), _operator_names() as calls:
         w = lemma3_inverse(mat, gamma=GAMMA, live=live, kernel="triton")
-    assert "skyformer::lemma3_inverse_forward" in calls.names
+    assert "skyformer::lemma3_inverse_forward" in calls.items
     assert relative_error(w, _reference(mat, live, 6)) < 2e-4
-    with _Calls() as calls:
+    with _operator_names() as calls:
         w = lemma3_inverse(mat.requires_grad_(True), gamma=GAMMA, live=live, kernel="triton")
         w.sum().backward()
-    assert ("skyformer::lemma3_inverse_forward" in calls.names) == fused_with_grad
-    assert ("skyformer::lemma3_inverse_backward" in calls.names) == fused_with_grad
+    assert ("skyformer::lemma3_inverse_forward" in calls.items) == fused_with_grad
+    assert ("skyformer::lemma3_inverse_backward" in calls.items) == fused_with_grad
 
 
 def test_a_gradient_the_forward_did_not_foresee_never_reaches_the_backward_kernel():
@@ -204,10 +199,10 @@ def test_a_gradient_the_forward_did_not_foresee_never_reaches_the_backward_kerne
             rows, norm, live)
 
     leaf = x.clone().requires_grad_(True)
-    with _Calls() as calls:
+    with _operator_names() as calls:
         (mapped(leaf) * weights).sum().backward()
-    assert "skyformer::lemma3_inverse_forward" in calls.names
-    assert "skyformer::lemma3_inverse_backward" not in calls.names
+    assert "skyformer::lemma3_inverse_forward" in calls.items
+    assert "skyformer::lemma3_inverse_backward" not in calls.items
     ref = x.clone().requires_grad_(True)
     (landmark_inverse(ref, norm, gamma=GAMMA, live=live, kernel="torch") * weights).sum() \
         .backward()
@@ -216,9 +211,9 @@ def test_a_gradient_the_forward_did_not_foresee_never_reaches_the_backward_kerne
 
 def test_more_landmarks_than_the_kernel_holds_take_pytorch():
     mat, live = _landmark_matrix(1, 1, 130, torch.float32, "cpu", dead=False)
-    with _Calls() as calls:
+    with _operator_names() as calls:
         w = lemma3_inverse(mat, gamma=GAMMA, live=live, kernel="triton")
-    assert "skyformer::lemma3_inverse_forward" not in calls.names
+    assert "skyformer::lemma3_inverse_forward" not in calls.items
     assert relative_error(w, _reference(mat, live, 6)) < 1e-4
 
 
