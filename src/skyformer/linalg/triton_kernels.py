@@ -62,22 +62,24 @@ def _mm(a, b, PRECISION: tl.constexpr, FMA: tl.constexpr):
     (Triton 3.9: two 16 x 16 tiles of ones give 4.2e9 for 16)."""
     if FMA:
         return tl.sum(a[:, :, None] * b[None, :, :], axis=1)
-    elif PRECISION == "bf16x3":
+    elif PRECISION == "bf16x3" or PRECISION == "bf16x3-interpreted":
         a_hi, a_lo = _split_bf16(a)
         b_hi, b_lo = _split_bf16(b)
-        acc = tl.dot(a_lo, b_hi, out_dtype=tl.float32)
-        acc = tl.dot(a_hi, b_lo, acc, out_dtype=tl.float32)
-        return tl.dot(a_hi, b_hi, acc, out_dtype=tl.float32)
-    elif PRECISION == "bf16x3-interpreted":
-        a_hi, a_lo = _split_bf16(a)
-        b_hi, b_lo = _split_bf16(b)
-        a_hi, a_lo = a_hi.to(tl.float32), a_lo.to(tl.float32)
-        b_hi, b_lo = b_hi.to(tl.float32), b_lo.to(tl.float32)
-        acc = tl.dot(a_lo, b_hi, input_precision="ieee")
-        acc = tl.dot(a_hi, b_lo, acc, input_precision="ieee")
-        return tl.dot(a_hi, b_hi, acc, input_precision="ieee")
+        acc = _dot_bf16(a_lo, b_hi, tl.zeros([a.shape[0], b.shape[1]], dtype=tl.float32),
+                        PRECISION)
+        acc = _dot_bf16(a_hi, b_lo, acc, PRECISION)
+        return _dot_bf16(a_hi, b_hi, acc, PRECISION)
     else:
         return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _dot_bf16(a, b, acc, PRECISION: tl.constexpr):
+    """acc + a @ b for bfloat16 tiles, summed in float32 (``_mm``'s bf16x3 parts)."""
+    if PRECISION == "bf16x3-interpreted":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, out_dtype=tl.float32)
 
 
 @triton.jit
@@ -233,8 +235,9 @@ def _precision(dtype: torch.dtype, rows: torch.dtype | None = None,
     """tl.dot's input precision for compute dtype ``dtype`` and N-row inputs ``rows``.
 
     Float32 from half-precision rows: ``"bf16x3"`` (three bfloat16 products, relative
-    error about 2^-16, far below the half type's own 2^-9, at a third of the tensor-core
-    time of tf32x3 and half its registers and shared memory), on GPUs with bfloat16
+    error about 2^-16, far below the half type's own 2^-9; half the MMA instructions of
+    tf32x3 and, compiled for sm_90, none of its spills, benchmarks/triton_resources.py;
+    not timed on a GPU), on GPUs with bfloat16
     tensor cores (compute capability 8.0 on), whatever PyTorch's float32 matmul
     precision; under Triton's interpreter ``"bf16x3-interpreted"`` (``_mm``). Float32
     otherwise: three TF32 passes (about float32's accuracy) at PyTorch's default matmul

@@ -80,10 +80,6 @@ def split_hi_lo(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     return hi, (x - hi.to(x.dtype)).to(dtype)
 
 
-def _pad_to(x: Tensor, width: int) -> Tensor:
-    return F.pad(x, (0, width - x.shape[-1]))
-
-
 def augmented_inputs(
     q: Tensor, k: Tensor, v: Tensor, scale: float, key_valid: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -108,18 +104,23 @@ def augmented_inputs(
         k = torch.where(valid[..., None], k, 0.0)
         v = torch.where(valid[..., None], v, 0.0)
     b_hi, b_lo = split_hi_lo(bias, dtype)
-    q_aug = torch.cat([q.to(dtype), torch.ones_like(a_hi[..., None]).expand(*a_hi.shape, 2),
-                       a_hi[..., None], a_lo[..., None]], dim=-1)
-    zeros = torch.zeros_like(b_hi[..., None]).expand(*b_hi.shape, 2)
-    k_aug = torch.cat([k, b_hi[..., None], b_lo[..., None], zeros], dim=-1)
     b, h, _, d = q.shape
     dv = v.shape[-1]
+
+    def filler(norm: Tensor, value: float, columns: int) -> Tensor:  # [..., N, columns]
+        return norm[..., None].new_full((1,) * norm.dim() + (columns,), value).expand(
+            *norm.shape, columns)
+
+    # one concatenation each, the zero padding to the width included (no second copy)
+    q_aug = torch.cat([q.to(dtype), filler(a_hi, 1.0, 2), a_hi[..., None], a_lo[..., None],
+                       filler(a_hi, 0.0, width - d - 4)], dim=-1)
+    k_aug = torch.cat([k, b_hi[..., None], b_lo[..., None], filler(b_hi, 0.0, width - d - 2)],
+                      dim=-1)
     extra_key = torch.zeros(b, h, 1, width, dtype=dtype, device=q.device)
     extra_key[..., d + 2 : d + 4] = 1.0
     extra_value = torch.zeros(b, h, 1, width, dtype=dtype, device=q.device)
     extra_value[..., dv] = 1.0
-    return (_pad_to(q_aug, width), _pad_to(k_aug, width), _pad_to(v, width),
-            extra_key, extra_value)
+    return q_aug, k_aug, F.pad(v, (0, width - dv)), extra_key, extra_value
 
 
 def kernelized_by_sdpa(
