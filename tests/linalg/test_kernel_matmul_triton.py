@@ -203,6 +203,23 @@ def test_triton_on_cpu_without_interpreter_says_how(monkeypatch):
         skyformer.attention(q, q, q, "skyformer", kernel="triton")
 
 
+def test_forward_mode_takes_the_pytorch_path_under_auto_and_triton_says_so():
+    """The kernels have no forward-mode derivative: ``torch.func.jvp`` through
+    ``"auto"`` takes the PyTorch path (the tangent equals ``"torch"``'s), ``"triton"``
+    refuses in a sentence that names the way out."""
+    q, k, v = (torch.randn(1, 1, 8, 4, dtype=torch.float64) for _ in range(3))
+    tangent = torch.randn_like(q)
+
+    def jvp(kernel):
+        return torch.func.jvp(
+            lambda q: skyformer.attention(q, k, v, "skyformer", kernel=kernel,
+                                          generator=skyformer.random_key(0)), (q,), (tangent,))
+
+    torch.testing.assert_close(jvp("auto"), jvp("torch"))
+    with pytest.raises(RuntimeError, match=r'forward-mode derivative.*kernel="auto"'):
+        jvp("triton")
+
+
 def test_the_products_precision_follows_the_rows_dtype_the_gpu_and_the_interpreter(monkeypatch):
     """bf16x3 for half rows on GPUs with bfloat16 tensor cores, its float32 form under
     the interpreter (whose bfloat16 tl.dot is wrong) whatever the tensors' device,

@@ -109,6 +109,43 @@ def test_func_vmap_equals_loop(method, matrix):
     torch.testing.assert_close(torch.func.vmap(f)(qs), torch.stack([f(x) for x in qs]))
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_func_jvp_agrees_with_reverse_mode(method, matrix):
+    """<u, J t> by ``torch.func.jvp`` equals <J^T u, t> by autograd for tangents of q,
+    k and v at once: forward mode gives the derivative that reverse mode (tested
+    against the naive references) gives, through masks and fixed random draws."""
+    matrix("func.jvp", method)
+    q, k, v = make_qkv(2, 2, 16, 8)
+    mask, key = padded(2, 16, 12), random_key(5)
+    tangents = make_qkv(2, 2, 16, 8, seed=1)
+    u = torch.randn(2, 2, 16, 8, dtype=q.dtype, generator=torch.Generator().manual_seed(2))
+
+    def f(q, k, v):
+        return call(method, q, k, v, mask, key=key)
+
+    out, forward = torch.func.jvp(f, (q, k, v), tangents)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    reverse = torch.autograd.grad(f(*leaves), leaves, u)
+    torch.testing.assert_close(out, f(q, k, v))
+    torch.testing.assert_close((u * forward).sum(),
+                               sum((g * t).sum() for g, t in zip(reverse, tangents, strict=True)))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_func_jacfwd_equals_reverse_jacobian(method, matrix):
+    """``torch.func.jacfwd`` (vmap over jvp) equals the Jacobian row by row from
+    reverse mode (``torch.autograd.functional.jacobian``)."""
+    matrix("func.jacfwd", method)
+    q, k, v = make_qkv(1, 1, 8, 4)
+    mask, key = padded(1, 8, 6), random_key(6)
+
+    def f(q):
+        return call(method, q, k, v, mask, key=key)
+
+    torch.testing.assert_close(torch.func.jacfwd(f)(q),
+                               torch.autograd.functional.jacobian(f, q))
+
+
 class _Layer(torch.nn.Module):
     """A model holding one ``MultiHeadAttention``, its random key an input."""
 

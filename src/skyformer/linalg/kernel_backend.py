@@ -2,7 +2,7 @@
 
 ``kernel="auto"`` takes the fused Triton kernels (``triton_kernels``) for float32 CUDA
 tensors when Triton imports, and the chunked PyTorch path otherwise (CPU, float64,
-``torch.export`` graphs). Under ``torch.compile`` the kernels are custom operators
+``torch.export`` graphs, forward-mode AD). Under ``torch.compile`` the kernels are custom operators
 (``triton_ops``) that the compiled graph calls. ``"triton"`` insists: on a CPU tensor it
 runs under Triton's interpreter, which must be switched on with ``TRITON_INTERPRET=1``
 before Triton is first imported. ``"torch"`` always takes the PyTorch path.
@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from .functional_ops import functional_ops_only
 
 KERNELS = ("auto", "torch", "triton")
 HALF_TYPES = (torch.bfloat16, torch.float16)  # read by the kernels, computed in float32
@@ -41,25 +43,31 @@ def check_kernel(kernel: str) -> None:
         raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}.")
 
 
-def use_triton(kernel: str, y: Tensor) -> bool:
-    """True when the products of ``y`` (and its partners) go through the Triton kernels.
+def use_triton(kernel: str, y: Tensor, *partners: Tensor | None) -> bool:
+    """True when the products of ``y`` and its ``partners`` (the other inputs, whose
+    tangents count too) go through the Triton kernels.
 
-    Raises a sentence saying how to get the Triton path where ``kernel="triton"`` cannot
-    be honoured.
+    Never under ``torch.export`` or forward-mode AD (``functional_ops``): ``"auto"``
+    takes the PyTorch path there, ``"triton"`` says so. Raises a sentence saying how to
+    get the Triton path where ``kernel="triton"`` cannot be honoured.
     """
     check_kernel(kernel)
     if kernel == "torch":
         return False
-    exporting = torch.compiler.is_exporting()
+    functional = functional_ops_only(y, *partners)
     if kernel == "auto":
-        return (y.is_cuda and y.dtype == torch.float32 and not exporting
+        return (y.is_cuda and y.dtype == torch.float32 and not functional
                 and triton_available())
     if not triton_available():
         raise RuntimeError('kernel="triton" needs Triton: pip install triton (or use '
                            'kernel="auto", which falls back to PyTorch).')
-    if exporting:
+    if torch.compiler.is_exporting():
         raise RuntimeError('kernel="triton" cannot be exported by torch.export; use '
                            'kernel="auto" there (it takes the PyTorch path).')
+    if functional:
+        raise RuntimeError('kernel="triton" has no forward-mode derivative (torch.func.jvp, '
+                           'jacfwd, forward_ad); use kernel="auto" there (it takes the '
+                           'PyTorch path).')
     if not y.is_cuda and not interpreter_on():
         raise RuntimeError(
             f'kernel="triton" runs on CUDA tensors; this one is on {y.device}. To run the '

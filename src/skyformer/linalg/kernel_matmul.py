@@ -38,6 +38,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .flush import flush_exponent_on_cpu_
+from .functional_ops import functional_ops_only
 from .kernel_backend import HALF_TYPES, use_triton
 from .kernel_matmul_triton import TritonGaussianBlockProduct
 from .kernel_offsets import LOG2E, row_offsets
@@ -277,12 +278,12 @@ def gaussian_kernel_matmul(
         chunk = chunk_rows(n, bh, m, y.device)
     if row_valid is not None:
         row_valid = row_valid.expand(*batch_shape, n).reshape(bh, n)
-    triton = use_triton(kernel, x)
+    triton = use_triton(kernel, x, y, rhs, col_offset)
     if not (triton and y.dtype in (x.dtype, *HALF_TYPES)):
         y = y.to(x.dtype)
     if not (triton and transpose and rhs.dtype in (x.dtype, *HALF_TYPES)):
         rhs = rhs.to(x.dtype)
-    if torch.compiler.is_exporting():
+    if functional_ops_only(y, x, rhs, col_offset):
         out = _product_by_autograd(y, x, col_offset, rhs, row_valid, scale, row_norm,
                                    transpose, shift_rows, exclude, batch_shape)
         return out.reshape(*batch_shape, *out.shape[-2:])
@@ -322,11 +323,9 @@ def _product_by_autograd(
     scale: float, row_norm: bool, transpose: bool, shift_rows: bool, exclude: Tensor | None,
     batch_shape: torch.Size,
 ) -> Tensor:
-    """The same product with the block formed whole and differentiated by autograd.
-
-    ``torch.export`` traces through a custom Function's forward, whose ``out=`` writes
-    into preallocated buffers cannot run in the exported graph with grad enabled; this
-    path has only functional ops. ``row_valid`` is ``[BH, N]``; the rest as the caller's.
+    """The same product with the block formed whole and differentiated by autograd,
+    in both modes: for ``torch.export`` and forward-mode AD (``functional_ops``).
+    ``row_valid`` is ``[BH, N]``; the rest as the caller's.
     """
     e = scale * (y @ x.transpose(-1, -2))  # [..., N, m]
     if row_norm:

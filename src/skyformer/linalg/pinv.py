@@ -27,6 +27,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .flush import flush_on_cpu_
+from .functional_ops import functional_ops_only
 
 PinvInit = Literal["scaled_transpose", "identity"]
 PINV_INITS: tuple[str, ...] = ("scaled_transpose", "identity")
@@ -166,16 +167,15 @@ def iterative_pinv(
     """Approximate pseudo-inverse of ``a: [..., m, m]`` by ``iterations`` Razavi steps.
 
     Each step costs four batched m x m products (two for the first step from the
-    identity). Differentiable, by a hand-written backward pass (``_RazaviIteration``).
+    identity). Differentiable, by a hand-written backward pass (``_RazaviIteration``);
+    under ``torch.export`` and forward-mode AD the same steps in plain operators.
     """
     if iterations < 0:
         raise ValueError(f"iterations must be >= 0, got {iterations}.")
     v0 = None if init == "identity" else initial_inverse(a, init)
     if iterations == 0:
         return initial_inverse(a, init) if v0 is None else v0
-    if torch.compiler.is_exporting():
-        # torch.export traces through the Function's forward, whose out= writes cannot
-        # run in the exported graph with grad enabled: the same steps, by autograd.
+    if functional_ops_only(a, v0):  # torch.export, forward-mode AD (functional_ops.py)
         return _iterate_by_autograd(a, initial_inverse(a, init) if v0 is None else v0,
                                     iterations)
     return _RazaviIteration.apply(a, v0, iterations)[0]

@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ...linalg import half_sq_norm
+from ..shared.sdpa import sdpa
 
 MASKED_LOGIT = -1e6
 WIDTH_MULTIPLE = 8
@@ -138,19 +139,19 @@ def kernelized_by_sdpa(
     if bias is not None:
         bias = bias.to(q_aug.dtype)
         bias = F.pad(bias.expand(*bias.shape[:2], q.shape[-2], k.shape[-2]), (0, 1))
-        out = F.scaled_dot_product_attention(  # the extra key (last column) always visible
+        out = sdpa(  # the extra key (last column) always visible
             q_aug, torch.cat([k_aug, extra_key], dim=2),
             torch.cat([v_aug, extra_value], dim=2), attn_mask=bias, scale=scale,
         )
     elif causal:
-        out = F.scaled_dot_product_attention(
+        out = sdpa(
             torch.cat([torch.zeros_like(q_aug[..., :1, :]), q_aug], dim=2),
             torch.cat([extra_key, k_aug], dim=2),
             torch.cat([extra_value, v_aug], dim=2),
             scale=scale, is_causal=True,
         )[..., 1:, :]
     else:
-        out = F.scaled_dot_product_attention(
+        out = sdpa(
             q_aug, torch.cat([k_aug, extra_key], dim=2),
             torch.cat([v_aug, extra_value], dim=2), scale=scale,
         )

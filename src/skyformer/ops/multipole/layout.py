@@ -10,6 +10,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ...linalg import gather_rows
+from ...linalg.functional_ops import functional_ops_only
 from ...linalg.vmap import vmap_into_batch
 from ..shared.tracing import may_read_values
 
@@ -55,7 +56,8 @@ class PermuteRows(torch.autograd.Function):
     """``out[:, :, j] = x_pad[:, :, index[j]]`` for a bijection between the rows of x and
     the entries of ``index`` below the row count R (R = an empty slot, a zero row), with
     ``inverse`` its inverse (R = empty). Autograd's gather backward is a scatter-add into
-    zeros; for a bijection it is a gather by the inverse, several times cheaper on CPU."""
+    zeros; for a bijection it is a gather by the inverse, several times cheaper on CPU.
+    Call it through ``permute_rows``."""
 
     @staticmethod
     def forward(x: Tensor, index: Tensor, inverse: Tensor) -> Tensor:  # type: ignore[override]
@@ -76,6 +78,14 @@ class PermuteRows(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         (inverse,) = ctx.saved_tensors
         return gather_padded(grad, inverse), None, None
+
+
+def permute_rows(x: Tensor, index: Tensor, inverse: Tensor) -> Tensor:
+    """``PermuteRows``; under forward-mode AD and ``torch.export`` autograd's gather
+    (a custom ``jvp`` rule would stop ``torch.compile``, which cannot trace one)."""
+    if functional_ops_only(x):
+        return gather_padded(x, index)
+    return PermuteRows.apply(x, index, inverse)
 
 
 def gather_padded(x: Tensor, index: Tensor) -> Tensor:

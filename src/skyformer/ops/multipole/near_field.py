@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from ...linalg.functional_ops import functional_ops_only
 from ...linalg.vmap import vmap_into_batch
 
 # Elements of one group of score blocks: 2^18 float32 = 1 MiB, as kernel_matmul's chunks.
@@ -100,9 +101,7 @@ def near_field(q: Tensor, k: Tensor, bias: Tensor, v: Tensor, *, chunk: int | No
     if chunk is None:
         chunk = max(1, CHUNK_ELEMENTS // max(1, s * k.shape[1]))
     bias = bias.expand(groups, 1, k.shape[1]).contiguous()
-    if torch.compiler.is_exporting():
-        # torch.export traces through the Function's forward, whose out= writes cannot
-        # run in the exported graph with grad enabled: the same sums, by autograd.
+    if functional_ops_only(q, k, bias, v):  # export, forward-mode AD (functional_ops.py)
         e = torch.baddbmm(bias, q, k.transpose(1, 2))
         top = e.detach().amax(-1, keepdim=True)
         top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))

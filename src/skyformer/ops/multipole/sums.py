@@ -61,7 +61,7 @@ from ...sketch.rng import random_key, row_uniform, stream
 from ..shared.inputs import AttentionInputs
 from .exact_blocks import exact_blocks_part, lsh_blocks, window_blocks
 from .far_field import FarField, far_field, value_basis
-from .layout import BlockLayout, PermuteRows, block_layout, gather_last
+from .layout import BlockLayout, block_layout, gather_last, permute_rows
 from .near_field import near_field
 from .options import MultipoleOptions, feature_split
 
@@ -166,7 +166,7 @@ def _blocked_terms(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, z: Tensor,
     c, t = z.shape[2], near.index.shape[-1]
     nb, size = layout.block_cluster.shape[-1], layout.size
     bc = layout.block_cluster  # [B, H, nb]
-    qb = PermuteRows.apply(q, layout.slot_query, layout.query_slot).view(b, h, nb, size, d)
+    qb = permute_rows(q, layout.slot_query, layout.query_slot).view(b, h, nb, size, d)
     delta = qb - gather_rows(z, bc)[..., None, :]  # [B, H, nb, s, D]
     kbar_tilt = far.kbar[..., None, :]
     if rank:
@@ -188,7 +188,7 @@ def _blocked_terms(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, z: Tensor,
         )  # [G, s, 1], [G, s, Dv + 1] for G = B H nb blocks
         blocked += [near_max.view(b, h, nb, size, 1), near_sums.view(b, h, nb, size, dv + 1)]
     flat = torch.cat(blocked, -1).view(b, h, nb * size, -1)
-    flat = PermuteRows.apply(flat, layout.query_slot, layout.slot_query)  # query order
+    flat = permute_rows(flat, layout.query_slot, layout.slot_query)  # query order
     # split (not sliced: the backward pass then concatenates instead of summing
     # zero-padded copies of the whole tensor)
     return list(flat.split([1, rank] + ([1, dv, 1] if t else []), dim=-1))

@@ -4,8 +4,9 @@ SDPA-style attention masks as one additive bias (the exact methods)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+
+from .sdpa import sdpa
 
 
 def masked_softmax(logits: Tensor, visible: Tensor) -> Tensor:
@@ -37,11 +38,11 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None) ->
         ``[..., Nq, Dv]``; rows with no visible key are zero.
     """
     if visible is None:
-        return F.scaled_dot_product_attention(q, k, v, scale=1.0)
+        return sdpa(q, k, v, scale=1.0)
     has_key = visible.any(dim=-1, keepdim=True)
     # A row without keys would be NaN: let it attend to everything, then zero it.
     safe = visible | ~has_key
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=safe, scale=1.0)
+    out = sdpa(q, k, v, attn_mask=safe, scale=1.0)
     return out * has_key.to(out.dtype)
 
 
@@ -88,7 +89,7 @@ def biased_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, *, scale: fl
     returning zeros (never NaN). ``bias`` from ``attention_bias``."""
     has_key = (bias > float("-inf")).any(dim=-1, keepdim=True)
     safe = torch.where(has_key, bias, torch.zeros((), dtype=bias.dtype, device=bias.device))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=safe, dropout_p=dropout_p,
+    out = sdpa(q, k, v, attn_mask=safe, dropout_p=dropout_p,
                                          scale=scale)
     return out * has_key.to(out.dtype)
 

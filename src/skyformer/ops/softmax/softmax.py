@@ -6,13 +6,13 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ...registry import Capabilities, register
 from ..shared.inputs import check_attention_inputs, zero_padded_queries
 from ..shared.masked import attention_bias, biased_attention
 from ..shared.options import check_bool, check_scale
+from ..shared.sdpa import sdpa
 
 _MASKED_LOGIT = -1e6  # far enough below any real logit that exp() underflows to 0
 
@@ -37,11 +37,11 @@ def _masked_sdpa(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, *, s
                  causal: bool) -> Tensor:
     """SDPA with a key padding mask that never yields NaN (fully padded rows give 0)."""
     if key_valid is None:
-        return F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=causal)
+        return sdpa(q, k, v, scale=scale, is_causal=causal)
     has_key = key_valid.any(dim=-1, keepdim=True)  # [B, 1]
     if not causal:
         safe = key_valid | ~has_key  # a row without keys attends to all, then is zeroed
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=safe[:, None, None, :], scale=scale)
+        out = sdpa(q, k, v, attn_mask=safe[:, None, None, :], scale=scale)
     else:
         # SDPA takes no attn_mask together with is_causal: carry the padding in one
         # extra logit column instead (q' = [s q, 1], k' = [k, 0 or -1e6]).
@@ -49,7 +49,7 @@ def _masked_sdpa(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, *, s
         ones = torch.ones_like(q[..., :1])
         q_aug = torch.cat([q * scale, ones], dim=-1)
         k_aug = torch.cat([k, bias.expand(*k.shape[:-1], 1)], dim=-1)
-        out = F.scaled_dot_product_attention(q_aug, k_aug, v, scale=1.0, is_causal=True)
+        out = sdpa(q_aug, k_aug, v, scale=1.0, is_causal=True)
     return out * has_key[:, None, :, None].to(out.dtype)
 
 
