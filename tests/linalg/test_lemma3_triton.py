@@ -245,7 +245,7 @@ def test_a_failing_kernel_under_auto_warns_once_and_falls_back(monkeypatch, fail
         raise RuntimeError("out of resources")
 
     monkeypatch.setattr(lemma3_triton.CORE_FALLBACK, "failed", False)
-    monkeypatch.setattr(lemma3_triton, "use_triton", lambda kernel, *tensors: kernel != "torch")
+    monkeypatch.setattr(lemma3_triton, "use_triton", lambda kernel, t: kernel != "torch")
     monkeypatch.setattr(triton_ops, f"lemma3_{fails}", broken)
     mat, live = _landmark_matrix(2, 2, 9, torch.float32, "cpu")
     weights = torch.randn(mat.shape, dtype=torch.float64)

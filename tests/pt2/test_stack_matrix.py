@@ -146,6 +146,29 @@ def test_func_jacfwd_equals_reverse_jacobian(method, matrix):
                                torch.autograd.functional.jacobian(f, q))
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_func_hessian_equals_differences_of_gradients(method, matrix):
+    """``torch.func.hessian`` (jacfwd over jacrev: the method runs under both) applied
+    to a direction equals the central difference of autograd's gradient along it."""
+    matrix("func.hessian", method)
+    q, k, v = make_qkv(1, 1, 6, 3)
+    mask, key = padded(1, 6, 5), random_key(7)
+    direction = make_qkv(1, 1, 6, 3, seed=1)[0]
+
+    def loss(q):
+        return call(method, q, k, v, mask, key=key).square().sum()
+
+    def grad(q):
+        leaf = q.clone().requires_grad_(True)
+        return torch.autograd.grad(loss(leaf), leaf)[0]
+
+    step = 1e-5
+    want = (grad(q + step * direction) - grad(q - step * direction)) / (2 * step)
+    hessian = torch.func.hessian(loss)(q).reshape(q.numel(), q.numel())
+    got = (hessian @ direction.reshape(-1)).reshape(q.shape)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
 class _Layer(torch.nn.Module):
     """A model holding one ``MultiHeadAttention``, its random key an input."""
 

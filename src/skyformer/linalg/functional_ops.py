@@ -20,21 +20,22 @@ from __future__ import annotations
 
 import torch
 import torch.autograd.forward_ad as forward_ad
-from torch import Tensor
 
 
-def carries_tangent(*tensors: Tensor | None) -> bool:
-    """Whether any tensor carries a forward-mode tangent (a dual tensor of
-    ``torch.autograd.forward_ad``, or an input of ``torch.func.jvp`` / ``jacfwd`` or
-    anything computed from one). ``None`` entries are skipped; always False while
+def forward_mode_active() -> bool:
+    """Whether forward-mode AD is running: a dual level is open (``torch.func.jvp``,
+    ``jacfwd`` and ``hessian`` open one, as ``forward_ad.dual_level`` does). Asked of
+    the level rather than of the tensors: inside ``hessian`` (``jacfwd`` over
+    ``jacrev``) the tensors a method sees are wrapped by the inner transform and show
+    no tangent, yet the outer one differentiates the call forward. (A level opened with
+    no tangent in sight also takes the plain path: same values, more memory.) False while
     compiling or exporting, where no tangents exist."""
     if torch.compiler.is_compiling() or torch.compiler.is_exporting():
         return False
-    return any(t is not None and forward_ad.unpack_dual(t).tangent is not None
-               for t in tensors)
+    return forward_ad._current_level >= 0
 
 
-def functional_ops_only(*tensors: Tensor | None) -> bool:
+def functional_ops_only() -> bool:
     """Whether the fast paths must give way to plain operators (module docstring):
-    under ``torch.export``, or when any of ``tensors`` carries a tangent."""
-    return torch.compiler.is_exporting() or carries_tangent(*tensors)
+    under ``torch.export`` or forward-mode AD."""
+    return torch.compiler.is_exporting() or forward_mode_active()

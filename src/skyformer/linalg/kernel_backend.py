@@ -43,9 +43,8 @@ def check_kernel(kernel: str) -> None:
         raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}.")
 
 
-def use_triton(kernel: str, y: Tensor, *partners: Tensor | None) -> bool:
-    """True when the products of ``y`` and its ``partners`` (the other inputs, whose
-    tangents count too) go through the Triton kernels.
+def use_triton(kernel: str, y: Tensor) -> bool:
+    """True when the products of ``y`` (and its partners) go through the Triton kernels.
 
     Never under ``torch.export`` or forward-mode AD (``functional_ops``): ``"auto"``
     takes the PyTorch path there, ``"triton"`` says so. Raises a sentence saying how to
@@ -54,7 +53,7 @@ def use_triton(kernel: str, y: Tensor, *partners: Tensor | None) -> bool:
     check_kernel(kernel)
     if kernel == "torch":
         return False
-    functional = functional_ops_only(y, *partners)
+    functional = functional_ops_only()
     if kernel == "auto":
         return (y.is_cuda and y.dtype == torch.float32 and not functional
                 and triton_available())

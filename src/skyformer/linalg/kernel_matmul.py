@@ -278,12 +278,12 @@ def gaussian_kernel_matmul(
         chunk = chunk_rows(n, bh, m, y.device)
     if row_valid is not None:
         row_valid = row_valid.expand(*batch_shape, n).reshape(bh, n)
-    triton = use_triton(kernel, x, y, rhs, col_offset)
+    triton = use_triton(kernel, x)
     if not (triton and y.dtype in (x.dtype, *HALF_TYPES)):
         y = y.to(x.dtype)
     if not (triton and transpose and rhs.dtype in (x.dtype, *HALF_TYPES)):
         rhs = rhs.to(x.dtype)
-    if functional_ops_only(y, x, rhs, col_offset):
+    if functional_ops_only():
         out = _product_by_autograd(y, x, col_offset, rhs, row_valid, scale, row_norm,
                                    transpose, shift_rows, exclude, batch_shape)
         return out.reshape(*batch_shape, *out.shape[-2:])

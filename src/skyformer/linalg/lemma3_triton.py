@@ -50,7 +50,7 @@ def fused_lemma3_applies(kernel: str, source: Tensor, size: int, pinv: str, init
     if pinv != "iterative" or init != "identity" or iterations < 1 \
             or max(size, source.shape[-1]) > largest or source.numel() == 0:
         return False
-    if not use_triton(kernel, source, norm):
+    if not use_triton(kernel, source):
         return False
     from ..ops.shared.tracing import may_read_values  # the ops package imports linalg
 

@@ -175,7 +175,7 @@ def iterative_pinv(
     v0 = None if init == "identity" else initial_inverse(a, init)
     if iterations == 0:
         return initial_inverse(a, init) if v0 is None else v0
-    if functional_ops_only(a, v0):  # torch.export, forward-mode AD (functional_ops.py)
+    if functional_ops_only():  # torch.export, forward-mode AD (functional_ops.py)
         return _iterate_by_autograd(a, initial_inverse(a, init) if v0 is None else v0,
                                     iterations)
     return _RazaviIteration.apply(a, v0, iterations)[0]

@@ -83,7 +83,7 @@ class PermuteRows(torch.autograd.Function):
 def permute_rows(x: Tensor, index: Tensor, inverse: Tensor) -> Tensor:
     """``PermuteRows``; under forward-mode AD and ``torch.export`` autograd's gather
     (a custom ``jvp`` rule would stop ``torch.compile``, which cannot trace one)."""
-    if functional_ops_only(x):
+    if functional_ops_only():
         return gather_padded(x, index)
     return PermuteRows.apply(x, index, inverse)
 

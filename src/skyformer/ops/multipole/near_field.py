@@ -101,7 +101,7 @@ def near_field(q: Tensor, k: Tensor, bias: Tensor, v: Tensor, *, chunk: int | No
     if chunk is None:
         chunk = max(1, CHUNK_ELEMENTS // max(1, s * k.shape[1]))
     bias = bias.expand(groups, 1, k.shape[1]).contiguous()
-    if functional_ops_only(q, k, bias, v):  # export, forward-mode AD (functional_ops.py)
+    if functional_ops_only():  # export, forward-mode AD (functional_ops.py)
         e = torch.baddbmm(bias, q, k.transpose(1, 2))
         top = e.detach().amax(-1, keepdim=True)
         top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
