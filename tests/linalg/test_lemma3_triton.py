@@ -209,6 +209,27 @@ def test_a_gradient_the_forward_did_not_foresee_never_reaches_the_backward_kerne
     assert relative_error(leaf.grad, ref.grad) < 2e-4
 
 
+def test_vmap_over_single_matrices_and_rows_equals_a_loop():
+    """vmap of a function of one [m, m] matrix (or [m, D] rows): the vmap rule folds
+    the mapped dim into a batch dim, which a single matrix gets first."""
+    x, _ = _rows(1, 3, 9, 4, torch.float64, "cpu")
+    rows = x[0]  # [3, m, D]
+    norms = half_sq_norm(rows)
+    mats = gaussian_kernel_block(rows, rows, norms, norms)
+
+    def from_matrix(m):
+        return lemma3_inverse(m, gamma=GAMMA, kernel="triton")
+
+    def from_rows(r, n):
+        return landmark_inverse(r, n, gamma=GAMMA, kernel="triton")
+
+    torch.testing.assert_close(torch.func.vmap(from_matrix)(mats),
+                               torch.stack([from_matrix(m) for m in mats]))
+    torch.testing.assert_close(torch.func.vmap(from_rows)(rows, norms),
+                               torch.stack([from_rows(r, n) for r, n in zip(rows, norms,
+                                                                            strict=True)]))
+
+
 def test_more_landmarks_than_the_kernel_holds_take_pytorch():
     mat, live = _landmark_matrix(1, 1, 130, torch.float32, "cpu", dead=False)
     with _operator_names() as calls:

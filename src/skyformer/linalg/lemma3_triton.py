@@ -149,6 +149,9 @@ def triton_lemma3_inverse(source: Tensor, norm: Tensor | None, ridge: Tensor,
                           iterations: int, *, kernel: str = "triton") -> Tensor:
     """W (see ``TritonLemma3Inverse``); ``kernel="auto"`` falls back to PyTorch where
     the kernel fails."""
+    if source.dim() == 2:  # one matrix: the Function and its vmap rule take a batch dim
+        return triton_lemma3_inverse(source[None], None if norm is None else norm[None],
+                                     ridge, iterations, kernel=kernel)[0]
     auto = kernel == "auto"
     return CORE_FALLBACK.run(
         auto, lambda: TritonLemma3Inverse.apply(source, norm, ridge, iterations, auto)[0],
