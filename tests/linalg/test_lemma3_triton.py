@@ -282,3 +282,20 @@ def test_a_failing_kernel_under_auto_warns_once_and_falls_back(monkeypatch, fail
     with pytest.raises(RuntimeError, match="out of resources"):  # "triton" insists
         _value_and_grad(lambda t: lemma3_inverse(t, gamma=GAMMA, live=live, kernel="triton"),
                         mat, weights)
+
+
+def test_running_out_of_gpu_memory_is_not_a_kernel_failure(monkeypatch):
+    """An out-of-memory error propagates under "auto" (the PyTorch path would need
+    more memory) and leaves the kernel in use for later calls."""
+    from skyformer.linalg import lemma3_triton, triton_ops
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(lemma3_triton.CORE_FALLBACK, "failed", False)
+    monkeypatch.setattr(lemma3_triton, "use_triton", lambda kernel, t: kernel != "torch")
+    monkeypatch.setattr(triton_ops, "lemma3_forward", out_of_memory)
+    mat, live = _landmark_matrix(1, 1, 9, torch.float32, "cpu")
+    with pytest.raises(torch.OutOfMemoryError):
+        lemma3_inverse(mat, gamma=GAMMA, live=live, kernel="auto")
+    assert not lemma3_triton.CORE_FALLBACK.failed

@@ -83,7 +83,9 @@ class KernelFallback:
     ``"auto"``, a failure (Triton installed but unable to compile or launch here: no C
     compiler, an old GPU, too few registers) warns once and takes the PyTorch path;
     ``failed`` then stays True so that later calls skip the kernel. ``"triton"``
-    insists: its failures propagate."""
+    insists: its failures propagate. Running out of GPU memory is not the kernel's
+    failure (the PyTorch path would need more): it propagates under ``"auto"`` too,
+    and the kernel stays in use."""
 
     def __init__(self, name: str, instead: str) -> None:
         self.name, self.instead, self.failed = name, instead, False
@@ -93,6 +95,8 @@ class KernelFallback:
             return launch()
         try:
             return launch()
+        except torch.OutOfMemoryError:
+            raise
         except Exception as error:  # any compiler or driver error
             self.failed = True
             warnings.warn(f"the Triton {self.name} failed ({type(error).__name__}: {error}); "
