@@ -50,13 +50,17 @@ def _split_bf16(a):
 
 
 @triton.jit
-def _mm(a, b, PRECISION: tl.constexpr, FMA: tl.constexpr):
+def _mm(a, b, PRECISION: tl.constexpr, FMA: tl.constexpr, A_BF16: tl.constexpr = False,
+        B_BF16: tl.constexpr = False):
     """a @ b: on the tensor cores, or (``FMA``, float64) as a broadcast sum, which
     every Triton backend compiles (float64 MMA layouts fail to lower in Triton 3.6).
 
     ``PRECISION="bf16x3"``: float32 tiles as hi + lo bfloat16 pairs, three bfloat16
     products summed in float32 (a_hi b_hi + a_hi b_lo + a_lo b_hi, relative error about
     2^-16), written out here so that every Triton version compiles it the same way.
+    ``A_BF16`` / ``B_BF16``: that operand holds bfloat16 values (tiles read from
+    bfloat16 tensors), so its lo part is zero and its product is left out: two MMAs,
+    or one for two such operands, the same sum.
     ``"bf16x3-interpreted"``: the same parts multiplied as float32 values (exact, as
     the tensor cores do), for Triton's interpreter, whose bfloat16 ``tl.dot`` is wrong
     (Triton 3.9: two 16 x 16 tiles of ones give 4.2e9 for 16)."""
@@ -65,9 +69,11 @@ def _mm(a, b, PRECISION: tl.constexpr, FMA: tl.constexpr):
     elif PRECISION == "bf16x3" or PRECISION == "bf16x3-interpreted":
         a_hi, a_lo = _split_bf16(a)
         b_hi, b_lo = _split_bf16(b)
-        acc = _dot_bf16(a_lo, b_hi, tl.zeros([a.shape[0], b.shape[1]], dtype=tl.float32),
-                        PRECISION)
-        acc = _dot_bf16(a_hi, b_lo, acc, PRECISION)
+        acc = tl.zeros([a.shape[0], b.shape[1]], dtype=tl.float32)
+        if not A_BF16:
+            acc = _dot_bf16(a_lo, b_hi, acc, PRECISION)
+        if not B_BF16:
+            acc = _dot_bf16(a_hi, b_lo, acc, PRECISION)
         return _dot_bf16(a_hi, b_hi, acc, PRECISION)
     else:
         return tl.dot(a, b, input_precision=PRECISION)
@@ -95,6 +101,8 @@ def _rows_kernel(
 ):
     pid_n = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
+    Y_BF16: tl.constexpr = Y.dtype.element_ty == tl.bfloat16  # exact bfloat16 tiles (_mm)
+    VN_BF16: tl.constexpr = VN.dtype.element_ty == tl.bfloat16
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rd = tl.arange(0, BLOCK_D)
     rr = tl.arange(0, BLOCK_R)
@@ -114,7 +122,7 @@ def _rows_kernel(
             rm = m0 + tl.arange(0, BLOCK_M)
             x = tl.load(X + bh * M * D + rm[:, None] * D + rd[None, :],
                         mask=(rm < M)[:, None] & (rd < D)[None, :], other=0.0)
-            e = _mm(y, tl.trans(x), PRECISION, FMA).to(y.dtype)
+            e = _mm(y, tl.trans(x), PRECISION, FMA, Y_BF16).to(y.dtype)
             e = e - a[:, None]
             if HAS_B:
                 b = tl.load(B + bh * M + rm, mask=rm < M, other=float("inf"))
@@ -135,7 +143,7 @@ def _rows_kernel(
         col_in = rm < M
         x = tl.load(X + bh * M * D + rm[:, None] * D + rd[None, :],
                     mask=col_in[:, None] & (rd < D)[None, :], other=0.0)
-        e = _mm(y, tl.trans(x), PRECISION, FMA).to(y.dtype)
+        e = _mm(y, tl.trans(x), PRECISION, FMA, Y_BF16).to(y.dtype)
         e = e - a[:, None]
         if HAS_B:
             b = tl.load(B + bh * M + rm, mask=col_in, other=float("inf"))
@@ -151,7 +159,7 @@ def _rows_kernel(
         if WRITE_OUT1 or NORM_TERM:
             acc1 += _mm(c.to(vm.dtype), vm, PRECISION, FMA)
         if HAS_VN:
-            de = _mm(vn, tl.trans(vm), PRECISION, FMA).to(c.dtype) * c
+            de = _mm(vn, tl.trans(vm), PRECISION, FMA, VN_BF16).to(c.dtype) * c
             acc2 += _mm(de.to(x.dtype), x, PRECISION, FMA)
     if WRITE_OUT1:
         tl.store(OUT1 + bh * N * R + rn[:, None] * R + rr[None, :], acc1,
@@ -176,6 +184,8 @@ def _cols_kernel(
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
+    Y_BF16: tl.constexpr = Y.dtype.element_ty == tl.bfloat16  # exact bfloat16 tiles (_mm)
+    VN_BF16: tl.constexpr = VN.dtype.element_ty == tl.bfloat16
     split = tl.program_id(2).to(tl.int64)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rd = tl.arange(0, BLOCK_D)
@@ -199,7 +209,7 @@ def _cols_kernel(
         row_in = (rn < N) & (rn < start + rows_per_split)
         y = tl.load(Y + bh * N * D + rn[:, None] * D + rd[None, :],
                     mask=row_in[:, None] & (rd < D)[None, :], other=0.0).to(x.dtype)
-        e = _mm(x, tl.trans(y), PRECISION, FMA).to(x.dtype)  # [M, N]
+        e = _mm(x, tl.trans(y), PRECISION, FMA, False, Y_BF16).to(x.dtype)  # [M, N]
         e = e - b[:, None]
         if HAS_A:
             a = tl.load(A + bh * N + rn, mask=row_in, other=float("inf"))
@@ -213,10 +223,10 @@ def _cols_kernel(
         vn = tl.load(VN + bh * N * R + rn[:, None] * R + rr[None, :],
                      mask=row_in[:, None] & (rr < R)[None, :], other=0.0).to(x.dtype)
         if WRITE_OUT1:
-            acc1 += _mm(ct.to(vn.dtype), vn, PRECISION, FMA)
+            acc1 += _mm(ct.to(vn.dtype), vn, PRECISION, FMA, False, VN_BF16)
         if HAS_VM:
-            de = _mm(vm, tl.trans(vn), PRECISION, FMA).to(ct.dtype) * ct
-            acc2 += _mm(de.to(y.dtype), y, PRECISION, FMA)
+            de = _mm(vm, tl.trans(vn), PRECISION, FMA, False, VN_BF16).to(ct.dtype) * ct
+            acc2 += _mm(de.to(y.dtype), y, PRECISION, FMA, False, Y_BF16)
     base = split * BH + bh
     if WRITE_OUT1:
         tl.store(OUT1 + base * M * R + rm[:, None] * R + rr[None, :], acc1,
