@@ -17,3 +17,16 @@ def free_one_then_hold_two(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
     out = v + (b[:1] + c[:1])
     del b, c
     return out
+
+
+def kernelized_call(shape: list[int], padded: bool, causal: bool):
+    """A ``CallJob`` setup: exact kernelized attention (SDPA augmentation) of random
+    float32 inputs of ``shape`` [B, H, N, D], the last 100 keys padded if ``padded``."""
+    import skyformer
+
+    b, _, n, _ = shape
+    q, k, v = (torch.randn(*shape) for _ in range(3))
+    mask = torch.ones(b, n, dtype=torch.bool)
+    mask[:, -100:] = False
+    return lambda: skyformer.attention(q, k, v, "kernelized", causal=causal,
+                                       key_padding_mask=mask if padded else None)

@@ -82,46 +82,83 @@ def split_hi_lo(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
 
 
 def augmented_inputs(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, key_valid: Tensor | None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(q', k', v', extra key, extra value) of the module docstring.
+    q: Tensor, k: Tensor, v: Tensor, scale: float, key_valid: Tensor | None, *,
+    causal: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(q', k', v') of the module docstring as SDPA takes them: the extra key and its
+    one-hot value appended (``causal``: prepended, with a zero dummy query first).
 
     q ``[B, H, Nq, D]``, k ``[B, H, Nk, D]``, v ``[B, H, Nk, Dv]`` in any float dtype;
     ``key_valid`` ``[B, Nk]`` bool or ``None``. Norms are formed in float32 (float64 for
-    float64 inputs); the results are ``[..., W]`` in ``fused_dtype(q.dtype)``.
+    float64 inputs); the results are ``[..., W]`` in ``fused_dtype(q.dtype)``, with
+    Nk + 1 keys (and Nq + 1 queries for ``causal``). Each is built by its own function,
+    so that its intermediate copies are freed before the next is built.
     """
-    dtype = fused_dtype(q.dtype)
-    norm_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     width = augmented_width(q.shape[-1], v.shape[-1])
-    a_hi, a_lo = split_hi_lo(half_sq_norm(q.to(norm_dtype)), dtype)
+    valid = None if key_valid is None else key_valid[:, None, :, None]  # [B, 1, Nk, 1]
+    return (_queries(q, width, causal), _keys(k, valid, scale, width, causal),
+            _values(v, valid, width, causal))
+
+
+def _norm_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _filler(norm: Tensor, value: float, columns: int) -> Tensor:
+    """``value`` broadcast to ``[..., N, columns]`` for ``norm: [..., N]`` (no memory)."""
+    return norm[..., None].new_full((1,) * norm.dim() + (columns,), value).expand(
+        *norm.shape, columns)
+
+
+def _with_extra_row(rows: Tensor, extra: Tensor, causal: bool) -> Tensor:
+    """``rows: [B, H, N, W]`` with the row ``extra: [B, H, 1, W]`` after them (``causal``:
+    before them)."""
+    return torch.cat([extra, rows] if causal else [rows, extra], dim=2)
+
+
+def _queries(q: Tensor, width: int, causal: bool) -> Tensor:
+    """q'_i = [q_i, 1, 1, a_i^hi, a_i^lo, 0...]; ``causal``: a zero dummy query first,
+    so that SDPA's causal mask lets query i see the extra key."""
+    dtype, (b, h, _, d) = fused_dtype(q.dtype), q.shape
+    a_hi, a_lo = split_hi_lo(half_sq_norm(q.to(_norm_dtype(q))), dtype)
+    q_aug = torch.cat([q.to(dtype), _filler(a_hi, 1.0, 2), a_hi[..., None],
+                       a_lo[..., None], _filler(a_hi, 0.0, width - d - 4)], dim=-1)
+    return _with_extra_row(q_aug, q_aug.new_zeros(b, h, 1, width), True) if causal \
+        else q_aug
+
+
+def _keys(k: Tensor, valid: Tensor | None, scale: float, width: int, causal: bool
+          ) -> Tensor:
+    """k'_j = [k_j, b_j^hi, b_j^lo, 0...] (padded keys: [0, masked logit / s, 0...])
+    and the extra key [0, 0, 0, 1, 1, 0...]."""
+    dtype, (b, h, _, d) = fused_dtype(k.dtype), k.shape
+    norm_dtype = _norm_dtype(k)
     bias = -half_sq_norm(k.to(norm_dtype))
-    k, v = k.to(dtype), v.to(dtype)
-    if key_valid is not None:
-        valid = key_valid[:, None, :]
+    k = k.to(dtype)
+    if valid is not None:
         # the logit s * masked <= MASKED_LOGIT for every scale down to ~1e-32; below
         # that the zero value rows still keep padded keys out of C V exactly
         masked = max(MASKED_LOGIT / scale, -torch.finfo(norm_dtype).max / 4)
-        bias = torch.where(valid, bias, masked)
-        k = torch.where(valid[..., None], k, 0.0)
-        v = torch.where(valid[..., None], v, 0.0)
+        bias = torch.where(valid[..., 0], bias, masked)
+        k = torch.where(valid, k, 0.0)
     b_hi, b_lo = split_hi_lo(bias, dtype)
-    b, h, _, d = q.shape
-    dv = v.shape[-1]
+    extra = torch.zeros(b, h, 1, width, dtype=dtype, device=k.device)
+    extra[..., d + 2 : d + 4] = 1.0
+    rows = torch.cat([k, b_hi[..., None], b_lo[..., None],
+                      _filler(b_hi, 0.0, width - d - 2)], dim=-1)
+    return _with_extra_row(rows, extra, causal)
 
-    def filler(norm: Tensor, value: float, columns: int) -> Tensor:  # [..., N, columns]
-        return norm[..., None].new_full((1,) * norm.dim() + (columns,), value).expand(
-            *norm.shape, columns)
 
-    # one concatenation each, the zero padding to the width included (no second copy)
-    q_aug = torch.cat([q.to(dtype), filler(a_hi, 1.0, 2), a_hi[..., None], a_lo[..., None],
-                       filler(a_hi, 0.0, width - d - 4)], dim=-1)
-    k_aug = torch.cat([k, b_hi[..., None], b_lo[..., None], filler(b_hi, 0.0, width - d - 2)],
-                      dim=-1)
-    extra_key = torch.zeros(b, h, 1, width, dtype=dtype, device=q.device)
-    extra_key[..., d + 2 : d + 4] = 1.0
-    extra_value = torch.zeros(b, h, 1, width, dtype=dtype, device=q.device)
-    extra_value[..., dv] = 1.0
-    return q_aug, k_aug, F.pad(v, (0, width - dv)), extra_key, extra_value
+def _values(v: Tensor, valid: Tensor | None, width: int, causal: bool) -> Tensor:
+    """v'_j = [v_j, 0...] (padded keys: zero rows) and the extra value [0..., 1, 0...]
+    (the 1 in channel Dv)."""
+    dtype, (b, h, _, dv) = fused_dtype(v.dtype), v.shape
+    v = v.to(dtype)
+    if valid is not None:
+        v = torch.where(valid, v, 0.0)
+    extra = torch.zeros(b, h, 1, width, dtype=dtype, device=v.device)
+    extra[..., dv] = 1.0
+    return _with_extra_row(F.pad(v, (0, width - dv)), extra, causal)
 
 
 def kernelized_by_sdpa(
@@ -135,26 +172,16 @@ def kernelized_by_sdpa(
     ``[B, H, Nq, Dv]`` in float32 (float64 for float64 inputs), rows of padded queries
     not zeroed.
     """
-    q_aug, k_aug, v_aug, extra_key, extra_value = augmented_inputs(q, k, v, scale, key_valid)
-    if bias is not None:
+    causal = causal and bias is None
+    q_aug, k_aug, v_aug = augmented_inputs(q, k, v, scale, key_valid, causal=causal)
+    if bias is not None:  # the extra key (last column) always visible
         bias = bias.to(q_aug.dtype)
         bias = F.pad(bias.expand(*bias.shape[:2], q.shape[-2], k.shape[-2]), (0, 1))
-        out = sdpa(  # the extra key (last column) always visible
-            q_aug, torch.cat([k_aug, extra_key], dim=2),
-            torch.cat([v_aug, extra_value], dim=2), attn_mask=bias, scale=scale,
-        )
+        out = sdpa(q_aug, k_aug, v_aug, attn_mask=bias, scale=scale)
     elif causal:
-        out = sdpa(
-            torch.cat([torch.zeros_like(q_aug[..., :1, :]), q_aug], dim=2),
-            torch.cat([extra_key, k_aug], dim=2),
-            torch.cat([extra_value, v_aug], dim=2),
-            scale=scale, is_causal=True,
-        )[..., 1:, :]
+        out = sdpa(q_aug, k_aug, v_aug, scale=scale, is_causal=True)[..., 1:, :]
     else:
-        out = sdpa(
-            q_aug, torch.cat([k_aug, extra_key], dim=2),
-            torch.cat([v_aug, extra_value], dim=2), scale=scale,
-        )
+        out = sdpa(q_aug, k_aug, v_aug, scale=scale)
     work = torch.float64 if out.dtype == torch.float64 else torch.float32
     dv = v.shape[-1]
     return out[..., :dv].to(work) / out[..., dv : dv + 1].to(work)
