@@ -66,8 +66,17 @@ def _shards(lengths: list[int]) -> list[slice]:
     return [slice(e - n, e) for n, e in zip(lengths, ends, strict=True)]
 
 
+def _tangent(attention: Callable[..., torch.Tensor], method: str, options: dict,
+             mask: torch.Tensor | None, primals: tuple, tangents: tuple) -> torch.Tensor:
+    """The output tangent of ``attention`` by ``torch.func.jvp``."""
+    return torch.func.jvp(lambda q, k, v: attention(
+        q, k, v, method, key_padding_mask=mask, generator=torch.Generator().manual_seed(7),
+        **options), primals, tangents)[1]
+
+
 def check_equal(rank: int, world: int, lengths: list[int], mask: torch.Tensor | None) -> None:
-    """Outputs, gradients and landmarks equal to one process's, for every method."""
+    """Outputs, gradients, forward-mode tangents and landmarks equal to one process's,
+    for every method."""
     n = sum(lengths)
     q, k, v, g = inputs(n)
     mine = _shards(lengths)[rank]
@@ -86,6 +95,13 @@ def check_equal(rank: int, world: int, lengths: list[int], mask: torch.Tensor | 
         for name, a, b in zip("qkv", part, full, strict=True):
             torch.testing.assert_close(a.grad, b.grad[:, :, mine], **TOL,
                                        msg=f"{method} gradient of {name}")
+        # forward mode: each shard's tangent is its part of one process's
+        tangents = inputs(n, seed=1)[:3]
+        want = _tangent(skyformer.attention, method, options, mask, (q, k, v), tangents)
+        got = _tangent(sequence_parallel_attention, method, options, local_mask,
+                       tuple(t[:, :, mine] for t in (q, k, v)),
+                       tuple(t[:, :, mine] for t in tangents))
+        torch.testing.assert_close(got, want[:, :, mine], **TOL, msg=f"{method} jvp")
     # the landmarks themselves, for a count that leaves slots without a landmark
     info = check_attention_inputs(q, k, v, mask, method="skyformer")
     key = skyformer.random_key(3)

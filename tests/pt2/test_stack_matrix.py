@@ -131,6 +131,54 @@ def test_func_jvp_agrees_with_reverse_mode(method, matrix):
                                sum((g * t).sum() for g, t in zip(reverse, tangents, strict=True)))
 
 
+APPROXIMATE_LEN = 160  # every method approximates here (at 16 several are exact)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_func_jvp_agrees_with_reverse_mode_on_the_approximate_path(method, matrix):
+    """The dot-product identity of the test above at a length where no method falls
+    back to exact attention: sampling probabilities, LSH blocks, clusters and
+    projections get no forward-mode derivative that reverse mode does not give."""
+    matrix("func.jvp (N = 160)", method)
+    q, k, v = make_qkv(2, 1, APPROXIMATE_LEN, 8)
+    mask, key = padded(2, APPROXIMATE_LEN, 120), random_key(8)
+    bound = get_method(method).bind(seq_len=APPROXIMATE_LEN)
+    tangents = make_qkv(2, 1, APPROXIMATE_LEN, 8, seed=1)
+    u = torch.randn(q.shape, dtype=q.dtype, generator=torch.Generator().manual_seed(2))
+
+    def f(q, k, v):
+        return bound(q, k, v, key_padding_mask=mask, generator=key)
+
+    _, forward = torch.func.jvp(f, (q, k, v), tangents)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    reverse = torch.autograd.grad(f(*leaves), leaves, u)
+    torch.testing.assert_close((u * forward).sum(),
+                               sum((g * t).sum() for g, t in zip(reverse, tangents, strict=True)))
+
+
+@pytest.mark.parametrize("method", ["softmax", "skyformer"])
+def test_forward_mode_through_compiled_functions(method):
+    """jvp inside a compiled function (fullgraph), and a function compiled outside
+    forward mode then called under it (dynamo guards on the open dual level and
+    recompiles): both equal eager jvp."""
+    q, k, v = make_qkv(1, 2, 16, 8, dtype=torch.float32)
+    tangent = make_qkv(1, 2, 16, 8, dtype=torch.float32, seed=1)[0]
+    key = random_key(9)
+
+    def f(q):
+        return call(method, q, k, v, key=key)
+
+    _, want = torch.func.jvp(f, (q,), (tangent,))
+    inside = torch.compile(lambda q, t: torch.func.jvp(f, (q,), (t,))[1],
+                           backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(inside(q, tangent), want)
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    compiled(q)  # first compiled outside forward mode
+    with torch.autograd.forward_ad.dual_level():
+        out = compiled(torch.autograd.forward_ad.make_dual(q, tangent))
+        torch.testing.assert_close(torch.autograd.forward_ad.unpack_dual(out).tangent, want)
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_func_jacfwd_equals_reverse_jacobian(method, matrix):
     """``torch.func.jacfwd`` (vmap over jvp) equals the Jacobian row by row from
@@ -167,6 +215,29 @@ def test_func_hessian_equals_differences_of_gradients(method, matrix):
     hessian = torch.func.hessian(loss)(q).reshape(q.numel(), q.numel())
     got = (hessian @ direction.reshape(-1)).reshape(q.shape)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_double_backward_is_right_or_refused_never_silently_wrong(method, matrix):
+    """``torch.autograd.functional.hvp`` (reverse over reverse, ``create_graph=True``)
+    equals forward over reverse, or raises; a fused backward pass used to return a
+    Hessian-vector product that ignored its saved inputs."""
+    matrix("autograd hvp (right or refused)", method)
+    q, k, v = make_qkv(1, 1, APPROXIMATE_LEN, 4)
+    direction = make_qkv(1, 1, APPROXIMATE_LEN, 4, seed=1)[0]
+    bound, key = get_method(method).bind(seq_len=APPROXIMATE_LEN), random_key(10)
+
+    def loss(q):
+        return bound(q, k, v, generator=key).square().sum()
+
+    want = torch.func.jvp(torch.func.grad(loss), (q,), (direction,))[1]
+    try:
+        _, got = torch.autograd.functional.hvp(loss, q, direction)
+    except RuntimeError as error:
+        if "skyformer" in str(error):
+            assert "torch.func.hessian" in str(error)
+        return
+    torch.testing.assert_close(got, want)
 
 
 class _Layer(torch.nn.Module):

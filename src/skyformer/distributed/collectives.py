@@ -72,16 +72,24 @@ def _reduce(t: Tensor, op: Any, group: Any) -> Tensor:
 
 
 class AllReduceSum(torch.autograd.Function):
-    """y = sum over the group's ranks of x; backward: the gradients' sum (module doc)."""
+    """y = sum over the group's ranks of x; backward: the gradients' sum (module doc);
+    forward mode: the tangents' sum (the sum is linear)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:  # type: ignore[override]
-        ctx.group = group
+    def forward(x: Tensor, group: Any) -> Tensor:  # type: ignore[override]
         return _reduce(x, dist.ReduceOp.SUM, group)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        ctx.group = inputs[1]
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
         return _reduce(grad, dist.ReduceOp.SUM, ctx.group), None
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: Tensor, _: Any) -> Tensor:
+        return _reduce(tangent, dist.ReduceOp.SUM, ctx.group)
 
 
 def all_reduce_sum(x: Tensor, group: Any) -> Tensor:

@@ -35,10 +35,9 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from .flush import flush_exponent_on_cpu_
-from .functional_ops import functional_ops_only
+from .functional_ops import first_order_backward, functional_ops_only
 from .kernel_backend import HALF_TYPES, use_triton
 from .kernel_matmul_triton import TritonGaussianBlockProduct
 from .kernel_offsets import LOG2E, row_offsets
@@ -153,7 +152,7 @@ class _GaussianBlockProduct(torch.autograd.Function):
                                tensors=(0, 1, 2, 3, 4, 10), outputs=3)
 
     @staticmethod
-    @once_differentiable
+    @first_order_backward
     def backward(ctx: Any, grad: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
         y, x, b, rhs, a, out, block, exclude = ctx.saved_tensors
         a = a if a.numel() else None

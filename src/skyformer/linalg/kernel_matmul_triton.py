@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
+from .functional_ops import first_order_backward
 from .kernel_offsets import LOG2E, row_offsets
 from .vmap import vmap_into_batch
 
@@ -93,7 +93,7 @@ class TritonGaussianBlockProduct(torch.autograd.Function):
                                tensors=(0, 1, 2, 3, 4, 9), outputs=2)
 
     @staticmethod
-    @once_differentiable
+    @first_order_backward
     def backward(ctx: Any, grad: Tensor, _: Any) -> tuple[Tensor | None, ...]:
         y, x, b, rhs, a, out, exclude = ctx.saved_tensors
         a = a if a.numel() else None

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
+from .functional_ops import first_order_backward
 from .kernel_backend import KernelFallback, check_kernel, interpreter_on, use_triton
 from .vmap import vmap_into_batch
 
@@ -102,7 +102,7 @@ class TritonLemma3Inverse(torch.autograd.Function):
                                tensors=(0, 1, 2), outputs=2)
 
     @staticmethod
-    @once_differentiable
+    @first_order_backward
     def backward(ctx: Any, grad: Tensor, _: Any
                  ) -> tuple[Tensor | None, Tensor | None, None, None, None]:
         source, norm, ridge, store = ctx.saved_tensors

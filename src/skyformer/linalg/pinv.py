@@ -24,10 +24,9 @@ from typing import Literal
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from .flush import flush_on_cpu_
-from .functional_ops import functional_ops_only
+from .functional_ops import first_order_backward, functional_ops_only
 
 PinvInit = Literal["scaled_transpose", "identity"]
 PINV_INITS: tuple[str, ...] = ("scaled_transpose", "identity")
@@ -118,7 +117,7 @@ class _RazaviIteration(torch.autograd.Function):
         return (out, store), (0, None)
 
     @staticmethod
-    @once_differentiable
+    @first_order_backward
     def backward(ctx, grad, _):  # type: ignore[override]
         a, store = ctx.saved_tensors
         batch_shape = a.shape[:-2]

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ...linalg.functional_ops import no_derivatives
 from ...registry import Capabilities, register
 from ...sketch.rng import fold_in, random_key, uniform_at
 from ..shared.inputs import (
@@ -129,7 +130,7 @@ def sample_keys(
     return KeySamples(index.masked_fill(~live, 0), live)
 
 
-@torch.no_grad()
+@no_derivatives
 def sparsity_measurement(
     q: Tensor, k: Tensor, samples: KeySamples, scale: float, query_valid: Tensor | None
 ) -> Tensor:

@@ -57,6 +57,7 @@ import torch
 from torch import Tensor
 
 from ...linalg import gather_rows
+from ...linalg.functional_ops import no_derivatives
 from ...linalg.kernels import finite_matrices
 from ...registry import Capabilities, register
 from ...sketch import (
@@ -273,7 +274,7 @@ def _off_block(q_block: Tensor, k_block: Tensor, live: Tensor) -> Tensor:
     return (q_block[..., :, None] != k_block[..., None, :]) & live[..., None, :]
 
 
-@torch.no_grad()
+@no_derivatives
 def _uniform_estimate_probabilities(
     qs: Tensor, k: Tensor, v: Tensor, sparse: _SparsePart, alpha: Tensor, shift: Tensor,
     query_ok: Tensor, key_ok: Tensor, cfg: KDEformerConfig, draws: KDEformerDraws,
@@ -317,7 +318,7 @@ def stratified_rows(u: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
     return uniform_rows((t + u.double()) / r, valid)
 
 
-@torch.no_grad()
+@no_derivatives
 def row_estimate_probabilities(
     qs: Tensor, k: Tensor, v: Tensor, q_block: Tensor, k_block: Tensor,
     query_ok: Tensor, key_ok: Tensor, cfg: KDEformerConfig, row_uniform: Tensor,

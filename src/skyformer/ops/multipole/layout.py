@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from ...linalg import gather_rows
 from ...linalg.functional_ops import functional_ops_only
@@ -74,8 +73,7 @@ class PermuteRows(torch.autograd.Function):
         return out, dim
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # linear: a gather
         (inverse,) = ctx.saved_tensors
         return gather_padded(grad, inverse), None, None
 

@@ -19,9 +19,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
-from ...linalg.functional_ops import functional_ops_only
+from ...linalg.functional_ops import first_order_backward, functional_ops_only
 from ...linalg.vmap import vmap_into_batch
 
 # Elements of one group of score blocks: 2^18 float32 = 1 MiB, as kernel_matmul's chunks.
@@ -67,7 +66,7 @@ class _NearField(torch.autograd.Function):
                                outputs=2)
 
     @staticmethod
-    @once_differentiable
+    @first_order_backward
     def backward(ctx: Any, _: Tensor | None, grad: Tensor) -> tuple[Tensor | None, ...]:
         q, k, bias, v, top = ctx.saved_tensors
         chunk = ctx.chunk
