@@ -158,7 +158,8 @@ def _as_padding(spec: Method, attn_mask: Tensor, key_padding_mask: Tensor | None
     else:
         raise CapabilityError(
             f"{spec.name} takes only key padding and causal masks, and under torch.compile "
-            f"the values of attn_mask cannot be read to check it is one: pass "
+            f"or a torch.func transform the values of attn_mask cannot be read to check it "
+            f"is one: pass "
             f"key_padding_mask and is_causal, or a mask [B, 1, 1, S] that is the same for "
             f"every query."
         )
