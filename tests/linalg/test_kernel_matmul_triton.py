@@ -159,6 +159,38 @@ def test_methods_with_triton_kernels(device, method):
         torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize(("method", "dtype"), [
+    ("skyformer", torch.float64), ("skyformer", torch.float32),  # float32: the fused core
+    ("skyformer_multipole", torch.float64)])
+def test_per_sample_gradients_and_jacrev_through_the_kernels(device, method, dtype):
+    """``vmap(grad)`` and ``jacrev`` run the kernels' backward passes on batched
+    tensors (folded into the batch dim): the PyTorch path's per-sample gradients."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, 1, 40, 8, generator=g, dtype=dtype).to(device)
+               for _ in range(3))
+    mask = torch.ones(2, 40, dtype=torch.bool, device=device)
+    mask[1, 31:] = False
+
+    def run(kernel):
+        def loss(q, k, v, mask):
+            out = skyformer.attention(q[None], k[None], v[None], method, kernel=kernel,
+                                      key_padding_mask=mask[None], num_features=12,
+                                      generator=skyformer.random_key(5))
+            return out.square().sum()
+
+        per_sample = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1, 2)))(q, k, v, mask)
+        jacobian = torch.func.jacrev(lambda q: skyformer.attention(
+            q, k, v, method, kernel=kernel, key_padding_mask=mask, num_features=12,
+            generator=skyformer.random_key(5))[1, 0, 3, :2])(q)
+        return [*per_sample, jacobian]
+
+    tolerance = {"rtol": 1e-9, "atol": 1e-11} if dtype == torch.float64 else \
+        {"rtol": 2e-3, "atol": 2e-5}
+    for a, e in zip(run("triton"), run("torch"), strict=True):
+        torch.testing.assert_close(a, e, **tolerance)
+
+
 def _float32_copies() -> Recorder:
     """Records the shapes of every conversion to float32."""
     def conversion(func, args, out):

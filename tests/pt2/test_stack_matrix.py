@@ -195,6 +195,60 @@ def test_func_jacfwd_equals_reverse_jacobian(method, matrix):
 
 
 @pytest.mark.parametrize("method", METHODS)
+def test_func_jacrev_equals_reverse_jacobian(method, matrix):
+    """``torch.func.jacrev`` (vmap over vjp: the backward passes run on batched
+    cotangents) equals the Jacobian from plain reverse mode, on the approximate path."""
+    matrix("func.jacrev (N = 160)", method)
+    q, k, v = make_qkv(1, 1, APPROXIMATE_LEN, 4)
+    mask, key = padded(1, APPROXIMATE_LEN, 150), random_key(11)
+    bound = get_method(method).bind(seq_len=APPROXIMATE_LEN)
+
+    def f(q, k, v):  # a few output rows: 12 rows of the Jacobian, one per entry
+        return bound(q, k, v, key_padding_mask=mask, generator=key)[..., 5:8, :]
+
+    got = torch.func.jacrev(f, argnums=(0, 1, 2))(q, k, v)
+    want = torch.autograd.functional.jacobian(f, (q, k, v))
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_per_sample_gradients_by_vmap_of_grad_equal_a_loop(method, matrix):
+    """``vmap(grad(loss))`` over a batch, each sequence with its own padding (per-sample
+    gradients, as differentially private training computes them): the backward passes
+    run on batched tensors, saved ones included. Equal to one autograd call per sample."""
+    matrix("vmap(grad) per sample (N = 160)", method)
+    q, k, v = make_qkv(3, 1, APPROXIMATE_LEN, 4)
+    mask = torch.ones(3, APPROXIMATE_LEN, dtype=torch.bool)
+    mask[1, 130:] = False
+    mask[2, :7] = False
+    key = random_key(12)
+    bound = get_method(method).bind(seq_len=APPROXIMATE_LEN)
+
+    def loss(q, k, v, mask):
+        out = bound(q[None], k[None], v[None], key_padding_mask=mask[None], generator=key)
+        return out.square().sum()
+
+    got = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1, 2)))(q, k, v, mask)
+    for i in range(3):
+        leaves = [t[i].clone().requires_grad_(True) for t in (q, k, v)]
+        want = torch.autograd.grad(loss(*leaves, mask[i]), leaves)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g[i], w)
+
+
+def test_reverse_over_reverse_in_torch_func_is_refused_in_a_sentence():
+    """``jacrev`` of ``jacrev`` would differentiate a fused backward pass."""
+    q, k, v = make_qkv(1, 1, 40, 4)
+    key = random_key(13)
+
+    def loss(q):
+        return call("skyformer", q, k, v, key=key, num_features=8).square().sum()
+
+    with pytest.raises(RuntimeError, match=r"torch\.func\.hessian"):
+        torch.func.jacrev(torch.func.jacrev(loss))(q)
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_func_hessian_equals_differences_of_gradients(method, matrix):
     """``torch.func.hessian`` (jacfwd over jacrev: the method runs under both) applied
     to a direction equals the central difference of autograd's gradient along it."""

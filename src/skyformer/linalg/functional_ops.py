@@ -27,6 +27,8 @@ import torch.autograd.forward_ad as forward_ad
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .vmap import fold_into_batch, is_placeholder, split_batch
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -73,22 +75,96 @@ def first_order_backward(backward: F) -> F:
     through: a differentiable backward of plain autograd (``create_graph=True``:
     ``torch.autograd.functional.hessian`` / ``hvp``, gradient penalties). There
     ``once_differentiable`` returns a gradient that silently drops its dependence on
-    the saved inputs. Under ``torch.func`` transforms (tensors wrapped by functorch)
-    ``once_differentiable`` is left to itself: ``torch.func.grad`` runs every backward
-    with grad mode on, and a second reverse pass raises there."""
-    once = once_differentiable(backward)
+    the saved inputs.
+
+    Under ``torch.func`` transforms (tensors wrapped by functorch) the backward runs as
+    a Function of its own, ``_TransformedBackward``: ``jacrev`` and ``vmap`` of ``grad``
+    (per-sample gradients) call it with batched tensors, on which its ``out=`` and
+    in-place products have no batching rule; the Function's ``vmap`` rule folds the
+    mapped dim into the batch dim instead, as the forward's rule does. The saved
+    tensors' batch dims are 0 unless ``setup_context`` sets ``ctx.saved_batch_dims``.
+    Differentiating that backward again (``jacrev`` of ``jacrev``) is refused."""
 
     @functools.wraps(backward)
     def wrapper(ctx: Any, *grads: Any) -> Any:
-        tensors = [t for t in (*grads, *ctx.saved_tensors) if isinstance(t, Tensor)]
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors) and not any(
+        saved = ctx.saved_tensors
+        tensors = [t for t in (*grads, *saved) if isinstance(t, Tensor)]
+        if not torch.compiler.is_compiling() and any(  # dynamo cannot trace the query
                 torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
-            raise RuntimeError(
-                "skyformer: this attention's fused backward pass is not differentiable "
-                "(create_graph=True, as torch.autograd.functional.hessian / hvp use). "
-                "For second derivatives use forward-over-reverse: torch.func.hessian, or "
-                "torch.func.jvp of torch.func.grad; they take plain differentiable "
-                "operators.")
+            return _TransformedBackward.run(backward, ctx, saved, grads)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            raise RuntimeError(_NOT_DIFFERENTIABLE)
         return once(ctx, *grads)
 
+    once = once_differentiable(backward)
     return wrapper  # type: ignore[return-value]
+
+
+_NOT_DIFFERENTIABLE = (
+    "skyformer: this attention's fused backward pass is not differentiable "
+    "(create_graph=True, as torch.autograd.functional.hessian / hvp use, or "
+    "torch.func.jacrev of a reverse-mode derivative). For second derivatives use "
+    "forward-over-reverse: torch.func.hessian, or torch.func.jvp of torch.func.grad; "
+    "they take plain differentiable operators.")
+
+
+class _SavedContext:
+    """A Function's backward context with other saved tensors (the folded ones)."""
+
+    def __init__(self, ctx: Any, saved: tuple) -> None:
+        self._ctx = ctx
+        self.saved_tensors = saved
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ctx, name)
+
+
+class _Positions:
+    """Positions an inner call reports to its caller (an object, not a list: transforms
+    rebuild the containers among a Function's arguments)."""
+
+    def __init__(self) -> None:
+        self.positions: list[int] = []
+
+
+class _TransformedBackward(torch.autograd.Function):
+    """A hand-written backward pass run as a Function under ``torch.func`` transforms
+    (``first_order_backward``). Arguments: the backward, its context, a ``_Positions`` that
+    receives the positions of the gradients it leaves out (``None``), the number of
+    saved tensors, then the saved tensors and the incoming gradients; outputs: the
+    gradients it computes."""
+
+    @staticmethod
+    def run(backward: Callable[..., Any], ctx: Any, saved: tuple, grads: tuple) -> tuple:
+        absent = _Positions()
+        out = iter(_TransformedBackward.apply(backward, ctx, absent, len(saved), *saved,
+                                              *grads))
+        return tuple(None if i in absent.positions else next(out)
+                     for i in range(len(ctx.needs_input_grad)))
+
+    @staticmethod
+    def forward(backward: Callable[..., Any], ctx: Any, absent: _Positions,  # type: ignore[override]
+                n_saved: int, *tensors: Tensor | None) -> tuple[Tensor, ...]:
+        results = backward(_SavedContext(ctx, tensors[:n_saved]), *tensors[n_saved:])
+        absent.positions = [i for i, r in enumerate(results) if r is None]
+        return tuple(r for r in results if r is not None)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        pass
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, backward: Callable[..., Any], ctx: Any,
+             absent: _Positions, n_saved: int, *tensors: Tensor | None) -> tuple[tuple, tuple]:
+        size = info.batch_size
+        at = getattr(ctx, "saved_batch_dims", None) or (0,) * n_saved
+        folded = [t if t is None or (dim is None and is_placeholder(t))
+                  else fold_into_batch(t, dim, size, at[i] if i < n_saved else 0)
+                  for i, (t, dim) in enumerate(zip(tensors, in_dims[-len(tensors):],
+                                                   strict=True))]
+        results = _TransformedBackward.apply(backward, ctx, absent, n_saved, *folded)
+        return tuple(split_batch(r, size) for r in results), (0,) * len(results)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise RuntimeError(_NOT_DIFFERENTIABLE)

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from .flush import flush_on_cpu_
 from .functional_ops import first_order_backward, functional_ops_only
+from .vmap import split_batch
 
 PinvInit = Literal["scaled_transpose", "identity"]
 PINV_INITS: tuple[str, ...] = ("scaled_transpose", "identity")
@@ -104,17 +105,19 @@ class _RazaviIteration(torch.autograd.Function):
         _, store = output
         ctx.mark_non_differentiable(store)
         ctx.save_for_backward(a, store)
+        ctx.saved_batch_dims = (0, 2)  # store: [iterations, 4, BH, m, m]
         ctx.identity_start = v0 is None
 
     @staticmethod
     def vmap(info, in_dims, a, v0, iterations):  # type: ignore[override]
-        """The iteration takes any batch shape: the mapped dim becomes the first one."""
+        """The iteration takes any batch shape: the mapped dim becomes the first one
+        (and the leading index of the store's flattened batch dim)."""
         a = a.movedim(in_dims[0], 0) if in_dims[0] is not None else a.expand(
             info.batch_size, *a.shape)
         if v0 is not None:
             v0 = v0.movedim(in_dims[1], 0) if in_dims[1] is not None else v0.expand_as(a)
         out, store = _RazaviIteration.apply(a, v0, iterations)
-        return (out, store), (0, None)
+        return (out, split_batch(store, info.batch_size, at=2)), (0, 2)
 
     @staticmethod
     @first_order_backward

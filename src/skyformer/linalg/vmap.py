@@ -2,9 +2,9 @@
 
 Every such Function already works on a leading batch dim (heads, blocks), so mapping it
 over one more dim is the same call with the mapped dim merged into that batch dim: move
-each mapped dim to the front, flatten it with the batch dim (expanding arguments that
-are not mapped), run once, and split the outputs back. This is exact, costs one call,
-and needs no per-example Python loop (``torch.func`` docs, "Extending torch.func with
+each mapped dim to the batch dim, flatten the two (expanding arguments that are not
+mapped), run once, and split the outputs back. This is exact, costs one call, and needs
+no per-example Python loop (``torch.func`` docs, "Extending torch.func with
 autograd.Function").
 """
 
@@ -14,6 +14,26 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import Tensor
+
+
+def is_placeholder(t: Tensor) -> bool:
+    """An empty 1-D tensor standing for an absent one (a Function's inputs and outputs
+    must be tensors); it is never mapped."""
+    return t.numel() == 0 and t.dim() == 1
+
+
+def fold_into_batch(t: Tensor, in_dim: int | None, size: int, at: int = 0) -> Tensor:
+    """``t`` with its mapped dim ``in_dim`` (of size ``size``; ``None``: not mapped, so
+    expanded) merged into its batch dim ``at``, the mapped index running slowest."""
+    t = t.expand(size, *t.shape) if in_dim is None else t.movedim(in_dim, 0)
+    t = t.movedim(0, at)
+    return t.reshape(*t.shape[:at], size * t.shape[at + 1], *t.shape[at + 2:])
+
+
+def split_batch(t: Tensor, size: int, at: int = 0) -> Tensor:
+    """Inverse of ``fold_into_batch``: ``t``'s batch dim ``at`` split into
+    ``[size, rest]``, the mapped dim at ``at``."""
+    return t.reshape(*t.shape[:at], size, t.shape[at] // size, *t.shape[at + 1:])
 
 
 def vmap_into_batch(
@@ -36,20 +56,17 @@ def vmap_into_batch(
     size = info.batch_size
     new = list(args)
     for i in tensors:
-        t = args[i]
-        if t is None:
-            continue
-        t = t.expand(size, *t.shape) if in_dims[i] is None else t.movedim(in_dims[i], 0)
-        new[i] = t.reshape(size * t.shape[1], *t.shape[2:])
+        if args[i] is not None:
+            new[i] = fold_into_batch(args[i], in_dims[i], size)
     result = apply(*new)
     results = result if isinstance(result, tuple) else (result,)
     assert len(results) == outputs
     out, dims = [], []
     for r in results:
-        if r.numel() == 0 and r.dim() == 1:  # a placeholder output
+        if is_placeholder(r):
             out.append(r)
             dims.append(None)
         else:
-            out.append(r.reshape(size, r.shape[0] // size, *r.shape[1:]))
+            out.append(split_batch(r, size))
             dims.append(0)
     return tuple(out), tuple(dims)

@@ -117,7 +117,7 @@ def segments(valid: Tensor | None, batch: int, n: int, m: int, device: torch.dev
         n_valid = valid.sum(dim=1)
         weight = valid.to(dtype)
     index = (rank.clamp_min(0) * m).div(n_valid.clamp_min(1)[:, None], rounding_mode="floor")
-    count = torch.zeros(batch, m, device=device, dtype=dtype).scatter_add_(1, index, weight)
+    count = weight.new_zeros(batch, m).scatter_add(1, index, weight)  # not in place: vmap
     return Segments(index, weight, count, n_valid)
 
 
