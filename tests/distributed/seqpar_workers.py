@@ -102,6 +102,7 @@ def check_equal(rank: int, world: int, lengths: list[int], mask: torch.Tensor | 
                        tuple(t[:, :, mine] for t in (q, k, v)),
                        tuple(t[:, :, mine] for t in tangents))
         torch.testing.assert_close(got, want[:, :, mine], **TOL, msg=f"{method} jvp")
+        _check_double_backward(method, options, q, k, v, g, mask, mine)
     # the landmarks themselves, for a count that leaves slots without a landmark
     info = check_attention_inputs(q, k, v, mask, method="skyformer")
     key = skyformer.random_key(3)
@@ -114,6 +115,46 @@ def check_equal(rank: int, world: int, lengths: list[int], mask: torch.Tensor | 
         got, _, _ = draw_landmarks(m, layout, local_info.key_valid, 2, mine.stop - mine.start)
         for field in ("query_index", "query_live", "key_index", "key_live"):
             assert torch.equal(getattr(got, field), getattr(expected, field)), (m, field)
+
+
+def _hessian_vector(attention: Callable[..., torch.Tensor], method: str, options: dict,
+                    mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor, g: torch.Tensor, directions: tuple[torch.Tensor, ...]
+                    ) -> tuple[torch.Tensor, ...]:
+    """H t for the loss sum(out * g) in (q, k, v), by reverse over reverse
+    (create_graph): k and v reach every rank's output through the all-reduced sums."""
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attention(*leaves, method, key_padding_mask=mask,
+                    generator=torch.Generator().manual_seed(7), **options)
+    grads = torch.autograd.grad((out * g).sum(), leaves, create_graph=True)
+    return torch.autograd.grad(sum((d * t).sum() for d, t in zip(grads, directions,
+                                                                  strict=True)), leaves)
+
+
+def _check_double_backward(method: str, options: dict, q: torch.Tensor, k: torch.Tensor,
+                           v: torch.Tensor, g: torch.Tensor, mask: torch.Tensor | None,
+                           mine: slice) -> None:
+    """Reverse over reverse across the ranks equals one process's Hessian-vector
+    product, or is refused on every rank as it is in one process (the fused backward
+    passes of the Nystrom methods)."""
+    directions = inputs(q.shape[2], seed=2)[:3]
+    local = (None if mask is None else mask[:, mine], *(t[:, :, mine] for t in (q, k, v, g)),
+             tuple(t[:, :, mine] for t in directions))
+    results = []
+    for attention, args in ((skyformer.attention, (mask, q, k, v, g, directions)),
+                            (sequence_parallel_attention, local)):
+        try:
+            results.append(_hessian_vector(attention, method, options, *args))
+        except RuntimeError as error:
+            assert "not differentiable" in str(error), str(error)
+            results.append(None)
+    want, got = results
+    if want is None or got is None:
+        assert want is None and got is None, f"{method}: refused by one side only"
+        return
+    for name, a, b in zip("qkv", got, want, strict=True):
+        torch.testing.assert_close(a, b[:, :, mine], **TOL,
+                                   msg=f"{method} double backward, {name}")
 
 
 def check_errors(rank: int, world: int) -> None:

@@ -3,8 +3,10 @@ and counted: every payload sent goes through here, so its bytes can be measured.
 
 ``all_reduce_sum`` is differentiable: with y = sum_r x_r on every rank and each rank's
 loss L_r computed from its copy of y, dL/dx_r = sum_r' dL_r'/dy, an all-reduce of the
-gradients (``AllReduceSum.backward``). The autograd engine runs the backward passes of
-identical graphs in the same order on every rank, so the backward collectives match up.
+gradients (``AllReduceSum.backward``), itself differentiable the same way, so that
+second derivatives by reverse over reverse cross the ranks too. The autograd engine
+runs the backward passes of identical graphs in the same order on every rank, so the
+backward collectives match up.
 ``all_reduce_max`` and ``all_gather`` carry constants (shifts, shapes, landmark keys).
 """
 
@@ -85,7 +87,10 @@ class AllReduceSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
-        return _reduce(grad, dist.ReduceOp.SUM, ctx.group), None
+        # Through this Function again, not ``_reduce``: the gradient is itself a sum over
+        # the ranks, so a differentiated backward (create_graph=True: Hessian-vector
+        # products, gradient penalties) all-reduces its own gradient in turn.
+        return AllReduceSum.apply(grad, ctx.group), None
 
     @staticmethod
     def jvp(ctx: Any, tangent: Tensor, _: Any) -> Tensor:
