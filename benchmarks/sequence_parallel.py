@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from skyformer import MultiHeadAttention
-from skyformer.distributed import count_communication, shard_bounds
+from skyformer.distributed import count_communication, destroy_process_group, shard_bounds
 from skyformer.io import environment, save_figure, write_csv, write_json
 
 BATCH, HEADS, HEAD_DIM, FEATURES = 1, 2, 32, 128
@@ -95,7 +95,7 @@ def _worker(rank: int, world: int, store: str, n: int, args: argparse.Namespace,
     Path(out, f"{rank}.json").write_text(json.dumps(row))
     if group is not None:
         dist.barrier()  # gloo: no rank closes its connections while another still reads
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 def ring_bytes(n: int, procs: int, element: int = 4) -> tuple[int, int]:

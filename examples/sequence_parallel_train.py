@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from skyformer import MultiHeadAttention
-from skyformer.distributed import shard_bounds, sum_gradients
+from skyformer.distributed import destroy_process_group, shard_bounds, sum_gradients
 from skyformer.lra.distributed import init_distributed, shutdown
 
 MASK_RATE = 0.15
@@ -134,7 +134,7 @@ def main() -> None:
             print(f"step {step:3d}  loss {total.item() / args.data_parallel:.3f}  "
                   f"{time.perf_counter() - t0:.2f} s", flush=True)
     dist.barrier()  # gloo: no rank closes its connections while another still reads
-    dist.destroy_process_group() if not info.enabled else shutdown(info)
+    destroy_process_group() if not info.enabled else shutdown(info)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 import skyformer
 from skyformer.distributed import (
     count_communication,
+    destroy_process_group,
     sequence_parallel_attention,
     sum_gradients,
 )
@@ -52,7 +53,7 @@ def _entry(rank: int, world: int, store: str, fn: Callable[..., None], args: tup
         traceback.print_exc()
         raise
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 def inputs(n: int, seed: int = 0, b: int = 2, h: int = 2, d: int = 4):

@@ -1,5 +1,5 @@
-"""Helpers for training with a sharded sequence: cutting the shards, and completing the
-parameters' gradients.
+"""Helpers for training with a sharded sequence: cutting the shards, completing the
+parameters' gradients, and ending the run.
 
 Under sequence parallelism each rank's backward pass gives the parameters the gradient
 of its own shard's share of the loss; the model's gradient is their sum over the group
@@ -8,6 +8,7 @@ of its own shard's share of the loss; the model's gradient is their sum over the
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import torch
@@ -43,3 +44,20 @@ def sum_gradients(module: nn.Module, group: Any = None, divide_by: float = 1.0) 
         flat /= divide_by
     for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
         g.copy_(part.view_as(g))
+
+
+def destroy_process_group(group: Any = None) -> None:
+    """``torch.distributed.destroy_process_group`` after a garbage collection; call it
+    at the end of a run instead of torch's.
+
+    The autograd graph of a sequence-parallel call holds its process group (the
+    backward pass all-reduces over it). A graph caught in a reference cycle keeps the
+    group alive after torch's ``destroy_process_group``, until the collection at
+    interpreter shutdown, where gloo's worker threads, still releasing finished work,
+    can no longer take the GIL and abort the process ("terminate called without an
+    active exception", SIGABRT after a run that succeeded; seen on a 2-core machine
+    under load). Collecting first frees those graphs while the threads can still
+    finish."""
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group(group)

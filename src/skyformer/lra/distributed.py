@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..distributed import destroy_process_group
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -66,8 +68,10 @@ def init_distributed(device_request: str = "auto") -> tuple[DistInfo, torch.devi
 
 
 def shutdown(info: DistInfo) -> None:
+    """Destroy the group this run created (``skyformer.distributed.destroy_process_group``:
+    collected first, so that no graph keeps it alive into interpreter shutdown)."""
     if info.owns_group and dist.is_initialized():
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 def _comm_device(info: DistInfo, tensor: Tensor) -> torch.device:
