@@ -5,6 +5,7 @@ seed, computes the single-process reference itself, runs its shard and asserts."
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -54,6 +55,13 @@ def _entry(rank: int, world: int, store: str, fn: Callable[..., None], args: tup
         raise
     finally:
         destroy_process_group()
+    # A passing worker leaves without interpreter shutdown: PyTorch keeps references to
+    # a group passed through torch.func's forward mode (the jvp checks), so its gloo
+    # threads can outlive destroy_process_group into shutdown and abort the process
+    # there (docs/distributed.md). Failures above still raise and are reported.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def inputs(n: int, seed: int = 0, b: int = 2, h: int = 2, d: int = 4):
