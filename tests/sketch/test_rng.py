@@ -8,6 +8,7 @@ import torch
 
 from skyformer.sketch.random_features import gaussian_columns
 from skyformer.sketch.rng import (
+    bulk_normal,
     check_key,
     fold_in,
     normal,
@@ -46,6 +47,21 @@ def test_uniform_and_normal_have_their_distributions(dtype):
     assert scipy.stats.kstest(u.double().numpy(), "uniform").pvalue > 1e-3
     z = normal(key, (50000,), dtype)
     assert scipy.stats.kstest(z.double().numpy(), "norm").pvalue > 1e-3
+
+
+def test_bulk_normal_is_normal_pairwise_independent_and_indexed_by_position():
+    key = random_key(gen(3))
+    z = bulk_normal(key, (50001,))  # odd: the last pair keeps one output
+    assert z.dtype == torch.float32 and z.shape == (50001,)
+    assert scipy.stats.kstest(z.double().numpy(), "norm").pvalue > 1e-3
+    # the two outputs of a pair are independent normals: uncorrelated, and so are squares
+    pairs = z[:50000].view(-1, 2).double()
+    assert abs(torch.corrcoef(pairs.T)[0, 1]) < 0.04  # 4 sigma at 25000 pairs
+    assert abs(torch.corrcoef(pairs.square().T)[0, 1]) < 0.04
+    assert z.abs().max() <= (2 * 24 * torch.log(torch.tensor(2.0))).sqrt()
+    assert torch.equal(bulk_normal(key, (7, 3)).reshape(-1), z[:21])
+    assert torch.equal(bulk_normal(fold_in(key, torch.arange(2)), (5,))[1],
+                       bulk_normal(fold_in(key, 1), (5,)))
 
 
 def test_row_uniform_is_indexed_by_rank_among_valid_rows():

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from ..linalg import half_sq_norm
-from .rng import normal, random_key, stream
+from .rng import bulk_normal, normal, random_key, stream
 
 
 def gaussian_projection(
@@ -69,4 +69,4 @@ def gaussian_columns(
     key and on j: the first ``n'`` columns are the same for every ``n >= n'`` (Linformer's
     Gaussian Johnson-Lindenstrauss projections, one column per position)."""
     key = stream(random_key(generator, device), "gaussian-columns")
-    return normal(key, (n, *rows)).movedim(0, -1)
+    return bulk_normal(key, (n, *rows)).movedim(0, -1)

@@ -133,6 +133,26 @@ def normal(key: Tensor, shape: tuple[int, ...], dtype: torch.dtype = torch.float
     return (radius * torch.cos(2.0 * math.pi * u2)).to(dtype)
 
 
+def bulk_normal(key: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """Standard normal numbers ``[*key.shape[:-1], *shape]`` (float32), each a function of
+    its flat position in ``shape``, for draws with one number per sequence position.
+
+    Flat positions 2i and 2i + 1 are the two outputs r cos t, r sin t of one Box-Muller
+    pair on two 24-bit uniforms, so a number costs one hash where ``normal`` spends four
+    (two 53-bit uniforms, one output): about 4-7x faster on the CPU. The price is the
+    tails: |z| <= sqrt(2 ln 2^24) = 5.77, where ``normal`` reaches 8.6 (probability
+    8e-9 of a draw beyond 5.77)."""
+    count = math.prod(shape)
+    index = torch.arange((count + 1) // 2, device=key.device)  # one per pair
+    lead = key.shape[:-1]
+    pair_key = key.view(*lead, 1, 2)
+    u = uniform_at(fold_in(pair_key, 0x3C6EF372), index)  # [..., pairs] in [0, 1)
+    angle = (2.0 * math.pi) * uniform_at(fold_in(pair_key, 0xA54FF53A), index)
+    radius = torch.sqrt(-2.0 * torch.log1p(-u))  # 1 - u in (0, 1]: log finite
+    z = torch.stack([radius * torch.cos(angle), radius * torch.sin(angle)], dim=-1)
+    return z.flatten(-2)[..., :count].reshape(*lead, *shape)
+
+
 def valid_rank(valid: Tensor | None, batch: int, n: int, device: torch.device,
                before: Tensor | None = None) -> Tensor:
     """Rank ``[B, n]`` (int64) of each row among the valid rows of its batch element,
