@@ -139,7 +139,8 @@ def bulk_normal(key: Tensor, shape: tuple[int, ...]) -> Tensor:
 
     Flat positions 2i and 2i + 1 are the two outputs r cos t, r sin t of one Box-Muller
     pair on two 24-bit uniforms, so a number costs one hash where ``normal`` spends four
-    (two 53-bit uniforms, one output): about 4-7x faster on the CPU. The price is the
+    (two 53-bit uniforms, one output): Linformer's direct call 2.6-7x faster on the CPU
+    (``benchmarks/linformer_draw.py``). The price is the
     tails: |z| <= sqrt(2 ln 2^24) = 5.77, where ``normal`` reaches 8.6 (probability
     8e-9 of a draw beyond 5.77)."""
     count = math.prod(shape)
