@@ -85,6 +85,8 @@ def first_order_backward(backward: F) -> F:
     tensors' batch dims are 0 unless ``setup_context`` sets ``ctx.saved_batch_dims``.
     Differentiating that backward again (``jacrev`` of ``jacrev``) is refused."""
 
+    once = once_differentiable(backward)
+
     @functools.wraps(backward)
     def wrapper(ctx: Any, *grads: Any) -> Any:
         saved = ctx.saved_tensors
@@ -96,7 +98,6 @@ def first_order_backward(backward: F) -> F:
             raise RuntimeError(_NOT_DIFFERENTIABLE)
         return once(ctx, *grads)
 
-    once = once_differentiable(backward)
     return wrapper  # type: ignore[return-value]
 
 

@@ -89,8 +89,7 @@ def biased_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, *, scale: fl
     returning zeros (never NaN). ``bias`` from ``attention_bias``."""
     has_key = (bias > float("-inf")).any(dim=-1, keepdim=True)
     safe = torch.where(has_key, bias, torch.zeros((), dtype=bias.dtype, device=bias.device))
-    out = sdpa(q, k, v, attn_mask=safe, dropout_p=dropout_p,
-                                         scale=scale)
+    out = sdpa(q, k, v, attn_mask=safe, dropout_p=dropout_p, scale=scale)
     return out * has_key.to(out.dtype)
 
 
