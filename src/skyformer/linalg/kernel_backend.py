@@ -10,8 +10,10 @@ before Triton is first imported. ``"torch"`` always takes the PyTorch path.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
+import re
 import warnings
 from collections.abc import Callable
 from functools import cache
@@ -35,6 +37,27 @@ def triton_available() -> bool:
 def interpreter_on() -> bool:
     """Whether Triton runs kernels on the CPU through its interpreter."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _major_minor(package: str) -> tuple[int, int]:
+    """(major, minor) of an installed package's version, from its metadata (no import)."""
+    found = re.match(r"(\d+)\.(\d+)", importlib.metadata.version(package))
+    return (int(found[1]), int(found[2])) if found else (0, 0)
+
+
+@cache
+def check_interpreter() -> None:
+    """Triton's interpreter before 3.7 reads loop bounds with ``int(array)`` on a
+    one-element array, which NumPy 2.4 refuses; the kernels would then fail deep inside
+    the interpreter ("only 0-dimensional arrays can be converted to Python scalars").
+    Raises a sentence naming the two versions and the fix instead."""
+    triton_version, numpy_version = _major_minor("triton"), _major_minor("numpy")
+    if triton_version < (3, 7) and numpy_version >= (2, 4):
+        raise RuntimeError(
+            f"Triton {'.'.join(map(str, triton_version))}'s interpreter (TRITON_INTERPRET=1) "
+            f"cannot run with NumPy {'.'.join(map(str, numpy_version))}: it converts "
+            "one-element arrays to Python integers, which NumPy 2.4 refuses. Install "
+            "triton>=3.7 or numpy<2.4 to run the Triton kernels on the CPU.")
 
 
 def check_kernel(kernel: str) -> None:
@@ -72,6 +95,8 @@ def use_triton(kernel: str, y: Tensor) -> bool:
             f'kernel="triton" runs on CUDA tensors; this one is on {y.device}. To run the '
             "Triton kernels on the CPU, set TRITON_INTERPRET=1 before Python starts "
             '(slow, for testing), or use kernel="auto".')
+    if not y.is_cuda:
+        check_interpreter()
     if y.dtype not in (torch.float32, torch.float64):
         raise RuntimeError(f'kernel="triton" computes in float32 or float64, got {y.dtype}; '
                            "the attention methods convert half types to float32 first.")

@@ -85,7 +85,7 @@ def use_triton_draw(draw: str, key: Tensor, *tensors: Tensor | None) -> bool:
     (Inductor fuses the PyTorch path itself), ``torch.export`` and ``torch.func``
     transforms both take the PyTorch path, which gives the same keys. ``"torch"``: never.
     """
-    from ..linalg.kernel_backend import interpreter_on, triton_available
+    from ..linalg.kernel_backend import check_interpreter, interpreter_on, triton_available
     from ..ops.shared.tracing import may_read_values
 
     if draw not in DRAWS:
@@ -105,6 +105,8 @@ def use_triton_draw(draw: str, key: Tensor, *tensors: Tensor | None) -> bool:
             f"the Triton landmark draw runs on CUDA tensors; this key is on {key.device}. "
             "Set TRITON_INTERPRET=1 before Python starts to run it on the CPU (slow, for "
             'testing), or use "auto".')
+    if not key.is_cuda:
+        check_interpreter()
     return True
 
 
