@@ -37,7 +37,7 @@ def capability_sentence_for(method: Method, capability: str) -> str:
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class BoundMethod:
     """A method with validated options, for layers of ``num_heads`` heads of ``head_dim``.
 
