@@ -235,28 +235,25 @@ def test_triton_on_cpu_without_interpreter_says_how(monkeypatch):
         skyformer.attention(q, q, q, "skyformer", kernel="triton")
 
 
-@pytest.mark.parametrize("versions, refused", [
-    ({"triton": (3, 6), "numpy": (2, 4)}, True),   # the interpreter calls int(array)
-    ({"triton": (3, 6), "numpy": (2, 3)}, False),  # NumPy only warns
-    ({"triton": (3, 7), "numpy": (2, 5)}, False),  # Triton squeezes first
+@pytest.mark.parametrize("triton_version, numpy_version, refused", [
+    ((3, 6), (2, 4), True),   # the interpreter calls int(array)
+    ((3, 6), (2, 3), False),  # NumPy only warns
+    ((3, 7), (2, 5), False),  # Triton squeezes first
 ])
-def test_an_interpreter_that_cannot_run_with_this_numpy_says_so(monkeypatch, versions, refused):
+def test_an_interpreter_that_cannot_run_with_this_numpy_says_so(
+        monkeypatch, triton_version, numpy_version, refused):
     """Triton < 3.7's interpreter fails deep inside with NumPy >= 2.4; the library names
-    both versions and the fix before any launch (the Triton draw and the products)."""
+    both versions and the fix before any launch."""
     from skyformer.linalg import kernel_backend
 
+    problem = kernel_backend.interpreter_problem(triton_version, numpy_version)
+    assert (problem is not None) == refused
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(kernel_backend, "_major_minor", versions.__getitem__)
-    kernel_backend.check_interpreter.cache_clear()
+    monkeypatch.setattr(kernel_backend, "INTERPRETER_PROBLEM", problem)
     q = torch.randn(1, 1, 8, 4)
-    try:
-        if refused:
-            with pytest.raises(RuntimeError, match=r"Triton 3\.6.*NumPy 2\.4.*triton>=3\.7"):
-                skyformer.attention(q, q, q, "skyformer", kernel="triton")
-        else:
-            kernel_backend.check_interpreter()
-    finally:
-        kernel_backend.check_interpreter.cache_clear()
+    if refused:
+        with pytest.raises(RuntimeError, match=r"Triton 3\.6.*NumPy 2\.4.*triton>=3\.7"):
+            skyformer.attention(q, q, q, "skyformer", kernel="triton")
 
 
 def test_forward_mode_takes_the_pytorch_path_under_auto_and_triton_says_so():

@@ -336,3 +336,23 @@ def test_torch_generator_under_compile_gets_a_sentence():
     # dynamo wraps the library's TypeError; its sentence is in the message
     with pytest.raises(Exception, match=r"generator=skyformer\.random_key\(g\)"):
         f(q, k, v, torch.Generator().manual_seed(0))
+
+
+def test_exporting_is_true_under_torch_export_only():
+    """The library's fast paths give way only under torch.export. PyTorch before 2.12
+    evaluates ``torch.compiler.is_exporting()`` as True inside every torch.compile graph;
+    ``exporting()`` reads export's own flag, so compiled code keeps its fast paths."""
+    from skyformer.linalg.functional_ops import exporting
+
+    def probe(x):
+        return x + float(exporting())
+
+    class Probe(torch.nn.Module):
+        def forward(self, x):
+            return probe(x)
+
+    x = torch.zeros(2)
+    assert probe(x).sum() == 0
+    assert torch.compile(probe, backend="aot_eager", fullgraph=True)(x).sum() == 0
+    exported = torch.export.export(Probe(), (x,))
+    assert exported.module()(x).sum() == 2

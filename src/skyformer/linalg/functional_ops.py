@@ -32,6 +32,15 @@ from .vmap import fold_into_batch, is_placeholder, split_batch
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def exporting() -> bool:
+    """Whether ``torch.export`` is tracing. Reads the flag export sets rather than
+    calling ``torch.compiler.is_exporting()``, which torch.compile before PyTorch 2.12
+    evaluates as True in every compiled function (every fast path would then give way
+    under ``torch.compile``, and ``kernel="triton"`` would refuse)."""
+    flag = getattr(torch.compiler, "_is_exporting_flag", None)
+    return torch.compiler.is_exporting() if flag is None else bool(flag)
+
+
 def forward_mode_active() -> bool:
     """Whether forward-mode AD is running: a dual level is open (``torch.func.jvp``,
     ``jacfwd`` and ``hessian`` open one, as ``forward_ad.dual_level`` does). Asked of
@@ -42,7 +51,7 @@ def forward_mode_active() -> bool:
     under ``torch.compile`` too: dynamo guards on it, so ``jvp`` inside a compiled
     function, or a compiled function called under ``jvp``, gets the plain graph. False
     while exporting."""
-    if torch.compiler.is_exporting():
+    if exporting():
         return False
     return forward_ad._current_level >= 0
 
@@ -50,7 +59,7 @@ def forward_mode_active() -> bool:
 def functional_ops_only() -> bool:
     """Whether the fast paths must give way to plain operators (module docstring):
     under ``torch.export`` or forward-mode AD."""
-    return torch.compiler.is_exporting() or forward_mode_active()
+    return exporting() or forward_mode_active()
 
 
 def no_derivatives(fn: F) -> F:

@@ -16,27 +16,15 @@ import os
 import re
 import warnings
 from collections.abc import Callable
-from functools import cache
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from .functional_ops import functional_ops_only
+from .functional_ops import exporting, functional_ops_only
 
 KERNELS = ("auto", "torch", "triton")
 HALF_TYPES = (torch.bfloat16, torch.float16)  # read by the kernels, computed in float32
-
-
-@cache
-def triton_available() -> bool:
-    """Whether Triton can be imported (it is not needed by the library otherwise)."""
-    return importlib.util.find_spec("triton") is not None
-
-
-def interpreter_on() -> bool:
-    """Whether Triton runs kernels on the CPU through its interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _major_minor(package: str) -> tuple[int, int]:
@@ -45,19 +33,42 @@ def _major_minor(package: str) -> tuple[int, int]:
     return (int(found[1]), int(found[2])) if found else (0, 0)
 
 
-@cache
-def check_interpreter() -> None:
-    """Triton's interpreter before 3.7 reads loop bounds with ``int(array)`` on a
-    one-element array, which NumPy 2.4 refuses; the kernels would then fail deep inside
-    the interpreter ("only 0-dimensional arrays can be converted to Python scalars").
-    Raises a sentence naming the two versions and the fix instead."""
-    triton_version, numpy_version = _major_minor("triton"), _major_minor("numpy")
+def interpreter_problem(triton_version: tuple[int, int], numpy_version: tuple[int, int]
+                        ) -> str | None:
+    """Why Triton's interpreter cannot run here, or None. Before Triton 3.7 it reads
+    loop bounds with ``int(array)`` on a one-element array, which NumPy 2.4 refuses:
+    the kernels would fail deep inside the interpreter ("only 0-dimensional arrays can
+    be converted to Python scalars")."""
     if triton_version < (3, 7) and numpy_version >= (2, 4):
-        raise RuntimeError(
-            f"Triton {'.'.join(map(str, triton_version))}'s interpreter (TRITON_INTERPRET=1) "
-            f"cannot run with NumPy {'.'.join(map(str, numpy_version))}: it converts "
-            "one-element arrays to Python integers, which NumPy 2.4 refuses. Install "
-            "triton>=3.7 or numpy<2.4 to run the Triton kernels on the CPU.")
+        return (f"Triton {'.'.join(map(str, triton_version))}'s interpreter "
+                f"(TRITON_INTERPRET=1) cannot run with NumPy "
+                f"{'.'.join(map(str, numpy_version))}: it converts one-element arrays to "
+                "Python integers, which NumPy 2.4 refuses. Install triton>=3.7 or "
+                "numpy<2.4 to run the Triton kernels on the CPU.")
+    return None
+
+
+# Read once at import: torch.compile traces the functions below, and some PyTorch
+# versions refuse to trace importlib (torch 2.11: "find_spec should not be traced").
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+INTERPRETER_PROBLEM = (interpreter_problem(_major_minor("triton"), _major_minor("numpy"))
+                       if TRITON_INSTALLED else None)
+
+
+def triton_available() -> bool:
+    """Whether Triton can be imported (it is not needed by the library otherwise)."""
+    return TRITON_INSTALLED
+
+
+def interpreter_on() -> bool:
+    """Whether Triton runs kernels on the CPU through its interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def check_interpreter() -> None:
+    """Raises ``INTERPRETER_PROBLEM`` (a sentence with the fix) where there is one."""
+    if INTERPRETER_PROBLEM is not None:
+        raise RuntimeError(INTERPRETER_PROBLEM)
 
 
 def check_kernel(kernel: str) -> None:
@@ -83,7 +94,7 @@ def use_triton(kernel: str, y: Tensor) -> bool:
     if not triton_available():
         raise RuntimeError('kernel="triton" needs Triton: pip install triton (or use '
                            'kernel="auto", which falls back to PyTorch).')
-    if torch.compiler.is_exporting():
+    if exporting():
         raise RuntimeError('kernel="triton" cannot be exported by torch.export; use '
                            'kernel="auto" there (it takes the PyTorch path).')
     if functional:

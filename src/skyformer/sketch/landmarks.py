@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..linalg.functional_ops import exporting
 from ..linalg.kernel_backend import KernelFallback
 from .rng import random_key, row_uniform, stream, valid_rank
 
@@ -94,7 +95,7 @@ def use_triton_draw(draw: str, key: Tensor, *tensors: Tensor | None) -> bool:
         return False
     # the kernels read one key [2]; a key per batch element ([B, 2]) takes PyTorch
     plain = may_read_values(key, *(t for t in tensors if t is not None)) \
-        and not torch.compiler.is_exporting() and tuple(key.shape) == (2,)
+        and not exporting() and tuple(key.shape) == (2,)
     if draw == "auto" or not plain:
         return key.is_cuda and plain and triton_available() and not DRAW_FALLBACK.failed
     if not triton_available():
