@@ -86,7 +86,9 @@ def test_files_and_table(tiny, tmp_path):
     paths = write_results(tiny, tmp_path / "bench", command="skyformer bench ...")
     assert sorted(p.suffix for p in paths) == [".csv", ".json", ".png"]
     data = json.loads((tmp_path / "bench.json").read_text())
-    assert set(data) == {"config", "environment", "matmul_gflops", "rows", "summary", "command"}
+    assert set(data) == {"config", "environment", "matmul_gflops", "rows", "summary", "command",
+                         "complete"}
+    assert data["complete"] is True
     assert data["config"]["seq_lens"] == [64, 128] and len(data["rows"]) == 6
     with open(tmp_path / "bench.csv") as handle:
         assert set(next(csv.reader(handle))) == ROW_KEYS
@@ -123,6 +125,48 @@ def test_command_line(tmp_path, capsys):
     assert main(["bench", "--methods", "nope", "--no-memory"]) == 2
     assert "unknown attention method 'nope'" in capsys.readouterr().err
     assert main(["bench", "--min-n", "64", "--max-n", "32", "--no-memory"]) == 2
+
+
+def test_an_interrupted_run_keeps_its_lengths_and_resume_measures_only_the_rest(
+        tmp_path, capsys, monkeypatch):
+    """--out is written after every length; an interruption at N = 128 leaves the N = 64
+    rows (marked incomplete); --resume keeps them as they were, measures N = 128 and
+    N = 256, and refuses other settings with a sentence naming them."""
+    import skyformer.eval.bench.run as bench_run
+
+    out = tmp_path / "resumable"
+    argv = ["bench", "--methods", "skyformer", "--shapes", "1,1,8", "--features", "8",
+            "--repeats", "1", "--warmup", "0", "--no-memory", "--out", str(out), "--no-plot"]
+    measure = bench_run._measure_length
+    measured_lengths = []
+
+    def interrupted_at_128(config, methods, labels, shape, n, *rest):
+        measured_lengths.append(n)
+        if n == 128:
+            raise KeyboardInterrupt
+        return measure(config, methods, labels, shape, n, *rest)
+
+    monkeypatch.setattr(bench_run, "_measure_length", interrupted_at_128)
+    assert main([*argv, "--seq-lens", "64", "128"]) == 130
+    partial = json.loads(out.with_suffix(".json").read_text())
+    assert partial["complete"] is False
+    assert [(r["method"], r["n"]) for r in partial["rows"]] == [("softmax", 64),
+                                                               ("skyformer", 64)]
+    monkeypatch.setattr(bench_run, "_measure_length", measure)
+    capsys.readouterr()
+    assert main([*argv, "--seq-lens", "64", "128", "256", "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert "resuming from" in err and "2 rows measured before" in err
+    assert "N=    64" not in err and "N=   128" in err and "N=   256" in err
+    final = json.loads(out.with_suffix(".json").read_text())
+    assert final["complete"] is True
+    assert [r["n"] for r in final["rows"]] == [64, 64, 128, 128, 256, 256]
+    for before, after in zip(partial["rows"], final["rows"][:2], strict=True):
+        assert after["fwd_bwd_ms"] == before["fwd_bwd_ms"]
+    assert main([*argv, "--seq-lens", "64", "--resume", "--repeats", "2"]) == 2
+    assert "other settings (repeats: 1 -> 2)" in capsys.readouterr().err
+    assert main(["bench", "--resume", "--no-memory"]) == 2
+    assert "give --out" in capsys.readouterr().err
 
 
 def test_crossover_and_summary_arithmetic():

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
+from pathlib import Path
 
 import torch
 
 from ..eval.bench.report import format_table, format_wide, write_results
-from ..eval.bench.run import DTYPES, BenchConfig, run_bench
+from ..eval.bench.run import DTYPES, BenchConfig, BenchResult, resumable_rows, run_bench
 from ..io import check_output_path
 
 NAME = "bench"
@@ -71,10 +73,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-plot", action="store_true", help="with --out: no PNG")
     parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="with --out: keep the rows of OUT.json (written after every sequence length) "
+        "and measure only what is missing; the other settings must be the same",
+    )
+    parser.add_argument(
         "--markdown",
         action="store_true",
         help="print Markdown tables, one column per N (time with speed-up, memory)",
     )
+
+
+def _earlier_rows(config: BenchConfig, out: str | None) -> list[dict]:
+    """The rows ``--resume`` keeps: those of OUT.json, measured with the same settings."""
+    if out is None:
+        raise ValueError("--resume continues the results written to --out; give --out.")
+    path = Path(out).with_suffix(".json")
+    if not path.exists():
+        print(f"nothing to resume: {path} does not exist; measuring everything",
+              file=sys.stderr)
+        return []
+    try:
+        earlier = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"cannot resume from {path}: not a bench result file ({err}).") from None
+    rows = resumable_rows(config, earlier)
+    print(f"resuming from {path}: {len(rows)} rows measured before", file=sys.stderr)
+    return rows
 
 
 def run(args: argparse.Namespace) -> int:
@@ -98,14 +124,20 @@ def run(args: argparse.Namespace) -> int:
         backward=not args.forward_only, memory=not args.no_memory, error=not args.no_error,
         seed=args.seed, max_seconds=args.max_seconds, clock=args.clock, causal=args.causal,
     )
-    result = run_bench(config, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    measured = _earlier_rows(config, args.out) if args.resume else None
+    command = "skyformer " + shlex.join(getattr(args, "_argv", sys.argv[1:]))
+
+    def write_partial(partial: BenchResult) -> None:
+        write_results(partial, args.out, plot=False, command=command, complete=False)
+
+    result = run_bench(config, progress=lambda line: print(line, file=sys.stderr, flush=True),
+                       measured=measured, after_length=write_partial if args.out else None)
     print(format_wide(result) if args.markdown else format_table(result))
     env = result.environment
     print(f"\ntorch {env['torch']}, {env['device']}, {env['torch_threads']} threads, "
           f"{config.clock} clock, load average {env.get('load_average_start')} -> "
           f"{env.get('load_average_end')}")
     if args.out:
-        command = "skyformer " + shlex.join(getattr(args, "_argv", sys.argv[1:]))
         for path in write_results(result, args.out, plot=not args.no_plot, command=command):
             print(f"wrote {path}")
     return 0

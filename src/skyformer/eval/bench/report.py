@@ -213,11 +213,15 @@ def _render(header: list[str], table: list[list[str]], markdown: bool) -> list[s
 
 
 def write_results(
-    result: BenchResult, prefix: str | Path, *, plot: bool = True, command: str | None = None
+    result: BenchResult, prefix: str | Path, *, plot: bool = True, command: str | None = None,
+    complete: bool = True,
 ) -> list[Path]:
-    """``prefix``.json (config, environment, rows, summary), .csv (rows) and .png."""
+    """``prefix``.json (config, environment, rows, summary), .csv (rows) and .png, each
+    written atomically. ``complete=False`` marks a run still going (or interrupted):
+    ``skyformer bench --resume`` continues it."""
     prefix = Path(prefix)
     data = result.to_dict()
+    data["complete"] = complete
     if command:
         data["command"] = command
     written = [write_json(prefix.with_suffix(".json"), data)]

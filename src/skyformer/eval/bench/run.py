@@ -43,6 +43,7 @@ from ..measure.timing import CLOCKS, interleaved_median_seconds
 from ..methods import NamedAttention, PreparedCall, resolve
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
+History = dict[str, list[tuple[int, float]]]  # label -> (N, seconds or bytes) measured so far
 HALF = ("bfloat16", "float16")
 
 
@@ -198,8 +199,21 @@ def _closures(
     return forward, forward_backward
 
 
-def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None) -> BenchResult:
-    """Measure every configuration of ``config``; ``progress`` receives one line per row."""
+def run_bench(
+    config: BenchConfig, progress: Callable[[str], None] | None = None, *,
+    measured: list[dict[str, Any]] | None = None,
+    after_length: Callable[[BenchResult], None] | None = None,
+) -> BenchResult:
+    """Measure every configuration of ``config``.
+
+    Args:
+        progress: receives one line per row.
+        measured: rows of an earlier run of the same configuration (``resumable_rows``):
+            a sequence length whose rows are all there is not measured again, and its
+            times and peaks feed the predictions of the next lengths as if just measured.
+        after_length: receives the result so far after every sequence length (to write
+            it, so that an interruption loses at most the length being measured).
+    """
     device = torch.device(config.device)
     methods = [resolve(name) for name in config.method_names()]  # unknown names fail first
     labels = [m.label for m in methods]
@@ -211,31 +225,91 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
         for dtype in config.dtypes
     }
     limit = _available_bytes(device)
-    rows: list[dict[str, Any]] = []
-    for shape in config.shapes:
-        for dtype_name in config.dtypes:
-            dtype = getattr(torch, dtype_name)
-            times: dict[str, list[tuple[int, float]]] = {label: [] for label in labels}
-            peaks: dict[str, list[tuple[int, float]]] = {label: [] for label in labels}
-            for n in sorted(config.seq_lens):
-                group = {"device": str(device), "dtype": dtype_name, "batch": shape[0],
-                         "heads": shape[1], "head_dim": shape[2], "n": n}
-                new_rows = _measure_length(
-                    config, methods, labels, shape, n, dtype, device, limit, times, peaks,
-                    throughput[dtype_name], group,
-                )
-                rows.extend(new_rows)
-                if progress:
-                    for row in new_rows:
-                        progress(_progress_line(row))
     env = environment(device)
     if device.type == "cpu":
         env.setdefault("device_name", _cpu_model())
     env["load_average_start"] = load_start
-    env["load_average_end"] = _load()
+    earlier = _rows_by_length(measured or [])
+    rows: list[dict[str, Any]] = []
     result = BenchResult(config, env, throughput, rows)
+    for shape in config.shapes:
+        for dtype_name in config.dtypes:
+            dtype = getattr(torch, dtype_name)
+            times: History = {label: [] for label in labels}
+            peaks: History = {label: [] for label in labels}
+            for n in sorted(config.seq_lens):
+                group = {"device": str(device), "dtype": dtype_name, "batch": shape[0],
+                         "heads": shape[1], "head_dim": shape[2], "n": n}
+                kept = earlier.get(_length_key(group))
+                if kept is not None and set(kept) >= set(labels):
+                    new_rows = [kept[label] for label in labels]
+                    _remember(config, new_rows, n, times, peaks)
+                else:
+                    new_rows = _measure_length(
+                        config, methods, labels, shape, n, dtype, device, limit, times, peaks,
+                        throughput[dtype_name], group,
+                    )
+                    if progress:
+                        for row in new_rows:
+                            progress(_progress_line(row))
+                rows.extend(new_rows)
+                if after_length:
+                    env["load_average_end"] = _load()
+                    result.summary = summarise(rows, config.reference, config.backward)
+                    after_length(result)
+    env["load_average_end"] = _load()
     result.summary = summarise(rows, config.reference, config.backward)
     return result
+
+
+def _length_key(row: dict[str, Any]) -> tuple:
+    return (row["device"], row["dtype"], row["batch"], row["heads"], row["head_dim"], row["n"])
+
+
+def _rows_by_length(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, dict[str, Any]]]:
+    """(device, dtype, B, H, D, N) -> method label -> row."""
+    out: dict[tuple, dict[str, dict[str, Any]]] = {}
+    for row in rows:
+        out.setdefault(_length_key(row), {})[row["method"]] = dict(row)
+    return out
+
+
+def _remember(config: BenchConfig, rows: list[dict[str, Any]], n: int, times: History,
+              peaks: History) -> None:
+    """Feed earlier rows at length ``n`` to the histories the skip predictions read."""
+    key = "fwd_bwd_ms" if config.backward else "fwd_ms"
+    for row in rows:
+        if row["status"] == "ok" and row.get(key):
+            times[row["method"]].append((n, row[key] / 1e3))
+        if row.get("peak_mib"):
+            peaks[row["method"]].append((n, row["peak_mib"] * 2**20))
+
+
+RESUMABLE_SETTINGS = ("methods", "dtypes", "device", "num_features", "repeats", "warmup",
+                      "backward", "memory", "error", "seed", "max_seconds", "reference",
+                      "clock", "causal")
+
+
+def resumable_rows(config: BenchConfig, earlier: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows of an earlier result file (``write_results``'s JSON) that ``config`` may
+    reuse; raises a sentence naming the settings that differ (lengths and shapes may
+    differ: rows are kept per shape and length)."""
+    before = earlier.get("config", {})
+    now = dataclasses.asdict(config)
+    differ = [name for name in RESUMABLE_SETTINGS
+              if _comparable(before.get(name)) != _comparable(now[name])]
+    if differ:
+        changes = ", ".join(f"{name}: {before.get(name)!r} -> {now[name]!r}" for name in differ)
+        raise ValueError(f"the earlier results were measured with other settings ({changes}); "
+                         "resume with the same settings, or write to another --out.")
+    return list(earlier.get("rows", []))
+
+
+def _comparable(value: Any) -> Any:
+    """JSON turns tuples into lists; compare both as lists."""
+    if isinstance(value, (list, tuple)):
+        return [_comparable(v) for v in value]
+    return value
 
 
 def _cpu_model() -> str | None:
@@ -253,9 +327,6 @@ def _load() -> list[float] | None:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return None
-
-
-History = dict[str, list[tuple[int, float]]]  # label -> (N, seconds or bytes) measured so far
 
 
 def _measure_length(
