@@ -61,3 +61,4 @@ done
 stage lra 75 python3 benchmarks/lra_gpu.py --out "$out/lra_gpu.json"
 echo "+ stages:"
 cat "$out/stages.txt"
+! grep -qv ": exit 0 " "$out/stages.txt"  # exit status 1 where any stage failed

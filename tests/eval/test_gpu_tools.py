@@ -72,3 +72,48 @@ def test_triton_resources_compiles_the_launches_for_an_h100(tmp_path):
     for row in rows:
         assert 16 <= row["registers"] <= 255 and row["mma"] > 0 and row["exp2"] > 0
         assert row["warps_per_sm"] >= row["num_warps"]  # it can launch on an H100
+
+
+def test_gpu_script_runs_every_stage_past_failures_and_a_rerun_skips_finished_ones(tmp_path):
+    """benchmarks/gpu.sh with a stand-in ``python3`` (CUDA present, one CUDA test failing,
+    the kernel benchmark crashing): every later stage still runs, stages.txt records each
+    exit, the script's status says a stage failed, and a second run with the same folder
+    runs no stage again."""
+    import os
+    import subprocess
+
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    calls = tmp_path / "calls.txt"
+    (stub / "python3").write_text(
+        "#!/usr/bin/env bash\n"
+        'echo "$*" >> "$CALLS"\n'
+        'case "$*" in\n'
+        '  *"import xdist"*) exit 1;;\n'
+        '  *"-m pytest"*) echo "1 failed, 9 passed in 3.0s"; exit 1;;\n'
+        '  *gpu_kernels.py*) echo "kernels crashed" >&2; exit 2;;\n'
+        '  *"-m skyformer bench"*) echo "| method | N=1024 |";;\n'
+        "esac\n")
+    (stub / "python3").chmod(0o755)
+    env = {**os.environ, "PATH": f"{stub}:{os.environ['PATH']}", "CALLS": str(calls)}
+    out = tmp_path / "gpu"
+
+    def run():
+        return subprocess.run(["bash", str(BENCHMARKS / "gpu.sh"), str(out)], env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    first = run()
+    assert first.returncode == 1, first.stdout + first.stderr
+    exits = dict(line.split(": exit ")[0:2] for line in
+                 (out / "stages.txt").read_text().splitlines())
+    assert {name: status.split()[0] for name, status in exits.items()} == {
+        "tests": "1", "profile": "0", "kernels": "2", "bench_float32": "0",
+        "bench_bfloat16": "0", "lra": "0"}
+    assert "1 failed" in (out / "tests.txt").read_text()
+    assert "kernels crashed" in (out / "kernels.log").read_text()
+    assert "| method | N=1024 |" in (out / "bench_bfloat16.md").read_text()
+    assert "--resume" in calls.read_text()
+    stage_calls = len(calls.read_text().splitlines())
+    second = run()
+    assert second.stdout.count("done in an earlier run") == 6
+    assert len(calls.read_text().splitlines()) == stage_calls + 2  # the CUDA and xdist checks
