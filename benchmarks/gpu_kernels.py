@@ -17,7 +17,9 @@ landmark block and its Lemma 3 inverse by the PyTorch path (about 130 launches f
 + backward) and by the one-launch Triton kernels (``linalg/triton_lemma3.py``), at each
 shape's B x H, at 64 landmarks and at ``--features``, forward alone and forward +
 backward.
-Writes JSON to ``--out``.
+Writes JSON to ``--out``. ``--device cpu`` (with ``TRITON_INTERPRET=1``) runs the same
+script at tiny sizes to check it without a GPU: its times mean nothing and it measures
+no memory.
 
     python benchmarks/gpu_kernels.py --out benchmarks/results/gpu_kernels.json
 """
@@ -80,7 +82,10 @@ def _flops(name: str, q, v, m: int) -> float:
     return 3.0 * per_head * b * h
 
 
-def _peak(fn) -> int:
+def _peak(fn, device: str) -> int | None:
+    """Peak CUDA memory of one call above what was allocated before (None on the CPU)."""
+    if device == "cpu":
+        return None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -89,28 +94,30 @@ def _peak(fn) -> int:
     return torch.cuda.max_memory_allocated() - base
 
 
-def _matmul_rate() -> dict[str, float]:
-    """Measured FLOP/s of an 8192^3 matmul in bfloat16 and in float32 (TF32 allowed: the
-    tensor-core rate the Triton kernels' tf32x3 dots run at, a third of it each)."""
+def _matmul_rate(device: str) -> dict[str, float]:
+    """Measured FLOP/s of an 8192^3 matmul (256^3 on the CPU) in bfloat16 and in float32
+    (TF32 allowed: the tensor-core rate the Triton kernels' tf32x3 dots run at, a third
+    of it each)."""
+    size = 256 if device == "cpu" else 8192
     rates = {}
     for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
-        a = torch.randn(8192, 8192, device="cuda", dtype=dtype)
+        a = torch.randn(size, size, device=device, dtype=dtype)
         with _tf32():
-            t = interleaved_median_seconds({"mm": lambda a=a: a @ a}, device="cuda", warmup=3,
+            t = interleaved_median_seconds({"mm": lambda a=a: a @ a}, device=device, warmup=3,
                                            repeats=10)["mm"]
-        rates[name] = 2 * 8192**3 / t
+        rates[name] = 2 * size**3 / t
     return rates
 
 
-def _core_rows(batch: int, heads: int, m: int, repeats: int) -> list[dict]:
+def _core_rows(batch: int, heads: int, m: int, repeats: int, device: str) -> list[dict]:
     """``landmark_inverse`` (C(X, X) and its Lemma 3 inverse) for float32 landmark rows
     ``[batch, heads, m, 64]``, PyTorch path against the Triton kernels: forward alone,
     and forward + backward (which takes the kernels only up to
     ``lemma3_triton.MAX_M_BACKWARD`` landmarks, PyTorch above)."""
     from skyformer.linalg import half_sq_norm, landmark_inverse
 
-    x = (0.15 * torch.randn(batch, heads, m, 64, device="cuda")).requires_grad_(True)
-    grad = torch.randn(batch, heads, m, m, device="cuda")
+    x = (0.15 * torch.randn(batch, heads, m, 64, device=device)).requires_grad_(True)
+    grad = torch.randn(batch, heads, m, m, device=device)
 
     def run(kernel, backward):
         def step():
@@ -127,7 +134,7 @@ def _core_rows(batch: int, heads: int, m: int, repeats: int) -> list[dict]:
     calls = {f"core/{kernel}/{'fwd+bwd' if backward else 'fwd'}": run(kernel, backward)
              for backward in (False, True) for kernel in ("torch", "triton")
              if not (backward and kernel == "triton" and m > MAX_M_BACKWARD)}  # PyTorch
-    times = interleaved_median_seconds(calls, device="cuda", warmup=3, repeats=repeats)
+    times = interleaved_median_seconds(calls, device=device, warmup=3, repeats=repeats)
     rows = []
     for name in calls:
         base = name.replace("triton", "torch")
@@ -136,6 +143,10 @@ def _core_rows(batch: int, heads: int, m: int, repeats: int) -> list[dict]:
         print(f"{rows[-1]['shape']:18s} {name:22s} {rows[-1]['ms']:9.3f} ms "
               f"{rows[-1]['vs_torch']:7.2f}x the PyTorch core", flush=True)
     return rows
+
+
+def peak_text(mib: float | None) -> str:
+    return "   memory -" if mib is None else f"{mib:9.1f} MiB"
 
 
 class _tf32:
@@ -158,13 +169,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="lengths at which the compiled variants are timed too")
     parser.add_argument("--max-exact-n", type=int, default=32768,
                         help="longest N for the exact kernelized variants")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: check the script at tiny sizes (TRITON_INTERPRET=1)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("gpu_kernels.py needs a CUDA device.", file=sys.stderr)
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        print("gpu_kernels.py needs a CUDA device (--device cpu with TRITON_INTERPRET=1 "
+              "checks the script at tiny sizes).", file=sys.stderr)
         return 2
     torch._dynamo.config.cache_size_limit = 64
-    rate = _matmul_rate()
+    rate = _matmul_rate(device)
     print(f"bf16 matmul {rate['bfloat16'] / 1e12:.0f} TFLOP/s, tf32 "
           f"{rate['float32'] / 1e12:.0f} TFLOP/s", flush=True)
     rows = []
@@ -172,33 +187,35 @@ def main(argv: list[str] | None = None) -> int:
         b, h, d, dtype_name = spec.split(",")
         dtype = getattr(torch, dtype_name)
         for n in args.seq_lens:
-            g = torch.Generator(device="cuda").manual_seed(n)
-            q, k, v, grad = (torch.randn(int(b), int(h), n, int(d), device="cuda", generator=g)
+            g = torch.Generator(device=device).manual_seed(n)
+            q, k, v, grad = (torch.randn(int(b), int(h), n, int(d), device=device, generator=g)
                              .to(dtype) for _ in range(4))
             for t in (q, k, v):
                 t.requires_grad_(True)
             calls = _calls(q, k, v, grad, args.features, n in args.compile_seq_lens)
             if n > args.max_exact_n:
                 calls = {name: fn for name, fn in calls.items() if "kernelized" not in name}
-            times = interleaved_median_seconds(calls, device="cuda", warmup=2,
+            times = interleaved_median_seconds(calls, device=device, warmup=2,
                                                repeats=args.repeats)
             for name, fn in calls.items():
+                peak = _peak(fn, device)
                 row = {"shape": spec, "n": n, "call": name, "ms": times[name] * 1e3,
-                       "peak_mib": _peak(fn) / 2**20,
+                       "peak_mib": None if peak is None else peak / 2**20,
                        "vs_sdpa": times["sdpa"] / times[name], "flops": _flops(name, q, v,
                                                                               args.features)}
                 row["speed_of_light"] = row["flops"] / (times[name] * rate[
                     "bfloat16" if dtype != torch.float32 or name == "sdpa" else "float32"])
                 rows.append(row)
                 print(f"{spec:18s} N={n:6d} {name:18s} {row['ms']:9.3f} ms "
-                      f"{row['vs_sdpa']:7.2f}x sdpa  {row['peak_mib']:9.1f} MiB  "
+                      f"{row['vs_sdpa']:7.2f}x sdpa  {peak_text(row['peak_mib'])}  "
                       f"SoL {100 * row['speed_of_light']:5.1f} %", flush=True)
     core = []
     for spec in args.shapes:
         b, h, _, _ = spec.split(",")
         for m in sorted({64, args.features}):
-            core += _core_rows(int(b), int(h), m, args.repeats)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            core += _core_rows(int(b), int(h), m, args.repeats, device)
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (script check)"
+    result = {"device": name, "torch": torch.__version__,
               "features": args.features, "matmul_flops_per_s": rate, "rows": rows,
               "core": core}
     if args.out:

@@ -74,6 +74,29 @@ def test_triton_resources_compiles_the_launches_for_an_h100(tmp_path):
         assert row["warps_per_sm"] >= row["num_warps"]  # it can launch on an H100
 
 
+def test_kernel_benchmark_runs_on_the_cpu_under_the_interpreter(tmp_path):
+    """benchmarks/gpu_kernels.py with --device cpu (tiny, TRITON_INTERPRET=1 from
+    conftest): every eager call and the m x m core at both sizes run, and the JSON holds
+    them (no memory on the CPU). The compiled variants are left out: Inductor takes a
+    minute there."""
+    pytest.importorskip("triton")
+    from skyformer.linalg.kernel_backend import interpreter_on
+
+    if not interpreter_on():
+        pytest.skip("Triton's interpreter is off")
+    out = tmp_path / "kernels.json"
+    assert _load("gpu_kernels").main([
+        "--device", "cpu", "--shapes", "1,1,16,float32", "--seq-lens", "40", "--features", "8",
+        "--repeats", "1", "--compile-seq-lens", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [row["call"] for row in result["rows"]] == [
+        "sdpa", "skyformer/torch", "skyformer/triton", "kernelized/torch", "kernelized/triton"]
+    assert all(row["ms"] > 0 and row["peak_mib"] is None for row in result["rows"])
+    assert {(row["shape"], row["call"]) for row in result["core"]} == {
+        (f"1,1,m={m}", f"core/{kernel}/{mode}") for m in (8, 64)
+        for kernel in ("torch", "triton") for mode in ("fwd", "fwd+bwd")}
+
+
 def test_gpu_script_runs_every_stage_past_failures_and_a_rerun_skips_finished_ones(tmp_path):
     """benchmarks/gpu.sh with a stand-in ``python3`` (CUDA present, one CUDA test failing,
     the kernel benchmark crashing): every later stage still runs, stages.txt records each
