@@ -103,3 +103,83 @@ def test_refusals():
     with pytest.raises(Exception, match="nystromformer"):
         model.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0,
                        cache=shf.DecodingCache(model))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("build", [_gpt2, _llama], ids=["gpt2", "llama"])
+@pytest.mark.parametrize(("method", "options"), [SETTINGS[0], SETTINGS[1], SETTINGS[4]],
+                         ids=["skyformer", "performer", "softmax"])
+def test_assisted_generation_equals_the_full_causal_forward(build, method, options,
+                                                            monkeypatch):
+    """An exact-attention copy of the model drafts tokens (assistant_model) and prompt
+    lookup drafts from the prompt: the rejected drafts are cropped from the states, and
+    the tokens are those of the full causal forward. Some crops keep part of their step
+    (the state is stepped again), the first step (the prompt) included."""
+    model = build()
+    shf.set_attention(model, method, seed=0, **options)
+    ids, mask = _prompt()
+    ids, mask = ids[:1], mask[:1]  # transformers drafts for one sequence at a time
+    settings = {"attention_mask": mask, "max_new_tokens": 30, "min_new_tokens": 30,
+                "do_sample": False, "pad_token_id": 0}
+    expected = model.generate(ids, use_cache=False, **settings)
+    crops = []
+    original_crop = DecodingLayer.crop
+
+    def spy(layer, tokens_to_remove):
+        if layer.rollback is not None and tokens_to_remove:
+            crops.append((-tokens_to_remove, layer.rollback[1].shape[2]))
+        original_crop(layer, tokens_to_remove)
+
+    monkeypatch.setattr(DecodingLayer, "crop", spy)
+    assistant = build("sdpa")  # same weights, exact attention: most drafts accepted
+    drafted = model.generate(ids, cache=shf.DecodingCache(model), assistant_model=assistant,
+                             **settings)
+    assert torch.equal(drafted, expected)
+    looked_up = model.generate(ids, cache=shf.DecodingCache(model),
+                               prompt_lookup_num_tokens=3, **settings)
+    assert torch.equal(looked_up, expected)
+    if method != "softmax":  # exact layers keep keys and values: no state to step again
+        assert any(removed < last for removed, last in crops), crops
+
+
+@torch.no_grad()
+def test_a_cropped_first_step_keeps_the_key_it_drew():
+    """Without a layer seed the first step draws its key from torch's generator; a crop
+    that steps the prompt again must keep that key, as the full forward over the kept
+    positions with the same draw would have it."""
+    model = _gpt2()
+    shf.set_attention(model, "skyformer", num_features=8, landmark_stride=4)
+    ids = torch.randint(2, 64, (1, 141), generator=torch.Generator().manual_seed(1))
+    # beyond the exact local window (64), so the landmarks, hence the key, matter
+    torch.manual_seed(7)
+    direct = shf.DecodingCache(model)
+    model(ids[:, :136], cache=direct)
+    want = model(ids[:, 136:137], cache=direct).logits
+    torch.manual_seed(7)
+    cropped = shf.DecodingCache(model)
+    cropped.activate_past_recording()
+    model(ids[:, :140], cache=cropped)
+    cropped.crop(-4)
+    assert cropped.get_seq_length() == 136
+    torch.testing.assert_close(model(ids[:, 136:137], cache=cropped).logits, want)
+
+
+@torch.no_grad()
+def test_crop_refusals_name_the_fix():
+    model = _gpt2()
+    shf.set_attention(model, "skyformer", seed=0, num_features=8, landmark_stride=4)
+    ids = _prompt()[0][:1]
+    cache = shf.DecodingCache(model)
+    assert not cache.is_croppable
+    model(ids[:, :10], cache=cache)
+    with pytest.raises(ValueError, match="activate_past_recording"):
+        cache.crop(-2)
+    cache = shf.DecodingCache(model)
+    cache.activate_past_recording()
+    assert cache.is_croppable
+    model(ids[:, :10], cache=cache)
+    model(ids[:, 10:13], cache=cache)
+    with pytest.raises(ValueError, match="at most the 3 positions of its last step"):
+        cache.crop(-4)
+    with pytest.raises(ValueError, match="minus the number of positions"):
+        cache.crop(5)

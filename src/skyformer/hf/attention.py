@@ -261,7 +261,7 @@ def _decoding_step(module: nn.Module, layer: LayerAttention, decoding: DecodingL
     key, value = _keys_for_call(module, key, value)
     if key_valid is not None:
         key_valid = key_valid.to(query.device)
-    out = decoding.state.step(query, key, value, key_valid)  # [B, H, n, Dv]
+    out = decoding.step(query, key, value, key_valid)  # [B, H, n, Dv]
     return out.transpose(1, 2).contiguous(), None
 
 

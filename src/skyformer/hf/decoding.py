@@ -14,6 +14,14 @@ layers left exact) keep their keys and values as transformers' ``DynamicCache`` 
 Tokens equal those of the full causal forward over the whole sequence with the same
 random key (a layer ``seed``).
 
+Assisted generation (``assistant_model=...``, ``prompt_lookup_num_tokens=...``) works
+too: transformers switches on ``activate_past_recording`` and, after checking the
+drafted tokens, drops the rejected ones with ``crop``. A state cannot subtract
+positions from its sums, so while recording each layer keeps the state as it was
+before its last step (the step replaces the state's tensors rather than writing into
+them, so this costs no copy) and that step's inputs; ``crop`` puts the state back and
+steps it again with the positions that stay.
+
 How it plugs in: the cache's ``update`` records the new keys and values and hands them
 back unchanged; the skyformer attention function of that layer recognises them (the
 very tensors, on the module the cache is bound to) and runs a decoding step instead of
@@ -22,6 +30,7 @@ attention over a key cache.
 
 from __future__ import annotations
 
+import copy
 import weakref
 
 import torch
@@ -38,7 +47,6 @@ class DecodingLayer(CacheLayerMixin):
     the layer runs exact attention."""
 
     is_compileable = False
-    is_croppable = False
     is_sliding = False
 
     def __init__(self) -> None:
@@ -46,6 +54,25 @@ class DecodingLayer(CacheLayerMixin):
         self.state = None  # skyformer.decoding.DecodingState, made at the first step
         self.seen = 0  # positions given to update
         self.pending: Tensor | None = None  # the keys of the step not yet attended
+        self.record_past = False  # keep what crop needs (transformers switches it on)
+        self.rollback: tuple | None = None  # (state before the last step, its inputs)
+
+    @property
+    def is_croppable(self) -> bool:
+        """Whether ``crop`` can drop positions: while recording (module docstring)."""
+        return self.record_past
+
+    def activate_past_recording(self) -> None:
+        """From now on keep the state before each step, so that ``crop`` can undo it."""
+        self.record_past = True
+
+    def step(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None) -> Tensor:
+        """The decoding state's step (``DecodingState.step``); while recording, first
+        keep the state as it is (a shallow copy: steps replace tensors, never write
+        into them) and the step's inputs."""
+        if self.record_past:
+            self.rollback = (copy.copy(self.state), q, k, v, key_valid)
+        return self.state.step(q, k, v, key_valid)
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         self.device = key_states.device
@@ -83,13 +110,14 @@ class DecodingLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.state, self.seen, self.pending = None, 0, None
+        self.state, self.seen, self.pending, self.rollback = None, 0, None, None
         self.keys = self.values = None
 
     def reorder_cache(self, beam_idx: Tensor) -> None:
         self.batch_select_indices(beam_idx)
 
     def batch_select_indices(self, indices: Tensor) -> None:
+        self.rollback = None  # the kept state has the old batch
         if self.state is not None:
             self.state.reorder(indices)
         if self.keys is not None:
@@ -105,8 +133,40 @@ class DecodingLayer(CacheLayerMixin):
             self.batch_select_indices(index)
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise ValueError("DecodingCache cannot drop positions (its states are sums over them); "
-                         "use transformers' DynamicCache for assisted decoding.")
+        """Drop the last ``-tokens_to_remove`` positions (transformers' convention: a
+        negative count; 0 only releases what was kept for a crop). A decoding state can
+        drop positions of its last step only, and only while recording."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes minus the number of positions to drop (as "
+                             f"transformers' caches do), got {tokens_to_remove}.")
+        remove = -tokens_to_remove
+        rollback, self.rollback = self.rollback, None
+        if remove == 0:
+            return
+        if remove > self.seen:
+            raise ValueError(f"cannot drop {remove} positions: the cache holds {self.seen}.")
+        if self.state is not None:
+            if rollback is None:
+                raise ValueError(
+                    "DecodingCache can drop positions only of the step it recorded: call "
+                    "cache.activate_past_recording() before that step (transformers' "
+                    "assisted generation does), and crop before the next step.")
+            state, q, k, v, key_valid = rollback
+            last = q.shape[2]
+            if remove > last:
+                raise ValueError(f"DecodingCache can drop at most the {last} positions of its "
+                                 f"last step (a state sums over the earlier ones), got {remove}.")
+            if state.length == 0:  # the first step again: with the key it drew
+                state.generator = self.state.key
+            self.state = state
+            if last > remove:  # the positions that stay, stepped again
+                stay = last - remove
+                self.state.step(q[:, :, :stay], k[:, :, :stay], v[:, :, :stay],
+                                None if key_valid is None else key_valid[:, :stay])
+        if self.keys is not None:
+            self.keys = self.keys[..., : self.keys.shape[-2] - remove, :]
+            self.values = self.values[..., : self.values.shape[-2] - remove, :]
+        self.seen -= remove
 
     def offload(self) -> None:
         pass
