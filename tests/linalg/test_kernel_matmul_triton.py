@@ -239,6 +239,7 @@ def test_triton_on_cpu_without_interpreter_says_how(monkeypatch):
     ((3, 6), (2, 4), True),   # the interpreter calls int(array)
     ((3, 6), (2, 3), False),  # NumPy only warns
     ((3, 7), (2, 5), False),  # Triton squeezes first
+    (None, (2, 5), False),    # no metadata (e.g. a source build): let it try
 ])
 def test_an_interpreter_that_cannot_run_with_this_numpy_says_so(
         monkeypatch, triton_version, numpy_version, refused):
@@ -248,6 +249,7 @@ def test_an_interpreter_that_cannot_run_with_this_numpy_says_so(
 
     problem = kernel_backend.interpreter_problem(triton_version, numpy_version)
     assert (problem is not None) == refused
+    assert kernel_backend._major_minor("no-such-distribution", "numpy") is not None
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(kernel_backend, "INTERPRETER_PROBLEM", problem)
     q = torch.randn(1, 1, 8, 4)

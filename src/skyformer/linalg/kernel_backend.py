@@ -27,18 +27,26 @@ KERNELS = ("auto", "torch", "triton")
 HALF_TYPES = (torch.bfloat16, torch.float16)  # read by the kernels, computed in float32
 
 
-def _major_minor(package: str) -> tuple[int, int]:
-    """(major, minor) of an installed package's version, from its metadata (no import)."""
-    found = re.match(r"(\d+)\.(\d+)", importlib.metadata.version(package))
-    return (int(found[1]), int(found[2])) if found else (0, 0)
+def _major_minor(*distributions: str) -> tuple[int, int] | None:
+    """(major, minor) of the first of ``distributions`` installed, from its metadata (no
+    import); None when none has metadata or a readable version."""
+    for name in distributions:
+        try:
+            found = re.match(r"(\d+)\.(\d+)", importlib.metadata.version(name))
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return (int(found[1]), int(found[2])) if found else None
+    return None
 
 
-def interpreter_problem(triton_version: tuple[int, int], numpy_version: tuple[int, int]
-                        ) -> str | None:
+def interpreter_problem(triton_version: tuple[int, int] | None,
+                        numpy_version: tuple[int, int] | None) -> str | None:
     """Why Triton's interpreter cannot run here, or None. Before Triton 3.7 it reads
     loop bounds with ``int(array)`` on a one-element array, which NumPy 2.4 refuses:
     the kernels would fail deep inside the interpreter ("only 0-dimensional arrays can
     be converted to Python scalars")."""
+    if triton_version is None or numpy_version is None:
+        return None  # unknown versions: let the interpreter try
     if triton_version < (3, 7) and numpy_version >= (2, 4):
         return (f"Triton {'.'.join(map(str, triton_version))}'s interpreter "
                 f"(TRITON_INTERPRET=1) cannot run with NumPy "
@@ -51,7 +59,9 @@ def interpreter_problem(triton_version: tuple[int, int], numpy_version: tuple[in
 # Read once at import: torch.compile traces the functions below, and some PyTorch
 # versions refuse to trace importlib (torch 2.11: "find_spec should not be traced").
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
-INTERPRETER_PROBLEM = (interpreter_problem(_major_minor("triton"), _major_minor("numpy"))
+# Triton's distribution is "triton" on PyPI, "pytorch-triton" in PyTorch's own indexes.
+INTERPRETER_PROBLEM = (interpreter_problem(_major_minor("triton", "pytorch-triton"),
+                                           _major_minor("numpy"))
                        if TRITON_INSTALLED else None)
 
 
