@@ -6,9 +6,12 @@
 # on an H100 before the profile and the core at two sizes were added; each stage now has a
 # time limit (below, SIGINT then SIGKILL) so that a slow stage cannot starve the later ones,
 # and a stage that fails is recorded in OUT_DIR/stages.txt without stopping the rest.
-# Interrupted? Run it again with the same OUT_DIR: finished stages are skipped (a marker
-# OUT_DIR/.done-STAGE each) and the two bench runs continue their JSON (--resume, written
-# after every sequence length), so a second run measures only what is missing.
+# Run it again with the same OUT_DIR to go on after a time limit or an interruption: a
+# stage that finished (passed or failed: see stages.txt; marker OUT_DIR/.done-STAGE, delete
+# it to measure the stage again) is skipped, and the two bench runs continue their JSON
+# (--resume, written after every sequence length), so a second run measures only what is
+# missing. Ctrl-C stops the running stage and the script, marking nothing done.
+# STAGE_SECONDS=N gives every stage N seconds instead of its own limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-benchmarks/results/gpu}
@@ -17,20 +20,44 @@ export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device')" \
     || exit 1
 
-# stage NAME SECONDS COMMAND...: output to the terminal and OUT_DIR/NAME.log.
+# stage NAME SECONDS COMMAND...: output to OUT_DIR/NAME.log, followed on the terminal.
+# timeout runs the command in a process group of its own, so an interruption of this
+# script is passed on to that group (running: its id).
+running=
+interrupted=0
+trap 'interrupted=1; [ -n "$running" ] && kill -INT -- "-$running" 2>/dev/null' INT TERM
+touch "$out/stages.txt"
 stage() {
-  local name=$1 seconds=$2 start=$SECONDS rc
+  local name=$1 seconds=${STAGE_SECONDS:-$2} start=$SECONDS rc follower note=
   shift 2
   if [ -e "$out/.done-$name" ]; then
     echo "+ $name: done in an earlier run (delete $out/.done-$name to measure it again)"
     return 0
   fi
   echo "+ $name (at most ${seconds} s): $*"
-  timeout --signal=INT --kill-after=30 "$seconds" "$@" 2>&1 | tee "$out/$name.log"
-  rc=${PIPESTATUS[0]}
-  echo "$name: exit $rc after $((SECONDS - start)) s$([ "$rc" = 124 ] && echo ' (time limit)')" \
-      | tee -a "$out/stages.txt"
-  [ "$rc" = 124 ] || [ "$rc" = 137 ] || touch "$out/.done-$name"
+  timeout --signal=INT --kill-after=30 "$seconds" "$@" > "$out/$name.log" 2>&1 &
+  running=$!
+  tail -n +1 -f -s 0.2 --pid="$running" "$out/$name.log" 2>/dev/null &
+  follower=$!
+  while :; do  # wait returns early when a trapped signal arrives
+    wait "$running"
+    rc=$?
+    kill -0 "$running" 2>/dev/null || break
+  done
+  running=
+  wait "$follower" 2>/dev/null
+  case $rc in
+    124) note=" (time limit)" ;;
+    137) note=" (killed 30 s after its time limit)" ;;
+  esac
+  [ "$interrupted" = 1 ] && note=" (interrupted)"
+  sed -i "/^$name: /d" "$out/stages.txt"  # the latest run of each stage
+  echo "$name: exit $rc after $((SECONDS - start)) s$note" | tee -a "$out/stages.txt"
+  if [ "$interrupted" = 1 ]; then
+    echo "interrupted: run again with the same folder to go on"
+    exit 130
+  fi
+  [ -n "$note" ] || touch "$out/.done-$name"
 }
 
 if [ -z "${SKIP_TESTS:-}" ]; then
@@ -39,7 +66,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   SKYFORMER_TEST_CUDA=1 stage tests 150 python3 -m pytest -q -p no:warnings \
       -p no:cacheprovider $parallel tests/gpu tests/test_contract.py tests/linalg \
       tests/sketch/test_triton_draws.py
-  tail -3 "$out/tests.log" > "$out/tests.txt"
+  [ -e "$out/tests.log" ] && tail -3 "$out/tests.log" > "$out/tests.txt"
 fi
 # Where the time goes: kernels, launches and idle time of one call (torch.profiler)
 stage profile 45 python3 benchmarks/gpu_profile.py --seq-lens 4096 16384 --out "$out/profile"

@@ -97,13 +97,17 @@ def test_kernel_benchmark_runs_on_the_cpu_under_the_interpreter(tmp_path):
         for kernel in ("torch", "triton") for mode in ("fwd", "fwd+bwd")}
 
 
-def test_gpu_script_runs_every_stage_past_failures_and_a_rerun_skips_finished_ones(tmp_path):
+def test_gpu_script_runs_every_stage_past_failures_limits_and_reruns(tmp_path):
     """benchmarks/gpu.sh with a stand-in ``python3`` (CUDA present, one CUDA test failing,
-    the kernel benchmark crashing): every later stage still runs, stages.txt records each
-    exit, the script's status says a stage failed, and a second run with the same folder
-    runs no stage again."""
+    the kernel benchmark crashing, the LRA stage past its time limit): every later stage
+    still runs, stages.txt records each exit and the script's status says a stage failed.
+    A rerun with the same folder runs only the stage stopped by its limit; once the
+    failed stages pass (their markers deleted), the status is 0. Ctrl-C (SIGINT to the
+    script) stops the running stage and the script, and marks nothing done."""
     import os
+    import signal
     import subprocess
+    import time
 
     stub = tmp_path / "bin"
     stub.mkdir()
@@ -113,30 +117,62 @@ def test_gpu_script_runs_every_stage_past_failures_and_a_rerun_skips_finished_on
         'echo "$*" >> "$CALLS"\n'
         'case "$*" in\n'
         '  *"import xdist"*) exit 1;;\n'
-        '  *"-m pytest"*) echo "1 failed, 9 passed in 3.0s"; exit 1;;\n'
-        '  *gpu_kernels.py*) echo "kernels crashed" >&2; exit 2;;\n'
+        '  *"-m pytest"*) echo "1 failed, 9 passed in 3.0s"; exit "$TESTS_EXIT";;\n'
+        '  *gpu_kernels.py*) echo "kernels crashed" >&2; exit "$KERNELS_EXIT";;\n'
+        '  *lra_gpu.py*) echo "lra started"; sleep "$LRA_SLEEP";;\n'
         '  *"-m skyformer bench"*) echo "| method | N=1024 |";;\n'
         "esac\n")
     (stub / "python3").chmod(0o755)
-    env = {**os.environ, "PATH": f"{stub}:{os.environ['PATH']}", "CALLS": str(calls)}
     out = tmp_path / "gpu"
 
-    def run():
-        return subprocess.run(["bash", str(BENCHMARKS / "gpu.sh"), str(out)], env=env,
-                              capture_output=True, text=True, timeout=60)
+    def env(**settings):
+        return {**os.environ, "PATH": f"{stub}:{os.environ['PATH']}", "CALLS": str(calls),
+                "STAGE_SECONDS": "2", "TESTS_EXIT": "1", "KERNELS_EXIT": "2",
+                "LRA_SLEEP": "0", **settings}
 
-    first = run()
+    def run(**settings):
+        return subprocess.run(["bash", str(BENCHMARKS / "gpu.sh"), str(out)],
+                              env=env(**settings), capture_output=True, text=True, timeout=60)
+
+    def stages():
+        lines = (out / "stages.txt").read_text().splitlines()
+        return {line.split(": exit ")[0]: line.split(": exit ")[1] for line in lines}
+
+    first = run(LRA_SLEEP="30")
     assert first.returncode == 1, first.stdout + first.stderr
-    exits = dict(line.split(": exit ")[0:2] for line in
-                 (out / "stages.txt").read_text().splitlines())
-    assert {name: status.split()[0] for name, status in exits.items()} == {
+    assert {name: status.split()[0] for name, status in stages().items()} == {
         "tests": "1", "profile": "0", "kernels": "2", "bench_float32": "0",
-        "bench_bfloat16": "0", "lra": "0"}
+        "bench_bfloat16": "0", "lra": "124"}
+    assert stages()["lra"].endswith("(time limit)")
     assert "1 failed" in (out / "tests.txt").read_text()
     assert "kernels crashed" in (out / "kernels.log").read_text()
     assert "| method | N=1024 |" in (out / "bench_bfloat16.md").read_text()
     assert "--resume" in calls.read_text()
-    stage_calls = len(calls.read_text().splitlines())
+    assert not (out / ".done-lra").exists() and (out / ".done-kernels").exists()
+
+    before = len(calls.read_text().splitlines())
     second = run()
-    assert second.stdout.count("done in an earlier run") == 6
-    assert len(calls.read_text().splitlines()) == stage_calls + 2  # the CUDA and xdist checks
+    assert second.stdout.count("done in an earlier run") == 5
+    assert len(calls.read_text().splitlines()) == before + 3  # CUDA, xdist checks; lra
+    assert stages()["lra"].startswith("0 ") and len(stages()) == 6
+    assert second.returncode == 1  # tests and kernels failed, and stay so
+    (out / ".done-tests").unlink()
+    (out / ".done-kernels").unlink()
+    assert run(TESTS_EXIT="0", KERNELS_EXIT="0").returncode == 0
+
+    (out / ".done-lra").unlink()
+    (out / "lra.log").unlink()
+    script = subprocess.Popen(["bash", str(BENCHMARKS / "gpu.sh"), str(out)],
+                              env=env(LRA_SLEEP="30", STAGE_SECONDS="40"),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 20
+    while "lra started" not in (out / "lra.log").read_text() if (out / "lra.log").exists() \
+            else True:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    started = time.monotonic()
+    script.send_signal(signal.SIGINT)
+    printed, _ = script.communicate(timeout=20)
+    assert script.returncode == 130, printed
+    assert time.monotonic() - started < 10  # the stage was stopped, not waited for
+    assert stages()["lra"].endswith("(interrupted)") and not (out / ".done-lra").exists()
