@@ -163,10 +163,23 @@ def test_an_interrupted_run_keeps_its_lengths_and_resume_measures_only_the_rest(
     assert [r["n"] for r in final["rows"]] == [64, 64, 128, 128, 256, 256]
     for before, after in zip(partial["rows"], final["rows"][:2], strict=True):
         assert after["fwd_bwd_ms"] == before["fwd_bwd_ms"]
+    assert final["rows"][2]["growth"] is not None  # N = 128 against N = 64
     assert main([*argv, "--seq-lens", "64", "--resume", "--repeats", "2"]) == 2
-    assert "other settings (repeats: 1 -> 2)" in capsys.readouterr().err
+    assert "other settings or on another machine (repeats: 1 -> 2)" in capsys.readouterr().err
     assert main(["bench", "--resume", "--no-memory"]) == 2
     assert "give --out" in capsys.readouterr().err
+
+    # fewer lengths: the dropped rows are announced, the kept ones lose their stale ratios
+    assert main([*argv, "--seq-lens", "128", "256", "--resume"]) == 0
+    assert "also holds 2 rows this run does not ask for (N = 64" in capsys.readouterr().err
+    shorter = json.loads(out.with_suffix(".json").read_text())
+    assert [r["n"] for r in shorter["rows"]] == [128, 128, 256, 256]
+    assert shorter["rows"][1]["growth"] is None and shorter["rows"][3]["growth"] is not None
+    # another machine (here: another torch) is refused
+    shorter["environment"]["torch"] = "0.0"
+    out.with_suffix(".json").write_text(json.dumps(shorter))
+    assert main([*argv, "--seq-lens", "128", "--resume"]) == 2
+    assert f"torch: '0.0' -> '{torch.__version__}'" in capsys.readouterr().err
 
 
 def test_crossover_and_summary_arithmetic():

@@ -98,8 +98,13 @@ def _earlier_rows(config: BenchConfig, out: str | None) -> list[dict]:
         earlier = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"cannot resume from {path}: not a bench result file ({err}).") from None
-    rows = resumable_rows(config, earlier)
+    rows, unasked = resumable_rows(config, earlier)
     print(f"resuming from {path}: {len(rows)} rows measured before", file=sys.stderr)
+    if unasked:
+        lengths = sorted({row["n"] for row in unasked})
+        print(f"warning: {path} also holds {len(unasked)} rows this run does not ask for "
+              f"(N = {', '.join(map(str, lengths))} or other shapes); they will not be in "
+              "the new file: add their lengths and shapes to keep them", file=sys.stderr)
     return rows
 
 

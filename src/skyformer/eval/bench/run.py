@@ -225,9 +225,7 @@ def run_bench(
         for dtype in config.dtypes
     }
     limit = _available_bytes(device)
-    env = environment(device)
-    if device.type == "cpu":
-        env.setdefault("device_name", _cpu_model())
+    env = run_environment(device)
     env["load_average_start"] = load_start
     earlier = _rows_by_length(measured or [])
     rows: list[dict[str, Any]] = []
@@ -242,7 +240,7 @@ def run_bench(
                          "heads": shape[1], "head_dim": shape[2], "n": n}
                 kept = earlier.get(_length_key(group))
                 if kept is not None and set(kept) >= set(labels):
-                    new_rows = [kept[label] for label in labels]
+                    new_rows = [{**kept[label], **RATIOS_UNSET} for label in labels]
                     _remember(config, new_rows, n, times, peaks)
                 else:
                     new_rows = _measure_length(
@@ -260,6 +258,18 @@ def run_bench(
     env["load_average_end"] = _load()
     result.summary = summarise(rows, config.reference, config.backward)
     return result
+
+
+# Set by ``summarise`` from the rows beside a row: recomputed for rows kept by --resume.
+RATIOS_UNSET = {"speedup": None, "memory_ratio": None, "growth": None}
+
+
+def run_environment(device: torch.device) -> dict[str, Any]:
+    """``io.environment`` with the CPU's model name on the CPU."""
+    env = environment(device)
+    if device.type == "cpu":
+        env.setdefault("device_name", _cpu_model())
+    return env
 
 
 def _length_key(row: dict[str, Any]) -> tuple:
@@ -290,19 +300,32 @@ RESUMABLE_SETTINGS = ("methods", "dtypes", "device", "num_features", "repeats", 
                       "clock", "causal")
 
 
-def resumable_rows(config: BenchConfig, earlier: dict[str, Any]) -> list[dict[str, Any]]:
-    """The rows of an earlier result file (``write_results``'s JSON) that ``config`` may
-    reuse; raises a sentence naming the settings that differ (lengths and shapes may
-    differ: rows are kept per shape and length)."""
+RESUMABLE_ENVIRONMENT = ("device_name", "torch", "torch_threads")
+
+
+def resumable_rows(config: BenchConfig, earlier: dict[str, Any]
+                   ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(rows ``config`` may reuse, rows it does not ask for) of an earlier result file
+    (``write_results``'s JSON). Lengths and shapes may differ (rows are kept per shape
+    and length); other settings, the device, torch and the thread count may not: raises
+    a sentence naming what differs."""
     before = earlier.get("config", {})
     now = dataclasses.asdict(config)
-    differ = [name for name in RESUMABLE_SETTINGS
+    differ = [f"{name}: {before.get(name)!r} -> {now[name]!r}" for name in RESUMABLE_SETTINGS
               if _comparable(before.get(name)) != _comparable(now[name])]
+    env_before = earlier.get("environment", {})
+    env_now = run_environment(torch.device(config.device))
+    differ += [f"{name}: {env_before.get(name)!r} -> {env_now.get(name)!r}"
+               for name in RESUMABLE_ENVIRONMENT if env_before.get(name) != env_now.get(name)]
     if differ:
-        changes = ", ".join(f"{name}: {before.get(name)!r} -> {now[name]!r}" for name in differ)
-        raise ValueError(f"the earlier results were measured with other settings ({changes}); "
-                         "resume with the same settings, or write to another --out.")
-    return list(earlier.get("rows", []))
+        raise ValueError(f"the earlier results were measured with other settings or on "
+                         f"another machine ({', '.join(differ)}); resume with the same "
+                         "ones, or write to another --out.")
+    asked = {(str(torch.device(config.device)), dtype, *shape, n) for shape in config.shapes
+             for dtype in config.dtypes for n in config.seq_lens}
+    rows = list(earlier.get("rows", []))
+    return ([r for r in rows if _length_key(r) in asked],
+            [r for r in rows if _length_key(r) not in asked])
 
 
 def _comparable(value: Any) -> Any:
