@@ -107,8 +107,9 @@ def test_refusals():
 
 @torch.no_grad()
 @pytest.mark.parametrize("build", [_gpt2, _llama], ids=["gpt2", "llama"])
-@pytest.mark.parametrize(("method", "options"), [SETTINGS[0], SETTINGS[1], SETTINGS[4]],
-                         ids=["skyformer", "performer", "softmax"])
+@pytest.mark.parametrize(("method", "options"), [SETTINGS[0], SETTINGS[1], SETTINGS[3],
+                                                  SETTINGS[4]],
+                         ids=["skyformer", "performer", "nystrom_softmax", "softmax"])
 def test_assisted_generation_equals_the_full_causal_forward(build, method, options,
                                                             monkeypatch):
     """An exact-attention copy of the model drafts tokens (assistant_model) and prompt
@@ -119,7 +120,8 @@ def test_assisted_generation_equals_the_full_causal_forward(build, method, optio
     shf.set_attention(model, method, seed=0, **options)
     ids, mask = _prompt()
     ids, mask = ids[:1], mask[:1]  # transformers drafts for one sequence at a time
-    settings = {"attention_mask": mask, "max_new_tokens": 30, "min_new_tokens": 30,
+    # 30 + 40 positions: past the first 64-position chunk the Nystrom states absorb
+    settings = {"attention_mask": mask, "max_new_tokens": 40, "min_new_tokens": 40,
                 "do_sample": False, "pad_token_id": 0}
     expected = model.generate(ids, use_cache=False, **settings)
     crops = []
@@ -162,6 +164,33 @@ def test_a_cropped_first_step_keeps_the_key_it_drew():
     cropped.crop(-4)
     assert cropped.get_seq_length() == 136
     torch.testing.assert_close(model(ids[:, 136:137], cache=cropped).logits, want)
+
+
+@torch.no_grad()
+def test_a_refused_crop_changes_nothing_and_crops_follow_reorders():
+    """Layer 0 exact (keys kept), layer 1 a state: a crop beyond the last step is refused
+    before any layer changes, and the same cache then crops as asked; after a reorder
+    (beam search) the kept state follows the sequences."""
+    model = _gpt2()
+    shf.set_attention(model, "skyformer", layers=[1], seed=0, num_features=8,
+                      landmark_stride=4)
+    ids = _prompt()[0][:, 4:]  # no padding: both rows real
+    cache = shf.DecodingCache(model)
+    cache.activate_past_recording()
+    model(ids[:, :20], cache=cache)
+    model(ids[:, 20:24], cache=cache)
+    with pytest.raises(ValueError, match="at most the 4 positions"):
+        cache.crop(-6)
+    assert [layer.seen for layer in cache.layers] == [24, 24]
+    assert cache.layers[0].keys.shape[-2] == 24
+    order = torch.tensor([1, 0])
+    cache.batch_select_indices(order)
+    cache.crop(-3)
+    got = model(ids[order, 21:22], cache=cache).logits
+    direct = shf.DecodingCache(model)
+    model(ids[order, :21], cache=direct)
+    torch.testing.assert_close(got, model(ids[order, 21:22], cache=direct).logits)
+    DecodingLayer().crop(-1)  # a layer never given positions (a gap in the indices)
 
 
 @torch.no_grad()

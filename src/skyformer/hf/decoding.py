@@ -20,7 +20,9 @@ drafted tokens, drops the rejected ones with ``crop``. A state cannot subtract
 positions from its sums, so while recording each layer keeps the state as it was
 before its last step (the step replaces the state's tensors rather than writing into
 them, so this costs no copy) and that step's inputs; ``crop`` puts the state back and
-steps it again with the positions that stay.
+steps it again with the positions that stay. While recording, the replaced tensors of
+the state before the last step stay alive until the next step or ``crop``, with that
+step's inputs: up to about twice the state's memory.
 
 How it plugs in: the cache's ``update`` records the new keys and values and hands them
 back unchanged; the skyformer attention function of that layer recognises them (the
@@ -117,7 +119,13 @@ class DecodingLayer(CacheLayerMixin):
         self.batch_select_indices(beam_idx)
 
     def batch_select_indices(self, indices: Tensor) -> None:
-        self.rollback = None  # the kept state has the old batch
+        if self.rollback is not None:  # the kept state and inputs follow the sequences
+            state, *inputs = self.rollback
+            state = copy.copy(state)
+            state.reorder(indices)
+            index = indices.to(inputs[0].device)
+            self.rollback = (state, *(None if t is None else t.index_select(0, index)
+                                      for t in inputs))
         if self.state is not None:
             self.state.reorder(indices)
         if self.keys is not None:
@@ -132,37 +140,47 @@ class DecodingLayer(CacheLayerMixin):
             index = torch.arange(batch, device=device).repeat_interleave(repeats)
             self.batch_select_indices(index)
 
-    def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last ``-tokens_to_remove`` positions (transformers' convention: a
-        negative count; 0 only releases what was kept for a crop). A decoding state can
-        drop positions of its last step only, and only while recording."""
+    def check_crop(self, tokens_to_remove: int) -> None:
+        """Raises the sentence ``crop(tokens_to_remove)`` would, changing nothing."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes minus the number of positions to drop (as "
                              f"transformers' caches do), got {tokens_to_remove}.")
         remove = -tokens_to_remove
-        rollback, self.rollback = self.rollback, None
-        if remove == 0:
+        if remove == 0 or not self.is_initialized:  # a layer never given positions
             return
         if remove > self.seen:
             raise ValueError(f"cannot drop {remove} positions: the cache holds {self.seen}.")
+        if self.state is None:
+            return
+        if self.rollback is None:
+            raise ValueError(
+                "DecodingCache can drop positions only of the step it recorded: call "
+                "cache.activate_past_recording() before that step (transformers' assisted "
+                "generation does), and crop before the next step.")
+        last = self.rollback[1].shape[2]
+        if remove > last:
+            raise ValueError(f"DecodingCache can drop at most the {last} positions of its "
+                             f"last step (a state sums over the earlier ones), got {remove}.")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` positions (transformers' convention: a
+        negative count; 0 only releases what was kept for a crop). A decoding state can
+        drop positions of its last step only, and only while recording; a refused crop
+        changes nothing."""
+        self.check_crop(tokens_to_remove)
+        remove = -tokens_to_remove
+        rollback, self.rollback = self.rollback, None
+        if remove == 0 or not self.is_initialized:
+            return
         if self.state is not None:
-            if rollback is None:
-                raise ValueError(
-                    "DecodingCache can drop positions only of the step it recorded: call "
-                    "cache.activate_past_recording() before that step (transformers' "
-                    "assisted generation does), and crop before the next step.")
             state, q, k, v, key_valid = rollback
-            last = q.shape[2]
-            if remove > last:
-                raise ValueError(f"DecodingCache can drop at most the {last} positions of its "
-                                 f"last step (a state sums over the earlier ones), got {remove}.")
             if state.length == 0:  # the first step again: with the key it drew
                 state.generator = self.state.key
+            stay = q.shape[2] - remove
+            if stay:  # the positions that stay, stepped again
+                state.step(q[:, :, :stay], k[:, :, :stay], v[:, :, :stay],
+                           None if key_valid is None else key_valid[:, :stay])
             self.state = state
-            if last > remove:  # the positions that stay, stepped again
-                stay = last - remove
-                self.state.step(q[:, :, :stay], k[:, :, :stay], v[:, :, :stay],
-                                None if key_valid is None else key_valid[:, :stay])
         if self.keys is not None:
             self.keys = self.keys[..., : self.keys.shape[-2] - remove, :]
             self.values = self.values[..., : self.values.shape[-2] - remove, :]
@@ -207,6 +225,13 @@ class DecodingCache(Cache):
         super().__init__(layers=[DecodingLayer() for _ in range(max(i for i, _ in modules) + 1)])
         for index, module in modules:
             setattr(module, BOUND_NAME, (weakref.ref(self), index))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """``DecodingLayer.crop`` on every layer, after checking them all: a refused crop
+        leaves every layer as it was."""
+        for layer in self.layers:
+            layer.check_crop(tokens_to_remove)
+        super().crop(tokens_to_remove)
 
     def nbytes(self) -> int:
         """Bytes held by every layer's state (``DecodingLayer.nbytes``)."""
