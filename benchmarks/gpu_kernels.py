@@ -18,8 +18,8 @@ landmark block and its Lemma 3 inverse by the PyTorch path (about 130 launches f
 shape's B x H, at 64 landmarks and at ``--features``, forward alone and forward +
 backward.
 Writes JSON to ``--out``. ``--device cpu`` (with ``TRITON_INTERPRET=1``) runs the same
-script at tiny sizes to check it without a GPU: its times mean nothing and it measures
-no memory.
+script to check it without a GPU, by default at one tiny shape and length and without
+the compiled variants: its times mean nothing and it measures no memory.
 
     python benchmarks/gpu_kernels.py --out benchmarks/results/gpu_kernels.json
 """
@@ -36,6 +36,7 @@ import torch.nn.functional as F
 import skyformer
 from skyformer.eval.measure.timing import interleaved_median_seconds
 from skyformer.io import atomic_write_text
+from skyformer.linalg.kernel_backend import interpreter_on
 
 
 def _calls(q, k, v, grad, features, compiled):
@@ -160,13 +161,16 @@ class _tf32:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", default=["4,16,64,bfloat16", "1,2,32,float32"])
-    parser.add_argument("--seq-lens", nargs="+", type=int,
-                        default=[1024, 2048, 4096, 8192, 16384, 32768])
+    parser.add_argument("--shapes", nargs="+", default=None,
+                        help="B,H,D,dtype (default 4,16,64,bfloat16 1,2,32,float32; on the "
+                        "CPU 1,1,16,float32)")
+    parser.add_argument("--seq-lens", nargs="+", type=int, default=None,
+                        help="default 1024 ... 32768 (on the CPU 64)")
     parser.add_argument("--features", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--compile-seq-lens", nargs="*", type=int, default=[4096],
-                        help="lengths at which the compiled variants are timed too")
+    parser.add_argument("--compile-seq-lens", nargs="*", type=int, default=None,
+                        help="lengths at which the compiled variants are timed too (default "
+                        "4096; none on the CPU)")
     parser.add_argument("--max-exact-n", type=int, default=32768,
                         help="longest N for the exact kernelized variants")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
@@ -178,6 +182,17 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_kernels.py needs a CUDA device (--device cpu with TRITON_INTERPRET=1 "
               "checks the script at tiny sizes).", file=sys.stderr)
         return 2
+    if device == "cpu" and not interpreter_on():
+        print("--device cpu runs the Triton kernels under Triton's interpreter: set "
+              "TRITON_INTERPRET=1 before Python starts.", file=sys.stderr)
+        return 2
+    on_gpu = device == "cuda"
+    if args.shapes is None:
+        args.shapes = ["4,16,64,bfloat16", "1,2,32,float32"] if on_gpu else ["1,1,16,float32"]
+    if args.seq_lens is None:
+        args.seq_lens = [1024, 2048, 4096, 8192, 16384, 32768] if on_gpu else [64]
+    if args.compile_seq_lens is None:
+        args.compile_seq_lens = [4096] if on_gpu else []
     torch._dynamo.config.cache_size_limit = 64
     rate = _matmul_rate(device)
     print(f"bf16 matmul {rate['bfloat16'] / 1e12:.0f} TFLOP/s, tf32 "

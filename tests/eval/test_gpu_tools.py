@@ -75,10 +75,10 @@ def test_triton_resources_compiles_the_launches_for_an_h100(tmp_path):
 
 
 def test_kernel_benchmark_runs_on_the_cpu_under_the_interpreter(tmp_path):
-    """benchmarks/gpu_kernels.py with --device cpu (tiny, TRITON_INTERPRET=1 from
-    conftest): every eager call and the m x m core at both sizes run, and the JSON holds
-    them (no memory on the CPU). The compiled variants are left out: Inductor takes a
-    minute there."""
+    """benchmarks/gpu_kernels.py with --device cpu (its tiny defaults, TRITON_INTERPRET=1
+    from conftest): every eager call and the m x m core at both sizes run, and the JSON
+    holds them (no memory on the CPU). The compiled variants are not among the CPU
+    defaults: Inductor takes a minute there."""
     pytest.importorskip("triton")
     from skyformer.linalg.kernel_backend import interpreter_on
 
@@ -86,8 +86,8 @@ def test_kernel_benchmark_runs_on_the_cpu_under_the_interpreter(tmp_path):
         pytest.skip("Triton's interpreter is off")
     out = tmp_path / "kernels.json"
     assert _load("gpu_kernels").main([
-        "--device", "cpu", "--shapes", "1,1,16,float32", "--seq-lens", "40", "--features", "8",
-        "--repeats", "1", "--compile-seq-lens", "--out", str(out)]) == 0
+        "--device", "cpu", "--seq-lens", "40", "--features", "8", "--repeats", "1",
+        "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert [row["call"] for row in result["rows"]] == [
         "sdpa", "skyformer/torch", "skyformer/triton", "kernelized/torch", "kernelized/triton"]

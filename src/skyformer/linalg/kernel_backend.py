@@ -116,7 +116,7 @@ def use_triton(kernel: str, y: Tensor) -> bool:
             f'kernel="triton" runs on CUDA tensors; this one is on {y.device}. To run the '
             "Triton kernels on the CPU, set TRITON_INTERPRET=1 before Python starts "
             '(slow, for testing), or use kernel="auto".')
-    if not y.is_cuda:
+    if interpreter_on():  # it runs the kernels whatever the tensors' device
         check_interpreter()
     if y.dtype not in (torch.float32, torch.float64):
         raise RuntimeError(f'kernel="triton" computes in float32 or float64, got {y.dtype}; '

@@ -106,7 +106,7 @@ def use_triton_draw(draw: str, key: Tensor, *tensors: Tensor | None) -> bool:
             f"the Triton landmark draw runs on CUDA tensors; this key is on {key.device}. "
             "Set TRITON_INTERPRET=1 before Python starts to run it on the CPU (slow, for "
             'testing), or use "auto".')
-    if not key.is_cuda:
+    if interpreter_on():  # it runs the kernels whatever the tensors' device
         check_interpreter()
     return True
 
