@@ -21,9 +21,9 @@ positions from its sums, so while recording each layer keeps the state as it was
 before its last step (the step replaces the state's tensors rather than writing into
 them, so this costs no copy) and that step's inputs; ``crop`` puts the state back and
 steps it again with the positions that stay (generation in eval mode: in training mode
-a Performer layer may redraw its features in place between steps). While recording, the replaced tensors of
-the state before the last step stay alive until the next step or ``crop``, with that
-step's inputs: up to about twice the state's memory.
+a Performer layer may redraw its features in place between steps). While recording,
+the replaced tensors of the state before the last step stay alive until the next step
+or ``crop``, with that step's inputs: up to about twice the state's memory.
 
 How it plugs in: the cache's ``update`` records the new keys and values and hands them
 back unchanged; the skyformer attention function of that layer recognises them (the
