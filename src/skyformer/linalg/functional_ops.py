@@ -37,8 +37,7 @@ def exporting() -> bool:
     calling ``torch.compiler.is_exporting()``, which torch.compile before PyTorch 2.12
     evaluates as True in every compiled function (every fast path would then give way
     under ``torch.compile``, and ``kernel="triton"`` would refuse)."""
-    flag = getattr(torch.compiler, "_is_exporting_flag", None)
-    return torch.compiler.is_exporting() if flag is None else bool(flag)
+    return bool(getattr(torch.compiler, "_is_exporting_flag", False))
 
 
 def forward_mode_active() -> bool:
