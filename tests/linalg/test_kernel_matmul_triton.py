@@ -258,6 +258,18 @@ def test_an_interpreter_that_cannot_run_with_this_numpy_says_so(
             skyformer.attention(q, q, q, "skyformer", kernel="triton")
 
 
+def test_float64_with_a_triton_before_3_5_says_so(monkeypatch):
+    """Triton < 3.5 has no float64 tl.dot (it fails on an assertion inside Triton):
+    kernel="triton" on float64 names the version and the way out; "auto" takes PyTorch."""
+    from skyformer.linalg import kernel_backend
+
+    monkeypatch.setattr(kernel_backend, "TRITON_VERSION", (3, 4))
+    q = torch.randn(1, 1, 8, 4, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=r"float64 with Triton 3\.5 or later.*Triton 3\.4"):
+        skyformer.attention(q, q, q, "skyformer", kernel="triton")
+    skyformer.attention(q, q, q, "skyformer", kernel="auto")
+
+
 def test_forward_mode_takes_the_pytorch_path_under_auto_and_triton_says_so():
     """The kernels have no forward-mode derivative: ``torch.func.jvp`` through
     ``"auto"`` takes the PyTorch path (the tangent equals ``"torch"``'s), ``"triton"``

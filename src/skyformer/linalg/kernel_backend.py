@@ -60,9 +60,10 @@ def interpreter_problem(triton_version: tuple[int, int] | None,
 # versions refuse to trace importlib (torch 2.11: "find_spec should not be traced").
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 # Triton's distribution is "triton" on PyPI, "pytorch-triton" in PyTorch's own indexes.
-INTERPRETER_PROBLEM = (interpreter_problem(_major_minor("triton", "pytorch-triton"),
-                                           _major_minor("numpy"))
+TRITON_VERSION = _major_minor("triton", "pytorch-triton") if TRITON_INSTALLED else None
+INTERPRETER_PROBLEM = (interpreter_problem(TRITON_VERSION, _major_minor("numpy"))
                        if TRITON_INSTALLED else None)
+FLOAT64_DOTS = (3, 5)  # the first Triton whose tl.dot takes float64 tiles
 
 
 def triton_available() -> bool:
@@ -121,6 +122,13 @@ def use_triton(kernel: str, y: Tensor) -> bool:
     if y.dtype not in (torch.float32, torch.float64):
         raise RuntimeError(f'kernel="triton" computes in float32 or float64, got {y.dtype}; '
                            "the attention methods convert half types to float32 first.")
+    if y.dtype == torch.float64 and TRITON_VERSION is not None \
+            and TRITON_VERSION < FLOAT64_DOTS:
+        raise RuntimeError(
+            f'kernel="triton" computes float64 with Triton {FLOAT64_DOTS[0]}.{FLOAT64_DOTS[1]} '
+            f"or later (tl.dot of float64 tiles); this is Triton "
+            f"{TRITON_VERSION[0]}.{TRITON_VERSION[1]}. Use float32, or kernel=\"auto\" (the "
+            "PyTorch path for float64).")
     return True
 
 
