@@ -10,7 +10,8 @@
 # stage that finished (passed or failed: see stages.txt; marker OUT_DIR/.done-STAGE, delete
 # it to measure the stage again) is skipped, and the two bench runs continue their JSON
 # (--resume, written after every sequence length), so a second run measures only what is
-# missing. Ctrl-C stops the running stage and the script, marking nothing done.
+# missing. Ctrl-C stops the running stage and the script, marking nothing done; so does a
+# stage that could not be started at all (exit 125-127).
 # STAGE_SECONDS=N gives every stage N seconds instead of its own limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,9 +24,16 @@ python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no 
 # stage NAME SECONDS COMMAND...: output to OUT_DIR/NAME.log, followed on the terminal.
 # timeout runs the command in a process group of its own, so an interruption of this
 # script is passed on to that group (running: its id).
+if [ -n "${STAGE_SECONDS:-}" ] && ! [[ $STAGE_SECONDS =~ ^[1-9][0-9]*$ ]]; then
+  echo "STAGE_SECONDS must be a whole number of seconds, got '$STAGE_SECONDS'" >&2
+  exit 2
+fi
 running=
 interrupted=0
-trap 'interrupted=1; [ -n "$running" ] && kill -INT -- "-$running" 2>/dev/null' INT TERM
+# a signal while no stage runs ends the script at once; during a stage it is passed on
+# to timeout, which stops the stage (SIGINT, SIGKILL 30 s later)
+trap 'interrupted=1; if [ -n "$running" ]; then kill -INT "$running" 2>/dev/null; else
+      echo "interrupted: run again with the same folder to go on"; exit 130; fi' INT TERM HUP
 touch "$out/stages.txt"
 stage() {
   local name=$1 seconds=${STAGE_SECONDS:-$2} start=$SECONDS rc follower note=
@@ -35,20 +43,23 @@ stage() {
     return 0
   fi
   echo "+ $name (at most ${seconds} s): $*"
-  timeout --signal=INT --kill-after=30 "$seconds" "$@" > "$out/$name.log" 2>&1 &
+  : > "$out/$name.log"  # before tail follows it
+  timeout --signal=INT --kill-after=30 "$seconds" "$@" >> "$out/$name.log" 2>&1 &
   running=$!
   tail -n +1 -f -s 0.2 --pid="$running" "$out/$name.log" 2>/dev/null &
   follower=$!
-  while :; do  # wait returns early when a trapped signal arrives
+  while kill -0 "$running" 2>/dev/null; do  # wait returns early on a trapped signal
     wait "$running"
-    rc=$?
-    kill -0 "$running" 2>/dev/null || break
   done
+  wait "$running"  # the stage's own status (bash keeps it after reaping)
+  rc=$?
   running=
   wait "$follower" 2>/dev/null
   case $rc in
+    0) ;;
     124) note=" (time limit)" ;;
-    137) note=" (killed 30 s after its time limit)" ;;
+    137) note=" (killed: 30 s past its time limit, or out of memory)" ;;
+    125|126|127) note=" (could not run: see $name.log)" ;;
   esac
   [ "$interrupted" = 1 ] && note=" (interrupted)"
   sed -i "/^$name: /d" "$out/stages.txt"  # the latest run of each stage

@@ -162,17 +162,26 @@ def test_gpu_script_runs_every_stage_past_failures_limits_and_reruns(tmp_path):
 
     (out / ".done-lra").unlink()
     (out / "lra.log").unlink()
-    script = subprocess.Popen(["bash", str(BENCHMARKS / "gpu.sh"), str(out)],
-                              env=env(LRA_SLEEP="30", STAGE_SECONDS="40"),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 20
-    while "lra started" not in (out / "lra.log").read_text() if (out / "lra.log").exists() \
-            else True:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-    started = time.monotonic()
-    script.send_signal(signal.SIGINT)
-    printed, _ = script.communicate(timeout=20)
+    script = subprocess.Popen(  # SIGINT as a terminal's Ctrl-C: not ignored by the script
+        ["bash", str(BENCHMARKS / "gpu.sh"), str(out)],
+        env=env(LRA_SLEEP="30", STAGE_SECONDS="40"), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 20
+        while "lra started" not in (out / "lra.log").read_text() \
+                if (out / "lra.log").exists() else True:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        started = time.monotonic()
+        script.send_signal(signal.SIGINT)
+        printed, _ = script.communicate(timeout=20)
+    finally:
+        script.kill()
     assert script.returncode == 130, printed
     assert time.monotonic() - started < 10  # the stage was stopped, not waited for
     assert stages()["lra"].endswith("(interrupted)") and not (out / ".done-lra").exists()
+    assert stages()["lra"].startswith("130 ")  # the stage's own status: stopped by SIGINT
+
+    bad = run(STAGE_SECONDS="2m")
+    assert bad.returncode == 2 and "whole number of seconds" in bad.stderr

@@ -103,8 +103,8 @@ def _earlier_rows(config: BenchConfig, out: str | None) -> list[dict]:
     if unasked:
         lengths = sorted({row["n"] for row in unasked})
         print(f"warning: {path} also holds {len(unasked)} rows this run does not ask for "
-              f"(N = {', '.join(map(str, lengths))} or other shapes); they will not be in "
-              "the new file: add their lengths and shapes to keep them", file=sys.stderr)
+              f"(N = {', '.join(map(str, lengths))}, or other shapes or dtypes); they will "
+              "not be in the new file: ask for them too to keep them", file=sys.stderr)
     return rows
 
 

@@ -32,9 +32,10 @@ def _major_minor(*distributions: str) -> tuple[int, int] | None:
     import); None when none has metadata or a readable version."""
     for name in distributions:
         try:
-            found = re.match(r"(\d+)\.(\d+)", importlib.metadata.version(name))
+            version = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             continue
+        found = re.match(r"(\d+)\.(\d+)", version) if isinstance(version, str) else None
         return (int(found[1]), int(found[2])) if found else None
     return None
 
@@ -59,8 +60,10 @@ def interpreter_problem(triton_version: tuple[int, int] | None,
 # Read once at import: torch.compile traces the functions below, and some PyTorch
 # versions refuse to trace importlib (torch 2.11: "find_spec should not be traced").
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
-# Triton's distribution is "triton" on PyPI, "pytorch-triton" in PyTorch's own indexes.
-TRITON_VERSION = _major_minor("triton", "pytorch-triton") if TRITON_INSTALLED else None
+# Triton's distribution is "triton" on PyPI, "pytorch-triton(-rocm|-xpu)" in PyTorch's
+# own indexes.
+TRITON_VERSION = (_major_minor("triton", "pytorch-triton", "pytorch-triton-rocm",
+                                "pytorch-triton-xpu") if TRITON_INSTALLED else None)
 INTERPRETER_PROBLEM = (interpreter_problem(TRITON_VERSION, _major_minor("numpy"))
                        if TRITON_INSTALLED else None)
 FLOAT64_DOTS = (3, 5)  # the first Triton whose tl.dot takes float64 tiles
