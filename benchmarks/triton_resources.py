@@ -51,6 +51,9 @@ def _record_launches(spec: dict) -> list[dict]:
 
     import skyformer
 
+    if not hasattr(InterpretedFunction, "run"):
+        raise SystemExit("triton_resources.py records launches through the interpreter of "
+                         "Triton 3.5 or later (InterpretedFunction.run); this Triton has none.")
     launches: list[dict] = []
     original_run = InterpretedFunction.run
 

@@ -56,6 +56,10 @@ def test_triton_resources_compiles_the_launches_for_an_h100(tmp_path):
     """The kernels exact kernelized attention launches (recorded under the interpreter),
     compiled for sm_90 by Triton's ptxas and read back: no GPU involved."""
     pytest.importorskip("triton")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not hasattr(InterpretedFunction, "run"):
+        pytest.skip("the tool records launches through Triton >= 3.5's interpreter")
     import os
     import subprocess
     import sys

@@ -258,16 +258,25 @@ def test_an_interpreter_that_cannot_run_with_this_numpy_says_so(
             skyformer.attention(q, q, q, "skyformer", kernel="triton")
 
 
-def test_float64_with_a_triton_before_3_5_says_so(monkeypatch):
-    """Triton < 3.5 has no float64 tl.dot (it fails on an assertion inside Triton):
-    kernel="triton" on float64 names the version and the way out; "auto" takes PyTorch."""
-    from skyformer.linalg import kernel_backend
+def test_float64_with_a_triton_before_3_5_takes_the_pytorch_core(monkeypatch):
+    """Triton < 3.5 has no float64 tl.dot, which the fused Lemma 3 kernels use (the
+    product kernels multiply float64 by broadcast sums): under such a Triton a float64
+    call with kernel="triton" takes the PyTorch core and still gives the same output."""
+    from skyformer.linalg import kernel_backend, lemma3_triton
 
+    x = torch.randn(1, 1, 6, 4, dtype=torch.float64)
+    args = ("triton", x, 6, "iterative", "identity", 6, 0.5 * (x * x).sum(-1))
+    assert lemma3_triton.fused_lemma3_applies(*args) == (interpreter_on()
+                                                         and kernel_backend.float64_dots())
+    q, k, v = (torch.randn(1, 1, 160, 8, dtype=torch.float64, generator=torch.Generator()
+                           .manual_seed(i)) for i in range(3))
+    want = skyformer.attention(q, k, v, "skyformer", num_features=16, kernel="torch",
+                               generator=skyformer.random_key(0))
     monkeypatch.setattr(kernel_backend, "TRITON_VERSION", (3, 4))
-    q = torch.randn(1, 1, 8, 4, dtype=torch.float64)
-    with pytest.raises(RuntimeError, match=r"float64 with Triton 3\.5 or later.*Triton 3\.4"):
-        skyformer.attention(q, q, q, "skyformer", kernel="triton")
-    skyformer.attention(q, q, q, "skyformer", kernel="auto")
+    assert not lemma3_triton.fused_lemma3_applies(*args)
+    got = skyformer.attention(q, k, v, "skyformer", num_features=16, kernel="triton",
+                              generator=skyformer.random_key(0))
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
 
 
 def test_forward_mode_takes_the_pytorch_path_under_auto_and_triton_says_so():

@@ -69,6 +69,12 @@ INTERPRETER_PROBLEM = (interpreter_problem(TRITON_VERSION, _major_minor("numpy")
 FLOAT64_DOTS = (3, 5)  # the first Triton whose tl.dot takes float64 tiles
 
 
+def float64_dots() -> bool:
+    """Whether this Triton's ``tl.dot`` takes float64 tiles (the fused Lemma 3 kernels
+    use it; the product kernels multiply float64 by broadcast sums instead)."""
+    return TRITON_VERSION is None or TRITON_VERSION >= FLOAT64_DOTS
+
+
 def triton_available() -> bool:
     """Whether Triton can be imported (it is not needed by the library otherwise)."""
     return TRITON_INSTALLED
@@ -125,13 +131,6 @@ def use_triton(kernel: str, y: Tensor) -> bool:
     if y.dtype not in (torch.float32, torch.float64):
         raise RuntimeError(f'kernel="triton" computes in float32 or float64, got {y.dtype}; '
                            "the attention methods convert half types to float32 first.")
-    if y.dtype == torch.float64 and TRITON_VERSION is not None \
-            and TRITON_VERSION < FLOAT64_DOTS:
-        raise RuntimeError(
-            f'kernel="triton" computes float64 with Triton {FLOAT64_DOTS[0]}.{FLOAT64_DOTS[1]} '
-            f"or later (tl.dot of float64 tiles); this is Triton "
-            f"{TRITON_VERSION[0]}.{TRITON_VERSION[1]}. Use float32, or kernel=\"auto\" (the "
-            "PyTorch path for float64).")
     return True
 
 

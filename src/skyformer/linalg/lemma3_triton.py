@@ -1,15 +1,15 @@
 """The Triton path of ``lemma3_inverse`` and ``landmark_inverse``: the whole Lemma 3
 chain in one launch (from the landmark rows: the kernel block C(X, X) too).
 
-They take it where the method's products take Triton (``kernel_backend.use_triton``)
-and the kernel covers the call: the iterative inverse from the identity (the Lemma 3
-default), at least one iteration, m <= ``MAX_M`` (and head dim <= ``MAX_M`` from
-rows; ``MAX_M_BACKWARD`` where a gradient will be asked for), float32 (float64 under
-Triton's interpreter, for the tests). Elsewhere the PyTorch path runs; both give the
-same W up to rounding. Under ``"auto"`` it is an eager choice
-(``torch.compile`` fuses the PyTorch path itself, tracers record its operators), and a
-kernel that fails to compile or launch, forward or backward, warns once and hands the
-call to the PyTorch path from then on. ``triton_lemma3`` holds the kernels,
+They take it where the method's products take Triton (``kernel_backend.use_triton``) and
+the kernel covers the call: the iterative inverse from the identity (the Lemma 3
+default), at least one iteration, m <= ``MAX_M`` (and head dim <= ``MAX_M`` from rows;
+``MAX_M_BACKWARD`` where a gradient will be asked for), float32 (float64 under Triton's
+interpreter, for the tests, from Triton 3.5: ``tl.dot`` of float64 tiles). Elsewhere the
+PyTorch path runs; both give the same W up to rounding. Under ``"auto"`` it is an eager
+choice (``torch.compile`` fuses the PyTorch path itself, tracers record its operators),
+and a kernel that fails to compile or launch, forward or backward, warns once and hands
+the call to the PyTorch path from then on. ``triton_lemma3`` holds the kernels,
 ``triton_ops`` their custom operators (opaque to ``torch.compile``, captured by CUDA
 graphs); gradients come from the backward kernel.
 """
@@ -22,7 +22,13 @@ import torch
 from torch import Tensor
 
 from .functional_ops import first_order_backward
-from .kernel_backend import KernelFallback, check_kernel, interpreter_on, use_triton
+from .kernel_backend import (
+    KernelFallback,
+    check_kernel,
+    float64_dots,
+    interpreter_on,
+    use_triton,
+)
 from .vmap import vmap_into_batch
 
 MAX_M = 128  # a 128 x 128 float32 matrix per program, in registers (triton_lemma3)
@@ -57,7 +63,8 @@ def fused_lemma3_applies(kernel: str, source: Tensor, size: int, pinv: str, init
     if kernel == "auto" and (CORE_FALLBACK.failed or not may_read_values(source)):
         return False
     return source.dtype == torch.float32 or (source.dtype == torch.float64
-                                             and not source.is_cuda and interpreter_on())
+                                             and not source.is_cuda and interpreter_on()
+                                             and float64_dots())
 
 
 def _ops():
