@@ -26,20 +26,13 @@ except ImportError:  # pragma: no cover - exercised in a subprocess test
         "skyformer.hf needs transformers: pip install 'skyformer[hf]'."
     ) from None
 
+from ..versions import major_minor
+
 # The attention and mask registries with the mask-builder signature used here
 # (q_length, kv_length, q_offset, kv_offset) are those of transformers 5.4 and later.
 MIN_TRANSFORMERS = (5, 4)
 
-
-def _version_tuple(version: str) -> tuple[int, ...]:
-    parts = []
-    for piece in version.split(".")[:2]:
-        digits = "".join(c for c in piece if c.isdigit()) or "0"
-        parts.append(int(digits))
-    return tuple(parts)
-
-
-if _version_tuple(transformers.__version__) < MIN_TRANSFORMERS:
+if major_minor(transformers.__version__) < MIN_TRANSFORMERS:
     raise ImportError(
         f"skyformer.hf needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))}, found "
         f"{transformers.__version__}: pip install 'skyformer[hf]' (or "

@@ -10,10 +10,8 @@ before Triton is first imported. ``"torch"`` always takes the PyTorch path.
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import os
-import re
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -21,23 +19,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..versions import installed_version
 from .functional_ops import exporting, functional_ops_only
 
 KERNELS = ("auto", "torch", "triton")
 HALF_TYPES = (torch.bfloat16, torch.float16)  # read by the kernels, computed in float32
-
-
-def _major_minor(*distributions: str) -> tuple[int, int] | None:
-    """(major, minor) of the first of ``distributions`` installed, from its metadata (no
-    import); None when none has metadata or a readable version."""
-    for name in distributions:
-        try:
-            version = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        found = re.match(r"(\d+)\.(\d+)", version) if isinstance(version, str) else None
-        return (int(found[1]), int(found[2])) if found else None
-    return None
 
 
 def interpreter_problem(triton_version: tuple[int, int] | None,
@@ -62,9 +48,9 @@ def interpreter_problem(triton_version: tuple[int, int] | None,
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 # Triton's distribution is "triton" on PyPI, "pytorch-triton(-rocm|-xpu)" in PyTorch's
 # own indexes.
-TRITON_VERSION = (_major_minor("triton", "pytorch-triton", "pytorch-triton-rocm",
-                                "pytorch-triton-xpu") if TRITON_INSTALLED else None)
-INTERPRETER_PROBLEM = (interpreter_problem(TRITON_VERSION, _major_minor("numpy"))
+TRITON_VERSION = (installed_version("triton", "pytorch-triton", "pytorch-triton-rocm",
+                                      "pytorch-triton-xpu") if TRITON_INSTALLED else None)
+INTERPRETER_PROBLEM = (interpreter_problem(TRITON_VERSION, installed_version("numpy"))
                        if TRITON_INSTALLED else None)
 FLOAT64_DOTS = (3, 5)  # the first Triton whose tl.dot takes float64 tiles
 
