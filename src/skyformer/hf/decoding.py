@@ -121,8 +121,7 @@ class DecodingLayer(CacheLayerMixin):
 
     def batch_select_indices(self, indices: Tensor) -> None:
         if self.rollback is not None:  # the kept state and inputs follow the sequences
-            state, *inputs = self.rollback
-            state = copy.copy(state)
+            state, *inputs = self.rollback  # the state is the rollback's own copy
             state.reorder(indices)
             index = indices.to(inputs[0].device)
             self.rollback = (state, *(None if t is None else t.index_select(0, index)
