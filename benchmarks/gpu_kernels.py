@@ -14,7 +14,8 @@ and peak memory (``torch.cuda.max_memory_allocated``) of
 and the speed of light of each (matmul FLOPs of the method at the matmul rate measured
 in the same run, ``skyformer.eval.measure.flops``); then the m x m core alone: the
 landmark block and its Lemma 3 inverse by the PyTorch path (about 130 launches forward
-+ backward) and by the one-launch Triton kernels (``linalg/triton_lemma3.py``), at each
++ backward) and by the one-launch Triton kernels (``linalg/triton_lemma3.py``,
+``linalg/triton_lemma3_backward.py``), at each
 shape's B x H, at 64 landmarks and at ``--features``, forward alone and forward +
 backward.
 Writes JSON to ``--out``. ``--device cpu`` (with ``TRITON_INTERPRET=1``) runs the same
@@ -113,8 +114,7 @@ def _matmul_rate(device: str) -> dict[str, float]:
 def _core_rows(batch: int, heads: int, m: int, repeats: int, device: str) -> list[dict]:
     """``landmark_inverse`` (C(X, X) and its Lemma 3 inverse) for float32 landmark rows
     ``[batch, heads, m, 64]``, PyTorch path against the Triton kernels: forward alone,
-    and forward + backward (which takes the kernels only up to
-    ``lemma3_triton.MAX_M_BACKWARD`` landmarks, PyTorch above)."""
+    and forward + backward."""
     from skyformer.linalg import half_sq_norm, landmark_inverse
 
     x = (0.15 * torch.randn(batch, heads, m, 64, device=device)).requires_grad_(True)
@@ -130,11 +130,8 @@ def _core_rows(batch: int, heads: int, m: int, repeats: int, device: str) -> lis
                     landmark_inverse(x, half_sq_norm(x), gamma=0.1, kernel=kernel)
         return step
 
-    from skyformer.linalg.lemma3_triton import MAX_M_BACKWARD
-
     calls = {f"core/{kernel}/{'fwd+bwd' if backward else 'fwd'}": run(kernel, backward)
-             for backward in (False, True) for kernel in ("torch", "triton")
-             if not (backward and kernel == "triton" and m > MAX_M_BACKWARD)}  # PyTorch
+             for backward in (False, True) for kernel in ("torch", "triton")}
     times = interleaved_median_seconds(calls, device=device, warmup=3, repeats=repeats)
     rows = []
     for name in calls:

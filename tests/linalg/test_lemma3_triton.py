@@ -170,25 +170,29 @@ def test_an_unknown_kernel_is_refused_whatever_the_other_options():
             lemma3_inverse(mat, gamma=GAMMA, live=live, kernel="cuda", **options)
 
 
-@pytest.mark.parametrize("m, fused_with_grad", [(64, True), (65, False), (128, False)])
-def test_the_backward_kernel_is_taken_up_to_the_size_it_fits(m, fused_with_grad):
-    """Without a gradient the forward kernel takes m <= 128; a differentiated call takes
-    the kernels only up to MAX_M_BACKWARD (the backward kernel's shared memory)."""
+@pytest.mark.parametrize("m", [64, 65, 128])
+def test_a_differentiated_call_takes_both_kernels_up_to_the_largest_size(m):
+    """Forward and backward kernels up to MAX_M, with or without a gradient (the
+    backward kernel keeps its matrices in scratch memory, not in registers)."""
     mat, live = _landmark_matrix(1, 1, m, torch.float32, "cpu", dead=False)
     with torch.no_grad(), _operator_names() as calls:
         w = lemma3_inverse(mat, gamma=GAMMA, live=live, kernel="triton")
     assert "skyformer::lemma3_inverse_forward" in calls.items
     assert relative_error(w, _reference(mat, live, 6)) < 2e-4
+    weights = torch.randn(mat.shape, generator=torch.Generator().manual_seed(2),
+                          dtype=torch.float64)
     with _operator_names() as calls:
-        w = lemma3_inverse(mat.requires_grad_(True), gamma=GAMMA, live=live, kernel="triton")
-        w.sum().backward()
-    assert ("skyformer::lemma3_inverse_forward" in calls.items) == fused_with_grad
-    assert ("skyformer::lemma3_inverse_backward" in calls.items) == fused_with_grad
+        w, grad = _value_and_grad(lambda t: lemma3_inverse(
+            t, gamma=GAMMA, live=live, kernel="triton"), mat, weights)
+    assert "skyformer::lemma3_inverse_forward" in calls.items
+    assert "skyformer::lemma3_inverse_backward" in calls.items
+    _, grad_ref = _value_and_grad(lambda t: _reference(t, live, 6), mat.double(), weights)
+    assert relative_error(grad, grad_ref) < 2e-4
 
 
-def test_a_gradient_the_forward_did_not_foresee_never_reaches_the_backward_kernel():
-    """Inside vmap a batched tensor does not say it requires a gradient, so the forward
-    kernel is taken at m = 96; the backward pass still takes PyTorch there."""
+def test_a_gradient_inside_vmap_reaches_the_backward_kernel():
+    """Inside vmap a batched tensor does not say it requires a gradient; the backward
+    pass of the mapped call takes the kernel and equals the PyTorch path's."""
     x, live = _rows(2, 3, 96, 8, torch.float32, "cpu")
     norm = torch.where(live[:, None, :], half_sq_norm(x), float("inf"))
     weights = torch.randn(2, 3, 96, 96, generator=torch.Generator().manual_seed(3))
@@ -202,7 +206,7 @@ def test_a_gradient_the_forward_did_not_foresee_never_reaches_the_backward_kerne
     with _operator_names() as calls:
         (mapped(leaf) * weights).sum().backward()
     assert "skyformer::lemma3_inverse_forward" in calls.items
-    assert "skyformer::lemma3_inverse_backward" not in calls.items
+    assert "skyformer::lemma3_inverse_backward" in calls.items
     ref = x.clone().requires_grad_(True)
     (landmark_inverse(ref, norm, gamma=GAMMA, live=live, kernel="torch") * weights).sum() \
         .backward()

@@ -3,15 +3,15 @@ chain in one launch (from the landmark rows: the kernel block C(X, X) too).
 
 They take it where the method's products take Triton (``kernel_backend.use_triton``) and
 the kernel covers the call: the iterative inverse from the identity (the Lemma 3
-default), at least one iteration, m <= ``MAX_M`` (and head dim <= ``MAX_M`` from rows;
-``MAX_M_BACKWARD`` where a gradient will be asked for), float32 (float64 under Triton's
+default), at least one iteration, m <= ``MAX_M`` (and head dim <= ``MAX_M`` from rows),
+float32 (float64 under Triton's
 interpreter, for the tests, from Triton 3.5: ``tl.dot`` of float64 tiles). Elsewhere the
 PyTorch path runs; both give the same W up to rounding. Under ``"auto"`` it is an eager
 choice (``torch.compile`` fuses the PyTorch path itself, tracers record its operators),
 and a kernel that fails to compile or launch, forward or backward, warns once and hands
-the call to the PyTorch path from then on. ``triton_lemma3`` holds the kernels,
-``triton_ops`` their custom operators (opaque to ``torch.compile``, captured by CUDA
-graphs); gradients come from the backward kernel.
+the call to the PyTorch path from then on. ``triton_lemma3`` holds the forward
+kernel, ``triton_lemma3_backward`` the backward kernel, ``triton_ops`` their custom
+operators (opaque to ``torch.compile``, captured by CUDA graphs).
 """
 
 from __future__ import annotations
@@ -32,29 +32,18 @@ from .kernel_backend import (
 from .vmap import vmap_into_batch
 
 MAX_M = 128  # a 128 x 128 float32 matrix per program, in registers (triton_lemma3)
-# The backward kernel keeps about a dozen m x m matrices alive: compiled for sm_90 at
-# m = 128 its layout conversions need 384 KiB of shared memory, more than an SM has
-# (227 KiB on an H100), so it cannot launch; at m = 64 it needs 64 KiB
-# (benchmarks/triton_resources.py). Calls that will be differentiated take the kernels
-# up to this size and the PyTorch path above it.
-MAX_M_BACKWARD = 64
 CORE_FALLBACK = KernelFallback(
     "Lemma 3 kernel", "computing the core with PyTorch operations (the same W up to rounding)")
 
 
 def fused_lemma3_applies(kernel: str, source: Tensor, size: int, pinv: str, init: str,
-                         iterations: int, norm: Tensor | None = None) -> bool:
+                         iterations: int) -> bool:
     """Whether the Lemma 3 inverse of ``size`` landmarks, given as ``source`` (their
-    matrix ``[..., m, m]`` or rows ``[..., m, D]`` with half squared norms ``norm``),
-    runs as the Triton kernels. A gradient that is asked for all the same (inside
-    ``torch.func.vmap`` a batched tensor does not say it requires one) is computed by
-    the PyTorch path above ``MAX_M_BACKWARD`` (``TritonLemma3Inverse.backward``)."""
+    matrix ``[..., m, m]`` or rows ``[..., m, D]``), runs as the Triton kernels (forward
+    and backward)."""
     check_kernel(kernel)
-    differentiated = torch.is_grad_enabled() and (
-        source.requires_grad or (norm is not None and norm.requires_grad))
-    largest = MAX_M_BACKWARD if differentiated else MAX_M
     if pinv != "iterative" or init != "identity" or iterations < 1 \
-            or max(size, source.shape[-1]) > largest or source.numel() == 0:
+            or max(size, source.shape[-1]) > MAX_M or source.numel() == 0:
         return False
     if not use_triton(kernel, source):
         return False
@@ -130,10 +119,7 @@ class TritonLemma3Inverse(torch.autograd.Function):
                 grads = torch.autograd.grad(w, leaves, grad)
             return grads[0], (grads[1] if norm is not None else None)
 
-        if m > MAX_M_BACKWARD:  # the backward kernel does not fit an SM (MAX_M_BACKWARD)
-            dsource, dnorm = by_pytorch()
-        else:
-            dsource, dnorm = CORE_FALLBACK.run(ctx.auto, launch, by_pytorch)
+        dsource, dnorm = CORE_FALLBACK.run(ctx.auto, launch, by_pytorch)
         return (dsource.reshape(source.shape),
                 None if dnorm is None else dnorm.reshape(norm.shape), None, None, None)
 

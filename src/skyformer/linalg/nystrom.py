@@ -82,7 +82,7 @@ def landmark_inverse(
     runs the whole chain (``lemma3_triton``); options as ``lemma3_inverse``.
     Returns ``[..., m, m]``."""
     size = x.shape[-2]
-    if fused_lemma3_applies(kernel, x, size, pinv, init, iterations, x_norm):
+    if fused_lemma3_applies(kernel, x, size, pinv, init, iterations):
         ridge = _ridge(gamma, live, size, x)
         return triton_lemma3_inverse(x, x_norm, ridge.reshape(-1, size), iterations,
                                      kernel=kernel)

@@ -10,22 +10,23 @@ the ridge diagonal g (gamma, or 1 for slots that hold no landmark):
 with T3(P) = 13I - P (15I - P (7I - P)). The eager PyTorch path spends about forty
 operations on this forward and seventy backward, each a kernel launch at m = 128 that
 does almost no work on a GPU; here the whole chain is one launch forward and one
-backward, every matrix of a program held in registers (m <= ``lemma3_triton.MAX_M``;
-the backward kernel fits an SM's shared memory up to ``MAX_M_BACKWARD``).
+backward (``triton_lemma3_backward``), the forward's few matrices of a program held in
+registers (m <= ``lemma3_triton.MAX_M``).
 
 Given the landmark rows X (scaled) and their half squared norms n instead of M
-(``FROM_ROWS``), the kernel forms M_ij = exp(x_i . x_j - n_i - n_j) itself and the
-backward kernel returns, with dE = dM * M, dX = (dE + dE^T) X and dn = -(dE 1 + dE^T 1).
+(``FROM_ROWS``), the kernel forms M_ij = exp(x_i . x_j - n_i - n_j) itself.
 
-The forward kernel writes V_1 ... V_K (``store``, ``[BH, K, m, m]``); the backward
-kernel rebuilds P, T1, T2, T3 of each step from its V and runs the adjoint of
+The forward kernel writes V_1 ... V_K (``store``, ``[BH, K, m, m]``), from which the
+backward kernel rebuilds P, T2, T3 of each step and runs the adjoint of
 ``pinv._RazaviIteration`` step by step, then the adjoints of the normalisation:
 
     dV_K  = D^-1/2 G D^-1/2,
     dA    = (adjoint of the steps),
     dM    = D^-1/2 dA D^-1/2 + (dd) 1^T,
     dd_i  = -1/2 d_i^-3/2 (sum_j G_ij V_ij s_j + G_ji V_ji s_j + dA_ij M_ij s_j
-                           + dA_ji M_ji s_j),     s = d^-1/2.
+                           + dA_ji M_ji s_j),     s = d^-1/2,
+
+and, from the rows, with dE = dM * M: dX = (dE + dE^T) X and dn = -(dE 1 + dE^T 1).
 
 Float32 products run as ``triton_kernels._mm`` (TF32 passes per PyTorch's matmul
 precision); float64 is for Triton's interpreter (the tests' exact check).
@@ -44,7 +45,7 @@ from .triton_kernels import _mm, _precision
 @triton.jit
 def _landmark_matrix(M, X, XN, bh, m, D, FROM_ROWS: tl.constexpr, BLOCK: tl.constexpr,
                      BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
-    """(M, X) of one matrix: M loaded, or (``FROM_ROWS``) the Gaussian block
+    """M of one matrix: loaded, or (``FROM_ROWS``) the Gaussian block
     exp(x_i . x_j - n_i - n_j) of the landmark rows X (n = +inf: a dead slot)."""
     r = tl.arange(0, BLOCK)
     inside = r < m
@@ -56,10 +57,9 @@ def _landmark_matrix(M, X, XN, bh, m, D, FROM_ROWS: tl.constexpr, BLOCK: tl.cons
         e = _mm(x, tl.trans(x), PRECISION, False) - n[:, None] - n[None, :]
         mat = tl.exp(e)
     else:
-        x = tl.zeros([BLOCK, BLOCK_D], dtype=M.dtype.element_ty)
         mat = tl.load(M + bh * m * m + r[:, None] * m + r[None, :],
                       mask=inside[:, None] & inside[None, :], other=0.0)
-    return mat, x
+    return mat
 
 
 @triton.jit
@@ -85,7 +85,7 @@ def _forward_kernel(M, X, XN, DIAG, W, STORE, m, D, heads, ITERATIONS: tl.conste
     inside = r < m
     mask = inside[:, None] & inside[None, :]
     offsets = r[:, None] * m + r[None, :]
-    mat, _ = _landmark_matrix(M, X, XN, bh, m, D, FROM_ROWS, BLOCK, BLOCK_D, PRECISION)
+    mat = _landmark_matrix(M, X, XN, bh, m, D, FROM_ROWS, BLOCK, BLOCK_D, PRECISION)
     _, s, a, eye = _normalise(mat, DIAG, bh, heads, m, TINY, BLOCK)
     # step 1 from V_0 = I: P = A, V_1 = T3 / 4
     t1 = 7.0 * eye - a
@@ -100,66 +100,6 @@ def _forward_kernel(M, X, XN, DIAG, W, STORE, m, D, heads, ITERATIONS: tl.conste
         v = 0.25 * _mm(v, t3, PRECISION, False)
         tl.store(STORE + (bh * ITERATIONS + i) * m * m + offsets, v, mask=mask)
     tl.store(W + bh * m * m + offsets, s[:, None] * v * s[None, :], mask=mask)
-
-
-@triton.jit
-def _backward_kernel(M, X, XN, DIAG, STORE, G, DM, DX, DXN, m, D, heads,
-                     ITERATIONS: tl.constexpr, FROM_ROWS: tl.constexpr, TINY: tl.constexpr,
-                     BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
-    bh = tl.program_id(0).to(tl.int64)
-    r = tl.arange(0, BLOCK)
-    inside = r < m
-    mask = inside[:, None] & inside[None, :]
-    offsets = r[:, None] * m + r[None, :]
-    kernel_block, x = _landmark_matrix(M, X, XN, bh, m, D, FROM_ROWS, BLOCK, BLOCK_D,
-                                       PRECISION)
-    mat, s, a, eye = _normalise(kernel_block, DIAG, bh, heads, m, TINY, BLOCK)
-    a_t = tl.trans(a)
-    grad = tl.load(G + bh * m * m + offsets, mask=mask, other=0.0)
-    v_last = tl.load(STORE + (bh * ITERATIONS + ITERATIONS - 1) * m * m + offsets,
-                     mask=mask, other=0.0)
-    gs = grad * v_last
-    ds = tl.sum(gs * s[None, :], axis=1) + tl.sum(gs * s[:, None], axis=0)
-    g = s[:, None] * grad * s[None, :]  # dV_K
-    da = tl.zeros([BLOCK, BLOCK], dtype=a.dtype)
-    for j in range(0, ITERATIONS - 1):  # steps K, K-1, ..., 2 (input V = V_{i-1})
-        i = ITERATIONS - 1 - j
-        v = tl.load(STORE + (bh * ITERATIONS + i - 1) * m * m + offsets, mask=mask, other=0.0)
-        p = _mm(a, v, PRECISION, False)
-        t1 = 7.0 * eye - p
-        t2 = 15.0 * eye - _mm(p, t1, PRECISION, False)
-        t3 = 13.0 * eye - _mm(p, t2, PRECISION, False)
-        p_t = tl.trans(p)
-        dt3 = 0.25 * _mm(tl.trans(v), g, PRECISION, False)
-        m2 = _mm(p_t, dt3, PRECISION, False)  # -dT2
-        m1 = _mm(p_t, m2, PRECISION, False)  # dT1
-        dp = _mm(m2, tl.trans(t1), PRECISION, False) - m1 \
-            - _mm(dt3, tl.trans(t2), PRECISION, False)
-        da += _mm(dp, tl.trans(v), PRECISION, False)
-        g = 0.25 * _mm(g, tl.trans(t3), PRECISION, False) + _mm(a_t, dp, PRECISION, False)
-    # step 1 from V_0 = I: P = A, dT3 = g / 4, no gradient to V_0
-    t1 = 7.0 * eye - a
-    t2 = 15.0 * eye - _mm(a, t1, PRECISION, False)
-    dt3 = 0.25 * g
-    m2 = _mm(a_t, dt3, PRECISION, False)
-    m1 = _mm(a_t, m2, PRECISION, False)
-    da += _mm(m2, tl.trans(t1), PRECISION, False) - m1 \
-        - _mm(dt3, tl.trans(t2), PRECISION, False)
-    # A = S M_r S, s = rsqrt(max(M_r 1, tiny))
-    dam = da * mat
-    ds += tl.sum(dam * s[None, :], axis=1) + tl.sum(dam * s[:, None], axis=0)
-    d = tl.sum(mat, axis=1)
-    dd = tl.where(inside & (d > TINY), -0.5 * ds * s * s * s, 0.0)
-    dm = s[:, None] * da * s[None, :] + dd[:, None]
-    if FROM_ROWS:  # E_ij = x_i . x_j - n_i - n_j, dE = dM * M
-        de = dm * kernel_block
-        rd = tl.arange(0, BLOCK_D)
-        dx = _mm(de + tl.trans(de), x, PRECISION, False)
-        tl.store(DX + bh * m * D + r[:, None] * D + rd[None, :], dx,
-                 mask=inside[:, None] & (rd < D)[None, :])
-        tl.store(DXN + bh * m + r, -(tl.sum(de, axis=1) + tl.sum(de, axis=0)), mask=inside)
-    else:
-        tl.store(DM + bh * m * m + offsets, dm, mask=mask)
 
 
 def _launch_options(m: int) -> tuple[int, int]:
@@ -186,25 +126,6 @@ def lemma3_forward(source: Tensor, norm: Tensor | None, ridge: Tensor, iteration
         TINY=torch.finfo(source.dtype).tiny, BLOCK=block, BLOCK_D=_block_d(d),
         PRECISION=_precision(source.dtype), num_warps=warps)
     return w, store
-
-
-def lemma3_backward(source: Tensor, norm: Tensor | None, ridge: Tensor, store: Tensor,
-                    grad: Tensor) -> tuple[Tensor, Tensor | None]:
-    """The gradients of ``lemma3_forward``'s inputs for the incoming gradient ``grad``
-    of W: (dM, None) for a landmark matrix, (dX, dnorm) for landmark rows."""
-    bh, m = source.shape[:2]
-    d = source.shape[2] if norm is not None else 1
-    block, warps = _launch_options(m)
-    dsource = torch.empty_like(source)
-    dnorm = None if norm is None else torch.empty_like(norm)
-    _backward_kernel[(bh,)](
-        source, source, source if norm is None else norm, ridge, store, grad, dsource,
-        dsource, dsource if dnorm is None else dnorm, m, d, bh // ridge.shape[0],
-        ITERATIONS=store.shape[1], FROM_ROWS=norm is not None,
-        TINY=torch.finfo(source.dtype).tiny, BLOCK=block, BLOCK_D=_block_d(d),
-        PRECISION=_precision(source.dtype), num_warps=warps,
-        num_stages=1)  # no loads worth pipelining; a third less shared memory at m = 64
-    return dsource, dnorm
 
 
 def _block_d(d: int) -> int:

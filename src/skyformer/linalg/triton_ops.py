@@ -81,11 +81,11 @@ def _(source, norm, ridge, iterations):
 @torch.library.custom_op("skyformer::lemma3_inverse_backward", mutates_args=())
 def lemma3_backward(source: Tensor, norm: Tensor, ridge: Tensor, store: Tensor,
                     grad: Tensor) -> tuple[Tensor, Tensor]:
-    """``triton_lemma3.lemma3_backward``: the gradients of the source and the norms
+    """``triton_lemma3_backward.lemma3_backward``: the gradients of the source and the norms
     (empty for a matrix)."""
-    from . import triton_lemma3
+    from . import triton_lemma3_backward
 
-    dsource, dnorm = triton_lemma3.lemma3_backward(source, _opt(norm), ridge, store, grad)
+    dsource, dnorm = triton_lemma3_backward.lemma3_backward(source, _opt(norm), ridge, store, grad)
     return dsource, _or_empty(dnorm, source)
 
 
