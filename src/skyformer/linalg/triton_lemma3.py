@@ -10,13 +10,22 @@ the ridge diagonal g (gamma, or 1 for slots that hold no landmark):
 with T3(P) = 13I - P (15I - P (7I - P)). The eager PyTorch path spends about forty
 operations on this forward and seventy backward, each a kernel launch at m = 128 that
 does almost no work on a GPU; here the whole chain is one launch forward and one
-backward (``triton_lemma3_backward``), the forward's few matrices of a program held in
-registers (m <= ``lemma3_triton.MAX_M``).
+backward (``triton_lemma3_backward``), m <= ``lemma3_triton.MAX_M``. Each program's
+matrices live in a scratch buffer and every product runs a block of rows at a time
+(``triton_rowblocks``): held in registers, five 128 x 128 float32 matrices spill
+1.7 KB a thread (compiled for sm_90), and the backward pass's dozen do not fit an SM.
+Per step, V its input:
+
+    P = A V,   T2 = 15I - 7P + P P,   T3 = 13I - P T2,   V' = V T3 / 4
+
+(P T1 = 7P - P P with T1 = 7I - P), each a pass over row blocks; the first step, from
+V_0 = I, is two (T2 from A, then V_1 = T3 / 4).
 
 Given the landmark rows X (scaled) and their half squared norms n instead of M
 (``FROM_ROWS``), the kernel forms M_ij = exp(x_i . x_j - n_i - n_j) itself.
 
-The forward kernel writes V_1 ... V_K (``store``, ``[BH, K, m, m]``), from which the
+The forward kernel writes V_1 ... V_K (``store``, ``[BH, K, m, m]``; each V is
+written there as it is computed and read back by the next step), from which the
 backward kernel rebuilds P, T2, T3 of each step and runs the adjoint of
 ``pinv._RazaviIteration`` step by step, then the adjoints of the normalisation:
 
@@ -39,74 +48,133 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .triton_kernels import _mm, _precision
+from .triton_kernels import _precision
+from .triton_rowblocks import eye_rows, product_rows, rows_of, square_rows, store_rows
+
+# Scratch of the forward kernel: m x m slots and m-vectors a program.
+# (Constants the kernels read must be tl.constexpr.)
+FORWARD_SLOTS = tl.constexpr(5)
+_MR, _A, _P, _T2, _T3 = (tl.constexpr(i) for i in range(5))
+FORWARD_VECTORS = tl.constexpr(2)
+_D, _S = tl.constexpr(0), tl.constexpr(1)
 
 
 @triton.jit
-def _landmark_matrix(M, X, XN, bh, m, D, FROM_ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                     BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
-    """M of one matrix: loaded, or (``FROM_ROWS``) the Gaussian block
-    exp(x_i . x_j - n_i - n_j) of the landmark rows X (n = +inf: a dead slot)."""
-    r = tl.arange(0, BLOCK)
-    inside = r < m
-    if FROM_ROWS:
-        rd = tl.arange(0, BLOCK_D)
-        x = tl.load(X + bh * m * D + r[:, None] * D + rd[None, :],
-                    mask=inside[:, None] & (rd < D)[None, :], other=0.0)
-        n = tl.load(XN + bh * m + r, mask=inside, other=float("inf"))
-        e = _mm(x, tl.trans(x), PRECISION, False) - n[:, None] - n[None, :]
-        mat = tl.exp(e)
-    else:
-        mat = tl.load(M + bh * m * m + r[:, None] * m + r[None, :],
-                      mask=inside[:, None] & inside[None, :], other=0.0)
-    return mat
+def regularise(M, X, XN, ridge, MAT_R, D_VEC, S_VEC, bh, m, D, FROM_ROWS: tl.constexpr,
+               TINY: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+               KC: tl.constexpr, PRECISION: tl.constexpr):
+    """One pass: M_r = C + diag(ridge) into ``MAT_R``, d = M_r 1 into ``D_VEC`` and
+    s = rsqrt(max(d, tiny)) into ``S_VEC``, where C is the landmark matrix M (loaded)
+    or (``FROM_ROWS``) the Gaussian block exp(x_i . x_j - n_i - n_j) of the landmark
+    rows X ``[m, D]`` with half squared norms n (+inf: a slot without a landmark).
+    Ends with a barrier."""
+    cols = tl.arange(0, BLOCK)
+    for start in range(0, m, ROWS):
+        rows = start + tl.arange(0, ROWS)
+        if FROM_ROWS:
+            n_rows = tl.load(XN + bh * m + rows, mask=rows < m, other=float("inf"))
+            n_cols = tl.load(XN + bh * m + cols, mask=cols < m, other=float("inf"))
+            x = X + bh * m * D
+            dots = product_rows(x, D, False, x, D, True, rows, m, D, m, ROWS, BLOCK, KC,
+                                PRECISION)
+            block = tl.exp(dots - n_rows[:, None] - n_cols[None, :])
+        else:
+            block = rows_of(M + bh * m * m, rows, m, BLOCK)
+        block += eye_rows(rows, m, BLOCK) * ridge[None, :]
+        store_rows(MAT_R, rows, m, block, BLOCK)
+        d = tl.sum(block, axis=1)
+        tl.store(D_VEC + rows, d, mask=rows < m)
+        tl.store(S_VEC + rows, 1.0 / tl.sqrt(tl.maximum(d, TINY)), mask=rows < m)
+    tl.debug_barrier()
 
 
 @triton.jit
-def _normalise(mat, DIAG, bh, heads, m, TINY: tl.constexpr, BLOCK: tl.constexpr):
-    """(M_r, s = d^-1/2, A, I) of one matrix M; rows and columns past m are zero."""
-    r = tl.arange(0, BLOCK)
-    inside = r < m
-    eye = tl.where((r[:, None] == r[None, :]) & inside[:, None], 1.0, 0.0).to(mat.dtype)
-    ridge = tl.load(DIAG + (bh // heads) * m + r, mask=inside, other=0.0).to(mat.dtype)
-    mat = mat + eye * ridge[None, :]
-    d = tl.sum(mat, axis=1)
-    s = tl.where(inside, 1.0 / tl.sqrt(tl.maximum(d, TINY)), 0.0).to(mat.dtype)
-    a = s[:, None] * mat * s[None, :]
-    return mat, s, a, eye
+def normalise(MAT_R, S_VEC, A, m, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """One pass: A = S M_r S. Ends with a barrier."""
+    cols = tl.arange(0, BLOCK)
+    s_cols = tl.load(S_VEC + cols, mask=cols < m, other=0.0)
+    for start in range(0, m, ROWS):
+        rows = start + tl.arange(0, ROWS)
+        s_rows = tl.load(S_VEC + rows, mask=rows < m, other=0.0)
+        store_rows(A, rows, m, s_rows[:, None] * rows_of(MAT_R, rows, m, BLOCK)
+                   * s_cols[None, :], BLOCK)
+    tl.debug_barrier()
 
 
 @triton.jit
-def _forward_kernel(M, X, XN, DIAG, W, STORE, m, D, heads, ITERATIONS: tl.constexpr,
-                    FROM_ROWS: tl.constexpr, TINY: tl.constexpr, BLOCK: tl.constexpr,
-                    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+def _forward_kernel(M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
+                    ITERATIONS: tl.constexpr, FROM_ROWS: tl.constexpr, TINY: tl.constexpr,
+                    BLOCK: tl.constexpr, ROWS: tl.constexpr, KC: tl.constexpr,
+                    PRECISION: tl.constexpr):
     bh = tl.program_id(0).to(tl.int64)
-    r = tl.arange(0, BLOCK)
-    inside = r < m
-    mask = inside[:, None] & inside[None, :]
-    offsets = r[:, None] * m + r[None, :]
-    mat = _landmark_matrix(M, X, XN, bh, m, D, FROM_ROWS, BLOCK, BLOCK_D, PRECISION)
-    _, s, a, eye = _normalise(mat, DIAG, bh, heads, m, TINY, BLOCK)
+    size = m * m
+    scratch = SCR + bh * FORWARD_SLOTS * size
+    vectors = VEC + bh * FORWARD_VECTORS * m
+    a, p, t2, t3 = (scratch + _A * size, scratch + _P * size, scratch + _T2 * size,
+                    scratch + _T3 * size)
+    cols = tl.arange(0, BLOCK)
+    ridge = tl.load(DIAG + (bh // heads) * m + cols, mask=cols < m, other=0.0)
+    regularise(M, X, XN, ridge, scratch + _MR * size, vectors + _D * m, vectors + _S * m,
+               bh, m, D, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
+    normalise(scratch + _MR * size, vectors + _S * m, a, m, BLOCK, ROWS)
     # step 1 from V_0 = I: P = A, V_1 = T3 / 4
-    t1 = 7.0 * eye - a
-    t2 = 15.0 * eye - _mm(a, t1, PRECISION, False)
-    v = 0.25 * (13.0 * eye - _mm(a, t2, PRECISION, False))
-    tl.store(STORE + bh * ITERATIONS * m * m + offsets, v, mask=mask)
+    v_1 = STORE + bh * ITERATIONS * size
+    for start in range(0, m, ROWS):
+        rows = start + tl.arange(0, ROWS)
+        store_rows(t2, rows, m, 15.0 * eye_rows(rows, m, BLOCK) - 7.0 * rows_of(a, rows, m, BLOCK)
+                   + square_rows(a, False, a, False, rows, m, ROWS, BLOCK, KC, PRECISION),
+                   BLOCK)
+    tl.debug_barrier()
+    for start in range(0, m, ROWS):
+        rows = start + tl.arange(0, ROWS)
+        store_rows(v_1, rows, m, 0.25 * (13.0 * eye_rows(rows, m, BLOCK) - square_rows(
+            a, False, t2, False, rows, m, ROWS, BLOCK, KC, PRECISION)), BLOCK)
+    tl.debug_barrier()
     for i in range(1, ITERATIONS):
-        p = _mm(a, v, PRECISION, False)
-        t1 = 7.0 * eye - p
-        t2 = 15.0 * eye - _mm(p, t1, PRECISION, False)
-        t3 = 13.0 * eye - _mm(p, t2, PRECISION, False)
-        v = 0.25 * _mm(v, t3, PRECISION, False)
-        tl.store(STORE + (bh * ITERATIONS + i) * m * m + offsets, v, mask=mask)
-    tl.store(W + bh * m * m + offsets, s[:, None] * v * s[None, :], mask=mask)
+        v = STORE + (bh * ITERATIONS + i - 1) * size
+        for start in range(0, m, ROWS):
+            rows = start + tl.arange(0, ROWS)
+            store_rows(p, rows, m, square_rows(a, False, v, False, rows, m, ROWS, BLOCK, KC,
+                                               PRECISION), BLOCK)
+        tl.debug_barrier()
+        for start in range(0, m, ROWS):
+            rows = start + tl.arange(0, ROWS)
+            store_rows(t2, rows, m, 15.0 * eye_rows(rows, m, BLOCK)
+                       - 7.0 * rows_of(p, rows, m, BLOCK)
+                       + square_rows(p, False, p, False, rows, m, ROWS, BLOCK, KC, PRECISION),
+                       BLOCK)
+        tl.debug_barrier()
+        for start in range(0, m, ROWS):
+            rows = start + tl.arange(0, ROWS)
+            store_rows(t3, rows, m, 13.0 * eye_rows(rows, m, BLOCK) - square_rows(
+                p, False, t2, False, rows, m, ROWS, BLOCK, KC, PRECISION), BLOCK)
+        tl.debug_barrier()
+        for start in range(0, m, ROWS):
+            rows = start + tl.arange(0, ROWS)
+            store_rows(v + size, rows, m, 0.25 * square_rows(v, False, t3, False, rows, m, ROWS,
+                                                             BLOCK, KC, PRECISION), BLOCK)
+        tl.debug_barrier()
+    # W = S V_K S
+    v_last = STORE + (bh * ITERATIONS + ITERATIONS - 1) * size
+    s_cols = tl.load(vectors + _S * m + cols, mask=cols < m, other=0.0)
+    for start in range(0, m, ROWS):
+        rows = start + tl.arange(0, ROWS)
+        s_rows = tl.load(vectors + _S * m + rows, mask=rows < m, other=0.0)
+        store_rows(W + bh * size, rows, m, s_rows[:, None] * rows_of(v_last, rows, m, BLOCK)
+                   * s_cols[None, :], BLOCK)
 
 
-def _launch_options(m: int) -> tuple[int, int]:
-    """(BLOCK, num_warps): the matrix padded to a power of two (tl.dot needs >= 16);
-    eight warps hold a 128 x 128 float32 matrix in 64 registers a thread."""
+def launch_options(m: int) -> dict:
+    """Tiles and warps of both Lemma 3 kernels: the matrix padded to a power of two
+    (``BLOCK``, tl.dot needs >= 16), row blocks and inner chunks of 32 (``ROWS``,
+    ``KC``: a [32, 128] float32 accumulator), eight warps from m = 64, one pipeline
+    stage. Chosen from the compiled kernels' resources (sm_90: no spills, 16 KiB of
+    shared memory at m = 128; four warps or more stages spill hundreds of bytes a
+    thread there; benchmarks/triton_resources.py), not from timings."""
     block = max(16, triton.next_power_of_2(m))
-    return block, (8 if block >= 128 else 4)
+    tile = min(block, 32)
+    return {"BLOCK": block, "ROWS": tile, "KC": tile, "num_warps": 8 if block >= 64 else 4,
+            "num_stages": 1}
 
 
 def lemma3_forward(source: Tensor, norm: Tensor | None, ridge: Tensor, iterations: int
@@ -114,19 +182,17 @@ def lemma3_forward(source: Tensor, norm: Tensor | None, ridge: Tensor, iteration
     """(W ``[BH, m, m]``, store ``[BH, iterations, m, m]``) for ``ridge: [R, m]`` (the
     diagonal added to the matrices of batch element bh // (BH / R)) and either the
     landmark matrix ``source: [BH, m, m]`` (``norm`` None) or the landmark rows
-    ``source: [BH, m, D]`` with their half squared norms ``norm: [BH, m]``."""
+    ``source: [BH, m, D]`` with their half squared norms ``norm: [BH, m]``. Scratch:
+    ``FORWARD_SLOTS`` m x m matrices a program."""
     bh, m = source.shape[:2]
     d = source.shape[2] if norm is not None else 1
-    block, warps = _launch_options(m)
     w = source.new_empty(bh, m, m)
     store = source.new_empty(bh, iterations, m, m)
+    scratch = source.new_empty(bh, FORWARD_SLOTS.value, m, m)
+    vectors = source.new_empty(bh, FORWARD_VECTORS.value, m)
     _forward_kernel[(bh,)](
-        source, source, source if norm is None else norm, ridge, w, store, m, d,
-        bh // ridge.shape[0], ITERATIONS=iterations, FROM_ROWS=norm is not None,
-        TINY=torch.finfo(source.dtype).tiny, BLOCK=block, BLOCK_D=_block_d(d),
-        PRECISION=_precision(source.dtype), num_warps=warps)
+        source, source, source if norm is None else norm, ridge, w, store, scratch, vectors,
+        m, d, bh // ridge.shape[0], ITERATIONS=iterations, FROM_ROWS=norm is not None,
+        TINY=torch.finfo(source.dtype).tiny, PRECISION=_precision(source.dtype),
+        **launch_options(m))
     return w, store
-
-
-def _block_d(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
