@@ -75,18 +75,26 @@ def show_nonfinite(out: Any, q: Any, k: Any, v: Any, key_padding_mask: Any,
     if keys_finite and _finite(q):
         return out
     query_valid, _ = valid_rows(q, k, key_padding_mask, query_padding_mask)
-    bad = ~torch.isfinite(q).all(dim=-1)  # [B, H, Nq]
+    flag = _nan_if_nonfinite(q, -1)  # [B, H, Nq]
     if not keys_finite:
-        bad_keys = ~(torch.isfinite(k).all(dim=-1) & torch.isfinite(v).all(dim=-1))
-        spoiled = bad_keys.any(dim=-1)  # [B, Hk]
-        if spoiled.shape[1] != bad.shape[1]:  # fewer key heads (grouped queries): any head
-            spoiled = spoiled.any(dim=1, keepdim=True)
-        bad = bad | spoiled[..., None]
+        spoiled = _nan_if_nonfinite(k, (-2, -1)) + _nan_if_nonfinite(v, (-2, -1))  # [B, Hk]
+        if spoiled.shape[1] != flag.shape[1]:  # fewer key heads (grouped queries): any head
+            spoiled = spoiled.sum(dim=1, keepdim=True)
+        flag = flag + spoiled[..., None]
     if query_valid is not None:
-        bad = bad & query_valid[:, None, :]
-    if bad.shape[:3] != out.shape[:3]:
+        flag = torch.where(query_valid[:, None, :], flag, 0.0)
+    if flag.shape != out.shape[:3]:
         return out
-    return torch.where(bad[..., None], float("nan"), out)
+    return out + flag[..., None].to(out.dtype)
+
+
+def _nan_if_nonfinite(t: Tensor, dim: int | tuple[int, ...]) -> Tensor:
+    """Zero where every entry of ``t`` along ``dim`` is finite, NaN elsewhere: x * 0 is
+    0 for a finite x and NaN for inf and NaN, and a sum of zeros cannot overflow. Two
+    operations (``torch.isfinite`` is four on CUDA: eq, abs, ne, and, then all and a
+    not), and the sum added to the output marks its rows with no ``torch.where``,
+    so the backward pass gets no operation from this check (``t`` is detached)."""
+    return (t.detach() * 0).sum(dim=dim)
 
 
 def _finite(t: Tensor) -> bool:

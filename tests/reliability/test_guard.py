@@ -1,0 +1,77 @@
+"""``show_nonfinite`` against its plain definition, on the CPU shortcut and on the path
+CUDA calls take (every tensor checked row by row).
+
+The rows that must be NaN: a real query row holding NaN or inf, and every real query
+row of a (batch element, head) whose real keys or values hold one (grouped query heads:
+any key head of the batch element); padded rows are zeros by then (``zero_padding``).
+Every other row is returned unchanged.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from skyformer.registry import guard
+from tests.dispatch import Recorder
+
+
+def _expected_rows(q, k, v, query_valid):
+    """[B, H, Nq] bool: the rows the guard must mark, by the definition above."""
+    bad = ~torch.isfinite(q).all(-1)
+    spoiled = ~(torch.isfinite(k).all(-1).all(-1) & torch.isfinite(v).all(-1).all(-1))
+    if spoiled.shape[1] != q.shape[1]:
+        spoiled = spoiled.any(1, keepdim=True)
+    spread = spoiled[..., None].expand_as(bad)
+    if query_valid is not None:
+        spread = spread & query_valid[:, None, :]
+    return bad | spread
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**31 - 1), grouped=st.booleans(), padded=st.booleans(),
+       cpu_shortcut=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_marks_exactly_the_rows_a_non_finite_input_reaches(seed, grouped, padded,
+                                                          cpu_shortcut, dtype):
+    g = torch.Generator().manual_seed(seed)
+    b, h, hk, n, d = 2, 4, (2 if grouped else 4), 6, 3
+    q = torch.randn(b, h, n, d, generator=g).to(dtype)
+    k, v = (torch.randn(b, hk, n, d, generator=g).to(dtype) for _ in range(2))
+    for t in (q, k, v):  # a few entries NaN, inf or -inf (maybe none)
+        hits = torch.rand(t.shape, generator=g) < 0.02
+        values = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=dtype)
+        t[hits] = values[torch.randint(0, 3, (int(hits.sum()),), generator=g)]
+    mask = torch.rand(b, n, generator=g) > 0.3 if padded else None
+    q, k, v = guard.zero_padding(q, k, v, mask, "auto")  # as the guard receives them
+    out = 1e30 * torch.randn(b, h, n, d, generator=g).to(dtype)  # huge but finite
+    with mock.patch.object(guard, "may_read_values", lambda *_: cpu_shortcut):
+        got = guard.show_nonfinite(out, q, k, v, mask, "auto")
+    rows = _expected_rows(q, k, v, mask)
+    assert torch.isnan(got[rows]).all()
+    assert torch.equal(got[~rows], out[~rows])
+    assert got.dtype == out.dtype
+
+
+def test_the_cuda_path_adds_no_operation_to_the_backward_pass():
+    """The check's flags are detached and added to the output: autograd passes the
+    gradient straight through (no ``where`` in backward), and finite inputs give the
+    output unchanged."""
+    q, k, v = (torch.randn(1, 2, 5, 4) for _ in range(3))
+    out = torch.randn(1, 2, 5, 4, requires_grad=True)
+    with mock.patch.object(guard, "may_read_values", lambda *_: False):
+        got = guard.show_nonfinite(out, q, k, v, None, "auto")
+    assert torch.equal(got, out)
+    with Recorder(lambda func, args, result: func.name()) as calls:
+        got.sum().backward()
+    assert not any("where" in name or "mul" in name for name in calls.items)
+    torch.testing.assert_close(out.grad, torch.ones_like(out))
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 3), (2, 2, 5, 4, 1)])
+def test_other_shapes_are_returned_as_they_are(shape):
+    t = torch.randn(shape)
+    assert guard.show_nonfinite(t, t, t, t, None, "auto") is t
