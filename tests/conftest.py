@@ -20,6 +20,16 @@ if not CUDA_TESTS:
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
 
+@pytest.fixture
+def triton_interpreter():
+    """Skips a test that runs Triton kernels on CPU tensors where the interpreter is off
+    (``tests.devices.needs_interpreter``)."""
+    from skyformer.linalg.kernel_backend import interpreter_on
+
+    if not interpreter_on():
+        pytest.skip("Triton's interpreter is off (TRITON_INTERPRET=0): the kernels run on CUDA")
+
+
 def make_qkv(b=2, h=2, n=24, d=16, *, nk=None, dv=None, dtype=torch.float64, seed=0, scale=1.0):
     g = torch.Generator().manual_seed(seed)
     nk = n if nk is None else nk

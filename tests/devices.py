@@ -41,3 +41,10 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     denom = ref.norm().item()
     diff = (out - ref).norm().item()
     return diff / denom if denom > 0 else diff
+
+
+
+# A test that runs Triton kernels on CPU tensors needs Triton's interpreter, which is off
+# where a GPU runs the kernels (SKYFORMER_TEST_CUDA=1 leaves TRITON_INTERPRET unset): the
+# fixture (conftest.py) skips it then, at setup, once conftest has set the variable.
+needs_interpreter = pytest.mark.usefixtures("triton_interpreter")

@@ -15,7 +15,7 @@ from skyformer.linalg.kernel_backend import interpreter_on
 from skyformer.ops.shared.causal_nystrom import slot_ranks
 from skyformer.sketch import landmarks as lm
 from skyformer.sketch.rng import random_key
-from tests.devices import devices
+from tests.devices import devices, needs_interpreter
 
 pytest.importorskip("triton")
 
@@ -107,12 +107,14 @@ def test_a_failed_launch_under_auto_warns_once_and_draws_the_same_keys(monkeypat
         lm.launch_or_fall_back("triton", broken, lambda: want)
 
 
+@needs_interpreter
 def test_an_empty_batch_or_sequence_draws_nothing():
     for batch, n in ((0, 5), (2, 0)):
         keys = lm.stream_selection_keys(KEYS[0], lm.KEY_STREAM, None, batch, n, draw="triton")
         assert keys.shape == (batch, n)
 
 
+@needs_interpreter
 def test_under_vmap_the_pytorch_path_draws_the_same_keys():
     valid = _valid("random", 4, 50)
 

@@ -86,7 +86,10 @@ def _means_one_hot(
     x: Tensor, assignment: Tensor, weight: Tensor | None, count: int
 ) -> tuple[Tensor, Tensor]:
     """``_means`` as one product with the weighted one-hot matrix."""
-    onehot = torch.nn.functional.one_hot(assignment, count).to(x.dtype)
+    # a comparison, not one_hot: one_hot writes with scatter_, which vmap cannot batch
+    # when the assignment is batched and its zeros are not (per-sample gradients on CUDA)
+    classes = torch.arange(count, device=assignment.device)
+    onehot = (assignment[..., None] == classes).to(x.dtype)
     if weight is not None:
         onehot.mul_(weight[..., None])
     sizes = onehot.sum(-2)  # [B, H, c]
