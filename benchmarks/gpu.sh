@@ -13,6 +13,9 @@
 # missing. Ctrl-C stops the running stage and the script, marking nothing done; so does a
 # stage that could not be started at all (exit 125-127).
 # STAGE_SECONDS=N gives every stage N seconds instead of its own limit.
+# ARCHIVE=FILE.tar.gz packs OUT_DIR into that one file after every stage (and when
+# interrupted): for a machine that hands back only a few files, put OUT_DIR elsewhere and
+# FILE in the folder that comes back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-benchmarks/results/gpu}
@@ -30,10 +33,15 @@ if [ -n "${STAGE_SECONDS:-}" ] && ! [[ $STAGE_SECONDS =~ ^[1-9][0-9]*$ ]]; then
 fi
 running=
 interrupted=0
+archive() {  # OUT_DIR as one file, replaced whole (ARCHIVE, above)
+  [ -n "${ARCHIVE:-}" ] || return 0
+  tar czf "$ARCHIVE.part" -C "$out" . && mv "$ARCHIVE.part" "$ARCHIVE"
+}
 # a signal while no stage runs ends the script at once; during a stage it is passed on
 # to timeout, which stops the stage (SIGINT, SIGKILL 30 s later)
 trap 'interrupted=1; if [ -n "$running" ]; then kill -INT "$running" 2>/dev/null; else
-      echo "interrupted: run again with the same folder to go on"; exit 130; fi' INT TERM HUP
+      archive; echo "interrupted: run again with the same folder to go on"; exit 130; fi' \
+    INT TERM HUP
 touch "$out/stages.txt"
 stage() {
   local name=$1 seconds=${STAGE_SECONDS:-$2} start=$SECONDS rc follower note=
@@ -64,11 +72,12 @@ stage() {
   [ "$interrupted" = 1 ] && note=" (interrupted)"
   sed -i "/^$name: /d" "$out/stages.txt"  # the latest run of each stage
   echo "$name: exit $rc after $((SECONDS - start)) s$note" | tee -a "$out/stages.txt"
+  [ "$interrupted" = 1 ] || [ -n "$note" ] || touch "$out/.done-$name"
+  archive
   if [ "$interrupted" = 1 ]; then
     echo "interrupted: run again with the same folder to go on"
     exit 130
   fi
-  [ -n "$note" ] || touch "$out/.done-$name"
 }
 
 if [ -z "${SKIP_TESTS:-}" ]; then

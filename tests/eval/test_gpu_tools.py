@@ -189,3 +189,14 @@ def test_gpu_script_runs_every_stage_past_failures_limits_and_reruns(tmp_path):
 
     bad = run(STAGE_SECONDS="2m")
     assert bad.returncode == 2 and "whole number of seconds" in bad.stderr
+
+    import tarfile  # ARCHIVE: the whole folder in one file, after every stage
+
+    (out / ".done-lra").unlink(missing_ok=True)
+    packed = tmp_path / "back" / "gpu.tar.gz"
+    packed.parent.mkdir()
+    assert run(ARCHIVE=str(packed), TESTS_EXIT="0", KERNELS_EXIT="0").returncode == 0
+    with tarfile.open(packed) as archive:
+        names = set(archive.getnames())
+    assert {"./stages.txt", "./lra.log", "./bench_float32.md", "./.done-lra"} <= names
+    assert list(packed.parent.iterdir()) == [packed]  # no partial file left
