@@ -3,8 +3,8 @@
 Forward + backward of Skyformer, ``nystrom_softmax`` and ``skyformer_adaptive`` with the
 products and landmark draws on Triton (run through Triton's interpreter here), once
 with the m x m core on the PyTorch path and once as the library chooses it: the
-one-launch Triton kernels (``linalg/lemma3_triton.py``) up to ``MAX_M_BACKWARD``
-landmarks, the PyTorch path above (where the backward kernel does not fit an SM).
+one-launch Triton kernels (``linalg/lemma3_triton.py``), forward and backward, up to
+``MAX_M`` landmarks.
 Counted with a dispatch mode: views, allocations and copies are left out, and so is
 the CPU-only subnormal flush; the check for non-finite inputs (``registry/guard.py``)
 is counted as a CUDA call runs it (on the CPU an eager call first asks whether the

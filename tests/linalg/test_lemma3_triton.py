@@ -109,7 +109,7 @@ def _inverse_of_rows(x, live, kernel, iterations=6):
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("case", [(1, 1, 1, 16), (2, 3, 5, 8), (1, 2, 37, 64),
-                                  (1, 1, 128, 128)])
+                                  (1, 2, 37, 48), (1, 1, 100, 100), (1, 1, 128, 128)])
 def test_fused_landmark_inverse_equals_the_equations(device, dtype, case):
     """From the landmark rows: the kernel forms C(X, X) too; W and the gradient of X
     (through the block and the norms) as the equations give them."""

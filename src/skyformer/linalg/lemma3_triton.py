@@ -31,7 +31,7 @@ from .kernel_backend import (
 )
 from .vmap import vmap_into_batch
 
-MAX_M = 128  # a 128 x 128 float32 matrix per program, in registers (triton_lemma3)
+MAX_M = 128  # the kernels' tiles cover m <= 128 (triton_lemma3.launch_options)
 CORE_FALLBACK = KernelFallback(
     "Lemma 3 kernel", "computing the core with PyTorch operations (the same W up to rounding)")
 

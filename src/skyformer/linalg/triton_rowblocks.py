@@ -2,8 +2,8 @@
 one Triton program (the Lemma 3 kernels, ``triton_lemma3``, ``triton_lemma3_backward``).
 
 A chain of m x m products (m <= 128) whose matrices do not all fit in registers keeps
-each matrix in a slot of a scratch buffer (a few 64 KiB slots at m = 128, which stay
-in L2) and computes each result a block of ``ROWS`` rows at a time: a ``[ROWS, m]``
+each matrix in a slot of a scratch buffer (64 KiB a slot at m = 128, read back through
+the caches) and computes each result a block of ``ROWS`` rows at a time: a ``[ROWS, m]``
 accumulator summing ``_mm`` of ``[ROWS, KC]`` and ``[KC, m]`` tiles. A chain of such
 passes is correct on a GPU when a barrier of the program's threads
 (``tl.debug_barrier``: bar.sync, which orders the CTA's global memory accesses too)

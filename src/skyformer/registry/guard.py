@@ -7,7 +7,9 @@
 - A non-finite value in a real token is never hidden: the output rows it can reach are
   NaN, as with SDPA (a NaN query spoils its own row; a NaN key or value spoils every
   row of its batch element and head), whatever the method's own arithmetic would have
-  made of it (a fallback to mean(V), a clamp, a zero).
+  made of it (a fallback to mean(V), a clamp, a zero). The rows are marked by adding a
+  detached flag that is 0 or NaN, so a marked row's gradient passes to the method as
+  it is (``_nan_if_nonfinite``).
 
 Both run at ``call_core``, the one path every call takes; they are elementwise and
 data-independent, so they compile, export and batch like the methods. Eager calls on
