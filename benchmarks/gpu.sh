@@ -106,6 +106,8 @@ for spec in "1,2,32 float32 131072" "4,16,64 bfloat16 65536"; do
 done
 # LRA training steps: ListOps (32 x 2000) and Image (256 x 1024), bf16 autocast
 stage lra 75 python3 benchmarks/lra_gpu.py --out "$out/lra_gpu.json"
+# The Lemma 3 kernels' launch options at m = 128, timed (each compiles both kernels)
+stage tiles 90 python3 benchmarks/lemma3_tiles.py --out "$out/lemma3_tiles.json"
 echo "+ stages:"
 cat "$out/stages.txt"
 ! grep -qv ": exit 0 " "$out/stages.txt"  # exit status 1 where any stage failed

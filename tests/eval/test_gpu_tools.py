@@ -101,6 +101,22 @@ def test_kernel_benchmark_runs_on_the_cpu_under_the_interpreter(tmp_path):
         for kernel in ("torch", "triton") for mode in ("fwd", "fwd+bwd")}
 
 
+def test_lemma3_tile_sweep_runs_on_the_cpu_under_the_interpreter(tmp_path):
+    """benchmarks/lemma3_tiles.py end to end at one tiny size: every option timed against
+    the PyTorch core, the default marked (the GPU run decides launch_options)."""
+    import json
+
+    out = tmp_path / "tiles.json"
+    assert _load("lemma3_tiles").main(["--device", "cpu", "--rows", "16", "--stages", "1",
+                                       "2", "--warps", "4", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    names = {(row["options"], row["pass"]) for row in rows}
+    assert {("torch", "fwd"), ("torch", "fwd+bwd")} <= names
+    assert {row["options"] for row in rows if row["default"]} == {
+        "rows 16 kc 16 warps 4 stages 1"}
+    assert len({row["options"] for row in rows}) == 3  # torch, the default, stages 2
+
+
 def test_gpu_script_runs_every_stage_past_failures_limits_and_reruns(tmp_path):
     """benchmarks/gpu.sh with a stand-in ``python3`` (CUDA present, one CUDA test failing,
     the kernel benchmark crashing, the LRA stage past its time limit): every later stage
@@ -146,7 +162,7 @@ def test_gpu_script_runs_every_stage_past_failures_limits_and_reruns(tmp_path):
     assert first.returncode == 1, first.stdout + first.stderr
     assert {name: status.split()[0] for name, status in stages().items()} == {
         "tests": "1", "profile": "0", "kernels": "2", "bench_float32": "0",
-        "bench_bfloat16": "0", "lra": "124"}
+        "bench_bfloat16": "0", "lra": "124", "tiles": "0"}
     assert stages()["lra"].endswith("(time limit)")
     assert "1 failed" in (out / "tests.txt").read_text()
     assert "kernels crashed" in (out / "kernels.log").read_text()
@@ -156,9 +172,9 @@ def test_gpu_script_runs_every_stage_past_failures_limits_and_reruns(tmp_path):
 
     before = len(calls.read_text().splitlines())
     second = run()
-    assert second.stdout.count("done in an earlier run") == 5
+    assert second.stdout.count("done in an earlier run") == 6
     assert len(calls.read_text().splitlines()) == before + 3  # CUDA, xdist checks; lra
-    assert stages()["lra"].startswith("0 ") and len(stages()) == 6
+    assert stages()["lra"].startswith("0 ") and len(stages()) == 7
     assert second.returncode == 1  # tests and kernels failed, and stay so
     (out / ".done-tests").unlink()
     (out / ".done-kernels").unlink()
