@@ -102,6 +102,22 @@ def normalise(MAT_R, S_VEC, A, m, BLOCK: tl.constexpr, ROWS: tl.constexpr):
 
 
 @triton.jit
+def t2_rows(P, rows, m, ROWS: tl.constexpr, BLOCK: tl.constexpr, KC: tl.constexpr,
+            PRECISION: tl.constexpr):
+    """Rows of a step's T2 = 15I - P T1 = 15I - 7P + P P (T1 = 7I - P)."""
+    return 15.0 * eye_rows(rows, m, BLOCK) - 7.0 * rows_of(P, rows, m, BLOCK) \
+        + square_rows(P, False, P, False, rows, m, ROWS, BLOCK, KC, PRECISION)
+
+
+@triton.jit
+def t3_rows(P, T2, rows, m, ROWS: tl.constexpr, BLOCK: tl.constexpr, KC: tl.constexpr,
+            PRECISION: tl.constexpr):
+    """Rows of a step's T3 = 13I - P T2."""
+    return 13.0 * eye_rows(rows, m, BLOCK) \
+        - square_rows(P, False, T2, False, rows, m, ROWS, BLOCK, KC, PRECISION)
+
+
+@triton.jit
 def _forward_kernel(M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
                     ITERATIONS: tl.constexpr, FROM_ROWS: tl.constexpr, TINY: tl.constexpr,
                     BLOCK: tl.constexpr, ROWS: tl.constexpr, KC: tl.constexpr,
@@ -121,14 +137,12 @@ def _forward_kernel(M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
     v_1 = STORE + bh * ITERATIONS * size
     for start in range(0, m, ROWS):
         rows = start + tl.arange(0, ROWS)
-        store_rows(t2, rows, m, 15.0 * eye_rows(rows, m, BLOCK) - 7.0 * rows_of(a, rows, m, BLOCK)
-                   + square_rows(a, False, a, False, rows, m, ROWS, BLOCK, KC, PRECISION),
-                   BLOCK)
+        store_rows(t2, rows, m, t2_rows(a, rows, m, ROWS, BLOCK, KC, PRECISION), BLOCK)
     tl.debug_barrier()
     for start in range(0, m, ROWS):
         rows = start + tl.arange(0, ROWS)
-        store_rows(v_1, rows, m, 0.25 * (13.0 * eye_rows(rows, m, BLOCK) - square_rows(
-            a, False, t2, False, rows, m, ROWS, BLOCK, KC, PRECISION)), BLOCK)
+        store_rows(v_1, rows, m, 0.25 * t3_rows(a, t2, rows, m, ROWS, BLOCK, KC, PRECISION),
+                   BLOCK)
     tl.debug_barrier()
     for i in range(1, ITERATIONS):
         v = STORE + (bh * ITERATIONS + i - 1) * size
@@ -139,15 +153,11 @@ def _forward_kernel(M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
         tl.debug_barrier()
         for start in range(0, m, ROWS):
             rows = start + tl.arange(0, ROWS)
-            store_rows(t2, rows, m, 15.0 * eye_rows(rows, m, BLOCK)
-                       - 7.0 * rows_of(p, rows, m, BLOCK)
-                       + square_rows(p, False, p, False, rows, m, ROWS, BLOCK, KC, PRECISION),
-                       BLOCK)
+            store_rows(t2, rows, m, t2_rows(p, rows, m, ROWS, BLOCK, KC, PRECISION), BLOCK)
         tl.debug_barrier()
         for start in range(0, m, ROWS):
             rows = start + tl.arange(0, ROWS)
-            store_rows(t3, rows, m, 13.0 * eye_rows(rows, m, BLOCK) - square_rows(
-                p, False, t2, False, rows, m, ROWS, BLOCK, KC, PRECISION), BLOCK)
+            store_rows(t3, rows, m, t3_rows(p, t2, rows, m, ROWS, BLOCK, KC, PRECISION), BLOCK)
         tl.debug_barrier()
         for start in range(0, m, ROWS):
             rows = start + tl.arange(0, ROWS)
@@ -168,9 +178,10 @@ def launch_options(m: int) -> dict:
     """Tiles and warps of both Lemma 3 kernels: the matrix padded to a power of two
     (``BLOCK``, tl.dot needs >= 16), row blocks and inner chunks of 32 (``ROWS``,
     ``KC``: a [32, 128] float32 accumulator), eight warps from m = 64, one pipeline
-    stage. Chosen from the compiled kernels' resources (sm_90: no spills, 16 KiB of
-    shared memory at m = 128; four warps or more stages spill hundreds of bytes a
-    thread there; benchmarks/triton_resources.py), not from timings."""
+    stage. Chosen from the compiled kernels' resources (sm_90: at most 24 bytes of
+    spills a thread, 16 KiB of shared memory at m = 128; four warps or more stages
+    spill hundreds of bytes a thread there; benchmarks/triton_resources.py), not from
+    timings."""
     block = max(16, triton.next_power_of_2(m))
     tile = min(block, 32)
     return {"BLOCK": block, "ROWS": tile, "KC": tile, "num_warps": 8 if block >= 64 else 4,

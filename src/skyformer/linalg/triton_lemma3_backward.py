@@ -6,8 +6,8 @@ The adjoint keeps about a dozen m x m matrices alive: held in registers they nee
 than an SM has at m = 128 (compiled for sm_90: 256 KiB of shared memory, so the kernel
 cannot launch, and 7 KB of spills a thread) and spill 3.6 KB a thread at m = 64. In
 scratch (``SLOTS`` slots a program, 64 KiB each at m = 128) the kernel needs 16 KiB of
-shared memory and spills nothing. The gradient of V and dA alternate between two slots
-each, so that no pass writes a slot it reads.
+shared memory and spills 24 bytes a thread at most. The gradient of V and dA alternate
+between two slots each, so that no pass writes a slot it reads.
 
 The adjoint of ``triton_lemma3``'s docstring (``pinv._RazaviIteration``), step by
 step from the last, V the step's input iterate (stored by the forward kernel), G the
@@ -33,7 +33,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .triton_kernels import _precision
-from .triton_lemma3 import launch_options, normalise, regularise
+from .triton_lemma3 import launch_options, normalise, regularise, t2_rows, t3_rows
 from .triton_rowblocks import eye_rows, product_rows, rows_of, square_rows, store_rows
 
 # Scratch slots of one matrix (each m x m) and vectors (each m).
@@ -46,6 +46,17 @@ _DE = _P  # dE reuses P's slot once the steps are done
 VECTORS = tl.constexpr(6)
 _D, _S, _DS_ROWS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 _DS_COLS, _DN_ROWS, _DN_COLS = tl.constexpr(3), tl.constexpr(4), tl.constexpr(5)
+
+
+@triton.jit
+def _dp_rows(M2, P, X, x_scale, T2, rows, m, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+             KC: tl.constexpr, PRECISION: tl.constexpr):
+    """Rows of a step's dP = 7 M2 - M2 P^T - P^T M2 - dT3 T2^T, dT3 = x_scale X
+    (M2 T1^T = 7 M2 - M2 P^T)."""
+    return 7.0 * rows_of(M2, rows, m, BLOCK) \
+        - square_rows(M2, False, P, True, rows, m, ROWS, BLOCK, KC, PRECISION) \
+        - square_rows(P, True, M2, False, rows, m, ROWS, BLOCK, KC, PRECISION) \
+        - x_scale * square_rows(X, False, T2, True, rows, m, ROWS, BLOCK, KC, PRECISION)
 
 
 @triton.jit
@@ -96,22 +107,15 @@ def _backward_kernel(M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D, head
         tl.debug_barrier()
         for start in range(0, m, ROWS):
             rows = start + tl.arange(0, ROWS)
-            p_p = square_rows(p, False, p, False, rows, m, ROWS, BLOCK, KC, PRECISION)
-            store_rows(t2, rows, m, 15.0 * eye_rows(rows, m, BLOCK)
-                        - 7.0 * rows_of(p, rows, m, BLOCK) + p_p, BLOCK)
+            store_rows(t2, rows, m, t2_rows(p, rows, m, ROWS, BLOCK, KC, PRECISION), BLOCK)
             store_rows(m2, rows, m, square_rows(p, True, dt3, False, rows, m, ROWS, BLOCK,
                                                   KC, PRECISION), BLOCK)
         tl.debug_barrier()
         for start in range(0, m, ROWS):
             rows = start + tl.arange(0, ROWS)
-            store_rows(t3, rows, m, 13.0 * eye_rows(rows, m, BLOCK)
-                        - square_rows(p, False, t2, False, rows, m, ROWS, BLOCK, KC,
-                                       PRECISION), BLOCK)
-            dp_rows = 7.0 * rows_of(m2, rows, m, BLOCK) \
-                - square_rows(m2, False, p, True, rows, m, ROWS, BLOCK, KC, PRECISION) \
-                - square_rows(p, True, m2, False, rows, m, ROWS, BLOCK, KC, PRECISION) \
-                - square_rows(dt3, False, t2, True, rows, m, ROWS, BLOCK, KC, PRECISION)
-            store_rows(dp, rows, m, dp_rows, BLOCK)
+            store_rows(t3, rows, m, t3_rows(p, t2, rows, m, ROWS, BLOCK, KC, PRECISION), BLOCK)
+            store_rows(dp, rows, m, _dp_rows(m2, p, dt3, 1.0, t2, rows, m, ROWS, BLOCK, KC,
+                                             PRECISION), BLOCK)
         tl.debug_barrier()
         for start in range(0, m, ROWS):
             rows = start + tl.arange(0, ROWS)
@@ -130,19 +134,14 @@ def _backward_kernel(M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D, head
     da = scratch + (_DA + ITERATIONS % 2) * size  # the final dA
     for start in range(0, m, ROWS):
         rows = start + tl.arange(0, ROWS)
-        a_a = square_rows(a, False, a, False, rows, m, ROWS, BLOCK, KC, PRECISION)
-        store_rows(t2, rows, m, 15.0 * eye_rows(rows, m, BLOCK)
-                    - 7.0 * rows_of(a, rows, m, BLOCK) + a_a, BLOCK)
+        store_rows(t2, rows, m, t2_rows(a, rows, m, ROWS, BLOCK, KC, PRECISION), BLOCK)
         store_rows(m2, rows, m, 0.25 * square_rows(a, True, g_in, False, rows, m, ROWS,
                                                      BLOCK, KC, PRECISION), BLOCK)
     tl.debug_barrier()
     for start in range(0, m, ROWS):
         rows = start + tl.arange(0, ROWS)
-        da_rows = rows_of(da_in, rows, m, BLOCK) + 7.0 * rows_of(m2, rows, m, BLOCK) \
-            - square_rows(m2, False, a, True, rows, m, ROWS, BLOCK, KC, PRECISION) \
-            - square_rows(a, True, m2, False, rows, m, ROWS, BLOCK, KC, PRECISION) \
-            - 0.25 * square_rows(g_in, False, t2, True, rows, m, ROWS, BLOCK, KC, PRECISION)
-        store_rows(da, rows, m, da_rows, BLOCK)
+        store_rows(da, rows, m, rows_of(da_in, rows, m, BLOCK) + _dp_rows(
+            m2, a, g_in, 0.25, t2, rows, m, ROWS, BLOCK, KC, PRECISION), BLOCK)
     tl.debug_barrier()
 
     # ds_i = sum_j (dW V_K + dA M_r)_ij s_j + (dW V_K + dA M_r)_ji s_j
