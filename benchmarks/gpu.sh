@@ -13,6 +13,11 @@
 # missing. Ctrl-C stops the running stage and the script, marking nothing done; so does a
 # stage that could not be started at all (exit 125-127).
 # STAGE_SECONDS=N gives every stage N seconds instead of its own limit.
+# ONLY="NAME ..." runs those stages alone (tests profile tiles kernels bench_float32
+# bench_bfloat16 lra), for a device lent for a few minutes.
+# The Lemma 3 kernels' launch options are timed first (tiles); the profile and the
+# kernel benchmark then launch the fastest of them (--lemma3-options), as the library
+# would with them as its defaults.
 # ARCHIVE=FILE.tar.gz packs OUT_DIR into that one file after every stage (and when
 # interrupted): for a machine that hands back only a few files, put OUT_DIR elsewhere and
 # FILE in the folder that comes back.
@@ -46,6 +51,10 @@ touch "$out/stages.txt"
 stage() {
   local name=$1 seconds=${STAGE_SECONDS:-$2} start=$SECONDS rc follower note=
   shift 2
+  if [ -n "${ONLY:-}" ] && ! [[ " $ONLY " == *" $name "* ]]; then
+    echo "+ $name: not in ONLY"
+    return 0
+  fi
   if [ -e "$out/.done-$name" ]; then
     echo "+ $name: done in an earlier run (delete $out/.done-$name to measure it again)"
     return 0
@@ -88,12 +97,17 @@ if [ -z "${SKIP_TESTS:-}" ]; then
       tests/sketch/test_triton_draws.py
   [ -e "$out/tests.log" ] && tail -3 "$out/tests.log" > "$out/tests.txt"
 fi
+# The Lemma 3 kernels' launch options at m = 128, timed (each compiles a kernel)
+stage tiles 120 python3 benchmarks/lemma3_tiles.py --out "$out/lemma3_tiles.json"
+tiles=()
+[ -e "$out/lemma3_tiles.json" ] && tiles=(--lemma3-options "$out/lemma3_tiles.json")
 # Where the time goes: kernels, launches and idle time of one call (torch.profiler)
-stage profile 45 python3 benchmarks/gpu_profile.py --seq-lens 4096 16384 --out "$out/profile"
+stage profile 45 python3 benchmarks/gpu_profile.py --seq-lens 4096 16384 "${tiles[@]}" \
+    --out "$out/profile"
 # Triton kernels vs PyTorch path vs flash SDPA, eager and compiled
-stage kernels 120 python3 -W ignore benchmarks/gpu_kernels.py \
-    --seq-lens 1024 2048 4096 8192 16384 32768 --compile-seq-lens 4096 --max-exact-n 8192 \
-    --out "$out/kernels.json"
+stage kernels 150 python3 -W ignore benchmarks/gpu_kernels.py \
+    --seq-lens 1024 2048 4096 8192 16384 32768 --compile-seq-lens 4096 16384 \
+    --max-exact-n 8192 "${tiles[@]}" --out "$out/kernels.json"
 # skyformer bench --device cuda: LRA shape (float32) and model shape (bfloat16); the
 # Markdown tables go to bench_DTYPE.md, one progress line per row to the log
 for spec in "1,2,32 float32 131072" "4,16,64 bfloat16 65536"; do
@@ -106,8 +120,6 @@ for spec in "1,2,32 float32 131072" "4,16,64 bfloat16 65536"; do
 done
 # LRA training steps: ListOps (32 x 2000) and Image (256 x 1024), bf16 autocast
 stage lra 75 python3 benchmarks/lra_gpu.py --out "$out/lra_gpu.json"
-# The Lemma 3 kernels' launch options at m = 128, timed (each compiles both kernels)
-stage tiles 90 python3 benchmarks/lemma3_tiles.py --out "$out/lemma3_tiles.json"
 echo "+ stages:"
 cat "$out/stages.txt"
 ! grep -qv ": exit 0 " "$out/stages.txt"  # exit status 1 where any stage failed

@@ -7,6 +7,9 @@ and peak memory (``torch.cuda.max_memory_allocated``) of
   (the flash backend for bfloat16 / float16),
 - ``skyformer`` with ``kernel="torch"`` and ``kernel="triton"``,
 - ``kernelized`` (exact) with ``kernel="torch"`` (SDPA augmentation) and ``"triton"``,
+- ``skyformer/triton+tf32``: the Triton path where PyTorch allows TF32
+  (``torch.set_float32_matmul_precision("high")``: the float32 core's dots in one TF32
+  pass instead of three; bfloat16 products keep their bf16x3),
 - at the lengths in ``--compile-seq-lens``: Skyformer (Triton kernels) under
   ``torch.compile`` (Inductor fuses the small ops around the kernels) and under
   ``torch.compile(mode="reduce-overhead")`` (CUDA graphs replay the whole call),
@@ -18,6 +21,8 @@ landmark block and its Lemma 3 inverse by the PyTorch path (about 130 launches f
 ``linalg/triton_lemma3_backward.py``), at each
 shape's B x H, at 64 landmarks and at ``--features``, forward alone and forward +
 backward.
+``--lemma3-options FILE`` launches the Lemma 3 kernels with the fastest options a run of
+``lemma3_tiles.py`` recorded there (what the library does once they are its defaults).
 Writes JSON to ``--out``. ``--device cpu`` (with ``TRITON_INTERPRET=1``) runs the same
 script to check it without a GPU, by default at one tiny shape and length and without
 the compiled variants: its times mean nothing and it measures no memory.
@@ -31,6 +36,7 @@ import argparse
 import json
 import sys
 
+import lemma3_tiles  # benchmarks/, beside this script
 import torch
 import torch.nn.functional as F
 
@@ -61,12 +67,22 @@ def _calls(q, k, v, grad, features, compiled):
         graphed = torch.compile(sky, fullgraph=True, dynamic=False, mode="reduce-overhead")
         extra = {"skyformer/triton+compile": run(lambda: fused(q, k, v)),
                  "skyformer/triton+cudagraphs": run(lambda: graphed(q, k, v))}
+    def tf32():
+        before = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("high")
+        try:
+            return skyformer.attention(q, k, v, "skyformer", num_features=features,
+                                       kernel="triton", generator=key)
+        finally:
+            torch.set_float32_matmul_precision(before)
+
     return extra | {
         "sdpa": run(lambda: F.scaled_dot_product_attention(q, k, v)),
         "skyformer/torch": run(lambda: skyformer.attention(
             q, k, v, "skyformer", num_features=features, kernel="torch", generator=key)),
         "skyformer/triton": run(lambda: skyformer.attention(
             q, k, v, "skyformer", num_features=features, kernel="triton", generator=key)),
+        "skyformer/triton+tf32": run(tf32),
         "kernelized/torch": run(lambda: skyformer.attention(q, k, v, "kernelized",
                                                             kernel="torch")),
         "kernelized/triton": run(lambda: skyformer.attention(q, k, v, "kernelized",
@@ -172,8 +188,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="longest N for the exact kernelized variants")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: check the script at tiny sizes (TRITON_INTERPRET=1)")
+    parser.add_argument("--lemma3-options", default=None,
+                        help="JSON of lemma3_tiles.py: launch the Lemma 3 kernels with its "
+                        "fastest options")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    with lemma3_tiles.applied(args.lemma3_options):
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> int:
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         print("gpu_kernels.py needs a CUDA device (--device cpu with TRITON_INTERPRET=1 "
@@ -228,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
             core += _core_rows(int(b), int(h), m, args.repeats, device)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (script check)"
     result = {"device": name, "torch": torch.__version__,
-              "features": args.features, "matmul_flops_per_s": rate, "rows": rows,
+              "features": args.features, "lemma3_options": args.lemma3_options,
+              "matmul_flops_per_s": rate, "rows": rows,
               "core": core}
     if args.out:
         atomic_write_text(args.out, json.dumps(result, indent=1))

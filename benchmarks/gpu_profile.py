@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+import lemma3_tiles  # benchmarks/, beside this script
 import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
@@ -100,8 +101,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--features", type=int, default=128)
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--lemma3-options", default=None,
+                        help="JSON of lemma3_tiles.py: launch the Lemma 3 kernels with its "
+                        "fastest options")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    with lemma3_tiles.applied(args.lemma3_options):
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("gpu_profile.py: no CUDA device here (use --device cpu for a check of the "

@@ -1,24 +1,29 @@
 """Tiles of the fused Lemma 3 kernels, timed on the GPU: which launch options are fastest.
 
-``triton_lemma3.launch_options`` picks the row block (``ROWS``), the inner chunk
-(``KC``), the warps and the pipeline stages of both Lemma 3 kernels from their compiled
-resources (no spills), not from timings. This script times ``landmark_inverse`` (the
-landmark block and its Lemma 3 inverse, forward + backward, and forward alone) for B x H
-matrices of m landmark rows under each combination of options, interleaved, against the
-PyTorch core, and checks that every combination gives the default's W and gradient.
-The fastest combination per m is what ``launch_options`` should return on that GPU.
+``triton_lemma3.launch_options(m, backward)`` picks the row block (``ROWS``), the inner
+chunk (``KC``), the warps and the pipeline stages of each Lemma 3 kernel. This script
+times ``landmark_inverse`` (the landmark block and its Lemma 3 inverse) for B x H
+matrices of m landmark rows, interleaved, against the PyTorch core: the forward kernel
+under each candidate (forward alone), and the backward kernel under each candidate
+(forward + backward, the forward kernel at its default). Every candidate must give the
+default's W and gradient. The fastest forward and backward options per m go to the
+JSON's ``best``, which ``applied`` (``gpu_kernels.py --lemma3-options``,
+``gpu_profile.py --lemma3-options``) launches in place of ``launch_options``: what the
+library would do with them as its defaults.
 
     python benchmarks/lemma3_tiles.py --out benchmarks/results/lemma3_tiles.json
 
-``--device cpu`` (with ``TRITON_INTERPRET=1``) runs the same script to check it without a
-GPU, at one tiny size: its times mean nothing.
+The default candidates (``ROWS,KC,WARPS,STAGES``) are those that compile for sm_90 at
+m = 128 with few or no spills in both kernels (``triton_resources.py``; 64-row blocks
+are where Hopper's warpgroup MMA applies). ``--device cpu`` (with ``TRITON_INTERPRET=1``)
+runs the same script to check it without a GPU, at one tiny size: its times mean
+nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import json
 import sys
 from unittest import mock
@@ -35,17 +40,21 @@ from skyformer.linalg import (  # the triton_* modules import Triton
 )
 from skyformer.linalg.kernel_backend import interpreter_on
 
+CANDIDATES = ("32,16,8,1", "32,16,16,1", "64,16,8,1", "64,16,4,1", "64,32,8,1", "64,16,8,2",
+              "128,16,8,1")
 
-def candidates(m: int, rows: list[int], stages: list[int], warps: list[int]) -> list[dict]:
-    """The launch options to try at m landmarks (tiles within the padded matrix)."""
-    default = triton_lemma3.launch_options(m)
+
+def candidates(m: int, specs: list[str], backward: bool) -> list[dict]:
+    """The launch options to try at m landmarks (``ROWS,KC,WARPS,STAGES`` specs, tiles
+    within the padded matrix), the default first."""
+    default = triton_lemma3.launch_options(m, backward=backward)
     block = default["BLOCK"]
     found = [default]
-    for r, s, w in itertools.product(rows, stages, warps):
-        if r > block:
-            continue
-        option = {"BLOCK": block, "ROWS": r, "KC": r, "num_warps": w, "num_stages": s}
-        if option not in found:
+    for spec in specs:
+        rows, kc, warps, stages = map(int, spec.split(","))
+        option = {"BLOCK": block, "ROWS": rows, "KC": kc, "num_warps": warps,
+                  "num_stages": stages}
+        if max(rows, kc) <= block and option not in found:
             found.append(option)
     return found
 
@@ -55,18 +64,19 @@ def _label(option: dict) -> str:
            f"stages {option['num_stages']}"
 
 
-def measure(batch: int, heads: int, m: int, head_dim: int, options: list[dict], device: str,
-            repeats: int) -> list[dict]:
-    """One row per launch option (and the PyTorch core): fwd and fwd+bwd ms."""
+def measure(batch: int, heads: int, m: int, head_dim: int, specs: list[str], device: str,
+            repeats: int) -> tuple[list[dict], dict]:
+    """(one row per kernel, launch option and pass, and the PyTorch core: ms;
+    the fastest option of each kernel ``{"forward": ..., "backward": ...}``)."""
     g = torch.Generator(device=device).manual_seed(m)
     x = (0.15 * torch.randn(batch, heads, m, head_dim, device=device, generator=g)
          ).requires_grad_(True)
     grad = torch.randn(batch, heads, m, m, device=device, generator=g)
 
-    def call(kernel: str, option: dict | None, backward: bool):
+    def call(kernel: str, forward: dict | None, backward: dict | None, with_grad: bool):
         def run():
-            with _options(option):
-                if backward:
+            with _options({m: {"forward": forward, "backward": backward}}):
+                if with_grad:
                     x.grad = None
                     w = landmark_inverse(x, half_sq_norm(x), gamma=0.1, kernel=kernel)
                     w.backward(grad)
@@ -75,30 +85,42 @@ def measure(batch: int, heads: int, m: int, head_dim: int, options: list[dict], 
                     return landmark_inverse(x, half_sq_norm(x), gamma=0.1, kernel=kernel), None
         return run
 
-    reference_w, reference_grad = call("triton", options[0], True)()
-    calls = {"torch/fwd": call("torch", None, False), "torch/fwd+bwd": call("torch", None, True)}
-    for option in options:
-        w, dx = call("triton", option, True)()
-        error = max(_relative(w, reference_w), _relative(dx, reference_grad))
-        if error > 1e-4:  # a broken option: report it, do not time it
-            print(f"m={m} {_label(option)}: differs from the default by {error:.2e}",
-                  flush=True)
-            continue
-        calls[f"{_label(option)}/fwd"] = call("triton", option, False)
-        calls[f"{_label(option)}/fwd+bwd"] = call("triton", option, True)
+    fwd_options = candidates(m, specs, backward=False)
+    bwd_options = candidates(m, specs, backward=True)
+    reference_w, reference_grad = call("triton", None, None, True)()
+    calls = {"torch/-/fwd": call("torch", None, None, False),
+             "torch/-/fwd+bwd": call("torch", None, None, True)}
+    for kernel, options in (("forward", fwd_options), ("backward", bwd_options)):
+        for option in options:
+            forward, backward = (option, None) if kernel == "forward" else (None, option)
+            w, dx = call("triton", forward, backward, True)()
+            error = max(_relative(w, reference_w), _relative(dx, reference_grad))
+            if error > 1e-4:  # a broken option: report it, do not time it
+                print(f"m={m} {kernel} {_label(option)}: differs from the default by "
+                      f"{error:.2e}", flush=True)
+                continue
+            what = "fwd" if kernel == "forward" else "fwd+bwd"
+            calls[f"{_label(option)}/{kernel}/{what}"] = call(
+                "triton", forward, backward, kernel == "backward")
     times = interleaved_median_seconds(calls, device=device, warmup=2, repeats=repeats)
     rows = []
     for name, seconds in times.items():
-        label, what = name.rsplit("/", 1)
+        label, kernel, what = name.split("/")
         rows.append({"shape": f"{batch},{heads},m={m},D={head_dim}", "options": label,
-                     "pass": what, "ms": seconds * 1e3,
-                     "vs_torch": times[f"torch/{what}"] / seconds,
-                     "default": label == _label(options[0])})
+                     "kernel": kernel, "pass": what, "ms": seconds * 1e3,
+                     "vs_torch": times[f"torch/-/{what}"] / seconds,
+                     "default": label == _label((fwd_options if kernel == "forward"
+                                                 else bwd_options)[0])})
     for row in sorted(rows, key=lambda r: (r["pass"], r["ms"])):
-        print(f"{row['shape']:22s} {row['pass']:8s} {row['options']:36s} {row['ms']:9.3f} ms "
-              f"{row['vs_torch']:6.2f}x torch{'  (default)' if row['default'] else ''}",
-              flush=True)
-    return rows
+        print(f"{row['shape']:22s} {row['kernel']:8s} {row['pass']:8s} {row['options']:36s} "
+              f"{row['ms']:9.3f} ms {row['vs_torch']:6.2f}x torch"
+              f"{'  (default)' if row['default'] else ''}", flush=True)
+    best = {}
+    for kernel, options in (("forward", fwd_options), ("backward", bwd_options)):
+        timed = [r for r in rows if r["kernel"] == kernel]
+        fastest = min(timed, key=lambda r: r["ms"])["options"]
+        best[kernel] = next(o for o in options if _label(o) == fastest)
+    return rows, best
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -107,17 +129,35 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @contextlib.contextmanager
-def _options(option: dict | None):
-    """Both kernels launched with ``option`` (None: as the library chooses)."""
-    if option is None:
-        yield
-        return
+def _options(table: dict):
+    """Both kernels launched with the options of ``table`` ``{m: {"forward": option,
+    "backward": option}}`` (an absent m or a None option: as the library chooses)."""
+    default = triton_lemma3.launch_options
 
-    def chosen(m: int) -> dict:
-        return dict(option)
+    def chosen(m: int, backward: bool = False) -> dict:
+        option = table.get(m, {}).get("backward" if backward else "forward")
+        return dict(option) if option else default(m, backward)
 
     with mock.patch.object(triton_lemma3, "launch_options", chosen), \
             mock.patch.object(triton_lemma3_backward, "launch_options", chosen):
+        yield
+
+
+@contextlib.contextmanager
+def applied(path: str | None):
+    """The fastest options a run of this script wrote to ``path`` (its ``best``), in
+    place of ``launch_options``, for the landmark counts it measured; None: nothing
+    changes."""
+    if path is None:
+        yield
+        return
+    with open(path) as f:
+        best = json.load(f)["best"]
+    table = {int(m): options for m, options in best.items()}
+    for m, options in sorted(table.items()):
+        print(f"Lemma 3 launch options at m = {m}: forward {_label(options['forward'])}, "
+              f"backward {_label(options['backward'])} (from {path})", flush=True)
+    with _options(table):
         yield
 
 
@@ -128,10 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--features", type=int, nargs="+", default=None,
                         help="numbers of landmarks m (default 128 on CUDA, 16 on CPU)")
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--rows", type=int, nargs="+", default=[16, 32, 64])
-    parser.add_argument("--stages", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--warps", type=int, nargs="+", default=[8],
-                        help="(each combination compiles both kernels: a few seconds)")
+    parser.add_argument("--options", nargs="+", default=list(CANDIDATES),
+                        help="candidates ROWS,KC,WARPS,STAGES besides the default (each "
+                             "compiles a kernel: a few seconds)")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -147,14 +186,18 @@ def main(argv: list[str] | None = None) -> int:
     batch, heads = map(int, (args.shape or ("4,16" if on_gpu else "1,1")).split(","))
     features = args.features or ([128] if on_gpu else [16])
     repeats = args.repeats or (10 if on_gpu else 1)
-    rows = []
+    rows, best = [], {}
     for m in features:
-        options = candidates(m, args.rows, args.stages, args.warps)
-        rows += measure(batch, heads, m, args.head_dim, options, args.device, repeats)
+        found, best[m] = measure(batch, heads, m, args.head_dim, args.options, args.device,
+                                 repeats)
+        rows += found
+        for kernel, option in best[m].items():
+            print(f"m={m} fastest {kernel}: {_label(option)}", flush=True)
     device_name = torch.cuda.get_device_name() if on_gpu else "cpu (interpreter)"
     if args.out:
         atomic_write_text(args.out, json.dumps(
-            {"device": device_name, "torch": torch.__version__, "rows": rows}, indent=1))
+            {"device": device_name, "torch": torch.__version__, "rows": rows,
+             "best": best}, indent=1))
         print(f"wrote {args.out}")
     return 0
 

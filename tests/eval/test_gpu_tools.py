@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _load(name):
+    if str(BENCHMARKS) not in sys.path:  # the scripts import each other, as run from there
+        sys.path.insert(0, str(BENCHMARKS))
     spec = importlib.util.spec_from_file_location(f"{name}_benchmark", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -94,7 +97,8 @@ def test_kernel_benchmark_runs_on_the_cpu_under_the_interpreter(tmp_path):
         "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert [row["call"] for row in result["rows"]] == [
-        "sdpa", "skyformer/torch", "skyformer/triton", "kernelized/torch", "kernelized/triton"]
+        "sdpa", "skyformer/torch", "skyformer/triton", "skyformer/triton+tf32",
+        "kernelized/torch", "kernelized/triton"]
     assert all(row["ms"] > 0 and row["peak_mib"] is None for row in result["rows"])
     assert {(row["shape"], row["call"]) for row in result["core"]} == {
         (f"1,1,m={m}", f"core/{kernel}/{mode}") for m in (8, 64)
@@ -102,19 +106,32 @@ def test_kernel_benchmark_runs_on_the_cpu_under_the_interpreter(tmp_path):
 
 
 def test_lemma3_tile_sweep_runs_on_the_cpu_under_the_interpreter(tmp_path):
-    """benchmarks/lemma3_tiles.py end to end at one tiny size: every option timed against
-    the PyTorch core, the default marked (the GPU run decides launch_options)."""
+    """benchmarks/lemma3_tiles.py end to end at one tiny size: each kernel's options timed
+    against the PyTorch core, the defaults marked, the fastest of each kernel recorded
+    (the GPU run decides launch_options), and ``applied`` launches what it recorded."""
     import json
 
+    from skyformer.linalg import triton_lemma3, triton_lemma3_backward
+
     out = tmp_path / "tiles.json"
-    assert _load("lemma3_tiles").main(["--device", "cpu", "--rows", "16", "--stages", "1",
-                                       "2", "--warps", "4", "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
-    names = {(row["options"], row["pass"]) for row in rows}
-    assert {("torch", "fwd"), ("torch", "fwd+bwd")} <= names
-    assert {row["options"] for row in rows if row["default"]} == {
-        "rows 16 kc 16 warps 4 stages 1"}
-    assert len({row["options"] for row in rows}) == 3  # torch, the default, stages 2
+    tiles = _load("lemma3_tiles")
+    assert tiles.main(["--device", "cpu", "--options", "16,16,4,2", "32,16,4,1",
+                       "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    names = {(row["options"], row["kernel"], row["pass"]) for row in result["rows"]}
+    default = "rows 16 kc 16 warps 4 stages 1"
+    assert names == {("torch", "-", "fwd"), ("torch", "-", "fwd+bwd")} | {
+        (option, kernel, what) for option in (default, "rows 16 kc 16 warps 4 stages 2")
+        for kernel, what in (("forward", "fwd"), ("backward", "fwd+bwd"))}  # 32 > m: out
+    assert {row["options"] for row in result["rows"] if row["default"]} == {default}
+    assert set(result["best"]) == {"16"}
+    best = result["best"]["16"]
+    assert set(best) == {"forward", "backward"} and best["forward"]["ROWS"] == 16
+    with tiles.applied(str(out)):
+        assert triton_lemma3.launch_options(16) == best["forward"]
+        assert triton_lemma3_backward.launch_options(16, backward=True) == best["backward"]
+        assert triton_lemma3.launch_options(64)["BLOCK"] == 64  # not measured: the default
+    assert triton_lemma3.launch_options(16)["num_stages"] == 1
 
 
 def test_gpu_script_runs_every_stage_past_failures_limits_and_reruns(tmp_path):
@@ -140,6 +157,7 @@ def test_gpu_script_runs_every_stage_past_failures_limits_and_reruns(tmp_path):
         '  *"-m pytest"*) echo "1 failed, 9 passed in 3.0s"; exit "$TESTS_EXIT";;\n'
         '  *gpu_kernels.py*) echo "kernels crashed" >&2; exit "$KERNELS_EXIT";;\n'
         '  *lra_gpu.py*) echo "lra started"; sleep "$LRA_SLEEP";;\n'
+        '  *lemma3_tiles.py*) [ -z "$TILES" ] || echo "{}" > "${@: -1}";;\n'
         '  *"-m skyformer bench"*) echo "| method | N=1024 |";;\n'
         "esac\n")
     (stub / "python3").chmod(0o755)
@@ -148,7 +166,7 @@ def test_gpu_script_runs_every_stage_past_failures_limits_and_reruns(tmp_path):
     def env(**settings):
         return {**os.environ, "PATH": f"{stub}:{os.environ['PATH']}", "CALLS": str(calls),
                 "STAGE_SECONDS": "2", "TESTS_EXIT": "1", "KERNELS_EXIT": "2",
-                "LRA_SLEEP": "0", **settings}
+                "LRA_SLEEP": "0", "TILES": "", **settings}
 
     def run(**settings):
         return subprocess.run(["bash", str(BENCHMARKS / "gpu.sh"), str(out)],
@@ -216,3 +234,20 @@ def test_gpu_script_runs_every_stage_past_failures_limits_and_reruns(tmp_path):
         names = set(archive.getnames())
     assert {"./stages.txt", "./lra.log", "./bench_float32.md", "./.done-lra"} <= names
     assert list(packed.parent.iterdir()) == [packed]  # no partial file left
+
+    # ONLY: the stages named; the kernels and the profile launch the timed tile options
+    calls.write_text("")
+    only = tmp_path / "only"
+    chosen = subprocess.run(["bash", str(BENCHMARKS / "gpu.sh"), str(only)],
+                            env=env(ONLY="tiles kernels", TILES="1", KERNELS_EXIT="0"),
+                            capture_output=True, text=True, timeout=60)
+    assert chosen.returncode == 0, chosen.stdout + chosen.stderr
+    assert set(stages_of(only)) == {"tiles", "kernels"}
+    kernels = [line for line in calls.read_text().splitlines() if "gpu_kernels.py" in line]
+    assert len(kernels) == 1 and f"--lemma3-options {only}/lemma3_tiles.json" in kernels[0]
+    assert "gpu_profile.py" not in calls.read_text()
+
+
+def stages_of(out):
+    lines = (out / "stages.txt").read_text().splitlines()
+    return {line.split(": exit ")[0]: line.split(": exit ")[1] for line in lines}

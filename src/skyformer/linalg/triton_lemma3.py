@@ -174,14 +174,14 @@ def _forward_kernel(M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
                    * s_cols[None, :], BLOCK)
 
 
-def launch_options(m: int) -> dict:
-    """Tiles and warps of both Lemma 3 kernels: the matrix padded to a power of two
-    (``BLOCK``, tl.dot needs >= 16), row blocks and inner chunks of 32 (``ROWS``,
-    ``KC``: a [32, 128] float32 accumulator), eight warps from m = 64, one pipeline
-    stage. Chosen from the compiled kernels' resources (sm_90: at most 24 bytes of
-    spills a thread, 16 KiB of shared memory at m = 128; four warps or more stages
+def launch_options(m: int, backward: bool = False) -> dict:
+    """Tiles and warps of the forward (or ``backward``) Lemma 3 kernel: the matrix padded
+    to a power of two (``BLOCK``, tl.dot needs >= 16), row blocks and inner chunks of 32
+    (``ROWS``, ``KC``: a [32, 128] float32 accumulator), eight warps from m = 64, one
+    pipeline stage. Chosen from the compiled kernels' resources (sm_90: at most 24 bytes
+    of spills a thread, 16 KiB of shared memory at m = 128; four warps or more stages
     spill hundreds of bytes a thread there; benchmarks/triton_resources.py), not from
-    timings."""
+    timings; ``benchmarks/lemma3_tiles.py`` times the alternatives of each kernel."""
     block = max(16, triton.next_power_of_2(m))
     tile = min(block, 32)
     return {"BLOCK": block, "ROWS": tile, "KC": tile, "num_warps": 8 if block >= 64 else 4,

@@ -213,5 +213,5 @@ def lemma3_backward(source: Tensor, norm: Tensor | None, ridge: Tensor, store: T
         dsource, dsource if dnorm is None else dnorm, scratch, vectors, m, d,
         bh // ridge.shape[0], ITERATIONS=store.shape[1], FROM_ROWS=norm is not None,
         TINY=torch.finfo(source.dtype).tiny, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        PRECISION=_precision(source.dtype), **launch_options(m))
+        PRECISION=_precision(source.dtype), **launch_options(m, backward=True))
     return dsource, dnorm
