@@ -106,7 +106,7 @@ stage profile 45 python3 benchmarks/gpu_profile.py --seq-lens 4096 16384 "${tile
     --out "$out/profile"
 # Triton kernels vs PyTorch path vs flash SDPA, eager and compiled
 stage kernels 150 python3 -W ignore benchmarks/gpu_kernels.py \
-    --seq-lens 1024 2048 4096 8192 16384 32768 --compile-seq-lens 4096 16384 \
+    --seq-lens 1024 2048 4096 8192 16384 32768 --compile-seq-lens 4096 \
     --max-exact-n 8192 "${tiles[@]}" --out "$out/kernels.json"
 # skyformer bench --device cuda: LRA shape (float32) and model shape (bfloat16); the
 # Markdown tables go to bench_DTYPE.md, one progress line per row to the log
