@@ -12,7 +12,9 @@ and peak memory (``torch.cuda.max_memory_allocated``) of
   pass instead of three; bfloat16 products keep their bf16x3),
 - at the lengths in ``--compile-seq-lens``: Skyformer (Triton kernels) under
   ``torch.compile`` (Inductor fuses the small ops around the kernels) and under
-  ``torch.compile(mode="reduce-overhead")`` (CUDA graphs replay the whole call),
+  ``torch.compile(mode="reduce-overhead")`` (CUDA graphs replay the whole call), with
+  ``kernel="triton"`` (the fused Lemma 3 kernels too) and ``kernel="auto"`` (under
+  ``torch.compile``: the PyTorch core, its batched products fused by Inductor),
 
 and the speed of light of each (matmul FLOPs of the method at the matmul rate measured
 in the same run, ``skyformer.eval.measure.flops``); then the m x m core alone: the
@@ -56,17 +58,20 @@ def _calls(q, k, v, grad, features, compiled):
 
     key = skyformer.random_key(0, device=q.device)
 
-    bound = skyformer.get_method("skyformer").bind(num_features=features, kernel="triton")
-
-    def sky(q, k, v):  # bound once, outside the compiled region
-        return bound(q, k, v, generator=key)
-
     extra = {}
-    if compiled:
+    for kernel in ("triton", "auto") if compiled else ():
+        # bound once, outside the compiled region; "auto" under torch.compile: the Triton
+        # products and the PyTorch core (Inductor fuses it), "triton": the fused core too
+        bound = skyformer.get_method("skyformer").bind(num_features=features, kernel=kernel)
+
+        def sky(q, k, v, bound=bound):
+            return bound(q, k, v, generator=key)
+
         fused = torch.compile(sky, fullgraph=True, dynamic=False)
         graphed = torch.compile(sky, fullgraph=True, dynamic=False, mode="reduce-overhead")
-        extra = {"skyformer/triton+compile": run(lambda: fused(q, k, v)),
-                 "skyformer/triton+cudagraphs": run(lambda: graphed(q, k, v))}
+        extra |= {f"skyformer/{kernel}+compile": run(lambda fused=fused: fused(q, k, v)),
+                  f"skyformer/{kernel}+cudagraphs": run(lambda graphed=graphed: graphed(q, k, v))}
+
     def tf32():
         before = torch.get_float32_matmul_precision()
         torch.set_float32_matmul_precision("high")
