@@ -13,11 +13,11 @@
 # missing. Ctrl-C stops the running stage and the script, marking nothing done; so does a
 # stage that could not be started at all (exit 125-127).
 # STAGE_SECONDS=N gives every stage N seconds instead of its own limit.
-# ONLY="NAME ..." runs those stages alone (tests profile tiles kernels bench_float32
-# bench_bfloat16 lra), for a device lent for a few minutes.
-# The Lemma 3 kernels' launch options are timed first (tiles); the profile and the
-# kernel benchmark then launch the fastest of them (--lemma3-options), as the library
-# would with them as its defaults.
+# ONLY="NAME ..." runs those stages alone (tests tiles ptiles profile kernels
+# bench_float32 bench_bfloat16 lra), for a device lent for a few minutes.
+# The kernels' launch options are timed first (tiles, ptiles); the profile and the
+# kernel benchmark then launch the fastest of them (--tiles), as the library would with
+# them as its defaults.
 # ARCHIVE=FILE.tar.gz packs OUT_DIR into that one file after every stage (and when
 # interrupted): for a machine that hands back only a few files, put OUT_DIR elsewhere and
 # FILE in the folder that comes back.
@@ -97,10 +97,15 @@ if [ -z "${SKIP_TESTS:-}" ]; then
       tests/sketch/test_triton_draws.py
   [ -e "$out/tests.log" ] && tail -3 "$out/tests.log" > "$out/tests.txt"
 fi
-# The Lemma 3 kernels' launch options at m = 128, timed (each compiles a kernel)
+# The launch options of the Lemma 3 kernels (m = 128) and of the product kernels (model
+# shape, N = 16384), timed (each option compiles its kernels)
 stage tiles 120 python3 benchmarks/lemma3_tiles.py --out "$out/lemma3_tiles.json"
+stage ptiles 150 python3 benchmarks/product_tiles.py --out "$out/product_tiles.json"
 tiles=()
-[ -e "$out/lemma3_tiles.json" ] && tiles=(--lemma3-options "$out/lemma3_tiles.json")
+for file in "$out/lemma3_tiles.json" "$out/product_tiles.json"; do
+  [ -e "$file" ] && tiles+=("$file")
+done
+[ ${#tiles[@]} -gt 0 ] && tiles=(--tiles "${tiles[@]}")
 # Where the time goes: kernels, launches and idle time of one call (torch.profiler)
 stage profile 45 python3 benchmarks/gpu_profile.py --seq-lens 4096 16384 "${tiles[@]}" \
     --out "$out/profile"

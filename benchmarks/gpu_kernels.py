@@ -23,8 +23,9 @@ landmark block and its Lemma 3 inverse by the PyTorch path (about 130 launches f
 ``linalg/triton_lemma3_backward.py``), at each
 shape's B x H, at 64 landmarks and at ``--features``, forward alone and forward +
 backward.
-``--lemma3-options FILE`` launches the Lemma 3 kernels with the fastest options a run of
-``lemma3_tiles.py`` recorded there (what the library does once they are its defaults).
+``--tiles FILE ...`` launches the kernels with the fastest options that runs of
+``lemma3_tiles.py`` / ``product_tiles.py`` recorded there (``tuned.py``: what the library
+does once they are its defaults).
 Writes JSON to ``--out``. ``--device cpu`` (with ``TRITON_INTERPRET=1``) runs the same
 script to check it without a GPU, by default at one tiny shape and length and without
 the compiled variants: its times mean nothing and it measures no memory.
@@ -38,9 +39,9 @@ import argparse
 import json
 import sys
 
-import lemma3_tiles  # benchmarks/, beside this script
 import torch
 import torch.nn.functional as F
+import tuned  # benchmarks/, beside this script
 
 import skyformer
 from skyformer.eval.measure.timing import interleaved_median_seconds
@@ -193,12 +194,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="longest N for the exact kernelized variants")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: check the script at tiny sizes (TRITON_INTERPRET=1)")
-    parser.add_argument("--lemma3-options", default=None,
-                        help="JSON of lemma3_tiles.py: launch the Lemma 3 kernels with its "
-                        "fastest options")
+    parser.add_argument("--tiles", nargs="+", default=None,
+                        help="JSON of lemma3_tiles.py / product_tiles.py: launch the kernels "
+                        "with the fastest options they recorded")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    with lemma3_tiles.applied(args.lemma3_options):
+    with tuned.applied(args.tiles):
         return _main(args)
 
 
@@ -257,7 +258,7 @@ def _main(args: argparse.Namespace) -> int:
             core += _core_rows(int(b), int(h), m, args.repeats, device)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (script check)"
     result = {"device": name, "torch": torch.__version__,
-              "features": args.features, "lemma3_options": args.lemma3_options,
+              "features": args.features, "tiles": args.tiles,
               "matmul_flops_per_s": rate, "rows": rows,
               "core": core}
     if args.out:

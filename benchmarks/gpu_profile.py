@@ -24,9 +24,9 @@ import sys
 import time
 from pathlib import Path
 
-import lemma3_tiles  # benchmarks/, beside this script
 import torch
 import torch.nn.functional as F
+import tuned  # benchmarks/, beside this script
 from torch.profiler import ProfilerActivity, profile
 
 import skyformer
@@ -101,12 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--features", type=int, default=128)
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--top", type=int, default=12)
-    parser.add_argument("--lemma3-options", default=None,
-                        help="JSON of lemma3_tiles.py: launch the Lemma 3 kernels with its "
-                        "fastest options")
+    parser.add_argument("--tiles", nargs="+", default=None,
+                        help="JSON of lemma3_tiles.py / product_tiles.py: launch the kernels "
+                        "with the fastest options they recorded")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    with lemma3_tiles.applied(args.lemma3_options):
+    with tuned.applied(args.tiles):
         return _main(args)
 
 

@@ -7,8 +7,8 @@ matrices of m landmark rows, interleaved, against the PyTorch core: the forward 
 under each candidate (forward alone), and the backward kernel under each candidate
 (forward + backward, the forward kernel at its default). Every candidate must give the
 default's W and gradient. The fastest forward and backward options per m go to the
-JSON's ``best``, which ``applied`` (``gpu_kernels.py --lemma3-options``,
-``gpu_profile.py --lemma3-options``) launches in place of ``launch_options``: what the
+JSON's ``best``, which ``applied`` (``gpu_kernels.py --tiles``, ``gpu_profile.py
+--tiles``) launches in place of ``launch_options``: what the
 library would do with them as its defaults.
 
     python benchmarks/lemma3_tiles.py --out benchmarks/results/lemma3_tiles.json
@@ -144,19 +144,14 @@ def _options(table: dict):
 
 
 @contextlib.contextmanager
-def applied(path: str | None):
-    """The fastest options a run of this script wrote to ``path`` (its ``best``), in
-    place of ``launch_options``, for the landmark counts it measured; None: nothing
-    changes."""
-    if path is None:
-        yield
-        return
-    with open(path) as f:
-        best = json.load(f)["best"]
+def applied(best: dict):
+    """The fastest options a run of this script recorded (its JSON's ``best``, ``{m:
+    {"forward": option, "backward": option}}``) in place of ``launch_options``, for the
+    landmark counts it measured."""
     table = {int(m): options for m, options in best.items()}
     for m, options in sorted(table.items()):
         print(f"Lemma 3 launch options at m = {m}: forward {_label(options['forward'])}, "
-              f"backward {_label(options['backward'])} (from {path})", flush=True)
+              f"backward {_label(options['backward'])}", flush=True)
     with _options(table):
         yield
 
@@ -196,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     device_name = torch.cuda.get_device_name() if on_gpu else "cpu (interpreter)"
     if args.out:
         atomic_write_text(args.out, json.dumps(
-            {"device": device_name, "torch": torch.__version__, "rows": rows,
+            {"kind": "lemma3", "device": device_name, "torch": torch.__version__, "rows": rows,
              "best": best}, indent=1))
         print(f"wrote {args.out}")
     return 0

@@ -127,11 +127,39 @@ def test_lemma3_tile_sweep_runs_on_the_cpu_under_the_interpreter(tmp_path):
     assert set(result["best"]) == {"16"}
     best = result["best"]["16"]
     assert set(best) == {"forward", "backward"} and best["forward"]["ROWS"] == 16
-    with tiles.applied(str(out)):
+    with tiles.applied(result["best"]):
         assert triton_lemma3.launch_options(16) == best["forward"]
         assert triton_lemma3_backward.launch_options(16, backward=True) == best["backward"]
         assert triton_lemma3.launch_options(64)["BLOCK"] == 64  # not measured: the default
     assert triton_lemma3.launch_options(16)["num_stages"] == 1
+
+
+def test_product_tile_sweep_runs_on_the_cpu_under_the_interpreter(tmp_path):
+    """benchmarks/product_tiles.py end to end at one tiny size: each product kernel's
+    candidates timed in a Skyformer call, the defaults marked, the fastest recorded, and
+    ``tuned.applied`` launches what it recorded (other head dims keep the defaults)."""
+    from skyformer.linalg import triton_kernels
+
+    out = tmp_path / "tiles.json"
+    assert _load("product_tiles").main(["--device", "cpu", "--rows", "32,16,4,1", "--cols",
+                                        "32,32,4,2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert {(row["kernel"], row["tiles"]) for row in result["rows"]} == {
+        ("rows", "n 64 m 32 warps 4 stages 1"), ("rows", "n 32 m 16 warps 4 stages 1"),
+        ("cols", "n 64 m 64 warps 4 stages 1"), ("cols", "n 32 m 32 warps 4 stages 2")}
+    assert sum(row["default"] for row in result["rows"]) == 2
+    best = result["best"]
+    assert best["width"] == 16 and len(best["rows"]) == len(best["cols"]) == 4
+    with _load("tuned").applied([str(out)]):
+        assert list(triton_kernels._row_tiles(16, 16, torch.float32)) == best["rows"]
+        assert list(triton_kernels._col_tiles(16, 8, torch.float32)) == best["cols"]
+        assert triton_kernels._row_tiles(64, 64, torch.float32) == (64, 32, 4, 1)
+    assert triton_kernels._row_tiles(16, 16, torch.float32) == (64, 32, 4, 1)
+    bad = tmp_path / "other.json"
+    bad.write_text("{}")
+    with pytest.raises(SystemExit, match="not the output of"), \
+            _load("tuned").applied([str(bad)]):
+        pass
 
 
 def test_gpu_script_runs_every_stage_past_failures_limits_and_reruns(tmp_path):
@@ -157,7 +185,7 @@ def test_gpu_script_runs_every_stage_past_failures_limits_and_reruns(tmp_path):
         '  *"-m pytest"*) echo "1 failed, 9 passed in 3.0s"; exit "$TESTS_EXIT";;\n'
         '  *gpu_kernels.py*) echo "kernels crashed" >&2; exit "$KERNELS_EXIT";;\n'
         '  *lra_gpu.py*) echo "lra started"; sleep "$LRA_SLEEP";;\n'
-        '  *lemma3_tiles.py*) [ -z "$TILES" ] || echo "{}" > "${@: -1}";;\n'
+        '  *_tiles.py*) [ -z "$TILES" ] || echo "{}" > "${@: -1}";;\n'
         '  *"-m skyformer bench"*) echo "| method | N=1024 |";;\n'
         "esac\n")
     (stub / "python3").chmod(0o755)
@@ -180,7 +208,7 @@ def test_gpu_script_runs_every_stage_past_failures_limits_and_reruns(tmp_path):
     assert first.returncode == 1, first.stdout + first.stderr
     assert {name: status.split()[0] for name, status in stages().items()} == {
         "tests": "1", "profile": "0", "kernels": "2", "bench_float32": "0",
-        "bench_bfloat16": "0", "lra": "124", "tiles": "0"}
+        "bench_bfloat16": "0", "lra": "124", "tiles": "0", "ptiles": "0"}
     assert stages()["lra"].endswith("(time limit)")
     assert "1 failed" in (out / "tests.txt").read_text()
     assert "kernels crashed" in (out / "kernels.log").read_text()
@@ -190,9 +218,9 @@ def test_gpu_script_runs_every_stage_past_failures_limits_and_reruns(tmp_path):
 
     before = len(calls.read_text().splitlines())
     second = run()
-    assert second.stdout.count("done in an earlier run") == 6
+    assert second.stdout.count("done in an earlier run") == 7
     assert len(calls.read_text().splitlines()) == before + 3  # CUDA, xdist checks; lra
-    assert stages()["lra"].startswith("0 ") and len(stages()) == 7
+    assert stages()["lra"].startswith("0 ") and len(stages()) == 8
     assert second.returncode == 1  # tests and kernels failed, and stay so
     (out / ".done-tests").unlink()
     (out / ".done-kernels").unlink()
@@ -239,12 +267,14 @@ def test_gpu_script_runs_every_stage_past_failures_limits_and_reruns(tmp_path):
     calls.write_text("")
     only = tmp_path / "only"
     chosen = subprocess.run(["bash", str(BENCHMARKS / "gpu.sh"), str(only)],
-                            env=env(ONLY="tiles kernels", TILES="1", KERNELS_EXIT="0"),
+                            env=env(ONLY="tiles ptiles kernels", TILES="1",
+                                    KERNELS_EXIT="0"),
                             capture_output=True, text=True, timeout=60)
     assert chosen.returncode == 0, chosen.stdout + chosen.stderr
-    assert set(stages_of(only)) == {"tiles", "kernels"}
+    assert set(stages_of(only)) == {"tiles", "ptiles", "kernels"}
     kernels = [line for line in calls.read_text().splitlines() if "gpu_kernels.py" in line]
-    assert len(kernels) == 1 and f"--lemma3-options {only}/lemma3_tiles.json" in kernels[0]
+    assert len(kernels) == 1 and \
+        f"--tiles {only}/lemma3_tiles.json {only}/product_tiles.json" in kernels[0]
     assert "gpu_profile.py" not in calls.read_text()
 
 

@@ -291,19 +291,21 @@ def _exclude_args(exclude: Tensor | None, like: Tensor) -> tuple[Tensor, int, in
 STAGES = 1
 
 
-def _row_tiles(bd: int, br: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """The rows kernel: BLOCK_N rows a program, BLOCK_M columns a loop step."""
+def _row_tiles(bd: int, br: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """The rows kernel: (BLOCK_N rows a program, BLOCK_M columns a loop step, warps,
+    pipeline stages)."""
     if dtype == torch.float64:  # broadcast sums of [BLOCK_N, BLOCK_M, BLOCK_D] values
-        return 16, 16, 4
-    return (64 if max(bd, br) <= 64 else 32), 32, 4
+        return 16, 16, 4, STAGES
+    return (64 if max(bd, br) <= 64 else 32), 32, 4, STAGES
 
 
-def _col_tiles(bd: int, br: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """The cols kernel: BLOCK_M columns a program, BLOCK_N rows a loop step."""
+def _col_tiles(bd: int, br: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """The cols kernel: (BLOCK_N rows a loop step, BLOCK_M columns a program, warps,
+    pipeline stages)."""
     if dtype == torch.float64:
-        return 16, 16, 4
+        return 16, 16, 4, STAGES
     wide = max(bd, br)
-    return (64 if wide <= 64 else 32), (64 if wide <= 32 else 32), 4
+    return (64 if wide <= 64 else 32), (64 if wide <= 32 else 32), 4, STAGES
 
 
 def rows_product(
@@ -324,7 +326,7 @@ def rows_product(
     bh, n, d = y.shape
     m, r = x.shape[1], vm.shape[-1]
     bd, br = _pow2(d), _pow2(r)
-    bn, bm, warps = _row_tiles(bd, br, x.dtype)
+    bn, bm, warps, stages = _row_tiles(bd, br, x.dtype)
     out1 = y.new_empty(bh, n, r, dtype=y.dtype if vn is None else vn.dtype) \
         if write_out1 else None
     out2 = y.new_empty(bh, n, d, dtype=y.dtype) if vn is not None else None
@@ -344,7 +346,7 @@ def rows_product(
         NORM_TERM=vn is not None and norm_coef is not None,
         BLOCK_N=bn, BLOCK_M=bm, BLOCK_D=bd, BLOCK_R=br,
         PRECISION=_precision(x.dtype, y.dtype, y.device), FMA=x.dtype == torch.float64,
-        num_warps=warps, num_stages=STAGES,
+        num_warps=warps, num_stages=stages,
     )
     return out1, out2, shift
 
@@ -366,7 +368,7 @@ def cols_product(
     bh, n, d = y.shape
     m, r = x.shape[1], vn.shape[-1]
     bd, br = _pow2(d), _pow2(r)
-    bn, bm, warps = _col_tiles(bd, br, x.dtype)
+    bn, bm, warps, stages = _col_tiles(bd, br, x.dtype)
     col_blocks = triton.cdiv(m, bm)
     splits = _splits(n, col_blocks * bh, bn, y.device)
     rows_per_split = triton.cdiv(triton.cdiv(n, splits), bn) * bn
@@ -384,6 +386,6 @@ def cols_product(
         WRITE_OUT1=write_out1, HAS_VM=vm is not None,
         BLOCK_N=bn, BLOCK_M=bm, BLOCK_D=bd, BLOCK_R=br,
         PRECISION=_precision(x.dtype, y.dtype, y.device), FMA=x.dtype == torch.float64,
-        num_warps=warps, num_stages=STAGES,
+        num_warps=warps, num_stages=stages,
     )
     return (None if out1 is None else out1.sum(0)), (None if out2 is None else out2.sum(0))
