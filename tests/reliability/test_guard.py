@@ -71,6 +71,17 @@ def test_the_cuda_path_adds_no_operation_to_the_backward_pass():
     torch.testing.assert_close(out.grad, torch.ones_like(out))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_finite_inputs_are_not_marked(dtype):
+    """Entries of 1e30 (their squares overflow float32; their sums do not): no row marked
+    by the check itself, on the path CUDA calls take."""
+    q, k, v = (torch.full((1, 2, 5, 4), 1e30, dtype=dtype) for _ in range(3))
+    q[0, 0, 1] = -1e30
+    out = torch.randn(1, 2, 5, 4).to(dtype)
+    with mock.patch.object(guard, "may_read_values", lambda *_: False):
+        assert torch.equal(guard.show_nonfinite(out, q, k, v, None, "auto"), out)
+
+
 @pytest.mark.parametrize("shape", [(1, 2, 3), (2, 2, 5, 4, 1)])
 def test_other_shapes_are_returned_as_they_are(shape):
     t = torch.randn(shape)

@@ -41,20 +41,27 @@ def _empty_to_none(t: Tensor) -> Tensor | None:
     return t if t.numel() else None
 
 
-def _rows(y, x, a, b, vm, vn, exclude, *, write_out1=True, shift_rows=False,
+def _rows(y, x, a, b, vm, vn, exclude, norm_scale, *, write_out1=True, shift_rows=False,
           out2_scale=1.0, norm_coef=None):
     """``triton_ops.rows_product`` with ``None`` for absent tensors."""
     out = _ops().rows_product(y, x, _none_to_empty(a, x), _none_to_empty(b, x), vm,
                               _none_to_empty(vn, y), _none_to_empty(exclude, y),
-                              write_out1, shift_rows, out2_scale, norm_coef)
+                              write_out1, shift_rows, out2_scale, norm_coef, norm_scale)
     return tuple(_empty_to_none(t) for t in out)
 
 
-def _cols(y, x, a, b, vn, vm, exclude, *, write_out1=True):
+def _cols(y, x, a, b, vn, vm, exclude, norm_scale, *, write_out1=True):
     """``triton_ops.cols_product`` with ``None`` for absent tensors."""
     out = _ops().cols_product(y, x, _none_to_empty(a, x), _none_to_empty(b, x), vn,
-                              _none_to_empty(vm, x), _none_to_empty(exclude, y), write_out1)
+                              _none_to_empty(vm, x), _none_to_empty(exclude, y), write_out1,
+                              norm_scale)
     return tuple(_empty_to_none(t) for t in out)
+
+
+def _norm_scale(scale: float, row_norm: bool) -> float | None:
+    """The factor of |y_i|^2 in row i's offset, in log2 units (s^2 / 2 log2(e)), or None
+    (``row_norm`` False)."""
+    return 0.5 * scale * scale * LOG2E if row_norm else None
 
 
 class TritonGaussianBlockProduct(torch.autograd.Function):
@@ -67,12 +74,16 @@ class TritonGaussianBlockProduct(torch.autograd.Function):
         y, rhs = y.contiguous(), rhs.contiguous()
         xc = (x * (scale * LOG2E)).contiguous()
         b2 = None if b is None else (b * LOG2E).contiguous()
-        a = row_offsets(y, scale, row_norm, row_valid, dtype=x.dtype)
+        # the row norms s^2 |y_i|^2 / 2 are summed by the kernels (_norm_scale); a holds
+        # the invalid rows' +inf (or nothing)
+        a = row_offsets(y, scale, False, row_valid, dtype=x.dtype)
         a = None if a is None else a.contiguous()
+        norm_scale = _norm_scale(scale, row_norm)
         if transpose:
-            out, _ = _cols(y, xc, a, b2, rhs, None, exclude)
+            out, _ = _cols(y, xc, a, b2, rhs, None, exclude, norm_scale)
         else:
-            out, _, shift = _rows(y, xc, a, b2, rhs, None, exclude, shift_rows=shift_rows)
+            out, _, shift = _rows(y, xc, a, b2, rhs, None, exclude, norm_scale,
+                                  shift_rows=shift_rows)
             if shift is not None:
                 a = shift if a is None else a + shift
         return out, (x.new_empty(0) if a is None else a)
@@ -110,13 +121,14 @@ class TritonGaussianBlockProduct(torch.autograd.Function):
             # x went in scaled by s log2(e): the kernel's dE x is s log2(e) dE x; the row
             # norm adds -s^2 (dE 1)_i y_i, summed in the kernel (no rounded copy of dE 1)
             c_vm, dy, _ = _rows(y, xc, a, b2, vm, vn if need_y else None, exclude,
+                                _norm_scale(scale, row_norm),
                                 write_out1=rows_first, out2_scale=1.0 / LOG2E,
                                 norm_coef=-scale * scale if row_norm else None)
         cols_first = not transpose and (need_rhs or need_b)
         c_vn, de_y = None, None
         if need_x or cols_first:
             c_vn, de_y = _cols(y, xc, a, b2, vn, vm if need_x else None, exclude,
-                                write_out1=cols_first)
+                               _norm_scale(scale, row_norm), write_out1=cols_first)
         drhs = c_vm if transpose else c_vn  # dV = C g, or dZ = C^T g
         dx = db = None
         if need_x:

@@ -20,7 +20,11 @@ launcher adds. Tiles are [BLOCK_N, BLOCK_M] in registers; nothing of size N x m 
 written. Out-of-range rows/columns, a_i = +inf (rows to drop), b_s = +inf (columns to
 drop) and ``exclude`` entries give C = 0. ``shift_rows`` (rows kernel) first finds each
 row's largest exponent and subtracts it (a row with no live column keeps shift 0).
-The caller folds the row scale s and log2(e) into x. x (and everything with m rows)
+The caller folds the row scale s and log2(e) into x; the row norms' share of a_i
+(s^2 |y_i|^2 / 2 in log2 units, ``norm_scale``) the kernels sum themselves from the
+y tiles they read (a PyTorch norm of a half-type y was a slow reduction of its own:
+0.26 ms for each of q and k at B=4, H=16, N=16384, D=64 on an H200, where the
+kernels read y anyway). x (and everything with m rows)
 is float32 or float64, the compute dtype; the N-row inputs y, V_N may also be
 bfloat16 or float16, read into the compute dtype tile by tile (exact), so that a
 half-precision model needs no float32 copy of its queries, keys and values. Sums are
@@ -92,10 +96,10 @@ def _dot_bf16(a, b, acc, PRECISION: tl.constexpr):
 def _rows_kernel(
     Y, X, A, B, VM, VN, EXC, OUT1, OUT2, SHIFT,
     N, M, D, R,
-    s_exc_b, s_exc_n, s_exc_m, out2_scale, norm_coef,
+    s_exc_b, s_exc_n, s_exc_m, out2_scale, norm_coef, norm_scale,
     HAS_A: tl.constexpr, HAS_B: tl.constexpr, HAS_EXC: tl.constexpr,
     WRITE_OUT1: tl.constexpr, HAS_VN: tl.constexpr, SHIFT_ROWS: tl.constexpr,
-    NORM_TERM: tl.constexpr,
+    NORM_TERM: tl.constexpr, ROW_NORM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, FMA: tl.constexpr,
 ):
@@ -113,6 +117,8 @@ def _rows_kernel(
         a = tl.load(A + bh * N + rn, mask=row_in, other=0.0)
     else:
         a = tl.zeros([BLOCK_N], dtype=y.dtype)
+    if ROW_NORM:  # a_i += norm_scale |y_i|^2, from the tile in registers
+        a += norm_scale * tl.sum(y * y, axis=1)
     if HAS_VN:
         vn = tl.load(VN + bh * N * R + rn[:, None] * R + rr[None, :],
                      mask=row_in[:, None] & (rr < R)[None, :], other=0.0).to(y.dtype)
@@ -176,9 +182,9 @@ def _rows_kernel(
 def _cols_kernel(
     Y, X, A, B, VN, VM, EXC, OUT1, OUT2,
     N, M, D, R, BH, rows_per_split,
-    s_exc_b, s_exc_n, s_exc_m,
+    s_exc_b, s_exc_n, s_exc_m, norm_scale,
     HAS_A: tl.constexpr, HAS_B: tl.constexpr, HAS_EXC: tl.constexpr,
-    WRITE_OUT1: tl.constexpr, HAS_VM: tl.constexpr,
+    WRITE_OUT1: tl.constexpr, HAS_VM: tl.constexpr, ROW_NORM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, FMA: tl.constexpr,
 ):
@@ -214,6 +220,8 @@ def _cols_kernel(
         if HAS_A:
             a = tl.load(A + bh * N + rn, mask=row_in, other=float("inf"))
             e = e - a[None, :]
+        if ROW_NORM:
+            e = e - (norm_scale * tl.sum(y * y, axis=1))[None, :]
         e = tl.where(row_in[None, :], e, float("-inf"))
         if HAS_EXC:
             exc = tl.load(EXC + bh * s_exc_b + rn[None, :] * s_exc_n + rm[:, None] * s_exc_m,
@@ -313,6 +321,7 @@ def rows_product(
     vn: Tensor | None, exclude: Tensor | None, *,
     write_out1: bool = True, shift_rows: bool = False,
     out2_scale: float = 1.0, norm_coef: float | None = None,
+    norm_scale: float | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """(C V_M, ((V_N V_M^T) * C) X, row shifts); see the module docstring.
 
@@ -320,8 +329,10 @@ def rows_product(
     vm ``[BH, m, R]``, vn ``[BH, N, R]``, exclude ``[BH, N, m]`` bool (any strides).
     The second output is scaled by ``out2_scale`` and, with ``norm_coef``, gets
     ``norm_coef (dE 1)_i y_i`` added (dy of the row norm, summed in the kernel's
-    precision). y and vn may be half types (read into x's dtype, the compute dtype);
-    outputs with N rows come in the dtype of the N-row input they belong to.
+    precision). With ``norm_scale``, each row's offset also gets ``norm_scale |y_i|^2``,
+    summed in the compute dtype from the tile the kernel reads anyway (no pass over y
+    before the launch). y and vn may be half types (read into x's dtype, the compute
+    dtype); outputs with N rows come in the dtype of the N-row input they belong to.
     """
     bh, n, d = y.shape
     m, r = x.shape[1], vm.shape[-1]
@@ -341,9 +352,10 @@ def rows_product(
         dummy if shift is None else shift,
         n, m, d, r, se_b, se_n, se_m, float(out2_scale),
         0.0 if norm_coef is None else float(norm_coef),
+        0.0 if norm_scale is None else float(norm_scale),
         HAS_A=a is not None, HAS_B=b is not None, HAS_EXC=exclude is not None,
         WRITE_OUT1=write_out1, HAS_VN=vn is not None, SHIFT_ROWS=shift_rows,
-        NORM_TERM=vn is not None and norm_coef is not None,
+        NORM_TERM=vn is not None and norm_coef is not None, ROW_NORM=norm_scale is not None,
         BLOCK_N=bn, BLOCK_M=bm, BLOCK_D=bd, BLOCK_R=br,
         PRECISION=_precision(x.dtype, y.dtype, y.device), FMA=x.dtype == torch.float64,
         num_warps=warps, num_stages=stages,
@@ -362,9 +374,10 @@ def _splits(n: int, blocks: int, block_n: int, device: torch.device) -> int:
 def cols_product(
     y: Tensor, x: Tensor, a: Tensor | None, b: Tensor | None, vn: Tensor,
     vm: Tensor | None, exclude: Tensor | None, *, write_out1: bool = True,
+    norm_scale: float | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
-    """(C^T V_N, ((V_N V_M^T) * C)^T Y); shapes as ``rows_product`` (y and vn may be
-    half types; the outputs, m rows, are in x's dtype)."""
+    """(C^T V_N, ((V_N V_M^T) * C)^T Y); shapes and ``norm_scale`` as ``rows_product``
+    (y and vn may be half types; the outputs, m rows, are in x's dtype)."""
     bh, n, d = y.shape
     m, r = x.shape[1], vn.shape[-1]
     bd, br = _pow2(d), _pow2(r)
@@ -382,8 +395,9 @@ def cols_product(
         dummy if vm is None else vm, exc,
         dummy if out1 is None else out1, dummy if out2 is None else out2,
         n, m, d, r, bh, rows_per_split, se_b, se_n, se_m,
+        0.0 if norm_scale is None else float(norm_scale),
         HAS_A=a is not None, HAS_B=b is not None, HAS_EXC=exclude is not None,
-        WRITE_OUT1=write_out1, HAS_VM=vm is not None,
+        WRITE_OUT1=write_out1, HAS_VM=vm is not None, ROW_NORM=norm_scale is not None,
         BLOCK_N=bn, BLOCK_M=bm, BLOCK_D=bd, BLOCK_R=br,
         PRECISION=_precision(x.dtype, y.dtype, y.device), FMA=x.dtype == torch.float64,
         num_warps=warps, num_stages=stages,

@@ -91,12 +91,15 @@ def show_nonfinite(out: Any, q: Any, k: Any, v: Any, key_padding_mask: Any,
 
 
 def _nan_if_nonfinite(t: Tensor, dim: int | tuple[int, ...]) -> Tensor:
-    """Zero where every entry of ``t`` along ``dim`` is finite, NaN elsewhere: x * 0 is
-    0 for a finite x and NaN for inf and NaN, and a sum of zeros cannot overflow. Two
-    operations (``torch.isfinite`` is four on CUDA: eq, abs, ne, and, then all and a
-    not), and the sum added to the output marks its rows with no ``torch.where``,
-    so the backward pass gets no operation from this check (``t`` is detached)."""
-    return (t.detach() * 0).sum(dim=dim)
+    """Zero where every entry of ``t`` along ``dim`` is finite, NaN elsewhere: a sum is
+    NaN or inf exactly when an entry is (or when the entries add up past the dtype's
+    range, about 1e36 an entry for float32 or bfloat16 rows of 64: far beyond where
+    every method's own squares and products overflow), and the sum times 0 is 0 or NaN.
+    Two operations and one read of ``t`` (``torch.isfinite`` is four on CUDA: eq, abs,
+    ne, and, then all and a not; ``(t * 0).sum`` wrote and read a copy of ``t``), and
+    the sum added to the output marks its rows with no ``torch.where``, so the backward
+    pass gets no operation from this check (``t`` is detached)."""
+    return t.detach().sum(dim=dim) * 0
 
 
 def _finite(t: Tensor) -> bool:
