@@ -49,7 +49,7 @@ from skyformer.io import atomic_write_text
 from skyformer.linalg.kernel_backend import interpreter_on
 
 
-def _calls(q, k, v, grad, features, compiled):
+def _calls(q, k, v, grad, features, compiled, compile_kernels=("triton", "auto")):
     def run(fn):
         def step():
             for t in (q, k, v):
@@ -60,7 +60,7 @@ def _calls(q, k, v, grad, features, compiled):
     key = skyformer.random_key(0, device=q.device)
 
     extra = {}
-    for kernel in ("triton", "auto") if compiled else ():
+    for kernel in compile_kernels if compiled else ():
         # bound once, outside the compiled region; "auto" under torch.compile: the Triton
         # products and the PyTorch core (Inductor fuses it), "triton": the fused core too
         bound = skyformer.get_method("skyformer").bind(num_features=features, kernel=kernel)
@@ -190,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile-seq-lens", nargs="*", type=int, default=None,
                         help="lengths at which the compiled variants are timed too (default "
                         "4096; none on the CPU)")
+    parser.add_argument("--compile-kernels", nargs="+", default=["triton", "auto"],
+                        choices=["triton", "auto"], help="the kernel options compiled")
     parser.add_argument("--max-exact-n", type=int, default=32768,
                         help="longest N for the exact kernelized variants")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
@@ -234,7 +236,8 @@ def _main(args: argparse.Namespace) -> int:
                              .to(dtype) for _ in range(4))
             for t in (q, k, v):
                 t.requires_grad_(True)
-            calls = _calls(q, k, v, grad, args.features, n in args.compile_seq_lens)
+            calls = _calls(q, k, v, grad, args.features, n in args.compile_seq_lens,
+                           args.compile_kernels)
             if n > args.max_exact_n:
                 calls = {name: fn for name, fn in calls.items() if "kernelized" not in name}
             times = interleaved_median_seconds(calls, device=device, warmup=2,
