@@ -289,13 +289,18 @@ def _exclude_args(exclude: Tensor | None, like: Tensor) -> tuple[Tensor, int, in
     return (exclude.view(torch.uint8), *exclude.stride())
 
 
-# Tiles: (BLOCK_N, BLOCK_M, num_warps); one pipeline stage (the loop's loads are small
-# and come from L2; software pipelining doubled or tripled the shared memory, which held
-# a program to one per SM). Chosen from the registers, spills and shared memory of the
-# compiled kernels (benchmarks/triton_resources.py, sm_90): with these no kernel spills
-# at head dim 64 with half inputs (bf16x3), and at D = 32 in float32 one kernel spills
-# 32 bytes a thread, where 64 x 64 tiles with three stages spilled 536-632 bytes (half
-# inputs, D = 64) and 144-160 (float32, D = 32) in the backward kernels.
+# Tiles: (BLOCK_N, BLOCK_M, num_warps, stages); one pipeline stage (the loop's loads are
+# small and come from L2; software pipelining doubled or tripled the shared memory, which
+# held a program to one per SM). First chosen from the registers, spills and shared
+# memory of the compiled kernels (benchmarks/triton_resources.py, sm_90): with these no
+# kernel spills at head dim 64 with half inputs (bf16x3), and at D = 32 in float32 one
+# kernel spills 32 bytes a thread, where 64 x 64 tiles with three stages spilled 536-632
+# bytes (half inputs, D = 64) and 144-160 (float32, D = 32) in the backward kernels.
+# Then timed (benchmarks/product_tiles.py, H200, B=4, H=16, N=16384, D=64, bfloat16,
+# Skyformer forward + backward): the cols kernel's 64 columns a program, up to head dim
+# 64 (was 32), took the call from 7.69 to 7.18 ms; no other candidate of either kernel
+# was faster by more than the noise (the rows kernel's 64-column steps: 7.63 ms against
+# 7.66, and they spill 23-32 bytes in backward), 8 warps and 32-row tiles were slower.
 STAGES = 1
 
 
@@ -312,8 +317,8 @@ def _col_tiles(bd: int, br: int, dtype: torch.dtype) -> tuple[int, int, int, int
     pipeline stages)."""
     if dtype == torch.float64:
         return 16, 16, 4, STAGES
-    wide = max(bd, br)
-    return (64 if wide <= 64 else 32), (64 if wide <= 32 else 32), 4, STAGES
+    narrow = max(bd, br) <= 64
+    return (64 if narrow else 32), (64 if narrow else 32), 4, STAGES
 
 
 def rows_product(

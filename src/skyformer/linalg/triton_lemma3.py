@@ -180,8 +180,10 @@ def launch_options(m: int, backward: bool = False) -> dict:
     (``ROWS``, ``KC``: a [32, 128] float32 accumulator), eight warps from m = 64, one
     pipeline stage. Chosen from the compiled kernels' resources (sm_90: at most 24 bytes
     of spills a thread, 16 KiB of shared memory at m = 128; four warps or more stages
-    spill hundreds of bytes a thread there; benchmarks/triton_resources.py), not from
-    timings; ``benchmarks/lemma3_tiles.py`` times the alternatives of each kernel."""
+    spill hundreds of bytes a thread there; benchmarks/triton_resources.py), and timed
+    against the alternatives that compile cleanly (``benchmarks/lemma3_tiles.py``, H200,
+    m = 128): the fastest for both kernels, the others up to 1.4x slower (64-row blocks
+    with warpgroup MMA too: the kernels wait on their chain of passes, not on MMAs)."""
     block = max(16, triton.next_power_of_2(m))
     tile = min(block, 32)
     return {"BLOCK": block, "ROWS": tile, "KC": tile, "num_warps": 8 if block >= 64 else 4,
