@@ -115,7 +115,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 @contextlib.contextmanager
 def _patched(table: dict, width: int):
     """The kernels of ``table`` (``{"rows" | "cols": tiles}``) launched with those tiles
-    where the padded head dim and value width are at most ``width`` (float32 compute);
+    where the wider of the padded head dim and value width is ``width`` (float32 compute);
     elsewhere as the library chooses."""
     with contextlib.ExitStack() as stack:
         for kernel, tiles in table.items():

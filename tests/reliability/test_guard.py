@@ -71,13 +71,16 @@ def test_the_cuda_path_adds_no_operation_to_the_backward_pass():
     torch.testing.assert_close(out.grad, torch.ones_like(out))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_large_finite_inputs_are_not_marked(dtype):
-    """Entries of 1e30 (their squares overflow float32; their sums do not): no row marked
-    by the check itself, on the path CUDA calls take."""
-    q, k, v = (torch.full((1, 2, 5, 4), 1e30, dtype=dtype) for _ in range(3))
-    q[0, 0, 1] = -1e30
-    out = torch.randn(1, 2, 5, 4).to(dtype)
+    """Finite inputs are never marked by the check itself, on the path CUDA calls take:
+    entries at the top of the dtype's range (float32 / bfloat16: 1e30, whose squares
+    overflow; float16: 6e4) over a head of 1024 x 64 keys and values, whose sum is far
+    past float16's range."""
+    big = 6e4 if dtype == torch.float16 else 1e30
+    q, k, v = (torch.full((1, 2, 1024, 64), big, dtype=dtype) for _ in range(3))
+    q[0, 0, 1] = -big
+    out = torch.randn(1, 2, 1024, 64).to(dtype)
     with mock.patch.object(guard, "may_read_values", lambda *_: False):
         assert torch.equal(guard.show_nonfinite(out, q, k, v, None, "auto"), out)
 

@@ -92,14 +92,16 @@ def show_nonfinite(out: Any, q: Any, k: Any, v: Any, key_padding_mask: Any,
 
 def _nan_if_nonfinite(t: Tensor, dim: int | tuple[int, ...]) -> Tensor:
     """Zero where every entry of ``t`` along ``dim`` is finite, NaN elsewhere: a sum is
-    NaN or inf exactly when an entry is (or when the entries add up past the dtype's
-    range, about 1e36 an entry for float32 or bfloat16 rows of 64: far beyond where
-    every method's own squares and products overflow), and the sum times 0 is 0 or NaN.
+    NaN or inf exactly when an entry is (or when finite entries add up past the range of
+    the sum's dtype, float32 for half types: entries beyond 1e30 even for 10^8 of them,
+    far beyond where every method's own squares and products overflow), and the sum
+    times 0 is 0 or NaN. Half types are summed in float32 (float16's range ends at
+    65504, which a head's keys add up past), read as they are, without a copy on CUDA.
     Two operations and one read of ``t`` (``torch.isfinite`` is four on CUDA: eq, abs,
     ne, and, then all and a not; ``(t * 0).sum`` wrote and read a copy of ``t``), and
     the sum added to the output marks its rows with no ``torch.where``, so the backward
     pass gets no operation from this check (``t`` is detached)."""
-    return t.detach().sum(dim=dim) * 0
+    return t.detach().sum(dim=dim, dtype=torch.promote_types(t.dtype, torch.float32)) * 0
 
 
 def _finite(t: Tensor) -> bool:
