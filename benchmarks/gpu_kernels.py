@@ -42,11 +42,11 @@ import sys
 import torch
 import torch.nn.functional as F
 import tuned  # benchmarks/, beside this script
+from gpu_device import device_problem  # benchmarks/, beside this script
 
 import skyformer
 from skyformer.eval.measure.timing import interleaved_median_seconds
 from skyformer.io import atomic_write_text
-from skyformer.linalg.kernel_backend import interpreter_on
 
 
 def _calls(q, k, v, grad, features, compiled, compile_kernels=("triton", "auto")):
@@ -207,13 +207,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(args: argparse.Namespace) -> int:
     device = args.device
-    if device == "cuda" and not torch.cuda.is_available():
-        print("gpu_kernels.py needs a CUDA device (--device cpu with TRITON_INTERPRET=1 "
-              "checks the script at tiny sizes).", file=sys.stderr)
-        return 2
-    if device == "cpu" and not interpreter_on():
-        print("--device cpu runs the Triton kernels under Triton's interpreter: set "
-              "TRITON_INTERPRET=1 before Python starts.", file=sys.stderr)
+    problem = device_problem("gpu_kernels.py", device)
+    if problem:
+        print(problem, file=sys.stderr)
         return 2
     on_gpu = device == "cuda"
     if args.shapes is None:

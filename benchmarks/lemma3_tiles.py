@@ -29,6 +29,7 @@ import sys
 from unittest import mock
 
 import torch
+from gpu_device import device_problem  # benchmarks/, beside this script
 
 from skyformer.eval.measure.timing import interleaved_median_seconds
 from skyformer.io import atomic_write_text
@@ -38,7 +39,6 @@ from skyformer.linalg import (  # the triton_* modules import Triton
     triton_lemma3,
     triton_lemma3_backward,
 )
-from skyformer.linalg.kernel_backend import interpreter_on
 
 CANDIDATES = ("32,16,8,1", "32,16,16,1", "64,16,8,1", "64,16,4,1", "64,32,8,1", "64,16,8,2",
               "128,16,8,1")
@@ -170,13 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     on_gpu = args.device == "cuda"
-    if on_gpu and not torch.cuda.is_available():
-        print("lemma3_tiles.py needs a CUDA device (--device cpu with TRITON_INTERPRET=1 "
-              "checks the script without one).", file=sys.stderr)
-        return 1
-    if not on_gpu and not interpreter_on():
-        print("--device cpu runs the Triton kernels under Triton's interpreter: set "
-              "TRITON_INTERPRET=1 before Python starts.", file=sys.stderr)
+    problem = device_problem("lemma3_tiles.py", args.device)
+    if problem:
+        print(problem, file=sys.stderr)
         return 1
     batch, heads = map(int, (args.shape or ("4,16" if on_gpu else "1,1")).split(","))
     features = args.features or ([128] if on_gpu else [16])

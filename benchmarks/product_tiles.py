@@ -28,12 +28,12 @@ import sys
 from unittest import mock
 
 import torch
+from gpu_device import device_problem  # benchmarks/, beside this script
 
 import skyformer
 from skyformer.eval.measure.timing import interleaved_median_seconds
 from skyformer.io import atomic_write_text
 from skyformer.linalg import triton_kernels
-from skyformer.linalg.kernel_backend import interpreter_on
 
 # compiled for sm_90 at D = 64, bfloat16 inputs: at most 32 bytes of spills a thread in
 # any of Skyformer's three launches of each kernel (triton_resources.py)
@@ -156,13 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     on_gpu = args.device == "cuda"
-    if on_gpu and not torch.cuda.is_available():
-        print("product_tiles.py needs a CUDA device (--device cpu with TRITON_INTERPRET=1 "
-              "checks the script without one).", file=sys.stderr)
-        return 1
-    if not on_gpu and not interpreter_on():
-        print("--device cpu runs the Triton kernels under Triton's interpreter: set "
-              "TRITON_INTERPRET=1 before Python starts.", file=sys.stderr)
+    problem = device_problem("product_tiles.py", args.device)
+    if problem:
+        print(problem, file=sys.stderr)
         return 1
     shape = args.shape or ("4,16,64,bfloat16" if on_gpu else "1,1,16,float32")
     n = args.seq_len or (16384 if on_gpu else 64)
