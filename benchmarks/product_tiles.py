@@ -76,8 +76,9 @@ def measure(shape: str, n: int, features: int, specs: dict[str, list[str]], devi
         return run
 
     reference = call(None, None)()
-    defaults = {kernel: getattr(triton_kernels, name)(width, width, torch.float32)
-                for kernel, name in KERNELS.items()}
+    half = dtype in (torch.bfloat16, torch.float16)
+    defaults = {"rows": triton_kernels._row_tiles(width, width, torch.float32),
+                "cols": triton_kernels._col_tiles(width, width, torch.float32, half)}
     options = {kernel: [defaults[kernel]] + [t for t in map(_tiles, specs[kernel])
                                              if t != defaults[kernel]]
                for kernel in KERNELS}
@@ -121,10 +122,10 @@ def _patched(table: dict, width: int):
         for kernel, tiles in table.items():
             default = getattr(triton_kernels, KERNELS[kernel])
 
-            def chosen(bd, br, dtype, tiles=tuple(tiles), default=default):
+            def chosen(bd, br, dtype, *rest, tiles=tuple(tiles), default=default):
                 if dtype == torch.float32 and max(bd, br) == width:
                     return tiles
-                return default(bd, br, dtype)
+                return default(bd, br, dtype, *rest)
 
             stack.enter_context(mock.patch.object(triton_kernels, KERNELS[kernel], chosen))
         yield

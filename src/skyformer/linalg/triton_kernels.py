@@ -298,9 +298,11 @@ def _exclude_args(exclude: Tensor | None, like: Tensor) -> tuple[Tensor, int, in
 # bytes (half inputs, D = 64) and 144-160 (float32, D = 32) in the backward kernels.
 # Then timed (benchmarks/product_tiles.py, H200, B=4, H=16, N=16384, D=64, bfloat16,
 # Skyformer forward + backward): the cols kernel's 64 columns a program, up to head dim
-# 64 (was 32), took the call from 7.69 to 7.18 ms; no other candidate of either kernel
-# was faster by more than the noise (the rows kernel's 64-column steps: 7.63 ms against
-# 7.66, and they spill 23-32 bytes in backward), 8 warps and 32-row tiles were slower.
+# 64 with half-type rows (was 32), took the call from 7.69 to 7.18 ms; no other candidate
+# of either kernel was faster by more than the noise (the rows kernel's 64-column steps:
+# 7.63 ms against 7.66, and they spill 23-32 bytes in backward), 8 warps and 32-row
+# tiles were slower. Float32 rows (tf32x3 dots) keep 32 columns at head dim 64: with 64
+# the cols kernel spills 480 bytes a thread there (not timed).
 STAGES = 1
 
 
@@ -312,13 +314,15 @@ def _row_tiles(bd: int, br: int, dtype: torch.dtype) -> tuple[int, int, int, int
     return (64 if max(bd, br) <= 64 else 32), 32, 4, STAGES
 
 
-def _col_tiles(bd: int, br: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+def _col_tiles(bd: int, br: int, dtype: torch.dtype, half_rows: bool = False
+               ) -> tuple[int, int, int, int]:
     """The cols kernel: (BLOCK_N rows a loop step, BLOCK_M columns a program, warps,
-    pipeline stages)."""
+    pipeline stages); ``half_rows``: y and V_N are half types (bf16x3 dots)."""
     if dtype == torch.float64:
         return 16, 16, 4, STAGES
-    narrow = max(bd, br) <= 64
-    return (64 if narrow else 32), (64 if narrow else 32), 4, STAGES
+    wide = max(bd, br)
+    columns = 64 if wide <= (64 if half_rows else 32) else 32
+    return (64 if wide <= 64 else 32), columns, 4, STAGES
 
 
 def rows_product(
@@ -386,7 +390,8 @@ def cols_product(
     bh, n, d = y.shape
     m, r = x.shape[1], vn.shape[-1]
     bd, br = _pow2(d), _pow2(r)
-    bn, bm, warps, stages = _col_tiles(bd, br, x.dtype)
+    bn, bm, warps, stages = _col_tiles(bd, br, x.dtype, y.dtype in (torch.bfloat16,
+                                                                     torch.float16))
     col_blocks = triton.cdiv(m, bm)
     splits = _splits(n, col_blocks * bh, bn, y.device)
     rows_per_split = triton.cdiv(triton.cdiv(n, splits), bn) * bn
