@@ -14,6 +14,7 @@ from skyformer.sketch import (
     equal_size_buckets,
     gray_code_order,
     gray_code_rank,
+    gray_rank_of,
     hamming_blocks,
     hamming_order,
 )
@@ -31,6 +32,19 @@ def test_gray_order_is_a_permutation_with_unit_hamming_steps(bits):
     t = torch.arange(2**bits)
     assert torch.equal(order, t ^ (t >> 1))
     assert torch.equal(gray_code_rank(bits)[order], t)
+
+
+@pytest.mark.parametrize("bits", [0, 1, 2, 3, 4, 5, 8, 9, 17])
+def test_gray_rank_of_labels_is_the_tables_lookup(bits):
+    """The closed form (prefix XOR of the bits) against the table of the lemma's
+    induction, for every label (a random sample of them at 17 bits), keeping the
+    labels' shape and dtype."""
+    table = gray_code_rank(bits)
+    labels = (torch.arange(2**bits) if bits <= 9
+              else torch.randint(0, 2**bits, (3, 1000), generator=gen(bits)))
+    rank = gray_rank_of(labels, bits)
+    assert rank.dtype == labels.dtype and rank.shape == labels.shape
+    assert torch.equal(rank, table[labels])
 
 
 def test_gray_order_small_cases_and_bad_bits():

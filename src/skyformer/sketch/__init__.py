@@ -6,6 +6,7 @@ from .angular_lsh import (
     equal_size_buckets,
     gray_code_order,
     gray_code_rank,
+    gray_rank_of,
     hamming_order,
 )
 from .landmarks import Landmarks, uniform_landmarks
@@ -31,6 +32,7 @@ __all__ = [
     "gaussian_projection",
     "gray_code_order",
     "gray_code_rank",
+    "gray_rank_of",
     "hamming_blocks",
     "hamming_order",
     "rotation_hash",

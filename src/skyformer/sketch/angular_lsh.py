@@ -42,10 +42,25 @@ def gray_code_order(bits: int) -> Tensor:
 
 
 def gray_code_rank(bits: int) -> Tensor:
-    """Position of each label in ``gray_code_order(bits)``: ``rank[label]``, ``[2^bits]``."""
+    """Position of each label in ``gray_code_order(bits)``: ``rank[label]``, ``[2^bits]``
+    (the table, built by the lemma's induction; ``gray_rank_of`` computes it)."""
     order = gray_code_order(bits)
     rank = torch.empty_like(order)
     rank[order] = torch.arange(order.numel())
+    return rank
+
+
+def gray_rank_of(labels: Tensor, bits: int) -> Tensor:
+    """``gray_code_rank(bits)[labels]`` without the table, on the labels' device: the
+    lemma's sequence is the reflected binary Gray code (t-th label t ^ (t >> 1)), whose
+    inverse is the prefix XOR of the label's bits, t = g ^ (g >> 1) ^ (g >> 2) ^ ...
+    (log2(bits) shifts). A table built on the host would be copied to a GPU on every
+    call, a copy that waits for the GPU's queue to drain."""
+    rank = labels
+    shift = 1
+    while shift < bits:
+        rank = rank ^ (rank >> shift)
+        shift *= 2
     return rank
 
 
@@ -82,7 +97,7 @@ def hamming_order(x: Tensor, hyperplanes: Tensor, valid: Tensor | None = None) -
         ``[B, H, N]`` long: ``order[..., t]`` is the position placed t-th.
     """
     bits = hyperplanes.shape[-1]
-    rank = gray_code_rank(bits).to(x.device)[angular_hash(x, hyperplanes)]  # [B, H, N]
+    rank = gray_rank_of(angular_hash(x, hyperplanes), bits)  # [B, H, N]
     if valid is not None:
         rank = rank.masked_fill(~valid[:, None, :], 1 << bits)
     return torch.sort(rank, dim=-1, stable=True).indices
