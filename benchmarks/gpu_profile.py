@@ -2,7 +2,9 @@
 
 For each method and N, one forward + backward is timed (median wall time, synchronised,
 without the profiler) and profiled (``torch.profiler``, after a warm-up) and
-summarised: the wall time of the call, the time the GPU spent in kernels (busy), their
+summarised: the wall time of the call, the host's time to issue it (host: until the call
+returns, the GPU still working), the host's waits for the GPU inside it (syncs), the time
+the GPU spent in kernels (busy), their
 number (launches), the idle share (1 - busy / wall: the part that launch overhead and
 host-side work cost), and the kernels that took the most time.
 This is what decides the next optimisation: a launch-bound call needs fewer or
@@ -47,17 +49,27 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def wall_seconds(fn, device: torch.device, iterations: int) -> float:
-    """Median wall time of one call of ``fn``, synchronised, without the profiler (whose
-    per-operation overhead would inflate exactly the host-bound time measured here)."""
-    times = []
+def wall_seconds(fn, device: torch.device, iterations: int) -> tuple[float, float]:
+    """Median wall time of one call of ``fn``, synchronised, and median host time: from
+    the synchronised start until ``fn`` returns, before the GPU has finished (without the
+    profiler, whose per-operation overhead would inflate exactly the host-bound time
+    measured here). A host time close to the wall time: the host is the bottleneck (or
+    waits inside the call, see ``syncs``); far below it: the GPU is."""
+    walls, hosts = [], []
     for _ in range(iterations):
         _sync(device)
         start = time.perf_counter()
         fn()
+        hosts.append(time.perf_counter() - start)
         _sync(device)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+        walls.append(time.perf_counter() - start)
+    return sorted(walls)[len(walls) // 2], sorted(hosts)[len(hosts) // 2]
+
+
+# CUDA runtime calls by which the host waits for the GPU inside a call (a value read, a
+# blocking copy: PyTorch synchronises the stream after it); torch.cuda.synchronize's
+# cudaDeviceSynchronize, which closes the profile, is not counted.
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cudaMemcpy2D")
 
 
 def profile_call(fn, device: torch.device, iterations: int, top: int) -> dict:
@@ -65,14 +77,16 @@ def profile_call(fn, device: torch.device, iterations: int, top: int) -> dict:
     time measured apart from the profile."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
                                            if device.type == "cuda" else [])
-    wall = wall_seconds(fn, device, max(3, iterations))
+    wall, host = wall_seconds(fn, device, max(3, iterations))
     _sync(device)
     with profile(activities=activities) as prof:
         for _ in range(iterations):
             fn()
         _sync(device)
     kernels: dict[str, list[float]] = collections.defaultdict(list)
+    syncs = 0
     for event in prof.events():
+        syncs += event.name in SYNC_CALLS
         on_device = device.type == "cuda" and str(event.device_type).endswith("CUDA")
         on_cpu_op = device.type != "cuda" and event.cpu_parent is None
         if on_device or on_cpu_op:  # kernels on a GPU, top-level operators on the CPU
@@ -82,6 +96,8 @@ def profile_call(fn, device: torch.device, iterations: int, top: int) -> dict:
     ranked = sorted(kernels.items(), key=lambda item: -sum(item[1]))[:top]
     return {
         "wall_ms": wall * 1e3,
+        "host_ms": host * 1e3,
+        "syncs": syncs / iterations,
         "busy_ms": busy_us / 1e3,
         "idle_share": max(0.0, 1.0 - busy_us / 1e3 / (wall * 1e3)),
         "launches": launches,
@@ -134,15 +150,18 @@ def _main(args: argparse.Namespace) -> int:
                 step()
             summary = profile_call(step, device, args.iterations, args.top)
             rows.append({"n": n, "method": method} | summary)
-            print(f"N={n:6d} {method:16s} wall {summary['wall_ms']:9.3f} ms  busy "
+            print(f"N={n:6d} {method:16s} wall {summary['wall_ms']:9.3f} ms  host "
+                  f"{summary['host_ms']:9.3f} ms  syncs {summary['syncs']:4.1f}  busy "
                   f"{summary['busy_ms']:9.3f} ms  idle {100 * summary['idle_share']:5.1f} %  "
                   f"{summary['launches']:6.0f} launches", flush=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     lines = [f"{name}, torch {torch.__version__}, B,H,D,dtype = {args.shape}, m = "
              f"{args.features}, forward + backward, per call", "",
-             "| N | method | wall ms | busy ms | idle | launches |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['n']} | {r['method']} | {r['wall_ms']:.3f} | {r['busy_ms']:.3f} | "
-              f"{100 * r['idle_share']:.0f} % | {r['launches']:.0f} |" for r in rows]
+             "| N | method | wall ms | host ms | syncs | busy ms | idle | launches |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['n']} | {r['method']} | {r['wall_ms']:.3f} | {r['host_ms']:.3f} | "
+              f"{r['syncs']:.0f} | {r['busy_ms']:.3f} | {100 * r['idle_share']:.0f} % | "
+              f"{r['launches']:.0f} |" for r in rows]
     for r in rows:
         lines += ["", f"N = {r['n']}, {r['method']}: the kernels that took the most time", "",
                   "| kernel | calls | ms | share |", "|---|---|---|---|"]

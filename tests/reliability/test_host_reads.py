@@ -1,0 +1,96 @@
+"""Which calls read tensor values on the host: on a GPU each read waits for the queue.
+
+A value read (``.item()``, ``bool(t)``, a data-dependent shape: ``nonzero``, boolean
+indexing, ``unique``) makes the host wait until the GPU has run everything queued
+before it, so the next launches start late. Every method's eager forward + backward is
+watched here by a dispatch mode, with and without key padding; only the methods that
+read a value on purpose to skip work (and whose ``may_read_values`` path gives the same
+result without the read) may do so. The non-finite check runs as it does on CUDA (on
+the CPU it first asks whether the inputs are finite at all, a read that costs nothing
+there). ``tests/gpu`` checks the same on CUDA with PyTorch's sync debug mode.
+"""
+
+from __future__ import annotations
+
+import collections
+import traceback
+from unittest import mock
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import skyformer
+from skyformer.registry import guard
+from tests.conftest import make_qkv
+
+# Operators whose result the host must see: a scalar read, or an output whose shape
+# depends on the values.
+READS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim",
+         "unique_consecutive", "repeat_interleave", "is_nonzero", "equal"}
+
+# Methods that read one value on purpose (and why); every other method reads none.
+READS_ON_PURPOSE = {
+    "linformer": "whether every projected slot holds a real key (SDPA without a mask)",
+    "skyformer_multipole": "the number of cluster blocks the fullest head needs",
+    "softmax_multipole": "the number of cluster blocks the fullest head needs",
+}
+
+
+class _HostReads(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.where: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in READS or (name in ("index", "index_put", "index_put_")
+                             and _boolean_index(args[1])):
+            frames = [f for f in traceback.extract_stack() if "/skyformer/" in f.filename]
+            self.where[f"{frames[-1].filename}:{frames[-1].lineno}" if frames
+                       else func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _boolean_index(indices) -> bool:
+    """Whether an ``index`` / ``index_put`` takes a boolean mask (its nonzero entries
+    decide the shape)."""
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)
+
+
+def host_reads(call) -> collections.Counter[str]:
+    """The places (file:line) where ``call()`` and its backward read values."""
+    with mock.patch.object(guard, "may_read_values", lambda *_: False), \
+            _HostReads() as reads:
+        out = call()
+        out.float().sum().backward()
+    return reads.where
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("name", skyformer.list_methods())
+def test_only_the_methods_that_say_why_read_values(name, masked):
+    q, k, v = (t.float().requires_grad_() for t in make_qkv(2, 2, 48, 16, seed=5))
+    options = {"generator": skyformer.random_key(4)}
+    if masked:
+        mask = torch.ones(2, 48, dtype=torch.bool)
+        mask[0, -7:] = False
+        options["key_padding_mask"] = mask
+    reads = host_reads(lambda: skyformer.attention(q, k, v, name, **options))
+    if name in READS_ON_PURPOSE:
+        assert sum(reads.values()) <= 1, dict(reads)
+    else:
+        assert not reads, f"{name} reads values on the host at {dict(reads)}"
+
+
+def test_the_watch_sees_a_read():
+    """The dispatch mode catches ``bool(t)`` and data-dependent shapes, and not an
+    index by positions."""
+    with _HostReads() as reads:
+        t = torch.ones(3)
+        bool(t.sum() > 0)
+        t[t > 0].sum()
+        t[torch.tensor([0, 2])] = 2.0
+        t[t > 1] = 3.0
+        torch.masked_select(t, t > 2)
+    assert sum(reads.where.values()) == 4
