@@ -41,6 +41,8 @@ METHODS = {
     "skyformer/torch": lambda q, k, v, key, m: skyformer.attention(
         q, k, v, "skyformer", num_features=m, generator=key, kernel="torch"),
     "kernelized": lambda q, k, v, key, m: skyformer.attention(q, k, v, "kernelized"),
+    "kernelized/triton": lambda q, k, v, key, m: skyformer.attention(
+        q, k, v, "kernelized", kernel="triton"),
 }
 
 

@@ -33,6 +33,7 @@ def test_profile_summarises_every_method_on_the_cpu(tmp_path):
     assert {row["method"] for row in result["rows"]} == set(gpu_profile.METHODS)
     for row in result["rows"]:
         assert row["wall_ms"] > 0 and row["launches"] >= 1 and 0 <= row["idle_share"] <= 1
+        assert 0 < row["host_ms"] <= row["wall_ms"] and row["syncs"] == 0  # no CUDA calls
         assert 1 <= len(row["top"]) <= 3
         assert sum(t["share"] for t in row["top"]) <= 1 + 1e-6
     assert "| 32 | skyformer |" in out.with_suffix(".md").read_text()
@@ -56,8 +57,9 @@ def test_occupancy_follows_the_register_file_and_shared_memory():
 
 
 def test_triton_resources_compiles_the_launches_for_an_h100(tmp_path):
-    """The kernels exact kernelized attention launches (recorded under the interpreter),
-    compiled for sm_90 by Triton's ptxas and read back: no GPU involved."""
+    """The kernels exact kernelized attention launches with ``kernel="triton"`` (recorded
+    under the interpreter), compiled for sm_90 by Triton's ptxas and read back: no GPU
+    involved."""
     pytest.importorskip("triton")
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -75,7 +77,8 @@ def test_triton_resources_compiles_the_launches_for_an_h100(tmp_path):
                     "--out", str(out)], env=env, check=True, capture_output=True, text=True)
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
     kernels = {row["kernel"].split()[0] for row in rows}
-    assert kernels == {"_rows_kernel", "_cols_kernel"}  # forward, and both backward ones
+    assert kernels == {"_flash_forward_kernel", "_flash_key_grad_kernel",
+                       "_flash_query_grad_kernel"}
     for row in rows:
         assert 16 <= row["registers"] <= 255 and row["mma"] > 0 and row["exp2"] > 0
         assert row["warps_per_sm"] >= row["num_warps"]  # it can launch on an H100

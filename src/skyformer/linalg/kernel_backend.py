@@ -83,13 +83,15 @@ def check_kernel(kernel: str) -> None:
         raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}.")
 
 
-def use_triton(kernel: str, y: Tensor) -> bool:
+def use_triton(kernel: str, y: Tensor, *, half: bool = False) -> bool:
     """True when the products of ``y`` (and its partners) go through the Triton kernels.
 
     Never under ``torch.export`` or forward-mode AD (``functional_ops``): ``"auto"``
     takes the PyTorch path there, ``"triton"`` says so. Raises a sentence saying how to
     get the Triton path where ``kernel="triton"`` cannot be honoured. Float64 CUDA
     tensors take the PyTorch path under either (below); the interpreter runs float64.
+    ``half``: the kernels also compute in ``y``'s half type (exact kernelized attention's
+    flash kernels), which ``"triton"`` then accepts.
     """
     check_kernel(kernel)
     if kernel == "torch":
@@ -120,7 +122,7 @@ def use_triton(kernel: str, y: Tensor) -> bool:
         # norm's coefficient) as float32: dy came out 1e-6 off in float64 on an H200.
         # Float64 runs the kernels under the interpreter (the tests' exact checks) only.
         return False
-    if y.dtype not in (torch.float32, torch.float64):
+    if y.dtype not in (torch.float32, torch.float64) and not (half and y.dtype in HALF_TYPES):
         raise RuntimeError(f'kernel="triton" computes in float32 or float64, got {y.dtype}; '
                            "the attention methods convert half types to float32 first.")
     return True

@@ -4,8 +4,8 @@
 
 Fast path without an n x n matrix: softmax attention over augmented inputs through the
 fused kernels of ``scaled_dot_product_attention`` (O(N) memory); the derivation is in
-``sdpa_augmentation.py``. ``kernel="triton"`` takes the fused Gaussian block product of
-``linalg.kernel_matmul`` instead (every key a column).
+``sdpa_augmentation.py``. ``kernel="triton"`` takes flash-style Triton kernels of the
+Gaussian kernel itself instead (``triton_flash.py``: no augmentation, no running maximum).
 """
 
 from __future__ import annotations
@@ -15,11 +15,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ...linalg import KERNELS, gaussian_kernel_matmul, half_sq_norm, kernel_scale
+from ...linalg import KERNELS, kernel_scale
+from ...linalg.kernel_backend import use_triton
 from ...registry import Capabilities, register
-from ..shared.inputs import check_attention_inputs, compute_dtype, zero_padded_queries
+from ..shared.inputs import check_attention_inputs, zero_padded_queries
 from ..shared.masked import attention_bias
 from ..shared.options import check_bool, check_choice, check_scale
+from .flash import flash_kernelized
 from .sdpa_augmentation import fused_dtype, kernelized_by_sdpa
 
 
@@ -31,9 +33,10 @@ class KernelizedConfig:
         (Skyformer eq. (1)); a model that pre-scales its queries passes its own.
     causal: query i attends to keys j <= i (requires Nq == Nk).
     kernel: ``"torch"`` (the SDPA augmentation, ``sdpa_augmentation.py``), ``"triton"``
-        (the fused Gaussian block product of ``linalg.kernel_matmul`` with every key as
-        a column: a flash-style kernel, O(N) memory, no mask other than padding, not
-        causal) or ``"auto"`` (``"torch"``).
+        (flash-style kernels of the Gaussian kernel itself, ``triton_flash.py``: O(N)
+        memory, padding and causal masks, no ``attn_mask``; in the inputs' dtype,
+        half types included; float64 on CUDA takes ``"torch"``) or ``"auto"``
+        (``"torch"``).
     """
 
     scale: float | None = None
@@ -87,19 +90,14 @@ def kernelized_attention(
             f"Nk={info.key_len}."
         )
     dtype = q.dtype
-    work = compute_dtype(dtype)
     scale = kernel_scale(info.head_dim, config.scale)
-    if config.kernel == "triton":
-        if causal or attn_mask is not None:
-            raise ValueError('kernelized: kernel="triton" takes no attn_mask and no causal '
-                             'mask (padding only); use kernel="torch" for those.')
-        ks = k.to(work) * scale
-        k_norm = half_sq_norm(ks)
-        if info.key_valid is not None:
-            k_norm = k_norm.masked_fill(~info.key_valid[:, None, :], float("inf"))
-        out = gaussian_kernel_matmul(q.to(work), ks, v.to(work), k_norm, scale=scale,
-                                     kernel="triton")  # [B, H, Nq, Dv]
-        return zero_padded_queries(out, info.query_valid).to(dtype)
+    if config.kernel == "triton" and use_triton("triton", q, half=True):
+        if attn_mask is not None:
+            raise ValueError('kernelized: kernel="triton" takes no attn_mask (padding and '
+                             'causal only); use kernel="torch" for it.')
+        out = flash_kernelized(q, k.to(dtype), v.to(dtype), info.key_valid, scale * scale,
+                               causal)
+        return zero_padded_queries(out, info.query_valid)
     bias = None
     if attn_mask is not None:
         if attn_mask.is_floating_point() and dtype == torch.bfloat16:

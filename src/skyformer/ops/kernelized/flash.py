@@ -1,0 +1,92 @@
+"""``kernel="triton"`` of exact kernelized attention: the flash-style kernels of
+``triton_flash`` as custom operators (opaque to ``torch.compile``, captured by CUDA
+graphs) with their backward pass, and a ``vmap`` rule that folds a mapped dim into the
+batch dim.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ...linalg.functional_ops import first_order_backward
+from ...linalg.vmap import vmap_into_batch
+
+
+def _kernels():
+    from . import triton_flash  # imports Triton: only when this path is taken
+
+    return triton_flash
+
+
+def _valid(key_valid: Tensor) -> Tensor | None:
+    return key_valid if key_valid.numel() else None
+
+
+@torch.library.custom_op("skyformer::gaussian_flash_forward", mutates_args=())
+def flash_forward(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, s: float, causal: bool
+                  ) -> Tensor:
+    """``triton_flash.flash_forward`` (``key_valid`` empty: no padding)."""
+    return _kernels().flash_forward(q, k, v, _valid(key_valid), s, causal)
+
+
+@flash_forward.register_fake
+def _(q, k, v, key_valid, s, causal):
+    return q.new_empty(*q.shape[:3], v.shape[-1])
+
+
+@torch.library.custom_op("skyformer::gaussian_flash_backward", mutates_args=())
+def flash_backward(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, grad: Tensor,
+                   s: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``triton_flash.flash_backward``: (dq, dk, dv)."""
+    return _kernels().flash_backward(q, k, v, _valid(key_valid), grad, s, causal)
+
+
+@flash_backward.register_fake
+def _(q, k, v, key_valid, grad, s, causal):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
+
+
+class GaussianFlashAttention(torch.autograd.Function):
+    """C V, C_ij = exp(-s |q_i - k_j|^2 / 2): q ``[B, H, Nq, D]``, k ``[B, H, Nk, D]``,
+    v ``[B, H, Nk, Dv]`` in one dtype, ``key_valid`` ``[B, Nk]`` bool (empty: none)."""
+
+    @staticmethod
+    def forward(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor,  # type: ignore[override]
+                s: float, causal: bool) -> Tensor:
+        return flash_forward(q, k, v, key_valid, s, causal)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        q, k, v, key_valid, s, causal = inputs
+        ctx.save_for_backward(q, k, v, key_valid)
+        ctx.options = (s, causal)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, q, k, v, key_valid, s, causal):  # type: ignore[override]
+        """The mapped dim joins the batch dim (a mapped mask's too; an unmapped mask
+        is repeated for each mapped index)."""
+        tensors = (0, 1, 2) if key_valid.numel() == 0 else (0, 1, 2, 3)
+        (out,), (dim,) = vmap_into_batch(GaussianFlashAttention.apply, info, in_dims,
+                                         (q, k, v, key_valid, s, causal), tensors=tensors,
+                                         outputs=1)
+        return out, dim
+
+    @staticmethod
+    @first_order_backward
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, key_valid = ctx.saved_tensors
+        s, causal = ctx.options
+        dq, dk, dv = flash_backward(q, k, v, key_valid, grad, s, causal)
+        return dq, dk, dv, None, None, None
+
+
+def flash_kernelized(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, s: float,
+                     causal: bool) -> Tensor:
+    """Exact kernelized attention C V by the flash-style Triton kernels, ``[B, H, Nq,
+    Dv]`` in the inputs' dtype; ``key_valid`` ``[B, Nk]`` bool or None."""
+    placeholder = q.new_empty(0, dtype=torch.bool)
+    return GaussianFlashAttention.apply(q, k, v, placeholder if key_valid is None
+                                        else key_valid, s, causal)

@@ -1,0 +1,314 @@
+"""Exact kernelized attention as flash-style Triton kernels: C never formed, O(N) memory.
+
+With s the kernel's scale (``kernelized.py``: C_ij = exp(-s |q_i - k_j|^2 / 2)), in
+log2 units (exp2 is the hardware's exponential), c = s log2(e),
+
+    t_ij = c q_i.k_j - a_i - b_j,   a_i = c |q_i|^2 / 2,   b_j = c |k_j|^2 / 2,
+    C_ij = 2^t_ij <= 1,             out = C V.
+
+Every weight is at most 1, so unlike softmax there is no running maximum, no
+rescaling and no normaliser to keep: the forward kernel (one program per block of
+queries) adds 2^t V block by block, and the backward pass needs nothing from the
+forward but its inputs. With dC = dO V^T and dS = dC * C (the gradient of the
+exponent in natural units), since d t_ij / d q_i = s (k_j - q_i) / log2(e):
+
+    dV = C^T dO,   dQ = s (dS K - (dS 1) * Q),   dK = s (dS^T Q - (dS^T 1) * K),
+
+two kernels as in FlashAttention-2: one program per block of keys runs over the
+queries for dK and dV, one per block of queries over the keys for dQ; the row and
+column sums of dS come with the products. The norms are summed from the tiles the
+kernels read anyway. Padded keys get b_j = +inf (weight 0, no gradient); causal
+masking (Nq = Nk) skips the blocks above the diagonal.
+
+Precision: bfloat16 / float16 inputs go to the tensor cores as they are (exact
+products, float32 sums), and the weights are rounded to the input dtype before their
+product with V or with Q, K (as flash attention rounds softmax's); float32 takes
+PyTorch's matmul precision (three TF32 passes at "highest", ``triton_kernels._mm``);
+float64 is exact (Triton's interpreter, for the tests). Norms and sums are float32
+(float64 for float64). This module imports Triton (``flash.py`` imports it only when
+the kernels run).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ...linalg.kernel_backend import float64_dots, interpreter_on
+from ...linalg.triton_kernels import _mm, _precision
+
+LOG2E = math.log2(math.e)
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, FMA: tl.constexpr):
+    """a @ b summed in float32 (float64 for float64 tiles). ``"half"``: half-type tiles
+    on the tensor cores; ``"half-interpreted"``: the same products as float32 values
+    (exact, as the tensor cores make them; the interpreter's half ``tl.dot`` is wrong,
+    ``triton_kernels._mm``); else ``_mm``'s precisions."""
+    if PRECISION == "half":
+        return tl.dot(a, b, out_dtype=tl.float32)
+    elif PRECISION == "half-interpreted":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return _mm(a, b, PRECISION, FMA)
+
+
+@triton.jit
+def _compute(x, F64: tl.constexpr):
+    """A tile in the compute dtype: float64 stays, everything else becomes float32."""
+    if F64:
+        return x
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _key_offsets(k, cols, VALID, b, NK, c, HAS_VALID: tl.constexpr, F64: tl.constexpr):
+    """b_j = c |k_j|^2 / 2 for a key tile ``k [BLOCK_N, BLOCK_D]``; +inf for padded and
+    out-of-range keys (weight 0)."""
+    kf = _compute(k, F64)
+    bn = 0.5 * c * tl.sum(kf * kf, axis=1)
+    live = cols < NK
+    if HAS_VALID:
+        live = live & (tl.load(VALID + b * NK + cols, mask=cols < NK, other=0) != 0)
+    return tl.where(live, bn, float("inf"))
+
+
+@triton.jit
+def _flash_forward_kernel(
+    Q, K, V, VALID, OUT,
+    sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
+    heads, NQ, NK, D, DV, c,
+    HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, F64: tl.constexpr,
+    PRECISION: tl.constexpr, FMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b, h = bh // heads, bh % heads
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rd = tl.arange(0, BLOCK_D)
+    rv = tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + b * sq_b + h * sq_h + rows[:, None] * sq_n + rd[None, :],
+                mask=(rows < NQ)[:, None] & (rd < D)[None, :], other=0.0)
+    qf = _compute(q, F64)
+    a = 0.5 * c * tl.sum(qf * qf, axis=1)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=qf.dtype)
+    end = NK
+    if CAUSAL:
+        end = tl.minimum(NK, (pid_m + 1) * BLOCK_M)
+    for start in range(0, end, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        k = tl.load(K + b * sk_b + h * sk_h + cols[:, None] * sk_n + rd[None, :],
+                    mask=(cols < NK)[:, None] & (rd < D)[None, :], other=0.0)
+        bn = _key_offsets(k, cols, VALID, b, NK, c, HAS_VALID, F64)
+        t = _dot(q, tl.trans(k), PRECISION, FMA).to(qf.dtype) * c - a[:, None] - bn[None, :]
+        if CAUSAL:
+            t = tl.where(cols[None, :] <= rows[:, None], t, float("-inf"))
+        v = tl.load(V + b * sv_b + h * sv_h + cols[:, None] * sv_n + rv[None, :],
+                    mask=(cols < NK)[:, None] & (rv < DV)[None, :], other=0.0)
+        acc += _dot(tl.exp2(t).to(v.dtype), v, PRECISION, FMA).to(qf.dtype)
+    tl.store(OUT + bh * NQ * DV + rows[:, None] * DV + rv[None, :],
+             acc.to(OUT.dtype.element_ty), mask=(rows < NQ)[:, None] & (rv < DV)[None, :])
+
+
+@triton.jit
+def _flash_key_grad_kernel(
+    Q, K, V, VALID, DO, DK, DV_OUT,
+    sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
+    heads, NQ, NK, D, DV, c, s,
+    HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, F64: tl.constexpr,
+    PRECISION: tl.constexpr, FMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    """dK and dV of one block of keys, running over the queries (transposed tiles:
+    [keys, queries])."""
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b, h = bh // heads, bh % heads
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rd = tl.arange(0, BLOCK_D)
+    rv = tl.arange(0, BLOCK_DV)
+    k = tl.load(K + b * sk_b + h * sk_h + cols[:, None] * sk_n + rd[None, :],
+                mask=(cols < NK)[:, None] & (rd < D)[None, :], other=0.0)
+    v = tl.load(V + b * sv_b + h * sv_h + cols[:, None] * sv_n + rv[None, :],
+                mask=(cols < NK)[:, None] & (rv < DV)[None, :], other=0.0)
+    bn = _key_offsets(k, cols, VALID, b, NK, c, HAS_VALID, F64)
+    kf = _compute(k, F64)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=kf.dtype)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=kf.dtype)
+    col_sums = tl.zeros([BLOCK_N], dtype=kf.dtype)
+    start = 0
+    if CAUSAL:  # query i sees key j <= i: the first block holding row pid_n * BLOCK_N
+        start = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
+    for m0 in range(start, NQ, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        q = tl.load(Q + b * sq_b + h * sq_h + rows[:, None] * sq_n + rd[None, :],
+                    mask=(rows < NQ)[:, None] & (rd < D)[None, :], other=0.0)
+        do = tl.load(DO + bh * NQ * DV + rows[:, None] * DV + rv[None, :],
+                     mask=(rows < NQ)[:, None] & (rv < DV)[None, :], other=0.0)
+        qf = _compute(q, F64)
+        a = 0.5 * c * tl.sum(qf * qf, axis=1)
+        t = _dot(k, tl.trans(q), PRECISION, FMA).to(kf.dtype) * c - bn[:, None] - a[None, :]
+        live = (rows < NQ)[None, :]
+        if CAUSAL:
+            live = live & (cols[:, None] <= rows[None, :])
+        weights = tl.where(live, tl.exp2(t), 0.0)  # C^T, [BLOCK_N, BLOCK_M]
+        dv += _dot(weights.to(do.dtype), do, PRECISION, FMA).to(kf.dtype)
+        ds = weights * _dot(v, tl.trans(do), PRECISION, FMA).to(kf.dtype)  # dS^T
+        col_sums += tl.sum(ds, axis=1)
+        dk += _dot(ds.to(q.dtype), q, PRECISION, FMA).to(kf.dtype)
+    dk = s * (dk - col_sums[:, None] * kf)
+    tl.store(DK + bh * NK * D + cols[:, None] * D + rd[None, :], dk.to(DK.dtype.element_ty),
+             mask=(cols < NK)[:, None] & (rd < D)[None, :])
+    tl.store(DV_OUT + bh * NK * DV + cols[:, None] * DV + rv[None, :],
+             dv.to(DV_OUT.dtype.element_ty), mask=(cols < NK)[:, None] & (rv < DV)[None, :])
+
+
+@triton.jit
+def _flash_query_grad_kernel(
+    Q, K, V, VALID, DO, DQ,
+    sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
+    heads, NQ, NK, D, DV, c, s,
+    HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, F64: tl.constexpr,
+    PRECISION: tl.constexpr, FMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    """dQ of one block of queries, running over the keys."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b, h = bh // heads, bh % heads
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rd = tl.arange(0, BLOCK_D)
+    rv = tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + b * sq_b + h * sq_h + rows[:, None] * sq_n + rd[None, :],
+                mask=(rows < NQ)[:, None] & (rd < D)[None, :], other=0.0)
+    do = tl.load(DO + bh * NQ * DV + rows[:, None] * DV + rv[None, :],
+                 mask=(rows < NQ)[:, None] & (rv < DV)[None, :], other=0.0)
+    qf = _compute(q, F64)
+    a = 0.5 * c * tl.sum(qf * qf, axis=1)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=qf.dtype)
+    row_sums = tl.zeros([BLOCK_M], dtype=qf.dtype)
+    end = NK
+    if CAUSAL:
+        end = tl.minimum(NK, (pid_m + 1) * BLOCK_M)
+    for start in range(0, end, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        k = tl.load(K + b * sk_b + h * sk_h + cols[:, None] * sk_n + rd[None, :],
+                    mask=(cols < NK)[:, None] & (rd < D)[None, :], other=0.0)
+        v = tl.load(V + b * sv_b + h * sv_h + cols[:, None] * sv_n + rv[None, :],
+                    mask=(cols < NK)[:, None] & (rv < DV)[None, :], other=0.0)
+        bn = _key_offsets(k, cols, VALID, b, NK, c, HAS_VALID, F64)
+        t = _dot(q, tl.trans(k), PRECISION, FMA).to(qf.dtype) * c - a[:, None] - bn[None, :]
+        if CAUSAL:
+            t = tl.where(cols[None, :] <= rows[:, None], t, float("-inf"))
+        ds = tl.exp2(t) * _dot(do, tl.trans(v), PRECISION, FMA).to(qf.dtype)  # dS
+        row_sums += tl.sum(ds, axis=1)
+        dq += _dot(ds.to(k.dtype), k, PRECISION, FMA).to(qf.dtype)
+    dq = s * (dq - row_sums[:, None] * qf)
+    tl.store(DQ + bh * NQ * D + rows[:, None] * D + rd[None, :], dq.to(DQ.dtype.element_ty),
+             mask=(rows < NQ)[:, None] & (rd < D)[None, :])
+
+
+def flash_precision(dtype: torch.dtype) -> str:
+    """The dots' precision for inputs of ``dtype`` (module docstring)."""
+    if dtype in (torch.bfloat16, torch.float16):
+        return "half-interpreted" if interpreter_on() else "half"
+    return _precision(dtype)
+
+
+def flash_tiles(dtype: torch.dtype, head_dim: int, kind: str) -> dict:
+    """Launch options of the ``kind`` kernel (``"forward"``, ``"keys"``, ``"queries"``)
+    for inputs of ``dtype``: the block over the program's own rows (``BLOCK_M`` queries,
+    or ``BLOCK_N`` keys for ``"keys"``), the block of its loop, warps and pipeline
+    stages. Half types: blocks as FlashAttention-2's; float32 (three TF32 products a
+    dot) and float64 (the interpreter) smaller. Chosen from the kernels compiled for
+    sm_90 (``benchmarks/triton_resources.py``): none spills at head dim 64 (bfloat16,
+    float16) or 32 (float32); 8 warps from head dim 128 (4 spill there), whose key
+    kernel takes 32 queries a step (64 spill). Not timed on a GPU yet."""
+    wide = head_dim > 64
+    if dtype == torch.float64:
+        own, step, warps, stages = 32, 32, 4, 1
+    elif dtype == torch.float32:
+        own, step, warps, stages = 64 if head_dim <= 32 else 32, 32 if head_dim <= 64 else 16, \
+            4 if head_dim <= 64 else 8, 2
+    elif kind == "forward":
+        own, step, warps, stages = 128, 64, 8 if wide else 4, 2
+    else:
+        own, step, warps, stages = 64, 32 if wide and kind == "keys" else 64, \
+            8 if wide else 4, 2
+    if kind == "keys":
+        return {"BLOCK_N": own, "BLOCK_M": step, "num_warps": warps, "num_stages": stages}
+    return {"BLOCK_M": own, "BLOCK_N": step, "num_warps": warps, "num_stages": stages}
+
+
+def _strides(t: Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _common(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, s: float,
+            causal: bool) -> tuple[list, dict]:
+    """The arguments every kernel shares (tensors with a unit last stride)."""
+    _, h, nq, d = q.shape
+    nk, dv = k.shape[2], v.shape[3]
+    valid = q if key_valid is None else key_valid.contiguous().view(torch.uint8)
+    args = [*_strides(q), *_strides(k), *_strides(v), h, nq, nk, d, dv, s * LOG2E]
+    meta = {"HAS_VALID": key_valid is not None, "CAUSAL": causal,
+            "F64": q.dtype == torch.float64, "PRECISION": flash_precision(q.dtype),
+            "FMA": q.dtype == torch.float64 and not float64_dots(),
+            "BLOCK_D": max(16, triton.next_power_of_2(d)),
+            "BLOCK_DV": max(16, triton.next_power_of_2(dv))}
+    return [valid, args], meta
+
+
+def unit_last_stride(t: Tensor) -> Tensor:
+    """``t`` as it is if its last dim is dense (the kernels take any other strides)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def flash_forward(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, s: float,
+                  causal: bool) -> Tensor:
+    """C V for q ``[B, H, Nq, D]``, k ``[B, H, Nk, D]``, v ``[B, H, Nk, Dv]`` (one dtype,
+    any strides with a dense last dim), ``key_valid`` ``[B, Nk]`` bool or None, the
+    kernel's scale s; ``[B, H, Nq, Dv]`` in the inputs' dtype."""
+    q, k, v = (unit_last_stride(t) for t in (q, k, v))
+    b, h, nq, _ = q.shape
+    out = q.new_empty(b, h, nq, v.shape[3])
+    if out.numel() == 0:
+        return out
+    (valid, args), meta = _common(q, k, v, key_valid, s, causal)
+    tiles = flash_tiles(q.dtype, q.shape[3], "forward")
+    grid = (triton.cdiv(nq, tiles["BLOCK_M"]), b * h)
+    _flash_forward_kernel[grid](q, k, v, valid, out, *args, **meta, **tiles)
+    return out
+
+
+def flash_backward(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None,
+                   grad: Tensor, s: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of ``flash_forward`` for the output gradient ``grad``
+    ``[B, H, Nq, Dv]``; each in its input's shape and dtype (contiguous)."""
+    q, k, v = (unit_last_stride(t) for t in (q, k, v))
+    grad = grad.contiguous().to(q.dtype)
+    b, h, nq, _ = q.shape
+    nk = k.shape[2]
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    if b * h == 0:
+        return dq, dk, dv
+    (valid, args), meta = _common(q, k, v, key_valid, s, causal)
+    if nq == 0 or nk == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    tiles = flash_tiles(q.dtype, q.shape[3], "keys")
+    _flash_key_grad_kernel[(triton.cdiv(nk, tiles["BLOCK_N"]), b * h)](
+        q, k, v, valid, grad, dk, dv, *args, s, **meta, **tiles)
+    tiles = flash_tiles(q.dtype, q.shape[3], "queries")
+    _flash_query_grad_kernel[(triton.cdiv(nq, tiles["BLOCK_M"]), b * h)](
+        q, k, v, valid, grad, dq, *args, s, **meta, **tiles)
+    return dq, dk, dv

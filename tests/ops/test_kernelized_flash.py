@@ -1,0 +1,146 @@
+"""Exact kernelized attention's flash-style Triton kernels (``kernel="triton"``) against
+the naive pairwise reference: on the CPU through Triton's interpreter (float64 exactly,
+half types to their rounding), on CUDA with ``SKYFORMER_TEST_CUDA=1``.
+
+Odd sizes (N not a multiple of a block, one key, head dims 16..128, Dv != D), padding,
+causal masks, cross-attention, grouped keys, strided inputs, ``torch.func``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import skyformer
+from skyformer import kernelized_attention
+from skyformer.ops.kernelized.naive import reference_kernelized_attention
+from tests.conftest import gen, make_qkv
+from tests.devices import cuda_only, devices, relative_error
+
+pytest.importorskip("triton")
+
+CASES = [  # b, h, nq, nk, d, dv
+    (2, 2, 37, 45, 16, 24),
+    (1, 3, 70, 70, 40, 8),
+    (2, 1, 33, 1, 128, 16),
+    (1, 1, 130, 97, 64, 64),
+]
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_for_cpu(request):
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is None or callspec.params.get("device", "cpu") == "cpu":
+        request.getfixturevalue("triton_interpreter")
+
+
+def _padding(b: int, n: int, device) -> torch.Tensor:
+    mask = torch.ones(b, n, dtype=torch.bool)
+    mask[0, n - max(1, n // 4):] = n <= 1  # keep the only key of a one-key case
+    if b > 1:
+        mask[1, : n // 5] = False
+    return mask.to(device)
+
+
+def _grads(out: torch.Tensor, leaves) -> list[torch.Tensor]:
+    weights = torch.randn(out.shape, generator=gen(9), dtype=torch.float64).to(out)
+    return list(torch.autograd.grad((out * weights).sum(), leaves))
+
+
+def _compare(q, k, v, mask, causal, dtype, device, tolerance):
+    leaves = [t.to(device, dtype).requires_grad_(True) for t in (q, k, v)]
+    out = kernelized_attention(*leaves, key_padding_mask=mask, causal=causal, kernel="triton")
+    assert out.dtype == dtype and out.device.type == torch.device(device).type
+    exact = [t.to(device, dtype).double().requires_grad_(True) for t in (q, k, v)]
+    ref = reference_kernelized_attention(*exact, key_padding_mask=mask, causal=causal)
+    got, want = [out, *_grads(out, leaves)], [ref, *_grads(ref, exact)]
+    for name, a, e in zip(["out", "dq", "dk", "dv"], got, want, strict=True):
+        assert a.dtype == dtype
+        assert relative_error(a, e) < tolerance, name
+
+
+FORMS = ["plain", "padded", "causal", "padded causal"]
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize(("case", "form"), [(case, form) for case in CASES for form in FORMS
+                                            if "causal" not in form or case[2] == case[3]])
+def test_flash_kernels_equal_the_naive_reference(device, case, form):
+    b, h, nq, nk, d, dv = case
+    causal = "causal" in form
+    q, k, v = make_qkv(b, h, nq, d, nk=nk, dv=dv, seed=nq + d, scale=0.7)
+    mask = _padding(b, nk, device) if "padded" in form else None
+    dtype, tolerance = ((torch.float64, 1e-12) if device == "cpu"
+                        else (torch.float32, 1e-5))  # float64 on CUDA takes SDPA
+    _compare(q, k, v, mask, causal, dtype, device, tolerance)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_kernels_in_float32_and_half_types(device, dtype, causal):
+    """In the inputs' dtype, to its rounding: float32 ~1e-7, the weights rounded to the
+    half type before their products (as flash attention rounds softmax's)."""
+    q, k, v = make_qkv(2, 2, 66, 64, seed=4)
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}[dtype]
+    _compare(q, k, v, _padding(2, 66, device), causal, dtype, device, tolerance)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_the_sdpa_augmentation_and_the_flash_kernels_agree(device):
+    """The two exact paths, padded self-attention with padded query rows zeroed."""
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    q, k, v = (t.to(device, dtype) for t in make_qkv(2, 2, 50, 32, seed=6))
+    mask = _padding(2, 50, device)
+    out = [kernelized_attention(q, k, v, key_padding_mask=mask, kernel=kernel)
+           for kernel in ("torch", "triton")]
+    assert relative_error(out[1], out[0]) < (1e-12 if dtype == torch.float64 else 1e-5)
+    assert (out[1][0, :, -12:] == 0).all()  # padded queries of batch 0
+
+
+@pytest.mark.parametrize("device", devices())
+def test_strided_and_grouped_inputs(device):
+    """[B, N, H, D] tensors seen as [B, H, N, D] (no copy needed) and keys shared by
+    groups of query heads (``enable_gqa``: expanded, stride 0 over heads)."""
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    q, k, v = (t.to(device, dtype) for t in make_qkv(2, 4, 40, 16, seed=8))
+    q_bnhd = q.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not q_bnhd.is_contiguous()
+    a = kernelized_attention(q_bnhd, k, v, kernel="triton")
+    torch.testing.assert_close(a, kernelized_attention(q, k, v, kernel="torch"))
+    kg, vg = k[:, :2], v[:, :2]
+    grouped = skyformer.scaled_dot_product_attention(q, kg, vg, method="kernelized",
+                                                     enable_gqa=True, kernel="triton")
+    expanded = kernelized_attention(q, kg.repeat_interleave(2, 1), vg.repeat_interleave(2, 1))
+    torch.testing.assert_close(grouped, expanded)
+
+
+def test_per_sample_gradients_through_the_flash_kernels():
+    """``vmap(grad)`` folds the mapped dim into the batch (the mask's with it)."""
+    q, k, v = make_qkv(3, 1, 20, 8, seed=10)
+    mask = torch.ones(3, 20, dtype=torch.bool)
+    mask[1, 15:] = False
+
+    def per_sample(attention):
+        def loss(q, k, v, mask):
+            return attention(q[None], k[None], v[None], key_padding_mask=mask[None]
+                             ).square().sum()
+        return torch.func.vmap(torch.func.grad(loss, argnums=(0, 1, 2)))(q, k, v, mask)
+
+    flash = per_sample(lambda *qkv, **mask: kernelized_attention(*qkv, **mask, kernel="triton"))
+    for a, e in zip(flash, per_sample(reference_kernelized_attention), strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-12)
+
+
+def test_an_attn_mask_is_refused_with_the_way_out():
+    q, k, v = make_qkv(1, 1, 8, 16)
+    with pytest.raises(ValueError, match='kernel="torch"'):
+        skyformer.scaled_dot_product_attention(q, k, v, method="kernelized", kernel="triton",
+                                               attn_mask=torch.ones(8, 8, dtype=torch.bool))
+
+
+@cuda_only
+def test_float64_on_cuda_takes_the_sdpa_augmentation():
+    q, k, v = (t.cuda() for t in make_qkv(1, 2, 30, 16))
+    out = kernelized_attention(q, k, v, kernel="triton")
+    torch.testing.assert_close(out, reference_kernelized_attention(q, k, v))
