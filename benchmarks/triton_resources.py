@@ -175,8 +175,10 @@ def compile_launch(launch: dict, arch: int) -> dict:
     from triton.backends.compiler import GPUTarget
 
     options = {"num_warps": 4, "num_stages": 3} | launch["options"]
-    if launch["constants"].get("PRECISION") == "bf16x3-interpreted":  # what CUDA takes
-        launch = launch | {"constants": launch["constants"] | {"PRECISION": "bf16x3"}}
+    precision = launch["constants"].get("PRECISION")
+    if isinstance(precision, str) and precision.endswith("-interpreted"):  # what CUDA takes
+        launch = launch | {"constants": launch["constants"]
+                           | {"PRECISION": precision.removesuffix("-interpreted")}}
     compiled = triton.compile(_source(launch), target=GPUTarget("cuda", arch, 32),
                               options=options)
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -191,8 +193,8 @@ def _label(launch: dict) -> str:
     c = launch["constants"]
     flags = [name.lower() for name, value in c.items()
              if value is True and name not in ("HAS_A", "HAS_B")]
-    tiles = "x".join(str(c[n]) for n in ("BLOCK_N", "BLOCK_M", "BLOCK", "BLOCK_D", "BLOCK_R")
-                     if n in c)
+    tiles = "x".join(str(c[n]) for n in ("BLOCK_N", "BLOCK_M", "BLOCK", "BLOCK_D", "BLOCK_R",
+                                         "BLOCK_DV") if n in c)
     types = "/".join(sorted({a["pointer"] for a in launch["arguments"].values()
                              if "pointer" in a and a["pointer"] in ("fp32", "bf16", "fp16",
                                                                      "fp64")}))
