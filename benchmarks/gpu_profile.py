@@ -6,7 +6,8 @@ summarised: the wall time of the call, the host's time to issue it (host: until 
 returns, the GPU still working), the host's waits for the GPU inside it (syncs), the time
 the GPU spent in kernels (busy), their
 number (launches), the idle share (1 - busy / wall: the part that launch overhead and
-host-side work cost), and the kernels that took the most time.
+host-side work cost), the kernels that took the most time, and the host's Python
+functions with the most own time (``cProfile``).
 This is what decides the next optimisation: a launch-bound call needs fewer or
 captured launches (CUDA graphs), a busy one faster kernels.
 
@@ -21,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import json
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -74,6 +77,24 @@ def wall_seconds(fn, device: torch.device, iterations: int) -> tuple[float, floa
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cudaMemcpy2D")
 
 
+def host_functions(fn, device: torch.device, iterations: int, top: int) -> list[dict]:
+    """The Python functions that take the host's time in ``iterations`` calls of ``fn``
+    (``cProfile``, own time, per call): where a host-bound call spends it."""
+    _sync(device)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(iterations):
+        fn()
+    profiler.disable()
+    _sync(device)
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (cc, nc, tt, ct, callers)
+    ranked = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    return [{"function": f"{Path(file).name}:{line}({name})"[:100],
+             "calls": calls / iterations, "own_ms": own / iterations * 1e3,
+             "cumulative_ms": cumulative / iterations * 1e3}
+            for (file, line, name), (_, calls, own, cumulative, _) in ranked]
+
+
 def profile_call(fn, device: torch.device, iterations: int, top: int) -> dict:
     """Profile ``iterations`` calls of ``fn`` (already warm); per-call figures, the wall
     time measured apart from the profile."""
@@ -103,6 +124,7 @@ def profile_call(fn, device: torch.device, iterations: int, top: int) -> dict:
         "busy_ms": busy_us / 1e3,
         "idle_share": max(0.0, 1.0 - busy_us / 1e3 / (wall * 1e3)),
         "launches": launches,
+        "host_top": host_functions(fn, device, iterations, top),
         "top": [{"kernel": name[:120], "calls": len(times) / iterations,
                  "ms": sum(times) / iterations / 1e3,
                  "share": sum(times) / iterations / max(busy_us, 1e-9)}
@@ -165,6 +187,11 @@ def _main(args: argparse.Namespace) -> int:
               f"{r['syncs']:.0f} | {r['busy_ms']:.3f} | {100 * r['idle_share']:.0f} % | "
               f"{r['launches']:.0f} |" for r in rows]
     for r in rows:
+        lines += ["", f"N = {r['n']}, {r['method']}: the host's Python functions with the "
+                  "most own time (cProfile, which slows them; per call)", "",
+                  "| function | calls | own ms | cumulative ms |", "|---|---|---|---|"]
+        lines += [f"| `{t['function']}` | {t['calls']:.0f} | {t['own_ms']:.3f} | "
+                  f"{t['cumulative_ms']:.3f} |" for t in r["host_top"]]
         lines += ["", f"N = {r['n']}, {r['method']}: the kernels that took the most time", "",
                   "| kernel | calls | ms | share |", "|---|---|---|---|"]
         lines += [f"| `{t['kernel']}` | {t['calls']:.0f} | {t['ms']:.3f} | "

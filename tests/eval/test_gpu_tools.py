@@ -34,6 +34,7 @@ def test_profile_summarises_every_method_on_the_cpu(tmp_path):
     for row in result["rows"]:
         assert row["wall_ms"] > 0 and row["launches"] >= 1 and 0 <= row["idle_share"] <= 1
         assert 0 < row["host_ms"] <= row["wall_ms"] and row["syncs"] == 0  # no CUDA calls
+        assert 1 <= len(row["host_top"]) <= 3 and all(t["own_ms"] >= 0 for t in row["host_top"])
         assert 1 <= len(row["top"]) <= 3
         assert sum(t["share"] for t in row["top"]) <= 1 + 1e-6
     assert "| 32 | skyformer |" in out.with_suffix(".md").read_text()
