@@ -68,6 +68,30 @@ def _compute(x, F64: tl.constexpr):
 
 
 @triton.jit
+def _tile(PTR, b, h, s_b, s_h, s_n, rows, n, width, BLOCK: tl.constexpr):
+    """Rows ``rows`` of head (b, h) of a ``[B, H, n, width]`` tensor with strides (s_b,
+    s_h, s_n, 1), ``[len(rows), BLOCK]``, zero past n and width."""
+    cols = tl.arange(0, BLOCK)
+    return tl.load(PTR + b * s_b + h * s_h + rows[:, None] * s_n + cols[None, :],
+                   mask=(rows < n)[:, None] & (cols < width)[None, :], other=0.0)
+
+
+@triton.jit
+def _store(PTR, bh, rows, n, width, value, BLOCK: tl.constexpr):
+    """``value`` into rows ``rows`` of matrix bh of a contiguous ``[BH, n, width]``."""
+    cols = tl.arange(0, BLOCK)
+    tl.store(PTR + bh * n * width + rows[:, None] * width + cols[None, :],
+             value.to(PTR.dtype.element_ty), mask=(rows < n)[:, None] & (cols < width)[None, :])
+
+
+@triton.jit
+def _query_offsets(q, c, F64: tl.constexpr):
+    """(q in the compute dtype, a_i = c |q_i|^2 / 2) for a query tile."""
+    qf = _compute(q, F64)
+    return qf, 0.5 * c * tl.sum(qf * qf, axis=1)
+
+
+@triton.jit
 def _key_offsets(k, cols, VALID, b, NK, c, HAS_VALID: tl.constexpr, F64: tl.constexpr):
     """b_j = c |k_j|^2 / 2 for a key tile ``k [BLOCK_N, BLOCK_D]``; +inf for padded and
     out-of-range keys (weight 0)."""
@@ -80,6 +104,27 @@ def _key_offsets(k, cols, VALID, b, NK, c, HAS_VALID: tl.constexpr, F64: tl.cons
 
 
 @triton.jit
+def _exponents(q, k, a, bn, rows, cols, c, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+               FMA: tl.constexpr):
+    """t = c q k^T - a - b for a query tile against a key tile, ``[len(rows),
+    len(cols)]`` in a's dtype; -inf above the diagonal when ``CAUSAL``."""
+    t = _dot(q, tl.trans(k), PRECISION, FMA).to(a.dtype) * c - a[:, None] - bn[None, :]
+    if CAUSAL:
+        t = tl.where(cols[None, :] <= rows[:, None], t, float("-inf"))
+    return t
+
+
+@triton.jit
+def _keys_seen(pid_m, NK, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """How many keys the queries of block pid_m see: all, or (causal) up to the block's
+    last query."""
+    if CAUSAL:
+        return tl.minimum(NK, (pid_m + 1) * BLOCK_M)
+    else:
+        return NK
+
+
+@triton.jit
 def _flash_forward_kernel(
     Q, K, V, VALID, OUT,
     sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
@@ -89,33 +134,22 @@ def _flash_forward_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
+    """C V for one block of queries, running over the keys."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // heads, bh % heads
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rd = tl.arange(0, BLOCK_D)
-    rv = tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + b * sq_b + h * sq_h + rows[:, None] * sq_n + rd[None, :],
-                mask=(rows < NQ)[:, None] & (rd < D)[None, :], other=0.0)
-    qf = _compute(q, F64)
-    a = 0.5 * c * tl.sum(qf * qf, axis=1)
+    q = _tile(Q, b, h, sq_b, sq_h, sq_n, rows, NQ, D, BLOCK_D)
+    qf, a = _query_offsets(q, c, F64)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=qf.dtype)
-    end = NK
-    if CAUSAL:
-        end = tl.minimum(NK, (pid_m + 1) * BLOCK_M)
-    for start in range(0, end, BLOCK_N):
+    for start in range(0, _keys_seen(pid_m, NK, BLOCK_M, CAUSAL), BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        k = tl.load(K + b * sk_b + h * sk_h + cols[:, None] * sk_n + rd[None, :],
-                    mask=(cols < NK)[:, None] & (rd < D)[None, :], other=0.0)
+        k = _tile(K, b, h, sk_b, sk_h, sk_n, cols, NK, D, BLOCK_D)
         bn = _key_offsets(k, cols, VALID, b, NK, c, HAS_VALID, F64)
-        t = _dot(q, tl.trans(k), PRECISION, FMA).to(qf.dtype) * c - a[:, None] - bn[None, :]
-        if CAUSAL:
-            t = tl.where(cols[None, :] <= rows[:, None], t, float("-inf"))
-        v = tl.load(V + b * sv_b + h * sv_h + cols[:, None] * sv_n + rv[None, :],
-                    mask=(cols < NK)[:, None] & (rv < DV)[None, :], other=0.0)
+        t = _exponents(q, k, a, bn, rows, cols, c, CAUSAL, PRECISION, FMA)
+        v = _tile(V, b, h, sv_b, sv_h, sv_n, cols, NK, DV, BLOCK_DV)
         acc += _dot(tl.exp2(t).to(v.dtype), v, PRECISION, FMA).to(qf.dtype)
-    tl.store(OUT + bh * NQ * DV + rows[:, None] * DV + rv[None, :],
-             acc.to(OUT.dtype.element_ty), mask=(rows < NQ)[:, None] & (rv < DV)[None, :])
+    _store(OUT, bh, rows, NQ, DV, acc, BLOCK_DV)
 
 
 @triton.jit
@@ -134,12 +168,8 @@ def _flash_key_grad_kernel(
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // heads, bh % heads
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rd = tl.arange(0, BLOCK_D)
-    rv = tl.arange(0, BLOCK_DV)
-    k = tl.load(K + b * sk_b + h * sk_h + cols[:, None] * sk_n + rd[None, :],
-                mask=(cols < NK)[:, None] & (rd < D)[None, :], other=0.0)
-    v = tl.load(V + b * sv_b + h * sv_h + cols[:, None] * sv_n + rv[None, :],
-                mask=(cols < NK)[:, None] & (rv < DV)[None, :], other=0.0)
+    k = _tile(K, b, h, sk_b, sk_h, sk_n, cols, NK, D, BLOCK_D)
+    v = _tile(V, b, h, sv_b, sv_h, sv_n, cols, NK, DV, BLOCK_DV)
     bn = _key_offsets(k, cols, VALID, b, NK, c, HAS_VALID, F64)
     kf = _compute(k, F64)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=kf.dtype)
@@ -150,12 +180,9 @@ def _flash_key_grad_kernel(
         start = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
     for m0 in range(start, NQ, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
-        q = tl.load(Q + b * sq_b + h * sq_h + rows[:, None] * sq_n + rd[None, :],
-                    mask=(rows < NQ)[:, None] & (rd < D)[None, :], other=0.0)
-        do = tl.load(DO + bh * NQ * DV + rows[:, None] * DV + rv[None, :],
-                     mask=(rows < NQ)[:, None] & (rv < DV)[None, :], other=0.0)
-        qf = _compute(q, F64)
-        a = 0.5 * c * tl.sum(qf * qf, axis=1)
+        q = _tile(Q, b, h, sq_b, sq_h, sq_n, rows, NQ, D, BLOCK_D)
+        do = _tile(DO, bh, 0, NQ * DV, 0, DV, rows, NQ, DV, BLOCK_DV)
+        _, a = _query_offsets(q, c, F64)
         t = _dot(k, tl.trans(q), PRECISION, FMA).to(kf.dtype) * c - bn[:, None] - a[None, :]
         live = (rows < NQ)[None, :]
         if CAUSAL:
@@ -165,11 +192,8 @@ def _flash_key_grad_kernel(
         ds = weights * _dot(v, tl.trans(do), PRECISION, FMA).to(kf.dtype)  # dS^T
         col_sums += tl.sum(ds, axis=1)
         dk += _dot(ds.to(q.dtype), q, PRECISION, FMA).to(kf.dtype)
-    dk = s * (dk - col_sums[:, None] * kf)
-    tl.store(DK + bh * NK * D + cols[:, None] * D + rd[None, :], dk.to(DK.dtype.element_ty),
-             mask=(cols < NK)[:, None] & (rd < D)[None, :])
-    tl.store(DV_OUT + bh * NK * DV + cols[:, None] * DV + rv[None, :],
-             dv.to(DV_OUT.dtype.element_ty), mask=(cols < NK)[:, None] & (rv < DV)[None, :])
+    _store(DK, bh, cols, NK, D, s * (dk - col_sums[:, None] * kf), BLOCK_D)
+    _store(DV_OUT, bh, cols, NK, DV, dv, BLOCK_DV)
 
 
 @triton.jit
@@ -187,35 +211,21 @@ def _flash_query_grad_kernel(
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // heads, bh % heads
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rd = tl.arange(0, BLOCK_D)
-    rv = tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + b * sq_b + h * sq_h + rows[:, None] * sq_n + rd[None, :],
-                mask=(rows < NQ)[:, None] & (rd < D)[None, :], other=0.0)
-    do = tl.load(DO + bh * NQ * DV + rows[:, None] * DV + rv[None, :],
-                 mask=(rows < NQ)[:, None] & (rv < DV)[None, :], other=0.0)
-    qf = _compute(q, F64)
-    a = 0.5 * c * tl.sum(qf * qf, axis=1)
+    q = _tile(Q, b, h, sq_b, sq_h, sq_n, rows, NQ, D, BLOCK_D)
+    do = _tile(DO, bh, 0, NQ * DV, 0, DV, rows, NQ, DV, BLOCK_DV)
+    qf, a = _query_offsets(q, c, F64)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=qf.dtype)
     row_sums = tl.zeros([BLOCK_M], dtype=qf.dtype)
-    end = NK
-    if CAUSAL:
-        end = tl.minimum(NK, (pid_m + 1) * BLOCK_M)
-    for start in range(0, end, BLOCK_N):
+    for start in range(0, _keys_seen(pid_m, NK, BLOCK_M, CAUSAL), BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        k = tl.load(K + b * sk_b + h * sk_h + cols[:, None] * sk_n + rd[None, :],
-                    mask=(cols < NK)[:, None] & (rd < D)[None, :], other=0.0)
-        v = tl.load(V + b * sv_b + h * sv_h + cols[:, None] * sv_n + rv[None, :],
-                    mask=(cols < NK)[:, None] & (rv < DV)[None, :], other=0.0)
+        k = _tile(K, b, h, sk_b, sk_h, sk_n, cols, NK, D, BLOCK_D)
+        v = _tile(V, b, h, sv_b, sv_h, sv_n, cols, NK, DV, BLOCK_DV)
         bn = _key_offsets(k, cols, VALID, b, NK, c, HAS_VALID, F64)
-        t = _dot(q, tl.trans(k), PRECISION, FMA).to(qf.dtype) * c - a[:, None] - bn[None, :]
-        if CAUSAL:
-            t = tl.where(cols[None, :] <= rows[:, None], t, float("-inf"))
+        t = _exponents(q, k, a, bn, rows, cols, c, CAUSAL, PRECISION, FMA)
         ds = tl.exp2(t) * _dot(do, tl.trans(v), PRECISION, FMA).to(qf.dtype)  # dS
         row_sums += tl.sum(ds, axis=1)
         dq += _dot(ds.to(k.dtype), k, PRECISION, FMA).to(qf.dtype)
-    dq = s * (dq - row_sums[:, None] * qf)
-    tl.store(DQ + bh * NQ * D + rows[:, None] * D + rd[None, :], dq.to(DQ.dtype.element_ty),
-             mask=(rows < NQ)[:, None] & (rd < D)[None, :])
+    _store(DQ, bh, rows, NQ, D, s * (dq - row_sums[:, None] * qf), BLOCK_D)
 
 
 def flash_precision(dtype: torch.dtype) -> str:
