@@ -94,7 +94,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   parallel=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8" || true)
   SKYFORMER_TEST_CUDA=1 stage tests 150 python3 -m pytest -q -p no:warnings \
       -p no:cacheprovider $parallel tests/gpu tests/test_contract.py tests/linalg \
-      tests/sketch/test_triton_draws.py
+      tests/sketch/test_triton_draws.py tests/ops/test_kernelized_flash.py
   [ -e "$out/tests.log" ] && tail -3 "$out/tests.log" > "$out/tests.txt"
 fi
 # The launch options of the Lemma 3 kernels (m = 128) and of the product kernels (model
