@@ -101,8 +101,9 @@ fi
 # shape, N = 16384), timed (each option compiles its kernels)
 stage tiles 120 python3 benchmarks/lemma3_tiles.py --out "$out/lemma3_tiles.json"
 stage ptiles 150 python3 benchmarks/product_tiles.py --out "$out/product_tiles.json"
+stage ftiles 90 python3 benchmarks/flash_tiles.py --out "$out/flash_tiles.json"
 tiles=()
-for file in "$out/lemma3_tiles.json" "$out/product_tiles.json"; do
+for file in "$out/lemma3_tiles.json" "$out/product_tiles.json" "$out/flash_tiles.json"; do
   [ -e "$file" ] && tiles+=("$file")
 done
 [ ${#tiles[@]} -gt 0 ] && tiles=(--tiles "${tiles[@]}")

@@ -1,16 +1,18 @@
-"""Launch options timed on the GPU by ``lemma3_tiles.py`` and ``product_tiles.py``, put in
-place of the library's defaults for a measurement (``gpu_kernels.py --tiles``,
-``gpu_profile.py --tiles``): the call as it will run once they are the defaults."""
+"""Launch options timed on the GPU by ``lemma3_tiles.py``, ``product_tiles.py`` and
+``flash_tiles.py``, put in place of the library's defaults for a measurement
+(``gpu_kernels.py --tiles``, ``gpu_profile.py --tiles``): the call as it will run once
+they are the defaults."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 
-import lemma3_tiles  # benchmarks/, beside this module
+import flash_tiles  # benchmarks/, beside this module
+import lemma3_tiles
 import product_tiles
 
-SWEEPS = {"lemma3": lemma3_tiles, "products": product_tiles}
+SWEEPS = {"lemma3": lemma3_tiles, "products": product_tiles, "flash": flash_tiles}
 
 
 @contextlib.contextmanager
@@ -22,8 +24,9 @@ def applied(paths: list[str] | None):
                 result = json.load(f)
             kind = result.get("kind")
             if kind not in SWEEPS:
-                raise SystemExit(f"{path}: not the output of lemma3_tiles.py or "
-                                 f"product_tiles.py (kind {kind!r}); run one of them first.")
+                raise SystemExit(f"{path}: not the output of lemma3_tiles.py, "
+                                 f"product_tiles.py or flash_tiles.py (kind {kind!r}); run "
+                                 "one of them first.")
             print(f"launch options from {path}:", flush=True)
             stack.enter_context(SWEEPS[kind].applied(result["best"]))
         yield

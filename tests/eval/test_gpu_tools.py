@@ -166,6 +166,34 @@ def test_product_tile_sweep_runs_on_the_cpu_under_the_interpreter(tmp_path):
         pass
 
 
+def test_flash_tile_sweep_runs_on_the_cpu_under_the_interpreter(tmp_path):
+    """benchmarks/flash_tiles.py end to end at one tiny size: each flash kernel's
+    candidates timed in an exact kernelized call, the defaults marked, the fastest
+    recorded, and ``tuned.applied`` launches what it recorded (other dtypes and head dims
+    keep the defaults)."""
+    from skyformer.ops.kernelized import triton_flash
+
+    out = tmp_path / "flash.json"
+    assert _load("flash_tiles").main(["--device", "cpu", "--forward", "32,16,4,1",
+                                      "--keys", "16,32,4,2", "--queries", "64,32,4,2",
+                                      "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    default = "own 64 step 32 warps 4 stages 2"  # float32 at head dim 16
+    assert {(row["kernel"], row["tiles"]) for row in result["rows"]} == {
+        ("forward", default), ("forward", "own 32 step 16 warps 4 stages 1"),
+        ("keys", default), ("keys", "own 16 step 32 warps 4 stages 2"),
+        ("queries", default)}  # a candidate equal to the default is timed once
+    assert sum(row["default"] for row in result["rows"]) == 3
+    best = result["best"]
+    assert (best["dtype"], best["head_dim"]) == ("float32", 16)
+    with _load("tuned").applied([str(out)]):
+        keys = triton_flash.flash_tiles(torch.float32, 16, "keys")
+        assert [keys["BLOCK_N"], keys["BLOCK_M"], keys["num_warps"], keys["num_stages"]] \
+            == best["keys"]
+        assert triton_flash.flash_tiles(torch.bfloat16, 64, "forward")["BLOCK_M"] == 128
+    assert triton_flash.flash_tiles(torch.float32, 16, "forward")["BLOCK_M"] == 64
+
+
 def test_gpu_script_runs_every_stage_past_failures_limits_and_reruns(tmp_path):
     """benchmarks/gpu.sh with a stand-in ``python3`` (CUDA present, one CUDA test failing,
     the kernel benchmark crashing, the LRA stage past its time limit): every later stage
@@ -212,7 +240,7 @@ def test_gpu_script_runs_every_stage_past_failures_limits_and_reruns(tmp_path):
     assert first.returncode == 1, first.stdout + first.stderr
     assert {name: status.split()[0] for name, status in stages().items()} == {
         "tests": "1", "profile": "0", "kernels": "2", "bench_float32": "0",
-        "bench_bfloat16": "0", "lra": "124", "tiles": "0", "ptiles": "0"}
+        "bench_bfloat16": "0", "lra": "124", "tiles": "0", "ptiles": "0", "ftiles": "0"}
     assert stages()["lra"].endswith("(time limit)")
     assert "1 failed" in (out / "tests.txt").read_text()
     assert "kernels crashed" in (out / "kernels.log").read_text()
@@ -222,9 +250,9 @@ def test_gpu_script_runs_every_stage_past_failures_limits_and_reruns(tmp_path):
 
     before = len(calls.read_text().splitlines())
     second = run()
-    assert second.stdout.count("done in an earlier run") == 7
+    assert second.stdout.count("done in an earlier run") == 8
     assert len(calls.read_text().splitlines()) == before + 3  # CUDA, xdist checks; lra
-    assert stages()["lra"].startswith("0 ") and len(stages()) == 8
+    assert stages()["lra"].startswith("0 ") and len(stages()) == 9
     assert second.returncode == 1  # tests and kernels failed, and stay so
     (out / ".done-tests").unlink()
     (out / ".done-kernels").unlink()
@@ -271,14 +299,14 @@ def test_gpu_script_runs_every_stage_past_failures_limits_and_reruns(tmp_path):
     calls.write_text("")
     only = tmp_path / "only"
     chosen = subprocess.run(["bash", str(BENCHMARKS / "gpu.sh"), str(only)],
-                            env=env(ONLY="tiles ptiles kernels", TILES="1",
+                            env=env(ONLY="tiles ptiles ftiles kernels", TILES="1",
                                     KERNELS_EXIT="0"),
                             capture_output=True, text=True, timeout=60)
     assert chosen.returncode == 0, chosen.stdout + chosen.stderr
-    assert set(stages_of(only)) == {"tiles", "ptiles", "kernels"}
+    assert set(stages_of(only)) == {"tiles", "ptiles", "ftiles", "kernels"}
     kernels = [line for line in calls.read_text().splitlines() if "gpu_kernels.py" in line]
-    assert len(kernels) == 1 and \
-        f"--tiles {only}/lemma3_tiles.json {only}/product_tiles.json" in kernels[0]
+    assert len(kernels) == 1 and (f"--tiles {only}/lemma3_tiles.json {only}/product_tiles.json "
+                                  f"{only}/flash_tiles.json") in kernels[0]
     assert "gpu_profile.py" not in calls.read_text()
 
 
