@@ -144,3 +144,22 @@ def test_float64_on_cuda_takes_the_sdpa_augmentation():
     q, k, v = (t.cuda() for t in make_qkv(1, 2, 30, 16))
     out = kernelized_attention(q, k, v, kernel="triton")
     torch.testing.assert_close(out, reference_kernelized_attention(q, k, v))
+
+
+def test_torch_compile_calls_the_flash_operators():
+    """``torch.compile(fullgraph=True)`` traces the method around the custom operators
+    (forward and backward): the eager results."""
+    q, k, v = (t.float() for t in make_qkv(2, 2, 24, 16, seed=12))
+    mask = _padding(2, 24, "cpu")
+
+    def attention(q, k, v):
+        return kernelized_attention(q, k, v, key_padding_mask=mask, causal=True,
+                                    kernel="triton")
+
+    results = []
+    for fn in (attention, torch.compile(attention, fullgraph=True)):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = fn(*leaves)
+        results.append([out, *_grads(out, leaves)])
+    for a, e in zip(*results, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-7)
