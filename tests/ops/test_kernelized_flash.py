@@ -163,3 +163,34 @@ def test_torch_compile_calls_the_flash_operators():
         results.append([out, *_grads(out, leaves)])
     for a, e in zip(*results, strict=True):
         torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-7)
+
+
+def test_only_the_gradients_asked_for_are_computed():
+    """Keys and values frozen: the key kernel is not launched, dq is the full
+    backward's; queries frozen: only dk and dv."""
+    from skyformer.ops.kernelized import triton_flash
+
+    q, k, v = make_qkv(1, 2, 30, 16, seed=13)
+    full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = kernelized_attention(*full, kernel="triton")
+    expected = _grads(out, full)
+    launched = []
+    original = triton_flash.flash_tiles
+
+    def recording(dtype, head_dim, kind):
+        launched.append(kind)
+        return original(dtype, head_dim, kind)
+
+    for frozen, kind in (((1, 2), "queries"), ((0,), "keys")):
+        leaves = [t.clone().requires_grad_(i not in frozen) for i, t in enumerate((q, k, v))]
+        out = kernelized_attention(*leaves, kernel="triton")
+        launched.clear()
+        triton_flash.flash_tiles = recording
+        try:
+            grads = _grads(out, [t for t in leaves if t.requires_grad])
+        finally:
+            triton_flash.flash_tiles = original
+        assert launched == [kind]
+        wanted = [g for i, g in enumerate(expected) if i not in frozen]
+        for a, e in zip(grads, wanted, strict=True):
+            torch.testing.assert_close(a, e, rtol=0, atol=0)

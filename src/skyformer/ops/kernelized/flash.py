@@ -39,14 +39,20 @@ def _(q, k, v, key_valid, s, causal):
 
 @torch.library.custom_op("skyformer::gaussian_flash_backward", mutates_args=())
 def flash_backward(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, grad: Tensor,
-                   s: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """``triton_flash.flash_backward``: (dq, dk, dv)."""
-    return _kernels().flash_backward(q, k, v, _valid(key_valid), grad, s, causal)
+                   s: float, causal: bool, need_q: bool, need_kv: bool
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+    """``triton_flash.flash_backward``: (dq, dk, dv); an empty dq without ``need_q``,
+    empty dk and dv without ``need_kv`` (their kernel is not launched)."""
+    dq, dk, dv = _kernels().flash_backward(q, k, v, _valid(key_valid), grad, s, causal,
+                                           need_q=need_q, need_kv=need_kv)
+    return (q.new_empty(0) if dq is None else dq, k.new_empty(0) if dk is None else dk,
+            v.new_empty(0) if dv is None else dv)
 
 
 @flash_backward.register_fake
-def _(q, k, v, key_valid, grad, s, causal):
-    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
+def _(q, k, v, key_valid, grad, s, causal, need_q, need_kv):
+    return (q.new_empty(q.shape if need_q else 0), k.new_empty(k.shape if need_kv else 0),
+            v.new_empty(v.shape if need_kv else 0))
 
 
 class GaussianFlashAttention(torch.autograd.Function):
@@ -79,8 +85,11 @@ class GaussianFlashAttention(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, key_valid = ctx.saved_tensors
         s, causal = ctx.options
-        dq, dk, dv = flash_backward(q, k, v, key_valid, grad, s, causal)
-        return dq, dk, dv, None, None, None
+        need_q, need_k, need_v = ctx.needs_input_grad[:3]
+        dq, dk, dv = flash_backward(q, k, v, key_valid, grad, s, causal, need_q,
+                                    need_k or need_v)
+        return (dq if need_q else None, dk if need_k else None, dv if need_v else None,
+                None, None, None)
 
 
 def flash_kernelized(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, s: float,

@@ -302,23 +302,27 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, s: 
 
 
 def flash_backward(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None,
-                   grad: Tensor, s: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+                   grad: Tensor, s: float, causal: bool, *, need_q: bool = True,
+                   need_kv: bool = True) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """(dq, dk, dv) of ``flash_forward`` for the output gradient ``grad``
-    ``[B, H, Nq, Dv]``; each in its input's shape and dtype (contiguous)."""
+    ``[B, H, Nq, Dv]``; each in its input's shape and dtype (contiguous), None where
+    not asked for (``need_q``; ``need_kv``: dk and dv, one kernel)."""
     q, k, v = (unit_last_stride(t) for t in (q, k, v))
     grad = grad.contiguous().to(q.dtype)
     b, h, nq, _ = q.shape
     nk = k.shape[2]
-    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-    if b * h == 0:
-        return dq, dk, dv
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if need_q else None
+    dk, dv = ((torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))
+              if need_kv else (None, None))
+    if b * h == 0 or nq == 0 or nk == 0:  # no weight at all: zero gradients
+        return tuple(None if t is None else t.zero_() for t in (dq, dk, dv))
     (valid, args), meta = _common(q, k, v, key_valid, s, causal)
-    if nq == 0 or nk == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
-    tiles = flash_tiles(q.dtype, q.shape[3], "keys")
-    _flash_key_grad_kernel[(triton.cdiv(nk, tiles["BLOCK_N"]), b * h)](
-        q, k, v, valid, grad, dk, dv, *args, s, **meta, **tiles)
-    tiles = flash_tiles(q.dtype, q.shape[3], "queries")
-    _flash_query_grad_kernel[(triton.cdiv(nq, tiles["BLOCK_M"]), b * h)](
-        q, k, v, valid, grad, dq, *args, s, **meta, **tiles)
+    if need_kv:
+        tiles = flash_tiles(q.dtype, q.shape[3], "keys")
+        _flash_key_grad_kernel[(triton.cdiv(nk, tiles["BLOCK_N"]), b * h)](
+            q, k, v, valid, grad, dk, dv, *args, s, **meta, **tiles)
+    if need_q:
+        tiles = flash_tiles(q.dtype, q.shape[3], "queries")
+        _flash_query_grad_kernel[(triton.cdiv(nq, tiles["BLOCK_M"]), b * h)](
+            q, k, v, valid, grad, dq, *args, s, **meta, **tiles)
     return dq, dk, dv
