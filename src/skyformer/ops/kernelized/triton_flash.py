@@ -22,7 +22,9 @@ masking (Nq = Nk) skips the blocks above the diagonal.
 
 Precision: bfloat16 / float16 inputs go to the tensor cores as they are (exact
 products, float32 sums), and the weights are rounded to the input dtype before their
-product with V or with Q, K (as flash attention rounds softmax's); float32 takes
+product with V or with Q, K (as flash attention rounds softmax's); dS is rounded once
+and its row and column sums are taken of the rounded numbers, so that the two terms of
+dQ (and dK) cancel exactly where q_i ~ k_j, whatever the size of q and k; float32 takes
 PyTorch's matmul precision (three TF32 passes at "highest", ``triton_kernels._mm``);
 float64 is exact (Triton's interpreter, for the tests). Norms and sums are float32
 (float64 for float64). This module imports Triton (``flash.py`` imports it only when
@@ -72,7 +74,7 @@ def _tile(PTR, b, h, s_b, s_h, s_n, rows, n, width, BLOCK: tl.constexpr):
     """Rows ``rows`` of head (b, h) of a ``[B, H, n, width]`` tensor with strides (s_b,
     s_h, s_n, 1), ``[len(rows), BLOCK]``, zero past n and width."""
     cols = tl.arange(0, BLOCK)
-    return tl.load(PTR + b * s_b + h * s_h + rows[:, None] * s_n + cols[None, :],
+    return tl.load(PTR + b * s_b + h * s_h + rows.to(tl.int64)[:, None] * s_n + cols[None, :],
                    mask=(rows < n)[:, None] & (cols < width)[None, :], other=0.0)
 
 
@@ -80,7 +82,7 @@ def _tile(PTR, b, h, s_b, s_h, s_n, rows, n, width, BLOCK: tl.constexpr):
 def _store(PTR, bh, rows, n, width, value, BLOCK: tl.constexpr):
     """``value`` into rows ``rows`` of matrix bh of a contiguous ``[BH, n, width]``."""
     cols = tl.arange(0, BLOCK)
-    tl.store(PTR + bh * n * width + rows[:, None] * width + cols[None, :],
+    tl.store(PTR + bh * n * width + rows.to(tl.int64)[:, None] * width + cols[None, :],
              value.to(PTR.dtype.element_ty), mask=(rows < n)[:, None] & (cols < width)[None, :])
 
 
@@ -136,8 +138,8 @@ def _flash_forward_kernel(
 ):
     """C V for one block of queries, running over the keys."""
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    b, h = bh // heads, bh % heads
+    h, b = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    bh = b * heads + h
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     q = _tile(Q, b, h, sq_b, sq_h, sq_n, rows, NQ, D, BLOCK_D)
     qf, a = _query_offsets(q, c, F64)
@@ -165,8 +167,8 @@ def _flash_key_grad_kernel(
     """dK and dV of one block of keys, running over the queries (transposed tiles:
     [keys, queries])."""
     pid_n = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    b, h = bh // heads, bh % heads
+    h, b = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    bh = b * heads + h
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k = _tile(K, b, h, sk_b, sk_h, sk_n, cols, NK, D, BLOCK_D)
     v = _tile(V, b, h, sv_b, sv_h, sv_n, cols, NK, DV, BLOCK_DV)
@@ -189,9 +191,11 @@ def _flash_key_grad_kernel(
             live = live & (cols[:, None] <= rows[None, :])
         weights = tl.where(live, tl.exp2(t), 0.0)  # C^T, [BLOCK_N, BLOCK_M]
         dv += _dot(weights.to(do.dtype), do, PRECISION, FMA).to(kf.dtype)
-        ds = weights * _dot(v, tl.trans(do), PRECISION, FMA).to(kf.dtype)  # dS^T
-        col_sums += tl.sum(ds, axis=1)
-        dk += _dot(ds.to(q.dtype), q, PRECISION, FMA).to(kf.dtype)
+        # dS^T, rounded to the inputs' dtype once: its product with Q and its sums use
+        # the same numbers, so that dS^T Q - (dS^T 1) k cancels exactly where q ~ k
+        ds = (weights * _dot(v, tl.trans(do), PRECISION, FMA).to(kf.dtype)).to(q.dtype)
+        col_sums += tl.sum(ds.to(kf.dtype), axis=1)
+        dk += _dot(ds, q, PRECISION, FMA).to(kf.dtype)
     _store(DK, bh, cols, NK, D, s * (dk - col_sums[:, None] * kf), BLOCK_D)
     _store(DV_OUT, bh, cols, NK, DV, dv, BLOCK_DV)
 
@@ -208,8 +212,8 @@ def _flash_query_grad_kernel(
 ):
     """dQ of one block of queries, running over the keys."""
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    b, h = bh // heads, bh % heads
+    h, b = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    bh = b * heads + h
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     q = _tile(Q, b, h, sq_b, sq_h, sq_n, rows, NQ, D, BLOCK_D)
     do = _tile(DO, bh, 0, NQ * DV, 0, DV, rows, NQ, DV, BLOCK_DV)
@@ -222,9 +226,10 @@ def _flash_query_grad_kernel(
         v = _tile(V, b, h, sv_b, sv_h, sv_n, cols, NK, DV, BLOCK_DV)
         bn = _key_offsets(k, cols, VALID, b, NK, c, HAS_VALID, F64)
         t = _exponents(q, k, a, bn, rows, cols, c, CAUSAL, PRECISION, FMA)
-        ds = tl.exp2(t) * _dot(do, tl.trans(v), PRECISION, FMA).to(qf.dtype)  # dS
-        row_sums += tl.sum(ds, axis=1)
-        dq += _dot(ds.to(k.dtype), k, PRECISION, FMA).to(qf.dtype)
+        # dS, rounded once (as in the key kernel)
+        ds = (tl.exp2(t) * _dot(do, tl.trans(v), PRECISION, FMA).to(qf.dtype)).to(k.dtype)
+        row_sums += tl.sum(ds.to(qf.dtype), axis=1)
+        dq += _dot(ds, k, PRECISION, FMA).to(qf.dtype)
     _store(DQ, bh, rows, NQ, D, s * (dq - row_sums[:, None] * qf), BLOCK_D)
 
 
@@ -241,18 +246,26 @@ def flash_tiles(dtype: torch.dtype, head_dim: int, kind: str) -> dict:
     or ``BLOCK_N`` keys for ``"keys"``), the block of its loop, warps and pipeline
     stages. Half types: blocks as FlashAttention-2's; float32 (three TF32 products a
     dot) and float64 (the interpreter) smaller. Chosen from the kernels compiled for
-    sm_90 (``benchmarks/triton_resources.py``): none spills at head dim 64 (bfloat16,
-    float16) or 32 (float32); 8 warps from head dim 128 (4 spill there), whose key
-    kernel takes 32 queries a step (64 spill). Not timed on a GPU yet."""
-    wide = head_dim > 64
+    sm_90 (``benchmarks/triton_resources.py``, Triton 3.6 and 3.9): none spills in half
+    types up to head dim 256 (8 warps from 128, where 4 spill; smaller blocks above 128)
+    nor in float32 at head dim 32; float32 spills up to 120 bytes a thread at 64-128 and
+    370-500 bytes in the backward kernels at 256 (16 x 16 blocks, the least). Not timed
+    on a GPU yet (``benchmarks/flash_tiles.py`` times candidates)."""
     if dtype == torch.float64:
         own, step, warps, stages = 32, 32, 4, 1
     elif dtype == torch.float32:
-        own, step, warps, stages = 64 if head_dim <= 32 else 32, 32 if head_dim <= 64 else 16, \
-            4 if head_dim <= 64 else 8, 2
+        if head_dim > 128:
+            own, step, warps, stages = 16, 16, 8, 1
+        else:
+            own, step, warps, stages = (64 if head_dim <= 32 else 32,
+                                        32 if head_dim <= 64 else 16,
+                                        4 if head_dim <= 64 else 8, 2)
+    elif head_dim > 128:
+        own, step, warps, stages = (64, 32, 8, 1) if kind == "forward" else (32, 32, 8, 1)
     elif kind == "forward":
-        own, step, warps, stages = 128, 64, 8 if wide else 4, 2
+        own, step, warps, stages = 128, 64, 8 if head_dim > 64 else 4, 2
     else:
+        wide = head_dim > 64
         own, step, warps, stages = 64, 32 if wide and kind == "keys" else 64, \
             8 if wide else 4, 2
     if kind == "keys":
@@ -296,7 +309,7 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, s: 
         return out
     (valid, args), meta = _common(q, k, v, key_valid, s, causal)
     tiles = flash_tiles(q.dtype, q.shape[3], "forward")
-    grid = (triton.cdiv(nq, tiles["BLOCK_M"]), b * h)
+    grid = (triton.cdiv(nq, tiles["BLOCK_M"]), h, b)
     _flash_forward_kernel[grid](q, k, v, valid, out, *args, **meta, **tiles)
     return out
 
@@ -319,10 +332,10 @@ def flash_backward(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None,
     (valid, args), meta = _common(q, k, v, key_valid, s, causal)
     if need_kv:
         tiles = flash_tiles(q.dtype, q.shape[3], "keys")
-        _flash_key_grad_kernel[(triton.cdiv(nk, tiles["BLOCK_N"]), b * h)](
+        _flash_key_grad_kernel[(triton.cdiv(nk, tiles["BLOCK_N"]), h, b)](
             q, k, v, valid, grad, dk, dv, *args, s, **meta, **tiles)
     if need_q:
         tiles = flash_tiles(q.dtype, q.shape[3], "queries")
-        _flash_query_grad_kernel[(triton.cdiv(nq, tiles["BLOCK_M"]), b * h)](
+        _flash_query_grad_kernel[(triton.cdiv(nq, tiles["BLOCK_M"]), h, b)](
             q, k, v, valid, grad, dq, *args, s, **meta, **tiles)
     return dq, dk, dv
