@@ -353,3 +353,37 @@ def test_the_products_precision_follows_the_rows_dtype_the_gpu_and_the_interpret
         assert triton_kernels._precision(torch.float32, torch.bfloat16, cuda) == "bf16x3"
     finally:
         torch.set_float32_matmul_precision(previous)
+
+
+def test_more_matrices_than_a_cuda_grid_holds_go_in_slices(monkeypatch, triton_interpreter):
+    """CUDA grids hold at most 65535 along their second dimension, where the product
+    kernels put the matrix index: a call with more matrices is launched in slices (here
+    with the limit lowered to 4 for 6 matrices), with the same results."""
+    from skyformer.linalg import triton_kernels
+
+    q, k, v = (torch.randn(3, 2, 40, 16, generator=torch.Generator().manual_seed(i),
+                           dtype=torch.float64) for i in range(3))
+
+    def run():
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = skyformer.attention(*leaves, "skyformer", kernel="triton", num_features=8,
+                                  generator=skyformer.random_key(1))
+        return [out, *torch.autograd.grad(out.square().sum(), leaves)]
+
+    expected = run()
+    grids = []
+
+    class Recording:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return self.kernel[grid]
+
+    monkeypatch.setattr(triton_kernels, "MAX_GRID_YZ", 4)
+    for name in ("_rows_kernel", "_cols_kernel"):
+        monkeypatch.setattr(triton_kernels, name, Recording(getattr(triton_kernels, name)))
+    for a, e in zip(run(), expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+    assert grids and max(grid[1] for grid in grids) == 4 and min(g[1] for g in grids) == 2

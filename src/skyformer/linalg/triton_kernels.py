@@ -325,6 +325,31 @@ def _col_tiles(bd: int, br: int, dtype: torch.dtype, half_rows: bool = False
     return (64 if wide <= 64 else 32), columns, 4, STAGES
 
 
+# CUDA's limit on a launch grid's second and third dimensions: the kernels put the
+# matrix index (batch x head) on the second, so a call with more matrices is launched
+# in slices of at most this many (the first dimension's limit is 2^31 - 1).
+MAX_GRID_YZ = 65535
+
+
+def _in_slices_of_matrices(product):
+    """``product(*tensors, **options)`` over slices of at most ``MAX_GRID_YZ`` matrices
+    along dim 0 of its tensor arguments (each ``[BH, ...]`` or None), outputs joined."""
+
+    @functools.wraps(product)
+    def run(*tensors, **options):
+        bh = tensors[0].shape[0]
+        if bh <= MAX_GRID_YZ:
+            return product(*tensors, **options)
+        parts = [product(*(None if t is None else t[start:start + MAX_GRID_YZ]
+                           for t in tensors), **options)
+                 for start in range(0, bh, MAX_GRID_YZ)]
+        return tuple(None if outs[0] is None else torch.cat(outs)
+                     for outs in zip(*parts, strict=True))
+
+    return run
+
+
+@_in_slices_of_matrices
 def rows_product(
     y: Tensor, x: Tensor, a: Tensor | None, b: Tensor | None, vm: Tensor,
     vn: Tensor | None, exclude: Tensor | None, *,
@@ -380,6 +405,7 @@ def _splits(n: int, blocks: int, block_n: int, device: torch.device) -> int:
     return max(1, min(triton.cdiv(n, block_n), triton.cdiv(4 * sms, max(1, blocks))))
 
 
+@_in_slices_of_matrices
 def cols_product(
     y: Tensor, x: Tensor, a: Tensor | None, b: Tensor | None, vn: Tensor,
     vm: Tensor | None, exclude: Tensor | None, *, write_out1: bool = True,
