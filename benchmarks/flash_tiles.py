@@ -22,16 +22,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 from unittest import mock
 
+import tile_sweep
 import torch
 from gpu_device import device_problem  # benchmarks/, beside this script
 
 import skyformer
-from skyformer.eval.measure.timing import interleaved_median_seconds
-from skyformer.io import atomic_write_text
 from skyformer.ops.kernelized import triton_flash
 
 # compiled for sm_90 at D = 64, bfloat16, by Triton 3.6.0 (triton_resources.py's
@@ -105,35 +103,9 @@ def measure(shape: str, n: int, specs: dict[str, list[str]], device: str, repeat
                 for kind in CANDIDATES}
     options = {kind: [defaults[kind]] + [t for t in map(_tiles, specs[kind])
                                          if t != defaults[kind]] for kind in CANDIDATES}
-    calls = {}
-    for kind, candidates in options.items():
-        for tiles in candidates:
-            got = call(kind, tiles)()
-            error = max(_relative(a, r) for a, r in zip(got, reference, strict=True))
-            if error > 2e-2:  # a broken candidate: report it, do not time it
-                print(f"{shape} N={n} {kind} {_label(tiles)}: differs from the default by "
-                      f"{error:.2e}", flush=True)
-                continue
-            calls[f"{kind}/{_label(tiles)}"] = call(kind, tiles)
-    times = interleaved_median_seconds(calls, device=device, warmup=2, repeats=repeats)
-    rows = []
-    for name, seconds in times.items():
-        kind, label = name.split("/")
-        rows.append({"shape": shape, "n": n, "kernel": kind, "tiles": label,
-                     "ms": seconds * 1e3, "default": label == _label(defaults[kind])})
-    for row in sorted(rows, key=lambda r: (r["kernel"], r["ms"])):
-        print(f"{shape:18s} N={n:6d} {row['kernel']:7s} {row['tiles']:34s} {row['ms']:9.3f} ms"
-              f"{'  (default)' if row['default'] else ''}", flush=True)
-    best = {}
-    for kind, candidates in options.items():
-        fastest = min((r for r in rows if r["kernel"] == kind), key=lambda r: r["ms"])
-        best[kind] = next(list(t) for t in candidates if _label(t) == fastest["tiles"])
+    rows, best = tile_sweep.sweep(call, reference, options, defaults, _label, shape=shape,
+                                  n=n, device=device, repeats=repeats)
     return rows, {"dtype": dtype_name, "head_dim": int(d)} | best
-
-
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 @contextlib.contextmanager
@@ -169,14 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     n = args.seq_len or (8192 if on_gpu else 64)
     rows, best = measure(shape, n, {kind: getattr(args, kind) for kind in CANDIDATES},
                          args.device, args.repeats or (7 if on_gpu else 1))
-    for kind in CANDIDATES:
-        print(f"fastest {kind}: {_label(best[kind])}", flush=True)
-    device_name = torch.cuda.get_device_name() if on_gpu else "cpu (interpreter)"
-    if args.out:
-        atomic_write_text(args.out, json.dumps(
-            {"kind": "flash", "device": device_name, "torch": torch.__version__,
-             "rows": rows, "best": best}, indent=1))
-        print(f"wrote {args.out}")
+    tile_sweep.record("flash", rows, best, CANDIDATES, _label, args.out, on_gpu)
     return 0
 
 

@@ -23,16 +23,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 from unittest import mock
 
+import tile_sweep
 import torch
 from gpu_device import device_problem  # benchmarks/, beside this script
 
 import skyformer
-from skyformer.eval.measure.timing import interleaved_median_seconds
-from skyformer.io import atomic_write_text
 from skyformer.linalg import triton_kernels
 
 # compiled for sm_90 at D = 64, bfloat16 inputs: at most 32 bytes of spills a thread in
@@ -82,35 +80,9 @@ def measure(shape: str, n: int, features: int, specs: dict[str, list[str]], devi
     options = {kernel: [defaults[kernel]] + [t for t in map(_tiles, specs[kernel])
                                              if t != defaults[kernel]]
                for kernel in KERNELS}
-    calls = {}
-    for kernel, candidates in options.items():
-        for tiles in candidates:
-            got = call(kernel, tiles)()
-            error = max(_relative(a, r) for a, r in zip(got, reference, strict=True))
-            if error > 2e-2:  # a broken candidate: report it, do not time it
-                print(f"{shape} N={n} {kernel} {_label(tiles)}: differs from the default by "
-                      f"{error:.2e}", flush=True)
-                continue
-            calls[f"{kernel}/{_label(tiles)}"] = call(kernel, tiles)
-    times = interleaved_median_seconds(calls, device=device, warmup=2, repeats=repeats)
-    rows = []
-    for name, seconds in times.items():
-        kernel, label = name.split("/")
-        rows.append({"shape": shape, "n": n, "kernel": kernel, "tiles": label,
-                     "ms": seconds * 1e3, "default": label == _label(defaults[kernel])})
-    for row in sorted(rows, key=lambda r: (r["kernel"], r["ms"])):
-        print(f"{shape:18s} N={n:6d} {row['kernel']:5s} {row['tiles']:28s} {row['ms']:9.3f} ms"
-              f"{'  (default)' if row['default'] else ''}", flush=True)
-    best = {}
-    for kernel, candidates in options.items():
-        fastest = min((r for r in rows if r["kernel"] == kernel), key=lambda r: r["ms"])
-        best[kernel] = next(list(t) for t in candidates if _label(t) == fastest["tiles"])
+    rows, best = tile_sweep.sweep(call, reference, options, defaults, _label, shape=shape,
+                                  n=n, device=device, repeats=repeats)
     return rows, {"width": width} | best
-
-
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 @contextlib.contextmanager
@@ -165,14 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     n = args.seq_len or (16384 if on_gpu else 64)
     rows, best = measure(shape, n, args.features, {"rows": args.rows, "cols": args.cols},
                          args.device, args.repeats or (7 if on_gpu else 1))
-    for kernel in KERNELS:
-        print(f"fastest {kernel}: {_label(best[kernel])}", flush=True)
-    device_name = torch.cuda.get_device_name() if on_gpu else "cpu (interpreter)"
-    if args.out:
-        atomic_write_text(args.out, json.dumps(
-            {"kind": "products", "device": device_name, "torch": torch.__version__,
-             "rows": rows, "best": best}, indent=1))
-        print(f"wrote {args.out}")
+    tile_sweep.record("products", rows, best, KERNELS, _label, args.out, on_gpu)
     return 0
 
 

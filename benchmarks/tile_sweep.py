@@ -1,0 +1,71 @@
+"""The timing loop the launch-option sweeps share (``product_tiles.py``,
+``flash_tiles.py``): each kernel's candidates checked against the default's results,
+timed interleaved, printed, and the fastest of each kernel picked."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+
+import torch
+
+from skyformer.eval.measure.timing import interleaved_median_seconds
+from skyformer.io import atomic_write_text
+
+# A candidate whose output or gradients differ from the default's by more than this
+# (relative) is broken: reported, not timed. Above the half types' rounding.
+TOLERANCE = 2e-2
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64."""
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def sweep(call: Callable[[str, tuple], Callable[[], list]], reference: list,
+          options: dict[str, list[tuple]], defaults: dict[str, tuple],
+          label: Callable[[tuple], str], *, shape: str, n: int, device: str, repeats: int
+          ) -> tuple[list[dict], dict[str, list]]:
+    """(one row per kernel and candidate: the call's ms; the fastest candidate of each
+    kernel). ``call(kernel, tiles)`` makes the measured call with that kernel launched
+    under ``tiles`` (returning its output and gradients, compared with ``reference``);
+    ``options[kernel]`` lists the candidates, its default first."""
+    calls = {}
+    for kernel, candidates in options.items():
+        for tiles in candidates:
+            got = call(kernel, tiles)()
+            error = max(relative(a, r) for a, r in zip(got, reference, strict=True))
+            if error > TOLERANCE:
+                print(f"{shape} N={n} {kernel} {label(tiles)}: differs from the default by "
+                      f"{error:.2e}", flush=True)
+                continue
+            calls[f"{kernel}/{label(tiles)}"] = call(kernel, tiles)
+    times = interleaved_median_seconds(calls, device=device, warmup=2, repeats=repeats)
+    rows = []
+    for name, seconds in times.items():
+        kernel, tiles_label = name.split("/")
+        rows.append({"shape": shape, "n": n, "kernel": kernel, "tiles": tiles_label,
+                     "ms": seconds * 1e3, "default": tiles_label == label(defaults[kernel])})
+    for row in sorted(rows, key=lambda r: (r["kernel"], r["ms"])):
+        print(f"{shape:18s} N={n:6d} {row['kernel']:7s} {row['tiles']:34s} {row['ms']:9.3f} ms"
+              f"{'  (default)' if row['default'] else ''}", flush=True)
+    best = {}
+    for kernel, candidates in options.items():
+        fastest = min((r for r in rows if r["kernel"] == kernel), key=lambda r: r["ms"])
+        best[kernel] = next(list(t) for t in candidates if label(t) == fastest["tiles"])
+    return rows, best
+
+
+def record(kind: str, rows: list[dict], best: dict, kernels: Iterable[str],
+           label: Callable[[tuple], str], out: str | None, on_gpu: bool) -> None:
+    """Prints the fastest options of each kernel and writes the sweep's JSON (``kind``
+    tells ``tuned.applied`` which sweep wrote it) atomically to ``out``."""
+    for kernel in kernels:
+        print(f"fastest {kernel}: {label(best[kernel])}", flush=True)
+    device_name = torch.cuda.get_device_name() if on_gpu else "cpu (interpreter)"
+    if out:
+        atomic_write_text(out, json.dumps(
+            {"kind": kind, "device": device_name, "torch": torch.__version__,
+             "rows": rows, "best": best}, indent=1))
+        print(f"wrote {out}")
