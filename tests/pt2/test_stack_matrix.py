@@ -68,6 +68,24 @@ def test_compile_fullgraph_equals_eager(method, matrix):
                                                                    key=key))
 
 
+@pytest.mark.parametrize("function", [skyformer.softmax_attention,
+                                      skyformer.kernelized_attention,
+                                      skyformer.skyformer_attention,
+                                      skyformer.nystrom_softmax_attention])
+def test_compile_fullgraph_of_the_direct_functions(function):
+    """The functions called by name (not through ``attention`` or ``bind``) compile too:
+    their wrapper once split its keyword arguments with a set operation that Dynamo
+    2.11 could not trace."""
+    q, k, v = make_qkv(2, 2, 24, 8, dtype=torch.float32)
+    mask, key = padded(2, 24, 19), random_key(2)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: function(q, k, v, key_padding_mask=mask,
+                                                      generator=key),
+                             fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(q, k, v),
+                               function(q, k, v, key_padding_mask=mask, generator=key))
+
+
 @pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
                     reason="inductor on CPU needs a C++ compiler")
 @pytest.mark.parametrize("method", INDUCTOR_CASES)

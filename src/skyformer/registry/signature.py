@@ -106,7 +106,9 @@ def public_function(
     def public(q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask: Tensor | None = None,
                query_padding_mask: Tensor | str | None = "auto", generator: Any = None,
                **kwargs: Any) -> Tensor:
-        state = {name: kwargs.pop(name) for name in state_names & kwargs.keys()}
+        # a loop, not ``state_names & kwargs.keys()``: Dynamo 2.11 cannot trace that set
+        # operation (frozenset & dict_keys), so torch.compile refused the direct functions
+        state = {name: kwargs.pop(name) for name in state_names if name in kwargs}
         config = make_config(kwargs)
         return call_core(core, q, k, v, config, key_padding_mask=key_padding_mask,
                          query_padding_mask=query_padding_mask, generator=generator, **state)
