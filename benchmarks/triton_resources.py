@@ -199,6 +199,8 @@ def _label(launch: dict) -> str:
                              if "pointer" in a and a["pointer"] in ("fp32", "bf16", "fp16",
                                                                      "fp64")}))
     precision = c.get("PRECISION", "").replace("-interpreted", "")
+    if "PASS" in c:  # a kernel launched once a pass (the Lemma 3 chain): which one
+        flags.append(f"pass {c['PASS']} rows {c['ROWS']}")
     return f"{launch['kernel']} [{types}; {tiles}; {precision}; {' '.join(flags)}]"
 
 

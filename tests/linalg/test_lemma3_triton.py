@@ -131,6 +131,68 @@ def test_fused_landmark_inverse_equals_the_equations(device, dtype, case):
     assert relative_error(grad, grad_ref) < tolerance
 
 
+def _launch_per_pass(monkeypatch, rows):
+    """Both Lemma 3 kernels launched a pass at a time, ``rows`` rows a program."""
+    from skyformer.linalg import triton_lemma3, triton_lemma3_backward
+
+    default = triton_lemma3.launch_options
+
+    def per_pass(m, backward=False):
+        option = default(m, backward)
+        tile = min(rows, option["BLOCK"])
+        return {**option, "ROWS": tile, "KC": tile, "PER_PASS": True}
+
+    monkeypatch.setattr(triton_lemma3, "launch_options", per_pass)
+    monkeypatch.setattr(triton_lemma3_backward, "launch_options", per_pass)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("case, rows, from_rows, dtype", [
+    ((1, 1, 1, 16), 16, True, torch.float64), ((2, 3, 5, 8), 16, False, torch.float64),
+    ((1, 2, 37, 40), 16, True, torch.float64), ((2, 1, 37, 8), 32, False, torch.float32),
+    ((1, 1, 65, 16), 32, True, torch.float32), ((1, 1, 65, 16), 32, False, torch.float64)])
+def test_a_launch_per_pass_equals_one_program_per_matrix(monkeypatch, device, case, rows,
+                                                         from_rows, dtype):
+    """The chain as one launch a pass (a program per block of rows, the passes ordered
+    by the stream) gives one program per matrix's W and gradient (the same products
+    of the same tiles: to rounding) and the equations'."""
+    if device == "cuda" and dtype == torch.float64:
+        pytest.skip("float64 takes the PyTorch path on CUDA (lemma3_triton)")
+    x, live = _rows(*case, dtype, device)
+    weights = torch.randn(*case[:2], case[2], case[2], dtype=torch.float64,
+                          generator=torch.Generator().manual_seed(1))
+    if from_rows:
+        def call(t):
+            return _inverse_of_rows(t, live, "triton")
+        source = x
+    else:
+        def call(t):
+            return lemma3_inverse(t, gamma=GAMMA, live=live, kernel="triton")
+        norm = torch.where(live[:, None, :], half_sq_norm(x), float("inf"))
+        source = gaussian_kernel_block(x, x, norm, norm)
+    w_program, grad_program = _value_and_grad(call, source, weights)
+    _launch_per_pass(monkeypatch, rows)
+    with _operator_names() as calls:
+        w, grad = _value_and_grad(call, source, weights)
+    assert "skyformer::lemma3_inverse_backward" in calls.items
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-5
+    assert relative_error(w, w_program) < tolerance
+    assert relative_error(grad, grad_program) < tolerance
+    if from_rows:
+        def reference(t):
+            t, lv = t.double().cpu(), live.cpu()
+            n = torch.where(lv[:, None, :], half_sq_norm(t), torch.tensor(float("inf")).double())
+            return _reference(gaussian_kernel_block(t, t, n, n), lv, 6)
+    else:
+        def reference(t):
+            return _reference(t, live, 6)
+    w_ref, grad_ref = _value_and_grad(reference, source.double().cpu(), weights)
+    assert relative_error(w, w_ref) < (1e-10 if dtype == torch.float64 else 2e-4)
+    live_grad = grad if from_rows else _live_block(grad, live)
+    live_ref = grad_ref if from_rows else _live_block(grad_ref, live)
+    assert relative_error(live_grad, live_ref) < (1e-10 if dtype == torch.float64 else 2e-4)
+
+
 def test_rows_take_the_kernel_with_the_products():
     x, live = _rows(2, 2, 9, 8, torch.float32, "cpu")
     with _operator_names() as calls:

@@ -19,7 +19,10 @@ Per step, V its input:
     P = A V,   T2 = 15I - 7P + P P,   T3 = 13I - P T2,   V' = V T3 / 4
 
 (P T1 = 7P - P P with T1 = 7I - P), each a pass over row blocks; the first step, from
-V_0 = I, is two (T2 from A, then V_1 = T3 / 4).
+V_0 = I, is two (T2 from A, then V_1 = T3 / 4). A pass (``forward_pass``) computes any
+block of rows from what earlier passes wrote, so the chain also runs as one launch per
+pass with a program per row block (``launch``, ``PER_PASS``): passes ordered by the
+stream instead of a barrier, more programs per matrix.
 
 Given the landmark rows X (scaled) and their half squared norms n instead of M
 (``FROM_ROWS``), the kernel forms M_ij = exp(x_i . x_j - n_i - n_j) itself.
@@ -58,47 +61,46 @@ _MR, _A, _P, _T2, _T3 = (tl.constexpr(i) for i in range(5))
 FORWARD_VECTORS = tl.constexpr(2)
 _D, _S = tl.constexpr(0), tl.constexpr(1)
 
+# The forward passes (``forward_passes``: their order), each computing the rows it is
+# given of one matrix, reading only what earlier passes wrote.
+REGULARISE, NORMALISE, FIRST_T2, FIRST_V = (tl.constexpr(i) for i in range(4))
+STEP_P, STEP_T2, STEP_T3, STEP_V, SCALE_W = (tl.constexpr(i) for i in range(4, 9))
+
 
 @triton.jit
-def regularise(M, X, XN, ridge, MAT_R, D_VEC, S_VEC, bh, m, D, FROM_ROWS: tl.constexpr,
-               TINY: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-               KC: tl.constexpr, PRECISION: tl.constexpr):
-    """One pass: M_r = C + diag(ridge) into ``MAT_R``, d = M_r 1 into ``D_VEC`` and
-    s = rsqrt(max(d, tiny)) into ``S_VEC``, where C is the landmark matrix M (loaded)
-    or (``FROM_ROWS``) the Gaussian block exp(x_i . x_j - n_i - n_j) of the landmark
-    rows X ``[m, D]`` with half squared norms n (+inf: a slot without a landmark).
-    Ends with a barrier."""
+def regularise_rows(M, X, XN, DIAG, MAT_R, D_VEC, S_VEC, bh, rows, m, D, heads,
+                    FROM_ROWS: tl.constexpr, TINY: tl.constexpr, BLOCK: tl.constexpr,
+                    ROWS: tl.constexpr, KC: tl.constexpr, PRECISION: tl.constexpr):
+    """Rows ``rows`` of M_r = C + diag(ridge) into ``MAT_R``, of d = M_r 1 into
+    ``D_VEC`` and of s = rsqrt(max(d, tiny)) into ``S_VEC``, where C is the landmark
+    matrix M (loaded) or (``FROM_ROWS``) the Gaussian block exp(x_i . x_j - n_i - n_j)
+    of the landmark rows X ``[m, D]`` with half squared norms n (+inf: a slot without a
+    landmark), and the ridge is row bh // heads of ``DIAG``."""
     cols = tl.arange(0, BLOCK)
-    for start in range(0, m, ROWS):
-        rows = start + tl.arange(0, ROWS)
-        if FROM_ROWS:
-            n_rows = tl.load(XN + bh * m + rows, mask=rows < m, other=float("inf"))
-            n_cols = tl.load(XN + bh * m + cols, mask=cols < m, other=float("inf"))
-            x = X + bh * m * D
-            dots = product_rows(x, D, False, x, D, True, rows, m, D, m, ROWS, BLOCK, KC,
-                                PRECISION)
-            block = tl.exp(dots - n_rows[:, None] - n_cols[None, :])
-        else:
-            block = rows_of(M + bh * m * m, rows, m, BLOCK)
-        block += eye_rows(rows, m, BLOCK) * ridge[None, :]
-        store_rows(MAT_R, rows, m, block, BLOCK)
-        d = tl.sum(block, axis=1)
-        tl.store(D_VEC + rows, d, mask=rows < m)
-        tl.store(S_VEC + rows, 1.0 / tl.sqrt(tl.maximum(d, TINY)), mask=rows < m)
-    tl.debug_barrier()
+    ridge = tl.load(DIAG + (bh // heads) * m + cols, mask=cols < m, other=0.0)
+    if FROM_ROWS:
+        n_rows = tl.load(XN + bh * m + rows, mask=rows < m, other=float("inf"))
+        n_cols = tl.load(XN + bh * m + cols, mask=cols < m, other=float("inf"))
+        x = X + bh * m * D
+        dots = product_rows(x, D, False, x, D, True, rows, m, D, m, ROWS, BLOCK, KC,
+                            PRECISION)
+        block = tl.exp(dots - n_rows[:, None] - n_cols[None, :])
+    else:
+        block = rows_of(M + bh * m * m, rows, m, BLOCK)
+    block += eye_rows(rows, m, BLOCK) * ridge[None, :]
+    store_rows(MAT_R, rows, m, block, BLOCK)
+    d = tl.sum(block, axis=1)
+    tl.store(D_VEC + rows, d, mask=rows < m)
+    tl.store(S_VEC + rows, 1.0 / tl.sqrt(tl.maximum(d, TINY)), mask=rows < m)
 
 
 @triton.jit
-def normalise(MAT_R, S_VEC, A, m, BLOCK: tl.constexpr, ROWS: tl.constexpr):
-    """One pass: A = S M_r S. Ends with a barrier."""
+def scaled_rows(P, S_VEC, rows, m, BLOCK: tl.constexpr):
+    """Rows ``rows`` of S P S, S = diag(``S_VEC``)."""
     cols = tl.arange(0, BLOCK)
     s_cols = tl.load(S_VEC + cols, mask=cols < m, other=0.0)
-    for start in range(0, m, ROWS):
-        rows = start + tl.arange(0, ROWS)
-        s_rows = tl.load(S_VEC + rows, mask=rows < m, other=0.0)
-        store_rows(A, rows, m, s_rows[:, None] * rows_of(MAT_R, rows, m, BLOCK)
-                   * s_cols[None, :], BLOCK)
-    tl.debug_barrier()
+    s_rows = tl.load(S_VEC + rows, mask=rows < m, other=0.0)
+    return s_rows[:, None] * rows_of(P, rows, m, BLOCK) * s_cols[None, :]
 
 
 @triton.jit
@@ -118,76 +120,138 @@ def t3_rows(P, T2, rows, m, ROWS: tl.constexpr, BLOCK: tl.constexpr, KC: tl.cons
 
 
 @triton.jit
+def forward_pass(PASS: tl.constexpr, step, rows, bh, M, X, XN, DIAG, W, STORE, SCR, VEC,
+                 m, D, heads, ITERATIONS: tl.constexpr, FROM_ROWS: tl.constexpr,
+                 TINY: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                 KC: tl.constexpr, PRECISION: tl.constexpr):
+    """Rows ``rows`` of pass ``PASS`` for matrix ``bh`` (the step passes: of the step
+    from V_step to V_step+1, 1 <= step < ITERATIONS)."""
+    size = m * m
+    scratch = SCR + bh * FORWARD_SLOTS * size
+    mat_r, a, t2 = scratch + _MR * size, scratch + _A * size, scratch + _T2 * size
+    s_vec = VEC + (bh * FORWARD_VECTORS + _S) * m
+    if PASS == REGULARISE:
+        regularise_rows(M, X, XN, DIAG, mat_r, VEC + (bh * FORWARD_VECTORS + _D) * m, s_vec,
+                        bh, rows, m, D, heads, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
+    elif PASS == NORMALISE:  # A = S M_r S
+        store_rows(a, rows, m, scaled_rows(mat_r, s_vec, rows, m, BLOCK), BLOCK)
+    elif PASS == FIRST_T2:  # step 1 from V_0 = I: P = A
+        store_rows(t2, rows, m, t2_rows(a, rows, m, ROWS, BLOCK, KC, PRECISION), BLOCK)
+    elif PASS == FIRST_V:  # V_1 = T3 / 4
+        store_rows(STORE + bh * ITERATIONS * size, rows, m,
+                   0.25 * t3_rows(a, t2, rows, m, ROWS, BLOCK, KC, PRECISION), BLOCK)
+    elif PASS == SCALE_W:  # W = S V_K S
+        v_last = STORE + (bh * ITERATIONS + ITERATIONS - 1) * size
+        store_rows(W + bh * size, rows, m, scaled_rows(v_last, s_vec, rows, m, BLOCK), BLOCK)
+    else:
+        v = STORE + (bh * ITERATIONS + step - 1) * size
+        p, t3 = scratch + _P * size, scratch + _T3 * size
+        if PASS == STEP_P:
+            value = square_rows(a, False, v, False, rows, m, ROWS, BLOCK, KC, PRECISION)
+            store_rows(p, rows, m, value, BLOCK)
+        elif PASS == STEP_T2:
+            store_rows(t2, rows, m, t2_rows(p, rows, m, ROWS, BLOCK, KC, PRECISION), BLOCK)
+        elif PASS == STEP_T3:
+            store_rows(t3, rows, m, t3_rows(p, t2, rows, m, ROWS, BLOCK, KC, PRECISION),
+                       BLOCK)
+        else:  # STEP_V: V' = V T3 / 4
+            value = square_rows(v, False, t3, False, rows, m, ROWS, BLOCK, KC, PRECISION)
+            store_rows(v + size, rows, m, 0.25 * value, BLOCK)
+
+
+@triton.jit
+def _all_rows(PASS: tl.constexpr, step, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D,
+              heads, ITERATIONS: tl.constexpr, FROM_ROWS: tl.constexpr, TINY: tl.constexpr,
+              BLOCK: tl.constexpr, ROWS: tl.constexpr, KC: tl.constexpr,
+              PRECISION: tl.constexpr):
+    """Pass ``PASS`` over every block of rows, then a barrier."""
+    for start in range(0, m, ROWS):
+        forward_pass(PASS, step, start + tl.arange(0, ROWS), bh, M, X, XN, DIAG, W, STORE,
+                     SCR, VEC, m, D, heads, ITERATIONS, FROM_ROWS, TINY, BLOCK, ROWS, KC,
+                     PRECISION)
+    tl.debug_barrier()
+
+
+@triton.jit
 def _forward_kernel(M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
                     ITERATIONS: tl.constexpr, FROM_ROWS: tl.constexpr, TINY: tl.constexpr,
                     BLOCK: tl.constexpr, ROWS: tl.constexpr, KC: tl.constexpr,
                     PRECISION: tl.constexpr):
+    """Every pass of ``forward_passes`` for matrix program_id(0), in order."""
     bh = tl.program_id(0).to(tl.int64)
-    size = m * m
-    scratch = SCR + bh * FORWARD_SLOTS * size
-    vectors = VEC + bh * FORWARD_VECTORS * m
-    a, p, t2, t3 = (scratch + _A * size, scratch + _P * size, scratch + _T2 * size,
-                    scratch + _T3 * size)
-    cols = tl.arange(0, BLOCK)
-    ridge = tl.load(DIAG + (bh // heads) * m + cols, mask=cols < m, other=0.0)
-    regularise(M, X, XN, ridge, scratch + _MR * size, vectors + _D * m, vectors + _S * m,
-               bh, m, D, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
-    normalise(scratch + _MR * size, vectors + _S * m, a, m, BLOCK, ROWS)
-    # step 1 from V_0 = I: P = A, V_1 = T3 / 4
-    v_1 = STORE + bh * ITERATIONS * size
-    for start in range(0, m, ROWS):
-        rows = start + tl.arange(0, ROWS)
-        store_rows(t2, rows, m, t2_rows(a, rows, m, ROWS, BLOCK, KC, PRECISION), BLOCK)
-    tl.debug_barrier()
-    for start in range(0, m, ROWS):
-        rows = start + tl.arange(0, ROWS)
-        store_rows(v_1, rows, m, 0.25 * t3_rows(a, t2, rows, m, ROWS, BLOCK, KC, PRECISION),
-                   BLOCK)
-    tl.debug_barrier()
-    for i in range(1, ITERATIONS):
-        v = STORE + (bh * ITERATIONS + i - 1) * size
-        for start in range(0, m, ROWS):
-            rows = start + tl.arange(0, ROWS)
-            store_rows(p, rows, m, square_rows(a, False, v, False, rows, m, ROWS, BLOCK, KC,
-                                               PRECISION), BLOCK)
-        tl.debug_barrier()
-        for start in range(0, m, ROWS):
-            rows = start + tl.arange(0, ROWS)
-            store_rows(t2, rows, m, t2_rows(p, rows, m, ROWS, BLOCK, KC, PRECISION), BLOCK)
-        tl.debug_barrier()
-        for start in range(0, m, ROWS):
-            rows = start + tl.arange(0, ROWS)
-            store_rows(t3, rows, m, t3_rows(p, t2, rows, m, ROWS, BLOCK, KC, PRECISION), BLOCK)
-        tl.debug_barrier()
-        for start in range(0, m, ROWS):
-            rows = start + tl.arange(0, ROWS)
-            store_rows(v + size, rows, m, 0.25 * square_rows(v, False, t3, False, rows, m, ROWS,
-                                                             BLOCK, KC, PRECISION), BLOCK)
-        tl.debug_barrier()
-    # W = S V_K S
-    v_last = STORE + (bh * ITERATIONS + ITERATIONS - 1) * size
-    s_cols = tl.load(vectors + _S * m + cols, mask=cols < m, other=0.0)
-    for start in range(0, m, ROWS):
-        rows = start + tl.arange(0, ROWS)
-        s_rows = tl.load(vectors + _S * m + rows, mask=rows < m, other=0.0)
-        store_rows(W + bh * size, rows, m, s_rows[:, None] * rows_of(v_last, rows, m, BLOCK)
-                   * s_cols[None, :], BLOCK)
+    _all_rows(REGULARISE, 0, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
+              ITERATIONS, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
+    _all_rows(NORMALISE, 0, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
+              ITERATIONS, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
+    _all_rows(FIRST_T2, 0, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
+              ITERATIONS, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
+    _all_rows(FIRST_V, 0, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
+              ITERATIONS, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
+    for step in range(1, ITERATIONS):
+        _all_rows(STEP_P, step, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
+                  ITERATIONS, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
+        _all_rows(STEP_T2, step, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
+                  ITERATIONS, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
+        _all_rows(STEP_T3, step, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
+                  ITERATIONS, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
+        _all_rows(STEP_V, step, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
+                  ITERATIONS, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
+    _all_rows(SCALE_W, 0, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
+              ITERATIONS, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
+
+
+@triton.jit(do_not_specialize=["step"])
+def _forward_pass_kernel(M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads, step,
+                         PASS: tl.constexpr, ITERATIONS: tl.constexpr,
+                         FROM_ROWS: tl.constexpr, TINY: tl.constexpr, BLOCK: tl.constexpr,
+                         ROWS: tl.constexpr, KC: tl.constexpr, PRECISION: tl.constexpr):
+    """One pass: rows block program_id(1) of matrix program_id(0)."""
+    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    forward_pass(PASS, step, rows, tl.program_id(0).to(tl.int64), M, X, XN, DIAG, W,
+                 STORE, SCR, VEC, m, D, heads, ITERATIONS, FROM_ROWS, TINY, BLOCK, ROWS, KC,
+                 PRECISION)
+
+
+def forward_passes(iterations: int) -> list[tuple[int, int]]:
+    """(pass, step) of the forward chain in order, as ``_forward_kernel`` runs them."""
+    steps = [(kind.value, step) for step in range(1, iterations)
+             for kind in (STEP_P, STEP_T2, STEP_T3, STEP_V)]
+    return [(REGULARISE.value, 0), (NORMALISE.value, 0), (FIRST_T2.value, 0),
+            (FIRST_V.value, 0), *steps, (SCALE_W.value, 0)]
+
+
+def launch(program_kernel, pass_kernel, passes: list[tuple[int, int]], bh: int, m: int,
+           args: tuple, options: dict) -> None:
+    """The chain of ``passes`` for ``bh`` matrices: all of it in one program per matrix
+    (``program_kernel``, a barrier between passes), or (``options["PER_PASS"]``) one
+    launch of ``pass_kernel`` per pass, a program per block of ``ROWS`` rows of each
+    matrix: more programs on the GPU (the row blocks of a pass are independent) for a
+    launch per pass (the stream orders them)."""
+    options = dict(options)
+    if not options.pop("PER_PASS", False):
+        program_kernel[(bh,)](*args, **options)
+        return
+    grid = (bh, triton.cdiv(m, options["ROWS"]))
+    for kind, step in passes:
+        pass_kernel[grid](*args, step, PASS=kind, **options)
 
 
 def launch_options(m: int, backward: bool = False) -> dict:
     """Tiles and warps of the forward (or ``backward``) Lemma 3 kernel: the matrix padded
     to a power of two (``BLOCK``, tl.dot needs >= 16), row blocks and inner chunks of 32
     (``ROWS``, ``KC``: a [32, 128] float32 accumulator), eight warps from m = 64, one
-    pipeline stage. Chosen from the compiled kernels' resources (sm_90: at most 24 bytes
+    pipeline stage, the whole chain in one program per matrix (``PER_PASS`` False; see
+    ``launch``). Chosen from the compiled kernels' resources (sm_90: at most 24 bytes
     of spills a thread, 16 KiB of shared memory at m = 128; four warps or more stages
     spill hundreds of bytes a thread there; benchmarks/triton_resources.py), and timed
     against the alternatives that compile cleanly (``benchmarks/lemma3_tiles.py``, H200,
     m = 128): the fastest for both kernels, the others up to 1.4x slower (64-row blocks
-    with warpgroup MMA too: the kernels wait on their chain of passes, not on MMAs)."""
+    with warpgroup MMA too: the kernels wait on their chain of passes, not on MMAs).
+    A launch per pass is not timed on a GPU yet."""
     block = max(16, triton.next_power_of_2(m))
     tile = min(block, 32)
     return {"BLOCK": block, "ROWS": tile, "KC": tile, "num_warps": 8 if block >= 64 else 4,
-            "num_stages": 1}
+            "num_stages": 1, "PER_PASS": False}
 
 
 def lemma3_forward(source: Tensor, norm: Tensor | None, ridge: Tensor, iterations: int
@@ -203,9 +267,11 @@ def lemma3_forward(source: Tensor, norm: Tensor | None, ridge: Tensor, iteration
     store = source.new_empty(bh, iterations, m, m)
     scratch = source.new_empty(bh, FORWARD_SLOTS.value, m, m)
     vectors = source.new_empty(bh, FORWARD_VECTORS.value, m)
-    _forward_kernel[(bh,)](
-        source, source, source if norm is None else norm, ridge, w, store, scratch, vectors,
-        m, d, bh // ridge.shape[0], ITERATIONS=iterations, FROM_ROWS=norm is not None,
-        TINY=torch.finfo(source.dtype).tiny, PRECISION=_precision(source.dtype),
-        **launch_options(m))
+    args = (source, source, source if norm is None else norm, ridge, w, store, scratch,
+            vectors, m, d, bh // ridge.shape[0])
+    options = {"ITERATIONS": iterations, "FROM_ROWS": norm is not None,
+               "TINY": torch.finfo(source.dtype).tiny, "PRECISION": _precision(source.dtype),
+               **launch_options(m)}
+    launch(_forward_kernel, _forward_pass_kernel, forward_passes(iterations), bh, m, args,
+           options)
     return w, store

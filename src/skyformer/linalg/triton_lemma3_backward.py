@@ -20,7 +20,10 @@ M2 T1^T = 7 M2 - M2 P^T):
     pass 4:  dA' = dA + dP V^T,          G'  = G T3^T / 4 + A^T dP
 
 and the first step, from V_0 = I (P = A, no product with V, no gradient to V_0), in
-two passes. Before them: M_r, d = M_r 1, s = d^-1/2, A and G = S dW S; after them,
+two passes. Every pass computes any block of rows from what earlier passes wrote (the
+sums over columns, ds and dn, read the transposed rows instead of adding across row
+blocks), so the chain runs in one program per matrix or as a launch per pass
+(``triton_lemma3.launch``). Before them: M_r, d = M_r 1, s = d^-1/2, A and G = S dW S; after them,
 ds (from dW V_K and dA M_r), dM = S dA S + dd 1^T and, from the landmark rows,
 dE = dM * C(X, X), dX = (dE + dE^T) X and dn = -(dE 1 + dE^T 1).
 """
@@ -33,8 +36,8 @@ import triton.language as tl
 from torch import Tensor
 
 from .triton_kernels import _precision
-from .triton_lemma3 import launch_options, normalise, regularise, t2_rows, t3_rows
-from .triton_rowblocks import eye_rows, product_rows, rows_of, square_rows, store_rows
+from .triton_lemma3 import launch, launch_options, regularise_rows, scaled_rows, t2_rows, t3_rows
+from .triton_rowblocks import eye_rows, product_rows, rows_of, square_rows, store_rows, tile
 
 # Scratch slots of one matrix (each m x m) and vectors (each m).
 # (Constants the kernel reads must be tl.constexpr.)
@@ -43,9 +46,14 @@ _MR, _A, _G, _DA = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constex
 _P, _DT3, _T2, _M2 = tl.constexpr(6), tl.constexpr(7), tl.constexpr(8), tl.constexpr(9)
 _T3, _DP = tl.constexpr(10), tl.constexpr(11)
 _DE = _P  # dE reuses P's slot once the steps are done
-VECTORS = tl.constexpr(6)
-_D, _S, _DS_ROWS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-_DS_COLS, _DN_ROWS, _DN_COLS = tl.constexpr(3), tl.constexpr(4), tl.constexpr(5)
+VECTORS = tl.constexpr(4)
+_D, _S, _DS, _DN = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
+
+# The backward passes (``backward_passes``: their order), each computing the rows it is
+# given of one matrix from what earlier passes wrote.
+REGULARISE, NORMALISE, START = (tl.constexpr(i) for i in range(3))
+ADJ_P, ADJ_T2, ADJ_T3, ADJ_UPDATE = (tl.constexpr(i) for i in range(3, 7))
+FIRST_T2, FIRST_DA, SCALE_DS, DM_ROWS, DX_ROWS = (tl.constexpr(i) for i in range(7, 12))
 
 
 @triton.jit
@@ -60,139 +68,190 @@ def _dp_rows(M2, P, X, x_scale, T2, rows, m, ROWS: tl.constexpr, BLOCK: tl.const
 
 
 @triton.jit
+def _transposed_rows(P, rows, m, BLOCK: tl.constexpr):
+    """Rows ``rows`` of P^T for the m x m matrix P."""
+    return tile(P, m, rows, tl.arange(0, BLOCK), m, m, True)
+
+
+@triton.jit
+def backward_pass(PASS: tl.constexpr, step, rows, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN,
+                  SCR, VEC, m, D, heads, ITERATIONS: tl.constexpr, FROM_ROWS: tl.constexpr,
+                  TINY: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+                  ROWS: tl.constexpr, KC: tl.constexpr, PRECISION: tl.constexpr):
+    """Rows ``rows`` of pass ``PASS`` for matrix ``bh`` (the step passes: of the
+    adjoint of step ITERATIONS - ``step``)."""
+    size = m * m
+    scratch = SCR + bh * SLOTS * size
+    vectors = VEC + bh * VECTORS * m
+    mat_r, a = scratch + _MR * size, scratch + _A * size
+    s_vec = vectors + _S * m
+    inside = rows < m
+    if PASS == REGULARISE:
+        regularise_rows(M, X, XN, DIAG, mat_r, vectors + _D * m, s_vec, bh, rows, m, D,
+                        heads, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
+    elif PASS == NORMALISE:  # A = S M_r S
+        store_rows(a, rows, m, scaled_rows(mat_r, s_vec, rows, m, BLOCK), BLOCK)
+    elif PASS == START:  # the gradient of V_K in the normalised frame, S dW S; dA = 0
+        g_rows = scaled_rows(G + bh * size, s_vec, rows, m, BLOCK)
+        store_rows(scratch + _G * size, rows, m, g_rows, BLOCK)
+        store_rows(scratch + _DA * size, rows, m, tl.zeros_like(g_rows), BLOCK)
+    elif PASS == FIRST_T2:  # step 1 from V_0 = I: P = A, M2 = A^T dT3, dT3 = G / 4
+        g_in = scratch + (_G + (ITERATIONS - 1) % 2) * size
+        t2, m2 = scratch + _T2 * size, scratch + _M2 * size
+        store_rows(t2, rows, m, t2_rows(a, rows, m, ROWS, BLOCK, KC, PRECISION), BLOCK)
+        store_rows(m2, rows, m, 0.25 * square_rows(a, True, g_in, False, rows, m, ROWS,
+                                                   BLOCK, KC, PRECISION), BLOCK)
+    elif PASS == FIRST_DA:  # the final dA
+        g_in = scratch + (_G + (ITERATIONS - 1) % 2) * size
+        da_in = scratch + (_DA + (ITERATIONS - 1) % 2) * size
+        t2, m2 = scratch + _T2 * size, scratch + _M2 * size
+        store_rows(scratch + (_DA + ITERATIONS % 2) * size, rows, m,
+                   rows_of(da_in, rows, m, BLOCK)
+                   + _dp_rows(m2, a, g_in, 0.25, t2, rows, m, ROWS, BLOCK, KC, PRECISION),
+                   BLOCK)
+    elif PASS == SCALE_DS:
+        # ds_i = sum_j (B_ij + B_ji) s_j, B = dW * V_K + dA * M_r
+        da = scratch + (_DA + ITERATIONS % 2) * size
+        grad = G + bh * size
+        v_last = STORE + (bh * ITERATIONS + ITERATIONS - 1) * size
+        both = rows_of(grad, rows, m, BLOCK) * rows_of(v_last, rows, m, BLOCK) \
+            + rows_of(da, rows, m, BLOCK) * rows_of(mat_r, rows, m, BLOCK) \
+            + _transposed_rows(grad, rows, m, BLOCK) * _transposed_rows(v_last, rows, m, BLOCK) \
+            + _transposed_rows(da, rows, m, BLOCK) * _transposed_rows(mat_r, rows, m, BLOCK)
+        cols = tl.arange(0, BLOCK)
+        s_cols = tl.load(s_vec + cols, mask=cols < m, other=0.0)
+        tl.store(vectors + _DS * m + rows, tl.sum(both * s_cols[None, :], axis=1), mask=inside)
+    elif PASS == DM_ROWS:  # dM = S dA S + dd 1^T, dd = -ds s^3 / 2 where d > tiny
+        da = scratch + (_DA + ITERATIONS % 2) * size
+        s_rows = tl.load(s_vec + rows, mask=inside, other=0.0)
+        d_rows = tl.load(vectors + _D * m + rows, mask=inside, other=0.0)
+        ds = tl.load(vectors + _DS * m + rows, mask=inside, other=0.0)
+        dd = tl.where(inside & (d_rows > TINY), -0.5 * ds * s_rows * s_rows * s_rows, 0.0)
+        dm = scaled_rows(da, s_vec, rows, m, BLOCK) + dd[:, None]
+        if FROM_ROWS:  # E_ij = x_i . x_j - n_i - n_j, dE = dM * C
+            cols = tl.arange(0, BLOCK)
+            ridge = tl.load(DIAG + (bh // heads) * m + cols, mask=cols < m, other=0.0)
+            block = rows_of(mat_r, rows, m, BLOCK) - eye_rows(rows, m, BLOCK) * ridge[None, :]
+            de = dm * block
+            store_rows(scratch + _DE * size, rows, m, de, BLOCK)
+            tl.store(vectors + _DN * m + rows, tl.sum(de, axis=1), mask=inside)
+        else:
+            store_rows(DM + bh * size, rows, m, dm, BLOCK)
+    elif PASS == DX_ROWS:  # dX = (dE + dE^T) X, dn = -(dE 1 + dE^T 1)
+        de = scratch + _DE * size
+        xb = X + bh * m * D
+        rd = tl.arange(0, BLOCK_D)
+        dx = product_rows(de, m, False, xb, D, False, rows, m, m, D, ROWS, BLOCK_D, KC,
+                          PRECISION) \
+            + product_rows(de, m, True, xb, D, False, rows, m, m, D, ROWS, BLOCK_D, KC,
+                           PRECISION)
+        tl.store(DX + bh * m * D + rows[:, None] * D + rd[None, :], dx,
+                 mask=inside[:, None] & (rd < D)[None, :])
+        dn = tl.load(vectors + _DN * m + rows, mask=inside, other=0.0) \
+            + tl.sum(_transposed_rows(de, rows, m, BLOCK), axis=1)
+        tl.store(DXN + bh * m + rows, -dn, mask=inside)
+    else:  # the adjoint of step ITERATIONS - j, whose input iterate V is stored; G and
+        # dA alternate between two slots each
+        j = step
+        v = STORE + (bh * ITERATIONS + ITERATIONS - 2 - j) * size
+        a, p, dt3 = scratch + _A * size, scratch + _P * size, scratch + _DT3 * size
+        t2, m2 = scratch + _T2 * size, scratch + _M2 * size
+        t3, dp = scratch + _T3 * size, scratch + _DP * size
+        g_in = scratch + (_G + j % 2) * size
+        if PASS == ADJ_P:  # P = A V, dT3 = V^T G / 4
+            store_rows(p, rows, m, square_rows(a, False, v, False, rows, m, ROWS, BLOCK, KC,
+                                               PRECISION), BLOCK)
+            store_rows(dt3, rows, m, 0.25 * square_rows(v, True, g_in, False, rows, m, ROWS,
+                                                        BLOCK, KC, PRECISION), BLOCK)
+        elif PASS == ADJ_T2:  # T2, M2 = P^T dT3
+            store_rows(t2, rows, m, t2_rows(p, rows, m, ROWS, BLOCK, KC, PRECISION), BLOCK)
+            store_rows(m2, rows, m, square_rows(p, True, dt3, False, rows, m, ROWS, BLOCK, KC,
+                                                PRECISION), BLOCK)
+        elif PASS == ADJ_T3:  # T3, dP
+            store_rows(t3, rows, m, t3_rows(p, t2, rows, m, ROWS, BLOCK, KC, PRECISION), BLOCK)
+            store_rows(dp, rows, m, _dp_rows(m2, p, dt3, 1.0, t2, rows, m, ROWS, BLOCK, KC,
+                                             PRECISION), BLOCK)
+        else:  # ADJ_UPDATE: dA' = dA + dP V^T, G' = G T3^T / 4 + A^T dP
+            da_in = scratch + (_DA + j % 2) * size
+            store_rows(scratch + (_DA + 1 - j % 2) * size, rows, m, rows_of(da_in, rows, m, BLOCK)
+                       + square_rows(dp, False, v, True, rows, m, ROWS, BLOCK, KC, PRECISION),
+                       BLOCK)
+            store_rows(scratch + (_G + 1 - j % 2) * size, rows, m,
+                       0.25 * square_rows(g_in, False, t3, True, rows, m, ROWS, BLOCK, KC,
+                                          PRECISION)
+                       + square_rows(a, True, dp, False, rows, m, ROWS, BLOCK, KC, PRECISION),
+                       BLOCK)
+
+
+@triton.jit
+def _all_rows(PASS: tl.constexpr, step, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC,
+              m, D, heads, ITERATIONS: tl.constexpr, FROM_ROWS: tl.constexpr,
+              TINY: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+              ROWS: tl.constexpr, KC: tl.constexpr, PRECISION: tl.constexpr):
+    """Pass ``PASS`` over every block of rows, then a barrier."""
+    for start in range(0, m, ROWS):
+        backward_pass(PASS, step, start + tl.arange(0, ROWS), bh, M, X, XN, DIAG, STORE, G,
+                      DM, DX, DXN, SCR, VEC, m, D, heads, ITERATIONS, FROM_ROWS, TINY, BLOCK,
+                      BLOCK_D, ROWS, KC, PRECISION)
+    tl.debug_barrier()
+
+
+@triton.jit
 def _backward_kernel(M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D, heads,
                      ITERATIONS: tl.constexpr, FROM_ROWS: tl.constexpr, TINY: tl.constexpr,
                      BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
                      KC: tl.constexpr, PRECISION: tl.constexpr):
+    """Every pass of ``backward_passes`` for matrix program_id(0), in order."""
     bh = tl.program_id(0).to(tl.int64)
-    size = m * m
-    scratch = SCR + bh * SLOTS * size
-    vectors = VEC + bh * VECTORS * m
-    mat_r, a, p, dt3, t2, m2, t3, dp = (scratch + _MR * size, scratch + _A * size,
-                                        scratch + _P * size, scratch + _DT3 * size,
-                                        scratch + _T2 * size, scratch + _M2 * size,
-                                        scratch + _T3 * size, scratch + _DP * size)
-    grad = G + bh * size
-    v_last = STORE + (bh * ITERATIONS + ITERATIONS - 1) * size
-    xb = X + bh * m * D
-    cols = tl.arange(0, BLOCK)
-    ridge = tl.load(DIAG + (bh // heads) * m + cols, mask=cols < m, other=0.0)
-
-    regularise(M, X, XN, ridge, mat_r, vectors + _D * m, vectors + _S * m, bh, m, D,
-               FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
-    normalise(mat_r, vectors + _S * m, a, m, BLOCK, ROWS)
-    # the gradient of V_K in the normalised frame, S dW S; dA = 0
-    s_cols = tl.load(vectors + _S * m + cols, mask=cols < m, other=0.0)
-    for start in range(0, m, ROWS):
-        rows = start + tl.arange(0, ROWS)
-        s_rows = tl.load(vectors + _S * m + rows, mask=rows < m, other=0.0)
-        g_rows = s_rows[:, None] * rows_of(grad, rows, m, BLOCK) * s_cols[None, :]
-        store_rows(scratch + _G * size, rows, m, g_rows, BLOCK)
-        store_rows(scratch + _DA * size, rows, m, tl.zeros_like(g_rows), BLOCK)
-    tl.debug_barrier()
-
-    for j in range(0, ITERATIONS - 1):  # steps K, ..., 2; V = V_{i-1} of step i
-        v = STORE + (bh * ITERATIONS + ITERATIONS - 2 - j) * size
-        g_in = scratch + (_G + j % 2) * size
-        g_out = scratch + (_G + 1 - j % 2) * size
-        da_in = scratch + (_DA + j % 2) * size
-        da_out = scratch + (_DA + 1 - j % 2) * size
-        for start in range(0, m, ROWS):
-            rows = start + tl.arange(0, ROWS)
-            store_rows(p, rows, m, square_rows(a, False, v, False, rows, m, ROWS, BLOCK,
-                                                 KC, PRECISION), BLOCK)
-            store_rows(dt3, rows, m, 0.25 * square_rows(v, True, g_in, False, rows, m,
-                                                           ROWS, BLOCK, KC, PRECISION),
-                        BLOCK)
-        tl.debug_barrier()
-        for start in range(0, m, ROWS):
-            rows = start + tl.arange(0, ROWS)
-            store_rows(t2, rows, m, t2_rows(p, rows, m, ROWS, BLOCK, KC, PRECISION), BLOCK)
-            store_rows(m2, rows, m, square_rows(p, True, dt3, False, rows, m, ROWS, BLOCK,
-                                                  KC, PRECISION), BLOCK)
-        tl.debug_barrier()
-        for start in range(0, m, ROWS):
-            rows = start + tl.arange(0, ROWS)
-            store_rows(t3, rows, m, t3_rows(p, t2, rows, m, ROWS, BLOCK, KC, PRECISION), BLOCK)
-            store_rows(dp, rows, m, _dp_rows(m2, p, dt3, 1.0, t2, rows, m, ROWS, BLOCK, KC,
-                                             PRECISION), BLOCK)
-        tl.debug_barrier()
-        for start in range(0, m, ROWS):
-            rows = start + tl.arange(0, ROWS)
-            store_rows(da_out, rows, m, rows_of(da_in, rows, m, BLOCK)
-                        + square_rows(dp, False, v, True, rows, m, ROWS, BLOCK, KC,
-                                       PRECISION), BLOCK)
-            store_rows(g_out, rows, m, 0.25 * square_rows(g_in, False, t3, True, rows, m,
-                                                            ROWS, BLOCK, KC, PRECISION)
-                        + square_rows(a, True, dp, False, rows, m, ROWS, BLOCK, KC,
-                                       PRECISION), BLOCK)
-        tl.debug_barrier()
-
-    # step 1 from V_0 = I: P = A, dT3 = G / 4
-    g_in = scratch + (_G + (ITERATIONS - 1) % 2) * size
-    da_in = scratch + (_DA + (ITERATIONS - 1) % 2) * size
-    da = scratch + (_DA + ITERATIONS % 2) * size  # the final dA
-    for start in range(0, m, ROWS):
-        rows = start + tl.arange(0, ROWS)
-        store_rows(t2, rows, m, t2_rows(a, rows, m, ROWS, BLOCK, KC, PRECISION), BLOCK)
-        store_rows(m2, rows, m, 0.25 * square_rows(a, True, g_in, False, rows, m, ROWS,
-                                                     BLOCK, KC, PRECISION), BLOCK)
-    tl.debug_barrier()
-    for start in range(0, m, ROWS):
-        rows = start + tl.arange(0, ROWS)
-        store_rows(da, rows, m, rows_of(da_in, rows, m, BLOCK) + _dp_rows(
-            m2, a, g_in, 0.25, t2, rows, m, ROWS, BLOCK, KC, PRECISION), BLOCK)
-    tl.debug_barrier()
-
-    # ds_i = sum_j (dW V_K + dA M_r)_ij s_j + (dW V_K + dA M_r)_ji s_j
-    ds_cols = tl.zeros([BLOCK], dtype=s_cols.dtype)
-    for start in range(0, m, ROWS):
-        rows = start + tl.arange(0, ROWS)
-        s_rows = tl.load(vectors + _S * m + rows, mask=rows < m, other=0.0)
-        both = rows_of(grad, rows, m, BLOCK) * rows_of(v_last, rows, m, BLOCK) \
-            + rows_of(da, rows, m, BLOCK) * rows_of(mat_r, rows, m, BLOCK)
-        tl.store(vectors + _DS_ROWS * m + rows, tl.sum(both * s_cols[None, :], axis=1),
-                 mask=rows < m)
-        ds_cols += tl.sum(both * s_rows[:, None], axis=0)
-    tl.store(vectors + _DS_COLS * m + cols, ds_cols, mask=cols < m)
-    tl.debug_barrier()
-
-    # dM = S dA S + dd 1^T, dd = -ds s^3 / 2 where d > tiny
-    dn_cols = tl.zeros([BLOCK], dtype=s_cols.dtype)
-    for start in range(0, m, ROWS):
-        rows = start + tl.arange(0, ROWS)
-        inside = rows < m
-        s_rows = tl.load(vectors + _S * m + rows, mask=inside, other=0.0)
-        d_rows = tl.load(vectors + _D * m + rows, mask=inside, other=0.0)
-        ds = tl.load(vectors + _DS_ROWS * m + rows, mask=inside, other=0.0) \
-            + tl.load(vectors + _DS_COLS * m + rows, mask=inside, other=0.0)
-        dd = tl.where(inside & (d_rows > TINY), -0.5 * ds * s_rows * s_rows * s_rows, 0.0)
-        dm = s_rows[:, None] * rows_of(da, rows, m, BLOCK) * s_cols[None, :] + dd[:, None]
-        if FROM_ROWS:  # E_ij = x_i . x_j - n_i - n_j, dE = dM * C
-            block = rows_of(mat_r, rows, m, BLOCK) - eye_rows(rows, m, BLOCK) * ridge[None, :]
-            de = dm * block
-            store_rows(scratch + _DE * size, rows, m, de, BLOCK)
-            tl.store(vectors + _DN_ROWS * m + rows, tl.sum(de, axis=1), mask=inside)
-            dn_cols += tl.sum(de, axis=0)
-        else:
-            store_rows(DM + bh * size, rows, m, dm, BLOCK)
+    _all_rows(REGULARISE, 0, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
+              heads, ITERATIONS, FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC, PRECISION)
+    _all_rows(NORMALISE, 0, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
+              heads, ITERATIONS, FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC, PRECISION)
+    _all_rows(START, 0, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
+              heads, ITERATIONS, FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC, PRECISION)
+    for j in range(0, ITERATIONS - 1):  # steps K, ..., 2
+        _all_rows(ADJ_P, j, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
+                  heads, ITERATIONS, FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC, PRECISION)
+        _all_rows(ADJ_T2, j, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
+                  heads, ITERATIONS, FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC, PRECISION)
+        _all_rows(ADJ_T3, j, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
+                  heads, ITERATIONS, FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC, PRECISION)
+        _all_rows(ADJ_UPDATE, j, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
+                  heads, ITERATIONS, FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC, PRECISION)
+    _all_rows(FIRST_T2, 0, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
+              heads, ITERATIONS, FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC, PRECISION)
+    _all_rows(FIRST_DA, 0, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
+              heads, ITERATIONS, FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC, PRECISION)
+    _all_rows(SCALE_DS, 0, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
+              heads, ITERATIONS, FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC, PRECISION)
+    _all_rows(DM_ROWS, 0, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
+              heads, ITERATIONS, FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC, PRECISION)
     if FROM_ROWS:
-        tl.store(vectors + _DN_COLS * m + cols, dn_cols, mask=cols < m)
-        tl.debug_barrier()
-        de = scratch + _DE * size
-        rd = tl.arange(0, BLOCK_D)
-        for start in range(0, m, ROWS):
-            rows = start + tl.arange(0, ROWS)
-            inside = rows < m
-            dx = product_rows(de, m, False, xb, D, False, rows, m, m, D, ROWS, BLOCK_D, KC,
-                               PRECISION) \
-                + product_rows(de, m, True, xb, D, False, rows, m, m, D, ROWS, BLOCK_D, KC,
-                                PRECISION)
-            tl.store(DX + bh * m * D + rows[:, None] * D + rd[None, :], dx,
-                     mask=inside[:, None] & (rd < D)[None, :])
-            dn = tl.load(vectors + _DN_ROWS * m + rows, mask=inside, other=0.0) \
-                + tl.load(vectors + _DN_COLS * m + rows, mask=inside, other=0.0)
-            tl.store(DXN + bh * m + rows, -dn, mask=inside)
+        _all_rows(DX_ROWS, 0, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
+                  heads, ITERATIONS, FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC, PRECISION)
+
+
+@triton.jit(do_not_specialize=["step"])
+def _backward_pass_kernel(M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D, heads, step,
+                          PASS: tl.constexpr, ITERATIONS: tl.constexpr,
+                          FROM_ROWS: tl.constexpr, TINY: tl.constexpr, BLOCK: tl.constexpr,
+                          BLOCK_D: tl.constexpr, ROWS: tl.constexpr, KC: tl.constexpr,
+                          PRECISION: tl.constexpr):
+    """One pass: rows block program_id(1) of matrix program_id(0)."""
+    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    backward_pass(PASS, step, rows, tl.program_id(0).to(tl.int64), M, X, XN, DIAG, STORE, G,
+                  DM, DX, DXN, SCR, VEC, m, D, heads, ITERATIONS, FROM_ROWS, TINY, BLOCK,
+                  BLOCK_D, ROWS, KC, PRECISION)
+
+
+def backward_passes(iterations: int, from_rows: bool) -> list[tuple[int, int]]:
+    """(pass, step) of the backward chain in order, as ``_backward_kernel`` runs them."""
+    steps = [(kind.value, j) for j in range(iterations - 1)
+             for kind in (ADJ_P, ADJ_T2, ADJ_T3, ADJ_UPDATE)]
+    last = [(DX_ROWS.value, 0)] if from_rows else []
+    return [(REGULARISE.value, 0), (NORMALISE.value, 0), (START.value, 0), *steps,
+            (FIRST_T2.value, 0), (FIRST_DA.value, 0), (SCALE_DS.value, 0),
+            (DM_ROWS.value, 0), *last]
 
 
 def lemma3_backward(source: Tensor, norm: Tensor | None, ridge: Tensor, store: Tensor,
@@ -208,10 +267,13 @@ def lemma3_backward(source: Tensor, norm: Tensor | None, ridge: Tensor, store: T
     dnorm = None if norm is None else torch.empty_like(norm)
     scratch = source.new_empty(bh, SLOTS.value, m, m)
     vectors = source.new_empty(bh, VECTORS.value, m)
-    _backward_kernel[(bh,)](
-        source, source, source if norm is None else norm, ridge, store, grad, dsource,
-        dsource, dsource if dnorm is None else dnorm, scratch, vectors, m, d,
-        bh // ridge.shape[0], ITERATIONS=store.shape[1], FROM_ROWS=norm is not None,
-        TINY=torch.finfo(source.dtype).tiny, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        PRECISION=_precision(source.dtype), **launch_options(m, backward=True))
+    args = (source, source, source if norm is None else norm, ridge, store, grad, dsource,
+            dsource, dsource if dnorm is None else dnorm, scratch, vectors, m, d,
+            bh // ridge.shape[0])
+    options = {"ITERATIONS": store.shape[1], "FROM_ROWS": norm is not None,
+               "TINY": torch.finfo(source.dtype).tiny,
+               "BLOCK_D": max(16, triton.next_power_of_2(d)),
+               "PRECISION": _precision(source.dtype), **launch_options(m, backward=True)}
+    launch(_backward_kernel, _backward_pass_kernel,
+           backward_passes(store.shape[1], norm is not None), bh, m, args, options)
     return dsource, dnorm
