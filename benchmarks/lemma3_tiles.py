@@ -1,23 +1,29 @@
 """Tiles of the fused Lemma 3 kernels, timed on the GPU: which launch options are fastest.
 
-``triton_lemma3.launch_options(m, backward)`` picks the row block (``ROWS``), the inner
-chunk (``KC``), the warps and the pipeline stages of each Lemma 3 kernel. This script
-times ``landmark_inverse`` (the landmark block and its Lemma 3 inverse) for B x H
-matrices of m landmark rows, interleaved, against the PyTorch core: the forward kernel
-under each candidate (forward alone), and the backward kernel under each candidate
-(forward + backward, the forward kernel at its default). Every candidate must give the
-default's W and gradient. The fastest forward and backward options per m go to the
-JSON's ``best``, which ``applied`` (``gpu_kernels.py --tiles``, ``gpu_profile.py
---tiles``) launches in place of ``launch_options``: what the
-library would do with them as its defaults.
+``triton_lemma3.launch_options(m, backward, captured)`` picks the row block
+(``ROWS``), the inner chunk (``KC``), the warps, the pipeline stages of each Lemma 3
+kernel and whether the chain runs in one program per matrix or as a launch per pass
+(``PER_PASS``: a program per block of rows, more programs for more launches). This
+script times ``landmark_inverse`` (the landmark block and its Lemma 3 inverse) for
+B x H matrices of m landmark rows, interleaved, against the PyTorch core: the forward
+kernel under each candidate (forward alone), and the backward kernel under each
+candidate (forward + backward, the forward kernel at its default), each called eagerly
+and, on CUDA, replayed from a CUDA graph (where launches cost the host nothing). Every
+candidate must give the default's W and gradient. The fastest forward and backward
+options per m and mode go to the JSON's ``best`` (``forward``, ``backward``,
+``forward_graphed``, ``backward_graphed``), which ``applied`` (``gpu_kernels.py
+--tiles``, ``gpu_profile.py --tiles``) launches in place of ``launch_options``, the
+graphed ones while a CUDA graph is captured (``torch.compile(mode="reduce-overhead")``
+too): what the library would do with them as its defaults.
 
     python benchmarks/lemma3_tiles.py --out benchmarks/results/lemma3_tiles.json
 
-The default candidates (``ROWS,KC,WARPS,STAGES``) are those that compile for sm_90 at
-m = 128 with few or no spills in both kernels (``triton_resources.py``; 64-row blocks
-are where Hopper's warpgroup MMA applies). ``--device cpu`` (with ``TRITON_INTERPRET=1``)
-runs the same script to check it without a GPU, at one tiny size: its times mean
-nothing.
+The default candidates (``ROWS,KC,WARPS,STAGES``, ``,pass`` for a launch per pass) are
+those that compile for sm_90 at m = 128 with few or no spills in both kernels
+(``triton_resources.py``; 64-row blocks are where Hopper's warpgroup MMA applies; the
+pass kernels at 16 rows with 2 or 4 warps and at 32 rows with 8 warps spill nothing).
+``--device cpu`` (with ``TRITON_INTERPRET=1``) runs the same script to check it without
+a GPU, at one tiny size, eager only: its times mean nothing.
 """
 
 from __future__ import annotations
@@ -41,19 +47,20 @@ from skyformer.linalg import (  # the triton_* modules import Triton
 )
 
 CANDIDATES = ("32,16,8,1", "32,16,16,1", "64,16,8,1", "64,16,4,1", "64,32,8,1", "64,16,8,2",
-              "128,16,8,1")
+              "128,16,8,1", "16,16,4,1,pass", "32,32,8,1,pass")
 
 
 def candidates(m: int, specs: list[str], backward: bool) -> list[dict]:
-    """The launch options to try at m landmarks (``ROWS,KC,WARPS,STAGES`` specs, tiles
-    within the padded matrix), the default first."""
+    """The launch options to try at m landmarks (``ROWS,KC,WARPS,STAGES`` specs, and
+    ``,pass`` for a launch per pass; tiles within the padded matrix), the default first."""
     default = triton_lemma3.launch_options(m, backward=backward)
     block = default["BLOCK"]
     found = [default]
     for spec in specs:
-        rows, kc, warps, stages = map(int, spec.split(","))
+        fields = spec.split(",")
+        rows, kc, warps, stages = map(int, fields[:4])
         option = {"BLOCK": block, "ROWS": rows, "KC": kc, "num_warps": warps,
-                  "num_stages": stages}
+                  "num_stages": stages, "PER_PASS": fields[4:] == ["pass"]}
         if max(rows, kc) <= block and option not in found:
             found.append(option)
     return found
@@ -61,65 +68,98 @@ def candidates(m: int, specs: list[str], backward: bool) -> list[dict]:
 
 def _label(option: dict) -> str:
     return f"rows {option['ROWS']} kc {option['KC']} warps {option['num_warps']} " \
-           f"stages {option['num_stages']}"
+           f"stages {option['num_stages']}{' per pass' if option.get('PER_PASS') else ''}"
+
+
+def graphed(step):
+    """``step`` captured once in a CUDA graph (after a warm-up on a side stream, as
+    capture requires): a function that replays it. The launch options in force at
+    capture are the ones replayed."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
 
 
 def measure(batch: int, heads: int, m: int, head_dim: int, specs: list[str], device: str,
             repeats: int) -> tuple[list[dict], dict]:
-    """(one row per kernel, launch option and pass, and the PyTorch core: ms;
-    the fastest option of each kernel ``{"forward": ..., "backward": ...}``)."""
+    """(one row per kernel, launch option, pass and mode (eager, and on CUDA replayed
+    from a CUDA graph), and the PyTorch core: ms; the fastest option of each kernel and
+    mode ``{"forward": ..., "backward": ..., "forward_graphed": ...,
+    "backward_graphed": ...}``)."""
     g = torch.Generator(device=device).manual_seed(m)
     x = (0.15 * torch.randn(batch, heads, m, head_dim, device=device, generator=g)
          ).requires_grad_(True)
     grad = torch.randn(batch, heads, m, m, device=device, generator=g)
 
     def call(kernel: str, forward: dict | None, backward: dict | None, with_grad: bool):
+        def step():
+            if with_grad:
+                w = landmark_inverse(x, half_sq_norm(x), gamma=0.1, kernel=kernel)
+                (dx,) = torch.autograd.grad(w, x, grad)
+                return w.detach(), dx
+            with torch.no_grad():
+                return landmark_inverse(x, half_sq_norm(x), gamma=0.1, kernel=kernel), None
+
         def run():
             with _options({m: {"forward": forward, "backward": backward}}):
-                if with_grad:
-                    x.grad = None
-                    w = landmark_inverse(x, half_sq_norm(x), gamma=0.1, kernel=kernel)
-                    w.backward(grad)
-                    return w.detach(), x.grad.clone()
-                with torch.no_grad():
-                    return landmark_inverse(x, half_sq_norm(x), gamma=0.1, kernel=kernel), None
-        return run
+                return step()
+
+        def run_graphed():  # captured under the options, replayed without them
+            with _options({m: {"forward": forward, "backward": backward}}):
+                return graphed(step)
+        return run, run_graphed
 
     fwd_options = candidates(m, specs, backward=False)
     bwd_options = candidates(m, specs, backward=True)
-    reference_w, reference_grad = call("triton", None, None, True)()
-    calls = {"torch/-/fwd": call("torch", None, None, False),
-             "torch/-/fwd+bwd": call("torch", None, None, True)}
+    reference_w, reference_grad = call("triton", None, None, True)[0]()
+    modes = ("eager", "graph") if device == "cuda" else ("eager",)
+    calls = {}
+    for what, with_grad in (("fwd", False), ("fwd+bwd", True)):
+        run, run_graphed = call("torch", None, None, with_grad)
+        calls[f"torch/-/{what}/eager"] = run
+        if "graph" in modes:
+            calls[f"torch/-/{what}/graph"] = run_graphed()
     for kernel, options in (("forward", fwd_options), ("backward", bwd_options)):
         for option in options:
             forward, backward = (option, None) if kernel == "forward" else (None, option)
-            w, dx = call("triton", forward, backward, True)()
+            run, run_graphed = call("triton", forward, backward, kernel == "backward")
+            w, dx = call("triton", forward, backward, True)[0]()
             error = max(_relative(w, reference_w), _relative(dx, reference_grad))
             if error > 1e-4:  # a broken option: report it, do not time it
                 print(f"m={m} {kernel} {_label(option)}: differs from the default by "
                       f"{error:.2e}", flush=True)
                 continue
             what = "fwd" if kernel == "forward" else "fwd+bwd"
-            calls[f"{_label(option)}/{kernel}/{what}"] = call(
-                "triton", forward, backward, kernel == "backward")
+            calls[f"{_label(option)}/{kernel}/{what}/eager"] = run
+            if "graph" in modes:
+                calls[f"{_label(option)}/{kernel}/{what}/graph"] = run_graphed()
     times = interleaved_median_seconds(calls, device=device, warmup=2, repeats=repeats)
     rows = []
     for name, seconds in times.items():
-        label, kernel, what = name.split("/")
+        label, kernel, what, mode = name.split("/")
+        default = (fwd_options if kernel == "forward" else bwd_options)[0]
         rows.append({"shape": f"{batch},{heads},m={m},D={head_dim}", "options": label,
-                     "kernel": kernel, "pass": what, "ms": seconds * 1e3,
-                     "vs_torch": times[f"torch/-/{what}"] / seconds,
-                     "default": label == _label((fwd_options if kernel == "forward"
-                                                 else bwd_options)[0])})
-    for row in sorted(rows, key=lambda r: (r["pass"], r["ms"])):
-        print(f"{row['shape']:22s} {row['kernel']:8s} {row['pass']:8s} {row['options']:36s} "
-              f"{row['ms']:9.3f} ms {row['vs_torch']:6.2f}x torch"
+                     "kernel": kernel, "pass": what, "mode": mode, "ms": seconds * 1e3,
+                     "vs_torch": times[f"torch/-/{what}/{mode}"] / seconds,
+                     "default": label == _label(default)})
+    for row in sorted(rows, key=lambda r: (r["mode"], r["pass"], r["ms"])):
+        print(f"{row['shape']:22s} {row['mode']:5s} {row['kernel']:8s} {row['pass']:8s} "
+              f"{row['options']:45s} {row['ms']:9.3f} ms {row['vs_torch']:6.2f}x torch"
               f"{'  (default)' if row['default'] else ''}", flush=True)
     best = {}
     for kernel, options in (("forward", fwd_options), ("backward", bwd_options)):
-        timed = [r for r in rows if r["kernel"] == kernel]
-        fastest = min(timed, key=lambda r: r["ms"])["options"]
-        best[kernel] = next(o for o in options if _label(o) == fastest)
+        for mode in modes:
+            timed = [r for r in rows if r["kernel"] == kernel and r["mode"] == mode]
+            fastest = min(timed, key=lambda r: r["ms"])["options"]
+            key = kernel if mode == "eager" else f"{kernel}_graphed"
+            best[key] = next(o for o in options if _label(o) == fastest)
     return rows, best
 
 
@@ -131,12 +171,16 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 @contextlib.contextmanager
 def _options(table: dict):
     """Both kernels launched with the options of ``table`` ``{m: {"forward": option,
-    "backward": option}}`` (an absent m or a None option: as the library chooses)."""
+    "backward": option}}`` (an absent m or a None option: as the library chooses), and
+    where a CUDA graph is being captured with its ``"forward_graphed"`` and
+    ``"backward_graphed"`` options if it has them."""
     default = triton_lemma3.launch_options
 
-    def chosen(m: int, backward: bool = False) -> dict:
-        option = table.get(m, {}).get("backward" if backward else "forward")
-        return dict(option) if option else default(m, backward)
+    def chosen(m: int, backward: bool = False, captured: bool = False) -> dict:
+        kernel = "backward" if backward else "forward"
+        entry = table.get(m, {})
+        option = (entry.get(f"{kernel}_graphed") if captured else None) or entry.get(kernel)
+        return dict(option) if option else default(m, backward, captured)
 
     with mock.patch.object(triton_lemma3, "launch_options", chosen), \
             mock.patch.object(triton_lemma3_backward, "launch_options", chosen):
@@ -150,8 +194,9 @@ def applied(best: dict):
     landmark counts it measured."""
     table = {int(m): options for m, options in best.items()}
     for m, options in sorted(table.items()):
-        print(f"Lemma 3 launch options at m = {m}: forward {_label(options['forward'])}, "
-              f"backward {_label(options['backward'])}", flush=True)
+        print(f"Lemma 3 launch options at m = {m}: "
+              + ", ".join(f"{key} {_label(option)}" for key, option in options.items()),
+              flush=True)
     with _options(table):
         yield
 

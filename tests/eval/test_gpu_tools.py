@@ -111,8 +111,10 @@ def test_kernel_benchmark_runs_on_the_cpu_under_the_interpreter(tmp_path):
 
 def test_lemma3_tile_sweep_runs_on_the_cpu_under_the_interpreter(tmp_path):
     """benchmarks/lemma3_tiles.py end to end at one tiny size: each kernel's options timed
-    against the PyTorch core, the defaults marked, the fastest of each kernel recorded
-    (the GPU run decides launch_options), and ``applied`` launches what it recorded."""
+    against the PyTorch core (a launch per pass among them), the defaults marked, the
+    fastest of each kernel recorded (the GPU run decides launch_options; on the CPU
+    eager only, no CUDA graph), and ``applied`` launches what it recorded, the graphed
+    options only while a CUDA graph is captured."""
     import json
 
     from skyformer.linalg import triton_lemma3, triton_lemma3_backward
@@ -120,22 +122,29 @@ def test_lemma3_tile_sweep_runs_on_the_cpu_under_the_interpreter(tmp_path):
     out = tmp_path / "tiles.json"
     tiles = _load("lemma3_tiles")
     assert tiles.main(["--device", "cpu", "--options", "16,16,4,2", "32,16,4,1",
-                       "--out", str(out)]) == 0
+                       "16,16,4,1,pass", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    names = {(row["options"], row["kernel"], row["pass"]) for row in result["rows"]}
+    names = {(row["options"], row["kernel"], row["pass"], row["mode"])
+             for row in result["rows"]}
     default = "rows 16 kc 16 warps 4 stages 1"
-    assert names == {("torch", "-", "fwd"), ("torch", "-", "fwd+bwd")} | {
-        (option, kernel, what) for option in (default, "rows 16 kc 16 warps 4 stages 2")
+    options = (default, "rows 16 kc 16 warps 4 stages 2", f"{default} per pass")
+    assert names == {("torch", "-", "fwd", "eager"), ("torch", "-", "fwd+bwd", "eager")} | {
+        (option, kernel, what, "eager") for option in options
         for kernel, what in (("forward", "fwd"), ("backward", "fwd+bwd"))}  # 32 > m: out
     assert {row["options"] for row in result["rows"] if row["default"]} == {default}
     assert set(result["best"]) == {"16"}
     best = result["best"]["16"]
     assert set(best) == {"forward", "backward"} and best["forward"]["ROWS"] == 16
-    with tiles.applied(result["best"]):
+    per_pass = dict(best["backward"], PER_PASS=True, num_warps=2)
+    with tiles.applied({"16": {**best, "backward_graphed": per_pass}}):
         assert triton_lemma3.launch_options(16) == best["forward"]
         assert triton_lemma3_backward.launch_options(16, backward=True) == best["backward"]
+        assert triton_lemma3_backward.launch_options(16, backward=True,
+                                                     captured=True) == per_pass
+        assert triton_lemma3.launch_options(16, captured=True) == best["forward"]
         assert triton_lemma3.launch_options(64)["BLOCK"] == 64  # not measured: the default
     assert triton_lemma3.launch_options(16)["num_stages"] == 1
+    assert not triton_lemma3.launch_options(16, captured=True)["PER_PASS"]
 
 
 def test_product_tile_sweep_runs_on_the_cpu_under_the_interpreter(tmp_path):

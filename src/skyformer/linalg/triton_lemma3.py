@@ -236,7 +236,13 @@ def launch(program_kernel, pass_kernel, passes: list[tuple[int, int]], bh: int, 
         pass_kernel[grid](*args, step, PASS=kind, **options)
 
 
-def launch_options(m: int, backward: bool = False) -> dict:
+def capturing(t: Tensor) -> bool:
+    """Whether ``t``'s kernels are being captured into a CUDA graph (replayed later
+    without the host: launches cost little there, so a chain may take other options)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def launch_options(m: int, backward: bool = False, captured: bool = False) -> dict:
     """Tiles and warps of the forward (or ``backward``) Lemma 3 kernel: the matrix padded
     to a power of two (``BLOCK``, tl.dot needs >= 16), row blocks and inner chunks of 32
     (``ROWS``, ``KC``: a [32, 128] float32 accumulator), eight warps from m = 64, one
@@ -247,7 +253,9 @@ def launch_options(m: int, backward: bool = False) -> dict:
     against the alternatives that compile cleanly (``benchmarks/lemma3_tiles.py``, H200,
     m = 128): the fastest for both kernels, the others up to 1.4x slower (64-row blocks
     with warpgroup MMA too: the kernels wait on their chain of passes, not on MMAs).
-    A launch per pass is not timed on a GPU yet."""
+    ``captured``: for a CUDA graph being captured, the same options until a device
+    says otherwise (a launch per pass is not timed on a GPU yet; ``lemma3_tiles.py``
+    times every option eager and in a CUDA graph)."""
     block = max(16, triton.next_power_of_2(m))
     tile = min(block, 32)
     return {"BLOCK": block, "ROWS": tile, "KC": tile, "num_warps": 8 if block >= 64 else 4,
@@ -271,7 +279,7 @@ def lemma3_forward(source: Tensor, norm: Tensor | None, ridge: Tensor, iteration
             vectors, m, d, bh // ridge.shape[0])
     options = {"ITERATIONS": iterations, "FROM_ROWS": norm is not None,
                "TINY": torch.finfo(source.dtype).tiny, "PRECISION": _precision(source.dtype),
-               **launch_options(m)}
+               **launch_options(m, captured=capturing(source))}
     launch(_forward_kernel, _forward_pass_kernel, forward_passes(iterations), bh, m, args,
            options)
     return w, store

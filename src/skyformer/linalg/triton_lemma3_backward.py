@@ -36,7 +36,15 @@ import triton.language as tl
 from torch import Tensor
 
 from .triton_kernels import _precision
-from .triton_lemma3 import launch, launch_options, regularise_rows, scaled_rows, t2_rows, t3_rows
+from .triton_lemma3 import (
+    capturing,
+    launch,
+    launch_options,
+    regularise_rows,
+    scaled_rows,
+    t2_rows,
+    t3_rows,
+)
 from .triton_rowblocks import eye_rows, product_rows, rows_of, square_rows, store_rows, tile
 
 # Scratch slots of one matrix (each m x m) and vectors (each m).
@@ -273,7 +281,8 @@ def lemma3_backward(source: Tensor, norm: Tensor | None, ridge: Tensor, store: T
     options = {"ITERATIONS": store.shape[1], "FROM_ROWS": norm is not None,
                "TINY": torch.finfo(source.dtype).tiny,
                "BLOCK_D": max(16, triton.next_power_of_2(d)),
-               "PRECISION": _precision(source.dtype), **launch_options(m, backward=True)}
+               "PRECISION": _precision(source.dtype),
+               **launch_options(m, backward=True, captured=capturing(source))}
     launch(_backward_kernel, _backward_pass_kernel,
            backward_passes(store.shape[1], norm is not None), bh, m, args, options)
     return dsource, dnorm
