@@ -137,8 +137,8 @@ def _launch_per_pass(monkeypatch, rows):
 
     default = triton_lemma3.launch_options
 
-    def per_pass(m, backward=False):
-        option = default(m, backward)
+    def per_pass(m, backward=False, captured=False):
+        option = default(m, backward, captured)
         tile = min(rows, option["BLOCK"])
         return {**option, "ROWS": tile, "KC": tile, "PER_PASS": True}
 
