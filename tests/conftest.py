@@ -11,11 +11,13 @@ import pytest
 import torch
 
 from tests.devices import CUDA_TESTS
+from tests.interpreter_thread import run_interpreted_launches_in_a_worker_thread
 
 # Without a GPU the Triton kernels run under Triton's interpreter (read when Triton is
 # first imported, hence here, before any test imports it).
 if not CUDA_TESTS:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    run_interpreted_launches_in_a_worker_thread()  # the same speed at any test depth
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
