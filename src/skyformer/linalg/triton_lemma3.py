@@ -247,8 +247,8 @@ def launch_options(m: int, backward: bool = False, captured: bool = False) -> di
     to a power of two (``BLOCK``, tl.dot needs >= 16), row blocks and inner chunks of 32
     (``ROWS``, ``KC``: a [32, 128] float32 accumulator), eight warps from m = 64, one
     pipeline stage, the whole chain in one program per matrix (``PER_PASS`` False; see
-    ``launch``). Chosen from the compiled kernels' resources (sm_90: at most 24 bytes
-    of spills a thread, 16 KiB of shared memory at m = 128; four warps or more stages
+    ``launch``). Chosen from the compiled kernels' resources (sm_90: no spills,
+    16 KiB of shared memory at m = 128; four warps or more stages
     spill hundreds of bytes a thread there; benchmarks/triton_resources.py), and timed
     against the alternatives that compile cleanly (``benchmarks/lemma3_tiles.py``, H200,
     m = 128): the fastest for both kernels, the others up to 1.4x slower (64-row blocks

@@ -6,7 +6,7 @@ The adjoint keeps about a dozen m x m matrices alive: held in registers they nee
 than an SM has at m = 128 (compiled for sm_90: 256 KiB of shared memory, so the kernel
 cannot launch, and 7 KB of spills a thread) and spill 3.6 KB a thread at m = 64. In
 scratch (``SLOTS`` slots a program, 64 KiB each at m = 128) the kernel needs 16 KiB of
-shared memory and spills 24 bytes a thread at most. The gradient of V and dA alternate
+shared memory and spills nothing. The gradient of V and dA alternate
 between two slots each, so that no pass writes a slot it reads.
 
 The adjoint of ``triton_lemma3``'s docstring (``pinv._RazaviIteration``), step by
