@@ -179,23 +179,13 @@ def _forward_kernel(M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
                     PRECISION: tl.constexpr):
     """Every pass of ``forward_passes`` for matrix program_id(0), in order."""
     bh = tl.program_id(0).to(tl.int64)
-    _all_rows(REGULARISE, 0, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
-              ITERATIONS, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
-    _all_rows(NORMALISE, 0, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
-              ITERATIONS, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
-    _all_rows(FIRST_T2, 0, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
-              ITERATIONS, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
-    _all_rows(FIRST_V, 0, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
-              ITERATIONS, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
+    for kind in tl.static_range(REGULARISE, STEP_P):  # the passes in their numbering's order
+        _all_rows(kind, 0, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
+                  ITERATIONS, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
     for step in range(1, ITERATIONS):
-        _all_rows(STEP_P, step, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
-                  ITERATIONS, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
-        _all_rows(STEP_T2, step, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
-                  ITERATIONS, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
-        _all_rows(STEP_T3, step, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
-                  ITERATIONS, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
-        _all_rows(STEP_V, step, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
-                  ITERATIONS, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
+        for kind in tl.static_range(STEP_P, SCALE_W):
+            _all_rows(kind, step, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
+                      ITERATIONS, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
     _all_rows(SCALE_W, 0, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
               ITERATIONS, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
 
@@ -214,10 +204,8 @@ def _forward_pass_kernel(M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads, step,
 
 def forward_passes(iterations: int) -> list[tuple[int, int]]:
     """(pass, step) of the forward chain in order, as ``_forward_kernel`` runs them."""
-    steps = [(kind.value, step) for step in range(1, iterations)
-             for kind in (STEP_P, STEP_T2, STEP_T3, STEP_V)]
-    return [(REGULARISE.value, 0), (NORMALISE.value, 0), (FIRST_T2.value, 0),
-            (FIRST_V.value, 0), *steps, (SCALE_W.value, 0)]
+    steps = [(kind, step) for step in range(1, iterations) for kind in range(STEP_P, SCALE_W)]
+    return [(kind, 0) for kind in range(REGULARISE, STEP_P)] + steps + [(SCALE_W.value, 0)]
 
 
 def launch(program_kernel, pass_kernel, passes: list[tuple[int, int]], bh: int, m: int,

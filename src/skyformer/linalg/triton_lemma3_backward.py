@@ -211,29 +211,16 @@ def _backward_kernel(M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D, head
                      KC: tl.constexpr, PRECISION: tl.constexpr):
     """Every pass of ``backward_passes`` for matrix program_id(0), in order."""
     bh = tl.program_id(0).to(tl.int64)
-    _all_rows(REGULARISE, 0, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
-              heads, ITERATIONS, FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC, PRECISION)
-    _all_rows(NORMALISE, 0, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
-              heads, ITERATIONS, FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC, PRECISION)
-    _all_rows(START, 0, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
-              heads, ITERATIONS, FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC, PRECISION)
-    for j in range(0, ITERATIONS - 1):  # steps K, ..., 2
-        _all_rows(ADJ_P, j, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
+    for kind in tl.static_range(REGULARISE, ADJ_P):  # the passes in their numbering's order
+        _all_rows(kind, 0, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
                   heads, ITERATIONS, FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC, PRECISION)
-        _all_rows(ADJ_T2, j, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
+    for j in range(0, ITERATIONS - 1):  # the adjoints of steps K, ..., 2
+        for kind in tl.static_range(ADJ_P, FIRST_T2):
+            _all_rows(kind, j, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
+                      heads, ITERATIONS, FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC, PRECISION)
+    for kind in tl.static_range(FIRST_T2, DX_ROWS):
+        _all_rows(kind, 0, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
                   heads, ITERATIONS, FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC, PRECISION)
-        _all_rows(ADJ_T3, j, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
-                  heads, ITERATIONS, FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC, PRECISION)
-        _all_rows(ADJ_UPDATE, j, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
-                  heads, ITERATIONS, FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC, PRECISION)
-    _all_rows(FIRST_T2, 0, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
-              heads, ITERATIONS, FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC, PRECISION)
-    _all_rows(FIRST_DA, 0, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
-              heads, ITERATIONS, FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC, PRECISION)
-    _all_rows(SCALE_DS, 0, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
-              heads, ITERATIONS, FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC, PRECISION)
-    _all_rows(DM_ROWS, 0, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
-              heads, ITERATIONS, FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC, PRECISION)
     if FROM_ROWS:
         _all_rows(DX_ROWS, 0, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
                   heads, ITERATIONS, FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC, PRECISION)
@@ -254,12 +241,9 @@ def _backward_pass_kernel(M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
 
 def backward_passes(iterations: int, from_rows: bool) -> list[tuple[int, int]]:
     """(pass, step) of the backward chain in order, as ``_backward_kernel`` runs them."""
-    steps = [(kind.value, j) for j in range(iterations - 1)
-             for kind in (ADJ_P, ADJ_T2, ADJ_T3, ADJ_UPDATE)]
-    last = [(DX_ROWS.value, 0)] if from_rows else []
-    return [(REGULARISE.value, 0), (NORMALISE.value, 0), (START.value, 0), *steps,
-            (FIRST_T2.value, 0), (FIRST_DA.value, 0), (SCALE_DS.value, 0),
-            (DM_ROWS.value, 0), *last]
+    steps = [(kind, j) for j in range(iterations - 1) for kind in range(ADJ_P, FIRST_T2)]
+    return [(kind, 0) for kind in range(REGULARISE, ADJ_P)] + steps \
+        + [(kind, 0) for kind in range(FIRST_T2, DX_ROWS + from_rows)]
 
 
 def lemma3_backward(source: Tensor, norm: Tensor | None, ridge: Tensor, store: Tensor,
