@@ -1,5 +1,6 @@
 """The Triton path of ``lemma3_inverse`` and ``landmark_inverse``: the whole Lemma 3
-chain in one launch (from the landmark rows: the kernel block C(X, X) too).
+chain in one launch, or one launch a pass (``triton_lemma3.launch``), from the landmark
+rows the kernel block C(X, X) too.
 
 They take it where the method's products take Triton (``kernel_backend.use_triton``) and
 the kernel covers the call: the iterative inverse from the identity (the Lemma 3

@@ -1,4 +1,5 @@
-"""The Lemma 3 inverse of ``nystrom.lemma3_inverse`` in one Triton program per matrix.
+"""The Lemma 3 inverse of ``nystrom.lemma3_inverse`` in one Triton program per matrix,
+or in one launch a pass.
 
 For each landmark kernel matrix M ``[m, m]`` (one per batch element and head), with
 the ridge diagonal g (gamma, or 1 for slots that hold no landmark):
