@@ -50,12 +50,16 @@ from skyformer.io import atomic_write_text
 
 
 def _calls(q, k, v, grad, features, compiled, compile_kernels=("triton", "auto")):
-    def run(fn):
+    def run(fn, in_graph=False):
         def step():
             for t in (q, k, v):
                 t.grad = None
             fn().backward(grad)
-        return step
+
+        def step_in_graph():  # warm-up, capture and replay with the graphed options
+            with tuned.graphed_options():
+                step()
+        return step_in_graph if in_graph else step
 
     key = skyformer.random_key(0, device=q.device)
 
@@ -71,7 +75,8 @@ def _calls(q, k, v, grad, features, compiled, compile_kernels=("triton", "auto")
         fused = torch.compile(sky, fullgraph=True, dynamic=False)
         graphed = torch.compile(sky, fullgraph=True, dynamic=False, mode="reduce-overhead")
         extra |= {f"skyformer/{kernel}+compile": run(lambda fused=fused: fused(q, k, v)),
-                  f"skyformer/{kernel}+cudagraphs": run(lambda graphed=graphed: graphed(q, k, v))}
+                  f"skyformer/{kernel}+cudagraphs": run(lambda graphed=graphed: graphed(q, k, v),
+                                                        in_graph=True)}
 
     def tf32():
         before = torch.get_float32_matmul_precision()

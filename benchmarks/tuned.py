@@ -30,3 +30,9 @@ def applied(paths: list[str] | None):
             print(f"launch options from {path}:", flush=True)
             stack.enter_context(SWEEPS[kind].applied(result["best"]))
         yield
+
+
+def graphed_options():
+    """The graphed launch options of ``applied`` for the calls inside, the warm-up before
+    a CUDA graph capture too (``lemma3_tiles.graphed_options``)."""
+    return lemma3_tiles.graphed_options()

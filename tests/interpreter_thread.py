@@ -8,12 +8,16 @@ Skyformer forward + backward under the interpreter took 0.7 s at most depths and
 2.7 s at others, so a test's time depended on how deep pytest happened to call it (a
 refactor of the Lemma 3 kernels that added one call level made some tests 3x slower).
 In a worker thread every launch starts from the same shallow stack. The caller's
-thread-local autograd state goes with it (grad and inference mode).
+thread-local autograd state goes with it (grad and inference mode); other thread-local
+state does not (autocast, torch function and dispatch modes, saved-tensor hooks), so a
+dispatch-mode recorder sees the launch's custom operator but not the interpreter's own
+tensor copies inside it. A launch made from the worker itself runs there directly.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 
 import torch
 
@@ -31,6 +35,8 @@ def run_interpreted_launches_in_a_worker_thread() -> None:
     launch = InterpretedFunction.run
 
     def run(self, *args, **kwargs):
+        if threading.current_thread().name.startswith("triton-interpreter"):
+            return launch(self, *args, **kwargs)  # nested: waiting on itself would hang
         grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
         def in_worker():

@@ -114,7 +114,7 @@ def test_lemma3_tile_sweep_runs_on_the_cpu_under_the_interpreter(tmp_path):
     against the PyTorch core (a launch per pass among them), the defaults marked, the
     fastest of each kernel recorded (the GPU run decides launch_options; on the CPU
     eager only, no CUDA graph), and ``applied`` launches what it recorded, the graphed
-    options only while a CUDA graph is captured."""
+    options while a CUDA graph is captured and in the warm-up before it."""
     import json
 
     from skyformer.linalg import triton_lemma3, triton_lemma3_backward
@@ -142,6 +142,8 @@ def test_lemma3_tile_sweep_runs_on_the_cpu_under_the_interpreter(tmp_path):
         assert triton_lemma3_backward.launch_options(16, backward=True,
                                                      captured=True) == per_pass
         assert triton_lemma3.launch_options(16, captured=True) == best["forward"]
+        with tiles.graphed_options():  # the warm-up before a capture: the same kernels
+            assert triton_lemma3_backward.launch_options(16, backward=True) == per_pass
         assert triton_lemma3.launch_options(64)["BLOCK"] == 64  # not measured: the default
     assert triton_lemma3.launch_options(16)["num_stages"] == 1
     assert not triton_lemma3.launch_options(16, captured=True)["PER_PASS"]

@@ -100,8 +100,9 @@ def _rows(b, h, m, d, dtype, device, seed=0):
 
 
 def _inverse_of_rows(x, live, kernel, iterations=6):
-    norm = torch.where(live[:, None, :], half_sq_norm(x),
-                       torch.tensor(float("inf"), dtype=x.dtype, device=x.device))
+    # inf as a Python number: a tensor made from it on CUDA would be a host copy, which
+    # a CUDA graph capture refuses
+    norm = torch.where(live[:, None, :], half_sq_norm(x), float("inf"))
     return landmark_inverse(x, norm, gamma=GAMMA, iterations=iterations, live=live,
                             kernel=kernel)
 

@@ -244,7 +244,9 @@ def launch_options(m: int, backward: bool = False, captured: bool = False) -> di
     with warpgroup MMA too: the kernels wait on their chain of passes, not on MMAs).
     ``captured``: for a CUDA graph being captured, the same options until a device
     says otherwise (a launch per pass is not timed on a GPU yet; ``lemma3_tiles.py``
-    times every option eager and in a CUDA graph)."""
+    times every option eager and in a CUDA graph). Options that differ there must also
+    be launched before the capture (its warm-up): a kernel first launched during a
+    capture is compiled and loaded there, which CUDA refuses."""
     block = max(16, triton.next_power_of_2(m))
     tile = min(block, 32)
     return {"BLOCK": block, "ROWS": tile, "KC": tile, "num_warps": 8 if block >= 64 else 4,
