@@ -9,6 +9,7 @@ m = 16, ``kernel="triton"``, called under 0 to 152 extra Python frames of eight
 arguments each) took 0.7 s at most depths and up to 2.7 s at others, so a test's time
 depended on how deep pytest happened to call it (a refactor of the Lemma 3 kernels that
 added one call level made some tests 3x slower).
+
 In a worker thread every launch starts from the same shallow stack. The caller's
 thread-local autograd state goes with it (grad and inference mode); other thread-local
 state does not (autocast, torch function and dispatch modes, saved-tensor hooks), so a
