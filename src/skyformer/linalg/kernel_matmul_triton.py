@@ -41,20 +41,23 @@ def _empty_to_none(t: Tensor) -> Tensor | None:
     return t if t.numel() else None
 
 
-def _rows(y, x, a, b, vm, vn, exclude, norm_scale, *, write_out1=True, shift_rows=False,
-          out2_scale=1.0, norm_coef=None):
-    """``triton_ops.rows_product`` with ``None`` for absent tensors."""
+def _rows(y, x, a, b, vm, vn, exclude, norm_scale, scale, *, write_out1=True,
+          shift_rows=False, out2_scale=1.0, norm_coef=None):
+    """``triton_ops.rows_product`` with ``None`` for absent tensors, x and b as the
+    method holds them (``scale``: the row scale s)."""
     out = _ops().rows_product(y, x, _none_to_empty(a, x), _none_to_empty(b, x), vm,
                               _none_to_empty(vn, y), _none_to_empty(exclude, y),
-                              write_out1, shift_rows, out2_scale, norm_coef, norm_scale)
+                              write_out1, shift_rows, out2_scale, norm_coef, norm_scale,
+                              scale * LOG2E, LOG2E)
     return tuple(_empty_to_none(t) for t in out)
 
 
-def _cols(y, x, a, b, vn, vm, exclude, norm_scale, *, write_out1=True):
-    """``triton_ops.cols_product`` with ``None`` for absent tensors."""
+def _cols(y, x, a, b, vn, vm, exclude, norm_scale, scale, *, write_out1=True):
+    """``triton_ops.cols_product`` with ``None`` for absent tensors, x and b as the
+    method holds them; the second output is dx, ((V_N V_M^T) * C)^T y times s."""
     out = _ops().cols_product(y, x, _none_to_empty(a, x), _none_to_empty(b, x), vn,
                               _none_to_empty(vm, x), _none_to_empty(exclude, y), write_out1,
-                              norm_scale)
+                              norm_scale, scale * LOG2E, LOG2E, scale)
     return tuple(_empty_to_none(t) for t in out)
 
 
@@ -71,18 +74,17 @@ class TritonGaussianBlockProduct(torch.autograd.Function):
     def forward(y: Tensor, x: Tensor, b: Tensor | None, rhs: Tensor,  # type: ignore[override]
                 row_valid: Tensor | None, scale: float, row_norm: bool, transpose: bool,
                 shift_rows: bool, exclude: Tensor | None) -> tuple[Tensor, Tensor]:
-        y, rhs = y.contiguous(), rhs.contiguous()
-        xc = (x * (scale * LOG2E)).contiguous()
-        b2 = None if b is None else (b * LOG2E).contiguous()
+        y, x, rhs = y.contiguous(), x.contiguous(), rhs.contiguous()
+        b = None if b is None else b.contiguous()
         # the row norms s^2 |y_i|^2 / 2 are summed by the kernels (_norm_scale); a holds
         # the invalid rows' +inf (or nothing)
         a = row_offsets(y, scale, False, row_valid, dtype=x.dtype)
         a = None if a is None else a.contiguous()
         norm_scale = _norm_scale(scale, row_norm)
         if transpose:
-            out, _ = _cols(y, xc, a, b2, rhs, None, exclude, norm_scale)
+            out, _ = _cols(y, x, a, b, rhs, None, exclude, norm_scale, scale)
         else:
-            out, _, shift = _rows(y, xc, a, b2, rhs, None, exclude, norm_scale,
+            out, _, shift = _rows(y, x, a, b, rhs, None, exclude, norm_scale, scale,
                                   shift_rows=shift_rows)
             if shift is not None:
                 a = shift if a is None else a + shift
@@ -93,6 +95,7 @@ class TritonGaussianBlockProduct(torch.autograd.Function):
         y, x, b, rhs, _, scale, row_norm, transpose, _, exclude = inputs
         out, a = output
         ctx.mark_non_differentiable(a)
+        ctx.set_materialize_grads(False)  # no zero tensor for the offsets' gradient
         # C Z's backward needs no copy of its [N, R] output (the rows kernel forms dE 1
         # itself); C^T V's [m, R] output gives the column offsets' gradient
         ctx.save_for_backward(y, x, b, rhs, a, out if transpose else None, exclude)
@@ -110,29 +113,26 @@ class TritonGaussianBlockProduct(torch.autograd.Function):
         a = a if a.numel() else None
         scale, row_norm, transpose = ctx.options
         need_y, need_x, need_b, need_rhs = ctx.needs_input_grad[:4]
-        y, rhs, grad = y.contiguous(), rhs.contiguous(), grad.contiguous()
-        xc = (x * (scale * LOG2E)).contiguous()
-        b2 = None if b is None else (b * LOG2E).contiguous()
+        y, x, rhs, grad = y.contiguous(), x.contiguous(), rhs.contiguous(), grad.contiguous()
+        b = None if b is None else b.contiguous()
         vn, vm = (rhs, grad) if transpose else (grad, rhs)
         # the rows of C g (transpose: dV) and dE x; the columns of C^T g (dZ) and dE^T y
         rows_first = transpose and (need_rhs or (need_y and row_norm))
         c_vm, dy = None, None
         if need_y or rows_first:
-            # x went in scaled by s log2(e): the kernel's dE x is s log2(e) dE x; the row
-            # norm adds -s^2 (dE 1)_i y_i, summed in the kernel (no rounded copy of dE 1)
-            c_vm, dy, _ = _rows(y, xc, a, b2, vm, vn if need_y else None, exclude,
-                                _norm_scale(scale, row_norm),
-                                write_out1=rows_first, out2_scale=1.0 / LOG2E,
+            # dy = s dE x; the row norm adds -s^2 (dE 1)_i y_i, summed in the kernel (no
+            # rounded copy of dE 1)
+            c_vm, dy, _ = _rows(y, x, a, b, vm, vn if need_y else None, exclude,
+                                _norm_scale(scale, row_norm), scale,
+                                write_out1=rows_first, out2_scale=scale,
                                 norm_coef=-scale * scale if row_norm else None)
         cols_first = not transpose and (need_rhs or need_b)
-        c_vn, de_y = None, None
+        c_vn, dx = None, None
         if need_x or cols_first:
-            c_vn, de_y = _cols(y, xc, a, b2, vn, vm if need_x else None, exclude,
-                               _norm_scale(scale, row_norm), write_out1=cols_first)
+            c_vn, dx = _cols(y, x, a, b, vn, vm if need_x else None, exclude,
+                             _norm_scale(scale, row_norm), scale, write_out1=cols_first)
         drhs = c_vm if transpose else c_vn  # dV = C g, or dZ = C^T g
-        dx = db = None
-        if need_x:
-            dx = de_y.mul_(scale)
+        db = None
         if need_b:
             db = -(torch.linalg.vecdot(grad, out) if transpose
                    else torch.linalg.vecdot(rhs, drhs))

@@ -90,6 +90,7 @@ class TritonLemma3Inverse(torch.autograd.Function):
         source, norm, ridge, iterations, auto = inputs
         _, store = output
         ctx.mark_non_differentiable(store)
+        ctx.set_materialize_grads(False)  # no zero tensor of the iterates' size
         ctx.save_for_backward(source, norm, ridge, store)
         ctx.iterations, ctx.auto = iterations, auto
 

@@ -2,7 +2,7 @@
 
 With the block, in log2 units (exp2 is the hardware's exponential),
 
-    E_is = y_i . x_s - a_i - b_s,    C_is = 2^E_is,
+    E_is = f y_i . x_s - a_i - g b_s,    C_is = 2^E_is,
 
 and two [N, R] / [m, R] value matrices V_N (one row per y row) and V_M (one row per x
 row), the two kernels compute everything the forward and backward passes need:
@@ -12,7 +12,7 @@ row), the two kernels compute everything the forward and backward passes need:
         OUT2 = ((V_N V_M^T) * C) X        [N, D]   (the chunk of dy before its scale)
     cols kernel (one program per BLOCK_M columns and one slice of the rows):
         OUT1 = C^T V_N                    [m, R]
-        OUT2 = ((V_N V_M^T) * C)^T Y      [m, D]   (dx before its scale)
+        OUT2 = h ((V_N V_M^T) * C)^T Y    [m, D]   (dx)
 
 The cols kernel splits the N rows into ``splits`` slices (m is small, so the column
 blocks alone would leave most of a GPU idle) and writes partial sums that the
@@ -20,7 +20,10 @@ launcher adds. Tiles are [BLOCK_N, BLOCK_M] in registers; nothing of size N x m 
 written. Out-of-range rows/columns, a_i = +inf (rows to drop), b_s = +inf (columns to
 drop) and ``exclude`` entries give C = 0. ``shift_rows`` (rows kernel) first finds each
 row's largest exponent and subtracts it (a row with no live column keeps shift 0).
-The caller folds the row scale s and log2(e) into x; the row norms' share of a_i
+The factors f = s log2(e) (s the row scale) and g = log2(e) are arguments
+(``dot_scale``, ``b_scale``), applied to each tile, so x and b enter as the method holds
+them (scaling them first was two operations a product and two more in its backward);
+h (``out2_scale``) is the scale of dx. The row norms' share of a_i
 (s^2 |y_i|^2 / 2 in log2 units, ``norm_scale``) the kernels sum themselves from the
 y tiles they read (a PyTorch norm of a half-type y was a slow reduction of its own:
 0.26 ms for each of q and k at B=4, H=16, N=16384, D=64 on an H200, where the
@@ -96,7 +99,7 @@ def _dot_bf16(a, b, acc, PRECISION: tl.constexpr):
 def _rows_kernel(
     Y, X, A, B, VM, VN, EXC, OUT1, OUT2, SHIFT,
     N, M, D, R,
-    s_exc_b, s_exc_n, s_exc_m, out2_scale, norm_coef, norm_scale,
+    s_exc_b, s_exc_n, s_exc_m, out2_scale, norm_coef, norm_scale, dot_scale, b_scale,
     HAS_A: tl.constexpr, HAS_B: tl.constexpr, HAS_EXC: tl.constexpr,
     WRITE_OUT1: tl.constexpr, HAS_VN: tl.constexpr, SHIFT_ROWS: tl.constexpr,
     NORM_TERM: tl.constexpr, ROW_NORM: tl.constexpr,
@@ -128,11 +131,11 @@ def _rows_kernel(
             rm = m0 + tl.arange(0, BLOCK_M)
             x = tl.load(X + bh * M * D + rm[:, None] * D + rd[None, :],
                         mask=(rm < M)[:, None] & (rd < D)[None, :], other=0.0)
-            e = _mm(y, tl.trans(x), PRECISION, FMA, Y_BF16).to(y.dtype)
+            e = _mm(y, tl.trans(x), PRECISION, FMA, Y_BF16).to(y.dtype) * dot_scale
             e = e - a[:, None]
             if HAS_B:
                 b = tl.load(B + bh * M + rm, mask=rm < M, other=float("inf"))
-                e = e - b[None, :]
+                e = e - b_scale * b[None, :]
             e = tl.where((rm < M)[None, :], e, float("-inf"))
             if HAS_EXC:
                 exc = tl.load(EXC + bh * s_exc_b + rn[:, None] * s_exc_n + rm[None, :] * s_exc_m,
@@ -149,11 +152,11 @@ def _rows_kernel(
         col_in = rm < M
         x = tl.load(X + bh * M * D + rm[:, None] * D + rd[None, :],
                     mask=col_in[:, None] & (rd < D)[None, :], other=0.0)
-        e = _mm(y, tl.trans(x), PRECISION, FMA, Y_BF16).to(y.dtype)
+        e = _mm(y, tl.trans(x), PRECISION, FMA, Y_BF16).to(y.dtype) * dot_scale
         e = e - a[:, None]
         if HAS_B:
             b = tl.load(B + bh * M + rm, mask=col_in, other=float("inf"))
-            e = e - b[None, :]
+            e = e - b_scale * b[None, :]
         e = tl.where(col_in[None, :], e, float("-inf"))
         if HAS_EXC:
             exc = tl.load(EXC + bh * s_exc_b + rn[:, None] * s_exc_n + rm[None, :] * s_exc_m,
@@ -182,7 +185,7 @@ def _rows_kernel(
 def _cols_kernel(
     Y, X, A, B, VN, VM, EXC, OUT1, OUT2,
     N, M, D, R, BH, rows_per_split,
-    s_exc_b, s_exc_n, s_exc_m, norm_scale,
+    s_exc_b, s_exc_n, s_exc_m, norm_scale, dot_scale, b_scale, out2_scale,
     HAS_A: tl.constexpr, HAS_B: tl.constexpr, HAS_EXC: tl.constexpr,
     WRITE_OUT1: tl.constexpr, HAS_VM: tl.constexpr, ROW_NORM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -200,7 +203,7 @@ def _cols_kernel(
     x = tl.load(X + bh * M * D + rm[:, None] * D + rd[None, :],
                 mask=col_in[:, None] & (rd < D)[None, :], other=0.0)
     if HAS_B:
-        b = tl.load(B + bh * M + rm, mask=col_in, other=float("inf"))
+        b = b_scale * tl.load(B + bh * M + rm, mask=col_in, other=float("inf"))
     else:
         b = tl.zeros([BLOCK_M], dtype=x.dtype)
     b = tl.where(col_in, b, float("inf"))
@@ -215,7 +218,7 @@ def _cols_kernel(
         row_in = (rn < N) & (rn < start + rows_per_split)
         y = tl.load(Y + bh * N * D + rn[:, None] * D + rd[None, :],
                     mask=row_in[:, None] & (rd < D)[None, :], other=0.0).to(x.dtype)
-        e = _mm(x, tl.trans(y), PRECISION, FMA, False, Y_BF16).to(x.dtype)  # [M, N]
+        e = _mm(x, tl.trans(y), PRECISION, FMA, False, Y_BF16).to(x.dtype) * dot_scale
         e = e - b[:, None]
         if HAS_A:
             a = tl.load(A + bh * N + rn, mask=row_in, other=float("inf"))
@@ -240,7 +243,7 @@ def _cols_kernel(
         tl.store(OUT1 + base * M * R + rm[:, None] * R + rr[None, :], acc1,
                  mask=col_in[:, None] & (rr < R)[None, :])
     if HAS_VM:
-        tl.store(OUT2 + base * M * D + rm[:, None] * D + rd[None, :], acc2,
+        tl.store(OUT2 + base * M * D + rm[:, None] * D + rd[None, :], acc2 * out2_scale,
                  mask=col_in[:, None] & (rd < D)[None, :])
 
 
@@ -355,12 +358,13 @@ def rows_product(
     vn: Tensor | None, exclude: Tensor | None, *,
     write_out1: bool = True, shift_rows: bool = False,
     out2_scale: float = 1.0, norm_coef: float | None = None,
-    norm_scale: float | None = None,
+    norm_scale: float | None = None, dot_scale: float = 1.0, b_scale: float = 1.0,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """(C V_M, ((V_N V_M^T) * C) X, row shifts); see the module docstring.
 
     y ``[BH, N, D]``, x ``[BH, m, D]``, a ``[BH, N]``, b ``[BH, m]`` (log2 units),
     vm ``[BH, m, R]``, vn ``[BH, N, R]``, exclude ``[BH, N, m]`` bool (any strides).
+    ``dot_scale`` and ``b_scale`` are f and g of the module docstring.
     The second output is scaled by ``out2_scale`` and, with ``norm_coef``, gets
     ``norm_coef (dE 1)_i y_i`` added (dy of the row norm, summed in the kernel's
     precision). With ``norm_scale``, each row's offset also gets ``norm_scale |y_i|^2``,
@@ -386,7 +390,7 @@ def rows_product(
         dummy if shift is None else shift,
         n, m, d, r, se_b, se_n, se_m, float(out2_scale),
         0.0 if norm_coef is None else float(norm_coef),
-        0.0 if norm_scale is None else float(norm_scale),
+        0.0 if norm_scale is None else float(norm_scale), float(dot_scale), float(b_scale),
         HAS_A=a is not None, HAS_B=b is not None, HAS_EXC=exclude is not None,
         WRITE_OUT1=write_out1, HAS_VN=vn is not None, SHIFT_ROWS=shift_rows,
         NORM_TERM=vn is not None and norm_coef is not None, ROW_NORM=norm_scale is not None,
@@ -409,10 +413,12 @@ def _splits(n: int, blocks: int, block_n: int, device: torch.device) -> int:
 def cols_product(
     y: Tensor, x: Tensor, a: Tensor | None, b: Tensor | None, vn: Tensor,
     vm: Tensor | None, exclude: Tensor | None, *, write_out1: bool = True,
-    norm_scale: float | None = None,
+    norm_scale: float | None = None, dot_scale: float = 1.0, b_scale: float = 1.0,
+    out2_scale: float = 1.0,
 ) -> tuple[Tensor | None, Tensor | None]:
-    """(C^T V_N, ((V_N V_M^T) * C)^T Y); shapes and ``norm_scale`` as ``rows_product``
-    (y and vn may be half types; the outputs, m rows, are in x's dtype)."""
+    """(C^T V_N, ``out2_scale`` ((V_N V_M^T) * C)^T Y); shapes, ``norm_scale``,
+    ``dot_scale`` and ``b_scale`` as ``rows_product`` (y and vn may be half types; the
+    outputs, m rows, are in x's dtype)."""
     bh, n, d = y.shape
     m, r = x.shape[1], vn.shape[-1]
     bd, br = _pow2(d), _pow2(r)
@@ -431,7 +437,8 @@ def cols_product(
         dummy if vm is None else vm, exc,
         dummy if out1 is None else out1, dummy if out2 is None else out2,
         n, m, d, r, bh, rows_per_split, se_b, se_n, se_m,
-        0.0 if norm_scale is None else float(norm_scale),
+        0.0 if norm_scale is None else float(norm_scale), float(dot_scale), float(b_scale),
+        float(out2_scale),
         HAS_A=a is not None, HAS_B=b is not None, HAS_EXC=exclude is not None,
         WRITE_OUT1=write_out1, HAS_VM=vm is not None, ROW_NORM=norm_scale is not None,
         BLOCK_N=bn, BLOCK_M=bm, BLOCK_D=bd, BLOCK_R=br,
