@@ -257,6 +257,44 @@ def test_bfloat16_makes_no_float32_copy_of_the_inputs(device, method):
         assert relative_error(a, e) < 2e-2
 
 
+def _fills_and_adds(n: int, size: int) -> Recorder:
+    """Records zero fills of ``size`` elements or more and additions that write a
+    tensor of ``n`` rows."""
+    def record(func, args, out):
+        name = func.overloadpacket.__name__
+        if not isinstance(out, torch.Tensor):
+            return None
+        if name in ("zeros", "new_zeros", "zeros_like", "zero_", "fill_") and out.numel() >= size:
+            return "fill"
+        if name in ("add", "add_") and out.dim() >= 2 and out.shape[-2] == n:
+            return "add"
+        return None
+    return Recorder(record)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax"])
+def test_the_backward_pass_fills_no_tensor_of_the_inputs_size(device, method):
+    """The landmark rows' gradient joins the products' gradient of q and k in one
+    index_add (``gather_rows_through``): no zero tensor of q's size, and in Skyformer
+    no N-row addition at all (there were two of each, three passes over q-sized
+    memory a side; ``nystrom_softmax`` adds the slices of its output's gradient)."""
+    n = 80
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 3, n, 16, generator=g).to(device, torch.bfloat16)
+               .requires_grad_(True) for _ in range(3))
+    mask = torch.ones(2, n, dtype=torch.bool, device=device)
+    mask[1, 60:] = False
+    out = skyformer.attention(q, k, v, method, key_padding_mask=mask, kernel="triton",
+                              num_features=16, generator=skyformer.random_key(3))
+    with _fills_and_adds(n, q.numel()) as recorded:
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    assert "fill" not in recorded.items
+    if method == "skyformer":
+        assert recorded.items == []
+    assert all(t.shape == (2, 3, n, 16) and t.isfinite().all() for t in grads)
+
+
 def test_triton_on_cpu_without_interpreter_says_how(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     q = torch.randn(1, 1, 8, 4)

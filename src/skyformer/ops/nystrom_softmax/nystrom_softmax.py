@@ -132,7 +132,7 @@ def nystrom_softmax_attention(
         query_padding_mask=query_padding_mask, generator=generator)
     # half inputs stay half, as in skyformer: the landmark rows become float32, the
     # products read q, k, v as they are (Triton) or convert them (PyTorch path)
-    core = nystrom_core(q, k, root, config, landmarks)
+    q, k, core = nystrom_core(q, k, root, config, landmarks)
     return nystrom_softmax_from_core(q, k, v, core, info, root, config).to(q.dtype)
 
 

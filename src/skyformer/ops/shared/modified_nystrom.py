@@ -27,6 +27,7 @@ from ...linalg import (
     half_sq_norm,
     landmark_inverse,
 )
+from ...linalg.rows import gather_rows_through
 from ...sketch import Landmarks, uniform_landmarks
 from .inputs import AttentionInputs, compute_dtype
 from .options import (
@@ -108,6 +109,13 @@ def head_rows(x: Tensor, index: Tensor) -> Tensor:
     return gather_rows(x, index[:, None, :].expand(x.shape[0], x.shape[1], index.shape[1]))
 
 
+def head_rows_through(x: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
+    """(x, rows ``index: [B, m]`` of ``x: [B, H, N, D]`` for every head ``[B, H, m, D]``),
+    the gradient of the rows added to x's in the same node (``gather_rows_through``)."""
+    return gather_rows_through(
+        x, index[:, None, :].expand(x.shape[0], x.shape[1], index.shape[1]))
+
+
 @dataclass(frozen=True)
 class NystromCore:
     """What the fused and the materialised paths share: landmark rows and W.
@@ -124,31 +132,32 @@ class NystromCore:
 
 def nystrom_core(
     q: Tensor, k: Tensor, scale: float, options: NystromOptions, landmarks: Landmarks,
-) -> NystromCore:
-    """Landmark rows X_S of [s Q; s K] (gathered, then scaled: m rows, not N), their half
-    squared norms, and W = Lemma-3 inverse of C(X_S, X_S) (Skyformer section 3.4); half
-    inputs give float32 rows (``compute_dtype``)."""
-    x = torch.cat(
-        [head_rows(q, landmarks.query_index), head_rows(k, landmarks.key_index)], dim=2
-    )
+) -> tuple[Tensor, Tensor, NystromCore]:
+    """(q, k, core): landmark rows X_S of [s Q; s K] (gathered, then scaled: m rows, not
+    N), their half squared norms, and W = Lemma-3 inverse of C(X_S, X_S) (Skyformer
+    section 3.4); half inputs give float32 rows (``compute_dtype``). The products read
+    the q and k returned here: the gradient of the landmark rows joins theirs in one
+    ``index_add`` (``linalg.rows.gather_rows_through``), not through two zero tensors
+    of their size and two more additions."""
+    q, rows_q = head_rows_through(q, landmarks.query_index)
+    k, rows_k = head_rows_through(k, landmarks.key_index)
+    x = torch.cat([rows_q, rows_k], dim=2)
     x = x.to(compute_dtype(x.dtype)) * scale  # [B, H, m, D]
-    return core_from_rows(x, options, landmarks)
+    return q, k, core_from_rows(x, options, landmarks)
 
 
 def core_from_rows(x: Tensor, options: NystromOptions, landmarks: Landmarks) -> NystromCore:
     """``NystromCore`` of the scaled landmark rows ``x: [B, H, m, D]`` (slots that hold
     no landmark may hold anything: their kernel entries are exact zeros)."""
-    x_norm = torch.where(
-        landmarks.live[:, None, :], half_sq_norm(x),
-        torch.tensor(float("inf"), dtype=x.dtype, device=x.device),
-    )  # [B, H, m]
+    live = landmarks.live  # [B, m]
+    x_norm = torch.where(live[:, None, :], half_sq_norm(x), float("inf"))  # [B, H, m]
     w = landmark_inverse(  # of C(X_S, X_S): [B, H, m, m]
         x, x_norm,
         gamma=options.gamma,
         pinv=options.pinv,  # type: ignore[arg-type]
         iterations=options.pinv_iterations,
         init=options.pinv_init,  # type: ignore[arg-type]
-        live=landmarks.live,
+        live=live,
         kernel=options.kernel,
     )
     return NystromCore(x, x_norm, w, landmarks)
@@ -174,7 +183,7 @@ def modified_nystrom_factors(
         shift_query_rows: divide each row of ``c_qx`` by its maximum (for row-normalised
             outputs, where that factor cancels).
     """
-    core = nystrom_core(q_hat, k_hat, 1.0, options, landmarks)
+    q_hat, k_hat, core = nystrom_core(q_hat, k_hat, 1.0, options, landmarks)
     k_norm = half_sq_norm(k_hat)  # [B, H, Nk]
     if info.key_valid is not None:
         k_norm = torch.where(info.key_valid[:, None, :], k_norm, float("inf"))

@@ -103,7 +103,7 @@ def skyformer_attention(
         query_padding_mask=query_padding_mask, generator=generator)
     # half inputs stay half: the landmark rows are converted to float32 (m rows), the
     # products read q, k, v as they are (Triton) or convert them (PyTorch path)
-    core = nystrom_core(q, k, scale, config, landmarks)
+    q, k, core = nystrom_core(q, k, scale, config, landmarks)
     return skyformer_from_core(q, k, v, core, info, scale,
                                kernel=config.kernel).to(q.dtype)
 
