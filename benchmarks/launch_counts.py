@@ -37,7 +37,7 @@ from skyformer.registry import guard
 NOT_LAUNCHES = {"set_", "empty", "new_empty", "empty_like", "empty_strided", "copy_", "view",
                 "slice", "unsqueeze", "transpose", "select", "expand", "detach", "unbind",
                 "t", "permute", "_unsafe_view", "alias", "as_strided", "squeeze", "reshape",
-                "lift_fresh", "promote_types"}
+                "lift_fresh", "promote_types", "split", "split_with_sizes"}
 CPU_ONLY = {"hardshrink", "hardshrink_backward", "threshold_", "threshold_backward"}
 
 

@@ -61,65 +61,101 @@ def test_bad_shapes_are_explained():
         gather_rows(torch.zeros(4), torch.zeros(2, dtype=torch.long))
 
 
-def _through_and_separate(x, index, weights):
-    """The same loss, sum(w_x * x') + sum(w_r * rows), with x' and rows from
-    ``gather_rows_through`` and from x and ``gather_rows``."""
-    w_x, w_r = weights
-    through, rows = gather_rows_through(x, index)
-    return ((through * w_x).sum() + (rows * w_r).sum(),
-            (x * w_x).sum() + (gather_rows(x, index) * w_r).sum())
+def _through_and_separate(xs, indices, weights):
+    """The same loss, sum(w_i * x_i') + sum(w_r * rows), with the x_i' and rows from
+    ``gather_rows_through`` and from the xs, ``gather_rows`` and ``torch.cat``."""
+    *w_xs, w_r = weights
+    throughs, rows = gather_rows_through(xs, indices)
+    separate = torch.cat([gather_rows(x, i).flatten(x.dim() - 2, -2)
+                          for x, i in zip(xs, indices, strict=True)], dim=-2)
+    return (sum((t * w).sum() for t, w in zip(throughs, w_xs, strict=True))
+            + (rows * w_r).sum(),
+            sum((x * w).sum() for x, w in zip(xs, w_xs, strict=True))
+            + (separate * w_r).sum())
 
 
 @pytest.mark.parametrize(
-    "x_shape, index_shape",
-    [((2, 3, 7, 5), (2, 3, 11)), ((2, 1, 3, 7, 5), (2, 4, 3, 2, 6)), ((7, 5), (9,))],
+    "x_shapes, index_shapes",
+    [
+        ([(2, 3, 7, 5)], [(2, 3, 11)]),  # one tensor, repeats
+        ([(2, 3, 7, 5), (2, 3, 9, 5)], [(2, 3, 4), (2, 3, 6)]),  # two, as [Q; K]
+        ([(2, 1, 3, 7, 5)], [(2, 4, 3, 2, 6)]),  # broadcast dim, blocks of picks
+        ([(7, 5), (4, 5)], [(9,), (2,)]),  # no leading dims
+    ],
 )
-def test_through_gives_the_values_and_gradients_of_separate_reads(x_shape, index_shape):
+def test_through_gives_the_values_and_gradients_of_separate_reads(x_shapes, index_shapes):
     g = gen(2)
-    x = torch.randn(*x_shape, generator=g, dtype=torch.float64, requires_grad=True)
-    index = torch.randint(0, x_shape[-2], index_shape, generator=g)
-    through, rows = gather_rows_through(x, index)
-    torch.testing.assert_close(through, x, rtol=0, atol=0)
-    torch.testing.assert_close(rows, reference(x, index), rtol=0, atol=0)
-    weights = (torch.randn(x.shape, generator=g, dtype=torch.float64),
-               torch.randn(rows.shape, generator=g, dtype=torch.float64))
-    got, want = _through_and_separate(x, index, weights)
-    torch.testing.assert_close(torch.autograd.grad(got, x)[0], torch.autograd.grad(want, x)[0])
+    xs = [torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
+          for shape in x_shapes]
+    indices = [torch.randint(0, x.shape[-2], shape, generator=g)
+               for x, shape in zip(xs, index_shapes, strict=True)]
+    throughs, rows = gather_rows_through(xs, indices)
+    for through, x in zip(throughs, xs, strict=True):
+        torch.testing.assert_close(through, x, rtol=0, atol=0)
+    want = torch.cat([reference(x, i).flatten(x.dim() - 2, -2)
+                      for x, i in zip(xs, indices, strict=True)], dim=-2)
+    torch.testing.assert_close(rows, want, rtol=0, atol=0)
+    weights = [torch.randn(x.shape, generator=g, dtype=torch.float64) for x in xs] \
+        + [torch.randn(rows.shape, generator=g, dtype=torch.float64)]
+    got, separate = _through_and_separate(xs, indices, weights)
+    for a, e in zip(torch.autograd.grad(got, xs), torch.autograd.grad(separate, xs),
+                    strict=True):
+        torch.testing.assert_close(a, e)
 
 
-def test_through_with_one_output_unread():
+def test_through_with_an_output_unread_and_mixed_dtypes():
     g = gen(3)
     x = torch.randn(2, 6, 3, generator=g, dtype=torch.float64, requires_grad=True)
-    index = torch.randint(0, 6, (2, 4), generator=g)
-    through, rows = gather_rows_through(x, index)
-    (only_rows,) = torch.autograd.grad(rows.sum(), x)
-    torch.testing.assert_close(only_rows, torch.autograd.grad(gather_rows(x, index).sum(), x)[0])
-    through, rows = gather_rows_through(x, index)
-    (only_x,) = torch.autograd.grad(through.square().sum(), x)
+    y = torch.randn(2, 5, 3, generator=g, dtype=torch.float32, requires_grad=True)
+    ix, iy = torch.randint(0, 5, (2, 4), generator=g), torch.randint(0, 5, (2, 2), generator=g)
+    _, rows = gather_rows_through([x, y], [ix, iy])
+    assert rows.dtype == torch.float64 and rows.shape == (2, 6, 3)
+    got = torch.autograd.grad(rows.sum(), [x, y])
+    want = torch.autograd.grad(torch.cat([gather_rows(x, ix), gather_rows(y, iy)], 1).sum(),
+                               [x, y])
+    for a, e in zip(got, want, strict=True):
+        assert a.dtype == e.dtype
+        torch.testing.assert_close(a, e)
+    (through_x, _), _ = gather_rows_through([x, y], [ix, iy])
+    (only_x,) = torch.autograd.grad(through_x.square().sum(), x)
     torch.testing.assert_close(only_x, 2 * x)
+    with pytest.raises(ValueError, match="one index per tensor, one or two"):
+        gather_rows_through([x, y], [ix])
 
 
 def test_through_double_backward_forward_mode_and_per_sample_gradients():
     g = gen(4)
     x = torch.randn(2, 5, 3, generator=g, dtype=torch.float64, requires_grad=True)
-    index = torch.randint(0, 5, (2, 4), generator=g)
-    assert torch.autograd.gradcheck(lambda t: gather_rows_through(t, index), (x,))
-    assert torch.autograd.gradgradcheck(
-        lambda t: [u.square() for u in gather_rows_through(t, index)], (x,))
+    y = torch.randn(2, 4, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    ix, iy = torch.randint(0, 4, (2, 3), generator=g), torch.randint(0, 4, (2, 2), generator=g)
 
-    def loss(t, idx):  # one sample: t [5, 3], idx [4]
-        through, rows = gather_rows_through(t, idx)
-        return (through.sin().sum() + rows.square().sum())
+    def squares(a, b):
+        (ta, tb), rows = gather_rows_through([a, b], [ix, iy])
+        return ta.square(), tb.square(), rows.square()
 
-    tangent = torch.randn(x.shape, generator=g, dtype=torch.float64)
-    _, got = torch.func.jvp(lambda t: loss(t[0], index[0]), (x.detach(),), (tangent,))
-    through = torch.func.jvp(lambda t: (t[0].sin().sum() + gather_rows(t[0], index[0])
-                                        .square().sum()), (x.detach(),), (tangent,))[1]
-    torch.testing.assert_close(got, through)
-    per_sample = torch.func.vmap(torch.func.grad(loss))(x.detach(), index)
+    assert torch.autograd.gradcheck(squares, (x, y))
+    assert torch.autograd.gradgradcheck(squares, (x, y))
+
+    def loss(a, b, ia, ib):  # one sample: a [5, 3], b [4, 3], ia [3], ib [2]
+        (ta, tb), rows = gather_rows_through([a, b], [ia, ib])
+        return ta.sin().sum() + tb.cos().sum() + rows.square().sum()
+
+    def separate(a, b, ia, ib):
+        rows = torch.cat([gather_rows(a, ia), gather_rows(b, ib)])
+        return a.sin().sum() + b.cos().sum() + rows.square().sum()
+
+    tangents = (torch.randn(5, 3, generator=g, dtype=torch.float64),
+                torch.randn(4, 3, generator=g, dtype=torch.float64))
+    primals = (x[0].detach(), y[0].detach())
+    _, got = torch.func.jvp(lambda a, b: loss(a, b, ix[0], iy[0]), primals, tangents)
+    _, want = torch.func.jvp(lambda a, b: separate(a, b, ix[0], iy[0]), primals, tangents)
+    torch.testing.assert_close(got, want)
+    per_sample = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1)))(
+        x.detach(), y.detach(), ix, iy)
     for i in range(2):
-        want = torch.autograd.grad(loss(x[i], index[i]), x)[0][i]
-        torch.testing.assert_close(per_sample[i], want)
+        want = torch.autograd.grad(separate(x[i], y[i], ix[i], iy[i]), (x, y))
+        torch.testing.assert_close(per_sample[0][i], want[0][i])
+        torch.testing.assert_close(per_sample[1][i], want[1][i])
 
 
 def test_through_adds_the_rows_gradient_without_a_zero_tensor_of_x():
@@ -132,7 +168,7 @@ def test_through_adds_the_rows_gradient_without_a_zero_tensor_of_x():
     counts = []
     for use_through in (True, False):
         h = x * 2  # not a leaf: the gradient goes on through a node, as inside a model
-        got, want = _through_and_separate(h, index, weights)
+        got, want = _through_and_separate([h], [index], weights)
         with Recorder(lambda func, args, out: func.overloadpacket.__name__) as ops:
             torch.autograd.grad(got if use_through else want, x)
         counts.append(ops.items)

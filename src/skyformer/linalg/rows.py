@@ -5,7 +5,7 @@ on CPU; copying whole rows of a flattened ``[M, D]`` view with offset indices
 (``index_select``, whose backward is a row-wise ``index_add``) gives the same values and
 gradients and is about 10x faster for rows of 32-64 floats.
 
-``gather_rows_through`` is the gather for a tensor that is also read whole elsewhere
+``gather_rows_through`` is the gather for tensors that are also read whole elsewhere
 (the landmark rows of Q and K, whose products read every row): autograd would give
 the gather's gradient as a zero tensor of x's size with the rows added, then add it
 to the gradient of the whole reads, three passes over an x-sized tensor and three
@@ -16,6 +16,7 @@ in a single out-of-place ``index_add``.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -44,48 +45,92 @@ def gather_rows(x: Tensor, index: Tensor) -> Tensor:
     return rows.view(*index.shape, x.shape[-1])
 
 
-def gather_rows_through(x: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
-    """``(x, gather_rows(x, index))`` as one autograd node (module docstring): read x
-    whole only through the first output, so that the gradient of the rows is added to
-    the gradient of x in one ``index_add``. Values and gradients equal those of
-    ``x`` and ``gather_rows(x, index)`` (double backward and ``vmap`` included); under
-    forward-mode AD and ``torch.export`` they are x and ``gather_rows`` (a custom
-    ``jvp`` rule would stop ``torch.compile``, which cannot trace one;
-    ``functional_ops``)."""
+def gather_rows_through(xs: Sequence[Tensor], indices: Sequence[Tensor]
+                        ) -> tuple[tuple[Tensor, ...], Tensor]:
+    """``(xs, cat([gather_rows(x, index) ...], dim=-2))`` as one autograd node (module
+    docstring): read each x whole only through the first output, so that the gradient
+    of its rows is added to the gradient of x in one ``index_add``.
+
+    Args:
+        xs: one or two tensors ``[*L_i, R_i, C]`` (``L_i`` broadcasting to ``L'``, as
+            ``gather_rows``), e.g. Q and K.
+        indices: one ``[*L', *S_i]`` long tensor per x (its selection dims
+            ``S_i`` flattened in the rows).
+    Returns:
+        ``(xs, rows)``, rows ``[*L', |S_1| + |S_2| + ..., C]``: the values and gradients of
+        the xs and of ``gather_rows`` joined by ``torch.cat`` (double backward and
+        ``vmap`` included). Under forward-mode AD and ``torch.export`` they are
+        computed so (a custom ``jvp`` rule would stop ``torch.compile``, which cannot
+        trace one; ``functional_ops``). One node for all the xs: each application of a
+        Function costs the host about 30 us (PyTorch binds its arguments by
+        ``inspect.signature``).
+    """
+    if len(xs) != len(indices) or len(xs) not in (1, 2):
+        raise ValueError(f"gather_rows_through needs one index per tensor, one or two "
+                         f"tensors; got {len(xs)} tensors and {len(indices)} indices.")
     if functional_ops_only():
-        return x, gather_rows(x, index)
-    _check(x, index)
-    through, rows = _RowsThrough.apply(x, _flat_index(x, index).reshape(-1))
-    return through, rows.view(*index.shape, x.shape[-1])
+        return tuple(xs), torch.cat(
+            [gather_rows(x, index).flatten(x.dim() - 2, -2)
+             for x, index in zip(xs, indices, strict=True)], dim=-2)
+    for x, index in zip(xs, indices, strict=True):
+        _check(x, index)
+    flats = [_flat_index(x, index) for x, index in zip(xs, indices, strict=True)]
+    if len(xs) == 1:
+        x, _, rows = _RowsThrough.apply(xs[0], flats[0], None, None)
+        return (x,), rows
+    x, y, rows = _RowsThrough.apply(xs[0], flats[0], xs[1], flats[1])
+    return (x, y), rows
 
 
 class _RowsThrough(torch.autograd.Function):
-    """(x, rows ``flat`` of x viewed as ``[M, C]``); the backward pass adds the rows'
-    gradient into x's with ``index_add`` (differentiable, so double backward works)."""
+    """(x, y, the rows ``flat_x: [*L', S_x]`` of x viewed as ``[M_x, C]`` joined along
+    the row dim with the rows ``flat_y`` of y); y and ``flat_y`` may be None. The
+    backward pass adds each tensor's rows' gradient into its gradient with ``index_add``
+    (differentiable, so double backward works). Fixed arguments: dynamo does not trace
+    a Function whose forward takes ``*args``."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x: Tensor, flat: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
-        return x, x.reshape(-1, x.shape[-1]).index_select(0, flat)
+    def forward(x: Tensor, flat_x: Tensor, y: Tensor | None,  # type: ignore[override]
+                flat_y: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor]:
+        rows = _rows(x, flat_x)
+        if y is None:
+            return x, None, rows
+        return x, y, torch.cat([rows, _rows(y, flat_y)], dim=-2)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        x, flat = inputs
-        ctx.save_for_backward(flat)
-        ctx.shape, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
+        x, flat_x, y, flat_y = inputs
+        ctx.save_for_backward(flat_x, flat_y)
+        ctx.inputs = [(t.shape, t.dtype, t.device) for t in (x, y) if t is not None]
 
     @staticmethod
-    def backward(ctx: Any, grad_x: Tensor | None, grad_rows: Tensor | None
-                 ) -> tuple[Tensor | None, None]:
-        (flat,) = ctx.saved_tensors
+    def backward(ctx: Any, grad_x: Tensor | None, grad_y: Tensor | None,
+                 grad_rows: Tensor | None) -> tuple[Tensor | None, None, Tensor | None, None]:
+        flats = [f for f in ctx.saved_tensors if f is not None]
         if grad_rows is None:
-            return grad_x, None
-        if grad_x is None:
-            grad_x = torch.zeros(ctx.shape, dtype=ctx.dtype, device=ctx.device)
-        width = ctx.shape[-1]
-        summed = grad_x.reshape(-1, width).index_add(0, flat, grad_rows.reshape(-1, width))
-        return summed.view(ctx.shape), None
+            return grad_x, None, grad_y, None
+        parts = grad_rows.split([flat.shape[-1] for flat in flats], dim=-2)
+        summed = [_add_rows(grad, part, flat, *spec) for grad, part, flat, spec
+                  in zip((grad_x, grad_y)[:len(flats)], parts, flats, ctx.inputs, strict=True)]
+        return summed[0], None, (summed[1] if len(summed) > 1 else None), None
+
+
+def _rows(x: Tensor, flat: Tensor) -> Tensor:
+    """Rows ``flat: [*L', S]`` of x viewed as ``[M, C]``: ``[*L', S, C]``."""
+    return x.reshape(-1, x.shape[-1]).index_select(0, flat.reshape(-1)).view(
+        *flat.shape, x.shape[-1])
+
+
+def _add_rows(grad: Tensor | None, part: Tensor, flat: Tensor, shape: torch.Size,
+              dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``grad`` (zeros if None) with the rows' gradient ``part`` added at ``flat``."""
+    if grad is None:
+        grad = torch.zeros(shape, dtype=dtype, device=device)
+    width = shape[-1]
+    return grad.reshape(-1, width).index_add(
+        0, flat.reshape(-1), part.reshape(-1, width).to(grad.dtype)).view(shape)
 
 
 def _check(x: Tensor, index: Tensor) -> None:

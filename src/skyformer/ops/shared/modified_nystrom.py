@@ -106,14 +106,12 @@ def sample_landmarks(
 
 def head_rows(x: Tensor, index: Tensor) -> Tensor:
     """Rows ``index: [B, m]`` of ``x: [B, H, N, D]`` for every head: ``[B, H, m, D]``."""
-    return gather_rows(x, index[:, None, :].expand(x.shape[0], x.shape[1], index.shape[1]))
+    return gather_rows(x, _every_head(index, x))
 
 
-def head_rows_through(x: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
-    """(x, rows ``index: [B, m]`` of ``x: [B, H, N, D]`` for every head ``[B, H, m, D]``),
-    the gradient of the rows added to x's in the same node (``gather_rows_through``)."""
-    return gather_rows_through(
-        x, index[:, None, :].expand(x.shape[0], x.shape[1], index.shape[1]))
+def _every_head(index: Tensor, x: Tensor) -> Tensor:
+    """``index: [B, m]`` as ``[B, H, m]`` for ``x: [B, H, N, D]`` (a view)."""
+    return index[:, None, :].expand(x.shape[0], x.shape[1], index.shape[1])
 
 
 @dataclass(frozen=True)
@@ -139,10 +137,10 @@ def nystrom_core(
     the q and k returned here: the gradient of the landmark rows joins theirs in one
     ``index_add`` (``linalg.rows.gather_rows_through``), not through two zero tensors
     of their size and two more additions."""
-    q, rows_q = head_rows_through(q, landmarks.query_index)
-    k, rows_k = head_rows_through(k, landmarks.key_index)
-    x = torch.cat([rows_q, rows_k], dim=2)
-    x = x.to(compute_dtype(x.dtype)) * scale  # [B, H, m, D]
+    (q, k), x = gather_rows_through(  # [B, H, m, D]
+        (q, k), [_every_head(index, q) for index in (landmarks.query_index,
+                                                     landmarks.key_index)])
+    x = x.to(compute_dtype(x.dtype)) * scale
     return q, k, core_from_rows(x, options, landmarks)
 
 
