@@ -1,4 +1,4 @@
-"""benchmarks/gpu_profile.py and benchmarks/triton_resources.py on the CPU (tiny shapes):
+"""benchmarks/gpu_profile.py, triton_resources.py, host_time.py ... on the CPU (tiny shapes):
 the tools the GPU measurement depends on run, and say so where they cannot."""
 
 from __future__ import annotations
@@ -203,6 +203,26 @@ def test_flash_tile_sweep_runs_on_the_cpu_under_the_interpreter(tmp_path):
             == best["keys"]
         assert triton_flash.flash_tiles(torch.bfloat16, 64, "forward")["BLOCK_M"] == 128
     assert triton_flash.flash_tiles(torch.float32, 16, "forward")["BLOCK_M"] == 64
+
+
+def test_host_time_stubs_every_launch_and_reports_each_method(tmp_path, monkeypatch):
+    """Host time with the Triton launches stubbed: no kernel may run (under the
+    interpreter a launch that escaped the stubs would be timed as host work)."""
+    interpreter = pytest.importorskip("triton.runtime.interpreter")
+    host_time = _load("host_time")
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError(f"{self.fn.__name__} was launched")
+
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", refuse)
+    out = tmp_path / "host.md"
+    assert host_time.main(["--shape", "1,2,32,16", "--features", "8", "--calls", "2",
+                           "--profile", "3", "--out", str(out)]) == 0
+    text = out.read_text()
+    for method in host_time.METHODS:
+        row = next(line for line in text.splitlines() if line.startswith(f"| `{method}` |"))
+        median, least = (float(cell) for cell in row.split("|")[2:4])
+        assert 0 < least <= median
 
 
 def test_gpu_script_runs_every_stage_past_failures_limits_and_reruns(tmp_path):

@@ -1,0 +1,143 @@
+"""Host time of an eager forward + backward with every Triton launch stubbed, on the CPU.
+
+On a GPU an eager call is host-bound while its kernels take less time to run than to
+issue: Skyformer below N = 8192 on the H200 spent 5-7 ms of wall time on 3.0 ms of GPU
+work (docs/gpu.md). This measures what the host does besides Triton's own launcher:
+the library's Python, autograd, the custom operators and the PyTorch operations (on
+the CPU at these sizes they cost about what issuing them costs on a GPU). Every
+``triton.jit`` kernel of the library is replaced by a launch that does nothing (the
+outputs are allocated and left unwritten: the values are garbage), and the
+non-finite check runs as on CUDA (``launch_counts.py``). The methods' calls are
+interleaved, so their ratios hold on a loaded machine. ``--profile N`` lists the N
+functions with the most cumulative time (cProfile, which slows Python-heavy paths).
+
+    python benchmarks/host_time.py [--methods skyformer kernelized] [--calls 300]
+                                   [--profile 30] [--out FILE.md]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU tensors take the Triton path
+
+import argparse
+import contextlib
+import cProfile
+import importlib
+import io
+import pstats
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from unittest import mock
+
+import torch
+from launch_counts import as_on_cuda  # benchmarks/, beside this script
+
+import skyformer
+from skyformer.io import atomic_write_text
+
+TRITON_MODULES = ("skyformer.linalg.triton_kernels", "skyformer.linalg.triton_lemma3",
+                  "skyformer.linalg.triton_lemma3_backward", "skyformer.sketch.triton_draws",
+                  "skyformer.ops.kernelized.triton_flash")
+METHODS = ("skyformer", "nystrom_softmax", "kernelized")
+
+
+class _NoLaunch:
+    """Stands for a ``triton.jit`` kernel: ``kernel[grid](...)`` does nothing."""
+
+    def __getitem__(self, grid: object) -> Callable[..., None]:
+        return lambda *args, **kwargs: None
+
+
+@contextlib.contextmanager
+def stubbed_launches() -> Iterator[int]:
+    """Every kernel of ``TRITON_MODULES`` (the ``*_kernel`` names; the other jit
+    functions are called from inside kernels) replaced by ``_NoLaunch``; yields how
+    many."""
+    with contextlib.ExitStack() as stack:
+        count = 0
+        for name in TRITON_MODULES:
+            module = importlib.import_module(name)
+            for attr in list(vars(module)):
+                if attr.endswith("_kernel") and hasattr(getattr(module, attr), "__getitem__"):
+                    stack.enter_context(mock.patch.object(module, attr, _NoLaunch()))
+                    count += 1
+        yield count
+
+
+def call_of(method: str, b: int, h: int, n: int, d: int, m: int) -> Callable[[], None]:
+    """One eager forward + backward of ``method`` on the Triton path."""
+    q, k, v = (torch.randn(b, h, n, d, requires_grad=True) for _ in range(3))
+    key = skyformer.random_key(0)  # made once by the caller, as a training loop would
+    options = {} if method == "kernelized" else {"num_features": m, "generator": key}
+
+    def call() -> None:
+        out = skyformer.attention(q, k, v, method, kernel="triton", **options)
+        out.sum().backward()
+
+    return call
+
+
+def host_times(calls: dict[str, Callable[[], None]], repeats: int
+               ) -> dict[str, list[float]]:
+    """Seconds of each call, ``repeats`` rounds of one call each, after ten warm-ups."""
+    for call in calls.values():
+        for _ in range(10):
+            call()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def profile(call: Callable[[], None], top: int, calls: int = 50) -> str:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        call()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(top)
+    return text.getvalue()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--shape", default="1,1,256,64", help="B,H,N,D")
+    parser.add_argument("--features", type=int, default=128)
+    parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--profile", type=int, default=0, metavar="N")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    b, h, n, d = map(int, args.shape.split(","))
+    torch.set_num_threads(1)  # the host issues from one thread
+    with as_on_cuda(), stubbed_launches() as stubbed:
+        calls = {method: call_of(method, b, h, n, d, args.features)
+                 for method in args.methods}
+        times = host_times(calls, args.calls)
+        profiles = {method: profile(calls[method], args.profile)
+                    for method in args.methods} if args.profile else {}
+    lines = [f"B={b}, H={h}, N={n}, D={d}, m={args.features}: eager forward + backward, "
+             f"{stubbed} Triton kernels stubbed, {args.calls} interleaved calls, "
+             f"torch {torch.__version__}", "",
+             "| method | median ms | min ms |", "|---|---|---|"]
+    lines += [f"| `{method}` | {statistics.median(ts) * 1e3:.3f} | {min(ts) * 1e3:.3f} |"
+              for method, ts in times.items()]
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    for method, report in profiles.items():
+        print(f"\n{method}:\n{report}")
+    if args.out:
+        atomic_write_text(args.out, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
