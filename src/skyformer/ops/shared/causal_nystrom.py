@@ -177,9 +177,11 @@ def core_of_rows(x: Tensor, live: Tensor, gamma: float) -> CausalCore:
     hold a landmark: L^-1 of C(X, X) + gamma I with the other slots decoupled (unit
     diagonal, +inf half norms). The leading block of L^-1 depends on the leading slots
     only, so revealing a later slot leaves it unchanged."""
-    inf = torch.tensor(float("inf"), dtype=x.dtype, device=x.device)
-    x_norm = torch.where(live[:, None, :], half_sq_norm(x), inf)  # [B, H, m]
-    ridge = torch.where(live, gamma, 1.0).to(x.dtype)  # [B, m]
+    x_norm = torch.where(live[:, None, :], half_sq_norm(x), float("inf"))  # [B, H, m]
+    # gamma in x's dtype: where() of two Python numbers gives the default dtype, whose
+    # rounding of gamma (0.1 -> 0.100000001 in float32) a float64 call would carry
+    ridge = torch.where(live, torch.full((), gamma, dtype=x.dtype, device=x.device),
+                        1.0)  # [B, m]
     gram = gaussian_kernel_block(x, x, x_norm, x_norm) + torch.diag_embed(ridge)[:, None]
     chol = torch.linalg.cholesky(gram)
     eye = torch.eye(gram.shape[-1], dtype=x.dtype, device=x.device).expand_as(gram)
