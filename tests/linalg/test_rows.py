@@ -119,6 +119,10 @@ def test_through_with_an_output_unread_and_mixed_dtypes():
     (through_x, _), _ = gather_rows_through([x, y], [ix, iy])
     (only_x,) = torch.autograd.grad(through_x.square().sum(), x)
     torch.testing.assert_close(only_x, 2 * x)
+    frozen = y.detach()  # no gradient wanted: none computed, x's as before
+    _, rows = gather_rows_through([x, frozen], [ix, iy])
+    (only_x,) = torch.autograd.grad(rows.sum(), x)
+    torch.testing.assert_close(only_x, got[0])
     with pytest.raises(ValueError, match="one index per tensor, one or two"):
         gather_rows_through([x, y], [ix])
 

@@ -112,8 +112,11 @@ class _RowsThrough(torch.autograd.Function):
         if grad_rows is None:
             return grad_x, None, grad_y, None
         parts = grad_rows.split([flat.shape[-1] for flat in flats], dim=-2)
-        summed = [_add_rows(grad, part, flat, *spec) for grad, part, flat, spec
-                  in zip((grad_x, grad_y)[:len(flats)], parts, flats, ctx.inputs, strict=True)]
+        needed = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        summed = [_add_rows(grad, part, flat, *spec) if need else None
+                  for grad, part, flat, spec, need
+                  in zip((grad_x, grad_y)[:len(flats)], parts, flats, ctx.inputs,
+                         needed[:len(flats)], strict=True)]
         return summed[0], None, (summed[1] if len(summed) > 1 else None), None
 
 
