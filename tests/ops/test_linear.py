@@ -9,6 +9,7 @@ from skyformer.ops.linear import linear_attention
 from skyformer.ops.linear.linear import elu_feature_map
 from skyformer.ops.linear.naive import reference_linear_attention
 from tests.conftest import make_qkv
+from tests.dispatch import Recorder
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -107,3 +108,15 @@ def test_causal_needs_equal_lengths():
     q, k, v = make_qkv(1, 1, 6, 4, nk=8)
     with pytest.raises(ValueError, match="causal=True needs as many queries as keys"):
         linear_attention(q, k, v, causal=True)
+
+
+def test_the_backward_pass_writes_no_zero_tensor_around_the_output():
+    """The numerator and the denominator come from one [N, Dv + 1] product split in two:
+    its gradient is one write (a slice's backward wrote a zero tensor of that size for
+    each slice, then autograd added the two). (The causal path's chunks are cropped
+    by a slice, whose backward pads.)"""
+    q, k, v = (t.requires_grad_(True) for t in make_qkv(2, 2, 40, 8, dv=5))
+    out = linear_attention(q, k, v)
+    with Recorder(lambda func, args, o: func.overloadpacket.__name__) as ops:
+        torch.autograd.grad(out.square().sum(), (q, k, v))
+    assert "slice_backward" not in ops.items

@@ -138,7 +138,7 @@ def linear_from_features(phi_q: Tensor, phi_k: Tensor, v: Tensor, info: Attentio
     v_and_one = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # [B, H, Nk, Dv + 1]
     kv = reduce.sum(phi_k.transpose(-1, -2) @ v_and_one)  # [B, H, D, Dv + 1]
     o = phi_q @ kv  # [B, H, Nq, Dv + 1]
-    out = o[..., :-1] / (o[..., -1:] + eps)
+    out = _normalised(o, eps)
     return zero_padded_queries(out, info.query_valid)
 
 
@@ -148,4 +148,12 @@ def causal_linear(phi_q: Tensor, phi_k: Tensor, v: Tensor, eps: float,
     (``shared/causal_prefix.py``): ``[B, H, N, D]`` features, ``[B, H, N, Dv]`` values."""
     v_and_one = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # [B, H, N, Dv + 1]
     o = causal_feature_sums(phi_q, phi_k, v_and_one, chunk=chunk)
-    return o[..., :-1] / (o[..., -1:] + eps)
+    return _normalised(o, eps)
+
+
+def _normalised(o: Tensor, eps: float) -> Tensor:
+    """``o[..., :-1] / (o[..., -1:] + eps)`` for ``o: [..., Dv + 1]``, split rather than
+    sliced: the backward pass writes one tensor of o's size, where the two slices'
+    backward wrote a zero tensor of that size each and autograd added them."""
+    numerator, denominator = o.split([o.shape[-1] - 1, 1], dim=-1)
+    return numerator / (denominator + eps)

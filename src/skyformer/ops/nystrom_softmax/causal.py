@@ -95,6 +95,6 @@ def causal_nystrom_softmax(q: Tensor, k: Tensor, v: Tensor, info: AttentionInput
                               * torch.where(shift <= 0, shift, 0.0).exp())
     o = (far + near @ v_c).flatten(2, 3)[:, :, :n]
     bound = (bound + near.abs().sum(-1, keepdim=True)).flatten(2, 3)[:, :, :n]
-    numerator, denominator = o[..., :dv], o[..., dv:]
+    numerator, denominator = o.split([dv, o.shape[-1] - dv], dim=-1)  # one backward write
     fallback = prefix_mean_values(v, info.key_valid)
     return normalised_or(numerator, denominator, fallback, denominator > threshold * bound)

@@ -169,9 +169,10 @@ def nystrom_softmax_from_core(
         q, core.x, torch.cat([z, z[..., -1:].detach().abs()], dim=-1), core.x_norm,
         scale=root, row_norm=False, shift_rows=True, kernel=config.kernel,
     )  # [B, H, Nq, Dv + 2]
-    dv = v.shape[-1]
-    return normalise(o[..., :dv], o[..., dv : dv + 1], o[..., dv + 1 :], v, info, config,
-                     v.dtype, reduce)
+    # split, not three slices: its backward writes one tensor of o's size, where each
+    # slice's backward wrote a zero tensor of that size and autograd added them
+    numerator, denominator, bound = o.split([v.shape[-1], 1, 1], dim=-1)
+    return normalise(numerator, denominator, bound, v, info, config, v.dtype, reduce)
 
 
 def _causal(q: Tensor, k: Tensor, v: Tensor, config: NystromSoftmaxConfig,
