@@ -188,3 +188,15 @@ def test_peak_memory_holds_only_the_augmented_inputs_and_the_output(padded, caus
     job = CallJob("tests.eval.memory_helpers:kernelized_call",
                   {"shape": shape, "padded": padded, "causal": causal})
     assert peak_memory_bytes(job) <= buffers * buffer
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_the_augmented_output_is_split_not_sliced(dtype):
+    """C V and C 1 come from one SDPA output [.., N, width]: split, its gradient is one
+    write, where the two slices' backward wrote a zero tensor of that size each and
+    autograd added them."""
+    q, k, v = (t.to(dtype).requires_grad_(True) for t in make_qkv(2, 2, 30, 8, dv=6))
+    out = kernelized_attention(q, k, v)
+    with Recorder(lambda func, args, o: func.overloadpacket.__name__) as ops:
+        torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    assert "slice_backward" not in ops.items

@@ -184,4 +184,7 @@ def kernelized_by_sdpa(
         out = sdpa(q_aug, k_aug, v_aug, scale=scale)
     work = torch.float64 if out.dtype == torch.float64 else torch.float32
     dv = v.shape[-1]
-    return out[..., :dv].to(work) / out[..., dv : dv + 1].to(work)
+    # split, not sliced: the backward writes one tensor of out's size, not a zero
+    # tensor of that size for each slice and their sum
+    numerator, denominator, _ = out.split([dv, 1, out.shape[-1] - dv - 1], dim=-1)
+    return numerator.to(work) / denominator.to(work)

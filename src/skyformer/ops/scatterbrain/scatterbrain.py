@@ -191,7 +191,7 @@ def scatterbrain_attention(
         o = sparse + torch.exp(log_lr - ref)[..., None] * low_rank
     else:
         o = low_rank
-    numerator, denominator = o[..., :-1], o[..., -1:]
+    numerator, denominator = o.split([o.shape[-1] - 1, 1], dim=-1)  # one backward write
     out = normalised_or(numerator, denominator, mean_values(vw, info.key_valid))
     return zero_padded_queries(out, info.query_valid).to(dtype)
 
