@@ -257,6 +257,57 @@ def test_bfloat16_makes_no_float32_copy_of_the_inputs(device, method):
         assert relative_error(a, e) < 2e-2
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("y_dtype", [torch.bfloat16, torch.float32])
+def test_bfloat16_landmark_rows_read_as_such_give_the_same_product(device, transpose,
+                                                                  y_dtype, monkeypatch):
+    """x = c x_bf16 with x_bf16 bfloat16 numbers (landmark rows of bfloat16 q, k): the
+    kernels read x_bf16 and leave out the products with its zero lo part; outputs and
+    gradients (of x, not x_bf16) are those of reading x, and at least as close to the
+    float64 product (the dots with x_bf16 are exact, bf16x3 of x is not)."""
+    n, m, d, r = 70, 33, 24, 40
+    g = torch.Generator().manual_seed(6)
+    c = 64 ** -0.25
+    x_bf16 = torch.randn(2, m, d, generator=g).to(torch.bfloat16).float()
+    x = x_bf16 * c
+    y = torch.randn(2, n, d, generator=g).to(y_dtype)
+    b = 0.5 * x.square().sum(-1)
+    rhs = torch.randn(2, n if transpose else m, r, generator=g)
+    options = {"scale": c, "transpose": transpose}
+    moved = [t.to(device) for t in (y, x, b, rhs)]
+    from skyformer.linalg import triton_kernels
+
+    flags = []
+
+    class Spy:  # records what every launch is told about x
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                flags.append(kwargs["X_BF16"])
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    for name in ("_rows_kernel", "_cols_kernel"):
+        monkeypatch.setattr(triton_kernels, name, Spy(getattr(triton_kernels, name)))
+    read_x = _product("triton", *moved, **options)
+    assert flags and not any(flags)
+    flags.clear()
+    read_bf16 = _product("triton", *moved, x_bf16=x_bf16.to(device), x_factor=c, **options)
+    assert flags and all(flags)
+    exact = _product("torch", *(t.double() for t in (y, x, b, rhs)), **options)
+    for got, before, want in zip(read_bf16, read_x, exact, strict=True):
+        half = got.dtype == torch.bfloat16
+        assert relative_error(got, before) < (1e-2 if half else 1e-4)
+        if not half:
+            assert relative_error(got, want) <= relative_error(before, want) * 1.01 + 1e-7
+    with pytest.raises(ValueError, match="x_bf16 must have x's shape and dtype"):
+        gaussian_kernel_matmul(y, x, rhs, b, x_bf16=x_bf16.double(), kernel="triton",
+                               **options)
+
+
 def _fills_and_adds(n: int, size: int) -> Recorder:
     """Records zero fills of ``size`` elements or more and additions that write a
     tensor of ``n`` rows."""

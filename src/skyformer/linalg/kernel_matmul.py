@@ -230,6 +230,8 @@ def gaussian_kernel_matmul(
     chunk: int | None = None,
     exclude: Tensor | None = None,
     kernel: str = "auto",
+    x_bf16: Tensor | None = None,
+    x_factor: float = 1.0,
 ) -> Tensor:
     """C @ rhs or C^T @ rhs for C = exp(s y x^T - s^2|y|^2/2 - col_offset), never whole.
 
@@ -255,6 +257,12 @@ def gaussian_kernel_matmul(
             mask), True entries of C are 0 (no gradient through them).
         kernel: ``"auto"`` (Triton for float32 CUDA tensors, else PyTorch), ``"torch"``
             or ``"triton"`` (``kernel_backend``).
+        x_bf16: x / ``x_factor`` in x's dtype when its values are bfloat16 numbers (the
+            landmark rows of bfloat16 inputs before their scale), or None: the Triton
+            kernels then read it and leave out the bf16x3 products with its zero lo
+            part (y x^T of bfloat16 y: one tensor-core product instead of two, exact),
+            with ``x_factor`` in the exponent's factor; gradients are x's. Ignored by
+            the PyTorch path.
     Returns:
         ``[..., N, R]`` (``C @ rhs``) or ``[..., m, R]`` (``C^T @ rhs``); differentiable in
         ``y``, ``x``, ``col_offset`` and ``rhs`` (the backward pass rebuilds C by chunks).
@@ -293,12 +301,17 @@ def gaussian_kernel_matmul(
                 f"{(*batch_shape, n, m)}, got {exclude.dtype} {tuple(exclude.shape)}."
             )
         exclude = exclude.reshape(bh, n, m)
+    if x_bf16 is not None and (x_bf16.shape != x.shape or x_bf16.dtype != x.dtype):
+        raise ValueError(
+            f"gaussian_kernel_matmul: x_bf16 must have x's shape and dtype "
+            f"{tuple(x.shape)} {x.dtype}, got {tuple(x_bf16.shape)} {x_bf16.dtype}.")
     if triton:
         out, _ = TritonGaussianBlockProduct.apply(
             y.reshape(bh, n, d), x.reshape(bh, m, d),
             None if col_offset is None else col_offset.reshape(bh, m),
             rhs.reshape(bh, *rhs.shape[-2:]), row_valid, float(scale), row_norm, transpose,
-            shift_rows, exclude,
+            shift_rows, exclude, None if x_bf16 is None else x_bf16.reshape(bh, m, d),
+            float(x_factor),
         )
         return out.reshape(*batch_shape, *out.shape[1:])
     out, _, _ = _GaussianBlockProduct.apply(

@@ -17,7 +17,7 @@ The kernels are called as the custom operators of ``triton_ops``, so that
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -41,24 +41,43 @@ def _empty_to_none(t: Tensor) -> Tensor | None:
     return t if t.numel() else None
 
 
-def _rows(y, x, a, b, vm, vn, exclude, norm_scale, scale, *, write_out1=True,
+def _rows(y, kx, a, b, vm, vn, exclude, norm_scale, *, write_out1=True,
           shift_rows=False, out2_scale=1.0, norm_coef=None):
-    """``triton_ops.rows_product`` with ``None`` for absent tensors, x and b as the
-    method holds them (``scale``: the row scale s)."""
-    out = _ops().rows_product(y, x, _none_to_empty(a, x), _none_to_empty(b, x), vm,
+    """``triton_ops.rows_product`` with ``None`` for absent tensors, x (``_KernelX``)
+    and b as the method holds them."""
+    out = _ops().rows_product(y, kx.x, _none_to_empty(a, kx.x), _none_to_empty(b, kx.x), vm,
                               _none_to_empty(vn, y), _none_to_empty(exclude, y),
                               write_out1, shift_rows, out2_scale, norm_coef, norm_scale,
-                              scale * LOG2E, LOG2E)
+                              kx.dot_scale * LOG2E, LOG2E, kx.bf16)
     return tuple(_empty_to_none(t) for t in out)
 
 
-def _cols(y, x, a, b, vn, vm, exclude, norm_scale, scale, *, write_out1=True):
-    """``triton_ops.cols_product`` with ``None`` for absent tensors, x and b as the
-    method holds them; the second output is dx, ((V_N V_M^T) * C)^T y times s."""
-    out = _ops().cols_product(y, x, _none_to_empty(a, x), _none_to_empty(b, x), vn,
-                              _none_to_empty(vm, x), _none_to_empty(exclude, y), write_out1,
-                              norm_scale, scale * LOG2E, LOG2E, scale)
+def _cols(y, kx, a, b, vn, vm, exclude, norm_scale, scale, *, write_out1=True):
+    """``triton_ops.cols_product`` with ``None`` for absent tensors, x (``_KernelX``)
+    and b as the method holds them; the second output is dx, ((V_N V_M^T) * C)^T y
+    times s (``scale``)."""
+    out = _ops().cols_product(y, kx.x, _none_to_empty(a, kx.x), _none_to_empty(b, kx.x), vn,
+                              _none_to_empty(vm, kx.x), _none_to_empty(exclude, y),
+                              write_out1, norm_scale, kx.dot_scale * LOG2E, LOG2E, scale,
+                              kx.bf16)
     return tuple(_empty_to_none(t) for t in out)
+
+
+class _KernelX(NamedTuple):
+    """The landmark rows as the kernels read them: x itself (``dot_scale`` = s), or
+    x / c given exactly as bfloat16 numbers (``dot_scale`` = s c, ``bf16``: the
+    bf16x3 products leave out their zero lo part; the method's x is c times them, up
+    to x's rounding)."""
+
+    x: Tensor
+    dot_scale: float
+    bf16: bool
+
+
+def _kernel_x(x: Tensor, x_bf16: Tensor | None, x_factor: float, scale: float) -> _KernelX:
+    if x_bf16 is None:
+        return _KernelX(x.contiguous(), scale, False)
+    return _KernelX(x_bf16.contiguous(), scale * x_factor, True)
 
 
 def _norm_scale(scale: float, row_norm: bool) -> float | None:
@@ -68,13 +87,17 @@ def _norm_scale(scale: float, row_norm: bool) -> float | None:
 
 
 class TritonGaussianBlockProduct(torch.autograd.Function):
-    """out = C @ rhs or C^T @ rhs; tensors as ``kernel_matmul._GaussianBlockProduct``."""
+    """out = C @ rhs or C^T @ rhs; tensors as ``kernel_matmul._GaussianBlockProduct``,
+    and ``x_bf16`` (or None), x / ``x_factor`` as bfloat16 numbers in x's dtype, which
+    the kernels then read instead of x (``_KernelX``; not differentiated: x is)."""
 
     @staticmethod
     def forward(y: Tensor, x: Tensor, b: Tensor | None, rhs: Tensor,  # type: ignore[override]
                 row_valid: Tensor | None, scale: float, row_norm: bool, transpose: bool,
-                shift_rows: bool, exclude: Tensor | None) -> tuple[Tensor, Tensor]:
-        y, x, rhs = y.contiguous(), x.contiguous(), rhs.contiguous()
+                shift_rows: bool, exclude: Tensor | None, x_bf16: Tensor | None,
+                x_factor: float) -> tuple[Tensor, Tensor]:
+        y, rhs = y.contiguous(), rhs.contiguous()
+        kx = _kernel_x(x, x_bf16, x_factor, scale)
         b = None if b is None else b.contiguous()
         # the row norms s^2 |y_i|^2 / 2 are summed by the kernels (_norm_scale); a holds
         # the invalid rows' +inf (or nothing)
@@ -82,9 +105,9 @@ class TritonGaussianBlockProduct(torch.autograd.Function):
         a = None if a is None else a.contiguous()
         norm_scale = _norm_scale(scale, row_norm)
         if transpose:
-            out, _ = _cols(y, x, a, b, rhs, None, exclude, norm_scale, scale)
+            out, _ = _cols(y, kx, a, b, rhs, None, exclude, norm_scale, scale)
         else:
-            out, _, shift = _rows(y, x, a, b, rhs, None, exclude, norm_scale, scale,
+            out, _, shift = _rows(y, kx, a, b, rhs, None, exclude, norm_scale,
                                   shift_rows=shift_rows)
             if shift is not None:
                 a = shift if a is None else a + shift
@@ -92,48 +115,50 @@ class TritonGaussianBlockProduct(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        y, x, b, rhs, _, scale, row_norm, transpose, _, exclude = inputs
+        y, x, b, rhs, _, scale, row_norm, transpose, _, exclude, x_bf16, x_factor = inputs
         out, a = output
         ctx.mark_non_differentiable(a)
         ctx.set_materialize_grads(False)  # no zero tensor for the offsets' gradient
         # C Z's backward needs no copy of its [N, R] output (the rows kernel forms dE 1
         # itself); C^T V's [m, R] output gives the column offsets' gradient
-        ctx.save_for_backward(y, x, b, rhs, a, out if transpose else None, exclude)
-        ctx.options = (scale, row_norm, transpose)
+        ctx.save_for_backward(y, x, b, rhs, a, out if transpose else None, exclude, x_bf16)
+        ctx.options = (scale, row_norm, transpose, x_factor)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple, *args: Any) -> tuple[tuple, tuple]:
         return vmap_into_batch(TritonGaussianBlockProduct.apply, info, in_dims, args,
-                               tensors=(0, 1, 2, 3, 4, 9), outputs=2)
+                               tensors=(0, 1, 2, 3, 4, 9, 10), outputs=2)
 
     @staticmethod
     @first_order_backward
     def backward(ctx: Any, grad: Tensor, _: Any) -> tuple[Tensor | None, ...]:
-        y, x, b, rhs, a, out, exclude = ctx.saved_tensors
+        y, x, b, rhs, a, out, exclude, x_bf16 = ctx.saved_tensors
         a = a if a.numel() else None
-        scale, row_norm, transpose = ctx.options
+        scale, row_norm, transpose, x_factor = ctx.options
         need_y, need_x, need_b, need_rhs = ctx.needs_input_grad[:4]
-        y, x, rhs, grad = y.contiguous(), x.contiguous(), rhs.contiguous(), grad.contiguous()
+        y, rhs, grad = y.contiguous(), rhs.contiguous(), grad.contiguous()
+        kx = _kernel_x(x, x_bf16, x_factor, scale)
         b = None if b is None else b.contiguous()
         vn, vm = (rhs, grad) if transpose else (grad, rhs)
         # the rows of C g (transpose: dV) and dE x; the columns of C^T g (dZ) and dE^T y
         rows_first = transpose and (need_rhs or (need_y and row_norm))
         c_vm, dy = None, None
         if need_y or rows_first:
-            # dy = s dE x; the row norm adds -s^2 (dE 1)_i y_i, summed in the kernel (no
-            # rounded copy of dE 1)
-            c_vm, dy, _ = _rows(y, x, a, b, vm, vn if need_y else None, exclude,
-                                _norm_scale(scale, row_norm), scale,
-                                write_out1=rows_first, out2_scale=scale,
+            # dy = s dE x (x = c x_bf16 when the kernels read x_bf16); the row norm adds
+            # -s^2 (dE 1)_i y_i, summed in the kernel (no rounded copy of dE 1)
+            c_vm, dy, _ = _rows(y, kx, a, b, vm, vn if need_y else None, exclude,
+                                _norm_scale(scale, row_norm), write_out1=rows_first,
+                                out2_scale=kx.dot_scale,
                                 norm_coef=-scale * scale if row_norm else None)
         cols_first = not transpose and (need_rhs or need_b)
         c_vn, dx = None, None
         if need_x or cols_first:
-            c_vn, dx = _cols(y, x, a, b, vn, vm if need_x else None, exclude,
+            c_vn, dx = _cols(y, kx, a, b, vn, vm if need_x else None, exclude,
                              _norm_scale(scale, row_norm), scale, write_out1=cols_first)
         drhs = c_vm if transpose else c_vn  # dV = C g, or dZ = C^T g
         db = None
         if need_b:
             db = -(torch.linalg.vecdot(grad, out) if transpose
                    else torch.linalg.vecdot(rhs, drhs))
-        return dy, dx, db, drhs if need_rhs else None, None, None, None, None, None, None
+        return (dy, dx, db, drhs if need_rhs else None, None, None, None, None, None, None,
+                None, None)

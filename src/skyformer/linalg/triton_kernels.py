@@ -102,7 +102,7 @@ def _rows_kernel(
     s_exc_b, s_exc_n, s_exc_m, out2_scale, norm_coef, norm_scale, dot_scale, b_scale,
     HAS_A: tl.constexpr, HAS_B: tl.constexpr, HAS_EXC: tl.constexpr,
     WRITE_OUT1: tl.constexpr, HAS_VN: tl.constexpr, SHIFT_ROWS: tl.constexpr,
-    NORM_TERM: tl.constexpr, ROW_NORM: tl.constexpr,
+    NORM_TERM: tl.constexpr, ROW_NORM: tl.constexpr, X_BF16: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, FMA: tl.constexpr,
 ):
@@ -131,7 +131,7 @@ def _rows_kernel(
             rm = m0 + tl.arange(0, BLOCK_M)
             x = tl.load(X + bh * M * D + rm[:, None] * D + rd[None, :],
                         mask=(rm < M)[:, None] & (rd < D)[None, :], other=0.0)
-            e = _mm(y, tl.trans(x), PRECISION, FMA, Y_BF16).to(y.dtype) * dot_scale
+            e = _mm(y, tl.trans(x), PRECISION, FMA, Y_BF16, X_BF16).to(y.dtype) * dot_scale
             e = e - a[:, None]
             if HAS_B:
                 b = tl.load(B + bh * M + rm, mask=rm < M, other=float("inf"))
@@ -152,7 +152,7 @@ def _rows_kernel(
         col_in = rm < M
         x = tl.load(X + bh * M * D + rm[:, None] * D + rd[None, :],
                     mask=col_in[:, None] & (rd < D)[None, :], other=0.0)
-        e = _mm(y, tl.trans(x), PRECISION, FMA, Y_BF16).to(y.dtype) * dot_scale
+        e = _mm(y, tl.trans(x), PRECISION, FMA, Y_BF16, X_BF16).to(y.dtype) * dot_scale
         e = e - a[:, None]
         if HAS_B:
             b = tl.load(B + bh * M + rm, mask=col_in, other=float("inf"))
@@ -169,7 +169,7 @@ def _rows_kernel(
             acc1 += _mm(c.to(vm.dtype), vm, PRECISION, FMA)
         if HAS_VN:
             de = _mm(vn, tl.trans(vm), PRECISION, FMA, VN_BF16).to(c.dtype) * c
-            acc2 += _mm(de.to(x.dtype), x, PRECISION, FMA)
+            acc2 += _mm(de.to(x.dtype), x, PRECISION, FMA, False, X_BF16)
     if WRITE_OUT1:
         tl.store(OUT1 + bh * N * R + rn[:, None] * R + rr[None, :], acc1,
                  mask=row_in[:, None] & (rr < R)[None, :])
@@ -188,8 +188,8 @@ def _cols_kernel(
     s_exc_b, s_exc_n, s_exc_m, norm_scale, dot_scale, b_scale, out2_scale,
     HAS_A: tl.constexpr, HAS_B: tl.constexpr, HAS_EXC: tl.constexpr,
     WRITE_OUT1: tl.constexpr, HAS_VM: tl.constexpr, ROW_NORM: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, FMA: tl.constexpr,
+    X_BF16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, FMA: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -218,7 +218,7 @@ def _cols_kernel(
         row_in = (rn < N) & (rn < start + rows_per_split)
         y = tl.load(Y + bh * N * D + rn[:, None] * D + rd[None, :],
                     mask=row_in[:, None] & (rd < D)[None, :], other=0.0).to(x.dtype)
-        e = _mm(x, tl.trans(y), PRECISION, FMA, False, Y_BF16).to(x.dtype) * dot_scale
+        e = _mm(x, tl.trans(y), PRECISION, FMA, X_BF16, Y_BF16).to(x.dtype) * dot_scale
         e = e - b[:, None]
         if HAS_A:
             a = tl.load(A + bh * N + rn, mask=row_in, other=float("inf"))
@@ -359,12 +359,14 @@ def rows_product(
     write_out1: bool = True, shift_rows: bool = False,
     out2_scale: float = 1.0, norm_coef: float | None = None,
     norm_scale: float | None = None, dot_scale: float = 1.0, b_scale: float = 1.0,
+    x_bf16: bool = False,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """(C V_M, ((V_N V_M^T) * C) X, row shifts); see the module docstring.
 
     y ``[BH, N, D]``, x ``[BH, m, D]``, a ``[BH, N]``, b ``[BH, m]`` (log2 units),
     vm ``[BH, m, R]``, vn ``[BH, N, R]``, exclude ``[BH, N, m]`` bool (any strides).
-    ``dot_scale`` and ``b_scale`` are f and g of the module docstring.
+    ``dot_scale`` and ``b_scale`` are f and g of the module docstring; ``x_bf16``: x
+    holds bfloat16 numbers (in its float dtype), so bf16x3 leaves out its zero lo part.
     The second output is scaled by ``out2_scale`` and, with ``norm_coef``, gets
     ``norm_coef (dE 1)_i y_i`` added (dy of the row norm, summed in the kernel's
     precision). With ``norm_scale``, each row's offset also gets ``norm_scale |y_i|^2``,
@@ -394,7 +396,7 @@ def rows_product(
         HAS_A=a is not None, HAS_B=b is not None, HAS_EXC=exclude is not None,
         WRITE_OUT1=write_out1, HAS_VN=vn is not None, SHIFT_ROWS=shift_rows,
         NORM_TERM=vn is not None and norm_coef is not None, ROW_NORM=norm_scale is not None,
-        BLOCK_N=bn, BLOCK_M=bm, BLOCK_D=bd, BLOCK_R=br,
+        X_BF16=x_bf16, BLOCK_N=bn, BLOCK_M=bm, BLOCK_D=bd, BLOCK_R=br,
         PRECISION=_precision(x.dtype, y.dtype, y.device), FMA=x.dtype == torch.float64,
         num_warps=warps, num_stages=stages,
     )
@@ -414,10 +416,10 @@ def cols_product(
     y: Tensor, x: Tensor, a: Tensor | None, b: Tensor | None, vn: Tensor,
     vm: Tensor | None, exclude: Tensor | None, *, write_out1: bool = True,
     norm_scale: float | None = None, dot_scale: float = 1.0, b_scale: float = 1.0,
-    out2_scale: float = 1.0,
+    out2_scale: float = 1.0, x_bf16: bool = False,
 ) -> tuple[Tensor | None, Tensor | None]:
     """(C^T V_N, ``out2_scale`` ((V_N V_M^T) * C)^T Y); shapes, ``norm_scale``,
-    ``dot_scale`` and ``b_scale`` as ``rows_product`` (y and vn may be half types; the
+    ``dot_scale``, ``b_scale`` and ``x_bf16`` as ``rows_product`` (y and vn may be half types; the
     outputs, m rows, are in x's dtype)."""
     bh, n, d = y.shape
     m, r = x.shape[1], vn.shape[-1]
@@ -441,7 +443,7 @@ def cols_product(
         float(out2_scale),
         HAS_A=a is not None, HAS_B=b is not None, HAS_EXC=exclude is not None,
         WRITE_OUT1=write_out1, HAS_VM=vm is not None, ROW_NORM=norm_scale is not None,
-        BLOCK_N=bn, BLOCK_M=bm, BLOCK_D=bd, BLOCK_R=br,
+        X_BF16=x_bf16, BLOCK_N=bn, BLOCK_M=bm, BLOCK_D=bd, BLOCK_R=br,
         PRECISION=_precision(x.dtype, y.dtype, y.device), FMA=x.dtype == torch.float64,
         num_warps=warps, num_stages=stages,
     )

@@ -28,18 +28,18 @@ def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
 def rows_product(y: Tensor, x: Tensor, a: Tensor, b: Tensor, vm: Tensor, vn: Tensor,
                  exclude: Tensor, write_out1: bool, shift_rows: bool, out2_scale: float,
                  norm_coef: float | None, norm_scale: float | None, dot_scale: float,
-                 b_scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                 b_scale: float, x_bf16: bool) -> tuple[Tensor, Tensor, Tensor]:
     """``triton_kernels.rows_product``; absent outputs are empty tensors."""
     out1, out2, shift = triton_kernels.rows_product(
         y, x, _opt(a), _opt(b), vm, _opt(vn), _opt(exclude), write_out1=write_out1,
         shift_rows=shift_rows, out2_scale=out2_scale, norm_coef=norm_coef,
-        norm_scale=norm_scale, dot_scale=dot_scale, b_scale=b_scale)
+        norm_scale=norm_scale, dot_scale=dot_scale, b_scale=b_scale, x_bf16=x_bf16)
     return (_or_empty(out1, y), _or_empty(out2, y), _or_empty(shift, x))
 
 
 @rows_product.register_fake
 def _(y, x, a, b, vm, vn, exclude, write_out1, shift_rows, out2_scale, norm_coef,
-      norm_scale, dot_scale, b_scale):
+      norm_scale, dot_scale, b_scale, x_bf16):
     bh, n, d = y.shape
     out1_dtype = vn.dtype if vn.numel() else y.dtype
     return (y.new_empty(bh, n, vm.shape[-1], dtype=out1_dtype) if write_out1
@@ -51,18 +51,19 @@ def _(y, x, a, b, vm, vn, exclude, write_out1, shift_rows, out2_scale, norm_coef
 @torch.library.custom_op("skyformer::gaussian_cols_product", mutates_args=())
 def cols_product(y: Tensor, x: Tensor, a: Tensor, b: Tensor, vn: Tensor, vm: Tensor,
                  exclude: Tensor, write_out1: bool, norm_scale: float | None,
-                 dot_scale: float, b_scale: float, out2_scale: float
+                 dot_scale: float, b_scale: float, out2_scale: float, x_bf16: bool
                  ) -> tuple[Tensor, Tensor]:
     """``triton_kernels.cols_product``; absent outputs are empty tensors."""
     out1, out2 = triton_kernels.cols_product(
         y, x, _opt(a), _opt(b), vn, _opt(vm), _opt(exclude), write_out1=write_out1,
-        norm_scale=norm_scale, dot_scale=dot_scale, b_scale=b_scale, out2_scale=out2_scale)
+        norm_scale=norm_scale, dot_scale=dot_scale, b_scale=b_scale, out2_scale=out2_scale,
+        x_bf16=x_bf16)
     return (_or_empty(out1, x), _or_empty(out2, x))
 
 
 @cols_product.register_fake
 def _(y, x, a, b, vn, vm, exclude, write_out1, norm_scale, dot_scale, b_scale,
-      out2_scale):
+      out2_scale, x_bf16):
     bh, _, d = y.shape
     m = x.shape[1]
     return (x.new_empty(bh, m, vn.shape[-1]) if write_out1 else x.new_empty(0),

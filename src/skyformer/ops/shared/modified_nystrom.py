@@ -13,6 +13,7 @@ head, never an n x n or 2n x 2n matrix.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -119,13 +120,17 @@ class NystromCore:
     """What the fused and the materialised paths share: landmark rows and W.
 
     ``x_norm`` is |x|^2/2 of the landmark rows, +inf for slots holding no landmark
-    (which zeroes their column of every kernel block).
+    (which zeroes their column of every kernel block). For bfloat16 inputs ``x_bf16``
+    holds the rows before their scale ``x_factor``, exact bfloat16 numbers that the
+    Triton products read in place of x (``gaussian_kernel_matmul``).
     """
 
     x: Tensor  # [B, H, m, D] landmark rows of [Q^; K^] (scaled)
     x_norm: Tensor  # [B, H, m]
     w: Tensor  # [B, H, m, m]  Lemma-3 inverse of C(X_S, X_S)
     landmarks: Landmarks
+    x_bf16: Tensor | None = None  # [B, H, m, D] x / x_factor (no gradient), or None
+    x_factor: float = 1.0
 
 
 def nystrom_core(
@@ -137,11 +142,14 @@ def nystrom_core(
     the q and k returned here: the gradient of the landmark rows joins theirs in one
     ``index_add`` (``linalg.rows.gather_rows_through``), not through two zero tensors
     of their size and two more additions."""
-    (q, k), x = gather_rows_through(  # [B, H, m, D]
+    (q, k), rows = gather_rows_through(  # [B, H, m, D]
         (q, k), [_every_head(index, q) for index in (landmarks.query_index,
                                                      landmarks.key_index)])
-    x = x.to(compute_dtype(x.dtype)) * scale
-    return q, k, core_from_rows(x, options, landmarks)
+    work = compute_dtype(rows.dtype)
+    core = core_from_rows(rows.to(work) * scale, options, landmarks)
+    if rows.dtype != torch.bfloat16:
+        return q, k, core
+    return q, k, dataclasses.replace(core, x_bf16=rows.detach().to(work), x_factor=scale)
 
 
 def core_from_rows(x: Tensor, options: NystromOptions, landmarks: Landmarks) -> NystromCore:
