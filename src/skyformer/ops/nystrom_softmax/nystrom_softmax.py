@@ -158,17 +158,16 @@ def nystrom_softmax_from_core(
         shift = reduce.max(log_e_k.amax(dim=-1, keepdim=True))
         shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))  # [B, H, 1]
     v_and_one = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # [B, H, Nk, Dv + 1]
-    exact = {"x_bf16": core.x_bf16, "x_factor": core.x_factor}
     context = reduce.sum(gaussian_kernel_matmul(
         k, core.x, v_and_one, core.x_norm + shift, scale=root, row_norm=False,
-        row_valid=key_valid, transpose=True, kernel=config.kernel, **exact,
+        row_valid=key_valid, transpose=True, kernel=config.kernel, **core.bf16_rows,
     ))  # [B, H, m, Dv + 1]
     z = core.w @ context
     # E_Q cancels in the ratio: rows of C(Q, X_S) are scaled by their own maximum instead.
     # The last column gives sum_s C(q_i, x_s) |(W u)_s|, the bound on |D~_i|.
     o = gaussian_kernel_matmul(
         q, core.x, torch.cat([z, z[..., -1:].detach().abs()], dim=-1), core.x_norm,
-        scale=root, row_norm=False, shift_rows=True, kernel=config.kernel, **exact,
+        scale=root, row_norm=False, shift_rows=True, kernel=config.kernel, **core.bf16_rows,
     )  # [B, H, Nq, Dv + 2]
     # split, not three slices: its backward writes one tensor of o's size, where each
     # slice's backward wrote a zero tensor of that size and autograd added them

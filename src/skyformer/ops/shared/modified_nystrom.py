@@ -132,6 +132,11 @@ class NystromCore:
     x_bf16: Tensor | None = None  # [B, H, m, D] x / x_factor (no gradient), or None
     x_factor: float = 1.0
 
+    @property
+    def bf16_rows(self) -> dict:
+        """``x_bf16`` and ``x_factor`` as ``gaussian_kernel_matmul``'s keywords."""
+        return {"x_bf16": self.x_bf16, "x_factor": self.x_factor}
+
 
 def nystrom_core(
     q: Tensor, k: Tensor, scale: float, options: NystromOptions, landmarks: Landmarks,
@@ -145,11 +150,11 @@ def nystrom_core(
     (q, k), rows = gather_rows_through(  # [B, H, m, D]
         (q, k), [_every_head(index, q) for index in (landmarks.query_index,
                                                      landmarks.key_index)])
-    work = compute_dtype(rows.dtype)
-    core = core_from_rows(rows.to(work) * scale, options, landmarks)
+    unscaled = rows.to(compute_dtype(rows.dtype))
+    core = core_from_rows(unscaled * scale, options, landmarks)
     if rows.dtype != torch.bfloat16:
         return q, k, core
-    return q, k, dataclasses.replace(core, x_bf16=rows.detach().to(work), x_factor=scale)
+    return q, k, dataclasses.replace(core, x_bf16=unscaled.detach(), x_factor=scale)
 
 
 def core_from_rows(x: Tensor, options: NystromOptions, landmarks: Landmarks) -> NystromCore:

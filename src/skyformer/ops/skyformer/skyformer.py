@@ -120,13 +120,12 @@ def skyformer_from_core(
     Returns ``[B, H, Nq, Dv]`` with padded query rows zero.
     """
     key_valid = None if info.key_valid is None else info.key_valid[:, None, :]  # [B, 1, Nk]
-    exact = {"x_bf16": core.x_bf16, "x_factor": core.x_factor}
     context = reduce.sum(gaussian_kernel_matmul(
         k, core.x, v, core.x_norm, scale=scale, row_valid=key_valid, transpose=True,
-        kernel=kernel, **exact,
+        kernel=kernel, **core.bf16_rows,
     ))  # C(X_S, K) V: [B, H, m, Dv]
     out = gaussian_kernel_matmul(q, core.x, core.w @ context, core.x_norm, scale=scale,
-                                 kernel=kernel, **exact)
+                                 kernel=kernel, **core.bf16_rows)
     return zero_padded_queries(out, info.query_valid)  # [B, H, Nq, Dv]
 
 
