@@ -44,6 +44,25 @@ def _exact_dtype(device: str) -> torch.dtype:
     return torch.float64 if device == "cpu" else torch.float32
 
 
+def _record_product_launches(monkeypatch, record):
+    """Calls ``record(grid, keyword arguments)`` at every launch of the product kernels,
+    which then run as they are."""
+    from skyformer.linalg import triton_kernels
+
+    class Recording:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                record(grid, kwargs)
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    for name in ("_rows_kernel", "_cols_kernel"):
+        monkeypatch.setattr(triton_kernels, name, Recording(getattr(triton_kernels, name)))
+
+
 def _product(kernel, y, x, b, rhs, **options):
     leaves = [t.detach().clone().requires_grad_(True) for t in (y, x, b, rhs)]
     out = gaussian_kernel_matmul(leaves[0], leaves[1], leaves[3], leaves[2], kernel=kernel,
@@ -276,22 +295,8 @@ def test_bfloat16_landmark_rows_read_as_such_give_the_same_product(device, trans
     rhs = torch.randn(2, n if transpose else m, r, generator=g)
     options = {"scale": c, "transpose": transpose}
     moved = [t.to(device) for t in (y, x, b, rhs)]
-    from skyformer.linalg import triton_kernels
-
-    flags = []
-
-    class Spy:  # records what every launch is told about x
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                flags.append(kwargs["X_BF16"])
-                return self.kernel[grid](*args, **kwargs)
-            return launch
-
-    for name in ("_rows_kernel", "_cols_kernel"):
-        monkeypatch.setattr(triton_kernels, name, Spy(getattr(triton_kernels, name)))
+    flags = []  # what every launch is told about x
+    _record_product_launches(monkeypatch, lambda grid, kwargs: flags.append(kwargs["X_BF16"]))
     read_x = _product("triton", *moved, **options)
     assert flags and not any(flags)
     flags.clear()
@@ -463,18 +468,8 @@ def test_more_matrices_than_a_cuda_grid_holds_go_in_slices(monkeypatch, triton_i
 
     expected = run()
     grids = []
-
-    class Recording:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return self.kernel[grid]
-
     monkeypatch.setattr(triton_kernels, "MAX_GRID_YZ", 4)
-    for name in ("_rows_kernel", "_cols_kernel"):
-        monkeypatch.setattr(triton_kernels, name, Recording(getattr(triton_kernels, name)))
+    _record_product_launches(monkeypatch, lambda grid, kwargs: grids.append(grid))
     for a, e in zip(run(), expected, strict=True):
         torch.testing.assert_close(a, e, rtol=0, atol=0)
     assert grids and max(grid[1] for grid in grids) == 4 and min(g[1] for g in grids) == 2
