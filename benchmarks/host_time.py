@@ -29,7 +29,6 @@ import io
 import pstats
 import statistics
 import sys
-import time
 from collections.abc import Callable, Iterator
 from unittest import mock
 
@@ -37,6 +36,7 @@ import torch
 from launch_counts import as_on_cuda  # benchmarks/, beside this script
 
 import skyformer
+from skyformer.eval.measure.timing import interleaved_seconds
 from skyformer.io import atomic_write_text
 
 TRITON_MODULES = ("skyformer.linalg.triton_kernels", "skyformer.linalg.triton_lemma3",
@@ -81,21 +81,6 @@ def call_of(method: str, b: int, h: int, n: int, d: int, m: int) -> Callable[[],
     return call
 
 
-def host_times(calls: dict[str, Callable[[], None]], repeats: int
-               ) -> dict[str, list[float]]:
-    """Seconds of each call, ``repeats`` rounds of one call each, after ten warm-ups."""
-    for call in calls.values():
-        for _ in range(10):
-            call()
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(repeats):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            call()
-            times[name].append(time.perf_counter() - start)
-    return times
-
-
 def profile(call: Callable[[], None], top: int, calls: int = 50) -> str:
     profiler = cProfile.Profile()
     profiler.enable()
@@ -121,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     with as_on_cuda(), stubbed_launches() as stubbed:
         calls = {method: call_of(method, b, h, n, d, args.features)
                  for method in args.methods}
-        times = host_times(calls, args.calls)
+        times = interleaved_seconds(calls, warmup=10, repeats=args.calls)
         profiles = {method: profile(calls[method], args.profile)
                     for method in args.methods} if args.profile else {}
     lines = [f"B={b}, H={h}, N={n}, D={d}, m={args.features}: eager forward + backward, "

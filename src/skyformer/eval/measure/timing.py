@@ -41,6 +41,16 @@ def interleaved_median_seconds(
     Round r runs every function once, so a change in machine load (shared machines)
     hits all of them alike and their ratios stay meaningful.
     """
+    times = interleaved_seconds(fns, device=device, warmup=warmup, repeats=repeats,
+                                clock=clock)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def interleaved_seconds(
+    fns: Mapping[str, Callable[[], object]], *, device: torch.device | str = "cpu",
+    warmup: int = 1, repeats: int = 5, clock: str = "wall",
+) -> dict[str, list[float]]:
+    """Every timed run of each function, as ``interleaved_median_seconds`` takes them."""
     device = torch.device(device)
     if clock not in CLOCKS:
         raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}.")
@@ -58,4 +68,4 @@ def interleaved_median_seconds(
             fn()
             _sync(device)
             times[name].append(now() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
