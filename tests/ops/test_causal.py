@@ -75,3 +75,38 @@ def test_the_others_refuse_with_a_sentence(method):
     q, k, v = make_qkv(1, 1, 8, 4)
     with pytest.raises(ValueError, match=f"{method} cannot"):
         attention(q, k, v, method, causal=True)
+
+
+@pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax"])
+def test_the_landmark_rows_gradient_joins_that_of_q_and_k_without_zero_tensors(method):
+    """The causal modified Nystrom core gathers its landmark rows through
+    ``gather_rows_through``: the backward pass fills no zero tensor of q's size (each
+    gather's backward made one, then added it to q's gradient), and the gradients are
+    those of plain gathers (the path that forward-mode AD takes)."""
+    from unittest import mock
+
+    from skyformer.linalg import rows
+    from tests.dispatch import Recorder
+
+    n = 80
+    q, k, v = (t.requires_grad_(True) for t in make_qkv(2, 3, n, 16, seed=4))
+    mask = _mask(n, padded=True)
+
+    def grads():
+        out = _run(method, q, k, v, mask, seed=3)
+        return torch.autograd.grad(out.square().sum(), (q, k, v))
+
+    def zero_fill(func, args, out):
+        name = func.overloadpacket.__name__
+        if name in ("zeros", "new_zeros", "zeros_like", "zero_", "fill_") \
+                and out.numel() == q.numel():
+            return name
+        return None
+
+    with Recorder(zero_fill) as recorded:
+        through = grads()
+    assert recorded.items == []
+    with mock.patch.object(rows, "functional_ops_only", lambda: True):
+        plain = grads()
+    for got, want in zip(through, plain, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

@@ -48,8 +48,8 @@ def causal_nystrom_softmax(q: Tensor, k: Tensor, v: Tensor, info: AttentionInput
     """``q, k: [B, H, N, D]`` (unscaled, compute dtype), ``v: [B, H, N, Dv]`` ->
     ``[B, H, N, Dv]``; rows of padded queries are not zeroed here."""
     n, dv = q.shape[2], v.shape[-1]
+    q, k, core = causal_core(q, k, root, gamma, landmarks)
     qs, ks = q * root, k * root
-    core = causal_core(q, k, root, gamma, landmarks)
     real = (torch.ones_like(qs[..., 0], dtype=torch.bool) if info.key_valid is None
             else info.key_valid[:, None, :].expand_as(qs[..., 0]))  # [B, H, N]
     with torch.no_grad():  # the shifts are constants: each cancels in its row's ratio

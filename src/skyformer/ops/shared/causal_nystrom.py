@@ -31,8 +31,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ...linalg import gather_rows, gaussian_kernel_block, half_sq_norm
+from ...linalg import gaussian_kernel_block, half_sq_norm
 from ...linalg.flush import flush_on_cpu
+from ...linalg.rows import gather_rows_through
 from ...sketch.landmarks import launch_or_fall_back, use_triton_draw
 from ...sketch.rng import fold_in, stream, uniform_at
 from .inputs import AttentionInputs, check_attention_inputs, resolve_key
@@ -162,14 +163,19 @@ class CausalCore:
 
 
 def causal_core(q: Tensor, k: Tensor, scale: float, gamma: float,
-                landmarks: CausalLandmarks) -> CausalCore:
-    """X_S from the rows of ``q``/``k`` ``[B, H, N, D]`` at the slots' positions, scaled by
-    ``scale``; L^-1 of C(X_S, X_S) + gamma I (dead slots: unit diagonal, decoupled)."""
-    b, h = q.shape[:2]
+                landmarks: CausalLandmarks) -> tuple[Tensor, Tensor, CausalCore]:
+    """(q, k, core): X_S from the rows of ``q``/``k`` ``[B, H, N, D]`` at the slots'
+    positions, scaled by ``scale``; L^-1 of C(X_S, X_S) + gamma I (dead slots: unit
+    diagonal, decoupled). The caller reads the q and k returned here: the gradient of
+    the landmark rows joins theirs in one ``index_add`` a side
+    (``linalg.rows.gather_rows_through``), not through a zero tensor of their size and
+    an addition each."""
+    b, h, m = q.shape[0], q.shape[1], landmarks.position.shape[-1]
     index = landmarks.position[:, None, :].expand(b, h, -1)
-    x = torch.where(landmarks.from_query[:, None], gather_rows(q, index),
-                    gather_rows(k, index)) * scale  # [B, H, m, D]
-    return core_of_rows(x, landmarks.live, gamma)
+    (q, k), rows = gather_rows_through((q, k), (index, index))  # [B, H, 2m, D]
+    x = torch.where(landmarks.from_query[:, None], rows[..., :m, :],
+                    rows[..., m:, :]) * scale  # [B, H, m, D]
+    return q, k, core_of_rows(x, landmarks.live, gamma)
 
 
 def core_of_rows(x: Tensor, live: Tensor, gamma: float) -> CausalCore:

@@ -37,8 +37,8 @@ def causal_skyformer(q: Tensor, k: Tensor, v: Tensor, info: AttentionInputs, sca
     """Causal Skyformer of ``q, k: [B, H, N, D]``, ``v: [B, H, N, Dv]`` (compute dtype,
     unscaled): ``([B, H, N, Dv], core)``; rows of padded queries are not zeroed here."""
     n = q.shape[2]
+    q, k, core = causal_core(q, k, scale, gamma, landmarks)
     qs, ks = q * scale, k * scale
-    core = causal_core(q, k, scale, gamma, landmarks)
     q_norm = half_sq_norm(qs)
     k_norm = half_sq_norm(ks)  # [B, H, N]
     if info.key_valid is not None:
