@@ -89,3 +89,16 @@ def test_large_finite_inputs_are_not_marked(dtype):
 def test_other_shapes_are_returned_as_they_are(shape):
     t = torch.randn(shape)
     assert guard.show_nonfinite(t, t, t, t, None, "auto") is t
+
+
+def test_the_cuda_path_is_three_sums_and_one_multiplication():
+    """Each of q, k, v is read once (a sum each); the sums a row can reach are added
+    and multiplied by 0 once (each sum had its own multiplication), then the flag is
+    added to the output."""
+    q, k, v = (torch.randn(1, 2, 5, 4) for _ in range(3))
+    out = torch.randn(1, 2, 5, 4)
+    with mock.patch.object(guard, "may_read_values", lambda *_: False), \
+            Recorder(lambda func, args, result: func.overloadpacket.__name__) as calls:
+        guard.show_nonfinite(out, q, k, v, None, "auto")
+    ops = [name for name in calls.items if name not in ("promote_types", "detach", "unsqueeze")]
+    assert sorted(ops) == ["add", "add", "add", "mul", "sum", "sum", "sum"]

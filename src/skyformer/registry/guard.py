@@ -9,7 +9,7 @@
   row of its batch element and head), whatever the method's own arithmetic would have
   made of it (a fallback to mean(V), a clamp, a zero). The rows are marked by adding a
   detached flag that is 0 or NaN, so a marked row's gradient passes to the method as
-  it is (``_nan_if_nonfinite``).
+  it is (``show_nonfinite``).
 
 Both run at ``call_core``, the one path every call takes; they are elementwise and
 data-independent, so they compile, export and batch like the methods. Eager calls on
@@ -77,12 +77,13 @@ def show_nonfinite(out: Any, q: Any, k: Any, v: Any, key_padding_mask: Any,
     if keys_finite and _finite(q):
         return out
     query_valid, _ = valid_rows(q, k, key_padding_mask, query_padding_mask)
-    flag = _nan_if_nonfinite(q, -1)  # [B, H, Nq]
+    sums = _sum(q, -1)  # [B, H, Nq]
     if not keys_finite:
-        spoiled = _nan_if_nonfinite(k, (-2, -1)) + _nan_if_nonfinite(v, (-2, -1))  # [B, Hk]
-        if spoiled.shape[1] != flag.shape[1]:  # fewer key heads (grouped queries): any head
+        spoiled = _sum(k, (-2, -1)) + _sum(v, (-2, -1))  # [B, Hk]
+        if spoiled.shape[1] != sums.shape[1]:  # fewer key heads (grouped queries): any head
             spoiled = spoiled.sum(dim=1, keepdim=True)
-        flag = flag + spoiled[..., None]
+        sums = sums + spoiled[..., None]
+    flag = sums * 0  # 0 where every sum is finite, NaN elsewhere
     if query_valid is not None:
         flag = torch.where(query_valid[:, None, :], flag, 0.0)
     if flag.shape != out.shape[:3]:
@@ -90,18 +91,19 @@ def show_nonfinite(out: Any, q: Any, k: Any, v: Any, key_padding_mask: Any,
     return out + flag[..., None].to(out.dtype)
 
 
-def _nan_if_nonfinite(t: Tensor, dim: int | tuple[int, ...]) -> Tensor:
-    """Zero where every entry of ``t`` along ``dim`` is finite, NaN elsewhere: a sum is
-    NaN or inf exactly when an entry is (or when finite entries add up past the range of
-    the sum's dtype, float32 for half types: entries beyond 1e30 even for 10^8 of them,
-    far beyond where every method's own squares and products overflow), and the sum
-    times 0 is 0 or NaN. Half types are summed in float32 (float16's range ends at
-    65504, which a head's keys add up past), read as they are, without a copy on CUDA.
-    Two operations and one read of ``t`` (``torch.isfinite`` is four on CUDA: eq, abs,
-    ne, and, then all and a not; ``(t * 0).sum`` wrote and read a copy of ``t``), and
-    the sum added to the output marks its rows with no ``torch.where``, so the backward
-    pass gets no operation from this check (``t`` is detached)."""
-    return t.detach().sum(dim=dim, dtype=torch.promote_types(t.dtype, torch.float32)) * 0
+def _sum(t: Tensor, dim: int | tuple[int, ...]) -> Tensor:
+    """The sum of ``t`` along ``dim``, NaN or inf exactly where an entry is (or where
+    finite entries add up past the range of the sum's dtype, float32 for half types:
+    entries beyond 1e30 even for 10^8 of them, far beyond where every method's own
+    squares and products overflow); ``show_nonfinite`` adds the sums a row can reach
+    and multiplies them by 0 once, which gives 0 or NaN. Half types are summed in
+    float32 (float16's range ends at 65504, which a head's keys add up past), read as
+    they are, without a copy on CUDA. One operation and one read of ``t``
+    (``torch.isfinite`` is four on CUDA: eq, abs, ne, and, then all and a not;
+    ``(t * 0).sum`` wrote and read a copy of ``t``), and the flag added to the output
+    marks its rows with no ``torch.where``, so the backward pass gets no operation
+    from this check (``t`` is detached)."""
+    return t.detach().sum(dim=dim, dtype=torch.promote_types(t.dtype, torch.float32))
 
 
 def _finite(t: Tensor) -> bool:
