@@ -79,7 +79,7 @@ class SkyformerDecoding(DecodingState):
         draw = self.bound.config.kernel
         marks = causal_landmarks(self.m, self.stride, batch=b, n=n, key_valid=key_valid,
                                  device=q.device, key=self.key, draw=draw)
-        qw, kw, core = causal_core(qw, kw, self.scale, self.gamma, marks)
+        _, kw, core = causal_core(qw, kw, self.scale, self.gamma, marks)
         self.ranks = slot_ranks(self.m, self.stride, batch=b, device=q.device, key=self.key,
                                 draw=draw)
         self.real = padding_as_false(key_valid, q).sum(1)
