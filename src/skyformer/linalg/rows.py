@@ -40,9 +40,7 @@ def gather_rows(x: Tensor, index: Tensor) -> Tensor:
         ``index`` expanded over ``C``.
     """
     _check(x, index)
-    flat = _flat_index(x, index)
-    rows = x.reshape(-1, x.shape[-1]).index_select(0, flat.reshape(-1))
-    return rows.view(*index.shape, x.shape[-1])
+    return _rows(x, _flat_index(x, index)).view(*index.shape, x.shape[-1])
 
 
 def gather_rows_through(xs: Sequence[Tensor], indices: Sequence[Tensor]
