@@ -10,9 +10,12 @@ outputs are allocated and left unwritten: the values are garbage), and the
 non-finite check runs as on CUDA (``launch_counts.py``). The methods' calls are
 interleaved, so their ratios hold on a loaded machine. ``--profile N`` lists the N
 functions with the most cumulative time (cProfile, which slows Python-heavy paths).
+``--through-pytorch`` adds each method with its autograd Functions and custom
+operators called through PyTorch's Python layers (``linalg.eager_calls``), in the same
+interleaved run.
 
     python benchmarks/host_time.py [--methods skyformer kernelized] [--calls 300]
-                                   [--profile 30] [--out FILE.md]
+                                   [--profile 30] [--through-pytorch] [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from launch_counts import as_on_cuda  # benchmarks/, beside this script
 import skyformer
 from skyformer.eval.measure.timing import interleaved_seconds
 from skyformer.io import atomic_write_text
+from skyformer.linalg.eager_calls import through_pytorch
 
 TRITON_MODULES = ("skyformer.linalg.triton_kernels", "skyformer.linalg.triton_lemma3",
                   "skyformer.linalg.triton_lemma3_backward", "skyformer.sketch.triton_draws",
@@ -68,15 +72,18 @@ def stubbed_launches() -> Iterator[int]:
         yield count
 
 
-def call_of(method: str, b: int, h: int, n: int, d: int, m: int) -> Callable[[], None]:
-    """One eager forward + backward of ``method`` on the Triton path."""
+def call_of(method: str, b: int, h: int, n: int, d: int, m: int, through: bool = False
+            ) -> Callable[[], None]:
+    """One eager forward + backward of ``method`` on the Triton path (``through``:
+    ``eager_calls.through_pytorch``)."""
     q, k, v = (torch.randn(b, h, n, d, requires_grad=True) for _ in range(3))
     key = skyformer.random_key(0)  # made once by the caller, as a training loop would
     options = {} if method == "kernelized" else {"num_features": m, "generator": key}
 
     def call() -> None:
-        out = skyformer.attention(q, k, v, method, kernel="triton", **options)
-        out.sum().backward()
+        with through_pytorch() if through else contextlib.nullcontext():
+            out = skyformer.attention(q, k, v, method, kernel="triton", **options)
+            out.sum().backward()
 
     return call
 
@@ -99,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--features", type=int, default=128)
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--profile", type=int, default=0, metavar="N")
+    parser.add_argument("--through-pytorch", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     b, h, n, d = map(int, args.shape.split(","))
@@ -106,9 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     with as_on_cuda(), stubbed_launches() as stubbed:
         calls = {method: call_of(method, b, h, n, d, args.features)
                  for method in args.methods}
+        if args.through_pytorch:
+            calls.update({f"{method}, through PyTorch": call_of(method, b, h, n, d,
+                                                                args.features, through=True)
+                          for method in args.methods})
         times = interleaved_seconds(calls, warmup=10, repeats=args.calls)
-        profiles = {method: profile(calls[method], args.profile)
-                    for method in args.methods} if args.profile else {}
+        profiles = {method: profile(call, args.profile)
+                     for method, call in calls.items()} if args.profile else {}
     lines = [f"B={b}, H={h}, N={n}, D={d}, m={args.features}: eager forward + backward, "
              f"{stubbed} Triton kernels stubbed, {args.calls} interleaved calls, "
              f"torch {torch.__version__}", "",

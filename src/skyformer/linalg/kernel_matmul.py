@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .eager_calls import apply
 from .flush import flush_exponent_on_cpu_
 from .functional_ops import first_order_backward, functional_ops_only
 from .kernel_backend import HALF_TYPES, use_triton
@@ -306,7 +307,8 @@ def gaussian_kernel_matmul(
             f"gaussian_kernel_matmul: x_bf16 must have x's shape and dtype "
             f"{tuple(x.shape)} {x.dtype}, got {tuple(x_bf16.shape)} {x_bf16.dtype}.")
     if triton:
-        out, _ = TritonGaussianBlockProduct.apply(
+        out, _ = apply(
+            TritonGaussianBlockProduct,
             y.reshape(bh, n, d), x.reshape(bh, m, d),
             None if col_offset is None else col_offset.reshape(bh, m),
             rhs.reshape(bh, *rhs.shape[-2:]), row_valid, float(scale), row_norm, transpose,
@@ -314,7 +316,8 @@ def gaussian_kernel_matmul(
             float(x_factor),
         )
         return out.reshape(*batch_shape, *out.shape[1:])
-    out, _, _ = _GaussianBlockProduct.apply(
+    out, _, _ = apply(
+        _GaussianBlockProduct,
         y.reshape(bh, n, d),
         x.reshape(bh, m, d),
         None if col_offset is None else col_offset.reshape(bh, m),

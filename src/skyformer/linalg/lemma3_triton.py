@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .eager_calls import apply
 from .functional_ops import first_order_backward
 from .kernel_backend import (
     KernelFallback,
@@ -149,5 +150,5 @@ def triton_lemma3_inverse(source: Tensor, norm: Tensor | None, ridge: Tensor,
                                      ridge, iterations, kernel=kernel)[0]
     auto = kernel == "auto"
     return CORE_FALLBACK.run(
-        auto, lambda: TritonLemma3Inverse.apply(source, norm, ridge, iterations, auto)[0],
+        auto, lambda: apply(TritonLemma3Inverse, source, norm, ridge, iterations, auto)[0],
         lambda: _by_pytorch(source, norm, ridge, iterations))

@@ -25,6 +25,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from .eager_calls import apply
 from .flush import flush_on_cpu_
 from .functional_ops import first_order_backward, functional_ops_only
 from .vmap import split_batch
@@ -180,7 +181,7 @@ def iterative_pinv(
     if functional_ops_only():  # torch.export, forward-mode AD (functional_ops.py)
         return _iterate_by_autograd(a, initial_inverse(a, init) if v0 is None else v0,
                                     iterations)
-    return _RazaviIteration.apply(a, v0, iterations)[0]
+    return apply(_RazaviIteration, a, v0, iterations)[0]
 
 
 def _iterate_by_autograd(a: Tensor, v: Tensor, iterations: int) -> Tensor:

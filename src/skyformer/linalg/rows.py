@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .eager_calls import apply
 from .functional_ops import functional_ops_only
 
 
@@ -74,9 +75,9 @@ def gather_rows_through(xs: Sequence[Tensor], indices: Sequence[Tensor]
         _check(x, index)
     flats = [_flat_index(x, index) for x, index in zip(xs, indices, strict=True)]
     if len(xs) == 1:
-        x, _, rows = _RowsThrough.apply(xs[0], flats[0], None, None)
+        x, _, rows = apply(_RowsThrough, xs[0], flats[0], None, None)
         return (x,), rows
-    x, y, rows = _RowsThrough.apply(xs[0], flats[0], xs[1], flats[1])
+    x, y, rows = apply(_RowsThrough, xs[0], flats[0], xs[1], flats[1])
     return (x, y), rows
 
 

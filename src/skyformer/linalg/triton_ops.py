@@ -1,4 +1,5 @@
-"""The Triton kernels as PyTorch custom operators (``torch.library.custom_op``).
+"""The Triton kernels as PyTorch custom operators (``torch.library.custom_op``; called
+directly in plain eager code, ``eager_calls``).
 
 As operators they are opaque to ``torch.compile``: the graph around them (landmark
 draws, the m x m core, norms) is traced and fused by Inductor, the kernels are called
@@ -13,6 +14,7 @@ import torch
 from torch import Tensor
 
 from . import triton_kernels
+from .eager_calls import custom_op
 
 
 def _opt(t: Tensor) -> Tensor | None:
@@ -24,7 +26,7 @@ def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
     return like.new_empty(0) if t is None else t
 
 
-@torch.library.custom_op("skyformer::gaussian_rows_product", mutates_args=())
+@custom_op("skyformer::gaussian_rows_product")
 def rows_product(y: Tensor, x: Tensor, a: Tensor, b: Tensor, vm: Tensor, vn: Tensor,
                  exclude: Tensor, write_out1: bool, shift_rows: bool, out2_scale: float,
                  norm_coef: float | None, norm_scale: float | None, dot_scale: float,
@@ -48,7 +50,7 @@ def _(y, x, a, b, vm, vn, exclude, write_out1, shift_rows, out2_scale, norm_coef
             x.new_empty(bh, n) if shift_rows else x.new_empty(0))
 
 
-@torch.library.custom_op("skyformer::gaussian_cols_product", mutates_args=())
+@custom_op("skyformer::gaussian_cols_product")
 def cols_product(y: Tensor, x: Tensor, a: Tensor, b: Tensor, vn: Tensor, vm: Tensor,
                  exclude: Tensor, write_out1: bool, norm_scale: float | None,
                  dot_scale: float, b_scale: float, out2_scale: float, x_bf16: bool
@@ -70,7 +72,7 @@ def _(y, x, a, b, vn, vm, exclude, write_out1, norm_scale, dot_scale, b_scale,
             x.new_empty(bh, m, d) if vm.numel() else x.new_empty(0))
 
 
-@torch.library.custom_op("skyformer::lemma3_inverse_forward", mutates_args=())
+@custom_op("skyformer::lemma3_inverse_forward")
 def lemma3_forward(source: Tensor, norm: Tensor, ridge: Tensor, iterations: int
                    ) -> tuple[Tensor, Tensor]:
     """``triton_lemma3.lemma3_forward`` (``norm`` empty: ``source`` is the matrix):
@@ -86,7 +88,7 @@ def _(source, norm, ridge, iterations):
     return source.new_empty(bh, m, m), source.new_empty(bh, iterations, m, m)
 
 
-@torch.library.custom_op("skyformer::lemma3_inverse_backward", mutates_args=())
+@custom_op("skyformer::lemma3_inverse_backward")
 def lemma3_backward(source: Tensor, norm: Tensor, ridge: Tensor, store: Tensor,
                     grad: Tensor) -> tuple[Tensor, Tensor]:
     """``triton_lemma3_backward.lemma3_backward``: the gradients of the source and the norms

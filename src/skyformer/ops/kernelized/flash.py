@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ...linalg.eager_calls import apply, custom_op
 from ...linalg.functional_ops import first_order_backward
 from ...linalg.vmap import vmap_into_batch
 
@@ -25,7 +26,7 @@ def _valid(key_valid: Tensor) -> Tensor | None:
     return key_valid if key_valid.numel() else None
 
 
-@torch.library.custom_op("skyformer::gaussian_flash_forward", mutates_args=())
+@custom_op("skyformer::gaussian_flash_forward")
 def flash_forward(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, s: float, causal: bool
                   ) -> Tensor:
     """``triton_flash.flash_forward`` (``key_valid`` empty: no padding)."""
@@ -37,7 +38,7 @@ def _(q, k, v, key_valid, s, causal):
     return q.new_empty(*q.shape[:3], v.shape[-1])
 
 
-@torch.library.custom_op("skyformer::gaussian_flash_backward", mutates_args=())
+@custom_op("skyformer::gaussian_flash_backward")
 def flash_backward(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, grad: Tensor,
                    s: float, causal: bool, need_q: bool, need_kv: bool
                    ) -> tuple[Tensor, Tensor, Tensor]:
@@ -97,5 +98,5 @@ def flash_kernelized(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, 
     """Exact kernelized attention C V by the flash-style Triton kernels, ``[B, H, Nq,
     Dv]`` in the inputs' dtype; ``key_valid`` ``[B, Nk]`` bool or None."""
     placeholder = q.new_empty(0, dtype=torch.bool)
-    return GaussianFlashAttention.apply(q, k, v, placeholder if key_valid is None
-                                        else key_valid, s, causal)
+    return apply(GaussianFlashAttention, q, k, v, placeholder if key_valid is None
+                 else key_valid, s, causal)

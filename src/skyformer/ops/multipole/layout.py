@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from ...linalg import gather_rows
+from ...linalg.eager_calls import apply
 from ...linalg.functional_ops import functional_ops_only
 from ...linalg.vmap import vmap_into_batch
 from ..shared.tracing import may_read_values
@@ -83,7 +84,7 @@ def permute_rows(x: Tensor, index: Tensor, inverse: Tensor) -> Tensor:
     (a custom ``jvp`` rule would stop ``torch.compile``, which cannot trace one)."""
     if functional_ops_only():
         return gather_padded(x, index)
-    return PermuteRows.apply(x, index, inverse)
+    return apply(PermuteRows, x, index, inverse)
 
 
 def gather_padded(x: Tensor, index: Tensor) -> Tensor:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ...linalg.eager_calls import apply
 from ...linalg.functional_ops import first_order_backward, functional_ops_only
 from ...linalg.vmap import vmap_into_batch
 
@@ -105,4 +106,4 @@ def near_field(q: Tensor, k: Tensor, bias: Tensor, v: Tensor, *, chunk: int | No
         top = e.detach().amax(-1, keepdim=True)
         top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
         return top, (e - top).exp() @ v
-    return _NearField.apply(q.contiguous(), k.contiguous(), bias, v.contiguous(), chunk)
+    return apply(_NearField, q.contiguous(), k.contiguous(), bias, v.contiguous(), chunk)
