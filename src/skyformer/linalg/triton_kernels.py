@@ -47,6 +47,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .kernel_backend import interpreter_on
+from .launch_grid import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -248,7 +249,7 @@ def _cols_kernel(
 
 
 def _pow2(n: int, least: int = 16) -> int:
-    return max(least, triton.next_power_of_2(n))
+    return max(least, next_power_of_2(n))
 
 
 def _precision(dtype: torch.dtype, rows: torch.dtype | None = None,
@@ -384,7 +385,7 @@ def rows_product(
     shift = x.new_empty(bh, n) if shift_rows else None
     exc, se_b, se_n, se_m = _exclude_args(exclude, y)
     dummy = y
-    grid = (triton.cdiv(n, bn), bh)
+    grid = (cdiv(n, bn), bh)
     _rows_kernel[grid](
         y, x, dummy if a is None else a, dummy if b is None else b, vm,
         dummy if vn is None else vn, exc,
@@ -406,9 +407,9 @@ def rows_product(
 def _splits(n: int, blocks: int, block_n: int, device: torch.device) -> int:
     """Row slices for the cols kernel: about four programs per multiprocessor."""
     if device.type != "cuda":
-        return min(2, triton.cdiv(n, block_n))
+        return min(2, cdiv(n, block_n))
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(triton.cdiv(n, block_n), triton.cdiv(4 * sms, max(1, blocks))))
+    return max(1, min(cdiv(n, block_n), cdiv(4 * sms, max(1, blocks))))
 
 
 @_in_slices_of_matrices
@@ -426,10 +427,10 @@ def cols_product(
     bd, br = _pow2(d), _pow2(r)
     bn, bm, warps, stages = _col_tiles(bd, br, x.dtype, y.dtype in (torch.bfloat16,
                                                                      torch.float16))
-    col_blocks = triton.cdiv(m, bm)
+    col_blocks = cdiv(m, bm)
     splits = _splits(n, col_blocks * bh, bn, y.device)
-    rows_per_split = triton.cdiv(triton.cdiv(n, splits), bn) * bn
-    splits = triton.cdiv(n, rows_per_split)
+    rows_per_split = cdiv(cdiv(n, splits), bn) * bn
+    splits = cdiv(n, rows_per_split)
     out1 = x.new_empty(splits, bh, m, r) if write_out1 else None
     out2 = x.new_empty(splits, bh, m, d) if vm is not None else None
     exc, se_b, se_n, se_m = _exclude_args(exclude, y)

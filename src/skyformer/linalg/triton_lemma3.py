@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .launch_grid import cdiv, next_power_of_2
 from .triton_kernels import _precision
 from .triton_rowblocks import eye_rows, product_rows, rows_of, square_rows, store_rows
 
@@ -220,7 +221,7 @@ def launch(program_kernel, pass_kernel, passes: list[tuple[int, int]], bh: int, 
     if not options.pop("PER_PASS", False):
         program_kernel[(bh,)](*args, **options)
         return
-    grid = (bh, triton.cdiv(m, options["ROWS"]))
+    grid = (bh, cdiv(m, options["ROWS"]))
     for kind, step in passes:
         pass_kernel[grid](*args, step, PASS=kind, **options)
 
@@ -247,7 +248,7 @@ def launch_options(m: int, backward: bool = False, captured: bool = False) -> di
     times every option eager and in a CUDA graph). Options that differ there must also
     be launched before the capture (its warm-up): a kernel first launched during a
     capture is compiled and loaded there, which CUDA refuses."""
-    block = max(16, triton.next_power_of_2(m))
+    block = max(16, next_power_of_2(m))
     tile = min(block, 32)
     return {"BLOCK": block, "ROWS": tile, "KC": tile, "num_warps": 8 if block >= 64 else 4,
             "num_stages": 1, "PER_PASS": False}

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..linalg.launch_grid import cdiv
 from . import rng
 
 BLOCK = 1024
@@ -131,7 +132,7 @@ def selection_keys(
     if batch == 0 or n == 0:
         return out
     with _on(key.device):
-        _selection_keys_kernel[(batch, triton.cdiv(n, BLOCK))](
+        _selection_keys_kernel[(batch, cdiv(n, BLOCK))](
             key.contiguous(),
             out if rank is None else rank.contiguous(),
             out if valid is None else valid.contiguous().view(torch.uint8),  # bool mask
@@ -153,7 +154,7 @@ def slot_ranks(key: Tensor, stream_name: str, batch: int, num_features: int,
     if batch == 0 or num_features == 0:
         return out
     with _on(key.device):
-        _slot_ranks_kernel[(batch, triton.cdiv(num_features, BLOCK))](
+        _slot_ranks_kernel[(batch, cdiv(num_features, BLOCK))](
             key.contiguous(), out, num_features, rng.stream_data(stream_name), stride,
             SALT=rng.UNIFORM_SALT, LOW_SALT=rng.UNIFORM_LOW_SALT, BLOCK=BLOCK,
         )

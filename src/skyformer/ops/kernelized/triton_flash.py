@@ -41,6 +41,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ...linalg.kernel_backend import float64_dots, interpreter_on
+from ...linalg.launch_grid import cdiv, next_power_of_2
 from ...linalg.triton_kernels import _mm, _precision
 
 LOG2E = math.log2(math.e)
@@ -287,8 +288,8 @@ def _common(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, s: float,
     meta = {"HAS_VALID": key_valid is not None, "CAUSAL": causal,
             "F64": q.dtype == torch.float64, "PRECISION": flash_precision(q.dtype),
             "FMA": q.dtype == torch.float64 and not float64_dots(),
-            "BLOCK_D": max(16, triton.next_power_of_2(d)),
-            "BLOCK_DV": max(16, triton.next_power_of_2(dv))}
+            "BLOCK_D": max(16, next_power_of_2(d)),
+            "BLOCK_DV": max(16, next_power_of_2(dv))}
     return [valid, args], meta
 
 
@@ -309,7 +310,7 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, s: 
         return out
     (valid, args), meta = _common(q, k, v, key_valid, s, causal)
     tiles = flash_tiles(q.dtype, q.shape[3], "forward")
-    grid = (triton.cdiv(nq, tiles["BLOCK_M"]), h, b)
+    grid = (cdiv(nq, tiles["BLOCK_M"]), h, b)
     _flash_forward_kernel[grid](q, k, v, valid, out, *args, **meta, **tiles)
     return out
 
@@ -332,10 +333,10 @@ def flash_backward(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None,
     (valid, args), meta = _common(q, k, v, key_valid, s, causal)
     if need_kv:
         tiles = flash_tiles(q.dtype, q.shape[3], "keys")
-        _flash_key_grad_kernel[(triton.cdiv(nk, tiles["BLOCK_N"]), h, b)](
+        _flash_key_grad_kernel[(cdiv(nk, tiles["BLOCK_N"]), h, b)](
             q, k, v, valid, grad, dk, dv, *args, s, **meta, **tiles)
     if need_q:
         tiles = flash_tiles(q.dtype, q.shape[3], "queries")
-        _flash_query_grad_kernel[(triton.cdiv(nq, tiles["BLOCK_M"]), h, b)](
+        _flash_query_grad_kernel[(cdiv(nq, tiles["BLOCK_M"]), h, b)](
             q, k, v, valid, grad, dq, *args, s, **meta, **tiles)
     return dq, dk, dv
