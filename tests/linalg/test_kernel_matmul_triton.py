@@ -346,11 +346,20 @@ def test_the_backward_pass_fills_no_tensor_of_the_inputs_size(device, method):
     out = skyformer.attention(q, k, v, method, key_padding_mask=mask, kernel="triton",
                               num_features=16, generator=skyformer.random_key(3))
     with _fills_and_adds(n, q.numel()) as recorded:
-        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v), retain_graph=True)
     assert "fill" not in recorded.items
     if method == "skyformer":
         assert recorded.items == []
     assert all(t.shape == (2, 3, n, 16) and t.isfinite().all() for t in grads)
+    # nor a copy of the gradient of q or k: the landmark rows' gradient is added in place
+    # (the out-of-place index_add made the peak of the whole call)
+    copies = Recorder(lambda func, args, out: func.overloadpacket.__name__
+                      if func.overloadpacket.__name__ == "index_add" else None)
+    with copies:
+        again = torch.autograd.grad(out.square().sum(), (q, k, v))
+    assert copies.items == []
+    for a, b in zip(again, grads, strict=True):  # the graph's gradients, not doubled
+        assert torch.equal(a, b)
 
 
 def test_triton_on_cpu_without_interpreter_says_how(monkeypatch):

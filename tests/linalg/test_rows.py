@@ -61,11 +61,11 @@ def test_bad_shapes_are_explained():
         gather_rows(torch.zeros(4), torch.zeros(2, dtype=torch.long))
 
 
-def _through_and_separate(xs, indices, weights):
+def _through_and_separate(xs, indices, weights, in_place=False):
     """The same loss, sum(w_i * x_i') + sum(w_r * rows), with the x_i' and rows from
     ``gather_rows_through`` and from the xs, ``gather_rows`` and ``torch.cat``."""
     *w_xs, w_r = weights
-    throughs, rows = gather_rows_through(xs, indices)
+    throughs, rows = gather_rows_through(xs, indices, in_place=in_place)
     separate = torch.cat([gather_rows(x, i).flatten(x.dim() - 2, -2)
                           for x, i in zip(xs, indices, strict=True)], dim=-2)
     return (sum((t * w).sum() for t, w in zip(throughs, w_xs, strict=True))
@@ -83,7 +83,9 @@ def _through_and_separate(xs, indices, weights):
         ([(7, 5), (4, 5)], [(9,), (2,)]),  # no leading dims
     ],
 )
-def test_through_gives_the_values_and_gradients_of_separate_reads(x_shapes, index_shapes):
+@pytest.mark.parametrize("in_place", [False, True])
+def test_through_gives_the_values_and_gradients_of_separate_reads(x_shapes, index_shapes,
+                                                                  in_place):
     g = gen(2)
     xs = [torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
           for shape in x_shapes]
@@ -97,7 +99,7 @@ def test_through_gives_the_values_and_gradients_of_separate_reads(x_shapes, inde
     torch.testing.assert_close(rows, want, rtol=0, atol=0)
     weights = [torch.randn(x.shape, generator=g, dtype=torch.float64) for x in xs] \
         + [torch.randn(rows.shape, generator=g, dtype=torch.float64)]
-    got, separate = _through_and_separate(xs, indices, weights)
+    got, separate = _through_and_separate(xs, indices, weights, in_place)
     for a, e in zip(torch.autograd.grad(got, xs), torch.autograd.grad(separate, xs),
                     strict=True):
         torch.testing.assert_close(a, e)
@@ -133,15 +135,16 @@ def test_through_double_backward_forward_mode_and_per_sample_gradients():
     y = torch.randn(2, 4, 3, generator=g, dtype=torch.float64, requires_grad=True)
     ix, iy = torch.randint(0, 4, (2, 3), generator=g), torch.randint(0, 4, (2, 2), generator=g)
 
-    def squares(a, b):
-        (ta, tb), rows = gather_rows_through([a, b], [ix, iy])
-        return ta.square(), tb.square(), rows.square()
+    for in_place in (False, True):  # differentiated backward passes add out of place
+        def squares(a, b, in_place=in_place):
+            (ta, tb), rows = gather_rows_through([a, b], [ix, iy], in_place=in_place)
+            return ta.square(), tb.square(), rows.square()
 
-    assert torch.autograd.gradcheck(squares, (x, y))
-    assert torch.autograd.gradgradcheck(squares, (x, y))
+        assert torch.autograd.gradcheck(squares, (x, y))
+        assert torch.autograd.gradgradcheck(squares, (x, y))
 
     def loss(a, b, ia, ib):  # one sample: a [5, 3], b [4, 3], ia [3], ib [2]
-        (ta, tb), rows = gather_rows_through([a, b], [ia, ib])
+        (ta, tb), rows = gather_rows_through([a, b], [ia, ib], in_place=True)
         return ta.sin().sum() + tb.cos().sum() + rows.square().sum()
 
     def separate(a, b, ia, ib):
@@ -180,3 +183,30 @@ def test_through_adds_the_rows_gradient_without_a_zero_tensor_of_x():
     assert "index_add" in through and not {"zeros", "new_zeros"} & set(through)
     assert {"zeros", "new_zeros"} & set(separate)
     assert through.count("add") < separate.count("add")
+
+
+def test_through_in_place_adds_into_the_gradient_it_is_given():
+    """``in_place``: the rows' gradient goes into the gradient that reaches x through
+    the node (here a product's, a tensor of its own): no tensor of x's size is made,
+    the gradients are those of the out-of-place addition."""
+    g = gen(6)
+    x = torch.randn(2, 3, 50, 4, generator=g, requires_grad=True)
+    index = torch.randint(0, 50, (2, 3, 6), generator=g)
+    weights = (torch.randn(x.shape, generator=g), torch.randn(2, 3, 6, 4, generator=g))
+
+    def made(func, args, out):  # the tensors of x's size an operation allocates
+        name = func.overloadpacket.__name__
+        fresh = isinstance(out, torch.Tensor) and not name.endswith("_") \
+            and not out._is_view() and out.numel() >= x.numel()
+        return name if fresh else None
+
+    grads, allocations = [], []
+    for in_place in (False, True):
+        loss, _ = _through_and_separate([x * 2], [index], weights, in_place)
+        with Recorder(made) as recorded:
+            grads.append(torch.autograd.grad(loss, x)[0])
+        allocations.append(recorded.items)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+    assert allocations[0].count("index_add") == 1  # the copy in_place saves
+    assert "index_add" not in allocations[1]
+    assert len(allocations[1]) == len(allocations[0]) - 1

@@ -44,10 +44,11 @@ class _Switch:
     direct = True
 
 
-def _plain_eager() -> bool:
+def plain_eager() -> bool:
     """Not tracing (dynamo, ``torch.jit.trace``), no ``torch.func`` transform (the
     condition of both direct calls; ``torch.compiler.is_compiling`` first: dynamo folds
-    it and the rest is not read)."""
+    it and the rest is not read). Also where ``rows.gather_rows_through`` may add into
+    a gradient in place."""
     return not torch.compiler.is_compiling() and _Switch.direct \
         and not torch._C._are_functorch_transforms_active() \
         and torch._C._get_tracing_state() is None
@@ -78,7 +79,7 @@ def _arity(function: type) -> int | None:
 def apply(function: type[torch.autograd.Function], *args: Any) -> Any:
     """``function.apply(*args)``; in plain eager code with every argument given (none
     left to a default), the C++ apply without the Python layer's argument binding."""
-    if _CPP_APPLY is not None and _plain_eager() and len(args) == _arity(function) \
+    if _CPP_APPLY is not None and plain_eager() and len(args) == _arity(function) \
             and _plain_tensors(args, {}):
         return _CPP_APPLY.__get__(None, function)(*args)
     return function.apply(*args)
@@ -99,7 +100,7 @@ class EagerOperator:
         return self.op.register_fake(fake)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if _plain_eager() and not torch._C._len_torch_dispatch_stack() \
+        if plain_eager() and not torch._C._len_torch_dispatch_stack() \
                 and not torch._C._is_torch_function_mode_enabled() \
                 and _plain_tensors(args, kwargs):
             return self.implementation(*args, **kwargs)

@@ -10,7 +10,9 @@ gradients and is about 10x faster for rows of 32-64 floats.
 the gather's gradient as a zero tensor of x's size with the rows added, then add it
 to the gradient of the whole reads, three passes over an x-sized tensor and three
 launches; passing x through the same node adds the rows' gradient to the other one
-in a single out-of-place ``index_add``.
+in a single ``index_add``: out of place (a copy of x's size), or in place where the
+caller says that the gradient reaching x through the node is a tensor no other node
+holds (``in_place``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .eager_calls import apply
+from .eager_calls import apply, plain_eager
 from .functional_ops import functional_ops_only
 
 
@@ -44,8 +46,8 @@ def gather_rows(x: Tensor, index: Tensor) -> Tensor:
     return _rows(x, _flat_index(x, index)).view(*index.shape, x.shape[-1])
 
 
-def gather_rows_through(xs: Sequence[Tensor], indices: Sequence[Tensor]
-                        ) -> tuple[tuple[Tensor, ...], Tensor]:
+def gather_rows_through(xs: Sequence[Tensor], indices: Sequence[Tensor], *,
+                        in_place: bool = False) -> tuple[tuple[Tensor, ...], Tensor]:
     """``(xs, cat([gather_rows(x, index) ...], dim=-2))`` as one autograd node (module
     docstring): read each x whole only through the first output, so that the gradient
     of its rows is added to the gradient of x in one ``index_add``.
@@ -55,6 +57,14 @@ def gather_rows_through(xs: Sequence[Tensor], indices: Sequence[Tensor]
             ``gather_rows``), e.g. Q and K.
         indices: one ``[*L', *S_i]`` long tensor per x (its selection dims
             ``S_i`` flattened in the rows).
+        in_place: add the rows' gradient into the gradient that reaches each returned x
+            in place (in a plain eager backward pass without ``create_graph``):
+            no copy of x's size, whose allocation was the peak of a Skyformer backward
+            pass. Only for callers whose every use of the returned xs gives back a
+            gradient that no other node holds (the Gaussian products, whose backward
+            writes a new tensor, and views of them; an addition gives its gradient to
+            both operands, so a single addition in between would let this change the
+            other operand's gradient too).
     Returns:
         ``(xs, rows)``, rows ``[*L', |S_1| + |S_2| + ..., C]``: the values and gradients of
         the xs and of ``gather_rows`` joined by ``torch.cat`` (double backward and
@@ -75,9 +85,9 @@ def gather_rows_through(xs: Sequence[Tensor], indices: Sequence[Tensor]
         _check(x, index)
     flats = [_flat_index(x, index) for x, index in zip(xs, indices, strict=True)]
     if len(xs) == 1:
-        x, _, rows = apply(_RowsThrough, xs[0], flats[0], None, None)
+        x, _, rows = apply(_RowsThrough, xs[0], flats[0], None, None, in_place)
         return (x,), rows
-    x, y, rows = apply(_RowsThrough, xs[0], flats[0], xs[1], flats[1])
+    x, y, rows = apply(_RowsThrough, xs[0], flats[0], xs[1], flats[1], in_place)
     return (x, y), rows
 
 
@@ -85,14 +95,14 @@ class _RowsThrough(torch.autograd.Function):
     """(x, y, the rows ``flat_x: [*L', S_x]`` of x viewed as ``[M_x, C]`` joined along
     the row dim with the rows ``flat_y`` of y); y and ``flat_y`` may be None. The
     backward pass adds each tensor's rows' gradient into its gradient with ``index_add``
-    (differentiable, so double backward works). Fixed arguments: dynamo does not trace
-    a Function whose forward takes ``*args``."""
+    (differentiable, so double backward works; ``in_place``: ``gather_rows_through``).
+    Fixed arguments: dynamo does not trace a Function whose forward takes ``*args``."""
 
     generate_vmap_rule = True
 
     @staticmethod
     def forward(x: Tensor, flat_x: Tensor, y: Tensor | None,  # type: ignore[override]
-                flat_y: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor]:
+                flat_y: Tensor | None, in_place: bool) -> tuple[Tensor, Tensor | None, Tensor]:
         rows = _rows(x, flat_x)
         if y is None:
             return x, None, rows
@@ -100,23 +110,28 @@ class _RowsThrough(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        x, flat_x, y, flat_y = inputs
+        x, flat_x, y, flat_y, in_place = inputs
         ctx.save_for_backward(flat_x, flat_y)
+        ctx.in_place = in_place
         ctx.inputs = [(t.shape, t.dtype, t.device) for t in (x, y) if t is not None]
 
     @staticmethod
     def backward(ctx: Any, grad_x: Tensor | None, grad_y: Tensor | None,
-                 grad_rows: Tensor | None) -> tuple[Tensor | None, None, Tensor | None, None]:
+                 grad_rows: Tensor | None
+                 ) -> tuple[Tensor | None, None, Tensor | None, None, None]:
         flats = [f for f in ctx.saved_tensors if f is not None]
         if grad_rows is None:
-            return grad_x, None, grad_y, None
+            return grad_x, None, grad_y, None, None
+        # in place only in a plain backward pass: not while it is differentiated
+        # (create_graph), traced (torch.compile) or transformed (torch.func)
+        in_place = ctx.in_place and not torch.is_grad_enabled() and plain_eager()
         parts = grad_rows.split([flat.shape[-1] for flat in flats], dim=-2)
         needed = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
-        summed = [_add_rows(grad, part, flat, *spec) if need else None
+        summed = [_add_rows(grad, part, flat, *spec, in_place) if need else None
                   for grad, part, flat, spec, need
                   in zip((grad_x, grad_y)[:len(flats)], parts, flats, ctx.inputs,
                          needed[:len(flats)], strict=True)]
-        return summed[0], None, (summed[1] if len(summed) > 1 else None), None
+        return summed[0], None, (summed[1] if len(summed) > 1 else None), None, None
 
 
 def _rows(x: Tensor, flat: Tensor) -> Tensor:
@@ -126,13 +141,16 @@ def _rows(x: Tensor, flat: Tensor) -> Tensor:
 
 
 def _add_rows(grad: Tensor | None, part: Tensor, flat: Tensor, shape: torch.Size,
-              dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``grad`` (zeros if None) with the rows' gradient ``part`` added at ``flat``."""
+              dtype: torch.dtype, device: torch.device, in_place: bool) -> Tensor:
+    """``grad`` (zeros if None) with the rows' gradient ``part`` added at ``flat``
+    (``in_place``: into ``grad`` itself where it is contiguous)."""
     if grad is None:
-        grad = torch.zeros(shape, dtype=dtype, device=device)
+        grad, in_place = torch.zeros(shape, dtype=dtype, device=device), True
     width = shape[-1]
-    return grad.reshape(-1, width).index_add(
-        0, flat.reshape(-1), part.reshape(-1, width).to(grad.dtype)).view(shape)
+    rows = part.reshape(-1, width).to(grad.dtype)
+    if in_place and grad.is_contiguous():
+        return grad.view(-1, width).index_add_(0, flat.reshape(-1), rows).view(shape)
+    return grad.reshape(-1, width).index_add(0, flat.reshape(-1), rows).view(shape)
 
 
 def _check(x: Tensor, index: Tensor) -> None:

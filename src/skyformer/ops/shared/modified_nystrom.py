@@ -146,10 +146,13 @@ def nystrom_core(
     section 3.4); half inputs give float32 rows (``compute_dtype``). The products read
     the q and k returned here: the gradient of the landmark rows joins theirs in one
     ``index_add`` (``linalg.rows.gather_rows_through``), not through two zero tensors
-    of their size and two more additions."""
+    of their size and two more additions; in place, so the callers must read q and k
+    only through operations whose backward gives a new tensor (the Gaussian products,
+    views) or several of them (autograd then sums into a tensor of its own)."""
     (q, k), rows = gather_rows_through(  # [B, H, m, D]
         (q, k), [_every_head(index, q) for index in (landmarks.query_index,
-                                                     landmarks.key_index)])
+                                                     landmarks.key_index)],
+        in_place=True)
     unscaled = rows.to(compute_dtype(rows.dtype))
     core = core_from_rows(unscaled * scale, options, landmarks)
     if rows.dtype != torch.bfloat16:

@@ -1,0 +1,117 @@
+"""Peak memory of an eager forward + backward on the Triton path, counted on the CPU.
+
+Every Triton launch is stubbed (``host_time.stubbed_launches``: the outputs are
+allocated and left unwritten), so a CPU call allocates the tensors a CUDA call
+allocates, in the same order, at any shape; PyTorch's profiler records each allocation
+and free, and the peak is taken over the call (above what was allocated before it:
+the inputs and the output's gradient). CUDA's caching allocator rounds sizes up and
+keeps freed blocks, so ``torch.cuda.max_memory_allocated`` on a GPU can differ by a few
+MiB; what this shows is where the peak falls and what moves it. ``--rows-copied`` adds
+each method with the landmark rows' gradient added out of place
+(``gather_rows_through(in_place=False)``), as before it was added in place.
+
+    python benchmarks/stubbed_memory.py [--shape 4,16,16384,64] [--dtype bfloat16]
+                                        [--rows-copied] [--out FILE.md]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU tensors take the Triton path
+
+import argparse
+import contextlib
+import functools
+import sys
+from collections.abc import Iterator
+from unittest import mock
+
+import torch
+from host_time import stubbed_launches  # benchmarks/, beside this script
+from launch_counts import as_on_cuda
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile
+
+import skyformer
+from skyformer.io import atomic_write_text
+from skyformer.ops.shared import modified_nystrom
+
+METHODS = ("skyformer", "nystrom_softmax")
+
+
+@contextlib.contextmanager
+def rows_copied() -> Iterator[None]:
+    """The landmark rows' gradient added out of place (a copy of q's and k's size)."""
+    through = functools.partial(modified_nystrom.gather_rows_through, in_place=False)
+    with mock.patch.object(modified_nystrom, "gather_rows_through",
+                           lambda xs, indices, **_: through(xs, indices)):
+        yield
+
+
+def _allocations(node, stack: tuple[str, ...], out: list) -> None:
+    if node.tag == _EventType.Allocation:
+        fields = node.extra_fields
+        out.append((node.start_time_ns, fields.alloc_size, fields.total_allocated, stack))
+        return
+    for child in node.children:
+        _allocations(child, (*stack, node.name), out)
+
+
+def peak_mib(method: str, shape: tuple[int, int, int, int], dtype: torch.dtype,
+             features: int) -> tuple[float, str]:
+    """(MiB above the memory held before the call, the operation at the peak)."""
+    b, h, n, d = shape
+    q, k, v = (torch.randn(b, h, n, d, dtype=dtype, requires_grad=True) for _ in range(3))
+    key = skyformer.random_key(0)
+
+    def call() -> torch.Tensor:
+        return skyformer.attention(q, k, v, method, num_features=features, kernel="triton",
+                                   generator=key)
+
+    grad = torch.ones_like(call())  # the warm-up call also compiles nothing: all stubbed
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        call().backward(grad)
+    events: list = []
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        _allocations(root, (), events)
+    events.sort(key=lambda e: e[0])
+    before = events[0][2] - events[0][1]
+    top = max(events, key=lambda e: e[2])
+    where = next((name for name in reversed(top[3]) if not name.startswith("aten::")),
+                 top[3][-1] if top[3] else "")
+    return (top[2] - before) / 2**20, where.replace("autograd::engine::evaluate_function: ", "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--shape", default="4,16,16384,64", help="B,H,N,D")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--features", type=int, default=128)
+    parser.add_argument("--rows-copied", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    shape = tuple(map(int, args.shape.split(",")))
+    dtype = getattr(torch, args.dtype)
+    variants = [("", contextlib.nullcontext)]
+    if args.rows_copied:
+        variants.append((", rows' gradient copied", rows_copied))
+    lines = [f"B,H,N,D = {args.shape}, {args.dtype}, m = {args.features}: eager forward + "
+             f"backward on the Triton path, launches stubbed, torch {torch.__version__}", "",
+             "| method | peak MiB above the call's start | at |", "|---|---|---|"]
+    with as_on_cuda(), stubbed_launches():
+        for method in args.methods:
+            for label, context in variants:
+                with context():
+                    mib, where = peak_mib(method, shape, dtype, args.features)
+                lines.append(f"| `{method}`{label} | {mib:.1f} | {where} |")
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    if args.out:
+        atomic_write_text(args.out, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
