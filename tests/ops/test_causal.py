@@ -81,8 +81,9 @@ def test_the_others_refuse_with_a_sentence(method):
 def test_the_landmark_rows_gradient_joins_that_of_q_and_k_without_zero_tensors(method):
     """The causal modified Nystrom core gathers its landmark rows through
     ``gather_rows_through``: the backward pass fills no zero tensor of q's size (each
-    gather's backward made one, then added it to q's gradient), and the gradients are
-    those of plain gathers (the path that forward-mode AD takes)."""
+    gather's backward made one, then added it to q's gradient) and copies none (the
+    rows' gradient is added in place), and the gradients are those of plain gathers
+    (the path that forward-mode AD takes)."""
     from unittest import mock
 
     from skyformer.linalg import rows
@@ -98,7 +99,7 @@ def test_the_landmark_rows_gradient_joins_that_of_q_and_k_without_zero_tensors(m
 
     def zero_fill(func, args, out):
         name = func.overloadpacket.__name__
-        if name in ("zeros", "new_zeros", "zeros_like", "zero_", "fill_") \
+        if name in ("zeros", "new_zeros", "zeros_like", "zero_", "fill_", "index_add") \
                 and out.numel() == q.numel():
             return name
         return None

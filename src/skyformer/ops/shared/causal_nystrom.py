@@ -169,10 +169,11 @@ def causal_core(q: Tensor, k: Tensor, scale: float, gamma: float,
     diagonal, decoupled). The caller reads the q and k returned here: the gradient of
     the landmark rows joins theirs in one ``index_add`` a side
     (``linalg.rows.gather_rows_through``), not through a zero tensor of their size and
-    an addition each."""
+    an addition each; in place, so the callers must read q and k only through
+    operations whose backward gives a new tensor (they scale them) or several of them."""
     b, h, m = q.shape[0], q.shape[1], landmarks.position.shape[-1]
     index = landmarks.position[:, None, :].expand(b, h, -1)
-    (q, k), rows = gather_rows_through((q, k), (index, index))  # [B, H, 2m, D]
+    (q, k), rows = gather_rows_through((q, k), (index, index), in_place=True)  # [B, H, 2m, D]
     x = torch.where(landmarks.from_query[:, None], rows[..., :m, :],
                     rows[..., m:, :]) * scale  # [B, H, m, D]
     return q, k, core_of_rows(x, landmarks.live, gamma)
