@@ -397,3 +397,24 @@ def test_running_out_of_gpu_memory_is_not_a_kernel_failure(monkeypatch):
     with pytest.raises(torch.OutOfMemoryError):
         lemma3_inverse(mat, gamma=GAMMA, live=live, kernel="auto")
     assert not lemma3_triton.CORE_FALLBACK.failed
+
+
+@pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax"])
+def test_the_core_backward_runs_before_the_key_products_backward(method):
+    """W is formed after C(X_S, K) V (``NystromCore.inverse``), so autograd runs the
+    Lemma 3 backward, with its scratch and saved iterates, before that product's
+    backward makes the gradients of k and v: not on top of them (the peak of a call)."""
+    import skyformer
+
+    q, k, v = (torch.randn(1, 2, 48, 16, generator=torch.Generator().manual_seed(i))
+               .requires_grad_(True) for i in range(3))
+    out = skyformer.attention(q, k, v, method, num_features=8, kernel="triton",
+                              generator=skyformer.random_key(1))
+    order = Recorder(lambda func, args, out: func.overloadpacket.__name__
+                     if func.namespace == "skyformer" else None)
+    with order:
+        out.square().sum().backward()
+    core = order.items.index("lemma3_inverse_backward")
+    # two launches (rows, cols) for each product's backward: C(Q, X_S) Z's, then C^T V's
+    assert order.items[:core] == ["gaussian_rows_product", "gaussian_cols_product"]
+    assert order.items[core + 1:] == ["gaussian_rows_product", "gaussian_cols_product"]

@@ -162,7 +162,7 @@ def nystrom_softmax_from_core(
         k, core.x, v_and_one, core.x_norm + shift, scale=root, row_norm=False,
         row_valid=key_valid, transpose=True, kernel=config.kernel, **core.bf16_rows,
     ))  # [B, H, m, Dv + 1]
-    z = core.w @ context
+    z = core.inverse() @ context  # W after C(X_S, K) V (NystromCore.inverse)
     # E_Q cancels in the ratio: rows of C(Q, X_S) are scaled by their own maximum instead.
     # The last column gives sum_s C(q_i, x_s) |(W u)_s|, the bound on |D~_i|.
     o = gaussian_kernel_matmul(

@@ -117,7 +117,8 @@ def _every_head(index: Tensor, x: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class NystromCore:
-    """What the fused and the materialised paths share: landmark rows and W.
+    """What the fused and the materialised paths share: landmark rows and W
+    (``inverse``).
 
     ``x_norm`` is |x|^2/2 of the landmark rows, +inf for slots holding no landmark
     (which zeroes their column of every kernel block). For bfloat16 inputs ``x_bf16``
@@ -127,7 +128,7 @@ class NystromCore:
 
     x: Tensor  # [B, H, m, D] landmark rows of [Q^; K^] (scaled)
     x_norm: Tensor  # [B, H, m]
-    w: Tensor  # [B, H, m, m]  Lemma-3 inverse of C(X_S, X_S)
+    options: NystromOptions
     landmarks: Landmarks
     x_bf16: Tensor | None = None  # [B, H, m, D] x / x_factor (no gradient), or None
     x_factor: float = 1.0
@@ -136,6 +137,24 @@ class NystromCore:
     def bf16_rows(self) -> dict:
         """``x_bf16`` and ``x_factor`` as ``gaussian_kernel_matmul``'s keywords."""
         return {"x_bf16": self.x_bf16, "x_factor": self.x_factor}
+
+    def inverse(self) -> Tensor:
+        """W ``[B, H, m, m]``, the Lemma-3 inverse of C(X_S, X_S), formed at each call:
+        read it once, after the products that do not need it. Autograd runs the
+        backward pass of what was computed last first, so the Lemma 3 backward (its
+        scratch and saved iterates: 72 MiB at B = 4, H = 16, m = 128 on the Triton
+        path) then runs before the C(X_S, K) V product's backward makes the gradients
+        of k and v, not on top of them (``benchmarks/stubbed_memory.py``)."""
+        options = self.options
+        return landmark_inverse(  # of C(X_S, X_S): [B, H, m, m]
+            self.x, self.x_norm,
+            gamma=options.gamma,
+            pinv=options.pinv,  # type: ignore[arg-type]
+            iterations=options.pinv_iterations,
+            init=options.pinv_init,  # type: ignore[arg-type]
+            live=self.landmarks.live,
+            kernel=options.kernel,
+        )
 
 
 def nystrom_core(
@@ -163,18 +182,8 @@ def nystrom_core(
 def core_from_rows(x: Tensor, options: NystromOptions, landmarks: Landmarks) -> NystromCore:
     """``NystromCore`` of the scaled landmark rows ``x: [B, H, m, D]`` (slots that hold
     no landmark may hold anything: their kernel entries are exact zeros)."""
-    live = landmarks.live  # [B, m]
-    x_norm = torch.where(live[:, None, :], half_sq_norm(x), float("inf"))  # [B, H, m]
-    w = landmark_inverse(  # of C(X_S, X_S): [B, H, m, m]
-        x, x_norm,
-        gamma=options.gamma,
-        pinv=options.pinv,  # type: ignore[arg-type]
-        iterations=options.pinv_iterations,
-        init=options.pinv_init,  # type: ignore[arg-type]
-        live=live,
-        kernel=options.kernel,
-    )
-    return NystromCore(x, x_norm, w, landmarks)
+    x_norm = torch.where(landmarks.live[:, None, :], half_sq_norm(x), float("inf"))
+    return NystromCore(x, x_norm, options, landmarks)  # x_norm: [B, H, m]
 
 
 def modified_nystrom_factors(
@@ -205,4 +214,4 @@ def modified_nystrom_factors(
         q_hat, core.x, half_sq_norm(q_hat), core.x_norm, shift_rows=shift_query_rows
     )
     c_kx = gaussian_kernel_block(k_hat, core.x, k_norm, core.x_norm)
-    return NystromFactors(c_qx, core.w, c_kx, landmarks)
+    return NystromFactors(c_qx, core.inverse(), c_kx, landmarks)

@@ -124,7 +124,8 @@ def skyformer_from_core(
         k, core.x, v, core.x_norm, scale=scale, row_valid=key_valid, transpose=True,
         kernel=kernel, **core.bf16_rows,
     ))  # C(X_S, K) V: [B, H, m, Dv]
-    out = gaussian_kernel_matmul(q, core.x, core.w @ context, core.x_norm, scale=scale,
+    w = core.inverse()  # after C(X_S, K) V (NystromCore.inverse): [B, H, m, m]
+    out = gaussian_kernel_matmul(q, core.x, w @ context, core.x_norm, scale=scale,
                                  kernel=kernel, **core.bf16_rows)
     return zero_padded_queries(out, info.query_valid)  # [B, H, Nq, Dv]
 
