@@ -41,7 +41,7 @@ from ..ops.shared.causal_nystrom import (
 )
 from ..ops.shared.causal_prefix import CAUSAL_CHUNK
 from ..ops.shared.inputs import compute_dtype
-from ..ops.shared.masked import normalised_or
+from ..ops.shared.normalised import normalised_or
 from ..registry import BoundMethod
 from .state import DecodingState, append, padding_as_false
 

@@ -18,7 +18,7 @@ from ..ops.linear.linear import elu_feature_map
 from ..ops.performer.features import causal_key_features, query_features, resolve_projection
 from ..ops.shared.causal_prefix import causal_feature_sums
 from ..ops.shared.inputs import compute_dtype, zero_padded_queries
-from ..ops.shared.masked import normalised_or
+from ..ops.shared.normalised import normalised_or
 from ..registry import BoundMethod
 from .state import DecodingState, padding_as_false
 

@@ -77,7 +77,7 @@ from ..shared.inputs import (
     zero_padded_queries,
 )
 from ..shared.lsh_blocks import LshBlockOptions, lsh_block_logits
-from ..shared.masked import normalised_or
+from ..shared.normalised import normalised_or
 from ..shared.options import (
     check_budget,
     check_choice,

@@ -33,7 +33,7 @@ from ...linalg.flush import flush_exponent_on_cpu_, flush_on_cpu
 from ..shared.causal_nystrom import CausalLandmarks, causal_core, nystrom_features
 from ..shared.causal_prefix import CAUSAL_CHUNK, chunk_rows, lower_triangle, prefix_mean_values
 from ..shared.inputs import AttentionInputs
-from ..shared.masked import normalised_or
+from ..shared.normalised import normalised_or
 
 
 def _chunks(x: Tensor, chunk: int, fill: float) -> Tensor:

@@ -60,13 +60,13 @@ from ..shared.inputs import (
     resolve_key,
     zero_padded_queries,
 )
-from ..shared.masked import normalised_or
 from ..shared.modified_nystrom import (
     NystromCore,
     NystromOptions,
     nystrom_core,
     sample_landmarks,
 )
+from ..shared.normalised import normalised_or
 from ..shared.options import check_nonnegative_float, check_scale
 from ..shared.reduction import WHOLE, KeyReduction
 from .causal import causal_nystrom_softmax

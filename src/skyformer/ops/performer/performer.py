@@ -56,7 +56,7 @@ from ..shared.inputs import (
     resolve_key,
     zero_padded_queries,
 )
-from ..shared.masked import normalised_or
+from ..shared.normalised import normalised_or
 from ..shared.options import (
     check_bool,
     check_nonnegative_float,

@@ -58,7 +58,7 @@ from ..shared.inputs import (
 )
 from ..shared.local_window import local_windows, query_chunks, unchunk, window_rows
 from ..shared.lsh_blocks import LshBlockOptions, lsh_block_logits
-from ..shared.masked import normalised_or
+from ..shared.normalised import normalised_or
 from ..shared.options import check_bool, check_choice, check_random_features, check_scale
 
 SUPPORTS = ("lsh", "local")

@@ -91,20 +91,3 @@ def biased_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, *, scale: fl
     safe = torch.where(has_key, bias, torch.zeros((), dtype=bias.dtype, device=bias.device))
     out = sdpa(q, k, v, attn_mask=safe, dropout_p=dropout_p, scale=scale)
     return out * has_key.to(out.dtype)
-
-
-def normalised_or(numerator: Tensor, denominator: Tensor, fallback: Tensor,
-                  usable: Tensor | None = None) -> Tensor:
-    """numerator / denominator on rows whose denominator is usable, ``fallback`` (e.g.
-    mean(V)) on the others: ``[..., N, Dv] / [..., N, 1]``.
-
-    Usable means above sqrt(tiny) (and ``usable`` where given): the quotient's gradient
-    divides by the squared denominator, which underflows to 0 below that. Both sides are
-    masked, so an overflowed numerator on a fallback row cannot turn its zero gradient
-    into NaN (0 * inf).
-    """
-    ok = denominator > torch.finfo(denominator.dtype).tiny ** 0.5
-    if usable is not None:
-        ok = ok & usable
-    return torch.where(ok, torch.where(ok, numerator, 0.0) / torch.where(ok, denominator, 1.0),
-                       fallback)

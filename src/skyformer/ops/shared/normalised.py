@@ -1,0 +1,91 @@
+"""A normalised numerator, with a fallback on rows whose denominator is not usable.
+
+Linear-time softmax approximations (Performer, ``nystrom_softmax``, Scatterbrain,
+KDEformer, the decoding states) estimate A V and the row sums A 1 separately and divide;
+where the estimated denominator is too small to trust they return mean(V) instead.
+Written as ``where(ok, where(ok, num, 0) / where(ok, den, 1), fallback)``, autograd
+saves a masked copy of the numerator and its backward forms six tensors of the
+numerator's size (the masked gradient, the quotient's two partial derivatives and
+their products): at B = 4, H = 16, N = 16384, D = 64 that was the peak of a
+``nystrom_softmax`` call. ``_NormalisedOr`` saves the output instead (which the caller
+holds anyway) and forms two: the denominator's gradient is -(g . out) / den row by
+row, the numerator's g / den.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ...linalg.eager_calls import apply
+from ...linalg.functional_ops import functional_ops_only
+
+
+def normalised_or(numerator: Tensor, denominator: Tensor, fallback: Tensor,
+                  usable: Tensor | None = None) -> Tensor:
+    """numerator / denominator on rows whose denominator is usable, ``fallback`` (e.g.
+    mean(V)) on the others: ``[..., N, Dv] / [..., N, 1]``, ``fallback`` broadcasting to
+    the output.
+
+    Usable means above sqrt(tiny) (and ``usable`` where given): the quotient's gradient
+    divides by the squared denominator, which underflows to 0 below that. Both sides are
+    masked, so an overflowed numerator on a fallback row cannot turn its zero gradient
+    into NaN (0 * inf). Differentiable twice; under forward-mode AD and ``torch.export``
+    as plain operators (``functional_ops``).
+    """
+    ok = denominator > torch.finfo(denominator.dtype).tiny ** 0.5
+    if usable is not None:
+        ok = ok & usable
+    if functional_ops_only():
+        return torch.where(ok, torch.where(ok, numerator, 0.0)
+                           / torch.where(ok, denominator, 1.0), fallback)
+    return apply(_NormalisedOr, numerator, denominator, fallback, ok)
+
+
+class _NormalisedOr(torch.autograd.Function):
+    """where(ok, num / den, fallback) (``normalised_or``); ``ok`` ``[..., N, 1]`` bool.
+    The backward pass is written in differentiable operators (a differentiated
+    backward pass, ``create_graph``, works) and batches under ``vmap``."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(numerator: Tensor, denominator: Tensor,  # type: ignore[override]
+                fallback: Tensor, ok: Tensor) -> Tensor:
+        return torch.where(ok, numerator / torch.where(ok, denominator, 1.0), fallback)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        numerator, denominator, fallback, ok = inputs
+        ctx.save_for_backward(denominator, ok, output)
+        ctx.shapes = (numerator.shape, fallback.shape)
+        ctx.dtypes = (numerator.dtype, fallback.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        denominator, ok, out = ctx.saved_tensors
+        need_num, need_den, need_fallback = ctx.needs_input_grad[:3]
+        safe = torch.where(ok, denominator, 1.0)
+        d_num = d_den = d_fallback = None
+        if need_den:  # -(g . num / den) / den = -(g . out) / den on the usable rows
+            dot = torch.linalg.vecdot(grad, out.to(grad.dtype)).unsqueeze(-1)
+            d_den = torch.where(ok, -dot / safe, 0.0).to(denominator.dtype)
+        if need_num:  # masked in place: the quotient's backward does not save it
+            d_num = (grad / safe).masked_fill_(~ok, 0.0).to(ctx.dtypes[0]) \
+                .sum_to_size(ctx.shapes[0])
+        if need_fallback:
+            d_fallback = _fallback_rows_sum(grad, ~ok, ctx.shapes[1]).to(ctx.dtypes[1])
+        return d_num, d_den, d_fallback, None
+
+
+def _fallback_rows_sum(grad: Tensor, fell_back: Tensor, shape: torch.Size) -> Tensor:
+    """The gradient of a fallback of ``shape`` (broadcast to ``grad: [..., N, Dv]``): the
+    sum of ``grad`` over the rows that took it (``fell_back: [..., N, 1]``). A fallback
+    of one row (mean(V)) takes it as a product, ``fell_back^T grad``, which forms no
+    tensor of ``grad``'s size."""
+    if len(shape) >= 2 and shape[-2] == 1 and grad.shape[-2] > 1:
+        rows = fell_back.to(grad.dtype).transpose(-1, -2) @ grad  # [..., 1, Dv]
+        return rows.sum_to_size(shape)
+    return torch.where(fell_back, grad, 0.0).sum_to_size(shape)

@@ -1,0 +1,91 @@
+"""``normalised_or``: the fused Function against the plain operators it replaces."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+
+from skyformer.ops.shared import normalised
+from skyformer.ops.shared.normalised import normalised_or
+from tests.conftest import gen
+from tests.dispatch import Recorder
+
+
+def _plain(numerator, denominator, fallback, usable=None):
+    """The formula as plain operators (the path forward-mode AD takes)."""
+    with mock.patch.object(normalised, "functional_ops_only", lambda: True):
+        return normalised_or(numerator, denominator, fallback, usable)
+
+
+def _inputs(fallback_rows: int, dtype=torch.float64):
+    g = gen(7)
+    num = torch.randn(2, 3, 9, 5, generator=g, dtype=dtype)
+    den = torch.rand(2, 3, 9, 1, generator=g, dtype=dtype) + 0.1
+    den[0, 0, 2] = 1e-200 if dtype == torch.float64 else 0.0  # below sqrt(tiny)
+    den[1, 2, 4] = -0.5
+    num[0, 0, 2] = float("inf")  # an overflowed numerator on a fallback row
+    fallback = torch.randn(2, 3, fallback_rows, 5, generator=g, dtype=dtype)
+    usable = torch.rand(2, 3, 9, 1, generator=g) > 0.2
+    return [t.requires_grad_(True) for t in (num, den, fallback)], usable
+
+
+@pytest.mark.parametrize("fallback_rows", [1, 9])
+@pytest.mark.parametrize("with_usable", [False, True])
+def test_values_and_gradients_are_the_plain_formulas(fallback_rows, with_usable):
+    (num, den, fallback), usable = _inputs(fallback_rows)
+    usable = usable if with_usable else None
+    weights = torch.randn(2, 3, 9, 5, generator=gen(8), dtype=torch.float64)
+    got = normalised_or(num, den, fallback, usable)
+    want = _plain(num, den, fallback, usable)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    grads = torch.autograd.grad((got * weights).sum(), (num, den, fallback))
+    plain = torch.autograd.grad((want * weights).sum(), (num, den, fallback))
+    for a, e in zip(grads, plain, strict=True):
+        assert a.isfinite().all()  # the inf numerator's row gives zero gradients
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+
+
+def test_second_derivatives_and_vmap():
+    (num, den, fallback), usable = _inputs(1)
+    num = num.detach().clone()
+    num[0, 0, 2] = 1.0  # gradcheck perturbs every entry: keep them finite
+    den = den.detach().clone()
+    den[0, 0, 2] = 1e-3  # and away from the usability threshold
+    leaves = [t.detach().requires_grad_(True) for t in (num, den, fallback)]
+    assert torch.autograd.gradcheck(lambda *t: normalised_or(*t, usable), leaves)
+    assert torch.autograd.gradgradcheck(lambda *t: normalised_or(*t, usable), leaves)
+    per_sample = torch.func.vmap(torch.func.grad(
+        lambda n, d, f: normalised_or(n, d, f).square().sum()))(num, den, fallback)
+    for i in range(2):
+        want = torch.autograd.grad(_plain(*(t[i:i + 1] for t in leaves)).square().sum(),
+                                   leaves)
+        torch.testing.assert_close(per_sample[i], want[0][i])
+
+
+def test_the_backward_pass_forms_two_tensors_of_the_numerators_size():
+    """Autograd's backward of the plain formulas formed six (the masked gradient, the
+    quotient's partial derivatives and their products); the fused one forms the
+    numerator's gradient and the product for the denominator's (the fallback's, of
+    one row, is a matrix product)."""
+    (num, den, fallback), _ = _inputs(1, torch.float32)
+    size = num.numel()
+
+    views = {"expand", "detach", "view", "_unsafe_view", "reshape", "transpose", "t",
+             "permute", "alias", "slice", "select", "unsqueeze", "squeeze", "as_strided"}
+
+    def big(func, args, out):  # a new tensor of the numerator's size (or more)
+        name = func.overloadpacket.__name__
+        if isinstance(out, torch.Tensor) and not name.endswith("_") and name not in views \
+                and out.numel() >= size:
+            return name
+        return None
+
+    counts = []
+    for run in (normalised_or, _plain):
+        out = run(num, den, fallback)
+        with Recorder(big) as recorded:
+            torch.autograd.grad(out.sum(), (num, den, fallback))
+        counts.append(len(recorded.items))
+    assert counts[0] == 2 and counts[1] >= 5
