@@ -482,3 +482,38 @@ def test_more_matrices_than_a_cuda_grid_holds_go_in_slices(monkeypatch, triton_i
     for a, e in zip(run(), expected, strict=True):
         torch.testing.assert_close(a, e, rtol=0, atol=0)
     assert grids and max(grid[1] for grid in grids) == 4 and min(g[1] for g in grids) == 2
+
+
+@pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax"])
+@pytest.mark.parametrize("selective", [False, True])
+def test_activation_checkpointing_on_the_triton_path(method, selective):
+    """Non-reentrant and selective activation checkpointing recompute the forward in
+    the backward pass: the fused backward passes read each saved tensor once, and a
+    policy that keeps the matrix products gets them unchanged."""
+    from torch.utils.checkpoint import (
+        CheckpointPolicy,
+        checkpoint,
+        create_selective_checkpoint_contexts,
+    )
+
+    if not interpreter_on():
+        pytest.skip("Triton's interpreter is off (TRITON_INTERPRET=0): the kernels run on CUDA")
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=g).requires_grad_(True) for _ in range(3))
+
+    def attend(q, k, v):
+        return skyformer.attention(q, k, v, method, kernel="triton", num_features=8,
+                                   generator=skyformer.random_key(3))
+
+    def policy(ctx, op, *args, **kwargs):
+        return (CheckpointPolicy.MUST_SAVE if op in (torch.ops.aten.mm.default,
+                                                     torch.ops.aten.bmm.default)
+                else CheckpointPolicy.PREFER_RECOMPUTE)
+
+    want = torch.autograd.grad(attend(q, k, v).square().sum(), (q, k, v))
+    options = {"context_fn": lambda: create_selective_checkpoint_contexts(policy)} \
+        if selective else {}
+    out = checkpoint(attend, q, k, v, use_reentrant=False, **options)
+    for got, expected in zip(torch.autograd.grad(out.square().sum(), (q, k, v)), want,
+                             strict=True):
+        torch.testing.assert_close(got, expected)

@@ -115,6 +115,40 @@ def test_func_grad_equals_autograd(method, matrix):
 
 
 @pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("mode", ["non-reentrant", "reentrant", "selective"])
+def test_activation_checkpointing_gives_the_gradients_of_the_plain_call(method, mode, matrix):
+    """``torch.utils.checkpoint`` (Hugging Face's gradient checkpointing): the forward
+    runs again in the backward pass. Non-reentrant checkpointing allows one unpack of
+    each saved tensor (the fused backward passes read them once); selective
+    checkpointing keeps the outputs of the operators it is told to save."""
+    from torch.utils.checkpoint import (
+        CheckpointPolicy,
+        checkpoint,
+        create_selective_checkpoint_contexts,
+    )
+
+    matrix(f"checkpoint {mode}", method)
+    q, k, v = (t.requires_grad_(True) for t in make_qkv(2, 2, SEQ_LEN, 8))
+    mask, key = padded(2, SEQ_LEN, 20), random_key(3)
+
+    def attend(q, k, v):
+        return call(method, q, k, v, mask, key=key)
+
+    want = torch.autograd.grad(attend(q, k, v).square().sum(), (q, k, v))
+    options = {"use_reentrant": mode == "reentrant"}  # reentrant: .backward() only
+    if mode == "selective":  # save the matrix products, recompute the rest
+        def policy(ctx, op, *args, **kwargs):
+            return (CheckpointPolicy.MUST_SAVE if op in (torch.ops.aten.mm.default,
+                                                         torch.ops.aten.bmm.default)
+                    else CheckpointPolicy.PREFER_RECOMPUTE)
+
+        options["context_fn"] = lambda: create_selective_checkpoint_contexts(policy)
+    checkpoint(attend, q, k, v, **options).square().sum().backward()
+    for a, e in zip((q.grad, k.grad, v.grad), want, strict=True):
+        torch.testing.assert_close(a, e)
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_func_vmap_equals_loop(method, matrix):
     matrix("func.vmap", method)
     q, k, v = make_qkv(2, 2, 16, 8)

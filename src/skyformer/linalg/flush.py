@@ -38,6 +38,14 @@ def flush_exponent_on_cpu_(e: Tensor, *, base2: bool = False) -> Tensor:
                                           float("-inf"))
 
 
+def flush_exponent_on_cpu(e: Tensor, *, base2: bool = False) -> Tensor:
+    """``flush_exponent_on_cpu_`` into a new tensor."""
+    if e.device.type != "cpu":
+        return e
+    return torch.nn.functional.threshold(e, negligible_exponent(e.dtype, base2=base2),
+                                         float("-inf"))
+
+
 def negligible(dtype: torch.dtype) -> float:
     """sqrt(tiny) of ``dtype``: entries below it in magnitude are flushed."""
     return math.sqrt(torch.finfo(dtype).tiny)

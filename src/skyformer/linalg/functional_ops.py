@@ -91,7 +91,9 @@ def first_order_backward(backward: F) -> F:
     in-place products have no batching rule; the Function's ``vmap`` rule folds the
     mapped dim into the batch dim instead, as the forward's rule does. The saved
     tensors' batch dims are 0 unless ``setup_context`` sets ``ctx.saved_batch_dims``.
-    Differentiating that backward again (``jacrev`` of ``jacrev``) is refused."""
+    Differentiating that backward again (``jacrev`` of ``jacrev``) is refused. The
+    backward reads the saved tensors once, through the wrapper (activation
+    checkpointing allows one unpack)."""
 
     once = once_differentiable(backward)
 
@@ -104,7 +106,11 @@ def first_order_backward(backward: F) -> F:
             return _TransformedBackward.run(backward, ctx, saved, grads)
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             raise RuntimeError(_NOT_DIFFERENTIABLE)
-        return once(ctx, *grads)
+        # the saved tensors as read above: a second read of ctx.saved_tensors unpacks
+        # them again, which non-reentrant activation checkpointing refuses
+        # (torch.utils.checkpoint recomputes a tensor once per unpack)
+        return once(ctx if torch.compiler.is_compiling() else _SavedContext(ctx, saved),
+                    *grads)
 
     return wrapper  # type: ignore[return-value]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .flush import flush_exponent_on_cpu_
+from .flush import flush_exponent_on_cpu, flush_exponent_on_cpu_
 
 
 def half_sq_norm(x: Tensor) -> Tensor:
@@ -22,10 +22,22 @@ def half_sq_norm(x: Tensor) -> Tensor:
     return 0.5 * (x * x).sum(dim=-1)
 
 
+def overwrite_allowed() -> bool:
+    """Whether a fresh result of an operator may be written over in place: not under a
+    dispatch mode outside compilation. Selective activation checkpointing
+    (``torch.utils.checkpoint`` with a ``context_fn``) runs the forward under one and
+    keeps the outputs of the operators its policy saves (matrix products, say) to hand
+    them back when the backward pass recomputes the forward: written over in place,
+    they would come back changed, and the gradients would be wrong."""
+    return torch.compiler.is_compiling() or not torch._C._len_torch_dispatch_stack()
+
+
 def gaussian_exponent(x1: Tensor, x2: Tensor, half_norm1: Tensor, half_norm2: Tensor) -> Tensor:
     """x1.x2 - |x1|^2/2 - |x2|^2/2, i.e. -|x1 - x2|^2/2: ``[..., N1, N2]``."""
     logits = x1 @ x2.transpose(-1, -2)
-    return logits.sub_(half_norm1[..., :, None]).sub_(half_norm2[..., None, :])
+    if overwrite_allowed():
+        return logits.sub_(half_norm1[..., :, None]).sub_(half_norm2[..., None, :])
+    return logits - half_norm1[..., :, None] - half_norm2[..., None, :]
 
 
 def gaussian_kernel_block(
@@ -58,7 +70,9 @@ def gaussian_kernel_block(
         row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
         exponent = exponent - row_max
     # far pairs would give subnormal entries, slow on CPUs (flush.py)
-    return flush_exponent_on_cpu_(exponent).exp_()
+    if overwrite_allowed():
+        return flush_exponent_on_cpu_(exponent).exp_()
+    return flush_exponent_on_cpu(exponent).exp()
 
 
 def finite_matrices(x: Tensor) -> Tensor:
