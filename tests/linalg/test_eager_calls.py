@@ -139,6 +139,13 @@ def test_the_methods_give_the_same_values_and_gradients_either_way(method, trito
         assert torch.equal(a, b)
 
 
+def test_a_profiled_operator_keeps_its_name_in_the_trace():
+    x, y = torch.randn(4), torch.randn(4)
+    with torch.profiler.profile() as prof:
+        _add_scaled(x, y, 0.5)
+    assert "skyformer_tests::add_scaled" in {event.name for event in prof.events()}
+
+
 def test_the_cpp_apply_is_there():
     """Without it every call would take the full path, silently slower."""
     assert eager_calls._CPP_APPLY is not None

@@ -210,3 +210,20 @@ def test_through_in_place_adds_into_the_gradient_it_is_given():
     assert allocations[0].count("index_add") == 1  # the copy in_place saves
     assert "index_add" not in allocations[1]
     assert len(allocations[1]) == len(allocations[0]) - 1
+
+
+def test_through_in_place_adds_out_of_place_into_one_gradient_given_twice():
+    """An addition of the two passed-through tensors gives both the same gradient:
+    the in-place addition would then add each one's rows into the other's gradient.
+    Against the promise ``in_place`` asks for, but detected: added out of place."""
+    g = gen(9)
+    x, y = (torch.randn(2, 6, 3, generator=g, dtype=torch.float64, requires_grad=True)
+            for _ in range(2))
+    ix, iy = torch.randint(0, 6, (2, 4), generator=g), torch.randint(0, 6, (2, 2), generator=g)
+    w = torch.randn(2, 6, 3, generator=g, dtype=torch.float64)
+    grads = []
+    for in_place in (False, True):
+        (a, b), rows = gather_rows_through([x, y], [ix, iy], in_place=in_place)
+        grads.append(torch.autograd.grad(((a + b) * w).sum() + rows.square().sum(), (x, y)))
+    for got, want in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -88,8 +88,9 @@ def apply(function: type[torch.autograd.Function], *args: Any) -> Any:
 class EagerOperator:
     """A custom operator (``torch.library.custom_op``, no mutated arguments) that, in
     plain eager code without dispatch or function modes and on plain tensors, calls its
-    implementation directly. ``op`` is the registered operator (``register_fake``
-    registers with it)."""
+    implementation directly; while PyTorch's profiler runs it is called as the operator,
+    so that traces name it. ``op`` is the registered operator (``register_fake``
+    registers with it; kernels registered for it later are not used in eager calls)."""
 
     def __init__(self, name: str, implementation: Callable[..., Any]) -> None:
         self.implementation = implementation
@@ -102,6 +103,7 @@ class EagerOperator:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if plain_eager() and not torch._C._len_torch_dispatch_stack() \
                 and not torch._C._is_torch_function_mode_enabled() \
+                and not torch._C._autograd._profiler_enabled() \
                 and _plain_tensors(args, kwargs):
             return self.implementation(*args, **kwargs)
         return self.op(*args, **kwargs)

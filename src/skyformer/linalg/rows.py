@@ -123,8 +123,11 @@ class _RowsThrough(torch.autograd.Function):
         if grad_rows is None:
             return grad_x, None, grad_y, None, None
         # in place only in a plain backward pass: not while it is differentiated
-        # (create_graph), traced (torch.compile) or transformed (torch.func)
-        in_place = ctx.in_place and not torch.is_grad_enabled() and plain_eager()
+        # (create_graph), traced (torch.compile) or transformed (torch.func); nor into
+        # one tensor given for both (an addition of the two outputs gives its gradient
+        # to each), which the caller's promise rules out but costs nothing to check
+        in_place = ctx.in_place and not torch.is_grad_enabled() and plain_eager() \
+            and not _shared(grad_x, grad_y)
         parts = grad_rows.split([flat.shape[-1] for flat in flats], dim=-2)
         needed = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
         summed = [_add_rows(grad, part, flat, *spec, in_place) if need else None
@@ -132,6 +135,12 @@ class _RowsThrough(torch.autograd.Function):
                   in zip((grad_x, grad_y)[:len(flats)], parts, flats, ctx.inputs,
                          needed[:len(flats)], strict=True)]
         return summed[0], None, (summed[1] if len(summed) > 1 else None), None, None
+
+
+def _shared(a: Tensor | None, b: Tensor | None) -> bool:
+    """Whether two gradients share memory."""
+    return a is not None and b is not None \
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _rows(x: Tensor, flat: Tensor) -> Tensor:
