@@ -29,12 +29,11 @@ from unittest import mock
 
 import torch
 from host_time import stubbed_launches  # benchmarks/, beside this script
-from launch_counts import as_on_cuda
+from launch_counts import as_on_cuda, emit
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 import skyformer
-from skyformer.io import atomic_write_text
 from skyformer.ops.shared import modified_nystrom
 
 METHODS = ("skyformer", "nystrom_softmax")
@@ -106,10 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                 with context():
                     mib, where = peak_mib(method, shape, dtype, args.features)
                 lines.append(f"| `{method}`{label} | {mib:.1f} | {where} |")
-    text = "\n".join(lines) + "\n"
-    print(text, end="")
-    if args.out:
-        atomic_write_text(args.out, text)
+    emit(lines, args.out)
     return 0
 
 

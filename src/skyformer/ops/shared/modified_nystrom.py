@@ -130,6 +130,7 @@ class NystromCore:
     x_norm: Tensor  # [B, H, m]
     options: NystromOptions
     landmarks: Landmarks
+    live: Tensor  # [B, m] bool: the slots that hold a landmark (landmarks.live, once)
     x_bf16: Tensor | None = None  # [B, H, m, D] x / x_factor (no gradient), or None
     x_factor: float = 1.0
 
@@ -152,7 +153,7 @@ class NystromCore:
             pinv=options.pinv,  # type: ignore[arg-type]
             iterations=options.pinv_iterations,
             init=options.pinv_init,  # type: ignore[arg-type]
-            live=self.landmarks.live,
+            live=self.live,
             kernel=options.kernel,
         )
 
@@ -182,8 +183,9 @@ def nystrom_core(
 def core_from_rows(x: Tensor, options: NystromOptions, landmarks: Landmarks) -> NystromCore:
     """``NystromCore`` of the scaled landmark rows ``x: [B, H, m, D]`` (slots that hold
     no landmark may hold anything: their kernel entries are exact zeros)."""
-    x_norm = torch.where(landmarks.live[:, None, :], half_sq_norm(x), float("inf"))
-    return NystromCore(x, x_norm, options, landmarks)  # x_norm: [B, H, m]
+    live = landmarks.live  # [B, m]
+    x_norm = torch.where(live[:, None, :], half_sq_norm(x), float("inf"))  # [B, H, m]
+    return NystromCore(x, x_norm, options, landmarks, live)
 
 
 def modified_nystrom_factors(
