@@ -506,8 +506,9 @@ def test_activation_checkpointing_on_the_triton_path(method, selective):
                                    generator=skyformer.random_key(3))
 
     def policy(ctx, op, *args, **kwargs):
-        return (CheckpointPolicy.MUST_SAVE if op in (torch.ops.aten.mm.default,
-                                                     torch.ops.aten.bmm.default)
+        aten = torch.ops.aten
+        return (CheckpointPolicy.MUST_SAVE if op in (aten.mm.default, aten.bmm.default,
+                                                     aten.addmm.default, aten.baddbmm.default)
                 else CheckpointPolicy.PREFER_RECOMPUTE)
 
     want = torch.autograd.grad(attend(q, k, v).square().sum(), (q, k, v))

@@ -67,8 +67,8 @@ def test_second_derivatives_and_vmap():
 def test_the_backward_pass_forms_two_tensors_of_the_numerators_size():
     """Autograd's backward of the plain formulas formed six (the masked gradient, the
     quotient's partial derivatives and their products); the fused one forms the
-    numerator's gradient and the product for the denominator's (the fallback's, of
-    one row, is a matrix product)."""
+    numerator's gradient, the product for the denominator's and the selection for the
+    fallback's."""
     (num, den, fallback), _ = _inputs(1, torch.float32)
     size = num.numel()
 
@@ -88,4 +88,22 @@ def test_the_backward_pass_forms_two_tensors_of_the_numerators_size():
         with Recorder(big) as recorded:
             torch.autograd.grad(out.sum(), (num, den, fallback))
         counts.append(len(recorded.items))
-    assert counts[0] == 2 and counts[1] >= 5
+    assert counts[0] == 3 and counts[1] >= 6
+
+
+def test_the_backward_pass_keeps_the_inputs_dtypes_under_autocast_and_nan_to_its_row():
+    """A float32 model whose backward pass runs under autocast gets float32 gradients
+    (the products for the denominator and the fallback would run in bfloat16), and a
+    NaN in the incoming gradient of a usable row stays out of the fallback's gradient."""
+    (num, den, fallback), _ = _inputs(1, torch.float32)
+    weights = torch.randn(2, 3, 9, 5, generator=gen(3))
+    weights[1, 1, 1, 0] = float("nan")  # row 1 is usable
+    want = torch.autograd.grad((_plain(num, den, fallback) * weights).sum(),
+                               (num, den, fallback))
+    out = normalised_or(num, den, fallback)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = torch.autograd.grad((out * weights).sum(), (num, den, fallback))
+    for a, e in zip(got, want, strict=True):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6, equal_nan=True)
+    assert got[2].isfinite().all()

@@ -137,9 +137,12 @@ def test_activation_checkpointing_gives_the_gradients_of_the_plain_call(method, 
     want = torch.autograd.grad(attend(q, k, v).square().sum(), (q, k, v))
     options = {"use_reentrant": mode == "reentrant"}  # reentrant: .backward() only
     if mode == "selective":  # save the matrix products, recompute the rest
+        aten = torch.ops.aten
+        products = (aten.mm.default, aten.bmm.default, aten.addmm.default,
+                    aten.baddbmm.default)
+
         def policy(ctx, op, *args, **kwargs):
-            return (CheckpointPolicy.MUST_SAVE if op in (torch.ops.aten.mm.default,
-                                                         torch.ops.aten.bmm.default)
+            return (CheckpointPolicy.MUST_SAVE if op in products
                     else CheckpointPolicy.PREFER_RECOMPUTE)
 
         options["context_fn"] = lambda: create_selective_checkpoint_contexts(policy)

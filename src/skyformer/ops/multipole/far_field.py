@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from ...linalg import gaussian_kernel_matmul
-from ...linalg.kernels import finite_matrices
+from ...linalg.kernels import finite_matrices, overwrite_allowed
 
 _NEG_INF = float("-inf")
 
@@ -111,7 +111,10 @@ def far_field(
         ws = torch.baddbmm(
             (bias[:, :, None, :] - shift).view(b * h, c, -1), z.reshape(b * h, c, d),
             ks.reshape(b * h, -1, d).transpose(1, 2),
-        ).view(b, h, c, -1).masked_fill_(near, _NEG_INF).exp_()
+        ).view(b, h, c, -1)
+        # in place unless selective checkpointing may keep baddbmm's output
+        ws = ws.masked_fill_(near, _NEG_INF).exp_() if overwrite_allowed() \
+            else ws.masked_fill(near, _NEG_INF).exp()
         if sample is not None:
             total = ws.sum(-1, keepdim=True)
             inv = safe_reciprocal(total, total > torch.finfo(total.dtype).tiny ** 0.5)

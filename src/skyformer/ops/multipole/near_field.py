@@ -22,6 +22,7 @@ from torch import Tensor
 
 from ...linalg.eager_calls import apply
 from ...linalg.functional_ops import first_order_backward, functional_ops_only
+from ...linalg.kernels import overwrite_allowed
 from ...linalg.vmap import vmap_into_batch
 
 # Elements of one group of score blocks: 2^18 float32 = 1 MiB, as kernel_matmul's chunks.
@@ -34,7 +35,9 @@ def _scores(q: Tensor, kt: Tensor, bias: Tensor, top: Tensor | None) -> tuple[Te
     if top is None:
         top = e.amax(-1, keepdim=True)
         top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    return e.sub_(top).exp_(), top
+    if overwrite_allowed():
+        return e.sub_(top).exp_(), top
+    return (e - top).exp(), top  # selective checkpointing may keep baddbmm's output
 
 
 class _NearField(torch.autograd.Function):

@@ -9,7 +9,8 @@ numerator's size (the masked gradient, the quotient's two partial derivatives an
 their products): at B = 4, H = 16, N = 16384, D = 64 that was the peak of a
 ``nystrom_softmax`` call. ``_NormalisedOr`` saves the output instead (which the caller
 holds anyway) and forms two: the denominator's gradient is -(g . out) / den row by
-row, the numerator's g / den.
+row, the numerator's g / den. As with SDPA, whose backward reads its output too, an
+in-place write into the output before the backward pass is refused by autograd.
 """
 
 from __future__ import annotations
@@ -65,27 +66,31 @@ class _NormalisedOr(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        # in the inputs' dtypes, also where the backward pass runs under autocast
+        with torch.autocast(grad.device.type, enabled=False):
+            return _NormalisedOr._gradients(ctx, grad)
+
+    @staticmethod
+    def _gradients(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         denominator, ok, out = ctx.saved_tensors
         need_num, need_den, need_fallback = ctx.needs_input_grad[:3]
         safe = torch.where(ok, denominator, 1.0)
         d_num = d_den = d_fallback = None
+        # the small gradients first: each forms (and frees) one tensor of grad's size
+        # before the numerator's, of that size, is made
+        if need_fallback:
+            d_fallback = _fallback_rows_sum(grad, ~ok, ctx.shapes[1]).to(ctx.dtypes[1])
         if need_den:  # -(g . num / den) / den = -(g . out) / den on the usable rows
             dot = torch.linalg.vecdot(grad, out.to(grad.dtype)).unsqueeze(-1)
             d_den = torch.where(ok, -dot / safe, 0.0).to(denominator.dtype)
         if need_num:  # masked in place: the quotient's backward does not save it
             d_num = (grad / safe).masked_fill_(~ok, 0.0).to(ctx.dtypes[0]) \
                 .sum_to_size(ctx.shapes[0])
-        if need_fallback:
-            d_fallback = _fallback_rows_sum(grad, ~ok, ctx.shapes[1]).to(ctx.dtypes[1])
         return d_num, d_den, d_fallback, None
 
 
 def _fallback_rows_sum(grad: Tensor, fell_back: Tensor, shape: torch.Size) -> Tensor:
     """The gradient of a fallback of ``shape`` (broadcast to ``grad: [..., N, Dv]``): the
-    sum of ``grad`` over the rows that took it (``fell_back: [..., N, 1]``). A fallback
-    of one row (mean(V)) takes it as a product, ``fell_back^T grad``, which forms no
-    tensor of ``grad``'s size."""
-    if len(shape) >= 2 and shape[-2] == 1 and grad.shape[-2] > 1:
-        rows = fell_back.to(grad.dtype).transpose(-1, -2) @ grad  # [..., 1, Dv]
-        return rows.sum_to_size(shape)
+    sum of ``grad`` over the rows that took it (``fell_back: [..., N, 1]``), selected
+    (not multiplied by a 0/1 mask, which would carry a NaN of another row's gradient)."""
     return torch.where(fell_back, grad, 0.0).sum_to_size(shape)
