@@ -215,3 +215,28 @@ def test_packed_mask_through_the_model(model, padded_batch):
         shf.set_attention(model, "skyformer")
         with pytest.raises(shf.UnsupportedMaskError, match="neither key padding nor causal"):
             model(input_ids=ids, attention_mask=packed)
+
+
+@pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax"])
+def test_gradient_checkpointing_gives_the_gradients_of_plain_training(model, padded_batch,
+                                                                      method):
+    """transformers' gradient checkpointing (non-reentrant torch.utils.checkpoint, which
+    allows one unpack of each saved tensor) on the pretrained model with a fused method:
+    the parameters' gradients equal those of training without it."""
+    shf.set_attention(model, method, seed=0, num_features=16)
+    model.train()  # MiniLM's dropout is 0.1: take it out, the two runs must draw alike
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+    def gradients() -> dict[str, torch.Tensor]:
+        model.zero_grad()
+        mean_pooled(model, padded_batch).square().sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain = gradients()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpointed = gradients()
+    assert checkpointed.keys() == plain.keys() and len(plain) > 50
+    for name, grad in plain.items():
+        torch.testing.assert_close(checkpointed[name], grad, rtol=1e-4, atol=1e-6, msg=name)
