@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from skyformer.linalg.launch_grid import cdiv, next_power_of_2
+from skyformer.linalg.launch_grid import cdiv, next_power_of_2, tile_width
 
 triton = pytest.importorskip("triton")
 
@@ -13,6 +13,7 @@ def test_next_power_of_2_is_tritons():
     for n in range(1, 5000):
         assert next_power_of_2(n) == triton.next_power_of_2(n), n
     assert next_power_of_2(2**40 + 1) == 2**41
+    assert [tile_width(n) for n in (1, 16, 17, 64, 100)] == [16, 16, 32, 64, 128]
 
 
 def test_cdiv_is_tritons():

@@ -14,6 +14,12 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def tile_width(n: int, least: int = 16) -> int:
+    """A tile dimension covering n: a power of two, at least ``least`` (``tl.dot``
+    needs 16)."""
+    return max(least, next_power_of_2(n))
+
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for b > 0."""
     return -(-a // b)

@@ -47,7 +47,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .kernel_backend import interpreter_on
-from .launch_grid import cdiv, next_power_of_2
+from .launch_grid import cdiv, tile_width
 
 
 @triton.jit
@@ -248,10 +248,6 @@ def _cols_kernel(
                  mask=col_in[:, None] & (rd < D)[None, :])
 
 
-def _pow2(n: int, least: int = 16) -> int:
-    return max(least, next_power_of_2(n))
-
-
 def _precision(dtype: torch.dtype, rows: torch.dtype | None = None,
                device: torch.device | None = None) -> str:
     """tl.dot's input precision for compute dtype ``dtype`` and N-row inputs ``rows``.
@@ -377,7 +373,7 @@ def rows_product(
     """
     bh, n, d = y.shape
     m, r = x.shape[1], vm.shape[-1]
-    bd, br = _pow2(d), _pow2(r)
+    bd, br = tile_width(d), tile_width(r)
     bn, bm, warps, stages = _row_tiles(bd, br, x.dtype)
     out1 = y.new_empty(bh, n, r, dtype=y.dtype if vn is None else vn.dtype) \
         if write_out1 else None
@@ -424,7 +420,7 @@ def cols_product(
     outputs, m rows, are in x's dtype)."""
     bh, n, d = y.shape
     m, r = x.shape[1], vn.shape[-1]
-    bd, br = _pow2(d), _pow2(r)
+    bd, br = tile_width(d), tile_width(r)
     bn, bm, warps, stages = _col_tiles(bd, br, x.dtype, y.dtype in (torch.bfloat16,
                                                                      torch.float16))
     col_blocks = cdiv(m, bm)

@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .launch_grid import cdiv, next_power_of_2
+from .launch_grid import cdiv, tile_width
 from .triton_kernels import _precision
 from .triton_rowblocks import eye_rows, product_rows, rows_of, square_rows, store_rows
 
@@ -248,7 +248,7 @@ def launch_options(m: int, backward: bool = False, captured: bool = False) -> di
     times every option eager and in a CUDA graph). Options that differ there must also
     be launched before the capture (its warm-up): a kernel first launched during a
     capture is compiled and loaded there, which CUDA refuses."""
-    block = max(16, next_power_of_2(m))
+    block = tile_width(m)
     tile = min(block, 32)
     return {"BLOCK": block, "ROWS": tile, "KC": tile, "num_warps": 8 if block >= 64 else 4,
             "num_stages": 1, "PER_PASS": False}

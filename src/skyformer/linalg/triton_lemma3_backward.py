@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .launch_grid import next_power_of_2
+from .launch_grid import tile_width
 from .triton_kernels import _precision
 from .triton_lemma3 import (
     capturing,
@@ -265,7 +265,7 @@ def lemma3_backward(source: Tensor, norm: Tensor | None, ridge: Tensor, store: T
             bh // ridge.shape[0])
     options = {"ITERATIONS": store.shape[1], "FROM_ROWS": norm is not None,
                "TINY": torch.finfo(source.dtype).tiny,
-               "BLOCK_D": max(16, next_power_of_2(d)),
+               "BLOCK_D": tile_width(d),
                "PRECISION": _precision(source.dtype),
                **launch_options(m, backward=True, captured=capturing(source))}
     launch(_backward_kernel, _backward_pass_kernel,

@@ -41,7 +41,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ...linalg.kernel_backend import float64_dots, interpreter_on
-from ...linalg.launch_grid import cdiv, next_power_of_2
+from ...linalg.launch_grid import cdiv, tile_width
 from ...linalg.triton_kernels import _mm, _precision
 
 LOG2E = math.log2(math.e)
@@ -288,8 +288,8 @@ def _common(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, s: float,
     meta = {"HAS_VALID": key_valid is not None, "CAUSAL": causal,
             "F64": q.dtype == torch.float64, "PRECISION": flash_precision(q.dtype),
             "FMA": q.dtype == torch.float64 and not float64_dots(),
-            "BLOCK_D": max(16, next_power_of_2(d)),
-            "BLOCK_DV": max(16, next_power_of_2(dv))}
+            "BLOCK_D": tile_width(d),
+            "BLOCK_DV": tile_width(dv)}
     return [valid, args], meta
 
 
