@@ -41,6 +41,7 @@ from ..shared.inputs import (
     compute_dtype,
     zero_padded_queries,
 )
+from ..shared.normalised import numerator_and_denominator
 from ..shared.options import check_bool, check_nonnegative_float, check_optional_positive_int
 from ..shared.reduction import WHOLE, KeyReduction
 
@@ -152,8 +153,6 @@ def causal_linear(phi_q: Tensor, phi_k: Tensor, v: Tensor, eps: float,
 
 
 def _normalised(o: Tensor, eps: float) -> Tensor:
-    """``o[..., :-1] / (o[..., -1:] + eps)`` for ``o: [..., Dv + 1]``, split rather than
-    sliced: the backward pass writes one tensor of o's size, where the two slices'
-    backward wrote a zero tensor of that size each and autograd added them."""
-    numerator, denominator = o.split([o.shape[-1] - 1, 1], dim=-1)
+    """``o[..., :-1] / (o[..., -1:] + eps)`` for ``o: [..., Dv + 1]``."""
+    numerator, denominator = numerator_and_denominator(o)
     return numerator / (denominator + eps)

@@ -56,7 +56,7 @@ from ..shared.inputs import (
     resolve_key,
     zero_padded_queries,
 )
-from ..shared.normalised import normalised_or
+from ..shared.normalised import normalised_or, numerator_and_denominator
 from ..shared.options import (
     check_bool,
     check_nonnegative_float,
@@ -238,13 +238,13 @@ def performer_from_projection(
         phi_k = causal_key_features(k * root, projection, info.key_valid, config.eps)
         v_and_one = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
         o = causal_feature_sums(phi_q, phi_k, v_and_one)  # [B, H, N, Dv + 1]
-        numerator, denominator = o.split([o.shape[-1] - 1, 1], dim=-1)  # one backward write
+        numerator, denominator = numerator_and_denominator(o)
         out = normalised_or(numerator, denominator, prefix_mean_values(v, info.key_valid))
         return zero_padded_queries(out, info.query_valid)
     phi_k, _ = key_features(k * root, projection, info.key_valid, config.eps,
                             reduce)  # [B, H, Nk, m]
     v_and_one = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # [B, H, Nk, Dv + 1]
     o = phi_q @ reduce.sum(phi_k.transpose(-1, -2) @ v_and_one)  # [B, H, Nq, Dv + 1]
-    numerator, denominator = o.split([o.shape[-1] - 1, 1], dim=-1)  # one backward write
+    numerator, denominator = numerator_and_denominator(o)
     out = normalised_or(numerator, denominator, mean_values(v, info.key_valid, reduce))
     return zero_padded_queries(out, info.query_valid)

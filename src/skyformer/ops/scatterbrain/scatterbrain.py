@@ -58,7 +58,7 @@ from ..shared.inputs import (
 )
 from ..shared.local_window import local_windows, query_chunks, unchunk, window_rows
 from ..shared.lsh_blocks import LshBlockOptions, lsh_block_logits
-from ..shared.normalised import normalised_or
+from ..shared.normalised import normalised_or, numerator_and_denominator
 from ..shared.options import check_bool, check_choice, check_random_features, check_scale
 
 SUPPORTS = ("lsh", "local")
@@ -191,7 +191,7 @@ def scatterbrain_attention(
         o = sparse + torch.exp(log_lr - ref)[..., None] * low_rank
     else:
         o = low_rank
-    numerator, denominator = o.split([o.shape[-1] - 1, 1], dim=-1)  # one backward write
+    numerator, denominator = numerator_and_denominator(o)
     out = normalised_or(numerator, denominator, mean_values(vw, info.key_valid))
     return zero_padded_queries(out, info.query_valid).to(dtype)
 

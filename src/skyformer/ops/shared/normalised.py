@@ -8,9 +8,13 @@ saves a masked copy of the numerator and its backward forms six tensors of the
 numerator's size (the masked gradient, the quotient's two partial derivatives and
 their products): at B = 4, H = 16, N = 16384, D = 64 that was the peak of a
 ``nystrom_softmax`` call. ``_NormalisedOr`` saves the output instead (which the caller
-holds anyway) and forms two: the denominator's gradient is -(g . out) / den row by
-row, the numerator's g / den. As with SDPA, whose backward reads its output too, an
-in-place write into the output before the backward pass is refused by autograd.
+holds anyway) and forms three, one at a time, of which it keeps one: the fallback's
+gradient is a row selection summed, the denominator's -(g . out) / den row by row, the
+numerator's g / den. As with SDPA, whose backward reads its output too, an in-place
+write into the output before the backward pass is refused by autograd.
+
+``numerator_and_denominator`` splits the output of a product with a column of ones
+appended to V.
 """
 
 from __future__ import annotations
@@ -22,6 +26,14 @@ from torch import Tensor
 
 from ...linalg.eager_calls import apply
 from ...linalg.functional_ops import functional_ops_only
+
+
+def numerator_and_denominator(o: Tensor) -> tuple[Tensor, Tensor]:
+    """``(o[..., :-1], o[..., -1:])`` for ``o: [..., Dv + 1]`` (A [V, 1]), as one split:
+    its backward pass writes one tensor of o's size, where each slice's backward wrote
+    a zero tensor of that size and autograd added them."""
+    numerator, denominator = o.split([o.shape[-1] - 1, 1], dim=-1)
+    return numerator, denominator
 
 
 def normalised_or(numerator: Tensor, denominator: Tensor, fallback: Tensor,
