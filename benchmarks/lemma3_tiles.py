@@ -18,6 +18,11 @@ too): what the library would do with them as its defaults.
 
     python benchmarks/lemma3_tiles.py --out benchmarks/results/lemma3_tiles.json
 
+A backward candidate with ``,keep`` has the forward kernel keep the step products for
+the backward kernel (``KEEP_PRODUCTS``, ``triton_lemma3.keeps_products``): fewer
+products in the backward pass for more memory held between the passes, which each
+row reports (``stored MiB``: iterates and kept products, ``store_slots``).
+
 The default candidates (``ROWS,KC,WARPS,STAGES``, ``,pass`` for a launch per pass) are
 those that compile for sm_90 at m = 128 with few or no spills in both kernels
 (``triton_resources.py``; 64-row blocks are where Hopper's warpgroup MMA applies; the
@@ -47,20 +52,25 @@ from skyformer.linalg import (  # the triton_* modules import Triton
 )
 
 CANDIDATES = ("32,16,8,1", "32,16,16,1", "64,16,8,1", "64,16,4,1", "64,32,8,1", "64,16,8,2",
-              "128,16,8,1", "16,16,4,1,pass", "32,32,8,1,pass")
+              "128,16,8,1", "16,16,4,1,pass", "32,32,8,1,pass", "32,32,8,1,pass,keep")
 
 
 def candidates(m: int, specs: list[str], backward: bool) -> list[dict]:
-    """The launch options to try at m landmarks (``ROWS,KC,WARPS,STAGES`` specs, and
-    ``,pass`` for a launch per pass; tiles within the padded matrix), the default first."""
+    """The launch options to try at m landmarks (``ROWS,KC,WARPS,STAGES`` specs, ``,pass``
+    for a launch per pass and, backward, ``,keep`` for kept step products; tiles within
+    the padded matrix), the default first, then (backward) the default keeping them."""
     default = triton_lemma3.launch_options(m, backward=backward)
     block = default["BLOCK"]
-    found = [default]
+    found = [default, {**default, "KEEP_PRODUCTS": True}] if backward else [default]
     for spec in specs:
         fields = spec.split(",")
         rows, kc, warps, stages = map(int, fields[:4])
         option = {"BLOCK": block, "ROWS": rows, "KC": kc, "num_warps": warps,
-                  "num_stages": stages, "PER_PASS": fields[4:] == ["pass"]}
+                  "num_stages": stages, "PER_PASS": "pass" in fields[4:]}
+        if backward:
+            option["KEEP_PRODUCTS"] = "keep" in fields[4:]
+        elif "keep" in fields[4:]:
+            continue  # the backward options decide what the forward keeps
         if max(rows, kc) <= block and option not in found:
             found.append(option)
     return found
@@ -68,7 +78,14 @@ def candidates(m: int, specs: list[str], backward: bool) -> list[dict]:
 
 def _label(option: dict) -> str:
     return f"rows {option['ROWS']} kc {option['KC']} warps {option['num_warps']} " \
-           f"stages {option['num_stages']}{' per pass' if option.get('PER_PASS') else ''}"
+           f"stages {option['num_stages']}{' per pass' if option.get('PER_PASS') else ''}" \
+           f"{' keep' if option.get('KEEP_PRODUCTS') else ''}"
+
+
+def stored_mib(batch: int, heads: int, m: int, option: dict, iterations: int = 6) -> float:
+    """MiB the forward kernel stores for the backward pass under ``option`` (float32)."""
+    slots = triton_lemma3.store_slots(iterations, bool(option.get("KEEP_PRODUCTS")))
+    return batch * heads * slots * m * m * 4 / 2**20
 
 
 _GRAPHED = [False]  # inside graphed_options()
@@ -169,15 +186,18 @@ def measure(batch: int, heads: int, m: int, head_dim: int, specs: list[str], dev
     rows = []
     for name, seconds in times.items():
         label, kernel, what, mode = name.split("/")
-        default = (fwd_options if kernel == "forward" else bwd_options)[0]
+        options = fwd_options if kernel == "forward" else bwd_options
+        option = next((o for o in options if _label(o) == label), {})
         rows.append({"shape": f"{batch},{heads},m={m},D={head_dim}", "options": label,
                      "kernel": kernel, "pass": what, "mode": mode, "ms": seconds * 1e3,
                      "vs_torch": times[f"torch/-/{what}/{mode}"] / seconds,
-                     "default": label == _label(default)})
+                     "stored_mib": stored_mib(batch, heads, m, option) if option else None,
+                     "default": label == _label(options[0])})
     for row in sorted(rows, key=lambda r: (r["mode"], r["pass"], r["ms"])):
+        stored = "" if row["stored_mib"] is None else f"  stored {row['stored_mib']:.1f} MiB"
         print(f"{row['shape']:22s} {row['mode']:5s} {row['kernel']:8s} {row['pass']:8s} "
-              f"{row['options']:45s} {row['ms']:9.3f} ms {row['vs_torch']:6.2f}x torch"
-              f"{'  (default)' if row['default'] else ''}", flush=True)
+              f"{row['options']:50s} {row['ms']:9.3f} ms {row['vs_torch']:6.2f}x torch"
+              f"{stored}{'  (default)' if row['default'] else ''}", flush=True)
     best = {}
     for kernel, options in (("forward", fwd_options), ("backward", bwd_options)):
         for mode in modes:

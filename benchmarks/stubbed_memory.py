@@ -6,12 +6,16 @@ allocates, in the same order, at any shape; PyTorch's profiler records each allo
 and free, and the peak is taken over the call (above what was allocated before it:
 the inputs and the output's gradient). CUDA's caching allocator rounds sizes up and
 keeps freed blocks, so ``torch.cuda.max_memory_allocated`` on a GPU can differ by a few
-MiB; what this shows is where the peak falls and what moves it. ``--rows-copied`` adds
-each method with the landmark rows' gradient added out of place
-(``gather_rows_through(in_place=False)``), as before it was added in place.
+MiB; what this shows is where the peak falls and what moves it. Beside the peak, the
+memory the forward pass leaves allocated for the backward pass (its output included:
+what a model holds per layer until its backward pass). ``--rows-copied`` adds each
+method with the landmark rows' gradient added out of place
+(``gather_rows_through(in_place=False)``), as before it was added in place;
+``--kept-products`` each method with the Lemma 3 step products kept from the forward to
+the backward kernel (``triton_lemma3.keeps_products``).
 
     python benchmarks/stubbed_memory.py [--shape 4,16,16384,64] [--dtype bfloat16]
-                                        [--rows-copied] [--out FILE.md]
+                                        [--rows-copied] [--kept-products] [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -34,9 +38,11 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 import skyformer
+from skyformer.linalg import triton_lemma3, triton_lemma3_backward
 from skyformer.ops.shared import modified_nystrom
 
 METHODS = ("skyformer", "nystrom_softmax")
+FORWARD = "stubbed_memory: forward"  # the profiler's name for the forward pass
 
 
 @contextlib.contextmanager
@@ -45,6 +51,20 @@ def rows_copied() -> Iterator[None]:
     through = functools.partial(modified_nystrom.gather_rows_through, in_place=False)
     with mock.patch.object(modified_nystrom, "gather_rows_through",
                            lambda xs, indices, **_: through(xs, indices)):
+        yield
+
+
+@contextlib.contextmanager
+def kept_products() -> Iterator[None]:
+    """The Lemma 3 step products kept from the forward to the backward kernel."""
+    default = triton_lemma3.launch_options
+
+    def keeping(m: int, backward: bool = False, captured: bool = False) -> dict:
+        options = default(m, backward, captured)
+        return {**options, "KEEP_PRODUCTS": True} if backward else options
+
+    with mock.patch.object(triton_lemma3, "launch_options", keeping), \
+            mock.patch.object(triton_lemma3_backward, "launch_options", keeping):
         yield
 
 
@@ -58,8 +78,9 @@ def _allocations(node, stack: tuple[str, ...], out: list) -> None:
 
 
 def peak_mib(method: str, shape: tuple[int, int, int, int], dtype: torch.dtype,
-             features: int) -> tuple[float, str]:
-    """(MiB above the memory held before the call, the operation at the peak)."""
+             features: int) -> tuple[float, str, float]:
+    """(MiB above the memory held before the call, the operation at the peak, MiB the
+    forward pass leaves allocated)."""
     b, h, n, d = shape
     q, k, v = (torch.randn(b, h, n, d, dtype=dtype, requires_grad=True) for _ in range(3))
     key = skyformer.random_key(0)
@@ -70,7 +91,10 @@ def peak_mib(method: str, shape: tuple[int, int, int, int], dtype: torch.dtype,
 
     grad = torch.ones_like(call())  # the warm-up call also compiles nothing: all stubbed
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        call().backward(grad)
+        with torch.profiler.record_function(FORWARD):
+            out = call()
+        out.backward(grad)
+        del out
     events: list = []
     for root in prof.profiler.kineto_results.experimental_event_tree():
         _allocations(root, (), events)
@@ -79,7 +103,9 @@ def peak_mib(method: str, shape: tuple[int, int, int, int], dtype: torch.dtype,
     top = max(events, key=lambda e: e[2])
     where = next((name for name in reversed(top[3]) if not name.startswith("aten::")),
                  top[3][-1] if top[3] else "")
-    return (top[2] - before) / 2**20, where.replace("autograd::engine::evaluate_function: ", "")
+    held = max((e for e in events if FORWARD in e[3]), key=lambda e: e[0])[2] - before
+    return ((top[2] - before) / 2**20,
+            where.replace("autograd::engine::evaluate_function: ", ""), held / 2**20)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--features", type=int, default=128)
     parser.add_argument("--rows-copied", action="store_true")
+    parser.add_argument("--kept-products", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     shape = tuple(map(int, args.shape.split(",")))
@@ -96,15 +123,18 @@ def main(argv: list[str] | None = None) -> int:
     variants = [("", contextlib.nullcontext)]
     if args.rows_copied:
         variants.append((", rows' gradient copied", rows_copied))
+    if args.kept_products:
+        variants.append((", step products kept", kept_products))
     lines = [f"B,H,N,D = {args.shape}, {args.dtype}, m = {args.features}: eager forward + "
              f"backward on the Triton path, launches stubbed, torch {torch.__version__}", "",
-             "| method | peak MiB above the call's start | at |", "|---|---|---|"]
+             "| method | peak MiB above the call's start | at | MiB held after the forward |",
+             "|---|---|---|---|"]
     with as_on_cuda(), stubbed_launches():
         for method in args.methods:
             for label, context in variants:
                 with context():
-                    mib, where = peak_mib(method, shape, dtype, args.features)
-                lines.append(f"| `{method}`{label} | {mib:.1f} | {where} |")
+                    mib, where, held = peak_mib(method, shape, dtype, args.features)
+                lines.append(f"| `{method}`{label} | {mib:.1f} | {where} | {held:.1f} |")
     emit(lines, args.out)
     return 0
 

@@ -128,10 +128,15 @@ def test_lemma3_tile_sweep_runs_on_the_cpu_under_the_interpreter(tmp_path):
              for row in result["rows"]}
     default = "rows 16 kc 16 warps 4 stages 1"
     options = (default, "rows 16 kc 16 warps 4 stages 2", f"{default} per pass")
-    assert names == {("torch", "-", "fwd", "eager"), ("torch", "-", "fwd+bwd", "eager")} | {
+    assert names == {("torch", "-", "fwd", "eager"), ("torch", "-", "fwd+bwd", "eager"),
+                     (f"{default} keep", "backward", "fwd+bwd", "eager")} | {
         (option, kernel, what, "eager") for option in options
         for kernel, what in (("forward", "fwd"), ("backward", "fwd+bwd"))}  # 32 > m: out
     assert {row["options"] for row in result["rows"] if row["default"]} == {default}
+    stored = {row["options"]: row["stored_mib"] for row in result["rows"]
+              if row["kernel"] == "backward"}  # 6 iterates, or 22 matrices of 16 x 16
+    assert stored[default] * 2**20 == 6 * 16 * 16 * 4
+    assert stored[f"{default} keep"] * 2**20 == 22 * 16 * 16 * 4
     assert set(result["best"]) == {"16"}
     best = result["best"]["16"]
     assert set(best) == {"forward", "backward"} and best["forward"]["ROWS"] == 16
@@ -145,8 +150,12 @@ def test_lemma3_tile_sweep_runs_on_the_cpu_under_the_interpreter(tmp_path):
         with tiles.graphed_options():  # the warm-up before a capture: the same kernels
             assert triton_lemma3_backward.launch_options(16, backward=True) == per_pass
         assert triton_lemma3.launch_options(64)["BLOCK"] == 64  # not measured: the default
+    keep = dict(best["backward"], KEEP_PRODUCTS=True)
+    with tiles.applied({"16": {**best, "backward": keep}}):  # the forward keeps them then
+        assert triton_lemma3.keeps_products(16) and not triton_lemma3.keeps_products(32)
     assert triton_lemma3.launch_options(16)["num_stages"] == 1
     assert not triton_lemma3.launch_options(16, captured=True)["PER_PASS"]
+    assert not triton_lemma3.keeps_products(16)
 
 
 def test_product_tile_sweep_runs_on_the_cpu_under_the_interpreter(tmp_path):

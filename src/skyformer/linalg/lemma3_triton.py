@@ -80,15 +80,15 @@ class TritonLemma3Inverse(torch.autograd.Function):
 
     @staticmethod
     def forward(source: Tensor, norm: Tensor | None, ridge: Tensor,  # type: ignore[override]
-                iterations: int, auto: bool) -> tuple[Tensor, Tensor]:
+                iterations: int, auto: bool, keep: bool) -> tuple[Tensor, Tensor]:
         m = source.shape[-2]
         w, store = _ops().lemma3_forward(_flat(source, 2, source), _flat(norm, 1, source),
-                                         ridge.contiguous(), iterations)
+                                         ridge.contiguous(), iterations, keep)
         return w.reshape(*source.shape[:-2], m, m), store
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        source, norm, ridge, iterations, auto = inputs
+        source, norm, ridge, iterations, auto, _ = inputs
         _, store = output
         ctx.mark_non_differentiable(store)
         ctx.set_materialize_grads(False)  # no zero tensor of the iterates' size
@@ -103,14 +103,14 @@ class TritonLemma3Inverse(torch.autograd.Function):
     @staticmethod
     @first_order_backward
     def backward(ctx: Any, grad: Tensor, _: Any
-                 ) -> tuple[Tensor | None, Tensor | None, None, None, None]:
+                 ) -> tuple[Tensor | None, Tensor | None, None, None, None, None]:
         source, norm, ridge, store = ctx.saved_tensors
         m = source.shape[-2]
 
         def launch() -> tuple[Tensor, Tensor | None]:
             dsource, dnorm = _ops().lemma3_backward(
                 _flat(source, 2, source), _flat(norm, 1, source), ridge.contiguous(), store,
-                grad.reshape(-1, m, m).contiguous())
+                grad.reshape(-1, m, m).contiguous(), ctx.iterations)
             return dsource, (dnorm if norm is not None else None)
 
         def by_pytorch() -> tuple[Tensor, Tensor | None]:
@@ -124,7 +124,7 @@ class TritonLemma3Inverse(torch.autograd.Function):
 
         dsource, dnorm = CORE_FALLBACK.run(ctx.auto, launch, by_pytorch)
         return (dsource.reshape(source.shape),
-                None if dnorm is None else dnorm.reshape(norm.shape), None, None, None)
+                None if dnorm is None else dnorm.reshape(norm.shape), None, None, None, None)
 
 
 def _by_pytorch(source: Tensor, norm: Tensor | None, ridge: Tensor, iterations: int
@@ -150,5 +150,17 @@ def triton_lemma3_inverse(source: Tensor, norm: Tensor | None, ridge: Tensor,
                                      ridge, iterations, kernel=kernel)[0]
     auto = kernel == "auto"
     return CORE_FALLBACK.run(
-        auto, lambda: apply(TritonLemma3Inverse, source, norm, ridge, iterations, auto)[0],
+        auto, lambda: apply(TritonLemma3Inverse, source, norm, ridge, iterations, auto,
+                            _keeps_products(source, norm))[0],
         lambda: _by_pytorch(source, norm, ridge, iterations))
+
+
+def _keeps_products(source: Tensor, norm: Tensor | None) -> bool:
+    """Whether the forward kernel keeps its step products for a backward pass: only
+    where one can follow (``triton_lemma3.keeps_products``)."""
+    if not torch.is_grad_enabled() or not (
+            source.requires_grad or (norm is not None and norm.requires_grad)):
+        return False
+    from .triton_lemma3 import capturing, keeps_products  # imports Triton
+
+    return keeps_products(source.shape[-2], capturing(source))

@@ -30,8 +30,10 @@ Given the landmark rows X (scaled) and their half squared norms n instead of M
 
 The forward kernel writes V_1 ... V_K (``store``, ``[BH, K, m, m]``; each V is
 written there as it is computed and read back by the next step), from which the
-backward kernel rebuilds P, T2, T3 of each step and runs the adjoint of
-``pinv._RazaviIteration`` step by step, then the adjoints of the normalisation:
+backward kernel rebuilds P, T2, T3 of each step (or reads them: where its launch
+options ask, a differentiated call keeps them in the store too, ``keeps_products``)
+and runs the adjoint of ``pinv._RazaviIteration`` step by step, then the adjoints of
+the normalisation:
 
     dV_K  = D^-1/2 G D^-1/2,
     dA    = (adjoint of the steps),
@@ -121,33 +123,56 @@ def t3_rows(P, T2, rows, m, ROWS: tl.constexpr, BLOCK: tl.constexpr, KC: tl.cons
         - square_rows(P, False, T2, False, rows, m, ROWS, BLOCK, KC, PRECISION)
 
 
+def store_slots(iterations: int, keep: bool) -> int:
+    """m x m matrices a program stores for the backward kernel: V_1 ... V_K, and
+    (``keep``) the step products too, T2 of the first step and P, T2, T3 of each later
+    one (``stored``), which the backward kernel then reads instead of forming again."""
+    return 4 * iterations - 2 if keep else iterations
+
+
+@triton.jit
+def stored(STORE, bh, index, size, ITERATIONS: tl.constexpr, KEEP: tl.constexpr):
+    """Slot ``index`` of matrix bh's store (``store_slots``): V_k at k - 1; when the
+    products are kept (``KEEP``), P, T2, T3 of the step from V_s to V_s+1 at
+    K + 3 (s - 1) + 0, 1, 2 (1 <= s < K) and T2 of the first step at 4K - 3."""
+    slots: tl.constexpr = 4 * ITERATIONS - 2 if KEEP else ITERATIONS
+    return STORE + (bh * slots + index) * size
+
+
 @triton.jit
 def forward_pass(PASS: tl.constexpr, step, rows, bh, M, X, XN, DIAG, W, STORE, SCR, VEC,
-                 m, D, heads, ITERATIONS: tl.constexpr, FROM_ROWS: tl.constexpr,
-                 TINY: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                 KC: tl.constexpr, PRECISION: tl.constexpr):
+                 m, D, heads, ITERATIONS: tl.constexpr, KEEP: tl.constexpr,
+                 FROM_ROWS: tl.constexpr, TINY: tl.constexpr, BLOCK: tl.constexpr,
+                 ROWS: tl.constexpr, KC: tl.constexpr, PRECISION: tl.constexpr):
     """Rows ``rows`` of pass ``PASS`` for matrix ``bh`` (the step passes: of the step
-    from V_step to V_step+1, 1 <= step < ITERATIONS)."""
+    from V_step to V_step+1, 1 <= step < ITERATIONS); the step products go to the
+    store (``KEEP``) or to the program's scratch."""
     size = m * m
     scratch = SCR + bh * FORWARD_SLOTS * size
-    mat_r, a, t2 = scratch + _MR * size, scratch + _A * size, scratch + _T2 * size
+    mat_r, a = scratch + _MR * size, scratch + _A * size
     s_vec = VEC + (bh * FORWARD_VECTORS + _S) * m
+    if KEEP:
+        first_t2 = stored(STORE, bh, 4 * ITERATIONS - 3, size, ITERATIONS, KEEP)
+        p = stored(STORE, bh, ITERATIONS + 3 * (step - 1), size, ITERATIONS, KEEP)
+        t2, t3 = p + size, p + 2 * size
+    else:
+        first_t2 = scratch + _T2 * size
+        p, t2, t3 = scratch + _P * size, scratch + _T2 * size, scratch + _T3 * size
     if PASS == REGULARISE:
         regularise_rows(M, X, XN, DIAG, mat_r, VEC + (bh * FORWARD_VECTORS + _D) * m, s_vec,
                         bh, rows, m, D, heads, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
     elif PASS == NORMALISE:  # A = S M_r S
         store_rows(a, rows, m, scaled_rows(mat_r, s_vec, rows, m, BLOCK), BLOCK)
     elif PASS == FIRST_T2:  # step 1 from V_0 = I: P = A
-        store_rows(t2, rows, m, t2_rows(a, rows, m, ROWS, BLOCK, KC, PRECISION), BLOCK)
+        store_rows(first_t2, rows, m, t2_rows(a, rows, m, ROWS, BLOCK, KC, PRECISION), BLOCK)
     elif PASS == FIRST_V:  # V_1 = T3 / 4
-        store_rows(STORE + bh * ITERATIONS * size, rows, m,
-                   0.25 * t3_rows(a, t2, rows, m, ROWS, BLOCK, KC, PRECISION), BLOCK)
+        store_rows(stored(STORE, bh, 0, size, ITERATIONS, KEEP), rows, m,
+                   0.25 * t3_rows(a, first_t2, rows, m, ROWS, BLOCK, KC, PRECISION), BLOCK)
     elif PASS == SCALE_W:  # W = S V_K S
-        v_last = STORE + (bh * ITERATIONS + ITERATIONS - 1) * size
+        v_last = stored(STORE, bh, ITERATIONS - 1, size, ITERATIONS, KEEP)
         store_rows(W + bh * size, rows, m, scaled_rows(v_last, s_vec, rows, m, BLOCK), BLOCK)
     else:
-        v = STORE + (bh * ITERATIONS + step - 1) * size
-        p, t3 = scratch + _P * size, scratch + _T3 * size
+        v = stored(STORE, bh, step - 1, size, ITERATIONS, KEEP)
         if PASS == STEP_P:
             value = square_rows(a, False, v, False, rows, m, ROWS, BLOCK, KC, PRECISION)
             store_rows(p, rows, m, value, BLOCK)
@@ -163,45 +188,46 @@ def forward_pass(PASS: tl.constexpr, step, rows, bh, M, X, XN, DIAG, W, STORE, S
 
 @triton.jit
 def _all_rows(PASS: tl.constexpr, step, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D,
-              heads, ITERATIONS: tl.constexpr, FROM_ROWS: tl.constexpr, TINY: tl.constexpr,
-              BLOCK: tl.constexpr, ROWS: tl.constexpr, KC: tl.constexpr,
+              heads, ITERATIONS: tl.constexpr, KEEP: tl.constexpr, FROM_ROWS: tl.constexpr,
+              TINY: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, KC: tl.constexpr,
               PRECISION: tl.constexpr):
     """Pass ``PASS`` over every block of rows, then a barrier."""
     for start in range(0, m, ROWS):
         forward_pass(PASS, step, start + tl.arange(0, ROWS), bh, M, X, XN, DIAG, W, STORE,
-                     SCR, VEC, m, D, heads, ITERATIONS, FROM_ROWS, TINY, BLOCK, ROWS, KC,
-                     PRECISION)
+                     SCR, VEC, m, D, heads, ITERATIONS, KEEP, FROM_ROWS, TINY, BLOCK, ROWS,
+                     KC, PRECISION)
     tl.debug_barrier()
 
 
 @triton.jit
 def _forward_kernel(M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
-                    ITERATIONS: tl.constexpr, FROM_ROWS: tl.constexpr, TINY: tl.constexpr,
+                    ITERATIONS: tl.constexpr, KEEP: tl.constexpr, FROM_ROWS: tl.constexpr,
+                    TINY: tl.constexpr,
                     BLOCK: tl.constexpr, ROWS: tl.constexpr, KC: tl.constexpr,
                     PRECISION: tl.constexpr):
     """Every pass of ``forward_passes`` for matrix program_id(0), in order."""
     bh = tl.program_id(0).to(tl.int64)
     for kind in tl.static_range(REGULARISE, STEP_P):  # the passes in their numbering's order
         _all_rows(kind, 0, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
-                  ITERATIONS, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
+                  ITERATIONS, KEEP, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
     for step in range(1, ITERATIONS):
         for kind in tl.static_range(STEP_P, SCALE_W):
             _all_rows(kind, step, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
-                      ITERATIONS, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
+                      ITERATIONS, KEEP, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
     _all_rows(SCALE_W, 0, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
-              ITERATIONS, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
+              ITERATIONS, KEEP, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
 
 
 @triton.jit(do_not_specialize=["step"])
 def _forward_pass_kernel(M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads, step,
-                         PASS: tl.constexpr, ITERATIONS: tl.constexpr,
+                         PASS: tl.constexpr, ITERATIONS: tl.constexpr, KEEP: tl.constexpr,
                          FROM_ROWS: tl.constexpr, TINY: tl.constexpr, BLOCK: tl.constexpr,
                          ROWS: tl.constexpr, KC: tl.constexpr, PRECISION: tl.constexpr):
     """One pass: rows block program_id(1) of matrix program_id(0)."""
     rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     forward_pass(PASS, step, rows, tl.program_id(0).to(tl.int64), M, X, XN, DIAG, W,
-                 STORE, SCR, VEC, m, D, heads, ITERATIONS, FROM_ROWS, TINY, BLOCK, ROWS, KC,
-                 PRECISION)
+                 STORE, SCR, VEC, m, D, heads, ITERATIONS, KEEP, FROM_ROWS, TINY, BLOCK, ROWS,
+                 KC, PRECISION)
 
 
 def forward_passes(iterations: int) -> list[tuple[int, int]]:
@@ -218,6 +244,7 @@ def launch(program_kernel, pass_kernel, passes: list[tuple[int, int]], bh: int, 
     matrix: more programs on the GPU (the row blocks of a pass are independent) for a
     launch per pass (the stream orders them)."""
     options = dict(options)
+    options.pop("KEEP_PRODUCTS", None)  # read by the forward call (``keeps_products``)
     if not options.pop("PER_PASS", False):
         program_kernel[(bh,)](*args, **options)
         return
@@ -247,29 +274,45 @@ def launch_options(m: int, backward: bool = False, captured: bool = False) -> di
     says otherwise (a launch per pass is not timed on a GPU yet; ``lemma3_tiles.py``
     times every option eager and in a CUDA graph). Options that differ there must also
     be launched before the capture (its warm-up): a kernel first launched during a
-    capture is compiled and loaded there, which CUDA refuses."""
+    capture is compiled and loaded there, which CUDA refuses.
+    ``KEEP_PRODUCTS`` (backward): whether the forward kernel keeps the step products
+    for the backward kernel (``keeps_products``); not yet, until a device has timed it."""
     block = tile_width(m)
     tile = min(block, 32)
-    return {"BLOCK": block, "ROWS": tile, "KC": tile, "num_warps": 8 if block >= 64 else 4,
-            "num_stages": 1, "PER_PASS": False}
+    options = {"BLOCK": block, "ROWS": tile, "KC": tile, "num_warps": 8 if block >= 64 else 4,
+               "num_stages": 1, "PER_PASS": False}
+    return {**options, "KEEP_PRODUCTS": False} if backward else options
 
 
-def lemma3_forward(source: Tensor, norm: Tensor | None, ridge: Tensor, iterations: int
-                   ) -> tuple[Tensor, Tensor]:
-    """(W ``[BH, m, m]``, store ``[BH, iterations, m, m]``) for ``ridge: [R, m]`` (the
-    diagonal added to the matrices of batch element bh // (BH / R)) and either the
-    landmark matrix ``source: [BH, m, m]`` (``norm`` None) or the landmark rows
-    ``source: [BH, m, D]`` with their half squared norms ``norm: [BH, m]``. Scratch:
+def keeps_products(m: int, captured: bool = False) -> bool:
+    """Whether a differentiated forward call stores the step products P, T2, T3 beside
+    the iterates (``store_slots``), as the backward kernel's launch options ask
+    (``KEEP_PRODUCTS``): the backward kernel then multiplies 8 pairs of m x m matrices a
+    step instead of 11 (at 6 iterations 44 instead of 60 in all, 27 % fewer; the
+    forward kernel's 22 are unchanged), for 16 more m x m float32 matrices a matrix held
+    from the forward to the backward pass (64 MiB at B x H = 64, m = 128, beside the
+    iterates' 24; the backward kernel's scratch shrinks by 3 of its 12)."""
+    return bool(launch_options(m, backward=True, captured=captured).get("KEEP_PRODUCTS",
+                                                                         False))
+
+
+def lemma3_forward(source: Tensor, norm: Tensor | None, ridge: Tensor, iterations: int,
+                   keep: bool = False) -> tuple[Tensor, Tensor]:
+    """(W ``[BH, m, m]``, store ``[BH, store_slots(iterations, keep), m, m]``) for
+    ``ridge: [R, m]`` (the diagonal added to the matrices of batch element bh // (BH / R))
+    and either the landmark matrix ``source: [BH, m, m]`` (``norm`` None) or the landmark
+    rows ``source: [BH, m, D]`` with their half squared norms ``norm: [BH, m]``; the
+    store holds the iterates and (``keep``) the step products. Scratch:
     ``FORWARD_SLOTS`` m x m matrices a program."""
     bh, m = source.shape[:2]
     d = source.shape[2] if norm is not None else 1
     w = source.new_empty(bh, m, m)
-    store = source.new_empty(bh, iterations, m, m)
+    store = source.new_empty(bh, store_slots(iterations, keep), m, m)
     scratch = source.new_empty(bh, FORWARD_SLOTS.value, m, m)
     vectors = source.new_empty(bh, FORWARD_VECTORS.value, m)
     args = (source, source, source if norm is None else norm, ridge, w, store, scratch,
             vectors, m, d, bh // ridge.shape[0])
-    options = {"ITERATIONS": iterations, "FROM_ROWS": norm is not None,
+    options = {"ITERATIONS": iterations, "KEEP": keep, "FROM_ROWS": norm is not None,
                "TINY": torch.finfo(source.dtype).tiny, "PRECISION": _precision(source.dtype),
                **launch_options(m, captured=capturing(source))}
     launch(_forward_kernel, _forward_pass_kernel, forward_passes(iterations), bh, m, args,

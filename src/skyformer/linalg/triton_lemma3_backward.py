@@ -20,12 +20,14 @@ M2 T1^T = 7 M2 - M2 P^T):
     pass 4:  dA' = dA + dP V^T,          G'  = G T3^T / 4 + A^T dP
 
 and the first step, from V_0 = I (P = A, no product with V, no gradient to V_0), in
-two passes. Every pass computes any block of rows from what earlier passes wrote (the
-sums over columns, ds and dn, read the transposed rows instead of adding across row
-blocks), so the chain runs in one program per matrix or as a launch per pass
-(``triton_lemma3.launch``). Before them: M_r, d = M_r 1, s = d^-1/2, A and G = S dW S; after them,
-ds (from dW V_K and dA M_r), dM = S dA S + dd 1^T and, from the landmark rows,
-dE = dM * C(X, X), dX = (dE + dE^T) X and dn = -(dE 1 + dE^T 1).
+two passes. Where the forward kernel kept P, T2, T3 (``KEEP``), passes 1-3 read them
+and form only dT3, M2 and dP: 8 products a step instead of 11. Every pass computes any
+block of rows from what earlier passes wrote (the sums over columns, ds and dn, read
+the transposed rows instead of adding across row blocks), so the chain runs in one
+program per matrix or as a launch per pass (``triton_lemma3.launch``). Before them:
+M_r, d = M_r 1, s = d^-1/2, A and G = S dW S; after them, ds (from dW V_K and dA M_r),
+dM = S dA S + dd 1^T and, from the landmark rows, dE = dM * C(X, X), dX = (dE + dE^T) X
+and dn = -(dE 1 + dE^T 1).
 """
 
 from __future__ import annotations
@@ -43,18 +45,22 @@ from .triton_lemma3 import (
     launch_options,
     regularise_rows,
     scaled_rows,
+    store_slots,
+    stored,
     t2_rows,
     t3_rows,
 )
 from .triton_rowblocks import eye_rows, product_rows, rows_of, square_rows, store_rows, tile
 
-# Scratch slots of one matrix (each m x m) and vectors (each m).
+# Scratch slots of one matrix (each m x m) and vectors (each m); the step products P,
+# T2, T3 come last: where the forward kernel kept them (``KEEP``), the backward kernel
+# reads them from the store and its scratch ends before them (``KEPT_SLOTS``).
 # (Constants the kernel reads must be tl.constexpr.)
-SLOTS = tl.constexpr(12)
+SLOTS, KEPT_SLOTS = tl.constexpr(12), tl.constexpr(9)
 _MR, _A, _G, _DA = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(4)  # G, dA: 2
-_P, _DT3, _T2, _M2 = tl.constexpr(6), tl.constexpr(7), tl.constexpr(8), tl.constexpr(9)
-_T3, _DP = tl.constexpr(10), tl.constexpr(11)
-_DE = _P  # dE reuses P's slot once the steps are done
+_DT3, _M2, _DP = tl.constexpr(6), tl.constexpr(7), tl.constexpr(8)
+_P, _T2, _T3 = tl.constexpr(9), tl.constexpr(10), tl.constexpr(11)
+_DE = _DT3  # dE reuses dT3's slot once the steps are done
 VECTORS = tl.constexpr(4)
 _D, _S, _DS, _DN = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
 
@@ -84,13 +90,16 @@ def _transposed_rows(P, rows, m, BLOCK: tl.constexpr):
 
 @triton.jit
 def backward_pass(PASS: tl.constexpr, step, rows, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN,
-                  SCR, VEC, m, D, heads, ITERATIONS: tl.constexpr, FROM_ROWS: tl.constexpr,
-                  TINY: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
-                  ROWS: tl.constexpr, KC: tl.constexpr, PRECISION: tl.constexpr):
+                  SCR, VEC, m, D, heads, ITERATIONS: tl.constexpr, KEEP: tl.constexpr,
+                  FROM_ROWS: tl.constexpr, TINY: tl.constexpr, BLOCK: tl.constexpr,
+                  BLOCK_D: tl.constexpr, ROWS: tl.constexpr, KC: tl.constexpr,
+                  PRECISION: tl.constexpr):
     """Rows ``rows`` of pass ``PASS`` for matrix ``bh`` (the step passes: of the
-    adjoint of step ITERATIONS - ``step``)."""
+    adjoint of step ITERATIONS - ``step``); the step products are read from the store
+    where the forward kernel kept them (``KEEP``), else formed again into scratch."""
     size = m * m
-    scratch = SCR + bh * SLOTS * size
+    slots: tl.constexpr = KEPT_SLOTS if KEEP else SLOTS
+    scratch = SCR + bh * slots * size
     vectors = VEC + bh * VECTORS * m
     mat_r, a = scratch + _MR * size, scratch + _A * size
     s_vec = vectors + _S * m
@@ -106,14 +115,20 @@ def backward_pass(PASS: tl.constexpr, step, rows, bh, M, X, XN, DIAG, STORE, G, 
         store_rows(scratch + _DA * size, rows, m, tl.zeros_like(g_rows), BLOCK)
     elif PASS == FIRST_T2:  # step 1 from V_0 = I: P = A, M2 = A^T dT3, dT3 = G / 4
         g_in = scratch + (_G + (ITERATIONS - 1) % 2) * size
-        t2, m2 = scratch + _T2 * size, scratch + _M2 * size
-        store_rows(t2, rows, m, t2_rows(a, rows, m, ROWS, BLOCK, KC, PRECISION), BLOCK)
+        m2 = scratch + _M2 * size
+        if not KEEP:
+            store_rows(scratch + _T2 * size, rows, m,
+                       t2_rows(a, rows, m, ROWS, BLOCK, KC, PRECISION), BLOCK)
         store_rows(m2, rows, m, 0.25 * square_rows(a, True, g_in, False, rows, m, ROWS,
                                                    BLOCK, KC, PRECISION), BLOCK)
     elif PASS == FIRST_DA:  # the final dA
         g_in = scratch + (_G + (ITERATIONS - 1) % 2) * size
         da_in = scratch + (_DA + (ITERATIONS - 1) % 2) * size
-        t2, m2 = scratch + _T2 * size, scratch + _M2 * size
+        if KEEP:
+            t2 = stored(STORE, bh, 4 * ITERATIONS - 3, size, ITERATIONS, KEEP)
+        else:
+            t2 = scratch + _T2 * size
+        m2 = scratch + _M2 * size
         store_rows(scratch + (_DA + ITERATIONS % 2) * size, rows, m,
                    rows_of(da_in, rows, m, BLOCK)
                    + _dp_rows(m2, a, g_in, 0.25, t2, rows, m, ROWS, BLOCK, KC, PRECISION),
@@ -122,7 +137,7 @@ def backward_pass(PASS: tl.constexpr, step, rows, bh, M, X, XN, DIAG, STORE, G, 
         # ds_i = sum_j (B_ij + B_ji) s_j, B = dW * V_K + dA * M_r
         da = scratch + (_DA + ITERATIONS % 2) * size
         grad = G + bh * size
-        v_last = STORE + (bh * ITERATIONS + ITERATIONS - 1) * size
+        v_last = stored(STORE, bh, ITERATIONS - 1, size, ITERATIONS, KEEP)
         both = rows_of(grad, rows, m, BLOCK) * rows_of(v_last, rows, m, BLOCK) \
             + rows_of(da, rows, m, BLOCK) * rows_of(mat_r, rows, m, BLOCK) \
             + _transposed_rows(grad, rows, m, BLOCK) * _transposed_rows(v_last, rows, m, BLOCK) \
@@ -162,22 +177,32 @@ def backward_pass(PASS: tl.constexpr, step, rows, bh, M, X, XN, DIAG, STORE, G, 
     else:  # the adjoint of step ITERATIONS - j, whose input iterate V is stored; G and
         # dA alternate between two slots each
         j = step
-        v = STORE + (bh * ITERATIONS + ITERATIONS - 2 - j) * size
-        a, p, dt3 = scratch + _A * size, scratch + _P * size, scratch + _DT3 * size
-        t2, m2 = scratch + _T2 * size, scratch + _M2 * size
-        t3, dp = scratch + _T3 * size, scratch + _DP * size
+        v = stored(STORE, bh, ITERATIONS - 2 - j, size, ITERATIONS, KEEP)
+        if KEEP:  # the forward's products of its step ITERATIONS - 1 - j
+            p = stored(STORE, bh, ITERATIONS + 3 * (ITERATIONS - 2 - j), size, ITERATIONS,
+                       KEEP)
+            t2, t3 = p + size, p + 2 * size
+        else:
+            p, t2, t3 = scratch + _P * size, scratch + _T2 * size, scratch + _T3 * size
+        a, dt3 = scratch + _A * size, scratch + _DT3 * size
+        m2, dp = scratch + _M2 * size, scratch + _DP * size
         g_in = scratch + (_G + j % 2) * size
         if PASS == ADJ_P:  # P = A V, dT3 = V^T G / 4
-            store_rows(p, rows, m, square_rows(a, False, v, False, rows, m, ROWS, BLOCK, KC,
-                                               PRECISION), BLOCK)
+            if not KEEP:
+                store_rows(p, rows, m, square_rows(a, False, v, False, rows, m, ROWS, BLOCK,
+                                                   KC, PRECISION), BLOCK)
             store_rows(dt3, rows, m, 0.25 * square_rows(v, True, g_in, False, rows, m, ROWS,
                                                         BLOCK, KC, PRECISION), BLOCK)
         elif PASS == ADJ_T2:  # T2, M2 = P^T dT3
-            store_rows(t2, rows, m, t2_rows(p, rows, m, ROWS, BLOCK, KC, PRECISION), BLOCK)
+            if not KEEP:
+                store_rows(t2, rows, m, t2_rows(p, rows, m, ROWS, BLOCK, KC, PRECISION),
+                           BLOCK)
             store_rows(m2, rows, m, square_rows(p, True, dt3, False, rows, m, ROWS, BLOCK, KC,
                                                 PRECISION), BLOCK)
         elif PASS == ADJ_T3:  # T3, dP
-            store_rows(t3, rows, m, t3_rows(p, t2, rows, m, ROWS, BLOCK, KC, PRECISION), BLOCK)
+            if not KEEP:
+                store_rows(t3, rows, m, t3_rows(p, t2, rows, m, ROWS, BLOCK, KC, PRECISION),
+                           BLOCK)
             store_rows(dp, rows, m, _dp_rows(m2, p, dt3, 1.0, t2, rows, m, ROWS, BLOCK, KC,
                                              PRECISION), BLOCK)
         else:  # ADJ_UPDATE: dA' = dA + dP V^T, G' = G T3^T / 4 + A^T dP
@@ -194,50 +219,56 @@ def backward_pass(PASS: tl.constexpr, step, rows, bh, M, X, XN, DIAG, STORE, G, 
 
 @triton.jit
 def _all_rows(PASS: tl.constexpr, step, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC,
-              m, D, heads, ITERATIONS: tl.constexpr, FROM_ROWS: tl.constexpr,
+              m, D, heads, ITERATIONS: tl.constexpr, KEEP: tl.constexpr,
+              FROM_ROWS: tl.constexpr,
               TINY: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
               ROWS: tl.constexpr, KC: tl.constexpr, PRECISION: tl.constexpr):
     """Pass ``PASS`` over every block of rows, then a barrier."""
     for start in range(0, m, ROWS):
         backward_pass(PASS, step, start + tl.arange(0, ROWS), bh, M, X, XN, DIAG, STORE, G,
-                      DM, DX, DXN, SCR, VEC, m, D, heads, ITERATIONS, FROM_ROWS, TINY, BLOCK,
-                      BLOCK_D, ROWS, KC, PRECISION)
+                      DM, DX, DXN, SCR, VEC, m, D, heads, ITERATIONS, KEEP, FROM_ROWS, TINY,
+                      BLOCK, BLOCK_D, ROWS, KC, PRECISION)
     tl.debug_barrier()
 
 
 @triton.jit
 def _backward_kernel(M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D, heads,
-                     ITERATIONS: tl.constexpr, FROM_ROWS: tl.constexpr, TINY: tl.constexpr,
+                     ITERATIONS: tl.constexpr, KEEP: tl.constexpr, FROM_ROWS: tl.constexpr,
+                     TINY: tl.constexpr,
                      BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
                      KC: tl.constexpr, PRECISION: tl.constexpr):
     """Every pass of ``backward_passes`` for matrix program_id(0), in order."""
     bh = tl.program_id(0).to(tl.int64)
     for kind in tl.static_range(REGULARISE, ADJ_P):  # the passes in their numbering's order
         _all_rows(kind, 0, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
-                  heads, ITERATIONS, FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC, PRECISION)
+                  heads, ITERATIONS, KEEP, FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC,
+                  PRECISION)
     for j in range(0, ITERATIONS - 1):  # the adjoints of steps K, ..., 2
         for kind in tl.static_range(ADJ_P, FIRST_T2):
             _all_rows(kind, j, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
-                      heads, ITERATIONS, FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC, PRECISION)
+                      heads, ITERATIONS, KEEP, FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC,
+                  PRECISION)
     for kind in tl.static_range(FIRST_T2, DX_ROWS):
         _all_rows(kind, 0, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
-                  heads, ITERATIONS, FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC, PRECISION)
+                  heads, ITERATIONS, KEEP, FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC,
+                  PRECISION)
     if FROM_ROWS:
         _all_rows(DX_ROWS, 0, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
-                  heads, ITERATIONS, FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC, PRECISION)
+                  heads, ITERATIONS, KEEP, FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC,
+                  PRECISION)
 
 
 @triton.jit(do_not_specialize=["step"])
 def _backward_pass_kernel(M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D, heads, step,
-                          PASS: tl.constexpr, ITERATIONS: tl.constexpr,
+                          PASS: tl.constexpr, ITERATIONS: tl.constexpr, KEEP: tl.constexpr,
                           FROM_ROWS: tl.constexpr, TINY: tl.constexpr, BLOCK: tl.constexpr,
                           BLOCK_D: tl.constexpr, ROWS: tl.constexpr, KC: tl.constexpr,
                           PRECISION: tl.constexpr):
     """One pass: rows block program_id(1) of matrix program_id(0)."""
     rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     backward_pass(PASS, step, rows, tl.program_id(0).to(tl.int64), M, X, XN, DIAG, STORE, G,
-                  DM, DX, DXN, SCR, VEC, m, D, heads, ITERATIONS, FROM_ROWS, TINY, BLOCK,
-                  BLOCK_D, ROWS, KC, PRECISION)
+                  DM, DX, DXN, SCR, VEC, m, D, heads, ITERATIONS, KEEP, FROM_ROWS, TINY,
+                  BLOCK, BLOCK_D, ROWS, KC, PRECISION)
 
 
 def backward_passes(iterations: int, from_rows: bool) -> list[tuple[int, int]]:
@@ -248,26 +279,32 @@ def backward_passes(iterations: int, from_rows: bool) -> list[tuple[int, int]]:
 
 
 def lemma3_backward(source: Tensor, norm: Tensor | None, ridge: Tensor, store: Tensor,
-                    grad: Tensor) -> tuple[Tensor, Tensor | None]:
+                    grad: Tensor, iterations: int) -> tuple[Tensor, Tensor | None]:
     """The gradients of ``triton_lemma3.lemma3_forward``'s inputs for the incoming
-    gradient ``grad: [BH, m, m]`` of W, from its ``store`` of iterates: (dM, None) for
-    a landmark matrix ``source: [BH, m, m]``, (dX, dnorm) for landmark rows
-    ``source: [BH, m, D]`` with half squared norms ``norm: [BH, m]``. Scratch:
-    ``SLOTS`` m x m matrices a program."""
+    gradient ``grad: [BH, m, m]`` of W, from its ``store`` of iterates (and step
+    products, if it kept them: ``store_slots``): (dM, None) for a landmark matrix
+    ``source: [BH, m, m]``, (dX, dnorm) for landmark rows ``source: [BH, m, D]`` with
+    half squared norms ``norm: [BH, m]``. Scratch: ``SLOTS`` m x m matrices a program
+    (``KEPT_SLOTS`` where the products were kept)."""
     bh, m = source.shape[:2]
     d = source.shape[2] if norm is not None else 1
+    keep = store.shape[1] == store_slots(iterations, True) != store_slots(iterations, False)
+    if not keep and store.shape[1] != iterations:
+        raise ValueError(f"a store of {store.shape[1]} matrices for {iterations} iterations: "
+                         f"lemma3_forward stores {store_slots(iterations, False)} or "
+                         f"{store_slots(iterations, True)}")
     dsource = torch.empty_like(source)
     dnorm = None if norm is None else torch.empty_like(norm)
-    scratch = source.new_empty(bh, SLOTS.value, m, m)
+    scratch = source.new_empty(bh, (KEPT_SLOTS if keep else SLOTS).value, m, m)
     vectors = source.new_empty(bh, VECTORS.value, m)
     args = (source, source, source if norm is None else norm, ridge, store, grad, dsource,
             dsource, dsource if dnorm is None else dnorm, scratch, vectors, m, d,
             bh // ridge.shape[0])
-    options = {"ITERATIONS": store.shape[1], "FROM_ROWS": norm is not None,
+    options = {"ITERATIONS": iterations, "KEEP": keep, "FROM_ROWS": norm is not None,
                "TINY": torch.finfo(source.dtype).tiny,
                "BLOCK_D": tile_width(d),
                "PRECISION": _precision(source.dtype),
                **launch_options(m, backward=True, captured=capturing(source))}
     launch(_backward_kernel, _backward_pass_kernel,
-           backward_passes(store.shape[1], norm is not None), bh, m, args, options)
+           backward_passes(iterations, norm is not None), bh, m, args, options)
     return dsource, dnorm

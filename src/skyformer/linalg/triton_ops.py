@@ -73,32 +73,36 @@ def _(y, x, a, b, vn, vm, exclude, write_out1, norm_scale, dot_scale, b_scale,
 
 
 @custom_op("skyformer::lemma3_inverse_forward")
-def lemma3_forward(source: Tensor, norm: Tensor, ridge: Tensor, iterations: int
+def lemma3_forward(source: Tensor, norm: Tensor, ridge: Tensor, iterations: int, keep: bool
                    ) -> tuple[Tensor, Tensor]:
     """``triton_lemma3.lemma3_forward`` (``norm`` empty: ``source`` is the matrix):
-    (W, the iterates for the backward pass)."""
+    (W, the iterates and, ``keep``, the step products for the backward pass)."""
     from . import triton_lemma3
 
-    return triton_lemma3.lemma3_forward(source, _opt(norm), ridge, iterations)
+    return triton_lemma3.lemma3_forward(source, _opt(norm), ridge, iterations, keep)
 
 
 @lemma3_forward.register_fake
-def _(source, norm, ridge, iterations):
+def _(source, norm, ridge, iterations, keep):
+    from .triton_lemma3 import store_slots
+
     bh, m = source.shape[:2]
-    return source.new_empty(bh, m, m), source.new_empty(bh, iterations, m, m)
+    return (source.new_empty(bh, m, m),
+            source.new_empty(bh, store_slots(iterations, keep), m, m))
 
 
 @custom_op("skyformer::lemma3_inverse_backward")
 def lemma3_backward(source: Tensor, norm: Tensor, ridge: Tensor, store: Tensor,
-                    grad: Tensor) -> tuple[Tensor, Tensor]:
+                    grad: Tensor, iterations: int) -> tuple[Tensor, Tensor]:
     """``triton_lemma3_backward.lemma3_backward``: the gradients of the source and the norms
     (empty for a matrix)."""
     from . import triton_lemma3_backward
 
-    dsource, dnorm = triton_lemma3_backward.lemma3_backward(source, _opt(norm), ridge, store, grad)
+    dsource, dnorm = triton_lemma3_backward.lemma3_backward(source, _opt(norm), ridge, store,
+                                                            grad, iterations)
     return dsource, _or_empty(dnorm, source)
 
 
 @lemma3_backward.register_fake
-def _(source, norm, ridge, store, grad):
+def _(source, norm, ridge, store, grad, iterations):
     return torch.empty_like(source), torch.empty_like(norm)

@@ -1,0 +1,177 @@
+"""The Lemma 3 kernels with the step products kept from the forward to the backward pass.
+
+Where the backward kernel's launch options ask for it (``KEEP_PRODUCTS``), a
+differentiated forward call stores P, T2, T3 of every Razavi step beside the iterates
+(``triton_lemma3.store_slots``) and the backward kernel reads them instead of forming
+them again. Checked here: the stored matrices are the steps' products (by PyTorch, from
+the stored iterates), W and the gradients equal those of the kernels that form them
+again (float64: to rounding) and the equations', in one program per matrix and in a
+launch per pass, and nothing is kept where no backward pass can follow.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from skyformer.linalg import half_sq_norm, lemma3_inverse
+from skyformer.linalg.kernel_backend import interpreter_on
+from tests.devices import devices, relative_error
+from tests.linalg.test_lemma3_triton import (
+    GAMMA,
+    _inverse_of_rows,
+    _landmark_matrix,
+    _live_block,
+    _reference,
+    _rows,
+    _value_and_grad,
+)
+
+pytest.importorskip("triton")
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_for_cpu(request):
+    callspec = getattr(request.node, "callspec", None)
+    on_cpu = callspec is None or callspec.params.get("device", "cpu") == "cpu"
+    if on_cpu and not interpreter_on():
+        pytest.skip("Triton's interpreter is off (TRITON_INTERPRET=0): the kernels run on CUDA")
+
+
+def _keeping(monkeypatch, per_pass=False, rows=None):
+    """Both kernels launched as by default but with the products kept (and, ``per_pass``,
+    a launch per pass of ``rows`` rows a program)."""
+    from skyformer.linalg import triton_lemma3, triton_lemma3_backward
+
+    default = triton_lemma3.launch_options
+
+    def keeping(m, backward=False, captured=False):
+        option = default(m, backward, captured)
+        if per_pass:
+            tile = min(rows, option["BLOCK"])
+            option = {**option, "ROWS": tile, "KC": tile, "PER_PASS": True}
+        return {**option, "KEEP_PRODUCTS": True} if backward else option
+
+    monkeypatch.setattr(triton_lemma3, "launch_options", keeping)
+    monkeypatch.setattr(triton_lemma3_backward, "launch_options", keeping)
+
+
+@pytest.mark.parametrize("m, iterations", [(1, 1), (5, 2), (37, 6), (16, 6)])
+def test_the_store_holds_the_steps_products(m, iterations):
+    """Slots of ``lemma3_forward(keep=True)``: V_1 ... V_K, then P, T2, T3 of each step
+    from V_s (s = 1 ... K - 1), then T2 of the first step, as PyTorch forms them from
+    the normalised matrix A and the stored iterates."""
+    from skyformer.linalg import triton_lemma3
+
+    mat, live = _landmark_matrix(1, 2, m, torch.float64, "cpu")
+    ridge = torch.where(live, GAMMA, 1.0).double()  # [B, m]
+    flat = mat.reshape(-1, m, m).contiguous()
+    w_kept, store = triton_lemma3.lemma3_forward(flat, None, ridge, iterations, keep=True)
+    w, iterates = triton_lemma3.lemma3_forward(flat, None, ridge, iterations, keep=False)
+    assert store.shape == (2, triton_lemma3.store_slots(iterations, True), m, m)
+    assert store.shape[1] == 4 * iterations - 2 and iterates.shape[1] == iterations
+    assert torch.equal(w_kept, w) and torch.equal(store[:, :iterations], iterates)
+
+    mat_r = flat + torch.diag_embed(ridge.expand(2, m))
+    s = mat_r.sum(-1).rsqrt()
+    a = s[:, :, None] * mat_r * s[:, None, :]
+    eye = torch.eye(m, dtype=torch.float64)
+
+    def t2(p):
+        return 15 * eye - 7 * p + p @ p
+
+    for step in range(1, iterations):
+        p = a @ iterates[:, step - 1]
+        base = iterations + 3 * (step - 1)
+        for i, formed in enumerate((p, t2(p), 13 * eye - p @ t2(p))):
+            assert relative_error(store[:, base + i], formed) < 1e-12
+    assert relative_error(store[:, 4 * iterations - 3], t2(a)) < 1e-12
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("case, from_rows, dtype, per_pass", [
+    ((1, 1, 1, 16), True, torch.float64, False), ((2, 3, 5, 8), False, torch.float64, False),
+    ((1, 2, 37, 40), True, torch.float64, True), ((2, 1, 37, 8), False, torch.float32, True),
+    ((1, 1, 65, 16), True, torch.float32, False)])
+def test_kept_products_give_the_gradient_of_products_formed_again(monkeypatch, device, case,
+                                                                  from_rows, dtype, per_pass):
+    """The same W and gradients as the backward kernel that forms the products again
+    (the same products of the same tiles, read back: to rounding) and the equations'."""
+    if device == "cuda" and dtype == torch.float64:
+        pytest.skip("float64 takes the PyTorch path on CUDA (lemma3_triton)")
+    x, live = _rows(*case, dtype, device)
+    weights = torch.randn(*case[:2], case[2], case[2], dtype=torch.float64,
+                          generator=torch.Generator().manual_seed(1))
+    if from_rows:
+        def call(t):
+            return _inverse_of_rows(t, live, "triton")
+        source = x
+
+        def reference(t):
+            t, lv = t.double().cpu(), live.cpu()
+            n = torch.where(lv[:, None, :], half_sq_norm(t), torch.tensor(float("inf")).double())
+            from skyformer.linalg import gaussian_kernel_block
+            return _reference(gaussian_kernel_block(t, t, n, n), lv, 6)
+    else:
+        from skyformer.linalg import gaussian_kernel_block
+
+        def call(t):
+            return lemma3_inverse(t, gamma=GAMMA, live=live, kernel="triton")
+        norm = torch.where(live[:, None, :], half_sq_norm(x), float("inf"))
+        source = gaussian_kernel_block(x, x, norm, norm)
+
+        def reference(t):
+            return _reference(t, live, 6)
+    w_formed, grad_formed = _value_and_grad(call, source, weights)
+    _keeping(monkeypatch, per_pass, rows=16 if dtype == torch.float64 else 32)
+    stores = _recorded_stores(monkeypatch)
+    w, grad = _value_and_grad(call, source, weights)
+    assert [s.shape[1] for s in stores] == [4 * 6 - 2]  # the products were kept
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-5
+    assert relative_error(w, w_formed) < tolerance
+    assert relative_error(grad, grad_formed) < tolerance
+    w_ref, grad_ref = _value_and_grad(reference, source.double().cpu(), weights)
+    assert relative_error(w, w_ref) < (1e-10 if dtype == torch.float64 else 2e-4)
+    live_grad = grad if from_rows else _live_block(grad, live)
+    live_ref = grad_ref if from_rows else _live_block(grad_ref, live)
+    assert relative_error(live_grad, live_ref) < (1e-10 if dtype == torch.float64 else 2e-4)
+
+
+def _recorded_stores(monkeypatch) -> list:
+    """The stores the forward operator returns, from now on."""
+    from skyformer.linalg import triton_ops
+
+    stores = []
+    forward = triton_ops.lemma3_forward
+
+    def recording(*args):
+        w, store = forward(*args)
+        stores.append(store)
+        return w, store
+
+    monkeypatch.setattr(triton_ops, "lemma3_forward", recording)
+    return stores
+
+
+def test_nothing_is_kept_where_no_backward_pass_follows(monkeypatch):
+    """Under no_grad, and for inputs that need no gradient, the store holds the
+    iterates alone (the products would only take memory)."""
+    _keeping(monkeypatch)
+    stores = _recorded_stores(monkeypatch)
+    x, live = _rows(1, 2, 9, 8, torch.float32, "cpu")
+    with torch.no_grad():
+        _inverse_of_rows(x.requires_grad_(True), live, "triton")
+    _inverse_of_rows(x.detach(), live, "triton")
+    _inverse_of_rows(x.detach().requires_grad_(True), live, "triton")
+    assert [s.shape[1] for s in stores] == [6, 6, 22]
+
+
+def test_a_store_of_another_size_is_refused():
+    from skyformer.linalg import triton_lemma3_backward
+
+    mat, live = _landmark_matrix(1, 1, 4, torch.float64, "cpu")
+    flat = mat.reshape(-1, 4, 4)
+    ridge = torch.where(live, GAMMA, 1.0).double()
+    with pytest.raises(ValueError, match="a store of 5 matrices for 6 iterations"):
+        triton_lemma3_backward.lemma3_backward(flat, None, ridge, flat.new_zeros(1, 5, 4, 4),
+                                               torch.ones_like(flat), 6)
