@@ -107,3 +107,27 @@ def test_the_backward_pass_keeps_the_inputs_dtypes_under_autocast_and_nan_to_its
         assert a.dtype == torch.float32
         torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6, equal_nan=True)
     assert got[2].isfinite().all()
+
+
+def test_a_denominator_sliced_from_a_product_does_not_keep_the_product_alive():
+    """The denominator is saved for the backward pass; as the last column of a product
+    ``[..., Dv + 1]`` (``numerator_and_denominator``) it would hold the whole product
+    until then, as large as the output: a copy of the column is saved instead, and the
+    gradient still reaches the product."""
+    (num, den, fallback), _ = _inputs(1)
+    product = torch.cat([num.detach(), den.detach()], dim=-1).requires_grad_(True)
+    numerator, denominator = normalised.numerator_and_denominator(product * 1.0)
+    saved = []
+
+    def pack(t):
+        saved.append(t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = normalised_or(numerator, denominator, fallback)
+    assert saved and max(saved) <= out.untyped_storage().nbytes()
+    weights = torch.randn(out.shape, generator=gen(3), dtype=out.dtype)
+    (grad,) = torch.autograd.grad((out * weights).sum(), product)
+    want = torch.autograd.grad((_plain(*normalised.numerator_and_denominator(product),
+                                       fallback) * weights).sum(), product)[0]
+    torch.testing.assert_close(grad, want, rtol=1e-12, atol=1e-12)

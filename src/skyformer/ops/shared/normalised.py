@@ -54,7 +54,10 @@ def normalised_or(numerator: Tensor, denominator: Tensor, fallback: Tensor,
     if functional_ops_only():
         return torch.where(ok, torch.where(ok, numerator, 0.0)
                            / torch.where(ok, denominator, 1.0), fallback)
-    return apply(_NormalisedOr, numerator, denominator, fallback, ok)
+    # saved for the backward pass, a column sliced from a product [..., Dv + 1] would
+    # keep the whole product alive until then (as large as the output): a copy of the
+    # column instead, made before the Function so that the gradient reaches the slice
+    return apply(_NormalisedOr, numerator, denominator.contiguous(), fallback, ok)
 
 
 class _NormalisedOr(torch.autograd.Function):
