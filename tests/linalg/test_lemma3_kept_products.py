@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skyformer.linalg import half_sq_norm, lemma3_inverse
+from skyformer.linalg import gaussian_kernel_block, half_sq_norm, landmark_inverse, lemma3_inverse
 from skyformer.linalg.kernel_backend import interpreter_on
 from tests.devices import devices, relative_error
 from tests.linalg.test_lemma3_triton import (
@@ -110,11 +110,8 @@ def test_kept_products_give_the_gradient_of_products_formed_again(monkeypatch, d
         def reference(t):
             t, lv = t.double().cpu(), live.cpu()
             n = torch.where(lv[:, None, :], half_sq_norm(t), torch.tensor(float("inf")).double())
-            from skyformer.linalg import gaussian_kernel_block
             return _reference(gaussian_kernel_block(t, t, n, n), lv, 6)
     else:
-        from skyformer.linalg import gaussian_kernel_block
-
         def call(t):
             return lemma3_inverse(t, gamma=GAMMA, live=live, kernel="triton")
         norm = torch.where(live[:, None, :], half_sq_norm(x), float("inf"))
@@ -175,3 +172,67 @@ def test_a_store_of_another_size_is_refused():
     with pytest.raises(ValueError, match="a store of 5 matrices for 6 iterations"):
         triton_lemma3_backward.lemma3_backward(flat, None, ridge, flat.new_zeros(1, 5, 4, 4),
                                                torch.ones_like(flat), 6)
+
+
+@pytest.mark.parametrize("iterations", [1, 2, 3])
+@pytest.mark.parametrize("per_pass", [False, True])
+@pytest.mark.parametrize("from_rows", [False, True])
+def test_few_iterations(monkeypatch, iterations, per_pass, from_rows):
+    """One step (only the first step's T2 kept), two and three: the same W and
+    gradients as the products formed again."""
+    x, live = _rows(2, 2, 21, 8, torch.float64, "cpu")
+    weights = torch.randn(2, 2, 21, 21, dtype=torch.float64,
+                          generator=torch.Generator().manual_seed(2))
+    norm = torch.where(live[:, None, :], half_sq_norm(x), float("inf"))
+    if from_rows:
+        def call(t):
+            n = torch.where(live[:, None, :], half_sq_norm(t), float("inf"))
+            return landmark_inverse(t, n, gamma=GAMMA, iterations=iterations, live=live,
+                                    kernel="triton")
+        source = x
+    else:
+        def call(t):
+            return lemma3_inverse(t, gamma=GAMMA, live=live, iterations=iterations,
+                                  kernel="triton")
+        source = gaussian_kernel_block(x, x, norm, norm)
+    w_formed, grad_formed = _value_and_grad(call, source, weights)
+    _keeping(monkeypatch, per_pass, rows=16)
+    stores = _recorded_stores(monkeypatch)
+    w, grad = _value_and_grad(call, source, weights)
+    assert [s.shape[1] for s in stores] == [4 * iterations - 2]
+    assert relative_error(w, w_formed) < 1e-12
+    assert relative_error(grad, grad_formed) < 1e-12
+
+
+def test_transforms_checkpointing_and_compile_with_kept_products(monkeypatch):
+    """torch.func.grad (and vmap over it), activation checkpointing (reentrant and not)
+    and torch.compile give the gradients of the products formed again."""
+    from torch.utils.checkpoint import checkpoint
+
+    mat, live = _landmark_matrix(2, 2, 9, torch.float64, "cpu")
+
+    def inverse(t):
+        return lemma3_inverse(t, gamma=GAMMA, live=live, kernel="triton")
+
+    def loss(t):
+        return inverse(t).square().sum()
+
+    def per_matrix(t, lv):  # one batch element's loss
+        return lemma3_inverse(t[None], gamma=GAMMA, live=lv[None],
+                              kernel="triton").square().sum()
+
+    want = torch.func.grad(loss)(mat)
+    want_mapped = torch.func.vmap(torch.func.grad(per_matrix))(mat, live)
+    _keeping(monkeypatch)
+    stores = _recorded_stores(monkeypatch)
+    assert relative_error(torch.func.grad(loss)(mat), want) < 1e-12
+    assert relative_error(torch.func.vmap(torch.func.grad(per_matrix))(mat, live),
+                          want_mapped) < 1e-12
+    assert stores and all(s.shape[1] == 22 for s in stores)
+    for reentrant in (True, False):
+        leaf = mat.clone().requires_grad_(True)
+        checkpoint(inverse, leaf, use_reentrant=reentrant).square().sum().backward()
+        assert relative_error(leaf.grad, want) < 1e-12
+    leaf = mat.clone().requires_grad_(True)
+    torch.compile(inverse, fullgraph=True, backend="aot_eager")(leaf).square().sum().backward()
+    assert relative_error(leaf.grad, want) < 1e-12

@@ -336,8 +336,16 @@ def test_more_landmarks_than_the_kernel_holds_take_pytorch():
     assert relative_error(w, _reference(mat, live, 6)) < 1e-4
 
 
-def test_vmap_and_compile_see_the_same_kernel():
-    mat, live = _landmark_matrix(3, 2, 12, torch.float32, "cpu")
+@pytest.mark.parametrize("device", devices())
+def test_vmap_and_compile_see_the_same_kernel(monkeypatch, device):
+    if device == "cpu":  # as on CUDA: whether a CUDA graph is being captured is asked of
+        # torch.cuda, which torch.compile cannot trace (fullgraph: an error)
+        from skyformer.linalg import triton_lemma3
+
+        monkeypatch.setattr(torch.cuda.graphs, "_cuda_isCurrentStreamCapturing", lambda: False)
+        monkeypatch.setattr(triton_lemma3, "capturing",
+                            lambda t: torch.cuda.is_current_stream_capturing())
+    mat, live = _landmark_matrix(3, 2, 12, torch.float32, device)
     direct = lemma3_inverse(mat, gamma=GAMMA, live=live, kernel="triton")
     mapped = torch.func.vmap(lambda t, lv: lemma3_inverse(
         t[None], gamma=GAMMA, live=lv[None], kernel="triton")[0])(mat, live)

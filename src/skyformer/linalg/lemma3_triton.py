@@ -157,10 +157,13 @@ def triton_lemma3_inverse(source: Tensor, norm: Tensor | None, ridge: Tensor,
 
 def _keeps_products(source: Tensor, norm: Tensor | None) -> bool:
     """Whether the forward kernel keeps its step products for a backward pass: only
-    where one can follow (``triton_lemma3.keeps_products``)."""
+    where one can follow (``triton_lemma3.keeps_products``). Traced by
+    ``torch.compile``, which cannot trace the question whether a CUDA graph is being
+    captured, the eager options decide (the backward kernel reads the store's size)."""
     if not torch.is_grad_enabled() or not (
             source.requires_grad or (norm is not None and norm.requires_grad)):
         return False
     from .triton_lemma3 import capturing, keeps_products  # imports Triton
 
-    return keeps_products(source.shape[-2], capturing(source))
+    captured = not torch.compiler.is_compiling() and capturing(source)
+    return keeps_products(source.shape[-2], captured)

@@ -60,7 +60,7 @@ from .triton_rowblocks import eye_rows, product_rows, rows_of, square_rows, stor
 
 # Scratch of the forward kernel: m x m slots and m-vectors a program.
 # (Constants the kernels read must be tl.constexpr.)
-FORWARD_SLOTS = tl.constexpr(5)
+FORWARD_SLOTS, KEPT_FORWARD_SLOTS = tl.constexpr(5), tl.constexpr(2)  # P, T2, T3 kept: 2
 _MR, _A, _P, _T2, _T3 = (tl.constexpr(i) for i in range(5))
 FORWARD_VECTORS = tl.constexpr(2)
 _D, _S = tl.constexpr(0), tl.constexpr(1)
@@ -148,7 +148,8 @@ def forward_pass(PASS: tl.constexpr, step, rows, bh, M, X, XN, DIAG, W, STORE, S
     from V_step to V_step+1, 1 <= step < ITERATIONS); the step products go to the
     store (``KEEP``) or to the program's scratch."""
     size = m * m
-    scratch = SCR + bh * FORWARD_SLOTS * size
+    slots: tl.constexpr = KEPT_FORWARD_SLOTS if KEEP else FORWARD_SLOTS
+    scratch = SCR + bh * slots * size
     mat_r, a = scratch + _MR * size, scratch + _A * size
     s_vec = VEC + (bh * FORWARD_VECTORS + _S) * m
     if KEEP:
@@ -303,12 +304,12 @@ def lemma3_forward(source: Tensor, norm: Tensor | None, ridge: Tensor, iteration
     and either the landmark matrix ``source: [BH, m, m]`` (``norm`` None) or the landmark
     rows ``source: [BH, m, D]`` with their half squared norms ``norm: [BH, m]``; the
     store holds the iterates and (``keep``) the step products. Scratch:
-    ``FORWARD_SLOTS`` m x m matrices a program."""
+    ``FORWARD_SLOTS`` m x m matrices a program (``KEPT_FORWARD_SLOTS`` when keeping)."""
     bh, m = source.shape[:2]
     d = source.shape[2] if norm is not None else 1
     w = source.new_empty(bh, m, m)
     store = source.new_empty(bh, store_slots(iterations, keep), m, m)
-    scratch = source.new_empty(bh, FORWARD_SLOTS.value, m, m)
+    scratch = source.new_empty(bh, (KEPT_FORWARD_SLOTS if keep else FORWARD_SLOTS).value, m, m)
     vectors = source.new_empty(bh, FORWARD_VECTORS.value, m)
     args = (source, source, source if norm is None else norm, ridge, w, store, scratch,
             vectors, m, d, bh // ridge.shape[0])
