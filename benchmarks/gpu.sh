@@ -99,7 +99,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
 fi
 # The launch options of the Lemma 3 kernels (m = 128) and of the product kernels (model
 # shape, N = 16384), timed (each option compiles its kernels)
-stage tiles 210 python3 benchmarks/lemma3_tiles.py --out "$out/lemma3_tiles.json"
+stage tiles 180 python3 benchmarks/lemma3_tiles.py --out "$out/lemma3_tiles.json"
 stage ptiles 150 python3 benchmarks/product_tiles.py --out "$out/product_tiles.json"
 stage ftiles 90 python3 benchmarks/flash_tiles.py --out "$out/flash_tiles.json"
 tiles=()

@@ -25,8 +25,11 @@ row reports (``stored MiB``: iterates and kept products, ``store_slots``).
 
 The default candidates (``ROWS,KC,WARPS,STAGES``, ``,pass`` for a launch per pass) are
 those that compile for sm_90 at m = 128 with few or no spills in both kernels
-(``triton_resources.py``; 64-row blocks are where Hopper's warpgroup MMA applies; the
-pass kernels at 16 rows with 2 or 4 warps and at 32 rows with 8 warps spill nothing).
+(``triton_resources.py``; the pass kernels at 16 rows with 2 or 4 warps and at 32 rows
+with 8 warps spill nothing) and were not clearly slower on the H200
+(``results/gpu_h200/lemma3_tiles_h200.txt``: the 64-row blocks, where Hopper's warpgroup
+MMA applies, and 16 warps took 1.05-1.45x the default's time; ``SWEPT`` holds them all,
+for ``--options``), so that the stage costs a lent device little time.
 ``--device cpu`` (with ``TRITON_INTERPRET=1``) runs the same script to check it without
 a GPU, at one tiny size, eager only: its times mean nothing.
 """
@@ -51,8 +54,10 @@ from skyformer.linalg import (  # the triton_* modules import Triton
     triton_lemma3_backward,
 )
 
-CANDIDATES = ("32,16,8,1", "32,16,16,1", "64,16,8,1", "64,16,4,1", "64,32,8,1", "64,16,8,2",
-              "128,16,8,1", "16,16,4,1,pass", "32,32,8,1,pass", "32,32,8,1,pass,keep")
+SWEPT = ("32,16,8,1", "32,16,16,1", "64,16,8,1", "64,16,4,1", "64,32,8,1", "64,16,8,2",
+         "128,16,8,1")  # the one-program options timed on the H200
+CANDIDATES = ("32,16,8,1", "128,16,8,1", "16,16,4,1,pass", "32,32,8,1,pass",
+              "32,32,8,1,pass,keep")
 
 
 def candidates(m: int, specs: list[str], backward: bool) -> list[dict]:
