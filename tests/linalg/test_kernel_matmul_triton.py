@@ -157,6 +157,61 @@ def test_the_output_with_n_rows_is_not_kept_for_the_backward_pass():
 
 
 @pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("kernel", ["triton", "torch"])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_a_column_of_ones_appended_inside_is_the_same_product_saving_rhs(device, kernel,
+                                                                         transpose):
+    """``ones_column``: C [rhs, 1] (or C^T [rhs, 1]) and every gradient as with the
+    column appended by the caller, on both paths, in vmap and as plain operators
+    (``functional_ops``); the product saves rhs itself for the backward pass, not a
+    copy with the column."""
+    from unittest import mock
+
+    from skyformer.linalg import kernel_matmul
+
+    dtype = _exact_dtype(device)
+    n, m, d, r = 37, 5, 16, 8
+    g = torch.Generator().manual_seed(3)
+    y = torch.randn(2, n, d, generator=g, dtype=dtype).to(device)
+    x = (torch.randn(2, m, d, generator=g, dtype=dtype) * 0.7).to(device)
+    b = 0.5 * (x * x).sum(-1)
+    rhs = torch.randn(2, n if transpose else m, r, generator=g, dtype=dtype).to(device)
+    with_ones = torch.cat([rhs, torch.ones_like(rhs[..., :1])], dim=-1)
+    options = {"scale": d ** -0.25, "transpose": transpose}
+
+    def product(leaves, ones):
+        return gaussian_kernel_matmul(leaves[0], leaves[1], leaves[3], leaves[2],
+                                      kernel=kernel, ones_column=ones, **options)
+
+    leaves = [t.detach().clone().requires_grad_(True) for t in (y, x, b, rhs)]
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = product(leaves, True)
+    assert out.shape[-1] == r + 1
+    assert not [t for t in saved if t.shape[-2:] == with_ones.shape[-2:]]
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(4),
+                          dtype=dtype).to(device)
+    grads = torch.autograd.grad((out * weights).sum(), leaves)
+    ref_leaves = [t.detach().clone().requires_grad_(True) for t in (y, x, b, with_ones)]
+    ref = product(ref_leaves, False)
+    ref_grads = torch.autograd.grad((ref * weights).sum(), ref_leaves)
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(out, ref, **tolerance)
+    for name, a, e in zip(("dy", "dx", "db"), grads[:3], ref_grads[:3], strict=True):
+        torch.testing.assert_close(a, e, **tolerance, msg=name)
+    torch.testing.assert_close(grads[3], ref_grads[3][..., :-1], **tolerance, msg="drhs")
+    mapped = torch.func.vmap(lambda *t: product(t, True))(y, x, b, rhs)
+    torch.testing.assert_close(mapped, ref.detach(), **tolerance)
+    with mock.patch.object(kernel_matmul, "functional_ops_only", lambda: True):
+        torch.testing.assert_close(product((y, x, b, rhs), True), ref.detach(), **tolerance)
+
+
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("transpose", [False, True])
 @pytest.mark.parametrize("row_norm", [False, True])
 def test_triton_masks_and_shifts(device, transpose, row_norm):

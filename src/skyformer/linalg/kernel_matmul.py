@@ -40,7 +40,7 @@ from .eager_calls import apply
 from .flush import flush_exponent_on_cpu_
 from .functional_ops import first_order_backward, functional_ops_only
 from .kernel_backend import HALF_TYPES, use_triton
-from .kernel_matmul_triton import TritonGaussianBlockProduct
+from .kernel_matmul_triton import TritonGaussianBlockProduct, with_ones_column
 from .kernel_offsets import LOG2E, row_offsets
 from .vmap import vmap_into_batch
 
@@ -88,7 +88,8 @@ def _exponent(
 
 
 class _GaussianBlockProduct(torch.autograd.Function):
-    """out = C @ rhs (``transpose=False``) or C^T @ rhs (``transpose=True``), chunked.
+    """out = C @ rhs (``transpose=False``) or C^T @ rhs (``transpose=True``), chunked;
+    with [rhs, 1] for ``ones_column`` (appended here, so that rhs itself is saved).
 
     Tensors have one batch dim: y ``[BH, N, D]``, x ``[BH, m, D]``, b ``[BH, m]``,
     rhs ``[BH, m or N, R]``, row_valid ``[BH, N]`` bool, exclude ``[BH, N, m]`` bool.
@@ -100,9 +101,10 @@ class _GaussianBlockProduct(torch.autograd.Function):
     @staticmethod
     def forward(y: Tensor, x: Tensor, b: Tensor | None, rhs: Tensor,  # type: ignore[override]
                 row_valid: Tensor | None, scale: float, row_norm: bool, transpose: bool,
-                shift_rows: bool, chunk: int, exclude: Tensor | None
+                shift_rows: bool, chunk: int, exclude: Tensor | None, ones_column: bool
                 ) -> tuple[Tensor, Tensor, Tensor]:
         n = y.shape[1]
+        rhs = with_ones_column(rhs, ones_column)
         # the row scale (and log2 e), applied to the m landmark rows: [BH, D, m]
         xt = (x * (scale * LOG2E)).transpose(1, 2)
         neg_b = None if b is None else (b * -LOG2E)[:, None, :]  # [BH, 1, m]
@@ -141,11 +143,11 @@ class _GaussianBlockProduct(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        y, x, b, rhs, _, scale, row_norm, transpose, _, chunk, exclude = inputs
+        y, x, b, rhs, _, scale, row_norm, transpose, _, chunk, exclude, ones_column = inputs
         out, a, block = output
         ctx.mark_non_differentiable(a, block)
         ctx.save_for_backward(y, x, b, rhs, a, out, block, exclude)
-        ctx.options = (scale, row_norm, transpose, chunk)
+        ctx.options = (scale, row_norm, transpose, chunk, ones_column)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple, *args: Any) -> tuple[tuple, tuple]:
@@ -158,8 +160,9 @@ class _GaussianBlockProduct(torch.autograd.Function):
         y, x, b, rhs, a, out, block, exclude = ctx.saved_tensors
         a = a if a.numel() else None
         block = block if block.numel() else None
-        scale, row_norm, transpose, chunk = ctx.options
+        scale, row_norm, transpose, chunk, ones_column = ctx.options
         need_y, need_x, need_b, need_rhs = ctx.needs_input_grad[:4]
+        rhs = with_ones_column(rhs, ones_column)
         n = y.shape[1]
         xs = x * scale
         xt = (x * (scale * LOG2E)).transpose(1, 2)
@@ -214,7 +217,10 @@ class _GaussianBlockProduct(torch.autograd.Function):
         if need_b:
             db = -(torch.linalg.vecdot(grad, out) if transpose
                    else torch.linalg.vecdot(rhs, drhs))
-        return dy, dx, db, drhs if need_rhs else None, None, None, None, None, None, None, None
+        if need_rhs and ones_column:
+            drhs = drhs[..., :-1]
+        return (dy, dx, db, drhs if need_rhs else None, None, None, None, None, None, None, None,
+                None)
 
 
 def gaussian_kernel_matmul(
@@ -233,6 +239,7 @@ def gaussian_kernel_matmul(
     kernel: str = "auto",
     x_bf16: Tensor | None = None,
     x_factor: float = 1.0,
+    ones_column: bool = False,
 ) -> Tensor:
     """C @ rhs or C^T @ rhs for C = exp(s y x^T - s^2|y|^2/2 - col_offset), never whole.
 
@@ -264,8 +271,13 @@ def gaussian_kernel_matmul(
             part (y x^T of bfloat16 y: one tensor-core product instead of two, exact),
             with ``x_factor`` in the exponent's factor; gradients are x's. Ignored by
             the PyTorch path.
+        ones_column: multiply [rhs, 1] (rhs with a column of ones appended: the row or
+            column sums of C in the last column of the result, e.g. a normaliser),
+            appended inside, so that rhs itself is saved for the backward pass (where
+            rhs is an input, no copy is held from the forward to the backward pass).
     Returns:
-        ``[..., N, R]`` (``C @ rhs``) or ``[..., m, R]`` (``C^T @ rhs``); differentiable in
+        ``[..., N, R]`` (``C @ rhs``) or ``[..., m, R]`` (``C^T @ rhs``), R + 1 columns
+        with ``ones_column``; differentiable in
         ``y``, ``x``, ``col_offset`` and ``rhs`` (the backward pass rebuilds C by chunks).
     """
     if shift_rows and transpose:
@@ -292,6 +304,7 @@ def gaussian_kernel_matmul(
     if not (triton and transpose and rhs.dtype in (x.dtype, *HALF_TYPES)):
         rhs = rhs.to(x.dtype)
     if functional_ops_only():
+        rhs = with_ones_column(rhs, ones_column)
         out = _product_by_autograd(y, x, col_offset, rhs, row_valid, scale, row_norm,
                                    transpose, shift_rows, exclude, batch_shape)
         return out.reshape(*batch_shape, *out.shape[-2:])
@@ -313,7 +326,7 @@ def gaussian_kernel_matmul(
             None if col_offset is None else col_offset.reshape(bh, m),
             rhs.reshape(bh, *rhs.shape[-2:]), row_valid, float(scale), row_norm, transpose,
             shift_rows, exclude, None if x_bf16 is None else x_bf16.reshape(bh, m, d),
-            float(x_factor),
+            float(x_factor), ones_column,
         )
         return out.reshape(*batch_shape, *out.shape[1:])
     out, _, _ = apply(
@@ -329,6 +342,7 @@ def gaussian_kernel_matmul(
         shift_rows,
         chunk,
         exclude,
+        ones_column,
     )
     return out.reshape(*batch_shape, *out.shape[1:])
 

@@ -33,6 +33,15 @@ def _ops():
     return triton_ops
 
 
+def with_ones_column(rhs: Tensor, ones_column: bool = True) -> Tensor:
+    """``[rhs, 1]``: ``rhs [..., R]`` with a column of ones appended (or ``rhs`` itself,
+    ``ones_column`` False). The products append it themselves (``ones_column``), so
+    that they save ``rhs`` for the backward pass, not a copy of it with the column."""
+    if not ones_column:
+        return rhs
+    return torch.cat([rhs, rhs.new_ones(*rhs.shape[:-1], 1)], dim=-1)
+
+
 def _none_to_empty(t: Tensor | None, like: Tensor) -> Tensor:
     return like.new_empty(0) if t is None else t
 
@@ -87,16 +96,17 @@ def _norm_scale(scale: float, row_norm: bool) -> float | None:
 
 
 class TritonGaussianBlockProduct(torch.autograd.Function):
-    """out = C @ rhs or C^T @ rhs; tensors as ``kernel_matmul._GaussianBlockProduct``,
-    and ``x_bf16`` (or None), x / ``x_factor`` as bfloat16 numbers in x's dtype, which
-    the kernels then read instead of x (``_KernelX``; not differentiated: x is)."""
+    """out = C @ rhs or C^T @ rhs (``ones_column``: with [rhs, 1]); tensors as
+    ``kernel_matmul._GaussianBlockProduct``, and ``x_bf16`` (or None), x / ``x_factor``
+    as bfloat16 numbers in x's dtype, which the kernels then read instead of x
+    (``_KernelX``; not differentiated: x is)."""
 
     @staticmethod
     def forward(y: Tensor, x: Tensor, b: Tensor | None, rhs: Tensor,  # type: ignore[override]
                 row_valid: Tensor | None, scale: float, row_norm: bool, transpose: bool,
                 shift_rows: bool, exclude: Tensor | None, x_bf16: Tensor | None,
-                x_factor: float) -> tuple[Tensor, Tensor]:
-        y, rhs = y.contiguous(), rhs.contiguous()
+                x_factor: float, ones_column: bool) -> tuple[Tensor, Tensor]:
+        y, rhs = y.contiguous(), with_ones_column(rhs, ones_column).contiguous()
         kx = _kernel_x(x, x_bf16, x_factor, scale)
         b = None if b is None else b.contiguous()
         # the row norms s^2 |y_i|^2 / 2 are summed by the kernels (_norm_scale); a holds
@@ -115,14 +125,15 @@ class TritonGaussianBlockProduct(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        y, x, b, rhs, _, scale, row_norm, transpose, _, exclude, x_bf16, x_factor = inputs
+        y, x, b, rhs, _, scale, row_norm, transpose, _, exclude, x_bf16, x_factor, \
+            ones_column = inputs
         out, a = output
         ctx.mark_non_differentiable(a)
         ctx.set_materialize_grads(False)  # no zero tensor for the offsets' gradient
         # C Z's backward needs no copy of its [N, R] output (the rows kernel forms dE 1
         # itself); C^T V's [m, R] output gives the column offsets' gradient
         ctx.save_for_backward(y, x, b, rhs, a, out if transpose else None, exclude, x_bf16)
-        ctx.options = (scale, row_norm, transpose, x_factor)
+        ctx.options = (scale, row_norm, transpose, x_factor, ones_column)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple, *args: Any) -> tuple[tuple, tuple]:
@@ -134,9 +145,10 @@ class TritonGaussianBlockProduct(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor, _: Any) -> tuple[Tensor | None, ...]:
         y, x, b, rhs, a, out, exclude, x_bf16 = ctx.saved_tensors
         a = a if a.numel() else None
-        scale, row_norm, transpose, x_factor = ctx.options
+        scale, row_norm, transpose, x_factor, ones_column = ctx.options
         need_y, need_x, need_b, need_rhs = ctx.needs_input_grad[:4]
-        y, rhs, grad = y.contiguous(), rhs.contiguous(), grad.contiguous()
+        y, grad = y.contiguous(), grad.contiguous()
+        rhs = with_ones_column(rhs, ones_column).contiguous()
         kx = _kernel_x(x, x_bf16, x_factor, scale)
         b = None if b is None else b.contiguous()
         vn, vm = (rhs, grad) if transpose else (grad, rhs)
@@ -160,5 +172,7 @@ class TritonGaussianBlockProduct(torch.autograd.Function):
         if need_b:
             db = -(torch.linalg.vecdot(grad, out) if transpose
                    else torch.linalg.vecdot(rhs, drhs))
+        if need_rhs and ones_column:
+            drhs = drhs[..., :-1]
         return (dy, dx, db, drhs if need_rhs else None, None, None, None, None, None, None,
-                None, None)
+                None, None, None)

@@ -157,10 +157,11 @@ def nystrom_softmax_from_core(
             log_e_k = log_e_k.masked_fill(~key_valid, float("-inf"))
         shift = reduce.max(log_e_k.amax(dim=-1, keepdim=True))
         shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))  # [B, H, 1]
-    v_and_one = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # [B, H, Nk, Dv + 1]
+    # C(X_S, K) [V, 1]: the ones appended inside, so that v itself is saved, not a copy
     context = reduce.sum(gaussian_kernel_matmul(
-        k, core.x, v_and_one, core.x_norm + shift, scale=root, row_norm=False,
-        row_valid=key_valid, transpose=True, kernel=config.kernel, **core.bf16_rows,
+        k, core.x, v, core.x_norm + shift, scale=root, row_norm=False,
+        row_valid=key_valid, transpose=True, kernel=config.kernel, ones_column=True,
+        **core.bf16_rows,
     ))  # [B, H, m, Dv + 1]
     z = core.inverse() @ context  # W after C(X_S, K) V (NystromCore.inverse)
     # E_Q cancels in the ratio: rows of C(Q, X_S) are scaled by their own maximum instead.
