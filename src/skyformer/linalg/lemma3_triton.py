@@ -80,15 +80,16 @@ class TritonLemma3Inverse(torch.autograd.Function):
 
     @staticmethod
     def forward(source: Tensor, norm: Tensor | None, ridge: Tensor,  # type: ignore[override]
-                iterations: int, auto: bool, keep: bool) -> tuple[Tensor, Tensor]:
+                iterations: int, auto: bool, keep: bool, backward: bool
+                ) -> tuple[Tensor, Tensor]:
         m = source.shape[-2]
         w, store = _ops().lemma3_forward(_flat(source, 2, source), _flat(norm, 1, source),
-                                         ridge.contiguous(), iterations, keep)
+                                         ridge.contiguous(), iterations, keep, backward)
         return w.reshape(*source.shape[:-2], m, m), store
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        source, norm, ridge, iterations, auto, _ = inputs
+        source, norm, ridge, iterations, auto, _, _ = inputs
         _, store = output
         ctx.mark_non_differentiable(store)
         ctx.set_materialize_grads(False)  # no zero tensor of the iterates' size
@@ -103,7 +104,7 @@ class TritonLemma3Inverse(torch.autograd.Function):
     @staticmethod
     @first_order_backward
     def backward(ctx: Any, grad: Tensor, _: Any
-                 ) -> tuple[Tensor | None, Tensor | None, None, None, None, None]:
+                 ) -> tuple[Tensor | None, Tensor | None, None, None, None, None, None]:
         source, norm, ridge, store = ctx.saved_tensors
         m = source.shape[-2]
 
@@ -124,7 +125,8 @@ class TritonLemma3Inverse(torch.autograd.Function):
 
         dsource, dnorm = CORE_FALLBACK.run(ctx.auto, launch, by_pytorch)
         return (dsource.reshape(source.shape),
-                None if dnorm is None else dnorm.reshape(norm.shape), None, None, None, None)
+                None if dnorm is None else dnorm.reshape(norm.shape), None, None, None, None,
+                None)
 
 
 def _by_pytorch(source: Tensor, norm: Tensor | None, ridge: Tensor, iterations: int
@@ -151,19 +153,21 @@ def triton_lemma3_inverse(source: Tensor, norm: Tensor | None, ridge: Tensor,
     auto = kernel == "auto"
     return CORE_FALLBACK.run(
         auto, lambda: apply(TritonLemma3Inverse, source, norm, ridge, iterations, auto,
-                            _keeps_products(source, norm))[0],
+                            *_stored(source, norm))[0],
         lambda: _by_pytorch(source, norm, ridge, iterations))
 
 
-def _keeps_products(source: Tensor, norm: Tensor | None) -> bool:
-    """Whether the forward kernel keeps its step products for a backward pass: only
-    where one can follow (``triton_lemma3.keeps_products``). Traced by
-    ``torch.compile``, which cannot trace the question whether a CUDA graph is being
-    captured, the eager options decide (the backward kernel reads the store's size)."""
+def _stored(source: Tensor, norm: Tensor | None) -> tuple[bool, bool]:
+    """(whether the forward kernel keeps its step products, whether a backward pass can
+    follow): without one it keeps the latest two iterates alone; with one, the step
+    products too where the backward kernel's options ask (``triton_lemma3.store_slots``,
+    ``keeps_products``). Traced by ``torch.compile``, which cannot trace the question
+    whether a CUDA graph is being captured, the eager options decide (the backward
+    kernel reads what was kept from the store's size)."""
     if not torch.is_grad_enabled() or not (
             source.requires_grad or (norm is not None and norm.requires_grad)):
-        return False
+        return False, False
     from .triton_lemma3 import capturing, keeps_products  # imports Triton
 
     captured = not torch.compiler.is_compiling() and capturing(source)
-    return keeps_products(source.shape[-2], captured)
+    return keeps_products(source.shape[-2], captured), True

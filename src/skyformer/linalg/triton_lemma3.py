@@ -123,10 +123,14 @@ def t3_rows(P, T2, rows, m, ROWS: tl.constexpr, BLOCK: tl.constexpr, KC: tl.cons
         - square_rows(P, False, T2, False, rows, m, ROWS, BLOCK, KC, PRECISION)
 
 
-def store_slots(iterations: int, keep: bool) -> int:
+def store_slots(iterations: int, keep: bool, backward: bool = True) -> int:
     """m x m matrices a program stores for the backward kernel: V_1 ... V_K, and
     (``keep``) the step products too, T2 of the first step and P, T2, T3 of each later
-    one (``stored``), which the backward kernel then reads instead of forming again."""
+    one (``stored``), which the backward kernel then reads instead of forming again.
+    Without a ``backward`` pass to follow, the forward kernel keeps the latest two
+    iterates alone (``iterate``)."""
+    if not backward:
+        return min(iterations, 2)
     return 4 * iterations - 2 if keep else iterations
 
 
@@ -140,13 +144,28 @@ def stored(STORE, bh, index, size, ITERATIONS: tl.constexpr, KEEP: tl.constexpr)
 
 
 @triton.jit
+def iterate(STORE, bh, k, size, ITERATIONS: tl.constexpr, KEEP: tl.constexpr,
+            LAST_TWO: tl.constexpr):
+    """V_k's slot in matrix bh's store (1 <= k <= ITERATIONS): k - 1 (``stored``), or
+    (``LAST_TWO``: no backward pass follows) (k - 1) mod 2 of two slots. Not one slot
+    with each V written over the last: a block of rows of V T3 / 4 reads only the same
+    rows of V, but on a GPU a warp may store its columns of those rows while another
+    warp still reads them."""
+    slots: tl.constexpr = 2 if ITERATIONS > 1 else 1
+    return STORE + (bh * slots + (k - 1) % 2) * size if LAST_TWO else stored(
+        STORE, bh, k - 1, size, ITERATIONS, KEEP)
+
+
+@triton.jit
 def forward_pass(PASS: tl.constexpr, step, rows, bh, M, X, XN, DIAG, W, STORE, SCR, VEC,
                  m, D, heads, ITERATIONS: tl.constexpr, KEEP: tl.constexpr,
-                 FROM_ROWS: tl.constexpr, TINY: tl.constexpr, BLOCK: tl.constexpr,
-                 ROWS: tl.constexpr, KC: tl.constexpr, PRECISION: tl.constexpr):
+                 LAST_TWO: tl.constexpr, FROM_ROWS: tl.constexpr, TINY: tl.constexpr,
+                 BLOCK: tl.constexpr, ROWS: tl.constexpr, KC: tl.constexpr,
+                 PRECISION: tl.constexpr):
     """Rows ``rows`` of pass ``PASS`` for matrix ``bh`` (the step passes: of the step
     from V_step to V_step+1, 1 <= step < ITERATIONS); the step products go to the
-    store (``KEEP``) or to the program's scratch."""
+    store (``KEEP``) or to the program's scratch, the iterates to the store
+    (``iterate``: all of them, or the latest two)."""
     size = m * m
     slots: tl.constexpr = KEPT_FORWARD_SLOTS if KEEP else FORWARD_SLOTS
     scratch = SCR + bh * slots * size
@@ -167,13 +186,13 @@ def forward_pass(PASS: tl.constexpr, step, rows, bh, M, X, XN, DIAG, W, STORE, S
     elif PASS == FIRST_T2:  # step 1 from V_0 = I: P = A
         store_rows(first_t2, rows, m, t2_rows(a, rows, m, ROWS, BLOCK, KC, PRECISION), BLOCK)
     elif PASS == FIRST_V:  # V_1 = T3 / 4
-        store_rows(stored(STORE, bh, 0, size, ITERATIONS, KEEP), rows, m,
+        store_rows(iterate(STORE, bh, 1, size, ITERATIONS, KEEP, LAST_TWO), rows, m,
                    0.25 * t3_rows(a, first_t2, rows, m, ROWS, BLOCK, KC, PRECISION), BLOCK)
     elif PASS == SCALE_W:  # W = S V_K S
-        v_last = stored(STORE, bh, ITERATIONS - 1, size, ITERATIONS, KEEP)
+        v_last = iterate(STORE, bh, ITERATIONS, size, ITERATIONS, KEEP, LAST_TWO)
         store_rows(W + bh * size, rows, m, scaled_rows(v_last, s_vec, rows, m, BLOCK), BLOCK)
     else:
-        v = stored(STORE, bh, step - 1, size, ITERATIONS, KEEP)
+        v = iterate(STORE, bh, step, size, ITERATIONS, KEEP, LAST_TWO)
         if PASS == STEP_P:
             value = square_rows(a, False, v, False, rows, m, ROWS, BLOCK, KC, PRECISION)
             store_rows(p, rows, m, value, BLOCK)
@@ -184,51 +203,54 @@ def forward_pass(PASS: tl.constexpr, step, rows, bh, M, X, XN, DIAG, W, STORE, S
                        BLOCK)
         else:  # STEP_V: V' = V T3 / 4
             value = square_rows(v, False, t3, False, rows, m, ROWS, BLOCK, KC, PRECISION)
-            store_rows(v + size, rows, m, 0.25 * value, BLOCK)
+            store_rows(iterate(STORE, bh, step + 1, size, ITERATIONS, KEEP, LAST_TWO), rows,
+                       m, 0.25 * value, BLOCK)
 
 
 @triton.jit
 def _all_rows(PASS: tl.constexpr, step, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D,
-              heads, ITERATIONS: tl.constexpr, KEEP: tl.constexpr, FROM_ROWS: tl.constexpr,
-              TINY: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, KC: tl.constexpr,
-              PRECISION: tl.constexpr):
+              heads, ITERATIONS: tl.constexpr, KEEP: tl.constexpr, LAST_TWO: tl.constexpr,
+              FROM_ROWS: tl.constexpr, TINY: tl.constexpr, BLOCK: tl.constexpr,
+              ROWS: tl.constexpr, KC: tl.constexpr, PRECISION: tl.constexpr):
     """Pass ``PASS`` over every block of rows, then a barrier."""
     for start in range(0, m, ROWS):
         forward_pass(PASS, step, start + tl.arange(0, ROWS), bh, M, X, XN, DIAG, W, STORE,
-                     SCR, VEC, m, D, heads, ITERATIONS, KEEP, FROM_ROWS, TINY, BLOCK, ROWS,
-                     KC, PRECISION)
+                     SCR, VEC, m, D, heads, ITERATIONS, KEEP, LAST_TWO, FROM_ROWS, TINY,
+                     BLOCK, ROWS, KC, PRECISION)
     tl.debug_barrier()
 
 
 @triton.jit
 def _forward_kernel(M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
-                    ITERATIONS: tl.constexpr, KEEP: tl.constexpr, FROM_ROWS: tl.constexpr,
-                    TINY: tl.constexpr,
+                    ITERATIONS: tl.constexpr, KEEP: tl.constexpr, LAST_TWO: tl.constexpr,
+                    FROM_ROWS: tl.constexpr, TINY: tl.constexpr,
                     BLOCK: tl.constexpr, ROWS: tl.constexpr, KC: tl.constexpr,
                     PRECISION: tl.constexpr):
     """Every pass of ``forward_passes`` for matrix program_id(0), in order."""
     bh = tl.program_id(0).to(tl.int64)
     for kind in tl.static_range(REGULARISE, STEP_P):  # the passes in their numbering's order
         _all_rows(kind, 0, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
-                  ITERATIONS, KEEP, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
+                  ITERATIONS, KEEP, LAST_TWO, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
     for step in range(1, ITERATIONS):
         for kind in tl.static_range(STEP_P, SCALE_W):
             _all_rows(kind, step, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
-                      ITERATIONS, KEEP, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
+                      ITERATIONS, KEEP, LAST_TWO, FROM_ROWS, TINY, BLOCK, ROWS, KC,
+                      PRECISION)
     _all_rows(SCALE_W, 0, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
-              ITERATIONS, KEEP, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
+              ITERATIONS, KEEP, LAST_TWO, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
 
 
 @triton.jit(do_not_specialize=["step"])
 def _forward_pass_kernel(M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads, step,
                          PASS: tl.constexpr, ITERATIONS: tl.constexpr, KEEP: tl.constexpr,
-                         FROM_ROWS: tl.constexpr, TINY: tl.constexpr, BLOCK: tl.constexpr,
-                         ROWS: tl.constexpr, KC: tl.constexpr, PRECISION: tl.constexpr):
+                         LAST_TWO: tl.constexpr, FROM_ROWS: tl.constexpr,
+                         TINY: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                         KC: tl.constexpr, PRECISION: tl.constexpr):
     """One pass: rows block program_id(1) of matrix program_id(0)."""
     rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     forward_pass(PASS, step, rows, tl.program_id(0).to(tl.int64), M, X, XN, DIAG, W,
-                 STORE, SCR, VEC, m, D, heads, ITERATIONS, KEEP, FROM_ROWS, TINY, BLOCK, ROWS,
-                 KC, PRECISION)
+                 STORE, SCR, VEC, m, D, heads, ITERATIONS, KEEP, LAST_TWO, FROM_ROWS, TINY,
+                 BLOCK, ROWS, KC, PRECISION)
 
 
 def forward_passes(iterations: int) -> list[tuple[int, int]]:
@@ -298,22 +320,25 @@ def keeps_products(m: int, captured: bool = False) -> bool:
 
 
 def lemma3_forward(source: Tensor, norm: Tensor | None, ridge: Tensor, iterations: int,
-                   keep: bool = False) -> tuple[Tensor, Tensor]:
-    """(W ``[BH, m, m]``, store ``[BH, store_slots(iterations, keep), m, m]``) for
-    ``ridge: [R, m]`` (the diagonal added to the matrices of batch element bh // (BH / R))
-    and either the landmark matrix ``source: [BH, m, m]`` (``norm`` None) or the landmark
-    rows ``source: [BH, m, D]`` with their half squared norms ``norm: [BH, m]``; the
-    store holds the iterates and (``keep``) the step products. Scratch:
+                   keep: bool = False, backward: bool = True) -> tuple[Tensor, Tensor]:
+    """(W ``[BH, m, m]``, store ``[BH, store_slots(iterations, keep, backward), m, m]``)
+    for ``ridge: [R, m]`` (the diagonal added to the matrices of batch element
+    bh // (BH / R)) and either the landmark matrix ``source: [BH, m, m]`` (``norm`` None)
+    or the landmark rows ``source: [BH, m, D]`` with their half squared norms
+    ``norm: [BH, m]``; the store holds the iterates and (``keep``) the step products,
+    or without a ``backward`` pass to follow the latest two iterates alone. Scratch:
     ``FORWARD_SLOTS`` m x m matrices a program (``KEPT_FORWARD_SLOTS`` when keeping)."""
     bh, m = source.shape[:2]
     d = source.shape[2] if norm is not None else 1
+    keep = keep and backward
     w = source.new_empty(bh, m, m)
-    store = source.new_empty(bh, store_slots(iterations, keep), m, m)
+    store = source.new_empty(bh, store_slots(iterations, keep, backward), m, m)
     scratch = source.new_empty(bh, (KEPT_FORWARD_SLOTS if keep else FORWARD_SLOTS).value, m, m)
     vectors = source.new_empty(bh, FORWARD_VECTORS.value, m)
     args = (source, source, source if norm is None else norm, ridge, w, store, scratch,
             vectors, m, d, bh // ridge.shape[0])
-    options = {"ITERATIONS": iterations, "KEEP": keep, "FROM_ROWS": norm is not None,
+    options = {"ITERATIONS": iterations, "KEEP": keep, "LAST_TWO": not backward,
+               "FROM_ROWS": norm is not None,
                "TINY": torch.finfo(source.dtype).tiny, "PRECISION": _precision(source.dtype),
                **launch_options(m, captured=capturing(source))}
     launch(_forward_kernel, _forward_pass_kernel, forward_passes(iterations), bh, m, args,

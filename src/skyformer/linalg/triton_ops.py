@@ -73,22 +73,22 @@ def _(y, x, a, b, vn, vm, exclude, write_out1, norm_scale, dot_scale, b_scale,
 
 
 @custom_op("skyformer::lemma3_inverse_forward")
-def lemma3_forward(source: Tensor, norm: Tensor, ridge: Tensor, iterations: int, keep: bool
-                   ) -> tuple[Tensor, Tensor]:
+def lemma3_forward(source: Tensor, norm: Tensor, ridge: Tensor, iterations: int, keep: bool,
+                   backward: bool) -> tuple[Tensor, Tensor]:
     """``triton_lemma3.lemma3_forward`` (``norm`` empty: ``source`` is the matrix):
-    (W, the iterates and, ``keep``, the step products for the backward pass)."""
+    (W, the iterates and, ``keep``, the step products for the ``backward`` pass)."""
     from . import triton_lemma3
 
-    return triton_lemma3.lemma3_forward(source, _opt(norm), ridge, iterations, keep)
+    return triton_lemma3.lemma3_forward(source, _opt(norm), ridge, iterations, keep, backward)
 
 
 @lemma3_forward.register_fake
-def _(source, norm, ridge, iterations, keep):
+def _(source, norm, ridge, iterations, keep, backward):
     from .triton_lemma3 import store_slots
 
     bh, m = source.shape[:2]
     return (source.new_empty(bh, m, m),
-            source.new_empty(bh, store_slots(iterations, keep), m, m))
+            source.new_empty(bh, store_slots(iterations, keep and backward, backward), m, m))
 
 
 @custom_op("skyformer::lemma3_inverse_backward")

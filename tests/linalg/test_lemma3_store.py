@@ -1,12 +1,13 @@
-"""The Lemma 3 kernels with the step products kept from the forward to the backward pass.
+"""What the forward Lemma 3 kernel stores for the backward kernel (``store_slots``).
 
-Where the backward kernel's launch options ask for it (``KEEP_PRODUCTS``), a
-differentiated forward call stores P, T2, T3 of every Razavi step beside the iterates
-(``triton_lemma3.store_slots``) and the backward kernel reads them instead of forming
-them again. Checked here: the stored matrices are the steps' products (by PyTorch, from
-the stored iterates), W and the gradients equal those of the kernels that form them
-again (float64: to rounding) and the equations', in one program per matrix and in a
-launch per pass, and nothing is kept where no backward pass can follow.
+A differentiated call stores the iterates V_1 ... V_K; where the backward kernel's
+launch options ask for it (``KEEP_PRODUCTS``), P, T2, T3 of every Razavi step beside
+them, which the backward kernel then reads instead of forming them again; a call no
+backward pass can follow keeps the latest two iterates alone.
+Checked here: the stored matrices are the steps' products (by PyTorch, from the stored
+iterates), W and the gradients equal those of the kernels that form them again
+(float64: to rounding) and the equations', in one program per matrix and in a launch
+per pass; W without a backward pass is the same.
 """
 
 from __future__ import annotations
@@ -150,9 +151,10 @@ def _recorded_stores(monkeypatch) -> list:
     return stores
 
 
-def test_nothing_is_kept_where_no_backward_pass_follows(monkeypatch):
-    """Under no_grad, and for inputs that need no gradient, the store holds the
-    iterates alone (the products would only take memory)."""
+def test_the_latest_two_iterates_alone_where_no_backward_pass_follows(monkeypatch):
+    """Under no_grad, and for inputs that need no gradient, the store holds two
+    iterates, whatever the backward kernel's options ask (the others, and the products,
+    would only take memory)."""
     _keeping(monkeypatch)
     stores = _recorded_stores(monkeypatch)
     x, live = _rows(1, 2, 9, 8, torch.float32, "cpu")
@@ -160,7 +162,27 @@ def test_nothing_is_kept_where_no_backward_pass_follows(monkeypatch):
         _inverse_of_rows(x.requires_grad_(True), live, "triton")
     _inverse_of_rows(x.detach(), live, "triton")
     _inverse_of_rows(x.detach().requires_grad_(True), live, "triton")
-    assert [s.shape[1] for s in stores] == [6, 6, 22]
+    _inverse_of_rows(x.detach(), live, "triton", iterations=1)
+    assert [s.shape[1] for s in stores] == [2, 2, 22, 1]
+
+
+@pytest.mark.parametrize("iterations", [1, 2, 3, 6])
+@pytest.mark.parametrize("per_pass", [False, True])
+def test_w_without_a_backward_pass_is_w_with_one(monkeypatch, iterations, per_pass):
+    """Two iterates alternating in the store give the same W as all of them, in both
+    launch modes."""
+    x, live = _rows(2, 3, 21, 8, torch.float64, "cpu")
+    if per_pass:
+        from tests.linalg.test_lemma3_triton import _launch_per_pass
+
+        _launch_per_pass(monkeypatch, 16)
+    stores = _recorded_stores(monkeypatch)
+    with torch.no_grad():
+        w = _inverse_of_rows(x, live, "triton", iterations=iterations)
+    w_differentiated = _inverse_of_rows(x.requires_grad_(True), live, "triton",
+                                        iterations=iterations)
+    assert [s.shape[1] for s in stores] == [min(iterations, 2), iterations]
+    assert torch.equal(w, w_differentiated.detach())
 
 
 def test_a_store_of_another_size_is_refused():
