@@ -48,11 +48,12 @@ def test_marks_exactly_the_rows_a_non_finite_input_reaches(seed, grouped, padded
     mask = torch.rand(b, n, generator=g) > 0.3 if padded else None
     q, k, v = guard.zero_padding(q, k, v, mask, "auto")  # as the guard receives them
     out = 1e30 * torch.randn(b, h, n, d, generator=g).to(dtype)  # huge but finite
+    given = out.clone()  # the flag may be added into out in place (no gradient)
     with mock.patch.object(guard, "may_read_values", lambda *_: cpu_shortcut):
         got = guard.show_nonfinite(out, q, k, v, mask, "auto")
     rows = _expected_rows(q, k, v, mask)
     assert torch.isnan(got[rows]).all()
-    assert torch.equal(got[~rows], out[~rows])
+    assert torch.equal(got[~rows], given[~rows])
     assert got.dtype == out.dtype
 
 
@@ -91,14 +92,39 @@ def test_other_shapes_are_returned_as_they_are(shape):
     assert guard.show_nonfinite(t, t, t, t, None, "auto") is t
 
 
-def test_the_cuda_path_is_three_sums_and_one_multiplication():
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_the_cuda_path_is_three_sums_and_one_multiplication(requires_grad):
     """Each of q, k, v is read once (a sum each); the sums a row can reach are added
     and multiplied by 0 once (each sum had its own multiplication), then the flag is
-    added to the output."""
+    added to the output: in place where no autograd graph holds it."""
     q, k, v = (torch.randn(1, 2, 5, 4) for _ in range(3))
-    out = torch.randn(1, 2, 5, 4)
+    out = torch.randn(1, 2, 5, 4, requires_grad=requires_grad)
     with mock.patch.object(guard, "may_read_values", lambda *_: False), \
             Recorder(lambda func, args, result: func.overloadpacket.__name__) as calls:
         guard.show_nonfinite(out, q, k, v, None, "auto")
     ops = [name for name in calls.items if name not in ("promote_types", "detach", "unsqueeze")]
-    assert sorted(ops) == ["add", "add", "add", "mul", "sum", "sum", "sum"]
+    last = "add" if requires_grad else "add_"
+    assert sorted(ops) == sorted(["add", "add", last, "mul", "sum", "sum", "sum"])
+
+
+def test_the_flag_goes_into_the_output_in_place_only_where_nothing_else_sees_it():
+    """In place for a plain output no autograd graph holds (inference: no second tensor
+    of the output's size); out of place for one that needs a gradient, a view, a
+    non-contiguous tensor or one sharing memory with an input, which stay as given."""
+    q, k, v = (torch.randn(1, 2, 5, 4) for _ in range(3))
+    q[0, 1, 2, 0] = float("nan")
+
+    def check(out):
+        with mock.patch.object(guard, "may_read_values", lambda *_: False):
+            return guard.show_nonfinite(out, q, k, v, None, "auto")
+
+    plain = torch.randn(1, 2, 5, 4)
+    assert check(plain) is plain and plain[0, 1, 2].isnan().all()
+    for out in (torch.randn(1, 2, 5, 4, requires_grad=True),
+                torch.randn(1, 2, 5, 8)[..., :4],  # a view
+                torch.empty_strided((1, 2, 5, 4), (40, 20, 1, 5)).normal_(),  # not a view
+                v):  # the input itself
+        given = out.detach().clone()
+        got = check(out)
+        assert got is not out and got[0, 1, 2].isnan().all()
+        assert torch.equal(out.detach(), given)

@@ -88,7 +88,23 @@ def show_nonfinite(out: Any, q: Any, k: Any, v: Any, key_padding_mask: Any,
         flag = torch.where(query_valid[:, None, :], flag, 0.0)
     if flag.shape != out.shape[:3]:
         return out
-    return out + flag[..., None].to(out.dtype)
+    flag = flag[..., None].to(out.dtype)
+    return out.add_(flag) if _writable(out, q, k, v) else out + flag
+
+
+def _writable(out: Tensor, *inputs: Tensor) -> bool:
+    """Whether the flag may be added into ``out`` in place: a plain contiguous tensor
+    of eager code that no autograd graph holds (inference), not a view, sharing no
+    memory with the inputs. Out of place, the method's output and the flagged copy are
+    both alive for a moment: twice the output's memory, the peak of a long inference
+    call."""
+    if torch.compiler.is_compiling() or out.requires_grad or out._base is not None \
+            or type(out) is not Tensor or not out.is_contiguous() \
+            or torch._C._are_functorch_transforms_active() \
+            or torch._C._get_tracing_state() is not None:
+        return False
+    memory = out.untyped_storage().data_ptr()
+    return all(t.untyped_storage().data_ptr() != memory for t in inputs)
 
 
 def _sum(t: Tensor, dim: int | tuple[int, ...]) -> Tensor:
