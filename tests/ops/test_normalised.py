@@ -131,3 +131,23 @@ def test_a_denominator_sliced_from_a_product_does_not_keep_the_product_alive():
     want = torch.autograd.grad((_plain(*normalised.numerator_and_denominator(product),
                                        fallback) * weights).sum(), product)[0]
     torch.testing.assert_close(grad, want, rtol=1e-12, atol=1e-12)
+
+
+def test_the_forward_pass_forms_one_tensor_of_the_outputs_size():
+    """The selection is written into the quotient (where(..., out=quotient)): one tensor
+    of the output's size, not two (the peak of a long inference call)."""
+    (num, den, fallback), _ = _inputs(1, torch.float32)
+    size = num.numel()
+
+    def big(func, args, out):
+        if isinstance(out, torch.Tensor) and out.numel() >= size \
+                and func.overloadpacket.__name__ not in ("detach", "alias"):
+            return func.overloadpacket.__name__, out.untyped_storage().data_ptr()
+        return None
+
+    with torch.no_grad(), Recorder(big) as recorded:
+        got = normalised_or(num, den, fallback)
+    (first, quotient), (second, selected) = recorded.items
+    assert (first, second) == ("div", "where") and selected == quotient
+    assert got.untyped_storage().data_ptr() != num.untyped_storage().data_ptr()
+    torch.testing.assert_close(got, _plain(num, den, fallback), rtol=0, atol=0)

@@ -70,7 +70,13 @@ class _NormalisedOr(torch.autograd.Function):
     @staticmethod
     def forward(numerator: Tensor, denominator: Tensor,  # type: ignore[override]
                 fallback: Tensor, ok: Tensor) -> Tensor:
-        return torch.where(ok, numerator / torch.where(ok, denominator, 1.0), fallback)
+        quotient = numerator / torch.where(ok, denominator, 1.0)
+        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active() \
+                or torch.broadcast_shapes(quotient.shape, fallback.shape, ok.shape) \
+                != quotient.shape:
+            return torch.where(ok, quotient, fallback)
+        # the selection written into the quotient: one tensor of the output's size
+        return torch.where(ok, quotient, fallback, out=quotient)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
