@@ -8,7 +8,8 @@ the inputs and the output's gradient). CUDA's caching allocator rounds sizes up 
 keeps freed blocks, so ``torch.cuda.max_memory_allocated`` on a GPU can differ by a few
 MiB; what this shows is where the peak falls and what moves it. Beside the peak, the
 memory the forward pass leaves allocated for the backward pass (its output included:
-what a model holds per layer until its backward pass). ``--rows-copied`` adds each
+what a model holds per layer until its backward pass), and the peak of the forward
+pass alone under ``torch.no_grad()`` (inference). ``--rows-copied`` adds each
 method with the landmark rows' gradient added out of place
 (``gather_rows_through(in_place=False)``), as before it was added in place;
 ``--kept-products`` each method with the Lemma 3 step products kept from the forward to
@@ -77,6 +78,48 @@ def _allocations(node, stack: tuple[str, ...], out: list) -> None:
         _allocations(child, (*stack, node.name), out)
 
 
+# Reductions that the CPU runs on a converted copy of a half-type input when asked for a
+# float32 result (``sum(dtype=float32)``, ``mean``, ``linalg.vector_norm``: 256 MiB for
+# each of q, k, v at B=4, H=16, N=16384, D=64); CUDA reads the input as it is.
+CONVERTING_REDUCTIONS = {"aten::sum", "aten::mean", "aten::linalg_vector_norm", "aten::norm"}
+
+
+def _events(prof) -> list:
+    """(time, size, allocated after, op stack) of every allocation and free, in order,
+    without the CPU-only copies of ``CONVERTING_REDUCTIONS`` (allocated by a conversion
+    inside one, freed by it), "allocated after" counted again without them."""
+    events: list = []
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        _allocations(root, (), events)
+    events.sort(key=lambda e: e[0])
+    kept, skipped, total = [], [], events[0][2] - events[0][1] if events else 0
+    for time, size, _, stack in events:
+        reduction = next((n for n in reversed(stack) if n in CONVERTING_REDUCTIONS), None)
+        if reduction and size > 0 and stack and stack[-1] in ("aten::_to_copy",
+                                                               "aten::empty_strided"):
+            skipped.append(size)
+            continue
+        if reduction and size < 0 and -size in skipped:
+            skipped.remove(-size)
+            continue
+        total += size
+        kept.append((time, size, total, stack))
+    return kept
+
+
+def no_grad_peak_mib(method: str, shape: tuple[int, int, int, int], dtype: torch.dtype,
+                     features: int) -> float:
+    """MiB above the memory held before a forward call under ``torch.no_grad()``."""
+    q, k, v = (torch.randn(*shape, dtype=dtype) for _ in range(3))
+    key = skyformer.random_key(0)
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU],
+                                  profile_memory=True) as prof:
+        skyformer.attention(q, k, v, method, num_features=features, kernel="triton",
+                            generator=key)
+    events = _events(prof)
+    return (max(e[2] for e in events) - (events[0][2] - events[0][1])) / 2**20
+
+
 def peak_mib(method: str, shape: tuple[int, int, int, int], dtype: torch.dtype,
              features: int) -> tuple[float, str, float]:
     """(MiB above the memory held before the call, the operation at the peak, MiB the
@@ -95,10 +138,7 @@ def peak_mib(method: str, shape: tuple[int, int, int, int], dtype: torch.dtype,
             out = call()
         out.backward(grad)
         del out
-    events: list = []
-    for root in prof.profiler.kineto_results.experimental_event_tree():
-        _allocations(root, (), events)
-    events.sort(key=lambda e: e[0])
+    events = _events(prof)
     before = events[0][2] - events[0][1]
     top = max(events, key=lambda e: e[2])
     where = next((name for name in reversed(top[3]) if not name.startswith("aten::")),
@@ -127,14 +167,16 @@ def main(argv: list[str] | None = None) -> int:
         variants.append((", step products kept", kept_products))
     lines = [f"B,H,N,D = {args.shape}, {args.dtype}, m = {args.features}: eager forward + "
              f"backward on the Triton path, launches stubbed, torch {torch.__version__}", "",
-             "| method | peak MiB above the call's start | at | MiB held after the forward |",
-             "|---|---|---|---|"]
+             "| method | peak MiB above the call's start | at | MiB held after the forward "
+             "| peak MiB, no_grad forward |", "|---|---|---|---|---|"]
     with as_on_cuda(), stubbed_launches():
         for method in args.methods:
             for label, context in variants:
                 with context():
                     mib, where, held = peak_mib(method, shape, dtype, args.features)
-                lines.append(f"| `{method}`{label} | {mib:.1f} | {where} | {held:.1f} |")
+                    inference = no_grad_peak_mib(method, shape, dtype, args.features)
+                lines.append(f"| `{method}`{label} | {mib:.1f} | {where} | {held:.1f} "
+                             f"| {inference:.1f} |")
     emit(lines, args.out)
     return 0
 

@@ -108,9 +108,10 @@ def test_the_cuda_path_is_three_sums_and_one_multiplication(requires_grad):
 
 
 def test_the_flag_goes_into_the_output_in_place_only_where_nothing_else_sees_it():
-    """In place for a plain output no autograd graph holds (inference: no second tensor
-    of the output's size); out of place for one that needs a gradient, a view, a
-    non-contiguous tensor or one sharing memory with an input, which stay as given."""
+    """In place for a plain contiguous output no autograd graph holds (inference: no
+    second tensor of the output's size; a reshaped new tensor too); out of place for one
+    that needs a gradient, a non-contiguous tensor or one sharing memory with an input
+    (a view of it too), which stay as given."""
     q, k, v = (torch.randn(1, 2, 5, 4) for _ in range(3))
     q[0, 1, 2, 0] = float("nan")
 
@@ -118,12 +119,12 @@ def test_the_flag_goes_into_the_output_in_place_only_where_nothing_else_sees_it(
         with mock.patch.object(guard, "may_read_values", lambda *_: False):
             return guard.show_nonfinite(out, q, k, v, None, "auto")
 
-    plain = torch.randn(1, 2, 5, 4)
-    assert check(plain) is plain and plain[0, 1, 2].isnan().all()
+    for plain in (torch.randn(1, 2, 5, 4), torch.randn(2, 5, 4).reshape(1, 2, 5, 4)):
+        assert check(plain) is plain and plain[0, 1, 2].isnan().all()
     for out in (torch.randn(1, 2, 5, 4, requires_grad=True),
-                torch.randn(1, 2, 5, 8)[..., :4],  # a view
+                torch.randn(1, 2, 5, 8)[..., :4],  # a slice
                 torch.empty_strided((1, 2, 5, 4), (40, 20, 1, 5)).normal_(),  # not a view
-                v):  # the input itself
+                v, v.reshape(1, 2, 5, 4)):  # the input itself, a view of it
         given = out.detach().clone()
         got = check(out)
         assert got is not out and got[0, 1, 2].isnan().all()

@@ -94,11 +94,11 @@ def show_nonfinite(out: Any, q: Any, k: Any, v: Any, key_padding_mask: Any,
 
 def _writable(out: Tensor, *inputs: Tensor) -> bool:
     """Whether the flag may be added into ``out`` in place: a plain contiguous tensor
-    of eager code that no autograd graph holds (inference), not a view, sharing no
-    memory with the inputs. Out of place, the method's output and the flagged copy are
-    both alive for a moment: twice the output's memory, the peak of a long inference
-    call."""
-    if torch.compiler.is_compiling() or out.requires_grad or out._base is not None \
+    of eager code that no autograd graph holds (inference), sharing no memory with the
+    inputs (the methods return a new tensor, often reshaped: a view of one). Out of
+    place, the method's output and the flagged copy are both alive for a moment: twice
+    the output's memory, the peak of a long inference call."""
+    if torch.compiler.is_compiling() or out.requires_grad \
             or type(out) is not Tensor or not out.is_contiguous() \
             or torch._C._are_functorch_transforms_active() \
             or torch._C._get_tracing_state() is not None:
