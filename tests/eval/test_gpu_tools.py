@@ -234,6 +234,29 @@ def test_host_time_stubs_every_launch_and_reports_each_method(tmp_path, monkeypa
         assert 0 < least <= median
 
 
+def test_stubbed_memory_counts_what_each_variant_holds(tmp_path):
+    """benchmarks/stubbed_memory.py at a tiny shape: the step products kept hold exactly
+    16 more m x m float32 matrices a matrix from the forward to the backward pass, and
+    an inference call's peak is no more than a differentiated call's."""
+    pytest.importorskip("triton")
+    memory = _load("stubbed_memory")
+    out = tmp_path / "memory.md"
+    b, h, m = 1, 4, 64  # 1 MiB of kept products: the table has 0.1 MiB steps
+    assert memory.main(["--shape", f"{b},{h},128,16", "--features", str(m), "--dtype",
+                        "float32", "--kept-products", "--rows-copied", "--out", str(out)]) == 0
+    rows = {}
+    for line in out.read_text().splitlines():
+        if line.startswith("| `"):
+            cells = [cell.strip() for cell in line.strip("|").split("|")]
+            rows[cells[0]] = (float(cells[1]), float(cells[3]), float(cells[4]))
+    assert len(rows) == 6
+    for method in memory.METHODS:
+        peak, held, inference = rows[f"`{method}`"]
+        kept = rows[f"`{method}`, step products kept"]
+        assert kept[1] - held == pytest.approx(b * h * 16 * m * m * 4 / 2**20, abs=0.1)
+        assert 0 < inference <= peak and held <= peak
+
+
 def test_gpu_script_runs_every_stage_past_failures_limits_and_reruns(tmp_path):
     """benchmarks/gpu.sh with a stand-in ``python3`` (CUDA present, one CUDA test failing,
     the kernel benchmark crashing, the LRA stage past its time limit): every later stage
