@@ -164,8 +164,14 @@ def _stored(source: Tensor, norm: Tensor | None) -> tuple[bool, bool]:
     ``keeps_products``). Traced by ``torch.compile``, which cannot trace the question
     whether a CUDA graph is being captured, the eager options decide (the backward
     kernel reads what was kept from the store's size)."""
-    if not torch.is_grad_enabled() or not (
-            source.requires_grad or (norm is not None and norm.requires_grad)):
+    if not torch.is_grad_enabled():
+        return False, False
+    # under torch.func transforms the tensors a Function sees need not say whether an
+    # outer grad differentiates them (grad of vmap: the batched ones do not)
+    transformed = not torch.compiler.is_compiling() \
+        and torch._C._are_functorch_transforms_active()
+    if not (transformed or source.requires_grad
+            or (norm is not None and norm.requires_grad)):
         return False, False
     from .triton_lemma3 import capturing, keeps_products  # imports Triton
 
