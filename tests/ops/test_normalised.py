@@ -135,19 +135,49 @@ def test_a_denominator_sliced_from_a_product_does_not_keep_the_product_alive():
 
 def test_the_forward_pass_forms_one_tensor_of_the_outputs_size():
     """The selection is written into the quotient (where(..., out=quotient)): one tensor
-    of the output's size, not two (the peak of a long inference call)."""
+    of the output's size, not two (the peak of a long inference call); allocations
+    counted by the profiler (a dispatch mode would turn the writing in place off)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
     (num, den, fallback), _ = _inputs(1, torch.float32)
-    size = num.numel()
-
-    def big(func, args, out):
-        if isinstance(out, torch.Tensor) and out.numel() >= size \
-                and func.overloadpacket.__name__ not in ("detach", "alias"):
-            return func.overloadpacket.__name__, out.untyped_storage().data_ptr()
-        return None
-
-    with torch.no_grad(), Recorder(big) as recorded:
+    num, den, fallback = (t.detach() for t in (num, den, fallback))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         got = normalised_or(num, den, fallback)
-    (first, quotient), (second, selected) = recorded.items
-    assert (first, second) == ("div", "where") and selected == quotient
+    sizes, nodes = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while nodes:
+        node = nodes.pop()
+        if node.tag == _EventType.Allocation:
+            sizes.append(node.extra_fields.alloc_size)
+        nodes.extend(node.children)
+    assert sum(size >= num.numel() * 4 for size in sizes) == 1, sizes
     assert got.untyped_storage().data_ptr() != num.untyped_storage().data_ptr()
     torch.testing.assert_close(got, _plain(num, den, fallback), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("save", ["every operator", "div"])
+def test_selective_checkpointing_gets_the_quotient_back_unchanged(save):
+    """Selective checkpointing keeps the outputs of the operators its policy saves and
+    hands them back in its recomputation: under its dispatch mode the selection is not
+    written into the quotient."""
+    from torch.utils.checkpoint import (
+        CheckpointPolicy,
+        checkpoint,
+        create_selective_checkpoint_contexts,
+    )
+
+    (num, den, fallback), _ = _inputs(1)
+    num = num.detach().clone()
+    num[0, 0, 2] = 1.0
+    leaves = [t.detach().requires_grad_(True) for t in (num, den, fallback)]
+
+    def policy(ctx, op, *args, **kwargs):
+        keep = save == "every operator" or op == torch.ops.aten.div.Tensor
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    want = torch.autograd.grad(normalised_or(*leaves).square().sum(), leaves)
+    out = checkpoint(normalised_or, *leaves, use_reentrant=False,
+                     context_fn=lambda: create_selective_checkpoint_contexts(policy))
+    for got, expected in zip(torch.autograd.grad(out.square().sum(), leaves), want,
+                             strict=True):
+        torch.testing.assert_close(got, expected)

@@ -100,27 +100,31 @@ def test_the_cuda_path_is_three_sums_and_one_multiplication(requires_grad):
     q, k, v = (torch.randn(1, 2, 5, 4) for _ in range(3))
     out = torch.randn(1, 2, 5, 4, requires_grad=requires_grad)
     with mock.patch.object(guard, "may_read_values", lambda *_: False), \
+            mock.patch.object(guard, "overwrite_allowed", lambda: True), \
             Recorder(lambda func, args, result: func.overloadpacket.__name__) as calls:
-        guard.show_nonfinite(out, q, k, v, None, "auto")
+        guard.show_nonfinite(out, q, k, v, None, "auto", owned=True)
     ops = [name for name in calls.items if name not in ("promote_types", "detach", "unsqueeze")]
-    last = "add" if requires_grad else "add_"
+    last = "add" if requires_grad else "add_"  # (as outside the Recorder's dispatch mode)
     assert sorted(ops) == sorted(["add", "add", last, "mul", "sum", "sum", "sum"])
 
 
 def test_the_flag_goes_into_the_output_in_place_only_where_nothing_else_sees_it():
-    """In place for a plain contiguous output no autograd graph holds (inference: no
-    second tensor of the output's size; a reshaped new tensor too); out of place for one
-    that needs a gradient, a non-contiguous tensor or one sharing memory with an input
-    (a view of it too), which stay as given."""
+    """In place for a library method's plain contiguous output that no autograd graph
+    holds (inference: no second tensor of the output's size; a reshaped new tensor
+    too); out of place for one that needs a gradient, a non-contiguous tensor, one
+    sharing memory with an input (a view of it too) or the output of a method
+    registered from outside the library, which stay as given."""
     q, k, v = (torch.randn(1, 2, 5, 4) for _ in range(3))
     q[0, 1, 2, 0] = float("nan")
 
-    def check(out):
+    def check(out, owned=True):
         with mock.patch.object(guard, "may_read_values", lambda *_: False):
-            return guard.show_nonfinite(out, q, k, v, None, "auto")
+            return guard.show_nonfinite(out, q, k, v, None, "auto", owned=owned)
 
     for plain in (torch.randn(1, 2, 5, 4), torch.randn(2, 5, 4).reshape(1, 2, 5, 4)):
         assert check(plain) is plain and plain[0, 1, 2].isnan().all()
+    plain = torch.randn(1, 2, 5, 4)
+    assert check(plain, owned=False) is not plain and not plain.isnan().any()
     for out in (torch.randn(1, 2, 5, 4, requires_grad=True),
                 torch.randn(1, 2, 5, 8)[..., :4],  # a slice
                 torch.empty_strided((1, 2, 5, 4), (40, 20, 1, 5)).normal_(),  # not a view
@@ -129,3 +133,36 @@ def test_the_flag_goes_into_the_output_in_place_only_where_nothing_else_sees_it(
         got = check(out)
         assert got is not out and got[0, 1, 2].isnan().all()
         assert torch.equal(out.detach(), given)
+
+
+@pytest.mark.parametrize("method", ["linear", "softmax"])
+def test_selective_checkpointing_that_keeps_every_output_sees_no_output_changed(method):
+    """Frozen q, k, v and a trained layer after the attention: the output needs no
+    gradient, but selective checkpointing (a dispatch mode) keeps it to hand back in
+    its recomputation, so the flag is not added into it in place. (Methods with fused
+    in-place workspaces refuse a policy that keeps every output: docs/pytorch2.md.)"""
+    from torch.utils.checkpoint import (
+        CheckpointPolicy,
+        checkpoint,
+        create_selective_checkpoint_contexts,
+    )
+
+    import skyformer
+
+    q, k, v = (torch.randn(2, 2, 32, 8, generator=torch.Generator().manual_seed(i))
+               for i in range(3))
+    w = torch.nn.Parameter(torch.randn(8, 8, generator=torch.Generator().manual_seed(3)))
+    key = skyformer.random_key(3)
+
+    def block(q, k, v):
+        return skyformer.attention(q, k, v, method, generator=key) @ w
+
+    def keep_all(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE
+
+    with mock.patch.object(guard, "may_read_values", lambda *_: False):  # as on CUDA
+        want = torch.autograd.grad(block(q, k, v).square().sum(), w)[0]
+        out = checkpoint(block, q, k, v, use_reentrant=False,
+                         context_fn=lambda: create_selective_checkpoint_contexts(keep_all))
+        got = torch.autograd.grad(out.square().sum(), w)[0]
+    torch.testing.assert_close(got, want)

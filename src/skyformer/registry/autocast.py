@@ -33,13 +33,21 @@ def call_core(core: Callable[..., Tensor], q: Any, k: Any, v: Any, config: Any,
     if not isinstance(q, Tensor) or not q.is_floating_point():
         return core(q, k, v, config, **kwargs)
     device_type = q.device.type
+    owned = _library_method(core)
     if not torch.is_autocast_enabled(device_type):
-        return show_nonfinite(core(q, k, v, config, **kwargs), q, k, v, *masks)
+        return show_nonfinite(core(q, k, v, config, **kwargs), q, k, v, *masks, owned=owned)
     dtype = torch.get_autocast_dtype(device_type)
     q, k, v = (t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t
                for t in (q, k, v))
     with torch.autocast(device_type, enabled=False):
-        return show_nonfinite(core(q, k, v, config, **kwargs), q, k, v, *masks)
+        return show_nonfinite(core(q, k, v, config, **kwargs), q, k, v, *masks, owned=owned)
+
+
+def _library_method(core: Callable[..., Tensor]) -> bool:
+    """Whether ``core`` is one of the library's methods (``skyformer.ops``), whose
+    output is a new tensor of its own; a method registered from outside might return a
+    view of a buffer it keeps."""
+    return getattr(core, "__module__", "").startswith("skyformer.ops.")
 
 
 def capped(config: Any, q: Any, k: Any) -> Any:

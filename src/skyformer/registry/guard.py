@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..linalg.kernels import overwrite_allowed
 from ..ops.shared.tracing import may_read_values
 
 
@@ -66,9 +67,11 @@ def zero_padding(q: Any, k: Any, v: Any, key_padding_mask: Any, query_padding_ma
 
 
 def show_nonfinite(out: Any, q: Any, k: Any, v: Any, key_padding_mask: Any,
-                   query_padding_mask: Any) -> Any:
+                   query_padding_mask: Any, owned: bool = False) -> Any:
     """``out`` with NaN in every real row a non-finite real input can reach (module
-    docstring); q, k, v are the inputs after ``zero_padding``."""
+    docstring); q, k, v are the inputs after ``zero_padding``. ``owned``: ``out`` is a
+    new tensor of one of the library's methods (the flag may then go into it in place,
+    ``_writable``)."""
     if not isinstance(out, Tensor) or not out.is_floating_point() or out.dim() != 4 \
             or not all(isinstance(t, Tensor) and t.dim() == 4 for t in (q, k, v)):
         return out
@@ -89,16 +92,18 @@ def show_nonfinite(out: Any, q: Any, k: Any, v: Any, key_padding_mask: Any,
     if flag.shape != out.shape[:3]:
         return out
     flag = flag[..., None].to(out.dtype)
-    return out.add_(flag) if _writable(out, q, k, v) else out + flag
+    return out.add_(flag) if owned and _writable(out, q, k, v) else out + flag
 
 
 def _writable(out: Tensor, *inputs: Tensor) -> bool:
-    """Whether the flag may be added into ``out`` in place: a plain contiguous tensor
-    of eager code that no autograd graph holds (inference), sharing no memory with the
-    inputs (the methods return a new tensor, often reshaped: a view of one). Out of
+    """Whether the flag may be added into a method's own output ``out`` in place: a
+    plain contiguous tensor of eager code that no autograd graph holds (inference),
+    sharing no memory with the inputs (the methods return a new tensor, often reshaped:
+    a view of one), outside dispatch modes (selective checkpointing keeps operators'
+    outputs to hand back in its recomputation: ``kernels.overwrite_allowed``). Out of
     place, the method's output and the flagged copy are both alive for a moment: twice
     the output's memory, the peak of a long inference call."""
-    if torch.compiler.is_compiling() or out.requires_grad \
+    if torch.compiler.is_compiling() or out.requires_grad or not overwrite_allowed() \
             or type(out) is not Tensor or not out.is_contiguous() \
             or torch._C._are_functorch_transforms_active() \
             or torch._C._get_tracing_state() is not None:

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from ...linalg.eager_calls import apply
 from ...linalg.functional_ops import functional_ops_only
+from ...linalg.kernels import overwrite_allowed
 
 
 def numerator_and_denominator(o: Tensor) -> tuple[Tensor, Tensor]:
@@ -71,12 +72,14 @@ class _NormalisedOr(torch.autograd.Function):
     def forward(numerator: Tensor, denominator: Tensor,  # type: ignore[override]
                 fallback: Tensor, ok: Tensor) -> Tensor:
         quotient = numerator / torch.where(ok, denominator, 1.0)
-        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active() \
-                or torch.broadcast_shapes(quotient.shape, fallback.shape, ok.shape) \
-                != quotient.shape:
-            return torch.where(ok, quotient, fallback)
-        # the selection written into the quotient: one tensor of the output's size
-        return torch.where(ok, quotient, fallback, out=quotient)
+        # the selection written into the quotient: one tensor of the output's size (not
+        # under a dispatch mode: selective checkpointing keeps the quotient, overwrite_allowed)
+        if not torch.compiler.is_compiling() and overwrite_allowed() \
+                and not torch._C._are_functorch_transforms_active() \
+                and torch.broadcast_shapes(quotient.shape, fallback.shape, ok.shape) \
+                == quotient.shape and torch.result_type(quotient, fallback) == quotient.dtype:
+            return torch.where(ok, quotient, fallback, out=quotient)
+        return torch.where(ok, quotient, fallback)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
