@@ -16,27 +16,19 @@ import pytest
 import torch
 
 from skyformer.linalg import gaussian_kernel_block, half_sq_norm, landmark_inverse, lemma3_inverse
-from skyformer.linalg.kernel_backend import interpreter_on
 from tests.devices import devices, relative_error
 from tests.linalg.test_lemma3_triton import (
     GAMMA,
+    _assert_the_equations,
+    _chain_case,
+    _interpreter_for_cpu,  # noqa: F401 (the module's autouse fixture: CPU cases need it)
     _inverse_of_rows,
     _landmark_matrix,
-    _live_block,
-    _reference,
     _rows,
     _value_and_grad,
 )
 
 pytest.importorskip("triton")
-
-
-@pytest.fixture(autouse=True)
-def _interpreter_for_cpu(request):
-    callspec = getattr(request.node, "callspec", None)
-    on_cpu = callspec is None or callspec.params.get("device", "cpu") == "cpu"
-    if on_cpu and not interpreter_on():
-        pytest.skip("Triton's interpreter is off (TRITON_INTERPRET=0): the kernels run on CUDA")
 
 
 def _keeping(monkeypatch, per_pass=False, rows=None):
@@ -98,28 +90,7 @@ def test_kept_products_give_the_gradient_of_products_formed_again(monkeypatch, d
                                                                   from_rows, dtype, per_pass):
     """The same W and gradients as the backward kernel that forms the products again
     (the same products of the same tiles, read back: to rounding) and the equations'."""
-    if device == "cuda" and dtype == torch.float64:
-        pytest.skip("float64 takes the PyTorch path on CUDA (lemma3_triton)")
-    x, live = _rows(*case, dtype, device)
-    weights = torch.randn(*case[:2], case[2], case[2], dtype=torch.float64,
-                          generator=torch.Generator().manual_seed(1))
-    if from_rows:
-        def call(t):
-            return _inverse_of_rows(t, live, "triton")
-        source = x
-
-        def reference(t):
-            t, lv = t.double().cpu(), live.cpu()
-            n = torch.where(lv[:, None, :], half_sq_norm(t), torch.tensor(float("inf")).double())
-            return _reference(gaussian_kernel_block(t, t, n, n), lv, 6)
-    else:
-        def call(t):
-            return lemma3_inverse(t, gamma=GAMMA, live=live, kernel="triton")
-        norm = torch.where(live[:, None, :], half_sq_norm(x), float("inf"))
-        source = gaussian_kernel_block(x, x, norm, norm)
-
-        def reference(t):
-            return _reference(t, live, 6)
+    call, source, reference, weights, live = _chain_case(case, dtype, device, from_rows)
     w_formed, grad_formed = _value_and_grad(call, source, weights)
     _keeping(monkeypatch, per_pass, rows=16 if dtype == torch.float64 else 32)
     stores = _recorded_stores(monkeypatch)
@@ -128,11 +99,7 @@ def test_kept_products_give_the_gradient_of_products_formed_again(monkeypatch, d
     tolerance = 1e-12 if dtype == torch.float64 else 1e-5
     assert relative_error(w, w_formed) < tolerance
     assert relative_error(grad, grad_formed) < tolerance
-    w_ref, grad_ref = _value_and_grad(reference, source.double().cpu(), weights)
-    assert relative_error(w, w_ref) < (1e-10 if dtype == torch.float64 else 2e-4)
-    live_grad = grad if from_rows else _live_block(grad, live)
-    live_ref = grad_ref if from_rows else _live_block(grad_ref, live)
-    assert relative_error(live_grad, live_ref) < (1e-10 if dtype == torch.float64 else 2e-4)
+    _assert_the_equations(w, grad, source, weights, live, reference, from_rows, dtype)
 
 
 def _recorded_stores(monkeypatch) -> list:

@@ -132,6 +132,41 @@ def test_fused_landmark_inverse_equals_the_equations(device, dtype, case):
     assert relative_error(grad, grad_ref) < tolerance
 
 
+def _chain_case(case, dtype, device, from_rows):
+    """(call, source, reference, weights, live) of ``_chain`` for landmark rows of
+    shape ``case`` (B, H, m, D) and weights of W; float64 on CUDA skipped."""
+    if device == "cuda" and dtype == torch.float64:
+        pytest.skip("float64 takes the PyTorch path on CUDA (lemma3_triton)")
+    x, live = _rows(*case, dtype, device)
+    weights = torch.randn(*case[:2], case[2], case[2], dtype=torch.float64,
+                          generator=torch.Generator().manual_seed(1))
+    return (*_chain(x, live, from_rows), weights, live)
+
+
+def _chain(x, live, from_rows):
+    """(call, source, reference) for the Lemma 3 chain of landmark rows ``x``: from the
+    rows themselves (``from_rows``) or from their kernel block; the reference is the
+    naive equations in float64."""
+    if from_rows:
+        def reference(t):
+            t, lv = t.double().cpu(), live.cpu()
+            n = torch.where(lv[:, None, :], half_sq_norm(t), torch.tensor(float("inf")).double())
+            return _reference(gaussian_kernel_block(t, t, n, n), lv, 6)
+        return (lambda t: _inverse_of_rows(t, live, "triton")), x, reference
+    norm = torch.where(live[:, None, :], half_sq_norm(x), float("inf"))
+    return ((lambda t: lemma3_inverse(t, gamma=GAMMA, live=live, kernel="triton")),
+            gaussian_kernel_block(x, x, norm, norm), lambda t: _reference(t, live, 6))
+
+
+def _assert_the_equations(w, grad, source, weights, live, reference, from_rows, dtype):
+    """W and the gradient as the equations give them (float64: to rounding)."""
+    w_ref, grad_ref = _value_and_grad(reference, source.double().cpu(), weights)
+    assert relative_error(w, w_ref) < (1e-10 if dtype == torch.float64 else 2e-4)
+    live_grad = grad if from_rows else _live_block(grad, live)
+    live_ref = grad_ref if from_rows else _live_block(grad_ref, live)
+    assert relative_error(live_grad, live_ref) < (1e-10 if dtype == torch.float64 else 2e-4)
+
+
 def _launch_per_pass(monkeypatch, rows):
     """Both Lemma 3 kernels launched a pass at a time, ``rows`` rows a program."""
     from skyformer.linalg import triton_lemma3, triton_lemma3_backward
@@ -157,20 +192,7 @@ def test_a_launch_per_pass_equals_one_program_per_matrix(monkeypatch, device, ca
     """The chain as one launch a pass (a program per block of rows, the passes ordered
     by the stream) gives one program per matrix's W and gradient (the same products
     of the same tiles: to rounding) and the equations'."""
-    if device == "cuda" and dtype == torch.float64:
-        pytest.skip("float64 takes the PyTorch path on CUDA (lemma3_triton)")
-    x, live = _rows(*case, dtype, device)
-    weights = torch.randn(*case[:2], case[2], case[2], dtype=torch.float64,
-                          generator=torch.Generator().manual_seed(1))
-    if from_rows:
-        def call(t):
-            return _inverse_of_rows(t, live, "triton")
-        source = x
-    else:
-        def call(t):
-            return lemma3_inverse(t, gamma=GAMMA, live=live, kernel="triton")
-        norm = torch.where(live[:, None, :], half_sq_norm(x), float("inf"))
-        source = gaussian_kernel_block(x, x, norm, norm)
+    call, source, reference, weights, live = _chain_case(case, dtype, device, from_rows)
     w_program, grad_program = _value_and_grad(call, source, weights)
     _launch_per_pass(monkeypatch, rows)
     with _operator_names() as calls:
@@ -179,19 +201,7 @@ def test_a_launch_per_pass_equals_one_program_per_matrix(monkeypatch, device, ca
     tolerance = 1e-12 if dtype == torch.float64 else 1e-5
     assert relative_error(w, w_program) < tolerance
     assert relative_error(grad, grad_program) < tolerance
-    if from_rows:
-        def reference(t):
-            t, lv = t.double().cpu(), live.cpu()
-            n = torch.where(lv[:, None, :], half_sq_norm(t), torch.tensor(float("inf")).double())
-            return _reference(gaussian_kernel_block(t, t, n, n), lv, 6)
-    else:
-        def reference(t):
-            return _reference(t, live, 6)
-    w_ref, grad_ref = _value_and_grad(reference, source.double().cpu(), weights)
-    assert relative_error(w, w_ref) < (1e-10 if dtype == torch.float64 else 2e-4)
-    live_grad = grad if from_rows else _live_block(grad, live)
-    live_ref = grad_ref if from_rows else _live_block(grad_ref, live)
-    assert relative_error(live_grad, live_ref) < (1e-10 if dtype == torch.float64 else 2e-4)
+    _assert_the_equations(w, grad, source, weights, live, reference, from_rows, dtype)
 
 
 @cuda_only
