@@ -100,7 +100,7 @@ def test_the_cuda_path_is_three_sums_and_one_multiplication(requires_grad):
     q, k, v = (torch.randn(1, 2, 5, 4) for _ in range(3))
     out = torch.randn(1, 2, 5, 4, requires_grad=requires_grad)
     with mock.patch.object(guard, "may_read_values", lambda *_: False), \
-            mock.patch.object(guard, "overwrite_allowed", lambda: True), \
+            mock.patch.object(guard, "overwrite_in_eager", lambda: True), \
             Recorder(lambda func, args, result: func.overloadpacket.__name__) as calls:
         guard.show_nonfinite(out, q, k, v, None, "auto", owned=True)
     ops = [name for name in calls.items if name not in ("promote_types", "detach", "unsqueeze")]

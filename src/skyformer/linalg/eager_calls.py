@@ -44,14 +44,19 @@ class _Switch:
     direct = True
 
 
-def plain_eager() -> bool:
-    """Not tracing (dynamo, ``torch.jit.trace``), no ``torch.func`` transform (the
-    condition of both direct calls; ``torch.compiler.is_compiling`` first: dynamo folds
-    it and the rest is not read). Also where ``rows.gather_rows_through`` may add into
-    a gradient in place."""
-    return not torch.compiler.is_compiling() and _Switch.direct \
+def untraced_eager() -> bool:
+    """Eager code: not tracing (dynamo, ``torch.jit.trace``), no ``torch.func`` transform
+    (``torch.compiler.is_compiling`` first: dynamo folds it and the rest is not read)."""
+    return not torch.compiler.is_compiling() \
         and not torch._C._are_functorch_transforms_active() \
         and torch._C._get_tracing_state() is None
+
+
+def plain_eager() -> bool:
+    """``untraced_eager`` with the direct calls allowed (``through_pytorch`` turns them
+    off): the condition of both direct calls. Also where ``rows.gather_rows_through``
+    may add into a gradient in place."""
+    return untraced_eager() and _Switch.direct
 
 
 def _plain_tensors(args: tuple, kwargs: dict) -> bool:

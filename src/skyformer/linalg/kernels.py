@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .eager_calls import untraced_eager
 from .flush import flush_exponent_on_cpu, flush_exponent_on_cpu_
 
 
@@ -30,6 +31,13 @@ def overwrite_allowed() -> bool:
     them back when the backward pass recomputes the forward: written over in place,
     they would come back changed, and the gradients would be wrong."""
     return torch.compiler.is_compiling() or not torch._C._len_torch_dispatch_stack()
+
+
+def overwrite_in_eager() -> bool:
+    """Whether eager code may write over a fresh result in place where tracers and
+    transforms take the out-of-place form: ``eager_calls.untraced_eager`` and no dispatch
+    mode (``overwrite_allowed``)."""
+    return untraced_eager() and overwrite_allowed()
 
 
 def gaussian_exponent(x1: Tensor, x2: Tensor, half_norm1: Tensor, half_norm2: Tensor) -> Tensor:

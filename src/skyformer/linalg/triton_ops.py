@@ -88,7 +88,7 @@ def _(source, norm, ridge, iterations, keep, backward):
 
     bh, m = source.shape[:2]
     return (source.new_empty(bh, m, m),
-            source.new_empty(bh, store_slots(iterations, keep and backward, backward), m, m))
+            source.new_empty(bh, store_slots(iterations, keep, backward), m, m))
 
 
 @custom_op("skyformer::lemma3_inverse_backward")

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..linalg.kernels import overwrite_allowed
+from ..linalg.kernels import overwrite_in_eager
 from ..ops.shared.tracing import may_read_values
 
 
@@ -100,13 +100,11 @@ def _writable(out: Tensor, *inputs: Tensor) -> bool:
     plain contiguous tensor of eager code that no autograd graph holds (inference),
     sharing no memory with the inputs (the methods return a new tensor, often reshaped:
     a view of one), outside dispatch modes (selective checkpointing keeps operators'
-    outputs to hand back in its recomputation: ``kernels.overwrite_allowed``). Out of
+    outputs to hand back in its recomputation: ``kernels.overwrite_in_eager``). Out of
     place, the method's output and the flagged copy are both alive for a moment: twice
     the output's memory, the peak of a long inference call."""
-    if torch.compiler.is_compiling() or out.requires_grad or not overwrite_allowed() \
-            or type(out) is not Tensor or not out.is_contiguous() \
-            or torch._C._are_functorch_transforms_active() \
-            or torch._C._get_tracing_state() is not None:
+    if not overwrite_in_eager() or out.requires_grad or type(out) is not Tensor \
+            or not out.is_contiguous():
         return False
     memory = out.untyped_storage().data_ptr()
     return all(t.untyped_storage().data_ptr() != memory for t in inputs)

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ...linalg.eager_calls import apply
 from ...linalg.functional_ops import functional_ops_only
-from ...linalg.kernels import overwrite_allowed
+from ...linalg.kernels import overwrite_in_eager
 
 
 def numerator_and_denominator(o: Tensor) -> tuple[Tensor, Tensor]:
@@ -73,9 +73,8 @@ class _NormalisedOr(torch.autograd.Function):
                 fallback: Tensor, ok: Tensor) -> Tensor:
         quotient = numerator / torch.where(ok, denominator, 1.0)
         # the selection written into the quotient: one tensor of the output's size (not
-        # under a dispatch mode: selective checkpointing keeps the quotient, overwrite_allowed)
-        if not torch.compiler.is_compiling() and overwrite_allowed() \
-                and not torch._C._are_functorch_transforms_active() \
+        # under a dispatch mode: selective checkpointing keeps the quotient)
+        if overwrite_in_eager() \
                 and torch.broadcast_shapes(quotient.shape, fallback.shape, ok.shape) \
                 == quotient.shape and torch.result_type(quotient, fallback) == quotient.dtype:
             return torch.where(ok, quotient, fallback, out=quotient)
