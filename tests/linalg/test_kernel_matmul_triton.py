@@ -159,12 +159,13 @@ def test_the_output_with_n_rows_is_not_kept_for_the_backward_pass():
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("kernel", ["triton", "torch"])
 @pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
 def test_a_column_of_ones_appended_inside_is_the_same_product_saving_rhs(device, kernel,
-                                                                         transpose):
+                                                                         transpose, masked):
     """``ones_column``: C [rhs, 1] (or C^T [rhs, 1]) and every gradient as with the
-    column appended by the caller, on both paths, in vmap and as plain operators
-    (``functional_ops``); the product saves rhs itself for the backward pass, not a
-    copy with the column."""
+    column appended by the caller, on both paths, with invalid rows, in vmap and as
+    plain operators (``functional_ops``); the product saves rhs itself for the backward
+    pass, not a copy with the column."""
     from unittest import mock
 
     from skyformer.linalg import kernel_matmul
@@ -178,6 +179,8 @@ def test_a_column_of_ones_appended_inside_is_the_same_product_saving_rhs(device,
     rhs = torch.randn(2, n if transpose else m, r, generator=g, dtype=dtype).to(device)
     with_ones = torch.cat([rhs, torch.ones_like(rhs[..., :1])], dim=-1)
     options = {"scale": d ** -0.25, "transpose": transpose}
+    if masked:  # rows of y that are padding: zero rows (or columns) of C
+        options["row_valid"] = (torch.rand(2, n, generator=g) > 0.3).to(device)
 
     def product(leaves, ones):
         return gaussian_kernel_matmul(leaves[0], leaves[1], leaves[3], leaves[2],
@@ -205,8 +208,12 @@ def test_a_column_of_ones_appended_inside_is_the_same_product_saving_rhs(device,
     for name, a, e in zip(("dy", "dx", "db"), grads[:3], ref_grads[:3], strict=True):
         torch.testing.assert_close(a, e, **tolerance, msg=name)
     torch.testing.assert_close(grads[3], ref_grads[3][..., :-1], **tolerance, msg="drhs")
-    mapped = torch.func.vmap(lambda *t: product(t, True))(y, x, b, rhs)
+    valid = options.pop("row_valid", torch.ones(2, n, dtype=torch.bool, device=device))
+    mapped = torch.func.vmap(lambda *t: gaussian_kernel_matmul(
+        t[0], t[1], t[3], t[2], row_valid=t[4], kernel=kernel, ones_column=True,
+        **options))(y, x, b, rhs, valid)  # one matrix (and its valid rows) a batch entry
     torch.testing.assert_close(mapped, ref.detach(), **tolerance)
+    options["row_valid"] = valid
     with mock.patch.object(kernel_matmul, "functional_ops_only", lambda: True):
         torch.testing.assert_close(product((y, x, b, rhs), True), ref.detach(), **tolerance)
 
