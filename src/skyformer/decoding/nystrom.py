@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..linalg import gaussian_kernel_block, half_sq_norm, kernel_scale
+from ..linalg import gaussian_kernel_block, half_sq_norm, kernel_scale, with_ones_column
 from ..ops.shared.causal_nystrom import (
     causal_core,
     causal_landmarks,
@@ -232,7 +232,7 @@ class NystromSoftmaxDecoding(SkyformerDecoding):
               ) -> tuple[Tensor, Tensor, Tensor]:
         ks = k * self.scale
         offsets = self._real_offsets(key_valid, ks).expand_as(ks[..., 0])
-        return ks, offsets, torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+        return ks, offsets, with_ones_column(v)
 
     def _start_sums(self, keys: Tensor, offsets: Tensor) -> None:
         log_e = torch.where(torch.isfinite(offsets), half_sq_norm(keys), float("-inf"))

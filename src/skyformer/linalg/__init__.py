@@ -6,6 +6,7 @@ from .kernel_backend import KERNELS
 from .kernel_matmul import gaussian_kernel_matmul
 from .kernels import gaussian_exponent, gaussian_kernel_block, half_sq_norm
 from .nystrom import PINV_METHODS, landmark_inverse, lemma3_inverse
+from .ones_column import with_ones_column
 from .pinv import PINV_INITS, initial_inverse, inverse_residual, iterative_pinv
 from .rows import gather_rows
 from .scores import gaussian_scores, kernel_scale, softmax_scores
@@ -30,4 +31,5 @@ __all__ = [
     "lemma3_inverse",
     "softmax_scores",
     "top_singular_subspace",
+    "with_ones_column",
 ]

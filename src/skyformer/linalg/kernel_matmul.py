@@ -40,8 +40,9 @@ from .eager_calls import apply
 from .flush import flush_exponent_on_cpu_
 from .functional_ops import first_order_backward, functional_ops_only
 from .kernel_backend import HALF_TYPES, use_triton
-from .kernel_matmul_triton import TritonGaussianBlockProduct, with_ones_column
+from .kernel_matmul_triton import TritonGaussianBlockProduct
 from .kernel_offsets import LOG2E, row_offsets
+from .ones_column import with_ones_column
 from .vmap import vmap_into_batch
 
 # Elements of one chunk of the block, all heads together. 2^18 float32 = 1 MiB fits the

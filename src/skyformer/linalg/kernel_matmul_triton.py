@@ -24,6 +24,7 @@ from torch import Tensor
 
 from .functional_ops import first_order_backward
 from .kernel_offsets import LOG2E, row_offsets
+from .ones_column import with_ones_column
 from .vmap import vmap_into_batch
 
 
@@ -31,15 +32,6 @@ def _ops():
     from . import triton_ops  # imports Triton: only when this path is taken
 
     return triton_ops
-
-
-def with_ones_column(rhs: Tensor, ones_column: bool = True) -> Tensor:
-    """``[rhs, 1]``: ``rhs [..., R]`` with a column of ones appended (or ``rhs`` itself,
-    ``ones_column`` False). The products append it themselves (``ones_column``), so
-    that they save ``rhs`` for the backward pass, not a copy of it with the column."""
-    if not ones_column:
-        return rhs
-    return torch.cat([rhs, rhs.new_ones(*rhs.shape[:-1], 1)], dim=-1)
 
 
 def _none_to_empty(t: Tensor | None, like: Tensor) -> Tensor:

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ...linalg import gather_rows
+from ...linalg import gather_rows, with_ones_column
 from ...linalg.functional_ops import no_derivatives
 from ...linalg.kernels import finite_matrices
 from ...registry import Capabilities, register
@@ -300,7 +300,7 @@ def value_norm_probabilities(v: Tensor, key_ok: Tensor) -> Tensor:
     p_j ∝ ||[v_j 1]|| / ||[V 1]||_op^2 + 1/n (exact top eigenvalue of [V 1]^T [V 1]
     where that code runs a power method)."""
     real = key_ok[:, None, :].to(v.dtype)  # [B, 1, Nk]
-    y = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1) * real[..., None]
+    y = with_ones_column(v) * real[..., None]
     yd = y.double()
     top = torch.linalg.eigvalsh(finite_matrices(yd.transpose(-1, -2) @ yd))[..., -1].to(v.dtype)
     n = real.sum(-1, keepdim=True).clamp_min(1.0)

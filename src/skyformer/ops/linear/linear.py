@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ...linalg import with_ones_column
 from ...registry import Capabilities, register
 from ..shared.causal_prefix import CAUSAL_CHUNK, causal_feature_sums
 from ..shared.inputs import (
@@ -136,7 +137,7 @@ def linear_from_features(phi_q: Tensor, phi_k: Tensor, v: Tensor, info: Attentio
     padded keys zeroed; ``reduce`` completes the two sums over the keys (D x Dv and D)
     when they are a shard (``shared/reduction.py``). Returns ``[B, H, Nq, Dv]``.
     """
-    v_and_one = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # [B, H, Nk, Dv + 1]
+    v_and_one = with_ones_column(v)  # [B, H, Nk, Dv + 1]
     kv = reduce.sum(phi_k.transpose(-1, -2) @ v_and_one)  # [B, H, D, Dv + 1]
     o = phi_q @ kv  # [B, H, Nq, Dv + 1]
     out = _normalised(o, eps)
@@ -147,7 +148,7 @@ def causal_linear(phi_q: Tensor, phi_k: Tensor, v: Tensor, eps: float,
                   chunk: int = CAUSAL_CHUNK) -> Tensor:
     """sum_{j<=i} (phi_i . phi_j) v_j / (sum_{j<=i} phi_i . phi_j + eps) by chunks
     (``shared/causal_prefix.py``): ``[B, H, N, D]`` features, ``[B, H, N, Dv]`` values."""
-    v_and_one = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # [B, H, N, Dv + 1]
+    v_and_one = with_ones_column(v)  # [B, H, N, Dv + 1]
     o = causal_feature_sums(phi_q, phi_k, v_and_one, chunk=chunk)
     return _normalised(o, eps)
 

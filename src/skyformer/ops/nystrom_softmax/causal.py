@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ...linalg import gaussian_kernel_block, half_sq_norm
+from ...linalg import gaussian_kernel_block, half_sq_norm, with_ones_column
 from ...linalg.flush import flush_exponent_on_cpu_, flush_on_cpu
 from ..shared.causal_nystrom import CausalLandmarks, causal_core, nystrom_features
 from ..shared.causal_prefix import CAUSAL_CHUNK, chunk_rows, lower_triangle, prefix_mean_values
@@ -75,7 +75,7 @@ def causal_nystrom_softmax(q: Tensor, k: Tensor, v: Tensor, info: AttentionInput
     phi_q = nystrom_features(gaussian_kernel_block(qs, core.x, half_sq_norm(qs), core.x_norm),
                              core)
     phi_q = torch.where(landmarks.available(n), phi_q, 0.0)  # [B, H, N, m]
-    v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # [B, H, N, Dv + 1]
+    v1 = with_ones_column(v)  # [B, H, N, Dv + 1]
     q_c, v_c = chunk_rows(phi_q, chunk), chunk_rows(v1, chunk)
     # CPU products of subnormal numbers are slow: flush each factor (linalg.flush)
     t = chunk_rows(flush_on_cpu(psi_k * key_factor[..., None]), chunk).transpose(-1, -2) @ v_c

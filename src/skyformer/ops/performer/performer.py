@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from ...linalg import with_ones_column
 from ...registry import Capabilities, register
 from ...sketch import gaussian_projection
 from ...sketch.rng import fold_in, random_key
@@ -236,14 +237,14 @@ def performer_from_projection(
             raise ValueError(f"performer: causal=True needs as many queries as keys, got "
                              f"Nq={info.query_len}, Nk={info.key_len}.")
         phi_k = causal_key_features(k * root, projection, info.key_valid, config.eps)
-        v_and_one = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+        v_and_one = with_ones_column(v)
         o = causal_feature_sums(phi_q, phi_k, v_and_one)  # [B, H, N, Dv + 1]
         numerator, denominator = numerator_and_denominator(o)
         out = normalised_or(numerator, denominator, prefix_mean_values(v, info.key_valid))
         return zero_padded_queries(out, info.query_valid)
     phi_k, _ = key_features(k * root, projection, info.key_valid, config.eps,
                             reduce)  # [B, H, Nk, m]
-    v_and_one = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # [B, H, Nk, Dv + 1]
+    v_and_one = with_ones_column(v)  # [B, H, Nk, Dv + 1]
     o = phi_q @ reduce.sum(phi_k.transpose(-1, -2) @ v_and_one)  # [B, H, Nq, Dv + 1]
     numerator, denominator = numerator_and_denominator(o)
     out = normalised_or(numerator, denominator, mean_values(v, info.key_valid, reduce))

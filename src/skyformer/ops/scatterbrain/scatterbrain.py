@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ...linalg import with_ones_column
 from ...registry import Capabilities, register
 from ...sketch import (
     draw_hyperplanes,
@@ -170,7 +171,7 @@ def scatterbrain_attention(
     phi_q, q_shift = query_features(qh, w)  # [B, H, Nq, m], [B, H, Nq, 1]
     phi_k, k_shift = key_features(kh, w, info.key_valid)  # [B, H, Nk, m], [B, H, 1, 1]
     log_lr = (q_shift + k_shift)[..., 0] - math.log(w.shape[0])  # [B, H, Nq]
-    v_and_one = torch.cat([vw, torch.ones_like(vw[..., :1])], dim=-1)  # [B, H, Nk, Dv + 1]
+    v_and_one = with_ones_column(vw)  # [B, H, Nk, Dv + 1]
     low_rank = phi_q @ (phi_k.transpose(-1, -2) @ v_and_one)  # [B, H, Nq, Dv + 1]
 
     if config.blocks > 0 and config.support == "local":

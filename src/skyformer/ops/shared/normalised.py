@@ -14,7 +14,7 @@ numerator's g / den. As with SDPA, whose backward reads its output too, an in-pl
 write into the output before the backward pass is refused by autograd.
 
 ``numerator_and_denominator`` splits the output of a product with a column of ones
-appended to V.
+appended to V (``linalg.with_ones_column``).
 """
 
 from __future__ import annotations
