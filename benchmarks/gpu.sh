@@ -13,9 +13,9 @@
 # missing. Ctrl-C stops the running stage and the script, marking nothing done; so does a
 # stage that could not be started at all (exit 125-127).
 # STAGE_SECONDS=N gives every stage N seconds instead of its own limit.
-# ONLY="NAME ..." runs those stages alone (tests tiles ptiles profile kernels
+# ONLY="NAME ..." runs those stages alone (tests tiles ptiles ftiles profile kernels
 # bench_float32 bench_bfloat16 lra), for a device lent for a few minutes.
-# The kernels' launch options are timed first (tiles, ptiles); the profile and the
+# The kernels' launch options are timed first (tiles, ptiles, ftiles); the profile and the
 # kernel benchmark then launch the fastest of them (--tiles), as the library would with
 # them as its defaults.
 # ARCHIVE=FILE.tar.gz packs OUT_DIR into that one file after every stage (and when
