@@ -212,3 +212,71 @@ def test_crop_refusals_name_the_fix():
         cache.crop(-4)
     with pytest.raises(ValueError, match="minus the number of positions"):
         cache.crop(5)
+
+
+@torch.no_grad()
+def test_every_live_cache_decodes_a_copy_too():
+    """Two caches alive for one model (the older one continued after the newer was made)
+    and a copy of a prompt's cache continued apart (transformers' prompt reuse) each
+    decode as the full forward: a step is found from the keys its own cache handed back."""
+    import copy
+
+    model = _gpt2()
+    shf.set_attention(model, "skyformer", seed=0, num_features=8, landmark_stride=4)
+    ids = torch.randint(2, 64, (2, 24), generator=torch.Generator().manual_seed(0))
+    want = model(ids).logits[:, -3:]
+    older, newer = shf.DecodingCache(model), shf.DecodingCache(model)
+    model(ids[:, :21], cache=older)
+    model(ids[:, :20], cache=newer)
+    prompt = copy.deepcopy(newer)
+    torch.testing.assert_close(model(ids[:, 21:], cache=older).logits, want)
+    torch.testing.assert_close(model(ids[:, 20:], cache=newer).logits[:, 1:], want)
+    torch.testing.assert_close(model(ids[:, 20:], cache=prompt).logits[:, 1:], want)
+    for cache in (older, newer, prompt):
+        assert [layer.seen for layer in cache.layers] == [24, 24]
+
+
+def test_a_cache_does_not_skip_the_refusal_of_soft_capping():
+    """Gemma 2 asks for logit soft-capping, which no approximate method applies: refused
+    with a cache as without one (the step must not quietly leave it out)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from skyformer.registry import CapabilityError
+
+    config = Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                          head_dim=16, query_pre_attn_scalar=16, max_position_embeddings=256,
+                          sliding_window=4096, layer_types=["full_attention"] * 2,
+                          attn_logit_softcapping=50.0, final_logit_softcapping=None)
+    config._attn_implementation = "skyformer"
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(config).eval()
+    shf.set_attention(model, "skyformer", seed=0, num_features=8, landmark_stride=4)
+    ids = torch.randint(2, 64, (1, 12))
+    for cache in ({}, {"cache": shf.DecodingCache(model)}):
+        with torch.no_grad(), pytest.raises(CapabilityError, match=r"soft-capping"):
+            model(ids, **cache)
+
+
+@pytest.mark.parametrize(("method", "options"), [SETTINGS[0], SETTINGS[2]],
+                         ids=["skyformer", "linear"])
+def test_dropout_in_training_with_a_cache_as_without(method, options):
+    """In training mode the decoding step drops entries of its output as the call without
+    a cache does: with the same random draws, the prompt's step equals the full forward."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=512,
+                        attn_pdrop=0.5, resid_pdrop=0.0, embd_pdrop=0.0)
+    config._attn_implementation = "skyformer"
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config).train()
+    shf.set_attention(model, method, seed=0, **options)
+    ids = torch.randint(2, 64, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.manual_seed(5)
+        plain = model(ids).logits
+        torch.manual_seed(5)
+        cached = model(ids, cache=shf.DecodingCache(model)).logits
+        evaluated = model.eval()(ids).logits
+    torch.testing.assert_close(cached, plain)
+    assert (cached - evaluated).abs().max() > 1e-2

@@ -178,11 +178,13 @@ def skyformer_attention_forward(
         ``(out [B, Nq, H, Dv], None)``.
     """
     layer = _layer_for(module, implementation, default_method)
-    decoding = claimed_step(module, key)
+    decoding = claimed_step(key)
+    if layer.method != EXACT:  # with or without a cache
+        _refuse_what_the_method_cannot_apply(module, layer, kwargs)
     if decoding is not None:
         if layer.method != EXACT and not layer.bound.method.capabilities.attn_mask:
             return _decoding_step(module, layer, decoding, query, key, value, attention_mask,
-                                  scaling)
+                                  dropout, scaling)
         key, value = decoding.keep(key, value)  # exact attention over every key so far
     if layer.method == EXACT:
         return sdpa_attention_forward(
@@ -193,13 +195,6 @@ def skyformer_attention_forward(
     spec = layer.bound.method
     where = _where(module, layer)
     takes_any_mask = spec.capabilities.attn_mask
-    refused = _REFUSED_KWARGS if takes_any_mask else {**_REFUSED_KWARGS, **_IN_THE_MASK}
-    for name, what in refused.items():
-        if kwargs.get(name) is not None:
-            raise CapabilityError(
-                f"{where}: the model asks for {what} ({name}=...), which {spec.name} cannot "
-                f"apply; keep exact attention in this layer."
-            )
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     if takes_any_mask:
@@ -240,10 +235,28 @@ def skyformer_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
+def _refuse_what_the_method_cannot_apply(module: nn.Module, layer: LayerAttention,
+                                          kwargs: dict[str, Any]) -> None:
+    """A sentence for a keyword argument that changes what the layer's method would
+    compute (``_REFUSED_KWARGS``; ``_IN_THE_MASK`` too for a method that takes no
+    attn_mask)."""
+    assert layer.bound is not None
+    spec = layer.bound.method
+    refused = _REFUSED_KWARGS if spec.capabilities.attn_mask else {**_REFUSED_KWARGS,
+                                                                   **_IN_THE_MASK}
+    for name, what in refused.items():
+        if kwargs.get(name) is not None:
+            raise CapabilityError(
+                f"{_where(module, layer)}: the model asks for {what} ({name}=...), which "
+                f"{spec.name} cannot apply; keep exact attention in this layer."
+            )
+
+
 def _decoding_step(module: nn.Module, layer: LayerAttention, decoding: DecodingLayer,
                    query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-                   scaling: float | None) -> tuple[Tensor, None]:
-    """The next positions of a ``DecodingCache`` layer: its decoding state's step."""
+                   dropout: float, scaling: float | None) -> tuple[Tensor, None]:
+    """The next positions of a ``DecodingCache`` layer: its decoding state's step, with
+    dropout on its output in training (as the call without a cache)."""
     assert layer.bound is not None
     where = _where(module, layer)
     b, _, n, head_dim = query.shape
@@ -262,6 +275,8 @@ def _decoding_step(module: nn.Module, layer: LayerAttention, decoding: DecodingL
     if key_valid is not None:
         key_valid = key_valid.to(query.device)
     out = decoding.step(query, key, value, key_valid)  # [B, H, n, Dv]
+    if module.training and dropout:
+        out = F.dropout(out, p=float(dropout), training=True)
     return out.transpose(1, 2).contiguous(), None
 
 

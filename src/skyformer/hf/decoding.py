@@ -27,8 +27,10 @@ or ``crop``, with that step's inputs: up to about twice the state's memory.
 
 How it plugs in: the cache's ``update`` records the new keys and values and hands them
 back unchanged; the skyformer attention function of that layer recognises them (the
-very tensors, on the module the cache is bound to) and runs a decoding step instead of
-attention over a key cache.
+very tensors: ``claimed_step``) and runs a decoding step instead of attention over a key
+cache. Any number of caches may be alive for one model (two conversations, a copy of a
+prompt's cache made with ``copy.deepcopy`` to continue it twice): each step is found from
+the keys that its own cache handed back.
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .layers import attention_modules, is_cross_attention
 
-BOUND_NAME = "_skyformer_decoding_cache"  # module attribute: weakref to the bound cache
+# The steps that updates handed back and no attention function has taken yet:
+# id(keys) -> (the keys, their layer), both weakly held (nothing lives longer for it).
+_PENDING: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
 
 class DecodingLayer(CacheLayerMixin):
@@ -87,6 +91,10 @@ class DecodingLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.pending = key_states
+        for ident, (keys, layer) in list(_PENDING.items()):  # steps no function took
+            if keys() is None or layer() is None:
+                _PENDING.pop(ident, None)
+        _PENDING[id(key_states)] = (weakref.ref(key_states), weakref.ref(self))
         self.seen += key_states.shape[-2]
         return key_states, value_states
 
@@ -223,8 +231,6 @@ class DecodingCache(Cache):
             raise ValueError("DecodingCache is for decoder-only models; this model has "
                              "cross-attention (use transformers' EncoderDecoderCache).")
         super().__init__(layers=[DecodingLayer() for _ in range(max(i for i, _ in modules) + 1)])
-        for index, module in modules:
-            setattr(module, BOUND_NAME, (weakref.ref(self), index))
 
     def crop(self, tokens_to_remove: int) -> None:
         """``DecodingLayer.crop`` on every layer, after checking them all: a refused crop
@@ -238,13 +244,12 @@ class DecodingCache(Cache):
         return sum(layer.nbytes() for layer in self.layers)
 
 
-def claimed_step(module: nn.Module, key: Tensor) -> DecodingLayer | None:
-    """The ``DecodingLayer`` whose ``update`` returned ``key`` to this module, if any."""
-    bound = getattr(module, BOUND_NAME, None)
-    if bound is None:
+def claimed_step(key: Tensor) -> DecodingLayer | None:
+    """The ``DecodingLayer`` whose ``update`` returned ``key`` (the very tensor), if any:
+    the step is then taken (a second call answers None)."""
+    entry = _PENDING.get(id(key))
+    if entry is None or entry[0]() is not key:
         return None
-    cache = bound[0]()
-    if cache is None or bound[1] >= len(cache.layers):
-        return None
-    layer = cache.layers[bound[1]]
-    return layer if isinstance(layer, DecodingLayer) and layer.claim(key) else None
+    _PENDING.pop(id(key), None)
+    layer = entry[1]()
+    return layer if layer is not None and layer.claim(key) else None
