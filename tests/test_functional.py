@@ -217,3 +217,70 @@ def test_padding_mask_under_compile_and_the_sentence_for_other_masks():
     with pytest.raises(Exception, match="cannot be read to check it is one: pass "
                                         "key_padding_mask and is_causal"):
         f(q, k, v, causal, key)
+
+
+@pytest.mark.parametrize("dims", [1, 2, 3])
+def test_unbatched_masks_broadcast_from_the_right_as_sdpa(dims):
+    """[H, L, E] inputs take a mask [S], [L, S] or [H, L, S] as torch's SDPA does; an
+    approximate method reads it too (and refuses one it cannot apply)."""
+    q, k, v = make_qkv(1, 2, 5, 4, nk=6)
+    q, k, v = q[0], k[0], v[0]
+    pattern = torch.ones(2, 5, 6, dtype=torch.bool).tril()
+    mask = pattern if dims == 3 else pattern[0] if dims == 2 else pattern[0, -1]
+    torch.testing.assert_close(sdpa(q, k, v, mask),
+                               F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    per_sample = torch.func.vmap(lambda a, b, c: sdpa(a, b, c, mask))
+    batched = torch.stack([q, 2 * q]), torch.stack([k, k]), torch.stack([v, -v])
+    torch.testing.assert_close(per_sample(*batched), F.scaled_dot_product_attention(
+        *batched, attn_mask=mask.expand(2, 5, 6)))
+    if dims == 1:  # key padding: read by the approximate methods as in a batched call
+        padding = torch.tensor([True, True, True, False, True, False])
+        got = sdpa(q, k, v, padding, method="nystromformer", num_features=6)
+        want = sdpa(q[None], k[None], v[None], method="nystromformer", num_features=6,
+                    key_padding_mask=padding[None])[0]
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    else:
+        with pytest.raises(ValueError, match="neither key padding nor causal"):
+            sdpa(q, k, v, mask, method="performer")
+
+
+def test_unbatched_packed_sequences_keep_apart():
+    q, k, v = make_qkv(1, 2, 8, 4)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    want = torch.cat([F.scaled_dot_product_attention(q[0, :, s:e], k[0, :, s:e], v[0, :, s:e])
+                      for s, e in ((0, 3), (3, 8))], dim=1)
+    torch.testing.assert_close(sdpa(q[0], k[0], v[0], cu_seqlens=cu), want)
+    torch.testing.assert_close(sdpa(q[0], k[0], v[0], cu_seqlens=cu, max_seqlen=5), want)
+
+
+def test_an_attn_mask_pads_queries_in_self_attention_unless_told_otherwise():
+    """With L == S a key hidden from every query pads its position's query too (the
+    convention of key_padding_mask, "auto"); query_padding_mask=None keeps every query
+    real, as SDPA does (cross-attention of equal lengths)."""
+    q, k, v = make_qkv(2, 2, 8, 4)
+    valid = torch.ones(2, 8, dtype=torch.bool)
+    valid[0, 5:] = False
+    mask = valid[:, None, None, :]
+    padded = sdpa(q, k, v, mask, method="nystromformer", num_features=8)
+    assert padded[0, :, 5:].eq(0).all()
+    real = sdpa(q, k, v, mask, method="nystromformer", num_features=8,
+                query_padding_mask=None)  # all landmarks at this size: SDPA's numbers
+    torch.testing.assert_close(real, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    torch.testing.assert_close(padded[0, :, :5], real[0, :, :5])
+
+
+def test_argument_errors_name_what_is_wrong():
+    q, k, v = make_qkv(1, 2, 10, 4)
+    cu = torch.tensor([0, 3, 8, 10])
+    with pytest.raises(ValueError, match=r"max_seqlen is 3 but .* a sequence of 5 tokens"):
+        sdpa(q, k, v, cu_seqlens=cu, max_seqlen=3)
+    with pytest.raises(ValueError, match="max_seqlen_k is 2"):
+        sdpa(q, k, v, cu_seqlens=cu, cu_seqlens_k=cu, max_seqlen=5, max_seqlen_k=2)
+    with pytest.raises(ValueError, match="one entry per entry of cu_seqlens"):
+        sdpa(q, k, v, cu_seqlens=cu, cu_seqlens_k=torch.tensor([0, 10]))
+    q3 = make_qkv(1, 3, 10, 4)[0]
+    with pytest.raises(ValueError, match="multiple of them") as err:
+        sdpa(q3, k, v, enable_gqa=True)
+    assert "needs enable_gqa=True" not in str(err.value)
+    with pytest.raises(ValueError, match="scaled_dot_product_attention takes torch's SDPA"):
+        skyformer.attention(q, k, v, "softmax", attn_mask=torch.ones(10, 10, dtype=torch.bool))

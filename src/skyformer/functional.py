@@ -10,7 +10,13 @@ where it cannot:
   mask broadcastable to ``[B, H, L, S]``; the approximate methods take masks that are
   key padding, or causal with key padding (``skyformer.masks.resolve_mask``), which
   reads the mask's values: under ``torch.compile`` they take masks that broadcast over
-  the queries (``[B, 1, 1, S]``), or pass ``key_padding_mask`` and ``is_causal``.
+  the queries (``[B, 1, 1, S]``), or pass ``key_padding_mask`` and ``is_causal``. For
+  them, as for ``key_padding_mask``, self-attention's convention holds when L == S
+  (``query_padding_mask="auto"``): a position whose key the mask hides from every
+  query is padding, its query too (output row 0, in no landmark pool, so that padding
+  equals truncation); pass ``query_padding_mask=None`` where every query is real
+  (cross-attention of equal lengths; SDPA itself gives such a row the attention of its
+  mask's row).
 - ``is_causal``: the methods with capability ``causal``.
 - ``scale``: the methods with a ``scale`` option (every method but ``linear``).
 - ``dropout_p``: applied, as by SDPA, whenever it is positive (pass 0 in evaluation):
@@ -26,7 +32,9 @@ where it cannot:
   jagged tensors were the alternative. Cumulative lengths are plain tensors, so they
   pass through ``torch.compile`` and ``torch.export`` and come straight from the
   packed batches transformers builds; they are unpacked here into a padded batch with
-  a key padding mask (``max_seqlen`` avoids reading the lengths on the host).
+  a key padding mask (``max_seqlen`` spares reading the lengths on the host under
+  ``torch.compile``; eager calls read them to check them, and that no sequence is
+  longer than ``max_seqlen``).
 
 Beyond SDPA: ``key_padding_mask`` ``[B, S]`` (True = real token) and
 ``query_padding_mask`` (see ``skyformer.attention``), ``generator`` (a torch.Generator
@@ -63,10 +71,11 @@ def scaled_dot_product_attention(
     spec = get_method(method)
     if isinstance(query, Tensor) and query.dim() == 3:  # unbatched [H, L, E]
         return scaled_dot_product_attention(
-            query[None], key[None], value[None],
-            None if attn_mask is None or attn_mask.dim() < 3 else attn_mask[None],
+            query[None], _batched(key), _batched(value), attn_mask,
             dropout_p, is_causal, scale, enable_gqa, method=method,
-            key_padding_mask=key_padding_mask, query_padding_mask=query_padding_mask,
+            key_padding_mask=_batched(key_padding_mask, 1),
+            query_padding_mask=_batched(query_padding_mask, 1), cu_seqlens=cu_seqlens,
+            cu_seqlens_k=cu_seqlens_k, max_seqlen=max_seqlen, max_seqlen_k=max_seqlen_k,
             generator=generator, **options)[0]
     if cu_seqlens is not None:
         return _varlen(spec, query, key, value, attn_mask, dropout_p, is_causal, scale,
@@ -77,6 +86,10 @@ def scaled_dot_product_attention(
     options = _sdpa_options(spec, options, is_causal, scale, query.shape[-1])
     arguments: dict[str, Any] = {}
     if attn_mask is not None:
+        # SDPA broadcasts a mask from the right: [S] and [L, S] are one mask for every
+        # batch and head, [H, L, S] one for every batch (resolve_mask would read a 2-D
+        # mask as transformers' [B, S])
+        attn_mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
         if spec.capabilities.attn_mask:
             arguments["attn_mask"] = attn_mask
         else:
@@ -91,6 +104,12 @@ def scaled_dot_product_attention(
     if dropout_p and not spec.capabilities.weight_dropout:
         out = F.dropout(out, p=dropout_p, training=True)
     return out
+
+
+def _batched(t: Any, dims: int = 3) -> Any:
+    """An unbatched call's tensor of ``dims`` dimensions with a batch of one in front
+    (anything else as it is, for the checks of the batched call to name)."""
+    return t[None] if isinstance(t, Tensor) and t.dim() == dims else t
 
 
 def _check_layout(method: str, query: Any, key: Any, value: Any) -> None:
@@ -110,10 +129,12 @@ def _grouped(method: str, query: Tensor, key: Tensor, value: Tensor, enable_gqa:
     if h == hkv:
         return key, value
     if not enable_gqa or hkv == 0 or h % hkv or value.shape[1] != hkv:
+        needs = ("as many key as value heads and a number of query heads that is a "
+                 "multiple of them" if enable_gqa else "enable_gqa=True and a number of "
+                 "query heads that is a multiple of the key/value heads")
         raise ValueError(
             f"{method}: the query has {h} heads but key/value have {key.shape[1]}/"
-            f"{value.shape[1]}; grouped-query attention needs enable_gqa=True and a number "
-            f"of query heads that is a multiple of the key/value heads."
+            f"{value.shape[1]}; grouped-query attention needs {needs}."
         )
     group = h // hkv
     return key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
@@ -144,9 +165,6 @@ def _as_padding(spec: Method, attn_mask: Tensor, key_padding_mask: Tensor | None
     lk = key.shape[2]
     advice = (f"{spec.name} is one of them: use method='softmax' or 'kernelized', which "
               f"take any attn_mask")
-    # SDPA broadcasts attn_mask from the right ([L, S] is one mask for every batch and
-    # head); resolve_mask reads 2-D masks as [B, S] (transformers' form): make it 4-D.
-    attn_mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
     if may_read_values(attn_mask):
         resolved = resolve_mask(attn_mask, batch=b, query_len=lq, key_len=lk,
                                 is_causal=False, advice=advice)
@@ -179,9 +197,15 @@ def _varlen(spec: Method, query: Tensor, key: Tensor, value: Tensor, attn_mask: 
                          f"are kept apart by the cumulative lengths; use is_causal).")
     check_capabilities(spec.name, mask=True)
     cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
+    if isinstance(cu_k, Tensor) and isinstance(cu_seqlens, Tensor) \
+            and cu_k.shape != cu_seqlens.shape:
+        raise ValueError(
+            f"{spec.name}: cu_seqlens_k must have one entry per entry of cu_seqlens (the "
+            f"same sequences, keys of other lengths), got {tuple(cu_k.shape)} and "
+            f"{tuple(cu_seqlens.shape)}.")
     q, q_valid = unpack(query, cu_seqlens, max_seqlen, spec.name)
-    k, k_valid = unpack(key, cu_k, max_seqlen_k if cu_seqlens_k is not None else max_seqlen,
-                        spec.name)
+    k, k_valid = (unpack(key, cu_k, max_seqlen_k, spec.name, "max_seqlen_k")
+                  if cu_seqlens_k is not None else unpack(key, cu_k, max_seqlen, spec.name))
     v, _ = unpack(value, cu_k, k.shape[2], spec.name)
     out = scaled_dot_product_attention(
         q, k, v, None, dropout_p, is_causal, scale, enable_gqa, method=spec.name,

@@ -38,8 +38,8 @@ def _slots(cu_seqlens: Tensor, total: int, max_len: int) -> Tensor:
     return seq * max_len + position - cu_seqlens[seq]
 
 
-def unpack(x: Tensor, cu_seqlens: Tensor, max_len: int | None, method: str
-           ) -> tuple[Tensor, Tensor]:
+def unpack(x: Tensor, cu_seqlens: Tensor, max_len: int | None, method: str,
+           argument: str = "max_seqlen") -> tuple[Tensor, Tensor]:
     """``x: [1, H, T, E]`` -> ``([B, H, max_len, E], valid [B, max_len])``; ``max_len``
     ``None`` reads the longest length from ``cu_seqlens`` (a host sync)."""
     if x.shape[0] != 1:
@@ -50,6 +50,14 @@ def unpack(x: Tensor, cu_seqlens: Tensor, max_len: int | None, method: str
     batch = cu.numel() - 1
     if max_len is None:
         max_len = max(1, int((cu[1:] - cu[:-1]).max()))
+    elif not torch.compiler.is_compiling():  # the lengths are read in _check already
+        longest = int((cu[1:] - cu[:-1]).max())
+        if longest > max_len:
+            raise ValueError(
+                f"{method}: {argument} is {max_len} but the cumulative lengths hold a "
+                f"sequence of "
+                f"{longest} tokens; pass the longest length (or None to read it from "
+                f"them).")
     slots = _slots(cu, total, max_len)
     rows = x[0].transpose(0, 1)  # [T, H, E]
     padded = rows.new_zeros(batch * max_len, h, e).index_copy(0, slots, rows)

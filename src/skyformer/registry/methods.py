@@ -35,6 +35,9 @@ StateFactory = Callable[[Any, int, int], "torch.nn.Module"]
 
 # Names ``Method.bind`` takes itself; no method may have an option of that name.
 _BIND_ARGUMENTS = ("num_heads", "head_dim", "seq_len")
+# Arguments of torch's scaled_dot_product_attention, which skyformer's takes beside the
+# methods' options (a sentence for one given to a method as an option points there).
+_SDPA_ARGUMENTS = frozenset({"attn_mask", "dropout_p", "is_causal", "enable_gqa"})
 # The exact method of each target: what approximation errors are measured against.
 _EXACT = {"softmax": "softmax", "gaussian": "kernelized"}
 
@@ -87,9 +90,12 @@ class Method:
             raise CapabilityError(_capability_sentence(self.name, "causal"))
         if unknown:
             known = ", ".join(self.option_names()) or "none"
+            sdpa = sorted(set(unknown) & _SDPA_ARGUMENTS)
+            hint = (f" ({', '.join(sdpa)}: skyformer.scaled_dot_product_attention takes "
+                    f"torch's SDPA arguments)" if sdpa else "")
             raise ValueError(
                 f"{self.name} has no option {', '.join(map(repr, unknown))}; "
-                f"its options are: {known}."
+                f"its options are: {known}{hint}."
             )
         return self.config_class(**options)
 
