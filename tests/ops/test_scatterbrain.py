@@ -39,6 +39,7 @@ def test_fast_matches_reference_outputs_and_gradients(options, nq):
     q, k, v = make_qkv(2, 2, nq, 6, nk=21, dv=5, seed=1)
     mask = torch.ones(2, 21, dtype=torch.bool)
     mask[0, 16:] = False
+    mask[0, [4, 9]] = False  # holes
     mask[1, :3] = False
     for t in (q, k, v):
         t.requires_grad_(True)
@@ -101,10 +102,11 @@ def test_local_window_positions():
     """Query i's window is keys i - w // 2 ... i + (w + 1) // 2 - 1."""
     from skyformer.ops.scatterbrain.naive import reference_local_pattern
 
-    band = reference_local_pattern(6, 6, 4)
+    rank = torch.arange(6)
+    band = reference_local_pattern(rank, rank, 4)
     assert band[3].nonzero().flatten().tolist() == [1, 2, 3, 4]
     assert band[0].nonzero().flatten().tolist() == [0, 1]
-    assert reference_local_pattern(6, 6, 3)[3].nonzero().flatten().tolist() == [2, 3, 4]
+    assert reference_local_pattern(rank, rank, 3)[3].nonzero().flatten().tolist() == [2, 3, 4]
 
 
 @pytest.mark.parametrize("support", ["lsh", "local"])
@@ -123,6 +125,53 @@ def test_padding_equals_truncation_and_batches_are_independent(support):
         torch.testing.assert_close(both[1:, :, :11], short, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(both[:1], first, rtol=1e-10, atol=1e-12)
     assert torch.all(both[1, :, 11:] == 0)
+
+
+def holes_mask(b: int, n: int) -> torch.Tensor:
+    """Holes in the middle of element 0; left padding and a hole in element 1."""
+    mask = torch.ones(b, n, dtype=torch.bool)
+    mask[0, [5, 6, 7, n - 6]] = False
+    mask[1, :3] = False
+    mask[1, 9] = False
+    return mask
+
+
+def real(x: torch.Tensor, mask: torch.Tensor, i: int) -> torch.Tensor:
+    """Element i's rows at its real positions, packed: ``[1, H, n_i, F]``."""
+    return x[i : i + 1, :, mask[i]]
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 5, 7])
+def test_local_windows_follow_ranks_so_holes_equal_truncation(block_size):
+    """Windows that neither hold one key nor every key: a query's window is over the
+    real tokens around it in order, so holes and left padding change nothing, in the
+    fast path and in the reference."""
+    q, k, v = make_qkv(2, 2, 20, 6, seed=11)
+    mask = holes_mask(2, 20)
+    opts = {"num_features": 6, "block_size": block_size, "support": "local"}
+    fast = scatterbrain_attention(q, k, v, key_padding_mask=mask, generator=gen(1), **opts)
+    w, _ = draw_scatterbrain(2, 2, 6, ScatterbrainConfig(**opts), generator=gen(1))
+    ref = reference_scatterbrain_attention(q, k, v, w.double(), None, key_padding_mask=mask,
+                                           **opts)
+    for i in range(2):
+        short = scatterbrain_attention(real(q, mask, i), real(k, mask, i), real(v, mask, i),
+                                       generator=gen(1), **opts)
+        torch.testing.assert_close(real(fast, mask, i), short, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(real(ref, mask, i), short, rtol=1e-10, atol=1e-12)
+    assert torch.all(fast[~mask[:, None, :].expand(-1, 2, -1)] == 0)
+
+
+def test_cross_attention_windows_follow_query_and_key_ranks():
+    """Holes among the keys and among the queries: query rank r sees key ranks around r."""
+    q, k, v = make_qkv(2, 2, 14, 6, nk=20, seed=12)
+    k_mask, q_mask = holes_mask(2, 20), holes_mask(2, 14)
+    opts = {"num_features": 6, "block_size": 4, "support": "local"}
+    fast = scatterbrain_attention(q, k, v, key_padding_mask=k_mask, query_padding_mask=q_mask,
+                                  generator=gen(1), **opts)
+    for i in range(2):
+        short = scatterbrain_attention(real(q, q_mask, i), real(k, k_mask, i),
+                                       real(v, k_mask, i), generator=gen(1), **opts)
+        torch.testing.assert_close(real(fast, q_mask, i), short, rtol=1e-10, atol=1e-12)
 
 
 def test_estimate_is_unbiased_and_exact_on_the_support():

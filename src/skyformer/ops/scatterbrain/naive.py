@@ -2,7 +2,8 @@
 
 S = (A - phi(Q) phi(K)^T) restricted to the sparse support (the LSH block pattern of
 ``kdeformer.naive.reference_block_pattern``, or the local band of
-``reference_local_pattern``), then D~^-1 A~ V with D~ = diag(A~ 1).
+``reference_local_pattern`` over ranks among the real tokens), then D~^-1 A~ V with
+D~ = diag(A~ 1).
 Memory O(N^2): for tests only.
 """
 
@@ -13,15 +14,18 @@ import math
 import torch
 from torch import Tensor
 
+from ...sketch.rng import valid_rank
 from ..kdeformer.naive import reference_block_pattern
 from ..performer.naive import performer_scores
 from ..shared.inputs import check_attention_inputs, zero_padded_queries
 from .scatterbrain import ScatterbrainConfig
 
 
-def reference_local_pattern(nq: int, nk: int, window: int) -> Tensor:
-    """``[Nq, Nk]`` bool: key j is in query i's window, -(w // 2) <= j - i < (w + 1) // 2."""
-    d = torch.arange(nk)[None, :] - torch.arange(nq)[:, None]
+def reference_local_pattern(q_rank: Tensor, k_rank: Tensor, window: int) -> Tensor:
+    """``[..., Nq, Nk]`` bool: key j is in query i's window, -(w // 2) <= r_j - r_i <
+    (w + 1) // 2, with ``q_rank [..., Nq]``, ``k_rank [..., Nk]`` the ranks among the real
+    queries and keys (positions without padding)."""
+    d = k_rank[..., None, :] - q_rank[..., :, None]
     return (d >= -(window // 2)) & (d < (window + 1) // 2)
 
 
@@ -40,8 +44,10 @@ def reference_scatterbrain_attention(
         exact = exact * key_padding_mask[:, None, None, :].to(exact.dtype)
     support = torch.zeros_like(exact)
     if cfg.blocks > 0 and cfg.support == "local":
-        support = support + reference_local_pattern(q.shape[-2], k.shape[-2], cfg.blocks).to(
-            device=q.device, dtype=q.dtype)
+        q_rank = valid_rank(info.query_valid, info.batch, info.query_len, q.device)
+        k_rank = valid_rank(info.key_valid, info.batch, info.key_len, q.device)
+        support = support + reference_local_pattern(q_rank, k_rank, cfg.blocks)[:, None].to(
+            q.dtype)
     elif cfg.blocks > 0:
         support = reference_block_pattern(
             q.detach(), k.detach(), hyperplanes, cfg.blocks, key_padding_mask=key_padding_mask

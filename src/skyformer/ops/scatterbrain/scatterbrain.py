@@ -15,7 +15,8 @@ being counted twice. The normaliser uses the same matrix, D~ = diag(A~ 1), and
 in O(N (b + m) D) with b the bucket size and m the random features.
 
 Components here (``support="local"``, the default, is the published SBLocal window of
-``block_size`` keys around each query; the text below describes ``support="lsh"``):
+``block_size`` keys around each query, over ranks among the real tokens so that holes
+equal truncation; the text below describes ``support="lsh"``):
 low-rank = Performer's positive orthogonal random features
 (``performer.query_features``/``key_features``, same stabilisation); sparse support =
 equal-sized angular LSH buckets (KDEformer's Definition A.3, ``sketch.lsh_blocks``),
@@ -61,6 +62,7 @@ from ..shared.local_window import local_windows, query_chunks, unchunk, window_r
 from ..shared.lsh_blocks import LshBlockOptions, lsh_block_logits
 from ..shared.normalised import normalised_or, numerator_and_denominator
 from ..shared.options import check_bool, check_choice, check_random_features, check_scale
+from ..shared.real_first import from_real_first, real_first_mask, real_first_order, to_real_first
 
 SUPPORTS = ("lsh", "local")
 
@@ -73,8 +75,9 @@ class ScatterbrainConfig(LshBlockOptions):
         sparse part (Performer).
     support: the sparse support where the estimate is exact. "lsh": balanced angular-LSH
         buckets of ``block_size`` keys (one hash, ``num_hyperplanes``); "local": each query
-        sees the window of ``block_size`` neighbouring keys, positions -(w // 2) ... w - 1 -
-        w // 2 around its own (the published SBLocal code).
+        sees the window of ``block_size`` neighbouring keys, ranks -(w // 2) ... w - 1 -
+        w // 2 around its own among the real tokens (the published SBLocal code, whose
+        positions are these ranks without holes or left padding).
     antithetic: features in pairs exp(+w.x), exp(-w.x) (the hyperbolic features of
         Performer's paper, the published code's default): ceil(m / 2) directions, each
         with its negation, 2 ceil(m / 2) columns. False: m independent directions
@@ -176,7 +179,7 @@ def scatterbrain_attention(
 
     if config.blocks > 0 and config.support == "local":
         o = _local_part(qh, kh, phi_q, phi_k, v_and_one, log_lr, low_rank, config.blocks,
-                        info.key_valid)
+                        info.query_valid, info.key_valid)
     elif config.blocks > 0:
         exact = lsh_block_logits(qh, kh, planes, config.blocks, info.query_valid, info.key_valid)
         blocks, logits = exact.blocks, exact.logits  # [B, H, nb, sq, sk]
@@ -198,9 +201,30 @@ def scatterbrain_attention(
 
 
 def _local_part(qh: Tensor, kh: Tensor, phi_q: Tensor, phi_k: Tensor, v_and_one: Tensor,
-                log_lr: Tensor, low_rank: Tensor, window: int, key_valid: Tensor | None
-                ) -> Tensor:
-    """S [V, 1] + phi(Q) phi(K)^T [V, 1] on local windows, rows scaled by exp(-ref)."""
+                log_lr: Tensor, low_rank: Tensor, window: int, query_valid: Tensor | None,
+                key_valid: Tensor | None) -> Tensor:
+    """S [V, 1] + phi(Q) phi(K)^T [V, 1] on local windows, rows scaled by exp(-ref).
+
+    The windows are over ranks among the real queries and keys (``shared/real_first.py``):
+    holes and left padding give the windows of the truncated sequence.
+    """
+    q_order, k_order = real_first_order(query_valid), real_first_order(key_valid)
+    sparse, ref = _local_sparse(
+        to_real_first(qh, q_order), to_real_first(kh, k_order), to_real_first(phi_q, q_order),
+        to_real_first(phi_k, k_order), to_real_first(v_and_one, k_order),
+        to_real_first(log_lr[..., None], q_order)[..., 0], window,
+        real_first_mask(key_valid, k_order),
+    )
+    sparse = from_real_first(sparse, q_order)
+    ref = from_real_first(ref[..., None], q_order)[..., 0]
+    return sparse + torch.exp(log_lr - ref)[..., None] * low_rank
+
+
+def _local_sparse(qh: Tensor, kh: Tensor, phi_q: Tensor, phi_k: Tensor, v_and_one: Tensor,
+                  log_lr: Tensor, window: int, key_valid: Tensor | None
+                  ) -> tuple[Tensor, Tensor]:
+    """S [V, 1] on the windows of positions ``[B, H, Nq, Dv + 1]`` and the per-row scale
+    ref ``[B, H, Nq]`` it is relative to."""
     layout = local_windows(qh.shape[-2], kh.shape[-2], window, qh.device)
     allowed = layout.band  # [nc, c, span]
     if key_valid is not None:
@@ -216,5 +240,4 @@ def _local_part(qh: Tensor, kh: Tensor, phi_q: Tensor, phi_k: Tensor, v_and_one:
     lr_entries = (query_chunks(phi_q, layout) @ window_rows(phi_k, layout).transpose(-1, -2)
                   ).masked_fill(~allowed, 0.0)
     correction = torch.exp(logits - ref_c) - torch.exp(lr_c - ref_c) * lr_entries  # S
-    sparse = unchunk(correction @ window_rows(v_and_one, layout), layout)
-    return sparse + torch.exp(log_lr - ref)[..., None] * low_rank
+    return unchunk(correction @ window_rows(v_and_one, layout), layout), ref
