@@ -129,6 +129,48 @@ def test_conv_skip_matches_naive_convolution_and_padding_rule():
     torch.testing.assert_close(fast[1:, :, 6:], trunc, rtol=1e-9, atol=1e-11)
 
 
+def holes_mask(b: int, n: int) -> torch.Tensor:
+    """Holes in the middle of element 0; left padding and a hole in element 1."""
+    mask = torch.ones(b, n, dtype=torch.bool)
+    mask[0, [5, 6, 7, n - 6]] = False
+    mask[1, :3] = False
+    mask[1, 9] = False
+    return mask
+
+
+@pytest.mark.parametrize("kernel", [3, 5])
+def test_conv_follows_ranks_so_holes_equal_truncation(kernel):
+    """The convolution runs over the real values in order: a hole is skipped, not read
+    as a zero, in the fast path (outputs and gradients) and in the reference."""
+    q, k, v = make_qkv(2, 2, 20, 6, seed=3)
+    weight = torch.randn(2, kernel, dtype=torch.float64)
+    mask = holes_mask(2, 20)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    opts = {"num_features": 4, "conv_weight": weight}
+    fast = nystromformer_attention(q, k, v, key_padding_mask=mask, conv_kernel=kernel, **opts)
+    ref = reference_nystromformer_attention(q, k, v, key_padding_mask=mask, **opts)
+    torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)
+    for a, b in zip(grads(fast, (q, k, v)), grads(ref, (q, k, v)), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+    for i in range(2):
+        rows = [t[i : i + 1, :, mask[i]] for t in (q, k, v)]
+        short = nystromformer_attention(*rows, conv_kernel=kernel, **opts)
+        torch.testing.assert_close(fast[i : i + 1, :, mask[i]], short, rtol=1e-9, atol=1e-11)
+
+
+def test_layer_with_conv_gives_holes_the_outputs_of_truncation():
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(16, 2, method="nystromformer", num_features=4,
+                               conv_kernel=5).double()
+    x = torch.randn(2, 20, 16, dtype=torch.float64)
+    mask = holes_mask(2, 20)
+    out = layer(x, key_padding_mask=mask)
+    for i in range(2):
+        short = layer(x[i : i + 1, mask[i]])
+        torch.testing.assert_close(out[i : i + 1, mask[i]], short, rtol=1e-9, atol=1e-11)
+
+
 def test_module_owns_learned_conv_weights():
     layer = MultiHeadAttention(16, 2, method="nystromformer", num_features=4, conv_kernel=3)
     assert layer.method_state.weight.shape == (2, 3)

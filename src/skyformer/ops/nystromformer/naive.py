@@ -27,7 +27,8 @@ def reference_nystromformer_attention(
     Builds the averaging matrix P (``[m, n]``, P_jr = 1/|segment j| on the real tokens)
     so that Q~ = P Q_real, the three kernels, and the materialised ``[Nq, Nk]`` matrix
     S^ = K1 pinv(K2) K3, then S^ V. No shortcut for n <= m: this is the literal
-    formula (compare with exact attention through ``pinv_iterations``). ``options`` as
+    formula (compare with exact attention through ``pinv_iterations``); the convolution
+    runs over the real values alone, in order. ``options`` as
     ``NystromformerConfig`` (``conv_kernel`` is implied by ``conv_weight``). For tests only.
     """
     config = NystromformerConfig(**options)
@@ -47,9 +48,9 @@ def reference_nystromformer_attention(
         k3 = torch.softmax(s * q_land @ kb.transpose(-1, -2), dim=-1)
         s_hat = k1 @ iterative_pinv(k2, pinv_iterations, init="scaled_transpose") @ k3
         rows = s_hat @ vb
-        if conv_weight is not None:
-            v_full = v[b] * (1.0 if info.key_valid is None else info.key_valid[b][None, :, None])
-            rows = rows + _naive_conv(v_full, conv_weight)[:, q_rows]
+        if conv_weight is not None:  # over the real values in order, row r to query rank r
+            conv = _naive_conv(vb, conv_weight)[:, : len(q_rows)]
+            rows = rows + torch.nn.functional.pad(conv, (0, 0, 0, len(q_rows) - conv.shape[1]))
         out[b][:, q_rows] = rows
     return out
 

@@ -12,13 +12,14 @@ SDPA, so they are never stored: memory O(N D + m^2), that of exact SDPA. The
 pseudo-inverse is the iterative one of Razavi et al. (2014) with 6 iterations started
 from A^T / (|A|_1 |A|_inf) (``linalg.iterative_pinv(init="scaled_transpose")``).
 An optional depthwise convolution of the values along the sequence is added to the
-output (the paper's skip connection; ``conv_kernel``).
+output (the paper's skip connection; ``conv_kernel``), over the real tokens in order.
 
 Landmarks and padding. Segments are taken over the *real* tokens only: the token with
 rank r among the n real ones belongs to segment floor(r m / n). The m segments
 partition the real tokens into runs of floor(n/m) or ceil(n/m) consecutive tokens
 (adaptive pooling, so n need not be a multiple of m), padded tokens never enter a
-mean, and a padded sequence has the landmarks of its truncation.
+mean, and a padded sequence has the landmarks of its truncation. The convolution too
+runs over ranks among the real tokens: a hole is skipped, not read as a zero value.
 
 When every real token is its own segment (n <= m on both sides, so Q~ = Q and K~ = K),
 S^ = S S^+ S = S: the approximation is exact in exact arithmetic, but 6 iterations of
@@ -51,6 +52,7 @@ from ..shared.options import (
     check_positive_int,
     check_scale,
 )
+from ..shared.real_first import from_real_first, real_first_order, to_real_first
 
 
 @dataclass(frozen=True)
@@ -131,16 +133,23 @@ def segment_means(x: Tensor, seg: Segments) -> Tensor:
     return sums / seg.count.clamp_min(1.0)[:, None, :, None]
 
 
-def depthwise_conv(v: Tensor, weight: Tensor, key_valid: Tensor | None) -> Tensor:
-    """Per-head convolution of the (masked) values along the sequence.
+def depthwise_conv(v: Tensor, weight: Tensor, key_valid: Tensor | None,
+                   query_valid: Tensor | None) -> Tensor:
+    """Per-head convolution of the real values along their ranks, one row per query.
 
-    ``v: [B, H, N, Dv]``, ``weight: [H, K]`` (K odd) -> ``[B, H, N, Dv]``; padded values
-    count as zero, as do positions beyond either end.
+    ``v: [B, H, N, Dv]``, ``weight: [H, K]`` (K odd) -> ``[B, H, N, Dv]``: the query of
+    rank r among the real queries gets sum_t weight[t] v_(r + t - K // 2), v_j the real
+    value of rank j, zero beyond either end. The convolution runs on the real values
+    gathered to the front (``shared/real_first.py``), so holes and left padding give
+    the truncated sequence's rows.
     """
     if key_valid is not None:
         v = v * key_valid[:, None, :, None].to(v.dtype)
+    v = to_real_first(v, real_first_order(key_valid))
     h, kernel = weight.shape
-    return F.conv2d(v, weight.to(v.dtype).view(h, 1, kernel, 1), padding=(kernel // 2, 0), groups=h)
+    out = F.conv2d(v, weight.to(v.dtype).view(h, 1, kernel, 1), padding=(kernel // 2, 0),
+                   groups=h)
+    return from_real_first(out, real_first_order(query_valid))
 
 
 def _check_conv_weight(weight: Tensor | None, kernel: int | None, heads: int) -> None:
@@ -254,5 +263,5 @@ def nystromformer_attention(
     values = torch.where(own_landmarks[:, None, None, None], exact_values, values)
     out = masked_attention(qs, k_land, values, k_live)  # kernel_1 @ values  [B, H, Nq, Dv]
     if conv_weight is not None:
-        out = out + depthwise_conv(vw, conv_weight, info.key_valid)
+        out = out + depthwise_conv(vw, conv_weight, info.key_valid, info.query_valid)
     return zero_padded_queries(out, info.query_valid).to(dtype)
