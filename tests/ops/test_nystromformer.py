@@ -171,6 +171,13 @@ def test_layer_with_conv_gives_holes_the_outputs_of_truncation():
         torch.testing.assert_close(out[i : i + 1, mask[i]], short, rtol=1e-9, atol=1e-11)
 
 
+def test_conv_with_cross_attention_is_refused_with_a_sentence():
+    q, k, v = make_qkv(1, 2, 6, 4, nk=9)
+    with pytest.raises(ValueError, match="as many queries as keys"):
+        nystromformer_attention(q, k, v, num_features=3, conv_kernel=3,
+                                conv_weight=torch.randn(2, 3, dtype=torch.float64))
+
+
 def test_module_owns_learned_conv_weights():
     layer = MultiHeadAttention(16, 2, method="nystromformer", num_features=4, conv_kernel=3)
     assert layer.method_state.weight.shape == (2, 3)

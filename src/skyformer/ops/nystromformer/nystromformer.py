@@ -232,6 +232,12 @@ def nystromformer_attention(
                                   query_padding_mask=query_padding_mask)
     check_generator("nystromformer", generator, q.device)
     _check_conv_weight(conv_weight, config.conv_kernel, info.heads)
+    if conv_weight is not None and info.query_len != info.key_len:
+        raise ValueError(
+            f"nystromformer: conv_kernel adds the convolved value of rank r to the query of "
+            f"rank r, so it needs as many queries as keys; got Nq={info.query_len}, "
+            f"Nk={info.key_len} (use conv_kernel=None for cross-attention)."
+        )
     dtype = q.dtype
     work = compute_dtype(dtype)
     s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
