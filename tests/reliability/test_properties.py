@@ -1,9 +1,11 @@
 """Property-based checks of the padding and non-finite promises (docs/reliability.md),
 for every registered method: hypothesis draws the method, the shapes, the padding
-pattern (right, left, holes; self- and cross-attention) and the data.
+pattern (right, left, holes; self- and cross-attention) and the data; local windows
+and convolutions get their own property, with widths between one token and the whole
+sequence and a hole in the middle.
 
 CI runs ``EXAMPLES`` examples per property; ``SKYFORMER_HYPOTHESIS_EXAMPLES=600`` runs a
-long search (6 properties x 600 = 3600 examples over all methods).
+long search (7 properties x 600 = 4200 examples over all methods).
 """
 
 from __future__ import annotations
@@ -111,6 +113,53 @@ def test_left_padding_and_holes_equal_the_compacted_sequence(case):
     packed = [t.gather(2, index.expand_as(t)) for t in (q, k, v)]
     packed_mask = mask.gather(1, order)
     out_packed = call(fn, *packed, packed_mask, seed)
+    for i in range(b):
+        torch.testing.assert_close(out_packed[i][:, packed_mask[i]], out[i][:, mask[i]],
+                                   rtol=1e-8, atol=1e-8)
+
+
+# Options whose pattern runs along the sequence, for a width w drawn to hold neither one
+# token nor the whole sequence: these must act on ranks among the real tokens.
+LOCAL_PATTERNS = {
+    "scatterbrain": lambda w: {"num_features": 4, "support": "local", "block_size": w},
+    "nystromformer": lambda w: {"num_features": 4, "conv_kernel": 2 * (w // 2) + 1},
+    "bigbird": lambda w: {"num_features": 6 * w, "num_random_blocks": 1},
+}
+
+
+@st.composite
+def holed_cases(draw):
+    """A local pattern of width 2 <= w < n and masks with a hole in the middle."""
+    method = draw(st.sampled_from(sorted(LOCAL_PATTERNS)))
+    b, h, n = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.integers(6, 20))
+    masks = []
+    for _ in range(b):
+        mask = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+        hole = draw(st.integers(1, n - 2))
+        mask[hole - 1 : hole + 2] = [True, False, True]
+        masks.append(mask)
+    width = draw(st.integers(2, n - 1))
+    return method, b, h, n, torch.tensor(masks), width, draw(st.integers(0, 2**31 - 1))
+
+
+@SETTINGS
+@given(holed_cases())
+def test_local_windows_and_convolutions_follow_ranks_among_real_tokens(case):
+    """Holes inside a window or a convolution: the outputs are those of the real tokens
+    packed at the front (a pattern over positions would see the holes)."""
+    method, b, h, n, mask, width, seed = case
+    fn = get_method(method).bind(**LOCAL_PATTERNS[method](width))
+    q, k, v = qkv(b, h, n, n, seed)
+    extra = {}
+    if method == "nystromformer":
+        g = torch.Generator().manual_seed(seed)
+        extra["conv_weight"] = torch.randn(h, fn.config.conv_kernel, generator=g,
+                                           dtype=torch.float64)
+    out = call(fn, q, k, v, mask, seed, **extra)
+    order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)  # real ones first
+    packed = [t.gather(2, order[:, None, :, None].expand_as(t)) for t in (q, k, v)]
+    packed_mask = mask.gather(1, order)
+    out_packed = call(fn, *packed, packed_mask, seed, **extra)
     for i in range(b):
         torch.testing.assert_close(out_packed[i][:, packed_mask[i]], out[i][:, mask[i]],
                                    rtol=1e-8, atol=1e-8)
