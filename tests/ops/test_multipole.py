@@ -87,7 +87,9 @@ def test_fast_matches_naive_reference(target, tilt_rank, tilt_sample, masked):
     if masked:
         mask = torch.ones(2, 26, dtype=torch.bool)
         mask[0, 19:] = False
+        mask[0, 8] = False  # a hole
         mask[1, :5] = False
+        mask[1, [12, 13]] = False
     for t in (q, k, v):
         t.requires_grad_(True)
     m, window = 24, 2
@@ -339,6 +341,27 @@ def test_options_keep_padding_equal_to_truncation(options):
                               generator=gen(0), **options)
         torch.testing.assert_close(padded[:, :, :17], truncated, rtol=1e-7, atol=1e-9)
         assert torch.all(padded[:, :, 17:] == 0)
+
+
+@pytest.mark.parametrize("window", [1, 2])
+def test_window_follows_ranks_so_holes_equal_truncation(window):
+    """The window holds the real keys around a query in order: holes and left padding
+    give the windows of the truncated sequence."""
+    q, k, v = make_qkv(2, 2, 24, 8, seed=2)
+    mask = torch.ones(2, 24, dtype=torch.bool)
+    mask[0, [5, 6, 7, 15]] = False
+    mask[1, :3] = False
+    mask[1, 11] = False
+    order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)
+    packed = [t.gather(2, order[:, None, :, None].expand_as(t)) for t in (q, k, v)]
+    packed_mask = mask.gather(1, order)
+    for method in ("softmax_multipole", "skyformer_multipole"):
+        opts = {"num_features": 12, "window": window}
+        out = attention(q, k, v, method, key_padding_mask=mask, generator=gen(0), **opts)
+        ref = attention(*packed, method, key_padding_mask=packed_mask, generator=gen(0), **opts)
+        for i in range(2):
+            torch.testing.assert_close(out[i][:, mask[i]], ref[i][:, packed_mask[i]],
+                                       rtol=1e-9, atol=1e-11)
 
 
 def test_tolerance_options_are_checked():

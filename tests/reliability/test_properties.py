@@ -124,6 +124,7 @@ LOCAL_PATTERNS = {
     "scatterbrain": lambda w: {"num_features": 4, "support": "local", "block_size": w},
     "nystromformer": lambda w: {"num_features": 4, "conv_kernel": 2 * (w // 2) + 1},
     "bigbird": lambda w: {"num_features": 6 * w, "num_random_blocks": 1},
+    "skyformer_multipole": lambda w: {"num_features": 8 * w, "window": w // 2},
 }
 
 

@@ -1,7 +1,9 @@
 """Per-query exact keys beyond the cluster's near keys: a local window or LSH buckets.
 
 Both are pairs of blocks, queries ``q_index [B, H, nb, sq]`` against keys ``k_index
-[B, H, nb, sk]`` (index N = empty slot): positional blocks for the window |i - j| <= w,
+[B, H, nb, sk]`` (index N = empty slot): blocks for the window |i - j| <= w over ranks
+i, j among the real queries and keys (holes and left padding give the truncated
+sequence's windows),
 and KDEformer's equal-sized angular-LSH buckets in Hamming order (Appendix A, through
 ``sketch.lsh_blocks``). For query i of cluster a and such a key j that is not already
 one of the cluster's near keys, the exact term exp(l_ij) [v_j, 1] is added and the
@@ -22,6 +24,7 @@ from torch import Tensor
 
 from ...linalg import gather_rows
 from ...sketch.lsh_blocks import gather_block_rows, gather_block_values, hamming_blocks
+from ..shared.real_first import real_first_order, real_first_rank
 
 _NEG_INF = float("-inf")
 
@@ -33,21 +36,37 @@ class ExactBlocks:
     q_index: Tensor  # [B, H, nb, sq] long, Nq = empty slot
     k_index: Tensor  # [B, H, nb, sk] long, Nk = empty slot
     q_slot: Tensor  # [B, H, Nq] flat slot of each query in [nb * sq]
-    max_offset: int | None  # keep only |i - j| <= max_offset (window), None = all pairs
+    pairs: Tensor | None  # [nb, sq, sk] pairs kept (the window's |i - j| <= w), None = all
 
 
-def window_blocks(b: int, h: int, n: int, w: int, device: torch.device) -> ExactBlocks:
-    """Blocks of w queries against the 3w keys around them (self-attention)."""
+def window_blocks(b: int, h: int, n: int, w: int, device: torch.device,
+                  query_valid: Tensor | None = None, key_valid: Tensor | None = None
+                  ) -> ExactBlocks:
+    """Blocks of w queries against the 3w keys around them (self-attention), by rank
+    among the real tokens (``[B, N]`` masks; the real ones gathered to the front)."""
     nb = -(-n // w)
     t = torch.arange(nb, device=device)[:, None]
-    queries = t * w + torch.arange(w, device=device)  # [nb, w]
-    keys = t * w - w + torch.arange(3 * w, device=device)  # [nb, 3w]
+    queries = t * w + torch.arange(w, device=device)  # [nb, w] ranks
+    keys = t * w - w + torch.arange(3 * w, device=device)  # [nb, 3w] ranks
     queries = torch.where(queries < n, queries, n)
     keys = torch.where((keys >= 0) & (keys < n), keys, n)
+    pairs = (queries[:, :, None] - keys[:, None, :]).abs() <= w
+    q_order, k_order = real_first_order(query_valid), real_first_order(key_valid)
+    q_slot = torch.arange(n, device=device).expand(b, n) if q_order is None else (
+        real_first_rank(q_order))
     return ExactBlocks(
-        queries.expand(b, h, nb, w), keys.expand(b, h, nb, 3 * w),
-        torch.arange(n, device=device).expand(b, h, n), w,
+        _positions(queries, q_order, b, h), _positions(keys, k_order, b, h),
+        q_slot[:, None, :].expand(b, h, n), pairs,
     )
+
+
+def _positions(rank: Tensor, order: Tensor | None, b: int, h: int) -> Tensor:
+    """``[nb, s]`` ranks (N = empty) -> ``[B, H, nb, s]`` positions (N = empty)."""
+    if order is None:
+        return rank.expand(b, h, *rank.shape)
+    n = order.shape[1]
+    order = torch.cat([order, order.new_full((order.shape[0], 1), n)], dim=1)  # [B, N + 1]
+    return order[:, rank][:, None].expand(b, h, *rank.shape)
 
 
 def lsh_blocks(q: Tensor, k: Tensor, hyperplanes: Tensor, block: int,
@@ -83,8 +102,8 @@ def exact_blocks_part(
     flat = a * nk + kj.clamp_max(nk - 1)[..., None, :]  # [B, H, nb, sq, sk]
     near = member.reshape(b, h, c * nk).gather(2, flat.view(b, h, -1)).view(flat.shape)
     mask = torch.isfinite(bias) & ~near
-    if blocks.max_offset is not None:
-        mask = mask & ((qi[..., :, None] - kj[..., None, :]).abs() <= blocks.max_offset)
+    if blocks.pairs is not None:
+        mask = mask & blocks.pairs
     block_dots = qb @ kb.transpose(-1, -2)  # [B, H, nb, sq, sk]
     scores = (block_dots + bias).masked_fill_(~mask, _NEG_INF)
     top = scores.detach().amax(-1, keepdim=True)

@@ -1,7 +1,8 @@
 """Naive references for the multipole methods, written from the definitions.
 
 One query at a time, with explicit key sets: near keys N_a (the ``near`` largest centre
-logits of the query's cluster a), window W_i = {j : |i - j| <= w} minus N_a, far keys
+logits of the query's cluster a), window W_i = {j : |i - j| <= w} minus N_a (i, j ranks
+among the real queries and keys), far keys
 F_a = all real keys minus N_a, and the far field's first-order expansion
 
     sum_{j in F_a \\ W_i} exp(l_ij) [v_j, 1]
@@ -55,7 +56,9 @@ def _one_head(
         far = [j for j in real if j not in near_set]
         window_set = set()
         if self_attention and window:
-            window_set = {j for j in real if abs(i - j) <= window and j not in near_set}
+            r_i = rows.tolist().index(i)  # ranks among the real queries and keys
+            window_set = {j for r_j, j in enumerate(real)
+                          if abs(r_i - r_j) <= window and j not in near_set}
         if buckets is not None:
             q_bucket, k_bucket = buckets
             window_set = {j for j in real if k_bucket[j] == q_bucket[i] and j not in near_set}

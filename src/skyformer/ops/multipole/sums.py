@@ -268,7 +268,7 @@ def multipole_sums(
     far_live = gather_last(far.live, a)[..., None]  # [B, H, Nq, 1]
     blocks = None
     if w and self_attention:
-        blocks = window_blocks(b, h, nq, w, q.device)
+        blocks = window_blocks(b, h, nq, w, q.device, info.query_valid, info.key_valid)
     elif lsh:
         blocks = lsh_blocks(q, k, draws.hyperplanes, lsh, info.query_valid, info.key_valid)
     if blocks is not None:

@@ -29,13 +29,18 @@ def to_real_first(x: Tensor, order: Tensor | None) -> Tensor:
     return gather_rows(x, order[:, None, :].expand(*x.shape[:3]))
 
 
+def real_first_rank(order: Tensor) -> Tensor:
+    """``[B, N]`` long, the inverse permutation of ``order``: the row of each position
+    among the gathered ones (its rank among the real tokens, for a real one)."""
+    rank = torch.arange(order.shape[1], device=order.device).expand_as(order)
+    return torch.zeros_like(order).scatter(1, order, rank)  # not in place: vmap
+
+
 def from_real_first(x: Tensor, order: Tensor | None) -> Tensor:
     """Inverse of ``to_real_first``: row ``order[:, r]`` of the result is row r of ``x``."""
     if order is None:
         return x
-    rank = torch.arange(order.shape[1], device=order.device).expand_as(order)
-    inverse = torch.zeros_like(order).scatter(1, order, rank)  # not in place: vmap
-    return to_real_first(x, inverse)
+    return to_real_first(x, real_first_rank(order))
 
 
 def real_first_mask(valid: Tensor | None, order: Tensor | None) -> Tensor | None:
