@@ -21,12 +21,12 @@ gathered (``[B, H, nb, (5 + r) b, D]``) and attended to by fused masked SDPA (th
 keys. Time O(N (5 + r) b D), memory O(N (5 + r) D) for the gathered blocks: linear in N.
 
 Padding. Blocks are formed over the *real* tokens, gathered to the front in order
-(``order``), so the last global block is the last block of real tokens, a padded
-sequence has the layout of its truncation, and N need not be a multiple of b (the last
-block is partial; its missing tokens are masked). Duplicate blocks (a window block that
-is also global) are counted once. With a single block (b >= n) attention is dense:
-exact softmax attention. Self-attention only: the window relates query block i to key
-block i.
+(``order``, ``shared/real_first.py``), so the last global block is the last block of
+real tokens, a padded sequence has the layout of its truncation, and N need not be a
+multiple of b (the last block is partial; its missing tokens are masked). Duplicate
+blocks (a window block that is also global) are counted once. With a single block
+(b >= n) attention is dense: exact softmax attention. Self-attention only: the window
+relates query block i to key block i.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from ..shared.inputs import (
 )
 from ..shared.masked import masked_attention
 from ..shared.options import check_budget, check_nonnegative_int, check_scale
+from ..shared.real_first import from_real_first, real_first_order, to_real_first
 
 WINDOW_BLOCKS = 3
 GLOBAL_BLOCKS = 2
@@ -140,7 +141,7 @@ def bigbird_layout(
         order = None
         n_valid = torch.full((batch,), n, device=device, dtype=torch.long)
     else:
-        order = torch.argsort((~key_valid).to(torch.uint8), dim=1, stable=True)
+        order = real_first_order(key_valid)
         n_valid = key_valid.sum(dim=1)
     nb = math.ceil(n / block_size)
     r = num_random_blocks
@@ -273,9 +274,7 @@ def bigbird_attention(
     layout = bigbird_layout(info.key_valid, info.batch, info.heads, n, bs,
                             config.num_random_blocks, q.device, generator)
     qw, kw, vw = q.to(work) * s, k.to(work), v.to(work)
-    if layout.order is not None:
-        order = layout.order[:, None, :]  # [B, 1, N]: the same order for every head
-        qw, kw, vw = (gather_rows(x, order.expand(*x.shape[:3])) for x in (qw, kw, vw))
+    qw, kw, vw = (to_real_first(x, layout.order) for x in (qw, kw, vw))
     nb = layout.num_blocks
     real = torch.arange(nb * bs, device=q.device)[None, :] < layout.n_valid[:, None]  # [B, nb*bs]
     qb, kb, vb = _blocks(qw, nb, bs), _blocks(kw, nb, bs), _blocks(vw, nb, bs)
@@ -286,9 +285,5 @@ def bigbird_attention(
     is_last = (block == layout.last[:, None])[:, None, :, None, None]
     out = torch.where(is_first, glob[:, :, :1], torch.where(is_last, glob[:, :, 1:], out))
 
-    out = out.flatten(2, 3)[:, :, :n]  # [B, H, N, Dv] in gathered order
-    if layout.order is not None:
-        out = torch.zeros_like(out).scatter(
-            2, layout.order[:, None, :, None].expand(*out.shape), out
-        )
+    out = from_real_first(out.flatten(2, 3)[:, :, :n], layout.order)  # [B, H, N, Dv]
     return zero_padded_queries(out, info.query_valid).to(dtype)
