@@ -194,3 +194,14 @@ def test_resume_from_a_foreign_last_pt_gets_a_sentence(listops_cache, tmp_path, 
         torch.save(payload, tmp_path / "last.pt")
     with pytest.raises(ValueError, match=r"not a training checkpoint|lacks"):
         _run(cfg, listops_cache, tmp_path, resume=True)
+
+
+def test_a_run_stopped_early_is_finished_on_resume_without_training(listops_cache, tmp_path):
+    """Interrupted between early stopping and result.json: resume evaluates, trains no more."""
+    cfg = _cfg(steps=40, lr=1e-12, eval_every=2, patience=2)
+    whole = _run(cfg, listops_cache, tmp_path)
+    (tmp_path / "result.json").unlink()
+    resumed = _run(cfg, listops_cache, tmp_path, resume=True)
+    assert resumed["steps"] == whole["steps"] == 6
+    assert resumed["test_accuracy"] == whole["test_accuracy"]
+    assert load_checkpoint(tmp_path / "last.pt")["state"]["step"] == 6

@@ -304,11 +304,20 @@ class Trainer:
                   f"{dev['loss']:.4f}  (best {state.best_accuracy:.4f} at {state.best_step})  "
                   f"{state.train_seconds:.0f}s, {state.step / max(state.train_seconds, 1e-9):.2f} "
                   "steps/s")
-        return cfg.patience is not None and state.evals_since_best >= cfg.patience
+        return self._patience_exhausted()
+
+    def _patience_exhausted(self) -> bool:
+        """True once ``patience`` evaluations in a row brought no dev improvement."""
+        patience = self.cfg.patience
+        return patience is not None and self.state.evals_since_best >= patience
 
     def _loop(self) -> bool:
-        """Train until ``steps`` (True) or until ``stop_after`` (False)."""
+        """Train until ``steps`` or early stopping (True), or until ``stop_after`` (False)."""
         cfg, state = self.cfg, self.state
+        if self._patience_exhausted():  # resumed after stopping early, before result.json
+            self._say(f"the run stopped early at step {state.step} (no dev improvement in "
+                      f"{cfg.patience} evaluations): evaluating the best checkpoint")
+            return True
         checkpoint_every = cfg.checkpoint_every or cfg.eval_every
         self.model.train()
         reset_peak_memory(self.device)
