@@ -1,5 +1,5 @@
 """Data-parallel training: 2 CPU processes (gloo) under torchrun match one process that
-accumulates the same two micro-batches."""
+accumulates the same two micro-batches, and resume as if never interrupted."""
 
 from __future__ import annotations
 
@@ -20,15 +20,27 @@ ARGS = ["--attn", "softmax", "--dropout", "0", "--steps", "6", "--batch-size", "
         "--no-tensorboard"]
 
 
-def test_two_gloo_processes_match_one_process_with_accumulation(listops_cache, tmp_path):
+def _torchrun(*args: str) -> subprocess.CompletedProcess:
+    """``args`` under torchrun with 2 CPU processes; fails the test if the job fails."""
     src = str(Path(skyformer.__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "skyformer", "lra", "train", "listops", *ARGS, "--cache", str(listops_cache),
-           "--out", str(tmp_path / "ddp")]
+           *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _entries(folder: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in ("seconds", "steps_per_second")}
+            for r in rows]
+
+
+def test_two_gloo_processes_match_one_process_with_accumulation(listops_cache, tmp_path):
+    proc = _torchrun("-m", "skyformer", "lra", "train", "listops", *ARGS, "--cache",
+                     str(listops_cache), "--out", str(tmp_path / "ddp"))
     assert proc.stdout.count("best dev step") == 1, "only the main process reports"
 
     cfg = make_config("listops", attention="softmax", dropout=0.0, steps=6, batch_size=16, lr=3e-3,
@@ -49,3 +61,14 @@ def test_two_gloo_processes_match_one_process_with_accumulation(listops_cache, t
     dev = [json.loads(line) for line in lines]
     assert {r["examples"] for r in dev if r["kind"] == "dev"} == {64}
     assert ddp["test_accuracy"] == single["test_accuracy"]
+
+
+def test_two_processes_resume_with_their_own_partial_log_sums(listops_cache, tmp_path):
+    """Stopped between two train log entries, each process keeps the sums it had."""
+    _torchrun(str(Path(__file__).with_name("ddp_resume_job.py")), str(listops_cache),
+              str(tmp_path))
+    whole, cut = _entries(tmp_path / "whole"), _entries(tmp_path / "cut")
+    assert [r for r in whole if r["kind"] == "train"][-1]["step"] == 6
+    assert cut == whole
+    sums = load_checkpoint(tmp_path / "cut" / "last.pt")["running"]
+    assert sums.shape == (2, 3)

@@ -44,6 +44,7 @@ from .checkpoint import (
     set_host_rng_state,
 )
 from .distributed import (
+    DistInfo,
     all_gather,
     all_reduce_sum,
     barrier,
@@ -105,6 +106,17 @@ class TrainState:
     train_seconds: float = 0.0
     wall_seconds: float = 0.0
     peak_memory: int = 0
+
+
+def own_running_sums(saved: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """This process's partial log sums from a checkpoint's ``running`` ([processes, 3];
+    older checkpoints hold one row). With another number of processes, process 0 takes
+    the total and the others start from zero, so the next logged entry counts every
+    example once."""
+    rows = saved.reshape(-1, 3)
+    if rows.shape[0] == info.world_size:
+        return rows[info.rank]
+    return rows.sum(dim=0) if info.is_main else torch.zeros_like(rows[0])
 
 
 def _config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -191,7 +203,7 @@ class Trainer:
             history=list(ckpt["history"]), train_seconds=s["train_seconds"],
             wall_seconds=s["wall_seconds"], peak_memory=s["peak_memory"],
         )
-        self.running.sums.copy_(ckpt["running"].to(self.device))
+        self.running.sums.copy_(own_running_sums(ckpt["running"], self.info).to(self.device))
         set_host_rng_state(ckpt["rng"]["host"])
         per_process = ckpt["rng"]["processes"]
         if len(per_process) == self.info.world_size:
@@ -210,6 +222,7 @@ class Trainer:
     def _save_last(self) -> None:
         rng = device_rng_state(self.device, self.attention_generator)
         gathered = {k: all_gather(v, self.info) for k, v in rng.items()}  # collective
+        running = all_gather(self.running.sums, self.info)  # collective: partial log sums
         if not self.info.is_main:
             return
         s = self.state
@@ -225,7 +238,7 @@ class Trainer:
                       "evals_since_best": s.evals_since_best, "train_seconds": s.train_seconds,
                       "wall_seconds": s.wall_seconds, "peak_memory": s.peak_memory},
             "history": self.log.history,
-            "running": self.running.sums.cpu(),
+            "running": torch.stack(running),  # [processes, 3]
             "rng": {"host": host_rng_state(),
                     "processes": [{k: gathered[k][r] for k in gathered}
                                   for r in range(self.info.world_size)]},
