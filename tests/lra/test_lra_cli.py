@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from skyformer.cli import main
+from skyformer.lra.checkpoint import load_checkpoint
 
 
 def test_generate_prepare_train_report_stability(tmp_path, capsys):
@@ -47,6 +48,22 @@ def test_seeds_stop_after_then_resume(tmp_path, capsys, listops_cache):
     before = (tmp_path / "seed0" / "result.json").stat().st_mtime_ns
     assert main([*args, "--resume"]) == 0  # finished runs are left alone
     assert (tmp_path / "seed0" / "result.json").stat().st_mtime_ns == before
+
+
+def test_stop_after_stops_at_that_step_and_says_where(tmp_path, capsys, listops_cache):
+    args = ["lra", "train", "listops", "--attn", "softmax", "--steps", "6", "--eval-every", "3",
+            "--batch-size", "16", "--cache", str(listops_cache), "--out", str(tmp_path),
+            "--no-tensorboard", "--quiet"]
+    for extra, said in ((["--stop-after", "4"], "stopped after step 4;"),
+                        (["--stop-after", "4", "--resume"], "stopped after step 4;"),
+                        (["--stop-after", "2", "--resume"],
+                         "stopped after step 4 (already past --stop-after 2)")):
+        assert main([*args, *extra]) == 0
+        assert said in capsys.readouterr().out
+        assert load_checkpoint(tmp_path / "last.pt")["state"]["step"] == 4
+    assert main([*args, "--stop-after", "0", "--out", str(tmp_path / "none")]) == 0
+    assert "stopped after step 0;" in capsys.readouterr().out
+    assert not (tmp_path / "none" / "last.pt").exists()
 
 
 def test_user_errors_are_one_line(tmp_path, capsys):

@@ -110,7 +110,8 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue from OUT/last.pt (finished runs are left as they are)")
     p.add_argument("--stop-after", type=int, default=None,
-                   help="checkpoint and exit after this step (continue with --resume)")
+                   help="checkpoint and exit after this step (continue with --resume); a "
+                   "run already there trains no further")
     p.add_argument("--no-tensorboard", action="store_true")
     p.add_argument("--quiet", action="store_true")
 
@@ -214,8 +215,8 @@ def _run_generate(args: argparse.Namespace) -> int:
 def _run_train(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from ..lra import make_config, train
-    from ..lra.train import default_run_dir
+    from ..lra import make_config
+    from ..lra.train import Trainer, default_run_dir
 
     _threads(args.threads)
     cfg = make_config(
@@ -234,11 +235,14 @@ def _run_train(args: argparse.Namespace) -> int:
         parent = Path(args.out) if args.out else default_run_dir(cfg).parent
         runs = [(dataclasses.replace(cfg, seed=s), parent / f"seed{s}") for s in args.seeds]
     for run_cfg, out in runs:
-        result = train(run_cfg, cache_root=_cache(args), out_dir=out, resume=args.resume,
-                       stop_after=args.stop_after, device=args.device,
-                       tensorboard=not args.no_tensorboard, quiet=args.quiet)
-        if result is None:
-            print(f"stopped after step {args.stop_after}; continue with --resume")
+        trainer = Trainer(run_cfg, cache_root=_cache(args), out_dir=out, resume=args.resume,
+                          stop_after=args.stop_after, device=args.device,
+                          tensorboard=not args.no_tensorboard, quiet=args.quiet)
+        if trainer.run() is None:
+            step = trainer.state.step
+            passed = "" if step == args.stop_after else \
+                f" (already past --stop-after {args.stop_after})"
+            print(f"stopped after step {step}{passed}; continue with --resume")
             return 0
     return 0
 

@@ -124,8 +124,8 @@ def _config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[
 
 
 class Trainer:
-    """One training run; ``run()`` returns the result, or None when stopped early by
-    ``stop_after`` (to be resumed)."""
+    """One training run; ``run()`` returns the result, or None when stopped by
+    ``stop_after`` (to be resumed; ``state.step`` is the step it stopped at)."""
 
     def __init__(self, cfg: TrainConfig, *, cache_root: str | os.PathLike[str],
                  out_dir: str | os.PathLike[str] | None = None, resume: bool = False,
@@ -331,6 +331,10 @@ class Trainer:
             self._say(f"the run stopped early at step {state.step} (no dev improvement in "
                       f"{cfg.patience} evaluations): evaluating the best checkpoint")
             return True
+        if self.stop_after is not None and self.stop_after <= state.step < cfg.steps:
+            self._say(f"step {state.step} is at or past --stop-after {self.stop_after}: "
+                      "not training")
+            return False
         checkpoint_every = cfg.checkpoint_every or cfg.eval_every
         self.model.train()
         reset_peak_memory(self.device)
