@@ -205,3 +205,37 @@ def test_a_run_stopped_early_is_finished_on_resume_without_training(listops_cach
     assert resumed["steps"] == whole["steps"] == 6
     assert resumed["test_accuracy"] == whole["test_accuracy"]
     assert load_checkpoint(tmp_path / "last.pt")["state"]["step"] == 6
+
+
+def test_resume_refuses_other_prepared_data_with_a_sentence(tmp_path):
+    from skyformer.lra import prepare, write_listops
+    from tests.lra.release_files import TINY_RULES
+
+    def prepare_from(seed, max_len=8):
+        write_listops(tmp_path / f"src{seed}", train=64, dev=16, test=16, rules=TINY_RULES,
+                      seed=seed)
+        prepare("listops", tmp_path / f"src{seed}", tmp_path / "cache", max_len=max_len)
+
+    cfg, run = _cfg(steps=4), tmp_path / "run"
+    prepare_from(0)
+    _run(cfg, tmp_path / "cache", run, stop_after=2)
+    prepare_from(1)
+    with pytest.raises(ValueError, match=r"prepared listops data .* differs from the data the "
+                       r"run started with \(meta.json: generated, splits\); prepare it again"):
+        _run(cfg, tmp_path / "cache", run, resume=True)
+    prepare_from(0, max_len=10)
+    with pytest.raises(ValueError, match=r"max_len: 8 then, 10 now.*again as it was with "
+                       r"--max-len 8"):
+        _run(cfg, tmp_path / "cache", run, resume=True)
+    prepare_from(0)  # the same files prepared again: the run goes on
+    assert _run(cfg, tmp_path / "cache", run, resume=True, stop_after=3) is None
+    # A checkpoint without a fingerprint (older versions): the model's shape is checked.
+    ckpt = load_checkpoint(run / "last.pt")
+    del ckpt["data"]
+    save_checkpoint(run / "last.pt", ckpt)
+    prepare_from(0, max_len=10)
+    with pytest.raises(ValueError, match=r"the model built for .* differs from the run's "
+                       r"\(max_len: 8 then, 10 now\)"):
+        _run(cfg, tmp_path / "cache", run, resume=True)
+    prepare_from(0)
+    assert _run(cfg, tmp_path / "cache", run, resume=True)["steps"] == 4

@@ -188,6 +188,13 @@ def write_cache(
     return final
 
 
+def data_fingerprint(meta: dict[str, Any]) -> dict[str, Any]:
+    """What identifies prepared data: its ``meta.json`` (length, counts, label counts, mean
+    lengths, reader and generator records) without the time of preparation and the source
+    path, so that preparing the same files again, or a moved copy, gives the same one."""
+    return {k: v for k, v in meta.items() if k not in ("created", "source")}
+
+
 def load_cache(cache_root: str | os.PathLike[str], task: str) -> TaskData:
     """Open the prepared cache of ``task`` (arrays memory-mapped, read-only)."""
     spec = get_task(task)

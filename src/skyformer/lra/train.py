@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..io import environment, write_json
 from ..logs import get_logger
 from .batches import BatchOrder, Position, fetch, micro_batches
-from .cache import TaskData, load_cache
+from .cache import TaskData, data_fingerprint, load_cache
 from .checkpoint import (
     device_rng_state,
     host_rng_state,
@@ -123,6 +123,16 @@ def _config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[
     return sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
 
 
+def _describe_differences(saved: dict[str, Any], current: dict[str, Any]) -> str:
+    """``key: A then, B now`` for plain values, the key alone for nested ones."""
+    parts = []
+    for key in _config_differences(saved, current):
+        then, now = saved.get(key), current.get(key)
+        plain = all(v is None or isinstance(v, int | float | str) for v in (then, now))
+        parts.append(f"{key}: {then} then, {now} now" if plain else key)
+    return ", ".join(parts)
+
+
 class Trainer:
     """One training run; ``run()`` returns the result, or None when stopped by
     ``stop_after`` (to be resumed; ``state.step`` is the step it stopped at)."""
@@ -193,6 +203,7 @@ class Trainer:
         if diff:
             raise ValueError(f"cannot resume {last}: the settings {', '.join(diff)} differ from "
                              "the run being resumed; resume with the same settings.")
+        self._check_same_data(ckpt, last)
         self.model.load_state_dict(ckpt["model"])
         self.optimizer.load_state_dict(ckpt["optimizer"])
         self.scaler.load_state_dict(ckpt["scaler"])
@@ -218,6 +229,26 @@ class Trainer:
         self._say(f"resumed {self.folder} at step {self.state.step}")
         return True
 
+    def _check_same_data(self, ckpt: dict[str, Any], last: Path) -> None:
+        """Refuse to resume on prepared data other than the run's. Checkpoints without a
+        data fingerprint (older versions) are checked for the model's shape only."""
+        where = f"the prepared {self.cfg.task} data in {self.data.root}"
+        saved = ckpt.get("data")
+        if saved is not None:
+            current = data_fingerprint(self.data.meta)
+            problem = f"{where} differs from the data the run started with (meta.json: "
+        else:
+            saved = ckpt.get("model_config") or {}
+            current = {k: v for k, v in dataclasses.asdict(self.model.cfg).items() if k in saved}
+            problem = f"the model built for {where} differs from the run's ("
+        if saved == current:
+            return
+        hint = f" with --max-len {saved['max_len']}" if saved.get("max_len") != current.get(
+            "max_len") else ""
+        raise ValueError(f"cannot resume {last}: {problem}"
+                         f"{_describe_differences(saved, current)}); prepare it again as it "
+                         f"was{hint}, or start a new run with another --out.")
+
     # -- checkpoints --------------------------------------------------------------------
     def _save_last(self) -> None:
         rng = device_rng_state(self.device, self.attention_generator)
@@ -229,6 +260,7 @@ class Trainer:
         save_checkpoint(self.folder / "last.pt", {
             "format": CHECKPOINT_FORMAT,
             "config": self.cfg.to_dict(),
+            "data": data_fingerprint(self.data.meta),
             "model_config": dataclasses.asdict(self.model.cfg),
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
