@@ -32,6 +32,16 @@ def test_round_trip_with_lengths_padding_and_readonly_memmaps(tmp_path):
     assert data.meta["splits"]["train"]["label_counts"][:4] == [1, 1, 1, 1]
 
 
+def test_truncated_counts_only_documents_longer_than_max_len(tmp_path):
+    lengths = [4, 5, 6, 9]  # max_len 5: two documents lose tokens, one fits exactly
+    train = SplitSource(4, (([np.ones(n, dtype=np.int64)], 0) for n in lengths))
+    write_cache(tmp_path, LISTOPS, {**_splits(), "train": train}, max_len=5)
+    data = load_cache(tmp_path, "listops")
+    assert data.meta["splits"]["train"]["truncated"] == 2
+    assert data.splits["train"].lengths[:, 0].tolist() == [4, 5, 5, 5]
+    assert data.meta["splits"]["dev"]["truncated"] == 0
+
+
 def test_a_failing_write_keeps_the_previous_cache_and_leaves_no_temporary(tmp_path):
     write_cache(tmp_path, LISTOPS, _splits(), max_len=5)
 

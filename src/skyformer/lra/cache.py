@@ -101,7 +101,7 @@ def _write_split(folder: Path, name: str, task: TaskSpec, source: SplitSource,
     tokens = np.lib.format.open_memmap(folder / f"{name}.tokens.npy", "w+", dtype, (n, s, max_len))
     lengths = np.lib.format.open_memmap(folder / f"{name}.lengths.npy", "w+", np.int32, (n, s))
     labels = np.lib.format.open_memmap(folder / f"{name}.labels.npy", "w+", np.int64, (n,))
-    i = -1
+    i, truncated = -1, 0
     for i, (segments, label) in enumerate(source.examples):
         if i >= n:
             raise ValueError(f"the {name} split of {task.name} yields more than the {n} "
@@ -112,7 +112,9 @@ def _write_split(folder: Path, name: str, task: TaskSpec, source: SplitSource,
             raise ValueError(f"{task.name} {name} example {i}: label {label} is outside "
                              f"0..{task.num_classes - 1}.")
         for j, seg in enumerate(segments):
-            seg = np.asarray(seg)[:max_len]
+            seg = np.asarray(seg)
+            truncated += seg.size > max_len
+            seg = seg[:max_len]
             if seg.size == 0:
                 raise ValueError(f"{task.name} {name} example {i}: document {j} is empty; a "
                                  f"model cannot attend over no tokens.")
@@ -130,7 +132,7 @@ def _write_split(folder: Path, name: str, task: TaskSpec, source: SplitSource,
         "count": n,
         "label_counts": counts.tolist(),
         "mean_length": float(np.asarray(lengths).mean()),
-        "truncated": int((np.asarray(lengths) == max_len).sum()),
+        "truncated": int(truncated),  # documents longer than max_len
     }
     for array in (tokens, lengths, labels):
         array.flush()
