@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +56,33 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return target
+
+
+@contextmanager
+def building_folder(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """A new temporary folder next to ``path`` to fill in the ``with`` block. When the
+    block ends without error it is renamed to ``path`` (a folder already there is
+    replaced only then); otherwise it is removed and ``path`` is left as it was."""
+    final = Path(os.path.abspath(path))  # "." and ".." resolved: the folder has a name
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    os.chmod(tmp, DIR_MODE)  # mkdtemp creates 0700; outputs are readable as results are
+    old = None
+    try:
+        yield tmp
+        if final.exists():
+            old = final.parent / f".{final.name}.old-{os.getpid()}"
+            os.replace(final, old)
+        os.replace(tmp, final)
+    except BaseException:
+        if old is not None and not final.exists():
+            os.replace(old, final)
+            old = None
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def save_figure(fig: Any, path: str | os.PathLike[str], **savefig: Any) -> Path:

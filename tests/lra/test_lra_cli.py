@@ -67,6 +67,9 @@ def test_stop_after_stops_at_that_step_and_says_where(tmp_path, capsys, listops_
 
 
 def test_user_errors_are_one_line(tmp_path, capsys):
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "imgs").mkdir()
     cases = [
         (["lra", "prepare", "listops", "--src", str(tmp_path / "none")], "does not exist"),
         (["lra", "prepare", "listops", "--src", str(tmp_path), "--dev-fraction", "0.1"],
@@ -77,6 +80,8 @@ def test_user_errors_are_one_line(tmp_path, capsys):
         (["lra", "generate", "listops", "--out", str(tmp_path), "--max-args", "1"],
          "max_args must be at least 2"),
         (["lra", "report", str(tmp_path)], "no result.json"),
+        (["lra", "generate", "pathfinder", "--out", str(used), "--count", "2"],
+         "or pass --replace to replace"),
     ]
     for argv, message in cases:
         assert main(argv) == 2, argv

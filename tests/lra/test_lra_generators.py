@@ -148,6 +148,55 @@ def test_synthetic_pathfinder_round_trip_is_labelled_synthetic(tmp_path):
     assert 0 < labels.mean() < 1
 
 
+def _contents(folder):
+    return {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_generating_over_generated_data_needs_replace_and_replaces_it_whole(tmp_path):
+    folder = write_pathfinder(tmp_path / "pf", 12, seed=0)
+    before = _contents(folder)
+    with pytest.raises(FileExistsError, match=r"already holds files .*pass --replace"):
+        write_pathfinder(folder, 10, seed=1)
+    assert _contents(folder) == before
+    write_pathfinder(folder, 10, seed=1, replace=True)
+    data = load_cache(prepare("pathfinder", folder, tmp_path / "c").parent, "pathfinder")
+    assert sum(len(data.splits[s]) for s in ("train", "dev", "test")) == 10
+    assert '"count": 10' in data.meta["synthetic_note"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "pf"], "no temporary left"
+    (folder / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"notes\.txt, which `generate pathfinder`"):
+        write_pathfinder(folder, 10, seed=2, replace=True)
+
+
+def test_an_interrupted_replacement_leaves_the_previous_data(tmp_path, monkeypatch):
+    import skyformer.lra.listops_gen as listops_gen
+    import skyformer.lra.pathfinder_gen as pathfinder_gen
+
+    rules = ListOpsRules(max_depth=3, max_args=4, min_length=4, max_length=40)
+    lo = tmp_path / "lo"
+    write_listops(lo, train=20, dev=5, test=5, rules=rules, seed=0)
+    pf = write_pathfinder(tmp_path / "pf", 12, seed=0)
+    before = {lo: _contents(lo), pf: _contents(pf)}
+    real_tsv, real_draw = listops_gen._write_tsv, pathfinder_gen.draw_example
+
+    def after(calls, real):
+        def interrupted(*args, **kwargs):
+            calls.append(1)
+            if len(calls) > 1:
+                raise KeyboardInterrupt
+            return real(*args, **kwargs)
+        return interrupted
+
+    monkeypatch.setattr(listops_gen, "_write_tsv", after([], real_tsv))
+    monkeypatch.setattr(pathfinder_gen, "draw_example", after([], real_draw))
+    with pytest.raises(KeyboardInterrupt):
+        write_listops(lo, train=20, dev=5, test=5, rules=rules, seed=1, replace=True)
+    with pytest.raises(KeyboardInterrupt):
+        write_pathfinder(pf, 12, seed=1, replace=True)
+    assert {lo: _contents(lo), pf: _contents(pf)} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lo", "pf"]
+
+
 def test_pathfinder_rules_guard_the_label_property():
     with pytest.raises(ValueError, match="gap_length must be at most 2"):
         PathfinderRules(gap_length=2.5)

@@ -211,9 +211,11 @@ def test_resume_refuses_other_prepared_data_with_a_sentence(tmp_path):
     from skyformer.lra import prepare, write_listops
     from tests.lra.release_files import TINY_RULES
 
-    def prepare_from(seed, max_len=8):
+    for seed in (0, 1):
         write_listops(tmp_path / f"src{seed}", train=64, dev=16, test=16, rules=TINY_RULES,
                       seed=seed)
+
+    def prepare_from(seed, max_len=8):
         prepare("listops", tmp_path / f"src{seed}", tmp_path / "cache", max_len=max_len)
 
     cfg, run = _cfg(steps=4), tmp_path / "run"

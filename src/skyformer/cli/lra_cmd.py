@@ -58,6 +58,8 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     lo.add_argument("--min-length", type=int, default=500, help="exclusive lower length bound")
     lo.add_argument("--max-length", type=int, default=2000, help="exclusive upper length bound")
     lo.add_argument("--seed", type=int, default=0)
+    lo.add_argument("--replace", action="store_true",
+                    help="replace the ListOps data generated in --out before")
     pf = sub.add_parser("pathfinder", help="synthetic Pathfinder-like images (release layout)")
     pf.add_argument("--out", required=True, help="folder to write imgs/ and metadata/ to")
     pf.add_argument("--count", type=int, default=10_000)
@@ -65,6 +67,8 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     pf.add_argument("--dashes", type=int, default=6, help="dashes per path")
     pf.add_argument("--distractors", type=int, default=1, help="paths without dots")
     pf.add_argument("--seed", type=int, default=0)
+    pf.add_argument("--replace", action="store_true",
+                    help="replace the images generated in --out before")
 
 
 def _train_args(p: argparse.ArgumentParser) -> None:
@@ -200,14 +204,15 @@ def _run_generate(args: argparse.Namespace) -> int:
         rules = ListOpsRules(max_depth=args.max_depth, max_args=args.max_args,
                              min_length=args.min_length, max_length=args.max_length)
         paths = write_listops(args.out, train=args.train, dev=args.dev, test=args.test,
-                              rules=rules, seed=args.seed)
+                              rules=rules, seed=args.seed, replace=args.replace)
         print(f"wrote {', '.join(str(p) for p in paths.values())}")
     else:
         from ..lra import PathfinderRules, write_pathfinder
 
         rules = PathfinderRules(resolution=args.resolution, dashes=args.dashes,
                                 distractors=args.distractors)
-        folder = write_pathfinder(args.out, args.count, rules=rules, seed=args.seed)
+        folder = write_pathfinder(args.out, args.count, rules=rules, seed=args.seed,
+                                  replace=args.replace)
         print(f"wrote {args.count} synthetic images to {folder}")
     return 0
 

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -28,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ..io import DIR_MODE, atomic_write_text
+from ..io import atomic_write_text, building_folder
 from .tasks import SPLITS, TaskSpec, get_task
 
 CACHE_FORMAT = 1
@@ -157,12 +155,7 @@ def write_cache(
         raise ValueError(f"a cache needs the splits {', '.join(SPLITS)}, got {', '.join(splits)}.")
     if not isinstance(max_len, int) or max_len <= 0:
         raise ValueError(f"max_len must be a positive integer, got {max_len!r}.")
-    root = Path(cache_root)
-    root.mkdir(parents=True, exist_ok=True)
-    final = cache_dir(root, task.name)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{task.name}.", suffix=".tmp", dir=root))
-    os.chmod(tmp, DIR_MODE)  # mkdtemp creates 0700; the cache is readable as results are
-    try:
+    with building_folder(cache_dir(cache_root, task.name)) as tmp:
         infos = {name: _write_split(tmp, name, task, splits[name], max_len) for name in SPLITS}
         record = {
             "format": CACHE_FORMAT,
@@ -177,17 +170,7 @@ def write_cache(
             "splits": infos,
         }
         atomic_write_text(tmp / "meta.json", json.dumps(record, indent=2) + "\n")
-        old = None
-        if final.exists():
-            old = root / f".{task.name}.old-{os.getpid()}"
-            os.replace(final, old)
-        os.replace(tmp, final)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+    return cache_dir(cache_root, task.name)
 
 
 def data_fingerprint(meta: dict[str, Any]) -> dict[str, Any]:

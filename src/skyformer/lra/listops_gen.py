@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..io import FILE_MODE, atomic_write_text
+from .generated import generated_folder
 from .readers.listops import FILES, GENERATOR_RECORD
 from .vocab import LISTOPS_CLOSE, LISTOPS_OPERATORS
 
@@ -156,11 +157,13 @@ def _write_tsv(path: Path, rows: list[tuple[str, int]]) -> None:
 
 
 def write_listops(out: str | os.PathLike[str], *, train: int = 96_000, dev: int = 2_000,
-                  test: int = 2_000, rules: ListOpsRules | None = None, seed: int = 0
-                  ) -> dict[str, Path]:
+                  test: int = 2_000, rules: ListOpsRules | None = None, seed: int = 0,
+                  replace: bool = False) -> dict[str, Path]:
     """Generate ListOps and write ``basic_{train,val,test}.tsv`` plus ``generator.json``.
 
-    Defaults are the LRA release's sizes and rules. Returns split -> file.
+    Defaults are the LRA release's sizes and rules. ``out`` must be new or empty, or
+    ``replace`` given (see ``generated``); it is written whole or not at all. Returns
+    split -> file.
     """
     rules = rules or ListOpsRules()
     counts = {"train": train, "dev": dev, "test": test}
@@ -168,15 +171,15 @@ def write_listops(out: str | os.PathLike[str], *, train: int = 96_000, dev: int 
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             raise ValueError(f"the number of {name} examples must be a positive integer, "
                              f"got {n!r}.")
-    examples = generate_examples(train + dev + test, rules, seed)
     folder = Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
-    paths, start = {}, 0
-    for name, n in counts.items():
-        paths[name] = folder / FILES[name]
-        _write_tsv(paths[name], examples[start:start + n])
-        start += n
-    record = {"generator": "skyformer.lra.listops_gen", "seed": seed, "counts": counts,
-              "rules": asdict(rules)}
-    atomic_write_text(folder / GENERATOR_RECORD, json.dumps(record, indent=2) + "\n")
-    return paths
+    with generated_folder(folder, "listops", [*FILES.values(), GENERATOR_RECORD],
+                          replace=replace) as tmp:
+        examples = generate_examples(train + dev + test, rules, seed)
+        start = 0
+        for name, n in counts.items():
+            _write_tsv(tmp / FILES[name], examples[start:start + n])
+            start += n
+        record = {"generator": "skyformer.lra.listops_gen", "seed": seed, "counts": counts,
+                  "rules": asdict(rules)}
+        atomic_write_text(tmp / GENERATOR_RECORD, json.dumps(record, indent=2) + "\n")
+    return {name: folder / FILES[name] for name in counts}

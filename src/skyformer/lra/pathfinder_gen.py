@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from ..io import atomic_write_text
+from .generated import generated_folder
 from .readers.pathfinder import SYNTHETIC_MARKER
 
 IMAGES_PER_FOLDER = 1000
@@ -175,17 +176,27 @@ def draw_example(rng: np.random.Generator, rules: PathfinderRules, label: int,
 
 
 def write_pathfinder(out: str | os.PathLike[str], count: int, *,
-                     rules: PathfinderRules | None = None, seed: int = 0) -> Path:
+                     rules: PathfinderRules | None = None, seed: int = 0,
+                     replace: bool = False) -> Path:
     """Write ``count`` synthetic images (labels balanced at random) in the release layout.
 
-    Returns the folder to pass to ``skyformer lra prepare pathfinder --src``.
+    ``out`` must be new or empty, or ``replace`` given (see ``generated``); it is written
+    whole or not at all. Returns the folder to pass to ``skyformer lra prepare pathfinder
+    --src``.
     """
-    from PIL import Image
-
     rules = rules or PathfinderRules()
     if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
         raise ValueError(f"count must be a positive integer, got {count!r}.")
     folder = Path(out)
+    with generated_folder(folder, "pathfinder", ["imgs", "metadata", SYNTHETIC_MARKER],
+                          replace=replace) as tmp:
+        _write_images(tmp, count, rules, seed)
+    return folder
+
+
+def _write_images(folder: Path, count: int, rules: PathfinderRules, seed: int) -> None:
+    from PIL import Image
+
     (folder / "metadata").mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     lines: dict[int, list[str]] = {}
@@ -204,4 +215,3 @@ def write_pathfinder(out: str | os.PathLike[str], count: int, *,
     atomic_write_text(folder / SYNTHETIC_MARKER,
                       "Synthetic Pathfinder-like images, not the LRA release.\n"
                       + json.dumps(note) + "\n")
-    return folder

@@ -1,0 +1,39 @@
+"""The output folder of ``skyformer lra generate``: one data set at a time, whole.
+
+A generator fills a temporary folder next to ``--out`` and renames it into place when
+done, so an interrupted run leaves the folder as it was, never new files next to old
+ones (images under old labels, a new train split with an old test split). A folder
+that already holds files is refused unless ``replace`` is given, and even then only
+when it holds nothing but what the generator writes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from ..io import building_folder
+
+
+@contextmanager
+def generated_folder(out: str | os.PathLike[str], kind: str, written: Iterable[str], *,
+                     replace: bool = False) -> Iterator[Path]:
+    """A temporary folder to write ``kind``'s files (``written``: the names it creates
+    at the top) that becomes ``out`` when the block ends without error."""
+    folder = Path(out)
+    if folder.exists() and not folder.is_dir():
+        raise NotADirectoryError(f"{folder} is a file; choose a folder for --out.")
+    present = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    if present and not replace:
+        raise FileExistsError(
+            f"{folder} already holds files ({', '.join(present[:5])}); generate into a new or "
+            f"empty folder, or pass --replace to replace the {kind} data generated there.")
+    foreign = sorted(set(present) - set(written))
+    if foreign:
+        raise FileExistsError(
+            f"{folder} holds {', '.join(foreign[:5])}, which `generate {kind}` does not write; "
+            "--replace only replaces generated data: choose another --out.")
+    with building_folder(folder) as tmp:
+        yield tmp
