@@ -65,3 +65,26 @@ def test_figure_two_is_written(tmp_path):
 def test_no_runs_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"no result.json"):
         collect_runs([tmp_path])
+
+
+def test_other_settings_are_rows_of_their_own_and_a_seed_counts_once(tmp_path):
+    config = {"task": "listops", "attention": "skyformer", "steps": 50_000, "lr": 1e-4,
+              "attention_options": {"num_features": 128}, "log_every": 100}
+
+    def run(root, seed, accuracy, **changes):
+        _fake_run(tmp_path / root, "listops", "skyformer", seed, accuracy,
+                  config={**config, "seed": seed, **changes})
+
+    run("a", 0, 0.30)
+    run("a", 1, 0.40, log_every=7)  # logging does not change the experiment
+    run("b", 0, 0.34)  # seed 0 again with the same settings
+    run("c", 0, 0.20, lr=1e-3)
+    run("d", 0, 0.10, attention_options={"num_features": 4})
+    text = tables(collect_runs([tmp_path]))
+    table1 = text.split("Table 2")[0]
+    rows = [line for line in table1.splitlines() if line.startswith("| skyformer")]
+    std = statistics.stdev([32, 40])  # seed 0: mean of 30 and 34
+    assert rows == [f"| skyformer (lr=0.0001, num_features=128) | 36.00 ± {std:.2f} (2) | 36.00 |",
+                    "| skyformer (lr=0.0001, num_features=4) | 10.00 (1) | 10.00 |",
+                    "| skyformer (lr=0.001, num_features=128) | 20.00 (1) | 20.00 |"]
+    assert "seed(s) 0 ran more than once" in text

@@ -8,7 +8,10 @@ Reads every ``result.json`` (and its ``metrics.jsonl``) under the given folders:
   seeds (CUDA: ``max_memory_allocated``; CPU: max RSS, which is not comparable);
 - Figure 2: dev accuracy against training time, one panel per task.
 
-Runs on synthetic data or whose dev split is the test split are flagged.
+Runs of a method on a task are averaged over seeds only when the rest of their training
+config is the same (logging and checkpoint intervals aside); runs with other settings
+get rows of their own, labelled with the settings that set them apart. Runs on
+synthetic data or whose dev split is the test split are flagged.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import math
 import os
 import statistics
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +29,9 @@ from typing import Any
 from ..io import save_figure
 from ..registry import list_methods
 from .tasks import TASKS
+
+# Config entries that do not change what a run measures, besides the seed.
+NOT_EXPERIMENT = ("seed", "log_every", "checkpoint_every")
 
 
 @dataclass
@@ -36,6 +43,20 @@ class Run:
     @property
     def key(self) -> tuple[str, str]:
         return self.result["task"], self.result["attention"]
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The experiment: the training config without the seed and logging intervals,
+        with the model's sequence length (the prepared one when the config has none)."""
+        config = self.result.get("config") or {}
+        out = {k: v for k, v in config.items()
+               if k not in (*NOT_EXPERIMENT, "task", "attention", "attention_options")}
+        for key, value in (config.get("attention_options") or {}).items():
+            out[f"option {key}" if key in out else key] = value
+        model_len = (self.result.get("model") or {}).get("max_len")
+        if model_len is not None:
+            out["max_len"] = model_len
+        return out
 
 
 def collect_runs(paths: list[str | os.PathLike[str]]) -> list[Run]:
@@ -85,18 +106,52 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _variant_labels(runs: list[Run]) -> dict[int, str]:
+    """Row label suffix per run of one task and method: empty when all share their
+    settings, else the settings that differ, e.g. ``steps=200, lr=0.001``."""
+    settings = [r.settings for r in runs]
+    keys = sorted({k for s in settings for k in s})
+    differ = [k for k in keys if len({json.dumps(s.get(k), sort_keys=True)
+                                      for s in settings}) > 1]
+    return {id(r): ", ".join(f"{k}={s.get(k)}" for k in differ)
+            for r, s in zip(runs, settings, strict=True)}
+
+
+def _by_seed(group: list[Run], value: Callable[[Run], float]) -> list[float]:
+    """One value per distinct seed: the mean over runs that repeat a seed."""
+    seeds: dict[Any, list[float]] = defaultdict(list)
+    for run in group:
+        seeds[run.result.get("seed")].append(value(run))
+    return [statistics.fmean(v) for v in seeds.values()]
+
+
+def _groups(runs: list[Run]) -> dict[tuple[str, str, str], list[Run]]:
+    """Runs by (task, method, settings label): the runs that are seeds of one experiment."""
+    by_cell: dict[tuple[str, str], list[Run]] = defaultdict(list)
+    for run in runs:
+        by_cell[run.key].append(run)
+    groups: dict[tuple[str, str, str], list[Run]] = defaultdict(list)
+    for (task, method), cell in by_cell.items():
+        labels = _variant_labels(cell)
+        for run in cell:
+            groups[task, method, labels[id(run)]].append(run)
+    return groups
+
+
 def tables(runs: list[Run]) -> str:
     """Tables 1 and 2 as markdown."""
-    groups: dict[tuple[str, str], list[Run]] = defaultdict(list)
-    for run in runs:
-        groups[run.key].append(run)
-    tasks = [t for t in TASKS if any(task == t for task, _ in groups)]
-    methods = _method_order({m for _, m in groups})
+    groups = _groups(runs)
+    tasks = [t for t in TASKS if any(task == t for task, _, _ in groups)]
+    order = _method_order({m for _, m, _ in groups})
+    rows_of = sorted({(m, label) for _, m, label in groups},
+                     key=lambda row: (order.index(row[0]), row[1]))
+    names = {(m, label): f"{m} ({label})" if label else m for m, label in rows_of}
     rows = []
-    for method in methods:
-        row, means = [method], []
+    for method, label in rows_of:
+        row, means = [names[method, label]], []
         for task in tasks:
-            accs = [r.result["test_accuracy"] for r in groups.get((task, method), [])]
+            accs = _by_seed(groups.get((task, method, label), []),
+                            lambda r: r.result["test_accuracy"])
             row.append(_cell(accs, 100) + (f" ({len(accs)})" if accs else ""))
             if accs:
                 means.append(statistics.fmean(accs) * 100)
@@ -104,16 +159,19 @@ def tables(runs: list[Run]) -> str:
         rows.append(row)
     titles = [TASKS[t].title for t in tasks]
     out = ["Table 1: test accuracy (%) of the best dev checkpoint, mean ± std over seeds "
-           "(number of seeds); avg over the tasks a method has results for.", "",
+           "(number of distinct seeds); avg over the tasks a row has results for. Runs that "
+           "differ in other settings are separate rows, labelled with those settings.", "",
            _table(["method", *titles, "avg"], rows), ""]
     rows = []
-    for method in methods:
-        row = [method]
+    for method, label in rows_of:
+        row = [names[method, label]]
         for task in tasks:
-            hours = [r.result["train_seconds"] / 3600 for r in groups.get((task, method), [])]
+            hours = _by_seed(groups.get((task, method, label), []),
+                             lambda r: r.result["train_seconds"] / 3600)
             row.append(_cell(hours, digits=3, spread=False))
         for task in tasks:
-            gib = [r.result["peak_memory_bytes"] / 2**30 for r in groups.get((task, method), [])]
+            gib = _by_seed(groups.get((task, method, label), []),
+                           lambda r: r.result["peak_memory_bytes"] / 2**30)
             row.append(_cell(gib, digits=3, spread=False))
         rows.append(row)
     kinds = sorted({r.result.get("peak_memory_kind", "?") for r in runs})
@@ -122,15 +180,21 @@ def tables(runs: list[Run]) -> str:
             _table(["method", *(f"time {t}" for t in titles), *(f"memory {t}" for t in titles)],
                    rows), ""]
     notes = []
-    for (task, method), group in sorted(groups.items()):
+    for (task, method, label), group in sorted(groups.items()):
+        name = f"{task}/{names[method, label]}"
         steps = sorted({r.result["steps"] for r in group})
         if any(r.result.get("synthetic_data") for r in group):
-            notes.append(f"{task}/{method}: synthetic data (not the LRA release).")
+            notes.append(f"{name}: synthetic data (not the LRA release).")
         if any(r.result.get("dev_is_test") for r in group):
-            notes.append(f"{task}/{method}: the dev split is the test split (LRA's IMDb setup).")
+            notes.append(f"{name}: the dev split is the test split (LRA's IMDb setup).")
         if steps != [50_000]:
-            notes.append(f"{task}/{method}: trained for {', '.join(map(str, steps))} steps "
+            notes.append(f"{name}: trained for {', '.join(map(str, steps))} steps "
                          "(the papers: 50000).")
+        seeds = [r.result.get("seed") for r in group]
+        repeated = sorted({s for s in seeds if seeds.count(s) > 1}, key=str)
+        if repeated:
+            notes.append(f"{name}: seed(s) {', '.join(map(str, repeated))} ran more than once "
+                         "with the same settings; each seed's runs are averaged and count once.")
     if notes:
         out += ["Notes:", "", *(f"- {n}" for n in notes), ""]
     return "\n".join(out)
