@@ -247,7 +247,8 @@ def _run_train(args: argparse.Namespace) -> int:
             step = trainer.state.step
             passed = "" if step == args.stop_after else \
                 f" (already past --stop-after {args.stop_after})"
-            print(f"stopped after step {step}{passed}; continue with --resume")
+            if trainer.info.is_main:  # under torchrun, one line rather than one per process
+                print(f"stopped after step {step}{passed}; continue with --resume")
             return 0
     return 0
 
