@@ -76,6 +76,8 @@ class MultiHeadAttention(nn.Module):
         self.bound: BoundMethod = get_method(method).bind(
             num_heads, self.head_dim, seq_len=seq_len, **method_options
         )
+        if process_group is not None:  # options the sequence-parallel form cannot run
+            form_of(method).check(self.bound.config)
         self.q_proj = nn.Linear(dim, dim, bias=bias)
         self.k_proj = nn.Linear(dim, dim, bias=bias)
         self.v_proj = nn.Linear(dim, dim, bias=bias)

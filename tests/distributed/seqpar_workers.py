@@ -18,6 +18,7 @@ import skyformer
 from skyformer.distributed import (
     count_communication,
     destroy_process_group,
+    forms,
     sequence_parallel_attention,
     sum_gradients,
 )
@@ -182,7 +183,26 @@ def check_errors(rank: int, world: int) -> None:
 
     raises("cannot run sequence parallel: its landmarks are segment means", q, k, v,
            "nystromformer")
-    raises("causal=True does not run sequence parallel", q, k, v, "linear", causal=True)
+    for method in ("skyformer", "nystrom_softmax", "linear", "performer"):
+        raises(f"{method}: causal=True does not run sequence parallel", q, k, v, method,
+               causal=True)
+        try:  # the layer says so when it is built
+            skyformer.MultiHeadAttention(8, 2, method, causal=True,
+                                         process_group=dist.group.WORLD)
+        except ValueError as error:
+            assert "causal=True does not run sequence parallel" in str(error), str(error)
+        else:
+            raise AssertionError(f"{method}: a causal layer was built sequence parallel")
+    raises("unknown attention method 'skyfromer'", q, k, v, "skyfromer")
+    seen = []  # the products run on the kernel asked for, as in one process
+    original = forms.skyformer_from_core
+    forms.skyformer_from_core = lambda *a, **kw: seen.append(kw.get("kernel")) or original(
+        *a, **kw)
+    try:
+        sequence_parallel_attention(q, k, v, "skyformer", num_features=4, kernel="torch")
+    finally:
+        forms.skyformer_from_core = original
+    assert seen == ["torch"], seen
     wide = torch.cat([q, q], dim=-1) if rank == 1 else q
     raises("same batch size B, heads H, head dims D and Dv", wide, k if rank == 0 else wide,
            v)

@@ -29,6 +29,7 @@ from ..ops.performer.performer import performer_from_projection
 from ..ops.shared.inputs import AttentionInputs, compute_dtype
 from ..ops.shared.modified_nystrom import NystromCore, NystromOptions, core_from_rows
 from ..ops.skyformer.skyformer import skyformer_from_core
+from ..registry import get_method
 from .landmarks import draw_landmarks, landmark_rows
 from .layout import ShardLayout
 from .reduction import GroupReduction
@@ -48,7 +49,8 @@ def _skyformer(q: Tensor, k: Tensor, v: Tensor, config: Any, info: AttentionInpu
     qw, kw, vw = q.to(work), k.to(work), v.to(work)
     scale = kernel_scale(info.head_dim, config.scale)
     core = _nystrom_core(qw, kw, scale, config, info, layout)
-    return skyformer_from_core(qw, kw, vw, core, info, scale, reduce).to(q.dtype)
+    return skyformer_from_core(qw, kw, vw, core, info, scale, reduce,
+                               kernel=config.kernel).to(q.dtype)
 
 
 def _nystrom_softmax(q: Tensor, k: Tensor, v: Tensor, config: Any, info: AttentionInputs,
@@ -76,11 +78,25 @@ def _performer(q: Tensor, k: Tensor, v: Tensor, config: Any, info: AttentionInpu
                                      config, reduce).to(q.dtype)
 
 
-def _no_causal(config: Any) -> None:
-    if config.causal:
-        raise ValueError(
-            "linear: causal=True does not run sequence parallel (its prefix sums would "
-            "need a scan across ranks); use causal=False or one process.")
+# Why causal=True does not run sequence parallel, per form (each rank's queries would
+# need the earlier ranks' prefix, not the sums over every shard this form exchanges).
+_NOT_CAUSAL = {
+    "skyformer": "its causal Nystrom construction reveals landmarks in order along the "
+                 "whole sequence",
+    "nystrom_softmax": "its causal Nystrom construction reveals landmarks in order along "
+                       "the whole sequence",
+    "linear": "its prefix sums would need a scan across ranks",
+    "performer": "its prefix sums would need a scan across ranks",
+}
+
+
+def _no_causal(method: str) -> Callable[[Any], None]:
+    def check(config: Any) -> None:
+        if getattr(config, "causal", False):
+            raise ValueError(
+                f"{method}: causal=True does not run sequence parallel "
+                f"({_NOT_CAUSAL[method]}); use causal=False or one process.")
+    return check
 
 
 @dataclass(frozen=True)
@@ -93,10 +109,10 @@ class Form:
 
 
 FORMS = {
-    "skyformer": Form(_skyformer),
-    "nystrom_softmax": Form(_nystrom_softmax),
-    "linear": Form(_linear, _no_causal),
-    "performer": Form(_performer),
+    "skyformer": Form(_skyformer, _no_causal("skyformer")),
+    "nystrom_softmax": Form(_nystrom_softmax, _no_causal("nystrom_softmax")),
+    "linear": Form(_linear, _no_causal("linear")),
+    "performer": Form(_performer, _no_causal("performer")),
 }
 
 _WHY_NOT = {
@@ -112,7 +128,9 @@ _WHY_NOT = {
 
 
 def form_of(method: str) -> Form:
-    """The sequence-parallel form of ``method``, or a sentence saying why there is none."""
+    """The sequence-parallel form of ``method``, or a sentence saying why there is none
+    (for a name that is no method, the registry's sentence listing the methods)."""
+    get_method(method)
     if method in FORMS:
         return FORMS[method]
     reason = _WHY_NOT.get(method, "its keys enter through more than sums of a size "
