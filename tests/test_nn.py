@@ -53,6 +53,10 @@ def test_options_and_errors():
         MultiHeadAttention(16, 2, method="nope")
     with pytest.raises(CapabilityError):
         MultiHeadAttention(16, 2, method="nystromformer", causal=True)
+    queries = torch.ones(2, 5, dtype=torch.bool)
+    with pytest.raises(ValueError, match="key_padding_mask marks the padded queries too"):
+        layer(torch.randn(2, 5, 16), query_padding_mask=queries)  # not silently ignored
+    layer(torch.randn(2, 5, 16), context=torch.randn(2, 7, 16), query_padding_mask=queries)
 
 
 def test_method_state_module_is_owned_and_passed():

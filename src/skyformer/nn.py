@@ -141,6 +141,11 @@ class MultiHeadAttention(nn.Module):
                     f"{weight.dtype}; convert one of them (x.to({weight.dtype}) or "
                     f"layer.to({t.dtype}))."
                 )
+        if context is None and query_padding_mask is not None:
+            raise ValueError(
+                "MultiHeadAttention: query_padding_mask is for attention to a context; in "
+                "self-attention key_padding_mask marks the padded queries too (pass the "
+                "mask there).")
         q = self._split(self.q_proj(x))
         k = self._split(self.k_proj(source))
         v = self._split(self.v_proj(source))
