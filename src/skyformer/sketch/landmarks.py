@@ -10,6 +10,10 @@ batch element and shared by the heads. Unlike the reference we
   right padding);
 - take randomness only from the caller's ``generator``.
 
+As the reference, S selects the rows with weight 1 (Definition 1's columns carry
+sqrt(1/d)), so the ridge gamma is added to the unscaled landmark block
+(``ops/skyformer/README.md``, "Landmarks").
+
 Sampling keeps the rows of smallest *selection key*. Each row's key is its uniform
 score (a counter-based draw indexed by the batch element and the row's rank among the
 valid rows, ``rng.row_uniform``) with that rank as tie-break; padded rows' keys lie

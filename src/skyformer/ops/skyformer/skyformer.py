@@ -50,7 +50,8 @@ from .causal import causal_skyformer
 
 @dataclass(frozen=True)
 class SkyformerConfig(NystromOptions, CausalNystromOptions):
-    """Options of Skyformer; defaults are the paper's (128 features, gamma 0.1, 6 iterations).
+    """Options of Skyformer; defaults are the authors' code's (128 features, gamma 0.1, 6
+    iterations; the paper gives no gamma, README "Landmarks").
 
     causal, causal_local, landmark_stride: the causal construction (``causal.py``,
         README "Causal"); with ``causal`` the core is the exact ridge inverse (one
