@@ -117,6 +117,20 @@ def test_hf_eval_end_to_end(tmp_path, capsys):
     assert "| long | `skyformer` | 8 |" in markdown and "not a drop-in" in markdown
 
 
+def test_memory_is_measured_on_the_timed_batch_with_its_mask(tmp_path, monkeypatch):
+    """The memory job gets the timed texts unpadded (it pads them with their mask), so
+    that padding is padding there as in the timed call, not real tokens."""
+    from skyformer.eval.hf import run
+
+    jobs = []
+    monkeypatch.setattr(run, "peak_memory_bytes", lambda job, device: jobs.append(job) or 1)
+    assert main(["hf-eval", "--methods", "softmax", "--max-texts", "6", "--seq-len", "64",
+                 "--repeats", "1", "--quiet", "--settings", "short", "--clock", "cpu",
+                 "--out", str(tmp_path / "hf")]) == 0
+    ids = jobs[0].kwargs["input_ids"]
+    assert len({len(x) for x in ids}) > 1 and all(x[-1] != 0 for x in ids)
+
+
 def test_forward_pass_memory_of_the_model():
     from skyformer.eval.measure.memory import CallJob, peak_memory_bytes
 

@@ -311,7 +311,8 @@ def evaluate(config: HFEvalConfig = HFEvalConfig(),
             "mean_tokens": sum(lengths) / len(lengths), "max_tokens": max(lengths),
             "timed_texts": min(timed_texts(config, setting), len(lengths)),
         }
-        timed = pad_batch(inputs.ids[: timed_texts(config, setting)])
+        timed_ids = [list(x) for x in inputs.ids[: timed_texts(config, setting)]]
+        timed = pad_batch(timed_ids)
         timed_device = {k: v.to(device) for k, v in timed.items()}
         restore_exact(model)
         exact = embed_all(model, inputs, config.batch_size)
@@ -336,7 +337,7 @@ def evaluate(config: HFEvalConfig = HFEvalConfig(),
                     job = CallJob("skyformer.eval.hf.run:memory_probe", {
                         "model_dir": config.model, "method": method, "options": options,
                         "layers": layers, "seed": config.seed,
-                        "input_ids": timed["input_ids"].tolist(),
+                        "input_ids": timed_ids,  # padded there, with their mask
                         "threads": torch.get_num_threads(), "device": str(device),
                     })
                     row["peak_mib"] = peak_memory_bytes(job, device) / 2**20
