@@ -284,3 +284,21 @@ def test_argument_errors_name_what_is_wrong():
     assert "needs enable_gqa=True" not in str(err.value)
     with pytest.raises(ValueError, match="scaled_dot_product_attention takes torch's SDPA"):
         skyformer.attention(q, k, v, "softmax", attn_mask=torch.ones(10, 10, dtype=torch.bool))
+
+
+def test_a_float_mask_under_a_transform_is_refused_not_read_as_padding():
+    """Under torch.func (and torch.compile) a float mask's values cannot be read: a bias
+    there would be left out, so it is refused; a bool key padding mask runs as eagerly."""
+    q, k, v = make_qkv(2, 2, 16, 4)
+    key = random_key(0)
+    per_sample = torch.func.vmap(
+        lambda a, b, c, m: sdpa(a, b, c, m, method="skyformer", generator=key))
+    bias = torch.zeros(2, 1, 1, 16, dtype=q.dtype)
+    bias[..., :8] = -3.0  # a mask of each sample: its values are the transform's
+    with pytest.raises(CapabilityError, match="cannot be read to check that it holds no bias"):
+        per_sample(q, k, v, bias)
+    padding = torch.ones(2, 1, 1, 16, dtype=torch.bool)
+    padding[1, ..., 12:] = False
+    want = torch.stack([sdpa(q[i], k[i], v[i], padding[i], method="skyformer", generator=key)
+                        for i in range(2)])
+    torch.testing.assert_close(per_sample(q, k, v, padding), want, atol=ATOL, rtol=0)

@@ -9,8 +9,10 @@ where it cannot:
 - ``attn_mask``: the exact methods (capability ``attn_mask``) take any bool or additive
   mask broadcastable to ``[B, H, L, S]``; the approximate methods take masks that are
   key padding, or causal with key padding (``skyformer.masks.resolve_mask``), which
-  reads the mask's values: under ``torch.compile`` they take masks that broadcast over
-  the queries (``[B, 1, 1, S]``), or pass ``key_padding_mask`` and ``is_causal``. For
+  reads the mask's values: under ``torch.compile`` or a ``torch.func`` transform they
+  take bool masks that broadcast over the queries (``[B, 1, 1, S]``; a float mask could
+  hold a bias that cannot be checked there), or pass ``key_padding_mask`` and
+  ``is_causal``. For
   them, as for ``key_padding_mask``, self-attention's convention holds when L == S
   (``query_padding_mask="auto"``): a position whose key the mask hides from every
   query is padding, its query too (output row 0, in no landmark pool, so that padding
@@ -50,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .masks import BLOCKED_LOGIT, resolve_mask
+from .masks import resolve_mask
 from .ops.shared.tracing import may_read_values
 from .registry import CapabilityError, check_capabilities, get_method
 from .registry.methods import Method
@@ -169,10 +171,16 @@ def _as_padding(spec: Method, attn_mask: Tensor, key_padding_mask: Tensor | None
         resolved = resolve_mask(attn_mask, batch=b, query_len=lq, key_len=lk,
                                 is_causal=False, advice=advice)
         valid, causal = resolved.key_padding_mask, causal or resolved.causal
-    elif attn_mask.dim() >= 2 and attn_mask.shape[-2] == 1 and attn_mask.shape[-1] == lk \
-            and (attn_mask.dim() < 3 or attn_mask.shape[-3] == 1):
-        rows = attn_mask.reshape(-1, lk).expand(b, lk)
-        valid = rows if rows.dtype == torch.bool else rows > BLOCKED_LOGIT
+    elif attn_mask.dtype == torch.bool and attn_mask.shape[-2] == 1 \
+            and attn_mask.shape[-1] == lk and attn_mask.shape[-3] == 1:
+        valid = attn_mask.reshape(-1, lk).expand(b, lk)
+    elif attn_mask.is_floating_point():  # its values (a bias?) cannot be read to check
+        raise CapabilityError(
+            f"{spec.name} takes only key padding and causal masks, and under torch.compile "
+            f"or a torch.func transform the values of a float attn_mask cannot be read to "
+            f"check that it holds no bias (which {spec.name} would leave out): pass a bool "
+            f"mask [B, 1, 1, S] (True = attend), or key_padding_mask and is_causal."
+        )
     else:
         raise CapabilityError(
             f"{spec.name} takes only key padding and causal masks, and under torch.compile "
