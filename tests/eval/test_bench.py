@@ -292,3 +292,27 @@ def test_causal_runs_the_causal_methods_against_causal_sdpa():
     with pytest.raises(ValueError, match="nystromformer cannot do causal masking"):
         run_bench(BenchConfig(methods=("nystromformer",), seq_lens=(64,), shapes=((1, 1, 8),),
                               repeats=1, warmup=0, memory=False, causal=True))
+
+
+def test_one_matmul_rate_per_file_a_dotted_out_and_float64_errors(tmp_path, monkeypatch):
+    """Rows kept by --resume get this run's matmul rate in their speed of light (one
+    rate per file); --out keeps a dot in its name (OUT.json, not a cut name); exact
+    methods compared in float64 give float64's error (none), not float32's."""
+    import skyformer.eval.bench.run as bench_run
+
+    out = tmp_path / "bench_torch2.13"
+    argv = ["bench", "--methods", "skyformer", "kernelized", "--shapes", "1,1,8",
+            "--features", "8", "--repeats", "1", "--warmup", "0", "--no-memory", "--out",
+            str(out), "--no-plot", "--dtypes", "float64"]
+    for rate, lengths in ((1e11, ["64"]), (2e11, ["64", "128"])):
+        monkeypatch.setattr(bench_run, "matmul_flops_per_second", lambda *a, r=rate, **k: r)
+        assert main([*argv, "--seq-lens", *lengths, *(["--resume"] if rate > 1e11 else [])]) == 0
+    data = json.loads((tmp_path / "bench_torch2.13.json").read_text())
+    assert not (tmp_path / "bench_torch2.json").exists()
+    assert data["matmul_gflops"] == {"float64": 200.0}
+    rows = [r for r in data["rows"] if r.get("gflop")]
+    assert {r["n"] for r in rows} == {64, 128}
+    for row in rows:
+        assert row["sol_ms"] == pytest.approx(row["gflop"] / 200.0 * 1e3)
+    exact = [r for r in data["rows"] if r["method"] in ("softmax", "kernelized")]
+    assert exact and all(r["rel_error"] < 1e-14 for r in exact)

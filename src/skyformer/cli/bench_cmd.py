@@ -6,11 +6,10 @@ import argparse
 import json
 import shlex
 import sys
-from pathlib import Path
 
 import torch
 
-from ..eval.bench.report import format_table, format_wide, write_results
+from ..eval.bench.report import format_table, format_wide, result_path, write_results
 from ..eval.bench.run import DTYPES, BenchConfig, BenchResult, resumable_rows, run_bench
 from ..io import check_output_path
 
@@ -89,7 +88,7 @@ def _earlier_rows(config: BenchConfig, out: str | None) -> list[dict]:
     """The rows ``--resume`` keeps: those of OUT.json, measured with the same settings."""
     if out is None:
         raise ValueError("--resume continues the results written to --out; give --out.")
-    path = Path(out).with_suffix(".json")
+    path = result_path(out, ".json")
     if not path.exists():
         print(f"nothing to resume: {path} does not exist; measuring everything",
               file=sys.stderr)

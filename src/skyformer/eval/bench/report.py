@@ -212,6 +212,18 @@ def _render(header: list[str], table: list[list[str]], markdown: bool) -> list[s
     return out
 
 
+RESULT_SUFFIXES = (".json", ".csv", ".png")
+
+
+def result_path(prefix: str | Path, suffix: str) -> Path:
+    """``prefix`` + ``suffix`` (``results/bench_torch2.13`` -> ``...2.13.json``; a prefix
+    already ending in one of ``RESULT_SUFFIXES`` has it replaced)."""
+    path = Path(prefix)
+    if path.suffix in RESULT_SUFFIXES:
+        path = path.with_suffix("")
+    return path.with_name(path.name + suffix)
+
+
 def write_results(
     result: BenchResult, prefix: str | Path, *, plot: bool = True, command: str | None = None,
     complete: bool = True,
@@ -224,14 +236,14 @@ def write_results(
     data["complete"] = complete
     if command:
         data["command"] = command
-    written = [write_json(prefix.with_suffix(".json"), data)]
+    written = [write_json(result_path(prefix, ".json"), data)]
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=list(result.rows[0]) if result.rows else ["method"])
     writer.writeheader()
     writer.writerows(result.rows)
-    written.append(atomic_write_text(prefix.with_suffix(".csv"), buf.getvalue()))
+    written.append(atomic_write_text(result_path(prefix, ".csv"), buf.getvalue()))
     if plot:
-        written.append(plot_results(result, prefix.with_suffix(".png")))
+        written.append(plot_results(result, result_path(prefix, ".png")))
     return written
 
 

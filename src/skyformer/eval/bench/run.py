@@ -240,7 +240,9 @@ def run_bench(
                          "heads": shape[1], "head_dim": shape[2], "n": n}
                 kept = earlier.get(_length_key(group))
                 if kept is not None and set(kept) >= set(labels):
-                    new_rows = [{**kept[label], **RATIOS_UNSET} for label in labels]
+                    new_rows = [_speed_of_light({**kept[label], **RATIOS_UNSET},
+                                                throughput[dtype_name], config.backward)
+                                for label in labels]
                     _remember(config, new_rows, n, times, peaks)
                 else:
                     new_rows = _measure_length(
@@ -425,7 +427,7 @@ def _measure_length(
                 exact[method.target] = _exact_output(q, k, v, method.target, config.causal)
                 trivial[method.target] = trivial_error(v, exact[method.target],
                                                        causal=config.causal)
-            out = forward().float()
+            out = forward().to(exact[method.target].dtype)
             row["rel_error"] = relative_error(out, exact[method.target], ord=2).mean().item()
             row["trivial_error"] = trivial[method.target]
         if method.registered:
@@ -435,9 +437,19 @@ def _measure_length(
             )
             if flops is not None:
                 row["gflop"] = flops / 1e9
-                row["sol_ms"] = flops / (gflops * 1e9) * 1e3
-                row["sol_fraction"] = row["sol_ms"] / main
+                _speed_of_light(row, gflops, config.backward)
     return [rows[label] for label in labels]
+
+
+def _speed_of_light(row: dict[str, Any], gflops: float, backward: bool) -> dict[str, Any]:
+    """``row`` with ``sol_ms`` (its ``gflop`` at the matmul rate ``gflops`` of this run)
+    and ``sol_fraction`` (that over its time); rows kept by --resume get this run's rate,
+    so that one file holds one."""
+    main = row.get("fwd_bwd_ms" if backward else "fwd_ms")
+    if row.get("gflop") is not None and main:
+        row["sol_ms"] = row["gflop"] / gflops * 1e3
+        row["sol_fraction"] = row["sol_ms"] / main
+    return row
 
 
 def _skip_reason(config: BenchConfig, method: NamedAttention, dtype_name: str, n: int,
