@@ -301,6 +301,26 @@ def test_per_sample_gradients_and_jacrev_through_the_kernels(device, method, dty
         torch.testing.assert_close(a, e, **tolerance)
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax"])
+def test_jacrev_of_one_matrix(device, method):
+    """B x H = 1: jacrev expands the saved tensors over its cotangents, which fold into a
+    batch repeating one matrix (stride 0); the kernels read a batch as dense, so the
+    fold copies it (the fused core's store, the products' row offsets)."""
+    dtype = torch.float64 if device == "cpu" else _exact_dtype(device)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 1, 9, 8, generator=g, dtype=dtype).to(device) for _ in range(3))
+    mask = torch.ones(1, 9, dtype=torch.bool, device=device)
+    mask[0, 7:] = False
+
+    def jacobian(kernel):
+        return torch.func.jacrev(lambda q: skyformer.attention(
+            q, k, v, method, kernel=kernel, key_padding_mask=mask, num_features=4,
+            generator=skyformer.random_key(1))[0, 0, 3, :3])(q)
+
+    torch.testing.assert_close(jacobian("triton"), jacobian("torch"), rtol=1e-9, atol=1e-11)
+
+
 def _float32_copies() -> Recorder:
     """Records the shapes of every conversion to float32."""
     def conversion(func, args, out):

@@ -136,7 +136,7 @@ class TritonGaussianBlockProduct(torch.autograd.Function):
     @first_order_backward
     def backward(ctx: Any, grad: Tensor, _: Any) -> tuple[Tensor | None, ...]:
         y, x, b, rhs, a, out, exclude, x_bf16 = ctx.saved_tensors
-        a = a if a.numel() else None
+        a = a.contiguous() if a.numel() else None
         scale, row_norm, transpose, x_factor, ones_column = ctx.options
         need_y, need_x, need_b, need_rhs = ctx.needs_input_grad[:4]
         y, grad = y.contiguous(), grad.contiguous()

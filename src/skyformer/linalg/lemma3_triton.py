@@ -110,7 +110,8 @@ class TritonLemma3Inverse(torch.autograd.Function):
 
         def launch() -> tuple[Tensor, Tensor | None]:
             dsource, dnorm = _ops().lemma3_backward(
-                _flat(source, 2, source), _flat(norm, 1, source), ridge.contiguous(), store,
+                _flat(source, 2, source), _flat(norm, 1, source), ridge.contiguous(),
+                store.contiguous(),
                 grad.reshape(-1, m, m).contiguous(), ctx.iterations)
             return dsource, (dnorm if norm is not None else None)
 

@@ -27,7 +27,11 @@ def fold_into_batch(t: Tensor, in_dim: int | None, size: int, at: int = 0) -> Te
     expanded) merged into its batch dim ``at``, the mapped index running slowest."""
     t = t.expand(size, *t.shape) if in_dim is None else t.movedim(in_dim, 0)
     t = t.movedim(0, at)
-    return t.reshape(*t.shape[:at], size * t.shape[at + 1], *t.shape[at + 2:])
+    t = t.reshape(*t.shape[:at], size * t.shape[at + 1], *t.shape[at + 2:])
+    # an expanded batch of one folds into a view repeating it (stride 0), which the
+    # kernels, reading a batch as dense, would run past: copy it
+    repeated = any(n > 1 and s == 0 for n, s in zip(t.shape, t.stride(), strict=True))
+    return t.contiguous() if repeated else t
 
 
 def split_batch(t: Tensor, size: int, at: int = 0) -> Tensor:
