@@ -158,6 +158,30 @@ def test_layer_state_redraws_every_interval_in_training_only():
     assert all(torch.equal(o, outs[0]) for o in outs)
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointing_recomputes_with_the_features_the_forward_used(reentrant):
+    """Activation checkpointing runs the forward again inside the backward pass: that run
+    neither counts as a call nor redraws, so the gradients are those of training without
+    checkpointing (redraw every call: each step's recomputation would draw anew)."""
+    import copy
+
+    from torch.utils.checkpoint import checkpoint
+
+    layer = MultiHeadAttention(16, 2, "performer", num_features=8,
+                               feature_redraw_interval=1).double().train()
+    twin = copy.deepcopy(layer)
+    x = torch.randn(2, 10, 16, dtype=torch.float64, requires_grad=True)
+    for _ in range(3):
+        layer.zero_grad()
+        twin.zero_grad()
+        layer(x).square().sum().backward()
+        checkpoint(twin, x, use_reentrant=reentrant).square().sum().backward()
+        for (name, a), b in zip(layer.named_parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(b.grad, a.grad, msg=name)
+        for a, b in zip(layer.buffers(), twin.buffers(), strict=True):
+            assert torch.equal(a, b)
+
+
 def test_layer_without_redraw_keeps_features_and_ignores_the_generator():
     torch.manual_seed(1)
     layer = MultiHeadAttention(

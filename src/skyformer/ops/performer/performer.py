@@ -163,14 +163,23 @@ class PerformerFeatures(nn.Module):
         if self.training and interval is not None:
             if torch.compiler.is_compiling():
                 self._redraw_if_due(interval)
-            elif int(self.calls_since_redraw) >= interval:
-                self.redraw()
-            self.calls_since_redraw += 1
+            elif _recomputing():  # activation checkpointing runs the forward again:
+                pass  # the features it used, uncounted (not redrawn under the gradient)
+            else:
+                if int(self.calls_since_redraw) >= interval:
+                    self.redraw()
+                self.calls_since_redraw += 1
         return {"projection": self.projection}
 
     def extra_repr(self) -> str:
         return (f"num_features={self.config.num_features}, head_dim={self.head_dim}, "
                 f"feature_redraw_interval={self.config.feature_redraw_interval}")
+
+
+def _recomputing() -> bool:
+    """Whether this forward runs inside a backward pass: activation checkpointing's
+    recomputation of the forward (``torch.utils.checkpoint``, reentrant or not)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 @register(
