@@ -319,3 +319,63 @@ def test_seed_fixes_the_per_layer_state(method):
 def test_an_old_transformers_gets_a_version_sentence():
     out = _import_skyformer_hf_after("import transformers; transformers.__version__ = '4.57.1'\n")
     assert "needs transformers >= 5.4, found 4.57.1" in out
+
+
+@torch.no_grad()
+def test_bart_cross_attention_loaded_by_name_keeps_every_decoder_query():
+    """BART names its cross-attention encoder_attn (no flag, no class of its own): loaded
+    with attn_implementation="skyformer:<method>", where the module's name is not known,
+    it must still not read the encoder's padding as decoder padding (Nq == Nk)."""
+    import copy
+
+    from transformers import BartConfig, BartModel
+
+    config = BartConfig(d_model=32, encoder_layers=1, decoder_layers=1,
+                        encoder_attention_heads=4, decoder_attention_heads=4,
+                        encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=100,
+                        max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+                        pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                        decoder_start_token_id=2, forced_eos_token_id=2)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    base = BartModel(copy.deepcopy(config)).double().eval()
+    ids, mask = ids_and_padding(b=2, n=12)
+    decoder_ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(2))
+    outputs = []
+    for route in ("name", "set_attention"):
+        model = copy.deepcopy(base)
+        if route == "name":
+            model.config = copy.deepcopy(config)
+            model.set_attn_implementation("skyformer:linear")
+        else:
+            shf.set_attention(model, "linear")
+        outputs.append(model(input_ids=ids, attention_mask=mask,
+                             decoder_input_ids=decoder_ids).last_hidden_state)
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=1e-12)
+
+
+@torch.no_grad()
+def test_t5_position_bias_with_padding_in_float64():
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, vocab_size=100,
+                      relative_attention_num_buckets=8, dropout_rate=0.0)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = T5EncoderModel(config).double().eval()
+    ids, mask = ids_and_padding()
+    exact = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    shf.set_attention(model, "softmax")
+    out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(out, exact, rtol=0, atol=1e-12)
+
+
+def test_compile_fullgraph_with_a_padding_mask():
+    """The mask builder takes no data-dependent shortcut while traced."""
+    model = copy_as(tiny_bert(), "skyformer:softmax")
+    ids, mask = ids_and_padding()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(input_ids=ids, attention_mask=mask).last_hidden_state,
+                                   model(input_ids=ids, attention_mask=mask).last_hidden_state)

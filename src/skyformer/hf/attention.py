@@ -327,7 +327,8 @@ def _biased_mask(bias: Tensor, mask: Tensor | None, causal: bool, nq: int, nk: i
     blocked = torch.finfo(bias.dtype).min
     if mask is not None:
         mask = mask.to(bias.device)
-        add = torch.where(mask, 0.0, blocked).to(bias.dtype) if mask.dtype == torch.bool \
+        zero = torch.zeros((), dtype=bias.dtype, device=bias.device)
+        add = torch.where(mask, zero, blocked) if mask.dtype == torch.bool \
             else mask.to(bias.dtype)
         return bias + add
     if causal:
@@ -358,7 +359,8 @@ def skyformer_mask(
     ):
         padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
         padding = padding[:, kv_offset : kv_offset + kv_length].to(torch.bool)
-        if allow_is_bidirectional_skip and bool(padding.all()):
+        if allow_is_bidirectional_skip and not torch.compiler.is_compiling() \
+                and bool(padding.all()):  # a traced call keeps the mask (no data guard)
             return None
         return padding[:, None, None, :]
     return sdpa_mask(

@@ -163,6 +163,8 @@ def is_cross_attention(module: nn.Module, name: str = "") -> bool:
         return True
     if "cross" in type(module).__name__.lower():
         return True
+    if getattr(module, "is_decoder", False) and getattr(module, "is_causal", None) is False:
+        return True  # a decoder's attention that is not causal: BART's encoder_attn & co.
     return name.rsplit(".", 1)[-1].lower() in _CROSS_NAMES
 
 
