@@ -87,6 +87,17 @@ def test_causal_approximations_serve_a_decoder_without_looking_ahead(method):
     assert (a[:, 6:] - b[:, 6:]).abs().max() > 1e-3
 
 
+def test_a_decoder_refuses_options_of_the_causal_form_up_front():
+    """gamma = 0 cannot run causal Nystrom (its core is a Cholesky factorisation): said by
+    set_attention, before any forward pass, without asking for an option not to pass."""
+    model = tiny_bert(is_decoder=True)
+    with pytest.raises(ValueError, match=r"uses causal attention .* refuses these options: "
+                                         r"nystrom_softmax: causal=True needs gamma > 0"):
+        shf.set_attention(model, "nystrom_softmax", gamma=0.0, pinv="exact")
+    assert shf.describe(model)[0]["method"].startswith("exact")  # nothing changed
+    shf.set_attention(tiny_bert(), "nystrom_softmax", gamma=0.0, pinv="exact")  # encoder
+
+
 def test_decoder_refuses_methods_without_causal_masking(tmp_path):
     model = tiny_bert(is_decoder=True)
     with pytest.raises(CapabilityError,
@@ -260,6 +271,33 @@ def test_per_layer_state_is_a_trained_submodule(learned_method):
     assert model.encoder.layer[0].attention.self.skyformer_state is state
     shf.restore_exact(model)
     assert not hasattr(model.encoder.layer[0].attention.self, "skyformer_state")
+
+
+@torch.no_grad()
+def test_saved_per_layer_parameters_come_back_with_from_pretrained(tmp_path):
+    """Trained Linformer projections are saved by save_pretrained; loading with the
+    method and options they were saved with restores them (transformers alone leaves
+    them out), also into a model with a head; other options are refused."""
+    from transformers import BertForSequenceClassification
+
+    model = tiny_bert()
+    shf.set_attention(model, "linformer", num_features=8, seed=0)
+    for name, parameter in model.named_parameters():
+        if "skyformer_state" in name:
+            parameter.mul_(3.0)  # as trained
+    ids, mask = ids_and_padding()
+    want = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    model.save_pretrained(tmp_path)
+    loaded = shf.from_pretrained(tmp_path, "linformer", num_features=8, seed=0).eval()
+    torch.testing.assert_close(loaded(input_ids=ids, attention_mask=mask).last_hidden_state,
+                               want, rtol=0, atol=0)
+    headed = shf.from_pretrained(tmp_path, "linformer", num_features=8, seed=0,
+                                 auto_class=BertForSequenceClassification)
+    for key, value in loaded.state_dict().items():
+        if "skyformer_state" in key:
+            assert torch.equal(headed.state_dict()[f"bert.{key}"], value)
+    with pytest.raises(ValueError, match="load it with the options it was saved with"):
+        shf.from_pretrained(tmp_path, "linformer", num_features=4, seed=0)
 
 
 def _import_skyformer_hf_after(prelude: str) -> str:

@@ -221,6 +221,12 @@ def _check_module(spec: Method, module: nn.Module, index: int | None, cross: boo
             f"masking; methods that can: "
             f"{', '.join(m for m in list_methods() if get_method(m).capabilities.causal)}."
         )
+    if (causal or getattr(module, "is_causal", False)) and not cross and caps.causal:
+        try:  # the options of the causal form the model's masks will ask for
+            spec.make_config(**explicit, causal=True)
+        except ValueError as err:
+            raise ValueError(f"{where} uses causal attention (a decoder), and the causal "
+                             f"form of {spec.name} refuses these options: {err}") from None
     if cross:
         check_capabilities(spec.name, cross_attention=True)
     if not caps.attn_mask:

@@ -26,6 +26,7 @@ from .attention import PER_LAYER, PREFIX, implementation_name, register_methods
 from .layers import (
     EXACT,
     SETTING_NAME,
+    STATE_NAME,
     attention_modules,
     build_layer,
     causal_scopes,
@@ -216,4 +217,65 @@ def from_pretrained(
     model.__dict__[_ORIGINAL] = "sdpa"
     if name != EXACT:
         set_attention(model, name, layers=layers, seed=seed, **options)
+        load_saved_state(model, path, name)
     return model
+
+
+def load_saved_state(model: nn.Module, path: str | Path, method: str) -> int:
+    """Load the per-layer parameters (``skyformer_state``, e.g. trained Linformer
+    projections) that ``save_pretrained`` wrote to the folder ``path`` into ``model``,
+    whose layers ``set_attention`` has set up; returns how many tensors were loaded (0:
+    the folder holds none, as one saved before they existed). transformers leaves them
+    out when loading (no attention setting is stored in the config), so without this
+    they would start again from the method's initialisation."""
+    saved = _saved_tensors(Path(path), f".{STATE_NAME}.")
+    if not saved:
+        return 0
+    expected = {key for key in model.state_dict() if f".{STATE_NAME}." in key}
+    prefix = getattr(model, "base_model_prefix", "")
+    renamed = {}
+    for key, value in saved.items():  # saved by the base model or by a head model
+        for candidate in (key, f"{prefix}.{key}", key.removeprefix(f"{prefix}.")):
+            if candidate in expected:
+                renamed[candidate] = value
+                break
+    if set(renamed) != expected or len(renamed) != len(saved):
+        raise ValueError(
+            f"{path} holds per-layer {STATE_NAME} tensors that do not fit {method} as set "
+            f"up now ({len(saved)} saved, {len(expected)} here, {len(renamed)} matched): load "
+            f"it with the method, layers and options it was saved with.")
+    try:
+        model.load_state_dict(renamed, strict=False)
+    except RuntimeError as err:
+        raise ValueError(f"{path}: the saved {STATE_NAME} tensors do not fit {method} as set "
+                         f"up now ({str(err).splitlines()[-1].strip()}); load it with the "
+                         f"options it was saved with.") from None
+    return len(renamed)
+
+
+def _saved_tensors(folder: Path, marker: str) -> dict[str, Any]:
+    """The tensors of a saved model whose names contain ``marker``, from its safetensors
+    files (one, or shards listed in an index) or its ``pytorch_model.bin``."""
+    import json
+
+    import torch
+
+    if (folder / "model.safetensors.index.json").exists():
+        index = json.loads((folder / "model.safetensors.index.json").read_text())
+        files = sorted({folder / f for key, f in index["weight_map"].items() if marker in key})
+    elif (folder / "model.safetensors").exists():
+        files = [folder / "model.safetensors"]
+    elif (folder / "pytorch_model.bin").exists():
+        weights = torch.load(folder / "pytorch_model.bin", map_location="cpu",
+                             weights_only=True)
+        return {key: value for key, value in weights.items() if marker in key}
+    else:
+        return {}
+    from safetensors import safe_open
+
+    found = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            found.update({key: handle.get_tensor(key) for key in handle.keys()  # noqa: SIM118
+                          if marker in key})
+    return found
