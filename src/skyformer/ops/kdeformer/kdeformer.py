@@ -1,7 +1,7 @@
 """KDEformer: sparse LSH blocks plus importance-sampled residual columns.
 
 Zandieh, Han, Daliri, Karbasi, "KDEformer: Accelerating Transformers via Kernel
-Density Estimation" (ICML 2023), ``shared/papers/004_*.txt``. With A = exp(s Q K^T)
+Density Estimation" (ICML 2023), arXiv:2302.02451. With A = exp(s Q K^T)
 and D = diag(A 1), Algorithm 3 (the practical version of Algorithm 1) computes
 
     Att~ = D~^-1 A_spar V + D~^-1 A_res Pi_res^T Pi_res V            (eq. (11))
