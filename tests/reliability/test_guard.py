@@ -20,13 +20,15 @@ from skyformer.registry import guard
 from tests.dispatch import Recorder
 
 
-def _expected_rows(q, k, v, query_valid):
-    """[B, H, Nq] bool: the rows the guard must mark, by the definition above."""
+def _expected_rows(q, k, v, query_valid, causal=False):
+    """[B, H, Nq] bool: the rows the guard must mark, by the definition above (causal:
+    row i by the keys and values j <= i)."""
     bad = ~torch.isfinite(q).all(-1)
-    spoiled = ~(torch.isfinite(k).all(-1).all(-1) & torch.isfinite(v).all(-1).all(-1))
+    per_key = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # [B, Hk, Nk]
+    spoiled = per_key.cummax(-1).values if causal else per_key.any(-1, keepdim=True)
     if spoiled.shape[1] != q.shape[1]:
         spoiled = spoiled.any(1, keepdim=True)
-    spread = spoiled[..., None].expand_as(bad)
+    spread = spoiled.expand_as(bad)
     if query_valid is not None:
         spread = spread & query_valid[:, None, :]
     return bad | spread
@@ -34,9 +36,10 @@ def _expected_rows(q, k, v, query_valid):
 
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(seed=st.integers(0, 2**31 - 1), grouped=st.booleans(), padded=st.booleans(),
-       cpu_shortcut=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+       cpu_shortcut=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       causal=st.booleans())
 def test_marks_exactly_the_rows_a_non_finite_input_reaches(seed, grouped, padded,
-                                                          cpu_shortcut, dtype):
+                                                          cpu_shortcut, dtype, causal):
     g = torch.Generator().manual_seed(seed)
     b, h, hk, n, d = 2, 4, (2 if grouped else 4), 6, 3
     q = torch.randn(b, h, n, d, generator=g).to(dtype)
@@ -50,11 +53,31 @@ def test_marks_exactly_the_rows_a_non_finite_input_reaches(seed, grouped, padded
     out = 1e30 * torch.randn(b, h, n, d, generator=g).to(dtype)  # huge but finite
     given = out.clone()  # the flag may be added into out in place (no gradient)
     with mock.patch.object(guard, "may_read_values", lambda *_: cpu_shortcut):
-        got = guard.show_nonfinite(out, q, k, v, mask, "auto")
-    rows = _expected_rows(q, k, v, mask)
+        got = guard.show_nonfinite(out, q, k, v, mask, "auto", causal=causal)
+    rows = _expected_rows(q, k, v, mask, causal)
     assert torch.isnan(got[rows]).all()
     assert torch.equal(got[~rows], given[~rows])
     assert got.dtype == out.dtype
+
+
+@pytest.mark.parametrize("method", ["softmax", "kernelized", "skyformer", "nystrom_softmax",
+                                    "linear", "performer"])
+def test_a_causal_call_marks_only_the_rows_that_see_the_bad_key(method):
+    """As SDPA with is_causal: a NaN key or an inf value at j spoils rows j, j+1, ...,
+    not the earlier rows, which cannot see it; a NaN query only its own row."""
+    import torch.nn.functional as F
+
+    import skyformer
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 16, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    k[0, 0, 10, 0] = float("nan")
+    v[0, 1, 12, 2] = float("inf")
+    q[0, 1, 3, 1] = float("nan")
+    out = skyformer.attention(q, k, v, method, causal=True, generator=skyformer.random_key(0))
+    want = ~F.scaled_dot_product_attention(q, k, v, is_causal=True).isfinite().all(-1)
+    assert torch.equal(~out.isfinite().all(-1), want)  # SDPA: inf or NaN rows
+    assert want[0, 0].tolist() == [False] * 10 + [True] * 6
 
 
 def test_the_cuda_path_adds_no_operation_to_the_backward_pass():

@@ -34,13 +34,16 @@ def call_core(core: Callable[..., Tensor], q: Any, k: Any, v: Any, config: Any,
         return core(q, k, v, config, **kwargs)
     device_type = q.device.type
     owned = _library_method(core)
+    causal = getattr(config, "causal", False) is True
     if not torch.is_autocast_enabled(device_type):
-        return show_nonfinite(core(q, k, v, config, **kwargs), q, k, v, *masks, owned=owned)
+        return show_nonfinite(core(q, k, v, config, **kwargs), q, k, v, *masks, owned=owned,
+                              causal=causal)
     dtype = torch.get_autocast_dtype(device_type)
     q, k, v = (t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t
                for t in (q, k, v))
     with torch.autocast(device_type, enabled=False):
-        return show_nonfinite(core(q, k, v, config, **kwargs), q, k, v, *masks, owned=owned)
+        return show_nonfinite(core(q, k, v, config, **kwargs), q, k, v, *masks, owned=owned,
+                              causal=causal)
 
 
 def _library_method(core: Callable[..., Tensor]) -> bool:

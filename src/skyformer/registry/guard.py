@@ -6,8 +6,9 @@
   value in padding can reach a real output or a gradient.
 - A non-finite value in a real token is never hidden: the output rows it can reach are
   NaN, as with SDPA (a NaN query spoils its own row; a NaN key or value spoils every
-  row of its batch element and head), whatever the method's own arithmetic would have
-  made of it (a fallback to mean(V), a clamp, a zero). The rows are marked by adding a
+  row of its batch element and head, in a causal call the rows at and after it),
+  whatever the method's own arithmetic would have made of it (a fallback to mean(V), a
+  clamp, a zero). The rows are marked by adding a
   detached flag that is 0 or NaN, so a marked row's gradient passes to the method as
   it is (``show_nonfinite``).
 
@@ -67,11 +68,13 @@ def zero_padding(q: Any, k: Any, v: Any, key_padding_mask: Any, query_padding_ma
 
 
 def show_nonfinite(out: Any, q: Any, k: Any, v: Any, key_padding_mask: Any,
-                   query_padding_mask: Any, owned: bool = False) -> Any:
+                   query_padding_mask: Any, owned: bool = False, causal: bool = False
+                   ) -> Any:
     """``out`` with NaN in every real row a non-finite real input can reach (module
     docstring); q, k, v are the inputs after ``zero_padding``. ``owned``: ``out`` is a
     new tensor of one of the library's methods (the flag may then go into it in place,
-    ``_writable``)."""
+    ``_writable``). ``causal``: row i reaches the keys and values j <= i only (a prefix
+    sum of their row sums), as SDPA with ``is_causal``."""
     if not isinstance(out, Tensor) or not out.is_floating_point() or out.dim() != 4 \
             or not all(isinstance(t, Tensor) and t.dim() == 4 for t in (q, k, v)):
         return out
@@ -82,10 +85,13 @@ def show_nonfinite(out: Any, q: Any, k: Any, v: Any, key_padding_mask: Any,
     query_valid, _ = valid_rows(q, k, key_padding_mask, query_padding_mask)
     sums = _sum(q, -1)  # [B, H, Nq]
     if not keys_finite:
-        spoiled = _sum(k, (-2, -1)) + _sum(v, (-2, -1))  # [B, Hk]
+        if causal and k.shape[-2] == q.shape[-2]:
+            spoiled = (_sum(k, -1) + _sum(v, -1)).cumsum(-1)  # [B, Hk, N]: keys j <= i
+        else:
+            spoiled = (_sum(k, (-2, -1)) + _sum(v, (-2, -1)))[..., None]  # [B, Hk, 1]
         if spoiled.shape[1] != sums.shape[1]:  # fewer key heads (grouped queries): any head
             spoiled = spoiled.sum(dim=1, keepdim=True)
-        sums = sums + spoiled[..., None]
+        sums = sums + spoiled
     flag = sums * 0  # 0 where every sum is finite, NaN elsewhere
     if query_valid is not None:
         flag = torch.where(query_valid[:, None, :], flag, 0.0)
