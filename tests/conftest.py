@@ -42,6 +42,15 @@ def make_qkv(b=2, h=2, n=24, d=16, *, nk=None, dv=None, dtype=torch.float64, see
     return q, k, v
 
 
+def holes_mask(b: int, n: int) -> torch.Tensor:
+    """Holes in the middle of element 0; left padding and a hole in element 1."""
+    mask = torch.ones(b, n, dtype=torch.bool)
+    mask[0, [5, 6, 7, n - 6]] = False
+    mask[1, :3] = False
+    mask[1, 9] = False
+    return mask
+
+
 def gen(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 

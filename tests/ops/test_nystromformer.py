@@ -10,7 +10,7 @@ from skyformer.eval.measure.metrics import relative_error
 from skyformer.ops.nystromformer import nystromformer_attention
 from skyformer.ops.nystromformer.naive import reference_nystromformer_attention
 from skyformer.ops.nystromformer.nystromformer import segment_means, segments
-from tests.conftest import make_qkv
+from tests.conftest import holes_mask, make_qkv
 
 
 def grads(out, inputs):
@@ -127,15 +127,6 @@ def test_conv_skip_matches_naive_convolution_and_padding_rule():
     trunc = nystromformer_attention(q[1:, :, 6:], k[1:, :, 6:], v[1:, :, 6:], num_features=6,
                                     conv_kernel=5, conv_weight=weight)
     torch.testing.assert_close(fast[1:, :, 6:], trunc, rtol=1e-9, atol=1e-11)
-
-
-def holes_mask(b: int, n: int) -> torch.Tensor:
-    """Holes in the middle of element 0; left padding and a hole in element 1."""
-    mask = torch.ones(b, n, dtype=torch.bool)
-    mask[0, [5, 6, 7, n - 6]] = False
-    mask[1, :3] = False
-    mask[1, 9] = False
-    return mask
 
 
 @pytest.mark.parametrize("kernel", [3, 5])

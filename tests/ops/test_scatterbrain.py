@@ -16,7 +16,7 @@ from skyformer.ops.scatterbrain.naive import reference_scatterbrain_attention
 from skyformer.ops.scatterbrain.scatterbrain import draw_scatterbrain
 from skyformer.registry import get_method
 from skyformer.sketch import draw_hyperplanes, gaussian_projection, softmax_log_features
-from tests.conftest import gen, make_qkv
+from tests.conftest import gen, holes_mask, make_qkv
 
 SUPPORT_DEFAULT = "local"
 
@@ -125,15 +125,6 @@ def test_padding_equals_truncation_and_batches_are_independent(support):
         torch.testing.assert_close(both[1:, :, :11], short, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(both[:1], first, rtol=1e-10, atol=1e-12)
     assert torch.all(both[1, :, 11:] == 0)
-
-
-def holes_mask(b: int, n: int) -> torch.Tensor:
-    """Holes in the middle of element 0; left padding and a hole in element 1."""
-    mask = torch.ones(b, n, dtype=torch.bool)
-    mask[0, [5, 6, 7, n - 6]] = False
-    mask[1, :3] = False
-    mask[1, 9] = False
-    return mask
 
 
 def real(x: torch.Tensor, mask: torch.Tensor, i: int) -> torch.Tensor:
