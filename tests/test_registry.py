@@ -57,6 +57,33 @@ def test_duplicate_names_are_rejected():
         register("skyformer", Cfg, Capabilities(target="softmax"))(lambda q, k, v, **kw: q)
 
 
+def test_malformed_registrations_are_refused_before_they_reach_the_registry():
+    """A registration the registry cannot use is refused when it is made, not later in
+    another method's error sentence (a dict of capabilities broke every refusal)."""
+    from skyformer.registry import _REGISTRY, list_methods
+
+    @dataclasses.dataclass(frozen=True)
+    class Cfg:
+        scale: float | None = None
+
+    def fn(q, k, v, **kw):
+        return q
+
+    before = list_methods()
+    cases = [
+        (("x", Cfg, {"target": "softmax"}), "must be a skyformer.registry.Capabilities"),
+        ((("x",), Cfg, Capabilities(target="softmax")), "non-empty string"),
+        (("x", Cfg(), Capabilities(target="softmax")), "a dataclass class"),
+        (("x", Cfg, Capabilities(target="cosine")), "one of softmax, gaussian"),
+        (("x", Cfg, Capabilities(target="softmax", causal=True)), "option 'causal'"),
+        (("x", Cfg, Capabilities(target="softmax", fixed_length=True)), "'max_seq_len'"),
+    ]
+    for args, sentence in cases:
+        with pytest.raises((TypeError, ValueError), match=sentence):
+            register(*args)(fn)
+    assert list_methods() == before and "x" not in _REGISTRY
+
+
 def test_capability_errors_are_sentences():
     q, k, v = make_qkv(1, 1, 6, 4)
     with pytest.raises(

@@ -20,6 +20,7 @@ missing capability and the methods that have it.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,7 @@ StateFactory = Callable[[Any, int, int], "torch.nn.Module"]
 
 # Names ``Method.bind`` takes itself; no method may have an option of that name.
 _BIND_ARGUMENTS = ("num_heads", "head_dim", "seq_len")
+_TARGETS = typing.get_args(Target)  # "softmax", "gaussian"
 # Arguments of torch's scaled_dot_product_attention, which skyformer's takes beside the
 # methods' options (a sentence for one given to a method as an option points there).
 _SDPA_ARGUMENTS = frozenset({"attn_mask", "dropout_p", "is_causal", "enable_gqa"})
@@ -147,9 +149,24 @@ def register(
 ) -> Callable[[Callable[..., Tensor]], Callable[..., Tensor]]:
     """Decorator that registers an attention function under ``name``; returns its public
     form (generated from a core, see the module docstring)."""
-    if not dataclasses.is_dataclass(config_class):
-        raise TypeError(f"config_class of {name!r} must be a dataclass.")
-    clash = [f.name for f in dataclasses.fields(config_class) if f.name in _BIND_ARGUMENTS]
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"register: a method's name is a non-empty string, got {name!r}.")
+    if not isinstance(config_class, type) or not dataclasses.is_dataclass(config_class):
+        raise TypeError(f"config_class of {name!r} must be a dataclass class (not an "
+                        f"instance), got {config_class!r}.")
+    if not isinstance(capabilities, Capabilities):
+        raise TypeError(f"capabilities of {name!r} must be a skyformer.registry.Capabilities, "
+                        f"got {type(capabilities).__name__}.")
+    if capabilities.target not in _TARGETS:
+        raise ValueError(f"{name!r}: the target is the exact attention it approximates, one "
+                         f"of {', '.join(_TARGETS)}; got {capabilities.target!r}.")
+    options = {f.name for f in dataclasses.fields(config_class)}
+    for capability, option in (("causal", "causal"), ("fixed_length", "max_seq_len")):
+        if getattr(capabilities, capability) and option not in options:
+            raise TypeError(f"{name!r} declares {capability}=True, which its config must "
+                            f"carry as the option {option!r}; add it to "
+                            f"{config_class.__name__}.")
+    clash = sorted(options & set(_BIND_ARGUMENTS))
     if clash:
         raise TypeError(f"{name!r}: option names {clash} are reserved for Method.bind.")
 
