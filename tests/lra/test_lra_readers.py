@@ -47,6 +47,13 @@ def test_listops_errors_name_the_file_and_line(tmp_path):
     write_tsv(tmp_path / "src" / "basic_val.tsv", [["[MAX 2 ]", "2", "x"]], ["Source", "Target"])
     with pytest.raises(ValueError, match="expected 2 tab-separated columns, got 3"):
         prepare("listops", tmp_path / "src", tmp_path / "cache")
+    (tmp_path / "src" / "basic_val.tsv").write_bytes(b"Source\tTarget\n[MAX 2 ]\t2\xe9\n")
+    with pytest.raises(ValueError, match=r"basic_val.tsv line 2: not UTF-8 \(byte 0xe9"):
+        prepare("listops", tmp_path / "src", tmp_path / "cache")
+    # a line of a non-ASCII blank is a row (counted as one), not skipped
+    (tmp_path / "src" / "basic_val.tsv").write_text("Source\tTarget\n\u00a0\n[MAX 2 ]\t2\n")
+    with pytest.raises(ValueError, match=r"basic_val.tsv line 2: expected 2 tab-separated"):
+        prepare("listops", tmp_path / "src", tmp_path / "cache")
     (tmp_path / "src" / "basic_test.tsv").unlink()
     with pytest.raises(FileNotFoundError, match=r"basic_test.tsv"):
         prepare("listops", tmp_path / "src", tmp_path / "cache")

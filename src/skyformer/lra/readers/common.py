@@ -27,6 +27,9 @@ def require_file(path: Path, what: str) -> Path:
     return path
 
 
+ASCII_BLANKS = " \t\n\r\x0b\x0c"  # bytes.strip()'s whitespace: a line of others is a row
+
+
 def count_rows(path: Path, *, header: str | None = None) -> int:
     """Number of non-empty lines of a text file, minus a first line starting with ``header``."""
     count = 0
@@ -45,12 +48,18 @@ def tsv_rows(path: Path, columns: int, *, header: str | None = None
 
     A first line starting with ``header`` is skipped; blank lines are ignored.
     """
-    with path.open("r", encoding="utf-8", newline="\n") as handle:
-        for number, line in enumerate(handle, start=1):
-            line = line.rstrip("\r\n")
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as err:
+                raise ValueError(
+                    f"{path} line {number}: not UTF-8 (byte {raw[err.start]:#04x} at "
+                    f"column {err.start + 1}); the release files are UTF-8."
+                ) from None
             if number == 1 and header is not None and line.startswith(header):
                 continue
-            if not line.strip():
+            if not line.strip(ASCII_BLANKS):  # what count_rows counts as blank
                 continue
             fields = line.split("\t")
             if len(fields) != columns:
