@@ -28,3 +28,45 @@ def test_repeated_measurements_agree():
     job = MemoryJob("informer", (1, 2, 4096, 32), backward=True)
     a, b = peak_memory_bytes(job), peak_memory_bytes(job)
     assert abs(a - b) <= 0.05 * max(a, b), (a, b)
+
+
+TOY_MODULE = '''
+import dataclasses
+
+from skyformer.ops import softmax_attention
+from skyformer.registry import Capabilities, register
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyConfig:
+    scale: float | None = None
+
+
+@register("toy_memory_method", ToyConfig, Capabilities(target="softmax"))
+def toy(q, k, v, *, key_padding_mask=None, generator=None, scale=None):
+    return softmax_attention(q, k, v, key_padding_mask=key_padding_mask, scale=scale)
+'''
+
+
+def test_a_method_registered_outside_the_library_is_measured(tmp_path, monkeypatch):
+    """The fresh process that measures CPU memory imports the module that registered
+    the method; a method registered in __main__ gets a sentence saying why it cannot."""
+    import sys
+
+    import pytest
+
+    from skyformer.registry import _REGISTRY
+
+    (tmp_path / "toy_memory_module.py").write_text(TOY_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    try:
+        import toy_memory_module  # noqa: F401
+
+        assert peak_memory_bytes(MemoryJob("toy_memory_method", (1, 2, 256, 16))) >= 0
+        _REGISTRY["toy_memory_method"].function.__module__ = "__main__"
+        with pytest.raises(RuntimeError, match="registered in __main__"):
+            peak_memory_bytes(MemoryJob("toy_memory_method", (1, 2, 256, 16)))
+    finally:
+        _REGISTRY.pop("toy_memory_method", None)
+        sys.modules.pop("toy_memory_module", None)

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ...registry import get_method
 from ..methods import resolve
 
 
@@ -133,21 +134,44 @@ def peak_memory_bytes(
     )
     env["SKYFORMER_THREADS"] = str(torch.get_num_threads())
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))  # see the module docstring
-    payload = json.dumps({"kind": type(job).__name__, **dataclasses.asdict(job)})
+    imports = _registering_module(job.method) if isinstance(job, MemoryJob) else []
+    payload = json.dumps({"kind": type(job).__name__, "imports": imports,
+                          **dataclasses.asdict(job)})
     proc = subprocess.run(
         [sys.executable, "-m", "skyformer.eval.measure.memory", payload],
         capture_output=True, text=True, env=env, timeout=timeout,
     )
     if proc.returncode != 0:
         what = job.method if isinstance(job, MemoryJob) else job.setup
-        raise RuntimeError(
-            f"memory measurement of {what} failed:\n{proc.stderr.strip()[-2000:]}"
+        lines = proc.stderr.strip().splitlines() or ["(no message)"]
+        raise RuntimeError(  # the cause first: callers may keep one line
+            f"memory measurement of {what} failed: {lines[-1]}\n"
+            f"{proc.stderr.strip()[-2000:]}"
         )
     return int(json.loads(proc.stdout.strip().splitlines()[-1])["peak_bytes"])
 
 
+def _registering_module(method: str) -> list[str]:
+    """The module a fresh process must import to know ``method``: [] for the library's
+    own methods and ``module:function`` specs (imported when resolved); a method
+    registered in ``__main__`` (a script, a notebook) cannot be known there."""
+    if ":" in method:
+        return []
+    module = getattr(get_method(method.partition("@")[0]).function, "__module__", "") or ""
+    if module.startswith("skyformer."):
+        return []
+    if module == "__main__":
+        raise RuntimeError(
+            f"{method} is registered in __main__ (a script or a notebook), which the fresh "
+            f"process that measures CPU memory cannot import; register it in an importable "
+            f"module.")
+    return [module]
+
+
 def _main(argv: list[str]) -> None:
     spec = json.loads(argv[0])
+    for module in spec.pop("imports", []):  # where a method from outside is registered
+        importlib.import_module(module)
     if spec.pop("kind", "MemoryJob") == "CallJob":
         job: MemoryJob | CallJob = CallJob(**spec)
     else:
