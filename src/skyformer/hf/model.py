@@ -16,10 +16,12 @@ Three ways in, one state:
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from .attention import PER_LAYER, PREFIX, implementation_name, register_methods
@@ -256,10 +258,6 @@ def load_saved_state(model: nn.Module, path: str | Path, method: str) -> int:
 def _saved_tensors(folder: Path, marker: str) -> dict[str, Any]:
     """The tensors of a saved model whose names contain ``marker``, from its safetensors
     files (one, or shards listed in an index) or its ``pytorch_model.bin``."""
-    import json
-
-    import torch
-
     if (folder / "model.safetensors.index.json").exists():
         index = json.loads((folder / "model.safetensors.index.json").read_text())
         files = sorted({folder / f for key, f in index["weight_map"].items() if marker in key})

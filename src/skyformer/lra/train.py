@@ -243,7 +243,8 @@ class Trainer:
             problem = f"the model built for {where} differs from the run's ("
         if saved == current:
             return
-        hint = f" with --max-len {saved['max_len']}" if saved.get("max_len") != current.get(
+        then = saved.get("max_len")
+        hint = f" with --max-len {then}" if then is not None and then != current.get(
             "max_len") else ""
         raise ValueError(f"cannot resume {last}: {problem}"
                          f"{_describe_differences(saved, current)}); prepare it again as it "
