@@ -318,7 +318,9 @@ def test_jacrev_of_one_matrix(device, method):
             q, k, v, method, kernel=kernel, key_padding_mask=mask, num_features=4,
             generator=skyformer.random_key(1))[0, 0, 3, :3])(q)
 
-    torch.testing.assert_close(jacobian("triton"), jacobian("torch"), rtol=1e-9, atol=1e-11)
+    tolerance = {"rtol": 1e-9, "atol": 1e-11} if dtype == torch.float64 else \
+        {"rtol": 2e-3, "atol": 2e-5}  # float32 on CUDA: the kernels' sums, not the torch's
+    torch.testing.assert_close(jacobian("triton"), jacobian("torch"), **tolerance)
 
 
 def _float32_copies() -> Recorder:
@@ -388,11 +390,11 @@ def test_bfloat16_landmark_rows_read_as_such_give_the_same_product(device, trans
     for got, before, want in zip(read_bf16, read_x, exact, strict=True):
         half = got.dtype == torch.bfloat16
         assert relative_error(got, before) < (1e-2 if half else 1e-4)
-        if not half:
-            assert relative_error(got, want) <= relative_error(before, want) * 1.01 + 1e-7
+        if not half:  # up to float32's rounding of the sums (their order differs on CUDA)
+            assert relative_error(got, want) <= relative_error(before, want) * 1.01 + 1e-6
     with pytest.raises(ValueError, match="x_bf16 must have x's shape and dtype"):
-        gaussian_kernel_matmul(y, x, rhs, b, x_bf16=x_bf16.double(), kernel="triton",
-                               **options)
+        gaussian_kernel_matmul(moved[0], moved[1], moved[3], moved[2],
+                               x_bf16=x_bf16.double().to(device), kernel="triton", **options)
 
 
 def _fills_and_adds(n: int, size: int) -> Recorder:

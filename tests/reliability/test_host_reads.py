@@ -2,12 +2,14 @@
 
 A value read (``.item()``, ``bool(t)``, a data-dependent shape: ``nonzero``, boolean
 indexing, ``unique``) makes the host wait until the GPU has run everything queued
-before it, so the next launches start late. Every method's eager forward + backward is
-watched here by a dispatch mode, with and without key padding; only the methods that
-read a value on purpose to skip work (and whose ``may_read_values`` path gives the same
-result without the read) may do so. The non-finite check runs as it does on CUDA (on
-the CPU it first asks whether the inputs are finite at all, a read that costs nothing
-there). ``tests/gpu`` checks the same on CUDA with PyTorch's sync debug mode.
+before it, so the next launches start late; so does a tensor made from Python data on
+the GPU (``torch.tensor(x, device=...)``: a blocking copy from the host). Every method's
+eager forward + backward is watched here by a dispatch mode, with and without key
+padding; only the methods that read a value on purpose to skip work (and whose
+``may_read_values`` path gives the same result without the read) may do so. The
+non-finite check runs as it does on CUDA (on the CPU it first asks whether the inputs
+are finite at all, a read that costs nothing there). ``tests/gpu`` checks the same on
+CUDA with PyTorch's sync debug mode.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ from tests.conftest import make_qkv
 # depends on the values.
 READS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim",
          "unique_consecutive", "repeat_interleave", "is_nonzero", "equal"}
+# A tensor made from Python data (on a GPU a blocking copy from the host) when our code
+# asks for one (``torch.tensor``, ``as_tensor``, ``new_tensor``); PyTorch also wraps a
+# number assigned by indexing this way, which is no copy of ours.
+FROM_DATA = {"lift_fresh", "lift_fresh_copy"}
 
 # Methods that read one value on purpose (and why); every other method reads none.
 READS_ON_PURPOSE = {
@@ -44,11 +50,12 @@ class _HostReads(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if name in READS or (name in ("index", "index_put", "index_put_")
-                             and _boolean_index(args[1])):
+        if name in READS or name in FROM_DATA or (name in ("index", "index_put", "index_put_")
+                                                  and _boolean_index(args[1])):
             frames = [f for f in traceback.extract_stack() if "/skyformer/" in f.filename]
-            self.where[f"{frames[-1].filename}:{frames[-1].lineno}" if frames
-                       else func.overloadpacket.__name__] += 1
+            if name not in FROM_DATA or (frames and "tensor(" in (frames[-1].line or "")):
+                self.where[f"{frames[-1].filename}:{frames[-1].lineno}" if frames
+                           else func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -85,12 +92,32 @@ def test_only_the_methods_that_say_why_read_values(name, masked):
 
 def test_the_watch_sees_a_read():
     """The dispatch mode catches ``bool(t)`` and data-dependent shapes, and not an
-    index by positions."""
+    index by positions or a fill (a tensor made from Python data is caught in our
+    code alone: ``test_the_watch_sees_a_tensor_made_from_python_data``)."""
+    positions = torch.tensor([0, 2])
     with _HostReads() as reads:
         t = torch.ones(3)
         bool(t.sum() > 0)
         t[t > 0].sum()
-        t[torch.tensor([0, 2])] = 2.0
+        t[positions] = 2.0
         t[t > 1] = 3.0
         torch.masked_select(t, t > 2)
+        torch.where(t > 2, t, torch.full((), float("inf")))
     assert sum(reads.where.values()) == 4
+
+
+def test_the_watch_sees_a_tensor_made_from_python_data():
+    """``torch.tensor(x)`` in the library (``random_key`` of an int seed: the words of
+    the seed, outside any call) is caught; an int folded into a key and a number
+    assigned by indexing are not."""
+    from skyformer.sketch import rng
+
+    key = rng.random_key(1)
+    with _HostReads() as reads:
+        key[0] = 5
+        rng.fold_in(key, 3)
+        rng.fold_in(key, torch.arange(2))
+    assert not reads.where
+    with _HostReads() as reads:
+        rng.random_key(7)
+    assert reads.where and all(where.startswith(f"{rng.__file__}:") for where in reads.where)

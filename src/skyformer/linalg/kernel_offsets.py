@@ -25,7 +25,7 @@ def row_offsets(
     if row_norm:
         a = squared_norms(y, dtype).mul_(0.5 * scale * scale * LOG2E)
     if row_valid is not None:
-        inf = torch.tensor(float("inf"), dtype=dtype, device=y.device)
+        inf = torch.full((), float("inf"), dtype=dtype, device=y.device)  # a fill, no copy
         a = torch.where(row_valid, 0.0 if a is None else a, inf)
     return a
 

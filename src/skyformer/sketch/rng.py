@@ -72,10 +72,14 @@ def check_key(key: object, method: str = "skyformer") -> None:
 def fold_in(key: Tensor, data: int | Tensor) -> Tensor:
     """A new key derived from ``key [..., 2]`` and ``data`` (an int or an integer tensor
     broadcasting against ``key[..., 0]``): independent streams for parts of a method,
-    batch elements, heads."""
-    data = torch.as_tensor(data, device=key.device, dtype=torch.long) & _MASK
+    batch elements, heads. An int is hashed on the host: on a GPU, making it a tensor
+    would be a blocking copy, which makes the host wait for the queued work."""
+    if isinstance(data, Tensor):
+        data = _mix((data.to(key.device, torch.long) & _MASK) * _GOLDEN & _MASK)
+    else:  # a Python int stays one (as a tensor it would be a copy to key's device)
+        data = _mix(((int(data) & _MASK) * _GOLDEN) & _MASK)
     k0, k1 = key[..., 0], key[..., 1]
-    a = _mix(k0 ^ _mix((data * _GOLDEN) & _MASK))
+    a = _mix(k0 ^ data)
     b = _mix(k1 ^ _mix(a + 0x632BE5AB))
     return torch.stack([a, b], dim=-1)
 

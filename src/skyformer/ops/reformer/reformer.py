@@ -327,7 +327,7 @@ def reformer_attention(
     k_ext, v_ext = _extend_rows(kw), _extend_rows(vw)
     logits = (qs @ _rows_at(k_ext, pos_k).transpose(-1, -2)) * s  # [B, R, H, C, m, 2m]
     attended, counts = _attended(rounds, pos_q, pos_k, info.key_valid, config)
-    neg_inf = torch.tensor(float("-inf"), dtype=work, device=q.device)
+    neg_inf = torch.full((), float("-inf"), dtype=work, device=q.device)  # no copy
     logits = torch.where(attended, logits - torch.log(counts.clamp_min(1).to(work)), neg_inf)
 
     lse = torch.logsumexp(logits, dim=-1)  # [B, R, H, C, m], -inf where no key is attended

@@ -128,7 +128,7 @@ def nystrom_with_landmarks(
     X is in the scaled space. The [N, m] blocks are never held whole: both products go
     through ``gaussian_kernel_matmul``, as in ``skyformer``.
     """
-    inf = torch.tensor(float("inf"), dtype=q_hat.dtype, device=q_hat.device)
+    inf = torch.full((), float("inf"), dtype=q_hat.dtype, device=q_hat.device)  # no copy
     x = landmarks.points
     x_norm = torch.where(landmarks.live, half_sq_norm(x), inf)  # dead landmarks -> zero columns
     b, h, m, _ = x.shape
