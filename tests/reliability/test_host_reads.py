@@ -29,7 +29,9 @@ from tests.conftest import make_qkv
 # Operators whose result the host must see: a scalar read, or an output whose shape
 # depends on the values.
 READS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim",
-         "unique_consecutive", "repeat_interleave", "is_nonzero", "equal"}
+         "unique_consecutive", "repeat_interleave", "is_nonzero", "equal",
+         # solvers whose status PyTorch checks on the host (their ``_ex`` forms do not)
+         "_linalg_check_errors", "_linalg_eigh", "_linalg_svd"}
 # A tensor made from Python data (on a GPU a blocking copy from the host) when our code
 # asks for one (``torch.tensor``, ``as_tensor``, ``new_tensor``); PyTorch also wraps a
 # number assigned by indexing this way, which is no copy of ours.
@@ -40,6 +42,11 @@ READS_ON_PURPOSE = {
     "linformer": "whether every projected slot holds a real key (SDPA without a mask)",
     "skyformer_multipole": "the number of cluster blocks the fullest head needs",
     "softmax_multipole": "the number of cluster blocks the fullest head needs",
+}
+# ... and, beside that read, an eigen-solver whose status PyTorch checks on the host
+SOLVER_CHECKS_ON_PURPOSE = {
+    "skyformer_multipole": "eigh of the values' covariance (the far field's basis)",
+    "softmax_multipole": "eigh of the values' covariance (the far field's basis)",
 }
 
 
@@ -85,7 +92,7 @@ def test_only_the_methods_that_say_why_read_values(name, masked):
         options["key_padding_mask"] = mask
     reads = host_reads(lambda: skyformer.attention(q, k, v, name, **options))
     if name in READS_ON_PURPOSE:
-        assert sum(reads.values()) <= 1, dict(reads)
+        assert sum(reads.values()) <= 1 + (name in SOLVER_CHECKS_ON_PURPOSE), dict(reads)
     else:
         assert not reads, f"{name} reads values on the host at {dict(reads)}"
 

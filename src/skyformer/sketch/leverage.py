@@ -38,7 +38,11 @@ def sketched_ridge_leverage(
         scale = gram.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(torch.finfo(p.dtype).tiny)
         eye = torch.eye(s, dtype=p.dtype, device=p.device)
         system = gram + (ridge * scale)[..., None, None] * eye
-        scores = (p * torch.linalg.solve(system, p)).sum(-2).to(sketch.dtype)  # [B, H, Nk]
+        # SPD (a ridge on a Gram): Cholesky, unchecked (a checked solve waits on a GPU),
+        # and (S c_j)^T (L L^T)^-1 (S c_j) = |L^-1 S c_j|^2
+        chol = torch.linalg.cholesky_ex(system).L
+        root = torch.linalg.solve_triangular(chol, p, upper=False)  # [B, H, s, Nk]
+        scores = root.square().sum(-2).to(sketch.dtype)  # [B, H, Nk]
         if key_valid is not None:
             scores = scores.masked_fill(~key_valid[:, None, :], float("-inf"))
     return scores
