@@ -200,3 +200,31 @@ def test_the_augmented_output_is_split_not_sliced(dtype):
     with Recorder(lambda func, args, o: func.overloadpacket.__name__) as ops:
         torch.autograd.grad(out.float().square().sum(), (q, k, v))
     assert "slice_backward" not in ops.items
+
+
+@pytest.mark.parametrize("dtype, attn_mask, kernel, flash", [
+    (torch.bfloat16, False, "auto", True), (torch.float16, False, "auto", True),
+    (torch.float32, False, "auto", True), (torch.float64, False, "auto", False),
+    (torch.bfloat16, True, "auto", False), (torch.bfloat16, False, "torch", False)])
+def test_auto_takes_the_flash_kernels_where_a_gpu_run_found_them_faster(
+        monkeypatch, dtype, attn_mask, kernel, flash):
+    """``kernel="auto"`` on a CUDA tensor (here a CPU one taken for one) in float32 or a
+    half type and without ``attn_mask`` runs the flash kernels (faster than the SDPA
+    augmentation on an H100 at every N measured, docs/gpu.md); float64 and an
+    ``attn_mask`` keep the augmentation."""
+    from skyformer.linalg import kernel_backend
+    from skyformer.ops.kernelized import kernelized as module
+
+    monkeypatch.setattr(kernel_backend, "auto_device", lambda y: True)
+    monkeypatch.setattr(kernel_backend, "triton_available", lambda: True)
+    calls = []
+
+    def flash_kernelized(q, k, v, *args):
+        calls.append(q.dtype)
+        return torch.zeros_like(v)
+
+    monkeypatch.setattr(module, "flash_kernelized", flash_kernelized)
+    q, k, v = make_qkv(1, 2, 16, 8, dtype=dtype, seed=1)
+    mask = torch.ones(16, 16, dtype=torch.bool) if attn_mask else None
+    kernelized_attention(q, k, v, kernel=kernel, attn_mask=mask)
+    assert calls == ([dtype] if flash else [])
