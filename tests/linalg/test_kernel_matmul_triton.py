@@ -323,6 +323,29 @@ def test_jacrev_of_one_matrix(device, method):
     torch.testing.assert_close(jacobian("triton"), jacobian("torch"), **tolerance)
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax", "kernelized"])
+def test_batched_gradients_are_each_gradient(device, method):
+    """``autograd.grad(..., is_grads_batched=True)`` (the legacy vmap over the backward
+    pass) gives each cotangent's gradient: the kernels' operators are then called on
+    batched tensors, which only the operator's batching fallback maps (the direct eager
+    call and the in-place row gradient would read their storage)."""
+    dtype = _exact_dtype(device)
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 2, 12, 8, generator=g, dtype=dtype).to(device)
+               .requires_grad_(True) for _ in range(3))
+    options = {} if method == "kernelized" else {"num_features": 4,
+                                                 "generator": skyformer.random_key(2)}
+    out = skyformer.attention(q, k, v, method, kernel="triton", **options)
+    cotangents = torch.randn(3, *out.shape, generator=g, dtype=dtype).to(device)
+    batched = torch.autograd.grad(out, (q, k, v), cotangents, is_grads_batched=True,
+                                  retain_graph=True)
+    for i, cotangent in enumerate(cotangents):
+        each = torch.autograd.grad(out, (q, k, v), cotangent, retain_graph=True)
+        for got, want in zip(batched, each, strict=True):
+            torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-6)
+
+
 def _float32_copies() -> Recorder:
     """Records the shapes of every conversion to float32."""
     def conversion(func, args, out):

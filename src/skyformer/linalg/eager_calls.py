@@ -59,12 +59,21 @@ def plain_eager() -> bool:
     return untraced_eager() and _Switch.direct
 
 
+def plain_tensors(*tensors: Any) -> bool:
+    """``_plain_tensors`` of these arguments (None and non-tensors pass)."""
+    return _plain_tensors(tensors, {})
+
+
 def _plain_tensors(args: tuple, kwargs: dict) -> bool:
     """Every tensor argument a plain ``torch.Tensor``, none a functorch wrapper (one
-    left over from a finished transform: ``Function.apply`` unwraps those)."""
+    left over from a finished transform: ``Function.apply`` unwraps those) and none
+    batched by the legacy vmap (the gradients of ``autograd.grad(...,
+    is_grads_batched=True)``, which only the operator's batching fallback maps)."""
+    functorch = torch._C._functorch
     for a in (*args, *kwargs.values()):
         if isinstance(a, Tensor) and (type(a) is not Tensor
-                                      or torch._C._functorch.is_functorch_wrapped_tensor(a)):
+                                      or functorch.is_functorch_wrapped_tensor(a)
+                                      or functorch.is_legacy_batchedtensor(a)):
             return False
     return True
 

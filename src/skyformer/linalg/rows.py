@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .eager_calls import apply, plain_eager
+from .eager_calls import apply, plain_eager, plain_tensors
 from .functional_ops import functional_ops_only
 
 
@@ -123,11 +123,12 @@ class _RowsThrough(torch.autograd.Function):
         if grad_rows is None:
             return grad_x, None, grad_y, None, None
         # in place only in a plain backward pass: not while it is differentiated
-        # (create_graph), traced (torch.compile) or transformed (torch.func); nor into
-        # one tensor given for both (an addition of the two outputs gives its gradient
-        # to each), which the caller's promise rules out but costs nothing to check
+        # (create_graph), traced (torch.compile) or transformed (torch.func, batched
+        # gradients); nor into one tensor given for both (an addition of the two
+        # outputs gives its gradient to each), which the caller's promise rules out but
+        # costs nothing to check
         in_place = ctx.in_place and not torch.is_grad_enabled() and plain_eager() \
-            and not _shared(grad_x, grad_y)
+            and plain_tensors(grad_rows, grad_x, grad_y) and not _shared(grad_x, grad_y)
         parts = grad_rows.split([flat.shape[-1] for flat in flats], dim=-2)
         needed = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
         summed = [_add_rows(grad, part, flat, *spec, in_place) if need else None
