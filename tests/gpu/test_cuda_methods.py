@@ -15,7 +15,7 @@ import skyformer
 from skyformer import get_method, list_methods, random_key
 from tests.conftest import gen, make_qkv
 from tests.devices import TOLERANCES, cuda_only, relative_error
-from tests.reliability.test_host_reads import READS_ON_PURPOSE
+from tests.reliability.test_host_reads import CAUSAL, READS_ON_PURPOSE
 
 pytestmark = cuda_only
 METHODS = list_methods()
@@ -108,8 +108,10 @@ def test_exact_kernelized_takes_the_fused_sdpa_kernels(dtype, variant):
 
 
 @pytest.mark.parametrize("masked", [False, True])
-@pytest.mark.parametrize("method", [m for m in METHODS if m not in READS_ON_PURPOSE])
-def test_a_call_never_waits_for_the_gpu(method, masked):
+@pytest.mark.parametrize("method, causal", [(m, False) for m in METHODS
+                                            if m not in READS_ON_PURPOSE]
+                         + [(m, True) for m in CAUSAL if m not in READS_ON_PURPOSE])
+def test_a_call_never_waits_for_the_gpu(method, causal, masked):
     """Forward + backward issue their work without a host-device synchronisation (a
     value read or a blocking copy would make the host wait for the queue: PyTorch's
     sync debug mode raises there). The CPU check of the same property, for every
@@ -118,7 +120,7 @@ def test_a_call_never_waits_for_the_gpu(method, masked):
                for t in make_qkv(2, 2, 64, 16, dtype=torch.float32, seed=8))
     mask = torch.ones(2, 64, dtype=torch.bool, device="cuda")
     mask[1, 50:] = False
-    bound = get_method(method).bind(seq_len=64)
+    bound = get_method(method).bind(seq_len=64, **({"causal": True} if causal else {}))
     options = {"generator": random_key(3, device="cuda"),
                "key_padding_mask": mask if masked else None}
     bound(q, k, v, **options).sum().backward()  # warm-up: compilation, autotuning

@@ -81,11 +81,18 @@ def host_reads(call) -> collections.Counter[str]:
     return reads.where
 
 
+CAUSAL = [name for name in skyformer.list_methods()
+          if skyformer.get_method(name).capabilities.causal]
+
+
 @pytest.mark.parametrize("masked", [False, True])
-@pytest.mark.parametrize("name", skyformer.list_methods())
-def test_only_the_methods_that_say_why_read_values(name, masked):
+@pytest.mark.parametrize("name, causal", [(name, False) for name in skyformer.list_methods()]
+                         + [(name, True) for name in CAUSAL])
+def test_only_the_methods_that_say_why_read_values(name, causal, masked):
     q, k, v = (t.float().requires_grad_() for t in make_qkv(2, 2, 48, 16, seed=5))
     options = {"generator": skyformer.random_key(4)}
+    if causal:
+        options["causal"] = True
     if masked:
         mask = torch.ones(2, 48, dtype=torch.bool)
         mask[0, -7:] = False
