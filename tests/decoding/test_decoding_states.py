@@ -76,6 +76,29 @@ def test_skyformer_without_stride_keeps_the_prompts():
     torch.testing.assert_close(decoded[:, :, :prompt], prompt_only, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax"])
+def test_without_stride_each_padded_prompt_keeps_its_own(method):
+    """Prompts of 30 and 50 real tokens in one left- and right-padded batch: each takes
+    ceil(its real tokens / m) (the forward's default for it), so the prompt's outputs
+    are the default forward's and the rest the forward with that element's stride."""
+    m, prompt, n = 6, 50, 110
+    q, k, v = make_qkv(2, 2, n, 8, seed=7)
+    valid = torch.ones(2, n, dtype=torch.bool)
+    valid[0, 20:40] = False  # a hole in the prompt: 30 real tokens
+    bound = get_method(method).bind(num_features=m)
+    key = random_key(4)
+    decoded = _decode(new_decoding_state(bound, generator=key), q, k, v, valid, prompt,
+                      [1] * 20 + [40])
+    for b, real in enumerate((30, 50)):
+        fixed = bound.replace(causal=True, landmark_stride=math.ceil(real / m))
+        full = fixed(q, k, v, key_padding_mask=valid, generator=key)
+        torch.testing.assert_close(decoded[b], full[b], rtol=1e-10, atol=1e-10)
+    default = bound.replace(causal=True)(q[:, :, :prompt], k[:, :, :prompt],
+                                         v[:, :, :prompt], key_padding_mask=valid[:, :prompt],
+                                         generator=key)
+    torch.testing.assert_close(decoded[:, :, :prompt], default, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("method", CONSTANT_MEMORY)
 def test_memory_stops_growing(method):
     """After every landmark slot is revealed (m R positions) the state's size is the same

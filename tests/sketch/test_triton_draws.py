@@ -82,6 +82,18 @@ def test_causal_slot_ranks_equal_the_pytorch_path(device, key, m, stride):
     assert (steps >= 0).all() and (steps < stride).all()  # one slot per stride window
 
 
+@pytest.mark.parametrize("device", devices())
+def test_causal_slot_ranks_with_a_stride_per_batch_element(device):
+    """A ``[B]`` stride (each sequence's own default) gives each element the ranks of
+    its stride alone, on both paths."""
+    strides = torch.tensor([1, 7, 2**20], device=device)
+    options = {"batch": 3, "device": torch.device(device), "key": KEYS[0].to(device)}
+    want = slot_ranks(37, strides, **options, draw="torch")
+    assert torch.equal(slot_ranks(37, strides, **options, draw="triton"), want)
+    for b, stride in enumerate(strides.tolist()):
+        assert torch.equal(want[b], slot_ranks(37, stride, **options, draw="torch")[b])
+
+
 def test_a_key_per_batch_element_takes_the_pytorch_path():
     """The kernels read one key [2]; keys [B, 2] fold per batch element in PyTorch."""
     keys = torch.stack([random_key(i) for i in range(3)])  # [3, 2]

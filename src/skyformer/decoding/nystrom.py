@@ -19,13 +19,11 @@ by token, the state keeps
 
 Outputs equal the full causal forward with the same key and ``landmark_stride`` R to
 rounding. Without a ``landmark_stride`` the state takes the prompt's default,
-R = ceil(prompt length / m), so the prompt's outputs are the full forward's and the
-landmarks lie in the prompt and the first tokens after it.
+R = ceil(n_b / m) for each prompt's n_b real tokens, so the prompt's outputs are the
+full forward's and the landmarks lie in the prompt and the first tokens after it.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +34,7 @@ from ..ops.shared.causal_nystrom import (
     causal_core,
     causal_landmarks,
     core_of_rows,
+    landmark_stride,
     slot_ranks,
     slot_takes_query,
 )
@@ -69,18 +68,17 @@ class SkyformerDecoding(DecodingState):
 
     def _first(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None) -> Tensor:
         b, _, n, d = q.shape
-        if self.stride is None:
-            self.stride = max(1, math.ceil(n / self.m))
-            self.bound = self.bound.replace(landmark_stride=self.stride)
+        # without a landmark_stride, each prompt's own default (the forward's, below)
+        stride = landmark_stride(self.stride, n, self.m, key_valid)
         out = self.bound(q, k, v, key_padding_mask=key_valid, generator=self.key)
         work = compute_dtype(q.dtype)
         qw, kw, vw = q.to(work), k.to(work), v.to(work)
         self.scale = kernel_scale(d, self.bound.config.scale)
         draw = self.bound.config.kernel
-        marks = causal_landmarks(self.m, self.stride, batch=b, n=n, key_valid=key_valid,
+        marks = causal_landmarks(self.m, stride, batch=b, n=n, key_valid=key_valid,
                                  device=q.device, key=self.key, draw=draw)
         _, kw, core = causal_core(qw, kw, self.scale, self.gamma, marks)
-        self.ranks = slot_ranks(self.m, self.stride, batch=b, device=q.device, key=self.key,
+        self.ranks = slot_ranks(self.m, stride, batch=b, device=q.device, key=self.key,
                                 draw=draw)
         self.real = padding_as_false(key_valid, q).sum(1)
         self.revealed = marks.live

@@ -101,10 +101,12 @@ def _selection_keys_kernel(
 
 @triton.jit
 def _slot_ranks_kernel(
-    KEY, OUT, m, stream_data, stride,
+    KEY, OUT, m, stream_data, STRIDE,
     SALT: tl.constexpr, LOW_SALT: tl.constexpr, BLOCK: tl.constexpr,
+    PER_ELEMENT: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
+    stride = tl.load(STRIDE + b) if PER_ELEMENT else STRIDE  # PER_ELEMENT: one per element
     slot = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     k0, k1 = _batch_key(KEY, stream_data, b)
     hi = _bits(k0, k1, slot, tl.full(slot.shape, SALT, tl.int64))
@@ -147,9 +149,13 @@ def selection_keys(
 
 
 def slot_ranks(key: Tensor, stream_name: str, batch: int, num_features: int,
-               stride: int) -> Tensor:
+               stride: int | Tensor) -> Tensor:
     """``[B, m]`` long: slot s takes the real token of rank s R + floor(u_s R), u_s the
-    float64 ``rng.uniform_at`` of s under ``fold_in(stream(key, stream_name), b)``."""
+    float64 ``rng.uniform_at`` of s under ``fold_in(stream(key, stream_name), b)``; R an
+    int or a ``[B]`` long tensor (one per batch element)."""
+    per_element = isinstance(stride, Tensor)
+    if per_element:
+        stride = stride.to(key.device, torch.long).contiguous()
     out = torch.empty(batch, num_features, dtype=torch.long, device=key.device)
     if batch == 0 or num_features == 0:
         return out
@@ -157,5 +163,6 @@ def slot_ranks(key: Tensor, stream_name: str, batch: int, num_features: int,
         _slot_ranks_kernel[(batch, cdiv(num_features, BLOCK))](
             key.contiguous(), out, num_features, rng.stream_data(stream_name), stride,
             SALT=rng.UNIFORM_SALT, LOW_SALT=rng.UNIFORM_LOW_SALT, BLOCK=BLOCK,
+            PER_ELEMENT=per_element,
         )
     return out

@@ -4,7 +4,8 @@ Shared by ``skyformer`` and ``nystrom_softmax`` with ``causal=True``; the deriva
 in ``ops/skyformer/README.md`` ("Causal"). In short:
 
 - Landmark slot s sits at the real token of rank r_s = s R + floor(u_s R) (R = the
-  landmark stride, u_s a counter-based uniform draw of the batch element and slot): its
+  landmark stride, by default ceil(n_b / m) for the n_b real tokens of the batch
+  element, u_s a counter-based uniform draw of the batch element and slot): its
   position depends on the generator and on which earlier tokens are real, never on
   the content nor on anything after it. Even slots take that token's query row, odd
   slots its key row (half from each, as Skyformer's [Q; K] sampling). Slots are in
@@ -50,8 +51,9 @@ class CausalNystromOptions:
         attended exactly and only earlier chunks through the landmarks (False: all
         through the landmarks).
     landmark_stride: with ``causal``, one landmark slot per this many real tokens;
-        None = ceil(N / num_features), spreading the landmarks over the sequence. Fix it
-        for outputs that do not depend on the sequence length (decoding).
+        None = ceil(n / num_features) for each sequence's n real tokens, spreading the
+        landmarks over it. Fix it for outputs that do not depend on the sequence length
+        (decoding).
     """
 
     causal: bool = False
@@ -81,19 +83,29 @@ class CausalLandmarks:
         return (self.live[:, None, :] & (self.position[:, None, :] <= i[:, None]))[:, None]
 
 
-def landmark_stride(stride: int | None, n: int, m: int) -> int:
-    return stride if stride is not None else max(1, math.ceil(n / m))
+def landmark_stride(stride: int | None, n: int, m: int, key_valid: Tensor | None = None
+                    ) -> int | Tensor:
+    """R: ``stride`` if given, else ceil(n_b / m) for each batch element's number of real
+    tokens n_b (a ``[B]`` long tensor; ``n`` for all without ``key_valid``), at least 1:
+    the landmarks spread over each sequence's own tokens, so that its outputs do not
+    depend on how far the batch is padded."""
+    if stride is not None:
+        return stride
+    if key_valid is None:
+        return max(1, math.ceil(n / m))
+    return ((key_valid.sum(1) + (m - 1)) // m).clamp_min(1)
 
 
 CAUSAL_STREAM = "landmarks/causal"
 
 
-def slot_ranks(num_features: int, stride: int, *, batch: int, device: torch.device,
+def slot_ranks(num_features: int, stride: int | Tensor, *, batch: int, device: torch.device,
                key: Tensor, draw: str = "auto") -> Tensor:
     """``[B, m]`` long: slot s takes the real token of rank s R + floor(u_s R), increasing
-    in s (at most one slot per token); a function of the key alone, never of the content.
-    ``draw``: PyTorch operations or one Triton kernel, the same ranks
-    (``sketch.landmarks.use_triton_draw``)."""
+    in s (at most one slot per token); a function of the key and R alone, never of the
+    content. ``stride`` R: an int, or a ``[B]`` long tensor of one per batch element
+    (``landmark_stride``). ``draw``: PyTorch operations or one Triton kernel, the same
+    ranks (``sketch.landmarks.use_triton_draw``)."""
     if use_triton_draw(draw, key):
         from ...sketch import triton_draws
 
@@ -105,6 +117,8 @@ def slot_ranks(num_features: int, stride: int, *, batch: int, device: torch.devi
     keys = fold_in(stream(key, CAUSAL_STREAM), torch.arange(batch, device=device))
     slot = torch.arange(num_features, device=device)
     u = uniform_at(keys[:, None, :], slot.expand(batch, num_features), torch.float64)
+    if isinstance(stride, Tensor):
+        stride = stride.to(device)[:, None]  # [B, 1]
     return slot * stride + (u * stride).floor().long()
 
 
@@ -113,7 +127,7 @@ def slot_takes_query(num_features: int, device: torch.device) -> Tensor:
     return torch.arange(num_features, device=device) % 2 == 0
 
 
-def causal_landmarks(num_features: int, stride: int, *, batch: int, n: int,
+def causal_landmarks(num_features: int, stride: int | Tensor, *, batch: int, n: int,
                      key_valid: Tensor | None, device: torch.device, key: Tensor,
                      draw: str = "auto") -> CausalLandmarks:
     """Slot s at the real token of rank s R + floor(u_s R) (module docstring)."""
@@ -132,7 +146,7 @@ def draw_causal_landmarks(info: AttentionInputs, num_features: int, stride: int 
                           ) -> CausalLandmarks:
     """The landmark slots of one call (``causal_nystrom.causal_landmarks``)."""
     return causal_landmarks(
-        num_features, landmark_stride(stride, info.key_len, num_features),
+        num_features, landmark_stride(stride, info.key_len, num_features, info.key_valid),
         batch=info.batch, n=info.key_len, key_valid=info.key_valid, device=device, key=key,
         draw=draw)
 
