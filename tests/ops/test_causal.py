@@ -113,12 +113,6 @@ def test_the_landmark_rows_gradient_joins_that_of_q_and_k_without_zero_tensors(m
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
-def _options(method: str) -> dict:
-    """The nystrom forms' exact local part chunks positions: without it, all of a
-    sequence's keys go through the landmarks, which follow ranks among real tokens."""
-    return {"causal_local": False} if method in ("skyformer", "nystrom_softmax") else {}
-
-
 @pytest.mark.parametrize("method", CAUSAL)
 def test_how_far_the_batch_is_padded_changes_no_output(method):
     """Real rows of sequences of 70 and 100 tokens get the same outputs in a batch padded
@@ -141,10 +135,13 @@ def test_how_far_the_batch_is_padded_changes_no_output(method):
     torch.testing.assert_close(wide[:, :, :100][real], narrow[real], rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.parametrize("method", CAUSAL)
-def test_left_padding_and_holes_give_the_packed_outputs(method):
+@pytest.mark.parametrize("method, options", [(m, {}) for m in CAUSAL] + [
+    (m, {"causal_local": False}) for m in ("skyformer", "nystrom_softmax")])
+def test_left_padding_and_holes_give_the_packed_outputs(method, options):
     """Real tokens anywhere (left padding, a hole) give the outputs they give packed at
-    the front, with the nystrom forms' local part off (``_options``)."""
+    the front: the landmarks and the nystrom forms' exact chunks follow ranks among the
+    real tokens (a hole of 7 at position 40 and a left padding of 7 move chunk
+    boundaries by position, not by rank)."""
     n = 90
     q, k, v = make_qkv(2, 2, n, 8, seed=6)
     mask = _mask(n, padded=True)
@@ -152,12 +149,12 @@ def test_left_padding_and_holes_give_the_packed_outputs(method):
     budget = {"num_features": 6} if "num_features" in get_method(method).option_names() \
         else {}
     out = attention(q, k, v, method, key_padding_mask=mask, generator=g, causal=True,
-                    **_options(method), **budget)
+                    **options, **budget)
     order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)  # real ones first
     packed = [t.gather(2, order[:, None, :, None].expand_as(t)) for t in (q, k, v)]
     g = torch.Generator().manual_seed(3)
     out_packed = attention(*packed, method, key_padding_mask=mask.gather(1, order),
-                           generator=g, causal=True, **_options(method), **budget)
+                           generator=g, causal=True, **options, **budget)
     for i in range(2):
         real = int(mask[i].sum())
         torch.testing.assert_close(out_packed[i, :, :real], out[i][:, mask[i]], rtol=1e-9,

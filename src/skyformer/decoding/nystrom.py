@@ -1,6 +1,7 @@
 """Decoding state of the causal Skyformer (``ops/skyformer/causal.py``).
 
-The causal forward gives query i in chunk c (``CAUSAL_CHUNK`` = 64 positions)
+The causal forward gives query i in chunk c (``CAUSAL_CHUNK`` = 64 real tokens: the
+forward runs on the real tokens gathered to the front, ``causal_inputs``)
 
     out_i = phi_<=i(q_i) . L^-1 U_c  +  sum_{64 c <= j <= i} C(q_i, k_j) v_j,
     U_c = sum_{j < 64 c} C(X_S, k_j) v_j,   phi(y) = L^-1 C(X_S, y),
@@ -10,8 +11,11 @@ by token, the state keeps
 
 - the revealed landmark rows X_S and L^-1 (``[B, H, m, D]``, ``[B, H, m, m]``): a slot
   revealed later leaves the leading block of L^-1 unchanged (``core_of_rows``);
-- U (``[B, H, m, Dv]``): at the end of each chunk its keys are added;
-- the keys and values of the current chunk (at most 63), for the exact local part;
+- U (``[B, H, m, Dv]``): at the end of each chunk its keys are added (each batch
+  element at its own 64th real token);
+- the keys and values of the current chunk (at most 63 real ones an element; the
+  buffer is position-aligned, a key outside an element's chunk has an +inf offset
+  there), for the exact local part;
 - the keys and values of the completed chunks *only while a slot is unrevealed*: slot s
   revealed at position p needs C(x_s, k_j) v_j for every j before p's chunk. With stride
   R every slot is revealed by position m R; from then on the state is constant
@@ -85,13 +89,20 @@ class SkyformerDecoding(DecodingState):
         self.x = torch.where(marks.live[:, None, :, None], core.x, 0.0)
         self.x_norm, self.l_inv = core.x_norm, core.l_inv
         ks, kn, vw = self._keys(kw, vw, key_valid)
-        done = n - n % CAUSAL_CHUNK  # positions of the completed chunks
-        self._start_sums(ks[:, :, :done], kn[..., :done])
-        self.u = self._block(ks[:, :, :done], kn[..., :done]) @ vw[:, :, :done]
-        self.chunk_k, self.chunk_kn, self.chunk_v = ks[:, :, done:], kn[..., done:], vw[:, :, done:]
+        # chunks of CAUSAL_CHUNK real tokens, as the forward's: the keys of each element's
+        # completed chunks go to U, the others stay (the +inf offset of a key that is not
+        # an element's gives it no weight there)
+        valid = padding_as_false(key_valid, q)
+        rank = valid.long().cumsum(1) - 1  # [B, n]
+        absorbed = valid & (rank < (self.real - self.real % CAUSAL_CHUNK)[:, None])
+        kn_done = torch.where(absorbed[:, None, :], kn, float("inf"))
+        self._start_sums(ks, kn_done)
+        self.u = self._block(ks, kn_done) @ vw
+        self.chunk_k, self.chunk_v = ks, vw
+        self.chunk_kn = torch.where((valid & ~absorbed)[:, None, :], kn, float("inf"))
+        self._trim_chunk()
         if not bool(self.revealed.all()):
-            self.past_k, self.past_kn, self.past_v = ks[:, :, :done], kn[..., :done], \
-                vw[:, :, :done]
+            self.past_k, self.past_kn, self.past_v = ks, kn_done, vw
         return out
 
     def _keys(self, k: Tensor, v: Tensor, key_valid: Tensor | None
@@ -115,12 +126,13 @@ class SkyformerDecoding(DecodingState):
         valid = padding_as_false(key_valid, q)
         work = compute_dtype(q.dtype)
         outs = [self._advance(q[:, :, i:i + 1].to(work), k[:, :, i:i + 1].to(work),
-                              v[:, :, i:i + 1].to(work), valid[:, i], self.length + i)
+                              v[:, :, i:i + 1].to(work), valid[:, i])
                 for i in range(q.shape[2])]
         return torch.cat(outs, dim=2).to(q.dtype)
 
-    def _advance(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor, position: int) -> Tensor:
-        """One position: reveal its slot, attend, absorb the chunk when it completes."""
+    def _advance(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor) -> Tensor:
+        """One position: reveal its slot, attend, absorb the chunks it completes (those
+        of the elements whose real tokens it brings to a multiple of CAUSAL_CHUNK)."""
         qs = q * self.scale
         ks, kn, v = self._keys(k, v, valid[:, None])
         self._reveal(qs, ks, valid)
@@ -128,9 +140,18 @@ class SkyformerDecoding(DecodingState):
         self.chunk_kn = torch.cat([self.chunk_kn, kn], 2)
         self.chunk_v = torch.cat([self.chunk_v, v], 2)
         out = self._attend(qs, kn)
-        if (position + 1) % CAUSAL_CHUNK == 0:
-            self._absorb_chunk()
+        complete = valid & (self.real % CAUSAL_CHUNK == 0)  # [B]
+        if bool(complete.any()):
+            self._absorb_chunk(complete)
         return torch.where(valid[:, None, None, None], out, 0.0)
+
+    def _trim_chunk(self) -> None:
+        """Drop the leading positions of the chunk buffers that hold no element's key."""
+        held = torch.isfinite(self.chunk_kn).flatten(0, 1).any(0)  # [L]
+        first = int(held.long().argmax()) if bool(held.any()) else held.numel()
+        if first:
+            self.chunk_k, self.chunk_kn, self.chunk_v = (
+                t[:, :, first:] for t in (self.chunk_k, self.chunk_kn, self.chunk_v))
 
     def _query_features(self, qs: Tensor) -> Tensor:
         """phi(q) = L^-1 C(X_S, q) over the revealed slots: ``[B, H, 1, m]``."""
@@ -169,17 +190,19 @@ class SkyformerDecoding(DecodingState):
             fresh = self._block(self.past_k, self.past_kn) @ self.past_v  # [B, H, m, Dv]
             self.u = torch.where(new[:, None, :, None], fresh, self.u)
 
-    def _absorb_chunk(self) -> None:
-        """Add the completed chunk's keys to U; keep them while a slot is unrevealed."""
-        self.u = self.u + self._block(self.chunk_k, self.chunk_kn) @ self.chunk_v
+    def _absorb_chunk(self, complete: Tensor) -> None:
+        """Add the keys of the chunks that end here (``complete``: ``[B]``) to U; keep
+        them while a slot is unrevealed; the other elements' chunks stay."""
+        done_kn = torch.where(complete[:, None, None], self.chunk_kn, float("inf"))
+        self.u = self.u + self._block(self.chunk_k, done_kn) @ self.chunk_v  # + 0 elsewhere
         if bool(self.revealed.all()):
             self.past_k = self.past_kn = self.past_v = None
         else:
             self.past_k = append(self.past_k, self.chunk_k, 2)
-            self.past_kn = append(self.past_kn, self.chunk_kn, 2)
+            self.past_kn = append(self.past_kn, done_kn, 2)
             self.past_v = append(self.past_v, self.chunk_v, 2)
-        self.chunk_k, self.chunk_kn, self.chunk_v = (t[:, :, :0] for t in
-                                                     (self.chunk_k, self.chunk_kn, self.chunk_v))
+        self.chunk_kn = torch.where(complete[:, None, None], float("inf"), self.chunk_kn)
+        self._trim_chunk()
 
 
 class NystromSoftmaxDecoding(SkyformerDecoding):
@@ -242,14 +265,14 @@ class NystromSoftmaxDecoding(SkyformerDecoding):
         shift = torch.where(torch.isfinite(self.shift), self.shift, 0.0)
         return gaussian_kernel_block(self.x, keys, self.x_norm, offsets + shift[..., None])
 
-    def _absorb_chunk(self) -> None:
-        log_e = torch.where(torch.isfinite(self.chunk_kn), half_sq_norm(self.chunk_k),
-                            float("-inf"))
+    def _absorb_chunk(self, complete: Tensor) -> None:
+        ending = torch.isfinite(self.chunk_kn) & complete[:, None, None]
+        log_e = torch.where(ending, half_sq_norm(self.chunk_k), float("-inf"))
         new = torch.maximum(self.shift, log_e.amax(-1))  # M' = r at the chunk's end
         rescale = torch.where(torch.isfinite(self.shift), (self.shift - new).exp(), 0.0)
-        self.u = self.u * rescale[..., None, None]
+        self.u = self.u * rescale[..., None, None]  # 1 where no chunk ends
         self.shift = new
-        super()._absorb_chunk()
+        super()._absorb_chunk(complete)
 
     def _attend(self, qs: Tensor, kn: Tensor) -> Tensor:
         ks = self.chunk_k[:, :, -1:]  # this position's key

@@ -46,6 +46,37 @@ def gather_rows(x: Tensor, index: Tensor) -> Tensor:
     return _rows(x, _flat_index(x, index)).view(*index.shape, x.shape[-1])
 
 
+def permute_rows(x: Tensor, index: Tensor, inverse: Tensor) -> Tensor:
+    """``gather_rows(x, index)`` for an ``index`` ``[*L', R]`` that permutes the R rows,
+    ``inverse`` its inverse permutation: the gradient is gathered back by ``inverse``,
+    with no zero tensor of x's size and no ``index_add`` (a gather's backward). Under
+    forward-mode AD and ``torch.export``, ``gather_rows`` itself (``functional_ops``)."""
+    if functional_ops_only():
+        return gather_rows(x, index)
+    _check(x, index)
+    return apply(_PermutedRows, x, index, inverse)
+
+
+class _PermutedRows(torch.autograd.Function):
+    """``permute_rows``: x, the permutation and its inverse; backward gathers by the
+    inverse (recorded under ``create_graph``: double backward works)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: Tensor, index: Tensor, inverse: Tensor) -> Tensor:  # type: ignore[override]
+        return gather_rows(x, index)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        ctx.save_for_backward(inputs[2])
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        (inverse,) = ctx.saved_tensors
+        return gather_rows(grad, inverse), None, None
+
+
 def gather_rows_through(xs: Sequence[Tensor], indices: Sequence[Tensor], *,
                         in_place: bool = False) -> tuple[tuple[Tensor, ...], Tensor]:
     """``(xs, cat([gather_rows(x, index) ...], dim=-2))`` as one autograd node (module

@@ -51,7 +51,7 @@ from ...linalg import gaussian_kernel_matmul
 from ...linalg.kernel_offsets import squared_norms
 from ...registry import Capabilities, register
 from ...sketch import Landmarks
-from ..shared.causal_nystrom import CausalNystromOptions, causal_inputs
+from ..shared.causal_nystrom import CausalNystromOptions, causal_inputs, causal_outputs
 from ..shared.inputs import (
     AttentionInputs,
     check_attention_inputs,
@@ -68,6 +68,7 @@ from ..shared.modified_nystrom import (
 )
 from ..shared.normalised import normalised_or
 from ..shared.options import check_nonnegative_float, check_scale
+from ..shared.real_first import to_real_first
 from ..shared.reduction import WHOLE, KeyReduction
 from .causal import causal_nystrom_softmax
 
@@ -179,15 +180,16 @@ def nystrom_softmax_from_core(
 def _causal(q: Tensor, k: Tensor, v: Tensor, config: NystromSoftmaxConfig,
             key_padding_mask: Tensor | None, query_padding_mask: Tensor | str | None,
             generator: torch.Generator | Tensor | None) -> Tensor:
-    info, landmarks = causal_inputs("nystrom_softmax", q, k, v, config.num_features,
-                                    config.landmark_stride, key_padding_mask,
-                                    query_padding_mask, generator, config.kernel)
+    info, landmarks, order = causal_inputs(
+        "nystrom_softmax", q, k, v, config.num_features, config.landmark_stride, key_padding_mask,
+        query_padding_mask, generator, config.kernel, by_rank=config.causal_local)
+    q, k, v = (to_real_first(t, order) for t in (q, k, v))  # chunks of ranks
     s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
     work = compute_dtype(q.dtype)
     out = causal_nystrom_softmax(q.to(work), k.to(work), v.to(work), info, math.sqrt(s),
                                  config.gamma, config.causal_local,
                                  config.normalizer_threshold, landmarks)
-    return zero_padded_queries(out, info.query_valid).to(q.dtype)
+    return causal_outputs(out, info, order).to(q.dtype)
 
 
 def prepare(

@@ -26,6 +26,7 @@ in ``ops/skyformer/README.md`` ("Causal"). In short:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -37,8 +38,9 @@ from ...linalg.flush import flush_on_cpu
 from ...linalg.rows import gather_rows_through
 from ...sketch.landmarks import launch_or_fall_back, use_triton_draw
 from ...sketch.rng import fold_in, stream, uniform_at
-from .inputs import AttentionInputs, check_attention_inputs, resolve_key
+from .inputs import AttentionInputs, check_attention_inputs, resolve_key, zero_padded_queries
 from .options import check_bool, check_optional_positive_int
+from .real_first import from_real_first, real_first_mask, real_first_order
 
 
 @dataclass(frozen=True)
@@ -47,8 +49,8 @@ class CausalNystromOptions:
 
     causal: query i attends to keys j <= i, with no dependence on any later token
         (requires Nq == Nk; ``ops/skyformer/README.md``).
-    causal_local: with ``causal``, the keys of the query's own chunk of 64 positions are
-        attended exactly and only earlier chunks through the landmarks (False: all
+    causal_local: with ``causal``, the keys of the query's own chunk of 64 real tokens
+        are attended exactly and only earlier chunks through the landmarks (False: all
         through the landmarks).
     landmark_stride: with ``causal``, one landmark slot per this many real tokens;
         None = ceil(n / num_features) for each sequence's n real tokens, spreading the
@@ -155,16 +157,34 @@ def causal_inputs(method: str, q: Tensor, k: Tensor, v: Tensor, num_features: in
                   stride: int | None, key_padding_mask: Tensor | None,
                   query_padding_mask: Tensor | str | None,
                   generator: torch.Generator | Tensor | None, draw: str = "auto",
-                  ) -> tuple[AttentionInputs, CausalLandmarks]:
+                  by_rank: bool = False,
+                  ) -> tuple[AttentionInputs, CausalLandmarks, Tensor | None]:
     """Checks of a causal call (``Nq == Nk``) and its landmark slots, for ``method``
-    (``draw``: the method's ``kernel`` option, ``slot_ranks``)."""
+    (``draw``: the method's ``kernel`` option, ``slot_ranks``), and the order that
+    gathers the real tokens to the front (``real_first``; None: the call runs on the
+    positions as they are). ``by_rank`` (the exact local part, whose chunks are
+    positions): with padding that the queries share, the call runs on the gathered
+    tokens, so that chunks hold ranks among the real tokens (left padding and holes
+    then give the packed sequence's outputs); the returned inputs and landmarks are the
+    gathered ones, and ``causal_outputs`` puts the outputs back."""
     info = check_attention_inputs(q, k, v, key_padding_mask, method=method,
                                   query_padding_mask=query_padding_mask)
     if info.query_len != info.key_len:
         raise ValueError(f"{method}: causal=True needs as many queries as keys, got "
                          f"Nq={info.query_len}, Nk={info.key_len}.")
     key = resolve_key(method, generator, q.device)
-    return info, draw_causal_landmarks(info, num_features, stride, q.device, key, draw)
+    order = None
+    if by_rank and info.key_valid is not None and info.query_valid is info.key_valid:
+        order = real_first_order(info.key_valid)
+        packed = real_first_mask(info.key_valid, order)
+        info = dataclasses.replace(info, key_valid=packed, query_valid=packed)
+    return info, draw_causal_landmarks(info, num_features, stride, q.device, key, draw), order
+
+
+def causal_outputs(out: Tensor, info: AttentionInputs, order: Tensor | None) -> Tensor:
+    """The outputs of a causal call back at their positions (``order`` from
+    ``causal_inputs``), padded query rows zero: ``[B, H, N, Dv]``."""
+    return from_real_first(zero_padded_queries(out, info.query_valid), order)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...linalg import gather_rows
+from ...linalg.rows import permute_rows
 
 
 def real_first_order(valid: Tensor | None) -> Tensor | None:
@@ -23,10 +23,17 @@ def real_first_order(valid: Tensor | None) -> Tensor | None:
 
 def to_real_first(x: Tensor, order: Tensor | None) -> Tensor:
     """``[B, H, N, F] -> [B, H, N, F]``, row r the token at ``order[:, r]`` (the real
-    token of rank r); ``x`` itself when ``order`` is None."""
+    token of rank r); ``x`` itself when ``order`` is None. A permutation: its gradient
+    is gathered back (``linalg.rows.permute_rows``)."""
     if order is None:
         return x
-    return gather_rows(x, order[:, None, :].expand(*x.shape[:3]))
+    return _permuted(x, order, real_first_rank(order))
+
+
+def _permuted(x: Tensor, index: Tensor, inverse: Tensor) -> Tensor:
+    """Rows of ``x: [B, H, N, F]`` permuted by ``index: [B, N]`` (inverse ``inverse``)."""
+    heads = x.shape[:3]
+    return permute_rows(x, index[:, None, :].expand(*heads), inverse[:, None, :].expand(*heads))
 
 
 def real_first_rank(order: Tensor) -> Tensor:
@@ -40,7 +47,7 @@ def from_real_first(x: Tensor, order: Tensor | None) -> Tensor:
     """Inverse of ``to_real_first``: row ``order[:, r]`` of the result is row r of ``x``."""
     if order is None:
         return x
-    return to_real_first(x, real_first_rank(order))
+    return _permuted(x, real_first_rank(order), order)
 
 
 def real_first_mask(valid: Tensor | None, order: Tensor | None) -> Tensor | None:

@@ -3,7 +3,8 @@
 The construction is derived in this folder's README ("Causal") and built from
 ``shared/causal_nystrom.py`` (landmarks revealed in order, nested cores from one
 Cholesky) and ``shared/causal_prefix.py`` (chunked prefix sums): for query i in
-chunk c (64 positions),
+chunk c (64 positions; the callers gather the real tokens to the front first, so
+these are 64 real tokens: ``causal_nystrom.causal_inputs``),
 
     out_i = phi_<=i(q_i) . sum_{j < 64 c} phi(k_j) v_j^T  +  sum_{64 c <= j <= i} C(q_i, k_j) v_j,
 

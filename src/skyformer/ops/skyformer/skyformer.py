@@ -29,7 +29,7 @@ from torch import Tensor
 from ...linalg import gaussian_kernel_matmul, kernel_scale
 from ...registry import Capabilities, register
 from ...sketch import Landmarks
-from ..shared.causal_nystrom import CausalNystromOptions, causal_inputs
+from ..shared.causal_nystrom import CausalNystromOptions, causal_inputs, causal_outputs
 from ..shared.inputs import (
     AttentionInputs,
     check_attention_inputs,
@@ -44,6 +44,7 @@ from ..shared.modified_nystrom import (
     sample_landmarks,
 )
 from ..shared.options import check_scale
+from ..shared.real_first import to_real_first
 from ..shared.reduction import WHOLE, KeyReduction
 from .causal import causal_skyformer
 
@@ -134,14 +135,15 @@ def skyformer_from_core(
 def _causal(q: Tensor, k: Tensor, v: Tensor, config: SkyformerConfig,
             key_padding_mask: Tensor | None, query_padding_mask: Tensor | str | None,
             generator: torch.Generator | Tensor | None) -> Tensor:
-    info, landmarks = causal_inputs("skyformer", q, k, v, config.num_features,
-                                    config.landmark_stride, key_padding_mask,
-                                    query_padding_mask, generator, config.kernel)
+    info, landmarks, order = causal_inputs(
+        "skyformer", q, k, v, config.num_features, config.landmark_stride, key_padding_mask,
+        query_padding_mask, generator, config.kernel, by_rank=config.causal_local)
+    q, k, v = (to_real_first(t, order) for t in (q, k, v))  # chunks of ranks
     work = compute_dtype(q.dtype)
     out, _ = causal_skyformer(q.to(work), k.to(work), v.to(work), info,
                               kernel_scale(info.head_dim, config.scale), config.gamma,
                               config.causal_local, landmarks)
-    return zero_padded_queries(out, info.query_valid).to(q.dtype)
+    return causal_outputs(out, info, order).to(q.dtype)
 
 
 def prepare(
