@@ -101,8 +101,11 @@ class SkyformerDecoding(DecodingState):
         self.chunk_k, self.chunk_v = ks, vw
         self.chunk_kn = torch.where((valid & ~absorbed)[:, None, :], kn, float("inf"))
         self._trim_chunk()
-        if not bool(self.revealed.all()):
-            self.past_k, self.past_kn, self.past_v = ks, kn_done, vw
+        if not bool(self.revealed.all()):  # up to the last key in U
+            end = int(absorbed.any(0).long().cumsum(0).argmax()) + 1 \
+                if bool(absorbed.any()) else 0
+            self.past_k, self.past_kn, self.past_v = \
+                ks[:, :, :end], kn_done[..., :end], vw[:, :, :end]
         return out
 
     def _keys(self, k: Tensor, v: Tensor, key_valid: Tensor | None
