@@ -243,3 +243,41 @@ def test_only_the_gradients_asked_for_are_computed():
         wanted = [g for i, g in enumerate(expected) if i not in frozen]
         for a, e in zip(grads, wanted, strict=True):
             torch.testing.assert_close(a, e, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_more_sequences_than_a_cuda_grid_holds_go_in_slices(monkeypatch, causal):
+    """A CUDA grid holds at most 65535 blocks along its third dimension, where the flash
+    kernels put the batch index: a call with more sequences (reached by ``kernel="auto"``
+    on CUDA, or a ``vmap`` folded into the batch) is launched in slices (here with the
+    limit lowered to 2 for 5 sequences), with the same results."""
+    from skyformer.linalg import triton_kernels
+    from skyformer.ops.kernelized import triton_flash
+
+    q, k, v = make_qkv(5, 2, 20, 16, seed=14)
+    mask = torch.ones(5, 20, dtype=torch.bool)
+    mask[1, 15:], mask[4, :3] = False, False
+
+    def run():
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = kernelized_attention(*leaves, key_padding_mask=mask, causal=causal,
+                                   kernel="triton")
+        return [out, *_grads(out, leaves)]
+
+    expected = run()
+    grids = []
+
+    class Recording:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return self.kernel[grid]
+
+    monkeypatch.setattr(triton_kernels, "MAX_GRID_YZ", 2)
+    for name in ("_flash_forward_kernel", "_flash_key_grad_kernel", "_flash_query_grad_kernel"):
+        monkeypatch.setattr(triton_flash, name, Recording(getattr(triton_flash, name)))
+    for a, e in zip(run(), expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+    assert len(grids) == 9 and max(grid[2] for grid in grids) == 2  # 3 slices a kernel

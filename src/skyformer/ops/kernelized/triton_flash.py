@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ...linalg import triton_kernels
 from ...linalg.kernel_backend import float64_dots, interpreter_on
 from ...linalg.launch_grid import cdiv, tile_width
 from ...linalg.triton_kernels import _mm, _precision
@@ -293,6 +294,19 @@ def _common(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, s: float,
     return [valid, args], meta
 
 
+def _batch_slices(b: int) -> list[slice | None]:
+    """The batch in slices of at most ``MAX_GRID_YZ`` sequences (``[None]``: whole): the
+    kernels put the batch index on the grid's third dimension, which CUDA limits to
+    65535 (more sequences, e.g. a ``vmap`` folded into the batch, failed to launch)."""
+    most = triton_kernels.MAX_GRID_YZ
+    return [None] if b <= most else [slice(start, start + most) for start in range(0, b, most)]
+
+
+def _at(t: Tensor | None, part: slice | None) -> Tensor | None:
+    """The sequences ``part`` of ``t`` (``t`` itself for None)."""
+    return t if t is None or part is None else t[part]
+
+
 def unit_last_stride(t: Tensor) -> Tensor:
     """``t`` as it is if its last dim is dense (the kernels take any other strides)."""
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -308,10 +322,12 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, s: 
     out = q.new_empty(b, h, nq, v.shape[3])
     if out.numel() == 0:
         return out
-    (valid, args), meta = _common(q, k, v, key_valid, s, causal)
     tiles = flash_tiles(q.dtype, q.shape[3], "forward")
-    grid = (cdiv(nq, tiles["BLOCK_M"]), h, b)
-    _flash_forward_kernel[grid](q, k, v, valid, out, *args, **meta, **tiles)
+    for part in _batch_slices(b):
+        qp, kp, vp = _at(q, part), _at(k, part), _at(v, part)
+        (valid, args), meta = _common(qp, kp, vp, _at(key_valid, part), s, causal)
+        grid = (cdiv(nq, tiles["BLOCK_M"]), h, qp.shape[0])
+        _flash_forward_kernel[grid](qp, kp, vp, valid, _at(out, part), *args, **meta, **tiles)
     return out
 
 
@@ -330,13 +346,16 @@ def flash_backward(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None,
               if need_kv else (None, None))
     if b * h == 0 or nq == 0 or nk == 0:  # no weight at all: zero gradients
         return tuple(None if t is None else t.zero_() for t in (dq, dk, dv))
-    (valid, args), meta = _common(q, k, v, key_valid, s, causal)
-    if need_kv:
-        tiles = flash_tiles(q.dtype, q.shape[3], "keys")
-        _flash_key_grad_kernel[(cdiv(nk, tiles["BLOCK_N"]), h, b)](
-            q, k, v, valid, grad, dk, dv, *args, s, **meta, **tiles)
-    if need_q:
-        tiles = flash_tiles(q.dtype, q.shape[3], "queries")
-        _flash_query_grad_kernel[(cdiv(nq, tiles["BLOCK_M"]), h, b)](
-            q, k, v, valid, grad, dq, *args, s, **meta, **tiles)
+    for part in _batch_slices(b):
+        qp, kp, vp, gp = _at(q, part), _at(k, part), _at(v, part), _at(grad, part)
+        (valid, args), meta = _common(qp, kp, vp, _at(key_valid, part), s, causal)
+        bp = qp.shape[0]
+        if need_kv:
+            tiles = flash_tiles(q.dtype, q.shape[3], "keys")
+            _flash_key_grad_kernel[(cdiv(nk, tiles["BLOCK_N"]), h, bp)](
+                qp, kp, vp, valid, gp, _at(dk, part), _at(dv, part), *args, s, **meta, **tiles)
+        if need_q:
+            tiles = flash_tiles(q.dtype, q.shape[3], "queries")
+            _flash_query_grad_kernel[(cdiv(nq, tiles["BLOCK_M"]), h, bp)](
+                qp, kp, vp, valid, gp, _at(dq, part), *args, s, **meta, **tiles)
     return dq, dk, dv
