@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import scipy.stats
 import torch
@@ -62,6 +64,21 @@ def test_bulk_normal_is_normal_pairwise_independent_and_indexed_by_position():
     assert torch.equal(bulk_normal(key, (7, 3)).reshape(-1), z[:21])
     assert torch.equal(bulk_normal(fold_in(key, torch.arange(2)), (5,))[1],
                        bulk_normal(fold_in(key, 1), (5,)))
+
+
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                    reason="inductor on CPU needs a C++ compiler")
+def test_fold_in_takes_a_symbolic_int_under_torch_compile():
+    """An int that torch.compile makes symbolic (a size, or an int argument after a
+    recompilation) folds in as a tensor would: hashed with symbolic bit operations it
+    broke Inductor's C++ code ("<expression error>", a make_signed_t of float)."""
+    key = random_key(gen(0))
+    compiled = torch.compile(lambda key, x: fold_in(key, x.shape[0]), fullgraph=True,
+                             dynamic=True)
+    for n in (5, 6):
+        assert torch.equal(compiled(key, torch.zeros(n)), fold_in(key, torch.tensor(n)))
+    assert torch.equal(fold_in(key, 5), fold_in(key, torch.tensor(5)))
+    assert torch.equal(fold_in(key, -3), fold_in(key, torch.tensor(-3)))
 
 
 def test_row_uniform_is_indexed_by_rank_among_valid_rows():

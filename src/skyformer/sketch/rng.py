@@ -73,11 +73,17 @@ def fold_in(key: Tensor, data: int | Tensor) -> Tensor:
     """A new key derived from ``key [..., 2]`` and ``data`` (an int or an integer tensor
     broadcasting against ``key[..., 0]``): independent streams for parts of a method,
     batch elements, heads. An int is hashed on the host: on a GPU, making it a tensor
-    would be a blocking copy, which makes the host wait for the queued work."""
-    if isinstance(data, Tensor):
-        data = _mix((data.to(key.device, torch.long) & _MASK) * _GOLDEN & _MASK)
-    else:  # a Python int stays one (as a tensor it would be a copy to key's device)
-        data = _mix(((int(data) & _MASK) * _GOLDEN) & _MASK)
+    would be a blocking copy, which makes the host wait for the queued work. Under
+    ``torch.compile`` an int may be symbolic (a size; an int argument once recompiled):
+    dynamo shows it as an int, and hashed as one its bit operations became symbolic
+    expressions that Inductor's C++ code cannot compile, so there (where a constant
+    becomes part of the graph, no copy) and for anything else the data becomes a
+    tensor first."""
+    if isinstance(data, int) and not torch.compiler.is_compiling():  # bool too
+        data = _mix(((data & _MASK) * _GOLDEN) & _MASK)
+    else:
+        data = torch.as_tensor(data, device=key.device, dtype=torch.long)
+        data = _mix(((data & _MASK) * _GOLDEN) & _MASK)
     k0, k1 = key[..., 0], key[..., 1]
     a = _mix(k0 ^ data)
     b = _mix(k1 ^ _mix(a + 0x632BE5AB))
