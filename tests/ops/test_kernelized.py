@@ -228,3 +228,31 @@ def test_auto_takes_the_flash_kernels_where_a_gpu_run_found_them_faster(
     mask = torch.ones(16, 16, dtype=torch.bool) if attn_mask else None
     kernelized_attention(q, k, v, kernel=kernel, attn_mask=mask)
     assert calls == ([dtype] if flash else [])
+
+
+def test_auto_falls_back_to_the_augmentation_when_the_flash_kernels_fail(monkeypatch):
+    """Under ``"auto"`` flash kernels that cannot compile or launch (an old GPU, no C
+    compiler) warn once and give way to the SDPA augmentation, as the other kernels'
+    ``"auto"`` does; ``"triton"`` insists."""
+    from skyformer.linalg import kernel_backend
+    from skyformer.ops.kernelized import kernelized as module
+
+    monkeypatch.setattr(kernel_backend, "auto_device", lambda y: True)
+    monkeypatch.setattr(kernel_backend, "triton_available", lambda: True)
+    monkeypatch.setattr(module.FLASH_FALLBACK, "failed", False)
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(module, "flash_kernelized", broken)
+    q, k, v = make_qkv(1, 2, 16, 8, dtype=torch.float32, seed=2)
+    with pytest.warns(RuntimeWarning, match="kernel='auto' takes the SDPA augmentation"):
+        out = kernelized_attention(q, k, v)
+    torch.testing.assert_close(out, kernelized_attention(q, k, v, kernel="torch"))
+    kernelized_attention(q, k, v)  # the kernels are not tried again
+    assert calls == [1]
+    monkeypatch.setattr(module.FLASH_FALLBACK, "failed", False)
+    with pytest.raises(RuntimeError, match="no compiler"):
+        kernelized_attention(q, k, v, kernel="triton")

@@ -16,13 +16,18 @@ import torch
 from torch import Tensor
 
 from ...linalg import KERNELS, kernel_scale
-from ...linalg.kernel_backend import use_triton
+from ...linalg.kernel_backend import KernelFallback, use_triton
 from ...registry import Capabilities, register
-from ..shared.inputs import check_attention_inputs, zero_padded_queries
+from ..shared.inputs import AttentionInputs, check_attention_inputs, zero_padded_queries
 from ..shared.masked import attention_bias
 from ..shared.options import check_bool, check_choice, check_scale
 from .flash import flash_kernelized
 from .sdpa_augmentation import fused_dtype, kernelized_by_sdpa
+
+# "auto"'s safety net: flash kernels that cannot compile or launch here (an old GPU, no
+# C compiler) give way to the SDPA augmentation, with one warning
+FLASH_FALLBACK = KernelFallback("flash kernels of exact kernelized attention",
+                                "kernel='auto' takes the SDPA augmentation")
 
 
 @dataclass(frozen=True)
@@ -93,14 +98,25 @@ def kernelized_attention(
         )
     dtype = q.dtype
     scale = kernel_scale(info.head_dim, config.scale)
-    flash = config.kernel == "triton" or (config.kernel == "auto" and attn_mask is None)
+    auto = config.kernel == "auto"
+    flash = config.kernel == "triton" or (auto and attn_mask is None
+                                          and not FLASH_FALLBACK.failed)
     if flash and use_triton(config.kernel, q, half=True):
         if attn_mask is not None:
             raise ValueError('kernelized: kernel="triton" takes no attn_mask (padding and '
                              'causal only); use kernel="torch" for it.')
-        out = flash_kernelized(q, k.to(dtype), v.to(dtype), info.key_valid, scale * scale,
-                               causal)
-        return zero_padded_queries(out, info.query_valid)
+        return FLASH_FALLBACK.run(
+            auto, lambda: zero_padded_queries(flash_kernelized(
+                q, k.to(dtype), v.to(dtype), info.key_valid, scale * scale, causal),
+                info.query_valid),
+            lambda: _augmented(q, k, v, info, scale, causal, None))
+    return _augmented(q, k, v, info, scale, causal, attn_mask)
+
+
+def _augmented(q: Tensor, k: Tensor, v: Tensor, info: AttentionInputs, scale: float,
+               causal: bool, attn_mask: Tensor | None) -> Tensor:
+    """``kernel="torch"``: softmax attention over augmented inputs by SDPA."""
+    dtype = q.dtype
     bias = None
     if attn_mask is not None:
         if attn_mask.is_floating_point() and dtype == torch.bfloat16:
