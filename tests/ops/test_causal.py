@@ -159,3 +159,20 @@ def test_left_padding_and_holes_give_the_packed_outputs(method, options):
         real = int(mask[i].sum())
         torch.testing.assert_close(out_packed[i, :, :real], out[i][:, mask[i]], rtol=1e-9,
                                    atol=1e-12)
+
+
+def test_a_core_that_rounding_leaves_indefinite_is_nan_not_a_partial_factor(monkeypatch):
+    """The causal core factorises C(X_S, X_S) + gamma I unchecked (no host wait); where
+    rounding makes it indefinite (float32, tiny gamma, near-equal landmarks) the factor
+    is NaN for that matrix alone, never the partial factor that LAPACK leaves (finite
+    numbers, silently wrong outputs)."""
+    from skyformer.ops.shared import causal_nystrom
+
+    indefinite = torch.tensor([[1.0, 2.0, 0.0], [2.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    blocks = torch.stack([indefinite, torch.eye(3)])[:, None]  # [B=2, H=1, 3, 3]
+    monkeypatch.setattr(causal_nystrom, "gaussian_kernel_block",
+                        lambda *args: blocks - 1e-3 * torch.eye(3))  # the ridge added back
+    x = torch.zeros(2, 1, 3, 4)
+    core = causal_nystrom.core_of_rows(x, torch.ones(2, 3, dtype=torch.bool), gamma=1e-3)
+    assert torch.isnan(core.l_inv[0]).all()
+    torch.testing.assert_close(core.l_inv[1, 0], torch.eye(3))

@@ -224,7 +224,10 @@ def core_of_rows(x: Tensor, live: Tensor, gamma: float) -> CausalCore:
     ridge = torch.where(live, torch.full((), gamma, dtype=x.dtype, device=x.device),
                         1.0)  # [B, m]
     gram = gaussian_kernel_block(x, x, x_norm, x_norm) + torch.diag_embed(ridge)[:, None]
-    chol = torch.linalg.cholesky_ex(gram).L  # PD (gamma > 0); unchecked: no host wait
+    # PD for gamma > 0 unless rounding says otherwise (float32, tiny gamma, near-equal
+    # landmarks): unchecked, no host wait; a failed factor is NaN, not a partial one
+    chol, failed = torch.linalg.cholesky_ex(gram)
+    chol = torch.where((failed == 0)[..., None, None], chol, float("nan"))
     eye = torch.eye(gram.shape[-1], dtype=x.dtype, device=x.device).expand_as(gram)
     l_inv = flush_on_cpu(torch.linalg.solve_triangular(chol, eye, upper=False))
     return CausalCore(x, x_norm, l_inv)
