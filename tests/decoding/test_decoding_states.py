@@ -116,6 +116,31 @@ def test_memory_stops_growing(method):
     assert sizes[400] <= sizes[192] + 63 * 2 * (8 + 1 + 8) * 8, sizes  # + one partial chunk
 
 
+@pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax"])
+def test_memory_stops_growing_with_a_finished_sequence(method):
+    """A sequence padded from some step on (finished, kept in the batch) leaves its last
+    partial chunk in the buffers: they hold at most that and the others' chunks, not
+    every position since (the chunks end at each element's own 64th real token), and
+    the outputs stay the forward's."""
+    q, k, v = make_qkv(2, 2, 400, 8, seed=3)
+    valid = torch.ones(2, 400, dtype=torch.bool)
+    valid[0, 40:] = False  # sequence 0 finished after 40 tokens
+    bound = get_method(method).bind(num_features=8, landmark_stride=4)
+    key = random_key(0)
+    state = new_decoding_state(bound, generator=key)
+    outs = [state.step(q[:, :, :30], k[:, :, :30], v[:, :, :30], valid[:, :30])]
+    sizes = {}
+    for t in range(30, 400):
+        sl = slice(t, t + 1)
+        outs.append(state.step(q[:, :, sl], k[:, :, sl], v[:, :, sl], valid[:, sl]))
+        if t + 1 in (192, 384):  # the same position in sequence 1's chunk
+            sizes[t + 1] = state.nbytes()
+    assert sizes[192] == sizes[384], sizes
+    assert state.chunk_k.shape[2] <= 40 + 63
+    full = bound.replace(causal=True)(q, k, v, key_padding_mask=valid, generator=key)
+    torch.testing.assert_close(torch.cat(outs, dim=2), full, rtol=1e-10, atol=1e-10)
+
+
 def test_keys_state_grows():
     q, k, v = make_qkv(1, 2, 80, 8, seed=4)
     state = new_decoding_state(get_method("softmax").bind(), generator=random_key(0))

@@ -14,8 +14,9 @@ by token, the state keeps
 - U (``[B, H, m, Dv]``): at the end of each chunk its keys are added (each batch
   element at its own 64th real token);
 - the keys and values of the current chunk (at most 63 real ones an element; the
-  buffer is position-aligned, a key outside an element's chunk has an +inf offset
-  there), for the exact local part;
+  buffer's positions are shared by the batch, a key outside an element's chunk has an
+  +inf offset there, and positions no element holds are dropped), for the exact local
+  part;
 - the keys and values of the completed chunks *only while a slot is unrevealed*: slot s
   revealed at position p needs C(x_s, k_j) v_j for every j before p's chunk. With stride
   R every slot is revealed by position m R; from then on the state is constant
@@ -131,7 +132,14 @@ class SkyformerDecoding(DecodingState):
         outs = [self._advance(q[:, :, i:i + 1].to(work), k[:, :, i:i + 1].to(work),
                               v[:, :, i:i + 1].to(work), valid[:, i])
                 for i in range(q.shape[2])]
+        if key_valid is not None:  # padded positions: no element's key, dropped
+            self._trim_chunk()
         return torch.cat(outs, dim=2).to(q.dtype)
+
+    def reorder(self, index: Tensor) -> None:
+        super().reorder(index)
+        if self.chunk_kn is not None:  # the positions only dropped sequences held
+            self._trim_chunk()
 
     def _advance(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor) -> Tensor:
         """One position: reveal its slot, attend, absorb the chunks it completes (those
@@ -149,12 +157,15 @@ class SkyformerDecoding(DecodingState):
         return torch.where(valid[:, None, None, None], out, 0.0)
 
     def _trim_chunk(self) -> None:
-        """Drop the leading positions of the chunk buffers that hold no element's key."""
+        """Drop the positions of the chunk buffers that hold no element's key, wherever
+        they are: an element whose chunk stays open (a finished sequence, padded from
+        then on) keeps its own keys there, not every position after them, so the
+        buffers hold at most 63 positions an element."""
         held = torch.isfinite(self.chunk_kn).flatten(0, 1).any(0)  # [L]
-        first = int(held.long().argmax()) if bool(held.any()) else held.numel()
-        if first:
+        if not bool(held.all()):
+            keep = held.nonzero()[:, 0]
             self.chunk_k, self.chunk_kn, self.chunk_v = (
-                t[:, :, first:] for t in (self.chunk_k, self.chunk_kn, self.chunk_v))
+                t.index_select(2, keep) for t in (self.chunk_k, self.chunk_kn, self.chunk_v))
 
     def _query_features(self, qs: Tensor) -> Tensor:
         """phi(q) = L^-1 C(X_S, q) over the revealed slots: ``[B, H, 1, m]``."""
@@ -200,10 +211,11 @@ class SkyformerDecoding(DecodingState):
         self.u = self.u + self._block(self.chunk_k, done_kn) @ self.chunk_v  # + 0 elsewhere
         if bool(self.revealed.all()):
             self.past_k = self.past_kn = self.past_v = None
-        else:
-            self.past_k = append(self.past_k, self.chunk_k, 2)
-            self.past_kn = append(self.past_kn, done_kn, 2)
-            self.past_v = append(self.past_v, self.chunk_v, 2)
+        else:  # the positions of the chunks that end here, not the others'
+            done = torch.isfinite(done_kn).flatten(0, 1).any(0).nonzero()[:, 0]
+            self.past_k = append(self.past_k, self.chunk_k.index_select(2, done), 2)
+            self.past_kn = append(self.past_kn, done_kn.index_select(2, done), 2)
+            self.past_v = append(self.past_v, self.chunk_v.index_select(2, done), 2)
         self.chunk_kn = torch.where(complete[:, None, None], float("inf"), self.chunk_kn)
         self._trim_chunk()
 
