@@ -60,6 +60,24 @@ def test_steps_equal_full_causal_forward(method, options, padded):
     torch.testing.assert_close(decoded, full, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax"])
+def test_without_the_local_part_left_padding_decodes_as_the_forward(method):
+    """causal_local=False: the chunks still set nystrom_softmax's bound of unreliable
+    rows (and the order of the sums). The decoding state ends them at 64 real tokens,
+    so the forward must too: here row 136 (rank 126) fell back to the prefix mean in the
+    forward chunked by positions and not in decoding, or the other way round."""
+    n, prompt = 140, 70
+    q, k, v = make_qkv(1, 2, n, 4, seed=1, scale=3.0)
+    valid = torch.ones(1, n, dtype=torch.bool)
+    valid[0, :10] = False  # left padding
+    bound = get_method(method).bind(num_features=6, landmark_stride=3, causal_local=False)
+    key = random_key(3)
+    full = bound.replace(causal=True)(q, k, v, key_padding_mask=valid, generator=key)
+    decoded = _decode(new_decoding_state(bound, generator=key), q, k, v, valid, prompt,
+                      [1] * (n - prompt))
+    torch.testing.assert_close(decoded, full, rtol=1e-10, atol=1e-10)
+
+
 def test_skyformer_without_stride_keeps_the_prompts():
     """Without landmark_stride the state takes ceil(prompt / m): the prompt's outputs
     are the default forward's, the rest the forward with that stride fixed."""

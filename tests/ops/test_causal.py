@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from skyformer.registry import attention, get_method, list_methods
+from skyformer.sketch.rng import random_key
 from tests.conftest import make_qkv
 
 CAUSAL = [m for m in list_methods() if get_method(m).capabilities.causal]
@@ -176,3 +177,23 @@ def test_a_core_that_rounding_leaves_indefinite_is_nan_not_a_partial_factor(monk
     core = causal_nystrom.core_of_rows(x, torch.ones(2, 3, dtype=torch.bool), gamma=1e-3)
     assert torch.isnan(core.l_inv[0]).all()
     torch.testing.assert_close(core.l_inv[1, 0], torch.eye(3))
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_left_padding_gives_the_packed_rows_that_fall_back_to_the_mean(local):
+    """nystrom_softmax's bound of unreliable rows sums its far part chunk by chunk, so
+    which rows return the prefix mean depends on the chunks, with causal_local off too:
+    with a left padding of 10, row 136 (rank 126) fell back in the packed sequence and
+    not in the padded one while only causal_local gathered the real tokens."""
+    n = 140
+    q, k, v = make_qkv(1, 2, n, 4, seed=1, scale=3.0)
+    mask = torch.ones(1, n, dtype=torch.bool)
+    mask[0, :10] = False
+    options = {"num_features": 6, "landmark_stride": 3, "causal_local": local,
+               "causal": True}
+    key = random_key(3)
+    out = attention(q, k, v, "nystrom_softmax", key_padding_mask=mask, generator=key,
+                    **options)
+    packed = attention(*(t[:, :, 10:] for t in (q, k, v)), "nystrom_softmax",
+                       generator=key, **options)
+    torch.testing.assert_close(out[:, :, 10:], packed, rtol=1e-9, atol=1e-12)

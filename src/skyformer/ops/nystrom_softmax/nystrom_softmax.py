@@ -182,7 +182,7 @@ def _causal(q: Tensor, k: Tensor, v: Tensor, config: NystromSoftmaxConfig,
             generator: torch.Generator | Tensor | None) -> Tensor:
     info, landmarks, order = causal_inputs(
         "nystrom_softmax", q, k, v, config.num_features, config.landmark_stride, key_padding_mask,
-        query_padding_mask, generator, config.kernel, by_rank=config.causal_local)
+        query_padding_mask, generator, config.kernel, by_rank=True)
     q, k, v = (to_real_first(t, order) for t in (q, k, v))  # chunks of ranks
     s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
     work = compute_dtype(q.dtype)

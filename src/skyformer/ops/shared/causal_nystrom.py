@@ -162,11 +162,13 @@ def causal_inputs(method: str, q: Tensor, k: Tensor, v: Tensor, num_features: in
     """Checks of a causal call (``Nq == Nk``) and its landmark slots, for ``method``
     (``draw``: the method's ``kernel`` option, ``slot_ranks``), and the order that
     gathers the real tokens to the front (``real_first``; None: the call runs on the
-    positions as they are). ``by_rank`` (the exact local part, whose chunks are
-    positions): with padding that the queries share, the call runs on the gathered
-    tokens, so that chunks hold ranks among the real tokens (left padding and holes
-    then give the packed sequence's outputs); the returned inputs and landmarks are the
-    gathered ones, and ``causal_outputs`` puts the outputs back."""
+    positions as they are). ``by_rank`` (the chunks are positions: the exact local part,
+    and with ``causal_local`` off too the order of the sums and nystrom_softmax's bound
+    of unreliable rows, which the decoding states take by rank): with padding that the
+    queries share, the call runs on the gathered tokens, so that chunks hold ranks
+    among the real tokens (left padding and holes then give the packed sequence's
+    outputs); the returned inputs and landmarks are the gathered ones, and
+    ``causal_outputs`` puts the outputs back."""
     info = check_attention_inputs(q, k, v, key_padding_mask, method=method,
                                   query_padding_mask=query_padding_mask)
     if info.query_len != info.key_len:

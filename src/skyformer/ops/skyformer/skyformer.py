@@ -137,7 +137,7 @@ def _causal(q: Tensor, k: Tensor, v: Tensor, config: SkyformerConfig,
             generator: torch.Generator | Tensor | None) -> Tensor:
     info, landmarks, order = causal_inputs(
         "skyformer", q, k, v, config.num_features, config.landmark_stride, key_padding_mask,
-        query_padding_mask, generator, config.kernel, by_rank=config.causal_local)
+        query_padding_mask, generator, config.kernel, by_rank=True)
     q, k, v = (to_real_first(t, order) for t in (q, k, v))  # chunks of ranks
     work = compute_dtype(q.dtype)
     out, _ = causal_skyformer(q.to(work), k.to(work), v.to(work), info,
