@@ -159,6 +159,29 @@ def test_memory_stops_growing_with_a_finished_sequence(method):
     torch.testing.assert_close(torch.cat(outs, dim=2), full, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax"])
+def test_memory_stops_growing_when_a_finished_sequence_keeps_a_slot_unrevealed(method):
+    """A sequence finished before its last landmark slot (40 real tokens, slots up to
+    rank 63) never reveals it; the earlier keys serve only the elements with a slot to
+    come, so the others' later chunks are not kept for it, and the state stops growing."""
+    q, k, v = make_qkv(2, 2, 400, 8, seed=5)
+    valid = torch.ones(2, 400, dtype=torch.bool)
+    valid[0, 40:] = False
+    bound = get_method(method).bind(num_features=8, landmark_stride=8)
+    key = random_key(1)
+    state = new_decoding_state(bound, generator=key)
+    outs = [state.step(q[:, :, :30], k[:, :, :30], v[:, :, :30], valid[:, :30])]
+    sizes = {}
+    for t in range(30, 400):
+        sl = slice(t, t + 1)
+        outs.append(state.step(q[:, :, sl], k[:, :, sl], v[:, :, sl], valid[:, sl]))
+        if t + 1 in (192, 384):
+            sizes[t + 1] = state.nbytes()
+    assert not state.revealed[0].all() and sizes[192] == sizes[384], sizes
+    full = bound.replace(causal=True)(q, k, v, key_padding_mask=valid, generator=key)
+    torch.testing.assert_close(torch.cat(outs, dim=2), full, rtol=1e-10, atol=1e-10)
+
+
 def test_keys_state_grows():
     q, k, v = make_qkv(1, 2, 80, 8, seed=4)
     state = new_decoding_state(get_method("softmax").bind(), generator=random_key(0))

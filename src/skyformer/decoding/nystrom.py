@@ -107,6 +107,7 @@ class SkyformerDecoding(DecodingState):
                 if bool(absorbed.any()) else 0
             self.past_k, self.past_kn, self.past_v = \
                 ks[:, :, :end], kn_done[..., :end], vw[:, :, :end]
+            self._forget_revealed()
         return out
 
     def _keys(self, k: Tensor, v: Tensor, key_valid: Tensor | None
@@ -203,6 +204,24 @@ class SkyformerDecoding(DecodingState):
         if self.past_k is not None and self.past_k.shape[2]:
             fresh = self._block(self.past_k, self.past_kn) @ self.past_v  # [B, H, m, Dv]
             self.u = torch.where(new[:, None, :, None], fresh, self.u)
+        self._forget_revealed()
+
+    def _forget_revealed(self) -> None:
+        """The earlier keys serve the slots still to reveal: an element with every slot
+        revealed needs none of them (its entries get +inf offsets), and positions that
+        no element needs are dropped (all of them once every slot is revealed)."""
+        if self.past_k is None:
+            return
+        if bool(self.revealed.all()):
+            self.past_k = self.past_kn = self.past_v = None
+            return
+        self.past_kn = torch.where(self.revealed.all(1)[:, None, None], float("inf"),
+                                   self.past_kn)
+        needed = torch.isfinite(self.past_kn).flatten(0, 1).any(0)  # [L]
+        if not bool(needed.all()):
+            keep = needed.nonzero()[:, 0]
+            self.past_k, self.past_kn, self.past_v = (
+                t.index_select(2, keep) for t in (self.past_k, self.past_kn, self.past_v))
 
     def _absorb_chunk(self, complete: Tensor) -> None:
         """Add the keys of the chunks that end here (``complete``: ``[B]``) to U; keep
@@ -211,10 +230,11 @@ class SkyformerDecoding(DecodingState):
         self.u = self.u + self._block(self.chunk_k, done_kn) @ self.chunk_v  # + 0 elsewhere
         if bool(self.revealed.all()):
             self.past_k = self.past_kn = self.past_v = None
-        else:  # the positions of the chunks that end here, not the others'
-            done = torch.isfinite(done_kn).flatten(0, 1).any(0).nonzero()[:, 0]
+        else:  # the positions of the chunks that end here, of elements with a slot to come
+            kept_kn = torch.where(self.revealed.all(1)[:, None, None], float("inf"), done_kn)
+            done = torch.isfinite(kept_kn).flatten(0, 1).any(0).nonzero()[:, 0]
             self.past_k = append(self.past_k, self.chunk_k.index_select(2, done), 2)
-            self.past_kn = append(self.past_kn, done_kn.index_select(2, done), 2)
+            self.past_kn = append(self.past_kn, kept_kn.index_select(2, done), 2)
             self.past_v = append(self.past_v, self.chunk_v.index_select(2, done), 2)
         self.chunk_kn = torch.where(complete[:, None, None], float("inf"), self.chunk_kn)
         self._trim_chunk()
