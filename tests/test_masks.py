@@ -146,3 +146,26 @@ def test_cross_attention_padding_keeps_queries():
     mask = pad[:, None, None, :].expand(B, 1, N, 9)
     got = resolve(mask, nq=N, nk=9)
     assert torch.equal(got.key_padding_mask, pad) and got.causal is False
+
+
+@pytest.mark.parametrize("builder", [sdpa_mask, eager_mask], ids=["bool", "additive"])
+def test_a_compiled_call_takes_the_declared_pattern_and_checks_it_on_the_device(builder):
+    """Under ``torch.compile(fullgraph=True)`` the mask's values cannot decide a branch:
+    the model's causal flag says which pattern it is, and a device-side assertion
+    raises at run time for any other (here a sliding window)."""
+    pad = padding()
+
+    def keys(mask, causal):
+        got = resolve(mask, causal=causal)
+        return got.key_padding_mask, got.causal
+
+    compiled = torch.compile(keys, backend="eager", fullgraph=True)
+    for function, causal in ((causal_mask_function, True),
+                             (bidirectional_mask_function, False)):
+        mask = hf_mask(builder, function, pad)
+        key_valid, got_causal = compiled(mask, causal)
+        assert got_causal is causal and torch.equal(key_valid, pad)
+    window = hf_mask(builder, sliding_window_causal_mask_function(3), pad)
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match="not causal with key padding"):
+        torch.compile(keys, backend="eager", fullgraph=True)(window, True)

@@ -83,7 +83,7 @@ def _allowed(mask: Tensor, batch: int, query_len: int, key_len: int, advice: str
             f"(0 = attend, large negative = blocked), got dtype {mask.dtype}."
         )
     blocked = mask <= BLOCKED_LOGIT
-    if not bool(((mask == 0) | blocked).all()):
+    if not _holds((mask == 0) | blocked, "the additive attention mask carries a bias"):
         raise UnsupportedMaskError(
             "the additive attention mask carries a bias (entries other than 0 and large "
             "negatives, e.g. ALiBi or relative-position terms), which skyformer methods "
@@ -131,7 +131,8 @@ def resolve_mask(
             f"flex-attention BlockMask); {advice}."
         )
     allowed = _allowed(attention_mask, batch, query_len, key_len, advice)
-    if allowed.shape[1] > 1 and not bool((allowed == allowed[:, :1]).all()):
+    if allowed.shape[1] > 1 and not _holds(allowed == allowed[:, :1],
+                                           "the attention mask differs between heads"):
         raise UnsupportedMaskError(
             f"the attention mask differs between heads; skyformer methods take one key "
             f"padding mask for all heads; {advice}."
@@ -144,11 +145,17 @@ def resolve_mask(
     # Rows of padded queries are not checked (module docstring).
     real_rows = visible if query_len == key_len else torch.ones_like(rows[:, :, 0])
     unchecked = ~real_rows[:, :, None]  # [B, Nq, 1]
-    if bool(((rows == visible[:, None, :]) | unchecked).all()):
+    # A traced call cannot branch on the mask's values: it takes the pattern the model
+    # declares (causal with key padding where is_causal and Nq == Nk, else key padding)
+    # and checks it on the device (``_holds``)
+    traced = torch.compiler.is_compiling()
+    if not (traced and is_causal and query_len == key_len) and _holds(
+            (rows == visible[:, None, :]) | unchecked, "the attention mask is not key padding"):
         return ResolvedMask(_normalise(visible), False)
     if query_len == key_len:
         tril = torch.ones(query_len, key_len, dtype=torch.bool, device=rows.device).tril()
-        if bool(((rows == (tril & visible[:, None, :])) | unchecked).all()):
+        if _holds((rows == (tril & visible[:, None, :])) | unchecked,
+                  "the attention mask is not causal with key padding"):
             return ResolvedMask(_normalise(visible), True)
     raise UnsupportedMaskError(
         "the attention mask is neither key padding nor causal with key padding (e.g. a "
@@ -158,9 +165,23 @@ def resolve_mask(
 
 
 def _normalise(key_valid: Tensor) -> Tensor | None:
-    """``None`` when every key is real (lets methods without mask support run)."""
+    """``None`` when every key is real (lets methods without mask support run); a traced
+    call keeps the mask (no branch on its values)."""
     key_valid = key_valid.to(torch.bool).contiguous()
+    if torch.compiler.is_compiling():
+        return key_valid
     return None if bool(key_valid.all()) else key_valid
+
+
+def _holds(condition: Tensor, what: str) -> bool:
+    """Whether every entry of ``condition`` is True: read on the host in eager code;
+    while traced (``torch.compile``), assumed and checked on the device instead
+    (``torch._assert_async`` raises at run time, naming ``what``)."""
+    if torch.compiler.is_compiling():
+        torch._assert_async(condition.all(), f"skyformer: {what} (checked at run time "
+                            "in a compiled model; use the exact attention for this mask)")
+        return True
+    return bool(condition.all())
 
 
 def decoding_key_valid(

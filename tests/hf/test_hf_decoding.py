@@ -280,3 +280,20 @@ def test_dropout_in_training_with_a_cache_as_without(method, options):
         evaluated = model.eval()(ids).logits
     torch.testing.assert_close(cached, plain)
     assert (cached - evaluated).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("build", [_gpt2, _llama], ids=["gpt2", "llama"])
+def test_a_decoder_compiles_whole_with_a_left_padded_mask(build):
+    """``torch.compile(fullgraph=True)`` of a decoder with a padding mask: the causal
+    mask with key padding is taken from the model's causal flag (no branch on its
+    values) and gives the eager outputs."""
+    model = build()
+    shf.set_attention(model, "skyformer", seed=0, num_features=8)
+    ids = torch.randint(2, 64, (2, 80), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :13] = 0
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(input_ids=ids, attention_mask=mask).logits,
+                                   model(input_ids=ids, attention_mask=mask).logits)
