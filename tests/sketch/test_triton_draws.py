@@ -92,6 +92,8 @@ def test_causal_slot_ranks_with_a_stride_per_batch_element(device):
     assert torch.equal(slot_ranks(37, strides, **options, draw="triton"), want)
     for b, stride in enumerate(strides.tolist()):
         assert torch.equal(want[b], slot_ranks(37, stride, **options, draw="torch")[b])
+    with pytest.raises(ValueError, match=r"one stride per batch element, shape \(3,\)"):
+        slot_ranks(37, strides[0], **options, draw="triton")
 
 
 def test_a_key_per_batch_element_takes_the_pytorch_path():

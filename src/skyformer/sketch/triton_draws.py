@@ -155,6 +155,9 @@ def slot_ranks(key: Tensor, stream_name: str, batch: int, num_features: int,
     int or a ``[B]`` long tensor (one per batch element)."""
     per_element = isinstance(stride, Tensor)
     if per_element:
+        if tuple(stride.shape) != (batch,):
+            raise ValueError(f"slot_ranks: a stride tensor needs one stride per batch "
+                             f"element, shape ({batch},), got {tuple(stride.shape)}.")
         stride = stride.to(key.device, torch.long).contiguous()
     out = torch.empty(batch, num_features, dtype=torch.long, device=key.device)
     if batch == 0 or num_features == 0:
