@@ -55,13 +55,14 @@ import torch
 from torch import Tensor
 
 from ...linalg import gather_rows
+from ...linalg.rows import permute_rows
 from ...sketch.angular_lsh import draw_hyperplanes
 from ...sketch.kmeans import kmeans_clusters
 from ...sketch.rng import random_key, row_uniform, stream
 from ..shared.inputs import AttentionInputs
 from .exact_blocks import exact_blocks_part, lsh_blocks, window_blocks
 from .far_field import FarField, far_field, value_basis
-from .layout import BlockLayout, block_layout, gather_last, permute_rows
+from .layout import BlockLayout, block_layout, gather_last
 from .near_field import near_field
 from .options import MultipoleOptions, feature_split
 
