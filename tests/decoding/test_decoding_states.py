@@ -135,15 +135,18 @@ def test_memory_stops_growing(method):
 
 
 @pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax"])
-def test_memory_stops_growing_with_a_finished_sequence(method):
-    """A sequence padded from some step on (finished, kept in the batch) leaves its last
-    partial chunk in the buffers: they hold at most that and the others' chunks, not
-    every position since (the chunks end at each element's own 64th real token), and
-    the outputs stay the forward's."""
+@pytest.mark.parametrize("stride", [4, 8], ids=["all-revealed", "slot-unrevealed"])
+def test_memory_stops_growing_with_a_finished_sequence(method, stride):
+    """A sequence padded from some step on (finished after 40 tokens, kept in the
+    batch) leaves its last partial chunk in the buffers, not every position since (the
+    chunks end at each element's own 64th real token); with stride 8 its last landmark
+    slot (up to rank 63) is never revealed, and the earlier keys are kept only for the
+    elements with a slot to come, not the others' later chunks. The state stops
+    growing and the outputs stay the forward's."""
     q, k, v = make_qkv(2, 2, 400, 8, seed=3)
     valid = torch.ones(2, 400, dtype=torch.bool)
-    valid[0, 40:] = False  # sequence 0 finished after 40 tokens
-    bound = get_method(method).bind(num_features=8, landmark_stride=4)
+    valid[0, 40:] = False
+    bound = get_method(method).bind(num_features=8, landmark_stride=stride)
     key = random_key(0)
     state = new_decoding_state(bound, generator=key)
     outs = [state.step(q[:, :, :30], k[:, :, :30], v[:, :, :30], valid[:, :30])]
@@ -155,29 +158,7 @@ def test_memory_stops_growing_with_a_finished_sequence(method):
             sizes[t + 1] = state.nbytes()
     assert sizes[192] == sizes[384], sizes
     assert state.chunk_k.shape[2] <= 40 + 63
-    full = bound.replace(causal=True)(q, k, v, key_padding_mask=valid, generator=key)
-    torch.testing.assert_close(torch.cat(outs, dim=2), full, rtol=1e-10, atol=1e-10)
-
-
-@pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax"])
-def test_memory_stops_growing_when_a_finished_sequence_keeps_a_slot_unrevealed(method):
-    """A sequence finished before its last landmark slot (40 real tokens, slots up to
-    rank 63) never reveals it; the earlier keys serve only the elements with a slot to
-    come, so the others' later chunks are not kept for it, and the state stops growing."""
-    q, k, v = make_qkv(2, 2, 400, 8, seed=5)
-    valid = torch.ones(2, 400, dtype=torch.bool)
-    valid[0, 40:] = False
-    bound = get_method(method).bind(num_features=8, landmark_stride=8)
-    key = random_key(1)
-    state = new_decoding_state(bound, generator=key)
-    outs = [state.step(q[:, :, :30], k[:, :, :30], v[:, :, :30], valid[:, :30])]
-    sizes = {}
-    for t in range(30, 400):
-        sl = slice(t, t + 1)
-        outs.append(state.step(q[:, :, sl], k[:, :, sl], v[:, :, sl], valid[:, sl]))
-        if t + 1 in (192, 384):
-            sizes[t + 1] = state.nbytes()
-    assert not state.revealed[0].all() and sizes[192] == sizes[384], sizes
+    assert bool(state.revealed[0].all()) == (stride == 4)
     full = bound.replace(causal=True)(q, k, v, key_padding_mask=valid, generator=key)
     torch.testing.assert_close(torch.cat(outs, dim=2), full, rtol=1e-10, atol=1e-10)
 

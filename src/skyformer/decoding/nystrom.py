@@ -162,11 +162,8 @@ class SkyformerDecoding(DecodingState):
         they are: an element whose chunk stays open (a finished sequence, padded from
         then on) keeps its own keys there, not every position after them, so the
         buffers hold at most 63 positions an element."""
-        held = torch.isfinite(self.chunk_kn).flatten(0, 1).any(0)  # [L]
-        if not bool(held.all()):
-            keep = held.nonzero()[:, 0]
-            self.chunk_k, self.chunk_kn, self.chunk_v = (
-                t.index_select(2, keep) for t in (self.chunk_k, self.chunk_kn, self.chunk_v))
+        self.chunk_k, self.chunk_kn, self.chunk_v = _held(self.chunk_k, self.chunk_kn,
+                                                          self.chunk_v)
 
     def _query_features(self, qs: Tensor) -> Tensor:
         """phi(q) = L^-1 C(X_S, q) over the revealed slots: ``[B, H, 1, m]``."""
@@ -217,11 +214,7 @@ class SkyformerDecoding(DecodingState):
             return
         self.past_kn = torch.where(self.revealed.all(1)[:, None, None], float("inf"),
                                    self.past_kn)
-        needed = torch.isfinite(self.past_kn).flatten(0, 1).any(0)  # [L]
-        if not bool(needed.all()):
-            keep = needed.nonzero()[:, 0]
-            self.past_k, self.past_kn, self.past_v = (
-                t.index_select(2, keep) for t in (self.past_k, self.past_kn, self.past_v))
+        self.past_k, self.past_kn, self.past_v = _held(self.past_k, self.past_kn, self.past_v)
 
     def _absorb_chunk(self, complete: Tensor) -> None:
         """Add the keys of the chunks that end here (``complete``: ``[B]``) to U; keep
@@ -232,12 +225,22 @@ class SkyformerDecoding(DecodingState):
             self.past_k = self.past_kn = self.past_v = None
         else:  # the positions of the chunks that end here, of elements with a slot to come
             kept_kn = torch.where(self.revealed.all(1)[:, None, None], float("inf"), done_kn)
-            done = torch.isfinite(kept_kn).flatten(0, 1).any(0).nonzero()[:, 0]
-            self.past_k = append(self.past_k, self.chunk_k.index_select(2, done), 2)
-            self.past_kn = append(self.past_kn, kept_kn.index_select(2, done), 2)
-            self.past_v = append(self.past_v, self.chunk_v.index_select(2, done), 2)
+            k, kn, v = _held(self.chunk_k, kept_kn, self.chunk_v)
+            self.past_k = append(self.past_k, k, 2)
+            self.past_kn = append(self.past_kn, kn, 2)
+            self.past_v = append(self.past_v, v, 2)
         self.chunk_kn = torch.where(complete[:, None, None], float("inf"), self.chunk_kn)
         self._trim_chunk()
+
+
+def _held(k: Tensor, kn: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Position-aligned keys ``[B, H, L, D]``, their offsets ``[B, H, L]`` (+inf: not
+    this element's) and values, without the positions that no element holds."""
+    held = torch.isfinite(kn).flatten(0, 1).any(0)  # [L]
+    if bool(held.all()):
+        return k, kn, v
+    keep = held.nonzero()[:, 0]
+    return k.index_select(2, keep), kn.index_select(2, keep), v.index_select(2, keep)
 
 
 class NystromSoftmaxDecoding(SkyformerDecoding):
