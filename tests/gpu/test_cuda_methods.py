@@ -75,7 +75,8 @@ def test_exact_kernelized_takes_the_fused_sdpa_kernels(dtype, variant):
     """The augmentation's head dim is a multiple of 8, so SDPA's memory-efficient kernel
     (float32, and any call with a mask) and flash kernel (bfloat16) accept it; with only
     those backends allowed, a fall-back to the math backend (the [N, N] matrix) would
-    raise. Outputs and gradients against float64 on the CPU."""
+    raise. Outputs and gradients against float64 on the CPU. ``kernel="torch"``: on CUDA
+    ``"auto"`` takes the flash kernels without an ``attn_mask``, not the augmentation."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     if dtype == torch.float32 or variant == "bool_mask":  # flash takes neither
@@ -83,7 +84,7 @@ def test_exact_kernelized_takes_the_fused_sdpa_kernels(dtype, variant):
     else:
         backends = [SDPBackend.FLASH_ATTENTION]
     q, k, v = make_qkv(2, 4, 300, 64, dtype=torch.float64, seed=5)
-    options = {"causal": variant == "causal"}
+    options = {"causal": variant == "causal", "kernel": "torch"}
     mask = None
     if variant == "padded":
         mask = torch.ones(2, 300, dtype=torch.bool)
