@@ -42,8 +42,8 @@ class KernelizedConfig:
         memory, padding and causal masks, no ``attn_mask``; in the inputs' dtype,
         half types included; float64 on CUDA takes ``"torch"``) or ``"auto"``
         (``"triton"`` for CUDA tensors in float32, bfloat16 or float16 without an
-        ``attn_mask``, where it was faster on an H100 at every N measured, with a
-        twentieth of the memory; ``"torch"`` otherwise).
+        ``attn_mask``, where it was faster on an H100 at every N measured, with under a
+        tenth of the memory; ``"torch"`` otherwise).
     """
 
     scale: float | None = None
