@@ -162,21 +162,53 @@ def test_left_padding_and_holes_give_the_packed_outputs(method, options):
                                    atol=1e-12)
 
 
-def test_a_core_that_rounding_leaves_indefinite_is_nan_not_a_partial_factor(monkeypatch):
+def test_a_core_that_rounding_leaves_indefinite_flags_the_slots_from_the_failed_pivot(
+        monkeypatch):
     """The causal core factorises C(X_S, X_S) + gamma I unchecked (no host wait); where
-    rounding makes it indefinite (float32, tiny gamma, near-equal landmarks) the factor
-    is NaN for that matrix alone, never the partial factor that LAPACK leaves (finite
-    numbers, silently wrong outputs)."""
+    rounding makes it indefinite (float32, tiny gamma, near-equal landmarks) the slots
+    from the first failed pivot on are flagged and decoupled, the leading block stays
+    exact (a later slot changes no earlier one), and the other matrices are untouched."""
     from skyformer.ops.shared import causal_nystrom
 
-    indefinite = torch.tensor([[1.0, 2.0, 0.0], [2.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    indefinite = torch.tensor([[1.0, 0.5, 0.0], [0.5, 1.0, 2.0], [0.0, 2.0, 1.0]])
     blocks = torch.stack([indefinite, torch.eye(3)])[:, None]  # [B=2, H=1, 3, 3]
     monkeypatch.setattr(causal_nystrom, "gaussian_kernel_block",
                         lambda *args: blocks - 1e-3 * torch.eye(3))  # the ridge added back
     x = torch.zeros(2, 1, 3, 4)
     core = causal_nystrom.core_of_rows(x, torch.ones(2, 3, dtype=torch.bool), gamma=1e-3)
-    assert torch.isnan(core.l_inv[0]).all()
+    assert core.failed[:, 0].tolist() == [[False, False, True], [False, False, False]]
+    lead = torch.linalg.inv(torch.linalg.cholesky(indefinite[:2, :2]))
+    torch.testing.assert_close(core.l_inv[0, 0, :2, :2], lead)
+    torch.testing.assert_close(core.l_inv[0, 0, 2], torch.tensor([0.0, 0.0, 1.0]))
     torch.testing.assert_close(core.l_inv[1, 0], torch.eye(3))
+
+
+@pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax"])
+def test_outputs_before_a_failed_slot_stay_and_decoding_agrees(method):
+    """Identical landmark rows with gamma = 1e-9 in float32: the core's second pivot
+    fails, so the queries that may use slot 1 or later are NaN and those before it keep
+    their outputs (a later token changes no earlier output), step by step as well."""
+    from skyformer.decoding import new_decoding_state
+    from skyformer.sketch.rng import random_key
+
+    row = torch.randn(1, 1, 1, 8, generator=torch.Generator().manual_seed(1))
+    q = row.expand(1, 2, 100, 8).clone()
+    v = torch.randn(1, 2, 100, 8, generator=torch.Generator().manual_seed(2))
+    bound = get_method(method).bind(num_features=8, landmark_stride=8, gamma=1e-9,
+                                    causal=True)
+    key = random_key(3)
+    out = bound(q, q, v, generator=key)
+    nan = torch.isnan(out).any(-1)[0, 0]  # [N]
+    first = int(nan.long().argmax())
+    assert 0 < first < 16 and bool(nan[first:].all()) and not bool(nan[:first].any())
+    early = bound(q[:, :, :first], q[:, :, :first], v[:, :, :first], generator=key)
+    torch.testing.assert_close(out[:, :, :first], early, rtol=0, atol=0)
+    state = new_decoding_state(bound, generator=key)
+    steps = [state.step(q[:, :, :4], q[:, :, :4], v[:, :, :4])]
+    steps += [state.step(q[:, :, t:t + 1], q[:, :, t:t + 1], v[:, :, t:t + 1])
+              for t in range(4, 100)]
+    torch.testing.assert_close(torch.cat(steps, dim=2), out, rtol=1e-5, atol=1e-6,
+                               equal_nan=True)
 
 
 @pytest.mark.parametrize("local", [True, False])

@@ -53,7 +53,7 @@ from .state import DecodingState, append, padding_as_false
 class SkyformerDecoding(DecodingState):
     """The causal Skyformer's decoding state (module docstring)."""
 
-    batched = ("ranks", "real", "revealed", "x", "x_norm", "l_inv", "u",
+    batched = ("ranks", "real", "revealed", "x", "x_norm", "l_inv", "failed", "u",
                "chunk_k", "chunk_kn", "chunk_v", "past_k", "past_kn", "past_v")
 
     def __init__(self, bound: BoundMethod, generator: torch.Generator | Tensor | None = None
@@ -68,6 +68,7 @@ class SkyformerDecoding(DecodingState):
         self.real: Tensor | None = None  # [B] real tokens seen
         self.revealed: Tensor | None = None  # [B, m]
         self.x = self.x_norm = self.l_inv = self.u = None  # type: ignore[assignment]
+        self.failed: Tensor | None = None  # [B, H, m] slots from a failed pivot on
         self.chunk_k = self.chunk_kn = self.chunk_v = None  # type: ignore[assignment]
         self.past_k = self.past_kn = self.past_v = None  # type: ignore[assignment]
 
@@ -88,7 +89,7 @@ class SkyformerDecoding(DecodingState):
         self.real = padding_as_false(key_valid, q).sum(1)
         self.revealed = marks.live
         self.x = torch.where(marks.live[:, None, :, None], core.x, 0.0)
-        self.x_norm, self.l_inv = core.x_norm, core.l_inv
+        self.x_norm, self.l_inv, self.failed = core.x_norm, core.l_inv, core.failed
         ks, kn, vw = self._keys(kw, vw, key_valid)
         # chunks of CAUSAL_CHUNK real tokens, as the forward's: the keys of each element's
         # completed chunks go to U, the others stay (the +inf offset of a key that is not
@@ -152,6 +153,8 @@ class SkyformerDecoding(DecodingState):
         self.chunk_kn = torch.cat([self.chunk_kn, kn], 2)
         self.chunk_v = torch.cat([self.chunk_v, v], 2)
         out = self._attend(qs, kn)
+        seen = (self.revealed[:, None, :] & self.failed).any(-1)  # a failed slot: NaN
+        out = torch.where(seen[..., None, None], float("nan"), out)
         complete = valid & (self.real % CAUSAL_CHUNK == 0)  # [B]
         if bool(complete.any()):
             self._absorb_chunk(complete)
@@ -197,7 +200,7 @@ class SkyformerDecoding(DecodingState):
         self.x = torch.where(new[:, None, :, None], row[:, :, None, :], self.x)
         self.revealed = self.revealed | new
         core = core_of_rows(self.x, self.revealed, self.gamma)
-        self.x_norm, self.l_inv = core.x_norm, core.l_inv
+        self.x_norm, self.l_inv, self.failed = core.x_norm, core.l_inv, core.failed
         if self.past_k is not None and self.past_k.shape[2]:
             fresh = self._block(self.past_k, self.past_kn) @ self.past_v  # [B, H, m, Dv]
             self.u = torch.where(new[:, None, :, None], fresh, self.u)

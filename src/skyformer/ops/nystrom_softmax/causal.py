@@ -74,7 +74,8 @@ def causal_nystrom_softmax(q: Tensor, k: Tensor, v: Tensor, info: AttentionInput
         torch.where(real[..., None], expo, float("-inf"))).exp(), core)
     phi_q = nystrom_features(gaussian_kernel_block(qs, core.x, half_sq_norm(qs), core.x_norm),
                              core)
-    phi_q = torch.where(landmarks.available(n), phi_q, 0.0)  # [B, H, N, m]
+    available = landmarks.available(n)  # [B, 1, N, m]
+    phi_q = torch.where(available, phi_q, 0.0)  # [B, H, N, m]
     v1 = with_ones_column(v)  # [B, H, N, Dv + 1]
     q_c, v_c = chunk_rows(phi_q, chunk), chunk_rows(v1, chunk)
     # CPU products of subnormal numbers are slow: flush each factor (linalg.flush)
@@ -97,4 +98,5 @@ def causal_nystrom_softmax(q: Tensor, k: Tensor, v: Tensor, info: AttentionInput
     bound = (bound + near.abs().sum(-1, keepdim=True)).flatten(2, 3)[:, :, :n]
     numerator, denominator = o.split([dv, o.shape[-1] - dv], dim=-1)  # one backward write
     fallback = prefix_mean_values(v, info.key_valid)
-    return normalised_or(numerator, denominator, fallback, denominator > threshold * bound)
+    out = normalised_or(numerator, denominator, fallback, denominator > threshold * bound)
+    return torch.where(core.seen_failed(available)[..., None], float("nan"), out)

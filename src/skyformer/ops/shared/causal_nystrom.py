@@ -196,6 +196,12 @@ class CausalCore:
     x: Tensor  # [B, H, m, D] scaled landmark rows
     x_norm: Tensor  # [B, H, m]
     l_inv: Tensor  # [B, H, m, m] lower triangular, L L^T = C(X, X) + gamma I
+    failed: Tensor  # [B, H, m] bool: slots from a failed pivot on (decoupled; see below)
+
+    def seen_failed(self, available: Tensor) -> Tensor:
+        """``[B, H, N]`` bool: the queries that may use a failed slot (``available``:
+        ``[B, 1|H, N, m]``); their outputs are NaN, the others' exact."""
+        return (available & self.failed[:, :, None, :]).any(-1)
 
 
 def causal_core(q: Tensor, k: Tensor, scale: float, gamma: float,
@@ -227,12 +233,20 @@ def core_of_rows(x: Tensor, live: Tensor, gamma: float) -> CausalCore:
                         1.0)  # [B, m]
     gram = gaussian_kernel_block(x, x, x_norm, x_norm) + torch.diag_embed(ridge)[:, None]
     # PD for gamma > 0 unless rounding says otherwise (float32, tiny gamma, near-equal
-    # landmarks): unchecked, no host wait; a failed factor is NaN, not a partial one
-    chol, failed = torch.linalg.cholesky_ex(gram)
-    chol = torch.where((failed == 0)[..., None, None], chol, float("nan"))
-    eye = torch.eye(gram.shape[-1], dtype=x.dtype, device=x.device).expand_as(gram)
+    # landmarks). Unchecked (no host wait): the slots from the first failed pivot on are
+    # flagged and decoupled, and the rest factorised again, so the leading block stays
+    # exact and the queries that use a flagged slot are the callers' to mark (NaN); the
+    # second factorisation is the first where none fails
+    m = gram.shape[-1]
+    pivot = torch.linalg.cholesky_ex(gram).info[..., None]  # [B, H, 1]: 0 = none failed
+    failed = (pivot > 0) & (torch.arange(m, device=x.device) >= pivot - 1)  # [B, H, m]
+    kept = ~failed
+    gram = torch.where(kept[..., :, None] & kept[..., None, :], gram, 0.0) \
+        + torch.diag_embed(failed.to(x.dtype))
+    chol = torch.linalg.cholesky_ex(gram).L
+    eye = torch.eye(m, dtype=x.dtype, device=x.device).expand_as(gram)
     l_inv = flush_on_cpu(torch.linalg.solve_triangular(chol, eye, upper=False))
-    return CausalCore(x, x_norm, l_inv)
+    return CausalCore(x, x_norm, l_inv, failed)
 
 
 def nystrom_features(kernel: Tensor, core: CausalCore) -> Tensor:

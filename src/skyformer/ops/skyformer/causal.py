@@ -44,12 +44,14 @@ def causal_skyformer(q: Tensor, k: Tensor, v: Tensor, info: AttentionInputs, sca
     k_norm = half_sq_norm(ks)  # [B, H, N]
     if info.key_valid is not None:
         k_norm = torch.where(info.key_valid[:, None, :], k_norm, float("inf"))
+    available = landmarks.available(n)  # [B, 1, N, m]
     phi_q = nystrom_features(gaussian_kernel_block(qs, core.x, q_norm, core.x_norm), core)
-    phi_q = torch.where(landmarks.available(n), phi_q, 0.0)  # [B, H, N, m]
+    phi_q = torch.where(available, phi_q, 0.0)  # [B, H, N, m]
     phi_k = nystrom_features(gaussian_kernel_block(ks, core.x, k_norm, core.x_norm), core)
     exact = None
     if local:  # C(q_i, k_j) within each chunk; padded keys have +inf norms: exact zeros
         q_c, k_c = chunk_rows(qs, chunk), chunk_rows(ks, chunk)
         qn_c, kn_c = (chunk_rows(t[..., None], chunk)[..., 0] for t in (q_norm, k_norm))
         exact = gaussian_kernel_block(q_c, k_c, qn_c, kn_c)  # [B, H, C, L, L]
-    return causal_feature_sums(phi_q, phi_k, v, chunk=chunk, local=exact), core
+    out = causal_feature_sums(phi_q, phi_k, v, chunk=chunk, local=exact)
+    return torch.where(core.seen_failed(available)[..., None], float("nan"), out), core
