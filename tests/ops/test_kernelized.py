@@ -256,3 +256,34 @@ def test_auto_falls_back_to_the_augmentation_when_the_flash_kernels_fail(monkeyp
     monkeypatch.setattr(module.FLASH_FALLBACK, "failed", False)
     with pytest.raises(RuntimeError, match="no compiler"):
         kernelized_attention(q, k, v, kernel="triton")
+
+
+def test_auto_falls_back_when_the_backward_kernels_fail(monkeypatch):
+    """A backward flash kernel that cannot run (too few resources on a smaller GPU)
+    under ``"auto"`` warns once and gives the augmentation's gradients; under
+    ``"triton"`` its error propagates."""
+    from skyformer.linalg import kernel_backend
+    from skyformer.ops.kernelized import flash, triton_flash
+
+    monkeypatch.setattr(kernel_backend, "auto_device", lambda y: True)
+    monkeypatch.setattr(flash.FLASH_FALLBACK, "failed", False)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of resources")
+
+    monkeypatch.setattr(triton_flash, "flash_backward", broken)
+    q, k, v = (t.requires_grad_(True)
+               for t in make_qkv(1, 2, 12, 8, dtype=torch.float32, seed=3))
+    mask = torch.ones(1, 12, dtype=torch.bool)
+    mask[0, 9:] = False
+    with pytest.warns(RuntimeWarning, match="kernel='auto' takes the SDPA augmentation"):
+        got = torch.autograd.grad(kernelized_attention(q, k, v, key_padding_mask=mask,
+                                                       causal=True).square().sum(), (q, k, v))
+    want = torch.autograd.grad(kernelized_attention(q, k, v, key_padding_mask=mask, causal=True,
+                                                    kernel="torch").square().sum(), (q, k, v))
+    for a, e in zip(got, want, strict=True):
+        torch.testing.assert_close(a, e)
+    monkeypatch.setattr(flash.FLASH_FALLBACK, "failed", False)
+    out = kernelized_attention(q, k, v, kernel="triton")
+    with pytest.raises(RuntimeError, match="out of resources"):
+        out.sum().backward()

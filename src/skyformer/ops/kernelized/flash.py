@@ -13,6 +13,7 @@ from torch import Tensor
 
 from ...linalg.eager_calls import apply, custom_op
 from ...linalg.functional_ops import first_order_backward
+from ...linalg.kernel_backend import KernelFallback
 from ...linalg.vmap import vmap_into_batch
 
 
@@ -56,47 +57,76 @@ def _(q, k, v, key_valid, grad, s, causal, need_q, need_kv):
             v.new_empty(v.shape if need_kv else 0))
 
 
+# "auto"'s safety net: flash kernels that cannot compile or launch here (an old GPU, no
+# C compiler, too few resources for the backward kernels) give way to the SDPA
+# augmentation, with one warning
+FLASH_FALLBACK = KernelFallback("flash kernels of exact kernelized attention",
+                                "kernel='auto' takes the SDPA augmentation")
+
+
 class GaussianFlashAttention(torch.autograd.Function):
     """C V, C_ij = exp(-s |q_i - k_j|^2 / 2): q ``[B, H, Nq, D]``, k ``[B, H, Nk, D]``,
-    v ``[B, H, Nk, Dv]`` in one dtype, ``key_valid`` ``[B, Nk]`` bool (empty: none)."""
+    v ``[B, H, Nk, Dv]`` in one dtype, ``key_valid`` ``[B, Nk]`` bool (empty: none);
+    ``auto``: a backward kernel that cannot run gives way to the augmentation's
+    gradients (``FLASH_FALLBACK``)."""
 
     @staticmethod
     def forward(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor,  # type: ignore[override]
-                s: float, causal: bool) -> Tensor:
+                s: float, causal: bool, auto: bool) -> Tensor:
         return flash_forward(q, k, v, key_valid, s, causal)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
-        q, k, v, key_valid, s, causal = inputs
+        q, k, v, key_valid, s, causal, auto = inputs
         ctx.save_for_backward(q, k, v, key_valid)
-        ctx.options = (s, causal)
+        ctx.options = (s, causal, auto)
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple, q, k, v, key_valid, s, causal):  # type: ignore[override]
+    def vmap(info: Any, in_dims: tuple, q, k, v, key_valid, s, causal,  # type: ignore[override]
+             auto):
         """The mapped dim joins the batch dim (a mapped mask's too; an unmapped mask
         is repeated for each mapped index)."""
         tensors = (0, 1, 2) if key_valid.numel() == 0 else (0, 1, 2, 3)
         (out,), (dim,) = vmap_into_batch(GaussianFlashAttention.apply, info, in_dims,
-                                         (q, k, v, key_valid, s, causal), tensors=tensors,
-                                         outputs=1)
+                                         (q, k, v, key_valid, s, causal, auto),
+                                         tensors=tensors, outputs=1)
         return out, dim
 
     @staticmethod
     @first_order_backward
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, key_valid = ctx.saved_tensors
-        s, causal = ctx.options
+        s, causal, auto = ctx.options
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
-        dq, dk, dv = flash_backward(q, k, v, key_valid, grad, s, causal, need_q,
-                                    need_k or need_v)
+        args = (q, k, v, key_valid, grad, s, causal, need_q, need_k or need_v)
+        dq, dk, dv = FLASH_FALLBACK.run(auto, lambda: flash_backward(*args),
+                                        lambda: _augmented_gradients(*args))
         return (dq if need_q else None, dk if need_k else None, dv if need_v else None,
-                None, None, None)
+                None, None, None, None)
+
+
+def _augmented_gradients(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, grad: Tensor,
+                         s: float, causal: bool, need_q: bool, need_kv: bool
+                         ) -> tuple[Tensor, Tensor, Tensor]:
+    """``flash_backward``'s (dq, dk, dv) through the SDPA augmentation (empty where not
+    needed): "auto"'s gradients where the backward kernels cannot run."""
+    from .sdpa_augmentation import kernelized_by_sdpa
+
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(need)
+                  for t, need in ((q, need_q), (k, need_kv), (v, need_kv))]
+        out = kernelized_by_sdpa(*leaves, s, key_valid=_valid(key_valid), causal=causal)
+        grads = iter(torch.autograd.grad(out, [t for t in leaves if t.requires_grad],
+                                         grad.to(out.dtype)))
+    return tuple(next(grads) if t.requires_grad else t.new_empty(0)  # type: ignore[return-value]
+                 for t in leaves)
 
 
 def flash_kernelized(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, s: float,
-                     causal: bool) -> Tensor:
+                     causal: bool, auto: bool = False) -> Tensor:
     """Exact kernelized attention C V by the flash-style Triton kernels, ``[B, H, Nq,
-    Dv]`` in the inputs' dtype; ``key_valid`` ``[B, Nk]`` bool or None."""
+    Dv]`` in the inputs' dtype; ``key_valid`` ``[B, Nk]`` bool or None; ``auto``: the
+    backward pass falls back to the augmentation where its kernels cannot run."""
     placeholder = q.new_empty(0, dtype=torch.bool)
     return apply(GaussianFlashAttention, q, k, v, placeholder if key_valid is None
-                 else key_valid, s, causal)
+                 else key_valid, s, causal, auto)

@@ -16,18 +16,13 @@ import torch
 from torch import Tensor
 
 from ...linalg import KERNELS, kernel_scale
-from ...linalg.kernel_backend import KernelFallback, use_triton
+from ...linalg.kernel_backend import use_triton
 from ...registry import Capabilities, register
 from ..shared.inputs import AttentionInputs, check_attention_inputs, zero_padded_queries
 from ..shared.masked import attention_bias
 from ..shared.options import check_bool, check_choice, check_scale
-from .flash import flash_kernelized
+from .flash import FLASH_FALLBACK, flash_kernelized
 from .sdpa_augmentation import fused_dtype, kernelized_by_sdpa
-
-# "auto"'s safety net: flash kernels that cannot compile or launch here (an old GPU, no
-# C compiler) give way to the SDPA augmentation, with one warning
-FLASH_FALLBACK = KernelFallback("flash kernels of exact kernelized attention",
-                                "kernel='auto' takes the SDPA augmentation")
 
 
 @dataclass(frozen=True)
@@ -107,7 +102,7 @@ def kernelized_attention(
                              'causal only); use kernel="torch" for it.')
         return FLASH_FALLBACK.run(
             auto, lambda: zero_padded_queries(flash_kernelized(
-                q, k.to(dtype), v.to(dtype), info.key_valid, scale * scale, causal),
+                q, k.to(dtype), v.to(dtype), info.key_valid, scale * scale, causal, auto),
                 info.query_valid),
             lambda: _augmented(q, k, v, info, scale, causal, None))
     return _augmented(q, k, v, info, scale, causal, attn_mask)
