@@ -79,11 +79,9 @@ def fold_in(key: Tensor, data: int | Tensor) -> Tensor:
     expressions that Inductor's C++ code cannot compile, so there (where a constant
     becomes part of the graph, no copy) and for anything else the data becomes a
     tensor first."""
-    if isinstance(data, int) and not torch.compiler.is_compiling():  # bool too
-        data = _mix(((data & _MASK) * _GOLDEN) & _MASK)
-    else:
+    if not isinstance(data, int) or torch.compiler.is_compiling():  # an int: bool too
         data = torch.as_tensor(data, device=key.device, dtype=torch.long)
-        data = _mix(((data & _MASK) * _GOLDEN) & _MASK)
+    data = _mix(((data & _MASK) * _GOLDEN) & _MASK)
     k0, k1 = key[..., 0], key[..., 1]
     a = _mix(k0 ^ data)
     b = _mix(k1 ^ _mix(a + 0x632BE5AB))
