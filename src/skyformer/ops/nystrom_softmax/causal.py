@@ -30,7 +30,12 @@ from torch import Tensor
 
 from ...linalg import gaussian_kernel_block, half_sq_norm, with_ones_column
 from ...linalg.flush import flush_exponent_on_cpu_, flush_on_cpu
-from ..shared.causal_nystrom import CausalLandmarks, causal_core, nystrom_features
+from ..shared.causal_nystrom import (
+    CausalLandmarks,
+    causal_core,
+    nystrom_features,
+    uses_failed,
+)
 from ..shared.causal_prefix import CAUSAL_CHUNK, chunk_rows, lower_triangle, prefix_mean_values
 from ..shared.inputs import AttentionInputs
 from ..shared.normalised import normalised_or
@@ -99,4 +104,4 @@ def causal_nystrom_softmax(q: Tensor, k: Tensor, v: Tensor, info: AttentionInput
     numerator, denominator = o.split([dv, o.shape[-1] - dv], dim=-1)  # one backward write
     fallback = prefix_mean_values(v, info.key_valid)
     out = normalised_or(numerator, denominator, fallback, denominator > threshold * bound)
-    return torch.where(core.seen_failed(available)[..., None], float("nan"), out)
+    return torch.where(uses_failed(available, core.failed)[..., None], float("nan"), out)

@@ -68,7 +68,6 @@ from ..shared.modified_nystrom import (
 )
 from ..shared.normalised import normalised_or
 from ..shared.options import check_nonnegative_float, check_scale
-from ..shared.real_first import to_real_first
 from ..shared.reduction import WHOLE, KeyReduction
 from .causal import causal_nystrom_softmax
 
@@ -180,10 +179,9 @@ def nystrom_softmax_from_core(
 def _causal(q: Tensor, k: Tensor, v: Tensor, config: NystromSoftmaxConfig,
             key_padding_mask: Tensor | None, query_padding_mask: Tensor | str | None,
             generator: torch.Generator | Tensor | None) -> Tensor:
-    info, landmarks, order = causal_inputs(
+    q, k, v, info, landmarks, order = causal_inputs(
         "nystrom_softmax", q, k, v, config.num_features, config.landmark_stride, key_padding_mask,
-        query_padding_mask, generator, config.kernel, by_rank=True)
-    q, k, v = (to_real_first(t, order) for t in (q, k, v))  # chunks of ranks
+        query_padding_mask, generator, config.kernel)
     s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
     work = compute_dtype(q.dtype)
     out = causal_nystrom_softmax(q.to(work), k.to(work), v.to(work), info, math.sqrt(s),

@@ -40,7 +40,7 @@ from ...sketch.landmarks import launch_or_fall_back, use_triton_draw
 from ...sketch.rng import fold_in, stream, uniform_at
 from .inputs import AttentionInputs, check_attention_inputs, resolve_key, zero_padded_queries
 from .options import check_bool, check_optional_positive_int
-from .real_first import from_real_first, real_first_mask, real_first_order
+from .real_first import from_real_first, real_first_mask, real_first_order, to_real_first
 
 
 @dataclass(frozen=True)
@@ -157,18 +157,17 @@ def causal_inputs(method: str, q: Tensor, k: Tensor, v: Tensor, num_features: in
                   stride: int | None, key_padding_mask: Tensor | None,
                   query_padding_mask: Tensor | str | None,
                   generator: torch.Generator | Tensor | None, draw: str = "auto",
-                  by_rank: bool = False,
-                  ) -> tuple[AttentionInputs, CausalLandmarks, Tensor | None]:
-    """Checks of a causal call (``Nq == Nk``) and its landmark slots, for ``method``
-    (``draw``: the method's ``kernel`` option, ``slot_ranks``), and the order that
-    gathers the real tokens to the front (``real_first``; None: the call runs on the
-    positions as they are). ``by_rank`` (the chunks are positions: the exact local part,
-    and with ``causal_local`` off too the order of the sums and nystrom_softmax's bound
-    of unreliable rows, which the decoding states take by rank): with padding that the
-    queries share, the call runs on the gathered tokens, so that chunks hold ranks
-    among the real tokens (left padding and holes then give the packed sequence's
-    outputs); the returned inputs and landmarks are the gathered ones, and
-    ``causal_outputs`` puts the outputs back."""
+                  ) -> tuple[Tensor, Tensor, Tensor, AttentionInputs, CausalLandmarks,
+                             Tensor | None]:
+    """Checks of a causal call (``Nq == Nk``) for ``method`` and what it runs on:
+    ``(q, k, v, info, landmarks, order)`` (``draw``: the method's ``kernel`` option,
+    ``slot_ranks``). With padding that the queries share, the call runs on the real
+    tokens gathered to the front (``order``, ``real_first``; None: on the positions as
+    they are), so that its chunks hold ranks among the real tokens (the exact local
+    part, and with ``causal_local`` off the order of the sums and nystrom_softmax's
+    bound of unreliable rows, which the decoding states take by rank): left padding
+    and holes then give the packed sequence's outputs. The returned tensors, inputs
+    and landmarks are the gathered ones; ``causal_outputs`` puts the outputs back."""
     info = check_attention_inputs(q, k, v, key_padding_mask, method=method,
                                   query_padding_mask=query_padding_mask)
     if info.query_len != info.key_len:
@@ -176,11 +175,13 @@ def causal_inputs(method: str, q: Tensor, k: Tensor, v: Tensor, num_features: in
                          f"Nq={info.query_len}, Nk={info.key_len}.")
     key = resolve_key(method, generator, q.device)
     order = None
-    if by_rank and info.key_valid is not None and info.query_valid is info.key_valid:
+    if info.key_valid is not None and info.query_valid is info.key_valid:
         order = real_first_order(info.key_valid)
         packed = real_first_mask(info.key_valid, order)
         info = dataclasses.replace(info, key_valid=packed, query_valid=packed)
-    return info, draw_causal_landmarks(info, num_features, stride, q.device, key, draw), order
+        q, k, v = (to_real_first(t, order) for t in (q, k, v))
+    landmarks = draw_causal_landmarks(info, num_features, stride, q.device, key, draw)
+    return q, k, v, info, landmarks, order
 
 
 def causal_outputs(out: Tensor, info: AttentionInputs, order: Tensor | None) -> Tensor:
@@ -198,10 +199,12 @@ class CausalCore:
     l_inv: Tensor  # [B, H, m, m] lower triangular, L L^T = C(X, X) + gamma I
     failed: Tensor  # [B, H, m] bool: slots from a failed pivot on (decoupled; see below)
 
-    def seen_failed(self, available: Tensor) -> Tensor:
-        """``[B, H, N]`` bool: the queries that may use a failed slot (``available``:
-        ``[B, 1|H, N, m]``); their outputs are NaN, the others' exact."""
-        return (available & self.failed[:, :, None, :]).any(-1)
+
+def uses_failed(available: Tensor, failed: Tensor) -> Tensor:
+    """``[B, H, N]`` bool: the queries that may use a failed slot (``available``:
+    ``[B, 1|H, N, m]``, ``failed``: ``CausalCore.failed``); their outputs are NaN, the
+    others' exact (the forward's and the decoding states')."""
+    return (available & failed[:, :, None, :]).any(-1)
 
 
 def causal_core(q: Tensor, k: Tensor, scale: float, gamma: float,

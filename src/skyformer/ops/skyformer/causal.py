@@ -25,6 +25,7 @@ from ..shared.causal_nystrom import (
     causal_core,
     draw_causal_landmarks,
     nystrom_features,
+    uses_failed,
 )
 from ..shared.causal_prefix import CAUSAL_CHUNK, causal_feature_sums, chunk_rows
 from ..shared.inputs import AttentionInputs
@@ -54,4 +55,4 @@ def causal_skyformer(q: Tensor, k: Tensor, v: Tensor, info: AttentionInputs, sca
         qn_c, kn_c = (chunk_rows(t[..., None], chunk)[..., 0] for t in (q_norm, k_norm))
         exact = gaussian_kernel_block(q_c, k_c, qn_c, kn_c)  # [B, H, C, L, L]
     out = causal_feature_sums(phi_q, phi_k, v, chunk=chunk, local=exact)
-    return torch.where(core.seen_failed(available)[..., None], float("nan"), out), core
+    return torch.where(uses_failed(available, core.failed)[..., None], float("nan"), out), core

@@ -44,7 +44,6 @@ from ..shared.modified_nystrom import (
     sample_landmarks,
 )
 from ..shared.options import check_scale
-from ..shared.real_first import to_real_first
 from ..shared.reduction import WHOLE, KeyReduction
 from .causal import causal_skyformer
 
@@ -135,10 +134,9 @@ def skyformer_from_core(
 def _causal(q: Tensor, k: Tensor, v: Tensor, config: SkyformerConfig,
             key_padding_mask: Tensor | None, query_padding_mask: Tensor | str | None,
             generator: torch.Generator | Tensor | None) -> Tensor:
-    info, landmarks, order = causal_inputs(
+    q, k, v, info, landmarks, order = causal_inputs(
         "skyformer", q, k, v, config.num_features, config.landmark_stride, key_padding_mask,
-        query_padding_mask, generator, config.kernel, by_rank=True)
-    q, k, v = (to_real_first(t, order) for t in (q, k, v))  # chunks of ranks
+        query_padding_mask, generator, config.kernel)
     work = compute_dtype(q.dtype)
     out, _ = causal_skyformer(q.to(work), k.to(work), v.to(work), info,
                               kernel_scale(info.head_dim, config.scale), config.gamma,
