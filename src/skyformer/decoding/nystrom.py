@@ -42,6 +42,7 @@ from ..ops.shared.causal_nystrom import (
     landmark_stride,
     slot_ranks,
     slot_takes_query,
+    uses_failed,
 )
 from ..ops.shared.causal_prefix import CAUSAL_CHUNK
 from ..ops.shared.inputs import compute_dtype
@@ -103,12 +104,8 @@ class SkyformerDecoding(DecodingState):
         self.chunk_k, self.chunk_v = ks, vw
         self.chunk_kn = torch.where((valid & ~absorbed)[:, None, :], kn, float("inf"))
         self._trim_chunk()
-        if not bool(self.revealed.all()):  # up to the last key in U
-            end = int(absorbed.any(0).long().cumsum(0).argmax()) + 1 \
-                if bool(absorbed.any()) else 0
-            self.past_k, self.past_kn, self.past_v = \
-                ks[:, :, :end], kn_done[..., :end], vw[:, :, :end]
-            self._forget_revealed()
+        self.past_k, self.past_kn, self.past_v = ks, kn_done, vw  # the keys in U, while
+        self._forget_revealed()  # a slot is unrevealed (the rest dropped)
         return out
 
     def _keys(self, k: Tensor, v: Tensor, key_valid: Tensor | None
@@ -153,8 +150,8 @@ class SkyformerDecoding(DecodingState):
         self.chunk_kn = torch.cat([self.chunk_kn, kn], 2)
         self.chunk_v = torch.cat([self.chunk_v, v], 2)
         out = self._attend(qs, kn)
-        seen = (self.revealed[:, None, :] & self.failed).any(-1)  # a failed slot: NaN
-        out = torch.where(seen[..., None, None], float("nan"), out)
+        seen = uses_failed(self.revealed[:, None, None, :], self.failed)[..., None]
+        out = torch.where(seen, float("nan"), out)  # a failed slot: NaN
         complete = valid & (self.real % CAUSAL_CHUNK == 0)  # [B]
         if bool(complete.any()):
             self._absorb_chunk(complete)
@@ -224,14 +221,12 @@ class SkyformerDecoding(DecodingState):
         them while a slot is unrevealed; the other elements' chunks stay."""
         done_kn = torch.where(complete[:, None, None], self.chunk_kn, float("inf"))
         self.u = self.u + self._block(self.chunk_k, done_kn) @ self.chunk_v  # + 0 elsewhere
-        if bool(self.revealed.all()):
-            self.past_k = self.past_kn = self.past_v = None
-        else:  # the positions of the chunks that end here, of elements with a slot to come
-            kept_kn = torch.where(self.revealed.all(1)[:, None, None], float("inf"), done_kn)
-            k, kn, v = _held(self.chunk_k, kept_kn, self.chunk_v)
+        if self.past_k is not None:  # None once every slot is revealed
+            k, kn, v = _held(self.chunk_k, done_kn, self.chunk_v)
             self.past_k = append(self.past_k, k, 2)
             self.past_kn = append(self.past_kn, kn, 2)
             self.past_v = append(self.past_v, v, 2)
+            self._forget_revealed()  # not for the elements with every slot revealed
         self.chunk_kn = torch.where(complete[:, None, None], float("inf"), self.chunk_kn)
         self._trim_chunk()
 
