@@ -48,7 +48,7 @@ from ..shared.inputs import (
 )
 from ..shared.masked import masked_attention
 from ..shared.options import check_budget, check_nonnegative_int, check_scale
-from ..shared.real_first import from_real_first, real_first_order, to_real_first
+from ..shared.real_first import RealFirst, from_real_first, real_first, to_real_first
 
 WINDOW_BLOCKS = 3
 GLOBAL_BLOCKS = 2
@@ -83,7 +83,7 @@ class BigBirdLayout:
     """The block pattern of one call, over the real tokens gathered to the front."""
 
     block_size: int
-    order: Tensor | None  # [B, N] long: real positions first, in order (None: no padding)
+    order: RealFirst | None  # real positions first, in order (None: no padding)
     n_valid: Tensor  # [B] long
     last: Tensor  # [B] long: index of the last real block (-1 if none)
     random: Tensor  # [B, H, nb, r] long: random key blocks of each query block
@@ -141,7 +141,7 @@ def bigbird_layout(
         order = None
         n_valid = torch.full((batch,), n, device=device, dtype=torch.long)
     else:
-        order = real_first_order(key_valid)
+        order = real_first(key_valid)
         n_valid = key_valid.sum(dim=1)
     nb = math.ceil(n / block_size)
     r = num_random_blocks

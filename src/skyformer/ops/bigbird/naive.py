@@ -20,7 +20,7 @@ def bigbird_pattern(layout: BigBirdLayout, n: int) -> Tensor:
     pattern = torch.zeros(b_size, heads, n, n, dtype=torch.bool)
     for b in range(b_size):
         n_real, last = int(layout.n_valid[b]), int(layout.last[b])
-        pos = (torch.arange(n) if layout.order is None else layout.order[b].cpu())[:n_real]
+        pos = (torch.arange(n) if layout.order is None else layout.order.order[b].cpu())[:n_real]
 
         def tokens(block: int, pos: Tensor = pos, n_real: int = n_real) -> Tensor:
             return pos[block * bs : min(n_real, (block + 1) * bs)]

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from ...linalg import gather_rows
 from ...sketch.lsh_blocks import gather_block_rows, gather_block_values, hamming_blocks
-from ..shared.real_first import real_first_order, real_first_rank
+from ..shared.real_first import RealFirst, real_first_pair
 
 _NEG_INF = float("-inf")
 
@@ -51,19 +51,19 @@ def window_blocks(b: int, h: int, n: int, w: int, device: torch.device,
     queries = torch.where(queries < n, queries, n)
     keys = torch.where((keys >= 0) & (keys < n), keys, n)
     pairs = (queries[:, :, None] - keys[:, None, :]).abs() <= w
-    q_order, k_order = real_first_order(query_valid), real_first_order(key_valid)
-    q_slot = torch.arange(n, device=device).expand(b, n) if q_order is None else (
-        real_first_rank(q_order))
+    q_order, k_order = real_first_pair(query_valid, key_valid)
+    q_slot = torch.arange(n, device=device).expand(b, n) if q_order is None else q_order.rank
     return ExactBlocks(
         _positions(queries, q_order, b, h), _positions(keys, k_order, b, h),
         q_slot[:, None, :].expand(b, h, n), pairs,
     )
 
 
-def _positions(rank: Tensor, order: Tensor | None, b: int, h: int) -> Tensor:
+def _positions(rank: Tensor, gathered: RealFirst | None, b: int, h: int) -> Tensor:
     """``[nb, s]`` ranks (N = empty) -> ``[B, H, nb, s]`` positions (N = empty)."""
-    if order is None:
+    if gathered is None:
         return rank.expand(b, h, *rank.shape)
+    order = gathered.order
     n = order.shape[1]
     order = torch.cat([order, order.new_full((order.shape[0], 1), n)], dim=1)  # [B, N + 1]
     return order[:, rank][:, None].expand(b, h, *rank.shape)

@@ -52,7 +52,7 @@ from ..shared.options import (
     check_positive_int,
     check_scale,
 )
-from ..shared.real_first import from_real_first, real_first_order, to_real_first
+from ..shared.real_first import from_real_first, real_first_pair, to_real_first
 
 
 @dataclass(frozen=True)
@@ -145,11 +145,12 @@ def depthwise_conv(v: Tensor, weight: Tensor, key_valid: Tensor | None,
     """
     if key_valid is not None:
         v = v * key_valid[:, None, :, None].to(v.dtype)
-    v = to_real_first(v, real_first_order(key_valid))
+    q_order, k_order = real_first_pair(query_valid, key_valid)
+    v = to_real_first(v, k_order)
     h, kernel = weight.shape
     out = F.conv2d(v, weight.to(v.dtype).view(h, 1, kernel, 1), padding=(kernel // 2, 0),
                    groups=h)
-    return from_real_first(out, real_first_order(query_valid))
+    return from_real_first(out, q_order)
 
 
 def _check_conv_weight(weight: Tensor | None, kernel: int | None, heads: int) -> None:

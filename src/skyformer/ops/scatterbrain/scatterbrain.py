@@ -62,7 +62,7 @@ from ..shared.local_window import local_windows, query_chunks, unchunk, window_r
 from ..shared.lsh_blocks import LshBlockOptions, lsh_block_logits
 from ..shared.normalised import normalised_or, numerator_and_denominator
 from ..shared.options import check_bool, check_choice, check_random_features, check_scale
-from ..shared.real_first import from_real_first, real_first_mask, real_first_order, to_real_first
+from ..shared.real_first import from_real_first, real_first_mask, real_first_pair, to_real_first
 
 SUPPORTS = ("lsh", "local")
 
@@ -208,7 +208,7 @@ def _local_part(qh: Tensor, kh: Tensor, phi_q: Tensor, phi_k: Tensor, v_and_one:
     The windows are over ranks among the real queries and keys (``shared/real_first.py``):
     holes and left padding give the windows of the truncated sequence.
     """
-    q_order, k_order = real_first_order(query_valid), real_first_order(key_valid)
+    q_order, k_order = real_first_pair(query_valid, key_valid)
     sparse, ref = _local_sparse(
         to_real_first(qh, q_order), to_real_first(kh, k_order), to_real_first(phi_q, q_order),
         to_real_first(phi_k, k_order), to_real_first(v_and_one, k_order),

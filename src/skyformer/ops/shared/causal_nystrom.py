@@ -40,7 +40,7 @@ from ...sketch.landmarks import launch_or_fall_back, use_triton_draw
 from ...sketch.rng import fold_in, stream, uniform_at
 from .inputs import AttentionInputs, check_attention_inputs, resolve_key, zero_padded_queries
 from .options import check_bool, check_optional_positive_int
-from .real_first import from_real_first, real_first_mask, real_first_order, to_real_first
+from .real_first import RealFirst, from_real_first, real_first, real_first_mask, to_real_first
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,7 @@ def causal_inputs(method: str, q: Tensor, k: Tensor, v: Tensor, num_features: in
                   query_padding_mask: Tensor | str | None,
                   generator: torch.Generator | Tensor | None, draw: str = "auto",
                   ) -> tuple[Tensor, Tensor, Tensor, AttentionInputs, CausalLandmarks,
-                             Tensor | None]:
+                             RealFirst | None]:
     """Checks of a causal call (``Nq == Nk``) for ``method`` and what it runs on:
     ``(q, k, v, info, landmarks, order)`` (``draw``: the method's ``kernel`` option,
     ``slot_ranks``). With padding that the queries share, the call runs on the real
@@ -176,7 +176,7 @@ def causal_inputs(method: str, q: Tensor, k: Tensor, v: Tensor, num_features: in
     key = resolve_key(method, generator, q.device)
     order = None
     if info.key_valid is not None and info.query_valid is info.key_valid:
-        order = real_first_order(info.key_valid)
+        order = real_first(info.key_valid)
         packed = real_first_mask(info.key_valid, order)
         info = dataclasses.replace(info, key_valid=packed, query_valid=packed)
         q, k, v = (to_real_first(t, order) for t in (q, k, v))
@@ -184,7 +184,7 @@ def causal_inputs(method: str, q: Tensor, k: Tensor, v: Tensor, num_features: in
     return q, k, v, info, landmarks, order
 
 
-def causal_outputs(out: Tensor, info: AttentionInputs, order: Tensor | None) -> Tensor:
+def causal_outputs(out: Tensor, info: AttentionInputs, order: RealFirst | None) -> Tensor:
     """The outputs of a causal call back at their positions (``order`` from
     ``causal_inputs``), padded query rows zero: ``[B, H, N, Dv]``."""
     return from_real_first(zero_padded_queries(out, info.query_valid), order)
