@@ -44,6 +44,7 @@ from ..shared.inputs import (
 )
 from ..shared.masked import masked_attention
 from ..shared.options import check_optional_positive_int, check_positive_int, check_scale
+from ..shared.real_first import real_positions_first
 
 _CHUNK_ELEMENTS = 1 << 22  # bound on the [B, H, chunk, U, D] gather of sampled keys
 
@@ -96,8 +97,7 @@ def _ranks(valid: Tensor | None, batch: int, n: int, device: torch.device
     if valid is None:
         rank = torch.arange(n, device=device).expand(batch, n)
         return rank, rank, torch.full((batch,), n, device=device)
-    real_first = torch.sort((~valid).to(torch.uint8), dim=1, stable=True).indices
-    return valid.long().cumsum(1) - 1, real_first, valid.sum(1)
+    return valid.long().cumsum(1) - 1, real_positions_first(valid), valid.sum(1)
 
 
 def sample_keys(

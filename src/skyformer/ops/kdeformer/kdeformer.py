@@ -86,6 +86,7 @@ from ..shared.options import (
     check_optional_positive_int,
     check_scale,
 )
+from ..shared.real_first import real_positions_first
 
 NORMALIZERS = ("kde", "sampled")
 ESTIMATORS = ("rows", "uniform")
@@ -187,7 +188,7 @@ def uniform_rows(u: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
     live = False where the element has no real row."""
     b, n = valid.shape
     count = valid.sum(-1)  # [B]
-    real_first = torch.sort((~valid).to(torch.uint8), dim=-1, stable=True).indices  # [B, N]
+    real_first = real_positions_first(valid)  # [B, N]
     t = (u.double() * count[:, None, None]).floor().long()  # exact: 24-bit u times n < 2^29
     t = torch.minimum(t, (count - 1).clamp_min(0)[:, None, None])
     index = real_first[:, None, :].expand(b, u.shape[1], n).gather(-1, t)

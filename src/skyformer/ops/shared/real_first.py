@@ -31,8 +31,14 @@ def real_first(valid: Tensor | None) -> RealFirst | None:
     padding."""
     if valid is None:
         return None
-    order = torch.argsort((~valid).to(torch.uint8), dim=1, stable=True)
+    order = real_positions_first(valid)
     return RealFirst(order, real_first_rank(order))
+
+
+def real_positions_first(valid: Tensor) -> Tensor:
+    """``[B, N]`` long: the positions of the real tokens of ``valid: [B, N]`` in order,
+    then the padded ones (a stable sort)."""
+    return torch.argsort((~valid).to(torch.uint8), dim=1, stable=True)
 
 
 def real_first_pair(query_valid: Tensor | None, key_valid: Tensor | None
