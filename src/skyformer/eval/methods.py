@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 
 from ..registry import get_method
+from ..registry.capabilities import TARGETS
 
-TARGETS = ("softmax", "gaussian")
 STATE_SEED = 0  # initialisation seed of the per-layer state of layer-like calls
 
 PreparedCall = Callable[[Tensor, Tensor, Tensor, "torch.Generator | None"], Tensor]

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 Target = Literal["softmax", "gaussian"]
+TARGETS: tuple[str, ...] = get_args(Target)  # the exact attentions a method approximates
 
 CAPABILITY_TEXT = {
     "mask": "honour a key_padding_mask",

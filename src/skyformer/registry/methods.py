@@ -20,7 +20,6 @@ missing capability and the methods that have it.
 from __future__ import annotations
 
 import dataclasses
-import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,14 +28,13 @@ import torch
 from torch import Tensor
 
 from .binding import HALF_DTYPES, BoundMethod
-from .capabilities import Capabilities, CapabilityError, Target, capability_sentence
+from .capabilities import TARGETS, Capabilities, CapabilityError, Target, capability_sentence
 from .signature import config_fields, core_of, public_function, takes_config
 
 StateFactory = Callable[[Any, int, int], "torch.nn.Module"]
 
 # Names ``Method.bind`` takes itself; no method may have an option of that name.
 _BIND_ARGUMENTS = ("num_heads", "head_dim", "seq_len")
-_TARGETS = typing.get_args(Target)  # "softmax", "gaussian"
 # Arguments of torch's scaled_dot_product_attention, which skyformer's takes beside the
 # methods' options (a sentence for one given to a method as an option points there).
 _SDPA_ARGUMENTS = frozenset({"attn_mask", "dropout_p", "is_causal", "enable_gqa"})
@@ -157,9 +155,9 @@ def register(
     if not isinstance(capabilities, Capabilities):
         raise TypeError(f"capabilities of {name!r} must be a skyformer.registry.Capabilities, "
                         f"got {type(capabilities).__name__}.")
-    if capabilities.target not in _TARGETS:
+    if capabilities.target not in TARGETS:
         raise ValueError(f"{name!r}: the target is the exact attention it approximates, one "
-                         f"of {', '.join(_TARGETS)}; got {capabilities.target!r}.")
+                         f"of {', '.join(TARGETS)}; got {capabilities.target!r}.")
     options = {f.name for f in dataclasses.fields(config_class)}
     for capability, option in (("causal", "causal"), ("fixed_length", "max_seq_len")):
         if getattr(capabilities, capability) and option not in options:
