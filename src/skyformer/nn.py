@@ -69,7 +69,7 @@ class MultiHeadAttention(nn.Module):
         if process_group is not None:
             from .distributed.forms import form_of  # torch.distributed only when asked
 
-            form_of(method)
+            form = form_of(method)  # refuses a method without a form before binding
         self.dim = dim
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
@@ -77,7 +77,7 @@ class MultiHeadAttention(nn.Module):
             num_heads, self.head_dim, seq_len=seq_len, **method_options
         )
         if process_group is not None:  # options the sequence-parallel form cannot run
-            form_of(method).check(self.bound.config)
+            form.check(self.bound.config)
         self.q_proj = nn.Linear(dim, dim, bias=bias)
         self.k_proj = nn.Linear(dim, dim, bias=bias)
         self.v_proj = nn.Linear(dim, dim, bias=bias)
