@@ -78,24 +78,19 @@ def _performer(q: Tensor, k: Tensor, v: Tensor, config: Any, info: AttentionInpu
                                      config, reduce).to(q.dtype)
 
 
-# Why causal=True does not run sequence parallel, per form (each rank's queries would
-# need the earlier ranks' prefix, not the sums over every shard this form exchanges).
-_NOT_CAUSAL = {
-    "skyformer": "its causal Nystrom construction reveals landmarks in order along the "
-                 "whole sequence",
-    "nystrom_softmax": "its causal Nystrom construction reveals landmarks in order along "
-                       "the whole sequence",
-    "linear": "its prefix sums would need a scan across ranks",
-    "performer": "its prefix sums would need a scan across ranks",
-}
+# Why causal=True does not run sequence parallel (each rank's queries would need the
+# earlier ranks' prefix, not the sums over every shard these forms exchange)
+_LANDMARKS_IN_ORDER = ("its causal Nystrom construction reveals landmarks in order along the "
+                       "whole sequence")
+_PREFIX_SCAN = "its prefix sums would need a scan across ranks"
 
 
-def _no_causal(method: str) -> Callable[[Any], None]:
+def _no_causal(method: str, reason: str) -> Callable[[Any], None]:
     def check(config: Any) -> None:
         if getattr(config, "causal", False):
             raise ValueError(
-                f"{method}: causal=True does not run sequence parallel "
-                f"({_NOT_CAUSAL[method]}); use causal=False or one process.")
+                f"{method}: causal=True does not run sequence parallel ({reason}); use "
+                "causal=False or one process.")
     return check
 
 
@@ -109,10 +104,10 @@ class Form:
 
 
 FORMS = {
-    "skyformer": Form(_skyformer, _no_causal("skyformer")),
-    "nystrom_softmax": Form(_nystrom_softmax, _no_causal("nystrom_softmax")),
-    "linear": Form(_linear, _no_causal("linear")),
-    "performer": Form(_performer, _no_causal("performer")),
+    "skyformer": Form(_skyformer, _no_causal("skyformer", _LANDMARKS_IN_ORDER)),
+    "nystrom_softmax": Form(_nystrom_softmax, _no_causal("nystrom_softmax", _LANDMARKS_IN_ORDER)),
+    "linear": Form(_linear, _no_causal("linear", _PREFIX_SCAN)),
+    "performer": Form(_performer, _no_causal("performer", _PREFIX_SCAN)),
 }
 
 _WHY_NOT = {
