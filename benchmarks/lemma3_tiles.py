@@ -1,6 +1,6 @@
 """Tiles of the fused Lemma 3 kernels, timed on the GPU: which launch options are fastest.
 
-``triton_lemma3.launch_options(m, backward, captured)`` picks the row block
+``triton_lemma3.launch_options(m, backward, graphed)`` picks the row block
 (``ROWS``), the inner chunk (``KC``), the warps, the pipeline stages of each Lemma 3
 kernel and whether the chain runs in one program per matrix or as a launch per pass
 (``PER_PASS``: a program per block of rows, more programs for more launches). This
@@ -13,8 +13,9 @@ candidate must give the default's W and gradient. The fastest forward and backwa
 options per m and mode go to the JSON's ``best`` (``forward``, ``backward``,
 ``forward_graphed``, ``backward_graphed``), which ``applied`` (``gpu_kernels.py
 --tiles``, ``gpu_profile.py --tiles``) launches in place of ``launch_options``, the
-graphed ones while a CUDA graph is captured (``torch.compile(mode="reduce-overhead")``
-too): what the library would do with them as its defaults.
+graphed ones inside ``skyformer.cuda_graph_launches()`` (``graphed_options``, which
+those scripts enter around their CUDA-graph calls): what the library would do with them
+as its defaults.
 
     python benchmarks/lemma3_tiles.py --out benchmarks/results/lemma3_tiles.json
 
@@ -45,6 +46,7 @@ from unittest import mock
 import torch
 from gpu_device import device_problem  # benchmarks/, beside this script
 
+import skyformer
 from skyformer.eval.measure.timing import interleaved_median_seconds
 from skyformer.io import atomic_write_text
 from skyformer.linalg import (  # the triton_* modules import Triton
@@ -93,19 +95,12 @@ def stored_mib(batch: int, heads: int, m: int, option: dict, iterations: int = 6
     return batch * heads * slots * m * m * 4 / 2**20
 
 
-_GRAPHED = [False]  # inside graphed_options()
-
-
-@contextlib.contextmanager
 def graphed_options():
-    """Launches inside take the graphed options (``best``'s ``*_graphed``) as if a CUDA
-    graph were being captured, the warm-up before a capture too: a kernel launched
-    first during a capture would be compiled and loaded there, which CUDA refuses."""
-    before, _GRAPHED[0] = _GRAPHED[0], True
-    try:
-        yield
-    finally:
-        _GRAPHED[0] = before
+    """Launches inside take the graphed options (``best``'s ``*_graphed``, else the
+    library's, ``skyformer.cuda_graph_launches``), the warm-up before a capture too: a
+    kernel launched first during a capture would be compiled and loaded there, which
+    CUDA refuses."""
+    return skyformer.cuda_graph_launches()
 
 
 def graphed(step):
@@ -222,16 +217,15 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def _options(table: dict):
     """Both kernels launched with the options of ``table`` ``{m: {"forward": option,
     "backward": option}}`` (an absent m or a None option: as the library chooses), and
-    where a CUDA graph is being captured (or inside ``graphed_options``) with its
-    ``"forward_graphed"`` and ``"backward_graphed"`` options if it has them."""
+    inside ``graphed_options`` with its ``"forward_graphed"`` and ``"backward_graphed"``
+    options if it has them."""
     default = triton_lemma3.launch_options
 
-    def chosen(m: int, backward: bool = False, captured: bool = False) -> dict:
+    def chosen(m: int, backward: bool = False, graphed: bool = False) -> dict:
         kernel = "backward" if backward else "forward"
         entry = table.get(m, {})
-        graph = captured or _GRAPHED[0]
-        option = (entry.get(f"{kernel}_graphed") if graph else None) or entry.get(kernel)
-        return dict(option) if option else default(m, backward, captured)
+        option = (entry.get(f"{kernel}_graphed") if graphed else None) or entry.get(kernel)
+        return dict(option) if option else default(m, backward, graphed)
 
     with mock.patch.object(triton_lemma3, "launch_options", chosen), \
             mock.patch.object(triton_lemma3_backward, "launch_options", chosen):

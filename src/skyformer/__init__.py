@@ -8,6 +8,7 @@ bool, True = real token.
 """
 
 from .functional import scaled_dot_product_attention
+from .linalg.graph_launches import cuda_graph_launches
 from .nn import MultiHeadAttention
 from .ops import (
     kernelized_attention,
@@ -25,6 +26,7 @@ __all__ = [
     "CapabilityError",
     "MultiHeadAttention",
     "attention",
+    "cuda_graph_launches",
     "get_method",
     "kernelized_attention",
     "list_methods",

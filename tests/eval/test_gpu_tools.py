@@ -118,6 +118,7 @@ def test_lemma3_tile_sweep_runs_on_the_cpu_under_the_interpreter(tmp_path):
     import json
 
     from skyformer.linalg import triton_lemma3, triton_lemma3_backward
+    from skyformer.linalg.graph_launches import graph_launches_on
 
     out = tmp_path / "tiles.json"
     tiles = _load("lemma3_tiles")
@@ -145,17 +146,19 @@ def test_lemma3_tile_sweep_runs_on_the_cpu_under_the_interpreter(tmp_path):
         assert triton_lemma3.launch_options(16) == best["forward"]
         assert triton_lemma3_backward.launch_options(16, backward=True) == best["backward"]
         assert triton_lemma3_backward.launch_options(16, backward=True,
-                                                     captured=True) == per_pass
-        assert triton_lemma3.launch_options(16, captured=True) == best["forward"]
+                                                     graphed=True) == per_pass
+        assert triton_lemma3.launch_options(16, graphed=True) == best["forward"]
+        assert not graph_launches_on()
         with tiles.graphed_options():  # the warm-up before a capture: the same kernels
-            assert triton_lemma3_backward.launch_options(16, backward=True) == per_pass
+            assert graph_launches_on()
         assert triton_lemma3.launch_options(64)["BLOCK"] == 64  # not measured: the default
     keep = dict(best["backward"], KEEP_PRODUCTS=True)
     with tiles.applied({"16": {**best, "backward": keep}}):  # the forward keeps them then
         assert triton_lemma3.keeps_products(16) and not triton_lemma3.keeps_products(32)
     assert triton_lemma3.launch_options(16)["num_stages"] == 1
-    assert not triton_lemma3.launch_options(16, captured=True)["PER_PASS"]
-    assert not triton_lemma3.keeps_products(16)
+    assert triton_lemma3.launch_options(16, graphed=True)["PER_PASS"]  # the library's own
+    assert not triton_lemma3.launch_options(16)["PER_PASS"]
+    assert triton_lemma3.keeps_products(16, graphed=True) and not triton_lemma3.keeps_products(16)
 
 
 def test_product_tile_sweep_runs_on_the_cpu_under_the_interpreter(tmp_path):

@@ -38,8 +38,8 @@ def _keeping(monkeypatch, per_pass=False, rows=None):
 
     default = triton_lemma3.launch_options
 
-    def keeping(m, backward=False, captured=False):
-        option = default(m, backward, captured)
+    def keeping(m, backward=False, graphed=False):
+        option = default(m, backward, graphed)
         if per_pass:
             tile = min(rows, option["BLOCK"])
             option = {**option, "ROWS": tile, "KC": tile, "PER_PASS": True}

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from .eager_calls import apply
 from .functional_ops import first_order_backward
+from .graph_launches import graph_launches_on
 from .kernel_backend import (
     KernelFallback,
     check_kernel,
@@ -162,9 +163,9 @@ def _stored(source: Tensor, norm: Tensor | None) -> tuple[bool, bool]:
     """(whether the forward kernel keeps its step products, whether a backward pass can
     follow): without one it keeps the latest two iterates alone; with one, the step
     products too where the backward kernel's options ask (``triton_lemma3.store_slots``,
-    ``keeps_products``). Traced by ``torch.compile``, which cannot trace the question
-    whether a CUDA graph is being captured, the eager options decide (the backward
-    kernel reads what was kept from the store's size)."""
+    ``keeps_products``: inside ``cuda_graph_launches()``). Traced by ``torch.compile``
+    at the setting in force then, on which it guards; the backward kernel reads what
+    was kept from the store's size."""
     if not torch.is_grad_enabled():
         return False, False
     # under torch.func transforms the tensors a Function sees need not say whether an
@@ -174,7 +175,6 @@ def _stored(source: Tensor, norm: Tensor | None) -> tuple[bool, bool]:
     if not (transformed or source.requires_grad
             or (norm is not None and norm.requires_grad)):
         return False, False
-    from .triton_lemma3 import capturing, keeps_products  # imports Triton
+    from .triton_lemma3 import keeps_products  # imports Triton
 
-    captured = not torch.compiler.is_compiling() and capturing(source)
-    return keeps_products(source.shape[-2], captured), True
+    return keeps_products(source.shape[-2], graph_launches_on()), True

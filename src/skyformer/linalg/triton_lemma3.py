@@ -54,6 +54,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .graph_launches import graph_launches_on
 from .launch_grid import cdiv, tile_width
 from .triton_kernels import _precision
 from .triton_rowblocks import eye_rows, product_rows, rows_of, square_rows, store_rows
@@ -276,13 +277,7 @@ def launch(program_kernel, pass_kernel, passes: list[tuple[int, int]], bh: int, 
         pass_kernel[grid](*args, step, PASS=kind, **options)
 
 
-def capturing(t: Tensor) -> bool:
-    """Whether ``t``'s kernels are being captured into a CUDA graph (replayed later
-    without the host: launches cost little there, so a chain may take other options)."""
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
-def launch_options(m: int, backward: bool = False, captured: bool = False) -> dict:
+def launch_options(m: int, backward: bool = False, graphed: bool = False) -> dict:
     """Tiles and warps of the forward (or ``backward``) Lemma 3 kernel: the matrix padded
     to a power of two (``BLOCK``, tl.dot needs >= 16), row blocks and inner chunks of 32
     (``ROWS``, ``KC``: a [32, 128] float32 accumulator), eight warps from m = 64, one
@@ -293,21 +288,27 @@ def launch_options(m: int, backward: bool = False, captured: bool = False) -> di
     against the alternatives that compile cleanly (``benchmarks/lemma3_tiles.py``, H200,
     m = 128): the fastest for both kernels, the others up to 1.4x slower (64-row blocks
     with warpgroup MMA too: the kernels wait on their chain of passes, not on MMAs).
-    ``captured``: for a CUDA graph being captured, the same options until a device
-    says otherwise (a launch per pass is not timed on a GPU yet; ``lemma3_tiles.py``
-    times every option eager and in a CUDA graph). Options that differ there must also
-    be launched before the capture (its warm-up): a kernel first launched during a
-    capture is compiled and loaded there, which CUDA refuses.
+    ``graphed`` (inside ``cuda_graph_launches()``, ``graph_launches.py``): a launch per
+    pass, 16-row blocks and four warps forward, 32-row blocks backward, the step
+    products kept (``KEEP_PRODUCTS``): the fastest options replayed from a CUDA graph
+    on an H100 (``lemma3_tiles_h100.txt``, m = 128; no spills on sm_90).
     ``KEEP_PRODUCTS`` (backward): whether the forward kernel keeps the step products
-    for the backward kernel (``keeps_products``); not yet, until a device has timed it."""
+    for the backward kernel (``keeps_products``); eagerly not, for the memory."""
     block = tile_width(m)
     tile = min(block, 32)
-    options = {"BLOCK": block, "ROWS": tile, "KC": tile, "num_warps": 8 if block >= 64 else 4,
+    warps = 8 if block >= 64 else 4
+    if graphed:
+        if backward:
+            return {"BLOCK": block, "ROWS": tile, "KC": tile, "num_warps": warps,
+                    "num_stages": 1, "PER_PASS": True, "KEEP_PRODUCTS": True}
+        return {"BLOCK": block, "ROWS": 16, "KC": 16, "num_warps": 4, "num_stages": 1,
+                "PER_PASS": True}
+    options = {"BLOCK": block, "ROWS": tile, "KC": tile, "num_warps": warps,
                "num_stages": 1, "PER_PASS": False}
     return {**options, "KEEP_PRODUCTS": False} if backward else options
 
 
-def keeps_products(m: int, captured: bool = False) -> bool:
+def keeps_products(m: int, graphed: bool = False) -> bool:
     """Whether a differentiated forward call stores the step products P, T2, T3 beside
     the iterates (``store_slots``), as the backward kernel's launch options ask
     (``KEEP_PRODUCTS``): the backward kernel then multiplies 8 pairs of m x m matrices a
@@ -315,8 +316,8 @@ def keeps_products(m: int, captured: bool = False) -> bool:
     forward kernel's 22 are unchanged), for 16 more m x m float32 matrices a matrix held
     from the forward to the backward pass (64 MiB at B x H = 64, m = 128, beside the
     iterates' 24; the backward kernel's scratch shrinks by 3 of its 12)."""
-    return bool(launch_options(m, backward=True, captured=captured).get("KEEP_PRODUCTS",
-                                                                         False))
+    return bool(launch_options(m, backward=True, graphed=graphed).get("KEEP_PRODUCTS",
+                                                                       False))
 
 
 def lemma3_forward(source: Tensor, norm: Tensor | None, ridge: Tensor, iterations: int,
@@ -340,7 +341,7 @@ def lemma3_forward(source: Tensor, norm: Tensor | None, ridge: Tensor, iteration
     options = {"ITERATIONS": iterations, "KEEP": keep, "LAST_TWO": not backward,
                "FROM_ROWS": norm is not None,
                "TINY": torch.finfo(source.dtype).tiny, "PRECISION": _precision(source.dtype),
-               **launch_options(m, captured=capturing(source))}
+               **launch_options(m, graphed=graph_launches_on())}
     launch(_forward_kernel, _forward_pass_kernel, forward_passes(iterations), bh, m, args,
            options)
     return w, store

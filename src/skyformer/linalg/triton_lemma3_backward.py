@@ -37,10 +37,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .graph_launches import graph_launches_on
 from .launch_grid import tile_width
 from .triton_kernels import _precision
 from .triton_lemma3 import (
-    capturing,
     launch,
     launch_options,
     regularise_rows,
@@ -304,7 +304,7 @@ def lemma3_backward(source: Tensor, norm: Tensor | None, ridge: Tensor, store: T
                "TINY": torch.finfo(source.dtype).tiny,
                "BLOCK_D": tile_width(d),
                "PRECISION": _precision(source.dtype),
-               **launch_options(m, backward=True, captured=capturing(source))}
+               **launch_options(m, backward=True, graphed=graph_launches_on())}
     launch(_backward_kernel, _backward_pass_kernel,
            backward_passes(iterations, norm is not None), bh, m, args, options)
     return dsource, dnorm
