@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -229,7 +230,8 @@ def cell(n: int, layer: int, m: int, variant: str, seed: int, err: float) -> dic
 
 def table(rows: list[dict]) -> str:
     """Markdown: per N, a row per variant, m in columns; mean over layers and seeds ± the
-    sample std over seeds of the layer mean."""
+    sample std over seeds of the layer mean. A NaN error (saved as null) shows as nan."""
+    rows = [{**r, "err": math.nan if r["err"] is None else r["err"]} for r in rows]
     cells: dict[tuple, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
         cells[(r["N"], r["variant"], r["m"], r["seed"])][r["layer"]].append(r["err"])

@@ -3,6 +3,8 @@ from __future__ import annotations
 import json
 import stat
 
+import pytest
+
 from skyformer.io import atomic_write_text, write_csv, write_json
 
 
@@ -20,3 +22,26 @@ def test_json_and_csv(tmp_path):
     rows = [{"a": 1, "b": None}, {"a": 2, "c": "z"}]
     text = write_csv(tmp_path / "r.csv", rows, metadata={"config": {"n": 3}}).read_text()
     assert text == '# config: {"n": 3}\na,b,c\n1,,\n2,,z\n'
+
+
+def _strict(text):
+    """``json.loads`` that refuses the NaN and Infinity tokens, as strict JSON readers do."""
+    def refuse(token):
+        raise ValueError(f"not JSON: {token}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_non_finite_numbers_are_written_as_null(tmp_path):
+    nan, inf = float("nan"), float("inf")
+    data = {"a": nan, "b": [1.5, inf, {"c": -inf}], "d": (nan, 2), "e": {"f": {"g": [nan]}}}
+    for indent in (2, None):
+        text = write_json(tmp_path / "a.json", data, indent=indent).read_text()
+        assert _strict(text) == {"a": None, "b": [1.5, None, {"c": None}], "d": [None, 2],
+                                 "e": {"f": {"g": [None]}}}
+    text = write_csv(tmp_path / "r.csv", [{"x": 1}], metadata={"config": {"max": inf}}).read_text()
+    assert text.startswith('# config: {"max": null}\n')
+    # what cannot be made finite (here a NaN key) is refused, and nothing is written
+    with pytest.raises(ValueError, match="not JSON compliant"):
+        write_json(tmp_path / "bad.json", {nan: 1})
+    assert not (tmp_path / "bad.json").exists()

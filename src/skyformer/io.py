@@ -1,8 +1,10 @@
-"""Result files: atomic writes (a crash never leaves a half-written file) and environment."""
+"""Result files: atomic writes (a crash never leaves a half-written file), strict JSON
+(a non-finite number is ``null``) and environment."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import shutil
@@ -105,11 +107,34 @@ def save_figure(fig: Any, path: str | os.PathLike[str], **savefig: Any) -> Path:
     return target
 
 
+def json_ready(data: Any) -> Any:
+    """``data`` as the result files store it: every non-finite float (NaN, +-inf), in
+    dicts, lists and tuples too, as None (JSON ``null``), tuples as lists."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {key: json_ready(value) for key, value in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [json_ready(value) for value in data]
+    return data
+
+
+def json_text(data: Any, *, indent: int | None = None,
+              separators: tuple[str, str] | None = None) -> str:
+    """``data`` as strict JSON: non-finite numbers as ``null`` (``json_ready``), never
+    the ``NaN``/``Infinity`` tokens that strict readers (jq, JavaScript) refuse; anything
+    else that is not JSON raises ``ValueError``. Objects JSON has no type for (paths,
+    dtypes) are written as their ``str``."""
+    return json.dumps(json_ready(data), indent=indent, separators=separators,
+                      sort_keys=False, default=str, allow_nan=False)
+
+
 def write_json(path: str | os.PathLike[str], data: Any, *, indent: int | None = 2) -> Path:
-    """Atomically write ``data`` as JSON (``indent=None``: compact, for long arrays)."""
+    """Atomically write ``data`` as strict JSON (``indent=None``: compact, for long
+    arrays). A NaN or infinite number, nested or not, is written as ``null``: readers of
+    the result files take ``null`` where a number is expected as "no value"."""
     separators = (",", ":") if indent is None else None
-    text = json.dumps(data, indent=indent, separators=separators, sort_keys=False, default=str)
-    return atomic_write_text(path, text + "\n")
+    return atomic_write_text(path, json_text(data, indent=indent, separators=separators) + "\n")
 
 
 def environment(device: torch.device | str | None = None) -> dict[str, Any]:
@@ -142,7 +167,8 @@ def write_csv(
 ) -> Path:
     """Atomically write ``rows`` (dicts; columns = union of their keys, first-seen order)
     as CSV. ``metadata`` (e.g. the resolved config and environment) goes first, one
-    ``# key: <json>`` comment line per key (``pandas.read_csv(path, comment="#")``)."""
+    ``# key: <json>`` comment line per key (``pandas.read_csv(path, comment="#")``;
+    strict JSON, see ``json_text``)."""
     import csv
     import io
 
@@ -151,7 +177,7 @@ def write_csv(
         columns.extend(k for k in row if k not in columns)
     buffer = io.StringIO()
     for key, value in (metadata or {}).items():
-        buffer.write(f"# {key}: {json.dumps(value, default=str)}\n")
+        buffer.write(f"# {key}: {json_text(value)}\n")
     writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
     writer.writeheader()
     for row in rows:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -165,8 +166,13 @@ def test_config_errors():
 
 def test_outputs_without_plots(tmp_path):
     result = run_approx(small(), log=lambda s: None)
+    result.rows[0]["spectral_std"] = float("nan")  # e.g. one seed: no spread
     written = write_outputs(result, tmp_path, plots=False, command="skyformer approx --x")
     assert set(written) == {"json", "csv", "report"}
+    # strict JSON: a non-finite number is null, never a bare NaN token
+    data = json.loads((tmp_path / "approx.json").read_text(),
+                      parse_constant=lambda token: pytest.fail(f"{token} in approx.json"))
+    assert data["rows"][0]["spectral_std"] is None
     csv = (tmp_path / "approx.csv").read_text()
     assert csv.startswith("# config: {") and "\n# environment: {" in csv
     assert "source,seq_len,kind,method,target,num_features" in csv

@@ -182,6 +182,31 @@ def test_an_interrupted_run_keeps_its_lengths_and_resume_measures_only_the_rest(
     assert f"torch: '0.0' -> '{torch.__version__}'" in capsys.readouterr().err
 
 
+def test_non_finite_numbers_are_null_in_the_file_and_resume_reads_them(
+        tmp_path, capsys, monkeypatch):
+    """--max-seconds inf and an error that came out NaN are null in OUT.json (strict
+    JSON); --resume takes that file back as the same settings, the error shown as "-"."""
+    import skyformer.eval.bench.run as bench_run
+
+    out = tmp_path / "strict"
+    argv = ["bench", "--methods", "skyformer", "--shapes", "1,1,8", "--features", "8",
+            "--repeats", "1", "--warmup", "0", "--no-memory", "--out", str(out), "--no-plot",
+            "--max-seconds", "inf", "--seq-lens", "64"]
+    monkeypatch.setattr(bench_run, "relative_error",
+                        lambda *a, **k: torch.tensor([float("nan")]))  # an overflowed output
+    assert main(argv) == 0
+    text = out.with_suffix(".json").read_text()
+    data = json.loads(text, parse_constant=lambda token: pytest.fail(f"{token} in the JSON"))
+    assert data["config"]["max_seconds"] is None
+    assert [r["rel_error"] for r in data["rows"]] == [None, None]
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 0
+    captured = capsys.readouterr()
+    assert "2 rows measured before" in captured.err
+    row = next(line for line in captured.out.splitlines() if line.startswith("skyformer"))
+    assert row.split()[8] == "-"  # the rel. error column
+
+
 def test_crossover_and_summary_arithmetic():
     assert crossover([(512, 0.5), (1024, 2.0)]) == (
         pytest.approx(724.08, rel=1e-3),

@@ -122,3 +122,14 @@ def test_a_run_writes_every_cell_and_a_rerun_resumes(tmp_path, capsys, fake_refo
     assert "m=32 done" in capsys.readouterr().out
     again = json.loads(out.read_text())["rows"]
     assert again[: len(rows)] == rows and len(again) == len(rows) + 4 * 2
+
+
+def test_a_cell_saved_as_null_is_a_nan_in_the_table():
+    """A NaN error is saved as null (strict JSON); read back, the table shows nan as it
+    would have for the NaN itself."""
+    rows = [published.cell(32, 0, 0, "mean(V)", 0, 0.5),
+            published.cell(32, 0, 8, "published", 0, 0.25),
+            published.cell(32, 0, 8, "reformer", 0, None)]
+    table = published.table(rows)
+    assert "| published | 0.250 ± 0.000 |" in table
+    assert "| reformer | nan ± 0.000 |" in table

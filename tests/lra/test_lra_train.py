@@ -207,6 +207,30 @@ def test_a_run_stopped_early_is_finished_on_resume_without_training(listops_cach
     assert load_checkpoint(tmp_path / "last.pt")["state"]["step"] == 6
 
 
+def test_a_diverged_run_writes_strict_json_and_resumes_as_finished(
+        listops_cache, tmp_path, monkeypatch):
+    """A run whose loss became NaN (here: lr = inf) writes null for every non-finite number
+    (metrics.jsonl, result.json and config.json are strict JSON); resumed, it is found
+    finished (its config, read back with null for inf, is the same) and the report reads it."""
+    from skyformer.lra.report import collect_runs, tables
+    from skyformer.lra.train import Trainer
+
+    def strict(text):
+        return json.loads(text, parse_constant=lambda token: pytest.fail(f"{token} written"))
+
+    cfg = _cfg(steps=4, lr=float("inf"), eval_every=2, log_every=2)
+    _run(cfg, listops_cache, tmp_path)
+    result = strict((tmp_path / "result.json").read_text())
+    assert result["test_loss"] is None and result["config"]["lr"] is None
+    assert strict((tmp_path / "config.json").read_text())["train"]["lr"] is None
+    entries = [strict(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [e["kind"] for e in entries] == ["train", "dev", "train", "dev", "test"]
+    assert all(e["loss"] is None for e in entries)
+    monkeypatch.setattr(Trainer, "_finish", lambda self: pytest.fail("evaluated again"))
+    assert _run(cfg, listops_cache, tmp_path, resume=True) == result
+    assert "| softmax |" in tables(collect_runs([tmp_path]))
+
+
 def test_resume_refuses_other_prepared_data_with_a_sentence(tmp_path):
     from skyformer.lra import prepare, write_listops
     from tests.lra.release_files import TINY_RULES

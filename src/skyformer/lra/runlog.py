@@ -1,6 +1,7 @@
 """Run records: every entry goes to ``metrics.jsonl``, per-kind CSV files (``train.csv``,
 ``dev.csv``) and, when the ``tensorboard`` package is installed, TensorBoard event
-files under ``tensorboard/``.
+files under ``tensorboard/``. ``metrics.jsonl`` is strict JSON, one entry a line: a NaN
+or infinite value (a diverged loss) is ``null`` there; the CSV files write ``nan``.
 
 The history also lives in the checkpoint: on resume the files are rewritten from it,
 so entries logged after the last checkpoint by an interrupted run disappear, and
@@ -15,13 +16,18 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..io import atomic_write_text
+from ..io import atomic_write_text, json_ready
 
 
 def tensorboard_available() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("tensorboard") is not None
+
+
+def _json_line(entry: dict[str, Any]) -> str:
+    """One ``metrics.jsonl`` line: strict JSON, a non-finite number as ``null``."""
+    return json.dumps(json_ready(entry), allow_nan=False) + "\n"
 
 
 class RunLog:
@@ -38,7 +44,7 @@ class RunLog:
             return
         self.folder.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.folder / "metrics.jsonl",
-                          "".join(json.dumps(e) + "\n" for e in self.history))
+                          "".join(_json_line(e) for e in self.history))
         for kind in {e["kind"] for e in self.history}:
             self._write_csv(kind)
         if tensorboard and tensorboard_available():
@@ -68,7 +74,7 @@ class RunLog:
         if not self.enabled:
             return entry
         with (self.folder / "metrics.jsonl").open("a", encoding="utf-8") as handle:
-            handle.write(json.dumps(entry) + "\n")
+            handle.write(_json_line(entry))
         self._write_csv(kind)
         if self._writer is not None and "step" in values:
             for name, value in values.items():

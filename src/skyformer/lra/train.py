@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from ..io import environment, write_json
+from ..io import environment, json_ready, write_json
 from ..logs import get_logger
 from .batches import BatchOrder, Position, fetch, micro_batches
 from .cache import TaskData, data_fingerprint, load_cache
@@ -454,7 +454,8 @@ class Trainer:
         if not path.is_file():
             return None
         result = json.loads(path.read_text(encoding="utf-8"))
-        if result.get("config") != self.cfg.to_dict() or result.get("steps") != self.state.step:
+        config = json_ready(self.cfg.to_dict())  # as written: an infinite setting is null
+        if result.get("config") != config or result.get("steps") != self.state.step:
             return None
         return result
 

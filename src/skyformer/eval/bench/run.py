@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...io import environment
+from ...io import environment, json_ready
 from ...registry import exact_method, get_method, list_methods
 from ..measure.flops import attention_flops, matmul_flops_per_second
 from ..measure.memory import MemoryJob, peak_memory_bytes
@@ -331,10 +331,9 @@ def resumable_rows(config: BenchConfig, earlier: dict[str, Any]
 
 
 def _comparable(value: Any) -> Any:
-    """JSON turns tuples into lists; compare both as lists."""
-    if isinstance(value, (list, tuple)):
-        return [_comparable(v) for v in value]
-    return value
+    """``value`` as the JSON file holds it (tuples as lists, a non-finite number such as
+    ``--max-seconds inf`` as None), so that a setting read back compares equal."""
+    return json_ready(value)
 
 
 def _cpu_model() -> str | None:
