@@ -57,13 +57,31 @@ def test_stop_after_stops_at_that_step_and_says_where(tmp_path, capsys, listops_
     for extra, said in ((["--stop-after", "4"], "stopped after step 4;"),
                         (["--stop-after", "4", "--resume"], "stopped after step 4;"),
                         (["--stop-after", "2", "--resume"],
-                         "stopped after step 4 (already past --stop-after 2)")):
+                         "nothing trained: the run is already at step 4, past --stop-after 2")):
         assert main([*args, *extra]) == 0
         assert said in capsys.readouterr().out
         assert load_checkpoint(tmp_path / "last.pt")["state"]["step"] == 4
     assert main([*args, "--stop-after", "0", "--out", str(tmp_path / "none")]) == 0
     assert "stopped after step 0;" in capsys.readouterr().out
     assert not (tmp_path / "none" / "last.pt").exists()
+
+
+def test_a_run_already_at_or_past_stop_after_says_so_in_one_line(
+        tmp_path, capsys, listops_cache):
+    """Resumed at or past --stop-after, nothing is trained and one line says so, also
+    without --quiet, where the trainer's own messages are printed."""
+    args = ["lra", "train", "listops", "--attn", "softmax", "--steps", "6", "--eval-every", "3",
+            "--batch-size", "16", "--cache", str(listops_cache), "--out", str(tmp_path),
+            "--no-tensorboard"]
+    assert main([*args, "--stop-after", "4"]) == 0
+    capsys.readouterr()
+    for stop, said in (("4", "stopped after step 4; continue with --resume"),
+                       ("2", "nothing trained: the run is already at step 4, past --stop-after "
+                        "2; continue with --resume")):
+        assert main([*args, "--stop-after", stop, "--resume"]) == 0
+        out = capsys.readouterr().out
+        assert [line for line in out.splitlines() if "stop" in line] == [said], out
+        assert load_checkpoint(tmp_path / "last.pt")["state"]["step"] == 4
 
 
 def test_user_errors_are_one_line(tmp_path, capsys):

@@ -243,12 +243,13 @@ def _run_train(args: argparse.Namespace) -> int:
         trainer = Trainer(run_cfg, cache_root=_cache(args), out_dir=out, resume=args.resume,
                           stop_after=args.stop_after, device=args.device,
                           tensorboard=not args.no_tensorboard, quiet=args.quiet)
-        if trainer.run() is None:
+        if trainer.run() is None:  # the one line about --stop-after (the trainer says none)
             step = trainer.state.step
-            passed = "" if step == args.stop_after else \
-                f" (already past --stop-after {args.stop_after})"
+            said = f"stopped after step {step}" if step == args.stop_after else \
+                f"nothing trained: the run is already at step {step}, past --stop-after " \
+                f"{args.stop_after}"
             if trainer.info.is_main:  # under torchrun, one line rather than one per process
-                print(f"stopped after step {step}{passed}; continue with --resume")
+                print(f"{said}; continue with --resume")
             return 0
     return 0
 

@@ -135,7 +135,8 @@ def _describe_differences(saved: dict[str, Any], current: dict[str, Any]) -> str
 
 class Trainer:
     """One training run; ``run()`` returns the result, or None when stopped by
-    ``stop_after`` (to be resumed; ``state.step`` is the step it stopped at)."""
+    ``stop_after`` (to be resumed; ``state.step`` is the step it stopped at, beyond
+    ``stop_after`` when the run was already past it and nothing was trained)."""
 
     def __init__(self, cfg: TrainConfig, *, cache_root: str | os.PathLike[str],
                  out_dir: str | os.PathLike[str] | None = None, resume: bool = False,
@@ -365,9 +366,7 @@ class Trainer:
                       f"{cfg.patience} evaluations): evaluating the best checkpoint")
             return True
         if self.stop_after is not None and self.stop_after <= state.step < cfg.steps:
-            self._say(f"step {state.step} is at or past --stop-after {self.stop_after}: "
-                      "not training")
-            return False
+            return False  # nothing to train; the caller says so (run() returns None)
         checkpoint_every = cfg.checkpoint_every or cfg.eval_every
         self.model.train()
         reset_peak_memory(self.device)
