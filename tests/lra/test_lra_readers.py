@@ -113,6 +113,32 @@ def test_aan_bad_label_names_the_line(tmp_path):
         prepare("retrieval", tmp_path, tmp_path / "c")
 
 
+def test_an_empty_document_is_named_by_file_and_line(tmp_path):
+    """Not by its index in the data: by the line of the file (1-based, a header counted),
+    with what to do about it; no cache is left behind."""
+    files = make_aan(tmp_path / "aan")
+    write_tsv(files["new_aan_pairs.eval.tsv"], [["0", "a", "b", "t1", "t2"],
+                                                ["1", "a", "b", "t1", ""]])
+    with pytest.raises(ValueError, match=r"new_aan_pairs\.eval\.tsv line 2: text2 \(column 5\) "
+                       r"is empty.*delete the line or give it its text, then prepare again"):
+        prepare("retrieval", tmp_path / "aan", tmp_path / "cache")
+    write_tsv(files["new_aan_pairs.eval.tsv"], [["0", "a", "b", "", "t2"]],
+              header=["label", "id1", "id2", "text1", "text2"])
+    with pytest.raises(ValueError, match=r"eval\.tsv line 2: text1 \(column 4\) is empty"):
+        prepare("retrieval", tmp_path / "aan", tmp_path / "cache")
+    make_listops_release(tmp_path / "listops")
+    write_tsv(tmp_path / "listops" / "basic_test.tsv", [["7", "7"], ["( )", "3"]],
+              ["Source", "Target"])
+    with pytest.raises(ValueError, match=r"basic_test\.tsv line 3: Source \(column 1\) holds "
+                       r"no ListOps token"):
+        prepare("listops", tmp_path / "listops", tmp_path / "cache")
+    root = make_imdb(tmp_path / "imdb")
+    (root / "test" / "pos" / "1_7.txt").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"test/pos/1_7\.txt is empty.*delete the file"):
+        prepare("text", tmp_path / "imdb", tmp_path / "cache")
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+
 def test_cifar_grey_levels_and_lra_split(tmp_path):
     rgb, labels = make_cifar(tmp_path, records=10)
     data = load_cache(prepare("image", tmp_path, tmp_path / "c").parent, "image")

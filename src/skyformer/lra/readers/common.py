@@ -27,6 +27,13 @@ def require_file(path: Path, what: str) -> Path:
     return path
 
 
+def empty_document(where: str, unit: str = "line") -> ValueError:
+    """The error for a document without tokens, named by ``where`` (the file, and the line
+    for tab-separated files), with what to do about it."""
+    return ValueError(f"{where}; a model cannot attend over no tokens: delete the {unit} or "
+                      "give it its text, then prepare again.")
+
+
 ASCII_BLANKS = " \t\n\r\x0b\x0c"  # bytes.strip()'s whitespace: a line of others is a row
 
 
@@ -46,7 +53,8 @@ def tsv_rows(path: Path, columns: int, *, header: str | None = None
              ) -> Iterator[tuple[int, list[str]]]:
     """``(line number, fields)`` of a tab-separated UTF-8 file with ``columns`` fields.
 
-    A first line starting with ``header`` is skipped; blank lines are ignored.
+    Line numbers count from 1, the header included, as an editor shows them. A first
+    line starting with ``header`` is skipped; blank lines are ignored.
     """
     with path.open("rb") as handle:
         for number, raw in enumerate(handle, start=1):

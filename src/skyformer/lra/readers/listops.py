@@ -16,7 +16,7 @@ import numpy as np
 
 from ..cache import SplitSource
 from ..vocab import encode_listops
-from .common import count_rows, locate, require_file, tsv_rows
+from .common import count_rows, empty_document, locate, require_file, tsv_rows
 
 FILES = {"train": "basic_train.tsv", "dev": "basic_val.tsv", "test": "basic_test.tsv"}
 GENERATOR_RECORD = "generator.json"  # written by `skyformer lra generate listops`
@@ -31,6 +31,9 @@ def _examples(path: Path) -> Iterator[tuple[list[np.ndarray], int]]:
             raise ValueError(f"{path} line {number}: {err}") from None
         if not 0 <= label <= 9:
             raise ValueError(f"{path} line {number}: Target must be a digit 0-9, got {target!r}.")
+        if tokens.size == 0:
+            raise empty_document(f"{path} line {number}: Source (column 1) holds no ListOps "
+                                 "token (parentheses do not count)")
         yield [tokens], label
 
 

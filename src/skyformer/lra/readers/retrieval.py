@@ -15,7 +15,7 @@ import numpy as np
 
 from ..cache import SplitSource
 from ..vocab import encode_bytes
-from .common import count_rows, locate, require_file, tsv_rows
+from .common import count_rows, empty_document, locate, require_file, tsv_rows
 
 FILES = {"train": "new_aan_pairs.train.tsv", "dev": "new_aan_pairs.eval.tsv",
          "test": "new_aan_pairs.test.tsv"}
@@ -36,6 +36,10 @@ def _examples(path: Path) -> Iterator[tuple[list[np.ndarray], int]]:
     for number, fields in tsv_rows(path, 5, header="label\t"):
         label = _label(fields[0], path, number)
         documents = [encode_bytes(text.encode("utf-8")) for text in fields[3:5]]
+        for column, tokens in enumerate(documents, start=4):
+            if tokens.size == 0:
+                raise empty_document(f"{path} line {number}: text{column - 3} (column {column}) "
+                                     "is empty")
         yield documents, label
 
 

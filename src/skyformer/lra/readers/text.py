@@ -17,7 +17,7 @@ import numpy as np
 
 from ..cache import SplitSource
 from ..vocab import encode_bytes
-from .common import locate
+from .common import empty_document, locate
 
 LABELS = {"neg": 0, "pos": 1}
 
@@ -37,7 +37,10 @@ def _reviews(folder: Path) -> list[tuple[Path, int]]:
 
 def _examples(items: Sequence[tuple[Path, int]]) -> Iterator[tuple[list[np.ndarray], int]]:
     for path, label in items:
-        yield [encode_bytes(path.read_bytes())], label
+        tokens = encode_bytes(path.read_bytes())
+        if tokens.size == 0:
+            raise empty_document(f"{path} is empty (0 bytes)", unit="file")
+        yield [tokens], label
 
 
 def read_text(src: str | Path, *, dev_fraction: float = 0.1, split_seed: int = 0
