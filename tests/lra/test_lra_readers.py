@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from skyformer.lra import load_cache, prepare
+from skyformer.lra.readers.common import count_rows, tsv_rows
 from skyformer.lra.vocab import LISTOPS_IDS
 from tests.lra.release_files import (
     make_aan,
@@ -57,6 +58,23 @@ def test_listops_errors_name_the_file_and_line(tmp_path):
     (tmp_path / "src" / "basic_test.tsv").unlink()
     with pytest.raises(FileNotFoundError, match=r"basic_test.tsv"):
         prepare("listops", tmp_path / "src", tmp_path / "cache")
+
+
+def test_count_rows_counts_the_rows_tsv_rows_reads(tmp_path):
+    # The split length comes from count_rows and the rows from tsv_rows: they must agree on
+    # the header, on blank lines (ASCII whitespace only, CRLF too) and on the line numbers.
+    path = tmp_path / "rows.tsv"
+    path.write_bytes(b"Source\tTarget\r\n\r\na\t1\r\n \t\x0b\n\xc2\xa0\tx\nb\t2\n\n")
+    rows = list(tsv_rows(path, 2, header="Source"))
+    assert rows == [(3, ["a", "1"]), (5, ["\u00a0", "x"]), (6, ["b", "2"])]
+    assert count_rows(path, header="Source") == len(rows) == 3
+    # without a header, or with one that does not match, the first line is a row
+    assert count_rows(path) == len(list(tsv_rows(path, 2))) == 4
+    assert count_rows(path, header="label") == 4
+    path.write_bytes(b"a\t1\nb\t\xff\n")
+    assert count_rows(path) == 2  # counting does not decode
+    with pytest.raises(ValueError, match=r"rows.tsv line 2: not UTF-8 \(byte 0xff at column 3"):
+        list(tsv_rows(path, 2))
 
 
 def test_imdb_bytes_labels_and_seeded_dev_split(tmp_path):

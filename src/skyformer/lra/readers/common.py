@@ -34,19 +34,25 @@ def empty_document(where: str, unit: str = "line") -> ValueError:
                       "give it its text, then prepare again.")
 
 
-ASCII_BLANKS = " \t\n\r\x0b\x0c"  # bytes.strip()'s whitespace: a line of others is a row
+def _content_lines(path: Path, header: str | None) -> Iterator[tuple[int, bytes]]:
+    """``(line number, raw line)`` of the lines that are rows: not blank, not the header.
+
+    A line is blank when it holds only ASCII whitespace; the header is a first line starting
+    with ``header``. ``count_rows`` and ``tsv_rows`` both read through here, so the number
+    of rows counted is the number of rows read.
+    """
+    prefix = None if header is None else header.encode()
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            if number == 1 and prefix is not None and raw.startswith(prefix):
+                continue
+            if raw.strip():  # ASCII whitespace only: a line of a non-ASCII blank is a row
+                yield number, raw
 
 
 def count_rows(path: Path, *, header: str | None = None) -> int:
     """Number of non-empty lines of a text file, minus a first line starting with ``header``."""
-    count = 0
-    with path.open("rb") as handle:
-        for i, line in enumerate(handle):
-            if i == 0 and header is not None and line.startswith(header.encode()):
-                continue
-            if line.strip():
-                count += 1
-    return count
+    return sum(1 for _ in _content_lines(path, header))
 
 
 def tsv_rows(path: Path, columns: int, *, header: str | None = None
@@ -56,23 +62,18 @@ def tsv_rows(path: Path, columns: int, *, header: str | None = None
     Line numbers count from 1, the header included, as an editor shows them. A first
     line starting with ``header`` is skipped; blank lines are ignored.
     """
-    with path.open("rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            try:
-                line = raw.decode("utf-8").rstrip("\r\n")
-            except UnicodeDecodeError as err:
-                raise ValueError(
-                    f"{path} line {number}: not UTF-8 (byte {raw[err.start]:#04x} at "
-                    f"column {err.start + 1}); the release files are UTF-8."
-                ) from None
-            if number == 1 and header is not None and line.startswith(header):
-                continue
-            if not line.strip(ASCII_BLANKS):  # what count_rows counts as blank
-                continue
-            fields = line.split("\t")
-            if len(fields) != columns:
-                raise ValueError(
-                    f"{path} line {number}: expected {columns} tab-separated columns, got "
-                    f"{len(fields)}."
-                )
-            yield number, fields
+    for number, raw in _content_lines(path, header):
+        try:
+            line = raw.decode("utf-8").rstrip("\r\n")
+        except UnicodeDecodeError as err:
+            raise ValueError(
+                f"{path} line {number}: not UTF-8 (byte {raw[err.start]:#04x} at "
+                f"column {err.start + 1}); the release files are UTF-8."
+            ) from None
+        fields = line.split("\t")
+        if len(fields) != columns:
+            raise ValueError(
+                f"{path} line {number}: expected {columns} tab-separated columns, got "
+                f"{len(fields)}."
+            )
+        yield number, fields
