@@ -75,7 +75,7 @@ def building_folder(path: str | os.PathLike[str]) -> Iterator[Path]:
         if final.exists():
             old = final.parent / f".{final.name}.old-{os.getpid()}"
             os.replace(final, old)
-        os.replace(tmp, final)
+        os.replace(tmp, final)  # the one atomic step: files in tmp need no atomic writes
     except BaseException:
         if old is not None and not final.exists():
             os.replace(old, final)

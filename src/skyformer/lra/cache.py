@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ..io import atomic_write_text, building_folder
+from ..io import building_folder
 from .tasks import SPLITS, TaskSpec, get_task
 
 CACHE_FORMAT = 1
@@ -155,6 +155,7 @@ def write_cache(
         raise ValueError(f"a cache needs the splits {', '.join(SPLITS)}, got {', '.join(splits)}.")
     if not isinstance(max_len, int) or max_len <= 0:
         raise ValueError(f"max_len must be a positive integer, got {max_len!r}.")
+    # Files are written plainly in tmp: renaming tmp to the cache folder is the one atomic step.
     with building_folder(cache_dir(cache_root, task.name)) as tmp:
         infos = {name: _write_split(tmp, name, task, splits[name], max_len) for name in SPLITS}
         record = {
@@ -169,7 +170,7 @@ def write_cache(
             **(meta or {}),
             "splits": infos,
         }
-        atomic_write_text(tmp / "meta.json", json.dumps(record, indent=2) + "\n")
+        (tmp / "meta.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     return cache_dir(cache_root, task.name)
 
 

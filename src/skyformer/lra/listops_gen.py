@@ -16,11 +16,9 @@ from __future__ import annotations
 import json
 import os
 import random
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..io import FILE_MODE, atomic_write_text
 from .generated import generated_folder
 from .readers.listops import FILES, GENERATOR_RECORD
 from .vocab import LISTOPS_CLOSE, LISTOPS_OPERATORS
@@ -141,19 +139,10 @@ def generate_examples(count: int, rules: ListOpsRules, seed: int) -> list[tuple[
 
 
 def _write_tsv(path: Path, rows: list[tuple[str, int]]) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
-            handle.write("Source\tTarget\n")
-            for source, value in rows:
-                handle.write(f"{source}\t{value}\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, FILE_MODE)  # mkstemp creates 0600; data files are readable by all
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with path.open("w", encoding="utf-8", newline="\n") as handle:
+        handle.write("Source\tTarget\n")
+        for source, value in rows:
+            handle.write(f"{source}\t{value}\n")
 
 
 def write_listops(out: str | os.PathLike[str], *, train: int = 96_000, dev: int = 2_000,
@@ -172,6 +161,7 @@ def write_listops(out: str | os.PathLike[str], *, train: int = 96_000, dev: int 
             raise ValueError(f"the number of {name} examples must be a positive integer, "
                              f"got {n!r}.")
     folder = Path(out)
+    # Files are written plainly in tmp: renaming tmp to ``folder`` is the one atomic step.
     with generated_folder(folder, "listops", [*FILES.values(), GENERATOR_RECORD],
                           replace=replace) as tmp:
         examples = generate_examples(train + dev + test, rules, seed)
@@ -181,5 +171,6 @@ def write_listops(out: str | os.PathLike[str], *, train: int = 96_000, dev: int 
             start += n
         record = {"generator": "skyformer.lra.listops_gen", "seed": seed, "counts": counts,
                   "rules": asdict(rules)}
-        atomic_write_text(tmp / GENERATOR_RECORD, json.dumps(record, indent=2) + "\n")
+        (tmp / GENERATOR_RECORD).write_text(json.dumps(record, indent=2) + "\n",
+                                            encoding="utf-8")
     return {name: folder / FILES[name] for name in counts}

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ..io import atomic_write_text
 from .generated import generated_folder
 from .readers.pathfinder import SYNTHETIC_MARKER
 
@@ -188,6 +187,7 @@ def write_pathfinder(out: str | os.PathLike[str], count: int, *,
     if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
         raise ValueError(f"count must be a positive integer, got {count!r}.")
     folder = Path(out)
+    # Files are written plainly in tmp: renaming tmp to ``folder`` is the one atomic step.
     with generated_folder(folder, "pathfinder", ["imgs", "metadata", SYNTHETIC_MARKER],
                           replace=replace) as tmp:
         _write_images(tmp, count, rules, seed)
@@ -209,9 +209,9 @@ def _write_images(folder: Path, count: int, rules: PathfinderRules, seed: int) -
         Image.fromarray(drawing.image, mode="L").save(target / f"sample_{i}.png")
         lines.setdefault(k, []).append(f"imgs/{k} sample_{i}.png {i} {label}")
     for k, rows in lines.items():
-        atomic_write_text(folder / "metadata" / f"{k}.npy", "\n".join(rows) + "\n")
+        (folder / "metadata" / f"{k}.npy").write_text("\n".join(rows) + "\n", encoding="utf-8")
     note = {"synthetic": True, "generator": "skyformer.lra.pathfinder_gen", "seed": seed,
             "count": count, "rules": asdict(rules)}
-    atomic_write_text(folder / SYNTHETIC_MARKER,
-                      "Synthetic Pathfinder-like images, not the LRA release.\n"
-                      + json.dumps(note) + "\n")
+    (folder / SYNTHETIC_MARKER).write_text(
+        "Synthetic Pathfinder-like images, not the LRA release.\n" + json.dumps(note) + "\n",
+        encoding="utf-8")
