@@ -70,3 +70,18 @@ def test_a_method_registered_outside_the_library_is_measured(tmp_path, monkeypat
     finally:
         _REGISTRY.pop("toy_memory_method", None)
         sys.modules.pop("toy_memory_module", None)
+
+
+def test_the_fresh_process_imports_only_what_registers_an_outside_method():
+    """Which module the measuring process must import, for each form of a method name:
+    none for the library's methods and for ``module:function`` (with or without a target),
+    since resolving those imports them; a name that cannot be resolved fails here."""
+    import pytest
+
+    from skyformer.eval.measure.memory import _registering_module
+
+    helper = "tests.eval.memory_helpers:free_one_then_hold_two"
+    for spec in ("softmax", "skyformer", "linformer", helper, helper + "@softmax"):
+        assert _registering_module(spec) == [], spec
+    with pytest.raises(ValueError, match="unknown attention method 'not_a_method'"):
+        _registering_module("not_a_method")

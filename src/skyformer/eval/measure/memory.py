@@ -154,10 +154,12 @@ def peak_memory_bytes(
 def _registering_module(method: str) -> list[str]:
     """The module a fresh process must import to know ``method``: [] for the library's
     own methods and ``module:function`` specs (imported when resolved); a method
-    registered in ``__main__`` (a script, a notebook) cannot be known there."""
-    if ":" in method:
+    registered in ``__main__`` (a script, a notebook) cannot be known there. A name
+    ``resolve`` refuses fails here, before a process is started."""
+    named = resolve(method)
+    if not named.registered:
         return []
-    module = getattr(get_method(method.partition("@")[0]).function, "__module__", "") or ""
+    module = getattr(get_method(named.name).function, "__module__", "") or ""
     if module.startswith("skyformer."):
         return []
     if module == "__main__":
