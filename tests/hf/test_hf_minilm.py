@@ -62,6 +62,28 @@ def test_from_pretrained_with_a_skyformer_implementation(minilm, padded_batch):
     assert rows[0]["options"]["num_features"] == 16 and rows[0]["seed"] == 0
 
 
+@torch.no_grad()
+def test_saved_state_comes_back_from_every_checkpoint_format(model, padded_batch, tmp_path):
+    """MiniLM with trained Linformer projections, saved as safetensors and as a
+    pytorch_model.bin in the zip format (memory-mapped when the state is read back) and
+    in the legacy one (read whole): from_pretrained gives back the same model from each."""
+    shf.set_attention(model, "linformer", num_features=16, seed=0)
+    for name, parameter in model.named_parameters():
+        if "skyformer_state" in name:
+            parameter.mul_(3.0)  # as trained
+    want = model(**padded_batch).last_hidden_state
+    model.save_pretrained(tmp_path / "safetensors")
+    for zipped in (True, False):
+        folder = tmp_path / ("zip" if zipped else "legacy")
+        model.config.save_pretrained(folder)
+        torch.save(model.state_dict(), folder / "pytorch_model.bin",
+                   _use_new_zipfile_serialization=zipped)
+    for folder in ("safetensors", "zip", "legacy"):
+        loaded = shf.from_pretrained(tmp_path / folder, "linformer", num_features=16, seed=0)
+        torch.testing.assert_close(loaded.eval()(**padded_batch).last_hidden_state, want,
+                                   rtol=0, atol=0, msg=folder)
+
+
 DETERMINISTIC = [
     m for m in list_methods()
     if get_method(m).capabilities.mask and not get_method(m).capabilities.randomized

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import zipfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -257,15 +258,21 @@ def load_saved_state(model: nn.Module, path: str | Path, method: str) -> int:
 
 def _saved_tensors(folder: Path, marker: str) -> dict[str, Any]:
     """The tensors of a saved model whose names contain ``marker``, from its safetensors
-    files (one, or shards listed in an index) or its ``pytorch_model.bin``."""
+    files (one, or shards listed in an index) or its ``pytorch_model.bin``.
+
+    transformers has loaded the model's weights already; this reads only the tensors
+    asked for: safetensors files are opened lazily, and a zip ``pytorch_model.bin`` is
+    memory-mapped (as transformers loads it), so the other tensors are never copied into
+    memory. Only a legacy (pre-zip) ``.bin`` is read whole."""
     if (folder / "model.safetensors.index.json").exists():
         index = json.loads((folder / "model.safetensors.index.json").read_text())
         files = sorted({folder / f for key, f in index["weight_map"].items() if marker in key})
     elif (folder / "model.safetensors").exists():
         files = [folder / "model.safetensors"]
     elif (folder / "pytorch_model.bin").exists():
-        weights = torch.load(folder / "pytorch_model.bin", map_location="cpu",
-                             weights_only=True)
+        file = folder / "pytorch_model.bin"
+        weights = torch.load(file, map_location="cpu", weights_only=True,
+                             mmap=zipfile.is_zipfile(file))  # mmap needs the zip format
         return {key: value for key, value in weights.items() if marker in key}
     else:
         return {}
