@@ -45,3 +45,25 @@ def test_non_finite_numbers_are_written_as_null(tmp_path):
     with pytest.raises(ValueError, match="not JSON compliant"):
         write_json(tmp_path / "bad.json", {nan: 1})
     assert not (tmp_path / "bad.json").exists()
+
+
+def test_a_built_folder_is_flushed_to_disk_before_it_is_renamed(tmp_path, monkeypatch):
+    """Its files are written plainly: the one flush before the rename is what keeps a
+    power cut from leaving a renamed folder of empty files."""
+    import os
+
+    from skyformer.io import building_folder
+
+    events = []
+    real_replace = os.replace
+    monkeypatch.setattr(os, "sync", lambda: events.append("sync"))
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append("replace"),
+                                                     real_replace(a, b)))
+    with building_folder(tmp_path / "data") as tmp:
+        (tmp / "rows.tsv").write_text("a\tb\n")
+    assert events == ["sync", "replace"]
+    assert (tmp_path / "data" / "rows.tsv").read_text() == "a\tb\n"
+    events.clear()
+    with pytest.raises(RuntimeError), building_folder(tmp_path / "other") as tmp:
+        raise RuntimeError("interrupted")
+    assert events == [] and not (tmp_path / "other").exists()
