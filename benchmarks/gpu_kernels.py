@@ -12,7 +12,8 @@ and peak memory (``torch.cuda.max_memory_allocated``) of
   pass instead of three; bfloat16 products keep their bf16x3),
 - at the lengths in ``--compile-seq-lens``: Skyformer (Triton kernels) under
   ``torch.compile`` (Inductor fuses the small ops around the kernels) and under
-  ``torch.compile(mode="reduce-overhead")`` (CUDA graphs replay the whole call), with
+  ``torch.compile(mode="reduce-overhead")`` (CUDA graphs replay the whole call; warm-up
+  and capture inside ``skyformer.cuda_graph_launches()``, the launches made for it), with
   ``kernel="triton"`` (the fused Lemma 3 kernels too) and ``kernel="auto"`` (under
   ``torch.compile``: the PyTorch core, its batched products fused by Inductor),
 
