@@ -300,6 +300,31 @@ def test_saved_per_layer_parameters_come_back_with_from_pretrained(tmp_path):
         shf.from_pretrained(tmp_path, "linformer", num_features=4, seed=0)
 
 
+@torch.no_grad()
+def test_per_layer_parameters_never_saved_start_fresh_and_unreadable_folders_are_refused(
+        tmp_path):
+    """A model saved without per-layer parameters (an original checkpoint) loads with the
+    method's initialisation; a folder without weights this can read is refused when the
+    method has such parameters (whether they were saved cannot be told), not when not."""
+    from skyformer.hf.model import load_saved_state
+
+    tiny_bert().save_pretrained(tmp_path / "plain")
+    fresh = tiny_bert()
+    shf.set_attention(fresh, "linformer", num_features=8, seed=0)
+    loaded = shf.from_pretrained(tmp_path / "plain", "linformer", num_features=8, seed=0)
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    assert load_saved_state(loaded, tmp_path / "plain", "linformer") == 0
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="cannot be read back"):
+        load_saved_state(loaded, tmp_path / "empty", "linformer")
+    with pytest.raises(ValueError, match="cannot be read back"):
+        load_saved_state(loaded, tmp_path / "absent", "linformer")
+    exact = tiny_bert()
+    shf.set_attention(exact, "nystrom_softmax", num_features=8)
+    assert load_saved_state(exact, tmp_path / "empty", "nystrom_softmax") == 0
+
+
 def _import_skyformer_hf_after(prelude: str) -> str:
     """stdout of a fresh interpreter that runs ``prelude``, then imports skyformer.hf and
     prints the ImportError it raises (if any)."""

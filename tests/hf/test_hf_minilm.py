@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -12,6 +15,7 @@ import skyformer.hf as shf
 from skyformer import CapabilityError, get_method, list_methods
 from skyformer.eval.data.qkv import default_model_dir
 from skyformer.hf import attention as hf_attention
+from skyformer.hf.model import load_saved_state
 from tests.hf.conftest import SENTENCES, mean_pooled
 
 # Float32 model, six layers of sums over 384 channels: SDPA and the registered path
@@ -63,25 +67,62 @@ def test_from_pretrained_with_a_skyformer_implementation(minilm, padded_batch):
 
 
 @torch.no_grad()
-def test_saved_state_comes_back_from_every_checkpoint_format(model, padded_batch, tmp_path):
-    """MiniLM with trained Linformer projections, saved as safetensors and as a
-    pytorch_model.bin in the zip format (memory-mapped when the state is read back) and
-    in the legacy one (read whole): from_pretrained gives back the same model from each."""
+def test_saved_state_comes_back_from_every_checkpoint_format(model, padded_batch, tmp_path,
+                                                              monkeypatch):
+    """MiniLM with trained Linformer projections, saved as safetensors (one file or
+    shards), as a pytorch_model.bin in the zip format (memory-mapped when the state is
+    read back) and in the legacy one (read whole), and as .bin shards: from_pretrained
+    gives back the same model from each."""
     shf.set_attention(model, "linformer", num_features=16, seed=0)
     for name, parameter in model.named_parameters():
         if "skyformer_state" in name:
             parameter.mul_(3.0)  # as trained
     want = model(**padded_batch).last_hidden_state
     model.save_pretrained(tmp_path / "safetensors")
+    model.save_pretrained(tmp_path / "safetensors_shards", max_shard_size="20MB")
+    assert len(list((tmp_path / "safetensors_shards").glob("model-*-of-*"))) > 1
+    save_bin_shards(model, tmp_path / "bin_shards", "20MB")
     for zipped in (True, False):
         folder = tmp_path / ("zip" if zipped else "legacy")
         model.config.save_pretrained(folder)
         torch.save(model.state_dict(), folder / "pytorch_model.bin",
                    _use_new_zipfile_serialization=zipped)
-    for folder in ("safetensors", "zip", "legacy"):
+    for folder in ("safetensors", "safetensors_shards", "zip", "legacy", "bin_shards"):
         loaded = shf.from_pretrained(tmp_path / folder, "linformer", num_features=16, seed=0)
         torch.testing.assert_close(loaded.eval()(**padded_batch).last_hidden_state, want,
                                    rtol=0, atol=0, msg=folder)
+    read = []
+    load = torch.load
+
+    def spy(file, *args, **kwargs):
+        read.append((Path(file).name, kwargs.get("mmap")))
+        return load(file, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    weight_map = json.loads((tmp_path / "bin_shards" / "pytorch_model.bin.index.json")
+                            .read_text())["weight_map"]
+    assert load_saved_state(loaded, tmp_path / "bin_shards", "linformer") == 12
+    holding = {file for key, file in weight_map.items() if "skyformer_state" in key}
+    assert sorted(read) == [(file, True) for file in sorted(holding)], \
+        "only the shards that hold the state are read, each memory-mapped"
+    assert holding < set(weight_map.values())
+
+
+def save_bin_shards(model, folder, max_shard_size):
+    """``model`` as sharded ``pytorch_model-0000i-of-0000n.bin`` files with their
+    ``pytorch_model.bin.index.json``, as transformers before version 5 saved it with
+    ``safe_serialization=False`` (version 5 writes only safetensors)."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    model.config.save_pretrained(folder)
+    state = model.state_dict()
+    split = split_torch_state_dict_into_shards(
+        state, filename_pattern="pytorch_model{suffix}.bin", max_shard_size=max_shard_size)
+    assert split.is_sharded and len(split.filename_to_tensors) > 1
+    for file, keys in split.filename_to_tensors.items():
+        torch.save({key: state[key].contiguous() for key in keys}, folder / file)
+    index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps(index, indent=2))
 
 
 DETERMINISTIC = [

@@ -228,13 +228,21 @@ def load_saved_state(model: nn.Module, path: str | Path, method: str) -> int:
     """Load the per-layer parameters (``skyformer_state``, e.g. trained Linformer
     projections) that ``save_pretrained`` wrote to the folder ``path`` into ``model``,
     whose layers ``set_attention`` has set up; returns how many tensors were loaded (0:
-    the folder holds none, as one saved before they existed). transformers leaves them
-    out when loading (no attention setting is stored in the config), so without this
-    they would start again from the method's initialisation."""
+    the folder's weights hold none, as those of a model saved before they existed, whose
+    layers then keep the method's initialisation). transformers leaves them out when
+    loading (no attention setting is stored in the config), so without this they would
+    start again from the method's initialisation. A folder without a weights file this
+    reads (not a local folder, say) is refused when ``model`` has such parameters, since
+    whether they were saved cannot be told."""
+    expected = {key for key in model.state_dict() if f".{STATE_NAME}." in key}
     saved = _saved_tensors(Path(path), f".{STATE_NAME}.")
+    if saved is None and expected:
+        raise ValueError(
+            f"{path} is not a folder holding {', '.join(_WEIGHT_FILES)}, so the per-layer "
+            f"{STATE_NAME} tensors of {method} cannot be read back from it: load from the "
+            f"local folder save_pretrained wrote.")
     if not saved:
         return 0
-    expected = {key for key in model.state_dict() if f".{STATE_NAME}." in key}
     prefix = getattr(model, "base_model_prefix", "")
     renamed = {}
     for key, value in saved.items():  # saved by the base model or by a head model
@@ -256,26 +264,31 @@ def load_saved_state(model: nn.Module, path: str | Path, method: str) -> int:
     return len(renamed)
 
 
-def _saved_tensors(folder: Path, marker: str) -> dict[str, Any]:
+# The weights files of a saved model, in the order transformers looks for them.
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+def _saved_tensors(folder: Path, marker: str) -> dict[str, Any] | None:
     """The tensors of a saved model whose names contain ``marker``, from its safetensors
-    files (one, or shards listed in an index) or its ``pytorch_model.bin``.
+    or its ``pytorch_model.bin`` files (one, or shards listed in an index; looked for in
+    the order transformers loads them), or ``None`` when ``folder`` holds none of these.
 
     transformers has loaded the model's weights already; this reads only the tensors
-    asked for: safetensors files are opened lazily, and a zip ``pytorch_model.bin`` is
-    memory-mapped (as transformers loads it), so the other tensors are never copied into
-    memory. Only a legacy (pre-zip) ``.bin`` is read whole."""
-    if (folder / "model.safetensors.index.json").exists():
-        index = json.loads((folder / "model.safetensors.index.json").read_text())
-        files = sorted({folder / f for key, f in index["weight_map"].items() if marker in key})
-    elif (folder / "model.safetensors").exists():
+    asked for, and of shards only those that hold some: safetensors files are opened
+    lazily, and a zip ``.bin`` is memory-mapped (as transformers loads it), so the other
+    tensors are never copied into memory. Only a legacy (pre-zip) ``.bin`` is read whole."""
+    if (folder / "model.safetensors").exists():
         files = [folder / "model.safetensors"]
+    elif (folder / "model.safetensors.index.json").exists():
+        files = _shards_holding(folder / "model.safetensors.index.json", marker)
     elif (folder / "pytorch_model.bin").exists():
-        file = folder / "pytorch_model.bin"
-        weights = torch.load(file, map_location="cpu", weights_only=True,
-                             mmap=zipfile.is_zipfile(file))  # mmap needs the zip format
-        return {key: value for key, value in weights.items() if marker in key}
+        return _bin_tensors([folder / "pytorch_model.bin"], marker)
+    elif (folder / "pytorch_model.bin.index.json").exists():
+        return _bin_tensors(_shards_holding(folder / "pytorch_model.bin.index.json", marker),
+                            marker)
     else:
-        return {}
+        return None
     from safetensors import safe_open
 
     found = {}
@@ -283,4 +296,21 @@ def _saved_tensors(folder: Path, marker: str) -> dict[str, Any]:
         with safe_open(str(file), framework="pt") as handle:
             found.update({key: handle.get_tensor(key) for key in handle.keys()  # noqa: SIM118
                           if marker in key})
+    return found
+
+
+def _shards_holding(index: Path, marker: str) -> list[Path]:
+    """The shards that the ``index`` of a sharded checkpoint lists for tensors whose names
+    contain ``marker``."""
+    weight_map = json.loads(index.read_text())["weight_map"]
+    return sorted({index.parent / file for key, file in weight_map.items() if marker in key})
+
+
+def _bin_tensors(files: list[Path], marker: str) -> dict[str, Any]:
+    """The tensors whose names contain ``marker`` in the ``torch.save`` files ``files``."""
+    found = {}
+    for file in files:
+        weights = torch.load(file, map_location="cpu", weights_only=True,
+                             mmap=zipfile.is_zipfile(file))  # mmap needs the zip format
+        found.update({key: value for key, value in weights.items() if marker in key})
     return found
