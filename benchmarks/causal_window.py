@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import statistics
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import torch
 
 from skyformer.eval.data.qkv import load_qkv
 from skyformer.eval.measure.metrics import relative_error
+from skyformer.io import write_json
 from skyformer.registry import attention
 
 TARGET = {"skyformer": "kernelized", "nystrom_softmax": "softmax"}
@@ -51,8 +51,8 @@ def measure(n: int, m: int, layers: list[int], seeds: int) -> list[dict]:
 def write(rows: list[dict], out: Path, config: dict) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     env = {"torch": torch.__version__, "threads": torch.get_num_threads()}
-    out.with_suffix(".json").write_text(json.dumps(
-        {"config": config, "environment": env, "rows": rows}, indent=2))
+    write_json(out.with_suffix(".json"), {"config": config, "environment": env, "rows": rows},
+               indent=2)
     with out.with_suffix(".csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()

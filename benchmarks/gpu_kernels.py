@@ -37,7 +37,6 @@ the compiled variants: its times mean nothing and it measures no memory.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
@@ -47,7 +46,7 @@ from gpu_device import device_problem  # benchmarks/, beside this script
 
 import skyformer
 from skyformer.eval.measure.timing import interleaved_median_seconds
-from skyformer.io import atomic_write_text
+from skyformer.io import write_json
 
 
 def _calls(q, k, v, grad, features, compiled, compile_kernels=("triton", "auto")):
@@ -267,7 +266,7 @@ def _main(args: argparse.Namespace) -> int:
               "matmul_flops_per_s": rate, "rows": rows,
               "core": core}
     if args.out:
-        atomic_write_text(args.out, json.dumps(result, indent=1))
+        write_json(args.out, result, indent=1)
     return 0
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
-import json
 import pstats
 import sys
 import time
@@ -35,7 +34,7 @@ import tuned  # benchmarks/, beside this script
 from torch.profiler import ProfilerActivity, profile
 
 import skyformer
-from skyformer.io import atomic_write_text
+from skyformer.io import atomic_write_text, write_json
 
 METHODS = {
     "sdpa": lambda q, k, v, key, m: F.scaled_dot_product_attention(q, k, v),
@@ -199,9 +198,9 @@ def _main(args: argparse.Namespace) -> int:
     text = "\n".join(lines) + "\n"
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(args.out.with_suffix(".json"), json.dumps(
-            {"device": name, "torch": torch.__version__, "shape": args.shape,
-             "features": args.features, "rows": rows}, indent=1))
+        write_json(args.out.with_suffix(".json"),
+                   {"device": name, "torch": torch.__version__, "shape": args.shape,
+                    "features": args.features, "rows": rows}, indent=1)
         atomic_write_text(args.out.with_suffix(".md"), text)
     return 0
 

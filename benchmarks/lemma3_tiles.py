@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 from unittest import mock
 
@@ -48,7 +47,7 @@ from gpu_device import device_problem  # benchmarks/, beside this script
 
 import skyformer
 from skyformer.eval.measure.timing import interleaved_median_seconds
-from skyformer.io import atomic_write_text
+from skyformer.io import write_json
 from skyformer.linalg import (  # the triton_* modules import Triton
     half_sq_norm,
     landmark_inverse,
@@ -276,9 +275,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"m={m} fastest {kernel}: {_label(option)}", flush=True)
     device_name = torch.cuda.get_device_name() if on_gpu else "cpu (interpreter)"
     if args.out:
-        atomic_write_text(args.out, json.dumps(
-            {"kind": "lemma3", "device": device_name, "torch": torch.__version__, "rows": rows,
-             "best": best}, indent=1))
+        write_json(args.out, {"kind": "lemma3", "device": device_name,
+                              "torch": torch.__version__, "rows": rows, "best": best}, indent=1)
         print(f"wrote {args.out}")
     return 0
 

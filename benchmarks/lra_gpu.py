@@ -14,14 +14,13 @@ softmax next to the paper's ratios (V100, fp32, hours for 50k steps).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 
 import torch
 
-from skyformer.io import atomic_write_text
+from skyformer.io import write_json
 from skyformer.lra.model import LRAClassifier, ModelConfig
 
 # Skyformer paper, Table 2: (time h, memory GB) per method for LO and IC.
@@ -116,9 +115,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['time_ratio']:13.2f} {paper_t:>6s} {row['memory_ratio']:12.2f} "
                   f"{paper_m:>6s}", flush=True)
     if args.out:
-        atomic_write_text(args.out, json.dumps(
-            {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-             "precision": args.precision, "steps": args.steps, "rows": rows}, indent=1))
+        write_json(args.out, {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                              "precision": args.precision, "steps": args.steps, "rows": rows},
+                   indent=1)
     return 0
 
 

@@ -4,13 +4,12 @@ timed interleaved, printed, and the fastest of each kernel picked."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable
 
 import torch
 
 from skyformer.eval.measure.timing import interleaved_median_seconds
-from skyformer.io import atomic_write_text
+from skyformer.io import write_json
 
 # A candidate whose output or gradients differ from the default's by more than this
 # (relative) is broken: reported, not timed. Above the half types' rounding.
@@ -65,7 +64,6 @@ def record(kind: str, rows: list[dict], best: dict, kernels: Iterable[str],
         print(f"fastest {kernel}: {label(best[kernel])}", flush=True)
     device_name = torch.cuda.get_device_name() if on_gpu else "cpu (interpreter)"
     if out:
-        atomic_write_text(out, json.dumps(
-            {"kind": kind, "device": device_name, "torch": torch.__version__,
-             "rows": rows, "best": best}, indent=1))
+        write_json(out, {"kind": kind, "device": device_name, "torch": torch.__version__,
+                         "rows": rows, "best": best}, indent=1)
         print(f"wrote {out}")

@@ -278,11 +278,11 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(table)
     print(text)
     if args.out is not None:
-        from skyformer.io import atomic_write_text
+        from skyformer.io import atomic_write_text, write_json
 
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(args.out.with_suffix(".json"), json.dumps(
-            {"triton": triton.__version__, "arch": args.arch, "rows": unique}, indent=1))
+        write_json(args.out.with_suffix(".json"),
+                   {"triton": triton.__version__, "arch": args.arch, "rows": unique}, indent=1)
         atomic_write_text(args.out.with_suffix(".md"), text + "\n")
     return 0
 

@@ -379,3 +379,96 @@ def test_gpu_script_runs_every_stage_past_failures_limits_and_reruns(tmp_path):
 def stages_of(out):
     lines = (out / "stages.txt").read_text().splitlines()
     return {line.split(": exit ")[0]: line.split(": exit ")[1] for line in lines}
+
+
+def _strict(text):
+    """``json.loads`` that refuses the NaN and Infinity tokens, as strict JSON readers do."""
+    return json.loads(text, parse_constant=lambda token: pytest.fail(f"{token} written"))
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+def _kernels_with_a_nan_time(monkeypatch, out):
+    module = _load("gpu_kernels")
+    monkeypatch.setattr(module, "_matmul_rate", lambda device: {"bfloat16": INF,
+                                                                "float32": INF})
+    monkeypatch.setattr(module, "_calls", lambda *args: {"sdpa": lambda: None})
+    monkeypatch.setattr(module, "interleaved_median_seconds",
+                        lambda calls, **kwargs: dict.fromkeys(calls, NAN))
+    monkeypatch.setattr(module, "_peak", lambda fn, device: None)
+    monkeypatch.setattr(module, "_core_rows", lambda *args: [])
+    assert module.main(["--device", "cpu", "--seq-lens", "8", "--out", str(out)]) == 0
+    return _strict(out.read_text())["rows"][0]["ms"]
+
+
+def _profile_with_a_nan_time(monkeypatch, out):
+    module = _load("gpu_profile")
+    monkeypatch.setattr(module, "profile_call", lambda *args: {
+        "wall_ms": NAN, "host_ms": NAN, "syncs": 0, "busy_ms": NAN, "idle_share": NAN,
+        "launches": 1, "host_top": [], "top": []})
+    assert module.main(["--device", "cpu", "--shape", "1,1,8,float32", "--seq-lens", "8",
+                        "--methods", "sdpa", "--out", str(out)]) == 0
+    return _strict(out.with_suffix(".json").read_text())["rows"][0]["wall_ms"]
+
+
+def _lra_with_a_nan_time(monkeypatch, out):
+    module = _load("lra_gpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "stub")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(module, "measure", lambda *args: (NAN, 1.0))
+    assert module.main(["--tasks", "listops", "--methods", "softmax", "--out", str(out)]) == 0
+    return _strict(out.read_text())["rows"][0]["steps_per_s"]
+
+
+def _lemma3_with_a_nan_time(monkeypatch, out):
+    module = _load("lemma3_tiles")
+    monkeypatch.setattr(module, "measure", lambda *args: ([{"ms": NAN}], {}))
+    assert module.main(["--device", "cpu", "--out", str(out)]) == 0
+    return _strict(out.read_text())["rows"][0]["ms"]
+
+
+def _sweep_with_a_nan_time(monkeypatch, out):
+    _load("tile_sweep").record("products", [{"ms": NAN}], {}, [], str, str(out), False)
+    return _strict(out.read_text())["rows"][0]["ms"]
+
+
+def _resources_with_a_nan_count(monkeypatch, out):
+    pytest.importorskip("triton")
+    module = _load("triton_resources")
+    launch = {"module": "m", "kernel": "k", "constants": {}, "options": {}, "arguments": {}}
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(module.subprocess, "run", lambda *args, **kwargs: _completed(
+        json.dumps([launch])))
+    monkeypatch.setattr(module, "compile_launch", lambda launch, arch: {
+        "registers": 32, "stack": 0, "spill_stores": 0, "spill_loads": 0, "mma": 1,
+        "exp2": NAN, "shared": 0, "num_warps": 4, "warps_per_sm": 16})
+    assert module.main(["--methods", "kernelized", "--configs", "16:float32",
+                        "--out", str(out)]) == 0
+    return _strict(out.with_suffix(".json").read_text())["rows"][0]["exp2"]
+
+
+def _completed(stdout):
+    import subprocess
+
+    return subprocess.CompletedProcess([], 0, stdout=stdout, stderr="")
+
+
+def _causal_window_with_a_nan_error(monkeypatch, out):
+    row = {"layer": 0, "method": "skyformer", "causal_local": True, "n": 8,
+           "num_features": 4, "error_mean": NAN, "error_std": NAN, "seeds": 1}
+    _load("causal_window").write([row], out, {"max": INF})
+    result = _strict(out.with_suffix(".json").read_text())
+    assert result["config"] == {"max": None}
+    return result["rows"][0]["error_mean"]
+
+
+@pytest.mark.parametrize("script", [
+    _kernels_with_a_nan_time, _profile_with_a_nan_time, _lra_with_a_nan_time,
+    _lemma3_with_a_nan_time, _sweep_with_a_nan_time, _resources_with_a_nan_count,
+    _causal_window_with_a_nan_error], ids=lambda script: script.__name__.strip("_"))
+def test_benchmark_json_holds_null_for_a_non_finite_number(script, monkeypatch, tmp_path):
+    """A NaN or infinite measurement (stubbed here) is written as null, not as the NaN /
+    Infinity tokens that strict JSON readers refuse."""
+    assert script(monkeypatch, tmp_path / "out.json") is None
