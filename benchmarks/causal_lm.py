@@ -35,7 +35,14 @@ import torch
 from torch import Tensor, nn
 
 from skyformer.eval.data.text import read_text
-from skyformer.io import check_output_path, environment, save_figure, write_csv, write_json
+from skyformer.io import (
+    check_output_path,
+    environment,
+    json_ready,
+    save_figure,
+    write_csv,
+    write_json,
+)
 from skyformer.nn import MultiHeadAttention
 from skyformer.registry import get_method, list_methods
 
@@ -164,12 +171,14 @@ def run_config(args: argparse.Namespace) -> dict:
 
 
 def load_rows(path: Path, config: dict) -> list[dict]:
+    """The rows saved in ``path`` by a run with ``config`` (none for another config)."""
     if not path.is_file():
         return []
     import json
 
     saved = json.loads(path.read_text())
-    return saved["rows"] if saved.get("config") == config else []
+    # compared as written: a non-finite setting is stored as null
+    return saved["rows"] if saved.get("config") == json_ready(config) else []
 
 
 def save(rows: list[dict], config: dict, out: Path) -> None:

@@ -57,6 +57,18 @@ def test_a_rerun_keeps_the_finished_rows_and_a_changed_config_starts_over(tmp_pa
     assert len(changed) == 4 and capsys.readouterr().out.count("\n") == 4
 
 
+def test_a_non_finite_setting_still_finds_the_rows_saved_with_it(tmp_path):
+    """The JSON holds an infinite (or NaN) setting as null: a rerun with the same settings
+    compares its config as written, so it reuses the rows instead of retraining them."""
+    from skyformer.io import write_json
+
+    config = causal_lm.run_config(causal_lm.parse_args([*TINY, "--lr", "inf"]))
+    path = tmp_path / "lm.json"
+    write_json(path, {"config": config, "environment": {}, "rows": [{"n": 16}]})
+    assert causal_lm.load_rows(path, config) == [{"n": 16}]
+    assert causal_lm.load_rows(path, config | {"lr": 1e-3}) == []
+
+
 def test_refuses_a_method_that_cannot_attend_causally(tmp_path):
     with pytest.raises(SystemExit, match="nystromformer cannot attend causally"):
         causal_lm.main([*TINY, "--methods", "nystromformer", "--out", str(tmp_path / "x")])
