@@ -109,7 +109,7 @@ def test_an_existing_run_needs_resume_and_the_same_settings(listops_cache, tmp_p
         _run(cfg, listops_cache, tmp_path)
     with pytest.raises(ValueError, match="the settings lr differ"):
         _run(dataclasses.replace(cfg, lr=1e-3), listops_cache, tmp_path, resume=True)
-    again = _run(cfg, listops_cache, tmp_path, resume=True)  # finished: evaluates again
+    again = _run(cfg, listops_cache, tmp_path, resume=True)  # finished: its stored result.json
     assert again["steps"] == 4
 
 
