@@ -304,8 +304,9 @@ def test_saved_per_layer_parameters_come_back_with_from_pretrained(tmp_path):
 def test_per_layer_parameters_never_saved_start_fresh_and_unreadable_folders_are_refused(
         tmp_path):
     """A model saved without per-layer parameters (an original checkpoint) loads with the
-    method's initialisation; a folder without weights this can read is refused when the
-    method has such parameters (whether they were saved cannot be told), not when not."""
+    method's initialisation; a local folder without weights this can read is refused when
+    the method has such parameters (whether they were saved cannot be told), not when not;
+    a Hub name loads with a warning."""
     from skyformer.hf.model import load_saved_state
 
     tiny_bert().save_pretrained(tmp_path / "plain")
@@ -318,8 +319,8 @@ def test_per_layer_parameters_never_saved_start_fresh_and_unreadable_folders_are
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="cannot be read back"):
         load_saved_state(loaded, tmp_path / "empty", "linformer")
-    with pytest.raises(ValueError, match="cannot be read back"):
-        load_saved_state(loaded, tmp_path / "absent", "linformer")
+    with pytest.warns(UserWarning, match="not a local folder"):  # a Hub name
+        assert load_saved_state(loaded, "some-user/some-model", "linformer") == 0
     exact = tiny_bert()
     shf.set_attention(exact, "nystrom_softmax", num_features=8)
     assert load_saved_state(exact, tmp_path / "empty", "nystrom_softmax") == 0

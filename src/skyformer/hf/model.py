@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 import zipfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -231,11 +232,18 @@ def load_saved_state(model: nn.Module, path: str | Path, method: str) -> int:
     the folder's weights hold none, as those of a model saved before they existed, whose
     layers then keep the method's initialisation). transformers leaves them out when
     loading (no attention setting is stored in the config), so without this they would
-    start again from the method's initialisation. A folder without a weights file this
-    reads (not a local folder, say) is refused when ``model`` has such parameters, since
-    whether they were saved cannot be told."""
+    start again from the method's initialisation. A local folder without a weights file
+    this reads is refused when ``model`` has such parameters, since whether they were
+    saved cannot be told; a Hub name (no local folder) loads with a warning that they
+    start from the initialisation, the case of a Hub model saved without them."""
     expected = {key for key in model.state_dict() if f".{STATE_NAME}." in key}
     saved = _saved_tensors(Path(path), f".{STATE_NAME}.")
+    if saved is None and expected and not Path(path).is_dir():
+        warnings.warn(
+            f"{path} is not a local folder: the per-layer {STATE_NAME} tensors of {method} "
+            f"start from its initialisation (read back only from the folder "
+            f"save_pretrained wrote).", UserWarning, stacklevel=3)
+        return 0
     if saved is None and expected:
         raise ValueError(
             f"{path} is not a folder holding {', '.join(_WEIGHT_FILES)}, so the per-layer "
