@@ -48,3 +48,18 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 # where a GPU runs the kernels (SKYFORMER_TEST_CUDA=1 leaves TRITON_INTERPRET unset): the
 # fixture (conftest.py) skips it then, at setup, once conftest has set the variable.
 needs_interpreter = pytest.mark.usefixtures("triton_interpreter")
+
+
+def captured_in_graph(step):
+    """(a CUDA graph of ``step()``, the outputs of the captured call): one warm-up call on
+    a side stream first, as capture requires (it compiles and loads the kernels, which
+    CUDA refuses during a capture). ``graph.replay()`` then writes into those outputs."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph, outputs

@@ -13,7 +13,7 @@ import skyformer
 from skyformer.linalg import half_sq_norm, landmark_inverse
 from skyformer.linalg.graph_launches import graph_launches_on
 from skyformer.linalg.kernel_backend import interpreter_on
-from tests.devices import cuda_only, relative_error
+from tests.devices import captured_in_graph, cuda_only, relative_error
 
 pytest.importorskip("triton")
 
@@ -145,14 +145,7 @@ def test_a_skyformer_call_captured_inside_replays_what_an_eager_call_gives():
         return out.detach(), q.grad, k.grad, v.grad
 
     with skyformer.cuda_graph_launches():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = step()
+        graph, captured = captured_in_graph(step)
     with torch.no_grad():
         for t in (q, k, v):
             t.copy_(torch.randn(t.shape, device="cuda", generator=gen))

@@ -20,7 +20,7 @@ from skyformer.linalg import (
 )
 from skyformer.linalg.kernel_backend import interpreter_on
 from skyformer.ops.shared.nystrom_naive import naive_lemma3_inverse
-from tests.devices import cuda_only, devices, relative_error
+from tests.devices import captured_in_graph, cuda_only, devices, relative_error
 from tests.dispatch import Recorder
 
 pytest.importorskip("triton")
@@ -207,8 +207,8 @@ def test_a_launch_per_pass_equals_one_program_per_matrix(monkeypatch, device, ca
 @cuda_only
 @pytest.mark.parametrize("per_pass", [False, True])
 def test_a_cuda_graph_replays_the_kernels_as_captured(monkeypatch, per_pass):
-    """Forward and backward captured in a CUDA graph (launch options read at capture,
-    ``captured=True``) and replayed on new rows give what an eager call gives."""
+    """Forward and backward captured in a CUDA graph (launch options read at capture)
+    and replayed on new rows give what an eager call gives."""
     if per_pass:
         _launch_per_pass(monkeypatch, 16)
     x, live = _rows(2, 4, 128, 64, torch.float32, "cuda")
@@ -219,14 +219,7 @@ def test_a_cuda_graph_replays_the_kernels_as_captured(monkeypatch, per_pass):
         w = _inverse_of_rows(leaf, live, "triton")
         return w, torch.autograd.grad(w, leaf, weights)[0]
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        w_graph, grad_graph = step()
+    graph, (w_graph, grad_graph) = captured_in_graph(step)
     with torch.no_grad():
         leaf.copy_(_rows(2, 4, 128, 64, torch.float32, "cuda", seed=3)[0])
     graph.replay()
