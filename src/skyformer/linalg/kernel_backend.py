@@ -10,10 +10,11 @@ before Triton is first imported. ``"torch"`` always takes the PyTorch path.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -140,10 +141,15 @@ class KernelFallback:
     """The ``"auto"`` safety net of one Triton kernel: ``run`` launches it and, under
     ``"auto"``, a failure (Triton installed but unable to compile or launch here: no C
     compiler, an old GPU, too few registers) warns once and takes the PyTorch path;
-    ``failed`` then stays True so that later calls skip the kernel. ``"triton"``
-    insists: its failures propagate. Running out of GPU memory is not the kernel's
-    failure (the PyTorch path would need more): it propagates under ``"auto"`` too,
-    and the kernel stays in use."""
+    ``failed`` then stays True so that later calls skip the kernel (``run`` too).
+    ``"triton"`` insists: its failures propagate. Running out of GPU memory is not the
+    kernel's failure (the PyTorch path would need more): it propagates under ``"auto"``
+    too, and the kernel stays in use.
+
+    Under ``torch.compile`` a custom operator is opaque: the compiled graph calls its
+    implementation, and a ``run`` around the call is traced away. A kernel that
+    ``"auto"`` takes there has its ``run`` inside the operator's implementation, which
+    takes ``auto`` and returns the PyTorch path's result on failure (``flash.py``)."""
 
     def __init__(self, name: str, instead: str) -> None:
         self.name, self.instead, self.failed = name, instead, False
@@ -151,6 +157,8 @@ class KernelFallback:
     def run(self, auto: bool, launch: Callable[[], Any], fallback: Callable[[], Any]) -> Any:
         if not auto:
             return launch()
+        if self.failed:
+            return fallback()
         try:
             return launch()
         except torch.OutOfMemoryError:
@@ -160,3 +168,19 @@ class KernelFallback:
             warnings.warn(f"the Triton {self.name} failed ({type(error).__name__}: {error}); "
                           f"{self.instead} from now on.", RuntimeWarning, stacklevel=3)
             return fallback()
+
+
+_AUTOGRAD_KEYS = ("AutogradFunctionality", "AutogradOther", "AutogradNestedTensor")
+
+
+@contextlib.contextmanager
+def autograd_in_operator() -> Iterator[None]:
+    """Autograd on, also inside a custom operator's implementation, which the dispatcher
+    runs below autograd (its keys excluded, grad mode often off): for a fallback that
+    differentiates the PyTorch path there, from leaves detached first."""
+    with contextlib.ExitStack() as stack:
+        for key in _AUTOGRAD_KEYS:
+            stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(
+                getattr(torch._C.DispatchKey, key), False))
+        stack.enter_context(torch.enable_grad())
+        yield
