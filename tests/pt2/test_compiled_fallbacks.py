@@ -1,0 +1,110 @@
+"""``kernel="auto"``'s safety net (``KernelFallback``) inside ``torch.compile(fullgraph=
+True)``: a Triton kernel made to fail at run time (as one that cannot compile for an
+older GPU would) gives the PyTorch path's output and gradients, with one warning, or
+is not taken at all; ``"triton"`` still raises. On CPU tensors under Triton's
+interpreter, CUDA taken for the device where ``"auto"`` asks for it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+
+import pytest
+import torch
+
+from skyformer import kernelized_attention
+from skyformer.sketch import landmarks as lm
+from tests.conftest import gen, make_qkv
+from tests.devices import needs_interpreter
+
+pytest.importorskip("triton")
+pytestmark = needs_interpreter
+
+FAILURE = "simulated compile failure"
+INDUCTOR = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                              reason="inductor on CPU needs a C++ compiler")
+
+
+def _broken(*args, **kwargs):
+    raise RuntimeError(FAILURE)
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch):
+    """Every fallback's ``failed`` flag reset afterwards (``monkeypatch`` restores it),
+    and no compiled code kept between tests."""
+    from skyformer.linalg import lemma3_triton
+    from skyformer.ops.kernelized import flash
+
+    for fallback in (flash.FLASH_FALLBACK, lemma3_triton.CORE_FALLBACK, lm.DRAW_FALLBACK):
+        monkeypatch.setattr(fallback, "failed", False)
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _run(fn, inputs):
+    """fn's output and the gradients of its inputs, with the RuntimeWarnings raised."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fn(*leaves)
+        weights = torch.randn(out.shape, generator=gen(5), dtype=out.dtype)
+        grads = torch.autograd.grad((out * weights).sum(), leaves)
+    return [out, *grads], [str(w.message) for w in caught if w.category is RuntimeWarning]
+
+
+def _close(got, want, **tolerances):
+    for a, e in zip(got, want, strict=True):
+        torch.testing.assert_close(a, e, **tolerances)
+
+
+@pytest.mark.parametrize("fails, backend", [
+    ("forward", "aot_eager"), ("backward", "aot_eager"),
+    pytest.param("backward", "inductor", marks=INDUCTOR)])
+def test_failing_flash_kernels_give_way_to_the_augmentation_when_compiled(
+        monkeypatch, fails, backend):
+    """The fallback runs inside the flash operators, which the compiled graph calls:
+    the SDPA augmentation's output and gradients, one warning, ``failed`` set, and a
+    second call without a warning."""
+    from skyformer.linalg import kernel_backend
+    from skyformer.ops.kernelized import flash, triton_flash
+
+    monkeypatch.setattr(kernel_backend, "auto_device", lambda y: True)
+    monkeypatch.setattr(triton_flash, f"flash_{fails}", _broken)
+    q, k, v = make_qkv(2, 2, 12, 8, dtype=torch.float32, seed=4)
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[0, 9:] = False
+
+    def attention(kernel):
+        return lambda q, k, v: kernelized_attention(q, k, v, key_padding_mask=mask,
+                                                    causal=True, kernel=kernel)
+
+    want, _ = _run(attention("torch"), (q, k, v))
+    compiled = torch.compile(attention("auto"), fullgraph=True, backend=backend)
+    got, warned = _run(compiled, (q, k, v))
+    _close(got, want)
+    assert len(warned) == 1 and FAILURE in warned[0]
+    assert flash.FLASH_FALLBACK.failed
+    again, warned = _run(compiled, (q, k, v))
+    _close(again, want)
+    assert warned == []
+    compiled = torch.compile(attention("triton"), fullgraph=True, backend=backend)
+    with pytest.raises(RuntimeError, match=FAILURE):  # "triton" insists
+        _run(compiled, (q, k, v))
+
+
+def test_running_out_of_memory_in_a_compiled_flash_kernel_propagates(monkeypatch):
+    from skyformer.linalg import kernel_backend
+    from skyformer.ops.kernelized import flash, triton_flash
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(kernel_backend, "auto_device", lambda y: True)
+    monkeypatch.setattr(triton_flash, "flash_forward", out_of_memory)
+    compiled = torch.compile(kernelized_attention, fullgraph=True, backend="aot_eager")
+    with pytest.raises(torch.OutOfMemoryError):
+        compiled(*make_qkv(1, 2, 8, 8, dtype=torch.float32))
+    assert not flash.FLASH_FALLBACK.failed
