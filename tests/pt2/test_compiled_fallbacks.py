@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from skyformer import kernelized_attention
+from skyformer.linalg import gaussian_kernel_block, half_sq_norm, lemma3_inverse
 from skyformer.sketch import landmarks as lm
+from skyformer.sketch.rng import random_key
 from tests.conftest import gen, make_qkv
 from tests.devices import needs_interpreter
 
@@ -108,3 +110,52 @@ def test_running_out_of_memory_in_a_compiled_flash_kernel_propagates(monkeypatch
     with pytest.raises(torch.OutOfMemoryError):
         compiled(*make_qkv(1, 2, 8, 8, dtype=torch.float32))
     assert not flash.FLASH_FALLBACK.failed
+
+
+def _landmark_matrix() -> torch.Tensor:
+    x = 0.6 * torch.randn(2, 2, 9, 8, generator=gen(6))
+    norm = half_sq_norm(x)
+    return gaussian_kernel_block(x, x, norm, norm)
+
+
+@pytest.mark.parametrize("fails", ["forward", "backward"])
+def test_compiled_auto_leaves_the_lemma3_kernel_to_eager_code(monkeypatch, fails):
+    """Under ``torch.compile`` ``"auto"`` computes the core with PyTorch operations
+    (Inductor fuses them; ``lemma3_triton``): a kernel that fails there is not tried,
+    so nothing warns; ``"triton"`` takes it and raises."""
+    from skyformer.linalg import lemma3_triton, triton_lemma3, triton_lemma3_backward
+
+    monkeypatch.setattr(lemma3_triton, "use_triton", lambda kernel, t: kernel != "torch")
+    module = triton_lemma3 if fails == "forward" else triton_lemma3_backward
+    monkeypatch.setattr(module, f"lemma3_{fails}", _broken)
+    mat = _landmark_matrix()
+
+    def inverse(kernel):
+        return lambda t: lemma3_inverse(t, gamma=0.1, kernel=kernel)
+
+    want, _ = _run(inverse("torch"), (mat,))
+    got, warned = _run(torch.compile(inverse("auto"), fullgraph=True, backend="aot_eager"),
+                       (mat,))
+    _close(got, want, rtol=1e-5, atol=1e-6)
+    assert warned == [] and not lemma3_triton.CORE_FALLBACK.failed
+    with pytest.raises(RuntimeError, match=FAILURE):  # "triton" insists
+        _run(torch.compile(inverse("triton"), fullgraph=True, backend="aot_eager"), (mat,))
+
+
+@pytest.mark.parametrize("draw", ["auto", "triton"])
+def test_compiled_draws_take_the_pytorch_path(monkeypatch, draw):
+    """The landmark draws are raw launches, which a compiled graph cannot record: under
+    ``torch.compile`` both options compute the keys with PyTorch operations (the same
+    numbers), so a failing kernel is not tried."""
+    from skyformer.sketch import triton_draws
+
+    monkeypatch.setattr(triton_draws, "selection_keys", _broken)
+    key = random_key(torch.Generator().manual_seed(3))
+
+    def keys(draw):
+        return lambda key: lm.stream_selection_keys(key, lm.KEY_STREAM, None, 2, 30, draw=draw)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        got = torch.compile(keys(draw), fullgraph=True, backend="aot_eager")(key)
+    assert torch.equal(got, keys("torch")(key)) and not lm.DRAW_FALLBACK.failed
