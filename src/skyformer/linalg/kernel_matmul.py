@@ -327,7 +327,7 @@ def gaussian_kernel_matmul(
             None if col_offset is None else col_offset.reshape(bh, m),
             rhs.reshape(bh, *rhs.shape[-2:]), row_valid, float(scale), row_norm, transpose,
             shift_rows, exclude, None if x_bf16 is None else x_bf16.reshape(bh, m, d),
-            float(x_factor), ones_column,
+            float(x_factor), ones_column, kernel == "auto",
         )
         return out.reshape(*batch_shape, *out.shape[1:])
     out, _, _ = apply(

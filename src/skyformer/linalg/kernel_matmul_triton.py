@@ -12,7 +12,9 @@ and the row sums of dE come from the identities of ``kernel_matmul`` (no extra p
 (dE 1)_i = V_N,i . (C V_M)_i, which the rows kernel forms in the compute dtype to
 finish dy in place. y and the N-row values may be half types (``triton_kernels``).
 The kernels are called as the custom operators of ``triton_ops``, so that
-``torch.compile`` traces everything around them and CUDA graphs capture them.
+``torch.compile`` traces everything around them and CUDA graphs capture them. Under
+``kernel="auto"`` the operators compute a kernel's results by PyTorch operations where
+it cannot compile or launch (``PRODUCT_FALLBACK``), forward and backward, compiled too.
 """
 
 from __future__ import annotations
@@ -23,9 +25,17 @@ import torch
 from torch import Tensor
 
 from .functional_ops import first_order_backward
+from .kernel_backend import KernelFallback
 from .kernel_offsets import LOG2E, row_offsets
 from .ones_column import with_ones_column
 from .vmap import vmap_into_batch
+
+# "auto"'s safety net: product kernels that cannot compile or launch here (an old GPU, no
+# C compiler, too few registers) give way to PyTorch operations, with one warning: the
+# operators' own (``product_fallback``), then ``gaussian_kernel_matmul``'s PyTorch path.
+PRODUCT_FALLBACK = KernelFallback(
+    "Gaussian block product kernels",
+    "computing the products with PyTorch operations (the same values up to rounding)")
 
 
 def _ops():
@@ -42,25 +52,25 @@ def _empty_to_none(t: Tensor) -> Tensor | None:
     return t if t.numel() else None
 
 
-def _rows(y, kx, a, b, vm, vn, exclude, norm_scale, *, write_out1=True,
+def _rows(y, kx, a, b, vm, vn, exclude, norm_scale, *, auto, write_out1=True,
           shift_rows=False, out2_scale=1.0, norm_coef=None):
     """``triton_ops.rows_product`` with ``None`` for absent tensors, x (``_KernelX``)
-    and b as the method holds them."""
+    and b as the method holds them; ``auto``: ``PRODUCT_FALLBACK`` where it fails."""
     out = _ops().rows_product(y, kx.x, _none_to_empty(a, kx.x), _none_to_empty(b, kx.x), vm,
                               _none_to_empty(vn, y), _none_to_empty(exclude, y),
                               write_out1, shift_rows, out2_scale, norm_coef, norm_scale,
-                              kx.dot_scale * LOG2E, LOG2E, kx.bf16)
+                              kx.dot_scale * LOG2E, LOG2E, kx.bf16, auto)
     return tuple(_empty_to_none(t) for t in out)
 
 
-def _cols(y, kx, a, b, vn, vm, exclude, norm_scale, scale, *, write_out1=True):
+def _cols(y, kx, a, b, vn, vm, exclude, norm_scale, scale, *, auto, write_out1=True):
     """``triton_ops.cols_product`` with ``None`` for absent tensors, x (``_KernelX``)
     and b as the method holds them; the second output is dx, ((V_N V_M^T) * C)^T y
-    times s (``scale``)."""
+    times s (``scale``); ``auto``: ``PRODUCT_FALLBACK`` where it fails."""
     out = _ops().cols_product(y, kx.x, _none_to_empty(a, kx.x), _none_to_empty(b, kx.x), vn,
                               _none_to_empty(vm, kx.x), _none_to_empty(exclude, y),
                               write_out1, norm_scale, kx.dot_scale * LOG2E, LOG2E, scale,
-                              kx.bf16)
+                              kx.bf16, auto)
     return tuple(_empty_to_none(t) for t in out)
 
 
@@ -91,13 +101,14 @@ class TritonGaussianBlockProduct(torch.autograd.Function):
     """out = C @ rhs or C^T @ rhs (``ones_column``: with [rhs, 1]); tensors as
     ``kernel_matmul._GaussianBlockProduct``, and ``x_bf16`` (or None), x / ``x_factor``
     as bfloat16 numbers in x's dtype, which the kernels then read instead of x
-    (``_KernelX``; not differentiated: x is)."""
+    (``_KernelX``; not differentiated: x is); ``auto``: kernels that fail, forward or
+    backward, give way to PyTorch operations (``PRODUCT_FALLBACK``)."""
 
     @staticmethod
     def forward(y: Tensor, x: Tensor, b: Tensor | None, rhs: Tensor,  # type: ignore[override]
                 row_valid: Tensor | None, scale: float, row_norm: bool, transpose: bool,
                 shift_rows: bool, exclude: Tensor | None, x_bf16: Tensor | None,
-                x_factor: float, ones_column: bool) -> tuple[Tensor, Tensor]:
+                x_factor: float, ones_column: bool, auto: bool) -> tuple[Tensor, Tensor]:
         y, rhs = y.contiguous(), with_ones_column(rhs, ones_column).contiguous()
         kx = _kernel_x(x, x_bf16, x_factor, scale)
         b = None if b is None else b.contiguous()
@@ -107,9 +118,9 @@ class TritonGaussianBlockProduct(torch.autograd.Function):
         a = None if a is None else a.contiguous()
         norm_scale = _norm_scale(scale, row_norm)
         if transpose:
-            out, _ = _cols(y, kx, a, b, rhs, None, exclude, norm_scale, scale)
+            out, _ = _cols(y, kx, a, b, rhs, None, exclude, norm_scale, scale, auto=auto)
         else:
-            out, _, shift = _rows(y, kx, a, b, rhs, None, exclude, norm_scale,
+            out, _, shift = _rows(y, kx, a, b, rhs, None, exclude, norm_scale, auto=auto,
                                   shift_rows=shift_rows)
             if shift is not None:
                 a = shift if a is None else a + shift
@@ -118,14 +129,14 @@ class TritonGaussianBlockProduct(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
         y, x, b, rhs, _, scale, row_norm, transpose, _, exclude, x_bf16, x_factor, \
-            ones_column = inputs
+            ones_column, auto = inputs
         out, a = output
         ctx.mark_non_differentiable(a)
         ctx.set_materialize_grads(False)  # no zero tensor for the offsets' gradient
         # C Z's backward needs no copy of its [N, R] output (the rows kernel forms dE 1
         # itself); C^T V's [m, R] output gives the column offsets' gradient
         ctx.save_for_backward(y, x, b, rhs, a, out if transpose else None, exclude, x_bf16)
-        ctx.options = (scale, row_norm, transpose, x_factor, ones_column)
+        ctx.options = (scale, row_norm, transpose, x_factor, ones_column, auto)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple, *args: Any) -> tuple[tuple, tuple]:
@@ -137,7 +148,7 @@ class TritonGaussianBlockProduct(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor, _: Any) -> tuple[Tensor | None, ...]:
         y, x, b, rhs, a, out, exclude, x_bf16 = ctx.saved_tensors
         a = a.contiguous() if a.numel() else None
-        scale, row_norm, transpose, x_factor, ones_column = ctx.options
+        scale, row_norm, transpose, x_factor, ones_column, auto = ctx.options
         need_y, need_x, need_b, need_rhs = ctx.needs_input_grad[:4]
         y, grad = y.contiguous(), grad.contiguous()
         rhs = with_ones_column(rhs, ones_column).contiguous()
@@ -151,14 +162,15 @@ class TritonGaussianBlockProduct(torch.autograd.Function):
             # dy = s dE x (x = c x_bf16 when the kernels read x_bf16); the row norm adds
             # -s^2 (dE 1)_i y_i, summed in the kernel (no rounded copy of dE 1)
             c_vm, dy, _ = _rows(y, kx, a, b, vm, vn if need_y else None, exclude,
-                                _norm_scale(scale, row_norm), write_out1=rows_first,
+                                _norm_scale(scale, row_norm), auto=auto, write_out1=rows_first,
                                 out2_scale=kx.dot_scale,
                                 norm_coef=-scale * scale if row_norm else None)
         cols_first = not transpose and (need_rhs or need_b)
         c_vn, dx = None, None
         if need_x or cols_first:
             c_vn, dx = _cols(y, kx, a, b, vn, vm if need_x else None, exclude,
-                             _norm_scale(scale, row_norm), scale, write_out1=cols_first)
+                             _norm_scale(scale, row_norm), scale, auto=auto,
+                             write_out1=cols_first)
         drhs = c_vm if transpose else c_vn  # dV = C g, or dZ = C^T g
         db = None
         if need_b:
@@ -167,4 +179,4 @@ class TritonGaussianBlockProduct(torch.autograd.Function):
         if need_rhs and ones_column:
             drhs = drhs[..., :-1]
         return (dy, dx, db, drhs if need_rhs else None, None, None, None, None, None, None,
-                None, None, None)
+                None, None, None, None)

@@ -6,6 +6,9 @@ draws, the m x m core, norms) is traced and fused by Inductor, the kernels are c
 as they are, and CUDA graphs (``mode="reduce-overhead"``) capture them. Gradients come
 from ``kernel_matmul_triton.TritonGaussianBlockProduct``, which calls these operators
 in its backward pass. Optional tensors are passed as empty tensors where absent.
+Under ``kernel="auto"`` (``auto``) the product operators compute a kernel's results by
+PyTorch operations where it cannot compile or launch (``product_fallback``,
+``PRODUCT_FALLBACK``): inside the operators, so that compiled graphs keep the fallback.
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import triton_kernels
+from . import product_fallback, triton_kernels
 from .eager_calls import custom_op
+from .kernel_matmul_triton import PRODUCT_FALLBACK
 
 
 def _opt(t: Tensor) -> Tensor | None:
@@ -30,18 +34,22 @@ def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
 def rows_product(y: Tensor, x: Tensor, a: Tensor, b: Tensor, vm: Tensor, vn: Tensor,
                  exclude: Tensor, write_out1: bool, shift_rows: bool, out2_scale: float,
                  norm_coef: float | None, norm_scale: float | None, dot_scale: float,
-                 b_scale: float, x_bf16: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """``triton_kernels.rows_product``; absent outputs are empty tensors."""
-    out1, out2, shift = triton_kernels.rows_product(
-        y, x, _opt(a), _opt(b), vm, _opt(vn), _opt(exclude), write_out1=write_out1,
-        shift_rows=shift_rows, out2_scale=out2_scale, norm_coef=norm_coef,
-        norm_scale=norm_scale, dot_scale=dot_scale, b_scale=b_scale, x_bf16=x_bf16)
+                 b_scale: float, x_bf16: bool, auto: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``triton_kernels.rows_product``; absent outputs are empty tensors; ``auto``: by
+    PyTorch operations where the kernel fails (``PRODUCT_FALLBACK``)."""
+    args = (y, x, _opt(a), _opt(b), vm, _opt(vn), _opt(exclude))
+    options = {"write_out1": write_out1, "shift_rows": shift_rows, "out2_scale": out2_scale,
+               "norm_coef": norm_coef, "norm_scale": norm_scale, "dot_scale": dot_scale,
+               "b_scale": b_scale, "x_bf16": x_bf16}
+    out1, out2, shift = PRODUCT_FALLBACK.run(
+        auto, lambda: triton_kernels.rows_product(*args, **options),
+        lambda: product_fallback.rows_product(*args, **options))
     return (_or_empty(out1, y), _or_empty(out2, y), _or_empty(shift, x))
 
 
 @rows_product.register_fake
 def _(y, x, a, b, vm, vn, exclude, write_out1, shift_rows, out2_scale, norm_coef,
-      norm_scale, dot_scale, b_scale, x_bf16):
+      norm_scale, dot_scale, b_scale, x_bf16, auto):
     bh, n, d = y.shape
     out1_dtype = vn.dtype if vn.numel() else y.dtype
     return (y.new_empty(bh, n, vm.shape[-1], dtype=out1_dtype) if write_out1
@@ -53,19 +61,22 @@ def _(y, x, a, b, vm, vn, exclude, write_out1, shift_rows, out2_scale, norm_coef
 @custom_op("skyformer::gaussian_cols_product")
 def cols_product(y: Tensor, x: Tensor, a: Tensor, b: Tensor, vn: Tensor, vm: Tensor,
                  exclude: Tensor, write_out1: bool, norm_scale: float | None,
-                 dot_scale: float, b_scale: float, out2_scale: float, x_bf16: bool
-                 ) -> tuple[Tensor, Tensor]:
-    """``triton_kernels.cols_product``; absent outputs are empty tensors."""
-    out1, out2 = triton_kernels.cols_product(
-        y, x, _opt(a), _opt(b), vn, _opt(vm), _opt(exclude), write_out1=write_out1,
-        norm_scale=norm_scale, dot_scale=dot_scale, b_scale=b_scale, out2_scale=out2_scale,
-        x_bf16=x_bf16)
+                 dot_scale: float, b_scale: float, out2_scale: float, x_bf16: bool,
+                 auto: bool) -> tuple[Tensor, Tensor]:
+    """``triton_kernels.cols_product``; absent outputs are empty tensors; ``auto``: by
+    PyTorch operations where the kernel fails (``PRODUCT_FALLBACK``)."""
+    args = (y, x, _opt(a), _opt(b), vn, _opt(vm), _opt(exclude))
+    options = {"write_out1": write_out1, "norm_scale": norm_scale, "dot_scale": dot_scale,
+               "b_scale": b_scale, "out2_scale": out2_scale, "x_bf16": x_bf16}
+    out1, out2 = PRODUCT_FALLBACK.run(
+        auto, lambda: triton_kernels.cols_product(*args, **options),
+        lambda: product_fallback.cols_product(*args, **options))
     return (_or_empty(out1, x), _or_empty(out2, x))
 
 
 @cols_product.register_fake
 def _(y, x, a, b, vn, vm, exclude, write_out1, norm_scale, dot_scale, b_scale,
-      out2_scale, x_bf16):
+      out2_scale, x_bf16, auto):
     bh, _, d = y.shape
     m = x.shape[1]
     return (x.new_empty(bh, m, vn.shape[-1]) if write_out1 else x.new_empty(0),

@@ -1,0 +1,192 @@
+"""``kernel="auto"``'s safety net for the Gaussian block products (``PRODUCT_FALLBACK``):
+a product kernel that cannot compile or launch (made to fail here, as one that cannot
+compile for an older GPU would), forward or backward, gives the PyTorch path's results
+with one warning, and later calls do not try it; running out of memory propagates and
+``"triton"`` insists. On CPU tensors under Triton's interpreter, the products' choice
+forced onto the kernels where ``"auto"`` asks (it takes them on CUDA only).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import skyformer
+from skyformer.linalg import gaussian_kernel_matmul
+from tests.conftest import gen
+from tests.devices import needs_interpreter
+
+pytest.importorskip("triton")
+pytestmark = needs_interpreter
+
+FAILURE = "simulated compile failure"
+TIGHT = {"rtol": 1e-10, "atol": 1e-12}  # float64: the same values up to rounding
+
+
+@pytest.fixture(autouse=True)
+def _auto_takes_the_kernels(monkeypatch):
+    """``"auto"`` takes the product kernels for any CPU tensor; ``failed`` reset after."""
+    from skyformer.linalg import kernel_matmul, kernel_matmul_triton
+
+    monkeypatch.setattr(kernel_matmul, "use_triton", lambda kernel, t: kernel != "torch")
+    monkeypatch.setattr(kernel_matmul_triton.PRODUCT_FALLBACK, "failed", False)
+
+
+def _fallback():
+    from skyformer.linalg.kernel_matmul_triton import PRODUCT_FALLBACK
+
+    return PRODUCT_FALLBACK
+
+
+def _break_kernels(monkeypatch, calls, error=None):
+    """Both product kernels raise ``error`` (a compile failure by default), appending to
+    ``calls``."""
+    from skyformer.linalg import triton_kernels
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError(FAILURE) if error is None else error
+
+    for name in ("rows_product", "cols_product"):
+        monkeypatch.setattr(triton_kernels, name, broken)
+
+
+def _inputs():
+    q, k, v = (torch.randn(2, 2, 21, 8, generator=gen(seed), dtype=torch.float64)
+               for seed in (1, 2, 3))
+    mask = torch.ones(2, 21, dtype=torch.bool)
+    mask[1, 15:] = False
+    return (q, k, v), mask
+
+
+def _attention(kernel, mask):
+    return lambda q, k, v: skyformer.attention(q, k, v, "skyformer", key_padding_mask=mask,
+                                               kernel=kernel, num_features=6,
+                                               generator=skyformer.random_key(5))
+
+
+def _value_and_grads(fn, inputs, before_backward=lambda: None):
+    """fn's output and the gradients of its inputs, and the RuntimeWarnings raised;
+    ``before_backward`` runs between the two passes."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fn(*leaves)
+        before_backward()
+        weights = torch.randn(out.shape, generator=gen(7), dtype=out.dtype)
+        grads = torch.autograd.grad((out * weights).sum(), leaves)
+    return [out, *grads], [str(w.message) for w in caught if w.category is RuntimeWarning]
+
+
+def _close(got, want):
+    for a, e in zip(got, want, strict=True):
+        torch.testing.assert_close(a, e, **TIGHT)
+
+
+@pytest.mark.parametrize("fails", ["forward", "backward"])
+def test_a_failing_product_kernel_under_auto_warns_once_and_falls_back(monkeypatch, fails):
+    """Skyformer's products: the PyTorch path's output and gradients, one warning,
+    ``failed`` set, and a later call that does not try the kernels; ``"triton"``
+    raises."""
+    inputs, mask = _inputs()
+    want, _ = _value_and_grads(_attention("torch", mask), inputs)
+    calls = []
+
+    def break_kernels():
+        _break_kernels(monkeypatch, calls)
+
+    if fails == "forward":
+        break_kernels()
+        got, warned = _value_and_grads(_attention("auto", mask), inputs)
+    else:  # the kernels run forward, then fail in the backward pass
+        got, warned = _value_and_grads(_attention("auto", mask), inputs, break_kernels)
+    _close(got, want)
+    assert len(warned) == 1 and FAILURE in warned[0], warned
+    assert _fallback().failed and calls == [1]
+    again, warned = _value_and_grads(_attention("auto", mask), inputs)
+    _close(again, want)
+    assert warned == [] and calls == [1]  # not tried again
+    with pytest.raises(RuntimeError, match=FAILURE):  # "triton" insists
+        _value_and_grads(_attention("triton", mask), inputs)
+
+
+def test_running_out_of_memory_in_a_product_kernel_propagates(monkeypatch):
+    """Not the kernel's failure (the PyTorch path would need more memory): it propagates
+    under ``"auto"`` and leaves the kernels in use."""
+    calls = []
+    _break_kernels(monkeypatch, calls, torch.OutOfMemoryError("CUDA out of memory"))
+    inputs, mask = _inputs()
+    with pytest.raises(torch.OutOfMemoryError):
+        _attention("auto", mask)(*inputs)
+    assert calls == [1] and not _fallback().failed
+
+
+def _counted(function, calls):
+    """``function``, appending to ``calls`` at each call."""
+    def run(*args, **kwargs):
+        calls.append(1)
+        return function(*args, **kwargs)
+
+    return run
+
+
+def _product(kernel, y, x, b, rhs, **options):
+    leaves = [t.detach().clone().requires_grad_(True) for t in (y, x, b, rhs)]
+    out = gaussian_kernel_matmul(leaves[0], leaves[1], leaves[3], leaves[2], kernel=kernel,
+                                 **options)
+    weights = torch.randn(out.shape, generator=gen(1), dtype=torch.float64).to(out.dtype)
+    grads = torch.autograd.grad((out * weights).sum(), leaves)
+    return [t.double().nan_to_num() for t in (out, *grads)]  # a dead column's db: NaN
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("row_norm", [False, True])
+@pytest.mark.parametrize("read", ["float64", "bfloat16 rows", "x_bf16"])
+def test_the_fallback_computes_every_option_of_the_kernels(monkeypatch, transpose, row_norm,
+                                                           read):
+    """What the operators compute instead of a failing kernel (``product_fallback``),
+    forward and backward, against the PyTorch path: invalid rows, a dead column,
+    excluded entries, row shifts, a column of ones, half-type rows, x read as bfloat16
+    numbers."""
+    from skyformer.linalg import product_fallback
+
+    _break_kernels(monkeypatch, [])
+    used = []
+    for name in ("rows_product", "cols_product"):
+        monkeypatch.setattr(product_fallback, name,
+                            _counted(getattr(product_fallback, name), used))
+    n, m, d, r = 40, 9, 8, 5
+    g = gen(4)
+    y = torch.randn(2, n, d, generator=g, dtype=torch.float64)
+    x = 0.5 * torch.randn(2, m, d, generator=g, dtype=torch.float64)
+    b = 0.5 * (x * x).sum(-1)
+    rhs = torch.randn(2, n if transpose else m, r, generator=g, dtype=torch.float64)
+    options = {"scale": 0.7, "row_norm": row_norm, "transpose": transpose,
+               "shift_rows": not transpose, "ones_column": True,
+               "row_valid": torch.rand(2, n, generator=g) > 0.3,
+               "exclude": (torch.rand(2, m, n, generator=g) > 0.8).transpose(-1, -2)}
+    tolerance = TIGHT
+    if read == "bfloat16 rows":  # read as they are, computed in float32
+        y, x, b = y.bfloat16(), x.float(), b.float()
+        rhs = rhs.bfloat16() if transpose else rhs.float()
+        tolerance = {"rtol": 1e-2, "atol": 1e-2}  # N-row results rounded to bfloat16
+    elif read == "x_bf16":
+        options["x_bf16"] = x.bfloat16().double()
+        x = 3.0 * options["x_bf16"]
+        b = 0.5 * (x * x).sum(-1)
+        options["x_factor"] = 3.0
+    b[:, 4] = float("inf")  # a dead column
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _product("auto", y, x, b, rhs, **options)
+    warned = [w for w in caught if w.category is RuntimeWarning]
+    assert len(warned) == 1 and FAILURE in str(warned[0].message) and _fallback().failed
+    assert len(used) >= 3  # the forward and backward products, computed in the operators
+    options.pop("x_bf16", None)
+    want = _product("torch", y.to(x.dtype), x, b, rhs.to(x.dtype), **options)
+    for name, a, e in zip(("out", "dy", "dx", "db", "drhs"), got, want, strict=True):
+        scale = e.abs().max().item()  # bfloat16 rows: relative to the largest entry
+        torch.testing.assert_close(a, e, rtol=tolerance["rtol"],
+                                   atol=tolerance["atol"] * max(scale, 1.0), msg=name)
