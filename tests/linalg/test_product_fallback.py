@@ -105,11 +105,35 @@ def test_a_failing_product_kernel_under_auto_warns_once_and_falls_back(monkeypat
     _close(got, want)
     assert len(warned) == 1 and FAILURE in warned[0], warned
     assert _fallback().failed and calls == [1]
+    from skyformer.linalg import product_fallback
+
+    used = []  # later calls take the chunked PyTorch path up front, not the operators
+    for name in ("rows_product", "cols_product"):
+        monkeypatch.setattr(product_fallback, name,
+                            _counted(getattr(product_fallback, name), used))
     again, warned = _value_and_grads(_attention("auto", mask), inputs)
     _close(again, want)
-    assert warned == [] and calls == [1]  # not tried again
+    assert warned == [] and calls == [1] and used == []  # not tried again
     with pytest.raises(RuntimeError, match=FAILURE):  # "triton" insists
         _value_and_grads(_attention("triton", mask), inputs)
+
+
+def test_a_failure_around_the_operators_falls_back_in_eager_code(monkeypatch):
+    """Triton installed but failing to import (a broken install): an eager ``"auto"``
+    call takes the PyTorch path, with one warning; ``"triton"`` raises."""
+    from skyformer.linalg import kernel_matmul_triton
+
+    def broken():
+        raise ImportError("triton: undefined symbol")
+
+    monkeypatch.setattr(kernel_matmul_triton, "_ops", broken)
+    inputs, mask = _inputs()
+    want, _ = _value_and_grads(_attention("torch", mask), inputs)
+    got, warned = _value_and_grads(_attention("auto", mask), inputs)
+    _close(got, want)
+    assert len(warned) == 1 and "undefined symbol" in warned[0] and _fallback().failed
+    with pytest.raises(ImportError, match="undefined symbol"):
+        _attention("triton", mask)(*inputs)
 
 
 def test_running_out_of_memory_in_a_product_kernel_propagates(monkeypatch):

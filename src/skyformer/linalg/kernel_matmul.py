@@ -40,7 +40,7 @@ from .eager_calls import apply
 from .flush import flush_exponent_on_cpu_
 from .functional_ops import first_order_backward, functional_ops_only
 from .kernel_backend import HALF_TYPES, use_triton
-from .kernel_matmul_triton import TritonGaussianBlockProduct
+from .kernel_matmul_triton import PRODUCT_FALLBACK, TritonGaussianBlockProduct
 from .kernel_offsets import LOG2E, row_offsets
 from .ones_column import with_ones_column
 from .vmap import vmap_into_batch
@@ -264,8 +264,9 @@ def gaussian_kernel_matmul(
         chunk: rows per chunk; default from ``chunk_rows``.
         exclude: ``[..., N, m]`` bool (any strides, e.g. a transposed ``[..., m, N]``
             mask), True entries of C are 0 (no gradient through them).
-        kernel: ``"auto"`` (Triton for float32 CUDA tensors, else PyTorch), ``"torch"``
-            or ``"triton"`` (``kernel_backend``).
+        kernel: ``"auto"`` (Triton for float32 CUDA tensors, else PyTorch; PyTorch
+            where the kernels failed, ``PRODUCT_FALLBACK``), ``"torch"`` or ``"triton"``
+            (``kernel_backend``).
         x_bf16: x / ``x_factor`` in x's dtype when its values are bfloat16 numbers (the
             landmark rows of bfloat16 inputs before their scale), or None: the Triton
             kernels then read it and leave out the bf16x3 products with its zero lo
@@ -299,7 +300,8 @@ def gaussian_kernel_matmul(
         chunk = chunk_rows(n, bh, m, y.device)
     if row_valid is not None:
         row_valid = row_valid.expand(*batch_shape, n).reshape(bh, n)
-    triton = use_triton(kernel, x)
+    auto = kernel == "auto"
+    triton = use_triton(kernel, x) and not (auto and PRODUCT_FALLBACK.failed)
     if not (triton and y.dtype in (x.dtype, *HALF_TYPES)):
         y = y.to(x.dtype)
     if not (triton and transpose and rhs.dtype in (x.dtype, *HALF_TYPES)):
@@ -320,31 +322,24 @@ def gaussian_kernel_matmul(
         raise ValueError(
             f"gaussian_kernel_matmul: x_bf16 must have x's shape and dtype "
             f"{tuple(x.shape)} {x.dtype}, got {tuple(x_bf16.shape)} {x_bf16.dtype}.")
-    if triton:
-        out, _ = apply(
-            TritonGaussianBlockProduct,
-            y.reshape(bh, n, d), x.reshape(bh, m, d),
-            None if col_offset is None else col_offset.reshape(bh, m),
-            rhs.reshape(bh, *rhs.shape[-2:]), row_valid, float(scale), row_norm, transpose,
-            shift_rows, exclude, None if x_bf16 is None else x_bf16.reshape(bh, m, d),
-            float(x_factor), ones_column, kernel == "auto",
-        )
-        return out.reshape(*batch_shape, *out.shape[1:])
-    out, _, _ = apply(
-        _GaussianBlockProduct,
-        y.reshape(bh, n, d),
-        x.reshape(bh, m, d),
-        None if col_offset is None else col_offset.reshape(bh, m),
-        rhs.reshape(bh, *rhs.shape[-2:]),
-        row_valid,
-        float(scale),
-        row_norm,
-        transpose,
-        shift_rows,
-        chunk,
-        exclude,
-        ones_column,
-    )
+    y, x = y.reshape(bh, n, d), x.reshape(bh, m, d)
+    b = None if col_offset is None else col_offset.reshape(bh, m)
+    rhs = rhs.reshape(bh, *rhs.shape[-2:])
+
+    def by_pytorch() -> Tensor:
+        return apply(_GaussianBlockProduct, y.to(x.dtype), x, b, rhs.to(x.dtype), row_valid,
+                     float(scale), row_norm, transpose, shift_rows, chunk, exclude,
+                     ones_column)[0]
+
+    def by_triton() -> Tensor:
+        return apply(TritonGaussianBlockProduct, y, x, b, rhs, row_valid, float(scale),
+                     row_norm, transpose, shift_rows, exclude,
+                     None if x_bf16 is None else x_bf16.reshape(bh, m, d), float(x_factor),
+                     ones_column, auto)[0]
+
+    # a kernel that fails inside is the operators' to catch (in compiled graphs too);
+    # this one catches what fails around them in eager code (importing Triton)
+    out = PRODUCT_FALLBACK.run(auto, by_triton, by_pytorch) if triton else by_pytorch()
     return out.reshape(*batch_shape, *out.shape[1:])
 
 
