@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 
+import skyformer
 from skyformer import kernelized_attention
 from skyformer.linalg import gaussian_kernel_block, half_sq_norm, lemma3_inverse
 from skyformer.sketch import landmarks as lm
@@ -36,22 +37,25 @@ def _broken(*args, **kwargs):
 def _fresh(monkeypatch):
     """Every fallback's ``failed`` flag reset afterwards (``monkeypatch`` restores it),
     and no compiled code kept between tests."""
-    from skyformer.linalg import lemma3_triton
+    from skyformer.linalg import kernel_matmul_triton, lemma3_triton
     from skyformer.ops.kernelized import flash
 
-    for fallback in (flash.FLASH_FALLBACK, lemma3_triton.CORE_FALLBACK, lm.DRAW_FALLBACK):
+    for fallback in (flash.FLASH_FALLBACK, lemma3_triton.CORE_FALLBACK, lm.DRAW_FALLBACK,
+                     kernel_matmul_triton.PRODUCT_FALLBACK):
         monkeypatch.setattr(fallback, "failed", False)
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
 
 
-def _run(fn, inputs):
-    """fn's output and the gradients of its inputs, with the RuntimeWarnings raised."""
+def _run(fn, inputs, before_backward=lambda: None):
+    """fn's output and the gradients of its inputs, with the RuntimeWarnings raised;
+    ``before_backward`` runs between the two passes."""
     leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = fn(*leaves)
+        before_backward()
         weights = torch.randn(out.shape, generator=gen(5), dtype=out.dtype)
         grads = torch.autograd.grad((out * weights).sum(), leaves)
     return [out, *grads], [str(w.message) for w in caught if w.category is RuntimeWarning]
@@ -110,6 +114,47 @@ def test_running_out_of_memory_in_a_compiled_flash_kernel_propagates(monkeypatch
     with pytest.raises(torch.OutOfMemoryError):
         compiled(*make_qkv(1, 2, 8, 8, dtype=torch.float32))
     assert not flash.FLASH_FALLBACK.failed
+
+
+@pytest.mark.parametrize("fails", ["forward", "backward"])
+def test_failing_product_kernels_give_way_to_pytorch_when_compiled(monkeypatch, fails):
+    """The Gaussian block products' fallback runs inside their operators, which the
+    compiled graph calls: Skyformer's output and gradients are the PyTorch path's (the
+    kernels failing from the first call, or from its backward pass), one warning,
+    ``failed`` set, and a second call without a warning; ``"triton"`` still raises."""
+    from skyformer.linalg import kernel_matmul, kernel_matmul_triton, triton_kernels
+
+    monkeypatch.setattr(kernel_matmul, "use_triton", lambda kernel, t: kernel != "torch")
+
+    def break_kernels():
+        for name in ("rows_product", "cols_product"):
+            monkeypatch.setattr(triton_kernels, name, _broken)
+
+    q, k, v = make_qkv(2, 2, 21, 8, seed=4)  # float64: the same values up to rounding
+    mask = torch.ones(2, 21, dtype=torch.bool)
+    mask[1, 15:] = False
+
+    def attention(kernel):
+        return lambda q, k, v: skyformer.attention(
+            q, k, v, "skyformer", key_padding_mask=mask, kernel=kernel, num_features=6,
+            generator=skyformer.random_key(5))
+
+    want, _ = _run(attention("torch"), (q, k, v))
+    compiled = torch.compile(attention("auto"), fullgraph=True, backend="aot_eager")
+    if fails == "forward":
+        break_kernels()
+        got, warned = _run(compiled, (q, k, v))
+    else:
+        got, warned = _run(compiled, (q, k, v), break_kernels)
+    _close(got, want, rtol=1e-10, atol=1e-12)
+    assert len(warned) == 1 and FAILURE in warned[0]
+    assert kernel_matmul_triton.PRODUCT_FALLBACK.failed
+    again, warned = _run(compiled, (q, k, v))
+    _close(again, want, rtol=1e-10, atol=1e-12)
+    assert warned == []
+    compiled = torch.compile(attention("triton"), fullgraph=True, backend="aot_eager")
+    with pytest.raises(RuntimeError, match=FAILURE):  # "triton" insists
+        _run(compiled, (q, k, v))
 
 
 def _landmark_matrix() -> torch.Tensor:
