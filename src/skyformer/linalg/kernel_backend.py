@@ -2,7 +2,8 @@
 
 ``kernel="auto"`` takes the fused Triton kernels (``triton_kernels``) for float32 CUDA
 tensors when Triton imports, and the chunked PyTorch path otherwise (CPU, float64,
-``torch.export`` graphs, forward-mode AD). Under ``torch.compile`` the kernels are custom operators
+``torch.export`` graphs, forward-mode AD, and after a kernel failed:
+``KernelFallback``). Under ``torch.compile`` the kernels are custom operators
 (``triton_ops``) that the compiled graph calls. ``"triton"`` insists: on a CPU tensor it
 runs under Triton's interpreter, which must be switched on with ``TRITON_INTERPRET=1``
 before Triton is first imported. ``"torch"`` always takes the PyTorch path.
@@ -149,7 +150,11 @@ class KernelFallback:
     Under ``torch.compile`` a custom operator is opaque: the compiled graph calls its
     implementation, and a ``run`` around the call is traced away. A kernel that
     ``"auto"`` takes there has its ``run`` inside the operator's implementation, which
-    takes ``auto`` and returns the PyTorch path's result on failure (``flash.py``)."""
+    takes ``auto`` and returns the PyTorch path's result on failure: the Gaussian block
+    products (``triton_ops``, ``product_fallback``; ``PRODUCT_FALLBACK``) and exact
+    kernelized attention's flash kernels (``flash.py``). ``"auto"`` takes the Lemma 3
+    kernel and the landmark draws in eager code only (``CORE_FALLBACK``,
+    ``DRAW_FALLBACK``, around their calls)."""
 
     def __init__(self, name: str, instead: str) -> None:
         self.name, self.instead, self.failed = name, instead, False
