@@ -16,7 +16,8 @@ every call launches what a graph should hold, the warm-up and the capture alike:
 
     with skyformer.cuda_graph_launches():
         graphed = torch.cuda.make_graphed_callables(model, (x,))
-        # or the first calls of torch.compile(model, mode="reduce-overhead")
+        # or the first calls of torch.compile(model, mode="reduce-overhead") with
+        # kernel="triton" (compiled, "auto" takes the PyTorch core, fused by Inductor)
 
 Outputs and gradients are those of the default launches (the same products, tiles in
 another order: to rounding). The state is process-wide, not per thread, because
