@@ -48,20 +48,30 @@ def test_non_finite_numbers_are_written_as_null(tmp_path):
 
 
 def test_a_built_folder_is_flushed_to_disk_before_it_is_renamed(tmp_path, monkeypatch):
-    """Its files are written plainly: the one flush before the rename is what keeps a
-    power cut from leaving a renamed folder of empty files."""
+    """Its files are written plainly: flushing each of them (and the folders) before the
+    rename is what keeps a power cut from leaving a renamed folder of empty files."""
     import os
 
     from skyformer.io import building_folder
 
     events = []
-    real_replace = os.replace
-    monkeypatch.setattr(os, "sync", lambda: events.append("sync"))
-    monkeypatch.setattr(os, "replace", lambda a, b: (events.append("replace"),
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace",)),
                                                      real_replace(a, b)))
     with building_folder(tmp_path / "data") as tmp:
         (tmp / "rows.tsv").write_text("a\tb\n")
-    assert events == ["sync", "replace"]
+        (tmp / "imgs").mkdir()
+        (tmp / "imgs" / "0.png").write_bytes(b"png")
+    flushed = [name for kind, *name in events if kind == "fsync" for name in name]
+    assert events[-1] == ("replace",) and len(events) == 5
+    assert {"rows.tsv", "0.png", "imgs"} <= set(flushed)
+    assert flushed.index("0.png") < flushed.index("imgs")  # a folder after its files
     assert (tmp_path / "data" / "rows.tsv").read_text() == "a\tb\n"
     events.clear()
     with pytest.raises(RuntimeError), building_folder(tmp_path / "other") as tmp:

@@ -65,9 +65,9 @@ def building_folder(path: str | os.PathLike[str]) -> Iterator[Path]:
     """A new temporary folder next to ``path`` to fill in the ``with`` block. When the
     block ends without error it is renamed to ``path`` (a folder already there is
     replaced only then); otherwise it is removed and ``path`` is left as it was. Before
-    the rename everything written is flushed to disk (one ``os.sync``, not a flush per
-    file: a generated image set holds thousands), so that after a power cut the folder
-    is either absent or whole; files inside need no atomic writes of their own."""
+    the rename every file and folder in it is flushed to disk (``_flush_tree``), so that
+    after a power cut the folder is either absent or whole; files inside need no atomic
+    writes of their own."""
     final = Path(os.path.abspath(path))  # "." and ".." resolved: the folder has a name
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
@@ -75,8 +75,7 @@ def building_folder(path: str | os.PathLike[str]) -> Iterator[Path]:
     old = None
     try:
         yield tmp
-        if hasattr(os, "sync"):  # POSIX
-            os.sync()
+        _flush_tree(tmp)
         if final.exists():
             old = final.parent / f".{final.name}.old-{os.getpid()}"
             os.replace(final, old)
@@ -90,6 +89,26 @@ def building_folder(path: str | os.PathLike[str]) -> Iterator[Path]:
     finally:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _flush_tree(folder: Path) -> None:
+    """``fsync`` every file under ``folder``, then every folder (its entries), deepest
+    first: only what was written here, where a global ``os.sync`` would wait on every
+    file system of the machine (a busy shared one on a cluster). Folders cannot be
+    opened for a flush on Windows: there only the files are flushed."""
+    for root, _, files in os.walk(folder, topdown=False):
+        for name in files:
+            _fsync(os.path.join(root, name))
+        if hasattr(os, "O_DIRECTORY"):
+            _fsync(root, os.O_DIRECTORY)
+
+
+def _fsync(path: str, flags: int = 0) -> None:
+    fd = os.open(path, os.O_RDONLY | flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def save_figure(fig: Any, path: str | os.PathLike[str], **savefig: Any) -> Path:
