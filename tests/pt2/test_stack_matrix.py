@@ -57,15 +57,26 @@ def test_autocast_bf16_returns_bf16_close_to_float32(method, matrix):
 @pytest.mark.parametrize("method", METHODS)
 def test_compile_fullgraph_equals_eager(method, matrix):
     """aot_eager: dynamo's graph capture and AOT autograd's functionalisation, without
-    inductor's code generation."""
+    inductor's code generation; outputs and gradients (Dynamo 2.11 traced an in-place
+    accumulation into a Function's output so that the outputs were right and every
+    gradient wrong)."""
     matrix("compile (aot_eager)", method)
     q, k, v = make_qkv(2, 2, 24, 8, dtype=torch.float32)
     mask, key = padded(2, 24, 19), random_key(1)
     torch._dynamo.reset()
     compiled = torch.compile(lambda *a: call(method, *a[:4], key=a[4]), fullgraph=True,
                              backend="aot_eager")
-    torch.testing.assert_close(compiled(q, k, v, mask, key), call(method, q, k, v, mask,
-                                                                   key=key))
+
+    def with_grads(fn):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = fn(*leaves, mask, key)
+        (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        return out.detach(), *(t.grad for t in leaves)
+
+    got = with_grads(compiled)
+    want = with_grads(lambda *a: call(method, *a[:4], key=a[4]))
+    for name, a, b in zip(("output", "dq", "dk", "dv"), got, want, strict=True):
+        torch.testing.assert_close(a, b, msg=lambda text, name=name: f"{name}: {text}")
 
 
 @pytest.mark.parametrize("function", [skyformer.softmax_attention,

@@ -131,7 +131,11 @@ class _GaussianBlockProduct(torch.autograd.Function):
                 shift[:, rows] = r
                 e.sub_(r[:, :, None])
             c = flush_exponent_on_cpu_(e, base2=True).exp2_()  # [BH, c, m] (flush.py)
-            if transpose:
+            if transpose and torch.compiler.is_compiling():
+                # traced, out of place: Dynamo 2.11 traced the in-place accumulation into
+                # this output so that the output was right and every gradient wrong
+                out = torch.baddbmm(out, c.transpose(1, 2), rhs[:, rows])
+            elif transpose:  # eager, in place: no [BH, m, R] allocation per chunk
                 out.baddbmm_(c.transpose(1, 2), rhs[:, rows])
             else:
                 out[:, rows] = torch.bmm(c, rhs, out=ws.get("out", size, width))
