@@ -54,29 +54,15 @@ def test_autocast_bf16_returns_bf16_close_to_float32(method, matrix):
     assert error < 0.05
 
 
+@pytest.mark.parametrize("n", [24, 160])  # 160: every method approximates
 @pytest.mark.parametrize("method", METHODS)
-def test_compile_fullgraph_equals_eager(method, matrix):
+def test_compile_fullgraph_equals_eager(method, n, matrix):
     """aot_eager: dynamo's graph capture and AOT autograd's functionalisation, without
     inductor's code generation; outputs and gradients (Dynamo 2.11 traced an in-place
     accumulation into a Function's output so that the outputs were right and every
     gradient wrong)."""
-    matrix("compile (aot_eager)", method)
-    q, k, v = make_qkv(2, 2, 24, 8, dtype=torch.float32)
-    mask, key = padded(2, 24, 19), random_key(1)
-    torch._dynamo.reset()
-    compiled = torch.compile(lambda *a: call(method, *a[:4], key=a[4]), fullgraph=True,
-                             backend="aot_eager")
-
-    def with_grads(fn):
-        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        out = fn(*leaves, mask, key)
-        (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
-        return out.detach(), *(t.grad for t in leaves)
-
-    got = with_grads(compiled)
-    want = with_grads(lambda *a: call(method, *a[:4], key=a[4]))
-    for name, a, b in zip(("output", "dq", "dk", "dv"), got, want, strict=True):
-        torch.testing.assert_close(a, b, msg=lambda text, name=name: f"{name}: {text}")
+    matrix(f"compile (aot_eager, N = {n})", method)
+    _assert_compiled_equals_eager(get_method(method).bind(seq_len=n), n)
 
 
 @pytest.mark.parametrize("method", [m for m in METHODS
@@ -84,17 +70,23 @@ def test_compile_fullgraph_equals_eager(method, matrix):
 def test_compile_fullgraph_causal_equals_eager(method, matrix):
     """The causal forms under aot_eager, outputs and gradients, with key padding."""
     matrix("compile causal (aot_eager)", method)
-    q, k, v = make_qkv(2, 2, 24, 8, dtype=torch.float32)
-    mask, key = padded(2, 24, 19), random_key(3)
+    _assert_compiled_equals_eager(get_method(method).bind(seq_len=24, causal=True), 24)
+
+
+def _assert_compiled_equals_eager(bound, n: int) -> None:
+    """``bound`` compiled (fullgraph, aot_eager) against eager on a padded batch at
+    length ``n``: output and the gradients of q, k, v."""
+    q, k, v = make_qkv(2, 2, n, 8, dtype=torch.float32)
+    mask, key = padded(2, n, n * 4 // 5), random_key(1)
+
+    def plain(q, k, v):
+        return bound(q, k, v, key_padding_mask=mask, generator=key)
 
     def with_grads(fn):
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        out = fn(*leaves, mask, key)
+        out = fn(*leaves)
         (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
         return out.detach(), *(t.grad for t in leaves)
-
-    def plain(*a):
-        return call(method, *a[:4], key=a[4], causal=True)
 
     torch._dynamo.reset()
     got = with_grads(torch.compile(plain, fullgraph=True, backend="aot_eager"))
