@@ -134,3 +134,29 @@ def test_rejects_an_exclude_mask_of_the_wrong_shape():
     y, x, z, _, _ = inputs()
     with pytest.raises(ValueError, match="exclude"):
         gaussian_kernel_matmul(y, x, z, None, exclude=torch.zeros(B, H, M, N, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_compiled_product_gives_eager_outputs_and_gradients(transpose, chunk):
+    """Traced by torch.compile, one chunk or several: Dynamo 2.11 traced the in-place
+    accumulation of C^T V across chunks so that every gradient was wrong."""
+    g = gen(5)
+    y = torch.randn(2, 21, 8, generator=g, dtype=torch.float64)
+    x = 0.3 * torch.randn(2, 6, 8, generator=g, dtype=torch.float64)
+    rhs = torch.randn(2, 21 if transpose else 6, 5, generator=g, dtype=torch.float64)
+
+    def product(y, x, rhs):
+        return gaussian_kernel_matmul(y, x, rhs, half_sq_norm(x), transpose=transpose,
+                                      chunk=chunk, kernel="torch")
+
+    def with_grads(fn):
+        leaves = [t.clone().requires_grad_(True) for t in (y, x, rhs)]
+        out = fn(*leaves)
+        (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum().backward()
+        return out.detach(), *(t.grad for t in leaves)
+
+    torch._dynamo.reset()
+    got = with_grads(torch.compile(product, fullgraph=True, backend="aot_eager"))
+    for a, b in zip(got, with_grads(product), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
