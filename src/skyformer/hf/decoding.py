@@ -246,7 +246,11 @@ class DecodingCache(Cache):
 
 def claimed_step(key: Tensor) -> DecodingLayer | None:
     """The ``DecodingLayer`` whose ``update`` returned ``key`` (the very tensor), if any:
-    the step is then taken (a second call answers None)."""
+    the step is then taken (a second call answers None). None in traced code: the
+    cache is not compileable (``DecodingLayer.is_compileable``), and Dynamo 2.11
+    cannot take the ``id`` of a tensor made in the traced function."""
+    if torch.compiler.is_compiling():
+        return None
     entry = _PENDING.get(id(key))
     if entry is None or entry[0]() is not key:
         return None
