@@ -5,6 +5,7 @@ after the run (passed / cells): the support matrices are read off CI's log."""
 from __future__ import annotations
 
 import os
+import warnings
 from collections import defaultdict
 
 import pytest
@@ -53,6 +54,20 @@ def holes_mask(b: int, n: int) -> torch.Tensor:
 
 def gen(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+def grads_and_warnings(fn, inputs, before_backward=lambda: None, seed=5):
+    """([fn's output, the gradients of its inputs for random weights drawn from
+    ``seed``], the messages of the RuntimeWarnings raised); ``before_backward`` runs
+    between the two passes (to break a kernel there, say)."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fn(*leaves)
+        before_backward()
+        weights = torch.randn(out.shape, generator=gen(seed), dtype=out.dtype)
+        grads = torch.autograd.grad((out * weights).sum(), leaves)
+    return [out, *grads], [str(w.message) for w in caught if w.category is RuntimeWarning]
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import torch
 
 import skyformer
 from skyformer.linalg import gaussian_kernel_matmul
-from tests.conftest import gen
+from tests.conftest import gen, grads_and_warnings
 from tests.devices import needs_interpreter
 
 pytest.importorskip("triton")
@@ -67,19 +67,6 @@ def _attention(kernel, mask):
                                                generator=skyformer.random_key(5))
 
 
-def _value_and_grads(fn, inputs, before_backward=lambda: None):
-    """fn's output and the gradients of its inputs, and the RuntimeWarnings raised;
-    ``before_backward`` runs between the two passes."""
-    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = fn(*leaves)
-        before_backward()
-        weights = torch.randn(out.shape, generator=gen(7), dtype=out.dtype)
-        grads = torch.autograd.grad((out * weights).sum(), leaves)
-    return [out, *grads], [str(w.message) for w in caught if w.category is RuntimeWarning]
-
-
 def _close(got, want):
     for a, e in zip(got, want, strict=True):
         torch.testing.assert_close(a, e, **TIGHT)
@@ -91,7 +78,7 @@ def test_a_failing_product_kernel_under_auto_warns_once_and_falls_back(monkeypat
     ``failed`` set, and a later call that does not try the kernels; ``"triton"``
     raises."""
     inputs, mask = _inputs()
-    want, _ = _value_and_grads(_attention("torch", mask), inputs)
+    want, _ = grads_and_warnings(_attention("torch", mask), inputs, seed=7)
     calls = []
 
     def break_kernels():
@@ -99,9 +86,9 @@ def test_a_failing_product_kernel_under_auto_warns_once_and_falls_back(monkeypat
 
     if fails == "forward":
         break_kernels()
-        got, warned = _value_and_grads(_attention("auto", mask), inputs)
+        got, warned = grads_and_warnings(_attention("auto", mask), inputs, seed=7)
     else:  # the kernels run forward, then fail in the backward pass
-        got, warned = _value_and_grads(_attention("auto", mask), inputs, break_kernels)
+        got, warned = grads_and_warnings(_attention("auto", mask), inputs, break_kernels, seed=7)
     _close(got, want)
     assert len(warned) == 1 and FAILURE in warned[0], warned
     assert _fallback().failed and calls == [1]
@@ -111,11 +98,11 @@ def test_a_failing_product_kernel_under_auto_warns_once_and_falls_back(monkeypat
     for name in ("rows_product", "cols_product"):
         monkeypatch.setattr(product_fallback, name,
                             _counted(getattr(product_fallback, name), used))
-    again, warned = _value_and_grads(_attention("auto", mask), inputs)
+    again, warned = grads_and_warnings(_attention("auto", mask), inputs, seed=7)
     _close(again, want)
     assert warned == [] and calls == [1] and used == []  # not tried again
     with pytest.raises(RuntimeError, match=FAILURE):  # "triton" insists
-        _value_and_grads(_attention("triton", mask), inputs)
+        grads_and_warnings(_attention("triton", mask), inputs, seed=7)
 
 
 def test_a_failure_around_the_operators_falls_back_in_eager_code(monkeypatch):
@@ -128,8 +115,8 @@ def test_a_failure_around_the_operators_falls_back_in_eager_code(monkeypatch):
 
     monkeypatch.setattr(kernel_matmul_triton, "_ops", broken)
     inputs, mask = _inputs()
-    want, _ = _value_and_grads(_attention("torch", mask), inputs)
-    got, warned = _value_and_grads(_attention("auto", mask), inputs)
+    want, _ = grads_and_warnings(_attention("torch", mask), inputs, seed=7)
+    got, warned = grads_and_warnings(_attention("auto", mask), inputs, seed=7)
     _close(got, want)
     assert len(warned) == 1 and "undefined symbol" in warned[0] and _fallback().failed
     with pytest.raises(ImportError, match="undefined symbol"):

@@ -18,7 +18,7 @@ from skyformer import kernelized_attention
 from skyformer.linalg import gaussian_kernel_block, half_sq_norm, lemma3_inverse
 from skyformer.sketch import landmarks as lm
 from skyformer.sketch.rng import random_key
-from tests.conftest import gen, make_qkv
+from tests.conftest import gen, grads_and_warnings, make_qkv
 from tests.devices import needs_interpreter
 
 pytest.importorskip("triton")
@@ -48,19 +48,6 @@ def _fresh(monkeypatch):
     torch._dynamo.reset()
 
 
-def _run(fn, inputs, before_backward=lambda: None):
-    """fn's output and the gradients of its inputs, with the RuntimeWarnings raised;
-    ``before_backward`` runs between the two passes."""
-    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = fn(*leaves)
-        before_backward()
-        weights = torch.randn(out.shape, generator=gen(5), dtype=out.dtype)
-        grads = torch.autograd.grad((out * weights).sum(), leaves)
-    return [out, *grads], [str(w.message) for w in caught if w.category is RuntimeWarning]
-
-
 def _close(got, want, **tolerances):
     for a, e in zip(got, want, strict=True):
         torch.testing.assert_close(a, e, **tolerances)
@@ -87,18 +74,18 @@ def test_failing_flash_kernels_give_way_to_the_augmentation_when_compiled(
         return lambda q, k, v: kernelized_attention(q, k, v, key_padding_mask=mask,
                                                     causal=True, kernel=kernel)
 
-    want, _ = _run(attention("torch"), (q, k, v))
+    want, _ = grads_and_warnings(attention("torch"), (q, k, v))
     compiled = torch.compile(attention("auto"), fullgraph=True, backend=backend)
-    got, warned = _run(compiled, (q, k, v))
+    got, warned = grads_and_warnings(compiled, (q, k, v))
     _close(got, want)
     assert len(warned) == 1 and FAILURE in warned[0]
     assert flash.FLASH_FALLBACK.failed
-    again, warned = _run(compiled, (q, k, v))
+    again, warned = grads_and_warnings(compiled, (q, k, v))
     _close(again, want)
     assert warned == []
     compiled = torch.compile(attention("triton"), fullgraph=True, backend=backend)
     with pytest.raises(RuntimeError, match=FAILURE):  # "triton" insists
-        _run(compiled, (q, k, v))
+        grads_and_warnings(compiled, (q, k, v))
 
 
 def test_running_out_of_memory_in_a_compiled_flash_kernel_propagates(monkeypatch):
@@ -139,22 +126,22 @@ def test_failing_product_kernels_give_way_to_pytorch_when_compiled(monkeypatch, 
             q, k, v, "skyformer", key_padding_mask=mask, kernel=kernel, num_features=6,
             generator=skyformer.random_key(5))
 
-    want, _ = _run(attention("torch"), (q, k, v))
+    want, _ = grads_and_warnings(attention("torch"), (q, k, v))
     compiled = torch.compile(attention("auto"), fullgraph=True, backend="aot_eager")
     if fails == "forward":
         break_kernels()
-        got, warned = _run(compiled, (q, k, v))
+        got, warned = grads_and_warnings(compiled, (q, k, v))
     else:
-        got, warned = _run(compiled, (q, k, v), break_kernels)
+        got, warned = grads_and_warnings(compiled, (q, k, v), break_kernels)
     _close(got, want, rtol=1e-10, atol=1e-12)
     assert len(warned) == 1 and FAILURE in warned[0]
     assert kernel_matmul_triton.PRODUCT_FALLBACK.failed
-    again, warned = _run(compiled, (q, k, v))
+    again, warned = grads_and_warnings(compiled, (q, k, v))
     _close(again, want, rtol=1e-10, atol=1e-12)
     assert warned == []
     compiled = torch.compile(attention("triton"), fullgraph=True, backend="aot_eager")
     with pytest.raises(RuntimeError, match=FAILURE):  # "triton" insists
-        _run(compiled, (q, k, v))
+        grads_and_warnings(compiled, (q, k, v))
 
 
 def _landmark_matrix() -> torch.Tensor:
@@ -178,13 +165,14 @@ def test_compiled_auto_leaves_the_lemma3_kernel_to_eager_code(monkeypatch, fails
     def inverse(kernel):
         return lambda t: lemma3_inverse(t, gamma=0.1, kernel=kernel)
 
-    want, _ = _run(inverse("torch"), (mat,))
-    got, warned = _run(torch.compile(inverse("auto"), fullgraph=True, backend="aot_eager"),
-                       (mat,))
+    want, _ = grads_and_warnings(inverse("torch"), (mat,))
+    compiled = torch.compile(inverse("auto"), fullgraph=True, backend="aot_eager")
+    got, warned = grads_and_warnings(compiled, (mat,))
     _close(got, want, rtol=1e-5, atol=1e-6)
     assert warned == [] and not lemma3_triton.CORE_FALLBACK.failed
+    compiled = torch.compile(inverse("triton"), fullgraph=True, backend="aot_eager")
     with pytest.raises(RuntimeError, match=FAILURE):  # "triton" insists
-        _run(torch.compile(inverse("triton"), fullgraph=True, backend="aot_eager"), (mat,))
+        grads_and_warnings(compiled, (mat,))
 
 
 @pytest.mark.parametrize("draw", ["auto", "triton"])
