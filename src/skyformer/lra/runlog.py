@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 from pathlib import Path
 from typing import Any
 
-from ..io import atomic_write_text, json_ready
+from ..io import atomic_write_text, json_text
 
 
 def tensorboard_available() -> bool:
@@ -27,7 +26,7 @@ def tensorboard_available() -> bool:
 
 def _json_line(entry: dict[str, Any]) -> str:
     """One ``metrics.jsonl`` line: strict JSON, a non-finite number as ``null``."""
-    return json.dumps(json_ready(entry), allow_nan=False) + "\n"
+    return json_text(entry) + "\n"
 
 
 class RunLog:
