@@ -296,16 +296,11 @@ def launch_options(m: int, backward: bool = False, graphed: bool = False) -> dic
     for the backward kernel (``keeps_products``); eagerly not, for the memory."""
     block = tile_width(m)
     tile = min(block, 32)
-    warps = 8 if block >= 64 else 4
-    if graphed:
-        if backward:
-            return {"BLOCK": block, "ROWS": tile, "KC": tile, "num_warps": warps,
-                    "num_stages": 1, "PER_PASS": True, "KEEP_PRODUCTS": True}
-        return {"BLOCK": block, "ROWS": 16, "KC": 16, "num_warps": 4, "num_stages": 1,
-                "PER_PASS": True}
-    options = {"BLOCK": block, "ROWS": tile, "KC": tile, "num_warps": warps,
-               "num_stages": 1, "PER_PASS": False}
-    return {**options, "KEEP_PRODUCTS": False} if backward else options
+    options = {"BLOCK": block, "ROWS": tile, "KC": tile, "num_warps": 8 if block >= 64 else 4,
+               "num_stages": 1, "PER_PASS": graphed}
+    if backward:
+        return {**options, "KEEP_PRODUCTS": graphed}
+    return {**options, "ROWS": 16, "KC": 16, "num_warps": 4} if graphed else options
 
 
 def keeps_products(m: int, graphed: bool = False) -> bool:
