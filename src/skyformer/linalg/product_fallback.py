@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .kernel_matmul import chunk_rows
+from .kernel_matmul import _exponent, chunk_rows
 
 
 def _chunks(y: Tensor, m: int) -> list[slice]:
@@ -28,17 +28,17 @@ def _exponents(y: Tensor, x: Tensor, a: Tensor | None, b: Tensor | None,
                exclude: Tensor | None, rows: slice, norm_scale: float | None,
                dot_scale: float, b_scale: float) -> tuple[Tensor, Tensor]:
     """(E, y) for ``rows`` of y: E ``[BH, c, m]`` in log2 units (no row shift), -inf
-    where excluded, and those rows ``[BH, c, D]`` in x's dtype."""
+    where excluded (``kernel_matmul._exponent``, with the kernels' scales and row
+    norms), and those rows ``[BH, c, D]`` in x's dtype."""
     y_c = y[:, rows].to(x.dtype)
-    e = torch.bmm(y_c, x.transpose(1, 2)).mul_(dot_scale)
+    offset = None if a is None else a[:, rows]
     if norm_scale is not None:
-        e.sub_(torch.linalg.vecdot(y_c, y_c).mul_(norm_scale)[:, :, None])
-    if a is not None:
-        e.sub_(a[:, rows, None])
-    if b is not None:
-        e.sub_(b[:, None, :] * b_scale)
-    if exclude is not None:
-        e.masked_fill_(exclude[:, rows], float("-inf"))
+        norms = torch.linalg.vecdot(y_c, y_c).mul_(norm_scale)
+        offset = norms if offset is None else norms.add_(offset)
+    e = _exponent(y_c, (x * dot_scale).transpose(1, 2), offset,
+                  None if b is None else (b * -b_scale)[:, None, :],
+                  y_c.new_empty(y_c.shape[0], y_c.shape[1], x.shape[1]),
+                  None if exclude is None else exclude[:, rows])
     return e, y_c
 
 
