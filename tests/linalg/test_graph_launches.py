@@ -86,14 +86,20 @@ def test_the_setting_nests_and_is_seen_by_other_threads():
     assert seen == [True] and not graph_launches_on()
 
 
-def test_a_whole_skyformer_call_inside_equals_the_default(launches):
-    q, k, v = (torch.randn(1, 2, 40, 16, dtype=torch.float64,
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_whole_skyformer_call_inside_equals_the_default(launches, padded):
+    """With key padding too: the padded sequence's dead landmark slots."""
+    q, k, v = (torch.randn(2, 2, 40, 16, dtype=torch.float64,
                            generator=torch.Generator().manual_seed(s)) for s in range(3))
+    mask = None
+    if padded:
+        mask = torch.ones(2, 40, dtype=torch.bool)
+        mask[1, 31:] = False
 
     def call():
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
         out = skyformer.attention(*leaves, "skyformer", num_features=16, kernel="triton",
-                                  generator=skyformer.random_key(5))
+                                  key_padding_mask=mask, generator=skyformer.random_key(5))
         out.sum().backward()
         return [out.detach()] + [t.grad for t in leaves]
 
