@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+from unittest import mock
 
 import pytest
 import torch
@@ -10,11 +12,13 @@ import torch
 from skyformer import kernelized_attention, skyformer_attention
 from skyformer.eval.measure.metrics import relative_error
 from skyformer.linalg import kernel_matmul
+from skyformer.ops.shared import modified_nystrom
 from skyformer.ops.shared.inputs import check_attention_inputs
 from skyformer.ops.shared.modified_nystrom import sample_landmarks
 from skyformer.ops.skyformer import materialised_skyformer_attention
 from skyformer.ops.skyformer.naive import reference_skyformer_attention
 from tests.conftest import gen, make_qkv
+from tests.dispatch import Recorder
 
 
 def landmarks_for(q, k, v, mask, m, seed):
@@ -128,6 +132,29 @@ def test_landmarks_half_from_queries_half_from_keys_and_only_valid_rows():
     few = landmarks_for(q, k, v, mask, 30, 0)  # row 1 has only 10 real rows per side
     assert few.query_live[1].sum() == 10 and few.key_live[1].sum() == 10
     assert few.query_live[0].all()
+
+
+def test_an_unpadded_call_leaves_out_the_dead_slot_masks():
+    # without padding every landmark slot is filled (no slot needs masking): the call
+    # dispatches no where(), and gives what the masks would have given, bit for bit
+    q, k, v = make_qkv(2, 2, 24, 8)
+    names = Recorder(lambda func, args, out: func.overloadpacket.__name__)
+    with names:
+        out = skyformer_attention(q, k, v, generator=gen(0), num_features=30)
+    assert "where" not in names.items
+    assert landmarks_for(q, k, v, None, 30, 0).every_slot_live
+    assert not landmarks_for(q, k, v, torch.ones(2, 24, dtype=torch.bool), 30, 0
+                             ).every_slot_live
+    draw = modified_nystrom.uniform_landmarks
+
+    def masked_draw(*args, **kwargs):
+        return dataclasses.replace(draw(*args, **kwargs), every_slot_live=False)
+
+    with mock.patch.object(modified_nystrom, "uniform_landmarks", masked_draw), names:
+        names.items.clear()
+        masked = skyformer_attention(q, k, v, generator=gen(0), num_features=30)
+    assert "where" in names.items
+    assert torch.equal(out, masked)
 
 
 def test_half_precision_is_computed_in_float32():

@@ -49,12 +49,18 @@ PADDED_KEY = 1 << 62  # above every valid row's key (< 2^56)
 
 @dataclass(frozen=True)
 class Landmarks:
-    """Indices of the sampled rows of Q and K, with slots that hold no landmark."""
+    """Indices of the sampled rows of Q and K, with slots that hold no landmark.
+
+    ``every_slot_live``: known from the call's form alone (no padding on either side)
+    that every slot holds one, so that the methods may leave out the operations that
+    mask dead slots (on a GPU each is a launch the host issues).
+    """
 
     query_index: Tensor  # [B, mq] long
     query_live: Tensor  # [B, mq] bool
     key_index: Tensor  # [B, mk] long
     key_live: Tensor  # [B, mk] bool
+    every_slot_live: bool = False
 
     @property
     def live(self) -> Tensor:
@@ -179,4 +185,6 @@ def uniform_landmarks(
         index, picked = smallest_keys(keys, count)
         sides.append((index, picked < PADDED_KEY))
     (q_index, q_live), (k_index, k_live) = sides
-    return Landmarks(q_index, q_live, k_index, k_live)
+    # without padding each side's slots are capped by its length: every one is filled
+    return Landmarks(q_index, q_live, k_index, k_live,
+                     every_slot_live=query_valid is None and key_valid is None)

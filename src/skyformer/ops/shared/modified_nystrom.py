@@ -130,7 +130,7 @@ class NystromCore:
     x_norm: Tensor  # [B, H, m]
     options: NystromOptions
     landmarks: Landmarks
-    live: Tensor  # [B, m] bool: the slots that hold a landmark (landmarks.live, once)
+    live: Tensor | None  # [B, m] bool: the slots that hold a landmark; None: every one
     x_bf16: Tensor | None = None  # [B, H, m, D] x / x_factor (no gradient), or None
     x_factor: float = 1.0
 
@@ -183,8 +183,11 @@ def nystrom_core(
 def core_from_rows(x: Tensor, options: NystromOptions, landmarks: Landmarks) -> NystromCore:
     """``NystromCore`` of the scaled landmark rows ``x: [B, H, m, D]`` (slots that hold
     no landmark may hold anything: their kernel entries are exact zeros)."""
+    x_norm = half_sq_norm(x)  # [B, H, m]
+    if landmarks.every_slot_live:  # the masks below would change nothing
+        return NystromCore(x, x_norm, options, landmarks, None)
     live = landmarks.live  # [B, m]
-    x_norm = torch.where(live[:, None, :], half_sq_norm(x), float("inf"))  # [B, H, m]
+    x_norm = torch.where(live[:, None, :], x_norm, float("inf"))
     return NystromCore(x, x_norm, options, landmarks, live)
 
 
