@@ -367,7 +367,7 @@ def test_a_failing_kernel_under_auto_warns_once_and_falls_back(monkeypatch, fail
     def broken(*args, **kwargs):
         raise RuntimeError("out of resources")
 
-    monkeypatch.setattr(lemma3_triton.CORE_FALLBACK, "failed", False)
+    monkeypatch.setattr(lemma3_triton.CORE_FALLBACK, "failures", set())
     monkeypatch.setattr(lemma3_triton, "use_triton", lambda kernel, t: kernel != "torch")
     monkeypatch.setattr(triton_ops, f"lemma3_{fails}", broken)
     mat, live = _landmark_matrix(2, 2, 9, torch.float32, "cpu")
@@ -394,7 +394,7 @@ def test_running_out_of_gpu_memory_is_not_a_kernel_failure(monkeypatch):
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    monkeypatch.setattr(lemma3_triton.CORE_FALLBACK, "failed", False)
+    monkeypatch.setattr(lemma3_triton.CORE_FALLBACK, "failures", set())
     monkeypatch.setattr(lemma3_triton, "use_triton", lambda kernel, t: kernel != "torch")
     monkeypatch.setattr(triton_ops, "lemma3_forward", out_of_memory)
     mat, live = _landmark_matrix(1, 1, 9, torch.float32, "cpu")

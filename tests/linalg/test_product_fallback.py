@@ -27,11 +27,11 @@ TIGHT = {"rtol": 1e-10, "atol": 1e-12}  # float64: the same values up to roundin
 
 @pytest.fixture(autouse=True)
 def _auto_takes_the_kernels(monkeypatch):
-    """``"auto"`` takes the product kernels for any CPU tensor; ``failed`` reset after."""
+    """``"auto"`` takes the product kernels for any CPU tensor; ``failures`` reset after."""
     from skyformer.linalg import kernel_matmul, kernel_matmul_triton
 
     monkeypatch.setattr(kernel_matmul, "use_triton", lambda kernel, t: kernel != "torch")
-    monkeypatch.setattr(kernel_matmul_triton.PRODUCT_FALLBACK, "failed", False)
+    monkeypatch.setattr(kernel_matmul_triton.PRODUCT_FALLBACK, "failures", set())
 
 
 def _fallback():
@@ -132,6 +132,64 @@ def test_running_out_of_memory_in_a_product_kernel_propagates(monkeypatch):
     with pytest.raises(torch.OutOfMemoryError):
         _attention("auto", mask)(*inputs)
     assert calls == [1] and not _fallback().failed
+
+
+def _fail_in(monkeypatch, dtypes, calls):
+    """Both product kernels fail for rows y in ``dtypes`` (as kernels that cannot compile
+    in one dtype would) and run for the others; ``calls`` gets y's dtype at each
+    launch."""
+    from skyformer.linalg import triton_kernels
+
+    def failing(kernel):
+        def launch(y, *args, **kwargs):
+            calls.append(y.dtype)
+            if y.dtype in dtypes:
+                raise RuntimeError(FAILURE)
+            return kernel(y, *args, **kwargs)
+
+        return launch
+
+    for name in ("rows_product", "cols_product"):
+        monkeypatch.setattr(triton_kernels, name, failing(getattr(triton_kernels, name)))
+
+
+def _small_product(dtype, kernel="auto"):
+    """C Z for 7 rows and 3 landmarks in ``dtype``, with leaves for its gradients."""
+    g = gen(8)
+    y, x, z = (torch.randn(1, rows, 4, generator=g, dtype=dtype).requires_grad_(True)
+               for rows in (7, 3, 3))
+    out = gaussian_kernel_matmul(y, x, z, 0.5 * (x * x).sum(-1), kernel=kernel)
+    return out, (y, x, z)
+
+
+def _warnings_of(call):
+    """(call's result, the RuntimeWarnings it raised)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = call()
+    return out, [w for w in caught if w.category is RuntimeWarning]
+
+
+def test_a_failure_in_one_dtype_leaves_the_kernels_to_the_others(monkeypatch):
+    """Kernels that fail in float64 give way to PyTorch for float64 alone, with one
+    warning naming it: float32 keeps them, and its own failure warns again."""
+    calls = []
+    _fail_in(monkeypatch, {torch.float64}, calls)
+    (out, _), warned = _warnings_of(lambda: _small_product(torch.float64))
+    torch.testing.assert_close(out, _small_product(torch.float64, "torch")[0], **TIGHT)
+    assert len(warned) == 1 and "float64 tensors on cpu" in str(warned[0].message)
+    assert calls == [torch.float64]
+    (out, _), warned = _warnings_of(lambda: _small_product(torch.float32))
+    torch.testing.assert_close(out, _small_product(torch.float32, "torch")[0])
+    assert warned == [] and calls == [torch.float64, torch.float32]  # the kernel ran
+    (_, _), warned = _warnings_of(lambda: _small_product(torch.float64))
+    assert warned == [] and calls == [torch.float64, torch.float32]  # not tried again
+    one64, one32 = torch.ones(1, dtype=torch.float64), torch.ones(1)
+    assert _fallback().failed_on(one64) and not _fallback().failed_on(one32)
+    _fail_in(monkeypatch, {torch.float32, torch.float64}, calls)
+    (_, _), warned = _warnings_of(lambda: _small_product(torch.float32))
+    assert len(warned) == 1 and "float32 tensors on cpu" in str(warned[0].message)
+    assert _fallback().failed_on(one32)
 
 
 def _counted(function, calls):

@@ -239,7 +239,7 @@ def test_auto_falls_back_to_the_augmentation_when_the_flash_kernels_fail(monkeyp
 
     monkeypatch.setattr(kernel_backend, "auto_device", lambda y: True)
     monkeypatch.setattr(kernel_backend, "triton_available", lambda: True)
-    monkeypatch.setattr(module.FLASH_FALLBACK, "failed", False)
+    monkeypatch.setattr(module.FLASH_FALLBACK, "failures", set())
     calls = []
 
     def broken(*args):
@@ -253,7 +253,7 @@ def test_auto_falls_back_to_the_augmentation_when_the_flash_kernels_fail(monkeyp
     torch.testing.assert_close(out, kernelized_attention(q, k, v, kernel="torch"))
     kernelized_attention(q, k, v)  # the kernels are not tried again
     assert calls == [1]
-    monkeypatch.setattr(module.FLASH_FALLBACK, "failed", False)
+    monkeypatch.setattr(module.FLASH_FALLBACK, "failures", set())
     with pytest.raises(RuntimeError, match="no compiler"):
         kernelized_attention(q, k, v, kernel="triton")
 
@@ -266,7 +266,7 @@ def test_auto_falls_back_when_the_backward_kernels_fail(monkeypatch):
     from skyformer.ops.kernelized import flash, triton_flash
 
     monkeypatch.setattr(kernel_backend, "auto_device", lambda y: True)
-    monkeypatch.setattr(flash.FLASH_FALLBACK, "failed", False)
+    monkeypatch.setattr(flash.FLASH_FALLBACK, "failures", set())
 
     def broken(*args, **kwargs):
         raise RuntimeError("out of resources")
@@ -283,7 +283,7 @@ def test_auto_falls_back_when_the_backward_kernels_fail(monkeypatch):
                                                     kernel="torch").square().sum(), (q, k, v))
     for a, e in zip(got, want, strict=True):
         torch.testing.assert_close(a, e)
-    monkeypatch.setattr(flash.FLASH_FALLBACK, "failed", False)
+    monkeypatch.setattr(flash.FLASH_FALLBACK, "failures", set())
     out = kernelized_attention(q, k, v, kernel="triton")
     with pytest.raises(RuntimeError, match="out of resources"):
         out.sum().backward()

@@ -35,14 +35,14 @@ def _broken(*args, **kwargs):
 
 @pytest.fixture(autouse=True)
 def _fresh(monkeypatch):
-    """Every fallback's ``failed`` flag reset afterwards (``monkeypatch`` restores it),
+    """Every fallback's failures (``failures``) forgotten afterwards (``monkeypatch`` restores it),
     and no compiled code kept between tests."""
     from skyformer.linalg import kernel_matmul_triton, lemma3_triton
     from skyformer.ops.kernelized import flash
 
     for fallback in (flash.FLASH_FALLBACK, lemma3_triton.CORE_FALLBACK, lm.DRAW_FALLBACK,
                      kernel_matmul_triton.PRODUCT_FALLBACK):
-        monkeypatch.setattr(fallback, "failed", False)
+        monkeypatch.setattr(fallback, "failures", set())
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()

@@ -106,7 +106,7 @@ def test_a_key_per_batch_element_takes_the_pytorch_path():
 
 
 def test_a_failed_launch_under_auto_warns_once_and_draws_the_same_keys(monkeypatch):
-    monkeypatch.setattr(lm.DRAW_FALLBACK, "failed", False)
+    monkeypatch.setattr(lm.DRAW_FALLBACK, "failures", set())
 
     def broken():
         raise RuntimeError("no C compiler")
@@ -115,10 +115,11 @@ def test_a_failed_launch_under_auto_warns_once_and_draws_the_same_keys(monkeypat
     with pytest.warns(RuntimeWarning, match="no C compiler"):
         got = lm.launch_or_fall_back(
             "auto", broken,
-            lambda: lm.stream_selection_keys(KEYS[0], lm.KEY_STREAM, None, 2, 30, draw="torch"))
-    assert torch.equal(got, want) and lm.DRAW_FALLBACK.failed
+            lambda: lm.stream_selection_keys(KEYS[0], lm.KEY_STREAM, None, 2, 30, draw="torch"),
+            on=KEYS[0])
+    assert torch.equal(got, want) and lm.DRAW_FALLBACK.failed_on(KEYS[0])
     with pytest.raises(RuntimeError, match="no C compiler"):  # "triton" insists
-        lm.launch_or_fall_back("triton", broken, lambda: want)
+        lm.launch_or_fall_back("triton", broken, lambda: want, on=KEYS[0])
 
 
 @needs_interpreter

@@ -139,13 +139,17 @@ def use_triton(kernel: str, y: Tensor, *, half: bool = False) -> bool:
 
 
 class KernelFallback:
-    """The ``"auto"`` safety net of one Triton kernel: ``run`` launches it and, under
-    ``"auto"``, a failure (Triton installed but unable to compile or launch here: no C
-    compiler, an old GPU, too few registers) warns once and takes the PyTorch path;
-    ``failed`` then stays True so that later calls skip the kernel (``run`` too).
-    ``"triton"`` insists: its failures propagate. Running out of GPU memory is not the
-    kernel's failure (the PyTorch path would need more): it propagates under ``"auto"``
-    too, and the kernel stays in use.
+    """The ``"auto"`` safety net of one Triton kernel family: ``run`` launches it and,
+    under ``"auto"``, a failure (Triton installed but unable to compile or launch here:
+    no C compiler, an old GPU, too few registers) warns once and takes the PyTorch path.
+    The failure is remembered for the device and dtype of the tensor the kernel runs on
+    (``on``: its device type and index, its dtype; ``failures``), so that later calls on
+    that device in that dtype skip the kernel (``failed_on``, ``run`` too) while other
+    dtypes and devices keep it: bfloat16 kernels that cannot compile on a GPU without
+    bfloat16 tensor cores leave float32 on the kernels. ``"triton"`` insists: its
+    failures propagate. Running out of GPU memory is not the kernel's failure (the
+    PyTorch path would need more): it propagates under ``"auto"`` too, and the kernel
+    stays in use.
 
     Under ``torch.compile`` a custom operator is opaque: the compiled graph calls its
     implementation, and a ``run`` around the call is traced away. A kernel that
@@ -154,25 +158,50 @@ class KernelFallback:
     products (``triton_ops``, ``product_fallback``; ``PRODUCT_FALLBACK``) and exact
     kernelized attention's flash kernels (``flash.py``). ``"auto"`` takes the Lemma 3
     kernel and the landmark draws in eager code only (``CORE_FALLBACK``,
-    ``DRAW_FALLBACK``, around their calls)."""
+    ``DRAW_FALLBACK``, around their calls). A traced ``failed_on`` guards on
+    ``failures``: a compiled function recompiles once after a failure."""
 
     def __init__(self, name: str, instead: str) -> None:
-        self.name, self.instead, self.failed = name, instead, False
+        self.name, self.instead = name, instead
+        # (device, dtype) of the tensors the kernel failed on; a set, not a dict: dynamo
+        # (torch 2.13) guarded ``bool(d) and key in d`` on a dict wrongly (a compiled
+        # function kept its graph after a second key was added), on a set rightly
+        self.failures: set[tuple[torch.device, torch.dtype]] = set()
 
-    def run(self, auto: bool, launch: Callable[[], Any], fallback: Callable[[], Any]) -> Any:
+    @property
+    def failed(self) -> bool:
+        """Whether the kernel failed on any device and dtype (``failures``)."""
+        return bool(self.failures)
+
+    def failed_on(self, on: Tensor) -> bool:
+        """Whether the kernel failed for ``on``'s device and dtype: ``"auto"`` then takes
+        the PyTorch path for it up front. No allocation until a kernel failed."""
+        return bool(self.failures) and (on.device, on.dtype) in self.failures
+
+    def run(self, auto: bool, launch: Callable[[], Any], fallback: Callable[[], Any], *,
+            on: Tensor) -> Any:
+        """``launch()``; under ``auto``, ``fallback()`` where the kernel failed for
+        ``on``'s device and dtype, now (with a warning) or before."""
         if not auto:
             return launch()
-        if self.failed:
+        if self.failed_on(on):
             return fallback()
         try:
             return launch()
         except torch.OutOfMemoryError:
             raise
         except Exception as error:  # any compiler or driver error
-            self.failed = True
-            warnings.warn(f"the Triton {self.name} failed ({type(error).__name__}: {error}); "
-                          f"{self.instead} from now on.", RuntimeWarning, stacklevel=3)
+            self.failures.add((on.device, on.dtype))
+            warnings.warn(
+                f"the Triton {self.name} failed for {_dtype_name(on.dtype)} tensors on "
+                f"{on.device} ({type(error).__name__}: {error}); {self.instead} for them "
+                "from now on (other dtypes and devices keep the Triton path).",
+                RuntimeWarning, stacklevel=3)
             return fallback()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 _AUTOGRAD_KEYS = ("AutogradFunctionality", "AutogradOther", "AutogradNestedTensor")

@@ -305,9 +305,12 @@ def gaussian_kernel_matmul(
     if row_valid is not None:
         row_valid = row_valid.expand(*batch_shape, n).reshape(bh, n)
     auto = kernel == "auto"
-    triton = use_triton(kernel, x) and not (auto and PRODUCT_FALLBACK.failed)
+    triton = use_triton(kernel, x)
     if not (triton and y.dtype in (x.dtype, *HALF_TYPES)):
         y = y.to(x.dtype)
+    # the kernels' failures are per device and dtype of the rows they read (y: half
+    # types compile other kernels); the PyTorch path converts y itself
+    triton = triton and not (auto and PRODUCT_FALLBACK.failed_on(y))
     if not (triton and transpose and rhs.dtype in (x.dtype, *HALF_TYPES)):
         rhs = rhs.to(x.dtype)
     if functional_ops_only():
@@ -343,7 +346,7 @@ def gaussian_kernel_matmul(
 
     # a kernel that fails inside is the operators' to catch (in compiled graphs too);
     # this one catches what fails around them in eager code (importing Triton)
-    out = PRODUCT_FALLBACK.run(auto, by_triton, by_pytorch) if triton else by_pytorch()
+    out = PRODUCT_FALLBACK.run(auto, by_triton, by_pytorch, on=y) if triton else by_pytorch()
     return out.reshape(*batch_shape, *out.shape[1:])
 
 

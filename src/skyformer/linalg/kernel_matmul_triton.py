@@ -32,7 +32,9 @@ from .vmap import vmap_into_batch
 
 # "auto"'s safety net: product kernels that cannot compile or launch here (an old GPU, no
 # C compiler, too few registers) give way to PyTorch operations, with one warning: the
-# operators' own (``product_fallback``), then ``gaussian_kernel_matmul``'s PyTorch path.
+# operators' own (``product_fallback``), then ``gaussian_kernel_matmul``'s PyTorch path,
+# for the device and dtype of the rows y that the kernels read (half-type rows compile
+# kernels of their own).
 PRODUCT_FALLBACK = KernelFallback(
     "Gaussian block product kernels",
     "computing the products with PyTorch operations (the same values up to rounding)")

@@ -10,9 +10,10 @@ interpreter, for the tests, from Triton 3.5: ``tl.dot`` of float64 tiles). Elsew
 PyTorch path runs; both give the same W up to rounding. Under ``"auto"`` it is an eager
 choice (``torch.compile`` fuses the PyTorch path itself, tracers record its operators),
 and a kernel that fails to compile or launch, forward or backward, warns once and hands
-the call to the PyTorch path from then on. ``triton_lemma3`` holds the forward
-kernel, ``triton_lemma3_backward`` the backward kernel, ``triton_ops`` their custom
-operators (opaque to ``torch.compile``, captured by CUDA graphs).
+the call to the PyTorch path from then on, for that device and dtype (``CORE_FALLBACK``).
+``triton_lemma3`` holds the forward kernel, ``triton_lemma3_backward`` the backward
+kernel, ``triton_ops`` their custom operators (opaque to ``torch.compile``, captured by
+CUDA graphs).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def fused_lemma3_applies(kernel: str, source: Tensor, size: int, pinv: str, init
         return False
     from ..ops.shared.tracing import may_read_values  # the ops package imports linalg
 
-    if kernel == "auto" and (CORE_FALLBACK.failed or not may_read_values(source)):
+    if kernel == "auto" and (CORE_FALLBACK.failed_on(source) or not may_read_values(source)):
         return False
     return source.dtype == torch.float32 or (source.dtype == torch.float64
                                              and not source.is_cuda and interpreter_on()
@@ -125,7 +126,7 @@ class TritonLemma3Inverse(torch.autograd.Function):
                 grads = torch.autograd.grad(w, leaves, grad)
             return grads[0], (grads[1] if norm is not None else None)
 
-        dsource, dnorm = CORE_FALLBACK.run(ctx.auto, launch, by_pytorch)
+        dsource, dnorm = CORE_FALLBACK.run(ctx.auto, launch, by_pytorch, on=source)
         return (dsource.reshape(source.shape),
                 None if dnorm is None else dnorm.reshape(norm.shape), None, None, None, None,
                 None)
@@ -156,7 +157,7 @@ def triton_lemma3_inverse(source: Tensor, norm: Tensor | None, ridge: Tensor,
     return CORE_FALLBACK.run(
         auto, lambda: apply(TritonLemma3Inverse, source, norm, ridge, iterations, auto,
                             *_stored(source, norm))[0],
-        lambda: _by_pytorch(source, norm, ridge, iterations))
+        lambda: _by_pytorch(source, norm, ridge, iterations), on=source)
 
 
 def _stored(source: Tensor, norm: Tensor | None) -> tuple[bool, bool]:

@@ -43,7 +43,7 @@ def rows_product(y: Tensor, x: Tensor, a: Tensor, b: Tensor, vm: Tensor, vn: Ten
                "b_scale": b_scale, "x_bf16": x_bf16}
     out1, out2, shift = PRODUCT_FALLBACK.run(
         auto, lambda: triton_kernels.rows_product(*args, **options),
-        lambda: product_fallback.rows_product(*args, **options))
+        lambda: product_fallback.rows_product(*args, **options), on=y)
     return (_or_empty(out1, y), _or_empty(out2, y), _or_empty(shift, x))
 
 
@@ -70,7 +70,7 @@ def cols_product(y: Tensor, x: Tensor, a: Tensor, b: Tensor, vn: Tensor, vm: Ten
                "b_scale": b_scale, "out2_scale": out2_scale, "x_bf16": x_bf16}
     out1, out2 = PRODUCT_FALLBACK.run(
         auto, lambda: triton_kernels.cols_product(*args, **options),
-        lambda: product_fallback.cols_product(*args, **options))
+        lambda: product_fallback.cols_product(*args, **options), on=y)
     return (_or_empty(out1, x), _or_empty(out2, x))
 
 

@@ -107,7 +107,8 @@ def use_triton_draw(draw: str, key: Tensor, *tensors: Tensor | None) -> bool:
     plain = may_read_values(key, *(t for t in tensors if t is not None)) \
         and not exporting() and tuple(key.shape) == (2,)
     if draw == "auto" or not plain:
-        return key.is_cuda and plain and triton_available() and not DRAW_FALLBACK.failed
+        return (key.is_cuda and plain and triton_available()
+                and not DRAW_FALLBACK.failed_on(key))
     if not triton_available():
         raise RuntimeError('the Triton landmark draw needs Triton: pip install triton (or '
                            'use "auto", which falls back to PyTorch).')
@@ -142,14 +143,14 @@ def stream_selection_keys(
             key, name, None if valid is None else valid.bool(), batch, n, rank=rank,
             valid_before=valid_before, rows_before=rows_before, padded_key=PADDED_KEY)
 
-    return launch_or_fall_back(draw, launch, by_pytorch)
+    return launch_or_fall_back(draw, launch, by_pytorch, on=key)
 
 
 def launch_or_fall_back(draw: str, launch: Callable[[], Tensor],
-                        fallback: Callable[[], Tensor]) -> Tensor:
+                        fallback: Callable[[], Tensor], *, on: Tensor) -> Tensor:
     """``launch()``; under ``"auto"`` a failure warns once and takes ``fallback()`` from
-    then on (the same numbers; ``DRAW_FALLBACK``)."""
-    return DRAW_FALLBACK.run(draw == "auto", launch, fallback)
+    then on for ``on``'s device (the same numbers; ``DRAW_FALLBACK``)."""
+    return DRAW_FALLBACK.run(draw == "auto", launch, fallback, on=on)
 
 
 def smallest_keys(keys: Tensor, count: int) -> tuple[Tensor, Tensor]:

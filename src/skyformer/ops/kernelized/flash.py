@@ -30,8 +30,8 @@ def _valid(key_valid: Tensor) -> Tensor | None:
 
 # "auto"'s safety net: flash kernels that cannot compile or launch here (an old GPU, no
 # C compiler, too few resources for the backward kernels) give way to the SDPA
-# augmentation, with one warning. It runs inside the operators, so that it holds in
-# compiled graphs too (``KernelFallback``).
+# augmentation, with one warning, for the device and dtype of q. It runs inside the
+# operators, so that it holds in compiled graphs too (``KernelFallback``).
 FLASH_FALLBACK = KernelFallback("flash kernels of exact kernelized attention",
                                 "kernel='auto' takes the SDPA augmentation")
 
@@ -43,7 +43,7 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, s: float, 
     SDPA augmentation's output where the kernel fails (``FLASH_FALLBACK``)."""
     return FLASH_FALLBACK.run(
         auto, lambda: _kernels().flash_forward(q, k, v, _valid(key_valid), s, causal),
-        lambda: _augmented_output(q, k, v, key_valid, s, causal))
+        lambda: _augmented_output(q, k, v, key_valid, s, causal), on=q)
 
 
 @flash_forward.register_fake
@@ -60,7 +60,7 @@ def flash_backward(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, grad: Ten
     SDPA augmentation's gradients where a kernel fails (``FLASH_FALLBACK``)."""
     args = (q, k, v, key_valid, grad, s, causal, need_q, need_kv)
     return FLASH_FALLBACK.run(auto, lambda: _kernel_gradients(*args),
-                              lambda: _augmented_gradients(*args))
+                              lambda: _augmented_gradients(*args), on=q)
 
 
 @flash_backward.register_fake

@@ -95,7 +95,7 @@ def kernelized_attention(
     scale = kernel_scale(info.head_dim, config.scale)
     auto = config.kernel == "auto"
     flash = config.kernel == "triton" or (auto and attn_mask is None
-                                          and not FLASH_FALLBACK.failed)
+                                          and not FLASH_FALLBACK.failed_on(q))
     if flash and use_triton(config.kernel, q, half=True):
         if attn_mask is not None:
             raise ValueError('kernelized: kernel="triton" takes no attn_mask (padding and '
@@ -104,7 +104,7 @@ def kernelized_attention(
             auto, lambda: zero_padded_queries(flash_kernelized(
                 q, k.to(dtype), v.to(dtype), info.key_valid, scale * scale, causal, auto),
                 info.query_valid),
-            lambda: _augmented(q, k, v, info, scale, causal, None))
+            lambda: _augmented(q, k, v, info, scale, causal, None), on=q)
     return _augmented(q, k, v, info, scale, causal, attn_mask)
 
 

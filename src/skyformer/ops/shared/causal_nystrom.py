@@ -115,7 +115,7 @@ def slot_ranks(num_features: int, stride: int | Tensor, *, batch: int, device: t
             draw, lambda: triton_draws.slot_ranks(key.to(device), CAUSAL_STREAM, batch,
                                                   num_features, stride),
             lambda: slot_ranks(num_features, stride, batch=batch, device=device, key=key,
-                               draw="torch"))
+                               draw="torch"), on=key)
     keys = fold_in(stream(key, CAUSAL_STREAM), torch.arange(batch, device=device))
     slot = torch.arange(num_features, device=device)
     u = uniform_at(keys[:, None, :], slot.expand(batch, num_features), torch.float64)

@@ -1,0 +1,50 @@
+"""``KernelFallback``, the ``"auto"`` safety net of a Triton kernel family, by itself:
+a failure is kept for the device and dtype of the tensor the kernel ran on, and
+warned about once for each. The families' own tests
+make their kernels fail (``test_product_fallback.py``, ``tests/pt2``)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from skyformer.linalg.kernel_backend import KernelFallback
+
+
+def _broken():
+    raise RuntimeError("no bfloat16 MMA")
+
+
+def _auto(fallback, on, calls, fails):
+    """``fallback.run`` under ``"auto"`` of a launch that appends to ``calls`` and
+    fails where ``fails``: (its result, the messages of the warnings raised)."""
+    def launch():
+        calls.append(1)
+        return _broken() if fails else "kernel"
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fallback.run(True, launch, lambda: "pytorch", on=on)
+    return out, [str(w.message) for w in caught]
+
+
+def test_a_failure_is_kept_for_its_device_and_dtype_alone():
+    fallback = KernelFallback("test kernel", "computing it otherwise")
+    bf16 = torch.empty(0, dtype=torch.bfloat16)
+    calls = []
+    out, warned = _auto(fallback, bf16, calls, fails=True)
+    assert out == "pytorch" and len(warned) == 1 and "bfloat16 tensors on cpu" in warned[0]
+    assert fallback.failures == {(torch.device("cpu"), torch.bfloat16)} and fallback.failed
+    for other in (torch.empty(0), torch.empty(0, dtype=torch.bfloat16, device="meta")):
+        assert not fallback.failed_on(other)
+        assert _auto(fallback, other, calls, fails=False) == ("kernel", [])
+    assert _auto(fallback, bf16, calls, fails=False) == ("pytorch", [])  # not tried again
+    assert len(calls) == 3
+    out, warned = _auto(fallback, torch.empty(0, device="meta"), calls, fails=True)
+    assert out == "pytorch" and len(warned) == 1 and "float32 tensors on meta" in warned[0]
+    float64 = torch.empty(0, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="MMA"):  # "triton" insists, and keeps nothing
+        fallback.run(False, _broken, lambda: "pytorch", on=float64)
+    assert not fallback.failed_on(float64)
