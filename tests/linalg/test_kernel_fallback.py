@@ -1,10 +1,11 @@
 """``KernelFallback``, the ``"auto"`` safety net of a Triton kernel family, by itself:
-a failure is kept for the device and dtype of the tensor the kernel ran on, and
-warned about once for each. The families' own tests
+a failure is kept for the device and dtype of the tensor the kernel ran on, warned
+about once for each, and attributed to the caller's line. The families' own tests
 make their kernels fail (``test_product_fallback.py``, ``tests/pt2``)."""
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import pytest
@@ -48,3 +49,12 @@ def test_a_failure_is_kept_for_its_device_and_dtype_alone():
     with pytest.raises(RuntimeError, match="MMA"):  # "triton" insists, and keeps nothing
         fallback.run(False, _broken, lambda: "pytorch", on=float64)
     assert not fallback.failed_on(float64)
+
+
+def test_the_warning_names_the_callers_line():
+    fallback = KernelFallback("test kernel", "computing it otherwise")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1
+        fallback.run(True, _broken, lambda: None, on=torch.empty(0))
+    assert [(w.filename, w.lineno) for w in caught] == [(__file__, line)]

@@ -8,6 +8,7 @@ forced onto the kernels where ``"auto"`` asks (it takes them on CUDA only).
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import pytest
@@ -158,8 +159,14 @@ def _small_product(dtype, kernel="auto"):
     g = gen(8)
     y, x, z = (torch.randn(1, rows, 4, generator=g, dtype=dtype).requires_grad_(True)
                for rows in (7, 3, 3))
-    out = gaussian_kernel_matmul(y, x, z, 0.5 * (x * x).sum(-1), kernel=kernel)
+    out = gaussian_kernel_matmul(y, x, z, 0.5 * (x * x).sum(-1), kernel=kernel)  # caller
     return out, (y, x, z)
+
+
+def _line(function, marker="# caller"):
+    """The line of ``function``'s source that ends in ``marker``."""
+    lines, first = inspect.getsourcelines(function)
+    return first + next(i for i, text in enumerate(lines) if text.rstrip().endswith(marker))
 
 
 def _warnings_of(call):
@@ -190,6 +197,24 @@ def test_a_failure_in_one_dtype_leaves_the_kernels_to_the_others(monkeypatch):
     (_, _), warned = _warnings_of(lambda: _small_product(torch.float32))
     assert len(warned) == 1 and "float32 tensors on cpu" in str(warned[0].message)
     assert _fallback().failed_on(one32)
+
+
+@pytest.mark.parametrize("fails", ["forward", "backward"])
+def test_the_warning_points_at_the_callers_line(monkeypatch, fails):
+    """Raised inside a custom operator (and autograd's engine, for a backward kernel),
+    the warning names the caller's line: the call of the product, or of its gradient."""
+    calls = []
+    if fails == "forward":
+        _fail_in(monkeypatch, {torch.float64}, calls)
+        _, warned = _warnings_of(lambda: _small_product(torch.float64))
+        line = _line(_small_product)
+    else:
+        out, leaves = _small_product(torch.float64)
+        _fail_in(monkeypatch, {torch.float64}, calls)
+        _, warned = _warnings_of(lambda: torch.autograd.grad(out.sum(), leaves))  # caller
+        line = _line(test_the_warning_points_at_the_callers_line)
+    assert len(warned) == 1 and calls == [torch.float64]
+    assert (warned[0].filename, warned[0].lineno) == (__file__, line)
 
 
 def _counted(function, calls):
