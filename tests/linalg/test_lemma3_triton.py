@@ -362,14 +362,15 @@ def test_vmap_and_compile_see_the_same_kernel(device):
 def test_a_failing_kernel_under_auto_warns_once_and_falls_back(monkeypatch, fails):
     """Triton installed but unable to compile or launch the core (forward or backward):
     "auto" warns, gives the PyTorch path's W and gradient, and stays on PyTorch."""
-    from skyformer.linalg import lemma3_triton, triton_ops
+    from skyformer.linalg import lemma3_triton, triton_lemma3, triton_lemma3_backward
 
     def broken(*args, **kwargs):
         raise RuntimeError("out of resources")
 
     monkeypatch.setattr(lemma3_triton.CORE_FALLBACK, "failures", set())
     monkeypatch.setattr(lemma3_triton, "use_triton", lambda kernel, t: kernel != "torch")
-    monkeypatch.setattr(triton_ops, f"lemma3_{fails}", broken)
+    module = triton_lemma3 if fails == "forward" else triton_lemma3_backward
+    monkeypatch.setattr(module, f"lemma3_{fails}", broken)
     mat, live = _landmark_matrix(2, 2, 9, torch.float32, "cpu")
     weights = torch.randn(mat.shape, dtype=torch.float64)
     want = _value_and_grad(lambda t: lemma3_inverse(t, gamma=GAMMA, live=live, kernel="torch"),

@@ -163,7 +163,9 @@ class KernelFallback:
     products (``triton_ops``, ``product_fallback``; ``PRODUCT_FALLBACK``) and exact
     kernelized attention's flash kernels (``flash.py``). ``"auto"`` takes the Lemma 3
     kernel and the landmark draws in eager code only (``CORE_FALLBACK``,
-    ``DRAW_FALLBACK``, around their calls). A traced ``failed_on`` guards on
+    ``DRAW_FALLBACK``, around their calls), but compiled autograd traces the backward
+    pass of an eager forward: the Lemma 3 backward operator holds its ``run`` inside
+    too. A traced ``failed_on`` guards on
     ``failures``: a compiled function recompiles once after a failure."""
 
     def __init__(self, name: str, instead: str) -> None:

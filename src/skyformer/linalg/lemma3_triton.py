@@ -28,6 +28,7 @@ from .functional_ops import first_order_backward
 from .graph_launches import graph_launches_on
 from .kernel_backend import (
     KernelFallback,
+    autograd_in_operator,
     check_kernel,
     float64_dots,
     interpreter_on,
@@ -109,27 +110,26 @@ class TritonLemma3Inverse(torch.autograd.Function):
                  ) -> tuple[Tensor | None, Tensor | None, None, None, None, None, None]:
         source, norm, ridge, store = ctx.saved_tensors
         m = source.shape[-2]
-
-        def launch() -> tuple[Tensor, Tensor | None]:
-            dsource, dnorm = _ops().lemma3_backward(
-                _flat(source, 2, source), _flat(norm, 1, source), ridge.contiguous(),
-                store.contiguous(),
-                grad.reshape(-1, m, m).contiguous(), ctx.iterations)
-            return dsource, (dnorm if norm is not None else None)
-
-        def by_pytorch() -> tuple[Tensor, Tensor | None]:
-            with torch.enable_grad():
-                leaves = [t.detach().requires_grad_(True) for t in (source, norm)
-                          if t is not None]
-                w = _by_pytorch(leaves[0], leaves[1] if norm is not None else None, ridge,
-                                ctx.iterations)
-                grads = torch.autograd.grad(w, leaves, grad)
-            return grads[0], (grads[1] if norm is not None else None)
-
-        dsource, dnorm = CORE_FALLBACK.run(ctx.auto, launch, by_pytorch, on=source)
+        # "auto"'s fallback runs inside the operator, where compiled autograd's traced
+        # backward graph calls it (``lemma3_gradients_by_pytorch``)
+        dsource, dnorm = _ops().lemma3_backward(
+            _flat(source, 2, source), _flat(norm, 1, source), ridge.contiguous(),
+            store.contiguous(), grad.reshape(-1, m, m).contiguous(), ctx.iterations, ctx.auto)
         return (dsource.reshape(source.shape),
-                None if dnorm is None else dnorm.reshape(norm.shape), None, None, None, None,
+                None if norm is None else dnorm.reshape(norm.shape), None, None, None, None,
                 None)
+
+
+def lemma3_gradients_by_pytorch(source: Tensor, norm: Tensor | None, ridge: Tensor,
+                                grad: Tensor, iterations: int) -> tuple[Tensor, Tensor | None]:
+    """The gradients of the source and the norms (None without) for the gradient ``grad``
+    of W, by autograd through ``_by_pytorch``: "auto"'s where the backward kernel fails,
+    computed inside its operator (``autograd_in_operator``)."""
+    with autograd_in_operator():
+        leaves = [t.detach().requires_grad_(True) for t in (source, norm) if t is not None]
+        w = _by_pytorch(leaves[0], None if norm is None else leaves[1], ridge, iterations)
+        grads = torch.autograd.grad(w, leaves, grad)
+    return grads[0], (None if norm is None else grads[1])
 
 
 def _by_pytorch(source: Tensor, norm: Tensor | None, ridge: Tensor, iterations: int

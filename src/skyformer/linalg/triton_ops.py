@@ -8,7 +8,9 @@ from ``kernel_matmul_triton.TritonGaussianBlockProduct``, which calls these oper
 in its backward pass. Optional tensors are passed as empty tensors where absent.
 Under ``kernel="auto"`` (``auto``) the product operators compute a kernel's results by
 PyTorch operations where it cannot compile or launch (``product_fallback``,
-``PRODUCT_FALLBACK``): inside the operators, so that compiled graphs keep the fallback.
+``PRODUCT_FALLBACK``), and the Lemma 3 backward operator its PyTorch path's gradients
+(``CORE_FALLBACK``): inside the operators, so that compiled graphs (compiled autograd's
+backward graphs too) keep the fallback.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import Tensor
 from . import product_fallback, triton_kernels
 from .eager_calls import custom_op
 from .kernel_matmul_triton import PRODUCT_FALLBACK
+from .lemma3_triton import CORE_FALLBACK, lemma3_gradients_by_pytorch
 
 
 def _opt(t: Tensor) -> Tensor | None:
@@ -104,16 +107,23 @@ def _(source, norm, ridge, iterations, keep, backward):
 
 @custom_op("skyformer::lemma3_inverse_backward")
 def lemma3_backward(source: Tensor, norm: Tensor, ridge: Tensor, store: Tensor,
-                    grad: Tensor, iterations: int) -> tuple[Tensor, Tensor]:
+                    grad: Tensor, iterations: int, auto: bool) -> tuple[Tensor, Tensor]:
     """``triton_lemma3_backward.lemma3_backward``: the gradients of the source and the norms
-    (empty for a matrix)."""
+    (empty for a matrix); ``auto``: the PyTorch path's where the kernel fails
+    (``CORE_FALLBACK``, inside the operator: compiled autograd traces the backward pass,
+    and a ``run`` around the operator there)."""
     from . import triton_lemma3_backward
 
-    dsource, dnorm = triton_lemma3_backward.lemma3_backward(source, _opt(norm), ridge, store,
-                                                            grad, iterations)
+    def launch() -> tuple[Tensor, Tensor | None]:
+        return triton_lemma3_backward.lemma3_backward(source, _opt(norm), ridge, store, grad,
+                                                      iterations)
+
+    dsource, dnorm = CORE_FALLBACK.run(
+        auto, launch, lambda: lemma3_gradients_by_pytorch(source, _opt(norm), ridge, grad,
+                                                          iterations), on=source)
     return dsource, _or_empty(dnorm, source)
 
 
 @lemma3_backward.register_fake
-def _(source, norm, ridge, store, grad, iterations):
+def _(source, norm, ridge, store, grad, iterations, auto):
     return torch.empty_like(source), torch.empty_like(norm)
