@@ -1,0 +1,298 @@
+"""The implicit gradient of Skyformer's Lemma 3 core against the unrolled one, on MiniLM-L6.
+
+    python benchmarks/implicit_core_gradient.py [--layers 0 1 2 3 4 5]
+        [--features 32 64 128 256] [--iterations 6 8 10] [--seq-lens 512 2048]
+        [--seeds 0 1] [--out benchmarks/results/implicit_core_gradient.md]
+
+The core W = D^-1/2 V_K D^-1/2 holds V_K, K Razavi steps from V_0 = I towards A^-1,
+A = D^-1/2 (M + gamma I) D^-1/2 (``linalg/nystrom.py``, ``linalg/pinv.py``). The library
+backpropagates through all K steps (the unrolled gradient). The implicit gradient of an
+inverse, dA = -V^T G V^T for an incoming gradient G of V, needs two m x m products
+instead of about eight a step, but it is the gradient of A^-1, not of the K-step
+polynomial the forward pass computes: the two agree only where the iteration has
+converged, ||I - A V_K|| small.
+
+This study measures, on Q/K/V of pretrained MiniLM-L6 over the shipped text
+(``skyformer.eval.data.qkv``), float64, the PyTorch path (``kernel="torch"``):
+
+- per layer, m and K: the residual ||I - A V_K||_2 over heads and landmark draws
+  (median, max) and the range of lambda_min(A), from the very matrices of the calls below;
+- the relative Frobenius difference, per head, of dQ, dK and dV of the whole Skyformer
+  output under a fixed random output cotangent, between the unrolled gradient and the
+  implicit one (the library unchanged: ``iterative_pinv`` as the core calls it is patched,
+  for this script only, with a Function whose forward is the library's and whose
+  backward is -V^T G V^T); for scale, the difference between two landmark draws
+  (seed s against the next seed in ``--seeds``) and between the unrolled gradient and
+  that of the exact inverse (``pinv="exact"``).
+
+dV does not depend on the core's backward pass (out = C_qx W C_xk V is linear in V
+with W the same forward value), so implicit and unrolled dV are equal bit for bit; the
+script checks that, and that the patch changed dQ and dK. Accuracy, not time: runs
+anywhere. Writes the markdown tables to ``--out`` and the rows as JSON beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import itertools
+import statistics
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from unittest import mock
+
+import torch
+from torch import Tensor
+
+import skyformer
+from skyformer.io import atomic_write_text, environment, write_json
+from skyformer.linalg.pinv import inverse_residual
+
+RESULTS = Path(__file__).parent / "results"
+NYSTROM = importlib.import_module("skyformer.linalg.nystrom")  # the module, not a name in it
+UNROLLED_PINV = NYSTROM.iterative_pinv
+GRADS = ("dq", "dk", "dv")
+
+
+class ImplicitInverse(torch.autograd.Function):
+    """V = the library's ``iterative_pinv(a, iterations, init=init)``, differentiated as
+    if it were A^-1: for an incoming gradient G of V, dA = -V^T G V^T (from
+    d(A^-1) = -A^-1 dA A^-1)."""
+
+    @staticmethod
+    def forward(ctx, a: Tensor, iterations: int, init: str) -> Tensor:  # type: ignore[override]
+        v = UNROLLED_PINV(a, iterations, init=init)
+        ctx.save_for_backward(v)
+        return v
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        (v,) = ctx.saved_tensors
+        v_t = v.mT
+        return -(v_t @ grad @ v_t), None, None
+
+
+@contextlib.contextmanager
+def implicit_core(record: list[dict] | None = None) -> Iterator[None]:
+    """Inside: the Lemma 3 core's iterative inverse differentiated implicitly
+    (``ImplicitInverse``). Each call appends to ``record`` the residual ||I - A V||_2 and
+    lambda_min(A) per matrix (lists over the batch and heads) and the iteration count."""
+
+    def pinv(a: Tensor, iterations: int = 6, *, init: str = "scaled_transpose") -> Tensor:
+        v = ImplicitInverse.apply(a, iterations, init)
+        if record is not None:
+            with torch.no_grad():
+                record.append({
+                    "iterations": iterations,
+                    "residual": inverse_residual(a, v).flatten().tolist(),
+                    "lambda_min": torch.linalg.eigvalsh(a)[..., 0].flatten().tolist(),
+                })
+        return v
+
+    with mock.patch.object(NYSTROM, "iterative_pinv", pinv):
+        yield
+
+
+def gradients(q: Tensor, k: Tensor, v: Tensor, cotangent: Tensor, *, features: int, seed: int,
+              iterations: int = 6, gamma: float = 0.1, pinv: str = "iterative",
+              implicit: bool = False, record: list[dict] | None = None) -> tuple[Tensor, ...]:
+    """(dQ, dK, dV) of Skyformer's output (PyTorch path) against ``cotangent``, with the
+    unrolled gradient of the core, or the implicit one (``implicit``)."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    patch = implicit_core(record) if implicit else contextlib.nullcontext()
+    with patch:
+        out = skyformer.attention(*leaves, "skyformer", num_features=features, gamma=gamma,
+                                  pinv=pinv, pinv_iterations=iterations, kernel="torch",
+                                  generator=skyformer.random_key(seed))
+        return torch.autograd.grad(out, leaves, cotangent)
+
+
+def per_head_difference(x: Tensor, reference: Tensor) -> list[float]:
+    """||x - reference||_F / ||reference||_F for each [N, D] slice of ``[B, H, N, D]``."""
+    diff = torch.linalg.vector_norm(x - reference, dim=(-2, -1))
+    return (diff / torch.linalg.vector_norm(reference, dim=(-2, -1))).flatten().tolist()
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "max": max(values)}
+
+
+def study(q: Tensor, k: Tensor, v: Tensor, cotangent: Tensor, *, features: list[int],
+          iterations: list[int], seeds: list[int], gamma: float = 0.1) -> list[dict]:
+    """One row per (m, K) for these inputs ``[B, H, N, D]`` (float64 for a meaningful
+    comparison): residuals, lambda_min(A) and the relative per-head differences of
+    (dQ, dK, dV), implicit vs unrolled, unrolled vs exact inverse, implicit vs exact
+    inverse and, with two seeds or more, one draw of landmarks vs the next (unrolled).
+    Raises if the implicit patch left dQ or dK unchanged or changed dV."""
+    rows = []
+    for m in features:
+        exact = {s: gradients(q, k, v, cotangent, features=m, seed=s, gamma=gamma,
+                              pinv="exact") for s in seeds}
+        for iters in iterations:
+            record: list[dict] = []
+            unrolled, implicit = {}, {}
+            for s in seeds:
+                common = {"features": m, "seed": s, "iterations": iters, "gamma": gamma}
+                unrolled[s] = gradients(q, k, v, cotangent, **common)
+                before = len(record)
+                implicit[s] = gradients(q, k, v, cotangent, implicit=True, record=record,
+                                        **common)
+                check_patch(unrolled[s], implicit[s], record[before:], iters)
+            row: dict = {"m": m, "iterations": iters, "gamma": gamma, "seeds": list(seeds),
+                         "residual": spread([r for c in record for r in c["residual"]]),
+                         "lambda_min": {"min": min(x for c in record for x in c["lambda_min"]),
+                                        "max": max(x for c in record for x in c["lambda_min"])}}
+            pairs = {"implicit_vs_unrolled": [(implicit[s], unrolled[s]) for s in seeds],
+                     "unrolled_vs_exact": [(unrolled[s], exact[s]) for s in seeds],
+                     "implicit_vs_exact": [(implicit[s], exact[s]) for s in seeds],
+                     "draws": [(unrolled[s], unrolled[t]) for s, t in itertools.pairwise(seeds)]}
+            for name, compared in pairs.items():
+                if compared:
+                    row[name] = {g: spread([d for x, ref in compared
+                                            for d in per_head_difference(x[i], ref[i])])
+                                 for i, g in enumerate(GRADS)}
+            rows.append(row)
+    return rows
+
+
+def check_patch(unrolled: tuple[Tensor, ...], implicit: tuple[Tensor, ...], calls: list[dict],
+                iterations: int) -> None:
+    """The implicit run went through the patched inverse once (``calls``: what it recorded),
+    at ``iterations``, and through its backward: dQ and dK differ from the unrolled ones,
+    dV is the same."""
+    if [c["iterations"] for c in calls] != [iterations]:
+        raise RuntimeError("the core did not call the patched iterative_pinv")
+    if any(torch.equal(a, b) for a, b in zip(unrolled[:2], implicit[:2], strict=True)):
+        raise RuntimeError("the implicit patch left dQ or dK unchanged")
+    if not torch.equal(unrolled[2], implicit[2]):
+        raise RuntimeError("dV changed: the patch changed the forward pass")
+
+
+def razavi_step(p: float) -> float:
+    """What one step does to an eigenvalue p of A V (A V commutes with A): the eigenvalue
+    of A V' is p' = p (13 - 15p + 7p^2 - p^3) / 4, so 1 - p' = (1 - p)^3 (4 - p) / 4, and p'
+    increases with p on [0, 1]."""
+    return p * (13 - 15 * p + 7 * p * p - p ** 3) / 4
+
+
+def residual_bound(m: int, gamma: float, iterations: int) -> float:
+    """||I - A V_K||_2 at worst over every input with m landmarks: V_K is a polynomial in
+    the symmetric A, so the norm is the largest of 1 - f^K(lambda) over A's eigenvalues
+    (f = ``razavi_step``, from V_0 = I), which is at lambda_min; and A >= gamma D^-1 (M is
+    PSD) with D <= (m + gamma) I (entries of M at most 1) gives lambda_min >=
+    gamma / (m + gamma), reached when all m landmarks coincide."""
+    p = gamma / (m + gamma)
+    for _ in range(iterations):
+        p = razavi_step(p)
+    return 1 - p
+
+
+def fmt(x: float) -> str:
+    return f"{x:.1e}"
+
+
+def cell(stats: dict | None, key: str) -> str:
+    return "-" if stats is None else f"{fmt(stats[key]['median'])} / {fmt(stats[key]['max'])}"
+
+
+COMPARISONS = {"implicit_vs_unrolled": "implicit vs unrolled",
+               "unrolled_vs_exact": "unrolled vs exact", "implicit_vs_exact": "implicit vs exact",
+               "draws": "draw vs draw"}
+
+
+def table(header: list[str], lines: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(line) + " |" for line in lines)]
+
+
+def summary(rows: list[dict]) -> list[str]:
+    """Per (m, K), over every N, layer, head and draw: the largest residual, the bound for
+    any input, the largest gradient differences and the median of draw against draw."""
+    lines = []
+    for key in sorted({(r["m"], r["iterations"]) for r in rows}):
+        group = [r for r in rows if (r["m"], r["iterations"]) == key]
+        line = [str(key[0]), str(key[1]), fmt(max(r["residual"]["max"] for r in group)),
+                fmt(residual_bound(key[0], group[0]["gamma"], key[1]))]
+        for name in ("implicit_vs_unrolled", "unrolled_vs_exact", "implicit_vs_exact"):
+            line += [fmt(max(r[name][g]["max"] for r in group)) for g in ("dq", "dk")]
+        line += ["-" if "draws" not in group[0] else
+                 fmt(statistics.median(r["draws"][g]["median"] for r in group))
+                 for g in ("dq", "dk")]
+        lines.append(line)
+    header = ["m", "K", "max residual", "bound, any input"]
+    for name in ("implicit_vs_unrolled", "unrolled_vs_exact", "implicit_vs_exact"):
+        header += [f"{COMPARISONS[name]} {g}, max" for g in ("dQ", "dK")]
+    header += [f"draw vs draw {g}, median" for g in ("dQ", "dK")]
+    return table(header, lines)
+
+
+def markdown(rows: list[dict]) -> str:
+    """A summary over N and layers, then the residuals and the gradient differences per
+    (N, layer, m, K)."""
+    gradient_columns = [(c, g) for c in COMPARISONS for g in GRADS  # the summary has the rest
+                        if c != "implicit_vs_exact" and (c, g) != ("implicit_vs_unrolled", "dv")]
+    lines = [
+        "Per (m, K) over every N, layer, head and draw: the largest residual "
+        "||I - A V_K||_2, its bound for any input (all landmarks equal), the largest "
+        "relative Frobenius difference of the per-head gradients, and the median one "
+        "between two landmark draws.", "", *summary(rows), "",
+        "Residual ||I - A V_K||_2 (median / max over heads and draws) and lambda_min(A):",
+        "", *table(["N", "layer", "m", "K", "residual", "lambda_min(A) min .. max"], [
+            [str(r["N"]), str(r["layer"]), str(r["m"]), str(r["iterations"]),
+             f"{fmt(r['residual']['median'])} / {fmt(r['residual']['max'])}",
+             f"{fmt(r['lambda_min']['min'])} .. {fmt(r['lambda_min']['max'])}"]
+            for r in rows]), "",
+        "Relative Frobenius difference of the gradients per head, median / max over heads "
+        "and draws (implicit vs unrolled dV is 0: checked):", "",
+        *table(["N", "layer", "m", "K", *(f"{COMPARISONS[c]} {g[1].upper()}"
+                                          for c, g in gradient_columns)], [
+            [str(r["N"]), str(r["layer"]), str(r["m"]), str(r["iterations"]),
+             *(cell(r.get(c), g) for c, g in gradient_columns)] for r in rows]),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=[0, 1, 2, 3, 4, 5])
+    parser.add_argument("--features", type=int, nargs="+", default=[32, 64, 128, 256])
+    parser.add_argument("--iterations", type=int, nargs="+", default=[6, 8, 10])
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--gamma", type=float, default=0.1)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=RESULTS / "implicit_core_gradient.md")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from skyformer.eval.data.qkv import extract_qkv, load_model
+    from skyformer.eval.data.text import default_text
+
+    model, tokenizer, name = load_model(None, pretrained=True, seed=0)
+    rows = []
+    for n in args.seq_lens:
+        for layer in args.layers:
+            qkv = extract_qkv(model, tokenizer, default_text(), seq_len=n, layer=layer,
+                              name=name)
+            q, k, v = (t.double() for t in (qkv.q, qkv.k, qkv.v))
+            cotangent = torch.randn(v.shape, dtype=v.dtype,
+                                    generator=torch.Generator().manual_seed(n + layer))
+            for row in study(q, k, v, cotangent, features=args.features,
+                             iterations=args.iterations, seeds=args.seeds, gamma=args.gamma):
+                rows.append({"N": n, "layer": layer, **row})
+                print(f"N={n} layer={layer} m={row['m']} K={row['iterations']}: residual "
+                      f"max {row['residual']['max']:.1e}, implicit vs unrolled dQ max "
+                      f"{row['implicit_vs_unrolled']['dq']['max']:.1e}", flush=True)
+    text = markdown(rows)
+    print(text)
+    config = vars(args) | {"out": str(args.out)}
+    write_json(args.out.with_suffix(".json"), {"config": config, "environment": environment(),
+                                              "rows": rows})
+    atomic_write_text(args.out.with_suffix(".md"), text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
