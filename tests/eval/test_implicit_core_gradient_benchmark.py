@@ -1,0 +1,88 @@
+"""benchmarks/implicit_core_gradient.py on small random inputs (no model): its patch
+really makes the core's gradient the implicit one, which differs from the unrolled
+gradient where the iteration has not converged and equals it where it has."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+import skyformer
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "implicit_core_gradient.py"
+spec = importlib.util.spec_from_file_location("implicit_core_gradient_benchmark", SCRIPT)
+benchmark = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(benchmark)
+
+
+def inputs(seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(1, 2, 48, 8, dtype=torch.float64, generator=g) for _ in range(4))
+
+
+def row(gamma: float, iterations: int) -> dict:
+    (found,) = benchmark.study(*inputs(), features=[16], iterations=[iterations],
+                               seeds=[0, 1], gamma=gamma)
+    return found
+
+
+def test_unconverged_core_gives_another_gradient():
+    found = row(gamma=0.1, iterations=1)
+    assert found["residual"]["max"] > 1e-2
+    for g in ("dq", "dk"):  # a patch that did nothing would give 0 here
+        assert found["implicit_vs_unrolled"][g]["max"] > 1e-3
+    assert found["implicit_vs_unrolled"]["dv"]["max"] == 0.0  # same forward pass
+
+
+def test_converged_core_gives_the_same_gradient():
+    found = row(gamma=100.0, iterations=6)  # lambda_min(A) > 0.8: converged to rounding
+    assert found["lambda_min"]["min"] > 0.8 and found["residual"]["max"] < 1e-13
+    for g in ("dq", "dk", "dv"):
+        assert found["implicit_vs_unrolled"][g]["max"] < 1e-10
+        assert found["implicit_vs_exact"][g]["max"] < 1e-10
+        assert found["draws"][g]["median"] > 1e-3  # another draw is another gradient
+
+
+def test_implicit_backward_is_the_gradient_of_the_inverse():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 6, 6, dtype=torch.float64, generator=g)
+    a = (x @ x.mT + 6 * torch.eye(6, dtype=torch.float64)).requires_grad_(True)
+    a = a / a.detach().sum(-1, keepdim=True).amax()  # eigenvalues in (0, 1]: converges
+    upstream = torch.randn(2, 6, 6, dtype=torch.float64, generator=g)
+    (implicit,) = torch.autograd.grad(benchmark.ImplicitInverse.apply(a, 30, "identity"),
+                                      a, upstream)
+    (exact,) = torch.autograd.grad(torch.linalg.inv(a), a, upstream)
+    torch.testing.assert_close(implicit, exact, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("iterations", [4, 6, 8])
+def test_coinciding_landmarks_reach_the_residual_bound(iterations):
+    q = torch.full((1, 1, 40, 8), 0.3, dtype=torch.float64)  # every row the same
+    v = torch.randn(1, 1, 40, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    record: list[dict] = []
+    with benchmark.implicit_core(record):
+        skyformer.attention(q, q, v, "skyformer", num_features=16, pinv_iterations=iterations,
+                            kernel="torch", generator=skyformer.random_key(0))
+    (found,) = record
+    assert found["lambda_min"][0] == pytest.approx(0.1 / 16.1, rel=1e-9)
+    bound = benchmark.residual_bound(16, 0.1, iterations)
+    assert found["residual"][0] == pytest.approx(bound, rel=1e-9, abs=1e-12)  # rounding
+    assert bound > 1e-3 if iterations <= 6 else bound < 1e-12
+
+
+def test_a_patch_without_effect_is_reported():
+    q, k, v, cotangent = inputs()
+    same = benchmark.gradients(q, k, v, cotangent, features=16, seed=0)
+    with pytest.raises(RuntimeError, match="unchanged"):
+        benchmark.check_patch(same, same, [{"iterations": 6}], 6)
+    with pytest.raises(RuntimeError, match="did not call"):
+        benchmark.check_patch(same, same, [], 6)
+
+
+def test_markdown_has_a_line_per_row():
+    rows = [{"N": 48, "layer": 0, **row(gamma=0.1, iterations=2)}]
+    text = benchmark.markdown(rows)
+    assert text.count("| 48 | 0 | 16 | 2 |") == 2
