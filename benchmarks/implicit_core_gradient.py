@@ -23,7 +23,9 @@ This study measures, on Q/K/V of pretrained MiniLM-L6 over the shipped text
   for this script only, with a Function whose forward is the library's and whose
   backward is -V^T G V^T); for scale, the difference between two landmark draws
   (seed s against the next seed in ``--seeds``) and between the unrolled gradient and
-  that of the exact inverse (``pinv="exact"``).
+  that of the exact inverse (``pinv="exact"``);
+- the same calls in float32 (the GPU kernels' precision), unrolled and implicit, against
+  the float64 unrolled gradient: where float32 rounding already puts the unrolled one.
 
 dV does not depend on the core's backward pass (out = C_qx W C_xk V is linear in V
 with W the same forward value), so implicit and unrolled dV are equal bit for bit; the
@@ -50,7 +52,8 @@ import skyformer
 from skyformer.io import atomic_write_text, environment, write_json
 from skyformer.linalg.pinv import inverse_residual
 
-RESULTS = Path(__file__).parent / "results"
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
 NYSTROM = importlib.import_module("skyformer.linalg.nystrom")  # the module, not a name in it
 UNROLLED_PINV = NYSTROM.iterative_pinv
 GRADS = ("dq", "dk", "dv")
@@ -120,19 +123,24 @@ def spread(values: list[float]) -> dict[str, float]:
 
 
 def study(q: Tensor, k: Tensor, v: Tensor, cotangent: Tensor, *, features: list[int],
-          iterations: list[int], seeds: list[int], gamma: float = 0.1) -> list[dict]:
-    """One row per (m, K) for these inputs ``[B, H, N, D]`` (float64 for a meaningful
-    comparison): residuals, lambda_min(A) and the relative per-head differences of
-    (dQ, dK, dV), implicit vs unrolled, unrolled vs exact inverse, implicit vs exact
-    inverse and, with two seeds or more, one draw of landmarks vs the next (unrolled).
-    Raises if the implicit patch left dQ or dK unchanged or changed dV."""
+          iterations: list[int], seeds: list[int], gamma: float = 0.1,
+          float32: bool = True) -> list[dict]:
+    """One row per (m, K) for these float64 inputs ``[B, H, N, D]``: residuals,
+    lambda_min(A) and the relative per-head differences of (dQ, dK, dV), implicit vs
+    unrolled, unrolled vs exact inverse, implicit vs exact inverse, with two seeds or
+    more one draw of landmarks vs the next (unrolled), and with ``float32`` the float32
+    unrolled and implicit gradients vs the float64 unrolled one. Raises if the implicit
+    patch left dQ or dK unchanged or changed dV."""
+    if q.dtype != torch.float64:
+        raise ValueError(f"the study compares float64 gradients, got {q.dtype}")
+    single = [t.float() for t in (q, k, v, cotangent)]
     rows = []
     for m in features:
         exact = {s: gradients(q, k, v, cotangent, features=m, seed=s, gamma=gamma,
                               pinv="exact") for s in seeds}
         for iters in iterations:
             record: list[dict] = []
-            unrolled, implicit = {}, {}
+            unrolled, implicit, unrolled32, implicit32 = {}, {}, {}, {}
             for s in seeds:
                 common = {"features": m, "seed": s, "iterations": iters, "gamma": gamma}
                 unrolled[s] = gradients(q, k, v, cotangent, **common)
@@ -140,6 +148,9 @@ def study(q: Tensor, k: Tensor, v: Tensor, cotangent: Tensor, *, features: list[
                 implicit[s] = gradients(q, k, v, cotangent, implicit=True, record=record,
                                         **common)
                 check_patch(unrolled[s], implicit[s], record[before:], iters)
+                if float32:
+                    unrolled32[s] = gradients(*single, **common)
+                    implicit32[s] = gradients(*single, implicit=True, **common)
             row: dict = {"m": m, "iterations": iters, "gamma": gamma, "seeds": list(seeds),
                          "residual": spread([r for c in record for r in c["residual"]]),
                          "lambda_min": {"min": min(x for c in record for x in c["lambda_min"]),
@@ -147,11 +158,14 @@ def study(q: Tensor, k: Tensor, v: Tensor, cotangent: Tensor, *, features: list[
             pairs = {"implicit_vs_unrolled": [(implicit[s], unrolled[s]) for s in seeds],
                      "unrolled_vs_exact": [(unrolled[s], exact[s]) for s in seeds],
                      "implicit_vs_exact": [(implicit[s], exact[s]) for s in seeds],
-                     "draws": [(unrolled[s], unrolled[t]) for s, t in itertools.pairwise(seeds)]}
+                     "draws": [(unrolled[s], unrolled[t]) for s, t in itertools.pairwise(seeds)],
+                     "float32_unrolled": [(unrolled32[s], unrolled[s]) for s in unrolled32],
+                     "float32_implicit": [(implicit32[s], unrolled[s]) for s in implicit32]}
             for name, compared in pairs.items():
                 if compared:
                     row[name] = {g: spread([d for x, ref in compared
-                                            for d in per_head_difference(x[i], ref[i])])
+                                            for d in per_head_difference(x[i].double(),
+                                                                         ref[i])])
                                  for i, g in enumerate(GRADS)}
             rows.append(row)
     return rows
@@ -199,7 +213,8 @@ def cell(stats: dict | None, key: str) -> str:
 
 COMPARISONS = {"implicit_vs_unrolled": "implicit vs unrolled",
                "unrolled_vs_exact": "unrolled vs exact", "implicit_vs_exact": "implicit vs exact",
-               "draws": "draw vs draw"}
+               "draws": "draw vs draw", "float32_unrolled": "float32 unrolled vs float64",
+               "float32_implicit": "float32 implicit vs float64"}
 
 
 def table(header: list[str], lines: list[list[str]]) -> list[str]:
@@ -207,45 +222,59 @@ def table(header: list[str], lines: list[list[str]]) -> list[str]:
             *("| " + " | ".join(line) + " |" for line in lines)]
 
 
-def summary(rows: list[dict]) -> list[str]:
-    """Per (m, K), over every N, layer, head and draw: the largest residual, the bound for
-    any input, the largest gradient differences and the median of draw against draw."""
+def summary(rows: list[dict], names: list[str], *, residuals: bool = True) -> list[str]:
+    """Per (m, K), over every N, layer, head and draw: the largest residual and its bound
+    for any input (``residuals``), the largest of each comparison in ``names`` for dQ
+    and dK, and the median of draw against draw."""
     lines = []
     for key in sorted({(r["m"], r["iterations"]) for r in rows}):
         group = [r for r in rows if (r["m"], r["iterations"]) == key]
-        line = [str(key[0]), str(key[1]), fmt(max(r["residual"]["max"] for r in group)),
-                fmt(residual_bound(key[0], group[0]["gamma"], key[1]))]
-        for name in ("implicit_vs_unrolled", "unrolled_vs_exact", "implicit_vs_exact"):
+        line = [str(key[0]), str(key[1])]
+        if residuals:
+            line += [fmt(max(r["residual"]["max"] for r in group)),
+                     fmt(residual_bound(key[0], group[0]["gamma"], key[1]))]
+        for name in names:
             line += [fmt(max(r[name][g]["max"] for r in group)) for g in ("dq", "dk")]
-        line += ["-" if "draws" not in group[0] else
-                 fmt(statistics.median(r["draws"][g]["median"] for r in group))
-                 for g in ("dq", "dk")]
+        if residuals and "draws" in group[0]:
+            line += [fmt(statistics.median(r["draws"][g]["median"] for r in group))
+                     for g in ("dq", "dk")]
         lines.append(line)
-    header = ["m", "K", "max residual", "bound, any input"]
-    for name in ("implicit_vs_unrolled", "unrolled_vs_exact", "implicit_vs_exact"):
+    header = ["m", "K"]
+    if residuals:
+        header += ["max residual", "bound, any input"]
+    for name in names:
         header += [f"{COMPARISONS[name]} {g}, max" for g in ("dQ", "dK")]
-    header += [f"draw vs draw {g}, median" for g in ("dQ", "dK")]
+    if residuals and "draws" in rows[0]:
+        header += [f"draw vs draw {g}, median" for g in ("dQ", "dK")]
     return table(header, lines)
 
 
 def markdown(rows: list[dict]) -> str:
-    """A summary over N and layers, then the residuals and the gradient differences per
+    """Summaries over N and layers, then the residuals and the gradient differences per
     (N, layer, m, K)."""
-    gradient_columns = [(c, g) for c in COMPARISONS for g in GRADS  # the summary has the rest
-                        if c != "implicit_vs_exact" and (c, g) != ("implicit_vs_unrolled", "dv")]
     lines = [
         "Per (m, K) over every N, layer, head and draw: the largest residual "
         "||I - A V_K||_2, its bound for any input (all landmarks equal), the largest "
         "relative Frobenius difference of the per-head gradients, and the median one "
-        "between two landmark draws.", "", *summary(rows), "",
-        "Residual ||I - A V_K||_2 (median / max over heads and draws) and lambda_min(A):",
+        "between two landmark draws.", "",
+        *summary(rows, ["implicit_vs_unrolled", "unrolled_vs_exact", "implicit_vs_exact"]),
+    ]
+    if "float32_unrolled" in rows[0]:
+        lines += ["", "The same calls in float32, against the float64 unrolled gradient "
+                  "(largest over N, layers, heads and draws):", "",
+                  *summary(rows, ["float32_unrolled", "float32_implicit"], residuals=False)]
+    gradient_columns = [("implicit_vs_unrolled", "dq"), ("implicit_vs_unrolled", "dk"),
+                        *((c, g) for c in ("unrolled_vs_exact", "draws") for g in GRADS)]
+    lines += [
+        "", "Residual ||I - A V_K||_2 (median / max over heads and draws) and lambda_min(A):",
         "", *table(["N", "layer", "m", "K", "residual", "lambda_min(A) min .. max"], [
             [str(r["N"]), str(r["layer"]), str(r["m"]), str(r["iterations"]),
              f"{fmt(r['residual']['median'])} / {fmt(r['residual']['max'])}",
              f"{fmt(r['lambda_min']['min'])} .. {fmt(r['lambda_min']['max'])}"]
             for r in rows]), "",
         "Relative Frobenius difference of the gradients per head, median / max over heads "
-        "and draws (implicit vs unrolled dV is 0: checked):", "",
+        "and draws (implicit vs unrolled dV is 0: checked; the other comparisons are in "
+        "the JSON file):", "",
         *table(["N", "layer", "m", "K", *(f"{COMPARISONS[c]} {g[1].upper()}"
                                           for c, g in gradient_columns)], [
             [str(r["N"]), str(r["layer"]), str(r["m"]), str(r["iterations"]),
@@ -262,7 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--gamma", type=float, default=0.1)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--no-float32", dest="float32", action="store_false",
+                        help="skip the float32 calls")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: on a loaded 2-core machine two "
+                             "made LAPACK's eigvalsh and matrix_norm many times slower)")
     parser.add_argument("--out", type=Path, default=RESULTS / "implicit_core_gradient.md")
     args = parser.parse_args(argv)
     if args.threads:
@@ -280,14 +313,21 @@ def main(argv: list[str] | None = None) -> int:
             cotangent = torch.randn(v.shape, dtype=v.dtype,
                                     generator=torch.Generator().manual_seed(n + layer))
             for row in study(q, k, v, cotangent, features=args.features,
-                             iterations=args.iterations, seeds=args.seeds, gamma=args.gamma):
+                             iterations=args.iterations, seeds=args.seeds, gamma=args.gamma,
+                             float32=args.float32):
                 rows.append({"N": n, "layer": layer, **row})
                 print(f"N={n} layer={layer} m={row['m']} K={row['iterations']}: residual "
                       f"max {row['residual']['max']:.1e}, implicit vs unrolled dQ max "
                       f"{row['implicit_vs_unrolled']['dq']['max']:.1e}", flush=True)
-    text = markdown(rows)
+    text = (f"# Implicit vs unrolled gradient of the Lemma 3 core\n\n"
+            f"`python benchmarks/implicit_core_gradient.py` (pretrained {name}, the shipped "
+            f"text, N = {args.seq_lens}, layers {args.layers}, seeds {args.seeds}, "
+            f"gamma = {args.gamma}; float64, float32 where marked, PyTorch path, "
+            f"torch {torch.__version__}).\n\n"
+            + markdown(rows))
     print(text)
-    config = vars(args) | {"out": str(args.out)}
+    out = args.out.resolve()
+    config = vars(args) | {"out": str(out.relative_to(REPO) if out.is_relative_to(REPO) else out)}
     write_json(args.out.with_suffix(".json"), {"config": config, "environment": environment(),
                                               "rows": rows})
     atomic_write_text(args.out.with_suffix(".md"), text)
