@@ -4,6 +4,7 @@ gradient where the iteration has not converged and equals it where it has."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -23,9 +24,10 @@ def inputs(seed: int = 0) -> tuple[torch.Tensor, ...]:
     return tuple(torch.randn(1, 2, 48, 8, dtype=torch.float64, generator=g) for _ in range(4))
 
 
-def row(gamma: float, iterations: int) -> dict:
+@functools.cache  # read only
+def row(gamma: float, iterations: int, float32: bool = False) -> dict:
     (found,) = benchmark.study(*inputs(), features=[16], iterations=[iterations],
-                               seeds=[0, 1], gamma=gamma)
+                               seeds=[0, 1], gamma=gamma, float32=float32)
     return found
 
 
@@ -82,7 +84,15 @@ def test_a_patch_without_effect_is_reported():
         benchmark.check_patch(same, same, [], 6)
 
 
+def test_float32_gradients_are_near_the_float64_ones():
+    found = row(gamma=100.0, iterations=6, float32=True)
+    for name in ("float32_unrolled", "float32_implicit"):
+        assert 1e-9 < found[name]["dq"]["max"] < 1e-4  # float32 rounding, not another gradient
+
+
 def test_markdown_has_a_line_per_row():
-    rows = [{"N": 48, "layer": 0, **row(gamma=0.1, iterations=2)}]
+    rows = [{"N": 48, "layer": 0, **row(gamma=100.0, iterations=6, float32=True)}]
     text = benchmark.markdown(rows)
-    assert text.count("| 48 | 0 | 16 | 2 |") == 2
+    lines = text.splitlines()
+    assert sum(line.startswith("| 16 | 6 | ") for line in lines) == 2  # both summaries
+    assert sum(line.startswith("| 48 | 0 | 16 | 6 |") for line in lines) == 2  # the rest
