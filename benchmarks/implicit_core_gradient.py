@@ -2,7 +2,8 @@
 
     python benchmarks/implicit_core_gradient.py [--layers 0 1 2 3 4 5]
         [--features 32 64 128 256] [--iterations 6 8 10] [--seq-lens 512 2048]
-        [--seeds 0 1] [--out benchmarks/results/implicit_core_gradient.md]
+        [--seeds 0 1] [--clustered-heads 4] [--no-float32]
+        [--out benchmarks/results/implicit_core_gradient.md]
 
 The core W = D^-1/2 V_K D^-1/2 holds V_K, K Razavi steps from V_0 = I towards A^-1,
 A = D^-1/2 (M + gamma I) D^-1/2 (``linalg/nystrom.py``, ``linalg/pinv.py``). The library
@@ -25,7 +26,11 @@ This study measures, on Q/K/V of pretrained MiniLM-L6 over the shipped text
   (seed s against the next seed in ``--seeds``) and between the unrolled gradient and
   that of the exact inverse (``pinv="exact"``);
 - the same calls in float32 (the GPU kernels' precision), unrolled and implicit, against
-  the float64 unrolled gradient: where float32 rounding already puts the unrolled one.
+  the float64 unrolled gradient: where float32 rounding already puts the unrolled one;
+- the float64 comparisons again on synthetic clustered inputs (every row of Q and K near
+  one point, ``--clustered-heads`` heads at each N), whose lambda_min(A) is close to the
+  lower bound gamma / (m + gamma) that any input obeys: how far from the MiniLM figures
+  another input can take the residual and the gradients (``residual_bound``).
 
 dV does not depend on the core's backward pass (out = C_qx W C_xk V is linear in V
 with W the same forward value), so implicit and unrolled dV are equal bit for bit; the
@@ -57,6 +62,8 @@ RESULTS = REPO / "benchmarks" / "results"
 NYSTROM = importlib.import_module("skyformer.linalg.nystrom")  # the module, not a name in it
 UNROLLED_PINV = NYSTROM.iterative_pinv
 GRADS = ("dq", "dk", "dv")
+CLUSTERED = "clustered"
+CLUSTER_SPREAD = 0.1
 
 
 class ImplicitInverse(torch.autograd.Function):
@@ -249,26 +256,37 @@ def summary(rows: list[dict], names: list[str], *, residuals: bool = True) -> li
     return table(header, lines)
 
 
+def layer_name(row: dict) -> str:
+    return CLUSTERED if row["layer"] is None else str(row["layer"])
+
+
 def markdown(rows: list[dict]) -> str:
-    """Summaries over N and layers, then the residuals and the gradient differences per
-    (N, layer, m, K)."""
-    lines = [
-        "Per (m, K) over every N, layer, head and draw: the largest residual "
-        "||I - A V_K||_2, its bound for any input (all landmarks equal), the largest "
-        "relative Frobenius difference of the per-head gradients, and the median one "
-        "between two landmark draws.", "",
-        *summary(rows, ["implicit_vs_unrolled", "unrolled_vs_exact", "implicit_vs_exact"]),
-    ]
-    if "float32_unrolled" in rows[0]:
-        lines += ["", "The same calls in float32, against the float64 unrolled gradient "
-                  "(largest over N, layers, heads and draws):", "",
-                  *summary(rows, ["float32_unrolled", "float32_implicit"], residuals=False)]
+    """Summaries over N and layers (the model's rows, then the clustered ones), then the
+    residuals and the gradient differences per (N, layer, m, K)."""
+    lines = []
+    comparisons = ["implicit_vs_unrolled", "unrolled_vs_exact", "implicit_vs_exact"]
+    model = [r for r in rows if r["layer"] is not None]
+    clustered = [r for r in rows if r["layer"] is None]
+    if model:
+        lines += ["Per (m, K) over every N, layer, head and draw: the largest residual "
+                  "||I - A V_K||_2, its bound for any input (all landmarks equal), the "
+                  "largest relative Frobenius difference of the per-head gradients, and the "
+                  "median one between two landmark draws.", "", *summary(model, comparisons)]
+        if "float32_unrolled" in model[0]:
+            lines += ["", "The same calls in float32, against the float64 unrolled gradient "
+                      "(largest over N, layers, heads and draws):", "",
+                      *summary(model, ["float32_unrolled", "float32_implicit"],
+                               residuals=False)]
+    if clustered:
+        lines += ["", f"The same for the {CLUSTERED} inputs (every row of Q and K within "
+                  f"{CLUSTER_SPREAD} a coordinate of one point: lambda_min(A) near its lower "
+                  "bound):", "", *summary(clustered, comparisons)]
     gradient_columns = [("implicit_vs_unrolled", "dq"), ("implicit_vs_unrolled", "dk"),
                         *((c, g) for c in ("unrolled_vs_exact", "draws") for g in GRADS)]
     lines += [
         "", "Residual ||I - A V_K||_2 (median / max over heads and draws) and lambda_min(A):",
         "", *table(["N", "layer", "m", "K", "residual", "lambda_min(A) min .. max"], [
-            [str(r["N"]), str(r["layer"]), str(r["m"]), str(r["iterations"]),
+            [str(r["N"]), layer_name(r), str(r["m"]), str(r["iterations"]),
              f"{fmt(r['residual']['median'])} / {fmt(r['residual']['max'])}",
              f"{fmt(r['lambda_min']['min'])} .. {fmt(r['lambda_min']['max'])}"]
             for r in rows]), "",
@@ -277,10 +295,23 @@ def markdown(rows: list[dict]) -> str:
         "the JSON file):", "",
         *table(["N", "layer", "m", "K", *(f"{COMPARISONS[c]} {g[1].upper()}"
                                           for c, g in gradient_columns)], [
-            [str(r["N"]), str(r["layer"]), str(r["m"]), str(r["iterations"]),
+            [str(r["N"]), layer_name(r), str(r["m"]), str(r["iterations"]),
              *(cell(r.get(c), g) for c, g in gradient_columns)] for r in rows]),
     ]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines[1:] if lines[0] == "" else lines) + "\n"
+
+
+def clustered_inputs(n: int, heads: int, head_dim: int, seed: int) -> tuple[Tensor, ...]:
+    """Q, K (rows within ``CLUSTER_SPREAD`` a coordinate of one standard normal point per
+    head), V and a cotangent, float64 ``[1, heads, n, head_dim]``: near-coinciding
+    landmarks, the inputs whose lambda_min(A) is close to gamma / (m + gamma)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (1, heads, n, head_dim)
+    centre = torch.randn(1, heads, 1, head_dim, dtype=torch.float64, generator=g)
+    q, k = (centre + CLUSTER_SPREAD * torch.randn(shape, dtype=torch.float64, generator=g)
+            for _ in range(2))
+    v, cotangent = (torch.randn(shape, dtype=torch.float64, generator=g) for _ in range(2))
+    return q, k, v, cotangent
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -291,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--gamma", type=float, default=0.1)
+    parser.add_argument("--clustered-heads", type=int, default=4,
+                        help="heads of the clustered inputs at each N (0: none)")
     parser.add_argument("--no-float32", dest="float32", action="store_false",
                         help="skip the float32 calls")
     parser.add_argument("--threads", type=int, default=1,
@@ -304,24 +337,32 @@ def main(argv: list[str] | None = None) -> int:
     from skyformer.eval.data.text import default_text
 
     model, tokenizer, name = load_model(None, pretrained=True, seed=0)
+
+    def inputs() -> Iterator[tuple[int, int | None, tuple[Tensor, ...]]]:
+        for n in args.seq_lens:
+            for layer in args.layers:
+                qkv = extract_qkv(model, tokenizer, default_text(), seq_len=n, layer=layer,
+                                  name=name)
+                q, k, v = (t.double() for t in (qkv.q, qkv.k, qkv.v))
+                cotangent = torch.randn(v.shape, dtype=v.dtype,
+                                        generator=torch.Generator().manual_seed(n + layer))
+                yield n, layer, (q, k, v, cotangent)
+            if args.clustered_heads:
+                yield n, None, clustered_inputs(n, args.clustered_heads, 32, seed=n)
+
     rows = []
-    for n in args.seq_lens:
-        for layer in args.layers:
-            qkv = extract_qkv(model, tokenizer, default_text(), seq_len=n, layer=layer,
-                              name=name)
-            q, k, v = (t.double() for t in (qkv.q, qkv.k, qkv.v))
-            cotangent = torch.randn(v.shape, dtype=v.dtype,
-                                    generator=torch.Generator().manual_seed(n + layer))
-            for row in study(q, k, v, cotangent, features=args.features,
-                             iterations=args.iterations, seeds=args.seeds, gamma=args.gamma,
-                             float32=args.float32):
-                rows.append({"N": n, "layer": layer, **row})
-                print(f"N={n} layer={layer} m={row['m']} K={row['iterations']}: residual "
-                      f"max {row['residual']['max']:.1e}, implicit vs unrolled dQ max "
-                      f"{row['implicit_vs_unrolled']['dq']['max']:.1e}", flush=True)
+    for n, layer, tensors in inputs():
+        for row in study(*tensors, features=args.features, iterations=args.iterations,
+                         seeds=args.seeds, gamma=args.gamma,
+                         float32=args.float32 and layer is not None):
+            rows.append({"N": n, "layer": layer, **row})
+            print(f"N={n} layer={layer_name(rows[-1])} m={row['m']} K={row['iterations']}: "
+                  f"residual max {row['residual']['max']:.1e}, implicit vs unrolled dQ max "
+                  f"{row['implicit_vs_unrolled']['dq']['max']:.1e}", flush=True)
     text = (f"# Implicit vs unrolled gradient of the Lemma 3 core\n\n"
             f"`python benchmarks/implicit_core_gradient.py` (pretrained {name}, the shipped "
-            f"text, N = {args.seq_lens}, layers {args.layers}, seeds {args.seeds}, "
+            f"text, N = {args.seq_lens}, layers {args.layers}, and {args.clustered_heads} "
+            f"heads of clustered inputs, seeds {args.seeds}, "
             f"gamma = {args.gamma}; float64, float32 where marked, PyTorch path, "
             f"torch {torch.__version__}).\n\n"
             + markdown(rows))

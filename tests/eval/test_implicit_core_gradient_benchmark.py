@@ -91,8 +91,16 @@ def test_float32_gradients_are_near_the_float64_ones():
 
 
 def test_markdown_has_a_line_per_row():
-    rows = [{"N": 48, "layer": 0, **row(gamma=100.0, iterations=6, float32=True)}]
-    text = benchmark.markdown(rows)
-    lines = text.splitlines()
-    assert sum(line.startswith("| 16 | 6 | ") for line in lines) == 2  # both summaries
+    found = row(gamma=100.0, iterations=6, float32=True)
+    rows = [{"N": 48, "layer": 0, **found}, {"N": 48, "layer": None, **found}]
+    lines = benchmark.markdown(rows).splitlines()
+    assert sum(line.startswith("| 16 | 6 | ") for line in lines) == 3  # float64, 32, clustered
     assert sum(line.startswith("| 48 | 0 | 16 | 6 |") for line in lines) == 2  # the rest
+    assert sum(line.startswith("| 48 | clustered | 16 | 6 |") for line in lines) == 2
+
+
+def test_clustered_inputs_put_lambda_min_near_its_bound():
+    q, k, v, cotangent = benchmark.clustered_inputs(64, 1, 32, seed=0)
+    record: list[dict] = []
+    benchmark.gradients(q, k, v, cotangent, features=16, seed=0, implicit=True, record=record)
+    assert 0.1 / 16.1 <= record[0]["lambda_min"][0] < 2 * 0.1 / 16.1
