@@ -12,7 +12,7 @@ from skyformer.linalg import gaussian_scores
 from skyformer.ops.kernelized.naive import reference_kernelized_attention
 from skyformer.ops.kernelized.sdpa_augmentation import augmented_width
 from tests.conftest import make_qkv
-from tests.devices import relative_error
+from tests.devices import needs_interpreter, relative_error
 from tests.dispatch import Recorder
 
 
@@ -230,6 +230,7 @@ def test_auto_takes_the_flash_kernels_where_a_gpu_run_found_them_faster(
     assert calls == ([dtype] if flash else [])
 
 
+@needs_interpreter  # kernel="triton" on CPU tensors
 def test_auto_falls_back_to_the_augmentation_when_the_flash_kernels_fail(monkeypatch):
     """Under ``"auto"`` flash kernels that cannot compile or launch (an old GPU, no C
     compiler) warn once and give way to the SDPA augmentation, as the other kernels'
@@ -258,6 +259,7 @@ def test_auto_falls_back_to_the_augmentation_when_the_flash_kernels_fail(monkeyp
         kernelized_attention(q, k, v, kernel="triton")
 
 
+@needs_interpreter  # kernel="triton" on CPU tensors
 def test_auto_falls_back_when_the_backward_kernels_fail(monkeypatch):
     """A backward flash kernel that cannot run (too few resources on a smaller GPU)
     under ``"auto"`` warns once and gives the augmentation's gradients; under
