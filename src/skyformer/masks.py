@@ -176,7 +176,8 @@ def _normalise(key_valid: Tensor) -> Tensor | None:
 def _holds(condition: Tensor, what: str) -> bool:
     """Whether every entry of ``condition`` is True: read on the host in eager code;
     while traced (``torch.compile``), assumed and checked on the device instead
-    (``torch._assert_async`` raises at run time, naming ``what``)."""
+    (``torch._assert_async`` raises at run time, naming ``what``; on CUDA a device-side
+    assert, fatal to the process's CUDA context: docs/pytorch2.md)."""
     if torch.compiler.is_compiling():
         torch._assert_async(condition.all(), f"skyformer: {what} (checked at run time "
                             "in a compiled model; use the exact attention for this mask)")
