@@ -58,3 +58,17 @@ def test_the_warning_names_the_callers_line():
         line = inspect.currentframe().f_lineno + 1
         fallback.run(True, _broken, lambda: None, on=torch.empty(0))
     assert [(w.filename, w.lineno) for w in caught] == [(__file__, line)]
+
+
+def test_a_failure_inside_a_cuda_graph_capture_propagates(monkeypatch):
+    # a launch that fails because a capture is under way (a kernel first loaded there)
+    # is the capture's failure: the fallback would run inside a broken capture
+    from skyformer.linalg import kernel_backend
+
+    fallback = KernelFallback("test kernel", "computing it otherwise")
+    monkeypatch.setattr(kernel_backend, "_capturing", lambda on: True)
+    with pytest.raises(RuntimeError, match="MMA"):
+        fallback.run(True, _broken, lambda: "pytorch", on=torch.empty(0))
+    assert not fallback.failed
+    monkeypatch.setattr(kernel_backend, "_capturing", lambda on: False)
+    assert _auto(fallback, torch.empty(0), [], fails=True)[0] == "pytorch"

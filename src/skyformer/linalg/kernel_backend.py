@@ -198,12 +198,22 @@ class KernelFallback:
         except torch.OutOfMemoryError:
             raise
         except Exception as error:  # any compiler or driver error
+            if _capturing(on):  # the capture's failure, not the kernel's (below)
+                raise
             self.failures.add((on.device, on.dtype))
             _warn_from_user_frame(
                 f"the Triton {self.name} failed for {_dtype_name(on.dtype)} tensors on "
                 f"{on.device} ({type(error).__name__}: {error}); {self.instead} for them "
                 "from now on (other dtypes and devices keep the Triton path).")
             return fallback()
+
+
+def _capturing(on: Tensor) -> bool:
+    """Whether ``on``'s CUDA stream is capturing a CUDA graph. A kernel first compiled or
+    loaded inside a capture fails because of the capture (CUDA refuses a module load
+    there: warm up first, ``graph_launches``), and the capture is broken whatever runs
+    next: the error propagates, and the kernel stays in use."""
+    return on.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
