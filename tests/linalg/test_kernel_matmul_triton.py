@@ -338,12 +338,16 @@ def test_batched_gradients_are_each_gradient(device, method):
                                                  "generator": skyformer.random_key(2)}
     out = skyformer.attention(q, k, v, method, kernel="triton", **options)
     cotangents = torch.randn(3, *out.shape, generator=g, dtype=dtype).to(device)
+    tolerance = ({"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float64
+                 else {"rtol": 1e-4, "atol": 1e-5})
     batched = torch.autograd.grad(out, (q, k, v), cotangents, is_grads_batched=True,
                                   retain_graph=True)
     for i, cotangent in enumerate(cotangents):
         each = torch.autograd.grad(out, (q, k, v), cotangent, retain_graph=True)
         for got, want in zip(batched, each, strict=True):
-            torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-6)
+            # float32 on CUDA: batched and single PyTorch operations around the kernels
+            # may round differently, which the Lemma 3 backward amplifies
+            torch.testing.assert_close(got[i], want, **tolerance)
 
 
 def _float32_copies() -> Recorder:
