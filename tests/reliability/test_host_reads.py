@@ -135,3 +135,21 @@ def test_the_watch_sees_a_tensor_made_from_python_data():
     with _HostReads() as reads:
         rng.random_key(7)
     assert reads.where and all(where.startswith(f"{rng.__file__}:") for where in reads.where)
+
+
+@pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax"])
+def test_a_decoding_step_reads_one_value_where_it_reveals_no_landmark(method):
+    # whether a token reveals a landmark slot and whether it completes a chunk are read
+    # together; most tokens do neither, and then that is the step's only read
+    from skyformer.decoding import new_decoding_state
+
+    q, k, v = make_qkv(2, 2, 90, 8, seed=1)
+    bound = skyformer.get_method(method).bind(num_features=10, landmark_stride=7)
+    state = new_decoding_state(bound, generator=skyformer.random_key(3))
+    state.step(q[:, :, :20], k[:, :, :20], v[:, :, :20], None)
+    reads = []
+    for t in range(20, 90):  # across the chunk boundary at 64
+        with _HostReads() as watch:
+            state.step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], None)
+        reads.append(sum(watch.where.values()))
+    assert collections.Counter(reads).most_common(1)[0][0] == 1  # was 2

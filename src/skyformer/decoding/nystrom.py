@@ -145,15 +145,14 @@ class SkyformerDecoding(DecodingState):
         of the elements whose real tokens it brings to a multiple of CAUSAL_CHUNK)."""
         qs = q * self.scale
         ks, kn, v = self._keys(k, v, valid[:, None])
-        self._reveal(qs, ks, valid)
+        complete = self._reveal(qs, ks, valid)
         self.chunk_k = torch.cat([self.chunk_k, ks], 2)
         self.chunk_kn = torch.cat([self.chunk_kn, kn], 2)
         self.chunk_v = torch.cat([self.chunk_v, v], 2)
         out = self._attend(qs, kn)
         seen = uses_failed(self.revealed[:, None, None, :], self.failed)[..., None]
         out = torch.where(seen, float("nan"), out)  # a failed slot: NaN
-        complete = valid & (self.real % CAUSAL_CHUNK == 0)  # [B]
-        if bool(complete.any()):
+        if complete is not None:
             self._absorb_chunk(complete)
         return torch.where(valid[:, None, None, None], out, 0.0)
 
@@ -183,14 +182,25 @@ class SkyformerDecoding(DecodingState):
             near = phi_q @ phi_k.transpose(-1, -2)
         return out + near @ self.chunk_v
 
-    def _reveal(self, qs: Tensor, ks: Tensor, valid: Tensor) -> None:
-        """Reveal the next slot where this token is the real token of its rank."""
+    def _reveal(self, qs: Tensor, ks: Tensor, valid: Tensor) -> Tensor | None:
+        """Count this token; reveal the next slot where it is the real token of its rank.
+        Returns ``[B]``, the elements whose chunk it completes (its real tokens a multiple
+        of CAUSAL_CHUNK), or None where it completes none. Whether any slot is revealed
+        and whether any chunk completes are read in one transfer: on a GPU each read
+        waits for the queue, and a token usually does neither."""
         slot = self.revealed.sum(1)  # [B]: slots are revealed in order
         safe = slot.clamp_max(self.m - 1)
         hit = valid & (slot < self.m) & (self.ranks.gather(1, safe[:, None])[:, 0] == self.real)
         self.real = self.real + valid.long()
-        if not bool(hit.any()):
-            return
+        complete = valid & (self.real % CAUSAL_CHUNK == 0)  # [B]
+        flags = int(hit.any() * 2 + complete.any())  # one value read for both
+        if flags >= 2:
+            self._reveal_slot(qs, ks, hit, safe)
+        return complete if flags % 2 else None
+
+    def _reveal_slot(self, qs: Tensor, ks: Tensor, hit: Tensor, safe: Tensor) -> None:
+        """Reveal slot ``safe: [B]`` of the elements where ``hit``, this token's query or
+        key row as the slot takes it."""
         new = F.one_hot(safe, self.m).bool() & hit[:, None]  # [B, m]
         row = torch.where(slot_takes_query(self.m, qs.device)[safe][:, None, None], qs[:, :, 0],
                           ks[:, :, 0])  # [B, H, D]
