@@ -237,6 +237,30 @@ def test_host_time_stubs_every_launch_and_reports_each_method(tmp_path, monkeypa
         assert 0 < least <= median
 
 
+def test_host_split_times_the_call_with_and_without_its_kernels(tmp_path):
+    """The device's host split (gpu_host_split.py), checked on CPU tensors: the stubbed
+    call must launch no kernel, so under the interpreter it is far cheaper than the call."""
+    pytest.importorskip("triton")
+    split = _load("gpu_host_split")
+    out = tmp_path / "split.md"
+    assert split.main(["--device", "cpu", "--shape", "1,2,32,16", "--dtype", "float32",
+                       "--features", "8", "--calls", "1", "--warmup", "1",
+                       "--out", str(out)]) == 0
+    cells = {line.split("|")[1].strip(): float(line.split("|")[2])
+             for line in out.read_text().splitlines()
+             if line.startswith("| ") and line.split("|")[2].strip()[:1].isdigit()}
+    assert cells["skyformer, Triton kernels stubbed"] < cells["skyformer, as it is"] / 10
+    assert cells["SDPA"] > 0 and cells["PyTorch operation (x.add_(0))"] > 0
+    assert cells["Triton, kernel[grid](...)"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_host_split_without_cuda_says_how_to_check_the_script(capsys):
+    with pytest.raises(SystemExit):
+        _load("gpu_host_split").main([])
+    assert "--device cpu" in capsys.readouterr().err
+
+
 def test_stubbed_memory_counts_what_each_variant_holds(tmp_path):
     """benchmarks/stubbed_memory.py at a tiny shape: the step products kept hold exactly
     16 more m x m float32 matrices a matrix from the forward to the backward pass, and

@@ -1,0 +1,156 @@
+"""Where an eager call's wall time goes on a CUDA machine: Triton's launcher, the rest of
+the host, the GPU.
+
+An eager Skyformer forward + backward below N = 8192 is host-bound on a GPU (docs/gpu.md).
+This splits its host time on the machine itself, in one interleaved run:
+
+- the call as it is (wall time, synchronised after each call);
+- the same call with every Triton kernel of the library stubbed (``host_time.py``): the
+  host's work without Triton's launcher, plus the GPU work of the PyTorch operations;
+- SDPA (flash, on CUDA in half precision), forward + backward, for scale;
+
+and two per-launch costs on the same host: an empty PyTorch operation on a small CUDA
+tensor, and an empty Triton kernel launched through ``kernel[grid](...)`` (the JIT's
+launcher, which the library uses) and through the compiled kernel's own handle (the
+lowest-overhead launch Triton offers). The difference of the first two rows, and the
+launch costs times the launch counts (``launch_counts.py``), say what a cheaper launcher
+or fewer PyTorch operations could save.
+
+    python benchmarks/gpu_host_split.py [--shape 4,16,4096,64] [--dtype bfloat16]
+                                        [--calls 30] [--out FILE.md]
+
+``--device cpu`` (with ``TRITON_INTERPRET=1``) runs the same script on CPU tensors to
+check it without a GPU; its times mean nothing there (``host_time.py`` is the CPU's).
+"""
+
+from __future__ import annotations
+
+import os
+
+# host_time.py turns the interpreter on unless told; on CUDA the kernels run compiled
+os.environ.setdefault("TRITON_INTERPRET", "0")
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from host_time import stubbed_launches  # benchmarks/, beside this script
+from launch_counts import as_on_cuda
+
+import skyformer
+from skyformer.eval.measure.timing import interleaved_seconds
+from skyformer.io import atomic_write_text
+
+LAUNCHES = 200  # per timed loop of the per-launch costs
+
+
+@triton.jit
+def _empty_kernel(X):
+    """Loads and stores one value: a launch that does next to nothing."""
+    tl.store(X, tl.load(X))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def attention_call(method: str, shape: tuple[int, int, int, int], dtype: torch.dtype,
+                   features: int, device: torch.device) -> Callable[[], None]:
+    """One eager forward + backward of ``method``."""
+    b, h, n, d = shape
+    q, k, v = (torch.randn(b, h, n, d, device=device, dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    if method == "sdpa":
+        def call() -> None:
+            F.scaled_dot_product_attention(q, k, v).sum().backward()
+        return call
+    key = skyformer.random_key(0)
+
+    def call() -> None:
+        skyformer.attention(q, k, v, method, num_features=features, kernel="triton",
+                            generator=key).sum().backward()
+    return call
+
+
+def per_launch_seconds(launch: Callable[[], object], device: torch.device) -> float:
+    """Host seconds per launch: ``LAUNCHES`` launches issued back to back, the median
+    of five loops (each synchronised before and after)."""
+    loops = []
+    for _ in range(5):
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(LAUNCHES):
+            launch()
+        loops.append(time.perf_counter() - start)
+        _sync(device)
+    return statistics.median(loops) / LAUNCHES
+
+
+def launch_costs(device: torch.device) -> dict[str, float]:
+    """Seconds per launch of an empty PyTorch operation and of an empty Triton kernel
+    through the JIT and through its compiled handle (none under the interpreter)."""
+    x = torch.zeros(64, device=device)
+    compiled = _empty_kernel[(1,)](x)  # compiles; the JIT returns the compiled kernel
+    costs = {"PyTorch operation (x.add_(0))": per_launch_seconds(lambda: x.add_(0), device),
+             "Triton, kernel[grid](...)": per_launch_seconds(
+                 lambda: _empty_kernel[(1,)](x), device)}
+    try:
+        runner = compiled[(1, 1, 1)]
+        costs["Triton, compiled handle"] = per_launch_seconds(lambda: runner(x), device)
+    except (AttributeError, TypeError) as error:  # the handle's API differs by version
+        print(f"compiled handle not timed: {error}", file=sys.stderr)
+    return costs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="4,16,4096,64", help="B,H,N,D")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--features", type=int, default=128)
+    parser.add_argument("--calls", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: check the script (TRITON_INTERPRET=1)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("needs a CUDA device; --device cpu (with TRITON_INTERPRET=1) checks "
+                     "the script, host_time.py splits a CPU call")
+    device = torch.device(args.device)
+    shape = tuple(int(part) for part in args.shape.split(","))
+    dtype = getattr(torch, args.dtype)
+    calls = {name: attention_call(name, shape, dtype, args.features, device)
+             for name in ("skyformer", "sdpa")}
+    with as_on_cuda():
+        times = interleaved_seconds(calls, device=device, warmup=args.warmup, repeats=args.calls)
+        with stubbed_launches():
+            stubbed = interleaved_seconds({"skyformer": calls["skyformer"]}, device=device,
+                                          warmup=args.warmup, repeats=args.calls)
+    rows = [("skyformer, as it is", statistics.median(times["skyformer"])),
+            ("skyformer, Triton kernels stubbed", statistics.median(stubbed["skyformer"])),
+            ("SDPA", statistics.median(times["sdpa"]))]
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (script check)"
+    lines = [f"{name}, torch {torch.__version__}, Triton "
+             f"{triton.__version__}, B,H,N,D = {args.shape}, {args.dtype}, m = "
+             f"{args.features}, forward + backward, median of {args.calls}", "",
+             "| call | wall ms |", "|---|---|"]
+    lines += [f"| {name} | {seconds * 1e3:.3f} |" for name, seconds in rows]
+    lines += ["", f"Host cost per launch (median of 5 loops of {LAUNCHES})", "",
+              "| launch | us |", "|---|---|"]
+    lines += [f"| {name} | {seconds * 1e6:.1f} |" for name, seconds in launch_costs(device).items()]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        atomic_write_text(args.out, text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
