@@ -13,7 +13,7 @@
 # missing. Ctrl-C stops the running stage and the script, marking nothing done; so does a
 # stage that could not be started at all (exit 125-127).
 # STAGE_SECONDS=N gives every stage N seconds instead of its own limit.
-# ONLY="NAME ..." runs those stages alone (tests tiles ptiles ftiles profile kernels
+# ONLY="NAME ..." runs those stages alone (tests tiles ptiles ftiles profile split kernels
 # bench_float32 bench_bfloat16 lra), for a device lent for a few minutes.
 # The kernels' launch options are timed first (tiles, ptiles, ftiles); the profile and the
 # kernel benchmark then launch the fastest of them (--tiles), as the library would with
@@ -110,6 +110,8 @@ done
 # Where the time goes: kernels, launches and idle time of one call (torch.profiler)
 stage profile 45 python3 benchmarks/gpu_profile.py --seq-lens 4096 16384 "${tiles[@]}" \
     --out "$out/profile"
+# The eager call's host time split: Triton's launcher against the rest of the host path
+stage split 45 python3 -W ignore benchmarks/gpu_host_split.py --out "$out/host_split.md"
 # Triton kernels vs PyTorch path vs flash SDPA, eager and compiled
 stage kernels 150 python3 -W ignore benchmarks/gpu_kernels.py \
     --seq-lens 1024 2048 4096 8192 16384 32768 --compile-seq-lens 4096 \

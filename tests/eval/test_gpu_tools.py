@@ -329,7 +329,7 @@ def test_gpu_script_runs_every_stage_past_failures_limits_and_reruns(tmp_path):
     first = run(LRA_SLEEP="30")
     assert first.returncode == 1, first.stdout + first.stderr
     assert {name: status.split()[0] for name, status in stages().items()} == {
-        "tests": "1", "profile": "0", "kernels": "2", "bench_float32": "0",
+        "tests": "1", "profile": "0", "split": "0", "kernels": "2", "bench_float32": "0",
         "bench_bfloat16": "0", "lra": "124", "tiles": "0", "ptiles": "0", "ftiles": "0"}
     assert stages()["lra"].endswith("(time limit)")
     assert "1 failed" in (out / "tests.txt").read_text()
@@ -340,9 +340,9 @@ def test_gpu_script_runs_every_stage_past_failures_limits_and_reruns(tmp_path):
 
     before = len(calls.read_text().splitlines())
     second = run()
-    assert second.stdout.count("done in an earlier run") == 8
+    assert second.stdout.count("done in an earlier run") == 9
     assert len(calls.read_text().splitlines()) == before + 3  # CUDA, xdist checks; lra
-    assert stages()["lra"].startswith("0 ") and len(stages()) == 9
+    assert stages()["lra"].startswith("0 ") and len(stages()) == 10
     assert second.returncode == 1  # tests and kernels failed, and stay so
     (out / ".done-tests").unlink()
     (out / ".done-kernels").unlink()
@@ -398,6 +398,7 @@ def test_gpu_script_runs_every_stage_past_failures_limits_and_reruns(tmp_path):
     assert len(kernels) == 1 and (f"--tiles {only}/lemma3_tiles.json {only}/product_tiles.json "
                                   f"{only}/flash_tiles.json") in kernels[0]
     assert "gpu_profile.py" not in calls.read_text()
+    assert "gpu_host_split.py" not in calls.read_text()
 
 
 def stages_of(out):
