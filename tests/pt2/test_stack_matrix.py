@@ -293,6 +293,25 @@ def test_func_jacrev_equals_reverse_jacobian(method, matrix):
 
 
 @pytest.mark.parametrize("method", METHODS)
+def test_vectorized_jacobian_equals_the_jacobian_row_by_row(method, matrix):
+    """``torch.autograd.functional.jacobian(..., vectorize=True)`` runs the backward
+    passes on gradients batched by the legacy vmap (``autograd.grad(...,
+    is_grads_batched=True)``), whose batching has no rule for the fused backward passes'
+    ``out=`` and in-place products. Equal to the Jacobian taken row by row."""
+    matrix("autograd jacobian(vectorize=True) (N = 160)", method)
+    q, k, v = make_qkv(1, 1, APPROXIMATE_LEN, 4)
+    mask, key = padded(1, APPROXIMATE_LEN, 150), random_key(13)
+    bound = get_method(method).bind(seq_len=APPROXIMATE_LEN)
+
+    def f(q, k, v):  # a few output rows: 12 rows of the Jacobian, one per entry
+        return bound(q, k, v, key_padding_mask=mask, generator=key)[..., 5:8, :]
+
+    got = torch.autograd.functional.jacobian(f, (q, k, v), vectorize=True)
+    want = torch.autograd.functional.jacobian(f, (q, k, v))
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_per_sample_gradients_by_vmap_of_grad_equal_a_loop(method, matrix):
     """``vmap(grad(loss))`` over a batch, each sequence with its own padding (per-sample
     gradients, as differentially private training computes them): the backward passes

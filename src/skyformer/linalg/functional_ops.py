@@ -104,6 +104,9 @@ def first_order_backward(backward: F) -> F:
         if not torch.compiler.is_compiling() and any(  # dynamo cannot trace the query
                 torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
             return _TransformedBackward.run(backward, ctx, saved, grads)
+        mapped = [False] if torch.compiler.is_compiling() else _legacy_batched(grads)
+        if any(mapped):
+            return _legacy_batched_backward(once, ctx, saved, grads, mapped)
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             raise RuntimeError(_NOT_DIFFERENTIABLE)
         # the saved tensors as read above: a second read of ctx.saved_tensors unpacks
@@ -121,6 +124,73 @@ _NOT_DIFFERENTIABLE = (
     "torch.func.jacrev of a reverse-mode derivative). For second derivatives use "
     "forward-over-reverse: torch.func.hessian, or torch.func.jvp of torch.func.grad; "
     "they take plain differentiable operators.")
+
+
+_NESTED_LEGACY_BATCH = (
+    "skyformer: this attention's fused backward pass takes gradients batched once "
+    "(torch.autograd.grad(..., is_grads_batched=True), or "
+    "torch.autograd.functional.jacobian(..., vectorize=True)), not batched again inside "
+    "another legacy vmap. Use torch.func.vmap with torch.func.vjp or torch.func.jacrev, "
+    "which any nesting takes.")
+
+
+# the legacy vmap's levels (kVmapNumLevels in ATen's LegacyBatchedTensorImpl.h)
+_LEGACY_LEVELS = range(1, 64)
+
+
+def _legacy_batched(grads: tuple) -> list[bool]:
+    """Which gradients the legacy vmap batches (``autograd.grad(...,
+    is_grads_batched=True)``)."""
+    return [isinstance(g, Tensor) and torch._C._functorch.is_legacy_batchedtensor(g)
+            for g in grads]
+
+
+def _unwrap_legacy(g: Tensor) -> tuple[Tensor, int]:
+    """A legacy-batched gradient as a plain tensor, the batch first, and its level.
+    The level is read off the tensor, not the thread (CUDA runs backward passes on
+    autograd's own threads): the vmap now open is tried first, then every level, where
+    a level the tensor lacks fails (batch size -1: its expansion is refused). Refuses
+    in a sentence a gradient batched at two levels."""
+    first = torch._C._vmapmode_increment_nesting() - 1
+    torch._C._vmapmode_decrement_nesting()
+    for level in (first, *reversed(_LEGACY_LEVELS)):
+        if level not in _LEGACY_LEVELS:
+            continue
+        try:
+            physical = torch._remove_batch_dim(g, level, -1, 0)  # type: ignore
+        except RuntimeError:
+            continue
+        if torch._C._functorch.is_legacy_batchedtensor(physical):
+            break
+        return physical, level
+    raise RuntimeError(_NESTED_LEGACY_BATCH)
+
+
+def _legacy_batched_backward(once: Callable[..., Any], ctx: Any, saved: tuple,
+                             grads: tuple, mapped: list[bool]) -> tuple:
+    """The backward for a batch of gradients of the legacy vmap (``is_grads_batched``),
+    whose batching has no rule for the backward's ``out=`` and in-place products: the
+    batch unwrapped and folded into the batch dim (the saved tensors repeated along it,
+    at ``ctx.saved_batch_dims``), one backward call, the results wrapped again at the
+    gradients' level, as ``_TransformedBackward.vmap`` does for ``torch.func``.
+    ``mapped``: which gradients are batched."""
+    unwrapped = [_unwrap_legacy(g) if batched else (g, None)
+                 for g, batched in zip(grads, mapped, strict=True)]
+    levels = {level for _, level in unwrapped if level is not None}
+    if len(levels) != 1:
+        raise RuntimeError(_NESTED_LEGACY_BATCH)
+    (level,) = levels
+    grads = tuple(g for g, _ in unwrapped)
+    size = next(g.shape[0] for g, batched in zip(grads, mapped, strict=True) if batched)
+    at = getattr(ctx, "saved_batch_dims", None) or (0,) * len(saved)
+    saved = tuple(t if t is None or is_placeholder(t)
+                  else fold_into_batch(t, None, size, at[i]) for i, t in enumerate(saved))
+    grads = tuple(fold_into_batch(g, 0 if batched else None, size) if isinstance(g, Tensor)
+                  else g for g, batched in zip(grads, mapped, strict=True))
+    results = once(_SavedContext(ctx, saved), *grads)
+    add_batch_dim = torch._add_batch_dim  # type: ignore[attr-defined]
+    return tuple(None if r is None else add_batch_dim(split_batch(r, size), 0, level)
+                 for r in results)
 
 
 class _SavedContext:
