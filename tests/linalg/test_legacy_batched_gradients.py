@@ -61,3 +61,14 @@ def test_gradients_batched_twice_are_refused_in_a_sentence():
     with pytest.raises(RuntimeError, match=r"torch\.func\.vmap") as error:
         _vmap(gradients)(torch.randn(2, 3, *out.shape, dtype=torch.float64))
     assert str(error.value) == _NESTED_LEGACY_BATCH
+
+
+def test_batched_gradients_with_create_graph_are_refused_as_unbatched_ones_are():
+    """``create_graph=True`` asks for a differentiable backward, which the fused passes
+    are not: the same sentence as without the batch, before any unwrapping."""
+    q, k, v = (torch.randn(1, 1, 16, 4, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    out = _call("skyformer", q, k, v)
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        torch.autograd.grad(out, q, torch.randn(2, *out.shape, dtype=torch.float64),
+                            is_grads_batched=True, create_graph=True)

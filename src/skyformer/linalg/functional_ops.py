@@ -104,11 +104,11 @@ def first_order_backward(backward: F) -> F:
         if not torch.compiler.is_compiling() and any(  # dynamo cannot trace the query
                 torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
             return _TransformedBackward.run(backward, ctx, saved, grads)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            raise RuntimeError(_NOT_DIFFERENTIABLE)
         mapped = [False] if torch.compiler.is_compiling() else _legacy_batched(grads)
         if any(mapped):
             return _legacy_batched_backward(once, ctx, saved, grads, mapped)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            raise RuntimeError(_NOT_DIFFERENTIABLE)
         # the saved tensors as read above: a second read of ctx.saved_tensors unpacks
         # them again, which non-reentrant activation checkpointing refuses
         # (torch.utils.checkpoint recomputes a tensor once per unpack)
