@@ -72,3 +72,19 @@ def test_batched_gradients_with_create_graph_are_refused_as_unbatched_ones_are()
     with pytest.raises(RuntimeError, match="not differentiable"):
         torch.autograd.grad(out, q, torch.randn(2, *out.shape, dtype=torch.float64),
                             is_grads_batched=True, create_graph=True)
+
+
+def test_the_level_is_found_on_the_gradients_where_the_thread_does_not_show_it(
+        monkeypatch):
+    """On CUDA, autograd runs backward passes on threads of its own, where the legacy
+    vmap's open level does not reach (the thread shows none): the level is then found
+    on the gradients. Simulated on the CPU: the vmap's nesting counter left at zero."""
+    q, k, v = (torch.randn(1, 2, 16, 4, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    out = _call("skyformer", q, k, v)
+    cotangents = torch.randn(3, *out.shape, dtype=torch.float64)
+    want = [torch.autograd.grad(out, q, c, retain_graph=True)[0] for c in cotangents]
+    monkeypatch.setattr(torch._C, "_vmapmode_increment_nesting", lambda: 1)
+    monkeypatch.setattr(torch._C, "_vmapmode_decrement_nesting", lambda: 0)
+    got = torch.autograd.grad(out, q, cotangents, is_grads_batched=True, retain_graph=True)[0]
+    torch.testing.assert_close(got, torch.stack(want))

@@ -108,7 +108,9 @@ def first_order_backward(backward: F) -> F:
             raise RuntimeError(_NOT_DIFFERENTIABLE)
         mapped = [False] if torch.compiler.is_compiling() else _legacy_batched(grads)
         if any(mapped):
-            return _legacy_batched_backward(once, ctx, saved, grads, mapped)
+            results = _legacy_batched_backward(once, ctx, saved, grads, mapped)
+            if results is not None:
+                return results
         # the saved tensors as read above: a second read of ctx.saved_tensors unpacks
         # them again, which non-reentrant activation checkpointing refuses
         # (torch.utils.checkpoint recomputes a tensor once per unpack)
@@ -134,10 +136,6 @@ _NESTED_LEGACY_BATCH = (
     "which any nesting takes.")
 
 
-# the legacy vmap's levels (kVmapNumLevels in ATen's LegacyBatchedTensorImpl.h)
-_LEGACY_LEVELS = range(1, 64)
-
-
 def _legacy_batched(grads: tuple) -> list[bool]:
     """Which gradients the legacy vmap batches (``autograd.grad(...,
     is_grads_batched=True)``)."""
@@ -145,40 +143,49 @@ def _legacy_batched(grads: tuple) -> list[bool]:
             for g in grads]
 
 
-def _unwrap_legacy(g: Tensor) -> tuple[Tensor, int]:
-    """A legacy-batched gradient as a plain tensor, the batch first, and its level.
-    The level is read off the tensor, not the thread (CUDA runs backward passes on
-    autograd's own threads): the vmap now open is tried first, then every level, where
-    a level the tensor lacks fails (batch size -1: its expansion is refused). Refuses
-    in a sentence a gradient batched at two levels."""
-    first = torch._C._vmapmode_increment_nesting() - 1
+# the legacy vmap's levels (kVmapNumLevels in ATen's LegacyBatchedTensorImpl.h)
+_LEGACY_LEVELS = range(1, 64)
+
+
+def _unwrap_legacy(g: Tensor) -> tuple[Tensor, int] | None:
+    """A legacy-batched gradient as a plain tensor, the batch first, and its level; None
+    where it cannot be unwrapped. The level is found on the tensor: removing a level it
+    lacks leaves it batched. The vmap open on this thread is tried first; on CUDA,
+    autograd runs backward passes on threads of its own, which that level does not
+    reach, so the others are tried after it. Refuses in a sentence a gradient batched
+    at two levels (the open one and another)."""
+    open_level = torch._C._vmapmode_increment_nesting() - 1
     torch._C._vmapmode_decrement_nesting()
-    for level in (first, *reversed(_LEGACY_LEVELS)):
+    remove_batch_dim = torch._remove_batch_dim  # type: ignore[attr-defined]
+    for level in (open_level, *_LEGACY_LEVELS):
         if level not in _LEGACY_LEVELS:
             continue
-        try:
-            physical = torch._remove_batch_dim(g, level, -1, 0)  # type: ignore
-        except RuntimeError:
-            continue
-        if torch._C._functorch.is_legacy_batchedtensor(physical):
-            break
-        return physical, level
-    raise RuntimeError(_NESTED_LEGACY_BATCH)
+        physical = remove_batch_dim(g, level, 1, 0)
+        if not torch._C._functorch.is_legacy_batchedtensor(physical):
+            return physical, level
+        if level == open_level and physical.shape[0] != 1:  # batched there and elsewhere
+            raise RuntimeError(_NESTED_LEGACY_BATCH)
+    return None
 
 
 def _legacy_batched_backward(once: Callable[..., Any], ctx: Any, saved: tuple,
-                             grads: tuple, mapped: list[bool]) -> tuple:
+                             grads: tuple, mapped: list[bool]) -> tuple | None:
     """The backward for a batch of gradients of the legacy vmap (``is_grads_batched``),
     whose batching has no rule for the backward's ``out=`` and in-place products: the
     batch unwrapped and folded into the batch dim (the saved tensors repeated along it,
     at ``ctx.saved_batch_dims``), one backward call, the results wrapped again at the
     gradients' level, as ``_TransformedBackward.vmap`` does for ``torch.func``.
-    ``mapped``: which gradients are batched."""
+    ``mapped``: which gradients are batched. None where a gradient cannot be unwrapped
+    (a backward pass on a CUDA thread of autograd's, which the vmap's level does not
+    reach): the backward then meets the batch as it is, where operators' batching
+    fallbacks take it (the Triton kernels' custom operators)."""
     unwrapped = [_unwrap_legacy(g) if batched else (g, None)
                  for g, batched in zip(grads, mapped, strict=True)]
+    if any(u is None for u in unwrapped):
+        return None
     levels = {level for _, level in unwrapped if level is not None}
     if len(levels) != 1:
-        raise RuntimeError(_NESTED_LEGACY_BATCH)
+        return None
     (level,) = levels
     grads = tuple(g for g, _ in unwrapped)
     size = next(g.shape[0] for g, batched in zip(grads, mapped, strict=True) if batched)
