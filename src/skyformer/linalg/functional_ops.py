@@ -91,7 +91,9 @@ def first_order_backward(backward: F) -> F:
     in-place products have no batching rule; the Function's ``vmap`` rule folds the
     mapped dim into the batch dim instead, as the forward's rule does. The saved
     tensors' batch dims are 0 unless ``setup_context`` sets ``ctx.saved_batch_dims``.
-    Differentiating that backward again (``jacrev`` of ``jacrev``) is refused. The
+    Differentiating that backward again (``jacrev`` of ``jacrev``) is refused.
+    Gradients batched by the legacy vmap (``autograd.grad(..., is_grads_batched=True)``)
+    are folded the same way (``_legacy_batched_backward``). The
     backward reads the saved tensors once, through the wrapper (activation
     checkpointing allows one unpack)."""
 
@@ -175,10 +177,10 @@ def _legacy_batched_backward(once: Callable[..., Any], ctx: Any, saved: tuple,
     batch unwrapped and folded into the batch dim (the saved tensors repeated along it,
     at ``ctx.saved_batch_dims``), one backward call, the results wrapped again at the
     gradients' level, as ``_TransformedBackward.vmap`` does for ``torch.func``.
-    ``mapped``: which gradients are batched. None where a gradient cannot be unwrapped
-    (a backward pass on a CUDA thread of autograd's, which the vmap's level does not
-    reach): the backward then meets the batch as it is, where operators' batching
-    fallbacks take it (the Triton kernels' custom operators)."""
+    ``mapped``: which gradients are batched. None where a gradient does not unwrap
+    cleanly (batched at two levels, on a thread that shows neither): the backward then
+    meets the batch as it is, which operators' batching fallbacks take (the Triton
+    kernels' custom operators) and the PyTorch path's products do not."""
     unwrapped = [_unwrap_legacy(g) if batched else (g, None)
                  for g, batched in zip(grads, mapped, strict=True)]
     if any(u is None for u in unwrapped):
