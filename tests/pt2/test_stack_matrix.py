@@ -275,18 +275,25 @@ def test_func_jacfwd_equals_reverse_jacobian(method, matrix):
                                torch.autograd.functional.jacobian(f, q))
 
 
+def _jacobian_case(method, seed):
+    """(f, (q, k, v)) on the approximate path, key padding: f gives a few output rows
+    (12 rows of the Jacobian, one per entry)."""
+    q, k, v = make_qkv(1, 1, APPROXIMATE_LEN, 4)
+    mask, key = padded(1, APPROXIMATE_LEN, 150), random_key(seed)
+    bound = get_method(method).bind(seq_len=APPROXIMATE_LEN)
+
+    def f(q, k, v):
+        return bound(q, k, v, key_padding_mask=mask, generator=key)[..., 5:8, :]
+
+    return f, (q, k, v)
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_func_jacrev_equals_reverse_jacobian(method, matrix):
     """``torch.func.jacrev`` (vmap over vjp: the backward passes run on batched
     cotangents) equals the Jacobian from plain reverse mode, on the approximate path."""
     matrix("func.jacrev (N = 160)", method)
-    q, k, v = make_qkv(1, 1, APPROXIMATE_LEN, 4)
-    mask, key = padded(1, APPROXIMATE_LEN, 150), random_key(11)
-    bound = get_method(method).bind(seq_len=APPROXIMATE_LEN)
-
-    def f(q, k, v):  # a few output rows: 12 rows of the Jacobian, one per entry
-        return bound(q, k, v, key_padding_mask=mask, generator=key)[..., 5:8, :]
-
+    f, (q, k, v) = _jacobian_case(method, seed=11)
     got = torch.func.jacrev(f, argnums=(0, 1, 2))(q, k, v)
     want = torch.autograd.functional.jacobian(f, (q, k, v))
     torch.testing.assert_close(got, want)
@@ -299,13 +306,7 @@ def test_vectorized_jacobian_equals_the_jacobian_row_by_row(method, matrix):
     is_grads_batched=True)``), whose batching has no rule for the fused backward passes'
     ``out=`` and in-place products. Equal to the Jacobian taken row by row."""
     matrix("autograd jacobian(vectorize=True) (N = 160)", method)
-    q, k, v = make_qkv(1, 1, APPROXIMATE_LEN, 4)
-    mask, key = padded(1, APPROXIMATE_LEN, 150), random_key(13)
-    bound = get_method(method).bind(seq_len=APPROXIMATE_LEN)
-
-    def f(q, k, v):  # a few output rows: 12 rows of the Jacobian, one per entry
-        return bound(q, k, v, key_padding_mask=mask, generator=key)[..., 5:8, :]
-
+    f, (q, k, v) = _jacobian_case(method, seed=13)
     got = torch.autograd.functional.jacobian(f, (q, k, v), vectorize=True)
     want = torch.autograd.functional.jacobian(f, (q, k, v))
     torch.testing.assert_close(got, want)
