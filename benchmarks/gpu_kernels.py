@@ -1,7 +1,9 @@
 """Fused Triton kernels against the PyTorch path and against flash SDPA, on CUDA.
 
 For each shape and N: forward + backward time (median, interleaved rounds, synchronised)
-and peak memory (``torch.cuda.max_memory_allocated``) of
+and peak memory (``torch.cuda.max_memory_allocated`` above the inputs, the gradients of
+q, k, v included; none for the CUDA-graph rows, which replay into memory their capture
+took) of
 
 - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` on the inputs' dtype
   (the flash backend for bfloat16 / float16),
@@ -51,10 +53,10 @@ from skyformer.io import write_json
 
 def _calls(q, k, v, grad, features, compiled, compile_kernels=("triton", "auto")):
     def run(fn, in_graph=False):
-        def step():
+        def step():  # the gradients dropped after the call, so that the next call's peak
+            fn().backward(grad)  # counts its own (as skyformer bench does)
             for t in (q, k, v):
                 t.grad = None
-            fn().backward(grad)
 
         def step_in_graph():  # warm-up, capture and replay with the graphed options
             with tuned.graphed_options():
@@ -112,7 +114,8 @@ def _flops(name: str, q, v, m: int) -> float:
 
 
 def _peak(fn, device: str) -> int | None:
-    """Peak CUDA memory of one call above what was allocated before (None on the CPU)."""
+    """Peak CUDA memory of one call above what was allocated before, its gradients
+    included (each step drops them after its call; None on the CPU)."""
     if device == "cpu":
         return None
     torch.cuda.synchronize()
@@ -244,7 +247,9 @@ def _main(args: argparse.Namespace) -> int:
             times = interleaved_median_seconds(calls, device=device, warmup=2,
                                                repeats=args.repeats)
             for name, fn in calls.items():
-                peak = _peak(fn, device)
+                # a graph replays into memory its capture took: a replay's peak is not
+                # the call's
+                peak = None if name.endswith("+cudagraphs") else _peak(fn, device)
                 row = {"shape": spec, "n": n, "call": name, "ms": times[name] * 1e3,
                        "peak_mib": None if peak is None else peak / 2**20,
                        "vs_sdpa": times["sdpa"] / times[name], "flops": _flops(name, q, v,
