@@ -153,3 +153,25 @@ def test_a_decoding_step_reads_one_value_where_it_reveals_no_landmark(method):
             state.step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], None)
         reads.append(sum(watch.where.values()))
     assert collections.Counter(reads).most_common(1)[0][0] == 1  # was 2
+
+
+@pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax"])
+def test_a_decoding_step_that_reveals_a_landmark_reads_three_values(method):
+    # the step's flags, whether every slot is now revealed, and which earlier keys are
+    # still held (the revealed slot's one-hot no longer reads its index's range: 5
+    # before); a step that completes a chunk reads more, once per 64 tokens
+    from skyformer.decoding import new_decoding_state
+
+    q, k, v = make_qkv(2, 2, 140, 8, seed=1)
+    bound = skyformer.get_method(method).bind(num_features=10, landmark_stride=7)
+    state = new_decoding_state(bound, generator=skyformer.random_key(3))
+    state.step(q[:, :, :20], k[:, :, :20], v[:, :, :20], None)
+    reads = {}
+    for t in range(20, 140):
+        with _HostReads() as watch:
+            state.step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], None)
+        reads[t] = sum(watch.where.values())
+    completes_chunk = {t for t in reads if (t + 1) % 64 == 0}  # no padding: rank t
+    revealing = [n for t, n in reads.items() if n > 1 and t not in completes_chunk]
+    assert len(revealing) >= 8  # the landmark slots revealed after the prompt
+    assert max(revealing) <= 3

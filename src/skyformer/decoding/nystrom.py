@@ -31,7 +31,6 @@ full forward's and the landmarks lie in the prompt and the first tokens after it
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..linalg import gaussian_kernel_block, half_sq_norm, kernel_scale, with_ones_column
@@ -201,7 +200,8 @@ class SkyformerDecoding(DecodingState):
     def _reveal_slot(self, qs: Tensor, ks: Tensor, hit: Tensor, safe: Tensor) -> None:
         """Reveal slot ``safe: [B]`` of the elements where ``hit``, this token's query or
         key row as the slot takes it."""
-        new = F.one_hot(safe, self.m).bool() & hit[:, None]  # [B, m]
+        # [B, m]; not one_hot, which reads the indices' range back to check it
+        new = (torch.arange(self.m, device=safe.device) == safe[:, None]) & hit[:, None]
         row = torch.where(slot_takes_query(self.m, qs.device)[safe][:, None, None], qs[:, :, 0],
                           ks[:, :, 0])  # [B, H, D]
         self.x = torch.where(new[:, None, :, None], row[:, :, None, :], self.x)
@@ -245,9 +245,9 @@ def _held(k: Tensor, kn: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Position-aligned keys ``[B, H, L, D]``, their offsets ``[B, H, L]`` (+inf: not
     this element's) and values, without the positions that no element holds."""
     held = torch.isfinite(kn).flatten(0, 1).any(0)  # [L]
-    if bool(held.all()):
+    keep = held.nonzero()[:, 0]  # one value read: its length says whether all are held
+    if keep.numel() == held.numel():
         return k, kn, v
-    keep = held.nonzero()[:, 0]
     return k.index_select(2, keep), kn.index_select(2, keep), v.index_select(2, keep)
 
 
