@@ -184,22 +184,26 @@ class SkyformerDecoding(DecodingState):
     def _reveal(self, qs: Tensor, ks: Tensor, valid: Tensor) -> Tensor | None:
         """Count this token; reveal the next slot where it is the real token of its rank.
         Returns ``[B]``, the elements whose chunk it completes (its real tokens a multiple
-        of CAUSAL_CHUNK), or None where it completes none. Whether any slot is revealed
-        and whether any chunk completes are read in one transfer: on a GPU each read
-        waits for the queue, and a token usually does neither."""
+        of CAUSAL_CHUNK), or None where it completes none. Whether any slot is revealed,
+        whether any chunk completes and whether every slot is then revealed are read in
+        one transfer: on a GPU each read waits for the queue, and a token usually does
+        none of these."""
         slot = self.revealed.sum(1)  # [B]: slots are revealed in order
         safe = slot.clamp_max(self.m - 1)
         hit = valid & (slot < self.m) & (self.ranks.gather(1, safe[:, None])[:, 0] == self.real)
         self.real = self.real + valid.long()
         complete = valid & (self.real % CAUSAL_CHUNK == 0)  # [B]
-        flags = int(hit.any() * 2 + complete.any())  # one value read for both
-        if flags >= 2:
-            self._reveal_slot(qs, ks, hit, safe)
-        return complete if flags % 2 else None
+        every = (slot + hit.long() >= self.m).all()  # every slot revealed after this token
+        flags = int(every * 4 + hit.any() * 2 + complete.any())  # one value read for all
+        if flags & 2:
+            self._reveal_slot(qs, ks, hit, safe, every_revealed=bool(flags & 4))
+        return complete if flags & 1 else None
 
-    def _reveal_slot(self, qs: Tensor, ks: Tensor, hit: Tensor, safe: Tensor) -> None:
+    def _reveal_slot(self, qs: Tensor, ks: Tensor, hit: Tensor, safe: Tensor,
+                     every_revealed: bool) -> None:
         """Reveal slot ``safe: [B]`` of the elements where ``hit``, this token's query or
-        key row as the slot takes it."""
+        key row as the slot takes it (``every_revealed``: every slot of every element
+        is revealed then)."""
         # [B, m]; not one_hot, which reads the indices' range back to check it
         new = (torch.arange(self.m, device=safe.device) == safe[:, None]) & hit[:, None]
         row = torch.where(slot_takes_query(self.m, qs.device)[safe][:, None, None], qs[:, :, 0],
@@ -211,15 +215,19 @@ class SkyformerDecoding(DecodingState):
         if self.past_k is not None and self.past_k.shape[2]:
             fresh = self._block(self.past_k, self.past_kn) @ self.past_v  # [B, H, m, Dv]
             self.u = torch.where(new[:, None, :, None], fresh, self.u)
-        self._forget_revealed()
+        self._forget_revealed(every_revealed)
 
-    def _forget_revealed(self) -> None:
+    def _forget_revealed(self, every_revealed: bool | None = None) -> None:
         """The earlier keys serve the slots still to reveal: an element with every slot
         revealed needs none of them (its entries get +inf offsets), and positions that
-        no element needs are dropped (all of them once every slot is revealed)."""
+        no element needs are dropped (all of them once every slot is revealed, then
+        ``past_k`` is None). ``every_revealed``: whether that is so, where the caller
+        knows (else read)."""
         if self.past_k is None:
             return
-        if bool(self.revealed.all()):
+        if every_revealed is None:
+            every_revealed = bool(self.revealed.all())
+        if every_revealed:
             self.past_k = self.past_kn = self.past_v = None
             return
         self.past_kn = torch.where(self.revealed.all(1)[:, None, None], float("inf"),
@@ -236,7 +244,11 @@ class SkyformerDecoding(DecodingState):
             self.past_k = append(self.past_k, k, 2)
             self.past_kn = append(self.past_kn, kn, 2)
             self.past_v = append(self.past_v, v, 2)
-            self._forget_revealed()  # not for the elements with every slot revealed
+            # not for the elements with every slot revealed. False without a read: the
+            # last reveal found a slot unrevealed (past_k would be None otherwise); were
+            # every slot revealed since (a reordering of the beams), False only keeps
+            # empty buffers instead of None
+            self._forget_revealed(every_revealed=False)
         self.chunk_kn = torch.where(complete[:, None, None], float("inf"), self.chunk_kn)
         self._trim_chunk()
 
