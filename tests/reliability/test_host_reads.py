@@ -160,7 +160,8 @@ def test_a_decoding_step_that_reveals_a_landmark_reads_two_values(method):
     # the step's flags (whether every slot is then revealed among them) and which
     # earlier keys are still held (5 before: the revealed slot's one-hot read its
     # index's range, twice, and every-slot-revealed was a read of its own); a step that
-    # completes a chunk reads more, once per 64 tokens
+    # completes a chunk (once per 64 tokens) reads three at most: the flags, the earlier
+    # keys still held and the open chunk's (4 before: the completed chunk's own)
     from skyformer.decoding import new_decoding_state
 
     q, k, v = make_qkv(2, 2, 140, 8, seed=1)
@@ -176,3 +177,4 @@ def test_a_decoding_step_that_reveals_a_landmark_reads_two_values(method):
     revealing = [n for t, n in reads.items() if n > 1 and t not in completes_chunk]
     assert len(revealing) >= 8  # the landmark slots revealed after the prompt
     assert max(revealing) <= 2
+    assert max(reads[t] for t in completes_chunk) <= 3

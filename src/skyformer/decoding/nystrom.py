@@ -240,10 +240,11 @@ class SkyformerDecoding(DecodingState):
         done_kn = torch.where(complete[:, None, None], self.chunk_kn, float("inf"))
         self.u = self.u + self._block(self.chunk_k, done_kn) @ self.chunk_v  # + 0 elsewhere
         if self.past_k is not None:  # None once every slot is revealed
-            k, kn, v = _held(self.chunk_k, done_kn, self.chunk_v)
-            self.past_k = append(self.past_k, k, 2)
-            self.past_kn = append(self.past_kn, kn, 2)
-            self.past_v = append(self.past_v, v, 2)
+            # whole: the positions no completing element holds (+inf) go in the
+            # forgetting below, which drops what no element holds in one value read
+            self.past_k = append(self.past_k, self.chunk_k, 2)
+            self.past_kn = append(self.past_kn, done_kn, 2)
+            self.past_v = append(self.past_v, self.chunk_v, 2)
             # not for the elements with every slot revealed. False without a read: the
             # last reveal found a slot unrevealed (past_k would be None otherwise); were
             # every slot revealed since (a reordering of the beams), False only keeps
