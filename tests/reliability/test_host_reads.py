@@ -137,22 +137,29 @@ def test_the_watch_sees_a_tensor_made_from_python_data():
     assert reads.where and all(where.startswith(f"{rng.__file__}:") for where in reads.where)
 
 
+def decoding_reads(method: str, n: int) -> dict[int, int]:
+    """The values each single-token decoding step t = 20 ... n - 1 reads, after a
+    20-token prompt (10 landmark slots, stride 7)."""
+    from skyformer.decoding import new_decoding_state
+
+    q, k, v = make_qkv(2, 2, n, 8, seed=1)
+    bound = skyformer.get_method(method).bind(num_features=10, landmark_stride=7)
+    state = new_decoding_state(bound, generator=skyformer.random_key(3))
+    state.step(q[:, :, :20], k[:, :, :20], v[:, :, :20], None)
+    reads = {}
+    for t in range(20, n):
+        with _HostReads() as watch:
+            state.step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], None)
+        reads[t] = sum(watch.where.values())
+    return reads
+
+
 @pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax"])
 def test_a_decoding_step_reads_one_value_where_it_reveals_no_landmark(method):
     # whether a token reveals a landmark slot and whether it completes a chunk are read
     # together; most tokens do neither, and then that is the step's only read
-    from skyformer.decoding import new_decoding_state
-
-    q, k, v = make_qkv(2, 2, 90, 8, seed=1)
-    bound = skyformer.get_method(method).bind(num_features=10, landmark_stride=7)
-    state = new_decoding_state(bound, generator=skyformer.random_key(3))
-    state.step(q[:, :, :20], k[:, :, :20], v[:, :, :20], None)
-    reads = []
-    for t in range(20, 90):  # across the chunk boundary at 64
-        with _HostReads() as watch:
-            state.step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], None)
-        reads.append(sum(watch.where.values()))
-    assert collections.Counter(reads).most_common(1)[0][0] == 1  # was 2
+    reads = decoding_reads(method, 90)  # across the chunk boundary at 64
+    assert collections.Counter(reads.values()).most_common(1)[0][0] == 1  # was 2
 
 
 @pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax"])
@@ -162,17 +169,7 @@ def test_a_decoding_step_that_reveals_a_landmark_reads_two_values(method):
     # index's range, twice, and every-slot-revealed was a read of its own); a step that
     # completes a chunk (once per 64 tokens) reads three at most: the flags, the earlier
     # keys still held and the open chunk's (4 before: the completed chunk's own)
-    from skyformer.decoding import new_decoding_state
-
-    q, k, v = make_qkv(2, 2, 140, 8, seed=1)
-    bound = skyformer.get_method(method).bind(num_features=10, landmark_stride=7)
-    state = new_decoding_state(bound, generator=skyformer.random_key(3))
-    state.step(q[:, :, :20], k[:, :, :20], v[:, :, :20], None)
-    reads = {}
-    for t in range(20, 140):
-        with _HostReads() as watch:
-            state.step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], None)
-        reads[t] = sum(watch.where.values())
+    reads = decoding_reads(method, 140)
     completes_chunk = {t for t in reads if (t + 1) % 64 == 0}  # no padding: rank t
     revealing = [n for t, n in reads.items() if n > 1 and t not in completes_chunk]
     assert len(revealing) >= 8  # the landmark slots revealed after the prompt
