@@ -40,10 +40,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from host_time import stubbed_launches  # benchmarks/, beside this script
+from host_time import call_of, stubbed_launches  # benchmarks/, beside this script
 from launch_counts import as_on_cuda
 
-import skyformer
 from skyformer.eval.measure.timing import interleaved_seconds
 from skyformer.io import atomic_write_text
 
@@ -61,21 +60,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def attention_call(method: str, shape: tuple[int, int, int, int], dtype: torch.dtype,
-                   features: int, device: torch.device) -> Callable[[], None]:
-    """One eager forward + backward of ``method``."""
-    b, h, n, d = shape
-    q, k, v = (torch.randn(b, h, n, d, device=device, dtype=dtype, requires_grad=True)
+def sdpa_call(shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device
+              ) -> Callable[[], None]:
+    """One eager forward + backward of SDPA (the skyformer call: ``host_time.call_of``)."""
+    q, k, v = (torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
                for _ in range(3))
-    if method == "sdpa":
-        def call() -> None:
-            F.scaled_dot_product_attention(q, k, v).sum().backward()
-        return call
-    key = skyformer.random_key(0)
 
     def call() -> None:
-        skyformer.attention(q, k, v, method, num_features=features, kernel="triton",
-                            generator=key).sum().backward()
+        F.scaled_dot_product_attention(q, k, v).sum().backward()
     return call
 
 
@@ -126,8 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     shape = tuple(int(part) for part in args.shape.split(","))
     dtype = getattr(torch, args.dtype)
-    calls = {name: attention_call(name, shape, dtype, args.features, device)
-             for name in ("skyformer", "sdpa")}
+    calls = {"skyformer": call_of("skyformer", *shape, args.features, device=device,
+                                  dtype=dtype),
+             "sdpa": sdpa_call(shape, dtype, device)}
     with as_on_cuda():
         times = interleaved_seconds(calls, device=device, warmup=args.warmup, repeats=args.calls)
         with stubbed_launches():

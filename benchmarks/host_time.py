@@ -72,11 +72,13 @@ def stubbed_launches() -> Iterator[int]:
         yield count
 
 
-def call_of(method: str, b: int, h: int, n: int, d: int, m: int, through: bool = False
+def call_of(method: str, b: int, h: int, n: int, d: int, m: int, through: bool = False, *,
+            device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
             ) -> Callable[[], None]:
     """One eager forward + backward of ``method`` on the Triton path (``through``:
-    ``eager_calls.through_pytorch``)."""
-    q, k, v = (torch.randn(b, h, n, d, requires_grad=True) for _ in range(3))
+    ``eager_calls.through_pytorch``), on inputs of ``device`` and ``dtype``."""
+    q, k, v = (torch.randn(b, h, n, d, device=device, dtype=dtype, requires_grad=True)
+               for _ in range(3))
     key = skyformer.random_key(0)  # made once by the caller, as a training loop would
     options = {} if method == "kernelized" else {"num_features": m, "generator": key}
 
