@@ -47,6 +47,27 @@ def initial_inverse(a: Tensor, init: PinvInit) -> Tensor:
     raise ValueError(f"init must be one of {PINV_INITS}, got {init!r}.")
 
 
+def razavi_step(a3: Tensor, v: Tensor | None, eye: Tensor, eye7: Tensor,
+                buffers: tuple[Tensor, Tensor, Tensor, Tensor], out: Tensor) -> Tensor:
+    """One Razavi step (``_RazaviIteration``'s Horner form) from V ``[BH, m, m]`` into
+    ``out`` (not V), ``v`` None for V_0 = I (P = A, V' = T3 / 4); ``buffers`` (P, T1,
+    T2, T3) receive the step's products (P unused from the identity). Iterates and
+    products are flushed on the CPU: subnormal ones slow its products down
+    (``flush.py``). Returns ``out``."""
+    p, t1, t2, t3 = buffers
+    flush = flush_on_cpu_
+    if v is None:
+        p = a3
+    else:
+        flush(torch.bmm(a3, v, out=p))
+    torch.sub(eye7, p, out=t1)
+    flush(torch.baddbmm(eye, p, t1, beta=15, alpha=-1, out=t2))
+    flush(torch.baddbmm(eye, p, t2, beta=13, alpha=-1, out=t3))
+    if v is None:
+        return torch.mul(t3, 0.25, out=out)
+    return flush(torch.bmm(v, t3, out=out).mul_(0.25))
+
+
 class _RazaviIteration(torch.autograd.Function):
     """``iterations`` Razavi steps from ``v0`` (``None`` = identity) with a hand-written
     backward pass.
@@ -80,23 +101,12 @@ class _RazaviIteration(torch.autograd.Function):
         t1 = torch.empty_like(a3)
         out = torch.empty_like(a3)
         v = None if v0 is None else v0.reshape(-1, m, m)
-        flush = flush_on_cpu_  # subnormal iterates slow CPU products down (flush.py)
         for i in range(iterations):
             v_in, p, t2, t3 = store[i]
-            if v is None:
-                p = a3
-            else:
-                v_in.copy_(v) if i == 0 else None  # later inputs were written in place
-                flush(torch.bmm(a3, v, out=p))
-            torch.sub(eye7, p, out=t1)
-            flush(torch.baddbmm(eye, p, t1, beta=15, alpha=-1, out=t2))
-            flush(torch.baddbmm(eye, p, t2, beta=13, alpha=-1, out=t3))
+            if v is not None and i == 0:
+                v_in.copy_(v)  # later inputs were written in place
             v_next = out if i == iterations - 1 else store[i + 1, 0]
-            if v is None:
-                torch.mul(t3, 0.25, out=v_next)
-            else:
-                flush(torch.bmm(v, t3, out=v_next).mul_(0.25))
-            v = v_next
+            v = razavi_step(a3, v, eye, eye7, (p, t1, t2, t3), v_next)
         # ``store`` is returned so that ``setup_context`` can save it (torch.func form).
         return out.reshape(*batch_shape, m, m), store
 
