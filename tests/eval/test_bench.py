@@ -248,6 +248,11 @@ def test_flop_counts():
                           options={"num_features": 10, "pinv_iterations": 2})
     # 4 products of [100 x 10 x 4]; C(X, X) and W ctx; 4 * 2 - 2 products of 10^3
     assert sky == 2 * (4 * 100 * 10 * 4 + 2 * 10 * 10 * 4 + 6 * 10**3)
+    # the implicit gradient raises the steps to Lemma 3's bound: 7 at m = 10 in float32
+    implicit = attention_flops("skyformer", batch=1, heads=1, nq=100, nk=100, d=4, dv=4,
+                               options={"num_features": 10, "pinv_iterations": 2,
+                                        "pinv_gradient": "implicit"})
+    assert implicit == 2 * (4 * 100 * 10 * 4 + 2 * 10 * 10 * 4 + (4 * 7 - 2) * 10**3)
     assert (
         attention_flops("softmax", batch=2, heads=3, nq=10, nk=20, d=4, dv=4, backward=True)
         == 3 * 6 * 2 * 10 * 20 * 8

@@ -2,6 +2,7 @@
 them, Lemma 3 inverse, materialised attention matrices, top singular subspaces,
 whole-row gathers."""
 
+from .implicit_inverse import GRADIENTS, implicit_iterations, implicit_pinv
 from .kernel_backend import KERNELS
 from .kernel_matmul import gaussian_kernel_matmul
 from .kernels import gaussian_exponent, gaussian_kernel_block, half_sq_norm
@@ -13,6 +14,7 @@ from .scores import gaussian_scores, kernel_scale, softmax_scores
 from .subspace import Subspace, top_singular_subspace
 
 __all__ = [
+    "GRADIENTS",
     "KERNELS",
     "PINV_INITS",
     "PINV_METHODS",
@@ -23,6 +25,8 @@ __all__ = [
     "gaussian_kernel_matmul",
     "gaussian_scores",
     "half_sq_norm",
+    "implicit_iterations",
+    "implicit_pinv",
     "initial_inverse",
     "inverse_residual",
     "iterative_pinv",

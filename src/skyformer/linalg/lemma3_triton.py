@@ -79,11 +79,12 @@ class TritonLemma3Inverse(torch.autograd.Function):
     """W = Lemma 3 inverse of the landmark matrix ``source: [..., m, m]`` (``norm``
     None) or of C(X, X) for landmark rows ``source: [..., m, D]`` with half squared
     norms ``norm: [..., m]``; ridge ``[R, m]`` (the diagonal of the matrices of leading
-    index b, R dividing the number of matrices)."""
+    index b, R dividing the number of matrices); ``implicit``: differentiated as an
+    inverse (``implicit_inverse``), from V_K alone."""
 
     @staticmethod
     def forward(source: Tensor, norm: Tensor | None, ridge: Tensor,  # type: ignore[override]
-                iterations: int, auto: bool, keep: bool, backward: bool
+                iterations: int, auto: bool, implicit: bool, keep: bool, backward: bool
                 ) -> tuple[Tensor, Tensor]:
         m = source.shape[-2]
         w, store = _ops().lemma3_forward(_flat(source, 2, source), _flat(norm, 1, source),
@@ -92,12 +93,12 @@ class TritonLemma3Inverse(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        source, norm, ridge, iterations, auto, _, _ = inputs
+        source, norm, ridge, iterations, auto, implicit, _, _ = inputs
         _, store = output
         ctx.mark_non_differentiable(store)
         ctx.set_materialize_grads(False)  # no zero tensor of the iterates' size
         ctx.save_for_backward(source, norm, ridge, store)
-        ctx.iterations, ctx.auto = iterations, auto
+        ctx.iterations, ctx.auto, ctx.implicit = iterations, auto, implicit
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple, *args: Any) -> tuple[tuple, tuple]:
@@ -107,33 +108,36 @@ class TritonLemma3Inverse(torch.autograd.Function):
     @staticmethod
     @first_order_backward
     def backward(ctx: Any, grad: Tensor, _: Any
-                 ) -> tuple[Tensor | None, Tensor | None, None, None, None, None, None]:
+                 ) -> tuple[Tensor | None, Tensor | None, None, None, None, None, None, None]:
         source, norm, ridge, store = ctx.saved_tensors
         m = source.shape[-2]
         # "auto"'s fallback runs inside the operator, where compiled autograd's traced
         # backward graph calls it (``lemma3_gradients_by_pytorch``)
         dsource, dnorm = _ops().lemma3_backward(
             _flat(source, 2, source), _flat(norm, 1, source), ridge.contiguous(),
-            store.contiguous(), grad.reshape(-1, m, m).contiguous(), ctx.iterations, ctx.auto)
+            store.contiguous(), grad.reshape(-1, m, m).contiguous(), ctx.iterations, ctx.auto,
+            ctx.implicit)
         return (dsource.reshape(source.shape),
                 None if norm is None else dnorm.reshape(norm.shape), None, None, None, None,
-                None)
+                None, None)
 
 
 def lemma3_gradients_by_pytorch(source: Tensor, norm: Tensor | None, ridge: Tensor,
-                                grad: Tensor, iterations: int) -> tuple[Tensor, Tensor | None]:
+                                grad: Tensor, iterations: int, implicit: bool = False
+                                ) -> tuple[Tensor, Tensor | None]:
     """The gradients of the source and the norms (None without) for the gradient ``grad``
     of W, by autograd through ``_by_pytorch``: "auto"'s where the backward kernel fails,
     computed inside its operator (``autograd_in_operator``)."""
     with autograd_in_operator():
         leaves = [t.detach().requires_grad_(True) for t in (source, norm) if t is not None]
-        w = _by_pytorch(leaves[0], None if norm is None else leaves[1], ridge, iterations)
+        w = _by_pytorch(leaves[0], None if norm is None else leaves[1], ridge, iterations,
+                        implicit)
         grads = torch.autograd.grad(w, leaves, grad)
     return grads[0], (None if norm is None else grads[1])
 
 
-def _by_pytorch(source: Tensor, norm: Tensor | None, ridge: Tensor, iterations: int
-                ) -> Tensor:
+def _by_pytorch(source: Tensor, norm: Tensor | None, ridge: Tensor, iterations: int,
+                implicit: bool = False) -> Tensor:
     """The same W by ``nystrom.lemma3_by_pytorch`` (differentiable by autograd)."""
     from .kernels import gaussian_kernel_block
     from .nystrom import lemma3_by_pytorch  # nystrom imports this module
@@ -142,32 +146,34 @@ def _by_pytorch(source: Tensor, norm: Tensor | None, ridge: Tensor, iterations: 
     m = mat.shape[-1]
     flat = mat.reshape(-1, m, m)
     diag = ridge.repeat_interleave(flat.shape[0] // ridge.shape[0], dim=0)  # [BH, m]
-    return lemma3_by_pytorch(flat, diag, "iterative", iterations, "identity").reshape(
-        mat.shape)
+    return lemma3_by_pytorch(flat, diag, "iterative", iterations, "identity",
+                             "implicit" if implicit else "unrolled").reshape(mat.shape)
 
 
 def triton_lemma3_inverse(source: Tensor, norm: Tensor | None, ridge: Tensor,
-                          iterations: int, *, kernel: str = "triton") -> Tensor:
+                          iterations: int, *, kernel: str = "triton",
+                          implicit: bool = False) -> Tensor:
     """W (see ``TritonLemma3Inverse``); ``kernel="auto"`` falls back to PyTorch where
     the kernel fails."""
     if source.dim() == 2:  # one matrix: the Function and its vmap rule take a batch dim
         return triton_lemma3_inverse(source[None], None if norm is None else norm[None],
-                                     ridge, iterations, kernel=kernel)[0]
+                                     ridge, iterations, kernel=kernel, implicit=implicit)[0]
     auto = kernel == "auto"
     return CORE_FALLBACK.run(
         auto, lambda: apply(TritonLemma3Inverse, source, norm, ridge, iterations, auto,
-                            *_stored(source, norm))[0],
-        lambda: _by_pytorch(source, norm, ridge, iterations), on=source)
+                            implicit, *_stored(source, norm, implicit))[0],
+        lambda: _by_pytorch(source, norm, ridge, iterations, implicit), on=source)
 
 
-def _stored(source: Tensor, norm: Tensor | None) -> tuple[bool, bool]:
-    """(whether the forward kernel keeps its step products, whether a backward pass can
-    follow): without one it keeps the latest two iterates alone; with one, the step
-    products too where the backward kernel's options ask (``triton_lemma3.store_slots``,
+def _stored(source: Tensor, norm: Tensor | None, implicit: bool) -> tuple[bool, bool]:
+    """(whether the forward kernel keeps its step products, whether it keeps every
+    iterate for a backward pass): without one, or for the ``implicit`` gradient, which
+    reads V_K alone, it keeps the latest two iterates; with one, the step products too
+    where the backward kernel's options ask (``triton_lemma3.store_slots``,
     ``keeps_products``: inside ``cuda_graph_launches()``). Traced by ``torch.compile``
     at the setting in force then, on which it guards; the backward kernel reads what
     was kept from the store's size."""
-    if not torch.is_grad_enabled():
+    if implicit or not torch.is_grad_enabled():
         return False, False
     # under torch.func transforms the tensors a Function sees need not say whether an
     # outer grad differentiates them (grad of vmap: the batched ones do not)

@@ -23,6 +23,8 @@ import torch
 from torch import Tensor
 
 from .flush import flush_on_cpu
+from .functional_ops import functional_ops_only
+from .implicit_inverse import GRADIENTS, implicit_iterations, implicit_pinv
 from .kernels import gaussian_kernel_block
 from .lemma3_triton import fused_lemma3_applies, triton_lemma3_inverse
 from .pinv import PinvInit, iterative_pinv
@@ -40,6 +42,7 @@ def lemma3_inverse(
     init: PinvInit = "identity",
     live: Tensor | None = None,
     kernel: str = "torch",
+    gradient: str = "unrolled",
 ) -> Tensor:
     """W ~ (M + gamma I)^-1 through the Lemma 3 normalisation.
 
@@ -54,15 +57,19 @@ def lemma3_inverse(
             decouple from the live block; their rows/columns of W are unused.
         kernel: ``"auto" | "torch" | "triton"`` as the methods' option: the Triton path
             runs the whole chain in one launch where it applies (``lemma3_triton``).
+        gradient: ``"unrolled"`` (the adjoint of the ``iterations`` steps) or
+            ``"implicit"`` (differentiated as an inverse, after at least as many steps
+            as Lemma 3's bound needs: ``implicit_inverse``).
     Returns:
         ``[..., m, m]``.
     """
     size = m.shape[-1]
+    iterations = core_iterations(gradient, iterations, size, gamma, pinv, init, m.dtype)
     diag = _ridge(gamma, live, size, m)
     if fused_lemma3_applies(kernel, m, size, pinv, init, iterations):
         return triton_lemma3_inverse(m, None, diag.reshape(-1, size), iterations,
-                                     kernel=kernel)
-    return lemma3_by_pytorch(m, diag, pinv, iterations, init)
+                                     kernel=kernel, implicit=gradient == "implicit")
+    return lemma3_by_pytorch(m, diag, pinv, iterations, init, gradient)
 
 
 def landmark_inverse(
@@ -75,6 +82,7 @@ def landmark_inverse(
     init: PinvInit = "identity",
     live: Tensor | None = None,
     kernel: str = "torch",
+    gradient: str = "unrolled",
 ) -> Tensor:
     """``lemma3_inverse`` of M = C(X, X), the Gaussian block of the landmark rows
     ``x: [..., m, D]`` (already scaled) with half squared norms ``x_norm: [..., m]``
@@ -82,13 +90,31 @@ def landmark_inverse(
     runs the whole chain (``lemma3_triton``); options as ``lemma3_inverse``.
     Returns ``[..., m, m]``."""
     size = x.shape[-2]
-    if fused_lemma3_applies(kernel, x, size, pinv, init, iterations):
+    steps = core_iterations(gradient, iterations, size, gamma, pinv, init, x.dtype)
+    if fused_lemma3_applies(kernel, x, size, pinv, init, steps):
         ridge = _ridge(gamma, live, size, x)
-        return triton_lemma3_inverse(x, x_norm, ridge.reshape(-1, size), iterations,
-                                     kernel=kernel)
+        return triton_lemma3_inverse(x, x_norm, ridge.reshape(-1, size), steps,
+                                     kernel=kernel, implicit=gradient == "implicit")
     return lemma3_inverse(gaussian_kernel_block(x, x, x_norm, x_norm), gamma=gamma,
                           pinv=pinv, iterations=iterations, init=init, live=live,
-                          kernel=kernel)
+                          kernel=kernel, gradient=gradient)
+
+
+def core_iterations(gradient: str, iterations: int, size: int, gamma: float, pinv: str,
+                    init: str, dtype: torch.dtype) -> int:
+    """The steps the core runs: ``iterations``, raised for the implicit gradient to what
+    Lemma 3's bound needs for ``size`` landmarks in ``dtype``
+    (``implicit_inverse.implicit_iterations``), which applies to the iterative inverse
+    from the identity alone."""
+    if gradient not in GRADIENTS:
+        raise ValueError(f"gradient must be one of {GRADIENTS}, got {gradient!r}.")
+    if gradient == "unrolled":
+        return iterations
+    if pinv != "iterative" or init != "identity":
+        raise ValueError(f"the implicit gradient applies to the iterative inverse from the "
+                         f"identity (pinv='iterative', pinv_init='identity'), got "
+                         f"pinv={pinv!r}, pinv_init={init!r}.")
+    return implicit_iterations(size, gamma, dtype, at_least=iterations)
 
 
 def _ridge(gamma: float, live: Tensor | None, size: int, like: Tensor) -> Tensor:
@@ -101,14 +127,16 @@ def _ridge(gamma: float, live: Tensor | None, size: int, like: Tensor) -> Tensor
 
 
 def lemma3_by_pytorch(m: Tensor, diag: Tensor, pinv: PinvMethod, iterations: int,
-                      init: PinvInit) -> Tensor:
+                      init: PinvInit, gradient: str = "unrolled") -> Tensor:
     """``lemma3_inverse``'s PyTorch path, ``diag`` the ridge (broadcast against the
-    diagonal of ``m: [..., m, m]``)."""
+    diagonal of ``m: [..., m, m]``); ``iterations`` as ``core_iterations`` gives them."""
     m = m + torch.diag_embed(diag)
     d_inv_sqrt = m.sum(dim=-1).clamp_min(torch.finfo(m.dtype).tiny).rsqrt()  # [..., m]
     a = d_inv_sqrt[..., :, None] * m * d_inv_sqrt[..., None, :]
     a = flush_on_cpu(a)  # far landmarks: subnormal entries (flush.py)
-    if pinv == "iterative":
+    if pinv == "iterative" and gradient == "implicit" and not functional_ops_only():
+        a_inv = implicit_pinv(a, iterations)  # under export: the same steps, unrolled
+    elif pinv == "iterative":
         a_inv = iterative_pinv(a, iterations, init=init)
     elif pinv == "exact":
         a_inv = torch.linalg.pinv(a, hermitian=True)

@@ -28,6 +28,10 @@ program per matrix or as a launch per pass (``triton_lemma3.launch``). Before th
 M_r, d = M_r 1, s = d^-1/2, A and G = S dW S; after them, ds (from dW V_K and dA M_r),
 dM = S dA S + dd 1^T and, from the landmark rows, dE = dM * C(X, X), dX = (dE + dE^T) X
 and dn = -(dE 1 + dE^T 1).
+
+The implicit gradient (``IMPLICIT``, ``implicit_inverse``) replaces the steps' adjoints
+by two passes, H = V_K^T G and dA = -H V_K^T, V_K read from the forward kernel's last
+two iterates (``triton_lemma3.iterate``); nothing else changes.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from .graph_launches import graph_launches_on
 from .launch_grid import tile_width
 from .triton_kernels import _precision
 from .triton_lemma3 import (
+    iterate,
     launch,
     launch_options,
     regularise_rows,
@@ -69,6 +74,7 @@ _D, _S, _DS, _DN = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constex
 REGULARISE, NORMALISE, START = (tl.constexpr(i) for i in range(3))
 ADJ_P, ADJ_T2, ADJ_T3, ADJ_UPDATE = (tl.constexpr(i) for i in range(3, 7))
 FIRST_T2, FIRST_DA, SCALE_DS, DM_ROWS, DX_ROWS = (tl.constexpr(i) for i in range(7, 12))
+IMPLICIT_H, IMPLICIT_DA = tl.constexpr(12), tl.constexpr(13)
 
 
 @triton.jit
@@ -91,19 +97,24 @@ def _transposed_rows(P, rows, m, BLOCK: tl.constexpr):
 @triton.jit
 def backward_pass(PASS: tl.constexpr, step, rows, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN,
                   SCR, VEC, m, D, heads, ITERATIONS: tl.constexpr, KEEP: tl.constexpr,
-                  FROM_ROWS: tl.constexpr, TINY: tl.constexpr, BLOCK: tl.constexpr,
-                  BLOCK_D: tl.constexpr, ROWS: tl.constexpr, KC: tl.constexpr,
-                  PRECISION: tl.constexpr):
+                  IMPLICIT: tl.constexpr, FROM_ROWS: tl.constexpr, TINY: tl.constexpr,
+                  BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
+                  KC: tl.constexpr, PRECISION: tl.constexpr):
     """Rows ``rows`` of pass ``PASS`` for matrix ``bh`` (the step passes: of the
     adjoint of step ITERATIONS - ``step``); the step products are read from the store
-    where the forward kernel kept them (``KEEP``), else formed again into scratch."""
+    where the forward kernel kept them (``KEEP``), else formed again into scratch;
+    ``IMPLICIT``: the store holds the forward's last two iterates alone."""
     size = m * m
-    slots: tl.constexpr = KEPT_SLOTS if KEEP else SLOTS
+    slots: tl.constexpr = KEPT_SLOTS if KEEP or IMPLICIT else SLOTS
     scratch = SCR + bh * slots * size
     vectors = VEC + bh * VECTORS * m
     mat_r, a = scratch + _MR * size, scratch + _A * size
     s_vec = vectors + _S * m
     inside = rows < m
+    if IMPLICIT:
+        v_last = iterate(STORE, bh, ITERATIONS, size, ITERATIONS, False, True)
+    else:
+        v_last = stored(STORE, bh, ITERATIONS - 1, size, ITERATIONS, KEEP)
     if PASS == REGULARISE:
         regularise_rows(M, X, XN, DIAG, mat_r, vectors + _D * m, s_vec, bh, rows, m, D,
                         heads, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
@@ -112,7 +123,16 @@ def backward_pass(PASS: tl.constexpr, step, rows, bh, M, X, XN, DIAG, STORE, G, 
     elif PASS == START:  # the gradient of V_K in the normalised frame, S dW S; dA = 0
         g_rows = scaled_rows(G + bh * size, s_vec, rows, m, BLOCK)
         store_rows(scratch + _G * size, rows, m, g_rows, BLOCK)
-        store_rows(scratch + _DA * size, rows, m, tl.zeros_like(g_rows), BLOCK)
+        if not IMPLICIT:
+            store_rows(scratch + _DA * size, rows, m, tl.zeros_like(g_rows), BLOCK)
+    elif PASS == IMPLICIT_H:  # H = V_K^T G
+        store_rows(scratch + _DT3 * size, rows, m,
+                   square_rows(v_last, True, scratch + _G * size, False, rows, m, ROWS, BLOCK,
+                               KC, PRECISION), BLOCK)
+    elif PASS == IMPLICIT_DA:  # dA = -H V_K^T, where SCALE_DS and DM_ROWS read it
+        store_rows(scratch + (_DA + ITERATIONS % 2) * size, rows, m,
+                   -square_rows(scratch + _DT3 * size, False, v_last, True, rows, m, ROWS,
+                                BLOCK, KC, PRECISION), BLOCK)
     elif PASS == FIRST_T2:  # step 1 from V_0 = I: P = A, M2 = A^T dT3, dT3 = G / 4
         g_in = scratch + (_G + (ITERATIONS - 1) % 2) * size
         m2 = scratch + _M2 * size
@@ -137,7 +157,6 @@ def backward_pass(PASS: tl.constexpr, step, rows, bh, M, X, XN, DIAG, STORE, G, 
         # ds_i = sum_j (B_ij + B_ji) s_j, B = dW * V_K + dA * M_r
         da = scratch + (_DA + ITERATIONS % 2) * size
         grad = G + bh * size
-        v_last = stored(STORE, bh, ITERATIONS - 1, size, ITERATIONS, KEEP)
         both = rows_of(grad, rows, m, BLOCK) * rows_of(v_last, rows, m, BLOCK) \
             + rows_of(da, rows, m, BLOCK) * rows_of(mat_r, rows, m, BLOCK) \
             + _transposed_rows(grad, rows, m, BLOCK) * _transposed_rows(v_last, rows, m, BLOCK) \
@@ -220,91 +239,110 @@ def backward_pass(PASS: tl.constexpr, step, rows, bh, M, X, XN, DIAG, STORE, G, 
 @triton.jit
 def _all_rows(PASS: tl.constexpr, step, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC,
               m, D, heads, ITERATIONS: tl.constexpr, KEEP: tl.constexpr,
-              FROM_ROWS: tl.constexpr,
+              IMPLICIT: tl.constexpr, FROM_ROWS: tl.constexpr,
               TINY: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
               ROWS: tl.constexpr, KC: tl.constexpr, PRECISION: tl.constexpr):
     """Pass ``PASS`` over every block of rows, then a barrier."""
     for start in range(0, m, ROWS):
         backward_pass(PASS, step, start + tl.arange(0, ROWS), bh, M, X, XN, DIAG, STORE, G,
-                      DM, DX, DXN, SCR, VEC, m, D, heads, ITERATIONS, KEEP, FROM_ROWS, TINY,
-                      BLOCK, BLOCK_D, ROWS, KC, PRECISION)
+                      DM, DX, DXN, SCR, VEC, m, D, heads, ITERATIONS, KEEP, IMPLICIT,
+                      FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC, PRECISION)
     tl.debug_barrier()
 
 
 @triton.jit
 def _backward_kernel(M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D, heads,
-                     ITERATIONS: tl.constexpr, KEEP: tl.constexpr, FROM_ROWS: tl.constexpr,
-                     TINY: tl.constexpr,
+                     ITERATIONS: tl.constexpr, KEEP: tl.constexpr, IMPLICIT: tl.constexpr,
+                     FROM_ROWS: tl.constexpr, TINY: tl.constexpr,
                      BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
                      KC: tl.constexpr, PRECISION: tl.constexpr):
     """Every pass of ``backward_passes`` for matrix program_id(0), in order."""
     bh = tl.program_id(0).to(tl.int64)
     for kind in tl.static_range(REGULARISE, ADJ_P):  # the passes in their numbering's order
-        _all_rows(kind, 0, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
-                  heads, ITERATIONS, KEEP, FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC,
-                  PRECISION)
-    for j in range(0, ITERATIONS - 1):  # the adjoints of steps K, ..., 2
-        for kind in tl.static_range(ADJ_P, FIRST_T2):
-            _all_rows(kind, j, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
-                      heads, ITERATIONS, KEEP, FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC,
-                  PRECISION)
-    for kind in tl.static_range(FIRST_T2, DX_ROWS):
-        _all_rows(kind, 0, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
-                  heads, ITERATIONS, KEEP, FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC,
-                  PRECISION)
-    if FROM_ROWS:
-        _all_rows(DX_ROWS, 0, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
-                  heads, ITERATIONS, KEEP, FROM_ROWS, TINY, BLOCK, BLOCK_D, ROWS, KC,
-                  PRECISION)
+        if kind != NORMALISE or not IMPLICIT:  # the implicit gradient never reads A
+            _all_rows(kind, 0, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
+                      heads, ITERATIONS, KEEP, IMPLICIT, FROM_ROWS, TINY, BLOCK, BLOCK_D,
+                      ROWS, KC, PRECISION)
+    if IMPLICIT:
+        for kind in tl.static_range(IMPLICIT_H, IMPLICIT_DA + 1):
+            _all_rows(kind, 0, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
+                      heads, ITERATIONS, KEEP, IMPLICIT, FROM_ROWS, TINY, BLOCK, BLOCK_D,
+                      ROWS, KC, PRECISION)
+    else:
+        for j in range(0, ITERATIONS - 1):  # the adjoints of steps K, ..., 2
+            for kind in tl.static_range(ADJ_P, FIRST_T2):
+                _all_rows(kind, j, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
+                          heads, ITERATIONS, KEEP, IMPLICIT, FROM_ROWS, TINY, BLOCK, BLOCK_D,
+                          ROWS, KC, PRECISION)
+        for kind in tl.static_range(FIRST_T2, SCALE_DS):
+            _all_rows(kind, 0, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
+                      heads, ITERATIONS, KEEP, IMPLICIT, FROM_ROWS, TINY, BLOCK, BLOCK_D,
+                      ROWS, KC, PRECISION)
+    for kind in tl.static_range(SCALE_DS, DX_ROWS + 1):
+        if kind != DX_ROWS or FROM_ROWS:
+            _all_rows(kind, 0, bh, M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D,
+                      heads, ITERATIONS, KEEP, IMPLICIT, FROM_ROWS, TINY, BLOCK, BLOCK_D,
+                      ROWS, KC, PRECISION)
 
 
 @triton.jit(do_not_specialize=["step"])
 def _backward_pass_kernel(M, X, XN, DIAG, STORE, G, DM, DX, DXN, SCR, VEC, m, D, heads, step,
                           PASS: tl.constexpr, ITERATIONS: tl.constexpr, KEEP: tl.constexpr,
-                          FROM_ROWS: tl.constexpr, TINY: tl.constexpr, BLOCK: tl.constexpr,
-                          BLOCK_D: tl.constexpr, ROWS: tl.constexpr, KC: tl.constexpr,
-                          PRECISION: tl.constexpr):
+                          IMPLICIT: tl.constexpr, FROM_ROWS: tl.constexpr,
+                          TINY: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+                          ROWS: tl.constexpr, KC: tl.constexpr, PRECISION: tl.constexpr):
     """One pass: rows block program_id(1) of matrix program_id(0)."""
     rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     backward_pass(PASS, step, rows, tl.program_id(0).to(tl.int64), M, X, XN, DIAG, STORE, G,
-                  DM, DX, DXN, SCR, VEC, m, D, heads, ITERATIONS, KEEP, FROM_ROWS, TINY,
-                  BLOCK, BLOCK_D, ROWS, KC, PRECISION)
+                  DM, DX, DXN, SCR, VEC, m, D, heads, ITERATIONS, KEEP, IMPLICIT, FROM_ROWS,
+                  TINY, BLOCK, BLOCK_D, ROWS, KC, PRECISION)
 
 
-def backward_passes(iterations: int, from_rows: bool) -> list[tuple[int, int]]:
+def backward_passes(iterations: int, from_rows: bool, implicit: bool = False
+                    ) -> list[tuple[int, int]]:
     """(pass, step) of the backward chain in order, as ``_backward_kernel`` runs them."""
-    steps = [(kind, j) for j in range(iterations - 1) for kind in range(ADJ_P, FIRST_T2)]
-    return [(kind, 0) for kind in range(REGULARISE, ADJ_P)] + steps \
-        + [(kind, 0) for kind in range(FIRST_T2, DX_ROWS + from_rows)]
+    if implicit:
+        middle = [(REGULARISE.value, 0), (START.value, 0), (IMPLICIT_H.value, 0),
+                  (IMPLICIT_DA.value, 0)]
+    else:
+        middle = [(kind, 0) for kind in range(REGULARISE, ADJ_P)] \
+            + [(kind, j) for j in range(iterations - 1) for kind in range(ADJ_P, FIRST_T2)] \
+            + [(kind, 0) for kind in range(FIRST_T2, SCALE_DS)]
+    return middle + [(kind, 0) for kind in range(SCALE_DS, DX_ROWS + from_rows)]
 
 
 def lemma3_backward(source: Tensor, norm: Tensor | None, ridge: Tensor, store: Tensor,
-                    grad: Tensor, iterations: int) -> tuple[Tensor, Tensor | None]:
+                    grad: Tensor, iterations: int, implicit: bool = False
+                    ) -> tuple[Tensor, Tensor | None]:
     """The gradients of ``triton_lemma3.lemma3_forward``'s inputs for the incoming
     gradient ``grad: [BH, m, m]`` of W, from its ``store`` of iterates (and step
-    products, if it kept them: ``store_slots``): (dM, None) for a landmark matrix
+    products, if it kept them: ``store_slots``; ``implicit``: the latest two iterates,
+    differentiated as an inverse): (dM, None) for a landmark matrix
     ``source: [BH, m, m]``, (dX, dnorm) for landmark rows ``source: [BH, m, D]`` with
     half squared norms ``norm: [BH, m]``. Scratch: ``SLOTS`` m x m matrices a program
-    (``KEPT_SLOTS`` where the products were kept)."""
+    (``KEPT_SLOTS`` where the products were kept, or for the implicit gradient)."""
     bh, m = source.shape[:2]
     d = source.shape[2] if norm is not None else 1
-    keep = store.shape[1] == store_slots(iterations, True) != store_slots(iterations, False)
-    if not keep and store.shape[1] != iterations:
-        raise ValueError(f"a store of {store.shape[1]} matrices for {iterations} iterations: "
-                         f"lemma3_forward stores {store_slots(iterations, False)} or "
-                         f"{store_slots(iterations, True)}")
+    expected = [store_slots(iterations, False, backward=False)] if implicit else \
+        [store_slots(iterations, False), store_slots(iterations, True)]
+    if store.shape[1] not in expected:
+        raise ValueError(f"a store of {store.shape[1]} matrices for {iterations} iterations"
+                         f"{' (implicit gradient)' if implicit else ''}: lemma3_forward "
+                         f"stores {' or '.join(map(str, expected))}")
+    keep = not implicit and store.shape[1] == expected[-1] != expected[0]
     dsource = torch.empty_like(source)
     dnorm = None if norm is None else torch.empty_like(norm)
-    scratch = source.new_empty(bh, (KEPT_SLOTS if keep else SLOTS).value, m, m)
+    scratch = source.new_empty(bh, (KEPT_SLOTS if keep or implicit else SLOTS).value, m, m)
     vectors = source.new_empty(bh, VECTORS.value, m)
     args = (source, source, source if norm is None else norm, ridge, store, grad, dsource,
             dsource, dsource if dnorm is None else dnorm, scratch, vectors, m, d,
             bh // ridge.shape[0])
-    options = {"ITERATIONS": iterations, "KEEP": keep, "FROM_ROWS": norm is not None,
+    options = {"ITERATIONS": iterations, "KEEP": keep, "IMPLICIT": implicit,
+               "FROM_ROWS": norm is not None,
                "TINY": torch.finfo(source.dtype).tiny,
                "BLOCK_D": tile_width(d),
                "PRECISION": _precision(source.dtype),
                **launch_options(m, backward=True, graphed=graph_launches_on())}
     launch(_backward_kernel, _backward_pass_kernel,
-           backward_passes(iterations, norm is not None), bh, m, args, options)
+           backward_passes(iterations, norm is not None, implicit), bh, m, args, options)
     return dsource, dnorm

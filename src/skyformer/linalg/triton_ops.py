@@ -107,23 +107,25 @@ def _(source, norm, ridge, iterations, keep, backward):
 
 @custom_op("skyformer::lemma3_inverse_backward")
 def lemma3_backward(source: Tensor, norm: Tensor, ridge: Tensor, store: Tensor,
-                    grad: Tensor, iterations: int, auto: bool) -> tuple[Tensor, Tensor]:
+                    grad: Tensor, iterations: int, auto: bool, implicit: bool
+                    ) -> tuple[Tensor, Tensor]:
     """``triton_lemma3_backward.lemma3_backward``: the gradients of the source and the norms
-    (empty for a matrix); ``auto``: the PyTorch path's where the kernel fails
+    (empty for a matrix), ``implicit``: as an inverse's (from V_K alone, the latest two
+    iterates stored); ``auto``: the PyTorch path's where the kernel fails
     (``CORE_FALLBACK``, inside the operator: compiled autograd traces the backward pass,
     and a ``run`` around the operator there)."""
     from . import triton_lemma3_backward
 
     def launch() -> tuple[Tensor, Tensor | None]:
         return triton_lemma3_backward.lemma3_backward(source, _opt(norm), ridge, store, grad,
-                                                      iterations)
+                                                      iterations, implicit)
 
     dsource, dnorm = CORE_FALLBACK.run(
         auto, launch, lambda: lemma3_gradients_by_pytorch(source, _opt(norm), ridge, grad,
-                                                          iterations), on=source)
+                                                          iterations, implicit), on=source)
     return dsource, _or_empty(dnorm, source)
 
 
 @lemma3_backward.register_fake
-def _(source, norm, ridge, store, grad, iterations, auto):
+def _(source, norm, ridge, store, grad, iterations, auto, implicit):
     return torch.empty_like(source), torch.empty_like(norm)

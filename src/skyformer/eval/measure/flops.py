@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ...linalg import implicit_iterations
 from .timing import interleaved_median_seconds
 
 
@@ -29,6 +30,9 @@ def _nystrom_flops(nq: int, nk: int, d: int, dv: int, options: dict[str, Any]) -
         return None  # an SVD: no meaningful product count
     m = min(options.get("num_features", 128), nq + nk)
     iterations = options.get("pinv_iterations", 6)
+    if options.get("pinv_gradient") == "implicit":  # the steps Lemma 3's bound needs
+        iterations = implicit_iterations(m, options.get("gamma", 0.1), torch.float32,
+                                         at_least=iterations)
     # 4 products of m x m per Razavi step; 2 in the first step from the identity.
     steps = 4 * iterations - (
         2 if options.get("pinv_init", "identity") == "identity" and iterations else 0

@@ -55,7 +55,7 @@ class SkyformerConfig(NystromOptions, CausalNystromOptions):
 
     causal, causal_local, landmark_stride: the causal construction (``causal.py``,
         README "Causal"); with ``causal`` the core is the exact ridge inverse (one
-        Cholesky), so ``pinv``, ``pinv_iterations`` and ``pinv_init`` do not apply.
+        Cholesky), so the ``pinv*`` options do not apply.
 
     scale: s of the Gaussian kernel exp(-s |q - k|^2 / 2), ``None`` = 1/sqrt(head dim)
         (Skyformer eq. (1)); a model that pre-scales its queries passes its own.

@@ -137,6 +137,7 @@ def nystrom_with_landmarks(
         pinv=options.pinv,  # type: ignore[arg-type]
         iterations=options.pinv_iterations, init=options.pinv_init,  # type: ignore[arg-type]
         live=landmarks.live.reshape(b * h, m), kernel=options.kernel,
+        gradient=options.pinv_gradient,
     ).view(b, h, m, m)
     key_valid = None if info.key_valid is None else info.key_valid[:, None, :]  # [B, 1, Nk]
     context = gaussian_kernel_matmul(

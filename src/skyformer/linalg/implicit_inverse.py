@@ -1,0 +1,110 @@
+"""The Lemma 3 core differentiated as an inverse: ``pinv_gradient="implicit"``.
+
+The Razavi steps from V_0 = I (``pinv.py``) make V_K a polynomial in the normalised
+matrix A; their unrolled adjoint costs about twice the steps' products (44-60 products
+of two m x m matrices at K = 6, the largest single cost of a Skyformer call on a GPU at
+N = 4096, docs/gpu.md). Were V_K = A^-1, its gradient would be two products:
+
+    dA = -V^T G V^T        (from d(A^-1) = -A^-1 dA A^-1, G the gradient of V).
+
+That is the gradient of what the forward pass computes only where ||I - A V_K|| is
+negligible, and at the authors' K = 6 it is not for every input (0.40 at m = 128 in the
+worst case, docs/gpu.md "The implicit gradient of the inverse"). Lemma 3 bounds it for
+every input: A >= gamma D^-1 and D <= (m + gamma) I (entries of M at most 1), so
+lambda_min(A) >= gamma / (m + gamma), and since each step maps an eigenvalue p of A V to
+``razavi_step(p)``, ||I - A V_K||_2 <= 1 - f^K(gamma / (m + gamma)). The implicit option
+therefore runs as many steps as that bound needs to fall below the unit roundoff of the
+core's dtype (``implicit_iterations``: 9 at m = 128 in float32, 10 in float64), never
+fewer than asked, so that W is the ridge inverse to rounding and dA its exact gradient.
+
+The forward pass thus changes (W becomes the inverse the authors' 6 steps approximate),
+so it is an option, not the default. What a call holds for its backward pass shrinks to
+V_K alone (K iterates on the unrolled path).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .eager_calls import apply
+from .functional_ops import first_order_backward
+from .pinv import razavi_step
+
+GRADIENTS: tuple[str, ...] = ("unrolled", "implicit")
+MAX_ITERATIONS = 64  # far beyond any bound reached (m = 10^6, gamma = 1e-6: 30)
+
+
+def eigenvalue_step(p: float) -> float:
+    """What one Razavi step does to an eigenvalue p of A V (A V commutes with A): the
+    eigenvalue of A V' is p' = p (13 - 15p + 7p^2 - p^3) / 4, so 1 - p' =
+    (1 - p)^3 (4 - p) / 4, and p' increases with p on [0, 1]."""
+    return p * (13 - 15 * p + 7 * p * p - p ** 3) / 4
+
+
+def residual_bound(m: int, gamma: float, iterations: int) -> float:
+    """||I - A V_K||_2 at worst over every input with m landmarks (module docstring):
+    1 - f^K(gamma / (m + gamma)), reached when all m landmarks coincide."""
+    p = gamma / (m + gamma)
+    for _ in range(iterations):
+        p = eigenvalue_step(p)
+    return 1 - p
+
+
+def implicit_iterations(m: int, gamma: float, dtype: torch.dtype, at_least: int = 0) -> int:
+    """The steps after which every input's residual bound is below ``dtype``'s unit
+    roundoff (``residual_bound``), or ``at_least`` if more; ``gamma`` must be > 0."""
+    if not gamma > 0:
+        raise ValueError(f"the implicit gradient needs gamma > 0 (its number of steps comes "
+                         f"from the bound gamma / (m + gamma)), got {gamma!r}.")
+    roundoff = torch.finfo(dtype).eps / 2
+    for k in range(MAX_ITERATIONS + 1):
+        if residual_bound(m, gamma, k) <= roundoff:
+            return max(k, at_least)
+    raise ValueError(f"m = {m}, gamma = {gamma!r}: the residual bound stays above "
+                     f"{roundoff:.1e} after {MAX_ITERATIONS} steps; raise gamma.")
+
+
+class _ImplicitRazavi(torch.autograd.Function):
+    """``iterations`` Razavi steps from V_0 = I for ``a: [..., m, m]``, differentiated as
+    A^-1: dA = -V^T G V^T. Holds V_K alone for the backward pass."""
+
+    @staticmethod
+    def forward(a: Tensor, iterations: int) -> Tensor:  # type: ignore[override]
+        m = a.shape[-1]
+        a3 = a.reshape(-1, m, m)
+        eye = torch.eye(m, dtype=a.dtype, device=a.device).expand_as(a3)
+        eye7 = 7 * eye
+        buffers = tuple(torch.empty_like(a3) for _ in range(4))
+        iterates = (torch.empty_like(a3), torch.empty_like(a3))
+        v = None
+        for i in range(iterations):
+            v = razavi_step(a3, v, eye, eye7, buffers, iterates[i % 2])
+        return v.reshape(a.shape)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        ctx.save_for_backward(output)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, a: Tensor, iterations: int) -> tuple[Tensor, int]:
+        """The steps take any batch shape: the mapped dim becomes the first one."""
+        return _ImplicitRazavi.apply(a.movedim(in_dims[0], 0), iterations), 0
+
+    @staticmethod
+    @first_order_backward
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        (v,) = ctx.saved_tensors
+        v_t = v.mT
+        return -(v_t @ grad @ v_t), None
+
+
+def implicit_pinv(a: Tensor, iterations: int) -> Tensor:
+    """V_K of ``iterations`` Razavi steps from the identity for ``a: [..., m, m]``, with
+    the implicit gradient (module docstring; ``iterations`` from
+    ``implicit_iterations``)."""
+    if iterations < 1:
+        raise ValueError(f"the implicit gradient needs at least one step, got {iterations}.")
+    return apply(_ImplicitRazavi, a, iterations)

@@ -1,0 +1,275 @@
+"""``pinv_gradient="implicit"``: the Lemma 3 core run to the bound's number of steps and
+differentiated as an inverse, against the ridge inverse (M + diag(ridge))^-1 formed by
+``torch.linalg.inv`` and differentiated by autograd, on landmarks clustered so tightly
+that 6 steps are far from it (the case the bound is about)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import skyformer
+from skyformer.linalg import (
+    gaussian_kernel_block,
+    half_sq_norm,
+    implicit_iterations,
+    implicit_pinv,
+    inverse_residual,
+    iterative_pinv,
+    landmark_inverse,
+    lemma3_inverse,
+)
+from skyformer.linalg.implicit_inverse import residual_bound
+from skyformer.linalg.kernel_backend import interpreter_on
+from tests.devices import devices, relative_error
+
+GAMMA = 0.1
+
+
+def _clustered_rows(b, h, m, d, dtype, device, *, spread=0.05, dead=True, seed=0):
+    """Scaled landmark rows ``[B, H, m, D]`` within ``spread`` of one point (C(X, X)
+    near the all-ones matrix: lambda_min(A) near gamma / (m + gamma)) and live slots."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(d, generator=gen, dtype=torch.float64) \
+        + spread * torch.randn(b, h, m, d, generator=gen, dtype=torch.float64)
+    live = torch.rand(b, m, generator=gen) > 0.25 if dead else torch.ones(b, m, dtype=torch.bool)
+    live[:, 0] = True
+    return x.to(device, dtype), live.to(device)
+
+
+def _norms(x, live):
+    return torch.where(live[:, None, :], half_sq_norm(x), float("inf"))
+
+
+def _ridge_inverse(x, live):
+    """(C(X, X) + diag(ridge))^-1 by ``torch.linalg.inv``, ridge gamma (1 on dead slots)."""
+    norm = _norms(x, live)
+    ridge = torch.where(live, torch.tensor(GAMMA, dtype=x.dtype),
+                        torch.tensor(1.0, dtype=x.dtype))[:, None, :]
+    return torch.linalg.inv(gaussian_kernel_block(x, x, norm, norm) + torch.diag_embed(ridge))
+
+
+def _value_and_grad(fn, x, weights):
+    leaf = x.detach().clone().requires_grad_(True)
+    w = fn(leaf)
+    (grad,) = torch.autograd.grad((w * weights.to(w)).sum(), leaf)
+    return w, grad
+
+
+def _implicit(x, live, kernel, iterations=6):
+    return landmark_inverse(x, _norms(x, live), gamma=GAMMA, iterations=iterations,
+                            live=live, kernel=kernel, gradient="implicit")
+
+
+def test_the_bound_is_the_residual_of_coinciding_landmarks():
+    """All m >= 2 landmarks at one point (M = 1 1^T) reach the bound: A has the
+    eigenvalue gamma / (m + gamma), and ||I - A V_K||_2 = 1 - f^K of it, for every K."""
+    for m in (2, 16, 128):
+        a = (torch.ones(m, m, dtype=torch.float64) + GAMMA * torch.eye(m, dtype=torch.float64)) \
+            / (m + GAMMA)
+        for k in (1, 3, 6):
+            residual = inverse_residual(a, iterative_pinv(a, k, init="identity")).item()
+            assert residual == pytest.approx(residual_bound(m, GAMMA, k), rel=1e-9, abs=1e-15)
+
+
+def test_the_steps_are_those_the_bound_needs_in_the_dtype():
+    assert implicit_iterations(128, GAMMA, torch.float32) == 9
+    assert implicit_iterations(128, GAMMA, torch.float64) == 10
+    assert implicit_iterations(64, GAMMA, torch.float32) == 8
+    assert implicit_iterations(128, GAMMA, torch.float32, at_least=12) == 12
+    k = implicit_iterations(256, GAMMA, torch.float32)
+    assert residual_bound(256, GAMMA, k) <= torch.finfo(torch.float32).eps / 2 \
+        < residual_bound(256, GAMMA, k - 1)
+    with pytest.raises(ValueError, match="gamma > 0"):
+        implicit_iterations(128, 0.0, torch.float32)
+
+
+def test_the_implicit_gradient_is_that_of_the_inverse():
+    """dA = -V^T G V^T for a non-symmetric G, and it equals autograd through
+    ``torch.linalg.inv`` once the steps are those of the bound."""
+    x, live = _clustered_rows(2, 3, 20, 8, torch.float64, "cpu", dead=False)
+    norm = _norms(x, live)
+    m = gaussian_kernel_block(x, x, norm, norm) + GAMMA * torch.eye(20, dtype=torch.float64)
+    d = m.sum(-1).rsqrt()
+    a = (d[..., :, None] * m * d[..., None, :]).requires_grad_(True)
+    g = torch.randn(a.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    steps = implicit_iterations(20, GAMMA, torch.float64)
+    v = implicit_pinv(a, steps)
+    (grad,) = torch.autograd.grad(v, a, g)
+    assert torch.allclose(grad, -(v.mT @ g @ v.mT), atol=0, rtol=1e-12)
+    a_exact = a.detach().clone().requires_grad_(True)
+    (grad_exact,) = torch.autograd.grad(torch.linalg.inv(a_exact), a_exact, g)
+    assert relative_error(grad, grad_exact) < 1e-10
+    # with 6 steps the same inputs are far from the inverse: the bound is what makes
+    # the implicit gradient the gradient of the forward pass
+    a6 = a.detach().clone().requires_grad_(True)
+    (grad6,) = torch.autograd.grad(iterative_pinv(a6, 6, init="identity"), a6, g)
+    assert relative_error(grad6, grad_exact) > 1e-4
+
+
+def test_vmap_and_grad_of_the_implicit_steps_equal_a_loop():
+    """Per-sample gradients of [heads, m, m] batches, as the methods call it."""
+    x, live = _clustered_rows(4, 3, 6, 4, torch.float64, "cpu", dead=False)
+    norm = _norms(x, live)
+    mats = gaussian_kernel_block(x, x, norm, norm) + torch.eye(6, dtype=torch.float64)
+
+    def loss(a):
+        return (implicit_pinv(a, 8) ** 2).sum()
+
+    batched = torch.func.vmap(torch.func.grad(loss))(mats)
+    looped = torch.stack([torch.func.grad(loss)(a) for a in mats])
+    assert torch.allclose(batched, looped, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+@pytest.mark.parametrize("case", [(1, 1, 1, 8), (2, 3, 5, 8), (1, 2, 37, 16), (1, 1, 128, 64)])
+def test_the_core_is_the_ridge_inverse_with_its_gradient(kernel, case):
+    """float64: W and the gradient of the landmark rows (through the block and the
+    norms) are those of (C(X, X) + diag(ridge))^-1, dead slots included."""
+    if kernel == "triton":
+        pytest.importorskip("triton")
+        if not interpreter_on():
+            pytest.skip("Triton's interpreter is off (TRITON_INTERPRET=0)")
+    x, live = _clustered_rows(*case, torch.float64, "cpu")
+    weights = torch.randn(*case[:3], case[2], dtype=torch.float64,
+                          generator=torch.Generator().manual_seed(1))
+    w, grad = _value_and_grad(lambda t: _implicit(t, live, kernel), x, weights)
+    w_ref, grad_ref = _value_and_grad(lambda t: _ridge_inverse(t, live), x, weights)
+    live_block = live[:, None, :, None] & live[:, None, None, :]
+    assert relative_error(torch.where(live_block, w, 0), torch.where(live_block, w_ref, 0)) \
+        < 1e-10
+    assert relative_error(grad, grad_ref) < 1e-9
+
+
+@pytest.mark.parametrize("device", devices())
+def test_the_kernels_give_the_pytorch_paths_implicit_gradient_in_float32(device):
+    """The Triton path (interpreter on the CPU, compiled on CUDA) against the PyTorch
+    path, both implicit, float32, 9 steps at m = 128 and dead slots."""
+    pytest.importorskip("triton")
+    if device == "cpu" and not interpreter_on():
+        pytest.skip("Triton's interpreter is off (TRITON_INTERPRET=0)")
+    x, live = _clustered_rows(2, 2, 128, 32, torch.float32, device, spread=0.3)
+    weights = torch.randn(2, 2, 128, 128, generator=torch.Generator().manual_seed(1))
+    w, grad = _value_and_grad(lambda t: _implicit(t, live, "triton"), x, weights)
+    w_ref, grad_ref = _value_and_grad(lambda t: _implicit(t, live, "torch"), x, weights)
+    assert relative_error(w, w_ref) < 1e-4
+    assert relative_error(grad, grad_ref) < 1e-3
+
+
+def test_a_launch_per_pass_gives_one_programs_implicit_gradient(monkeypatch):
+    pytest.importorskip("triton")
+    if not interpreter_on():
+        pytest.skip("Triton's interpreter is off (TRITON_INTERPRET=0)")
+    from tests.linalg.test_lemma3_triton import _launch_per_pass
+
+    x, live = _clustered_rows(1, 2, 37, 16, torch.float64, "cpu")
+    weights = torch.randn(1, 2, 37, 37, dtype=torch.float64,
+                          generator=torch.Generator().manual_seed(2))
+    w_program, grad_program = _value_and_grad(lambda t: _implicit(t, live, "triton"), x,
+                                              weights)
+    _launch_per_pass(monkeypatch, 16)
+    w, grad = _value_and_grad(lambda t: _implicit(t, live, "triton"), x, weights)
+    assert relative_error(w, w_program) < 1e-12
+    assert relative_error(grad, grad_program) < 1e-12
+
+
+def test_the_kernel_keeps_the_last_iterate_alone_for_the_backward_pass():
+    """An implicit call holds two m x m matrices a head for its backward pass (the
+    forward kernel's last two iterates), an unrolled one all K."""
+    pytest.importorskip("triton")
+    if not interpreter_on():
+        pytest.skip("Triton's interpreter is off (TRITON_INTERPRET=0)")
+    x, live = _clustered_rows(1, 2, 16, 8, torch.float32, "cpu", dead=False)
+    x.requires_grad_(True)
+    stores = {}
+    for gradient in ("unrolled", "implicit"):
+        w = landmark_inverse(x, _norms(x, live), gamma=GAMMA, iterations=6, kernel="triton",
+                             gradient=gradient)
+        stores[gradient] = w.grad_fn.saved_tensors[-1].shape[1]
+    assert stores == {"unrolled": 6, "implicit": 2}
+
+
+def test_the_matrix_entry_point_takes_the_option_too():
+    x, live = _clustered_rows(1, 1, 12, 4, torch.float64, "cpu", dead=False)
+    norm = _norms(x, live)
+    mat = gaussian_kernel_block(x, x, norm, norm)
+    w = lemma3_inverse(mat, gamma=GAMMA, gradient="implicit")
+    assert relative_error(w, torch.linalg.inv(mat + GAMMA * torch.eye(12).double())) < 1e-12
+    with pytest.raises(ValueError, match="gradient must be one of"):
+        lemma3_inverse(mat, gamma=GAMMA, gradient="exact")
+    with pytest.raises(ValueError, match="iterative inverse from the identity"):
+        lemma3_inverse(mat, gamma=GAMMA, init="scaled_transpose", gradient="implicit")
+
+
+def _attention_grads(method, q, k, v, weights, **options):
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    out = skyformer.attention(*leaves, method, num_features=24,
+                              generator=skyformer.random_key(0), **options)
+    return out, torch.autograd.grad((out * weights).sum(), leaves)
+
+
+@pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax", "skyformer_adaptive"])
+def test_methods_with_the_implicit_gradient_equal_the_exact_ridge_inverse(method):
+    """Whole calls, float64, clustered queries and keys: output and dQ, dK, dV as with
+    ``pinv="exact"`` (the ridge inverse), where the default 6 unrolled steps differ."""
+    gen = torch.Generator().manual_seed(0)
+    centre = torch.randn(16, generator=gen, dtype=torch.float64)
+    q, k = (centre + 0.05 * torch.randn(1, 2, 48, 16, generator=gen, dtype=torch.float64)
+            for _ in range(2))
+    v = torch.randn(1, 2, 48, 16, generator=gen, dtype=torch.float64)
+    weights = torch.randn(1, 2, 48, 16, generator=gen, dtype=torch.float64)
+    out, grads = _attention_grads(method, q, k, v, weights, kernel="torch",
+                                  pinv_gradient="implicit")
+    out_ref, grads_ref = _attention_grads(method, q, k, v, weights, kernel="torch",
+                                          pinv="exact")
+    assert relative_error(out, out_ref) < 1e-9
+    for g, g_ref in zip(grads, grads_ref, strict=True):
+        assert relative_error(g, g_ref) < 1e-7
+    _, grads6 = _attention_grads(method, q, k, v, weights, kernel="torch")
+    assert max(relative_error(g, g_ref) for g, g_ref in zip(grads6, grads_ref, strict=True)) \
+        > 1e-5
+
+
+@pytest.mark.parametrize("options, problem", [
+    ({"pinv": "exact"}, "iterative inverse from the identity"),
+    ({"pinv_init": "scaled_transpose"}, "iterative inverse from the identity"),
+    ({"gamma": 0.0}, "needs gamma > 0"),
+])
+def test_what_the_implicit_gradient_needs_is_checked_with_the_options(options, problem):
+    q = torch.randn(1, 1, 8, 4)
+    with pytest.raises(ValueError, match=problem):
+        skyformer.attention(q, q, q, "skyformer", pinv_gradient="implicit", **options)
+    with pytest.raises(ValueError, match="pinv_gradient must be one of"):
+        skyformer.attention(q, q, q, "skyformer", pinv_gradient="exact")
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_compile_fullgraph_equals_eager(kernel):
+    """Dynamo and AOT autograd through the implicit Function (PyTorch path) and the
+    Triton operators' implicit variants: outputs and gradients as eager."""
+    if kernel == "triton":
+        pytest.importorskip("triton")
+        if not interpreter_on():
+            pytest.skip("Triton's interpreter is off (TRITON_INTERPRET=0)")
+    from tests.pt2.test_stack_matrix import _assert_compiled_equals_eager
+
+    _assert_compiled_equals_eager(skyformer.get_method("skyformer").bind(
+        kernel=kernel, pinv_gradient="implicit"), 160)
+
+
+def test_forward_mode_agrees_with_the_implicit_reverse_mode():
+    """Forward mode runs the same steps in plain operators (their unrolled derivative);
+    at the bound's number of steps it is the implicit gradient's transpose to rounding."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v, tangent, u = (torch.randn(1, 2, 40, 8, generator=gen, dtype=torch.float64)
+                           for _ in range(5))
+
+    def f(q):
+        return skyformer.attention(q, k, v, "skyformer", num_features=16, kernel="torch",
+                                   pinv_gradient="implicit", generator=skyformer.random_key(2))
+
+    _, forward = torch.func.jvp(f, (q,), (tangent,))
+    leaf = q.clone().requires_grad_(True)
+    (reverse,) = torch.autograd.grad(f(leaf), leaf, u)
+    assert (u * forward).sum().item() == pytest.approx((reverse * tangent).sum().item(),
+                                                       rel=1e-10)
