@@ -12,18 +12,22 @@ took) of
 - ``skyformer/triton+tf32``: the Triton path where PyTorch allows TF32
   (``torch.set_float32_matmul_precision("high")``: the float32 core's dots in one TF32
   pass instead of three; bfloat16 products keep their bf16x3),
+- ``skyformer/triton+implicit``: the Triton path with ``pinv_gradient="implicit"`` (the
+  core run to Lemma 3's bound, 9 steps at m = 128, and differentiated as an inverse:
+  two products backward instead of the steps' adjoints, ``linalg/implicit_inverse.py``),
 - at the lengths in ``--compile-seq-lens``: Skyformer (Triton kernels) under
   ``torch.compile`` (Inductor fuses the small ops around the kernels) and under
   ``torch.compile(mode="reduce-overhead")`` (CUDA graphs replay the whole call; warm-up
   and capture inside ``skyformer.cuda_graph_launches()``, the launches made for it), with
-  ``kernel="triton"`` (the fused Lemma 3 kernels too) and ``kernel="auto"`` (under
-  ``torch.compile``: the PyTorch core, its batched products fused by Inductor),
+  ``kernel="triton"`` (the fused Lemma 3 kernels too; in a CUDA graph with the implicit
+  gradient as well, ``skyformer/triton+implicit+cudagraphs``) and ``kernel="auto"``
+  (under ``torch.compile``: the PyTorch core, its batched products fused by Inductor),
 
 and the speed of light of each (matmul FLOPs of the method at the matmul rate measured
 in the same run, ``skyformer.eval.measure.flops``); then the m x m core alone: the
 landmark block and its Lemma 3 inverse by the PyTorch path (about 130 launches forward
 + backward) and by the one-launch Triton kernels (``linalg/triton_lemma3.py``,
-``linalg/triton_lemma3_backward.py``), at each
+``linalg/triton_lemma3_backward.py``), unrolled and implicit, at each
 shape's B x H, at 64 landmarks and at ``--features``, forward alone and forward +
 backward.
 ``--tiles FILE ...`` launches the kernels with the fastest options that runs of
@@ -65,20 +69,25 @@ def _calls(q, k, v, grad, features, compiled, compile_kernels=("triton", "auto")
 
     key = skyformer.random_key(0, device=q.device)
 
-    extra = {}
-    for kernel in compile_kernels if compiled else ():
+    def compiled_call(kernel, mode=None, gradient="unrolled"):
         # bound once, outside the compiled region; "auto" under torch.compile: the Triton
         # products and the PyTorch core (Inductor fuses it), "triton": the fused core too
-        bound = skyformer.get_method("skyformer").bind(num_features=features, kernel=kernel)
+        bound = skyformer.get_method("skyformer").bind(num_features=features, kernel=kernel,
+                                                       pinv_gradient=gradient)
 
-        def sky(q, k, v, bound=bound):
+        def sky(q, k, v):
             return bound(q, k, v, generator=key)
 
-        fused = torch.compile(sky, fullgraph=True, dynamic=False)
-        graphed = torch.compile(sky, fullgraph=True, dynamic=False, mode="reduce-overhead")
-        extra |= {f"skyformer/{kernel}+compile": run(lambda fused=fused: fused(q, k, v)),
-                  f"skyformer/{kernel}+cudagraphs": run(lambda graphed=graphed: graphed(q, k, v),
-                                                        in_graph=True)}
+        call = torch.compile(sky, fullgraph=True, dynamic=False, mode=mode)
+        return run(lambda: call(q, k, v), in_graph=mode is not None)
+
+    extra = {}
+    for kernel in compile_kernels if compiled else ():
+        extra |= {f"skyformer/{kernel}+compile": compiled_call(kernel),
+                  f"skyformer/{kernel}+cudagraphs": compiled_call(kernel, "reduce-overhead")}
+    if compiled and "triton" in compile_kernels:
+        extra["skyformer/triton+implicit+cudagraphs"] = compiled_call(
+            "triton", "reduce-overhead", "implicit")
 
     def tf32():
         before = torch.get_float32_matmul_precision()
@@ -96,6 +105,9 @@ def _calls(q, k, v, grad, features, compiled, compile_kernels=("triton", "auto")
         "skyformer/triton": run(lambda: skyformer.attention(
             q, k, v, "skyformer", num_features=features, kernel="triton", generator=key)),
         "skyformer/triton+tf32": run(tf32),
+        "skyformer/triton+implicit": run(lambda: skyformer.attention(
+            q, k, v, "skyformer", num_features=features, kernel="triton",
+            pinv_gradient="implicit", generator=key)),
         "kernelized/torch": run(lambda: skyformer.attention(q, k, v, "kernelized",
                                                             kernel="torch")),
         "kernelized/triton": run(lambda: skyformer.attention(q, k, v, "kernelized",
@@ -151,21 +163,26 @@ def _core_rows(batch: int, heads: int, m: int, repeats: int, device: str) -> lis
     grad = torch.randn(batch, heads, m, m, device=device)
 
     def run(kernel, backward):
+        gradient = "implicit" if kernel.endswith("+implicit") else "unrolled"
+        kernel = kernel.removesuffix("+implicit")
+
         def step():
             x.grad = None
             if backward:
-                landmark_inverse(x, half_sq_norm(x), gamma=0.1, kernel=kernel).backward(grad)
+                landmark_inverse(x, half_sq_norm(x), gamma=0.1, kernel=kernel,
+                                 gradient=gradient).backward(grad)
             else:
                 with torch.no_grad():
-                    landmark_inverse(x, half_sq_norm(x), gamma=0.1, kernel=kernel)
+                    landmark_inverse(x, half_sq_norm(x), gamma=0.1, kernel=kernel,
+                                     gradient=gradient)
         return step
 
     calls = {f"core/{kernel}/{'fwd+bwd' if backward else 'fwd'}": run(kernel, backward)
-             for backward in (False, True) for kernel in ("torch", "triton")}
+             for backward in (False, True) for kernel in ("torch", "triton", "triton+implicit")}
     times = interleaved_median_seconds(calls, device=device, warmup=3, repeats=repeats)
     rows = []
     for name in calls:
-        base = name.replace("triton", "torch")
+        base = name.replace("triton+implicit", "torch").replace("triton", "torch")
         rows.append({"shape": f"{batch},{heads},m={m}", "call": name,
                      "ms": times[name] * 1e3, "vs_torch": times[base] / times[name]})
         print(f"{rows[-1]['shape']:18s} {name:22s} {rows[-1]['ms']:9.3f} ms "

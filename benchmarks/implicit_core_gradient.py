@@ -20,9 +20,9 @@ This study measures, on Q/K/V of pretrained MiniLM-L6 over the shipped text
   (median, max) and the range of lambda_min(A), from the very matrices of the calls below;
 - the relative Frobenius difference, per head, of dQ, dK and dV of the whole Skyformer
   output under a fixed random output cotangent, between the unrolled gradient and the
-  implicit one (the library unchanged: ``iterative_pinv`` as the core calls it is patched,
-  for this script only, with a Function whose forward is the library's and whose
-  backward is -V^T G V^T); for scale, the difference between two landmark draws
+  implicit one (``iterative_pinv`` as the core calls it is patched, for this script
+  only, with the library's ``implicit_pinv``: the same steps, differentiated as
+  -V^T G V^T, at the number of steps asked); for scale, the difference between two landmark draws
   (seed s against the next seed in ``--seeds``) and between the unrolled gradient and
   that of the exact inverse (``pinv="exact"``);
 - the same calls in float32 (the GPU kernels' precision), unrolled and implicit, against
@@ -55,43 +55,32 @@ from torch import Tensor
 
 import skyformer
 from skyformer.io import atomic_write_text, environment, write_json
+from skyformer.linalg.implicit_inverse import implicit_pinv, residual_bound
 from skyformer.linalg.pinv import inverse_residual
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 NYSTROM = importlib.import_module("skyformer.linalg.nystrom")  # the module, not a name in it
-UNROLLED_PINV = NYSTROM.iterative_pinv
 GRADS = ("dq", "dk", "dv")
 CLUSTERED = "clustered"
 CLUSTER_SPREAD = 0.1
 
 
-class ImplicitInverse(torch.autograd.Function):
-    """V = the library's ``iterative_pinv(a, iterations, init=init)``, differentiated as
-    if it were A^-1: for an incoming gradient G of V, dA = -V^T G V^T (from
-    d(A^-1) = -A^-1 dA A^-1)."""
-
-    @staticmethod
-    def forward(ctx, a: Tensor, iterations: int, init: str) -> Tensor:  # type: ignore[override]
-        v = UNROLLED_PINV(a, iterations, init=init)
-        ctx.save_for_backward(v)
-        return v
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):  # type: ignore[override]
-        (v,) = ctx.saved_tensors
-        v_t = v.mT
-        return -(v_t @ grad @ v_t), None, None
-
-
 @contextlib.contextmanager
 def implicit_core(record: list[dict] | None = None) -> Iterator[None]:
     """Inside: the Lemma 3 core's iterative inverse differentiated implicitly
-    (``ImplicitInverse``). Each call appends to ``record`` the residual ||I - A V||_2 and
-    lambda_min(A) per matrix (lists over the batch and heads) and the iteration count."""
+    (``linalg.implicit_inverse.implicit_pinv``). Each call appends to ``record`` the
+    residual ||I - A V||_2 and lambda_min(A) per matrix (lists over the batch and heads)
+    and the iteration count.
+    Unlike the option ``pinv_gradient="implicit"``, which raises the steps to the bound's,
+    the patch keeps the steps it is given: the study compares the two gradients of one
+    forward pass."""
 
     def pinv(a: Tensor, iterations: int = 6, *, init: str = "scaled_transpose") -> Tensor:
-        v = ImplicitInverse.apply(a, iterations, init)
+        if init != "identity":
+            raise ValueError(f"the study patches the core's inverse from the identity, "
+                             f"got init={init!r}")
+        v = implicit_pinv(a, iterations)
         if record is not None:
             with torch.no_grad():
                 record.append({
@@ -189,25 +178,6 @@ def check_patch(unrolled: tuple[Tensor, ...], implicit: tuple[Tensor, ...], call
         raise RuntimeError("the implicit patch left dQ or dK unchanged")
     if not torch.equal(unrolled[2], implicit[2]):
         raise RuntimeError("dV changed: the patch changed the forward pass")
-
-
-def razavi_step(p: float) -> float:
-    """What one step does to an eigenvalue p of A V (A V commutes with A): the eigenvalue
-    of A V' is p' = p (13 - 15p + 7p^2 - p^3) / 4, so 1 - p' = (1 - p)^3 (4 - p) / 4, and p'
-    increases with p on [0, 1]."""
-    return p * (13 - 15 * p + 7 * p * p - p ** 3) / 4
-
-
-def residual_bound(m: int, gamma: float, iterations: int) -> float:
-    """||I - A V_K||_2 at worst over every input with m landmarks: V_K is a polynomial in
-    the symmetric A, so the norm is the largest of 1 - f^K(lambda) over A's eigenvalues
-    (f = ``razavi_step``, from V_0 = I), which is at lambda_min; and A >= gamma D^-1 (M is
-    PSD) with D <= (m + gamma) I (entries of M at most 1) gives lambda_min >=
-    gamma / (m + gamma), reached when all m landmarks coincide."""
-    p = gamma / (m + gamma)
-    for _ in range(iterations):
-        p = razavi_step(p)
-    return 1 - p
 
 
 def fmt(x: float) -> str:

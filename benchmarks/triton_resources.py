@@ -90,6 +90,7 @@ def _record_launches(spec: dict) -> list[dict]:
     options = {"kernel": "triton"}
     if spec["method"] != "kernelized":
         options["num_features"] = spec["features"]
+        options["pinv_gradient"] = spec["pinv_gradient"]
     out = skyformer.attention(q, k, v, spec["method"], key_padding_mask=mask,
                               generator=skyformer.random_key(0), **options)
     out.float().square().sum().backward()
@@ -213,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--features", type=int, nargs="+", default=[128, 64],
                         help="numbers of landmarks m")
     parser.add_argument("--n", type=int, default=256, help="N of the recording run")
+    parser.add_argument("--pinv-gradient", default="unrolled",
+                        choices=["unrolled", "implicit"],
+                        help="the Nystrom methods' pinv_gradient option")
     parser.add_argument("--out", type=Path, default=None,
                         help="write OUT.json and OUT.md (atomically)")
     args = parser.parse_args(argv)
@@ -232,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     for method, config, m in combos:
         head_dim, dtype = config.split(":")
         spec = {"method": method, "head_dim": int(head_dim), "dtype": dtype,
-                "features": m, "n": args.n}
+                "features": m, "n": args.n, "pinv_gradient": args.pinv_gradient}
         env = os.environ | {RECORD_ENV: json.dumps(spec), "TRITON_INTERPRET": "1"}
         child = subprocess.run([sys.executable, __file__], env=env, capture_output=True,
                                text=True, check=False)

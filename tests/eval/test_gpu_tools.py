@@ -102,11 +102,11 @@ def test_kernel_benchmark_runs_on_the_cpu_under_the_interpreter(tmp_path):
     result = json.loads(out.read_text())
     assert [row["call"] for row in result["rows"]] == [
         "sdpa", "skyformer/torch", "skyformer/triton", "skyformer/triton+tf32",
-        "kernelized/torch", "kernelized/triton"]
+        "skyformer/triton+implicit", "kernelized/torch", "kernelized/triton"]
     assert all(row["ms"] > 0 and row["peak_mib"] is None for row in result["rows"])
     assert {(row["shape"], row["call"]) for row in result["core"]} == {
         (f"1,1,m={m}", f"core/{kernel}/{mode}") for m in (8, 64)
-        for kernel in ("torch", "triton") for mode in ("fwd", "fwd+bwd")}
+        for kernel in ("torch", "triton", "triton+implicit") for mode in ("fwd", "fwd+bwd")}
 
 
 def test_lemma3_tile_sweep_runs_on_the_cpu_under_the_interpreter(tmp_path):

@@ -48,18 +48,6 @@ def test_converged_core_gives_the_same_gradient():
         assert found["draws"][g]["median"] > 1e-3  # another draw is another gradient
 
 
-def test_implicit_backward_is_the_gradient_of_the_inverse():
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(2, 6, 6, dtype=torch.float64, generator=g)
-    a = (x @ x.mT + 6 * torch.eye(6, dtype=torch.float64)).requires_grad_(True)
-    a = a / a.detach().sum(-1, keepdim=True).amax()  # eigenvalues in (0, 1]: converges
-    upstream = torch.randn(2, 6, 6, dtype=torch.float64, generator=g)
-    (implicit,) = torch.autograd.grad(benchmark.ImplicitInverse.apply(a, 30, "identity"),
-                                      a, upstream)
-    (exact,) = torch.autograd.grad(torch.linalg.inv(a), a, upstream)
-    torch.testing.assert_close(implicit, exact, rtol=1e-12, atol=1e-12)
-
-
 @pytest.mark.parametrize("iterations", [4, 6, 8])
 def test_coinciding_landmarks_reach_the_residual_bound(iterations):
     q = torch.full((1, 1, 40, 8), 0.3, dtype=torch.float64)  # every row the same
