@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -92,3 +93,21 @@ def test_clustered_inputs_put_lambda_min_near_its_bound():
     record: list[dict] = []
     benchmark.gradients(q, k, v, cotangent, features=16, seed=0, implicit=True, record=record)
     assert 0.1 / 16.1 <= record[0]["lambda_min"][0] < 2 * 0.1 / 16.1
+
+
+def test_the_cost_benchmark_times_both_gradients(tmp_path):
+    """benchmarks/implicit_gradient_cost.py at a tiny size: every call timed for both
+    gradients, the table and the JSON written."""
+    path = SCRIPT.with_name("implicit_gradient_cost.py")
+    spec = importlib.util.spec_from_file_location("implicit_gradient_cost_benchmark", path)
+    cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cost)
+    out = tmp_path / "cost"
+    assert cost.main(["--heads", "2", "--features", "8", "--seq-lens", "40", "--repeats",
+                      "1", "--out", str(out)]) == 0
+    times = json.loads(out.with_suffix(".json").read_text())["ms"]
+    assert set(times) == {f"{call} {gradient}" for gradient in ("unrolled", "implicit")
+                          for call in ("core fwd", "core fwd+bwd", "N=40")}
+    assert all(t > 0 for t in times.values())
+    rows = out.with_suffix(".md").read_text().splitlines()[4:]
+    assert [row.split(" | ")[0] for row in rows] == ["| core fwd", "| core fwd+bwd", "| N=40"]

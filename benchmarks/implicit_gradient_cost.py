@@ -1,0 +1,113 @@
+"""Time of ``pinv_gradient="implicit"`` against the default unrolled gradient, in one run.
+
+Interleaved rounds (each round runs every call once, so load hits all alike), medians:
+
+- the m x m core alone (``landmark_inverse``: C(X, X) and its Lemma 3 inverse) for
+  float32 landmark rows ``[1, heads, m, 64]``, forward alone (under ``no_grad``) and
+  forward + backward, unrolled (the authors' 6 steps and their adjoint) and implicit
+  (the bound's steps, 9 at m = 128 in float32, and two products backward);
+- a whole Skyformer forward + backward at each N of ``--seq-lens`` for one shape.
+
+``--kernel`` picks the path (``torch`` by default; ``triton`` on CUDA, or on the CPU
+under ``TRITON_INTERPRET=1``, where the interpreter's times mean nothing). The GPU's
+numbers come from ``gpu_kernels.py``, which has these rows too.
+
+    python benchmarks/implicit_gradient_cost.py [--out benchmarks/results/implicit_cost]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+import skyformer
+from skyformer.eval.measure.timing import interleaved_median_seconds
+from skyformer.io import atomic_write_text, environment, write_json
+from skyformer.linalg import half_sq_norm, landmark_inverse
+
+GRADIENTS = ("unrolled", "implicit")
+
+
+def core_calls(heads: int, m: int, kernel: str, device: str) -> dict[str, Callable[[], None]]:
+    """The core alone for each gradient, forward and forward + backward."""
+    g = torch.Generator().manual_seed(0)
+    x = (0.15 * torch.randn(1, heads, m, 64, generator=g)).to(device).requires_grad_(True)
+    grad = torch.randn(1, heads, m, m, generator=g).to(device)
+
+    def call(gradient: str, backward: bool) -> Callable[[], None]:
+        def run() -> None:
+            x.grad = None
+            with torch.enable_grad() if backward else torch.no_grad():
+                w = landmark_inverse(x, half_sq_norm(x), gamma=0.1, kernel=kernel,
+                                     gradient=gradient)
+                if backward:
+                    w.backward(grad)
+        return run
+
+    return {f"core {mode} {gradient}": call(gradient, mode == "fwd+bwd")
+            for mode in ("fwd", "fwd+bwd") for gradient in GRADIENTS}
+
+
+def attention_calls(shape: tuple[int, int, int], n: int, m: int, kernel: str, device: str
+                    ) -> dict[str, Callable[[], None]]:
+    """A Skyformer forward + backward at length ``n`` for each gradient."""
+    b, h, d = shape
+    g = torch.Generator().manual_seed(n)
+    q, k, v = (torch.randn(b, h, n, d, generator=g).to(device).requires_grad_(True)
+               for _ in range(3))
+    key = skyformer.random_key(0, device=device)
+
+    def call(gradient: str) -> Callable[[], None]:
+        def run() -> None:
+            out = skyformer.attention(q, k, v, "skyformer", num_features=m, kernel=kernel,
+                                      pinv_gradient=gradient, generator=key)
+            out.sum().backward()
+        return run
+
+    return {f"N={n} {gradient}": call(gradient) for gradient in GRADIENTS}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--kernel", default="torch", choices=["torch", "triton"])
+    parser.add_argument("--heads", type=int, default=16, help="matrices of the core alone")
+    parser.add_argument("--features", type=int, default=128, help="landmarks m")
+    parser.add_argument("--shape", default="1,2,32", help="B,H,D of the whole calls")
+    parser.add_argument("--seq-lens", type=int, nargs="*", default=[1024, 4096])
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--out", type=Path, default=None, help="write OUT.md and OUT.json")
+    args = parser.parse_args(argv)
+    shape = tuple(int(s) for s in args.shape.split(","))
+    calls = core_calls(args.heads, args.features, args.kernel, args.device)
+    for n in args.seq_lens:
+        calls |= attention_calls(shape, n, args.features, args.kernel, args.device)
+    times = interleaved_median_seconds(calls, device=args.device, warmup=3,
+                                       repeats=args.repeats)
+    lines = [f"m = {args.features}, kernel={args.kernel!r}, {args.device}, "
+             f"{torch.get_num_threads()} threads, torch {torch.__version__}; core: "
+             f"[1, {args.heads}, m, 64] float32 rows; calls: B,H,D = {args.shape} float32, "
+             f"forward + backward; medians of {args.repeats} interleaved rounds", "",
+             "| call | unrolled ms | implicit ms | unrolled / implicit |", "|---|---|---|---|"]
+    for name in dict.fromkeys(c.rsplit(" ", 1)[0] for c in calls):
+        unrolled, implicit = times[f"{name} unrolled"], times[f"{name} implicit"]
+        lines.append(f"| {name} | {unrolled * 1e3:.2f} | {implicit * 1e3:.2f} | "
+                     f"{unrolled / implicit:.2f}x |")
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        write_json(args.out.with_suffix(".json"),
+                   {"args": vars(args) | {"out": str(args.out)},
+                    "environment": environment(args.device),
+                    "ms": {name: t * 1e3 for name, t in times.items()}}, indent=1)
+        atomic_write_text(args.out.with_suffix(".md"), text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
