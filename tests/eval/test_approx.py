@@ -219,3 +219,17 @@ def test_report_marks_methods_worse_than_the_trivial_answer():
     assert "0.9!" in performer and "0.4 " in performer and "0.4!" not in performer
     assert "!" not in next(line for line in lines if line.startswith("trivial"))
     assert lines[-1].startswith("! = further from its target than the trivial answer")
+
+
+def test_a_method_variant_is_swept_under_its_name_in_aligned_columns():
+    """``skyformer[pinv_gradient=implicit]`` beside ``skyformer``: its own rows, and the
+    table's columns start after its (long) name."""
+    result = run_approx(small(seq_lens=(48,), analysis=False, sources=("gaussian",),
+                              methods=("skyformer", "skyformer[pinv_gradient=implicit]")),
+                        log=lambda s: None)
+    variant = rows_of(result, kind="method", method="skyformer[pinv_gradient=implicit]")
+    assert [r["num_features"] for r in variant] == [4, 8, 16]
+    lines = format_table(result.rows).splitlines()
+    header = lines[0]
+    row = next(line for line in lines if line.startswith("skyformer[pinv_gradient=implicit]"))
+    assert row.index("gaussian") == header.index("target")

@@ -346,3 +346,17 @@ def test_one_matmul_rate_per_file_a_dotted_out_and_float64_errors(tmp_path, monk
         assert row["sol_ms"] == pytest.approx(row["gflop"] / 200.0 * 1e3)
     exact = [r for r in data["rows"] if r["method"] in ("softmax", "kernelized")]
     assert exact and all(r["rel_error"] < 1e-14 for r in exact)
+
+
+def test_two_settings_of_one_method_are_measured_side_by_side():
+    """A variant (``name[key=value]``) is a method of its own in a run: its own rows under
+    its own name, its options in force, its FLOPs counted as its method's."""
+    config = BenchConfig(
+        methods=("skyformer", "skyformer[pinv_gradient=implicit]"), seq_lens=(64,),
+        shapes=((1, 2, 8),), num_features=16, repeats=1, warmup=0, memory=False)
+    rows = {row["method"]: row for row in run_bench(config).rows}
+    assert set(rows) == {"softmax", "skyformer", "skyformer[pinv_gradient=implicit]"}
+    implicit, unrolled = rows["skyformer[pinv_gradient=implicit]"], rows["skyformer"]
+    assert implicit["status"] == "ok" and implicit["sol_fraction"] > 0
+    # 16 landmarks: the bound's 7 steps against 6
+    assert implicit["gflop"] > unrolled["gflop"]

@@ -205,6 +205,19 @@ def test_layer_choice_changes_only_the_chosen_layers(minilm, model, padded_batch
     assert methods == ["skyformer", "exact", "exact", "exact", "kernelized", "exact"]
 
 
+def test_a_method_variant_sets_its_options_in_the_layer(model, padded_batch):
+    """``"skyformer[pinv_gradient=implicit]"``: the variant's options, under the ones
+    given at the call, in the layers it is set on."""
+    shf.set_attention(model, "skyformer[pinv_gradient=implicit,num_features=4]", layers=0,
+                      num_features=8, seed=1)
+    (row,) = [r for r in shf.describe(model) if r["method"] != "exact"]
+    assert row["method"] == "skyformer[pinv_gradient=implicit,num_features=4]"
+    assert (row["options"]["pinv_gradient"], row["options"]["num_features"]) == ("implicit", 8)
+    model(**padded_batch).last_hidden_state.sum().backward()
+    with pytest.raises(ValueError, match="has no option 'colour'"):
+        shf.set_attention(model, "skyformer[colour=red]")
+
+
 def test_restore_exact(minilm, model, padded_batch):
     with torch.no_grad():
         exact = mean_pooled(minilm[0], padded_batch)

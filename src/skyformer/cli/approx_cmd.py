@@ -51,7 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="random seeds of the methods (default: "
                         f"{' '.join(map(str, d.seeds))})")
     parser.add_argument("--methods", nargs="+", default=None, metavar="NAME",
-                        help="subset of methods (default: every approximate method)")
+                        help="subset of methods, each a name or a variant with options set, "
+                        "'skyformer[pinv_gradient=implicit]' (default: every approximate "
+                        "method)")
     parser.add_argument("--layer", type=int, default=None, help=f"model layer (default {d.layer})")
     parser.add_argument("--heads", nargs="+", default=None, metavar="H",
                         help="head indices, or 'all' (default: 0 3 6 9); for glove/gaussian "

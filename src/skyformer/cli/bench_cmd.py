@@ -30,7 +30,9 @@ def _shape(text: str) -> tuple[int, int, int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", nargs="+", default=None,
-                        help="registered names or package.module:function[@softmax|@gaussian] "
+                        help="registered names, variants with options set "
+                        "('skyformer[pinv_gradient=implicit]') or "
+                        "package.module:function[@softmax|@gaussian] "
                         "(default: every registered method; softmax is always included)")
     parser.add_argument("--seq-lens", nargs="+", type=int, default=None,
                         help="sequence lengths (default: --min-n doubling to --max-n)")

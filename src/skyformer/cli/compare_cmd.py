@@ -25,7 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="local BERT-type model folder (default: pretrained MiniLM-L6)")
     parser.add_argument("--random-init", action="store_true",
                         help="same architecture, randomly initialised weights")
-    parser.add_argument("--methods", nargs="+", default=None, help="subset of methods")
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help="subset of methods, each a name or a variant with options set, "
+                        "'skyformer[pinv_gradient=implicit]'")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats (median)")
     parser.add_argument("--no-memory", action="store_true", help="skip peak-memory measurement")
     parser.add_argument(

@@ -16,7 +16,8 @@ HELP = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", nargs="+", default=None,
-                        help="subset of methods (default: all)")
+                        help="subset of methods, each a name or a variant with options set, "
+                        "'skyformer[pinv_gradient=implicit]' (default: all)")
     parser.add_argument("--features", nargs="+", type=int, default=[32, 64, 128],
                         help="num_features values for approximate methods (default: 32 64 128)")
     parser.add_argument("--settings", nargs="+", choices=["short", "long"],

@@ -27,6 +27,7 @@ from ..registry import (
     get_method,
     list_methods,
 )
+from ..registry.variants import is_variant
 
 EXACT = "exact"  # run transformers' own SDPA attention in this layer
 STATE_NAME = "skyformer_state"  # submodule holding a method's per-layer parameters
@@ -191,12 +192,16 @@ def position_limit(module: nn.Module) -> int | None:
 
 def resolve_method_name(method: str) -> str:
     """``"skyformer:performer"`` or ``"performer"`` -> ``"performer"``; ``"exact"``/``"sdpa"``
-    -> ``"exact"``; unknown names fail with the list of known ones."""
+    -> ``"exact"``; a variant (``"performer[num_features=64]"``) as it is; unknown names
+    fail with the list of known ones."""
     if not isinstance(method, str):
         raise TypeError(f"method must be a string, got {type(method).__name__}.")
     name = method.removeprefix("skyformer:")
     if name in (EXACT, "sdpa"):
         return EXACT
+    if is_variant(name):  # "nystrom_softmax[num_features=64]": checked, kept as given
+        get_method(name)
+        return name
     if name not in list_methods():
         raise ValueError(
             f"unknown attention method {method!r}; available: {', '.join(list_methods())}, "

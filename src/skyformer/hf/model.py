@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..registry.variants import is_variant
 from .attention import PER_LAYER, PREFIX, implementation_name, register_methods
 from .layers import (
     EXACT,
@@ -117,7 +118,9 @@ def set_attention(
     modules, chosen = _select(model, layers)
     if not _is_ours(current):
         model.__dict__[_ORIGINAL] = current
-    target = implementation_name(name) if chosen is None and name != EXACT else PER_LAYER
+    # a variant has no implementation name of its own: each layer holds its setting
+    whole = chosen is None and name != EXACT and not is_variant(name)
+    target = implementation_name(name) if whole else PER_LAYER
     if chosen is None and name == EXACT:
         return restore_exact(model)
 

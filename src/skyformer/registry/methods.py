@@ -30,6 +30,7 @@ from torch import Tensor
 from .binding import HALF_DTYPES, BoundMethod
 from .capabilities import TARGETS, Capabilities, CapabilityError, Target, capability_sentence
 from .signature import config_fields, core_of, public_function, takes_config
+from .variants import is_variant, parse_variant
 
 StateFactory = Callable[[Any, int, int], "torch.nn.Module"]
 
@@ -53,6 +54,10 @@ class Method:
     whose ``module(q, k)`` returns a dict of extra keyword arguments for the core. Called
     without them, such methods work (e.g. by drawing them from the generator) or say
     what is missing.
+
+    ``preset``: options a variant sets (``variants.py``: ``get_method`` of
+    ``"skyformer[pinv_gradient=implicit]"``); options given to ``bind`` or
+    ``make_config`` override them.
     """
 
     name: str
@@ -61,6 +66,7 @@ class Method:
     capabilities: Capabilities
     summary: str
     state: StateFactory | None = None
+    preset: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         # Read once: torch.compile cannot trace dataclasses.fields() of a class.
@@ -72,9 +78,14 @@ class Method:
         """``core(q, k, v, config, *, key_padding_mask, generator, **state_arguments)``."""
         return core_of(self.function)
 
+    @property
+    def base_name(self) -> str:
+        """The registered name (a variant's without its brackets)."""
+        return self.name.partition("[")[0]
+
     def defaults(self) -> dict[str, Any]:
-        """Option name -> default value."""
-        return config_fields(self.config_class())
+        """Option name -> default value (a variant's: with its options set)."""
+        return config_fields(self.config_class(**dict(self.preset)))
 
     def option_names(self) -> tuple[str, ...]:
         return self._option_names  # type: ignore[attr-defined]
@@ -85,6 +96,7 @@ class Method:
 
     def make_config(self, **options: Any) -> Any:
         """Build the frozen config, rejecting unknown options with the list of known ones."""
+        options = {**dict(self.preset), **options}
         unknown = sorted(set(options) - set(self.option_names()))
         if "causal" in unknown and options.get("causal"):
             raise CapabilityError(_capability_sentence(self.name, "causal"))
@@ -147,8 +159,9 @@ def register(
 ) -> Callable[[Callable[..., Tensor]], Callable[..., Tensor]]:
     """Decorator that registers an attention function under ``name``; returns its public
     form (generated from a core, see the module docstring)."""
-    if not isinstance(name, str) or not name:
-        raise TypeError(f"register: a method's name is a non-empty string, got {name!r}.")
+    if not isinstance(name, str) or not name or is_variant(name):
+        raise TypeError(f"register: a method's name is a non-empty string without "
+                        f"brackets (they name a variant), got {name!r}.")
     if not isinstance(config_class, type) or not dataclasses.is_dataclass(config_class):
         raise TypeError(f"config_class of {name!r} must be a dataclass class (not an "
                         f"instance), got {config_class!r}.")
@@ -202,8 +215,15 @@ def list_methods() -> list[str]:
 
 
 def get_method(name: str) -> Method:
-    """The registered method ``name``; unknown names fail with the list of known ones."""
+    """The registered method ``name``, or a variant of it with some options set
+    (``"skyformer[pinv_gradient=implicit]"``, ``variants.py``), checked at once; unknown
+    names fail with the list of known ones."""
     _load_builtin_methods()
+    if isinstance(name, str) and is_variant(name):
+        base, preset = parse_variant(name)
+        method = dataclasses.replace(get_method(base), name=name, preset=preset)
+        method.make_config()  # unknown options and bad values fail here, in a sentence
+        return method
     if not isinstance(name, str) or name not in _REGISTRY:
         raise ValueError(
             f"unknown attention method {name!r}; available: {', '.join(_REGISTRY)}."
@@ -221,7 +241,8 @@ def exact_method(target: Target) -> Method:
 def _capability_sentence(name: str, capability: str) -> str:
     able = [m.name for m in _REGISTRY.values() if m.capabilities.has(capability)]
     sentence = capability_sentence(name, capability, able)
-    why = _REGISTRY[name].capabilities.not_causal_because if name in _REGISTRY else None
+    base = name.partition("[")[0]
+    why = _REGISTRY[base].capabilities.not_causal_because if base in _REGISTRY else None
     if capability == "causal" and why:
         sentence = f"{sentence[:-1]} ({name}: {why})."
     return sentence

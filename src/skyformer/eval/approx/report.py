@@ -72,7 +72,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     out = []
     for source, n, ms, lines in _pivot(rows):
         trivial = _trivial(lines)
-        header = f"{source} N={n}".ljust(30) + f"{'target':<10}" + "".join(
+        # as wide as the longest label (a variant's name may be long), at least 30
+        width = max([30] + [len(label) + 2 for label, _, _ in lines])
+        header = f"{source} N={n}".ljust(width) + f"{'target':<10}" + "".join(
             f"{'m=' + str(m):>10}" for m in ms)
         out += [header, "-" * len(header)]
         for label, target, by_m in lines:
@@ -80,7 +82,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                 (f"{by_m[m]['spectral_mean']:.3g}"
                  + ("!" if _worse(label, target, by_m[m], trivial) else " ")).rjust(10)
                 if m in by_m else f"{'-':>10}" for m in ms)
-            out.append(f"{label:<30}{target:<10}{cells}")
+            out.append(f"{label:<{width}}{target:<10}{cells}")
         out.append("")
     out.append(WORSE_THAN_TRIVIAL)
     return "\n".join(out).rstrip()

@@ -57,8 +57,9 @@ def attention_flops(
     method: str, *, batch: int, heads: int, nq: int, nk: int, d: int, dv: int,
     options: dict[str, Any] | None = None, backward: bool = False,
 ) -> float | None:
-    """Matrix-product FLOPs of one call of ``method`` (None if not known for it)."""
-    count = FORWARD_FLOPS.get(method)
+    """Matrix-product FLOPs of one call of ``method`` (None if not known for it; a
+    variant, ``name[...]``, counts as its method with ``options``)."""
+    count = FORWARD_FLOPS.get(method.partition("[")[0])
     if count is None:
         return None
     per_head = count(nq, nk, d, dv, options or {})
