@@ -60,9 +60,11 @@ def implicit_iterations(m: int, gamma: float, dtype: torch.dtype, at_least: int 
         raise ValueError(f"the implicit gradient needs gamma > 0 (its number of steps comes "
                          f"from the bound gamma / (m + gamma)), got {gamma!r}.")
     roundoff = torch.finfo(dtype).eps / 2
+    p = gamma / (m + gamma)  # residual_bound's recursion, in one pass (each call runs it)
     for k in range(MAX_ITERATIONS + 1):
-        if residual_bound(m, gamma, k) <= roundoff:
+        if 1 - p <= roundoff:
             return max(k, at_least)
+        p = eigenvalue_step(p)
     raise ValueError(f"m = {m}, gamma = {gamma!r}: the residual bound stays above "
                      f"{roundoff:.1e} after {MAX_ITERATIONS} steps; raise gamma.")
 
