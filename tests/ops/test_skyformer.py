@@ -63,6 +63,26 @@ def test_fast_matches_naive_lifted_reference(pinv, init, masked):
 
 
 @pytest.mark.parametrize("masked", [False, True])
+def test_the_implicit_option_matches_the_naive_reference_at_its_steps(masked):
+    """``pinv_gradient="implicit"``: the naive reference runs the steps the bound asks for
+    (as the fast path does), on queries and keys clustered so that 6 steps would not do."""
+    q, k, v = make_qkv(2, 2, 26, 8)
+    q, k = (0.05 * t + torch.ones(8, dtype=t.dtype) for t in (q, k))
+    mask = None
+    if masked:
+        mask = torch.ones(2, 26, dtype=torch.bool)
+        mask[0, 20:] = False
+    fast = skyformer_attention(q, k, v, key_padding_mask=mask, generator=gen(3),
+                               num_features=12, pinv_gradient="implicit")
+    lm = landmarks_for(q, k, v, mask, 12, 3)
+    ref = reference_skyformer_attention(q, k, v, lm, key_padding_mask=mask,
+                                        pinv_gradient="implicit")
+    torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)
+    six = reference_skyformer_attention(q, k, v, lm, key_padding_mask=mask)
+    assert (six - ref).abs().max() > 1e-8  # the 6 steps are further off than the match
+
+
+@pytest.mark.parametrize("masked", [False, True])
 def test_every_row_as_landmark_reproduces_kernelized_attention(masked):
     """Exactness limit: S = I, gamma = 0, exact inverse => C~ = C."""
     q, k, v = make_qkv(2, 2, 15, 8)

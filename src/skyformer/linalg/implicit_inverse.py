@@ -19,7 +19,9 @@ fewer than asked, so that W is the ridge inverse to rounding and dA its exact gr
 
 The forward pass thus changes (W becomes the inverse the authors' 6 steps approximate),
 so it is an option, not the default. What a call holds for its backward pass shrinks to
-V_K alone (K iterates on the unrolled path).
+V_K alone (the unrolled path holds every iterate, and on the PyTorch path each step's
+products too). The bound needs M PSD with entries in [0, 1], as the Gaussian blocks the
+methods pass are; ``nystrom.lemma3_inverse`` says so for a matrix given directly.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from .functional_ops import first_order_backward
 from .pinv import razavi_step
 
 GRADIENTS: tuple[str, ...] = ("unrolled", "implicit")
-MAX_ITERATIONS = 64  # far beyond any bound reached (m = 10^6, gamma = 1e-6: 30)
+MAX_ITERATIONS = 64  # far beyond any bound reached (m = 10^6, gamma = 1e-6: 27)
 
 
 def eigenvalue_step(p: float) -> float:

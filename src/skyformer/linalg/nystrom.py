@@ -59,7 +59,10 @@ def lemma3_inverse(
             runs the whole chain in one launch where it applies (``lemma3_triton``).
         gradient: ``"unrolled"`` (the adjoint of the ``iterations`` steps) or
             ``"implicit"`` (differentiated as an inverse, after at least as many steps
-            as Lemma 3's bound needs: ``implicit_inverse``).
+            as Lemma 3's bound needs: ``implicit_inverse``). The bound holds for a PSD
+            ``m`` with entries in [0, 1], as a Gaussian block's are (the methods pass
+            nothing else): a matrix scaled beyond that gets too few steps, so that the
+            implicit gradient is not the gradient of W; the unrolled one always is.
     Returns:
         ``[..., m, m]``.
     """

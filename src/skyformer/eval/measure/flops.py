@@ -4,7 +4,9 @@ Together they give a "speed of light" time: the matrix-product FLOPs of one call
 divided by what a large square matmul reaches on the same device in the same run. The
 counts are the minimum (no recomputation, elementwise work and exp not counted), and
 a backward pass is counted as twice the forward products (each product C = A B needs
-dA = dC B^T and dB = A^T dC), so forward + backward = 3x forward.
+dA = dC B^T and dB = A^T dC), so forward + backward = 3x forward; but the Lemma 3
+core differentiated implicitly (``pinv_gradient="implicit"``) takes two m x m products
+backward, whatever its forward steps (``BACKWARD_FLOPS``).
 """
 
 from __future__ import annotations
@@ -26,8 +28,22 @@ def _exact_flops(nq: int, nk: int, d: int, dv: int, options: dict[str, Any]) -> 
 def _nystrom_flops(nq: int, nk: int, d: int, dv: int, options: dict[str, Any]) -> float | None:
     """Skyformer eqs. (5)-(6) with the Lemma 3 iterative inverse (per head; the modified
     Nystrom softmax has one or two more value columns, not counted)."""
-    if options.get("pinv", "iterative") != "iterative":
+    core = _core_flops(nq, nk, options)
+    if core is None:
         return None  # an SVD: no meaningful product count
+    m = min(options.get("num_features", 128), nq + nk)
+    return (
+        2.0 * nk * m * (d + dv)  # C(K, X) and C(X, K) V
+        + 2.0 * m * m * (d + dv)  # C(X, X) and W (C(X, K) V)
+        + core  # the iterative inverse
+        + 2.0 * nq * m * (d + dv)  # C(Q, X) and C(Q, X) Z
+    )
+
+
+def _core_flops(nq: int, nk: int, options: dict[str, Any]) -> float | None:
+    """The Razavi steps' m x m products (None for the exact pinv)."""
+    if options.get("pinv", "iterative") != "iterative":
+        return None
     m = min(options.get("num_features", 128), nq + nk)
     iterations = options.get("pinv_iterations", 6)
     if options.get("pinv_gradient") == "implicit":  # the steps Lemma 3's bound needs
@@ -37,12 +53,19 @@ def _nystrom_flops(nq: int, nk: int, d: int, dv: int, options: dict[str, Any]) -
     steps = 4 * iterations - (
         2 if options.get("pinv_init", "identity") == "identity" and iterations else 0
     )
-    return (
-        2.0 * nk * m * (d + dv)  # C(K, X) and C(X, K) V
-        + 2.0 * m * m * (d + dv)  # C(X, X) and W (C(X, K) V)
-        + 2.0 * steps * m**3  # the iterative inverse
-        + 2.0 * nq * m * (d + dv)  # C(Q, X) and C(Q, X) Z
-    )
+    return 2.0 * steps * m**3
+
+
+def _nystrom_backward_flops(nq: int, nk: int, d: int, dv: int, options: dict[str, Any]
+                            ) -> float | None:
+    """Twice the forward's products, but for the implicit gradient the core's backward
+    is two products, -V^T G V^T, whatever its steps."""
+    forward = _nystrom_flops(nq, nk, d, dv, options)
+    if forward is None or options.get("pinv_gradient") != "implicit":
+        return None if forward is None else 2.0 * forward
+    core = _core_flops(nq, nk, options) or 0.0
+    m = min(options.get("num_features", 128), nq + nk)
+    return 2.0 * (forward - core) + 2.0 * 2.0 * m**3
 
 
 FORWARD_FLOPS: dict[str, Callable[[int, int, int, int, dict[str, Any]], float | None]] = {
@@ -50,6 +73,11 @@ FORWARD_FLOPS: dict[str, Callable[[int, int, int, int, dict[str, Any]], float | 
     "kernelized": _exact_flops,
     "skyformer": _nystrom_flops,
     "nystrom_softmax": _nystrom_flops,
+}
+# Backward passes counted otherwise than twice the forward's products.
+BACKWARD_FLOPS: dict[str, Callable[[int, int, int, int, dict[str, Any]], float | None]] = {
+    "skyformer": _nystrom_backward_flops,
+    "nystrom_softmax": _nystrom_backward_flops,
 }
 
 
@@ -59,13 +87,19 @@ def attention_flops(
 ) -> float | None:
     """Matrix-product FLOPs of one call of ``method`` (None if not known for it; a
     variant, ``name[...]``, counts as its method with ``options``)."""
-    count = FORWARD_FLOPS.get(method.partition("[")[0])
+    name = method.partition("[")[0]
+    count = FORWARD_FLOPS.get(name)
     if count is None:
         return None
-    per_head = count(nq, nk, d, dv, options or {})
+    options = options or {}
+    per_head = count(nq, nk, d, dv, options)
     if per_head is None:
         return None
-    return per_head * batch * heads * (3 if backward else 1)
+    if backward:
+        backward_count = BACKWARD_FLOPS.get(name)
+        per_head += (2 * per_head if backward_count is None
+                     else backward_count(nq, nk, d, dv, options))
+    return per_head * batch * heads
 
 
 def matmul_flops_per_second(

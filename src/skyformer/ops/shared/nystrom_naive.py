@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ...linalg.nystrom import core_iterations
 from ...sketch import Landmarks
 from .modified_nystrom import NystromOptions
 
@@ -74,8 +75,12 @@ def reference_lifted_factors(
     z = torch.cat([q_hat[b][:, q_rows], k_hat[b][:, k_rows]], dim=1)  # [H, 2n, D]
     c_bar = torch.exp(-torch.cdist(z, z) ** 2 / 2)  # [H, 2n, 2n]
     s = _selection_matrix(landmarks, b, q_rows, k_rows, z.dtype).to(z.device)
-    w = naive_lemma3_inverse(s.T @ c_bar @ s, options.gamma, options.pinv,
-                             options.pinv_iterations, options.pinv_init)
+    # the fast path's steps: raised for the implicit gradient by the bound for its slots
+    slots = landmarks.query_index.shape[-1] + landmarks.key_index.shape[-1]
+    iterations = core_iterations(options.pinv_gradient, options.pinv_iterations, slots,
+                                 options.gamma, options.pinv, options.pinv_init, z.dtype)
+    w = naive_lemma3_inverse(s.T @ c_bar @ s, options.gamma, options.pinv, iterations,
+                             options.pinv_init)
     nq = len(q_rows)
     return (c_bar @ s)[:, :nq], w, (s.T @ c_bar)[:, :, nq:]
 
