@@ -131,11 +131,42 @@ def test_a_malformed_or_invalid_variant_fails_in_a_sentence(name, problem):
         get_method(name)
 
 
-def test_values_are_read_as_json_or_kept_as_strings():
-    method = get_method("performer[num_features=32,orthogonal=false,scale=0.5]")
+@pytest.mark.parametrize("text, value", [
+    ("64", 64), ("-2", -2), ("0.5", 0.5), (".5", 0.5), ("1.", 1.0), ("1e-3", 1e-3),
+    ("2.5E4", 2.5e4), ("true", True), ("True", True), ("false", False), ("False", False),
+    ("null", None), ("None", None), ("'64'", "64"), ('"x"', "x"), ("implicit", "implicit"),
+    ("1e", "1e"), ("1.2.3", "1.2.3"),
+])
+def test_values_are_numbers_words_or_strings(text, value):
+    from skyformer.registry.variants import parse_variant
+
+    assert parse_variant(f" m[a={text}] ") == ("m", (("a", value),))
+
+
+def test_a_variants_values_reach_its_config():
+    method = get_method("performer[num_features=32,orthogonal=False,scale=.5]")
     config = method.make_config()
     assert (config.num_features, config.orthogonal, config.scale) == (32, False, 0.5)
-    assert get_method("skyformer[landmark_stride=null]").make_config().landmark_stride is None
+    assert get_method("skyformer[landmark_stride=None]").make_config().landmark_stride is None
+
+
+def test_a_variant_named_inside_a_compiled_function_is_traced():
+    """Parsed with string methods alone, and the Method made without
+    ``dataclasses.fields``: ``torch.compile(fullgraph=True)`` traces a call that names a
+    variant for the first time."""
+    from skyformer.registry import methods
+
+    name = "skyformer[pinv_gradient=implicit,num_features=7]"
+    methods._VARIANTS.pop(name, None)
+    q = make_qkv(1, 2, 40, 8)[0]
+    key = skyformer.random_key(0)
+
+    def f(q):
+        return skyformer.attention(q, q, q, name, generator=key)
+
+    torch._dynamo.reset()
+    out = torch.compile(f, fullgraph=True, backend="eager")(q)
+    torch.testing.assert_close(out, f(q))
 
 
 def test_a_name_with_brackets_cannot_be_registered():

@@ -233,3 +233,5 @@ def test_a_method_variant_is_swept_under_its_name_in_aligned_columns():
     header = lines[0]
     row = next(line for line in lines if line.startswith("skyformer[pinv_gradient=implicit]"))
     assert row.index("gaussian") == header.index("target")
+    with pytest.raises(ValueError, match=r"approx \(--features\) sets num_features"):
+        run_approx(small(methods=("skyformer[num_features=8]",)), log=lambda s: None)

@@ -71,6 +71,9 @@ def test_inputs_and_their_errors():
 def test_config_errors():
     with pytest.raises(ValueError, match="unknown attention method 'nope'"):
         HFEvalConfig(methods=("nope",)).validate()
+    with pytest.raises(ValueError, match=r"hf-eval \(--features\) sets num_features"):
+        HFEvalConfig(methods=("skyformer[num_features=64]",)).validate()
+    HFEvalConfig(methods=("skyformer[pinv_gradient=implicit]",)).validate()
     with pytest.raises(ValueError, match="features must be positive integers"):
         HFEvalConfig(features=(0,)).validate()
     with pytest.raises(ValueError, match="settings must be chosen from short, long"):

@@ -33,6 +33,7 @@ from .signature import config_fields, core_of, public_function, takes_config
 from .variants import is_variant, parse_variant
 
 StateFactory = Callable[[Any, int, int], "torch.nn.Module"]
+_OPTION_NAMES: dict[type, tuple[str, ...]] = {}  # config class -> its option names
 
 # Names ``Method.bind`` takes itself; no method may have an option of that name.
 _BIND_ARGUMENTS = ("num_heads", "head_dim", "seq_len")
@@ -69,8 +70,12 @@ class Method:
     preset: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
-        # Read once: torch.compile cannot trace dataclasses.fields() of a class.
-        names = tuple(f.name for f in dataclasses.fields(self.config_class))
+        # Read once per config class: torch.compile cannot trace dataclasses.fields() of
+        # a class, and a variant named inside a compiled function is made there.
+        names = _OPTION_NAMES.get(self.config_class)
+        if names is None:
+            names = tuple(f.name for f in dataclasses.fields(self.config_class))
+            _OPTION_NAMES[self.config_class] = names
         object.__setattr__(self, "_option_names", names)
 
     @property
@@ -147,6 +152,7 @@ class Method:
 
 
 _REGISTRY: dict[str, Method] = {}
+_VARIANTS: dict[str, Method] = {}  # variants by the name they were asked for
 
 
 def register(
@@ -220,10 +226,14 @@ def get_method(name: str) -> Method:
     names fail with the list of known ones."""
     _load_builtin_methods()
     if isinstance(name, str) and is_variant(name):
-        base, preset = parse_variant(name)
-        method = dataclasses.replace(get_method(base), name=name, preset=preset)
-        method.make_config()  # unknown options and bad values fail here, in a sentence
-        return method
+        if name not in _VARIANTS:  # parsed and checked once (calls name it every time)
+            base, preset = parse_variant(name)
+            of = get_method(base)
+            method = Method(name.strip(), of.function, of.config_class, of.capabilities,
+                            of.summary, of.state, preset)
+            method.make_config()  # unknown options and bad values fail here, in a sentence
+            _VARIANTS[name] = method
+        return _VARIANTS[name]
     if not isinstance(name, str) or name not in _REGISTRY:
         raise ValueError(
             f"unknown attention method {name!r}; available: {', '.join(_REGISTRY)}."

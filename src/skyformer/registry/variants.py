@@ -1,25 +1,28 @@
 """A method with some options set, named as one string: ``skyformer[pinv_gradient=implicit]``.
 
 Everything that takes a method's name (``skyformer.attention``, ``MultiHeadAttention``,
-the Hugging Face integration, ``skyformer compare`` / ``bench`` / ``approx``) takes such a
-variant too, so that two settings of one method can be measured side by side on the same
-inputs, in one run, and keep their names in the tables::
+the Hugging Face integration, ``skyformer compare`` / ``bench`` / ``approx`` /
+``hf-eval``, ``skyformer lra train --attn``) takes such a variant too, so that two
+settings of one method can be measured side by side on the same inputs, in one run, and
+keep their names in the tables::
 
     skyformer bench --methods skyformer "skyformer[pinv_gradient=implicit]"
 
-Inside the brackets, ``key=value`` items separated by commas; a value is read as JSON
-(``64``, ``0.5``, ``true``, ``null``) or, if it is not JSON, kept as a string (``implicit``).
-Options given at the call override the variant's.
+Inside the brackets, ``key=value`` items separated by commas. A value is a number
+(``64``, ``0.5``, ``1e-3``), ``true`` / ``false`` / ``null`` (or Python's ``True`` /
+``False`` / ``None``), a quoted string, or else the bare word as a string
+(``implicit``); no value holds a comma or a bracket. Options given at the call
+override the variant's. The parser uses string methods alone, so that ``torch.compile``
+traces a call that names a variant.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from typing import Any
 
-_VARIANT = re.compile(r"^(?P<base>[^\[\]]+)\[(?P<items>[^\[\]]*)\]$")
 EXAMPLE = "skyformer[num_features=64,pinv_gradient=implicit]"
+_WORDS = {"true": True, "True": True, "false": False, "False": False, "null": None,
+          "None": None}
 
 
 def is_variant(name: str) -> bool:
@@ -29,25 +32,56 @@ def is_variant(name: str) -> bool:
 
 def parse_variant(name: str) -> tuple[str, tuple[tuple[str, Any], ...]]:
     """(base method name, the options set, in order) of ``name[key=value,...]``."""
-    match = _VARIANT.match(name)
-    if match is None:
+    text = name.strip()
+    base, _, rest = text.partition("[")
+    items = rest[:-1]
+    if not base.strip() or not text.endswith("]") or "[" in items or "]" in items:
         raise ValueError(f"{name!r}: a method with options set is written "
                          f"name[key=value,...], e.g. {EXAMPLE!r}.")
-    items: list[tuple[str, Any]] = []
-    for item in match["items"].split(","):
+    options: list[tuple[str, Any]] = []
+    for item in items.split(","):
         key, equals, raw = item.partition("=")
         key = key.strip()
         if not equals or not key:
             raise ValueError(f"{name!r}: expected key=value items inside the brackets, got "
                              f"{item.strip()!r} (e.g. {EXAMPLE!r}).")
-        if key in dict(items):
+        if any(key == seen for seen, _ in options):
             raise ValueError(f"{name!r}: the option {key!r} is set twice.")
-        items.append((key, _value(raw.strip())))
-    return match["base"].strip(), tuple(items)
+        options.append((key, _value(raw.strip())))
+    return base.strip(), tuple(options)
 
 
 def _value(raw: str) -> Any:
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
-        return raw
+    """A number, a word of ``_WORDS``, a quoted string, or ``raw`` itself."""
+    if raw in _WORDS:
+        return _WORDS[raw]
+    if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "\"'":
+        return raw[1:-1]
+    unsigned = raw[1:] if raw[:1] in "+-" else raw
+    if unsigned.isdigit():
+        return int(raw)
+    if _is_decimal(unsigned):
+        return float(raw)
+    return raw
+
+
+def _is_decimal(text: str) -> bool:
+    """``1.5``, ``.5``, ``1.``, ``1e-3``, ``2.5E4`` (no sign in front)."""
+    mantissa, e, exponent = text.lower().partition("e")
+    if e:
+        exponent = exponent[1:] if exponent[:1] in "+-" else exponent
+        if not exponent.isdigit():
+            return False
+    whole, dot, fraction = mantissa.partition(".")
+    digits = whole + fraction
+    return digits.isdigit() and (bool(dot) or bool(e)) \
+        and (whole == "" or whole.isdigit()) and (fraction == "" or fraction.isdigit())
+
+
+def refuse_swept_option(name: str, preset: tuple[tuple[str, Any], ...], option: str,
+                        sweep: str) -> None:
+    """Fail in a sentence where a variant sets an ``option`` that ``sweep`` sets on every
+    call (its rows would carry the variant's name with the sweep's values)."""
+    if any(key == option for key, _ in preset):
+        raise ValueError(f"{name}: {sweep} sets {option} on every call; drop it from the "
+                         f"brackets.")

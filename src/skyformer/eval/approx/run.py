@@ -38,6 +38,7 @@ from ...io import environment
 from ...linalg import gaussian_scores, softmax_scores, top_singular_subspace
 from ...logs import get_logger
 from ...registry import Method, exact_method, get_method, list_methods
+from ...registry.variants import refuse_swept_option
 from ..data.sources import SOURCES, SourceData, SourceLoader, SourceOptions, check_source
 from ..measure.metrics import constant_row_error, rank_m_floor, relative_error
 from .leverage import THEOREM_CONSTANT, leverage_analysis
@@ -211,6 +212,7 @@ def resolve_methods(names: tuple[str, ...] | None, notes: list[str]) -> list[Met
     chosen = [get_method(n) for n in (names if explicit else list_methods())]
     out = []
     for spec in chosen:
+        refuse_swept_option(spec.name, spec.preset, "num_features", "approx (--features)")
         if spec.capabilities.exact:
             if explicit:
                 notes.append(f"{spec.name}: skipped: exact, it is the {spec.capabilities.target} "

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from ...io import environment
 from ...registry import CapabilityError, get_method, list_methods
+from ...registry.variants import refuse_swept_option
 from ..data.qkv import load_model
 from ..data.text import read_text, sentences
 from ..measure.memory import CallJob, peak_memory_bytes
@@ -95,7 +96,9 @@ class HFEvalConfig:
                 f"settings must be chosen from {', '.join(SETTINGS)}, got {self.settings!r}."
             )
         for m in self.methods or ():
-            get_method(m)  # unknown names fail before any work
+            method = get_method(m)  # unknown names fail before any work
+            refuse_swept_option(method.name, method.preset, "num_features",
+                                "hf-eval (--features)")
         device = check_device(self.device)
         if self.clock not in CLOCKS:
             raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}.")
