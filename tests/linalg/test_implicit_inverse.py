@@ -273,3 +273,40 @@ def test_forward_mode_agrees_with_the_implicit_reverse_mode():
     (reverse,) = torch.autograd.grad(f(leaf), leaf, u)
     assert (u * forward).sum().item() == pytest.approx((reverse * tangent).sum().item(),
                                                        rel=1e-10)
+
+
+@pytest.mark.parametrize("iterations", [2, 3, 4, 9])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_paired_steps_give_the_ordinary_chains_inverse(iterations, dtype):
+    """The implicit forward kernel pairs its steps (``triton_lemma3.chains``): the same
+    W and last iterate as the ordinary chain, to rounding in float64 and, in float32,
+    as close to the exact inverse as the ordinary chain (its last step is an ordinary
+    one), on clustered landmarks with dead slots."""
+    pytest.importorskip("triton")
+    if not interpreter_on():
+        pytest.skip("Triton's interpreter is off (TRITON_INTERPRET=0)")
+    from skyformer.linalg import triton_lemma3
+
+    x, live = _clustered_rows(2, 2, 37, 16, dtype, "cpu")
+    flat, norm = x.reshape(4, 37, 16), _norms(x, live).reshape(4, 37)
+    ridge = torch.where(live, torch.tensor(GAMMA, dtype=dtype), torch.tensor(1.0, dtype=dtype))
+    paired = triton_lemma3.lemma3_forward(flat, norm, ridge, iterations, backward=False,
+                                          implicit=True)
+    ordinary = triton_lemma3.lemma3_forward(flat, norm, ridge, iterations, backward=False)
+    last = (iterations - 1) % 2  # the store's slot of V_K
+    if dtype == torch.float64:
+        assert relative_error(paired[0], ordinary[0]) < 1e-12
+        assert relative_error(paired[1][:, last], ordinary[1][:, last]) < 1e-12
+    else:
+        exact = _ridge_inverse(x.double(), live).reshape(4, 37, 37)
+        assert relative_error(paired[0], exact) < 2 * relative_error(ordinary[0], exact) + 1e-6
+
+
+def test_the_paired_chain_has_two_dependent_passes_a_step():
+    from skyformer.linalg import triton_lemma3
+
+    for k in (2, 9):  # 2 + 2 (K - 1) + 1 + 4 + 1 passes against 4 + 4 (K - 1) + 1
+        assert len(triton_lemma3.forward_passes(k, chain=True)) == 2 * k + 6
+        assert len(triton_lemma3.forward_passes(k)) == 4 * k + 1
+    assert triton_lemma3.chains(9, implicit=True) and not triton_lemma3.chains(1, True)
+    assert not triton_lemma3.chains(9, implicit=False)

@@ -88,7 +88,8 @@ class TritonLemma3Inverse(torch.autograd.Function):
                 ) -> tuple[Tensor, Tensor]:
         m = source.shape[-2]
         w, store = _ops().lemma3_forward(_flat(source, 2, source), _flat(norm, 1, source),
-                                         ridge.contiguous(), iterations, keep, backward)
+                                         ridge.contiguous(), iterations, keep, backward,
+                                         implicit)
         return w.reshape(*source.shape[:-2], m, m), store
 
     @staticmethod

@@ -62,7 +62,8 @@ from .triton_rowblocks import eye_rows, product_rows, rows_of, square_rows, stor
 # Scratch of the forward kernel: m x m slots and m-vectors a program.
 # (Constants the kernels read must be tl.constexpr.)
 FORWARD_SLOTS, KEPT_FORWARD_SLOTS = tl.constexpr(5), tl.constexpr(2)  # P, T2, T3 kept: 2
-_MR, _A, _P, _T2, _T3 = (tl.constexpr(i) for i in range(5))
+CHAIN_FORWARD_SLOTS = tl.constexpr(6)  # the paired chain (``CHAIN``): H too
+_MR, _A, _P, _T2, _T3, _H = (tl.constexpr(i) for i in range(6))
 FORWARD_VECTORS = tl.constexpr(2)
 _D, _S = tl.constexpr(0), tl.constexpr(1)
 
@@ -70,6 +71,7 @@ _D, _S = tl.constexpr(0), tl.constexpr(1)
 # given of one matrix, reading only what earlier passes wrote.
 REGULARISE, NORMALISE, FIRST_T2, FIRST_V = (tl.constexpr(i) for i in range(4))
 STEP_P, STEP_T2, STEP_T3, STEP_V, SCALE_W = (tl.constexpr(i) for i in range(4, 9))
+CHAIN_SQUARE, CHAIN_POWERS, CHAIN_V = (tl.constexpr(i) for i in range(9, 12))
 
 
 @triton.jit
@@ -158,17 +160,39 @@ def iterate(STORE, bh, k, size, ITERATIONS: tl.constexpr, KEEP: tl.constexpr,
 
 
 @triton.jit
+def _chain_p(scratch, size, k):
+    """P_k of the paired chain (``CHAIN``): A for k = 0, then the slots of P and T2 in
+    turn (a pass reads P_k and writes P_k+1)."""
+    return scratch + (_A + (k > 0) * (1 + (k % 2 == 0))) * size
+
+
+@triton.jit
+def _chain_v_rows(STORE, scratch, bh, k, rows, size, m, ITERATIONS: tl.constexpr,
+                  BLOCK: tl.constexpr, ROWS: tl.constexpr, KC: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """Rows of V_k = V_k-1 H_k-1 (V_1 = H_0) into V_k's slot of the latest two."""
+    h = scratch + _H * size
+    if k == 1:
+        value = rows_of(h, rows, m, BLOCK)
+    else:
+        value = square_rows(iterate(STORE, bh, k - 1, size, ITERATIONS, False, True), False,
+                            h, False, rows, m, ROWS, BLOCK, KC, PRECISION)
+    store_rows(iterate(STORE, bh, k, size, ITERATIONS, False, True), rows, m, value, BLOCK)
+
+
+@triton.jit
 def forward_pass(PASS: tl.constexpr, step, rows, bh, M, X, XN, DIAG, W, STORE, SCR, VEC,
                  m, D, heads, ITERATIONS: tl.constexpr, KEEP: tl.constexpr,
-                 LAST_TWO: tl.constexpr, FROM_ROWS: tl.constexpr, TINY: tl.constexpr,
-                 BLOCK: tl.constexpr, ROWS: tl.constexpr, KC: tl.constexpr,
-                 PRECISION: tl.constexpr):
+                 LAST_TWO: tl.constexpr, CHAIN: tl.constexpr, FROM_ROWS: tl.constexpr,
+                 TINY: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                 KC: tl.constexpr, PRECISION: tl.constexpr):
     """Rows ``rows`` of pass ``PASS`` for matrix ``bh`` (the step passes: of the step
-    from V_step to V_step+1, 1 <= step < ITERATIONS); the step products go to the
-    store (``KEEP``) or to the program's scratch, the iterates to the store
-    (``iterate``: all of them, or the latest two)."""
+    from V_step to V_step+1, 1 <= step < ITERATIONS; the chain passes: of its step
+    ``step``); the step products go to the store (``KEEP``) or to the program's
+    scratch, the iterates to the store (``iterate``: all of them, or the latest two)."""
     size = m * m
-    slots: tl.constexpr = KEPT_FORWARD_SLOTS if KEEP else FORWARD_SLOTS
+    slots: tl.constexpr = KEPT_FORWARD_SLOTS if KEEP else (
+        CHAIN_FORWARD_SLOTS if CHAIN else FORWARD_SLOTS)
     scratch = SCR + bh * slots * size
     mat_r, a = scratch + _MR * size, scratch + _A * size
     s_vec = VEC + (bh * FORWARD_VECTORS + _S) * m
@@ -192,6 +216,25 @@ def forward_pass(PASS: tl.constexpr, step, rows, bh, M, X, XN, DIAG, W, STORE, S
     elif PASS == SCALE_W:  # W = S V_K S
         v_last = iterate(STORE, bh, ITERATIONS, size, ITERATIONS, KEEP, LAST_TWO)
         store_rows(W + bh * size, rows, m, scaled_rows(v_last, s_vec, rows, m, BLOCK), BLOCK)
+    elif PASS == CHAIN_SQUARE:  # Q = P_k P_k into T3's slot; V_k = V_k-1 H_k-1 (k >= 1)
+        p_k = _chain_p(scratch, size, step)
+        store_rows(t3, rows, m, square_rows(p_k, False, p_k, False, rows, m, ROWS, BLOCK, KC,
+                                            PRECISION), BLOCK)
+        if step > 0:
+            _chain_v_rows(STORE, scratch, bh, step, rows, size, m, ITERATIONS, BLOCK, ROWS,
+                          KC, PRECISION)
+    elif PASS == CHAIN_POWERS:  # H_k = h(P_k), P_k+1 = P_k h(P_k), from P^3 and P^4
+        p_k = _chain_p(scratch, size, step)
+        p3 = square_rows(t3, False, p_k, False, rows, m, ROWS, BLOCK, KC, PRECISION)
+        p4 = square_rows(t3, False, t3, False, rows, m, ROWS, BLOCK, KC, PRECISION)
+        p1, p2 = rows_of(p_k, rows, m, BLOCK), rows_of(t3, rows, m, BLOCK)
+        store_rows(scratch + _H * size, rows, m,
+                   0.25 * (13.0 * eye_rows(rows, m, BLOCK) - 15.0 * p1 + 7.0 * p2 - p3), BLOCK)
+        store_rows(_chain_p(scratch, size, step + 1), rows, m,
+                   0.25 * (13.0 * p1 - 15.0 * p2 + 7.0 * p3 - p4), BLOCK)
+    elif PASS == CHAIN_V:  # V_k = V_k-1 H_k-1 alone (k = step)
+        _chain_v_rows(STORE, scratch, bh, step, rows, size, m, ITERATIONS, BLOCK, ROWS, KC,
+                      PRECISION)
     else:
         v = iterate(STORE, bh, step, size, ITERATIONS, KEEP, LAST_TWO)
         if PASS == STEP_P:
@@ -211,53 +254,94 @@ def forward_pass(PASS: tl.constexpr, step, rows, bh, M, X, XN, DIAG, W, STORE, S
 @triton.jit
 def _all_rows(PASS: tl.constexpr, step, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D,
               heads, ITERATIONS: tl.constexpr, KEEP: tl.constexpr, LAST_TWO: tl.constexpr,
-              FROM_ROWS: tl.constexpr, TINY: tl.constexpr, BLOCK: tl.constexpr,
-              ROWS: tl.constexpr, KC: tl.constexpr, PRECISION: tl.constexpr):
+              CHAIN: tl.constexpr, FROM_ROWS: tl.constexpr, TINY: tl.constexpr,
+              BLOCK: tl.constexpr, ROWS: tl.constexpr, KC: tl.constexpr,
+              PRECISION: tl.constexpr):
     """Pass ``PASS`` over every block of rows, then a barrier."""
     for start in range(0, m, ROWS):
         forward_pass(PASS, step, start + tl.arange(0, ROWS), bh, M, X, XN, DIAG, W, STORE,
-                     SCR, VEC, m, D, heads, ITERATIONS, KEEP, LAST_TWO, FROM_ROWS, TINY,
-                     BLOCK, ROWS, KC, PRECISION)
+                     SCR, VEC, m, D, heads, ITERATIONS, KEEP, LAST_TWO, CHAIN, FROM_ROWS,
+                     TINY, BLOCK, ROWS, KC, PRECISION)
     tl.debug_barrier()
 
 
 @triton.jit
 def _forward_kernel(M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
                     ITERATIONS: tl.constexpr, KEEP: tl.constexpr, LAST_TWO: tl.constexpr,
-                    FROM_ROWS: tl.constexpr, TINY: tl.constexpr,
+                    CHAIN: tl.constexpr, FROM_ROWS: tl.constexpr, TINY: tl.constexpr,
                     BLOCK: tl.constexpr, ROWS: tl.constexpr, KC: tl.constexpr,
                     PRECISION: tl.constexpr):
     """Every pass of ``forward_passes`` for matrix program_id(0), in order."""
     bh = tl.program_id(0).to(tl.int64)
-    for kind in tl.static_range(REGULARISE, STEP_P):  # the passes in their numbering's order
+    for kind in tl.static_range(REGULARISE, FIRST_T2):
         _all_rows(kind, 0, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
-                  ITERATIONS, KEEP, LAST_TWO, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
-    for step in range(1, ITERATIONS):
+                  ITERATIONS, KEEP, LAST_TWO, CHAIN, FROM_ROWS, TINY, BLOCK, ROWS, KC,
+                  PRECISION)
+    if CHAIN:  # steps 1 .. K-1 paired (two dependent passes each), the last as below
+        for k in range(0, ITERATIONS - 1):
+            for kind in tl.static_range(CHAIN_SQUARE, CHAIN_V):
+                _all_rows(kind, k, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
+                          ITERATIONS, KEEP, LAST_TWO, CHAIN, FROM_ROWS, TINY, BLOCK, ROWS,
+                          KC, PRECISION)
+        _all_rows(CHAIN_V, ITERATIONS - 1, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D,
+                  heads, ITERATIONS, KEEP, LAST_TWO, CHAIN, FROM_ROWS, TINY, BLOCK, ROWS,
+                  KC, PRECISION)
         for kind in tl.static_range(STEP_P, SCALE_W):
-            _all_rows(kind, step, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
-                      ITERATIONS, KEEP, LAST_TWO, FROM_ROWS, TINY, BLOCK, ROWS, KC,
+            _all_rows(kind, ITERATIONS - 1, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D,
+                      heads, ITERATIONS, KEEP, LAST_TWO, CHAIN, FROM_ROWS, TINY, BLOCK, ROWS,
+                      KC, PRECISION)
+    else:
+        for kind in tl.static_range(FIRST_T2, STEP_P):
+            _all_rows(kind, 0, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
+                      ITERATIONS, KEEP, LAST_TWO, CHAIN, FROM_ROWS, TINY, BLOCK, ROWS, KC,
                       PRECISION)
+        for step in range(1, ITERATIONS):
+            for kind in tl.static_range(STEP_P, SCALE_W):
+                _all_rows(kind, step, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
+                          ITERATIONS, KEEP, LAST_TWO, CHAIN, FROM_ROWS, TINY, BLOCK, ROWS,
+                          KC, PRECISION)
     _all_rows(SCALE_W, 0, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
-              ITERATIONS, KEEP, LAST_TWO, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
+              ITERATIONS, KEEP, LAST_TWO, CHAIN, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
 
 
 @triton.jit(do_not_specialize=["step"])
 def _forward_pass_kernel(M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads, step,
                          PASS: tl.constexpr, ITERATIONS: tl.constexpr, KEEP: tl.constexpr,
-                         LAST_TWO: tl.constexpr, FROM_ROWS: tl.constexpr,
-                         TINY: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                         KC: tl.constexpr, PRECISION: tl.constexpr):
+                         LAST_TWO: tl.constexpr, CHAIN: tl.constexpr,
+                         FROM_ROWS: tl.constexpr, TINY: tl.constexpr, BLOCK: tl.constexpr,
+                         ROWS: tl.constexpr, KC: tl.constexpr, PRECISION: tl.constexpr):
     """One pass: rows block program_id(1) of matrix program_id(0)."""
     rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     forward_pass(PASS, step, rows, tl.program_id(0).to(tl.int64), M, X, XN, DIAG, W,
-                 STORE, SCR, VEC, m, D, heads, ITERATIONS, KEEP, LAST_TWO, FROM_ROWS, TINY,
-                 BLOCK, ROWS, KC, PRECISION)
+                 STORE, SCR, VEC, m, D, heads, ITERATIONS, KEEP, LAST_TWO, CHAIN, FROM_ROWS,
+                 TINY, BLOCK, ROWS, KC, PRECISION)
 
 
-def forward_passes(iterations: int) -> list[tuple[int, int]]:
-    """(pass, step) of the forward chain in order, as ``_forward_kernel`` runs them."""
+def forward_passes(iterations: int, chain: bool = False) -> list[tuple[int, int]]:
+    """(pass, step) of the forward chain in order, as ``_forward_kernel`` runs them;
+    ``chain``: steps 1 .. K-1 paired (``chains``), the last one as usual."""
+    start = [(kind, 0) for kind in range(REGULARISE, FIRST_T2)]
+    if chain:
+        paired = [(kind, k) for k in range(iterations - 1)
+                  for kind in range(CHAIN_SQUARE, CHAIN_V)]
+        last = [(CHAIN_V.value, iterations - 1)] \
+            + [(kind, iterations - 1) for kind in range(STEP_P, SCALE_W)]
+        return start + paired + last + [(SCALE_W.value, 0)]
     steps = [(kind, step) for step in range(1, iterations) for kind in range(STEP_P, SCALE_W)]
-    return [(kind, 0) for kind in range(REGULARISE, STEP_P)] + steps + [(SCALE_W.value, 0)]
+    return start + [(kind, 0) for kind in range(FIRST_T2, STEP_P)] + steps \
+        + [(SCALE_W.value, 0)]
+
+
+def chains(iterations: int, implicit: bool) -> bool:
+    """Whether the forward kernel pairs its steps: V_k is a polynomial in A, so
+    P_k = A V_k follows P_k-1 alone, P_k = P h(P) with h(P) = T3(P) / 4, and
+    V_k = V_k-1 h(P_k-1) can wait a pass; each step is then two dependent passes,
+    P^2 then P^3 and P^4 (with V's product riding in the first), instead of four, for
+    the same four products. A product of H's is not corrected by A as a step from V
+    is, so the last step is an ordinary one from V_K-1, which restores the accuracy of
+    the ordinary chain (tested). For the implicit gradient alone, whose backward pass
+    needs V_K and nothing else, from two steps on."""
+    return implicit and iterations >= 2
 
 
 def launch(program_kernel, pass_kernel, passes: list[tuple[int, int]], bh: int, m: int,
@@ -316,27 +400,35 @@ def keeps_products(m: int, graphed: bool = False) -> bool:
 
 
 def lemma3_forward(source: Tensor, norm: Tensor | None, ridge: Tensor, iterations: int,
-                   keep: bool = False, backward: bool = True) -> tuple[Tensor, Tensor]:
+                   keep: bool = False, backward: bool = True, implicit: bool = False
+                   ) -> tuple[Tensor, Tensor]:
     """(W ``[BH, m, m]``, store ``[BH, store_slots(iterations, keep, backward), m, m]``)
     for ``ridge: [R, m]`` (the diagonal added to the matrices of batch element
     bh // (BH / R)) and either the landmark matrix ``source: [BH, m, m]`` (``norm`` None)
     or the landmark rows ``source: [BH, m, D]`` with their half squared norms
     ``norm: [BH, m]``; the store holds the iterates and (``keep``) the step products,
-    or without a ``backward`` pass to follow the latest two iterates alone. Scratch:
-    ``FORWARD_SLOTS`` m x m matrices a program (``KEPT_FORWARD_SLOTS`` when keeping)."""
+    or without a ``backward`` pass to follow the latest two iterates alone, as for the
+    ``implicit`` gradient, whose steps are paired (``chains``). Scratch:
+    ``FORWARD_SLOTS`` m x m matrices a program (``KEPT_FORWARD_SLOTS`` when keeping,
+    ``CHAIN_FORWARD_SLOTS`` when pairing)."""
     bh, m = source.shape[:2]
     d = source.shape[2] if norm is not None else 1
     keep = keep and backward
+    chain = chains(iterations, implicit)
+    if chain and backward:
+        raise ValueError("the paired steps keep the latest two iterates alone: the implicit "
+                         "gradient's forward call takes backward=False")
+    slots = KEPT_FORWARD_SLOTS if keep else CHAIN_FORWARD_SLOTS if chain else FORWARD_SLOTS
     w = source.new_empty(bh, m, m)
     store = source.new_empty(bh, store_slots(iterations, keep, backward), m, m)
-    scratch = source.new_empty(bh, (KEPT_FORWARD_SLOTS if keep else FORWARD_SLOTS).value, m, m)
+    scratch = source.new_empty(bh, slots.value, m, m)
     vectors = source.new_empty(bh, FORWARD_VECTORS.value, m)
     args = (source, source, source if norm is None else norm, ridge, w, store, scratch,
             vectors, m, d, bh // ridge.shape[0])
     options = {"ITERATIONS": iterations, "KEEP": keep, "LAST_TWO": not backward,
-               "FROM_ROWS": norm is not None,
+               "CHAIN": chain, "FROM_ROWS": norm is not None,
                "TINY": torch.finfo(source.dtype).tiny, "PRECISION": _precision(source.dtype),
                **launch_options(m, graphed=graph_launches_on())}
-    launch(_forward_kernel, _forward_pass_kernel, forward_passes(iterations), bh, m, args,
-           options)
+    launch(_forward_kernel, _forward_pass_kernel, forward_passes(iterations, chain), bh, m,
+           args, options)
     return w, store

@@ -88,16 +88,18 @@ def _(y, x, a, b, vn, vm, exclude, write_out1, norm_scale, dot_scale, b_scale,
 
 @custom_op("skyformer::lemma3_inverse_forward")
 def lemma3_forward(source: Tensor, norm: Tensor, ridge: Tensor, iterations: int, keep: bool,
-                   backward: bool) -> tuple[Tensor, Tensor]:
+                   backward: bool, implicit: bool) -> tuple[Tensor, Tensor]:
     """``triton_lemma3.lemma3_forward`` (``norm`` empty: ``source`` is the matrix):
-    (W, the iterates and, ``keep``, the step products for the ``backward`` pass)."""
+    (W, the iterates and, ``keep``, the step products for the ``backward`` pass;
+    ``implicit``: the latest two iterates of the paired steps)."""
     from . import triton_lemma3
 
-    return triton_lemma3.lemma3_forward(source, _opt(norm), ridge, iterations, keep, backward)
+    return triton_lemma3.lemma3_forward(source, _opt(norm), ridge, iterations, keep, backward,
+                                        implicit)
 
 
 @lemma3_forward.register_fake
-def _(source, norm, ridge, iterations, keep, backward):
+def _(source, norm, ridge, iterations, keep, backward, implicit):
     from .triton_lemma3 import store_slots
 
     bh, m = source.shape[:2]
