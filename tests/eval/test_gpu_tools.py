@@ -497,3 +497,12 @@ def test_benchmark_json_holds_null_for_a_non_finite_number(script, monkeypatch, 
     """A NaN or infinite measurement (stubbed here) is written as null, not as the NaN /
     Infinity tokens that strict JSON readers refuse."""
     assert script(monkeypatch, tmp_path / "out.json") is None
+
+
+def test_the_paired_steps_benchmark_says_it_needs_a_gpu(capsys):
+    """benchmarks/paired_steps.py times CUDA graphs: without CUDA it says so and exits 2
+    (on a GPU the CUDA test run does not start it; docs/gpu.md has its measurement)."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the script would time it")
+    assert _load("paired_steps").main(["--repeats", "1"]) == 2
+    assert "run it on a machine with a GPU" in capsys.readouterr().err

@@ -1,0 +1,96 @@
+"""The implicit core's paired steps against its ordinary chain, on CUDA, in one run.
+
+``pinv_gradient="implicit"`` runs the Lemma 3 forward kernel with its steps paired
+(``linalg.triton_lemma3.chains``: two dependent passes a step instead of four). This
+times C(X, X) and its inverse, forward + backward, for float32 landmark rows
+``[1, B x H, m, 64]``, with the pairing on and off (the choice patched), eagerly and
+replayed from a CUDA graph (``torch.cuda.make_graphed_callables`` inside
+``skyformer.cuda_graph_launches()``: a launch per pass), interleaved, medians.
+
+    python benchmarks/paired_steps.py [--out FILE.txt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from unittest import mock
+
+import torch
+
+import skyformer
+from skyformer.eval.measure.timing import interleaved_median_seconds
+from skyformer.io import atomic_write_text
+from skyformer.linalg import half_sq_norm, landmark_inverse
+
+
+@contextlib.contextmanager
+def paired(on: bool) -> Iterator[None]:
+    """Inside: the implicit forward kernel pairs its steps (``on``) or not."""
+    from skyformer.linalg import triton_lemma3
+
+    with mock.patch.object(triton_lemma3, "chains",
+                           lambda k, implicit: on and implicit and k >= 2):
+        yield
+
+
+def calls(matrices: int, m: int) -> dict[str, Callable[[], None]]:
+    """Forward + backward of the implicit core, paired and not, eager and graphed."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (0.15 * torch.randn(1, matrices, m, 64, device="cuda", generator=g)).requires_grad_()
+    grad = torch.randn(1, matrices, m, m, device="cuda", generator=g)
+
+    def core(t: torch.Tensor) -> torch.Tensor:
+        return landmark_inverse(t, half_sq_norm(t), gamma=0.1, kernel="triton",
+                                gradient="implicit")
+
+    out: dict[str, Callable[[], None]] = {}
+    for on in (True, False):
+        with paired(on), skyformer.cuda_graph_launches():
+            graphed = torch.cuda.make_graphed_callables(core, (x,))
+
+        def replay(graphed: Callable = graphed) -> None:
+            x.grad = None
+            graphed(x).backward(grad)
+
+        def eager(on: bool = on) -> None:
+            with paired(on):
+                x.grad = None
+                core(x).backward(grad)
+
+        name = "paired" if on else "ordinary"
+        out[f"B x H = {matrices}, graphed, {name}"] = replay
+        out[f"B x H = {matrices}, eager, {name}"] = eager
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--matrices", type=int, nargs="+", default=[64, 2],
+                        help="B x H (default: the model shape's and the LRA shape's)")
+    parser.add_argument("--features", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("paired_steps.py times CUDA graphs: run it on a machine with a GPU.",
+              file=sys.stderr)
+        return 2
+    lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}, m = "
+             f"{args.features}: implicit core forward + backward, medians of "
+             f"{args.repeats} interleaved rounds"]
+    for matrices in args.matrices:
+        times = interleaved_median_seconds(calls(matrices, args.features), device="cuda",
+                                           warmup=3, repeats=args.repeats)
+        lines += [f"{name:36s} {t * 1e3:8.3f} ms" for name, t in times.items()]
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    if args.out:
+        atomic_write_text(args.out, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
