@@ -27,9 +27,7 @@ import torch
 import skyformer
 from skyformer.eval.measure.timing import interleaved_median_seconds
 from skyformer.io import atomic_write_text, environment, write_json
-from skyformer.linalg import half_sq_norm, landmark_inverse
-
-GRADIENTS = ("unrolled", "implicit")
+from skyformer.linalg import GRADIENTS, half_sq_norm, landmark_inverse
 
 
 def core_calls(heads: int, m: int, kernel: str, device: str) -> dict[str, Callable[[], None]]:

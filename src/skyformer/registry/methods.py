@@ -30,7 +30,7 @@ from torch import Tensor
 from .binding import HALF_DTYPES, BoundMethod
 from .capabilities import TARGETS, Capabilities, CapabilityError, Target, capability_sentence
 from .signature import config_fields, core_of, public_function, takes_config
-from .variants import is_variant, parse_variant
+from .variants import base_name, is_variant, parse_variant
 
 StateFactory = Callable[[Any, int, int], "torch.nn.Module"]
 _OPTION_NAMES: dict[type, tuple[str, ...]] = {}  # config class -> its option names
@@ -86,7 +86,7 @@ class Method:
     @property
     def base_name(self) -> str:
         """The registered name (a variant's without its brackets)."""
-        return self.name.partition("[")[0]
+        return base_name(self.name)
 
     def defaults(self) -> dict[str, Any]:
         """Option name -> default value (a variant's: with its options set)."""
@@ -251,7 +251,7 @@ def exact_method(target: Target) -> Method:
 def _capability_sentence(name: str, capability: str) -> str:
     able = [m.name for m in _REGISTRY.values() if m.capabilities.has(capability)]
     sentence = capability_sentence(name, capability, able)
-    base = name.partition("[")[0]
+    base = base_name(name)
     why = _REGISTRY[base].capabilities.not_causal_because if base in _REGISTRY else None
     if capability == "causal" and why:
         sentence = f"{sentence[:-1]} ({name}: {why})."

@@ -30,6 +30,11 @@ def is_variant(name: str) -> bool:
     return "[" in name or "]" in name
 
 
+def base_name(name: str) -> str:
+    """The registered method a name stands for: a variant's without its brackets."""
+    return name.partition("[")[0].strip()
+
+
 def parse_variant(name: str) -> tuple[str, tuple[tuple[str, Any], ...]]:
     """(base method name, the options set, in order) of ``name[key=value,...]``."""
     text = name.strip()

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ...linalg import implicit_iterations
+from ...registry.variants import base_name
 from .timing import interleaved_median_seconds
 
 
@@ -87,7 +88,7 @@ def attention_flops(
 ) -> float | None:
     """Matrix-product FLOPs of one call of ``method`` (None if not known for it; a
     variant, ``name[...]``, counts as its method with ``options``)."""
-    name = method.partition("[")[0]
+    name = base_name(method)
     count = FORWARD_FLOPS.get(name)
     if count is None:
         return None
