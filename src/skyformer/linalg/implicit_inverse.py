@@ -32,8 +32,8 @@ import torch
 from torch import Tensor
 
 from .eager_calls import apply
-from .functional_ops import first_order_backward
-from .pinv import razavi_step
+from .functional_ops import first_order_backward, functional_ops_only
+from .pinv import iterative_pinv, razavi_step
 
 GRADIENTS: tuple[str, ...] = ("unrolled", "implicit")
 MAX_ITERATIONS = 64  # far beyond any bound reached (m = 10^6, gamma = 1e-6: 27)
@@ -108,7 +108,11 @@ class _ImplicitRazavi(torch.autograd.Function):
 def implicit_pinv(a: Tensor, iterations: int) -> Tensor:
     """V_K of ``iterations`` Razavi steps from the identity for ``a: [..., m, m]``, with
     the implicit gradient (module docstring; ``iterations`` from
-    ``implicit_iterations``)."""
+    ``implicit_iterations``); under ``torch.export`` and forward-mode AD the same steps
+    in plain operators, as ``iterative_pinv`` (their unrolled derivative, equal to
+    rounding at those steps)."""
     if iterations < 1:
         raise ValueError(f"the implicit gradient needs at least one step, got {iterations}.")
+    if functional_ops_only():
+        return iterative_pinv(a, iterations, init="identity")
     return apply(_ImplicitRazavi, a, iterations)

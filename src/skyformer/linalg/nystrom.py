@@ -23,7 +23,6 @@ import torch
 from torch import Tensor
 
 from .flush import flush_on_cpu
-from .functional_ops import functional_ops_only
 from .implicit_inverse import GRADIENTS, implicit_iterations, implicit_pinv
 from .kernels import gaussian_kernel_block
 from .lemma3_triton import fused_lemma3_applies, triton_lemma3_inverse
@@ -137,8 +136,8 @@ def lemma3_by_pytorch(m: Tensor, diag: Tensor, pinv: PinvMethod, iterations: int
     d_inv_sqrt = m.sum(dim=-1).clamp_min(torch.finfo(m.dtype).tiny).rsqrt()  # [..., m]
     a = d_inv_sqrt[..., :, None] * m * d_inv_sqrt[..., None, :]
     a = flush_on_cpu(a)  # far landmarks: subnormal entries (flush.py)
-    if pinv == "iterative" and gradient == "implicit" and not functional_ops_only():
-        a_inv = implicit_pinv(a, iterations)  # under export: the same steps, unrolled
+    if pinv == "iterative" and gradient == "implicit":
+        a_inv = implicit_pinv(a, iterations)
     elif pinv == "iterative":
         a_inv = iterative_pinv(a, iterations, init=init)
     elif pinv == "exact":
