@@ -80,7 +80,7 @@ def implicit_core(record: list[dict] | None = None) -> Iterator[None]:
         if init != "identity":
             raise ValueError(f"the study patches the core's inverse from the identity, "
                              f"got init={init!r}")
-        v = implicit_pinv(a, iterations)
+        v = implicit_pinv(a, iterations, "steps")  # the steps asked, on any device
         if record is not None:
             with torch.no_grad():
                 record.append({

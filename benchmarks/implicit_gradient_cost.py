@@ -5,7 +5,9 @@ Interleaved rounds (each round runs every call once, so load hits all alike), me
 - the m x m core alone (``landmark_inverse``: C(X, X) and its Lemma 3 inverse) for
   float32 landmark rows ``[1, heads, m, 64]``, forward alone (under ``no_grad``) and
   forward + backward, unrolled (the authors' 6 steps and their adjoint) and implicit
-  (the bound's steps, 9 at m = 128 in float32, and two products backward);
+  (the ridge inverse and two products backward), the inverse formed as the library
+  forms it (``implicit``: a Cholesky factorisation on CPU tensors) and by the bound's
+  steps (``implicit-steps``: 9 at m = 128 in float32; what GPU tensors take);
 - a whole Skyformer forward + backward at each N of ``--seq-lens`` for one shape.
 
 ``--kernel`` picks the path (``torch`` by default; ``triton`` on CUDA, or on the CPU
@@ -18,16 +20,29 @@ numbers come from ``gpu_kernels.py``, which has these rows too.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 import skyformer
 from skyformer.eval.measure.timing import interleaved_median_seconds
 from skyformer.io import atomic_write_text, environment, write_json
-from skyformer.linalg import GRADIENTS, half_sq_norm, landmark_inverse
+from skyformer.linalg import GRADIENTS, half_sq_norm, implicit_inverse, landmark_inverse
+
+STEPS = "implicit-steps"  # the implicit gradient with the inverse formed by the steps
+VARIANTS = (*GRADIENTS, STEPS)
+
+
+def _as_variant(variant: str) -> tuple[str, contextlib.AbstractContextManager]:
+    """(the ``gradient`` option, a context forcing the steps for ``STEPS``)."""
+    if variant != STEPS:
+        return variant, contextlib.nullcontext()
+    return "implicit", mock.patch.object(implicit_inverse, "_resolve_solver",
+                                         lambda solver, a: "steps")
 
 
 def core_calls(heads: int, m: int, kernel: str, device: str) -> dict[str, Callable[[], None]]:
@@ -36,18 +51,19 @@ def core_calls(heads: int, m: int, kernel: str, device: str) -> dict[str, Callab
     x = (0.15 * torch.randn(1, heads, m, 64, generator=g)).to(device).requires_grad_(True)
     grad = torch.randn(1, heads, m, m, generator=g).to(device)
 
-    def call(gradient: str, backward: bool) -> Callable[[], None]:
+    def call(variant: str, backward: bool) -> Callable[[], None]:
         def run() -> None:
             x.grad = None
-            with torch.enable_grad() if backward else torch.no_grad():
+            gradient, solver = _as_variant(variant)
+            with torch.enable_grad() if backward else torch.no_grad(), solver:
                 w = landmark_inverse(x, half_sq_norm(x), gamma=0.1, kernel=kernel,
                                      gradient=gradient)
                 if backward:
                     w.backward(grad)
         return run
 
-    return {f"core {mode} {gradient}": call(gradient, mode == "fwd+bwd")
-            for mode in ("fwd", "fwd+bwd") for gradient in GRADIENTS}
+    return {f"core {mode} {variant}": call(variant, mode == "fwd+bwd")
+            for mode in ("fwd", "fwd+bwd") for variant in VARIANTS}
 
 
 def attention_calls(shape: tuple[int, int, int], n: int, m: int, kernel: str, device: str
@@ -59,14 +75,17 @@ def attention_calls(shape: tuple[int, int, int], n: int, m: int, kernel: str, de
                for _ in range(3))
     key = skyformer.random_key(0, device=device)
 
-    def call(gradient: str) -> Callable[[], None]:
+    def call(variant: str) -> Callable[[], None]:
         def run() -> None:
-            out = skyformer.attention(q, k, v, "skyformer", num_features=m, kernel=kernel,
-                                      pinv_gradient=gradient, generator=key)
-            out.sum().backward()
+            gradient, solver = _as_variant(variant)
+            with solver:
+                out = skyformer.attention(q, k, v, "skyformer", num_features=m,
+                                          kernel=kernel, pinv_gradient=gradient,
+                                          generator=key)
+                out.sum().backward()
         return run
 
-    return {f"N={n} {gradient}": call(gradient) for gradient in GRADIENTS}
+    return {f"N={n} {variant}": call(variant) for variant in VARIANTS}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,11 +109,13 @@ def main(argv: list[str] | None = None) -> int:
              f"{torch.get_num_threads()} threads, torch {torch.__version__}; core: "
              f"[1, {args.heads}, m, 64] float32 rows; calls: B,H,D = {args.shape} float32, "
              f"forward + backward; medians of {args.repeats} interleaved rounds", "",
-             "| call | unrolled ms | implicit ms | unrolled / implicit |", "|---|---|---|---|"]
+             "| call | unrolled ms | implicit ms | implicit by the steps ms "
+             "| unrolled / implicit | steps / implicit |", "|---|---|---|---|---|---|"]
     for name in dict.fromkeys(c.rsplit(" ", 1)[0] for c in calls):
-        unrolled, implicit = times[f"{name} unrolled"], times[f"{name} implicit"]
+        unrolled, implicit, steps = (times[f"{name} {variant}"] for variant in VARIANTS)
         lines.append(f"| {name} | {unrolled * 1e3:.2f} | {implicit * 1e3:.2f} | "
-                     f"{unrolled / implicit:.2f}x |")
+                     f"{steps * 1e3:.2f} | {unrolled / implicit:.2f}x | "
+                     f"{steps / implicit:.2f}x |")
     text = "\n".join(lines) + "\n"
     print(text, end="")
     if args.out is not None:

@@ -8,6 +8,7 @@ import functools
 import importlib.util
 import json
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -97,7 +98,7 @@ def test_clustered_inputs_put_lambda_min_near_its_bound():
 
 def test_the_cost_benchmark_times_both_gradients(tmp_path):
     """benchmarks/implicit_gradient_cost.py at a tiny size: every call timed for both
-    gradients, the table and the JSON written."""
+    gradients and for the implicit one by the steps, the table and the JSON written."""
     path = SCRIPT.with_name("implicit_gradient_cost.py")
     spec = importlib.util.spec_from_file_location("implicit_gradient_cost_benchmark", path)
     cost = importlib.util.module_from_spec(spec)
@@ -106,8 +107,33 @@ def test_the_cost_benchmark_times_both_gradients(tmp_path):
     assert cost.main(["--heads", "2", "--features", "8", "--seq-lens", "40", "--repeats",
                       "1", "--out", str(out)]) == 0
     times = json.loads(out.with_suffix(".json").read_text())["ms"]
-    assert set(times) == {f"{call} {gradient}" for gradient in ("unrolled", "implicit")
+    assert set(times) == {f"{call} {variant}"
+                          for variant in ("unrolled", "implicit", "implicit-steps")
                           for call in ("core fwd", "core fwd+bwd", "N=40")}
     assert all(t > 0 for t in times.values())
     rows = out.with_suffix(".md").read_text().splitlines()[4:]
     assert [row.split(" | ")[0] for row in rows] == ["| core fwd", "| core fwd+bwd", "| N=40"]
+
+
+def test_the_cost_benchmarks_steps_variant_runs_the_steps():
+    """``implicit-steps`` forms the inverse by the steps on the CPU, ``implicit`` by the
+    factorisation (what the two columns claim to compare)."""
+    path = SCRIPT.with_name("implicit_gradient_cost.py")
+    spec = importlib.util.spec_from_file_location("implicit_gradient_cost_benchmark", path)
+    cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cost)
+    from skyformer.linalg import implicit_inverse
+
+    solvers = []
+
+    def recorded(name):
+        real = getattr(implicit_inverse, name)
+        return mock.patch.object(implicit_inverse, name,
+                                 lambda *args: solvers.append(name) or real(*args))
+
+    with recorded("_steps"), recorded("_factorised_inverse"):
+        for variant in ("implicit", "implicit-steps"):
+            _, context = cost._as_variant(variant)
+            with context:
+                implicit_inverse.implicit_pinv(torch.eye(4).expand(2, 4, 4), 3)
+    assert solvers == ["_factorised_inverse", "_steps"]

@@ -107,18 +107,63 @@ def test_the_implicit_gradient_is_that_of_the_inverse():
     assert relative_error(grad6, grad_exact) > 1e-4
 
 
-def test_vmap_and_grad_of_the_implicit_steps_equal_a_loop():
+@pytest.mark.parametrize("solver", ["steps", "cholesky"])
+def test_vmap_and_grad_of_the_implicit_steps_equal_a_loop(solver):
     """Per-sample gradients of [heads, m, m] batches, as the methods call it."""
     x, live = _clustered_rows(4, 3, 6, 4, torch.float64, "cpu", dead=False)
     norm = _norms(x, live)
     mats = gaussian_kernel_block(x, x, norm, norm) + torch.eye(6, dtype=torch.float64)
 
     def loss(a):
-        return (implicit_pinv(a, 8) ** 2).sum()
+        return (implicit_pinv(a, 8, solver) ** 2).sum()
 
     batched = torch.func.vmap(torch.func.grad(loss))(mats)
     looped = torch.stack([torch.func.grad(loss)(a) for a in mats])
     assert torch.allclose(batched, looped, rtol=1e-12, atol=1e-14)
+
+
+def _lemma3_matrix(x, live):
+    """A = D^-1/2 (C(X, X) + diag(ridge)) D^-1/2, the matrix the core inverts."""
+    norm = _norms(x, live)
+    ridge = torch.where(live, torch.tensor(GAMMA, dtype=x.dtype),
+                        torch.tensor(1.0, dtype=x.dtype))[:, None, :]
+    m = gaussian_kernel_block(x, x, norm, norm) + torch.diag_embed(ridge)
+    d = m.sum(-1).rsqrt()
+    return d[..., :, None] * m * d[..., None, :]
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float64, 1e-11), (torch.float32, 2e-5)])
+def test_the_factorisation_and_the_steps_give_one_inverse_and_gradient(dtype, tolerance):
+    """The Cholesky solver (``"auto"`` on the CPU) and the bound's steps both give
+    A^-1 of clustered landmarks (the bound's worst case) with dead slots, to rounding,
+    and the same implicit gradient."""
+    x, live = _clustered_rows(2, 3, 48, 16, dtype, "cpu")
+    a = _lemma3_matrix(x, live)
+    exact = torch.linalg.inv(a.double())
+    steps = implicit_iterations(48, GAMMA, dtype)
+    g = torch.randn(a.shape, dtype=dtype, generator=torch.Generator().manual_seed(5))
+    results = {}
+    for solver in ("auto", "steps", "cholesky"):
+        leaf = a.detach().clone().requires_grad_(True)
+        w = implicit_pinv(leaf, steps, solver)
+        results[solver] = (w, *torch.autograd.grad(w, leaf, g))
+        assert relative_error(w.double(), exact) < tolerance, solver
+    for solver in ("auto", "steps"):
+        for got, want in zip(results[solver], results["cholesky"], strict=True):
+            assert relative_error(got.double(), want.double()) < tolerance, solver
+    assert torch.equal(results["auto"][0], results["cholesky"][0])
+
+
+def test_a_matrix_that_is_not_positive_definite_takes_the_steps():
+    """No Lemma 3 matrix is indefinite, but one given to ``implicit_pinv`` gets the
+    steps' V_K, not the garbage of a failed factorisation; NaN propagates."""
+    a = torch.eye(4, dtype=torch.float64).repeat(2, 1, 1)
+    a[1, 0, 0] = -0.5
+    assert torch.equal(implicit_pinv(a, 3, "cholesky"), implicit_pinv(a, 3, "steps"))
+    a[1, 0, 0] = float("nan")
+    assert implicit_pinv(a, 3, "cholesky")[1].isnan().any()
+    with pytest.raises(ValueError, match="solver must be one of"):
+        implicit_pinv(a, 3, "lu")
 
 
 @pytest.mark.parametrize("kernel", ["torch", "triton"])

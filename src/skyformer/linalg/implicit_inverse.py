@@ -22,6 +22,15 @@ so it is an option, not the default. What a call holds for its backward pass shr
 V_K alone (the unrolled path holds every iterate, and on the PyTorch path each step's
 products too). The bound needs M PSD with entries in [0, 1], as the Gaussian blocks the
 methods pass are; ``nystrom.lemma3_inverse`` says so for a matrix given directly.
+
+Since W is then A^-1 to rounding, it need not come from the steps: on CPU tensors it
+comes from a Cholesky factorisation of A (``SOLVERS``, ``implicit_pinv``), which the
+same bound makes safe (A is symmetric positive definite with condition number at most
+(m + gamma) / gamma, since lambda_max(A) <= 1). The factorisation and the inverse from
+it cost about m^3 / 2 multiply-adds, the steps' 34 products of two m x m matrices
+(9 steps at m = 128) 34 m^3; 6x faster on a 2-core CPU
+(``benchmarks/implicit_gradient_cost.py``). GPU tensors keep the steps, which the
+Triton kernel runs in one program per matrix; a factorisation there is not measured.
 """
 
 from __future__ import annotations
@@ -36,6 +45,9 @@ from .functional_ops import first_order_backward, functional_ops_only
 from .pinv import iterative_pinv, razavi_step
 
 GRADIENTS: tuple[str, ...] = ("unrolled", "implicit")
+# how the implicit core's forward pass forms A^-1: "auto" = "cholesky" on CPU tensors,
+# "steps" elsewhere
+SOLVERS: tuple[str, ...] = ("auto", "steps", "cholesky")
 MAX_ITERATIONS = 64  # far beyond any bound reached (m = 10^6, gamma = 1e-6: 27)
 
 
@@ -71,48 +83,82 @@ def implicit_iterations(m: int, gamma: float, dtype: torch.dtype, at_least: int 
                      f"{roundoff:.1e} after {MAX_ITERATIONS} steps; raise gamma.")
 
 
-class _ImplicitRazavi(torch.autograd.Function):
-    """``iterations`` Razavi steps from V_0 = I for ``a: [..., m, m]``, differentiated as
-    A^-1: dA = -V^T G V^T. Holds V_K alone for the backward pass."""
+class _ImplicitInverse(torch.autograd.Function):
+    """A^-1 for ``a: [..., m, m]`` by ``solver`` (``"steps"``: ``iterations`` Razavi
+    steps from V_0 = I; ``"cholesky"``: a Cholesky factorisation), differentiated as
+    A^-1: dA = -V^T G V^T. Holds V alone for the backward pass."""
 
     @staticmethod
-    def forward(a: Tensor, iterations: int) -> Tensor:  # type: ignore[override]
+    def forward(a: Tensor, iterations: int, solver: str) -> Tensor:  # type: ignore[override]
         m = a.shape[-1]
         a3 = a.reshape(-1, m, m)
-        eye = torch.eye(m, dtype=a.dtype, device=a.device).expand_as(a3)
-        eye7 = 7 * eye
-        buffers = tuple(torch.empty_like(a3) for _ in range(4))
-        iterates = (torch.empty_like(a3), torch.empty_like(a3))
-        v = None
-        for i in range(iterations):
-            v = razavi_step(a3, v, eye, eye7, buffers, iterates[i % 2])
-        return v.reshape(a.shape)
+        solve = _factorised_inverse if solver == "cholesky" else _steps
+        return solve(a3, iterations).reshape(a.shape)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
         ctx.save_for_backward(output)
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple, a: Tensor, iterations: int) -> tuple[Tensor, int]:
-        """The steps take any batch shape: the mapped dim becomes the first one."""
-        return _ImplicitRazavi.apply(a.movedim(in_dims[0], 0), iterations), 0
+    def vmap(info: Any, in_dims: tuple, a: Tensor, iterations: int,
+             solver: str) -> tuple[Tensor, int]:
+        """Both solvers take any batch shape: the mapped dim becomes the first one."""
+        return _ImplicitInverse.apply(a.movedim(in_dims[0], 0), iterations, solver), 0
 
     @staticmethod
     @first_order_backward
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
         (v,) = ctx.saved_tensors
         v_t = v.mT
-        return -(v_t @ grad @ v_t), None
+        return -(v_t @ grad @ v_t), None, None
 
 
-def implicit_pinv(a: Tensor, iterations: int) -> Tensor:
-    """V_K of ``iterations`` Razavi steps from the identity for ``a: [..., m, m]``, with
-    the implicit gradient (module docstring; ``iterations`` from
-    ``implicit_iterations``); under ``torch.export`` and forward-mode AD the same steps
-    in plain operators, as ``iterative_pinv`` (their unrolled derivative, equal to
-    rounding at those steps)."""
+def _steps(a3: Tensor, iterations: int) -> Tensor:
+    """``iterations`` Razavi steps from V_0 = I for ``a3: [batch, m, m]``, in place."""
+    eye = torch.eye(a3.shape[-1], dtype=a3.dtype, device=a3.device).expand_as(a3)
+    eye7 = 7 * eye
+    buffers = tuple(torch.empty_like(a3) for _ in range(4))
+    iterates = (torch.empty_like(a3), torch.empty_like(a3))
+    v = None
+    for i in range(iterations):
+        v = razavi_step(a3, v, eye, eye7, buffers, iterates[i % 2])
+    assert v is not None  # implicit_pinv asks for at least one step
+    return v
+
+
+def _factorised_inverse(a3: Tensor, iterations: int) -> Tensor:
+    """A^-1 for ``a3: [batch, m, m]`` from its Cholesky factor. A batch with a matrix
+    that is not positive definite (never a Lemma 3 matrix of a Gaussian block; a NaN
+    input) takes the steps instead, where the values may be read (eager calls; the
+    check is free on the CPU, where this solver runs)."""
+    from ..ops.shared.tracing import may_read_values  # the ops package imports linalg
+
+    factor, info = torch.linalg.cholesky_ex(a3)
+    if may_read_values(a3) and bool(info.any()):
+        return _steps(a3, iterations)
+    return torch.cholesky_inverse(factor)
+
+
+def _resolve_solver(solver: str, a: Tensor) -> str:
+    if solver not in SOLVERS:
+        raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}.")
+    if solver == "auto":
+        return "cholesky" if a.device.type == "cpu" else "steps"
+    return solver
+
+
+def implicit_pinv(a: Tensor, iterations: int, solver: str = "auto") -> Tensor:
+    """A^-1 for ``a: [..., m, m]`` with the implicit gradient (module docstring):
+    V_K of ``iterations`` Razavi steps from the identity (``iterations`` from
+    ``implicit_iterations``), or the same inverse to rounding from a Cholesky
+    factorisation (``solver``, ``SOLVERS``: ``"auto"`` factorises on CPU tensors).
+    Under ``torch.export`` and forward-mode AD the steps in plain operators, as
+    ``iterative_pinv`` (their unrolled derivative, equal to rounding at those steps;
+    PyTorch's forward-mode derivative of ``cholesky_inverse`` is wrong in 2.13,
+    pytorch/pytorch#196682)."""
     if iterations < 1:
         raise ValueError(f"the implicit gradient needs at least one step, got {iterations}.")
+    solver = _resolve_solver(solver, a)
     if functional_ops_only():
         return iterative_pinv(a, iterations, init="identity")
-    return apply(_ImplicitRazavi, a, iterations)
+    return apply(_ImplicitInverse, a, iterations, solver)

@@ -56,8 +56,9 @@ class NystromOptions:
         ``"implicit"`` (as an inverse, dA = -W^T G W^T: two products instead of about
         44-60 at m = 128; the steps are raised to what Lemma 3's bound needs for the
         gradient to be exact to rounding, 9 at m = 128 in float32, so W becomes the
-        ridge inverse the 6 steps approximate; needs the iterative inverse from the
-        identity and gamma > 0; ``linalg.implicit_inverse``).
+        ridge inverse the 6 steps approximate, which CPU tensors form by a Cholesky
+        factorisation instead; needs the iterative inverse from the identity and
+        gamma > 0; ``linalg.implicit_inverse``).
     kernel: the [N, m] kernel products by ``"auto"`` (fused Triton kernels for float32
         and half CUDA inputs when Triton is installed, else PyTorch), ``"torch"`` or
         ``"triton"`` (``linalg.kernel_backend``); the landmark draw (one Triton kernel
