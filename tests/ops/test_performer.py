@@ -182,6 +182,41 @@ def test_checkpointing_recomputes_with_the_features_the_forward_used(reentrant):
             assert torch.equal(a, b)
 
 
+def test_a_redraw_between_two_calls_keeps_the_first_calls_gradient():
+    """A layer called twice before one backward pass (shared weights, two views of a
+    batch) with a redraw due at the second call: each call is differentiated with the
+    features it used, as two copies of the layer holding them would be (the redraw
+    once overwrote the features the first call had saved for its backward pass)."""
+    import copy
+
+    torch.manual_seed(3)
+    layer = MultiHeadAttention(16, 2, "performer", num_features=8,
+                               feature_redraw_interval=1).double().train()
+    x = torch.randn(2, 10, 16, dtype=torch.float64, requires_grad=True)
+    first = layer(x)
+    used_first = layer.method_state.projection.clone()
+    second = layer(first)
+    used_second = layer.method_state.projection.clone()
+    assert not torch.equal(used_first, used_second)  # the second call redrew
+    second.square().sum().backward()
+
+    copies = []
+    for used in (used_first, used_second):
+        twin = copy.deepcopy(layer)
+        twin.method_state.config = get_method("performer").make_config(
+            num_features=8, feature_redraw_interval=None)
+        with torch.no_grad():
+            twin.method_state.projection.copy_(used)
+        twin.zero_grad()
+        copies.append(twin)
+    x_twin = x.detach().clone().requires_grad_(True)
+    copies[1](copies[0](x_twin)).square().sum().backward()
+    torch.testing.assert_close(x.grad, x_twin.grad)
+    for (name, shared), a, b in zip(layer.named_parameters(), copies[0].parameters(),
+                                    copies[1].parameters(), strict=True):
+        torch.testing.assert_close(shared.grad, a.grad + b.grad, msg=name)
+
+
 def test_layer_without_redraw_keeps_features_and_ignores_the_generator():
     torch.manual_seed(1)
     layer = MultiHeadAttention(

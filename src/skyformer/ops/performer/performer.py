@@ -111,7 +111,10 @@ class PerformerFeatures(nn.Module):
     Built by the registry's state hook: ``MultiHeadAttention`` owns it and passes
     ``{"projection": ...}`` to ``performer_attention`` on every call. In training mode
     the features are redrawn once ``feature_redraw_interval`` calls have used them; in
-    eval mode never. Redraw r draws from the random key ``fold_in(seed, r)``
+    eval mode never. Each training call is differentiated with the features it used,
+    whatever later calls redraw before its backward pass (a layer called twice before
+    one); a checkpointed call recomputed after such a redraw reads the new ones.
+    Redraw r draws from the random key ``fold_in(seed, r)``
     (``sketch/rng.py``), ``seed`` and ``redraws`` being buffers: every data-parallel
     process (and a resumed run) draws the same features, whatever else consumed the
     global random stream. ``seed`` itself is drawn from the global generator at
@@ -169,6 +172,10 @@ class PerformerFeatures(nn.Module):
                 if int(self.calls_since_redraw) >= interval:
                     self.redraw()
                 self.calls_since_redraw += 1
+            # a copy: a later call's redraw writes the buffer in place, and this call's
+            # backward pass needs the features it used (a layer called twice before one
+            # backward pass; [m, D], a few KiB)
+            return {"projection": self.projection.clone()}
         return {"projection": self.projection}
 
     def extra_repr(self) -> str:
