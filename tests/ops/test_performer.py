@@ -217,6 +217,21 @@ def test_a_redraw_between_two_calls_keeps_the_first_calls_gradient():
         torch.testing.assert_close(shared.grad, a.grad + b.grad, msg=name)
 
 
+@pytest.mark.parametrize("training", [True, False])
+def test_a_redraw_asked_for_before_the_backward_pass_leaves_it_alone(training):
+    """``redraw()`` between a call and its backward pass (no interval; eval mode too):
+    the gradient is that of the features the call used."""
+    torch.manual_seed(4)
+    layer = MultiHeadAttention(16, 2, "performer", num_features=8,
+                               feature_redraw_interval=None).double().train(training)
+    x = torch.randn(2, 10, 16, dtype=torch.float64, requires_grad=True)
+    (expected,) = torch.autograd.grad(layer(x).square().sum(), x)
+    out = layer(x)
+    layer.method_state.redraw()
+    (got,) = torch.autograd.grad(out.square().sum(), x)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 def test_layer_without_redraw_keeps_features_and_ignores_the_generator():
     torch.manual_seed(1)
     layer = MultiHeadAttention(

@@ -111,9 +111,10 @@ class PerformerFeatures(nn.Module):
     Built by the registry's state hook: ``MultiHeadAttention`` owns it and passes
     ``{"projection": ...}`` to ``performer_attention`` on every call. In training mode
     the features are redrawn once ``feature_redraw_interval`` calls have used them; in
-    eval mode never. Each training call is differentiated with the features it used,
-    whatever later calls redraw before its backward pass (a layer called twice before
-    one); a checkpointed call recomputed after such a redraw reads the new ones.
+    eval mode never. Each call is differentiated with the features it used, whatever is
+    redrawn before its backward pass (a layer called twice before one); but a
+    checkpointed call recomputed after such a redraw reads the new features, so its
+    gradient is not that of its output (redraw then between steps, not within one).
     Redraw r draws from the random key ``fold_in(seed, r)``
     (``sketch/rng.py``), ``seed`` and ``redraws`` being buffers: every data-parallel
     process (and a resumed run) draws the same features, whatever else consumed the
@@ -172,11 +173,10 @@ class PerformerFeatures(nn.Module):
                 if int(self.calls_since_redraw) >= interval:
                     self.redraw()
                 self.calls_since_redraw += 1
-            # a copy: a later call's redraw writes the buffer in place, and this call's
-            # backward pass needs the features it used (a layer called twice before one
-            # backward pass; [m, D], a few KiB)
-            return {"projection": self.projection.clone()}
-        return {"projection": self.projection}
+        # a copy: a later redraw (a call's, or ``redraw()``) writes the buffer in place,
+        # and this call's backward pass needs the features it used (a layer called twice
+        # before one backward pass; [m, D], a few KiB)
+        return {"projection": self.projection.clone()}
 
     def extra_repr(self) -> str:
         return (f"num_features={self.config.num_features}, head_dim={self.head_dim}, "
