@@ -96,13 +96,19 @@ def test_clustered_inputs_put_lambda_min_near_its_bound():
     assert 0.1 / 16.1 <= record[0]["lambda_min"][0] < 2 * 0.1 / 16.1
 
 
-def test_the_cost_benchmark_times_both_gradients(tmp_path):
-    """benchmarks/implicit_gradient_cost.py at a tiny size: every call timed for both
-    gradients and for the implicit one by the steps, the table and the JSON written."""
+def _cost_benchmark():
+    """benchmarks/implicit_gradient_cost.py as a module."""
     path = SCRIPT.with_name("implicit_gradient_cost.py")
     spec = importlib.util.spec_from_file_location("implicit_gradient_cost_benchmark", path)
     cost = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cost)
+    return cost
+
+
+def test_the_cost_benchmark_times_both_gradients(tmp_path):
+    """benchmarks/implicit_gradient_cost.py at a tiny size: every call timed for both
+    gradients and for the implicit one by the steps, the table and the JSON written."""
+    cost = _cost_benchmark()
     out = tmp_path / "cost"
     assert cost.main(["--heads", "2", "--features", "8", "--seq-lens", "40", "--repeats",
                       "1", "--out", str(out)]) == 0
@@ -118,10 +124,7 @@ def test_the_cost_benchmark_times_both_gradients(tmp_path):
 def test_the_cost_benchmarks_steps_variant_runs_the_steps():
     """``implicit-steps`` forms the inverse by the steps on the CPU, ``implicit`` by the
     factorisation (what the two columns claim to compare)."""
-    path = SCRIPT.with_name("implicit_gradient_cost.py")
-    spec = importlib.util.spec_from_file_location("implicit_gradient_cost_benchmark", path)
-    cost = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cost)
+    cost = _cost_benchmark()
     from skyformer.linalg import implicit_inverse
 
     solvers = []

@@ -12,6 +12,7 @@ import skyformer
 from skyformer.linalg import (
     gaussian_kernel_block,
     half_sq_norm,
+    implicit_inverse,
     implicit_iterations,
     implicit_pinv,
     inverse_residual,
@@ -41,12 +42,41 @@ def _norms(x, live):
     return torch.where(live[:, None, :], half_sq_norm(x), float("inf"))
 
 
-def _ridge_inverse(x, live):
-    """(C(X, X) + diag(ridge))^-1 by ``torch.linalg.inv``, ridge gamma (1 on dead slots)."""
+def _ridge_matrix(x, live):
+    """C(X, X) + diag(ridge), ridge gamma (1 on dead slots)."""
     norm = _norms(x, live)
     ridge = torch.where(live, torch.tensor(GAMMA, dtype=x.dtype),
                         torch.tensor(1.0, dtype=x.dtype))[:, None, :]
-    return torch.linalg.inv(gaussian_kernel_block(x, x, norm, norm) + torch.diag_embed(ridge))
+    return gaussian_kernel_block(x, x, norm, norm) + torch.diag_embed(ridge)
+
+
+def _ridge_inverse(x, live):
+    """(C(X, X) + diag(ridge))^-1 by ``torch.linalg.inv``."""
+    return torch.linalg.inv(_ridge_matrix(x, live))
+
+
+def _lemma3_matrix(x, live):
+    """A = D^-1/2 (C(X, X) + diag(ridge)) D^-1/2, the matrix the core inverts."""
+    m = _ridge_matrix(x, live)
+    d = m.sum(-1).rsqrt()
+    return d[..., :, None] * m * d[..., None, :]
+
+
+# The PyTorch path on CPU tensors factorises; "torch-steps" forces its steps, which
+# GPU tensors run.
+PATHS = ["torch", "torch-steps", "triton"]
+
+
+def _kernel_of(path, monkeypatch):
+    """The ``kernel`` option for ``path`` (``PATHS``), the steps forced for
+    ``"torch-steps"``; skips ``"triton"`` where the interpreter is off."""
+    if path == "triton":
+        pytest.importorskip("triton")
+        if not interpreter_on():
+            pytest.skip("Triton's interpreter is off (TRITON_INTERPRET=0)")
+    if path == "torch-steps":
+        monkeypatch.setattr(implicit_inverse, "_resolve_solver", lambda solver, a: "steps")
+    return "triton" if path == "triton" else "torch"
 
 
 def _value_and_grad(fn, x, weights):
@@ -84,9 +114,11 @@ def test_the_steps_are_those_the_bound_needs_in_the_dtype():
         implicit_iterations(128, 0.0, torch.float32)
 
 
-def test_the_implicit_gradient_is_that_of_the_inverse():
+@pytest.mark.parametrize("solver", ["steps", "cholesky"])
+def test_the_implicit_gradient_is_that_of_the_inverse(solver):
     """dA = -V^T G V^T for a non-symmetric G, and it equals autograd through
-    ``torch.linalg.inv`` once the steps are those of the bound."""
+    ``torch.linalg.inv`` once the steps are those of the bound (or by the
+    factorisation)."""
     x, live = _clustered_rows(2, 3, 20, 8, torch.float64, "cpu", dead=False)
     norm = _norms(x, live)
     m = gaussian_kernel_block(x, x, norm, norm) + GAMMA * torch.eye(20, dtype=torch.float64)
@@ -94,7 +126,7 @@ def test_the_implicit_gradient_is_that_of_the_inverse():
     a = (d[..., :, None] * m * d[..., None, :]).requires_grad_(True)
     g = torch.randn(a.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     steps = implicit_iterations(20, GAMMA, torch.float64)
-    v = implicit_pinv(a, steps)
+    v = implicit_pinv(a, steps, solver)
     (grad,) = torch.autograd.grad(v, a, g)
     assert torch.allclose(grad, -(v.mT @ g @ v.mT), atol=0, rtol=1e-12)
     a_exact = a.detach().clone().requires_grad_(True)
@@ -122,17 +154,7 @@ def test_vmap_and_grad_of_the_implicit_steps_equal_a_loop(solver):
     assert torch.allclose(batched, looped, rtol=1e-12, atol=1e-14)
 
 
-def _lemma3_matrix(x, live):
-    """A = D^-1/2 (C(X, X) + diag(ridge)) D^-1/2, the matrix the core inverts."""
-    norm = _norms(x, live)
-    ridge = torch.where(live, torch.tensor(GAMMA, dtype=x.dtype),
-                        torch.tensor(1.0, dtype=x.dtype))[:, None, :]
-    m = gaussian_kernel_block(x, x, norm, norm) + torch.diag_embed(ridge)
-    d = m.sum(-1).rsqrt()
-    return d[..., :, None] * m * d[..., None, :]
-
-
-@pytest.mark.parametrize("dtype,tolerance", [(torch.float64, 1e-11), (torch.float32, 2e-5)])
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float64, 1e-13), (torch.float32, 2e-5)])
 def test_the_factorisation_and_the_steps_give_one_inverse_and_gradient(dtype, tolerance):
     """The Cholesky solver (``"auto"`` on the CPU) and the bound's steps both give
     A^-1 of clustered landmarks (the bound's worst case) with dead slots, to rounding,
@@ -172,26 +194,36 @@ def test_in_float32_the_factorisation_is_as_accurate_as_the_steps(m, spread):
 
 
 def test_a_matrix_that_is_not_positive_definite_takes_the_steps():
-    """No Lemma 3 matrix is indefinite, but one given to ``implicit_pinv`` gets the
-    steps' V_K, not the garbage of a failed factorisation; NaN propagates."""
+    """A batch with a matrix whose factorisation fails (indefinite, NaN; in float32 a
+    Lemma 3 matrix of many tightly clustered landmarks with a tiny gamma) gets the
+    steps' V_K eagerly, not the inverse of a partial factor; NaN in traced code."""
     a = torch.eye(4, dtype=torch.float64).repeat(2, 1, 1)
     a[1, 0, 0] = -0.5
     assert torch.equal(implicit_pinv(a, 3, "cholesky"), implicit_pinv(a, 3, "steps"))
-    a[1, 0, 0] = float("nan")
+    traced = torch.compile(lambda a: implicit_pinv(a, 3, "cholesky"), fullgraph=True,
+                           backend="aot_eager")(a)
+    assert traced[1].isnan().all() and torch.equal(traced[0], torch.eye(4, dtype=a.dtype))
+    a[1, 0, 0] = float("nan")  # on the diagonal: the factorisation reads the lower half
     assert implicit_pinv(a, 3, "cholesky")[1].isnan().any()
     with pytest.raises(ValueError, match="solver must be one of"):
         implicit_pinv(a, 3, "lu")
 
 
-@pytest.mark.parametrize("kernel", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_matrices_take_the_steps(dtype):
+    """The CPU has no half-precision Cholesky: ``"auto"`` runs the steps for them."""
+    a = (torch.eye(6, dtype=torch.float64) * 0.5 + 0.05).expand(2, 6, 6)
+    w = implicit_pinv(a.to(dtype), 12)
+    assert w.dtype == dtype
+    assert relative_error(w, torch.linalg.inv(a[0])) < 2e-2
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("case", [(1, 1, 1, 8), (2, 3, 5, 8), (1, 2, 37, 16), (1, 1, 128, 64)])
-def test_the_core_is_the_ridge_inverse_with_its_gradient(kernel, case):
+def test_the_core_is_the_ridge_inverse_with_its_gradient(path, case, monkeypatch):
     """float64: W and the gradient of the landmark rows (through the block and the
     norms) are those of (C(X, X) + diag(ridge))^-1, dead slots included."""
-    if kernel == "triton":
-        pytest.importorskip("triton")
-        if not interpreter_on():
-            pytest.skip("Triton's interpreter is off (TRITON_INTERPRET=0)")
+    kernel = _kernel_of(path, monkeypatch)
     x, live = _clustered_rows(*case, torch.float64, "cpu")
     weights = torch.randn(*case[:3], case[2], dtype=torch.float64,
                           generator=torch.Generator().manual_seed(1))
@@ -270,10 +302,13 @@ def _attention_grads(method, q, k, v, weights, **options):
     return out, torch.autograd.grad((out * weights).sum(), leaves)
 
 
+@pytest.mark.parametrize("path", ["torch", "torch-steps"])
 @pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax", "skyformer_adaptive"])
-def test_methods_with_the_implicit_gradient_equal_the_exact_ridge_inverse(method):
+def test_methods_with_the_implicit_gradient_equal_the_exact_ridge_inverse(method, path,
+                                                                          monkeypatch):
     """Whole calls, float64, clustered queries and keys: output and dQ, dK, dV as with
     ``pinv="exact"`` (the ridge inverse), where the default 6 unrolled steps differ."""
+    _kernel_of(path, monkeypatch)
     gen = torch.Generator().manual_seed(0)
     centre = torch.randn(16, generator=gen, dtype=torch.float64)
     q, k = (centre + 0.05 * torch.randn(1, 2, 48, 16, generator=gen, dtype=torch.float64)

@@ -23,14 +23,16 @@ V_K alone (the unrolled path holds every iterate, and on the PyTorch path each s
 products too). The bound needs M PSD with entries in [0, 1], as the Gaussian blocks the
 methods pass are; ``nystrom.lemma3_inverse`` says so for a matrix given directly.
 
-Since W is then A^-1 to rounding, it need not come from the steps: on CPU tensors it
-comes from a Cholesky factorisation of A (``SOLVERS``, ``implicit_pinv``), which the
-same bound makes safe (A is symmetric positive definite with condition number at most
-(m + gamma) / gamma, since lambda_max(A) <= 1). The factorisation and the inverse from
-it cost about m^3 / 2 multiply-adds, the steps' 34 products of two m x m matrices
-(9 steps at m = 128) 34 m^3; 6x faster on a 2-core CPU
-(``benchmarks/implicit_gradient_cost.py``). GPU tensors keep the steps, which the
-Triton kernel runs in one program per matrix; a factorisation there is not measured.
+Since W is then A^-1 to rounding, it need not come from the steps: for float32 and
+float64 CPU tensors it comes from a Cholesky factorisation of A
+(``SOLVERS``, ``implicit_pinv``), which the same bound makes safe (A is symmetric
+positive definite with condition number at most (m + gamma) / gamma, since
+lambda_max(A) <= 1). The factorisation and the inverse from it cost about m^3 / 2
+multiply-adds, the steps' 34 products of two m x m matrices (9 steps at m = 128)
+34 m^3; on a 2-core CPU the core's forward pass is 4.0x faster, its forward and
+backward passes 2.7x (``benchmarks/implicit_gradient_cost.py``). GPU tensors keep the
+steps, which the Triton kernel runs in one program per matrix (a factorisation there
+is not measured).
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ from .functional_ops import first_order_backward, functional_ops_only
 from .pinv import iterative_pinv, razavi_step
 
 GRADIENTS: tuple[str, ...] = ("unrolled", "implicit")
-# how the implicit core's forward pass forms A^-1: "auto" = "cholesky" on CPU tensors,
-# "steps" elsewhere
+# how the implicit core's forward pass forms A^-1: "auto" = "cholesky" for float32 and
+# float64 CPU tensors, "steps" elsewhere (factorises)
 SOLVERS: tuple[str, ...] = ("auto", "steps", "cholesky")
 MAX_ITERATIONS = 64  # far beyond any bound reached (m = 10^6, gamma = 1e-6: 27)
 
@@ -127,31 +129,46 @@ def _steps(a3: Tensor, iterations: int) -> Tensor:
 
 
 def _factorised_inverse(a3: Tensor, iterations: int) -> Tensor:
-    """A^-1 for ``a3: [batch, m, m]`` from its Cholesky factor. A batch with a matrix
-    that is not positive definite (never a Lemma 3 matrix of a Gaussian block; a NaN
-    input) takes the steps instead, where the values may be read (eager calls; the
-    check is free on the CPU, where this solver runs)."""
+    """A^-1 for ``a3: [batch, m, m]`` from its Cholesky factor (the lower triangle of
+    ``a3``, which is symmetric). A batch holding a matrix that is not positive definite
+    in floating point (NaN; a condition number near 1 / eps, which Lemma 3's bound
+    allows for many landmarks with a tiny gamma in float32) takes the steps where the
+    values may be read (eager calls; free on the CPU); in traced code, which cannot
+    branch on it, such a matrix's inverse is NaN."""
     from ..ops.shared.tracing import may_read_values  # the ops package imports linalg
 
     factor, info = torch.linalg.cholesky_ex(a3)
-    if may_read_values(a3) and bool(info.any()):
+    if not may_read_values(a3):
+        failed = (info != 0)[:, None, None]
+        return torch.where(failed, float("nan"), torch.cholesky_inverse(factor))
+    if bool(info.any()):
         return _steps(a3, iterations)
     return torch.cholesky_inverse(factor)
 
 
 def _resolve_solver(solver: str, a: Tensor) -> str:
+    """The solver ``implicit_pinv`` runs for ``a``: ``"auto"`` factorises where that is
+    measured faster (``factorises``) and runs the steps elsewhere."""
     if solver not in SOLVERS:
         raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}.")
-    if solver == "auto":
-        return "cholesky" if a.device.type == "cpu" else "steps"
-    return solver
+    if solver != "auto":
+        return solver
+    return "cholesky" if factorises(a.device, a.dtype) else "steps"
+
+
+def factorises(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the implicit core on the PyTorch path forms its inverse by a Cholesky
+    factorisation on ``device`` in ``dtype`` (the landmark rows' compute dtype): float32
+    and float64 CPU tensors (the CPU has no half-precision factorisation)."""
+    return device.type == "cpu" and dtype in (torch.float32, torch.float64)
 
 
 def implicit_pinv(a: Tensor, iterations: int, solver: str = "auto") -> Tensor:
     """A^-1 for ``a: [..., m, m]`` with the implicit gradient (module docstring):
     V_K of ``iterations`` Razavi steps from the identity (``iterations`` from
     ``implicit_iterations``), or the same inverse to rounding from a Cholesky
-    factorisation (``solver``, ``SOLVERS``: ``"auto"`` factorises on CPU tensors).
+    factorisation (``solver``, ``SOLVERS``: ``"auto"`` factorises float32 and float64
+    CPU tensors).
     Under ``torch.export`` and forward-mode AD the steps in plain operators, as
     ``iterative_pinv`` (their unrolled derivative, equal to rounding at those steps;
     PyTorch's forward-mode derivative of ``cholesky_inverse`` is wrong in 2.13,

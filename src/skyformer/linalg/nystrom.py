@@ -62,8 +62,9 @@ def lemma3_inverse(
             ``m`` with entries in [0, 1], as a Gaussian block's are (the methods pass
             nothing else): a matrix scaled beyond that gets too few steps, so that the
             implicit gradient is not the gradient of W; the unrolled one always is.
-            CPU tensors (PyTorch path) form the inverse by a Cholesky factorisation,
-            which needs no such bound.
+            Float32 and float64 CPU tensors (PyTorch path) form the inverse by a
+            Cholesky factorisation, exact for any positive definite M + gamma I; GPU
+            tensors and the Triton path keep the steps and this bound.
     Returns:
         ``[..., m, m]``.
     """
