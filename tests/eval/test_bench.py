@@ -259,6 +259,15 @@ def test_flop_counts():
                                                            "pinv_gradient": "implicit"})
     outside = 2 * (4 * 100 * 10 * 4 + 2 * 10 * 10 * 4)
     assert implicit_bwd == implicit + 2 * outside + 2 * 2 * 10**3
+    # where the call factorises (eager CPU): m^3 for the Cholesky factor and its inverse;
+    # the unrolled core never does
+    factorised = attention_flops("skyformer", batch=1, heads=1, nq=100, nk=100, d=4, dv=4,
+                                 backward=True, factorised_core=True,
+                                 options={"num_features": 10, "pinv_gradient": "implicit"})
+    assert factorised == 3 * outside + 10**3 + 2 * 2 * 10**3
+    assert attention_flops("skyformer", batch=1, heads=1, nq=100, nk=100, d=4, dv=4,
+                           factorised_core=True, options={"num_features": 10,
+                                                          "pinv_iterations": 2}) == sky
     assert (
         attention_flops("softmax", batch=2, heads=3, nq=10, nk=20, d=4, dv=4, backward=True)
         == 3 * 6 * 2 * 10 * 20 * 8

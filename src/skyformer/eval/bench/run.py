@@ -35,6 +35,8 @@ import torch
 from torch import Tensor
 
 from ...io import environment, json_ready
+from ...linalg.implicit_inverse import factorises
+from ...ops.shared.inputs import compute_dtype
 from ...registry import exact_method, get_method, list_methods
 from ..measure.flops import attention_flops, matmul_flops_per_second
 from ..measure.memory import MemoryJob, peak_memory_bytes
@@ -433,6 +435,7 @@ def _measure_length(
             flops = attention_flops(
                 method.name, batch=b, heads=h, nq=n, nk=n, d=d, dv=d,
                 options=method.resolved_options(options, n), backward=config.backward,
+                factorised_core=factorises(device, compute_dtype(dtype)),
             )
             if flops is not None:
                 row["gflop"] = flops / 1e9

@@ -6,7 +6,9 @@ counts are the minimum (no recomputation, elementwise work and exp not counted),
 a backward pass is counted as twice the forward products (each product C = A B needs
 dA = dC B^T and dB = A^T dC), so forward + backward = 3x forward; but the Lemma 3
 core differentiated implicitly (``pinv_gradient="implicit"``) takes two m x m products
-backward, whatever its forward steps (``BACKWARD_FLOPS``).
+backward, whatever its forward steps (``BACKWARD_FLOPS``), and its forward pass is a
+Cholesky factorisation where the call factorises (``factorised_core``: float32 CPU
+calls, ``linalg.implicit_inverse.factorises``).
 """
 
 from __future__ import annotations
@@ -21,15 +23,17 @@ from ...registry.variants import base_name
 from .timing import interleaved_median_seconds
 
 
-def _exact_flops(nq: int, nk: int, d: int, dv: int, options: dict[str, Any]) -> float:
+def _exact_flops(nq: int, nk: int, d: int, dv: int, options: dict[str, Any],
+                 factorised_core: bool = False) -> float:
     """Q K^T and P V of exact attention (softmax or Gaussian): 2 Nq Nk (D + Dv)."""
     return 2.0 * nq * nk * (d + dv)
 
 
-def _nystrom_flops(nq: int, nk: int, d: int, dv: int, options: dict[str, Any]) -> float | None:
+def _nystrom_flops(nq: int, nk: int, d: int, dv: int, options: dict[str, Any],
+                   factorised_core: bool = False) -> float | None:
     """Skyformer eqs. (5)-(6) with the Lemma 3 iterative inverse (per head; the modified
     Nystrom softmax has one or two more value columns, not counted)."""
-    core = _core_flops(nq, nk, options)
+    core = _core_flops(nq, nk, options, factorised_core)
     if core is None:
         return None  # an SVD: no meaningful product count
     m = min(options.get("num_features", 128), nq + nk)
@@ -41,12 +45,17 @@ def _nystrom_flops(nq: int, nk: int, d: int, dv: int, options: dict[str, Any]) -
     )
 
 
-def _core_flops(nq: int, nk: int, options: dict[str, Any]) -> float | None:
-    """The Razavi steps' m x m products (None for the exact pinv)."""
+def _core_flops(nq: int, nk: int, options: dict[str, Any],
+                factorised_core: bool = False) -> float | None:
+    """The Razavi steps' m x m products (None for the exact pinv). For the implicit
+    gradient, the steps Lemma 3's bound needs, or with ``factorised_core`` the Cholesky
+    factorisation and the inverse from it that replace them (m^3 / 3 + 2 m^3 / 3)."""
     if options.get("pinv", "iterative") != "iterative":
         return None
     m = min(options.get("num_features", 128), nq + nk)
     iterations = options.get("pinv_iterations", 6)
+    if options.get("pinv_gradient") == "implicit" and factorised_core:
+        return float(m**3)
     if options.get("pinv_gradient") == "implicit":  # the steps Lemma 3's bound needs
         iterations = implicit_iterations(m, options.get("gamma", 0.1), torch.float32,
                                          at_least=iterations)
@@ -57,26 +66,27 @@ def _core_flops(nq: int, nk: int, options: dict[str, Any]) -> float | None:
     return 2.0 * steps * m**3
 
 
-def _nystrom_backward_flops(nq: int, nk: int, d: int, dv: int, options: dict[str, Any]
-                            ) -> float | None:
+def _nystrom_backward_flops(nq: int, nk: int, d: int, dv: int, options: dict[str, Any],
+                            factorised_core: bool = False) -> float | None:
     """Twice the forward's products, but for the implicit gradient the core's backward
     is two products, -V^T G V^T, whatever its steps."""
-    forward = _nystrom_flops(nq, nk, d, dv, options)
+    forward = _nystrom_flops(nq, nk, d, dv, options, factorised_core)
     if forward is None or options.get("pinv_gradient") != "implicit":
         return None if forward is None else 2.0 * forward
-    core = _core_flops(nq, nk, options) or 0.0
+    core = _core_flops(nq, nk, options, factorised_core) or 0.0
     m = min(options.get("num_features", 128), nq + nk)
     return 2.0 * (forward - core) + 2.0 * 2.0 * m**3
 
 
-FORWARD_FLOPS: dict[str, Callable[[int, int, int, int, dict[str, Any]], float | None]] = {
+FlopCount = Callable[[int, int, int, int, dict[str, Any], bool], float | None]
+FORWARD_FLOPS: dict[str, FlopCount] = {
     "softmax": _exact_flops,
     "kernelized": _exact_flops,
     "skyformer": _nystrom_flops,
     "nystrom_softmax": _nystrom_flops,
 }
 # Backward passes counted otherwise than twice the forward's products.
-BACKWARD_FLOPS: dict[str, Callable[[int, int, int, int, dict[str, Any]], float | None]] = {
+BACKWARD_FLOPS: dict[str, FlopCount] = {
     "skyformer": _nystrom_backward_flops,
     "nystrom_softmax": _nystrom_backward_flops,
 }
@@ -85,21 +95,24 @@ BACKWARD_FLOPS: dict[str, Callable[[int, int, int, int, dict[str, Any]], float |
 def attention_flops(
     method: str, *, batch: int, heads: int, nq: int, nk: int, d: int, dv: int,
     options: dict[str, Any] | None = None, backward: bool = False,
+    factorised_core: bool = False,
 ) -> float | None:
     """Matrix-product FLOPs of one call of ``method`` (None if not known for it; a
-    variant, ``name[...]``, counts as its method with ``options``)."""
+    variant, ``name[...]``, counts as its method with ``options``); ``factorised_core``:
+    the call forms the implicit core's inverse by a Cholesky factorisation
+    (``linalg.implicit_inverse.factorises``)."""
     name = base_name(method)
     count = FORWARD_FLOPS.get(name)
     if count is None:
         return None
     options = options or {}
-    per_head = count(nq, nk, d, dv, options)
+    per_head = count(nq, nk, d, dv, options, factorised_core)
     if per_head is None:
         return None
     if backward:
         backward_count = BACKWARD_FLOPS.get(name)
         per_head += (2 * per_head if backward_count is None
-                     else backward_count(nq, nk, d, dv, options))
+                     else backward_count(nq, nk, d, dv, options, factorised_core))
     return per_head * batch * heads
 
 
