@@ -218,6 +218,16 @@ def test_half_matrices_take_the_steps(dtype):
     assert relative_error(w, torch.linalg.inv(a[0])) < 2e-2
 
 
+@pytest.mark.parametrize("shape", [(5, 5), (2, 5, 5), (2, 3, 5, 5)])
+@pytest.mark.parametrize("solver", ["steps", "cholesky"])
+def test_jacrev_of_the_implicit_inverse_is_that_of_the_inverse(shape, solver):
+    """``torch.func.jacrev`` maps the backward pass over the Jacobian's rows, one
+    matrix alone included (the saved iterate keeps a batch dim for that)."""
+    a = (0.5 * torch.eye(5, dtype=torch.float64) + 0.05).expand(*shape).contiguous()
+    jacobian = torch.func.jacrev(lambda t: implicit_pinv(t, 12, solver))(a)
+    assert torch.allclose(jacobian, torch.func.jacrev(torch.linalg.inv)(a), atol=1e-12)
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("case", [(1, 1, 1, 8), (2, 3, 5, 8), (1, 2, 37, 16), (1, 1, 128, 64)])
 def test_the_core_is_the_ridge_inverse_with_its_gradient(path, case, monkeypatch):

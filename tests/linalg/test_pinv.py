@@ -144,3 +144,19 @@ def test_zero_iterations_return_the_start():
         iterative_pinv(a, 0, init="identity"), torch.eye(4, dtype=torch.float64).expand(2, 4, 4)
     )
     torch.testing.assert_close(iterative_pinv(a, 0), initial_inverse(a, "scaled_transpose"))
+
+
+@pytest.mark.parametrize("shape", [(5, 5), (2, 5, 5)])
+@pytest.mark.parametrize("init", ["identity", "scaled_transpose"])
+def test_jacrev_of_the_steps_equals_jacfwd(shape, init):
+    """``torch.func.jacrev`` maps the hand-written backward pass over the Jacobian's rows,
+    one matrix alone included; ``jacfwd`` differentiates the same steps in plain
+    operators (forward mode)."""
+    a = (0.5 * torch.eye(5, dtype=torch.float64) + 0.05
+         + 0.01 * torch.randn(5, 5, dtype=torch.float64, generator=gen(0))).expand(*shape)
+
+    def steps(t):
+        return iterative_pinv(t, 4, init=init)
+
+    reverse = torch.func.jacrev(steps)(a.contiguous())
+    assert torch.allclose(reverse, torch.func.jacfwd(steps)(a.contiguous()), atol=1e-12)

@@ -99,7 +99,9 @@ class _ImplicitInverse(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
-        ctx.save_for_backward(output)
+        # [batch, m, m], a batch dim even for one matrix: a transform of the backward
+        # pass (jacrev) folds its mapped dim into dim 0 of the saved and incoming tensors
+        ctx.save_for_backward(output.reshape(-1, *output.shape[-2:]))
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple, a: Tensor, iterations: int,
@@ -110,9 +112,10 @@ class _ImplicitInverse(torch.autograd.Function):
     @staticmethod
     @first_order_backward
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
-        (v,) = ctx.saved_tensors
+        (v,) = ctx.saved_tensors  # [batch, m, m]
         v_t = v.mT
-        return -(v_t @ grad @ v_t), None, None
+        g = grad.reshape(-1, *v.shape[-2:])
+        return -(v_t @ g @ v_t).reshape(grad.shape), None, None
 
 
 def _steps(a3: Tensor, iterations: int) -> Tensor:

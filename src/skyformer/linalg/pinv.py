@@ -89,7 +89,6 @@ class _RazaviIteration(torch.autograd.Function):
 
     @staticmethod
     def forward(a, v0, iterations):  # type: ignore[override]
-        batch_shape = a.shape[:-2]
         m = a.shape[-1]
         a3 = a.reshape(-1, m, m)
         eye = torch.eye(m, dtype=a.dtype, device=a.device).expand_as(a3)
@@ -108,7 +107,7 @@ class _RazaviIteration(torch.autograd.Function):
             v_next = out if i == iterations - 1 else store[i + 1, 0]
             v = razavi_step(a3, v, eye, eye7, (p, t1, t2, t3), v_next)
         # ``store`` is returned so that ``setup_context`` can save it (torch.func form).
-        return out.reshape(*batch_shape, m, m), store
+        return out.reshape(a.shape), store
 
     @staticmethod
     def setup_context(ctx, inputs, output):  # type: ignore[override]
@@ -134,7 +133,6 @@ class _RazaviIteration(torch.autograd.Function):
     @first_order_backward
     def backward(ctx, grad, _):  # type: ignore[override]
         a, store = ctx.saved_tensors
-        batch_shape = a.shape[:-2]
         m = a.shape[-1]
         a3 = a.reshape(-1, m, m)
         g = grad.reshape(-1, m, m).contiguous()
@@ -167,8 +165,10 @@ class _RazaviIteration(torch.autograd.Function):
             da.baddbmm_(dp, v.transpose(1, 2))
             torch.bmm(a_t, dp, out=tmp)
             g = flush(torch.baddbmm(tmp, g, t3.transpose(1, 2), alpha=0.25, out=g_next[i % 2]))
-        dv0 = None if ctx.identity_start else g.reshape(*batch_shape, m, m).clone()
-        return da.reshape(*batch_shape, m, m), dv0, None
+        # a's shape, not [..., m, m] per matrix: under a transform of this backward pass
+        # (jacrev) one [m, m] matrix arrives with the mapped dim folded into its rows
+        dv0 = None if ctx.identity_start else g.reshape(a.shape).clone()
+        return da.reshape(a.shape), dv0, None
 
 
 def iterative_pinv(
