@@ -7,8 +7,8 @@ a backward pass is counted as twice the forward products (each product C = A B n
 dA = dC B^T and dB = A^T dC), so forward + backward = 3x forward; but the Lemma 3
 core differentiated implicitly (``pinv_gradient="implicit"``) takes two m x m products
 backward, whatever its forward steps (``BACKWARD_FLOPS``), and its forward pass is a
-Cholesky factorisation where the call factorises (``factorised_core``: float32 CPU
-calls, ``linalg.implicit_inverse.factorises``).
+Cholesky factorisation where the call factorises (``factorised_core``: float32 and
+float64 CPU calls, ``linalg.implicit_inverse.factorises``).
 """
 
 from __future__ import annotations
