@@ -15,6 +15,8 @@ took) of
 - ``skyformer/triton+implicit``: the Triton path with ``pinv_gradient="implicit"`` (the
   core run to Lemma 3's bound, 9 steps at m = 128, and differentiated as an inverse:
   two products backward instead of the steps' adjoints, ``linalg/implicit_inverse.py``),
+  and ``+one-pass``: with the products' backward pass in one pass over the rows
+  (``linalg/triton_one_pass.py``, off by default),
 - at the lengths in ``--compile-seq-lens``: Skyformer (Triton kernels) under
   ``torch.compile`` (Inductor fuses the small ops around the kernels) and under
   ``torch.compile(mode="reduce-overhead")`` (CUDA graphs replay the whole call; warm-up
@@ -56,9 +58,10 @@ from skyformer.io import write_json
 
 
 def _calls(q, k, v, grad, features, compiled, compile_kernels=("triton", "auto")):
-    def run(fn, in_graph=False):
+    def run(fn, in_graph=False, one_pass=False):
         def step():  # the gradients dropped after the call, so that the next call's peak
-            fn().backward(grad)  # counts its own (as skyformer bench does)
+            with _one_pass_backward(one_pass):  # counts its own (as skyformer bench does)
+                fn().backward(grad)
             for t in (q, k, v):
                 t.grad = None
 
@@ -108,6 +111,9 @@ def _calls(q, k, v, grad, features, compiled, compile_kernels=("triton", "auto")
         "skyformer/triton+implicit": run(lambda: skyformer.attention(
             q, k, v, "skyformer", num_features=features, kernel="triton",
             pinv_gradient="implicit", generator=key)),
+        "skyformer/triton+implicit+one-pass": run(lambda: skyformer.attention(
+            q, k, v, "skyformer", num_features=features, kernel="triton",
+            pinv_gradient="implicit", generator=key), one_pass=True),
         "kernelized/torch": run(lambda: skyformer.attention(q, k, v, "kernelized",
                                                             kernel="torch")),
         "kernelized/triton": run(lambda: skyformer.attention(q, k, v, "kernelized",
@@ -192,6 +198,23 @@ def _core_rows(batch: int, heads: int, m: int, repeats: int, device: str) -> lis
 
 def peak_text(mib: float | None) -> str:
     return "   memory -" if mib is None else f"{mib:9.1f} MiB"
+
+
+class _one_pass_backward:
+    """Inside (``on``): the products' backward pass in one pass over the rows
+    (``kernel_matmul_triton.ONE_PASS_BACKWARD``, ``linalg/triton_one_pass.py``)."""
+
+    def __init__(self, on: bool):
+        from skyformer.linalg import kernel_matmul_triton
+
+        self.module, self.on = kernel_matmul_triton, on
+
+    def __enter__(self):
+        self.before = self.module.ONE_PASS_BACKWARD
+        self.module.ONE_PASS_BACKWARD = self.on or self.before
+
+    def __exit__(self, *exc):
+        self.module.ONE_PASS_BACKWARD = self.before
 
 
 class _tf32:

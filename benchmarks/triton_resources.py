@@ -15,6 +15,7 @@ compiled for the target. Head dim, dtype, number of landmarks and method come fr
 the options; N only enters as a runtime argument.
 
     python benchmarks/triton_resources.py --out benchmarks/results/triton_resources
+        [--pinv-gradient implicit] [--one-pass-backward]
 """
 
 from __future__ import annotations
@@ -80,6 +81,10 @@ def _record_launches(spec: dict) -> list[dict]:
         return original_run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = recording_run
+    if spec.get("one_pass_backward"):
+        from skyformer.linalg import kernel_matmul_triton
+
+        kernel_matmul_triton.ONE_PASS_BACKWARD = True
     dtype = getattr(torch, spec["dtype"])
     g = torch.Generator().manual_seed(0)
     shape = (1, 2, spec["n"], spec["head_dim"])
@@ -218,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pinv-gradient", default="unrolled",
                         choices=["unrolled", "implicit"],
                         help="pinv_gradient of the methods that have it")
+    parser.add_argument("--one-pass-backward", action="store_true",
+                        help="the products' backward pass in one pass over the rows "
+                             "(kernel_matmul_triton.ONE_PASS_BACKWARD)")
     parser.add_argument("--out", type=Path, default=None,
                         help="write OUT.json and OUT.md (atomically)")
     args = parser.parse_args(argv)
@@ -237,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     for method, config, m in combos:
         head_dim, dtype = config.split(":")
         spec = {"method": method, "head_dim": int(head_dim), "dtype": dtype,
-                "features": m, "n": args.n, "pinv_gradient": args.pinv_gradient}
+                "features": m, "n": args.n, "pinv_gradient": args.pinv_gradient,
+                "one_pass_backward": args.one_pass_backward}
         env = os.environ | {RECORD_ENV: json.dumps(spec), "TRITON_INTERPRET": "1"}
         child = subprocess.run([sys.executable, __file__], env=env, capture_output=True,
                                text=True, check=False)

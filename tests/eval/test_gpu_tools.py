@@ -102,7 +102,8 @@ def test_kernel_benchmark_runs_on_the_cpu_under_the_interpreter(tmp_path):
     result = json.loads(out.read_text())
     assert [row["call"] for row in result["rows"]] == [
         "sdpa", "skyformer/torch", "skyformer/triton", "skyformer/triton+tf32",
-        "skyformer/triton+implicit", "kernelized/torch", "kernelized/triton"]
+        "skyformer/triton+implicit", "skyformer/triton+implicit+one-pass",
+        "kernelized/torch", "kernelized/triton"]
     assert all(row["ms"] > 0 and row["peak_mib"] is None for row in result["rows"])
     assert {(row["shape"], row["call"]) for row in result["core"]} == {
         (f"1,1,m={m}", f"core/{kernel}/{mode}") for m in (8, 64)
@@ -506,3 +507,23 @@ def test_the_paired_steps_benchmark_says_it_needs_a_gpu(capsys):
         pytest.skip("a GPU is here: the script would time it")
     assert _load("paired_steps").main(["--repeats", "1"]) == 2
     assert "run it on a machine with a GPU" in capsys.readouterr().err
+
+
+def test_the_kernel_benchmarks_one_pass_row_runs_the_one_pass_kernel(monkeypatch):
+    """``skyformer/triton+implicit+one-pass`` turns the option on for its call's backward
+    pass alone (what its A/B against ``skyformer/triton+implicit`` claims)."""
+    pytest.importorskip("triton")
+    from skyformer.linalg import kernel_matmul_triton, triton_ops
+
+    seen = []
+    real = triton_ops.one_pass_product
+    monkeypatch.setattr(triton_ops, "one_pass_product",
+                        lambda *args: seen.append("one pass") or real(*args))
+    q, k, v, grad = (torch.randn(1, 1, 40, 8) for _ in range(4))
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    calls = _load("gpu_kernels")._calls(q, k, v, grad, 8, compiled=False)
+    calls["skyformer/triton+implicit"]()
+    assert seen == [] and not kernel_matmul_triton.ONE_PASS_BACKWARD
+    calls["skyformer/triton+implicit+one-pass"]()
+    assert seen == ["one pass", "one pass"] and not kernel_matmul_triton.ONE_PASS_BACKWARD

@@ -38,6 +38,10 @@ from .vmap import vmap_into_batch
 PRODUCT_FALLBACK = KernelFallback(
     "Gaussian block product kernels",
     "computing the products with PyTorch operations (the same values up to rounding)")
+# The backward pass's rows and cols kernels as one pass over the rows where every column
+# fits one tile (``triton_one_pass``): off until a GPU measures it faster.
+ONE_PASS_BACKWARD = False
+ONE_PASS_MAX_COLUMNS = 128  # the columns' sums, [m, D] and [m, R], held by each program
 
 
 def _ops():
@@ -62,6 +66,17 @@ def _rows(y, kx, a, b, vm, vn, exclude, norm_scale, *, auto, write_out1=True,
                               _none_to_empty(vn, y), _none_to_empty(exclude, y),
                               write_out1, shift_rows, out2_scale, norm_coef, norm_scale,
                               kx.dot_scale * LOG2E, LOG2E, kx.bf16, auto)
+    return tuple(_empty_to_none(t) for t in out)
+
+
+def _one_pass(y, kx, a, b, vn, vm, exclude, norm_scale, *, auto, write_row1, write_row2,
+              write_col1, write_col2, row2_scale, norm_coef, col2_scale):
+    """``triton_ops.one_pass_product`` with ``None`` for absent tensors: the outputs of
+    ``_rows`` (C V_M, dE x) and ``_cols`` (C^T V_N, dE^T y) in one pass."""
+    out = _ops().one_pass_product(y, kx.x, _none_to_empty(a, kx.x), _none_to_empty(b, kx.x),
+                                  vn, vm, _none_to_empty(exclude, y), write_row1, write_row2,
+                                  write_col1, write_col2, row2_scale, norm_coef, norm_scale,
+                                  kx.dot_scale * LOG2E, LOG2E, col2_scale, kx.bf16, auto)
     return tuple(_empty_to_none(t) for t in out)
 
 
@@ -159,6 +174,16 @@ class TritonGaussianBlockProduct(torch.autograd.Function):
         vn, vm = (rhs, grad) if transpose else (grad, rhs)
         # the rows of C g (transpose: dV) and dE x; the columns of C^T g (dZ) and dE^T y
         rows_first = transpose and (need_rhs or (need_y and row_norm))
+        cols_first = not transpose and (need_rhs or need_b)
+        row_norm_coef = -scale * scale if row_norm else None
+        if ONE_PASS_BACKWARD and (need_y or rows_first) and (need_x or cols_first) \
+                and x.shape[-2] <= ONE_PASS_MAX_COLUMNS:
+            c_vm, dy, c_vn, dx = _one_pass(
+                y, kx, a, b, vn, vm, exclude, _norm_scale(scale, row_norm), auto=auto,
+                write_row1=rows_first, write_row2=need_y, write_col1=cols_first,
+                write_col2=need_x, row2_scale=kx.dot_scale, norm_coef=row_norm_coef,
+                col2_scale=scale)
+            return _gradients(ctx, grad, out, rhs, c_vm, dy, c_vn, dx, ones_column)
         c_vm, dy = None, None
         if need_y or rows_first:
             # dy = s dE x (x = c x_bf16 when the kernels read x_bf16); the row norm adds
@@ -166,19 +191,27 @@ class TritonGaussianBlockProduct(torch.autograd.Function):
             c_vm, dy, _ = _rows(y, kx, a, b, vm, vn if need_y else None, exclude,
                                 _norm_scale(scale, row_norm), auto=auto, write_out1=rows_first,
                                 out2_scale=kx.dot_scale,
-                                norm_coef=-scale * scale if row_norm else None)
-        cols_first = not transpose and (need_rhs or need_b)
+                                norm_coef=row_norm_coef)
         c_vn, dx = None, None
         if need_x or cols_first:
             c_vn, dx = _cols(y, kx, a, b, vn, vm if need_x else None, exclude,
                              _norm_scale(scale, row_norm), scale, auto=auto,
                              write_out1=cols_first)
-        drhs = c_vm if transpose else c_vn  # dV = C g, or dZ = C^T g
-        db = None
-        if need_b:
-            db = -(torch.linalg.vecdot(grad, out) if transpose
-                   else torch.linalg.vecdot(rhs, drhs))
-        if need_rhs and ones_column:
-            drhs = drhs[..., :-1]
-        return (dy, dx, db, drhs if need_rhs else None, None, None, None, None, None, None,
-                None, None, None, None)
+        return _gradients(ctx, grad, out, rhs, c_vm, dy, c_vn, dx, ones_column)
+
+
+def _gradients(ctx: Any, grad: Tensor, out: Tensor | None, rhs: Tensor, c_vm: Tensor | None,
+               dy: Tensor | None, c_vn: Tensor | None, dx: Tensor | None, ones_column: bool
+               ) -> tuple[Tensor | None, ...]:
+    """``TritonGaussianBlockProduct.backward``'s gradients from the kernels' outputs."""
+    transpose = ctx.options[2]
+    need_b, need_rhs = ctx.needs_input_grad[2:4]
+    drhs = c_vm if transpose else c_vn  # dV = C g, or dZ = C^T g
+    db = None
+    if need_b:
+        db = -(torch.linalg.vecdot(grad, out) if transpose
+               else torch.linalg.vecdot(rhs, drhs))
+    if need_rhs and ones_column:
+        drhs = drhs[..., :-1]
+    return (dy, dx, db, drhs if need_rhs else None, None, None, None, None, None, None,
+            None, None, None, None)

@@ -86,6 +86,51 @@ def _(y, x, a, b, vn, vm, exclude, write_out1, norm_scale, dot_scale, b_scale,
             x.new_empty(bh, m, d) if vm.numel() else x.new_empty(0))
 
 
+@custom_op("skyformer::gaussian_one_pass_product")
+def one_pass_product(y: Tensor, x: Tensor, a: Tensor, b: Tensor, vn: Tensor, vm: Tensor,
+                     exclude: Tensor, write_row1: bool, write_row2: bool, write_col1: bool,
+                     write_col2: bool, row2_scale: float, norm_coef: float | None,
+                     norm_scale: float | None, dot_scale: float, b_scale: float,
+                     col2_scale: float, x_bf16: bool, auto: bool
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``triton_one_pass.one_pass_product``; absent outputs are empty tensors; ``auto``:
+    the two kernels' results by PyTorch operations where it fails
+    (``PRODUCT_FALLBACK``)."""
+    from . import triton_one_pass
+
+    args = (y, x, _opt(a), _opt(b))
+    common = {"norm_scale": norm_scale, "dot_scale": dot_scale, "b_scale": b_scale,
+              "x_bf16": x_bf16}
+
+    def by_pytorch() -> tuple[Tensor | None, ...]:
+        row1, row2, _ = product_fallback.rows_product(
+            *args, vm, vn if write_row2 else None, _opt(exclude), write_out1=write_row1,
+            out2_scale=row2_scale, norm_coef=norm_coef, **common)
+        col1, col2 = product_fallback.cols_product(
+            *args, vn, vm if write_col2 else None, _opt(exclude), write_out1=write_col1,
+            out2_scale=col2_scale, **common)
+        return row1, row2, col1, col2
+
+    outs = PRODUCT_FALLBACK.run(
+        auto, lambda: triton_one_pass.one_pass_product(
+            *args, vn, vm, _opt(exclude), write_row1=write_row1, write_row2=write_row2,
+            write_col1=write_col1, write_col2=write_col2, row2_scale=row2_scale,
+            norm_coef=norm_coef, col2_scale=col2_scale, **common),
+        by_pytorch, on=y)
+    return tuple(_or_empty(t, like) for t, like in zip(outs, (y, y, x, x), strict=True))
+
+
+@one_pass_product.register_fake
+def _(y, x, a, b, vn, vm, exclude, write_row1, write_row2, write_col1, write_col2,
+      row2_scale, norm_coef, norm_scale, dot_scale, b_scale, col2_scale, x_bf16, auto):
+    bh, n, d = y.shape
+    m, r = x.shape[1], vm.shape[-1]
+    return (y.new_empty(bh, n, r, dtype=vn.dtype) if write_row1 else y.new_empty(0),
+            y.new_empty(bh, n, d) if write_row2 else y.new_empty(0),
+            x.new_empty(bh, m, r) if write_col1 else x.new_empty(0),
+            x.new_empty(bh, m, d) if write_col2 else x.new_empty(0))
+
+
 @custom_op("skyformer::lemma3_inverse_forward")
 def lemma3_forward(source: Tensor, norm: Tensor, ridge: Tensor, iterations: int, keep: bool,
                    backward: bool, implicit: bool) -> tuple[Tensor, Tensor]:

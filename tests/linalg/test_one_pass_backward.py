@@ -1,0 +1,176 @@
+"""The products' backward pass in one pass over the rows (``triton_one_pass``, opt-in
+through ``kernel_matmul_triton.ONE_PASS_BACKWARD``) against the PyTorch path: outputs
+and the gradients of y, x, the column offsets and rhs, odd sizes (m = 1 to 128, head
+dims 16 to 128), invalid rows, dead columns, excluded entries, row norms, half-type
+rows, whole methods; and that it is the one kernel launched where it applies."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import skyformer
+from skyformer.linalg import kernel_matmul_triton
+from skyformer.linalg.kernel_backend import interpreter_on
+from tests.devices import devices, relative_error
+from tests.linalg.test_kernel_matmul_triton import CASES, TOLERANCE, _product
+
+pytest.importorskip("triton")
+
+
+@pytest.fixture(autouse=True)
+def one_pass(request, monkeypatch):
+    """The option on; the product kernels' launches recorded by name."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and callspec.params.get("device") == "cpu" and not interpreter_on():
+        pytest.skip("Triton's interpreter is off (TRITON_INTERPRET=0): the kernels run on CUDA")
+    from skyformer.linalg import triton_kernels, triton_one_pass
+
+    monkeypatch.setattr(kernel_matmul_triton, "ONE_PASS_BACKWARD", True)
+    launched: list[str] = []
+
+    class Recording:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append(self.name)
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    for module, name in ((triton_kernels, "_rows_kernel"), (triton_kernels, "_cols_kernel"),
+                         (triton_one_pass, "_one_pass_kernel")):
+        monkeypatch.setattr(module, name, Recording(name, getattr(module, name)))
+    return launched
+
+
+def _data(n, m, d, r, transpose, dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(2, n, d, generator=g, dtype=torch.float64).to(device, dtype)
+    x = (torch.randn(2, m, d, generator=g, dtype=torch.float64) * 0.7).to(device, dtype)
+    b = 0.5 * (x * x).sum(-1)
+    rhs = torch.randn(2, n if transpose else m, r, generator=g, dtype=torch.float64).to(
+        device, dtype)
+    return y, x, b, rhs
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("transpose", [False, True])
+def test_one_pass_equals_torch(one_pass, device, dtype, case, transpose):
+    if device == "cuda" and dtype == torch.float64:
+        pytest.skip("float64 takes the PyTorch path on CUDA (kernel_backend.use_triton)")
+    n, m, d, r = case
+    y, x, b, rhs = _data(n, m, d, r, transpose, dtype, device, n * m + d)
+    ours = _product("triton", y, x, b, rhs, scale=d ** -0.25, transpose=transpose)
+    assert one_pass == ["_cols_kernel" if transpose else "_rows_kernel", "_one_pass_kernel"]
+    ref = _product("torch", y, x, b, rhs, scale=d ** -0.25, transpose=transpose)
+    for name, a, e in zip(("out", "dy", "dx", "db", "drhs"), ours, ref, strict=True):
+        torch.testing.assert_close(a, e, **TOLERANCE[dtype], msg=name)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("row_norm", [False, True])
+def test_one_pass_masks_and_norms(one_pass, device, transpose, row_norm):
+    """Invalid rows, a dead (+inf) column, excluded entries (a transposed view), the row
+    norms' terms of dy."""
+    n, m, d, r = 53, 19, 16, 12
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    y, x, b, rhs = _data(n, m, d, r, transpose, dtype, device, 7)
+    b[:, 4] = float("inf")
+    g = torch.Generator().manual_seed(8)
+    options = {"scale": 0.6, "row_norm": row_norm, "transpose": transpose,
+               "row_valid": (torch.rand(2, n, generator=g) > 0.3).to(device),
+               "exclude": (torch.rand(2, m, n, generator=g) > 0.8).to(device).transpose(-1, -2)}
+    ours = _product("triton", y, x, b, rhs, **options)
+    assert "_one_pass_kernel" in one_pass
+    ref = _product("torch", y, x, b, rhs, **options)
+    for name, a, e in zip(("out", "dy", "dx", "db", "drhs"), ours, ref, strict=True):
+        if name == "db":  # the dead column's offset gets no gradient on either path
+            a, e = a.nan_to_num(), e.nan_to_num()
+        torch.testing.assert_close(a, e, **TOLERANCE[dtype], msg=name)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("transpose", [False, True])
+def test_one_pass_reads_half_rows_as_the_two_kernels_do(one_pass, device, transpose):
+    """bfloat16 y and N-row rhs: the same gradients as the two kernels (bf16x3 dots)."""
+    y, x, b, rhs = _data(70, 33, 24, 40, transpose, torch.float32, device, 3)
+    y = y.to(torch.bfloat16)
+    if transpose:
+        rhs = rhs.to(torch.bfloat16)
+    ours = _product("triton", y, x, b, rhs, scale=0.5, transpose=transpose)
+    assert "_one_pass_kernel" in one_pass
+    kernel_matmul_triton.ONE_PASS_BACKWARD = False  # the fixture restores it
+    two = _product("triton", y, x, b, rhs, scale=0.5, transpose=transpose)
+    for a, e in zip(ours, two, strict=True):
+        assert relative_error(a, e) < 1e-5
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax", "skyformer_multipole"])
+def test_methods_with_one_pass(one_pass, device, method):
+    """Whole calls with a padding mask: the PyTorch path's outputs and gradients."""
+    g = torch.Generator().manual_seed(3)
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    q, k, v = (torch.randn(2, 2, 45, 16, generator=g, dtype=torch.float64).to(device, dtype)
+               for _ in range(3))
+    mask = torch.ones(2, 45, dtype=torch.bool, device=device)
+    mask[1, 31:] = False
+    results = []
+    for kernel in ("torch", "triton"):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = skyformer.attention(*leaves, method, key_padding_mask=mask, kernel=kernel,
+                                  num_features=12, generator=skyformer.random_key(5))
+        results.append([out, *torch.autograd.grad(out.square().sum(), leaves)])
+    assert "_one_pass_kernel" in one_pass
+    for a, e in zip(*results, strict=True):
+        assert relative_error(a, e) < (1e-9 if dtype == torch.float64 else 2e-3)
+
+
+def test_more_columns_than_a_tile_take_the_two_kernels(one_pass):
+    y, x, b, rhs = _data(40, 129, 8, 8, False, torch.float64, "cpu", 1)
+    ours = _product("triton", y, x, b, rhs, scale=0.5)
+    assert one_pass == ["_rows_kernel", "_rows_kernel", "_cols_kernel"]
+    ref = _product("torch", y, x, b, rhs, scale=0.5)
+    for a, e in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, e, **TOLERANCE[torch.float64])
+
+
+def test_compile_fullgraph_equals_eager_with_one_pass(one_pass):
+    """``torch.compile`` traces the backward pass's one operator (its fake shapes)."""
+    from tests.pt2.test_stack_matrix import _assert_compiled_equals_eager
+
+    _assert_compiled_equals_eager(skyformer.get_method("skyformer").bind(kernel="triton"), 40)
+    assert "_one_pass_kernel" in one_pass
+
+
+def test_a_failing_one_pass_under_auto_takes_the_pytorch_fallback(one_pass, monkeypatch):
+    """Under ``kernel="auto"`` a one-pass launch that fails gives both kernels' results by
+    PyTorch operations, with the products' one warning (``PRODUCT_FALLBACK``)."""
+    from skyformer.linalg import kernel_matmul, triton_one_pass
+
+    monkeypatch.setattr(kernel_matmul, "use_triton", lambda kernel, t: kernel != "torch")
+    monkeypatch.setattr(kernel_matmul_triton.PRODUCT_FALLBACK, "failures", set())
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated compile failure")
+
+    monkeypatch.setattr(triton_one_pass, "one_pass_product", broken)
+    q, k, v = (torch.randn(2, 2, 21, 8, generator=torch.Generator().manual_seed(s),
+                           dtype=torch.float64) for s in (1, 2, 3))
+    results = []
+    for kernel in ("torch", "auto"):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        with pytest.warns(RuntimeWarning, match="simulated") if kernel == "auto" \
+                else contextlib.nullcontext():
+            out = skyformer.attention(*leaves, "skyformer", kernel=kernel, num_features=6,
+                                      generator=skyformer.random_key(5))
+            results.append([out, *torch.autograd.grad(out.square().sum(), leaves)])
+    for a, e in zip(*results, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-12)
