@@ -274,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     for row in unique:
         del row["key"]
     header = (f"Triton {triton.__version__}, sm_{args.arch}, forward + backward of each "
-              "method with kernel=\"triton\"; registers per thread, stack frame bytes a "
+              f"method with kernel=\"triton\", pinv_gradient={args.pinv_gradient}"
+              f"{', the one-pass backward' if args.one_pass_backward else ''}; "
+              "registers per thread, stack frame bytes a "
               "thread (where spilled registers go), spill stores / loads, MMA and EX2 "
               "instructions in the compiled code (static counts of loop bodies: compare "
               "them only between equal tiles), "
@@ -296,7 +298,9 @@ def main(argv: list[str] | None = None) -> int:
 
         args.out.parent.mkdir(parents=True, exist_ok=True)
         write_json(args.out.with_suffix(".json"),
-                   {"triton": triton.__version__, "arch": args.arch, "rows": unique}, indent=1)
+                   {"triton": triton.__version__, "arch": args.arch,
+                    "pinv_gradient": args.pinv_gradient,
+                    "one_pass_backward": args.one_pass_backward, "rows": unique}, indent=1)
         atomic_write_text(args.out.with_suffix(".md"), text + "\n")
     return 0
 

@@ -44,23 +44,25 @@ def _exact_dtype(device: str) -> torch.dtype:
     return torch.float64 if device == "cpu" else torch.float32
 
 
-def _record_product_launches(monkeypatch, record):
-    """Calls ``record(grid, keyword arguments)`` at every launch of the product kernels,
-    which then run as they are."""
-    from skyformer.linalg import triton_kernels
+def _record_product_launches(monkeypatch, record, one_pass=False):
+    """Calls ``record(grid, keyword arguments, kernel name)`` at every launch of the
+    product kernels (``one_pass``: the one-pass backward kernel too), which then run as
+    they are."""
+    from skyformer.linalg import triton_kernels, triton_one_pass
 
     class Recording:
-        def __init__(self, kernel):
-            self.kernel = kernel
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
 
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                record(grid, kwargs)
+                record(grid, kwargs, self.name)
                 return self.kernel[grid](*args, **kwargs)
             return launch
 
-    for name in ("_rows_kernel", "_cols_kernel"):
-        monkeypatch.setattr(triton_kernels, name, Recording(getattr(triton_kernels, name)))
+    kernels = [(triton_kernels, "_rows_kernel"), (triton_kernels, "_cols_kernel")]
+    for module, name in kernels + ([(triton_one_pass, "_one_pass_kernel")] if one_pass else []):
+        monkeypatch.setattr(module, name, Recording(name, getattr(module, name)))
 
 
 def _product(kernel, y, x, b, rhs, **options):
@@ -407,7 +409,8 @@ def test_bfloat16_landmark_rows_read_as_such_give_the_same_product(device, trans
     options = {"scale": c, "transpose": transpose}
     moved = [t.to(device) for t in (y, x, b, rhs)]
     flags = []  # what every launch is told about x
-    _record_product_launches(monkeypatch, lambda grid, kwargs: flags.append(kwargs["X_BF16"]))
+    _record_product_launches(monkeypatch,
+                             lambda grid, kwargs, _: flags.append(kwargs["X_BF16"]))
     read_x = _product("triton", *moved, **options)
     assert flags and not any(flags)
     flags.clear()
@@ -589,7 +592,7 @@ def test_more_matrices_than_a_cuda_grid_holds_go_in_slices(monkeypatch, triton_i
     expected = run()
     grids = []
     monkeypatch.setattr(triton_kernels, "MAX_GRID_YZ", 4)
-    _record_product_launches(monkeypatch, lambda grid, kwargs: grids.append(grid))
+    _record_product_launches(monkeypatch, lambda grid, kwargs, _: grids.append(grid))
     for a, e in zip(run(), expected, strict=True):
         torch.testing.assert_close(a, e, rtol=0, atol=0)
     assert grids and max(grid[1] for grid in grids) == 4 and min(g[1] for g in grids) == 2

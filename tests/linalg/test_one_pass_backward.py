@@ -6,8 +6,6 @@ rows, whole methods; and that it is the one kernel launched where it applies."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
@@ -15,7 +13,12 @@ import skyformer
 from skyformer.linalg import kernel_matmul_triton
 from skyformer.linalg.kernel_backend import interpreter_on
 from tests.devices import devices, relative_error
-from tests.linalg.test_kernel_matmul_triton import CASES, TOLERANCE, _product
+from tests.linalg.test_kernel_matmul_triton import (
+    CASES,
+    TOLERANCE,
+    _product,
+    _record_product_launches,
+)
 
 pytest.importorskip("triton")
 
@@ -26,24 +29,11 @@ def one_pass(request, monkeypatch):
     callspec = getattr(request.node, "callspec", None)
     if callspec is not None and callspec.params.get("device") == "cpu" and not interpreter_on():
         pytest.skip("Triton's interpreter is off (TRITON_INTERPRET=0): the kernels run on CUDA")
-    from skyformer.linalg import triton_kernels, triton_one_pass
-
     monkeypatch.setattr(kernel_matmul_triton, "ONE_PASS_BACKWARD", True)
+    monkeypatch.setattr(kernel_matmul_triton.ONE_PASS_FALLBACK, "failures", set())
     launched: list[str] = []
-
-    class Recording:
-        def __init__(self, name, kernel):
-            self.name, self.kernel = name, kernel
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launched.append(self.name)
-                return self.kernel[grid](*args, **kwargs)
-            return launch
-
-    for module, name in ((triton_kernels, "_rows_kernel"), (triton_kernels, "_cols_kernel"),
-                         (triton_one_pass, "_one_pass_kernel")):
-        monkeypatch.setattr(module, name, Recording(name, getattr(module, name)))
+    _record_product_launches(monkeypatch, lambda grid, kwargs, name: launched.append(name),
+                             one_pass=True)
     return launched
 
 
@@ -67,7 +57,10 @@ def test_one_pass_equals_torch(one_pass, device, dtype, case, transpose):
     n, m, d, r = case
     y, x, b, rhs = _data(n, m, d, r, transpose, dtype, device, n * m + d)
     ours = _product("triton", y, x, b, rhs, scale=d ** -0.25, transpose=transpose)
-    assert one_pass == ["_cols_kernel" if transpose else "_rows_kernel", "_one_pass_kernel"]
+    forward = "_cols_kernel" if transpose else "_rows_kernel"
+    backward = (["_one_pass_kernel"] if kernel_matmul_triton.one_pass_applies(m, d, r)
+                else ["_rows_kernel", "_cols_kernel"])  # tiles over 64 wide: two kernels
+    assert one_pass == [forward, *backward]
     ref = _product("torch", y, x, b, rhs, scale=d ** -0.25, transpose=transpose)
     for name, a, e in zip(("out", "dy", "dx", "db", "drhs"), ours, ref, strict=True):
         torch.testing.assert_close(a, e, **TOLERANCE[dtype], msg=name)
@@ -150,27 +143,64 @@ def test_compile_fullgraph_equals_eager_with_one_pass(one_pass):
     assert "_one_pass_kernel" in one_pass
 
 
-def test_a_failing_one_pass_under_auto_takes_the_pytorch_fallback(one_pass, monkeypatch):
-    """Under ``kernel="auto"`` a one-pass launch that fails gives both kernels' results by
-    PyTorch operations, with the products' one warning (``PRODUCT_FALLBACK``)."""
-    from skyformer.linalg import kernel_matmul, triton_one_pass
+def test_a_failing_one_pass_runs_the_two_kernels_with_a_warning(one_pass, monkeypatch):
+    """A one-pass launch that fails to compile gives way to the rows and cols kernels
+    (``ONE_PASS_FALLBACK``), once with a warning, then without trying it again."""
+    from skyformer.linalg import triton_one_pass
 
-    monkeypatch.setattr(kernel_matmul, "use_triton", lambda kernel, t: kernel != "torch")
-    monkeypatch.setattr(kernel_matmul_triton.PRODUCT_FALLBACK, "failures", set())
+    tried = []
 
     def broken(*args, **kwargs):
+        tried.append(1)
         raise RuntimeError("simulated compile failure")
 
     monkeypatch.setattr(triton_one_pass, "one_pass_product", broken)
-    q, k, v = (torch.randn(2, 2, 21, 8, generator=torch.Generator().manual_seed(s),
-                           dtype=torch.float64) for s in (1, 2, 3))
+    y, x, b, rhs = _data(37, 5, 16, 16, False, torch.float64, "cpu", 2)
+    with pytest.warns(RuntimeWarning, match="one-pass backward kernel.*simulated"):
+        got = _product("triton", y, x, b, rhs, scale=0.5)
+    assert one_pass == ["_rows_kernel", "_rows_kernel", "_cols_kernel"]
+    again = _product("triton", y, x, b, rhs, scale=0.5)
+    assert tried == [1]
+    want = _product("torch", y, x, b, rhs, scale=0.5)
+    for a, e, f in zip(got, again, want, strict=True):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+        torch.testing.assert_close(a, f, **TOLERANCE[torch.float64])
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_half_calls_with_row_norms_and_bfloat16_landmarks(one_pass, device, half):
+    """Whole Skyformer calls on half inputs (the row norms, and for bfloat16 the landmark
+    rows read as bfloat16 numbers, ``x_bf16``): the two kernels' gradients."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 50, 16, generator=g).to(device, half) for _ in range(3))
     results = []
-    for kernel in ("torch", "auto"):
+    for on in (True, False):
+        kernel_matmul_triton.ONE_PASS_BACKWARD = on  # the fixture restores it
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        with pytest.warns(RuntimeWarning, match="simulated") if kernel == "auto" \
-                else contextlib.nullcontext():
-            out = skyformer.attention(*leaves, "skyformer", kernel=kernel, num_features=6,
-                                      generator=skyformer.random_key(5))
-            results.append([out, *torch.autograd.grad(out.square().sum(), leaves)])
+        out = skyformer.attention(*leaves, "skyformer", kernel="triton", num_features=16,
+                                  generator=skyformer.random_key(2))
+        results.append([out, *torch.autograd.grad(out.float().square().sum(), leaves)])
+    assert one_pass.count("_one_pass_kernel") == 2
     for a, e in zip(*results, strict=True):
-        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-12)
+        assert relative_error(a, e) < 1e-2  # half-type gradients, rounded differently
+
+
+def test_mixed_dtypes_give_the_value_gradient_in_its_dtype(one_pass):
+    """C^T V with bfloat16 keys and float32 values, no key gradient: dV (the rows' C V_M)
+    in V's dtype, as the operator's fake shapes say, and as close to the float64 values
+    as dx (bf16x3 products; the two kernels round this dV to the keys' bfloat16)."""
+    y, x, b, rhs = _data(40, 12, 16, 8, True, torch.float32, "cpu", 4)
+
+    def grads(kernel, dtype, rows):
+        leaves = [t.to(dtype).requires_grad_(True) for t in (x, rhs)]
+        out = skyformer.linalg.gaussian_kernel_matmul(rows, leaves[0], leaves[1],
+                                                      b.to(dtype), scale=0.5,
+                                                      transpose=True, kernel=kernel)
+        return torch.autograd.grad(out.square().sum(), leaves)
+
+    rows = y.to(torch.bfloat16)
+    dx, dv = grads("triton", torch.float32, rows)
+    assert "_one_pass_kernel" in one_pass and dv.dtype == torch.float32
+    for a, e in zip((dx, dv), grads("torch", torch.float64, rows.double()), strict=True):
+        assert relative_error(a, e) < 3e-4

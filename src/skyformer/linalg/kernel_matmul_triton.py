@@ -27,6 +27,7 @@ from torch import Tensor
 from .functional_ops import first_order_backward
 from .kernel_backend import KernelFallback
 from .kernel_offsets import LOG2E, row_offsets
+from .launch_grid import tile_width
 from .ones_column import with_ones_column
 from .vmap import vmap_into_batch
 
@@ -39,9 +40,22 @@ PRODUCT_FALLBACK = KernelFallback(
     "Gaussian block product kernels",
     "computing the products with PyTorch operations (the same values up to rounding)")
 # The backward pass's rows and cols kernels as one pass over the rows where every column
-# fits one tile (``triton_one_pass``): off until a GPU measures it faster.
+# fits one tile (``triton_one_pass``, ``one_pass_applies``): off until a GPU measures it
+# faster. Where it fails to compile or launch, the two kernels run instead, with a warning.
 ONE_PASS_BACKWARD = False
-ONE_PASS_MAX_COLUMNS = 128  # the columns' sums, [m, D] and [m, R], held by each program
+ONE_PASS_FALLBACK = KernelFallback(
+    "one-pass backward kernel of the Gaussian block products",
+    "running the rows and cols kernels instead (the same values up to rounding)")
+
+
+def one_pass_applies(m: int, d: int, r: int) -> bool:
+    """Whether one pass covers a product with ``m`` columns, head dim ``d`` and ``r``
+    value columns: every column in one tile (the columns' sums, [m, D] and [m, R], are
+    held by each program) and the rows' tiles at most 64 wide. Compiled for sm_90 the
+    kernel spills nothing at m <= 128 and D, R <= 64
+    (``benchmarks/triton_resources.py --one-pass-backward``); ``nystrom_softmax``'s 65
+    value columns (a 128-wide tile) spilled or took about 170 KiB of shared memory."""
+    return m <= 128 and max(tile_width(d), tile_width(r)) <= 64
 
 
 def _ops():
@@ -177,7 +191,7 @@ class TritonGaussianBlockProduct(torch.autograd.Function):
         cols_first = not transpose and (need_rhs or need_b)
         row_norm_coef = -scale * scale if row_norm else None
         if ONE_PASS_BACKWARD and (need_y or rows_first) and (need_x or cols_first) \
-                and x.shape[-2] <= ONE_PASS_MAX_COLUMNS:
+                and one_pass_applies(x.shape[-2], y.shape[-1], rhs.shape[-1]):
             c_vm, dy, c_vn, dx = _one_pass(
                 y, kx, a, b, vn, vm, exclude, _norm_scale(scale, row_norm), auto=auto,
                 write_row1=rows_first, write_row2=need_y, write_col1=cols_first,

@@ -408,6 +408,13 @@ def _splits(n: int, blocks: int, block_n: int, device: torch.device) -> int:
     return max(1, min(cdiv(n, block_n), cdiv(4 * sms, max(1, blocks))))
 
 
+def row_slices(n: int, blocks: int, block_n: int, device: torch.device) -> tuple[int, int]:
+    """(slices, rows a slice) of N rows for ``blocks`` programs a slice (``_splits``),
+    each slice a whole number of ``block_n`` blocks."""
+    rows_per_split = cdiv(cdiv(n, _splits(n, blocks, block_n, device)), block_n) * block_n
+    return cdiv(n, rows_per_split), rows_per_split
+
+
 @_in_slices_of_matrices
 def cols_product(
     y: Tensor, x: Tensor, a: Tensor | None, b: Tensor | None, vn: Tensor,
@@ -424,9 +431,7 @@ def cols_product(
     bn, bm, warps, stages = _col_tiles(bd, br, x.dtype, y.dtype in (torch.bfloat16,
                                                                      torch.float16))
     col_blocks = cdiv(m, bm)
-    splits = _splits(n, col_blocks * bh, bn, y.device)
-    rows_per_split = cdiv(cdiv(n, splits), bn) * bn
-    splits = cdiv(n, rows_per_split)
+    splits, rows_per_split = row_slices(n, col_blocks * bh, bn, y.device)
     out1 = x.new_empty(splits, bh, m, r) if write_out1 else None
     out2 = x.new_empty(splits, bh, m, d) if vm is not None else None
     exc, se_b, se_n, se_m = _exclude_args(exclude, y)

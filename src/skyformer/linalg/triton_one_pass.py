@@ -30,15 +30,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .kernel_matmul_triton import ONE_PASS_MAX_COLUMNS as MAX_COLUMNS
-from .launch_grid import cdiv, tile_width
+from .kernel_backend import HALF_TYPES
+from .kernel_matmul_triton import one_pass_applies
+from .launch_grid import tile_width
 from .triton_kernels import (
     STAGES,
     _exclude_args,
     _in_slices_of_matrices,
     _mm,
     _precision,
-    _splits,
+    row_slices,
 )
 
 
@@ -122,10 +123,12 @@ def _one_pass_kernel(
 
 def _tiles(bm: int, bd: int, br: int, dtype: torch.dtype, half_rows: bool) -> tuple[int, int]:
     """(BLOCK_N rows a loop step, warps). Compiled for sm_90 (Triton 3.9,
-    ``benchmarks/triton_resources.py --one-pass-backward``): 16 rows spill nothing at
-    m = 64 and 128 with half-type rows (D = 64) and float32 ones (D = 32); 32 rows
-    spill with float32 rows (tf32x3: 816 bytes a thread at m = 64, D = 32). float64 is
-    summed by broadcasting [BLOCK_N, BLOCK_M, BLOCK_D] values (``_mm``): few rows."""
+    ``benchmarks/triton_resources.py --one-pass-backward``,
+    ``results/triton_resources_one_pass.md``), nothing spills with 32 rows for half-type
+    rows where every tile is at most 64 wide (m = 64, D = 64) and with 16 rows otherwise
+    (m = 128; float32 rows, whose tf32x3 products spilled with 32 rows at m = 64 while
+    the tiles were chosen). float64 is summed by broadcasting [BLOCK_N, BLOCK_M, BLOCK_D]
+    values (``_mm``): few rows."""
     if dtype == torch.float64:
         return 8, 4
     return (32 if half_rows and max(bm, bd, br) <= 64 else 16), 8
@@ -143,17 +146,16 @@ def one_pass_product(
     ``col2_scale`` dE^T Y) with dE = (V_N V_M^T) * C, each only where asked for (None
     otherwise): ``triton_kernels.rows_product``'s two outputs and ``cols_product``'s,
     in one pass. Shapes and the other options as there: y ``[BH, N, D]``, x
-    ``[BH, m, D]`` with m <= ``MAX_COLUMNS``, vn ``[BH, N, R]``, vm ``[BH, m, R]``."""
+    ``[BH, m, D]``, vn ``[BH, N, R]``, vm ``[BH, m, R]`` (``one_pass_applies``)."""
     bh, n, d = y.shape
     m, r = x.shape[1], vm.shape[-1]
-    if m > MAX_COLUMNS:
-        raise ValueError(f"one pass holds every column in one tile: m <= {MAX_COLUMNS}, "
-                         f"got m = {m}.")
+    if not one_pass_applies(m, d, r):
+        raise ValueError(f"one pass holds every column in one tile and the rows' tiles "
+                         f"at most 64 wide (one_pass_applies): got m = {m}, D = {d}, "
+                         f"R = {r}.")
     bm, bd, br = tile_width(m), tile_width(d), tile_width(r)
-    bn, warps = _tiles(bm, bd, br, x.dtype, y.dtype in (torch.bfloat16, torch.float16))
-    splits = _splits(n, bh, bn, y.device)
-    rows_per_split = cdiv(cdiv(n, splits), bn) * bn
-    splits = cdiv(n, rows_per_split)
+    bn, warps = _tiles(bm, bd, br, x.dtype, y.dtype in HALF_TYPES)
+    splits, rows_per_split = row_slices(n, bh, bn, y.device)
     row1 = y.new_empty(bh, n, r, dtype=vn.dtype) if write_row1 else None
     row2 = y.new_empty(bh, n, d) if write_row2 else None
     col1 = x.new_empty(splits, bh, m, r) if write_col1 else None

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from . import product_fallback, triton_kernels
 from .eager_calls import custom_op
-from .kernel_matmul_triton import PRODUCT_FALLBACK
+from .kernel_matmul_triton import ONE_PASS_FALLBACK, PRODUCT_FALLBACK
 from .lemma3_triton import CORE_FALLBACK, lemma3_gradients_by_pytorch
 
 
@@ -93,31 +93,29 @@ def one_pass_product(y: Tensor, x: Tensor, a: Tensor, b: Tensor, vn: Tensor, vm:
                      norm_scale: float | None, dot_scale: float, b_scale: float,
                      col2_scale: float, x_bf16: bool, auto: bool
                      ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``triton_one_pass.one_pass_product``; absent outputs are empty tensors; ``auto``:
-    the two kernels' results by PyTorch operations where it fails
-    (``PRODUCT_FALLBACK``)."""
+    """``triton_one_pass.one_pass_product``; absent outputs are empty tensors. Where it
+    fails to compile or launch, the rows and cols operators instead, with one warning
+    (``ONE_PASS_FALLBACK``; they then take ``auto``'s own fallback)."""
     from . import triton_one_pass
 
-    args = (y, x, _opt(a), _opt(b))
-    common = {"norm_scale": norm_scale, "dot_scale": dot_scale, "b_scale": b_scale,
-              "x_bf16": x_bf16}
+    def one_pass() -> tuple[Tensor, ...]:
+        outs = triton_one_pass.one_pass_product(
+            y, x, _opt(a), _opt(b), vn, vm, _opt(exclude), write_row1=write_row1,
+            write_row2=write_row2, write_col1=write_col1, write_col2=write_col2,
+            row2_scale=row2_scale, norm_coef=norm_coef, norm_scale=norm_scale,
+            dot_scale=dot_scale, b_scale=b_scale, col2_scale=col2_scale, x_bf16=x_bf16)
+        return tuple(_or_empty(t, like) for t, like in zip(outs, (y, y, x, x), strict=True))
 
-    def by_pytorch() -> tuple[Tensor | None, ...]:
-        row1, row2, _ = product_fallback.rows_product(
-            *args, vm, vn if write_row2 else None, _opt(exclude), write_out1=write_row1,
-            out2_scale=row2_scale, norm_coef=norm_coef, **common)
-        col1, col2 = product_fallback.cols_product(
-            *args, vn, vm if write_col2 else None, _opt(exclude), write_out1=write_col1,
-            out2_scale=col2_scale, **common)
-        return row1, row2, col1, col2
+    def two_kernels() -> tuple[Tensor, ...]:
+        row1, row2, _ = rows_product(y, x, a, b, vm, vn if write_row2 else vn.new_empty(0),
+                                     exclude, write_row1, False, row2_scale, norm_coef,
+                                     norm_scale, dot_scale, b_scale, x_bf16, auto)
+        col1, col2 = cols_product(y, x, a, b, vn, vm if write_col2 else vm.new_empty(0),
+                                  exclude, write_col1, norm_scale, dot_scale, b_scale,
+                                  col2_scale, x_bf16, auto)
+        return row1.to(vn.dtype), row2, col1, col2  # C V_M in V_N's dtype, as one pass
 
-    outs = PRODUCT_FALLBACK.run(
-        auto, lambda: triton_one_pass.one_pass_product(
-            *args, vn, vm, _opt(exclude), write_row1=write_row1, write_row2=write_row2,
-            write_col1=write_col1, write_col2=write_col2, row2_scale=row2_scale,
-            norm_coef=norm_coef, col2_scale=col2_scale, **common),
-        by_pytorch, on=y)
-    return tuple(_or_empty(t, like) for t, like in zip(outs, (y, y, x, x), strict=True))
+    return ONE_PASS_FALLBACK.run(True, one_pass, two_kernels, on=y)
 
 
 @one_pass_product.register_fake
