@@ -65,6 +65,15 @@ def _record_product_launches(monkeypatch, record, one_pass=False):
         monkeypatch.setattr(module, name, Recording(name, getattr(module, name)))
 
 
+def _assert_products_close(ours, ref, dtype):
+    """``_product``'s results of two paths, to ``TOLERANCE``; a dead column's offset gets
+    no gradient on either path (NaN)."""
+    for name, a, e in zip(("out", "dy", "dx", "db", "drhs"), ours, ref, strict=True):
+        if name == "db":
+            a, e = a.nan_to_num(), e.nan_to_num()
+        torch.testing.assert_close(a, e, **TOLERANCE[dtype], msg=name)
+
+
 def _product(kernel, y, x, b, rhs, **options):
     leaves = [t.detach().clone().requires_grad_(True) for t in (y, x, b, rhs)]
     out = gaussian_kernel_matmul(leaves[0], leaves[1], leaves[3], leaves[2], kernel=kernel,
@@ -240,19 +249,13 @@ def test_triton_masks_and_shifts(device, transpose, row_norm):
                    "exclude": exclude, "shift_rows": not transpose}
     ours = _product("triton", y, x, b, rhs, **options)
     ref = _product("torch", y, x, b, rhs, **options)
-    for name, a, e in zip(("out", "dy", "dx", "db", "drhs"), ours, ref, strict=True):
-        if name == "db":  # the dead column's offset gets no gradient on either path
-            a, e = a.nan_to_num(), e.nan_to_num()
-        torch.testing.assert_close(a, e, **TOLERANCE[dtype], msg=name)
+    _assert_products_close(ours, ref, dtype)
 
 
-@pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax", "skyformer_adaptive",
-                                    "skyformer_multipole", "softmax_multipole"])
-def test_methods_with_triton_kernels(device, method):
-    """The option ``kernel="triton"`` gives the PyTorch path's outputs and gradients."""
+def _method_calls(device, dtype, method):
+    """Output and dQ, dK, dV of ``method`` with a padding mask, ``kernel="torch"`` then
+    ``kernel="triton"``."""
     g = torch.Generator().manual_seed(3)
-    dtype = _exact_dtype(device)
     q, k, v = (torch.randn(2, 2, 45, 16, generator=g, dtype=torch.float64).to(device, dtype)
                for _ in range(3))
     mask = torch.ones(2, 45, dtype=torch.bool, device=device)
@@ -263,7 +266,16 @@ def test_methods_with_triton_kernels(device, method):
         out = skyformer.attention(*leaves, method, key_padding_mask=mask, kernel=kernel,
                                   num_features=12, generator=skyformer.random_key(5))
         results.append([out, *torch.autograd.grad(out.square().sum(), leaves)])
-    for a, e in zip(*results, strict=True):
+    return results
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax", "skyformer_adaptive",
+                                    "skyformer_multipole", "softmax_multipole"])
+def test_methods_with_triton_kernels(device, method):
+    """The option ``kernel="triton"`` gives the PyTorch path's outputs and gradients."""
+    dtype = _exact_dtype(device)
+    for a, e in zip(*_method_calls(device, dtype, method), strict=True):
         if dtype == torch.float64:
             torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-11)
         else:

@@ -41,7 +41,7 @@ from .flush import flush_exponent_on_cpu_
 from .functional_ops import first_order_backward, functional_ops_only
 from .kernel_backend import HALF_TYPES, use_triton
 from .kernel_matmul_triton import PRODUCT_FALLBACK, TritonGaussianBlockProduct
-from .kernel_offsets import LOG2E, row_offsets
+from .kernel_offsets import LOG2E, offset_and_value_gradients, row_offsets
 from .ones_column import with_ones_column
 from .vmap import vmap_into_batch
 
@@ -218,14 +218,10 @@ class _GaussianBlockProduct(torch.autograd.Function):
                 dx.baddbmm_(de.transpose(1, 2), y_c)
         if dx is not None:
             dx.mul_(scale)
-        db = None
-        if need_b:
-            db = -(torch.linalg.vecdot(grad, out) if transpose
-                   else torch.linalg.vecdot(rhs, drhs))
-        if need_rhs and ones_column:
-            drhs = drhs[..., :-1]
-        return (dy, dx, db, drhs if need_rhs else None, None, None, None, None, None, None, None,
-                None)
+        db, drhs = offset_and_value_gradients(grad, out, rhs, drhs, transpose=transpose,
+                                              need_b=need_b, need_rhs=need_rhs,
+                                              ones_column=ones_column)
+        return dy, dx, db, drhs, None, None, None, None, None, None, None, None
 
 
 def gaussian_kernel_matmul(

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from .functional_ops import first_order_backward
 from .kernel_backend import KernelFallback
-from .kernel_offsets import LOG2E, row_offsets
+from .kernel_offsets import LOG2E, offset_and_value_gradients, row_offsets
 from .launch_grid import tile_width
 from .ones_column import with_ones_column
 from .vmap import vmap_into_batch
@@ -220,12 +220,7 @@ def _gradients(ctx: Any, grad: Tensor, out: Tensor | None, rhs: Tensor, c_vm: Te
     """``TritonGaussianBlockProduct.backward``'s gradients from the kernels' outputs."""
     transpose = ctx.options[2]
     need_b, need_rhs = ctx.needs_input_grad[2:4]
-    drhs = c_vm if transpose else c_vn  # dV = C g, or dZ = C^T g
-    db = None
-    if need_b:
-        db = -(torch.linalg.vecdot(grad, out) if transpose
-               else torch.linalg.vecdot(rhs, drhs))
-    if need_rhs and ones_column:
-        drhs = drhs[..., :-1]
-    return (dy, dx, db, drhs if need_rhs else None, None, None, None, None, None, None,
-            None, None, None, None)
+    db, drhs = offset_and_value_gradients(  # dV = C g, or dZ = C^T g
+        grad, out, rhs, c_vm if transpose else c_vn, transpose=transpose, need_b=need_b,
+        need_rhs=need_rhs, ones_column=ones_column)
+    return dy, dx, db, drhs, None, None, None, None, None, None, None, None, None, None

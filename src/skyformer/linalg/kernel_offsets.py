@@ -30,6 +30,22 @@ def row_offsets(
     return a
 
 
+def offset_and_value_gradients(
+    grad: Tensor, out: Tensor | None, rhs: Tensor, drhs: Tensor | None, *, transpose: bool,
+    need_b: bool, need_rhs: bool, ones_column: bool,
+) -> tuple[Tensor | None, Tensor | None]:
+    """(db, drhs) of a Gaussian block product, both paths' last step: the column offsets'
+    gradient from the rows' identity (``kernel_matmul``'s docstring), -g . out for
+    C^T V (``out`` its output) or -V_M . dZ for C Z (``rhs`` with its ones column), and
+    the values' gradient without the ones column's."""
+    db = None
+    if need_b:
+        db = -(torch.linalg.vecdot(grad, out) if transpose else torch.linalg.vecdot(rhs, drhs))
+    if need_rhs and ones_column:
+        drhs = drhs[..., :-1]
+    return db, drhs if need_rhs else None
+
+
 def squared_norms(y: Tensor, dtype: torch.dtype) -> Tensor:
     """|y_i|^2 over the last dim in ``dtype``: ``[..., N, D] -> [..., N]``; half-type rows
     are summed in ``dtype`` without a converted copy."""

@@ -97,6 +97,28 @@ def _dot_bf16(a, b, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _column_side(X, B, VM, bh, rm, rd, rr, M, D, R, b_scale, HAS_B: tl.constexpr,
+                 HAS_VM: tl.constexpr):
+    """A program's columns ``rm`` of the landmark side: x ``[BLOCK_M, BLOCK_D]``, the
+    scaled offsets b (+inf outside the m columns) and V_M ``[BLOCK_M, BLOCK_R]`` (zeros
+    without ``HAS_VM``); for the kernels that hold their columns for a whole row slice."""
+    col_in = rm < M
+    x = tl.load(X + bh * M * D + rm[:, None] * D + rd[None, :],
+                mask=col_in[:, None] & (rd < D)[None, :], other=0.0)
+    if HAS_B:
+        b = b_scale * tl.load(B + bh * M + rm, mask=col_in, other=float("inf"))
+    else:
+        b = tl.zeros([rm.shape[0]], dtype=x.dtype)
+    b = tl.where(col_in, b, float("inf"))
+    if HAS_VM:
+        vm = tl.load(VM + bh * M * R + rm[:, None] * R + rr[None, :],
+                     mask=col_in[:, None] & (rr < R)[None, :], other=0.0)
+    else:
+        vm = tl.zeros([rm.shape[0], rr.shape[0]], dtype=x.dtype)
+    return x, b, vm
+
+
+@triton.jit
 def _rows_kernel(
     Y, X, A, B, VM, VN, EXC, OUT1, OUT2, SHIFT,
     N, M, D, R,
@@ -201,16 +223,7 @@ def _cols_kernel(
     rd = tl.arange(0, BLOCK_D)
     rr = tl.arange(0, BLOCK_R)
     col_in = rm < M
-    x = tl.load(X + bh * M * D + rm[:, None] * D + rd[None, :],
-                mask=col_in[:, None] & (rd < D)[None, :], other=0.0)
-    if HAS_B:
-        b = b_scale * tl.load(B + bh * M + rm, mask=col_in, other=float("inf"))
-    else:
-        b = tl.zeros([BLOCK_M], dtype=x.dtype)
-    b = tl.where(col_in, b, float("inf"))
-    if HAS_VM:
-        vm = tl.load(VM + bh * M * R + rm[:, None] * R + rr[None, :],
-                     mask=col_in[:, None] & (rr < R)[None, :], other=0.0)
+    x, b, vm = _column_side(X, B, VM, bh, rm, rd, rr, M, D, R, b_scale, HAS_B, HAS_VM)
     acc1 = tl.zeros([BLOCK_M, BLOCK_R], dtype=x.dtype)
     acc2 = tl.zeros([BLOCK_M, BLOCK_D], dtype=x.dtype)
     start = split * rows_per_split

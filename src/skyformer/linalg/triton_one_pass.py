@@ -35,6 +35,7 @@ from .kernel_matmul_triton import one_pass_applies
 from .launch_grid import tile_width
 from .triton_kernels import (
     STAGES,
+    _column_side,
     _exclude_args,
     _in_slices_of_matrices,
     _mm,
@@ -63,15 +64,7 @@ def _one_pass_kernel(
     rd = tl.arange(0, BLOCK_D)
     rr = tl.arange(0, BLOCK_R)
     col_in = rm < M
-    x = tl.load(X + bh * M * D + rm[:, None] * D + rd[None, :],
-                mask=col_in[:, None] & (rd < D)[None, :], other=0.0)
-    if HAS_B:
-        b = b_scale * tl.load(B + bh * M + rm, mask=col_in, other=float("inf"))
-    else:
-        b = tl.zeros([BLOCK_M], dtype=x.dtype)
-    b = tl.where(col_in, b, float("inf"))
-    vm = tl.load(VM + bh * M * R + rm[:, None] * R + rr[None, :],
-                 mask=col_in[:, None] & (rr < R)[None, :], other=0.0)
+    x, b, vm = _column_side(X, B, VM, bh, rm, rd, rr, M, D, R, b_scale, HAS_B, True)
     col1 = tl.zeros([BLOCK_M, BLOCK_R], dtype=x.dtype)
     col2 = tl.zeros([BLOCK_M, BLOCK_D], dtype=x.dtype)
     start = split * rows_per_split
