@@ -98,6 +98,16 @@ def test_rejects_mismatched_shapes():
         gaussian_kernel_matmul(y, x, v, None, transpose=True, shift_rows=True)
 
 
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_rejects_rows_of_none_in_a_sentence(kernel, transpose):
+    """y with no rows: a sentence, not an error from inside a path."""
+    y, x = torch.randn(1, 0, 4), torch.randn(1, 3, 4)
+    rhs = torch.randn(1, 0 if transpose else 3, 2)
+    with pytest.raises(ValueError, match=r"empty input.*no rows"):
+        gaussian_kernel_matmul(y, x, rhs, None, kernel=kernel, transpose=transpose)
+
+
 @pytest.mark.parametrize("transpose,shift_rows", [(False, False), (False, True), (True, False)])
 @pytest.mark.parametrize("chunk", [4, 64])
 def test_excluded_entries_are_zero_with_zero_gradient(transpose, shift_rows, chunk):

@@ -293,6 +293,10 @@ def gaussian_kernel_matmul(
             f"gaussian_kernel_matmul: shapes do not fit: y {tuple(y.shape)}, x {tuple(x.shape)}, "
             f"rhs {tuple(rhs.shape)} (transpose={transpose})."
         )
+    if n == 0:
+        raise ValueError(
+            f"gaussian_kernel_matmul: empty input, y {tuple(y.shape)} has no rows; "
+            f"give it at least one (C would be 0 x {m}).")
     bh = 1
     for size in batch_shape:
         bh *= size
