@@ -5,7 +5,7 @@ The backward pass of ``kernel_matmul_triton`` runs two kernels over the N rows o
 C^T V) and the cols kernel, one program per block of the m columns, for the m-row ones
 (dx, and dZ = C^T g for C Z). Each forms the tile C and dE = (V_N V_M^T) * C again and
 reads y and V_N; the cols kernel's programs read them once per column block. Where
-every column fits one tile (m <= ``MAX_COLUMNS``), one program per slice of the rows
+every column fits one tile (``one_pass_applies``), one program per slice of the rows
 can do both: for each block of rows it forms C and dE once, writes the rows' outputs,
 which are complete since every column is there, and adds to the columns' sums, which
 it keeps for its slice (partial sums added by the launcher, as the cols kernel's):
