@@ -22,7 +22,8 @@ took) of
   ``torch.compile(mode="reduce-overhead")`` (CUDA graphs replay the whole call; warm-up
   and capture inside ``skyformer.cuda_graph_launches()``, the launches made for it), with
   ``kernel="triton"`` (the fused Lemma 3 kernels too; in a CUDA graph with the implicit
-  gradient as well, ``skyformer/triton+implicit+cudagraphs``) and ``kernel="auto"``
+  gradient as well, ``skyformer/triton+implicit+cudagraphs``, and with the one-pass
+  backward pass too, ``+one-pass+cudagraphs``) and ``kernel="auto"``
   (under ``torch.compile``: the PyTorch core, its batched products fused by Inductor),
 
 and the speed of light of each (matmul FLOPs of the method at the matmul rate measured
@@ -31,7 +32,10 @@ landmark block and its Lemma 3 inverse by the PyTorch path (about 130 launches f
 + backward) and by the one-launch Triton kernels (``linalg/triton_lemma3.py``,
 ``linalg/triton_lemma3_backward.py``), unrolled and implicit, at each
 shape's B x H, at 64 landmarks and at ``--features``, forward alone and forward +
-backward.
+backward (``--no-core`` leaves it out). ``--calls PATTERN ...`` times only the calls whose
+names match (``fnmatch``; ``sdpa``, the ratios' base, always): for a device lent for a
+few minutes. A kernel that failed and gave way to its fallback during the run is printed
+at the end and listed in the JSON (``fallbacks``): its rows then time the fallback.
 ``--tiles FILE ...`` launches the kernels with the fastest options that runs of
 ``lemma3_tiles.py`` / ``product_tiles.py`` recorded there (``tuned.py``: what the library
 does once they are its defaults).
@@ -45,6 +49,7 @@ the compiled variants: its times mean nothing and it measures no memory.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import sys
 
 import torch
@@ -72,7 +77,7 @@ def _calls(q, k, v, grad, features, compiled, compile_kernels=("triton", "auto")
 
     key = skyformer.random_key(0, device=q.device)
 
-    def compiled_call(kernel, mode=None, gradient="unrolled"):
+    def compiled_call(kernel, mode=None, gradient="unrolled", one_pass=False):
         # bound once, outside the compiled region; "auto" under torch.compile: the Triton
         # products and the PyTorch core (Inductor fuses it), "triton": the fused core too
         bound = skyformer.get_method("skyformer").bind(num_features=features, kernel=kernel,
@@ -82,7 +87,7 @@ def _calls(q, k, v, grad, features, compiled, compile_kernels=("triton", "auto")
             return bound(q, k, v, generator=key)
 
         call = torch.compile(sky, fullgraph=True, dynamic=False, mode=mode)
-        return run(lambda: call(q, k, v), in_graph=mode is not None)
+        return run(lambda: call(q, k, v), in_graph=mode is not None, one_pass=one_pass)
 
     extra = {}
     for kernel in compile_kernels if compiled else ():
@@ -91,6 +96,8 @@ def _calls(q, k, v, grad, features, compiled, compile_kernels=("triton", "auto")
     if compiled and "triton" in compile_kernels:
         extra["skyformer/triton+implicit+cudagraphs"] = compiled_call(
             "triton", "reduce-overhead", "implicit")
+        extra["skyformer/triton+implicit+one-pass+cudagraphs"] = compiled_call(
+            "triton", "reduce-overhead", "implicit", one_pass=True)
 
     def tf32():
         before = torch.get_float32_matmul_precision()
@@ -217,6 +224,19 @@ class _one_pass_backward:
         self.module.ONE_PASS_BACKWARD = self.before
 
 
+def _fallbacks() -> list[str]:
+    """The kernel families that failed during the run and gave way to their fallback
+    (``KernelFallback.failures``), with the devices and dtypes they failed on."""
+    from skyformer.linalg import kernel_matmul_triton, lemma3_triton
+    from skyformer.ops.kernelized import flash
+    from skyformer.sketch import landmarks
+
+    nets = (kernel_matmul_triton.PRODUCT_FALLBACK, kernel_matmul_triton.ONE_PASS_FALLBACK,
+            lemma3_triton.CORE_FALLBACK, flash.FLASH_FALLBACK, landmarks.DRAW_FALLBACK)
+    return [f"{net.name} on {', '.join(f'{d} {t}' for d, t in sorted(net.failures, key=str))}"
+            for net in nets if net.failed]
+
+
 class _tf32:
     def __enter__(self):
         self.before = torch.backends.cuda.matmul.allow_tf32
@@ -247,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiles", nargs="+", default=None,
                         help="JSON of lemma3_tiles.py / product_tiles.py: launch the kernels "
                         "with the fastest options they recorded")
+    parser.add_argument("--calls", nargs="+", default=None,
+                        help="fnmatch patterns of the calls to time (sdpa always)")
+    parser.add_argument("--no-core", action="store_true",
+                        help="leave out the m x m core timed alone")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     with tuned.applied(args.tiles):
@@ -284,6 +308,9 @@ def _main(args: argparse.Namespace) -> int:
                            args.compile_kernels)
             if n > args.max_exact_n:
                 calls = {name: fn for name, fn in calls.items() if "kernelized" not in name}
+            if args.calls:
+                calls = {name: fn for name, fn in calls.items() if name == "sdpa"
+                         or any(fnmatch.fnmatchcase(name, p) for p in args.calls)}
             times = interleaved_median_seconds(calls, device=device, warmup=2,
                                                repeats=args.repeats)
             for name, fn in calls.items():
@@ -301,7 +328,7 @@ def _main(args: argparse.Namespace) -> int:
                       f"{row['vs_sdpa']:7.2f}x sdpa  {peak_text(row['peak_mib'])}  "
                       f"SoL {100 * row['speed_of_light']:5.1f} %", flush=True)
     core = []
-    for spec in args.shapes:
+    for spec in [] if args.no_core else args.shapes:
         b, h, _, _ = spec.split(",")
         for m in sorted({64, args.features}):
             core += _core_rows(int(b), int(h), m, args.repeats, device)
@@ -309,7 +336,9 @@ def _main(args: argparse.Namespace) -> int:
     result = {"device": name, "torch": torch.__version__,
               "features": args.features, "tiles": args.tiles,
               "matmul_flops_per_s": rate, "rows": rows,
-              "core": core}
+              "core": core, "fallbacks": _fallbacks()}
+    for fallback in result["fallbacks"]:
+        print(f"FALLBACK: {fallback}: these rows timed its fallback", flush=True)
     if args.out:
         write_json(args.out, result, indent=1)
     return 0
