@@ -12,11 +12,12 @@ import torch
 import skyformer
 from skyformer.linalg import kernel_matmul_triton
 from skyformer.linalg.kernel_backend import interpreter_on
-from tests.devices import devices, relative_error
+from tests.devices import devices, needs_interpreter, relative_error
 from tests.linalg.test_kernel_matmul_triton import (
     CASES,
     TOLERANCE,
     _assert_products_close,
+    _exact_dtype,
     _method_calls,
     _product,
     _record_product_launches,
@@ -101,7 +102,9 @@ def test_one_pass_reads_half_rows_as_the_two_kernels_do(one_pass, device, transp
     kernel_matmul_triton.ONE_PASS_BACKWARD = False  # the fixture restores it
     two = _product("triton", y, x, b, rhs, scale=0.5, transpose=transpose)
     for a, e in zip(ours, two, strict=True):
-        assert relative_error(a, e) < 1e-5
+        # on a GPU the kernels sum in different orders: a bfloat16 result's rounding can
+        # then flip by 2^-8 in a few entries (1.4e-4 of the norm seen on an H100)
+        assert relative_error(a, e) < (2e-3 if a.dtype == torch.bfloat16 else 1e-5)
 
 
 @pytest.mark.parametrize("device", devices())
@@ -115,15 +118,18 @@ def test_methods_with_one_pass(one_pass, device, method):
         assert relative_error(a, e) < (1e-9 if dtype == torch.float64 else 2e-3)
 
 
-def test_more_columns_than_a_tile_take_the_two_kernels(one_pass):
-    y, x, b, rhs = _data(40, 129, 8, 8, False, torch.float64, "cpu", 1)
+@pytest.mark.parametrize("device", devices())
+def test_more_columns_than_a_tile_take_the_two_kernels(one_pass, device):
+    dtype = _exact_dtype(device)
+    y, x, b, rhs = _data(40, 129, 8, 8, False, dtype, device, 1)
     ours = _product("triton", y, x, b, rhs, scale=0.5)
     assert one_pass == ["_rows_kernel", "_rows_kernel", "_cols_kernel"]
     ref = _product("torch", y, x, b, rhs, scale=0.5)
     for a, e in zip(ours, ref, strict=True):
-        torch.testing.assert_close(a, e, **TOLERANCE[torch.float64])
+        torch.testing.assert_close(a, e, **TOLERANCE[dtype])
 
 
+@needs_interpreter  # aot_eager on CPU tensors
 def test_compile_fullgraph_equals_eager_with_one_pass(one_pass):
     """``torch.compile`` traces the backward pass's one operator (its fake shapes)."""
     from tests.pt2.test_stack_matrix import _assert_compiled_equals_eager
@@ -132,7 +138,8 @@ def test_compile_fullgraph_equals_eager_with_one_pass(one_pass):
     assert "_one_pass_kernel" in one_pass
 
 
-def test_a_failing_one_pass_runs_the_two_kernels_with_a_warning(one_pass, monkeypatch):
+@pytest.mark.parametrize("device", devices())
+def test_a_failing_one_pass_runs_the_two_kernels_with_a_warning(one_pass, monkeypatch, device):
     """A one-pass launch that fails to compile gives way to the rows and cols kernels
     (``ONE_PASS_FALLBACK``), once with a warning, then without trying it again."""
     from skyformer.linalg import triton_one_pass
@@ -144,7 +151,8 @@ def test_a_failing_one_pass_runs_the_two_kernels_with_a_warning(one_pass, monkey
         raise RuntimeError("simulated compile failure")
 
     monkeypatch.setattr(triton_one_pass, "one_pass_product", broken)
-    y, x, b, rhs = _data(37, 5, 16, 16, False, torch.float64, "cpu", 2)
+    dtype = _exact_dtype(device)
+    y, x, b, rhs = _data(37, 5, 16, 16, False, dtype, device, 2)
     with pytest.warns(RuntimeWarning, match="one-pass backward kernel.*simulated"):
         got = _product("triton", y, x, b, rhs, scale=0.5)
     assert one_pass == ["_rows_kernel", "_rows_kernel", "_cols_kernel"]
@@ -153,7 +161,7 @@ def test_a_failing_one_pass_runs_the_two_kernels_with_a_warning(one_pass, monkey
     want = _product("torch", y, x, b, rhs, scale=0.5)
     for a, e, f in zip(got, again, want, strict=True):
         torch.testing.assert_close(a, e, rtol=0, atol=0)
-        torch.testing.assert_close(a, f, **TOLERANCE[torch.float64])
+        torch.testing.assert_close(a, f, **TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("device", devices())
@@ -175,11 +183,12 @@ def test_half_calls_with_row_norms_and_bfloat16_landmarks(one_pass, device, half
         assert relative_error(a, e) < 1e-2  # half-type gradients, rounded differently
 
 
-def test_mixed_dtypes_give_the_value_gradient_in_its_dtype(one_pass):
+@pytest.mark.parametrize("device", devices())
+def test_mixed_dtypes_give_the_value_gradient_in_its_dtype(one_pass, device):
     """C^T V with bfloat16 keys and float32 values, no key gradient: dV (the rows' C V_M)
     in V's dtype, as the operator's fake shapes say, and as close to the float64 values
     as dx (bf16x3 products; the two kernels round this dV to the keys' bfloat16)."""
-    y, x, b, rhs = _data(40, 12, 16, 8, True, torch.float32, "cpu", 4)
+    y, x, b, rhs = _data(40, 12, 16, 8, True, torch.float32, device, 4)
 
     def grads(kernel, dtype, rows):
         leaves = [t.to(dtype).requires_grad_(True) for t in (x, rhs)]
