@@ -65,7 +65,7 @@ from skyformer.io import write_json
 def _calls(q, k, v, grad, features, compiled, compile_kernels=("triton", "auto")):
     def run(fn, in_graph=False, one_pass=False):
         def step():  # the gradients dropped after the call, so that the next call's peak
-            with _one_pass_backward(one_pass):  # counts its own (as skyformer bench does)
+            with one_pass_backward(one_pass):  # counts its own (as skyformer bench does)
                 fn().backward(grad)
             for t in (q, k, v):
                 t.grad = None
@@ -207,7 +207,7 @@ def peak_text(mib: float | None) -> str:
     return "   memory -" if mib is None else f"{mib:9.1f} MiB"
 
 
-class _one_pass_backward:
+class one_pass_backward:
     """Inside (``on``): the products' backward pass in one pass over the rows
     (``kernel_matmul_triton.ONE_PASS_BACKWARD``, ``linalg/triton_one_pass.py``)."""
 

@@ -94,12 +94,13 @@ def host_functions(fn, device: torch.device, iterations: int, top: int) -> list[
             for (file, line, name), (_, calls, own, cumulative, _) in ranked]
 
 
-def profile_call(fn, device: torch.device, iterations: int, top: int) -> dict:
-    """Profile ``iterations`` calls of ``fn`` (already warm); per-call figures, the wall
-    time measured apart from the profile."""
+def kernel_times(fn, device: torch.device, iterations: int
+                 ) -> tuple[dict[str, list[float]], int]:
+    """``iterations`` calls of ``fn`` (already warm) under ``torch.profiler``: the
+    durations in microseconds of each kernel by name (on the CPU: of each top-level
+    operator), and the number of host waits for the GPU (``SYNC_CALLS``)."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
                                            if device.type == "cuda" else [])
-    wall, host = wall_seconds(fn, device, max(3, iterations))
     _sync(device)
     with profile(activities=activities) as prof:
         for _ in range(iterations):
@@ -113,6 +114,14 @@ def profile_call(fn, device: torch.device, iterations: int, top: int) -> dict:
         on_cpu_op = device.type != "cuda" and event.cpu_parent is None
         if on_device or on_cpu_op:  # kernels on a GPU, top-level operators on the CPU
             kernels[event.name].append(event.time_range.elapsed_us())
+    return kernels, syncs
+
+
+def profile_call(fn, device: torch.device, iterations: int, top: int) -> dict:
+    """Profile ``iterations`` calls of ``fn`` (already warm); per-call figures, the wall
+    time measured apart from the profile."""
+    wall, host = wall_seconds(fn, device, max(3, iterations))
+    kernels, syncs = kernel_times(fn, device, iterations)
     busy_us = sum(sum(times) for times in kernels.values()) / iterations
     launches = sum(len(times) for times in kernels.values()) / iterations
     ranked = sorted(kernels.items(), key=lambda item: -sum(item[1]))[:top]
