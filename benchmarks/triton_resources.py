@@ -15,7 +15,7 @@ compiled for the target. Head dim, dtype, number of landmarks and method come fr
 the options; N only enters as a runtime argument.
 
     python benchmarks/triton_resources.py --out benchmarks/results/triton_resources
-        [--pinv-gradient implicit] [--one-pass-backward]
+        [--pinv-gradient implicit] [--one-pass-backward] [--matmul-precision medium]
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ def _record_launches(spec: dict) -> list[dict]:
         return original_run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = recording_run
+    torch.set_float32_matmul_precision(spec.get("matmul_precision", "highest"))
     if spec.get("one_pass_backward"):
         from skyformer.linalg import kernel_matmul_triton
 
@@ -226,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--one-pass-backward", action="store_true",
                         help="the products' backward pass in one pass over the rows "
                              "(kernel_matmul_triton.ONE_PASS_BACKWARD)")
+    parser.add_argument("--matmul-precision", default="highest",
+                        choices=["highest", "high", "medium"],
+                        help="torch.set_float32_matmul_precision of the recording run "
+                             "(medium: one bfloat16 pass for the products of half rows)")
     parser.add_argument("--out", type=Path, default=None,
                         help="write OUT.json and OUT.md (atomically)")
     args = parser.parse_args(argv)
@@ -246,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         head_dim, dtype = config.split(":")
         spec = {"method": method, "head_dim": int(head_dim), "dtype": dtype,
                 "features": m, "n": args.n, "pinv_gradient": args.pinv_gradient,
-                "one_pass_backward": args.one_pass_backward}
+                "one_pass_backward": args.one_pass_backward,
+                "matmul_precision": args.matmul_precision}
         env = os.environ | {RECORD_ENV: json.dumps(spec), "TRITON_INTERPRET": "1"}
         child = subprocess.run([sys.executable, __file__], env=env, capture_output=True,
                                text=True, check=False)
@@ -273,9 +279,12 @@ def main(argv: list[str] | None = None) -> int:
             unique.append(row | {"launches": 1})
     for row in unique:
         del row["key"]
+    precision = ("" if args.matmul_precision == "highest"
+                 else f", matmul precision {args.matmul_precision}")
     header = (f"Triton {triton.__version__}, sm_{args.arch}, forward + backward of each "
               f"method with kernel=\"triton\", pinv_gradient={args.pinv_gradient}"
-              f"{', the one-pass backward' if args.one_pass_backward else ''}; "
+              f"{', the one-pass backward' if args.one_pass_backward else ''}"
+              f"{precision}; "
               "registers per thread, stack frame bytes a "
               "thread (where spilled registers go), spill stores / loads, MMA and EX2 "
               "instructions in the compiled code (static counts of loop bodies: compare "
@@ -300,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         write_json(args.out.with_suffix(".json"),
                    {"triton": triton.__version__, "arch": args.arch,
                     "pinv_gradient": args.pinv_gradient,
-                    "one_pass_backward": args.one_pass_backward, "rows": unique}, indent=1)
+                    "one_pass_backward": args.one_pass_backward,
+                    "matmul_precision": args.matmul_precision, "rows": unique}, indent=1)
         atomic_write_text(args.out.with_suffix(".md"), text + "\n")
     return 0
 

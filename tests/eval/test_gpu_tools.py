@@ -103,11 +103,53 @@ def test_kernel_benchmark_runs_on_the_cpu_under_the_interpreter(tmp_path):
     assert [row["call"] for row in result["rows"]] == [
         "sdpa", "skyformer/torch", "skyformer/triton", "skyformer/triton+tf32",
         "skyformer/triton+implicit", "skyformer/triton+implicit+one-pass",
-        "kernelized/torch", "kernelized/triton"]
+        "skyformer/triton+implicit+bf16", "kernelized/torch", "kernelized/triton"]
     assert all(row["ms"] > 0 and row["peak_mib"] is None for row in result["rows"])
     assert {(row["shape"], row["call"]) for row in result["core"]} == {
         (f"1,1,m={m}", f"core/{kernel}/{mode}") for m in (8, 64)
         for kernel in ("torch", "triton", "triton+implicit") for mode in ("fwd", "fwd+bwd")}
+    assert result["fallbacks"] == []
+    # a short loan: the calls named (and sdpa, the ratios' base), no core
+    assert _load("gpu_kernels").main([
+        "--device", "cpu", "--seq-lens", "40", "--features", "8", "--repeats", "1",
+        "--calls", "skyformer/triton+implicit*", "--no-core", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [row["call"] for row in result["rows"]] == [
+        "sdpa", "skyformer/triton+implicit", "skyformer/triton+implicit+one-pass",
+        "skyformer/triton+implicit+bf16"]
+    assert result["core"] == []
+
+
+def test_the_kernel_benchmark_names_a_kernel_that_fell_back(monkeypatch):
+    """A row timed after its kernel gave way to the fallback times the fallback: the
+    run says so (``fallbacks``)."""
+    from skyformer.linalg import kernel_matmul_triton
+
+    gpu_kernels = _load("gpu_kernels")
+    assert gpu_kernels._fallbacks() == []
+    failures = {(torch.device("cuda", 0), torch.bfloat16)}
+    monkeypatch.setattr(kernel_matmul_triton.ONE_PASS_FALLBACK, "failures", failures)
+    [line] = gpu_kernels._fallbacks()
+    assert line.startswith(kernel_matmul_triton.ONE_PASS_FALLBACK.name)
+    assert "cuda:0 torch.bfloat16" in line
+
+
+def test_the_one_pass_sweep_runs_on_the_cpu_under_the_interpreter(tmp_path):
+    """benchmarks/one_pass_sweep.py with --device cpu: both backward passes of each size
+    run and are written (CPU operators' times, meaningless but positive)."""
+    pytest.importorskip("triton")
+    from skyformer.linalg.kernel_backend import interpreter_on
+
+    if not interpreter_on():
+        pytest.skip("Triton's interpreter is off")
+    out = tmp_path / "sweep"
+    assert _load("one_pass_sweep").main([
+        "--device", "cpu", "--seq-lens", "24", "--head-dims", "8", "--dtypes", "float32",
+        "--features", "8", "--iterations", "1", "--out", str(out)]) == 0
+    [row] = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert (row["b"], row["h"], row["n"], row["d"]) == (1, 1, 24, 8)
+    assert row["two_ms"] > 0 and row["one_ms"] > 0 and row["ratio"] > 0
+    assert "| float32 | 8 | 1,1 | 24 |" in out.with_suffix(".md").read_text()
 
 
 def test_lemma3_tile_sweep_runs_on_the_cpu_under_the_interpreter(tmp_path):
@@ -527,3 +569,26 @@ def test_the_kernel_benchmarks_one_pass_row_runs_the_one_pass_kernel(monkeypatch
     assert seen == [] and not kernel_matmul_triton.ONE_PASS_BACKWARD
     calls["skyformer/triton+implicit+one-pass"]()
     assert seen == ["one pass", "one pass"] and not kernel_matmul_triton.ONE_PASS_BACKWARD
+
+
+def test_the_kernel_benchmarks_bf16_row_runs_under_medium_precision(monkeypatch):
+    """``skyformer/triton+implicit+bf16`` sets PyTorch's matmul precision to "medium" for
+    its call alone (one bfloat16 pass for the products of half rows), and restores it."""
+    pytest.importorskip("triton")
+    from skyformer.linalg import triton_kernels
+
+    seen = []
+    real = triton_kernels._precision
+    monkeypatch.setattr(triton_kernels, "_precision",
+                        lambda *args: seen.append(real(*args)) or seen[-1])
+    q, k, v, grad = (torch.randn(1, 1, 40, 8).to(torch.bfloat16) for _ in range(4))
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    before = torch.get_float32_matmul_precision()
+    calls = _load("gpu_kernels")._calls(q, k, v, grad, 8, compiled=False)
+    calls["skyformer/triton+implicit"]()
+    assert seen and all(p.startswith("bf16x3") for p in seen)
+    seen.clear()
+    calls["skyformer/triton+implicit+bf16"]()
+    assert seen and all(p.startswith("bf16-") or p == "bf16" for p in seen)
+    assert torch.get_float32_matmul_precision() == before
