@@ -40,8 +40,9 @@ PRODUCT_FALLBACK = KernelFallback(
     "Gaussian block product kernels",
     "computing the products with PyTorch operations (the same values up to rounding)")
 # The backward pass's rows and cols kernels as one pass over the rows where every column
-# fits one tile (``triton_one_pass``, ``one_pass_applies``): off until a GPU measures it
-# faster. Where it fails to compile or launch, the two kernels run instead, with a warning.
+# fits one tile (``triton_one_pass``, ``one_pass_applies``): off, since on an H100 it was
+# slower in GPU time at every shape but the smallest (docs/gpu.md). Where it fails to
+# compile or launch, the two kernels run instead, with a warning.
 ONE_PASS_BACKWARD = False
 ONE_PASS_FALLBACK = KernelFallback(
     "one-pass backward kernel of the Gaussian block products",

@@ -288,16 +288,16 @@ def _precision(dtype: torch.dtype, rows: torch.dtype | None = None,
 
     Float32 from half-precision rows: ``"bf16x3"`` (three bfloat16 products, relative
     error about 2^-16, far below the half type's own 2^-9; half the MMA instructions of
-    tf32x3 and, compiled for sm_90, none of its spills, benchmarks/triton_resources.py;
-    not timed on a GPU), on GPUs with bfloat16
-    tensor cores (compute capability 8.0 on), whatever PyTorch's float32 matmul
-    precision but "medium", where PyTorch allows bfloat16 products: there one bfloat16
-    product, ``"bf16"`` (relative error about 2^-9, the half type's own; float16 rows
-    then lose their 3 further bits); under Triton's interpreter ``"bf16x3-interpreted"``
-    or ``"bf16-interpreted"`` (``_mm``). Float32 otherwise: three TF32 passes (about
-    float32's accuracy) at PyTorch's default matmul precision "highest", one TF32 pass
-    where PyTorch allows TF32 ("high", "medium"). Without ``rows`` (the Lemma 3
-    kernels, whose iteration needs float32 products) never bfloat16. Float64 is exact
+    tf32x3 and, compiled for sm_90, none of its spills, benchmarks/triton_resources.py),
+    on GPUs with bfloat16 tensor cores (compute capability 8.0 on), whatever PyTorch's
+    float32 matmul precision but "medium", where PyTorch allows bfloat16 products:
+    there one bfloat16 product, ``"bf16"`` (relative error about 2^-9, the half type's
+    own; float16 rows then lose their 3 further bits); under Triton's interpreter
+    ``"bf16x3-interpreted"`` or ``"bf16-interpreted"`` (``_mm``). Float32 otherwise:
+    three TF32 passes (about float32's accuracy) at PyTorch's default matmul precision
+    "highest", one TF32 pass where PyTorch allows TF32 ("high", "medium"). Without
+    ``rows`` (the Lemma 3 kernels, whose iteration needs float32 products) never
+    bfloat16. Float64 is exact
     (IEEE)."""
     if dtype != torch.float32:
         return "ieee"
