@@ -16,17 +16,14 @@ took) of
   core run to Lemma 3's bound, 9 steps at m = 128, and differentiated as an inverse:
   two products backward instead of the steps' adjoints, ``linalg/implicit_inverse.py``),
   and ``+one-pass``: with the products' backward pass in one pass over the rows
-  (``linalg/triton_one_pass.py``, off by default), and ``+bf16``: under
-  ``torch.set_float32_matmul_precision("medium")``, which lets the products of
-  half-type rows take one bfloat16 pass instead of three (``triton_kernels._precision``),
+  (``linalg/triton_one_pass.py``, off by default),
 - at the lengths in ``--compile-seq-lens``: Skyformer (Triton kernels) under
   ``torch.compile`` (Inductor fuses the small ops around the kernels) and under
   ``torch.compile(mode="reduce-overhead")`` (CUDA graphs replay the whole call; warm-up
   and capture inside ``skyformer.cuda_graph_launches()``, the launches made for it), with
   ``kernel="triton"`` (the fused Lemma 3 kernels too; in a CUDA graph with the implicit
   gradient as well, ``skyformer/triton+implicit+cudagraphs``, and with the one-pass
-  backward pass or one bfloat16 pass too, ``+one-pass+cudagraphs``,
-  ``+bf16+cudagraphs``) and ``kernel="auto"``
+  backward pass too, ``+one-pass+cudagraphs``) and ``kernel="auto"``
   (under ``torch.compile``: the PyTorch core, its batched products fused by Inductor),
 
 and the speed of light of each (matmul FLOPs of the method at the matmul rate measured
@@ -66,10 +63,9 @@ from skyformer.io import write_json
 
 
 def _calls(q, k, v, grad, features, compiled, compile_kernels=("triton", "auto")):
-    def run(fn, in_graph=False, one_pass=False, precision=None):
+    def run(fn, in_graph=False, one_pass=False):
         def step():  # the gradients dropped after the call, so that the next call's peak
-            # counts its own (as skyformer bench does)
-            with one_pass_backward(one_pass), matmul_precision(precision):
+            with one_pass_backward(one_pass):  # counts its own (as skyformer bench does)
                 fn().backward(grad)
             for t in (q, k, v):
                 t.grad = None
@@ -81,7 +77,7 @@ def _calls(q, k, v, grad, features, compiled, compile_kernels=("triton", "auto")
 
     key = skyformer.random_key(0, device=q.device)
 
-    def compiled_call(kernel, mode=None, gradient="unrolled", one_pass=False, precision=None):
+    def compiled_call(kernel, mode=None, gradient="unrolled", one_pass=False):
         # bound once, outside the compiled region; "auto" under torch.compile: the Triton
         # products and the PyTorch core (Inductor fuses it), "triton": the fused core too
         bound = skyformer.get_method("skyformer").bind(num_features=features, kernel=kernel,
@@ -91,8 +87,7 @@ def _calls(q, k, v, grad, features, compiled, compile_kernels=("triton", "auto")
             return bound(q, k, v, generator=key)
 
         call = torch.compile(sky, fullgraph=True, dynamic=False, mode=mode)
-        return run(lambda: call(q, k, v), in_graph=mode is not None, one_pass=one_pass,
-                   precision=precision)
+        return run(lambda: call(q, k, v), in_graph=mode is not None, one_pass=one_pass)
 
     extra = {}
     for kernel in compile_kernels if compiled else ():
@@ -103,8 +98,6 @@ def _calls(q, k, v, grad, features, compiled, compile_kernels=("triton", "auto")
             "triton", "reduce-overhead", "implicit")
         extra["skyformer/triton+implicit+one-pass+cudagraphs"] = compiled_call(
             "triton", "reduce-overhead", "implicit", one_pass=True)
-        extra["skyformer/triton+implicit+bf16+cudagraphs"] = compiled_call(
-            "triton", "reduce-overhead", "implicit", precision="medium")
 
     def tf32():
         before = torch.get_float32_matmul_precision()
@@ -128,9 +121,6 @@ def _calls(q, k, v, grad, features, compiled, compile_kernels=("triton", "auto")
         "skyformer/triton+implicit+one-pass": run(lambda: skyformer.attention(
             q, k, v, "skyformer", num_features=features, kernel="triton",
             pinv_gradient="implicit", generator=key), one_pass=True),
-        "skyformer/triton+implicit+bf16": run(lambda: skyformer.attention(
-            q, k, v, "skyformer", num_features=features, kernel="triton",
-            pinv_gradient="implicit", generator=key), precision="medium"),
         "kernelized/torch": run(lambda: skyformer.attention(q, k, v, "kernelized",
                                                             kernel="torch")),
         "kernelized/triton": run(lambda: skyformer.attention(q, k, v, "kernelized",
@@ -245,22 +235,6 @@ def _fallbacks() -> list[str]:
             lemma3_triton.CORE_FALLBACK, flash.FLASH_FALLBACK, landmarks.DRAW_FALLBACK)
     return [f"{net.name} on {', '.join(f'{d} {t}' for d, t in sorted(net.failures, key=str))}"
             for net in nets if net.failed]
-
-
-class matmul_precision:
-    """Inside: ``torch.set_float32_matmul_precision(precision)`` (None: as it is).
-    "medium" lets the products of half-type rows take one bfloat16 pass instead of
-    bf16x3 (``triton_kernels._precision``)."""
-
-    def __init__(self, precision: str | None):
-        self.precision = precision
-
-    def __enter__(self):
-        self.before = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision(self.precision or self.before)
-
-    def __exit__(self, *exc):
-        torch.set_float32_matmul_precision(self.before)
 
 
 class _tf32:

@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--matmul-precision", default="highest",
                         choices=["highest", "high", "medium"],
                         help="torch.set_float32_matmul_precision of the recording run "
-                             "(medium: one bfloat16 pass for the products of half rows)")
+                             "(high, medium: one TF32 pass where float32 dots take three)")
     parser.add_argument("--out", type=Path, default=None,
                         help="write OUT.json and OUT.md (atomically)")
     args = parser.parse_args(argv)

@@ -103,7 +103,7 @@ def test_kernel_benchmark_runs_on_the_cpu_under_the_interpreter(tmp_path):
     assert [row["call"] for row in result["rows"]] == [
         "sdpa", "skyformer/torch", "skyformer/triton", "skyformer/triton+tf32",
         "skyformer/triton+implicit", "skyformer/triton+implicit+one-pass",
-        "skyformer/triton+implicit+bf16", "kernelized/torch", "kernelized/triton"]
+        "kernelized/torch", "kernelized/triton"]
     assert all(row["ms"] > 0 and row["peak_mib"] is None for row in result["rows"])
     assert {(row["shape"], row["call"]) for row in result["core"]} == {
         (f"1,1,m={m}", f"core/{kernel}/{mode}") for m in (8, 64)
@@ -115,8 +115,7 @@ def test_kernel_benchmark_runs_on_the_cpu_under_the_interpreter(tmp_path):
         "--calls", "skyformer/triton+implicit*", "--no-core", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert [row["call"] for row in result["rows"]] == [
-        "sdpa", "skyformer/triton+implicit", "skyformer/triton+implicit+one-pass",
-        "skyformer/triton+implicit+bf16"]
+        "sdpa", "skyformer/triton+implicit", "skyformer/triton+implicit+one-pass"]
     assert result["core"] == []
 
 
@@ -570,25 +569,3 @@ def test_the_kernel_benchmarks_one_pass_row_runs_the_one_pass_kernel(monkeypatch
     calls["skyformer/triton+implicit+one-pass"]()
     assert seen == ["one pass", "one pass"] and not kernel_matmul_triton.ONE_PASS_BACKWARD
 
-
-def test_the_kernel_benchmarks_bf16_row_runs_under_medium_precision(monkeypatch):
-    """``skyformer/triton+implicit+bf16`` sets PyTorch's matmul precision to "medium" for
-    its call alone (one bfloat16 pass for the products of half rows), and restores it."""
-    pytest.importorskip("triton")
-    from skyformer.linalg import triton_kernels
-
-    seen = []
-    real = triton_kernels._precision
-    monkeypatch.setattr(triton_kernels, "_precision",
-                        lambda *args: seen.append(real(*args)) or seen[-1])
-    q, k, v, grad = (torch.randn(1, 1, 40, 8).to(torch.bfloat16) for _ in range(4))
-    for t in (q, k, v):
-        t.requires_grad_(True)
-    before = torch.get_float32_matmul_precision()
-    calls = _load("gpu_kernels")._calls(q, k, v, grad, 8, compiled=False)
-    calls["skyformer/triton+implicit"]()
-    assert seen and all(p.startswith("bf16x3") for p in seen)
-    seen.clear()
-    calls["skyformer/triton+implicit+bf16"]()
-    assert seen and all(p.startswith("bf16-") or p == "bf16" for p in seen)
-    assert torch.get_float32_matmul_precision() == before

@@ -71,14 +71,9 @@ def _mm(a, b, PRECISION: tl.constexpr, FMA: tl.constexpr, A_BF16: tl.constexpr =
     or one for two such operands, the same sum.
     ``"bf16x3-interpreted"``: the same parts multiplied as float32 values (exact, as
     the tensor cores do), for Triton's interpreter, whose bfloat16 ``tl.dot`` is wrong
-    (Triton 3.9: two 16 x 16 tiles of ones give 4.2e9 for 16).
-    ``"bf16"`` (``"bf16-interpreted"``): one product of the tiles rounded to bfloat16,
-    summed in float32 (relative error about 2^-9, the half type's own)."""
+    (Triton 3.9: two 16 x 16 tiles of ones give 4.2e9 for 16)."""
     if FMA:
         return tl.sum(a[:, :, None] * b[None, :, :], axis=1)
-    elif PRECISION == "bf16" or PRECISION == "bf16-interpreted":
-        acc = tl.zeros([a.shape[0], b.shape[1]], dtype=tl.float32)
-        return _dot_bf16(a.to(tl.bfloat16), b.to(tl.bfloat16), acc, PRECISION)
     elif PRECISION == "bf16x3" or PRECISION == "bf16x3-interpreted":
         a_hi, a_lo = _split_bf16(a)
         b_hi, b_lo = _split_bf16(b)
@@ -93,25 +88,9 @@ def _mm(a, b, PRECISION: tl.constexpr, FMA: tl.constexpr, A_BF16: tl.constexpr =
 
 
 @triton.jit
-def _exponent_mm(a, b, PRECISION: tl.constexpr, FMA: tl.constexpr, A_BF16: tl.constexpr,
-                 B_BF16: tl.constexpr):
-    """``_mm`` for the exponent's dots y x^T: ``"bf16"`` keeps bf16x3 there. The exponent
-    s y.x - b_j cancels against its offsets, so one bfloat16 product's absolute error,
-    about 2^-9 |y| |x|, would be multiplied into every kernel entry (2e-2 relative
-    error of C Z at D = 64 under the interpreter, against 3e-3 with bf16x3). Half-type
-    y and landmark rows read as bfloat16 numbers (``x_bf16``) are one MMA either way."""
-    if PRECISION == "bf16":
-        return _mm(a, b, "bf16x3", FMA, A_BF16, B_BF16)
-    elif PRECISION == "bf16-interpreted":
-        return _mm(a, b, "bf16x3-interpreted", FMA, A_BF16, B_BF16)
-    else:
-        return _mm(a, b, PRECISION, FMA, A_BF16, B_BF16)
-
-
-@triton.jit
 def _dot_bf16(a, b, acc, PRECISION: tl.constexpr):
     """acc + a @ b for bfloat16 tiles, summed in float32 (``_mm``'s bf16x3 parts)."""
-    if PRECISION == "bf16x3-interpreted" or PRECISION == "bf16-interpreted":
+    if PRECISION == "bf16x3-interpreted":
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc, out_dtype=tl.float32)
@@ -175,7 +154,7 @@ def _rows_kernel(
             rm = m0 + tl.arange(0, BLOCK_M)
             x = tl.load(X + bh * M * D + rm[:, None] * D + rd[None, :],
                         mask=(rm < M)[:, None] & (rd < D)[None, :], other=0.0)
-            e = _exponent_mm(y, tl.trans(x), PRECISION, FMA, Y_BF16, X_BF16).to(y.dtype) * dot_scale
+            e = _mm(y, tl.trans(x), PRECISION, FMA, Y_BF16, X_BF16).to(y.dtype) * dot_scale
             e = e - a[:, None]
             if HAS_B:
                 b = tl.load(B + bh * M + rm, mask=rm < M, other=float("inf"))
@@ -196,7 +175,7 @@ def _rows_kernel(
         col_in = rm < M
         x = tl.load(X + bh * M * D + rm[:, None] * D + rd[None, :],
                     mask=col_in[:, None] & (rd < D)[None, :], other=0.0)
-        e = _exponent_mm(y, tl.trans(x), PRECISION, FMA, Y_BF16, X_BF16).to(y.dtype) * dot_scale
+        e = _mm(y, tl.trans(x), PRECISION, FMA, Y_BF16, X_BF16).to(y.dtype) * dot_scale
         e = e - a[:, None]
         if HAS_B:
             b = tl.load(B + bh * M + rm, mask=col_in, other=float("inf"))
@@ -253,7 +232,7 @@ def _cols_kernel(
         row_in = (rn < N) & (rn < start + rows_per_split)
         y = tl.load(Y + bh * N * D + rn[:, None] * D + rd[None, :],
                     mask=row_in[:, None] & (rd < D)[None, :], other=0.0).to(x.dtype)
-        e = _exponent_mm(x, tl.trans(y), PRECISION, FMA, X_BF16, Y_BF16).to(x.dtype) * dot_scale
+        e = _mm(x, tl.trans(y), PRECISION, FMA, X_BF16, Y_BF16).to(x.dtype) * dot_scale
         e = e - b[:, None]
         if HAS_A:
             a = tl.load(A + bh * N + rn, mask=row_in, other=float("inf"))
@@ -290,23 +269,17 @@ def _precision(dtype: torch.dtype, rows: torch.dtype | None = None,
     error about 2^-16, far below the half type's own 2^-9; half the MMA instructions of
     tf32x3 and, compiled for sm_90, none of its spills, benchmarks/triton_resources.py),
     on GPUs with bfloat16 tensor cores (compute capability 8.0 on), whatever PyTorch's
-    float32 matmul precision but "medium", where PyTorch allows bfloat16 products:
-    there one bfloat16 product, ``"bf16"`` (relative error about 2^-9, the half type's
-    own; float16 rows then lose their 3 further bits); under Triton's interpreter
-    ``"bf16x3-interpreted"`` or ``"bf16-interpreted"`` (``_mm``). Float32 otherwise:
-    three TF32 passes (about float32's accuracy) at PyTorch's default matmul precision
-    "highest", one TF32 pass where PyTorch allows TF32 ("high", "medium"). Without
-    ``rows`` (the Lemma 3 kernels, whose iteration needs float32 products) never
-    bfloat16. Float64 is exact
-    (IEEE)."""
+    float32 matmul precision; under Triton's interpreter ``"bf16x3-interpreted"`` (``_mm``). Float32
+    otherwise: three TF32 passes (about float32's accuracy) at PyTorch's default matmul
+    precision "highest", one TF32 pass where PyTorch allows TF32 ("high", "medium").
+    Float64 is exact (IEEE)."""
     if dtype != torch.float32:
         return "ieee"
     if rows in (torch.bfloat16, torch.float16):
-        single = torch.get_float32_matmul_precision() == "medium"
         if interpreter_on():  # whatever the tensors' device: the kernels run on the CPU
-            return "bf16-interpreted" if single else "bf16x3-interpreted"
+            return "bf16x3-interpreted"
         if _has_bf16_tensor_cores(device):
-            return "bf16" if single else "bf16x3"
+            return "bf16x3"
     return "tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 

@@ -37,7 +37,6 @@ from .triton_kernels import (
     STAGES,
     _column_side,
     _exclude_args,
-    _exponent_mm,
     _in_slices_of_matrices,
     _mm,
     _precision,
@@ -74,8 +73,7 @@ def _one_pass_kernel(
         row_in = (rn < N) & (rn < start + rows_per_split)
         y = tl.load(Y + bh * N * D + rn[:, None] * D + rd[None, :],
                     mask=row_in[:, None] & (rd < D)[None, :], other=0.0).to(x.dtype)
-        e = _exponent_mm(y, tl.trans(x), PRECISION, FMA, Y_BF16, X_BF16).to(x.dtype)
-        e = e * dot_scale
+        e = _mm(y, tl.trans(x), PRECISION, FMA, Y_BF16, X_BF16).to(x.dtype) * dot_scale
         e = e - b[None, :]
         if HAS_A:
             a = tl.load(A + bh * N + rn, mask=row_in, other=float("inf"))
