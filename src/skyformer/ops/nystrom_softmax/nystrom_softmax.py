@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from ...linalg import gaussian_kernel_matmul
+from ...linalg.kernel_backend import HALF_TYPES
 from ...linalg.kernel_offsets import squared_norms
 from ...registry import Capabilities, register
 from ...sketch import Landmarks
@@ -131,9 +132,24 @@ def nystrom_softmax_attention(
         q, k, v, config, key_padding_mask=key_padding_mask,
         query_padding_mask=query_padding_mask, generator=generator)
     # half inputs stay half, as in skyformer: the landmark rows become float32, the
-    # products read q, k, v as they are (Triton) or convert them (PyTorch path)
-    q, k, core = nystrom_core(q, k, root, config, landmarks)
-    return nystrom_softmax_from_core(q, k, v, core, info, root, config).to(q.dtype)
+    # products read q, k, v as they are (Triton) or convert them (PyTorch path); but
+    # queries whose gradient is asked for are read in float32 (queries_for_gradient)
+    out_dtype = q.dtype
+    q, k, core = nystrom_core(queries_for_gradient(q), k, root, config, landmarks)
+    return nystrom_softmax_from_core(q, k, v, core, info, root, config).to(out_dtype)
+
+
+def queries_for_gradient(q: Tensor) -> Tensor:
+    """q ``[B, H, N, D]``, or its float32 copy where q is a half type whose gradient is
+    asked for. A query's gradient comes by two routes, the rows of C(Q, X_S) and the
+    landmark rows drawn from q, and on clustered queries they cancel: each rounded to
+    the half type before autograd adds them (the Triton product stores dy in q's
+    dtype), dq lost a tenth of its digits (1.1e-1 relative error against float64 for
+    bfloat16 queries around a few centres); meeting in float32 they keep the half
+    type's own rounding (docs/gpu.md, "Half-precision inputs read as they are")."""
+    if q.dtype in HALF_TYPES and q.requires_grad and torch.is_grad_enabled():
+        return q.float()
+    return q
 
 
 def nystrom_softmax_from_core(
