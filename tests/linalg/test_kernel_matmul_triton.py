@@ -495,6 +495,35 @@ def test_the_backward_pass_fills_no_tensor_of_the_inputs_size(device, method):
         assert torch.equal(a, b)
 
 
+@pytest.fixture
+def newer_precision_api():
+    """Sets ``torch.backends.cuda.matmul.fp32_precision`` (the per-backend API) for the
+    test, and restores it: "none" again lets the legacy getter answer."""
+    before = torch.backends.cuda.matmul.fp32_precision
+    yield lambda value: setattr(torch.backends.cuda.matmul, "fp32_precision", value)
+    torch.backends.cuda.matmul.fp32_precision = before
+
+
+@pytest.mark.skipif(not hasattr(torch.backends.cuda.matmul, "fp32_precision"),
+                    reason="this torch has no per-backend fp32_precision")
+@pytest.mark.parametrize("device", devices())
+def test_the_newer_matmul_precision_api_is_read(newer_precision_api, device):
+    """Once a program sets the per-backend API, ``torch.get_float32_matmul_precision()``
+    raises (torch 2.13); the kernels read the setting itself (``tf32_allowed``), and
+    calls run."""
+    if device == "cpu" and not interpreter_on():
+        pytest.skip("Triton's interpreter is off (TRITON_INTERPRET=0): the kernels run on CUDA")
+    from skyformer.linalg.triton_kernels import _precision
+
+    q = torch.randn(1, 2, 24, 16, generator=torch.Generator().manual_seed(9)).to(device)
+    for setting, precision in (("tf32", "tf32"), ("ieee", "tf32x3")):
+        newer_precision_api(setting)
+        assert _precision(torch.float32) == precision
+        out = skyformer.attention(q, q, q, "skyformer", kernel="triton", num_features=8,
+                                  generator=skyformer.random_key(1))
+        assert out.isfinite().all()
+
+
 def test_triton_on_cpu_without_interpreter_says_how(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     q = torch.randn(1, 1, 8, 4)

@@ -269,10 +269,10 @@ def _precision(dtype: torch.dtype, rows: torch.dtype | None = None,
     error about 2^-16, far below the half type's own 2^-9; half the MMA instructions of
     tf32x3 and, compiled for sm_90, none of its spills, benchmarks/triton_resources.py),
     on GPUs with bfloat16 tensor cores (compute capability 8.0 on), whatever PyTorch's
-    float32 matmul precision; under Triton's interpreter ``"bf16x3-interpreted"`` (``_mm``). Float32
-    otherwise: three TF32 passes (about float32's accuracy) at PyTorch's default matmul
-    precision "highest", one TF32 pass where PyTorch allows TF32 ("high", "medium").
-    Float64 is exact (IEEE)."""
+    float32 matmul precision; under Triton's interpreter ``"bf16x3-interpreted"``
+    (``_mm``). Float32 otherwise: three TF32 passes (about float32's accuracy) at
+    PyTorch's default matmul precision "highest", one TF32 pass where PyTorch allows
+    TF32 (``tf32_allowed``). Float64 is exact (IEEE)."""
     if dtype != torch.float32:
         return "ieee"
     if rows in (torch.bfloat16, torch.float16):
@@ -280,7 +280,22 @@ def _precision(dtype: torch.dtype, rows: torch.dtype | None = None,
             return "bf16x3-interpreted"
         if _has_bf16_tensor_cores(device):
             return "bf16x3"
-    return "tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    return "tf32" if tf32_allowed() else "tf32x3"
+
+
+def tf32_allowed() -> bool:
+    """Whether PyTorch allows TF32 for float32 matmuls: its per-backend setting
+    (``torch.backends.cuda.matmul.fp32_precision``, then ``torch.backends.fp32_precision``:
+    "tf32", "ieee", or "none" to inherit), which ``torch.set_float32_matmul_precision``
+    sets too ("high" and "medium" to "tf32"), else the legacy
+    ``torch.get_float32_matmul_precision() != "highest"``. The legacy getter alone will
+    not do: it raises once a program has set the newer API (torch 2.13: "mix of the
+    legacy and new APIs"), and every Triton call raised with it."""
+    for setting in (getattr(torch.backends.cuda.matmul, "fp32_precision", "none"),
+                    getattr(torch.backends, "fp32_precision", "none")):
+        if setting != "none":
+            return setting == "tf32"
+    return torch.get_float32_matmul_precision() != "highest"
 
 
 def _has_bf16_tensor_cores(device: torch.device | None) -> bool:
