@@ -209,16 +209,17 @@ def peak_text(mib: float | None) -> str:
 
 class one_pass_backward:
     """Inside (``on``): the products' backward pass in one pass over the rows
-    (``kernel_matmul_triton.ONE_PASS_BACKWARD``, ``linalg/triton_one_pass.py``)."""
+    (``kernel_matmul_triton.ONE_PASS_BACKWARD``, ``linalg/triton_one_pass.py``); with
+    ``on=False`` as it is set, unless ``force``: then off."""
 
-    def __init__(self, on: bool):
+    def __init__(self, on: bool, force: bool = False):
         from skyformer.linalg import kernel_matmul_triton
 
-        self.module, self.on = kernel_matmul_triton, on
+        self.module, self.on, self.force = kernel_matmul_triton, on, force
 
     def __enter__(self):
         self.before = self.module.ONE_PASS_BACKWARD
-        self.module.ONE_PASS_BACKWARD = self.on or self.before
+        self.module.ONE_PASS_BACKWARD = self.on or (self.before and not self.force)
 
     def __exit__(self, *exc):
         self.module.ONE_PASS_BACKWARD = self.before
@@ -338,7 +339,8 @@ def _main(args: argparse.Namespace) -> int:
               "matmul_flops_per_s": rate, "rows": rows,
               "core": core, "fallbacks": _fallbacks()}
     for fallback in result["fallbacks"]:
-        print(f"FALLBACK: {fallback}: these rows timed its fallback", flush=True)
+        print(f"FALLBACK: {fallback}: the rows timed after it failed timed its fallback",
+              flush=True)
     if args.out:
         write_json(args.out, result, indent=1)
     return 0

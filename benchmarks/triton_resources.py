@@ -15,7 +15,7 @@ compiled for the target. Head dim, dtype, number of landmarks and method come fr
 the options; N only enters as a runtime argument.
 
     python benchmarks/triton_resources.py --out benchmarks/results/triton_resources
-        [--pinv-gradient implicit] [--one-pass-backward] [--matmul-precision medium]
+        [--pinv-gradient implicit] [--one-pass-backward] [--matmul-precision high]
 """
 
 from __future__ import annotations

@@ -19,8 +19,9 @@ and y and V_N read once. Offsets, masks, dtypes and dot precisions are those of
 
 Off by default (``kernel_matmul_triton.ONE_PASS_BACKWARD``): the columns' two [m, D]
 float32 sums stay in registers for the whole slice, which leaves one program per SM,
-and on an H100 that cost more than the saved passes: 0.52-1.02x the two kernels' GPU
-time, 0.68x at B x H = 64, N = 32768 (``benchmarks/one_pass_sweep.py``, docs/gpu.md).
+and on an H100 that cost more than the saved passes: 0.52-1.02x the two kernels' speed
+in GPU time, 0.68x at B x H = 64, N = 32768 (``benchmarks/one_pass_sweep.py``,
+docs/gpu.md).
 """
 
 from __future__ import annotations

@@ -134,20 +134,22 @@ def nystrom_softmax_attention(
     # half inputs stay half, as in skyformer: the landmark rows become float32, the
     # products read q, k, v as they are (Triton) or convert them (PyTorch path); but
     # queries whose gradient is asked for are read in float32 (queries_for_gradient)
-    out_dtype = q.dtype
-    q, k, core = nystrom_core(queries_for_gradient(q), k, root, config, landmarks)
+    out_dtype, bf16_values = q.dtype, q.dtype == k.dtype == torch.bfloat16
+    q, k, core = nystrom_core(queries_for_gradient(q), k, root, config, landmarks,
+                              bf16_values=bf16_values)
     return nystrom_softmax_from_core(q, k, v, core, info, root, config).to(out_dtype)
 
 
 def queries_for_gradient(q: Tensor) -> Tensor:
-    """q ``[B, H, N, D]``, or its float32 copy where q is a half type whose gradient is
-    asked for. A query's gradient comes by two routes, the rows of C(Q, X_S) and the
-    landmark rows drawn from q, and on clustered queries they cancel: each rounded to
-    the half type before autograd adds them (the Triton product stores dy in q's
-    dtype), dq lost a tenth of its digits (1.1e-1 relative error against float64 for
-    bfloat16 queries around a few centres); meeting in float32 they keep the half
-    type's own rounding (docs/gpu.md, "Half-precision inputs read as they are")."""
-    if q.dtype in HALF_TYPES and q.requires_grad and torch.is_grad_enabled():
+    """q ``[B, H, N, D]``, or its float32 copy where q is a half type and gradients are
+    on. A query's gradient comes by two routes, the rows of C(Q, X_S) and the landmark
+    rows drawn from q, and on clustered queries they cancel: each rounded to the half
+    type before autograd added them (the Triton product stores dy in q's dtype), dq
+    had 1e-1 relative error against float64 for bfloat16 queries around a few centres;
+    meeting in float32 they keep the half type's own rounding (docs/gpu.md,
+    "Half-precision inputs read as they are"). Grad mode, not ``q.requires_grad``:
+    inside ``torch.vmap`` or ``torch.func.grad`` q does not say it needs one."""
+    if q.dtype in HALF_TYPES and torch.is_grad_enabled():
         return q.float()
     return q
 

@@ -188,6 +188,7 @@ class NystromCore:
 
 def nystrom_core(
     q: Tensor, k: Tensor, scale: float, options: NystromOptions, landmarks: Landmarks,
+    *, bf16_values: bool | None = None,
 ) -> tuple[Tensor, Tensor, NystromCore]:
     """(q, k, core): landmark rows X_S of [s Q; s K] (gathered, then scaled: m rows, not
     N), their half squared norms, and W = Lemma-3 inverse of C(X_S, X_S) (Skyformer
@@ -196,14 +197,17 @@ def nystrom_core(
     ``index_add`` (``linalg.rows.gather_rows_through``), not through two zero tensors
     of their size and two more additions; in place, so the callers must read q and k
     only through operations whose backward gives a new tensor (the Gaussian products,
-    views) or several of them (autograd then sums into a tensor of its own)."""
+    views) or several of them (autograd then sums into a tensor of its own).
+    ``bf16_values``: the rows are bfloat16 numbers, so the products may read them as
+    such (``NystromCore.x_bf16``); by default where they are bfloat16 tensors (a caller
+    that converted bfloat16 queries to float32 says so)."""
     (q, k), rows = gather_rows_through(  # [B, H, m, D]
         (q, k), [_every_head(index, q) for index in (landmarks.query_index,
                                                      landmarks.key_index)],
         in_place=True)
     unscaled = rows.to(compute_dtype(rows.dtype))
     core = core_from_rows(unscaled * scale, options, landmarks)
-    if rows.dtype != torch.bfloat16:
+    if not (rows.dtype == torch.bfloat16 if bf16_values is None else bf16_values):
         return q, k, core
     return q, k, dataclasses.replace(core, x_bf16=unscaled.detach(), x_factor=scale)
 
