@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.devices import needs_interpreter
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
@@ -85,16 +87,13 @@ def test_triton_resources_compiles_the_launches_for_an_h100(tmp_path):
         assert row["warps_per_sm"] >= row["num_warps"]  # it can launch on an H100
 
 
+@needs_interpreter
 def test_kernel_benchmark_runs_on_the_cpu_under_the_interpreter(tmp_path):
     """benchmarks/gpu_kernels.py with --device cpu (its tiny defaults, TRITON_INTERPRET=1
     from conftest): every eager call and the m x m core at both sizes run, and the JSON
     holds them (no memory on the CPU). The compiled variants are not among the CPU
     defaults: Inductor takes a minute there."""
     pytest.importorskip("triton")
-    from skyformer.linalg.kernel_backend import interpreter_on
-
-    if not interpreter_on():
-        pytest.skip("Triton's interpreter is off")
     out = tmp_path / "kernels.json"
     assert _load("gpu_kernels").main([
         "--device", "cpu", "--seq-lens", "40", "--features", "8", "--repeats", "1",
@@ -133,14 +132,11 @@ def test_the_kernel_benchmark_names_a_kernel_that_fell_back(monkeypatch):
     assert "cuda:0 torch.bfloat16" in line
 
 
+@needs_interpreter
 def test_the_one_pass_sweep_runs_on_the_cpu_under_the_interpreter(tmp_path):
     """benchmarks/one_pass_sweep.py with --device cpu: both backward passes of each size
     run and are written (CPU operators' times, meaningless but positive)."""
     pytest.importorskip("triton")
-    from skyformer.linalg.kernel_backend import interpreter_on
-
-    if not interpreter_on():
-        pytest.skip("Triton's interpreter is off")
     out = tmp_path / "sweep"
     assert _load("one_pass_sweep").main([
         "--device", "cpu", "--seq-lens", "24", "--head-dims", "8", "--dtypes", "float32",
