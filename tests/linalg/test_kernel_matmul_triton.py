@@ -499,11 +499,17 @@ def test_the_backward_pass_fills_no_tensor_of_the_inputs_size(device, method):
 
 @pytest.fixture
 def newer_precision_api():
-    """Sets ``torch.backends.cuda.matmul.fp32_precision`` (the per-backend API) for the
-    test, and restores it: "none" again lets the legacy getter answer."""
-    before = torch.backends.cuda.matmul.fp32_precision
-    yield lambda value: setattr(torch.backends.cuda.matmul, "fp32_precision", value)
-    torch.backends.cuda.matmul.fp32_precision = before
+    """Sets a backend's ``fp32_precision`` (the per-backend API) for the test, and
+    restores every one it set: "none" again lets the legacy getter answer."""
+    before = {}
+
+    def set_precision(backend, value):
+        before.setdefault(backend, backend.fp32_precision)
+        backend.fp32_precision = value
+
+    yield set_precision
+    for backend, value in before.items():
+        backend.fp32_precision = value
 
 
 @pytest.mark.skipif(not hasattr(torch.backends.cuda.matmul, "fp32_precision"),
@@ -518,8 +524,11 @@ def test_the_newer_matmul_precision_api_is_read(newer_precision_api, device):
     from skyformer.linalg.triton_kernels import _precision
 
     q = torch.randn(1, 2, 24, 16, generator=torch.Generator().manual_seed(9)).to(device)
-    for setting, precision in (("tf32", "tf32"), ("ieee", "tf32x3")):
-        newer_precision_api(setting)
+    cuda, mkldnn = torch.backends.cuda.matmul, torch.backends.mkldnn.matmul
+    # the CPU backend's setting alone also makes the legacy getter raise
+    for backend, setting, precision in ((mkldnn, "bf16", "tf32x3"), (cuda, "tf32", "tf32"),
+                                        (cuda, "ieee", "tf32x3")):
+        newer_precision_api(backend, setting)
         assert _precision(torch.float32) == precision
         out = skyformer.attention(q, q, q, "skyformer", kernel="triton", num_features=8,
                                   generator=skyformer.random_key(1))

@@ -229,6 +229,8 @@ def test_bfloat16_query_gradient_on_clustered_inputs(device, kernel, monkeypatch
         return skyformer.attention(qi[None], ki[None], vi[None], "nystrom_softmax",
                                    kernel=kernel, num_features=32, generator=key)[0]
 
+    read_as_bf16.clear()
     out = torch.vmap(one)(*leaves)
+    assert read_as_bf16 == [True, True]
     dq, = torch.autograd.grad((out * weights.to(device, torch.bfloat16)).sum(), leaves[:1])
     assert frobenius_relative_error(dq, want[1]) < 1e-2

@@ -284,17 +284,16 @@ def _precision(dtype: torch.dtype, rows: torch.dtype | None = None,
 
 
 def tf32_allowed() -> bool:
-    """Whether PyTorch allows TF32 for float32 matmuls: its per-backend setting
-    (``torch.backends.cuda.matmul.fp32_precision``, then ``torch.backends.fp32_precision``:
-    "tf32", "ieee", or "none" to inherit), which ``torch.set_float32_matmul_precision``
-    sets too ("high" and "medium" to "tf32"), else the legacy
-    ``torch.get_float32_matmul_precision() != "highest"``. The legacy getter alone will
-    not do: it raises once a program has set the newer API (torch 2.13: "mix of the
-    legacy and new APIs"), and every Triton call raised with it."""
-    for setting in (getattr(torch.backends.cuda.matmul, "fp32_precision", "none"),
-                    getattr(torch.backends, "fp32_precision", "none")):
-        if setting != "none":
-            return setting == "tf32"
+    """Whether PyTorch allows TF32 for float32 matmuls on CUDA: its per-backend setting
+    ``torch.backends.cuda.matmul.fp32_precision`` is "tf32" (which it inherits from
+    ``torch.backends.fp32_precision``, and which ``torch.set_float32_matmul_precision``
+    and ``allow_tf32`` write too; "none" means never set: IEEE). Only a torch without
+    that setting is asked ``torch.get_float32_matmul_precision()``, which raises once a
+    program has set any backend's newer API (torch 2.13: "mix of the legacy and new
+    APIs"), and every Triton call raised with it."""
+    setting = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+    if setting is not None:
+        return setting == "tf32"
     return torch.get_float32_matmul_precision() != "highest"
 
 
