@@ -565,3 +565,21 @@ def test_the_kernel_benchmarks_one_pass_row_runs_the_one_pass_kernel(monkeypatch
     calls["skyformer/triton+implicit+one-pass"]()
     assert seen == ["one pass", "one pass"] and not kernel_matmul_triton.ONE_PASS_BACKWARD
 
+
+@needs_interpreter
+def test_the_half_gradient_benchmark_runs_on_the_cpu(tmp_path):
+    """benchmarks/half_gradients.py at a tiny size: both paths in both dtypes against
+    float64, errors finite and float32 far closer than bfloat16."""
+    pytest.importorskip("triton")
+    out = tmp_path / "half"
+    assert _load("half_gradients").main([
+        "--methods", "nystrom_softmax", "--noise", "0.1", "--n", "24", "--head-dim", "8",
+        "--features", "8", "--out", str(out)]) == 0
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [(r["kernel"], r["dtype"]) for r in rows] == [
+        ("torch", "float32"), ("torch", "bfloat16"), ("triton", "float32"),
+        ("triton", "bfloat16")]
+    for r in rows:
+        bound = 1e-3 if r["dtype"] == "float32" else 5e-2
+        assert all(0 <= r[name] < bound for name in ("out", "dq", "dk", "dv")), r
+    assert "| nystrom_softmax | 0.1 | triton | bfloat16 |" in out.with_suffix(".md").read_text()

@@ -1,0 +1,101 @@
+"""Accuracy of bfloat16 outputs and gradients on clustered inputs, against float64.
+
+Queries and keys around a few centres (``--centres``, spread ``--noise``; 0: repeated
+tokens) are where a query's gradient cancels between its two routes, the rows of
+C(Q, X_S) and the landmark rows drawn from q (docs/gpu.md, "Half-precision inputs read
+as they are"). For each method, noise, path (``kernel="torch"``: q, k, v converted to
+float32 inside; ``"triton"``: half rows read as they are) and dtype: the relative
+Frobenius error of the output and of dq, dk, dv against the same call in float64 on the
+PyTorch path, with the same landmarks.
+
+    TRITON_INTERPRET=1 python benchmarks/half_gradients.py --out benchmarks/results/half_gradients
+
+On the CPU the Triton kernels run under the interpreter, which rounds as the tensor
+cores do at PyTorch's default precision ("highest"); ``--device cuda`` runs them on a
+GPU. Writes OUT.json and OUT.md atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+import skyformer
+from skyformer.eval.measure.metrics import relative_error
+from skyformer.io import atomic_write_text, write_json
+
+
+def clustered(n: int, d: int, centres: int, noise: float, seed: int) -> tuple:
+    """(q, k, v, weights) ``[1, 2, n, d]`` in float64: q and k around ``centres`` shared
+    points, v and the output weights standard normal."""
+    g = torch.Generator().manual_seed(seed)
+    points = torch.randn(1, 2, centres, d, generator=g, dtype=torch.float64)
+    base = points[:, :, torch.randint(0, centres, (n,), generator=g)]
+    q, k = (base + noise * torch.randn(1, 2, n, d, generator=g, dtype=torch.float64)
+            for _ in range(2))
+    v, weights = (torch.randn(1, 2, n, d, generator=g, dtype=torch.float64) for _ in range(2))
+    return q, k, v, weights
+
+
+def call(method: str, inputs: tuple, dtype: torch.dtype, device: str, kernel: str,
+         features: int) -> list[torch.Tensor]:
+    """[output, dq, dk, dv] of one call on the inputs rounded to ``dtype``."""
+    q, k, v, weights = inputs
+    leaves = [t.to(torch.bfloat16).to(device, dtype).requires_grad_(True) for t in (q, k, v)]
+    out = skyformer.attention(*leaves, method, kernel=kernel, num_features=features,
+                              generator=skyformer.random_key(3))
+    return [out, *torch.autograd.grad((out * weights.to(device, dtype)).sum(), leaves)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--methods", nargs="+", default=["skyformer", "nystrom_softmax"])
+    parser.add_argument("--noise", nargs="+", type=float, default=[1.0, 0.1, 0.03, 0.0])
+    parser.add_argument("--n", type=int, default=128)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--features", type=int, default=32)
+    parser.add_argument("--centres", type=int, default=4)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--out", type=Path, default=None, help="writes OUT.json, OUT.md")
+    args = parser.parse_args(argv)
+    rows = []
+    for method in args.methods:
+        for noise in args.noise:
+            inputs = clustered(args.n, args.head_dim, args.centres, noise, seed=0)
+            exact = call(method, inputs, torch.float64, "cpu", "torch", args.features)
+            for kernel in ("torch", "triton"):
+                for dtype in (torch.float32, torch.bfloat16):
+                    got = call(method, inputs, dtype, args.device, kernel, args.features)
+                    errors = [relative_error(a.cpu().reshape(-1, a.shape[-1]),
+                                             e.reshape(-1, e.shape[-1]), ord="fro").item()
+                              for a, e in zip(got, exact, strict=True)]
+                    rows.append({"method": method, "noise": noise, "kernel": kernel,
+                                 "dtype": str(dtype).removeprefix("torch.")}
+                                | dict(zip(("out", "dq", "dk", "dv"), errors, strict=True)))
+                    print(" ".join(f"{rows[-1][key]}" for key in ("method", "noise", "kernel",
+                                                                  "dtype")),
+                          " ".join(f"{name} {error:.2e}" for name, error
+                                   in zip(("out", "dq", "dk", "dv"), errors, strict=True)),
+                          flush=True)
+    if args.out is not None:
+        write_json(args.out.with_suffix(".json"),
+                   {"torch": torch.__version__, "device": args.device, "n": args.n,
+                    "head_dim": args.head_dim, "features": args.features,
+                    "centres": args.centres, "rows": rows}, indent=1)
+        lines = [f"Relative error against float64 (PyTorch path), N = {args.n}, D = "
+                 f"{args.head_dim}, m = {args.features}, q and k around {args.centres} "
+                 f"centres, device {args.device}, torch {torch.__version__}", "",
+                 "| method | noise | kernel | dtype | out | dq | dk | dv |",
+                 "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['method']} | {r['noise']} | {r['kernel']} | {r['dtype']} | "
+                  f"{r['out']:.2e} | {r['dq']:.2e} | {r['dk']:.2e} | {r['dv']:.2e} |"
+                  for r in rows]
+        atomic_write_text(args.out.with_suffix(".md"), "\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
