@@ -42,6 +42,7 @@ from .functional_ops import first_order_backward, functional_ops_only
 from .kernel_backend import HALF_TYPES, use_triton
 from .kernel_matmul_triton import PRODUCT_FALLBACK, TritonGaussianBlockProduct
 from .kernel_offsets import LOG2E, offset_and_value_gradients, row_offsets
+from .nonfinite import row_marks
 from .ones_column import with_ones_column
 from .vmap import vmap_into_batch
 
@@ -241,6 +242,7 @@ def gaussian_kernel_matmul(
     x_bf16: Tensor | None = None,
     x_factor: float = 1.0,
     ones_column: bool = False,
+    show_nonfinite: bool = False,
 ) -> Tensor:
     """C @ rhs or C^T @ rhs for C = exp(s y x^T - s^2|y|^2/2 - col_offset), never whole.
 
@@ -277,6 +279,11 @@ def gaussian_kernel_matmul(
             column sums of C in the last column of the result, e.g. a normaliser),
             appended inside, so that rhs itself is saved for the backward pass (where
             rhs is an input, no copy is held from the forward to the backward pass).
+        show_nonfinite: mark non-finite inputs as ``registry/guard.py`` does, where the
+            rows are read (``linalg/nonfinite.py``; in the Triton kernels' tiles, no pass
+            of its own): ``C @ rhs``: row i of the result is NaN where y_i holds a NaN
+            or inf; ``C^T @ rhs``: the whole result is NaN where a row of y or rhs that
+            ``row_valid`` keeps holds one. A constant to the gradients.
     Returns:
         ``[..., N, R]`` (``C @ rhs``) or ``[..., m, R]`` (``C^T @ rhs``), R + 1 columns
         with ``ones_column``; differentiable in
@@ -317,7 +324,9 @@ def gaussian_kernel_matmul(
         rhs = with_ones_column(rhs, ones_column)
         out = _product_by_autograd(y, x, col_offset, rhs, row_valid, scale, row_norm,
                                    transpose, shift_rows, exclude, batch_shape)
-        return out.reshape(*batch_shape, *out.shape[-2:])
+        out = out.reshape(*batch_shape, *out.shape[-2:])
+        return _with_marks(out, y, rhs, row_valid, transpose, batch_shape) \
+            if show_nonfinite else out
     if exclude is not None:
         if exclude.shape != (*batch_shape, n, m) or exclude.dtype != torch.bool:
             raise ValueError(
@@ -334,20 +343,34 @@ def gaussian_kernel_matmul(
     rhs = rhs.reshape(bh, *rhs.shape[-2:])
 
     def by_pytorch() -> Tensor:
-        return apply(_GaussianBlockProduct, y.to(x.dtype), x, b, rhs.to(x.dtype), row_valid,
-                     float(scale), row_norm, transpose, shift_rows, chunk, exclude,
-                     ones_column)[0]
+        out = apply(_GaussianBlockProduct, y.to(x.dtype), x, b, rhs.to(x.dtype), row_valid,
+                    float(scale), row_norm, transpose, shift_rows, chunk, exclude,
+                    ones_column)[0]
+        return _with_marks(out, y, rhs, row_valid, transpose, (bh,)) if show_nonfinite \
+            else out
 
     def by_triton() -> Tensor:
         return apply(TritonGaussianBlockProduct, y, x, b, rhs, row_valid, float(scale),
                      row_norm, transpose, shift_rows, exclude,
                      None if x_bf16 is None else x_bf16.reshape(bh, m, d), float(x_factor),
-                     ones_column, auto)[0]
+                     ones_column, auto, show_nonfinite)[0]
 
     # a kernel that fails inside is the operators' to catch (in compiled graphs too);
     # this one catches what fails around them in eager code (importing Triton)
     out = PRODUCT_FALLBACK.run(auto, by_triton, by_pytorch, on=y) if triton else by_pytorch()
     return out.reshape(*batch_shape, *out.shape[1:])
+
+
+def _with_marks(out: Tensor, y: Tensor, rhs: Tensor, row_valid: Tensor | None,
+                transpose: bool, batch_shape: torch.Size | tuple[int, ...]) -> Tensor:
+    """``out`` with ``show_nonfinite``'s marks added (the PyTorch paths); ``row_valid``
+    ``[BH, N]``, the other tensors with the batch dims ``batch_shape``."""
+    valid = None if row_valid is None else row_valid.reshape(*batch_shape, -1)
+    if transpose:  # every entry: the sum of the valid rows' marks
+        marks = row_marks(y, rhs, valid).sum(-1)[..., None, None]
+    else:
+        marks = row_marks(y, valid=valid)[..., None]
+    return out + marks.to(out.dtype)
 
 
 def _product_by_autograd(

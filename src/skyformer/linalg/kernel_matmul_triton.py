@@ -74,13 +74,13 @@ def _empty_to_none(t: Tensor) -> Tensor | None:
 
 
 def _rows(y, kx, a, b, vm, vn, exclude, norm_scale, *, auto, write_out1=True,
-          shift_rows=False, out2_scale=1.0, norm_coef=None):
+          shift_rows=False, out2_scale=1.0, norm_coef=None, show_nonfinite=False):
     """``triton_ops.rows_product`` with ``None`` for absent tensors, x (``_KernelX``)
     and b as the method holds them; ``auto``: ``PRODUCT_FALLBACK`` where it fails."""
     out = _ops().rows_product(y, kx.x, _none_to_empty(a, kx.x), _none_to_empty(b, kx.x), vm,
                               _none_to_empty(vn, y), _none_to_empty(exclude, y),
                               write_out1, shift_rows, out2_scale, norm_coef, norm_scale,
-                              kx.dot_scale * LOG2E, LOG2E, kx.bf16, auto)
+                              kx.dot_scale * LOG2E, LOG2E, kx.bf16, show_nonfinite, auto)
     return tuple(_empty_to_none(t) for t in out)
 
 
@@ -95,14 +95,15 @@ def _one_pass(y, kx, a, b, vn, vm, exclude, norm_scale, *, auto, write_row1, wri
     return tuple(_empty_to_none(t) for t in out)
 
 
-def _cols(y, kx, a, b, vn, vm, exclude, norm_scale, scale, *, auto, write_out1=True):
+def _cols(y, kx, a, b, vn, vm, exclude, norm_scale, scale, *, auto, write_out1=True,
+          show_nonfinite=False):
     """``triton_ops.cols_product`` with ``None`` for absent tensors, x (``_KernelX``)
     and b as the method holds them; the second output is dx, ((V_N V_M^T) * C)^T y
     times s (``scale``); ``auto``: ``PRODUCT_FALLBACK`` where it fails."""
     out = _ops().cols_product(y, kx.x, _none_to_empty(a, kx.x), _none_to_empty(b, kx.x), vn,
                               _none_to_empty(vm, kx.x), _none_to_empty(exclude, y),
                               write_out1, norm_scale, kx.dot_scale * LOG2E, LOG2E, scale,
-                              kx.bf16, auto)
+                              kx.bf16, show_nonfinite, auto)
     return tuple(_empty_to_none(t) for t in out)
 
 
@@ -134,13 +135,16 @@ class TritonGaussianBlockProduct(torch.autograd.Function):
     ``kernel_matmul._GaussianBlockProduct``, and ``x_bf16`` (or None), x / ``x_factor``
     as bfloat16 numbers in x's dtype, which the kernels then read instead of x
     (``_KernelX``; not differentiated: x is); ``auto``: kernels that fail, forward or
-    backward, give way to PyTorch operations (``PRODUCT_FALLBACK``)."""
+    backward, give way to PyTorch operations (``PRODUCT_FALLBACK``);
+    ``show_nonfinite``: the forward kernels mark non-finite rows in ``out``
+    (``triton_kernels``), a constant to the backward pass, as the guard's marks are."""
 
     @staticmethod
     def forward(y: Tensor, x: Tensor, b: Tensor | None, rhs: Tensor,  # type: ignore[override]
                 row_valid: Tensor | None, scale: float, row_norm: bool, transpose: bool,
                 shift_rows: bool, exclude: Tensor | None, x_bf16: Tensor | None,
-                x_factor: float, ones_column: bool, auto: bool) -> tuple[Tensor, Tensor]:
+                x_factor: float, ones_column: bool, auto: bool,
+                show_nonfinite: bool) -> tuple[Tensor, Tensor]:
         y, rhs = y.contiguous(), with_ones_column(rhs, ones_column).contiguous()
         kx = _kernel_x(x, x_bf16, x_factor, scale)
         b = None if b is None else b.contiguous()
@@ -150,10 +154,11 @@ class TritonGaussianBlockProduct(torch.autograd.Function):
         a = None if a is None else a.contiguous()
         norm_scale = _norm_scale(scale, row_norm)
         if transpose:
-            out, _ = _cols(y, kx, a, b, rhs, None, exclude, norm_scale, scale, auto=auto)
+            out, _ = _cols(y, kx, a, b, rhs, None, exclude, norm_scale, scale, auto=auto,
+                           show_nonfinite=show_nonfinite)
         else:
             out, _, shift = _rows(y, kx, a, b, rhs, None, exclude, norm_scale, auto=auto,
-                                  shift_rows=shift_rows)
+                                  shift_rows=shift_rows, show_nonfinite=show_nonfinite)
             if shift is not None:
                 a = shift if a is None else a + shift
         return out, (x.new_empty(0) if a is None else a)
@@ -161,7 +166,7 @@ class TritonGaussianBlockProduct(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
         y, x, b, rhs, _, scale, row_norm, transpose, _, exclude, x_bf16, x_factor, \
-            ones_column, auto = inputs
+            ones_column, auto, *_ = inputs
         out, a = output
         ctx.mark_non_differentiable(a)
         ctx.set_materialize_grads(False)  # no zero tensor for the offsets' gradient
@@ -224,4 +229,4 @@ def _gradients(ctx: Any, grad: Tensor, out: Tensor | None, rhs: Tensor, c_vm: Te
     db, drhs = offset_and_value_gradients(  # dV = C g, or dZ = C^T g
         grad, out, rhs, c_vm if transpose else c_vn, transpose=transpose, need_b=need_b,
         need_rhs=need_rhs, ones_column=ones_column)
-    return dy, dx, db, drhs, None, None, None, None, None, None, None, None, None, None
+    return dy, dx, db, drhs, None, None, None, None, None, None, None, None, None, None, None

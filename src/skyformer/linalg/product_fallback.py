@@ -16,12 +16,18 @@ import torch
 from torch import Tensor
 
 from .kernel_matmul import _exponent, chunk_rows
+from .nonfinite import row_marks
 
 
 def _chunks(y: Tensor, m: int) -> list[slice]:
     n = y.shape[1]
     step = chunk_rows(n, y.shape[0], m, y.device)
     return [slice(s, s + step) for s in range(0, n, step)]
+
+
+def _kept(a: Tensor | None, rows: slice) -> Tensor | None:
+    """Which of ``rows`` the offsets a keep (+inf drops a row), or None (all)."""
+    return None if a is None else a[:, rows] != float("inf")
 
 
 def _exponents(y: Tensor, x: Tensor, a: Tensor | None, b: Tensor | None,
@@ -48,7 +54,7 @@ def rows_product(
     write_out1: bool = True, shift_rows: bool = False,
     out2_scale: float = 1.0, norm_coef: float | None = None,
     norm_scale: float | None = None, dot_scale: float = 1.0, b_scale: float = 1.0,
-    x_bf16: bool = False,
+    x_bf16: bool = False, show_nonfinite: bool = False,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """``triton_kernels.rows_product``: (C V_M ``[BH, N, R]``, ((V_N V_M^T) * C) X
     ``[BH, N, D]``, the row shifts ``[BH, N]``), None where not asked for."""
@@ -67,7 +73,8 @@ def rows_product(
         c = e.exp2_()
         c_vm = torch.bmm(c, vm) if write_out1 or norm_coef is not None else None
         if out1 is not None:
-            out1[:, rows] = c_vm
+            out1[:, rows] = c_vm if not show_nonfinite else \
+                c_vm + row_marks(y_c, valid=_kept(a, rows))[:, :, None]
         if out2 is not None:
             vn_c = vn[:, rows].to(x.dtype)
             de = torch.bmm(vn_c, vm.transpose(1, 2)).mul_(c)
@@ -82,7 +89,7 @@ def cols_product(
     y: Tensor, x: Tensor, a: Tensor | None, b: Tensor | None, vn: Tensor,
     vm: Tensor | None, exclude: Tensor | None, *, write_out1: bool = True,
     norm_scale: float | None = None, dot_scale: float = 1.0, b_scale: float = 1.0,
-    out2_scale: float = 1.0, x_bf16: bool = False,
+    out2_scale: float = 1.0, x_bf16: bool = False, show_nonfinite: bool = False,
 ) -> tuple[Tensor | None, Tensor | None]:
     """``triton_kernels.cols_product``: (C^T V_N ``[BH, m, R]``, ``out2_scale``
     ((V_N V_M^T) * C)^T Y ``[BH, m, D]``), None where not asked for."""
@@ -95,6 +102,9 @@ def cols_product(
         c = e.exp2_()
         vn_c = vn[:, rows].to(x.dtype)
         if out1 is not None:
+            if show_nonfinite:  # the marks of y's and V_N's rows, in every entry
+                marks = row_marks(y_c, vn_c, valid=_kept(a, rows))
+                out1.add_(marks.sum(-1)[:, None, None])
             out1.baddbmm_(c.transpose(1, 2), vn_c)
         if out2 is not None:
             de = torch.bmm(vn_c, vm.transpose(1, 2)).mul_(c)

@@ -33,6 +33,17 @@ bfloat16 or float16, read into the compute dtype tile by tile (exact), so that a
 half-precision model needs no float32 copy of its queries, keys and values. Sums are
 kept in the compute dtype; N-row outputs are stored in their input's dtype.
 
+``SHOW_NONFINITE`` (forward products) marks non-finite inputs in OUT1 as
+``registry/guard.py`` does, in the tiles the kernels read anyway (the guard's own pass
+was three reductions over q, k, v and an addition over the output: 11 % of a Skyformer
+call's GPU time at the model shape and N = 16384 on an H100): a row's mark
+0 * (|y_i|^2 + the sum of V_N,i's entries) is 0, or NaN where an entry is NaN or inf
+(``linalg/nonfinite.py``). |y_i|^2 is the row norm's own sum (an extra sum of y's
+entries took the cols kernel from 155 to 176 registers at head dim 64, compiled for
+sm_90, and from 12 to 8 resident warps). The rows kernel adds y_i's mark to row i of OUT1; the
+cols kernel adds the marks of the rows y_i, V_N,i of its slice to every entry of its
+part of C^T V_N (one running scalar). Rows dropped by a_i = +inf carry no mark.
+
 This module imports Triton; ``kernel_matmul_triton`` imports it only when the Triton
 path is chosen, so the library runs without Triton installed.
 """
@@ -126,6 +137,7 @@ def _rows_kernel(
     HAS_A: tl.constexpr, HAS_B: tl.constexpr, HAS_EXC: tl.constexpr,
     WRITE_OUT1: tl.constexpr, HAS_VN: tl.constexpr, SHIFT_ROWS: tl.constexpr,
     NORM_TERM: tl.constexpr, ROW_NORM: tl.constexpr, X_BF16: tl.constexpr,
+    SHOW_NONFINITE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, FMA: tl.constexpr,
 ):
@@ -143,8 +155,12 @@ def _rows_kernel(
         a = tl.load(A + bh * N + rn, mask=row_in, other=0.0)
     else:
         a = tl.zeros([BLOCK_N], dtype=y.dtype)
+    if ROW_NORM or SHOW_NONFINITE:
+        squares = tl.sum(y * y, axis=1)
+    if SHOW_NONFINITE:  # 0, or NaN for a valid row with a NaN or inf (module docstring)
+        mark = tl.where(a == float("inf"), 0.0, squares * 0.0)
     if ROW_NORM:  # a_i += norm_scale |y_i|^2, from the tile in registers
-        a += norm_scale * tl.sum(y * y, axis=1)
+        a += norm_scale * squares
     if HAS_VN:
         vn = tl.load(VN + bh * N * R + rn[:, None] * R + rr[None, :],
                      mask=row_in[:, None] & (rr < R)[None, :], other=0.0).to(y.dtype)
@@ -194,6 +210,8 @@ def _rows_kernel(
             de = _mm(vn, tl.trans(vm), PRECISION, FMA, VN_BF16).to(c.dtype) * c
             acc2 += _mm(de.to(x.dtype), x, PRECISION, FMA, False, X_BF16)
     if WRITE_OUT1:
+        if SHOW_NONFINITE:
+            acc1 += mark[:, None]
         tl.store(OUT1 + bh * N * R + rn[:, None] * R + rr[None, :], acc1,
                  mask=row_in[:, None] & (rr < R)[None, :])
     if HAS_VN:
@@ -211,7 +229,8 @@ def _cols_kernel(
     s_exc_b, s_exc_n, s_exc_m, norm_scale, dot_scale, b_scale, out2_scale,
     HAS_A: tl.constexpr, HAS_B: tl.constexpr, HAS_EXC: tl.constexpr,
     WRITE_OUT1: tl.constexpr, HAS_VM: tl.constexpr, ROW_NORM: tl.constexpr,
-    X_BF16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    X_BF16: tl.constexpr, SHOW_NONFINITE: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, FMA: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -226,6 +245,7 @@ def _cols_kernel(
     x, b, vm = _column_side(X, B, VM, bh, rm, rd, rr, M, D, R, b_scale, HAS_B, HAS_VM)
     acc1 = tl.zeros([BLOCK_M, BLOCK_R], dtype=x.dtype)
     acc2 = tl.zeros([BLOCK_M, BLOCK_D], dtype=x.dtype)
+    marks = 0.0  # SHOW_NONFINITE: 0, or NaN once a marked row is read
     start = split * rows_per_split
     for n0 in range(0, rows_per_split, BLOCK_N):
         rn = start + n0 + tl.arange(0, BLOCK_N)
@@ -237,8 +257,12 @@ def _cols_kernel(
         if HAS_A:
             a = tl.load(A + bh * N + rn, mask=row_in, other=float("inf"))
             e = e - a[None, :]
+        else:
+            a = tl.zeros([BLOCK_N], dtype=x.dtype)
+        if ROW_NORM or SHOW_NONFINITE:
+            squares = tl.sum(y * y, axis=1)
         if ROW_NORM:
-            e = e - (norm_scale * tl.sum(y * y, axis=1))[None, :]
+            e = e - (norm_scale * squares)[None, :]
         e = tl.where(row_in[None, :], e, float("-inf"))
         if HAS_EXC:
             exc = tl.load(EXC + bh * s_exc_b + rn[None, :] * s_exc_n + rm[:, None] * s_exc_m,
@@ -247,6 +271,9 @@ def _cols_kernel(
         ct = tl.exp2(e)  # C^T tile: [BLOCK_M, BLOCK_N]
         vn = tl.load(VN + bh * N * R + rn[:, None] * R + rr[None, :],
                      mask=row_in[:, None] & (rr < R)[None, :], other=0.0).to(x.dtype)
+        if SHOW_NONFINITE:  # the slice's marks, added to every entry of C^T V_N
+            mark = (squares + tl.sum(vn, axis=1)) * 0.0
+            marks += tl.sum(tl.where(a == float("inf"), 0.0, mark), axis=0)
         if WRITE_OUT1:
             acc1 += _mm(ct.to(vn.dtype), vn, PRECISION, FMA, False, VN_BF16)
         if HAS_VM:
@@ -254,6 +281,8 @@ def _cols_kernel(
             acc2 += _mm(de.to(y.dtype), y, PRECISION, FMA, False, Y_BF16)
     base = split * BH + bh
     if WRITE_OUT1:
+        if SHOW_NONFINITE:
+            acc1 += marks
         tl.store(OUT1 + base * M * R + rm[:, None] * R + rr[None, :], acc1,
                  mask=col_in[:, None] & (rr < R)[None, :])
     if HAS_VM:
@@ -382,7 +411,7 @@ def rows_product(
     write_out1: bool = True, shift_rows: bool = False,
     out2_scale: float = 1.0, norm_coef: float | None = None,
     norm_scale: float | None = None, dot_scale: float = 1.0, b_scale: float = 1.0,
-    x_bf16: bool = False,
+    x_bf16: bool = False, show_nonfinite: bool = False,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """(C V_M, ((V_N V_M^T) * C) X, row shifts); see the module docstring.
 
@@ -396,6 +425,8 @@ def rows_product(
     summed in the compute dtype from the tile the kernel reads anyway (no pass over y
     before the launch). y and vn may be half types (read into x's dtype, the compute
     dtype); outputs with N rows come in the dtype of the N-row input they belong to.
+    ``show_nonfinite``: row i of the first output is NaN where y_i holds a NaN or inf
+    (module docstring).
     """
     bh, n, d = y.shape
     m, r = x.shape[1], vm.shape[-1]
@@ -419,7 +450,8 @@ def rows_product(
         HAS_A=a is not None, HAS_B=b is not None, HAS_EXC=exclude is not None,
         WRITE_OUT1=write_out1, HAS_VN=vn is not None, SHIFT_ROWS=shift_rows,
         NORM_TERM=vn is not None and norm_coef is not None, ROW_NORM=norm_scale is not None,
-        X_BF16=x_bf16, BLOCK_N=bn, BLOCK_M=bm, BLOCK_D=bd, BLOCK_R=br,
+        X_BF16=x_bf16, SHOW_NONFINITE=show_nonfinite,
+        BLOCK_N=bn, BLOCK_M=bm, BLOCK_D=bd, BLOCK_R=br,
         PRECISION=_precision(x.dtype, y.dtype, y.device), FMA=x.dtype == torch.float64,
         num_warps=warps, num_stages=stages,
     )
@@ -446,11 +478,12 @@ def cols_product(
     y: Tensor, x: Tensor, a: Tensor | None, b: Tensor | None, vn: Tensor,
     vm: Tensor | None, exclude: Tensor | None, *, write_out1: bool = True,
     norm_scale: float | None = None, dot_scale: float = 1.0, b_scale: float = 1.0,
-    out2_scale: float = 1.0, x_bf16: bool = False,
+    out2_scale: float = 1.0, x_bf16: bool = False, show_nonfinite: bool = False,
 ) -> tuple[Tensor | None, Tensor | None]:
     """(C^T V_N, ``out2_scale`` ((V_N V_M^T) * C)^T Y); shapes, ``norm_scale``,
     ``dot_scale``, ``b_scale`` and ``x_bf16`` as ``rows_product`` (y and vn may be half types; the
-    outputs, m rows, are in x's dtype)."""
+    outputs, m rows, are in x's dtype). ``show_nonfinite``: the whole first output is
+    NaN where a row of y or vn that a does not drop holds a NaN or inf."""
     bh, n, d = y.shape
     m, r = x.shape[1], vn.shape[-1]
     bd, br = tile_width(d), tile_width(r)
@@ -471,7 +504,8 @@ def cols_product(
         float(out2_scale),
         HAS_A=a is not None, HAS_B=b is not None, HAS_EXC=exclude is not None,
         WRITE_OUT1=write_out1, HAS_VM=vm is not None, ROW_NORM=norm_scale is not None,
-        X_BF16=x_bf16, BLOCK_N=bn, BLOCK_M=bm, BLOCK_D=bd, BLOCK_R=br,
+        X_BF16=x_bf16, SHOW_NONFINITE=show_nonfinite,
+        BLOCK_N=bn, BLOCK_M=bm, BLOCK_D=bd, BLOCK_R=br,
         PRECISION=_precision(x.dtype, y.dtype, y.device), FMA=x.dtype == torch.float64,
         num_warps=warps, num_stages=stages,
     )

@@ -37,13 +37,14 @@ def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
 def rows_product(y: Tensor, x: Tensor, a: Tensor, b: Tensor, vm: Tensor, vn: Tensor,
                  exclude: Tensor, write_out1: bool, shift_rows: bool, out2_scale: float,
                  norm_coef: float | None, norm_scale: float | None, dot_scale: float,
-                 b_scale: float, x_bf16: bool, auto: bool) -> tuple[Tensor, Tensor, Tensor]:
+                 b_scale: float, x_bf16: bool, show_nonfinite: bool, auto: bool
+                 ) -> tuple[Tensor, Tensor, Tensor]:
     """``triton_kernels.rows_product``; absent outputs are empty tensors; ``auto``: by
     PyTorch operations where the kernel fails (``PRODUCT_FALLBACK``)."""
     args = (y, x, _opt(a), _opt(b), vm, _opt(vn), _opt(exclude))
     options = {"write_out1": write_out1, "shift_rows": shift_rows, "out2_scale": out2_scale,
                "norm_coef": norm_coef, "norm_scale": norm_scale, "dot_scale": dot_scale,
-               "b_scale": b_scale, "x_bf16": x_bf16}
+               "b_scale": b_scale, "x_bf16": x_bf16, "show_nonfinite": show_nonfinite}
     out1, out2, shift = PRODUCT_FALLBACK.run(
         auto, lambda: triton_kernels.rows_product(*args, **options),
         lambda: product_fallback.rows_product(*args, **options), on=y)
@@ -52,7 +53,7 @@ def rows_product(y: Tensor, x: Tensor, a: Tensor, b: Tensor, vm: Tensor, vn: Ten
 
 @rows_product.register_fake
 def _(y, x, a, b, vm, vn, exclude, write_out1, shift_rows, out2_scale, norm_coef,
-      norm_scale, dot_scale, b_scale, x_bf16, auto):
+      norm_scale, dot_scale, b_scale, x_bf16, show_nonfinite, auto):
     bh, n, d = y.shape
     out1_dtype = vn.dtype if vn.numel() else y.dtype
     return (y.new_empty(bh, n, vm.shape[-1], dtype=out1_dtype) if write_out1
@@ -65,12 +66,13 @@ def _(y, x, a, b, vm, vn, exclude, write_out1, shift_rows, out2_scale, norm_coef
 def cols_product(y: Tensor, x: Tensor, a: Tensor, b: Tensor, vn: Tensor, vm: Tensor,
                  exclude: Tensor, write_out1: bool, norm_scale: float | None,
                  dot_scale: float, b_scale: float, out2_scale: float, x_bf16: bool,
-                 auto: bool) -> tuple[Tensor, Tensor]:
+                 show_nonfinite: bool, auto: bool) -> tuple[Tensor, Tensor]:
     """``triton_kernels.cols_product``; absent outputs are empty tensors; ``auto``: by
     PyTorch operations where the kernel fails (``PRODUCT_FALLBACK``)."""
     args = (y, x, _opt(a), _opt(b), vn, _opt(vm), _opt(exclude))
     options = {"write_out1": write_out1, "norm_scale": norm_scale, "dot_scale": dot_scale,
-               "b_scale": b_scale, "out2_scale": out2_scale, "x_bf16": x_bf16}
+               "b_scale": b_scale, "out2_scale": out2_scale, "x_bf16": x_bf16,
+               "show_nonfinite": show_nonfinite}
     out1, out2 = PRODUCT_FALLBACK.run(
         auto, lambda: triton_kernels.cols_product(*args, **options),
         lambda: product_fallback.cols_product(*args, **options), on=y)
@@ -79,7 +81,7 @@ def cols_product(y: Tensor, x: Tensor, a: Tensor, b: Tensor, vn: Tensor, vm: Ten
 
 @cols_product.register_fake
 def _(y, x, a, b, vn, vm, exclude, write_out1, norm_scale, dot_scale, b_scale,
-      out2_scale, x_bf16, auto):
+      out2_scale, x_bf16, show_nonfinite, auto):
     bh, _, d = y.shape
     m = x.shape[1]
     return (x.new_empty(bh, m, vn.shape[-1]) if write_out1 else x.new_empty(0),
@@ -109,10 +111,10 @@ def one_pass_product(y: Tensor, x: Tensor, a: Tensor, b: Tensor, vn: Tensor, vm:
     def two_kernels() -> tuple[Tensor, ...]:
         row1, row2, _ = rows_product(y, x, a, b, vm, vn if write_row2 else vn.new_empty(0),
                                      exclude, write_row1, False, row2_scale, norm_coef,
-                                     norm_scale, dot_scale, b_scale, x_bf16, auto)
+                                     norm_scale, dot_scale, b_scale, x_bf16, False, auto)
         col1, col2 = cols_product(y, x, a, b, vn, vm if write_col2 else vm.new_empty(0),
                                   exclude, write_col1, norm_scale, dot_scale, b_scale,
-                                  col2_scale, x_bf16, auto)
+                                  col2_scale, x_bf16, False, auto)
         return row1.to(vn.dtype), row2, col1, col2  # C V_M in V_N's dtype, as one pass
 
     return ONE_PASS_FALLBACK.run(True, one_pass, two_kernels, on=y)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .guard import show_nonfinite, zero_padding
+from .guard import marked_by_core, show_nonfinite, zero_padding
 
 
 def call_core(core: Callable[..., Tensor], q: Any, k: Any, v: Any, config: Any,
@@ -35,15 +35,23 @@ def call_core(core: Callable[..., Tensor], q: Any, k: Any, v: Any, config: Any,
     device_type = q.device.type
     owned = _library_method(core)
     causal = getattr(config, "causal", False) is True
-    if not torch.is_autocast_enabled(device_type):
-        return show_nonfinite(core(q, k, v, config, **kwargs), q, k, v, *masks, owned=owned,
-                              causal=causal)
-    dtype = torch.get_autocast_dtype(device_type)
-    q, k, v = (t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t
-               for t in (q, k, v))
-    with torch.autocast(device_type, enabled=False):
-        return show_nonfinite(core(q, k, v, config, **kwargs), q, k, v, *masks, owned=owned,
-                              causal=causal)
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        q, k, v = (t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t
+                   for t in (q, k, v))
+        with torch.autocast(device_type, enabled=False):
+            return _guarded(core, q, k, v, config, masks, owned, causal, kwargs)
+    return _guarded(core, q, k, v, config, masks, owned, causal, kwargs)
+
+
+def _guarded(core: Callable[..., Tensor], q: Tensor, k: Any, v: Any, config: Any,
+             masks: tuple, owned: bool, causal: bool, kwargs: dict) -> Tensor:
+    """``core``'s output with non-finite rows marked: by ``show_nonfinite``, or by the
+    core itself where it says it marks them in this call (``guard.marked_by_core``)."""
+    if marked_by_core(core, q, k, v, config):
+        return core(q, k, v, config, **kwargs)
+    return show_nonfinite(core(q, k, v, config, **kwargs), q, k, v, *masks, owned=owned,
+                          causal=causal)
 
 
 def _library_method(core: Callable[..., Tensor]) -> bool:

@@ -13,7 +13,11 @@
   it is (``show_nonfinite``).
 
 Both run at ``call_core``, the one path every call takes; they are elementwise and
-data-independent, so they compile, export and batch like the methods. Eager calls on
+data-independent, so they compile, export and batch like the methods. A method may
+make the marks itself where it reads q, k and v anyway (``marks_nonfinite_when``:
+Skyformer in its Triton kernels' tiles), for the calls it names; ``call_core`` then
+leaves out ``show_nonfinite``. The marks are idempotent (0 + 0, NaN + NaN), so a core
+called directly, outside ``call_core``, may make them as well. Eager calls on
 the CPU first ask whether q, k, v are finite at all (one min/max pass each, through
 which NaN and inf propagate) and skip the row-wise check when they are: in a decoding
 step over a long key/value cache that check cost ten times the attention itself.
@@ -21,6 +25,7 @@ step over a long key/value cache that check cost ten times the attention itself.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -99,6 +104,27 @@ def show_nonfinite(out: Any, q: Any, k: Any, v: Any, key_padding_mask: Any,
         return out
     flag = flag[..., None].to(out.dtype)
     return out.add_(flag) if owned and _writable(out, q, k, v) else out + flag
+
+
+def marks_nonfinite_when(predicate: Callable[[Any, Any, Any, Any], bool]
+                         ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator for a method's core that marks non-finite rows itself, as
+    ``show_nonfinite`` would, in the calls where ``predicate(q, k, v, config)`` holds
+    (a function of the call's form: shapes, dtypes, devices, options), with q, k, v
+    as the core receives them (after ``zero_padding``). The core evaluates the same
+    predicate; tests compare its rows with ``show_nonfinite``'s."""
+    def decorate(core: Callable[..., Any]) -> Callable[..., Any]:
+        core.marks_nonfinite = predicate  # type: ignore[attr-defined]
+        return core
+
+    return decorate
+
+
+def marked_by_core(core: Callable[..., Any], q: Any, k: Any, v: Any, config: Any) -> bool:
+    """Whether ``core`` marks non-finite rows itself in this call
+    (``marks_nonfinite_when``)."""
+    predicate = getattr(core, "marks_nonfinite", None)
+    return predicate is not None and bool(predicate(q, k, v, config))
 
 
 def _writable(out: Tensor, *inputs: Tensor) -> bool:
