@@ -184,21 +184,27 @@ def test_half_calls_with_row_norms_and_bfloat16_landmarks(one_pass, device, half
 
 
 @pytest.mark.parametrize("device", devices())
-def test_mixed_dtypes_give_the_value_gradient_in_its_dtype(one_pass, device):
+@pytest.mark.parametrize("backward", ["one pass", "two kernels", "rows kernel alone"])
+def test_mixed_dtypes_give_the_value_gradient_in_its_dtype(one_pass, device, backward):
     """C^T V with bfloat16 keys and float32 values, no key gradient: dV (the rows' C V_M)
-    in V's dtype, as the operator's fake shapes say, and as close to the float64 values
-    as dx (bf16x3 products; the two kernels round this dV to the keys' bfloat16)."""
+    in V's dtype, as the operators' fake shapes say, and as close to the float64 values
+    as dx (bf16x3 products), never rounded through the keys' bfloat16 on the way: from
+    the one pass, from the rows kernel beside the cols kernel (dx asked for, the one pass
+    off), and from the rows kernel alone (only V's gradient asked for)."""
     y, x, b, rhs = _data(40, 12, 16, 8, True, torch.float32, device, 4)
+    kernel_matmul_triton.ONE_PASS_BACKWARD = backward == "one pass"  # the fixture restores it
+    with_x = backward != "rows kernel alone"
 
     def grads(kernel, dtype, rows):
-        leaves = [t.to(dtype).requires_grad_(True) for t in (x, rhs)]
-        out = skyformer.linalg.gaussian_kernel_matmul(rows, leaves[0], leaves[1],
-                                                      b.to(dtype), scale=0.5,
-                                                      transpose=True, kernel=kernel)
+        leaves = [t.to(dtype).requires_grad_(True) for t in ((x, rhs) if with_x else (rhs,))]
+        out = skyformer.linalg.gaussian_kernel_matmul(
+            rows, leaves[0] if with_x else x.to(dtype), leaves[-1], b.to(dtype), scale=0.5,
+            transpose=True, kernel=kernel)
         return torch.autograd.grad(out.square().sum(), leaves)
 
     rows = y.to(torch.bfloat16)
-    dx, dv = grads("triton", torch.float32, rows)
-    assert "_one_pass_kernel" in one_pass and dv.dtype == torch.float32
-    for a, e in zip((dx, dv), grads("torch", torch.float64, rows.double()), strict=True):
+    got = grads("triton", torch.float32, rows)
+    assert ("_one_pass_kernel" in one_pass) == (backward == "one pass")
+    assert got[-1].dtype == torch.float32
+    for a, e in zip(got, grads("torch", torch.float64, rows.double()), strict=True):
         assert relative_error(a, e) < 3e-4

@@ -73,14 +73,16 @@ def _empty_to_none(t: Tensor) -> Tensor | None:
     return t if t.numel() else None
 
 
-def _rows(y, kx, a, b, vm, vn, exclude, norm_scale, *, auto, write_out1=True,
+def _rows(y, kx, a, b, vm, vn, exclude, norm_scale, *, auto, out1_dtype, write_out1=True,
           shift_rows=False, out2_scale=1.0, norm_coef=None, show_nonfinite=False):
     """``triton_ops.rows_product`` with ``None`` for absent tensors, x (``_KernelX``)
-    and b as the method holds them; ``auto``: ``PRODUCT_FALLBACK`` where it fails."""
+    and b as the method holds them, C V_M in ``out1_dtype``; ``auto``:
+    ``PRODUCT_FALLBACK`` where it fails."""
     out = _ops().rows_product(y, kx.x, _none_to_empty(a, kx.x), _none_to_empty(b, kx.x), vm,
                               _none_to_empty(vn, y), _none_to_empty(exclude, y),
-                              write_out1, shift_rows, out2_scale, norm_coef, norm_scale,
-                              kx.dot_scale * LOG2E, LOG2E, kx.bf16, show_nonfinite, auto)
+                              write_out1, out1_dtype, shift_rows, out2_scale, norm_coef,
+                              norm_scale, kx.dot_scale * LOG2E, LOG2E, kx.bf16,
+                              show_nonfinite, auto)
     return tuple(_empty_to_none(t) for t in out)
 
 
@@ -158,7 +160,8 @@ class TritonGaussianBlockProduct(torch.autograd.Function):
                            show_nonfinite=show_nonfinite)
         else:
             out, _, shift = _rows(y, kx, a, b, rhs, None, exclude, norm_scale, auto=auto,
-                                  shift_rows=shift_rows, show_nonfinite=show_nonfinite)
+                                  out1_dtype=y.dtype, shift_rows=shift_rows,
+                                  show_nonfinite=show_nonfinite)
             if shift is not None:
                 a = shift if a is None else a + shift
         return out, (x.new_empty(0) if a is None else a)
@@ -207,10 +210,11 @@ class TritonGaussianBlockProduct(torch.autograd.Function):
         c_vm, dy = None, None
         if need_y or rows_first:
             # dy = s dE x (x = c x_bf16 when the kernels read x_bf16); the row norm adds
-            # -s^2 (dE 1)_i y_i, summed in the kernel (no rounded copy of dE 1)
+            # -s^2 (dE 1)_i y_i, summed in the kernel (no rounded copy of dE 1). C V_M
+            # (dV = C g) in V_N's dtype, V's, whether or not V_N is read for dy
             c_vm, dy, _ = _rows(y, kx, a, b, vm, vn if need_y else None, exclude,
-                                _norm_scale(scale, row_norm), auto=auto, write_out1=rows_first,
-                                out2_scale=kx.dot_scale,
+                                _norm_scale(scale, row_norm), auto=auto, out1_dtype=vn.dtype,
+                                write_out1=rows_first, out2_scale=kx.dot_scale,
                                 norm_coef=row_norm_coef)
         c_vn, dx = None, None
         if need_x or cols_first:

@@ -51,16 +51,17 @@ def _exponents(y: Tensor, x: Tensor, a: Tensor | None, b: Tensor | None,
 def rows_product(
     y: Tensor, x: Tensor, a: Tensor | None, b: Tensor | None, vm: Tensor,
     vn: Tensor | None, exclude: Tensor | None, *,
-    write_out1: bool = True, shift_rows: bool = False,
-    out2_scale: float = 1.0, norm_coef: float | None = None,
+    write_out1: bool = True, out1_dtype: torch.dtype | None = None,
+    shift_rows: bool = False, out2_scale: float = 1.0, norm_coef: float | None = None,
     norm_scale: float | None = None, dot_scale: float = 1.0, b_scale: float = 1.0,
     x_bf16: bool = False, show_nonfinite: bool = False,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """``triton_kernels.rows_product``: (C V_M ``[BH, N, R]``, ((V_N V_M^T) * C) X
-    ``[BH, N, D]``, the row shifts ``[BH, N]``), None where not asked for."""
+    """``triton_kernels.rows_product``: (C V_M ``[BH, N, R]`` in ``out1_dtype``
+    (default y's), ((V_N V_M^T) * C) X ``[BH, N, D]``, the row shifts ``[BH, N]``), None
+    where not asked for."""
     bh, n, d = y.shape
-    out1 = y.new_empty(bh, n, vm.shape[-1], dtype=y.dtype if vn is None else vn.dtype) \
-        if write_out1 else None
+    out1 = y.new_empty(bh, n, vm.shape[-1],
+                       dtype=y.dtype if out1_dtype is None else out1_dtype) if write_out1 else None
     out2 = y.new_empty(bh, n, d) if vn is not None else None
     shift = x.new_empty(bh, n) if shift_rows else None
     for rows in _chunks(y, x.shape[1]):

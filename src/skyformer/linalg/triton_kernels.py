@@ -408,8 +408,8 @@ def _in_slices_of_matrices(product):
 def rows_product(
     y: Tensor, x: Tensor, a: Tensor | None, b: Tensor | None, vm: Tensor,
     vn: Tensor | None, exclude: Tensor | None, *,
-    write_out1: bool = True, shift_rows: bool = False,
-    out2_scale: float = 1.0, norm_coef: float | None = None,
+    write_out1: bool = True, out1_dtype: torch.dtype | None = None,
+    shift_rows: bool = False, out2_scale: float = 1.0, norm_coef: float | None = None,
     norm_scale: float | None = None, dot_scale: float = 1.0, b_scale: float = 1.0,
     x_bf16: bool = False, show_nonfinite: bool = False,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
@@ -424,7 +424,9 @@ def rows_product(
     precision). With ``norm_scale``, each row's offset also gets ``norm_scale |y_i|^2``,
     summed in the compute dtype from the tile the kernel reads anyway (no pass over y
     before the launch). y and vn may be half types (read into x's dtype, the compute
-    dtype); outputs with N rows come in the dtype of the N-row input they belong to.
+    dtype); the second output comes in y's dtype, the first in ``out1_dtype`` (default
+    y's), which the caller names: C Z in y's dtype, dV = C g in V's (V_N's dtype, also
+    where vn is not passed because dy is not asked for), stored once from the sums.
     ``show_nonfinite``: row i of the first output is NaN where y_i holds a NaN or inf
     (module docstring).
     """
@@ -432,7 +434,7 @@ def rows_product(
     m, r = x.shape[1], vm.shape[-1]
     bd, br = tile_width(d), tile_width(r)
     bn, bm, warps, stages = _row_tiles(bd, br, x.dtype)
-    out1 = y.new_empty(bh, n, r, dtype=y.dtype if vn is None else vn.dtype) \
+    out1 = y.new_empty(bh, n, r, dtype=y.dtype if out1_dtype is None else out1_dtype) \
         if write_out1 else None
     out2 = y.new_empty(bh, n, d, dtype=y.dtype) if vn is not None else None
     shift = x.new_empty(bh, n) if shift_rows else None

@@ -35,16 +35,19 @@ def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
 
 @custom_op("skyformer::gaussian_rows_product")
 def rows_product(y: Tensor, x: Tensor, a: Tensor, b: Tensor, vm: Tensor, vn: Tensor,
-                 exclude: Tensor, write_out1: bool, shift_rows: bool, out2_scale: float,
-                 norm_coef: float | None, norm_scale: float | None, dot_scale: float,
-                 b_scale: float, x_bf16: bool, show_nonfinite: bool, auto: bool
-                 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``triton_kernels.rows_product``; absent outputs are empty tensors; ``auto``: by
-    PyTorch operations where the kernel fails (``PRODUCT_FALLBACK``)."""
+                 exclude: Tensor, write_out1: bool, out1_dtype: torch.dtype, shift_rows: bool,
+                 out2_scale: float, norm_coef: float | None, norm_scale: float | None,
+                 dot_scale: float, b_scale: float, x_bf16: bool, show_nonfinite: bool,
+                 auto: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``triton_kernels.rows_product``, C V_M in ``out1_dtype`` (named by the caller: vn
+    is empty where dy is not asked for, and dV = C g is in V's dtype all the same);
+    absent outputs are empty tensors; ``auto``: by PyTorch operations where the kernel
+    fails (``PRODUCT_FALLBACK``)."""
     args = (y, x, _opt(a), _opt(b), vm, _opt(vn), _opt(exclude))
-    options = {"write_out1": write_out1, "shift_rows": shift_rows, "out2_scale": out2_scale,
-               "norm_coef": norm_coef, "norm_scale": norm_scale, "dot_scale": dot_scale,
-               "b_scale": b_scale, "x_bf16": x_bf16, "show_nonfinite": show_nonfinite}
+    options = {"write_out1": write_out1, "out1_dtype": out1_dtype, "shift_rows": shift_rows,
+               "out2_scale": out2_scale, "norm_coef": norm_coef, "norm_scale": norm_scale,
+               "dot_scale": dot_scale, "b_scale": b_scale, "x_bf16": x_bf16,
+               "show_nonfinite": show_nonfinite}
     out1, out2, shift = PRODUCT_FALLBACK.run(
         auto, lambda: triton_kernels.rows_product(*args, **options),
         lambda: product_fallback.rows_product(*args, **options), on=y)
@@ -52,10 +55,9 @@ def rows_product(y: Tensor, x: Tensor, a: Tensor, b: Tensor, vm: Tensor, vn: Ten
 
 
 @rows_product.register_fake
-def _(y, x, a, b, vm, vn, exclude, write_out1, shift_rows, out2_scale, norm_coef,
-      norm_scale, dot_scale, b_scale, x_bf16, show_nonfinite, auto):
+def _(y, x, a, b, vm, vn, exclude, write_out1, out1_dtype, shift_rows, out2_scale,
+      norm_coef, norm_scale, dot_scale, b_scale, x_bf16, show_nonfinite, auto):
     bh, n, d = y.shape
-    out1_dtype = vn.dtype if vn.numel() else y.dtype
     return (y.new_empty(bh, n, vm.shape[-1], dtype=out1_dtype) if write_out1
             else y.new_empty(0),
             y.new_empty(bh, n, d) if vn.numel() else y.new_empty(0),
@@ -110,12 +112,13 @@ def one_pass_product(y: Tensor, x: Tensor, a: Tensor, b: Tensor, vn: Tensor, vm:
 
     def two_kernels() -> tuple[Tensor, ...]:
         row1, row2, _ = rows_product(y, x, a, b, vm, vn if write_row2 else vn.new_empty(0),
-                                     exclude, write_row1, False, row2_scale, norm_coef,
-                                     norm_scale, dot_scale, b_scale, x_bf16, False, auto)
+                                     exclude, write_row1, vn.dtype, False, row2_scale,
+                                     norm_coef, norm_scale, dot_scale, b_scale, x_bf16,
+                                     False, auto)
         col1, col2 = cols_product(y, x, a, b, vn, vm if write_col2 else vm.new_empty(0),
                                   exclude, write_col1, norm_scale, dot_scale, b_scale,
                                   col2_scale, x_bf16, False, auto)
-        return row1.to(vn.dtype), row2, col1, col2  # C V_M in V_N's dtype, as one pass
+        return row1, row2, col1, col2  # C V_M in V_N's dtype (vn.dtype), as one pass
 
     return ONE_PASS_FALLBACK.run(True, one_pass, two_kernels, on=y)
 
