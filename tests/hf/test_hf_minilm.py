@@ -270,6 +270,8 @@ def test_unknown_names_options_and_layers(model):
         shf.set_attention(model, "skyformer", layers=[6])
     with pytest.raises(ValueError, match="do not pass causal"):
         shf.set_attention(model, "softmax", causal=True)
+    with pytest.raises(ValueError, match="do not pass causal"):  # nor in a variant's name
+        shf.set_attention(model, "nystrom_softmax[causal=true]")
     with pytest.raises(ValueError, match="seed must be an integer"):
         shf.set_attention(model, "skyformer", seed="0")
     assert model.config._attn_implementation == "sdpa", "a failed call must change nothing"

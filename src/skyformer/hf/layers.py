@@ -215,7 +215,7 @@ def _check_module(spec: Method, module: nn.Module, index: int | None, cross: boo
     """Fail now, with a sentence, if ``spec`` cannot serve this module."""
     where = type(module).__name__ if index is None else f"layer {index} ({type(module).__name__})"
     caps = spec.capabilities
-    if "causal" in explicit:
+    if "causal" in explicit or "causal" in dict(spec.preset):  # keyword or variant name
         raise ValueError(
             f"{spec.name}: do not pass causal; causal masking follows the model (its masks "
             f"and is_causal flags)."
