@@ -16,7 +16,9 @@ took) of
   core run to Lemma 3's bound, 9 steps at m = 128, and differentiated as an inverse:
   two products backward instead of the steps' adjoints, ``linalg/implicit_inverse.py``),
   and ``+one-pass``: with the products' backward pass in one pass over the rows
-  (``linalg/triton_one_pass.py``, off by default),
+  (``linalg/triton_one_pass.py``, off by default), ``+guard``: with the non-finite
+  marks made by the guard's own passes instead of in the product kernels (as before
+  ``marks_in_products``; ``+guard+cudagraphs`` in a CUDA graph),
 - at the lengths in ``--compile-seq-lens``: Skyformer (Triton kernels) under
   ``torch.compile`` (Inductor fuses the small ops around the kernels) and under
   ``torch.compile(mode="reduce-overhead")`` (CUDA graphs replay the whole call; warm-up
@@ -63,9 +65,10 @@ from skyformer.io import write_json
 
 
 def _calls(q, k, v, grad, features, compiled, compile_kernels=("triton", "auto")):
-    def run(fn, in_graph=False, one_pass=False):
+    def run(fn, in_graph=False, one_pass=False, guard=False):
         def step():  # the gradients dropped after the call, so that the next call's peak
-            with one_pass_backward(one_pass):  # counts its own (as skyformer bench does)
+            # counts its own (as skyformer bench does)
+            with one_pass_backward(one_pass), guard_passes(guard):
                 fn().backward(grad)
             for t in (q, k, v):
                 t.grad = None
@@ -77,7 +80,7 @@ def _calls(q, k, v, grad, features, compiled, compile_kernels=("triton", "auto")
 
     key = skyformer.random_key(0, device=q.device)
 
-    def compiled_call(kernel, mode=None, gradient="unrolled", one_pass=False):
+    def compiled_call(kernel, mode=None, gradient="unrolled", one_pass=False, guard=False):
         # bound once, outside the compiled region; "auto" under torch.compile: the Triton
         # products and the PyTorch core (Inductor fuses it), "triton": the fused core too
         bound = skyformer.get_method("skyformer").bind(num_features=features, kernel=kernel,
@@ -87,7 +90,8 @@ def _calls(q, k, v, grad, features, compiled, compile_kernels=("triton", "auto")
             return bound(q, k, v, generator=key)
 
         call = torch.compile(sky, fullgraph=True, dynamic=False, mode=mode)
-        return run(lambda: call(q, k, v), in_graph=mode is not None, one_pass=one_pass)
+        return run(lambda: call(q, k, v), in_graph=mode is not None, one_pass=one_pass,
+                   guard=guard)
 
     extra = {}
     for kernel in compile_kernels if compiled else ():
@@ -98,6 +102,8 @@ def _calls(q, k, v, grad, features, compiled, compile_kernels=("triton", "auto")
             "triton", "reduce-overhead", "implicit")
         extra["skyformer/triton+implicit+one-pass+cudagraphs"] = compiled_call(
             "triton", "reduce-overhead", "implicit", one_pass=True)
+        extra["skyformer/triton+implicit+guard+cudagraphs"] = compiled_call(
+            "triton", "reduce-overhead", "implicit", guard=True)
 
     def tf32():
         before = torch.get_float32_matmul_precision()
@@ -121,6 +127,9 @@ def _calls(q, k, v, grad, features, compiled, compile_kernels=("triton", "auto")
         "skyformer/triton+implicit+one-pass": run(lambda: skyformer.attention(
             q, k, v, "skyformer", num_features=features, kernel="triton",
             pinv_gradient="implicit", generator=key), one_pass=True),
+        "skyformer/triton+implicit+guard": run(lambda: skyformer.attention(
+            q, k, v, "skyformer", num_features=features, kernel="triton",
+            pinv_gradient="implicit", generator=key), guard=True),
         "kernelized/torch": run(lambda: skyformer.attention(q, k, v, "kernelized",
                                                             kernel="torch")),
         "kernelized/triton": run(lambda: skyformer.attention(q, k, v, "kernelized",
@@ -223,6 +232,29 @@ class one_pass_backward:
 
     def __exit__(self, *exc):
         self.module.ONE_PASS_BACKWARD = self.before
+
+
+class guard_passes:
+    """Inside (``on``): Skyformer's calls leave the non-finite marks to the guard's own
+    passes over q, k, v and the output (``registry/guard.py``), as before the product
+    kernels made them (``marks_in_products``); for an A/B in one run."""
+
+    def __init__(self, on: bool):
+        from skyformer.ops.skyformer import skyformer as module
+        from skyformer.registry import autocast
+
+        self.on, self.patches = on, ((autocast, "marked_by_core"),
+                                     (module, "marks_in_products"))
+
+    def __enter__(self):
+        self.before = [getattr(owner, name) for owner, name in self.patches]
+        if self.on:
+            for owner, name in self.patches:
+                setattr(owner, name, lambda *_: False)
+
+    def __exit__(self, *exc):
+        for (owner, name), value in zip(self.patches, self.before, strict=True):
+            setattr(owner, name, value)
 
 
 def _fallbacks() -> list[str]:

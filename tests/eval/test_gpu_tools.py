@@ -102,7 +102,7 @@ def test_kernel_benchmark_runs_on_the_cpu_under_the_interpreter(tmp_path):
     assert [row["call"] for row in result["rows"]] == [
         "sdpa", "skyformer/torch", "skyformer/triton", "skyformer/triton+tf32",
         "skyformer/triton+implicit", "skyformer/triton+implicit+one-pass",
-        "kernelized/torch", "kernelized/triton"]
+        "skyformer/triton+implicit+guard", "kernelized/torch", "kernelized/triton"]
     assert all(row["ms"] > 0 and row["peak_mib"] is None for row in result["rows"])
     assert {(row["shape"], row["call"]) for row in result["core"]} == {
         (f"1,1,m={m}", f"core/{kernel}/{mode}") for m in (8, 64)
@@ -114,8 +114,42 @@ def test_kernel_benchmark_runs_on_the_cpu_under_the_interpreter(tmp_path):
         "--calls", "skyformer/triton+implicit*", "--no-core", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert [row["call"] for row in result["rows"]] == [
-        "sdpa", "skyformer/triton+implicit", "skyformer/triton+implicit+one-pass"]
+        "sdpa", "skyformer/triton+implicit", "skyformer/triton+implicit+one-pass",
+        "skyformer/triton+implicit+guard"]
     assert result["core"] == []
+
+
+@needs_interpreter
+def test_the_guard_rows_leave_the_marks_to_the_guards_passes():
+    """``+guard``: the guard runs and the product kernels do not mark (the A/B of the
+    marks made in the kernels); outside, the kernels mark and the guard does not run."""
+    from unittest import mock
+
+    from skyformer.linalg import triton_kernels
+    from skyformer.registry import autocast, guard
+
+    gpu_kernels = _load("gpu_kernels")
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    seen = []
+
+    def recorded(launch):
+        def run(*args, **options):
+            seen.append(options.get("show_nonfinite", False))
+            return launch(*args, **options)
+        return run
+
+    calls = []
+    for on in (False, True, False):
+        seen.clear()
+        with mock.patch.object(autocast, "show_nonfinite", wraps=guard.show_nonfinite) as shown, \
+                mock.patch.object(triton_kernels, "rows_product",
+                                  recorded(triton_kernels.rows_product)), \
+                gpu_kernels.guard_passes(on):
+            import skyformer
+            skyformer.attention(q, k, v, "skyformer", num_features=8, kernel="triton",
+                                generator=skyformer.random_key(0))
+        calls.append((shown.call_count, list(seen)))
+    assert calls == [(0, [True]), (1, [False]), (0, [True])]
 
 
 def test_the_kernel_benchmark_names_a_kernel_that_fell_back(monkeypatch):
