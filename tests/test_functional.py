@@ -38,6 +38,18 @@ def test_attn_mask_broadcasts_like_sdpa(shape, kind):
     assert out.shape == expected.shape and torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("method", ["softmax", "skyformer"])
+@pytest.mark.parametrize("shape", [(2, 7), (3, 1, 1, 7), (2, 3, 10, 8), (1, 2, 3, 10, 7)])
+def test_a_mask_that_does_not_broadcast_is_named_as_given(method, shape):
+    """[B, S] is transformers' padding form, not SDPA's: SDPA reads a 2-D mask as [L, S];
+    the sentence names the shape passed, not the 4-D view the methods see."""
+    q, k, v = make_qkv(2, 3, 10, 8, nk=7)
+    with pytest.raises(ValueError, match=rf"attn_mask has shape \({', '.join(map(str, shape))}\),"
+                                         r" which does not broadcast to the attention's "
+                                         r"\[B, H, L, S\] = \[2, 3, 10, 7\]"):
+        sdpa(q, k, v, torch.ones(shape, dtype=torch.bool), method=method)
+
+
 def test_kernelized_bool_mask_equals_gathered_keys():
     q, k, v = make_qkv(1, 2, 6, 4, nk=9)
     mask = torch.zeros(9, dtype=torch.bool)

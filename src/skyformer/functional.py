@@ -88,6 +88,7 @@ def scaled_dot_product_attention(
     options = _sdpa_options(spec, options, is_causal, scale, query.shape[-1])
     arguments: dict[str, Any] = {}
     if attn_mask is not None:
+        _check_mask_shape(attn_mask, query, key)
         # SDPA broadcasts a mask from the right: [S] and [L, S] are one mask for every
         # batch and head, [H, L, S] one for every batch (resolve_mask would read a 2-D
         # mask as transformers' [B, S])
@@ -157,6 +158,21 @@ def _sdpa_options(spec: Method, options: dict[str, Any], is_causal: bool,
             )
         options["scale"] = scale
     return options
+
+
+def _check_mask_shape(attn_mask: Tensor, query: Tensor, key: Tensor) -> None:
+    """``attn_mask`` broadcasts to [B, H, L, S], as SDPA requires, or a sentence that
+    names the shape as given (not as the methods later see it)."""
+    target = (*query.shape[:3], key.shape[-2])
+    try:
+        fits = attn_mask.dim() <= 4 and torch.broadcast_shapes(attn_mask.shape, target) == target
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"attn_mask has shape {tuple(attn_mask.shape)}, which does not broadcast to the "
+            f"attention's [B, H, L, S] = {list(target)}; as in scaled_dot_product_attention "
+            f"it is e.g. [L, S], [B, 1, L, S], or [B, 1, 1, S] for padded keys.")
 
 
 def _as_padding(spec: Method, attn_mask: Tensor, key_padding_mask: Tensor | None,

@@ -90,6 +90,14 @@ def test_config_errors():
     assert main(["hf-eval", "--methods", "nope", "--out", "/nonexistent/x"]) == 2
 
 
+def test_layers_the_model_lacks_stop_the_run_before_any_row(tmp_path, capsys):
+    out = tmp_path / "hf"
+    assert main(["hf-eval", "--layers", "7", "--methods", "skyformer", "--max-texts", "2",
+                 "--no-memory", "--settings", "long", "--out", str(out)]) == 2
+    assert "layers must be layer numbers of this model (0..5), got 7" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_hf_eval_end_to_end(tmp_path, capsys):
     out = tmp_path / "hf"
     code = main([

@@ -32,6 +32,12 @@ def test_a_draw_depends_only_on_the_key_and_its_index():
     assert torch.equal(random_key(key), key) and torch.equal(random_key(5), random_key(5))
 
 
+@pytest.mark.parametrize("source", ["abc", 1.5, True])
+def test_a_key_from_anything_else_is_refused_in_a_sentence(source):
+    with pytest.raises(TypeError, match=r"random_key takes a torch\.Generator, an int seed"):
+        random_key(source)
+
+
 def test_streams_and_folded_keys_are_independent():
     key = random_key(gen(0))
     a, b = uniform(stream(key, "a"), (20000,)), uniform(stream(key, "b"), (20000,))

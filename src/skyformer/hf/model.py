@@ -80,6 +80,11 @@ def _select(model: nn.Module, layers: Iterable[int] | None) -> tuple[list, set[i
     return modules, chosen
 
 
+def check_layers(model: nn.Module, layers: Iterable[int] | int | None) -> None:
+    """Raise ``set_attention``'s sentence for layer numbers ``model`` does not have."""
+    _select(model, layers)
+
+
 def set_attention(
     model: nn.Module,
     method: str,

@@ -54,6 +54,9 @@ def random_key(source: torch.Generator | Tensor | int | None = None,
         lo, hi = torch.tensor(source & _MASK), torch.tensor((source >> 32) & _MASK)
         return fold_in(torch.stack([_mix(lo ^ 0x5BD1E995), _mix(hi ^ 0x27D4EB2F)]), lo
                        ).to(device)
+    if source is not None and not isinstance(source, torch.Generator):
+        raise TypeError(f"random_key takes a torch.Generator, an int seed, a key tensor or "
+                        f"None, got {type(source).__name__} {source!r}.")
     return torch.randint(0, 2**31, (2,), generator=source, device=device, dtype=torch.long)
 
 

@@ -296,6 +296,7 @@ def evaluate(config: HFEvalConfig = HFEvalConfig(),
              progress: Callable[[str], None] | None = None) -> HFEvalResult:
     """Run the evaluation; rows are in (setting, method, features) order."""
     from ...hf import restore_exact, set_attention
+    from ...hf.model import check_layers
 
     config.validate()
     text = read_text(config.text)
@@ -303,6 +304,7 @@ def evaluate(config: HFEvalConfig = HFEvalConfig(),
     device = check_device(config.device)
     model.to(device)
     layers = list(config.layers) if config.layers is not None else None
+    check_layers(model, layers)  # before any work, not as a row per configuration
     rows: list[dict[str, Any]] = []
     described: dict[str, dict[str, Any]] = {}
     for setting in config.settings:
