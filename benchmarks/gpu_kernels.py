@@ -58,6 +58,7 @@ import torch
 import torch.nn.functional as F
 import tuned  # benchmarks/, beside this script
 from gpu_device import device_problem  # benchmarks/, beside this script
+from launch_counts import guard_passes  # benchmarks/, beside this script
 
 import skyformer
 from skyformer.eval.measure.timing import interleaved_median_seconds
@@ -232,29 +233,6 @@ class one_pass_backward:
 
     def __exit__(self, *exc):
         self.module.ONE_PASS_BACKWARD = self.before
-
-
-class guard_passes:
-    """Inside (``on``): Skyformer's calls leave the non-finite marks to the guard's own
-    passes over q, k, v and the output (``registry/guard.py``), as before the product
-    kernels made them (``marks_in_products``); for an A/B in one run."""
-
-    def __init__(self, on: bool):
-        from skyformer.ops.skyformer import skyformer as module
-        from skyformer.registry import autocast
-
-        self.on, self.patches = on, ((autocast, "marked_by_core"),
-                                     (module, "marks_in_products"))
-
-    def __enter__(self):
-        self.before = [getattr(owner, name) for owner, name in self.patches]
-        if self.on:
-            for owner, name in self.patches:
-                setattr(owner, name, lambda *_: False)
-
-    def __exit__(self, *exc):
-        for (owner, name), value in zip(self.patches, self.before, strict=True):
-            setattr(owner, name, value)
 
 
 def _fallbacks() -> list[str]:

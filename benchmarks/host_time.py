@@ -12,10 +12,12 @@ interleaved, so their ratios hold on a loaded machine. ``--profile N`` lists the
 functions with the most cumulative time (cProfile, which slows Python-heavy paths).
 ``--through-pytorch`` adds each method with its autograd Functions and custom
 operators called through PyTorch's Python layers (``linalg.eager_calls``), in the same
-interleaved run.
+interleaved run; ``--guard-passes`` adds Skyformer with the non-finite marks made by
+the guard's own passes instead of in its product kernels (``launch_counts.guard_passes``).
 
     python benchmarks/host_time.py [--methods skyformer kernelized] [--calls 300]
-                                   [--profile 30] [--through-pytorch] [--out FILE.md]
+                                   [--profile 30] [--through-pytorch] [--guard-passes]
+                                   [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from collections.abc import Callable, Iterator
 from unittest import mock
 
 import torch
-from launch_counts import as_on_cuda  # benchmarks/, beside this script
+from launch_counts import as_on_cuda, guard_passes  # benchmarks/, beside this script
 
 import skyformer
 from skyformer.eval.measure.timing import interleaved_seconds
@@ -73,17 +75,18 @@ def stubbed_launches() -> Iterator[int]:
 
 
 def call_of(method: str, b: int, h: int, n: int, d: int, m: int, through: bool = False, *,
-            device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
-            ) -> Callable[[], None]:
+            device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+            guard: bool = False) -> Callable[[], None]:
     """One eager forward + backward of ``method`` on the Triton path (``through``:
-    ``eager_calls.through_pytorch``), on inputs of ``device`` and ``dtype``."""
+    ``eager_calls.through_pytorch``; ``guard``: ``guard_passes``), on inputs of
+    ``device`` and ``dtype``."""
     q, k, v = (torch.randn(b, h, n, d, device=device, dtype=dtype, requires_grad=True)
                for _ in range(3))
     key = skyformer.random_key(0)  # made once by the caller, as a training loop would
     options = {} if method == "kernelized" else {"num_features": m, "generator": key}
 
     def call() -> None:
-        with through_pytorch() if through else contextlib.nullcontext():
+        with through_pytorch() if through else contextlib.nullcontext(), guard_passes(guard):
             out = skyformer.attention(q, k, v, method, kernel="triton", **options)
             out.sum().backward()
 
@@ -109,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--profile", type=int, default=0, metavar="N")
     parser.add_argument("--through-pytorch", action="store_true")
+    parser.add_argument("--guard-passes", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     b, h, n, d = map(int, args.shape.split(","))
@@ -120,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
             calls.update({f"{method}, through PyTorch": call_of(method, b, h, n, d,
                                                                 args.features, through=True)
                           for method in args.methods})
+        if args.guard_passes and "skyformer" in args.methods:
+            calls["skyformer, guard's passes"] = call_of("skyformer", b, h, n, d,
+                                                         args.features, guard=True)
         times = interleaved_seconds(calls, warmup=10, repeats=args.calls)
         profiles = {method: profile(call, args.profile)
                      for method, call in calls.items()} if args.profile else {}

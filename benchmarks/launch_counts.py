@@ -23,6 +23,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported
 
 import argparse
 import collections
+import importlib
 import sys
 from unittest import mock
 
@@ -57,6 +58,29 @@ def as_on_cuda():
     """A context in which the non-finite check runs as a CUDA call runs it (an eager
     CPU call first asks whether the inputs are finite at all and skips it)."""
     return mock.patch.object(guard, "may_read_values", lambda *_: False)
+
+
+class guard_passes:
+    """Inside (``on``): Skyformer's calls leave the non-finite marks to the guard's own
+    passes over q, k, v and the output (``registry/guard.py``), as before the product
+    kernels made them (``marks_in_products``); for an A/B in one run."""
+
+    def __init__(self, on: bool):
+        from skyformer.registry import autocast
+
+        module = importlib.import_module("skyformer.ops.skyformer.skyformer")
+        self.on, self.patches = on, ((autocast, "marked_by_core"),
+                                     (module, "marks_in_products"))
+
+    def __enter__(self):
+        self.before = [getattr(owner, name) for owner, name in self.patches]
+        if self.on:
+            for owner, name in self.patches:
+                setattr(owner, name, lambda *_: False)
+
+    def __exit__(self, *exc):
+        for (owner, name), value in zip(self.patches, self.before, strict=True):
+            setattr(owner, name, value)
 
 
 def count(method: str, b: int, h: int, n: int, d: int, m: int) -> int:
