@@ -102,6 +102,17 @@ def check_equal(rank: int, world: int, lengths: list[int], mask: torch.Tensor | 
                                           **options)
         (out * g[:, :, mine]).sum().backward()
         torch.testing.assert_close(out, ref[:, :, mine], **TOL, msg=f"{method} output")
+        if mask is not None and not mask.all():  # padding never matters (every rank calls)
+            clean = [t[:, :, mine].clone() for t in (q, k, v)]
+            dirty = [t.clone() for t in clean]
+            for t, bad in zip(dirty, (float("nan"), float("inf"), float("nan")), strict=True):
+                t.masked_fill_(~local_mask[:, None, :, None], bad)
+            with torch.no_grad():
+                got, want = (sequence_parallel_attention(
+                    *inputs_, method, key_padding_mask=local_mask,
+                    generator=torch.Generator().manual_seed(7), **options)
+                    for inputs_ in (dirty, clean))
+            assert torch.equal(got, want), f"{method} with garbage in padded rows"
         for name, a, b in zip("qkv", part, full, strict=True):
             torch.testing.assert_close(a.grad, b.grad[:, :, mine], **TOL,
                                        msg=f"{method} gradient of {name}")

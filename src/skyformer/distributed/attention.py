@@ -18,6 +18,7 @@ from ..ops.shared.inputs import (
     resolve_key,
 )
 from ..registry import BoundMethod, get_method
+from ..registry.guard import zero_padding
 from .forms import form_of
 from .layout import agree_layout, resolve_group
 from .reduction import GroupReduction
@@ -93,5 +94,7 @@ def run_sequence_parallel(
     layout = agree_layout(caller, q, v, None if info is None else info.key_valid, key, error,
                           group)
     assert info is not None
+    # padded rows never matter, whatever they hold (registry/guard.py), as in every call
+    q, k, v = zero_padding(q, k, v, key_padding_mask, "auto")
     return form.run(q, k, v, bound.config, info, layout, GroupReduction(group),
                     **state_arguments)
