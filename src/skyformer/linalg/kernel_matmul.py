@@ -283,7 +283,8 @@ def gaussian_kernel_matmul(
             rows are read (``linalg/nonfinite.py``; in the Triton kernels' tiles, no pass
             of its own): ``C @ rhs``: row i of the result is NaN where y_i holds a NaN
             or inf; ``C^T @ rhs``: the whole result is NaN where a row of y or rhs that
-            ``row_valid`` keeps holds one. A constant to the gradients.
+            ``row_valid`` keeps holds one. Not differentiated (finite inputs: the same
+            gradients); a marked ``C^T @ rhs`` is what its backward pass reads.
     Returns:
         ``[..., N, R]`` (``C @ rhs``) or ``[..., m, R]`` (``C^T @ rhs``), R + 1 columns
         with ``ones_column``; differentiable in

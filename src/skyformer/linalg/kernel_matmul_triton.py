@@ -139,7 +139,8 @@ class TritonGaussianBlockProduct(torch.autograd.Function):
     (``_KernelX``; not differentiated: x is); ``auto``: kernels that fail, forward or
     backward, give way to PyTorch operations (``PRODUCT_FALLBACK``);
     ``show_nonfinite``: the forward kernels mark non-finite rows in ``out``
-    (``triton_kernels``), a constant to the backward pass, as the guard's marks are."""
+    (``triton_kernels``), not differentiated (C^T V's backward reads its marked
+    output)."""
 
     @staticmethod
     def forward(y: Tensor, x: Tensor, b: Tensor | None, rhs: Tensor,  # type: ignore[override]
