@@ -76,3 +76,10 @@ def test_module_entry_point_runs():
         [sys.executable, "-m", "skyformer", "list"], capture_output=True, text=True, env=env
     )
     assert proc.returncode == 0 and "skyformer:" in proc.stdout
+
+
+def test_version_flag(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out.strip() == f"skyformer {skyformer.__version__}"

@@ -27,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Efficient attention for long sequences: Skyformer and the methods it is "
         "compared with.",
     )
+    from .. import __version__
+
+    parser.add_argument("--version", action="version", version=f"skyformer {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in SUBCOMMANDS:
         p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
