@@ -113,6 +113,23 @@ def check_equal(rank: int, world: int, lengths: list[int], mask: torch.Tensor | 
                     generator=torch.Generator().manual_seed(7), **options)
                     for inputs_ in (dirty, clean))
             assert torch.equal(got, want), f"{method} with garbage in padded rows"
+        # a non-finite value in a real row of one shard marks the rows it reaches on every
+        # rank, as one process's guard does (here an inf value: (0, head 1), every row)
+        bad = [t.clone() for t in (q, k, v)]
+        bad[2][0, 1, 0 if mask is None else int(mask[0].nonzero()[0]), 0] = float("inf")
+        with torch.no_grad():
+            want = skyformer.attention(*bad, method, key_padding_mask=mask,
+                                       generator=torch.Generator().manual_seed(7), **options)
+            got = sequence_parallel_attention(*(t[:, :, mine] for t in bad), method,
+                                              key_padding_mask=local_mask,
+                                              generator=torch.Generator().manual_seed(7),
+                                              **options)
+        marked = want[:, :, mine].isnan()
+        assert torch.equal(got.isnan(), marked), f"{method}: marked rows"
+        rows = marked[0, 1].all(-1)  # every real row of (0, head 1), no padded one
+        assert torch.equal(rows, torch.ones_like(rows) if mask is None else local_mask[0])
+        torch.testing.assert_close(got[~marked], want[:, :, mine][~marked], **TOL,
+                                   msg=f"{method} beside the marked rows")
         for name, a, b in zip("qkv", part, full, strict=True):
             torch.testing.assert_close(a.grad, b.grad[:, :, mine], **TOL,
                                        msg=f"{method} gradient of {name}")

@@ -18,7 +18,8 @@ from ..ops.shared.inputs import (
     resolve_key,
 )
 from ..registry import BoundMethod, get_method
-from ..registry.guard import zero_padding
+from ..registry.guard import show_nonfinite, zero_padding
+from .collectives import all_reduce_sum
 from .forms import form_of
 from .layout import agree_layout, resolve_group
 from .reduction import GroupReduction
@@ -94,7 +95,10 @@ def run_sequence_parallel(
     layout = agree_layout(caller, q, v, None if info is None else info.key_valid, key, error,
                           group)
     assert info is not None
-    # padded rows never matter, whatever they hold (registry/guard.py), as in every call
+    # padded rows never matter, whatever they hold, and non-finite real inputs mark the
+    # rows they reach on every process (registry/guard.py), as in every call
     q, k, v = zero_padding(q, k, v, key_padding_mask, "auto")
-    return form.run(q, k, v, bound.config, info, layout, GroupReduction(group),
-                    **state_arguments)
+    reduction = GroupReduction(group)
+    out = form.run(q, k, v, bound.config, info, layout, reduction, **state_arguments)
+    return show_nonfinite(out, q, k, v, key_padding_mask, "auto",
+                          key_sums=lambda sums: all_reduce_sum(sums.detach(), group))
