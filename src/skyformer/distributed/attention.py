@@ -19,7 +19,6 @@ from ..ops.shared.inputs import (
 )
 from ..registry import BoundMethod, get_method
 from ..registry.guard import show_nonfinite, zero_padding
-from .collectives import all_reduce_sum
 from .forms import form_of
 from .layout import agree_layout, resolve_group
 from .reduction import GroupReduction
@@ -100,5 +99,4 @@ def run_sequence_parallel(
     q, k, v = zero_padding(q, k, v, key_padding_mask, "auto")
     reduction = GroupReduction(group)
     out = form.run(q, k, v, bound.config, info, layout, reduction, **state_arguments)
-    return show_nonfinite(out, q, k, v, key_padding_mask, "auto",
-                          key_sums=lambda sums: all_reduce_sum(sums.detach(), group))
+    return show_nonfinite(out, q, k, v, key_padding_mask, "auto", key_sums=reduction.sum)

@@ -257,8 +257,6 @@ def _cols_kernel(
         if HAS_A:
             a = tl.load(A + bh * N + rn, mask=row_in, other=float("inf"))
             e = e - a[None, :]
-        else:
-            a = tl.zeros([BLOCK_N], dtype=x.dtype)
         if ROW_NORM or SHOW_NONFINITE:
             squares = tl.sum(y * y, axis=1)
         if ROW_NORM:
@@ -273,7 +271,9 @@ def _cols_kernel(
                      mask=row_in[:, None] & (rr < R)[None, :], other=0.0).to(x.dtype)
         if SHOW_NONFINITE:  # the slice's marks, added to every entry of C^T V_N
             mark = (squares + tl.sum(vn, axis=1)) * 0.0
-            marks += tl.sum(tl.where(a == float("inf"), 0.0, mark), axis=0)
+            if HAS_A:  # rows a drops carry none
+                mark = tl.where(a == float("inf"), 0.0, mark)
+            marks += tl.sum(mark, axis=0)
         if WRITE_OUT1:
             acc1 += _mm(ct.to(vn.dtype), vn, PRECISION, FMA, False, VN_BF16)
         if HAS_VM:

@@ -12,7 +12,8 @@
   detached flag that is 0 or NaN, so a marked row's gradient passes to the method as
   it is (``show_nonfinite``).
 
-Both run at ``call_core``, the one path every call takes; they are elementwise and
+Both run at ``call_core``, the one path every call takes (and after the method in the
+sequence-parallel calls, ``distributed/attention.py``); they are elementwise and
 data-independent, so they compile, export and batch like the methods. A method may
 make the marks itself where it reads q, k and v anyway (``marks_nonfinite_when``:
 Skyformer in its Triton kernels' tiles), for the calls it names; ``call_core`` then
