@@ -157,19 +157,22 @@ def test_landmarks_half_from_queries_half_from_keys_and_only_valid_rows():
 
 def test_an_unpadded_call_leaves_out_the_dead_slot_masks():
     # without padding every landmark slot is filled (no slot needs masking): the call
-    # dispatches no where(), and gives what the masks would have given, bit for bit
+    # neither computes the masks (lt) nor applies them (where), and gives what the masks
+    # would have given, bit for bit
     q, k, v = make_qkv(2, 2, 24, 8)
     names = Recorder(lambda func, args, out: func.overloadpacket.__name__)
     with names:
         out = skyformer_attention(q, k, v, generator=gen(0), num_features=30)
-    assert "where" not in names.items
+    assert "where" not in names.items and "lt" not in names.items
     assert landmarks_for(q, k, v, None, 30, 0).every_slot_live
     assert not landmarks_for(q, k, v, torch.ones(2, 24, dtype=torch.bool), 30, 0
                              ).every_slot_live
     draw = modified_nystrom.uniform_landmarks
 
     def masked_draw(*args, **kwargs):
-        return dataclasses.replace(draw(*args, **kwargs), every_slot_live=False)
+        drawn = draw(*args, **kwargs)
+        return dataclasses.replace(drawn, query_live_mask=drawn.query_live,
+                                   key_live_mask=drawn.key_live)
 
     with mock.patch.object(modified_nystrom, "uniform_landmarks", masked_draw), names:
         names.items.clear()

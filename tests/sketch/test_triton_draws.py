@@ -7,6 +7,8 @@ with ``SKYFORMER_TEST_CUDA=1``.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ from skyformer.ops.shared.causal_nystrom import slot_ranks
 from skyformer.sketch import landmarks as lm
 from skyformer.sketch.rng import random_key
 from tests.devices import devices, needs_interpreter
+from tests.dispatch import Recorder
 
 pytest.importorskip("triton")
 
@@ -68,6 +71,75 @@ def test_landmarks_are_the_same_whichever_path_draws_them(device):
     got = lm.uniform_landmarks(64, **options, draw="triton")
     for name in ("query_index", "query_live", "key_index", "key_live"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("key", KEYS, ids=["drawn", "edge", "wide"])
+@pytest.mark.parametrize("n", [1, 37, 1500])
+def test_paired_selection_keys_are_both_streams_keys(device, key, n):
+    from skyformer.sketch import triton_draws
+
+    key = key.to(device)
+    got = triton_draws.paired_selection_keys(key, (lm.QUERY_STREAM, lm.KEY_STREAM), 3, n)
+    want = [lm.stream_selection_keys(key, name, None, 3, n, draw="torch")
+            for name in (lm.QUERY_STREAM, lm.KEY_STREAM)]
+    assert torch.equal(got, torch.cat(want))
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize(("m", "n"), [(64, 300), (63, 300), (1, 300), (9, 4), (600, 300)])
+def test_an_unpadded_call_draws_both_sides_in_one_launch_and_one_top_k(device, m, n):
+    """Queries and keys of one length without padding: one draw of both streams and one
+    top-k (the key side's landmarks lead the query side's sorted row), the landmarks of
+    two draws."""
+    from skyformer.sketch import triton_draws
+
+    options = {"batch": 2, "query_len": n, "key_len": n, "query_valid": None,
+               "key_valid": None, "device": torch.device(device),
+               "generator": KEYS[0].to(device)}
+    want = lm.uniform_landmarks(m, **options, draw="torch")
+    paired = mock.Mock(wraps=triton_draws.paired_selection_keys)
+    top_k = mock.Mock(wraps=lm.smallest_keys)
+    with mock.patch.object(triton_draws, "paired_selection_keys", paired), \
+            mock.patch.object(lm, "smallest_keys", top_k):
+        got = lm.uniform_landmarks(m, **options, draw="triton")
+    assert paired.call_count == 1 and top_k.call_count == 1 and got.every_slot_live
+    for name in ("query_index", "query_live", "key_index", "key_live"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert got.query_index.shape == (2, min((m + 1) // 2, n))
+    assert got.key_index.shape == (2, min(m // 2, n))
+
+
+def test_sides_without_padding_compute_no_live_mask():
+    """A side without padding fills every slot: its live mask is not computed (no lt
+    launch), and reads as all true."""
+    options = {"batch": 2, "query_len": 50, "key_len": 40, "query_valid": None,
+               "key_valid": torch.arange(40) < torch.tensor([[40], [7]]),
+               "device": torch.device("cpu"), "generator": KEYS[0]}
+    with Recorder(lambda func, args, out: func.overloadpacket.__name__) as names:
+        drawn = lm.uniform_landmarks(32, **options, draw="torch")
+    assert names.items.count("lt") == 1  # the key side's
+    assert drawn.query_live_mask is None and drawn.query_live.all()
+    assert drawn.key_live.sum(dim=1).tolist() == [16, 7] and not drawn.every_slot_live
+
+
+def test_a_failed_paired_draw_under_auto_falls_back_to_the_same_landmarks(monkeypatch):
+    from skyformer.sketch import triton_draws
+
+    options = {"batch": 2, "query_len": 50, "key_len": 50, "query_valid": None,
+               "key_valid": None, "device": torch.device("cpu"), "generator": KEYS[0]}
+    want = lm.uniform_landmarks(16, **options, draw="torch")
+
+    def broken(*args):
+        raise RuntimeError("no C compiler")
+
+    monkeypatch.setattr(lm.DRAW_FALLBACK, "failures", set())
+    monkeypatch.setattr(lm, "use_triton_draw", lambda *_: True)
+    monkeypatch.setattr(triton_draws, "paired_selection_keys", broken)
+    with pytest.warns(RuntimeWarning, match="no C compiler"):
+        got = lm.uniform_landmarks(16, **options, draw="auto")
+    assert torch.equal(got.query_index, want.query_index)
+    assert torch.equal(got.key_index, want.key_index)
 
 
 @pytest.mark.parametrize("device", devices())

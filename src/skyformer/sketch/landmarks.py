@@ -51,21 +51,39 @@ PADDED_KEY = 1 << 62  # above every valid row's key (< 2^56)
 class Landmarks:
     """Indices of the sampled rows of Q and K, with slots that hold no landmark.
 
-    ``every_slot_live``: known from the call's form alone (no padding on either side)
-    that every slot holds one, so that the methods may leave out the operations that
-    mask dead slots (on a GPU each is a launch the host issues).
+    A side's ``*_live_mask`` is ``None`` where the call's form alone (no padding on
+    that side) says that every slot holds a landmark, so that nothing computes it and
+    the methods may leave out the operations that mask dead slots (on a GPU each is a
+    launch the host issues); ``query_live`` and ``key_live`` give the masks either way.
     """
 
     query_index: Tensor  # [B, mq] long
-    query_live: Tensor  # [B, mq] bool
+    query_live_mask: Tensor | None  # [B, mq] bool, or None: every slot holds one
     key_index: Tensor  # [B, mk] long
-    key_live: Tensor  # [B, mk] bool
-    every_slot_live: bool = False
+    key_live_mask: Tensor | None  # [B, mk] bool, or None: every slot holds one
+
+    @property
+    def every_slot_live(self) -> bool:
+        return self.query_live_mask is None and self.key_live_mask is None
+
+    @property
+    def query_live(self) -> Tensor:
+        """``[B, mq]`` bool: the query slots that hold a landmark."""
+        return _live(self.query_live_mask, self.query_index)
+
+    @property
+    def key_live(self) -> Tensor:
+        """``[B, mk]`` bool: the key slots that hold a landmark."""
+        return _live(self.key_live_mask, self.key_index)
 
     @property
     def live(self) -> Tensor:
         """``[B, mq + mk]`` bool, in the order [query landmarks, key landmarks]."""
         return torch.cat([self.query_live, self.key_live], dim=1)
+
+
+def _live(mask: Tensor | None, index: Tensor) -> Tensor:
+    return torch.ones_like(index, dtype=torch.bool) if mask is None else mask
 
 
 def selection_keys(
@@ -179,13 +197,34 @@ def uniform_landmarks(
     selection keys are computed (``use_triton_draw``); the landmarks are the same.
     """
     key = random_key(generator, device)
+    counts = ((num_features + 1) // 2, num_features // 2)
+    if query_valid is None and key_valid is None and query_len == key_len \
+            and use_triton_draw(draw, key):
+        return _unpadded_sides_in_one_draw(key, batch, query_len, counts, draw)
     sides = []
-    for name, valid, n, count in ((QUERY_STREAM, query_valid, query_len, (num_features + 1) // 2),
-                                  (KEY_STREAM, key_valid, key_len, num_features // 2)):
+    for name, valid, n, count in ((QUERY_STREAM, query_valid, query_len, counts[0]),
+                                  (KEY_STREAM, key_valid, key_len, counts[1])):
         keys = stream_selection_keys(key, name, valid, batch, n, draw=draw)
         index, picked = smallest_keys(keys, count)
-        sides.append((index, picked < PADDED_KEY))
+        # without padding a side's slots are capped by its length: every one is filled
+        sides.append((index, None if valid is None else picked < PADDED_KEY))
     (q_index, q_live), (k_index, k_live) = sides
-    # without padding each side's slots are capped by its length: every one is filled
-    return Landmarks(q_index, q_live, k_index, k_live,
-                     every_slot_live=query_valid is None and key_valid is None)
+    return Landmarks(q_index, q_live, k_index, k_live)
+
+
+def _unpadded_sides_in_one_draw(key: Tensor, batch: int, n: int, counts: tuple[int, int],
+                                draw: str) -> Landmarks:
+    """The landmarks of both sides of an unpadded call with ``Nq == Nk`` from one Triton
+    draw of the two streams' keys ``[2 B, n]`` and one top-k (two of each otherwise);
+    the key side's ``counts[1] <= counts[0]`` smallest lead its sorted row."""
+    from . import triton_draws
+
+    def launch() -> Tensor:
+        return triton_draws.paired_selection_keys(key, (QUERY_STREAM, KEY_STREAM), batch, n)
+
+    def by_pytorch() -> Tensor:
+        return torch.cat([selection_keys(stream(key, name), None, batch, n)
+                          for name in (QUERY_STREAM, KEY_STREAM)])
+
+    index, _ = smallest_keys(launch_or_fall_back(draw, launch, by_pytorch, on=key), counts[0])
+    return Landmarks(index[:batch], None, index[batch:, :counts[1]], None)

@@ -7,7 +7,8 @@ one launch:
 
 - ``selection_keys``: ``landmarks.selection_keys(rng.stream(key, name), ...)``, the
   int64 keys ``[B, n]`` (score, rank) whose smallest pick the landmarks, padded rows
-  ``PADDED_KEY`` + position;
+  ``PADDED_KEY`` + position; ``paired_selection_keys`` those of two streams (the
+  query and key sides of an unpadded call) in one launch;
 - ``slot_ranks``: the causal landmark slots' token ranks ``[B, m]``
   (``ops.shared.causal_nystrom.slot_ranks``), s R + floor(u_s R) with a float64 u_s.
 
@@ -76,14 +77,15 @@ def _batch_key(KEY, stream_data, b):
 
 @triton.jit
 def _selection_keys_kernel(
-    KEY, RANK, VALID, BEFORE, OUT, n, stream_data, rows_before,
+    KEY, RANK, VALID, BEFORE, OUT, batch, n, stream_data, second_stream_data, rows_before,
     HAS_RANK: tl.constexpr, HAS_VALID: tl.constexpr, HAS_BEFORE: tl.constexpr,
     SALT: tl.constexpr, PADDED: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(0).to(tl.int64)  # of OUT: [streams * B, n], stream-major
+    b = row % batch
     pos = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     inside = pos < n
-    k0, k1 = _batch_key(KEY, stream_data, b)
+    k0, k1 = _batch_key(KEY, tl.where(row < batch, stream_data, second_stream_data), b)
     if HAS_RANK:
         rank = tl.load(RANK + b * n + pos, mask=inside, other=0)
     else:
@@ -96,7 +98,7 @@ def _selection_keys_kernel(
     if HAS_VALID:
         valid = tl.load(VALID + b * n + pos, mask=inside, other=0) != 0
         keys = tl.where(valid, keys, tl.full(pos.shape, PADDED, tl.int64) + rows_before + pos)
-    tl.store(OUT + b * n + pos, keys, mask=inside)
+    tl.store(OUT + row * n + pos, keys, mask=inside)
 
 
 @triton.jit
@@ -140,10 +142,28 @@ def selection_keys(
             out if valid is None else valid.contiguous().view(torch.uint8),  # bool mask
             out if valid_before is None
             else valid_before.to(key.device, torch.long).contiguous(),
-            out, n, rng.stream_data(stream_name), rows_before,
+            out, batch, n, rng.stream_data(stream_name), 0, rows_before,
             HAS_RANK=rank is not None, HAS_VALID=valid is not None,
             HAS_BEFORE=valid_before is not None, SALT=rng.UNIFORM_SALT, PADDED=padded_key,
             BLOCK=BLOCK,
+        )
+    return out
+
+
+def paired_selection_keys(key: Tensor, stream_names: tuple[str, str], batch: int, n: int
+                          ) -> Tensor:
+    """``[2 B, n]``: ``selection_keys`` of every row under each of the two streams (the
+    first's ``B`` rows, then the second's) in one launch, for rows without padding (the
+    keys of both sides of a call whose queries and keys have one length)."""
+    out = torch.empty(2 * batch, n, dtype=torch.long, device=key.device)
+    if batch == 0 or n == 0:
+        return out
+    first, second = map(rng.stream_data, stream_names)
+    with _on(key.device):
+        _selection_keys_kernel[(2 * batch, cdiv(n, BLOCK))](
+            key.contiguous(), out, out, out, out, batch, n, first, second, 0,
+            HAS_RANK=False, HAS_VALID=False, HAS_BEFORE=False, SALT=rng.UNIFORM_SALT,
+            PADDED=0, BLOCK=BLOCK,
         )
     return out
 
