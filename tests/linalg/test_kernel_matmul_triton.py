@@ -3,7 +3,7 @@
 On the CPU they run under Triton's interpreter (``tests/conftest.py`` sets
 ``TRITON_INTERPRET=1``), on CUDA with ``SKYFORMER_TEST_CUDA=1``. Outputs and the
 gradients of y, x, the column offsets and rhs; odd sizes (N not a multiple of the
-block, m = 1, head dims 16..128), invalid rows, excluded entries, row shifts.
+block, m = 1, m = 0, head dims 16..128), invalid rows, excluded entries, row shifts.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ CASES = [  # n, m, d, r
     (70, 33, 24, 40),
     (65, 70, 128, 64),
     (20, 128, 64, 128),
+    (37, 0, 16, 16),  # no landmark rows: zeros (an empty [m, R] output is not "absent")
 ]
 TOLERANCE = {torch.float64: {"rtol": 1e-10, "atol": 1e-12},
              torch.float32: {"rtol": 2e-4, "atol": 2e-5}}  # tf32x3 on GPUs: ~float32

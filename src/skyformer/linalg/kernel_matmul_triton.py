@@ -66,11 +66,18 @@ def _ops():
 
 
 def _none_to_empty(t: Tensor | None, like: Tensor) -> Tensor:
+    """The operators' stand-in for an absent tensor: empty and one-dimensional, which
+    no present tensor is (they have a batch and a row dim, and may be empty: m = 0)."""
     return like.new_empty(0) if t is None else t
 
 
+def is_absent(t: Tensor) -> bool:
+    """Whether ``t`` is ``_none_to_empty``'s stand-in for an absent tensor."""
+    return t.dim() == 1 and t.shape[0] == 0
+
+
 def _empty_to_none(t: Tensor) -> Tensor | None:
-    return t if t.numel() else None
+    return None if is_absent(t) else t
 
 
 def _rows(y, kx, a, b, vm, vn, exclude, norm_scale, *, auto, out1_dtype, write_out1=True,
@@ -188,7 +195,7 @@ class TritonGaussianBlockProduct(torch.autograd.Function):
     @first_order_backward
     def backward(ctx: Any, grad: Tensor, _: Any) -> tuple[Tensor | None, ...]:
         y, x, b, rhs, a, out, exclude, x_bf16 = ctx.saved_tensors
-        a = a.contiguous() if a.numel() else None
+        a = None if is_absent(a) else a.contiguous()
         scale, row_norm, transpose, x_factor, ones_column, auto = ctx.options
         need_y, need_x, need_b, need_rhs = ctx.needs_input_grad[:4]
         y, grad = y.contiguous(), grad.contiguous()

@@ -20,12 +20,12 @@ from torch import Tensor
 
 from . import product_fallback, triton_kernels
 from .eager_calls import custom_op
-from .kernel_matmul_triton import ONE_PASS_FALLBACK, PRODUCT_FALLBACK
+from .kernel_matmul_triton import ONE_PASS_FALLBACK, PRODUCT_FALLBACK, is_absent
 from .lemma3_triton import CORE_FALLBACK, lemma3_gradients_by_pytorch
 
 
 def _opt(t: Tensor) -> Tensor | None:
-    return t if t.numel() else None
+    return None if is_absent(t) else t
 
 
 def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
@@ -60,7 +60,7 @@ def _(y, x, a, b, vm, vn, exclude, write_out1, out1_dtype, shift_rows, out2_scal
     bh, n, d = y.shape
     return (y.new_empty(bh, n, vm.shape[-1], dtype=out1_dtype) if write_out1
             else y.new_empty(0),
-            y.new_empty(bh, n, d) if vn.numel() else y.new_empty(0),
+            y.new_empty(bh, n, d) if not is_absent(vn) else y.new_empty(0),
             x.new_empty(bh, n) if shift_rows else x.new_empty(0))
 
 
@@ -87,7 +87,7 @@ def _(y, x, a, b, vn, vm, exclude, write_out1, norm_scale, dot_scale, b_scale,
     bh, _, d = y.shape
     m = x.shape[1]
     return (x.new_empty(bh, m, vn.shape[-1]) if write_out1 else x.new_empty(0),
-            x.new_empty(bh, m, d) if vm.numel() else x.new_empty(0))
+            x.new_empty(bh, m, d) if not is_absent(vm) else x.new_empty(0))
 
 
 @custom_op("skyformer::gaussian_one_pass_product")
