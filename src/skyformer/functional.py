@@ -91,8 +91,9 @@ def scaled_dot_product_attention(
         _check_mask_shape(attn_mask, query, key)
         # SDPA broadcasts a mask from the right: [S] and [L, S] are one mask for every
         # batch and head, [H, L, S] one for every batch (resolve_mask would read a 2-D
-        # mask as transformers' [B, S])
+        # mask as transformers' [B, S]); a column [..., L, 1] holds for every key
         attn_mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+        attn_mask = attn_mask.expand(*attn_mask.shape[:-1], key.shape[-2])
         if spec.capabilities.attn_mask:
             arguments["attn_mask"] = attn_mask
         else:

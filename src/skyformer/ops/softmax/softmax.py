@@ -98,7 +98,7 @@ def softmax_attention(
     else:
         mask = attn_mask if attn_mask is not None else torch.ones(
             info.key_len, dtype=torch.bool, device=q.device)
-        bias = attention_bias(mask, info.key_valid, config.causal, info.query_len,
-                              info.key_len, q.dtype, "softmax")
+        bias = attention_bias(mask, info.key_valid, config.causal,
+                              (*q.shape[:3], info.key_len), q.dtype, "softmax")
         out = biased_attention(q, k, v, bias, scale=s, dropout_p=dropout_p)
     return zero_padded_queries(out, info.query_valid)
