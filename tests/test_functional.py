@@ -319,6 +319,23 @@ def test_argument_errors_name_what_is_wrong():
         skyformer.attention(q, k, v, "softmax", attn_mask=torch.ones(10, 10, dtype=torch.bool))
 
 
+@pytest.mark.parametrize("method", ["softmax", "kernelized", "skyformer"])
+@pytest.mark.parametrize("p", [-0.1, 1.5, float("nan"), True, "0.1"])
+def test_a_dropout_p_outside_0_1_is_named(method, p):
+    """As SDPA's dropout_p: a number in [0, 1]; not silently run (a negative p in float64,
+    True read as 1.0), nor left to torch's messages about flash kernels."""
+    q, k, v = make_qkv(1, 2, 6, 4)
+    with pytest.raises(ValueError, match=rf"{method}: dropout_p must be a number in \[0, 1\], "
+                                         r"got"):
+        sdpa(q, k, v, dropout_p=p, method=method, generator=random_key(0))
+
+
+def test_softmax_attention_names_a_bad_dropout_p():
+    q, k, v = make_qkv(1, 2, 6, 4)
+    with pytest.raises(ValueError, match=r"softmax: dropout_p must be a number in \[0, 1\]"):
+        skyformer.softmax_attention(q, k, v, dropout_p=-0.5)
+
+
 def test_a_float_mask_under_a_transform_is_refused_not_read_as_padding():
     """Under torch.func (and torch.compile) a float mask's values cannot be read: a bias
     there would be left out, so it is refused; a bool key padding mask runs as eagerly."""
