@@ -38,6 +38,27 @@ def test_attn_mask_broadcasts_like_sdpa(shape, kind):
     assert out.shape == expected.shape and torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("shape", [(10, 1), (2, 1, 10, 1), (1, 3, 1, 1)])
+def test_attn_mask_broadcasts_over_the_keys_like_sdpa(shape):
+    """A mask with one column (per query: all keys or none) broadcasts over S in SDPA."""
+    q, k, v = make_qkv(2, 3, 10, 8, nk=7)
+    mask = torch.ones(shape, dtype=torch.bool)
+    mask.view(-1)[::2] = False
+    torch.testing.assert_close(sdpa(q, k, v, mask),
+                               F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    expected = sdpa(q, k, v, mask.expand(*shape[:-1], 7), method="kernelized")
+    torch.testing.assert_close(sdpa(q, k, v, mask, method="kernelized"), expected)
+
+
+def test_an_attn_mask_over_the_keys_reads_as_key_padding_for_the_approximations():
+    q, k, v = make_qkv(2, 3, 10, 8, nk=7)
+    key = random_key(0)
+    torch.testing.assert_close(
+        sdpa(q, k, v, torch.ones(2, 1, 1, 1, dtype=torch.bool), method="skyformer",
+             generator=key),
+        sdpa(q, k, v, method="skyformer", generator=key))
+
+
 @pytest.mark.parametrize("method", ["softmax", "skyformer"])
 @pytest.mark.parametrize("shape", [(2, 7), (3, 1, 1, 7), (2, 3, 10, 8), (1, 2, 3, 10, 7)])
 def test_a_mask_that_does_not_broadcast_is_named_as_given(method, shape):
@@ -296,6 +317,23 @@ def test_argument_errors_name_what_is_wrong():
     assert "needs enable_gqa=True" not in str(err.value)
     with pytest.raises(ValueError, match="scaled_dot_product_attention takes torch's SDPA"):
         skyformer.attention(q, k, v, "softmax", attn_mask=torch.ones(10, 10, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("method", ["softmax", "kernelized", "skyformer"])
+@pytest.mark.parametrize("p", [-0.1, 1.5, float("nan"), True, "0.1"])
+def test_a_dropout_p_outside_0_1_is_named(method, p):
+    """As SDPA's dropout_p: a number in [0, 1]; not silently run (a negative p in float64,
+    True read as 1.0), nor left to torch's messages about flash kernels."""
+    q, k, v = make_qkv(1, 2, 6, 4)
+    with pytest.raises(ValueError, match=rf"{method}: dropout_p must be a number in \[0, 1\], "
+                                         r"got"):
+        sdpa(q, k, v, dropout_p=p, method=method, generator=random_key(0))
+
+
+def test_softmax_attention_names_a_bad_dropout_p():
+    q, k, v = make_qkv(1, 2, 6, 4)
+    with pytest.raises(ValueError, match=r"softmax: dropout_p must be a number in \[0, 1\]"):
+        skyformer.softmax_attention(q, k, v, dropout_p=-0.5)
 
 
 def test_a_float_mask_under_a_transform_is_refused_not_read_as_padding():

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .masks import resolve_mask
+from .ops.shared.options import check_probability
 from .ops.shared.tracing import may_read_values
 from .registry import CapabilityError, check_capabilities, get_method
 from .registry.methods import Method
@@ -71,6 +72,7 @@ def scaled_dot_product_attention(
     """Attention of ``query: [B, H, L, E]`` to ``key: [B, Hkv, S, E]``,
     ``value: [B, Hkv, S, Ev]`` by ``method``; returns ``[B, H, L, Ev]`` (module doc)."""
     spec = get_method(method)
+    check_probability(spec.name, "dropout_p", dropout_p)
     if isinstance(query, Tensor) and query.dim() == 3:  # unbatched [H, L, E]
         return scaled_dot_product_attention(
             query[None], _batched(key), _batched(value), attn_mask,
@@ -91,8 +93,9 @@ def scaled_dot_product_attention(
         _check_mask_shape(attn_mask, query, key)
         # SDPA broadcasts a mask from the right: [S] and [L, S] are one mask for every
         # batch and head, [H, L, S] one for every batch (resolve_mask would read a 2-D
-        # mask as transformers' [B, S])
+        # mask as transformers' [B, S]); a column [..., L, 1] holds for every key
         attn_mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+        attn_mask = attn_mask.expand(*attn_mask.shape[:-1], key.shape[-2])
         if spec.capabilities.attn_mask:
             arguments["attn_mask"] = attn_mask
         else:

@@ -305,3 +305,18 @@ def test_causal_matches_the_lower_triangular_reference(n):
     for a, b in zip(torch.autograd.grad(fast.square().sum(), (q, k, v)),
                     torch.autograd.grad(ref.square().sum(), (q, k, v)), strict=True):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_projection_is_not_hidden(bad):
+    """A non-finite feature direction spoils every feature sum: the output says so (NaN)
+    instead of the mean(V) fallback of an empty normaliser; padded query rows stay 0."""
+    q, k, v = make_qkv(2, 2, 7, 4)
+    projection = torch.randn(6, 4, dtype=torch.float64)
+    projection[2, 1] = bad
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    mask[1, 5:] = False
+    out = performer_attention(q, k, v, key_padding_mask=mask, num_features=6,
+                              projection=projection)
+    assert torch.isnan(out[0]).all() and torch.isnan(out[1, :, :5]).all()
+    assert (out[1, :, 5:] == 0).all()

@@ -25,6 +25,22 @@ def test_shape_errors(method):
 
 
 @pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("empty", ["B", "H", "N", "D", "Dv"])
+def test_an_empty_dimension_is_named(method, empty):
+    """Every method refuses an empty batch, head count, length or head dim alike."""
+    q, k, v = make_qkv(2, 2, 8, 4)
+    if empty in "BH":
+        dim = "BH".index(empty)
+        q, k, v = (t.narrow(dim, 0, 0) for t in (q, k, v))
+    elif empty == "N":
+        q, k, v = q[:, :, :0], k[:, :, :0], v[:, :, :0]
+    else:
+        q, k, v = (q[..., :0], k[..., :0], v) if empty == "D" else (q, k, v[..., :0])
+    with pytest.raises(ValueError, match=r"empty input.*every dimension"):
+        attention(q, k, v, method, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_dtype_errors(method):
     q, k, v = make_qkv(1, 1, 6, 4)
     with pytest.raises(TypeError, match="floating point"):

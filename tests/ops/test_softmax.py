@@ -41,3 +41,19 @@ def test_bad_options():
         softmax_attention(q, k, v, causal=True)
     with pytest.raises(ValueError, match="scale"):
         softmax_attention(q, k, v, scale=-1.0)
+
+
+@pytest.mark.parametrize("shape", [(3, 1, 6, 5), (2, 4, 6, 5), (6, 4)])
+def test_an_attn_mask_of_another_batch_or_head_count_is_named(shape):
+    q, k, v = make_qkv(2, 3, 6, 4, nk=5)
+    with pytest.raises(ValueError, match=r"softmax: attn_mask must broadcast to "
+                                         r"\[B, H, Nq, Nk\] = \[2, 3, 6, 5\], got"):
+        softmax_attention(q, k, v, attn_mask=torch.ones(shape, dtype=torch.bool))
+
+
+def test_an_attn_mask_of_one_key_column_broadcasts():
+    q, k, v = make_qkv(2, 3, 6, 4, nk=5)
+    rows = torch.tensor([True, False, True, True, False, True])[:, None]
+    out = softmax_attention(q, k, v, attn_mask=rows)
+    torch.testing.assert_close(out, softmax_attention(q, k, v, attn_mask=rows.expand(6, 5)))
+    assert out[:, :, 1].abs().max() == 0

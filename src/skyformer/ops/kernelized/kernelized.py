@@ -117,7 +117,7 @@ def _augmented(q: Tensor, k: Tensor, v: Tensor, info: AttentionInputs, scale: fl
         if attn_mask.is_floating_point() and dtype == torch.bfloat16:
             # a float mask rounded to bfloat16 would shift logits by ~2^-9 |mask|
             q, k, v = q.float(), k.float(), v.float()
-        bias = attention_bias(attn_mask, None, causal, info.query_len, info.key_len,
+        bias = attention_bias(attn_mask, None, causal, (*q.shape[:3], info.key_len),
                               fused_dtype(q.dtype), "kernelized")
     out = kernelized_by_sdpa(q, k, v, scale * scale, key_valid=info.key_valid, bias=bias,
                              causal=causal)

@@ -230,8 +230,17 @@ def performer_attention(
         key,
     )
     work = compute_dtype(q.dtype)
-    return performer_from_projection(q.to(work), k.to(work), v.to(work), w.to(work), info,
-                                     config).to(q.dtype)
+    out = performer_from_projection(q.to(work), k.to(work), v.to(work), w.to(work), info,
+                                    config)
+    if projection is not None:
+        out = zero_padded_queries(out + _marks(w), info.query_valid)
+    return out.to(q.dtype)
+
+
+def _marks(projection: Tensor) -> Tensor:
+    """0, or NaN where a given projection holds a non-finite entry (a sum with it is
+    NaN or inf): the normaliser's fallback to mean(V) would hide it. Detached."""
+    return projection.detach().sum() * 0
 
 
 def performer_from_projection(

@@ -84,8 +84,11 @@ def check_attention_inputs(
         raise ValueError(
             f"{method}: k and v must have the same sequence length, got {nk} and {v.shape[2]}."
         )
-    if nq == 0 or nk == 0 or d == 0:
-        raise ValueError(f"{method}: empty input, q {tuple(q.shape)}, k {tuple(k.shape)}.")
+    if 0 in (b, h, nq, nk, d, v.shape[-1]):
+        raise ValueError(
+            f"{method}: empty input, q {tuple(q.shape)}, k {tuple(k.shape)}, v "
+            f"{tuple(v.shape)}; every dimension (B, H, N, D, Dv) must be at least 1 (skip "
+            f"the call for an empty batch).")
 
     key_valid = None
     key_valid = _check_mask(method, "key_padding_mask", key_padding_mask, b, nk, "Nk", k)

@@ -47,22 +47,15 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None) ->
 
 
 def attention_bias(attn_mask: Tensor, key_valid: Tensor | None, causal: bool,
-                   query_len: int, key_len: int, dtype: torch.dtype, method: str) -> Tensor:
+                   shape: tuple[int, ...], dtype: torch.dtype, method: str) -> Tensor:
     """One additive bias ``[B|1, H|1, Nq, Nk]`` from an SDPA-style ``attn_mask`` (bool:
     True = may attend; float: added to the logits), the key padding and the causal
     pattern; blocked entries are ``-inf``.
 
-    ``attn_mask`` must broadcast to ``[B, H, Nq, Nk]``; checked here with a sentence.
+    ``attn_mask`` must broadcast to ``shape`` = ``[B, H, Nq, Nk]``; checked here with a
+    sentence.
     """
-    fits = isinstance(attn_mask, Tensor) and 1 <= attn_mask.dim() <= 4 \
-        and attn_mask.shape[-1] == key_len \
-        and (attn_mask.dim() == 1 or attn_mask.shape[-2] in (1, query_len))
-    if not fits:
-        shape = tuple(attn_mask.shape) if isinstance(attn_mask, Tensor) else type(attn_mask)
-        raise ValueError(
-            f"{method}: attn_mask must broadcast to [B, H, Nq, Nk] = [B, H, {query_len}, "
-            f"{key_len}], got {shape}."
-        )
+    _check_broadcasts(attn_mask, tuple(shape), method)
     if attn_mask.dtype == torch.bool:
         bias = torch.where(attn_mask, 0.0, float("-inf")).to(dtype)
     elif attn_mask.is_floating_point():
@@ -72,15 +65,29 @@ def attention_bias(attn_mask: Tensor, key_valid: Tensor | None, causal: bool,
             f"{method}: attn_mask must be bool (True = may attend) or a float additive mask, "
             f"got {attn_mask.dtype}."
         )
-    while bias.dim() < 4:
-        bias = bias[None]
+    bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+    bias = bias.expand(*bias.shape[:-1], shape[-1])  # a column [..., Nq, 1] over every key
     blocked = float("-inf")
     if key_valid is not None:
         bias = torch.where(key_valid[:, None, None, :], bias, blocked)
     if causal:
-        tril = torch.ones(query_len, key_len, dtype=torch.bool, device=bias.device).tril()
+        tril = torch.ones(*shape[-2:], dtype=torch.bool, device=bias.device).tril()
         bias = torch.where(tril, bias, blocked)
     return bias
+
+
+def _check_broadcasts(attn_mask: Tensor, shape: tuple[int, ...], method: str) -> None:
+    """``attn_mask`` broadcasts to ``shape`` ``[B, H, Nq, Nk]``, or a sentence."""
+    try:
+        fits = isinstance(attn_mask, Tensor) and 1 <= attn_mask.dim() <= 4 \
+            and torch.broadcast_shapes(attn_mask.shape, shape) == shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        got = tuple(attn_mask.shape) if isinstance(attn_mask, Tensor) else type(attn_mask)
+        raise ValueError(
+            f"{method}: attn_mask must broadcast to [B, H, Nq, Nk] = {list(shape)}, got {got}."
+        )
 
 
 def biased_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, *, scale: float,

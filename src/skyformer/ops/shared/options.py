@@ -39,6 +39,11 @@ def check_nonnegative_float(method: str, name: str, value: object) -> None:
         raise ValueError(f"{method}: {name} must be a finite number >= 0, got {value!r}.")
 
 
+def check_probability(method: str, name: str, value: object) -> None:
+    if not _is_number(value) or not 0.0 <= value <= 1.0:  # type: ignore[operator]
+        raise ValueError(f"{method}: {name} must be a number in [0, 1], got {value!r}.")
+
+
 def check_bool(method: str, name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{method}: {name} must be True or False, got {value!r}.")

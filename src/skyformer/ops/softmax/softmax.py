@@ -11,7 +11,7 @@ from torch import Tensor
 from ...registry import Capabilities, register
 from ..shared.inputs import check_attention_inputs, zero_padded_queries
 from ..shared.masked import attention_bias, biased_attention
-from ..shared.options import check_bool, check_scale
+from ..shared.options import check_bool, check_probability, check_scale
 from ..shared.sdpa import sdpa
 
 _MASKED_LOGIT = -1e6  # far enough below any real logit that exp() underflows to 0
@@ -87,6 +87,7 @@ def softmax_attention(
     """
     info = check_attention_inputs(q, k, v, key_padding_mask, method="softmax",
                                   query_padding_mask=query_padding_mask)
+    check_probability("softmax", "dropout_p", dropout_p)
     if config.causal and info.query_len != info.key_len:
         raise ValueError(
             f"softmax: causal=True needs as many queries as keys, got Nq={info.query_len}, "
@@ -98,7 +99,7 @@ def softmax_attention(
     else:
         mask = attn_mask if attn_mask is not None else torch.ones(
             info.key_len, dtype=torch.bool, device=q.device)
-        bias = attention_bias(mask, info.key_valid, config.causal, info.query_len,
-                              info.key_len, q.dtype, "softmax")
+        bias = attention_bias(mask, info.key_valid, config.causal,
+                              (*q.shape[:3], info.key_len), q.dtype, "softmax")
         out = biased_attention(q, k, v, bias, scale=s, dropout_p=dropout_p)
     return zero_padded_queries(out, info.query_valid)
