@@ -182,6 +182,19 @@ def test_an_interrupted_run_keeps_its_lengths_and_resume_measures_only_the_rest(
     assert f"torch: '0.0' -> '{torch.__version__}'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text", ["[1, 2]", '{"rows": 5}', '{"config": [], "rows": []}',
+                                  '{"config": {}, "environment": {}, "rows": [1]}'])
+def test_resume_from_a_file_that_is_not_a_bench_result_gets_a_sentence(tmp_path, capsys, text):
+    """JSON of another shape (a list, rows that are not a list of rows) is named as not a
+    bench result file, not a traceback or a list of settings that differ."""
+    out = tmp_path / "other"
+    out.with_suffix(".json").write_text(text)
+    assert main(["bench", "--methods", "linear", "--seq-lens", "16", "--out", str(out),
+                 "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "not a bench result file" in err and "Traceback" not in err, err
+
+
 def test_non_finite_numbers_are_null_in_the_file_and_resume_reads_them(
         tmp_path, capsys, monkeypatch):
     """--max-seconds inf and an error that came out NaN are null in OUT.json (strict
