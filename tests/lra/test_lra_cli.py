@@ -133,3 +133,15 @@ def test_output_paths_are_checked_before_any_work(tmp_path, capsys, listops_cach
         captured = capsys.readouterr()
         assert message in captured.err and "Errno" not in captured.err, (argv, captured.err)
         assert captured.out == "", (argv, captured.out)
+
+
+def test_a_seed_given_twice_is_refused_before_any_run(tmp_path, capsys, listops_cache):
+    """--seeds 0 0 1 would train seed 0, then fail on its own folder and never reach 1."""
+    cache = ["--cache", str(listops_cache)]
+    for argv in (["train", "listops", "--steps", "2", "--eval-every", "1", "--batch-size", "16",
+                  "--out", str(tmp_path / "runs"), "--no-tensorboard", "--quiet"],
+                 ["stability", "--steps", "1", "--batch-size", "16"]):
+        assert main(["lra", *argv, *cache, "--seeds", "0", "0", "1"]) == 2
+        captured = capsys.readouterr()
+        assert "--seeds lists 0 more than once" in captured.err and captured.out == ""
+    assert not (tmp_path / "runs").exists()

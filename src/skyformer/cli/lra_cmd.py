@@ -180,6 +180,14 @@ def _threads(n: int | None) -> None:
         torch.set_num_threads(n)
 
 
+def _distinct_seeds(seeds: list[int] | None) -> None:
+    """Refuse a seed listed twice: its second run would find the first's folder."""
+    repeated = sorted({s for s in seeds or [] if seeds.count(s) > 1})
+    if repeated:
+        raise ValueError(f"--seeds lists {', '.join(map(str, repeated))} more than once; give "
+                         "each seed once.")
+
+
 def _run_prepare(args: argparse.Namespace) -> int:
     from ..lra import prepare
 
@@ -227,6 +235,7 @@ def _run_train(args: argparse.Namespace) -> int:
     from ..lra import make_config
     from ..lra.train import Trainer, default_run_dir
 
+    _distinct_seeds(args.seeds)
     _threads(args.threads)
     cfg = make_config(
         args.task, quick=args.quick, attention=args.attn, attention_options=dict(args.options),
@@ -281,6 +290,7 @@ def _run_stability(args: argparse.Namespace) -> int:
     from ..lra.stability import format_table, run_stability
 
     check_output_path(args.json_path)
+    _distinct_seeds(args.seeds)
     _threads(args.threads)
     overrides = {k: v for k, v in (("batch_size", args.batch_size), ("max_len", args.max_len))
                  if v is not None}
