@@ -296,6 +296,9 @@ def test_config_and_names_are_checked():
         BenchConfig(shapes=((1, 2),))
     with pytest.raises(ValueError, match="clock"):
         BenchConfig(clock="sundial")
+    for device in ("tpu", "cuda:x"):
+        with pytest.raises(ValueError, match=f"device must be 'cpu' or 'cuda', got '{device}'"):
+            BenchConfig(device=device)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
             BenchConfig(device="cuda")

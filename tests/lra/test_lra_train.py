@@ -179,6 +179,8 @@ def test_settings_are_validated_with_sentences(listops_cache, tmp_path):
         make_config("listops", precision="fp8")
     with pytest.raises(ValueError, match="seed must be an integer >= 0, got -1"):
         make_config("listops", seed=-1)
+    with pytest.raises(ValueError, match="device must be auto, cpu, cuda or cuda:K, got 'tpu'"):
+        _run(_cfg(), listops_cache, tmp_path / "tpu", device="tpu")
     with pytest.raises(ValueError, match="exceeds the prepared length 8"):
         _run(_cfg(max_len=9), listops_cache, tmp_path)
     with pytest.raises(FileNotFoundError, match="skyformer lra prepare text"):
