@@ -306,6 +306,8 @@ def test_config_and_names_are_checked():
         resolve("skyformer.ops.skyformer:materialised_skyformer_attention@exact")
     with pytest.raises(ValueError, match="cannot load"):
         resolve("skyformer.ops.nothing:here")
+    with pytest.raises(ValueError, match="'os:sep' is not a function; expected"):
+        resolve("os:sep")
     plain = resolve(
         "skyformer.ops.kernelized:reference_materialised_kernelized_attention@gaussian"
     )
