@@ -100,6 +100,8 @@ def test_table_three_layout_and_softmax_baseline(listops_cache):
     assert report.settings["listops"]["batch_size"] == 16
     with pytest.raises(ValueError, match="unknown attention method"):
         run_stability(["listops"], ["nope"], cache_root=listops_cache)
+    with pytest.raises(ValueError, match="no method to compare with softmax"):
+        run_stability(["listops"], ["softmax"], cache_root=listops_cache)
     with pytest.raises(ValueError, match="probe must be one of normed, hidden"):
         instability_taus(_cfg(), listops_cache, steps=1, probe="logits")
 

@@ -154,6 +154,9 @@ def run_stability(tasks: list[str], methods: list[str], *, cache_root: str | os.
     compared = [m for m in dict.fromkeys(methods) if m != BASELINE]
     for method in compared:
         get_method(method)
+    if not compared:
+        raise ValueError(f"no method to compare with {BASELINE}, the baseline of every ratio; "
+                         "name at least one other method.")
     report = StabilityReport(list(tasks), compared, list(seeds), steps, probe)
     plan = _configs(tasks, [BASELINE, *compared], seeds, num_features, overrides or {})
     _check_configs(plan, cache_root)
