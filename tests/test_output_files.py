@@ -25,6 +25,18 @@ def test_unwritable_output_paths_are_refused_up_front(tmp_path):
     check_output_path(None)
 
 
+def test_a_file_path_ending_in_a_separator_is_refused(tmp_path, capsys):
+    """``--json out/`` or ``--out results/`` names a folder: writing ``out`` or
+    ``results.json`` next to it instead would put the results where nobody looks."""
+    with pytest.raises(IsADirectoryError, match="ends in a path separator"):
+        check_output_path(f"{tmp_path / 'new'}{os.sep}")
+    check_output_path(f"{tmp_path / 'new'}{os.sep}", folder=True)
+    for argv in (["compare", "--json"], ["bench", "--methods", "linear", "--out"]):
+        assert main([*argv, f"{tmp_path / 'results'}{os.sep}"]) == 2
+        assert "ends in a path separator" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_cli_names_an_unwritable_path_without_a_traceback(tmp_path, capsys):
     afile = tmp_path / "afile"
     afile.write_text("x")

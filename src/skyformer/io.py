@@ -24,9 +24,14 @@ def check_output_path(path: str | os.PathLike[str] | None, *, folder: bool = Fal
     """Fail now, with a sentence, if ``path`` cannot be written later (a file where a
     folder is needed, a folder where a file is needed, no write permission), so that a
     long run does not end in an error at its last step. ``folder``: ``path`` is an
-    output folder (or a prefix whose folder is its parent when False)."""
+    output folder (or a prefix whose folder is its parent when False: then a string
+    ending in a separator, which ``Path`` would drop, is refused too)."""
     if path is None or str(path) == "":
         return
+    separators = tuple(sep for sep in (os.sep, os.altsep) if sep)
+    if not folder and isinstance(path, str) and path.endswith(separators):
+        raise IsADirectoryError(f"the output file {path} ends in a path separator, which names "
+                                "a folder; choose a file name.")
     target = Path(path)
     if folder and target.exists() and not target.is_dir():
         raise NotADirectoryError(f"the output folder {target} is a file; choose another path.")

@@ -182,6 +182,19 @@ def test_an_interrupted_run_keeps_its_lengths_and_resume_measures_only_the_rest(
     assert f"torch: '0.0' -> '{torch.__version__}'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text", ["[1, 2]", '{"rows": 5}', '{"config": [], "rows": []}',
+                                  '{"config": {}, "environment": {}, "rows": [1]}'])
+def test_resume_from_a_file_that_is_not_a_bench_result_gets_a_sentence(tmp_path, capsys, text):
+    """JSON of another shape (a list, rows that are not a list of rows) is named as not a
+    bench result file, not a traceback or a list of settings that differ."""
+    out = tmp_path / "other"
+    out.with_suffix(".json").write_text(text)
+    assert main(["bench", "--methods", "linear", "--seq-lens", "16", "--out", str(out),
+                 "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "not a bench result file" in err and "Traceback" not in err, err
+
+
 def test_non_finite_numbers_are_null_in_the_file_and_resume_reads_them(
         tmp_path, capsys, monkeypatch):
     """--max-seconds inf and an error that came out NaN are null in OUT.json (strict
@@ -283,6 +296,9 @@ def test_config_and_names_are_checked():
         BenchConfig(shapes=((1, 2),))
     with pytest.raises(ValueError, match="clock"):
         BenchConfig(clock="sundial")
+    for device in ("tpu", "cuda:x"):
+        with pytest.raises(ValueError, match=f"device must be 'cpu' or 'cuda', got '{device}'"):
+            BenchConfig(device=device)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
             BenchConfig(device="cuda")
@@ -290,6 +306,8 @@ def test_config_and_names_are_checked():
         resolve("skyformer.ops.skyformer:materialised_skyformer_attention@exact")
     with pytest.raises(ValueError, match="cannot load"):
         resolve("skyformer.ops.nothing:here")
+    with pytest.raises(ValueError, match="'os:sep' is not a function; expected"):
+        resolve("os:sep")
     plain = resolve(
         "skyformer.ops.kernelized:reference_materialised_kernelized_attention@gaussian"
     )

@@ -32,6 +32,8 @@ def test_word2vec_header_and_words_with_spaces(tmp_path):
 def test_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         read_glove(tmp_path / "missing.txt", 1)
+    with pytest.raises(IsADirectoryError, match="is a folder; pass --glove FILE"):
+        read_glove(tmp_path, 1)
     short = write_glove(tmp_path / "short.txt", [[1.0, 2.0]] * 3)
     with pytest.raises(ValueError, match="holds 3 vectors, 5 are needed"):
         read_glove(short, 5)

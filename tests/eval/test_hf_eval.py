@@ -98,6 +98,15 @@ def test_layers_the_model_lacks_stop_the_run_before_any_row(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_inputs_longer_than_the_model_positions_stop_the_run_before_any_row(tmp_path, capsys):
+    out = tmp_path / "hf"
+    assert main(["hf-eval", "--seq-len", "600", "--methods", "linear", "--max-texts", "2",
+                 "--no-memory", "--settings", "long", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "seq_len 600 exceeds the 512 positions of this model" in err, err
+    assert not out.exists()
+
+
 def test_hf_eval_end_to_end(tmp_path, capsys):
     out = tmp_path / "hf"
     code = main([

@@ -54,6 +54,8 @@ def test_clear_errors(minilm, tmp_path):
         load_model(tmp_path)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         read_text(tmp_path / "missing.txt")
+    with pytest.raises(IsADirectoryError, match="is a folder; pass a UTF-8 text file"):
+        read_text(tmp_path)
 
 
 def test_random_init_differs_from_pretrained(minilm):

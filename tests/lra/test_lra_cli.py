@@ -105,3 +105,43 @@ def test_user_errors_are_one_line(tmp_path, capsys):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err and err.count("\n") == 1, err
+
+
+def test_output_paths_are_checked_before_any_work(tmp_path, capsys, listops_cache):
+    """Every lra output path that cannot be written (a file where a folder is needed, a
+    folder where a file is needed) is named in one line before data is read or trained."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    cache = ["--cache", str(listops_cache)]
+    train = ["lra", "train", "listops", "--attn", "softmax", "--steps", "2", "--eval-every", "1",
+             "--batch-size", "16", *cache, "--no-tensorboard", "--quiet"]
+    cases = [
+        ([*train, "--out", str(afile)], "is a file; choose another path"),
+        ([*train, "--out", str(afile / "run")], "is a file, not a folder"),
+        ([*train, "--seeds", "0", "1", "--out", str(afile)], "is a file, not a folder"),
+        (["lra", "generate", "listops", "--out", str(afile / "data")], "is a file, not a folder"),
+        (["lra", "prepare", "listops", "--src", str(tmp_path), "--cache", str(afile)],
+         "is a file; choose another path"),
+        (["lra", "report", str(tmp_path), "--markdown", str(tmp_path)], "is a folder"),
+        (["lra", "report", str(tmp_path), "--plot", str(afile / "f.png")],
+         "is a file, not a folder"),
+        (["lra", "stability", "--steps", "1", "--batch-size", "16", *cache, "--json",
+          str(tmp_path)], "is a folder"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        captured = capsys.readouterr()
+        assert message in captured.err and "Errno" not in captured.err, (argv, captured.err)
+        assert captured.out == "", (argv, captured.out)
+
+
+def test_a_seed_given_twice_is_refused_before_any_run(tmp_path, capsys, listops_cache):
+    """--seeds 0 0 1 would train seed 0, then fail on its own folder and never reach 1."""
+    cache = ["--cache", str(listops_cache)]
+    for argv in (["train", "listops", "--steps", "2", "--eval-every", "1", "--batch-size", "16",
+                  "--out", str(tmp_path / "runs"), "--no-tensorboard", "--quiet"],
+                 ["stability", "--steps", "1", "--batch-size", "16"]):
+        assert main(["lra", *argv, *cache, "--seeds", "0", "0", "1"]) == 2
+        captured = capsys.readouterr()
+        assert "--seeds lists 0 more than once" in captured.err and captured.out == ""
+    assert not (tmp_path / "runs").exists()

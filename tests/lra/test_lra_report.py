@@ -67,6 +67,20 @@ def test_no_runs_is_a_clear_error(tmp_path):
         collect_runs([tmp_path])
 
 
+@pytest.mark.parametrize("text", ["[1]", '{"task": "listops"}',
+                                  '{"task": "sorting", "attention": "softmax"}'])
+def test_a_result_json_of_another_kind_is_named(tmp_path, text):
+    """A result.json that is not a training result (another tool's, below the same
+    folder) is named with what it lacks, not a KeyError or TypeError in the tables."""
+    _fake_run(tmp_path, "listops", "softmax", 0, 0.3)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "result.json").write_text(text)
+    with pytest.raises(ValueError, match=r"other/result.json is not a result of `skyformer lra "
+                       "train`"):
+        tables(collect_runs([tmp_path]))
+
+
 def test_other_settings_are_rows_of_their_own_and_a_seed_counts_once(tmp_path):
     config = {"task": "listops", "attention": "skyformer", "steps": 50_000, "lr": 1e-4,
               "attention_options": {"num_features": 128}, "log_every": 100}

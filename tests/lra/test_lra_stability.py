@@ -100,5 +100,24 @@ def test_table_three_layout_and_softmax_baseline(listops_cache):
     assert report.settings["listops"]["batch_size"] == 16
     with pytest.raises(ValueError, match="unknown attention method"):
         run_stability(["listops"], ["nope"], cache_root=listops_cache)
+    with pytest.raises(ValueError, match="no method to compare with softmax"):
+        run_stability(["listops"], ["softmax"], cache_root=listops_cache)
     with pytest.raises(ValueError, match="probe must be one of normed, hidden"):
         instability_taus(_cfg(), listops_cache, steps=1, probe="logits")
+
+
+@pytest.mark.parametrize(("tasks", "features", "overrides", "message"), [
+    (["listops"], 0, {}, "num_features must be a positive integer"),
+    (["listops", "text"], None, {}, "lra prepare text"),
+    (["listops"], None, {"max_len": 99}, "exceeds the prepared length 8"),
+])
+def test_every_setting_is_checked_before_the_first_measurement(
+        listops_cache, tasks, features, overrides, message):
+    """A bad option, an unprepared task or a length beyond the cache fails before softmax
+    (or an earlier task) is measured, not after it."""
+    said = []
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        run_stability(tasks, ["skyformer"], cache_root=listops_cache, steps=1,
+                      num_features=features, overrides={"batch_size": 16, **overrides},
+                      progress=said.append)
+    assert said == []

@@ -102,6 +102,30 @@ def test_resume_reproduces_an_uninterrupted_run_exactly(listops_cache, tmp_path)
     assert not torch.equal(a["model"]["head.0.weight"], c["model"]["head.0.weight"])
 
 
+def test_csv_files_hold_only_the_entries_of_the_run_being_continued(listops_cache, tmp_path):
+    """A CSV of a kind the checkpoint has no entries of yet (dev before the first
+    evaluation) loses the rows logged after that checkpoint, as metrics.jsonl does; a new
+    run in a folder left by an attempt without a checkpoint starts with none."""
+    cfg = _cfg(steps=8, eval_every=4, checkpoint_every=2, log_every=2)
+    folder = tmp_path / "cut"
+    _run(cfg, listops_cache, folder, stop_after=2)
+    early = load_checkpoint(folder / "last.pt")
+    _run(cfg, listops_cache, folder, stop_after=6, resume=True)  # dev logged at step 4
+    assert "4," in (folder / "dev.csv").read_text()
+    save_checkpoint(folder / "last.pt", early)  # as if interrupted before the step-4 one
+    _run(cfg, listops_cache, folder, stop_after=3, resume=True)
+    assert not (folder / "dev.csv").exists()
+    assert [r["step"] for r in _history(folder)] == [2]
+    assert [row.split(",")[0] for row in (folder / "train.csv").read_text().split()[1:]] == ["2"]
+
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    for kind in ("train", "dev", "test"):
+        (fresh / f"{kind}.csv").write_text("step,accuracy\n99,1.0\n")
+    _run(cfg, listops_cache, fresh, stop_after=1)
+    assert sorted(p.name for p in fresh.glob("*.csv")) == []
+
+
 def test_an_existing_run_needs_resume_and_the_same_settings(listops_cache, tmp_path):
     cfg = _cfg(steps=4)
     _run(cfg, listops_cache, tmp_path)
@@ -153,6 +177,10 @@ def test_settings_are_validated_with_sentences(listops_cache, tmp_path):
         make_config("listops", learning_rate=1)
     with pytest.raises(ValueError, match="precision must be one of"):
         make_config("listops", precision="fp8")
+    with pytest.raises(ValueError, match="seed must be an integer >= 0, got -1"):
+        make_config("listops", seed=-1)
+    with pytest.raises(ValueError, match="device must be auto, cpu, cuda or cuda:K, got 'tpu'"):
+        _run(_cfg(), listops_cache, tmp_path / "tpu", device="tpu")
     with pytest.raises(ValueError, match="exceeds the prepared length 8"):
         _run(_cfg(max_len=9), listops_cache, tmp_path)
     with pytest.raises(FileNotFoundError, match="skyformer lra prepare text"):

@@ -99,6 +99,9 @@ def _earlier_rows(config: BenchConfig, out: str | None) -> list[dict]:
         earlier = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"cannot resume from {path}: not a bench result file ({err}).") from None
+    if not _is_bench_result(earlier):
+        raise ValueError(f"cannot resume from {path}: not a bench result file (an object with "
+                         "config, environment and a list of rows); write to another --out.")
     rows, unasked = resumable_rows(config, earlier)
     print(f"resuming from {path}: {len(rows)} rows measured before", file=sys.stderr)
     if unasked:
@@ -107,6 +110,13 @@ def _earlier_rows(config: BenchConfig, out: str | None) -> list[dict]:
               f"(N = {', '.join(map(str, lengths))}, or other shapes or dtypes); they will "
               "not be in the new file: ask for them too to keep them", file=sys.stderr)
     return rows
+
+
+def _is_bench_result(data: object) -> bool:
+    """Whether ``data`` has the shape of ``write_results``'s JSON."""
+    return (isinstance(data, dict) and isinstance(data.get("config"), dict)
+            and isinstance(data.get("environment"), dict) and isinstance(data.get("rows"), list)
+            and all(isinstance(row, dict) for row in data["rows"]))
 
 
 def run(args: argparse.Namespace) -> int:

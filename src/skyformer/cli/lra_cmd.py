@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..io import check_output_path
+
 NAME = "lra"
 HELP = "Long Range Arena: prepare data, train, report the papers' tables, instability score"
 
@@ -178,6 +180,14 @@ def _threads(n: int | None) -> None:
         torch.set_num_threads(n)
 
 
+def _distinct_seeds(seeds: list[int] | None) -> None:
+    """Refuse a seed listed twice: its second run would find the first's folder."""
+    repeated = sorted({s for s in seeds or [] if seeds.count(s) > 1})
+    if repeated:
+        raise ValueError(f"--seeds lists {', '.join(map(str, repeated))} more than once; give "
+                         "each seed once.")
+
+
 def _run_prepare(args: argparse.Namespace) -> int:
     from ..lra import prepare
 
@@ -189,6 +199,7 @@ def _run_prepare(args: argparse.Namespace) -> int:
     if extra:
         flags = ", ".join("--" + e.replace("_", "-") for e in sorted(extra))
         raise ValueError(f"{flags} do(es) not apply to {args.task}.")
+    check_output_path(_cache(args), folder=True)
     folder = prepare(args.task, args.src, _cache(args), max_len=args.max_len, **options)
     meta = json.loads((folder / "meta.json").read_text())
     counts = ", ".join(f"{s} {meta['splits'][s]['count']}" for s in ("train", "dev", "test"))
@@ -198,6 +209,7 @@ def _run_prepare(args: argparse.Namespace) -> int:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
+    check_output_path(args.out, folder=True)
     if args.what == "listops":
         from ..lra import ListOpsRules, write_listops
 
@@ -223,6 +235,7 @@ def _run_train(args: argparse.Namespace) -> int:
     from ..lra import make_config
     from ..lra.train import Trainer, default_run_dir
 
+    _distinct_seeds(args.seeds)
     _threads(args.threads)
     cfg = make_config(
         args.task, quick=args.quick, attention=args.attn, attention_options=dict(args.options),
@@ -239,6 +252,8 @@ def _run_train(args: argparse.Namespace) -> int:
     else:
         parent = Path(args.out) if args.out else default_run_dir(cfg).parent
         runs = [(dataclasses.replace(cfg, seed=s), parent / f"seed{s}") for s in args.seeds]
+    for run_cfg, out in runs:
+        check_output_path(out if out is not None else default_run_dir(run_cfg), folder=True)
     for run_cfg, out in runs:
         trainer = Trainer(run_cfg, cache_root=_cache(args), out_dir=out, resume=args.resume,
                           stop_after=args.stop_after, device=args.device,
@@ -258,6 +273,8 @@ def _run_report(args: argparse.Namespace) -> int:
     from ..io import atomic_write_text
     from ..lra.report import collect_runs, plot_dev_curves, tables
 
+    check_output_path(args.markdown)
+    check_output_path(args.plot)
     runs = collect_runs(args.runs)
     text = tables(runs)
     print(text)
@@ -272,6 +289,8 @@ def _run_stability(args: argparse.Namespace) -> int:
     from ..io import write_json
     from ..lra.stability import format_table, run_stability
 
+    check_output_path(args.json_path)
+    _distinct_seeds(args.seeds)
     _threads(args.threads)
     overrides = {k: v for k, v in (("batch_size", args.batch_size), ("max_len", args.max_len))
                  if v is not None}

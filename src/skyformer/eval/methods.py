@@ -110,6 +110,8 @@ def resolve(spec: str) -> NamedAttention:
         raise ValueError(
             f"cannot load {name!r} ({err}); expected 'package.module:function'."
         ) from None
+    if not callable(function):
+        raise ValueError(f"{name!r} is not a function; expected 'package.module:function'.")
     parameters = inspect.signature(function).parameters
     takes_generator = "generator" in parameters or any(
         p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()

@@ -42,7 +42,10 @@ def pick_device(request: str, local_rank: int) -> torch.device:
         if torch.cuda.is_available():
             return torch.device(f"cuda:{local_rank}")
         return torch.device("cpu")
-    device = torch.device(request)
+    try:
+        device = torch.device(request)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:K, got {request!r}.") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError(f"device {request!r} was asked for but CUDA is not available; "

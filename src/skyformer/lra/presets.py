@@ -71,8 +71,10 @@ class TrainConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value <= 0):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}.")
-        if not isinstance(self.warmup, int) or self.warmup < 0:
-            raise ValueError(f"warmup must be an integer >= 0, got {self.warmup!r}.")
+        for name in ("seed", "warmup"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}.")
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, got {self.lr!r}.")
         if self.weight_decay < 0:

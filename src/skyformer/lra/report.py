@@ -72,6 +72,7 @@ def collect_runs(paths: list[str | os.PathLike[str]]) -> list[Run]:
                 result = json.loads(file.read_text(encoding="utf-8"))
             except json.JSONDecodeError as err:
                 raise ValueError(f"{file} is not valid JSON ({err}).") from None
+            _check_result(file, result)
             run = Run(file.parent, result)
             metrics = file.parent / "metrics.jsonl"
             if metrics.is_file():
@@ -84,6 +85,23 @@ def collect_runs(paths: list[str | os.PathLike[str]]) -> list[Run]:
         raise FileNotFoundError(f"no result.json under {', '.join(map(str, paths))}; finish a "
                                 "run with `skyformer lra train` first.")
     return runs
+
+
+REQUIRED = ("task", "attention", "test_accuracy", "train_seconds", "peak_memory_bytes", "steps")
+
+
+def _check_result(file: Path, result: Any) -> None:
+    """Refuse a ``result.json`` that ``Trainer`` did not write, naming what it lacks."""
+    if not isinstance(result, dict):
+        problem = f"a JSON {type(result).__name__}, not an object"
+    elif missing := [k for k in REQUIRED if k not in result]:
+        problem = f"no {', '.join(missing)}"
+    elif result["task"] not in TASKS:
+        problem = f"task {result['task']!r} is not an LRA task"
+    else:
+        return
+    raise ValueError(f"{file} is not a result of `skyformer lra train` ({problem}); move it "
+                     "out of the folders given, or give the run folders themselves.")
 
 
 def _method_order(methods: set[str]) -> list[str]:

@@ -4,8 +4,9 @@ files under ``tensorboard/``. ``metrics.jsonl`` is strict JSON, one entry a line
 or infinite value (a diverged loss) is ``null`` there; the CSV files write ``nan``.
 
 The history also lives in the checkpoint: on resume the files are rewritten from it,
-so entries logged after the last checkpoint by an interrupted run disappear, and
-TensorBoard is told to purge events from the resumed step on.
+so entries logged after the last checkpoint by an interrupted run disappear (a CSV of a
+kind the history has no entries of is removed), and TensorBoard is told to purge events
+from the resumed step on.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from ..io import atomic_write_text, json_text
+
+KINDS = ("train", "dev", "test")  # the entries a training run records, one CSV each
 
 
 def tensorboard_available() -> bool:
@@ -44,8 +47,11 @@ class RunLog:
         self.folder.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.folder / "metrics.jsonl",
                           "".join(_json_line(e) for e in self.history))
-        for kind in {e["kind"] for e in self.history}:
+        kinds = {e["kind"] for e in self.history}
+        for kind in kinds:
             self._write_csv(kind)
+        for kind in set(KINDS) - kinds:  # left by an interrupted run after its checkpoint
+            (self.folder / f"{kind}.csv").unlink(missing_ok=True)
         if tensorboard and tensorboard_available():
             from torch.utils.tensorboard import SummaryWriter
 

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from ..registry import get_method
 from .batches import BatchOrder, Position, fetch
 from .cache import load_cache
-from .model import LRAClassifier
+from .model import LRAClassifier, resolve_attention_options
 from .presets import TrainConfig, learning_rate, make_config
 from .seeds import derive_seed
 from .tasks import TASKS
@@ -154,17 +154,18 @@ def run_stability(tasks: list[str], methods: list[str], *, cache_root: str | os.
     compared = [m for m in dict.fromkeys(methods) if m != BASELINE]
     for method in compared:
         get_method(method)
+    if not compared:
+        raise ValueError(f"no method to compare with {BASELINE}, the baseline of every ratio; "
+                         "name at least one other method.")
     report = StabilityReport(list(tasks), compared, list(seeds), steps, probe)
+    plan = _configs(tasks, [BASELINE, *compared], seeds, num_features, overrides or {})
+    _check_configs(plan, cache_root)
     for task in tasks:
         report.taus[task] = {}
         for method in [BASELINE, *compared]:
-            options = {}
-            if num_features is not None and "num_features" in get_method(method).option_names():
-                options["num_features"] = num_features
             report.taus[task][method] = {}
             for seed in seeds:
-                cfg = make_config(task, attention=method, attention_options=options, seed=seed,
-                                  **(overrides or {}))
+                cfg = plan[task, method, seed]
                 report.settings.setdefault(task, cfg.to_dict() | {"attention": None,
                                                                   "attention_options": None})
                 taus = instability_taus(cfg, cache_root, steps=steps, device=device, probe=probe)
@@ -172,6 +173,34 @@ def run_stability(tasks: list[str], methods: list[str], *, cache_root: str | os.
                 if progress:
                     progress(f"{task} {method} seed {seed}: mean tau {np.mean(taus):.4g}")
     return report
+
+
+def _configs(tasks: list[str], methods: list[str], seeds: list[int] | tuple[int, ...],
+             num_features: int | None, overrides: dict[str, Any]
+             ) -> dict[tuple[str, str, int], TrainConfig]:
+    """The training config of every (task, method, seed), in the order they run."""
+    plan = {}
+    for task in tasks:
+        for method in methods:
+            options = {}
+            if num_features is not None and "num_features" in get_method(method).option_names():
+                options["num_features"] = num_features
+            for seed in seeds:
+                plan[task, method, seed] = make_config(task, attention=method, seed=seed,
+                                                       attention_options=options, **overrides)
+    return plan
+
+
+def _check_configs(plan: dict[tuple[str, str, int], TrainConfig],
+                   cache_root: str | os.PathLike[str]) -> None:
+    """Fail before the first measurement, not after the earlier ones: every task is
+    prepared, fits its length, and every method takes its options."""
+    data = {}
+    for cfg in plan.values():
+        if cfg.task not in data:
+            data[cfg.task] = load_cache(cache_root, cfg.task)
+        mcfg = model_config(cfg, data[cfg.task])
+        resolve_attention_options(cfg.attention, cfg.attention_options, mcfg.max_len)
 
 
 def format_table(report: StabilityReport) -> str:

@@ -109,7 +109,10 @@ class BenchConfig:
             raise ValueError(f"max_seconds must be positive, got {self.max_seconds}.")
         if self.clock not in CLOCKS:
             raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}.")
-        device = torch.device(self.device)
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}.") from None
         if self.clock == "cpu" and device.type == "cuda":
             raise ValueError("clock 'cpu' times host CPU work only; on CUDA use the wall clock.")
         if device.type not in ("cpu", "cuda"):

@@ -28,6 +28,8 @@ def _floats(fields: list[str], path: Path, line_no: int) -> list[float]:
 def read_glove(path: str | Path, count: int) -> Tensor:
     """The first ``count`` vectors of a GloVe-format file: ``[count, d]`` float64."""
     p = Path(path)
+    if p.is_dir():
+        raise IsADirectoryError(f"GloVe file {str(p)!r} is a folder; pass --glove FILE.")
     if not p.is_file():
         raise FileNotFoundError(f"GloVe file {str(p)!r} does not exist (pass --glove FILE).")
     if count < 1:

@@ -21,6 +21,8 @@ def read_text(path: str | Path | None) -> str:
     if path is None:
         return default_text()
     p = Path(path)
+    if p.is_dir():
+        raise IsADirectoryError(f"text file {str(p)!r} is a folder; pass a UTF-8 text file.")
     if not p.is_file():
         raise FileNotFoundError(f"text file {str(p)!r} does not exist (pass a UTF-8 text file).")
     try:

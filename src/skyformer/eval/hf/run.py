@@ -118,6 +118,15 @@ def check_device(device: str) -> torch.device:
     return resolved
 
 
+def check_seq_len(model: nn.Module, seq_len: int) -> None:
+    """Refuse ``seq_len`` beyond the model's learned positions (``max_position_embeddings``
+    of BERT-type configs), which would fail inside the embeddings with a shape error."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and seq_len > limit:
+        raise ValueError(f"seq_len {seq_len} exceeds the {limit} positions of this model; "
+                         f"pass --seq-len {limit} or less.")
+
+
 @dataclass
 class HFEvalResult:
     config: HFEvalConfig
@@ -305,6 +314,7 @@ def evaluate(config: HFEvalConfig = HFEvalConfig(),
     model.to(device)
     layers = list(config.layers) if config.layers is not None else None
     check_layers(model, layers)  # before any work, not as a row per configuration
+    check_seq_len(model, config.seq_len)
     rows: list[dict[str, Any]] = []
     described: dict[str, dict[str, Any]] = {}
     for setting in config.settings:
