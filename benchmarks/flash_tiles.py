@@ -30,6 +30,7 @@ import torch
 from gpu_device import device_problem  # benchmarks/, beside this script
 
 import skyformer
+from skyformer.linalg import triton_kernels
 from skyformer.ops.kernelized import triton_flash
 
 # compiled for sm_90 at D = 64, bfloat16, by Triton 3.6.0 (triton_resources.py's
@@ -69,10 +70,10 @@ def _patched(table: dict, dtype: torch.dtype, head_dim: int):
     of ``dtype`` and ``head_dim``; everything else as the library chooses."""
     default = triton_flash.flash_tiles
 
-    def chosen(of_dtype, of_head_dim, kind):
+    def chosen(of_dtype, of_head_dim, kind, *rest):
         if kind in table and of_dtype == dtype and of_head_dim == head_dim:
             return _as_options(table[kind], kind)
-        return default(of_dtype, of_head_dim, kind)
+        return default(of_dtype, of_head_dim, kind, *rest)
 
     with mock.patch.object(triton_flash, "flash_tiles", chosen):
         yield
@@ -99,7 +100,9 @@ def measure(shape: str, n: int, specs: dict[str, list[str]], device: str, repeat
         return run
 
     reference = call(None, None)()
-    defaults = {kind: _as_tiles(triton_flash.flash_tiles(dtype, int(d), kind), kind)
+    capability = triton_kernels.device_capability(torch.device(device))
+    defaults = {kind: _as_tiles(triton_flash.flash_tiles(dtype, int(d), kind, capability),
+                                kind)
                 for kind in CANDIDATES}
     options = {kind: [defaults[kind]] + [t for t in map(_tiles, specs[kind])
                                          if t != defaults[kind]] for kind in CANDIDATES}

@@ -10,9 +10,10 @@ here before a device measures it), not times.
 
 Two steps: the calls run once on the CPU under Triton's interpreter at a small N and
 record every kernel launch (kernel, argument dtypes, compile-time constants, warps:
-exactly what the library chooses for the shape); each distinct launch is then
-compiled for the target. Head dim, dtype, number of landmarks and method come from
-the options; N only enters as a runtime argument.
+exactly what the library chooses for the shape on the target, whose compute
+capability stands in for the device's, ``triton_kernels.device_capability``); each
+distinct launch is then compiled for the target. Head dim, dtype, number of landmarks
+and method come from the options; N only enters as a runtime argument.
 
     python benchmarks/triton_resources.py --out benchmarks/results/triton_resources
         [--pinv-gradient implicit] [--one-pass-backward] [--matmul-precision high]
@@ -36,6 +37,7 @@ DTYPE_CODES = {"float32": "fp32", "float64": "fp64", "bfloat16": "bf16", "float1
 # Per-SM limits of the architectures (CUDA occupancy tables): registers, threads, shared
 # memory in bytes, and the register allocation granularity (per warp).
 SM_LIMITS = {
+    75: {"registers": 65536, "threads": 1024, "shared": 65536, "granularity": 256},
     80: {"registers": 65536, "threads": 2048, "shared": 167936, "granularity": 256},
     86: {"registers": 65536, "threads": 1536, "shared": 102400, "granularity": 256},
     89: {"registers": 65536, "threads": 1536, "shared": 102400, "granularity": 256},
@@ -81,6 +83,11 @@ def _record_launches(spec: dict) -> list[dict]:
         return original_run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = recording_run
+    # the tiles and precision the library would choose on the target GPU
+    from skyformer.linalg import triton_kernels
+
+    arch = spec.get("arch", 90)
+    triton_kernels.device_capability = lambda device: (arch // 10, arch % 10)
     torch.set_float32_matmul_precision(spec.get("matmul_precision", "highest"))
     if spec.get("one_pass_backward"):
         from skyformer.linalg import kernel_matmul_triton
@@ -250,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     for method, config, m in combos:
         head_dim, dtype = config.split(":")
         spec = {"method": method, "head_dim": int(head_dim), "dtype": dtype,
-                "features": m, "n": args.n, "pinv_gradient": args.pinv_gradient,
+                "features": m, "n": args.n, "arch": args.arch, "pinv_gradient": args.pinv_gradient,
                 "one_pass_backward": args.one_pass_backward,
                 "matmul_precision": args.matmul_precision}
         env = os.environ | {RECORD_ENV: json.dumps(spec), "TRITON_INTERPRET": "1"}

@@ -14,6 +14,7 @@ import torch
 import skyformer
 from skyformer.linalg import gaussian_kernel_matmul
 from skyformer.linalg.kernel_backend import interpreter_on
+from tests.conftest import make_qkv
 from tests.devices import cuda_only, devices, needs_interpreter, relative_error
 from tests.dispatch import Recorder
 
@@ -611,7 +612,8 @@ def test_forward_mode_takes_the_pytorch_path_under_auto_and_triton_says_so():
 def test_the_products_precision_follows_the_rows_dtype_the_gpu_and_the_interpreter(monkeypatch):
     """bf16x3 for half rows on GPUs with bfloat16 tensor cores, its float32 form under
     the interpreter (whose bfloat16 tl.dot is wrong) whatever the tensors' device,
-    tf32x3 / tf32 for float32 rows by PyTorch's matmul precision, IEEE for float64."""
+    tf32x3 / tf32 for float32 rows by PyTorch's matmul precision, IEEE for float64 and
+    on GPUs without TF32 (before compute capability 8.0)."""
     from skyformer.linalg import triton_kernels
 
     cuda = torch.device("cuda", 0)
@@ -621,9 +623,12 @@ def test_the_products_precision_follows_the_rows_dtype_the_gpu_and_the_interpret
     assert triton_kernels._precision(torch.float32, torch.float32, cuda) == "tf32x3"
     assert triton_kernels._precision(torch.float64, torch.float64, cuda) == "ieee"
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    for capability, expected in (((9, 0), "bf16x3"), ((8, 0), "bf16x3"), ((7, 5), "tf32x3")):
+    for capability, half, single in (((9, 0), "bf16x3", "tf32x3"), ((8, 0), "bf16x3", "tf32x3"),
+                                     ((7, 5), "ieee", "ieee"), ((7, 0), "ieee", "ieee")):
         monkeypatch.setattr(triton_kernels, "_capability", lambda index, c=capability: c)
-        assert triton_kernels._precision(torch.float32, torch.float16, cuda) == expected
+        assert triton_kernels._precision(torch.float32, torch.float16, cuda) == half
+        # no TF32 before 8.0: three passes would be three float32 products
+        assert triton_kernels._precision(torch.float32, torch.float32, cuda) == single
     monkeypatch.setattr(triton_kernels, "_capability", lambda index: (9, 0))
     previous = torch.get_float32_matmul_precision()
     try:
@@ -632,6 +637,82 @@ def test_the_products_precision_follows_the_rows_dtype_the_gpu_and_the_interpret
         assert triton_kernels._precision(torch.float32, torch.bfloat16, cuda) == "bf16x3"
     finally:
         torch.set_float32_matmul_precision(previous)
+
+
+def test_tiles_follow_the_gpu_generation():
+    """sm_90's tiles by default and on Hopper; 32 x 32 before it (they spill nothing
+    compiled for sm_80, where sm_90's spill in the backward launches); float64 alike."""
+    from skyformer.linalg import triton_kernels as tk
+
+    for capability in (None, (9, 0), (10, 0)):
+        assert tk._row_tiles(64, 64, torch.float32, capability) == (64, 32, 4, 1)
+        assert tk._col_tiles(64, 64, torch.float32, True, capability) == (64, 64, 4, 1)
+    for capability in ((8, 0), (8, 6), (8, 9), (7, 5)):
+        assert tk._row_tiles(64, 64, torch.float32, capability) == (32, 32, 4, 1)
+        assert tk._col_tiles(32, 32, torch.float32, False, capability) == (32, 32, 4, 1)
+        assert tk._row_tiles(64, 64, torch.float64, capability) == (16, 16, 4, 1)
+    assert tk.device_capability(torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4]])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_the_tiles_before_hopper_give_the_same_products(monkeypatch, triton_interpreter,
+                                                        case, transpose):
+    """The products and their gradients with the tiles chosen for an sm_80 GPU, under
+    the interpreter, against the PyTorch path."""
+    from skyformer.linalg import triton_kernels
+
+    n, m, d, r = case
+    g = torch.Generator().manual_seed(n + m)
+    y = torch.randn(2, n, d, generator=g)
+    x = torch.randn(2, m, d, generator=g) * 0.7
+    b = 0.5 * (x * x).sum(-1)
+    rhs = torch.randn(2, n if transpose else m, r, generator=g)
+    options = {"scale": d ** -0.25, "transpose": transpose}
+    ref = _product("torch", y, x, b, rhs, **options)
+    tiles = []
+    original = triton_kernels._row_tiles if not transpose else triton_kernels._col_tiles
+
+    def recording(*args):
+        tiles.append(original(*args))
+        return tiles[-1]
+
+    monkeypatch.setattr(triton_kernels, "device_capability", lambda device: (8, 0))
+    monkeypatch.setattr(triton_kernels, "_col_tiles" if transpose else "_row_tiles",
+                        recording)
+    ours = _product("triton", y, x, b, rhs, **options)
+    assert tiles and tiles[0] == triton_kernels.PRE_HOPPER_TILES
+    _assert_products_close(ours, ref, torch.float32)
+
+
+@pytest.mark.parametrize("method", ["skyformer", "kernelized"])
+@pytest.mark.parametrize(("d", "dtype"), [(64, torch.bfloat16), (32, torch.float32)])
+def test_methods_with_the_tiles_before_hopper(monkeypatch, triton_interpreter, method, d,
+                                              dtype):
+    """Skyformer's products and exact kernelized's flash kernels (whose gradient
+    kernels take other blocks before sm_90) with an sm_80 GPU's choices, against the
+    same call on the PyTorch path: outputs and gradients."""
+    from skyformer.linalg import triton_kernels
+    from skyformer.ops.kernelized import triton_flash
+
+    q, k, v = (t.to(dtype) for t in make_qkv(1, 2, 70, d, seed=5, dtype=torch.float32))
+    options = {} if method == "kernelized" else {"num_features": 16}
+
+    def run(kernel):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = skyformer.attention(*leaves, method, kernel=kernel,
+                                  generator=skyformer.random_key(3), **options)
+        return [out, *torch.autograd.grad(out.float().square().sum(), leaves)]
+
+    want = run("torch")
+    monkeypatch.setattr(triton_kernels, "device_capability", lambda device: (8, 0))
+    if method == "kernelized":  # its key-gradient kernel takes other blocks there
+        assert triton_flash.flash_tiles(dtype, d, "keys", (8, 0)) != \
+            triton_flash.flash_tiles(dtype, d, "keys")
+    got = run("triton")
+    for a, e in zip(got, want, strict=True):
+        assert relative_error(a.double(), e.double()) < (3e-2 if dtype == torch.bfloat16
+                                                         else 2e-4)
 
 
 def test_more_matrices_than_a_cuda_grid_holds_go_in_slices(monkeypatch, triton_interpreter):

@@ -301,13 +301,19 @@ def _precision(dtype: torch.dtype, rows: torch.dtype | None = None,
     float32 matmul precision; under Triton's interpreter ``"bf16x3-interpreted"``
     (``_mm``). Float32 otherwise: three TF32 passes (about float32's accuracy) at
     PyTorch's default matmul precision "highest", one TF32 pass where PyTorch allows
-    TF32 (``tf32_allowed``). Float64 is exact (IEEE)."""
+    TF32 (``tf32_allowed``). Float64 is exact (IEEE), and so is everything on GPUs
+    before compute capability 8.0 (Turing, Volta), which have neither TF32 nor bfloat16
+    tensor cores: Triton compiles those dots to float32 FMAs, so each of tf32x3's three
+    passes would be a full float32 product."""
     if dtype != torch.float32:
+        return "ieee"
+    capability = device_capability(device)
+    if capability is not None and capability < (8, 0):
         return "ieee"
     if rows in (torch.bfloat16, torch.float16):
         if interpreter_on():  # whatever the tensors' device: the kernels run on the CPU
             return "bf16x3-interpreted"
-        if _has_bf16_tensor_cores(device):
+        if capability is not None:
             return "bf16x3"
     return "tf32" if tf32_allowed() else "tf32x3"
 
@@ -326,11 +332,20 @@ def tf32_allowed() -> bool:
     return torch.get_float32_matmul_precision() != "highest"
 
 
-def _has_bf16_tensor_cores(device: torch.device | None) -> bool:
-    if device is None or device.type != "cuda":
-        return False
+def device_capability(device: torch.device | None) -> tuple[int, int] | None:
+    """The compute capability the kernels are compiled for on ``device``: a CUDA
+    device's, None for any other and under Triton's interpreter (which runs every
+    kernel on the CPU)."""
+    if device is None or device.type != "cuda" or interpreter_on():
+        return None
     return _capability(device.index if device.index is not None else
-                       torch.cuda.current_device()) >= (8, 0)
+                       torch.cuda.current_device())
+
+
+def before_hopper(capability: tuple[int, int] | None) -> bool:
+    """Whether tiles are chosen for a GPU before sm_90 (Ampere, Ada, Turing), whose
+    MMA instructions hold their accumulators differently (``_row_tiles``)."""
+    return capability is not None and capability < (9, 0)
 
 
 @functools.cache
@@ -361,20 +376,34 @@ def _exclude_args(exclude: Tensor | None, like: Tensor) -> tuple[Tensor, int, in
 STAGES = 1
 
 
-def _row_tiles(bd: int, br: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+# Before sm_90 (Ampere and Ada: mma.sync instead of wgmma) the same tiles spill. Compiled
+# for sm_80 (benchmarks/triton_resources.py --arch 80, Triton 3.9): the rows kernel's
+# backward launches 184-216 bytes a thread (half rows, D = 64) and 144 (float32, D = 32),
+# the cols kernel's 56 and 816; with 32 x 32 tiles none spills and as many or more warps
+# fit an SM. Not timed: no such GPU ran them.
+PRE_HOPPER_TILES = (32, 32, 4, STAGES)
+
+
+def _row_tiles(bd: int, br: int, dtype: torch.dtype,
+               capability: tuple[int, int] | None = None) -> tuple[int, int, int, int]:
     """The rows kernel: (BLOCK_N rows a program, BLOCK_M columns a loop step, warps,
-    pipeline stages)."""
+    pipeline stages) on a GPU of ``capability`` (None: sm_90's tiles)."""
     if dtype == torch.float64:  # broadcast sums of [BLOCK_N, BLOCK_M, BLOCK_D] values
         return 16, 16, 4, STAGES
+    if before_hopper(capability):
+        return PRE_HOPPER_TILES
     return (64 if max(bd, br) <= 64 else 32), 32, 4, STAGES
 
 
-def _col_tiles(bd: int, br: int, dtype: torch.dtype, half_rows: bool = False
-               ) -> tuple[int, int, int, int]:
+def _col_tiles(bd: int, br: int, dtype: torch.dtype, half_rows: bool = False,
+               capability: tuple[int, int] | None = None) -> tuple[int, int, int, int]:
     """The cols kernel: (BLOCK_N rows a loop step, BLOCK_M columns a program, warps,
-    pipeline stages); ``half_rows``: y and V_N are half types (bf16x3 dots)."""
+    pipeline stages); ``half_rows``: y and V_N are half types (bf16x3 dots);
+    ``capability`` as ``_row_tiles``."""
     if dtype == torch.float64:
         return 16, 16, 4, STAGES
+    if before_hopper(capability):
+        return PRE_HOPPER_TILES
     wide = max(bd, br)
     columns = 64 if wide <= (64 if half_rows else 32) else 32
     return (64 if wide <= 64 else 32), columns, 4, STAGES
@@ -433,7 +462,7 @@ def rows_product(
     bh, n, d = y.shape
     m, r = x.shape[1], vm.shape[-1]
     bd, br = tile_width(d), tile_width(r)
-    bn, bm, warps, stages = _row_tiles(bd, br, x.dtype)
+    bn, bm, warps, stages = _row_tiles(bd, br, x.dtype, device_capability(y.device))
     out1 = y.new_empty(bh, n, r, dtype=y.dtype if out1_dtype is None else out1_dtype) \
         if write_out1 else None
     out2 = y.new_empty(bh, n, d, dtype=y.dtype) if vn is not None else None
@@ -490,7 +519,8 @@ def cols_product(
     m, r = x.shape[1], vn.shape[-1]
     bd, br = tile_width(d), tile_width(r)
     bn, bm, warps, stages = _col_tiles(bd, br, x.dtype, y.dtype in (torch.bfloat16,
-                                                                     torch.float16))
+                                                                     torch.float16),
+                                       device_capability(y.device))
     col_blocks = cdiv(m, bm)
     splits, rows_per_split = row_slices(n, col_blocks * bh, bn, y.device)
     out1 = x.new_empty(splits, bh, m, r) if write_out1 else None

@@ -427,7 +427,8 @@ def lemma3_forward(source: Tensor, norm: Tensor | None, ridge: Tensor, iteration
             vectors, m, d, bh // ridge.shape[0])
     options = {"ITERATIONS": iterations, "KEEP": keep, "LAST_TWO": not backward,
                "CHAIN": chain, "FROM_ROWS": norm is not None,
-               "TINY": torch.finfo(source.dtype).tiny, "PRECISION": _precision(source.dtype),
+               "TINY": torch.finfo(source.dtype).tiny,
+               "PRECISION": _precision(source.dtype, device=source.device),
                **launch_options(m, graphed=graph_launches_on())}
     launch(_forward_kernel, _forward_pass_kernel, forward_passes(iterations, chain), bh, m,
            args, options)

@@ -341,7 +341,7 @@ def lemma3_backward(source: Tensor, norm: Tensor | None, ridge: Tensor, store: T
                "FROM_ROWS": norm is not None,
                "TINY": torch.finfo(source.dtype).tiny,
                "BLOCK_D": tile_width(d),
-               "PRECISION": _precision(source.dtype),
+               "PRECISION": _precision(source.dtype, device=source.device),
                **launch_options(m, backward=True, graphed=graph_launches_on())}
     launch(_backward_kernel, _backward_pass_kernel,
            backward_passes(iterations, norm is not None, implicit), bh, m, args, options)

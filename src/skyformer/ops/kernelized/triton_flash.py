@@ -235,14 +235,15 @@ def _flash_query_grad_kernel(
     _store(DQ, bh, rows, NQ, D, s * (dq - row_sums[:, None] * qf), BLOCK_D)
 
 
-def flash_precision(dtype: torch.dtype) -> str:
-    """The dots' precision for inputs of ``dtype`` (module docstring)."""
+def flash_precision(dtype: torch.dtype, device: torch.device | None = None) -> str:
+    """The dots' precision for inputs of ``dtype`` on ``device`` (module docstring)."""
     if dtype in (torch.bfloat16, torch.float16):
         return "half-interpreted" if interpreter_on() else "half"
-    return _precision(dtype)
+    return _precision(dtype, device=device)
 
 
-def flash_tiles(dtype: torch.dtype, head_dim: int, kind: str) -> dict:
+def flash_tiles(dtype: torch.dtype, head_dim: int, kind: str,
+                capability: tuple[int, int] | None = None) -> dict:
     """Launch options of the ``kind`` kernel (``"forward"``, ``"keys"``, ``"queries"``)
     for inputs of ``dtype``: the block over the program's own rows (``BLOCK_M`` queries,
     or ``BLOCK_N`` keys for ``"keys"``), the block of its loop, warps and pipeline
@@ -252,8 +253,14 @@ def flash_tiles(dtype: torch.dtype, head_dim: int, kind: str) -> dict:
     types up to head dim 256 (8 warps from 128, where 4 spill; smaller blocks above 128)
     nor in float32 at head dim 32; float32 spills up to 120 bytes a thread at 64-128 and
     370-500 bytes in the backward kernels at 256 (16 x 16 blocks, the least). Not timed
-    on a GPU yet (``benchmarks/flash_tiles.py`` times candidates)."""
-    if dtype == torch.float64:
+    on a GPU yet (``benchmarks/flash_tiles.py`` times candidates). ``capability``: the
+    GPU's (None: sm_90's tiles); before sm_90 the gradient kernels take the blocks of
+    ``_PRE_HOPPER`` where sm_90's spill there."""
+    pre_hopper = _PRE_HOPPER.get((dtype in (torch.bfloat16, torch.float16), kind))
+    if pre_hopper and triton_kernels.before_hopper(capability) \
+            and head_dim <= pre_hopper["up_to_head_dim"]:
+        own, step, warps, stages = pre_hopper["tiles"]
+    elif dtype == torch.float64:
         own, step, warps, stages = 32, 32, 4, 1
     elif dtype == torch.float32:
         if head_dim > 128:
@@ -275,6 +282,19 @@ def flash_tiles(dtype: torch.dtype, head_dim: int, kind: str) -> dict:
     return {"BLOCK_M": own, "BLOCK_N": step, "num_warps": warps, "num_stages": stages}
 
 
+# Compiled for sm_80 (benchmarks/triton_resources.py --arch 80, Triton 3.9), sm_90's
+# blocks spill in the gradient kernels: keys 480 and queries 96 bytes a thread in half
+# types at head dim 64, keys 120 in float32 at 32; these spill nothing (in half types
+# keys 124 registers, 16 warps an SM, queries 140 and 12). Wider heads spill nothing
+# with sm_90's blocks. Not timed: no such GPU ran them. Keyed by (half type, kind):
+# (own, step, warps, stages).
+_PRE_HOPPER = {
+    (True, "keys"): {"up_to_head_dim": 64, "tiles": (32, 64, 8, 2)},
+    (True, "queries"): {"up_to_head_dim": 64, "tiles": (32, 64, 4, 2)},
+    (False, "keys"): {"up_to_head_dim": 32, "tiles": (64, 16, 4, 2)},
+}
+
+
 def _strides(t: Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
@@ -287,7 +307,7 @@ def _common(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, s: float,
     valid = q if key_valid is None else key_valid.contiguous().view(torch.uint8)
     args = [*_strides(q), *_strides(k), *_strides(v), h, nq, nk, d, dv, s * LOG2E]
     meta = {"HAS_VALID": key_valid is not None, "CAUSAL": causal,
-            "F64": q.dtype == torch.float64, "PRECISION": flash_precision(q.dtype),
+            "F64": q.dtype == torch.float64, "PRECISION": flash_precision(q.dtype, q.device),
             "FMA": q.dtype == torch.float64 and not float64_dots(),
             "BLOCK_D": tile_width(d),
             "BLOCK_DV": tile_width(dv)}
@@ -322,7 +342,8 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, s: 
     out = q.new_empty(b, h, nq, v.shape[3])
     if out.numel() == 0:
         return out
-    tiles = flash_tiles(q.dtype, q.shape[3], "forward")
+    tiles = flash_tiles(q.dtype, q.shape[3], "forward",
+                        triton_kernels.device_capability(q.device))
     for part in _batch_slices(b):
         qp, kp, vp = _at(q, part), _at(k, part), _at(v, part)
         (valid, args), meta = _common(qp, kp, vp, _at(key_valid, part), s, causal)
@@ -351,11 +372,13 @@ def flash_backward(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None,
         (valid, args), meta = _common(qp, kp, vp, _at(key_valid, part), s, causal)
         bp = qp.shape[0]
         if need_kv:
-            tiles = flash_tiles(q.dtype, q.shape[3], "keys")
+            tiles = flash_tiles(q.dtype, q.shape[3], "keys",
+                                triton_kernels.device_capability(q.device))
             _flash_key_grad_kernel[(cdiv(nk, tiles["BLOCK_N"]), h, bp)](
                 qp, kp, vp, valid, gp, _at(dk, part), _at(dv, part), *args, s, **meta, **tiles)
         if need_q:
-            tiles = flash_tiles(q.dtype, q.shape[3], "queries")
+            tiles = flash_tiles(q.dtype, q.shape[3], "queries",
+                                triton_kernels.device_capability(q.device))
             _flash_query_grad_kernel[(cdiv(nq, tiles["BLOCK_M"]), h, bp)](
                 qp, kp, vp, valid, gp, _at(dq, part), *args, s, **meta, **tiles)
     return dq, dk, dv
