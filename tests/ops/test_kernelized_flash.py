@@ -245,6 +245,20 @@ def test_only_the_gradients_asked_for_are_computed():
             torch.testing.assert_close(a, e, rtol=0, atol=0)
 
 
+def test_float64_keeps_its_blocks_on_every_gpu_generation():
+    """The blocks for GPUs before sm_90 (``_PRE_HOPPER``) were chosen for float32 and
+    half types; float64 (the interpreter's exact dtype: ``triton_resources.py --arch``
+    records with it) keeps its own, as the products' float64 tiles do."""
+    from skyformer.ops.kernelized import triton_flash
+
+    for kind in ("forward", "keys", "queries"):
+        for head_dim in (16, 32, 64):
+            assert triton_flash.flash_tiles(torch.float64, head_dim, kind, (8, 0)) == \
+                triton_flash.flash_tiles(torch.float64, head_dim, kind)
+    assert triton_flash.flash_tiles(torch.float32, 32, "keys", (8, 0)) != \
+        triton_flash.flash_tiles(torch.float32, 32, "keys")
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_more_sequences_than_a_cuda_grid_holds_go_in_slices(monkeypatch, causal):
     """A CUDA grid holds at most 65535 blocks along its third dimension, where the flash

@@ -256,7 +256,8 @@ def flash_tiles(dtype: torch.dtype, head_dim: int, kind: str,
     on a GPU yet (``benchmarks/flash_tiles.py`` times candidates). ``capability``: the
     GPU's (None: sm_90's tiles); before sm_90 the gradient kernels take the blocks of
     ``_PRE_HOPPER`` where sm_90's spill there."""
-    pre_hopper = _PRE_HOPPER.get((dtype in (torch.bfloat16, torch.float16), kind))
+    pre_hopper = None if dtype == torch.float64 else \
+        _PRE_HOPPER.get((dtype in (torch.bfloat16, torch.float16), kind))
     if pre_hopper and triton_kernels.before_hopper(capability) \
             and head_dim <= pre_hopper["up_to_head_dim"]:
         own, step, warps, stages = pre_hopper["tiles"]
@@ -287,7 +288,7 @@ def flash_tiles(dtype: torch.dtype, head_dim: int, kind: str,
 # types at head dim 64, keys 120 in float32 at 32; these spill nothing (in half types
 # keys 124 registers, 16 warps an SM, queries 140 and 12). Wider heads spill nothing
 # with sm_90's blocks. Not timed: no such GPU ran them. Keyed by (half type, kind):
-# (own, step, warps, stages).
+# (own, step, warps, stages); float64 keeps its own blocks.
 _PRE_HOPPER = {
     (True, "keys"): {"up_to_head_dim": 64, "tiles": (32, 64, 8, 2)},
     (True, "queries"): {"up_to_head_dim": 64, "tiles": (32, 64, 4, 2)},
