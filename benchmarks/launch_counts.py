@@ -9,8 +9,9 @@ Counted with a dispatch mode: views, allocations and copies are left out, and so
 the CPU-only subnormal flush; the check for non-finite inputs (``registry/guard.py``)
 is counted as a CUDA call runs it (on the CPU an eager call first asks whether the
 inputs are finite at all and skips it).
-Raw Triton launches are not dispatched operations: the draws add one launch per side,
-the core one per pass.
+Raw Triton launches are not dispatched operations: the draws add one launch per side
+(one for both sides of an unpadded call whose queries and keys have one length, as
+here), the core one per pass.
 
     python benchmarks/launch_counts.py [--out FILE.md]
 """
