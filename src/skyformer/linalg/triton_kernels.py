@@ -343,9 +343,12 @@ def device_capability(device: torch.device | None) -> tuple[int, int] | None:
 
 
 def before_hopper(capability: tuple[int, int] | None) -> bool:
-    """Whether tiles are chosen for a GPU before sm_90 (Ampere, Ada, Turing), whose
-    MMA instructions hold their accumulators differently (``_row_tiles``)."""
-    return capability is not None and capability < (9, 0)
+    """Whether tiles are chosen for a GPU whose dots compile to ``mma.sync`` as before
+    sm_90 (Ampere, Ada, Turing), with accumulators held differently than by sm_90's
+    ``wgmma`` (``_row_tiles``): those GPUs and consumer Blackwell (sm_120, sm_121: RTX
+    50xx, GB10), which has neither ``wgmma`` nor sm_100's ``tcgen05``. Compiled for
+    sm_120, sm_90's tiles spilled as for sm_80 (docs/gpu.md)."""
+    return capability is not None and (capability < (9, 0) or capability[0] == 12)
 
 
 @functools.cache
