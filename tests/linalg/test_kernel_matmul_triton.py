@@ -657,7 +657,7 @@ def test_tiles_follow_the_gpu_generation():
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4]])
 @pytest.mark.parametrize("transpose", [False, True])
-def test_the_tiles_before_hopper_give_the_same_products(monkeypatch, triton_interpreter,
+def test_the_tiles_for_mma_sync_gpus_give_the_same_products(monkeypatch, triton_interpreter,
                                                         case, transpose):
     """The products and their gradients with the tiles chosen for an sm_80 GPU, under
     the interpreter, against the PyTorch path."""
@@ -682,13 +682,13 @@ def test_the_tiles_before_hopper_give_the_same_products(monkeypatch, triton_inte
     monkeypatch.setattr(triton_kernels, "_col_tiles" if transpose else "_row_tiles",
                         recording)
     ours = _product("triton", y, x, b, rhs, **options)
-    assert tiles and tiles[0] == triton_kernels.PRE_HOPPER_TILES
+    assert tiles and tiles[0] == triton_kernels.MMA_SYNC_TILES
     _assert_products_close(ours, ref, torch.float32)
 
 
 @pytest.mark.parametrize("method", ["skyformer", "kernelized"])
 @pytest.mark.parametrize(("d", "dtype"), [(64, torch.bfloat16), (32, torch.float32)])
-def test_methods_with_the_tiles_before_hopper(monkeypatch, triton_interpreter, method, d,
+def test_methods_with_the_tiles_mma_sync_gpu(monkeypatch, triton_interpreter, method, d,
                                               dtype):
     """Skyformer's products and exact kernelized's flash kernels (whose gradient
     kernels take other blocks before sm_90) with an sm_80 GPU's choices, against the

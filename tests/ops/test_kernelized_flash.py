@@ -246,7 +246,7 @@ def test_only_the_gradients_asked_for_are_computed():
 
 
 def test_float64_keeps_its_blocks_on_every_gpu_generation():
-    """The blocks for GPUs before sm_90 (``_PRE_HOPPER``) were chosen for float32 and
+    """The blocks for GPUs before sm_90 (``_MMA_SYNC``) were chosen for float32 and
     half types; float64 (the interpreter's exact dtype: ``triton_resources.py --arch``
     records with it) keeps its own, as the products' float64 tiles do."""
     from skyformer.ops.kernelized import triton_flash

@@ -342,7 +342,7 @@ def device_capability(device: torch.device | None) -> tuple[int, int] | None:
                        torch.cuda.current_device())
 
 
-def before_hopper(capability: tuple[int, int] | None) -> bool:
+def mma_sync_gpu(capability: tuple[int, int] | None) -> bool:
     """Whether tiles are chosen for a GPU whose dots compile to ``mma.sync`` as before
     sm_90 (Ampere, Ada, Turing), with accumulators held differently than by sm_90's
     ``wgmma`` (``_row_tiles``): those GPUs and consumer Blackwell (sm_120, sm_121: RTX
@@ -379,12 +379,13 @@ def _exclude_args(exclude: Tensor | None, like: Tensor) -> tuple[Tensor, int, in
 STAGES = 1
 
 
-# Before sm_90 (Ampere and Ada: mma.sync instead of wgmma) the same tiles spill. Compiled
+# On GPUs whose dots compile to mma.sync instead of wgmma (before sm_90, and sm_12x:
+# mma_sync_gpu) the same tiles spill. Compiled
 # for sm_80 (benchmarks/triton_resources.py --arch 80, Triton 3.9): the rows kernel's
 # backward launches 184-216 bytes a thread (half rows, D = 64) and 144 (float32, D = 32),
 # the cols kernel's 56 and 816; with 32 x 32 tiles none spills and as many or more warps
 # fit an SM. Not timed: no such GPU ran them.
-PRE_HOPPER_TILES = (32, 32, 4, STAGES)
+MMA_SYNC_TILES = (32, 32, 4, STAGES)
 
 
 def _row_tiles(bd: int, br: int, dtype: torch.dtype,
@@ -393,8 +394,8 @@ def _row_tiles(bd: int, br: int, dtype: torch.dtype,
     pipeline stages) on a GPU of ``capability`` (None: sm_90's tiles)."""
     if dtype == torch.float64:  # broadcast sums of [BLOCK_N, BLOCK_M, BLOCK_D] values
         return 16, 16, 4, STAGES
-    if before_hopper(capability):
-        return PRE_HOPPER_TILES
+    if mma_sync_gpu(capability):
+        return MMA_SYNC_TILES
     return (64 if max(bd, br) <= 64 else 32), 32, 4, STAGES
 
 
@@ -405,8 +406,8 @@ def _col_tiles(bd: int, br: int, dtype: torch.dtype, half_rows: bool = False,
     ``capability`` as ``_row_tiles``."""
     if dtype == torch.float64:
         return 16, 16, 4, STAGES
-    if before_hopper(capability):
-        return PRE_HOPPER_TILES
+    if mma_sync_gpu(capability):
+        return MMA_SYNC_TILES
     wide = max(bd, br)
     columns = 64 if wide <= (64 if half_rows else 32) else 32
     return (64 if wide <= 64 else 32), columns, 4, STAGES

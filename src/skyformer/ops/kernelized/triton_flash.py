@@ -255,12 +255,12 @@ def flash_tiles(dtype: torch.dtype, head_dim: int, kind: str,
     370-500 bytes in the backward kernels at 256 (16 x 16 blocks, the least). Not timed
     on a GPU yet (``benchmarks/flash_tiles.py`` times candidates). ``capability``: the
     GPU's (None: sm_90's tiles); before sm_90 the gradient kernels take the blocks of
-    ``_PRE_HOPPER`` where sm_90's spill there."""
-    pre_hopper = None if dtype == torch.float64 else \
-        _PRE_HOPPER.get((dtype in (torch.bfloat16, torch.float16), kind))
-    if pre_hopper and triton_kernels.before_hopper(capability) \
-            and head_dim <= pre_hopper["up_to_head_dim"]:
-        own, step, warps, stages = pre_hopper["tiles"]
+    ``_MMA_SYNC`` where sm_90's spill there."""
+    mma_sync = None if dtype == torch.float64 else \
+        _MMA_SYNC.get((dtype in (torch.bfloat16, torch.float16), kind))
+    if mma_sync and triton_kernels.mma_sync_gpu(capability) \
+            and head_dim <= mma_sync["up_to_head_dim"]:
+        own, step, warps, stages = mma_sync["tiles"]
     elif dtype == torch.float64:
         own, step, warps, stages = 32, 32, 4, 1
     elif dtype == torch.float32:
@@ -289,7 +289,7 @@ def flash_tiles(dtype: torch.dtype, head_dim: int, kind: str,
 # keys 124 registers, 16 warps an SM, queries 140 and 12). Wider heads spill nothing
 # with sm_90's blocks. Not timed: no such GPU ran them. Keyed by (half type, kind):
 # (own, step, warps, stages); float64 keeps its own blocks.
-_PRE_HOPPER = {
+_MMA_SYNC = {
     (True, "keys"): {"up_to_head_dim": 64, "tiles": (32, 64, 8, 2)},
     (True, "queries"): {"up_to_head_dim": 64, "tiles": (32, 64, 4, 2)},
     (False, "keys"): {"up_to_head_dim": 32, "tiles": (64, 16, 4, 2)},
