@@ -640,27 +640,35 @@ def test_the_products_precision_follows_the_rows_dtype_the_gpu_and_the_interpret
 
 
 def test_tiles_follow_the_gpu_generation():
-    """sm_90's tiles by default and on Hopper; 32 x 32 before it (they spill nothing
-    compiled for sm_80, where sm_90's spill in the backward launches); float64 alike."""
+    """sm_90's tiles by default and where dots compile to wgmma; 32 x 32 where they
+    compile to mma.sync (Ampere, Ada, consumer Blackwell), 16 x 16 with eight warps
+    where no MMA is used (before 8.0): compiled for those GPUs they spill nothing where
+    sm_90's spill in the backward launches; float64 alike everywhere."""
     from skyformer.linalg import triton_kernels as tk
 
     for capability in (None, (9, 0), (10, 0)):
+        assert tk.dot_family(capability) == "wgmma"
         assert tk._row_tiles(64, 64, torch.float32, capability) == (64, 32, 4, 1)
         assert tk._col_tiles(64, 64, torch.float32, True, capability) == (64, 64, 4, 1)
-    # consumer Blackwell compiles mma.sync as sm_80 does, where sm_90's tiles spill
-    for capability in ((8, 0), (8, 6), (8, 9), (7, 5), (12, 0), (12, 1)):
-        assert tk._row_tiles(64, 64, torch.float32, capability) == (32, 32, 4, 1)
-        assert tk._col_tiles(32, 32, torch.float32, False, capability) == (32, 32, 4, 1)
+    for capability, family, tiles in (((8, 0), "mma_sync", (32, 32, 4, 1)),
+                                      ((8, 9), "mma_sync", (32, 32, 4, 1)),
+                                      ((12, 0), "mma_sync", (32, 32, 4, 1)),
+                                      ((7, 5), "fma", (16, 16, 8, 1)),
+                                      ((7, 0), "fma", (16, 16, 8, 1))):
+        assert tk.dot_family(capability) == family
+        assert tk._row_tiles(64, 64, torch.float32, capability) == tiles
+        assert tk._col_tiles(32, 32, torch.float32, False, capability) == tiles
         assert tk._row_tiles(64, 64, torch.float64, capability) == (16, 16, 4, 1)
     assert tk.device_capability(torch.device("cpu")) is None
 
 
+@pytest.mark.parametrize("capability", [(8, 0), (7, 5)])
 @pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4]])
 @pytest.mark.parametrize("transpose", [False, True])
-def test_the_tiles_for_mma_sync_gpus_give_the_same_products(monkeypatch, triton_interpreter,
-                                                        case, transpose):
-    """The products and their gradients with the tiles chosen for an sm_80 GPU, under
-    the interpreter, against the PyTorch path."""
+def test_the_tiles_of_other_gpus_give_the_same_products(monkeypatch, triton_interpreter,
+                                                        capability, case, transpose):
+    """The products and their gradients with the tiles (and precision) chosen for an
+    sm_80 and an sm_75 GPU, under the interpreter, against the PyTorch path."""
     from skyformer.linalg import triton_kernels
 
     n, m, d, r = case
@@ -678,21 +686,23 @@ def test_the_tiles_for_mma_sync_gpus_give_the_same_products(monkeypatch, triton_
         tiles.append(original(*args))
         return tiles[-1]
 
-    monkeypatch.setattr(triton_kernels, "device_capability", lambda device: (8, 0))
+    monkeypatch.setattr(triton_kernels, "device_capability", lambda device: capability)
     monkeypatch.setattr(triton_kernels, "_col_tiles" if transpose else "_row_tiles",
                         recording)
     ours = _product("triton", y, x, b, rhs, **options)
-    assert tiles and tiles[0] == triton_kernels.MMA_SYNC_TILES
+    family = triton_kernels.dot_family(capability)
+    assert tiles and tiles[0] == triton_kernels.FAMILY_TILES[family]
     _assert_products_close(ours, ref, torch.float32)
 
 
+@pytest.mark.parametrize("capability", [(8, 0), (7, 5)])
 @pytest.mark.parametrize("method", ["skyformer", "kernelized"])
 @pytest.mark.parametrize(("d", "dtype"), [(64, torch.bfloat16), (32, torch.float32)])
-def test_methods_with_the_tiles_mma_sync_gpu(monkeypatch, triton_interpreter, method, d,
-                                              dtype):
-    """Skyformer's products and exact kernelized's flash kernels (whose gradient
-    kernels take other blocks before sm_90) with an sm_80 GPU's choices, against the
-    same call on the PyTorch path: outputs and gradients."""
+def test_methods_with_the_tiles_of_other_gpus(monkeypatch, triton_interpreter, capability,
+                                              method, d, dtype):
+    """Skyformer's products and exact kernelized's flash kernels (which take other
+    blocks there) with an sm_80 and an sm_75 GPU's choices, against the same call on
+    the PyTorch path: outputs and gradients."""
     from skyformer.linalg import triton_kernels
     from skyformer.ops.kernelized import triton_flash
 
@@ -706,9 +716,9 @@ def test_methods_with_the_tiles_mma_sync_gpu(monkeypatch, triton_interpreter, me
         return [out, *torch.autograd.grad(out.float().square().sum(), leaves)]
 
     want = run("torch")
-    monkeypatch.setattr(triton_kernels, "device_capability", lambda device: (8, 0))
+    monkeypatch.setattr(triton_kernels, "device_capability", lambda device: capability)
     if method == "kernelized":  # its key-gradient kernel takes other blocks there
-        assert triton_flash.flash_tiles(dtype, d, "keys", (8, 0)) != \
+        assert triton_flash.flash_tiles(dtype, d, "keys", capability) != \
             triton_flash.flash_tiles(dtype, d, "keys")
     got = run("triton")
     for a, e in zip(got, want, strict=True):

@@ -246,15 +246,17 @@ def test_only_the_gradients_asked_for_are_computed():
 
 
 def test_float64_keeps_its_blocks_on_every_gpu_generation():
-    """The blocks for GPUs before sm_90 (``_MMA_SYNC``) were chosen for float32 and
+    """The blocks for other GPU generations (``_BY_FAMILY``) were chosen for float32 and
     half types; float64 (the interpreter's exact dtype: ``triton_resources.py --arch``
     records with it) keeps its own, as the products' float64 tiles do."""
     from skyformer.ops.kernelized import triton_flash
 
     for kind in ("forward", "keys", "queries"):
         for head_dim in (16, 32, 64):
-            assert triton_flash.flash_tiles(torch.float64, head_dim, kind, (8, 0)) == \
-                triton_flash.flash_tiles(torch.float64, head_dim, kind)
+            for capability in ((8, 0), (7, 5)):
+                assert triton_flash.flash_tiles(torch.float64, head_dim, kind,
+                                                capability) == \
+                    triton_flash.flash_tiles(torch.float64, head_dim, kind)
     assert triton_flash.flash_tiles(torch.float32, 32, "keys", (8, 0)) != \
         triton_flash.flash_tiles(torch.float32, 32, "keys")
 

@@ -342,13 +342,19 @@ def device_capability(device: torch.device | None) -> tuple[int, int] | None:
                        torch.cuda.current_device())
 
 
-def mma_sync_gpu(capability: tuple[int, int] | None) -> bool:
-    """Whether tiles are chosen for a GPU whose dots compile to ``mma.sync`` as before
-    sm_90 (Ampere, Ada, Turing), with accumulators held differently than by sm_90's
-    ``wgmma`` (``_row_tiles``): those GPUs and consumer Blackwell (sm_120, sm_121: RTX
-    50xx, GB10), which has neither ``wgmma`` nor sm_100's ``tcgen05``. Compiled for
-    sm_120, sm_90's tiles spilled as for sm_80 (docs/gpu.md)."""
-    return capability is not None and (capability < (9, 0) or capability[0] == 12)
+def dot_family(capability: tuple[int, int] | None) -> str:
+    """How Triton compiles the kernels' dots on a GPU of ``capability``, which decides
+    the tiles that fit its registers: ``"wgmma"`` (sm_90 and sm_100, and None: the
+    tiles chosen on sm_90), ``"mma_sync"`` (Ampere and Ada, 8.x, and consumer
+    Blackwell, 12.x: RTX 50xx, GB10, which has neither sm_90's ``wgmma`` nor sm_100's
+    ``tcgen05``), ``"fma"`` (before 8.0: Volta, Turing, where Triton 3.9 emits no MMA
+    instruction, float16 included). Compiled for sm_80, sm_120 and sm_75, sm_90's
+    tiles spilled (docs/gpu.md, "Tiles and precision before Hopper")."""
+    if capability is None:
+        return "wgmma"
+    if capability < (8, 0):
+        return "fma"
+    return "mma_sync" if capability < (9, 0) or capability[0] == 12 else "wgmma"
 
 
 @functools.cache
@@ -379,13 +385,13 @@ def _exclude_args(exclude: Tensor | None, like: Tensor) -> tuple[Tensor, int, in
 STAGES = 1
 
 
-# On GPUs whose dots compile to mma.sync instead of wgmma (before sm_90, and sm_12x:
-# mma_sync_gpu) the same tiles spill. Compiled
-# for sm_80 (benchmarks/triton_resources.py --arch 80, Triton 3.9): the rows kernel's
-# backward launches 184-216 bytes a thread (half rows, D = 64) and 144 (float32, D = 32),
-# the cols kernel's 56 and 816; with 32 x 32 tiles none spills and as many or more warps
-# fit an SM. Not timed: no such GPU ran them.
-MMA_SYNC_TILES = (32, 32, 4, STAGES)
+# Tiles by dot_family where sm_90's spill. "mma_sync" (compiled for sm_80 and sm_120,
+# Triton 3.9): sm_90's tiles spilled 184-256 bytes a thread in the rows kernel's backward
+# launches (half rows, D = 64), 56-144 in the cols kernel's, 816-984 in the float32 cols
+# backward launch at D = 32; with 32 x 32 none spills and as many or more warps fit an
+# SM. "fma" (sm_75): 32 x 32 tiles still spilled 216-400 bytes in float16; 16 x 16 with
+# eight warps none (64-128 registers, 16-24 warps an SM). Not timed: no such GPU ran them.
+FAMILY_TILES = {"mma_sync": (32, 32, 4, STAGES), "fma": (16, 16, 8, STAGES)}
 
 
 def _row_tiles(bd: int, br: int, dtype: torch.dtype,
@@ -394,8 +400,8 @@ def _row_tiles(bd: int, br: int, dtype: torch.dtype,
     pipeline stages) on a GPU of ``capability`` (None: sm_90's tiles)."""
     if dtype == torch.float64:  # broadcast sums of [BLOCK_N, BLOCK_M, BLOCK_D] values
         return 16, 16, 4, STAGES
-    if mma_sync_gpu(capability):
-        return MMA_SYNC_TILES
+    if dot_family(capability) in FAMILY_TILES:
+        return FAMILY_TILES[dot_family(capability)]
     return (64 if max(bd, br) <= 64 else 32), 32, 4, STAGES
 
 
@@ -406,8 +412,8 @@ def _col_tiles(bd: int, br: int, dtype: torch.dtype, half_rows: bool = False,
     ``capability`` as ``_row_tiles``."""
     if dtype == torch.float64:
         return 16, 16, 4, STAGES
-    if mma_sync_gpu(capability):
-        return MMA_SYNC_TILES
+    if dot_family(capability) in FAMILY_TILES:
+        return FAMILY_TILES[dot_family(capability)]
     wide = max(bd, br)
     columns = 64 if wide <= (64 if half_rows else 32) else 32
     return (64 if wide <= 64 else 32), columns, 4, STAGES

@@ -254,13 +254,14 @@ def flash_tiles(dtype: torch.dtype, head_dim: int, kind: str,
     nor in float32 at head dim 32; float32 spills up to 120 bytes a thread at 64-128 and
     370-500 bytes in the backward kernels at 256 (16 x 16 blocks, the least). Not timed
     on a GPU yet (``benchmarks/flash_tiles.py`` times candidates). ``capability``: the
-    GPU's (None: sm_90's tiles); before sm_90 the gradient kernels take the blocks of
-    ``_MMA_SYNC`` where sm_90's spill there."""
-    mma_sync = None if dtype == torch.float64 else \
-        _MMA_SYNC.get((dtype in (torch.bfloat16, torch.float16), kind))
-    if mma_sync and triton_kernels.mma_sync_gpu(capability) \
-            and head_dim <= mma_sync["up_to_head_dim"]:
-        own, step, warps, stages = mma_sync["tiles"]
+    GPU's (None: sm_90's tiles); GPUs whose dots compile otherwise
+    (``triton_kernels.dot_family``) take the blocks of ``_BY_FAMILY`` where sm_90's
+    spill there."""
+    other = None if dtype == torch.float64 else _BY_FAMILY.get(
+        (triton_kernels.dot_family(capability), dtype in (torch.bfloat16, torch.float16),
+         kind))
+    if other and head_dim <= other["up_to_head_dim"]:
+        own, step, warps, stages = other["tiles"]
     elif dtype == torch.float64:
         own, step, warps, stages = 32, 32, 4, 1
     elif dtype == torch.float32:
@@ -283,16 +284,24 @@ def flash_tiles(dtype: torch.dtype, head_dim: int, kind: str,
     return {"BLOCK_M": own, "BLOCK_N": step, "num_warps": warps, "num_stages": stages}
 
 
-# Compiled for sm_80 (benchmarks/triton_resources.py --arch 80, Triton 3.9), sm_90's
-# blocks spill in the gradient kernels: keys 480 and queries 96 bytes a thread in half
-# types at head dim 64, keys 120 in float32 at 32; these spill nothing (in half types
-# keys 124 registers, 16 warps an SM, queries 140 and 12). Wider heads spill nothing
-# with sm_90's blocks. Not timed: no such GPU ran them. Keyed by (half type, kind):
-# (own, step, warps, stages); float64 keeps its own blocks.
-_MMA_SYNC = {
-    (True, "keys"): {"up_to_head_dim": 64, "tiles": (32, 64, 8, 2)},
-    (True, "queries"): {"up_to_head_dim": 64, "tiles": (32, 64, 4, 2)},
-    (False, "keys"): {"up_to_head_dim": 32, "tiles": (64, 16, 4, 2)},
+# Blocks by dot family (triton_kernels.dot_family) where sm_90's spill, keyed by (family,
+# half type, kind): (own, step, warps, stages); float64 keeps its own. "mma_sync"
+# (compiled for sm_80, Triton 3.9): sm_90's spilled keys 480 and queries 96 bytes a
+# thread in half types at head dim 64, keys 120 in float32 at 32; these spill nothing
+# (in half types keys 124 registers, 16 warps an SM, queries 140 and 12); wider heads
+# spill nothing with sm_90's blocks. "fma" (sm_75, float16 at head dim 64): sm_90's
+# forward blocks spilled 7352 bytes, the mma_sync gradient blocks 440-576; these spill
+# nothing (forward 240 registers, gradients 128 and 16 warps an SM); float32 keys
+# spilled 424 at head dim 32, with mma_sync's blocks none. Not timed: no such GPU ran
+# them.
+_BY_FAMILY = {
+    ("mma_sync", True, "keys"): {"up_to_head_dim": 64, "tiles": (32, 64, 8, 2)},
+    ("mma_sync", True, "queries"): {"up_to_head_dim": 64, "tiles": (32, 64, 4, 2)},
+    ("mma_sync", False, "keys"): {"up_to_head_dim": 32, "tiles": (64, 16, 4, 2)},
+    ("fma", True, "forward"): {"up_to_head_dim": 64, "tiles": (64, 32, 8, 2)},
+    ("fma", True, "keys"): {"up_to_head_dim": 64, "tiles": (16, 16, 8, 2)},
+    ("fma", True, "queries"): {"up_to_head_dim": 64, "tiles": (16, 16, 8, 2)},
+    ("fma", False, "keys"): {"up_to_head_dim": 32, "tiles": (64, 16, 4, 2)},
 }
 
 
