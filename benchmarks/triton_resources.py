@@ -42,6 +42,8 @@ SM_LIMITS = {
     86: {"registers": 65536, "threads": 1536, "shared": 102400, "granularity": 256},
     89: {"registers": 65536, "threads": 1536, "shared": 102400, "granularity": 256},
     90: {"registers": 65536, "threads": 2048, "shared": 232448, "granularity": 256},
+    100: {"registers": 65536, "threads": 2048, "shared": 233472, "granularity": 256},
+    120: {"registers": 65536, "threads": 1536, "shared": 102400, "granularity": 256},
 }
 
 

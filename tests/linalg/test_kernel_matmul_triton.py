@@ -640,14 +640,14 @@ def test_the_products_precision_follows_the_rows_dtype_the_gpu_and_the_interpret
 
 
 def test_tiles_follow_the_gpu_generation():
-    """sm_90's tiles by default and where dots compile to wgmma; 32 x 32 where they
+    """sm_90's tiles by default (sm_90, sm_100); 32 x 32 where dots
     compile to mma.sync (Ampere, Ada, consumer Blackwell), 16 x 16 with eight warps
     where no MMA is used (before 8.0): compiled for those GPUs they spill nothing where
     sm_90's spill in the backward launches; float64 alike everywhere."""
     from skyformer.linalg import triton_kernels as tk
 
     for capability in (None, (9, 0), (10, 0)):
-        assert tk.dot_family(capability) == "wgmma"
+        assert tk.dot_family(capability) == "default"
         assert tk._row_tiles(64, 64, torch.float32, capability) == (64, 32, 4, 1)
         assert tk._col_tiles(64, 64, torch.float32, True, capability) == (64, 64, 4, 1)
     for capability, family, tiles in (((8, 0), "mma_sync", (32, 32, 4, 1)),

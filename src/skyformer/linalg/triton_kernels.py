@@ -344,17 +344,18 @@ def device_capability(device: torch.device | None) -> tuple[int, int] | None:
 
 def dot_family(capability: tuple[int, int] | None) -> str:
     """How Triton compiles the kernels' dots on a GPU of ``capability``, which decides
-    the tiles that fit its registers: ``"wgmma"`` (sm_90 and sm_100, and None: the
-    tiles chosen on sm_90), ``"mma_sync"`` (Ampere and Ada, 8.x, and consumer
-    Blackwell, 12.x: RTX 50xx, GB10, which has neither sm_90's ``wgmma`` nor sm_100's
-    ``tcgen05``), ``"fma"`` (before 8.0: Volta, Turing, where Triton 3.9 emits no MMA
-    instruction, float16 included). Compiled for sm_80, sm_120 and sm_75, sm_90's
-    tiles spilled (docs/gpu.md, "Tiles and precision before Hopper")."""
+    the tiles that fit its registers: ``"default"`` (the tiles chosen on sm_90, whose
+    dots are ``wgmma``; sm_100's ``tcgen05`` code spills nothing with them at the model
+    shape either; None too), ``"mma_sync"`` (Ampere and Ada, 8.x, and consumer
+    Blackwell, 12.x: RTX 50xx, GB10, which has neither), ``"fma"`` (before 8.0: Volta,
+    Turing, where Triton 3.9 emits no MMA instruction, float16 included). Compiled for
+    sm_80, sm_120 and sm_75, sm_90's tiles spilled (docs/gpu.md, "Tiles and precision
+    before Hopper")."""
     if capability is None:
-        return "wgmma"
+        return "default"
     if capability < (8, 0):
         return "fma"
-    return "mma_sync" if capability < (9, 0) or capability[0] == 12 else "wgmma"
+    return "mma_sync" if capability < (9, 0) or capability[0] == 12 else "default"
 
 
 @functools.cache
