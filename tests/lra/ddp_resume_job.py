@@ -23,6 +23,7 @@ def main(cache: str, out: str) -> None:
     train(cfg, out_dir=f"{out}/cut", stop_after=4, **common)
     dist.barrier()  # process 0 has written last.pt
     train(cfg, out_dir=f"{out}/cut", resume=True, **common)
+    dist.barrier()  # gloo: no process closes its connections while another still reads
     dist.destroy_process_group()
 
 
