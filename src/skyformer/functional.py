@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .masks import resolve_mask
+from .ops.shared.masked import mask_broadcasts
 from .ops.shared.options import check_probability
 from .ops.shared.tracing import may_read_values
 from .registry import CapabilityError, check_capabilities, get_method
@@ -167,11 +168,7 @@ def _check_mask_shape(attn_mask: Tensor, query: Tensor, key: Tensor) -> None:
     """``attn_mask`` broadcasts to [B, H, L, S], as SDPA requires, or a sentence that
     names the shape as given (not as the methods later see it)."""
     target = (*query.shape[:3], key.shape[-2])
-    try:
-        fits = attn_mask.dim() <= 4 and torch.broadcast_shapes(attn_mask.shape, target) == target
-    except RuntimeError:
-        fits = False
-    if not fits:
+    if not mask_broadcasts(attn_mask, target):
         raise ValueError(
             f"attn_mask has shape {tuple(attn_mask.shape)}, which does not broadcast to the "
             f"attention's [B, H, L, S] = {list(target)}; as in scaled_dot_product_attention "

@@ -76,14 +76,19 @@ def attention_bias(attn_mask: Tensor, key_valid: Tensor | None, causal: bool,
     return bias
 
 
-def _check_broadcasts(attn_mask: Tensor, shape: tuple[int, ...], method: str) -> None:
-    """``attn_mask`` broadcasts to ``shape`` ``[B, H, Nq, Nk]``, or a sentence."""
+def mask_broadcasts(attn_mask: object, shape: tuple[int, ...]) -> bool:
+    """Whether ``attn_mask`` is a tensor of at most 4 dims that broadcasts to ``shape``
+    ``[B, H, Nq, Nk]``, as SDPA's masks do."""
     try:
-        fits = isinstance(attn_mask, Tensor) and 1 <= attn_mask.dim() <= 4 \
+        return isinstance(attn_mask, Tensor) and attn_mask.dim() <= 4 \
             and torch.broadcast_shapes(attn_mask.shape, shape) == shape
     except RuntimeError:
-        fits = False
-    if not fits:
+        return False
+
+
+def _check_broadcasts(attn_mask: Tensor, shape: tuple[int, ...], method: str) -> None:
+    """``attn_mask`` broadcasts to ``shape`` ``[B, H, Nq, Nk]``, or a sentence."""
+    if not (mask_broadcasts(attn_mask, shape) and attn_mask.dim() >= 1):
         got = tuple(attn_mask.shape) if isinstance(attn_mask, Tensor) else type(attn_mask)
         raise ValueError(
             f"{method}: attn_mask must broadcast to [B, H, Nq, Nk] = {list(shape)}, got {got}."
