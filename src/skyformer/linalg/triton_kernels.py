@@ -401,8 +401,8 @@ def _row_tiles(bd: int, br: int, dtype: torch.dtype,
     pipeline stages) on a GPU of ``capability`` (None: sm_90's tiles)."""
     if dtype == torch.float64:  # broadcast sums of [BLOCK_N, BLOCK_M, BLOCK_D] values
         return 16, 16, 4, STAGES
-    if dot_family(capability) in FAMILY_TILES:
-        return FAMILY_TILES[dot_family(capability)]
+    if (family := dot_family(capability)) in FAMILY_TILES:
+        return FAMILY_TILES[family]
     return (64 if max(bd, br) <= 64 else 32), 32, 4, STAGES
 
 
@@ -413,8 +413,8 @@ def _col_tiles(bd: int, br: int, dtype: torch.dtype, half_rows: bool = False,
     ``capability`` as ``_row_tiles``."""
     if dtype == torch.float64:
         return 16, 16, 4, STAGES
-    if dot_family(capability) in FAMILY_TILES:
-        return FAMILY_TILES[dot_family(capability)]
+    if (family := dot_family(capability)) in FAMILY_TILES:
+        return FAMILY_TILES[family]
     wide = max(bd, br)
     columns = 64 if wide <= (64 if half_rows else 32) else 32
     return (64 if wide <= 64 else 32), columns, 4, STAGES

@@ -21,16 +21,9 @@ from torch import Tensor
 from . import product_fallback, triton_kernels
 from .eager_calls import custom_op
 from .kernel_matmul_triton import ONE_PASS_FALLBACK, PRODUCT_FALLBACK, is_absent
+from .kernel_matmul_triton import _empty_to_none as _opt  # an absent tensor as None
+from .kernel_matmul_triton import _none_to_empty as _or_empty  # fresh: outputs never alias
 from .lemma3_triton import CORE_FALLBACK, lemma3_gradients_by_pytorch
-
-
-def _opt(t: Tensor) -> Tensor | None:
-    return None if is_absent(t) else t
-
-
-def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
-    """A fresh empty tensor for an absent output (outputs may not alias each other)."""
-    return like.new_empty(0) if t is None else t
 
 
 @custom_op("skyformer::gaussian_rows_product")
