@@ -55,3 +55,44 @@ def test_figures_are_written_atomically_and_readable(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o644
     assert [p.name for p in tmp_path.iterdir()] == ["plot.png"]  # no temporary left
+
+
+PNG = b"\x89PNG\r\n\x1a\n stale"
+
+
+def test_a_run_without_plots_removes_the_plots_an_earlier_run_left(tmp_path):
+    """Without plots (or without the part a plot shows), the PNGs of an earlier run in the
+    same place are removed: they would sit beside result files they no longer match."""
+    from skyformer.eval.approx import ApproxConfig, run_approx
+    from skyformer.eval.approx.report import FILES, write_outputs
+
+    names = [FILES[kind] for kind in ("errors", "spectra", "leverage")]
+    for name in names:
+        (tmp_path / name).write_bytes(PNG)
+    (tmp_path / "other.png").write_bytes(PNG)
+    config = ApproxConfig(sources=("gaussian",), seq_lens=(12,), features=(4,), seeds=(0,),
+                          heads=(0,), analysis=False, progress=False, methods=("skyformer",))
+    written = write_outputs(run_approx(config, log=lambda s: None), tmp_path, plots=False)
+    assert set(written) == {"json", "csv", "report"}
+    assert not any((tmp_path / name).exists() for name in names)
+    assert (tmp_path / "other.png").exists()  # not a name of this command: kept
+
+    prefix = tmp_path / "bench"
+    (tmp_path / "bench.png").write_bytes(PNG)
+    assert main(["bench", "--methods", "linear", "--seq-lens", "16", "--shapes", "1,1,4",
+                 "--repeats", "1", "--warmup", "0", "--no-memory", "--no-error",
+                 "--out", str(prefix), "--no-plot"]) == 0
+    assert (tmp_path / "bench.json").exists() and not (tmp_path / "bench.png").exists()
+
+
+def test_hf_eval_without_a_plot_removes_the_plot_an_earlier_run_left(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import skyformer.eval.hf.run as hf_run
+
+    result = SimpleNamespace(texts={}, model="m", rows=[], to_dict=lambda: {"rows": []})
+    monkeypatch.setattr(hf_run, "evaluate", lambda config, progress=None: result)
+    (tmp_path / "hf_eval.png").write_bytes(PNG)
+    assert main(["hf-eval", "--methods", "softmax", "--quiet", "--no-plot",
+                 "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "hf_eval.json").exists() and not (tmp_path / "hf_eval.png").exists()

@@ -136,6 +136,18 @@ def save_figure(fig: Any, path: str | os.PathLike[str], **savefig: Any) -> Path:
     return target
 
 
+def remove_stale(*paths: str | os.PathLike[str]) -> list[Path]:
+    """Remove those of ``paths`` that exist and return them: the plots an earlier run left
+    that this run does not write, which would otherwise sit beside results they no longer
+    show."""
+    removed = []
+    for path in map(Path, paths):
+        if path.is_file():
+            path.unlink()
+            removed.append(path)
+    return removed
+
+
 def json_ready(data: Any) -> Any:
     """``data`` as the result files store it: every non-finite float (NaN, +-inf), in
     dicts, lists and tuples too, as None (JSON ``null``), tuples as lists."""

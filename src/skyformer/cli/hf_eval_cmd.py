@@ -46,14 +46,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="results/hf-eval",
                         help="folder for hf_eval.json, .csv, .md (table) and .png "
                         "(default results/hf-eval)")
-    parser.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
+    parser.add_argument("--no-plot", action="store_true",
+                        help="skip the PNG plot (and remove the one an earlier run left in --out)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
 def run(args: argparse.Namespace) -> int:
     from ..eval.hf.report import format_table, markdown_table, plot, write_csv
     from ..eval.hf.run import HFEvalConfig, evaluate, hf_eval_steps
-    from ..io import atomic_write_text, check_output_path, write_json
+    from ..io import atomic_write_text, check_output_path, remove_stale, write_json
 
     check_output_path(args.out, folder=True)
 
@@ -95,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_plot:
         written.append(plot(out / "hf_eval.png", result.rows,
                             title=f"{result.model} with each method's attention, no fine-tuning"))
+    else:
+        remove_stale(out / "hf_eval.png")
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
 

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ...io import atomic_write_text, write_csv, write_json
+from ...io import atomic_write_text, remove_stale, write_csv, write_json
 
 FILES = {
     "json": "approx.json",
@@ -192,7 +192,9 @@ def _rounded(obj: Any, digits: int = 6) -> Any:
 
 def write_outputs(result: Any, out_dir: str | Path, *, plots: bool = True,
                   command: str | None = None) -> dict[str, Path]:
-    """Write JSON, CSV, PNG plots and the markdown report into ``out_dir``."""
+    """Write JSON, CSV, PNG plots and the markdown report into ``out_dir``; a plot this run
+    does not draw (``plots=False``, no sweep or no analysis) is removed if an earlier run
+    left it there."""
     from .plots import plot_errors, plot_leverage, plot_spectra
 
     out = Path(out_dir)
@@ -212,6 +214,8 @@ def write_outputs(result: Any, out_dir: str | Path, *, plots: bool = True,
         if result.analysis:
             written["spectra"] = plot_spectra(result, out / FILES["spectra"])
             written["leverage"] = plot_leverage(result, out / FILES["leverage"])
+    remove_stale(*(out / FILES[kind] for kind in ("errors", "spectra", "leverage")
+                   if kind not in written))
     written["report"] = atomic_write_text(out / FILES["report"],
                                           markdown_report(result, command, plots))
     return written

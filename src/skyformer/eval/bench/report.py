@@ -7,7 +7,7 @@ import io
 from pathlib import Path
 from typing import Any
 
-from ...io import atomic_write_text, save_figure, write_json
+from ...io import atomic_write_text, remove_stale, save_figure, write_json
 from .run import BenchResult
 
 COLUMNS = [
@@ -230,7 +230,8 @@ def write_results(
 ) -> list[Path]:
     """``prefix``.json (config, environment, rows, summary), .csv (rows) and .png, each
     written atomically. ``complete=False`` marks a run still going (or interrupted):
-    ``skyformer bench --resume`` continues it."""
+    ``skyformer bench --resume`` continues it. Without ``plot``, a .png an earlier run
+    left is removed."""
     prefix = Path(prefix)
     data = result.to_dict()
     data["complete"] = complete
@@ -244,6 +245,8 @@ def write_results(
     written.append(atomic_write_text(result_path(prefix, ".csv"), buf.getvalue()))
     if plot:
         written.append(plot_results(result, result_path(prefix, ".png")))
+    else:
+        remove_stale(result_path(prefix, ".png"))
     return written
 
 
