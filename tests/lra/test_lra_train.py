@@ -293,3 +293,68 @@ def test_resume_refuses_other_prepared_data_with_a_sentence(tmp_path):
         _run(cfg, tmp_path / "cache", run, resume=True)
     prepare_from(0)
     assert _run(cfg, tmp_path / "cache", run, resume=True)["steps"] == 4
+
+
+def _scripted_dev(monkeypatch, accuracies):
+    """Dev accuracy by step from ``accuracies`` (a dict the test may swap), crash on
+    entering a step in ``accuracies["crash"]``."""
+    import importlib
+
+    lra_train = importlib.import_module("skyformer.lra.train")  # the package's train is a function
+    step = {"now": 0}
+    train_step = lra_train.Trainer._train_step
+
+    def stepping(self):
+        if self.state.step + 1 in accuracies.get("crash", ()):
+            raise RuntimeError("crash")
+        train_step(self)
+        step["now"] = self.state.step
+
+    def evaluate(model, split, **kwargs):
+        return {"accuracy": accuracies.get(step["now"], 0.0), "loss": 1.0, "count": len(split)}
+
+    monkeypatch.setattr(lra_train.Trainer, "_train_step", stepping)
+    monkeypatch.setattr(lra_train, "evaluate", evaluate)
+
+
+def test_best_pt_is_never_from_steps_after_the_checkpoint_resumed(
+        listops_cache, tmp_path, monkeypatch):
+    """A dev improvement at step 3, after the step-2 checkpoint, then a crash. The resumed
+    run may take another path (another number of processes reseeds dropout and attention):
+    the best.pt it tests must be a model of its own history, the one ``best_step`` names."""
+    cfg = _cfg(steps=4, eval_every=1, checkpoint_every=2, log_every=1)
+    accuracies = {1: 0.5, 2: 0.6, 3: 0.9, "crash": {4}}
+    _scripted_dev(monkeypatch, accuracies)
+    with pytest.raises(RuntimeError, match="crash"):
+        _run(cfg, listops_cache, tmp_path)
+    accuracies.clear()
+    accuracies.update({3: 0.55, 4: 0.58})  # the other path: no step beats 0.6 of step 2
+    result = _run(cfg, listops_cache, tmp_path, resume=True)
+    best = load_checkpoint(tmp_path / "best.pt")
+    assert best["step"] == result["best_step"]
+    dev = {r["step"]: r["accuracy"] for r in _history(tmp_path) if r["kind"] == "dev"}
+    assert best["dev"]["accuracy"] == dev[best["step"]] == max(dev.values())
+
+
+def test_a_run_interrupted_between_last_pt_and_best_pt_writes_best_pt_on_resume(
+        listops_cache, tmp_path, monkeypatch):
+    import importlib
+
+    lra_train = importlib.import_module("skyformer.lra.train")
+    cfg = _cfg(steps=4, eval_every=1, checkpoint_every=2, log_every=1)
+    _scripted_dev(monkeypatch, {1: 0.5, 2: 0.6, 3: 0.9, 4: 0.58})
+    save_best = lra_train.Trainer._save_best
+
+    def interrupted(self, dev):
+        if self.state.step == 3:
+            raise RuntimeError("crash")
+        save_best(self, dev)
+
+    monkeypatch.setattr(lra_train.Trainer, "_save_best", interrupted)
+    with pytest.raises(RuntimeError, match="crash"):
+        _run(cfg, listops_cache, tmp_path)
+    assert load_checkpoint(tmp_path / "last.pt")["state"]["best_step"] == 3
+    monkeypatch.setattr(lra_train.Trainer, "_save_best", save_best)
+    result = _run(cfg, listops_cache, tmp_path, resume=True)
+    best = load_checkpoint(tmp_path / "best.pt")
+    assert best["step"] == result["best_step"] == 3 and best["dev"]["accuracy"] == 0.9

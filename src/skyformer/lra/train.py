@@ -3,9 +3,11 @@
 The loop follows the paper's protocol: AdamW with the task's preset schedule, a dev
 evaluation every ``eval_every`` steps, the best dev checkpoint kept (``best.pt``) and,
 at the end, evaluated on the test split (evaluating the last checkpoint instead is a
-known reproduction trap). ``last.pt`` is written every ``checkpoint_every`` steps;
-``resume=True`` continues from it and reproduces the uninterrupted run exactly
-(same data order, dropout masks and attention randomness).
+known reproduction trap). ``last.pt`` is written every ``checkpoint_every`` steps and
+at every new best, just before ``best.pt``: ``best.pt`` never holds a step beyond
+``last.pt``, which a resumed run that takes another path (another number of processes)
+would never retrace. ``resume=True`` continues from ``last.pt`` and reproduces the
+uninterrupted run exactly (same data order, dropout masks and attention randomness).
 
 Files in the run folder: ``config.json`` (resolved config, data, environment),
 ``metrics.jsonl``, ``train.csv``, ``dev.csv``, ``tensorboard/``, ``last.pt``,
@@ -227,8 +229,30 @@ class Trainer:
             torch.manual_seed(derive_seed(self.cfg.seed, self.info.rank, 1, self.state.step))
             self.attention_generator.manual_seed(derive_seed(self.cfg.seed, self.info.rank, 2,
                                                        self.state.step))
+        self._check_best()
         self._say(f"resumed {self.folder} at step {self.state.step}")
         return True
+
+    def _check_best(self) -> None:
+        """``best.pt`` should hold the restored state's best step. Interrupted between
+        ``last.pt`` and ``best.pt`` at a new best, the model just restored is that best:
+        it is written again."""
+        s = self.state
+        if not self.info.is_main or s.best_step == 0:
+            return
+        path = self.folder / "best.pt"
+        saved = load_checkpoint(path).get("step") if path.is_file() else None
+        if saved == s.best_step:
+            return
+        entry = next((e for e in reversed(s.history)
+                      if e["kind"] == "dev" and e["step"] == s.step), None)
+        if s.best_step == s.step and entry is not None:
+            self._save_best({"accuracy": entry["accuracy"], "loss": entry["loss"],
+                             "count": entry["examples"]})
+            return
+        _log.warning(f"{path} holds step {saved}, not step {s.best_step} where the resumed "
+                     "checkpoint has its best dev accuracy: unless a later step does better, "
+                     "the test accuracy will be that of another model")
 
     def _check_same_data(self, ckpt: dict[str, Any], last: Path) -> None:
         """Refuse to resume on prepared data other than the run's. Checkpoints without a
@@ -334,8 +358,8 @@ class Trainer:
                         seconds=round(self.state.train_seconds, 3),
                         steps_per_second=steps / seconds if seconds > 0 else None)
 
-    def _evaluate_dev(self) -> bool:
-        """Evaluate on dev, keep the best checkpoint; True when patience runs out."""
+    def _evaluate_dev(self) -> dict[str, float] | None:
+        """Evaluate on dev; the result when it is a new best (to be saved), else None."""
         cfg, state = self.cfg, self.state
         limit = None if cfg.eval_batches is None else cfg.eval_batches * cfg.batch_size
         dev = evaluate(self.model, self.data.splits["dev"], limit=limit, **self._eval_kwargs())
@@ -344,14 +368,15 @@ class Trainer:
         if dev["accuracy"] > state.best_accuracy:
             state.best_accuracy, state.best_step = dev["accuracy"], state.step
             state.evals_since_best = 0
-            self._save_best(dev)
+            best = dev
         else:
             state.evals_since_best += 1
+            best = None
         self._say(f"step {state.step}/{cfg.steps}  dev acc {dev['accuracy']:.4f}  loss "
                   f"{dev['loss']:.4f}  (best {state.best_accuracy:.4f} at {state.best_step})  "
                   f"{state.train_seconds:.0f}s, {state.step / max(state.train_seconds, 1e-9):.2f} "
                   "steps/s")
-        return self._patience_exhausted()
+        return best
 
     def _patience_exhausted(self) -> bool:
         """True once ``patience`` evaluations in a row brought no dev improvement."""
@@ -390,9 +415,12 @@ class Trainer:
             if at_log:
                 self._log_train(log_steps, log_seconds)
                 log_steps, log_seconds = 0, 0.0
-            done_early = self._evaluate_dev() if at_eval else False
-            if at_ckpt or done_early:
-                self._save_last()
+            best = self._evaluate_dev() if at_eval else None
+            done_early = at_eval and self._patience_exhausted()
+            if at_ckpt or done_early or best is not None:
+                self._save_last()  # before best.pt: never a best.pt beyond last.pt
+            if best is not None:
+                self._save_best(best)
             resumed = time.perf_counter()
             state.wall_seconds += resumed - now
             segment = resumed
