@@ -107,6 +107,23 @@ def test_inputs_longer_than_the_model_positions_stop_the_run_before_any_row(tmp_
     assert not out.exists()
 
 
+def test_roberta_positions_start_after_the_padding_index():
+    """RoBERTa-type embeddings number positions from padding_idx + 1: of 20 positions, 18
+    are usable (512 of 514 in the released models); BERT-type ones use all of them."""
+    from transformers import BertConfig, BertModel, RobertaConfig, RobertaModel
+
+    from skyformer.eval.hf.run import check_seq_len
+
+    sizes = {"vocab_size": 32, "hidden_size": 8, "num_hidden_layers": 1,
+             "num_attention_heads": 2, "intermediate_size": 16, "max_position_embeddings": 20}
+    roberta = RobertaModel(RobertaConfig(**sizes)).eval()
+    check_seq_len(roberta, 18)
+    roberta(torch.full((1, 18), 5))
+    with pytest.raises(ValueError, match="seq_len 19 exceeds the 18 positions of this model"):
+        check_seq_len(roberta, 19)
+    check_seq_len(BertModel(BertConfig(**sizes)), 20)
+
+
 def test_hf_eval_end_to_end(tmp_path, capsys):
     out = tmp_path / "hf"
     code = main([

@@ -157,6 +157,21 @@ def _windows(tokenizer: Any, text: str, seq_len: int, max_positions: int) -> lis
 
 
 @torch.no_grad()
+def max_positions(model: nn.Module) -> int | None:
+    """The longest input ``model`` takes: ``max_position_embeddings``, less the rows that
+    RoBERTa-type position embeddings keep up to their ``padding_idx`` (positions start
+    after it: 512 of 514); None when the config does not say."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if not isinstance(limit, int) or isinstance(limit, bool):
+        return None
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] == "position_embeddings" and isinstance(module, nn.Embedding):
+            if module.padding_idx is not None:
+                return min(limit, module.num_embeddings - module.padding_idx - 1)
+            break
+    return limit
+
+
 def extract_qkv(
     model: nn.Module,
     tokenizer: Any,
@@ -179,9 +194,7 @@ def extract_qkv(
         raise ValueError(f"seq_len must be at least 3, got {seq_len}.")
     config = model.config
     heads = config.num_attention_heads
-    max_positions = int(getattr(config, "max_position_embeddings", 512))
-    if getattr(config, "model_type", "") in ("roberta", "xlm-roberta", "camembert"):
-        max_positions -= 2  # RoBERTa's positions start after the padding index
+    limit = max_positions(model) or 512
     captured: dict[str, list[Tensor]] = {"q": [], "k": [], "v": []}
 
     def hook(key: str):
@@ -195,7 +208,7 @@ def extract_qkv(
         proj.register_forward_hook(hook(key))
         for key, proj in zip(("q", "k", "v"), layers[layer], strict=True)
     ]
-    windows = _windows(tokenizer, text, seq_len, max_positions)
+    windows = _windows(tokenizer, text, seq_len, limit)
     try:
         device = next(model.parameters()).device
         for ids in windows:

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from ...io import environment
 from ...registry import CapabilityError, get_method, list_methods
 from ...registry.variants import refuse_swept_option
-from ..data.qkv import load_model
+from ..data.qkv import load_model, max_positions
 from ..data.text import read_text, sentences
 from ..measure.memory import CallJob, peak_memory_bytes
 from ..measure.timing import CLOCKS, median_seconds
@@ -119,10 +119,10 @@ def check_device(device: str) -> torch.device:
 
 
 def check_seq_len(model: nn.Module, seq_len: int) -> None:
-    """Refuse ``seq_len`` beyond the model's learned positions (``max_position_embeddings``
-    of BERT-type configs), which would fail inside the embeddings with a shape error."""
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if isinstance(limit, int) and seq_len > limit:
+    """Refuse ``seq_len`` beyond the model's learned positions (``max_positions``: 512 for
+    both BERT and RoBERTa), which would fail inside the embeddings with an index error."""
+    limit = max_positions(model)
+    if limit is not None and seq_len > limit:
         raise ValueError(f"seq_len {seq_len} exceeds the {limit} positions of this model; "
                          f"pass --seq-len {limit} or less.")
 
