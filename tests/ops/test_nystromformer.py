@@ -43,6 +43,29 @@ def test_cross_attention_matches_reference():
     torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.parametrize("nq, nk", [(4, 30), (4, 6), (30, 4), (6, 4)])
+def test_cross_attention_with_more_landmarks_than_tokens_on_one_side(nq, nk):
+    """m = 8 > min(Nq, Nk): each side keeps its min(m, N) live segments, so the middle
+    kernel is min(m, Nq) x min(m, Nk), and its pseudo-inverse is taken as that rectangle's.
+    When every key is its own landmark and the queries have as many (Nq > Nk), the fast
+    path returns exact attention, which the literal formula reaches with more iterations."""
+    q, k, v = make_qkv(1, 2, nq, 8, nk=nk)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    fast = nystromformer_attention(q, k, v, num_features=8)
+    if nq > nk:
+        exact = softmax_attention(q, k, v)
+        torch.testing.assert_close(fast, exact, rtol=1e-9, atol=1e-11)
+        literal = reference_nystromformer_attention(q, k, v, num_features=8,
+                                                    pinv_iterations=60)
+        torch.testing.assert_close(literal, exact, rtol=1e-7, atol=1e-9)
+        return
+    ref = reference_nystromformer_attention(q, k, v, num_features=8)
+    torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)
+    for a, b in zip(grads(fast, (q, k, v)), grads(ref, (q, k, v)), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+
+
 @pytest.mark.parametrize("masked", [False, True])
 def test_every_token_its_own_landmark_is_exact_softmax(masked):
     """n <= m: S^ = S S^+ S = S. The fast path returns exact attention; the literal
