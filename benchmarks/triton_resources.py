@@ -17,11 +17,13 @@ and method come from the options; N only enters as a runtime argument.
 
     python benchmarks/triton_resources.py --out benchmarks/results/triton_resources
         [--pinv-gradient implicit] [--one-pass-backward] [--matmul-precision high]
+        [--graph-launches]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import os
@@ -107,9 +109,12 @@ def _record_launches(spec: dict) -> list[dict]:
         options["num_features"] = spec["features"]
     if "pinv_gradient" in skyformer.get_method(spec["method"]).option_names():
         options["pinv_gradient"] = spec["pinv_gradient"]
-    out = skyformer.attention(q, k, v, spec["method"], key_padding_mask=mask,
-                              generator=skyformer.random_key(0), **options)
-    out.float().square().sum().backward()
+    graphed = skyformer.cuda_graph_launches() if spec.get("graph_launches") \
+        else contextlib.nullcontext()
+    with graphed:  # the launches a CUDA graph would hold (a launch per pass)
+        out = skyformer.attention(q, k, v, spec["method"], key_padding_mask=mask,
+                                  generator=skyformer.random_key(0), **options)
+        out.float().square().sum().backward()
     InterpretedFunction.run = original_run
     return launches
 
@@ -236,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--one-pass-backward", action="store_true",
                         help="the products' backward pass in one pass over the rows "
                              "(kernel_matmul_triton.ONE_PASS_BACKWARD)")
+    parser.add_argument("--graph-launches", action="store_true",
+                        help="record the launches made for CUDA graphs "
+                             "(inside skyformer.cuda_graph_launches(): a launch per pass)")
     parser.add_argument("--matmul-precision", default="highest",
                         choices=["highest", "high", "medium"],
                         help="torch.set_float32_matmul_precision of the recording run "
@@ -261,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = {"method": method, "head_dim": int(head_dim), "dtype": dtype,
                 "features": m, "n": args.n, "arch": args.arch, "pinv_gradient": args.pinv_gradient,
                 "one_pass_backward": args.one_pass_backward,
+                "graph_launches": args.graph_launches,
                 "matmul_precision": args.matmul_precision}
         env = os.environ | {RECORD_ENV: json.dumps(spec), "TRITON_INTERPRET": "1"}
         child = subprocess.run([sys.executable, __file__], env=env, capture_output=True,
@@ -293,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     header = (f"Triton {triton.__version__}, sm_{args.arch}, forward + backward of each "
               f"method with kernel=\"triton\", pinv_gradient={args.pinv_gradient}"
               f"{', the one-pass backward' if args.one_pass_backward else ''}"
+              f"{', launches made for CUDA graphs' if args.graph_launches else ''}"
               f"{precision}; "
               "registers per thread, stack frame bytes a "
               "thread (where spilled registers go), spill stores / loads, MMA and EX2 "
@@ -319,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
                    {"triton": triton.__version__, "arch": args.arch,
                     "pinv_gradient": args.pinv_gradient,
                     "one_pass_backward": args.one_pass_backward,
+                    "graph_launches": args.graph_launches,
                     "matmul_precision": args.matmul_precision, "rows": unique}, indent=1)
         atomic_write_text(args.out.with_suffix(".md"), text + "\n")
     return 0
