@@ -21,7 +21,7 @@ This study measures, on Q/K/V of pretrained MiniLM-L6 over the shipped text
 - the relative Frobenius difference, per head, of dQ, dK and dV of the whole Skyformer
   output under a fixed random output cotangent, between the unrolled gradient and the
   implicit one (``iterative_pinv`` as the core calls it is patched, for this script
-  only, with the library's ``implicit_pinv``: the same steps, differentiated as
+  only, with the library's ``implicit_pinv(..., "razavi")``: the same steps, differentiated as
   -V^T G V^T, at the number of steps asked); for scale, the difference between two landmark draws
   (seed s against the next seed in ``--seeds``) and between the unrolled gradient and
   that of the exact inverse (``pinv="exact"``);
@@ -80,7 +80,7 @@ def implicit_core(record: list[dict] | None = None) -> Iterator[None]:
         if init != "identity":
             raise ValueError(f"the study patches the core's inverse from the identity, "
                              f"got init={init!r}")
-        v = implicit_pinv(a, iterations, "steps")  # the steps asked, on any device
+        v = implicit_pinv(a, iterations, "razavi")  # the steps asked, on any device
         if record is not None:
             with torch.no_grad():
                 record.append({

@@ -1,11 +1,13 @@
-"""The implicit core's paired steps against its ordinary chain, on CUDA, in one run.
+"""The implicit core's scaled Newton chain against Razavi's steps, on CUDA, in one run.
 
-``pinv_gradient="implicit"`` runs the Lemma 3 forward kernel with its steps paired
-(``linalg.triton_lemma3.chains``: two dependent passes a step instead of four). This
-times C(X, X) and its inverse, forward + backward, for float32 landmark rows
-``[1, B x H, m, 64]``, with the pairing on and off (the choice patched), eagerly and
-replayed from a CUDA graph (``torch.cuda.make_graphed_callables`` inside
-``skyformer.cuda_graph_launches()``: a launch per pass), interleaved, medians.
+``pinv_gradient="implicit"`` runs the Lemma 3 forward kernel as scaled Newton steps,
+paired (``linalg.triton_lemma3.chains``, ``linalg/newton_inverse.py``: one dependent
+pass a step, 16 products of two m x m matrices at m = 128, against Razavi's ordinary
+chain, four passes and four products a step). This times C(X, X) and its inverse,
+forward + backward, for float32 landmark rows ``[1, B x H, m, 64]``, with the chain on
+and off (the choice patched; at m = 128 in float32 Lemma 3's bound asks 9 steps of
+either), eagerly and replayed from a CUDA graph (``torch.cuda.make_graphed_callables``
+inside ``skyformer.cuda_graph_launches()``: a launch per pass), interleaved, medians.
 
     python benchmarks/paired_steps.py [--out FILE.txt]
 """
@@ -28,16 +30,16 @@ from skyformer.linalg import half_sq_norm, landmark_inverse
 
 @contextlib.contextmanager
 def paired(on: bool) -> Iterator[None]:
-    """Inside: the implicit forward kernel pairs its steps (``on``) or not."""
+    """Inside: the implicit forward kernel runs the Newton chain (``on``) or Razavi's
+    steps."""
     from skyformer.linalg import triton_lemma3
 
-    with mock.patch.object(triton_lemma3, "chains",
-                           lambda k, implicit: on and implicit and k >= 2):
+    with mock.patch.object(triton_lemma3, "chains", lambda k, implicit: on and implicit):
         yield
 
 
 def calls(matrices: int, m: int) -> dict[str, Callable[[], None]]:
-    """Forward + backward of the implicit core, paired and not, eager and graphed."""
+    """Forward + backward of the implicit core, by either chain, eager and graphed."""
     g = torch.Generator(device="cuda").manual_seed(0)
     x = (0.15 * torch.randn(1, matrices, m, 64, device="cuda", generator=g)).requires_grad_()
     grad = torch.randn(1, matrices, m, m, device="cuda", generator=g)
@@ -60,7 +62,7 @@ def calls(matrices: int, m: int) -> dict[str, Callable[[], None]]:
                 x.grad = None
                 core(x).backward(grad)
 
-        name = "paired" if on else "ordinary"
+        name = "newton" if on else "razavi"
         out[f"B x H = {matrices}, graphed, {name}"] = replay
         out[f"B x H = {matrices}, eager, {name}"] = eager
     return out

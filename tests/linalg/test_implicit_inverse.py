@@ -22,6 +22,13 @@ from skyformer.linalg import (
 )
 from skyformer.linalg.implicit_inverse import residual_bound
 from skyformer.linalg.kernel_backend import interpreter_on
+from skyformer.linalg.newton_inverse import (
+    newton_floor,
+    newton_lower_end,
+    newton_residual_bound,
+    newton_scales,
+    newton_steps,
+)
 from tests.devices import devices, relative_error
 
 GAMMA = 0.1
@@ -108,10 +115,48 @@ def test_the_steps_are_those_the_bound_needs_in_the_dtype():
     assert implicit_iterations(64, GAMMA, torch.float32) == 8
     assert implicit_iterations(128, GAMMA, torch.float32, at_least=12) == 12
     k = implicit_iterations(256, GAMMA, torch.float32)
-    assert residual_bound(256, GAMMA, k) <= torch.finfo(torch.float32).eps / 2 \
-        < residual_bound(256, GAMMA, k - 1)
+    lower = GAMMA / (256 + GAMMA)
+    assert newton_residual_bound(lower, k, torch.float32) <= torch.finfo(torch.float32).eps / 2 \
+        < newton_residual_bound(lower, k - 1, torch.float32)
+    assert k == 9 and residual_bound(256, GAMMA, k) > 1e-7  # Razavi's steps need 10
     with pytest.raises(ValueError, match="gamma > 0"):
         implicit_iterations(128, 0.0, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_newton_schedule_takes_its_interval_to_the_roundoff(dtype):
+    """The scales of K steps are made for [newton_lower_end(K), 1]: that interval's end
+    reaches 1 - roundoff in K steps and every eigenvalue inside it follows; one that
+    rounding left a little above 1 stays positive (below zero the steps diverge)."""
+    roundoff = torch.finfo(dtype).eps / 2
+
+    def steps(x, k):
+        for alpha in newton_scales(k, dtype):
+            x = alpha * x * (2 - alpha * x)
+        return x
+
+    for k in (1, 2, 5, 9, 30):
+        lower = newton_lower_end(k, dtype)
+        assert newton_residual_bound(lower, k, dtype) <= roundoff * 1.001 + 1e-15
+        for x in (lower, (lower + 1) / 2, 1.0):
+            assert 1 - steps(x, k) <= roundoff * 1.001 + 1e-15
+        assert steps(1.0 + 0.5 * newton_floor(dtype), k) > 0
+    # the bound's steps make the schedule's interval hold Lemma 3's
+    for m in (1, 16, 128, 512):
+        k = implicit_iterations(m, GAMMA, dtype)
+        assert newton_lower_end(k, dtype) <= GAMMA / (m + GAMMA)
+
+
+def test_coinciding_landmarks_reach_the_roundoff_in_the_bounds_steps():
+    """All landmarks at one point (M = 1 1^T): A has its least eigenvalue at Lemma 3's
+    bound, gamma / (m + gamma); the bound's Newton steps leave a residual of rounding,
+    one step fewer a larger one (float64)."""
+    for m in (2, 16, 128):
+        a = (torch.ones(m, m, dtype=torch.float64) + GAMMA * torch.eye(m, dtype=torch.float64)) \
+            / (m + GAMMA)
+        k = implicit_iterations(m, GAMMA, torch.float64)
+        assert inverse_residual(a, newton_steps(a[None], k)[0]).item() < 1e-10
+        assert inverse_residual(a, newton_steps(a[None], k - 1)[0]).item() > 1e-8
 
 
 @pytest.mark.parametrize("solver", ["steps", "cholesky"])
@@ -191,6 +236,36 @@ def test_in_float32_the_factorisation_is_as_accurate_as_the_steps(m, spread):
     errors = {solver: relative_error(implicit_pinv(a.float(), steps, solver).double(), exact)
               for solver in ("steps", "cholesky")}
     assert errors["cholesky"] <= 1.2 * errors["steps"], errors
+
+
+@pytest.mark.parametrize("m", [64, 256])
+@pytest.mark.parametrize("spread", [0.01, 0.1, 1.0])
+def test_in_float32_the_newton_steps_are_as_accurate_as_razavis(m, spread):
+    """Against the float64 inverse: the scaled Newton steps at the bound's K lose no
+    accuracy to Razavi's ordinary steps at theirs (measured 0.6-1.01x their error, at
+    m = 64 to 512; at m = 256 Newton needs 9 steps, Razavi 10)."""
+    x, live = _clustered_rows(1, 2, m, 16, torch.float64, "cpu", spread=spread, dead=False)
+    a = _lemma3_matrix(x, live).flatten(0, 1)
+    exact = torch.stack([torch.linalg.inv(one) for one in a])  # pytorch/pytorch#142815
+    roundoff = torch.finfo(torch.float32).eps / 2
+    razavi_steps = next(k for k in range(1, 40) if residual_bound(m, GAMMA, k) <= roundoff)
+    newton = newton_steps(a.float(), implicit_iterations(m, GAMMA, torch.float32))
+    razavi = iterative_pinv(a.float(), razavi_steps, init="identity")
+    assert relative_error(newton.double(), exact) <= 1.1 * relative_error(razavi.double(), exact)
+
+
+def test_the_razavi_solver_differentiates_the_authors_steps_as_an_inverse():
+    """``solver="razavi"`` (the study of benchmarks/implicit_core_gradient.py): the
+    forward value of Razavi's unconverged steps, the gradient -V^T G V^T of that V."""
+    x, live = _clustered_rows(1, 2, 12, 8, torch.float64, "cpu", dead=False)
+    a = _lemma3_matrix(x, live).detach().requires_grad_(True)
+    g = torch.randn(a.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    w = implicit_pinv(a, 2, "razavi")
+    razavi = iterative_pinv(a.detach(), 2, init="identity")
+    assert torch.equal(w, razavi) and inverse_residual(a, w).max() > 1e-3  # unconverged
+    (grad,) = torch.autograd.grad(w, a, g)
+    v_t = razavi.transpose(-1, -2)
+    assert relative_error(grad, -(v_t @ g @ v_t)) < 1e-14
 
 
 def test_a_matrix_that_is_not_positive_definite_takes_the_steps():
@@ -382,13 +457,13 @@ def test_forward_mode_agrees_with_the_implicit_reverse_mode():
                                                        rel=1e-10)
 
 
-@pytest.mark.parametrize("iterations", [2, 3, 4, 9])
+@pytest.mark.parametrize("iterations", [1, 2, 3, 4, 9])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_the_paired_steps_give_the_ordinary_chains_inverse(iterations, dtype):
-    """The implicit forward kernel pairs its steps (``triton_lemma3.chains``): the same
-    W and last iterate as the ordinary chain, to rounding in float64 and, in float32,
-    as close to the exact inverse as the ordinary chain (its last step is an ordinary
-    one), on clustered landmarks with dead slots."""
+def test_the_newton_chain_is_the_pytorch_paths_steps(iterations, dtype):
+    """The implicit forward kernel runs the scaled Newton steps, paired
+    (``triton_lemma3.chains``): the W of ``newton_steps`` on the PyTorch path, to
+    rounding in float64 and, in float32, as close to the exact inverse as Razavi's
+    ordinary chain at the bound's steps, on clustered landmarks with dead slots."""
     pytest.importorskip("triton")
     if not interpreter_on():
         pytest.skip("Triton's interpreter is off (TRITON_INTERPRET=0)")
@@ -397,23 +472,29 @@ def test_the_paired_steps_give_the_ordinary_chains_inverse(iterations, dtype):
     x, live = _clustered_rows(2, 2, 37, 16, dtype, "cpu")
     flat, norm = x.reshape(4, 37, 16), _norms(x, live).reshape(4, 37)
     ridge = torch.where(live, torch.tensor(GAMMA, dtype=dtype), torch.tensor(1.0, dtype=dtype))
-    paired = triton_lemma3.lemma3_forward(flat, norm, ridge, iterations, backward=False,
-                                          implicit=True)
-    ordinary = triton_lemma3.lemma3_forward(flat, norm, ridge, iterations, backward=False)
+    chain = triton_lemma3.lemma3_forward(flat, norm, ridge, iterations, backward=False,
+                                         implicit=True)
+    a = _lemma3_matrix(x, live)
+    scale = _ridge_matrix(x, live).sum(-1).rsqrt()
+    steps = (scale[..., :, None] * newton_steps(a.reshape(4, 37, 37), iterations)
+             .reshape(a.shape) * scale[..., None, :]).reshape(4, 37, 37)
     last = (iterations - 1) % 2  # the store's slot of V_K
     if dtype == torch.float64:
-        assert relative_error(paired[0], ordinary[0]) < 1e-12
-        assert relative_error(paired[1][:, last], ordinary[1][:, last]) < 1e-12
-    else:
+        assert relative_error(chain[0], steps) < 1e-12
+        assert relative_error(chain[1][:, last],
+                              newton_steps(a.reshape(4, 37, 37), iterations)) < 1e-12
+    elif iterations == 9:
+        ordinary = triton_lemma3.lemma3_forward(flat, norm, ridge, iterations, backward=False)
         exact = _ridge_inverse(x.double(), live).reshape(4, 37, 37)
-        assert relative_error(paired[0], exact) < 2 * relative_error(ordinary[0], exact) + 1e-6
+        assert relative_error(chain[0], exact) < 2 * relative_error(ordinary[0], exact) + 1e-6
 
 
-def test_the_paired_chain_has_two_dependent_passes_a_step():
+def test_the_newton_chain_has_one_pass_a_step():
     from skyformer.linalg import triton_lemma3
 
-    for k in (2, 9):  # 2 + 2 (K - 1) + 1 + 4 + 1 passes against 4 + 4 (K - 1) + 1
-        assert len(triton_lemma3.forward_passes(k, chain=True)) == 2 * k + 6
+    for k in (2, 9):  # 2 + (K - 1) + 2 + 1 passes against 2 + 2 + 4 (K - 1) + 1
+        assert len(triton_lemma3.forward_passes(k, chain=True)) == k + 4
         assert len(triton_lemma3.forward_passes(k)) == 4 * k + 1
-    assert triton_lemma3.chains(9, implicit=True) and not triton_lemma3.chains(1, True)
+    assert len(triton_lemma3.forward_passes(1, chain=True)) == 4
+    assert triton_lemma3.chains(9, implicit=True) and triton_lemma3.chains(1, True)
     assert not triton_lemma3.chains(9, implicit=False)

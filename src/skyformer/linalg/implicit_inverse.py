@@ -11,11 +11,13 @@ That is the gradient of what the forward pass computes only where ||I - A V_K|| 
 negligible, and at the authors' K = 6 it is not for every input (0.40 at m = 128 in the
 worst case, docs/gpu.md "The implicit gradient of the inverse"). Lemma 3 bounds it for
 every input: A >= gamma D^-1 and D <= (m + gamma) I (entries of M at most 1), so
-lambda_min(A) >= gamma / (m + gamma), and since each step maps an eigenvalue p of A V to
-``razavi_step(p)``, ||I - A V_K||_2 <= 1 - f^K(gamma / (m + gamma)). The implicit option
-therefore runs as many steps as that bound needs to fall below the unit roundoff of the
-core's dtype (``implicit_iterations``: 9 at m = 128 in float32, 10 in float64), never
-fewer than asked, so that W is the ridge inverse to rounding and dA its exact gradient.
+lambda_min(A) >= gamma / (m + gamma), and lambda_max(A) <= 1. The implicit option
+therefore forms A^-1 to rounding, so that dA is its exact gradient: by scaled
+Newton-Schulz steps from V_0 = I (``newton_inverse.py``), as many as the bound needs to
+take every eigenvalue of A V_K within the unit roundoff of the core's dtype of 1
+(``implicit_iterations``: 9 at m = 128 in float32, 10 in float64), never fewer than
+asked. (Razavi's steps, ``eigenvalue_step``, reach the same with twice the products; the
+unrolled gradient keeps them, as the authors ran them.)
 
 The forward pass thus changes (W becomes the inverse the authors' 6 steps approximate),
 so it is an option, not the default. What a call holds for its backward pass shrinks to
@@ -26,13 +28,14 @@ methods pass are; ``nystrom.lemma3_inverse`` says so for a matrix given directly
 Since W is then A^-1 to rounding, it need not come from the steps: for float32 and
 float64 CPU tensors it comes from a Cholesky factorisation of A
 (``SOLVERS``, ``implicit_pinv``), which the same bound makes safe (A is symmetric
-positive definite with condition number at most (m + gamma) / gamma, since
-lambda_max(A) <= 1). The factorisation and the inverse from it cost about m^3 / 2
-multiply-adds, the steps' 34 products of two m x m matrices (9 steps at m = 128)
-34 m^3; on a 2-core CPU the core's forward pass is 4.0x faster, its forward and
-backward passes 2.7x (``benchmarks/implicit_gradient_cost.py``). GPU tensors keep the
-steps, which the Triton kernel runs in one program per matrix (a factorisation there
-is not measured).
+positive definite with condition number at most (m + gamma) / gamma). The
+factorisation and the inverse from it cost about m^3 / 2 multiply-adds, the steps'
+16 products of two m x m matrices (9 steps at m = 128) 16 m^3; on a 2-core CPU the
+core's forward pass is 1.3-1.5x faster, its forward and backward passes as fast
+(``benchmarks/implicit_gradient_cost.py``), and its inverse about twice as accurate
+in float32 (docs/gpu.md). GPU tensors keep the steps,
+which the Triton kernel runs in one program per matrix (a factorisation there is not
+measured).
 """
 
 from __future__ import annotations
@@ -44,12 +47,15 @@ from torch import Tensor
 
 from .eager_calls import apply
 from .functional_ops import first_order_backward, functional_ops_only
-from .pinv import iterative_pinv, razavi_step
+from .newton_inverse import newton_floor, newton_interval_step, newton_steps
+from .pinv import iterative_pinv
 
 GRADIENTS: tuple[str, ...] = ("unrolled", "implicit")
 # how the implicit core's forward pass forms A^-1: "auto" = "cholesky" for float32 and
-# float64 CPU tensors, "steps" elsewhere (factorises)
-SOLVERS: tuple[str, ...] = ("auto", "steps", "cholesky")
+# float64 CPU tensors, "steps" (scaled Newton) elsewhere (factorises); "razavi": the
+# authors' steps, the forward pass of the unrolled gradient (for studies that compare
+# the two gradients of one forward pass, benchmarks/implicit_core_gradient.py)
+SOLVERS: tuple[str, ...] = ("auto", "steps", "cholesky", "razavi")
 MAX_ITERATIONS = 64  # far beyond any bound reached (m = 10^6, gamma = 1e-6: 27)
 
 
@@ -70,32 +76,36 @@ def residual_bound(m: int, gamma: float, iterations: int) -> float:
 
 
 def implicit_iterations(m: int, gamma: float, dtype: torch.dtype, at_least: int = 0) -> int:
-    """The steps after which every input's residual bound is below ``dtype``'s unit
-    roundoff (``residual_bound``), or ``at_least`` if more; ``gamma`` must be > 0."""
+    """The scaled Newton steps (``newton_inverse``) after which every input's eigenvalues
+    of A V, in [gamma / (m + gamma), 1] to start with (Lemma 3), are within ``dtype``'s
+    unit roundoff of 1, or ``at_least`` if more; ``gamma`` must be > 0."""
     if not gamma > 0:
         raise ValueError(f"the implicit gradient needs gamma > 0 (its number of steps comes "
                          f"from the bound gamma / (m + gamma)), got {gamma!r}.")
-    roundoff = torch.finfo(dtype).eps / 2
-    p = gamma / (m + gamma)  # residual_bound's recursion, in one pass (each call runs it)
+    roundoff, floor = torch.finfo(dtype).eps / 2, newton_floor(dtype)
+    lower = gamma / (m + gamma)
     for k in range(MAX_ITERATIONS + 1):
-        if 1 - p <= roundoff:
+        if 1 - lower <= roundoff:
             return max(k, at_least)
-        p = eigenvalue_step(p)
+        lower = newton_interval_step(lower, floor)
     raise ValueError(f"m = {m}, gamma = {gamma!r}: the residual bound stays above "
                      f"{roundoff:.1e} after {MAX_ITERATIONS} steps; raise gamma.")
 
 
 class _ImplicitInverse(torch.autograd.Function):
-    """A^-1 for ``a: [..., m, m]`` by ``solver`` (``"steps"``: ``iterations`` Razavi
-    steps from V_0 = I; ``"cholesky"``: a Cholesky factorisation), differentiated as
+    """A^-1 for ``a: [..., m, m]`` by ``solver`` (``"steps"``: ``iterations`` scaled
+    Newton steps from V_0 = I; ``"cholesky"``: a Cholesky factorisation), differentiated as
     A^-1: dA = -V^T G V^T. Holds V alone for the backward pass."""
 
     @staticmethod
     def forward(a: Tensor, iterations: int, solver: str) -> Tensor:  # type: ignore[override]
         m = a.shape[-1]
         a3 = a.reshape(-1, m, m)
-        solve = _factorised_inverse if solver == "cholesky" else _steps
-        return solve(a3, iterations).reshape(a.shape)
+        if solver == "cholesky":
+            return _factorised_inverse(a3, iterations).reshape(a.shape)
+        if solver == "razavi":
+            return iterative_pinv(a3, iterations, init="identity").reshape(a.shape)
+        return newton_steps(a3, iterations, in_place=True).reshape(a.shape)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
@@ -118,19 +128,6 @@ class _ImplicitInverse(torch.autograd.Function):
         return -(v_t @ g @ v_t).reshape(grad.shape), None, None
 
 
-def _steps(a3: Tensor, iterations: int) -> Tensor:
-    """``iterations`` Razavi steps from V_0 = I for ``a3: [batch, m, m]``, in place."""
-    eye = torch.eye(a3.shape[-1], dtype=a3.dtype, device=a3.device).expand_as(a3)
-    eye7 = 7 * eye
-    buffers = tuple(torch.empty_like(a3) for _ in range(4))
-    iterates = (torch.empty_like(a3), torch.empty_like(a3))
-    v = None
-    for i in range(iterations):
-        v = razavi_step(a3, v, eye, eye7, buffers, iterates[i % 2])
-    assert v is not None  # implicit_pinv asks for at least one step
-    return v
-
-
 def _factorised_inverse(a3: Tensor, iterations: int) -> Tensor:
     """A^-1 for ``a3: [batch, m, m]`` from its Cholesky factor (the lower triangle of
     ``a3``, which is symmetric). A batch holding a matrix that is not positive definite
@@ -145,7 +142,7 @@ def _factorised_inverse(a3: Tensor, iterations: int) -> Tensor:
         failed = (info != 0)[:, None, None]
         return torch.where(failed, float("nan"), torch.cholesky_inverse(factor))
     if bool(info.any()):
-        return _steps(a3, iterations)
+        return newton_steps(a3, iterations, in_place=True)
     return torch.cholesky_inverse(factor)
 
 
@@ -168,17 +165,20 @@ def factorises(device: torch.device, dtype: torch.dtype) -> bool:
 
 def implicit_pinv(a: Tensor, iterations: int, solver: str = "auto") -> Tensor:
     """A^-1 for ``a: [..., m, m]`` with the implicit gradient (module docstring):
-    V_K of ``iterations`` Razavi steps from the identity (``iterations`` from
+    V_K of ``iterations`` scaled Newton steps from the identity (``iterations`` from
     ``implicit_iterations``), or the same inverse to rounding from a Cholesky
     factorisation (``solver``, ``SOLVERS``: ``"auto"`` factorises float32 and float64
-    CPU tensors).
-    Under ``torch.export`` and forward-mode AD the steps in plain operators, as
-    ``iterative_pinv`` (their unrolled derivative, equal to rounding at those steps;
+    CPU tensors; ``"razavi"``: the authors' steps instead, not A^-1 unless converged).
+    Under ``torch.export`` and forward-mode AD the steps in plain operators
+    (``newton_steps``; their unrolled derivative, equal to rounding at those steps;
     PyTorch's forward-mode derivative of ``cholesky_inverse`` is wrong in 2.13,
     pytorch/pytorch#196682)."""
     if iterations < 1:
         raise ValueError(f"the implicit gradient needs at least one step, got {iterations}.")
     solver = _resolve_solver(solver, a)
     if functional_ops_only():
-        return iterative_pinv(a, iterations, init="identity")
+        if solver == "razavi":
+            return iterative_pinv(a, iterations, init="identity")
+        m = a.shape[-1]
+        return newton_steps(a.reshape(-1, m, m), iterations).reshape(a.shape)
     return apply(_ImplicitInverse, a, iterations, solver)

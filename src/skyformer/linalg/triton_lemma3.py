@@ -25,6 +25,13 @@ block of rows from what earlier passes wrote, so the chain also runs as one laun
 pass with a program per row block (``launch``, ``PER_PASS``): passes ordered by the
 stream instead of a barrier, more programs per matrix.
 
+For the implicit gradient (``CHAIN``, ``chains``), whose backward pass needs V_K = A^-1
+to rounding and nothing else, the steps are scaled Newton-Schulz steps instead
+(``newton_inverse.py``): with H_k = 2 alpha_k I - alpha_k^2 P_k, one pass forms
+V_k+1 = V_k H_k and P_k+1 = P_k H_k side by side, the last step from P = A V_K-1; the
+alphas follow from K and the dtype alone (``LOWER``, ``FLOOR``; float64 in the kernel).
+K + 4 passes and 2K - 2 products of two m x m matrices (13 and 16 at K = 9).
+
 Given the landmark rows X (scaled) and their half squared norms n instead of M
 (``FROM_ROWS``), the kernel forms M_ij = exp(x_i . x_j - n_i - n_j) itself.
 
@@ -56,14 +63,15 @@ from torch import Tensor
 
 from .graph_launches import graph_launches_on
 from .launch_grid import cdiv, tile_width
+from .newton_inverse import newton_floor, newton_lower_end
 from .triton_kernels import _precision
 from .triton_rowblocks import eye_rows, product_rows, rows_of, square_rows, store_rows
 
 # Scratch of the forward kernel: m x m slots and m-vectors a program.
 # (Constants the kernels read must be tl.constexpr.)
 FORWARD_SLOTS, KEPT_FORWARD_SLOTS = tl.constexpr(5), tl.constexpr(2)  # P, T2, T3 kept: 2
-CHAIN_FORWARD_SLOTS = tl.constexpr(6)  # the paired chain (``CHAIN``): H too
-_MR, _A, _P, _T2, _T3, _H = (tl.constexpr(i) for i in range(6))
+CHAIN_FORWARD_SLOTS = tl.constexpr(4)  # the Newton chain (``CHAIN``): M_r, A, two P
+_MR, _A, _P, _T2, _T3 = (tl.constexpr(i) for i in range(5))
 FORWARD_VECTORS = tl.constexpr(2)
 _D, _S = tl.constexpr(0), tl.constexpr(1)
 
@@ -71,7 +79,7 @@ _D, _S = tl.constexpr(0), tl.constexpr(1)
 # given of one matrix, reading only what earlier passes wrote.
 REGULARISE, NORMALISE, FIRST_T2, FIRST_V = (tl.constexpr(i) for i in range(4))
 STEP_P, STEP_T2, STEP_T3, STEP_V, SCALE_W = (tl.constexpr(i) for i in range(4, 9))
-CHAIN_SQUARE, CHAIN_POWERS, CHAIN_V = (tl.constexpr(i) for i in range(9, 12))
+NEWTON_FIRST, NEWTON_PAIR, NEWTON_LAST = (tl.constexpr(i) for i in range(9, 12))
 
 
 @triton.jit
@@ -161,31 +169,43 @@ def iterate(STORE, bh, k, size, ITERATIONS: tl.constexpr, KEEP: tl.constexpr,
 
 @triton.jit
 def _chain_p(scratch, size, k):
-    """P_k of the paired chain (``CHAIN``): A for k = 0, then the slots of P and T2 in
+    """P_k of the Newton chain (``CHAIN``): A for k = 0, then the slots of P and T2 in
     turn (a pass reads P_k and writes P_k+1)."""
     return scratch + (_A + (k > 0) * (1 + (k % 2 == 0))) * size
 
 
 @triton.jit
-def _chain_v_rows(STORE, scratch, bh, k, rows, size, m, ITERATIONS: tl.constexpr,
-                  BLOCK: tl.constexpr, ROWS: tl.constexpr, KC: tl.constexpr,
-                  PRECISION: tl.constexpr):
-    """Rows of V_k = V_k-1 H_k-1 (V_1 = H_0) into V_k's slot of the latest two."""
-    h = scratch + _H * size
-    if k == 1:
-        value = rows_of(h, rows, m, BLOCK)
-    else:
-        value = square_rows(iterate(STORE, bh, k - 1, size, ITERATIONS, False, True), False,
-                            h, False, rows, m, ROWS, BLOCK, KC, PRECISION)
-    store_rows(iterate(STORE, bh, k, size, ITERATIONS, False, True), rows, m, value, BLOCK)
+def _newton_scale(LOWER: tl.constexpr, FLOOR: tl.constexpr, k):
+    """alpha_k of the scaled Newton steps (``newton_inverse.newton_scales``): the
+    interval's lower end from ``LOWER`` after k steps, in float64 as on the host."""
+    lower = tl.full([], LOWER, tl.float64)
+    for _ in range(k):
+        alpha = 2.0 / (1.0 + tl.maximum(lower, FLOOR))
+        lower = tl.minimum(alpha * lower * (2.0 - alpha * lower), alpha * (2.0 - alpha))
+    return 2.0 / (1.0 + tl.maximum(lower, FLOOR))
 
 
 @triton.jit
-def forward_pass(PASS: tl.constexpr, step, rows, bh, M, X, XN, DIAG, W, STORE, SCR, VEC,
-                 m, D, heads, ITERATIONS: tl.constexpr, KEEP: tl.constexpr,
-                 LAST_TWO: tl.constexpr, CHAIN: tl.constexpr, FROM_ROWS: tl.constexpr,
-                 TINY: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                 KC: tl.constexpr, PRECISION: tl.constexpr):
+def _newton_rows(v, p, FROM_IDENTITY: tl.constexpr, alpha, rows, m,
+                 ROWS: tl.constexpr, BLOCK: tl.constexpr, KC: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """Rows of V (2 alpha I - alpha^2 P) = 2 alpha V - alpha^2 V P, or (``FROM_IDENTITY``,
+    V = I) of 2 alpha I - alpha^2 P."""
+    p_rows = rows_of(p, rows, m, BLOCK)
+    if FROM_IDENTITY:
+        first, second = eye_rows(rows, m, BLOCK).to(p_rows.dtype), p_rows
+    else:
+        first = rows_of(v, rows, m, BLOCK)
+        second = square_rows(v, False, p, False, rows, m, ROWS, BLOCK, KC, PRECISION)
+    return (2.0 * alpha).to(p_rows.dtype) * first - (alpha * alpha).to(p_rows.dtype) * second
+
+
+@triton.jit
+def forward_pass(PASS: tl.constexpr, step, rows, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D,
+                 heads, ITERATIONS: tl.constexpr, KEEP: tl.constexpr, LAST_TWO: tl.constexpr,
+                 CHAIN: tl.constexpr, LOWER: tl.constexpr, FLOOR: tl.constexpr,
+                 FROM_ROWS: tl.constexpr, TINY: tl.constexpr, BLOCK: tl.constexpr,
+                 ROWS: tl.constexpr, KC: tl.constexpr, PRECISION: tl.constexpr):
     """Rows ``rows`` of pass ``PASS`` for matrix ``bh`` (the step passes: of the step
     from V_step to V_step+1, 1 <= step < ITERATIONS; the chain passes: of its step
     ``step``); the step products go to the store (``KEEP``) or to the program's
@@ -216,25 +236,31 @@ def forward_pass(PASS: tl.constexpr, step, rows, bh, M, X, XN, DIAG, W, STORE, S
     elif PASS == SCALE_W:  # W = S V_K S
         v_last = iterate(STORE, bh, ITERATIONS, size, ITERATIONS, KEEP, LAST_TWO)
         store_rows(W + bh * size, rows, m, scaled_rows(v_last, s_vec, rows, m, BLOCK), BLOCK)
-    elif PASS == CHAIN_SQUARE:  # Q = P_k P_k into T3's slot; V_k = V_k-1 H_k-1 (k >= 1)
+    elif PASS == NEWTON_FIRST:  # V_1 = H_0 = 2 alpha I - alpha^2 A, P_1 = A H_0
+        alpha = _newton_scale(LOWER, FLOOR, 0)
+        store_rows(iterate(STORE, bh, 1, size, ITERATIONS, KEEP, LAST_TWO), rows, m,
+                   _newton_rows(a, a, True, alpha, rows, m, ROWS, BLOCK, KC, PRECISION),
+                   BLOCK)
+        if ITERATIONS > 2:  # P_1 for step 1 (the last step forms its own P from A)
+            store_rows(_chain_p(scratch, size, 1), rows, m,
+                       _newton_rows(a, a, False, alpha, rows, m, ROWS, BLOCK, KC, PRECISION),
+                       BLOCK)
+    elif PASS == NEWTON_PAIR:  # V_k+1 = V_k H_k and P_k+1 = P_k H_k, side by side
+        alpha = _newton_scale(LOWER, FLOOR, step)
         p_k = _chain_p(scratch, size, step)
-        store_rows(t3, rows, m, square_rows(p_k, False, p_k, False, rows, m, ROWS, BLOCK, KC,
-                                            PRECISION), BLOCK)
-        if step > 0:
-            _chain_v_rows(STORE, scratch, bh, step, rows, size, m, ITERATIONS, BLOCK, ROWS,
-                          KC, PRECISION)
-    elif PASS == CHAIN_POWERS:  # H_k = h(P_k), P_k+1 = P_k h(P_k), from P^3 and P^4
-        p_k = _chain_p(scratch, size, step)
-        p3 = square_rows(t3, False, p_k, False, rows, m, ROWS, BLOCK, KC, PRECISION)
-        p4 = square_rows(t3, False, t3, False, rows, m, ROWS, BLOCK, KC, PRECISION)
-        p1, p2 = rows_of(p_k, rows, m, BLOCK), rows_of(t3, rows, m, BLOCK)
-        store_rows(scratch + _H * size, rows, m,
-                   0.25 * (13.0 * eye_rows(rows, m, BLOCK) - 15.0 * p1 + 7.0 * p2 - p3), BLOCK)
-        store_rows(_chain_p(scratch, size, step + 1), rows, m,
-                   0.25 * (13.0 * p1 - 15.0 * p2 + 7.0 * p3 - p4), BLOCK)
-    elif PASS == CHAIN_V:  # V_k = V_k-1 H_k-1 alone (k = step)
-        _chain_v_rows(STORE, scratch, bh, step, rows, size, m, ITERATIONS, BLOCK, ROWS, KC,
-                      PRECISION)
+        v_k = iterate(STORE, bh, step, size, ITERATIONS, KEEP, LAST_TWO)
+        store_rows(iterate(STORE, bh, step + 1, size, ITERATIONS, KEEP, LAST_TWO), rows, m,
+                   _newton_rows(v_k, p_k, False, alpha, rows, m, ROWS, BLOCK, KC, PRECISION),
+                   BLOCK)
+        if step < ITERATIONS - 2:
+            store_rows(_chain_p(scratch, size, step + 1), rows, m,
+                       _newton_rows(p_k, p_k, False, alpha, rows, m, ROWS, BLOCK, KC,
+                                    PRECISION), BLOCK)
+    elif PASS == NEWTON_LAST:  # V_K = V_K-1 (2 alpha I - alpha^2 P), P = A V_K-1 (STEP_P)
+        v_k = iterate(STORE, bh, step, size, ITERATIONS, KEEP, LAST_TWO)
+        store_rows(iterate(STORE, bh, step + 1, size, ITERATIONS, KEEP, LAST_TWO), rows, m,
+                   _newton_rows(v_k, p, False, _newton_scale(LOWER, FLOOR, step), rows, m, ROWS,
+                                BLOCK, KC, PRECISION), BLOCK)
     else:
         v = iterate(STORE, bh, step, size, ITERATIONS, KEEP, LAST_TWO)
         if PASS == STEP_P:
@@ -252,96 +278,98 @@ def forward_pass(PASS: tl.constexpr, step, rows, bh, M, X, XN, DIAG, W, STORE, S
 
 
 @triton.jit
-def _all_rows(PASS: tl.constexpr, step, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D,
-              heads, ITERATIONS: tl.constexpr, KEEP: tl.constexpr, LAST_TWO: tl.constexpr,
-              CHAIN: tl.constexpr, FROM_ROWS: tl.constexpr, TINY: tl.constexpr,
-              BLOCK: tl.constexpr, ROWS: tl.constexpr, KC: tl.constexpr,
-              PRECISION: tl.constexpr):
+def _all_rows(PASS: tl.constexpr, step, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
+              ITERATIONS: tl.constexpr, KEEP: tl.constexpr, LAST_TWO: tl.constexpr,
+              CHAIN: tl.constexpr, LOWER: tl.constexpr, FLOOR: tl.constexpr,
+              FROM_ROWS: tl.constexpr, TINY: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+              KC: tl.constexpr, PRECISION: tl.constexpr):
     """Pass ``PASS`` over every block of rows, then a barrier."""
     for start in range(0, m, ROWS):
         forward_pass(PASS, step, start + tl.arange(0, ROWS), bh, M, X, XN, DIAG, W, STORE,
-                     SCR, VEC, m, D, heads, ITERATIONS, KEEP, LAST_TWO, CHAIN, FROM_ROWS,
-                     TINY, BLOCK, ROWS, KC, PRECISION)
+                     SCR, VEC, m, D, heads, ITERATIONS, KEEP, LAST_TWO, CHAIN, LOWER, FLOOR,
+                     FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
     tl.debug_barrier()
 
 
 @triton.jit
-def _forward_kernel(M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
-                    ITERATIONS: tl.constexpr, KEEP: tl.constexpr, LAST_TWO: tl.constexpr,
-                    CHAIN: tl.constexpr, FROM_ROWS: tl.constexpr, TINY: tl.constexpr,
-                    BLOCK: tl.constexpr, ROWS: tl.constexpr, KC: tl.constexpr,
+def _forward_kernel(M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads, ITERATIONS: tl.constexpr,
+                    KEEP: tl.constexpr, LAST_TWO: tl.constexpr, CHAIN: tl.constexpr,
+                    LOWER: tl.constexpr, FLOOR: tl.constexpr, FROM_ROWS: tl.constexpr,
+                    TINY: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, KC: tl.constexpr,
                     PRECISION: tl.constexpr):
     """Every pass of ``forward_passes`` for matrix program_id(0), in order."""
     bh = tl.program_id(0).to(tl.int64)
     for kind in tl.static_range(REGULARISE, FIRST_T2):
         _all_rows(kind, 0, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
-                  ITERATIONS, KEEP, LAST_TWO, CHAIN, FROM_ROWS, TINY, BLOCK, ROWS, KC,
+                  ITERATIONS, KEEP, LAST_TWO, CHAIN, LOWER, FLOOR, FROM_ROWS, TINY, BLOCK, ROWS, KC,
                   PRECISION)
-    if CHAIN:  # steps 1 .. K-1 paired (two dependent passes each), the last as below
-        for k in range(0, ITERATIONS - 1):
-            for kind in tl.static_range(CHAIN_SQUARE, CHAIN_V):
-                _all_rows(kind, k, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
-                          ITERATIONS, KEEP, LAST_TWO, CHAIN, FROM_ROWS, TINY, BLOCK, ROWS,
-                          KC, PRECISION)
-        _all_rows(CHAIN_V, ITERATIONS - 1, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D,
-                  heads, ITERATIONS, KEEP, LAST_TWO, CHAIN, FROM_ROWS, TINY, BLOCK, ROWS,
-                  KC, PRECISION)
-        for kind in tl.static_range(STEP_P, SCALE_W):
-            _all_rows(kind, ITERATIONS - 1, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D,
-                      heads, ITERATIONS, KEEP, LAST_TWO, CHAIN, FROM_ROWS, TINY, BLOCK, ROWS,
+    if CHAIN:  # scaled Newton steps, paired; the last from A (newton_inverse.py)
+        _all_rows(NEWTON_FIRST, 0, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
+                  ITERATIONS, KEEP, LAST_TWO, CHAIN, LOWER, FLOOR, FROM_ROWS, TINY, BLOCK, ROWS, KC,
+                  PRECISION)
+        for k in range(1, ITERATIONS - 1):
+            _all_rows(NEWTON_PAIR, k, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
+                      ITERATIONS, KEEP, LAST_TWO, CHAIN, LOWER, FLOOR, FROM_ROWS, TINY, BLOCK, ROWS,
                       KC, PRECISION)
+        if ITERATIONS > 1:
+            for kind in tl.static_range(STEP_P, STEP_T2):
+                _all_rows(kind, ITERATIONS - 1, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m,
+                          D, heads, ITERATIONS, KEEP, LAST_TWO, CHAIN, LOWER, FLOOR, FROM_ROWS,
+                          TINY, BLOCK, ROWS, KC, PRECISION)
+            _all_rows(NEWTON_LAST, ITERATIONS - 1, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m,
+                      D, heads, ITERATIONS, KEEP, LAST_TWO, CHAIN, LOWER, FLOOR, FROM_ROWS, TINY,
+                      BLOCK, ROWS, KC, PRECISION)
     else:
         for kind in tl.static_range(FIRST_T2, STEP_P):
-            _all_rows(kind, 0, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
-                      ITERATIONS, KEEP, LAST_TWO, CHAIN, FROM_ROWS, TINY, BLOCK, ROWS, KC,
+            _all_rows(kind, 0, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads, ITERATIONS,
+                      KEEP, LAST_TWO, CHAIN, LOWER, FLOOR, FROM_ROWS, TINY, BLOCK, ROWS, KC,
                       PRECISION)
         for step in range(1, ITERATIONS):
             for kind in tl.static_range(STEP_P, SCALE_W):
                 _all_rows(kind, step, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
-                          ITERATIONS, KEEP, LAST_TWO, CHAIN, FROM_ROWS, TINY, BLOCK, ROWS,
-                          KC, PRECISION)
-    _all_rows(SCALE_W, 0, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads,
-              ITERATIONS, KEEP, LAST_TWO, CHAIN, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
+                          ITERATIONS, KEEP, LAST_TWO, CHAIN, LOWER, FLOOR, FROM_ROWS, TINY, BLOCK,
+                          ROWS, KC, PRECISION)
+    _all_rows(SCALE_W, 0, bh, M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads, ITERATIONS, KEEP,
+              LAST_TWO, CHAIN, LOWER, FLOOR, FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
 
 
 @triton.jit(do_not_specialize=["step"])
 def _forward_pass_kernel(M, X, XN, DIAG, W, STORE, SCR, VEC, m, D, heads, step,
                          PASS: tl.constexpr, ITERATIONS: tl.constexpr, KEEP: tl.constexpr,
                          LAST_TWO: tl.constexpr, CHAIN: tl.constexpr,
-                         FROM_ROWS: tl.constexpr, TINY: tl.constexpr, BLOCK: tl.constexpr,
-                         ROWS: tl.constexpr, KC: tl.constexpr, PRECISION: tl.constexpr):
+                         LOWER: tl.constexpr, FLOOR: tl.constexpr, FROM_ROWS: tl.constexpr,
+                         TINY: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                         KC: tl.constexpr, PRECISION: tl.constexpr):
     """One pass: rows block program_id(1) of matrix program_id(0)."""
     rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     forward_pass(PASS, step, rows, tl.program_id(0).to(tl.int64), M, X, XN, DIAG, W,
-                 STORE, SCR, VEC, m, D, heads, ITERATIONS, KEEP, LAST_TWO, CHAIN, FROM_ROWS,
-                 TINY, BLOCK, ROWS, KC, PRECISION)
+                 STORE, SCR, VEC, m, D, heads, ITERATIONS, KEEP, LAST_TWO, CHAIN, LOWER, FLOOR,
+                 FROM_ROWS, TINY, BLOCK, ROWS, KC, PRECISION)
 
 
 def forward_passes(iterations: int, chain: bool = False) -> list[tuple[int, int]]:
     """(pass, step) of the forward chain in order, as ``_forward_kernel`` runs them;
-    ``chain``: steps 1 .. K-1 paired (``chains``), the last one as usual."""
+    ``chain``: the scaled Newton steps (``chains``), paired, the last from A."""
     start = [(kind, 0) for kind in range(REGULARISE, FIRST_T2)]
     if chain:
-        paired = [(kind, k) for k in range(iterations - 1)
-                  for kind in range(CHAIN_SQUARE, CHAIN_V)]
-        last = [(CHAIN_V.value, iterations - 1)] \
-            + [(kind, iterations - 1) for kind in range(STEP_P, SCALE_W)]
-        return start + paired + last + [(SCALE_W.value, 0)]
+        steps = [(NEWTON_FIRST.value, 0)] \
+            + [(NEWTON_PAIR.value, k) for k in range(1, iterations - 1)]
+        if iterations > 1:
+            steps += [(STEP_P.value, iterations - 1), (NEWTON_LAST.value, iterations - 1)]
+        return start + steps + [(SCALE_W.value, 0)]
     steps = [(kind, step) for step in range(1, iterations) for kind in range(STEP_P, SCALE_W)]
     return start + [(kind, 0) for kind in range(FIRST_T2, STEP_P)] + steps \
         + [(SCALE_W.value, 0)]
 
 
 def chains(iterations: int, implicit: bool) -> bool:
-    """Whether the forward kernel pairs its steps: V_k is a polynomial in A, so
-    P_k = A V_k follows P_k-1 alone, P_k = P h(P) with h(P) = T3(P) / 4, and
-    V_k = V_k-1 h(P_k-1) can wait a pass; each step is then two dependent passes,
-    P^2 then P^3 and P^4 (with V's product riding in the first), instead of four, for
-    the same four products. A product of H's is not corrected by A as a step from V
-    is, so the last step is an ordinary one from V_K-1, which restores the accuracy of
-    the ordinary chain (tested). For the implicit gradient alone, whose backward pass
-    needs V_K and nothing else, from two steps on."""
-    return implicit and iterations >= 2
+    """Whether the forward kernel runs the scaled Newton chain (``newton_inverse.py``)
+    instead of Razavi's steps: for the implicit gradient, whose backward pass needs
+    V_K = A^-1 to rounding and nothing else, so that the chain is free; at m = 128,
+    9 steps, 13 passes and 16 products of two m x m matrices against the 24 passes and
+    37 products of Razavi's steps paired, and the 37 passes of their ordinary chain.
+    The unrolled gradient keeps the authors' steps."""
+    return implicit and iterations >= 1
 
 
 def launch(program_kernel, pass_kernel, passes: list[tuple[int, int]], bh: int, m: int,
@@ -408,15 +436,15 @@ def lemma3_forward(source: Tensor, norm: Tensor | None, ridge: Tensor, iteration
     or the landmark rows ``source: [BH, m, D]`` with their half squared norms
     ``norm: [BH, m]``; the store holds the iterates and (``keep``) the step products,
     or without a ``backward`` pass to follow the latest two iterates alone, as for the
-    ``implicit`` gradient, whose steps are paired (``chains``). Scratch:
-    ``FORWARD_SLOTS`` m x m matrices a program (``KEPT_FORWARD_SLOTS`` when keeping,
-    ``CHAIN_FORWARD_SLOTS`` when pairing)."""
+    ``implicit`` gradient, whose forward runs the scaled Newton chain (``chains``).
+    Scratch: ``FORWARD_SLOTS`` m x m matrices a program (``KEPT_FORWARD_SLOTS`` when
+    keeping, ``CHAIN_FORWARD_SLOTS`` for the Newton chain)."""
     bh, m = source.shape[:2]
     d = source.shape[2] if norm is not None else 1
     keep = keep and backward
     chain = chains(iterations, implicit)
     if chain and backward:
-        raise ValueError("the paired steps keep the latest two iterates alone: the implicit "
+        raise ValueError("the Newton chain keeps the latest two iterates alone: the implicit "
                          "gradient's forward call takes backward=False")
     slots = KEPT_FORWARD_SLOTS if keep else CHAIN_FORWARD_SLOTS if chain else FORWARD_SLOTS
     w = source.new_empty(bh, m, m)
@@ -427,6 +455,8 @@ def lemma3_forward(source: Tensor, norm: Tensor | None, ridge: Tensor, iteration
             vectors, m, d, bh // ridge.shape[0])
     options = {"ITERATIONS": iterations, "KEEP": keep, "LAST_TWO": not backward,
                "CHAIN": chain, "FROM_ROWS": norm is not None,
+               "LOWER": newton_lower_end(iterations, source.dtype) if chain else 0.0,
+               "FLOOR": newton_floor(source.dtype),
                "TINY": torch.finfo(source.dtype).tiny,
                "PRECISION": _precision(source.dtype, device=source.device),
                **launch_options(m, graphed=graph_launches_on())}

@@ -132,7 +132,7 @@ def lemma3_forward(source: Tensor, norm: Tensor, ridge: Tensor, iterations: int,
                    backward: bool, implicit: bool) -> tuple[Tensor, Tensor]:
     """``triton_lemma3.lemma3_forward`` (``norm`` empty: ``source`` is the matrix):
     (W, the iterates and, ``keep``, the step products for the ``backward`` pass;
-    ``implicit``: the latest two iterates of the paired steps)."""
+    ``implicit``: the latest two iterates of the Newton chain)."""
     from . import triton_lemma3
 
     return triton_lemma3.lemma3_forward(source, _opt(norm), ridge, iterations, keep, backward,

@@ -47,8 +47,9 @@ def _nystrom_flops(nq: int, nk: int, d: int, dv: int, options: dict[str, Any],
 
 def _core_flops(nq: int, nk: int, options: dict[str, Any],
                 factorised_core: bool = False) -> float | None:
-    """The Razavi steps' m x m products (None for the exact pinv). For the implicit
-    gradient, the steps Lemma 3's bound needs, or with ``factorised_core`` the Cholesky
+    """The core's m x m products (None for the exact pinv): Razavi's steps; for the
+    implicit gradient the scaled Newton steps Lemma 3's bound needs (2K - 2 products,
+    ``linalg/newton_inverse.py``), or with ``factorised_core`` the Cholesky
     factorisation and the inverse from it that replace them (m^3 / 3 + 2 m^3 / 3)."""
     if options.get("pinv", "iterative") != "iterative":
         return None
@@ -59,6 +60,7 @@ def _core_flops(nq: int, nk: int, options: dict[str, Any],
     if options.get("pinv_gradient") == "implicit":  # the steps Lemma 3's bound needs
         iterations = implicit_iterations(m, options.get("gamma", 0.1), torch.float32,
                                          at_least=iterations)
+        return 2.0 * max(2 * iterations - 2, 0) * m**3
     # 4 products of m x m per Razavi step; 2 in the first step from the identity.
     steps = 4 * iterations - (
         2 if options.get("pinv_init", "identity") == "identity" and iterations else 0
