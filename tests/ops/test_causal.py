@@ -229,3 +229,25 @@ def test_left_padding_gives_the_packed_rows_that_fall_back_to_the_mean(local):
     packed = attention(*(t[:, :, 10:] for t in (q, k, v)), "nystrom_softmax",
                        generator=key, **options)
     torch.testing.assert_close(out[:, :, 10:], packed, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("method", CAUSAL)
+def test_a_non_finite_query_or_key_changes_no_earlier_output(method, bad):
+    """A NaN or inf query or key at j (inside the first chunk, and in the second at a
+    landmark slot's position) leaves every output before j bit-identical. It did not:
+    nystrom_softmax mixed the later chunks' sums in with zero weights (0 x NaN), so the
+    rows of the chunks up to j's fell back to the mean of the values; and in both
+    Nystrom methods a landmark row holding NaN gave every feature of every key 0 x
+    NaN, the earlier rows NaN. (A non-finite value spoils the earlier rows of its
+    chunk, as SDPA's 0 x NaN does all of them: not tested here.)"""
+    q, k, v = make_qkv(2, 2, 130, 8, seed=0)
+    out = _run(method, q, k, v, None, seed=0)
+    for j in (20, 100):
+        for t in (q, k):
+            spoiled = t.clone()
+            spoiled[0, 1, j, 3] = bad
+            inputs = [spoiled if s is t else s for s in (q, k, v)]
+            again = _run(method, *inputs, None, seed=0)
+            assert torch.equal(again[:, :, :j], out[:, :, :j]), (method, j)
+            assert torch.isnan(again[0, 1, j]).all(), (method, j)

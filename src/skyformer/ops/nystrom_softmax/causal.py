@@ -47,6 +47,19 @@ def _chunks(x: Tensor, chunk: int, fill: float) -> Tensor:
     return F.pad(x, (0, (-n) % chunk), value=fill).unflatten(-1, (-1, chunk))
 
 
+def _earlier_chunks(mix: Tensor, t: Tensor) -> Tensor:
+    """S_c = sum_{c' < c} mix[c, c'] T_c' for ``mix: [B, H, C, C]`` (zero for c' >= c) and
+    ``t: [B, H, C, m, Dv + 1]``, with nothing of chunk c or later in it: a non-finite
+    T_c' (a NaN or inf key or value in chunk c') made 0 x NaN in the sums of the chunks
+    up to c', whose rows then fell back to the mean of the values; it reaches the later
+    chunks' sums as NaN."""
+    finite = torch.isfinite(t)
+    state = torch.einsum("bhcd,bhdmv->bhcmv", mix, torch.where(finite, t, 0.0))
+    bad = (~finite).cummax(2).values  # a non-finite entry in chunk c or before
+    bad_before = torch.cat([torch.zeros_like(bad[:, :, :1]), bad[:, :, :-1]], 2)
+    return torch.where(bad_before, float("nan"), state)
+
+
 def causal_nystrom_softmax(q: Tensor, k: Tensor, v: Tensor, info: AttentionInputs,
                            root: float, gamma: float, local: bool, threshold: float,
                            landmarks: CausalLandmarks, *, chunk: int = CAUSAL_CHUNK) -> Tensor:
@@ -85,7 +98,7 @@ def causal_nystrom_softmax(q: Tensor, k: Tensor, v: Tensor, info: AttentionInput
     q_c, v_c = chunk_rows(phi_q, chunk), chunk_rows(v1, chunk)
     # CPU products of subnormal numbers are slow: flush each factor (linalg.flush)
     t = chunk_rows(flush_on_cpu(psi_k * key_factor[..., None]), chunk).transpose(-1, -2) @ v_c
-    state = flush_on_cpu(torch.einsum("bhcd,bhdmv->bhcmv", mix, t))  # S_c: [B, H, C, m, Dv + 1]
+    state = flush_on_cpu(_earlier_chunks(mix, t))  # S_c: [B, H, C, m, Dv + 1]
     far = (q_c @ state) * row_factor[..., None]  # [B, H, C, L, Dv + 1]
     bound = (q_c.abs() @ state[..., -1:].abs()) * row_factor[..., None]
     r_rows = _chunks(r_safe, chunk, 0.0)

@@ -255,5 +255,9 @@ def core_of_rows(x: Tensor, live: Tensor, gamma: float) -> CausalCore:
 def nystrom_features(kernel: Tensor, core: CausalCore) -> Tensor:
     """phi = L^-1 C(X_S, y) for each row: ``[B, H, N, m]`` kernel columns -> ``[B, H, N, m]``
     (``kernel`` and ``core.l_inv`` are flushed on the CPU, ``linalg.flush``, so the
-    product has no subnormal operand)."""
+    product has no subnormal operand). The columns of failed slots are zeros: a
+    landmark row holding NaN or inf (a non-finite token at a later slot's position)
+    gave every feature 0 x NaN, earlier slots' included, and the outputs before that
+    token NaN; the rows that may use a failed slot are NaN anyway (``uses_failed``)."""
+    kernel = torch.where(core.failed[:, :, None, :], 0.0, kernel)
     return kernel @ core.l_inv.transpose(-1, -2)
