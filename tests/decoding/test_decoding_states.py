@@ -219,3 +219,61 @@ def test_layer_cache_equals_the_causal_layer(method, options):
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-10, atol=1e-10)
     with pytest.raises(ValueError, match="takes no context"):
         layer(x[:, :1], context=x, cache=cache)
+
+
+def _decode_single_after(state, q, k, v, valid, prompt, block=(20, 25)):
+    """The prompt, then single positions, with positions ``block`` in one step."""
+    steps, t = [], prompt
+    while t < q.shape[2]:
+        n = block[1] - t if t == block[0] else 1
+        steps.append(n)
+        t += n
+    return _decode(state, q, k, v, valid, prompt, steps)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 1e300])
+@pytest.mark.parametrize(("method", "options"), CASES, ids=lambda c: str(c))
+def test_padded_positions_never_matter_step_by_step(method, options, bad):
+    """As in the forward (``registry/guard.py``), whatever padded positions hold leaves
+    every real output as it is: here the local keys of the Nystrom states and the key
+    cache of the exact methods carried a NaN key or value of a padded position into
+    the real rows (0 weight x NaN), and nystrom_softmax turned it into its fallback
+    mean."""
+    n = 30
+    q, k, v = make_qkv(2, 2, n, 4, seed=1)
+    valid = torch.ones(2, n, dtype=torch.bool)
+    valid[1, :4] = False  # left padding of the prompt
+    valid[0, 12:14] = valid[1, 21:23] = False  # holes in single steps and in a block
+    bound = get_method(method).bind(**options)
+    key = random_key(0)
+    clean = bound.replace(causal=True)(q, k, v, key_padding_mask=valid, generator=key)
+    padded = ~valid[:, None, :, None]
+    dirty = [torch.where(padded, bad, t) for t in (q, k, v)]
+    decoded = _decode_single_after(new_decoding_state(bound, generator=key), *dirty, valid,
+                                   prompt=10)
+    torch.testing.assert_close(decoded, clean, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("prompt", [10, 25])
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+@pytest.mark.parametrize(("method", "options"), CASES, ids=lambda c: str(c))
+def test_a_non_finite_real_input_is_never_hidden_step_by_step(method, options, where, prompt):
+    """A NaN at real position 20 gives the rows of the full causal forward: its own row
+    (a query), or every row from 20 on (a key or value; a value also spoils the rows
+    before it in one call, as SDPA's 0 x NaN, which rows decoded earlier cannot know).
+    Here performer and nystrom_softmax returned finite rows (the fallback mean) after
+    the prompt, and the key cache of the exact methods marked the prompt's rows before
+    the bad key."""
+    n = 30
+    q, k, v = make_qkv(2, 2, n, 4, seed=2)
+    {"q": q, "k": k, "v": v}[where][0, 1, 20, 1] = float("nan")
+    bound = get_method(method).bind(**options)
+    key = random_key(0)
+    full = bound.replace(causal=True)(q, k, v, generator=key)
+    decoded = _decode_single_after(new_decoding_state(bound, generator=key), q, k, v, None,
+                                   prompt)
+    seen = slice(20 if where == "v" else 0, n)  # before 20: see the docstring
+    torch.testing.assert_close(decoded[:, :, seen], full[:, :, seen], rtol=1e-10, atol=1e-10,
+                               equal_nan=True)
+    assert torch.isnan(decoded[0, 1, 20]).all()
+    assert torch.isfinite(decoded[1]).all() and torch.isfinite(decoded[0, 0, :20]).all()

@@ -34,7 +34,12 @@ class KeyValueDecoding(DecodingState):
 
     def _first(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None) -> Tensor:
         self._keep(q, k, v, key_valid)
-        return self._attend(q, q.shape[2])
+        if not self.masked:
+            return self._attend(q, q.shape[2])
+        # the causal forward itself: with a mask its guard cannot tell causal, and would
+        # mark the rows before a non-finite key too
+        return self.bound.replace(causal=True)(q, k, v, key_padding_mask=key_valid,
+                                               generator=self.key)
 
     def _extend(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None) -> Tensor:
         self._keep(q, k, v, key_valid)

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from ..ops.shared.inputs import resolve_key
+from ..registry.guard import zero_padding
 
 
 class DecodingState(ABC):
@@ -43,6 +44,7 @@ class DecodingState(ABC):
         self.generator = generator
         self.key: Tensor | None = None  # the random key of every step, fixed at the first
         self.length = 0  # positions seen
+        self.spoiled: Tensor | None = None  # [B, H] bool: a real key or value was non-finite
 
     def step(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None = None
              ) -> Tensor:
@@ -54,18 +56,38 @@ class DecodingState(ABC):
             key_valid: ``[B, n]`` bool, True = real token (padding, e.g. of a left-padded
                 prompt); ``None`` = all real. A padded position's output row is zero.
         Returns:
-            ``[B, H, n, Dv]`` in the dtype of ``q``.
+            ``[B, H, n, Dv]`` in the dtype of ``q``. As in the forward
+            (``registry/guard.py``): whatever padded positions hold changes no output,
+            and the real rows that a non-finite real input reaches are NaN (its own row
+            for a query, every row from its position on for a key or value).
         """
         self._check(q, k, v, key_valid)
         if key_valid is not None and bool(key_valid.all()):
             key_valid = None
+        q, k, v = zero_padding(q, k, v, key_valid, "auto")  # the states keep what they see
         if self.length == 0:
             self.key = resolve_key(self.method, self.generator, q.device)
             out = self._first(q, k, v, key_valid)
         else:
             out = self._extend(q, k, v, key_valid)
         self.length += q.shape[2]
-        return out
+        return self._show_nonfinite(out, q, k, v, key_valid)
+
+    def _show_nonfinite(self, out: Tensor, q: Tensor, k: Tensor, v: Tensor,
+                        key_valid: Tensor | None) -> Tensor:
+        """``out`` with NaN in the real rows that a non-finite query of the row, or key or
+        value of the row's position or an earlier one (of any step), reaches; the states'
+        sums would hide some (a fallback to the mean of the values, a zero weight, one
+        column). Padded inputs are zeros by then."""
+        bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # [B, H, n]
+        spoiled = bad.cummax(-1).values
+        if self.spoiled is not None:
+            spoiled = spoiled | self.spoiled[..., None]
+        self.spoiled = spoiled[..., -1]
+        rows = spoiled | ~torch.isfinite(q).all(-1)
+        if key_valid is not None:
+            rows = rows & key_valid[:, None, :]
+        return torch.where(rows[..., None], float("nan"), out)
 
     @abstractmethod
     def _first(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None) -> Tensor:
@@ -107,7 +129,7 @@ class DecodingState(ABC):
     def reorder(self, index: Tensor) -> None:
         """Keep the sequences ``index`` (``[B']`` long, repeats allowed): beam search,
         several samples per prompt, dropping finished sequences."""
-        for name in self.batched:
+        for name in (*self.batched, "spoiled"):
             t = getattr(self, name, None)
             if isinstance(t, Tensor):
                 setattr(self, name, t.index_select(0, index.to(t.device)))
