@@ -185,9 +185,11 @@ def test_a_core_that_rounding_leaves_indefinite_flags_the_slots_from_the_failed_
 
 @pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax"])
 def test_outputs_before_a_failed_slot_stay_and_decoding_agrees(method):
-    """Identical landmark rows with gamma = 1e-9 in float32: the core's second pivot
-    fails, so the queries that may use slot 1 or later are NaN and those before it keep
-    their outputs (a later token changes no earlier output), step by step as well."""
+    """Identical landmark rows with gamma = 1e-9 in float32: a pivot of the core after
+    the first fails (the second or the third: which depends on the rounding of the
+    kernel entries, which differs between CPUs), so the queries that may use that slot
+    or a later one are NaN and those before it keep their outputs (a later token
+    changes no earlier output), step by step as well."""
     from skyformer.decoding import new_decoding_state
     from skyformer.sketch.rng import random_key
 
@@ -200,7 +202,7 @@ def test_outputs_before_a_failed_slot_stay_and_decoding_agrees(method):
     out = bound(q, q, v, generator=key)
     nan = torch.isnan(out).any(-1)[0, 0]  # [N]
     first = int(nan.long().argmax())
-    assert 0 < first < 16 and bool(nan[first:].all()) and not bool(nan[:first].any())
+    assert 0 < first < 32 and bool(nan[first:].all()) and not bool(nan[:first].any())
     early = bound(q[:, :, :first], q[:, :, :first], v[:, :, :first], generator=key)
     torch.testing.assert_close(out[:, :, :first], early, rtol=0, atol=0)
     state = new_decoding_state(bound, generator=key)
