@@ -83,3 +83,13 @@ def test_version_flag(capsys):
         main(["--version"])
     assert stop.value.code == 0
     assert capsys.readouterr().out.strip() == f"skyformer {skyformer.__version__}"
+
+
+@pytest.mark.parametrize("command", ["approx", "bench", "hf-eval"])
+@pytest.mark.parametrize("flag", ["--no-plot", "--no-plots"])
+def test_the_commands_that_plot_take_either_spelling_of_no_plot(command, flag):
+    """approx said --no-plots, bench and hf-eval --no-plot: each takes both."""
+    from skyformer.cli import build_parser
+
+    args = build_parser().parse_args([command, flag])
+    assert (args.no_plots if command == "approx" else args.no_plot) is True

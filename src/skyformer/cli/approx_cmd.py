@@ -95,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "busier than its cores, 1 avoids threads spinning on each other")
     parser.add_argument("--out", default="results/approx", metavar="DIR",
                         help="output folder (default results/approx)")
-    parser.add_argument("--no-plots", action="store_true",
+    parser.add_argument("--no-plots", "--no-plot", action="store_true",
                         help="write no PNG plots (and remove those an earlier run left in --out)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 

@@ -72,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="write OUT.json, OUT.csv and OUT.png (e.g. benchmarks/results/bench_cpu)",
     )
-    parser.add_argument("--no-plot", action="store_true",
+    parser.add_argument("--no-plot", "--no-plots", action="store_true",
                         help="with --out: no PNG (and remove the one an earlier run left)")
     parser.add_argument(
         "--resume",

@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="results/hf-eval",
                         help="folder for hf_eval.json, .csv, .md (table) and .png "
                         "(default results/hf-eval)")
-    parser.add_argument("--no-plot", action="store_true",
+    parser.add_argument("--no-plot", "--no-plots", action="store_true",
                         help="skip the PNG plot (and remove the one an earlier run left in --out)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
 
