@@ -64,9 +64,10 @@ def test_fast_matches_naive_lifted_reference(pinv, init, masked):
 
 @pytest.mark.parametrize("masked", [False, True])
 def test_the_implicit_option_matches_the_naive_reference_at_its_steps(masked):
-    """``pinv_gradient="implicit"``: the naive reference runs the steps the bound asks for
-    (the fast path on the CPU factorises: the same inverse to rounding), on queries and
-    keys clustered so that 6 steps would not do."""
+    """``pinv_gradient="implicit"``: the naive reference takes the exact ridge inverse
+    (the fast path on the CPU factorises, elsewhere runs the steps the bound asks for:
+    the same inverse to rounding), on queries and keys clustered so that 6 steps would
+    not do."""
     q, k, v = make_qkv(2, 2, 26, 8)
     q, k = (0.05 * t + torch.ones(8, dtype=t.dtype) for t in (q, k))
     mask = None

@@ -75,11 +75,14 @@ def reference_lifted_factors(
     z = torch.cat([q_hat[b][:, q_rows], k_hat[b][:, k_rows]], dim=1)  # [H, 2n, D]
     c_bar = torch.exp(-torch.cdist(z, z) ** 2 / 2)  # [H, 2n, 2n]
     s = _selection_matrix(landmarks, b, q_rows, k_rows, z.dtype).to(z.device)
-    # the fast path's steps: raised for the implicit gradient by the bound for its slots
+    # the fast path's steps (core_iterations also checks the options); with the implicit
+    # gradient it forms the ridge inverse to rounding (scaled Newton steps, as many as
+    # Lemma 3's bound needs for its slots, or a factorisation): the exact inverse here
     slots = landmarks.query_index.shape[-1] + landmarks.key_index.shape[-1]
     iterations = core_iterations(options.pinv_gradient, options.pinv_iterations, slots,
                                  options.gamma, options.pinv, options.pinv_init, z.dtype)
-    w = naive_lemma3_inverse(s.T @ c_bar @ s, options.gamma, options.pinv, iterations,
+    pinv = "exact" if options.pinv_gradient == "implicit" else options.pinv
+    w = naive_lemma3_inverse(s.T @ c_bar @ s, options.gamma, pinv, iterations,
                              options.pinv_init)
     nq = len(q_rows)
     return (c_bar @ s)[:, :nq], w, (s.T @ c_bar)[:, :, nq:]
