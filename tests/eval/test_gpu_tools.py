@@ -617,3 +617,27 @@ def test_the_half_gradient_benchmark_runs_on_the_cpu(tmp_path):
         bound = 1e-3 if r["dtype"] == "float32" else 5e-2
         assert all(0 <= r[name] < bound for name in ("out", "dq", "dk", "dv")), r
     assert "| nystrom_softmax | 0.1 | triton | bfloat16 |" in out.with_suffix(".md").read_text()
+
+
+@needs_interpreter
+def test_triton_resources_records_the_graph_launches_on_request(monkeypatch):
+    """``--graph-launches``: the calls run inside ``cuda_graph_launches()``, so the Lemma 3
+    core launches a kernel per pass instead of one program per matrix."""
+    pytest.importorskip("triton")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not hasattr(InterpretedFunction, "run"):
+        pytest.skip("the tool records launches through Triton >= 3.5's interpreter")
+    from skyformer.linalg import triton_kernels
+
+    # the recording stands the target's capability in for the device's: undone after
+    monkeypatch.setattr(triton_kernels, "device_capability", triton_kernels.device_capability)
+    record = _load("triton_resources")._record_launches
+    spec = {"method": "skyformer", "head_dim": 16, "dtype": "float32", "features": 8,
+            "n": 24, "pinv_gradient": "implicit"}
+    kernels = {flag: {launch["kernel"] for launch in record(spec | {"graph_launches": flag})}
+               for flag in (False, True)}
+    assert {"_forward_kernel", "_backward_kernel"} <= kernels[False]
+    assert not kernels[False] & {"_forward_pass_kernel", "_backward_pass_kernel"}
+    assert {"_forward_pass_kernel", "_backward_pass_kernel"} <= kernels[True]
+    assert not kernels[True] & {"_forward_kernel", "_backward_kernel"}
