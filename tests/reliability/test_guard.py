@@ -63,8 +63,9 @@ def test_marks_exactly_the_rows_a_non_finite_input_reaches(seed, grouped, padded
 @pytest.mark.parametrize("method", ["softmax", "kernelized", "skyformer", "nystrom_softmax",
                                     "linear", "performer"])
 def test_a_causal_call_marks_only_the_rows_that_see_the_bad_key(method):
-    """As SDPA with is_causal: a NaN key or an inf value at j spoils rows j, j+1, ...,
-    not the earlier rows, which cannot see it; a NaN query only its own row."""
+    """As SDPA with is_causal: a NaN key at j spoils rows j, j+1, ..., not the earlier
+    rows, which cannot see it; a NaN query only its own row; an inf value every row of
+    its head (0 x inf in the products; in these 16 tokens one chunk holds them all)."""
     import torch.nn.functional as F
 
     import skyformer
@@ -78,6 +79,28 @@ def test_a_causal_call_marks_only_the_rows_that_see_the_bad_key(method):
     want = ~F.scaled_dot_product_attention(q, k, v, is_causal=True).isfinite().all(-1)
     assert torch.equal(~out.isfinite().all(-1), want)  # SDPA: inf or NaN rows
     assert want[0, 0].tolist() == [False] * 10 + [True] * 6
+
+
+@pytest.mark.parametrize("method", ["softmax", "kernelized", "skyformer", "nystrom_softmax",
+                                    "linear", "performer"])
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+def test_a_causal_call_marks_the_rows_docs_reliability_names_for_a_bad_value(method, bad):
+    """docs/reliability.md: a non-finite value at j spoils every row of its head in the
+    exact methods (as SDPA), the rows from the start of j's chunk on in the chunked
+    linear-time forms, never a row of another head; a bad key at j the rows from j on."""
+    import skyformer
+    from skyformer.ops.shared.causal_prefix import CAUSAL_CHUNK
+
+    n, j = 3 * CAUSAL_CHUNK, 2 * CAUSAL_CHUNK + 20
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    v[0, 0, j, 3] = float(bad)
+    k[0, 1, j, 1] = float(bad)
+    out = skyformer.attention(q, k, v, method, causal=True, generator=skyformer.random_key(0))
+    spoiled = ~out.isfinite().all(-1)[0]
+    first = 0 if method in ("softmax", "kernelized") else j - j % CAUSAL_CHUNK
+    assert spoiled[0].tolist() == [False] * first + [True] * (n - first)
+    assert spoiled[1].tolist() == [False] * j + [True] * (n - j)
 
 
 def test_the_cuda_path_adds_no_operation_to_the_backward_pass():

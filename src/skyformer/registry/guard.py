@@ -6,7 +6,8 @@
   value in padding can reach a real output or a gradient.
 - A non-finite value in a real token is never hidden: the output rows it can reach are
   NaN, as with SDPA (a NaN query spoils its own row; a NaN key or value spoils every
-  row of its batch element and head, in a causal call the rows at and after it),
+  row of its batch element and head, in a causal call the rows at and after it; a
+  method's own products may spoil earlier rows too, 0 times a NaN value being NaN),
   whatever the method's own arithmetic would have made of it (a fallback to mean(V), a
   clamp, a zero). The rows are marked by adding a
   detached flag that is 0 or NaN, so a marked row's gradient passes to the method as
