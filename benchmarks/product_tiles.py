@@ -76,7 +76,8 @@ def measure(shape: str, n: int, features: int, specs: dict[str, list[str]], devi
     reference = call(None, None)()
     half = dtype in (torch.bfloat16, torch.float16)
     capability = triton_kernels.device_capability(torch.device(device))
-    defaults = {"rows": triton_kernels._row_tiles(width, width, torch.float32, capability),
+    defaults = {"rows": triton_kernels._row_tiles(width, width, torch.float32, half,
+                                                  capability),
                 "cols": triton_kernels._col_tiles(width, width, torch.float32, half,
                                                   capability)}
     options = {kernel: [defaults[kernel]] + [t for t in map(_tiles, specs[kernel])

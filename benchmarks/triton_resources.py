@@ -17,7 +17,10 @@ and method come from the options; N only enters as a runtime argument.
 
     python benchmarks/triton_resources.py --out benchmarks/results/triton_resources
         [--pinv-gradient implicit] [--one-pass-backward] [--matmul-precision high]
-        [--graph-launches]
+        [--graph-launches] [--only TEXT ...]
+
+``--only``: compile only the launches whose label (the table's kernel column) contains
+one of the texts, e.g. ``--only has_vn`` for the rows kernel's gradient launches.
 """
 
 from __future__ import annotations
@@ -248,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                         choices=["highest", "high", "medium"],
                         help="torch.set_float32_matmul_precision of the recording run "
                              "(high, medium: one TF32 pass where float32 dots take three)")
+    parser.add_argument("--only", nargs="+", default=None, metavar="TEXT",
+                        help="compile only the launches whose label contains one of these")
     parser.add_argument("--out", type=Path, default=None,
                         help="write OUT.json and OUT.md (atomically)")
     args = parser.parse_args(argv)
@@ -279,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         launches = json.loads(child.stdout.strip().splitlines()[-1])
         for launch in launches:
+            if args.only and not any(text in _label(launch) for text in args.only):
+                continue
             key = _launch_key(launch)
             if key not in seen:
                 seen[key] = compile_launch(launch, args.arch)

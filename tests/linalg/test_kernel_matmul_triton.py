@@ -648,7 +648,7 @@ def test_tiles_follow_the_gpu_generation():
 
     for capability in (None, (9, 0), (10, 0)):
         assert tk.dot_family(capability) == "default"
-        assert tk._row_tiles(64, 64, torch.float32, capability) == (64, 32, 4, 1)
+        assert tk._row_tiles(64, 64, torch.float32, True, capability) == (64, 32, 4, 1)
         assert tk._col_tiles(64, 64, torch.float32, True, capability) == (64, 64, 4, 1)
     for capability, family, tiles in (((8, 0), "mma_sync", (32, 32, 4, 1)),
                                       ((8, 9), "mma_sync", (32, 32, 4, 1)),
@@ -656,9 +656,9 @@ def test_tiles_follow_the_gpu_generation():
                                       ((7, 5), "fma", (16, 16, 8, 1)),
                                       ((7, 0), "fma", (16, 16, 8, 1))):
         assert tk.dot_family(capability) == family
-        assert tk._row_tiles(64, 64, torch.float32, capability) == tiles
+        assert tk._row_tiles(64, 64, torch.float32, True, capability) == tiles
         assert tk._col_tiles(32, 32, torch.float32, False, capability) == tiles
-        assert tk._row_tiles(64, 64, torch.float64, capability) == (16, 16, 4, 1)
+        assert tk._row_tiles(64, 64, torch.float64, False, capability) == (16, 16, 4, 1)
     assert tk.device_capability(torch.device("cpu")) is None
 
 
@@ -691,7 +691,10 @@ def test_the_tiles_of_other_gpus_give_the_same_products(monkeypatch, triton_inte
                         recording)
     ours = _product("triton", y, x, b, rhs, **options)
     family = triton_kernels.dot_family(capability)
-    assert tiles and tiles[0] == triton_kernels.FAMILY_TILES[family]
+    width = max(triton_kernels.tile_width(d), triton_kernels.tile_width(r))
+    assert tiles and tiles[0] == (triton_kernels.FAMILY_TILES[family] if width <= 64
+                                  or family == "fma" else triton_kernels.WIDE_TILES[
+                                      ("cols" if transpose else "rows", width, False)])
     _assert_products_close(ours, ref, torch.float32)
 
 

@@ -394,14 +394,47 @@ STAGES = 1
 # eight warps none (64-128 registers, 16-24 warps an SM). Not timed: no such GPU ran them.
 FAMILY_TILES = {"mma_sync": (32, 32, 4, STAGES), "fma": (16, 16, 8, STAGES)}
 
+# Head dims above 64, where sm_90's and mma_sync's tiles spilled in the backward launches
+# (compiled with Triton 3.9, m = 128; benchmarks/triton_resources.py). At a padded
+# width of 128 (sm_90 and sm_80): half rows 136-152 bytes a thread in the rows kernel's
+# two gradient launches (sm_80: 96-128), float32 rows 656-744 there and 96-464 in the
+# cols kernel's gradient launches; with the tiles below, eight warps spreading the
+# [BLOCK_N, BLOCK_D] accumulators over twice the threads, no launch of either kernel
+# spills on either target and as many warps fit an SM (the cols kernel with half rows
+# spilled nothing and keeps its tiles). At 256 (sm_90): half rows spilled 1256-1288
+# bytes in the rows kernel's gradient launches and 224 in one cols launch; with these,
+# at most 8. Float32 rows at 256 still spill 112-392 bytes (16 rows is the least a dot
+# takes). Not timed: docs/gpu.md, "Tiles for head dims above 64".
+WIDE_TILES = {  # (kernel, padded width, half rows) -> tiles; absent: the narrow choice
+    ("rows", 128, True): (32, 32, 8, STAGES), ("rows", 128, False): (16, 32, 8, STAGES),
+    ("cols", 128, False): (16, 16, 8, STAGES),
+    ("rows", 256, True): (16, 16, 8, STAGES), ("rows", 256, False): (16, 32, 8, STAGES),
+    ("cols", 256, True): (32, 32, 8, STAGES), ("cols", 256, False): (16, 16, 8, STAGES),
+}
 
-def _row_tiles(bd: int, br: int, dtype: torch.dtype,
+
+def _wide_tiles(kernel: str, bd: int, br: int, half_rows: bool,
+                family: str) -> tuple[int, int, int, int] | None:
+    """``WIDE_TILES``' choice where the padded head dim or value width is above 64 on a
+    GPU whose dots use MMA instructions (the ``fma`` family's 16 x 16 tiles with eight
+    warps fit already); widths above 256 take 256's. None: the narrow choice."""
+    width = max(bd, br)
+    if width <= 64 or family == "fma":
+        return None
+    return WIDE_TILES.get((kernel, 128 if width <= 128 else 256, half_rows))
+
+
+def _row_tiles(bd: int, br: int, dtype: torch.dtype, half_rows: bool = False,
                capability: tuple[int, int] | None = None) -> tuple[int, int, int, int]:
     """The rows kernel: (BLOCK_N rows a program, BLOCK_M columns a loop step, warps,
-    pipeline stages) on a GPU of ``capability`` (None: sm_90's tiles)."""
+    pipeline stages) on a GPU of ``capability`` (None: sm_90's tiles); ``half_rows``: y
+    is a half type (bf16x3 dots)."""
     if dtype == torch.float64:  # broadcast sums of [BLOCK_N, BLOCK_M, BLOCK_D] values
         return 16, 16, 4, STAGES
-    if (family := dot_family(capability)) in FAMILY_TILES:
+    family = dot_family(capability)
+    if (wide := _wide_tiles("rows", bd, br, half_rows, family)) is not None:
+        return wide
+    if family in FAMILY_TILES:
         return FAMILY_TILES[family]
     return (64 if max(bd, br) <= 64 else 32), 32, 4, STAGES
 
@@ -413,7 +446,10 @@ def _col_tiles(bd: int, br: int, dtype: torch.dtype, half_rows: bool = False,
     ``capability`` as ``_row_tiles``."""
     if dtype == torch.float64:
         return 16, 16, 4, STAGES
-    if (family := dot_family(capability)) in FAMILY_TILES:
+    family = dot_family(capability)
+    if (wide := _wide_tiles("cols", bd, br, half_rows, family)) is not None:
+        return wide
+    if family in FAMILY_TILES:
         return FAMILY_TILES[family]
     wide = max(bd, br)
     columns = 64 if wide <= (64 if half_rows else 32) else 32
@@ -473,7 +509,9 @@ def rows_product(
     bh, n, d = y.shape
     m, r = x.shape[1], vm.shape[-1]
     bd, br = tile_width(d), tile_width(r)
-    bn, bm, warps, stages = _row_tiles(bd, br, x.dtype, device_capability(y.device))
+    bn, bm, warps, stages = _row_tiles(bd, br, x.dtype, y.dtype in (torch.bfloat16,
+                                                                     torch.float16),
+                                       device_capability(y.device))
     out1 = y.new_empty(bh, n, r, dtype=y.dtype if out1_dtype is None else out1_dtype) \
         if write_out1 else None
     out2 = y.new_empty(bh, n, d, dtype=y.dtype) if vn is not None else None
