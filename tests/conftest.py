@@ -20,7 +20,10 @@ if not CUDA_TESTS:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     run_interpreted_launches_in_a_worker_thread()  # the same speed at any test depth
 
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+# One thread a process where pytest-xdist runs the tests in several (as the README's
+# test command does: one a core); two otherwise.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER")
+                      else max(1, min(2, torch.get_num_threads())))
 
 
 @pytest.fixture
@@ -91,9 +94,16 @@ def matrix(request):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
+    """The test's cell goes with its reports (which pytest-xdist sends from the process
+    that ran the test to the one that prints the summary)."""
     outcome = yield
-    report = outcome.get_result()
     cell = getattr(item, "matrix_cell", None)
+    if cell is not None:
+        outcome.get_result().user_properties.append(("matrix_cell", tuple(cell)))
+
+
+def pytest_runtest_logreport(report):
+    cell = dict(report.user_properties).get("matrix_cell")
     if cell is None or report.when not in ("setup", "call"):
         return
     if report.when == "call" or not report.passed:
