@@ -21,7 +21,18 @@ def _bad_values(default):
         return ["0.1", math.inf, math.nan, True]
     if isinstance(default, str):
         return ["no-such-choice", 3]
-    return [object()]  # an option defaulting to None: no option takes an arbitrary object
+    return [_ARBITRARY]  # an option defaulting to None: no option takes an arbitrary object
+
+
+class _Arbitrary:
+    """An object of a kind no option takes, with the same test id in every process
+    (pytest-xdist requires the processes to collect the same ids)."""
+
+    def __repr__(self) -> str:
+        return "an-arbitrary-object"
+
+
+_ARBITRARY = _Arbitrary()
 
 
 CASES = [
