@@ -61,11 +61,13 @@ CANDIDATES = ("32,16,8,1", "128,16,8,1", "16,16,4,1,pass", "32,32,8,1,pass",
               "32,32,8,1,pass,keep")
 
 
-def candidates(m: int, specs: list[str], backward: bool) -> list[dict]:
+def candidates(m: int, specs: list[str], backward: bool, family: str = "default"
+               ) -> list[dict]:
     """The launch options to try at m landmarks (``ROWS,KC,WARPS,STAGES`` specs, ``,pass``
     for a launch per pass and, backward, ``,keep`` for kept step products; tiles within
-    the padded matrix), the default first, then (backward) the default keeping them."""
-    default = triton_lemma3.launch_options(m, backward=backward)
+    the padded matrix), the default first (the library's for a GPU of ``family``), then
+    (backward) the default keeping them."""
+    default = triton_lemma3.launch_options(m, backward=backward, family=family)
     block = default["BLOCK"]
     found = [default, {**default, "KEEP_PRODUCTS": True}] if backward else [default]
     for spec in specs:
@@ -149,8 +151,9 @@ def measure(batch: int, heads: int, m: int, head_dim: int, specs: list[str], dev
                 return graphed(step)
         return run, run_graphed
 
-    fwd_options = candidates(m, specs, backward=False)
-    bwd_options = candidates(m, specs, backward=True)
+    family = triton_lemma3.device_family(torch.device(device))
+    fwd_options = candidates(m, specs, backward=False, family=family)
+    bwd_options = candidates(m, specs, backward=True, family=family)
     reference_w, reference_grad = call("triton", None, None, True)[0]()
     modes = ("eager", "graph") if device == "cuda" else ("eager",)
     calls = {}
@@ -220,11 +223,12 @@ def _options(table: dict):
     options if it has them."""
     default = triton_lemma3.launch_options
 
-    def chosen(m: int, backward: bool = False, graphed: bool = False) -> dict:
+    def chosen(m: int, backward: bool = False, graphed: bool = False,
+               family: str = "default") -> dict:
         kernel = "backward" if backward else "forward"
         entry = table.get(m, {})
         option = (entry.get(f"{kernel}_graphed") if graphed else None) or entry.get(kernel)
-        return dict(option) if option else default(m, backward, graphed)
+        return dict(option) if option else default(m, backward, graphed, family)
 
     with mock.patch.object(triton_lemma3, "launch_options", chosen), \
             mock.patch.object(triton_lemma3_backward, "launch_options", chosen):

@@ -60,8 +60,9 @@ def kept_products() -> Iterator[None]:
     """The Lemma 3 step products kept from the forward to the backward kernel."""
     default = triton_lemma3.launch_options
 
-    def keeping(m: int, backward: bool = False, graphed: bool = False) -> dict:
-        options = default(m, backward, graphed)
+    def keeping(m: int, backward: bool = False, graphed: bool = False,
+                family: str = "default") -> dict:
+        options = default(m, backward, graphed, family)
         return {**options, "KEEP_PRODUCTS": True} if backward else options
 
     with mock.patch.object(triton_lemma3, "launch_options", keeping), \

@@ -38,8 +38,8 @@ def _keeping(monkeypatch, per_pass=False, rows=None):
 
     default = triton_lemma3.launch_options
 
-    def keeping(m, backward=False, graphed=False):
-        option = default(m, backward, graphed)
+    def keeping(m, backward=False, graphed=False, family="default"):
+        option = default(m, backward, graphed, family)
         if per_pass:
             tile = min(rows, option["BLOCK"])
             option = {**option, "ROWS": tile, "KC": tile, "PER_PASS": True}

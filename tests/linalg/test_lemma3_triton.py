@@ -173,8 +173,8 @@ def _launch_per_pass(monkeypatch, rows):
 
     default = triton_lemma3.launch_options
 
-    def per_pass(m, backward=False, graphed=False):
-        option = default(m, backward, graphed)
+    def per_pass(m, backward=False, graphed=False, family="default"):
+        option = default(m, backward, graphed, family)
         tile = min(rows, option["BLOCK"])
         return {**option, "ROWS": tile, "KC": tile, "PER_PASS": True}
 

@@ -61,6 +61,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import triton_kernels
 from .graph_launches import graph_launches_on
 from .launch_grid import cdiv, tile_width
 from .newton_inverse import newton_floor, newton_lower_end
@@ -389,7 +390,8 @@ def launch(program_kernel, pass_kernel, passes: list[tuple[int, int]], bh: int, 
         pass_kernel[grid](*args, step, PASS=kind, **options)
 
 
-def launch_options(m: int, backward: bool = False, graphed: bool = False) -> dict:
+def launch_options(m: int, backward: bool = False, graphed: bool = False,
+                   family: str = "default") -> dict:
     """Tiles and warps of the forward (or ``backward``) Lemma 3 kernel: the matrix padded
     to a power of two (``BLOCK``, tl.dot needs >= 16), row blocks and inner chunks of 32
     (``ROWS``, ``KC``: a [32, 128] float32 accumulator), eight warps from m = 64, one
@@ -405,14 +407,39 @@ def launch_options(m: int, backward: bool = False, graphed: bool = False) -> dic
     products kept (``KEEP_PRODUCTS``): the fastest options replayed from a CUDA graph
     on an H100 (``lemma3_tiles_h100.txt``, m = 128; no spills on sm_90).
     ``KEEP_PRODUCTS`` (backward): whether the forward kernel keeps the step products
-    for the backward kernel (``keeps_products``); eagerly not, for the memory."""
+    for the backward kernel (``keeps_products``); eagerly not, for the memory.
+    ``family``: ``triton_kernels.dot_family`` of the GPU (``device_family``); where
+    sm_90's options spilled, inner chunks of 16 from the m that ``FAMILY_KC`` names."""
     block = tile_width(m)
     tile = min(block, 32)
     options = {"BLOCK": block, "ROWS": tile, "KC": tile, "num_warps": 8 if block >= 64 else 4,
                "num_stages": 1, "PER_PASS": graphed}
+    least = FAMILY_KC.get(("backward" if backward else "forward", family))
+    if not graphed and least is not None and block >= least:
+        options["KC"] = 16
     if backward:
         return {**options, "KEEP_PRODUCTS": graphed}
     return {**options, "ROWS": 16, "KC": 16, "num_warps": 4} if graphed else options
+
+
+# (kernel, GPU family) -> the least padded m at which the one-program Lemma 3 kernel
+# takes inner chunks of 16 (``KC``). Compiled for sm_80 (Triton 3.9, bfloat16 inputs,
+# D = 64), sm_90's options spilled 72 bytes a thread in the forward kernel at m = 64,
+# 24 in the backward at m = 128 and, for the implicit gradient, 40 in the backward at
+# m = 64; with 16 none of the eight kernels (forward, backward; unrolled, implicit;
+# m = 64, 128) spills, and as many or more warps fit an SM (sm_120 alike). sm_75 (no
+# MMA): the backward spilled 80 bytes at m = 128 and spills nothing with 16 there
+# (either gradient); with 16 the implicit backward would spill 24 bytes at m = 64 and
+# the forward 16 at m = 128, so those keep 32. The launches a CUDA graph replays spill on
+# neither family. Not timed: docs/gpu.md, "Tiles and precision before Hopper".
+FAMILY_KC = {("forward", "mma_sync"): 64, ("backward", "mma_sync"): 64,
+             ("backward", "fma"): 128}
+
+
+def device_family(device: torch.device) -> str:
+    """``triton_kernels.dot_family`` of ``device`` (read through the module, which tests
+    and ``benchmarks/triton_resources.py`` patch)."""
+    return triton_kernels.dot_family(triton_kernels.device_capability(device))
 
 
 def keeps_products(m: int, graphed: bool = False) -> bool:
@@ -459,7 +486,8 @@ def lemma3_forward(source: Tensor, norm: Tensor | None, ridge: Tensor, iteration
                "FLOOR": newton_floor(source.dtype),
                "TINY": torch.finfo(source.dtype).tiny,
                "PRECISION": _precision(source.dtype, device=source.device),
-               **launch_options(m, graphed=graph_launches_on())}
+               **launch_options(m, graphed=graph_launches_on(),
+                                family=device_family(source.device))}
     launch(_forward_kernel, _forward_pass_kernel, forward_passes(iterations, chain), bh, m,
            args, options)
     return w, store

@@ -45,6 +45,7 @@ from .graph_launches import graph_launches_on
 from .launch_grid import tile_width
 from .triton_kernels import _precision
 from .triton_lemma3 import (
+    device_family,
     iterate,
     launch,
     launch_options,
@@ -342,7 +343,8 @@ def lemma3_backward(source: Tensor, norm: Tensor | None, ridge: Tensor, store: T
                "TINY": torch.finfo(source.dtype).tiny,
                "BLOCK_D": tile_width(d),
                "PRECISION": _precision(source.dtype, device=source.device),
-               **launch_options(m, backward=True, graphed=graph_launches_on())}
+               **launch_options(m, backward=True, graphed=graph_launches_on(),
+                                family=device_family(source.device))}
     launch(_backward_kernel, _backward_pass_kernel,
            backward_passes(iterations, norm is not None, implicit), bh, m, args, options)
     return dsource, dnorm
