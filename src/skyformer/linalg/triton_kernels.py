@@ -432,8 +432,8 @@ def _row_tiles(bd: int, br: int, dtype: torch.dtype, half_rows: bool = False,
     if dtype == torch.float64:  # broadcast sums of [BLOCK_N, BLOCK_M, BLOCK_D] values
         return 16, 16, 4, STAGES
     family = dot_family(capability)
-    if (wide := _wide_tiles("rows", bd, br, half_rows, family)) is not None:
-        return wide
+    if (tiles := _wide_tiles("rows", bd, br, half_rows, family)) is not None:
+        return tiles
     if family in FAMILY_TILES:
         return FAMILY_TILES[family]
     return (64 if max(bd, br) <= 64 else 32), 32, 4, STAGES
@@ -447,8 +447,8 @@ def _col_tiles(bd: int, br: int, dtype: torch.dtype, half_rows: bool = False,
     if dtype == torch.float64:
         return 16, 16, 4, STAGES
     family = dot_family(capability)
-    if (wide := _wide_tiles("cols", bd, br, half_rows, family)) is not None:
-        return wide
+    if (tiles := _wide_tiles("cols", bd, br, half_rows, family)) is not None:
+        return tiles
     if family in FAMILY_TILES:
         return FAMILY_TILES[family]
     wide = max(bd, br)

@@ -390,6 +390,20 @@ def launch(program_kernel, pass_kernel, passes: list[tuple[int, int]], bh: int, 
         pass_kernel[grid](*args, step, PASS=kind, **options)
 
 
+# (kernel, GPU family) -> the least padded m at which the one-program Lemma 3 kernel
+# takes inner chunks of 16 (``KC``). Compiled for sm_80 (Triton 3.9, bfloat16 inputs,
+# D = 64), sm_90's options spilled 72 bytes a thread in the forward kernel at m = 64,
+# 24 in the backward at m = 128 and, for the implicit gradient, 40 in the backward at
+# m = 64; with 16 none of the eight kernels (forward, backward; unrolled, implicit;
+# m = 64, 128) spills, and as many or more warps fit an SM (sm_120 alike). sm_75 (no
+# MMA): the backward spilled 80 bytes at m = 128 and spills nothing with 16 there
+# (either gradient); with 16 the implicit backward would spill 24 bytes at m = 64 and
+# the forward 16 at m = 128, so those keep 32. The launches a CUDA graph replays spill on
+# neither family. Not timed: docs/gpu.md, "Tiles and precision before Hopper".
+FAMILY_KC = {("forward", "mma_sync"): 64, ("backward", "mma_sync"): 64,
+             ("backward", "fma"): 128}
+
+
 def launch_options(m: int, backward: bool = False, graphed: bool = False,
                    family: str = "default") -> dict:
     """Tiles and warps of the forward (or ``backward``) Lemma 3 kernel: the matrix padded
@@ -420,20 +434,6 @@ def launch_options(m: int, backward: bool = False, graphed: bool = False,
     if backward:
         return {**options, "KEEP_PRODUCTS": graphed}
     return {**options, "ROWS": 16, "KC": 16, "num_warps": 4} if graphed else options
-
-
-# (kernel, GPU family) -> the least padded m at which the one-program Lemma 3 kernel
-# takes inner chunks of 16 (``KC``). Compiled for sm_80 (Triton 3.9, bfloat16 inputs,
-# D = 64), sm_90's options spilled 72 bytes a thread in the forward kernel at m = 64,
-# 24 in the backward at m = 128 and, for the implicit gradient, 40 in the backward at
-# m = 64; with 16 none of the eight kernels (forward, backward; unrolled, implicit;
-# m = 64, 128) spills, and as many or more warps fit an SM (sm_120 alike). sm_75 (no
-# MMA): the backward spilled 80 bytes at m = 128 and spills nothing with 16 there
-# (either gradient); with 16 the implicit backward would spill 24 bytes at m = 64 and
-# the forward 16 at m = 128, so those keep 32. The launches a CUDA graph replays spill on
-# neither family. Not timed: docs/gpu.md, "Tiles and precision before Hopper".
-FAMILY_KC = {("forward", "mma_sync"): 64, ("backward", "mma_sync"): 64,
-             ("backward", "fma"): 128}
 
 
 def device_family(device: torch.device) -> str:
