@@ -3,20 +3,12 @@ choice, the same results under the interpreter, and no spill compiled for sm_80.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from skyformer.linalg import half_sq_norm, landmark_inverse, triton_kernels, triton_lemma3
+from tests.compiled import compiled_rows, needs_compiler
 from tests.devices import relative_error
-from tests.linalg.test_wide_tiles import _ptxas_present
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_inner_chunks_of_16_where_the_family_spilled():
@@ -74,20 +66,12 @@ def test_an_sm80_gpus_options_give_the_same_inverse_and_gradient(monkeypatch,
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _ptxas_present(), reason="Triton's ptxas and cuobjdump are needed "
-                                                 "to compile for a GPU without one")
+@needs_compiler
 def test_the_lemma3_kernels_compile_for_sm80_without_spills(tmp_path):
     """Compiled for sm_80 (Triton's ptxas, no GPU) at m = 64: the forward kernel spilled
     72 bytes a thread with sm_90's options; with the family's, neither kernel spills."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    out = tmp_path / "sm80"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "triton_resources.py"),
-                    "--arch", "80", "--methods", "skyformer", "--configs", "64:bfloat16",
-                    "--features", "64", "--n", "40", "--only", "_forward_kernel",
-                    "_backward_kernel", "--out", str(out)],
-                   env=env, check=True, capture_output=True, text=True, timeout=600)
-    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    rows = compiled_rows(tmp_path / "sm80", "--arch", "80", "--configs", "64:bfloat16",
+                         "--features", "64", "--only", "_forward_kernel", "_backward_kernel")
     assert sorted(row["kernel"].split(" ")[0] for row in rows) == ["_backward_kernel",
                                                                    "_forward_kernel"]
     for row in rows:

@@ -3,21 +3,15 @@ choice per GPU family, and the compiled code's spills."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 import skyformer
 from skyformer.linalg import triton_kernels as tk
+from tests.compiled import compiled_rows, needs_compiler
 from tests.conftest import make_qkv
 from tests.devices import relative_error
 
-ROOT = Path(__file__).resolve().parents[2]
 MMA_GPUS = [None, (9, 0), (10, 0), (8, 0), (8, 9), (12, 0)]
 
 
@@ -75,31 +69,15 @@ def test_skyformer_with_the_wide_tiles(monkeypatch, triton_interpreter, capabili
                                                          else 2e-4)
 
 
-def _ptxas_present() -> bool:
-    try:
-        import triton
-    except ImportError:
-        return False
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    return (tools / "ptxas").exists() and (tools / "cuobjdump").exists()
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not _ptxas_present(), reason="Triton's ptxas and cuobjdump are needed "
-                                                 "to compile for a GPU without one")
+@needs_compiler
 def test_the_gradient_launches_at_head_dim_128_compile_without_spills(tmp_path):
     """Compiled for sm_90 (Triton's ptxas, no GPU): Skyformer's product launches that
     spilled at D = 128 with the 64-and-below tiles (the rows kernel's gradient launches,
     half and float32 rows; the cols kernel's, float32) spill nothing."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     for config, only in (("128:bfloat16", ["has_vn"]), ("128:float32", ["write_out1 has_v"])):
-        out = tmp_path / config.replace(":", "_")
-        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "triton_resources.py"),
-                        "--arch", "90", "--methods", "skyformer", "--configs", config,
-                        "--features", "16", "--n", "40", "--only", *only, "--out", str(out)],
-                       env=env, check=True, capture_output=True, text=True, timeout=600)
-        rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+        rows = compiled_rows(tmp_path / config.replace(":", "_"), "--arch", "90",
+                             "--configs", config, "--features", "16", "--only", *only)
         assert len(rows) == 2, [row["kernel"] for row in rows]
         for row in rows:
             assert (row["stack"], row["spill_stores"]) == (0, 0), row["kernel"]

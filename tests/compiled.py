@@ -1,0 +1,40 @@
+"""Kernels compiled for a GPU without one: ``benchmarks/triton_resources.py`` run in a
+process of its own (compiling needs Triton's JIT, which the tests' interpreter replaces),
+its rows read back."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _compiler_present() -> bool:
+    try:
+        import triton
+    except ImportError:
+        return False
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    return (tools / "ptxas").exists() and (tools / "cuobjdump").exists()
+
+
+needs_compiler = pytest.mark.skipif(
+    not _compiler_present(),
+    reason="Triton's ptxas and cuobjdump are needed to compile for a GPU without one")
+
+
+def compiled_rows(out: Path, *options: str) -> list[dict]:
+    """The rows (one per distinct launch: registers, stack, spills, warps per SM) that
+    ``triton_resources.py OPTIONS --out OUT`` writes, for Skyformer at N = 40."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "triton_resources.py"),
+                    "--methods", "skyformer", "--n", "40", *options, "--out", str(out)],
+                   env=env, check=True, capture_output=True, text=True, timeout=600)
+    return json.loads(out.with_suffix(".json").read_text())["rows"]
