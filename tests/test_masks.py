@@ -42,6 +42,10 @@ def test_no_mask_follows_the_causal_flag():
     assert resolve(None).key_padding_mask is None and resolve(None).causal is False
     assert resolve(None, causal=True).causal is True
     assert resolve(None, nq=1, nk=N, causal=True).causal is False  # one query sees every key
+    # one token alone: the causal form, as a longer prompt's first row and a decoding
+    # state's first step compute it (hidden nothing either way)
+    assert resolve(None, nq=1, nk=1, causal=True).causal is True
+    assert resolve(None, nq=1, nk=1).causal is False
     with pytest.raises(UnsupportedMaskError, match="cached prefix"):
         resolve(None, nq=3, nk=N, causal=True)
 

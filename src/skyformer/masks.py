@@ -109,7 +109,10 @@ def resolve_mask(
         batch, query_len, key_len: B, Nq, Nk of the attention call.
         is_causal: the model's causal flag; as in transformers' SDPA path it applies only
             when no mask is given (a given mask already holds the causal pattern) and
-            ``Nq > 1``.
+            ``Nq > 1`` (one query of a cached prefix is the last position: it sees every
+            key); also at ``Nq == Nk == 1``, where the mask hides nothing but a causal
+            method computes its causal form, as for the first row of a longer prompt
+            and the first step of a decoding state.
         advice: what the caller can do instead, ending every error sentence.
     Returns:
         ``ResolvedMask``; its ``key_padding_mask`` is ``None`` when every key is real.
@@ -117,7 +120,7 @@ def resolve_mask(
         UnsupportedMaskError: for any other mask pattern, with the reason.
     """
     if attention_mask is None:
-        causal = bool(is_causal) and query_len > 1
+        causal = bool(is_causal) and (query_len > 1 or query_len == key_len == 1)
         if causal and query_len != key_len:
             raise UnsupportedMaskError(
                 f"causal attention over a cached prefix (Nq={query_len} queries, Nk={key_len} "

@@ -297,3 +297,18 @@ def test_a_decoder_compiles_whole_with_a_left_padded_mask(build):
     with torch.no_grad():
         torch.testing.assert_close(compiled(input_ids=ids, attention_mask=mask).logits,
                                    model(input_ids=ids, attention_mask=mask).logits)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize(("method", "options"), [SETTINGS[0], SETTINGS[3]],
+                         ids=["skyformer", "nystrom_softmax"])
+def test_a_one_token_prompt_decodes_as_its_full_forward(method, options):
+    """A one-token forward without a cache takes the causal form (one query, one key:
+    the mask hides nothing, but Skyformer's causal and non-causal forms differ), as the
+    first step of a ``DecodingCache`` does."""
+    model = _gpt2()
+    shf.set_attention(model, method, seed=0, **options)
+    ids = torch.randint(2, 64, (2, 1), generator=torch.Generator().manual_seed(0))
+    want = model(ids).logits
+    torch.testing.assert_close(model(ids, cache=shf.DecodingCache(model)).logits, want,
+                               atol=1e-6, rtol=1e-6)

@@ -297,7 +297,7 @@ def _with_attn_mask(
     spec = layer.bound.method
     key, value = _keys_for_call(module, key, value)
     nq, nk = query.shape[2], key.shape[2]
-    causal = is_causal and attention_mask is None and nq > 1
+    causal = is_causal and attention_mask is None and (nq > 1 or nq == nk == 1)  # resolve_mask
     if causal and nk > nq:  # an empty static cache at prefill: the rest are unwritten
         key, value = key[:, :, :nq], value[:, :, :nq]
         position_bias = None if position_bias is None else position_bias[..., :nq]
