@@ -25,11 +25,6 @@ check it without a GPU; its times mean nothing there (``host_time.py`` is the CP
 
 from __future__ import annotations
 
-import os
-
-# host_time.py turns the interpreter on unless told; on CUDA the kernels run compiled
-os.environ.setdefault("TRITON_INTERPRET", "0")
-
 import argparse
 import statistics
 import sys

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported
+if __name__ == "__main__":  # run as a script, before Triton is imported; an import
+    # (gpu_kernels.py on a GPU) must not turn the interpreter on for its importer
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU tensors take the Triton path
 
 import argparse
 import collections

@@ -15,6 +15,10 @@ from tests.devices import needs_interpreter
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
+# These run the GPU tools on CPU tensors, most with the Triton kernels: under the
+# interpreter only (on a GPU machine, where it is off, the tools themselves run there).
+pytestmark = needs_interpreter
+
 
 def _load(name):
     if str(BENCHMARKS) not in sys.path:  # the scripts import each other, as run from there
@@ -87,7 +91,6 @@ def test_triton_resources_compiles_the_launches_for_an_h100(tmp_path):
         assert row["warps_per_sm"] >= row["num_warps"]  # it can launch on an H100
 
 
-@needs_interpreter
 def test_kernel_benchmark_runs_on_the_cpu_under_the_interpreter(tmp_path):
     """benchmarks/gpu_kernels.py with --device cpu (its tiny defaults, TRITON_INTERPRET=1
     from conftest): every eager call and the m x m core at both sizes run, and the JSON
@@ -119,7 +122,6 @@ def test_kernel_benchmark_runs_on_the_cpu_under_the_interpreter(tmp_path):
     assert result["core"] == []
 
 
-@needs_interpreter
 def test_the_guard_rows_leave_the_marks_to_the_guards_passes():
     """``+guard``: the guard runs and the product kernels do not mark (the A/B of the
     marks made in the kernels); outside, the kernels mark and the guard does not run."""
@@ -166,7 +168,6 @@ def test_the_kernel_benchmark_names_a_kernel_that_fell_back(monkeypatch):
     assert "cuda:0 torch.bfloat16" in line
 
 
-@needs_interpreter
 def test_the_one_pass_sweep_runs_on_the_cpu_under_the_interpreter(tmp_path):
     """benchmarks/one_pass_sweep.py with --device cpu: both backward passes of each size
     run and are written (CPU operators' times, meaningless but positive)."""
@@ -600,7 +601,6 @@ def test_the_kernel_benchmarks_one_pass_row_runs_the_one_pass_kernel(monkeypatch
     assert seen == ["one pass", "one pass"] and not kernel_matmul_triton.ONE_PASS_BACKWARD
 
 
-@needs_interpreter
 def test_the_half_gradient_benchmark_runs_on_the_cpu(tmp_path):
     """benchmarks/half_gradients.py at a tiny size: both paths in both dtypes against
     float64, errors finite and float32 far closer than bfloat16."""
@@ -619,7 +619,6 @@ def test_the_half_gradient_benchmark_runs_on_the_cpu(tmp_path):
     assert "| nystrom_softmax | 0.1 | triton | bfloat16 |" in out.with_suffix(".md").read_text()
 
 
-@needs_interpreter
 def test_triton_resources_records_the_graph_launches_on_request(monkeypatch):
     """``--graph-launches``: the calls run inside ``cuda_graph_launches()``, so the Lemma 3
     core launches a kernel per pass instead of one program per matrix."""
@@ -641,3 +640,25 @@ def test_triton_resources_records_the_graph_launches_on_request(monkeypatch):
     assert not kernels[False] & {"_forward_pass_kernel", "_backward_pass_kernel"}
     assert {"_forward_pass_kernel", "_backward_pass_kernel"} <= kernels[True]
     assert not kernels[True] & {"_forward_kernel", "_backward_kernel"}
+
+
+def test_importing_a_benchmark_leaves_the_interpreter_setting_alone():
+    """The scripts import each other (gpu_kernels.py imports launch_counts.py), so one
+    that set TRITON_INTERPRET when imported turned the interpreter on for a GPU run of
+    its importer. Every module is imported in one process started without the variable,
+    as on the GPU machine, and the variable is dropped again after a module set it."""
+    import os
+    import subprocess
+
+    names = sorted(p.stem for p in BENCHMARKS.glob("*.py"))
+    code = ("import importlib, os, sys\n"
+            f"sys.path.insert(0, {str(BENCHMARKS)!r})\n"
+            "for name in sys.argv[1:]:\n"
+            "    importlib.import_module(name)\n"
+            "    if 'TRITON_INTERPRET' in os.environ:\n"
+            "        print(name, os.environ.pop('TRITON_INTERPRET'))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code, *names], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=BENCHMARKS.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout == "", f"set TRITON_INTERPRET when imported: {done.stdout}"
