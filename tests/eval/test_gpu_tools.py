@@ -241,7 +241,8 @@ def test_product_tile_sweep_runs_on_the_cpu_under_the_interpreter(tmp_path):
     from skyformer.linalg import triton_kernels
 
     out = tmp_path / "tiles.json"
-    assert _load("product_tiles").main(["--device", "cpu", "--rows", "32,16,4,1", "--cols",
+    assert _load("product_tiles").main(["--device", "cpu", "--features", "16",  # a 16 x 16 core
+                                        "--rows", "32,16,4,1", "--cols",
                                         "32,32,4,2", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert {(row["kernel"], row["tiles"]) for row in result["rows"]} == {
