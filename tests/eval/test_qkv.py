@@ -90,3 +90,14 @@ def test_model_folders_that_cannot_be_used_give_sentences(tmp_path):
         shutil.copy(default_model_dir() / name, gpt2 / name)
     with pytest.raises(ValueError, match="holds a GPT2Model, not a BERT-type encoder"):
         load_model(gpt2)
+
+
+def test_loading_leaves_the_process_online(monkeypatch):
+    """A local folder is read with ``local_files_only``: loading it must not switch the
+    user's whole process off the Hugging Face Hub (HF_HUB_OFFLINE), which would break
+    their next ``from_pretrained`` of a Hub model."""
+    import os
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    load_model(pretrained=False, seed=0)
+    assert "HF_HUB_OFFLINE" not in os.environ

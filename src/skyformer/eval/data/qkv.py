@@ -9,7 +9,6 @@ forward hooks while the model runs its own exact attention on the text.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -66,8 +65,8 @@ def _import_transformers() -> Any:
 def load_model(
     model_dir: str | Path | None = None, *, pretrained: bool = True, seed: int = 0
 ) -> tuple[nn.Module, Any, str]:
-    """Load (model, tokenizer, name) from a local folder, never from the network."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    """Load (model, tokenizer, name) from a local folder, never from the network
+    (``local_files_only``; the process itself stays as online as it was)."""
     transformers = _import_transformers()
     path = Path(model_dir) if model_dir is not None else default_model_dir()
     if not (path / "config.json").is_file():
@@ -77,10 +76,10 @@ def load_model(
         )
     try:
         with _quiet_transformers():
-            config = transformers.AutoConfig.from_pretrained(path)
-            tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+            config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
             if pretrained:
-                model = transformers.AutoModel.from_pretrained(path)
+                model = transformers.AutoModel.from_pretrained(path, local_files_only=True)
             else:
                 with torch.random.fork_rng():
                     torch.manual_seed(seed)
