@@ -101,3 +101,41 @@ def test_loading_leaves_the_process_online(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     load_model(pretrained=False, seed=0)
     assert "HF_HUB_OFFLINE" not in os.environ
+
+
+def test_a_refused_text_leaves_no_hook_on_the_model(minilm):
+    """A text too short for seq_len is refused before any hook is added: hooks left on
+    the caller's model would keep every later forward pass's projections."""
+    model, tokenizer, _ = minilm
+
+    def hooks():  # transformers may hold hooks of its own (output recording)
+        return [dict(module._forward_hooks) for module in model.modules()]
+
+    before = hooks()
+    with pytest.raises(ValueError, match="pass a longer text"):
+        extract_qkv(model, tokenizer, "short text", seq_len=64, layer=0)
+    assert hooks() == before
+    qkv = extract_qkv(model, tokenizer, default_text(), seq_len=16, layer=0)
+    assert qkv.q.grad_fn is None and not qkv.q.requires_grad  # values, no graph kept
+    assert hooks() == before
+
+
+def test_loading_keeps_the_callers_transformers_settings(minilm):
+    """Progress bars the caller turned off stay off, and the transformers logger keeps
+    its own level (NOTSET: it follows its parents) after a load and an extraction."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    root = logging.getLogger("transformers")
+    level = root.level
+    hf_logging.disable_progress_bar()
+    root.setLevel(logging.NOTSET)
+    try:
+        model, tokenizer, _ = load_model(pretrained=False, seed=0)
+        extract_qkv(model, tokenizer, default_text(), seq_len=16, layer=0)
+        assert not hf_logging.is_progress_bar_enabled()
+        assert root.level == logging.NOTSET
+    finally:
+        hf_logging.enable_progress_bar()
+        root.setLevel(level)

@@ -9,6 +9,7 @@ forward hooks while the model runs its own exact attention on the text.
 
 from __future__ import annotations
 
+import logging as std_logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -125,14 +126,16 @@ def _quiet_transformers() -> Iterator[None]:
     """Silence transformers' warnings and progress bars (e.g. "sequence longer than the
     model's maximum": we tokenize a whole text on purpose and cut it into windows)."""
     logging = _import_transformers().utils.logging
-    level = logging.get_verbosity()
+    root = std_logging.getLogger("transformers")  # the logger set_verbosity sets
+    level, bars = root.level, logging.is_progress_bar_enabled()  # the caller's own
     logging.set_verbosity_error()
     logging.disable_progress_bar()
     try:
         yield
     finally:
-        logging.set_verbosity(level)
-        logging.enable_progress_bar()
+        root.setLevel(level)
+        if bars:  # bars the caller had turned off stay off
+            logging.enable_progress_bar()
 
 
 def _windows(tokenizer: Any, text: str, seq_len: int, max_positions: int) -> list[list[int]]:
@@ -203,15 +206,16 @@ def extract_qkv(
 
         return fn
 
+    windows = _windows(tokenizer, text, seq_len, limit)  # may refuse: before the hooks
     handles = [
         proj.register_forward_hook(hook(key))
         for key, proj in zip(("q", "k", "v"), layers[layer], strict=True)
     ]
-    windows = _windows(tokenizer, text, seq_len, limit)
     try:
         device = next(model.parameters()).device
-        for ids in windows:
-            model(input_ids=torch.tensor([ids], device=device))
+        with torch.no_grad():  # values to compare, not to differentiate
+            for ids in windows:
+                model(input_ids=torch.tensor([ids], device=device))
     finally:
         for h in handles:
             h.remove()
