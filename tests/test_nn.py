@@ -90,3 +90,18 @@ def test_method_state_module_is_owned_and_passed():
         assert layer.method_state.gain.grad is not None
     finally:
         del _REGISTRY["test_state_method"]
+
+
+@pytest.mark.parametrize("method", ["performer", "linformer"])
+def test_a_layer_with_fixed_draws_leaves_the_global_generator_alone(method):
+    """Performer's features and Linformer's projections are the layer's (its state
+    module): a forward pass draws nothing, so the global random stream (dropout masks
+    elsewhere in the model) is the same whichever method the layer runs."""
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(16, 2, method=method, seq_len=MAX_LEN)
+    x = torch.randn(1, 12, 16)
+    before = torch.get_rng_state()
+    layer(x)
+    assert torch.equal(torch.get_rng_state(), before)
+    with pytest.raises(TypeError, match="generator must be"):  # still checked
+        layer(x, generator="seed")

@@ -170,7 +170,7 @@ def linformer_attention(
     """
     info = check_attention_inputs(q, k, v, key_padding_mask, method="linformer",
                                   query_padding_mask=query_padding_mask)
-    key = resolve_key("linformer", generator, q.device)
+    key = resolve_key("linformer", generator, q.device, needed=proj_k is None)
     cfg = config
     n = info.key_len
     if cfg.max_seq_len is not None and n > cfg.max_seq_len:

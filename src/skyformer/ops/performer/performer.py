@@ -224,7 +224,7 @@ def performer_attention(
     """
     info = check_attention_inputs(q, k, v, key_padding_mask, method="performer",
                                   query_padding_mask=query_padding_mask)
-    key = resolve_key("performer", generator, q.device)
+    key = resolve_key("performer", generator, q.device, needed=projection is None)
     w = resolve_projection(
         "performer", projection, config.num_features, info.head_dim, config.orthogonal, q.device,
         key,

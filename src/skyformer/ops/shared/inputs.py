@@ -169,10 +169,15 @@ def check_generator(method: str, generator: object, device: torch.device) -> Non
         )
 
 
-def resolve_key(method: str, generator: object, device: torch.device) -> Tensor:
+def resolve_key(method: str, generator: object, device: torch.device, *,
+                needed: bool = True) -> Tensor | None:
     """The call's random key ``[2]``: checks ``generator`` (``check_generator``), then one
-    draw of it (of torch's global generator for ``None``), or the key it is."""
+    draw of it (of torch's global generator for ``None``), or the key it is. ``needed``
+    False (the caller holds its draws, e.g. a layer's fixed projection): checked only,
+    None returned, and no generator is drawn from."""
     check_generator(method, generator, device)
+    if not needed:
+        return None
     return random_key(generator, device)  # type: ignore[arg-type]
 
 
