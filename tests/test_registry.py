@@ -176,3 +176,21 @@ def test_a_name_with_brackets_cannot_be_registered():
 
     with pytest.raises(TypeError, match="without brackets"):
         register("mine[x=1]", Config, Capabilities(target="softmax"))
+
+
+@pytest.mark.parametrize("method", ["performer", "linformer"])
+def test_a_seeded_state_leaves_every_generator_as_it_was(method, monkeypatch):
+    """``new_state(seed)`` draws under the seed on the CPU and restores its generator; it
+    must not seed the GPUs' generators either (``torch.manual_seed`` would: two runs with
+    different seeds would then share their CUDA dropout masks after set_attention)."""
+    seeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", seeded.append)
+    monkeypatch.setattr(torch.cuda, "manual_seed", seeded.append)
+    bound = get_method(method).bind(2, 8, **({"max_seq_len": 16} if method == "linformer"
+                                            else {}))
+    before = torch.get_rng_state()
+    first, again = bound.new_state(seed=3), bound.new_state(seed=3)
+    assert seeded == []
+    assert torch.equal(torch.get_rng_state(), before)
+    for a, b in zip(first.state_dict().values(), again.state_dict().values(), strict=True):
+        assert torch.equal(a, b)

@@ -85,9 +85,9 @@ class BoundMethod:
             )
         if seed is None:
             return factory(self.config, self.num_heads, self.head_dim)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            return factory(self.config, self.num_heads, self.head_dim)
+        with torch.random.fork_rng(devices=[]):  # the factories draw on the CPU
+            torch.default_generator.manual_seed(seed)  # not torch.manual_seed: it also
+            return factory(self.config, self.num_heads, self.head_dim)  # seeds every GPU
 
     def __call__(
         self,
