@@ -8,6 +8,7 @@ import math
 import os
 import platform
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -118,9 +119,8 @@ def _fsync(path: str, flags: int = 0) -> None:
 
 def save_figure(fig: Any, path: str | os.PathLike[str], **savefig: Any) -> Path:
     """Save a matplotlib figure atomically (a temporary file in the same folder, mode
-    ``FILE_MODE``, then rename) and close it: a reader never sees half a PNG."""
-    import matplotlib.pyplot as plt
-
+    ``FILE_MODE``, then rename) and close it where pyplot holds it: a reader never sees
+    half a PNG."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=target.suffix or ".png",
@@ -131,7 +131,9 @@ def save_figure(fig: Any, path: str | os.PathLike[str], **savefig: Any) -> Path:
         os.chmod(tmp, FILE_MODE)
         os.replace(tmp, target)
     finally:
-        plt.close(fig)
+        pyplot = sys.modules.get("matplotlib.pyplot")  # not imported here: it would pick
+        if pyplot is not None:  # a backend; a Figure made without it needs no closing
+            pyplot.close(fig)
         Path(tmp).unlink(missing_ok=True)
     return target
 

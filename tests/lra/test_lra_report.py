@@ -102,3 +102,45 @@ def test_other_settings_are_rows_of_their_own_and_a_seed_counts_once(tmp_path):
                     "| skyformer (lr=0.0001, num_features=4) | 10.00 (1) | 10.00 |",
                     "| skyformer (lr=0.001, num_features=128) | 20.00 (1) | 20.00 |"]
     assert "seed(s) 0 ran more than once" in text
+
+
+def test_a_plot_leaves_the_callers_matplotlib_backend_alone(tmp_path):
+    """The figures are made without pyplot: plotting from a notebook or a GUI program
+    (here the svg backend, chosen before the call) must not switch the process to Agg,
+    after which plt.show() shows nothing. In a process of its own (the backend is the
+    process's)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    code = ("import sys, matplotlib\n"
+            "from pathlib import Path\n"
+            "from tests.lra.test_lra_report import _fake_run\n"
+            "from skyformer.lra.report import collect_runs, plot_dev_curves\n"
+            "out = Path(sys.argv[1])\n"
+            "_fake_run(out, 'text', 'softmax', 0, 0.55)\n"
+            "plot_dev_curves(collect_runs([out]), out / 'figure2.png')\n"
+            "print(matplotlib.get_backend(), 'matplotlib.pyplot' in sys.modules)\n")
+    env = {**os.environ, "MPLBACKEND": "svg",
+           "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)])}
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["svg", "False"]
+    assert (tmp_path / "figure2.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_library_never_picks_a_matplotlib_backend():
+    """No module of the package imports pyplot or calls matplotlib.use (each would pick
+    the process's backend for its caller); the figures use matplotlib.figure.Figure."""
+    from pathlib import Path
+
+    import skyformer
+
+    package = Path(skyformer.__file__).parent
+    offenders = [str(p.relative_to(package)) for p in package.rglob("*.py")
+                 if "matplotlib.use(" in (text := p.read_text()) or "import matplotlib.pyplot"
+                 in text or "from matplotlib import pyplot" in text]
+    assert offenders == []

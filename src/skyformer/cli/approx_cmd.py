@@ -148,9 +148,9 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--threads must be at least 1, got {args.threads}.")
         torch.set_num_threads(args.threads)
     if not args.no_plots:
-        from ..eval.approx.plots import require_pyplot
+        from ..eval.approx.plots import require_matplotlib
 
-        require_pyplot()  # fail before the run, not after it, when matplotlib is missing
+        require_matplotlib()  # fail before the run, not after it, when matplotlib is missing
     result = run_approx(config)
     print("Q/K/V:")
     for s in result.sources:

@@ -220,20 +220,19 @@ def tables(runs: list[Run]) -> str:
 
 def plot_dev_curves(runs: list[Run], path: str | os.PathLike[str]) -> Path:
     """Figure 2: dev accuracy against training time, one panel per task."""
-    try:
+    try:  # no pyplot: the caller's backend stays as it is
         import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError:
         raise ImportError("the plot needs matplotlib: pip install matplotlib "
                           "(or pip install 'skyformer[plot]').") from None
     tasks = [t for t in TASKS if any(r.key[0] == t for r in runs)]
     cols = min(3, len(tasks))
     rows = math.ceil(len(tasks) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
+    fig = Figure(figsize=(5 * cols, 3.6 * rows))
+    axes = fig.subplots(rows, cols, squeeze=False)
     methods = _method_order({r.key[1] for r in runs})
-    colors = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(methods)}
+    colors = {m: matplotlib.colormaps["tab10"](i % 10) for i, m in enumerate(methods)}
     for ax, task in zip(axes.flat, tasks, strict=False):
         seen = set()
         for run in sorted((r for r in runs if r.key[0] == task), key=lambda r: r.key[1]):

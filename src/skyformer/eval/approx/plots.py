@@ -30,16 +30,17 @@ EXTRA_COLORS = ("#000080", "#9acd32", "#ff1493", "#8b4513", "#00ced1", "#ffa500"
 MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "<", ">", "h")
 
 
-def require_pyplot() -> Any:
+def require_matplotlib() -> Any:
+    """``matplotlib`` (a sentence with the fix where it is missing). The figures are
+    made without pyplot (``matplotlib.figure.Figure``), so the caller's backend (a
+    notebook's, a GUI's) stays as it is."""
     try:
         import matplotlib
+        import matplotlib.figure
     except ImportError:
         raise ImportError("plots need matplotlib: pip install 'skyformer[plot]' "
                           "(or pass --no-plots).") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return matplotlib
 
 
 def _save(fig: Any, path: str | Path) -> Path:
@@ -53,16 +54,16 @@ def _label(source: str) -> str:
 
 def plot_errors(result: Any, path: str | Path) -> Path:
     """Error against m for every method, panels = sources x sequence lengths."""
-    plt = require_pyplot()
+    mpl = require_matplotlib()
     config = result.config
     rows = result.rows
     methods = list(dict.fromkeys(r["method"] for r in rows if r["kind"] == "method"))
-    palette = [plt.get_cmap("tab10")(i) for i in range(10)] + list(EXTRA_COLORS)
+    palette = [mpl.colormaps["tab10"](i) for i in range(10)] + list(EXTRA_COLORS)
     colors = {m: palette[i % len(palette)] for i, m in enumerate(methods)}
     markers = {m: MARKERS[i % len(MARKERS)] for i, m in enumerate(methods)}
     n_rows, n_cols = len(config.sources), len(config.seq_lens)
-    fig, axes = plt.subplots(n_rows, n_cols, figsize=(3.4 * n_cols + 0.6, 2.9 * n_rows + 0.4),
-                             squeeze=False, sharey="row")
+    fig = mpl.figure.Figure(figsize=(3.4 * n_cols + 0.6, 2.9 * n_rows + 0.4))
+    axes = fig.subplots(n_rows, n_cols, squeeze=False, sharey="row")
     handles: dict[str, Any] = {}
     for i, source in enumerate(config.sources):
         for j, n in enumerate(config.seq_lens):
@@ -116,9 +117,7 @@ def plot_errors(result: Any, path: str | Path) -> Path:
     fig.suptitle("||O - O_exact||_2 / ||O_exact||_2 against the method's exact target "
                  "(line: mean over seeds and heads, band: min to max)", fontsize=9)
     fig.tight_layout()
-    out = _save(fig, path)
-    plt.close(fig)
-    return out
+    return _save(fig, path)
 
 
 def _mean(xs: list[float]) -> float:
@@ -137,9 +136,10 @@ def plot_spectra(result: Any, path: str | Path) -> Path:
     """Singular values: softmax matrix vs its residual (top), attention outputs (bottom)."""
     import torch
 
-    plt = require_pyplot()
+    mpl = require_matplotlib()
     analysis = result.analysis
-    fig, axes = plt.subplots(2, len(analysis), figsize=(4.2 * len(analysis), 6.4), squeeze=False)
+    fig = mpl.figure.Figure(figsize=(4.2 * len(analysis), 6.4))
+    axes = fig.subplots(2, len(analysis), squeeze=False)
     for j, a in enumerate(analysis):
         ax = axes[0][j]
         soft = torch.tensor(a["spectra"]["softmax"], dtype=torch.float64)  # [H, N]
@@ -174,16 +174,15 @@ def plot_spectra(result: Any, path: str | Path) -> Path:
     fig.suptitle("Singular values: softmax matrix and its residuals without a sparse part "
                  "(KDEformer Fig. 2); attention outputs (Skyformer App. B)", fontsize=9)
     fig.tight_layout()
-    path_out = _save(fig, path)
-    plt.close(fig)
-    return path_out
+    return _save(fig, path)
 
 
 def plot_leverage(result: Any, path: str | Path) -> Path:
     """Sorted ridge leverage scores of the lifted kernel matrix, per epsilon."""
-    plt = require_pyplot()
+    mpl = require_matplotlib()
     analysis = result.analysis
-    fig, axes = plt.subplots(1, len(analysis), figsize=(4.2 * len(analysis), 3.4), squeeze=False)
+    fig = mpl.figure.Figure(figsize=(4.2 * len(analysis), 3.4))
+    axes = fig.subplots(1, len(analysis), squeeze=False)
     for j, a in enumerate(analysis):
         ax = axes[0][j]
         for i, lev in enumerate(a["leverage"]):
@@ -201,6 +200,4 @@ def plot_leverage(result: Any, path: str | Path) -> Path:
     fig.suptitle("Ridge leverage scores of the lifted Gaussian kernel matrix "
                  "(Skyformer Theorem 2, lambda = eps ||C||)", fontsize=9)
     fig.tight_layout()
-    out = _save(fig, path)
-    plt.close(fig)
-    return out
+    return _save(fig, path)

@@ -253,17 +253,17 @@ def write_results(
 def plot_results(result: BenchResult, path: str | Path) -> Path:
     """Log-log time and peak memory against N, one row of panels per shape/dtype, with
     the reference (exact SDPA) drawn as a thick dashed black line."""
-    try:
+    try:  # no pyplot: the caller's backend stays as it is
         import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError as err:
         raise ImportError("plots need matplotlib: pip install 'skyformer[plot]'") from err
     key = "fwd_bwd_ms" if result.config.backward else "fwd_ms"
     groups = _groups(result)
-    fig, axes = plt.subplots(len(groups), 2, figsize=(11, 4.2 * len(groups)), squeeze=False)
-    tab20 = plt.get_cmap("tab20").colors  # dark shades first, then light; red kept for Skyformer
+    fig = Figure(figsize=(11, 4.2 * len(groups)))
+    axes = fig.subplots(len(groups), 2, squeeze=False)
+    # dark shades first, then light; red kept for Skyformer
+    tab20 = matplotlib.colormaps["tab20"].colors
     colors = [c for i, c in enumerate(tab20[0::2]) if i != 3] + [
         c for i, c in enumerate(tab20[1::2]) if i != 3
     ]

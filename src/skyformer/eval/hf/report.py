@@ -64,19 +64,17 @@ def write_csv(path: str | os.PathLike[str], rows: list[dict[str, Any]]) -> Path:
 def plot(path: str | os.PathLike[str], rows: list[dict[str, Any]], title: str = "") -> Path:
     """PNG: cosine similarity, recall@1 and forward time against num_features, one column
     per setting; exact methods are horizontal lines, methods that are not drop-ins dashed."""
-    try:
+    try:  # no pyplot: the caller's backend stays as it is
         import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError:
         raise ImportError("the plot needs matplotlib: pip install 'skyformer[plot]'.") from None
     settings = list(dict.fromkeys(r["setting"] for r in rows))
     metrics = (("cosine_mean", "cosine similarity to exact"), ("recall_at_1", "recall@1 vs exact"),
                ("time_ms", "forward time (ms)"))
-    fig, axes = plt.subplots(len(metrics), len(settings), figsize=(5.5 * len(settings), 9),
-                             squeeze=False)
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig = Figure(figsize=(5.5 * len(settings), 9))
+    axes = fig.subplots(len(metrics), len(settings), squeeze=False)
+    colours = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
     methods = list(dict.fromkeys(r["method"] for r in rows))
     for col, setting in enumerate(settings):
         here = [r for r in rows if r["setting"] == setting and r["error"] is None]
