@@ -443,3 +443,16 @@ def test_compile_fullgraph_with_a_padding_mask():
     with torch.no_grad():
         torch.testing.assert_close(compiled(input_ids=ids, attention_mask=mask).last_hidden_state,
                                    model(input_ids=ids, attention_mask=mask).last_hidden_state)
+
+
+def test_registering_again_leaves_the_registry_as_it_was():
+    """set_attention registers the methods each time; the functions stay the same
+    objects (a compiled model guards on what it found in the registry)."""
+    from transformers import AttentionInterface
+
+    from skyformer.hf.attention import register_methods
+
+    names = register_methods()
+    before = {name: AttentionInterface()[name] for name in names}
+    register_methods()
+    assert all(AttentionInterface()[name] is fn for name, fn in before.items())

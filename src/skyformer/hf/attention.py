@@ -32,6 +32,7 @@ everything else.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -369,7 +370,11 @@ def skyformer_mask(
     )
 
 
+@functools.cache
 def _function(implementation: str, default_method: str) -> Callable[..., tuple[Tensor, None]]:
+    """The function registered as ``implementation``: one object a name, so that
+    registering again (each ``set_attention``) leaves transformers' registry as it was
+    (compiled models guard on what they looked up there)."""
     def attention_forward(module, query, key, value, attention_mask, **kwargs):
         return skyformer_attention_forward(
             implementation, default_method, module, query, key, value, attention_mask, **kwargs
