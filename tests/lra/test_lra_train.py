@@ -358,3 +358,25 @@ def test_a_run_interrupted_between_last_pt_and_best_pt_writes_best_pt_on_resume(
     result = _run(cfg, listops_cache, tmp_path, resume=True)
     best = load_checkpoint(tmp_path / "best.pt")
     assert best["step"] == result["best_step"] == 3 and best["dev"]["accuracy"] == 0.9
+
+
+def test_an_evaluation_that_fails_leaves_the_model_in_training_mode(monkeypatch):
+    """Out of memory or an interruption inside an evaluation: the caller's model is back
+    in the mode it was in (training), not left in eval mode for the steps after."""
+    from torch import nn
+
+    from skyformer.lra import evaluate as evaluation
+    from skyformer.lra.distributed import DistInfo
+
+    class OutOfMemory(nn.Module):
+        def forward(self, tokens, lengths, generator=None):
+            raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(evaluation, "fetch", lambda split, rows, device, max_len: (
+        torch.zeros(len(rows), 4, dtype=torch.long), torch.full((len(rows),), 4),
+        torch.zeros(len(rows), dtype=torch.long)))
+    model = OutOfMemory().train()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        evaluation.evaluate(model, [0, 1, 2], batch_size=2, device=torch.device("cpu"),
+                            info=DistInfo(), seed=0)
+    assert model.training

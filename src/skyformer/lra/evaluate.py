@@ -33,15 +33,18 @@ def evaluate(model: LRAClassifier, split: SplitData, *, batch_size: int, device:
     mine = np.arange(info.rank, total, info.world_size)
     generator = torch.Generator(device=device).manual_seed(seed)
     sums = torch.zeros(3, dtype=torch.float64, device=device)
-    for start in range(0, len(mine), batch_size):
-        tokens, lengths, labels = fetch(split, mine[start:start + batch_size], device, max_len)
-        with autocast():
-            logits = model(tokens, lengths, generator=generator)
-        sums[0] += F.cross_entropy(logits.float(), labels, reduction="sum").double()
-        sums[1] += (logits.argmax(dim=-1) == labels).sum().double()
-        sums[2] += labels.numel()
+    try:
+        for start in range(0, len(mine), batch_size):
+            tokens, lengths, labels = fetch(split, mine[start:start + batch_size], device,
+                                            max_len)
+            with autocast():
+                logits = model(tokens, lengths, generator=generator)
+            sums[0] += F.cross_entropy(logits.float(), labels, reduction="sum").double()
+            sums[1] += (logits.argmax(dim=-1) == labels).sum().double()
+            sums[2] += labels.numel()
+    finally:  # an error (out of memory, an interruption) leaves the mode as it was
+        model.train(was_training)
     sums = all_reduce_sum(sums, info)
-    model.train(was_training)
     loss, correct, count = sums.tolist()
     return {"accuracy": correct / max(count, 1.0), "loss": loss / max(count, 1.0),
             "count": int(count)}
