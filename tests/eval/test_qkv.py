@@ -58,9 +58,17 @@ def test_clear_errors(minilm, tmp_path):
         read_text(tmp_path)
 
 
-def test_random_init_differs_from_pretrained(minilm):
+def test_random_init_differs_from_pretrained(minilm, monkeypatch):
+    """The initialised model differs from the pretrained one, and its draw is the CPU's
+    alone: no GPU's generator is seeded (nor CUDA started: fork_rng over every device
+    warns on a machine with several), and the CPU's is restored."""
+    seeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", seeded.append)
+    monkeypatch.setattr(torch.cuda, "manual_seed", seeded.append)
     _, tokenizer, _ = minilm
+    before = torch.get_rng_state()
     model, _, _ = load_model(pretrained=False, seed=0)
+    assert seeded == [] and torch.equal(torch.get_rng_state(), before)
     a = extract_qkv(model, tokenizer, default_text(), seq_len=16, layer=0, pretrained=False)
     b = extract_qkv(minilm[0], tokenizer, default_text(), seq_len=16, layer=0)
     assert not torch.allclose(a.q, b.q)

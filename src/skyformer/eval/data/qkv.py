@@ -82,8 +82,8 @@ def load_model(
             if pretrained:
                 model = transformers.AutoModel.from_pretrained(path, local_files_only=True)
             else:
-                with torch.random.fork_rng():
-                    torch.manual_seed(seed)
+                with torch.random.fork_rng(devices=[]):  # built on the CPU: no GPU's
+                    torch.default_generator.manual_seed(seed)  # generator is touched
                     model = transformers.AutoModel.from_config(config)
     except (OSError, KeyError, ValueError) as err:
         # transformers reports missing weights/tokenizer files as OSError and unknown
