@@ -456,3 +456,16 @@ def test_registering_again_leaves_the_registry_as_it_was():
     before = {name: AttentionInterface()[name] for name in names}
     register_methods()
     assert all(AttentionInterface()[name] is fn for name, fn in before.items())
+
+
+def test_a_model_that_refuses_the_switch_is_left_as_it_was(monkeypatch):
+    """A model that does not take a new attn_implementation is refused before any
+    layer changes: no setting, and no method state among its parameters (a state_dict
+    saved after the error holds the model's keys only)."""
+    model = tiny_bert()
+    keys, rows = set(model.state_dict()), shf.describe(model)
+    monkeypatch.setattr(model, "set_attn_implementation", lambda implementation: None)
+    with pytest.raises(ValueError, match="did not accept"):
+        shf.set_attention(model, "performer", num_features=8, seed=0)
+    assert set(model.state_dict()) == keys
+    assert shf.describe(model) == rows

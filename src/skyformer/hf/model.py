@@ -149,12 +149,12 @@ def set_attention(
                                    seed=plan[2], cross=cross, options=dict(plan[1]),
                                    causal=under(qualified, scopes))
         built.append((module, layer, state))
+    _switch(model, target)  # first: where refused, nothing is installed
     for module, layer, state in built:  # only once every layer has passed its checks
         if state is KEEP_STATE:
             module.__dict__[SETTING_NAME] = layer
         else:
             install_layer(module, layer, state)
-    _switch(model, target)
     return model
 
 
