@@ -108,11 +108,8 @@ def resolve_mask(
             ``[B, Nk]`` (nonzero = real token).
         batch, query_len, key_len: B, Nq, Nk of the attention call.
         is_causal: the model's causal flag; as in transformers' SDPA path it applies only
-            when no mask is given (a given mask already holds the causal pattern) and
-            ``Nq > 1`` (one query of a cached prefix is the last position: it sees every
-            key); also at ``Nq == Nk == 1``, where the mask hides nothing but a causal
-            method computes its causal form, as for the first row of a longer prompt
-            and the first step of a decoding state.
+            when no mask is given (a given mask already holds the causal pattern), and
+            then as ``causal_without_mask`` says.
         advice: what the caller can do instead, ending every error sentence.
     Returns:
         ``ResolvedMask``; its ``key_padding_mask`` is ``None`` when every key is real.
@@ -120,7 +117,7 @@ def resolve_mask(
         UnsupportedMaskError: for any other mask pattern, with the reason.
     """
     if attention_mask is None:
-        causal = bool(is_causal) and (query_len > 1 or query_len == key_len == 1)
+        causal = causal_without_mask(is_causal, query_len, key_len)
         if causal and query_len != key_len:
             raise UnsupportedMaskError(
                 f"causal attention over a cached prefix (Nq={query_len} queries, Nk={key_len} "
@@ -165,6 +162,15 @@ def resolve_mask(
         "sliding window, packed sequences, a cached prefix or a custom pattern); the "
         f"approximate methods take only a key padding mask and causal masking; {advice}."
     )
+
+
+def causal_without_mask(is_causal: bool, query_len: int, key_len: int) -> bool:
+    """Whether a call given no mask is causal: ``is_causal`` and ``Nq > 1``, as in
+    transformers' SDPA path (one query of a cached prefix is the last position and sees
+    every key), or ``Nq == Nk == 1``, where the mask hides nothing but a causal method
+    computes its causal form, as for a longer prompt's first row and a decoding state's
+    first step."""
+    return bool(is_causal) and (query_len > 1 or query_len == key_len == 1)
 
 
 def _normalise(key_valid: Tensor) -> Tensor | None:

@@ -49,7 +49,7 @@ from transformers.masking_utils import (
 )
 
 from ..decoding import new_decoding_state
-from ..masks import decoding_key_valid, resolve_mask
+from ..masks import causal_without_mask, decoding_key_valid, resolve_mask
 from ..registry import CapabilityError, Method, get_method, list_methods
 from ..sketch.rng import random_key
 from .decoding import DecodingLayer, claimed_step
@@ -298,7 +298,7 @@ def _with_attn_mask(
     spec = layer.bound.method
     key, value = _keys_for_call(module, key, value)
     nq, nk = query.shape[2], key.shape[2]
-    causal = is_causal and attention_mask is None and (nq > 1 or nq == nk == 1)  # resolve_mask
+    causal = attention_mask is None and causal_without_mask(is_causal, nq, nk)
     if causal and nk > nq:  # an empty static cache at prefill: the rest are unwritten
         key, value = key[:, :, :nq], value[:, :, :nq]
         position_bias = None if position_bias is None else position_bias[..., :nq]
