@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from ..sketch.rng import cpu_draws_seeded
 from .autocast import call_core
 from .capabilities import CapabilityError
 
@@ -85,9 +86,8 @@ class BoundMethod:
             )
         if seed is None:
             return factory(self.config, self.num_heads, self.head_dim)
-        with torch.random.fork_rng(devices=[]):  # the factories draw on the CPU
-            torch.default_generator.manual_seed(seed)  # not torch.manual_seed: it also
-            return factory(self.config, self.num_heads, self.head_dim)  # seeds every GPU
+        with cpu_draws_seeded(seed):  # the factories draw on the CPU
+            return factory(self.config, self.num_heads, self.head_dim)
 
     def __call__(
         self,

@@ -21,7 +21,9 @@ compiled code supports).
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -190,3 +192,13 @@ def row_uniform(key: Tensor, valid: Tensor | None, batch: int, n: int,
     rank = valid_rank(valid, batch, n, device, before)
     keys = fold_in(key, torch.arange(batch, device=device))  # [B, 2]
     return uniform_at(keys[:, None, :], rank, dtype)
+
+
+@contextlib.contextmanager
+def cpu_draws_seeded(seed: int) -> Iterator[None]:
+    """Inside: torch's CPU generator seeded with ``seed``; after: as it was. No GPU's
+    generator is touched (``torch.manual_seed`` would seed them all, and ``fork_rng``
+    over every device starts CUDA): for what is built on the CPU under a seed."""
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)
+        yield

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ...sketch.rng import cpu_draws_seeded
+
 
 @dataclass(frozen=True)
 class QKV:
@@ -82,8 +84,7 @@ def load_model(
             if pretrained:
                 model = transformers.AutoModel.from_pretrained(path, local_files_only=True)
             else:
-                with torch.random.fork_rng(devices=[]):  # built on the CPU: no GPU's
-                    torch.default_generator.manual_seed(seed)  # generator is touched
+                with cpu_draws_seeded(seed):  # the model is built on the CPU
                     model = transformers.AutoModel.from_config(config)
     except (OSError, KeyError, ValueError) as err:
         # transformers reports missing weights/tokenizer files as OSError and unknown
