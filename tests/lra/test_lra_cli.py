@@ -84,6 +84,21 @@ def test_a_run_already_at_or_past_stop_after_says_so_in_one_line(
         assert load_checkpoint(tmp_path / "last.pt")["state"]["step"] == 4
 
 
+def test_model_shape_flags_set_the_model(tmp_path, capsys, listops_cache):
+    """--dim, --hidden, --heads and --layers override the preset's model, and the run's
+    config records them."""
+    assert main(["lra", "train", "listops", "--attn", "softmax", "--steps", "2",
+                 "--eval-every", "2", "--batch-size", "16", "--dim", "24", "--hidden", "40",
+                 "--heads", "3", "--layers", "1", "--cache", str(listops_cache),
+                 "--out", str(tmp_path), "--no-tensorboard", "--quiet"]) == 0
+    config = json.loads((tmp_path / "result.json").read_text())["config"]
+    assert (config["dim"], config["hidden"], config["heads"], config["layers"]) == (24, 40, 3, 1)
+    weights = load_checkpoint(tmp_path / "last.pt")["model"]
+    assert weights["encoder.tokens.weight"].shape[1] == 24
+    assert sum(name.endswith("norm1.weight") for name in weights) == 1
+    assert any(w.shape == (40, 24) for w in weights.values())
+
+
 def test_user_errors_are_one_line(tmp_path, capsys):
     used = tmp_path / "used"
     used.mkdir()
@@ -98,6 +113,12 @@ def test_user_errors_are_one_line(tmp_path, capsys):
         (["lra", "generate", "listops", "--out", str(tmp_path), "--max-args", "1"],
          "max_args must be at least 2"),
         (["lra", "report", str(tmp_path)], "no result.json"),
+        (["lra", "train", "listops", "--dim", "63", "--cache", str(tmp_path)],
+         "dim (63) must be divisible by heads (2)"),
+        (["lra", "train", "listops", "--layers", "0", "--cache", str(tmp_path)],
+         "layers must be a positive integer, got 0"),
+        (["lra", "train", "listops", "--dropout", "1", "--cache", str(tmp_path)],
+         "dropout must be in [0, 1), got 1.0"),
         (["lra", "generate", "pathfinder", "--out", str(used), "--count", "2"],
          "or pass --replace to replace"),
     ]

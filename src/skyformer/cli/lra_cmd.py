@@ -102,6 +102,11 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
                    help="autocast dtype (fp16 needs CUDA)")
     p.add_argument("--dropout", type=float, default=None)
+    p.add_argument("--dim", type=int, default=None, help="model width (preset 64)")
+    p.add_argument("--hidden", type=int, default=None, help="MLP hidden width (preset 128)")
+    p.add_argument("--heads", type=int, default=None,
+                   help="attention heads (preset 2); must divide --dim")
+    p.add_argument("--layers", type=int, default=None, help="transformer layers (preset 2)")
     p.add_argument("--max-len", type=int, default=None,
                    help="truncate documents to this many tokens")
     p.add_argument("--log-every", type=int, default=None)
@@ -243,6 +248,7 @@ def _run_train(args: argparse.Namespace) -> int:
         warmup=args.warmup, weight_decay=args.weight_decay, eval_every=args.eval_every,
         eval_batches=args.eval_batches, patience=args.patience, grad_accum=args.grad_accum,
         grad_clip=args.grad_clip, precision=args.precision, dropout=args.dropout,
+        dim=args.dim, hidden=args.hidden, heads=args.heads, layers=args.layers,
         max_len=args.max_len, log_every=args.log_every, checkpoint_every=args.checkpoint_every,
     )
     if args.full_dev:

@@ -61,7 +61,8 @@ class TrainConfig:
         get_method(self.attention)
         if not isinstance(self.attention_options, dict):
             raise TypeError(f"attention_options must be a dict, got {self.attention_options!r}.")
-        positive = ("steps", "batch_size", "eval_every", "grad_accum", "log_every")
+        positive = ("steps", "batch_size", "eval_every", "grad_accum", "log_every", "dim",
+                    "hidden", "heads", "layers")
         for name in positive:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -75,6 +76,10 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}.")
+        if self.dim % self.heads:
+            raise ValueError(f"dim ({self.dim}) must be divisible by heads ({self.heads}).")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}.")
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, got {self.lr!r}.")
         if self.weight_decay < 0:
