@@ -77,3 +77,26 @@ def test_a_built_folder_is_flushed_to_disk_before_it_is_renamed(tmp_path, monkey
     with pytest.raises(RuntimeError), building_folder(tmp_path / "other") as tmp:
         raise RuntimeError("interrupted")
     assert events == [] and not (tmp_path / "other").exists()
+
+
+def test_a_built_folder_has_the_modes_of_results_whatever_the_umask(tmp_path):
+    """Generated LRA data and caches are written plainly inside the folder: under
+    ``umask 077`` they would be 0600 / 0700 while the run's own results are 0644."""
+    import os
+
+    from skyformer.io import building_folder
+
+    before = os.umask(0o077)
+    try:
+        with building_folder(tmp_path / "data") as tmp:
+            (tmp / "rows.tsv").write_text("a\tb\n")
+            (tmp / "imgs").mkdir()
+            (tmp / "imgs" / "0.png").write_bytes(b"png")
+    finally:
+        os.umask(before)
+    data = tmp_path / "data"
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in (data, data / "imgs")} == \
+        {"data": 0o755, "imgs": 0o755}
+    assert {p.name: stat.S_IMODE(p.stat().st_mode)
+            for p in (data / "rows.tsv", data / "imgs" / "0.png")} == \
+        {"rows.tsv": 0o644, "0.png": 0o644}

@@ -73,7 +73,8 @@ def building_folder(path: str | os.PathLike[str]) -> Iterator[Path]:
     replaced only then); otherwise it is removed and ``path`` is left as it was. Before
     the rename every file and folder in it is flushed to disk (``_flush_tree``), so that
     after a power cut the folder is either absent or whole; files inside need no atomic
-    writes of their own."""
+    writes of their own. Its files get ``FILE_MODE`` and its folders ``DIR_MODE``, as
+    atomically written results do, whatever the umask."""
     final = Path(os.path.abspath(path))  # "." and ".." resolved: the folder has a name
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
@@ -81,6 +82,7 @@ def building_folder(path: str | os.PathLike[str]) -> Iterator[Path]:
     old = None
     try:
         yield tmp
+        _readable_tree(tmp)
         _flush_tree(tmp)
         if final.exists():
             old = final.parent / f".{final.name}.old-{os.getpid()}"
@@ -95,6 +97,16 @@ def building_folder(path: str | os.PathLike[str]) -> Iterator[Path]:
     finally:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _readable_tree(folder: Path) -> None:
+    """Modes of results for everything under ``folder``: files written plainly inside
+    it follow the umask (0600 under ``umask 077``)."""
+    for root, dirs, files in os.walk(folder):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), DIR_MODE)
+        for name in files:
+            os.chmod(os.path.join(root, name), FILE_MODE)
 
 
 def _flush_tree(folder: Path) -> None:
