@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -124,6 +125,39 @@ class MultiHeadAttention(nn.Module):
         cache has seen: causal self-attention to all of them (decoding).
         Returns ``[B, N, dim]``.
         """
+        with self._failing_together():
+            self._check_forward(x, context, query_padding_mask, cache)
+        q = self._split(self.q_proj(x))
+        source = x if context is None else context
+        k = self._split(self.k_proj(source))
+        v = self._split(self.v_proj(source))
+        if cache is not None:
+            out = cache.step(q, k, v, key_padding_mask)
+        elif self.process_group is not None:
+            out = self._sequence_parallel(q, k, v, key_padding_mask, generator)
+        else:
+            out = self.bound(
+                q, k, v, key_padding_mask=key_padding_mask,
+                query_padding_mask="auto" if context is None else query_padding_mask,
+                generator=generator, state=self.method_state,
+            )  # [B, H, N, Dh]
+        b, _, n, _ = out.shape
+        out = out.transpose(1, 2).reshape(b, n, self.dim)
+        return self.out_proj(self.dropout(out))
+
+    def _failing_together(self) -> AbstractContextManager:
+        """Sequence parallel, a check that fails on this rank only still lets the other
+        ranks raise (``distributed.layout.failing_together``); else nothing."""
+        if self.process_group is None:
+            return nullcontext()
+        from .distributed.layout import failing_together
+
+        return failing_together(f"MultiHeadAttention ({self.bound.name}, sequence parallel)",
+                                self.process_group)
+
+    def _check_forward(self, x: Any, context: Any, query_padding_mask: Any,
+                       cache: DecodingState | None) -> None:
+        """A sentence for inputs ``forward`` cannot take."""
         source = x if context is None else context
         weight = self.q_proj.weight
         for name, t in (("x", x), ("context", source)):
@@ -146,26 +180,12 @@ class MultiHeadAttention(nn.Module):
                 "MultiHeadAttention: query_padding_mask is for attention to a context; in "
                 "self-attention key_padding_mask marks the padded queries too (pass the "
                 "mask there).")
-        q = self._split(self.q_proj(x))
-        k = self._split(self.k_proj(source))
-        v = self._split(self.v_proj(source))
-        if cache is not None:
-            if context is not None or self.process_group is not None:
-                raise ValueError("MultiHeadAttention: a decoding cache runs causal "
-                                 "self-attention on one process; it takes no context and no "
-                                 "process_group.")
-            out = cache.step(q, k, v, key_padding_mask)
-        elif self.process_group is not None:
-            out = self._sequence_parallel(q, k, v, key_padding_mask, context, generator)
-        else:
-            out = self.bound(
-                q, k, v, key_padding_mask=key_padding_mask,
-                query_padding_mask="auto" if context is None else query_padding_mask,
-                generator=generator, state=self.method_state,
-            )  # [B, H, N, Dh]
-        b, _, n, _ = out.shape
-        out = out.transpose(1, 2).reshape(b, n, self.dim)
-        return self.out_proj(self.dropout(out))
+        if cache is not None and (context is not None or self.process_group is not None):
+            raise ValueError("MultiHeadAttention: a decoding cache runs causal self-attention "
+                             "on one process; it takes no context and no process_group.")
+        if context is not None and self.process_group is not None:
+            raise ValueError("MultiHeadAttention: with a process_group the layer runs "
+                             "sequence-parallel self-attention; it takes no context.")
 
     def new_cache(self, generator: torch.Generator | Tensor | None = None) -> DecodingState:
         """An empty decoding cache for ``forward(x, cache=...)``: causal self-attention of
@@ -184,14 +204,12 @@ class MultiHeadAttention(nn.Module):
         return new_decoding_state(self.bound, generator=generator, state=self.method_state)
 
     def _sequence_parallel(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None,
-                           context: Tensor | None, generator: Any) -> Tensor:
+                           generator: Any) -> Tensor:
         """Attention of this rank's shard of the sequence (``process_group``)."""
         from .distributed import run_sequence_parallel
 
-        if context is not None:
-            raise ValueError("MultiHeadAttention: with a process_group the layer runs "
-                             "sequence-parallel self-attention; it takes no context.")
-        state = self.method_state(q, k) if self.method_state is not None else {}
+        with self._failing_together():
+            state = self.method_state(q, k) if self.method_state is not None else {}
         return run_sequence_parallel(self.bound, q, k, v, group=self.process_group,
                                      key_padding_mask=key_padding_mask, generator=generator,
                                      **state)  # [B, H, N_r, Dh]

@@ -4,6 +4,8 @@ seed, computes the single-process reference itself, runs its shard and asserts."
 
 from __future__ import annotations
 
+import datetime
+import functools
 import os
 import sys
 import tempfile
@@ -47,7 +49,9 @@ def spawn(world: int, fn: Callable[..., None], *args: object) -> None:
 
 def _entry(rank: int, world: int, store: str, fn: Callable[..., None], args: tuple) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    # a rank left waiting for another (a hang) fails within minutes instead of gloo's 30
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
     try:
         fn(rank, world, *args)
         dist.barrier()  # gloo: no rank closes its connections while another still reads
@@ -239,6 +243,123 @@ def check_errors(rank: int, world: int) -> None:
            flat, k, v)
     raises("q and k must be shards of one sequence", q, k[:, :, :2], v[:, :, :2])
     skyformer.distributed.sequence_parallel_attention(q, k, v)  # the group still works
+
+
+def _outcome(call: Callable[[], object]) -> str:
+    """``"ok"`` or the sentence ``call`` raised."""
+    try:
+        call()
+    except (ValueError, TypeError, KeyError) as error:
+        return str(error)
+    return "ok"
+
+
+def check_one_rank_fails(rank: int, world: int) -> None:
+    """A check that fails on one rank only, wherever it is made (binding the method, the
+    shard, the layer's input): that rank raises its sentence and every other rank the
+    sentence naming it, at once, instead of waiting for it in the exchange."""
+    q, k, v, _ = inputs(4 * world)
+    s = slice(4 * rank, 4 * rank + 4)
+    q, k, v = q[:, :, s], k[:, :, s], v[:, :, s]
+    bad = rank == world - 1
+    cases = [
+        (lambda: sequence_parallel_attention(q, k, v, "skyformer",
+                                             num_features=0 if bad else 4),
+         "num_features"),
+        (lambda: sequence_parallel_attention(q, k, v, "softmax" if bad else "linear"),
+         "softmax cannot run sequence parallel"),
+        (lambda: sequence_parallel_attention(q, k, v, "linear",
+                                             **({"epsilon": 1e-3} if bad else {})),
+         "epsilon"),
+        (lambda: sequence_parallel_attention(*(t[:, :, :0] if bad else t for t in (q, k, v)),
+                                             "linear"),
+         "this rank's shard of the sequence is empty"),
+        (lambda: sequence_parallel_attention(q.to(torch.float8_e4m3fn) if bad else q, k, v,
+                                             "linear"),
+         "float8_e4m3fn"),
+    ]
+    torch.manual_seed(0)
+    layer = skyformer.MultiHeadAttention(8, 2, "linear", process_group=dist.group.WORLD)
+    x = torch.randn(1, 4, 8)
+    cases += [(lambda: layer(x[..., :6] if bad else x), "must have shape [B, N, 8]"),
+              (lambda: layer(x, context=x if bad else None), "it takes no context")]
+    for call, fragment in cases:
+        said = _outcome(call)
+        expected = fragment if bad else f"rank(s) [{world - 1}] of the group rejected"
+        assert expected in said, (rank, fragment, said)
+    assert _outcome(lambda: sequence_parallel_attention(q, k, v, "linear")) == "ok"
+
+
+def check_ranks_disagree(rank: int, world: int) -> None:
+    """A method, options or a layer's fixed draws that differ between ranks get a
+    sentence on every rank (they would mix unrelated sums, or crash the backend)."""
+    q, k, v, _ = inputs(4 * world)
+    s = slice(4 * rank, 4 * rank + 4)
+    q, k, v = q[:, :, s], k[:, :, s], v[:, :, s]
+    last = rank == world - 1
+    same = "every rank must call the same method with the same options; rank(s) "
+    for method, options in (("skyformer", {"num_features": 8 if last else 4}),
+                            ("nystrom_softmax" if last else "skyformer", {"num_features": 4}),
+                            ("performer", {"scale": 0.5 if last else 0.25})):
+        said = _outcome(functools.partial(sequence_parallel_attention, q, k, v, method,
+                                          **options))
+        assert f"{same}[{world - 1}] differ from rank 0 (this rank, {rank}: {method} " in said, \
+            said
+    torch.manual_seed(rank)  # a different seed per rank, the parameters then broadcast
+    layer = skyformer.MultiHeadAttention(8, 2, "performer", num_features=4,
+                                         process_group=dist.group.WORLD).double()
+    for parameter in layer.parameters():
+        dist.broadcast(parameter.data, 0)
+    x = torch.randn(1, 4, 8, dtype=torch.float64)
+    said = _outcome(lambda: layer(x))
+    assert "the layer's fixed random draws (projection) differ between ranks" in said, said
+    for buffer in layer.buffers():
+        dist.broadcast(buffer, 0)
+    assert _outcome(lambda: layer(x)) == "ok"
+
+
+def check_performer_layer(rank: int, world: int) -> None:
+    """A sequence-parallel Performer layer uses its own features, as on one process:
+    it draws nothing from the global generator, and a non-finite feature marks every
+    real row."""
+    torch.manual_seed(0)
+    layer = skyformer.MultiHeadAttention(8, 2, "performer", num_features=4,
+                                         process_group=dist.group.WORLD).double().eval()
+    reference = skyformer.MultiHeadAttention(8, 2, "performer", num_features=4).double().eval()
+    reference.load_state_dict(layer.state_dict())
+    x = torch.randn(2, 4 * world, 8, dtype=torch.float64)
+    mask = torch.ones(2, 4 * world, dtype=torch.bool)
+    mask[1, 2:5] = False
+    mine = slice(4 * rank, 4 * rank + 4)
+    before = torch.get_rng_state()
+    out = layer(x[:, mine], mask[:, mine])
+    assert torch.equal(torch.get_rng_state(), before), "the layer drew from the global generator"
+    torch.testing.assert_close(out, reference(x, mask)[:, mine], **TOL)
+    with torch.no_grad():
+        for module in (layer, reference):
+            module.method_state.projection[0, 0] = float("inf")
+        out, want = layer(x[:, mine], mask[:, mine]), reference(x, mask)[:, mine]
+    assert torch.equal(out.isnan().all(-1), mask[:, mine]), "rows marked: every real one"
+    assert torch.equal(out.isnan(), want.isnan())
+
+
+def check_autocast(rank: int, world: int) -> None:
+    """Under torch.autocast the call casts its inputs and returns the autocast dtype,
+    with the method's own precision inside, as one process does."""
+    n = 8 * world
+    q, k, v, _ = inputs(n)
+    q, k, v = (t.float() for t in (q, k, v))
+    mine = slice(8 * rank, 8 * rank + 8)
+    for method, options in METHODS.items():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = skyformer.attention(q, k, v, method, generator=torch.Generator().manual_seed(2),
+                                       **options)
+            got = sequence_parallel_attention(*(t[:, :, mine] for t in (q, k, v)), method,
+                                              generator=torch.Generator().manual_seed(2),
+                                              **options)
+        assert got.dtype == want.dtype == torch.bfloat16, (method, got.dtype)
+        torch.testing.assert_close(got.float(), want[:, :, mine].float(), rtol=2e-2, atol=2e-2,
+                                   msg=method)
 
 
 def check_layer_2d(rank: int, world: int) -> None:

@@ -7,7 +7,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from seqpar_workers import check_equal, check_errors, check_layer_2d, spawn
+from seqpar_workers import (
+    check_autocast,
+    check_equal,
+    check_errors,
+    check_layer_2d,
+    check_one_rank_fails,
+    check_performer_layer,
+    check_ranks_disagree,
+    spawn,
+)
 
 import skyformer
 from skyformer.distributed import sequence_parallel_attention, shard_bounds
@@ -30,6 +39,22 @@ def test_three_processes_without_mask_and_with_a_wholly_padded_shard():
 
 def test_bad_use_gets_a_sentence_on_every_rank():
     spawn(2, check_errors)
+
+
+def test_a_check_failing_on_one_rank_stops_every_rank():
+    spawn(2, check_one_rank_fails)
+
+
+def test_methods_options_and_fixed_draws_that_differ_between_ranks_get_a_sentence():
+    spawn(2, check_ranks_disagree)
+
+
+def test_a_performer_layer_uses_its_own_features_as_on_one_process():
+    spawn(2, check_performer_layer)
+
+
+def test_autocast_casts_the_shards_as_one_process_does():
+    spawn(2, check_autocast)
 
 
 def test_layer_runs_data_by_sequence_parallel():

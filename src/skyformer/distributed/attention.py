@@ -18,9 +18,10 @@ from ..ops.shared.inputs import (
     resolve_key,
 )
 from ..registry import BoundMethod, get_method
+from ..registry.autocast import autocast_rule
 from ..registry.guard import show_nonfinite, zero_padding
 from .forms import form_of
-from .layout import agree_layout, resolve_group
+from .layout import DTYPES, agree_layout, failing_together, resolve_group
 from .reduction import GroupReduction
 
 
@@ -55,8 +56,9 @@ def sequence_parallel_attention(
     Returns:
         ``[B, H, N_r, Dv]``: this rank's rows of the output.
     """
-    form_of(method)
-    bound = get_method(method).bind(**options)
+    with failing_together(f"{method} (sequence parallel)", group):
+        form_of(method)
+        bound = get_method(method).bind(**options)
     return run_sequence_parallel(bound, q, k, v, group=group,
                                  key_padding_mask=key_padding_mask, generator=generator)
 
@@ -67,36 +69,48 @@ def run_sequence_parallel(
     **state_arguments: Any,
 ) -> Tensor:
     """``sequence_parallel_attention`` for a bound method (``MultiHeadAttention`` calls
-    this); ``state_arguments`` from the layer's method state (e.g. Performer's features)."""
+    this); ``state_arguments`` from the layer's method state (e.g. Performer's features),
+    which must be the same on every rank. Under ``torch.autocast`` the inputs are cast
+    and the method runs with its own precision choices, as in one process
+    (``registry/autocast.py``)."""
     name = bound.name
     caller = f"{name} (sequence parallel)"
-    form = form_of(name)
     group = resolve_group(group, caller)
     info: AttentionInputs | None = None
     key = error = None
     try:  # a rank that fails a check still joins the exchange (layout.py)
+        form = form_of(name)
         form.check(bound.config)
         bound.method.check_call(q, k, key_padding_mask)
+        if isinstance(q, Tensor) and q.dim() == 4 and q.shape[2] == 0:  # not "skip the call"
+            raise ValueError(f"{caller}: this rank's shard of the sequence is empty; every "
+                             f"rank of the group needs at least one row (shard_bounds(N, P, "
+                             f"rank) splits N >= P rows).")
         info = check_attention_inputs(q, k, v, key_padding_mask, method=name)
+        if q.dtype not in DTYPES:
+            raise TypeError(f"{caller}: q, k and v must be float16, bfloat16, float32 or "
+                            f"float64, got {q.dtype}.")
         if info.query_len != info.key_len:
             raise ValueError(
                 f"{caller}: q and k must be shards of one sequence (self-attention), got "
                 f"{info.query_len} query rows and {info.key_len} key rows on this rank.")
-        if bound.method.capabilities.randomized:
-            key = resolve_key(name, generator, q.device)
-            if key.shape != (2,):
+        if bound.method.capabilities.randomized:  # a layer's fixed draws need no key
+            key = resolve_key(name, generator, q.device, needed=not state_arguments)
+            if key is not None and key.shape != (2,):
                 raise ValueError(f"{caller}: pass one random key [2] (or a generator), got "
                                  f"shape {tuple(key.shape)}.")
         else:
             check_generator(name, generator, q.device)
-    except (TypeError, ValueError) as failure:
+        q, k, v, precision = autocast_rule(q, k, v)
+    except Exception as failure:
         error = failure
     layout = agree_layout(caller, q, v, None if info is None else info.key_valid, key, error,
-                          group)
+                          group, call=f"{name} {bound.config!r}", draws=state_arguments)
     assert info is not None
-    # padded rows never matter, whatever they hold, and non-finite real inputs mark the
-    # rows they reach on every process (registry/guard.py), as in every call
-    q, k, v = zero_padding(q, k, v, key_padding_mask, "auto")
-    reduction = GroupReduction(group)
-    out = form.run(q, k, v, bound.config, info, layout, reduction, **state_arguments)
-    return show_nonfinite(out, q, k, v, key_padding_mask, "auto", key_sums=reduction.sum)
+    with precision:
+        # padded rows never matter, whatever they hold, and non-finite real inputs mark
+        # the rows they reach on every process (registry/guard.py), as in every call
+        q, k, v = zero_padding(q, k, v, key_padding_mask, "auto")
+        reduction = GroupReduction(group)
+        out = form.run(q, k, v, bound.config, info, layout, reduction, **state_arguments)
+        return show_nonfinite(out, q, k, v, key_padding_mask, "auto", key_sums=reduction.sum)

@@ -25,7 +25,7 @@ from ..linalg import kernel_scale
 from ..ops.linear.linear import linear_features, linear_from_features
 from ..ops.nystrom_softmax.nystrom_softmax import nystrom_softmax_from_core
 from ..ops.performer.features import resolve_projection
-from ..ops.performer.performer import performer_from_projection
+from ..ops.performer.performer import marked_by_projection, performer_from_projection
 from ..ops.shared.inputs import AttentionInputs, compute_dtype
 from ..ops.shared.modified_nystrom import NystromCore, NystromOptions, core_from_rows
 from ..ops.skyformer.skyformer import skyformer_from_core
@@ -74,8 +74,11 @@ def _performer(q: Tensor, k: Tensor, v: Tensor, config: Any, info: AttentionInpu
     w = resolve_projection("performer", projection, config.num_features, info.head_dim,
                            config.orthogonal, q.device, layout.key)
     work = compute_dtype(q.dtype)
-    return performer_from_projection(q.to(work), k.to(work), v.to(work), w.to(work), info,
-                                     config, reduce).to(q.dtype)
+    out = performer_from_projection(q.to(work), k.to(work), v.to(work), w.to(work), info,
+                                    config, reduce)
+    if projection is not None:  # a layer's features, alike on every rank (layout.py)
+        out = marked_by_projection(out, w, info)
+    return out.to(q.dtype)
 
 
 # Why causal=True does not run sequence parallel (each rank's queries would need the

@@ -3,17 +3,22 @@
 Each rank holds a contiguous shard ``[B, H, N_r, D]`` of the sequence (ranks in group
 order, shards of any lengths). Before anything else the ranks exchange, in two
 all-gathers of a few integers each, whether their inputs passed the checks, their
-shapes (which must agree but for N_r), their random keys (the first rank's is used by
-all), and their valid-row counts per batch element: from these every rank knows the
-sequence's length and where its rows lie among the valid rows, which is all the
+shapes (which must agree but for N_r), a fingerprint of the method and its options and
+one of a layer's fixed draws (which must agree), their random keys (the first rank's is
+used by all), and their valid-row counts per batch element: from these every rank knows
+the sequence's length and where its rows lie among the valid rows, which is all the
 landmark draw needs (``landmarks.py``). A rank whose inputs fail a check still takes
-part in the exchange, so that every rank raises instead of waiting for it forever.
+part in the exchange (``failing_together``), so that every rank raises instead of
+waiting for it forever.
 """
 
 from __future__ import annotations
 
+import zlib
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -21,8 +26,10 @@ from torch import Tensor
 
 from .collectives import all_gather
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FIELDS = ("B", "H", "D", "Dv", "dtype")
+_HEADER = 10  # B, H, D, Dv, dtype, N_r, key (2), call fingerprint, draws fingerprint
+_INTEGER_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass(frozen=True)
@@ -62,23 +69,28 @@ def comm_device(group: Any) -> torch.device:
 
 def agree_layout(
     caller: str, q: Tensor, v: Tensor, key_valid: Tensor | None, key: Tensor | None,
-    error: Exception | None, group: Any,
+    error: Exception | None, group: Any, call: str = "", draws: Mapping[str, Tensor] = {},
 ) -> ShardLayout:
     """Exchange checks, shapes, keys and valid counts; raise the same failure everywhere.
 
     ``error``: this rank's own failed check (re-raised here, after the exchange), else
-    ``q: [B, H, N_r, D]``, ``v: [B, H, N_r, Dv]``, ``key_valid: [B, N_r]`` or None, and
-    ``key: [2]`` (or None for deterministic methods).
+    ``q: [B, H, N_r, D]``, ``v: [B, H, N_r, Dv]``, ``key_valid: [B, N_r]`` or None,
+    ``key: [2]`` (or None for deterministic methods), ``call``: the method and its
+    resolved options as text, and ``draws``: the fixed random draws the call runs with
+    (a layer's Performer features); both must be the same on every rank.
     """
     device = comm_device(group)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    header = torch.full((8,), -1, dtype=torch.long)
+    header = torch.full((_HEADER,), -1, dtype=torch.long)
     if error is None:
         b, h, n, d = q.shape
-        header[:6] = torch.tensor([b, h, d, v.shape[-1], _DTYPES.index(q.dtype), n])
+        header[:6] = torch.tensor([b, h, d, v.shape[-1], DTYPES.index(q.dtype), n])
         if key is not None:
-            header[6:] = key.cpu()
-    headers = all_gather(header.to(device), group).cpu()  # [P, 8]
+            header[6:8] = key.cpu()
+        header[8] = zlib.crc32(call.encode())
+        header = header.to(device)
+        header[9] = fingerprint(draws.values()).to(device)
+    headers = all_gather(header.to(device), group).cpu()  # [P, _HEADER]
     if error is not None:
         raise error
     failed = [r for r in range(world) if headers[r, 0] < 0]
@@ -91,6 +103,16 @@ def agree_layout(
         raise ValueError(
             f"{caller}: every rank must pass shards with the same batch size B, heads H, head "
             f"dims D and Dv and dtype (only the sequence length may differ), got {rows}.")
+    if not (headers[:, 8] == headers[0, 8]).all():
+        raise ValueError(
+            f"{caller}: every rank must call the same method with the same options; rank(s) "
+            f"{_differing(headers[:, 8])} differ from rank 0 (this rank, {rank}: {call}).")
+    if not (headers[:, 9] == headers[0, 9]).all():
+        raise ValueError(
+            f"{caller}: the layer's fixed random draws ({', '.join(draws)}) differ between "
+            f"ranks: rank(s) {_differing(headers[:, 9])} differ from rank 0. Build the layers "
+            f"alike on every rank (the same seed) or broadcast their buffers as well as their "
+            f"parameters (DistributedDataParallel does, with broadcast_buffers=True).")
     lengths = headers[:, 5]
     b = int(shapes[0, 0])
     counts = torch.full((b,), q.shape[2], dtype=torch.long) if key_valid is None \
@@ -103,7 +125,41 @@ def agree_layout(
     )
 
 
+def reject_together(caller: str, error: Exception, group: Any) -> NoReturn:
+    """Raise ``error`` after joining the first exchange as a rank that failed its checks,
+    so that the other ranks, waiting there, raise too instead of waiting forever."""
+    group = resolve_group(group, caller)
+    agree_layout(caller, None, None, None, None, error, group)  # type: ignore[arg-type]
+    raise AssertionError("unreachable: agree_layout re-raises the error")
+
+
+@contextmanager
+def failing_together(caller: str, group: Any) -> Iterator[None]:
+    """Checks made before the exchange: where one raises on this rank only, this rank
+    still joins the exchange (``reject_together``) before the error propagates."""
+    try:
+        yield
+    except Exception as error:
+        reject_together(caller, error, group)
+
+
+def fingerprint(tensors: Any) -> Tensor:
+    """A long scalar that changes with any bit of ``tensors`` (an exact, order-free
+    integer sum of their bits weighted by position: equal on every rank and device for
+    equal tensors, with no host read)."""
+    total = torch.zeros((), dtype=torch.long)
+    for t in tensors:
+        bits = t.detach().contiguous().view(-1).view(_INTEGER_OF_SIZE[t.element_size()])
+        position = torch.arange(1, bits.numel() + 1, device=bits.device)
+        total = total.to(bits.device) + (bits.long() * (position * 2654435761 + 1)).sum()
+    return total
+
+
+def _differing(values: Tensor) -> list[int]:
+    return [r for r, x in enumerate(values.tolist()) if x != values[0]]
+
+
 def _describe(shape: list[int]) -> str:
     """``B=.., H=.., D=.., Dv=.., dtype=..`` from a header's first five fields."""
-    values = [*map(str, shape[:4]), str(_DTYPES[shape[4]]).removeprefix("torch.")]
+    values = [*map(str, shape[:4]), str(DTYPES[shape[4]]).removeprefix("torch.")]
     return ", ".join(f"{f}={x}" for f, x in zip(_FIELDS, values, strict=True))

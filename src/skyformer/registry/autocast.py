@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -32,16 +33,24 @@ def call_core(core: Callable[..., Tensor], q: Any, k: Any, v: Any, config: Any,
     q, k, v = zero_padding(q, k, v, *masks)
     if not isinstance(q, Tensor) or not q.is_floating_point():
         return core(q, k, v, config, **kwargs)
-    device_type = q.device.type
     owned = _library_method(core)
     causal = getattr(config, "causal", False) is True
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        q, k, v = (t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t
-                   for t in (q, k, v))
-        with torch.autocast(device_type, enabled=False):
-            return _guarded(core, q, k, v, config, masks, owned, causal, kwargs)
-    return _guarded(core, q, k, v, config, masks, owned, causal, kwargs)
+    q, k, v, precision = autocast_rule(q, k, v)
+    with precision:
+        return _guarded(core, q, k, v, config, masks, owned, causal, kwargs)
+
+
+def autocast_rule(q: Tensor, k: Any, v: Any) -> tuple[Tensor, Any, Any, AbstractContextManager]:
+    """``(q, k, v, context)``: under ``torch.autocast`` on ``q``'s device the inputs
+    cast to the autocast dtype and a context turning autocast off for the method; else
+    the inputs as they are and a context that does nothing."""
+    device_type = q.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return q, k, v, nullcontext()
+    dtype = torch.get_autocast_dtype(device_type)
+    q, k, v = (t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t
+               for t in (q, k, v))
+    return q, k, v, torch.autocast(device_type, enabled=False)
 
 
 def _guarded(core: Callable[..., Tensor], q: Tensor, k: Any, v: Any, config: Any,

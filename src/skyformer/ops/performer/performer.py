@@ -233,14 +233,15 @@ def performer_attention(
     out = performer_from_projection(q.to(work), k.to(work), v.to(work), w.to(work), info,
                                     config)
     if projection is not None:
-        out = zero_padded_queries(out + _marks(w), info.query_valid)
+        out = marked_by_projection(out, w, info)
     return out.to(q.dtype)
 
 
-def _marks(projection: Tensor) -> Tensor:
-    """0, or NaN where a given projection holds a non-finite entry (a sum with it is
-    NaN or inf): the normaliser's fallback to mean(V) would hide it. Detached."""
-    return projection.detach().sum() * 0
+def marked_by_projection(out: Tensor, projection: Tensor, info: AttentionInputs) -> Tensor:
+    """``out`` with every real row NaN where a given ``projection`` holds a non-finite
+    entry, which the normaliser's fallback to mean(V) would hide (padded query rows stay
+    zero). The mark is detached."""
+    return zero_padded_queries(out + projection.detach().sum() * 0, info.query_valid)
 
 
 def performer_from_projection(
