@@ -86,7 +86,12 @@ class MultiHeadAttention(nn.Module):
         self.dropout = nn.Dropout(dropout)
         # Per-layer state of the method (learned projections, kept random features).
         self.method_state = self.bound.new_state()
-        self.process_group = process_group
+        self._group = _GroupHandle(process_group)
+
+    @property
+    def process_group(self) -> Any:
+        """The group the sequence is sharded over (``None``: one process)."""
+        return self._group.group
 
     @property
     def method(self) -> str:
@@ -219,3 +224,23 @@ class MultiHeadAttention(nn.Module):
         return f"dim={self.dim}, num_heads={self.num_heads}, method={self.method!r}" + (
             f", {options}" if options else ""
         )
+
+
+class _GroupHandle:
+    """A layer's process group: a handle to live connections, so a deep copy of the
+    layer (an EMA model, ``copy.deepcopy``) shares it, and pickling the layer
+    (``torch.save(model)``) says what to save instead."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def __deepcopy__(self, memo: dict) -> _GroupHandle:
+        return self
+
+    def __reduce__(self) -> Any:
+        if self.group is None:
+            return (_GroupHandle, (None,))
+        raise TypeError("MultiHeadAttention: a layer with a process_group holds the group's "
+                        "live connections and cannot be pickled; save model.state_dict() "
+                        "instead and build the layer with its group where it is loaded.")
+

@@ -4,9 +4,12 @@ seed, computes the single-process reference itself, runs its shard and asserts."
 
 from __future__ import annotations
 
+import copy
 import datetime
 import functools
+import io
 import os
+import pickle
 import sys
 import tempfile
 import traceback
@@ -360,6 +363,25 @@ def check_autocast(rank: int, world: int) -> None:
         assert got.dtype == want.dtype == torch.bfloat16, (method, got.dtype)
         torch.testing.assert_close(got.float(), want[:, :, mine].float(), rtol=2e-2, atol=2e-2,
                                    msg=method)
+
+
+def check_layer_copies(rank: int, world: int) -> None:
+    """A deep copy of a sequence-parallel layer (an EMA model) shares the group and
+    computes what the layer does; pickling the layer says to save its state_dict."""
+    torch.manual_seed(0)
+    layer = skyformer.MultiHeadAttention(8, 2, "skyformer", num_features=4,
+                                         process_group=dist.group.WORLD).double()
+    twin = copy.deepcopy(layer)
+    assert twin.process_group is layer.process_group
+    x = torch.randn(1, 4, 8, dtype=torch.float64)
+    g = torch.Generator().manual_seed(3)
+    torch.testing.assert_close(twin(x, generator=g), layer(x, generator=g.manual_seed(3)),
+                               rtol=0, atol=0)
+    said = _outcome(lambda: torch.save(layer, io.BytesIO()))
+    assert "cannot be pickled; save model.state_dict() instead" in said, said
+    torch.save(layer.state_dict(), io.BytesIO())
+    alone = pickle.loads(pickle.dumps(skyformer.MultiHeadAttention(8, 2, "skyformer")))
+    assert alone.process_group is None
 
 
 def check_layer_2d(rank: int, world: int) -> None:

@@ -12,6 +12,7 @@ from seqpar_workers import (
     check_equal,
     check_errors,
     check_layer_2d,
+    check_layer_copies,
     check_one_rank_fails,
     check_performer_layer,
     check_ranks_disagree,
@@ -55,6 +56,10 @@ def test_a_performer_layer_uses_its_own_features_as_on_one_process():
 
 def test_autocast_casts_the_shards_as_one_process_does():
     spawn(2, check_autocast)
+
+
+def test_a_layer_copies_with_its_group_and_refuses_pickling():
+    spawn(1, check_layer_copies)
 
 
 def test_layer_runs_data_by_sequence_parallel():
