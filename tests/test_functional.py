@@ -311,6 +311,12 @@ def test_argument_errors_name_what_is_wrong():
         sdpa(q, k, v, cu_seqlens=cu, cu_seqlens_k=cu, max_seqlen=5, max_seqlen_k=2)
     with pytest.raises(ValueError, match="one entry per entry of cu_seqlens"):
         sdpa(q, k, v, cu_seqlens=cu, cu_seqlens_k=torch.tensor([0, 10]))
+    # causal packed sequences of other key lengths: refused whatever the longest lengths
+    # (padded to (5, 5) here, which the unpacked call would have taken top-left aligned)
+    with pytest.raises(ValueError, match=r"Nq=2, Nk=5 in sequence 0"):
+        sdpa(q[:, :, :7], k[:, :, :7], v[:, :, :7], cu_seqlens=torch.tensor([0, 2, 7]),
+             cu_seqlens_k=torch.tensor([0, 5, 7]), is_causal=True)
+    sdpa(q, k, v, cu_seqlens=cu, cu_seqlens_k=cu.clone(), is_causal=True)
     q3 = make_qkv(1, 3, 10, 4)[0]
     with pytest.raises(ValueError, match="multiple of them") as err:
         sdpa(q3, k, v, enable_gqa=True)
