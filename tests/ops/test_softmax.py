@@ -57,3 +57,19 @@ def test_an_attn_mask_of_one_key_column_broadcasts():
     out = softmax_attention(q, k, v, attn_mask=rows)
     torch.testing.assert_close(out, softmax_attention(q, k, v, attn_mask=rows.expand(6, 5)))
     assert out[:, :, 1].abs().max() == 0
+
+
+@pytest.mark.parametrize("method", ["softmax", "kernelized"])
+def test_a_nan_bias_row_is_nan_as_in_sdpa_and_a_row_without_keys_zero(method):
+    """A row of an additive mask that is all NaN (a bias computed from a NaN) is NaN, as
+    in torch's SDPA; only a row whose every entry is -inf has no key and gives zeros."""
+    import skyformer
+
+    q, k, v = make_qkv(1, 1, 4, 8)
+    bias = torch.zeros(4, 4)
+    bias[2] = float("nan")
+    bias[1] = float("-inf")
+    out = skyformer.scaled_dot_product_attention(q, k, v, bias, method=method)
+    assert out[0, 0, 2].isnan().all()
+    assert out[0, 0, 1].eq(0).all()
+    assert out[0, 0, [0, 3]].isfinite().all()

@@ -97,9 +97,10 @@ def _check_broadcasts(attn_mask: Tensor, shape: tuple[int, ...], method: str) ->
 
 def biased_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, *, scale: float,
                      dropout_p: float = 0.0) -> Tensor:
-    """``softmax(scale q k^T + bias) v`` through SDPA, rows with no finite bias entry
-    returning zeros (never NaN). ``bias`` from ``attention_bias``."""
-    has_key = (bias > float("-inf")).any(dim=-1, keepdim=True)
+    """``softmax(scale q k^T + bias) v`` through SDPA, rows whose every bias entry is
+    ``-inf`` (no key) returning zeros, not NaN; a NaN entry stays NaN, as in SDPA.
+    ``bias`` from ``attention_bias``."""
+    has_key = (bias != float("-inf")).any(dim=-1, keepdim=True)  # NaN != -inf: kept
     safe = torch.where(has_key, bias, torch.zeros((), dtype=bias.dtype, device=bias.device))
     out = sdpa(q, k, v, attn_mask=safe, dropout_p=dropout_p, scale=scale)
     return out * has_key.to(out.dtype)
