@@ -120,3 +120,22 @@ def test_the_backward_pass_writes_no_zero_tensor_around_the_output():
     with Recorder(lambda func, args, o: func.overloadpacket.__name__) as ops:
         torch.autograd.grad(out.square().sum(), (q, k, v))
     assert "slice_backward" not in ops.items
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_eps_zero_gives_zeros_not_nan_where_no_key_is_seen(causal):
+    """With eps = 0 a row whose normaliser is 0 (no real key, or features that all
+    underflow) is 0, as a row without keys is in every method, not 0 / 0."""
+    import skyformer
+
+    q, k, v = make_qkv(1, 2, 6, 4)
+    if not causal:  # cross-attention: real queries, every key of the element padded
+        none = torch.zeros(1, 6, dtype=torch.bool)
+        out = skyformer.attention(q, k, v, "linear", eps=0.0, key_padding_mask=none,
+                                  query_padding_mask=None)
+        assert out.eq(0).all()
+    out = skyformer.attention(q - 800, k, v, "linear", eps=0.0, causal=causal)
+    assert out.isfinite().all() and out.eq(0).all()  # exp(q - 800) underflows to 0
+    torch.testing.assert_close(skyformer.attention(q, k, v, "linear", eps=0.0, causal=causal),
+                               skyformer.attention(q, k, v, "linear", eps=1e-300,
+                                                   causal=causal), rtol=1e-12, atol=0)

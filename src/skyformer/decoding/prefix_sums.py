@@ -14,7 +14,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ..ops.linear.linear import elu_feature_map
+from ..ops.linear.linear import elu_feature_map, linear_normalised
 from ..ops.performer.features import causal_key_features, query_features, resolve_projection
 from ..ops.shared.causal_prefix import causal_feature_sums
 from ..ops.shared.inputs import compute_dtype, zero_padded_queries
@@ -90,7 +90,7 @@ class LinearDecoding(PrefixSumDecoding):
         return elu_feature_map(q.to(work)), phi_k
 
     def finish(self, o: Tensor, mean: Tensor) -> Tensor:
-        return o[..., :-1] / (o[..., -1:] + self.bound.config.eps)
+        return linear_normalised(o, self.bound.config.eps)
 
 
 class PerformerDecoding(PrefixSumDecoding):

@@ -140,7 +140,7 @@ def linear_from_features(phi_q: Tensor, phi_k: Tensor, v: Tensor, info: Attentio
     v_and_one = with_ones_column(v)  # [B, H, Nk, Dv + 1]
     kv = reduce.sum(phi_k.transpose(-1, -2) @ v_and_one)  # [B, H, D, Dv + 1]
     o = phi_q @ kv  # [B, H, Nq, Dv + 1]
-    out = _normalised(o, eps)
+    out = linear_normalised(o, eps)
     return zero_padded_queries(out, info.query_valid)
 
 
@@ -150,10 +150,13 @@ def causal_linear(phi_q: Tensor, phi_k: Tensor, v: Tensor, eps: float,
     (``shared/causal_prefix.py``): ``[B, H, N, D]`` features, ``[B, H, N, Dv]`` values."""
     v_and_one = with_ones_column(v)  # [B, H, N, Dv + 1]
     o = causal_feature_sums(phi_q, phi_k, v_and_one, chunk=chunk)
-    return _normalised(o, eps)
+    return linear_normalised(o, eps)
 
 
-def _normalised(o: Tensor, eps: float) -> Tensor:
-    """``o[..., :-1] / (o[..., -1:] + eps)`` for ``o: [..., Dv + 1]``."""
+def linear_normalised(o: Tensor, eps: float) -> Tensor:
+    """``o[..., :-1] / (o[..., -1:] + eps)`` for ``o: [..., Dv + 1]``; 0 where that
+    denominator is 0 (``eps`` = 0 and a row that sees no key, or whose features all
+    underflow), as the other methods give a row without keys, instead of 0 / 0."""
     numerator, denominator = numerator_and_denominator(o)
-    return numerator / (denominator + eps)
+    total = denominator + eps
+    return numerator / torch.where(total == 0, 1.0, total)
