@@ -18,6 +18,7 @@ from torch import Tensor
 from ...linalg import KERNELS, kernel_scale
 from ...linalg.kernel_backend import use_triton
 from ...registry import Capabilities, register
+from ..shared.centring import keys_mean
 from ..shared.inputs import AttentionInputs, check_attention_inputs, zero_padded_queries
 from ..shared.masked import attention_bias
 from ..shared.options import check_bool, check_choice, check_scale
@@ -119,6 +120,9 @@ def _augmented(q: Tensor, k: Tensor, v: Tensor, info: AttentionInputs, scale: fl
             q, k, v = q.float(), k.float(), v.float()
         bias = attention_bias(attn_mask, None, causal, (*q.shape[:3], info.key_len),
                               fused_dtype(q.dtype), "kernelized")
+    # the keys' mean out of q and k (in the augmentation's copies, ops/shared/centring.py);
+    # not for causal rows, whose rounding must not depend on later keys
+    shift = None if causal else keys_mean(k, info.key_valid)
     out = kernelized_by_sdpa(q, k, v, scale * scale, key_valid=info.key_valid, bias=bias,
-                             causal=causal)
+                             causal=causal, shift=shift)
     return zero_padded_queries(out, info.query_valid).to(dtype)

@@ -83,7 +83,7 @@ def split_hi_lo(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
 
 def augmented_inputs(
     q: Tensor, k: Tensor, v: Tensor, scale: float, key_valid: Tensor | None, *,
-    causal: bool = False,
+    causal: bool = False, shift: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(q', k', v') of the module docstring as SDPA takes them: the extra key and its
     one-hot value appended (``causal``: prepended, with a zero dummy query first).
@@ -92,11 +92,15 @@ def augmented_inputs(
     ``key_valid`` ``[B, Nk]`` bool or ``None``. Norms are formed in float32 (float64 for
     float64 inputs); the results are ``[..., W]`` in ``fused_dtype(q.dtype)``, with
     Nk + 1 keys (and Nq + 1 queries for ``causal``). Each is built by its own function,
-    so that its intermediate copies are freed before the next is built.
+    so that its intermediate copies are freed before the next is built. ``shift``
+    ``[B, H, 1, D]`` (or None) is subtracted from q and k in those copies
+    (``ops/shared/centring.py``): C is unchanged, its exponent better conditioned.
     """
     width = augmented_width(q.shape[-1], v.shape[-1])
     valid = None if key_valid is None else key_valid[:, None, :, None]  # [B, 1, Nk, 1]
-    return (_queries(q, width, causal), _keys(k, valid, scale, width, causal),
+    if shift is not None:
+        shift = shift.detach()
+    return (_queries(q, width, causal, shift), _keys(k, valid, scale, width, causal, shift),
             _values(v, valid, width, causal))
 
 
@@ -116,10 +120,12 @@ def _with_extra_row(rows: Tensor, extra: Tensor, causal: bool) -> Tensor:
     return torch.cat([extra, rows] if causal else [rows, extra], dim=2)
 
 
-def _queries(q: Tensor, width: int, causal: bool) -> Tensor:
+def _queries(q: Tensor, width: int, causal: bool, shift: Tensor | None) -> Tensor:
     """q'_i = [q_i, 1, 1, a_i^hi, a_i^lo, 0...]; ``causal``: a zero dummy query first,
     so that SDPA's causal mask lets query i see the extra key."""
     dtype, (b, h, _, d) = fused_dtype(q.dtype), q.shape
+    if shift is not None:
+        q = q - shift
     a_hi, a_lo = split_hi_lo(half_sq_norm(q.to(_norm_dtype(q))), dtype)
     q_aug = torch.cat([q.to(dtype), _filler(a_hi, 1.0, 2), a_hi[..., None],
                        a_lo[..., None], _filler(a_hi, 0.0, width - d - 4)], dim=-1)
@@ -127,11 +133,13 @@ def _queries(q: Tensor, width: int, causal: bool) -> Tensor:
         else q_aug
 
 
-def _keys(k: Tensor, valid: Tensor | None, scale: float, width: int, causal: bool
-          ) -> Tensor:
+def _keys(k: Tensor, valid: Tensor | None, scale: float, width: int, causal: bool,
+          shift: Tensor | None) -> Tensor:
     """k'_j = [k_j, b_j^hi, b_j^lo, 0...] (padded keys: [0, masked logit / s, 0...])
     and the extra key [0, 0, 0, 1, 1, 0...]."""
     dtype, (b, h, _, d) = fused_dtype(k.dtype), k.shape
+    if shift is not None:
+        k = k - shift
     norm_dtype = _norm_dtype(k)
     bias = -half_sq_norm(k.to(norm_dtype))
     k = k.to(dtype)
@@ -164,6 +172,7 @@ def _values(v: Tensor, valid: Tensor | None, width: int, causal: bool) -> Tensor
 def kernelized_by_sdpa(
     q: Tensor, k: Tensor, v: Tensor, scale: float, *,
     key_valid: Tensor | None = None, bias: Tensor | None = None, causal: bool = False,
+    shift: Tensor | None = None,
 ) -> Tensor:
     """C V through ``scaled_dot_product_attention`` (module docstring).
 
@@ -173,7 +182,8 @@ def kernelized_by_sdpa(
     not zeroed.
     """
     causal = causal and bias is None
-    q_aug, k_aug, v_aug = augmented_inputs(q, k, v, scale, key_valid, causal=causal)
+    q_aug, k_aug, v_aug = augmented_inputs(q, k, v, scale, key_valid, causal=causal,
+                                           shift=shift)
     if bias is not None:  # the extra key (last column) always visible
         bias = bias.to(q_aug.dtype)
         bias = F.pad(bias.expand(*bias.shape[:2], q.shape[-2], k.shape[-2]), (0, 1))

@@ -1,0 +1,55 @@
+"""The Gaussian kernel depends on q_i - k_j alone: queries and keys moved by one large
+vector give, in float32, what float64 gives for the same inputs, where the method takes
+the keys' mean out in a copy it makes anyway (``ops/shared/centring.py``): exact
+kernelized attention's SDPA augmentation. Without it a common offset of 1e4 gave
+outputs of 1e21."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import skyformer
+from skyformer.ops.shared.centring import keys_mean
+from tests.conftest import make_qkv
+
+METHODS = {"kernelized": {"kernel": "torch"}}
+
+
+def _call(method, q, k, v, mask):
+    return skyformer.attention(q, k, v, method, key_padding_mask=mask,
+                               generator=torch.Generator().manual_seed(3), **METHODS[method])
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_large_common_offset_costs_float32_no_accuracy(method):
+    q, k, v = make_qkv(2, 2, 40, 16, dtype=torch.float32, seed=1)
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[1, 30:] = False
+    offset = torch.full((16,), 1e4)
+    offset[::2] = -3e3
+    q, k = (t + offset for t in (q, k))  # norms ~3e4, distances ~8
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = _call(method, *leaves, mask)
+    exact = [t.double().requires_grad_() for t in (q, k, v)]  # the same rounded inputs
+    want = _call(method, *exact, mask)
+    torch.testing.assert_close(out.double(), want, rtol=1e-3, atol=1e-3)
+    out.sum().backward()
+    want.sum().backward()
+    for a, b in zip(leaves, exact, strict=True):
+        torch.testing.assert_close(a.grad.double(), b.grad, rtol=2e-2, atol=2e-2)
+
+
+def test_the_shift_is_the_real_keys_mean_detached_and_finite():
+    k = make_qkv(2, 1, 6, 3, nk=5)[1].requires_grad_()
+    valid = torch.tensor([[True] * 5, [True, True, False, True, False]])
+    mu = keys_mean(k, valid)
+    want = torch.stack([k[0, 0].mean(0), k[1, 0, [0, 1, 3]].mean(0)])[:, None, None, :]
+    torch.testing.assert_close(mu, want.detach())
+    assert not mu.requires_grad
+    bad = k.detach().clone()
+    bad[0, 0, 1, 2] = float("inf")  # a component with a non-finite mean: 0, not moved
+    mu = keys_mean(bad, None)
+    assert mu[0, 0, 0, 2] == 0 and mu.isfinite().all()
+    assert mu[0, 0, 0, 0] == bad[0, 0, :, 0].mean()
+    assert keys_mean(k.bfloat16(), valid) is None  # half inputs: their own rounding rules
