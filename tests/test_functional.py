@@ -317,6 +317,16 @@ def test_argument_errors_name_what_is_wrong():
         sdpa(q[:, :, :7], k[:, :, :7], v[:, :, :7], cu_seqlens=torch.tensor([0, 2, 7]),
              cu_seqlens_k=torch.tensor([0, 5, 7]), is_causal=True)
     sdpa(q, k, v, cu_seqlens=cu, cu_seqlens_k=cu.clone(), is_causal=True)
+    with pytest.raises(ValueError, match=r"cu_seqlens must be an integer tensor \[B \+ 1\]"):
+        sdpa(q, k, v, cu_seqlens=torch.tensor(10), cu_seqlens_k=torch.tensor(10),
+             is_causal=True)
+    # compiled, the lengths are not read (max_seqlen given): the check stays eager-only
+    torch._dynamo.reset()
+    packed = torch.compile(lambda q, k, v, cu, cu_k: sdpa(
+        q, k, v, cu_seqlens=cu, cu_seqlens_k=cu_k, max_seqlen=5, max_seqlen_k=5,
+        is_causal=True), fullgraph=True, backend="eager")
+    torch.testing.assert_close(packed(q, k, v, cu, cu.clone()),
+                               sdpa(q, k, v, cu_seqlens=cu, is_causal=True))
     q3 = make_qkv(1, 3, 10, 4)[0]
     with pytest.raises(ValueError, match="multiple of them") as err:
         sdpa(q3, k, v, enable_gqa=True)

@@ -213,7 +213,8 @@ def _as_padding(spec: Method, attn_mask: Tensor, key_padding_mask: Tensor | None
 def _check_causal_lengths(name: str, cu_q: Tensor, cu_k: Tensor) -> None:
     """is_causal over packed sequences needs each sequence's queries and keys alike in
     number, as one causal call does (whether a shorter query side aligns at the top or
-    the bottom has no one convention: SDPA's top left, FlashAttention's bottom right)."""
+    the bottom has no one convention: SDPA's top left, FlashAttention's bottom right).
+    A host read: eager calls only, as the other checks of the lengths (``varlen.py``)."""
     lengths_q, lengths_k = torch.diff(cu_q).tolist(), torch.diff(cu_k).tolist()
     for i, (nq, nk) in enumerate(zip(lengths_q, lengths_k, strict=True)):
         if nq != nk:
@@ -240,12 +241,11 @@ def _varlen(spec: Method, query: Tensor, key: Tensor, value: Tensor, attn_mask: 
             f"{spec.name}: cu_seqlens_k must have one entry per entry of cu_seqlens (the "
             f"same sequences, keys of other lengths), got {tuple(cu_k.shape)} and "
             f"{tuple(cu_seqlens.shape)}.")
-    if is_causal and cu_seqlens_k is not None and isinstance(cu_seqlens, Tensor) \
-            and isinstance(cu_k, Tensor):
-        _check_causal_lengths(spec.name, cu_seqlens, cu_k)
     q, q_valid = unpack(query, cu_seqlens, max_seqlen, spec.name)
     k, k_valid = (unpack(key, cu_k, max_seqlen_k, spec.name, "max_seqlen_k")
                   if cu_seqlens_k is not None else unpack(key, cu_k, max_seqlen, spec.name))
+    if is_causal and cu_seqlens_k is not None and may_read_values(cu_seqlens, cu_k):
+        _check_causal_lengths(spec.name, cu_seqlens, cu_k)  # checked tensors by now
     v, _ = unpack(value, cu_k, k.shape[2], spec.name)
     out = scaled_dot_product_attention(
         q, k, v, None, dropout_p, is_causal, scale, enable_gqa, method=spec.name,

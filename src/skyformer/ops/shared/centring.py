@@ -14,7 +14,8 @@ the backward pass; the multipole methods' angular LSH buckets depend on where th
 origin is. Those are not moved (docs/reliability.md, "Large norms in float32").
 
 Half-precision inputs are left as they are: their own rounding (``2^-9 |q|`` in
-bfloat16) is far above what the float32 sums lose.
+bfloat16) is far above what the float32 sums lose (bfloat16 inputs that a float
+``attn_mask`` sends to float32 are moved, as float32 ones).
 """
 
 from __future__ import annotations
