@@ -32,8 +32,9 @@ class MultiHeadAttention(nn.Module):
         process_group: a ``torch.distributed`` process group over which the sequence is
             sharded: each rank passes its contiguous shard ``[B, N_r, dim]`` of ``x`` (and
             of the mask) and gets its shard of the output (``skyformer.distributed``,
-            docs/distributed.md). The parameters must be alike on every rank, and their
-            gradients summed over the group after backward (``distributed.sum_gradients``).
+            docs/distributed.md). The parameters and buffers (Performer's features) must
+            be alike on every rank, and the gradients summed over the group after
+            backward (``distributed.sum_gradients``).
         **method_options: options of the method (e.g. ``num_features=64``).
 
     Example::
@@ -92,6 +93,11 @@ class MultiHeadAttention(nn.Module):
     def process_group(self) -> Any:
         """The group the sequence is sharded over (``None``: one process)."""
         return self._group.group
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if "process_group" in state:  # pickled before the group was held by a handle
+            state["_group"] = _GroupHandle(state.pop("process_group"))
+        super().__setstate__(state)
 
     @property
     def method(self) -> str:

@@ -72,6 +72,27 @@ def test_without_an_initialised_group_the_call_says_so():
         sequence_parallel_attention(q, q, q)
     with pytest.raises(ValueError, match="cannot run sequence parallel"):
         skyformer.MultiHeadAttention(8, 2, "reformer", process_group=object())
+    # a bad method or option says so itself (nobody waits without a group)
+    with pytest.raises(ValueError, match="softmax cannot run sequence parallel"):
+        sequence_parallel_attention(q, q, q, "softmax")
+    with pytest.raises(ValueError, match="num_features"):
+        sequence_parallel_attention(q, q, q, "skyformer", num_features=0)
+
+
+def test_a_layer_pickled_before_the_group_handle_loads():
+    """Whole-module pickles from before the group was held by a handle kept
+    ``process_group`` in the module's dict; they load and run."""
+    import pickle
+
+    layer = skyformer.MultiHeadAttention(8, 2, "linear")
+    state = layer.__getstate__().copy()
+    state["process_group"] = state.pop("_group").group  # the old layout
+    old = skyformer.MultiHeadAttention.__new__(skyformer.MultiHeadAttention)
+    old.__setstate__(state)
+    loaded = pickle.loads(pickle.dumps(old))
+    x = torch.randn(1, 3, 8)
+    assert loaded.process_group is None
+    torch.testing.assert_close(loaded(x), layer(x))
 
 
 def test_shard_bounds_cover_the_sequence_contiguously():

@@ -127,7 +127,10 @@ def agree_layout(
 
 def reject_together(caller: str, error: Exception, group: Any) -> NoReturn:
     """Raise ``error`` after joining the first exchange as a rank that failed its checks,
-    so that the other ranks, waiting there, raise too instead of waiting forever."""
+    so that the other ranks, waiting there, raise too instead of waiting forever. With
+    no initialised ``torch.distributed`` nobody waits: ``error`` is raised as it is."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise error
     group = resolve_group(group, caller)
     agree_layout(caller, None, None, None, None, error, group)  # type: ignore[arg-type]
     raise AssertionError("unreachable: agree_layout re-raises the error")
