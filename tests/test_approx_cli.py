@@ -75,3 +75,16 @@ def test_text_too_short(tmp_path, capsys):
                  "--text", str(text)])
     assert code == 2
     assert "pass a longer text (--text FILE) or a shorter --seq-len" in capsys.readouterr().err
+
+
+def test_the_recorded_command_keeps_options_set_to_zero():
+    """approx.md / approx.json record the command that reruns the experiment: an option
+    given as 0 must be in it (0 == False in Python)."""
+    from skyformer.cli import build_parser
+    from skyformer.cli.approx_cmd import _command
+
+    args = build_parser().parse_args(["approx", "--quick", "--floor-oversample", "0",
+                                      "--floor-power-iterations", "0"])
+    command = _command(args)
+    assert "--floor-oversample 0" in command and "--floor-power-iterations 0" in command
+    assert "--quick" in command and "--no-plots" not in command

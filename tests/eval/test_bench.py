@@ -395,3 +395,18 @@ def test_two_settings_of_one_method_are_measured_side_by_side():
     # forward + backward, 16 landmarks: the bound's 7 steps forward against 6, but two
     # m x m products backward against twice the steps' (flops.BACKWARD_FLOPS)
     assert implicit["gflop"] < unrolled["gflop"]
+
+
+def test_a_variant_that_sets_the_swept_num_features_is_refused():
+    """--features sets num_features on every call: a variant setting it too would be
+    measured with --features under its own name (as approx and hf-eval refuse)."""
+    from skyformer.eval.compare.run import CompareConfig
+
+    with pytest.raises(ValueError, match=r"bench \(--features\) sets num_features"):
+        BenchConfig(seq_lens=(32,), methods=("skyformer[num_features=16]",), num_features=8)
+    with pytest.raises(ValueError, match=r"compare \(--features\) sets num_features"):
+        CompareConfig(methods=("skyformer[num_features=16]",), num_features=32)
+    BenchConfig(seq_lens=(32,), methods=("skyformer[num_features=16]",))  # no sweep: fine
+    CompareConfig(methods=("skyformer[num_features=16]", "linear"))
+    with pytest.raises(ValueError, match="unknown attention method 'nope'"):
+        CompareConfig(methods=("nope",))

@@ -76,6 +76,8 @@ def test_config_errors():
     HFEvalConfig(methods=("skyformer[pinv_gradient=implicit]",)).validate()
     with pytest.raises(ValueError, match="features must be positive integers"):
         HFEvalConfig(features=(0,)).validate()
+    with pytest.raises(ValueError, match=r"max_texts must be at least 2 \(retrieval"):
+        HFEvalConfig(max_texts=1).validate()
     with pytest.raises(ValueError, match="settings must be chosen from short, long"):
         HFEvalConfig(settings=("medium",)).validate()
     with pytest.raises(ValueError, match="repeats must be a positive integer"):

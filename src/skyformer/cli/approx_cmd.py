@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layer", type=int, default=None, help=f"model layer (default {d.layer})")
     parser.add_argument("--heads", nargs="+", default=None, metavar="H",
                         help="head indices, or 'all' (default: 0 3 6 9); for glove/gaussian "
-                        "the number of independent slices")
+                        "one independent slice per index given (default: 12)")
     parser.add_argument("--model", default=None, metavar="DIR",
                         help="local BERT-type Hugging Face model folder (default: MiniLM-L6)")
     parser.add_argument("--text", default=None, metavar="FILE",
@@ -128,7 +128,7 @@ def config_from_args(args: argparse.Namespace) -> ApproxConfig:
 def _command(args: argparse.Namespace) -> str:
     parts = ["skyformer", "approx"]
     for key, value in vars(args).items():
-        if key.startswith("_") or key == "command" or value in (None, False):
+        if key.startswith("_") or key == "command" or value is None or value is False:
             continue
         if key == "out" and value == "results/approx":
             continue

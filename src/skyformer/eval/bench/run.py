@@ -38,6 +38,7 @@ from ...io import environment, json_ready
 from ...linalg.implicit_inverse import factorises
 from ...ops.shared.inputs import compute_dtype
 from ...registry import exact_method, get_method, list_methods
+from ...registry.variants import refuse_swept_option
 from ..measure.flops import attention_flops, matmul_flops_per_second
 from ..measure.memory import MemoryJob, peak_memory_bytes
 from ..measure.metrics import relative_error, trivial_error
@@ -105,6 +106,12 @@ class BenchConfig:
             )
         if self.num_features is not None and self.num_features < 1:
             raise ValueError(f"num_features must be a positive integer, got {self.num_features}.")
+        if self.num_features is not None:
+            for m in self.methods or ():
+                if ":" not in m:  # a registered name (functions take no presets)
+                    method = get_method(m.partition("@")[0])
+                    refuse_swept_option(method.name, method.preset, "num_features",
+                                        "bench (--features)")
         if not self.max_seconds > 0:
             raise ValueError(f"max_seconds must be positive, got {self.max_seconds}.")
         if self.clock not in CLOCKS:

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from ...io import environment
 from ...registry import exact_method, get_method, list_methods
+from ...registry.variants import refuse_swept_option
 from ..data.qkv import QKV, load_qkv
 from ..data.text import read_text
 from ..measure.memory import MemoryJob, peak_memory_bytes
@@ -41,6 +42,13 @@ class CompareConfig:
     methods: tuple[str, ...] | None = None
     repeats: int = 3
     memory: bool = True
+
+    def __post_init__(self) -> None:
+        for m in self.methods or ():  # unknown names fail before any work
+            method = get_method(m)
+            if self.num_features is not None:
+                refuse_swept_option(method.name, method.preset, "num_features",
+                                    "compare (--features)")
 
 
 @dataclass

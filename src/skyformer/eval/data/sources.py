@@ -113,7 +113,8 @@ class SourceLoader:
         q = x[: h * seq_len].reshape(1, h, seq_len, d)
         v = x[h * seq_len :].reshape(1, h, seq_len, d)
         text = (
-            f"GloVe vectors from {Path(o.glove).name} (d={d}), {h} slices of N={seq_len}, "
+            f"GloVe vectors from {Path(o.glove).name} (d={d}), {h} slice{'s' * (h != 1)} of "
+            f"N={seq_len}, "
             f"K = Q, V = the next {h * seq_len} vectors"
         )
         return SourceData("glove", q, q.clone(), v.contiguous(), text)
@@ -130,6 +131,7 @@ class SourceLoader:
         q, k, v = (torch.randn(1, h, seq_len, d, generator=g) for _ in range(3))
         text = (
             f"synthetic Gaussian Q, K with expected row norm {o.gaussian_norm:g} "
-            f"(entries N(0, {sigma:.3g}^2)), V ~ N(0, 1), d={d}, {h} draws of N={seq_len}"
+            f"(entries N(0, {sigma:.3g}^2)), V ~ N(0, 1), d={d}, {h} draw{'s' * (h != 1)} of "
+            f"N={seq_len}"
         )
         return SourceData("gaussian", q * sigma, k * sigma, v, text)

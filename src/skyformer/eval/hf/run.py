@@ -86,6 +86,9 @@ class HFEvalConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
         if self.seq_len < 8:
             raise ValueError(f"seq_len must be at least 8, got {self.seq_len}.")
+        if self.max_texts < 2:  # retrieval ranks a text among the others
+            raise ValueError(f"max_texts must be at least 2 (retrieval needs two texts), got "
+                             f"{self.max_texts}.")
         if not self.features or any(
             isinstance(f, bool) or not isinstance(f, int) or f < 1 for f in self.features
         ):
