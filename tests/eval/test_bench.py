@@ -254,6 +254,14 @@ def test_crossover_and_summary_arithmetic():
     assert summary["lin"]["exponent"] == pytest.approx(1.0)
     assert summary["softmax"]["exponent"] == pytest.approx(2.0)
     assert summary["lin"]["crossover_n"] == pytest.approx(1000.0)
+    # memory ratios: not between CPU peaks below the counters' resolution (1 MiB)
+    for device, ref_mib, expected in (("cpu", 0.3, None), ("cpu", 4.0, 0.5),
+                                      ("cuda", 0.3, 0.5)):
+        pair = [{**rows[0], "device": device, "method": m, "peak_mib": ref_mib * s}
+                for m, s in (("softmax", 1.0), ("lin", 0.5))]
+        summarise(pair, "softmax", True)
+        assert pair[1]["memory_ratio"] == (None if expected is None
+                                           else pytest.approx(expected))
 
 
 def test_flop_counts():

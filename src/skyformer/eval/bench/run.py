@@ -40,7 +40,7 @@ from ...ops.shared.inputs import compute_dtype
 from ...registry import exact_method, get_method, list_methods
 from ...registry.variants import refuse_swept_option
 from ..measure.flops import attention_flops, matmul_flops_per_second
-from ..measure.memory import MemoryJob, peak_memory_bytes
+from ..measure.memory import MemoryJob, above_resolution, peak_memory_bytes
 from ..measure.metrics import relative_error, trivial_error
 from ..measure.timing import CLOCKS, interleaved_median_seconds
 from ..methods import NamedAttention, PreparedCall, resolve
@@ -556,7 +556,9 @@ def summarise(rows: list[dict[str, Any]], reference: str, backward: bool) -> lis
                 base = ref.get(n)
                 if base and base["status"] == "ok" and base[key]:
                     r["speedup"] = base[key] / r[key]
-                    if r["peak_mib"] and base["peak_mib"]:
+                    peaks = [None if x["peak_mib"] is None else x["peak_mib"] * 2**20
+                             for x in (r, base)]
+                    if all(above_resolution(peak, g[0]) for peak in peaks):  # not noise over noise
                         r["memory_ratio"] = r["peak_mib"] / base["peak_mib"]
             for (n0, r0), (n1, r1) in itertools.pairwise(ok):
                 if n1 == 2 * n0:

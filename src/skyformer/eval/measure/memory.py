@@ -11,6 +11,11 @@ tensor buffer of 64 KiB or more is then its own mapping, returned to the system 
 freed, so resident size follows live tensors. (By default the threshold grows after
 each freed mapping, up to 32 MiB, and later buffers come from a heap that keeps freed
 memory resident: the same job measured 30 or 57 MiB from one run to the next.)
+
+The kernel's resident-size counters are kept per thread and folded in batches, so a
+CPU peak is good to a few hundred KiB: a 96 KiB buffer measured 728 KiB, a 256 KiB one
+132 KiB. Below ``CPU_RESOLUTION_BYTES`` a CPU peak says only "small"; ratios between
+such peaks are not taken (``bench``).
 """
 
 from __future__ import annotations
@@ -29,6 +34,14 @@ import torch
 
 from ...registry import get_method
 from ..methods import resolve
+
+CPU_RESOLUTION_BYTES = 1 << 20  # CPU peaks below this are noise (module docstring)
+
+
+def above_resolution(peak_bytes: int | None, device: str) -> bool:
+    """Whether a peak measured on ``device`` is above the measurement's resolution."""
+    return peak_bytes is not None and (
+        torch.device(device).type == "cuda" or peak_bytes >= CPU_RESOLUTION_BYTES)
 
 
 @dataclass(frozen=True)
