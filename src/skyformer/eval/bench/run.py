@@ -567,7 +567,10 @@ def summarise(rows: list[dict[str, Any]], reference: str, backward: bool) -> lis
             longest = [p for p in times if times and p[0] * 4 >= times[-1][0]]
             if len(longest) < 2:
                 longest = times[-2:]
-            cross, how = crossover([(n, r["speedup"]) for n, r in ok if r["speedup"]])
+            speedups = [(n, r["speedup"]) for n, r in ok if r["speedup"]]
+            # none for the reference itself, or where nothing was timed beside it
+            cross, how = crossover(speedups) if speedups and method != reference \
+                else (None, None)
             out.append({
                 "device": g[0], "dtype": g[1], "batch": g[2], "heads": g[3], "head_dim": g[4],
                 "method": method, "crossover_n": cross, "crossover": how,
