@@ -421,3 +421,5 @@ def test_a_variant_that_sets_the_swept_num_features_is_refused():
     CompareConfig(methods=("skyformer[num_features=16]", "linear"))
     with pytest.raises(ValueError, match="unknown attention method 'nope'"):
         CompareConfig(methods=("nope",))
+    with pytest.raises(ValueError, match="methods lists linear more than once; give each"):
+        CompareConfig(methods=("linear", "linear"))

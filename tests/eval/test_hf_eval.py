@@ -78,6 +78,8 @@ def test_config_errors():
         HFEvalConfig(features=(0,)).validate()
     with pytest.raises(ValueError, match=r"max_texts must be at least 2 \(retrieval"):
         HFEvalConfig(max_texts=1).validate()
+    with pytest.raises(ValueError, match="methods lists linear more than once"):
+        HFEvalConfig(methods=("linear", "softmax", "linear")).validate()
     with pytest.raises(ValueError, match="settings must be chosen from short, long"):
         HFEvalConfig(settings=("medium",)).validate()
     with pytest.raises(ValueError, match="repeats must be a positive integer"):

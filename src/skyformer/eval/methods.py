@@ -124,3 +124,13 @@ def resolve(spec: str) -> NamedAttention:
     )
     return NamedAttention(name, target or None, False, option_names, function=function,
                           takes_generator=takes_generator)
+
+
+def refuse_repeats(name: str, values: Any) -> None:
+    """Fail in a sentence where the list ``values`` of setting ``name`` holds a value
+    twice: each would be measured again, into rows of its own."""
+    values = list(values or ())
+    twice = sorted({str(x) for x in values if values.count(x) > 1})
+    if twice:
+        raise ValueError(f"{name} lists {', '.join(twice)} more than once; give each once.")
+

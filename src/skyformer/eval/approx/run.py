@@ -41,6 +41,7 @@ from ...registry import Method, exact_method, get_method, list_methods
 from ...registry.variants import refuse_swept_option
 from ..data.sources import SOURCES, SourceData, SourceLoader, SourceOptions, check_source
 from ..measure.metrics import constant_row_error, rank_m_floor, relative_error
+from ..methods import refuse_repeats
 from .leverage import THEOREM_CONSTANT, leverage_analysis
 from .spectra import attention_spectra, lsh_mask, oracle_mask
 
@@ -104,6 +105,8 @@ class ApproxConfig:
                 raise ValueError(f"{name} must not be empty.")
         for s in self.sources:
             check_source(s)
+        for name in ("sources", "seq_lens", "features", "seeds", "methods", "heads"):
+            refuse_repeats(name, getattr(self, name))
         for name in ("seq_lens", "features"):
             bad = [x for x in getattr(self, name) if not isinstance(x, int) or x < 1]
             if bad:

@@ -25,7 +25,7 @@ from ..data.text import read_text
 from ..measure.memory import MemoryJob, peak_memory_bytes
 from ..measure.metrics import relative_error, trivial_error
 from ..measure.timing import median_seconds
-from ..methods import PreparedCall, resolve
+from ..methods import PreparedCall, refuse_repeats, resolve
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,7 @@ class CompareConfig:
     memory: bool = True
 
     def __post_init__(self) -> None:
+        refuse_repeats("methods", self.methods)
         for m in self.methods or ():  # unknown names fail before any work
             method = get_method(m)
             if self.num_features is not None:

@@ -40,6 +40,7 @@ from ..data.qkv import load_model, max_positions
 from ..data.text import read_text, sentences
 from ..measure.memory import CallJob, peak_memory_bytes
 from ..measure.timing import CLOCKS, median_seconds
+from ..methods import refuse_repeats
 
 SETTINGS = ("short", "long")
 NOT_DROP_IN_GAUSSIAN = "Gaussian kernel, not a drop-in"
@@ -98,6 +99,8 @@ class HFEvalConfig:
             raise ValueError(
                 f"settings must be chosen from {', '.join(SETTINGS)}, got {self.settings!r}."
             )
+        for name in ("methods", "features", "settings", "layers"):
+            refuse_repeats(name, getattr(self, name))
         for m in self.methods or ():
             method = get_method(m)  # unknown names fail before any work
             refuse_swept_option(method.name, method.preset, "num_features",
