@@ -100,6 +100,9 @@ def test_files_and_table(tiny, tmp_path):
         "| method | N=64 | N=128 |" in wide and wide.count("| skyformer |") == 3
     )  # time, error, SOL
     assert "faster than softmax" in wide or "slower than softmax" in wide
+    row = next(r for r in tiny.rows if r["method"] == "skyformer" and r["speedup"])
+    row["speedup"] = 0.0417  # far slower than the reference: not printed as 0.0x
+    assert "(0.0417x)" in format_wide(tiny)
 
 
 def test_memory_and_skips(capsys):

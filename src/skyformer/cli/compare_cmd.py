@@ -19,7 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--features", type=int, default=None,
                         help="num_features for every approximate method (default: each method's)")
     parser.add_argument("--layer", type=int, default=0, help="model layer to take Q/K/V from")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the methods' randomness")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the methods' randomness (and of the --random-init "
+                        "weights)")
     parser.add_argument("--text", default=None, help="UTF-8 text file (default: shipped text)")
     parser.add_argument("--model", default=None,
                         help="local BERT-type model folder (default: pretrained MiniLM-L6)")

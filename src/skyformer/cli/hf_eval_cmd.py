@@ -26,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", nargs="+", type=int, default=None,
                         help="replace attention only in these layers (default: all)")
     parser.add_argument("--seq-len", type=int, default=512,
-                        help="tokens per long input (default 512)")
+                        help="tokens per long input; short sentences are truncated to it "
+                        "too (default 512)")
     parser.add_argument("--max-texts", type=int, default=128,
                         help="texts per setting (default 128)")
     parser.add_argument("--batch-size", type=int, default=16, help="texts per forward pass")

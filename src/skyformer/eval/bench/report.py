@@ -120,7 +120,7 @@ WIDE = [  # (title, value key, ratio key or None, format)
         "{time}",
         "speedup",
         "{:.1f}",
-        "{:.1f}x",
+        "{:.3g}x",  # 12.5x, and 0.0417x (not 0.0x) for one far slower than the reference
     ),
     ("Peak memory MiB (x {ref}'s)", "peak_mib", "memory_ratio", "{:.1f}", "{:.2f}x"),
     ("Relative spectral error against the exact target", "rel_error", None, "{:.2e}", ""),
