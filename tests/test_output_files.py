@@ -96,3 +96,34 @@ def test_hf_eval_without_a_plot_removes_the_plot_an_earlier_run_left(tmp_path, m
     assert main(["hf-eval", "--methods", "softmax", "--quiet", "--no-plot",
                  "--out", str(tmp_path)]) == 0
     assert (tmp_path / "hf_eval.json").exists() and not (tmp_path / "hf_eval.png").exists()
+
+
+def test_an_interrupted_approx_write_keeps_the_earlier_run_whole(tmp_path, monkeypatch):
+    """approx writes JSON, CSV, plots and a report: interrupted while a plot is drawn it
+    leaves the earlier run's files, none replaced, and no staging folder; completed it
+    replaces them all."""
+    from skyformer.eval.approx import ApproxConfig, run_approx
+    from skyformer.eval.approx import plots as approx_plots
+    from skyformer.eval.approx.report import FILES, write_outputs
+
+    config = ApproxConfig(sources=("gaussian",), seq_lens=(12,), features=(4,), seeds=(0,),
+                          heads=(0,), analysis=False, progress=False, methods=("skyformer",))
+    result = run_approx(config, log=lambda s: None)
+    for kind in ("json", "csv", "report"):
+        (tmp_path / FILES[kind]).write_text("earlier run")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(approx_plots, "plot_errors", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_outputs(result, tmp_path, plots=True)
+    assert all((tmp_path / FILES[kind]).read_text() == "earlier run"
+               for kind in ("json", "csv", "report"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        FILES[kind] for kind in ("json", "csv", "report"))
+    monkeypatch.undo()
+    written = write_outputs(result, tmp_path, plots=True)
+    assert set(written) == {"json", "csv", "errors", "report"}
+    assert all(p.read_bytes() != b"earlier run" for p in written.values())
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in written.values())

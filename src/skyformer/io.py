@@ -99,6 +99,25 @@ def building_folder(path: str | os.PathLike[str]) -> Iterator[Path]:
             shutil.rmtree(old, ignore_errors=True)
 
 
+@contextmanager
+def replacing_together(folder: str | os.PathLike[str]) -> Iterator[Path]:
+    """A temporary folder inside ``folder`` to write one run's result files into. When
+    the block ends without error each file is moved into ``folder`` (one rename each, in
+    quick succession, replacing files of the same name); otherwise the temporary folder
+    is removed and ``folder`` keeps the previous run's files, none of them replaced (an
+    interruption while a plot is drawn no longer leaves a new JSON beside an old
+    report). Other files in ``folder`` are left alone."""
+    target = Path(folder)
+    target.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=".staging.", suffix=".tmp", dir=target))
+    try:
+        yield stage
+        for path in sorted(stage.iterdir()):
+            os.replace(path, target / path.name)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
 def _readable_tree(folder: Path) -> None:
     """Modes of results for everything under ``folder``: files written plainly inside
     it follow the umask (0600 under ``umask 077``)."""

@@ -55,7 +55,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..eval.hf.report import format_table, markdown_table, plot, write_csv
     from ..eval.hf.run import HFEvalConfig, evaluate, hf_eval_steps
-    from ..io import atomic_write_text, check_output_path, remove_stale, write_json
+    from ..io import (
+        atomic_write_text,
+        check_output_path,
+        remove_stale,
+        replacing_together,
+        write_json,
+    )
 
     check_output_path(args.out, folder=True)
 
@@ -89,17 +95,18 @@ def run(args: argparse.Namespace) -> int:
           "memory: one forward pass")
     print(format_table(result.rows))
     out = Path(args.out)
-    written = [
-        write_json(out / "hf_eval.json", result.to_dict()),
-        write_csv(out / "hf_eval.csv", result.rows),
-        atomic_write_text(out / "hf_eval.md", markdown_table(result.rows) + "\n"),
-    ]
-    if not args.no_plot:
-        written.append(plot(out / "hf_eval.png", result.rows,
-                            title=f"{result.model} with each method's attention, no fine-tuning"))
-    else:
+    names = ["hf_eval.json", "hf_eval.csv", "hf_eval.md"] + ([] if args.no_plot
+                                                             else ["hf_eval.png"])
+    with replacing_together(out) as stage:  # all of this run's files, or none of them
+        write_json(stage / "hf_eval.json", result.to_dict())
+        write_csv(stage / "hf_eval.csv", result.rows)
+        atomic_write_text(stage / "hf_eval.md", markdown_table(result.rows) + "\n")
+        if not args.no_plot:
+            plot(stage / "hf_eval.png", result.rows,
+                 title=f"{result.model} with each method's attention, no fine-tuning")
+    if args.no_plot:
         remove_stale(out / "hf_eval.png")
-    print("wrote " + ", ".join(str(p) for p in written))
+    print("wrote " + ", ".join(str(out / name) for name in names))
     return 0
 
 

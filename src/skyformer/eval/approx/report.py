@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ...io import atomic_write_text, remove_stale, write_csv, write_json
+from ...io import atomic_write_text, remove_stale, replacing_together, write_csv, write_json
 
 FILES = {
     "json": "approx.json",
@@ -198,24 +198,28 @@ def write_outputs(result: Any, out_dir: str | Path, *, plots: bool = True,
     from .plots import plot_errors, plot_leverage, plot_spectra
 
     out = Path(out_dir)
-    written: dict[str, Path] = {}
+    made: list[str] = []
     data = result.to_dict()
     if command:
         data["command"] = command
-    # Compact, 6 significant digits: the spectra and samples are long arrays.
-    written["json"] = write_json(out / FILES["json"], _rounded(data), indent=None)
-    written["csv"] = write_csv(out / FILES["csv"], result.rows, metadata={
-        "config": dataclasses.asdict(result.config), "environment": result.environment,
-        "command": command,
-    })
-    if plots:
-        if result.rows:
-            written["errors"] = plot_errors(result, out / FILES["errors"])
-        if result.analysis:
-            written["spectra"] = plot_spectra(result, out / FILES["spectra"])
-            written["leverage"] = plot_leverage(result, out / FILES["leverage"])
+    with replacing_together(out) as stage:  # all of this run's files, or none of them
+        # Compact, 6 significant digits: the spectra and samples are long arrays.
+        write_json(stage / FILES["json"], _rounded(data), indent=None)
+        write_csv(stage / FILES["csv"], result.rows, metadata={
+            "config": dataclasses.asdict(result.config), "environment": result.environment,
+            "command": command,
+        })
+        made += ["json", "csv"]
+        if plots:
+            if result.rows:
+                plot_errors(result, stage / FILES["errors"])
+                made.append("errors")
+            if result.analysis:
+                plot_spectra(result, stage / FILES["spectra"])
+                plot_leverage(result, stage / FILES["leverage"])
+                made += ["spectra", "leverage"]
+        atomic_write_text(stage / FILES["report"], markdown_report(result, command, plots))
+        made.append("report")
     remove_stale(*(out / FILES[kind] for kind in ("errors", "spectra", "leverage")
-                   if kind not in written))
-    written["report"] = atomic_write_text(out / FILES["report"],
-                                          markdown_report(result, command, plots))
-    return written
+                   if kind not in made))
+    return {kind: out / FILES[kind] for kind in made}
