@@ -98,6 +98,28 @@ def test_hf_eval_without_a_plot_removes_the_plot_an_earlier_run_left(tmp_path, m
     assert (tmp_path / "hf_eval.json").exists() and not (tmp_path / "hf_eval.png").exists()
 
 
+def test_hf_eval_without_matplotlib_says_so_before_evaluating(tmp_path, monkeypatch, capsys):
+    """Its files are replaced together after the plot: a missing matplotlib must stop the
+    command before the evaluation, not lose the evaluation's files at the end."""
+    import builtins
+
+    import skyformer.eval.hf.run as hf_run
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    evaluated = []
+    monkeypatch.setattr(hf_run, "evaluate", lambda config, progress=None: evaluated.append(1))
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    assert main(["hf-eval", "--methods", "softmax", "--quiet", "--out", str(tmp_path)]) == 2
+    assert "pip install 'skyformer[plot]'" in capsys.readouterr().err
+    assert evaluated == [] and list(tmp_path.iterdir()) == []
+
+
 def test_an_interrupted_approx_write_keeps_the_earlier_run_whole(tmp_path, monkeypatch):
     """approx writes JSON, CSV, plots and a report: interrupted while a plot is drawn it
     leaves the earlier run's files, none replaced, and no staging folder; completed it

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 
@@ -100,9 +101,11 @@ def test_files_and_table(tiny, tmp_path):
         "| method | N=64 | N=128 |" in wide and wide.count("| skyformer |") == 3
     )  # time, error, SOL
     assert "faster than softmax" in wide or "slower than softmax" in wide
-    row = next(r for r in tiny.rows if r["method"] == "skyformer" and r["speedup"])
-    row["speedup"] = 0.0417  # far slower than the reference: not printed as 0.0x
-    assert "(0.0417x)" in format_wide(tiny)
+    copy = dataclasses.replace(tiny, rows=[dict(r) for r in tiny.rows])  # tiny is shared
+    row = next(r for r in copy.rows if r["method"] == "skyformer" and r["speedup"])
+    for speedup, shown in ((0.0417, "(0.0417x)"), (12.51, "(12.5x)"), (1234.5, "(1234x)")):
+        row["speedup"] = speedup  # far slower: not 0.0x; far faster: not 1.23e+03x
+        assert shown in format_wide(copy)
 
 
 def test_memory_and_skips(capsys):
@@ -128,6 +131,14 @@ def test_command_line(tmp_path, capsys):
     assert main(["bench", "--methods", "nope", "--no-memory"]) == 2
     assert "unknown attention method 'nope'" in capsys.readouterr().err
     assert main(["bench", "--min-n", "64", "--max-n", "32", "--no-memory"]) == 2
+    capsys.readouterr()
+    # a method never timed: its rows say why, and no crossover is claimed for it
+    assert main(["bench", "--methods", "linear", "tests.eval.failing_method:attention@softmax",
+                 "--seq-lens", "16", "32", "--shapes", "1,1,4", "--repeats", "1", "--warmup",
+                 "0", "--no-memory", "--out", str(tmp_path / "failing"), "--no-plot"]) == 0
+    printed = capsys.readouterr().out
+    assert "this method always fails" in printed
+    assert not any(line.startswith("attention:") for line in printed.splitlines())
 
 
 def test_an_interrupted_run_keeps_its_lengths_and_resume_measures_only_the_rest(
@@ -255,7 +266,8 @@ def test_crossover_and_summary_arithmetic():
     ]
     summary = {s["method"]: s for s in summarise(rows, "softmax", True)}
     assert summary["softmax"]["crossover"] is None
-    lone = [{**rows[0], "method": "never_timed", "status": "skipped", "fwd_bwd_ms": None}]
+    lone = [{**rows[0], "method": "never_timed", "status": "skipped", "fwd_bwd_ms": None,
+             "reason": "failed"}]
     assert summarise(rows[:4] + lone, "softmax", True)[-1]["crossover"] is None
     assert summary["lin"]["exponent"] == pytest.approx(1.0)
     assert summary["softmax"]["exponent"] == pytest.approx(2.0)
@@ -426,3 +438,7 @@ def test_a_variant_that_sets_the_swept_num_features_is_refused():
         CompareConfig(methods=("nope",))
     with pytest.raises(ValueError, match="methods lists linear more than once; give each"):
         CompareConfig(methods=("linear", "linear"))
+    with pytest.raises(ValueError, match="seq_lens lists 16 more than once"):
+        BenchConfig(seq_lens=(16, 16))
+    with pytest.raises(ValueError, match=r"shapes lists \(1, 1, 4\) more than once"):
+        BenchConfig(seq_lens=(16,), shapes=((1, 1, 4), (1, 1, 4)))

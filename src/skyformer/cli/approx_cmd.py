@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layer", type=int, default=None, help=f"model layer (default {d.layer})")
     parser.add_argument("--heads", nargs="+", default=None, metavar="H",
                         help="head indices, or 'all' (default: 0 3 6 9); for glove/gaussian "
-                        "one independent slice per index given (default: 12)")
+                        "one independent slice per index given (4 by default, 12 for 'all')")
     parser.add_argument("--model", default=None, metavar="DIR",
                         help="local BERT-type Hugging Face model folder (default: MiniLM-L6)")
     parser.add_argument("--text", default=None, metavar="FILE",

@@ -64,6 +64,10 @@ def run(args: argparse.Namespace) -> int:
     )
 
     check_output_path(args.out, folder=True)
+    if not args.no_plot:  # fail before the evaluation, not in its files' writing
+        from ..eval.approx.plots import require_matplotlib
+
+        require_matplotlib()
 
     config = HFEvalConfig(
         methods=tuple(args.methods) if args.methods else None, features=tuple(args.features),

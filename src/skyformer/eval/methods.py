@@ -133,4 +133,3 @@ def refuse_repeats(name: str, values: Any) -> None:
     twice = sorted({str(x) for x in values if values.count(x) > 1})
     if twice:
         raise ValueError(f"{name} lists {', '.join(twice)} more than once; give each once.")
-

@@ -23,6 +23,12 @@ COLUMNS = [
 ]
 
 
+def _times(ratio: float) -> str:
+    """A speed-up: three significant digits below 100 (0.0417x, not 0.0x; 12.5x), whole
+    numbers above (1235x, not 1.23e+03x)."""
+    return f"{ratio:.0f}x" if ratio >= 100 else f"{ratio:.3g}x"
+
+
 def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
     value = row.get(key)
     if value is None:
@@ -75,7 +81,7 @@ def _notes(result: BenchResult, g: tuple, rows: list[dict[str, Any]]) -> list[st
         if not s:
             continue
         parts = []
-        if method != ref:
+        if method != ref and s["crossover"] is not None:  # None: never timed beside it
             if s["crossover"] == "never":
                 parts.append(f"slower than {ref} at every N measured")
             elif s["crossover"] == "at most":
@@ -120,9 +126,9 @@ WIDE = [  # (title, value key, ratio key or None, format)
         "{time}",
         "speedup",
         "{:.1f}",
-        "{:.3g}x",  # 12.5x, and 0.0417x (not 0.0x) for one far slower than the reference
+        _times,
     ),
-    ("Peak memory MiB (x {ref}'s)", "peak_mib", "memory_ratio", "{:.1f}", "{:.2f}x"),
+    ("Peak memory MiB (x {ref}'s)", "peak_mib", "memory_ratio", "{:.1f}", "{:.2f}x".format),
     ("Relative spectral error against the exact target", "rel_error", None, "{:.2e}", ""),
     (
         "Speed of light: matmul FLOPs at the measured matmul rate / measured time",
@@ -167,7 +173,7 @@ def format_wide(result: BenchResult) -> str:
                         if key == "rel_error" and worse_than_trivial(r):
                             cell += " !"
                         if ratio and m != cfg.reference and r.get(ratio) is not None:
-                            cell += f" ({ratio_fmt.format(r[ratio])})"
+                            cell += f" ({ratio_fmt(r[ratio])})"
                         cells.append(cell)
                 lines.append(f"| {m} | " + " | ".join(cells) + " |")
         skipped = [

@@ -43,7 +43,7 @@ from ..measure.flops import attention_flops, matmul_flops_per_second
 from ..measure.memory import MemoryJob, above_resolution, peak_memory_bytes
 from ..measure.metrics import relative_error, trivial_error
 from ..measure.timing import CLOCKS, interleaved_median_seconds
-from ..methods import NamedAttention, PreparedCall, resolve
+from ..methods import NamedAttention, PreparedCall, refuse_repeats, resolve
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 History = dict[str, list[tuple[int, float]]]  # label -> (N, seconds or bytes) measured so far
@@ -97,6 +97,8 @@ class BenchConfig:
                 raise ValueError(f"a shape is (B, H, D) with positive integers, got {shape!r}.")
         if not self.shapes:
             raise ValueError("give at least one (B, H, D) shape.")
+        for name in ("seq_lens", "shapes", "dtypes", "methods"):
+            refuse_repeats(name, getattr(self, name))
         for dtype in self.dtypes:
             if dtype not in DTYPES:
                 raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
@@ -558,7 +560,7 @@ def summarise(rows: list[dict[str, Any]], reference: str, backward: bool) -> lis
                     r["speedup"] = base[key] / r[key]
                     peaks = [None if x["peak_mib"] is None else x["peak_mib"] * 2**20
                              for x in (r, base)]
-                    if all(above_resolution(peak, g[0]) for peak in peaks):  # not noise over noise
+                    if peaks[1] and all(above_resolution(peak, g[0]) for peak in peaks):
                         r["memory_ratio"] = r["peak_mib"] / base["peak_mib"]
             for (n0, r0), (n1, r1) in itertools.pairwise(ok):
                 if n1 == 2 * n0:
