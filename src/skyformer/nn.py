@@ -249,4 +249,3 @@ class _GroupHandle:
         raise TypeError("MultiHeadAttention: a layer with a process_group holds the group's "
                         "live connections and cannot be pickled; save model.state_dict() "
                         "instead and build the layer with its group where it is loaded.")
-

@@ -93,13 +93,12 @@ def augmented_inputs(
     float64 inputs); the results are ``[..., W]`` in ``fused_dtype(q.dtype)``, with
     Nk + 1 keys (and Nq + 1 queries for ``causal``). Each is built by its own function,
     so that its intermediate copies are freed before the next is built. ``shift``
-    ``[B, H, 1, D]`` (or None) is subtracted from q and k in those copies
-    (``ops/shared/centring.py``): C is unchanged, its exponent better conditioned.
+    ``[B, H, 1, D]`` (or None), detached (``ops/shared/centring.keys_mean``), is
+    subtracted from q and k in those copies: C is unchanged, its exponent better
+    conditioned.
     """
     width = augmented_width(q.shape[-1], v.shape[-1])
     valid = None if key_valid is None else key_valid[:, None, :, None]  # [B, 1, Nk, 1]
-    if shift is not None:
-        shift = shift.detach()
     return (_queries(q, width, causal, shift), _keys(k, valid, scale, width, causal, shift),
             _values(v, valid, width, causal))
 
