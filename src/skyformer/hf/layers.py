@@ -28,6 +28,7 @@ from ..registry import (
     list_methods,
 )
 from ..registry.variants import is_variant
+from ..seeds import check_seed
 
 EXACT = "exact"  # run transformers' own SDPA attention in this layer
 STATE_NAME = "skyformer_state"  # submodule holding a method's per-layer parameters
@@ -275,8 +276,8 @@ def build_layer(
     (``None`` for methods without one). ``causal``: the model gives this module causal
     masks although its ``is_causal`` flag says no (``causal_scopes``). Changes nothing:
     see ``install_layer``."""
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ValueError(f"seed must be an integer or None, got {seed!r}.")
+    if seed is not None:
+        check_seed("seed", seed)
     if method == EXACT:
         if options:
             raise ValueError(f"exact attention takes no options, got {', '.join(options)}.")

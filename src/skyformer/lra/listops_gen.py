@@ -19,6 +19,7 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..seeds import check_seed
 from .generated import generated_folder
 from .readers.listops import FILES, GENERATOR_RECORD
 from .vocab import LISTOPS_CLOSE, LISTOPS_OPERATORS
@@ -160,6 +161,7 @@ def write_listops(out: str | os.PathLike[str], *, train: int = 96_000, dev: int 
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             raise ValueError(f"the number of {name} examples must be a positive integer, "
                              f"got {n!r}.")
+    check_seed("seed", seed)
     folder = Path(out)
     # Files are written plainly in tmp: renaming tmp to ``folder`` is the one atomic step.
     with generated_folder(folder, "listops", [*FILES.values(), GENERATOR_RECORD],

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..seeds import check_seed
 from .generated import generated_folder
 from .readers.pathfinder import SYNTHETIC_MARKER
 
@@ -186,6 +187,7 @@ def write_pathfinder(out: str | os.PathLike[str], count: int, *,
     rules = rules or PathfinderRules()
     if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
         raise ValueError(f"count must be a positive integer, got {count!r}.")
+    check_seed("seed", seed)
     folder = Path(out)
     # Files are written plainly in tmp: renaming tmp to ``folder`` is the one atomic step.
     with generated_folder(folder, "pathfinder", ["imgs", "metadata", SYNTHETIC_MARKER],

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..registry import get_method
+from ..seeds import check_seed
 from .tasks import get_task
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -72,10 +73,9 @@ class TrainConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value <= 0):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}.")
-        for name in ("seed", "warmup"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}.")
+        check_seed("seed", self.seed)
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"warmup must be an integer >= 0, got {self.warmup!r}.")
         if self.dim % self.heads:
             raise ValueError(f"dim ({self.dim}) must be divisible by heads ({self.heads}).")
         if not 0.0 <= self.dropout < 1.0:

@@ -39,6 +39,7 @@ from ...linalg import gaussian_scores, softmax_scores, top_singular_subspace
 from ...logs import get_logger
 from ...registry import Method, exact_method, get_method, list_methods
 from ...registry.variants import refuse_swept_option
+from ...seeds import check_seed
 from ..data.sources import SOURCES, SourceData, SourceLoader, SourceOptions, check_source
 from ..measure.metrics import constant_row_error, rank_m_floor, relative_error
 from ..methods import refuse_repeats
@@ -111,6 +112,9 @@ class ApproxConfig:
             bad = [x for x in getattr(self, name) if not isinstance(x, int) or x < 1]
             if bad:
                 raise ValueError(f"{name} must be positive integers, got {bad}.")
+        for seed in self.seeds:
+            check_seed("seeds", seed)
+        check_seed("data_seed", self.data_seed)
         if any(n < 3 for n in self.seq_lens) or self.analysis_seq_len < 3:
             raise ValueError("sequence lengths must be at least 3.")
         if self.heads is not None and (not self.heads or any(h < 0 for h in self.heads)):

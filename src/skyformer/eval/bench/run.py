@@ -39,6 +39,7 @@ from ...linalg.implicit_inverse import factorises
 from ...ops.shared.inputs import compute_dtype
 from ...registry import exact_method, get_method, list_methods
 from ...registry.variants import refuse_swept_option
+from ...seeds import check_seed
 from ..measure.flops import attention_flops, matmul_flops_per_second
 from ..measure.memory import MemoryJob, above_resolution, peak_memory_bytes
 from ..measure.metrics import relative_error, trivial_error
@@ -108,6 +109,7 @@ class BenchConfig:
             )
         if self.num_features is not None and self.num_features < 1:
             raise ValueError(f"num_features must be a positive integer, got {self.num_features}.")
+        check_seed("seed", self.seed)
         if self.num_features is not None:
             for m in self.methods or ():
                 if ":" not in m:  # a registered name (functions take no presets)

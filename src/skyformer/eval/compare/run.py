@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from ...io import environment
 from ...registry import exact_method, get_method, list_methods
 from ...registry.variants import refuse_swept_option
+from ...seeds import check_seed
 from ..data.qkv import QKV, load_qkv
 from ..data.text import read_text
 from ..measure.memory import MemoryJob, peak_memory_bytes
@@ -44,6 +45,7 @@ class CompareConfig:
     memory: bool = True
 
     def __post_init__(self) -> None:
+        check_seed("seed", self.seed)
         refuse_repeats("methods", self.methods)
         for m in self.methods or ():  # unknown names fail before any work
             method = get_method(m)

@@ -23,6 +23,7 @@ import torch
 
 from ...hf import set_attention
 from ...registry import get_method
+from ...seeds import check_seed
 from ..data.qkv import load_model
 from ..data.text import read_text
 from .run import Inputs, build_inputs, embed, embed_all, pad_batch, quality
@@ -49,6 +50,7 @@ class FinetuneConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        check_seed("seed", self.seed)
         if not isinstance(self.holdout, int) or self.holdout < 2:
             raise ValueError(f"holdout must be an integer >= 2, got {self.holdout!r}.")
         if not self.lr > 0:

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from ...io import environment
 from ...registry import CapabilityError, get_method, list_methods
 from ...registry.variants import refuse_swept_option
+from ...seeds import check_seed
 from ..data.qkv import load_model, max_positions
 from ..data.text import read_text, sentences
 from ..measure.memory import CallJob, peak_memory_bytes
@@ -85,6 +86,7 @@ class HFEvalConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        check_seed("seed", self.seed)
         if self.seq_len < 8:
             raise ValueError(f"seq_len must be at least 8, got {self.seq_len}.")
         if self.max_texts < 2:  # retrieval ranks a text among the others

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from ...seeds import check_seed
 from ..cache import SplitSource
 from .common import locate
 
@@ -90,6 +91,7 @@ def read_pathfinder(src: str | Path, *, difficulty: str = "curv_contour_length_1
     ``src`` is the difficulty folder itself (holding ``metadata/``), or the resolution
     folder (e.g. ``pathfinder32``) holding ``<difficulty>/metadata``.
     """
+    check_seed("split_seed", split_seed)
     folder = locate(src, "metadata", subfolders=(difficulty,))
     samples, empty = _metadata(folder)
     side = int(np.sqrt(load_grey(samples[0][0]).size))

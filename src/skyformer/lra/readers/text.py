@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ...seeds import check_seed
 from ..cache import SplitSource
 from ..vocab import encode_bytes
 from .common import empty_document, locate
@@ -48,6 +49,7 @@ def read_text(src: str | Path, *, dev_fraction: float = 0.1, split_seed: int = 0
     """Split sources and metadata of IMDb under ``src`` (the ``aclImdb`` folder or its parent)."""
     if not 0.0 <= dev_fraction < 1.0:
         raise ValueError(f"dev_fraction must be in [0, 1), got {dev_fraction}.")
+    check_seed("split_seed", split_seed)
     root = locate(src, "train", subfolders=("aclImdb",))
     if not (root / "test").is_dir():
         raise FileNotFoundError(f"missing folder {root / 'test'} (IMDb test reviews).")
