@@ -84,7 +84,7 @@ def test_config_errors():
         HFEvalConfig(settings=("medium",)).validate()
     with pytest.raises(ValueError, match="repeats must be a positive integer"):
         HFEvalConfig(repeats=0).validate()
-    with pytest.raises(ValueError, match=r"device must be e.g. 'cpu'"):
+    with pytest.raises(ValueError, match=r"device must be cpu, cuda or cuda:K, got 'tpu-ish'"):
         HFEvalConfig(device="tpu-ish").validate()
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available here"):

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..devices import parse_device
 from ..distributed import destroy_process_group
 
 
@@ -42,16 +43,9 @@ def pick_device(request: str, local_rank: int) -> torch.device:
         if torch.cuda.is_available():
             return torch.device(f"cuda:{local_rank}")
         return torch.device("cpu")
-    try:
-        device = torch.device(request)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device must be auto, cpu, cuda or cuda:K, got {request!r}.") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError(f"device {request!r} was asked for but CUDA is not available; "
-                               "use --device cpu.")
-        if device.index is None:
-            device = torch.device(f"cuda:{local_rank}")
+    device = parse_device(request, also="auto")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device(f"cuda:{local_rank}")
     return device
 
 

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ...devices import parse_device
 from ...io import environment, json_ready
 from ...linalg.implicit_inverse import factorises
 from ...ops.shared.inputs import compute_dtype
@@ -120,18 +121,9 @@ class BenchConfig:
             raise ValueError(f"max_seconds must be positive, got {self.max_seconds}.")
         if self.clock not in CLOCKS:
             raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}.")
-        try:
-            device = torch.device(self.device)
-        except (RuntimeError, TypeError):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}.") from None
+        device = parse_device(self.device)
         if self.clock == "cpu" and device.type == "cuda":
             raise ValueError("clock 'cpu' times host CPU work only; on CUDA use the wall clock.")
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}.")
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(
-                "device 'cuda' was asked for but CUDA is not available here; use --device cpu."
-            )
 
     def method_names(self) -> list[str]:
         names = list(self.methods) if self.methods else [

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ...devices import parse_device
 from ...io import environment
 from ...registry import CapabilityError, get_method, list_methods
 from ...registry.variants import refuse_swept_option
@@ -107,23 +108,12 @@ class HFEvalConfig:
             method = get_method(m)  # unknown names fail before any work
             refuse_swept_option(method.name, method.preset, "num_features",
                                 "hf-eval (--features)")
-        device = check_device(self.device)
+        device = parse_device(self.device)
         if self.clock not in CLOCKS:
             raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}.")
         if self.clock == "cpu" and device.type != "cpu":
             raise ValueError("clock='cpu' (process CPU time) measures CPU work only; use "
                              "clock='wall' on a GPU.")
-
-
-def check_device(device: str) -> torch.device:
-    """``torch.device(device)``, failing with a sentence if it is not usable here."""
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device must be e.g. 'cpu' or 'cuda:0', got {device!r}.") from None
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} was asked for, but CUDA is not available here.")
-    return resolved
 
 
 def check_seq_len(model: nn.Module, seq_len: int) -> None:
@@ -318,7 +308,7 @@ def evaluate(config: HFEvalConfig = HFEvalConfig(),
     config.validate()
     text = read_text(config.text)
     model, tokenizer, name = load_model(config.model)
-    device = check_device(config.device)
+    device = parse_device(config.device)
     model.to(device)
     layers = list(config.layers) if config.layers is not None else None
     check_layers(model, layers)  # before any work, not as a row per configuration
