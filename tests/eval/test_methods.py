@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from skyformer import attention
+from skyformer.eval.bench.run import BenchConfig, run_bench
 from skyformer.eval.measure.memory import MemoryJob, peak_memory_bytes
 from skyformer.eval.methods import resolve
 from skyformer.ops.linformer import linformer_attention
@@ -40,3 +41,22 @@ def test_usable_as_a_memory_job():
                     backward=True, as_layer=True)
     # the [2, 1024, 32] float32 attention matrix alone is 256 KiB
     assert peak_memory_bytes(job) > 2**18
+
+
+def test_recorded_options_are_those_a_call_on_the_sequence_runs_with():
+    """A budget above the sequence is capped in the call (``registry.autocast.capped``);
+    result files record the capped value."""
+    nystromformer = resolve("nystromformer")
+    assert nystromformer.resolved_options({"num_features": 128}, 20)["num_features"] == 20
+    assert nystromformer.resolved_options({"num_features": 8}, 20)["num_features"] == 8
+    q, k, v = make_qkv(1, 2, 20, 8)
+    torch.testing.assert_close(attention(q, k, v, "nystromformer", num_features=128),
+                               attention(q, k, v, "nystromformer", num_features=20),
+                               rtol=0, atol=0)
+
+
+def test_bench_rows_record_the_capped_budget():
+    config = BenchConfig(methods=("nystromformer",), seq_lens=(16,), shapes=((1, 1, 8),),
+                         num_features=64, repeats=1, warmup=0, memory=False)
+    rows = {r["method"]: r for r in run_bench(config).rows}
+    assert rows["nystromformer"]["num_features"] == 16

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ..registry import get_method
+from ..registry.autocast import capped_for
 from ..registry.capabilities import TARGETS
 
 STATE_SEED = 0  # initialisation seed of the per-layer state of layer-like calls
@@ -58,11 +59,13 @@ class NamedAttention:
         return {}
 
     def resolved_options(self, options: dict[str, Any], seq_len: int) -> dict[str, Any]:
-        """Every option of a registered method with the defaults and the layer rules
-        filled in (what a result file records); a plain function's options as given."""
+        """Every option of a registered method with the defaults, the layer rules and the
+        sequence's caps on token budgets filled in (what a call on ``seq_len`` tokens runs
+        with, and what a result file records); a plain function's options as given."""
         if not self.registered:
             return dict(options)
-        return get_method(self.name).bind(seq_len=seq_len, **options).options()
+        bound = get_method(self.name).bind(seq_len=seq_len, **options)
+        return bound.method.options_of(capped_for(bound.config, seq_len, seq_len))
 
     def prepare(
         self, shape: tuple[int, int, int, int], options: dict[str, Any], *,

@@ -75,8 +75,14 @@ def capped(config: Any, q: Any, k: Any) -> Any:
     nk)`` returns the options to change (e.g. no more landmarks than tokens), so that a
     budget far above the sequence costs what the sequence allows, not gigabytes. A
     config without ``budget_caps``, or within its caps, is returned unchanged."""
-    caps = getattr(config, "budget_caps", None)
-    if caps is None or not isinstance(q, Tensor) or not isinstance(k, Tensor) or q.dim() < 2:
+    if not isinstance(q, Tensor) or not isinstance(k, Tensor) or q.dim() < 2:
         return config
-    over = caps(q.shape[-2], k.shape[-2])
+    return capped_for(config, q.shape[-2], k.shape[-2])
+
+
+def capped_for(config: Any, nq: int, nk: int) -> Any:
+    """``capped`` for ``nq`` queries and ``nk`` keys: the options a call on that sequence
+    runs with (what result files record)."""
+    caps = getattr(config, "budget_caps", None)
+    over = None if caps is None else caps(nq, nk)
     return dataclasses.replace(config, **over) if over else config

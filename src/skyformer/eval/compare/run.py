@@ -123,9 +123,8 @@ def compare_on(qkv: QKV, config: CompareConfig) -> list[dict[str, Any]]:
                     "method": name,
                     "target": target,
                     "exact": spec.capabilities.exact,
-                    "num_features": options.get(
-                        "num_features", spec.defaults().get("num_features")
-                    ),
+                    "num_features": named.resolved_options(
+                        options, q.shape[-2]).get("num_features"),
                     "spectral_error": spectral.mean().item(),
                     "spectral_error_std": spectral.std().item() if spectral.numel() > 1 else 0.0,
                     "trivial_error": trivial[target],
