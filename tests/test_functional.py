@@ -368,3 +368,77 @@ def test_a_float_mask_under_a_transform_is_refused_not_read_as_padding():
     want = torch.stack([sdpa(q[i], k[i], v[i], padding[i], method="skyformer", generator=key)
                         for i in range(2)])
     torch.testing.assert_close(per_sample(q, k, v, padding), want, atol=ATOL, rtol=0)
+
+
+def test_varlen_refuses_padding_masks_rather_than_leaving_them_out():
+    q, k, v = make_qkv(1, 2, 8, 4)
+    cu = torch.tensor([0, 3, 8])
+    hide = torch.ones(1, 8, dtype=torch.bool)
+    hide[0, 1] = False
+    for name in ("key_padding_mask", "query_padding_mask"):
+        with pytest.raises(ValueError, match=f"with cu_seqlens, pass no {name}"):
+            sdpa(q, k, v, cu_seqlens=cu, **{name: hide})
+    with pytest.raises(ValueError, match="pass no query_padding_mask"):
+        sdpa(q, k, v, cu_seqlens=cu, query_padding_mask=None)
+    sdpa(q, k, v, cu_seqlens=cu, query_padding_mask="auto")  # the default is no mask
+
+
+@pytest.mark.parametrize("given", [{"cu_seqlens_k": torch.tensor([0, 3, 8])},
+                                   {"max_seqlen": 5}, {"max_seqlen_k": 5}])
+def test_packed_arguments_without_cu_seqlens_are_refused(given):
+    q, k, v = make_qkv(1, 2, 8, 4)
+    name = next(iter(given))
+    with pytest.raises(ValueError, match=f"{name} belongs to packed sequences and need "
+                                         "cu_seqlens"):
+        sdpa(q, k, v, **given)
+
+
+def test_varlen_errors_name_the_argument_at_fault():
+    q, k, v = make_qkv(1, 2, 8, 4)
+    cu = torch.tensor([0, 3, 8])
+    with pytest.raises(ValueError, match=r"cu_seqlens_k must rise from 0 to the packed "
+                                         r"length 8, got \[0, 2, 6\]"):
+        sdpa(q, k, v, cu_seqlens=cu, cu_seqlens_k=torch.tensor([0, 2, 6]))
+    with pytest.raises(ValueError, match="same packed tokens, got T = 8 keys and 7 values"):
+        sdpa(q, k, v[:, :, :7], cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("method", ["softmax", "kernelized", "skyformer"])
+def test_the_call_scale_wins_over_a_scale_in_the_name_also_at_the_default(method):
+    q, k, v = make_qkv(1, 2, 12, 4)
+    key = random_key(0)
+    for scale in (0.5, 0.7):  # 0.5 = 1/sqrt(E)
+        torch.testing.assert_close(
+            sdpa(q, k, v, scale=scale, method=f"{method}[scale=0.3]", generator=key),
+            skyformer.attention(q, k, v, method, scale=scale, generator=key))
+
+
+def test_nested_tensors_are_refused_with_the_packed_form():
+    rows = [torch.randn(2, n, 4) for n in (3, 5)]
+    nested = torch.nested.nested_tensor([r.transpose(0, 1) for r in rows],
+                                        layout=torch.jagged).transpose(1, 2)  # [B, H, j, E]
+    for method in ("softmax", "kernelized"):
+        with pytest.raises(ValueError, match=r"nested tensors are not taken; pack the "
+                                             r"sequences .* cu_seqlens"):
+            sdpa(nested, nested, nested, method=method)
+
+
+@pytest.mark.parametrize("mask", [[[True] * 12] * 12, 1.0])
+def test_an_attn_mask_that_is_no_tensor_is_named_by_type(mask):
+    q, k, v = make_qkv(1, 2, 12, 8)
+    with pytest.raises(TypeError, match=f"attn_mask must be a torch.Tensor .* got "
+                                        f"{type(mask).__name__}"):
+        sdpa(q, k, v, mask)
+
+
+def test_a_float_key_padding_mask_gets_the_conversion_of_its_convention():
+    q, k, v = make_qkv(1, 2, 6, 4)
+    additive = torch.zeros(1, 6)
+    additive[0, 4:] = float("-inf")  # torch.nn.MultiheadAttention's: -inf = padding
+    with pytest.raises(TypeError, match=r"additive float mask .* converts with mask == 0"):
+        sdpa(q, k, v, method="skyformer", key_padding_mask=additive)
+    want = sdpa(q, k, v, method="softmax", key_padding_mask=additive == 0)
+    torch.testing.assert_close(want[:, :, :4], F.scaled_dot_product_attention(
+        q[:, :, :4], k[:, :, :4], v[:, :, :4]))
+    with pytest.raises(TypeError, match=r"converts with mask == 1\.$"):  # 0/1, integers
+        sdpa(q, k, v, key_padding_mask=torch.ones(1, 6, dtype=torch.long))

@@ -36,7 +36,8 @@ where it cannot:
   packed batches transformers builds; they are unpacked here into a padded batch with
   a key padding mask (``max_seqlen`` spares reading the lengths on the host under
   ``torch.compile``; eager calls read them to check them, and that no sequence is
-  longer than ``max_seqlen``).
+  longer than ``max_seqlen``). The lengths say which tokens are real: a padding mask
+  beside them, or ``cu_seqlens_k`` / ``max_seqlen`` without ``cu_seqlens``, is refused.
 
 Beyond SDPA: ``key_padding_mask`` ``[B, S]`` (True = real token) and
 ``query_padding_mask`` (see ``skyformer.attention``), ``generator`` (a torch.Generator
@@ -74,6 +75,11 @@ def scaled_dot_product_attention(
     ``value: [B, Hkv, S, Ev]`` by ``method``; returns ``[B, H, L, Ev]`` (module doc)."""
     spec = get_method(method)
     check_probability(spec.name, "dropout_p", dropout_p)
+    _refuse_nested(spec.name, query, key, value)
+    if attn_mask is not None and not isinstance(attn_mask, Tensor):
+        raise TypeError(f"{spec.name}: attn_mask must be a torch.Tensor (bool, True = attend, "
+                        f"or float, added to the scores) or None, got "
+                        f"{type(attn_mask).__name__}.")
     if isinstance(query, Tensor) and query.dim() == 3:  # unbatched [H, L, E]
         return scaled_dot_product_attention(
             query[None], _batched(key), _batched(value), attn_mask,
@@ -83,9 +89,18 @@ def scaled_dot_product_attention(
             cu_seqlens_k=cu_seqlens_k, max_seqlen=max_seqlen, max_seqlen_k=max_seqlen_k,
             generator=generator, **options)[0]
     if cu_seqlens is not None:
+        _refuse_padding_masks(spec.name, key_padding_mask, query_padding_mask)
         return _varlen(spec, query, key, value, attn_mask, dropout_p, is_causal, scale,
                        enable_gqa, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k,
                        generator, options)
+    packed = " and ".join(name for name, given in (
+        ("cu_seqlens_k", cu_seqlens_k), ("max_seqlen", max_seqlen), ("max_seqlen_k", max_seqlen_k)
+    ) if given is not None)
+    if packed:
+        verb = "belong" if " and " in packed else "belongs"
+        raise ValueError(f"{spec.name}: {packed} {verb} to packed sequences and need "
+                         f"cu_seqlens, the queries' cumulative lengths; pass cu_seqlens too, "
+                         f"or leave {packed} out.")
     _check_layout(spec.name, query, key, value)
     key, value = _grouped(spec.name, query, key, value, enable_gqa)
     options = _sdpa_options(spec, options, is_causal, scale, query.shape[-1])
@@ -117,6 +132,28 @@ def _batched(t: Any, dims: int = 3) -> Any:
     """An unbatched call's tensor of ``dims`` dimensions with a batch of one in front
     (anything else as it is, for the checks of the batched call to name)."""
     return t[None] if isinstance(t, Tensor) and t.dim() == dims else t
+
+
+def _refuse_nested(method: str, *tensors: Any) -> None:
+    """Nested (jagged) tensors are not taken: packed sequences come with ``cu_seqlens``."""
+    if any(isinstance(t, Tensor) and t.is_nested for t in tensors):
+        raise ValueError(
+            f"{method}: nested tensors are not taken; pack the sequences one after the other "
+            f"([1, H, T, E]) and pass their cumulative lengths as cu_seqlens [B + 1] (e.g. "
+            f"from a jagged tensor nt [B, j, E]: nt.values() and nt.offsets()).")
+
+
+def _refuse_padding_masks(method: str, key_padding_mask: Any, query_padding_mask: Any) -> None:
+    """With ``cu_seqlens`` the lengths say which tokens are real: a padding mask besides
+    them is refused, not left out in silence."""
+    given = [name for name, m, default in (("key_padding_mask", key_padding_mask, None),
+                                          ("query_padding_mask", query_padding_mask, "auto"))
+             if not (m is default or (isinstance(m, str) and m == default))]
+    if given:
+        raise ValueError(
+            f"{method}: with cu_seqlens, pass no {' or '.join(given)}: the cumulative lengths "
+            f"say which tokens are real; leave padding out of the packed sequences (or pad a "
+            f"batch [B, H, L, E] and pass the masks without cu_seqlens).")
 
 
 def _check_layout(method: str, query: Any, key: Any, value: Any) -> None:
@@ -154,13 +191,13 @@ def _sdpa_options(spec: Method, options: dict[str, Any], is_causal: bool,
     if is_causal:
         check_capabilities(spec.name, causal=True)
         options["causal"] = True
-    if scale is not None and not math.isclose(scale, head_dim**-0.5, rel_tol=1e-6):
-        if "scale" not in spec.option_names():
-            raise CapabilityError(
-                f"{spec.name} cannot use scale={scale:g} (it has no scale option and "
-                f"computes with 1/sqrt(E) = {head_dim**-0.5:.6g}); the other methods can."
-            )
-        options["scale"] = scale
+    if scale is not None and "scale" in spec.option_names():
+        options["scale"] = scale  # the call's, over a scale in the method's name
+    elif scale is not None and not math.isclose(scale, head_dim**-0.5, rel_tol=1e-6):
+        raise CapabilityError(
+            f"{spec.name} cannot use scale={scale:g} (it has no scale option and "
+            f"computes with 1/sqrt(E) = {head_dim**-0.5:.6g}); the other methods can."
+        )
     return options
 
 
@@ -241,8 +278,11 @@ def _varlen(spec: Method, query: Tensor, key: Tensor, value: Tensor, attn_mask: 
             f"{spec.name}: cu_seqlens_k must have one entry per entry of cu_seqlens (the "
             f"same sequences, keys of other lengths), got {tuple(cu_k.shape)} and "
             f"{tuple(cu_seqlens.shape)}.")
+    if key.shape[2] != value.shape[2]:
+        raise ValueError(f"{spec.name}: key and value must hold the same packed tokens, got "
+                         f"T = {key.shape[2]} keys and {value.shape[2]} values.")
     q, q_valid = unpack(query, cu_seqlens, max_seqlen, spec.name)
-    k, k_valid = (unpack(key, cu_k, max_seqlen_k, spec.name, "max_seqlen_k")
+    k, k_valid = (unpack(key, cu_k, max_seqlen_k, spec.name, "max_seqlen_k", "cu_seqlens_k")
                   if cu_seqlens_k is not None else unpack(key, cu_k, max_seqlen, spec.name))
     if is_causal and cu_seqlens_k is not None and may_read_values(cu_seqlens, cu_k):
         _check_causal_lengths(spec.name, cu_seqlens, cu_k)  # checked tensors by now

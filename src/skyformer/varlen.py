@@ -13,11 +13,12 @@ import torch
 from torch import Tensor
 
 
-def _check(cu_seqlens: object, total: int, method: str) -> Tensor:
+def _check(cu_seqlens: object, total: int, method: str, name: str = "cu_seqlens") -> Tensor:
+    """``cu_seqlens`` (argument ``name``) as int64, checked against ``total`` tokens."""
     if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
             or cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(
-            f"{method}: cu_seqlens must be an integer tensor [B + 1] of cumulative sequence "
+            f"{method}: {name} must be an integer tensor [B + 1] of cumulative sequence "
             f"lengths starting at 0, got "
             f"{tuple(cu_seqlens.shape) if isinstance(cu_seqlens, Tensor) else cu_seqlens!r}."
         )
@@ -25,7 +26,7 @@ def _check(cu_seqlens: object, total: int, method: str) -> Tensor:
             int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != total
             or bool((cu_seqlens[1:] < cu_seqlens[:-1]).any())):
         raise ValueError(
-            f"{method}: cu_seqlens must rise from 0 to the packed length {total}, got "
+            f"{method}: {name} must rise from 0 to the packed length {total}, got "
             f"{cu_seqlens.tolist()}."
         )
     return cu_seqlens.long()
@@ -39,14 +40,15 @@ def _slots(cu_seqlens: Tensor, total: int, max_len: int) -> Tensor:
 
 
 def unpack(x: Tensor, cu_seqlens: Tensor, max_len: int | None, method: str,
-           argument: str = "max_seqlen") -> tuple[Tensor, Tensor]:
+           argument: str = "max_seqlen", lengths: str = "cu_seqlens") -> tuple[Tensor, Tensor]:
     """``x: [1, H, T, E]`` -> ``([B, H, max_len, E], valid [B, max_len])``; ``max_len``
-    ``None`` reads the longest length from ``cu_seqlens`` (a host sync)."""
+    ``None`` reads the longest length from ``cu_seqlens`` (a host sync). ``argument`` and
+    ``lengths``: the names of ``max_len`` and ``cu_seqlens`` that errors give."""
     if x.shape[0] != 1:
         raise ValueError(f"{method}: a packed batch has batch size 1 ([1, H, T, E]), got "
                          f"{tuple(x.shape)}.")
     h, total, e = x.shape[1:]
-    cu = _check(cu_seqlens, total, method)
+    cu = _check(cu_seqlens, total, method, lengths)
     batch = cu.numel() - 1
     if max_len is None:
         max_len = max(1, int((cu[1:] - cu[:-1]).max()))

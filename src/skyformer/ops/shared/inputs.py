@@ -113,9 +113,13 @@ def _check_mask(method: str, name: str, m: object, b: int, n: int, n_name: str,
     if not isinstance(m, Tensor):
         raise TypeError(f"{method}: {name} must be a torch.Tensor or None.")
     if m.dtype != torch.bool:
+        additive = (" An additive float mask (0 = real token, -inf = padding, as "
+                    "torch.nn.MultiheadAttention takes) converts with mask == 0."
+                    if m.is_floating_point() else "")
         raise TypeError(
-            f"{method}: {name} must be a bool tensor (True = real token), got "
-            f"{m.dtype}; convert with mask.bool() (or mask == 1 for a 0/1 attention mask)."
+            f"{method}: {name} must be a bool tensor (True = real token), got {m.dtype}; "
+            f"a 0/1 attention mask (1 = real token, as transformers') converts with "
+            f"mask == 1.{additive}"
         )
     if tuple(m.shape) != (b, n):
         raise ValueError(
