@@ -84,6 +84,18 @@ def test_mixed_layers_and_beams():
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("method", ["performer", "linear"])
+def test_beams_past_the_first_chunk_with_deterministic_draws(method):
+    """Beyond the first 64-token chunk beams of a deterministic method equal the forward
+    without a cache (a randomized one keeps each sequence's draws: docs/causal.md)."""
+    model = _llama()
+    shf.set_attention(model, method, seed=0)
+    expected = _generate(model, None, new=50, num_beams=2)  # 30 + 50 positions
+    assert torch.equal(_generate(model, shf.DecodingCache(model), new=50, num_beams=2),
+                       expected)
+
+
+@torch.no_grad()
 def test_cache_size_stops_growing():
     model = _gpt2()
     shf.set_attention(model, "skyformer", seed=0, num_features=8, landmark_stride=2)

@@ -12,7 +12,9 @@ Each layer keeps its method's decoding state (``skyformer.decoding``): for ``lin
 generated length; the layers that run exact attention (``softmax``, ``kernelized``,
 layers left exact) keep their keys and values as transformers' ``DynamicCache`` does.
 Tokens equal those of the full causal forward over the whole sequence with the same
-random key (a layer ``seed``).
+random key (a layer ``seed``); in beam search a state keeps its sequence's landmark draws
+when the sequence changes rows, where a forward without a cache draws by row
+(docs/causal.md, "Decoding").
 
 Assisted generation (``assistant_model=...``, ``prompt_lookup_num_tokens=...``) works
 too: transformers switches on ``activate_past_recording`` and, after checking the
