@@ -277,3 +277,61 @@ def test_a_non_finite_real_input_is_never_hidden_step_by_step(method, options, w
                                equal_nan=True)
     assert torch.isnan(decoded[0, 1, 20]).all()
     assert torch.isfinite(decoded[1]).all() and torch.isfinite(decoded[0, 0, :20]).all()
+
+
+@pytest.mark.parametrize(("method", "options"), CASES, ids=lambda c: str(c))
+def test_a_step_that_changes_the_layout_is_refused_and_the_state_goes_on(method, options):
+    """Heads, head dims, dtype and device are those of the first step; a step with others
+    is refused with a sentence (linear once summed H=1 into both heads' sums), and the
+    state is as before it: the right step given next decodes as the forward."""
+    n = 30
+    q, k, v = make_qkv(2, 2, n, 8, seed=2)
+    bound = get_method(method).bind(**options)
+    key = random_key(5)
+    full = bound.replace(causal=True)(q, k, v, generator=key)
+    state = new_decoding_state(bound, generator=key)
+    outs = [state.step(q[:, :, :20], k[:, :, :20], v[:, :, :20])]
+    sl = slice(20, 21)
+    for bad in ((q[:, :1, sl], k[:, :1, sl], v[:, :1, sl]),  # one head
+                (q[:, :, sl, :4], k[:, :, sl, :4], v[:, :, sl]),  # another head dim
+                (q[:, :, sl], k[:, :, sl], v[:, :, sl, :5]),  # another value dim
+                tuple(t[:, :, sl].float() for t in (q, k, v))):  # another dtype
+        with pytest.raises(ValueError, match=r"the state holds H=2 heads of D=8, Dv=8 in "
+                                             r"torch\.float64"):
+            state.step(*bad)
+    with pytest.raises(ValueError, match="must share dtype and device"):
+        state.step(q[:, :, sl], k[:, :, sl].float(), v[:, :, sl])
+    for t in range(20, n):
+        sl = slice(t, t + 1)
+        outs.append(state.step(q[:, :, sl], k[:, :, sl], v[:, :, sl]))
+    assert state.length == n
+    torch.testing.assert_close(torch.cat(outs, 2), full, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize(("method", "options"), CASES, ids=lambda c: str(c))
+@pytest.mark.parametrize("first", [False, True], ids=["later-step", "first-step"])
+def test_a_step_that_fails_inside_leaves_the_state_as_it_was(method, options, first,
+                                                             monkeypatch):
+    """A failure at the end of a step (after the state took every position of it) undoes
+    the step: given again, it decodes as the forward, with the random key the failed
+    first step drew."""
+    n = 90  # past the first 64-position chunk
+    q, k, v = make_qkv(2, 2, n, 8, seed=3)
+    bound = get_method(method).bind(**options)
+    generator = torch.Generator().manual_seed(7)
+    full = bound.replace(causal=True)(q, k, v, generator=torch.Generator().manual_seed(7))
+    state = new_decoding_state(bound, generator=generator)
+    outs = [] if first else [state.step(q[:, :, :60], k[:, :, :60], v[:, :, :60])]
+    start = 0 if first else 60
+    sl = slice(start, n)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("out of memory (simulated)")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(state, "_show_nonfinite", fail)
+        with pytest.raises(RuntimeError, match="simulated"):
+            state.step(q[:, :, sl], k[:, :, sl], v[:, :, sl])
+    assert state.length == start
+    outs.append(state.step(q[:, :, sl], k[:, :, sl], v[:, :, sl]))
+    torch.testing.assert_close(torch.cat(outs, 2), full, rtol=1e-10, atol=1e-10)

@@ -324,3 +324,24 @@ def test_a_one_token_prompt_decodes_as_its_full_forward(method, options):
     want = model(ids).logits
     torch.testing.assert_close(model(ids, cache=shf.DecodingCache(model)).logits, want,
                                atol=1e-6, rtol=1e-6)
+
+
+@torch.no_grad()
+def test_a_step_the_attention_never_took_stops_the_cache():
+    """After restore_exact (or a model that copies the keys after cache.update, or a
+    compiled forward) no skyformer function takes the cache's keys: that step attends to
+    its own positions only. The next step is refused instead of going on wrong."""
+    model = _llama()
+    shf.set_attention(model, "linear", seed=0)
+    ids, _ = _prompt()
+    cache = shf.DecodingCache(model)
+    shf.restore_exact(model)
+    model(ids[:, :10], cache=cache)  # a first step: its own positions are all there are
+    with pytest.raises(RuntimeError, match="never reached skyformer's attention function"):
+        model(ids[:, 10:11], cache=cache)
+    with pytest.raises(RuntimeError, match="start a new cache"):  # and every step after
+        model(ids[:, 10:11], cache=cache)
+    cache.reset()
+    shf.set_attention(model, "linear", seed=0)
+    model(ids[:, :10], cache=cache)
+    model(ids[:, 10:11], cache=cache)

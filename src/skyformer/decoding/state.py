@@ -45,6 +45,7 @@ class DecodingState(ABC):
         self.key: Tensor | None = None  # the random key of every step, fixed at the first
         self.length = 0  # positions seen
         self.spoiled: Tensor | None = None  # [B, H] bool: a real key or value was non-finite
+        self.layout: tuple | None = None  # (H, D, Dv, dtype, device) of the first step
 
     def step(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None = None
              ) -> Tensor:
@@ -60,14 +61,30 @@ class DecodingState(ABC):
             (``registry/guard.py``): whatever padded positions hold changes no output,
             and the real rows that a non-finite real input reaches are NaN (its own row
             for a query, every row from its position on for a key or value).
+
+        A step that raises leaves the state as it was (steps replace the state's
+        tensors, never write into them, so the attributes before the step are kept by
+        reference), with the random key it drew: the step can be given again.
         """
         self._check(q, k, v, key_valid)
+        before = dict(vars(self))
+        try:
+            return self._step(q, k, v, key_valid)
+        except BaseException:
+            key = self.key
+            vars(self).clear()
+            vars(self).update(before, key=key)
+            raise
+
+    def _step(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None) -> Tensor:
         if key_valid is not None and bool(key_valid.all()):
             key_valid = None
         q, k, v = zero_padding(q, k, v, key_valid, "auto")  # the states keep what they see
         if self.length == 0:
-            self.key = resolve_key(self.method, self.generator, q.device)
+            if self.key is None:  # drawn once, kept by a first step that failed
+                self.key = resolve_key(self.method, self.generator, q.device)
             out = self._first(q, k, v, key_valid)
+            self.layout = _layout(q, v)
         else:
             out = self._extend(q, k, v, key_valid)
         self.length += q.shape[2]
@@ -108,10 +125,25 @@ class DecodingState(ABC):
                              f"{tuple(v.shape)}.")
         if q.shape[2] == 0:
             raise ValueError(f"{self.method} decoding: a step needs at least one position.")
-        if key_valid is not None and (key_valid.dtype != torch.bool
+        if key_valid is not None and (not isinstance(key_valid, Tensor)
+                                      or key_valid.dtype != torch.bool
                                       or tuple(key_valid.shape) != (q.shape[0], q.shape[2])):
+            got = (f"{key_valid.dtype} {_shape(key_valid)}" if isinstance(key_valid, Tensor)
+                   else _shape(key_valid))
             raise ValueError(f"{self.method} decoding: key_valid must be a [B, n] = "
-                             f"[{q.shape[0]}, {q.shape[2]}] bool tensor, got {_shape(key_valid)}.")
+                             f"[{q.shape[0]}, {q.shape[2]}] bool tensor, got {got}.")
+        if len({q.dtype, k.dtype, v.dtype}) > 1 or len({q.device, k.device, v.device}) > 1:
+            raise ValueError(f"{self.method} decoding: q, k, v must share dtype and device, "
+                             f"got {q.dtype}/{k.dtype}/{v.dtype} on "
+                             f"{q.device}/{k.device}/{v.device}.")
+        layout = getattr(self, "layout", None)  # None in a state pickled before it existed
+        if self.length and layout is not None and _layout(q, v) != layout:
+            h, d, dv, dtype, device = layout
+            raise ValueError(
+                f"{self.method} decoding: the state holds H={h} heads of D={d}, Dv={dv} in "
+                f"{dtype} on {device}; this step has H={q.shape[1]}, D={q.shape[-1]}, "
+                f"Dv={v.shape[-1]} in {q.dtype} on {q.device}. Give every step of a state "
+                f"the same heads, head dims, dtype and device (start a new state otherwise).")
         batch = self.batch_size()
         if batch is not None and q.shape[0] != batch:
             raise ValueError(f"{self.method} decoding: the state holds {batch} sequences, the "
@@ -139,6 +171,11 @@ class DecodingState(ABC):
         included)."""
         return sum(t.numel() * t.element_size() for t in vars(self).values()
                    if isinstance(t, Tensor))
+
+
+def _layout(q: Tensor, v: Tensor) -> tuple:
+    """What every step of one state shares: (H, D, Dv, dtype, device)."""
+    return q.shape[1], q.shape[-1], v.shape[-1], q.dtype, q.device
 
 
 def _shape(t: object) -> str:

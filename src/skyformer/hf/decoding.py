@@ -89,9 +89,22 @@ class DecodingLayer(CacheLayerMixin):
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs
                ) -> tuple[Tensor, Tensor]:
-        """Record the step's keys; return them unchanged (the attention function decodes)."""
+        """Record the step's keys; return them unchanged (the attention function decodes).
+
+        Refuses every step once one was never taken by skyformer's attention function:
+        that step attended to its own positions only (its output was right only as the
+        first step of the cache, the prompt), and the state never took its positions."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.pending is not None:
+            raise RuntimeError(
+                "DecodingCache: the keys this cache handed back at an earlier step never "
+                "reached skyformer's attention function, so that step attended to its own "
+                "positions only and the cache lacks them; start a new cache. This happens "
+                "when the model changes the keys after cache.update (e.g. repeats them for "
+                "its grouped-query heads), when its forward runs under torch.compile, after "
+                "skyformer.hf.restore_exact, or when that forward failed; for such a model "
+                "use transformers' DynamicCache.")
         self.pending = key_states
         for ident, (keys, layer) in list(_PENDING.items()):  # steps no function took
             if keys() is None or layer() is None:
