@@ -345,3 +345,32 @@ def test_a_step_the_attention_never_took_stops_the_cache():
     shf.set_attention(model, "linear", seed=0)
     model(ids[:, :10], cache=cache)
     model(ids[:, 10:11], cache=cache)
+
+
+@torch.no_grad()
+def test_a_step_that_fails_in_one_layer_stops_the_cache(monkeypatch):
+    """Layer 0 took the step's positions, layer 1 failed: the layers disagree, so the
+    cache refuses the next step rather than decode with a layer missing positions."""
+    from skyformer.decoding.state import DecodingState
+
+    model = _llama()
+    shf.set_attention(model, "linear", seed=0)
+    ids, _ = _prompt()
+    cache = shf.DecodingCache(model)
+    model(ids[:, :10], cache=cache)
+    calls = {"n": 0}
+    real = DecodingState.step
+
+    def second_layer_fails(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("out of memory (simulated)")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(DecodingState, "step", second_layer_fails)
+    with pytest.raises(RuntimeError, match="simulated"):
+        model(ids[:, 10:11], cache=cache)
+    monkeypatch.setattr(DecodingState, "step", real)
+    assert cache.layers[0].state.length == 11 and cache.layers[1].state.length == 10
+    with pytest.raises(RuntimeError, match="when that forward failed"):
+        model(ids[:, 10:11], cache=cache)

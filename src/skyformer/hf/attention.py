@@ -180,6 +180,20 @@ def skyformer_attention_forward(
     """
     layer = _layer_for(module, implementation, default_method)
     decoding = claimed_step(key)
+    try:
+        return _attention(module, layer, decoding, query, key, value, attention_mask,
+                          dropout, scaling, is_causal, kwargs)
+    except BaseException:
+        if decoding is not None:  # the cache lacks this layer's step: it refuses the next
+            decoding.fail(key)
+        raise
+
+
+def _attention(module: nn.Module, layer: LayerAttention, decoding: DecodingLayer | None,
+               query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+               dropout: float, scaling: float | None, is_causal: bool | None,
+               kwargs: dict[str, Any]) -> tuple[Tensor, None]:
+    """``skyformer_attention_forward`` once the layer and its cache step are known."""
     if layer.method != EXACT:  # with or without a cache
         _refuse_what_the_method_cannot_apply(module, layer, kwargs)
     if decoding is not None:

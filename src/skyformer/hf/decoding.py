@@ -78,10 +78,20 @@ class DecodingLayer(CacheLayerMixin):
     def step(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None) -> Tensor:
         """The decoding state's step (``DecodingState.step``); while recording, first
         keep the state as it is (a shallow copy: steps replace tensors, never write
-        into them) and the step's inputs."""
+        into them) and the step's inputs (put back as they were if the step fails)."""
+        rollback = self.rollback
         if self.record_past:
             self.rollback = (copy.copy(self.state), q, k, v, key_valid)
-        return self.state.step(q, k, v, key_valid)
+        try:
+            return self.state.step(q, k, v, key_valid)
+        except BaseException:
+            self.rollback = rollback
+            raise
+
+    def fail(self, key: Tensor) -> None:
+        """Count the step of ``key`` as not taken (its call failed after claiming it):
+        the layers before this one took its positions, so the next ``update`` refuses."""
+        self.pending = key
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         self.device = key_states.device
