@@ -43,7 +43,7 @@ def _one_head(
     real = [j for j in range(nk) if math.isfinite(float(bias[j].detach()))]
     v_real = v[real]
     projector = _value_projector(v_real, rank) if rank else None
-    low, high = v_real.detach().amin(0), v_real.detach().amax(0)
+    low, high = v_real.amin(0), v_real.amax(0)  # as the fast path: gradients to extremes
     out = []
     for i in rows.tolist():
         a = int(assignment[i])

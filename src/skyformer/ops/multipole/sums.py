@@ -67,6 +67,9 @@ from .near_field import near_field
 from .options import MultipoleOptions, feature_split
 
 _NEG_INF = float("-inf")
+# Rounding units of the values' scale within which a tilted far-field value counts as
+# inside their range (_tilted_values): a weighted mean of Nk values is off by a few.
+_ROUNDING_MARGIN = 16
 
 
 @dataclass(frozen=True)
@@ -204,9 +207,15 @@ def _tilted_values(far: FarField, a: Tensor, shift_r: Tensor, basis: Tensor | No
         return v_far
     v_far = v_far + (shift_r if basis is None else shift_r @ basis.transpose(-1, -2))
     low, high = _value_range(v, key_valid)
-    # As torch.clamp (gradient 1 inside the range, 0 outside), whose CPU kernel with
-    # tensor bounds is ~10x slower than a comparison and a where.
-    inside = (v_far >= low) & (v_far <= high)
+    # As torch.clamp with tensor bounds (the gradient goes to v_far inside the range, to
+    # the bound outside it, hence to the values at the extreme), whose CPU kernel is ~10x
+    # slower than a comparison and a where. "Inside" has a margin of rounding: a mean
+    # is never outside its values' range, and where the tilt is 0 (a coordinate
+    # constant over the keys, a far field of one key) rounding alone put it on a bound
+    # and chose which gradient the coordinate got.
+    margin = _ROUNDING_MARGIN * torch.finfo(v_far.dtype).eps * torch.maximum(
+        low.detach().abs(), high.detach().abs())
+    inside = (v_far >= low - margin) & (v_far <= high + margin)
     return torch.where(inside, v_far, torch.minimum(torch.maximum(v_far.detach(), low), high))
 
 
@@ -290,8 +299,9 @@ def multipole_sums(
 
 
 def _value_range(v: Tensor, key_valid: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Per-coordinate min and max of the valid values, ``[B, H, 1, Dv]`` each."""
-    vv = v.detach()
+    """Per-coordinate min and max of the valid values, ``[B, H, 1, Dv]`` each
+    (differentiable: a gradient goes to the values at the extreme)."""
+    vv = v
     if key_valid is None:
         low, high = vv.amin(2, keepdim=True), vv.amax(2, keepdim=True)
     else:
