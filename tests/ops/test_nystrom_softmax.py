@@ -234,3 +234,29 @@ def test_bfloat16_query_gradient_on_clustered_inputs(device, kernel, monkeypatch
     assert read_as_bf16 == [True, True]
     dq, = torch.autograd.grad((out * weights.to(device, torch.bfloat16)).sum(), leaves[:1])
     assert frobenius_relative_error(dq, want[1]) < 1e-2
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("norm", [12.0, 23.0, 30.0])
+def test_float32_holds_the_kernels_entries_at_large_norms(norm, causal):
+    """Every row of [Q; K] a landmark: float64 gives softmax to rounding. In float32 the
+    Gaussian entries of pairs of rows (exp(-2 s |x|^2) at worst) fell below what the
+    products keep once s |x|^2 > 21.8 (rows 60-97 % off at |q| = 23, D = 64); on a CPU
+    such calls are computed in float64 now, outputs and gradients."""
+    g = torch.Generator().manual_seed(0)
+    rows = (torch.randn(1, 2, 16, 64, dtype=torch.float64, generator=g) for _ in range(2))
+    q, k = (torch.nn.functional.normalize(r, dim=-1) * norm for r in rows)
+    v = torch.randn(1, 2, 16, 64, dtype=torch.float64, generator=g)
+    q, k, v = (t.float().double() for t in (q, k, v))  # float32 values, exactly
+
+    def call(dtype):
+        inputs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        out = skyformer.attention(*inputs, "nystrom_softmax", num_features=32, causal=causal,
+                        generator=torch.Generator().manual_seed(0))
+        out.double().pow(2).sum().backward()
+        return out.double(), [t.grad.double() for t in inputs]
+
+    (out64, grads64), (out32, grads32) = call(torch.float64), call(torch.float32)
+    assert ((out32 - out64).norm() / out64.norm()).item() < 1e-6
+    for g32, g64 in zip(grads32, grads64, strict=True):
+        assert ((g32 - g64).norm() / g64.norm()).item() < 1e-5

@@ -40,6 +40,8 @@ FROM_DATA = {"lift_fresh", "lift_fresh_copy"}
 # Methods that read one value on purpose (and why); every other method reads none.
 READS_ON_PURPOSE = {
     "linformer": "whether every projected slot holds a real key (SDPA without a mask)",
+    "nystrom_softmax": "on a CPU only, whether float32 keeps the Gaussian entries the sums "
+                       "need (else float64)",
     "skyformer_multipole": "the number of cluster blocks the fullest head needs",
     "softmax_multipole": "the number of cluster blocks the fullest head needs",
 }

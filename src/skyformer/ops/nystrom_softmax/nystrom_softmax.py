@@ -32,6 +32,14 @@ returns the mean of the values instead (the answer of uniform attention). On the
 MiniLM data above rho = 0.3 cut the mean spectral error from 6.6 (rho = 0.01) to
 0.33-0.57 on the deeper layers and changed the first layer's by +0.006.
 
+Float32 range. The Gaussian entries carry the softmax matrix scaled by
+exp(-|q^|^2/2 - |k^|^2/2), and the Nystrom sums need them down to exp(-|x^_a - x^_b|^2/2)
+for landmark pairs: with max |x^|^2 = s max |x|^2 above 21.8 those fall below what the
+float32 products keep (sqrt(tiny), ``linalg/flush.py``; tiny itself is exp(-87)), and
+rows came out 60-97 % wrong while float64 stayed exact. On a CPU, where reading that
+maximum costs nothing, such calls are computed in float64 (``needs_float64``); on a GPU
+and in traced code they are not (docs/reliability.md, "Large norms in float32").
+
 Evaluation: as in ``skyformer``, the [N, m] blocks are never held whole
 (``gaussian_kernel_matmul``). E_K is folded into the exponent of C(X_S, K):
 exp(k^.x - |x|^2/2 - max_j |k^_j|^2/2) <= 1, so no [N] factor multiplies the values;
@@ -48,6 +56,7 @@ import torch
 from torch import Tensor
 
 from ...linalg import gaussian_kernel_matmul
+from ...linalg.flush import negligible_exponent
 from ...linalg.kernel_backend import HALF_TYPES
 from ...linalg.kernel_offsets import squared_norms
 from ...registry import Capabilities, register
@@ -70,7 +79,12 @@ from ..shared.modified_nystrom import (
 from ..shared.normalised import normalised_or
 from ..shared.options import check_nonnegative_float, check_scale
 from ..shared.reduction import WHOLE, KeyReduction
+from ..shared.tracing import may_read_values
 from .causal import causal_nystrom_softmax
+
+# The largest s |x|^2 of a row for which every Gaussian entry the float32 sums need,
+# down to exp(-2 s max |x|^2), stays above the products' flush (sqrt(tiny) = exp(-43.7)).
+FLOAT32_REACH = -negligible_exponent(torch.float32) / 2
 
 
 @dataclass(frozen=True)
@@ -126,6 +140,18 @@ def nystrom_softmax_attention(
     Returns:
         ``[B, H, Nq, Dv]``; rows of padded queries (self-attention) are zero.
     """
+    masks = {"key_padding_mask": key_padding_mask, "query_padding_mask": query_padding_mask}
+    if needs_float64(q, k, config):
+        out = _attention(q.double(), k.double(), v.double(), config, generator=generator,
+                         **masks)
+        return out.to(q.dtype)
+    return _attention(q, k, v, config, generator=generator, **masks)
+
+
+def _attention(q: Tensor, k: Tensor, v: Tensor, config: NystromSoftmaxConfig, *,
+               key_padding_mask: Tensor | None, query_padding_mask: Tensor | str | None,
+               generator: torch.Generator | Tensor | None) -> Tensor:
+    """``nystrom_softmax_attention`` in the compute dtype of q's."""
     if config.causal:
         return _causal(q, k, v, config, key_padding_mask, query_padding_mask, generator)
     info, landmarks, root, _ = prepare(
@@ -138,6 +164,22 @@ def nystrom_softmax_attention(
     q, k, core = nystrom_core(queries_for_gradient(q), k, root, config, landmarks,
                               bf16_values=bf16_values)
     return nystrom_softmax_from_core(q, k, v, core, info, root, config).to(out_dtype)
+
+
+def needs_float64(q: Tensor, k: Tensor, config: NystromSoftmaxConfig) -> bool:
+    """Whether a call computed in float32 would lose the Gaussian entries its sums need
+    (module docstring, "Float32 range"): on a CPU (the read costs nothing there), in
+    eager code, when s max(|q|^2, |k|^2) exceeds ``FLOAT32_REACH``. Every row counts,
+    padded ones too (at worst a padded row's value costs a float64 call)."""
+    if not (isinstance(q, Tensor) and isinstance(k, Tensor)) or q.device.type != "cpu" \
+            or compute_dtype(q.dtype) != torch.float32 or not may_read_values(q, k) \
+            or q.dim() < 2 or 0 in q.shape or 0 in k.shape:
+        return False
+    s = config.scale if config.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    with torch.no_grad():
+        reach = torch.maximum(squared_norms(q, torch.float32).amax(),
+                              squared_norms(k, torch.float32).amax())
+    return bool(s * reach > FLOAT32_REACH)
 
 
 def queries_for_gradient(q: Tensor) -> Tensor:
