@@ -335,3 +335,25 @@ def test_a_step_that_fails_inside_leaves_the_state_as_it_was(method, options, fi
     assert state.length == start
     outs.append(state.step(q[:, :, sl], k[:, :, sl], v[:, :, sl]))
     torch.testing.assert_close(torch.cat(outs, 2), full, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["prompt", "later-token"])
+def test_nystrom_softmax_decoding_follows_the_forward_into_float64(late):
+    """On a CPU a float32 nystrom_softmax forward beyond float32's reach computes in
+    float64 (docs/reliability.md); its decoding state does too from the first position
+    that needs it (here the prompt, or a later token), and decodes as the forward."""
+    n, d = 80, 64
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.nn.functional.normalize(torch.randn(1, 2, n, d, generator=g), dim=-1)
+            for _ in range(2)]
+    norms = torch.full((1, 1, n, 1), 23.0)
+    if late:
+        norms[:, :, :40] = 2.0  # within reach until position 40
+    q, k = (r * norms for r in rows)
+    v = torch.randn(1, 2, n, d, generator=g)
+    bound = get_method("nystrom_softmax").bind(num_features=32, landmark_stride=2)
+    full = bound.replace(causal=True)(q, k, v, generator=random_key(1))
+    state = new_decoding_state(bound, generator=random_key(1))
+    decoded = _decode(state, q, k, v, None, 10, [1] * (n - 10))
+    assert decoded.dtype == torch.float32 and state.wide
+    torch.testing.assert_close(decoded, full, rtol=1e-5, atol=1e-6)

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from ..linalg import gaussian_kernel_block, half_sq_norm, kernel_scale, with_ones_column
+from ..ops.nystrom_softmax.nystrom_softmax import needs_float64
 from ..ops.shared.causal_nystrom import (
     causal_core,
     causal_landmarks,
@@ -77,7 +78,7 @@ class SkyformerDecoding(DecodingState):
         # without a landmark_stride, each prompt's own default (the forward's, below)
         stride = landmark_stride(self.stride, n, self.m, key_valid)
         out = self.bound(q, k, v, key_padding_mask=key_valid, generator=self.key)
-        work = compute_dtype(q.dtype)
+        work = self._work_dtype(q, k)
         qw, kw, vw = q.to(work), k.to(work), v.to(work)
         self.scale = kernel_scale(d, self.bound.config.scale)
         draw = self.bound.config.kernel
@@ -117,6 +118,10 @@ class SkyformerDecoding(DecodingState):
             kn = torch.where(key_valid[:, None, :], kn, float("inf"))
         return ks, kn, v
 
+    def _work_dtype(self, q: Tensor, k: Tensor) -> torch.dtype:
+        """The dtype the state computes and keeps its tensors in (the forward's)."""
+        return compute_dtype(q.dtype)
+
     def _start_sums(self, keys: Tensor, offsets: Tensor) -> None:
         """Set what ``_block`` needs before the first sums (nothing here)."""
 
@@ -126,7 +131,7 @@ class SkyformerDecoding(DecodingState):
 
     def _extend(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None) -> Tensor:
         valid = padding_as_false(key_valid, q)
-        work = compute_dtype(q.dtype)
+        work = self._work_dtype(q, k)
         outs = [self._advance(q[:, :, i:i + 1].to(work), k[:, :, i:i + 1].to(work),
                               v[:, :, i:i + 1].to(work), valid[:, i])
                 for i in range(q.shape[2])]
@@ -287,6 +292,18 @@ class NystromSoftmaxDecoding(SkyformerDecoding):
         self.running_max: Tensor | None = None  # r of the last position: [B, H]
         self.value_sum: Tensor | None = None  # [B, H, 1, Dv]
         self.count: Tensor | None = None  # [B, 1, 1, 1]
+        self.wide = False  # computing in float64 from now on (_work_dtype)
+
+    def _work_dtype(self, q: Tensor, k: Tensor) -> torch.dtype:
+        """As the forward's: float64 on a CPU once a position's norm is beyond what
+        float32 holds (``needs_float64``); from then on the state is kept in float64
+        (its float32 tensors converted: what they summed was within float32's reach)."""
+        if not getattr(self, "wide", False) and needs_float64(q, k, self.bound.config):
+            self.wide = True
+            for name, value in list(vars(self).items()):
+                if isinstance(value, Tensor) and value.dtype == torch.float32:
+                    setattr(self, name, value.double())
+        return torch.float64 if getattr(self, "wide", False) else compute_dtype(q.dtype)
 
     def _first(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None) -> Tensor:
         out = super()._first(q, k, v, key_valid)

@@ -12,7 +12,7 @@ from torch import Tensor
 from ...linalg import half_sq_norm
 from ...registry import with_options
 from ..shared.modified_nystrom import modified_nystrom_factors
-from .nystrom_softmax import NystromSoftmaxConfig, normalise, prepare
+from .nystrom_softmax import NystromSoftmaxConfig, needs_float64, normalise, prepare
 
 
 @with_options(NystromSoftmaxConfig, "nystrom_softmax")
@@ -28,8 +28,19 @@ def materialised_nystrom_softmax_attention(
 ) -> Tensor:
     """``nystrom_softmax_attention`` with the [N, m] blocks formed whole.
 
-    Args and returns as ``nystrom_softmax_attention``.
+    Args and returns as ``nystrom_softmax_attention`` (computed in float64 where it is:
+    ``needs_float64``).
     """
+    masks = {"key_padding_mask": key_padding_mask, "query_padding_mask": query_padding_mask}
+    if needs_float64(q, k, config):
+        return _materialised(q.double(), k.double(), v.double(), config, generator=generator,
+                             **masks).to(q.dtype)
+    return _materialised(q, k, v, config, generator=generator, **masks)
+
+
+def _materialised(q: Tensor, k: Tensor, v: Tensor, config: NystromSoftmaxConfig, *,
+                  key_padding_mask: Tensor | None, query_padding_mask: Tensor | str | None,
+                  generator: torch.Generator | Tensor | None) -> Tensor:
     info, landmarks, root, work = prepare(
         q, k, v, config, key_padding_mask=key_padding_mask,
         query_padding_mask=query_padding_mask, generator=generator)
