@@ -71,3 +71,17 @@ def test_the_command_says_which_seed(argv, capsys, tmp_path, monkeypatch):
     err = capsys.readouterr().err
     assert f"skyformer {argv[0]}: error: seed" in err and "2^64 - 1" in err, err
     assert not any(tmp_path.iterdir()), "nothing is written"
+
+
+@pytest.mark.parametrize("method", ["linformer", "performer", "skyformer"])
+def test_every_layer_of_a_model_takes_the_largest_seed(method):
+    """Layer i draws under (seed + i) mod 2^64: a seed near 2^64 overflowed from layer 1 on."""
+    pytest.importorskip("transformers")
+    import skyformer.hf as shf
+    from tests.hf.conftest import tiny_bert
+
+    model = tiny_bert()
+    shf.set_attention(model, method, seed=SEED_LIMIT - 1)
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+    a, b = (model(ids).last_hidden_state for _ in range(2))
+    torch.testing.assert_close(a, b, rtol=0, atol=0)  # seeded: the same draws every call

@@ -61,6 +61,7 @@ from .layers import (
     current_layer,
     is_cross_attention,
     is_default_scaling,
+    layer_seed,
     make_layer,
     scaling_sentence,
 )
@@ -297,7 +298,7 @@ def _decoding_step(module: nn.Module, layer: LayerAttention, decoding: DecodingL
 
 def _layer_key(layer: LayerAttention, device: torch.device) -> Tensor | None:
     """The random key of a layer with a seed (a tensor: compile-friendly), else None."""
-    return None if layer.seed is None else random_key(layer.seed + (layer.index or 0), device)
+    return None if layer.seed is None else random_key(layer_seed(layer.seed, layer.index), device)
 
 
 def _with_attn_mask(

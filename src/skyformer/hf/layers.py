@@ -28,7 +28,7 @@ from ..registry import (
     list_methods,
 )
 from ..registry.variants import is_variant
-from ..seeds import check_seed
+from ..seeds import SEED_LIMIT, check_seed
 
 EXACT = "exact"  # run transformers' own SDPA attention in this layer
 STATE_NAME = "skyformer_state"  # submodule holding a method's per-layer parameters
@@ -47,8 +47,8 @@ class LayerAttention:
         e.g. a user-given ``scale`` over the model's ``scaling``).
     seed: ``None`` = randomised methods draw from torch's global generator (fresh draws
         every call, as in training); an int = every call draws from a generator seeded
-        with ``seed + index`` (the same input gives the same output), and the per-layer
-        state is initialised under that seed too.
+        with ``layer_seed`` = (seed + index) mod 2^64 (the same input gives the same
+        output), and the per-layer state is initialised under that seed too.
     index: the layer number (``module.layer_idx`` or the module's position in the model;
         ``None`` for a module set up during a forward pass without a ``layer_idx``).
     implementation: the ``attn_implementation`` name this setting was made for; it is
@@ -268,6 +268,12 @@ def scaling_sentence(method: str, scaling: float, head_dim: int) -> str:
     )
 
 
+def layer_seed(seed: int, index: int | None) -> int:
+    """The seed of layer ``index`` for a model seeded ``seed``: (seed + index) mod 2^64, a
+    seed every generator takes (``skyformer.seeds``) for any seed ``check_seed`` took."""
+    return (seed + (index or 0)) % SEED_LIMIT
+
+
 def build_layer(
     module: nn.Module, method: str, *, index: int | None, implementation: str, seed: int | None,
     cross: bool, options: dict[str, Any], causal: bool = False,
@@ -297,7 +303,7 @@ def build_layer(
             f"attributes)."
         )
     # the seed also fixes the state's initialisation (projections, feature seeds)
-    state = bound.new_state(seed=None if seed is None else seed + (index or 0))
+    state = bound.new_state(seed=None if seed is None else layer_seed(seed, index))
     param = next(module.parameters(), None)
     if param is not None:
         state = state.to(device=param.device, dtype=param.dtype)

@@ -104,7 +104,7 @@ def set_attention(
             attention modules); ``None`` = every layer. Layers not listed keep what they
             run now.
         seed: ``None``: randomised methods draw from torch's global generator on every
-            call; an int: layer i draws from a generator seeded ``seed + i`` on every call
+            call; an int: layer i draws from a generator seeded (seed + i) mod 2^64 on every call
             and initialises its per-layer state under that seed (deterministic outputs).
         **options: the method's options (``skyformer list``); options the model fixes
             (``max_seq_len`` from ``max_position_embeddings``) are filled in, ``causal``
