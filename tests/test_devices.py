@@ -47,3 +47,11 @@ def test_a_cuda_index_beyond_the_machine_is_refused():
     assert parse_device(f"cuda:{count - 1}").index == count - 1
     with pytest.raises(ValueError, match=f"has {count} CUDA device"):
         parse_device(f"cuda:{count}")
+
+
+def test_lra_stability_checks_its_device_before_any_work(tmp_path):
+    from skyformer.lra.stability import run_stability
+
+    with pytest.raises(ValueError, match="device must be cpu, cuda or cuda:K, got 'meta'"):
+        run_stability(["listops"], ["skyformer"], cache_root=tmp_path / "no-cache",
+                      device="meta")

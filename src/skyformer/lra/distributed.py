@@ -41,11 +41,11 @@ def pick_device(request: str, local_rank: int) -> torch.device:
     """``auto`` = this process's GPU if CUDA is available, else the CPU."""
     if request == "auto":
         if torch.cuda.is_available():
-            return torch.device(f"cuda:{local_rank}")
+            return parse_device(f"cuda:{local_rank}")  # a sentence for more processes than GPUs
         return torch.device("cpu")
     device = parse_device(request, also="auto")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device(f"cuda:{local_rank}")
+    if device.type == "cuda" and device.index is None:  # this process's GPU, if there is one
+        device = parse_device(f"cuda:{local_rank}")
     return device
 
 

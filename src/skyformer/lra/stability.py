@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..devices import parse_device
 from ..registry import get_method
 from .batches import BatchOrder, Position, fetch
 from .cache import load_cache
@@ -148,6 +149,7 @@ def run_stability(tasks: list[str], methods: list[str], *, cache_root: str | os.
     """
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}.")
+    device = parse_device(device)
     for task in tasks:
         if task not in TASKS:
             raise ValueError(f"unknown LRA task {task!r}; tasks: {', '.join(TASKS)}.")
