@@ -388,7 +388,7 @@ def test_varlen_refuses_padding_masks_rather_than_leaving_them_out():
 def test_packed_arguments_without_cu_seqlens_are_refused(given):
     q, k, v = make_qkv(1, 2, 8, 4)
     name = next(iter(given))
-    with pytest.raises(ValueError, match=f"{name} belongs to packed sequences and need "
+    with pytest.raises(ValueError, match=f"{name} belongs to packed sequences and needs "
                                          "cu_seqlens"):
         sdpa(q, k, v, **given)
 

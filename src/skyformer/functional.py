@@ -97,10 +97,10 @@ def scaled_dot_product_attention(
         ("cu_seqlens_k", cu_seqlens_k), ("max_seqlen", max_seqlen), ("max_seqlen_k", max_seqlen_k)
     ) if given is not None)
     if packed:
-        verb = "belong" if " and " in packed else "belongs"
-        raise ValueError(f"{spec.name}: {packed} {verb} to packed sequences and need "
-                         f"cu_seqlens, the queries' cumulative lengths; pass cu_seqlens too, "
-                         f"or leave {packed} out.")
+        verbs = ("belong", "need") if " and " in packed else ("belongs", "needs")
+        raise ValueError(f"{spec.name}: {packed} {verbs[0]} to packed sequences and "
+                         f"{verbs[1]} cu_seqlens, the queries' cumulative lengths; pass "
+                         f"cu_seqlens too, or leave {packed} out.")
     _check_layout(spec.name, query, key, value)
     key, value = _grouped(spec.name, query, key, value, enable_gqa)
     options = _sdpa_options(spec, options, is_causal, scale, query.shape[-1])

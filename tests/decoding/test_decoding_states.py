@@ -299,7 +299,7 @@ def test_a_step_that_changes_the_layout_is_refused_and_the_state_goes_on(method,
         with pytest.raises(ValueError, match=r"the state holds H=2 heads of D=8, Dv=8 in "
                                              r"torch\.float64"):
             state.step(*bad)
-    with pytest.raises(ValueError, match="must share dtype and device"):
+    with pytest.raises(TypeError, match="must share dtype and device"):
         state.step(q[:, :, sl], k[:, :, sl].float(), v[:, :, sl])
     for t in range(20, n):
         sl = slice(t, t + 1)

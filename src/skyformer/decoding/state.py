@@ -133,9 +133,9 @@ class DecodingState(ABC):
             raise ValueError(f"{self.method} decoding: key_valid must be a [B, n] = "
                              f"[{q.shape[0]}, {q.shape[2]}] bool tensor, got {got}.")
         if len({q.dtype, k.dtype, v.dtype}) > 1 or len({q.device, k.device, v.device}) > 1:
-            raise ValueError(f"{self.method} decoding: q, k, v must share dtype and device, "
-                             f"got {q.dtype}/{k.dtype}/{v.dtype} on "
-                             f"{q.device}/{k.device}/{v.device}.")
+            raise TypeError(f"{self.method} decoding: q, k, v must share dtype and device, "
+                            f"got {q.dtype}/{k.dtype}/{v.dtype} on "
+                            f"{q.device}/{k.device}/{v.device}.")
         layout = getattr(self, "layout", None)  # None in a state pickled before it existed
         if self.length and layout is not None and _layout(q, v) != layout:
             h, d, dv, dtype, device = layout
