@@ -4,7 +4,9 @@ Only the u "active" queries attend; the others ("lazy") output the mean of the v
 
 1. For each query, sample U = c * ceil(ln n_k) keys uniformly with replacement
    (c = ``factor`` = 5 as in Informer) and evaluate the max-mean sparsity measurement
-   of eq. (4) on them:  M(q_i) = max_j (s q_i.k_j) - mean_j (s q_i.k_j),  s = 1/sqrt(D).
+   of eq. (4) on them, "filling other pairs with zero" (Section 3.1, as the reference
+   code): M(q_i) = max_j (s q_i.k_j) - (1/n_k) sum_j (s q_i.k_j) over the sampled j,
+   s = 1/sqrt(D).
 2. Keep the top u queries by M, u = c * ceil(ln n_q) (``num_features=None``), or
    u = ``num_features`` when given (the number of queries that attend: with 128, as in
    the Skyformer comparisons, 128 N entries of the attention matrix are visited).
@@ -17,8 +19,7 @@ and are at least 1. With u >= n_q every query is active and the output is exact 
 attention. Costs: O(N U D) for the measurement (computed without gradient, in chunks of
 queries, since only the ranking is used), O(u N) for the active rows.
 
-Differences from the reference code, on purpose: the mean in M is over the sampled keys,
-as in eq. (4) (the code divides the sampled sum by n_k); key samples are drawn per
+Differences from the reference code, on purpose: key samples are drawn per
 sequence from the caller's generator (``sketch/rng.py``), among real keys only, so
 that padding never changes the samples; Informer shares one sample across the batch.
 """
@@ -132,9 +133,11 @@ def sample_keys(
 
 @no_derivatives
 def sparsity_measurement(
-    q: Tensor, k: Tensor, samples: KeySamples, scale: float, query_valid: Tensor | None
+    q: Tensor, k: Tensor, samples: KeySamples, scale: float, query_valid: Tensor | None,
+    key_count: Tensor,
 ) -> Tensor:
-    """M(q_i) = max - mean of s q_i.k_j over the sampled keys (eq. (4)): ``[B, H, Nq]``.
+    """M(q_i) = max - (1/n_k) sum of s q_i.k_j over the sampled keys (eq. (4), the pairs
+    not sampled counted as 0): ``[B, H, Nq]``; ``key_count``: n_k ``[B]``.
 
     ``-inf`` for padded queries (never selected). Chunked over queries so that the
     gathered keys take at most ``_CHUNK_ELEMENTS`` entries.
@@ -156,7 +159,7 @@ def sparsity_measurement(
             ..., 0, :
         ] * scale  # [B, H, C, U]
         top = scores.masked_fill(~live, float("-inf")).amax(dim=-1)
-        mean = (scores * live).sum(-1) / live.sum(-1).clamp_min(1)
+        mean = (scores * live).sum(-1) / key_count.clamp_min(1).to(scores.dtype)[:, None, None]
         parts.append(top - mean)
     out = torch.cat(parts, dim=2)
     if query_valid is not None:
@@ -210,7 +213,8 @@ def informer_attention(
     s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
     qw, kw, vw = q.to(work), k.to(work), v.to(work)
     samples = sample_keys(info, config.factor, q.device, key)
-    measure = sparsity_measurement(qw, kw, samples, s, info.query_valid)  # [B, H, Nq]
+    key_count = _ranks(info.key_valid, info.batch, info.key_len, q.device)[2]  # n_k: [B]
+    measure = sparsity_measurement(qw, kw, samples, s, info.query_valid, key_count)
     counts, u = active_counts(info, config.num_features, config.factor, q.device)
     top = measure.topk(u, dim=-1, sorted=True).indices  # [B, H, u]
     active = torch.arange(u, device=q.device) < counts[:, None]

@@ -43,7 +43,8 @@ def reference_informer_attention(
             measure = {}
             for i in q_rows.tolist():
                 picked = scores[i, samples.index[b, i][samples.live[b, i]]]
-                measure[i] = (picked.max() - picked.mean()).item()
+                # eq. (4) with the pairs not sampled as 0: the sum over n_k
+                measure[i] = (picked.max() - picked.sum() / len(k_rows)).item()
             ranked = sorted(measure, key=lambda i: -measure[i])[: counts[b]]
             probs = torch.softmax(scores[:, k_rows], dim=-1)  # [Nq, n_k]
             out[b, h, q_rows] = v[b, h, k_rows].mean(dim=0)
