@@ -139,6 +139,12 @@ def test_command_line(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "this method always fails" in printed
     assert not any(line.startswith("attention:") for line in printed.splitlines())
+    # a method whose output holds a NaN: timed, its error NaN (null in the file), no stop
+    assert main(["bench", "--methods", "tests.eval.failing_method:nan_attention@softmax",
+                 "--seq-lens", "32", "--shapes", "1,2,16", "--repeats", "1", "--warmup", "0",
+                 "--no-memory", "--out", str(tmp_path / "nan"), "--no-plot"]) == 0
+    rows = json.loads((tmp_path / "nan.json").read_text())["rows"]
+    assert [r["rel_error"] for r in rows if r["method"].endswith("nan_attention")] == [None]
 
 
 def test_an_interrupted_run_keeps_its_lengths_and_resume_measures_only_the_rest(

@@ -96,3 +96,20 @@ def test_constant_row_baselines():
     constant = torch.ones(20, 1, dtype=torch.float64) * torch.tensor([[1.0, 2.0, 3.0]])
     assert constant_row_error(constant).item() == pytest.approx(0.0, abs=1e-15)
     assert constant_row_error(o, torch.zeros(3, 4)).allclose(torch.ones(3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("ord", [2, "fro"])
+def test_a_matrix_with_a_non_finite_entry_has_error_nan_and_the_others_theirs(ord):
+    """The spectral norm's SVD refuses a non-finite matrix (it stopped approx, bench and
+    compare); that matrix's error is NaN and every other matrix keeps its own."""
+    g = torch.Generator().manual_seed(0)
+    exact = torch.randn(2, 3, 6, 4, dtype=torch.float64, generator=g)
+    approx = exact + 0.1 * torch.randn(2, 3, 6, 4, dtype=torch.float64, generator=g)
+    want = relative_error(approx, exact, ord=ord)
+    approx[1, 2, 0, 0] = float("nan")
+    exact[0, 1, 3, 2] = float("inf")
+    got = relative_error(approx, exact, ord=ord)
+    bad = torch.zeros(2, 3, dtype=torch.bool)
+    bad[1, 2] = bad[0, 1] = True
+    assert got[bad].isnan().all()
+    torch.testing.assert_close(got[~bad], want[~bad], rtol=0, atol=0)

@@ -43,15 +43,20 @@ def relative_error(approx: Tensor, exact: Tensor, ord: int | str = 2) -> Tensor:
     """||approx - exact|| / ||exact|| per matrix, for ``[..., N, D]`` inputs: ``[...]``.
 
     ``ord=2``: spectral norm (largest singular value), the metric of Skyformer
-    section 3.5 and KDEformer; ``ord="fro"``: Frobenius norm. Computed in float64.
+    section 3.5 and KDEformer; ``ord="fro"``: Frobenius norm. Computed in float64. A
+    matrix with a non-finite entry (in either input) has error NaN: the SVD of the
+    spectral norm would refuse it, and the call it belongs to is not stopped for it.
     """
     if approx.shape != exact.shape:
         raise ValueError(f"shapes differ: {tuple(approx.shape)} vs {tuple(exact.shape)}.")
     a = _f64(approx)
     e = _f64(exact)
+    finite = (torch.isfinite(a) & torch.isfinite(e)).flatten(-2).all(-1)  # [...]
+    if not bool(finite.all()):
+        a, e = (torch.where(finite[..., None, None], t, 0.0) for t in (a, e))
     num = torch.linalg.matrix_norm(a - e, ord=ord)
     den = torch.linalg.matrix_norm(e, ord=ord)
-    return num / den.clamp_min(_TINY)
+    return torch.where(finite, num / den.clamp_min(_TINY), float("nan"))
 
 
 def rank_m_floor(basis: Tensor, exact: Tensor, ranks: list[int], ord: int | str = 2) -> Tensor:
