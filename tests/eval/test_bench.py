@@ -15,6 +15,7 @@ from skyformer.eval.bench import BenchConfig, crossover, run_bench, summarise
 from skyformer.eval.bench.report import format_table, format_wide, write_results
 from skyformer.eval.measure.flops import attention_flops, matmul_flops_per_second
 from skyformer.eval.methods import resolve
+from skyformer.linalg import implicit_iterations
 
 MATERIALISED = "skyformer.ops.skyformer:materialised_skyformer_attention@gaussian"
 ROW_KEYS = {
@@ -320,6 +321,26 @@ def test_flop_counts():
     )
     assert attention_flops("not-a-counted-method", batch=1, heads=1, nq=1, nk=1, d=1, dv=1) is None
     assert matmul_flops_per_second("cpu", torch.float32, size=64, repeats=1) > 0
+
+
+def test_flop_counts_follow_causal_and_the_compute_dtype():
+    """A causal exact call visits N (N + 1) / 2 pairs; causal Skyformer is another
+    construction, not counted (it was counted as the non-causal one, a wrong speed of
+    light); the implicit core's steps are those of the call's dtype."""
+    exact = attention_flops("softmax", batch=1, heads=1, nq=10, nk=10, d=4, dv=4,
+                            options={"causal": True})
+    assert exact == 2 * (10 * 11 / 2) * 8
+    for name in ("skyformer", "nystrom_softmax"):
+        assert attention_flops(name, batch=1, heads=1, nq=100, nk=100, d=4, dv=4,
+                               options={"num_features": 10, "causal": True}) is None
+    options = {"num_features": 128, "pinv_gradient": "implicit"}
+    steps = {dtype: implicit_iterations(128, 0.1, dtype, at_least=6)
+             for dtype in (torch.float32, torch.float64)}
+    counts = {dtype: attention_flops("skyformer", batch=1, heads=1, nq=1024, nk=1024, d=4,
+                                     dv=4, options=options, dtype=dtype) for dtype in steps}
+    assert steps[torch.float64] > steps[torch.float32]
+    assert counts[torch.float64] - counts[torch.float32] == pytest.approx(
+        2 * 2 * (steps[torch.float64] - steps[torch.float32]) * 128**3)
 
 
 def test_config_and_names_are_checked():

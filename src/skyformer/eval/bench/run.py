@@ -442,6 +442,7 @@ def _measure_length(
                 method.name, batch=b, heads=h, nq=n, nk=n, d=d, dv=d,
                 options=method.resolved_options(options, n), backward=config.backward,
                 factorised_core=factorises(device, compute_dtype(dtype)),
+                dtype=compute_dtype(dtype),
             )
             if flops is not None:
                 row["gflop"] = flops / 1e9

@@ -24,16 +24,24 @@ from .timing import interleaved_median_seconds
 
 
 def _exact_flops(nq: int, nk: int, d: int, dv: int, options: dict[str, Any],
-                 factorised_core: bool = False) -> float:
-    """Q K^T and P V of exact attention (softmax or Gaussian): 2 Nq Nk (D + Dv)."""
+                 factorised_core: bool = False, dtype: torch.dtype = torch.float32) -> float:
+    """Q K^T and P V of exact attention (softmax or Gaussian): 2 Nq Nk (D + Dv), or for
+    ``causal`` (Nq == Nk = N) the N (N + 1) / 2 pairs a causal kernel visits."""
+    if options.get("causal"):
+        return float(nq * (nq + 1) * (d + dv))
     return 2.0 * nq * nk * (d + dv)
 
 
 def _nystrom_flops(nq: int, nk: int, d: int, dv: int, options: dict[str, Any],
-                   factorised_core: bool = False) -> float | None:
+                   factorised_core: bool = False, dtype: torch.dtype = torch.float32
+                   ) -> float | None:
     """Skyformer eqs. (5)-(6) with the Lemma 3 iterative inverse (per head; the modified
-    Nystrom softmax has one or two more value columns, not counted)."""
-    core = _core_flops(nq, nk, options, factorised_core)
+    Nystrom softmax has one or two more value columns, not counted). None for
+    ``causal``: another construction (a Cholesky core, triangular transforms, local
+    blocks; ``ops/skyformer/README.md``), not counted."""
+    if options.get("causal"):
+        return None
+    core = _core_flops(nq, nk, options, factorised_core, dtype)
     if core is None:
         return None  # an SVD: no meaningful product count
     m = min(options.get("num_features", 128), nq + nk)
@@ -46,7 +54,8 @@ def _nystrom_flops(nq: int, nk: int, d: int, dv: int, options: dict[str, Any],
 
 
 def _core_flops(nq: int, nk: int, options: dict[str, Any],
-                factorised_core: bool = False) -> float | None:
+                factorised_core: bool = False, dtype: torch.dtype = torch.float32
+                ) -> float | None:
     """The core's m x m products (None for the exact pinv): Razavi's steps; for the
     implicit gradient the scaled Newton steps Lemma 3's bound needs (2K - 2 products,
     ``linalg/newton_inverse.py``), or with ``factorised_core`` the Cholesky
@@ -58,7 +67,7 @@ def _core_flops(nq: int, nk: int, options: dict[str, Any],
     if options.get("pinv_gradient") == "implicit" and factorised_core:
         return float(m**3)
     if options.get("pinv_gradient") == "implicit":  # the steps Lemma 3's bound needs
-        iterations = implicit_iterations(m, options.get("gamma", 0.1), torch.float32,
+        iterations = implicit_iterations(m, options.get("gamma", 0.1), dtype,
                                          at_least=iterations)
         return 2.0 * max(2 * iterations - 2, 0) * m**3
     # 4 products of m x m per Razavi step; 2 in the first step from the identity.
@@ -69,18 +78,19 @@ def _core_flops(nq: int, nk: int, options: dict[str, Any],
 
 
 def _nystrom_backward_flops(nq: int, nk: int, d: int, dv: int, options: dict[str, Any],
-                            factorised_core: bool = False) -> float | None:
+                            factorised_core: bool = False, dtype: torch.dtype = torch.float32
+                            ) -> float | None:
     """Twice the forward's products, but for the implicit gradient the core's backward
     is two products, -V^T G V^T, whatever its steps."""
-    forward = _nystrom_flops(nq, nk, d, dv, options, factorised_core)
+    forward = _nystrom_flops(nq, nk, d, dv, options, factorised_core, dtype)
     if forward is None or options.get("pinv_gradient") != "implicit":
         return None if forward is None else 2.0 * forward
-    core = _core_flops(nq, nk, options, factorised_core) or 0.0
+    core = _core_flops(nq, nk, options, factorised_core, dtype) or 0.0
     m = min(options.get("num_features", 128), nq + nk)
     return 2.0 * (forward - core) + 2.0 * 2.0 * m**3
 
 
-FlopCount = Callable[[int, int, int, int, dict[str, Any], bool], float | None]
+FlopCount = Callable[[int, int, int, int, dict[str, Any], bool, torch.dtype], float | None]
 FORWARD_FLOPS: dict[str, FlopCount] = {
     "softmax": _exact_flops,
     "kernelized": _exact_flops,
@@ -97,24 +107,25 @@ BACKWARD_FLOPS: dict[str, FlopCount] = {
 def attention_flops(
     method: str, *, batch: int, heads: int, nq: int, nk: int, d: int, dv: int,
     options: dict[str, Any] | None = None, backward: bool = False,
-    factorised_core: bool = False,
+    factorised_core: bool = False, dtype: torch.dtype = torch.float32,
 ) -> float | None:
     """Matrix-product FLOPs of one call of ``method`` (None if not known for it; a
     variant, ``name[...]``, counts as its method with ``options``); ``factorised_core``:
     the call forms the implicit core's inverse by a Cholesky factorisation
-    (``linalg.implicit_inverse.factorises``)."""
+    (``linalg.implicit_inverse.factorises``); ``dtype``: the call's compute dtype (the
+    implicit core's Newton steps depend on it)."""
     name = base_name(method)
     count = FORWARD_FLOPS.get(name)
     if count is None:
         return None
     options = options or {}
-    per_head = count(nq, nk, d, dv, options, factorised_core)
+    per_head = count(nq, nk, d, dv, options, factorised_core, dtype)
     if per_head is None:
         return None
     if backward:
         backward_count = BACKWARD_FLOPS.get(name)
         per_head += (2 * per_head if backward_count is None
-                     else backward_count(nq, nk, d, dv, options, factorised_core))
+                     else backward_count(nq, nk, d, dv, options, factorised_core, dtype))
     return per_head * batch * heads
 
 
