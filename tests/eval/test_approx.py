@@ -239,3 +239,29 @@ def test_a_method_variant_is_swept_under_its_name_in_aligned_columns():
                            ({"methods": ("linear", "linear")}, "methods lists linear")):
         with pytest.raises(ValueError, match=said):
             small(**repeated)
+
+
+@dataclasses.dataclass(frozen=True)
+class _BrokenOptions:
+    num_features: int = 8
+
+
+def _broken_on_one_head(q, k, v, *, key_padding_mask=None, generator=None, num_features=8):
+    """mean(V) everywhere, +inf in one entry of head 1."""
+    out = torch.zeros_like(v) + v.mean(-2, keepdim=True)
+    out[:, 1, 0, 0] = float("inf")
+    return out
+
+
+def test_a_row_with_a_non_finite_sample_says_so_instead_of_dropping_it(monkeypatch):
+    """A method blowing up on one of two heads once read as the other head's error
+    (samples 2, std 0); its statistics are NaN now and the row counts the bad samples."""
+    monkeypatch.setitem(registry._REGISTRY, "broken_on_one_head", Method(
+        "broken_on_one_head", _broken_on_one_head, _BrokenOptions,
+        Capabilities(target="softmax"), "test"))
+    result = run_approx(small(features=(8,), seeds=(0,), methods=("broken_on_one_head",),
+                              analysis=False), log=lambda s: None)
+    row, = rows_of(result, kind="method", method="broken_on_one_head")
+    assert row["samples"] == 2 and row["nonfinite"] == 1
+    assert np.isnan(row["spectral_mean"]) and np.isnan(row["frobenius_mean"])
+    assert all(r["nonfinite"] == 0 for r in result.rows if r["method"] != "broken_on_one_head")

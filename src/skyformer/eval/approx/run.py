@@ -185,9 +185,12 @@ class ApproxResult:
 
 
 def _stats(values: Tensor) -> dict[str, float]:
+    """Mean, std, quartiles and range of the samples; NaN where any sample is not finite
+    (a method that fails on its hardest heads must not read as if it had none; the
+    row's ``nonfinite`` says how many)."""
     v = values.detach().to(torch.float64).flatten()
     finite = v[torch.isfinite(v)]
-    if finite.numel() == 0:
+    if finite.numel() == 0 or finite.numel() < v.numel():
         return dict.fromkeys(("mean", "std", "median", "q25", "q75", "min", "max"), math.nan)
     q = torch.quantile(finite, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64))
     return {
@@ -208,6 +211,7 @@ def _row(source: str, n: int, kind: str, method: str, target: str, m: int | None
     return {
         "source": source, "seq_len": n, "kind": kind, "method": method, "target": target,
         "num_features": m, "samples": int(spectral.numel()),
+        "nonfinite": int((~torch.isfinite(spectral)).sum()),
         **{f"spectral_{k}": v for k, v in s.items()},
         "frobenius_mean": f["mean"], "frobenius_std": f["std"],
     }
