@@ -46,6 +46,20 @@ def test_quality_metrics():
     assert flipped["cosine_mean"] == pytest.approx(-1.0)
 
 
+def test_a_text_with_a_nan_embedding_finds_no_neighbour_and_is_none():
+    """argmax took a NaN similarity for the largest: all-NaN embeddings had recall 0.5."""
+    g = torch.Generator().manual_seed(0)
+    exact = torch.nn.functional.normalize(torch.randn(6, 8, generator=g), dim=-1)
+    assert quality(torch.full_like(exact, float("nan")), exact)["recall_at_1"] == 0.0
+    one_bad = exact.clone()
+    one_bad[2] = float("nan")
+    found = nearest_neighbours(one_bad)
+    assert found[2] == -1 and not (found == 2).any()
+    want = nearest_neighbours(exact)
+    fine = [i for i in range(6) if i != 2 and want[i] != 2]
+    assert torch.equal(found[fine], want[fine])  # the others find theirs
+
+
 def test_inputs_and_their_errors():
     from transformers import AutoTokenizer
 

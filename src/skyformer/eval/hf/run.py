@@ -218,16 +218,21 @@ def embed_all(model: nn.Module, inputs: Inputs, batch_size: int) -> Tensor:
 
 
 def nearest_neighbours(embeddings: Tensor) -> Tensor:
-    """Index of each text's most similar other text (cosine), ``[T]``."""
+    """Index of each text's most similar other text (cosine), ``[T]``; -1 for a text
+    whose embedding is not finite, which is no text's neighbour either (argmax would
+    take a NaN similarity for the largest)."""
+    finite = torch.isfinite(embeddings).all(dim=-1)  # [T]
     sims = embeddings @ embeddings.T
+    sims = torch.where(finite[:, None] & finite[None, :], sims, -math.inf)
     sims.fill_diagonal_(-math.inf)
-    return sims.argmax(dim=1)
+    return torch.where(finite, sims.argmax(dim=1), -1)
 
 
 def quality(embeddings: Tensor, exact: Tensor) -> dict[str, float]:
     """Cosine similarity to the exact embeddings and recall@1 of the exact neighbours."""
     cos = torch.nn.functional.cosine_similarity(embeddings, exact, dim=-1)
-    agree = nearest_neighbours(embeddings) == nearest_neighbours(exact)
+    found = nearest_neighbours(embeddings)
+    agree = (found == nearest_neighbours(exact)) & (found >= 0)  # a NaN text finds none
     return {
         "cosine_mean": cos.mean().item(),
         "cosine_min": cos.min().item(),
