@@ -279,6 +279,12 @@ def test_crossover_and_summary_arithmetic():
     assert summary["lin"]["exponent"] == pytest.approx(1.0)
     assert summary["softmax"]["exponent"] == pytest.approx(2.0)
     assert summary["lin"]["crossover_n"] == pytest.approx(1000.0)
+    # N -> 2N growth wherever N/2 was measured, not only at the previous length
+    between = [{**rows[0], "n": n, "fwd_bwd_ms": 1e-6 * n**2, "growth": None}
+               for n in (256, 384, 512, 768, 1024)]
+    summarise(between, "softmax", True)
+    assert [r["growth"] for r in between] == [None, None, pytest.approx(4.0),
+                                              pytest.approx(4.0), pytest.approx(4.0)]
     # memory ratios: not between CPU peaks below the counters' resolution (1 MiB)
     for device, ref_mib, expected in (("cpu", 0.3, None), ("cpu", 4.0, 0.5),
                                       ("cuda", 0.3, 0.5)):

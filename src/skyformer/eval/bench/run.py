@@ -23,7 +23,6 @@ the fitted scaling exponent of its time.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import os
 from collections.abc import Callable
@@ -557,8 +556,10 @@ def summarise(rows: list[dict[str, Any]], reference: str, backward: bool) -> lis
                              for x in (r, base)]
                     if peaks[1] and all(above_resolution(peak, g[0]) for peak in peaks):
                         r["memory_ratio"] = r["peak_mib"] / base["peak_mib"]
-            for (n0, r0), (n1, r1) in itertools.pairwise(ok):
-                if n1 == 2 * n0:
+            by_length = dict(ok)
+            for n1, r1 in ok:  # any measured N/2, not only the previous length
+                r0 = by_length.get(n1 // 2) if n1 % 2 == 0 else None
+                if r0 is not None and r0[key]:
                     r1["growth"] = r1[key] / r0[key]
             times = [(n, r[key]) for n, r in ok]
             longest = [p for p in times if times and p[0] * 4 >= times[-1][0]]
