@@ -56,8 +56,12 @@ def read_text(src: str | Path, *, dev_fraction: float = 0.1, split_seed: int = 0
     train, test = _reviews(root / "train"), _reviews(root / "test")
     meta: dict[str, Any] = {"source": str(root.resolve()), "dev_fraction": dev_fraction}
     if dev_fraction == 0:
-        dev = test
+        # the test reviews in a seeded order: they are listed negative first, and a dev
+        # check during training reads the split's first batches (eval_batches)
+        order = np.random.default_rng(split_seed).permutation(len(test))
+        dev = [test[i] for i in order]
         meta["dev_is_test"] = True
+        meta["split_seed"] = split_seed
     else:
         order = np.random.default_rng(split_seed).permutation(len(train))
         n_dev = max(1, round(dev_fraction * len(train)))
