@@ -144,3 +144,15 @@ def test_the_library_never_picks_a_matplotlib_backend():
                  if "matplotlib.use(" in (text := p.read_text()) or "import matplotlib.pyplot"
                  in text or "from matplotlib import pyplot" in text]
     assert offenders == []
+
+
+def test_a_default_typed_or_not_is_one_experiment(tmp_path):
+    """Seeds of one experiment, one typing num_features=128 (skyformer's default) and one
+    not, are one row: settings hold every option the attention ran with."""
+    config = {"task": "listops", "attention": "skyformer", "steps": 50_000, "lr": 1e-4}
+    for seed, options in ((0, {}), (1, {"num_features": 128})):
+        _fake_run(tmp_path, "listops", "skyformer", seed, 0.3 + 0.1 * seed,
+                  config={**config, "seed": seed, "attention_options": options})
+    rows = [line for line in tables(collect_runs([tmp_path])).split("Table 2")[0].splitlines()
+            if line.startswith("| skyformer")]
+    assert len(rows) == 1 and "(2)" in rows[0], rows

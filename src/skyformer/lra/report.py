@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..io import save_figure
-from ..registry import list_methods
+from ..registry import get_method, list_methods
 from .tasks import TASKS
 
 # Config entries that do not change what a run measures, besides the seed.
@@ -47,16 +47,29 @@ class Run:
     @property
     def settings(self) -> dict[str, Any]:
         """The experiment: the training config without the seed and logging intervals,
-        with the model's sequence length (the prepared one when the config has none)."""
+        with the model's sequence length (the prepared one when the config has none) and
+        every option the attention ran with (defaults included: a run that typed a
+        default is the same experiment as one that did not)."""
         config = self.result.get("config") or {}
         out = {k: v for k, v in config.items()
                if k not in (*NOT_EXPERIMENT, "task", "attention", "attention_options")}
-        for key, value in (config.get("attention_options") or {}).items():
+        model = self.result.get("model") or {}
+        ran_with = model.get("attention_options", config.get("attention_options")) or {}
+        for key, value in _every_option(self.result.get("attention"), ran_with).items():
             out[f"option {key}" if key in out else key] = value
         model_len = (self.result.get("model") or {}).get("max_len")
         if model_len is not None:
             out["max_len"] = model_len
         return out
+
+
+def _every_option(method: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with the method's defaults filled in, when the method is registered
+    here and takes them (else as they are: a run of a method registered elsewhere)."""
+    try:
+        return get_method(method).bind(**options).options()
+    except (KeyError, TypeError, ValueError):
+        return dict(options)
 
 
 def collect_runs(paths: list[str | os.PathLike[str]]) -> list[Run]:
