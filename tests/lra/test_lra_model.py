@@ -164,3 +164,14 @@ def test_methods_without_half_precision_run_in_float32_under_autocast(fake_metho
         logits = model(*_batch())
     assert logits.dtype == torch.bfloat16
     assert {c["dtype"] for c in fake_methods} == {torch.float32}
+
+
+def test_informer_takes_the_papers_128_features_unless_told_otherwise():
+    """Skyformer section 5: "128 features in all methods (except Big Bird)"; Informer's own
+    default would let 5 ceil(ln 2000) = 40 queries attend on ListOps."""
+    assert resolve_attention_options("informer", {}, 2000)["num_features"] == 128
+    assert resolve_attention_options("informer", {"num_features": 16}, 2000)["num_features"] == 16
+    assert "num_features" not in resolve_attention_options("softmax", {}, 2000)
+    model = LRAClassifier(ModelConfig(vocab_size=10, num_classes=2, max_len=16,
+                                      attention="informer"))
+    assert model.cfg.attention_options == {"num_features": 128}

@@ -47,13 +47,21 @@ class ModelConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}.")
 
 
+# The paper's setting where a method's registered default differs from it (Skyformer
+# section 5: "128 features in all methods (except Big Bird)"): Informer's default is its
+# own u = 5 ceil(ln N) attending queries, 40 at ListOps' 2000 tokens.
+PAPER_OPTIONS: dict[str, dict[str, Any]] = {"informer": {"num_features": 128}}
+
+
 def resolve_attention_options(method: str, options: dict[str, Any], max_len: int) -> dict[str, Any]:
     """The method's options for sequences of ``max_len`` tokens, validated.
 
     Methods whose capabilities say ``fixed_length`` (e.g. Linformer's projections) get
-    ``max_seq_len=max_len`` unless it is given.
+    ``max_seq_len=max_len`` unless it is given; ``PAPER_OPTIONS`` fill in the paper's
+    settings that are not the method's defaults, unless given.
     """
     spec = get_method(method)
+    options = {**PAPER_OPTIONS.get(spec.name, {}), **options}
     resolved = spec.resolve_options(options, max_len)
     spec.make_config(**resolved)  # unknown or invalid options fail here, early
     return resolved
