@@ -64,6 +64,9 @@ def test_stop_after_stops_at_that_step_and_says_where(tmp_path, capsys, listops_
     assert main([*args, "--stop-after", "0", "--out", str(tmp_path / "none")]) == 0
     assert "stopped after step 0;" in capsys.readouterr().out
     assert not (tmp_path / "none" / "last.pt").exists()
+    assert main([*args, "--stop-after", "-2", "--out", str(tmp_path / "negative")]) == 2
+    assert "--stop-after) must be a number of steps >= 0, got -2" in capsys.readouterr().err
+    assert not (tmp_path / "negative").exists()
 
 
 def test_a_run_already_at_or_past_stop_after_says_so_in_one_line(

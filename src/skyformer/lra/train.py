@@ -144,6 +144,10 @@ class Trainer:
                  out_dir: str | os.PathLike[str] | None = None, resume: bool = False,
                  stop_after: int | None = None, device: str = "auto", tensorboard: bool = True,
                  quiet: bool = False) -> None:
+        if stop_after is not None and (isinstance(stop_after, bool)
+                                       or not isinstance(stop_after, int) or stop_after < 0):
+            raise ValueError(f"stop_after (--stop-after) must be a number of steps >= 0, "
+                             f"got {stop_after!r}.")
         self.cfg = cfg
         self.cache_root = Path(cache_root)
         self.folder = Path(out_dir) if out_dir is not None else default_run_dir(cfg)
