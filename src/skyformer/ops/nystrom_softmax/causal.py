@@ -17,6 +17,10 @@ sums); row i multiplies it by exp(R_{c-1} - r_i) <= 1. Nothing can overflow and 
 shift depends on a later key. The [C, C] mix costs O(N^2 m Dv / L^2), negligible up
 to N ~ 10^5 at L = 64.
 
+Range: every term of row i carries exp(-|q^_i|^2/2), divided out only in the ratio, so
+past |q^_i|^2/2 ~ 354 (float64; ~44 in float32) the row's normaliser is lost and the row
+takes the fallback below (docs/reliability.md, "nystrom_softmax in float32").
+
 Unreliable rows: as in the non-causal path, a row whose normaliser D~_i is at most
 ``normalizer_threshold`` times its bound sum_s |phi_s(q_i)| |z_s| + sum_{near j} |a_ij|
 (z the normaliser column of the state) returns the mean of the values j <= i.

@@ -6,8 +6,10 @@ in ``ops/skyformer/README.md`` ("Causal"). In short:
 - Landmark slot s sits at the real token of rank r_s = s R + floor(u_s R) (R = the
   landmark stride, by default ceil(n_b / m) for the n_b real tokens of the batch
   element, u_s a counter-based uniform draw of the batch element and slot): its
-  position depends on the generator and on which earlier tokens are real, never on
-  the content nor on anything after it. Even slots take that token's query row, odd
+  position depends on the generator, on which earlier tokens are real and on R, never
+  on the content. R's default counts every real token of the sequence, later ones
+  too: for outputs that no later token can move (decoding, a prefix run alone), give
+  ``landmark_stride``. Even slots take that token's query row, odd
   slots its key row (half from each, as Skyformer's [Q; K] sampling). Slots are in
   the order they become available; a slot past the sequence holds no landmark.
 - Query i uses the slots at positions <= i. The core of that nested set is the
