@@ -76,7 +76,7 @@ def table(rows: list[dict], lengths: list[int]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 8192])
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--m", type=int, default=128, help="num_features of the approximations")
