@@ -160,3 +160,20 @@ def test_jacrev_of_the_steps_equals_jacfwd(shape, init):
 
     reverse = torch.func.jacrev(steps)(a.contiguous())
     assert torch.allclose(reverse, torch.func.jacfwd(steps)(a.contiguous()), atol=1e-12)
+
+
+@pytest.mark.parametrize("init", ["identity", "scaled_transpose"])
+def test_a_tiny_gradient_is_not_flushed_away(init):
+    """The backward pass flushes entries below sqrt(tiny) on CPU, as the forward: with the
+    gradient brought to order 1 by a power of two first, scaling the loss by 2^-66 scales
+    the gradient exactly (it was 0: the whole gradient below the flush)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 16, 16, generator=g)
+    sym = x + x.transpose(1, 2)
+    sym = sym / torch.linalg.matrix_norm(sym, ord=2)[:, None, None]
+    a = (torch.eye(16) + 0.3 * sym).requires_grad_()  # ||I - A|| = 0.3: both starts converge
+    weights = torch.randn(3, 16, 16, generator=g)
+    grads = [torch.autograd.grad((iterative_pinv(a, 6, init=init) * weights).sum() * s, a)[0]
+             for s in (1.0, 2.0**-66)]
+    assert grads[0].abs().max() > 0
+    torch.testing.assert_close(grads[1] * 2.0**66, grads[0], rtol=0, atol=0)

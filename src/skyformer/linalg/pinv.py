@@ -20,6 +20,7 @@ sequence's output depend on the others):
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -142,7 +143,13 @@ class _RazaviIteration(torch.autograd.Function):
         t1, dt3, m1, m2, dp, tmp = torch.empty(6, *a3.shape, dtype=a3.dtype, device=a3.device)
         g_next = torch.empty(2, *a3.shape, dtype=a3.dtype, device=a3.device)
         flush = flush_on_cpu_  # as in the forward pass: products stay normal
-        g = flush(g.clone()) if g.device.type == "cpu" else g
+        scale = None
+        if g.device.type == "cpu":
+            # The backward pass is linear in g: flushing at sqrt(tiny) is safe once each
+            # matrix's g is brought to order 1 by an exact power of two (a gradient may be
+            # of any size; below 2^-60 the flush dropped the inverse's part of dq, dk).
+            scale = _power_of_two_scale(g)
+            g = flush(g * scale)
         for i in reversed(range(store.shape[0])):
             v, p, t2, t3 = store[i]
             first_from_identity = i == 0 and ctx.identity_start
@@ -165,10 +172,23 @@ class _RazaviIteration(torch.autograd.Function):
             da.baddbmm_(dp, v.transpose(1, 2))
             torch.bmm(a_t, dp, out=tmp)
             g = flush(torch.baddbmm(tmp, g, t3.transpose(1, 2), alpha=0.25, out=g_next[i % 2]))
+        if scale is not None:  # back to the gradient's own size, exactly
+            da.div_(scale)
+            g = g / scale
         # a's shape, not [..., m, m] per matrix: under a transform of this backward pass
         # (jacrev) one [m, m] matrix arrives with the mapped dim folded into its rows
         dv0 = None if ctx.identity_start else g.reshape(a.shape).clone()
         return da.reshape(a.shape), dv0, None
+
+
+def _power_of_two_scale(g: Tensor) -> Tensor:
+    """``[n, 1, 1]``: 2^-e with 2^(e-1) <= max |g| of each matrix < 2^e, so that g times it
+    has entries of order 1 and nothing is rounded (1 where g is 0 or not finite; e kept
+    within the dtype's exponent range)."""
+    top = g.abs().amax(dim=(1, 2), keepdim=True)
+    exponent = torch.frexp(torch.where(torch.isfinite(top), top, 0.0)).exponent
+    limit = int(math.log2(torch.finfo(g.dtype).max)) - 2
+    return torch.ldexp(torch.ones_like(top), (-exponent).clamp(-limit, limit))
 
 
 def iterative_pinv(
