@@ -469,3 +469,42 @@ def test_a_model_that_refuses_the_switch_is_left_as_it_was(monkeypatch):
         shf.set_attention(model, "performer", num_features=8, seed=0)
     assert set(model.state_dict()) == keys
     assert shf.describe(model) == rows
+
+
+def test_padding_masks_have_transformers_shape_so_a_model_can_join_them():
+    """skyformer_mask gave padding masks as [B, 1, 1, Nk]; T5Gemma2's decoder concatenates
+    its self- and cross-attention masks along the keys and failed ("Expected size 6 but
+    got size 1"), for skyformer:softmax too. They are [B, 1, Nq, Nk] now, stride 0 over
+    the queries (no more memory)."""
+    from skyformer.hf.attention import skyformer_mask
+
+    padding = torch.ones(2, 10, dtype=torch.long)
+    padding[1, 7:] = 0
+    mask = skyformer_mask(2, 6, 10, attention_mask=padding)
+    assert mask.shape == (2, 1, 6, 10) and mask.stride(2) == 0
+    assert mask[1, 0, 3].tolist() == [True] * 7 + [False] * 3
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "T5Gemma2Model"):
+        pytest.skip("T5Gemma2 needs a newer transformers")
+    text = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+            "vocab_size": 300, "max_position_embeddings": 64, "sliding_window": 4}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_attention_heads": 4, "image_size": 16, "patch_size": 8}
+    config = transformers.T5Gemma2Config(
+        encoder={"text_config": text, "vision_config": vision, "mm_tokens_per_image": 4,
+                 "boi_token_index": 290, "eoi_token_index": 291, "image_token_index": 292},
+        decoder={**text, "layer_types": ["full_attention", "full_attention"]},
+        image_token_index=292)
+    torch.manual_seed(0)
+    model = transformers.T5Gemma2Model(config).eval().double()
+    g = torch.Generator().manual_seed(12)
+    ids = torch.randint(3, 280, (2, 10), generator=g)
+    decoder_ids = torch.randint(3, 280, (2, 6), generator=g)
+    outputs = {}
+    for implementation in ("sdpa", "skyformer:softmax"):
+        model.set_attn_implementation(implementation)
+        outputs[implementation] = model(input_ids=ids, attention_mask=padding,
+                                        decoder_input_ids=decoder_ids).last_hidden_state
+    torch.testing.assert_close(outputs["skyformer:softmax"], outputs["sdpa"], rtol=0,
+                               atol=1e-12)

@@ -365,8 +365,11 @@ def skyformer_mask(
     allow_is_bidirectional_skip: bool = False,
     **kwargs: Any,
 ) -> Tensor | None:
-    """transformers mask builder: padding-only masks as ``[B, 1, 1, Nk]`` bool (or ``None``
-    without padding), every other pattern as transformers' SDPA mask."""
+    """transformers mask builder: padding-only masks as ``[B, 1, Nq, Nk]`` bool, the key
+    padding expanded over the queries with stride 0 (O(N) memory; ``None`` without
+    padding where a skip is allowed), every other pattern as transformers' SDPA mask.
+    The shape is transformers': a model may join the mask to another along the keys
+    (T5Gemma2 concatenates its self- and cross-attention masks)."""
     if (
         mask_function is bidirectional_mask_function
         and local_size is None
@@ -378,7 +381,7 @@ def skyformer_mask(
         if allow_is_bidirectional_skip and not torch.compiler.is_compiling() \
                 and bool(padding.all()):  # a traced call keeps the mask (no data guard)
             return None
-        return padding[:, None, None, :]
+        return padding[:, None, None, :].expand(-1, 1, q_length, -1)
     return sdpa_mask(
         batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
         local_size=local_size, allow_is_bidirectional_skip=allow_is_bidirectional_skip, **kwargs,
