@@ -13,6 +13,7 @@ from skyformer.registry import (
     get_method,
     register,
 )
+from skyformer.registry import methods as registry_methods
 from tests.conftest import make_qkv
 
 
@@ -174,8 +175,9 @@ def test_a_name_with_brackets_cannot_be_registered():
     class Config:
         num_features: int = 1
 
-    with pytest.raises(TypeError, match="without brackets"):
-        register("mine[x=1]", Config, Capabilities(target="softmax"))
+    for name in ("mine[x=1]", "softmax ", "my method", "pkg:fn", "fn@softmax", ""):
+        with pytest.raises(TypeError, match="letters, digits"):
+            register(name, Config, Capabilities(target="softmax"))
 
 
 @pytest.mark.parametrize("method", ["performer", "linformer"])
@@ -194,3 +196,59 @@ def test_a_seeded_state_leaves_every_generator_as_it_was(method, monkeypatch):
     assert torch.equal(torch.get_rng_state(), before)
     for a, b in zip(first.state_dict().values(), again.state_dict().values(), strict=True):
         assert torch.equal(a, b)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scaled:
+    factor: float = 1.0
+    causal: bool = False
+
+
+def _register_scaled(monkeypatch, name, capabilities, offset=0.0):
+    """A method of this test's own: factor x mean(V) + offset, registered for the test."""
+    monkeypatch.delitem(registry_methods._REGISTRY, name, raising=False)
+
+    @register(name, _Scaled, capabilities)
+    def scaled(q, k, v, config, *, key_padding_mask=None, query_padding_mask="auto",
+               generator=None):
+        return (config.factor * v.mean(2, keepdim=True) + offset).expand(*q.shape[:3],
+                                                                          v.shape[-1])
+
+    monkeypatch.setitem(registry_methods._REGISTRY, name, registry_methods._REGISTRY[name])
+    return scaled
+
+
+def test_declared_incapabilities_are_enforced_on_every_route(monkeypatch):
+    """half_precision=False under autocast (the core got bfloat16), gqa and varlen False
+    (never checked), causal=False with a causal option in the config or a variant's
+    name (run silently): each is refused with the capability's sentence."""
+    caps = Capabilities(target="softmax", half_precision=False, gqa=False, varlen=False,
+                        causal=False)
+    _register_scaled(monkeypatch, "scaled_mean", caps)
+    q, k, v = (t.float() for t in make_qkv(1, 2, 6, 4))
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(CapabilityError,
+                                                                     match="bfloat16 inputs"):
+        skyformer.attention(q, k, v, "scaled_mean")
+    with pytest.raises(CapabilityError, match="fewer key/value heads"):
+        skyformer.scaled_dot_product_attention(q, k[:, :1], v[:, :1], enable_gqa=True,
+                                               method="scaled_mean")
+    with pytest.raises(CapabilityError, match="packed variable-length"):
+        skyformer.scaled_dot_product_attention(q[:1], k[:1], v[:1], method="scaled_mean",
+                                               cu_seqlens=torch.tensor([0, 2, 6]))
+    for call in (lambda: skyformer.attention(q, k, v, "scaled_mean[causal=true]"),
+                 lambda: skyformer.MultiHeadAttention(8, 2, "scaled_mean", causal=True)):
+        with pytest.raises(CapabilityError, match="causal"):
+            call()
+    skyformer.attention(q, k, v, "scaled_mean[factor=2.0]")  # what it can do, it does
+
+
+def test_a_variant_follows_its_method_registered_again(monkeypatch):
+    """Variants were cached by name: after the method was registered again, its variant
+    still ran the old function."""
+    q, k, v = make_qkv(1, 2, 6, 4)
+    caps = Capabilities(target="softmax")
+    _register_scaled(monkeypatch, "scaled_again", caps)
+    first = skyformer.attention(q, k, v, "scaled_again[factor=2.0]")
+    _register_scaled(monkeypatch, "scaled_again", caps, offset=1.0)
+    again = skyformer.attention(q, k, v, "scaled_again[factor=2.0]")
+    torch.testing.assert_close(again, first + 1.0)

@@ -180,6 +180,7 @@ def _grouped(method: str, query: Tensor, key: Tensor, value: Tensor, enable_gqa:
             f"{method}: the query has {h} heads but key/value have {key.shape[1]}/"
             f"{value.shape[1]}; grouped-query attention needs {needs}."
         )
+    check_capabilities(method, gqa=True)
     group = h // hkv
     return key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
 
@@ -270,7 +271,7 @@ def _varlen(spec: Method, query: Tensor, key: Tensor, value: Tensor, attn_mask: 
     if attn_mask is not None:
         raise ValueError(f"{spec.name}: with cu_seqlens, pass no attn_mask (the sequences "
                          f"are kept apart by the cumulative lengths; use is_causal).")
-    check_capabilities(spec.name, mask=True)
+    check_capabilities(spec.name, mask=True, varlen=True)
     cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
     if isinstance(cu_k, Tensor) and isinstance(cu_seqlens, Tensor) \
             and cu_k.shape != cu_seqlens.shape:

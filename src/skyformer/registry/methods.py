@@ -20,6 +20,7 @@ missing capability and the methods that have it.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -103,7 +104,8 @@ class Method:
         """Build the frozen config, rejecting unknown options with the list of known ones."""
         options = {**dict(self.preset), **options}
         unknown = sorted(set(options) - set(self.option_names()))
-        if "causal" in unknown and options.get("causal"):
+        if options.get("causal") is True and not self.capabilities.causal:
+            # an unknown option, or one the config has while the capability says no
             raise CapabilityError(_capability_sentence(self.name, "causal"))
         if unknown:
             known = ", ".join(self.option_names()) or "none"
@@ -143,16 +145,24 @@ class Method:
         that are not ``[B, H, N, D]`` tensors are left to the method's own input checks."""
         q_ok = isinstance(q, Tensor) and q.dim() == 4
         k_ok = isinstance(k, Tensor) and k.dim() == 4
+        half = q_ok and (q.dtype in HALF_DTYPES or (  # type: ignore[union-attr]
+            torch.is_autocast_enabled(q.device.type)  # type: ignore[union-attr]
+            and torch.get_autocast_dtype(q.device.type) in HALF_DTYPES))  # type: ignore[union-attr]
         check_capabilities(
             self.name,
             mask=key_padding_mask is not None,
             cross_attention=q_ok and k_ok and q.shape[2] != k.shape[2],  # type: ignore[union-attr]
-            half_precision=q_ok and q.dtype in HALF_DTYPES,  # type: ignore[union-attr]
+            half_precision=half,  # given half, or cast to half by autocast (call_core)
         )
 
 
 _REGISTRY: dict[str, Method] = {}
-_VARIANTS: dict[str, Method] = {}  # variants by the name they were asked for
+# variants by the name they were asked for, with the method they were made of (a name
+# registered again makes its variants again)
+_VARIANTS: dict[str, tuple[str, Method, Method]] = {}
+# what a method's name may hold: variants, module:function@target names and shells need
+# the rest ("softmax " would be refused by every lookup, which strips)
+_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 
 
 def register(
@@ -165,9 +175,10 @@ def register(
 ) -> Callable[[Callable[..., Tensor]], Callable[..., Tensor]]:
     """Decorator that registers an attention function under ``name``; returns its public
     form (generated from a core, see the module docstring)."""
-    if not isinstance(name, str) or not name or is_variant(name):
-        raise TypeError(f"register: a method's name is a non-empty string without "
-                        f"brackets (they name a variant), got {name!r}.")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise TypeError(f"register: a method's name is a non-empty string of letters, digits, "
+                        f"'_', '-' and '.' (brackets name a variant, ':' and '@' a function "
+                        f"in the eval tools), got {name!r}.")
     if not isinstance(config_class, type) or not dataclasses.is_dataclass(config_class):
         raise TypeError(f"config_class of {name!r} must be a dataclass class (not an "
                         f"instance), got {config_class!r}.")
@@ -226,14 +237,15 @@ def get_method(name: str) -> Method:
     names fail with the list of known ones."""
     _load_builtin_methods()
     if isinstance(name, str) and is_variant(name):
-        if name not in _VARIANTS:  # parsed and checked once (calls name it every time)
+        cached = _VARIANTS.get(name)  # parsed and checked once (calls name it every time)
+        if cached is None or _REGISTRY.get(cached[0]) is not cached[1]:
             base, preset = parse_variant(name)
             of = get_method(base)
             method = Method(name.strip(), of.function, of.config_class, of.capabilities,
                             of.summary, of.state, preset)
             method.make_config()  # unknown options and bad values fail here, in a sentence
-            _VARIANTS[name] = method
-        return _VARIANTS[name]
+            cached = _VARIANTS[name] = (base, of, method)
+        return cached[2]
     if not isinstance(name, str) or name not in _REGISTRY:
         raise ValueError(
             f"unknown attention method {name!r}; available: {', '.join(_REGISTRY)}."
@@ -265,6 +277,8 @@ def check_capabilities(
     causal: bool = False,
     cross_attention: bool = False,
     half_precision: bool = False,
+    gqa: bool = False,
+    varlen: bool = False,
 ) -> Method:
     """Fail with a sentence if method ``name`` cannot do what is asked."""
     method = get_method(name)
@@ -274,6 +288,8 @@ def check_capabilities(
         ("causal", causal),
         ("cross_attention", cross_attention),
         ("half_precision", half_precision),
+        ("gqa", gqa),
+        ("varlen", varlen),
     ):
         if wanted and not getattr(caps, capability):
             raise CapabilityError(_capability_sentence(name, capability))
