@@ -135,11 +135,9 @@ def test_samples_are_uniform_over_real_keys():
 def test_chunked_measurement_equals_unchunked(monkeypatch):
     q, k, v = make_qkv(2, 2, 50, 8)
     s = samples_for(q, k, v, None, 0)
-    n_k = torch.full((2,), 50)
-    whole = sparsity_measurement(q, k, s, 0.3, None, n_k)
+    whole = sparsity_measurement(q, k, s, 0.3, None)
     monkeypatch.setattr(informer_module, "_CHUNK_ELEMENTS", 1000)
-    torch.testing.assert_close(sparsity_measurement(q, k, s, 0.3, None, n_k), whole, rtol=0,
-                               atol=0)
+    torch.testing.assert_close(sparsity_measurement(q, k, s, 0.3, None), whole, rtol=0, atol=0)
     scores = 0.3 * (q[0, 0, 3] @ k[0, 0, s.index[0, 3]].T)
     # eq. (4) with the pairs not sampled counted as 0 (Informer Section 3.1): sum / n_k
     assert math.isclose(

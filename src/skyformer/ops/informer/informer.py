@@ -89,6 +89,7 @@ class KeySamples:
 
     index: Tensor  # [B, Nq, U] long (0 where not live)
     live: Tensor  # [B, Nq, U] bool: real query and within its sequence's sample size
+    key_count: Tensor  # [B] long: n_k, the real keys the samples are drawn among
 
 
 def _ranks(valid: Tensor | None, batch: int, n: int, device: torch.device
@@ -128,16 +129,15 @@ def sample_keys(
     live = (u < sizes[:, None, None]).expand_as(rank)
     if info.query_valid is not None:
         live = live & info.query_valid[..., None]
-    return KeySamples(index.masked_fill(~live, 0), live)
+    return KeySamples(index.masked_fill(~live, 0), live, n_k)
 
 
 @no_derivatives
 def sparsity_measurement(
-    q: Tensor, k: Tensor, samples: KeySamples, scale: float, query_valid: Tensor | None,
-    key_count: Tensor,
+    q: Tensor, k: Tensor, samples: KeySamples, scale: float, query_valid: Tensor | None
 ) -> Tensor:
     """M(q_i) = max - (1/n_k) sum of s q_i.k_j over the sampled keys (eq. (4), the pairs
-    not sampled counted as 0): ``[B, H, Nq]``; ``key_count``: n_k ``[B]``.
+    not sampled counted as 0): ``[B, H, Nq]``.
 
     ``-inf`` for padded queries (never selected). Chunked over queries so that the
     gathered keys take at most ``_CHUNK_ELEMENTS`` entries.
@@ -159,7 +159,8 @@ def sparsity_measurement(
             ..., 0, :
         ] * scale  # [B, H, C, U]
         top = scores.masked_fill(~live, float("-inf")).amax(dim=-1)
-        mean = (scores * live).sum(-1) / key_count.clamp_min(1).to(scores.dtype)[:, None, None]
+        n_k = samples.key_count.clamp_min(1).to(scores.dtype)[:, None, None]  # [B, 1, 1]
+        mean = (scores * live).sum(-1) / n_k
         parts.append(top - mean)
     out = torch.cat(parts, dim=2)
     if query_valid is not None:
@@ -213,8 +214,7 @@ def informer_attention(
     s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
     qw, kw, vw = q.to(work), k.to(work), v.to(work)
     samples = sample_keys(info, config.factor, q.device, key)
-    key_count = _ranks(info.key_valid, info.batch, info.key_len, q.device)[2]  # n_k: [B]
-    measure = sparsity_measurement(qw, kw, samples, s, info.query_valid, key_count)
+    measure = sparsity_measurement(qw, kw, samples, s, info.query_valid)  # [B, H, Nq]
     counts, u = active_counts(info, config.num_features, config.factor, q.device)
     top = measure.topk(u, dim=-1, sorted=True).indices  # [B, H, u]
     active = torch.arange(u, device=q.device) < counts[:, None]
