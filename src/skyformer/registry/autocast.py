@@ -40,17 +40,24 @@ def call_core(core: Callable[..., Tensor], q: Any, k: Any, v: Any, config: Any,
         return _guarded(core, q, k, v, config, masks, owned, causal, kwargs)
 
 
+def autocast_dtype(q: Tensor) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` casts a call's inputs to on ``q``'s device, or None
+    where it is off (``autocast_rule``; the capability check asks it too)."""
+    device_type = q.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) \
+        else None
+
+
 def autocast_rule(q: Tensor, k: Any, v: Any) -> tuple[Tensor, Any, Any, AbstractContextManager]:
     """``(q, k, v, context)``: under ``torch.autocast`` on ``q``'s device the inputs
     cast to the autocast dtype and a context turning autocast off for the method; else
     the inputs as they are and a context that does nothing."""
-    device_type = q.device.type
-    if not torch.is_autocast_enabled(device_type):
+    dtype = autocast_dtype(q)
+    if dtype is None:
         return q, k, v, nullcontext()
-    dtype = torch.get_autocast_dtype(device_type)
     q, k, v = (t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t
                for t in (q, k, v))
-    return q, k, v, torch.autocast(device_type, enabled=False)
+    return q, k, v, torch.autocast(q.device.type, enabled=False)
 
 
 def _guarded(core: Callable[..., Tensor], q: Tensor, k: Any, v: Any, config: Any,

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .autocast import autocast_dtype
 from .binding import HALF_DTYPES, BoundMethod
 from .capabilities import TARGETS, Capabilities, CapabilityError, Target, capability_sentence
 from .signature import config_fields, core_of, public_function, takes_config
@@ -145,9 +146,8 @@ class Method:
         that are not ``[B, H, N, D]`` tensors are left to the method's own input checks."""
         q_ok = isinstance(q, Tensor) and q.dim() == 4
         k_ok = isinstance(k, Tensor) and k.dim() == 4
-        half = q_ok and (q.dtype in HALF_DTYPES or (  # type: ignore[union-attr]
-            torch.is_autocast_enabled(q.device.type)  # type: ignore[union-attr]
-            and torch.get_autocast_dtype(q.device.type) in HALF_DTYPES))  # type: ignore[union-attr]
+        half = q_ok and (q.dtype in HALF_DTYPES  # type: ignore[union-attr]
+                         or autocast_dtype(q) in HALF_DTYPES)  # type: ignore[arg-type]
         check_capabilities(
             self.name,
             mask=key_padding_mask is not None,
