@@ -57,7 +57,7 @@ class Run:
         ran_with = model.get("attention_options", config.get("attention_options")) or {}
         for key, value in _every_option(self.result.get("attention"), ran_with).items():
             out[f"option {key}" if key in out else key] = value
-        model_len = (self.result.get("model") or {}).get("max_len")
+        model_len = model.get("max_len")
         if model_len is not None:
             out["max_len"] = model_len
         return out

@@ -12,7 +12,7 @@ from torch import Tensor
 from ...linalg import half_sq_norm
 from ...registry import with_options
 from ..shared.modified_nystrom import modified_nystrom_factors
-from .nystrom_softmax import NystromSoftmaxConfig, needs_float64, normalise, prepare
+from .nystrom_softmax import NystromSoftmaxConfig, in_float64_where_needed, normalise, prepare
 
 
 @with_options(NystromSoftmaxConfig, "nystrom_softmax")
@@ -31,11 +31,9 @@ def materialised_nystrom_softmax_attention(
     Args and returns as ``nystrom_softmax_attention`` (computed in float64 where it is:
     ``needs_float64``).
     """
-    masks = {"key_padding_mask": key_padding_mask, "query_padding_mask": query_padding_mask}
-    if needs_float64(q, k, config):
-        return _materialised(q.double(), k.double(), v.double(), config, generator=generator,
-                             **masks).to(q.dtype)
-    return _materialised(q, k, v, config, generator=generator, **masks)
+    return in_float64_where_needed(_materialised, q, k, v, config, generator=generator,
+                                   key_padding_mask=key_padding_mask,
+                                   query_padding_mask=query_padding_mask)
 
 
 def _materialised(q: Tensor, k: Tensor, v: Tensor, config: NystromSoftmaxConfig, *,

@@ -50,7 +50,9 @@ the bound's column rides along in the product with C(Q, X_S).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -140,12 +142,9 @@ def nystrom_softmax_attention(
     Returns:
         ``[B, H, Nq, Dv]``; rows of padded queries (self-attention) are zero.
     """
-    masks = {"key_padding_mask": key_padding_mask, "query_padding_mask": query_padding_mask}
-    if needs_float64(q, k, config):
-        out = _attention(q.double(), k.double(), v.double(), config, generator=generator,
-                         **masks)
-        return out.to(q.dtype)
-    return _attention(q, k, v, config, generator=generator, **masks)
+    return in_float64_where_needed(_attention, q, k, v, config, generator=generator,
+                                   key_padding_mask=key_padding_mask,
+                                   query_padding_mask=query_padding_mask)
 
 
 def _attention(q: Tensor, k: Tensor, v: Tensor, config: NystromSoftmaxConfig, *,
@@ -164,6 +163,15 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, config: NystromSoftmaxConfig, *,
     q, k, core = nystrom_core(queries_for_gradient(q), k, root, config, landmarks,
                               bf16_values=bf16_values)
     return nystrom_softmax_from_core(q, k, v, core, info, root, config).to(out_dtype)
+
+
+def in_float64_where_needed(call: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor,
+                            config: NystromSoftmaxConfig, **kwargs: Any) -> Tensor:
+    """``call(q, k, v, config, **kwargs)``, in float64 and back to q's dtype where
+    ``needs_float64`` says so (the fused and the materialised path alike)."""
+    if needs_float64(q, k, config):
+        return call(q.double(), k.double(), v.double(), config, **kwargs).to(q.dtype)
+    return call(q, k, v, config, **kwargs)
 
 
 def needs_float64(q: Tensor, k: Tensor, config: NystromSoftmaxConfig) -> bool:
