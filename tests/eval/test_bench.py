@@ -92,8 +92,9 @@ def test_files_and_table(tiny, tmp_path):
                          "complete"}
     assert data["complete"] is True
     assert data["config"]["seq_lens"] == [64, 128] and len(data["rows"]) == 6
-    with open(tmp_path / "bench.csv") as handle:
-        assert set(next(csv.reader(handle))) == ROW_KEYS
+    with open(tmp_path / "bench.csv") as handle:  # metadata lines, then the rows
+        lines = [line for line in handle if not line.startswith("# ")]
+        assert set(next(csv.reader(lines))) == ROW_KEYS
     table = format_table(tiny)
     assert "skyformer" in table and "speed-up" in table and "B=1 H=2 D=8 float32 cpu" in table
     assert format_table(tiny, markdown=True).count("| skyformer |") == 2
@@ -171,6 +172,7 @@ def test_an_interrupted_run_keeps_its_lengths_and_resume_measures_only_the_rest(
     assert main([*argv, "--seq-lens", "64", "128"]) == 130
     partial = json.loads(out.with_suffix(".json").read_text())
     assert partial["complete"] is False
+    assert out.with_suffix(".csv").read_text().startswith("# complete: false\n")  # CSV too
     assert [(r["method"], r["n"]) for r in partial["rows"]] == [("softmax", 64),
                                                                ("skyformer", 64)]
     monkeypatch.setattr(bench_run, "_measure_length", measure)
@@ -181,6 +183,7 @@ def test_an_interrupted_run_keeps_its_lengths_and_resume_measures_only_the_rest(
     assert "N=    64" not in err and "N=   128" in err and "N=   256" in err
     final = json.loads(out.with_suffix(".json").read_text())
     assert final["complete"] is True
+    assert out.with_suffix(".csv").read_text().startswith("# complete: true\n")
     assert [r["n"] for r in final["rows"]] == [64, 64, 128, 128, 256, 256]
     for before, after in zip(partial["rows"], final["rows"][:2], strict=True):
         assert after["fwd_bwd_ms"] == before["fwd_bwd_ms"]

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import csv
-import io
 from pathlib import Path
 from typing import Any
 
-from ...io import atomic_write_text, remove_stale, save_figure, write_json
+from ...io import remove_stale, save_figure, write_csv, write_json
 from .run import BenchResult
 
 COLUMNS = [
@@ -235,20 +233,20 @@ def write_results(
     complete: bool = True,
 ) -> list[Path]:
     """``prefix``.json (config, environment, rows, summary), .csv (rows) and .png, each
-    written atomically. ``complete=False`` marks a run still going (or interrupted):
-    ``skyformer bench --resume`` continues it. Without ``plot``, a .png an earlier run
-    left is removed."""
+    written atomically. ``complete=False`` marks a run still going (or interrupted), in
+    the JSON and in the CSV's first comment line: ``skyformer bench --resume`` continues
+    it. Without ``plot``, a .png an earlier run left is removed."""
     prefix = Path(prefix)
     data = result.to_dict()
     data["complete"] = complete
     if command:
         data["command"] = command
     written = [write_json(result_path(prefix, ".json"), data)]
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(result.rows[0]) if result.rows else ["method"])
-    writer.writeheader()
-    writer.writerows(result.rows)
-    written.append(atomic_write_text(result_path(prefix, ".csv"), buf.getvalue()))
+    # ``# key: <json>`` lines first, as approx's CSV: pandas.read_csv(path, comment="#")
+    written.append(write_csv(result_path(prefix, ".csv"), result.rows, metadata={
+        "complete": complete, "config": data["config"], "environment": data["environment"],
+        "command": command,
+    }))
     if plot:
         written.append(plot_results(result, result_path(prefix, ".png")))
     else:
