@@ -478,3 +478,25 @@ def test_a_variant_that_sets_the_swept_num_features_is_refused():
         BenchConfig(seq_lens=(16, 16))
     with pytest.raises(ValueError, match=r"shapes lists \(1, 1, 4\) more than once"):
         BenchConfig(seq_lens=(16,), shapes=((1, 1, 4), (1, 1, 4)))
+
+
+@pytest.mark.parametrize("features", [None, 8])
+def test_a_method_registered_by_a_function_module_may_come_first(monkeypatch, tmp_path,
+                                                                  features):
+    """`--methods first_keys_mean tests.eval.registering_method:exact`: the module that
+    registers the method is imported before any name is looked up, with or without
+    --features (whose check read the names first: "unknown attention method")."""
+    import sys
+
+    import skyformer.registry.methods as registry_methods
+
+    monkeypatch.setattr(registry_methods, "_REGISTRY", dict(registry_methods._REGISTRY))
+    monkeypatch.delitem(sys.modules, "tests.eval.registering_method", raising=False)
+    argv = ["bench", "--methods", "first_keys_mean", "tests.eval.registering_method:exact",
+            "--seq-lens", "16", "--shapes", "1,1,4", "--repeats", "1", "--warmup", "0",
+            "--no-memory", "--out", str(tmp_path / "b"), "--no-plot"]
+    assert main(argv + (["--features", str(features)] if features else [])) == 0
+    rows = json.loads((tmp_path / "b.json").read_text())["rows"]
+    by_method = {r["method"]: r for r in rows}
+    assert set(by_method) == {"softmax", "first_keys_mean", "exact"}
+    assert by_method["first_keys_mean"]["num_features"] == (features or 4)

@@ -90,6 +90,13 @@ class NamedAttention:
         return lambda q, k, v, g: bound(q, k, v, generator=g, state=state)
 
 
+def resolve_all(specs: list[str] | tuple[str, ...]) -> list[NamedAttention]:
+    """``resolve`` for each spec, in order, after the ``module:function`` ones: importing
+    such a module may register a method that another spec names."""
+    functions = {spec: resolve(spec) for spec in specs if ":" in spec.partition("@")[0]}
+    return [functions.get(spec) or resolve(spec) for spec in specs]
+
+
 def resolve(spec: str) -> NamedAttention:
     """Resolve ``name``, ``module:function`` or ``module:function@target``."""
     if not isinstance(spec, str) or not spec:

@@ -44,7 +44,7 @@ from ..measure.flops import attention_flops, matmul_flops_per_second
 from ..measure.memory import MemoryJob, above_resolution, peak_memory_bytes
 from ..measure.metrics import relative_error, trivial_error
 from ..measure.timing import CLOCKS, interleaved_median_seconds
-from ..methods import NamedAttention, PreparedCall, refuse_repeats, resolve
+from ..methods import NamedAttention, PreparedCall, refuse_repeats, resolve_all
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 History = dict[str, list[tuple[int, float]]]  # label -> (N, seconds or bytes) measured so far
@@ -111,9 +111,9 @@ class BenchConfig:
             raise ValueError(f"num_features must be a positive integer, got {self.num_features}.")
         check_seed("seed", self.seed)
         if self.num_features is not None:
-            for m in self.methods or ():
-                if ":" not in m:  # a registered name (functions take no presets)
-                    method = get_method(m.partition("@")[0])
+            for named in resolve_all(self.methods or ()):
+                if named.registered:  # functions take no presets
+                    method = get_method(named.name)
                     refuse_swept_option(method.name, method.preset, "num_features",
                                         "bench (--features)")
         if not self.max_seconds > 0:
@@ -222,7 +222,7 @@ def run_bench(
             it, so that an interruption loses at most the length being measured).
     """
     device = torch.device(config.device)
-    methods = [resolve(name) for name in config.method_names()]  # unknown names fail first
+    methods = resolve_all(config.method_names())  # unknown names fail first
     labels = [m.label for m in methods]
     if len(set(labels)) != len(labels):
         raise ValueError(f"two methods share a name in {labels}; give each once.")
