@@ -415,3 +415,18 @@ def check_layer_2d(rank: int, world: int) -> None:
     for (name, a), b in zip(layer.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, **TOL, msg=name)
     assert 0 < traffic.bytes < 10_000, traffic.calls
+
+
+def check_gradients_present_on_some_ranks(rank: int, world: int) -> None:
+    """A head used on rank 0 only, one used on rank 1 only (same shapes, so the flat
+    sizes agreed and the two were added together), one used nowhere: the sum counts a
+    missing gradient as zero, and a parameter without a gradient anywhere stays None."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({name: torch.nn.Linear(2, 1, bias=False)
+                                 for name in ("first", "second", "unused")})
+    x = torch.ones(1, 2)
+    (model["first"] if rank == 0 else model["second"])(x * (rank + 1)).sum().backward()
+    sum_gradients(model)
+    torch.testing.assert_close(model["first"].weight.grad, torch.tensor([[1.0, 1.0]]))
+    torch.testing.assert_close(model["second"].weight.grad, torch.tensor([[2.0, 2.0]]))
+    assert model["unused"].weight.grad is None

@@ -11,6 +11,7 @@ from seqpar_workers import (
     check_autocast,
     check_equal,
     check_errors,
+    check_gradients_present_on_some_ranks,
     check_layer_2d,
     check_layer_copies,
     check_one_rank_fails,
@@ -64,6 +65,10 @@ def test_a_layer_copies_with_its_group_and_refuses_pickling():
 
 def test_layer_runs_data_by_sequence_parallel():
     spawn(4, check_layer_2d)
+
+
+def test_sum_gradients_counts_a_gradient_missing_on_some_ranks_as_zero():
+    spawn(2, check_gradients_present_on_some_ranks)
 
 
 def test_without_an_initialised_group_the_call_says_so():

@@ -32,12 +32,26 @@ def shard_bounds(n: int, world: int, rank: int) -> tuple[int, int]:
 @torch.no_grad()
 def sum_gradients(module: nn.Module, group: Any = None, divide_by: float = 1.0) -> None:
     """Sum the gradients of ``module``'s parameters over ``group`` (``None`` = every
-    process) in one all-reduce, then divide by ``divide_by`` (e.g. the number of
-    data-parallel groups). Parameters without a gradient are left alone."""
+    process) and divide by ``divide_by`` (e.g. the number of data-parallel groups).
+
+    A parameter may have a gradient on some ranks only (a head reading a token that one
+    shard holds): it counts as zero where missing, as in DDP. The ranks first agree on
+    which parameters have one (an all-reduce of one flag each), then sum those in one
+    all-reduce; a parameter with a gradient on no rank keeps ``grad = None``."""
     group = resolve_group(group, "sum_gradients")
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
-    if not grads:
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params:
         return
+    present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32,
+                           device=params[0].device)
+    dist.all_reduce(present, group=group)
+    params = [p for p, n in zip(params, present.tolist(), strict=True) if n > 0]
+    if not params:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=group)
     if divide_by != 1.0:

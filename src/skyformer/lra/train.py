@@ -229,7 +229,8 @@ class Trainer:
         else:
             self._say(f"resuming with {self.info.world_size} processes instead of "
                       f"{len(per_process)}: data order is kept but dropout and attention draws "
-                      "are reseeded, so the run will not match an uninterrupted one exactly")
+                      "are reseeded, and evaluations of randomised attention draw on other "
+                      "batches, so the run will not match an uninterrupted one exactly")
             torch.manual_seed(derive_seed(self.cfg.seed, self.info.rank, 1, self.state.step))
             self.attention_generator.manual_seed(derive_seed(self.cfg.seed, self.info.rank, 2,
                                                        self.state.step))
