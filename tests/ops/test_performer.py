@@ -320,3 +320,24 @@ def test_a_non_finite_projection_is_not_hidden(bad):
                               projection=projection)
     assert torch.isnan(out[0]).all() and torch.isnan(out[1, :, :5]).all()
     assert (out[1, :, 5:] == 0).all()
+
+
+def test_a_compiled_layer_redraws_on_the_eager_schedule():
+    """Under torch.compile the redraw is tensor ops; they once never counted the calls,
+    so a compiled layer trained on its first features forever (0.45 off eager from the
+    third call at interval 2)."""
+    import copy
+
+    torch.manual_seed(5)
+    layer = MultiHeadAttention(16, 2, "performer", num_features=8,
+                               feature_redraw_interval=2).train()
+    twin = copy.deepcopy(layer)
+    torch._dynamo.reset()
+    compiled = torch.compile(twin, fullgraph=True, backend="eager")
+    x = torch.randn(2, 10, 16)
+    for _ in range(5):
+        torch.testing.assert_close(compiled(x), layer(x))
+    state, twin_state = layer.method_state, twin.method_state
+    assert int(state.redraws) == 2
+    for name in ("redraws", "calls_since_redraw", "projection"):
+        assert torch.equal(getattr(twin_state, name), getattr(state, name)), name

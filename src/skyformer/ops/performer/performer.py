@@ -155,12 +155,14 @@ class PerformerFeatures(nn.Module):
 
     @torch.no_grad()
     def _redraw_if_due(self, interval: int) -> None:
-        """``redraw()`` when ``interval`` calls have used the features, as tensor ops."""
+        """``redraw()`` when ``interval`` calls have used the features, then count this
+        call, as the eager branch does, in tensor ops."""
         due = self.calls_since_redraw >= interval
         fresh = self._features(fold_in(self.seed, self.redraws + 1))
         self.projection.copy_(torch.where(due, fresh, self.projection))
         self.redraws.add_(due.long())
         self.calls_since_redraw.masked_fill_(due, 0)
+        self.calls_since_redraw.add_(1)
 
     def forward(self, q: Tensor, k: Tensor) -> dict[str, Tensor]:
         interval = self.config.feature_redraw_interval
