@@ -129,6 +129,30 @@ def test_deterministic_given_generator(method):
 
 
 @pytest.mark.parametrize("method", METHODS)
+def test_any_storage_order_gives_the_contiguous_result(method):
+    """Inputs as models make them: a per-head projection by einsum can store v with its
+    last two dimensions swapped (multipole's far field once could not ``view`` it),
+    and q, k may be transposed views of [B, N, H, D]. Forward and gradients."""
+    q, k, v = make_qkv(2, 2, 20, 6, seed=4)
+    mask = torch.ones(2, 20, dtype=torch.bool)
+    mask[1, 15:] = False
+    layouts = (q.transpose(1, 2).contiguous().transpose(1, 2),  # [B, N, H, D] storage
+               k.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3),  # N outermost
+               v.transpose(2, 3).contiguous().transpose(2, 3))  # D before N
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    strided = [t.requires_grad_(True) for t in layouts]  # leaves with those strides
+    assert not strided[2].is_contiguous() and strided[2].stride(-1) > strided[2].stride(-2)
+    expected = run(method, *leaves, mask=mask)
+    got = run(method, *strided, mask=mask)
+    torch.testing.assert_close(got, expected)
+    weights = torch.randn_like(expected)
+    (expected * weights).sum().backward()
+    (got * weights).sum().backward()
+    for name, a, b in zip("qkv", strided, leaves, strict=True):
+        torch.testing.assert_close(a.grad, b.grad, msg=name)
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_batch_independence(method):
     q, k, v = make_qkv(3, 2, 24, 8, seed=3)
     mask = torch.ones(3, 24, dtype=torch.bool)

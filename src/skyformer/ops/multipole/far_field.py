@@ -119,7 +119,8 @@ def far_field(
             total = ws.sum(-1, keepdim=True)
             inv = safe_reciprocal(total, total > torch.finfo(total.dtype).tiny ** 0.5)
         vr = vs if basis is None else vs @ basis  # [B, H, S, r]
-        outer = (vr[..., :, None] * ks[..., None, :]).view(b, h, ks.shape[2], rank * d)
+        # reshape: vr may be v itself, stored in any order (an einsum's [B, H, D, N] storage)
+        outer = (vr[..., :, None] * ks[..., None, :]).reshape(b, h, ks.shape[2], rank * d)
         second = ((ws @ outer) * inv).view(b, h, c, rank, d)
         mean_k, mean_vr = kbar, (vbar if basis is None else vbar @ basis)
         if sample is not None:
