@@ -508,3 +508,34 @@ def test_padding_masks_have_transformers_shape_so_a_model_can_join_them():
                                         decoder_input_ids=decoder_ids).last_hidden_state
     torch.testing.assert_close(outputs["skyformer:softmax"], outputs["sdpa"], rtol=0,
                                atol=1e-12)
+
+
+def test_the_plain_route_warns_when_a_training_forward_creates_parameters(tmp_path):
+    """attn_implementation="skyformer:linformer" makes each layer's projections in its
+    first forward pass, after an optimizer built at load time: in training that is said
+    (they were silently left out of the optimizer), in eval it is not."""
+    import warnings
+
+    from transformers import AutoModel
+
+    tiny_bert().save_pretrained(tmp_path)
+    ids = torch.ones(1, 8, dtype=torch.long)
+    plain = AutoModel.from_pretrained(tmp_path, attn_implementation="skyformer:linformer")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plain.eval()(input_ids=ids)  # eval: nothing to train, nothing said
+    plain = AutoModel.from_pretrained(tmp_path, attn_implementation="skyformer:linformer")
+    before = sum(p.numel() for p in plain.parameters())
+    with pytest.warns(UserWarning, match=r"skyformer\.hf\.set_attention"):
+        plain.train()(input_ids=ids)
+    assert sum(p.numel() for p in plain.parameters()) > before
+
+
+def test_from_pretrained_takes_a_variant_name(tmp_path):
+    tiny_bert().save_pretrained(tmp_path)
+    loaded = shf.from_pretrained(tmp_path, "nystrom_softmax[num_features=8]", seed=0)
+    assert {r["method"] for r in shf.describe(loaded)} == {"nystrom_softmax[num_features=8]"}
+    ids = torch.ones(1, 12, dtype=torch.long)
+    same = shf.set_attention(tiny_bert(), "nystrom_softmax[num_features=8]", seed=0)
+    torch.testing.assert_close(loaded(input_ids=ids).last_hidden_state,
+                               same(input_ids=ids).last_hidden_state)

@@ -164,6 +164,7 @@ def test_seeded_random_method_padded_equals_alone(minilm, model, method):
 
 
 @pytest.mark.parametrize("method", list_methods())
+@pytest.mark.filterwarnings("ignore:.*makes its trainable parameters")  # linformer: said
 def test_every_method_runs_forward_and_backward_in_minilm(minilm, model, padded_batch, method):
     """Through the plain transformers route (default options, set up at the first call) in
     training mode (dropout on), then with options and a seed (deterministic)."""

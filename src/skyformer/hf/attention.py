@@ -24,15 +24,16 @@ and expects ``(attn_output [B, Nq, H, Dv], attn_weights or None)``. Each functio
 - repeats key/value heads for grouped-query attention;
 - returns ``(output.transpose(1, 2), None)``: no method materialises attention weights.
 
-The mask builder registered with each name gives padding-only masks as ``[B, 1, 1, Nk]``
-instead of transformers' ``[B, 1, Nq, Nk]`` (O(N) instead of O(N^2) memory for long
-inputs; SDPA broadcasts it for exact layers) and defers to transformers' SDPA masks for
+The mask builder registered with each name gives padding-only masks as ``[B, 1, Nq, Nk]``
+views of one ``[B, Nk]`` row (stride 0 along Nq) instead of transformers' materialised
+mask (O(N) instead of O(N^2) memory for long inputs) and defers to transformers' SDPA masks for
 everything else.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -108,10 +109,21 @@ def _layer_for(module: nn.Module, implementation: str, default_method: str) -> L
             clear_layer(module)  # made for another implementation: stale
         return _EXACT_LAYER
     index = getattr(module, "layer_idx", None)
-    return make_layer(
+    layer = make_layer(
         module, default_method, index=index if isinstance(index, int) else None,
         implementation=implementation, seed=None, cross=is_cross_attention(module), options={},
     )
+    state = module._modules.get(STATE_NAME)
+    if (module.training and torch.is_grad_enabled() and state is not None
+            and any(p.requires_grad for p in state.parameters())):
+        warnings.warn(
+            f"{default_method} makes its trainable parameters in a layer's first forward "
+            f"pass on the attn_implementation={implementation!r} route, after an optimizer "
+            f"(or DDP) built at load time, which will not update them; to train, set the "
+            f"method with skyformer.hf.set_attention(model, {default_method!r}) or load "
+            f"with skyformer.hf.from_pretrained, which make them at once.",
+            UserWarning, stacklevel=2)
+    return layer
 
 
 def _where(module: nn.Module, layer: LayerAttention) -> str:

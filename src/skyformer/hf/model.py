@@ -224,7 +224,9 @@ def from_pretrained(
     register_methods()
     name = resolve_method_name(method)
     auto_class = auto_class or transformers.AutoModel
-    initial = implementation_name(name) if layers is None and name != EXACT else "sdpa"
+    # a variant is no registered implementation: set_attention gives it per layer
+    whole = layers is None and name != EXACT and not is_variant(name)
+    initial = implementation_name(name) if whole else "sdpa"
     model = auto_class.from_pretrained(path, attn_implementation=initial)
     model.__dict__[_ORIGINAL] = "sdpa"
     if name != EXACT:
