@@ -263,11 +263,41 @@ def test_half_precision_is_computed_in_float32():
 
 
 @pytest.mark.parametrize("method", ["softmax_multipole", "skyformer_multipole"])
+def test_the_probe_estimate_is_not_biased_by_the_k_means_seeds(method):
+    """The probe rows were the rows k-means starts its centres from (the lowest scores
+    of one draw), where the approximation is better than on a typical row: the mean
+    log(estimate / all-rows error) was -0.27 (softmax) and -0.16 (Gaussian) here, now
+    -0.06 and -0.03 (what is left: 16 rows of a heavy-tailed error; s.e. 0.02-0.03)."""
+    g = torch.Generator().manual_seed(0)
+    h, n, d = 4, 256, 16
+    centres = torch.randn(h, 8, d, generator=g)
+
+    def clustered():
+        which = torch.randint(0, 8, (1, h, n), generator=g)
+        near = centres[torch.arange(h)[None, :, None], which]
+        return (near + 0.6 * torch.randn(1, h, n, d, generator=g)).double()
+
+    q, k = clustered(), clustered()
+    v = torch.randn(1, h, n, d, dtype=torch.float64, generator=g)
+    exact = (softmax_attention if method == "softmax_multipole" else kernelized_attention)(q, k, v)
+    logs = []
+    for seed in range(12):
+        _, choice = multipole_with_choice(method, q, k, v, generator=gen(seed),
+                                          num_features=64, tolerance=1e-9, probe=16)
+        for rung, features in enumerate(choice.ladder):
+            if features >= 32:
+                out = attention(q, k, v, method, generator=gen(seed), num_features=features)
+                true = relative_error(out, exact, ord="fro")[0]  # [H]
+                logs.append((choice.estimates[0, :, rung] / true).log())
+    assert torch.cat(logs).mean() > -0.12
+
+
+@pytest.mark.parametrize("method", ["softmax_multipole", "skyformer_multipole"])
 def test_tolerance_picks_a_rung_of_the_ladder_and_returns_its_output(method):
     q, k, v = structured_qkv()
     exact = (softmax_attention if method == "softmax_multipole" else kernelized_attention)(q, k, v)
     info = check_attention_inputs(q, k, v, None, method="test")
-    scores = draw(q, k, MultipoleOptions(), gen(1), info).query_scores
+    scores = draw(q, k, MultipoleOptions(), gen(1), info, probes=True).probe_scores
     probes = scores[0].argsort()[:16]
     others = torch.ones(160, dtype=torch.bool)
     others[probes] = False

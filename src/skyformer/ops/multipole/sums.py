@@ -79,11 +79,15 @@ class Draws:
     query_scores: Tensor  # [B, Nq] uniform, by rank among real queries: k-means
     key_scores: Tensor  # [B, Nk] uniform, by rank among real keys: covariance sample
     hyperplanes: Tensor | None  # [B, H, D, r] LSH normals (None without LSH buckets)
+    # [B, Nq] uniform, by rank among real queries, a stream of its own: the rows that
+    # ``tolerance`` checks exactly (k-means starts from the lowest query_scores, where
+    # the approximation is better than on a typical row; None unless asked for)
+    probe_scores: Tensor | None = None
 
 
 def draw(
     q: Tensor, k: Tensor, options: MultipoleOptions, generator: torch.Generator | Tensor | None,
-    info: AttentionInputs,
+    info: AttentionInputs, *, probes: bool = False,
 ) -> Draws:
     """Counter-based draws (``sketch/rng.py``) indexed by each row's rank among the real
     rows of its sequence, so that padding anywhere draws what truncation draws and no
@@ -98,6 +102,8 @@ def draw(
         row_uniform(stream(key, "multipole/queries"), info.query_valid, b, nq),
         row_uniform(stream(key, "multipole/keys"), info.key_valid, b, k.shape[2]),
         planes,
+        row_uniform(stream(key, "multipole/probes"), info.query_valid, b, nq) if probes
+        else None,
     )
 
 

@@ -77,8 +77,8 @@ def targeted_multipole(
         (output ``[B, H, Nq, Dv]`` before zeroing padded queries, ``FeatureChoice``).
     """
     b, h, nq, d = q.shape
-    draws = draw(q, k, options, generator, info)
-    query_scores = draws.query_scores
+    draws = draw(q, k, options, generator, info, probes=True)
+    query_scores = draws.probe_scores
     if info.query_valid is not None:
         query_scores = query_scores.masked_fill(~info.query_valid, 2.0)  # uniform scores < 1
     picked, probe_index = query_scores.topk(min(probe, nq), dim=1, largest=False)  # [B, P]
