@@ -217,3 +217,14 @@ def test_num_features_is_the_common_knob(method):
         assert "num_features" in spec.option_names()
         with pytest.raises(ValueError, match="num_features"):
             run(method, *make_qkv(1, 1, 8, 4), num_features=0)
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS
+                                    if get_method(m).capabilities.randomized])
+def test_a_key_per_batch_element_gets_a_sentence(method):
+    """Keys [B, 2] passed the key check, then most methods failed on a shape deep inside
+    (or used fold_in(key[b], b), not key[b]): one key [2] is what the methods take."""
+    q, k, v = make_qkv(3, 2, 12, 4)
+    keys = torch.stack([random_key(i) for i in range(3)])
+    with pytest.raises(TypeError, match=r"one random key, an int64 tensor \[2\]"):
+        get_method(method).bind(seq_len=MAX_LEN)(q, k, v, generator=keys)

@@ -10,7 +10,8 @@ where A_spar keeps the entries of query/key pairs in the same bucket of the
 equal-sized angular LSH (Definition A.3, ``sketch.lsh_blocks``), A_res = A - A_spar,
 and Pi_res samples m = ``num_features`` columns, row r of Pi_res being
 e_{l_r}^T / sqrt(m p_{l_r}) (Algorithm 1 lines 6-7), so that Pi_res^T Pi_res is an
-unbiased estimate of the identity whatever p is. The output is self-normalised, as in
+unbiased estimate of the identity on the columns where p > 0 (every real column unless
+``mix=1``, see below). The output is self-normalised, as in
 the authors' released code: D~ = A_spar 1 + A_res Pi^T Pi 1 (``normalizer="sampled"``).
 
 The paper samples columns by their norms in D^-1 A_res (Algorithm 1 line 5, Algorithm 3
@@ -103,7 +104,10 @@ class KDEformerConfig(LshBlockOptions):
         module doc).
     kde_rows: r, the query rows of the ``"rows"`` estimator; None = max(1, m // 4).
     mix: weight of the estimated column norms in p (``"rows"``); the rest is the
-        value-norm + uniform distribution of the authors' code (0.5; 0 = that code's p).
+        value-norm + uniform distribution of the authors' code (0.5; 0 = that code's p;
+        1 = the estimated norms alone, as Algorithm 1 line 5, where a column whose
+        estimate is 0, because every sampled row shares its LSH block, is never drawn:
+        a bias, small but measurable, that any mix < 1 avoids).
     sampler: ``"systematic"`` (along the LSH order of the keys) or ``"iid"``.
     kde_samples: uniformly sampled keys (for alpha) and queries (for the column
         norms) of the ``"uniform"`` estimator; None = num_features.

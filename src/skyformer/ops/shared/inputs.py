@@ -154,6 +154,13 @@ def check_generator(method: str, generator: object, device: torch.device) -> Non
         return
     if isinstance(generator, Tensor):
         check_key(generator, method)
+        if generator.dim() != 1:  # [B, 2]: the sketches fold in the batch index themselves
+            raise TypeError(
+                f"{method}: generator takes one random key, an int64 tensor [2] "
+                f"(skyformer.random_key(...)), got shape {tuple(generator.shape)}; each batch "
+                f"element already draws its own numbers from it (for one key per element, "
+                f"call the method per element, or torch.func.vmap it over the keys)."
+            )
         return
     if not isinstance(generator, torch.Generator):
         raise TypeError(
