@@ -26,6 +26,7 @@ if __name__ == "__main__":  # run as a script, before Triton is imported; an imp
 
 import argparse
 import collections
+import contextlib
 import importlib
 import sys
 from unittest import mock
@@ -36,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import skyformer
 from skyformer.io import atomic_write_text
 from skyformer.linalg import kernels, nystrom
+from skyformer.linalg import pinv as pinv_module
 from skyformer.registry import guard
 
 NOT_LAUNCHES = {"set_", "empty", "new_empty", "empty_like", "empty_strided", "copy_", "view",
@@ -57,10 +59,18 @@ class _Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@contextlib.contextmanager
 def as_on_cuda():
-    """A context in which the non-finite check runs as a CUDA call runs it (an eager
-    CPU call first asks whether the inputs are finite at all and skips it)."""
-    return mock.patch.object(guard, "may_read_values", lambda *_: False)
+    """A context in which a CPU call makes the operations a CUDA call makes: the
+    non-finite check runs as on CUDA (an eager CPU call first asks whether the inputs
+    are finite at all and skips it), and the CPU-only safeguards are off
+    (``nystrom_softmax``'s float64 check, the Lemma 3 backward's power-of-two scaling;
+    the flushes are ``CPU_ONLY`` operators)."""
+    nystrom_softmax = importlib.import_module("skyformer.ops.nystrom_softmax.nystrom_softmax")
+    with mock.patch.object(guard, "may_read_values", lambda *_: False), \
+            mock.patch.object(nystrom_softmax, "may_read_values", lambda *_: False), \
+            mock.patch.object(pinv_module, "scales_gradient", lambda *_: False):
+        yield
 
 
 class guard_passes:
