@@ -199,6 +199,11 @@ def test_an_interrupted_run_keeps_its_lengths_and_resume_measures_only_the_rest(
     shorter = json.loads(out.with_suffix(".json").read_text())
     assert [r["n"] for r in shorter["rows"]] == [128, 128, 256, 256]
     assert shorter["rows"][1]["growth"] is None and shorter["rows"][3]["growth"] is not None
+    # a file from before a setting existed (here: causal) ran with its default
+    older = json.loads(out.with_suffix(".json").read_text())
+    del older["config"]["causal"]
+    out.with_suffix(".json").write_text(json.dumps(older))
+    assert main([*argv, "--seq-lens", "128", "256", "--resume"]) == 0
     # another machine (here: another torch) is refused
     shorter["environment"]["torch"] = "0.0"
     out.with_suffix(".json").write_text(json.dumps(shorter))

@@ -318,7 +318,9 @@ def resumable_rows(config: BenchConfig, earlier: dict[str, Any]
     (``write_results``'s JSON). Lengths and shapes may differ (rows are kept per shape
     and length); other settings, the device, torch and the thread count may not: raises
     a sentence naming what differs."""
-    before = earlier.get("config", {})
+    # a setting added after the file was written ran as its default then
+    defaults = {f.name: f.default for f in dataclasses.fields(BenchConfig)}
+    before = {**defaults, **earlier.get("config", {})}
     now = dataclasses.asdict(config)
     differ = [f"{name}: {before.get(name)!r} -> {now[name]!r}" for name in RESUMABLE_SETTINGS
               if _comparable(before.get(name)) != _comparable(now[name])]
