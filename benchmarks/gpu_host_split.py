@@ -98,10 +98,11 @@ def launch_costs(device: torch.device) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", default="4,16,4096,64", help="B,H,N,D")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--features", type=int, default=128)
-    parser.add_argument("--calls", type=int, default=30)
+    parser.add_argument("--shape", default=None, help="B,H,N,D (default 4,16,4096,64; CPU: "
+                        "1,1,64,16)")
+    parser.add_argument("--dtype", default=None, help="default bfloat16 (CPU: float32)")
+    parser.add_argument("--features", type=int, default=None, help="default 128 (CPU: 16)")
+    parser.add_argument("--calls", type=int, default=None, help="default 30 (CPU: 3)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: check the script (TRITON_INTERPRET=1)")
@@ -111,6 +112,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("needs a CUDA device; --device cpu (with TRITON_INTERPRET=1) checks "
                      "the script, host_time.py splits a CPU call")
     device = torch.device(args.device)
+    on_gpu = device.type == "cuda"  # the CPU checks the script at tiny sizes
+    args.shape = args.shape or ("4,16,4096,64" if on_gpu else "1,1,64,16")
+    args.dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
+    args.features = args.features or (128 if on_gpu else 16)
+    args.calls = args.calls or (30 if on_gpu else 3)
     shape = tuple(int(part) for part in args.shape.split(","))
     dtype = getattr(torch, args.dtype)
     calls = {"skyformer": call_of("skyformer", *shape, args.features, device=device,

@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                         "CPU 1,1,16,float32)")
     parser.add_argument("--seq-lens", nargs="+", type=int, default=None,
                         help="default 1024 ... 32768 (on the CPU 64)")
-    parser.add_argument("--features", type=int, default=128)
+    parser.add_argument("--features", type=int, default=None, help="default 128 (CPU: 16)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--compile-seq-lens", nargs="*", type=int, default=None,
                         help="lengths at which the compiled variants are timed too (default "
@@ -295,6 +295,8 @@ def _main(args: argparse.Namespace) -> int:
         print(problem, file=sys.stderr)
         return 2
     on_gpu = device == "cuda"
+    if args.features is None:
+        args.features = 128 if on_gpu else 16
     if args.shapes is None:
         args.shapes = ["4,16,64,bfloat16", "1,2,32,float32"] if on_gpu else ["1,1,16,float32"]
     if args.seq_lens is None:

@@ -143,10 +143,12 @@ def profile_call(fn, device: torch.device, iterations: int, top: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--shape", default="4,16,64,bfloat16", help="B,H,D,dtype")
-    parser.add_argument("--seq-lens", nargs="+", type=int, default=[4096, 16384])
+    parser.add_argument("--shape", default=None,
+                        help="B,H,D,dtype (default 4,16,64,bfloat16; CPU: 1,1,16,float32)")
+    parser.add_argument("--seq-lens", nargs="+", type=int, default=None,
+                        help="default 4096 16384 (CPU: 64)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--features", type=int, default=128)
+    parser.add_argument("--features", type=int, default=None, help="default 128 (CPU: 16)")
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--tiles", nargs="+", default=None,
@@ -164,6 +166,10 @@ def _main(args: argparse.Namespace) -> int:
         print("gpu_profile.py: no CUDA device here (use --device cpu for a check of the "
               "script).", file=sys.stderr)
         return 2
+    on_gpu = device.type == "cuda"  # the CPU checks the script at tiny sizes
+    args.shape = args.shape or ("4,16,64,bfloat16" if on_gpu else "1,1,16,float32")
+    args.seq_lens = args.seq_lens or ([4096, 16384] if on_gpu else [64])
+    args.features = args.features or (128 if on_gpu else 16)
     b, h, d, dtype_name = args.shape.split(",")
     dtype = getattr(torch, dtype_name)
     key = skyformer.random_key(0, device=device)

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import torch
+from gpu_device import device_problem  # benchmarks/, beside this script
 
 import skyformer
 from skyformer.eval.measure.metrics import relative_error
@@ -61,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--out", type=Path, default=None, help="writes OUT.json, OUT.md")
     args = parser.parse_args(argv)
+    problem = device_problem("half_gradients.py", args.device)  # every call runs Triton too
+    if problem:
+        print(problem, file=sys.stderr)
+        return 1
     rows = []
     for method in args.methods:
         for noise in args.noise:

@@ -27,6 +27,7 @@ from pathlib import Path
 from unittest import mock
 
 import torch
+from gpu_device import device_problem  # benchmarks/, beside this script
 
 import skyformer
 from skyformer.eval.measure.timing import interleaved_median_seconds
@@ -99,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--out", type=Path, default=None, help="write OUT.md and OUT.json")
     args = parser.parse_args(argv)
+    if args.device != "cpu" or args.kernel == "triton":  # the torch path needs no interpreter
+        problem = device_problem("implicit_gradient_cost.py", args.device)
+        if problem:
+            print(problem, file=sys.stderr)
+            return 1
     shape = tuple(int(s) for s in args.shape.split(","))
     calls = core_calls(args.heads, args.features, args.kernel, args.device)
     for n in args.seq_lens:

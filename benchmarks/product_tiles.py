@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default=None,
                         help="B,H,D,dtype (default 4,16,64,bfloat16; on the CPU 1,1,16,float32)")
     parser.add_argument("--seq-len", type=int, default=None, help="default 16384 (CPU: 64)")
-    parser.add_argument("--features", type=int, default=128)
+    parser.add_argument("--features", type=int, default=None, help="default 128 (CPU: 16)")
     parser.add_argument("--rows", nargs="+", default=list(ROWS),
                         help="rows kernel candidates BLOCK_N,BLOCK_M,WARPS,STAGES")
     parser.add_argument("--cols", nargs="+", default=list(COLS),
@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     shape = args.shape or ("4,16,64,bfloat16" if on_gpu else "1,1,16,float32")
     n = args.seq_len or (16384 if on_gpu else 64)
-    rows, best = measure(shape, n, args.features, {"rows": args.rows, "cols": args.cols},
+    features = args.features or (128 if on_gpu else 16)
+    rows, best = measure(shape, n, features, {"rows": args.rows, "cols": args.cols},
                          args.device, args.repeats or (7 if on_gpu else 1))
     tile_sweep.record("products", rows, best, KERNELS, _label, args.out, on_gpu)
     return 0
