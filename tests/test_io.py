@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import os
 import stat
 
 import pytest
@@ -13,6 +14,23 @@ def test_atomic_writes_are_readable_and_leave_no_temporary(tmp_path):
     assert path.read_text() == "hello"
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
     assert [p.name for p in path.parent.iterdir()] == ["a.txt"]
+
+
+@pytest.mark.parametrize("failing", ["fdopen", "fsync", "chmod", "replace"])
+def test_a_write_that_fails_leaves_the_old_file_whole(tmp_path, monkeypatch, failing):
+    """An error (or an interruption) at any step of a write leaves the earlier file as
+    it was and no temporary beside it: never a truncated or half-written result."""
+    path = atomic_write_text(tmp_path / "a.txt", "old")
+
+    def fail(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, failing, fail)
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write_text(path, "new and longer")
+    monkeypatch.undo()
+    assert path.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["a.txt"]
 
 
 def test_json_and_csv(tmp_path):
