@@ -137,6 +137,41 @@ def test_an_existing_run_needs_resume_and_the_same_settings(listops_cache, tmp_p
     assert again["steps"] == 4
 
 
+def test_a_new_run_refuses_the_files_of_an_earlier_run_without_last_pt(listops_cache, tmp_path):
+    """Checkpoints deleted after a run: a new run there (fresh or --resume) would leave
+    the earlier result.json, which `lra report` reads, beside its own files."""
+    cfg = _cfg(steps=4, eval_every=2)
+    _run(cfg, listops_cache, tmp_path)
+    before = (tmp_path / "result.json").read_text()
+    for name in ("last.pt", "best.pt"):
+        (tmp_path / name).unlink()
+    for resume in (False, True):
+        with pytest.raises(ValueError, match=r"holds files of an earlier run \(result.json, "
+                           r"metrics.jsonl\) but no last.pt .*choose another --out, or remove"):
+            _run(dataclasses.replace(cfg, lr=1e-2), listops_cache, tmp_path, resume=resume)
+    assert (tmp_path / "result.json").read_text() == before
+    (tmp_path / "result.json").unlink()
+    with pytest.raises(ValueError, match=r"earlier run \(metrics.jsonl\)"):
+        _run(cfg, listops_cache, tmp_path)
+    (tmp_path / "metrics.jsonl").unlink()
+    assert _run(cfg, listops_cache, tmp_path)["steps"] == 4
+
+
+def test_a_new_run_hides_the_tensorboard_events_of_an_attempt_without_checkpoint(
+        listops_cache, tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    train(_cfg(steps=6, eval_every=4, log_every=1), cache_root=listops_cache, out_dir=tmp_path,
+          quiet=True, stop_after=3)
+    (tmp_path / "last.pt").unlink()  # as if it died before its first checkpoint
+    train(_cfg(steps=6, eval_every=4, log_every=2), cache_root=listops_cache, out_dir=tmp_path,
+          quiet=True)
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [2, 4, 6]
+
+
 def test_gradient_accumulation_matches_the_full_batch(listops_cache, tmp_path):
     cfg = _cfg(steps=3, dropout=0.0, eval_every=3)
     _run(cfg, listops_cache, tmp_path / "full")

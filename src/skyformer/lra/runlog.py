@@ -6,7 +6,8 @@ or infinite value (a diverged loss) is ``null`` there; the CSV files write ``nan
 The history also lives in the checkpoint: on resume the files are rewritten from it,
 so entries logged after the last checkpoint by an interrupted run disappear (a CSV of a
 kind the history has no entries of is removed), and TensorBoard is told to purge events
-from the resumed step on.
+from the resumed step on (a new run: from step 0, hiding those of an attempt that died
+before its first checkpoint).
 """
 
 from __future__ import annotations

@@ -121,6 +121,47 @@ def own_running_sums(saved: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return rows.sum(dim=0) if info.is_main else torch.zeros_like(rows[0])
 
 
+# Written only once a run has reached its first checkpoint (best.pt with the first one, at
+# the first dev evaluation): without last.pt they are what an earlier run left after its
+# checkpoints were deleted. An attempt that died before its first checkpoint leaves only
+# config.json, train entries and TensorBoard events, which a new run replaces.
+EARLIER_RUN_FILES = ("result.json", "best.pt")
+
+
+def _has_evaluations(metrics: Path) -> bool:
+    """Whether ``metrics`` (a run's ``metrics.jsonl``) holds a dev or test entry; lines
+    that do not parse (cut short by a kill) are skipped."""
+    if not metrics.is_file():
+        return False
+    for line in metrics.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(entry, dict) and entry.get("kind") in ("dev", "test"):
+            return True
+    return False
+
+
+def earlier_run_files(folder: Path) -> list[str]:
+    """The files of an earlier run in ``folder`` that a new run there would leave beside its
+    own (``result.json``, read by ``lra report``) or mix with its own."""
+    found = [name for name in EARLIER_RUN_FILES if (folder / name).exists()]
+    if _has_evaluations(folder / "metrics.jsonl"):
+        found.append("metrics.jsonl")
+    return found
+
+
+def check_fresh_folder(folder: Path) -> None:
+    """Refuse to start a new run in ``folder`` when it holds an earlier run's files but no
+    ``last.pt`` to continue that run from."""
+    found = earlier_run_files(folder)
+    if found:
+        raise ValueError(f"{folder} holds files of an earlier run ({', '.join(found)}) but no "
+                         "last.pt to continue it from; choose another --out, or remove those "
+                         "files to start a new run there.")
+
+
 def _config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     return sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
 
@@ -189,6 +230,7 @@ class Trainer:
     def _restore(self) -> bool:
         last = self.folder / "last.pt"
         if not last.exists():
+            check_fresh_folder(self.folder)
             if self.resume:
                 self._say(f"no checkpoint in {self.folder}; starting a new run")
             return False
@@ -512,7 +554,7 @@ class Trainer:
                 })
             self.log = RunLog(self.folder, enabled=self.info.is_main, history=self.state.history,
                               tensorboard=self.tensorboard,
-                              purge_step=self.state.step + 1 if resumed else None)
+                              purge_step=self.state.step + 1 if resumed else 0)
             try:
                 finished = self._loop()
                 return self._finish() if finished else None
