@@ -131,8 +131,13 @@ def test_an_existing_run_needs_resume_and_the_same_settings(listops_cache, tmp_p
     _run(cfg, listops_cache, tmp_path)
     with pytest.raises(ValueError, match=r"already holds a run.*--resume"):
         _run(cfg, listops_cache, tmp_path)
-    with pytest.raises(ValueError, match="the settings lr differ"):
+    with pytest.raises(ValueError, match=r"the settings differ from the run's \(lr: 0.003 "
+                       r"then, 0.001 now\); resume with the same settings"):
         _run(dataclasses.replace(cfg, lr=1e-3), listops_cache, tmp_path, resume=True)
+    other = dataclasses.replace(cfg, batch_size=8, attention_options={"scale": 0.5})
+    with pytest.raises(ValueError, match=r'\(attention_options: \{\} then, \{"scale": 0.5\} now, '
+                       r"batch_size: 16 then, 8 now\)"):
+        _run(other, listops_cache, tmp_path, resume=True)
     again = _run(cfg, listops_cache, tmp_path, resume=True)  # finished: its stored result.json
     assert again["steps"] == 4
 

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from ..io import environment, json_ready, write_json
+from ..io import environment, json_ready, json_text, write_json
 from ..logs import get_logger
 from .batches import BatchOrder, Position, fetch, micro_batches
 from .cache import TaskData, data_fingerprint, load_cache
@@ -166,13 +166,20 @@ def _config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[
     return sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
 
 
-def _describe_differences(saved: dict[str, Any], current: dict[str, Any]) -> str:
-    """``key: A then, B now`` for plain values, the key alone for nested ones."""
+def _describe_differences(saved: dict[str, Any], current: dict[str, Any], *,
+                          nested: bool = False) -> str:
+    """``key: A then, B now`` for plain values, the key alone for nested ones (lists and
+    dicts), or with ``nested`` those too, as JSON (the attention options of a config)."""
     parts = []
     for key in _config_differences(saved, current):
         then, now = saved.get(key), current.get(key)
         plain = all(v is None or isinstance(v, int | float | str) for v in (then, now))
-        parts.append(f"{key}: {then} then, {now} now" if plain else key)
+        if plain:
+            parts.append(f"{key}: {then} then, {now} now")
+        elif nested:
+            parts.append(f"{key}: {json_text(then)} then, {json_text(now)} now")
+        else:
+            parts.append(key)
     return ", ".join(parts)
 
 
@@ -248,10 +255,11 @@ class Trainer:
         if missing:
             raise ValueError(f"{last} lacks {', '.join(missing)}: the checkpoint is damaged; "
                              f"resume from another copy or start again.")
-        diff = _config_differences(ckpt["config"], self.cfg.to_dict())
-        if diff:
-            raise ValueError(f"cannot resume {last}: the settings {', '.join(diff)} differ from "
-                             "the run being resumed; resume with the same settings.")
+        saved, current = ckpt["config"], self.cfg.to_dict()
+        if _config_differences(saved, current):
+            raise ValueError(f"cannot resume {last}: the settings differ from the run's ("
+                             f"{_describe_differences(saved, current, nested=True)}); resume "
+                             "with the same settings, or start a new run with another --out.")
         self._check_same_data(ckpt, last)
         self.model.load_state_dict(ckpt["model"])
         self.optimizer.load_state_dict(ckpt["optimizer"])
