@@ -169,3 +169,18 @@ def test_a_seed_given_twice_is_refused_before_any_run(tmp_path, capsys, listops_
         captured = capsys.readouterr()
         assert "--seeds lists 0 more than once" in captured.err and captured.out == ""
     assert not (tmp_path / "runs").exists()
+
+
+def test_every_seed_folder_is_checked_before_the_first_seed_trains(
+        tmp_path, capsys, listops_cache):
+    """A later seed's folder that holds a run (without --resume), or a run of other
+    settings (with --resume), is refused before seed 0 trains, not after."""
+    args = ["lra", "train", "listops", "--attn", "softmax", "--steps", "2", "--eval-every", "1",
+            "--batch-size", "16", "--cache", str(listops_cache), "--no-tensorboard", "--quiet"]
+    assert main([*args, "--seed", "2", "--out", str(tmp_path / "seed2")]) == 0
+    for extra, said in (([], "seed2 already holds a run (last.pt); pass --resume"),
+                        (["--resume", "--lr", "0.01"], "seed2/last.pt: the settings differ")):
+        assert main([*args, *extra, "--seeds", "0", "2", "--out", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert said in err and err.count("\n") == 1, err
+        assert not (tmp_path / "seed0").exists()

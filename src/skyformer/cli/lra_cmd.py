@@ -260,10 +260,14 @@ def _run_train(args: argparse.Namespace) -> int:
         runs = [(dataclasses.replace(cfg, seed=s), parent / f"seed{s}") for s in args.seeds]
     for run_cfg, out in runs:
         check_output_path(out if out is not None else default_run_dir(run_cfg), folder=True)
-    for run_cfg, out in runs:
-        trainer = Trainer(run_cfg, cache_root=_cache(args), out_dir=out, resume=args.resume,
-                          stop_after=args.stop_after, device=args.device,
-                          tensorboard=not args.no_tensorboard, quiet=args.quiet)
+    trainers = [Trainer(run_cfg, cache_root=_cache(args), out_dir=out, resume=args.resume,
+                        stop_after=args.stop_after, device=args.device,
+                        tensorboard=not args.no_tensorboard, quiet=args.quiet)
+                for run_cfg, out in runs]
+    if len(trainers) > 1:  # a seed's folder refused only after the seeds before it trained
+        for trainer in trainers:
+            trainer.check()
+    for trainer in trainers:
         if trainer.run() is None:  # the one line about --stop-after (the trainer says none)
             step = trainer.state.step
             said = f"stopped after step {step}" if step == args.stop_after else \

@@ -183,6 +183,70 @@ def _describe_differences(saved: dict[str, Any], current: dict[str, Any], *,
     return ", ".join(parts)
 
 
+def open_checkpoint(folder: Path, cfg: TrainConfig, resume: bool,
+                    device: torch.device | str = "cpu") -> dict[str, Any] | None:
+    """The checkpoint ``folder/last.pt`` to resume ``cfg`` from, or None to start a new
+    run; refuses a run present without ``resume``, an earlier run's files without
+    ``last.pt``, and a checkpoint that is foreign, damaged or of other settings."""
+    last = folder / "last.pt"
+    if not last.exists():
+        check_fresh_folder(folder)
+        return None
+    if not resume:
+        raise ValueError(f"{folder} already holds a run (last.pt); pass --resume to "
+                         "continue it, or choose another --out.")
+    ckpt = load_checkpoint(last, device)
+    fmt = ckpt.get("format") if isinstance(ckpt, dict) else None
+    if fmt != CHECKPOINT_FORMAT:
+        raise ValueError(f"{last} is not a training checkpoint of format {CHECKPOINT_FORMAT} "
+                         f"(found {type(ckpt).__name__}, format {fmt!r}); start without "
+                         f"--resume or point --out at the run's own folder.")
+    missing = [k for k in ("config", "model", "optimizer", "scaler", "state") if k not in ckpt]
+    if missing:
+        raise ValueError(f"{last} lacks {', '.join(missing)}: the checkpoint is damaged; "
+                         f"resume from another copy or start again.")
+    saved, current = ckpt["config"], cfg.to_dict()
+    if _config_differences(saved, current):
+        raise ValueError(f"cannot resume {last}: the settings differ from the run's ("
+                         f"{_describe_differences(saved, current, nested=True)}); resume "
+                         "with the same settings, or start a new run with another --out.")
+    return ckpt
+
+
+def check_same_data(ckpt: dict[str, Any], last: Path, data: TaskData,
+                    model_cfg: ModelConfig) -> None:
+    """Refuse to resume on prepared data other than the run's. Checkpoints without a
+    data fingerprint (older versions) are checked for the model's shape only."""
+    where = f"the prepared {data.task.name} data in {data.root}"
+    saved = ckpt.get("data")
+    if saved is not None:
+        current = data_fingerprint(data.meta)
+        problem = f"{where} differs from the data the run started with (meta.json: "
+    else:
+        saved = ckpt.get("model_config") or {}
+        current = {k: v for k, v in dataclasses.asdict(model_cfg).items() if k in saved}
+        problem = f"the model built for {where} differs from the run's ("
+    if saved == current:
+        return
+    then = saved.get("max_len")
+    hint = f" with --max-len {then}" if then is not None and then != current.get(
+        "max_len") else ""
+    raise ValueError(f"cannot resume {last}: {problem}"
+                     f"{_describe_differences(saved, current)}); prepare it again as it "
+                     f"was{hint}, or start a new run with another --out.")
+
+
+def check_run(cfg: TrainConfig, folder: Path, cache_root: str | os.PathLike[str],
+              resume: bool) -> None:
+    """Fail now with the sentence ``Trainer.run`` would fail with when ``cfg`` cannot
+    start or resume in ``folder``, without building or training anything: ``--seeds``
+    checks every seed's folder before the first seed trains."""
+    ckpt = open_checkpoint(folder, cfg, resume)
+    if ckpt is not None:
+        data = load_cache(cache_root, cfg.task)
+        check_same_data(ckpt, folder / "last.pt", data, model_config(cfg, data))
+
+
 class Trainer:
     """One training run; ``run()`` returns the result, or None when stopped by
     ``stop_after`` (to be resumed; ``state.step`` is the step it stopped at, beyond
@@ -234,33 +298,17 @@ class Trainer:
         self.state = TrainState()
         self.running = Running(self.device)
 
+    def check(self) -> None:
+        """Fail now if this run cannot start or resume in its folder (``check_run``)."""
+        check_run(self.cfg, self.folder, self.cache_root, self.resume)
+
     def _restore(self) -> bool:
-        last = self.folder / "last.pt"
-        if not last.exists():
-            check_fresh_folder(self.folder)
+        ckpt = open_checkpoint(self.folder, self.cfg, self.resume, self.device)
+        if ckpt is None:
             if self.resume:
                 self._say(f"no checkpoint in {self.folder}; starting a new run")
             return False
-        if not self.resume:
-            raise ValueError(f"{self.folder} already holds a run (last.pt); pass --resume to "
-                             "continue it, or choose another --out.")
-        ckpt = load_checkpoint(last, self.device)
-        fmt = ckpt.get("format") if isinstance(ckpt, dict) else None
-        if fmt != CHECKPOINT_FORMAT:
-            raise ValueError(f"{last} is not a training checkpoint of format {CHECKPOINT_FORMAT} "
-                             f"(found {type(ckpt).__name__}, format {fmt!r}); start without "
-                             f"--resume or point --out at the run's own folder.")
-        missing = [k for k in ("config", "model", "optimizer", "scaler", "state")
-                   if k not in ckpt]
-        if missing:
-            raise ValueError(f"{last} lacks {', '.join(missing)}: the checkpoint is damaged; "
-                             f"resume from another copy or start again.")
-        saved, current = ckpt["config"], self.cfg.to_dict()
-        if _config_differences(saved, current):
-            raise ValueError(f"cannot resume {last}: the settings differ from the run's ("
-                             f"{_describe_differences(saved, current, nested=True)}); resume "
-                             "with the same settings, or start a new run with another --out.")
-        self._check_same_data(ckpt, last)
+        check_same_data(ckpt, self.folder / "last.pt", self.data, self.model.cfg)
         self.model.load_state_dict(ckpt["model"])
         self.optimizer.load_state_dict(ckpt["optimizer"])
         self.scaler.load_state_dict(ckpt["scaler"])
@@ -308,27 +356,6 @@ class Trainer:
         _log.warning(f"{path} holds step {saved}, not step {s.best_step} where the resumed "
                      "checkpoint has its best dev accuracy: unless a later step does better, "
                      "the test accuracy will be that of another model")
-
-    def _check_same_data(self, ckpt: dict[str, Any], last: Path) -> None:
-        """Refuse to resume on prepared data other than the run's. Checkpoints without a
-        data fingerprint (older versions) are checked for the model's shape only."""
-        where = f"the prepared {self.cfg.task} data in {self.data.root}"
-        saved = ckpt.get("data")
-        if saved is not None:
-            current = data_fingerprint(self.data.meta)
-            problem = f"{where} differs from the data the run started with (meta.json: "
-        else:
-            saved = ckpt.get("model_config") or {}
-            current = {k: v for k, v in dataclasses.asdict(self.model.cfg).items() if k in saved}
-            problem = f"the model built for {where} differs from the run's ("
-        if saved == current:
-            return
-        then = saved.get("max_len")
-        hint = f" with --max-len {then}" if then is not None and then != current.get(
-            "max_len") else ""
-        raise ValueError(f"cannot resume {last}: {problem}"
-                         f"{_describe_differences(saved, current)}); prepare it again as it "
-                         f"was{hint}, or start a new run with another --out.")
 
     # -- checkpoints --------------------------------------------------------------------
     def _save_last(self) -> None:
