@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -227,6 +228,18 @@ def test_settings_are_validated_with_sentences(listops_cache, tmp_path):
         train(make_config("text", quick=True), cache_root=listops_cache, out_dir=tmp_path / "t")
 
 
+@pytest.mark.parametrize(("setting", "value", "message"), [
+    ("lr", float("inf"), "lr must be a positive finite number, got inf."),
+    ("lr", float("nan"), "lr must be a positive finite number, got nan."),
+    ("weight_decay", float("inf"), "weight_decay must be a finite number >= 0, got inf."),
+    ("weight_decay", float("nan"), "weight_decay must be a finite number >= 0, got nan."),
+])
+def test_an_infinite_or_nan_lr_or_weight_decay_is_refused(setting, value, message):
+    """inf trained NaN weights to the end and exited 0; weight decay NaN got torch's error."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make_config("listops", **{setting: value})
+
+
 def test_tensorboard_events_and_purge_on_resume(listops_cache, tmp_path):
     """A run that goes on after its last checkpoint and then dies: on resume, both the
     metrics files and TensorBoard drop what it logged after the checkpoint."""
@@ -277,20 +290,25 @@ def test_a_run_stopped_early_is_finished_on_resume_without_training(listops_cach
 
 def test_a_diverged_run_writes_strict_json_and_resumes_as_finished(
         listops_cache, tmp_path, monkeypatch):
-    """A run whose loss became NaN (here: lr = inf) writes null for every non-finite number
-    (metrics.jsonl, result.json and config.json are strict JSON); resumed, it is found
-    finished (its config, read back with null for inf, is the same) and the report reads it."""
+    """A run whose loss became NaN (here: an infinite learning rate from the schedule)
+    writes null for every non-finite number (metrics.jsonl, result.json and config.json
+    are strict JSON, grad_clip = inf too); resumed, it is found finished (its config,
+    read back with null for inf, is the same) and the report reads it."""
+    import importlib
+
     from skyformer.lra.report import collect_runs, tables
     from skyformer.lra.train import Trainer
 
     def strict(text):
         return json.loads(text, parse_constant=lambda token: pytest.fail(f"{token} written"))
 
-    cfg = _cfg(steps=4, lr=float("inf"), eval_every=2, log_every=2)
+    lra_train = importlib.import_module("skyformer.lra.train")  # the package's train is a function
+    monkeypatch.setattr(lra_train, "learning_rate", lambda step, cfg: float("inf"))
+    cfg = _cfg(steps=4, grad_clip=float("inf"), eval_every=2, log_every=2)
     _run(cfg, listops_cache, tmp_path)
     result = strict((tmp_path / "result.json").read_text())
-    assert result["test_loss"] is None and result["config"]["lr"] is None
-    assert strict((tmp_path / "config.json").read_text())["train"]["lr"] is None
+    assert result["test_loss"] is None and result["config"]["grad_clip"] is None
+    assert strict((tmp_path / "config.json").read_text())["train"]["grad_clip"] is None
     entries = [strict(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [e["kind"] for e in entries] == ["train", "dev", "train", "dev", "test"]
     assert all(e["loss"] is None for e in entries)

@@ -12,6 +12,7 @@ model for the full 50k steps, so early stopping is off unless ``patience`` is se
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,10 +81,11 @@ class TrainConfig:
             raise ValueError(f"dim ({self.dim}) must be divisible by heads ({self.heads}).")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}.")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be positive, got {self.lr!r}.")
-        if self.weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}.")
+        if not (math.isfinite(self.lr) and self.lr > 0):  # inf trains NaN weights to the end
+            raise ValueError(f"lr must be a positive finite number, got {self.lr!r}.")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(f"weight_decay must be a finite number >= 0, got "
+                             f"{self.weight_decay!r}.")
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ValueError(f"grad_clip must be positive or None, got {self.grad_clip!r}.")
         if self.precision not in PRECISIONS:
