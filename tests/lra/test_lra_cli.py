@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from skyformer.cli import main
 from skyformer.lra.checkpoint import load_checkpoint
 
@@ -184,3 +186,14 @@ def test_every_seed_folder_is_checked_before_the_first_seed_trains(
         err = capsys.readouterr().err
         assert said in err and err.count("\n") == 1, err
         assert not (tmp_path / "seed0").exists()
+
+
+def test_full_dev_and_eval_batches_are_refused_together(tmp_path, capsys, listops_cache):
+    """--full-dev dropped --eval-batches without a word: the run evaluated on all of dev."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["lra", "train", "listops", "--full-dev", "--eval-batches", "5", "--steps", "1",
+              "--batch-size", "16", "--cache", str(listops_cache), "--out", str(tmp_path / "run"),
+              "--no-tensorboard", "--quiet"])
+    assert exit_.value.code == 2
+    assert "--eval-batches: not allowed with argument --full-dev" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -92,9 +92,10 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--weight-decay", type=float, default=None)
     p.add_argument("--eval-every", type=int, default=None)
-    p.add_argument("--eval-batches", type=int, default=None,
-                   help="dev batches per evaluation (default: the preset's)")
-    p.add_argument("--full-dev", action="store_true", help="evaluate on the whole dev split")
+    dev = p.add_mutually_exclusive_group()  # --full-dev would drop --eval-batches silently
+    dev.add_argument("--eval-batches", type=int, default=None,
+                     help="dev batches per evaluation (default: the preset's)")
+    dev.add_argument("--full-dev", action="store_true", help="evaluate on the whole dev split")
     p.add_argument("--patience", type=int, default=None,
                    help="stop after this many evaluations without dev improvement")
     p.add_argument("--grad-accum", type=int, default=None)
