@@ -197,3 +197,12 @@ def test_full_dev_and_eval_batches_are_refused_together(tmp_path, capsys, listop
     assert exit_.value.code == 2
     assert "--eval-batches: not allowed with argument --full-dev" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_task_given_twice_to_stability_is_refused(tmp_path, capsys, listops_cache):
+    """--tasks listops listops measured listops twice and showed it in two columns."""
+    assert main(["lra", "stability", "--tasks", "listops", "listops", "--methods", "kernelized",
+                 "--steps", "1", "--batch-size", "16", "--cache", str(listops_cache)]) == 2
+    captured = capsys.readouterr()
+    assert "--tasks lists listops more than once; give each task once." in captured.err
+    assert captured.out == ""

@@ -121,3 +121,8 @@ def test_every_setting_is_checked_before_the_first_measurement(
                       num_features=features, overrides={"batch_size": 16, **overrides},
                       progress=said.append)
     assert said == []
+
+
+def test_a_task_listed_twice_is_refused(listops_cache):
+    with pytest.raises(ValueError, match="tasks lists listops more than once; give each task once"):
+        run_stability(["listops", "listops"], ["kernelized"], cache_root=listops_cache, steps=1)

@@ -186,12 +186,13 @@ def _threads(n: int | None) -> None:
         torch.set_num_threads(n)
 
 
-def _distinct_seeds(seeds: list[int] | None) -> None:
-    """Refuse a seed listed twice: its second run would find the first's folder."""
-    repeated = sorted({s for s in seeds or [] if seeds.count(s) > 1})
+def _distinct(flag: str, values: list[Any] | None) -> None:
+    """Refuse a value listed twice: a seed's second run would find the first's folder, a
+    task's second measurement would replace the first's (and show twice in the table)."""
+    repeated = sorted({v for v in values or [] if values.count(v) > 1}, key=str)
     if repeated:
-        raise ValueError(f"--seeds lists {', '.join(map(str, repeated))} more than once; give "
-                         "each seed once.")
+        raise ValueError(f"{flag} lists {', '.join(map(str, repeated))} more than once; give "
+                         f"each {flag.removeprefix('--').removesuffix('s')} once.")
 
 
 def _run_prepare(args: argparse.Namespace) -> int:
@@ -241,7 +242,7 @@ def _run_train(args: argparse.Namespace) -> int:
     from ..lra import make_config
     from ..lra.train import Trainer, default_run_dir
 
-    _distinct_seeds(args.seeds)
+    _distinct("--seeds", args.seeds)
     _threads(args.threads)
     cfg = make_config(
         args.task, quick=args.quick, attention=args.attn, attention_options=dict(args.options),
@@ -301,7 +302,8 @@ def _run_stability(args: argparse.Namespace) -> int:
     from ..lra.stability import format_table, run_stability
 
     check_output_path(args.json_path)
-    _distinct_seeds(args.seeds)
+    _distinct("--tasks", args.tasks)
+    _distinct("--seeds", args.seeds)
     _threads(args.threads)
     overrides = {k: v for k, v in (("batch_size", args.batch_size), ("max_len", args.max_len))
                  if v is not None}

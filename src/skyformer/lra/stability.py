@@ -153,6 +153,8 @@ def run_stability(tasks: list[str], methods: list[str], *, cache_root: str | os.
     for task in tasks:
         if task not in TASKS:
             raise ValueError(f"unknown LRA task {task!r}; tasks: {', '.join(TASKS)}.")
+        if list(tasks).count(task) > 1:  # measured twice, the second replacing the first
+            raise ValueError(f"tasks lists {task} more than once; give each task once.")
     compared = [m for m in dict.fromkeys(methods) if m != BASELINE]
     for method in compared:
         get_method(method)
