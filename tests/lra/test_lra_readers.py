@@ -216,6 +216,18 @@ def test_pathfinder_wrong_size_image_is_an_error(tmp_path):
         prepare("pathfinder", root, tmp_path / "c")
 
 
+def test_pathfinder_difficulty_that_contradicts_a_difficulty_folder_is_refused(tmp_path):
+    """--src a difficulty folder with --difficulty naming another: the flag was ignored."""
+    root, _ = make_pathfinder_release(tmp_path, count=20)
+    folder = root / "curv_contour_length_14"
+    with pytest.raises(ValueError, match=r"curv_contour_length_14 is itself a difficulty folder "
+                       r"\(it holds metadata/\), not curv_baseline; drop --difficulty"):
+        prepare("pathfinder", folder, tmp_path / "c", difficulty="curv_baseline")
+    for src in (folder, root):  # the folder's own name, or picked from the resolution folder
+        cache = prepare("pathfinder", src, tmp_path / "c", difficulty="curv_contour_length_14")
+        assert json.loads((cache / "meta.json").read_text())["difficulty"] == folder.name
+
+
 def test_meta_records_counts_and_source(tmp_path):
     make_listops_release(tmp_path / "src")
     folder = prepare("listops", tmp_path / "src", tmp_path / "cache", max_len=6)

@@ -43,7 +43,8 @@ def _prepare_args(p: argparse.ArgumentParser) -> None:
                    help="text: share of the training reviews held out as dev (default 0.1; "
                    "0 = validate on test as LRA does)")
     p.add_argument("--difficulty", default=None,
-                   help="pathfinder: sub-folder of --src (default curv_contour_length_14)")
+                   help="pathfinder: sub-folder of --src (default curv_contour_length_14); "
+                   "with a difficulty folder as --src, that folder's name or nothing")
     p.add_argument("--split-seed", type=int, default=None,
                    help="text, pathfinder: seed of the dev/test split (default 0)")
 

@@ -24,6 +24,7 @@ from ..cache import SplitSource
 from .common import locate
 
 DIFFICULTIES = ("curv_baseline", "curv_contour_length_9", "curv_contour_length_14")
+DEFAULT_DIFFICULTY = "curv_contour_length_14"
 SYNTHETIC_MARKER = "SYNTHETIC.txt"  # written by `skyformer lra generate pathfinder`
 
 
@@ -84,15 +85,32 @@ def _examples(samples: Sequence[tuple[Path, int]], size: int
         yield [load_grey(path, size)], label
 
 
-def read_pathfinder(src: str | Path, *, difficulty: str = "curv_contour_length_14",
+def _difficulty_folder(src: str | Path, difficulty: str | None) -> Path:
+    """The folder holding ``metadata/``: ``src/<difficulty>`` or ``src`` itself. A
+    ``difficulty`` given for a ``src`` that is itself another difficulty folder is refused
+    rather than ignored."""
+    root = Path(src).expanduser()
+    if difficulty is not None and (root / difficulty / "metadata").exists():
+        return root / difficulty
+    folder = locate(root, "metadata", subfolders=(difficulty or DEFAULT_DIFFICULTY,))
+    if difficulty is not None and folder.resolve().name != difficulty:
+        raise ValueError(f"{folder} is itself a difficulty folder (it holds metadata/), not "
+                         f"{difficulty}; drop --difficulty, or give the folder holding "
+                         f"{difficulty}/ as --src.")
+    return folder
+
+
+def read_pathfinder(src: str | Path, *, difficulty: str | None = None,
                     split_seed: int = 0) -> tuple[dict[str, SplitSource], dict[str, Any]]:
     """Split sources and metadata of one Pathfinder difficulty.
 
     ``src`` is the difficulty folder itself (holding ``metadata/``), or the resolution
-    folder (e.g. ``pathfinder32``) holding ``<difficulty>/metadata``.
+    folder (e.g. ``pathfinder32``) holding ``<difficulty>/metadata``. ``difficulty``
+    (default ``curv_contour_length_14``) picks the sub-folder of a resolution folder;
+    given with a difficulty folder, it must be that folder's name.
     """
     check_seed("split_seed", split_seed)
-    folder = locate(src, "metadata", subfolders=(difficulty,))
+    folder = _difficulty_folder(src, difficulty)
     samples, empty = _metadata(folder)
     side = int(np.sqrt(load_grey(samples[0][0]).size))
     order = np.random.default_rng(split_seed).permutation(len(samples))
