@@ -206,3 +206,20 @@ def test_a_task_given_twice_to_stability_is_refused(tmp_path, capsys, listops_ca
     captured = capsys.readouterr()
     assert "--tasks lists listops more than once; give each task once." in captured.err
     assert captured.out == ""
+
+
+def test_stability_json_records_features_options_command_and_environment(
+        tmp_path, capsys, listops_cache):
+    """Two files measured with other --features differed only in their numbers."""
+    argv = ["lra", "stability", "--tasks", "listops", "--methods", "skyformer", "kernelized",
+            "--steps", "1", "--batch-size", "16", "--features", "4", "--cache",
+            str(listops_cache), "--json", str(tmp_path / "s.json")]
+    assert main(argv) == 0
+    data = json.loads((tmp_path / "s.json").read_text())
+    assert data["num_features"] == 4
+    options = data["attention_options"]["listops"]
+    assert set(options) == {"softmax", "skyformer", "kernelized"}
+    assert options["skyformer"]["num_features"] == 4 and "num_features" not in options["softmax"]
+    assert "attention_options" not in data["settings"]["listops"]
+    assert data["command"].startswith("skyformer lra stability --tasks listops")
+    assert data["environment"]["device"] == "cpu" and "torch" in data["environment"]

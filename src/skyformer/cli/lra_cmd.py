@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -312,8 +314,10 @@ def _run_stability(args: argparse.Namespace) -> int:
                            steps=args.steps, device=args.device, num_features=args.features,
                            probe=args.probe, overrides=overrides, progress=print)
     print(format_table(report))
-    if args.json_path:
-        print(f"wrote {write_json(args.json_path, report.to_dict())}")
+    if args.json_path:  # the command, as bench and approx record theirs
+        command = "skyformer " + shlex.join(getattr(args, "_argv", sys.argv[1:]))
+        data = {**report.to_dict(), "command": command}
+        print(f"wrote {write_json(args.json_path, data)}")
     return 0
 
 

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from ..devices import parse_device
+from ..io import environment
 from ..registry import get_method
 from .batches import BatchOrder, Position, fetch
 from .cache import load_cache
@@ -116,6 +117,9 @@ class StabilityReport:
     probe: str = "normed"
     taus: dict[str, dict[str, dict[int, list[float]]]] = field(default_factory=dict)
     settings: dict[str, dict[str, Any]] = field(default_factory=dict)
+    num_features: int | None = None  # as asked for (None: each method's own)
+    attention_options: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    environment: dict[str, Any] = field(default_factory=dict)
 
     def ratio(self, task: str, method: str) -> float:
         """Mean over seeds of the mean over steps of tau(method) / tau(softmax)."""
@@ -127,13 +131,19 @@ class StabilityReport:
         return statistics.fmean(per_seed)
 
     def to_dict(self) -> dict[str, Any]:
+        """Everything the scores depend on: ``settings`` (training, per task; shared by the
+        methods), ``num_features`` as asked for, ``attention_options`` (per task and
+        method, every option the method ran with, defaults included) and the environment."""
         return {
             "tasks": self.tasks, "methods": self.methods, "seeds": self.seeds,
             "steps": self.steps, "probe": self.probe, "baseline": BASELINE,
+            "num_features": self.num_features,
             "ratios": {t: {m: self.ratio(t, m) for m in self.methods} for t in self.tasks},
             "taus": {t: {m: {str(s): v for s, v in per.items()} for m, per in methods.items()}
                      for t, methods in self.taus.items()},
             "settings": self.settings,
+            "attention_options": self.attention_options,
+            "environment": self.environment,
         }
 
 
@@ -161,17 +171,18 @@ def run_stability(tasks: list[str], methods: list[str], *, cache_root: str | os.
     if not compared:
         raise ValueError(f"no method to compare with {BASELINE}, the baseline of every ratio; "
                          "name at least one other method.")
-    report = StabilityReport(list(tasks), compared, list(seeds), steps, probe)
+    report = StabilityReport(list(tasks), compared, list(seeds), steps, probe,
+                             num_features=num_features, environment=environment(device))
     plan = _configs(tasks, [BASELINE, *compared], seeds, num_features, overrides or {})
-    _check_configs(plan, cache_root)
+    report.attention_options = _check_configs(plan, cache_root)
     for task in tasks:
         report.taus[task] = {}
         for method in [BASELINE, *compared]:
             report.taus[task][method] = {}
             for seed in seeds:
                 cfg = plan[task, method, seed]
-                report.settings.setdefault(task, cfg.to_dict() | {"attention": None,
-                                                                  "attention_options": None})
+                report.settings.setdefault(task, {k: v for k, v in cfg.to_dict().items()
+                                                  if k not in ("attention", "attention_options")})
                 taus = instability_taus(cfg, cache_root, steps=steps, device=device, probe=probe)
                 report.taus[task][method][seed] = taus
                 if progress:
@@ -196,15 +207,20 @@ def _configs(tasks: list[str], methods: list[str], seeds: list[int] | tuple[int,
 
 
 def _check_configs(plan: dict[tuple[str, str, int], TrainConfig],
-                   cache_root: str | os.PathLike[str]) -> None:
+                   cache_root: str | os.PathLike[str]) -> dict[str, dict[str, dict[str, Any]]]:
     """Fail before the first measurement, not after the earlier ones: every task is
-    prepared, fits its length, and every method takes its options."""
-    data = {}
+    prepared, fits its length, and every method takes its options. Returns, per task and
+    method, every option the method runs with (defaults included)."""
+    data, ran_with = {}, {}
     for cfg in plan.values():
         if cfg.task not in data:
             data[cfg.task] = load_cache(cache_root, cfg.task)
         mcfg = model_config(cfg, data[cfg.task])
-        resolve_attention_options(cfg.attention, cfg.attention_options, mcfg.max_len)
+        resolved = resolve_attention_options(cfg.attention, cfg.attention_options, mcfg.max_len)
+        spec = get_method(cfg.attention)
+        ran_with.setdefault(cfg.task, {})[cfg.attention] = spec.options_of(
+            spec.make_config(**resolved))
+    return ran_with
 
 
 def format_table(report: StabilityReport) -> str:
