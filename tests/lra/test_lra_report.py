@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import statistics
 
 import pytest
@@ -156,3 +157,18 @@ def test_a_default_typed_or_not_is_one_experiment(tmp_path):
     rows = [line for line in tables(collect_runs([tmp_path])).split("Table 2")[0].splitlines()
             if line.startswith("| skyformer")]
     assert len(rows) == 1 and "(2)" in rows[0], rows
+
+
+@pytest.mark.parametrize(("damage", "message"), [
+    (lambda lines: [*lines[:-1], lines[-1][:-20]], r"line 3 is not JSON \("),
+    (lambda lines: [lines[0].replace('"seconds": 10.0, ', ""), *lines[1:]],
+     r"line 1 is a dev entry without seconds: the file is damaged; delete that line"),
+])
+def test_a_damaged_metrics_jsonl_is_named_with_its_line(tmp_path, damage, message):
+    """A truncated line gave a JSON error without the file, a dev entry without seconds a
+    KeyError with a traceback."""
+    folder = _fake_run(tmp_path, "listops", "softmax", 0, 0.4)
+    metrics = folder / "metrics.jsonl"
+    metrics.write_text("\n".join(damage(metrics.read_text().splitlines())) + "\n")
+    with pytest.raises(ValueError, match=rf"{re.escape(str(metrics))} {message}"):
+        collect_runs([tmp_path])

@@ -86,18 +86,38 @@ def collect_runs(paths: list[str | os.PathLike[str]]) -> list[Run]:
             except json.JSONDecodeError as err:
                 raise ValueError(f"{file} is not valid JSON ({err}).") from None
             _check_result(file, result)
-            run = Run(file.parent, result)
             metrics = file.parent / "metrics.jsonl"
-            if metrics.is_file():
-                for line in metrics.read_text(encoding="utf-8").splitlines():
-                    entry = json.loads(line)
-                    if entry.get("kind") == "dev":
-                        run.dev_curve.append((entry["seconds"], entry["accuracy"]))
-            runs.append(run)
+            curve = _dev_curve(metrics) if metrics.is_file() else []
+            runs.append(Run(file.parent, result, curve))
     if not runs:
         raise FileNotFoundError(f"no result.json under {', '.join(map(str, paths))}; finish a "
                                 "run with `skyformer lra train` first.")
     return runs
+
+
+def _dev_curve(metrics: Path) -> list[tuple[float, float]]:
+    """(seconds, accuracy) of the dev entries of a run's ``metrics.jsonl``; a line that is
+    not JSON, or a dev entry without either, is named with its line number."""
+    curve = []
+    text = metrics.read_text(encoding="utf-8", errors="replace")
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as err:
+            problem = f"is not JSON ({err.msg}, column {err.colno})"
+        else:
+            if not isinstance(entry, dict) or entry.get("kind") != "dev":
+                continue
+            missing = [k for k in ("seconds", "accuracy") if k not in entry]
+            if not missing:
+                curve.append((entry["seconds"], entry["accuracy"]))
+                continue
+            problem = f"is a dev entry without {' and '.join(missing)}"
+        raise ValueError(f"{metrics} line {number} {problem}: the file is damaged; delete that "
+                         "line (only the dev curves of --plot read this file).")
+    return curve
 
 
 REQUIRED = ("task", "attention", "test_accuracy", "train_seconds", "peak_memory_bytes", "steps")
