@@ -7,7 +7,9 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
+import socket
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -66,6 +68,44 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
     return target
 
 
+def _builder_tag() -> str:
+    """``HOST-PID`` of this process, as it names its temporary folders: on a file system
+    shared between machines, a process id means something only on its own host."""
+    host = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "host"
+    return f"{host}-{os.getpid()}"
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host exists (one of another user's counts)."""
+    try:
+        os.kill(pid, 0)  # signal 0: a check, nothing is sent
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: it exists; anything else: do not guess
+        return True
+    return True
+
+
+def remove_dead_builds(final: Path) -> list[Path]:
+    """Remove the temporary folders ``.NAME.HOST-PID.XXXXXXXX.tmp`` that ``building_folder``
+    left next to ``final`` in a process of this host that no longer runs (killed: no
+    ``finally`` ran), and return them. A folder of another host, of a live process (a
+    build going on now, or a reused process id) or named otherwise is left alone. Not on
+    Windows, where ``os.kill`` would end the process instead of checking it."""
+    if os.name == "nt" or not final.parent.is_dir():
+        return []
+    host = _builder_tag().rsplit("-", 1)[0]
+    pattern = re.compile(rf"\.{re.escape(final.name)}\.{re.escape(host)}-(\d+)\.\w{{8}}\.tmp")
+    removed = []
+    for entry in final.parent.iterdir():
+        match = pattern.fullmatch(entry.name)
+        if match and entry.is_dir() and not entry.is_symlink() \
+                and not _process_alive(int(match.group(1))):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
 @contextmanager
 def building_folder(path: str | os.PathLike[str]) -> Iterator[Path]:
     """A new temporary folder next to ``path`` to fill in the ``with`` block. When the
@@ -74,10 +114,14 @@ def building_folder(path: str | os.PathLike[str]) -> Iterator[Path]:
     the rename every file and folder in it is flushed to disk (``_flush_tree``), so that
     after a power cut the folder is either absent or whole; files inside need no atomic
     writes of their own. Its files get ``FILE_MODE`` and its folders ``DIR_MODE``, as
-    atomically written results do, whatever the umask."""
+    atomically written results do, whatever the umask. The temporary folder is named
+    ``.NAME.HOST-PID.XXXXXXXX.tmp``: one that a killed process left is removed by the
+    next build of ``path`` on that host (``remove_dead_builds``)."""
     final = Path(os.path.abspath(path))  # "." and ".." resolved: the folder has a name
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    remove_dead_builds(final)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.{_builder_tag()}.", suffix=".tmp",
+                                dir=final.parent))
     os.chmod(tmp, DIR_MODE)  # mkdtemp creates 0700; outputs are readable as results are
     old = None
     try:

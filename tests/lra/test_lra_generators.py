@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 from collections import deque
 
 import numpy as np
@@ -195,6 +198,30 @@ def test_an_interrupted_replacement_leaves_the_previous_data(tmp_path, monkeypat
         write_pathfinder(pf, 12, seed=1, replace=True)
     assert {lo: _contents(lo), pf: _contents(pf)} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lo", "pf"]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no process check on Windows")
+def test_a_killed_builds_temporary_folder_is_removed_by_the_next_build(tmp_path):
+    """A SIGKILLed `lra generate` or `prepare` runs no cleanup: its hidden temporary
+    folder stayed forever. The next build removes the ones of dead processes of this
+    host, and only those: a live build's, another host's or an unknown one stays."""
+    from skyformer.io import _builder_tag, building_folder
+
+    with building_folder(tmp_path / "x") as tmp:
+        assert tmp.name.startswith(f".x.{_builder_tag()}.") and tmp.name.endswith(".tmp")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = _builder_tag().rsplit("-", 1)[0]
+    names = {"dead": f".pf.{host}-{dead.pid}.abcd_123.tmp",
+             "live": f".pf.{host}-{os.getpid()}.abcd_123.tmp",
+             "other host": f".pf.{host}x-{dead.pid}.abcd_123.tmp",
+             "unknown": ".pf.abcd_123.tmp", "other folder": f".lo.{host}-{dead.pid}.abcd_123.tmp"}
+    for name in names.values():
+        (tmp_path / name / "imgs").mkdir(parents=True)
+    write_pathfinder(tmp_path / "pf", 4, seed=0)
+    left = {p.name for p in tmp_path.iterdir()}
+    assert names["dead"] not in left
+    assert {names[k] for k in ("live", "other host", "unknown", "other folder")} <= left
 
 
 def test_pathfinder_rules_guard_the_label_property():
