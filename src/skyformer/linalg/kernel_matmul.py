@@ -152,6 +152,7 @@ class _GaussianBlockProduct(torch.autograd.Function):
         y, x, b, rhs, _, scale, row_norm, transpose, _, chunk, exclude, ones_column = inputs
         out, a, block = output
         ctx.mark_non_differentiable(a, block)
+        ctx.set_materialize_grads(False)  # no zero tensors of the offsets' and block's size
         ctx.save_for_backward(y, x, b, rhs, a, out, block, exclude)
         ctx.options = (scale, row_norm, transpose, chunk, ones_column)
 
@@ -164,6 +165,8 @@ class _GaussianBlockProduct(torch.autograd.Function):
     @first_order_backward
     def backward(ctx: Any, grad: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
         y, x, b, rhs, a, out, block, exclude = ctx.saved_tensors
+        if grad is None:  # the output reached no loss (grads are not materialised)
+            return (None,) * 12
         a = a if a.numel() else None
         block = block if block.numel() else None
         scale, row_norm, transpose, chunk, ones_column = ctx.options
