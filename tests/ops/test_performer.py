@@ -341,3 +341,32 @@ def test_a_compiled_layer_redraws_on_the_eager_schedule():
     assert int(state.redraws) == 2
     for name in ("redraws", "calls_since_redraw", "projection"):
         assert torch.equal(getattr(twin_state, name), getattr(state, name)), name
+
+
+def test_a_compiled_layer_under_checkpointing_does_not_count_the_recomputation():
+    """Activation checkpointing runs the compiled forward again inside the backward
+    pass: that run neither counts nor redraws (read when the graph runs), so compiled
+    and eager layers keep one schedule and the gradients of the features each call
+    used (a redraw inside the recomputation gave gradients 4 off)."""
+    import copy
+
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(5)
+    layer = MultiHeadAttention(16, 2, "performer", num_features=8,
+                               feature_redraw_interval=2).double().train()
+    twin = copy.deepcopy(layer)
+    torch._dynamo.reset()
+    compiled = torch.compile(twin, fullgraph=True, backend="eager")
+    x = torch.randn(2, 10, 16, dtype=torch.float64)
+    for _ in range(4):
+        grads = []
+        for model in (layer, compiled):
+            leaf = x.clone().requires_grad_(True)
+            checkpoint(model, leaf, use_reentrant=False).square().sum().backward()
+            grads.append(leaf.grad)
+        torch.testing.assert_close(grads[1], grads[0])
+    for name in ("redraws", "calls_since_redraw", "projection"):
+        assert torch.equal(getattr(twin.method_state, name),
+                           getattr(layer.method_state, name)), name
+    assert int(layer.method_state.redraws) == 1

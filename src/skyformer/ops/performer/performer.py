@@ -45,6 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from ...linalg import with_ones_column
+from ...linalg.eager_calls import custom_op
 from ...registry import Capabilities, register
 from ...sketch import gaussian_projection
 from ...sketch.rng import fold_in, random_key
@@ -156,13 +157,15 @@ class PerformerFeatures(nn.Module):
     @torch.no_grad()
     def _redraw_if_due(self, interval: int) -> None:
         """``redraw()`` when ``interval`` calls have used the features, then count this
-        call, as the eager branch does, in tensor ops."""
-        due = self.calls_since_redraw >= interval
+        call, as the eager branch does, in tensor ops; an activation checkpointing
+        recomputation neither redraws nor counts (read when the graph runs)."""
+        counts = ~in_recomputation(self.calls_since_redraw)  # bool scalar
+        due = (self.calls_since_redraw >= interval) & counts
         fresh = self._features(fold_in(self.seed, self.redraws + 1))
         self.projection.copy_(torch.where(due, fresh, self.projection))
         self.redraws.add_(due.long())
         self.calls_since_redraw.masked_fill_(due, 0)
-        self.calls_since_redraw.add_(1)
+        self.calls_since_redraw.add_(counts.long())
 
     def forward(self, q: Tensor, k: Tensor) -> dict[str, Tensor]:
         interval = self.config.feature_redraw_interval
@@ -189,6 +192,20 @@ def _recomputing() -> bool:
     """Whether this forward runs inside a backward pass: activation checkpointing's
     recomputation of the forward (``torch.utils.checkpoint``, reentrant or not)."""
     return torch._C._current_graph_task_id() != -1
+
+
+@custom_op("skyformer::in_recomputation")
+def in_recomputation(like: Tensor) -> Tensor:
+    """``_recomputing()`` as a bool scalar on ``like``'s device, read when a compiled
+    graph runs (an operator opaque to the tracer), not once when it is traced: a
+    compiled layer under activation checkpointing counted its recomputation as a call
+    and could redraw inside it (another function's gradient)."""
+    return torch.tensor(_recomputing(), device=like.device)
+
+
+@in_recomputation.register_fake
+def _(like: Tensor) -> Tensor:
+    return torch.empty((), dtype=torch.bool, device=like.device)
 
 
 @register(
