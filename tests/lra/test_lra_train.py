@@ -163,6 +163,27 @@ def test_a_new_run_refuses_the_files_of_an_earlier_run_without_last_pt(listops_c
     assert _run(cfg, listops_cache, tmp_path)["steps"] == 4
 
 
+def test_an_attempt_killed_in_its_first_checkpoint_is_started_again(listops_cache, tmp_path,
+                                                                      monkeypatch):
+    """The first dev entry is logged before the first last.pt is written: an attempt
+    killed there left metrics.jsonl with a dev entry, which was refused as an earlier
+    run's files; it is replaced by a new run, fresh or with --resume."""
+    import importlib
+
+    lra_train = importlib.import_module("skyformer.lra.train")  # the module, not train()
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    cfg = _cfg(steps=4, eval_every=2)
+    monkeypatch.setattr(lra_train, "save_checkpoint", killed)
+    with pytest.raises(KeyboardInterrupt):
+        _run(cfg, listops_cache, tmp_path)
+    monkeypatch.undo()
+    assert not (tmp_path / "last.pt").exists() and (tmp_path / "metrics.jsonl").exists()
+    assert _run(cfg, listops_cache, tmp_path, resume=True)["steps"] == 4
+
+
 def test_a_new_run_hides_the_tensorboard_events_of_an_attempt_without_checkpoint(
         listops_cache, tmp_path):
     pytest.importorskip("tensorboard")

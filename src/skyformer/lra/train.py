@@ -121,16 +121,19 @@ def own_running_sums(saved: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return rows.sum(dim=0) if info.is_main else torch.zeros_like(rows[0])
 
 
-# Written only once a run has reached its first checkpoint (best.pt with the first one, at
-# the first dev evaluation): without last.pt they are what an earlier run left after its
-# checkpoints were deleted. An attempt that died before its first checkpoint leaves only
-# config.json, train entries and TensorBoard events, which a new run replaces.
+# Written only once a run has reached its first checkpoint (best.pt after last.pt) or
+# finished (result.json, with the test entry of metrics.jsonl): without last.pt they are
+# what an earlier run left after its checkpoints were deleted. An attempt that died
+# before its first checkpoint leaves config.json, train and dev entries (the first dev
+# evaluation is logged before the first last.pt is written) and TensorBoard events,
+# which a new run replaces.
 EARLIER_RUN_FILES = ("result.json", "best.pt")
 
 
 def _has_evaluations(metrics: Path) -> bool:
-    """Whether ``metrics`` (a run's ``metrics.jsonl``) holds a dev or test entry; lines
-    that do not parse (cut short by a kill) are skipped."""
+    """Whether ``metrics`` (a run's ``metrics.jsonl``) holds a test entry, which a
+    finished run writes with its result.json; lines that do not parse (cut short by a
+    kill) are skipped."""
     if not metrics.is_file():
         return False
     for line in metrics.read_text(encoding="utf-8", errors="replace").splitlines():
@@ -138,7 +141,7 @@ def _has_evaluations(metrics: Path) -> bool:
             entry = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(entry, dict) and entry.get("kind") in ("dev", "test"):
+        if isinstance(entry, dict) and entry.get("kind") == "test":
             return True
     return False
 
