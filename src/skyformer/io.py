@@ -81,8 +81,8 @@ def _process_alive(pid: int) -> bool:
         os.kill(pid, 0)  # signal 0: a check, nothing is sent
     except ProcessLookupError:
         return False
-    except OSError:  # PermissionError: it exists; anything else: do not guess
-        return True
+    except (OSError, OverflowError, ValueError):  # PermissionError: it exists; anything
+        return True  # else (a pid no process can have): do not guess, leave it alone
     return True
 
 
@@ -91,7 +91,9 @@ def remove_dead_builds(final: Path) -> list[Path]:
     left next to ``final`` in a process of this host that no longer runs (killed: no
     ``finally`` ran), and return them. A folder of another host, of a live process (a
     build going on now, or a reused process id) or named otherwise is left alone. Not on
-    Windows, where ``os.kill`` would end the process instead of checking it."""
+    Windows, where ``os.kill`` would end the process instead of checking it. Hosts are
+    told apart by name: containers sharing one host name and a volume, but not their
+    process ids, should build in separate folders."""
     if os.name == "nt" or not final.parent.is_dir():
         return []
     host = _builder_tag().rsplit("-", 1)[0]

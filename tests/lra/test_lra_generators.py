@@ -215,13 +215,15 @@ def test_a_killed_builds_temporary_folder_is_removed_by_the_next_build(tmp_path)
     names = {"dead": f".pf.{host}-{dead.pid}.abcd_123.tmp",
              "live": f".pf.{host}-{os.getpid()}.abcd_123.tmp",
              "other host": f".pf.{host}x-{dead.pid}.abcd_123.tmp",
-             "unknown": ".pf.abcd_123.tmp", "other folder": f".lo.{host}-{dead.pid}.abcd_123.tmp"}
+             "unknown": ".pf.abcd_123.tmp", "other folder": f".lo.{host}-{dead.pid}.abcd_123.tmp",
+             "no such pid": f".pf.{host}-{10**20}.abcd_123.tmp"}  # os.kill overflowed
     for name in names.values():
         (tmp_path / name / "imgs").mkdir(parents=True)
     write_pathfinder(tmp_path / "pf", 4, seed=0)
     left = {p.name for p in tmp_path.iterdir()}
     assert names["dead"] not in left
-    assert {names[k] for k in ("live", "other host", "unknown", "other folder")} <= left
+    assert {names[k] for k in ("live", "other host", "unknown", "other folder",
+                               "no such pid")} <= left
 
 
 def test_pathfinder_rules_guard_the_label_property():

@@ -226,6 +226,13 @@ def test_pathfinder_difficulty_that_contradicts_a_difficulty_folder_is_refused(t
     for src in (folder, root):  # the folder's own name, or picked from the resolution folder
         cache = prepare("pathfinder", src, tmp_path / "c", difficulty="curv_contour_length_14")
         assert json.loads((cache / "meta.json").read_text())["difficulty"] == folder.name
+    # a link named as the difficulty, to a folder named otherwise: the name given counts,
+    # as the metadata records it
+    (tmp_path / "links").mkdir()
+    link = tmp_path / "links" / "curv_baseline"
+    link.symlink_to(folder, target_is_directory=True)
+    cache = prepare("pathfinder", link, tmp_path / "c", difficulty="curv_baseline")
+    assert json.loads((cache / "meta.json").read_text())["difficulty"] == "curv_baseline"
 
 
 def test_meta_records_counts_and_source(tmp_path):

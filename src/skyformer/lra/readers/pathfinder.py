@@ -13,6 +13,7 @@ Splits as in the PyTorch LRA code the Skyformer paper used: a seeded shuffle, th
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -93,7 +94,8 @@ def _difficulty_folder(src: str | Path, difficulty: str | None) -> Path:
     if difficulty is not None and (root / difficulty / "metadata").exists():
         return root / difficulty
     folder = locate(root, "metadata", subfolders=(difficulty or DEFAULT_DIFFICULTY,))
-    if difficulty is not None and folder.resolve().name != difficulty:
+    # the name as given (a symlink keeps it), the name the metadata records; "." resolved
+    if difficulty is not None and Path(os.path.abspath(folder)).name != difficulty:
         raise ValueError(f"{folder} is itself a difficulty folder (it holds metadata/), not "
                          f"{difficulty}; drop --difficulty, or give the folder holding "
                          f"{difficulty}/ as --src.")
