@@ -130,7 +130,7 @@ def own_running_sums(saved: torch.Tensor, info: DistInfo) -> torch.Tensor:
 EARLIER_RUN_FILES = ("result.json", "best.pt")
 
 
-def _has_evaluations(metrics: Path) -> bool:
+def _has_test_entry(metrics: Path) -> bool:
     """Whether ``metrics`` (a run's ``metrics.jsonl``) holds a test entry, which a
     finished run writes with its result.json; lines that do not parse (cut short by a
     kill) are skipped."""
@@ -150,7 +150,7 @@ def earlier_run_files(folder: Path) -> list[str]:
     """The files of an earlier run in ``folder`` that a new run there would leave beside its
     own (``result.json``, read by ``lra report``) or mix with its own."""
     found = [name for name in EARLIER_RUN_FILES if (folder / name).exists()]
-    if _has_evaluations(folder / "metrics.jsonl"):
+    if _has_test_entry(folder / "metrics.jsonl"):
         found.append("metrics.jsonl")
     return found
 

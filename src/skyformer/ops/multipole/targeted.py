@@ -78,10 +78,10 @@ def targeted_multipole(
     """
     b, h, nq, d = q.shape
     draws = draw(q, k, options, generator, info, probes=True)
-    query_scores = draws.probe_scores
+    probe_scores = draws.probe_scores
     if info.query_valid is not None:
-        query_scores = query_scores.masked_fill(~info.query_valid, 2.0)  # uniform scores < 1
-    picked, probe_index = query_scores.topk(min(probe, nq), dim=1, largest=False)  # [B, P]
+        probe_scores = probe_scores.masked_fill(~info.query_valid, 2.0)  # uniform scores < 1
+    picked, probe_index = probe_scores.topk(min(probe, nq), dim=1, largest=False)  # [B, P]
     probe_live = (picked < 2.0)[:, None, :, None]  # [B, 1, P, 1]
     index = probe_index[:, None, :, None]
     q_probe = q.gather(2, index.expand(b, h, -1, d))
