@@ -116,7 +116,7 @@ class _RazaviIteration(torch.autograd.Function):
         _, store = output
         ctx.mark_non_differentiable(store)
         # no zero tensor of the store's size as its "gradient" (6 x 4 [BH, m, m]: 3 MiB
-        # filled per backward at m = 128, BH = 2, a tenth of the CPU call at N = 512)
+        # filled per backward at m = 128, BH = 2), as the Triton twin (lemma3_triton.py)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(a, store)
         ctx.saved_batch_dims = (0, 2)  # store: [iterations, 4, BH, m, m]
