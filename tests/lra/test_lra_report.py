@@ -82,6 +82,21 @@ def test_a_result_json_of_another_kind_is_named(tmp_path, text):
         tables(collect_runs([tmp_path]))
 
 
+@pytest.mark.parametrize("field, value", [("test_accuracy", None), ("train_seconds", "2h"),
+                                          ("peak_memory_bytes", True), ("steps", 1.5),
+                                          ("test_accuracy", float("nan")),
+                                          ("attention", 3)])
+def test_a_result_json_with_a_value_of_another_type_is_named(tmp_path, field, value):
+    """A hand-edited result.json (a null accuracy, a string of hours) names the field
+    and the value, not a TypeError from inside the tables."""
+    folder = _fake_run(tmp_path, "listops", "softmax", 0, 0.3)
+    result = json.loads((folder / "result.json").read_text())
+    (folder / "result.json").write_text(json.dumps({**result, field: value}))
+    with pytest.raises(ValueError, match=rf"seed0/result.json is not a result of `skyformer "
+                       rf"lra train` \({field} is {re.escape(json.dumps(value))}"):
+        tables(collect_runs([tmp_path]))
+
+
 def test_other_settings_are_rows_of_their_own_and_a_seed_counts_once(tmp_path):
     config = {"task": "listops", "attention": "skyformer", "steps": 50_000, "lr": 1e-4,
               "attention_options": {"num_features": 128}, "log_every": 100}

@@ -123,14 +123,31 @@ def _dev_curve(metrics: Path) -> list[tuple[float, float]]:
 REQUIRED = ("task", "attention", "test_accuracy", "train_seconds", "peak_memory_bytes", "steps")
 
 
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) \
+        and math.isfinite(value)
+
+
+_TYPES: dict[str, Callable[[Any], bool]] = {
+    "attention": lambda v: isinstance(v, str),
+    "test_accuracy": _finite_number,
+    "train_seconds": _finite_number,
+    "peak_memory_bytes": _finite_number,
+    "steps": lambda v: isinstance(v, int) and not isinstance(v, bool),
+}
+
+
 def _check_result(file: Path, result: Any) -> None:
-    """Refuse a ``result.json`` that ``Trainer`` did not write, naming what it lacks."""
+    """Refuse a ``result.json`` that ``Trainer`` did not write, naming what it lacks or
+    the value that is not of the type ``Trainer`` writes (a hand-edited null accuracy)."""
     if not isinstance(result, dict):
         problem = f"a JSON {type(result).__name__}, not an object"
     elif missing := [k for k in REQUIRED if k not in result]:
         problem = f"no {', '.join(missing)}"
     elif result["task"] not in TASKS:
         problem = f"task {result['task']!r} is not an LRA task"
+    elif wrong := next((k for k, ok in _TYPES.items() if not ok(result[k])), None):
+        problem = f"{wrong} is {json.dumps(result[wrong])}"
     else:
         return
     raise ValueError(f"{file} is not a result of `skyformer lra train` ({problem}); move it "
