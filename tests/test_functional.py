@@ -209,6 +209,30 @@ def test_varlen_equals_each_sequence_alone(method):
         torch.testing.assert_close(packed[:, :, start:end], alone, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("method, options", [(m, {}) for m in list_methods()]
+                         + [("scatterbrain", {"support": "lsh"})])
+def test_varlen_equals_the_padded_batch_with_its_key_mask(method, options):
+    """Packed self-attention is the padded batch with the keys' padding shared by the
+    queries: the LSH blocks (KDEformer, Scatterbrain) and the causal chunks read one mask
+    for both, not two equal masks (which they take for cross-attention)."""
+    lengths = [70, 45, 10]
+    cu = torch.tensor([0, 70, 115, 125])
+    q, k, v = make_qkv(1, 2, sum(lengths), 8)
+    opts = {"max_seq_len": 128} if method == "linformer" else options
+    key = random_key(3)
+    packed = sdpa(q, k, v, method=method, cu_seqlens=cu, generator=key, **opts)
+    valid = torch.zeros(3, 70, dtype=torch.bool)
+    padded = [torch.zeros(3, 2, 70, 8, dtype=q.dtype) for _ in range(3)]
+    for i, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
+        valid[i, : end - start] = True
+        for p, t in zip(padded, (q, k, v), strict=True):
+            p[i, :, : end - start] = t[0, :, start:end]
+    batch = sdpa(*padded, method=method, key_padding_mask=valid, generator=key, **opts)
+    for i, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
+        torch.testing.assert_close(packed[:, :, start:end], batch[i : i + 1, :, : end - start],
+                                   atol=ATOL, rtol=0)
+
+
 def test_varlen_causal_softmax_equals_each_sequence_alone():
     q, k, v = make_qkv(1, 2, 12, 8)
     cu = torch.tensor([0, 4, 12])
@@ -317,7 +341,7 @@ def test_argument_errors_name_what_is_wrong():
         sdpa(q[:, :, :7], k[:, :, :7], v[:, :, :7], cu_seqlens=torch.tensor([0, 2, 7]),
              cu_seqlens_k=torch.tensor([0, 5, 7]), is_causal=True)
     sdpa(q, k, v, cu_seqlens=cu, cu_seqlens_k=cu.clone(), is_causal=True)
-    with pytest.raises(ValueError, match=r"cu_seqlens must be an integer tensor \[B \+ 1\]"):
+    with pytest.raises(ValueError, match=r"cu_seqlens must be an int32 or int64 tensor \[B \+ 1\]"):
         sdpa(q, k, v, cu_seqlens=torch.tensor(10), cu_seqlens_k=torch.tensor(10),
              is_causal=True)
     # compiled, the lengths are not read (max_seqlen given): the check stays eager-only
@@ -333,6 +357,35 @@ def test_argument_errors_name_what_is_wrong():
     assert "needs enable_gqa=True" not in str(err.value)
     with pytest.raises(ValueError, match="scaled_dot_product_attention takes torch's SDPA"):
         skyformer.attention(q, k, v, "softmax", attn_mask=torch.ones(10, 10, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("given, message", [
+    ({"max_seqlen": 5.0}, r"max_seqlen must be an int \(the longest sequence's length\) or "
+                          r"None \(read from cu_seqlens\), got 5.0"),
+    ({"max_seqlen": "5"}, r"max_seqlen must be an int .* got '5'"),
+    ({"max_seqlen": True}, r"max_seqlen must be an int .* got True"),
+    ({"max_seqlen_k": 1}, r"max_seqlen_k \(1\) without cu_seqlens_k: the keys are packed as "
+                          r"the queries"),
+    ({"max_seqlen": 5, "max_seqlen_k": 4}, r"max_seqlen_k \(4\) without cu_seqlens_k"),
+    ({"cu_seqlens": torch.tensor([0, 3, 8], dtype=torch.int16)},
+     r"cu_seqlens must be an int32 or int64 tensor \[B \+ 1\] .* got torch.int16 \(3,\)"),
+    ({"cu_seqlens": torch.tensor([0, 3, 8], device="meta")},
+     r"cu_seqlens is on meta but the inputs are on cpu; pass cu_seqlens.to\(q.device\)"),
+])
+def test_varlen_arguments_of_another_kind_are_named(given, message):
+    """Lengths of the wrong type or device, and a key length that cannot apply, get a
+    sentence (not torch's TypeError from inside the unpacking, nor silence)."""
+    q, k, v = make_qkv(1, 2, 8, 4)
+    arguments = {"cu_seqlens": torch.tensor([0, 3, 8]), **given}
+    with pytest.raises(ValueError, match=message):
+        sdpa(q, k, v, method="softmax", **arguments)
+
+
+def test_varlen_takes_max_seqlen_k_equal_to_max_seqlen_without_cu_seqlens_k():
+    q, k, v = make_qkv(1, 2, 8, 4)
+    cu = torch.tensor([0, 3, 8])
+    torch.testing.assert_close(sdpa(q, k, v, cu_seqlens=cu, max_seqlen=5, max_seqlen_k=5),
+                               sdpa(q, k, v, cu_seqlens=cu))
 
 
 @pytest.mark.parametrize("method", ["softmax", "kernelized", "skyformer"])

@@ -282,13 +282,22 @@ def _varlen(spec: Method, query: Tensor, key: Tensor, value: Tensor, attn_mask: 
     if key.shape[2] != value.shape[2]:
         raise ValueError(f"{spec.name}: key and value must hold the same packed tokens, got "
                          f"T = {key.shape[2]} keys and {value.shape[2]} values.")
+    if cu_seqlens_k is None and max_seqlen_k is not None and max_seqlen_k != max_seqlen:
+        raise ValueError(
+            f"{spec.name}: max_seqlen_k ({max_seqlen_k!r}) without cu_seqlens_k: the keys are "
+            f"packed as the queries (cu_seqlens), so their longest length is max_seqlen "
+            f"({max_seqlen!r}); leave max_seqlen_k out, or pass cu_seqlens_k.")
     q, q_valid = unpack(query, cu_seqlens, max_seqlen, spec.name)
     k, k_valid = (unpack(key, cu_k, max_seqlen_k, spec.name, "max_seqlen_k", "cu_seqlens_k")
                   if cu_seqlens_k is not None else unpack(key, cu_k, max_seqlen, spec.name))
     if is_causal and cu_seqlens_k is not None and may_read_values(cu_seqlens, cu_k):
         _check_causal_lengths(spec.name, cu_seqlens, cu_k)  # checked tensors by now
     v, _ = unpack(value, cu_k, k.shape[2], spec.name)
+    # one mask object for self-attention: the methods read two (equal) masks as
+    # cross-attention (KDEformer's and Scatterbrain's LSH blocks, the causal chunks)
+    query_valid = "auto" if cu_seqlens_k is None else q_valid
     out = scaled_dot_product_attention(
         q, k, v, None, dropout_p, is_causal, scale, enable_gqa, method=spec.name,
-        key_padding_mask=k_valid, query_padding_mask=q_valid, generator=generator, **options)
+        key_padding_mask=k_valid, query_padding_mask=query_valid, generator=generator,
+        **options)
     return pack(out, cu_seqlens, query.shape[2])

@@ -13,15 +13,22 @@ import torch
 from torch import Tensor
 
 
-def _check(cu_seqlens: object, total: int, method: str, name: str = "cu_seqlens") -> Tensor:
-    """``cu_seqlens`` (argument ``name``) as int64, checked against ``total`` tokens."""
+def _check(cu_seqlens: object, x: Tensor, method: str, name: str = "cu_seqlens") -> Tensor:
+    """``cu_seqlens`` (argument ``name``) as int64, checked against the packed tokens of
+    ``x: [1, H, T, E]`` (their number and device)."""
+    total = x.shape[2]
     if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
             or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        got = (f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
+               if isinstance(cu_seqlens, Tensor) else repr(cu_seqlens))
         raise ValueError(
-            f"{method}: {name} must be an integer tensor [B + 1] of cumulative sequence "
-            f"lengths starting at 0, got "
-            f"{tuple(cu_seqlens.shape) if isinstance(cu_seqlens, Tensor) else cu_seqlens!r}."
+            f"{method}: {name} must be an int32 or int64 tensor [B + 1] of cumulative "
+            f"sequence lengths starting at 0, got {got}."
         )
+    if cu_seqlens.device != x.device:  # as FlashAttention's: the lengths index the tokens
+        raise ValueError(
+            f"{method}: {name} is on {cu_seqlens.device} but the inputs are on {x.device}; "
+            f"pass {name}.to(q.device).")
     if not torch.compiler.is_compiling() and (
             int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != total
             or bool((cu_seqlens[1:] < cu_seqlens[:-1]).any())):
@@ -48,8 +55,11 @@ def unpack(x: Tensor, cu_seqlens: Tensor, max_len: int | None, method: str,
         raise ValueError(f"{method}: a packed batch has batch size 1 ([1, H, T, E]), got "
                          f"{tuple(x.shape)}.")
     h, total, e = x.shape[1:]
-    cu = _check(cu_seqlens, total, method, lengths)
+    cu = _check(cu_seqlens, x, method, lengths)
     batch = cu.numel() - 1
+    if isinstance(max_len, bool) or not isinstance(max_len, int | torch.SymInt | None):
+        raise ValueError(f"{method}: {argument} must be an int (the longest sequence's "
+                         f"length) or None (read from {lengths}), got {max_len!r}.")
     if max_len is None:
         max_len = max(1, int((cu[1:] - cu[:-1]).max()))
     elif not torch.compiler.is_compiling():  # the lengths are read in _check already
