@@ -200,14 +200,18 @@ def decoding_key_valid(
     batch: int,
     new: int,
     total: int,
+    past_valid: Tensor | None = None,
     advice: str = USE_EXACT,
 ) -> Tensor | None:
     """Which of the ``new`` positions a decoding step adds are real tokens.
 
     A decoding step attends from its ``new`` queries to all ``total`` positions (the
     cached ones first): its mask must be causal with key padding, the causal pattern
-    shifted by ``total - new``. Returns ``[B, new]`` bool (``None`` when all are real).
-    Raises ``UnsupportedMaskError`` for any other pattern.
+    shifted by ``total - new``, and show the cached positions as the state took them
+    (``past_valid`` ``[B, total - new]``, True = real; ``None``: all real), since a
+    state attends to every real position it took. Returns ``[B, new]`` bool (``None``
+    when all are real). Raises ``UnsupportedMaskError`` for any other pattern (a
+    sliding window hiding cached tokens, a mask that differs between heads).
     """
     if attention_mask is None:
         return None
@@ -215,14 +219,21 @@ def decoding_key_valid(
         raise UnsupportedMaskError(
             f"the attention mask is a {type(attention_mask).__name__}, not a tensor; {advice}.")
     allowed = _allowed(attention_mask, batch, new, total, advice)
+    if allowed.shape[1] > 1 and not bool((allowed == allowed[:, :1]).all()):
+        raise UnsupportedMaskError(
+            f"a decoding step's attention mask differs between heads; skyformer methods "
+            f"take one key padding mask for all heads; {advice}.")
     rows = allowed[:, 0].expand(batch, new, total)  # [B, new, total]
-    real = rows.any(dim=1)  # [B, total]: positions some query may see; the rest are padding
+    new_real = rows.any(dim=1)[:, total - new:]  # [B, new]: seen by no query: padding
+    past = (past_valid.to(rows.device) if past_valid is not None
+            else torch.ones(batch, total - new, dtype=torch.bool, device=rows.device))
+    real = torch.cat([past.expand(batch, -1), new_real], dim=1)  # [B, total]
     position = torch.arange(total, device=rows.device)
     causal = position[None, :] <= position[total - new:, None]  # [new, total]
-    new_real = real[:, total - new:]
     query_real = new_real[:, :, None]  # rows of padded queries are not checked
     if not bool(((rows == (causal & real[:, None, :])) | ~query_real).all()):
         raise UnsupportedMaskError(
-            "a decoding step's attention mask is not causal with key padding (e.g. a sliding "
-            f"window or a custom pattern); the approximate methods cannot follow it; {advice}.")
+            "a decoding step's attention mask is not causal with key padding over the "
+            "positions the cache took (e.g. a sliding window, a mask hiding cached tokens "
+            f"or a custom pattern); the approximate methods cannot follow it; {advice}.")
     return None if bool(new_real.all()) else new_real.contiguous()

@@ -374,3 +374,53 @@ def test_a_step_that_fails_in_one_layer_stops_the_cache(monkeypatch):
     assert cache.layers[0].state.length == 11 and cache.layers[1].state.length == 10
     with pytest.raises(RuntimeError, match="when that forward failed"):
         model(ids[:, 10:11], cache=cache)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("hide", ["cached keys", "padding shown", "one head"])
+def test_a_step_mask_the_state_cannot_follow_is_refused(hide):
+    """A step's mask that hides a cached real token (a window), shows a padded one as
+    real, or differs between heads is refused as without a cache, not left out: a state
+    attends to every real position it took."""
+    from skyformer.masks import UnsupportedMaskError
+
+    model = _llama()
+    shf.set_attention(model, "linear", seed=0)
+    ids, mask = _prompt()
+    cache = shf.DecodingCache(model)
+    model(ids[:, :20], attention_mask=mask[:, :20], cache=cache)
+    step = mask[:, :21].bool()[:, None, None, :].expand(2, 4, 1, 21).clone()
+    if hide == "cached keys":
+        step[..., :10] = False
+    elif hide == "padding shown":
+        step[1, ..., :4] = True
+    else:
+        step[:, 1, :, 5] = False
+    with pytest.raises(UnsupportedMaskError, match="heads" if hide == "one head"
+                       else "over the positions the cache took"):
+        model(ids[:, 20:21], attention_mask=step, cache=cache)
+    assert cache.layers[0].valid[1, :4].eq(False).all() and cache.layers[0].valid.shape == (2, 20)
+
+
+@torch.no_grad()
+def test_the_positions_a_state_took_follow_reorders_and_crops():
+    """The record of real positions is reordered with the sequences (beam search) and
+    cropped with the positions (assisted generation): the next step's mask, which
+    transformers builds from the reordered padding, is taken and decodes as a fresh
+    cache."""
+    model = _gpt2()
+    shf.set_attention(model, "skyformer", seed=0, num_features=8, landmark_stride=4)
+    ids, mask = _prompt()
+    cache = shf.DecodingCache(model)
+    cache.activate_past_recording()
+    model(ids[:, :20], attention_mask=mask[:, :20], cache=cache)
+    model(ids[:, 20:24], attention_mask=mask[:, :24], cache=cache)
+    order = torch.tensor([1, 0])
+    cache.batch_select_indices(order)
+    cache.crop(-3)
+    assert [layer.valid.shape for layer in cache.layers] == [(2, 21), (2, 21)]
+    got = model(ids[order, 21:22], attention_mask=mask[order, :22], cache=cache).logits
+    direct = shf.DecodingCache(model)
+    model(ids[order, :21], attention_mask=mask[order, :21], cache=direct)
+    want = model(ids[order, 21:22], attention_mask=mask[order, :22], cache=direct).logits
+    torch.testing.assert_close(got, want)

@@ -62,6 +62,7 @@ class DecodingLayer(CacheLayerMixin):
         super().__init__()
         self.state = None  # skyformer.decoding.DecodingState, made at the first step
         self.seen = 0  # positions given to update
+        self.valid: Tensor | None = None  # [B, positions stepped]: real ones; None: all
         self.pending: Tensor | None = None  # the keys of the step not yet attended
         self.record_past = False  # keep what crop needs (transformers switches it on)
         self.rollback: tuple | None = None  # (state before the last step, its inputs)
@@ -83,10 +84,25 @@ class DecodingLayer(CacheLayerMixin):
         if self.record_past:
             self.rollback = (copy.copy(self.state), q, k, v, key_valid)
         try:
-            return self.state.step(q, k, v, key_valid)
+            out = self.state.step(q, k, v, key_valid)
         except BaseException:
             self.rollback = rollback
             raise
+        self._record_valid(key_valid, q.shape[0], k.shape[2])
+        return out
+
+    def _record_valid(self, key_valid: Tensor | None, batch: int, new: int) -> None:
+        """Append which of a step's ``new`` positions are real (a later step's mask must
+        agree: ``masks.decoding_key_valid``); stays None while every position is."""
+        if key_valid is None and self.valid is None:
+            return
+        stepped = self.state.length - new if self.valid is None else self.valid.shape[1]
+        device = (key_valid if key_valid is not None else self.valid).device
+        past = self.valid if self.valid is not None else torch.ones(
+            batch, stepped, dtype=torch.bool, device=device)
+        step = key_valid.to(device) if key_valid is not None else torch.ones(
+            batch, new, dtype=torch.bool, device=device)
+        self.valid = torch.cat([past, step], dim=1)
 
     def fail(self, key: Tensor) -> None:
         """Count the step of ``key`` as not taken (its call failed after claiming it):
@@ -147,6 +163,7 @@ class DecodingLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.state, self.seen, self.pending, self.rollback = None, 0, None, None
+        self.valid = None
         self.keys = self.values = None
 
     def reorder_cache(self, beam_idx: Tensor) -> None:
@@ -161,6 +178,8 @@ class DecodingLayer(CacheLayerMixin):
                                       for t in inputs))
         if self.state is not None:
             self.state.reorder(indices)
+        if self.valid is not None:
+            self.valid = self.valid.index_select(0, indices.to(self.valid.device))
         if self.keys is not None:
             self.keys = self.keys.index_select(0, indices.to(self.keys.device))
             self.values = self.values.index_select(0, indices.to(self.values.device))
@@ -214,6 +233,8 @@ class DecodingLayer(CacheLayerMixin):
                 state.step(q[:, :, :stay], k[:, :, :stay], v[:, :, :stay],
                            None if key_valid is None else key_valid[:, :stay])
             self.state = state
+            if self.valid is not None:
+                self.valid = self.valid[:, : self.valid.shape[1] - remove]
         if self.keys is not None:
             self.keys = self.keys[..., : self.keys.shape[-2] - remove, :]
             self.values = self.values[..., : self.values.shape[-2] - remove, :]
