@@ -137,7 +137,7 @@ class MultiHeadAttention(nn.Module):
         Returns ``[B, N, dim]``.
         """
         with self._failing_together():
-            self._check_forward(x, context, query_padding_mask, cache)
+            self._check_forward(x, context, query_padding_mask, cache, generator)
         q = self._split(self.q_proj(x))
         source = x if context is None else context
         k = self._split(self.k_proj(source))
@@ -167,7 +167,7 @@ class MultiHeadAttention(nn.Module):
                                 self.process_group)
 
     def _check_forward(self, x: Any, context: Any, query_padding_mask: Any,
-                       cache: DecodingState | None) -> None:
+                       cache: DecodingState | None, generator: Any) -> None:
         """A sentence for inputs ``forward`` cannot take."""
         source = x if context is None else context
         weight = self.q_proj.weight
@@ -194,6 +194,10 @@ class MultiHeadAttention(nn.Module):
         if cache is not None and (context is not None or self.process_group is not None):
             raise ValueError("MultiHeadAttention: a decoding cache runs causal self-attention "
                              "on one process; it takes no context and no process_group.")
+        if cache is not None and generator is not None:
+            raise ValueError(
+                "MultiHeadAttention: a decoding cache draws once, from the key it was made "
+                "with; pass the generator to new_cache(generator=...), not to each step.")
         if context is not None and self.process_group is not None:
             raise ValueError("MultiHeadAttention: with a process_group the layer runs "
                              "sequence-parallel self-attention; it takes no context.")

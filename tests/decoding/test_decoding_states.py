@@ -219,6 +219,8 @@ def test_layer_cache_equals_the_causal_layer(method, options):
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-10, atol=1e-10)
     with pytest.raises(ValueError, match="takes no context"):
         layer(x[:, :1], context=x, cache=cache)
+    with pytest.raises(ValueError, match=r"pass the generator to new_cache\(generator=...\)"):
+        layer(x[:, :1], generator=key, cache=layer.new_cache())  # it would be left out
 
 
 def _decode_single_after(state, q, k, v, valid, prompt, block=(20, 25)):

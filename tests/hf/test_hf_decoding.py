@@ -23,11 +23,11 @@ def _gpt2(implementation="skyformer"):
     return GPT2LMHeadModel(config).eval()
 
 
-def _llama(implementation="skyformer"):
+def _llama(implementation="skyformer", layers=2):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=512, bos_token_id=0, eos_token_id=1)
     config._attn_implementation = implementation
     torch.manual_seed(0)
@@ -110,6 +110,12 @@ def test_cache_size_stops_growing():
 def test_refusals():
     with pytest.raises(ValueError, match="runs through skyformer"):
         shf.DecodingCache(_gpt2("sdpa"))
+    small, large = _gpt2(), _llama(layers=3)
+    shf.set_attention(small, "linear", seed=0)
+    shf.set_attention(large, "linear", seed=0)
+    with pytest.raises(ValueError, match=r"attention layer 2 asks for its state, but this "
+                       r"cache was made for a model with 2 attention layers"), torch.no_grad():
+        large(_prompt()[0], cache=shf.DecodingCache(small))
     model = _gpt2("skyformer:nystromformer")
     ids, mask = _prompt()
     with pytest.raises(Exception, match="nystromformer"):

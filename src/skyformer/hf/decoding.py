@@ -278,6 +278,15 @@ class DecodingCache(Cache):
                              "cross-attention (use transformers' EncoderDecoderCache).")
         super().__init__(layers=[DecodingLayer() for _ in range(max(i for i, _ in modules) + 1)])
 
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args,
+               **kwargs) -> tuple[Tensor, Tensor]:
+        if layer_idx >= len(self.layers):
+            raise ValueError(
+                f"DecodingCache: attention layer {layer_idx} asks for its state, but this "
+                f"cache was made for a model with {len(self.layers)} attention layers; make "
+                f"the cache from the model that generates (DecodingCache(model)).")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
     def crop(self, tokens_to_remove: int) -> None:
         """``DecodingLayer.crop`` on every layer, after checking them all: a refused crop
         leaves every layer as it was."""
