@@ -359,6 +359,44 @@ def test_argument_errors_name_what_is_wrong():
         skyformer.attention(q, k, v, "softmax", attn_mask=torch.ones(10, 10, dtype=torch.bool))
 
 
+@pytest.mark.parametrize("method", ["softmax", "kernelized"])
+@pytest.mark.parametrize("lq, lk", [(5, 9), (9, 5)])
+@pytest.mark.parametrize("mask", [None, "bool", "float"])
+def test_is_causal_with_other_lengths_aligns_top_left_as_sdpa(method, lq, lk, mask):
+    """SDPA's is_causal with L != S: query i sees keys j <= i, beside any attn_mask."""
+    q = make_qkv(2, 2, lq, 4)[0].requires_grad_()
+    k, v = (t.requires_grad_() for t in make_qkv(2, 2, lk, 4, seed=1)[1:])
+    g = torch.Generator().manual_seed(2)
+    attn_mask = {"bool": torch.rand(2, 1, 1, lk, generator=g) > 0.3,
+                 "float": torch.randn(lq, lk, generator=g, dtype=q.dtype), None: None}[mask]
+    if mask == "bool":
+        attn_mask[..., 0] = True
+    tril = torch.ones(lq, lk, dtype=torch.bool).tril()
+    explicit = tril if attn_mask is None else (
+        attn_mask & tril if mask == "bool" else attn_mask.masked_fill(~tril, float("-inf")))
+    out = sdpa(q, k, v, attn_mask, is_causal=True, method=method)
+    want = sdpa(q, k, v, explicit, method=method)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    if method == "softmax":
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(
+            q, k, v, attn_mask, is_causal=True))
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    for got, expected in zip(grads, torch.autograd.grad(want.sum(), (q, k, v)), strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_is_causal_with_other_lengths_names_the_methods_that_follow_sdpa():
+    q, k, v = make_qkv(1, 2, 5, 4, nk=9)
+    with pytest.raises(ValueError, match=r"skyformer: is_causal with 5 queries and 9 keys: SDPA "
+                       r"aligns the causal mask top left .* \('softmax', 'kernelized'\)"):
+        sdpa(q, k, v, is_causal=True, method="skyformer")
+    with pytest.raises(CapabilityError, match="linformer"):
+        sdpa(q, k, v, is_causal=True, method="linformer", max_seq_len=16)
+    with pytest.raises(ValueError, match=r"pass attn_mask=torch.ones\(Nq, Nk, dtype=torch.bool\)"
+                       r".tril\(\)"):
+        skyformer.attention(q, k, v, "softmax", causal=True)
+
+
 @pytest.mark.parametrize("given, message", [
     ({"max_seqlen": 5.0}, r"max_seqlen must be an int \(the longest sequence's length\) or "
                           r"None \(read from cu_seqlens\), got 5.0"),

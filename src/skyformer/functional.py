@@ -19,7 +19,9 @@ where it cannot:
   equals truncation); pass ``query_padding_mask=None`` where every query is real
   (cross-attention of equal lengths; SDPA itself gives such a row the attention of its
   mask's row).
-- ``is_causal``: the methods with capability ``causal``.
+- ``is_causal``: the methods with capability ``causal``; with L != S aligned top left
+  as SDPA (query i sees keys j <= i) for ``softmax`` and ``kernelized``, which take it
+  as a mask, while the approximate methods' causal forms need L == S.
 - ``scale``: the methods with a ``scale`` option (every method but ``linear``).
 - ``dropout_p``: applied, as by SDPA, whenever it is positive (pass 0 in evaluation):
   on the attention probabilities for ``softmax``, on the output for the methods that
@@ -103,6 +105,9 @@ def scaled_dot_product_attention(
                          f"cu_seqlens too, or leave {packed} out.")
     _check_layout(spec.name, query, key, value)
     key, value = _grouped(spec.name, query, key, value, enable_gqa)
+    if is_causal and query.shape[-2] != key.shape[-2]:
+        attn_mask = _top_left_causal(spec, attn_mask, query, key)
+        is_causal = False
     options = _sdpa_options(spec, options, is_causal, scale, query.shape[-1])
     arguments: dict[str, Any] = {}
     if attn_mask is not None:
@@ -126,6 +131,28 @@ def scaled_dot_product_attention(
     if dropout_p and not spec.capabilities.weight_dropout:
         out = F.dropout(out, p=dropout_p, training=True)
     return out
+
+
+def _top_left_causal(spec: Method, attn_mask: Tensor | None, query: Tensor, key: Tensor
+                     ) -> Tensor:
+    """``is_causal`` with L != S as SDPA reads it: query i sees keys j <= i (the mask
+    aligned top left), as a mask ``[L, S]`` combined with ``attn_mask`` (both apply),
+    for the methods that take any mask; the causal forms of the others need L == S."""
+    lq, lk = query.shape[-2], key.shape[-2]
+    if not spec.capabilities.attn_mask:
+        check_capabilities(spec.name, causal=True)
+        raise ValueError(
+            f"{spec.name}: is_causal with {lq} queries and {lk} keys: SDPA aligns the causal "
+            f"mask top left (query i sees keys j <= i), which only the methods that take any "
+            f"attn_mask ('softmax', 'kernelized') follow; {spec.name}'s causal form needs as "
+            f"many queries as keys.")
+    causal = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril()
+    if attn_mask is None:
+        return causal
+    _check_mask_shape(attn_mask, query, key)
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & causal
+    return torch.where(causal, attn_mask, float("-inf"))
 
 
 def _batched(t: Any, dims: int = 3) -> Any:

@@ -90,7 +90,9 @@ def kernelized_attention(
     if causal and info.query_len != info.key_len:
         raise ValueError(
             f"kernelized: causal=True needs as many queries as keys, got Nq={info.query_len}, "
-            f"Nk={info.key_len}."
+            f"Nk={info.key_len}; for SDPA's top-left alignment (query i sees keys j <= i) "
+            f"pass attn_mask=torch.ones(Nq, Nk, dtype=torch.bool).tril(), or is_causal to "
+            f"skyformer.scaled_dot_product_attention, which builds it."
         )
     dtype = q.dtype
     scale = kernel_scale(info.head_dim, config.scale)

@@ -91,7 +91,9 @@ def softmax_attention(
     if config.causal and info.query_len != info.key_len:
         raise ValueError(
             f"softmax: causal=True needs as many queries as keys, got Nq={info.query_len}, "
-            f"Nk={info.key_len}."
+            f"Nk={info.key_len}; for SDPA's top-left alignment (query i sees keys j <= i) "
+            f"pass attn_mask=torch.ones(Nq, Nk, dtype=torch.bool).tril(), or is_causal to "
+            f"skyformer.scaled_dot_product_attention, which builds it."
         )
     s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
     if attn_mask is None and not dropout_p:
