@@ -359,6 +359,27 @@ def test_argument_errors_name_what_is_wrong():
         skyformer.attention(q, k, v, "softmax", attn_mask=torch.ones(10, 10, dtype=torch.bool))
 
 
+@pytest.mark.parametrize("method", ["nystromformer", "skyformer", "linear"])
+def test_a_mask_row_of_a_query_called_real_is_followed_or_refused(method):
+    """With query_padding_mask=None (or a tensor) the rows of real queries must follow
+    the pattern read from attn_mask: a row whose own key is hidden from every query is
+    not taken for padding and left unchecked (it would attend to keys its row hides)."""
+    q, k, v = make_qkv(1, 1, 6, 4)
+    mask = torch.ones(6, 6, dtype=torch.bool)
+    mask[:, 3] = False  # key 3 hidden from every query
+    mask[3] = False
+    mask[3, 0] = True  # query 3 sees key 0 only
+    for rows in (None, torch.ones(1, 6, dtype=torch.bool)):
+        with pytest.raises(ValueError, match="neither key padding nor causal"):
+            sdpa(q, k, v, mask, method=method, query_padding_mask=rows)
+    padding = mask.clone()
+    padding[3] = padding[0]  # query 3 sees what the others see: key padding, row checked
+    out = sdpa(q, k, v, padding, method=method, query_padding_mask=None)
+    assert out[0, 0, 3].abs().sum() > 0  # a real query's row, not zeroed as padding
+    hidden = sdpa(q, k, v, mask, method=method)  # "auto": query 3 is padding, row 0
+    assert hidden[0, 0, 3].eq(0).all()
+
+
 @pytest.mark.parametrize("method", ["softmax", "kernelized"])
 @pytest.mark.parametrize("lq, lk", [(5, 9), (9, 5)])
 @pytest.mark.parametrize("mask", [None, "bool", "float"])

@@ -17,8 +17,8 @@ where it cannot:
   (``query_padding_mask="auto"``): a position whose key the mask hides from every
   query is padding, its query too (output row 0, in no landmark pool, so that padding
   equals truncation); pass ``query_padding_mask=None`` where every query is real
-  (cross-attention of equal lengths; SDPA itself gives such a row the attention of its
-  mask's row).
+  (cross-attention of equal lengths): every row must then follow the pattern, as SDPA
+  gives each row the attention of its mask's row, or the mask is refused.
 - ``is_causal``: the methods with capability ``causal``; with L != S aligned top left
   as SDPA (query i sees keys j <= i) for ``softmax`` and ``kernelized``, which take it
   as a mask, while the approximate methods' causal forms need L == S.
@@ -120,8 +120,9 @@ def scaled_dot_product_attention(
         if spec.capabilities.attn_mask:
             arguments["attn_mask"] = attn_mask
         else:
-            key_padding_mask, causal = _as_padding(spec, attn_mask, key_padding_mask, query,
-                                                   key, bool(options.get("causal")))
+            key_padding_mask, causal = _as_padding(spec, attn_mask, key_padding_mask,
+                                                   query_padding_mask, query, key,
+                                                   bool(options.get("causal")))
             options = _sdpa_options(spec, options, causal, None, query.shape[-1])
     if dropout_p and spec.capabilities.weight_dropout:
         arguments["dropout_p"] = dropout_p
@@ -241,16 +242,22 @@ def _check_mask_shape(attn_mask: Tensor, query: Tensor, key: Tensor) -> None:
 
 
 def _as_padding(spec: Method, attn_mask: Tensor, key_padding_mask: Tensor | None,
-                query: Tensor, key: Tensor, causal: bool) -> tuple[Tensor | None, bool]:
+                query_padding_mask: Any, query: Tensor, key: Tensor, causal: bool
+                ) -> tuple[Tensor | None, bool]:
     """An ``attn_mask`` as the key padding mask and causal flag an approximate method
-    takes (combined with the caller's ``key_padding_mask``), or a sentence."""
+    takes (combined with the caller's ``key_padding_mask``), or a sentence; the rows of
+    the queries ``query_padding_mask`` calls real must follow it (``resolve_mask``)."""
     b, _, lq, _ = query.shape
     lk = key.shape[2]
     advice = (f"{spec.name} is one of them: use method='softmax' or 'kernelized', which "
               f"take any attn_mask")
     if may_read_values(attn_mask):
+        given = query_padding_mask is None or (
+            isinstance(query_padding_mask, Tensor) and query_padding_mask.dtype == torch.bool
+            and tuple(query_padding_mask.shape) == (b, lq))
+        rows = query_padding_mask if given else "auto"  # others: the method's check names
         resolved = resolve_mask(attn_mask, batch=b, query_len=lq, key_len=lk,
-                                is_causal=False, advice=advice)
+                                is_causal=False, query_valid=rows, advice=advice)
         valid, causal = resolved.key_padding_mask, causal or resolved.causal
     elif attn_mask.dtype == torch.bool and attn_mask.shape[-2] == 1 \
             and attn_mask.shape[-1] == lk and attn_mask.shape[-3] == 1:

@@ -99,6 +99,7 @@ def resolve_mask(
     query_len: int,
     key_len: int,
     is_causal: bool,
+    query_valid: Tensor | str | None = "auto",
     advice: str = USE_EXACT,
 ) -> ResolvedMask:
     """Turn a transformers attention mask into ``key_padding_mask`` and ``causal``.
@@ -110,6 +111,10 @@ def resolve_mask(
         is_causal: the model's causal flag; as in transformers' SDPA path it applies only
             when no mask is given (a given mask already holds the causal pattern), and
             then as ``causal_without_mask`` says.
+        query_valid: which queries are real, whose rows must follow the pattern:
+            ``"auto"`` (self-attention's convention when Nq == Nk: a position whose key
+            the mask hides from every query is padding, its row unchecked), ``None``
+            (every query is real: every row is checked) or ``[B, Nq]`` bool.
         advice: what the caller can do instead, ending every error sentence.
     Returns:
         ``ResolvedMask``; its ``key_padding_mask`` is ``None`` when every key is real.
@@ -143,7 +148,12 @@ def resolve_mask(
 
     visible = rows.any(dim=1)  # [B, Nk]: keys some query may see; the others are padding
     # Rows of padded queries are not checked (module docstring).
-    real_rows = visible if query_len == key_len else torch.ones_like(rows[:, :, 0])
+    if isinstance(query_valid, Tensor):
+        real_rows = query_valid.to(rows.device).expand(batch, query_len)
+    elif query_valid is None or query_len != key_len:
+        real_rows = torch.ones_like(rows[:, :, 0])
+    else:
+        real_rows = visible
     unchecked = ~real_rows[:, :, None]  # [B, Nq, 1]
     # A traced call cannot branch on the mask's values: it takes the pattern the model
     # declares (causal with key padding where is_causal and Nq == Nk, else key padding)
