@@ -554,3 +554,17 @@ def test_a_float_key_padding_mask_gets_the_conversion_of_its_convention():
         q[:, :, :4], k[:, :, :4], v[:, :, :4]))
     with pytest.raises(TypeError, match=r"converts with mask == 1\.$"):  # 0/1, integers
         sdpa(q, k, v, key_padding_mask=torch.ones(1, 6, dtype=torch.long))
+
+
+def test_numpy_scalars_are_numbers_as_for_sdpa():
+    """A NumPy float32 scale or dropout_p (what a config read with NumPy holds) is a
+    number, as torch's SDPA takes it; the refusal said it was not a finite number."""
+    np = pytest.importorskip("numpy")
+    q, k, v = make_qkv(1, 2, 8, 4)
+    torch.testing.assert_close(sdpa(q, k, v, scale=np.float32(0.25)), sdpa(q, k, v, scale=0.25))
+    torch.manual_seed(0)
+    dropped = sdpa(q, k, v, dropout_p=np.float32(0.5))
+    torch.manual_seed(0)
+    torch.testing.assert_close(dropped, sdpa(q, k, v, dropout_p=0.5))
+    with pytest.raises(ValueError, match="scale must be a finite positive number"):
+        sdpa(q, k, v, scale=np.float32("inf"))

@@ -7,6 +7,7 @@ be and what it got: ``"skyformer: num_features must be a positive integer, got 0
 from __future__ import annotations
 
 import math
+import numbers
 
 
 def _is_int(value: object) -> bool:
@@ -14,9 +15,12 @@ def _is_int(value: object) -> bool:
 
 
 def _is_number(value: object) -> bool:
-    """A finite int or float (inf and NaN would turn every output into NaN)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) \
-        and math.isfinite(value)
+    """A finite real number: int, float, or NumPy's scalars (inf and NaN would turn
+    every output into NaN). Comparisons rather than ``math.isfinite``, which
+    ``torch.compile(dynamic=True)`` cannot trace on the symbolic float a default
+    becomes."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) \
+        and -math.inf < value < math.inf  # type: ignore[operator]
 
 
 def check_positive_int(method: str, name: str, value: object) -> None:
