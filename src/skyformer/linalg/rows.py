@@ -132,6 +132,12 @@ def gather_rows_through(xs: Sequence[Tensor], indices: Sequence[Tensor], *,
     if len(xs) == 1:
         x, _, rows = apply(_RowsThrough, xs[0], flats[0], None, None, in_place)
         return (x,), rows
+    if xs[0] is xs[1] and torch.compiler.is_compiling():  # attention(x, x, x) compiled:
+        # dynamo traces no Function given one tensor twice; the rows of both indices
+        # from the one tensor are the same rows, one node
+        x, _, rows = apply(_RowsThrough, xs[0], torch.cat(flats, dim=-1), None, None,
+                           in_place)
+        return (x, x), rows
     x, y, rows = apply(_RowsThrough, xs[0], flats[0], xs[1], flats[1], in_place)
     return (x, y), rows
 
