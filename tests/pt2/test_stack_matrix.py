@@ -94,6 +94,69 @@ def _assert_compiled_equals_eager(bound, n: int) -> None:
         torch.testing.assert_close(a, b, msg=lambda text, name=name: f"{name}: {text}")
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_compile_fullgraph_of_self_attention_on_one_tensor(method, matrix):
+    """``attention(x, x, x)`` compiled whole: dynamo traces no autograd Function given
+    one tensor twice (the landmark gathers of Q and K took it so), outputs and x's
+    gradient as eager."""
+    matrix("compile attention(x, x, x) (aot_eager)", method)
+    bound = get_method(method).bind(seq_len=24)
+    x = make_qkv(2, 2, 24, 8, dtype=torch.float32)[0]
+    key = random_key(4)
+
+    def plain(x):  # no padding: a mask made the methods gather q and k apart
+        return bound(x, x, x, generator=key)
+
+    def with_grad(fn):
+        leaf = x.clone().requires_grad_(True)
+        out = fn(leaf)
+        (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        return out.detach(), leaf.grad
+
+    torch._dynamo.reset()
+    got = with_grad(torch.compile(plain, fullgraph=True, backend="aot_eager"))
+    for a, b in zip(got, with_grad(plain), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("method", ["skyformer", "softmax"])
+def test_a_new_length_recompiles_once(method):
+    """After one new length dynamo recompiles with N symbolic, and that graph takes the
+    lengths after it (forward and backward): the Gaussian products' loop over row
+    chunks had fixed N in the graph, so each length compiled again."""
+    from torch._dynamo.utils import counters
+
+    key = random_key(6)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(lambda q, k, v: call(method, q, k, v, key=key), fullgraph=True,
+                             backend="eager")  # dynamo fixes the lengths, not AOT autograd
+    for n in (40, 48, 56):
+        q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, n, 8, dtype=torch.float32))
+        out = compiled(q, k, v)
+        out.sum().backward()
+        torch.testing.assert_close(out, call(method, q, k, v, key=key))
+    assert counters["stats"]["unique_graphs"] == 2
+
+
+@pytest.mark.parametrize("method", ["softmax", "skyformer", "performer"])
+def test_compile_fullgraph_with_dynamic_shapes_forward(method):
+    """``dynamic=True`` makes even a default float symbolic: the option checks compare
+    rather than call ``math.isfinite``, which dynamo cannot trace on one."""
+    q, k, v = make_qkv(2, 2, 24, 8, dtype=torch.float32)
+    key = random_key(5)
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda q, k, v: skyformer.scaled_dot_product_attention(q, k, v, method=method,
+                                                               generator=key),
+        fullgraph=True, backend="eager", dynamic=True)
+    for n in (24, 20):
+        torch.testing.assert_close(
+            compiled(q[:, :, :n], k[:, :, :n], v[:, :, :n]),
+            skyformer.scaled_dot_product_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n],
+                                                   method=method, generator=key))
+
+
 @pytest.mark.parametrize("function", [skyformer.softmax_attention,
                                       skyformer.kernelized_attention,
                                       skyformer.skyformer_attention,

@@ -31,6 +31,7 @@ for ``out = C^T V``, ``(dE 1)_i = v_i . (C g)_i`` and ``(dE^T 1)_s = g_s . out_s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -89,6 +90,14 @@ def _exponent(
     return out
 
 
+def chunk_starts(n: int, chunk: int) -> Sequence[int]:
+    """The first rows of the chunks of ``chunk`` rows that cover ``n``: one chunk
+    without a loop over ``n`` when it fits, so that a compiled call keeps a symbolic
+    length (``torch.compile`` fixes the length of a ``range`` it iterates, which made
+    every new length a recompilation)."""
+    return (0,) if n <= chunk else range(0, n, chunk)
+
+
 class _GaussianBlockProduct(torch.autograd.Function):
     """out = C @ rhs (``transpose=False``) or C^T @ rhs (``transpose=True``), chunked;
     with [rhs, 1] for ``ones_column`` (appended here, so that rhs itself is saved).
@@ -120,7 +129,7 @@ class _GaussianBlockProduct(torch.autograd.Function):
                 shift = y.new_empty(y.shape[0], n)
         m, width = x.shape[1], rhs.shape[-1]
         ws = _Workspace(y, min(chunk, n), {"block": m, "out": width})
-        for s in range(0, n, chunk):
+        for s in chunk_starts(n, chunk):
             rows = slice(s, s + chunk)
             size = min(chunk, n - s)
             e = _exponent(y[:, rows], xt, None if a is None else a[:, rows], neg_b,
@@ -192,7 +201,7 @@ class _GaussianBlockProduct(torch.autograd.Function):
         need_de = need_y or need_x
         m, d, width = x.shape[1], x.shape[2], rhs.shape[-1]
         ws = _Workspace(y, min(chunk, n), {"block": m, "de": m, "dv": width, "dy": d})
-        for s in range(0, n, chunk):
+        for s in chunk_starts(n, chunk):
             rows = slice(s, s + chunk)
             size = min(chunk, n - s)
             y_c = y[:, rows]
