@@ -52,6 +52,11 @@ def test_autocast_bf16_returns_bf16_close_to_float32(method, matrix):
     real = mask[:, None, :, None].expand_as(ref)
     error = (out.float() - ref)[real].abs().max() / ref[real].abs().max()
     assert error < 0.05
+    # float64 is left as it is by autocast, as torch's SDPA leaves it
+    doubles = [t.double() for t in (q, k, v)]
+    with torch.autocast("cpu", torch.bfloat16):
+        out64 = call(method, *doubles, mask, key=key)
+    torch.testing.assert_close(out64, call(method, *doubles, mask, key=key), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("n", [24, 160])  # 160: every method approximates

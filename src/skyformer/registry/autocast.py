@@ -1,7 +1,8 @@
 """Run a method's core the way ``scaled_dot_product_attention`` runs under autocast.
 
-Under ``torch.autocast`` SDPA casts its floating-point inputs to the autocast dtype and
-returns that dtype. Every method does the same: the inputs are cast, autocast is turned
+Under ``torch.autocast`` SDPA casts its floating-point inputs other than float64 to the
+autocast dtype and returns that dtype (float64 calls run in float64, as every
+operation autocast lists). Every method does the same: the inputs are cast, autocast is turned
 off inside the method (its own precision choices apply: the kernel methods compute half
 inputs in float32, except exact kernelized attention, which hands bfloat16 to SDPA's
 fused kernels, and their fused products write into buffers of that dtype), and the
@@ -42,22 +43,27 @@ def call_core(core: Callable[..., Tensor], q: Any, k: Any, v: Any, config: Any,
 
 def autocast_dtype(q: Tensor) -> torch.dtype | None:
     """The dtype ``torch.autocast`` casts a call's inputs to on ``q``'s device, or None
-    where it is off (``autocast_rule``; the capability check asks it too)."""
+    where it is off or ``q`` is float64, which autocast leaves as it is
+    (``autocast_rule``; the capability check asks it too)."""
     device_type = q.device.type
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) \
-        else None
+    if q.dtype == torch.float64 or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
 
 
 def autocast_rule(q: Tensor, k: Any, v: Any) -> tuple[Tensor, Any, Any, AbstractContextManager]:
     """``(q, k, v, context)``: under ``torch.autocast`` on ``q``'s device the inputs
     cast to the autocast dtype and a context turning autocast off for the method; else
-    the inputs as they are and a context that does nothing."""
-    dtype = autocast_dtype(q)
-    if dtype is None:
+    (and for float64 inputs, which run as they are in float64) the inputs as they are
+    and a context that turns autocast off where it is on."""
+    device_type = q.device.type
+    if not torch.is_autocast_enabled(device_type):
         return q, k, v, nullcontext()
-    q, k, v = (t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t
-               for t in (q, k, v))
-    return q, k, v, torch.autocast(q.device.type, enabled=False)
+    dtype = autocast_dtype(q)
+    if dtype is not None:
+        q, k, v = (t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point()
+                   and t.dtype != torch.float64 else t for t in (q, k, v))
+    return q, k, v, torch.autocast(device_type, enabled=False)
 
 
 def _guarded(core: Callable[..., Tensor], q: Tensor, k: Any, v: Any, config: Any,
