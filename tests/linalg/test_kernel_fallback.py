@@ -72,3 +72,15 @@ def test_a_failure_inside_a_cuda_graph_capture_propagates(monkeypatch):
     assert not fallback.failed
     monkeypatch.setattr(kernel_backend, "_capturing", lambda on: False)
     assert _auto(fallback, torch.empty(0), [], fails=True)[0] == "pytorch"
+
+
+@pytest.mark.parametrize("value", ["1", "true", "TRUE", "on", "yes", "y", "0", "", "off",
+                                   "false", "no", "2", "t", " 1"])
+def test_the_interpreter_switch_is_read_as_triton_reads_it(monkeypatch, value):
+    """TRITON_INTERPRET=off (or false, 2) leaves Triton's interpreter off: the library
+    took it for on, skipped its CPU sentence and its GPU guards."""
+    knobs = pytest.importorskip("triton.knobs")
+    from skyformer.linalg.kernel_backend import interpreter_on
+
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert interpreter_on() == knobs.runtime.interpret

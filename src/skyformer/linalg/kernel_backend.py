@@ -75,9 +75,15 @@ def auto_device(y: Tensor) -> bool:
     return y.is_cuda
 
 
+# The values Triton reads as true (``triton.knobs``: case aside, nothing else; "off",
+# "false" and "2" leave the interpreter off)
+_TRUE = ("1", "true", "on", "yes", "y")
+
+
 def interpreter_on() -> bool:
-    """Whether Triton runs kernels on the CPU through its interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """Whether Triton runs kernels on the CPU through its interpreter: the variable read
+    as Triton reads it (without importing Triton)."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in _TRUE
 
 
 def check_interpreter() -> None:
