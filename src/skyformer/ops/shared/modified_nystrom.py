@@ -64,7 +64,7 @@ class NystromOptions:
         ``"triton"`` (``linalg.kernel_backend``); the landmark draw (one Triton kernel
         per side on eager CUDA tensors, the same landmarks, ``sketch.landmarks``) and
         the m x m core (C(X_S, X_S) and its Lemma 3 inverse in one launch, up to
-        m = 128, or 64 for a call that is differentiated, ``linalg.lemma3_triton``)
+        m = 128, differentiated or not, ``linalg.lemma3_triton``)
         follow it.
     """
 
