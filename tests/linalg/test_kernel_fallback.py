@@ -84,3 +84,32 @@ def test_the_interpreter_switch_is_read_as_triton_reads_it(monkeypatch, value):
 
     monkeypatch.setenv("TRITON_INTERPRET", value)
     assert interpreter_on() == knobs.runtime.interpret
+
+
+def test_kernels_launch_on_the_device_of_their_tensors(monkeypatch):
+    """Triton launches on the current CUDA device: a kernel for tensors on another GPU of
+    the process runs with that GPU made current (and the current one left alone
+    otherwise); simulated here, where no GPU is."""
+    import contextlib
+    from types import SimpleNamespace
+
+    current = {"device": 0}
+
+    @contextlib.contextmanager
+    def device(where):
+        before, current["device"] = current["device"], torch.device(where).index
+        try:
+            yield
+        finally:
+            current["device"] = before
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current["device"])
+    monkeypatch.setattr(torch.cuda, "device", device)
+    fallback = KernelFallback("test kernel", "test")
+    for index in (1, 0):
+        tensor = SimpleNamespace(is_cuda=True, device=torch.device("cuda", index),
+                                 dtype=torch.float32)
+        for auto in (False, True):
+            launched_on = fallback.run(auto, lambda: current["device"], lambda: None,
+                                       on=tensor)
+            assert launched_on == index and current["device"] == 0

@@ -193,8 +193,14 @@ class KernelFallback:
 
     def run(self, auto: bool, launch: Callable[[], Any], fallback: Callable[[], Any], *,
             on: Tensor) -> Any:
-        """``launch()``; under ``auto``, ``fallback()`` where the kernel failed for
-        ``on``'s device and dtype, now (with a warning) or before."""
+        """``launch()`` on ``on``'s device (``launch_device``); under ``auto``,
+        ``fallback()`` where the kernel failed for ``on``'s device and dtype, now (with a
+        warning) or before."""
+        with launch_device(on):
+            return self._run(auto, launch, fallback, on)
+
+    def _run(self, auto: bool, launch: Callable[[], Any], fallback: Callable[[], Any],
+             on: Tensor) -> Any:
         if not auto:
             return launch()
         if self.failed_on(on):
@@ -212,6 +218,18 @@ class KernelFallback:
                 f"{on.device} ({type(error).__name__}: {error}); {self.instead} for them "
                 "from now on (other dtypes and devices keep the Triton path).")
             return fallback()
+
+
+def launch_device(on: Tensor) -> contextlib.AbstractContextManager:
+    """A context making ``on``'s CUDA device the current one where it is not: Triton
+    launches on the current device and its stream, so a kernel for tensors on another
+    GPU of the process would read them from the wrong device (or race its stream).
+    Nothing elsewhere, nor while traced (a compiled graph calls the custom operators,
+    whose ``run`` enters it at run time)."""
+    if not on.is_cuda or torch.compiler.is_compiling() or on.device.index is None \
+            or on.device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(on.device)
 
 
 def _capturing(on: Tensor) -> bool:
