@@ -145,7 +145,7 @@ def _rows_kernel(
     bh = tl.program_id(1).to(tl.int64)
     Y_BF16: tl.constexpr = Y.dtype.element_ty == tl.bfloat16  # exact bfloat16 tiles (_mm)
     VN_BF16: tl.constexpr = VN.dtype.element_ty == tl.bfloat16
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # int64: N * D may pass 2^31
     rd = tl.arange(0, BLOCK_D)
     rr = tl.arange(0, BLOCK_R)
     row_in = rn < N
