@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 
 import pytest
 import torch
@@ -196,6 +197,59 @@ def test_a_seeded_state_leaves_every_generator_as_it_was(method, monkeypatch):
     assert torch.equal(torch.get_rng_state(), before)
     for a, b in zip(first.state_dict().values(), again.state_dict().values(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_core_without_the_call_arguments_is_refused_at_registration():
+    from skyformer.registry import _REGISTRY
+
+    @dataclasses.dataclass(frozen=True)
+    class Cfg:
+        num_features: int | None = None
+
+    def core(q, k, v, config, *, key_padding_mask=None, generator=None):
+        return q
+
+    with pytest.raises(TypeError, match=r"registered as 'x' must take the keyword arguments "
+                       r"key_padding_mask, query_padding_mask, generator .* it lacks "
+                       r"query_padding_mask\."):
+        register("x", Cfg, Capabilities(target="softmax"))(core)
+    assert "x" not in _REGISTRY
+
+
+def test_the_contributing_template_registers_and_runs(monkeypatch):
+    """The core of CONTRIBUTING.md's step 1, filled in, is a method every entry point
+    runs (it lacked query_padding_mask, which every call passes)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "CONTRIBUTING.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "@register" in b)
+    source = textwrap.dedent(block).replace("<name>", "contributed").replace(
+        "    ...\n", "    out = torch.nn.functional.scaled_dot_product_attention(q, k, v)\n")
+    monkeypatch.delitem(registry_methods._REGISTRY, "contributed", raising=False)
+
+    @dataclasses.dataclass(frozen=True)
+    class NameConfig:
+        num_features: int | None = None
+
+    from skyformer.ops.shared.inputs import (
+        check_attention_inputs,
+        check_generator,
+        zero_padded_queries,
+    )
+    namespace = {"__name__": "contributing", "register": register,
+                 "Capabilities": Capabilities, "Tensor": torch.Tensor,
+                 "torch": torch, "NameConfig": NameConfig,
+                 "check_attention_inputs": check_attention_inputs,
+                 "check_generator": check_generator, "zero_padded_queries": zero_padded_queries}
+    exec(compile("from __future__ import annotations\n" + source, "CONTRIBUTING.md", "exec"),
+         namespace)
+    try:
+        q = torch.randn(1, 2, 8, 4)
+        torch.testing.assert_close(skyformer.attention(q, q, q, "contributed"),
+                                   torch.nn.functional.scaled_dot_product_attention(q, q, q))
+    finally:
+        registry_methods._REGISTRY.pop("contributed", None)
 
 
 @dataclasses.dataclass(frozen=True)

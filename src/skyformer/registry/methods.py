@@ -20,6 +20,7 @@ missing capability and the methods that have it.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -201,11 +202,32 @@ def register(
     def decorator(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
         if name in _REGISTRY:
             raise ValueError(f"attention method {name!r} is already registered.")
+        _check_call_arguments(name, fn)
         public = with_options(config_class, name)(fn) if takes_config(fn) else fn
         _REGISTRY[name] = Method(name, public, config_class, capabilities, summary, state)
         return public
 
     return decorator
+
+
+# What every call passes a method's core (``autocast.call_core``)
+CALL_ARGUMENTS = ("key_padding_mask", "query_padding_mask", "generator")
+
+
+def _check_call_arguments(name: str, fn: Callable[..., Tensor]) -> None:
+    """A core that cannot take the arguments every call passes gets a sentence at
+    registration, not a TypeError at its first call."""
+    parameters = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        return
+    missing = [a for a in CALL_ARGUMENTS if a not in parameters
+               or parameters[a].kind is inspect.Parameter.POSITIONAL_ONLY]
+    if missing:
+        raise TypeError(
+            f"register: the function registered as {name!r} must take the keyword arguments "
+            f"{', '.join(CALL_ARGUMENTS)} (every call passes them: check_attention_inputs "
+            f"reads both masks, check_generator the generator); it lacks "
+            f"{', '.join(missing)}.")
 
 
 def with_options(config_class: type, method: str
