@@ -162,6 +162,28 @@ def test_compile_fullgraph_with_dynamic_shapes_forward(method):
                                                    method=method, generator=key))
 
 
+@pytest.mark.parametrize("method", [m for m in METHODS if m not in ("reformer", "kdeformer")])
+def test_jit_trace_replays_other_keys(method, matrix):
+    """torch.jit.trace of the default (PyTorch) path, replayed with another key, equals
+    eager: the Gaussian products' Functions, whose buffers the tracer could not record,
+    give way to plain operators, and the token budgets are capped on the traced lengths
+    (TorchScript's sizes are tensors, which the options' checks refused)."""
+    import warnings
+
+    matrix("torch.jit.trace", method)
+    q, k, v = make_qkv(1, 2, 24, 8, dtype=torch.float32)
+
+    def attend(q, k, v, key):
+        return call(method, q, k, v, key=key)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        traced = torch.jit.trace(attend, (q, k, v, random_key(1)), check_trace=False)
+    for seed in (1, 2):
+        torch.testing.assert_close(traced(q, k, v, random_key(seed)),
+                                   attend(q, k, v, random_key(seed)))
+
+
 @pytest.mark.parametrize("function", [skyformer.softmax_attention,
                                       skyformer.kernelized_attention,
                                       skyformer.skyformer_attention,

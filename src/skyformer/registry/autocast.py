@@ -90,7 +90,10 @@ def capped(config: Any, q: Any, k: Any) -> Any:
     config without ``budget_caps``, or within its caps, is returned unchanged."""
     if not isinstance(q, Tensor) or not isinstance(k, Tensor) or q.dim() < 2:
         return config
-    return capped_for(config, q.shape[-2], k.shape[-2])
+    nq, nk = q.shape[-2], k.shape[-2]
+    if torch._C._get_tracing_state() is not None:  # torch.jit.trace: sizes are tensors
+        nq, nk = int(nq), int(nk)  # a traced graph is for these lengths anyway
+    return capped_for(config, nq, nk)
 
 
 def capped_for(config: Any, nq: int, nk: int) -> Any:
