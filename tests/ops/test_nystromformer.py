@@ -192,6 +192,19 @@ def test_conv_with_cross_attention_is_refused_with_a_sentence():
                                 conv_weight=torch.randn(2, 3, dtype=torch.float64))
 
 
+def test_a_conv_without_weights_names_where_weights_go():
+    """The generic entry points take options only: the sentence names the function
+    that takes conv_weight (it said 'pass conv_weight', which they refuse)."""
+    import skyformer
+
+    q, k, v = make_qkv(1, 2, 20, 4)
+    with pytest.raises(ValueError, match=r"pass conv_weight to skyformer\.ops\.nystromformer"
+                                         r"\.nystromformer_attention"):
+        skyformer.attention(q, k, v, "nystromformer", conv_kernel=5)
+    weight = torch.randn(2, 5, dtype=q.dtype)
+    nystromformer_attention(q, k, v, conv_kernel=5, conv_weight=weight)
+
+
 def test_module_owns_learned_conv_weights():
     layer = MultiHeadAttention(16, 2, method="nystromformer", num_features=4, conv_kernel=3)
     assert layer.method_state.weight.shape == (2, 3)

@@ -165,7 +165,9 @@ def _check_conv_weight(weight: Tensor | None, kernel: int | None, heads: int) ->
         raise ValueError(
             f"nystromformer: conv_kernel={kernel} needs learned conv_weight of shape "
             f"[H, {kernel}]; use skyformer.MultiHeadAttention(..., method='nystromformer', "
-            f"conv_kernel={kernel}), which owns it, or pass conv_weight."
+            f"conv_kernel={kernel}), which owns it, or pass conv_weight to "
+            f"skyformer.ops.nystromformer.nystromformer_attention (skyformer.attention "
+            f"and scaled_dot_product_attention take options, not weights)."
         )
     if not isinstance(weight, Tensor) or tuple(weight.shape) != (heads, kernel):
         shape = tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__
