@@ -5,7 +5,7 @@ skyformer::
 
     model = AutoModelForCausalLM.from_config(config, attn_implementation="skyformer:skyformer")
     skyformer.hf.set_attention(model, "skyformer", num_features=64, seed=0)
-    out = model.generate(ids, past_key_values=skyformer.hf.DecodingCache(model), ...)
+    out = model.generate(ids, cache=skyformer.hf.DecodingCache(model), ...)
 
 Each layer keeps its method's decoding state (``skyformer.decoding``): for ``linear``,
 ``performer``, ``skyformer`` and ``nystrom_softmax`` its memory does not grow with the
