@@ -41,3 +41,25 @@ def test_compare_rows_carry_the_trivial_error_of_their_target():
     assert by_name["softmax"]["spectral_error"] < 1e-10
     assert not by_name["softmax"]["worse_than_trivial"]
     assert 0 < by_name["linear"]["trivial_error"] == by_name["softmax"]["trivial_error"]
+
+
+def test_a_failed_memory_measurement_keeps_the_compare_rows(monkeypatch):
+    import pytest
+    import torch
+
+    import skyformer.eval.measure.memory as memory
+    from skyformer.eval.compare.run import CompareConfig, compare_on
+    from skyformer.eval.data.qkv import QKV
+
+    def fails(job, device="cpu", timeout=600):
+        raise RuntimeError(f"memory measurement of {job.method} took more than 0.01 s")
+
+    monkeypatch.setattr(memory, "peak_memory_bytes", fails)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 64, 8, generator=g) for _ in range(3))
+    qkv = QKV(q, k, v, model="gaussian", pretrained=False, layer=0, windows=1)
+    with pytest.warns(UserWarning, match="linear: peak memory not measured: memory "
+                                         "measurement of linear took more"):
+        rows = compare_on(qkv, CompareConfig(methods=("softmax", "linear"), repeats=1))
+    assert [r["method"] for r in rows] == ["softmax", "linear"]
+    assert all(r["peak_mib"] is None and r["time_ms"] > 0 for r in rows)

@@ -175,10 +175,10 @@ def test_hf_eval_end_to_end(tmp_path, capsys):
 def test_memory_is_measured_on_the_timed_batch_with_its_mask(tmp_path, monkeypatch):
     """The memory job gets the timed texts unpadded (it pads them with their mask), so
     that padding is padding there as in the timed call, not real tokens."""
-    from skyformer.eval.hf import run
+    from skyformer.eval.measure import memory
 
     jobs = []
-    monkeypatch.setattr(run, "peak_memory_bytes", lambda job, device: jobs.append(job) or 1)
+    monkeypatch.setattr(memory, "peak_memory_bytes", lambda job, device: jobs.append(job) or 1)
     assert main(["hf-eval", "--methods", "softmax", "--max-texts", "6", "--seq-len", "64",
                  "--repeats", "1", "--quiet", "--settings", "short", "--clock", "cpu",
                  "--out", str(tmp_path / "hf")]) == 0

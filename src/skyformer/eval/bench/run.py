@@ -41,7 +41,7 @@ from ...registry import exact_method, get_method, list_methods
 from ...registry.variants import refuse_swept_option
 from ...seeds import check_seed
 from ..measure.flops import attention_flops, matmul_flops_per_second
-from ..measure.memory import MemoryJob, above_resolution, peak_memory_bytes
+from ..measure.memory import MemoryJob, above_resolution, peak_memory_or_reason
 from ..measure.metrics import relative_error, trivial_error
 from ..measure.timing import CLOCKS, interleaved_median_seconds
 from ..methods import NamedAttention, PreparedCall, refuse_repeats, resolve_all
@@ -424,12 +424,12 @@ def _measure_length(
         if config.memory:
             job = MemoryJob(method.name, (b, h, n, d), options, dtype=group["dtype"],
                             seed=config.seed, backward=config.backward, as_layer=True)
-            try:
-                peak = peak_memory_bytes(job, device)
+            peak, reason = peak_memory_or_reason(job, device)
+            if peak is None:
+                row["reason"] = reason
+            else:
                 row["peak_mib"] = peak / 2**20
                 peaks[label].append((n, float(peak)))
-            except (RuntimeError, OSError) as err:
-                row["reason"] = f"peak memory not measured: {_one_line(err)}"
         if config.error and method.target is not None:
             if method.target not in exact:
                 exact[method.target] = _exact_output(q, k, v, method.target, config.causal)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from ...registry.variants import refuse_swept_option
 from ...seeds import check_seed
 from ..data.qkv import QKV, load_qkv
 from ..data.text import read_text
-from ..measure.memory import MemoryJob, peak_memory_bytes
+from ..measure.memory import MemoryJob, peak_memory_or_reason
 from ..measure.metrics import relative_error, trivial_error
 from ..measure.timing import median_seconds
 from ..methods import PreparedCall, refuse_repeats, resolve
@@ -117,7 +118,9 @@ def compare_on(qkv: QKV, config: CompareConfig) -> list[dict[str, Any]]:
             peak = None
             if config.memory:
                 job = memory_job(name, tuple(q.shape), options, config.seed, str(inputs))
-                peak = peak_memory_bytes(job, q.device)
+                peak, reason = peak_memory_or_reason(job, q.device)
+                if reason is not None:  # the row keeps its errors and time
+                    warnings.warn(f"{name}: {reason}", stacklevel=2)
             rows.append(
                 {
                     "method": name,

@@ -40,7 +40,7 @@ from ...registry.variants import refuse_swept_option
 from ...seeds import check_seed
 from ..data.qkv import load_model, max_positions
 from ..data.text import read_text, sentences
-from ..measure.memory import CallJob, peak_memory_bytes
+from ..measure.memory import CallJob, peak_memory_or_reason
 from ..measure.timing import CLOCKS, median_seconds
 from ..methods import refuse_repeats
 
@@ -358,7 +358,11 @@ def evaluate(config: HFEvalConfig = HFEvalConfig(),
                         "input_ids": timed_ids,  # padded there, with their mask
                         "threads": torch.get_num_threads(), "device": str(device),
                     })
-                    row["peak_mib"] = peak_memory_bytes(job, device) / 2**20
+                    peak, reason = peak_memory_or_reason(job, device)
+                    if peak is None:  # the row keeps its metrics and time
+                        row["note"] = "; ".join(filter(None, (row["note"], reason)))
+                    else:
+                        row["peak_mib"] = peak / 2**20
             except (CapabilityError, ValueError) as err:  # e.g. no mask support: say why
                 row["error"] = str(err)
             finally:

@@ -150,18 +150,36 @@ def peak_memory_bytes(
     imports = _registering_module(job.method) if isinstance(job, MemoryJob) else []
     payload = json.dumps({"kind": type(job).__name__, "imports": imports,
                           **dataclasses.asdict(job)})
-    proc = subprocess.run(
-        [sys.executable, "-m", "skyformer.eval.measure.memory", payload],
-        capture_output=True, text=True, env=env, timeout=timeout,
-    )
+    what = job.method if isinstance(job, MemoryJob) else job.setup
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "skyformer.eval.measure.memory", payload],
+            capture_output=True, text=True, env=env, timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(
+            f"memory measurement of {what} took more than {timeout:g} s and was stopped "
+            f"(a call that slow is measured with a larger timeout, or without memory)."
+        ) from None
     if proc.returncode != 0:
-        what = job.method if isinstance(job, MemoryJob) else job.setup
         lines = proc.stderr.strip().splitlines() or ["(no message)"]
         raise RuntimeError(  # the cause first: callers may keep one line
             f"memory measurement of {what} failed: {lines[-1]}\n"
             f"{proc.stderr.strip()[-2000:]}"
         )
     return int(json.loads(proc.stdout.strip().splitlines()[-1])["peak_bytes"])
+
+
+def peak_memory_or_reason(job: MemoryJob | CallJob, device: torch.device | str = "cpu"
+                          ) -> tuple[int | None, str | None]:
+    """``(peak_memory_bytes(job, device), None)``, or ``(None, why)`` where the
+    measurement failed (its subprocess failed or ran out of time): a report keeps the
+    row's other numbers and says why its memory is missing."""
+    try:
+        return peak_memory_bytes(job, device), None
+    except (RuntimeError, OSError) as err:
+        lines = str(err).strip().splitlines()
+        return None, f"peak memory not measured: {lines[0] if lines else type(err).__name__}"
 
 
 def _registering_module(method: str) -> list[str]:
