@@ -199,21 +199,38 @@ def test_a_seeded_state_leaves_every_generator_as_it_was(method, monkeypatch):
         assert torch.equal(a, b)
 
 
-def test_a_core_without_the_call_arguments_is_refused_at_registration():
+def test_a_core_without_the_call_arguments_is_refused_at_registration(monkeypatch):
+    """Every call passes key_padding_mask and generator: a function without them is
+    refused when registered. One without query_padding_mask registers (it serves the
+    calls whose queries share the keys' padding) and a call with a query mask gets a
+    sentence, not a TypeError from inside the registry."""
     from skyformer.registry import _REGISTRY
 
     @dataclasses.dataclass(frozen=True)
     class Cfg:
         num_features: int | None = None
 
-    def core(q, k, v, config, *, key_padding_mask=None, generator=None):
+    def no_generator(q, k, v, config, *, key_padding_mask=None, query_padding_mask="auto"):
         return q
 
     with pytest.raises(TypeError, match=r"registered as 'x' must take the keyword arguments "
-                       r"key_padding_mask, query_padding_mask, generator .* it lacks "
-                       r"query_padding_mask\."):
-        register("x", Cfg, Capabilities(target="softmax"))(core)
+                       r"key_padding_mask, generator .* it lacks generator\."):
+        register("x", Cfg, Capabilities(target="softmax"))(no_generator)
     assert "x" not in _REGISTRY
+
+    monkeypatch.delitem(registry_methods._REGISTRY, "no_query_mask", raising=False)
+
+    @register("no_query_mask", Cfg, Capabilities(target="softmax"))
+    def no_query_mask(q, k, v, config, *, key_padding_mask=None, generator=None):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    monkeypatch.setitem(registry_methods._REGISTRY, "no_query_mask",
+                        registry_methods._REGISTRY["no_query_mask"])
+    q, k, v = make_qkv(1, 2, 8, 4, nk=5)
+    skyformer.attention(q, k, v, "no_query_mask")
+    with pytest.raises(TypeError, match=r"no_query_mask takes no query_padding_mask .* add "
+                       r"query_padding_mask='auto' to the function"):
+        skyformer.attention(q, k, v, "no_query_mask", query_padding_mask=None)
 
 
 def test_the_contributing_template_registers_and_runs(monkeypatch):

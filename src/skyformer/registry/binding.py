@@ -16,6 +16,8 @@ experiments and the peak-memory subprocess alike.
 from __future__ import annotations
 
 import dataclasses
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +27,17 @@ from torch import Tensor, nn
 from ..sketch.rng import cpu_draws_seeded
 from .autocast import call_core
 from .capabilities import CapabilityError
+
+# Whether each registered core takes query_padding_mask (filled by ``register``, read
+# here without inspecting a signature in the call: compiled calls trace this code)
+TAKES_QUERY_MASK: dict[Callable[..., Any], bool] = {}
+
+
+def takes_keyword(fn: Callable[..., Any], name: str) -> bool:
+    """Whether ``fn`` takes the keyword argument ``name`` (or any, ``**kwargs``)."""
+    parameters = inspect.signature(fn).parameters
+    return any(p.kind is p.VAR_KEYWORD for p in parameters.values()) or (
+        name in parameters and parameters[name].kind is not inspect.Parameter.POSITIONAL_ONLY)
 
 if TYPE_CHECKING:
     from .methods import Method
@@ -120,6 +133,13 @@ class BoundMethod:
             raise CapabilityError(capability_sentence_for(self.method, "attn_mask"))
         extra = {**(state(q, k) if state is not None else {}), **arguments}
         if not isinstance(query_padding_mask, str):  # "auto" is every core's default
+            if not TAKES_QUERY_MASK.get(self.method.core, True):
+                raise TypeError(
+                    f"{self.method.name} takes no query_padding_mask (its function lacks "
+                    f"the keyword argument), so it cannot be told which queries are real "
+                    f"apart from the keys; call it with query_padding_mask='auto', or add "
+                    f"query_padding_mask='auto' to the function and pass it to "
+                    f"check_attention_inputs (CONTRIBUTING.md).")
             extra["query_padding_mask"] = query_padding_mask
         return call_core(self.method.core, q, k, v, self.config,
                          key_padding_mask=key_padding_mask, generator=generator, **extra)

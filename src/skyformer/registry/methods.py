@@ -20,7 +20,6 @@ missing capability and the methods that have it.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ import torch
 from torch import Tensor
 
 from .autocast import autocast_dtype
-from .binding import HALF_DTYPES, BoundMethod
+from .binding import HALF_DTYPES, TAKES_QUERY_MASK, BoundMethod, takes_keyword
 from .capabilities import TARGETS, Capabilities, CapabilityError, Target, capability_sentence
 from .signature import config_fields, core_of, public_function, takes_config
 from .variants import base_name, is_variant, parse_variant
@@ -205,29 +204,26 @@ def register(
         _check_call_arguments(name, fn)
         public = with_options(config_class, name)(fn) if takes_config(fn) else fn
         _REGISTRY[name] = Method(name, public, config_class, capabilities, summary, state)
+        TAKES_QUERY_MASK[_REGISTRY[name].core] = takes_keyword(fn, "query_padding_mask")
         return public
 
     return decorator
 
 
-# What every call passes a method's core (``autocast.call_core``)
-CALL_ARGUMENTS = ("key_padding_mask", "query_padding_mask", "generator")
+# What every call passes a method's core (``binding.BoundMethod.__call__``); the calls
+# with queries of their own padding (cross-attention) pass query_padding_mask too
+CALL_ARGUMENTS = ("key_padding_mask", "generator")
 
 
 def _check_call_arguments(name: str, fn: Callable[..., Tensor]) -> None:
     """A core that cannot take the arguments every call passes gets a sentence at
     registration, not a TypeError at its first call."""
-    parameters = inspect.signature(fn).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
-        return
-    missing = [a for a in CALL_ARGUMENTS if a not in parameters
-               or parameters[a].kind is inspect.Parameter.POSITIONAL_ONLY]
+    missing = [a for a in CALL_ARGUMENTS if not takes_keyword(fn, a)]
     if missing:
         raise TypeError(
             f"register: the function registered as {name!r} must take the keyword arguments "
-            f"{', '.join(CALL_ARGUMENTS)} (every call passes them: check_attention_inputs "
-            f"reads both masks, check_generator the generator); it lacks "
-            f"{', '.join(missing)}.")
+            f"{', '.join(CALL_ARGUMENTS)} (every call passes them), and query_padding_mask "
+            f"for calls with queries of their own padding; it lacks {', '.join(missing)}.")
 
 
 def with_options(config_class: type, method: str
