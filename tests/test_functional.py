@@ -568,3 +568,54 @@ def test_numpy_scalars_are_numbers_as_for_sdpa():
     torch.testing.assert_close(dropped, sdpa(q, k, v, dropout_p=0.5))
     with pytest.raises(ValueError, match="scale must be a finite positive number"):
         sdpa(q, k, v, scale=np.float32("inf"))
+
+
+def test_an_integer_mask_with_is_causal_is_refused_as_without_it():
+    """SDPA takes bool and float masks: an int mask beside is_causal (L != S) was made
+    a float bias by the causal mask's torch.where (1 added to the allowed logits)."""
+    q, k, v = make_qkv(1, 1, 5, 8, nk=9)
+    ints = torch.ones(5, 9, dtype=torch.uint8)
+    for causal in (False, True):
+        with pytest.raises(TypeError, match="attn_mask"):
+            sdpa(q, k, v, ints, is_causal=causal, method="softmax")
+
+
+@pytest.mark.parametrize("longest", [torch.tensor(5), torch.tensor(5, dtype=torch.int32), 5])
+def test_max_seqlen_as_transformers_builds_it(longest):
+    """transformers' packed path hands FlashAttention max_seqlen as a 0-d tensor
+    (cu_seqlens.diff().max()); NumPy ints are ints too."""
+    np = pytest.importorskip("numpy")
+    q, k, v = make_qkv(1, 2, 8, 4)
+    cu = torch.tensor([0, 3, 8])
+    want = sdpa(q, k, v, cu_seqlens=cu)
+    torch.testing.assert_close(sdpa(q, k, v, cu_seqlens=cu, max_seqlen=longest), want)
+    torch.testing.assert_close(sdpa(q, k, v, cu_seqlens=cu, max_seqlen=np.int64(5)), want)
+
+
+@pytest.mark.parametrize("method, options", [("kdeformer", {}),
+                                             ("scatterbrain", {"support": "lsh"})])
+def test_keys_packed_as_the_queries_are_self_attention(method, options):
+    """cu_seqlens_k equal to cu_seqlens (the same tensor, as transformers passes it, or
+    equal values, as FlashAttention's callers do) is packed self-attention: the LSH
+    blocks took the two masks for cross-attention."""
+    cu = torch.tensor([0, 70, 115, 125])
+    q, k, v = make_qkv(1, 2, 125, 8)
+    key = random_key(3)
+    alone = sdpa(q, k, v, method=method, cu_seqlens=cu, generator=key, **options)
+    for cu_k in (cu, cu.clone()):
+        both = sdpa(q, k, v, method=method, cu_seqlens=cu, cu_seqlens_k=cu_k, generator=key,
+                    **options)
+        torch.testing.assert_close(both, alone, atol=0, rtol=0)
+
+
+def test_a_padded_query_row_does_not_make_keys_real():
+    """With an explicit query_padding_mask, the rows of padded queries say nothing about
+    which keys are real (a padded row left open was taken for a key pattern)."""
+    q, k, v = make_qkv(1, 1, 4, 8)
+    mask = torch.ones(4, 4, dtype=torch.bool)
+    mask[:, 3] = False
+    mask[3] = True  # the padded query's row, left open
+    rows = torch.tensor([[True, True, True, False]])
+    out = sdpa(q, k, v, mask, method="skyformer", query_padding_mask=rows)
+    want = sdpa(q, k, v, method="skyformer", key_padding_mask=rows, query_padding_mask=rows)
+    torch.testing.assert_close(out, want)

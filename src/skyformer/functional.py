@@ -153,6 +153,8 @@ def _top_left_causal(spec: Method, attn_mask: Tensor | None, query: Tensor, key:
     _check_mask_shape(attn_mask, query, key)
     if attn_mask.dtype == torch.bool:
         return attn_mask & causal
+    if not attn_mask.is_floating_point():
+        return attn_mask  # the method's check refuses other dtypes, as without is_causal
     return torch.where(causal, attn_mask, float("-inf"))
 
 
@@ -282,6 +284,17 @@ def _as_padding(spec: Method, attn_mask: Tensor, key_padding_mask: Tensor | None
     return (key_padding_mask if valid is None else valid), causal
 
 
+def _same_lengths(cu_q: Any, cu_k: Any) -> bool:
+    """Whether the keys' cumulative lengths are the queries' (transformers passes one
+    tensor for both; FlashAttention's callers pass two equal ones): one tensor, or in
+    eager code equal ones (a host read, as the lengths' checks make)."""
+    if cu_k is None or cu_k is cu_q:
+        return cu_k is cu_q
+    return isinstance(cu_q, Tensor) and isinstance(cu_k, Tensor) \
+        and cu_q.shape == cu_k.shape and cu_q.device == cu_k.device \
+        and may_read_values(cu_q, cu_k) and bool(torch.equal(cu_q, cu_k))
+
+
 def _check_causal_lengths(name: str, cu_q: Tensor, cu_k: Tensor) -> None:
     """is_causal over packed sequences needs each sequence's queries and keys alike in
     number, as one causal call does (whether a shorter query side aligns at the top or
@@ -306,6 +319,8 @@ def _varlen(spec: Method, query: Tensor, key: Tensor, value: Tensor, attn_mask: 
         raise ValueError(f"{spec.name}: with cu_seqlens, pass no attn_mask (the sequences "
                          f"are kept apart by the cumulative lengths; use is_causal).")
     check_capabilities(spec.name, mask=True, varlen=True)
+    if _same_lengths(cu_seqlens, cu_seqlens_k) and max_seqlen_k in (None, max_seqlen):
+        cu_seqlens_k = max_seqlen_k = None  # keys packed as the queries: self-attention
     cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
     if isinstance(cu_k, Tensor) and isinstance(cu_seqlens, Tensor) \
             and cu_k.shape != cu_seqlens.shape:

@@ -146,7 +146,9 @@ def resolve_mask(
     if rows.shape[1] == 1 or rows.stride(1) == 0:  # one row for every query: key padding
         return ResolvedMask(_normalise(rows[:, 0]), False)
 
-    visible = rows.any(dim=1)  # [B, Nk]: keys some query may see; the others are padding
+    # [B, Nk]: keys some (real) query may see; the others are padding
+    visible = (rows & query_valid.to(rows.device).expand(batch, query_len)[:, :, None]).any(
+        dim=1) if isinstance(query_valid, Tensor) else rows.any(dim=1)
     # Rows of padded queries are not checked (module docstring).
     if isinstance(query_valid, Tensor):
         real_rows = query_valid.to(rows.device).expand(batch, query_len)
@@ -223,7 +225,18 @@ def decoding_key_valid(
     when all are real). Raises ``UnsupportedMaskError`` for any other pattern (a
     sliding window hiding cached tokens, a mask that differs between heads).
     """
+    if past_valid is not None and tuple(past_valid.shape) != (batch, total - new):
+        raise ValueError(
+            f"a decoding step of {batch} sequences over a cache of {past_valid.shape[0]} "
+            f"sequences and {past_valid.shape[1]} positions (the step expects "
+            f"{total - new}): reorder or repeat the cache for the step's batch first "
+            f"(batch_select_indices, batch_repeat_interleave).")
     if attention_mask is None:
+        if past_valid is not None and not bool(past_valid.all()):
+            raise UnsupportedMaskError(
+                "a decoding step without an attention mask over a cache that holds padding: "
+                "exact attention would attend to the padded positions, the state does not; "
+                "pass the step's attention mask (generate does).")
         return None
     if not isinstance(attention_mask, Tensor):
         raise UnsupportedMaskError(

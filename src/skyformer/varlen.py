@@ -9,6 +9,8 @@ truncation for every method, so each sequence attends only to itself.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import Tensor
 
@@ -39,6 +41,23 @@ def _check(cu_seqlens: object, x: Tensor, method: str, name: str = "cu_seqlens")
     return cu_seqlens.long()
 
 
+def _length(value: object, method: str, argument: str, lengths: str) -> int | None:
+    """``max_seqlen`` as an int: a Python or NumPy int, or a 0-d integer tensor (what
+    transformers' packed path hands FlashAttention, ``cu_seqlens.diff().max()``)."""
+    if value is None or isinstance(value, torch.SymInt):
+        return value
+    if isinstance(value, Tensor) and value.dim() == 0 and not value.is_floating_point() \
+            and value.dtype != torch.bool:
+        return int(value)
+    if not isinstance(value, bool | Tensor):
+        try:
+            return operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+    raise ValueError(f"{method}: {argument} must be an int (the longest sequence's "
+                     f"length) or None (read from {lengths}), got {value!r}.")
+
+
 def _slots(cu_seqlens: Tensor, total: int, max_len: int) -> Tensor:
     """The padded slot ``b * max_len + offset`` of every packed token ``[T]``."""
     position = torch.arange(total, device=cu_seqlens.device)
@@ -57,9 +76,7 @@ def unpack(x: Tensor, cu_seqlens: Tensor, max_len: int | None, method: str,
     h, total, e = x.shape[1:]
     cu = _check(cu_seqlens, x, method, lengths)
     batch = cu.numel() - 1
-    if isinstance(max_len, bool) or not isinstance(max_len, int | torch.SymInt | None):
-        raise ValueError(f"{method}: {argument} must be an int (the longest sequence's "
-                         f"length) or None (read from {lengths}), got {max_len!r}.")
+    max_len = _length(max_len, method, argument, lengths)
     if max_len is None:
         max_len = max(1, int((cu[1:] - cu[:-1]).max()))
     elif not torch.compiler.is_compiling():  # the lengths are read in _check already

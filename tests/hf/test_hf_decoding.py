@@ -4,6 +4,8 @@ whose size stops growing."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -405,7 +407,9 @@ def test_a_step_mask_the_state_cannot_follow_is_refused(hide):
     with pytest.raises(UnsupportedMaskError, match="heads" if hide == "one head"
                        else "over the positions the cache took"):
         model(ids[:, 20:21], attention_mask=step, cache=cache)
-    assert cache.layers[0].valid[1, :4].eq(False).all() and cache.layers[0].valid.shape == (2, 20)
+    past = cache.layers[0].past_valid()
+    assert past.shape == (2, 20) and past[1, :4].eq(False).all() and past[:, 4:].all()
+    assert cache.layers[0].valid.shape == (2, 4)  # kept up to the last padded position
 
 
 @torch.no_grad()
@@ -424,9 +428,32 @@ def test_the_positions_a_state_took_follow_reorders_and_crops():
     order = torch.tensor([1, 0])
     cache.batch_select_indices(order)
     cache.crop(-3)
-    assert [layer.valid.shape for layer in cache.layers] == [(2, 21), (2, 21)]
+    assert [layer.past_valid().shape for layer in cache.layers] == [(2, 21), (2, 21)]
     got = model(ids[order, 21:22], attention_mask=mask[order, :22], cache=cache).logits
     direct = shf.DecodingCache(model)
     model(ids[order, :21], attention_mask=mask[order, :21], cache=direct)
     want = model(ids[order, 21:22], attention_mask=mask[order, :22], cache=direct).logits
     torch.testing.assert_close(got, want)
+
+
+@torch.no_grad()
+def test_a_step_the_cache_cannot_check_gets_a_sentence():
+    """A step without a mask over a cache holding padding (exact attention would attend
+    to it, the state does not) and a step of another batch size than the cache's are
+    refused in sentences."""
+    from skyformer.masks import UnsupportedMaskError
+
+    model = _gpt2()
+    shf.set_attention(model, "linear", seed=0)
+    ids, mask = _prompt()
+    cache = shf.DecodingCache(model)
+    model(ids[:, :20], attention_mask=mask[:, :20], cache=cache)
+    with pytest.raises(UnsupportedMaskError, match="without an attention mask over a cache "
+                                                   "that holds padding"):
+        model(ids[:, 20:21], cache=copy.deepcopy(cache))
+    with pytest.raises(ValueError, match="a decoding step of 4 sequences over a cache of 2"):
+        model(ids.repeat(2, 1)[:, 20:21], attention_mask=mask.repeat(2, 1)[:, :21],
+              cache=copy.deepcopy(cache))
+    unpadded = shf.DecodingCache(model)
+    model(ids[:1, :20], cache=unpadded)
+    model(ids[:1, 20:21], cache=unpadded)  # no padding anywhere: no mask needed

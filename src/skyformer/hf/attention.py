@@ -289,7 +289,7 @@ def _decoding_step(module: nn.Module, layer: LayerAttention, decoding: DecodingL
     where = _where(module, layer)
     b, _, n, head_dim = query.shape
     key_valid = decoding_key_valid(attention_mask, batch=b, new=n, total=decoding.seen,
-                                   past_valid=decoding.valid, advice=USE_SDPA)
+                                   past_valid=decoding.past_valid(), advice=USE_SDPA)
     if decoding.state is None:
         bound = layer.bound.replace(
             **_call_options(layer.bound.method, layer, scaling, head_dim, True, where))

@@ -9,8 +9,10 @@ skyformer::
 
 Each layer keeps its method's decoding state (``skyformer.decoding``): for ``linear``,
 ``performer``, ``skyformer`` and ``nystrom_softmax`` its memory does not grow with the
-generated length; the layers that run exact attention (``softmax``, ``kernelized``,
-layers left exact) keep their keys and values as transformers' ``DynamicCache`` does.
+generated length (it records which positions are real up to the last padded one, a byte
+a position, which a later step's mask must agree with); the layers that run exact
+attention (``softmax``, ``kernelized``, layers left exact) keep their keys and values as
+transformers' ``DynamicCache`` does.
 Tokens equal those of the full causal forward over the whole sequence with the same
 random key (a layer ``seed``); in beam search a state keeps its sequence's landmark draws
 when the sequence changes rows, where a forward without a cache draws by row
@@ -62,7 +64,9 @@ class DecodingLayer(CacheLayerMixin):
         super().__init__()
         self.state = None  # skyformer.decoding.DecodingState, made at the first step
         self.seen = 0  # positions given to update
-        self.valid: Tensor | None = None  # [B, positions stepped]: real ones; None: all
+        # [B, p]: which of the first p positions stepped are real, p just past the last
+        # padded one (every later position is real); None: every position is
+        self.valid: Tensor | None = None
         self.pending: Tensor | None = None  # the keys of the step not yet attended
         self.record_past = False  # keep what crop needs (transformers switches it on)
         self.rollback: tuple | None = None  # (state before the last step, its inputs)
@@ -91,18 +95,33 @@ class DecodingLayer(CacheLayerMixin):
         self._record_valid(key_valid, q.shape[0], k.shape[2])
         return out
 
+    def past_valid(self) -> Tensor | None:
+        """``[B, positions stepped]`` bool, True = real (what a step's mask must show
+        for them: ``masks.decoding_key_valid``), or None where every one is real."""
+        if self.valid is None or self.state is None:
+            return None
+        rest = self.state.length - self.valid.shape[1]
+        return torch.cat([self.valid, self.valid.new_ones(self.valid.shape[0], rest)], dim=1)
+
     def _record_valid(self, key_valid: Tensor | None, batch: int, new: int) -> None:
-        """Append which of a step's ``new`` positions are real (a later step's mask must
-        agree: ``masks.decoding_key_valid``); stays None while every position is."""
-        if key_valid is None and self.valid is None:
+        """Record which of a step's ``new`` positions are real: kept up to the last
+        padded position only, so that decoding after the prompt (every position real)
+        adds nothing and the layer's memory stays constant."""
+        if key_valid is None or bool(key_valid.all()):
             return
-        stepped = self.state.length - new if self.valid is None else self.valid.shape[1]
-        device = (key_valid if key_valid is not None else self.valid).device
-        past = self.valid if self.valid is not None else torch.ones(
-            batch, stepped, dtype=torch.bool, device=device)
-        step = key_valid.to(device) if key_valid is not None else torch.ones(
-            batch, new, dtype=torch.bool, device=device)
-        self.valid = torch.cat([past, step], dim=1)
+        before = self.state.length - new
+        past = self.past_valid_before(before, batch, key_valid.device)
+        full = torch.cat([past, key_valid], dim=1)  # [B, before + new]
+        padded = (~full).any(dim=0).nonzero()
+        self.valid = full[:, : int(padded[-1]) + 1].contiguous()
+
+    def past_valid_before(self, stepped: int, batch: int, device: torch.device) -> Tensor:
+        """The first ``stepped`` positions' record as ``[B, stepped]`` bool."""
+        if self.valid is None:
+            return torch.ones(batch, stepped, dtype=torch.bool, device=device)
+        rest = stepped - self.valid.shape[1]
+        return torch.cat([self.valid.to(device),
+                          torch.ones(batch, rest, dtype=torch.bool, device=device)], dim=1)
 
     def fail(self, key: Tensor) -> None:
         """Count the step of ``key`` as not taken (its call failed after claiming it):
@@ -234,7 +253,9 @@ class DecodingLayer(CacheLayerMixin):
                            None if key_valid is None else key_valid[:, :stay])
             self.state = state
             if self.valid is not None:
-                self.valid = self.valid[:, : self.valid.shape[1] - remove]
+                self.valid = self.valid[:, : state.length]
+                if bool(self.valid.all()):
+                    self.valid = None
         if self.keys is not None:
             self.keys = self.keys[..., : self.keys.shape[-2] - remove, :]
             self.values = self.values[..., : self.values.shape[-2] - remove, :]
@@ -247,9 +268,10 @@ class DecodingLayer(CacheLayerMixin):
         pass
 
     def nbytes(self) -> int:
-        """Bytes held: the decoding state and any kept keys and values."""
+        """Bytes held: the decoding state, any kept keys and values, and the record of
+        real positions (a byte a position, once a sequence has padding)."""
         total = self.state.nbytes() if self.state is not None else 0
-        for t in (self.keys, self.values):
+        for t in (self.keys, self.values, self.valid):
             if t is not None:
                 total += t.numel() * t.element_size()
         return total
