@@ -168,14 +168,23 @@ def test_cifar_grey_levels_and_lra_split(tmp_path):
     data = load_cache(prepare("image", tmp_path, tmp_path / "c").parent, "image")
     train, dev, test = (data.splits[s] for s in ("train", "dev", "test"))
     assert (len(train), len(dev), len(test)) == (45, 5, 10)
-    # Independent recomputation: weighted sum rounded half up (tf.image.rgb_to_grayscale weights).
-    r, g, b = (rgb[:, c].astype(np.float64) for c in range(3))
-    grey = np.floor(0.2989 * r + 0.5870 * g + 0.1140 * b + 0.5).astype(np.uint8)
+    # Independent recomputation, pixel by pixel, as tf.image.rgb_to_grayscale on uint8:
+    # float32 channels / 255, the weighted sum, then uint8(trunc(255.5 g)); it differs
+    # from rounding the float64 sum on about a quarter of the pixels
+    f32 = np.float32
+    grey = np.array([[int(((f32(r) * f32(1 / 255) * f32(0.2989)
+                            + f32(g) * f32(1 / 255) * f32(0.5870))
+                           + f32(b) * f32(1 / 255) * f32(0.1140)) * f32(255.5))
+                      for r, g, b in zip(*image, strict=True)] for image in rgb],
+                    dtype=np.uint8)
     assert np.array_equal(np.asarray(train.tokens[:, 0]), grey[:45])
     assert np.array_equal(np.asarray(dev.tokens[:, 0]), grey[45:50])
     assert np.array_equal(np.asarray(test.tokens[:, 0]), grey[50:])
     assert test.labels.tolist() == labels[50:].tolist()
     assert data.max_len == 1024 and int(train.lengths.min()) == 1024
+    from skyformer.lra.readers.image import grey_levels
+    pixel = np.array([[[69], [78], [10]]], dtype=np.uint8)
+    assert grey_levels(pixel).item() == 67  # 67.7 truncated; rounding the float64 sum gave 68
 
 
 def test_cifar_wrong_size_names_the_file(tmp_path):

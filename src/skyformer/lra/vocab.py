@@ -1,8 +1,10 @@
 """Token ids of the LRA tasks. Id 0 is padding wherever padding can occur.
 
-- ListOps: LRA's tokenizer keeps operators, digits and the closing bracket and drops
-  the parentheses of the release's nested format (they only mark the binary nesting
-  of the generator's tree and carry no information); ids 1-15.
+- ListOps: LRA's tokenizer (since it renamed the closing brackets) keeps operators,
+  digits and the closing bracket and drops the parentheses of the release's nested
+  format (they only mark the binary nesting of the generator's tree and carry no
+  information); ids 1-15. The earlier pipeline, which the Skyformer code used, split on
+  non-word characters and lost the closing brackets too (docs/lra.md).
 - Text and Retrieval: bytes of the UTF-8 text, id = byte + 1 (1-256).
 - Image and Pathfinder: the 8-bit grey value itself (0-255). Every sequence has the
   full length, so no id is reserved for padding; the model's mask comes from the

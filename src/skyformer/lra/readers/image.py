@@ -1,10 +1,13 @@
 """CIFAR-10 (LRA Image) from the official binary batches (``cifar-10-batches-bin``).
 
 Each record is 1 label byte then 3 x 1024 bytes (red, green, blue planes, row-major).
-As in LRA the image becomes one grey level per pixel,
-``round(0.2989 R + 0.5870 G + 0.1140 B)`` (the weights of ``tf.image.rgb_to_grayscale``),
-1024 tokens with 256 values. Splits as in LRA: the first 90 % of the training records
-(45,000) train, the last 10 % (5,000) validate, ``test_batch.bin`` tests.
+As in LRA the image becomes one grey level per pixel, as ``tf.image.rgb_to_grayscale``
+computes it from uint8 channels: in float32, ``g = 0.2989 R' + 0.5870 G' + 0.1140 B'``
+with ``C' = C / 255``, then ``trunc(255.5 g)`` (``convert_image_dtype`` back to uint8),
+1024 tokens with 256 values. Splits: the first 90 % of the training records (45,000)
+train, the last 10 % (5,000) validate, ``test_batch.bin`` tests; LRA takes TFDS's
+``train[:90%]`` and ``train[90%:]``, 90/10 as here but of TFDS's record order, which
+need not be the release files' (another random 10 % may validate there).
 """
 
 from __future__ import annotations
@@ -22,7 +25,17 @@ RECORD = 1 + 3 * 1024
 RECORDS_PER_FILE = 10_000
 TRAIN_FILES = tuple(f"data_batch_{i}.bin" for i in range(1, 6))
 TEST_FILE = "test_batch.bin"
-GREY_WEIGHTS = np.array([0.2989, 0.5870, 0.1140])
+GREY_WEIGHTS = np.array([0.2989, 0.5870, 0.1140], dtype=np.float32)
+
+
+def grey_levels(rgb: np.ndarray) -> np.ndarray:
+    """``[N, 3, P]`` uint8 channels -> ``[N, P]`` uint8 grey levels, as
+    ``tf.image.rgb_to_grayscale`` on uint8 images (module docstring; float32 throughout,
+    the weighted sum in channel order)."""
+    unit = rgb.astype(np.float32) * np.float32(1 / 255)
+    grey = (unit[:, 0] * GREY_WEIGHTS[0] + unit[:, 1] * GREY_WEIGHTS[1]) \
+        + unit[:, 2] * GREY_WEIGHTS[2]
+    return np.clip(np.trunc(grey * np.float32(255.5)), 0, 255).astype(np.uint8)
 
 
 def read_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -39,9 +52,7 @@ def read_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     if labels.max() > 9:
         raise ValueError(f"{path}: found label {labels.max()}; CIFAR-10 labels are 0-9. Is this "
                          "a CIFAR-100 file?")
-    rgb = records[:, 1:].reshape(-1, 3, 1024).astype(np.float64)
-    grey = np.floor(np.einsum("c,ncp->np", GREY_WEIGHTS, rgb) + 0.5)
-    return np.clip(grey, 0, 255).astype(np.uint8), labels
+    return grey_levels(records[:, 1:].reshape(-1, 3, 1024)), labels
 
 
 def _examples(images: np.ndarray, labels: np.ndarray) -> Iterator[tuple[list[np.ndarray], int]]:
@@ -62,4 +73,6 @@ def read_image(src: str | Path) -> tuple[dict[str, SplitSource], dict[str, Any]]
         "dev": SplitSource(len(labels) - cut, _examples(images[cut:], labels[cut:])),
         "test": SplitSource(len(test_labels), _examples(test_images, test_labels)),
     }
-    return splits, {"source": str(folder.resolve()), "grey_weights": GREY_WEIGHTS.tolist()}
+    return splits, {"source": str(folder.resolve()),
+                    "grey_weights": [round(float(w), 4) for w in GREY_WEIGHTS],
+                    "grey_levels": "tf.image.rgb_to_grayscale of uint8: float32, trunc(255.5 g)"}
