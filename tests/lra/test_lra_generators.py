@@ -71,6 +71,31 @@ def test_listops_lengths_bounds_distinctness_and_determinism():
     assert generate_examples(200, rules, seed=2) != examples
 
 
+def test_listops_lengths_are_those_trees_can_have():
+    """An enumeration of every tree shape's length (small rules) against the rules'
+    lengths; a window holding none of them is refused up front (it ran the whole draw
+    budget, minutes at LRA's sizes, before saying so)."""
+    import itertools
+
+    def enumerate_lengths(depth, max_depth, max_args, limit):
+        found = {1}
+        if depth < max_depth:
+            below = enumerate_lengths(depth + 1, max_depth, max_args, limit)
+            for count in range(2, max_args + 1):
+                for parts in itertools.combinations_with_replacement(sorted(below), count):
+                    if 2 + sum(parts) <= limit:
+                        found.add(2 + sum(parts))
+        return found
+
+    for depth, args in ((2, 2), (3, 2), (3, 3), (4, 2)):
+        rules = ListOpsRules(max_depth=depth, max_args=args, min_length=0, max_length=30)
+        assert rules.lengths() == sorted(enumerate_lengths(1, depth, args, 31))
+    with pytest.raises(ValueError, match=r"no tree of depth <= 3 with <= 2 arguments has a "
+                       r"length strictly between min_length=4 and max_length=7 \(the nearest "
+                       r"lengths are 4 and 7\)"):
+        ListOpsRules(max_depth=3, max_args=2, min_length=4, max_length=7)
+
+
 def test_listops_rules_that_cannot_be_met_fail_early():
     with pytest.raises(ValueError, match="at most 4 tokens"):
         ListOpsRules(max_depth=2, max_args=2, min_length=10, max_length=20)

@@ -19,6 +19,8 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+
 from ..seeds import check_seed
 from .generated import generated_folder
 from .readers.listops import FILES, GENERATOR_RECORD
@@ -62,6 +64,36 @@ class ListOpsRules:
                 f"most {self.longest()} tokens, not more than min_length={self.min_length}; "
                 "raise max_depth or max_args, or lower min_length."
             )
+        lengths = self.lengths()
+        if not any(self.min_length < n < self.max_length for n in lengths):
+            below = max((n for n in lengths if n <= self.min_length), default=None)
+            above = min((n for n in lengths if n >= self.max_length), default=None)
+            raise ValueError(
+                f"no tree of depth <= {self.max_depth} with <= {self.max_args} arguments has "
+                f"a length strictly between min_length={self.min_length} and max_length="
+                f"{self.max_length} (the nearest lengths are {below} and {above}); widen the "
+                f"window."
+            )
+
+    def lengths(self) -> list[int]:
+        """The tree lengths the rules can make, up to ``max_length + 1``: a tree is a
+        digit (1) or an operator, its bracket and 2..max_args subtrees one level
+        deeper."""
+        size = self.max_length + 2  # lengths 0 .. max_length + 1
+        level = np.zeros(size, dtype=bool)
+        level[1] = True  # the deepest trees are digits
+        for _ in range(self.max_depth - 1):
+            sums = np.zeros(size, dtype=bool)
+            sums[0] = True  # the sums of 0, 1, 2, ... subtrees' lengths
+            totals = np.zeros(size, dtype=bool)
+            for count in range(1, self.max_args + 1):
+                sums = _sums(sums, level)
+                if count >= 2:
+                    totals |= sums
+            level = np.zeros(size, dtype=bool)
+            level[1] = True
+            level[2:] = totals[:-2]
+        return np.flatnonzero(level).tolist()
 
     def longest(self) -> int:
         """Length of the largest tree the rules allow."""
@@ -69,6 +101,14 @@ class ListOpsRules:
         for _ in range(self.max_depth - 1):
             length = 2 + self.max_args * length
         return length
+
+
+def _sums(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Which totals ``i + j`` (``a[i]`` and ``b[j]`` set) occur, below ``len(a)``: a
+    convolution by FFT (counts far from 0.5 either way)."""
+    n = 2 * len(a)
+    product = np.fft.irfft(np.fft.rfft(a, n) * np.fft.rfft(b, n), n)[: len(a)]
+    return product > 0.5
 
 
 def random_tree(rng: random.Random, rules: ListOpsRules, depth: int = 1) -> tuple[Tree, int]:
