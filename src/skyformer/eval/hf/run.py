@@ -10,7 +10,8 @@ settings:
   attention is a large share of the cost.
 
 Per method and feature count: cosine similarity of each text's embedding (mean-pooled,
-L2-normalised, as sentence-transformers computes it) to the exact model's, agreement of
+L2-normalised, as sentence-transformers pools them, without its 256-token truncation) to
+the exact model's, agreement of
 nearest-neighbour retrieval among the texts (recall@1 against the exact model's nearest
 neighbours), forward time (median) and peak memory (fresh process on CPU) of one batch.
 
