@@ -57,9 +57,15 @@ def forward_mode_active() -> bool:
 
 def functional_ops_only() -> bool:
     """Whether the fast paths must give way to plain operators (module docstring):
-    under ``torch.export``, forward-mode AD or ``torch.jit.trace`` (whose tracer fails
-    inside the Functions that write into buffers they allocate)."""
-    return exporting() or forward_mode_active() or torch._C._get_tracing_state() is not None
+    under ``torch.export`` or forward-mode AD."""
+    return exporting() or forward_mode_active()
+
+
+def jit_tracing() -> bool:
+    """Whether ``torch.jit.trace`` records this call: its tracer fails inside the
+    PyTorch Functions that write into buffers they allocate (the Gaussian products),
+    which then take plain operators; the Triton operators it records as they are."""
+    return torch._C._get_tracing_state() is not None
 
 
 def no_derivatives(fn: F) -> F:

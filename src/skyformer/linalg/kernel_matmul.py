@@ -39,7 +39,7 @@ from torch import Tensor
 
 from .eager_calls import apply
 from .flush import flush_exponent_on_cpu_
-from .functional_ops import first_order_backward, functional_ops_only
+from .functional_ops import first_order_backward, functional_ops_only, jit_tracing
 from .kernel_backend import HALF_TYPES, use_triton
 from .kernel_matmul_triton import PRODUCT_FALLBACK, TritonGaussianBlockProduct
 from .kernel_offsets import LOG2E, offset_and_value_gradients, row_offsets
@@ -333,7 +333,7 @@ def gaussian_kernel_matmul(
     triton = triton and not (auto and PRODUCT_FALLBACK.failed_on(y))
     if not (triton and transpose and rhs.dtype in (x.dtype, *HALF_TYPES)):
         rhs = rhs.to(x.dtype)
-    if functional_ops_only():
+    if functional_ops_only() or jit_tracing():
         rhs = with_ones_column(rhs, ones_column)
         out = _product_by_autograd(y, x, col_offset, rhs, row_valid, scale, row_norm,
                                    transpose, shift_rows, exclude, batch_shape)
