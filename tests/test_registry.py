@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import textwrap
 
 import pytest
@@ -227,10 +228,29 @@ def test_a_core_without_the_call_arguments_is_refused_at_registration(monkeypatc
     monkeypatch.setitem(registry_methods._REGISTRY, "no_query_mask",
                         registry_methods._REGISTRY["no_query_mask"])
     q, k, v = make_qkv(1, 2, 8, 4, nk=5)
-    skyformer.attention(q, k, v, "no_query_mask")
-    with pytest.raises(TypeError, match=r"no_query_mask takes no query_padding_mask .* add "
-                       r"query_padding_mask='auto' to the function"):
-        skyformer.attention(q, k, v, "no_query_mask", query_padding_mask=None)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    # every query real, as library callers say for cross-attention: the same as "auto"
+    for call in (lambda: no_query_mask(q, k, v),
+                 lambda: skyformer.attention(q, k, v, "no_query_mask"),
+                 lambda: skyformer.attention(q, k, v, "no_query_mask", query_padding_mask=None)):
+        torch.testing.assert_close(call(), want)
+    layer = skyformer.MultiHeadAttention(8, 2, "no_query_mask").double()
+    layer(torch.randn(1, 6, 8, dtype=torch.float64),
+          context=torch.randn(1, 4, 8, dtype=torch.float64))
+    padded = torch.ones(1, 8, dtype=torch.bool)
+    padded[0, 6:] = False  # a key mask, and queries called real: the core cannot say so
+    monkeypatch.delitem(registry_methods._REGISTRY, "no_query_mask_public", raising=False)
+
+    @register("no_query_mask_public", Cfg, Capabilities(target="softmax"))
+    def public_form(q, k, v, *, key_padding_mask=None, generator=None, num_features=None):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    monkeypatch.setitem(registry_methods._REGISTRY, "no_query_mask_public",
+                        registry_methods._REGISTRY["no_query_mask_public"])
+    for name in ("no_query_mask", "no_query_mask[num_features=3]", "no_query_mask_public"):
+        with pytest.raises(TypeError, match=rf"{re.escape(name)} takes no query_padding_mask "
+                           r".* add query_padding_mask='auto' to the function"):
+            skyformer.attention(q, q, q, name, key_padding_mask=padded, query_padding_mask=None)
 
 
 def test_the_contributing_template_registers_and_runs(monkeypatch):

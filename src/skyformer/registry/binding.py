@@ -28,9 +28,31 @@ from ..sketch.rng import cpu_draws_seeded
 from .autocast import call_core
 from .capabilities import CapabilityError
 
-# Whether each registered core takes query_padding_mask (filled by ``register``, read
-# here without inspecting a signature in the call: compiled calls trace this code)
+# Whether each registered function takes query_padding_mask (filled by ``register``,
+# keyed by ``Method.function``; read without inspecting a signature in the call:
+# compiled calls trace this code)
 TAKES_QUERY_MASK: dict[Callable[..., Any], bool] = {}
+
+
+def query_mask_argument(name: str, takes: bool, query_padding_mask: Any, q: Any, k: Any,
+                        key_padding_mask: Any) -> dict[str, Any]:
+    """The ``query_padding_mask`` keyword for a method's core: none for ``"auto"``
+    (every core's default), nor for a core without the keyword where the mask says
+    nothing ``"auto"`` would not (``None`` with other lengths, or without a key mask:
+    every query real, as library callers pass for cross-attention); a sentence where
+    such a core would drop a real query mask."""
+    if isinstance(query_padding_mask, str):
+        return {}
+    if takes:
+        return {"query_padding_mask": query_padding_mask}
+    lengths = [getattr(t, "shape", (None, None))[-2] for t in (q, k)]
+    if query_padding_mask is None and (lengths[0] != lengths[1] or key_padding_mask is None):
+        return {}
+    raise TypeError(
+        f"{name} takes no query_padding_mask (its function lacks the keyword argument), so "
+        f"it cannot be told which queries are real apart from the keys' padding; add "
+        f"query_padding_mask='auto' to the function and pass it to check_attention_inputs "
+        f"(CONTRIBUTING.md).")
 
 
 def takes_keyword(fn: Callable[..., Any], name: str) -> bool:
@@ -132,14 +154,8 @@ class BoundMethod:
         if arguments.get("attn_mask") is not None and not self.method.capabilities.attn_mask:
             raise CapabilityError(capability_sentence_for(self.method, "attn_mask"))
         extra = {**(state(q, k) if state is not None else {}), **arguments}
-        if not isinstance(query_padding_mask, str):  # "auto" is every core's default
-            if not TAKES_QUERY_MASK.get(self.method.core, True):
-                raise TypeError(
-                    f"{self.method.name} takes no query_padding_mask (its function lacks "
-                    f"the keyword argument), so it cannot be told which queries are real "
-                    f"apart from the keys; call it with query_padding_mask='auto', or add "
-                    f"query_padding_mask='auto' to the function and pass it to "
-                    f"check_attention_inputs (CONTRIBUTING.md).")
-            extra["query_padding_mask"] = query_padding_mask
+        extra.update(query_mask_argument(
+            self.method.name, TAKES_QUERY_MASK.get(self.method.function, True),
+            query_padding_mask, q, k, key_padding_mask))
         return call_core(self.method.core, q, k, v, self.config,
                          key_padding_mask=key_padding_mask, generator=generator, **extra)

@@ -204,7 +204,7 @@ def register(
         _check_call_arguments(name, fn)
         public = with_options(config_class, name)(fn) if takes_config(fn) else fn
         _REGISTRY[name] = Method(name, public, config_class, capabilities, summary, state)
-        TAKES_QUERY_MASK[_REGISTRY[name].core] = takes_keyword(fn, "query_padding_mask")
+        TAKES_QUERY_MASK[public] = takes_keyword(fn, "query_padding_mask")
         return public
 
     return decorator

@@ -25,6 +25,7 @@ from typing import Any
 from torch import Tensor
 
 from .autocast import call_core
+from .binding import query_mask_argument, takes_keyword
 
 CALL_ARGUMENTS = ("key_padding_mask", "query_padding_mask", "generator")
 
@@ -101,6 +102,7 @@ def public_function(
         with ``f.core`` = ``core`` and ``f.config_class`` = ``config_class``.
     """
     state_names = frozenset(p.name for p in _state_parameters(core))
+    takes_query_mask = takes_keyword(core, "query_padding_mask")
 
     @functools.wraps(core, assigned=("__module__", "__name__", "__qualname__"), updated=())
     def public(q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask: Tensor | None = None,
@@ -110,8 +112,11 @@ def public_function(
         # operation (frozenset & dict_keys), so torch.compile refused the direct functions
         state = {name: kwargs.pop(name) for name in state_names if name in kwargs}
         config = make_config(kwargs)
+        query = query_mask_argument(getattr(core, "__name__", "the method"),
+                                    takes_query_mask, query_padding_mask, q, k,
+                                    key_padding_mask)
         return call_core(core, q, k, v, config, key_padding_mask=key_padding_mask,
-                         query_padding_mask=query_padding_mask, generator=generator, **state)
+                         generator=generator, **query, **state)
 
     public.__signature__ = _signature(core, config_class)  # type: ignore[attr-defined]
     public.__doc__ = _docstring(core, config_class)
