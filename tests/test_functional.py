@@ -606,6 +606,9 @@ def test_keys_packed_as_the_queries_are_self_attention(method, options):
         both = sdpa(q, k, v, method=method, cu_seqlens=cu, cu_seqlens_k=cu_k, generator=key,
                     **options)
         torch.testing.assert_close(both, alone, atol=0, rtol=0)
+        one_width = sdpa(q, k, v, method=method, cu_seqlens=cu, cu_seqlens_k=cu_k,
+                         max_seqlen_k=70, generator=key, **options)  # max_seqlen read
+        torch.testing.assert_close(one_width, alone, atol=0, rtol=0)
 
 
 def test_a_padded_query_row_does_not_make_keys_real():

@@ -287,7 +287,9 @@ def _as_padding(spec: Method, attn_mask: Tensor, key_padding_mask: Tensor | None
 def _same_lengths(cu_q: Any, cu_k: Any) -> bool:
     """Whether the keys' cumulative lengths are the queries' (transformers passes one
     tensor for both; FlashAttention's callers pass two equal ones): one tensor, or in
-    eager code equal ones (a host read, as the lengths' checks make)."""
+    eager code equal ones (a host read, as the lengths' checks make; under
+    ``torch.compile`` and ``torch.export`` two tensors are read as other lengths, which
+    only KDEformer's and LSH Scatterbrain's blocks tell apart: docs/pytorch2.md)."""
     if cu_k is None or cu_k is cu_q:
         return cu_k is cu_q
     return isinstance(cu_q, Tensor) and isinstance(cu_k, Tensor) \
@@ -319,8 +321,11 @@ def _varlen(spec: Method, query: Tensor, key: Tensor, value: Tensor, attn_mask: 
         raise ValueError(f"{spec.name}: with cu_seqlens, pass no attn_mask (the sequences "
                          f"are kept apart by the cumulative lengths; use is_causal).")
     check_capabilities(spec.name, mask=True, varlen=True)
-    if _same_lengths(cu_seqlens, cu_seqlens_k) and max_seqlen_k in (None, max_seqlen):
-        cu_seqlens_k = max_seqlen_k = None  # keys packed as the queries: self-attention
+    if _same_lengths(cu_seqlens, cu_seqlens_k) and (
+            max_seqlen is None or max_seqlen_k is None or max_seqlen_k == max_seqlen):
+        # keys packed as the queries: self-attention, padded to the one width given
+        max_seqlen = max_seqlen if max_seqlen is not None else max_seqlen_k
+        cu_seqlens_k = max_seqlen_k = None
     cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
     if isinstance(cu_k, Tensor) and isinstance(cu_seqlens, Tensor) \
             and cu_k.shape != cu_seqlens.shape:

@@ -90,6 +90,10 @@ def test_listops_lengths_are_those_trees_can_have():
     for depth, args in ((2, 2), (3, 2), (3, 3), (4, 2)):
         rules = ListOpsRules(max_depth=depth, max_args=args, min_length=0, max_length=30)
         assert rules.lengths() == sorted(enumerate_lengths(1, depth, args, 31))
+    always = ListOpsRules(max_depth=3, max_args=2, min_length=0, max_length=30, value_p=1.0)
+    assert always.lengths() == [10]  # operators down to the deepest level
+    with pytest.raises(ValueError, match="no tree of depth <= 3"):
+        ListOpsRules(max_depth=3, max_args=2, min_length=4, max_length=9, value_p=1.0)
     with pytest.raises(ValueError, match=r"no tree of depth <= 3 with <= 2 arguments has a "
                        r"length strictly between min_length=4 and max_length=7 \(the nearest "
                        r"lengths are 4 and 7\)"):

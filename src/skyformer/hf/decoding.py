@@ -252,10 +252,11 @@ class DecodingLayer(CacheLayerMixin):
                 state.step(q[:, :, :stay], k[:, :, :stay], v[:, :, :stay],
                            None if key_valid is None else key_valid[:, :stay])
             self.state = state
-            if self.valid is not None:
-                self.valid = self.valid[:, : state.length]
-                if bool(self.valid.all()):
-                    self.valid = None
+            if self.valid is not None:  # up to the last padded position that stays
+                kept = self.valid[:, : state.length]
+                padded = (~kept).any(dim=0).nonzero()
+                self.valid = kept[:, : int(padded[-1]) + 1].contiguous() if len(padded) \
+                    else None
         if self.keys is not None:
             self.keys = self.keys[..., : self.keys.shape[-2] - remove, :]
             self.values = self.values[..., : self.values.shape[-2] - remove, :]

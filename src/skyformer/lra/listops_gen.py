@@ -78,7 +78,7 @@ class ListOpsRules:
     def lengths(self) -> list[int]:
         """The tree lengths the rules can make, up to ``max_length + 1``: a tree is a
         digit (1) or an operator, its bracket and 2..max_args subtrees one level
-        deeper."""
+        deeper (above the deepest level, a digit only where ``value_p < 1``)."""
         size = self.max_length + 2  # lengths 0 .. max_length + 1
         level = np.zeros(size, dtype=bool)
         level[1] = True  # the deepest trees are digits
@@ -91,7 +91,7 @@ class ListOpsRules:
                 if count >= 2:
                     totals |= sums
             level = np.zeros(size, dtype=bool)
-            level[1] = True
+            level[1] = self.value_p < 1  # value_p = 1: digits at the deepest level only
             level[2:] = totals[:-2]
         return np.flatnonzero(level).tolist()
 
