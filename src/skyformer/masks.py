@@ -136,26 +136,20 @@ def resolve_mask(
             f"flex-attention BlockMask); {advice}."
         )
     allowed = _allowed(attention_mask, batch, query_len, key_len, advice)
-    if allowed.shape[1] > 1 and not _holds(allowed == allowed[:, :1],
-                                           "the attention mask differs between heads"):
-        raise UnsupportedMaskError(
-            f"the attention mask differs between heads; skyformer methods take one key "
-            f"padding mask for all heads; {advice}."
-        )
+    _refuse_per_head(allowed, "the attention mask", advice)
     rows = allowed[:, 0].expand(batch, -1, -1)  # [B, Qm, Nk]
     if rows.shape[1] == 1 or rows.stride(1) == 0:  # one row for every query: key padding
         return ResolvedMask(_normalise(rows[:, 0]), False)
 
-    # [B, Nk]: keys some (real) query may see; the others are padding
-    visible = (rows & query_valid.to(rows.device).expand(batch, query_len)[:, :, None]).any(
-        dim=1) if isinstance(query_valid, Tensor) else rows.any(dim=1)
-    # Rows of padded queries are not checked (module docstring).
+    # [B, Nk]: keys some (real) query may see; the others are padding. Rows of padded
+    # queries are not checked (module docstring).
     if isinstance(query_valid, Tensor):
         real_rows = query_valid.to(rows.device).expand(batch, query_len)
-    elif query_valid is None or query_len != key_len:
-        real_rows = torch.ones_like(rows[:, :, 0])
+        visible = (rows & real_rows[:, :, None]).any(dim=1)
     else:
-        real_rows = visible
+        visible = rows.any(dim=1)
+        real_rows = visible if query_valid is not None and query_len == key_len \
+            else torch.ones_like(rows[:, :, 0])
     unchecked = ~real_rows[:, :, None]  # [B, Nq, 1]
     # A traced call cannot branch on the mask's values: it takes the pattern the model
     # declares (causal with key padding where is_causal and Nq == Nk, else key padding)
@@ -174,6 +168,15 @@ def resolve_mask(
         "sliding window, packed sequences, a cached prefix or a custom pattern); the "
         f"approximate methods take only a key padding mask and causal masking; {advice}."
     )
+
+
+def _refuse_per_head(allowed: Tensor, what: str, advice: str) -> None:
+    """A sentence for a mask ``[B, H, Q, K]`` whose heads differ (``_holds``)."""
+    if allowed.shape[1] > 1 and not _holds(allowed == allowed[:, :1],
+                                           f"{what} differs between heads"):
+        raise UnsupportedMaskError(
+            f"{what} differs between heads; skyformer methods take one key padding mask "
+            f"for all heads; {advice}.")
 
 
 def causal_without_mask(is_causal: bool, query_len: int, key_len: int) -> bool:
@@ -242,10 +245,7 @@ def decoding_key_valid(
         raise UnsupportedMaskError(
             f"the attention mask is a {type(attention_mask).__name__}, not a tensor; {advice}.")
     allowed = _allowed(attention_mask, batch, new, total, advice)
-    if allowed.shape[1] > 1 and not bool((allowed == allowed[:, :1]).all()):
-        raise UnsupportedMaskError(
-            f"a decoding step's attention mask differs between heads; skyformer methods "
-            f"take one key padding mask for all heads; {advice}.")
+    _refuse_per_head(allowed, "a decoding step's attention mask", advice)
     rows = allowed[:, 0].expand(batch, new, total)  # [B, new, total]
     new_real = rows.any(dim=1)[:, total - new:]  # [B, new]: seen by no query: padding
     past = (past_valid.to(rows.device) if past_valid is not None

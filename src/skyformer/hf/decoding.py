@@ -100,8 +100,7 @@ class DecodingLayer(CacheLayerMixin):
         for them: ``masks.decoding_key_valid``), or None where every one is real."""
         if self.valid is None or self.state is None:
             return None
-        rest = self.state.length - self.valid.shape[1]
-        return torch.cat([self.valid, self.valid.new_ones(self.valid.shape[0], rest)], dim=1)
+        return self._valid_of(self.state.length, self.valid.shape[0], self.valid.device)
 
     def _record_valid(self, key_valid: Tensor | None, batch: int, new: int) -> None:
         """Record which of a step's ``new`` positions are real: kept up to the last
@@ -109,19 +108,16 @@ class DecodingLayer(CacheLayerMixin):
         adds nothing and the layer's memory stays constant."""
         if key_valid is None or bool(key_valid.all()):
             return
-        before = self.state.length - new
-        past = self.past_valid_before(before, batch, key_valid.device)
-        full = torch.cat([past, key_valid], dim=1)  # [B, before + new]
-        padded = (~full).any(dim=0).nonzero()
-        self.valid = full[:, : int(padded[-1]) + 1].contiguous()
+        past = self._valid_of(self.state.length - new, batch, key_valid.device)
+        self.valid = _up_to_last_padding(torch.cat([past, key_valid], dim=1))
 
-    def past_valid_before(self, stepped: int, batch: int, device: torch.device) -> Tensor:
-        """The first ``stepped`` positions' record as ``[B, stepped]`` bool."""
-        if self.valid is None:
-            return torch.ones(batch, stepped, dtype=torch.bool, device=device)
-        rest = stepped - self.valid.shape[1]
-        return torch.cat([self.valid.to(device),
-                          torch.ones(batch, rest, dtype=torch.bool, device=device)], dim=1)
+    def _valid_of(self, positions: int, batch: int, device: torch.device) -> Tensor:
+        """The record of the first ``positions`` positions as ``[B, positions]`` bool
+        (the positions past ``valid`` are real)."""
+        kept = self.valid.to(device) if self.valid is not None else \
+            torch.ones(batch, 0, dtype=torch.bool, device=device)
+        rest = torch.ones(batch, positions - kept.shape[1], dtype=torch.bool, device=device)
+        return torch.cat([kept, rest], dim=1)
 
     def fail(self, key: Tensor) -> None:
         """Count the step of ``key`` as not taken (its call failed after claiming it):
@@ -253,10 +249,7 @@ class DecodingLayer(CacheLayerMixin):
                            None if key_valid is None else key_valid[:, :stay])
             self.state = state
             if self.valid is not None:  # up to the last padded position that stays
-                kept = self.valid[:, : state.length]
-                padded = (~kept).any(dim=0).nonzero()
-                self.valid = kept[:, : int(padded[-1]) + 1].contiguous() if len(padded) \
-                    else None
+                self.valid = _up_to_last_padding(self.valid[:, : state.length])
         if self.keys is not None:
             self.keys = self.keys[..., : self.keys.shape[-2] - remove, :]
             self.values = self.values[..., : self.values.shape[-2] - remove, :]
@@ -276,6 +269,13 @@ class DecodingLayer(CacheLayerMixin):
             if t is not None:
                 total += t.numel() * t.element_size()
         return total
+
+
+def _up_to_last_padding(valid: Tensor) -> Tensor | None:
+    """``valid [B, p]`` cut just past its last padded position (the positions after it
+    are real), or None where every position is real."""
+    padded = (~valid).any(dim=0).nonzero()
+    return valid[:, : int(padded[-1]) + 1].contiguous() if len(padded) else None
 
 
 class DecodingCache(Cache):
