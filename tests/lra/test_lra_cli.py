@@ -112,6 +112,8 @@ def test_user_errors_are_one_line(tmp_path, capsys):
         (["lra", "prepare", "listops", "--src", str(tmp_path / "none")], "does not exist"),
         (["lra", "prepare", "listops", "--src", str(tmp_path), "--dev-fraction", "0.1"],
          "--dev-fraction do(es) not apply to listops"),
+        (["lra", "prepare", "text", "--src", str(tmp_path), "--listops-tokens", "reference"],
+         "--listops-tokens do(es) not apply to text"),
         (["lra", "train", "image", "--cache", str(tmp_path)], "lra prepare image"),
         (["lra", "train", "listops", "--attn", "nope", "--cache", str(tmp_path)],
          "unknown attention method 'nope'"),

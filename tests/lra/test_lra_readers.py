@@ -38,6 +38,27 @@ def test_listops_tokens_drop_parentheses_and_keep_targets(tmp_path):
     assert data.splits["test"].lengths[0, 0] == 1  # a bare digit is a valid tree
 
 
+def test_listops_reference_tokens_drop_closing_brackets_and_are_recorded(tmp_path):
+    """The pipeline of the Skyformer code split on non-word characters: operators and
+    digits only (14 ids), and the cache says which tokens it holds."""
+    make_listops_release(tmp_path / "src")
+    lra = load_cache(prepare("listops", tmp_path / "src", tmp_path / "a").parent, "listops")
+    ref = load_cache(prepare("listops", tmp_path / "src", tmp_path / "b", tokens="reference"
+                             ).parent, "listops")
+    assert "tokens" not in lra.meta and ref.meta["tokens"] == "reference"
+    for split in ("train", "dev", "test"):
+        for i in range(len(lra.splits[split])):
+            kept = [t for t in _tokens(lra.splits[split], i).tolist() if t != LISTOPS_IDS["]"]]
+            assert _tokens(ref.splits[split], i).tolist() == kept
+    assert _tokens(ref.splits["train"], 0).tolist() == [LISTOPS_IDS[t] for t in ("[MAX", "2", "9")]
+    write_tsv(tmp_path / "src" / "basic_val.tsv", [["( ] )", "2"]], ["Source", "Target"])
+    with pytest.raises(ValueError, match=r"basic_val.tsv line 2: Source \(column 1\) holds no "
+                       r"ListOps token \(parentheses and '\]' do not count\)"):
+        prepare("listops", tmp_path / "src", tmp_path / "c", tokens="reference")
+    with pytest.raises(ValueError, match="ListOps tokens must be one of lra, reference, got 'tf'"):
+        prepare("listops", tmp_path / "src", tmp_path / "c", tokens="tf")
+
+
 def test_listops_errors_name_the_file_and_line(tmp_path):
     make_listops_release(tmp_path / "src")
     write_tsv(tmp_path / "src" / "basic_val.tsv", [["( [MAX 2 FOO ] )", "2"]], ["Source", "Target"])

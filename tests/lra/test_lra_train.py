@@ -346,8 +346,9 @@ def test_resume_refuses_other_prepared_data_with_a_sentence(tmp_path):
         write_listops(tmp_path / f"src{seed}", train=64, dev=16, test=16, rules=TINY_RULES,
                       seed=seed)
 
-    def prepare_from(seed, max_len=8):
-        prepare("listops", tmp_path / f"src{seed}", tmp_path / "cache", max_len=max_len)
+    def prepare_from(seed, max_len=8, **options):
+        prepare("listops", tmp_path / f"src{seed}", tmp_path / "cache", max_len=max_len,
+                **options)
 
     cfg, run = _cfg(steps=4), tmp_path / "run"
     prepare_from(0)
@@ -359,6 +360,9 @@ def test_resume_refuses_other_prepared_data_with_a_sentence(tmp_path):
     prepare_from(0, max_len=10)
     with pytest.raises(ValueError, match=r"max_len: 8 then, 10 now.*again as it was with "
                        r"--max-len 8"):
+        _run(cfg, tmp_path / "cache", run, resume=True)
+    prepare_from(0, tokens="reference")
+    with pytest.raises(ValueError, match=r"meta.json: .*tokens: None then, reference now"):
         _run(cfg, tmp_path / "cache", run, resume=True)
     prepare_from(0)  # the same files prepared again: the run goes on
     assert _run(cfg, tmp_path / "cache", run, resume=True, stop_after=3) is None

@@ -49,6 +49,10 @@ def _prepare_args(p: argparse.ArgumentParser) -> None:
                    "with a difficulty folder as --src, that folder's name or nothing")
     p.add_argument("--split-seed", type=int, default=None,
                    help="text, pathfinder: seed of the dev/test split (default 0)")
+    p.add_argument("--listops-tokens", dest="tokens", choices=("lra", "reference"), default=None,
+                   help="listops: 'lra' (default) keeps operators, digits and ']' as LRA's "
+                   "tokenizer does; 'reference' drops ']' too, as the pipeline of the "
+                   "Skyformer code did")
 
 
 def _generate_args(p: argparse.ArgumentParser) -> None:
@@ -203,17 +207,21 @@ def _run_prepare(args: argparse.Namespace) -> int:
 
     options = {k: v for k, v in (("dev_fraction", args.dev_fraction),
                                  ("difficulty", args.difficulty),
-                                 ("split_seed", args.split_seed)) if v is not None}
-    allowed = {"text": {"dev_fraction", "split_seed"}, "pathfinder": {"difficulty", "split_seed"}}
+                                 ("split_seed", args.split_seed),
+                                 ("tokens", args.tokens)) if v is not None}
+    allowed = {"text": {"dev_fraction", "split_seed"}, "pathfinder": {"difficulty", "split_seed"},
+               "listops": {"tokens"}}
     extra = set(options) - allowed.get(args.task, set())
     if extra:
-        flags = ", ".join("--" + e.replace("_", "-") for e in sorted(extra))
+        flags = ", ".join("--listops-tokens" if e == "tokens" else "--" + e.replace("_", "-")
+                          for e in sorted(extra))
         raise ValueError(f"{flags} do(es) not apply to {args.task}.")
     check_output_path(_cache(args), folder=True)
     folder = prepare(args.task, args.src, _cache(args), max_len=args.max_len, **options)
     meta = json.loads((folder / "meta.json").read_text())
     counts = ", ".join(f"{s} {meta['splits'][s]['count']}" for s in ("train", "dev", "test"))
     print(f"prepared {args.task} in {folder}: {counts}; max length {meta['max_len']}"
+          + (f"; {meta['tokens']} tokens" if "tokens" in meta else "")
           + ("; SYNTHETIC data" if meta.get("synthetic") else ""))
     return 0
 

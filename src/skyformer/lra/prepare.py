@@ -19,7 +19,7 @@ def prepare(task: str, src: str | os.PathLike[str],
     max_len: tokens kept per document (default: the task's LRA length; for Pathfinder
         the number of pixels of its images). Longer documents are truncated.
     options: reader options (Text: ``dev_fraction``, ``split_seed``; Pathfinder:
-        ``difficulty``, ``split_seed``).
+        ``difficulty``, ``split_seed``; ListOps: ``tokens``, ``"lra"`` or ``"reference"``).
     Returns the cache folder.
     """
     spec = get_task(task)

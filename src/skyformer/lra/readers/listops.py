@@ -2,7 +2,8 @@
 
 Source is the nested expression as the LRA generator writes it, e.g.
 ``( ( ( [MAX 2 ) 9 ) ] )``; Target its value 0-9. Tokens as LRA's pipeline keeps
-them (see ``vocab.py``).
+them, or as the earlier pipeline the Skyformer code used did (``tokens="reference"``; see
+``vocab.py``).
 """
 
 from __future__ import annotations
@@ -15,36 +16,46 @@ from typing import Any
 import numpy as np
 
 from ..cache import SplitSource
-from ..vocab import encode_listops
+from ..vocab import check_listops_tokenizer, encode_listops
 from .common import count_rows, empty_document, locate, require_file, tsv_rows
 
 FILES = {"train": "basic_train.tsv", "dev": "basic_val.tsv", "test": "basic_test.tsv"}
 GENERATOR_RECORD = "generator.json"  # written by `skyformer lra generate listops`
 
 
-def _examples(path: Path) -> Iterator[tuple[list[np.ndarray], int]]:
+def _examples(path: Path, tokens: str) -> Iterator[tuple[list[np.ndarray], int]]:
+    dropped = "parentheses" if tokens == "lra" else "parentheses and ']'"
     for number, (source, target) in tsv_rows(path, 2, header="Source"):
         try:
-            tokens = encode_listops(source)
+            ids = encode_listops(source, tokens)
             label = int(target)
         except ValueError as err:
             raise ValueError(f"{path} line {number}: {err}") from None
         if not 0 <= label <= 9:
             raise ValueError(f"{path} line {number}: Target must be a digit 0-9, got {target!r}.")
-        if tokens.size == 0:
+        if ids.size == 0:
             raise empty_document(f"{path} line {number}: Source (column 1) holds no ListOps "
-                                 "token (parentheses do not count)")
-        yield [tokens], label
+                                 f"token ({dropped} do not count)")
+        yield [ids], label
 
 
-def read_listops(src: str | Path) -> tuple[dict[str, SplitSource], dict[str, Any]]:
-    """Split sources and metadata of the ListOps files in ``src`` (or ``src/listops-1000``)."""
+def read_listops(src: str | Path, tokens: str = "lra"
+                 ) -> tuple[dict[str, SplitSource], dict[str, Any]]:
+    """Split sources and metadata of the ListOps files in ``src`` (or ``src/listops-1000``).
+
+    tokens: ``"lra"`` (operators, digits and ``]``) or ``"reference"`` (operators and
+    digits: the pipeline of the Skyformer code). The metadata records a ``"reference"``
+    tokenization, so a run started on one cannot resume on the other.
+    """
+    check_listops_tokenizer(tokens)
     folder = locate(src, FILES["train"], subfolders=("listops-1000", "listops"))
     splits = {}
     for split, name in FILES.items():
         path = require_file(folder / name, f"ListOps {split} split, tab-separated Source, Target")
-        splits[split] = SplitSource(count_rows(path, header="Source"), _examples(path))
+        splits[split] = SplitSource(count_rows(path, header="Source"), _examples(path, tokens))
     meta: dict[str, Any] = {"source": str(folder.resolve())}
+    if tokens != "lra":  # absent for LRA's tokens, as in caches made before the option
+        meta["tokens"] = tokens
     record = folder / GENERATOR_RECORD
     if record.is_file():
         meta["generated"] = json.loads(record.read_text(encoding="utf-8"))
