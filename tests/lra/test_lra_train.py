@@ -463,3 +463,38 @@ def test_an_evaluation_that_fails_leaves_the_model_in_training_mode(monkeypatch)
         evaluation.evaluate(model, [0, 1, 2], batch_size=2, device=torch.device("cpu"),
                             info=DistInfo(), seed=0)
     assert model.training
+
+
+@pytest.mark.parametrize("clip", ["grad_clip", "grad_clip_value"])
+def test_gradients_are_clipped_before_the_optimizer_step(listops_cache, tmp_path, monkeypatch,
+                                                          clip):
+    """grad_clip bounds the norm of all gradients, grad_clip_value each entry (as the
+    reference code's clip at 1), both on the unscaled gradients, before AdamW steps."""
+    seen = []
+    step = torch.optim.AdamW.step
+
+    def record(self, *args, **kwargs):
+        grads = [p.grad for group in self.param_groups for p in group["params"]
+                 if p.grad is not None]
+        seen.append((torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item(),
+                     max(g.abs().max().item() for g in grads)))
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", record)
+    _run(_cfg(steps=2, eval_every=2, **{clip: 1e-3}), listops_cache, tmp_path / "clipped")
+    norm, largest = seen[-1]
+    if clip == "grad_clip":
+        assert norm == pytest.approx(1e-3, rel=1e-4)
+    else:
+        assert largest == pytest.approx(1e-3) and norm > 1e-3
+    seen.clear()
+    _run(_cfg(steps=2, eval_every=2), listops_cache, tmp_path / "free")
+    assert seen[-1][1] > 1e-2, "without clipping, the gradients are larger than the bound"
+
+
+def test_two_ways_to_clip_are_refused_together():
+    with pytest.raises(ValueError, match=r"grad_clip .* and grad_clip_value .* are both set; give "
+                       r"one way to clip gradients"):
+        _cfg(grad_clip=1.0, grad_clip_value=1.0)
+    with pytest.raises(ValueError, match="grad_clip_value must be positive or None, got 0"):
+        _cfg(grad_clip_value=0)

@@ -106,7 +106,12 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--patience", type=int, default=None,
                    help="stop after this many evaluations without dev improvement")
     p.add_argument("--grad-accum", type=int, default=None)
-    p.add_argument("--grad-clip", type=float, default=None)
+    clip = p.add_mutually_exclusive_group()
+    clip.add_argument("--grad-clip", type=float, default=None,
+                      help="clip the gradient norm to this value (default: no clipping)")
+    clip.add_argument("--grad-clip-value", type=float, default=None,
+                      help="clip each gradient entry to [-V, V], as the reference code does "
+                      "with V = 1")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
                    help="autocast dtype (fp16 needs CUDA)")
     p.add_argument("--dropout", type=float, default=None)
@@ -260,7 +265,8 @@ def _run_train(args: argparse.Namespace) -> int:
         seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
         warmup=args.warmup, weight_decay=args.weight_decay, eval_every=args.eval_every,
         eval_batches=args.eval_batches, patience=args.patience, grad_accum=args.grad_accum,
-        grad_clip=args.grad_clip, precision=args.precision, dropout=args.dropout,
+        grad_clip=args.grad_clip, grad_clip_value=args.grad_clip_value,
+        precision=args.precision, dropout=args.dropout,
         dim=args.dim, hidden=args.hidden, heads=args.heads, layers=args.layers,
         max_len=args.max_len, log_every=args.log_every, checkpoint_every=args.checkpoint_every,
     )

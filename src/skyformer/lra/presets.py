@@ -32,6 +32,9 @@ class TrainConfig:
     split); the final test evaluation always covers the whole test split.
     max_len: tokens per document used for training (None = the prepared length;
     smaller values truncate).
+    grad_clip: largest gradient norm (``clip_grad_norm_``); grad_clip_value: largest
+    absolute gradient entry (``clip_grad_value_``, as the reference code clips at 1).
+    At most one of them is set.
     """
 
     task: str
@@ -48,6 +51,7 @@ class TrainConfig:
     patience: int | None = None
     grad_accum: int = 1
     grad_clip: float | None = None
+    grad_clip_value: float | None = None
     precision: str = "fp32"
     dim: int = 64
     hidden: int = 128
@@ -86,8 +90,13 @@ class TrainConfig:
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             raise ValueError(f"weight_decay must be a finite number >= 0, got "
                              f"{self.weight_decay!r}.")
-        if self.grad_clip is not None and not self.grad_clip > 0:
-            raise ValueError(f"grad_clip must be positive or None, got {self.grad_clip!r}.")
+        for name in ("grad_clip", "grad_clip_value"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:  # inf: no clipping (NaN is refused)
+                raise ValueError(f"{name} must be positive or None, got {value!r}.")
+        if self.grad_clip is not None and self.grad_clip_value is not None:
+            raise ValueError("grad_clip (the norm) and grad_clip_value (each entry) are both "
+                             "set; give one way to clip gradients.")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got "
                              f"{self.precision!r}.")

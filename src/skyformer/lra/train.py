@@ -421,9 +421,12 @@ class Trainer:
         lr = learning_rate(state.step, cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        if cfg.grad_clip is not None:
+        if cfg.grad_clip is not None or cfg.grad_clip_value is not None:
             self.scaler.unscale_(self.optimizer)
+        if cfg.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        if cfg.grad_clip_value is not None:
+            torch.nn.utils.clip_grad_value_(self.model.parameters(), cfg.grad_clip_value)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
