@@ -66,15 +66,12 @@ def draws_for(target, q, k, v, mask, seed, num_features, window, clusters=None, 
                                 query_valid=info.query_valid, key_valid=info.key_valid)
         buckets = (blocks.q_block, blocks.k_block)
     assignment = kmeans_clusters(
-        q.detach() * scale, min(c, nq), valid=info.query_valid, scores=draws.query_scores,
+        q.detach() * scale, min(c, nq), valid=info.query_valid, keys=draws.query_keys,
         iterations=MultipoleOptions.kmeans_iterations, sample=MultipoleOptions.kmeans_sample,
     ).assignment
     sample = None
     if tilt_sample is not None:
-        key_scores = draws.key_scores
-        if mask is not None:
-            key_scores = key_scores.masked_fill(~mask, 2.0)
-        sample = key_scores.argsort(dim=1)[:, :tilt_sample]
+        sample = draws.key_keys.argsort(dim=1)[:, :tilt_sample]  # padded keys sort last
     return assignment, sample, buckets
 
 
@@ -297,8 +294,8 @@ def test_tolerance_picks_a_rung_of_the_ladder_and_returns_its_output(method):
     q, k, v = structured_qkv()
     exact = (softmax_attention if method == "softmax_multipole" else kernelized_attention)(q, k, v)
     info = check_attention_inputs(q, k, v, None, method="test")
-    scores = draw(q, k, MultipoleOptions(), gen(1), info, probes=True).probe_scores
-    probes = scores[0].argsort()[:16]
+    keys = draw(q, k, MultipoleOptions(), gen(1), info, probes=True).probe_keys
+    probes = keys[0].argsort()[:16]
     others = torch.ones(160, dtype=torch.bool)
     others[probes] = False
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from skyformer.sketch.kmeans import _means_index_add, _means_one_hot, kmeans_clusters
+from skyformer.sketch.landmarks import selection_keys
 from skyformer.sketch.rng import random_key, row_uniform, stream
 from tests.conftest import gen
 
@@ -46,6 +47,22 @@ def test_right_padding_equals_truncation_and_padded_rows_take_no_part():
     assert torch.equal(padded.assignment[..., :21], truncated.assignment)
     torch.testing.assert_close(padded.centres, truncated.centres, rtol=1e-12, atol=1e-12)
     assert torch.equal(padded.sizes, truncated.sizes)
+
+
+def test_tied_scores_break_by_rank_so_padding_still_equals_truncation():
+    # a key whose 24-bit scores for these 64 rows hold a tie among the initial centres:
+    # the order of the tied rows must not depend on the padded width
+    key = torch.tensor([109758, 12345])
+    scores = row_uniform(stream(key, "kmeans"), None, 1, 64)
+    assert scores.unique().numel() < 64
+    x = torch.randn(1, 1, 104, 4, generator=gen(0), dtype=torch.float64)
+    mask = torch.zeros(1, 104, dtype=torch.bool)
+    mask[:, :64] = True
+    padded = kmeans_clusters(x, 8, valid=mask, generator=key, iterations=3)
+    truncated = kmeans_clusters(x[:, :, :64], 8, generator=key, iterations=3)
+    assert torch.equal(padded.assignment[..., :64], truncated.assignment)
+    keys = selection_keys(stream(key, "kmeans"), None, 1, 64)
+    assert keys.unique().numel() == 64
 
 
 def test_per_head_budgets_and_more_clusters_than_rows():

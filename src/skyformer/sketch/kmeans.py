@@ -4,10 +4,13 @@ Lloyd's algorithm (Lloyd 1982) run on a uniform sub-sample of the valid rows, th
 assignment of every row to its nearest centre. Costs: ``iterations * s * c * D`` for the
 sub-sample of ``s`` rows and ``N * c * D`` for the final assignment, i.e. O(N c D).
 
-Randomness: one ``[B, N]`` uniform draw from the generator. The valid rows with the
-smallest scores form the sub-sample (in score order) and its first ``c`` rows are the
-initial centres, so for a batch of one, right padding draws the same clusters as
-truncation. Heads share the draw, batch elements never interact.
+Randomness: one selection key per row (``landmarks.selection_keys``: a uniform score
+indexed by the batch element and the row's rank among the valid rows, that rank as
+tie-break). The valid rows with the smallest keys form the sub-sample (in key order)
+and its first ``c`` rows are the initial centres. The keys are distinct, so neither
+the sub-sample nor its order is left to how a sort breaks ties, and padding anywhere
+draws the clusters that truncation draws. Heads share the draw, batch elements never
+interact.
 
 Gradients: the assignments are piecewise constant and carry no gradient; the returned
 centres are the means of their members' rows *with* gradient (as Nystromformer's
@@ -21,9 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .rng import random_key, row_uniform, stream
-
-_OUT_OF_REACH = 2.0  # uniform scores lie in [0, 1)
+from .landmarks import PADDED_KEY, selection_keys, smallest_keys
+from .rng import random_key, stream
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,7 @@ def kmeans_clusters(
     iterations: int = 10,
     sample: int | None = None,
     live_clusters: Tensor | None = None,
-    scores: Tensor | None = None,
+    keys: Tensor | None = None,
 ) -> Clusters:
     """Cluster the rows of ``x`` with k-means.
 
@@ -120,20 +122,18 @@ def kmeans_clusters(
         sample: sub-sample size (``None`` = every valid row).
         live_clusters: ``[B, H]`` long, optional per-head number of centres <= c
             (slots beyond it stay empty), used to give heads different budgets.
-        scores: ``[B, N]`` uniform scores drawn by the caller (then ``generator`` is
-            unused), for callers that draw all their randomness at once.
+        keys: ``[B, N]`` int64 selection keys drawn by the caller
+            (``landmarks.selection_keys``; then ``generator`` is unused), for callers
+            that draw all their randomness at once.
     Returns:
         ``Clusters``; ``centres`` are differentiable member means.
     """
     b, h, n, d = x.shape
-    if scores is None:
-        key = stream(random_key(generator, x.device), "kmeans")
-        scores = row_uniform(key, valid, b, n)
-    if valid is not None:
-        scores = scores.masked_fill(~valid, _OUT_OF_REACH)
+    if keys is None:
+        keys = selection_keys(stream(random_key(generator, x.device), "kmeans"), valid, b, n)
     s = n if sample is None else max(min(sample, n), min(num_clusters, n))
-    picked, index = scores.topk(s, dim=1, largest=False, sorted=True)  # [B, s]
-    sample_live = picked < _OUT_OF_REACH  # [B, s]
+    index, picked = smallest_keys(keys, s)  # [B, s]
+    sample_live = picked < PADDED_KEY  # [B, s]
     c = num_clusters
     with torch.no_grad():
         xs = x.detach().gather(2, index[:, None, :, None].expand(b, h, s, d))  # [B, H, s, D]

@@ -58,7 +58,8 @@ from ...linalg import gather_rows
 from ...linalg.rows import permute_rows
 from ...sketch.angular_lsh import draw_hyperplanes
 from ...sketch.kmeans import kmeans_clusters
-from ...sketch.rng import random_key, row_uniform, stream
+from ...sketch.landmarks import selection_keys, smallest_keys
+from ...sketch.rng import random_key, stream
 from ..shared.inputs import AttentionInputs
 from .exact_blocks import exact_blocks_part, lsh_blocks, window_blocks
 from .far_field import FarField, far_field, value_basis
@@ -76,13 +77,15 @@ _ROUNDING_MARGIN = 16
 class Draws:
     """All the randomness of one call."""
 
-    query_scores: Tensor  # [B, Nq] uniform, by rank among real queries: k-means
-    key_scores: Tensor  # [B, Nk] uniform, by rank among real keys: covariance sample
+    # selection keys (``landmarks.selection_keys``: distinct, by rank among real rows,
+    # padded rows above every real one); a sample is the rows of smallest keys
+    query_keys: Tensor  # [B, Nq] int64: k-means
+    key_keys: Tensor  # [B, Nk] int64: covariance sample
     hyperplanes: Tensor | None  # [B, H, D, r] LSH normals (None without LSH buckets)
-    # [B, Nq] uniform, by rank among real queries, a stream of its own: the rows that
-    # ``tolerance`` checks exactly (k-means starts from the lowest query_scores, where
-    # the approximation is better than on a typical row; None unless asked for)
-    probe_scores: Tensor | None = None
+    # [B, Nq] int64, a stream of its own: the rows that ``tolerance`` checks exactly
+    # (k-means starts from the smallest query_keys, where the approximation is better
+    # than on a typical row; None unless asked for)
+    probe_keys: Tensor | None = None
 
 
 def draw(
@@ -99,10 +102,10 @@ def draw(
         planes = draw_hyperplanes((b, h), d, options.lsh_hyperplanes, device=q.device,
                                   dtype=q.dtype, generator=key)
     return Draws(
-        row_uniform(stream(key, "multipole/queries"), info.query_valid, b, nq),
-        row_uniform(stream(key, "multipole/keys"), info.key_valid, b, k.shape[2]),
+        selection_keys(stream(key, "multipole/queries"), info.query_valid, b, nq),
+        selection_keys(stream(key, "multipole/keys"), info.key_valid, b, k.shape[2]),
         planes,
-        row_uniform(stream(key, "multipole/probes"), info.query_valid, b, nq) if probes
+        selection_keys(stream(key, "multipole/probes"), info.query_valid, b, nq) if probes
         else None,
     )
 
@@ -158,10 +161,7 @@ def _tilt_sample(draws: Draws, info: AttentionInputs, options: MultipoleOptions,
     nk = info.key_len
     if not rank or options.tilt_sample is None or options.tilt_sample >= nk:
         return None
-    key_scores = draws.key_scores
-    if info.key_valid is not None:
-        key_scores = key_scores.masked_fill(~info.key_valid, 2.0)  # uniform scores < 1
-    return key_scores.topk(options.tilt_sample, dim=1, largest=False, sorted=False).indices
+    return smallest_keys(draws.key_keys, options.tilt_sample)[0]
 
 
 def _blocked_terms(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, z: Tensor,
@@ -259,7 +259,7 @@ def multipole_sums(
         draws = draw(q, k, options, generator, info)
     clusters = kmeans_clusters(
         q, min(c, nq), valid=info.query_valid, iterations=options.kmeans_iterations,
-        sample=options.kmeans_sample, scores=draws.query_scores,
+        sample=options.kmeans_sample, keys=draws.query_keys,
     )
     z, a = clusters.centres, clusters.assignment
     near = _near_keys(z, k, key_bias, t)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ...sketch.landmarks import PADDED_KEY, smallest_keys
 from ..shared.inputs import AttentionInputs
 from .options import MultipoleOptions
 from .sums import PartialSums, draw, multipole_sums
@@ -78,11 +79,9 @@ def targeted_multipole(
     """
     b, h, nq, d = q.shape
     draws = draw(q, k, options, generator, info, probes=True)
-    probe_scores = draws.probe_scores
-    if info.query_valid is not None:
-        probe_scores = probe_scores.masked_fill(~info.query_valid, 2.0)  # uniform scores < 1
-    picked, probe_index = probe_scores.topk(min(probe, nq), dim=1, largest=False)  # [B, P]
-    probe_live = (picked < 2.0)[:, None, :, None]  # [B, 1, P, 1]
+    assert draws.probe_keys is not None
+    probe_index, picked = smallest_keys(draws.probe_keys, probe)  # [B, P]
+    probe_live = (picked < PADDED_KEY)[:, None, :, None]  # [B, 1, P, 1]
     index = probe_index[:, None, :, None]
     q_probe = q.gather(2, index.expand(b, h, -1, d))
     exact = finish(exact_rows(q_probe, k, v, key_bias), q_probe) * probe_live  # [B, H, P, Dv]
