@@ -280,6 +280,22 @@ def test_func_vmap_equals_loop(method, matrix):
     torch.testing.assert_close(torch.func.vmap(f)(qs), torch.stack([f(x) for x in qs]))
 
 
+@pytest.mark.parametrize(
+    "method", [m for m in METHODS if get_method(m).capabilities.randomized])
+def test_func_vmap_over_random_keys_equals_loop(method, matrix):
+    """Several draws of a randomised method in one call: ``vmap`` over a stack of keys
+    ``[R, 2]`` (the k-means of the adaptive and multipole methods sums into slots)."""
+    matrix("func.vmap keys", method)
+    q, k, v = make_qkv(2, 2, 16, 8)
+    mask = padded(2, 16, 12)
+    keys = torch.stack([random_key(seed) for seed in range(3)])
+
+    def f(key):
+        return call(method, q, k, v, mask, key=key)
+
+    torch.testing.assert_close(torch.func.vmap(f)(keys), torch.stack([f(key) for key in keys]))
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_func_jvp_agrees_with_reverse_mode(method, matrix):
     """<u, J t> by ``torch.func.jvp`` equals <J^T u, t> by autograd for tangents of q,

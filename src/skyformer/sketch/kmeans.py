@@ -73,11 +73,13 @@ def _means_index_add(
     b, h, _, d = x.shape
     slots = torch.arange(b * h, device=x.device).view(b, h, 1) * count
     flat = (assignment + slots).reshape(-1)
+    # out of place: under vmap over random keys the assignment is batched and the zeros
+    # are not, and an in-place add cannot write a batch into an unbatched tensor
     if weight is None:  # every row counts once: skip the product by ones (and its backward)
-        sizes = x.new_zeros(b * h * count).index_add_(0, flat, x.new_ones(flat.shape))
+        sizes = x.new_zeros(b * h * count).index_add(0, flat, x.new_ones(flat.shape))
         rows = x.reshape(-1, d)
     else:
-        sizes = x.new_zeros(b * h * count).index_add_(0, flat, weight.reshape(-1))
+        sizes = x.new_zeros(b * h * count).index_add(0, flat, weight.reshape(-1))
         rows = (x * weight[..., None]).reshape(-1, d)
     sums = x.new_zeros(b * h * count, d).index_add(0, flat, rows)
     sizes = sizes.view(b, h, count)
