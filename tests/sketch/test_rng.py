@@ -38,6 +38,13 @@ def test_a_key_from_anything_else_is_refused_in_a_sentence(source):
         random_key(source)
 
 
+@pytest.mark.parametrize("seed", [-1, 2**64])
+def test_an_int_seed_outside_64_bits_is_refused_rather_than_wrapped(seed):
+    # -1 and 2^64 would otherwise name the streams of 2^64 - 1 and 0
+    with pytest.raises(ValueError, match=r"seed must be an integer from 0 to 2\^64 - 1"):
+        random_key(seed)
+
+
 def test_streams_and_folded_keys_are_independent():
     key = random_key(gen(0))
     a, b = uniform(stream(key, "a"), (20000,)), uniform(stream(key, "b"), (20000,))

@@ -28,6 +28,8 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from ..seeds import check_seed
+
 _MASK = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9  # 2^32 / golden ratio: spreads consecutive indices
 UNIFORM_SALT = 0x68E31DA4  # the salt of the (high) bits behind a uniform number
@@ -46,13 +48,15 @@ def _mix(x: Tensor) -> Tensor:
 
 def random_key(source: torch.Generator | Tensor | int | None = None,
                device: torch.device | str = "cpu") -> Tensor:
-    """A key ``[2]`` (int64 on ``device``) from a generator (one draw), an int seed, an
+    """A key ``[2]`` (int64 on ``device``) from a generator (one draw), an int seed in
+    [0, 2^64) (as ``torch.Generator.manual_seed`` takes), an
     existing key (returned on ``device``) or ``None`` (one draw of torch's global
     generator)."""
     if isinstance(source, Tensor):
         check_key(source)
         return source.to(device)
     if isinstance(source, int) and not isinstance(source, bool):
+        check_seed("a random key's seed", source)
         lo, hi = torch.tensor(source & _MASK), torch.tensor((source >> 32) & _MASK)
         return fold_in(torch.stack([_mix(lo ^ 0x5BD1E995), _mix(hi ^ 0x27D4EB2F)]), lo
                        ).to(device)
