@@ -238,6 +238,14 @@ def check_errors(rank: int, world: int) -> None:
     finally:
         forms.skyformer_from_core = original
     assert seen == ["torch"], seen
+    for variant, method, options in (("linear[eps=0.0]", "linear", {"eps": 0.0}),
+                                     ("skyformer[num_features=4]", "skyformer",
+                                      {"num_features": 4})):  # as the method with options
+        g = torch.Generator()
+        torch.testing.assert_close(
+            sequence_parallel_attention(q, k, v, variant, generator=g.manual_seed(1)),
+            sequence_parallel_attention(q, k, v, method, generator=g.manual_seed(1), **options),
+            rtol=0, atol=0, msg=variant)
     wide = torch.cat([q, q], dim=-1) if rank == 1 else q
     raises("same batch size B, heads H, head dims D and Dv", wide, k if rank == 0 else wide,
            v)

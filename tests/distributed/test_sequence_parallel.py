@@ -80,6 +80,13 @@ def test_without_an_initialised_group_the_call_says_so():
     # a bad method or option says so itself (nobody waits without a group)
     with pytest.raises(ValueError, match="softmax cannot run sequence parallel"):
         sequence_parallel_attention(q, q, q, "softmax")
+    # a variant runs, or is refused, as its method is
+    with pytest.raises(ValueError, match=r"softmax\[scale=0\.5\] cannot run sequence "
+                                         r"parallel: exact attention needs every key"):
+        sequence_parallel_attention(q, q, q, "softmax[scale=0.5]")
+    layer = skyformer.MultiHeadAttention(8, 2, "skyformer[num_features=4]",
+                                         process_group=object())
+    assert layer.bound.config.num_features == 4
     with pytest.raises(ValueError, match="num_features"):
         sequence_parallel_attention(q, q, q, "skyformer", num_features=0)
 

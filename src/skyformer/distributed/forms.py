@@ -126,12 +126,13 @@ _WHY_NOT = {
 
 
 def form_of(method: str) -> Form:
-    """The sequence-parallel form of ``method``, or a sentence saying why there is none
-    (for a name that is no method, the registry's sentence listing the methods)."""
-    get_method(method)
-    if method in FORMS:
-        return FORMS[method]
-    reason = _WHY_NOT.get(method, "its keys enter through more than sums of a size "
+    """The sequence-parallel form of ``method`` (a variant's: its method's), or a sentence
+    saying why there is none (for a name that is no method, the registry's sentence
+    listing the methods)."""
+    base = get_method(method).base_name
+    if base in FORMS:
+        return FORMS[base]
+    reason = _WHY_NOT.get(base, "its keys enter through more than sums of a size "
                           "independent of N (sparse patterns, hashing or clustering need "
                           "the other shards' keys themselves)")
     raise ValueError(f"{method} cannot run sequence parallel: {reason}; methods that can: "
