@@ -414,8 +414,9 @@ def check_layer_2d(rank: int, world: int) -> None:
         out = reference(xs[d], mask[d], generator=torch.Generator().manual_seed(5))
         ((out * weights[d]).sum() / 2).backward()  # the mean over the data groups
     with count_communication() as traffic:
-        out = layer(xs[data][:, mine], mask[data][:, mine],
-                    generator=torch.Generator().manual_seed(5))
+        with count_communication() as forward:  # nested: each block counts its own calls
+            out = layer(xs[data][:, mine], mask[data][:, mine],
+                        generator=torch.Generator().manual_seed(5))
         (out * weights[data][:, mine]).sum().backward()
     sum_gradients(layer, divide_by=2)
     expected = reference(xs[data], mask[data], generator=torch.Generator().manual_seed(5))
@@ -423,6 +424,8 @@ def check_layer_2d(rank: int, world: int) -> None:
     for (name, a), b in zip(layer.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, **TOL, msg=name)
     assert 0 < traffic.bytes < 10_000, traffic.calls
+    assert traffic.calls[:len(forward.calls)] == forward.calls, (forward.calls, traffic.calls)
+    assert 0 < forward.bytes < traffic.bytes, (forward.calls, traffic.calls)
 
 
 def check_gradients_present_on_some_ranks(rank: int, world: int) -> None:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: nested blocks' counters may hold equal calls
 class Traffic:
     """Payload bytes each rank contributed to collectives, by kind: ``all_reduce``
     counts the tensor reduced (a ring all-reduce moves 2 (P-1)/P times that per rank),
@@ -47,7 +47,8 @@ _COUNTERS: list[Traffic] = []
 @contextmanager
 def count_communication() -> Iterator[Traffic]:
     """Count the collectives of sequence-parallel attention made inside the block
-    (forward and backward passes alike)::
+    (forward and backward passes alike; a nested block counts its own calls, which the
+    outer one counts too)::
 
         with count_communication() as traffic:
             loss = layer(x_shard).sum(); loss.backward()
