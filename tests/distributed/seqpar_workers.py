@@ -176,22 +176,43 @@ def _hessian_vector(attention: Callable[..., torch.Tensor], method: str, options
                                                                   strict=True)), leaves)
 
 
+def _forward_over_reverse(attention: Callable[..., torch.Tensor], method: str, options: dict,
+                          mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
+                          v: torch.Tensor, g: torch.Tensor, directions: tuple[torch.Tensor, ...]
+                          ) -> tuple[torch.Tensor, ...]:
+    """H t for the loss sum(out * g) in (q, k, v), by ``torch.func.jvp`` of
+    ``torch.func.grad`` (each rank's loss its part of the whole sequence's)."""
+    def loss(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return (attention(q, k, v, method, key_padding_mask=mask,
+                          generator=torch.Generator().manual_seed(7), **options) * g).sum()
+    return torch.func.jvp(torch.func.grad(loss, argnums=(0, 1, 2)), (q, k, v), directions)[1]
+
+
 def _check_double_backward(method: str, options: dict, q: torch.Tensor, k: torch.Tensor,
                            v: torch.Tensor, g: torch.Tensor, mask: torch.Tensor | None,
                            mine: slice) -> None:
-    """Reverse over reverse across the ranks equals one process's Hessian-vector
-    product, or is refused on every rank as it is in one process (the fused backward
-    passes of the Nystrom methods)."""
+    """Forward over reverse across the ranks equals one process's Hessian-vector
+    product for every method; reverse over reverse equals it too, or is refused on
+    every rank as it is in one process (the fused backward passes of the Nystrom
+    methods)."""
     directions = inputs(q.shape[2], seed=2)[:3]
     local = (None if mask is None else mask[:, mine], *(t[:, :, mine] for t in (q, k, v, g)),
              tuple(t[:, :, mine] for t in directions))
+    want = _forward_over_reverse(skyformer.attention, method, options, mask, q, k, v, g,
+                                 directions)
+    got = _forward_over_reverse(sequence_parallel_attention, method, options, *local)
+    for name, a, b in zip("qkv", got, want, strict=True):
+        torch.testing.assert_close(a, b[:, :, mine], **TOL,
+                                   msg=f"{method} forward over reverse, {name}")
     results = []
     for attention, args in ((skyformer.attention, (mask, q, k, v, g, directions)),
                             (sequence_parallel_attention, local)):
         try:
             results.append(_hessian_vector(attention, method, options, *args))
         except RuntimeError as error:
+            # the way that works across processes too
             assert "not differentiable" in str(error), str(error)
+            assert "across processes" in str(error), str(error)
             results.append(None)
     want, got = results
     if want is None or got is None:
@@ -253,6 +274,13 @@ def check_errors(rank: int, world: int) -> None:
     raises("must have shape [B, H, N, D]" if rank == 1 else "rejected their inputs",
            flat, k, v)
     raises("q and k must be shards of one sequence", q, k[:, :, :2], v[:, :, :2])
+    for transform in (torch.func.jacfwd, torch.func.jacrev, torch.func.hessian):
+        try:  # each rank would map over its own keys' directions
+            transform(lambda k: sequence_parallel_attention(q, k, v, "linear").sum())(k)
+        except RuntimeError as error:
+            assert "torch.func.jvp of torch.func.grad" in str(error), str(error)
+        else:
+            raise AssertionError(f"{transform.__name__} ran across processes")
     skyformer.distributed.sequence_parallel_attention(q, k, v)  # the group still works
 
 

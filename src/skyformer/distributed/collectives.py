@@ -4,7 +4,9 @@ and counted: every payload sent goes through here, so its bytes can be measured.
 ``all_reduce_sum`` is differentiable: with y = sum_r x_r on every rank and each rank's
 loss L_r computed from its copy of y, dL/dx_r = sum_r' dL_r'/dy, an all-reduce of the
 gradients (``AllReduceSum.backward``), itself differentiable the same way, so that
-second derivatives by reverse over reverse cross the ranks too. The autograd engine
+second derivatives by reverse over reverse cross the ranks too; forward mode
+(``jvp``) all-reduces the tangents. ``vmap`` (``jacfwd``, ``jacrev``, ``hessian``) is
+refused: each rank would map over directions of its own shard. The autograd engine
 runs the backward passes of identical graphs in the same order on every rank, so the
 backward collectives match up.
 ``all_reduce_max`` and ``all_gather`` carry constants (shifts, shapes, landmark keys).
@@ -95,7 +97,25 @@ class AllReduceSum(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, tangent: Tensor, _: Any) -> Tensor:
-        return _reduce(tangent, dist.ReduceOp.SUM, ctx.group)
+        # Through this Function too: tangents batched by jacfwd or hessian then reach
+        # ``vmap`` below and its sentence, not the collective's missing batching rule.
+        return AllReduceSum.apply(tangent, ctx.group)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, x: Tensor, group: Any) -> tuple[Tensor, int]:
+        # Under jacfwd, jacrev and hessian each rank maps over the directions of its own
+        # shard (as many as its rows); summing the ranks' i-th ones would add unrelated
+        # directions, and shards of different lengths would not even agree on the count.
+        raise RuntimeError(_NO_VMAP)
+
+
+_NO_VMAP = (
+    "sequence-parallel attention cannot run under torch.func.vmap where the mapped tensors "
+    "reach the sums across ranks (as in jacfwd, jacrev and hessian): each rank would map "
+    "over directions of its own shard, which the sums would mix. Across processes use "
+    "torch.func.jvp (each rank passing its shard of one tangent of the whole sequence), "
+    "torch.func.grad, and torch.func.jvp of torch.func.grad for Hessian-vector products; "
+    "or take Jacobians in one process.")
 
 
 def all_reduce_sum(x: Tensor, group: Any) -> Tensor:

@@ -133,8 +133,9 @@ _NOT_DIFFERENTIABLE = (
     "skyformer: this attention's fused backward pass is not differentiable "
     "(create_graph=True, as torch.autograd.functional.hessian / hvp use, or "
     "torch.func.jacrev of a reverse-mode derivative). For second derivatives use "
-    "forward-over-reverse: torch.func.hessian, or torch.func.jvp of torch.func.grad; "
-    "they take plain differentiable operators.")
+    "forward-over-reverse, which takes plain differentiable operators: torch.func.jvp of "
+    "torch.func.grad (Hessian-vector products, in one process or across processes with "
+    "sequence_parallel_attention), or torch.func.hessian (in one process).")
 
 
 _NESTED_LEGACY_BATCH = (
