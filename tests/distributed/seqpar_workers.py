@@ -459,7 +459,9 @@ def check_layer_2d(rank: int, world: int) -> None:
 def check_gradients_present_on_some_ranks(rank: int, world: int) -> None:
     """A head used on rank 0 only, one used on rank 1 only (same shapes, so the flat
     sizes agreed and the two were added together), one used nowhere: the sum counts a
-    missing gradient as zero, and a parameter without a gradient anywhere stays None."""
+    missing gradient as zero, and a parameter without a gradient anywhere stays None.
+    A rank whose attention rows are not in the loss backpropagates them with weight zero,
+    and the gradients are one process's."""
     torch.manual_seed(0)
     model = torch.nn.ModuleDict({name: torch.nn.Linear(2, 1, bias=False)
                                  for name in ("first", "second", "unused")})
@@ -469,3 +471,13 @@ def check_gradients_present_on_some_ranks(rank: int, world: int) -> None:
     torch.testing.assert_close(model["first"].weight.grad, torch.tensor([[1.0, 1.0]]))
     torch.testing.assert_close(model["second"].weight.grad, torch.tensor([[2.0, 2.0]]))
     assert model["unused"].weight.grad is None
+    # a rank whose rows are not in the loss joins the backward pass with 0 * out.sum()
+    q, k, v, _ = inputs(4 * world)
+    mine = slice(4 * rank, 4 * rank + 4)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    skyformer.attention(*full, "linear")[:, :, :4].sum().backward()  # rank 0's rows only
+    part = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
+    out = sequence_parallel_attention(*part, "linear")
+    (out.sum() if rank == 0 else 0 * out.sum()).backward()
+    for name, a, b in zip("qkv", part, full, strict=True):
+        torch.testing.assert_close(a.grad, b.grad[:, :, mine], **TOL, msg=name)

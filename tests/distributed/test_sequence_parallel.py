@@ -67,7 +67,7 @@ def test_layer_runs_data_by_sequence_parallel():
     spawn(4, check_layer_2d)
 
 
-def test_sum_gradients_counts_a_gradient_missing_on_some_ranks_as_zero():
+def test_gradients_missing_on_some_ranks_count_as_zero_and_zero_weighted_rows_join():
     spawn(2, check_gradients_present_on_some_ranks)
 
 

@@ -40,7 +40,9 @@ def sequence_parallel_attention(
 
     Equal, for the same generator seed, to ``skyformer.attention`` on the whole
     sequence (the concatenation of the shards in rank order), up to the order of
-    floating-point sums; so are the gradients. Every rank of the group must call it.
+    floating-point sums; so are the gradients. Every rank of the group must call it,
+    and backpropagate through its output when any rank does (the backward pass
+    all-reduces too; a rank whose rows are not in the loss adds ``0 * out.sum()``).
 
     Args:
         q, k, v: this rank's shard ``[B, H, N_r, D]`` (``v``: ``[B, H, N_r, Dv]``) of the
