@@ -539,3 +539,22 @@ def test_from_pretrained_takes_a_variant_name(tmp_path):
     same = shf.set_attention(tiny_bert(), "nystrom_softmax[num_features=8]", seed=0)
     torch.testing.assert_close(loaded(input_ids=ids).last_hidden_state,
                                same(input_ids=ids).last_hidden_state)
+
+
+@pytest.mark.filterwarnings("ignore:.*makes its trainable parameters")  # linformer: said
+@pytest.mark.parametrize("method", ["performer", "linformer"])
+def test_state_made_by_a_first_forward_under_inference_mode_trains_later(method):
+    """A layer's state made in a first forward under torch.inference_mode() (an
+    evaluation before training) is made of ordinary tensors: Performer's features can
+    be redrawn in training, Linformer's projections get gradients."""
+    model = tiny_bert()
+    model.set_attn_implementation(f"skyformer:{method}")
+    ids, mask = ids_and_padding()
+    with torch.inference_mode():
+        model(input_ids=ids, attention_mask=mask)
+    state = model.encoder.layer[0].attention.self.skyformer_state
+    assert not any(t.is_inference() for t in [*state.parameters(), *state.buffers()])
+    model.train()
+    model(input_ids=ids, attention_mask=mask).last_hidden_state.sum().backward()
+    for parameter in state.parameters():
+        assert parameter.grad is not None and parameter.grad.abs().sum() > 0

@@ -302,12 +302,22 @@ def build_layer(
             f"of {type(module).__name__} are unknown (no num_attention_heads/head_dim "
             f"attributes)."
         )
-    # the seed also fixes the state's initialisation (projections, feature seeds)
-    state = bound.new_state(seed=None if seed is None else layer_seed(seed, index))
-    param = next(module.parameters(), None)
-    if param is not None:
-        state = state.to(device=param.device, dtype=param.dtype)
-    return layer, state
+    return layer, _new_state(module, bound, seed, index)
+
+
+def _new_state(module: nn.Module, bound: BoundMethod, seed: int | None,
+               index: int | None) -> nn.Module:
+    """The layer's state on the module's device and dtype. Made of ordinary tensors
+    also where the first forward pass runs under ``torch.inference_mode()`` (the
+    ``attn_implementation`` route makes it there): inference tensors could never be
+    trained nor updated in place (Performer's redraws) outside that mode."""
+    with torch.inference_mode(False), torch.no_grad():
+        # the seed also fixes the state's initialisation (projections, feature seeds)
+        state = bound.new_state(seed=None if seed is None else layer_seed(seed, index))
+        param = next(module.parameters(), None)
+        if param is not None:
+            state = state.to(device=param.device, dtype=param.dtype)
+    return state
 
 
 def install_layer(module: nn.Module, layer: LayerAttention, state: nn.Module | None) -> None:
