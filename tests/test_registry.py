@@ -120,6 +120,18 @@ def test_a_variant_is_the_method_with_options_set():
     assert layer.bound.config.pinv_gradient == "implicit"
 
 
+def test_a_variants_max_seq_len_wins_over_the_sequence_length_bound_for():
+    """``linformer[max_seq_len=64]`` keeps its 64 columns where the layer is bound for
+    longer sequences (a model's max_position_embeddings); an option given wins again."""
+    method = get_method("linformer[max_seq_len=64,num_features=8]")
+    assert method.bind(2, 8, seq_len=512).config.max_seq_len == 64
+    assert method.bind(2, 8, seq_len=512, max_seq_len=32).config.max_seq_len == 32
+    assert get_method("linformer").bind(2, 8, seq_len=512).config.max_seq_len == 512
+    layer = skyformer.MultiHeadAttention(16, 2, method="linformer[max_seq_len=64]",
+                                         seq_len=128)
+    assert layer.method_state.proj_k.shape[-1] == 64
+
+
 @pytest.mark.parametrize("name, problem", [
     ("skyformer[pinv_gradient]", "expected key=value items"),
     ("skyformer[]", "expected key=value items"),

@@ -121,11 +121,12 @@ class Method:
 
     def resolve_options(self, options: dict[str, Any], seq_len: int | None) -> dict[str, Any]:
         """``options`` with the rules of a layer that sees sequences of ``seq_len`` tokens:
-        a fixed-length method (Linformer) gets ``max_seq_len=seq_len`` unless it is given."""
+        a fixed-length method (Linformer) gets ``max_seq_len=seq_len`` unless it is given,
+        in ``options`` or in a variant's name (``"linformer[max_seq_len=64]"``)."""
         resolved = dict(options)
         if (seq_len is not None and self.capabilities.fixed_length
                 and "max_seq_len" in self.option_names()
-                and resolved.get("max_seq_len") is None):
+                and {**dict(self.preset), **resolved}.get("max_seq_len") is None):
             resolved["max_seq_len"] = seq_len
         return resolved
 
