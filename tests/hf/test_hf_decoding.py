@@ -115,8 +115,7 @@ def test_refusals():
     small, large = _gpt2(), _llama(layers=3)
     shf.set_attention(small, "linear", seed=0)
     shf.set_attention(large, "linear", seed=0)
-    with pytest.raises(ValueError, match=r"attention layer 2 asks for its state, but this "
-                       r"cache was made for a model with 2 attention layers"), torch.no_grad():
+    with pytest.raises(ValueError, match="made for another model"), torch.no_grad():
         large(_prompt()[0], cache=shf.DecodingCache(small))
     model = _gpt2("skyformer:nystromformer")
     ids, mask = _prompt()
@@ -335,24 +334,85 @@ def test_a_one_token_prompt_decodes_as_its_full_forward(method, options):
 
 
 @torch.no_grad()
-def test_a_step_the_attention_never_took_stops_the_cache():
-    """After restore_exact (or a model that copies the keys after cache.update, or a
-    compiled forward) no skyformer function takes the cache's keys: that step attends to
-    its own positions only. The next step is refused instead of going on wrong."""
+def test_a_step_the_attention_never_took_stops_the_cache(monkeypatch):
+    """Where no skyformer function takes the cache's keys (a model that copies them
+    after cache.update, a compiled forward) that step attends to its own positions only.
+    The next step is refused instead of going on wrong."""
+    from skyformer.hf import attention as hf_attention
+
     model = _llama()
     shf.set_attention(model, "linear", seed=0)
     ids, _ = _prompt()
     cache = shf.DecodingCache(model)
-    shf.restore_exact(model)
+    monkeypatch.setattr(hf_attention, "claimed_step", lambda key: None)
     model(ids[:, :10], cache=cache)  # a first step: its own positions are all there are
+    monkeypatch.undo()
     with pytest.raises(RuntimeError, match="never reached skyformer's attention function"):
         model(ids[:, 10:11], cache=cache)
     with pytest.raises(RuntimeError, match="start a new cache"):  # and every step after
         model(ids[:, 10:11], cache=cache)
     cache.reset()
-    shf.set_attention(model, "linear", seed=0)
     model(ids[:, :10], cache=cache)
     model(ids[:, 10:11], cache=cache)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("change", ["restore_exact", "sdpa", "other method", "other seed",
+                                    "exact layer", "to softmax"])
+def test_a_cache_refuses_steps_once_the_attention_changed(change):
+    """A cache's states and kept keys hold the positions taken under the attention the
+    layers ran then: after restore_exact, another implementation, another method, seed
+    or per-layer choice the next step is refused (it went on with the old states, or
+    attended to its own positions only); a new cache decodes."""
+    model = _llama()
+    shf.set_attention(model, "linear", layers=[1] if change == "exact layer" else None,
+                      seed=0)
+    ids, _ = _prompt()
+    cache = shf.DecodingCache(model)
+    model(ids[:, :10], cache=cache)
+    model(ids[:, 10:11], cache=cache)
+    if change == "restore_exact":
+        shf.restore_exact(model)
+    elif change == "sdpa":
+        model.set_attn_implementation("sdpa")
+    elif change == "other method":
+        shf.set_attention(model, "performer", seed=0, num_features=8)
+    elif change == "other seed":
+        shf.set_attention(model, "linear", seed=1)
+    elif change == "exact layer":
+        shf.set_attention(model, "linear", layers=[0], seed=0)
+    else:
+        shf.set_attention(model, "softmax", layers=[0])
+    if change in ("restore_exact", "sdpa"):
+        match = "runs attn_implementation='sdpa' now, not skyformer"
+    else:
+        match = "attention layer 0 runs .* now, not the .* this cache took its first step"
+    with pytest.raises(ValueError, match=match + ".* start a new cache"):
+        model(ids[:, 11:12], cache=cache)
+    if change in ("restore_exact", "sdpa"):
+        shf.set_attention(model, "linear", seed=0)
+    fresh = shf.DecodingCache(model)
+    model(ids[:, :10], cache=fresh)
+    model(ids[:, 10:11], cache=fresh)
+
+
+@torch.no_grad()
+def test_a_cache_refuses_a_model_it_was_not_made_for():
+    """A cache continued by another model of the same shape would mix the two models'
+    states; one whose model is gone is refused too."""
+    import gc
+
+    model, other = _llama(), _llama()
+    for m in (model, other):
+        shf.set_attention(m, "linear", seed=0)
+    ids, _ = _prompt()
+    cache = shf.DecodingCache(model)
+    with pytest.raises(ValueError, match="made for another model"):
+        other(ids[:, :10], cache=cache)
+    orphan = shf.DecodingCache(_llama("skyformer:linear"))
+    gc.collect()
+    with pytest.raises(ValueError, match="the model this cache was made for no longer exists"):
+        other(ids[:, :10], cache=orphan)
 
 
 @torch.no_grad()

@@ -194,6 +194,8 @@ def skyformer_attention_forward(
     layer = _layer_for(module, implementation, default_method)
     decoding = claimed_step(key)
     try:
+        if decoding is not None:
+            decoding.follow(module, layer)
         return _attention(module, layer, decoding, query, key, value, attention_mask,
                           dropout, scaling, is_causal, kwargs)
     except BaseException:

@@ -35,6 +35,12 @@ very tensors: ``claimed_step``) and runs a decoding step instead of attention ov
 cache. Any number of caches may be alive for one model (two conversations, a copy of a
 prompt's cache made with ``copy.deepcopy`` to continue it twice): each step is found from
 the keys that its own cache handed back.
+
+A cache serves the model it was made for, with the attention its layers ran at its first
+step: its states and kept keys hold the positions so far under that attention. A step
+of another model, after ``restore_exact`` or another implementation, or in a layer whose
+method, options, seed or per-layer state changed since (``set_attention``) is refused
+with a sentence; start a new cache then.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ import torch
 from torch import Tensor, nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .layers import attention_modules, is_cross_attention
+from .layers import EXACT, STATE_NAME, LayerAttention, attention_modules, is_cross_attention
 
 # The steps that updates handed back and no attention function has taken yet:
 # id(keys) -> (the keys, their layer), both weakly held (nothing lives longer for it).
@@ -60,8 +66,12 @@ class DecodingLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
 
-    def __init__(self) -> None:
+    def __init__(self, modules: tuple[nn.Module, ...] | None = None) -> None:
+        """``modules``: the attention modules of this layer index in the model the cache
+        is made for (weakly held; ``None``: any module)."""
         super().__init__()
+        self.modules = None if modules is None else tuple(weakref.ref(m) for m in modules)
+        self.runs: tuple | None = None  # what the layer ran at the first step (_runs)
         self.state = None  # skyformer.decoding.DecodingState, made at the first step
         self.seen = 0  # positions given to update
         # [B, p]: which of the first p positions stepped are real, p just past the last
@@ -119,6 +129,30 @@ class DecodingLayer(CacheLayerMixin):
         rest = torch.ones(batch, positions - kept.shape[1], dtype=torch.bool, device=device)
         return torch.cat([kept, rest], dim=1)
 
+    def follow(self, module: nn.Module, layer: LayerAttention) -> None:
+        """Refuse a step of a module of another model, or of a layer whose attention
+        changed since this cache's first step (its state or kept keys hold the positions
+        so far under the other one); the first step records what the layer runs."""
+        if self.modules is not None and not any(ref() is module for ref in self.modules):
+            raise ValueError(
+                "DecodingCache: this cache was made for another model; make one from the "
+                "model that generates (DecodingCache(model)), one per generation.")
+        runs = _runs(module, layer)
+        if self.runs is None:
+            self.runs = runs
+        elif runs != self.runs:
+            where = type(module).__name__ if layer.index is None else \
+                f"attention layer {layer.index}"
+            now, before = runs[0], self.runs[0]
+            if now == before:
+                now, before = (f"{now} with other options, seed or per-layer state",
+                               f"{before} setting")
+            raise ValueError(
+                f"DecodingCache: {where} runs {now} now, not the {before} it ran when this "
+                f"cache took its first step (set_attention or set_attn_implementation "
+                f"since), and the cache holds the positions so far under that one; start a "
+                f"new cache (DecodingCache(model)).")
+
     def fail(self, key: Tensor) -> None:
         """Count the step of ``key`` as not taken (its call failed after claiming it):
         the layers before this one took its positions, so the next ``update`` refuses."""
@@ -143,9 +177,8 @@ class DecodingLayer(CacheLayerMixin):
                 "reached skyformer's attention function, so that step attended to its own "
                 "positions only and the cache lacks them; start a new cache. This happens "
                 "when the model changes the keys after cache.update (e.g. repeats them for "
-                "its grouped-query heads), when its forward runs under torch.compile, after "
-                "skyformer.hf.restore_exact, or when that forward failed; for such a model "
-                "use transformers' DynamicCache.")
+                "its grouped-query heads), when its forward runs under torch.compile, or "
+                "when that forward failed; for such a model use transformers' DynamicCache.")
         self.pending = key_states
         for ident, (keys, layer) in list(_PENDING.items()):  # steps no function took
             if keys() is None or layer() is None:
@@ -178,6 +211,7 @@ class DecodingLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.state, self.seen, self.pending, self.rollback = None, 0, None, None
+        self.runs = None
         self.valid = None
         self.keys = self.values = None
 
@@ -271,6 +305,17 @@ class DecodingLayer(CacheLayerMixin):
         return total
 
 
+def _runs(module: nn.Module, layer: LayerAttention) -> tuple:
+    """What a layer computes, as a cache's states depend on it: the method, its options,
+    the seed and the per-layer state module (weakly held, compared by identity: a new one
+    has other parameters)."""
+    if layer.method == EXACT:
+        return (EXACT,)
+    state = module._modules.get(STATE_NAME)
+    return (layer.method, layer.config, layer.seed,
+            None if state is None else weakref.ref(state))
+
+
 def _up_to_last_padding(valid: Tensor) -> Tensor | None:
     """``valid [B, p]`` cut just past its last padded position (the positions after it
     are real), or None where every position is real."""
@@ -299,16 +344,38 @@ class DecodingCache(Cache):
         if any(is_cross_attention(m, name) for _, name, m in attention_modules(model)):
             raise ValueError("DecodingCache is for decoder-only models; this model has "
                              "cross-attention (use transformers' EncoderDecoderCache).")
-        super().__init__(layers=[DecodingLayer() for _ in range(max(i for i, _ in modules) + 1)])
+        self.model = weakref.ref(model)  # weakly: a cache does not keep a model alive
+        super().__init__(layers=[DecodingLayer(tuple(m for j, m in modules if j == i))
+                                 for i in range(max(i for i, _ in modules) + 1)])
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args,
                **kwargs) -> tuple[Tensor, Tensor]:
+        self._check_model()
         if layer_idx >= len(self.layers):
             raise ValueError(
                 f"DecodingCache: attention layer {layer_idx} asks for its state, but this "
                 f"cache was made for a model with {len(self.layers)} attention layers; make "
                 f"the cache from the model that generates (DecodingCache(model)).")
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _check_model(self) -> None:
+        """Refuse a step once the model this cache was made for is gone or no longer runs
+        skyformer's attention functions (which alone take the cache's steps)."""
+        from .model import _implementation, _is_ours
+
+        model = self.model()
+        if model is None:
+            raise ValueError(
+                "DecodingCache: the model this cache was made for no longer exists; make "
+                "one from the model that generates (DecodingCache(model)).")
+        implementation = _implementation(model)
+        if not _is_ours(implementation):
+            raise ValueError(
+                f"DecodingCache: the model this cache was made for runs "
+                f"attn_implementation={implementation!r} now, not skyformer (restore_exact "
+                f"or set_attn_implementation since the cache was made), so its states cannot "
+                f"take this step; start a new cache once it runs skyformer again, or use "
+                f"transformers' DynamicCache for its own attention.")
 
     def crop(self, tokens_to_remove: int) -> None:
         """``DecodingLayer.crop`` on every layer, after checking them all: a refused crop
