@@ -558,3 +558,25 @@ def test_state_made_by_a_first_forward_under_inference_mode_trains_later(method)
     model(input_ids=ids, attention_mask=mask).last_hidden_state.sum().backward()
     for parameter in state.parameters():
         assert parameter.grad is not None and parameter.grad.abs().sum() > 0
+
+
+def test_exact_with_options_or_a_bad_seed_is_refused_on_every_route(tmp_path):
+    """Exact attention takes no options, and a seed only in [0, 2^64): set_attention
+    over every layer and from_pretrained refuse the others as a per-layer choice does."""
+    tiny_bert().save_pretrained(tmp_path)
+    model = shf.set_attention(tiny_bert(), "kernelized")
+    for layers in (None, [0]):
+        with pytest.raises(ValueError, match="exact attention takes no options, got "
+                                             "num_features"):
+            shf.set_attention(model, "exact", layers=layers, num_features=8)
+        with pytest.raises(ValueError, match="seed must be an integer"):
+            shf.set_attention(model, "exact", layers=layers, seed="0")
+        with pytest.raises(ValueError, match="exact attention takes no options"):
+            shf.from_pretrained(tmp_path, "exact", layers=layers, num_features=8)
+        with pytest.raises(ValueError, match="seed must be an integer"):
+            shf.from_pretrained(tmp_path, "exact", layers=layers, seed=-1)
+    assert {r["method"] for r in shf.describe(model)} == {"kernelized"}, "nothing changed"
+    with pytest.raises(ValueError, match=r"layers must be layer numbers of this model"):
+        shf.from_pretrained(tmp_path, "exact", layers=[5])
+    loaded = shf.from_pretrained(tmp_path, "exact", seed=0)
+    assert loaded.config._attn_implementation == "sdpa"

@@ -274,6 +274,17 @@ def layer_seed(seed: int, index: int | None) -> int:
     return (seed + (index or 0)) % SEED_LIMIT
 
 
+def check_setting_arguments(method: str, seed: object, options: dict[str, Any]) -> None:
+    """The checks a setting's arguments get before any model is touched: a seed in
+    [0, 2^64) or None; no options for exact attention (a method's own are checked when
+    it is bound)."""
+    if seed is not None:
+        check_seed("seed", seed)
+    if method == EXACT and options:
+        raise ValueError(f"exact attention takes no options, got {', '.join(options)}; "
+                         f"options belong to the approximate methods (skyformer list).")
+
+
 def build_layer(
     module: nn.Module, method: str, *, index: int | None, implementation: str, seed: int | None,
     cross: bool, options: dict[str, Any], causal: bool = False,
@@ -282,11 +293,8 @@ def build_layer(
     (``None`` for methods without one). ``causal``: the model gives this module causal
     masks although its ``is_causal`` flag says no (``causal_scopes``). Changes nothing:
     see ``install_layer``."""
-    if seed is not None:
-        check_seed("seed", seed)
+    check_setting_arguments(method, seed, options)
     if method == EXACT:
-        if options:
-            raise ValueError(f"exact attention takes no options, got {', '.join(options)}.")
         return LayerAttention(EXACT, None, (), seed, index, implementation, cross), None
     spec = get_method(method)
     _check_module(spec, module, index, cross, options, causal)

@@ -35,6 +35,7 @@ from .layers import (
     attention_modules,
     build_layer,
     causal_scopes,
+    check_setting_arguments,
     clear_layer,
     current_layer,
     install_layer,
@@ -119,6 +120,7 @@ def set_attention(
     """
     register_methods()  # methods registered after ``import skyformer.hf`` get a name too
     name = resolve_method_name(method)
+    check_setting_arguments(name, seed, options)  # also where no layer is built (exact)
     current = _implementation(model)
     modules, chosen = _select(model, layers)
     if not _is_ours(current):
@@ -223,6 +225,7 @@ def from_pretrained(
 
     register_methods()
     name = resolve_method_name(method)
+    check_setting_arguments(name, seed, options)  # before the model is loaded
     auto_class = auto_class or transformers.AutoModel
     # a variant is no registered implementation: set_attention gives it per layer
     whole = layers is None and name != EXACT and not is_variant(name)
@@ -232,6 +235,8 @@ def from_pretrained(
     if name != EXACT:
         set_attention(model, name, layers=layers, seed=seed, **options)
         load_saved_state(model, path, name)
+    else:  # every layer runs the model's own attention already
+        check_layers(model, layers)
     return model
 
 
