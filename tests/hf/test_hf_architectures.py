@@ -580,3 +580,18 @@ def test_exact_with_options_or_a_bad_seed_is_refused_on_every_route(tmp_path):
         shf.from_pretrained(tmp_path, "exact", layers=[5])
     loaded = shf.from_pretrained(tmp_path, "exact", seed=0)
     assert loaded.config._attn_implementation == "sdpa"
+
+
+def test_linformer_without_a_position_limit_says_how_to_give_max_seq_len():
+    """A model without max_position_embeddings (ViT) gives Linformer no length: the
+    sentence names the option on this route too (not a MultiHeadAttention call)."""
+    from transformers import ViTConfig, ViTModel
+
+    config = ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32,
+                       num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    model = ViTModel(config).eval()
+    with pytest.raises(ValueError, match=r"max_seq_len.*set_attention\(model, 'linformer', "
+                                         r"max_seq_len="):
+        shf.set_attention(model, "linformer", num_features=8)
+    shf.set_attention(model, "linformer", num_features=8, max_seq_len=17)
+    model(pixel_values=torch.randn(1, 3, 16, 16))  # 16 patches and the class token

@@ -88,9 +88,12 @@ class LinformerProjections(nn.Module):
         super().__init__()
         if config.max_seq_len is None:
             raise ValueError(
-                "linformer needs a fixed max_seq_len: its learned projections have one column "
-                "per position; pass e.g. MultiHeadAttention(dim, heads, method='linformer', "
-                "max_seq_len=4096)."
+                "linformer needs a fixed max_seq_len, the longest input: its learned "
+                "projections have one column per position. Give it with the method's "
+                "options: MultiHeadAttention(dim, heads, method='linformer', "
+                "max_seq_len=4096), skyformer.hf.set_attention(model, 'linformer', "
+                "max_seq_len=4096) for a model without max_position_embeddings, or the "
+                "name 'linformer[max_seq_len=4096]' wherever a method is named."
             )
         shape = (num_heads, config.num_features, config.max_seq_len)
         std = 1.0 / math.sqrt(config.num_features)
