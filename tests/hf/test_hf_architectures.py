@@ -595,3 +595,18 @@ def test_linformer_without_a_position_limit_says_how_to_give_max_seq_len():
         shf.set_attention(model, "linformer", num_features=8)
     shf.set_attention(model, "linformer", num_features=8, max_seq_len=17)
     model(pixel_values=torch.randn(1, 3, 16, 16))  # 16 patches and the class token
+
+
+def test_from_pretrained_passes_model_kwargs_to_transformers(tmp_path):
+    """model_kwargs reach the transformers loader (dtype, device_map, ...); the per-layer
+    state follows the loaded model's dtype; attn_implementation is this function's."""
+    tiny_bert().save_pretrained(tmp_path)
+    loaded = shf.from_pretrained(tmp_path, "linformer", num_features=8, seed=0,
+                                 model_kwargs={"dtype": torch.float64})
+    assert {p.dtype for p in loaded.parameters()} == {torch.float64}
+    assert loaded(input_ids=torch.ones(1, 8, dtype=torch.long)).last_hidden_state.dtype \
+        == torch.float64
+    with pytest.raises(ValueError, match="attn_implementation is chosen by the method"):
+        shf.from_pretrained(tmp_path, "linformer", model_kwargs={"attn_implementation": "eager"})
+    with pytest.raises(TypeError, match="model_kwargs must be a dict"):
+        shf.from_pretrained(tmp_path, "linformer", model_kwargs=[("dtype", torch.float64)])

@@ -213,24 +213,30 @@ def from_pretrained(
     layers: Iterable[int] | int | None = None,
     seed: int | None = None,
     auto_class: Any = None,
+    model_kwargs: dict[str, Any] | None = None,
     **options: Any,
 ) -> nn.Module:
     """Load a model from a local folder with ``method`` in ``layers`` (default all).
 
-    Like ``auto_class.from_pretrained(path, attn_implementation=...)`` followed by
-    ``set_attention``, so an unsuitable method fails at load time. ``auto_class``
-    defaults to ``transformers.AutoModel``; pass e.g. ``AutoModelForSequenceClassification``.
+    Like ``auto_class.from_pretrained(path, attn_implementation=..., **model_kwargs)``
+    followed by ``set_attention``, so an unsuitable method fails at load time (a half
+    precision ``dtype`` too). ``auto_class`` defaults to ``transformers.AutoModel``; pass
+    e.g. ``AutoModelForSequenceClassification``. ``model_kwargs``: keyword arguments of
+    the transformers loader (``dtype``, ``device_map``, ``revision``, ...), all but
+    ``attn_implementation``, which the method sets. The per-layer state of a method
+    (``skyformer_state``) is made on the device and dtype of each attention module.
     """
     import transformers
 
     register_methods()
     name = resolve_method_name(method)
     check_setting_arguments(name, seed, options)  # before the model is loaded
+    model_kwargs = _loader_kwargs(model_kwargs)
     auto_class = auto_class or transformers.AutoModel
     # a variant is no registered implementation: set_attention gives it per layer
     whole = layers is None and name != EXACT and not is_variant(name)
     initial = implementation_name(name) if whole else "sdpa"
-    model = auto_class.from_pretrained(path, attn_implementation=initial)
+    model = auto_class.from_pretrained(path, attn_implementation=initial, **model_kwargs)
     model.__dict__[_ORIGINAL] = "sdpa"
     if name != EXACT:
         set_attention(model, name, layers=layers, seed=seed, **options)
@@ -238,6 +244,21 @@ def from_pretrained(
     else:  # every layer runs the model's own attention already
         check_layers(model, layers)
     return model
+
+
+def _loader_kwargs(model_kwargs: Any) -> dict[str, Any]:
+    """``from_pretrained``'s ``model_kwargs`` checked: a dict without attn_implementation."""
+    if model_kwargs is None:
+        return {}
+    if not isinstance(model_kwargs, dict):
+        raise TypeError(f"model_kwargs must be a dict of keyword arguments for the "
+                        f"transformers loader, got {type(model_kwargs).__name__}.")
+    if "attn_implementation" in model_kwargs:
+        raise ValueError(
+            "model_kwargs: attn_implementation is chosen by the method skyformer.hf."
+            "from_pretrained loads with; leave it out (pass method='exact' for the "
+            "model's own attention).")
+    return model_kwargs
 
 
 def load_saved_state(model: nn.Module, path: str | Path, method: str) -> int:
