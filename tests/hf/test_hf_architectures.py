@@ -610,3 +610,36 @@ def test_from_pretrained_passes_model_kwargs_to_transformers(tmp_path):
         shf.from_pretrained(tmp_path, "linformer", model_kwargs={"attn_implementation": "eager"})
     with pytest.raises(TypeError, match="model_kwargs must be a dict"):
         shf.from_pretrained(tmp_path, "linformer", model_kwargs=[("dtype", torch.float64)])
+
+
+@pytest.mark.filterwarnings("ignore:.*makes its trainable parameters")
+def test_describe_gives_the_options_a_layer_will_run_before_its_first_forward():
+    """On the attn_implementation route a layer is set up at its first forward pass;
+    describe gives the same options (a dict) before it, as after."""
+    model = tiny_bert()
+    model.set_attn_implementation("skyformer:linformer")
+    before = shf.describe(model)
+    assert before[0]["options"]["max_seq_len"] == 64  # max_position_embeddings
+    assert before[0]["options"]["num_features"] == 128
+    model(input_ids=torch.ones(1, 8, dtype=torch.long))
+    assert shf.describe(model) == before
+
+
+def test_transformers_own_switch_keeps_the_settings_for_the_way_back():
+    """set_attn_implementation("sdpa") runs SDPA in every layer but leaves each layer's
+    setting and per-layer state (among the parameters) in place: switching back resumes
+    them; restore_exact removes them (docs/hf.md)."""
+    model = shf.set_attention(tiny_bert(), "linformer", num_features=8, seed=0)
+    state = model.encoder.layer[0].attention.self.skyformer_state
+    ids = torch.ones(1, 8, dtype=torch.long)
+    with torch.no_grad():
+        want = model(input_ids=ids).last_hidden_state
+        model.set_attn_implementation("sdpa")
+        assert {r["method"] for r in shf.describe(model)} == {"exact (sdpa)"}
+        assert any(p is state.proj_k for p in model.parameters())
+        model.set_attn_implementation("skyformer:linformer")
+        torch.testing.assert_close(model(input_ids=ids).last_hidden_state, want,
+                                   rtol=0, atol=0)
+    assert model.encoder.layer[0].attention.self.skyformer_state is state
+    shf.restore_exact(model)
+    assert not any("skyformer_state" in name for name, _ in model.named_parameters())

@@ -191,6 +191,14 @@ def position_limit(module: nn.Module) -> int | None:
     return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
 
 
+def first_forward_options(module: nn.Module, method: str) -> dict[str, Any]:
+    """The options a layer without a setting runs ``method`` with on the
+    ``attn_implementation="skyformer:<method>"`` route, where its first forward pass sets
+    it up: the method's defaults with those the model fixes (``max_seq_len``)."""
+    spec = get_method(method)
+    return spec.options_of(spec.make_config(**spec.resolve_options({}, position_limit(module))))
+
+
 def resolve_method_name(method: str) -> str:
     """``"skyformer:performer"`` or ``"performer"`` -> ``"performer"``; ``"exact"``/``"sdpa"``
     -> ``"exact"``; a variant (``"performer[num_features=64]"``) as it is; unknown names

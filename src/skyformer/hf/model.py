@@ -38,6 +38,7 @@ from .layers import (
     check_setting_arguments,
     clear_layer,
     current_layer,
+    first_forward_options,
     install_layer,
     is_cross_attention,
     resolve_method_name,
@@ -188,15 +189,18 @@ def restore_exact(model: nn.Module, *, layers: Iterable[int] | int | None = None
 
 
 def describe(model: nn.Module) -> list[dict[str, Any]]:
-    """What every attention layer of ``model`` runs: layer, module, method, options, seed."""
+    """What every attention layer of ``model`` runs: layer, module, method, options (a
+    dict; a layer set up at its first forward pass gives the options it will run),
+    seed."""
     implementation = _implementation(model)
     rows = []
     for index, qualified, module in attention_modules(model):
         layer = current_layer(module)
         if layer is not None and layer.implementation == implementation:
             method, options, seed = layer.method, layer.options(), layer.seed
-        elif _is_ours(implementation) and implementation != PER_LAYER:
-            method, options, seed = implementation.removeprefix(PREFIX), "defaults", None
+        elif _is_ours(implementation) and implementation != PER_LAYER:  # set up when it runs
+            method, seed = implementation.removeprefix(PREFIX), None
+            options = first_forward_options(module, method)
         elif implementation == PER_LAYER:
             method, options, seed = EXACT, {}, None
         else:
