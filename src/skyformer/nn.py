@@ -17,9 +17,15 @@ if TYPE_CHECKING:
 class MultiHeadAttention(nn.Module):
     """Multi-head attention whose core is any registered method.
 
-    A drop-in layer: ``x: [B, N, dim] -> [B, N, dim]``, with separate q/k/v/output
-    projections. ``dropout`` is applied to the attention output before the output
-    projection (approximate methods have no attention matrix to drop entries of).
+    A layer ``x: [B, N, dim] -> [B, N, dim]`` with separate q/k/v/output projections.
+    ``dropout`` is applied to the attention output before the output projection
+    (approximate methods have no attention matrix to drop entries of).
+
+    It is not call-compatible with ``torch.nn.MultiheadAttention``: it takes one
+    batch-first ``x`` for self-attention (and a ``context`` for cross-attention) instead
+    of ``(query, key, value)``, its ``key_padding_mask`` is True for real tokens (torch's
+    is True for padding), it returns the output alone (no attention weights), and its
+    parameters are ``q_proj``/``k_proj``/``v_proj``/``out_proj``, not ``in_proj_weight``.
 
     Args:
         dim: model width; must be divisible by ``num_heads``.
