@@ -29,7 +29,9 @@ def test_generate_prepare_train_report_stability(tmp_path, capsys):
     capsys.readouterr()
     assert main(["lra", "report", str(runs), "--markdown", str(tmp_path / "tables.md")]) == 0
     out = capsys.readouterr().out
-    assert "| skyformer |" in out and "| softmax |" in out
+    label = "batch_size=16, eval_batches=4, eval_every=2, max_len=8{}, steps=4, warmup=20"
+    assert f"| skyformer ({label.format(', num_features=4')}) |" in out  # the preset's others
+    assert f"| softmax ({label.format(', scale=0.2')}) |" in out
     assert (tmp_path / "tables.md").read_text().startswith("Table 1")
     assert main(["lra", "stability", "--tasks", "listops", "--methods", "kernelized",
                  "--steps", "2", "--batch-size", "16", "--cache", str(cache)]) == 0

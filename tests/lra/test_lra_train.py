@@ -335,7 +335,8 @@ def test_a_diverged_run_writes_strict_json_and_resumes_as_finished(
     assert all(e["loss"] is None for e in entries)
     monkeypatch.setattr(Trainer, "_finish", lambda self: pytest.fail("evaluated again"))
     assert _run(cfg, listops_cache, tmp_path, resume=True) == result
-    assert "| softmax |" in tables(collect_runs([tmp_path]))
+    assert "| softmax (batch_size=16, eval_every=2, lr=0.003, max_len=8, " \
+        "steps=4, warmup=2) |" in tables(collect_runs([tmp_path]))
 
 
 def test_resume_refuses_other_prepared_data_with_a_sentence(tmp_path):

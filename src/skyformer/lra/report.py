@@ -9,9 +9,10 @@ Reads every ``result.json`` (and its ``metrics.jsonl``) under the given folders:
 - Figure 2: dev accuracy against training time, one panel per task.
 
 Runs of a method on a task are averaged over seeds only when the rest of their training
-config is the same (logging and checkpoint intervals aside); runs with other settings
-get rows of their own, labelled with the settings that set them apart. Runs on
-synthetic data or whose dev split is the test split are flagged.
+config is the same (logging and checkpoint intervals aside). A row is labelled with the
+settings in which its runs differ from the task's preset (``skyformer lra presets``, the
+method at the paper's options): runs with the preset settings are one unlabelled row
+per method. Runs on synthetic data or whose dev split is the test split are flagged.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from typing import Any
 
 from ..io import save_figure
 from ..registry import get_method, list_methods
+from .model import resolve_attention_options
+from .presets import make_config
 from .tasks import TASKS
 
 # Config entries that do not change what a run measures, besides the seed.
@@ -174,15 +177,34 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def _variant_labels(runs: list[Run]) -> dict[int, str]:
-    """Row label suffix per run of one task and method: empty when all share their
-    settings, else the settings that differ, e.g. ``steps=200, lr=0.001``."""
-    settings = [r.settings for r in runs]
-    keys = sorted({k for s in settings for k in s})
-    differ = [k for k in keys if len({json.dumps(s.get(k), sort_keys=True)
-                                      for s in settings}) > 1]
-    return {id(r): ", ".join(f"{k}={s.get(k)}" for k in differ)
-            for r, s in zip(runs, settings, strict=True)}
+def _preset_settings(run: Run) -> dict[str, Any]:
+    """``Run.settings`` of the task's preset with the run's method at the paper's options
+    (for the run's sequence length: a fixed-length method's ``max_seq_len`` follows it,
+    so a shorter run is labelled by ``max_len`` alone) and the task's LRA length."""
+    task, method = run.key
+    model = run.result.get("model") or {}
+    length = model.get("max_len") or TASKS[task].max_len
+    try:
+        options = resolve_attention_options(method, {}, length)
+    except (KeyError, TypeError, ValueError):  # a method registered elsewhere: no defaults
+        options = {}
+    preset = {"attention": method, "config": make_config(task).to_dict(),
+              "model": {"max_len": TASKS[task].max_len, "attention_options": options}}
+    return Run(run.folder, preset).settings
+
+
+def _variant_label(run: Run) -> str:
+    """Row label suffix of a run: the settings it has other than its task's preset, e.g.
+    ``lr=0.001, steps=200``; empty for a run with the preset's settings. A setting the
+    run's config does not record (written before it existed) counts as the preset's."""
+    settings, preset = run.settings, _preset_settings(run)
+    return ", ".join(f"{k}={settings[k]}" for k in sorted(settings)
+                     if _plain(settings[k]) != _plain(preset.get(k)))
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON reads it back: a default tuple equals the list a result holds."""
+    return json.loads(json.dumps(value, default=str))
 
 
 def _by_seed(group: list[Run], value: Callable[[Run], float]) -> list[float]:
@@ -195,14 +217,9 @@ def _by_seed(group: list[Run], value: Callable[[Run], float]) -> list[float]:
 
 def _groups(runs: list[Run]) -> dict[tuple[str, str, str], list[Run]]:
     """Runs by (task, method, settings label): the runs that are seeds of one experiment."""
-    by_cell: dict[tuple[str, str], list[Run]] = defaultdict(list)
-    for run in runs:
-        by_cell[run.key].append(run)
     groups: dict[tuple[str, str, str], list[Run]] = defaultdict(list)
-    for (task, method), cell in by_cell.items():
-        labels = _variant_labels(cell)
-        for run in cell:
-            groups[task, method, labels[id(run)]].append(run)
+    for run in runs:
+        groups[(*run.key, _variant_label(run))].append(run)
     return groups
 
 
@@ -227,8 +244,9 @@ def tables(runs: list[Run]) -> str:
         rows.append(row)
     titles = [TASKS[t].title for t in tasks]
     out = ["Table 1: test accuracy (%) of the best dev checkpoint, mean ± std over seeds "
-           "(number of distinct seeds); avg over the tasks a row has results for. Runs that "
-           "differ in other settings are separate rows, labelled with those settings.", "",
+           "(number of distinct seeds); avg over the tasks a row has results for. Runs with "
+           "settings other than the task's preset are separate rows, labelled with those "
+           "settings.", "",
            _table(["method", *titles, "avg"], rows), ""]
     rows = []
     for method, label in rows_of:
