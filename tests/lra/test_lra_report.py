@@ -211,3 +211,28 @@ def test_a_damaged_metrics_jsonl_is_named_with_its_line(tmp_path, damage, messag
     metrics.write_text("\n".join(damage(metrics.read_text().splitlines())) + "\n")
     with pytest.raises(ValueError, match=rf"{re.escape(str(metrics))} {message}"):
         collect_runs([tmp_path])
+
+
+def test_runs_on_other_prepared_data_are_not_averaged_together(tmp_path):
+    """The data a run recorded (meta.json) tells its rows apart, its source path and
+    preparation time aside (the same files prepared again, or a moved copy, are the same
+    data); each row names the records in which its task's runs differ."""
+    data = {"format": 1, "task": "listops", "max_len": 2000, "created": "2026-01-01",
+            "source": "/data/listops", "generated": {"seed": 0, "rules": {"max_depth": 10}}}
+    _fake_run(tmp_path / "a", "listops", "softmax", 0, 0.30, data=data)
+    _fake_run(tmp_path / "b", "listops", "softmax", 1, 0.40,
+              data={**data, "created": "2026-02-02", "source": "/elsewhere/listops"})
+    _fake_run(tmp_path / "c", "listops", "softmax", 0, 0.90, data={**data, "tokens": "reference"})
+    _fake_run(tmp_path / "d", "listops", "softmax", 0, 0.20,
+              data={**data, "generated": {"seed": 1, "rules": {"max_depth": 10}}})
+    _fake_run(tmp_path / "e", "text", "softmax", 0, 0.60)  # the only Text data: no label
+    rows = [line for line in tables(collect_runs([tmp_path])).split("Table 2")[0].splitlines()
+            if line.startswith("| softmax")]
+    std = statistics.stdev([30, 40])
+    assert rows == ["| softmax | 60.00 (1) | - | 60.00 |",
+                    f"| softmax (data.generated.seed=0, data.tokens=None) | - | 35.00 ± {std:.2f} "
+                    "(2) | 35.00 |",
+                    "| softmax (data.generated.seed=0, data.tokens=reference) | - | 90.00 (1) | "
+                    "90.00 |",
+                    "| softmax (data.generated.seed=1, data.tokens=None) | - | 20.00 (1) | "
+                    "20.00 |"], rows

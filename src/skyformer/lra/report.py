@@ -12,7 +12,10 @@ Runs of a method on a task are averaged over seeds only when the rest of their t
 config is the same (logging and checkpoint intervals aside). A row is labelled with the
 settings in which its runs differ from the task's preset (``skyformer lra presets``, the
 method at the paper's options): runs with the preset settings are one unlabelled row
-per method. Runs on synthetic data or whose dev split is the test split are flagged.
+per method. Runs trained on other prepared data (the records of its ``meta.json``, the
+source path aside) are not averaged together either: where a task's runs differ in
+those, each row also names the records that differ. Runs on synthetic data or whose dev
+split is the test split are flagged.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 
 from ..io import save_figure
 from ..registry import get_method, list_methods
+from .cache import data_fingerprint
 from .model import resolve_attention_options
 from .presets import make_config
 from .tasks import TASKS
@@ -64,6 +68,21 @@ class Run:
         if model_len is not None:
             out["max_len"] = model_len
         return out
+
+    @property
+    def data(self) -> dict[str, Any]:
+        """The prepared data's records (``data_fingerprint`` of the ``meta.json`` the run
+        recorded: no source path, so a moved copy is the same data), one entry per
+        value, nested records flattened: ``{"data.tokens": ..., "data.generated.seed":
+        ...}``."""
+        return _leaves(data_fingerprint(self.result.get("data") or {}), "data")
+
+
+def _leaves(value: Any, name: str) -> dict[str, Any]:
+    """``{name: value}``, or for a non-empty dict its entries' leaves, named ``name.key``."""
+    if not isinstance(value, dict) or not value:
+        return {name: value}
+    return {k: v for key, item in value.items() for k, v in _leaves(item, f"{name}.{key}").items()}
 
 
 def _every_option(method: Any, options: dict[str, Any]) -> dict[str, Any]:
@@ -193,13 +212,24 @@ def _preset_settings(run: Run) -> dict[str, Any]:
     return Run(run.folder, preset).settings
 
 
-def _variant_label(run: Run) -> str:
+def _variant_label(run: Run, data_keys: list[str]) -> str:
     """Row label suffix of a run: the settings it has other than its task's preset, e.g.
-    ``lr=0.001, steps=200``; empty for a run with the preset's settings. A setting the
-    run's config does not record (written before it existed) counts as the preset's."""
-    settings, preset = run.settings, _preset_settings(run)
-    return ", ".join(f"{k}={settings[k]}" for k in sorted(settings)
-                     if _plain(settings[k]) != _plain(preset.get(k)))
+    ``lr=0.001, steps=200``, then its value of each of ``data_keys`` (the data records in
+    which its task's runs differ); empty for a run with the preset's settings on the
+    task's only data. A setting the run's config does not record (written before it
+    existed) counts as the preset's."""
+    settings, preset, data = run.settings, _preset_settings(run), run.data
+    other = [f"{k}={settings[k]}" for k in sorted(settings)
+             if _plain(settings[k]) != _plain(preset.get(k))]
+    return ", ".join(other + [f"{k}={data.get(k)}" for k in data_keys])
+
+
+def _differing_data(runs: list[Run]) -> list[str]:
+    """The data records (``Run.data`` keys) in which ``runs`` differ."""
+    records = [r.data for r in runs]
+    keys = sorted({k for d in records for k in d})
+    return [k for k in keys if len({json.dumps(d.get(k), sort_keys=True, default=str)
+                                    for d in records}) > 1]
 
 
 def _plain(value: Any) -> Any:
@@ -217,9 +247,11 @@ def _by_seed(group: list[Run], value: Callable[[Run], float]) -> list[float]:
 
 def _groups(runs: list[Run]) -> dict[tuple[str, str, str], list[Run]]:
     """Runs by (task, method, settings label): the runs that are seeds of one experiment."""
+    data_keys = {task: _differing_data([r for r in runs if r.key[0] == task])
+                 for task in {r.key[0] for r in runs}}
     groups: dict[tuple[str, str, str], list[Run]] = defaultdict(list)
     for run in runs:
-        groups[(*run.key, _variant_label(run))].append(run)
+        groups[(*run.key, _variant_label(run, data_keys[run.key[0]]))].append(run)
     return groups
 
 
