@@ -499,3 +499,32 @@ def test_two_ways_to_clip_are_refused_together():
         _cfg(grad_clip=1.0, grad_clip_value=1.0)
     with pytest.raises(ValueError, match="grad_clip_value must be positive or None, got 0"):
         _cfg(grad_clip_value=0)
+
+
+def test_resume_without_best_pt_is_refused_before_training(listops_cache, tmp_path, monkeypatch):
+    """best.pt deleted (or lost) mid-run: the resumed run trained to the end, then failed
+    reading it; it is refused at once, by check_run (--seeds) too. A finished run needs
+    no best.pt to be found finished."""
+    import importlib
+
+    from skyformer.lra.train import check_run
+
+    lra_train = importlib.import_module("skyformer.lra.train")
+    cfg = _cfg(steps=6, eval_every=2)
+    _scripted_dev(monkeypatch, {2: 0.9, 4: 0.5})  # best at step 2: last.pt is not the best
+    _run(cfg, listops_cache, tmp_path, stop_after=4)
+    (tmp_path / "best.pt").unlink()
+    monkeypatch.setattr(lra_train.Trainer, "_train_step",
+                        lambda self: pytest.fail("trained without best.pt"))
+    message = (r"cannot resume .*last.pt: best.pt, the checkpoint of its best dev result \(step "
+               r"2\) that the run evaluates on test at its end, is missing; put it back into")
+    with pytest.raises(ValueError, match=message):
+        _run(cfg, listops_cache, tmp_path, resume=True)
+    with pytest.raises(ValueError, match=message):
+        check_run(cfg, tmp_path, listops_cache, resume=True)
+    monkeypatch.undo()
+    finished = tmp_path / "finished"
+    result = _run(cfg, listops_cache, finished)
+    (finished / "best.pt").unlink()
+    check_run(cfg, finished, listops_cache, resume=True)
+    assert _run(cfg, listops_cache, finished, resume=True) == result

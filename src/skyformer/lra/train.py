@@ -239,6 +239,43 @@ def check_same_data(ckpt: dict[str, Any], last: Path, data: TaskData,
                      f"was{hint}, or start a new run with another --out.")
 
 
+def finished_result(folder: Path, cfg: TrainConfig, step: int) -> dict[str, Any] | None:
+    """The stored ``result.json`` of ``folder`` when it is the end of ``cfg``'s run resumed
+    at ``step``, else None."""
+    path = folder / "result.json"
+    if not path.is_file():
+        return None
+    result = json.loads(path.read_text(encoding="utf-8"))
+    config = json_ready(cfg.to_dict())  # as written: an infinite setting is null
+    if result.get("config") != config or result.get("steps") != step:
+        return None
+    return result
+
+
+def best_dev_entry(step: int, best_step: int,
+                   history: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The dev entry of the resumed ``step`` when it is the best one: interrupted between
+    ``last.pt`` and ``best.pt``, the model of ``last.pt`` is that best."""
+    if best_step != step:
+        return None
+    return next((e for e in reversed(history) if e["kind"] == "dev" and e["step"] == step),
+                None)
+
+
+def check_best_checkpoint(folder: Path, step: int, best_step: int,
+                          history: list[dict[str, Any]]) -> None:
+    """Refuse to resume at ``step`` when ``best.pt``, which the run evaluates on test at
+    its end, is missing and ``last.pt`` cannot stand in for it (its best step is
+    another): the run would train to the end and fail there."""
+    if best_step == 0 or (folder / "best.pt").is_file() \
+            or best_dev_entry(step, best_step, history) is not None:
+        return
+    raise ValueError(f"cannot resume {folder / 'last.pt'}: best.pt, the checkpoint of its best "
+                     f"dev result (step {best_step}) that the run evaluates on test at its end, "
+                     f"is missing; put it back into {folder}, or start a new run with another "
+                     "--out.")
+
+
 def check_run(cfg: TrainConfig, folder: Path, cache_root: str | os.PathLike[str],
               resume: bool) -> None:
     """Fail now with the sentence ``Trainer.run`` would fail with when ``cfg`` cannot
@@ -248,6 +285,9 @@ def check_run(cfg: TrainConfig, folder: Path, cache_root: str | os.PathLike[str]
     if ckpt is not None:
         data = load_cache(cache_root, cfg.task)
         check_same_data(ckpt, folder / "last.pt", data, model_config(cfg, data))
+        s = ckpt["state"]
+        if finished_result(folder, cfg, s["step"]) is None:
+            check_best_checkpoint(folder, s["step"], s["best_step"], ckpt["history"])
 
 
 class Trainer:
@@ -335,24 +375,22 @@ class Trainer:
             torch.manual_seed(derive_seed(self.cfg.seed, self.info.rank, 1, self.state.step))
             self.attention_generator.manual_seed(derive_seed(self.cfg.seed, self.info.rank, 2,
                                                        self.state.step))
-        self._check_best()
-        self._say(f"resumed {self.folder} at step {self.state.step}")
         return True
 
     def _check_best(self) -> None:
         """``best.pt`` should hold the restored state's best step. Interrupted between
         ``last.pt`` and ``best.pt`` at a new best, the model just restored is that best:
-        it is written again."""
+        it is written again. Missing otherwise, the run is refused (every process)."""
         s = self.state
+        check_best_checkpoint(self.folder, s.step, s.best_step, s.history)
         if not self.info.is_main or s.best_step == 0:
             return
         path = self.folder / "best.pt"
         saved = load_checkpoint(path).get("step") if path.is_file() else None
         if saved == s.best_step:
             return
-        entry = next((e for e in reversed(s.history)
-                      if e["kind"] == "dev" and e["step"] == s.step), None)
-        if s.best_step == s.step and entry is not None:
+        entry = best_dev_entry(s.step, s.best_step, s.history)
+        if entry is not None:
             self._save_best({"accuracy": entry["accuracy"], "loss": entry["loss"],
                              "count": entry["examples"]})
             return
@@ -563,26 +601,19 @@ class Trainer:
                   f"{test['accuracy']:.4f}  ({self.folder / 'result.json'})")
         return result
 
-    def _finished_result(self) -> dict[str, Any] | None:
-        """The stored result when the resumed checkpoint is the end of a finished run."""
-        path = self.folder / "result.json"
-        if not path.is_file():
-            return None
-        result = json.loads(path.read_text(encoding="utf-8"))
-        config = json_ready(self.cfg.to_dict())  # as written: an infinite setting is null
-        if result.get("config") != config or result.get("steps") != self.state.step:
-            return None
-        return result
-
     def run(self) -> dict[str, Any] | None:
         self.info, self.device = init_distributed(self.device_request)
         try:
             self._build()
             resumed = self._restore()
-            finished = self._finished_result() if resumed else None
+            finished = finished_result(self.folder, self.cfg, self.state.step) if resumed \
+                else None
             if finished is not None:
                 self._say(f"{self.folder} is finished (result.json); nothing to do")
                 return finished
+            if resumed:
+                self._check_best()
+                self._say(f"resumed {self.folder} at step {self.state.step}")
             self.net = self.model
             if self.info.enabled:
                 ids = [self.device.index] if self.device.type == "cuda" else None
