@@ -528,3 +528,39 @@ def test_resume_without_best_pt_is_refused_before_training(listops_cache, tmp_pa
     (finished / "best.pt").unlink()
     check_run(cfg, finished, listops_cache, resume=True)
     assert _run(cfg, listops_cache, finished, resume=True) == result
+
+
+def test_a_run_killed_before_result_json_holds_one_test_entry_after_resume(
+        listops_cache, tmp_path, monkeypatch):
+    """Killed between its test entry and result.json, the resumed run logs the test entry
+    again: metrics.jsonl, test.csv and TensorBoard hold it once, at the final step, with
+    the best step it tested; the train and dev entries of that step stay."""
+    pytest.importorskip("tensorboard")
+    import importlib
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    lra_train = importlib.import_module("skyformer.lra.train")
+    write_json = lra_train.write_json
+
+    def killed(path, data, **kwargs):
+        if path.name == "result.json":
+            raise KeyboardInterrupt
+        return write_json(path, data, **kwargs)
+
+    cfg = _cfg(steps=6, eval_every=2, log_every=2)
+    _scripted_dev(monkeypatch, {2: 0.5, 4: 0.9, 6: 0.6})
+    monkeypatch.setattr(lra_train, "write_json", killed)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, cache_root=listops_cache, out_dir=tmp_path, quiet=True)
+    monkeypatch.setattr(lra_train, "write_json", write_json)
+    result = train(cfg, cache_root=listops_cache, out_dir=tmp_path, quiet=True, resume=True)
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("test/accuracy")] == [6]
+    assert [e.value for e in events.Scalars("test/best_step")] == [result["best_step"]] == [4]
+    assert [e.step for e in events.Scalars("dev/accuracy")] == [2, 4, 6]
+    assert [e.step for e in events.Scalars("train/loss")] == [2, 4, 6]
+    tests = [r for r in _history(tmp_path) if r["kind"] == "test"]
+    assert [(r["step"], r["best_step"]) for r in tests] == [(6, 4)]
+    assert len((tmp_path / "test.csv").read_text().splitlines()) == 2

@@ -6,8 +6,10 @@ or infinite value (a diverged loss) is ``null`` there; the CSV files write ``nan
 The history also lives in the checkpoint: on resume the files are rewritten from it,
 so entries logged after the last checkpoint by an interrupted run disappear (a CSV of a
 kind the history has no entries of is removed), and TensorBoard is told to purge events
-from the resumed step on (a new run: from step 0, hiding those of an attempt that died
-before its first checkpoint).
+from the resumed step on, the history's entries of that step written again (a new run:
+from step 0, hiding those of an attempt that died before its first checkpoint). Events
+logged at the resumed step after its checkpoint (a test entry before result.json) are
+purged too, so they are never there twice.
 """
 
 from __future__ import annotations
@@ -57,6 +59,10 @@ class RunLog:
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(str(self.folder / "tensorboard"), purge_step=purge_step)
+            for entry in self.history:  # purged with what came after them: written again
+                if purge_step is not None and entry.get("step", -1) >= purge_step:
+                    self._add_scalars(entry)
+            self._writer.flush()
 
     @property
     def tensorboard(self) -> bool:
@@ -82,13 +88,19 @@ class RunLog:
         with (self.folder / "metrics.jsonl").open("a", encoding="utf-8") as handle:
             handle.write(_json_line(entry))
         self._write_csv(kind)
-        if self._writer is not None and "step" in values:
-            for name, value in values.items():
-                numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
-                if name != "step" and numeric:
-                    self._writer.add_scalar(f"{kind}/{name}", value, values["step"])
+        if self._writer is not None:
+            self._add_scalars(entry)
             self._writer.flush()
         return entry
+
+    def _add_scalars(self, entry: dict[str, Any]) -> None:
+        """The numbers of ``entry`` as TensorBoard scalars ``kind/name`` at its step."""
+        if self._writer is None or "step" not in entry:
+            return
+        for name, value in entry.items():
+            numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if name != "step" and numeric:
+                self._writer.add_scalar(f"{entry['kind']}/{name}", value, entry["step"])
 
     def close(self) -> None:
         if self._writer is not None:

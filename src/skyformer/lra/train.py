@@ -569,8 +569,10 @@ class Trainer:
         test = evaluate(self.model, self.data.splits["test"], **kwargs)
         peaks = all_gather(torch.tensor([self.state.peak_memory], dtype=torch.int64), self.info)
         s = self.state
-        self.log.record("test", step=s.best_step, accuracy=test["accuracy"], loss=test["loss"],
-                        dev_accuracy=dev["accuracy"], examples=test["count"])
+        # At the last step (not the best): a resumed run purges TensorBoard from the step
+        # of last.pt, so the entry an interruption before result.json left goes with it.
+        self.log.record("test", step=s.step, best_step=s.best_step, accuracy=test["accuracy"],
+                        loss=test["loss"], dev_accuracy=dev["accuracy"], examples=test["count"])
         result = {
             "task": self.cfg.task,
             "attention": self.cfg.attention,
@@ -626,7 +628,7 @@ class Trainer:
                 })
             self.log = RunLog(self.folder, enabled=self.info.is_main, history=self.state.history,
                               tensorboard=self.tensorboard,
-                              purge_step=self.state.step + 1 if resumed else 0)
+                              purge_step=self.state.step)  # 0 for a new run
             try:
                 finished = self._loop()
                 return self._finish() if finished else None
