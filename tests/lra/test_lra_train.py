@@ -564,3 +564,21 @@ def test_a_run_killed_before_result_json_holds_one_test_entry_after_resume(
     tests = [r for r in _history(tmp_path) if r["kind"] == "test"]
     assert [(r["step"], r["best_step"]) for r in tests] == [(6, 4)]
     assert len((tmp_path / "test.csv").read_text().splitlines()) == 2
+
+
+def test_temporary_files_of_interrupted_writes_are_removed_when_a_run_starts(
+        listops_cache, tmp_path):
+    """A kill between writing a checkpoint's or result's temporary file and its rename
+    left ``.last.pt.XXXXXXXX.tmp`` (a model's size) in the folder for good; a new run or
+    a resumed one removes those of its own files, and nothing else."""
+    cfg = _cfg(steps=4, eval_every=2)
+    leftovers = [".last.pt.k2x_9abc.tmp", ".best.pt.abcdefgh.tmp", ".result.json.12345678.tmp",
+                 ".metrics.jsonl.a1b2c3d4.tmp", ".dev.csv.zzzzzzzz.tmp"]
+    others = [".notes.abcdefgh.tmp", ".last.pt.short.tmp", "last.pt.abcdefgh.tmp"]
+    for folder, kwargs in ((tmp_path / "new", {"stop_after": 2}),
+                           (tmp_path / "new", {"resume": True})):
+        folder.mkdir(exist_ok=True)
+        for name in leftovers + others:
+            (folder / name).write_text("partial")
+        _run(cfg, listops_cache, folder, **kwargs)
+        assert sorted(p.name for p in folder.glob("*.tmp")) == sorted(others)

@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -58,7 +59,7 @@ from .evaluate import evaluate
 from .metrics import Running, peak_memory_bytes, reset_peak_memory
 from .model import LRAClassifier, ModelConfig
 from .presets import TrainConfig, learning_rate
-from .runlog import RunLog
+from .runlog import KINDS, RunLog
 from .seeds import derive_seed
 
 _log = get_logger("lra")
@@ -144,6 +145,25 @@ def _has_test_entry(metrics: Path) -> bool:
         if isinstance(entry, dict) and entry.get("kind") == "test":
             return True
     return False
+
+
+# The files a run writes through a temporary file ``.NAME.XXXXXXXX.tmp`` and a rename.
+ATOMIC_FILES = ("last.pt", "best.pt", "result.json", "config.json", "metrics.jsonl",
+                *(f"{kind}.csv" for kind in KINDS))
+_TEMPORARY = re.compile(rf"\.({'|'.join(map(re.escape, ATOMIC_FILES))})\.\w{{8}}\.tmp")
+
+
+def remove_temporaries(folder: Path) -> list[Path]:
+    """Remove the temporary files of ``ATOMIC_FILES`` that a write killed before its rename
+    left in ``folder`` (the run folder holds one run: no other process writes them now),
+    and return them."""
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.iterdir()
+             if _TEMPORARY.fullmatch(p.name) and p.is_file() and not p.is_symlink()]
+    for path in found:
+        path.unlink(missing_ok=True)
+    return found
 
 
 def earlier_run_files(folder: Path) -> list[str]:
@@ -608,6 +628,9 @@ class Trainer:
         try:
             self._build()
             resumed = self._restore()
+            if self.info.is_main and (removed := remove_temporaries(self.folder)):
+                self._say(f"removed {len(removed)} temporary file(s) of writes an interruption "
+                          f"cut short: {', '.join(p.name for p in removed)}")
             finished = finished_result(self.folder, self.cfg, self.state.step) if resumed \
                 else None
             if finished is not None:
