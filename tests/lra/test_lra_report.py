@@ -236,3 +236,15 @@ def test_runs_on_other_prepared_data_are_not_averaged_together(tmp_path):
                     "90.00 |",
                     "| softmax (data.generated.seed=1, data.tokens=None) | - | 20.00 (1) | "
                     "20.00 |"], rows
+
+
+def test_a_run_reached_by_several_paths_counts_once(tmp_path):
+    """The same run given twice, with its parent, or through a link, was counted as a
+    second run (a seed run twice, in the notes)."""
+    folder = _fake_run(tmp_path / "runs", "listops", "softmax", 0, 0.30)
+    _fake_run(tmp_path / "runs", "listops", "softmax", 1, 0.40)
+    (tmp_path / "link").symlink_to(tmp_path / "runs")
+    runs = collect_runs([tmp_path / "runs", folder, folder / "result.json", tmp_path / "link",
+                         tmp_path / "runs" / ".." / "runs"])
+    assert sorted(r.result["seed"] for r in runs) == [0, 1]
+    assert "ran more than once" not in tables(runs)

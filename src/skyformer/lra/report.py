@@ -95,14 +95,18 @@ def _every_option(method: Any, options: dict[str, Any]) -> dict[str, Any]:
 
 
 def collect_runs(paths: list[str | os.PathLike[str]]) -> list[Run]:
-    """Every finished run (a folder with ``result.json``) under ``paths``."""
-    runs = []
+    """Every finished run (a folder with ``result.json``) under ``paths``, each once
+    however many of ``paths`` reach it (a folder and its parent, a link)."""
+    runs, seen = [], set()
     for path in paths:
         root = Path(path)
         if not root.exists():
             raise FileNotFoundError(f"{root} does not exist.")
         files = [root] if root.is_file() else sorted(root.rglob("result.json"))
         for file in files:
+            if file.resolve() in seen:
+                continue
+            seen.add(file.resolve())
             try:
                 result = json.loads(file.read_text(encoding="utf-8"))
             except json.JSONDecodeError as err:
