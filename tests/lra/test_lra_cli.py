@@ -59,15 +59,20 @@ def test_stop_after_stops_at_that_step_and_says_where(tmp_path, capsys, listops_
             "--batch-size", "16", "--cache", str(listops_cache), "--out", str(tmp_path),
             "--no-tensorboard", "--quiet"]
     for extra, said in ((["--stop-after", "4"], "stopped after step 4;"),
-                        (["--stop-after", "4", "--resume"], "stopped after step 4;"),
+                        (["--stop-after", "4", "--resume"],
+                         "nothing trained: the run is already at step 4 (--stop-after 4);"),
                         (["--stop-after", "2", "--resume"],
                          "nothing trained: the run is already at step 4, past --stop-after 2")):
         assert main([*args, *extra]) == 0
         assert said in capsys.readouterr().out
         assert load_checkpoint(tmp_path / "last.pt")["state"]["step"] == 4
-    assert main([*args, "--stop-after", "0", "--out", str(tmp_path / "none")]) == 0
-    assert "stopped after step 0;" in capsys.readouterr().out
-    assert not (tmp_path / "none" / "last.pt").exists()
+    # A new run stopped at step 0 writes the checkpoint its message says to continue from.
+    assert main([*args, "--stop-after", "0", "--out", str(tmp_path / "zero")]) == 0
+    assert "stopped after step 0; continue with --resume" in capsys.readouterr().out
+    assert load_checkpoint(tmp_path / "zero" / "last.pt")["state"]["step"] == 0
+    assert main([*args, "--stop-after", "0", "--out", str(tmp_path / "zero"), "--resume"]) == 0
+    assert "nothing trained: the run is already at step 0 (--stop-after 0)" in \
+        capsys.readouterr().out
     assert main([*args, "--stop-after", "-2", "--out", str(tmp_path / "negative")]) == 2
     assert "--stop-after) must be a number of steps >= 0, got -2" in capsys.readouterr().err
     assert not (tmp_path / "negative").exists()
@@ -82,7 +87,8 @@ def test_a_run_already_at_or_past_stop_after_says_so_in_one_line(
             "--no-tensorboard"]
     assert main([*args, "--stop-after", "4"]) == 0
     capsys.readouterr()
-    for stop, said in (("4", "stopped after step 4; continue with --resume"),
+    for stop, said in (("4", "nothing trained: the run is already at step 4 (--stop-after 4); "
+                        "continue with --resume"),
                        ("2", "nothing trained: the run is already at step 4, past --stop-after "
                         "2; continue with --resume")):
         assert main([*args, "--stop-after", stop, "--resume"]) == 0

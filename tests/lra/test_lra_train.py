@@ -582,3 +582,17 @@ def test_temporary_files_of_interrupted_writes_are_removed_when_a_run_starts(
             (folder / name).write_text("partial")
         _run(cfg, listops_cache, folder, **kwargs)
         assert sorted(p.name for p in folder.glob("*.tmp")) == sorted(others)
+
+
+def test_a_new_run_stopped_at_step_0_resumes_as_an_uninterrupted_run(listops_cache, tmp_path):
+    """stop_after=0 said the run stopped, to be continued with --resume, but wrote no
+    last.pt: the resume was a new run. Its step-0 checkpoint continues exactly."""
+    cfg = _cfg(attention="skyformer", attention_options={"num_features": 4}, steps=6)
+    whole = _run(cfg, listops_cache, tmp_path / "whole")
+    assert _run(cfg, listops_cache, tmp_path / "cut", stop_after=0) is None
+    assert load_checkpoint(tmp_path / "cut" / "last.pt")["state"]["step"] == 0
+    resumed = _run(cfg, listops_cache, tmp_path / "cut", resume=True)
+    _assert_same_tensors(load_checkpoint(tmp_path / "whole" / "last.pt")["model"],
+                         load_checkpoint(tmp_path / "cut" / "last.pt")["model"])
+    assert resumed["test_accuracy"] == whole["test_accuracy"]
+    assert _history(tmp_path / "whole") == _history(tmp_path / "cut")

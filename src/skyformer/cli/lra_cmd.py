@@ -289,9 +289,11 @@ def _run_train(args: argparse.Namespace) -> int:
     for trainer in trainers:
         if trainer.run() is None:  # the one line about --stop-after (the trainer says none)
             step = trainer.state.step
-            said = f"stopped after step {step}" if step == args.stop_after else \
-                f"nothing trained: the run is already at step {step}, past --stop-after " \
-                f"{args.stop_after}"
+            said = f"stopped after step {step}"
+            if trainer.resumed_at == step:
+                where = f", past --stop-after {args.stop_after}" if step > args.stop_after \
+                    else f" (--stop-after {args.stop_after})"
+                said = f"nothing trained: the run is already at step {step}{where}"
             if trainer.info.is_main:  # under torchrun, one line rather than one per process
                 print(f"{said}; continue with --resume")
             return 0

@@ -312,8 +312,9 @@ def check_run(cfg: TrainConfig, folder: Path, cache_root: str | os.PathLike[str]
 
 class Trainer:
     """One training run; ``run()`` returns the result, or None when stopped by
-    ``stop_after`` (to be resumed; ``state.step`` is the step it stopped at, beyond
-    ``stop_after`` when the run was already past it and nothing was trained)."""
+    ``stop_after`` (to be resumed from ``last.pt``; ``state.step`` is the step it stopped
+    at, and ``resumed_at`` the step it resumed from, None for a new run: equal when the
+    run was already at or past ``stop_after`` and nothing was trained)."""
 
     def __init__(self, cfg: TrainConfig, *, cache_root: str | os.PathLike[str],
                  out_dir: str | os.PathLike[str] | None = None, resume: bool = False,
@@ -331,6 +332,7 @@ class Trainer:
         self.device_request = device
         self.tensorboard = tensorboard
         self.quiet = quiet
+        self.resumed_at: int | None = None
 
     # -- set-up -------------------------------------------------------------------------
     def _say(self, text: str) -> None:
@@ -537,6 +539,8 @@ class Trainer:
                       f"{cfg.patience} evaluations): evaluating the best checkpoint")
             return True
         if self.stop_after is not None and self.stop_after <= state.step < cfg.steps:
+            if self.resumed_at is None:  # a new run stopped at step 0: a checkpoint to resume
+                self._save_last()
             return False  # nothing to train; the caller says so (run() returns None)
         checkpoint_every = cfg.checkpoint_every or cfg.eval_every
         self.model.train()
@@ -628,6 +632,7 @@ class Trainer:
         try:
             self._build()
             resumed = self._restore()
+            self.resumed_at = self.state.step if resumed else None
             if self.info.is_main and (removed := remove_temporaries(self.folder)):
                 self._say(f"removed {len(removed)} temporary file(s) of writes an interruption "
                           f"cut short: {', '.join(p.name for p in removed)}")
