@@ -596,3 +596,29 @@ def test_a_new_run_stopped_at_step_0_resumes_as_an_uninterrupted_run(listops_cac
                          load_checkpoint(tmp_path / "cut" / "last.pt")["model"])
     assert resumed["test_accuracy"] == whole["test_accuracy"]
     assert _history(tmp_path / "whole") == _history(tmp_path / "cut")
+
+
+def test_peak_memory_is_that_of_training_steps_not_of_evaluations(
+        listops_cache, tmp_path, monkeypatch):
+    """Table 2's peak is the training's: the counter is reset after each evaluation (on
+    CUDA evaluation at batch_size / processes can exceed a micro-batch of training)."""
+    import importlib
+
+    lra_train = importlib.import_module("skyformer.lra.train")
+    peak = {"now": 0}
+    train_step, evaluate = lra_train.Trainer._train_step, lra_train.evaluate
+
+    def stepping(self):
+        train_step(self)
+        peak["now"] = max(peak["now"], 100)
+
+    def evaluating(*args, **kwargs):
+        peak["now"] = max(peak["now"], 10_000)
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(lra_train.Trainer, "_train_step", stepping)
+    monkeypatch.setattr(lra_train, "evaluate", evaluating)
+    monkeypatch.setattr(lra_train, "reset_peak_memory", lambda device: peak.update(now=0))
+    monkeypatch.setattr(lra_train, "peak_memory_bytes", lambda device: peak["now"])
+    result = _run(_cfg(steps=8, eval_every=2, log_every=2), listops_cache, tmp_path / "run")
+    assert result["peak_memory_bytes"] == 100

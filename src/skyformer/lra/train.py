@@ -571,6 +571,7 @@ class Trainer:
                 self._save_last()  # before best.pt: never a best.pt beyond last.pt
             if best is not None:
                 self._save_best(best)
+            reset_peak_memory(self.device)  # the peak is the training's, not the evaluation's
             resumed = time.perf_counter()
             state.wall_seconds += resumed - now
             segment = resumed
