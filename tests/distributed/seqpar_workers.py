@@ -344,6 +344,10 @@ def check_ranks_disagree(rank: int, world: int) -> None:
                                           **options))
         assert f"{same}[{world - 1}] differ from rank 0 (this rank, {rank}: {method} " in said, \
             said
+    # one computation written two ways agrees: a variant and its method with the options
+    variant = ("skyformer[num_features=4]", {}) if last else ("skyformer", {"num_features": 4})
+    assert _outcome(functools.partial(sequence_parallel_attention, q, k, v, variant[0],
+                                      generator=skyformer.random_key(0), **variant[1])) == "ok"
     torch.manual_seed(rank)  # a different seed per rank, the parameters then broadcast
     layer = skyformer.MultiHeadAttention(8, 2, "performer", num_features=4,
                                          process_group=dist.group.WORLD).double()

@@ -107,7 +107,8 @@ def run_sequence_parallel(
     except Exception as failure:
         error = failure
     layout = agree_layout(caller, q, v, None if info is None else info.key_valid, key, error,
-                          group, call=f"{name} {bound.config!r}", draws=state_arguments)
+                          group, call=f"{bound.method.base_name} {bound.config!r}",
+                          draws=state_arguments)
     assert info is not None
     with precision:
         # padded rows never matter, whatever they hold, and non-finite real inputs mark
