@@ -265,3 +265,14 @@ def test_a_row_with_a_non_finite_sample_says_so_instead_of_dropping_it(monkeypat
     assert row["samples"] == 2 and row["nonfinite"] == 1
     assert np.isnan(row["spectral_mean"]) and np.isnan(row["frobenius_mean"])
     assert all(r["nonfinite"] == 0 for r in result.rows if r["method"] != "broken_on_one_head")
+
+
+@pytest.mark.parametrize("name", ["skyformer[causal=True]", "nystrom_softmax[scale=0.5]"])
+def test_a_variant_with_another_target_is_refused_before_any_work(name):
+    """The floors and baselines are of the non-causal target at the default scale: a
+    variant with its own causal or scale would be measured against the wrong one."""
+    option = name.partition("[")[2].partition("=")[0]
+    with pytest.raises(ValueError, match=rf"{name.partition('[')[0]}\[.*\]: approx measures "
+                                         rf".* drop {option} from the brackets"):
+        resolve_methods((name,), [])
+    resolve_methods(("skyformer[causal=False]", "nystrom_softmax[scale=None]"), [])

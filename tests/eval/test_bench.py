@@ -505,3 +505,18 @@ def test_a_method_registered_by_a_function_module_may_come_first(monkeypatch, tm
     by_method = {r["method"]: r for r in rows}
     assert set(by_method) == {"softmax", "first_keys_mean", "exact"}
     assert by_method["first_keys_mean"]["num_features"] == (features or 4)
+
+
+def test_a_variant_is_measured_against_the_target_at_its_scale_and_causal_is_a_flag():
+    """``softmax[scale=0.5]`` is its own target (error 0); causal in the brackets is
+    refused for --causal, which makes the reference causal too."""
+    config = BenchConfig(methods=("softmax[scale=0.5]", "kernelized[scale=0.5]"),
+                         seq_lens=(32,), shapes=((1, 2, 8),), repeats=1, warmup=0,
+                         memory=False, backward=False)
+    rows = {row["method"]: row for row in run_bench(config).rows}
+    assert rows["softmax[scale=0.5]"]["rel_error"] < 1e-6
+    assert rows["kernelized[scale=0.5]"]["rel_error"] < 1e-6
+    for causal in (False, True):
+        with pytest.raises(ValueError, match=r"softmax\[causal=True\]: bench makes every "
+                                             r"method causal with --causal"):
+            BenchConfig(methods=("softmax[causal=True]",), seq_lens=(32,), causal=causal)

@@ -63,3 +63,29 @@ def test_a_failed_memory_measurement_keeps_the_compare_rows(monkeypatch):
         rows = compare_on(qkv, CompareConfig(methods=("softmax", "linear"), repeats=1))
     assert [r["method"] for r in rows] == ["softmax", "linear"]
     assert all(r["peak_mib"] is None and r["time_ms"] > 0 for r in rows)
+
+
+def test_a_variant_is_compared_with_the_target_of_its_causal_and_scale():
+    """``softmax[causal=True]`` and ``kernelized[scale=0.5]`` are their own targets: error
+    0, not their distance to the non-causal target at the default scale; a causal row's
+    trivial answer is the causal one (row i = the mean of v_0..v_i)."""
+    import torch
+
+    from skyformer.eval.compare.run import CompareConfig, compare_on
+    from skyformer.eval.data.qkv import QKV
+    from skyformer.eval.measure.metrics import trivial_error
+    from skyformer.ops.softmax import softmax_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 32, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    qkv = QKV(q, k, v, model="gaussian", pretrained=False, layer=0, windows=1)
+    names = ("softmax", "softmax[causal=True]", "softmax[scale=0.5]", "kernelized[scale=0.5]",
+             "linear[causal=True]")
+    rows = {r["method"]: r for r in compare_on(qkv, CompareConfig(methods=names, repeats=1,
+                                                                    memory=False))}
+    for name in names[:4]:
+        assert rows[name]["spectral_error"] < 1e-10, name
+    causal = trivial_error(v, softmax_attention(q, k, v, causal=True), causal=True)
+    assert rows["linear[causal=True]"]["trivial_error"] == causal
+    assert rows["softmax[causal=True]"]["trivial_error"] == causal != rows["softmax"][
+        "trivial_error"]

@@ -88,6 +88,9 @@ def test_config_errors():
     with pytest.raises(ValueError, match=r"hf-eval \(--features\) sets num_features"):
         HFEvalConfig(methods=("skyformer[num_features=64]",)).validate()
     HFEvalConfig(methods=("skyformer[pinv_gradient=implicit]",)).validate()
+    with pytest.raises(ValueError, match=r"softmax\[causal=True\]: do not pass causal; "
+                                         r"causal masking follows the model"):
+        HFEvalConfig(methods=("softmax[causal=True]",)).validate()
     with pytest.raises(ValueError, match="features must be positive integers"):
         HFEvalConfig(features=(0,)).validate()
     with pytest.raises(ValueError, match=r"max_texts must be at least 2 \(retrieval"):

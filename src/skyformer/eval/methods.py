@@ -27,6 +27,9 @@ from ..registry.autocast import capped_for
 from ..registry.capabilities import TARGETS
 
 STATE_SEED = 0  # initialisation seed of the per-layer state of layer-like calls
+# Options a method shares with the exact attention it approximates (softmax and
+# kernelized take both): its error is measured against the target with the same ones.
+TARGET_OPTIONS = ("causal", "scale")
 
 PreparedCall = Callable[[Tensor, Tensor, Tensor, "torch.Generator | None"], Tensor]
 
@@ -88,6 +91,13 @@ class NamedAttention:
         if state is not None:
             state = state.to(device=device, dtype=dtype)
         return lambda q, k, v, g: bound(q, k, v, generator=g, state=state)
+
+
+def target_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The options of the exact target that a call with (resolved) ``options`` approximates:
+    its causal masking and its logit scale, where it has them (``causal=True`` against
+    causal softmax, ``scale=0.5`` against softmax at that scale)."""
+    return {name: options[name] for name in TARGET_OPTIONS if name in options}
 
 
 def resolve_all(specs: list[str] | tuple[str, ...]) -> list[NamedAttention]:

@@ -219,16 +219,22 @@ def resolve_method_name(method: str) -> str:
     return name
 
 
+def refuse_causal_option(spec: Method, explicit: dict[str, Any]) -> None:
+    """Fail in a sentence where ``causal`` is given as a keyword or in a variant's name:
+    causal masking follows the model."""
+    if "causal" in explicit or "causal" in dict(spec.preset):
+        raise ValueError(
+            f"{spec.name}: do not pass causal; causal masking follows the model (its masks "
+            f"and is_causal flags)."
+        )
+
+
 def _check_module(spec: Method, module: nn.Module, index: int | None, cross: bool,
                   explicit: dict[str, Any], causal: bool = False) -> None:
     """Fail now, with a sentence, if ``spec`` cannot serve this module."""
     where = type(module).__name__ if index is None else f"layer {index} ({type(module).__name__})"
     caps = spec.capabilities
-    if "causal" in explicit or "causal" in dict(spec.preset):  # keyword or variant name
-        raise ValueError(
-            f"{spec.name}: do not pass causal; causal masking follows the model (its masks "
-            f"and is_causal flags)."
-        )
+    refuse_causal_option(spec, explicit)
     if (causal or getattr(module, "is_causal", False)) and not cross and not caps.causal:
         raise CapabilityError(
             f"{where} uses causal attention (a decoder), and {spec.name} cannot do causal "

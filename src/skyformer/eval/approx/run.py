@@ -42,7 +42,7 @@ from ...registry.variants import refuse_swept_option
 from ...seeds import check_seed
 from ..data.sources import SOURCES, SourceData, SourceLoader, SourceOptions, check_source
 from ..measure.metrics import constant_row_error, rank_m_floor, relative_error
-from ..methods import refuse_repeats
+from ..methods import TARGET_OPTIONS, refuse_repeats
 from .leverage import THEOREM_CONSTANT, leverage_analysis
 from .spectra import attention_spectra, lsh_mask, oracle_mask
 
@@ -224,6 +224,7 @@ def resolve_methods(names: tuple[str, ...] | None, notes: list[str]) -> list[Met
     out = []
     for spec in chosen:
         refuse_swept_option(spec.name, spec.preset, "num_features", "approx (--features)")
+        _refuse_other_target(spec)
         if spec.capabilities.exact:
             if explicit:
                 notes.append(f"{spec.name}: skipped: exact, it is the {spec.capabilities.target} "
@@ -237,6 +238,18 @@ def resolve_methods(names: tuple[str, ...] | None, notes: list[str]) -> list[Met
         raise ValueError("no approximate method to sweep; pass --methods with at least one "
                          "method that has num_features (see `skyformer list`).")
     return out
+
+
+def _refuse_other_target(spec: Method) -> None:
+    """Fail in a sentence where a variant sets causal or scale away from the default: the
+    targets, floors and baselines are of the non-causal attention at the default scale."""
+    defaults = get_method(spec.base_name).defaults()
+    for option in TARGET_OPTIONS:
+        if option in dict(spec.preset) and spec.defaults()[option] != defaults[option]:
+            raise ValueError(
+                f"{spec.name}: approx measures every method against the non-causal "
+                f"{spec.capabilities.target} attention at the default scale (its rank-m "
+                f"floors and baselines too); drop {option} from the brackets.")
 
 
 def _call(spec: Method, q: Tensor, k: Tensor, v: Tensor, m: int, seed: int) -> Tensor:

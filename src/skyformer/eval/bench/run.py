@@ -10,7 +10,8 @@ state), (B, H, D) shape, dtype and sequence length N, on random inputs:
   synchronised;
 - peak memory of forward + backward (``memory.peak_memory_bytes``: a fresh process per
   configuration on CPU, ``max_memory_allocated`` on CUDA);
-- relative spectral error against the exact attention the method approximates;
+- relative spectral error against the exact attention the method approximates, at the
+  method's ``scale`` (and causal with ``causal``);
 - for methods with a FLOP count (``flops.py``), the "speed of light": that arithmetic at
   the matmul throughput measured on the same device in the same run.
 
@@ -37,14 +38,20 @@ from ...devices import parse_device
 from ...io import environment, json_ready
 from ...linalg.implicit_inverse import factorises
 from ...ops.shared.inputs import compute_dtype
-from ...registry import exact_method, get_method, list_methods
+from ...registry import Method, exact_method, get_method, list_methods
 from ...registry.variants import refuse_swept_option
 from ...seeds import check_seed
 from ..measure.flops import attention_flops, matmul_flops_per_second
 from ..measure.memory import MemoryJob, above_resolution, peak_memory_or_reason
 from ..measure.metrics import relative_error, trivial_error
 from ..measure.timing import CLOCKS, interleaved_median_seconds
-from ..methods import NamedAttention, PreparedCall, refuse_repeats, resolve_all
+from ..methods import (
+    NamedAttention,
+    PreparedCall,
+    refuse_repeats,
+    resolve_all,
+    target_options,
+)
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 History = dict[str, list[tuple[int, float]]]  # label -> (N, seconds or bytes) measured so far
@@ -70,7 +77,9 @@ class BenchConfig:
     clock: "wall" (default) or "cpu" (process CPU time: robust to the load of a shared
         machine, meaningful with one thread; see ``timing``).
     causal: every method (the reference included) with ``causal=True``, errors against
-        the exact causal target; without ``methods``, the methods that can be causal.
+        the exact causal target; without ``methods``, the methods that can be causal. A
+        variant may not set causal itself (it would be timed against a reference of the
+        other kind).
     """
 
     methods: tuple[str, ...] | None = None
@@ -110,12 +119,9 @@ class BenchConfig:
         if self.num_features is not None and self.num_features < 1:
             raise ValueError(f"num_features must be a positive integer, got {self.num_features}.")
         check_seed("seed", self.seed)
-        if self.num_features is not None:
-            for named in resolve_all(self.methods or ()):
-                if named.registered:  # functions take no presets
-                    method = get_method(named.name)
-                    refuse_swept_option(method.name, method.preset, "num_features",
-                                        "bench (--features)")
+        for named in resolve_all(self.methods or ()):
+            if named.registered:  # functions take no presets
+                _refuse_presets(get_method(named.name), self.num_features is not None)
         if not self.max_seconds > 0:
             raise ValueError(f"max_seconds must be positive, got {self.max_seconds}.")
         if self.clock not in CLOCKS:
@@ -130,6 +136,17 @@ class BenchConfig:
         if self.reference not in names:  # speed-ups are taken against it
             names.insert(0, self.reference)
         return names
+
+
+def _refuse_presets(method: Method, features: bool) -> None:
+    """Fail in a sentence where a variant sets an option that the run sets for every
+    method: num_features (with ``features``) or causal."""
+    if features:
+        refuse_swept_option(method.name, method.preset, "num_features", "bench (--features)")
+    if "causal" in dict(method.preset):
+        # a causal method against the non-causal reference would compare unlike things
+        raise ValueError(f"{method.name}: bench makes every method causal with --causal, "
+                         f"the reference SDPA included; drop causal from the brackets.")
 
 
 @dataclass
@@ -412,8 +429,7 @@ def _measure_length(
         for row in rows.values():
             row["load_avg"] = round((load_before[0] + load_after[0]) / 2, 2)
 
-    exact: dict[str, Tensor] = {}
-    trivial: dict[str, float] = {}  # per target: the better of mean(V) rows and zeros
+    exact: dict[tuple, tuple[Tensor, float]] = {}
     for label, (method, options, forward, _) in runnable.items():
         row = rows[label]
         row["fwd_ms"] = medians[f"{label}/fwd"] * 1e3
@@ -431,13 +447,9 @@ def _measure_length(
                 row["peak_mib"] = peak / 2**20
                 peaks[label].append((n, float(peak)))
         if config.error and method.target is not None:
-            if method.target not in exact:
-                exact[method.target] = _exact_output(q, k, v, method.target, config.causal)
-                trivial[method.target] = trivial_error(v, exact[method.target],
-                                                       causal=config.causal)
-            out = forward().to(exact[method.target].dtype)
-            row["rel_error"] = relative_error(out, exact[method.target], ord=2).mean().item()
-            row["trivial_error"] = trivial[method.target]
+            target, row["trivial_error"] = _target(q, k, v, method, options, exact)
+            out = forward().to(target.dtype)
+            row["rel_error"] = relative_error(out, target, ord=2).mean().item()
         if method.registered:
             flops = attention_flops(
                 method.name, batch=b, heads=h, nq=n, nk=n, d=d, dv=d,
@@ -476,11 +488,20 @@ def _skip_reason(config: BenchConfig, method: NamedAttention, dtype_name: str, n
     return ""
 
 
-def _exact_output(q: Tensor, k: Tensor, v: Tensor, target: str, causal: bool = False) -> Tensor:
-    """The exact attention of the target in float32 (or the inputs' float64)."""
-    work = torch.float64 if q.dtype == torch.float64 else torch.float32
-    with torch.no_grad():
-        return exact_method(target).function(q.to(work), k.to(work), v.to(work), causal=causal)
+def _target(q: Tensor, k: Tensor, v: Tensor, method: NamedAttention, options: dict[str, Any],
+            known: dict[tuple, tuple[Tensor, float]]) -> tuple[Tensor, float]:
+    """The exact output ``method`` approximates, with its ``target_options`` (causal,
+    scale), in float32 (or the inputs' float64), and the error of the better trivial
+    answer against it (mean(V) rows or zeros); kept in ``known`` for the next method."""
+    same = target_options(method.resolved_options(options, q.shape[-2]))
+    key = (method.target, *sorted(same.items()))
+    if key not in known:
+        work = torch.float64 if q.dtype == torch.float64 else torch.float32
+        with torch.no_grad():
+            out = exact_method(method.target).function(q.to(work), k.to(work), v.to(work),
+                                                       **same)
+        known[key] = out, trivial_error(v, out, causal=bool(same.get("causal")))
+    return known[key]
 
 
 def _one_line(err: BaseException) -> str:

@@ -1,7 +1,8 @@
 """``skyformer compare``: every registered method against its exact target on real Q/K/V.
 
 For each method: relative spectral-norm error of the output against the exact
-attention it approximates (softmax or Gaussian kernelized, per its capabilities),
+attention it approximates (softmax or Gaussian kernelized, per its capabilities, with
+the method's own ``causal`` and ``scale``: ``softmax[causal=True]`` is its own target),
 mean and spread over heads, relative Frobenius error, forward time and peak memory.
 """
 
@@ -27,7 +28,7 @@ from ..data.text import read_text
 from ..measure.memory import MemoryJob, peak_memory_or_reason
 from ..measure.metrics import relative_error, trivial_error
 from ..measure.timing import median_seconds
-from ..methods import PreparedCall, refuse_repeats, resolve
+from ..methods import PreparedCall, refuse_repeats, resolve, target_options
 
 
 @dataclass(frozen=True)
@@ -85,11 +86,12 @@ def compare_on(qkv: QKV, config: CompareConfig) -> list[dict[str, Any]]:
     for m in methods:
         get_method(m)  # unknown names fail before any work
     q, k, v = qkv.q, qkv.k, qkv.v
-    exact: dict[str, Tensor] = {}
-    # per target: the error of the better trivial answer, every row = mean of V (the
-    # softmax target's constant) or all zeros (relative error 1: the Gaussian target's
-    # rows are not weighted means, so mean(V) can be far off there)
-    trivial: dict[str, float] = {}
+    # per target and its causal and scale options: the exact output and the error of
+    # the better trivial answer, every row = mean of V (the softmax target's constant) or
+    # all zeros (relative error 1: the Gaussian target's rows are not weighted means, so
+    # mean(V) can be far off there)
+    exact: dict[tuple, Tensor] = {}
+    trivial: dict[tuple, float] = {}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         inputs = Path(tmp) / "qkv.pt"
@@ -98,12 +100,16 @@ def compare_on(qkv: QKV, config: CompareConfig) -> list[dict[str, Any]]:
         for name in tqdm(methods, desc="compare", unit="method", leave=False, disable=None):
             spec = get_method(name)
             target = spec.capabilities.target
-            if target not in exact:
-                with torch.no_grad():
-                    exact[target] = exact_method(target).function(q, k, v)
-                trivial[target] = trivial_error(v, exact[target])
             named = resolve(name)
             options = named.options(config.num_features)
+            resolved = named.resolved_options(options, q.shape[-2])
+            key = (target, *sorted(target_options(resolved).items()))
+            if key not in exact:
+                with torch.no_grad():
+                    exact[key] = exact_method(target).function(q, k, v,
+                                                               **target_options(resolved))
+                trivial[key] = trivial_error(v, exact[key],
+                                             causal=bool(resolved.get("causal")))
             call = named.prepare(tuple(q.shape), options, device=q.device, dtype=q.dtype)
 
             def run(call: PreparedCall = call) -> Tensor:
@@ -112,8 +118,8 @@ def compare_on(qkv: QKV, config: CompareConfig) -> list[dict[str, Any]]:
                     return call(q, k, v, g)
 
             out = run()
-            spectral = relative_error(out, exact[target], ord=2)[0]  # [H]
-            frobenius = relative_error(out, exact[target], ord="fro")[0]
+            spectral = relative_error(out, exact[key], ord=2)[0]  # [H]
+            frobenius = relative_error(out, exact[key], ord="fro")[0]
             seconds = median_seconds(run, device=q.device, warmup=1, repeats=config.repeats)
             peak = None
             if config.memory:
@@ -126,12 +132,11 @@ def compare_on(qkv: QKV, config: CompareConfig) -> list[dict[str, Any]]:
                     "method": name,
                     "target": target,
                     "exact": spec.capabilities.exact,
-                    "num_features": named.resolved_options(
-                        options, q.shape[-2]).get("num_features"),
+                    "num_features": resolved.get("num_features"),
                     "spectral_error": spectral.mean().item(),
                     "spectral_error_std": spectral.std().item() if spectral.numel() > 1 else 0.0,
-                    "trivial_error": trivial[target],
-                    "worse_than_trivial": spectral.mean().item() > trivial[target],
+                    "trivial_error": trivial[key],
+                    "worse_than_trivial": spectral.mean().item() > trivial[key],
                     "frobenius_error": frobenius.mean().item(),
                     "time_ms": seconds * 1e3,
                     "peak_mib": None if peak is None else peak / 2**20,

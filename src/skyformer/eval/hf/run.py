@@ -109,6 +109,10 @@ class HFEvalConfig:
             method = get_method(m)  # unknown names fail before any work
             refuse_swept_option(method.name, method.preset, "num_features",
                                 "hf-eval (--features)")
+            if "causal" in dict(method.preset):  # as set_attention would, row after row
+                from ...hf.layers import refuse_causal_option
+
+                refuse_causal_option(method, {})
         device = parse_device(self.device)
         if self.clock not in CLOCKS:
             raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}.")
