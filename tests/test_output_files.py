@@ -120,6 +120,33 @@ def test_hf_eval_without_matplotlib_says_so_before_evaluating(tmp_path, monkeypa
     assert evaluated == [] and list(tmp_path.iterdir()) == []
 
 
+def test_bench_without_matplotlib_says_so_before_measuring(tmp_path, monkeypatch, capsys):
+    """bench --out plots at the end of a run that may take hours: a missing matplotlib
+    stops it before the first measurement; without --out (no plot) or with --no-plot it
+    runs."""
+    import builtins
+
+    import skyformer.eval.bench.run as bench_run
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    measured = []
+    monkeypatch.setattr(bench_run, "_measure_length", lambda *a: measured.append(1) or [])
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    argv = ["bench", "--methods", "softmax", "--seq-lens", "16", "--shapes", "1,1,4",
+            "--no-memory", "--repeats", "1", "--warmup", "0"]
+    assert main([*argv, "--out", str(tmp_path / "bench")]) == 2
+    assert "pip install 'skyformer[plot]' (or pass --no-plots)" in capsys.readouterr().err
+    assert measured == [] and list(tmp_path.iterdir()) == []
+    assert main([*argv, "--out", str(tmp_path / "bench"), "--no-plot"]) == 0
+    assert main(argv) == 0 and measured == [1, 1]
+
+
 def test_an_interrupted_approx_write_keeps_the_earlier_run_whole(tmp_path, monkeypatch):
     """approx writes JSON, CSV, plots and a report: interrupted while a plot is drawn it
     leaves the earlier run's files, none replaced, and no staging folder; completed it

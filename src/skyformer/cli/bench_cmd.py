@@ -122,6 +122,10 @@ def _is_bench_result(data: object) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     check_output_path(args.out)  # a prefix: PREFIX.json, .csv, .png
+    if args.out and not args.no_plot:
+        from ..eval.approx.plots import require_matplotlib
+
+        require_matplotlib()  # fail before the run, not after it, when matplotlib is missing
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads must be at least 1, got {args.threads}.")
