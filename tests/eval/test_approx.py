@@ -104,6 +104,14 @@ def test_glove_source_is_kdeformers_setup(tmp_path):
     assert "GloVe vectors from glove.txt (d=6)" in result.sources[0]["description"]
     with pytest.raises(ValueError, match="holds 160 vectors, 400 are needed"):
         loader.load("glove", 100)
+    # a length the file cannot give is said before the sweep, naming the setting
+    for lengths, flag in ({"seq_lens": (40, 100)}, "--seq-lens"), (
+            {"seq_lens": (40,), "analysis_seq_len": 100}, "--analysis-len"):
+        with pytest.raises(ValueError, match=rf"holds 160 vectors; N=100 \({flag}\) with 2 "
+                                             rf"heads needs 400: pass a larger --glove FILE, "
+                                             rf"a shorter {flag} or fewer --heads"):
+            run_approx(small(sources=("glove",), glove=str(path), **lengths),
+                       log=lambda s: pytest.fail(f"measured before the check: {s}"))
 
 
 def test_gaussian_source_has_the_chosen_norm():

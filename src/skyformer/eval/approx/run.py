@@ -390,6 +390,15 @@ class _Sweep:
                                   torch.stack(spectral), torch.stack(frob)))
 
 
+def _longest(config: ApproxConfig) -> tuple[int, str]:
+    """The longest sequence the run loads and the option(s) that ask for it."""
+    asked = [(n, "--seq-lens") for n in config.seq_lens] if config.sweep else []
+    if config.analysis:
+        asked.append((config.analysis_seq_len, "--analysis-len"))
+    longest = max(n for n, _ in asked)
+    return longest, " / ".join(dict.fromkeys(flag for n, flag in asked if n == longest))
+
+
 def analyse_source(data: SourceData, config: ApproxConfig) -> dict[str, Any]:
     """Spectra (softmax matrix, its residuals after KDEformer's LSH blocks and after the
     oracle mask with as many entries per row, outputs) and Theorem 2 leverage
@@ -454,6 +463,9 @@ def run_approx(config: ApproxConfig = ApproxConfig(), *,
         sweep.log(text)
     targets = sorted({s.capabilities.target for s in methods}, key=("softmax", "gaussian").index)
     loader = SourceLoader(config.source_options())
+    longest, setting = _longest(config)
+    for source in config.sources:  # a text or GloVe file too short fails before the sweep
+        loader.check_length(source, longest, setting)
     sources: list[dict[str, Any]] = []
     analysis: list[dict[str, Any]] = []
     per_n = {n: len([m for m in set(config.features) if m < n]) for n in config.seq_lens}

@@ -25,8 +25,9 @@ def _floats(fields: list[str], path: Path, line_no: int) -> list[float]:
         ) from None
 
 
-def read_glove(path: str | Path, count: int) -> Tensor:
-    """The first ``count`` vectors of a GloVe-format file: ``[count, d]`` float64."""
+def read_glove(path: str | Path, count: int, *, at_most: bool = False) -> Tensor:
+    """The first ``count`` vectors of a GloVe-format file: ``[count, d]`` float64 (with
+    ``at_most``, all of them where the file holds fewer, instead of the sentence)."""
     p = Path(path)
     if p.is_dir():
         raise IsADirectoryError(f"GloVe file {str(p)!r} is a folder; pass --glove FILE.")
@@ -58,7 +59,7 @@ def read_glove(path: str | Path, count: int) -> Tensor:
             rows.append(_floats(fields[-dim:], p, line_no))
             if len(rows) == count:
                 break
-    if len(rows) < count:
+    if len(rows) < count and not at_most:
         raise ValueError(
             f"{str(p)!r} holds {len(rows)} vectors, {count} are needed; use a larger file, "
             f"shorter sequences or fewer heads."

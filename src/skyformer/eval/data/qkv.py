@@ -139,12 +139,23 @@ def _quiet_transformers() -> Iterator[None]:
             logging.enable_progress_bar()
 
 
+def text_tokens(tokenizer: Any, text: str) -> list[int]:
+    """The token ids of the whole ``text``, without special tokens."""
+    with _quiet_transformers():
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def tokens_needed(seq_len: int, max_positions: int) -> int:
+    """Tokens of text that ``seq_len`` positions take: each window of at most
+    ``max_positions`` spends two on ``[CLS]`` and ``[SEP]``."""
+    return seq_len - 2 * len(_window_sizes(seq_len, max_positions))
+
+
 def _windows(tokenizer: Any, text: str, seq_len: int, max_positions: int) -> list[list[int]]:
     """Token id windows, each ``[CLS] tokens [SEP]``, of total length ``seq_len``."""
-    with _quiet_transformers():
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = text_tokens(tokenizer, text)
     sizes = _window_sizes(seq_len, max_positions)
-    needed = seq_len - 2 * len(sizes)
+    needed = tokens_needed(seq_len, max_positions)
     if len(ids) < needed:
         raise ValueError(
             f"the text has {len(ids)} tokens but seq_len={seq_len} needs {needed} "
@@ -175,6 +186,11 @@ def max_positions(model: nn.Module) -> int | None:
     return limit
 
 
+def position_limit(model: nn.Module) -> int:
+    """The longest window ``extract_qkv`` runs ``model`` on: ``max_positions`` or 512."""
+    return max_positions(model) or 512
+
+
 def extract_qkv(
     model: nn.Module,
     tokenizer: Any,
@@ -197,7 +213,7 @@ def extract_qkv(
         raise ValueError(f"seq_len must be at least 3, got {seq_len}.")
     config = model.config
     heads = config.num_attention_heads
-    limit = max_positions(model) or 512
+    limit = position_limit(model)
     captured: dict[str, list[Tensor]] = {"q": [], "k": [], "v": []}
 
     def hook(key: str):

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from .glove import read_glove
-from .qkv import extract_qkv, load_model
+from .qkv import extract_qkv, load_model, position_limit, text_tokens, tokens_needed
 from .text import read_text
 
 SOURCES = ("pretrained", "init", "glove", "gaussian")
@@ -88,15 +88,46 @@ class SourceLoader:
             return self._glove(seq_len)
         return self._gaussian(seq_len)
 
-    def _bert(self, pretrained: bool, seq_len: int) -> SourceData:
+    def check_length(self, source: str, seq_len: int, setting: str) -> None:
+        """Fail in a sentence where ``source`` cannot give ``seq_len`` tokens (a text too
+        short, a GloVe file with too few vectors), before any measurement; ``setting``
+        names the option that asks for that length (``--seq-lens``)."""
+        check_source(source)
+        if source in ("pretrained", "init"):
+            model, tokenizer, _ = self._model(source == "pretrained")
+            have = len(text_tokens(tokenizer, self._read_text()))
+            need = tokens_needed(seq_len, position_limit(model))
+            if have < need:
+                raise ValueError(
+                    f"{source}: the text has {have} tokens; N={seq_len} ({setting}) needs "
+                    f"{need}: pass a longer text (--text FILE) or a shorter {setting}.")
+        elif source == "glove" and self.options.glove is not None:
+            h = self.num_heads()
+            need = 2 * h * seq_len
+            have = len(read_glove(self.options.glove, need, at_most=True))
+            if have < need:
+                raise ValueError(
+                    f"{str(self.options.glove)!r} holds {have} vectors; N={seq_len} ({setting}) "
+                    f"with {h} heads needs {need}: pass a larger --glove FILE, a shorter "
+                    f"{setting} or fewer --heads.")
+
+    def _model(self, pretrained: bool) -> tuple[Any, Any, str]:
+        """(model, tokenizer, name), loaded once."""
         o = self.options
         if pretrained not in self._models:
             self._models[pretrained] = load_model(o.model, pretrained=pretrained, seed=o.data_seed)
+        return self._models[pretrained]
+
+    def _read_text(self) -> str:
         if self._text is None:
-            self._text = read_text(o.text)
-        model, tokenizer, name = self._models[pretrained]
+            self._text = read_text(self.options.text)
+        return self._text
+
+    def _bert(self, pretrained: bool, seq_len: int) -> SourceData:
+        o = self.options
+        model, tokenizer, name = self._model(pretrained)
         qkv = extract_qkv(
-            model, tokenizer, self._text, seq_len=seq_len, layer=o.layer, name=name,
+            model, tokenizer, self._read_text(), seq_len=seq_len, layer=o.layer, name=name,
             pretrained=pretrained,
         )
         total = qkv.q.shape[1]
