@@ -224,6 +224,23 @@ def test_resume_from_a_file_that_is_not_a_bench_result_gets_a_sentence(tmp_path,
     assert "not a bench result file" in err and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("key", ["n", "status", "fwd_bwd_ms"])
+def test_resume_from_rows_without_a_key_gets_a_sentence(tmp_path, capsys, key):
+    """A result file whose rows lack a key bench writes (edited, or of another version)
+    is refused with a sentence naming the keys, not a KeyError."""
+    out = tmp_path / "edited"
+    argv = ["bench", "--methods", "linear", "--seq-lens", "16", "--shapes", "1,1,4",
+            "--repeats", "1", "--warmup", "0", "--no-memory", "--no-plot", "--out", str(out)]
+    assert main(argv) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    del data["rows"][1][key]
+    out.with_suffix(".json").write_text(json.dumps(data))
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"its rows lack {key}, which bench writes" in err and "Traceback" not in err, err
+
+
 def test_non_finite_numbers_are_null_in_the_file_and_resume_reads_them(
         tmp_path, capsys, monkeypatch):
     """--max-seconds inf and an error that came out NaN are null in OUT.json (strict

@@ -10,7 +10,14 @@ import sys
 import torch
 
 from ..eval.bench.report import format_table, format_wide, result_path, write_results
-from ..eval.bench.run import DTYPES, BenchConfig, BenchResult, resumable_rows, run_bench
+from ..eval.bench.run import (
+    DTYPES,
+    ROW_KEYS,
+    BenchConfig,
+    BenchResult,
+    resumable_rows,
+    run_bench,
+)
 from ..io import check_output_path
 
 NAME = "bench"
@@ -103,6 +110,11 @@ def _earlier_rows(config: BenchConfig, out: str | None) -> list[dict]:
     if not _is_bench_result(earlier):
         raise ValueError(f"cannot resume from {path}: not a bench result file (an object with "
                          "config, environment and a list of rows); write to another --out.")
+    missing = [key for key in ROW_KEYS if any(key not in row for row in earlier["rows"])]
+    if missing:
+        raise ValueError(f"cannot resume from {path}: its rows lack {', '.join(missing)}, "
+                         "which bench writes (a file edited or of another version); write to "
+                         "another --out.")
     rows, unasked = resumable_rows(config, earlier)
     print(f"resuming from {path}: {len(rows)} rows measured before", file=sys.stderr)
     if unasked:

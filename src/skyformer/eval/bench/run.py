@@ -286,6 +286,11 @@ def run_bench(
     return result
 
 
+# The keys of every row, in the order of the CSV's columns (``--resume`` reads them back).
+ROW_KEYS = ("method", "spec", "device", "dtype", "batch", "heads", "head_dim", "n", "target",
+            "exact", "num_features", "status", "reason", "fwd_ms", "fwd_bwd_ms", "peak_mib",
+            "rel_error", "trivial_error", "gflop", "sol_ms", "sol_fraction", "speedup",
+            "memory_ratio", "growth", "load_avg")
 # Set by ``summarise`` from the rows beside a row: recomputed for rows kept by --resume.
 RATIOS_UNSET = {"speedup": None, "memory_ratio": None, "growth": None}
 
@@ -393,14 +398,10 @@ def _measure_length(
         options = method.options(config.num_features)
         if config.causal:
             options["causal"] = True
-        row = {"method": label, "spec": method.name, **group, "target": method.target,
-               "exact": method.exact,
+        row = {**dict.fromkeys(ROW_KEYS), "method": label, "spec": method.name, **group,
+               "target": method.target, "exact": method.exact,
                "num_features": method.resolved_options(options, n).get("num_features"),
-               "status": "ok", "reason": "", "fwd_ms": None, "fwd_bwd_ms": None,
-               "peak_mib": None, "rel_error": None, "trivial_error": None, "gflop": None,
-               "sol_ms": None,
-               "sol_fraction": None, "speedup": None, "memory_ratio": None, "growth": None,
-               "load_avg": None}
+               "status": "ok", "reason": ""}
         rows[label] = row
         reason = _skip_reason(config, method, group["dtype"], n, times[label], peaks[label], limit)
         if reason:
