@@ -37,6 +37,28 @@ def test_a_file_path_ending_in_a_separator_is_refused(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("taken", ["bench.json", "bench.csv", "bench.png"])
+def test_bench_refuses_an_unwritable_result_file_before_measuring(tmp_path, capsys,
+                                                                  monkeypatch, taken):
+    """--out PREFIX writes PREFIX.json, .csv and .png: a folder at one of those paths is
+    refused before the first measurement (the prefix itself was all that was checked);
+    without a plot, a folder at PREFIX.png is no obstacle."""
+    import skyformer.eval.bench.run as bench_run
+
+    measured = []
+    monkeypatch.setattr(bench_run, "_measure_length", lambda *a: measured.append(1) or [])
+    (tmp_path / taken).mkdir()
+    argv = ["bench", "--methods", "softmax", "--seq-lens", "16", "--shapes", "1,1,4",
+            "--no-memory", "--out", str(tmp_path / "bench")]
+    if taken == "bench.png":
+        pytest.importorskip("matplotlib")
+        assert main([*argv, "--no-plot"]) == 0 and measured == [1]
+        measured.clear()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"the output file {tmp_path / taken} is a folder" in err and measured == []
+
+
 def test_cli_names_an_unwritable_path_without_a_traceback(tmp_path, capsys):
     afile = tmp_path / "afile"
     afile.write_text("x")

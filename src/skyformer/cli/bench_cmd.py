@@ -134,6 +134,9 @@ def _is_bench_result(data: object) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     check_output_path(args.out)  # a prefix: PREFIX.json, .csv, .png
+    if args.out:
+        for suffix in (".json", ".csv") + (() if args.no_plot else (".png",)):
+            check_output_path(result_path(args.out, suffix))
     if args.out and not args.no_plot:
         from ..eval.approx.plots import require_matplotlib
 
