@@ -119,6 +119,9 @@ def test_memory_and_skips(capsys):
     assert all(r["status"] == "ok" and r["peak_mib"] >= 0 and not r["reason"] for r in first)
     second = [r for r in rows if r["n"] == 128]
     assert all(r["status"] == "skipped" and "predicted" in r["reason"] for r in second)
+    # a prediction under a second reads as its value, not as "predicted 0 s"
+    assert all("predicted 0 s" not in r["reason"] and "(> max_seconds = 1e-09)" in r["reason"]
+               for r in second)
 
 
 def test_command_line(tmp_path, capsys):

@@ -482,7 +482,7 @@ def _skip_reason(config: BenchConfig, method: NamedAttention, dtype_name: str, n
         return f"{method.name} does not take {dtype_name} inputs"
     seconds = _extrapolate(time_history, n)
     if seconds is not None and seconds > config.max_seconds:
-        return f"predicted {seconds:.0f} s per call (> max_seconds = {config.max_seconds:g})"
+        return f"predicted {seconds:.3g} s per call (> max_seconds = {config.max_seconds:g})"
     peak = _extrapolate(peak_history, n)
     if peak is not None and peak > limit:
         return f"predicted peak {peak / 2**30:.1f} GiB > {limit / 2**30:.1f} GiB available"
