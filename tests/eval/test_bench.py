@@ -152,6 +152,16 @@ def test_command_line(tmp_path, capsys):
     assert [r["rel_error"] for r in rows if r["method"].endswith("nan_attention")] == [None]
 
 
+@pytest.mark.parametrize("flag", ["--no-plot", "--no-plots"])
+def test_no_plot_without_out_says_it_has_nothing_to_leave_out(capsys, monkeypatch, flag):
+    """Without --out no file is written: --no-plot is said to do nothing, not ignored."""
+    import skyformer.eval.bench.run as bench_run
+
+    monkeypatch.setattr(bench_run, "_measure_length", lambda *a: [])
+    assert main(["bench", "--methods", "softmax", "--seq-lens", "16", flag]) == 0
+    assert "--no-plot changes nothing without --out" in capsys.readouterr().err
+
+
 def test_an_interrupted_run_keeps_its_lengths_and_resume_measures_only_the_rest(
         tmp_path, capsys, monkeypatch):
     """--out is written after every length; an interruption at N = 128 leaves the N = 64

@@ -137,6 +137,9 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         for suffix in (".json", ".csv") + (() if args.no_plot else (".png",)):
             check_output_path(result_path(args.out, suffix))
+    if args.no_plot and not args.out:
+        print("note: --no-plot changes nothing without --out (no file is written, the plot "
+              "included)", file=sys.stderr)
     if args.out and not args.no_plot:
         from ..eval.approx.plots import require_matplotlib
 
