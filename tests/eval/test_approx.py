@@ -114,6 +114,22 @@ def test_glove_source_is_kdeformers_setup(tmp_path):
                        log=lambda s: pytest.fail(f"measured before the check: {s}"))
 
 
+def test_dropped_features_are_noted_once_per_length(tmp_path):
+    """m >= N is dropped for every source alike: one note per N, not one per source."""
+    path = tmp_path / "glove.txt"
+    rows = torch.randn(2 * 2 * 12, 4, generator=torch.Generator().manual_seed(0)).tolist()
+    path.write_text("".join(f"w{i} " + " ".join(map(str, row)) + "\n"
+                            for i, row in enumerate(rows)), encoding="utf-8")
+    notes = []
+    result = run_approx(small(sources=("gaussian", "glove"), glove=str(path), seq_lens=(12,),
+                              seeds=(0,), methods=("linear",), analysis=False), log=notes.append)
+    assert {r["source"] for r in rows_of(result, kind="method")} == {"gaussian", "glove"}
+    dropped = ["N=12: m=16 dropped (m >= N: a rank-N approximation of an N x N matrix is "
+               "exact)."]
+    assert [n for n in notes if "dropped" in n] == dropped
+    assert [n for n in result.notes if "dropped" in n] == dropped
+
+
 def test_gaussian_source_has_the_chosen_norm():
     data = SourceLoader(SourceOptions(gaussian_norm=9.0, gaussian_dim=64, heads=(0, 1, 2))
                         ).load("gaussian", 4000)

@@ -278,6 +278,7 @@ class _Sweep:
         self.rows: list[dict[str, Any]] = []
         self.samples: list[dict[str, Any]] = []
         self.seconds: dict[str, float] = {}
+        self.noted_lengths: set[int] = set()  # N whose dropped m were noted
 
     @contextmanager
     def timed(self, phase: str) -> Iterator[None]:
@@ -298,7 +299,8 @@ class _Sweep:
     def features_for(self, n: int) -> list[int]:
         ms = sorted(m for m in set(self.config.features) if m < n)
         dropped = sorted(m for m in set(self.config.features) if m >= n)
-        if dropped:
+        if dropped and n not in self.noted_lengths:  # the same for every source: said once
+            self.noted_lengths.add(n)
             self.note(f"N={n}: m={','.join(map(str, dropped))} dropped (m >= N: a rank-N "
                       f"approximation of an N x N matrix is exact).")
         if not ms:
