@@ -60,3 +60,22 @@ def test_bench_rows_record_the_capped_budget():
                          num_features=64, repeats=1, warmup=0, memory=False)
     rows = {r["method"]: r for r in run_bench(config).rows}
     assert rows["nystromformer"]["num_features"] == 16
+
+
+def test_one_method_named_twice_in_other_spellings_is_refused_by_every_command():
+    """A variant's options in another order or spelling run the same method: each would
+    be measured again, under a name of its own."""
+    import pytest
+
+    from skyformer.eval.approx.run import ApproxConfig
+    from skyformer.eval.compare.run import CompareConfig
+    from skyformer.eval.hf.run import HFEvalConfig
+
+    same = ("linear[eps=0.001,causal=false]", "linear[causal=False, eps=1e-3]")
+    said = (r"methods lists 'linear\[eps=0.001,causal=false\]' and 'linear\[causal=False, "
+            r"eps=1e-3\]', one method with the same options; give it once")
+    for make in (lambda m: CompareConfig(methods=m), lambda m: BenchConfig(methods=m),
+                 lambda m: ApproxConfig(methods=m), lambda m: HFEvalConfig(methods=m).validate()):
+        with pytest.raises(ValueError, match=said):
+            make(same)
+        make(("linear", "linear[eps=0.001]", "softmax"))  # other options: two methods

@@ -25,6 +25,7 @@ from torch import Tensor
 from ..registry import get_method
 from ..registry.autocast import capped_for
 from ..registry.capabilities import TARGETS
+from ..registry.variants import is_variant, parse_variant
 
 STATE_SEED = 0  # initialisation seed of the per-layer state of layer-like calls
 # Options a method shares with the exact attention it approximates (softmax and
@@ -144,6 +145,28 @@ def resolve(spec: str) -> NamedAttention:
     )
     return NamedAttention(name, target or None, False, option_names, function=function,
                           takes_generator=takes_generator)
+
+
+def refuse_repeated_methods(methods: Any) -> None:
+    """``refuse_repeats`` for a list of method names, comparing what they run: a variant's
+    options in another order or spelling (``linear[eps=0.001,causal=false]`` and
+    ``linear[causal=False, eps=1e-3]``) name one method, whose rows would repeat."""
+    refuse_repeats("methods", methods)
+    seen: dict[Any, str] = {}
+    for name in methods or ():
+        key = _runs(name)
+        if key in seen:
+            raise ValueError(f"methods lists {seen[key]!r} and {name!r}, one method with the "
+                             f"same options; give it once.")
+        seen[key] = name
+
+
+def _runs(name: str) -> Any:
+    """What ``name`` runs: a variant as (method, its options by name), else the name."""
+    if not isinstance(name, str) or ":" in name or not is_variant(name):
+        return name
+    base, preset = parse_variant(name)
+    return base, tuple(sorted(preset, key=lambda item: item[0]))
 
 
 def refuse_repeats(name: str, values: Any) -> None:

@@ -42,7 +42,7 @@ from ...registry.variants import refuse_swept_option
 from ...seeds import check_seed
 from ..data.sources import SOURCES, SourceData, SourceLoader, SourceOptions, check_source
 from ..measure.metrics import constant_row_error, rank_m_floor, relative_error
-from ..methods import TARGET_OPTIONS, refuse_repeats
+from ..methods import TARGET_OPTIONS, refuse_repeated_methods, refuse_repeats
 from .leverage import THEOREM_CONSTANT, leverage_analysis
 from .spectra import attention_spectra, lsh_mask, oracle_mask
 
@@ -106,8 +106,9 @@ class ApproxConfig:
                 raise ValueError(f"{name} must not be empty.")
         for s in self.sources:
             check_source(s)
-        for name in ("sources", "seq_lens", "features", "seeds", "methods", "heads"):
+        for name in ("sources", "seq_lens", "features", "seeds", "heads"):
             refuse_repeats(name, getattr(self, name))
+        refuse_repeated_methods(self.methods)
         for name in ("seq_lens", "features"):
             bad = [x for x in getattr(self, name) if not isinstance(x, int) or x < 1]
             if bad:

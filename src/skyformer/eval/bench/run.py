@@ -48,6 +48,7 @@ from ..measure.timing import CLOCKS, interleaved_median_seconds
 from ..methods import (
     NamedAttention,
     PreparedCall,
+    refuse_repeated_methods,
     refuse_repeats,
     resolve_all,
     target_options,
@@ -107,8 +108,9 @@ class BenchConfig:
                 raise ValueError(f"a shape is (B, H, D) with positive integers, got {shape!r}.")
         if not self.shapes:
             raise ValueError("give at least one (B, H, D) shape.")
-        for name in ("seq_lens", "shapes", "dtypes", "methods"):
+        for name in ("seq_lens", "shapes", "dtypes"):
             refuse_repeats(name, getattr(self, name))
+        refuse_repeated_methods(self.methods)
         for dtype in self.dtypes:
             if dtype not in DTYPES:
                 raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")

@@ -28,7 +28,7 @@ from ..data.text import read_text
 from ..measure.memory import MemoryJob, peak_memory_or_reason
 from ..measure.metrics import relative_error, trivial_error
 from ..measure.timing import median_seconds
-from ..methods import PreparedCall, refuse_repeats, resolve, target_options
+from ..methods import PreparedCall, refuse_repeated_methods, resolve, target_options
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class CompareConfig:
 
     def __post_init__(self) -> None:
         check_seed("seed", self.seed)
-        refuse_repeats("methods", self.methods)
+        refuse_repeated_methods(self.methods)
         for m in self.methods or ():  # unknown names fail before any work
             method = get_method(m)
             if self.num_features is not None:

@@ -43,7 +43,7 @@ from ..data.qkv import load_model, max_positions
 from ..data.text import read_text, sentences
 from ..measure.memory import CallJob, peak_memory_or_reason
 from ..measure.timing import CLOCKS, median_seconds
-from ..methods import refuse_repeats
+from ..methods import refuse_repeated_methods, refuse_repeats
 
 SETTINGS = ("short", "long")
 NOT_DROP_IN_GAUSSIAN = "Gaussian kernel, not a drop-in"
@@ -103,8 +103,9 @@ class HFEvalConfig:
             raise ValueError(
                 f"settings must be chosen from {', '.join(SETTINGS)}, got {self.settings!r}."
             )
-        for name in ("methods", "features", "settings", "layers"):
+        for name in ("features", "settings", "layers"):
             refuse_repeats(name, getattr(self, name))
+        refuse_repeated_methods(self.methods)
         for m in self.methods or ():
             method = get_method(m)  # unknown names fail before any work
             refuse_swept_option(method.name, method.preset, "num_features",
