@@ -91,24 +91,42 @@ def test_config_errors():
     with pytest.raises(ValueError, match=r"softmax\[causal=True\]: do not pass causal; "
                                          r"causal masking follows the model"):
         HFEvalConfig(methods=("softmax[causal=True]",)).validate()
-    with pytest.raises(ValueError, match="features must be positive integers"):
+    with pytest.raises(ValueError, match=r"features \(--features\) must be positive integers"):
         HFEvalConfig(features=(0,)).validate()
-    with pytest.raises(ValueError, match=r"max_texts must be at least 2 \(retrieval"):
+    with pytest.raises(ValueError, match=r"max_texts \(--max-texts\) must be at least 2 "
+                                         r"\(retrieval"):
         HFEvalConfig(max_texts=1).validate()
     with pytest.raises(ValueError, match="methods lists linear more than once"):
         HFEvalConfig(methods=("linear", "softmax", "linear")).validate()
-    with pytest.raises(ValueError, match="settings must be chosen from short, long"):
+    with pytest.raises(ValueError, match=r"settings \(--settings\) must be chosen from "
+                                         r"short, long"):
         HFEvalConfig(settings=("medium",)).validate()
-    with pytest.raises(ValueError, match="repeats must be a positive integer"):
+    with pytest.raises(ValueError, match=r"repeats \(--repeats\) must be a positive integer"):
         HFEvalConfig(repeats=0).validate()
     with pytest.raises(ValueError, match=r"device must be cpu, cuda or cuda:K, got 'tpu-ish'"):
         HFEvalConfig(device="tpu-ish").validate()
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available here"):
             HFEvalConfig(device="cuda").validate()
-    with pytest.raises(ValueError, match="clock must be one of wall, cpu"):
+    with pytest.raises(ValueError, match=r"clock \(--clock\) must be one of wall, cpu"):
         HFEvalConfig(clock="tsc").validate()
     assert main(["hf-eval", "--methods", "nope", "--out", "/nonexistent/x"]) == 2
+    with pytest.raises(ValueError, match=r"seq_len \(--seq-len\) must be at least 8"):
+        HFEvalConfig(seq_len=4).validate()
+    with pytest.raises(ValueError, match=r"seed \(--seed\) must be an integer"):
+        HFEvalConfig(seed=-1).validate()
+
+
+def test_a_setting_given_twice_is_refused_as_other_lists_are(tmp_path, capsys, monkeypatch):
+    """--settings short short was merged silently; --features 32 32 was refused."""
+    import skyformer.eval.hf.run as hf_run
+
+    monkeypatch.setattr(hf_run, "evaluate", lambda config, progress=None: config.validate()
+                        or pytest.fail("the run went on"))
+    for flag, value in (("--settings", "short"), ("--features", "32")):
+        assert main(["hf-eval", flag, value, value, "--no-plot", "--out", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert f"{flag[2:]} ({flag}) lists {value} more than once; give each once." in err
 
 
 def test_layers_the_model_lacks_stop_the_run_before_any_row(tmp_path, capsys):

@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = HFEvalConfig(
         methods=tuple(args.methods) if args.methods else None, features=tuple(args.features),
-        settings=tuple(dict.fromkeys(args.settings)),
+        settings=tuple(args.settings),
         layers=tuple(args.layers) if args.layers is not None else None, seq_len=args.seq_len,
         max_texts=args.max_texts, batch_size=args.batch_size, time_batch=args.time_batch,
         seed=args.seed, repeats=args.repeats, memory=not args.no_memory, text=args.text,

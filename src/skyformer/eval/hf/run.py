@@ -82,29 +82,30 @@ class HFEvalConfig:
     clock: str = "wall"  # "wall" or "cpu" (process CPU time, for shared CPUs; CPU device only)
 
     def validate(self) -> None:
+        """Fail in a sentence naming the setting and its ``skyformer hf-eval`` flag."""
         for name in ("seq_len", "max_texts", "batch_size", "time_batch", "repeats"):
             value = getattr(self, name)
             if name == "time_batch" and value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-        check_seed("seed", self.seed)
+                raise ValueError(f"{_named(name)} must be a positive integer, got {value!r}.")
+        check_seed(_named("seed"), self.seed)
         if self.seq_len < 8:
-            raise ValueError(f"seq_len must be at least 8, got {self.seq_len}.")
+            raise ValueError(f"{_named('seq_len')} must be at least 8, got {self.seq_len}.")
         if self.max_texts < 2:  # retrieval ranks a text among the others
-            raise ValueError(f"max_texts must be at least 2 (retrieval needs two texts), got "
-                             f"{self.max_texts}.")
+            raise ValueError(f"{_named('max_texts')} must be at least 2 (retrieval needs two "
+                             f"texts), got {self.max_texts}.")
         if not self.features or any(
             isinstance(f, bool) or not isinstance(f, int) or f < 1 for f in self.features
         ):
-            raise ValueError(f"features must be positive integers, got {self.features!r}.")
+            raise ValueError(f"{_named('features')} must be positive integers, got "
+                             f"{self.features!r}.")
         unknown = sorted(set(self.settings) - set(SETTINGS))
         if unknown or not self.settings:
-            raise ValueError(
-                f"settings must be chosen from {', '.join(SETTINGS)}, got {self.settings!r}."
-            )
+            raise ValueError(f"{_named('settings')} must be chosen from {', '.join(SETTINGS)}, "
+                             f"got {self.settings!r}.")
         for name in ("features", "settings", "layers"):
-            refuse_repeats(name, getattr(self, name))
+            refuse_repeats(_named(name), getattr(self, name))
         refuse_repeated_methods(self.methods)
         for m in self.methods or ():
             method = get_method(m)  # unknown names fail before any work
@@ -116,10 +117,16 @@ class HFEvalConfig:
                 refuse_causal_option(method, {})
         device = parse_device(self.device)
         if self.clock not in CLOCKS:
-            raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}.")
+            raise ValueError(f"{_named('clock')} must be one of {', '.join(CLOCKS)}, got "
+                             f"{self.clock!r}.")
         if self.clock == "cpu" and device.type != "cpu":
-            raise ValueError("clock='cpu' (process CPU time) measures CPU work only; use "
-                             "clock='wall' on a GPU.")
+            raise ValueError("the cpu clock (process CPU time) measures CPU work only; use "
+                             "the wall clock (--clock wall) on a GPU.")
+
+
+def _named(setting: str) -> str:
+    """A setting as sentences name it: the field and the flag of ``skyformer hf-eval``."""
+    return f"{setting} (--{setting.replace('_', '-')})"
 
 
 def check_seq_len(model: nn.Module, seq_len: int) -> None:
