@@ -517,3 +517,28 @@ def test_a_step_the_cache_cannot_check_gets_a_sentence():
     unpadded = shf.DecodingCache(model)
     model(ids[:1, :20], cache=unpadded)
     model(ids[:1, 20:21], cache=unpadded)  # no padding anywhere: no mask needed
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("build", [_gpt2, _llama], ids=["gpt2", "llama"])
+def test_a_step_of_several_tokens_over_transformers_cache_names_the_decoding_cache(build):
+    """transformers' own cache hands a step every cached key; several new tokens over
+    them (assisted generation, a prompt fed in parts) are refused, and the sentence names
+    the cache that decodes them (DecodingCache), with a mask and without one."""
+    from transformers import DynamicCache
+
+    from skyformer.masks import UnsupportedMaskError
+
+    model = build()
+    shf.set_attention(model, "linear", seed=0)
+    ids, mask = _prompt()
+    for step_mask in (mask[:, :13], None):
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :10], attention_mask=None if step_mask is None else mask[:, :10],
+              cache=cache)
+        with pytest.raises(UnsupportedMaskError, match=r"cached prefix.*skyformer\.hf\."
+                                                       r"DecodingCache\(model\)"):
+            model(ids[:, 10:13], attention_mask=step_mask, cache=cache)
+    cache = shf.DecodingCache(model)  # what the sentence names: it decodes the step
+    model(ids[:, :10], attention_mask=mask[:, :10], cache=cache)
+    model(ids[:, 10:13], attention_mask=mask[:, :13], cache=cache)

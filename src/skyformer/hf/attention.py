@@ -73,6 +73,13 @@ USE_SDPA = (
     "load the model with attn_implementation='sdpa' or keep exact attention in the layers "
     "that need it (skyformer.hf.set_attention(model, 'exact', layers=...))"
 )
+# A self-attention step with more keys than queries runs over a cache of transformers'
+# own, which hands it every cached key: the causal forms take Nq == Nk, a DecodingCache
+# steps them (assisted generation, a prompt fed in parts)
+OVER_A_CACHED_PREFIX = (
+    "steps over a cached prefix decode with skyformer.hf.DecodingCache(model) as the cache "
+    "(generate(..., cache=skyformer.hf.DecodingCache(model))); for other masks, " + USE_SDPA
+)
 PER_LAYER = "skyformer"  # the implementation whose layers each follow their own setting
 
 # Keyword arguments some models pass that change what attention computes. Those in
@@ -232,8 +239,9 @@ def _attention(module: nn.Module, layer: LayerAttention, decoding: DecodingLayer
                                dropout, scaling, bool(is_causal), kwargs.get("position_bias"))
     b, _, nq, head_dim = query.shape
     nk = key.shape[2]
+    advice = OVER_A_CACHED_PREFIX if nq < nk and not layer.cross else USE_SDPA
     resolved = resolve_mask(attention_mask, batch=b, query_len=nq, key_len=nk,
-                            is_causal=is_causal, advice=USE_SDPA)
+                            is_causal=is_causal, advice=advice)
     bound = layer.bound.replace(
         **_call_options(spec, layer, scaling, head_dim, resolved.causal, where))
     training_dropout = float(dropout) if module.training and dropout else 0.0
