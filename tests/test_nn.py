@@ -59,6 +59,21 @@ def test_options_and_errors():
     layer(torch.randn(2, 5, 16), context=torch.randn(2, 7, 16), query_padding_mask=queries)
 
 
+
+@pytest.mark.parametrize("cached", [False, True], ids=["forward", "decoding"])
+def test_a_wrong_padding_mask_gets_the_same_sentence_with_a_cache(cached):
+    """A decoding step names the argument the caller passed (key_padding_mask), with the
+    forward's conversion of a 0/1 mask, not the decoding state's own argument."""
+    layer = MultiHeadAttention(16, 2, method="linear", causal=True)
+    x = torch.randn(2, 5, 16)
+    cache = {"cache": layer.new_cache()} if cached else {}
+    with pytest.raises(TypeError, match=r"linear: key_padding_mask must be a bool tensor .*"
+                                        r"converts with mask == 1"):
+        layer(x, torch.ones(2, 5, dtype=torch.long), **cache)
+    with pytest.raises(ValueError, match=r"linear: key_padding_mask must have shape "
+                                         r"\[B, Nk\] = \[2, 5\], got \(2, 4\)"):
+        layer(x, torch.ones(2, 4, dtype=torch.bool), **cache)
+
 def test_method_state_module_is_owned_and_passed():
     """A method's state module (e.g. learned projections) is a submodule of the layer and
     its output reaches the function as keyword arguments."""

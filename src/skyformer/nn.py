@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from .ops.shared.inputs import check_attention_inputs
 from .registry import BoundMethod, Method, get_method
 
 if TYPE_CHECKING:
@@ -149,6 +150,8 @@ class MultiHeadAttention(nn.Module):
         k = self._split(self.k_proj(source))
         v = self._split(self.v_proj(source))
         if cache is not None:
+            # the forward's sentences, naming the argument passed here
+            check_attention_inputs(q, k, v, key_padding_mask, method=self.bound.name)
             out = cache.step(q, k, v, key_padding_mask)
         elif self.process_group is not None:
             out = self._sequence_parallel(q, k, v, key_padding_mask, generator)
