@@ -543,6 +543,18 @@ def test_an_attn_mask_that_is_no_tensor_is_named_by_type(mask):
         sdpa(q, k, v, mask)
 
 
+@pytest.mark.parametrize("method", ["softmax", "kernelized", "skyformer"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_an_attn_mask_on_another_device_is_named(method, is_causal):
+    """A mask left on the CPU beside GPU inputs (here: on meta beside CPU ones) gets the
+    sentence key_padding_mask and cu_seqlens get, not torch's error from inside the
+    method (an approximate method named key_padding_mask, which the caller never passed)."""
+    q, k, v = make_qkv(1, 2, 6, 4, nk=6 if method == "skyformer" else 9)
+    mask = torch.ones(6, k.shape[2], dtype=torch.bool, device="meta")
+    with pytest.raises(ValueError, match=r"attn_mask is on meta but the inputs are on cpu; "
+                                         r"pass attn_mask.to\(query.device\)"):
+        sdpa(q, k, v, mask, is_causal=is_causal, method=method, generator=random_key(0))
+
 def test_a_float_key_padding_mask_gets_the_conversion_of_its_convention():
     q, k, v = make_qkv(1, 2, 6, 4)
     additive = torch.zeros(1, 6)

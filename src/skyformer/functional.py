@@ -233,8 +233,13 @@ def _sdpa_options(spec: Method, options: dict[str, Any], is_causal: bool,
 
 
 def _check_mask_shape(attn_mask: Tensor, query: Tensor, key: Tensor) -> None:
-    """``attn_mask`` broadcasts to [B, H, L, S], as SDPA requires, or a sentence that
-    names the shape as given (not as the methods later see it)."""
+    """``attn_mask`` broadcasts to [B, H, L, S], as SDPA requires, and is on the inputs'
+    device, or a sentence that names the shape as given (not as the methods later see
+    it) or the device (torch's error came from inside the method, an approximate one
+    naming the key_padding_mask made of the mask)."""
+    if attn_mask.device != query.device:
+        raise ValueError(f"attn_mask is on {attn_mask.device} but the inputs are on "
+                         f"{query.device}; pass attn_mask.to(query.device).")
     target = (*query.shape[:3], key.shape[-2])
     if not mask_broadcasts(attn_mask, target):
         raise ValueError(
