@@ -167,6 +167,11 @@ def test_an_attn_mask_is_refused_with_the_way_out():
     with pytest.raises(ValueError, match='kernel="torch"'):
         skyformer.scaled_dot_product_attention(q, k, v, method="kernelized", kernel="triton",
                                                attn_mask=torch.ones(8, 8, dtype=torch.bool))
+    # is_causal with fewer queries than keys reaches the method as a mask: the sentence
+    # names is_causal, which the caller passed, and not only attn_mask
+    with pytest.raises(ValueError, match=r"nor is_causal with Nq != Nk .* kernel=\"torch\""):
+        skyformer.scaled_dot_product_attention(q[:, :, :5], k, v, method="kernelized",
+                                               kernel="triton", is_causal=True)
 
 
 @cuda_only

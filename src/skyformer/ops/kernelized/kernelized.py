@@ -101,8 +101,10 @@ def kernelized_attention(
                                           and not FLASH_FALLBACK.failed_on(q))
     if flash and use_triton(config.kernel, q, half=True):
         if attn_mask is not None:
-            raise ValueError('kernelized: kernel="triton" takes no attn_mask (padding and '
-                             'causal only); use kernel="torch" for it.')
+            raise ValueError('kernelized: kernel="triton" takes no attn_mask, nor is_causal '
+                             'with Nq != Nk (scaled_dot_product_attention passes it as a '
+                             'mask): padding and causal with Nq == Nk only; use '
+                             'kernel="torch" for them.')
         return FLASH_FALLBACK.run(
             auto, lambda: zero_padded_queries(flash_kernelized(
                 q, k.to(dtype), v.to(dtype), info.key_valid, scale * scale, causal, auto),
