@@ -91,6 +91,19 @@ def test_broadcast_forms_and_two_dimensional_masks():
     assert torch.equal(resolve(legacy).key_padding_mask, pad)
 
 
+def test_a_two_dimensional_additive_mask_is_refused_not_read_inverted():
+    """[B, Nk] holds 1 for real tokens; an additive one (0 = real, -inf or a large
+    negative = padding, as torch.nn.MultiheadAttention's float key_padding_mask) read
+    as nonzero = real named the padding real and the real tokens padding."""
+    pad = padding()
+    for blocked in (float("-inf"), torch.finfo(torch.float32).min, -10000.0):
+        additive = torch.zeros(B, N).masked_fill(~pad, blocked)
+        with pytest.raises(UnsupportedMaskError, match=r"holds 1 for real tokens and 0 for "
+                                                       r"padding.* \(mask == 0\)"):
+            resolve(additive)
+    assert torch.equal(resolve(pad.float()).key_padding_mask, pad)  # 1.0 / 0.0: as before
+
+
 def test_identical_heads_accepted_differing_heads_refused():
     pad = padding()
     same = pad[:, None, None, :].expand(B, 4, N, N)

@@ -62,6 +62,14 @@ def _allowed(mask: Tensor, batch: int, query_len: int, key_len: int, advice: str
                 f"a 2-D attention mask must have shape [B, Nk] = [{batch}, {key_len}], got "
                 f"{tuple(mask.shape)}."
             )
+        # 1 = real token; an additive float mask (0 = real) would be read inverted
+        if mask.is_floating_point() and not _holds(
+                (mask == 0) | (mask == 1), "a 2-D attention mask holds values besides 0 and 1"):
+            raise UnsupportedMaskError(
+                "a 2-D attention mask [B, Nk] holds 1 for real tokens and 0 for padding; "
+                "this one holds other values: an additive mask (0 = real token, a large "
+                "negative = padding) converts with (mask == 0)."
+            )
         return (mask != 0)[:, None, None, :]
     if mask.dim() != 4:
         raise UnsupportedMaskError(
@@ -106,7 +114,7 @@ def resolve_mask(
 
     Args:
         attention_mask: ``None``, ``[B|1, 1|H, Nq|1, Nk]`` bool or additive float, or
-            ``[B, Nk]`` (nonzero = real token).
+            ``[B, Nk]`` (nonzero = real token; a float one holds 1 and 0 only).
         batch, query_len, key_len: B, Nq, Nk of the attention call.
         is_causal: the model's causal flag; as in transformers' SDPA path it applies only
             when no mask is given (a given mask already holds the causal pattern), and
