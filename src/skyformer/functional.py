@@ -77,6 +77,9 @@ def scaled_dot_product_attention(
     ``value: [B, Hkv, S, Ev]`` by ``method``; returns ``[B, H, L, Ev]`` (module doc)."""
     spec = get_method(method)
     check_probability(spec.name, "dropout_p", dropout_p)
+    if not isinstance(is_causal, bool):  # as torch's: truthiness would read "no" as True
+        raise TypeError(f"{spec.name}: is_causal must be True or False, got "
+                        f"{type(is_causal).__name__} {is_causal!r}.")
     _refuse_nested(spec.name, query, key, value)
     if attn_mask is not None and not isinstance(attn_mask, Tensor):
         raise TypeError(f"{spec.name}: attn_mask must be a torch.Tensor (bool, True = attend, "
