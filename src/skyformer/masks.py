@@ -19,7 +19,10 @@ Rows of padded queries are not checked. In self-attention (``Nq == Nk``) a key t
 query may see is padding, and by skyformer's convention the output row of that
 position is zero; transformers models never read the outputs at padded positions
 (the next layer does not attend to them and pooling skips them), and some mask builders
-block those rows entirely while others leave them open, so both forms are accepted.
+block those rows entirely while others leave them as the pattern makes them, so both
+forms are accepted. A padded row opened to every key (as transformers before 5 did for
+left padding under SDPA) cannot be told from a real one: such a mask is refused unless
+``query_padding_mask`` names the padded rows.
 """
 
 from __future__ import annotations
