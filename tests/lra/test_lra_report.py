@@ -65,6 +65,25 @@ def test_figure_two_is_written(tmp_path):
     assert path.stat().st_size > 1000 and path.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_figure_two_draws_each_table_row_as_its_own_curve(tmp_path, monkeypatch):
+    """Runs of one method with other settings are rows of their own in the tables; the
+    figure names them as the rows are named, each row in its own colour (they were one
+    legend entry, in one colour, so the curves could not be told apart)."""
+    pytest.importorskip("matplotlib")
+    config = {"task": "listops", "attention": "skyformer", "steps": 50_000, "lr": 1e-4}
+    for root, seed, changes in (("a", 0, {}), ("b", 1, {}), ("c", 0, {"lr": 1e-3})):
+        _fake_run(tmp_path / root, "listops", "skyformer", seed, 0.3,
+                  config={**config, "seed": seed, **changes})
+    figures = []
+    monkeypatch.setattr("skyformer.lra.report.save_figure",
+                        lambda fig, path, **kw: figures.append(fig) or path)
+    plot_dev_curves(collect_runs([tmp_path]), tmp_path / "figure2.png")
+    ax = figures[0].axes[0]
+    assert ax.get_legend_handles_labels()[1] == ["skyformer", "skyformer (lr=0.001)"]
+    colours = [str(line.get_color()) for line in ax.get_lines()]  # one curve per run
+    assert len(colours) == 3 and len(set(colours)) == 2
+
+
 def test_no_runs_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"no result.json"):
         collect_runs([tmp_path])

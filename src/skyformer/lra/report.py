@@ -24,6 +24,7 @@ import json
 import math
 import os
 import statistics
+import textwrap
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -259,14 +260,21 @@ def _groups(runs: list[Run]) -> dict[tuple[str, str, str], list[Run]]:
     return groups
 
 
+def _row_names(groups: dict[tuple[str, str, str], list[Run]]) -> dict[tuple[str, str], str]:
+    """The tables' rows, in their order: (method, settings label) -> the row's name,
+    ``skyformer (lr=0.001)`` (the method alone for the preset's settings)."""
+    order = _method_order({m for _, m, _ in groups})
+    rows_of = sorted({(m, label) for _, m, label in groups},
+                     key=lambda row: (order.index(row[0]), row[1]))
+    return {(m, label): f"{m} ({label})" if label else m for m, label in rows_of}
+
+
 def tables(runs: list[Run]) -> str:
     """Tables 1 and 2 as markdown."""
     groups = _groups(runs)
     tasks = [t for t in TASKS if any(task == t for task, _, _ in groups)]
-    order = _method_order({m for _, m, _ in groups})
-    rows_of = sorted({(m, label) for _, m, label in groups},
-                     key=lambda row: (order.index(row[0]), row[1]))
-    names = {(m, label): f"{m} ({label})" if label else m for m, label in rows_of}
+    names = _row_names(groups)
+    rows_of = list(names)
     rows = []
     for method, label in rows_of:
         row, means = [names[method, label]], []
@@ -323,7 +331,8 @@ def tables(runs: list[Run]) -> str:
 
 
 def plot_dev_curves(runs: list[Run], path: str | os.PathLike[str]) -> Path:
-    """Figure 2: dev accuracy against training time, one panel per task."""
+    """Figure 2: dev accuracy against training time, one panel per task, one colour per
+    row of the tables (a method with other settings is a row, and a curve, of its own)."""
     try:  # no pyplot: the caller's backend stays as it is
         import matplotlib
         from matplotlib.figure import Figure
@@ -335,18 +344,17 @@ def plot_dev_curves(runs: list[Run], path: str | os.PathLike[str]) -> Path:
     rows = math.ceil(len(tasks) / cols)
     fig = Figure(figsize=(5 * cols, 3.6 * rows))
     axes = fig.subplots(rows, cols, squeeze=False)
-    methods = _method_order({r.key[1] for r in runs})
-    colors = {m: matplotlib.colormaps["tab10"](i % 10) for i, m in enumerate(methods)}
+    groups = _groups(runs)
+    names = _row_names(groups)
+    colors = {name: matplotlib.colormaps["tab10"](i % 10)
+              for i, name in enumerate(names.values())}
     for ax, task in zip(axes.flat, tasks, strict=False):
-        seen = set()
-        for run in sorted((r for r in runs if r.key[0] == task), key=lambda r: r.key[1]):
-            if not run.dev_curve:
-                continue
-            method = run.key[1]
-            xs, ys = zip(*run.dev_curve, strict=True)
-            ax.plot(xs, [100 * y for y in ys], color=colors[method], alpha=0.8, linewidth=1.2,
-                    label=None if method in seen else method)
-            seen.add(method)
+        for row, name in names.items():
+            for i, run in enumerate(r for r in groups.get((task, *row), []) if r.dev_curve):
+                xs, ys = zip(*run.dev_curve, strict=True)
+                label = None if i else textwrap.fill(name, 40, break_long_words=False)
+                ax.plot(xs, [100 * y for y in ys], color=colors[name], alpha=0.8,
+                        linewidth=1.2, label=label)  # one legend entry per row
         synthetic = any(r.result.get("synthetic_data") for r in runs if r.key[0] == task)
         ax.set_title(TASKS[task].title + (" (synthetic)" if synthetic else ""))
         ax.set_xlabel("training time (s)")
