@@ -216,6 +216,20 @@ def test_cifar_wrong_size_names_the_file(tmp_path):
         prepare("image", tmp_path, tmp_path / "c")
 
 
+@pytest.mark.parametrize("given", ["folder", "parent"])
+def test_cifar_python_version_says_which_version_to_get(tmp_path, given):
+    """The python version (pickles, as torchvision downloads it) is named as such, with
+    the binary version to get instead, not only as a missing data_batch_1.bin."""
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    for name in (*(f"data_batch_{i}" for i in range(1, 6)), "test_batch", "batches.meta"):
+        (folder / name).write_bytes(b"\x80\x04")
+    src = folder if given == "folder" else tmp_path
+    with pytest.raises(FileNotFoundError, match=r"cifar-10-batches-py holds CIFAR-10's python "
+                       r"version .* cifar-10-binary.tar.gz"):
+        prepare("image", src, tmp_path / "c")
+
+
 def test_pathfinder_layout_skips_empty_images_and_splits_80_10_10(tmp_path):
     root, images = make_pathfinder_release(tmp_path, count=20)
     data = load_cache(prepare("pathfinder", root, tmp_path / "c").parent, "pathfinder")

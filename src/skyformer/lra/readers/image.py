@@ -60,9 +60,27 @@ def _examples(images: np.ndarray, labels: np.ndarray) -> Iterator[tuple[list[np.
         yield [image], int(label)
 
 
+def _batches_folder(src: str | Path) -> Path:
+    """The folder of the binary batches: ``src`` or ``src/cifar-10-batches-bin``. A folder
+    of the python version instead is named as such, with the version to get."""
+    try:
+        return locate(src, TRAIN_FILES[0], subfolders=("cifar-10-batches-bin",))
+    except FileNotFoundError:
+        root = Path(src).expanduser()
+        for folder in (root, root / "cifar-10-batches-py"):
+            if (folder / "data_batch_1").is_file():  # never unpickled: that runs code
+                raise FileNotFoundError(
+                    f"{folder} holds CIFAR-10's python version (pickled batches, as "
+                    "torchvision downloads it); the reader takes the binary version, which "
+                    "LRA's TFDS loader reads too: get cifar-10-binary.tar.gz from the "
+                    "CIFAR-10 page and give the folder it unpacks to, cifar-10-batches-bin, "
+                    "as --src.") from None
+        raise
+
+
 def read_image(src: str | Path) -> tuple[dict[str, SplitSource], dict[str, Any]]:
     """Split sources and metadata of the CIFAR-10 binary batches in ``src``."""
-    folder = locate(src, TRAIN_FILES[0], subfolders=("cifar-10-batches-bin",))
+    folder = _batches_folder(src)
     parts = [read_batch(folder / name) for name in TRAIN_FILES]
     images = np.concatenate([p[0] for p in parts])
     labels = np.concatenate([p[1] for p in parts])
