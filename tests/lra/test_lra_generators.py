@@ -263,3 +263,13 @@ def test_pathfinder_rules_guard_the_label_property():
     with pytest.raises(ValueError, match="could not place"):
         draw_example(np.random.default_rng(0), PathfinderRules(resolution=8, distractors=3), 1,
                      attempts=3)
+
+
+def test_paths_that_do_not_fit_name_the_settings_to_change():
+    """Without distractors the two paths of the dots remain: 'use fewer paths' could not
+    be followed; the sentence names the dashes and the resolution too."""
+    with pytest.raises(ValueError, match=r"could not place 2 paths \(2 for the dots, 0 "
+                       r"distractors\) .* lower --distractors or --dashes, or raise "
+                       r"--resolution"):
+        draw_example(np.random.default_rng(0), PathfinderRules(resolution=8, distractors=0), 1,
+                     attempts=3)

@@ -171,8 +171,10 @@ def draw_example(rng: np.random.Generator, rules: PathfinderRules, label: int,
             cells = np.asarray(dot) + disc
             image[cells[:, 0], cells[:, 1]] = 255
         return Drawing(image, label, [p[0] for p in paths], dots)
-    raise ValueError(f"could not place {wanted} paths with clearance {rules.clearance} on a "
-                     f"{rules.resolution} x {rules.resolution} canvas; use fewer or shorter paths.")
+    raise ValueError(f"could not place {wanted} paths (2 for the dots, {rules.distractors} "
+                     f"distractors) of {rules.dashes} dashes with clearance {rules.clearance} "
+                     f"on a {rules.resolution} x {rules.resolution} canvas; lower --distractors "
+                     "or --dashes, or raise --resolution.")
 
 
 def write_pathfinder(out: str | os.PathLike[str], count: int, *,
