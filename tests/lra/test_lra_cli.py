@@ -183,6 +183,16 @@ def test_a_seed_given_twice_is_refused_before_any_run(tmp_path, capsys, listops_
     assert not (tmp_path / "runs").exists()
 
 
+def test_an_option_given_twice_is_refused(tmp_path, capsys, listops_cache):
+    """--option num_features=8 --option num_features=16 ran with 16 alone, silently."""
+    assert main(["lra", "train", "listops", "--steps", "2", "--batch-size", "16", "--cache",
+                 str(listops_cache), "--out", str(tmp_path / "run"), "--no-tensorboard",
+                 "--option", "num_features=8", "--option", "num_features=16"]) == 2
+    captured = capsys.readouterr()
+    assert "--option lists num_features more than once" in captured.err and captured.out == ""
+    assert not (tmp_path / "run").exists()
+
+
 def test_every_seed_folder_is_checked_before_the_first_seed_trains(
         tmp_path, capsys, listops_cache):
     """A later seed's folder that holds a run (without --resume), or a run of other

@@ -259,6 +259,7 @@ def _run_train(args: argparse.Namespace) -> int:
     from ..lra.train import Trainer, default_run_dir
 
     _distinct("--seeds", args.seeds)
+    _distinct("--option", [key for key, _ in args.options])  # dict() keeps the last silently
     _threads(args.threads)
     cfg = make_config(
         args.task, quick=args.quick, attention=args.attn, attention_options=dict(args.options),
