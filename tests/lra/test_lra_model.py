@@ -175,3 +175,17 @@ def test_informer_takes_the_papers_128_features_unless_told_otherwise():
     model = LRAClassifier(ModelConfig(vocab_size=10, num_classes=2, max_len=16,
                                       attention="informer"))
     assert model.cfg.attention_options == {"num_features": 128}
+
+
+@pytest.mark.parametrize(("method", "options", "features"), [
+    ("informer[scale=0.1]", {}, 128),  # a variant of another option: the paper's 128 too
+    ("informer[num_features=64]", {}, 64),  # the variant's own features stay
+    ("informer[num_features=64]", {"num_features": 16}, 16),
+])
+def test_an_informer_variant_takes_the_papers_features_unless_it_sets_them(
+        method, options, features):
+    """A variant ran with Informer's own default (40 attending queries at 2000 tokens)
+    where its method and --option ran with the paper's 128."""
+    resolved = resolve_attention_options(method, options, 2000)
+    bound = registry.get_method(method).bind(seq_len=2000, **resolved)
+    assert bound.options()["num_features"] == features

@@ -58,10 +58,14 @@ def resolve_attention_options(method: str, options: dict[str, Any], max_len: int
 
     Methods whose capabilities say ``fixed_length`` (e.g. Linformer's projections) get
     ``max_seq_len=max_len`` unless it is given; ``PAPER_OPTIONS`` fill in the paper's
-    settings that are not the method's defaults, unless given.
+    settings that are not the method's defaults, unless given (as an option or in a
+    variant's name).
     """
     spec = get_method(method)
-    options = {**PAPER_OPTIONS.get(spec.name, {}), **options}
+    # by the registered name, so a variant gets them too, but for the options it sets
+    paper = {k: v for k, v in PAPER_OPTIONS.get(spec.base_name, {}).items()
+             if k not in dict(spec.preset)}
+    options = {**paper, **options}
     resolved = spec.resolve_options(options, max_len)
     spec.make_config(**resolved)  # unknown or invalid options fail here, early
     return resolved
