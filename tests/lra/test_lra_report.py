@@ -257,6 +257,28 @@ def test_runs_on_other_prepared_data_are_not_averaged_together(tmp_path):
                     "20.00 |"], rows
 
 
+def test_runs_on_other_hardware_are_not_averaged_together(tmp_path):
+    """Table 2 would average a CPU's max RSS with a GPU's allocated memory; two GPUs of
+    one kind (cuda:0, cuda:1) are one experiment."""
+    gpu = {"device": "cuda:0", "device_name": "NVIDIA H200"}
+    _fake_run(tmp_path / "a", "listops", "softmax", 0, 0.30, environment=gpu)
+    _fake_run(tmp_path / "b", "listops", "softmax", 1, 0.40,
+              environment={**gpu, "device": "cuda:1"})
+    _fake_run(tmp_path / "c", "listops", "softmax", 0, 0.50, memory=2**32,
+              environment={"device": "cpu"}, peak_memory_kind="cpu max RSS")
+    table = tables(collect_runs([tmp_path]))
+    rows = [line for line in table.split("Table 2")[0].splitlines()
+            if line.startswith("| softmax")]
+    std = statistics.stdev([30, 40])
+    assert rows == ["| softmax (hardware=cpu) | 50.00 (1) | 50.00 |",
+                    f"| softmax (hardware=cuda NVIDIA H200) | 35.00 ± {std:.2f} (2) | 35.00 |"
+                    ], rows
+    memory = [line for line in table.split("Table 2")[1].splitlines()
+              if line.startswith("| softmax")]
+    assert memory == ["| softmax (hardware=cpu) | 2.000 | 4.000 |",
+                      "| softmax (hardware=cuda NVIDIA H200) | 2.000 | 1.000 |"], memory
+
+
 def test_a_run_reached_by_several_paths_counts_once(tmp_path):
     """The same run given twice, with its parent, or through a link, was counted as a
     second run (a seed run twice, in the notes)."""

@@ -13,9 +13,11 @@ config is the same (logging and checkpoint intervals aside). A row is labelled w
 settings in which its runs differ from the task's preset (``skyformer lra presets``, the
 method at the paper's options): runs with the preset settings are one unlabelled row
 per method. Runs trained on other prepared data (the records of its ``meta.json``, the
-source path aside) are not averaged together either: where a task's runs differ in
-those, each row also names the records that differ. Runs on synthetic data or whose dev
-split is the test split are flagged.
+source path aside) or on other hardware (a CPU, a GPU by its name: Table 2's time and
+memory depend on it) are not averaged together either: where a task's runs differ in
+those, each row also names the records that differ (``data.tokens=reference``,
+``hardware=cuda NVIDIA H200``). Runs on synthetic data or whose dev split is the test
+split are flagged.
 """
 
 from __future__ import annotations
@@ -77,6 +79,25 @@ class Run:
         value, nested records flattened: ``{"data.tokens": ..., "data.generated.seed":
         ...}``."""
         return _leaves(data_fingerprint(self.result.get("data") or {}), "data")
+
+
+    @property
+    def hardware(self) -> str | None:
+        """Where the run trained, as Table 2's time and memory depend on it: the device
+        type and, for a GPU, its name (``cuda NVIDIA H200``); None where the result does
+        not record it."""
+        environment = self.result.get("environment") or {}
+        device = environment.get("device")
+        if device is None:
+            return None
+        name = environment.get("device_name")
+        kind = str(device).split(":")[0]
+        return f"{kind} {name}" if name else kind
+
+    @property
+    def context(self) -> dict[str, Any]:
+        """What a run measured on besides its settings: ``data`` and ``hardware``."""
+        return {**self.data, "hardware": self.hardware}
 
 
 def _leaves(value: Any, name: str) -> dict[str, Any]:
@@ -223,15 +244,16 @@ def _variant_label(run: Run, data_keys: list[str]) -> str:
     which its task's runs differ); empty for a run with the preset's settings on the
     task's only data. A setting the run's config does not record (written before it
     existed) counts as the preset's."""
-    settings, preset, data = run.settings, _preset_settings(run), run.data
+    settings, preset, context = run.settings, _preset_settings(run), run.context
     other = [f"{k}={settings[k]}" for k in sorted(settings)
              if _plain(settings[k]) != _plain(preset.get(k))]
-    return ", ".join(other + [f"{k}={data.get(k)}" for k in data_keys])
+    return ", ".join(other + [f"{k}={context.get(k)}" for k in data_keys])
 
 
 def _differing_data(runs: list[Run]) -> list[str]:
-    """The data records (``Run.data`` keys) in which ``runs`` differ."""
-    records = [r.data for r in runs]
+    """The data records and the hardware (``Run.context`` keys) in which ``runs``
+    differ: runs on a CPU and on a GPU measure other times and memories."""
+    records = [r.context for r in runs]
     keys = sorted({k for d in records for k in d})
     return [k for k in keys if len({json.dumps(d.get(k), sort_keys=True, default=str)
                                     for d in records}) > 1]
