@@ -429,6 +429,28 @@ def test_near_field_matches_autograd_on_the_whole_scores(chunk):
 
 
 @pytest.mark.parametrize("method", ["softmax_multipole", "skyformer_multipole"])
+def test_a_backward_pass_under_autocast_gives_the_gradients_of_one_outside(method):
+    """``loss.backward()`` inside the ``torch.autocast`` block of the forward pass: the
+    near field's backward rebuilt its scores in bfloat16 there and failed writing them
+    into its float32 gradients; it computes them as outside autocast (PyTorch's own
+    backward operations around it still run in bfloat16 there)."""
+    q, k, v = make_qkv(n=40, d=8, dtype=torch.float32)
+
+    def gradients(inside):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = attention(*leaves, method, num_features=8, generator=gen(0))
+            loss = out.float().square().sum()
+            if inside:
+                return torch.autograd.grad(loss, leaves)
+        return torch.autograd.grad(loss, leaves)
+
+    for a_, b_ in zip(gradients(True), gradients(False), strict=True):
+        assert a_.dtype == torch.float32
+        assert relative_error(a_, b_, "fro").max() < 1e-2
+
+
+@pytest.mark.parametrize("method", ["softmax_multipole", "skyformer_multipole"])
 def test_values_gradient_where_the_far_field_sits_on_the_values_range(method):
     """Every key with the same value row: the tilted far-field value sits on the range's
     bound, where rounding once chose a zero gradient. For softmax each output row is that

@@ -72,6 +72,13 @@ class _NearField(torch.autograd.Function):
     @staticmethod
     @first_order_backward
     def backward(ctx: Any, _: Tensor | None, grad: Tensor) -> tuple[Tensor | None, ...]:
+        # in the inputs' dtype, also where the backward pass runs under autocast (the
+        # rebuilt scores would be half and the products' outputs are not)
+        with torch.autocast(grad.device.type, enabled=False):
+            return _NearField._gradients(ctx, grad)
+
+    @staticmethod
+    def _gradients(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         q, k, bias, v, top = ctx.saved_tensors
         chunk = ctx.chunk
         dq, dk = torch.empty_like(q), torch.empty_like(k)
