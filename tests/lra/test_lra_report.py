@@ -217,6 +217,24 @@ def test_a_default_typed_or_not_is_one_experiment(tmp_path):
     assert len(rows) == 1 and "(2)" in rows[0], rows
 
 
+def test_a_variant_and_its_method_with_the_same_options_are_one_experiment(tmp_path):
+    """--attn "skyformer[num_features=32]" and --attn skyformer --option num_features=32
+    train the same model: one row, named by the method and the option it changed."""
+    config = {"task": "listops", "steps": 50_000, "lr": 1e-4}
+    for seed, (attention, options) in enumerate((("skyformer[num_features=32]", {}),
+                                                 ("skyformer", {"num_features": 32}))):
+        _fake_run(tmp_path, "listops", attention, seed, 0.3 + 0.1 * seed,
+                  config={**config, "seed": seed, "attention": attention,
+                          "attention_options": options})
+    _fake_run(tmp_path, "listops", "skyformer", 2, 0.9,
+              config={**config, "seed": 2, "attention": "skyformer"})
+    rows = [line for line in tables(collect_runs([tmp_path])).split("Table 2")[0].splitlines()
+            if line.startswith("| skyformer")]
+    std = statistics.stdev([30, 40])
+    assert rows == ["| skyformer | 90.00 (1) | 90.00 |",
+                    f"| skyformer (num_features=32) | 35.00 ± {std:.2f} (2) | 35.00 |"], rows
+
+
 @pytest.mark.parametrize(("damage", "message"), [
     (lambda lines: [*lines[:-1], lines[-1][:-20]], r"line 3 is not JSON \("),
     (lambda lines: [lines[0].replace('"seconds": 10.0, ', ""), *lines[1:]],

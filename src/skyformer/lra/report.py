@@ -35,6 +35,7 @@ from typing import Any
 
 from ..io import save_figure
 from ..registry import get_method, list_methods
+from ..registry.variants import base_name
 from .cache import data_fingerprint
 from .model import resolve_attention_options
 from .presets import make_config
@@ -52,7 +53,10 @@ class Run:
 
     @property
     def key(self) -> tuple[str, str]:
-        return self.result["task"], self.result["attention"]
+        """(task, method): a variant (``skyformer[num_features=32]``) is its method, the
+        options it set being settings (``settings``), so that it and the method given the
+        same options are one experiment."""
+        return self.result["task"], base_name(str(self.result["attention"]))
 
     @property
     def settings(self) -> dict[str, Any]:
