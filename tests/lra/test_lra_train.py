@@ -232,6 +232,10 @@ def test_bf16_autocast_on_cpu_and_fp16_refused(listops_cache, tmp_path):
     assert 0.0 <= result["test_accuracy"] <= 1.0
     with pytest.raises(ValueError, match="fp16 autocast needs a CUDA device"):
         _run(_cfg(steps=2, precision="fp16"), listops_cache, tmp_path / "fp16", device="cpu")
+    # before the data: a user without prepared data learns first that fp16 needs CUDA
+    with pytest.raises(ValueError, match="fp16 autocast needs a CUDA device"):
+        _run(_cfg(steps=2, precision="fp16"), tmp_path / "no-data", tmp_path / "fp16b",
+             device="cpu")
 
 
 def test_settings_are_validated_with_sentences(listops_cache, tmp_path):

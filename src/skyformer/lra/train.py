@@ -341,13 +341,13 @@ class Trainer:
 
     def _build(self) -> None:
         cfg = self.cfg
+        self.autocast = autocast_factory(cfg.precision, self.device)  # before the data's check
         self.data = load_cache(self.cache_root, cfg.task)
         self.model_cfg = model_config(cfg, self.data)
         parts = self.info.world_size * cfg.grad_accum
         if cfg.batch_size % parts:
             raise ValueError(f"batch size {cfg.batch_size} is not divisible by processes x "
                              f"accumulation steps = {self.info.world_size} x {cfg.grad_accum}.")
-        self.autocast = autocast_factory(cfg.precision, self.device)
         torch.manual_seed(cfg.seed)  # the same initial weights in every process
         np.random.seed(cfg.seed % 2**32)
         random.seed(cfg.seed)
