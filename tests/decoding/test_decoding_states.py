@@ -201,6 +201,13 @@ def test_refusals_name_the_problem():
     state.step(q, k, v)
     with pytest.raises(ValueError, match="holds 2 sequences, the step has 1"):
         state.step(q[:1], k[:1], v[:1])
+    for index, message in ((torch.tensor([True, False]), r"\[B'\] int64 tensor"),
+                           (torch.tensor([[0, 1]]), r"\[B'\] int64 tensor"),
+                           (torch.tensor([0, 2]), r"holds 2 sequences \(0 to 1\), got 2"),
+                           (torch.tensor([-1]), r"holds 2 sequences \(0 to 1\), got -1")):
+        with pytest.raises(ValueError, match=message):
+            state.reorder(index)
+    assert state.batch_size() == 2  # a refused reorder changes nothing
 
 
 @pytest.mark.parametrize(("method", "options"), [

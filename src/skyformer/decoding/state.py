@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from ..ops.shared.inputs import resolve_key
+from ..ops.shared.tracing import may_read_values
 from ..registry.guard import zero_padding
 
 
@@ -161,6 +162,20 @@ class DecodingState(ABC):
     def reorder(self, index: Tensor) -> None:
         """Keep the sequences ``index`` (``[B']`` long, repeats allowed): beam search,
         several samples per prompt, dropping finished sequences."""
+        if not isinstance(index, Tensor) or index.dim() != 1 or index.dtype not in (
+                torch.int64, torch.int32):
+            raise ValueError(
+                f"{self.method} decoding: reorder takes the indices of the sequences to keep, "
+                f"a [B'] int64 tensor, got {_shape(index)}"
+                f"{' ' + str(index.dtype) if isinstance(index, Tensor) else ''} (a boolean "
+                f"selection: pass selection.nonzero().flatten()).")
+        batch = self.batch_size()
+        if batch is not None and index.numel() and may_read_values(index):
+            low, high = int(index.min()), int(index.max())  # one read, before any change
+            if low < 0 or high >= batch:
+                bad = low if low < 0 else high
+                raise ValueError(f"{self.method} decoding: the state holds {batch} sequences "
+                                 f"(0 to {batch - 1}), got {bad} among the indices to keep.")
         for name in (*self.batched, "spoiled"):
             t = getattr(self, name, None)
             if isinstance(t, Tensor):
