@@ -643,3 +643,36 @@ def test_transformers_own_switch_keeps_the_settings_for_the_way_back():
     assert model.encoder.layer[0].attention.self.skyformer_state is state
     shf.restore_exact(model)
     assert not any("skyformer_state" in name for name, _ in model.named_parameters())
+
+
+@torch.no_grad()
+def test_set_attention_on_one_part_of_an_encoder_decoder_leaves_the_other_part():
+    """BART's encoder and decoder read one config: set_attention(model.get_encoder(), m)
+    runs m in the encoder only, as listing every encoder layer does; the decoder keeps
+    SDPA (it ran m with default options, unseeded). restore_exact of the encoder leaves
+    a decoder set through a call of its own as it was."""
+    import copy
+
+    from transformers import BartConfig, BartModel
+
+    config = BartConfig(d_model=32, encoder_layers=2, decoder_layers=2,
+                        encoder_attention_heads=4, decoder_attention_heads=4,
+                        encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=100,
+                        max_position_embeddings=64)
+    torch.manual_seed(0)
+    base = BartModel(config).eval()
+    base.set_attn_implementation("sdpa")
+    ids, mask = ids_and_padding(b=2, n=12)
+    batch = {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": ids[:, :6]}
+    listed = shf.set_attention(copy.deepcopy(base).get_encoder(), "performer",
+                               layers=[0, 1], num_features=8, seed=0)
+    whole = copy.deepcopy(base)
+    shf.set_attention(whole.get_encoder(), "performer", num_features=8, seed=0)
+    assert [r["method"] for r in shf.describe(whole)] == ["performer"] * 2 + ["exact"] * 4
+    want = copy.deepcopy(base)
+    want.encoder = listed
+    torch.testing.assert_close(whole(**batch).last_hidden_state,
+                               want(**batch).last_hidden_state, rtol=0, atol=0)
+    shf.set_attention(whole.get_decoder(), "linear")
+    shf.restore_exact(whole.get_encoder())
+    assert [r["method"] for r in shf.describe(whole)] == ["exact"] * 2 + ["linear"] * 4

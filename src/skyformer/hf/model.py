@@ -126,8 +126,10 @@ def set_attention(
     modules, chosen = _select(model, layers)
     if not _is_ours(current):
         model.__dict__[_ORIGINAL] = current
-    # a variant has no implementation name of its own: each layer holds its setting
-    whole = chosen is None and name != EXACT and not is_variant(name)
+    # a variant has no implementation name of its own, and the other part of an
+    # encoder-decoder would run one too: each layer holds its setting
+    whole = (chosen is None and name != EXACT and not is_variant(name)
+             and not _one_part(model, modules))
     target = implementation_name(name) if whole else PER_LAYER
     if chosen is None and name == EXACT:
         return restore_exact(model)
@@ -161,6 +163,20 @@ def set_attention(
     return model
 
 
+def _one_part(model: nn.Module, modules: list) -> bool:
+    """Whether ``model`` is the encoder or the decoder of an encoder-decoder model (BART's
+    or Whisper's ``get_encoder()``), whose config the other part reads too: switching
+    that config to ``"skyformer:<method>"`` would run the method in the other part's
+    layers as well, with default options. Whole models hold an encoder's self-attention
+    (neither cross-attention nor causal) and cross-attention."""
+    if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return False
+    cross = [is_cross_attention(module, qualified) for _, qualified, module in modules]
+    encoder = any(not c and not getattr(module, "is_causal", False)
+                  for c, (_, _, module) in zip(cross, modules, strict=True))
+    return not (any(cross) and encoder)
+
+
 def _switch(model: nn.Module, implementation: str) -> None:
     model.set_attn_implementation(implementation)
     if _implementation(model) != implementation:
@@ -176,12 +192,17 @@ def restore_exact(model: nn.Module, *, layers: Iterable[int] | int | None = None
 
     With ``layers=None`` every setting and per-layer state is removed and the model gets
     back the implementation it had before ``set_attention`` (``"sdpa"`` if it was loaded
-    with a skyformer implementation).
+    with a skyformer implementation). One part of an encoder-decoder model (its
+    ``get_encoder()``) whose layers each run their own setting returns to exact
+    attention alone: the other part's settings stay.
     """
     if layers is not None:
         return set_attention(model, EXACT, layers=layers)
     current = _implementation(model)
-    for _, _, module in attention_modules(model):
+    modules = attention_modules(model)
+    if current == PER_LAYER and _one_part(model, modules):  # the other part keeps its own
+        return set_attention(model, EXACT, layers=sorted({i for i, _, _ in modules}))
+    for _, _, module in modules:
         clear_layer(module)
     original = model.__dict__.pop(_ORIGINAL, None) or current
     _switch(model, original if original and not _is_ours(original) else "sdpa")
