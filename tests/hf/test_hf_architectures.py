@@ -612,6 +612,18 @@ def test_from_pretrained_passes_model_kwargs_to_transformers(tmp_path):
         shf.from_pretrained(tmp_path, "linformer", model_kwargs=[("dtype", torch.float64)])
 
 
+def test_from_pretrained_names_model_kwargs_for_the_loaders_keywords(tmp_path, monkeypatch):
+    """dtype=... given as transformers' from_pretrained takes it is no method option: the
+    sentence names model_kwargs, and comes before the model is loaded."""
+    from transformers import AutoModel
+
+    tiny_bert().save_pretrained(tmp_path)
+    monkeypatch.setattr(AutoModel, "from_pretrained", None)  # a load would fail otherwise
+    for method in ("performer", "exact"):
+        with pytest.raises(ValueError, match=r"model_kwargs=\{'dtype': \.\.\.\}"):
+            shf.from_pretrained(tmp_path, method, dtype=torch.float64)
+
+
 @pytest.mark.filterwarnings("ignore:.*makes its trainable parameters")
 def test_describe_gives_the_options_a_layer_will_run_before_its_first_forward():
     """On the attn_implementation route a layer is set up at its first forward pass;

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..registry import get_method, list_methods
 from ..registry.variants import is_variant
 from .attention import PER_LAYER, PREFIX, implementation_name, register_methods
 from .layers import (
@@ -255,6 +256,7 @@ def from_pretrained(
 
     register_methods()
     name = resolve_method_name(method)
+    _refuse_loader_keywords(name, options)
     check_setting_arguments(name, seed, options)  # before the model is loaded
     model_kwargs = _loader_kwargs(model_kwargs)
     auto_class = auto_class or transformers.AutoModel
@@ -269,6 +271,20 @@ def from_pretrained(
     else:  # every layer runs the model's own attention already
         check_layers(model, layers)
     return model
+
+
+def _refuse_loader_keywords(method: str, options: dict[str, Any]) -> None:
+    """Fail before loading where a keyword is an option of no method: most likely one of
+    the transformers loader's (``dtype``, ``device_map``), which go in ``model_kwargs``."""
+    every = {option for m in list_methods() for option in get_method(m).option_names()}
+    unknown = [key for key in options if key not in every]
+    if unknown:
+        known = () if method == EXACT else get_method(method).option_names()
+        raise ValueError(
+            f"{unknown[0]!r} is no option of {method} (its options: "
+            f"{', '.join(known) or 'none'}); keyword arguments of the transformers loader "
+            f"go in model_kwargs: from_pretrained(path, {method!r}, "
+            f"model_kwargs={{{unknown[0]!r}: ...}}).")
 
 
 def _loader_kwargs(model_kwargs: Any) -> dict[str, Any]:
