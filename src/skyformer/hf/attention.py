@@ -244,15 +244,8 @@ def _attention(module: nn.Module, layer: LayerAttention, decoding: DecodingLayer
                             is_causal=is_causal, advice=advice)
     bound = layer.bound.replace(
         **_call_options(spec, layer, scaling, head_dim, resolved.causal, where))
+    # softmax, which drops probabilities as the model was trained, took the any-mask path
     training_dropout = float(dropout) if module.training and dropout else 0.0
-
-    if training_dropout and spec.name == "softmax":
-        # Dropout on the probabilities, exactly as the model was trained.
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=training_dropout,
-            scaling=bound.options().get("scale") or scaling, is_causal=is_causal, **kwargs,
-        )
-
     key, value = _keys_for_call(module, key, value)
     key_padding_mask = resolved.key_padding_mask
     if key_padding_mask is not None:
