@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skyformer import softmax_attention
+from skyformer import MultiHeadAttention, softmax_attention
 from skyformer.ops.bigbird import BigBirdConfig, bigbird_attention
 from skyformer.ops.bigbird.bigbird import bigbird_layout
 from skyformer.ops.bigbird.naive import bigbird_pattern, reference_bigbird_attention
@@ -126,3 +126,22 @@ def test_self_attention_only_and_bad_options():
     ):
         with pytest.raises(ValueError, match=word):
             bigbird_attention(q, k, v, **options)
+
+
+def test_a_query_mask_beside_a_key_mask_is_refused():
+    """The blocks relate query i to key i: a real query at a padded key's position has
+    no block, and its row came out zero (cross-attention of equal lengths, as
+    MultiHeadAttention's context passes it: every query real, some keys padded)."""
+    q, k, v = make_qkv(2, 2, 12, 8)
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[1, 8:] = False
+    for rows in (None, torch.ones(2, 12, dtype=torch.bool)):
+        with pytest.raises(ValueError, match=r"bigbird runs self-attention.*"
+                                             r"query_padding_mask='auto'"):
+            bigbird_attention(q, k, v, key_padding_mask=mask, query_padding_mask=rows,
+                              generator=gen(0))
+    layer = MultiHeadAttention(16, 2, method="bigbird")
+    x, context = torch.randn(2, 12, 16), torch.randn(2, 12, 16)
+    with pytest.raises(ValueError, match="bigbird runs self-attention"):
+        layer(x, mask, context=context, generator=gen(0))
+    layer(x, context=context, generator=gen(0))  # every key real: each query has its own

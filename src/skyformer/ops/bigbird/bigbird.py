@@ -252,6 +252,8 @@ def bigbird_attention(
     Args:
         q, k: ``[B, H, N, D]``; v: ``[B, H, N, Dv]`` (self-attention: Nq == Nk).
         key_padding_mask: ``[B, N]`` bool, True = real token.
+        query_padding_mask: ``"auto"`` (the queries padded as the keys); ``None`` or a
+            mask of its own only without a key_padding_mask.
         generator: draws the random blocks.
         config: the options (``BigBirdConfig``).
     Returns:
@@ -266,6 +268,14 @@ def bigbird_attention(
             f"Nq={info.query_len}, Nk={info.key_len}): its window relates query block i to "
             f"key block i."
         )
+    if info.key_valid is not None and not isinstance(query_padding_mask, str):
+        # a real query at a padded key's position would fall past the real blocks: row 0
+        raise ValueError(
+            "bigbird runs self-attention: its blocks relate query i to key i, so its "
+            "queries are padded as its keys are (query_padding_mask='auto'); beside a "
+            "key_padding_mask it takes no query mask of its own, as cross-attention "
+            "passes (a MultiHeadAttention context). Leave query_padding_mask='auto', or "
+            "attend to a context with a method that has cross_attention (skyformer list).")
     check_generator("bigbird", generator, q.device)
     dtype = q.dtype
     work = compute_dtype(dtype)
