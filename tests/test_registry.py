@@ -136,6 +136,7 @@ def test_a_variants_max_seq_len_wins_over_the_sequence_length_bound_for():
     ("skyformer[pinv_gradient]", "expected key=value items"),
     ("skyformer[]", "expected key=value items"),
     ("skyformer[num_features=8", "name\\[key=value,...\\]"),
+    ("skyformer num_features=8]", "name\\[key=value,...\\]"),
     ("skyformer[gamma=1,gamma=2]", "set twice"),
     ("skyformer[colour=red]", "has no option 'colour'"),
     ("skyformer[num_features=0]", "num_features must be a positive integer"),

@@ -38,9 +38,10 @@ def base_name(name: str) -> str:
 def parse_variant(name: str) -> tuple[str, tuple[tuple[str, Any], ...]]:
     """(base method name, the options set, in order) of ``name[key=value,...]``."""
     text = name.strip()
-    base, _, rest = text.partition("[")
+    base, bracket, rest = text.partition("[")
     items = rest[:-1]
-    if not base.strip() or not text.endswith("]") or "[" in items or "]" in items:
+    if not base.strip() or not bracket or not text.endswith("]") or "[" in items \
+            or "]" in items:
         raise ValueError(f"{name!r}: a method with options set is written "
                          f"name[key=value,...], e.g. {EXAMPLE!r}.")
     options: list[tuple[str, Any]] = []
