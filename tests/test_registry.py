@@ -140,6 +140,7 @@ def test_a_variants_max_seq_len_wins_over_the_sequence_length_bound_for():
     ("skyformer[gamma=1,gamma=2]", "set twice"),
     ("skyformer[colour=red]", "has no option 'colour'"),
     ("skyformer[num_features=0]", "num_features must be a positive integer"),
+    ("skyformer[num_features=\u00b2]", "num_features must be a positive integer"),
     ("nothing[num_features=8]", "unknown attention method 'nothing'"),
 ])
 def test_a_malformed_or_invalid_variant_fails_in_a_sentence(name, problem):
@@ -151,7 +152,7 @@ def test_a_malformed_or_invalid_variant_fails_in_a_sentence(name, problem):
     ("64", 64), ("-2", -2), ("0.5", 0.5), (".5", 0.5), ("1.", 1.0), ("1e-3", 1e-3),
     ("2.5E4", 2.5e4), ("true", True), ("True", True), ("false", False), ("False", False),
     ("null", None), ("None", None), ("'64'", "64"), ('"x"', "x"), ("implicit", "implicit"),
-    ("1e", "1e"), ("1.2.3", "1.2.3"),
+    ("1e", "1e"), ("1.2.3", "1.2.3"), ("\u0663", "\u0663"), ("1.\u0665", "1.\u0665"),
 ])
 def test_values_are_numbers_words_or_strings(text, value):
     from skyformer.registry.variants import parse_variant

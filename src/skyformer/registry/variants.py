@@ -64,6 +64,8 @@ def _value(raw: str) -> Any:
     if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "\"'":
         return raw[1:-1]
     unsigned = raw[1:] if raw[:1] in "+-" else raw
+    if not unsigned.isascii():  # str.isdigit takes '²', which int() refuses; JSON has 0-9
+        return raw
     if unsigned.isdigit():
         return int(raw)
     if _is_decimal(unsigned):
