@@ -357,3 +357,19 @@ def test_a_variant_follows_its_method_registered_again(monkeypatch):
     _register_scaled(monkeypatch, "scaled_again", caps, offset=1.0)
     again = skyformer.attention(q, k, v, "scaled_again[factor=2.0]")
     torch.testing.assert_close(again, first + 1.0)
+
+
+@pytest.mark.parametrize("text", ["none", "None", "Auto"])
+def test_a_query_padding_mask_word_other_than_auto_is_refused(text):
+    """Any string passed for query_padding_mask was taken for "auto": "None" (meaning
+    every query real) zeroed the rows of the queries at padded keys without a word."""
+    q, k, v = make_qkv(1, 2, 6, 4)
+    mask = torch.tensor([[True] * 4 + [False] * 2])
+    for call in (lambda: skyformer.attention(q, k, v, "softmax", key_padding_mask=mask,
+                                             query_padding_mask=text),
+                 lambda: skyformer.softmax_attention(q, k, v, key_padding_mask=mask,
+                                                     query_padding_mask=text),
+                 lambda: get_method("linear").bind()(q, k, v, query_padding_mask=text)):
+        with pytest.raises(ValueError, match=r"query_padding_mask must be a bool tensor "
+                                             rf"\[B, Nq\], None or 'auto', got '{text}'"):
+            call()

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from ..ops.shared.inputs import check_query_mask_word
 from ..sketch.rng import cpu_draws_seeded
 from .autocast import call_core
 from .capabilities import CapabilityError
@@ -40,8 +41,10 @@ def query_mask_argument(name: str, takes: bool, query_padding_mask: Any, q: Any,
     (every core's default), nor for a core without the keyword where the mask says
     nothing ``"auto"`` would not (``None`` with other lengths, or without a key mask:
     every query real, as library callers pass for cross-attention); a sentence where
-    such a core would drop a real query mask."""
+    such a core would drop a real query mask, or for a word other than ``"auto"``
+    (which the core would not see)."""
     if isinstance(query_padding_mask, str):
+        check_query_mask_word(name, query_padding_mask)
         return {}
     if takes:
         return {"query_padding_mask": query_padding_mask}

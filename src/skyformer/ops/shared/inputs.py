@@ -93,16 +93,21 @@ def check_attention_inputs(
     key_valid = None
     key_valid = _check_mask(method, "key_padding_mask", key_padding_mask, b, nk, "Nk", k)
     if isinstance(query_padding_mask, str):
-        if query_padding_mask != AUTO:
-            raise ValueError(
-                f"{method}: query_padding_mask must be a bool tensor [B, Nq], None or "
-                f"{AUTO!r}, got {query_padding_mask!r}."
-            )
+        check_query_mask_word(method, query_padding_mask)
         query_valid = key_valid if nq == nk else None
     else:
         query_valid = _check_mask(method, "query_padding_mask", query_padding_mask, b, nq,
                                   "Nq", q)
     return AttentionInputs(b, h, nq, nk, d, v.shape[-1], key_valid, query_valid)
+
+
+def check_query_mask_word(method: str, query_padding_mask: str) -> None:
+    """Fail in a sentence unless the one word ``query_padding_mask`` takes is given."""
+    if query_padding_mask != AUTO:
+        raise ValueError(
+            f"{method}: query_padding_mask must be a bool tensor [B, Nq], None or "
+            f"{AUTO!r}, got {query_padding_mask!r}."
+        )
 
 
 def _check_mask(method: str, name: str, m: object, b: int, n: int, n_name: str,
