@@ -373,3 +373,22 @@ def test_a_query_padding_mask_word_other_than_auto_is_refused(text):
         with pytest.raises(ValueError, match=r"query_padding_mask must be a bool tensor "
                                              rf"\[B, Nq\], None or 'auto', got '{text}'"):
             call()
+
+
+@pytest.mark.parametrize("argument, value", [
+    ("num_heads", 0), ("num_heads", 2.0), ("head_dim", -1), ("head_dim", True),
+    ("seq_len", 0), ("seq_len", "64"),
+])
+def test_a_layer_shape_that_is_not_a_positive_integer_is_refused_at_bind(argument, value):
+    """bind took any num_heads, head_dim and seq_len: a state was built with 0 heads or
+    failed inside torch.randn, and a seq_len of "64" or 0 was dropped without a word
+    (or named max_seq_len, an option the caller never gave)."""
+    shape = {"num_heads": 2, "head_dim": 4, "seq_len": 16, argument: value}
+    for method in ("linformer", "skyformer"):
+        with pytest.raises(ValueError, match=rf"{method}: {argument} must be a positive "
+                                             rf"integer or None, got {re.escape(repr(value))}"):
+            get_method(method).bind(shape["num_heads"], shape["head_dim"],
+                                    seq_len=shape["seq_len"])
+    if argument == "seq_len":
+        with pytest.raises(ValueError, match="seq_len must be a positive integer"):
+            skyformer.MultiHeadAttention(8, 2, "skyformer", seq_len=value)

@@ -188,7 +188,8 @@ def position_limit(module: nn.Module) -> int | None:
     """The longest sequence the model takes (``max_position_embeddings``), if it says:
     fixed-length methods (Linformer) are bound for it."""
     limit = getattr(getattr(module, "config", None), "max_position_embeddings", None)
-    return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 \
+        else None
 
 
 def first_forward_options(module: nn.Module, method: str) -> dict[str, Any]:

@@ -139,6 +139,12 @@ class Method:
             seq_len: the longest sequence the layer sees (fixed-length methods need it).
             **options: the method's options (see ``skyformer list``).
         """
+        for name, value in (("num_heads", num_heads), ("head_dim", head_dim),
+                            ("seq_len", seq_len)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value <= 0):
+                raise ValueError(f"{self.name}: {name} must be a positive integer or None, "
+                                 f"got {value!r}.")
         config = self.make_config(**self.resolve_options(options, seq_len))
         return BoundMethod(self, config, num_heads, head_dim)
 
