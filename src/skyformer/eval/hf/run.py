@@ -293,6 +293,19 @@ def memory_probe(model_dir: str | None, method: str, options: dict[str, Any],
     return forward
 
 
+def _learns(method: str) -> bool:
+    """Whether ``method`` (a variant included) runs with learned weights: declared by its
+    capabilities, or held by its per-layer state for these options (Nystromformer's
+    ``conv_kernel`` convolution), which starts from its initialisation here."""
+    spec = get_method(method)
+    if spec.capabilities.learned_parameters:
+        return True
+    if spec.state is None:
+        return False
+    state = spec.state(spec.bind().config, 1, 1)  # whether it has weights, not their shape
+    return any(True for _ in state.parameters())
+
+
 def _row(setting: str, method: str, features: int | None, inputs: Inputs) -> dict[str, Any]:
     note = ""
     if method == BASELINE:
@@ -302,7 +315,7 @@ def _row(setting: str, method: str, features: int | None, inputs: Inputs) -> dic
         target, exact = caps.target, caps.exact
         if caps.target != "softmax":
             note = NOT_DROP_IN_GAUSSIAN
-        elif caps.learned_parameters:
+        elif _learns(method):
             note = NOT_DROP_IN_LEARNED
     return {
         "setting": setting, "method": method, "target": target, "exact": exact,
