@@ -100,6 +100,19 @@ def test_every_row_as_landmark_reproduces_kernelized_attention(masked):
     )
 
 
+def test_gamma_zero_is_refused_for_the_identity_start_which_diverges_when_rows_repeat():
+    """Without a ridge, repeated landmark rows make M singular: from V_0 = I its null
+    space grows by 13/4 a step (NaN after 40 steps in float64). Lemma 3 needs gamma > 0;
+    the scaled transpose start converges to the pseudo-inverse for any matrix."""
+    q, _, v = make_qkv(1, 2, 6, 4)
+    q = torch.cat([q[:, :, :3], q[:, :, :3]], dim=2)  # every row twice; k = q
+    with pytest.raises(ValueError, match=r"gamma > 0.*scaled_transpose.*exact"):
+        skyformer_attention(q, q, v, num_features=12, gamma=0.0, pinv_iterations=40)
+    out = skyformer_attention(q, q, v, num_features=12, gamma=0.0, pinv_iterations=40,
+                              pinv_init="scaled_transpose")
+    torch.testing.assert_close(out, kernelized_attention(q, q, v), rtol=1e-9, atol=1e-11)
+
+
 def test_iterative_inverse_error_small_and_shrinks_with_iterations():
     q, k, v = make_qkv(2, 2, 64, 16)
     exact = skyformer_attention(q, k, v, generator=gen(1), num_features=32, pinv="exact")

@@ -46,7 +46,9 @@ class NystromOptions:
 
     num_features: number of landmarks m sampled from the rows of [Q; K] (half from
         each); capped by the valid rows, so m >= 2 N uses every row once.
-    gamma: ridge added to M before the Lemma 3 normalisation.
+    gamma: ridge added to M before the Lemma 3 normalisation; 0 only with
+        ``pinv_init="scaled_transpose"`` or ``pinv="exact"`` (from the identity the
+        iteration needs Lemma 3's gamma > 0).
     pinv: ``"iterative"`` (Razavi et al.) or ``"exact"`` (torch.linalg.pinv).
     pinv_iterations: iterations of the iterative inverse.
     pinv_init: starting point of the iteration, ``"identity"`` (justified by Lemma 3)
@@ -84,6 +86,15 @@ class NystromOptions:
         check_nonnegative_int(method, "pinv_iterations", self.pinv_iterations)
         check_choice(method, "pinv_gradient", self.pinv_gradient, GRADIENTS)
         check_choice(method, "kernel", self.kernel, KERNELS)
+        if self.pinv == "iterative" and self.pinv_init == "identity" and not self.gamma > 0:
+            # Lemma 3's ||I - A|| < 1 needs the ridge: without it repeated landmark rows
+            # make A singular, and from V_0 = I its null space grows by 13/4 a step
+            raise ValueError(
+                f"{method}: the iterative inverse from the identity needs gamma > 0 "
+                f"(Skyformer's Lemma 3; without it repeated landmark rows make the "
+                f"iteration diverge), got gamma={self.gamma!r}; keep gamma > 0 (the "
+                f"default is 0.1), or for gamma = 0 set pinv_init='scaled_transpose' "
+                f"(converges to the pseudo-inverse) or pinv='exact'.")
         if self.pinv_gradient == "implicit":
             self._check_implicit(method)
 
