@@ -285,6 +285,36 @@ def test_methods_with_triton_kernels(device, method):
 
 
 @pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_an_undefined_output_gradient_gives_no_input_gradient(device, kernel):
+    """A gradient that reaches the output undefined (a custom Function upstream of the
+    loss returning None, as ``gradcheck``'s ``check_undefined_grad`` sends) gives the
+    inputs none on both paths; the Triton product read it as a tensor (AttributeError)."""
+
+    class NoGradient(torch.autograd.Function):
+        @staticmethod
+        def forward(t):
+            return t.clone()
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def backward(ctx, grad):
+            return None
+
+    dtype = _exact_dtype(device)
+    q, k, v = (t.to(device, dtype).requires_grad_(True) for t in make_qkv(1, 2, 6, 4))
+    out = skyformer.attention(q, k, v, "skyformer", num_features=4, kernel=kernel,
+                              generator=torch.Generator().manual_seed(0))
+    grads = torch.autograd.grad(NoGradient.apply(out).sum() + q.sum(), (q, k, v),
+                                allow_unused=True, materialize_grads=True)
+    torch.testing.assert_close(grads[0], torch.ones_like(q))
+    assert not grads[1].any() and not grads[2].any()
+
+
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize(("method", "dtype"), [
     ("skyformer", torch.float64), ("skyformer", torch.float32),  # float32: the fused core
     ("skyformer_multipole", torch.float64)])

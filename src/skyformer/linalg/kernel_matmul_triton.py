@@ -195,6 +195,8 @@ class TritonGaussianBlockProduct(torch.autograd.Function):
     @first_order_backward
     def backward(ctx: Any, grad: Tensor, _: Any) -> tuple[Tensor | None, ...]:
         y, x, b, rhs, a, out, exclude, x_bf16 = ctx.saved_tensors
+        if grad is None:  # the output reached no loss (grads are not materialised)
+            return (None,) * 15
         a = None if is_absent(a) else a.contiguous()
         scale, row_norm, transpose, x_factor, ones_column, auto = ctx.options
         need_y, need_x, need_b, need_rhs = ctx.needs_input_grad[:4]

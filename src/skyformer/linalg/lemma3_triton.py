@@ -111,6 +111,8 @@ class TritonLemma3Inverse(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor, _: Any
                  ) -> tuple[Tensor | None, Tensor | None, None, None, None, None, None, None]:
         source, norm, ridge, store = ctx.saved_tensors
+        if grad is None:  # W reached no loss (grads are not materialised)
+            return (None,) * 8
         m = source.shape[-2]
         # "auto"'s fallback runs inside the operator, where compiled autograd's traced
         # backward graph calls it (``lemma3_gradients_by_pytorch``)
