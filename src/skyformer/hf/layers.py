@@ -195,9 +195,8 @@ def position_limit(module: nn.Module) -> int | None:
 def first_forward_options(module: nn.Module, method: str) -> dict[str, Any]:
     """The options a layer without a setting runs ``method`` with on the
     ``attn_implementation="skyformer:<method>"`` route, where its first forward pass sets
-    it up: the method's defaults with those the model fixes (``max_seq_len``)."""
-    spec = get_method(method)
-    return spec.options_of(spec.make_config(**spec.resolve_options({}, position_limit(module))))
+    it up: the method bound as ``build_layer`` binds it, without options."""
+    return get_method(method).bind(seq_len=position_limit(module)).options()
 
 
 def resolve_method_name(method: str) -> str:
