@@ -84,7 +84,6 @@ class Run:
         ...}``."""
         return _leaves(data_fingerprint(self.result.get("data") or {}), "data")
 
-
     @property
     def hardware(self) -> str | None:
         """Where the run trained, as Table 2's time and memory depend on it: the device
@@ -242,19 +241,19 @@ def _preset_settings(run: Run) -> dict[str, Any]:
     return Run(run.folder, preset).settings
 
 
-def _variant_label(run: Run, data_keys: list[str]) -> str:
+def _variant_label(run: Run, context_keys: list[str]) -> str:
     """Row label suffix of a run: the settings it has other than its task's preset, e.g.
-    ``lr=0.001, steps=200``, then its value of each of ``data_keys`` (the data records in
-    which its task's runs differ); empty for a run with the preset's settings on the
-    task's only data. A setting the run's config does not record (written before it
-    existed) counts as the preset's."""
+    ``lr=0.001, steps=200``, then its value of each of ``context_keys`` (the data records
+    and hardware in which its task's runs differ); empty for a run with the preset's
+    settings on the task's only data and hardware. A setting the run's config does not
+    record (written before it existed) counts as the preset's."""
     settings, preset, context = run.settings, _preset_settings(run), run.context
     other = [f"{k}={settings[k]}" for k in sorted(settings)
              if _plain(settings[k]) != _plain(preset.get(k))]
-    return ", ".join(other + [f"{k}={context.get(k)}" for k in data_keys])
+    return ", ".join(other + [f"{k}={context.get(k)}" for k in context_keys])
 
 
-def _differing_data(runs: list[Run]) -> list[str]:
+def _differing_context(runs: list[Run]) -> list[str]:
     """The data records and the hardware (``Run.context`` keys) in which ``runs``
     differ: runs on a CPU and on a GPU measure other times and memories."""
     records = [r.context for r in runs]
@@ -278,11 +277,11 @@ def _by_seed(group: list[Run], value: Callable[[Run], float]) -> list[float]:
 
 def _groups(runs: list[Run]) -> dict[tuple[str, str, str], list[Run]]:
     """Runs by (task, method, settings label): the runs that are seeds of one experiment."""
-    data_keys = {task: _differing_data([r for r in runs if r.key[0] == task])
+    context_keys = {task: _differing_context([r for r in runs if r.key[0] == task])
                  for task in {r.key[0] for r in runs}}
     groups: dict[tuple[str, str, str], list[Run]] = defaultdict(list)
     for run in runs:
-        groups[(*run.key, _variant_label(run, data_keys[run.key[0]]))].append(run)
+        groups[(*run.key, _variant_label(run, context_keys[run.key[0]]))].append(run)
     return groups
 
 
