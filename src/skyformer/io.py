@@ -68,6 +68,21 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
     return target
 
 
+def remove_interrupted_writes(folder: Path, names: tuple[str, ...]) -> list[Path]:
+    """Remove the temporary files ``.NAME.XXXXXXXX.tmp`` that writes of ``names`` through
+    a temporary file and a rename (``atomic_write_text``, and LRA checkpoints named as
+    it names them) left in ``folder`` when killed before the rename, and return them.
+    Only for a folder no other process writes these files in now."""
+    if not folder.is_dir():
+        return []
+    pattern = re.compile(rf"\.({'|'.join(map(re.escape, names))})\.\w{{8}}\.tmp")
+    found = [p for p in folder.iterdir()
+             if pattern.fullmatch(p.name) and p.is_file() and not p.is_symlink()]
+    for path in found:
+        path.unlink(missing_ok=True)
+    return found
+
+
 def _builder_tag() -> str:
     """``HOST-PID`` of this process, as it names its temporary folders: on a file system
     shared between machines, a process id means something only on its own host."""

@@ -21,7 +21,6 @@ import dataclasses
 import json
 import os
 import random
-import re
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -34,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from ..io import environment, json_ready, json_text, write_json
+from ..io import environment, json_ready, json_text, remove_interrupted_writes, write_json
 from ..logs import get_logger
 from .batches import BatchOrder, Position, fetch, micro_batches
 from .cache import TaskData, data_fingerprint, load_cache
@@ -147,23 +146,10 @@ def _has_test_entry(metrics: Path) -> bool:
     return False
 
 
-# The files a run writes through a temporary file ``.NAME.XXXXXXXX.tmp`` and a rename.
+# The files a run writes through a temporary file and a rename (``io.atomic_write_text``,
+# ``checkpoint.save_checkpoint``), whose leftovers a new start removes.
 ATOMIC_FILES = ("last.pt", "best.pt", "result.json", "config.json", "metrics.jsonl",
                 *(f"{kind}.csv" for kind in KINDS))
-_TEMPORARY = re.compile(rf"\.({'|'.join(map(re.escape, ATOMIC_FILES))})\.\w{{8}}\.tmp")
-
-
-def remove_temporaries(folder: Path) -> list[Path]:
-    """Remove the temporary files of ``ATOMIC_FILES`` that a write killed before its rename
-    left in ``folder`` (the run folder holds one run: no other process writes them now),
-    and return them."""
-    if not folder.is_dir():
-        return []
-    found = [p for p in folder.iterdir()
-             if _TEMPORARY.fullmatch(p.name) and p.is_file() and not p.is_symlink()]
-    for path in found:
-        path.unlink(missing_ok=True)
-    return found
 
 
 def earlier_run_files(folder: Path) -> list[str]:
@@ -634,7 +620,9 @@ class Trainer:
             self._build()
             resumed = self._restore()
             self.resumed_at = self.state.step if resumed else None
-            if self.info.is_main and (removed := remove_temporaries(self.folder)):
+            removed = remove_interrupted_writes(self.folder, ATOMIC_FILES) \
+                if self.info.is_main else []
+            if removed:
                 self._say(f"removed {len(removed)} temporary file(s) of writes an interruption "
                           f"cut short: {', '.join(p.name for p in removed)}")
             finished = finished_result(self.folder, self.cfg, self.state.step) if resumed \
