@@ -392,3 +392,14 @@ def test_a_layer_shape_that_is_not_a_positive_integer_is_refused_at_bind(argumen
     if argument == "seq_len":
         with pytest.raises(ValueError, match="seq_len must be a positive integer"):
             skyformer.MultiHeadAttention(8, 2, "skyformer", seq_len=value)
+
+
+@pytest.mark.parametrize("option, value", [("num_features", 128.0), ("causal", 0)])
+def test_replace_validates_a_value_equal_to_the_current_one_of_another_type(option, value):
+    """replace returned the binding unchanged for 128.0 (== 128) or 0 (== False), so a
+    value that bind and make_config refuse passed without a word."""
+    bound = get_method("skyformer").bind(2, 8)
+    assert bound.options()["num_features"] == 128 and bound.options()["causal"] is False
+    with pytest.raises(ValueError, match=rf"skyformer: {option} must be"):
+        bound.replace(**{option: value})
+    assert bound.replace(num_features=128, causal=False) is bound

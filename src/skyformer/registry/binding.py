@@ -97,7 +97,10 @@ class BoundMethod:
         """The same binding with some options changed (validated again); ``self`` when
         nothing changes."""
         current = self.options()
-        if all(name in current and current[name] == value for name, value in options.items()):
+        # The type counts too: 128.0 or True equal to a current 128 or 1 must be validated
+        # (and refused) as a new value would be.
+        if all(name in current and type(current[name]) is type(value)
+               and current[name] == value for name, value in options.items()):
             return self
         config = self.method.make_config(**{**current, **options})
         return dataclasses.replace(self, config=config)
