@@ -126,3 +126,18 @@ def test_every_setting_is_checked_before_the_first_measurement(
 def test_a_task_listed_twice_is_refused(listops_cache):
     with pytest.raises(ValueError, match="tasks lists listops more than once; give each task once"):
         run_stability(["listops", "listops"], ["kernelized"], cache_root=listops_cache, steps=1)
+
+
+def test_a_variant_setting_num_features_beside_features_is_refused(listops_cache):
+    """--features sets num_features of every method: a variant's own value would be
+    replaced while its row kept the variant's name."""
+    said = []
+    with pytest.raises(ValueError, match=r"skyformer\[num_features=8\]: lra stability "
+                                         r"\(--features\) sets num_features on every call"):
+        run_stability(["listops"], ["skyformer[num_features=8]"], cache_root=listops_cache,
+                      steps=1, num_features=4, overrides={"batch_size": 16},
+                      progress=said.append)
+    assert said == []
+    report = run_stability(["listops"], ["skyformer[num_features=8]"], cache_root=listops_cache,
+                           steps=1, overrides={"batch_size": 16})
+    assert report.attention_options["listops"]["skyformer[num_features=8]"]["num_features"] == 8

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from ..devices import parse_device
 from ..io import environment
 from ..registry import get_method
+from ..registry.variants import refuse_swept_option
 from .batches import BatchOrder, Position, fetch
 from .cache import load_cache
 from .model import LRAClassifier, resolve_attention_options
@@ -167,7 +168,10 @@ def run_stability(tasks: list[str], methods: list[str], *, cache_root: str | os.
             raise ValueError(f"tasks lists {task} more than once; give each task once.")
     compared = [m for m in dict.fromkeys(methods) if m != BASELINE]
     for method in compared:
-        get_method(method)
+        spec = get_method(method)
+        if num_features is not None:  # the row would keep the variant's name
+            refuse_swept_option(spec.name, spec.preset, "num_features",
+                                "lra stability (--features)")
     if not compared:
         raise ValueError(f"no method to compare with {BASELINE}, the baseline of every ratio; "
                          "name at least one other method.")
