@@ -243,3 +243,47 @@ def test_stability_json_records_features_options_command_and_environment(
     assert "attention_options" not in data["settings"]["listops"]
     assert data["command"].startswith("skyformer lra stability --tasks listops")
     assert data["environment"]["device"] == "cpu" and "torch" in data["environment"]
+
+
+def test_stability_resume_measures_only_what_an_interrupted_run_left(
+        tmp_path, capsys, listops_cache, monkeypatch):
+    """--json was written at the end only: a run killed in its last measurement lost
+    all the others."""
+    from skyformer.lra import stability
+
+    out = tmp_path / "s.json"
+    argv = ["lra", "stability", "--tasks", "listops", "--methods", "kernelized", "--steps",
+            "1", "--batch-size", "16", "--cache", str(listops_cache), "--json", str(out)]
+    measure = stability.instability_taus
+    calls = []
+
+    def interrupted(cfg, *args, **kwargs):
+        calls.append(cfg.attention)
+        if cfg.attention == "kernelized" and len(calls) == 2:
+            raise KeyboardInterrupt
+        return measure(cfg, *args, **kwargs)
+
+    monkeypatch.setattr(stability, "instability_taus", interrupted)
+    assert main(argv) == 130
+    kept = json.loads(out.read_text())
+    assert kept["complete"] is False and list(kept["taus"]["listops"]["softmax"]) == ["0"]
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 0
+    captured = capsys.readouterr()
+    assert calls == ["softmax", "kernelized", "kernelized"]
+    assert f"resuming from {out}" in captured.err and "softmax seed" not in captured.out
+    data = json.loads(out.read_text())
+    assert data["complete"] is True and data["taus"]["listops"]["softmax"] == \
+        kept["taus"]["listops"]["softmax"]
+    assert set(data["ratios"]["listops"]) == {"kernelized"}
+
+
+def test_stability_resume_needs_json_and_a_stability_file(tmp_path, capsys, listops_cache):
+    base = ["lra", "stability", "--tasks", "listops", "--methods", "kernelized", "--steps",
+            "1", "--batch-size", "16", "--cache", str(listops_cache), "--resume"]
+    assert main(base) == 2
+    assert "--resume continues the taus written to --json; give --json." in capsys.readouterr().err
+    other = tmp_path / "other.json"
+    other.write_text('{"rows": []}')
+    assert main([*base, "--json", str(other)]) == 2
+    assert f"cannot resume from {other}: not an lra stability result" in capsys.readouterr().err

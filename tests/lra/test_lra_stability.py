@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import json
+import re
 
 import pytest
 import torch
@@ -141,3 +143,55 @@ def test_a_variant_setting_num_features_beside_features_is_refused(listops_cache
     report = run_stability(["listops"], ["skyformer[num_features=8]"], cache_root=listops_cache,
                            steps=1, overrides={"batch_size": 16})
     assert report.attention_options["listops"]["skyformer[num_features=8]"]["num_features"] == 8
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def test_a_resumed_run_keeps_the_earlier_taus_and_equals_an_uninterrupted_one(listops_cache):
+    """An interrupted stability run lost every tau measured (the file was written at the
+    end only); a resumed run measures only what is missing, with the same result."""
+    args = {"cache_root": listops_cache, "seeds": [0, 1], "steps": 2,
+                "overrides": {"batch_size": 16}}
+    whole = run_stability(["listops"], ["kernelized"], **args)
+    saved = []
+
+    def save_then_stop(report):
+        saved.append(copy.deepcopy(report.to_dict()))
+        if len(saved) == 3:
+            raise _Interrupted
+
+    with pytest.raises(_Interrupted):
+        run_stability(["listops"], ["kernelized"], on_measured=save_then_stop, **args)
+    partial = json.loads(json.dumps(saved[-1]))  # as the file holds it
+    assert partial["complete"] is False and partial["ratios"] == {"listops": {}}
+    said = []
+    resumed = run_stability(["listops"], ["kernelized"], earlier=partial, progress=said.append,
+                            **args)
+    assert said == ["listops kernelized seed 1: mean tau "
+                    f"{sum(whole.taus['listops']['kernelized'][1]) / 2:.4g}"]
+    assert resumed.taus == whole.taus and resumed.to_dict()["complete"] is True
+    assert resumed.ratio("listops", "kernelized") == whole.ratio("listops", "kernelized")
+
+
+@pytest.mark.parametrize(("change", "differ"), [
+    ({"steps": 3}, "steps: 2 -> 3"),
+    ({"overrides": {"batch_size": 32}}, "the training settings of listops"),
+    ({"num_features": 4}, "the options of skyformer on listops"),
+])
+def test_resuming_with_other_settings_is_refused(listops_cache, change, differ):
+    args = {"cache_root": listops_cache, "steps": 2, "overrides": {"batch_size": 16}}
+    earlier = json.loads(json.dumps(
+        run_stability(["listops"], ["skyformer"], **args).to_dict()))
+    with pytest.raises(ValueError, match=rf"measured with other settings \(.*{re.escape(differ)}"):
+        run_stability(["listops"], ["skyformer"], earlier=earlier, **{**args, **change})
+
+
+def test_a_method_listed_twice_is_refused(listops_cache):
+    """Listed twice, a method was merged into one row; two spellings of one variant
+    were measured twice into identical rows."""
+    for methods, named in ((["kernelized", "kernelized"], "kernelized"),
+                           (["linear[eps=0.001]", "linear[eps=1e-3]"], r"linear\[eps=1e-3\]")):
+        with pytest.raises(ValueError, match=rf"methods lists .*{named}"):
+            run_stability(["listops"], methods, cache_root=listops_cache, steps=1)

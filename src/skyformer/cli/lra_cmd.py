@@ -163,7 +163,11 @@ def _stability_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--cache", default=None)
-    p.add_argument("--json", dest="json_path", default=None, help="write all tau values here")
+    p.add_argument("--json", dest="json_path", default=None,
+                   help="write all tau values here (after every measurement)")
+    p.add_argument("--resume", action="store_true",
+                   help="with --json: keep the taus that file holds (an interrupted run's) and "
+                   "measure only what is missing; the settings must be the same")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -319,7 +323,7 @@ def _run_report(args: argparse.Namespace) -> int:
 
 def _run_stability(args: argparse.Namespace) -> int:
     from ..io import write_json
-    from ..lra.stability import format_table, run_stability
+    from ..lra.stability import StabilityReport, format_table, run_stability
 
     check_output_path(args.json_path)
     _distinct("--tasks", args.tasks)
@@ -327,15 +331,43 @@ def _run_stability(args: argparse.Namespace) -> int:
     _threads(args.threads)
     overrides = {k: v for k, v in (("batch_size", args.batch_size), ("max_len", args.max_len))
                  if v is not None}
+    command = "skyformer " + shlex.join(getattr(args, "_argv", sys.argv[1:]))
+
+    def save(report: StabilityReport) -> Path:  # the command, as bench and approx record theirs
+        return write_json(args.json_path, {**report.to_dict(), "command": command})
+
     report = run_stability(args.tasks, args.methods, cache_root=_cache(args), seeds=args.seeds,
                            steps=args.steps, device=args.device, num_features=args.features,
-                           probe=args.probe, overrides=overrides, progress=print)
+                           probe=args.probe, overrides=overrides, progress=print,
+                           earlier=_earlier_taus(args),
+                           on_measured=save if args.json_path else None)
     print(format_table(report))
-    if args.json_path:  # the command, as bench and approx record theirs
-        command = "skyformer " + shlex.join(getattr(args, "_argv", sys.argv[1:]))
-        data = {**report.to_dict(), "command": command}
-        print(f"wrote {write_json(args.json_path, data)}")
+    if args.json_path:
+        print(f"wrote {save(report)}")
     return 0
+
+
+def _earlier_taus(args: argparse.Namespace) -> dict | None:
+    """The file ``--resume`` continues, read (None: nothing to resume)."""
+    if not args.resume:
+        return None
+    if args.json_path is None:
+        raise ValueError("--resume continues the taus written to --json; give --json.")
+    path = Path(args.json_path)
+    if not path.exists():
+        print(f"nothing to resume: {path} does not exist; measuring everything",
+              file=sys.stderr)
+        return None
+    try:
+        earlier = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"cannot resume from {path}: not an lra stability result "
+                         f"({err}); write to another --json.") from None
+    if not (isinstance(earlier, dict) and isinstance(earlier.get("taus"), dict)):
+        raise ValueError(f"cannot resume from {path}: not an lra stability result (an object "
+                         "with taus, as --json writes); write to another --json.")
+    print(f"resuming from {path}", file=sys.stderr)
+    return earlier
 
 
 def _run_presets(args: argparse.Namespace) -> int:

@@ -39,7 +39,8 @@ import torch
 import torch.nn.functional as F
 
 from ..devices import parse_device
-from ..io import environment
+from ..eval.methods import refuse_repeated_methods
+from ..io import environment, json_ready
 from ..registry import get_method
 from ..registry.variants import refuse_swept_option
 from .batches import BatchOrder, Position, fetch
@@ -131,15 +132,26 @@ class StabilityReport:
             per_seed.append(statistics.fmean(a / b for a, b in zip(mine, base, strict=False)))
         return statistics.fmean(per_seed)
 
+    def measured(self, task: str, method: str) -> bool:
+        """Whether every seed of ``method`` on ``task`` has its taus."""
+        return all(seed in self.taus.get(task, {}).get(method, {}) for seed in self.seeds)
+
+    @property
+    def complete(self) -> bool:
+        return all(self.measured(t, m) for t in self.tasks for m in [BASELINE, *self.methods])
+
     def to_dict(self) -> dict[str, Any]:
         """Everything the scores depend on: ``settings`` (training, per task; shared by the
         methods), ``num_features`` as asked for, ``attention_options`` (per task and
-        method, every option the method ran with, defaults included) and the environment."""
+        method, every option the method ran with, defaults included) and the environment.
+        A report still being measured (``complete`` false) has the ratios measured so far."""
         return {
             "tasks": self.tasks, "methods": self.methods, "seeds": self.seeds,
             "steps": self.steps, "probe": self.probe, "baseline": BASELINE,
-            "num_features": self.num_features,
-            "ratios": {t: {m: self.ratio(t, m) for m in self.methods} for t in self.tasks},
+            "num_features": self.num_features, "complete": self.complete,
+            "ratios": {t: {m: self.ratio(t, m) for m in self.methods
+                           if self.measured(t, m) and self.measured(t, BASELINE)}
+                       for t in self.tasks},
             "taus": {t: {m: {str(s): v for s, v in per.items()} for m, per in methods.items()}
                      for t, methods in self.taus.items()},
             "settings": self.settings,
@@ -152,11 +164,18 @@ def run_stability(tasks: list[str], methods: list[str], *, cache_root: str | os.
                   seeds: list[int] | tuple[int, ...] = (0,), steps: int = 20,
                   device: torch.device | str = "cpu", num_features: int | None = None,
                   probe: str = "normed", overrides: dict[str, Any] | None = None,
-                  progress: Callable[[str], None] | None = None) -> StabilityReport:
+                  progress: Callable[[str], None] | None = None,
+                  earlier: dict[str, Any] | None = None,
+                  on_measured: Callable[[StabilityReport], None] | None = None
+                  ) -> StabilityReport:
     """Instability scores of ``methods`` relative to softmax on ``tasks``.
 
     overrides: training settings applied to every task's preset (e.g. ``batch_size``,
     ``max_len`` to fit a CPU). num_features: set for every method that has the option.
+    earlier: a report's ``to_dict()`` (an interrupted run's) whose taus are kept instead of
+    measured again; it must have been measured with the same settings (each
+    measurement seeds itself, so the result is that of an uninterrupted run).
+    on_measured: called with the report after each new measurement (to save it).
     """
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}.")
@@ -166,7 +185,8 @@ def run_stability(tasks: list[str], methods: list[str], *, cache_root: str | os.
             raise ValueError(f"unknown LRA task {task!r}; tasks: {', '.join(TASKS)}.")
         if list(tasks).count(task) > 1:  # measured twice, the second replacing the first
             raise ValueError(f"tasks lists {task} more than once; give each task once.")
-    compared = [m for m in dict.fromkeys(methods) if m != BASELINE]
+    refuse_repeated_methods(methods)
+    compared = [m for m in methods if m != BASELINE]
     for method in compared:
         spec = get_method(method)
         if num_features is not None:  # the row would keep the variant's name
@@ -179,19 +199,66 @@ def run_stability(tasks: list[str], methods: list[str], *, cache_root: str | os.
                              num_features=num_features, environment=environment(device))
     plan = _configs(tasks, [BASELINE, *compared], seeds, num_features, overrides or {})
     report.attention_options = _check_configs(plan, cache_root)
+    for (task, _, _), cfg in plan.items():
+        report.settings.setdefault(task, {k: v for k, v in cfg.to_dict().items()
+                                          if k not in ("attention", "attention_options")})
+    kept = resumable_taus(report, earlier) if earlier is not None else {}
     for task in tasks:
         report.taus[task] = {}
         for method in [BASELINE, *compared]:
             report.taus[task][method] = {}
             for seed in seeds:
+                if (task, method, seed) in kept:
+                    report.taus[task][method][seed] = kept[task, method, seed]
+                    continue
                 cfg = plan[task, method, seed]
-                report.settings.setdefault(task, {k: v for k, v in cfg.to_dict().items()
-                                                  if k not in ("attention", "attention_options")})
                 taus = instability_taus(cfg, cache_root, steps=steps, device=device, probe=probe)
                 report.taus[task][method][seed] = taus
                 if progress:
                     progress(f"{task} {method} seed {seed}: mean tau {np.mean(taus):.4g}")
+                if on_measured:
+                    on_measured(report)
     return report
+
+
+# What taus depend on besides the task's settings and the method's options.
+RESUMABLE_ENVIRONMENT = ("device", "device_name", "torch")
+
+
+def resumable_taus(report: StabilityReport, earlier: dict[str, Any]
+                   ) -> dict[tuple[str, str, int], list[float]]:
+    """The taus of ``earlier`` (a report's ``to_dict()``) that ``report`` (settings and
+    options resolved, nothing measured) asks for: (task, method, seed) -> taus. Raises a
+    sentence naming what differs where they were measured otherwise."""
+    if not (isinstance(earlier, dict) and isinstance(earlier.get("taus"), dict)
+            and earlier.get("baseline") == BASELINE):
+        raise ValueError("not an lra stability result (an object with taus, settings and "
+                         "attention_options, as --json writes).")
+    now = report.to_dict()
+    differ = [f"{name}: {earlier.get(name)!r} -> {now[name]!r}"
+              for name in ("steps", "probe") if earlier.get(name) != now[name]]
+    env = earlier.get("environment", {})
+    differ += [f"{name}: {env.get(name)!r} -> {report.environment.get(name)!r}"
+               for name in RESUMABLE_ENVIRONMENT if env.get(name) != report.environment.get(name)]
+    kept = {}
+    for task, methods in earlier["taus"].items():
+        if task not in report.tasks:
+            continue
+        if json_ready(now["settings"][task]) != earlier.get("settings", {}).get(task):
+            differ.append(f"the training settings of {task}")
+        for method, per_seed in methods.items():
+            if method != BASELINE and method not in report.methods:
+                continue
+            options = earlier.get("attention_options", {}).get(task, {}).get(method)
+            if json_ready(report.attention_options[task][method]) != options:
+                differ.append(f"the options of {method} on {task}")
+            kept.update({(task, method, int(seed)): taus for seed, taus in per_seed.items()
+                         if int(seed) in report.seeds})
+    if differ:
+        raise ValueError(f"the earlier taus were measured with other settings "
+                         f"({', '.join(differ)}); resume with the same ones, or write to "
+                         "another --json.")
+    return kept
 
 
 def _configs(tasks: list[str], methods: list[str], seeds: list[int] | tuple[int, ...],
