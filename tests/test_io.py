@@ -7,6 +7,7 @@ import stat
 import pytest
 
 from skyformer.io import atomic_write_text, write_csv, write_json
+from skyformer.lra.checkpoint import load_checkpoint, save_checkpoint
 
 
 def test_atomic_writes_are_readable_and_leave_no_temporary(tmp_path):
@@ -16,21 +17,33 @@ def test_atomic_writes_are_readable_and_leave_no_temporary(tmp_path):
     assert [p.name for p in path.parent.iterdir()] == ["a.txt"]
 
 
+def _checkpoint(path, payload):
+    save_checkpoint(path, {"format": payload})
+
+
+@pytest.mark.parametrize("write, read", [
+    (atomic_write_text, lambda path: path.read_text()),
+    (_checkpoint, lambda path: load_checkpoint(path)["format"]),
+])
 @pytest.mark.parametrize("failing", ["fdopen", "fsync", "chmod", "replace"])
-def test_a_write_that_fails_leaves_the_old_file_whole(tmp_path, monkeypatch, failing):
-    """An error (or an interruption) at any step of a write leaves the earlier file as
-    it was and no temporary beside it: never a truncated or half-written result."""
-    path = atomic_write_text(tmp_path / "a.txt", "old")
+def test_a_write_that_fails_leaves_the_old_file_whole(tmp_path, monkeypatch, failing, write,
+                                                      read):
+    """An error (or an interruption) at any step of a write, of a result or an LRA
+    checkpoint, leaves the earlier file as it was and no temporary beside it: never a
+    truncated or half-written file."""
+    path = tmp_path / "a.txt"
+    write(path, "old")
 
     def fail(*args, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(os, failing, fail)
     with pytest.raises(KeyboardInterrupt):
-        atomic_write_text(path, "new and longer")
+        write(path, "new and longer")
     monkeypatch.undo()
-    assert path.read_text() == "old"
+    assert read(path) == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["a.txt"]
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
 
 
 def test_json_and_csv(tmp_path):

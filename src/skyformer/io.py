@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -50,14 +50,21 @@ def check_output_path(path: str | os.PathLike[str] | None, *, folder: bool = Fal
         raise PermissionError(f"cannot write {target}: no write permission in {ancestor}.")
 
 
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file in the same folder, then rename."""
+@contextmanager
+def atomic_writer(path: str | os.PathLike[str], mode: str = "w") -> Iterator[IO[Any]]:
+    """A handle (``mode`` "w" for UTF-8 text, "wb" for bytes) on a temporary file next to
+    ``path`` that, when the ``with`` block ends without error, is flushed to disk, given
+    ``FILE_MODE`` and renamed to ``path``; otherwise it is removed and ``path`` is left
+    as it was. The temporary file is ``.NAME.XXXXXXXX.tmp`` (``remove_interrupted_writes``
+    removes those a killed process left)."""
+    if mode not in ("w", "wb"):
+        raise ValueError(f"mode must be 'w' or 'wb', got {mode!r}.")
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
+        with os.fdopen(fd, mode, **({"encoding": "utf-8"} if mode == "w" else {})) as handle:
+            yield handle
             handle.flush()
             os.fsync(handle.fileno())
         os.chmod(tmp, FILE_MODE)  # mkstemp creates 0600: results should be readable
@@ -65,13 +72,19 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return target
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
+    """Write ``text`` to ``path`` through a temporary file in the same folder, then rename."""
+    with atomic_writer(path) as handle:
+        handle.write(text)
+    return Path(path)
 
 
 def remove_interrupted_writes(folder: Path, names: tuple[str, ...]) -> list[Path]:
     """Remove the temporary files ``.NAME.XXXXXXXX.tmp`` that writes of ``names`` through
-    a temporary file and a rename (``atomic_write_text``, and LRA checkpoints named as
-    it names them) left in ``folder`` when killed before the rename, and return them.
+    a temporary file and a rename (``atomic_writer``: ``atomic_write_text``, LRA
+    checkpoints) left in ``folder`` when killed before the rename, and return them.
     Only for a folder no other process writes these files in now."""
     if not folder.is_dir():
         return []

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import random
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -26,25 +25,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..io import FILE_MODE
+from ..io import atomic_writer
 
 
 def save_checkpoint(path: str | os.PathLike[str], payload: dict[str, Any]) -> Path:
     """``torch.save(payload)`` through a temporary file in the same folder, then rename."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(payload, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, FILE_MODE)  # mkstemp creates 0600, results are 0644
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+    with atomic_writer(path, "wb") as handle:
+        torch.save(payload, handle)
+    return Path(path)
 
 
 def load_checkpoint(path: str | os.PathLike[str], device: torch.device | str = "cpu"
