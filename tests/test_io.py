@@ -131,3 +131,14 @@ def test_a_built_folder_has_the_modes_of_results_whatever_the_umask(tmp_path):
     assert {p.name: stat.S_IMODE(p.stat().st_mode)
             for p in (data / "rows.tsv", data / "imgs" / "0.png")} == \
         {"rows.tsv": 0o644, "0.png": 0o644}
+
+
+def test_numpy_scalars_and_0d_tensors_are_written_as_numbers(tmp_path):
+    """They were written as their str ("0.5", "tensor(2.)"), which readers take for text."""
+    import numpy as np
+    import torch
+
+    data = {"a": np.float32(0.5), "b": [np.int64(3), torch.tensor(2.0)], "c": np.bool_(True),
+            "d": np.float32("nan"), "e": torch.tensor(float("inf"))}
+    written = json.loads(write_json(tmp_path / "a.json", data).read_text())
+    assert written == {"a": 0.5, "b": [3, 2.0], "c": True, "d": None, "e": None}

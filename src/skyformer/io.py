@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
+import numpy as np
 import torch
 
 FILE_MODE = 0o644
@@ -257,7 +258,10 @@ def remove_stale(*paths: str | os.PathLike[str]) -> list[Path]:
 
 def json_ready(data: Any) -> Any:
     """``data`` as the result files store it: every non-finite float (NaN, +-inf), in
-    dicts, lists and tuples too, as None (JSON ``null``), tuples as lists."""
+    dicts, lists and tuples too, as None (JSON ``null``), tuples as lists, a NumPy scalar
+    or a 0-d tensor as the Python value it holds (not its ``str``)."""
+    if isinstance(data, (np.generic, torch.Tensor)) and data.ndim == 0:
+        data = data.item()
     if isinstance(data, float):
         return data if math.isfinite(data) else None
     if isinstance(data, dict):
