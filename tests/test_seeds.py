@@ -3,6 +3,7 @@ torch.Generator.manual_seed takes, refused with a sentence before any work."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -87,3 +88,12 @@ def test_every_layer_of_a_model_takes_the_largest_seed(method):
     ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
     a, b = (model(ids).last_hidden_state for _ in range(2))
     torch.testing.assert_close(a, b, rtol=0, atol=0)  # seeded: the same draws every call
+
+
+@pytest.mark.parametrize("value", [np.int64(3), torch.tensor(3)])
+def test_a_numpy_or_torch_integer_is_refused_naming_the_python_int_wanted(value):
+    """"must be an integer ..., got np.int64(3)" did not say what was wrong with it."""
+    with pytest.raises(ValueError, match=r"seed must be an integer from 0 to 2\^64 - 1 \(a "
+                                         r"Python int: pass int\(value\)\), got"):
+        check_seed("seed", value)
+    check_seed("seed", int(value))

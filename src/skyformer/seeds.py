@@ -11,4 +11,7 @@ SEED_LIMIT = 2**64
 def check_seed(name: str, value: object) -> None:
     """Raise a ``ValueError`` naming ``name`` unless ``value`` is an integer in [0, 2^64)."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < SEED_LIMIT:
-        raise ValueError(f"{name} must be an integer from 0 to 2^64 - 1, got {value!r}.")
+        # a NumPy or 0-d torch integer is an integer to its user: say which one is wanted
+        hint = (" (a Python int: pass int(value))" if type(value).__module__ in ("numpy", "torch")
+                else "")
+        raise ValueError(f"{name} must be an integer from 0 to 2^64 - 1{hint}, got {value!r}.")
