@@ -307,6 +307,20 @@ def test_causal_matches_the_lower_triangular_reference(n):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_causal_float32_keeps_its_normaliser_at_common_head_dims(d):
+    """Causal FAVOR+ in float32 equals the float64 estimate at head dims 64 and 128 on
+    small inputs: the keys' data-independent shift once lowered every feature to
+    ~1e-22 (D = 64), below the normaliser's float32 threshold, so every row returned
+    the prefix mean of the values (0.6 off)."""
+    q, k, v = make_qkv(1, 2, 40, d, dv=4, dtype=torch.float32, scale=0.5)
+    w = gaussian_projection(128, d, generator=gen(3))
+    out = performer_attention(q, k, v, projection=w, causal=True, num_features=128)
+    ref = reference_performer_attention(q.double(), k.double(), v.double(), w.double(),
+                                        causal=True)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_a_non_finite_projection_is_not_hidden(bad):
     """A non-finite feature direction spoils every feature sum: the output says so (NaN)

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from ..ops.linear.linear import elu_feature_map, linear_normalised
 from ..ops.performer.features import causal_key_features, query_features, resolve_projection
+from ..ops.performer.performer import rows_rescaled
 from ..ops.shared.causal_prefix import causal_feature_sums
 from ..ops.shared.inputs import compute_dtype, zero_padded_queries
 from ..ops.shared.normalised import normalised_or
@@ -127,4 +128,5 @@ class PerformerDecoding(PrefixSumDecoding):
         return phi_q, causal_key_features(k.to(work) * root, w, key_valid, config.eps)
 
     def finish(self, o: Tensor, mean: Tensor) -> Tensor:
+        o = rows_rescaled(o)
         return normalised_or(o[..., :-1], o[..., -1:], mean)

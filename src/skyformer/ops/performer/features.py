@@ -13,6 +13,12 @@ from torch import Tensor
 from ...sketch import gaussian_projection, softmax_log_features
 from ..shared.reduction import WHOLE, KeyReduction
 
+# The causal keys' features are at most e^40: sums of N m of them stay finite in float32
+# (e^88) for |v| up to e^20 / (N m). Shifting by the bound itself (~51 at D = 64, m =
+# 128) put the features of ordinary keys near e^-51, and the normalisers below float32's
+# threshold for them (sqrt(tiny), ~1e-19): every row fell back to the prefix mean of V.
+CAUSAL_KEY_HEADROOM = 40.0
+
 
 def _projections(x: Tensor, projection: Tensor) -> Tensor:
     """w_f . x for every feature: ``[..., N, m]``."""
@@ -65,11 +71,13 @@ def key_features(
 def causal_key_features(k_scaled: Tensor, projection: Tensor, key_valid: Tensor | None,
                         eps: float = 0.0) -> Tensor:
     """Positive key features for causal attention, ``[B, H, N, m]``: exp(w.k - |k|^2/2 - c)
-    (+ eps) with c = max_f |w_f|^2/2, a bound of w_f.k - |k|^2/2 over every k, so the
-    shift depends on no key (a shift by a maximum over the keys would let a later key
-    change earlier outputs). Padded keys get exact zeros."""
+    (+ eps) with c = max(0, max_f |w_f|^2/2 - ``CAUSAL_KEY_HEADROOM``). max_f |w_f|^2/2
+    bounds w_f.k - |k|^2/2 over every k, so every feature is at most e^40 and the shift
+    depends on no key (a shift by a maximum over the keys would let a later key change
+    earlier outputs). Padded keys get exact zeros."""
     log_f = softmax_log_features(k_scaled, projection)
-    shift = 0.5 * (projection * projection).sum(-1).amax().to(log_f.dtype)
+    bound = 0.5 * (projection * projection).sum(-1).amax().to(log_f.dtype)
+    shift = (bound - CAUSAL_KEY_HEADROOM).clamp_min(0.0)
     phi = (log_f - shift).exp() + eps
     if key_valid is None:
         return phi

@@ -26,9 +26,13 @@ Causal attention (``causal=True``): out_i = sum_{j<=i} phi(q_i).phi(k_j) v_j / s
 phi(q_i).phi(k_j) by chunked prefix sums (``shared/causal_prefix.py``, as causal
 ``linear``). The keys' shift above is a maximum over *all* keys, so a future key would
 change past outputs through rounding (and which of them underflow); the causal form
-shifts instead by a bound that holds for every key, max_f |w_f|^2/2 >= w_f.k' - |k'|^2/2
-(``causal_key_features``): data-independent, so output i depends on no later position.
-Rows whose normaliser underflows return the mean of the values of the keys j <= i.
+shifts instead by max(0, B - 40) with B = max_f |w_f|^2/2 >= w_f.k' - |k'|^2/2 a bound
+that holds for every key (``causal_key_features``): data-independent, so output i
+depends on no later position, and no feature exceeds e^40. Each row's sums are scaled by
+a power of two that brings its normaliser near 1 (``rows_rescaled``), so the sums of
+small features stay above ``normalised_or``'s float32 threshold. Rows whose normaliser
+underflows return the mean of the values of the keys j <= i (in float32 from head dim
+~160, where B - 40 exceeds ordinary keys' log-features by more than float32's range).
 
 Feature redraw: called as a function, the features come from ``projection`` or are
 drawn from ``generator`` on every call. In ``MultiHeadAttention`` the layer keeps
@@ -263,6 +267,19 @@ def marked_by_projection(out: Tensor, projection: Tensor, info: AttentionInputs)
     return zero_padded_queries(out + projection.detach().sum() * 0, info.query_valid)
 
 
+def rows_rescaled(o: Tensor) -> Tensor:
+    """``o = [numerator, denominator]`` ``[..., Dv + 1]`` with each row multiplied by the
+    power of two that brings its denominator into [0.5, 1), where that denominator is at
+    least 2^-100 (other rows as they are): the causal key features' data-independent
+    shift leaves the sums far below 1, under ``normalised_or``'s float32 threshold
+    (~1e-19), though they hold every digit. A power of two scales exactly, so the
+    quotient is unchanged; the scale is detached (the quotient does not depend on it)."""
+    denominator = o[..., -1:].detach()
+    _, exponent = torch.frexp(denominator)
+    exponent = torch.where(denominator >= 2.0 ** -100, exponent, 0).to(o.dtype)
+    return torch.ldexp(o, -exponent)  # a float exponent: pow(2, -int) is 0 in integers
+
+
 def performer_from_projection(
     q: Tensor, k: Tensor, v: Tensor, projection: Tensor, info: AttentionInputs,
     config: PerformerConfig, reduce: KeyReduction = WHOLE,
@@ -284,7 +301,7 @@ def performer_from_projection(
         phi_k = causal_key_features(k * root, projection, info.key_valid, config.eps)
         v_and_one = with_ones_column(v)
         o = causal_feature_sums(phi_q, phi_k, v_and_one)  # [B, H, N, Dv + 1]
-        numerator, denominator = numerator_and_denominator(o)
+        numerator, denominator = numerator_and_denominator(rows_rescaled(o))
         out = normalised_or(numerator, denominator, prefix_mean_values(v, info.key_valid))
         return zero_padded_queries(out, info.query_valid)
     phi_k, _ = key_features(k * root, projection, info.key_valid, config.eps,
