@@ -284,6 +284,18 @@ def test_a_matrix_that_is_not_positive_definite_takes_the_steps():
         implicit_pinv(a, 3, "lu")
 
 
+@pytest.mark.parametrize("solver", ["auto", "cholesky"])
+def test_a_matrix_that_is_not_symmetric_is_inverted_by_lu(solver):
+    """The Cholesky factorisation reads the lower triangle alone: a matrix that is not
+    symmetric gets its own inverse (by LU) on the CPU, not that of the symmetric matrix
+    of its lower triangle."""
+    gen = torch.Generator().manual_seed(0)
+    a = 0.8 * torch.eye(4, dtype=torch.float64) \
+        + 0.05 * torch.randn(2, 4, 4, dtype=torch.float64, generator=gen)
+    steps = implicit_iterations(4, GAMMA, torch.float64)
+    assert relative_error(implicit_pinv(a, steps, solver), torch.linalg.inv(a)) < 1e-13
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_matrices_take_the_steps(dtype):
     """The CPU has no half-precision Cholesky: ``"auto"`` runs the steps for them."""

@@ -130,20 +130,33 @@ class _ImplicitInverse(torch.autograd.Function):
 
 def _factorised_inverse(a3: Tensor, iterations: int) -> Tensor:
     """A^-1 for ``a3: [batch, m, m]`` from its Cholesky factor (the lower triangle of
-    ``a3``, which is symmetric). A batch holding a matrix that is not positive definite
-    in floating point (NaN; a condition number near 1 / eps, which Lemma 3's bound
-    allows for many landmarks with a tiny gamma in float32) takes the steps where the
-    values may be read (eager calls; free on the CPU); in traced code, which cannot
-    branch on it, such a matrix's inverse is NaN."""
+    ``a3``, symmetric in the methods' calls). A batch holding a matrix that is not
+    positive definite in floating point (NaN; a condition number near 1 / eps, which
+    Lemma 3's bound allows for many landmarks with a tiny gamma in float32) takes the
+    steps where the values may be read (eager calls; free on the CPU), and one that is
+    not symmetric (``_symmetric``; a direct call's matrix) an LU factorisation; in
+    traced code, which cannot branch on it, such a matrix's inverse is NaN, or that of
+    the symmetric matrix of its lower triangle."""
     from ..ops.shared.tracing import may_read_values  # the ops package imports linalg
 
     factor, info = torch.linalg.cholesky_ex(a3)
     if not may_read_values(a3):
         failed = (info != 0)[:, None, None]
         return torch.where(failed, float("nan"), torch.cholesky_inverse(factor))
+    if not _symmetric(a3):
+        return torch.linalg.inv(a3)
     if bool(info.any()):
         return newton_steps(a3, iterations, in_place=True)
     return torch.cholesky_inverse(factor)
+
+
+def _symmetric(a3: Tensor) -> bool:
+    """Whether every matrix of ``a3: [batch, m, m]`` equals its transpose to within m
+    units of rounding of its largest entry (the Lemma 3 matrices the methods form differ
+    by under one: ``d_i m_ij d_j`` is rounded in another order than ``d_j m_ji d_i``)."""
+    top = a3.abs().amax(dim=(1, 2))
+    gap = (a3 - a3.mT).abs().amax(dim=(1, 2))
+    return bool((gap <= a3.shape[-1] * torch.finfo(a3.dtype).eps * top).all())
 
 
 def _resolve_solver(solver: str, a: Tensor) -> str:
@@ -168,7 +181,9 @@ def implicit_pinv(a: Tensor, iterations: int, solver: str = "auto") -> Tensor:
     V_K of ``iterations`` scaled Newton steps from the identity (``iterations`` from
     ``implicit_iterations``), or the same inverse to rounding from a Cholesky
     factorisation (``solver``, ``SOLVERS``: ``"auto"`` factorises float32 and float64
-    CPU tensors; ``"razavi"``: the authors' steps instead, not A^-1 unless converged).
+    CPU tensors, by Cholesky where they are symmetric, as the Lemma 3 matrix is, else
+    by LU; ``"razavi"``: the authors' steps instead, not A^-1 unless converged). The
+    steps' schedule is made for the Lemma 3 matrix: symmetric, eigenvalues in (0, 1].
     Under ``torch.export`` and forward-mode AD the steps in plain operators
     (``newton_steps``; their unrolled derivative, equal to rounding at those steps;
     PyTorch's forward-mode derivative of ``cholesky_inverse`` is wrong in 2.13,
