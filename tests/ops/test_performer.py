@@ -307,18 +307,56 @@ def test_causal_matches_the_lower_triangular_reference(n):
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("d", [64, 128])
-def test_causal_float32_keeps_its_normaliser_at_common_head_dims(d):
-    """Causal FAVOR+ in float32 equals the float64 estimate at head dims 64 and 128 on
-    small inputs: the keys' data-independent shift once lowered every feature to
-    ~1e-22 (D = 64), below the normaliser's float32 threshold, so every row returned
-    the prefix mean of the values (0.6 off)."""
-    q, k, v = make_qkv(1, 2, 40, d, dv=4, dtype=torch.float32, scale=0.5)
+@pytest.mark.parametrize(("d", "scale"), [(64, 0.5), (128, 0.5), (128, 3.0), (256, 0.5),
+                                          (256, 2.0)])
+def test_causal_float32_keeps_its_normaliser_at_common_head_dims(d, scale):
+    """Causal FAVOR+ in float32 equals the float64 estimate at head dims 64 to 256 (the
+    keys of language models have entries of std 3 and more): a shift of the keys fixed in
+    advance (a bound over every key) lowered ordinary keys' features below the
+    normaliser's float32 threshold, so every row returned the prefix mean of the values
+    (0.6 off at D = 64 on small inputs; 5 at D = 128, std 3)."""
+    q, k, v = make_qkv(1, 2, 70, d, dv=4, dtype=torch.float32, scale=scale)
     w = gaussian_projection(128, d, generator=gen(3))
     out = performer_attention(q, k, v, projection=w, causal=True, num_features=128)
     ref = reference_performer_attention(q.double(), k.double(), v.double(), w.double(),
                                         causal=True)
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_a_huge_later_key_changes_no_earlier_causal_output():
+    """The keys' shift of row i is their running maximum up to i: a later key far larger
+    than the others (aligned with a feature direction) leaves every earlier row
+    bit-identical, in the first chunk and in later ones."""
+    q, k, v = make_qkv(2, 2, 150, 8, dtype=torch.float32)
+    w = gaussian_projection(16, 8, generator=gen(3))
+    out = performer_attention(q, k, v, projection=w, causal=True, num_features=16)
+    for j in (20, 140):
+        spoiled = k.clone()
+        spoiled[0, 1, j] = 40 * w[0]
+        again = performer_attention(q, spoiled, v, projection=w, causal=True,
+                                    num_features=16)
+        assert torch.equal(again[:, :, :j], out[:, :, :j]), j
+        assert not torch.equal(again[0, 1, j:], out[0, 1, j:])
+
+
+@pytest.mark.parametrize("eps", [1e-3, 0.5])
+def test_causal_eps_shifts_each_rows_keys_by_their_maximum_up_to_it(eps):
+    """eps > 0 with causal=True: row i's key features are exp(w.k' - |k'|^2/2 - c_i) +
+    eps with c_i the maximum of w_f.k_j' over the real keys j <= i (the causal form of
+    the non-causal keys' shift), outputs and gradients; padding included."""
+    q, k, v = (t.requires_grad_(True) for t in make_qkv(2, 2, 75, 8, dv=5, seed=11))
+    mask = torch.ones(2, 75, dtype=torch.bool)
+    mask[1, 1:3] = False
+    mask[0, 66:70] = False
+    w = gaussian_projection(16, 8, generator=gen(3)).double()
+    fast = performer_attention(q, k, v, key_padding_mask=mask, projection=w, causal=True,
+                               num_features=16, eps=eps)
+    ref = reference_performer_attention(q, k, v, w, key_padding_mask=mask, causal=True,
+                                        eps=eps)
+    torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(fast.square().sum(), (q, k, v)),
+                    torch.autograd.grad(ref.square().sum(), (q, k, v)), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])

@@ -4,7 +4,9 @@ a_ij = phi(q_i) . psi(k_j) (Katharopoulos et al. 2020, eqs. (8)-(10): attention 
 The state is S = sum_{j < t} psi(k_j) [v_j, 1]^T (``[B, H, m, Dv + 1]``) plus, for the
 fallback rows of Performer, the sum and count of the real values: constant in the length.
 New positions get phi(q_i) . S plus their own lower-triangular block
-(``ops/shared/causal_prefix.py``), exactly the chunked causal forward's sums.
+(``ops/shared/causal_prefix.py``), exactly the chunked causal forward's sums. Performer's
+S is held at the running maximum of the keys' log-scales (with that maximum and the plain
+sum of [v_j, 1] for ``eps``), as its causal forward takes it (``ops/performer/causal.py``).
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ import torch
 from torch import Tensor, nn
 
 from ..ops.linear.linear import elu_feature_map, linear_normalised
-from ..ops.performer.features import causal_key_features, query_features, resolve_projection
+from ..ops.performer.causal import RunningSums, causal_performer_sums, running_sums
+from ..ops.performer.features import causal_key_logs, query_features, resolve_projection
 from ..ops.performer.performer import rows_rescaled
 from ..ops.shared.causal_prefix import causal_feature_sums
 from ..ops.shared.inputs import compute_dtype, zero_padded_queries
-from ..ops.shared.normalised import normalised_or
+from ..ops.shared.normalised import normalised_or, numerator_and_denominator
 from ..registry import BoundMethod
 from .state import DecodingState, padding_as_false
 
@@ -95,15 +98,19 @@ class LinearDecoding(PrefixSumDecoding):
 
 
 class PerformerDecoding(PrefixSumDecoding):
-    """``performer``: positive random features with the causal key shift
-    (``ops/performer``); the feature directions are fixed at the first step (the layer's
-    own, or drawn from the key as the full forward draws them)."""
+    """``performer``: positive random features, the keys' sums held at their running
+    maximum (``ops/performer/causal.py``); the feature directions are fixed at the first
+    step (the layer's own, or drawn from the key as the full forward draws them)."""
+
+    batched = ("sums", "shift", "plain", "value_sum", "count")
 
     def __init__(self, bound: BoundMethod, generator: torch.Generator | Tensor | None = None,
                  features: nn.Module | None = None) -> None:
         super().__init__(bound, generator)
         self.features_module = features  # the layer's PerformerFeatures, if any
         self.projection: Tensor | None = None  # [m, D]
+        self.shift: Tensor | None = None  # [B, H], the sums' running maximum
+        self.plain: Tensor | None = None  # [B, H, 1, Dv + 1]
 
     def _arguments(self) -> dict[str, Tensor]:
         return {"projection": self.projection} if self.projection is not None else {}
@@ -115,9 +122,41 @@ class PerformerDecoding(PrefixSumDecoding):
         self.projection = resolve_projection(
             "performer", self.projection, config.num_features, q.shape[-1], config.orthogonal,
             q.device, self.key)
-        return super()._first(q, k, v, key_valid)
+        out = self.bound(q, k, v, key_padding_mask=key_valid, generator=self.key,
+                         **self._arguments())
+        _, log_k, scale_basis = self._features(q, k)
+        vw, w = self._values(v, key_valid)
+        self.sums, self.shift, self.plain = running_sums(log_k, scale_basis,
+                                                         self._with_weights(vw, w), key_valid)
+        self.value_sum, self.count = vw.sum(2, keepdim=True), w.sum(2, keepdim=True)[:, :1]
+        return out
 
-    def features(self, q: Tensor, k: Tensor, key_valid: Tensor | None) -> tuple[Tensor, Tensor]:
+    def _extend(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None) -> Tensor:
+        assert self.value_sum is not None and self.count is not None
+        o, vw, w = self._absorb(q, k, v, key_valid)
+        value_sums = self.value_sum + vw.cumsum(2)
+        counts = self.count + w.cumsum(2)
+        out = normalised_or(*numerator_and_denominator(rows_rescaled(o)),
+                            value_sums / counts.clamp_min(1.0))
+        self.value_sum, self.count = value_sums[:, :, -1:], counts[:, :1, -1:]
+        return zero_padded_queries(out, key_valid).to(q.dtype)
+
+    def _absorb(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None
+                ) -> tuple[Tensor, Tensor, Tensor]:
+        """The sums of these positions after the state's (``[B, H, n, Dv + 1]``), the
+        state moved past them; and V, its weights as ``_values`` gives them."""
+        assert self.sums is not None and self.shift is not None and self.plain is not None
+        phi_q, log_k, scale_basis = self._features(q, k)
+        vw, w = self._values(v, key_valid)
+        o, running = causal_performer_sums(
+            phi_q, log_k, scale_basis, self._with_weights(vw, w), key_valid,
+            self.bound.config.eps, start=RunningSums(self.sums, self.shift, self.plain))
+        self.sums, self.shift, self.plain = running
+        return o, vw, w
+
+    def _features(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """phi(q), the keys' log-features and their log-scales' basis (``causal.py``),
+        in the compute dtype."""
         assert self.projection is not None
         config = self.bound.config
         work = compute_dtype(q.dtype)
@@ -125,8 +164,9 @@ class PerformerDecoding(PrefixSumDecoding):
         root = math.sqrt(s)
         w = self.projection.to(work)
         phi_q, _ = query_features(q.to(work) * root, w, config.eps)
-        return phi_q, causal_key_features(k.to(work) * root, w, key_valid, config.eps)
+        return (phi_q, *causal_key_logs(k.to(work) * root, w, config.eps))
 
-    def finish(self, o: Tensor, mean: Tensor) -> Tensor:
-        o = rows_rescaled(o)
-        return normalised_or(o[..., :-1], o[..., -1:], mean)
+    @staticmethod
+    def _with_weights(vw: Tensor, w: Tensor) -> Tensor:
+        """[v, 1] rows ``[B, H, n, Dv + 1]`` (zero rows for padding) from ``_values``."""
+        return torch.cat([vw, w.expand_as(vw[..., :1])], -1)

@@ -13,12 +13,6 @@ from torch import Tensor
 from ...sketch import gaussian_projection, softmax_log_features
 from ..shared.reduction import WHOLE, KeyReduction
 
-# The causal keys' features are at most e^40: sums of N m of them stay finite in float32
-# (e^88) for |v| up to e^20 / (N m). Shifting by the bound itself (~51 at D = 64, m =
-# 128) put the features of ordinary keys near e^-51, and the normalisers below float32's
-# threshold for them (sqrt(tiny), ~1e-19): every row fell back to the prefix mean of V.
-CAUSAL_KEY_HEADROOM = 40.0
-
 
 def _projections(x: Tensor, projection: Tensor) -> Tensor:
     """w_f . x for every feature: ``[..., N, m]``."""
@@ -68,20 +62,13 @@ def key_features(
     return torch.where(real, phi + eps, 0.0), shift
 
 
-def causal_key_features(k_scaled: Tensor, projection: Tensor, key_valid: Tensor | None,
-                        eps: float = 0.0) -> Tensor:
-    """Positive key features for causal attention, ``[B, H, N, m]``: exp(w.k - |k|^2/2 - c)
-    (+ eps) with c = max(0, max_f |w_f|^2/2 - ``CAUSAL_KEY_HEADROOM``). max_f |w_f|^2/2
-    bounds w_f.k - |k|^2/2 over every k, so every feature is at most e^40 and the shift
-    depends on no key (a shift by a maximum over the keys would let a later key change
-    earlier outputs). Padded keys get exact zeros."""
+def causal_key_logs(k_scaled: Tensor, projection: Tensor, eps: float = 0.0
+                    ) -> tuple[Tensor, Tensor]:
+    """The keys' log-features l = w.k - |k|^2/2 ``[B, H, N, m]`` and the basis of their
+    log-scales for causal attention (``causal.py``): l itself, or w.k with ``eps > 0``
+    (as ``key_features`` shifts)."""
     log_f = softmax_log_features(k_scaled, projection)
-    bound = 0.5 * (projection * projection).sum(-1).amax().to(log_f.dtype)
-    shift = (bound - CAUSAL_KEY_HEADROOM).clamp_min(0.0)
-    phi = (log_f - shift).exp() + eps
-    if key_valid is None:
-        return phi
-    return torch.where(key_valid[:, None, :, None], phi, 0.0)
+    return log_f, (log_f if eps == 0 else _projections(k_scaled, projection))
 
 
 def resolve_projection(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..shared.inputs import check_attention_inputs, zero_padded_queries
@@ -68,10 +69,18 @@ def reference_performer_attention(
     causal: bool = False,
 ) -> Tensor:
     """diag(A^ 1)^-1 A^ V (Performer eq. (6)) through the materialised A^, entries j > i
-    zero with ``causal``. ``[B, H, Nq, Dv]``."""
+    zero with ``causal`` (and, with ``eps > 0``, row i's key shift the maximum over the
+    real keys j <= i). ``[B, H, Nq, Dv]``."""
     info = check_attention_inputs(q, k, v, key_padding_mask, method="performer reference")
-    a = performer_scores(q, k, projection, key_padding_mask=key_padding_mask, scale=scale,
-                         eps=eps)
+    if causal and eps > 0:  # each row's keys shifted by their maximum up to the row
+        rows = [performer_scores(q, k[:, :, :i + 1], projection, scale=scale, eps=eps,
+                                 key_padding_mask=None if key_padding_mask is None
+                                 else key_padding_mask[:, :i + 1])[:, :, i]
+                for i in range(q.shape[2])]
+        a = torch.stack([F.pad(row, (0, k.shape[2] - row.shape[-1])) for row in rows], 2)
+    else:
+        a = performer_scores(q, k, projection, key_padding_mask=key_padding_mask, scale=scale,
+                             eps=eps)
     if causal:
         a = a.tril()
     out = (a @ v) / a.sum(-1, keepdim=True)

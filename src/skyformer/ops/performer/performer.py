@@ -23,16 +23,14 @@ query, max of w_f.k' over the keys and features of a batch element and head), wh
 pulls every row towards the mean of the values (README).
 
 Causal attention (``causal=True``): out_i = sum_{j<=i} phi(q_i).phi(k_j) v_j / sum_{j<=i}
-phi(q_i).phi(k_j) by chunked prefix sums (``shared/causal_prefix.py``, as causal
-``linear``). The keys' shift above is a maximum over *all* keys, so a future key would
-change past outputs through rounding (and which of them underflow); the causal form
-shifts instead by max(0, B - 40) with B = max_f |w_f|^2/2 >= w_f.k' - |k'|^2/2 a bound
-that holds for every key (``causal_key_features``): data-independent, so output i
-depends on no later position, and no feature exceeds e^40. Each row's sums are scaled by
-a power of two that brings its normaliser near 1 (``rows_rescaled``), so the sums of
-small features stay above ``normalised_or``'s float32 threshold. Rows whose normaliser
-underflows return the mean of the values of the keys j <= i (in float32 from head dim
-~160, where B - 40 exceeds ordinary keys' log-features by more than float32's range).
+phi(q_i).phi(k_j) by chunked prefix sums (``causal.py``). The keys' shift above is a
+maximum over *all* keys, so a future key would change past outputs (and which of them
+underflow); a shift fixed in advance (a bound over every key) leaves ordinary keys'
+features below float32's range at common head dims. Row i's sums are taken instead at
+the running maximum of the keys' log-scales up to i: output i depends on no later
+position, not even through rounding. Each row's sums are then scaled by a power of two
+that brings its normaliser near 1 (``rows_rescaled``, exact). Rows whose normaliser
+still underflows return the mean of the values of the keys j <= i.
 
 Feature redraw: called as a function, the features come from ``projection`` or are
 drawn from ``generator`` on every call. In ``MultiHeadAttention`` the layer keeps
@@ -53,7 +51,7 @@ from ...linalg.eager_calls import custom_op
 from ...registry import Capabilities, register
 from ...sketch import gaussian_projection
 from ...sketch.rng import fold_in, random_key
-from ..shared.causal_prefix import causal_feature_sums, prefix_mean_values
+from ..shared.causal_prefix import prefix_mean_values
 from ..shared.inputs import (
     AttentionInputs,
     check_attention_inputs,
@@ -71,7 +69,8 @@ from ..shared.options import (
     check_scale,
 )
 from ..shared.reduction import WHOLE, KeyReduction
-from .features import causal_key_features, key_features, query_features, resolve_projection
+from .causal import causal_performer_sums
+from .features import causal_key_logs, key_features, query_features, resolve_projection
 
 
 @dataclass(frozen=True)
@@ -270,9 +269,9 @@ def marked_by_projection(out: Tensor, projection: Tensor, info: AttentionInputs)
 def rows_rescaled(o: Tensor) -> Tensor:
     """``o = [numerator, denominator]`` ``[..., Dv + 1]`` with each row multiplied by the
     power of two that brings its denominator into [0.5, 1), where that denominator is at
-    least 2^-100 (other rows as they are): the causal key features' data-independent
-    shift leaves the sums far below 1, under ``normalised_or``'s float32 threshold
-    (~1e-19), though they hold every digit. A power of two scales exactly, so the
+    least 2^-100 (other rows as they are): a query whose features are small where the
+    top keys' are large has sums far below 1, under ``normalised_or``'s float32
+    threshold (~1e-19), though they hold every digit. A power of two scales exactly, so the
     quotient is unchanged; the scale is detached (the quotient does not depend on it)."""
     denominator = o[..., -1:].detach()
     _, exponent = torch.frexp(denominator)
@@ -298,9 +297,9 @@ def performer_from_projection(
         if info.query_len != info.key_len:
             raise ValueError(f"performer: causal=True needs as many queries as keys, got "
                              f"Nq={info.query_len}, Nk={info.key_len}.")
-        phi_k = causal_key_features(k * root, projection, info.key_valid, config.eps)
-        v_and_one = with_ones_column(v)
-        o = causal_feature_sums(phi_q, phi_k, v_and_one)  # [B, H, N, Dv + 1]
+        log_k, scale_basis = causal_key_logs(k * root, projection, config.eps)
+        o, _ = causal_performer_sums(phi_q, log_k, scale_basis, with_ones_column(v),
+                                     info.key_valid, config.eps)  # [B, H, N, Dv + 1]
         numerator, denominator = numerator_and_denominator(rows_rescaled(o))
         out = normalised_or(numerator, denominator, prefix_mean_values(v, info.key_valid))
         return zero_padded_queries(out, info.query_valid)

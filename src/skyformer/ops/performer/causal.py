@@ -1,0 +1,146 @@
+"""Causal Performer: prefix sums of the key features under a running maximum.
+
+out_i = sum_{j<=i} phi(q_i).phi(k_j) v_j / sum_{j<=i} phi(q_i).phi(k_j) (eq. (6) on the
+lower triangle), by chunks of L positions as ``shared/causal_prefix.py`` (Katharopoulos
+et al. 2020, eqs. (8)-(10)). The keys' features phi(k_j) ~ exp(l_j), l_j = W k_j' -
+|k_j'|^2/2, span more than float32 holds at common head dims (|k'|^2/2 alone is ~50 at
+D = 128 with entries of std 3), and no shift fixed in advance fits every key: shifted by
+a bound that holds for every key, ordinary keys' features underflowed and rows fell back
+to the mean of the values. Row i's sums are therefore taken at R_i = max_{j<=i} b_j, the
+running maximum of the keys' log-scales b_j = max_f l_jf (max_f w_f.k_j' with
+``eps > 0``, as the non-causal keys' shift). The shift cancels in the quotient, every
+term is at most 1 and the top key's is 1, and R_i depends on no later key: output i
+does not either, not even through rounding.
+
+Within chunk c: P = phi(Q_c) K^_c^T with K^_j = exp(l_j - b_j) (each key at its own
+scale), times exp(b_j - R_i) on the lower triangle. The earlier chunks contribute
+phi(q_i) . S_c exp(M_c - R_i), (S_c, M_c) the prefix over the chunks before c of their
+sums T_c = sum_{j in c} exp(l_j - m_c) [v_j, 1] at their maxima m_c, combined by
+
+    (S, M) o (S', M') = (S e^(M - M'') + S' e^(M' - M''), M'' = max(M, M')),
+
+an associative operation: scanned in ceil(log2(C + 1)) vectorised steps (Hillis and
+Steele 1986), each adding earlier chunks only. ``eps > 0`` adds eps per feature after
+the shift (performer-pytorch's stabiliser): eps sum_f phi(q_i)_f times the plain prefix
+sum of [v_j, 1]. The shifts are constants for autograd.
+
+Time O(N L m + N m Dv + N m Dv log(N / L) / L), memory O(N m Dv / L + N L).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from ..shared.causal_prefix import CAUSAL_CHUNK, chunk_rows
+
+
+class RunningSums(NamedTuple):
+    """The keys so far: ``sums [B, H, m, F]`` = sum_j exp(l_j - shift) [v_j, 1] at
+    ``shift [B, H]`` (-inf before the first real key), ``plain [B, H, 1, F]`` = sum_j
+    [v_j, 1] (for ``eps``)."""
+
+    sums: Tensor
+    shift: Tensor
+    plain: Tensor
+
+
+def _factor(shift: Tensor, top: Tensor) -> Tensor:
+    """exp(shift - top) (shift <= top), 0 where shift is -inf (no key yet)."""
+    return torch.where(torch.isfinite(shift), (shift - top).exp(), 0.0)
+
+
+def _scan(sums: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
+    """Inclusive prefixes along dim 2 of ``sums [B, H, C, m, F]`` taken at ``shift
+    [B, H, C]``, combined by the module docstring's operation (Hillis-Steele)."""
+    step, count = 1, sums.shape[2]
+    while step < count:
+        before = torch.cat([torch.zeros_like(sums[:, :, :step]), sums[:, :, :-step]], 2)
+        shift_before = torch.cat(
+            [torch.full_like(shift[:, :, :step], float("-inf")), shift[:, :, :-step]], 2)
+        top = torch.maximum(shift_before, shift)
+        sums = (before * _factor(shift_before, top)[..., None, None]
+                + sums * _factor(shift, top)[..., None, None])
+        shift, step = top, 2 * step
+    return sums, shift
+
+
+def _log_scales(scale_basis: Tensor, valid: Tensor) -> Tensor:
+    """b_j = max_f of ``scale_basis [B, H, N, m]`` (detached), -inf where ``valid [B, H,
+    N, 1]`` is False: ``[B, H, N]``."""
+    return torch.where(valid[..., 0], scale_basis.detach().amax(-1), float("-inf"))
+
+
+def _valid(key_valid: Tensor | None, log_k: Tensor) -> Tensor:
+    """``key_valid [B, N]`` (None: all real) as ``[B, H, N, 1]``."""
+    b, h, n, _ = log_k.shape
+    if key_valid is None:
+        return torch.ones(b, h, n, 1, dtype=torch.bool, device=log_k.device)
+    return key_valid[:, None, :, None].expand(b, h, n, 1)
+
+
+def running_sums(log_k: Tensor, scale_basis: Tensor, v1: Tensor, key_valid: Tensor | None
+                 ) -> RunningSums:
+    """The running sums after all these keys (``causal_performer_sums``' second result,
+    without the rows): for a decoding state after its prompt."""
+    valid = _valid(key_valid, log_k)
+    log_scale = _log_scales(scale_basis, valid)
+    top = log_scale.amax(-1)  # [B, H]
+    exponent = torch.where(valid, log_k - top[..., None, None], float("-inf"))
+    features = exponent.nan_to_num(float("-inf")).exp()  # -inf - -inf: no real key
+    v1 = torch.where(valid, v1, 0.0)
+    return RunningSums(features.transpose(-1, -2) @ v1, top, v1.sum(2, keepdim=True))
+
+
+def causal_performer_sums(phi_q: Tensor, log_k: Tensor, scale_basis: Tensor, v1: Tensor,
+                          key_valid: Tensor | None, eps: float, *,
+                          start: RunningSums | None = None, chunk: int = CAUSAL_CHUNK
+                          ) -> tuple[Tensor, RunningSums]:
+    """sum_{j <= i} phi(q_i).phi(k_j) [v_j, 1] at row i's running maximum R_i, and the
+    running sums after the last key (module docstring).
+
+    Args:
+        phi_q: ``[B, H, N, m]`` query features (each row at its own shift).
+        log_k: ``[B, H, N, m]`` the keys' log-features l_j = W k_j' - |k_j'|^2/2.
+        scale_basis: ``[B, H, N, m]`` whose row maxima are the keys' log-scales b_j
+            (``log_k``, or W k_j' with ``eps > 0``); read detached.
+        v1: ``[B, H, N, F]`` the values with a ones column.
+        key_valid: ``[B, N]`` bool, False for padded keys (contributing nothing).
+        start: the keys before these (decoding); None = none.
+    Returns:
+        ``([B, H, N, F], RunningSums)``; rows before the first real key are zero.
+    """
+    b, h, n, m = log_k.shape
+    f = v1.shape[-1]
+    valid = _valid(key_valid, log_k)
+    log_scale = _log_scales(scale_basis, valid)
+    k_hat = torch.where(valid, log_k - log_scale[..., None], float("-inf")).exp()
+    q_c, k_c, v_c = (chunk_rows(t, chunk) for t in (phi_q, k_hat, v1))  # [B, H, C, L, .]
+    scale_c = chunk_rows(log_scale[..., None], chunk)[..., 0].masked_fill(
+        ~chunk_rows(valid, chunk)[..., 0], float("-inf"))  # [B, H, C, L]
+    chunk_top = scale_c.amax(-1)  # m_c [B, H, C]
+    # each chunk's own sums at its maximum, after the sums of the keys before these
+    weight = _factor(scale_c, chunk_top[..., None])[..., None]  # [B, H, C, L, 1]
+    own = (k_c * weight).transpose(-1, -2) @ v_c  # T_c [B, H, C, m, F]
+    if start is None:
+        start = RunningSums(v1.new_zeros(b, h, m, f), log_k.new_full((b, h), float("-inf")),
+                            v1.new_zeros(b, h, 1, f))
+    sums, shift = _scan(torch.cat([start.sums[:, :, None], own], 2),
+                        torch.cat([start.shift[:, :, None], chunk_top], 2))
+    before, before_shift = sums[:, :, :-1], shift[:, :, :-1]  # the chunks before c
+    row_shift = torch.maximum(before_shift[..., None], scale_c.cummax(-1).values)  # R_i
+    size = scale_c.shape[-1]
+    lower = torch.ones(size, size, dtype=torch.bool, device=log_k.device).tril()
+    exponent = torch.where(lower, scale_c[..., None, :] - row_shift[..., None], float("-inf"))
+    # exact zeros above the diagonal, whatever a later key holds (0 x NaN is NaN)
+    local = torch.where(lower, (q_c @ k_c.transpose(-1, -2))
+                        * exponent.nan_to_num(float("-inf")).exp(), 0.0)
+    out = ((q_c @ before) * _factor(before_shift[..., None], row_shift)[..., None]
+           + local @ v_c)  # [B, H, C, L, F]
+    out = out.flatten(2, 3)[:, :, :n]
+    plain = start.plain + torch.where(valid, v1, 0.0).cumsum(2)  # [B, H, N, F]
+    if eps:
+        out = out + eps * phi_q.sum(-1, keepdim=True) * plain
+    return out, RunningSums(sums[:, :, -1], shift[:, :, -1], plain[:, :, -1:])
