@@ -267,6 +267,26 @@ def test_activation_checkpointing_gives_the_gradients_of_the_plain_call(method, 
         torch.testing.assert_close(a, e)
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize(
+    "method", [m for m in METHODS if get_method(m).capabilities.randomized])
+def test_activation_checkpointing_refuses_a_torch_generator(method, reentrant):
+    """The recomputed forward would take the next draw of a ``torch.Generator`` (the
+    checkpoint restores torch's global generator only): other landmarks, the gradient
+    of another function. It is refused in a sentence naming the key that replays."""
+    from torch.utils.checkpoint import checkpoint
+
+    q, k, v = (t.requires_grad_(True) for t in make_qkv(2, 2, APPROXIMATE_LEN, 8))
+    bound, generator = get_method(method).bind(seq_len=APPROXIMATE_LEN), torch.Generator()
+
+    def attend(q, k, v):
+        return bound(q, k, v, generator=generator)
+
+    out = checkpoint(attend, q, k, v, use_reentrant=reentrant)
+    with pytest.raises(ValueError, match=r"recomputes the forward.*random_key"):
+        out.square().sum().backward()
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_func_vmap_equals_loop(method, matrix):
     matrix("func.vmap", method)

@@ -42,8 +42,8 @@ from ...registry import Capabilities, register
 from ...sketch.rng import fold_in, random_key, uniform
 from ..shared.inputs import (
     check_attention_inputs,
-    check_generator,
     compute_dtype,
+    resolve_key,
     zero_padded_queries,
 )
 from ..shared.masked import masked_attention
@@ -276,13 +276,13 @@ def bigbird_attention(
             "key_padding_mask it takes no query mask of its own, as cross-attention "
             "passes (a MultiHeadAttention context). Leave query_padding_mask='auto', or "
             "attend to a context with a method that has cross_attention (skyformer list).")
-    check_generator("bigbird", generator, q.device)
+    key = resolve_key("bigbird", generator, q.device)
     dtype = q.dtype
     work = compute_dtype(dtype)
     s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
     n, bs = info.key_len, config.block_size
     layout = bigbird_layout(info.key_valid, info.batch, info.heads, n, bs,
-                            config.num_random_blocks, q.device, generator)
+                            config.num_random_blocks, q.device, key)
     qw, kw, vw = q.to(work) * s, k.to(work), v.to(work)
     qw, kw, vw = (to_real_first(x, layout.order) for x in (qw, kw, vw))
     nb = layout.num_blocks

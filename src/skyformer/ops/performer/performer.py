@@ -57,6 +57,7 @@ from ..shared.inputs import (
     check_attention_inputs,
     compute_dtype,
     mean_values,
+    recomputing,
     resolve_key,
     zero_padded_queries,
 )
@@ -175,7 +176,7 @@ class PerformerFeatures(nn.Module):
         if self.training and interval is not None:
             if torch.compiler.is_compiling():
                 self._redraw_if_due(interval)
-            elif _recomputing():  # activation checkpointing runs the forward again:
+            elif recomputing():  # activation checkpointing runs the forward again:
                 pass  # the features it used, uncounted (not redrawn under the gradient)
             else:
                 if int(self.calls_since_redraw) >= interval:
@@ -191,19 +192,13 @@ class PerformerFeatures(nn.Module):
                 f"feature_redraw_interval={self.config.feature_redraw_interval}")
 
 
-def _recomputing() -> bool:
-    """Whether this forward runs inside a backward pass: activation checkpointing's
-    recomputation of the forward (``torch.utils.checkpoint``, reentrant or not)."""
-    return torch._C._current_graph_task_id() != -1
-
-
 @custom_op("skyformer::in_recomputation")
 def in_recomputation(like: Tensor) -> Tensor:
-    """``_recomputing()`` as a bool scalar on ``like``'s device, read when a compiled
+    """``recomputing()`` as a bool scalar on ``like``'s device, read when a compiled
     graph runs (an operator opaque to the tracer), not once when it is traced: a
     compiled layer under activation checkpointing counted its recomputation as a call
     and could redraw inside it (another function's gradient)."""
-    return torch.tensor(_recomputing(), device=like.device)
+    return torch.tensor(recomputing(), device=like.device)
 
 
 @in_recomputation.register_fake

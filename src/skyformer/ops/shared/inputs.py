@@ -194,7 +194,22 @@ def resolve_key(method: str, generator: object, device: torch.device, *,
     check_generator(method, generator, device)
     if not needed:
         return None
+    if isinstance(generator, torch.Generator) and recomputing():
+        raise ValueError(
+            f"{method}: activation checkpointing recomputes the forward in the backward "
+            f"pass, where a torch.Generator gives its next draw, not the forward's (other "
+            f"random draws: the gradients of another function; the checkpoint restores "
+            f"torch's global generator only). Pass a random key drawn outside the "
+            f"checkpointed function, generator=skyformer.random_key(g), or None to draw "
+            f"from torch's global generator."
+        )
     return random_key(generator, device)  # type: ignore[arg-type]
+
+
+def recomputing() -> bool:
+    """Whether this forward runs inside a backward pass: activation checkpointing's
+    recomputation of the forward (``torch.utils.checkpoint``, reentrant or not)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def mean_values(v: Tensor, key_valid: Tensor | None, reduce: KeyReduction = WHOLE) -> Tensor:
