@@ -245,6 +245,23 @@ def test_layer_without_redraw_keeps_features_and_ignores_the_generator():
     assert "method_state.projection" in state
 
 
+def test_a_layer_built_under_a_device_context_keeps_its_features_there():
+    """``with torch.device(d)`` puts the projections' weights on d, and the features and
+    their seed with them (they stayed on the CPU, which a forward on d could not use);
+    the numbers are those drawn on the CPU."""
+    torch.manual_seed(3)
+    plain = MultiHeadAttention(16, 2, method="performer", num_features=8)
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        built = MultiHeadAttention(16, 2, method="performer", num_features=8)
+    assert {t.device.type for t in built.state_dict().values()} == {"meta"}
+    torch.manual_seed(3)
+    with torch.device("cpu"):
+        again = MultiHeadAttention(16, 2, method="performer", num_features=8)
+    for name, value in plain.method_state.state_dict().items():
+        torch.testing.assert_close(again.method_state.state_dict()[name], value)
+
+
 def test_defaults_are_the_published_settings():
     cfg = get_method("performer").make_config()
     assert (cfg.num_features, cfg.orthogonal, cfg.feature_redraw_interval) == (128, True, 1000)

@@ -133,12 +133,16 @@ class PerformerFeatures(nn.Module):
         super().__init__()
         self.config = config
         self.head_dim = head_dim
+        # drawn on the CPU (the same numbers whatever the device), kept on the device
+        # the layer is built on (``with torch.device(...)``, as nn.Linear's weights are)
+        device = torch.get_default_device()
         self.register_buffer(
             "projection",
-            gaussian_projection(config.num_features, head_dim, orthogonal=config.orthogonal),
+            gaussian_projection(config.num_features, head_dim, orthogonal=config.orthogonal
+                                ).to(device),
         )
         self.register_buffer("calls_since_redraw", torch.zeros((), dtype=torch.long))
-        self.register_buffer("seed", random_key())
+        self.register_buffer("seed", random_key().to(device))
         self.register_buffer("redraws", torch.zeros((), dtype=torch.long))
 
     def _features(self, generator: torch.Generator | Tensor) -> Tensor:
