@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from .amp import autocast_enabled
 from .ops.shared.inputs import check_attention_inputs
 from .registry import BoundMethod, Method, get_method
 
@@ -189,7 +190,7 @@ class MultiHeadAttention(nn.Module):
                     f"MultiHeadAttention: {name} must have shape [B, N, {self.dim}], got "
                     f"{tuple(t.shape)}."
                 )
-            if t.dtype != weight.dtype and not torch.is_autocast_enabled(t.device.type):
+            if t.dtype != weight.dtype and not autocast_enabled(t.device.type):
                 raise TypeError(
                     f"MultiHeadAttention: {name} is {t.dtype} but the layer's weights are "
                     f"{weight.dtype}; convert one of them (x.to({weight.dtype}) or "

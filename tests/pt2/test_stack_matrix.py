@@ -534,6 +534,29 @@ class _Layer(torch.nn.Module):
 
 
 @pytest.mark.parametrize("method", METHODS)
+def test_meta_tensors_give_the_shapes_forward_and_backward(method, matrix):
+    """Meta tensors (shapes, no values: shape inference, ``FlopCounterMode`` of a model
+    built under ``torch.device("meta")``): torch raises when asked for the autocast
+    state of the meta device, and values cannot be read there, so the data-independent
+    paths run, as under a tracer."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    matrix("meta device", method)
+    q, k, v = (torch.empty(2, 2, APPROXIMATE_LEN, 8, device="meta", requires_grad=True)
+               for _ in range(3))
+    mask = torch.ones(2, APPROXIMATE_LEN, dtype=torch.bool, device="meta")
+    out = get_method(method).bind(seq_len=APPROXIMATE_LEN)(q, k, v, key_padding_mask=mask)
+    out.sum().backward()
+    assert (out.shape, out.device.type, q.grad.shape) == (q.shape, "meta", q.shape)
+    with torch.device("meta"):
+        layer = MultiHeadAttention(16, 2, method, seq_len=APPROXIMATE_LEN)  # training mode
+        x = torch.empty(2, APPROXIMATE_LEN, 16)
+    with FlopCounterMode(display=False) as flops:
+        assert layer(x, key_padding_mask=mask).shape == x.shape
+    assert flops.get_total_flops() > 0
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_export_multihead_attention(method, matrix):
     matrix("export", method)
     torch.manual_seed(0)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..amp import autocast_enabled, autocast_off
 from .guard import marked_by_core, show_nonfinite, zero_padding
 
 
@@ -46,7 +47,7 @@ def autocast_dtype(q: Tensor) -> torch.dtype | None:
     where it is off or ``q`` is float64, which autocast leaves as it is
     (``autocast_rule``; the capability check asks it too)."""
     device_type = q.device.type
-    if q.dtype == torch.float64 or not torch.is_autocast_enabled(device_type):
+    if q.dtype == torch.float64 or not autocast_enabled(device_type):
         return None
     return torch.get_autocast_dtype(device_type)
 
@@ -57,13 +58,13 @@ def autocast_rule(q: Tensor, k: Any, v: Any) -> tuple[Tensor, Any, Any, Abstract
     (and for float64 inputs, which run as they are in float64) the inputs as they are
     and a context that turns autocast off where it is on."""
     device_type = q.device.type
-    if not torch.is_autocast_enabled(device_type):
+    if not autocast_enabled(device_type):
         return q, k, v, nullcontext()
     dtype = autocast_dtype(q)
     if dtype is not None:
         q, k, v = (t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point()
                    and t.dtype != torch.float64 else t for t in (q, k, v))
-    return q, k, v, torch.autocast(device_type, enabled=False)
+    return q, k, v, autocast_off(device_type)
 
 
 def _guarded(core: Callable[..., Tensor], q: Tensor, k: Any, v: Any, config: Any,

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ...amp import autocast_off
 from ...linalg.eager_calls import apply
 from ...linalg.functional_ops import first_order_backward, functional_ops_only
 from ...linalg.kernels import overwrite_allowed
@@ -74,7 +75,7 @@ class _NearField(torch.autograd.Function):
     def backward(ctx: Any, _: Tensor | None, grad: Tensor) -> tuple[Tensor | None, ...]:
         # in the inputs' dtype, also where the backward pass runs under autocast (the
         # rebuilt scores would be half and the products' outputs are not)
-        with torch.autocast(grad.device.type, enabled=False):
+        with autocast_off(grad.device.type):
             return _NearField._gradients(ctx, grad)
 
     @staticmethod

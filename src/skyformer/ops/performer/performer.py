@@ -70,6 +70,7 @@ from ..shared.options import (
     check_scale,
 )
 from ..shared.reduction import WHOLE, KeyReduction
+from ..shared.tracing import may_read_values
 from .causal import causal_performer_sums
 from .features import causal_key_logs, key_features, query_features, resolve_projection
 
@@ -178,7 +179,7 @@ class PerformerFeatures(nn.Module):
     def forward(self, q: Tensor, k: Tensor) -> dict[str, Tensor]:
         interval = self.config.feature_redraw_interval
         if self.training and interval is not None:
-            if torch.compiler.is_compiling():
+            if not may_read_values(self.calls_since_redraw):  # traced, meta or vmapped
                 self._redraw_if_due(interval)
             elif recomputing():  # activation checkpointing runs the forward again:
                 pass  # the features it used, uncounted (not redrawn under the gradient)
@@ -202,7 +203,7 @@ def in_recomputation(like: Tensor) -> Tensor:
     graph runs (an operator opaque to the tracer), not once when it is traced: a
     compiled layer under activation checkpointing counted its recomputation as a call
     and could redraw inside it (another function's gradient)."""
-    return torch.tensor(recomputing(), device=like.device)
+    return torch.full((), recomputing(), dtype=torch.bool, device=like.device)  # meta too
 
 
 @in_recomputation.register_fake

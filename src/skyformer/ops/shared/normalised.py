@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ...amp import autocast_off
 from ...linalg.eager_calls import apply
 from ...linalg.functional_ops import functional_ops_only
 from ...linalg.kernels import overwrite_in_eager
@@ -90,7 +91,7 @@ class _NormalisedOr(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         # in the inputs' dtypes, also where the backward pass runs under autocast
-        with torch.autocast(grad.device.type, enabled=False):
+        with autocast_off(grad.device.type):
             return _NormalisedOr._gradients(ctx, grad)
 
     @staticmethod

@@ -17,11 +17,13 @@ from torch import Tensor
 def may_read_values(*tensors: Tensor) -> bool:
     """False under ``torch.compile``, ``torch.jit.trace`` and ``make_fx`` (proxy or fake
     tensors: ``torch.export`` too), or when any tensor is wrapped by a ``torch.func``
-    transform. A tracer records operators only: a value read there would be baked into
-    the graph, and a raw Triton launch (the landmark draws) would not be recorded."""
+    transform or is on the meta device (shapes without values). A tracer records
+    operators only: a value read there would be baked into the graph, and a raw Triton
+    launch (the landmark draws) would not be recorded."""
     if torch.compiler.is_compiling() or torch.jit.is_tracing() or _tracing_mode_active():
         return False
-    return not any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+    return not any(torch._C._functorch.is_functorch_wrapped_tensor(t) or t.is_meta
+                   for t in tensors)
 
 
 def _tracing_mode_active() -> bool:
