@@ -14,17 +14,17 @@ does not either, not even through rounding.
 
 Within chunk c: P = phi(Q_c) K^_c^T with K^_j = exp(l_j - b_j) (each key at its own
 scale), times exp(b_j - R_i) on the lower triangle. The earlier chunks contribute
-phi(q_i) . S_c exp(M_c - R_i), (S_c, M_c) the prefix over the chunks before c of their
-sums T_c = sum_{j in c} exp(l_j - m_c) [v_j, 1] at their maxima m_c, combined by
+phi(q_i) . S_c exp(M_c - R_i), with M_c the running maximum of the chunks' maxima m_c
+before c and
 
-    (S, M) o (S', M') = (S e^(M - M'') + S' e^(M' - M''), M'' = max(M, M')),
+    S_c = sum_{c' < c} e^(m_c' - M_c) T_c',   T_c = sum_{j in c} exp(l_j - m_c) [v_j, 1],
 
-an associative operation: scanned in ceil(log2(C + 1)) vectorised steps (Hillis and
-Steele 1986), each adding earlier chunks only. ``eps > 0`` adds eps per feature after
-the shift (performer-pytorch's stabiliser): eps sum_f phi(q_i)_f times the plain prefix
-sum of [v_j, 1]. The shifts are constants for autograd.
+one cumulative sum in float64 at a fixed reference shift (``_prefix_sums``: the keys'
+log-scales may span 700 in a sequence, not only float32's 88). ``eps > 0`` adds eps per
+feature after the shift (performer-pytorch's stabiliser): eps sum_f phi(q_i)_f times the
+plain prefix sum of [v_j, 1]. The shifts are constants for autograd.
 
-Time O(N L m + N m Dv + N m Dv log(N / L) / L), memory O(N m Dv / L + N L).
+Time O(N L m + N m Dv), memory O(N m Dv / L + N L), as the other causal prefix sums.
 """
 
 from __future__ import annotations
@@ -48,23 +48,26 @@ class RunningSums(NamedTuple):
 
 
 def _factor(shift: Tensor, top: Tensor) -> Tensor:
-    """exp(shift - top) (shift <= top), 0 where shift is -inf (no key yet)."""
+    """exp(shift - top), 0 where shift is -inf (no key yet)."""
     return torch.where(torch.isfinite(shift), (shift - top).exp(), 0.0)
 
 
-def _scan(sums: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
-    """Inclusive prefixes along dim 2 of ``sums [B, H, C, m, F]`` taken at ``shift
-    [B, H, C]``, combined by the module docstring's operation (Hillis-Steele)."""
-    step, count = 1, sums.shape[2]
-    while step < count:
-        before = torch.cat([torch.zeros_like(sums[:, :, :step]), sums[:, :, :-step]], 2)
-        shift_before = torch.cat(
-            [torch.full_like(shift[:, :, :step], float("-inf")), shift[:, :, :-step]], 2)
-        top = torch.maximum(shift_before, shift)
-        sums = (before * _factor(shift_before, top)[..., None, None]
-                + sums * _factor(shift, top)[..., None, None])
-        shift, step = top, 2 * step
-    return sums, shift
+def _prefix_sums(sums: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
+    """Inclusive prefixes along dim 2 of ``sums [B, H, C, m, F]``, each taken at its
+    ``shift [B, H, C]``: (sum_{c' <= c} sums_c' e^(shift_c' - M_c), M_c) with M_c the
+    running maximum of the shifts. One cumulative sum in float64 at a fixed reference,
+    the first finite shift (known from the first real key on, so no later key enters
+    an earlier prefix): its factors e^(shift - reference) hold a range of 700 in the
+    keys' log-scales, where float32 would hold 88."""
+    top = shift.cummax(2).values  # [B, H, C]
+    reference = torch.where(torch.isfinite(top), top, float("inf")).amin(2, keepdim=True)
+    reference = torch.where(torch.isfinite(reference), reference, 0.0)
+    up = _factor(shift.double(), reference.double())[..., None, None]
+    prefix = (sums.double() * up).cumsum(2)
+    top64 = top.double()  # -inf before the first real key, whose prefix is zero
+    down = torch.where(torch.isfinite(top64), (reference.double() - top64).exp(), 0.0)
+    down = down[..., None, None]
+    return (prefix * down).to(sums.dtype), top
 
 
 def _log_scales(scale_basis: Tensor, valid: Tensor) -> Tensor:
@@ -127,20 +130,27 @@ def causal_performer_sums(phi_q: Tensor, log_k: Tensor, scale_basis: Tensor, v1:
     if start is None:
         start = RunningSums(v1.new_zeros(b, h, m, f), log_k.new_full((b, h), float("-inf")),
                             v1.new_zeros(b, h, 1, f))
-    sums, shift = _scan(torch.cat([start.sums[:, :, None], own], 2),
-                        torch.cat([start.shift[:, :, None], chunk_top], 2))
+    sums, shift = _prefix_sums(torch.cat([start.sums[:, :, None], own], 2),
+                               torch.cat([start.shift[:, :, None], chunk_top], 2))
     before, before_shift = sums[:, :, :-1], shift[:, :, :-1]  # the chunks before c
     row_shift = torch.maximum(before_shift[..., None], scale_c.cummax(-1).values)  # R_i
     size = scale_c.shape[-1]
     lower = torch.ones(size, size, dtype=torch.bool, device=log_k.device).tril()
-    exponent = torch.where(lower, scale_c[..., None, :] - row_shift[..., None], float("-inf"))
+    # b_j - R_i <= 0 for real keys j <= i (-inf for padded ones; R_i finite then, as 0
+    # where no real key came yet); capped at 0 above the diagonal, which is masked
+    finite_shift = torch.where(torch.isfinite(row_shift), row_shift, 0.0)
+    exponent = (scale_c[..., None, :] - finite_shift[..., None]).clamp_max(0.0)
     # exact zeros above the diagonal, whatever a later key holds (0 x NaN is NaN)
     local = torch.where(lower, (q_c @ k_c.transpose(-1, -2))
-                        * exponent.nan_to_num(float("-inf")).exp(), 0.0)
+                        * exponent.exp(), 0.0)
     out = ((q_c @ before) * _factor(before_shift[..., None], row_shift)[..., None]
            + local @ v_c)  # [B, H, C, L, F]
     out = out.flatten(2, 3)[:, :, :n]
-    plain = start.plain + torch.where(valid, v1, 0.0).cumsum(2)  # [B, H, N, F]
+    real_v1 = torch.where(valid, v1, 0.0)
     if eps:
+        plain = start.plain + real_v1.cumsum(2)  # [B, H, N, F]
         out = out + eps * phi_q.sum(-1, keepdim=True) * plain
-    return out, RunningSums(sums[:, :, -1], shift[:, :, -1], plain[:, :, -1:])
+        plain = plain[:, :, -1:]
+    else:
+        plain = start.plain + real_v1.sum(2, keepdim=True)
+    return out, RunningSums(sums[:, :, -1], shift[:, :, -1], plain)
