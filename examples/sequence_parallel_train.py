@@ -7,6 +7,8 @@
 
 The task is masked-character prediction on the bundled public-domain text, tiled to
 ``--seq-len`` characters: 15% of the characters are hidden and predicted from both sides.
+Which ones depends on the step and the position alone, not on the sharding, so P processes
+take the steps of one process (the same losses, to rounding).
 Ranks form a grid of ``--data-parallel`` groups (each trains on its own sequence) times
 ``P / data-parallel`` sequence shards; each rank holds only its shard of the sequence and
 of every activation, so one process alone would need P / data-parallel times the memory.
@@ -34,6 +36,7 @@ from skyformer.distributed import destroy_process_group, shard_bounds, sum_gradi
 from skyformer.lra.distributed import init_distributed, shutdown
 
 MASK_RATE = 0.15
+MASK_BLOCK = 1024  # the hidden characters are drawn per block of this many global positions
 
 
 class Block(nn.Module):
@@ -70,6 +73,19 @@ class Model(nn.Module):
         for block in self.blocks:
             x = block(x, generator)
         return self.head(self.norm(x))
+
+
+def hidden_characters(start: int, stop: int, step: int, device: torch.device) -> Tensor:
+    """Which characters at the global positions ``start .. stop - 1`` are hidden at
+    ``step``: ``[1, stop - start]`` bool. Drawn per block of ``MASK_BLOCK`` positions from
+    a seed of the step and the block, so a position is hidden or not whatever the
+    sharding: P processes hide the characters one process hides, and train as it does."""
+    first = start // MASK_BLOCK
+    draws = [torch.rand(MASK_BLOCK, device=device, generator=torch.Generator(device=device)
+                        .manual_seed(step * 2**32 + block))
+             for block in range(first, (stop - 1) // MASK_BLOCK + 1)]
+    offset = first * MASK_BLOCK
+    return (torch.cat(draws)[start - offset:stop - offset] < MASK_RATE)[None]
 
 
 def main() -> None:
@@ -115,8 +131,7 @@ def main() -> None:
               f"{args.seq_len} tokens ({stop - start} per rank) on {device}")
     for step in range(args.steps):
         t0 = time.perf_counter()
-        g = torch.Generator(device=device).manual_seed(1000 * step + seq)  # masks differ by shard
-        hidden = torch.rand(tokens.shape, generator=g, device=device) < MASK_RATE
+        hidden = hidden_characters(start, stop, step, device)
         inputs = torch.where(hidden, len(chars), tokens)
         landmarks = torch.Generator(device=device).manual_seed(step)  # alike on every rank
         logits = model(inputs, start, landmarks)

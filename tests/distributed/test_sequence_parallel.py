@@ -112,3 +112,31 @@ def test_shard_bounds_cover_the_sequence_contiguously():
     assert bounds == [(0, 3), (3, 6), (6, 8), (8, 10)]
     with pytest.raises(ValueError, match="rank < world <= n"):
         shard_bounds(3, 4, 0)
+
+
+def _example_losses(procs: int, *sizes: str) -> list[float]:
+    """The losses examples/sequence_parallel_train.py prints, run on ``procs`` processes."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "examples" / "sequence_parallel_train.py"
+    launch = [sys.executable] if procs == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc-per-node", str(procs)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([*launch, str(script), *sizes], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return [float(x) for x in re.findall(r"loss (\S+)", done.stdout)]
+
+
+def test_the_training_example_sharded_over_two_processes_takes_one_process_steps():
+    """The hidden characters of a position do not depend on the sharding: two shards
+    train as one process does (the same loss at every step)."""
+    sizes = ["--seq-len", "2500", "--steps", "3", "--dim", "16", "--features", "8"]
+    one = _example_losses(1, *sizes)
+    assert len(one) == 3
+    assert _example_losses(2, *sizes) == pytest.approx(one, abs=2e-3)
