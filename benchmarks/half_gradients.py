@@ -6,7 +6,8 @@ C(Q, X_S) and the landmark rows drawn from q (docs/gpu.md, "Half-precision input
 as they are"). For each method, noise, path (``kernel="torch"``: q, k, v converted to
 float32 inside; ``"triton"``: half rows read as they are) and dtype: the relative
 Frobenius error of the output and of dq, dk, dv against the same call in float64 on the
-PyTorch path, with the same landmarks.
+PyTorch path, with the same landmarks, on the same bfloat16-rounded q, k, v and output
+weights (the upstream gradient).
 
     TRITON_INTERPRET=1 python benchmarks/half_gradients.py --out benchmarks/results/half_gradients
 
@@ -43,12 +44,14 @@ def clustered(n: int, d: int, centres: int, noise: float, seed: int) -> tuple:
 
 def call(method: str, inputs: tuple, dtype: torch.dtype, device: str, kernel: str,
          features: int) -> list[torch.Tensor]:
-    """[output, dq, dk, dv] of one call on the inputs rounded to ``dtype``."""
-    q, k, v, weights = inputs
-    leaves = [t.to(torch.bfloat16).to(device, dtype).requires_grad_(True) for t in (q, k, v)]
+    """[output, dq, dk, dv] of one call in ``dtype``: q, k, v and the output's weights
+    (the upstream gradient) rounded to bfloat16 first, so that every call, the float64
+    reference too, differentiates the same numbers and only its own rounding differs."""
+    q, k, v, weights = (t.to(torch.bfloat16).to(device, dtype) for t in inputs)
+    leaves = [t.requires_grad_(True) for t in (q, k, v)]
     out = skyformer.attention(*leaves, method, kernel=kernel, num_features=features,
                               generator=skyformer.random_key(3))
-    return [out, *torch.autograd.grad((out * weights.to(device, dtype)).sum(), leaves)]
+    return [out, *torch.autograd.grad((out * weights).sum(), leaves)]
 
 
 def main(argv: list[str] | None = None) -> int:

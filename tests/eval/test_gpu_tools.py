@@ -620,6 +620,21 @@ def test_the_half_gradient_benchmark_runs_on_the_cpu(tmp_path):
     assert "| nystrom_softmax | 0.1 | triton | bfloat16 |" in out.with_suffix(".md").read_text()
 
 
+def test_half_gradients_gives_every_call_the_same_output_weights(monkeypatch):
+    """The gradients are compared against float64 for the same upstream gradient: the
+    output weights rounded to bfloat16 as q, k and v are, in the reference too (rounded
+    in the bfloat16 call alone, their rounding counted as the call's gradient error)."""
+    half_gradients = _load("half_gradients")
+    monkeypatch.setattr(half_gradients.skyformer, "attention",
+                        lambda q, k, v, method, **options: q + k + v)  # dv = the weights
+    inputs = half_gradients.clustered(8, 4, 2, 0.1, seed=0)
+    exact = half_gradients.call("skyformer", inputs, torch.float64, "cpu", "torch", 4)
+    for dtype in (torch.float32, torch.bfloat16):
+        got = half_gradients.call("skyformer", inputs, dtype, "cpu", "torch", 4)
+        for grad, reference in zip(got[1:], exact[1:], strict=True):
+            assert torch.equal(grad.double(), reference)
+
+
 def test_triton_resources_records_the_graph_launches_on_request(monkeypatch):
     """``--graph-launches``: the calls run inside ``cuda_graph_launches()``, so the Lemma 3
     core launches a kernel per pass instead of one program per matrix."""
