@@ -8,13 +8,13 @@ heads) of each causal approximation against its exact causal target (causal kern
 skyformer, causal softmax for nystrom_softmax), with ``causal_local`` True (exact keys
 in the query's chunk of 64, landmarks for earlier chunks) and False (landmarks for
 every key). Mean and standard deviation over seeds. Writes
-``benchmarks/results/causal_window.{json,csv,png}``. Errors, not timings: runs anywhere.
+``benchmarks/results/causal_window.{json,csv,png}`` (the config and the environment in
+both tables). Errors, not timings: runs anywhere.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 from pathlib import Path
 
@@ -22,7 +22,7 @@ import torch
 
 from skyformer.eval.data.qkv import load_qkv
 from skyformer.eval.measure.metrics import relative_error
-from skyformer.io import write_json
+from skyformer.io import environment, save_figure, write_csv, write_json
 from skyformer.registry import attention
 
 TARGET = {"skyformer": "kernelized", "nystrom_softmax": "softmax"}
@@ -49,14 +49,12 @@ def measure(n: int, m: int, layers: list[int], seeds: int) -> list[dict]:
 
 
 def write(rows: list[dict], out: Path, config: dict) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    env = {"torch": torch.__version__, "threads": torch.get_num_threads()}
+    """``out.{json,csv,png}``, each written atomically; both tables with the config and
+    the environment."""
+    env = environment()
     write_json(out.with_suffix(".json"), {"config": config, "environment": env, "rows": rows},
                indent=2)
-    with out.with_suffix(".csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(out.with_suffix(".csv"), rows, metadata={"config": config, "environment": env})
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -69,7 +67,7 @@ def write(rows: list[dict], out: Path, config: dict) -> None:
     ax.set_xticks(range(len(rows)), labels, rotation=90, fontsize=6)
     ax.set_ylabel("relative error vs exact causal")
     fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=120)
+    save_figure(fig, out.with_suffix(".png"), dpi=120)
 
 
 def main() -> None:
