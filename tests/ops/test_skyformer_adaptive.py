@@ -36,7 +36,7 @@ def test_fast_matches_naive_reference(masked, pinv):
     assignment = kmeans_clusters(q.detach() * scale, lm.centres, valid=info.query_valid,
                                  generator=gen(2), sample=2048).assignment
     ref = reference_skyformer_adaptive_attention(
-        q, k, v, assignment, lm.key_index, lm.live[..., lm.centres :], mask, 0.1, pinv, 6
+        q, k, v, assignment, lm.key_index, lm.key_live, mask, 0.1, pinv, 6
     )
     torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)
     if pinv == "iterative":  # eigh's gradient is not a fair target for exact pinv
@@ -88,6 +88,27 @@ def test_every_query_and_key_as_landmark_is_exact(masked):
     torch.testing.assert_close(
         out, kernelized_attention(q, k, v, key_padding_mask=mask), rtol=1e-6, atol=1e-8
     )
+
+
+@pytest.mark.parametrize("nk, query_fraction", [(40, 0.25), (24, 1.0)])
+def test_few_real_queries_spend_the_budget_as_their_truncation(nk, query_fraction):
+    """A sequence with fewer real queries than centre slots gives the slots no query holds
+    to keys, as its truncation does: padding equals truncation in cross-attention and
+    with query_fraction > 1/2 (there the padded width left keys fewer slots)."""
+    q, k, v = make_qkv(2, 2, 24, 8, nk=nk, seed=6)
+    real = torch.zeros(2, 24, dtype=torch.bool)
+    real[0, [1, 4, 9]] = True  # 3 real queries, holes anywhere
+    real[1, 2:] = True  # enough real queries for every centre slot
+    masks = {"query_padding_mask": real} if nk != 24 else {"key_padding_mask": real}
+    options = {"num_features": 16, "query_fraction": query_fraction}
+    padded = skyformer_adaptive_attention(q, k, v, generator=gen(1), **masks, **options)
+    rows = real[0].nonzero()[:, 0]
+    keys = rows if nk == 24 else torch.arange(nk)
+    # the draws are indexed by the batch element: the first agrees with a batch of one
+    alone = skyformer_adaptive_attention(q[:1, :, rows], k[:1, :, keys], v[:1, :, keys],
+                                         generator=gen(1), **options)
+    torch.testing.assert_close(padded[:1, :, rows], alone, rtol=1e-9, atol=1e-11)
+    assert torch.all(padded[0][:, ~real[0]] == 0)
 
 
 def test_beats_uniform_landmarks_when_a_few_keys_carry_the_mass():

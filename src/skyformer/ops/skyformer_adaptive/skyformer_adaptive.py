@@ -57,7 +57,8 @@ class SkyformerAdaptiveConfig(NystromOptions):
     """Options of ``skyformer_adaptive`` (Nystrom options as ``skyformer``).
 
     query_fraction: share of the landmarks that are k-means centres of the queries (at
-        least one); the rest are keys chosen by ridge leverage.
+        least one, at most the sequence's real queries); the rest are keys chosen by
+        ridge leverage.
     ridge: lambda of the leverage scores, relative to the mean diagonal of the sketch's Gram.
     kmeans_iterations, kmeans_sample: Lloyd iterations and sub-sample size.
     scale: s of the Gaussian kernel exp(-s |q - k|^2 / 2), ``None`` = 1/sqrt(head dim)
@@ -92,14 +93,20 @@ class AdaptiveLandmarks:
     points: Tensor  # [B, H, m, D] (scaled)
     live: Tensor  # [B, H, m] bool
     centres: int  # number of leading centre slots
-    key_index: Tensor  # [B, H, m - centres] selected keys
+    key_index: Tensor  # [B, H, r] the selected keys, in the order of their scores
+    key_live: Tensor  # [B, H, r] bool: which of them are landmarks
 
 
 def adaptive_landmarks(
     q_hat: Tensor, k_hat: Tensor, info: AttentionInputs, options: SkyformerAdaptiveConfig,
     generator: torch.Generator | Tensor | None,
 ) -> AdaptiveLandmarks:
-    """k-means centres of ``q_hat`` and ridge-leverage keys of ``k_hat`` (scaled inputs)."""
+    """k-means centres of ``q_hat`` and ridge-leverage keys of ``k_hat`` (scaled inputs).
+
+    A sequence with fewer real queries than centre slots spends the rest of its budget
+    on keys, as its truncation does: the keys ranked past the key slots take the centre
+    slots that no query holds.
+    """
     m = options.num_features
     nq, nk = q_hat.shape[2], k_hat.shape[2]
     centres = min(max(1, round(options.query_fraction * m)), m, nq)
@@ -110,12 +117,42 @@ def adaptive_landmarks(
     sketch = gaussian_kernel_block(clusters.centres.detach(), k_hat.detach())
     sketch = sketch * clusters.sizes.sqrt()[..., None]  # [B, H, s, Nk]; empty clusters weigh 0
     scores = sketched_ridge_leverage(sketch, options.ridge, info.key_valid)
-    key_index, key_live = top_keys(scores, min(m - centres, nk))
+    slots = min(m - centres, nk)
+    # at least one real query holds a centre: at most m - 1 keys
+    ranked = slots if info.query_valid is None else min(m - 1, nk)
+    key_index, key_live = top_keys(scores, ranked)
     d = k_hat.shape[-1]
     keys = k_hat.gather(2, key_index[..., None].expand(-1, -1, -1, d))
-    points = torch.cat([clusters.centres, keys], dim=2)
-    live = torch.cat([clusters.live, key_live], dim=2)
-    return AdaptiveLandmarks(points, live, centres, key_index)
+    points, live = clusters.centres, clusters.live
+    if ranked > slots:
+        points, live, key_live = _spare_slots_to_keys(points, live, keys, key_live, slots,
+                                                      info.query_valid, m)
+    points = torch.cat([points, keys[:, :, :slots]], dim=2)
+    live = torch.cat([live, key_live[..., :slots]], dim=2)
+    return AdaptiveLandmarks(points, live, centres, key_index, key_live)
+
+
+def _spare_slots_to_keys(
+    centres: Tensor, live: Tensor, keys: Tensor, key_live: Tensor, slots: int,
+    query_valid: Tensor, m: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Centre slots ``[B, H, c, D]`` with those past a sequence's real queries (empty
+    clusters) holding the keys ranked ``slots``, ``slots + 1``, ... of ``keys [B, H, r,
+    D]``, so that each sequence has m landmarks. Returns the slots, their live mask and
+    ``key_live`` with the keys used."""
+    b, h, c, d = centres.shape
+    # slots the real queries hold (a sequence without any keeps its one live zero centre)
+    held = query_valid.sum(-1).clamp(1, c)[:, None, None]  # [B, 1, 1]
+    slot = torch.arange(c, device=centres.device)
+    rank = slots + slot - held  # [B, 1, c] the key a spare slot takes
+    spare = (slot >= held) & (rank < keys.shape[2])
+    rank = torch.where(spare, rank, 0).expand(b, h, c)
+    taken = spare & key_live.gather(2, rank)
+    points = torch.where(taken[..., None], keys.gather(2, rank[..., None].expand(b, h, c, d)),
+                         centres)
+    # budget: the key slots and the spare centre slots, m - held keys in all
+    key_live = key_live & (torch.arange(keys.shape[2], device=keys.device) < m - held)
+    return points, torch.where(spare, taken, live), key_live
 
 
 def nystrom_with_landmarks(
