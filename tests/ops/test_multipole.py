@@ -140,6 +140,20 @@ def test_cross_attention_matches_reference_and_has_no_window(target):
 
 
 @pytest.mark.parametrize("target", ["softmax", "gaussian"])
+def test_a_query_mask_of_its_own_is_cross_attention_without_a_window(target):
+    """Queries with a mask of their own attend to other keys, also when both are padded
+    to one width: no window, so padding equals truncation (the window was applied by
+    rank there, and the truncated call, of other lengths, had none)."""
+    q, k, v = make_qkv(1, 2, 40, 8, seed=14)
+    real = torch.zeros(1, 40, dtype=torch.bool)
+    real[0, :25] = True
+    options = {"num_features": 16, "window": 1}
+    padded = FAST[target](q, k, v, query_padding_mask=real, generator=gen(0), **options)
+    truncated = FAST[target](q[:, :, :25], k, v, generator=gen(0), **options)
+    torch.testing.assert_close(padded[:, :, :25], truncated, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("target", ["softmax", "gaussian"])
 @pytest.mark.parametrize("masked", [False, True])
 def test_every_key_near_is_exact(target, masked):
     """Exactness limit: with as many near keys as keys the far field is empty."""

@@ -20,9 +20,9 @@ class MultipoleOptions:
 
     num_features: kernel evaluations per query: clusters + near keys + window keys.
     window: local window half-width w (keys |i - j| <= w, ranks among the real tokens,
-        self-attention only; 0 = none, the default: with the first-order far field it
-        bought little on MiniLM, see ``docs/accuracy-first.md``); shrunk to at most a
-        quarter of ``num_features``.
+        self-attention only, so not with a query_padding_mask of its own; 0 = none, the
+        default: with the first-order far field it bought little on MiniLM, see
+        ``docs/accuracy-first.md``); shrunk to at most a quarter of ``num_features``.
     lsh_block: keys per angular-LSH bucket (KDEformer Appendix A, Hamming-ordered
         equal-sized buckets) computed exactly for each query (0 = none); at most a
         quarter of ``num_features``. Exclusive with ``window``.

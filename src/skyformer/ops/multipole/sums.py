@@ -251,7 +251,8 @@ def multipole_sums(
     """
     b, h, nq, _ = q.shape
     nk, dv = k.shape[2], v.shape[-1]
-    self_attention = nq == nk
+    # one mask object (or none) for self-attention: a query mask of its own is cross-attention
+    self_attention = nq == nk and info.query_valid is info.key_valid
     w, lsh, c, t = feature_split(options.num_features, options.window, options.clusters,
                                  self_attention=self_attention, lsh_block=options.lsh_block)
     t = min(t, nk)
