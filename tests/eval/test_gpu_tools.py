@@ -678,3 +678,11 @@ def test_importing_a_benchmark_leaves_the_interpreter_setting_alone():
                           text=True, timeout=600, cwd=BENCHMARKS.parent)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout == "", f"set TRITON_INTERPRET when imported: {done.stdout}"
+
+
+def test_lra_gpu_refuses_methods_without_softmax(capsys):
+    """Its columns are ratios to softmax; without it they were to the first method,
+    still labelled time/softmax."""
+    with pytest.raises(SystemExit):
+        _load("lra_gpu").main(["--tasks", "listops", "--methods", "skyformer", "kernelized"])
+    assert "the ratios are to softmax: include softmax in --methods." in capsys.readouterr().err
