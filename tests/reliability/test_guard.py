@@ -103,6 +103,33 @@ def test_a_causal_call_marks_the_rows_docs_reliability_names_for_a_bad_value(met
     assert spoiled[1].tolist() == [False] * j + [True] * (n - j)
 
 
+# every row of a 12-token sequence a landmark (num_features >= 2N), or in k-means
+LANDMARKS_FROM_QUERIES = {"skyformer": {}, "nystrom_softmax": {},
+                          "nystromformer": {"num_features": 4}, "skyformer_adaptive": {},
+                          "skyformer_multipole": {}}
+
+
+@pytest.mark.parametrize("method", sorted(LANDMARKS_FROM_QUERIES))
+def test_a_nan_query_among_the_landmarks_spoils_every_row_of_its_head(method):
+    """docs/reliability.md: where landmarks are built from the queries, a NaN query
+    spoils every row they reach, whatever the method's own arithmetic would make of it:
+    here every row of its head (the other head and batch element are unchanged).
+    ``nystrom_softmax``'s rows fell back to mean(V) in silence (a NaN normaliser was
+    taken for an unreliable one)."""
+    import skyformer
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 12, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    bad = q.clone()
+    bad[0, 1, 5, 2] = float("nan")
+    options = LANDMARKS_FROM_QUERIES[method]
+    out, base = (skyformer.attention(x, k, v, method, generator=skyformer.random_key(0),
+                                     **options) for x in (bad, q))
+    assert out[0, 1].isnan().all()
+    torch.testing.assert_close(out[0, 0], base[0, 0], rtol=0, atol=0)
+    torch.testing.assert_close(out[1], base[1], rtol=0, atol=0)
+
+
 def test_the_cuda_path_adds_no_operation_to_the_backward_pass():
     """The check's flags are detached and added to the output: autograd passes the
     gradient straight through (no ``where`` in backward), and finite inputs give the

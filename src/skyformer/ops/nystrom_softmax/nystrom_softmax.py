@@ -276,8 +276,9 @@ def prepare(
 def normalise(numerator: Tensor, denominator: Tensor, bound: Tensor, vw: Tensor,
               info: AttentionInputs, options: NystromSoftmaxConfig, dtype: torch.dtype,
               reduce: KeyReduction = WHOLE) -> Tensor:
-    """D~^-1 A~ V on reliable rows, mean(V) on the others; zero padded queries."""
-    reliable = denominator > options.normalizer_threshold * bound
+    """D~^-1 A~ V on reliable rows, mean(V) on the others; zero padded queries. A NaN
+    normaliser (a non-finite landmark) is no reason for mean(V): the row stays NaN."""
+    reliable = ~(denominator <= options.normalizer_threshold * bound)
     out = normalised_or(numerator, denominator, mean_values(vw, info.key_valid, reduce),
                         reliable)
     return zero_padded_queries(out, info.query_valid).to(dtype)

@@ -44,13 +44,15 @@ def normalised_or(numerator: Tensor, denominator: Tensor, fallback: Tensor,
     mean(V)) on the others: ``[..., N, Dv] / [..., N, 1]``, ``fallback`` broadcasting to
     the output.
 
-    Usable means above sqrt(tiny) (and ``usable`` where given): the quotient's gradient
-    divides by the squared denominator, which underflows to 0 below that. Both sides are
+    Usable means not at or below sqrt(tiny) (and ``usable`` where given): the quotient's
+    gradient divides by the squared denominator, which underflows to 0 below that. A NaN
+    denominator (a non-finite input reached the sums) is usable: its row is NaN, as the
+    input's, where the fallback would hide it (docs/reliability.md). Both sides are
     masked, so an overflowed numerator on a fallback row cannot turn its zero gradient
     into NaN (0 * inf). Differentiable twice; under forward-mode AD and ``torch.export``
     as plain operators (``functional_ops``).
     """
-    ok = denominator > torch.finfo(denominator.dtype).tiny ** 0.5
+    ok = ~(denominator <= torch.finfo(denominator.dtype).tiny ** 0.5)
     if usable is not None:
         ok = ok & usable
     if functional_ops_only():
