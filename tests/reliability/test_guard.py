@@ -106,7 +106,7 @@ def test_a_causal_call_marks_the_rows_docs_reliability_names_for_a_bad_value(met
 # every row of a 12-token sequence a landmark (num_features >= 2N), or in k-means
 LANDMARKS_FROM_QUERIES = {"skyformer": {}, "nystrom_softmax": {},
                           "nystromformer": {"num_features": 4}, "skyformer_adaptive": {},
-                          "skyformer_multipole": {}}
+                          "skyformer_multipole": {}, "softmax_multipole": {}}
 
 
 @pytest.mark.parametrize("method", sorted(LANDMARKS_FROM_QUERIES))
@@ -115,7 +115,8 @@ def test_a_nan_query_among_the_landmarks_spoils_every_row_of_its_head(method):
     spoils every row they reach, whatever the method's own arithmetic would make of it:
     here every row of its head (the other head and batch element are unchanged).
     ``nystrom_softmax``'s rows fell back to mean(V) in silence (a NaN normaliser was
-    taken for an unreliable one)."""
+    taken for an unreliable one), ``softmax_multipole``'s to zero (taken for rows
+    without a real key)."""
     import skyformer
 
     g = torch.Generator().manual_seed(3)

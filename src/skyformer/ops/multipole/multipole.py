@@ -81,9 +81,12 @@ def _gaussian_finish(sums: PartialSums, q_rows: Tensor) -> Tensor:
 
 
 def _softmax_finish(sums: PartialSums, q_rows: Tensor) -> Tensor:
-    """Softmax rows: numerator / normaliser (0 for rows without a real key)."""
-    den = sums.denominator
-    return torch.where(den > 0, sums.numerator / den.clamp_min(torch.finfo(den.dtype).tiny), 0.0)
+    """Softmax rows: numerator / normaliser (0 for rows without a real key). The
+    numerator times 0, not 0: a NaN query among the k-means centres leaves NaN
+    numerators and zero normalisers (its logits count as no key), and its rows must
+    not read as rows without a key (docs/reliability.md)."""
+    den, num = sums.denominator, sums.numerator
+    return torch.where(den > 0, num / den.clamp_min(torch.finfo(den.dtype).tiny), num * 0)
 
 
 def _mean_row(exact: Tensor, live: Tensor) -> Tensor:
