@@ -131,6 +131,22 @@ def test_a_nan_query_among_the_landmarks_spoils_every_row_of_its_head(method):
     torch.testing.assert_close(out[1], base[1], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("method", ["softmax", "skyformer", "performer", "bigbird"])
+@pytest.mark.parametrize("which", ["key_padding_mask", "query_padding_mask"])
+def test_a_padding_mask_on_another_device_gets_the_methods_sentence(method, which):
+    """A mask on another device than q, k, v (the meta device standing in for a GPU):
+    the padding was zeroed with torch.where before the method's checks, which failed
+    with torch's 'Tensor on device cpu is not on the expected device meta!'."""
+    import skyformer
+
+    q, k, v = (torch.randn(1, 2, 6, 4) for _ in range(3))
+    real = torch.ones(1, 6, dtype=torch.bool)
+    masks = {"key_padding_mask": real, "query_padding_mask": real, which: real.to("meta")}
+    with pytest.raises(ValueError, match=rf"{which} is on meta but the inputs are on cpu; "
+                                         rf"pass {which}.to\('cpu'\)"):
+        skyformer.attention(q, k, v, method, **masks)
+
+
 def test_the_cuda_path_adds_no_operation_to_the_backward_pass():
     """The check's flags are detached and added to the output: autograd passes the
     gradient straight through (no ``where`` in backward), and finite inputs give the

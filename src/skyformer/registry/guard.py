@@ -37,11 +37,12 @@ from ..linalg.kernels import overwrite_in_eager
 from ..ops.shared.tracing import may_read_values
 
 
-def _padding(mask: Any, batch: int, length: int) -> Tensor | None:
-    """A ``[B, N]`` bool mask (True = real) as given, or None (also for masks of another
-    form, which the method's own checks answer with a sentence)."""
+def _padding(mask: Any, batch: int, length: int, device: torch.device) -> Tensor | None:
+    """A ``[B, N]`` bool mask (True = real) on ``device`` as given, or None (also for
+    masks of another form or device, which the method's own checks answer with a
+    sentence; ``torch.where`` would fail first, in torch's words)."""
     if isinstance(mask, Tensor) and mask.dtype == torch.bool and tuple(mask.shape) == (
-            batch, length):
+            batch, length) and mask.device == device:
         return mask
     return None
 
@@ -51,11 +52,11 @@ def valid_rows(q: Tensor, k: Tensor, key_padding_mask: Any, query_padding_mask: 
     """(query_valid ``[B, Nq]``, key_valid ``[B, Nk]``) as the methods read them:
     ``"auto"`` takes the key mask for the queries when Nq == Nk."""
     b, nq, nk = q.shape[0], q.shape[-2], k.shape[-2]
-    key_valid = _padding(key_padding_mask, b, nk)
+    key_valid = _padding(key_padding_mask, b, nk, k.device)
     if isinstance(query_padding_mask, str):
         query_valid = key_valid if nq == nk else None
     else:
-        query_valid = _padding(query_padding_mask, b, nq)
+        query_valid = _padding(query_padding_mask, b, nq, q.device)
     return query_valid, key_valid
 
 

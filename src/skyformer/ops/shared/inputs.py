@@ -132,7 +132,8 @@ def _check_mask(method: str, name: str, m: object, b: int, n: int, n_name: str,
             f"{tuple(m.shape)}."
         )
     if m.device != like.device:
-        raise ValueError(f"{method}: {name} is on {m.device} but the inputs are on {like.device}.")
+        raise ValueError(f"{method}: {name} is on {m.device} but the inputs are on "
+                         f"{like.device}; pass {name}.to('{like.device}').")
     return m
 
 
