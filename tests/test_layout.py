@@ -53,3 +53,19 @@ def test_options_are_defined_once_by_the_config(method):
             f"{method}: option {field.name!r} is restated as an argument of the core")
         public = inspect.signature(spec.function).parameters[field.name]
         assert public.default == field.default  # the public signature comes from the config
+
+
+@pytest.mark.parametrize("method", list_methods())
+def test_the_public_docstring_names_only_arguments_it_takes(method):
+    """help() of the public function lists the arguments of its signature (the core's
+    ``config`` is not one: its options are keyword arguments)."""
+    function = get_method(method).function
+    parameters = inspect.signature(function).parameters
+    doc = inspect.getdoc(function)
+    args = doc.split("Args:\n", 1)[1].split("\nReturns:", 1)[0] if "Args:\n" in doc else ""
+    named = [name.strip() for line in args.splitlines()
+             if line.startswith("    ") and not line.startswith("     ") and ":" in line
+             for name in line.split(":", 1)[0].split(",")]
+    assert named, f"{method}: no Args in its docstring"
+    unknown = [name for name in named if name not in parameters]
+    assert not unknown, f"{method}: its docstring names {unknown}, not arguments it takes"

@@ -80,9 +80,22 @@ def _docstring(core: Callable[..., Any], config_class: type) -> str:
         doc = cls.__dict__.get("__doc__")
         if dataclasses.is_dataclass(cls) and doc and not doc.startswith(cls.__name__ + "("):
             docs.append(inspect.cleandoc(doc))
-    head = inspect.cleandoc(core.__doc__ or "")
+    head = _without_config_argument(inspect.cleandoc(core.__doc__ or ""))
     options = "\n\n".join(docs)
     return f"{head}\n\nOptions (``{config_class.__name__}``, keyword arguments):\n\n{options}"
+
+
+def _without_config_argument(doc: str) -> str:
+    """``doc`` without the core's ``config:`` argument (and its continuation lines): the
+    public function takes the options as keyword arguments, listed below it."""
+    lines, skipping = [], False
+    for line in doc.splitlines():
+        if line.startswith("    config:"):
+            skipping = True
+        elif not (skipping and line.startswith("        ")):
+            skipping = False
+            lines.append(line)
+    return "\n".join(lines)
 
 
 def public_function(
