@@ -69,3 +69,11 @@ def test_the_public_docstring_names_only_arguments_it_takes(method):
     assert named, f"{method}: no Args in its docstring"
     unknown = [name for name in named if name not in parameters]
     assert not unknown, f"{method}: its docstring names {unknown}, not arguments it takes"
+
+
+@pytest.mark.parametrize("method", list_methods())
+def test_the_public_signature_takes_a_random_key_as_generator(method):
+    """Every method takes a torch.Generator or a random key (``skyformer.random_key``);
+    the signature help() shows says so."""
+    generator = inspect.signature(get_method(method).function).parameters["generator"]
+    assert "Tensor" in generator.annotation and "torch.Generator" in generator.annotation

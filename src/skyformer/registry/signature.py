@@ -62,7 +62,7 @@ def _signature(core: Callable[..., Any], config_class: type) -> inspect.Signatur
         inspect.Parameter("query_padding_mask", keyword, default="auto",
                           annotation="Tensor | None | str"),
         inspect.Parameter("generator", keyword, default=None,
-                          annotation="torch.Generator | None"),
+                          annotation="torch.Generator | Tensor | None"),
     ]
     parameters += [
         inspect.Parameter(f.name, keyword, default=f.default, annotation=f.type)
