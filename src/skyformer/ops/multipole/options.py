@@ -37,8 +37,10 @@ class MultipoleOptions:
     kmeans_iterations: Lloyd iterations on the k-means sub-sample.
     kmeans_sample: rows sub-sampled for the Lloyd iterations (``None`` = all).
     tolerance: target relative error; when set, each head takes the smallest budget of
-        the ladder m/8 .. m (m = ``num_features``) whose error, measured on ``probe``
-        exact query rows, is at most ``tolerance`` (``targeted.py``).
+        the ladder 0, m/8 .. m (m = ``num_features``; 0 = the trivial answer, every
+        row the mean of V for softmax, the mean exact probe row for the Gaussian
+        target) whose error, measured on ``probe`` exact query rows, is at most
+        ``tolerance``, else the one with the smallest error (``targeted.py``).
     probe: query rows computed exactly to estimate the error (with ``tolerance``).
     kernel: the far-field kernel products by ``"auto"``, ``"torch"`` or ``"triton"``
         (``linalg.kernel_backend``).
