@@ -22,7 +22,8 @@ class MultipoleOptions:
     window: local window half-width w (keys |i - j| <= w, ranks among the real tokens,
         self-attention only, so not with a query_padding_mask of its own; 0 = none, the
         default: with the first-order far field it bought little on MiniLM, see
-        ``docs/accuracy-first.md``); shrunk to at most a quarter of ``num_features``.
+        ``docs/accuracy-first.md``); shrunk so that its 2w + 1 keys are at most a quarter
+        of ``num_features`` (w <= 15 at 128).
     lsh_block: keys per angular-LSH bucket (KDEformer Appendix A, Hamming-ordered
         equal-sized buckets) computed exactly for each query (0 = none); at most a
         quarter of ``num_features``. Exclusive with ``window``.
