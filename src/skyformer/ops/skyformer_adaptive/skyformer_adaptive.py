@@ -56,6 +56,8 @@ from ..shared.options import (
 class SkyformerAdaptiveConfig(NystromOptions):
     """Options of ``skyformer_adaptive`` (Nystrom options as ``skyformer``).
 
+    num_features: landmarks m, chosen from the data rather than sampled half from each
+        of Q and K: ``query_fraction`` of them query centres, the rest keys.
     query_fraction: share of the landmarks that are k-means centres of the queries (at
         least one, at most the sequence's real queries); the rest are keys chosen by
         ridge leverage.
