@@ -140,3 +140,18 @@ def test_bad_projections_and_options():
     ):
         with pytest.raises(ValueError, match=word):
             linformer_attention(q, k, v, **options)
+
+
+def test_share_kv_projects_the_values_by_proj_k():
+    """share_kv=True with a proj_v other than proj_k ran with F = proj_v (E != F) without a
+    word; proj_k alone was refused."""
+    q, k, v = make_qkv(1, 2, 10, 4)
+    e, f = (torch.randn(2, 5, 10, dtype=torch.float64, generator=gen(s)) for s in (0, 1))
+    shared = linformer_attention(q, k, v, num_features=5, share_kv=True, proj_k=e)
+    torch.testing.assert_close(
+        shared, linformer_attention(q, k, v, num_features=5, proj_k=e, proj_v=e), rtol=0,
+        atol=0)
+    assert torch.equal(shared, linformer_attention(q, k, v, num_features=5, share_kv=True,
+                                                   proj_k=e, proj_v=e))
+    with pytest.raises(ValueError, match=r"share_kv=True projects the values by proj_k too"):
+        linformer_attention(q, k, v, num_features=5, share_kv=True, proj_k=e, proj_v=f)

@@ -166,7 +166,7 @@ def linformer_attention(
         key_padding_mask: ``[B, Nk]`` bool, True = real token.
         generator: draws E and F when they are not given (module docstring).
         proj_k, proj_v: E and F, ``[H, k, L]`` (or ``[k, L]`` shared by the heads) with
-            L >= Nk; both or neither.
+            L >= Nk; both or neither (with ``share_kv``, proj_k alone: F = E).
     Returns:
         ``[B, H, Nq, Dv]`` in the dtype of ``q`` (half types computed in float32); rows of
         padded queries (self-attention) are zero.
@@ -182,8 +182,15 @@ def linformer_attention(
             f"projections have one column per position, so truncate the input or build the "
             f"layer with a larger max_seq_len."
         )
+    if cfg.share_kv and proj_k is not None:
+        if proj_v is not None and proj_v is not proj_k:
+            raise ValueError("linformer: share_kv=True projects the values by proj_k too "
+                             "(E = F); pass proj_v=None (or proj_k itself), or share_kv=False "
+                             "to project them by proj_v.")
+        proj_v = proj_k
     if (proj_k is None) != (proj_v is None):
-        raise ValueError("linformer: pass both proj_k and proj_v, or neither.")
+        raise ValueError("linformer: pass both proj_k and proj_v, or neither"
+                         f"{'' if cfg.share_kv else ' (proj_k alone with share_kv=True)'}.")
     dtype = q.dtype
     work = compute_dtype(dtype)
     if proj_k is None:
