@@ -14,9 +14,11 @@ a position, which a later step's mask must agree with); the layers that run exac
 attention (``softmax``, ``kernelized``, layers left exact) keep their keys and values as
 transformers' ``DynamicCache`` does.
 Tokens equal those of the full causal forward over the whole sequence with the same
-random key (a layer ``seed``); in beam search a state keeps its sequence's landmark draws
-when the sequence changes rows, where a forward without a cache draws by row
-(docs/causal.md, "Decoding").
+random key (a layer ``seed``) and, for ``skyformer`` and ``nystrom_softmax`` without a
+``landmark_stride``, the stride of the prompt (ceil(n / m) for its n real tokens, where
+a forward without a cache takes that of the whole sequence); in beam search a state
+keeps its sequence's landmark draws when the sequence changes rows, where a forward
+without a cache draws by row (docs/causal.md, "Decoding").
 
 Assisted generation (``assistant_model=...``, ``prompt_lookup_num_tokens=...``) works
 too: transformers switches on ``activate_past_recording`` and, after checking the
