@@ -9,6 +9,7 @@ from unittest import mock
 import pytest
 import torch
 
+import skyformer
 from skyformer import kernelized_attention, skyformer_attention
 from skyformer.eval.measure.metrics import relative_error
 from skyformer.linalg import kernel_matmul
@@ -111,6 +112,20 @@ def test_gamma_zero_is_refused_for_the_identity_start_which_diverges_when_rows_r
     out = skyformer_attention(q, q, v, num_features=12, gamma=0.0, pinv_iterations=40,
                               pinv_init="scaled_transpose")
     torch.testing.assert_close(out, kernelized_attention(q, q, v), rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax"])
+def test_gamma_zero_in_a_causal_call_names_what_the_causal_form_needs(method):
+    """The causal form factorises its core by Cholesky and needs gamma > 0 whatever the
+    inverse options: the refusal says so, without offering the non-causal form's ways to
+    gamma = 0 (pinv_init='scaled_transpose', pinv='exact'), which it refuses next."""
+    q, k, v = make_qkv(1, 2, 6, 4)
+    for options in ({}, {"pinv_init": "scaled_transpose"}, {"pinv": "exact"}):
+        with pytest.raises(ValueError, match=r"causal=True needs gamma > 0") as refused:
+            skyformer.attention(q, k, v, method, causal=True, gamma=0.0, **options)
+        assert "scaled_transpose" not in str(refused.value)
+    with pytest.raises(ValueError, match=r"gamma must be a finite number >= 0, got 'x'"):
+        skyformer.attention(q, k, v, method, causal=True, gamma="x")
 
 
 def test_iterative_inverse_error_small_and_shrinks_with_iterations():

@@ -103,8 +103,8 @@ class NystromSoftmaxConfig(NystromOptions, CausalNystromOptions):
     normalizer_threshold: float = 0.3
 
     def __post_init__(self) -> None:
-        self.validate("nystrom_softmax")
         self.validate_causal("nystrom_softmax")
+        self.validate("nystrom_softmax")
         check_scale("nystrom_softmax", self.scale)
         check_nonnegative_float(
             "nystrom_softmax", "normalizer_threshold", self.normalizer_threshold

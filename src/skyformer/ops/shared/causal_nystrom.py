@@ -41,7 +41,7 @@ from ...linalg.rows import gather_rows_through
 from ...sketch.landmarks import launch_or_fall_back, use_triton_draw
 from ...sketch.rng import fold_in, stream, uniform_at
 from .inputs import AttentionInputs, check_attention_inputs, resolve_key, zero_padded_queries
-from .options import check_bool, check_optional_positive_int
+from .options import check_bool, check_nonnegative_float, check_optional_positive_int
 from .real_first import RealFirst, from_real_first, real_first, real_first_mask, to_real_first
 
 
@@ -65,12 +65,17 @@ class CausalNystromOptions:
     landmark_stride: int | None = None
 
     def validate_causal(self, method: str) -> None:
+        """Checked before the inverse's options: a causal call with gamma = 0 is told what
+        the causal form needs, not the non-causal form's ways to gamma = 0."""
         check_bool(method, "causal", self.causal)
         check_bool(method, "causal_local", self.causal_local)
         check_optional_positive_int(method, "landmark_stride", self.landmark_stride)
-        if self.causal and getattr(self, "gamma", 1.0) <= 0:
+        gamma = getattr(self, "gamma", 1.0)
+        if self.causal:
+            check_nonnegative_float(method, "gamma", gamma)
+        if self.causal and gamma <= 0:
             raise ValueError(f"{method}: causal=True needs gamma > 0 (its core factorises "
-                             f"C(X_S, X_S) + gamma I by Cholesky), got {self.gamma!r}.")
+                             f"C(X_S, X_S) + gamma I by Cholesky), got {gamma!r}.")
 
 
 @dataclass(frozen=True)

@@ -66,8 +66,8 @@ class SkyformerConfig(NystromOptions, CausalNystromOptions):
     scale: float | None = None
 
     def __post_init__(self) -> None:
-        self.validate("skyformer")
         self.validate_causal("skyformer")
+        self.validate("skyformer")
         check_scale("skyformer", self.scale)
 
 
