@@ -118,3 +118,11 @@ def test_gaussian_columns_share_a_prefix_across_lengths():
     assert short.shape == (2, 3, 17) and long.shape == (2, 3, 600)
     assert torch.equal(long[..., :17], short)
     assert not torch.equal(gaussian_columns((2, 3), 17, gen(1)), short)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_uniforms_of_a_half_type_stay_below_one(dtype):
+    """24 random bits rounded to a half type gave 1.0 (45 of 20000 in bfloat16)."""
+    u = uniform(random_key(0), (20000,), dtype)
+    assert u.dtype == dtype and u.min() >= 0 and u.max() < 1
+    assert u.unique().numel() > 100  # every representable step is reached, not a few

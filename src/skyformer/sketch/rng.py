@@ -123,14 +123,17 @@ def _bits(key: Tensor, index: Tensor, salt: int) -> Tensor:
 
 def uniform_at(key: Tensor, index: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """Uniform numbers in [0, 1), one per entry of the integer tensor ``index``; ``key``
-    ``[..., 2]`` broadcasts against ``index`` (its trailing dim aside). 24 random bits for
-    float32 and half types, 53 for float64."""
+    ``[..., 2]`` broadcasts against ``index`` (its trailing dim aside). As many random bits
+    as the dtype holds exactly below 1: 24 for float32, 11 for float16, 8 for bfloat16 (24
+    rounded to a half type gave 1.0), 53 for float64."""
     index = index.to(device=key.device, dtype=torch.long)
     hi = _bits(key, index, UNIFORM_SALT)
     if dtype == torch.float64:
         lo = _bits(key, index, UNIFORM_LOW_SALT) >> 11  # 21 bits
         return ((hi << 21) + lo).to(torch.float64) * 2.0**-53
-    return ((hi >> 8).to(torch.float32) * 2.0**-24).to(dtype)  # 24 bits: exact in float32
+    # the bits of precision: -log2(eps) + 1 (24, 11, 8 for float32, float16, bfloat16)
+    bits = min(24, 1 - int(math.log2(torch.finfo(dtype).eps)))
+    return ((hi >> (32 - bits)).to(torch.float32) * 2.0**-bits).to(dtype)  # exact in dtype
 
 
 def uniform(key: Tensor, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> Tensor:
