@@ -115,6 +115,20 @@ def test_imdb_bytes_labels_and_seeded_dev_split(tmp_path):
     assert len(train_texts | dev_texts) == 8 and not train_texts & dev_texts
 
 
+def test_imdb_reviews_are_stripped_of_surrounding_whitespace_as_tfds_reads_them(tmp_path):
+    # TFDS's imdb_reviews, which LRA reads, keeps read().strip() of each file: bytes
+    # inside the review (a BOM, inner spaces) stay, ASCII whitespace around it goes
+    root = make_imdb(tmp_path)
+    (root / "test" / "pos" / "0_7.txt").write_bytes(b"\xef\xbb\xbf  Two  words \r\n\t")
+    data = load_cache(prepare("text", tmp_path, tmp_path / "c").parent, "text")
+    text = bytes((_tokens(data.splits["test"], 2) - 1).astype(np.uint8))
+    assert text == b"\xef\xbb\xbf  Two  words"
+    (root / "test" / "pos" / "0_7.txt").write_bytes(b" \r\n")
+    with pytest.raises(ValueError, match=r"test/pos/0_7\.txt holds only whitespace.*delete the "
+                       "file or give it its text"):
+        prepare("text", tmp_path, tmp_path / "c")
+
+
 def test_imdb_dev_fraction_zero_validates_on_test_and_says_so(tmp_path):
     make_imdb(tmp_path)
     data = load_cache(prepare("text", tmp_path / "aclImdb", tmp_path / "c", dev_fraction=0).parent,

@@ -1,10 +1,12 @@
 """IMDb reviews (LRA Text) from the standard ``aclImdb/{train,test}/{pos,neg}/*.txt`` tree.
 
-Byte-level tokens of the raw review. IMDb has no validation split: LRA's pipeline (and
-the PyTorch code the Skyformer paper used) validates on the test set, which turns
-"best dev checkpoint" into selection on test. By default we hold out a seeded
-``dev_fraction`` of the training reviews instead; ``dev_fraction=0`` reproduces the
-LRA behaviour and is recorded as ``dev_is_test`` in the cache metadata.
+Byte-level tokens of the review without the ASCII whitespace around it, as TFDS's
+``imdb_reviews``, which LRA reads, keeps each file (``read().strip()`` of its bytes).
+IMDb has no validation split: LRA's pipeline (and the PyTorch code the Skyformer paper
+used) validates on the test set, which turns "best dev checkpoint" into selection on test.
+By default we hold out a seeded ``dev_fraction`` of the training reviews instead;
+``dev_fraction=0`` reproduces the LRA behaviour and is recorded as ``dev_is_test`` in the
+cache metadata.
 """
 
 from __future__ import annotations
@@ -38,9 +40,11 @@ def _reviews(folder: Path) -> list[tuple[Path, int]]:
 
 def _examples(items: Sequence[tuple[Path, int]]) -> Iterator[tuple[list[np.ndarray], int]]:
     for path, label in items:
-        tokens = encode_bytes(path.read_bytes())
+        raw = path.read_bytes()
+        tokens = encode_bytes(raw.strip())  # module docstring: as TFDS keeps the review
         if tokens.size == 0:
-            raise empty_document(f"{path} is empty (0 bytes)", unit="file")
+            what = "is empty (0 bytes)" if not raw else "holds only whitespace"
+            raise empty_document(f"{path} {what}", unit="file")
         yield [tokens], label
 
 
