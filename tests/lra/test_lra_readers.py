@@ -98,6 +98,23 @@ def test_count_rows_counts_the_rows_tsv_rows_reads(tmp_path):
         list(tsv_rows(path, 2))
 
 
+def test_a_utf8_bom_opening_a_tsv_file_is_not_content(tmp_path):
+    # an editor saving "UTF-8 with BOM" puts EF BB BF before the header (ListOps) or the
+    # first row's label (AAN): the file's encoding mark, not part of its first field
+    rows = make_listops_release(tmp_path / "listops")
+    path = tmp_path / "listops" / "basic_train.tsv"
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    data = load_cache(prepare("listops", tmp_path / "listops", tmp_path / "c").parent, "listops")
+    assert data.splits["train"].labels.tolist() == [t for _, t in rows["basic_train.tsv"]]
+    files = make_aan(tmp_path / "aan")
+    path = files["new_aan_pairs.eval.tsv"]
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    data = load_cache(prepare("retrieval", tmp_path / "aan", tmp_path / "c").parent, "retrieval")
+    assert data.splits["dev"].labels.tolist() == [0]
+    assert list(tsv_rows(path, 5)) == [(1, ["0", "a4", "b4", "alpha", "beta"])]
+    assert count_rows(path) == 1
+
+
 def test_imdb_bytes_labels_and_seeded_dev_split(tmp_path):
     make_imdb(tmp_path)
     folder = prepare("text", tmp_path, tmp_path / "cache", dev_fraction=0.25)

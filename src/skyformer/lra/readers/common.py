@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,14 +39,18 @@ def _content_lines(path: Path, header: str | None) -> Iterator[tuple[int, bytes]
     """``(line number, raw line)`` of the lines that are rows: not blank, not the header.
 
     A line is blank when it holds only ASCII whitespace; the header is a first line starting
-    with ``header``. ``count_rows`` and ``tsv_rows`` both read through here, so the number
-    of rows counted is the number of rows read.
+    with ``header``. A UTF-8 byte order mark opening the file is left out: it marks the
+    encoding (an editor's "UTF-8 with BOM"), it is not text of the first field.
+    ``count_rows`` and ``tsv_rows`` both read through here, so the number of rows counted
+    is the number of rows read.
     """
     prefix = None if header is None else header.encode()
     with path.open("rb") as handle:
         for number, raw in enumerate(handle, start=1):
-            if number == 1 and prefix is not None and raw.startswith(prefix):
-                continue
+            if number == 1:
+                raw = raw.removeprefix(codecs.BOM_UTF8)
+                if prefix is not None and raw.startswith(prefix):
+                    continue
             if raw.strip():  # ASCII whitespace only: a line of a non-ASCII blank is a row
                 yield number, raw
 
