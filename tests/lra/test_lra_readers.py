@@ -76,6 +76,12 @@ def test_listops_errors_name_the_file_and_line(tmp_path):
     (tmp_path / "src" / "basic_val.tsv").write_text("Source\tTarget\n\u00a0\n[MAX 2 ]\t2\n")
     with pytest.raises(ValueError, match=r"basic_val.tsv line 2: expected 2 tab-separated"):
         prepare("listops", tmp_path / "src", tmp_path / "cache")
+    for target in ("9.0", "", "10", "-1"):
+        write_tsv(tmp_path / "src" / "basic_val.tsv", [["[MAX 2 ]", "2"], ["[MAX 2 ]", target]],
+                  ["Source", "Target"])
+        with pytest.raises(ValueError, match=r"basic_val.tsv line 3: Target \(column 2\) must be "
+                           rf"a digit 0-9, got '{target}'\."):
+            prepare("listops", tmp_path / "src", tmp_path / "cache")
     (tmp_path / "src" / "basic_test.tsv").unlink()
     with pytest.raises(FileNotFoundError, match=r"basic_test.tsv"):
         prepare("listops", tmp_path / "src", tmp_path / "cache")

@@ -23,16 +23,26 @@ FILES = {"train": "basic_train.tsv", "dev": "basic_val.tsv", "test": "basic_test
 GENERATOR_RECORD = "generator.json"  # written by `skyformer lra generate listops`
 
 
+def _target(text: str, path: Path, number: int) -> int:
+    """The label 0-9 of a Target field, or a sentence naming the file and line."""
+    try:
+        label = int(text)
+    except ValueError:
+        label = -1  # not an integer ("9.0", empty): refused below with the field as given
+    if not 0 <= label <= 9:
+        raise ValueError(f"{path} line {number}: Target (column 2) must be a digit 0-9, got "
+                         f"{text!r}.")
+    return label
+
+
 def _examples(path: Path, tokens: str) -> Iterator[tuple[list[np.ndarray], int]]:
     dropped = "parentheses" if tokens == "lra" else "parentheses and ']'"
     for number, (source, target) in tsv_rows(path, 2, header="Source"):
         try:
             ids = encode_listops(source, tokens)
-            label = int(target)
         except ValueError as err:
             raise ValueError(f"{path} line {number}: {err}") from None
-        if not 0 <= label <= 9:
-            raise ValueError(f"{path} line {number}: Target must be a digit 0-9, got {target!r}.")
+        label = _target(target, path, number)
         if ids.size == 0:
             raise empty_document(f"{path} line {number}: Source (column 1) holds no ListOps "
                                  f"token ({dropped} do not count)")
