@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from skyformer.lra import load_cache, prepare
+from skyformer.lra.cache import data_fingerprint
 from skyformer.lra.readers.common import count_rows, tsv_rows
 from skyformer.lra.vocab import LISTOPS_IDS
 from tests.lra.release_files import (
@@ -314,6 +315,18 @@ def test_pathfinder_difficulty_that_contradicts_a_difficulty_folder_is_refused(t
     link.symlink_to(folder, target_is_directory=True)
     cache = prepare("pathfinder", link, tmp_path / "c", difficulty="curv_baseline")
     assert json.loads((cache / "meta.json").read_text())["difficulty"] == "curv_baseline"
+
+
+@pytest.mark.parametrize("src", [".", "imgs/.."])
+def test_pathfinder_difficulty_is_the_folders_name_when_given_relative(tmp_path, monkeypatch,
+                                                                      src):
+    # prepared from inside the difficulty folder: the same data, the same record
+    root, _ = make_pathfinder_release(tmp_path, count=10)
+    by_path = json.loads((prepare("pathfinder", root, tmp_path / "a") / "meta.json").read_text())
+    monkeypatch.chdir(root / "curv_contour_length_14")
+    here = json.loads((prepare("pathfinder", src, tmp_path / "b") / "meta.json").read_text())
+    assert here["difficulty"] == by_path["difficulty"] == "curv_contour_length_14"
+    assert data_fingerprint(here) == data_fingerprint(by_path)
 
 
 def test_meta_records_counts_and_source(tmp_path):
