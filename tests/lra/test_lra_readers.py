@@ -254,6 +254,18 @@ def test_cifar_wrong_size_names_the_file(tmp_path):
         prepare("image", tmp_path, tmp_path / "c")
 
 
+def test_cifar_label_out_of_range_names_the_record(tmp_path):
+    make_cifar(tmp_path, records=3)
+    path = tmp_path / "cifar-10-batches-bin" / "test_batch.bin"
+    data = bytearray(path.read_bytes())
+    data[2 * 3073] = 12  # the label byte of the third record
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"test_batch.bin record 3 \(byte offset 6146\) has "
+                       r"label 12; CIFAR-10 labels are 0-9: the file is damaged, unpack it "
+                       r"again from cifar-10-binary.tar.gz\."):
+        prepare("image", tmp_path, tmp_path / "c")
+
+
 @pytest.mark.parametrize("given", ["folder", "parent"])
 def test_cifar_python_version_says_which_version_to_get(tmp_path, given):
     """The python version (pickles, as torchvision downloads it) is named as such, with

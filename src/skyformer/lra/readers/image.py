@@ -49,9 +49,11 @@ def read_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
         )
     records = raw.reshape(-1, RECORD)
     labels = records[:, 0].astype(np.int64)
-    if labels.max() > 9:
-        raise ValueError(f"{path}: found label {labels.max()}; CIFAR-10 labels are 0-9. Is this "
-                         "a CIFAR-100 file?")
+    if labels.max() > 9:  # a CIFAR-100 file (3074-byte records) fails the size check above
+        i = int(np.argmax(labels > 9))
+        raise ValueError(f"{path} record {i + 1} (byte offset {i * RECORD}) has label "
+                         f"{labels[i]}; CIFAR-10 labels are 0-9: the file is damaged, unpack it "
+                         "again from cifar-10-binary.tar.gz.")
     return grey_levels(records[:, 1:].reshape(-1, 3, 1024)), labels
 
 
