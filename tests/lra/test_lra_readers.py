@@ -310,6 +310,21 @@ def test_pathfinder_wrong_size_image_is_an_error(tmp_path):
         prepare("pathfinder", root, tmp_path / "c")
 
 
+def test_pathfinder_metadata_that_is_not_text_names_the_file_and_line(tmp_path):
+    # the release's metadata/*.npy are text; a NumPy array saved there, or a damaged
+    # line, is named as a ListOps or AAN file would be, not by the codec alone
+    root, _ = make_pathfinder_release(tmp_path, count=10)
+    meta = root / "curv_contour_length_14" / "metadata" / "1.npy"
+    meta.write_bytes(meta.read_bytes() + b"imgs/1 caf\xe9.png 3 1\n")
+    with pytest.raises(ValueError, match=r"metadata/1\.npy line 6: not UTF-8 \(byte 0xe9 at "
+                       r"column 11\)"):
+        prepare("pathfinder", root, tmp_path / "c")
+    np.save(meta, np.zeros(3))
+    with pytest.raises(ValueError, match=r"metadata/1\.npy line 1: not UTF-8 \(byte 0x93 at "
+                       r"column 1\)"):
+        prepare("pathfinder", root, tmp_path / "c")
+
+
 def test_pathfinder_difficulty_that_contradicts_a_difficulty_folder_is_refused(tmp_path):
     """--src a difficulty folder with --difficulty naming another: the flag was ignored."""
     root, _ = make_pathfinder_release(tmp_path, count=20)

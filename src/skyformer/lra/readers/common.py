@@ -60,21 +60,29 @@ def count_rows(path: Path, *, header: str | None = None) -> int:
     return sum(1 for _ in _content_lines(path, header))
 
 
-def tsv_rows(path: Path, columns: int, *, header: str | None = None
-             ) -> Iterator[tuple[int, list[str]]]:
-    """``(line number, fields)`` of a tab-separated UTF-8 file with ``columns`` fields.
+def text_lines(path: Path, *, header: str | None = None) -> Iterator[tuple[int, str]]:
+    """``(line number, text)`` of the rows of a UTF-8 text file, without the line end.
 
     Line numbers count from 1, the header included, as an editor shows them. A first
-    line starting with ``header`` is skipped; blank lines are ignored.
+    line starting with ``header`` is skipped; blank lines are ignored. A line that is not
+    UTF-8 is named by the file, line and byte.
     """
     for number, raw in _content_lines(path, header):
         try:
-            line = raw.decode("utf-8").rstrip("\r\n")
+            line = raw.decode("utf-8")
         except UnicodeDecodeError as err:
             raise ValueError(
                 f"{path} line {number}: not UTF-8 (byte {raw[err.start]:#04x} at "
-                f"column {err.start + 1}); the release files are UTF-8."
+                f"column {err.start + 1}); the release files are UTF-8 text."
             ) from None
+        yield number, line.rstrip("\r\n")
+
+
+def tsv_rows(path: Path, columns: int, *, header: str | None = None
+             ) -> Iterator[tuple[int, list[str]]]:
+    """``(line number, fields)`` of a tab-separated UTF-8 file with ``columns`` fields,
+    its lines read as ``text_lines`` reads them."""
+    for number, line in text_lines(path, header=header):
         fields = line.split("\t")
         if len(fields) != columns:
             raise ValueError(

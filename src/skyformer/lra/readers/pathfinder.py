@@ -22,7 +22,7 @@ import numpy as np
 
 from ...seeds import check_seed
 from ..cache import SplitSource
-from .common import locate
+from .common import locate, text_lines
 
 DIFFICULTIES = ("curv_baseline", "curv_contour_length_9", "curv_contour_length_14")
 DEFAULT_DIFFICULTY = "curv_contour_length_14"
@@ -45,10 +45,8 @@ def _metadata(folder: Path) -> tuple[list[tuple[Path, int]], int]:
         raise FileNotFoundError(f"{meta_dir} holds no metadata files (*.npy).")
     samples, empty = [], 0
     for path in files:
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        for number, line in text_lines(path):
             fields = line.split()
-            if not fields:
-                continue
             if len(fields) < 4 or fields[3] not in ("0", "1"):
                 raise ValueError(
                     f"{path} line {number}: expected 'folder file index label ...' with label "
