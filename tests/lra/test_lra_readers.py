@@ -88,6 +88,15 @@ def test_listops_errors_name_the_file_and_line(tmp_path):
         prepare("listops", tmp_path / "src", tmp_path / "cache")
 
 
+def test_a_damaged_generator_record_is_named(tmp_path):
+    """A generator.json that is not JSON raised a bare JSONDecodeError naming no file."""
+    make_listops_release(tmp_path / "src")
+    (tmp_path / "src" / "generator.json").write_text('{"seed": 0,')
+    with pytest.raises(ValueError, match=r"generator.json is damaged \(.*\): it records how "
+                       r"`skyformer lra generate listops` made the files beside it"):
+        prepare("listops", tmp_path / "src", tmp_path / "cache")
+
+
 def test_count_rows_counts_the_rows_tsv_rows_reads(tmp_path):
     # The split length comes from count_rows and the rows from tsv_rows: they must agree on
     # the header, on blank lines (ASCII whitespace only, CRLF too) and on the line numbers.

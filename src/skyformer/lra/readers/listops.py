@@ -68,5 +68,16 @@ def read_listops(src: str | Path, tokens: str = "lra"
         meta["tokens"] = tokens
     record = folder / GENERATOR_RECORD
     if record.is_file():
-        meta["generated"] = json.loads(record.read_text(encoding="utf-8"))
+        meta["generated"] = _generator_record(record)
     return splits, meta
+
+
+def _generator_record(record: Path) -> Any:
+    """The settings `lra generate listops` wrote beside its files (they name the data in
+    the cache's record), or a sentence naming the damaged file."""
+    try:
+        return json.loads(record.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{record} is damaged ({err}): it records how `skyformer lra generate "
+                         "listops` made the files beside it; generate them again, or remove "
+                         "it if they are not generated.") from None
