@@ -287,3 +287,11 @@ def test_stability_resume_needs_json_and_a_stability_file(tmp_path, capsys, list
     other.write_text('{"rows": []}')
     assert main([*base, "--json", str(other)]) == 2
     assert f"cannot resume from {other}: not an lra stability result" in capsys.readouterr().err
+
+
+def test_prepare_refuses_a_max_len_below_one_by_its_flag_before_reading(tmp_path, capsys):
+    """It said 'max_len must be ...' after reading every release file (here: none, so
+    it named a missing file instead)."""
+    assert main(["lra", "prepare", "listops", "--src", str(tmp_path), "--cache",
+                 str(tmp_path / "cache"), "--max-len", "0"]) == 2
+    assert "--max-len must be a positive integer, got 0." in capsys.readouterr().err

@@ -225,6 +225,8 @@ def _run_prepare(args: argparse.Namespace) -> int:
         flags = ", ".join("--listops-tokens" if e == "tokens" else "--" + e.replace("_", "-")
                           for e in sorted(extra))
         raise ValueError(f"{flags} do(es) not apply to {args.task}.")
+    if args.max_len is not None and args.max_len <= 0:  # before reading the release files
+        raise ValueError(f"--max-len must be a positive integer, got {args.max_len}.")
     check_output_path(_cache(args), folder=True)
     folder = prepare(args.task, args.src, _cache(args), max_len=args.max_len, **options)
     meta = json.loads((folder / "meta.json").read_text())
