@@ -28,7 +28,8 @@ from .state import DecodingState, padding_as_false
 
 
 class PrefixSumDecoding(DecodingState):
-    """Shared by the feature-map methods; subclasses give ``features`` and ``finish``."""
+    """Shared by the feature-map methods; subclasses give ``features`` and ``finish``
+    (Performer, whose sums carry their running maximum, its own steps)."""
 
     batched = ("sums", "value_sum", "count")
 
@@ -57,7 +58,7 @@ class PrefixSumDecoding(DecodingState):
                          **self._arguments())
         _, psi_k = self.features(q, k, key_valid)
         vw, w = self._values(v, key_valid)
-        self.sums = psi_k.transpose(-1, -2) @ torch.cat([vw, w.expand_as(vw[..., :1])], -1)
+        self.sums = psi_k.transpose(-1, -2) @ self._with_weights(vw, w)
         self.value_sum = vw.sum(2, keepdim=True)
         self.count = w.sum(2, keepdim=True)[:, :1]
         return out
@@ -66,7 +67,7 @@ class PrefixSumDecoding(DecodingState):
         assert self.sums is not None and self.value_sum is not None and self.count is not None
         phi_q, psi_k = self.features(q, k, key_valid)
         vw, w = self._values(v, key_valid)
-        v1 = torch.cat([vw, w.expand_as(vw[..., :1])], -1)  # [B, H, n, Dv + 1]
+        v1 = self._with_weights(vw, w)  # [B, H, n, Dv + 1]
         o = causal_feature_sums(phi_q, psi_k, v1) + phi_q @ self.sums
         value_sums = self.value_sum + vw.cumsum(2)
         counts = self.count + w.cumsum(2)
@@ -81,6 +82,12 @@ class PrefixSumDecoding(DecodingState):
         vw = v.to(compute_dtype(v.dtype))
         w = padding_as_false(key_valid, v)[:, None, :, None]
         return torch.where(w, vw, 0.0), w.to(vw.dtype)
+
+    @staticmethod
+    def _with_weights(vw: Tensor, w: Tensor) -> Tensor:
+        """[v, 1] rows ``[B, H, n, Dv + 1]`` (zero rows for padding) from ``_values``, or
+        the state's sums of them from ``value_sum`` and ``count``."""
+        return torch.cat([vw, w.expand_as(vw[..., :1])], -1)
 
 
 class LinearDecoding(PrefixSumDecoding):
@@ -102,7 +109,7 @@ class PerformerDecoding(PrefixSumDecoding):
     maximum (``ops/performer/causal.py``); the feature directions are fixed at the first
     step (the layer's own, or drawn from the key as the full forward draws them)."""
 
-    batched = ("sums", "shift", "plain", "value_sum", "count")
+    batched = ("sums", "shift", "value_sum", "count")
 
     def __init__(self, bound: BoundMethod, generator: torch.Generator | Tensor | None = None,
                  features: nn.Module | None = None) -> None:
@@ -110,7 +117,6 @@ class PerformerDecoding(PrefixSumDecoding):
         self.features_module = features  # the layer's PerformerFeatures, if any
         self.projection: Tensor | None = None  # [m, D]
         self.shift: Tensor | None = None  # [B, H], the sums' running maximum
-        self.plain: Tensor | None = None  # [B, H, 1, Dv + 1]
 
     def _arguments(self) -> dict[str, Tensor]:
         return {"projection": self.projection} if self.projection is not None else {}
@@ -124,10 +130,9 @@ class PerformerDecoding(PrefixSumDecoding):
             q.device, self.key)
         out = self.bound(q, k, v, key_padding_mask=key_valid, generator=self.key,
                          **self._arguments())
-        _, log_k, scale_basis = self._features(q, k)
         vw, w = self._values(v, key_valid)
-        self.sums, self.shift, self.plain = running_sums(log_k, scale_basis,
-                                                         self._with_weights(vw, w), key_valid)
+        self.sums, self.shift, _ = running_sums(*self._key_logs(k), self._with_weights(vw, w),
+                                                key_valid)
         self.value_sum, self.count = vw.sum(2, keepdim=True), w.sum(2, keepdim=True)[:, :1]
         return out
 
@@ -145,28 +150,27 @@ class PerformerDecoding(PrefixSumDecoding):
                 ) -> tuple[Tensor, Tensor, Tensor]:
         """The sums of these positions after the state's (``[B, H, n, Dv + 1]``), the
         state moved past them; and V, its weights as ``_values`` gives them."""
-        assert self.sums is not None and self.shift is not None and self.plain is not None
-        phi_q, log_k, scale_basis = self._features(q, k)
+        assert self.sums is not None and self.shift is not None
+        assert self.value_sum is not None and self.count is not None
         vw, w = self._values(v, key_valid)
-        o, running = causal_performer_sums(
-            phi_q, log_k, scale_basis, self._with_weights(vw, w), key_valid,
-            self.bound.config.eps, start=RunningSums(self.sums, self.shift, self.plain))
-        self.sums, self.shift, self.plain = running
+        plain = self._with_weights(self.value_sum, self.count)  # sum_j [v_j, 1] so far
+        o, (self.sums, self.shift, _) = causal_performer_sums(
+            self._query_features(q), *self._key_logs(k), self._with_weights(vw, w), key_valid,
+            self.bound.config.eps, start=RunningSums(self.sums, self.shift, plain))
         return o, vw, w
 
-    def _features(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """phi(q), the keys' log-features and their log-scales' basis (``causal.py``),
-        in the compute dtype."""
+    def _scaled(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x s^1/2 and the feature directions, in the compute dtype."""
         assert self.projection is not None
         config = self.bound.config
-        work = compute_dtype(q.dtype)
-        s = config.scale if config.scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        root = math.sqrt(s)
-        w = self.projection.to(work)
-        phi_q, _ = query_features(q.to(work) * root, w, config.eps)
-        return (phi_q, *causal_key_logs(k.to(work) * root, w, config.eps))
+        s = config.scale if config.scale is not None else 1.0 / math.sqrt(x.shape[-1])
+        work = compute_dtype(x.dtype)
+        return x.to(work) * math.sqrt(s), self.projection.to(work)
 
-    @staticmethod
-    def _with_weights(vw: Tensor, w: Tensor) -> Tensor:
-        """[v, 1] rows ``[B, H, n, Dv + 1]`` (zero rows for padding) from ``_values``."""
-        return torch.cat([vw, w.expand_as(vw[..., :1])], -1)
+    def _query_features(self, q: Tensor) -> Tensor:
+        """phi(q) ``[B, H, n, m]``, each row at its own shift."""
+        return query_features(*self._scaled(q), self.bound.config.eps)[0]
+
+    def _key_logs(self, k: Tensor) -> tuple[Tensor, Tensor]:
+        """The keys' log-features and their log-scales' basis (``causal.py``)."""
+        return causal_key_logs(*self._scaled(k), self.bound.config.eps)

@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..shared.causal_prefix import CAUSAL_CHUNK, chunk_rows
+from ..shared.causal_prefix import CAUSAL_CHUNK, chunk_rows, lower_triangle
 
 
 class RunningSums(NamedTuple):
@@ -134,15 +134,12 @@ def causal_performer_sums(phi_q: Tensor, log_k: Tensor, scale_basis: Tensor, v1:
                                torch.cat([start.shift[:, :, None], chunk_top], 2))
     before, before_shift = sums[:, :, :-1], shift[:, :, :-1]  # the chunks before c
     row_shift = torch.maximum(before_shift[..., None], scale_c.cummax(-1).values)  # R_i
-    size = scale_c.shape[-1]
-    lower = torch.ones(size, size, dtype=torch.bool, device=log_k.device).tril()
     # b_j - R_i <= 0 for real keys j <= i (-inf for padded ones; R_i finite then, as 0
     # where no real key came yet); capped at 0 above the diagonal, which is masked
     finite_shift = torch.where(torch.isfinite(row_shift), row_shift, 0.0)
     exponent = (scale_c[..., None, :] - finite_shift[..., None]).clamp_max(0.0)
     # exact zeros above the diagonal, whatever a later key holds (0 x NaN is NaN)
-    local = torch.where(lower, (q_c @ k_c.transpose(-1, -2))
-                        * exponent.exp(), 0.0)
+    local = lower_triangle((q_c @ k_c.transpose(-1, -2)) * exponent.exp())
     out = ((q_c @ before) * _factor(before_shift[..., None], row_shift)[..., None]
            + local @ v_c)  # [B, H, C, L, F]
     out = out.flatten(2, 3)[:, :, :n]
