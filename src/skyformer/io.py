@@ -289,6 +289,21 @@ def write_json(path: str | os.PathLike[str], data: Any, *, indent: int | None = 
     return atomic_write_text(path, json_text(data, indent=indent, separators=separators) + "\n")
 
 
+def read_to_resume(path: Path, kind: str, flag: str) -> Any:
+    """The JSON a ``--resume`` continues, read (None, said on stderr, where ``path`` does
+    not exist yet); ``kind`` names what it should be ("a bench result file") and ``flag``
+    the option that names it, for the sentence an unreadable file gets."""
+    if not path.exists():
+        print(f"nothing to resume: {path} does not exist; measuring everything",
+              file=sys.stderr)
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"cannot resume from {path}: not {kind} ({err}); write to another "
+                         f"{flag}.") from None
+
+
 def environment(device: torch.device | str | None = None) -> dict[str, Any]:
     """What a result depends on besides its config: versions, threads, device name."""
     device = torch.device(device or "cpu")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 
@@ -18,7 +17,7 @@ from ..eval.bench.run import (
     resumable_rows,
     run_bench,
 )
-from ..io import check_output_path
+from ..io import check_output_path, read_to_resume
 
 NAME = "bench"
 HELP = (
@@ -99,14 +98,9 @@ def _earlier_rows(config: BenchConfig, out: str | None) -> list[dict]:
     if out is None:
         raise ValueError("--resume continues the results written to --out; give --out.")
     path = result_path(out, ".json")
-    if not path.exists():
-        print(f"nothing to resume: {path} does not exist; measuring everything",
-              file=sys.stderr)
+    earlier = read_to_resume(path, "a bench result file", "--out")
+    if earlier is None:
         return []
-    try:
-        earlier = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"cannot resume from {path}: not a bench result file ({err}).") from None
     if not _is_bench_result(earlier):
         raise ValueError(f"cannot resume from {path}: not a bench result file (an object with "
                          "config, environment and a list of rows); write to another --out.")

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..io import check_output_path
+from ..io import check_output_path, read_to_resume
 
 NAME = "lra"
 HELP = "Long Range Arena: prepare data, train, report the papers' tables, instability score"
@@ -356,15 +356,9 @@ def _earlier_taus(args: argparse.Namespace) -> dict | None:
     if args.json_path is None:
         raise ValueError("--resume continues the taus written to --json; give --json.")
     path = Path(args.json_path)
-    if not path.exists():
-        print(f"nothing to resume: {path} does not exist; measuring everything",
-              file=sys.stderr)
+    earlier = read_to_resume(path, "an lra stability result", "--json")
+    if earlier is None:
         return None
-    try:
-        earlier = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"cannot resume from {path}: not an lra stability result "
-                         f"({err}); write to another --json.") from None
     if not (isinstance(earlier, dict) and isinstance(earlier.get("taus"), dict)):
         raise ValueError(f"cannot resume from {path}: not an lra stability result (an object "
                          "with taus, as --json writes); write to another --json.")
