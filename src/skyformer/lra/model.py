@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..amp import autocast_enabled, autocast_off
 from ..nn import MultiHeadAttention
 from ..registry import get_method
 
@@ -101,8 +102,8 @@ class EncoderLayer(nn.Module):
             # The method cannot honour a padding mask: zero the padded rows instead, as
             # the reference LRA code does for every method.
             h, mask = h * mask[..., None].to(h.dtype), None
-        if not self._takes_half and torch.is_autocast_enabled(h.device.type):
-            with torch.autocast(h.device.type, enabled=False):
+        if not self._takes_half and autocast_enabled(h.device.type):
+            with autocast_off(h.device.type):
                 return self.attn(h.float(), mask, generator=generator)
         return self.attn(h, mask, generator=generator)
 
