@@ -50,3 +50,19 @@ def test_a_bad_option_value_gets_a_sentence(method, option, bad):
         get_method(method).bind(**{option: bad})
     message = str(err.value)
     assert option in message, message
+
+
+ITERATIVE = [m for m in list_methods() if "pinv_iterations" in get_method(m).option_names()]
+
+
+@pytest.mark.parametrize("method", ITERATIVE)
+def test_an_iteration_count_no_inverse_needs_is_refused_up_front(method):
+    """Each iteration's matrices are kept for the backward pass: 10^6 iterations would
+    ask for hundreds of GB before any sentence."""
+    from skyformer.ops.shared.options import MAX_PINV_ITERATIONS
+
+    get_method(method).bind(pinv_iterations=MAX_PINV_ITERATIONS)
+    with pytest.raises(ValueError, match=f"pinv_iterations must be at most "
+                                         f"{MAX_PINV_ITERATIONS}") as err:
+        get_method(method).bind(pinv_iterations=10**6)
+    assert method in str(err.value)

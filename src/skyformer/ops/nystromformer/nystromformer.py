@@ -47,8 +47,8 @@ from ..shared.inputs import (
 )
 from ..shared.masked import masked_attention, masked_softmax
 from ..shared.options import (
-    check_nonnegative_int,
     check_optional_positive_int,
+    check_pinv_iterations,
     check_positive_int,
     check_scale,
 )
@@ -76,7 +76,7 @@ class NystromformerConfig:
 
     def __post_init__(self) -> None:
         check_positive_int("nystromformer", "num_features", self.num_features)
-        check_nonnegative_int("nystromformer", "pinv_iterations", self.pinv_iterations)
+        check_pinv_iterations("nystromformer", self.pinv_iterations)
         check_optional_positive_int("nystromformer", "conv_kernel", self.conv_kernel)
         if self.conv_kernel is not None and self.conv_kernel % 2 == 0:
             raise ValueError(

@@ -35,7 +35,7 @@ from .inputs import AttentionInputs, compute_dtype
 from .options import (
     check_choice,
     check_nonnegative_float,
-    check_nonnegative_int,
+    check_pinv_iterations,
     check_positive_int,
 )
 
@@ -83,7 +83,7 @@ class NystromOptions:
         check_nonnegative_float(method, "gamma", self.gamma)
         check_choice(method, "pinv", self.pinv, PINV_METHODS)
         check_choice(method, "pinv_init", self.pinv_init, PINV_INITS)
-        check_nonnegative_int(method, "pinv_iterations", self.pinv_iterations)
+        check_pinv_iterations(method, self.pinv_iterations)
         check_choice(method, "pinv_gradient", self.pinv_gradient, GRADIENTS)
         check_choice(method, "kernel", self.kernel, KERNELS)
         if self.pinv == "iterative" and self.pinv_init == "identity" and not self.gamma > 0:

@@ -92,5 +92,23 @@ def check_budget(method: str, name: str, value: object) -> None:
         )
 
 
+# The iterative inverses (Razavi's third-order step, Lemma 3) reach float64 precision
+# within ~60 steps from any start they converge from (the error cubes each step; the
+# papers use 6), and each step's matrices are kept for the backward pass: memory grows
+# with the count, 10^6 steps ask for hundreds of GB.
+MAX_PINV_ITERATIONS = 100
+
+
+def check_pinv_iterations(method: str, value: object) -> None:
+    """An integer in [0, ``MAX_PINV_ITERATIONS``] (comment above)."""
+    check_nonnegative_int(method, "pinv_iterations", value)
+    if value > MAX_PINV_ITERATIONS:  # type: ignore[operator]
+        raise ValueError(
+            f"{method}: pinv_iterations must be at most {MAX_PINV_ITERATIONS}, got "
+            f"{value!r}: the iteration's error cubes each step, so more steps change "
+            f"nothing, while each keeps its matrices for the backward pass; the papers "
+            f"use 6.")
+
+
 def check_random_features(method: str, value: object) -> None:
     check_budget(method, "num_features", value)
