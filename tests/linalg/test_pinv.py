@@ -111,6 +111,23 @@ def test_rejects_bad_arguments():
         lemma3_inverse(a, gamma=0.1, pinv="nope")
 
 
+def test_live_slots_are_per_batch_element_of_four_dim_matrices():
+    """``live: [B, m]`` marks slots of ``[B, H, m, m]`` (shared by the heads); against a
+    ``[B, m, m]`` stack it broadcast into a [B, B, m, m] result, silently."""
+    m = torch.rand(2, 5, 5, dtype=torch.float64, generator=gen(0))
+    m = m @ m.mT / 5
+    live = torch.ones(2, 5, dtype=torch.bool)
+    live[1, 3:] = False
+    w = lemma3_inverse(m[:, None], gamma=0.1, live=live)
+    assert w.shape == (2, 1, 5, 5)
+    torch.testing.assert_close(w[0, 0], lemma3_inverse(m[0], gamma=0.1))
+    with pytest.raises(ValueError, match=r"live must be \[B, m\] = \[2, 5\] for "
+                                         r"\[B, H, m, m\] matrices"):
+        lemma3_inverse(m, gamma=0.1, live=live)
+    with pytest.raises(ValueError, match="live must be"):
+        lemma3_inverse(m[:, None], gamma=0.1, live=live[:, :4])
+
+
 def _autograd_iteration(a, iterations, init):
     """The iteration written out with autograd (what the hand-written backward replaces)."""
     eye = torch.eye(a.shape[-1], dtype=a.dtype)

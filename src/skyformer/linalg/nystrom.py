@@ -51,9 +51,10 @@ def lemma3_inverse(
         gamma: ridge added to the diagonal (Skyformer uses 0.1).
         pinv: ``"iterative"`` (Razavi et al., ``iterations`` steps) or ``"exact"``
             (``torch.linalg.pinv``; for tests and analysis).
-        live: ``[B, m]`` bool, False for landmark slots that hold no landmark (more
-            features asked for than valid rows). Their diagonal is set to 1 so they
-            decouple from the live block; their rows/columns of W are unused.
+        live: ``[B, m]`` bool for ``m: [B, H, m, m]`` (shared by the heads), False for
+            landmark slots that hold no landmark (more features than valid rows).
+            Their diagonal is set to 1 so they decouple from the live block; their
+            rows/columns of W are unused.
         kernel: ``"auto" | "torch" | "triton"`` as the methods' option: the Triton path
             runs the whole chain in one launch where it applies (``lemma3_triton``).
         gradient: ``"unrolled"`` (the adjoint of the ``iterations`` steps) or
@@ -127,8 +128,20 @@ def _ridge(gamma: float, live: Tensor | None, size: int, like: Tensor) -> Tensor
     ``live: [B, m]``, broadcast over the heads of ``[B, H, m, m]``)."""
     diag = torch.full((size,), float(gamma), dtype=like.dtype, device=like.device)
     if live is not None:
+        _check_live(live, like, size)
         diag = torch.where(live[:, None, :], diag, torch.ones_like(diag))
     return diag
+
+
+def _check_live(live: Tensor, like: Tensor, size: int) -> None:
+    """``live`` marks slots per batch element of ``[B, H, m, m]`` (or ``[B, H, m, D]``
+    landmark rows): any other pairing would broadcast into a wrong shape silently."""
+    if like.dim() != 4 or tuple(live.shape) != (like.shape[0], size):
+        raise ValueError(
+            f"live must be [B, m] = [{like.shape[0]}, {size}] for [B, H, m, m] matrices "
+            f"(one row of slots per batch element, shared by its heads), got live of "
+            f"shape {list(live.shape)} for a tensor of shape {list(like.shape)}; for a "
+            f"stack of [B, m, m] matrices pass m[:, None] and take w[:, 0].")
 
 
 def lemma3_by_pytorch(m: Tensor, diag: Tensor, pinv: PinvMethod, iterations: int,
