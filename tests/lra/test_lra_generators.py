@@ -200,6 +200,20 @@ def test_generating_over_generated_data_needs_replace_and_replaces_it_whole(tmp_
         write_pathfinder(folder, 10, seed=2, replace=True)
 
 
+def test_replacing_the_folder_one_works_in_is_refused(tmp_path, monkeypatch):
+    """Replacing the working folder (or one above it) renames it away: the shell is
+    left in a deleted folder that lists nothing."""
+    folder = write_pathfinder(tmp_path / "pf", 12, seed=0)
+    before = _contents(folder)
+    (folder / "sub").mkdir()
+    for where, out in ((folder, "."), (folder / "sub", "..")):
+        monkeypatch.chdir(where)
+        with pytest.raises(ValueError, match=r"the folder this process works in.*cd"):
+            write_pathfinder(out, 10, seed=1, replace=True)
+    (folder / "sub").rmdir()
+    assert _contents(folder) == before
+
+
 def test_an_interrupted_replacement_leaves_the_previous_data(tmp_path, monkeypatch):
     import skyformer.lra.listops_gen as listops_gen
     import skyformer.lra.pathfinder_gen as pathfinder_gen

@@ -30,6 +30,12 @@ def generated_folder(out: str | os.PathLike[str], kind: str, written: Iterable[s
         raise FileExistsError(
             f"{folder} already holds files ({', '.join(present[:5])}); generate into a new or "
             f"empty folder, or pass --replace to replace the {kind} data generated there.")
+    here = Path.cwd().resolve()
+    if present and (folder.resolve() == here or folder.resolve() in here.parents):
+        raise ValueError(
+            f"--out {out} is the folder this process works in (or holds it): replacing "
+            f"it would leave the shell in a deleted folder; cd to the folder above "
+            f"{folder.resolve()} and pass its name as --out.")
     foreign = sorted(set(present) - set(written))
     if foreign:
         raise FileExistsError(
