@@ -128,6 +128,19 @@ def test_self_attention_only_and_bad_options():
             bigbird_attention(q, k, v, **options)
 
 
+def test_random_blocks_must_fit_the_key_budget():
+    """Each query attends to 5 + r blocks of at least one key: r above num_features - 5
+    gathers more keys than the budget (num_random_blocks=10**9 asked for hundreds of
+    GB); the paper's 3 runs at any budget, with blocks of one key."""
+    with pytest.raises(ValueError, match=r"num_random_blocks=1000000000 does not fit "
+                                         r"num_features=512.*at most 507"):
+        BigBirdConfig(num_random_blocks=10**9)
+    with pytest.raises(ValueError, match=r"num_random_blocks=9 does not fit num_features=12"):
+        bigbird_attention(*make_qkv(1, 1, 8, 4), num_features=12, num_random_blocks=9)
+    BigBirdConfig(num_features=512, num_random_blocks=507)
+    BigBirdConfig(num_features=2, num_random_blocks=3)
+
+
 def test_a_query_mask_beside_a_key_mask_is_refused():
     """The blocks relate query i to key i: a real query at a padded key's position has
     no block, and its row came out zero (cross-attention of equal lengths, as

@@ -47,11 +47,12 @@ from ..shared.inputs import (
     zero_padded_queries,
 )
 from ..shared.masked import masked_attention
-from ..shared.options import check_budget, check_nonnegative_int, check_scale
+from ..shared.options import MAX_BUDGET, check_budget, check_nonnegative_int, check_scale
 from ..shared.real_first import RealFirst, from_real_first, real_first, to_real_first
 
 WINDOW_BLOCKS = 3
 GLOBAL_BLOCKS = 2
+PAPER_RANDOM_BLOCKS = 3  # runs at any budget (blocks of one key below 8 keys)
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,8 @@ class BigBirdConfig:
 
     num_features: keys each non-global query attends to, (3 + 2 + r) * block size;
         block size = num_features // (5 + r) (default 512 -> 64).
-    num_random_blocks: r, random key blocks per query block.
+    num_random_blocks: r, random key blocks per query block; at most num_features - 5
+        (each of the 5 + r blocks holds at least one key), or 3 (the paper's).
     scale: softmax logit scale s, ``None`` = 1/sqrt(head dim).
     """
 
@@ -71,7 +73,23 @@ class BigBirdConfig:
     def __post_init__(self) -> None:
         check_budget("bigbird", "num_features", self.num_features)
         check_nonnegative_int("bigbird", "num_random_blocks", self.num_random_blocks)
+        self._check_random_blocks_fit()
         check_scale("bigbird", self.scale)
+
+    def _check_random_blocks_fit(self) -> None:
+        """r above num_features - 5 would gather 5 + r keys a query, over the budget
+        (memory N (5 + r) D: a typo such as 10**9 asked for hundreds of GB)."""
+        fixed = WINDOW_BLOCKS + GLOBAL_BLOCKS
+        most = max(PAPER_RANDOM_BLOCKS, self.num_features - fixed)
+        r = self.num_random_blocks
+        if r > most:
+            raise_budget = f", or num_features >= {fixed + r}" if fixed + r <= MAX_BUDGET else ""
+            raise ValueError(
+                f"bigbird: num_random_blocks={r} does not fit num_features="
+                f"{self.num_features}, the keys each query attends to: its {fixed} + r "
+                f"blocks hold at least one key each, so at most {most} random blocks fit "
+                f"(the paper's {PAPER_RANDOM_BLOCKS} always runs). Pass num_random_blocks <= "
+                f"{most}{raise_budget}.")
 
     @property
     def block_size(self) -> int:
