@@ -12,9 +12,12 @@ from skyformer.ops.bigbird.naive import bigbird_pattern, reference_bigbird_atten
 from tests.conftest import gen, make_qkv
 
 
-def layout_for(mask, b, h, n, num_features, seed, r=3):
+def layout_for(mask, b, h, n, num_features, seed, r=3, queries="auto"):
+    """The layout of a call with ``key_padding_mask=mask`` and ``query_padding_mask=queries``."""
     cfg = BigBirdConfig(num_features, r)
-    return bigbird_layout(mask, b, h, n, cfg.block_size, r, torch.device("cpu"), gen(seed))
+    queries = mask if isinstance(queries, str) else queries
+    return bigbird_layout(queries, mask, b, h, n, cfg.block_size, r, torch.device("cpu"),
+                          gen(seed))
 
 
 def holes_mask(b, n):
@@ -141,20 +144,48 @@ def test_random_blocks_must_fit_the_key_budget():
     BigBirdConfig(num_features=2, num_random_blocks=3)
 
 
-def test_a_query_mask_beside_a_key_mask_is_refused():
-    """The blocks relate query i to key i: a real query at a padded key's position has
-    no block, and its row came out zero (cross-attention of equal lengths, as
-    MultiHeadAttention's context passes it: every query real, some keys padded)."""
-    q, k, v = make_qkv(2, 2, 12, 8)
+def query_and_key_masks(n):
+    """Masks of their own: the queries' holes and padding differ from the keys'."""
+    keys, queries = holes_mask(2, n), torch.ones(2, n, dtype=torch.bool)
+    queries[0, n - 6:] = False  # right padding where the keys have left padding
+    queries[1, [2, 3, 17]] = False
+    return queries, keys
+
+
+@pytest.mark.parametrize("n, num_features", [(48, 32), (45, 32), (30, 8)])
+@pytest.mark.parametrize("masks", ["context", "both", "queries"])
+def test_a_query_mask_of_its_own_matches_the_dense_reference(n, num_features, masks):
+    """Query blocks are cut from the real queries, key blocks from the real keys: every
+    query real beside padded keys (a MultiHeadAttention context of the same length),
+    masks of their own on both sides, and a query mask alone. Padded query rows are zero."""
+    queries, keys = query_and_key_masks(n)
+    queries, keys = {"context": (None, keys), "both": (queries, keys),
+                     "queries": (queries, None)}[masks]
+    q, k, v = make_qkv(2, 2, n, 8, seed=3)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    fast = bigbird_attention(q, k, v, key_padding_mask=keys, query_padding_mask=queries,
+                             generator=gen(5), num_features=num_features)
+    layout = layout_for(keys, 2, 2, n, num_features, 5, queries=queries)
+    ref = reference_bigbird_attention(q, k, v, layout, key_padding_mask=keys,
+                                      query_padding_mask=queries)
+    torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)
+    real_rows = fast.abs().sum((1, 3)) > 0  # [B, N]
+    assert torch.equal(real_rows, torch.ones_like(real_rows) if queries is None else queries)
+    for a, b in zip(torch.autograd.grad(fast.square().sum(), (q, k, v)),
+                    torch.autograd.grad(ref.square().sum(), (q, k, v)), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+
+
+def test_a_context_with_padded_keys_runs_in_multi_head_attention():
+    """MultiHeadAttention passes a context of the same length as cross-attention (every
+    query real): its padded keys get no weight and every query row is computed."""
+    layer = MultiHeadAttention(16, 2, method="bigbird", num_features=8)
+    x, context = torch.randn(2, 12, 16), torch.randn(2, 12, 16)
     mask = torch.ones(2, 12, dtype=torch.bool)
     mask[1, 8:] = False
-    for rows in (None, torch.ones(2, 12, dtype=torch.bool)):
-        with pytest.raises(ValueError, match=r"bigbird runs self-attention.*"
-                                             r"query_padding_mask='auto'"):
-            bigbird_attention(q, k, v, key_padding_mask=mask, query_padding_mask=rows,
-                              generator=gen(0))
-    layer = MultiHeadAttention(16, 2, method="bigbird")
-    x, context = torch.randn(2, 12, 16), torch.randn(2, 12, 16)
-    with pytest.raises(ValueError, match="bigbird runs self-attention"):
-        layer(x, mask, context=context, generator=gen(0))
-    layer(x, context=context, generator=gen(0))  # every key real: each query has its own
+    out = layer(x, mask, context=context, generator=gen(0))
+    junk = context.clone()
+    junk[1, 8:] = 1e3
+    torch.testing.assert_close(layer(x, mask, context=junk, generator=gen(0)), out)
+    assert out.shape == (2, 12, 16) and torch.isfinite(out).all()

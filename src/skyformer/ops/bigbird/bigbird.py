@@ -25,8 +25,11 @@ Padding. Blocks are formed over the *real* tokens, gathered to the front in orde
 real tokens, a padded sequence has the layout of its truncation, and N need not be a
 multiple of b (the last block is partial; its missing tokens are masked). Duplicate
 blocks (a window block that is also global) are counted once. With a single block
-(b >= n) attention is dense: exact softmax attention. Self-attention only: the window
-relates query block i to key block i.
+(b >= n) attention is dense: exact softmax attention. Nq = Nk only: the window relates
+query block i to key block i. A query mask of its own (cross-attention of equal lengths)
+gathers the real queries by their own order: query block i, of the real queries, against
+the key blocks of the real keys (the global query blocks are the first and last real
+query blocks).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from ..shared.inputs import (
 )
 from ..shared.masked import masked_attention
 from ..shared.options import MAX_BUDGET, check_budget, check_nonnegative_int, check_scale
-from ..shared.real_first import RealFirst, from_real_first, real_first, to_real_first
+from ..shared.real_first import RealFirst, from_real_first, real_first_pair, to_real_first
 
 WINDOW_BLOCKS = 3
 GLOBAL_BLOCKS = 2
@@ -97,13 +100,34 @@ class BigBirdConfig:
 
 
 @dataclass(frozen=True)
-class BigBirdLayout:
-    """The block pattern of one call, over the real tokens gathered to the front."""
+class RealBlocks:
+    """The real queries (or keys) of one call gathered to the front and cut into blocks."""
 
-    block_size: int
     order: RealFirst | None  # real positions first, in order (None: no padding)
     n_valid: Tensor  # [B] long
     last: Tensor  # [B] long: index of the last real block (-1 if none)
+
+
+def real_blocks(valid: Tensor | None, gathered: RealFirst | None, batch: int, n: int,
+                block_size: int, device: torch.device) -> RealBlocks:
+    """The blocks of the real tokens of ``valid: [B, N]`` (None: all real), gathered by
+    ``gathered`` (``real_first(valid)``)."""
+    if valid is None:
+        n_valid = torch.full((batch,), n, device=device, dtype=torch.long)
+    else:
+        n_valid = valid.sum(dim=1)
+    last = torch.div(n_valid + block_size - 1, block_size, rounding_mode="floor") - 1
+    return RealBlocks(gathered, n_valid, last)
+
+
+@dataclass(frozen=True)
+class BigBirdLayout:
+    """The block pattern of one call, over the real tokens gathered to the front: query
+    block i (of the real queries) against key blocks (of the real keys)."""
+
+    block_size: int
+    queries: RealBlocks
+    keys: RealBlocks
     random: Tensor  # [B, H, nb, r] long: random key blocks of each query block
     random_live: Tensor  # [B, H, nb, r] bool
 
@@ -143,6 +167,7 @@ def _choose_random_blocks(u: Tensor, last: Tensor, r: int) -> tuple[Tensor, Tens
 
 
 def bigbird_layout(
+    query_valid: Tensor | None,
     key_valid: Tensor | None,
     batch: int,
     heads: int,
@@ -154,37 +179,34 @@ def bigbird_layout(
 ) -> BigBirdLayout:
     """Draw the random blocks of one call: block i of sequence b draws its ``[H, r]``
     uniforms from sequence b's counter-based stream (``sketch/rng.py``), so a sequence
-    draws what its truncation draws, whatever the other sequences."""
-    if key_valid is None:
-        order = None
-        n_valid = torch.full((batch,), n, device=device, dtype=torch.long)
-    else:
-        order = real_first(key_valid)
-        n_valid = key_valid.sum(dim=1)
+    draws what its truncation draws, whatever the other sequences. ``query_valid``,
+    ``key_valid``: ``[B, N]`` (None: all real); one tensor for self-attention."""
+    q_order, k_order = real_first_pair(query_valid, key_valid)
+    queries = real_blocks(query_valid, q_order, batch, n, block_size, device)
+    keys = real_blocks(key_valid, k_order, batch, n, block_size, device)
     nb = math.ceil(n / block_size)
     r = num_random_blocks
-    keys = fold_in(random_key(generator, device), torch.arange(batch, device=device))
-    u = uniform(keys, (nb, heads, r))  # [B, nb, H, r]
-    last = torch.div(n_valid + block_size - 1, block_size, rounding_mode="floor") - 1
-    blocks, alive = _choose_random_blocks(u.permute(0, 2, 1, 3), last, r)
-    return BigBirdLayout(block_size, order, n_valid, last, blocks, alive)
+    streams = fold_in(random_key(generator, device), torch.arange(batch, device=device))
+    u = uniform(streams, (nb, heads, r))  # [B, nb, H, r]
+    blocks, alive = _choose_random_blocks(u.permute(0, 2, 1, 3), keys.last, r)
+    return BigBirdLayout(block_size, queries, keys, blocks, alive)
 
 
 def _key_slots(layout: BigBirdLayout) -> tuple[Tensor, Tensor]:
     """Key blocks of every query block: ``[B, H, nb, 5 + r]`` indices and validity.
 
-    Slots: first block, last block, window i-1, i, i+1, then the random blocks. Rows of
-    the global blocks and of blocks past the last real one have no valid slot (the global
-    rows are computed densely)."""
+    Slots: first key block, last key block, window i-1, i, i+1, then the random blocks.
+    Rows of the global query blocks and of query blocks past the last real one have no
+    valid slot (the global rows are computed densely)."""
     b, h, nb, _ = layout.random.shape
     device = layout.random.device
     i = torch.arange(nb, device=device)[None, :]  # [1, nb]
-    last = layout.last[:, None]  # [B, 1]
+    last = layout.keys.last[:, None]  # [B, 1]
     first_idx = torch.zeros_like(i).expand(b, nb)
     last_idx = last.clamp_min(0).expand(b, nb)
     window = [i - 1, i, i + 1]
     fixed = torch.stack([first_idx, last_idx] + [w.expand(b, nb) for w in window], dim=-1)
-    middle_row = (i >= 1) & (i <= last - 1)  # [B, nb]: rows with a sparse pattern
+    middle_row = (i >= 1) & (i <= layout.queries.last[:, None] - 1)  # [B, nb]: sparse rows
     fixed_ok = torch.stack(
         [middle_row, middle_row & (last > 0)]
         + [middle_row & (w >= 1) & (w <= last - 1) for w in window],
@@ -241,7 +263,8 @@ def _global_rows(qb: Tensor, kb: Tensor, vb: Tensor, real: Tensor, layout: BigBi
     """The global query blocks (first and last real block) against every real key:
     ``[B, H, 2, bs, Dv]``."""
     b, h, _, bs, _ = qb.shape
-    ends = torch.stack([torch.zeros_like(layout.last), layout.last.clamp_min(0)], dim=1)  # [B, 2]
+    last = layout.queries.last
+    ends = torch.stack([torch.zeros_like(last), last.clamp_min(0)], dim=1)  # [B, 2]
     q_glob = gather_rows(qb.flatten(-2), ends[:, None, :].expand(-1, h, -1))
     q_glob = q_glob.view(b, h, 2 * bs, -1)  # [B, H, 2*bs, D]
     return masked_attention(
@@ -270,8 +293,9 @@ def bigbird_attention(
     Args:
         q, k: ``[B, H, N, D]``; v: ``[B, H, N, Dv]`` (self-attention: Nq == Nk).
         key_padding_mask: ``[B, N]`` bool, True = real token.
-        query_padding_mask: ``"auto"`` (the queries padded as the keys); ``None`` or a
-            mask of its own only without a key_padding_mask.
+        query_padding_mask: ``"auto"`` (the queries padded as the keys), ``None`` (every
+            query real) or ``[B, N]`` bool of its own: query blocks are cut from the real
+            queries gathered to the front, key blocks from the real keys.
         generator: draws the random blocks.
         config: the options (``BigBirdConfig``).
     Returns:
@@ -286,32 +310,24 @@ def bigbird_attention(
             f"Nq={info.query_len}, Nk={info.key_len}): its window relates query block i to "
             f"key block i."
         )
-    if info.key_valid is not None and not isinstance(query_padding_mask, str):
-        # a real query at a padded key's position would fall past the real blocks: row 0
-        raise ValueError(
-            "bigbird runs self-attention: its blocks relate query i to key i, so its "
-            "queries are padded as its keys are (query_padding_mask='auto'); beside a "
-            "key_padding_mask it takes no query mask of its own, as cross-attention "
-            "passes (a MultiHeadAttention context). Leave query_padding_mask='auto', or "
-            "attend to a context with a method that has cross_attention (skyformer list).")
     key = resolve_key("bigbird", generator, q.device)
     dtype = q.dtype
     work = compute_dtype(dtype)
     s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
     n, bs = info.key_len, config.block_size
-    layout = bigbird_layout(info.key_valid, info.batch, info.heads, n, bs,
+    layout = bigbird_layout(info.query_valid, info.key_valid, info.batch, info.heads, n, bs,
                             config.num_random_blocks, q.device, key)
-    qw, kw, vw = q.to(work) * s, k.to(work), v.to(work)
-    qw, kw, vw = (to_real_first(x, layout.order) for x in (qw, kw, vw))
+    qw = to_real_first(q.to(work) * s, layout.queries.order)
+    kw, vw = (to_real_first(x.to(work), layout.keys.order) for x in (k, v))
     nb = layout.num_blocks
-    real = torch.arange(nb * bs, device=q.device)[None, :] < layout.n_valid[:, None]  # [B, nb*bs]
+    real = torch.arange(nb * bs, device=q.device)[None, :] < layout.keys.n_valid[:, None]
     qb, kb, vb = _blocks(qw, nb, bs), _blocks(kw, nb, bs), _blocks(vw, nb, bs)
     out = _sparse_rows(qb, kb, vb, real, layout)  # [B, H, nb, bs, Dv]
     glob = _global_rows(qb, kb, vb, real, layout)  # [B, H, 2, bs, Dv]
     block = torch.arange(nb, device=q.device)[None, :]
     is_first = (block == 0)[:, None, :, None, None]
-    is_last = (block == layout.last[:, None])[:, None, :, None, None]
+    is_last = (block == layout.queries.last[:, None])[:, None, :, None, None]
     out = torch.where(is_first, glob[:, :, :1], torch.where(is_last, glob[:, :, 1:], out))
 
-    out = from_real_first(out.flatten(2, 3)[:, :, :n], layout.order)  # [B, H, N, Dv]
+    out = from_real_first(out.flatten(2, 3)[:, :, :n], layout.queries.order)  # [B, H, N, Dv]
     return zero_padded_queries(out, info.query_valid).to(dtype)
