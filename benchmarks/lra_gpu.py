@@ -19,6 +19,7 @@ import sys
 import time
 
 import torch
+from run_metadata import run_metadata  # benchmarks/, beside this script
 
 from skyformer.io import write_json
 from skyformer.lra.model import LRAClassifier, ModelConfig
@@ -117,9 +118,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['time_ratio']:13.2f} {paper_t:>6s} {row['memory_ratio']:12.2f} "
                   f"{paper_m:>6s}", flush=True)
     if args.out:
-        write_json(args.out, {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                              "precision": args.precision, "steps": args.steps, "rows": rows},
-                   indent=1)
+        write_json(args.out, {**run_metadata(__file__, argv, vars(args), device),
+                              "rows": rows}, indent=1)
     return 0
 
 

@@ -686,3 +686,23 @@ def test_lra_gpu_refuses_methods_without_softmax(capsys):
     with pytest.raises(SystemExit):
         _load("lra_gpu").main(["--tasks", "listops", "--methods", "skyformer", "kernelized"])
     assert "the ratios are to softmax: include softmax in --methods." in capsys.readouterr().err
+
+
+def test_lra_gpu_records_its_settings_environment_and_command(monkeypatch, tmp_path):
+    """The JSON says what the ratios were measured with: every setting, the threads and
+    versions beside the GPU's name, and the command that reruns it."""
+    module = _load("lra_gpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "stub")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(module, "measure", lambda *args: (0.5, 2.0**30))
+    out = tmp_path / "lra.json"
+    argv = ["--tasks", "listops", "--methods", "softmax", "--steps", "3", "--out", str(out)]
+    assert module.main(argv) == 0
+    saved = json.loads(out.read_text())
+    assert saved["config"] | {"out": None} == {"tasks": ["listops"], "methods": ["softmax"],
+                                               "precision": "bf16", "steps": 3, "out": None}
+    assert saved["environment"]["device_name"] == "stub"
+    assert saved["environment"]["torch_threads"] == torch.get_num_threads()
+    assert saved["command"] == "python benchmarks/lra_gpu.py " + " ".join(argv)
+    assert saved["rows"][0]["time_ratio"] == 1.0

@@ -1,0 +1,24 @@
+"""What a benchmark's result files record besides their rows: the resolved settings, the
+environment (versions, threads, device name) and the command that ran, one dict for a
+JSON file and for a CSV's ``# key: <json>`` lines (``skyformer.io.write_csv``)."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from skyformer.io import environment
+
+
+def run_metadata(script: str, argv: list[str] | None, config: dict[str, Any],
+                 device: torch.device | str | None = None) -> dict[str, Any]:
+    """``{"config", "environment", "command"}`` of a run of ``script`` (the script's
+    ``__file__``) with the arguments ``argv`` (None: this process's own) and the resolved
+    settings ``config``, on ``device`` (a CUDA device's name is recorded)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return {"config": config, "environment": environment(device),
+            "command": shlex.join(["python", f"benchmarks/{Path(script).name}", *argv])}
