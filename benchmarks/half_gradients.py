@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 from gpu_device import device_problem  # benchmarks/, beside this script
+from run_metadata import run_metadata
 
 import skyformer
 from skyformer.eval.measure.metrics import relative_error
@@ -90,9 +91,8 @@ def main(argv: list[str] | None = None) -> int:
                           flush=True)
     if args.out is not None:
         write_json(args.out.with_suffix(".json"),
-                   {"torch": torch.__version__, "device": args.device, "n": args.n,
-                    "head_dim": args.head_dim, "features": args.features,
-                    "centres": args.centres, "rows": rows}, indent=1)
+                   {**run_metadata(__file__, argv, vars(args), args.device), "rows": rows},
+                   indent=1)
         lines = [f"Relative error against float64 (PyTorch path), N = {args.n}, D = "
                  f"{args.head_dim}, m = {args.features}, q and k around {args.centres} "
                  f"centres, device {args.device}, torch {torch.__version__}", "",

@@ -607,10 +607,14 @@ def test_the_half_gradient_benchmark_runs_on_the_cpu(tmp_path):
     float64, errors finite and float32 far closer than bfloat16."""
     pytest.importorskip("triton")
     out = tmp_path / "half"
-    assert _load("half_gradients").main([
-        "--methods", "nystrom_softmax", "--noise", "0.1", "--n", "24", "--head-dim", "8",
-        "--features", "8", "--out", str(out)]) == 0
-    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    argv = ["--methods", "nystrom_softmax", "--noise", "0.1", "--n", "24", "--head-dim", "8",
+            "--features", "8", "--out", str(out)]
+    assert _load("half_gradients").main(argv) == 0
+    saved = json.loads(out.with_suffix(".json").read_text())
+    assert saved["config"]["methods"] == ["nystrom_softmax"] and saved["config"]["noise"] == [0.1]
+    assert saved["environment"]["torch_threads"] == torch.get_num_threads()
+    assert saved["command"] == "python benchmarks/half_gradients.py " + " ".join(argv)
+    rows = saved["rows"]
     assert [(r["kernel"], r["dtype"]) for r in rows] == [
         ("torch", "float32"), ("torch", "bfloat16"), ("triton", "float32"),
         ("triton", "bfloat16")]
