@@ -19,9 +19,10 @@ import time
 from pathlib import Path
 
 import torch
+from run_metadata import run_metadata  # benchmarks/, beside this script
 
 import skyformer.hf as shf
-from skyformer.io import atomic_write_text, environment, write_json
+from skyformer.io import atomic_write_text, write_json
 
 METHODS = {
     "softmax (key/value cache)": ("softmax", {}),
@@ -75,19 +76,19 @@ def table(rows: list[dict], lengths: list[int]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 8192])
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--m", type=int, default=128, help="num_features of the approximations")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = measure(args.lengths, args.prompt, args.m)
     write_json(args.out / "decoding_memory.json",
-               {"rows": rows, "prompt": args.prompt, "environment": environment()})
+               {**run_metadata(__file__, argv, vars(args)), "rows": rows})
     atomic_write_text(args.out / "decoding_memory.md", table(rows, args.lengths))
     print(table(rows, args.lengths))
 
