@@ -22,8 +22,9 @@ without a group: the single-process run. Per configuration it records
 - peak memory: each rank's peak resident set (``getrusage`` max RSS of its fresh process),
   above its resident set before the inputs and the layer were made (torch's own footprint).
 
-Writes results.json (rows, config, environment), results.csv and sequence_parallel.png
-under ``--out`` and prints a table.
+Writes results.json (rows, config, environment, command), results.csv (the same
+metadata in ``# key: <json>`` lines first) and sequence_parallel.png under ``--out`` and
+prints a table.
 """
 
 from __future__ import annotations
@@ -42,10 +43,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from run_metadata import run_metadata  # benchmarks/, beside this script
 
 from skyformer import MultiHeadAttention
 from skyformer.distributed import count_communication, destroy_process_group, shard_bounds
-from skyformer.io import environment, save_figure, write_csv, write_json
+from skyformer.io import save_figure, write_csv, write_json
 
 BATCH, HEADS, HEAD_DIM, FEATURES = 1, 2, 32, 128
 
@@ -171,9 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     config = {**vars(args), "batch": BATCH, "heads": HEADS, "head_dim": HEAD_DIM,
               "num_features": FEATURES, "method": "skyformer", "dtype": "float32"}
-    write_json(out / "results.json", {"config": config, "environment": environment("cpu"),
-                                      "rows": rows})
-    write_csv(out / "results.csv", [{k: v for k, v in r.items() if k != "ranks"} for r in rows])
+    metadata = run_metadata(__file__, argv, config, "cpu")
+    write_json(out / "results.json", {**metadata, "rows": rows})
+    write_csv(out / "results.csv", [{k: v for k, v in r.items() if k != "ranks"} for r in rows],
+              metadata=metadata)
     plot(rows, out / "sequence_parallel.png")
     print(f"wrote {out}/results.json, results.csv, sequence_parallel.png")
     return 0
