@@ -13,13 +13,13 @@ and CSV (config and environment) and a PNG of the training loss under --out.
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import sys
 from pathlib import Path
 
+from run_metadata import run_metadata  # benchmarks/, beside this script
+
 from skyformer.eval.hf.finetune import FinetuneConfig, distill
-from skyformer.io import atomic_write_text, environment, write_json
+from skyformer.io import write_csv, write_json
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,12 +61,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{a['recall_at_1']:>11.3f}{run['seconds']:>9.0f}")
 
     out = Path(args.out)
-    write_json(out.with_suffix(".json"), {"environment": environment(), "runs": runs})
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
-    writer.writeheader()
-    writer.writerows(rows)
-    atomic_write_text(out.with_suffix(".csv"), buffer.getvalue())
+    metadata = run_metadata(__file__, argv, vars(args))
+    write_json(out.with_suffix(".json"), {**metadata, "runs": runs})
+    write_csv(out.with_suffix(".csv"), rows, metadata=metadata)
     try:
         import matplotlib
 

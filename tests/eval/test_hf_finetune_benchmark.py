@@ -1,0 +1,45 @@
+"""benchmarks/hf_finetune.py's result files, the fine-tune stubbed: both tables carry what
+the run used."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+if str(BENCHMARKS) not in sys.path:  # the scripts import their helpers, as run from there
+    sys.path.insert(0, str(BENCHMARKS))
+spec = importlib.util.spec_from_file_location("hf_finetune_benchmark",
+                                              BENCHMARKS / "hf_finetune.py")
+benchmark = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(benchmark)
+
+
+def _run(config, progress=None):
+    scores = {"cosine_mean": 0.5, "cosine_min": 0.1, "recall_at_1": 0.25}
+    return {"config": {"method": config.method, "num_features": config.num_features,
+                       "steps": config.steps},
+            "before": scores, "after": scores, "seconds": 1.0, "loss": [0.2, 0.1],
+            "train_texts": 8, "test_texts": 2}
+
+
+def test_the_csv_and_json_record_the_settings_environment_and_command(monkeypatch, tmp_path):
+    monkeypatch.setattr(benchmark, "distill", _run)
+    out = tmp_path / "finetune"
+    argv = ["--methods", "kernelized", "skyformer", "--steps", "2", "--out", str(out)]
+    assert benchmark.main(argv) == 0
+    saved = json.loads(out.with_suffix(".json").read_text())
+    lines = out.with_suffix(".csv").read_text().splitlines()
+    meta = {line[2:].split(": ", 1)[0]: json.loads(line.split(": ", 1)[1])
+            for line in lines if line.startswith("# ")}
+    for record in (saved, meta):
+        assert record["config"]["methods"] == ["kernelized", "skyformer"]
+        assert record["config"]["steps"] == 2 and record["config"]["lr"] == 1e-4
+        assert record["environment"]["torch_threads"] == torch.get_num_threads()
+        assert record["command"] == "python benchmarks/hf_finetune.py " + " ".join(argv)
+    assert [run["config"]["method"] for run in saved["runs"]] == ["kernelized", "skyformer"]
+    assert lines[len(meta)].startswith("method,num_features,steps") and len(lines) == len(meta) + 3
