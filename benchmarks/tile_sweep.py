@@ -32,14 +32,18 @@ def sweep(call: Callable[[str, tuple], Callable[[], list]], reference: list,
     ``options[kernel]`` lists the candidates, its default first."""
     calls = {}
     for kernel, candidates in options.items():
+        differ = {}
         for tiles in candidates:
             got = call(kernel, tiles)()
             error = max(relative(a, r) for a, r in zip(got, reference, strict=True))
             if error > TOLERANCE:
                 print(f"{shape} N={n} {kernel} {label(tiles)}: differs from the default by "
                       f"{error:.2e}", flush=True)
+                differ[label(tiles)] = error
                 continue
             calls[f"{kernel}/{label(tiles)}"] = call(kernel, tiles)
+        if candidates and len(differ) == len(candidates):
+            _none_left(kernel, differ, shape, n)
     times = interleaved_median_seconds(calls, device=device, warmup=2, repeats=repeats)
     rows = []
     for name, seconds in times.items():
@@ -54,6 +58,18 @@ def sweep(call: Callable[[str, tuple], Callable[[], list]], reference: list,
         fastest = min((r for r in rows if r["kernel"] == kernel), key=lambda r: r["ms"])
         best[kernel] = next(list(t) for t in candidates if label(t) == fastest["tiles"])
     return rows, best
+
+
+def _none_left(kernel: str, differ: dict[str, float], shape: str, n: int) -> None:
+    """Raises the sentence for a kernel whose every candidate (``differ``: label ->
+    relative difference), its default among them, is off the default call's results."""
+    listed = ", ".join(f"{name} by {error:.2e}" for name, error in differ.items())
+    raise ValueError(
+        f"every launch option of the {kernel} kernel differs from the default call's "
+        f"results at {shape} N={n} by more than {TOLERANCE:g} (relative): {listed}. The "
+        "default's own options among them mean the call does not repeat its results on "
+        "this device: run the Triton kernels' tests here (SKYFORMER_TEST_CUDA=1 pytest "
+        "tests/linalg tests/ops) before a sweep.")
 
 
 def record(kind: str, rows: list[dict], best: dict, kernels: Iterable[str],

@@ -710,3 +710,16 @@ def test_lra_gpu_records_its_settings_environment_and_command(monkeypatch, tmp_p
     assert saved["environment"]["torch_threads"] == torch.get_num_threads()
     assert saved["command"] == "python benchmarks/lra_gpu.py " + " ".join(argv)
     assert saved["rows"][0]["time_ratio"] == 1.0
+
+
+def test_a_tile_sweep_whose_candidates_all_differ_names_them_and_by_how_much():
+    """Every candidate of a kernel off the default's results: a sentence naming each and
+    its difference, before anything is timed (it was min()'s 'empty sequence')."""
+    def call(kernel, tiles):
+        return lambda: [torch.full((4,), float(tiles[0]))]
+
+    with pytest.raises(ValueError, match=r"every launch option of the rows kernel differs .*"
+                                         r": \(2,\) by 1\.00e\+00, \(3,\) by 2\.00e\+00\."):
+        _load("tile_sweep").sweep(call, [torch.ones(4)], {"rows": [(2,), (3,)]},
+                                  {"rows": (2,)}, str, shape="1,1,16,float32", n=8,
+                                  device="cpu", repeats=1)
