@@ -723,3 +723,16 @@ def test_a_tile_sweep_whose_candidates_all_differ_names_them_and_by_how_much():
         _load("tile_sweep").sweep(call, [torch.ones(4)], {"rows": [(2,), (3,)]},
                                   {"rows": (2,)}, str, shape="1,1,16,float32", n=8,
                                   device="cpu", repeats=1)
+
+
+def test_a_tile_sweep_leaves_out_a_candidate_with_non_finite_results(capsys):
+    """A launch option that leaves NaN in the output (an unwritten tile) is broken: its
+    difference is NaN, which compared as no difference, so it was timed and could win."""
+    def call(kernel, tiles):
+        return lambda: [torch.ones(4) if tiles == (2,) else torch.full((4,), float("nan"))]
+
+    rows, best = _load("tile_sweep").sweep(call, [torch.ones(4)], {"rows": [(2,), (3,)]},
+                                           {"rows": (2,)}, str, shape="1,1,16,float32", n=8,
+                                           device="cpu", repeats=1)
+    assert [row["tiles"] for row in rows] == ["(2,)"] and best == {"rows": [2]}
+    assert "(3,): differs from the default by nan" in capsys.readouterr().out
