@@ -6,7 +6,9 @@ This splits its host time on the machine itself, in one interleaved run:
 
 - the call as it is (wall time, synchronised after each call);
 - the same call with every Triton kernel of the library stubbed (``host_time.py``): the
-  host's work without Triton's launcher, plus the GPU work of the PyTorch operations;
+  host's work without Triton's launcher, plus the GPU work of the PyTorch operations
+  (the kernels are switched off and on around each stubbed call, so both rows take one
+  more Python call a launch, next to the launcher's tens of microseconds);
 - SDPA (flash, on CUDA in half precision), forward + backward, for scale;
 
 and two per-launch costs on the same host: an empty PyTorch operation on a small CUDA
@@ -66,6 +68,38 @@ def sdpa_call(shape: tuple[int, int, int, int], dtype: torch.dtype, device: torc
     return call
 
 
+def _no_launch(*args: object, **kwargs: object) -> None:
+    """A stubbed launch (``host_time._NoLaunch``'s): the outputs are left unwritten."""
+
+
+class _Switchable:
+    """Stands for a ``triton.jit`` kernel: ``kernel[grid](...)`` launches it, or does
+    nothing while ``_Switchable.off`` is set (``without_launches``)."""
+
+    off = False
+
+    def __init__(self, kernel: object) -> None:
+        self.kernel = kernel
+
+    def __getitem__(self, grid: object) -> Callable[..., object]:
+        return _no_launch if _Switchable.off else self.kernel[grid]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.kernel, name)
+
+
+def without_launches(call: Callable[[], None]) -> Callable[[], None]:
+    """``call`` with every library kernel stubbed, for a run inside
+    ``stubbed_launches(_Switchable)``, interleaved with the call as it is."""
+    def stubbed() -> None:
+        _Switchable.off = True
+        try:
+            call()
+        finally:
+            _Switchable.off = False
+    return stubbed
+
+
 def per_launch_seconds(launch: Callable[[], object], device: torch.device) -> float:
     """Host seconds per launch: ``LAUNCHES`` launches issued back to back, the median
     of five loops (each synchronised before and after)."""
@@ -119,17 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     args.calls = args.calls or (30 if on_gpu else 3)
     shape = tuple(int(part) for part in args.shape.split(","))
     dtype = getattr(torch, args.dtype)
-    calls = {"skyformer": call_of("skyformer", *shape, args.features, device=device,
-                                  dtype=dtype),
-             "sdpa": sdpa_call(shape, dtype, device)}
-    with as_on_cuda():
+    skyformer = call_of("skyformer", *shape, args.features, device=device, dtype=dtype)
+    calls = {"skyformer, as it is": skyformer,
+             "skyformer, Triton kernels stubbed": without_launches(skyformer),
+             "SDPA": sdpa_call(shape, dtype, device)}
+    with as_on_cuda(), stubbed_launches(_Switchable):
         times = interleaved_seconds(calls, device=device, warmup=args.warmup, repeats=args.calls)
-        with stubbed_launches():
-            stubbed = interleaved_seconds({"skyformer": calls["skyformer"]}, device=device,
-                                          warmup=args.warmup, repeats=args.calls)
-    rows = [("skyformer, as it is", statistics.median(times["skyformer"])),
-            ("skyformer, Triton kernels stubbed", statistics.median(stubbed["skyformer"])),
-            ("SDPA", statistics.median(times["sdpa"]))]
+    rows = [(name, statistics.median(seconds)) for name, seconds in times.items()]
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (script check)"
     lines = [f"{name}, torch {torch.__version__}, Triton "
              f"{triton.__version__}, B,H,N,D = {args.shape}, {args.dtype}, m = "

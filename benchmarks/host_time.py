@@ -37,6 +37,7 @@ import pstats
 import statistics
 import sys
 from collections.abc import Callable, Iterator
+from typing import Any
 from unittest import mock
 
 import torch
@@ -61,17 +62,19 @@ class _NoLaunch:
 
 
 @contextlib.contextmanager
-def stubbed_launches() -> Iterator[int]:
+def stubbed_launches(stub: Callable[[Any], Any] = lambda kernel: _NoLaunch()
+                     ) -> Iterator[int]:
     """Every kernel of ``TRITON_MODULES`` (the ``*_kernel`` names; the other jit
-    functions are called from inside kernels) replaced by ``_NoLaunch``; yields how
-    many."""
+    functions are called from inside kernels) replaced by ``stub(kernel)`` (default: a
+    ``_NoLaunch``); yields how many."""
     with contextlib.ExitStack() as stack:
         count = 0
         for name in TRITON_MODULES:
             module = importlib.import_module(name)
             for attr in list(vars(module)):
-                if attr.endswith("_kernel") and hasattr(getattr(module, attr), "__getitem__"):
-                    stack.enter_context(mock.patch.object(module, attr, _NoLaunch()))
+                kernel = getattr(module, attr)
+                if attr.endswith("_kernel") and hasattr(kernel, "__getitem__"):
+                    stack.enter_context(mock.patch.object(module, attr, stub(kernel)))
                     count += 1
         yield count
 

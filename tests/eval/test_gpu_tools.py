@@ -311,11 +311,18 @@ def test_host_time_stubs_every_launch_and_reports_each_method(tmp_path, monkeypa
         assert 0 < least <= median
 
 
-def test_host_split_times_the_call_with_and_without_its_kernels(tmp_path):
+def test_host_split_times_the_call_with_and_without_its_kernels(tmp_path, monkeypatch):
     """The device's host split (gpu_host_split.py), checked on CPU tensors: the stubbed
-    call must launch no kernel, so under the interpreter it is far cheaper than the call."""
+    call must launch no kernel, so under the interpreter it is far cheaper than the call;
+    the rows compared are timed in one interleaved run (the stubbed call had a run of its
+    own, after the others)."""
     pytest.importorskip("triton")
     split = _load("gpu_host_split")
+    runs = []
+    timed = split.interleaved_seconds
+    monkeypatch.setattr(split, "interleaved_seconds",
+                        lambda calls, **options: runs.append(list(calls)) or timed(calls,
+                                                                                   **options))
     out = tmp_path / "split.md"
     assert split.main(["--device", "cpu", "--shape", "1,2,32,16", "--dtype", "float32",
                        "--features", "8", "--calls", "1", "--warmup", "1",
@@ -323,6 +330,7 @@ def test_host_split_times_the_call_with_and_without_its_kernels(tmp_path):
     cells = {line.split("|")[1].strip(): float(line.split("|")[2])
              for line in out.read_text().splitlines()
              if line.startswith("| ") and line.split("|")[2].strip()[:1].isdigit()}
+    assert runs == [["skyformer, as it is", "skyformer, Triton kernels stubbed", "SDPA"]]
     assert cells["skyformer, Triton kernels stubbed"] < cells["skyformer, as it is"] / 10
     assert cells["SDPA"] > 0 and cells["PyTorch operation (x.add_(0))"] > 0
     assert cells["Triton, kernel[grid](...)"] > 0
