@@ -44,6 +44,7 @@ from unittest import mock
 
 import torch
 from gpu_device import device_problem  # benchmarks/, beside this script
+from tile_sweep import none_left, relative
 
 import skyformer
 from skyformer.eval.measure.timing import interleaved_median_seconds
@@ -59,6 +60,9 @@ SWEPT = ("32,16,8,1", "32,16,16,1", "64,16,8,1", "64,16,4,1", "64,32,8,1", "64,1
          "128,16,8,1")  # the one-program options timed on the H200
 CANDIDATES = ("32,16,8,1", "128,16,8,1", "16,16,4,1,pass", "32,32,8,1,pass",
               "32,32,8,1,pass,keep")
+# An option whose inverse or gradient differs from the default's by more than this
+# (relative) is broken: reported, not timed. The kernels compute in float32.
+TOLERANCE = 1e-4
 
 
 def candidates(m: int, specs: list[str], backward: bool, family: str = "default"
@@ -163,27 +167,34 @@ def measure(batch: int, heads: int, m: int, head_dim: int, specs: list[str], dev
         if "graph" in modes:
             calls[f"torch/-/{what}/graph"] = run_graphed()[0]
     for kernel, options in (("forward", fwd_options), ("backward", bwd_options)):
+        differ: dict[str, dict[str, float]] = {mode: {} for mode in modes}
         for option in options:
             forward, backward = (option, None) if kernel == "forward" else (None, option)
             run, run_graphed = call("triton", forward, backward, kernel == "backward")
             w, dx = call("triton", forward, backward, True)[0]()
-            error = max(_relative(w, reference_w), _relative(dx, reference_grad))
-            if error > 1e-4:  # a broken option: report it, do not time it
+            error = max(relative(w, reference_w), relative(dx, reference_grad))
+            if not error <= TOLERANCE:  # a broken option (NaN too): report it, do not time it
                 print(f"m={m} {kernel} {_label(option)}: differs from the default by "
                       f"{error:.2e}", flush=True)
+                for mode in modes:
+                    differ[mode][_label(option)] = error
                 continue
             what = "fwd" if kernel == "forward" else "fwd+bwd"
             calls[f"{_label(option)}/{kernel}/{what}/eager"] = run
             if "graph" in modes:
                 replay, (w, dx) = run_graphed()
                 replay()
-                error = _relative(w, reference_w) if dx is None else max(
-                    _relative(w, reference_w), _relative(dx, reference_grad))
-                if error > 1e-4:
+                error = relative(w, reference_w) if dx is None else max(
+                    relative(w, reference_w), relative(dx, reference_grad))
+                if not error <= TOLERANCE:
                     print(f"m={m} {kernel} {_label(option)}: replayed from a CUDA graph, "
                           f"differs from the default by {error:.2e}", flush=True)
+                    differ["graph"][_label(option)] = error
                     continue
                 calls[f"{_label(option)}/{kernel}/{what}/graph"] = replay
+        for mode, off in differ.items():
+            if options and len(off) == len(options):
+                none_left(kernel, off, f"m={m} ({mode})", TOLERANCE)
     times = interleaved_median_seconds(calls, device=device, warmup=2, repeats=repeats)
     rows = []
     for name, seconds in times.items():
@@ -209,10 +220,6 @@ def measure(batch: int, heads: int, m: int, head_dim: int, specs: list[str], dev
             best[key] = next(o for o in options if _label(o) == fastest)
     return rows, best
 
-
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 @contextlib.contextmanager

@@ -43,7 +43,7 @@ def sweep(call: Callable[[str, tuple], Callable[[], list]], reference: list,
                 continue
             calls[f"{kernel}/{label(tiles)}"] = call(kernel, tiles)
         if candidates and len(differ) == len(candidates):
-            _none_left(kernel, differ, shape, n)
+            none_left(kernel, differ, f"{shape} N={n}", TOLERANCE)
     times = interleaved_median_seconds(calls, device=device, warmup=2, repeats=repeats)
     rows = []
     for name, seconds in times.items():
@@ -60,13 +60,14 @@ def sweep(call: Callable[[str, tuple], Callable[[], list]], reference: list,
     return rows, best
 
 
-def _none_left(kernel: str, differ: dict[str, float], shape: str, n: int) -> None:
+def none_left(kernel: str, differ: dict[str, float], where: str, tolerance: float) -> None:
     """Raises the sentence for a kernel whose every candidate (``differ``: label ->
-    relative difference), its default among them, is off the default call's results."""
+    relative difference), its default among them, is off the default call's results by
+    more than ``tolerance`` at ``where`` (the shape swept)."""
     listed = ", ".join(f"{name} by {error:.2e}" for name, error in differ.items())
     raise ValueError(
         f"every launch option of the {kernel} kernel differs from the default call's "
-        f"results at {shape} N={n} by more than {TOLERANCE:g} (relative): {listed}. The "
+        f"results at {where} by more than {tolerance:g} (relative): {listed}. The "
         "default's own options among them mean the call does not repeat its results on "
         "this device: run the Triton kernels' tests here (SKYFORMER_TEST_CUDA=1 pytest "
         "tests/linalg tests/ops) before a sweep.")
