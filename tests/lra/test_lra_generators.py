@@ -180,6 +180,15 @@ def test_synthetic_pathfinder_round_trip_is_labelled_synthetic(tmp_path):
     assert 0 < labels.mean() < 1
 
 
+def test_generating_pathfinder_without_pillow_names_the_extra(tmp_path, monkeypatch):
+    """Pillow comes with the lra extra: without it the generator says so before it
+    makes any folder."""
+    monkeypatch.setitem(sys.modules, "PIL", None)  # import PIL fails as if not installed
+    with pytest.raises(ImportError, match=r"Pillow: pip install pillow .*'skyformer\[lra\]'"):
+        write_pathfinder(tmp_path / "pf", 4, seed=0)
+    assert list(tmp_path.iterdir()) == []
+
+
 def _contents(folder):
     return {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
 

@@ -23,12 +23,13 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ..seeds import check_seed
 from .generated import generated_folder
-from .readers.pathfinder import SYNTHETIC_MARKER
+from .readers.pathfinder import SYNTHETIC_MARKER, pil_image
 
 IMAGES_PER_FOLDER = 1000
 
@@ -191,16 +192,17 @@ def write_pathfinder(out: str | os.PathLike[str], count: int, *,
         raise ValueError(f"count must be a positive integer, got {count!r}.")
     check_seed("seed", seed)
     folder = Path(out)
+    image = pil_image("writing Pathfinder images")  # before any folder is made
     # Files are written plainly in tmp: renaming tmp to ``folder`` is the one atomic step.
     with generated_folder(folder, "pathfinder", ["imgs", "metadata", SYNTHETIC_MARKER],
                           replace=replace) as tmp:
-        _write_images(tmp, count, rules, seed)
+        _write_images(tmp, count, rules, seed, image)
     return folder
 
 
-def _write_images(folder: Path, count: int, rules: PathfinderRules, seed: int) -> None:
-    from PIL import Image
-
+def _write_images(folder: Path, count: int, rules: PathfinderRules, seed: int,
+                  image: Any) -> None:
+    """``image``: Pillow's ``Image`` module."""
     (folder / "metadata").mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     lines: dict[int, list[str]] = {}
@@ -210,7 +212,7 @@ def _write_images(folder: Path, count: int, rules: PathfinderRules, seed: int) -
         drawing = draw_example(rng, rules, label)
         target = folder / "imgs" / str(k)
         target.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(drawing.image, mode="L").save(target / f"sample_{i}.png")
+        image.fromarray(drawing.image, mode="L").save(target / f"sample_{i}.png")
         lines.setdefault(k, []).append(f"imgs/{k} sample_{i}.png {i} {label}")
     for k, rows in lines.items():
         (folder / "metadata" / f"{k}.npy").write_text("\n".join(rows) + "\n", encoding="utf-8")

@@ -29,11 +29,13 @@ DEFAULT_DIFFICULTY = "curv_contour_length_14"
 SYNTHETIC_MARKER = "SYNTHETIC.txt"  # written by `skyformer lra generate pathfinder`
 
 
-def _pil():
+def pil_image(needs: str = "reading Pathfinder images") -> Any:
+    """Pillow's ``Image`` module; ``needs`` (what the caller does) opens the sentence that
+    names the extra to install when Pillow is missing."""
     try:
         from PIL import Image
     except ImportError:
-        raise ImportError("reading Pathfinder images needs Pillow: pip install pillow "
+        raise ImportError(f"{needs} needs Pillow: pip install pillow "
                           "(or pip install 'skyformer[lra]').") from None
     return Image
 
@@ -66,7 +68,7 @@ def _metadata(folder: Path) -> tuple[list[tuple[Path, int]], int]:
 
 def load_grey(path: Path, size: int | None = None) -> np.ndarray:
     """Pixels of a grey PNG as a flat uint8 array; checks the side length if given."""
-    Image = _pil()
+    Image = pil_image()
     try:
         with Image.open(path) as img:
             pixels = np.asarray(img.convert("L"), dtype=np.uint8)
