@@ -1,0 +1,43 @@
+"""The source distribution as pip and packagers build it from this repository."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _build_sdist(tmp_path: Path) -> list[str]:
+    """Names in the sdist built from a copy of the packaging inputs (the source tree is
+    left as it is), relative to the sdist's top folder."""
+    pytest.importorskip("setuptools", minversion="77")  # pyproject's license expression
+    tree = tmp_path / "tree"
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "*.pyc")
+    for folder in ("src", "tests"):
+        shutil.copytree(ROOT / folder, tree / folder, ignore=ignore)
+    for name in ("pyproject.toml", "README.md", "MANIFEST.in"):
+        if (ROOT / name).exists():
+            shutil.copy(ROOT / name, tree / name)
+    code = "from setuptools import build_meta; print(build_meta.build_sdist('dist'))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tree, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    with tarfile.open(tree / "dist" / out.stdout.strip().splitlines()[-1]) as sdist:
+        return [name.split("/", 1)[1] for name in sdist.getnames() if "/" in name]
+
+
+def test_the_sdist_holds_the_package_and_its_data_and_no_part_of_the_test_suite(tmp_path):
+    """The tests run from the repository (they read README.md, docs/, benchmarks/): an
+    sdist holding some of them (test_*.py without conftest.py and the subfolders) fails
+    at collection, so it holds none."""
+    names = set(_build_sdist(tmp_path))
+    assert "src/skyformer/data/public_domain_en.txt" in names
+    modules = {str(p.relative_to(ROOT)) for p in (ROOT / "src").rglob("*.py")}
+    assert modules <= names
+    assert sorted(n for n in names if n.startswith("tests/")) == []
