@@ -511,7 +511,7 @@ def test_a_step_the_cache_cannot_check_gets_a_sentence():
     with pytest.raises(UnsupportedMaskError, match="without an attention mask over a cache "
                                                    "that holds padding"):
         model(ids[:, 20:21], cache=copy.deepcopy(cache))
-    with pytest.raises(ValueError, match="a decoding step of 4 sequences over a cache of 2"):
+    with pytest.raises(ValueError, match="this step has 4 sequences, the cache holds 2"):
         model(ids.repeat(2, 1)[:, 20:21], attention_mask=mask.repeat(2, 1)[:, :21],
               cache=copy.deepcopy(cache))
     unpadded = shf.DecodingCache(model)
@@ -542,3 +542,29 @@ def test_a_step_of_several_tokens_over_transformers_cache_names_the_decoding_cac
     cache = shf.DecodingCache(model)  # what the sentence names: it decodes the step
     model(ids[:, :10], attention_mask=mask[:, :10], cache=cache)
     model(ids[:, 10:13], attention_mask=mask[:, :13], cache=cache)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("build", [_gpt2, _llama], ids=["gpt2", "llama"])
+@pytest.mark.parametrize(("method", "options"), [SETTINGS[1], SETTINGS[4]],
+                         ids=["performer", "softmax"])
+def test_generate_over_a_used_cache_with_other_sequences_names_the_fix(build, method,
+                                                                       options):
+    """A second generate with a cache that holds another batch (a state layer and an exact
+    one alike) is refused in a sentence naming a new cache, before any layer changes:
+    a state said 'reorder the state (reorder(index))', exact layers torch's cat error."""
+    model = build()
+    shf.set_attention(model, method, seed=0, **options)
+    ids = _prompt()[0]
+    cache = shf.DecodingCache(model)
+    first = model.generate(ids[:, 4:], max_new_tokens=3, do_sample=False, pad_token_id=0,
+                           cache=cache)
+    longer = torch.randint(2, 64, (1, 50), generator=torch.Generator().manual_seed(2))
+    with pytest.raises(ValueError, match=r"step has 1 sequences, the cache holds 2.*"
+                                         r"DecodingCache\(model\).*cache\.reset\(\)"):
+        model.generate(longer, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                       cache=cache)
+    assert [layer.seen for layer in cache.layers] == [first.shape[1] - 1] * 2
+    cache.reset()
+    assert torch.equal(model.generate(ids[:, 4:], max_new_tokens=3, do_sample=False,
+                                      pad_token_id=0, cache=cache), first)

@@ -173,6 +173,7 @@ class DecodingLayer(CacheLayerMixin):
         first step of the cache, the prompt), and the state never took its positions."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self._check_batch(key_states.shape[0])
         if self.pending is not None:
             raise RuntimeError(
                 "DecodingCache: the keys this cache handed back at an earlier step never "
@@ -188,6 +189,26 @@ class DecodingLayer(CacheLayerMixin):
         _PENDING[id(key_states)] = (weakref.ref(key_states), weakref.ref(self))
         self.seen += key_states.shape[-2]
         return key_states, value_states
+
+    def batch_size(self) -> int | None:
+        """The number of sequences held (None before the first step)."""
+        if self.state is not None:
+            return self.state.batch_size()
+        return self.keys.shape[0] if self.keys is not None else None
+
+    def _check_batch(self, batch: int) -> None:
+        """Refuse a step of another number of sequences than the layer holds, before any
+        layer changes: the cache holds an earlier generation's sequences."""
+        held = self.batch_size()
+        if held is not None and batch != held:
+            raise ValueError(
+                f"DecodingCache: this step has {batch} sequences, the cache holds {held} "
+                f"(those of an earlier generate or forward); generate continues a cache "
+                f"only for the sequences it holds, given whole (the earlier output, then the "
+                f"new tokens). For new prompts make a new cache (DecodingCache(model)) or "
+                f"call cache.reset(); to go on with some of the sequences, or each several "
+                f"times, call cache.batch_select_indices(...) or "
+                f"cache.batch_repeat_interleave(...) first.")
 
     def claim(self, key: Tensor) -> bool:
         """Whether ``key`` is this step's keys (then the step is taken)."""
@@ -236,8 +257,7 @@ class DecodingLayer(CacheLayerMixin):
             self.values = self.values.index_select(0, indices.to(self.values.device))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        batch = self.state.batch_size() if self.state is not None else (
-            self.keys.shape[0] if self.keys is not None else None)
+        batch = self.batch_size()
         if batch is not None:
             device = self.keys.device if self.keys is not None else None
             index = torch.arange(batch, device=device).repeat_interleave(repeats)
