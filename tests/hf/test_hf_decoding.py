@@ -568,3 +568,47 @@ def test_generate_over_a_used_cache_with_other_sequences_names_the_fix(build, me
     cache.reset()
     assert torch.equal(model.generate(ids[:, 4:], max_new_tokens=3, do_sample=False,
                                       pad_token_id=0, cache=cache), first)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("build", [_gpt2, _llama], ids=["gpt2", "llama"])
+@pytest.mark.parametrize(("method", "options"), [SETTINGS[1], SETTINGS[4]],
+                         ids=["performer", "softmax"])
+def test_generate_of_a_new_prompt_over_a_used_cache_names_the_fix(build, method, options):
+    """generate feeds the input's positions past the cache's length and pads the mask to
+    them with padding: a new padded prompt no longer than the cache becomes a step whose
+    every position is padding. Refused in a sentence naming a new cache; the tokens were
+    garbage in silence (and a cache reset decodes the prompt as a fresh one). An unpadded
+    prompt reaches the model without a mask, as a continuation would: documented only."""
+    model = build()
+    shf.set_attention(model, method, seed=0, **options)
+    ids, mask = _prompt()
+    settings = {"attention_mask": mask, "max_new_tokens": 8, "do_sample": False,
+                "pad_token_id": 0}
+    cache = shf.DecodingCache(model)
+    first = model.generate(ids, cache=cache, **settings)
+    for prompt, prompt_mask in ((ids, mask), (ids[:, 2:], mask[:, 2:])):
+        with pytest.raises(ValueError, match=r"none of this step's \d+ positions is a real "
+                                             r"token.*DecodingCache\(model\).*reset\(\)"):
+            model.generate(prompt, cache=cache, **{**settings, "attention_mask": prompt_mask})
+        cache.reset()
+        assert torch.equal(model.generate(ids, cache=cache, **settings), first)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize(("method", "options"), [SETTINGS[1], SETTINGS[4]],
+                         ids=["performer", "softmax"])
+def test_a_prompt_padded_to_a_fixed_width_decodes_in_parts(method, options):
+    """Left padding to a fixed width (every sequence padded first) fed in parts: a part
+    of padding alone over cached padding is no new prompt over a used cache; the parts
+    give the full forward's real rows."""
+    model = _llama()
+    shf.set_attention(model, method, seed=0, **options)
+    ids, mask = _prompt()
+    mask[:, :8] = 0
+    want = model(ids, attention_mask=mask).logits
+    cache = shf.DecodingCache(model)
+    got = torch.cat([model(ids[:, a:b], attention_mask=mask[:, :b], cache=cache).logits
+                     for a, b in ((0, 4), (4, 8), (8, 30))], dim=1)
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real])

@@ -203,6 +203,7 @@ def skyformer_attention_forward(
     try:
         if decoding is not None:
             decoding.follow(module, layer)
+            decoding.check_reaches(attention_mask, query.shape[2])
         return _attention(module, layer, decoding, query, key, value, attention_mask,
                           dropout, scaling, is_causal, kwargs)
     except BaseException:

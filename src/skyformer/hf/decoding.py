@@ -38,6 +38,11 @@ cache. Any number of caches may be alive for one model (two conversations, a cop
 prompt's cache made with ``copy.deepcopy`` to continue it twice): each step is found from
 the keys that its own cache handed back.
 
+A cache holds the sequences of one generation: ``generate`` continues it from those
+sequences given whole (the earlier output, then the new tokens), as transformers' caches;
+for new prompts make a new cache or call ``cache.reset()``. A step of other sequences is
+refused with a sentence where the cache can tell (``_check_batch``, ``check_reaches``).
+
 A cache serves the model it was made for, with the attention its layers ran at its first
 step: its states and kept keys hold the positions so far under that attention. A step
 of another model, after ``restore_exact`` or another implementation, or in a layer whose
@@ -54,6 +59,7 @@ import torch
 from torch import Tensor, nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..masks import BLOCKED_LOGIT
 from .layers import EXACT, STATE_NAME, LayerAttention, attention_modules, is_cross_attention
 
 # The steps that updates handed back and no attention function has taken yet:
@@ -154,6 +160,30 @@ class DecodingLayer(CacheLayerMixin):
                 f"cache took its first step (set_attention or set_attn_implementation "
                 f"since), and the cache holds the positions so far under that one; start a "
                 f"new cache (DecodingCache(model)).")
+
+    def check_reaches(self, attention_mask: Tensor | None, new: int) -> None:
+        """Refuse a step whose mask shows real cached tokens but none of its ``new``
+        positions as a real token in any sequence: generate pads a mask shorter than the
+        cache's positions and the step's with padding, as when it gets a new prompt over
+        a used cache (it feeds the input's positions past the cache's length). A step of
+        padding after cached padding alone (a prompt padded to a fixed width, fed in
+        parts) goes on."""
+        if not isinstance(attention_mask, Tensor) or self.seen == new:
+            return
+        shown = attention_mask if attention_mask.dtype == torch.bool else \
+            attention_mask > BLOCKED_LOGIT
+        new_shown, past_shown = torch.stack(  # one read
+            [shown[..., -new:].any(), shown[..., :-new].any()]).tolist()
+        if past_shown and not new_shown:
+            raise ValueError(
+                f"DecodingCache: none of this step's {new} positions is a real token in "
+                f"its attention mask, in any sequence, after the {self.seen - new} "
+                f"positions the cache holds: the mask ends before them, as when generate "
+                f"gets a new prompt over a used cache (it feeds the input's positions past "
+                f"the cache's length). generate continues a cache only from the sequences "
+                f"it holds, given whole (the earlier output, then the new tokens, with their "
+                f"mask); for a new prompt make a new cache (DecodingCache(model)) or call "
+                f"cache.reset().")
 
     def fail(self, key: Tensor) -> None:
         """Count the step of ``key`` as not taken (its call failed after claiming it):
