@@ -612,3 +612,19 @@ def test_a_prompt_padded_to_a_fixed_width_decodes_in_parts(method, options):
                      for a, b in ((0, 4), (4, 8), (8, 30))], dim=1)
     real = mask.bool()
     torch.testing.assert_close(got[real], want[real])
+
+
+@torch.no_grad()
+def test_generate_of_a_prompt_shorter_than_a_used_cache_names_the_fix():
+    """A new prompt at most as long as a used cache less the prompt itself: generate feeds
+    none of its positions, and Llama asked the cache for the mask of no positions before
+    failing in its reshape ('cannot reshape tensor of 0 elements'); the cache says why."""
+    model = _llama()
+    shf.set_attention(model, "performer", seed=0, num_features=16)
+    ids = _prompt()[0]
+    cache = shf.DecodingCache(model)
+    model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0, cache=cache)
+    with pytest.raises(ValueError, match=r"no positions after the 37 the cache holds.*"
+                                         r"DecodingCache\(model\).*reset\(\)"):
+        model.generate(ids[:, 20:], max_new_tokens=3, do_sample=False, pad_token_id=0,
+                       cache=cache)

@@ -254,6 +254,17 @@ class DecodingLayer(CacheLayerMixin):
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """``(positions so far and the step's, 0)``; a step of no positions over a used
+        cache is refused: generate slices a new prompt at most half the cache's length
+        to nothing (the model fails on it next)."""
+        if query_length == 0 and self.seen:
+            raise ValueError(
+                f"DecodingCache: a step of no positions after the {self.seen} the cache "
+                f"holds: generate takes the input to continue them and slices off as many "
+                f"positions, which leaves nothing of a new prompt at most half as long. "
+                f"generate continues a cache only from the sequences it holds, given whole "
+                f"(the earlier output, then the new tokens); for a new prompt make a new "
+                f"cache (DecodingCache(model)) or call cache.reset().")
         return self.seen + query_length, 0
 
     def get_seq_length(self) -> int:
