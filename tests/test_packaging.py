@@ -13,15 +13,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _build_sdist(tmp_path: Path) -> list[str]:
+def _build_sdist(tmp_path: Path) -> tuple[list[str], str]:
     """Names in the sdist built from a copy of the packaging inputs (the source tree is
-    left as it is), relative to the sdist's top folder."""
+    left as it is), relative to the sdist's top folder, and its PKG-INFO."""
     pytest.importorskip("setuptools", minversion="77")  # pyproject's license expression
     tree = tmp_path / "tree"
     ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "*.pyc")
     for folder in ("src", "tests"):
         shutil.copytree(ROOT / folder, tree / folder, ignore=ignore)
-    for name in ("pyproject.toml", "README.md", "MANIFEST.in"):
+    for name in ("pyproject.toml", "README.md", "MANIFEST.in", "LICENSE"):
         if (ROOT / name).exists():
             shutil.copy(ROOT / name, tree / name)
     code = "from setuptools import build_meta; print(build_meta.build_sdist('dist'))"
@@ -29,15 +29,31 @@ def _build_sdist(tmp_path: Path) -> list[str]:
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     with tarfile.open(tree / "dist" / out.stdout.strip().splitlines()[-1]) as sdist:
-        return [name.split("/", 1)[1] for name in sdist.getnames() if "/" in name]
+        names = sdist.getnames()
+        info = sdist.extractfile(next(n for n in names if n.endswith("/PKG-INFO")))
+        return ([name.split("/", 1)[1] for name in names if "/" in name],
+                info.read().decode())
 
 
 def test_the_sdist_holds_the_package_and_its_data_and_no_part_of_the_test_suite(tmp_path):
     """The tests run from the repository (they read README.md, docs/, benchmarks/): an
     sdist holding some of them (test_*.py without conftest.py and the subfolders) fails
     at collection, so it holds none."""
-    names = set(_build_sdist(tmp_path))
+    names = set(_build_sdist(tmp_path)[0])
     assert "src/skyformer/data/public_domain_en.txt" in names
     modules = {str(p.relative_to(ROOT)) for p in (ROOT / "src").rglob("*.py")}
     assert modules <= names
     assert sorted(n for n in names if n.startswith("tests/")) == []
+
+
+def test_the_distribution_carries_the_licence_and_the_packages_own_version(tmp_path):
+    """The MIT licence pyproject declares travels with the code, and the version pip
+    records is ``skyformer.__version__`` (written once, read by the build)."""
+    import skyformer
+
+    names, info = _build_sdist(tmp_path)
+    assert "LICENSE" in names
+    assert "License-File: LICENSE" in info
+    assert f"\nVersion: {skyformer.__version__}\n" in info
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in pyproject and '\nversion = "' not in pyproject
