@@ -281,3 +281,16 @@ def test_float32_holds_the_kernels_entries_at_large_norms(norm, causal):
         assert ((whole - out64).norm() / out64.norm()).item() < 1e-6
     for g32, g64 in zip(grads32, grads64, strict=True):
         assert ((g32 - g64).norm() / g64.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("method", ["nystrom_softmax", "skyformer"])
+def test_kernel_triton_without_triton_names_the_option(monkeypatch, method):
+    """The landmark draw is the first Triton step of these methods: without Triton its
+    sentence names the option the user set, as the kernels' own does."""
+    from skyformer.linalg import kernel_backend
+
+    monkeypatch.setattr(kernel_backend, "triton_available", lambda: False)
+    q = torch.randn(1, 1, 40, 8)
+    with pytest.raises(RuntimeError, match=r'kernel="triton".* needs Triton: pip install '
+                                           r'triton \(or use kernel="auto"'):
+        skyformer.attention(q, q, q, method=method, num_features=8, kernel="triton")

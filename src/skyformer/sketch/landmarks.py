@@ -128,8 +128,9 @@ def use_triton_draw(draw: str, key: Tensor, *tensors: Tensor | None) -> bool:
         return (key.is_cuda and plain and triton_available()
                 and not DRAW_FALLBACK.failed_on(key))
     if not triton_available():
-        raise RuntimeError('the Triton landmark draw needs Triton: pip install triton (or '
-                           'use "auto", which falls back to PyTorch).')
+        raise RuntimeError('kernel="triton" (the Triton landmark draw, draw="triton") needs '
+                           'Triton: pip install triton (or use kernel="auto", which falls '
+                           'back to PyTorch).')
     if not key.is_cuda and not interpreter_on():
         raise RuntimeError(
             f"the Triton landmark draw runs on CUDA tensors; this key is on {key.device}. "
