@@ -150,17 +150,17 @@ def _choose_random_blocks(u: Tensor, last: Tensor, r: int) -> tuple[Tensor, Tens
     candidates = ((last - 1).clamp_min(0) - in_window).clamp_min(0)  # [B, nb]
     c = candidates[:, None, :]  # [B, 1, nb]
     picks: list[Tensor] = []
-    live: list[Tensor] = []
     for j in range(r):
         t = (u[..., j] * (c - j).clamp_min(0)).long()  # [B, H, nb]
         t = torch.minimum(t, (c - j - 1).clamp_min(0))
-        if picks:
-            for prev in torch.sort(torch.stack(picks, dim=-1), dim=-1).values.unbind(-1):
-                t = t + (t >= prev).long()
+        if picks:  # the t-th candidate left is t + #{earlier picks s_m (sorted) with
+            # s_m - m <= t}: s_m - m candidates left lie below s_m
+            below = torch.sort(torch.stack(picks, dim=-1), dim=-1).values \
+                - torch.arange(j, device=device)
+            t = t + (below <= t[..., None]).sum(dim=-1)
         picks.append(t)
-        live.append((c > j).expand(b, h, nb))
     ranks = torch.stack(picks, dim=-1) if picks else u.new_zeros(b, h, nb, 0, dtype=torch.long)
-    alive = torch.stack(live, dim=-1) if live else torch.zeros_like(ranks, dtype=torch.bool)
+    alive = (c[..., None] > torch.arange(r, device=device)).expand(b, h, nb, r)
     blocks = 1 + ranks
     blocks = blocks + torch.where(blocks >= w_lo[:, None, :, None], in_window[:, None, :, None], 0)
     return blocks.masked_fill(~alive, 0), alive
