@@ -41,6 +41,12 @@ BLOCKED_LOGIT = -1e4
 USE_EXACT = "use an exact method (softmax or kernelized), which takes any attn_mask"
 
 
+# A decoding step that is a new prompt over a used cache (generate feeds the positions past
+# the cache's length) meets the decoding steps' mask refusals first.
+NEW_PROMPT = ("if this step starts a new prompt over a used cache, make a new cache "
+              "(DecodingCache(model)) or call cache.reset()")
+
+
 class UnsupportedMaskError(ValueError):
     """An attention mask that is neither key padding nor causal with key padding."""
 
@@ -250,7 +256,7 @@ def decoding_key_valid(
             raise UnsupportedMaskError(
                 "a decoding step without an attention mask over a cache that holds padding: "
                 "exact attention would attend to the padded positions, the state does not; "
-                "pass the step's attention mask (generate does).")
+                f"pass the step's attention mask (generate does); {NEW_PROMPT}.")
         return None
     if not isinstance(attention_mask, Tensor):
         raise UnsupportedMaskError(
@@ -269,5 +275,6 @@ def decoding_key_valid(
         raise UnsupportedMaskError(
             "a decoding step's attention mask is not causal with key padding over the "
             "positions the cache took (e.g. a sliding window, a mask hiding cached tokens "
-            f"or a custom pattern); the approximate methods cannot follow it; {advice}.")
+            f"or a custom pattern); the approximate methods cannot follow it; {advice}; "
+            f"{NEW_PROMPT}.")
     return None if bool(new_real.all()) else new_real.contiguous()

@@ -628,3 +628,28 @@ def test_generate_of_a_prompt_shorter_than_a_used_cache_names_the_fix():
                                          r"DecodingCache\(model\).*reset\(\)"):
         model.generate(ids[:, 20:], max_new_tokens=3, do_sample=False, pad_token_id=0,
                        cache=cache)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+def test_generate_of_a_longer_prompt_over_a_used_padded_cache_names_the_fix(padded):
+    """A longer new prompt over a cache that holds padding reaches a layer as a step
+    whose mask does not show the cached padding (none at all when the prompt is unpadded:
+    generate drops an all-ones mask): the sentences name a new cache besides what they
+    said ('pass the step's attention mask', which generate would not, or another
+    implementation)."""
+    from skyformer.masks import UnsupportedMaskError
+
+    model = _llama()
+    shf.set_attention(model, "performer", seed=0, num_features=16)
+    ids, mask = _prompt()
+    cache = shf.DecodingCache(model)
+    model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                   pad_token_id=0, cache=cache)
+    longer = torch.randint(2, 64, (2, 50), generator=torch.Generator().manual_seed(2))
+    longer_mask = torch.ones_like(longer)
+    longer_mask[0, :3] = 0
+    with pytest.raises(UnsupportedMaskError, match=r"new prompt over a used cache.*"
+                                                   r"DecodingCache\(model\).*reset\(\)"):
+        model.generate(longer, attention_mask=longer_mask if padded else None,
+                       max_new_tokens=3, do_sample=False, pad_token_id=0, cache=cache)
