@@ -98,6 +98,16 @@ def test_a_decoder_refuses_options_of_the_causal_form_up_front():
     shf.set_attention(tiny_bert(), "nystrom_softmax", gamma=0.0, pinv="exact")  # encoder
 
 
+def test_a_decoder_refuses_an_option_every_form_refuses_without_naming_the_causal_form():
+    """num_features=0 is refused by any form: the sentence is the option's own, not one
+    that blames the causal form (whose change would not help)."""
+    model = tiny_bert(is_decoder=True)
+    with pytest.raises(ValueError) as err:
+        shf.set_attention(model, "skyformer", num_features=0)
+    assert "num_features must be a positive integer" in str(err.value)
+    assert "causal" not in str(err.value)
+
+
 def test_decoder_refuses_methods_without_causal_masking(tmp_path):
     model = tiny_bert(is_decoder=True)
     with pytest.raises(CapabilityError,

@@ -242,6 +242,10 @@ def _check_module(spec: Method, module: nn.Module, index: int | None, cross: boo
             f"{', '.join(m for m in list_methods() if get_method(m).capabilities.causal)}."
         )
     if (causal or getattr(module, "is_causal", False)) and not cross and caps.causal:
+        try:  # an option no form takes gets its own sentence, not the causal form's
+            spec.make_config(**explicit)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
         try:  # the options of the causal form the model's masks will ask for
             spec.make_config(**explicit, causal=True)
         except ValueError as err:
