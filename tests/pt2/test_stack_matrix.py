@@ -568,6 +568,45 @@ def test_export_multihead_attention(method, matrix):
     out.sum().backward()  # the exported graph differentiates (no out= writes in it)
 
 
+class _Functional(torch.nn.Module):
+    """``skyformer.attention`` of one method as a module, for ``torch.export``."""
+
+    def __init__(self, method, **options):
+        super().__init__()
+        self.method, self.options = method, options
+
+    def forward(self, q, k, v, mask, key):
+        return skyformer.attention(q, k, v, self.method, key_padding_mask=mask,
+                                   generator=key, **self.options)
+
+
+def _export_symbolic_length(module, masked, n=12):
+    """``module`` exported from ``[1, 2, n, 4]`` inputs (float64; with ``masked`` the
+    last token padded, else no mask) with the sequence length a ``torch.export.Dim``."""
+    length = torch.export.Dim("N", min=2, max=1024)
+    q, k, v = make_qkv(1, 2, n, 4, dtype=torch.float64)
+    mask = padded(1, n, n - 1) if masked else None
+    return torch.export.export(module, (q, k, v, mask, random_key(4)),
+                               dynamic_shapes=({2: length}, {2: length}, {2: length},
+                                               {1: length} if masked else None, None))
+
+
+@pytest.mark.parametrize("masked", [True, False])
+@pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax"])
+def test_export_with_a_symbolic_length_equals_eager(method, masked):
+    """A ``torch.export.Dim`` for N: the program equals eager on both sides of the
+    landmark cap (4 per side: more than 3 tokens, fewer than 12): the slots a short
+    sequence cannot fill are dead, and the index arithmetic has no size export cannot
+    prove."""
+    module = _Functional(method, num_features=8)
+    program = _export_symbolic_length(module, masked).module()
+    for n in (3, 12, 21):
+        q, k, v = make_qkv(1, 2, n, 4, dtype=torch.float64)
+        mask = padded(1, n, n - 1) if masked else None
+        torch.testing.assert_close(program(q, k, v, mask, random_key(7)),
+                                   module(q, k, v, mask, random_key(7)))
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_multihead_attention_compiles_fullgraph(method, matrix):
     matrix("MHA compile", method)

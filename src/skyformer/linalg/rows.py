@@ -230,6 +230,7 @@ def _flat_index(x: Tensor, index: Tensor) -> Tensor:
     batch = index.shape[:lead]
     groups = math.prod(x.shape[:lead])
     # Offset of each leading entry's first row in the flattened [groups * R, C] table;
-    # broadcast dims of x read the same rows.
-    offset = torch.arange(0, groups * r, r, device=x.device).view(x.shape[:lead])
+    # broadcast dims of x read the same rows. A multiple of arange(groups) rather than
+    # arange(0, groups * R, R), whose length a symbolic R (torch.export) cannot prove.
+    offset = (torch.arange(groups, device=x.device) * r).view(x.shape[:lead])
     return index.reshape(*batch, -1) + offset.expand(batch)[..., None]

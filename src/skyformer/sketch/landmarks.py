@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..linalg.functional_ops import exporting
 from ..linalg.kernel_backend import KernelFallback
@@ -179,6 +180,17 @@ def smallest_keys(keys: Tensor, count: int) -> tuple[Tensor, Tensor]:
     return index, picked
 
 
+def _count_slots(keys: Tensor, count: int) -> tuple[Tensor, Tensor]:
+    """``smallest_keys`` for a length ``n`` that may fall below ``count``, as a
+    symbolic one while exporting: torch.export cannot prove the bound of ``min(count,
+    n)`` slots (topk's k <= n, a slice's end), so there are ``count``, the ones past
+    ``n`` dead (a key above every row's, the index of row 0)."""
+    batch, n = keys.shape
+    extra = PADDED_KEY + n + torch.arange(count, device=keys.device)  # above padded rows'
+    index, picked = smallest_keys(torch.cat([keys, extra.expand(batch, count)], 1), count)
+    return torch.where(index < n, index, 0), picked
+
+
 def uniform_landmarks(
     num_features: int,
     *,
@@ -206,9 +218,10 @@ def uniform_landmarks(
     for name, valid, n, count in ((QUERY_STREAM, query_valid, query_len, counts[0]),
                                   (KEY_STREAM, key_valid, key_len, counts[1])):
         keys = stream_selection_keys(key, name, valid, batch, n, draw=draw)
-        index, picked = smallest_keys(keys, count)
+        short = exporting() and not statically_known_true(count <= n)
+        index, picked = (_count_slots if short else smallest_keys)(keys, count)
         # without padding a side's slots are capped by its length: every one is filled
-        sides.append((index, None if valid is None else picked < PADDED_KEY))
+        sides.append((index, None if valid is None and not short else picked < PADDED_KEY))
     (q_index, q_live), (k_index, k_live) = sides
     return Landmarks(q_index, q_live, k_index, k_live)
 
