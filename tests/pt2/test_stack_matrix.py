@@ -593,11 +593,12 @@ def _export_symbolic_length(module, masked, n=12):
 
 @pytest.mark.parametrize("masked", [True, False])
 @pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax"])
-def test_export_with_a_symbolic_length_equals_eager(method, masked):
+def test_export_with_a_symbolic_length_equals_eager(method, masked, matrix):
     """A ``torch.export.Dim`` for N: the program equals eager on both sides of the
     landmark cap (4 per side: more than 3 tokens, fewer than 12): the slots a short
     sequence cannot fill are dead, and the index arithmetic has no size export cannot
     prove."""
+    matrix("export, symbolic N", f"{method} ({'padded' if masked else 'unpadded'})")
     module = _Functional(method, num_features=8)
     program = _export_symbolic_length(module, masked).module()
     for n in (3, 12, 21):
@@ -605,6 +606,42 @@ def test_export_with_a_symbolic_length_equals_eager(method, masked):
         mask = padded(1, n, n - 1) if masked else None
         torch.testing.assert_close(program(q, k, v, mask, random_key(7)),
                                    module(q, k, v, mask, random_key(7)))
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS
+                                    if get_method(m).capabilities.fixed_shapes_because])
+def test_export_with_a_symbolic_length_is_refused_where_control_flow_follows_it(method,
+                                                                              matrix):
+    """Block counts and sample sizes that follow N: a sentence naming the fix, not
+    export's "Constraints violated" about a guard deep inside torch."""
+    matrix("export, symbolic N refused", method)
+    with pytest.raises(skyformer.CapabilityError, match=rf"^{method} cannot be exported "
+                       r"with a symbolic sequence length .* static length"):
+        _export_symbolic_length(_Functional(method), masked=True)
+
+
+def test_export_with_a_symbolic_length_refuses_the_causal_chunks():
+    with pytest.raises(skyformer.CapabilityError, match="causal form runs by chunks of 64"):
+        _export_symbolic_length(_Functional("skyformer", causal=True), masked=True)
+
+
+def test_export_with_a_symbolic_length_names_the_minimum_of_a_capped_budget():
+    """Nystromformer's landmarks are capped by N: a Dim that lets N fall below them
+    gets the minimum that avoids the cap (the option was refused as 'a positive
+    integer, got s0'), and a Dim with that minimum exports and equals eager."""
+    module = _Functional("nystromformer", num_features=4)
+    with pytest.raises(skyformer.CapabilityError,
+                       match=r"num_features=4 .* fall to 2.*Dim\('N', min=4\)"):
+        _export_symbolic_length(module, masked=True)
+    length = torch.export.Dim("N", min=4, max=1024)
+    q, k, v = make_qkv(1, 2, 12, 4, dtype=torch.float64)
+    program = torch.export.export(module, (q, k, v, padded(1, 12, 11), random_key(4)),
+                                  dynamic_shapes=({2: length}, {2: length}, {2: length},
+                                                  {1: length}, None)).module()
+    for n in (4, 9):
+        q, k, v = make_qkv(1, 2, n, 4, dtype=torch.float64)
+        mask, key = padded(1, n, n - 1), random_key(4)
+        torch.testing.assert_close(program(q, k, v, mask, key), module(q, k, v, mask, key))
 
 
 @pytest.mark.parametrize("method", METHODS)

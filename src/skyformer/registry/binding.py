@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from ..linalg.functional_ops import exporting
+from ..ops.shared.causal_prefix import CAUSAL_CHUNK
 from ..ops.shared.inputs import check_query_mask_word
 from ..sketch.rng import cpu_draws_seeded
 from .autocast import call_core
@@ -74,6 +76,71 @@ def capability_sentence_for(method: Method, capability: str) -> str:
     return _capability_sentence(method.name, capability)
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def check_symbolic_length(method: Method, config: Any, q: Any, k: Any) -> None:
+    """Fail with a sentence where ``torch.export`` traces a symbolic sequence length
+    (``torch.export.Dim`` for N) that the call cannot follow, rather than let export
+    report a guard it cannot prove deep inside torch: control flow that follows N
+    (``Capabilities.fixed_shapes_because``), a causal form by chunks of positions, or
+    a token budget that the lengths the Dim allows would cap (``autocast.capped``)."""
+    lengths = [t.shape[-2] for t in (q, k) if isinstance(t, Tensor) and t.dim() >= 2]
+    if all(isinstance(n, int) for n in lengths) or not exporting():
+        return
+    why, able = method.capabilities.fixed_shapes_because, ", ".join(_symbolic())
+    if why is None and getattr(config, "causal", False) is True \
+            and not method.capabilities.exact:
+        why = f"its causal form runs by chunks of {CAUSAL_CHUNK} positions"
+        able = "its non-causal form, or the exact methods, softmax and kernelized"
+    if why is not None:
+        raise CapabilityError(
+            f"{method.name} cannot be exported with a symbolic sequence length "
+            f"(torch.export.Dim for N): {why}. Export it with a static length (leave N out "
+            f"of dynamic_shapes), or export what can: {able}.")
+    shortest = [_shortest(n) for n in lengths]
+    capped = _caps(config, shortest)
+    if capped:
+        uncapped = _uncapped_length(config, min(shortest))
+        options = ", ".join(f"{name}={getattr(config, name)}" for name in capped)
+        raise CapabilityError(
+            f"{method.name} caps {options} by the sequence length, which the symbolic "
+            f"length (torch.export.Dim for N) lets fall to {min(shortest)}, where the cap "
+            f"applies; give N a minimum of {uncapped} (torch.export.Dim('N', "
+            f"min={uncapped})), from which nothing is capped, or export a static length.")
+
+
+def _symbolic() -> list[str]:
+    """The methods whose non-causal form exports with a symbolic length."""
+    from .methods import get_method, list_methods  # the registry imports this module
+
+    return [name for name in list_methods()
+            if get_method(name).capabilities.fixed_shapes_because is None]
+
+
+def _shortest(n: Any) -> int:
+    """The smallest value of a length: a symbolic one's lower bound (its Dim's min)."""
+    if isinstance(n, int):
+        return n
+    return int(n.node.shape_env.bound_sympy(n.node.expr).lower)
+
+
+def _caps(config: Any, lengths: list[int]) -> dict[str, Any]:
+    """The options ``config.budget_caps`` changes at these query and key lengths."""
+    caps = getattr(config, "budget_caps", None)
+    return {} if caps is None else caps(lengths[0], lengths[-1])
+
+
+def _uncapped_length(config: Any, n: int) -> int:
+    """The shortest length from ``n`` on at which no budget is capped (caps shrink as
+    the sequence grows): doubling, then bisection."""
+    high = max(n, 1)
+    while _caps(config, [high]):
+        high *= 2
+    low = high // 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if _caps(config, [middle]) else (low, middle)
+    return high
 
 
 @dataclass(frozen=True, eq=False)
@@ -157,6 +224,7 @@ class BoundMethod:
             ``[B, H, Nq, Dv]``.
         """
         self.method.check_call(q, k, key_padding_mask)
+        check_symbolic_length(self.method, self.config, q, k)
         if arguments.get("attn_mask") is not None and not self.method.capabilities.attn_mask:
             raise CapabilityError(capability_sentence_for(self.method, "attn_mask"))
         extra = {**(state(q, k) if state is not None else {}), **arguments}

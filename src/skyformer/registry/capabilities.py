@@ -42,6 +42,9 @@ class Capabilities:
     varlen: runs packed variable-length batches (``cu_seqlens``; needs ``mask``).
     not_causal_because: for a method without ``causal``, why it cannot have it (a clause
         appended to the refusal).
+    fixed_shapes_because: why ``torch.export`` cannot take a symbolic sequence length
+        (``torch.export.Dim`` for N) for the method (its control flow follows N; a
+        clause of the refusal); ``None``: it can.
     """
 
     target: Target
@@ -58,6 +61,7 @@ class Capabilities:
     gqa: bool = True
     varlen: bool = True
     not_causal_because: str | None = None
+    fixed_shapes_because: str | None = None
 
     def has(self, capability: str) -> bool:
         """Whether the method can do ``capability`` (a key of ``CAPABILITY_TEXT``)."""

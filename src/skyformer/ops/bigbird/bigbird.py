@@ -275,7 +275,8 @@ def _global_rows(qb: Tensor, kb: Tensor, vb: Tensor, real: Tensor, layout: BigBi
 @register(
     "bigbird",
     BigBirdConfig,
-    Capabilities(target="softmax", randomized=True, cross_attention=False),
+    Capabilities(target="softmax", randomized=True, cross_attention=False,
+                 fixed_shapes_because="its count of 64-token blocks follows N"),
     summary="BigBird block-sparse attention: window + global + random blocks (block 64)",
 )
 def bigbird_attention(

@@ -426,7 +426,8 @@ def kdeformer_core(
 @register(
     "kdeformer",
     KDEformerConfig,
-    Capabilities(target="softmax", randomized=True),
+    Capabilities(target="softmax", randomized=True,
+                 fixed_shapes_because="its count of LSH blocks follows N"),
     summary="angular-LSH sparse blocks + importance-sampled residual columns (KDEformer)",
 )
 def kdeformer_attention(

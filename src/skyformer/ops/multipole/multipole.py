@@ -151,10 +151,14 @@ def multipole_with_choice(
                                 key_padding_mask=key_padding_mask, generator=generator)
 
 
+# why torch.export cannot take a symbolic sequence length (Capabilities)
+_FIXED_SHAPES = "its k-means sample and its budgets are capped by N"
+
+
 @register(
     "skyformer_multipole",
     SkyformerMultipoleConfig,
-    Capabilities(target="gaussian", randomized=True),
+    Capabilities(target="gaussian", randomized=True, fixed_shapes_because=_FIXED_SHAPES),
     summary="kernelized attention: exact near field (heavy keys of k-means query clusters) "
     "+ first-order far-field expansion around the cluster centres",
 )
@@ -185,7 +189,7 @@ def skyformer_multipole_attention(
 @register(
     "softmax_multipole",
     SoftmaxMultipoleConfig,
-    Capabilities(target="softmax", randomized=True),
+    Capabilities(target="softmax", randomized=True, fixed_shapes_because=_FIXED_SHAPES),
     summary="softmax attention: exact near field (heavy keys of k-means query clusters) "
     "+ first-order far-field expansion around the cluster centres",
 )

@@ -278,7 +278,8 @@ def _combine_rounds(o: Tensor, lse: Tensor, has: Tensor, q_rank: Tensor) -> Tens
 @register(
     "reformer",
     ReformerConfig,
-    Capabilities(target="softmax", randomized=True, cross_attention=False),
+    Capabilities(target="softmax", randomized=True, cross_attention=False,
+                 fixed_shapes_because="its counts of buckets and chunks follow N"),
     summary="multi-round LSH attention with chunked buckets (Reformer)",
 )
 def reformer_attention(

@@ -132,7 +132,8 @@ def draw_scatterbrain(
 @register(
     "scatterbrain",
     ScatterbrainConfig,
-    Capabilities(target="softmax", randomized=True),
+    Capabilities(target="softmax", randomized=True,
+                 fixed_shapes_because="its count of sparse blocks follows N"),
     summary="local-window (or LSH) sparse + Performer low-rank, overlap subtracted (Scatterbrain)",
 )
 def scatterbrain_attention(

@@ -190,7 +190,8 @@ def nystrom_with_landmarks(
 @register(
     "skyformer_adaptive",
     SkyformerAdaptiveConfig,
-    Capabilities(target="gaussian", randomized=True),
+    Capabilities(target="gaussian", randomized=True,
+                 fixed_shapes_because="its k-means sample is capped by N"),
     summary="Skyformer with adaptive landmarks: k-means query centres + ridge-leverage keys",
 )
 def skyformer_adaptive_attention(
