@@ -608,6 +608,30 @@ def test_export_with_a_symbolic_length_equals_eager(method, masked, matrix):
                                    module(q, k, v, mask, random_key(7)))
 
 
+@pytest.mark.parametrize("masked", [True, False])
+def test_export_of_learned_linformer_projections_with_a_length_up_to_their_width(masked,
+                                                                                 matrix):
+    """A Dim reaching max_seq_len: the first N columns of E and F are contiguous only at
+    the full width, a case split export refused ("N != max_seq_len"); the program uses
+    them whole against keys padded to the width, equal to eager up to it, and trains."""
+    matrix("export, symbolic N", f"linformer[max_seq_len] ({'padded' if masked else 'unpadded'})")
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(8, 2, method="linformer", num_features=4,
+                               max_seq_len=16).double().eval()
+    length = torch.export.Dim("N", min=2, max=16)
+    x = torch.randn(2, 12, 8, dtype=torch.float64)
+    mask = padded(2, 12, 9) if masked else None
+    program = torch.export.export(layer, (x, mask), dynamic_shapes=(
+        {1: length}, {1: length} if masked else None)).module()
+    for n in (3, 11, 16):
+        x = torch.randn(2, n, 8, dtype=torch.float64, requires_grad=True)
+        mask = padded(2, n, n - 1) if masked else None
+        got = program(x, mask)
+        torch.testing.assert_close(got, layer(x, mask))
+        got.sum().backward()
+        assert torch.isfinite(x.grad).all()
+
+
 @pytest.mark.parametrize("method", [m for m in METHODS
                                     if get_method(m).capabilities.fixed_shapes_because])
 def test_export_with_a_symbolic_length_is_refused_where_control_flow_follows_it(method,

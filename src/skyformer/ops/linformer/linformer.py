@@ -32,7 +32,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from ...linalg.functional_ops import exporting
 from ...registry import Capabilities, register
 from ...sketch.random_features import gaussian_columns
 from ...sketch.rng import stream
@@ -117,8 +119,9 @@ def jl_projections(key: Tensor, heads: int, k: int, n: int, share_kv: bool
 
 
 def _check_projection(name: str, p: Tensor, heads: int, k: int, n: int,
-                      max_seq_len: int | None) -> Tensor:
-    """Validate ``p`` (``[H, k, L]`` or ``[k, L]``) and return its first n columns."""
+                      max_seq_len: int | None, whole: bool = False) -> Tensor:
+    """Validate ``p`` (``[H, k, L]`` or ``[k, L]``) and return its first n columns
+    (all of them if ``whole``: ``_keep_whole``)."""
     if not isinstance(p, Tensor) or p.dim() not in (2, 3) or p.shape[-2] != k or (
         p.dim() == 3 and p.shape[0] != heads
     ):
@@ -136,7 +139,26 @@ def _check_projection(name: str, p: Tensor, heads: int, k: int, n: int,
         raise ValueError(
             f"linformer: {name} has {p.shape[-1]} columns but max_seq_len={max_seq_len}."
         )
-    return p[..., :n]
+    return p if whole else p[..., :n]
+
+
+def _keep_whole(p: Tensor, n: int) -> bool:
+    """Whether to use the projections whole, against keys padded to their width
+    (``_padded_to``): while exporting with a symbolic ``n`` that may fall below the
+    width, since the first n columns are contiguous only at the full width, a case
+    split export refuses ("N != max_seq_len")."""
+    return exporting() and not statically_known_true(n == p.shape[-1])
+
+
+def _padded_to(width: int, k: Tensor, v: Tensor, key_valid: Tensor | None
+               ) -> tuple[Tensor, Tensor, Tensor]:
+    """Keys and values ``[B, H, N, D]`` padded to ``width`` positions by zero rows
+    marked as padding: the sums over positions are those over the first N columns."""
+    extra = width - k.shape[-2]
+    k, v = (torch.nn.functional.pad(t, (0, 0, 0, extra)) for t in (k, v))
+    valid = key_valid if key_valid is not None else torch.ones(
+        k.shape[0], width - extra, dtype=torch.bool, device=k.device)
+    return k, v, torch.nn.functional.pad(valid, (0, extra), value=False)
 
 
 @register(
@@ -193,26 +215,31 @@ def linformer_attention(
                          f"{'' if cfg.share_kv else ' (proj_k alone with share_kv=True)'}.")
     dtype = q.dtype
     work = compute_dtype(dtype)
+    kw, vw, key_valid = k.to(work), v.to(work), info.key_valid
     if proj_k is None:
         e, f = jl_projections(key, info.heads, cfg.num_features, n, cfg.share_kv)
     else:
-        e = _check_projection("proj_k", proj_k, info.heads, cfg.num_features, n, cfg.max_seq_len)
-        f = _check_projection("proj_v", proj_v, info.heads, cfg.num_features, n, cfg.max_seq_len)
+        whole = _keep_whole(proj_k, n)
+        e = _check_projection("proj_k", proj_k, info.heads, cfg.num_features, n, cfg.max_seq_len,
+                              whole)
+        f = _check_projection("proj_v", proj_v, info.heads, cfg.num_features, n, cfg.max_seq_len,
+                              whole)
+        if whole:
+            kw, vw, key_valid = _padded_to(e.shape[-1], kw, vw, key_valid)
     e, f = e.to(work), f.to(work)  # [H, k, Nk] or [k, Nk]
 
-    kw, vw = k.to(work), v.to(work)
     with torch.no_grad():  # which slots have weight on a real key (bool, no float copy of E)
         support = e != 0  # [H, k, Nk] or [k, Nk]
-        if info.key_valid is None:
+        if key_valid is None:
             slot_live = support.any(dim=-1)  # [H, k] or [k]
         else:
-            real_keys = (info.key_valid[:, None, None, :] if e.dim() == 3
-                         else info.key_valid[:, None, :])
+            real_keys = (key_valid[:, None, None, :] if e.dim() == 3
+                         else key_valid[:, None, :])
             slot_live = (support & real_keys).any(dim=-1)  # [B, H, k] or [B, k]
             if e.dim() == 2:
                 slot_live = slot_live[:, None, :]
-    if info.key_valid is not None:
-        real = info.key_valid[:, None, :, None].to(work)  # [B, 1, Nk, 1]
+    if key_valid is not None:
+        real = key_valid[:, None, :, None].to(work)  # [B, 1, Nk, 1]
         kw, vw = kw * real, vw * real
     k_proj = e @ kw  # [B, H, k, D]
     v_proj = f @ vw  # [B, H, k, Dv]
