@@ -698,3 +698,57 @@ def test_set_attention_on_one_part_of_an_encoder_decoder_leaves_the_other_part()
     shf.set_attention(whole.get_decoder(), "linear")
     shf.restore_exact(whole.get_encoder())
     assert [r["method"] for r in shf.describe(whole)] == ["exact"] * 2 + ["linear"] * 4
+
+
+@torch.no_grad()
+def test_concurrent_first_forwards_make_each_layer_once(monkeypatch):
+    """On the attn_implementation route two threads' first forwards (a thread-pool
+    server) make each layer's setting and state once: each made its own Performer
+    features before, and the later install replaced the earlier one, so the first
+    requests were answered with features no later call used."""
+    import threading
+
+    from skyformer.hf import attention
+
+    model = copy_as(tiny_bert(), "skyformer:performer")
+    ids, mask = ids_and_padding()
+    made, arrived = [], threading.Event()
+    real_make = attention.make_layer
+
+    def make_layer(module, *args, **kwargs):  # the first maker waits for the other thread
+        made.append(module)
+        if len(made) == 1:
+            assert arrived.wait(timeout=60), "the other thread never arrived"
+        else:
+            arrived.set()
+        return real_make(module, *args, **kwargs)
+
+    class Signalling:  # says when a thread waits for the lock held by the first maker
+        def __init__(self, lock):
+            self.lock = lock
+
+        def __enter__(self):
+            if not self.lock.acquire(blocking=False):
+                arrived.set()
+                self.lock.acquire()
+
+        def __exit__(self, *exc):
+            self.lock.release()
+
+    monkeypatch.setattr(attention, "make_layer", make_layer)
+    monkeypatch.setattr(attention, "_MAKING", Signalling(threading.Lock()), raising=False)
+    start, outs = threading.Barrier(2), [None, None]
+
+    def serve(i):
+        start.wait()
+        outs[i] = model(input_ids=ids, attention_mask=mask).last_hidden_state
+
+    threads = [threading.Thread(target=serve, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    modules = [m for _, _, m in shf.layers.attention_modules(model)]
+    assert sorted(map(id, made)) == sorted(map(id, modules)), "each layer made once"
+    later = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert torch.equal(outs[0], later) and torch.equal(outs[1], later)

@@ -33,6 +33,7 @@ everything else.
 from __future__ import annotations
 
 import functools
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -107,7 +108,28 @@ def implementation_name(method: str) -> str:
     return PREFIX + method
 
 
+# Held while a layer's setting is made or cleared on the attn_implementation route:
+# concurrent first forwards (a thread-pool server) would each make a per-layer state
+# and install their own, so the first calls ran with states the model then dropped.
+_MAKING = threading.Lock()
+
+
 def _layer_for(module: nn.Module, implementation: str, default_method: str) -> LayerAttention:
+    layer = current_layer(module)
+    if layer is not None and layer.implementation == implementation:
+        return layer
+    if layer is None and default_method == EXACT:  # nothing to make or clear
+        return _EXACT_LAYER
+    if torch.compiler.is_compiling():  # traced once, on one thread
+        return _make_layer_for(module, implementation, default_method)
+    with _MAKING:
+        return _make_layer_for(module, implementation, default_method)
+
+
+def _make_layer_for(module: nn.Module, implementation: str, default_method: str
+                    ) -> LayerAttention:
+    """``_layer_for`` where the module has no setting for ``implementation``: made now,
+    unless another thread made it meanwhile."""
     layer = current_layer(module)
     if layer is not None and layer.implementation == implementation:
         return layer
@@ -129,7 +151,7 @@ def _layer_for(module: nn.Module, implementation: str, default_method: str) -> L
             f"(or DDP) built at load time, which will not update them; to train, set the "
             f"method with skyformer.hf.set_attention(model, {default_method!r}) or load "
             f"with skyformer.hf.from_pretrained, which make them at once.",
-            UserWarning, stacklevel=2)
+            UserWarning, stacklevel=3)
     return layer
 
 
