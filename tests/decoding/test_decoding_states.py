@@ -163,6 +163,15 @@ def test_memory_stops_growing_with_a_finished_sequence(method, stride):
     torch.testing.assert_close(torch.cat(outs, dim=2), full, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("method", CONSTANT_MEMORY)
+def test_a_variant_decodes_as_its_method(method):
+    """A variant name (``"linear[eps=1e-5]"``) gets its method's constant-size state,
+    not the kept keys a method without one gets."""
+    variant = get_method(f"{method}[scale=0.5]" if method != "linear" else "linear[eps=1e-5]")
+    assert type(new_decoding_state(variant.bind())) is \
+        type(new_decoding_state(get_method(method).bind()))
+
+
 def test_keys_state_grows():
     q, k, v = make_qkv(1, 2, 80, 8, seed=4)
     state = new_decoding_state(get_method("softmax").bind(), generator=random_key(0))
@@ -213,6 +222,7 @@ def test_refusals_name_the_problem():
 @pytest.mark.parametrize(("method", "options"), [
     ("skyformer", {"num_features": 6, "landmark_stride": 5}),
     ("performer", {"num_features": 8}),
+    ("performer[num_features=8]", {}),  # a variant decodes with the layer's features too
 ])
 def test_layer_cache_equals_the_causal_layer(method, options):
     torch.manual_seed(0)

@@ -34,12 +34,13 @@ def new_decoding_state(bound: BoundMethod, *, generator: torch.Generator | Tenso
     if not spec.capabilities.causal:
         raise CapabilityError(_capability_sentence(spec.name, "causal").replace(
             "cannot do causal masking", "cannot decode (it cannot do causal masking)"))
-    if spec.name == "skyformer":
+    method = spec.base_name  # a variant ("performer[num_features=64]") is its method
+    if method == "skyformer":
         return SkyformerDecoding(bound, generator)
-    if spec.name == "nystrom_softmax":
+    if method == "nystrom_softmax":
         return NystromSoftmaxDecoding(bound, generator)
-    if spec.name == "linear":
+    if method == "linear":
         return LinearDecoding(bound, generator)
-    if spec.name == "performer":
+    if method == "performer":
         return PerformerDecoding(bound, generator, state)
     return KeyValueDecoding(bound, generator)
