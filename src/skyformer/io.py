@@ -20,6 +20,8 @@ from typing import IO, Any
 import numpy as np
 import torch
 
+from .versions import triton_version
+
 FILE_MODE = 0o644
 DIR_MODE = 0o755
 
@@ -305,7 +307,8 @@ def read_to_resume(path: Path, kind: str, flag: str) -> Any:
 
 
 def environment(device: torch.device | str | None = None) -> dict[str, Any]:
-    """What a result depends on besides its config: versions, threads, device name."""
+    """What a result depends on besides its config: versions (Triton's where it can be
+    imported), threads, device name."""
     device = torch.device(device or "cpu")
     info: dict[str, Any] = {
         "python": platform.python_version(),
@@ -319,6 +322,9 @@ def environment(device: torch.device | str | None = None) -> dict[str, Any]:
     if device.type == "cuda" and torch.cuda.is_available():
         info["device_name"] = torch.cuda.get_device_name(device)
         info["cuda"] = torch.version.cuda
+    triton = triton_version()  # the Triton kernels' results and speed depend on it
+    if triton is not None:
+        info["triton"] = triton
     try:
         from importlib.metadata import version
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..versions import installed_version
+from ..versions import TRITON_DISTRIBUTIONS, installed_version
 from .functional_ops import exporting, functional_ops_only
 
 KERNELS = ("auto", "torch", "triton")
@@ -49,10 +49,7 @@ def interpreter_problem(triton_version: tuple[int, int] | None,
 # Read once at import: torch.compile traces the functions below, and some PyTorch
 # versions refuse to trace importlib (torch 2.11: "find_spec should not be traced").
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
-# Triton's distribution is "triton" on PyPI, "pytorch-triton(-rocm|-xpu)" in PyTorch's
-# own indexes.
-TRITON_VERSION = (installed_version("triton", "pytorch-triton", "pytorch-triton-rocm",
-                                      "pytorch-triton-xpu") if TRITON_INSTALLED else None)
+TRITON_VERSION = installed_version(*TRITON_DISTRIBUTIONS) if TRITON_INSTALLED else None
 INTERPRETER_PROBLEM = (interpreter_problem(TRITON_VERSION, installed_version("numpy"))
                        if TRITON_INSTALLED else None)
 FLOAT64_DOTS = (3, 5)  # the first Triton whose tl.dot takes float64 tiles
