@@ -3,8 +3,9 @@
     python benchmarks/accuracy_first.py [--parts table,baselines,tolerance,speed]
         [--out benchmarks/results/accuracy_first] [--threads 1]
 
-Parts (each prints a Markdown table and goes into one JSON/CSV pair with the config
-and the environment; a PNG plots the baseline sweep):
+Parts (each prints a Markdown table and goes into one JSON/CSV pair with the settings,
+the environment and the command, in the CSV as ``# key: <json>`` lines first; a PNG
+plots the baseline sweep):
 
 - ``table``: pretrained MiniLM-L6, layers 0/2/4, N = 512 and 2048 (windows of 512
   concatenated), every approximate method at 128 features, 3 seeds, mean over the 12
@@ -26,23 +27,21 @@ and the environment; a PNG plots the baseline sweep):
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import math
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from run_metadata import run_metadata  # benchmarks/, beside this script
 
 from skyformer.eval.data.qkv import extract_qkv, load_model
 from skyformer.eval.data.text import default_text
 from skyformer.eval.measure.memory import MemoryJob, peak_memory_bytes
 from skyformer.eval.measure.metrics import relative_error
-from skyformer.io import atomic_write_text, environment, write_json
+from skyformer.io import write_csv, write_json
 from skyformer.linalg import gaussian_scores, softmax_scores
 from skyformer.ops.multipole import multipole_with_choice
 from skyformer.registry import attention, get_method, list_methods
@@ -411,17 +410,10 @@ def plot_baselines(rows: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def write_rows(out: Path, part: str, rows: list[dict[str, Any]], config: dict[str, Any]) -> None:
-    write_json(
-        out / f"{part}.json", {"config": config, "environment": environment("cpu"), "rows": rows}
-    )
-    buf = io.StringIO()
-    writer = csv.DictWriter(
-        buf, fieldnames=list(dict.fromkeys(key for row in rows for key in row))
-    )
-    writer.writeheader()
-    writer.writerows(rows)
-    atomic_write_text(out / f"{part}.csv", buf.getvalue())
+def write_rows(out: Path, part: str, rows: list[dict[str, Any]], metadata: dict[str, Any]) -> None:
+    """``out/PART.json`` and ``out/PART.csv``, both with ``metadata`` (``run_metadata``)."""
+    write_json(out / f"{part}.json", {**metadata, "rows": rows})
+    write_csv(out / f"{part}.csv", rows, metadata=metadata)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -436,12 +428,6 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     data = Data()
-    config = {
-        "command": "python benchmarks/accuracy_first.py "
-        + " ".join(argv if argv is not None else sys.argv[1:]),
-        "seeds": args.seeds,
-        "threads": args.threads,
-    }
     for part in args.parts.split(","):
         start = time.time()
         if part == "table":
@@ -488,7 +474,8 @@ def main(argv: list[str] | None = None) -> int:
             print(rows[0]["uptime_before"], "|", rows[0]["uptime_after"])
         else:
             raise SystemExit(f"unknown part {part!r}; parts: table, baselines, tolerance, speed.")
-        write_rows(out, part, rows, {**config, "part": part, "seconds": time.time() - start})
+        config = vars(args) | {"part": part, "seconds": time.time() - start}
+        write_rows(out, part, rows, run_metadata(__file__, argv, config, "cpu"))
         print(f"[{part}: {time.time() - start:.0f} s]", flush=True)
     return 0
 

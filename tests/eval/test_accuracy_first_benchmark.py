@@ -1,0 +1,44 @@
+"""benchmarks/accuracy_first.py's result files, the measurement stubbed: the JSON and the
+CSV of a part both carry what the run used."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+if str(BENCHMARKS) not in sys.path:  # the scripts import their helpers, as run from there
+    sys.path.insert(0, str(BENCHMARKS))
+spec = importlib.util.spec_from_file_location("accuracy_first_benchmark",
+                                              BENCHMARKS / "accuracy_first.py")
+benchmark = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(benchmark)
+
+
+def _speed(n, repeats):
+    return [{"method": name, "n": n, "fwd_bwd_ms": 1.0, "ratio_to_skyformer": 1.0,
+             "peak_mib": 1.0, "peak_ratio_to_skyformer": 1.0, "uptime_before": "up",
+             "uptime_after": "up"} for name in ("skyformer", "nystrom_softmax")]
+
+
+def test_a_parts_csv_and_json_record_the_settings_environment_and_command(monkeypatch,
+                                                                           tmp_path):
+    monkeypatch.setattr(benchmark, "part_speed", _speed)
+    argv = ["--parts", "speed", "--speed-n", "8", "--repeats", "2", "--threads",
+            str(torch.get_num_threads()), "--out", str(tmp_path)]
+    assert benchmark.main(argv) == 0
+    saved = json.loads((tmp_path / "speed.json").read_text())
+    lines = (tmp_path / "speed.csv").read_text().splitlines()
+    meta = {line[2:].split(": ", 1)[0]: json.loads(line.split(": ", 1)[1])
+            for line in lines if line.startswith("# ")}
+    for record in (saved, meta):
+        assert record["config"]["speed_n"] == 8 and record["config"]["repeats"] == 2
+        assert record["config"]["part"] == "speed"
+        assert record["environment"]["torch_threads"] == torch.get_num_threads()
+        assert record["command"] == "python benchmarks/accuracy_first.py " + " ".join(argv)
+    assert lines[len(meta)].startswith("method,n,fwd_bwd_ms") and len(lines) == len(meta) + 3
+    assert [row["method"] for row in saved["rows"]] == ["skyformer", "nystrom_softmax"]
