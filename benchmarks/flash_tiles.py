@@ -28,6 +28,7 @@ from unittest import mock
 import tile_sweep
 import torch
 from gpu_device import device_problem  # benchmarks/, beside this script
+from run_metadata import run_metadata
 
 import skyformer
 from skyformer.linalg import triton_kernels
@@ -142,9 +143,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     shape = args.shape or ("4,16,64,bfloat16" if on_gpu else "1,1,16,float32")
     n = args.seq_len or (8192 if on_gpu else 64)
+    repeats = args.repeats or (7 if on_gpu else 1)
     rows, best = measure(shape, n, {kind: getattr(args, kind) for kind in CANDIDATES},
-                         args.device, args.repeats or (7 if on_gpu else 1))
-    tile_sweep.record("flash", rows, best, CANDIDATES, _label, args.out, on_gpu)
+                         args.device, repeats)
+    config = vars(args) | {"shape": shape, "seq_len": n, "repeats": repeats}
+    tile_sweep.record("flash", rows, best, CANDIDATES, _label, args.out, on_gpu,
+                      run_metadata(__file__, argv, config, args.device))
     return 0
 
 

@@ -44,11 +44,11 @@ from unittest import mock
 
 import torch
 from gpu_device import device_problem  # benchmarks/, beside this script
-from tile_sweep import none_left, relative
+from run_metadata import run_metadata
+from tile_sweep import none_left, relative, write
 
 import skyformer
 from skyformer.eval.measure.timing import interleaved_median_seconds
-from skyformer.io import write_json
 from skyformer.linalg import (  # the triton_* modules import Triton
     half_sq_norm,
     landmark_inverse,
@@ -284,11 +284,10 @@ def main(argv: list[str] | None = None) -> int:
         rows += found
         for kernel, option in best[m].items():
             print(f"m={m} fastest {kernel}: {_label(option)}", flush=True)
-    device_name = torch.cuda.get_device_name() if on_gpu else "cpu (interpreter)"
-    if args.out:
-        write_json(args.out, {"kind": "lemma3", "device": device_name,
-                              "torch": torch.__version__, "rows": rows, "best": best}, indent=1)
-        print(f"wrote {args.out}")
+    config = vars(args) | {"shape": f"{batch},{heads}", "features": features,
+                           "repeats": repeats}
+    write(args.out, "lemma3", rows, best, on_gpu,
+          run_metadata(__file__, argv, config, args.device))
     return 0
 
 

@@ -29,6 +29,7 @@ from unittest import mock
 import tile_sweep
 import torch
 from gpu_device import device_problem  # benchmarks/, beside this script
+from run_metadata import run_metadata
 
 import skyformer
 from skyformer.linalg import triton_kernels
@@ -138,10 +139,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     shape = args.shape or ("4,16,64,bfloat16" if on_gpu else "1,1,16,float32")
     n = args.seq_len or (16384 if on_gpu else 64)
+    repeats = args.repeats or (7 if on_gpu else 1)
     features = args.features or (128 if on_gpu else 16)
     rows, best = measure(shape, n, features, {"rows": args.rows, "cols": args.cols},
-                         args.device, args.repeats or (7 if on_gpu else 1))
-    tile_sweep.record("products", rows, best, KERNELS, _label, args.out, on_gpu)
+                         args.device, repeats)
+    config = vars(args) | {"shape": shape, "seq_len": n, "features": features,
+                           "repeats": repeats}
+    tile_sweep.record("products", rows, best, KERNELS, _label, args.out, on_gpu,
+                      run_metadata(__file__, argv, config, args.device))
     return 0
 
 

@@ -74,13 +74,22 @@ def none_left(kernel: str, differ: dict[str, float], where: str, tolerance: floa
 
 
 def record(kind: str, rows: list[dict], best: dict, kernels: Iterable[str],
-           label: Callable[[tuple], str], out: str | None, on_gpu: bool) -> None:
+           label: Callable[[tuple], str], out: str | None, on_gpu: bool,
+           metadata: dict) -> None:
     """Prints the fastest options of each kernel and writes the sweep's JSON (``kind``
-    tells ``tuned.applied`` which sweep wrote it) atomically to ``out``."""
+    tells ``tuned.applied`` which sweep wrote it; ``metadata``: the run's settings,
+    environment and command, ``run_metadata``) atomically to ``out``."""
     for kernel in kernels:
         print(f"fastest {kernel}: {label(best[kernel])}", flush=True)
-    device_name = torch.cuda.get_device_name() if on_gpu else "cpu (interpreter)"
+    write(out, kind, rows, best, on_gpu, metadata)
+
+
+def write(out: str | None, kind: str, rows: list[dict], best: dict, on_gpu: bool,
+          metadata: dict) -> None:
+    """The JSON of a sweep (``record``; ``lemma3_tiles.py`` too) written atomically to
+    ``out``, where one is given."""
     if out:
-        write_json(out, {"kind": kind, "device": device_name, "torch": torch.__version__,
-                         "rows": rows, "best": best}, indent=1)
+        device_name = torch.cuda.get_device_name() if on_gpu else "cpu (interpreter)"
+        write_json(out, {"kind": kind, "device": device_name, **metadata, "rows": rows,
+                         "best": best}, indent=1)
         print(f"wrote {out}")

@@ -29,6 +29,15 @@ def _load(name):
     return module
 
 
+def _assert_run_recorded(result, script, argv):
+    """``result`` (a script's JSON) holds the settings, the environment and the command
+    of the run of ``script`` with ``argv`` (``run_metadata.py``)."""
+    assert result["config"]["out"] == argv[argv.index("--out") + 1]
+    assert result["environment"]["torch_threads"] == torch.get_num_threads()
+    assert result["environment"]["triton"]
+    assert result["command"] == f"python benchmarks/{script} " + " ".join(argv)
+
+
 def test_profile_summarises_every_method_on_the_cpu(tmp_path):
     gpu_profile = _load("gpu_profile")
     out = tmp_path / "profile"
@@ -195,9 +204,12 @@ def test_lemma3_tile_sweep_runs_on_the_cpu_under_the_interpreter(tmp_path):
 
     out = tmp_path / "tiles.json"
     tiles = _load("lemma3_tiles")
-    assert tiles.main(["--device", "cpu", "--options", "16,16,4,2", "32,16,4,1",
-                       "16,16,4,1,pass", "--out", str(out)]) == 0
+    argv = ["--device", "cpu", "--options", "16,16,4,2", "32,16,4,1", "16,16,4,1,pass",
+            "--out", str(out)]
+    assert tiles.main(argv) == 0
     result = json.loads(out.read_text())
+    _assert_run_recorded(result, "lemma3_tiles.py", argv)
+    assert result["config"]["shape"] == "1,1" and result["config"]["features"] == [16]
     names = {(row["options"], row["kernel"], row["pass"], row["mode"])
              for row in result["rows"]}
     default = "rows 16 kc 16 warps 4 stages 1"
@@ -241,10 +253,12 @@ def test_product_tile_sweep_runs_on_the_cpu_under_the_interpreter(tmp_path):
     from skyformer.linalg import triton_kernels
 
     out = tmp_path / "tiles.json"
-    assert _load("product_tiles").main(["--device", "cpu", "--features", "16",  # a 16 x 16 core
-                                        "--rows", "32,16,4,1", "--cols",
-                                        "32,32,4,2", "--out", str(out)]) == 0
+    argv = ["--device", "cpu", "--features", "16",  # a 16 x 16 core
+            "--rows", "32,16,4,1", "--cols", "32,32,4,2", "--out", str(out)]
+    assert _load("product_tiles").main(argv) == 0
     result = json.loads(out.read_text())
+    _assert_run_recorded(result, "product_tiles.py", argv)
+    assert result["config"]["shape"] == "1,1,16,float32" and result["config"]["seq_len"] == 64
     assert {(row["kernel"], row["tiles"]) for row in result["rows"]} == {
         ("rows", "n 64 m 32 warps 4 stages 1"), ("rows", "n 32 m 16 warps 4 stages 1"),
         ("cols", "n 64 m 64 warps 4 stages 1"), ("cols", "n 32 m 32 warps 4 stages 2")}
@@ -271,10 +285,12 @@ def test_flash_tile_sweep_runs_on_the_cpu_under_the_interpreter(tmp_path):
     from skyformer.ops.kernelized import triton_flash
 
     out = tmp_path / "flash.json"
-    assert _load("flash_tiles").main(["--device", "cpu", "--forward", "32,16,4,1",
-                                      "--keys", "16,32,4,2", "--queries", "64,32,4,2",
-                                      "--out", str(out)]) == 0
+    argv = ["--device", "cpu", "--forward", "32,16,4,1", "--keys", "16,32,4,2",
+            "--queries", "64,32,4,2", "--out", str(out)]
+    assert _load("flash_tiles").main(argv) == 0
     result = json.loads(out.read_text())
+    _assert_run_recorded(result, "flash_tiles.py", argv)
+    assert result["config"]["shape"] == "1,1,16,float32" and result["config"]["repeats"] == 1
     default = "own 64 step 32 warps 4 stages 2"  # float32 at head dim 16
     assert {(row["kernel"], row["tiles"]) for row in result["rows"]} == {
         ("forward", default), ("forward", "own 32 step 16 warps 4 stages 1"),
@@ -537,7 +553,7 @@ def _lemma3_with_a_nan_time(monkeypatch, out):
 
 
 def _sweep_with_a_nan_time(monkeypatch, out):
-    _load("tile_sweep").record("products", [{"ms": NAN}], {}, [], str, str(out), False)
+    _load("tile_sweep").record("products", [{"ms": NAN}], {}, [], str, str(out), False, {})
     return _strict(out.read_text())["rows"][0]["ms"]
 
 
