@@ -59,6 +59,7 @@ import torch.nn.functional as F
 import tuned  # benchmarks/, beside this script
 from gpu_device import device_problem  # benchmarks/, beside this script
 from launch_counts import guard_passes  # benchmarks/, beside this script
+from run_metadata import run_metadata
 
 import skyformer
 from skyformer.eval.measure.timing import interleaved_median_seconds
@@ -285,10 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     with tuned.applied(args.tiles):
-        return _main(args)
+        return _main(args, argv)
 
 
-def _main(args: argparse.Namespace) -> int:
+def _main(args: argparse.Namespace, argv: list[str] | None) -> int:
     device = args.device
     problem = device_problem("gpu_kernels.py", device)
     if problem:
@@ -346,8 +347,8 @@ def _main(args: argparse.Namespace) -> int:
         for m in sorted({64, args.features}):
             core += _core_rows(int(b), int(h), m, args.repeats, device)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (script check)"
-    result = {"device": name, "torch": torch.__version__,
-              "features": args.features, "tiles": args.tiles,
+    result = {"device": name, **run_metadata(__file__, argv, vars(args), device),
+              "torch": torch.__version__, "features": args.features, "tiles": args.tiles,
               "matmul_flops_per_s": rate, "rows": rows,
               "core": core, "fallbacks": _fallbacks()}
     for fallback in result["fallbacks"]:

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import tuned  # benchmarks/, beside this script
+from run_metadata import run_metadata
 from torch.profiler import ProfilerActivity, profile
 
 import skyformer
@@ -157,10 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     with tuned.applied(args.tiles):
-        return _main(args)
+        return _main(args, argv)
 
 
-def _main(args: argparse.Namespace) -> int:
+def _main(args: argparse.Namespace, argv: list[str] | None) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("gpu_profile.py: no CUDA device here (use --device cpu for a check of the "
@@ -214,7 +215,8 @@ def _main(args: argparse.Namespace) -> int:
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         write_json(args.out.with_suffix(".json"),
-                   {"device": name, "torch": torch.__version__, "shape": args.shape,
+                   {"device": name, **run_metadata(__file__, argv, vars(args), device),
+                    "torch": torch.__version__, "shape": args.shape,
                     "features": args.features, "rows": rows}, indent=1)
         atomic_write_text(args.out.with_suffix(".md"), text)
     return 0

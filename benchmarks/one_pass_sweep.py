@@ -27,6 +27,7 @@ import torch
 from gpu_device import device_problem  # benchmarks/, beside this script
 from gpu_kernels import one_pass_backward
 from gpu_profile import kernel_times
+from run_metadata import run_metadata
 
 import skyformer
 from skyformer.io import atomic_write_text, write_json
@@ -112,10 +113,13 @@ def main(argv: list[str] | None = None) -> int:
                           f"{row['two_products_ms']:8.3f} / {row['one_products_ms']:8.3f} ms"
                           f"  {_ratio(row)}", flush=True)
     name = torch.cuda.get_device_name(device) if on_gpu else "CPU (script check)"
+    config = vars(args) | {"batch_heads": batch_heads, "seq_lens": seq_lens,
+                           "head_dims": head_dims}
     if args.out is not None:
         write_json(args.out.with_suffix(".json"),
-                   {"device": name, "torch": torch.__version__, "features": args.features,
-                    "rows": rows}, indent=1)
+                   {"device": name, **run_metadata(__file__, argv, config, device),
+                    "torch": torch.__version__, "features": args.features, "rows": rows},
+                   indent=1)
         lines = [f"{name}, torch {torch.__version__}, m = {args.features}, Skyformer "
                  "forward + backward (implicit core), GPU time per call in ms: two kernels "
                  "/ one pass (ratio > 1: the one pass is faster)", "",

@@ -41,10 +41,12 @@ def _assert_run_recorded(result, script, argv):
 def test_profile_summarises_every_method_on_the_cpu(tmp_path):
     gpu_profile = _load("gpu_profile")
     out = tmp_path / "profile"
-    assert gpu_profile.main(["--device", "cpu", "--shape", "1,2,8,float32", "--seq-lens", "32",
-                             "--features", "8", "--iterations", "1", "--top", "3",
-                             "--out", str(out)]) == 0
+    argv = ["--device", "cpu", "--shape", "1,2,8,float32", "--seq-lens", "32", "--features",
+            "8", "--iterations", "1", "--top", "3", "--out", str(out)]
+    assert gpu_profile.main(argv) == 0
     result = json.loads(out.with_suffix(".json").read_text())
+    _assert_run_recorded(result, "gpu_profile.py", argv)
+    assert result["config"]["seq_lens"] == [32] and result["config"]["iterations"] == 1
     assert {row["method"] for row in result["rows"]} == set(gpu_profile.METHODS)
     for row in result["rows"]:
         assert row["wall_ms"] > 0 and row["launches"] >= 1 and 0 <= row["idle_share"] <= 1
@@ -107,10 +109,12 @@ def test_kernel_benchmark_runs_on_the_cpu_under_the_interpreter(tmp_path):
     defaults: Inductor takes a minute there."""
     pytest.importorskip("triton")
     out = tmp_path / "kernels.json"
-    assert _load("gpu_kernels").main([
-        "--device", "cpu", "--seq-lens", "40", "--features", "8", "--repeats", "1",
-        "--out", str(out)]) == 0
+    argv = ["--device", "cpu", "--seq-lens", "40", "--features", "8", "--repeats", "1",
+            "--out", str(out)]
+    assert _load("gpu_kernels").main(argv) == 0
     result = json.loads(out.read_text())
+    _assert_run_recorded(result, "gpu_kernels.py", argv)
+    assert result["config"]["shapes"] == ["1,1,16,float32"] and result["config"]["repeats"] == 1
     assert [row["call"] for row in result["rows"]] == [
         "sdpa", "skyformer/torch", "skyformer/triton", "skyformer/triton+tf32",
         "skyformer/triton+implicit", "skyformer/triton+implicit+one-pass",
@@ -182,10 +186,13 @@ def test_the_one_pass_sweep_runs_on_the_cpu_under_the_interpreter(tmp_path):
     run and are written (CPU operators' times, meaningless but positive)."""
     pytest.importorskip("triton")
     out = tmp_path / "sweep"
-    assert _load("one_pass_sweep").main([
-        "--device", "cpu", "--seq-lens", "24", "--head-dims", "8", "--dtypes", "float32",
-        "--features", "8", "--iterations", "1", "--out", str(out)]) == 0
-    [row] = json.loads(out.with_suffix(".json").read_text())["rows"]
+    argv = ["--device", "cpu", "--seq-lens", "24", "--head-dims", "8", "--dtypes", "float32",
+            "--features", "8", "--iterations", "1", "--out", str(out)]
+    assert _load("one_pass_sweep").main(argv) == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    _assert_run_recorded(result, "one_pass_sweep.py", argv)
+    assert result["config"]["batch_heads"] == ["1,1"] and result["config"]["head_dims"] == [8]
+    [row] = result["rows"]
     assert (row["b"], row["h"], row["n"], row["d"]) == (1, 1, 24, 8)
     assert row["two_ms"] > 0 and row["one_ms"] > 0 and row["ratio"] > 0
     assert "| float32 | 8 | 1,1 | 24 |" in out.with_suffix(".md").read_text()
