@@ -21,6 +21,9 @@ or fewer PyTorch operations could save.
     python benchmarks/gpu_host_split.py [--shape 4,16,4096,64] [--dtype bfloat16]
                                         [--calls 30] [--out FILE.md]
 
+``--out FILE.md`` writes the tables there and FILE.json beside (the numbers, every
+setting, the environment and the command).
+
 ``--device cpu`` (with ``TRITON_INTERPRET=1``) runs the same script on CPU tensors to
 check it without a GPU; its times mean nothing there (``host_time.py`` is the CPU's).
 """
@@ -39,9 +42,9 @@ import triton
 import triton.language as tl
 from host_time import call_of, stubbed_launches  # benchmarks/, beside this script
 from launch_counts import as_on_cuda
+from run_metadata import run_metadata, write_report
 
 from skyformer.eval.measure.timing import interleaved_seconds
-from skyformer.io import atomic_write_text
 
 LAUNCHES = 200  # per timed loop of the per-launch costs
 
@@ -168,11 +171,15 @@ def main(argv: list[str] | None = None) -> int:
     lines += [f"| {name} | {seconds * 1e3:.3f} |" for name, seconds in rows]
     lines += ["", f"Host cost per launch (median of 5 loops of {LAUNCHES})", "",
               "| launch | us |", "|---|---|"]
-    lines += [f"| {name} | {seconds * 1e6:.1f} |" for name, seconds in launch_costs(device).items()]
+    costs = launch_costs(device)
+    lines += [f"| {name} | {seconds * 1e6:.1f} |" for name, seconds in costs.items()]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
-        atomic_write_text(args.out, text)
+        write_report(args.out, text, run_metadata(__file__, argv, vars(args), device),
+                     rows=[{"call": name, "wall_ms": seconds * 1e3} for name, seconds in rows],
+                     launch_us=[{"launch": name, "us": seconds * 1e6}
+                                for name, seconds in costs.items()])
     return 0
 
 

@@ -18,6 +18,9 @@ the guard's own passes instead of in its product kernels (``launch_counts.guard_
     python benchmarks/host_time.py [--methods skyformer kernelized] [--calls 300]
                                    [--profile 30] [--through-pytorch] [--guard-passes]
                                    [--out FILE.md]
+
+``--out FILE.md`` writes the table there and FILE.json beside (the numbers, every
+setting, the environment and the command).
 """
 
 from __future__ import annotations
@@ -42,10 +45,10 @@ from unittest import mock
 
 import torch
 from launch_counts import as_on_cuda, guard_passes  # benchmarks/, beside this script
+from run_metadata import run_metadata, write_report
 
 import skyformer
 from skyformer.eval.measure.timing import interleaved_seconds
-from skyformer.io import atomic_write_text
 from skyformer.linalg.eager_calls import through_pytorch
 
 TRITON_MODULES = ("skyformer.linalg.triton_kernels", "skyformer.linalg.triton_lemma3",
@@ -146,7 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     for method, report in profiles.items():
         print(f"\n{method}:\n{report}")
     if args.out:
-        atomic_write_text(args.out, text)
+        rows = [{"method": method, "median_ms": statistics.median(ts) * 1e3,
+                 "min_ms": min(ts) * 1e3} for method, ts in times.items()]
+        write_report(args.out, text, run_metadata(__file__, argv, vars(args)),
+                     stubbed_kernels=stubbed, rows=rows)
     return 0
 
 

@@ -14,6 +14,9 @@ Raw Triton launches are not dispatched operations: the draws add one launch per 
 here), the core one per pass.
 
     python benchmarks/launch_counts.py [--out FILE.md]
+
+``--out FILE.md`` writes the table there and FILE.json beside (the counts, every
+setting, the environment and the command).
 """
 
 from __future__ import annotations
@@ -32,10 +35,10 @@ import sys
 from unittest import mock
 
 import torch
+from run_metadata import run_metadata, write_report  # benchmarks/, beside this script
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import skyformer
-from skyformer.io import atomic_write_text
 from skyformer.linalg import kernels, nystrom
 from skyformer.linalg import pinv as pinv_module
 from skyformer.registry import guard
@@ -119,22 +122,26 @@ def main(argv: list[str] | None = None) -> int:
     b, h, n, d = map(int, args.shape.split(","))
     lines = [f"B={b}, H={h}, N={n}, D={d}, forward + backward", "",
              "| | m | PyTorch core | as chosen |", "|---|---|---|---|"]
+    rows = []
     for method in ("skyformer", "nystrom_softmax", "skyformer_adaptive"):
         for m in args.features:
             with mock.patch.object(nystrom, "fused_lemma3_applies", lambda *_: False):
                 pytorch_core = count(method, b, h, n, d, m)
             chosen = count(method, b, h, n, d, m)
             lines.append(f"| `{method}` | {m} | {pytorch_core} | {chosen} |")
-    emit(lines, args.out)
+            rows.append({"method": method, "m": m, "pytorch_core": pytorch_core,
+                         "as_chosen": chosen})
+    emit(lines, args.out, run_metadata(__file__, argv, vars(args)), rows)
     return 0
 
 
-def emit(lines: list[str], out: str | None) -> None:
-    """Prints a report's lines and writes them to ``out`` (atomically) if given."""
+def emit(lines: list[str], out: str | None, metadata: dict, rows: list[dict]) -> None:
+    """Prints a report's lines and, if ``out`` is given, writes them there with a JSON of
+    ``metadata`` (``run_metadata``) and ``rows`` beside (``write_report``)."""
     text = "\n".join(lines) + "\n"
     print(text, end="")
     if out:
-        atomic_write_text(out, text)
+        write_report(out, text, metadata, rows=rows)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@ either), eagerly and replayed from a CUDA graph (``torch.cuda.make_graphed_calla
 inside ``skyformer.cuda_graph_launches()``: a launch per pass), interleaved, medians.
 
     python benchmarks/paired_steps.py [--out FILE.txt]
+
+``--out FILE.txt`` writes the times there and FILE.json beside (the times, every
+setting, the environment and the command).
 """
 
 from __future__ import annotations
@@ -21,10 +24,10 @@ from collections.abc import Callable, Iterator
 from unittest import mock
 
 import torch
+from run_metadata import run_metadata, write_report  # benchmarks/, beside this script
 
 import skyformer
 from skyformer.eval.measure.timing import interleaved_median_seconds
-from skyformer.io import atomic_write_text
 from skyformer.linalg import half_sq_norm, landmark_inverse
 
 
@@ -83,14 +86,18 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}, m = "
              f"{args.features}: implicit core forward + backward, medians of "
              f"{args.repeats} interleaved rounds"]
+    rows = []
     for matrices in args.matrices:
         times = interleaved_median_seconds(calls(matrices, args.features), device="cuda",
                                            warmup=3, repeats=args.repeats)
         lines += [f"{name:36s} {t * 1e3:8.3f} ms" for name, t in times.items()]
+        rows += [{"matrices": matrices, "call": name, "ms": t * 1e3}
+                 for name, t in times.items()]
     text = "\n".join(lines) + "\n"
     print(text, end="")
     if args.out:
-        atomic_write_text(args.out, text)
+        write_report(args.out, text, run_metadata(__file__, argv, vars(args), "cuda"),
+                     rows=rows)
     return 0
 
 

@@ -1,6 +1,7 @@
 """What a benchmark's result files record besides their rows: the resolved settings, the
 environment (versions, threads, device name) and the command that ran, one dict for a
-JSON file and for a CSV's ``# key: <json>`` lines (``skyformer.io.write_csv``)."""
+JSON file and for a CSV's ``# key: <json>`` lines (``skyformer.io.write_csv``); a
+script whose table is text writes it with a JSON beside (``write_report``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 import torch
 
-from skyformer.io import environment
+from skyformer.io import atomic_write_text, environment, write_json
 
 
 def run_metadata(script: str, argv: list[str] | None, config: dict[str, Any],
@@ -22,3 +23,14 @@ def run_metadata(script: str, argv: list[str] | None, config: dict[str, Any],
     argv = sys.argv[1:] if argv is None else list(argv)
     return {"config": config, "environment": environment(device),
             "command": shlex.join(["python", f"benchmarks/{Path(script).name}", *argv])}
+
+
+def write_report(out: str | Path, text: str, metadata: dict[str, Any], **data: Any) -> None:
+    """The text table ``text`` atomically to ``out`` and, beside it (``out`` with the
+    suffix ``.json``), ``metadata`` (``run_metadata``) and the numbers ``data`` (rows) as
+    JSON: the text alone said neither every setting nor the environment."""
+    out = Path(out)
+    report, result = (out.with_suffix(".md"), out) if out.suffix == ".json" else \
+        (out, out.with_suffix(".json"))  # --out x.json: the JSON, its table beside
+    write_json(result, {**metadata, **data}, indent=1)
+    atomic_write_text(report, text)

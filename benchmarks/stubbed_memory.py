@@ -17,6 +17,9 @@ the backward kernel (``triton_lemma3.keeps_products``).
 
     python benchmarks/stubbed_memory.py [--shape 4,16,16384,64] [--dtype bfloat16]
                                         [--rows-copied] [--kept-products] [--out FILE.md]
+
+``--out FILE.md`` writes the table there and FILE.json beside (the numbers, every
+setting, the environment and the command).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from unittest import mock
 import torch
 from host_time import stubbed_launches  # benchmarks/, beside this script
 from launch_counts import as_on_cuda, emit
+from run_metadata import run_metadata
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
@@ -172,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
              f"backward on the Triton path, launches stubbed, torch {torch.__version__}", "",
              "| method | peak MiB above the call's start | at | MiB held after the forward "
              "| peak MiB, no_grad forward |", "|---|---|---|---|---|"]
+    rows = []
     with as_on_cuda(), stubbed_launches():
         for method in args.methods:
             for label, context in variants:
@@ -180,7 +185,10 @@ def main(argv: list[str] | None = None) -> int:
                     inference = no_grad_peak_mib(method, shape, dtype, args.features)
                 lines.append(f"| `{method}`{label} | {mib:.1f} | {where} | {held:.1f} "
                              f"| {inference:.1f} |")
-    emit(lines, args.out)
+                rows.append({"method": method, "variant": label.lstrip(", "),
+                             "peak_mib": mib, "at": where, "held_mib": held,
+                             "no_grad_peak_mib": inference})
+    emit(lines, args.out, run_metadata(__file__, argv, vars(args)), rows)
     return 0
 
 

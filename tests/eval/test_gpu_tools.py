@@ -325,13 +325,19 @@ def test_host_time_stubs_every_launch_and_reports_each_method(tmp_path, monkeypa
 
     monkeypatch.setattr(interpreter.InterpretedFunction, "run", refuse)
     out = tmp_path / "host.md"
-    assert host_time.main(["--shape", "1,2,32,16", "--features", "8", "--calls", "2",
-                           "--profile", "3", "--guard-passes", "--out", str(out)]) == 0
+    argv = ["--shape", "1,2,32,16", "--features", "8", "--calls", "2", "--profile", "3",
+            "--guard-passes", "--out", str(out)]
+    assert host_time.main(argv) == 0
     text = out.read_text()
     for method in (*host_time.METHODS, "skyformer, guard's passes"):
         row = next(line for line in text.splitlines() if line.startswith(f"| `{method}` |"))
         median, least = (float(cell) for cell in row.split("|")[2:4])
         assert 0 < least <= median
+    result = json.loads(out.with_suffix(".json").read_text())  # the table's numbers beside
+    _assert_run_recorded(result, "host_time.py", argv)
+    assert [row["method"] for row in result["rows"]] == [*host_time.METHODS,
+                                                         "skyformer, guard's passes"]
+    assert all(0 < row["min_ms"] <= row["median_ms"] for row in result["rows"])
 
 
 def test_host_split_times_the_call_with_and_without_its_kernels(tmp_path, monkeypatch):
@@ -347,9 +353,13 @@ def test_host_split_times_the_call_with_and_without_its_kernels(tmp_path, monkey
                         lambda calls, **options: runs.append(list(calls)) or timed(calls,
                                                                                    **options))
     out = tmp_path / "split.md"
-    assert split.main(["--device", "cpu", "--shape", "1,2,32,16", "--dtype", "float32",
-                       "--features", "8", "--calls", "1", "--warmup", "1",
-                       "--out", str(out)]) == 0
+    argv = ["--device", "cpu", "--shape", "1,2,32,16", "--dtype", "float32", "--features", "8",
+            "--calls", "1", "--warmup", "1", "--out", str(out)]
+    assert split.main(argv) == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    _assert_run_recorded(result, "gpu_host_split.py", argv)
+    assert [row["call"] for row in result["rows"]] == runs[0]
+    assert result["config"]["dtype"] == "float32" and result["launch_us"][0]["us"] > 0
     cells = {line.split("|")[1].strip(): float(line.split("|")[2])
              for line in out.read_text().splitlines()
              if line.startswith("| ") and line.split("|")[2].strip()[:1].isdigit()}
@@ -374,8 +384,12 @@ def test_stubbed_memory_counts_what_each_variant_holds(tmp_path):
     memory = _load("stubbed_memory")
     out = tmp_path / "memory.md"
     b, h, m = 1, 4, 64  # 1 MiB of kept products: the table has 0.1 MiB steps
-    assert memory.main(["--shape", f"{b},{h},128,16", "--features", str(m), "--dtype",
-                        "float32", "--kept-products", "--rows-copied", "--out", str(out)]) == 0
+    argv = ["--shape", f"{b},{h},128,16", "--features", str(m), "--dtype", "float32",
+            "--kept-products", "--rows-copied", "--out", str(out)]
+    assert memory.main(argv) == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    _assert_run_recorded(result, "stubbed_memory.py", argv)
+    assert len(result["rows"]) == 6 and result["rows"][0]["peak_mib"] > 0
     rows = {}
     for line in out.read_text().splitlines():
         if line.startswith("| `"):
@@ -611,6 +625,44 @@ def test_the_paired_steps_benchmark_says_it_needs_a_gpu(capsys):
         pytest.skip("a GPU is here: the script would time it")
     assert _load("paired_steps").main(["--repeats", "1"]) == 2
     assert "run it on a machine with a GPU" in capsys.readouterr().err
+
+
+def test_paired_steps_writes_its_times_settings_environment_and_command(monkeypatch,
+                                                                        tmp_path):
+    """Beside the text table, a JSON of the times with what they were measured with (the
+    CUDA calls stubbed: they need a GPU)."""
+    module = _load("paired_steps")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "stub")
+    monkeypatch.setattr(module, "calls", lambda matrices, m: {f"{matrices}, eager": None})
+    monkeypatch.setattr(module, "interleaved_median_seconds",
+                        lambda calls, **kwargs: dict.fromkeys(calls, 2e-3))
+    out = tmp_path / "paired.txt"
+    argv = ["--matrices", "4", "2", "--repeats", "1", "--out", str(out)]
+    assert module.main(argv) == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert result["config"]["matrices"] == [4, 2] and result["environment"]["device_name"] == "stub"
+    assert result["command"] == "python benchmarks/paired_steps.py " + " ".join(argv)
+    assert result["rows"] == [{"matrices": 4, "call": "4, eager", "ms": 2.0},
+                              {"matrices": 2, "call": "2, eager", "ms": 2.0}]
+    assert "4, eager" in out.read_text()
+
+
+def test_launch_counts_writes_its_counts_settings_environment_and_command(monkeypatch,
+                                                                          tmp_path):
+    """Beside the Markdown table, a JSON of the counts with what they were counted with
+    (the counting stubbed)."""
+    module = _load("launch_counts")
+    monkeypatch.setattr(module, "count", lambda method, b, h, n, d, m: m)
+    out = tmp_path / "counts.md"
+    argv = ["--features", "8", "--out", str(out)]
+    assert module.main(argv) == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    _assert_run_recorded(result, "launch_counts.py", argv)
+    assert result["config"]["shape"] == "1,2,256,64"
+    assert result["rows"][0] == {"method": "skyformer", "m": 8, "pytorch_core": 8,
+                                 "as_chosen": 8}
+    assert "| `skyformer` | 8 | 8 | 8 |" in out.read_text()
 
 
 def test_the_kernel_benchmarks_one_pass_row_runs_the_one_pass_kernel(monkeypatch):
