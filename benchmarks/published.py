@@ -19,8 +19,9 @@ only has shared-QK attention, softmax_{j != i}(s q_i . q_j / |q_j|) V), averaged
 heads; the table averages layers and seeds (± the sample std over seeds of the layer
 mean). "mean(V)" is the trivial answer every row = the mean of V. Rows are saved (atomically) after
 every (N, layer, m) and a rerun resumes, trusting the saved rows: use ``--fresh`` or
-another ``--out`` after changing either code. The tables in docs/approximation.md came
-from these calls.
+another ``--out`` after changing either code. The JSON records the settings, the
+environment and the command of the latest run (its rows: every run's). The tables in
+docs/approximation.md came from these calls.
 
 Scatterbrain's published code calls fast-transformers' compiled local-product kernels,
 which take float32 only; the comparison runs in float64 through a dense stand-in with
@@ -42,10 +43,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from run_metadata import run_metadata  # benchmarks/, beside this script
 
 from skyformer.eval.data.qkv import extract_qkv, load_model
 from skyformer.eval.data.text import default_text
-from skyformer.io import atomic_write_text, environment, write_json
+from skyformer.io import atomic_write_text, write_json
 from skyformer.registry import get_method
 
 RESULTS = Path(__file__).parent / "results" / "published"
@@ -274,6 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     saved = [] if args.fresh or not out.exists() else json.loads(out.read_text())["rows"]
     done = {(r["N"], r["layer"], r["m"], r["variant"], r["seed"]) for r in saved}
     rows = list(saved)
+    metadata = run_metadata(__file__, argv, vars(args) | {"out": out})
     model, tokenizer, name = load_model(None, pretrained=True, seed=0)
     for n in args.seq_lens:
         for layer in args.layers:
@@ -292,8 +295,7 @@ def main(argv: list[str] | None = None) -> None:
                         with torch.no_grad():
                             err = relative_spectral(run(seed), target)
                         rows.append(cell(n, layer, m, variant, seed, err))
-                write_json(out, {"method": args.method, "environment": environment(),
-                                 "command": " ".join(sys.argv), "rows": rows})
+                write_json(out, {"method": args.method, **metadata, "rows": rows})
                 print(f"N={n} layer={layer} m={m} done", flush=True)
     report = table(rows)
     atomic_write_text(out.with_suffix(".md"), f"# {args.method} against its published code\n"

