@@ -329,12 +329,14 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(table)
     print(text)
     if args.out is not None:
+        from run_metadata import run_metadata  # imports torch: only where it writes
+
         from skyformer.io import atomic_write_text, write_json
 
         args.out.parent.mkdir(parents=True, exist_ok=True)
         write_json(args.out.with_suffix(".json"),
-                   {"triton": triton.__version__, "arch": args.arch,
-                    "pinv_gradient": args.pinv_gradient,
+                   {**run_metadata(__file__, argv, vars(args)), "triton": triton.__version__,
+                    "arch": args.arch, "pinv_gradient": args.pinv_gradient,
                     "one_pass_backward": args.one_pass_backward,
                     "graph_launches": args.graph_launches,
                     "matmul_precision": args.matmul_precision, "rows": unique}, indent=1)

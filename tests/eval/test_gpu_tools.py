@@ -593,6 +593,31 @@ def _resources_with_a_nan_count(monkeypatch, out):
     return _strict(out.with_suffix(".json").read_text())["rows"][0]["exp2"]
 
 
+def test_triton_resources_records_its_settings_environment_and_command(monkeypatch,
+                                                                        tmp_path):
+    """The JSON names the methods, head dims, dtypes and landmark counts compiled, the
+    environment and the command (it held Triton's version and the kernel options alone);
+    the recording and the compiler stubbed."""
+    pytest.importorskip("triton")
+    module = _load("triton_resources")
+    launch = {"module": "m", "kernel": "k", "constants": {}, "options": {}, "arguments": {}}
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(module.subprocess, "run", lambda *args, **kwargs: _completed(
+        json.dumps([launch])))
+    monkeypatch.setattr(module, "compile_launch", lambda launch, arch: {
+        "registers": 32, "stack": 0, "spill_stores": 0, "spill_loads": 0, "mma": 1,
+        "exp2": 2, "shared": 0, "num_warps": 4, "warps_per_sm": 16})
+    out = tmp_path / "resources"
+    argv = ["--methods", "kernelized", "--configs", "16:float32", "--features", "8",
+            "--out", str(out)]
+    assert module.main(argv) == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    _assert_run_recorded(result, "triton_resources.py", argv)
+    assert result["config"]["methods"] == ["kernelized"]
+    assert result["config"]["configs"] == ["16:float32"] and result["config"]["features"] == [8]
+    assert result["rows"][0]["exp2"] == 2
+
+
 def _completed(stdout):
     import subprocess
 
