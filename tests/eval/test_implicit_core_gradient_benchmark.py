@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import sys
 from pathlib import Path
 from unittest import mock
 
@@ -16,6 +17,8 @@ import torch
 import skyformer
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "implicit_core_gradient.py"
+if str(SCRIPT.parent) not in sys.path:  # the scripts import their helpers, as run from there
+    sys.path.insert(0, str(SCRIPT.parent))
 spec = importlib.util.spec_from_file_location("implicit_core_gradient_benchmark", SCRIPT)
 benchmark = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(benchmark)
