@@ -32,12 +32,12 @@ import time
 from pathlib import Path
 
 import torch
+from run_metadata import run_metadata  # benchmarks/, beside this script
 from torch import Tensor, nn
 
 from skyformer.eval.data.text import read_text
 from skyformer.io import (
     check_output_path,
-    environment,
     json_ready,
     save_figure,
     write_csv,
@@ -181,11 +181,13 @@ def load_rows(path: Path, config: dict) -> list[dict]:
     return saved["rows"] if saved.get("config") == json_ready(config) else []
 
 
-def save(rows: list[dict], config: dict, out: Path) -> None:
-    env = environment()
-    write_json(out.with_suffix(".json"), {"config": config, "environment": env, "rows": rows})
+def save(rows: list[dict], config: dict, out: Path, argv: list[str] | None) -> None:
+    """``out.{json,csv,png}`` with the config, the environment and the command (``argv``:
+    its arguments; None: this process's)."""
+    metadata = run_metadata(__file__, argv, config)
+    write_json(out.with_suffix(".json"), {**metadata, "rows": rows})
     flat = [{k: v for k, v in r.items() if k != "curve"} for r in rows]
-    write_csv(out.with_suffix(".csv"), flat, metadata={"config": config, "environment": env})
+    write_csv(out.with_suffix(".csv"), flat, metadata=metadata)
     plot(rows, out)
 
 
@@ -237,7 +239,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print(f"N={n:5d} {method:16s} held-out {r['heldout_loss']:.3f} "
                   f"(best {r['best_heldout_loss']:.3f} at {r['best_step']}) "
                   f"train {r['train_loss']:.3f} {r['tokens_per_s']:9.0f} tok/s", flush=True)
-            save(rows, config, args.out)
+            save(rows, config, args.out, argv)
     return rows
 
 

@@ -8,8 +8,8 @@ heads) of each causal approximation against its exact causal target (causal kern
 skyformer, causal softmax for nystrom_softmax), with ``causal_local`` True (exact keys
 in the query's chunk of 64, landmarks for earlier chunks) and False (landmarks for
 every key). Mean and standard deviation over seeds. Writes
-``benchmarks/results/causal_window.{json,csv,png}`` (the config and the environment in
-both tables). Errors, not timings: runs anywhere.
+``benchmarks/results/causal_window.{json,csv,png}`` (the config, the environment and
+the command in both tables). Errors, not timings: runs anywhere.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ import statistics
 from pathlib import Path
 
 import torch
+from run_metadata import run_metadata  # benchmarks/, beside this script
 
 from skyformer.eval.data.qkv import load_qkv
 from skyformer.eval.measure.metrics import relative_error
-from skyformer.io import environment, save_figure, write_csv, write_json
+from skyformer.io import save_figure, write_csv, write_json
 from skyformer.registry import attention
 
 TARGET = {"skyformer": "kernelized", "nystrom_softmax": "softmax"}
@@ -48,13 +49,12 @@ def measure(n: int, m: int, layers: list[int], seeds: int) -> list[dict]:
     return rows
 
 
-def write(rows: list[dict], out: Path, config: dict) -> None:
-    """``out.{json,csv,png}``, each written atomically; both tables with the config and
-    the environment."""
-    env = environment()
-    write_json(out.with_suffix(".json"), {"config": config, "environment": env, "rows": rows},
-               indent=2)
-    write_csv(out.with_suffix(".csv"), rows, metadata={"config": config, "environment": env})
+def write(rows: list[dict], out: Path, config: dict, argv: list[str] | None = None) -> None:
+    """``out.{json,csv,png}``, each written atomically; both tables with the config, the
+    environment and the command (``argv``: its arguments; None: this process's)."""
+    metadata = run_metadata(__file__, argv, config)
+    write_json(out.with_suffix(".json"), {**metadata, "rows": rows}, indent=2)
+    write_csv(out.with_suffix(".csv"), rows, metadata=metadata)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -70,17 +70,17 @@ def write(rows: list[dict], out: Path, config: dict) -> None:
     save_figure(fig, out.with_suffix(".png"), dpi=120)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=1024)
     parser.add_argument("--m", type=int, default=128)
     parser.add_argument("--layers", type=int, nargs="+", default=[0, 2, 4])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/causal_window"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     rows = measure(args.n, args.m, args.layers, args.seeds)
     write(rows, args.out, {k: (str(v) if isinstance(v, Path) else v)
-                           for k, v in vars(args).items()})
+                           for k, v in vars(args).items()}, argv)
 
 
 if __name__ == "__main__":

@@ -51,10 +51,11 @@ from pathlib import Path
 from unittest import mock
 
 import torch
+from run_metadata import run_metadata  # benchmarks/, beside this script
 from torch import Tensor
 
 import skyformer
-from skyformer.io import atomic_write_text, environment, write_json
+from skyformer.io import atomic_write_text, write_json
 from skyformer.linalg.implicit_inverse import implicit_pinv, residual_bound
 from skyformer.linalg.pinv import inverse_residual
 
@@ -339,8 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     out = args.out.resolve()
     config = vars(args) | {"out": str(out.relative_to(REPO) if out.is_relative_to(REPO) else out)}
-    write_json(args.out.with_suffix(".json"), {"config": config, "environment": environment(),
-                                              "rows": rows})
+    write_json(args.out.with_suffix(".json"),
+               {**run_metadata(__file__, argv, config), "rows": rows})
     atomic_write_text(args.out.with_suffix(".md"), text)
     return 0
 

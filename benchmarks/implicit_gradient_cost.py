@@ -28,10 +28,11 @@ from unittest import mock
 
 import torch
 from gpu_device import device_problem  # benchmarks/, beside this script
+from run_metadata import run_metadata
 
 import skyformer
 from skyformer.eval.measure.timing import interleaved_median_seconds
-from skyformer.io import atomic_write_text, environment, write_json
+from skyformer.io import atomic_write_text, write_json
 from skyformer.linalg import GRADIENTS, half_sq_norm, implicit_inverse, landmark_inverse
 
 STEPS = "implicit-steps"  # the implicit gradient with the inverse formed by the steps
@@ -127,8 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         write_json(args.out.with_suffix(".json"),
-                   {"args": vars(args) | {"out": str(args.out)},
-                    "environment": environment(args.device),
+                   {**run_metadata(__file__, argv, vars(args), args.device),
                     "ms": {name: t * 1e3 for name, t in times.items()}}, indent=1)
         atomic_write_text(args.out.with_suffix(".md"), text)
     return 0

@@ -20,9 +20,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from run_metadata import run_metadata  # benchmarks/, beside this script
 
 import skyformer
-from skyformer.io import atomic_write_text, environment, write_json
+from skyformer.io import atomic_write_text, write_json
 from skyformer.ops.linformer import linformer_attention
 from skyformer.sketch.rng import bulk_normal, normal, stream
 
@@ -81,8 +82,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"N={n:<6} normal {ms['normal']:9.1f} ms   bulk_normal {ms['bulk_normal']:9.1f} ms"
               f"   ({ms['normal'] / ms['bulk_normal']:.1f}x)   softmax {ms['softmax']:8.1f} ms",
               flush=True)
-    write_json(args.out.with_suffix(".json"), {"config": vars(args) | {"out": str(args.out)},
-                                               "environment": environment(), "rows": rows})
+    write_json(args.out.with_suffix(".json"),
+               {**run_metadata(__file__, argv, vars(args)), "rows": rows})
     lines = ["| N | draw by normal, ms | draw by bulk_normal, ms | ratio | exact softmax, ms |",
              "|---|---|---|---|---|"]
     lines += [f"| {r['N']} | {r['normal_ms']:.1f} | {r['bulk_normal_ms']:.1f} | "

@@ -19,10 +19,11 @@ import time
 from pathlib import Path
 
 import torch
+from run_metadata import run_metadata  # benchmarks/, beside this script
 
 from skyformer.eval.data.qkv import extract_qkv, load_model
 from skyformer.eval.data.text import default_text
-from skyformer.io import atomic_write_text, environment, write_json
+from skyformer.io import atomic_write_text, write_json
 from skyformer.registry import get_method
 
 RESULTS = Path(__file__).parent / "results"
@@ -77,8 +78,8 @@ def main(argv: list[str] | None = None) -> None:
                          "random_ms": ms["random"], "ratio": ms["real"] / ms["random"]})
             print(f"N={n:<6} {method:<24} real {ms['real']:8.1f} ms   random "
                   f"{ms['random']:8.1f} ms   ratio {ms['real'] / ms['random']:.2f}", flush=True)
-    write_json(args.out.with_suffix(".json"), {"config": vars(args) | {"out": str(args.out)},
-                                               "environment": environment(), "rows": rows})
+    write_json(args.out.with_suffix(".json"),
+               {**run_metadata(__file__, argv, vars(args)), "rows": rows})
     lines = ["| N | method | MiniLM ms | random ms | ratio |", "|---|---|---|---|---|"]
     lines += [f"| {r['N']} | {r['method']} | {r['real_ms']:.1f} | {r['random_ms']:.1f} | "
               f"{r['ratio']:.2f} |" for r in rows]

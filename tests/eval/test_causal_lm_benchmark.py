@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "causal_lm.py"
+if str(SCRIPT.parent) not in sys.path:  # the scripts import their helpers, as run from there
+    sys.path.insert(0, str(SCRIPT.parent))
 spec = importlib.util.spec_from_file_location("causal_lm_benchmark", SCRIPT)
 causal_lm = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(causal_lm)
@@ -47,6 +50,8 @@ def test_a_rerun_keeps_the_finished_rows_and_a_changed_config_starts_over(tmp_pa
                for r in rows)
     saved = json.loads(out.with_suffix(".json").read_text())
     assert saved["rows"] == json.loads(json.dumps(rows))
+    assert saved["command"] == "python benchmarks/causal_lm.py " + " ".join(args)
+    assert f"# command: {json.dumps(saved['command'])}" in out.with_suffix(".csv").read_text()
     assert out.with_suffix(".csv").is_file() and out.with_suffix(".png").is_file()
     capsys.readouterr()
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "causal_window.py"
+if str(SCRIPT.parent) not in sys.path:  # the scripts import their helpers, as run from there
+    sys.path.insert(0, str(SCRIPT.parent))
 spec = importlib.util.spec_from_file_location("causal_window_benchmark", SCRIPT)
 causal_window = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(causal_window)
@@ -17,13 +20,16 @@ def test_both_files_record_the_config_and_the_environment(tmp_path):
              "num_features": 4, "error_mean": 0.1, "error_std": 0.01, "seeds": 2}
             for local in (True, False)]
     config = {"n": 16, "m": 4, "layers": [0], "seeds": 2, "out": str(tmp_path / "cw")}
-    causal_window.write(rows, tmp_path / "cw", config)
+    argv = ["--n", "16", "--m", "4", "--layers", "0", "--seeds", "2"]
+    causal_window.write(rows, tmp_path / "cw", config, argv)
     saved = json.loads((tmp_path / "cw.json").read_text())
     assert saved["config"] == config and saved["rows"] == rows
+    assert saved["command"] == "python benchmarks/causal_window.py " + " ".join(argv)
     assert {"python", "torch", "torch_threads", "platform", "skyformer"} <= set(
         saved["environment"])
     lines = (tmp_path / "cw.csv").read_text().splitlines()
     assert json.loads(lines[0].removeprefix("# config: ")) == config
     assert json.loads(lines[1].removeprefix("# environment: ")) == saved["environment"]
-    assert lines[2].startswith("layer,method,causal_local") and len(lines) == 5
+    assert json.loads(lines[2].removeprefix("# command: ")) == saved["command"]
+    assert lines[3].startswith("layer,method,causal_local") and len(lines) == 6
     assert (tmp_path / "cw.png").is_file()

@@ -113,9 +113,13 @@ def test_the_cost_benchmark_times_both_gradients(tmp_path):
     gradients and for the implicit one by the steps, the table and the JSON written."""
     cost = _cost_benchmark()
     out = tmp_path / "cost"
-    assert cost.main(["--heads", "2", "--features", "8", "--seq-lens", "40", "--repeats",
-                      "1", "--out", str(out)]) == 0
-    times = json.loads(out.with_suffix(".json").read_text())["ms"]
+    argv = ["--heads", "2", "--features", "8", "--seq-lens", "40", "--repeats", "1",
+            "--out", str(out)]
+    assert cost.main(argv) == 0
+    saved = json.loads(out.with_suffix(".json").read_text())
+    assert saved["config"]["heads"] == 2 and saved["config"]["seq_lens"] == [40]
+    assert saved["command"] == "python benchmarks/implicit_gradient_cost.py " + " ".join(argv)
+    times = saved["ms"]
     assert set(times) == {f"{call} {variant}"
                           for variant in ("unrolled", "implicit", "implicit-steps")
                           for call in ("core fwd", "core fwd+bwd", "N=40")}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -12,6 +13,8 @@ import torch
 import skyformer
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "linformer_draw.py"
+if str(SCRIPT.parent) not in sys.path:  # the scripts import their helpers, as run from there
+    sys.path.insert(0, str(SCRIPT.parent))
 spec = importlib.util.spec_from_file_location("linformer_draw_benchmark", SCRIPT)
 benchmark = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(benchmark)
@@ -25,10 +28,13 @@ def test_both_draws_give_projections_of_variance_one_over_k():
 
 
 def test_tiny_run_writes_rows_json_and_table(tmp_path):
-    rows = benchmark.main(["--seq-lens", "32", "--heads", "1", "--features", "8",
-                           "--repeats", "1", "--out", str(tmp_path / "draw")])
+    argv = ["--seq-lens", "32", "--heads", "1", "--features", "8", "--repeats", "1",
+            "--threads", str(torch.get_num_threads()), "--out", str(tmp_path / "draw")]
+    rows = benchmark.main(argv)
     assert [r["N"] for r in rows] == [32]
     assert all(rows[0][f"{name}_ms"] > 0 for name in ("normal", "bulk_normal", "softmax"))
     saved = json.loads((tmp_path / "draw.json").read_text())
     assert saved["rows"] == rows and "torch" in json.dumps(saved["environment"])
+    assert saved["config"]["heads"] == 1
+    assert saved["command"] == "python benchmarks/linformer_draw.py " + " ".join(argv)
     assert "| 32 |" in (tmp_path / "draw.md").read_text()
