@@ -172,3 +172,16 @@ def test_the_environment_leaves_out_triton_where_it_cannot_be_imported(monkeypat
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *args: None if name == "triton" else real(name, *args))
     assert "triton" not in environment()
+
+
+def test_the_environment_records_the_version_of_the_code_that_ran(monkeypatch):
+    """Code run from another source tree (PYTHONPATH) beside an installed copy: the
+    version is the running package's, not the installed distribution's metadata."""
+    import importlib.metadata
+
+    import skyformer
+    from skyformer.io import environment
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.0.0-installed")
+    monkeypatch.setattr(skyformer, "__version__", "9.9.9-running")
+    assert environment()["skyformer"] == "9.9.9-running"

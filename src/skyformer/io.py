@@ -325,12 +325,9 @@ def environment(device: torch.device | str | None = None) -> dict[str, Any]:
     triton = triton_version()  # the Triton kernels' results and speed depend on it
     if triton is not None:
         info["triton"] = triton
-    try:
-        from importlib.metadata import version
+    import skyformer  # the code that ran, not an installed copy's metadata
 
-        info["skyformer"] = version("skyformer")
-    except Exception:  # not installed (running from a source tree)
-        info["skyformer"] = "source"
+    info["skyformer"] = skyformer.__version__
     return info
 
 
