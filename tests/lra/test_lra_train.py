@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from skyformer.lra import load_cache, make_config, train
 from skyformer.lra.batches import fetch
@@ -51,7 +52,7 @@ def test_loss_falls_and_the_best_dev_checkpoint_is_the_one_tested(listops_cache,
     dev = [r for r in rows if r["kind"] == "dev"]
     best = max(dev, key=lambda r: (r["accuracy"], -r["step"]))
     assert result["best_step"] == best["step"]
-    # Recompute the test accuracy of best.pt independently of the training code.
+    # Recompute the test accuracy and loss of best.pt independently of the training code.
     ckpt = load_checkpoint(tmp_path / "best.pt")
     assert ckpt["step"] == best["step"]
     model = LRAClassifier(ModelConfig(**ckpt["model_config"]))
@@ -62,8 +63,12 @@ def test_loss_falls_and_the_best_dev_checkpoint_is_the_one_tested(listops_cache,
 
     tokens, lengths, labels = fetch(test, np.arange(len(test)), torch.device("cpu"))
     with torch.no_grad():
-        accuracy = (model(tokens, lengths).argmax(-1) == labels).float().mean().item()
+        logits = model(tokens, lengths)
+    accuracy = (logits.argmax(-1) == labels).float().mean().item()
     assert result["test_accuracy"] == pytest.approx(accuracy)
+    # the mean over examples, not over batches (the batches are smaller than the split)
+    assert len(test) > _cfg().batch_size
+    assert result["test_loss"] == pytest.approx(F.cross_entropy(logits, labels).item())
     assert result["test_accuracy"] > 0.2  # 10 classes, about uniform: chance is ~0.1
     for name in ("config.json", "train.csv", "dev.csv", "result.json", "last.pt"):
         assert (tmp_path / name).is_file()
