@@ -224,6 +224,29 @@ def test_an_interrupted_run_keeps_its_lengths_and_resume_measures_only_the_rest(
     assert f"torch: '0.0' -> '{torch.__version__}'" in capsys.readouterr().err
 
 
+RESUMED_BASE = {"methods": ("softmax", "skyformer"), "seq_lens": (16,), "shapes": ((1, 1, 8),),
+                "num_features": 8, "repeats": 1, "warmup": 0}
+
+
+@pytest.mark.parametrize(("setting", "value"), [
+    ("methods", ("softmax", "linear")), ("dtypes", ("float64",)), ("num_features", 16),
+    ("repeats", 2), ("warmup", 1), ("backward", False), ("memory", False), ("error", False),
+    ("seed", 1), ("max_seconds", 5.0), ("reference", "skyformer"), ("clock", "cpu"),
+    ("causal", True)])
+def test_resume_refuses_rows_measured_with_another_setting(setting, value):
+    """Every setting a row's numbers depend on is compared with the earlier file's: rows
+    measured with 8 features (or another seed, clock, ...) are not kept beside rows of
+    16 (the device is part of each row's key, so other devices' rows are never kept)."""
+    from skyformer.eval.bench.run import resumable_rows, run_environment
+    from skyformer.io import json_ready
+
+    earlier = {"config": json_ready(dataclasses.asdict(BenchConfig(**RESUMED_BASE))),
+               "environment": json_ready(run_environment(torch.device("cpu"))), "rows": []}
+    assert resumable_rows(BenchConfig(**RESUMED_BASE), earlier) == ([], [])
+    with pytest.raises(ValueError, match=f"other settings or on another machine \\({setting}: "):
+        resumable_rows(BenchConfig(**{**RESUMED_BASE, setting: value}), earlier)
+
+
 @pytest.mark.parametrize("text", ["[1, 2]", '{"rows": 5}', '{"config": [], "rows": []}',
                                   '{"config": {}, "environment": {}, "rows": [1]}'])
 def test_resume_from_a_file_that_is_not_a_bench_result_gets_a_sentence(tmp_path, capsys, text):
