@@ -60,6 +60,20 @@ def test_steps_equal_full_causal_forward(method, options, padded):
     torch.testing.assert_close(decoded, full, rtol=1e-10, atol=1e-10)
 
 
+def test_performer_after_a_prompt_of_a_large_key_decodes_as_the_forward():
+    """A one-token prompt whose key has a large norm (as a first token's key in some
+    language models), then ordinary keys: their log-scales lie about 1000 apart, beyond
+    float64's exp range; the state's sums came out NaN at the second step, and every row
+    after it."""
+    q, k, v = make_qkv(2, 2, 30, 8, seed=4)
+    k[:, :, :1] *= 30
+    bound = get_method("performer").bind(num_features=16)
+    key = random_key(3)
+    full = bound.replace(causal=True)(q, k, v, generator=key)
+    decoded = _decode(new_decoding_state(bound, generator=key), q, k, v, None, 1, [1, 3, 25])
+    torch.testing.assert_close(decoded, full, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax"])
 def test_without_the_local_part_left_padding_decodes_as_the_forward(method):
     """causal_local=False: the chunks still set nystrom_softmax's bound of unreliable

@@ -356,6 +356,24 @@ def test_a_huge_later_key_changes_no_earlier_causal_output():
         assert not torch.equal(again[0, 1, j:], out[0, 1, j:])
 
 
+def test_causal_keys_far_below_later_ones_in_log_scale_give_finite_rows():
+    """Large keys in the first chunk, ordinary ones after: their log-scales lie thousands
+    apart, beyond float64's exp range. The rows equal attention by the log-features in
+    float64 (logsumexp over the features, softmax over the keys j <= i); one cumulative
+    sum at a fixed reference made every row from the third chunk on NaN."""
+    q, k, v = make_qkv(1, 2, 140, 8, dv=4, seed=5)
+    k[:, :, :64] *= 60
+    w = gaussian_projection(16, 8, generator=gen(3)).double()
+    out = performer_attention(q, k, v, projection=w, causal=True, num_features=16)
+    root = 8 ** -0.25  # the square root of the default scale 1/sqrt(D)
+    log_q, log_k = ((x * root) @ w.T - (x * root).square().sum(-1, keepdim=True) / 2
+                    for x in (q, k))  # [B, H, N, m]
+    logits = torch.logsumexp(log_q[:, :, :, None] + log_k[:, :, None], -1)  # [B, H, N, N]
+    later = torch.ones(140, 140, dtype=torch.bool).triu(1)
+    want = logits.masked_fill(later, float("-inf")).softmax(-1) @ v
+    torch.testing.assert_close(out, want, rtol=1e-9, atol=1e-11)
+
+
 @pytest.mark.parametrize("eps", [1e-3, 0.5])
 def test_causal_eps_shifts_each_rows_keys_by_their_maximum_up_to_it(eps):
     """eps > 0 with causal=True: row i's key features are exp(w.k' - |k'|^2/2 - c_i) +

@@ -19,12 +19,13 @@ before c and
 
     S_c = sum_{c' < c} e^(m_c' - M_c) T_c',   T_c = sum_{j in c} exp(l_j - m_c) [v_j, 1],
 
-one cumulative sum in float64 at a fixed reference shift (``_prefix_sums``: the keys'
-log-scales may span 700 in a sequence, not only float32's 88). ``eps > 0`` adds eps per
-feature after the shift (performer-pytorch's stabiliser): eps sum_f phi(q_i)_f times the
-plain prefix sum of [v_j, 1]. The shifts are constants for autograd.
+scanned in ceil(log2(C + 1)) vectorised steps of rescale-and-add (``_prefix_sums``),
+each factor at most 1: the keys' log-scales may span any range (a float64 cumulative sum
+at a fixed reference holds 709). ``eps > 0`` adds eps per feature after the shift
+(performer-pytorch's stabiliser): eps sum_f phi(q_i)_f times the plain prefix sum of
+[v_j, 1]. The shifts are constants for autograd.
 
-Time O(N L m + N m Dv), memory O(N m Dv / L + N L), as the other causal prefix sums.
+Time O(N L m + N m Dv + N m Dv log(N / L) / L), memory O(N m Dv / L + N L).
 """
 
 from __future__ import annotations
@@ -55,19 +56,24 @@ def _factor(shift: Tensor, top: Tensor) -> Tensor:
 def _prefix_sums(sums: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
     """Inclusive prefixes along dim 2 of ``sums [B, H, C, m, F]``, each taken at its
     ``shift [B, H, C]``: (sum_{c' <= c} sums_c' e^(shift_c' - M_c), M_c) with M_c the
-    running maximum of the shifts. One cumulative sum in float64 at a fixed reference,
-    the first finite shift (known from the first real key on, so no later key enters
-    an earlier prefix): its factors e^(shift - reference) hold a range of 700 in the
-    keys' log-scales, where float32 would hold 88."""
-    top = shift.cummax(2).values  # [B, H, C]
-    reference = torch.where(torch.isfinite(top), top, float("inf")).amin(2, keepdim=True)
-    reference = torch.where(torch.isfinite(reference), reference, 0.0)
-    up = _factor(shift.double(), reference.double())[..., None, None]
-    prefix = (sums.double() * up).cumsum(2)
-    top64 = top.double()  # -inf before the first real key, whose prefix is zero
-    down = torch.where(torch.isfinite(top64), (reference.double() - top64).exp(), 0.0)
-    down = down[..., None, None]
-    return (prefix * down).to(sums.dtype), top
+    running maximum of the shifts. A scan of ceil(log2 C) steps (Hillis and Steele
+    1986), each joining a prefix (P, M) with the one ``step`` chunks before it (P', M')
+    as P' e^(M' - max) + P e^(M - max): every factor is at most 1 whatever the range of
+    the keys' log-scales (one cumulative sum at a fixed reference overflowed float64
+    past a range of 709: keys of large norm first, ordinary ones later, gave NaN rows),
+    and no chunk after c enters prefix c."""
+    prefix, top = sums, shift
+    step = 1
+    while step < sums.shape[2]:
+        earlier, earlier_top = prefix[:, :, :-step], top[:, :, :-step]
+        later, later_top = prefix[:, :, step:], top[:, :, step:]
+        joint = torch.maximum(earlier_top, later_top)
+        joined = (earlier * _factor(earlier_top, joint)[..., None, None]
+                  + later * _factor(later_top, joint)[..., None, None])
+        prefix = torch.cat([prefix[:, :, :step], joined], 2)
+        top = torch.cat([top[:, :, :step], joint], 2)
+        step *= 2
+    return prefix, top
 
 
 def _log_scales(scale_basis: Tensor, valid: Tensor) -> Tensor:
