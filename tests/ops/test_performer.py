@@ -374,6 +374,38 @@ def test_causal_keys_far_below_later_ones_in_log_scale_give_finite_rows():
     torch.testing.assert_close(out, want, rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_causal_prefix_sums_of_ordinary_keys_take_one_cumulative_sum_equal_to_the_scan(
+        monkeypatch, dtype):
+    """Keys whose log-scales span less than CUMSUM_SPAN take the one-pass cumulative sum
+    (the scan's log2 C passes dominated at long lengths); it equals the scan, forced by
+    a span of -1, forward and backward, with padding and a start state."""
+    from skyformer.ops.performer import causal
+
+    q, k, v = (t.to(dtype).requires_grad_() for t in make_qkv(2, 2, 300, 8, dv=4, seed=6))
+    mask = torch.ones(2, 300, dtype=torch.bool)
+    mask[1, :37] = False
+    w = gaussian_projection(16, 8, generator=gen(3)).to(dtype)
+
+    def run():
+        out = performer_attention(q, k, v, projection=w, causal=True, num_features=16,
+                                  key_padding_mask=mask)
+        return (out, *torch.autograd.grad(out.square().sum(), (q, k, v)))
+
+    scans = []
+    by_scan = causal._prefix_sums_by_scan
+    monkeypatch.setattr(causal, "_prefix_sums_by_scan",
+                        lambda *a: scans.append(1) or by_scan(*a))
+    fast = run()
+    assert scans == []
+    monkeypatch.setattr(causal, "CUMSUM_SPAN", -1.0)
+    slow = run()
+    assert scans
+    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {}
+    for a, b in zip(fast, slow, strict=True):
+        torch.testing.assert_close(a, b, **tol)
+
+
 @pytest.mark.parametrize("eps", [1e-3, 0.5])
 def test_causal_eps_shifts_each_rows_keys_by_their_maximum_up_to_it(eps):
     """eps > 0 with causal=True: row i's key features are exp(w.k' - |k'|^2/2 - c_i) +

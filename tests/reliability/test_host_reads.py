@@ -42,6 +42,8 @@ READS_ON_PURPOSE = {
     "linformer": "whether every projected slot holds a real key (SDPA without a mask)",
     "nystrom_softmax": "on a CPU only, whether float32 keeps the Gaussian entries the sums "
                        "need (else float64)",
+    "performer": "causal, on a CPU only, whether the keys' log-scales span little enough "
+                 "for one cumulative sum (else the log-depth scan)",
     "skyformer_multipole": "the number of cluster blocks the fullest head needs",
     "softmax_multipole": "the number of cluster blocks the fullest head needs",
 }

@@ -19,13 +19,16 @@ before c and
 
     S_c = sum_{c' < c} e^(m_c' - M_c) T_c',   T_c = sum_{j in c} exp(l_j - m_c) [v_j, 1],
 
-scanned in ceil(log2(C + 1)) vectorised steps of rescale-and-add (``_prefix_sums``),
-each factor at most 1: the keys' log-scales may span any range (a float64 cumulative sum
-at a fixed reference holds 709). ``eps > 0`` adds eps per feature after the shift
+on a CPU one float64 cumulative sum at a fixed reference shift where the running maxima
+stay within 600 of it (``_prefix_sums``; float32 would hold 88), else (keys of large
+norm first, ordinary ones later; on a GPU; under tracers, which cannot read the span)
+scanned in
+ceil(log2(C + 1)) vectorised steps of rescale-and-add, each factor at most 1, for any
+range. ``eps > 0`` adds eps per feature after the shift
 (performer-pytorch's stabiliser): eps sum_f phi(q_i)_f times the plain prefix sum of
 [v_j, 1]. The shifts are constants for autograd.
 
-Time O(N L m + N m Dv + N m Dv log(N / L) / L), memory O(N m Dv / L + N L).
+Time O(N L m + N m Dv) (the scan: + N m Dv log(N / L) / L), memory O(N m Dv / L + N L).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch
 from torch import Tensor
 
 from ..shared.causal_prefix import CAUSAL_CHUNK, chunk_rows, lower_triangle
+from ..shared.tracing import may_read_values
 
 
 class RunningSums(NamedTuple):
@@ -53,15 +57,50 @@ def _factor(shift: Tensor, top: Tensor) -> Tensor:
     return torch.where(torch.isfinite(shift), (shift - top).exp(), 0.0)
 
 
+# A range of the keys' log-scales up to which one float64 cumulative sum at a fixed
+# reference holds the chunk sums (e^600 times the sums of 10^4 chunks stays far below
+# float64's e^709); beyond it the scan, whose factors are all at most 1.
+CUMSUM_SPAN = 600.0
+
+
 def _prefix_sums(sums: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
     """Inclusive prefixes along dim 2 of ``sums [B, H, C, m, F]``, each taken at its
     ``shift [B, H, C]``: (sum_{c' <= c} sums_c' e^(shift_c' - M_c), M_c) with M_c the
-    running maximum of the shifts. A scan of ceil(log2 C) steps (Hillis and Steele
-    1986), each joining a prefix (P, M) with the one ``step`` chunks before it (P', M')
-    as P' e^(M' - max) + P e^(M - max): every factor is at most 1 whatever the range of
-    the keys' log-scales (one cumulative sum at a fixed reference overflowed float64
-    past a range of 709: keys of large norm first, ordinary ones later, gave NaN rows),
-    and no chunk after c enters prefix c."""
+    running maximum of the shifts. On a CPU, one float64 cumulative sum at a fixed
+    reference where the running maxima stay within ``CUMSUM_SPAN`` of it (a read that
+    costs nothing there; in eager mode), else the log-depth scan; on a GPU always the
+    scan, since the read would make the host wait for the queue there."""
+    top = shift.cummax(2).values  # [B, H, C]
+    if shift.device.type == "cpu" and may_read_values(shift):
+        reference = torch.where(torch.isfinite(top), top, float("inf")).amin(2, keepdim=True)
+        reference = torch.where(torch.isfinite(reference), reference, 0.0)
+        span = torch.where(torch.isfinite(top), top - reference, 0.0).amax()
+        if bool(span <= CUMSUM_SPAN):
+            return _prefix_sums_at_reference(sums, shift, top, reference), top
+    return _prefix_sums_by_scan(sums, shift)
+
+
+def _prefix_sums_at_reference(sums: Tensor, shift: Tensor, top: Tensor,
+                              reference: Tensor) -> Tensor:
+    """``_prefix_sums`` as one cumulative sum in float64 at ``reference [B, H, 1]``,
+    the first finite shift (known from the first real key on, so no later key enters
+    an earlier prefix): its factors e^(shift - reference) are at most e^CUMSUM_SPAN,
+    and a chunk far below its prefix's maximum underflows where its weight would be
+    below e^-700 of that maximum's own. One pass over the chunk states, where the scan
+    takes ceil(log2 C) of them."""
+    up = _factor(shift.double(), reference.double())[..., None, None]
+    prefix = (sums.double() * up).cumsum(2)
+    top64 = top.double()  # -inf before the first real key, whose prefix is zero
+    down = torch.where(torch.isfinite(top64), (reference.double() - top64).exp(), 0.0)
+    return (prefix * down[..., None, None]).to(sums.dtype)
+
+
+def _prefix_sums_by_scan(sums: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
+    """``_prefix_sums`` by a scan of ceil(log2 C) steps (Hillis and Steele 1986), each
+    joining a prefix (P, M) with the one ``step`` chunks before it (P', M') as
+    P' e^(M' - max) + P e^(M - max): every factor is at most 1 whatever the range of
+    the keys' log-scales (keys of large norm first, ordinary ones later span more than
+    float64's 709), and no chunk after c enters prefix c."""
     prefix, top = sums, shift
     step = 1
     while step < sums.shape[2]:
