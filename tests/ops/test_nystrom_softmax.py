@@ -294,3 +294,21 @@ def test_kernel_triton_without_triton_names_the_option(monkeypatch, method):
     with pytest.raises(RuntimeError, match=r'kernel="triton".* needs Triton: pip install '
                                            r'triton \(or use kernel="auto"'):
         skyformer.attention(q, q, q, method=method, num_features=8, kernel="triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_causal_gradients_stay_finite_at_keys_past_the_exponent_range(dtype):
+    """Keys whose s|k|^2/2 passes what exp holds (900 here) with a last partial chunk:
+    the rows padding that chunk took exp(R_{c-1} - 0) = inf as their factor, whose
+    0 x inf in the backward pass made every gradient NaN; the outputs were finite."""
+    g = torch.Generator().manual_seed(0)
+    n = 70  # a chunk of 64 and a partial one
+    q, v = (torch.randn(1, 1, n, 4, dtype=torch.float64, generator=g) for _ in range(2))
+    k = torch.nn.functional.normalize(torch.randn(1, 1, n, 4, dtype=torch.float64,
+                                                  generator=g), dim=-1) * 60
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    out = skyformer.attention(*leaves, "nystrom_softmax", causal=True, num_features=8,
+                              generator=skyformer.random_key(0))
+    assert torch.isfinite(out).all()
+    for grad in torch.autograd.grad(out.sum(), leaves):
+        assert torch.isfinite(grad).all()

@@ -85,8 +85,10 @@ def causal_nystrom_softmax(q: Tensor, k: Tensor, v: Tensor, info: AttentionInput
         mix = end[..., None, :] - before[..., :, None]  # R_c' - R_{c-1}: [B, H, C, C]
         mix = torch.where(earlier & torch.isfinite(end)[..., None, :], mix, float("-inf")).exp()
         r_safe = torch.where(torch.isfinite(r), r, 0.0)
+        # rows past N get 0: exp(R_{c-1} - 0) overflowed at large keys, and its 0 x inf
+        # in the backward pass made every gradient NaN
         row_factor = torch.where(torch.isfinite(before)[..., None],
-                                 before[..., None] - _chunks(r_safe, chunk, 0.0),
+                                 before[..., None] - _chunks(r_safe, chunk, float("inf")),
                                  float("-inf")).exp()  # exp(R_{c-1} - r_i): [B, H, C, L]
         own_end = end.repeat_interleave(chunk, -1)[..., :n]  # R_c of each key's chunk
         key_factor = torch.where(real, r - own_end, float("-inf")).exp()  # [B, H, N]
