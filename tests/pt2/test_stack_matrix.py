@@ -644,9 +644,38 @@ def test_export_with_a_symbolic_length_is_refused_where_control_flow_follows_it(
         _export_symbolic_length(_Functional(method), masked=True)
 
 
-def test_export_with_a_symbolic_length_refuses_the_causal_chunks():
-    with pytest.raises(skyformer.CapabilityError, match="causal form runs by chunks of 64"):
-        _export_symbolic_length(_Functional("skyformer", causal=True), masked=True)
+@pytest.mark.parametrize("method", [m for m in METHODS if get_method(m).capabilities.causal
+                                    and not get_method(m).capabilities.exact])
+def test_export_of_a_causal_form_with_a_symbolic_length_equals_eager(method, matrix):
+    """The causal forms run by chunks of 64 positions, whose count and last partial
+    chunk follow N ("Constraints violated (N)"): while exporting, the chunks are gathered
+    rows with two chunks of padding more. Below one chunk, at one chunk and at two and a
+    partial one, a sequence with left padding and a hole beside one without, the
+    program equals eager, gradients included."""
+    matrix("export, symbolic N", f"{method} causal")
+    options = {"num_features": 6} if "num_features" in get_method(method).bind().options() \
+        else {}
+    module = _Functional(method, causal=True, **options)
+    length = torch.export.Dim("N", min=2, max=1024)
+
+    def inputs(n):
+        mask = torch.ones(2, n, dtype=torch.bool)
+        mask[0, :2] = False
+        if n > 3:
+            mask[0, n // 2] = False  # a hole
+        return (*make_qkv(2, 2, n, 4, dtype=torch.float64), mask, random_key(4))
+
+    program = torch.export.export(module, inputs(12), dynamic_shapes=(
+        {2: length}, {2: length}, {2: length}, {1: length}, None)).module()
+    for n in (3, 64, 150):
+        q, k, v, mask, key = inputs(n)
+        leaves = [t.requires_grad_() for t in (q, k, v)]
+        got, want = program(*leaves, mask, key), module(*leaves, mask, key)
+        torch.testing.assert_close(got, want)
+        weights = torch.randn_like(got)
+        for a, b in zip(torch.autograd.grad((got * weights).sum(), leaves),
+                        torch.autograd.grad((want * weights).sum(), leaves), strict=True):
+            torch.testing.assert_close(a, b)
 
 
 def test_export_with_a_symbolic_length_names_the_minimum_of_a_capped_budget():

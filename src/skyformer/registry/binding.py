@@ -25,7 +25,6 @@ import torch
 from torch import Tensor, nn
 
 from ..linalg.functional_ops import exporting
-from ..ops.shared.causal_prefix import CAUSAL_CHUNK
 from ..ops.shared.inputs import check_query_mask_word
 from ..sketch.rng import cpu_draws_seeded
 from .autocast import call_core
@@ -82,16 +81,13 @@ def check_symbolic_length(method: Method, config: Any, q: Any, k: Any) -> None:
     """Fail with a sentence where ``torch.export`` traces a symbolic sequence length
     (``torch.export.Dim`` for N) that the call cannot follow, rather than let export
     report a guard it cannot prove deep inside torch: control flow that follows N
-    (``Capabilities.fixed_shapes_because``), a causal form by chunks of positions, or
-    a token budget that the lengths the Dim allows would cap (``autocast.capped``)."""
+    (``Capabilities.fixed_shapes_because``), or a token budget that the lengths the Dim
+    allows would cap (``autocast.capped``). The causal forms by chunks of positions
+    export (``ops/shared/causal_prefix.py``)."""
     lengths = [t.shape[-2] for t in (q, k) if isinstance(t, Tensor) and t.dim() >= 2]
     if all(isinstance(n, int) for n in lengths) or not exporting():
         return
     why, able = method.capabilities.fixed_shapes_because, ", ".join(_symbolic())
-    if why is None and getattr(config, "causal", False) is True \
-            and not method.capabilities.exact:
-        why = f"its causal form runs by chunks of {CAUSAL_CHUNK} positions"
-        able = "its non-causal form, or the exact methods, softmax and kernelized"
     if why is not None:
         raise CapabilityError(
             f"{method.name} cannot be exported with a symbolic sequence length "
@@ -110,7 +106,7 @@ def check_symbolic_length(method: Method, config: Any, q: Any, k: Any) -> None:
 
 
 def _symbolic() -> list[str]:
-    """The methods whose non-causal form exports with a symbolic length."""
+    """The methods that export with a symbolic length (their causal forms too)."""
     from .methods import get_method, list_methods  # the registry imports this module
 
     return [name for name in list_methods()

@@ -29,7 +29,6 @@ Unreliable rows: as in the non-causal path, a row whose normaliser D~_i is at mo
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ...linalg import gaussian_kernel_block, half_sq_norm, with_ones_column
@@ -40,15 +39,20 @@ from ..shared.causal_nystrom import (
     nystrom_features,
     uses_failed,
 )
-from ..shared.causal_prefix import CAUSAL_CHUNK, chunk_rows, lower_triangle, prefix_mean_values
+from ..shared.causal_prefix import (
+    CAUSAL_CHUNK,
+    chunk_rows,
+    lower_triangle,
+    prefix_mean_values,
+    unchunk_rows,
+)
 from ..shared.inputs import AttentionInputs
 from ..shared.normalised import normalised_or
 
 
 def _chunks(x: Tensor, chunk: int, fill: float) -> Tensor:
     """``[B, H, N] -> [B, H, C, L]`` padded with ``fill``."""
-    n = x.shape[-1]
-    return F.pad(x, (0, (-n) % chunk), value=fill).unflatten(-1, (-1, chunk))
+    return chunk_rows(x[..., None], chunk, fill)[..., 0]
 
 
 def _earlier_chunks(mix: Tensor, t: Tensor) -> Tensor:
@@ -78,7 +82,9 @@ def causal_nystrom_softmax(q: Tensor, k: Tensor, v: Tensor, info: AttentionInput
         log_e = half_sq_norm(ks).masked_fill(~real, float("-inf"))
         r = log_e.cummax(dim=-1).values  # [B, H, N], -inf before the first real key
         r_c = _chunks(r, chunk, float("-inf"))  # [B, H, C, L]
-        end = r_c.amax(-1)  # R_c: [B, H, C]
+        # R_c: [B, H, C]; carried over the chunks of padding alone that export appends
+        # (causal_prefix.py), whose -inf made their mix entries inf (NaN gradients)
+        end = r_c.amax(-1).cummax(-1).values
         before = torch.cat([torch.full_like(end[..., :1], float("-inf")), end[..., :-1]], -1)
         c = end.shape[-1]
         earlier = torch.ones(c, c, dtype=torch.bool, device=q.device).tril(-1)
@@ -90,7 +96,8 @@ def causal_nystrom_softmax(q: Tensor, k: Tensor, v: Tensor, info: AttentionInput
         row_factor = torch.where(torch.isfinite(before)[..., None],
                                  before[..., None] - _chunks(r_safe, chunk, float("inf")),
                                  float("-inf")).exp()  # exp(R_{c-1} - r_i): [B, H, C, L]
-        own_end = end.repeat_interleave(chunk, -1)[..., :n]  # R_c of each key's chunk
+        own_end = unchunk_rows(end[..., None, None].expand(*end.shape, chunk, 1),
+                               n)[..., 0]  # R_c of each key's chunk
         key_factor = torch.where(real, r - own_end, float("-inf")).exp()  # [B, H, N]
     # exp(k^.x_s - |x_s|^2/2 - r_j) <= 1: C(X_S, k_j) E_K / exp(r_j)
     expo = ks @ core.x.transpose(-1, -2) - core.x_norm[..., None, :] - r_safe[..., None]
@@ -118,8 +125,8 @@ def causal_nystrom_softmax(q: Tensor, k: Tensor, v: Tensor, info: AttentionInput
         shift = r_rows[..., None, :] - r_rows[..., :, None]  # r_j - r_i
         near = lower_triangle((q_c @ chunk_rows(psi_k, chunk).transpose(-1, -2))
                               * torch.where(shift <= 0, shift, 0.0).exp())
-    o = (far + near @ v_c).flatten(2, 3)[:, :, :n]
-    bound = (bound + near.abs().sum(-1, keepdim=True)).flatten(2, 3)[:, :, :n]
+    o = unchunk_rows(far + near @ v_c, n)
+    bound = unchunk_rows(bound + near.abs().sum(-1, keepdim=True), n)
     numerator, denominator = o.split([dv, o.shape[-1] - dv], dim=-1)  # one backward write
     fallback = prefix_mean_values(v, info.key_valid)
     out = normalised_or(numerator, denominator, fallback, denominator > threshold * bound)

@@ -38,7 +38,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..shared.causal_prefix import CAUSAL_CHUNK, chunk_rows, lower_triangle
+from ..shared.causal_prefix import CAUSAL_CHUNK, chunk_rows, lower_triangle, unchunk_rows
 from ..shared.tracing import may_read_values
 
 
@@ -187,7 +187,7 @@ def causal_performer_sums(phi_q: Tensor, log_k: Tensor, scale_basis: Tensor, v1:
     local = lower_triangle((q_c @ k_c.transpose(-1, -2)) * exponent.exp())
     out = ((q_c @ before) * _factor(before_shift[..., None], row_shift)[..., None]
            + local @ v_c)  # [B, H, C, L, F]
-    out = out.flatten(2, 3)[:, :, :n]
+    out = unchunk_rows(out, n)
     real_v1 = torch.where(valid, v1, 0.0)
     if eps:
         plain = start.plain + real_v1.cumsum(2)  # [B, H, N, F]

@@ -15,6 +15,15 @@ not even through rounding: S_c sums earlier chunks only, and the block is masked
 ``where`` (exact zeros, also in the gradient).
 
 Time O(N L m + N m Dv), memory O(N m Dv / L + N L): matmul-bound.
+
+While ``torch.export`` traces (N may be a symbol, ``torch.export.Dim``, which its
+strict mode does not show as one), the chunks are gathered rows of N followed by
+padding, two chunks more than ceil(N / L): export cannot decide a size that is 1 at
+some lengths of the Dim's range and more at others (a dim of size 1 broadcasts), so
+C and the count of earlier chunks C - 1 are never 1 there, and it cannot divide
+N + ((-N) mod L) by L for the view eager code takes. The padding rows come after
+every real position, as in eager code, so the outputs are the same; eager and
+compiled code keep ceil(N / L) chunks.
 """
 
 from __future__ import annotations
@@ -23,18 +32,36 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ...linalg.functional_ops import exporting
+
 # Positions per chunk: the intra-chunk block is CAUSAL_CHUNK^2 per head, the prefix states
 # (N / CAUSAL_CHUNK) m Dv, both O(N m) for m ~ CAUSAL_CHUNK.
 CAUSAL_CHUNK = 64
+# Chunks of padding appended while exporting (module docstring)
+EXPORT_CHUNKS = 2
 
 
-def chunk_rows(x: Tensor, chunk: int) -> Tensor:
-    """``[B, H, N, F] -> [B, H, C, L, F]`` with C = ceil(N / L), zero rows appended."""
+def chunk_rows(x: Tensor, chunk: int, fill: float = 0.0) -> Tensor:
+    """``[B, H, N, F] -> [B, H, C, L, F]`` with C = ceil(N / L) (two more while
+    exporting: module docstring), rows of ``fill`` appended."""
     b, h, n, f = x.shape
+    if exporting():  # [C, L] row indices into a static padding, no view of N rows
+        count = (n + chunk - 1) // chunk + EXPORT_CHUNKS
+        rows = torch.arange(count, device=x.device)[:, None] * chunk \
+            + torch.arange(chunk, device=x.device)
+        return F.pad(x, (0, 0, 0, (EXPORT_CHUNKS + 1) * chunk), value=fill)[:, :, rows]
     pad = (-n) % chunk
     if pad:
-        x = F.pad(x, (0, 0, 0, pad))
+        x = F.pad(x, (0, 0, 0, pad), value=fill)
     return x.reshape(b, h, (n + pad) // chunk, chunk, f)
+
+
+def unchunk_rows(x: Tensor, n: int) -> Tensor:
+    """``[B, H, C, L, F] -> [B, H, N, F]``: the first ``n`` rows of the chunks."""
+    rows = x.flatten(2, 3)
+    if exporting():  # a slice would need n <= C L, which export cannot prove
+        return rows.index_select(2, torch.arange(n, device=x.device))
+    return rows[:, :, :n]
 
 
 def exclusive_chunk_sums(psi_k: Tensor, v: Tensor) -> Tensor:
@@ -69,7 +96,7 @@ def causal_feature_sums(phi_q: Tensor, psi_k: Tensor, v: Tensor, *,
     before = exclusive_chunk_sums(k_c, v_c)  # [B, H, C, m, Dv]
     scores = q_c @ k_c.transpose(-1, -2) if local is None else local  # [B, H, C, L, L]
     out = q_c @ before + lower_triangle(scores) @ v_c  # [B, H, C, L, Dv]
-    return out.flatten(2, 3)[:, :, :n]
+    return unchunk_rows(out, n)
 
 
 def prefix_mean_values(v: Tensor, key_valid: Tensor | None) -> Tensor:
