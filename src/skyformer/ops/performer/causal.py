@@ -21,8 +21,8 @@ before c and
 
 on a CPU one float64 cumulative sum at a fixed reference shift where the running maxima
 stay within 600 of it (``_prefix_sums``; float32 would hold 88), else (keys of large
-norm first, ordinary ones later; on a GPU; under tracers, which cannot read the span)
-scanned in
+norm first, ordinary ones later; on a GPU; under tracers, which cannot read the span;
+not while exporting, whose symbolic lengths leave the step count unknown) scanned in
 ceil(log2(C + 1)) vectorised steps of rescale-and-add, each factor at most 1, for any
 range. ``eps > 0`` adds eps per feature after the shift
 (performer-pytorch's stabiliser): eps sum_f phi(q_i)_f times the plain prefix sum of
@@ -38,6 +38,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ...linalg.functional_ops import exporting
 from ..shared.causal_prefix import CAUSAL_CHUNK, chunk_rows, lower_triangle, unchunk_rows
 from ..shared.tracing import may_read_values
 
@@ -69,11 +70,15 @@ def _prefix_sums(sums: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
     running maximum of the shifts. On a CPU, one float64 cumulative sum at a fixed
     reference where the running maxima stay within ``CUMSUM_SPAN`` of it (a read that
     costs nothing there; in eager mode), else the log-depth scan; on a GPU always the
-    scan, since the read would make the host wait for the queue there."""
+    scan, since the read would make the host wait for the queue there. While exporting
+    always the cumulative sum: the scan's step count follows the number of chunks,
+    which a symbolic length leaves unknown (an exported program holds a span of ~700)."""
     top = shift.cummax(2).values  # [B, H, C]
+    reference = torch.where(torch.isfinite(top), top, float("inf")).amin(2, keepdim=True)
+    reference = torch.where(torch.isfinite(reference), reference, 0.0)
+    if exporting():
+        return _prefix_sums_at_reference(sums, shift, top, reference), top
     if shift.device.type == "cpu" and may_read_values(shift):
-        reference = torch.where(torch.isfinite(top), top, float("inf")).amin(2, keepdim=True)
-        reference = torch.where(torch.isfinite(reference), reference, 0.0)
         span = torch.where(torch.isfinite(top), top - reference, 0.0).amax()
         if bool(span <= CUMSUM_SPAN):
             return _prefix_sums_at_reference(sums, shift, top, reference), top
