@@ -3,20 +3,13 @@ CSV of a part both carry what the run used."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-if str(BENCHMARKS) not in sys.path:  # the scripts import their helpers, as run from there
-    sys.path.insert(0, str(BENCHMARKS))
-spec = importlib.util.spec_from_file_location("accuracy_first_benchmark",
-                                              BENCHMARKS / "accuracy_first.py")
-benchmark = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(benchmark)
+from tests.benchmark_scripts import load_benchmark
+
+benchmark = load_benchmark("accuracy_first")
 
 
 def _speed(n, repeats):

@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "causal_lm.py"
-if str(SCRIPT.parent) not in sys.path:  # the scripts import their helpers, as run from there
-    sys.path.insert(0, str(SCRIPT.parent))
-spec = importlib.util.spec_from_file_location("causal_lm_benchmark", SCRIPT)
-causal_lm = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(causal_lm)
+from tests.benchmark_scripts import load_benchmark
+
+causal_lm = load_benchmark("causal_lm")
 
 TINY = ["--ns", "16", "32", "--steps", "2", "--eval-every", "1", "--dim", "16", "--heads", "2",
         "--m", "4", "--tokens-per-step", "64", "--layers", "1"]

@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "causal_window.py"
-if str(SCRIPT.parent) not in sys.path:  # the scripts import their helpers, as run from there
-    sys.path.insert(0, str(SCRIPT.parent))
-spec = importlib.util.spec_from_file_location("causal_window_benchmark", SCRIPT)
-causal_window = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(causal_window)
+from tests.benchmark_scripts import load_benchmark
+
+causal_window = load_benchmark("causal_window")
 
 
 def test_both_files_record_the_config_and_the_environment(tmp_path):

@@ -3,23 +3,16 @@ it ran with."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.benchmark_scripts import load_benchmark
+
 pytest.importorskip("transformers")
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-if str(BENCHMARKS) not in sys.path:  # the scripts import their helpers, as run from there
-    sys.path.insert(0, str(BENCHMARKS))
-spec = importlib.util.spec_from_file_location("decoding_memory_benchmark",
-                                              BENCHMARKS / "decoding_memory.py")
-benchmark = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(benchmark)
+benchmark = load_benchmark("decoding_memory")
 
 
 def test_tiny_run_writes_its_table_settings_environment_and_command(tmp_path):

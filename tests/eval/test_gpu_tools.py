@@ -3,30 +3,18 @@ the tools the GPU measurement depends on run, and say so where they cannot."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.benchmark_scripts import BENCHMARKS, load_benchmark
 from tests.devices import needs_interpreter
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 # These run the GPU tools on CPU tensors, most with the Triton kernels: under the
 # interpreter only (on a GPU machine, where it is off, the tools themselves run there).
 pytestmark = needs_interpreter
-
-
-def _load(name):
-    if str(BENCHMARKS) not in sys.path:  # the scripts import each other, as run from there
-        sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location(f"{name}_benchmark", BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _assert_run_recorded(result, script, argv):
@@ -39,7 +27,7 @@ def _assert_run_recorded(result, script, argv):
 
 
 def test_profile_summarises_every_method_on_the_cpu(tmp_path):
-    gpu_profile = _load("gpu_profile")
+    gpu_profile = load_benchmark("gpu_profile")
     out = tmp_path / "profile"
     argv = ["--device", "cpu", "--shape", "1,2,8,float32", "--seq-lens", "32", "--features",
             "8", "--iterations", "1", "--top", "3", "--out", str(out)]
@@ -59,12 +47,12 @@ def test_profile_summarises_every_method_on_the_cpu(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
 def test_profile_without_cuda_says_how_to_check_the_script(capsys):
-    assert _load("gpu_profile").main(["--seq-lens", "32"]) == 2
+    assert load_benchmark("gpu_profile").main(["--seq-lens", "32"]) == 2
     assert "--device cpu" in capsys.readouterr().err
 
 
 def test_occupancy_follows_the_register_file_and_shared_memory():
-    resources = _load("triton_resources")
+    resources = load_benchmark("triton_resources")
     # 128 registers x 128 threads = 16K of the 64K registers: 4 blocks, 16 warps
     assert resources._occupancy(128, 0, 4, 90)["warps_per_sm"] == 16
     # 255 registers round up to 256 a thread: 2 blocks of 4 warps
@@ -111,7 +99,7 @@ def test_kernel_benchmark_runs_on_the_cpu_under_the_interpreter(tmp_path):
     out = tmp_path / "kernels.json"
     argv = ["--device", "cpu", "--seq-lens", "40", "--features", "8", "--repeats", "1",
             "--out", str(out)]
-    assert _load("gpu_kernels").main(argv) == 0
+    assert load_benchmark("gpu_kernels").main(argv) == 0
     result = json.loads(out.read_text())
     _assert_run_recorded(result, "gpu_kernels.py", argv)
     assert result["config"]["shapes"] == ["1,1,16,float32"] and result["config"]["repeats"] == 1
@@ -125,7 +113,7 @@ def test_kernel_benchmark_runs_on_the_cpu_under_the_interpreter(tmp_path):
         for kernel in ("torch", "triton", "triton+implicit") for mode in ("fwd", "fwd+bwd")}
     assert result["fallbacks"] == []
     # a short loan: the calls named (and sdpa, the ratios' base), no core
-    assert _load("gpu_kernels").main([
+    assert load_benchmark("gpu_kernels").main([
         "--device", "cpu", "--seq-lens", "40", "--features", "8", "--repeats", "1",
         "--calls", "skyformer/triton+implicit*", "--no-core", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
@@ -143,7 +131,7 @@ def test_the_guard_rows_leave_the_marks_to_the_guards_passes():
     from skyformer.linalg import triton_kernels
     from skyformer.registry import autocast, guard
 
-    gpu_kernels = _load("gpu_kernels")
+    gpu_kernels = load_benchmark("gpu_kernels")
     q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
     seen = []
 
@@ -172,7 +160,7 @@ def test_the_kernel_benchmark_names_a_kernel_that_fell_back(monkeypatch):
     run says so (``fallbacks``)."""
     from skyformer.linalg import kernel_matmul_triton
 
-    gpu_kernels = _load("gpu_kernels")
+    gpu_kernels = load_benchmark("gpu_kernels")
     assert gpu_kernels._fallbacks() == []
     failures = {(torch.device("cuda", 0), torch.bfloat16)}
     monkeypatch.setattr(kernel_matmul_triton.ONE_PASS_FALLBACK, "failures", failures)
@@ -188,7 +176,7 @@ def test_the_one_pass_sweep_runs_on_the_cpu_under_the_interpreter(tmp_path):
     out = tmp_path / "sweep"
     argv = ["--device", "cpu", "--seq-lens", "24", "--head-dims", "8", "--dtypes", "float32",
             "--features", "8", "--iterations", "1", "--out", str(out)]
-    assert _load("one_pass_sweep").main(argv) == 0
+    assert load_benchmark("one_pass_sweep").main(argv) == 0
     result = json.loads(out.with_suffix(".json").read_text())
     _assert_run_recorded(result, "one_pass_sweep.py", argv)
     assert result["config"]["batch_heads"] == ["1,1"] and result["config"]["head_dims"] == [8]
@@ -210,7 +198,7 @@ def test_lemma3_tile_sweep_runs_on_the_cpu_under_the_interpreter(tmp_path):
     from skyformer.linalg.graph_launches import graph_launches_on
 
     out = tmp_path / "tiles.json"
-    tiles = _load("lemma3_tiles")
+    tiles = load_benchmark("lemma3_tiles")
     argv = ["--device", "cpu", "--options", "16,16,4,2", "32,16,4,1", "16,16,4,1,pass",
             "--out", str(out)]
     assert tiles.main(argv) == 0
@@ -262,7 +250,7 @@ def test_product_tile_sweep_runs_on_the_cpu_under_the_interpreter(tmp_path):
     out = tmp_path / "tiles.json"
     argv = ["--device", "cpu", "--features", "16",  # a 16 x 16 core
             "--rows", "32,16,4,1", "--cols", "32,32,4,2", "--out", str(out)]
-    assert _load("product_tiles").main(argv) == 0
+    assert load_benchmark("product_tiles").main(argv) == 0
     result = json.loads(out.read_text())
     _assert_run_recorded(result, "product_tiles.py", argv)
     assert result["config"]["shape"] == "1,1,16,float32" and result["config"]["seq_len"] == 64
@@ -272,7 +260,7 @@ def test_product_tile_sweep_runs_on_the_cpu_under_the_interpreter(tmp_path):
     assert sum(row["default"] for row in result["rows"]) == 2
     best = result["best"]
     assert best["width"] == 16 and len(best["rows"]) == len(best["cols"]) == 4
-    with _load("tuned").applied([str(out)]):
+    with load_benchmark("tuned").applied([str(out)]):
         assert list(triton_kernels._row_tiles(16, 16, torch.float32)) == best["rows"]
         assert list(triton_kernels._col_tiles(16, 8, torch.float32)) == best["cols"]
         assert triton_kernels._row_tiles(64, 64, torch.float32) == (64, 32, 4, 1)
@@ -280,7 +268,7 @@ def test_product_tile_sweep_runs_on_the_cpu_under_the_interpreter(tmp_path):
     bad = tmp_path / "other.json"
     bad.write_text("{}")
     with pytest.raises(SystemExit, match="not the output of"), \
-            _load("tuned").applied([str(bad)]):
+            load_benchmark("tuned").applied([str(bad)]):
         pass
 
 
@@ -294,7 +282,7 @@ def test_flash_tile_sweep_runs_on_the_cpu_under_the_interpreter(tmp_path):
     out = tmp_path / "flash.json"
     argv = ["--device", "cpu", "--forward", "32,16,4,1", "--keys", "16,32,4,2",
             "--queries", "64,32,4,2", "--out", str(out)]
-    assert _load("flash_tiles").main(argv) == 0
+    assert load_benchmark("flash_tiles").main(argv) == 0
     result = json.loads(out.read_text())
     _assert_run_recorded(result, "flash_tiles.py", argv)
     assert result["config"]["shape"] == "1,1,16,float32" and result["config"]["repeats"] == 1
@@ -306,7 +294,7 @@ def test_flash_tile_sweep_runs_on_the_cpu_under_the_interpreter(tmp_path):
     assert sum(row["default"] for row in result["rows"]) == 3
     best = result["best"]
     assert (best["dtype"], best["head_dim"]) == ("float32", 16)
-    with _load("tuned").applied([str(out)]):
+    with load_benchmark("tuned").applied([str(out)]):
         keys = triton_flash.flash_tiles(torch.float32, 16, "keys")
         assert [keys["BLOCK_N"], keys["BLOCK_M"], keys["num_warps"], keys["num_stages"]] \
             == best["keys"]
@@ -318,7 +306,7 @@ def test_host_time_stubs_every_launch_and_reports_each_method(tmp_path, monkeypa
     """Host time with the Triton launches stubbed: no kernel may run (under the
     interpreter a launch that escaped the stubs would be timed as host work)."""
     interpreter = pytest.importorskip("triton.runtime.interpreter")
-    host_time = _load("host_time")
+    host_time = load_benchmark("host_time")
 
     def refuse(self, *args, **kwargs):
         raise AssertionError(f"{self.fn.__name__} was launched")
@@ -346,7 +334,7 @@ def test_host_split_times_the_call_with_and_without_its_kernels(tmp_path, monkey
     the rows compared are timed in one interleaved run (the stubbed call had a run of its
     own, after the others)."""
     pytest.importorskip("triton")
-    split = _load("gpu_host_split")
+    split = load_benchmark("gpu_host_split")
     runs = []
     timed = split.interleaved_seconds
     monkeypatch.setattr(split, "interleaved_seconds",
@@ -372,7 +360,7 @@ def test_host_split_times_the_call_with_and_without_its_kernels(tmp_path, monkey
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
 def test_host_split_without_cuda_says_how_to_check_the_script(capsys):
     with pytest.raises(SystemExit):
-        _load("gpu_host_split").main([])
+        load_benchmark("gpu_host_split").main([])
     assert "--device cpu" in capsys.readouterr().err
 
 
@@ -381,7 +369,7 @@ def test_stubbed_memory_counts_what_each_variant_holds(tmp_path):
     16 more m x m float32 matrices a matrix from the forward to the backward pass, and
     an inference call's peak is no more than a differentiated call's."""
     pytest.importorskip("triton")
-    memory = _load("stubbed_memory")
+    memory = load_benchmark("stubbed_memory")
     out = tmp_path / "memory.md"
     b, h, m = 1, 4, 64  # 1 MiB of kept products: the table has 0.1 MiB steps
     argv = ["--shape", f"{b},{h},128,16", "--features", str(m), "--dtype", "float32",
@@ -534,7 +522,7 @@ NAN, INF = float("nan"), float("inf")
 
 
 def _kernels_with_a_nan_time(monkeypatch, out):
-    module = _load("gpu_kernels")
+    module = load_benchmark("gpu_kernels")
     monkeypatch.setattr(module, "_matmul_rate", lambda device: {"bfloat16": INF,
                                                                 "float32": INF})
     monkeypatch.setattr(module, "_calls", lambda *args: {"sdpa": lambda: None})
@@ -547,7 +535,7 @@ def _kernels_with_a_nan_time(monkeypatch, out):
 
 
 def _profile_with_a_nan_time(monkeypatch, out):
-    module = _load("gpu_profile")
+    module = load_benchmark("gpu_profile")
     monkeypatch.setattr(module, "profile_call", lambda *args: {
         "wall_ms": NAN, "host_ms": NAN, "syncs": 0, "busy_ms": NAN, "idle_share": NAN,
         "launches": 1, "host_top": [], "top": []})
@@ -557,7 +545,7 @@ def _profile_with_a_nan_time(monkeypatch, out):
 
 
 def _lra_with_a_nan_time(monkeypatch, out):
-    module = _load("lra_gpu")
+    module = load_benchmark("lra_gpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "stub")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
@@ -567,20 +555,20 @@ def _lra_with_a_nan_time(monkeypatch, out):
 
 
 def _lemma3_with_a_nan_time(monkeypatch, out):
-    module = _load("lemma3_tiles")
+    module = load_benchmark("lemma3_tiles")
     monkeypatch.setattr(module, "measure", lambda *args: ([{"ms": NAN}], {}))
     assert module.main(["--device", "cpu", "--out", str(out)]) == 0
     return _strict(out.read_text())["rows"][0]["ms"]
 
 
 def _sweep_with_a_nan_time(monkeypatch, out):
-    _load("tile_sweep").record("products", [{"ms": NAN}], {}, [], str, str(out), False, {})
+    load_benchmark("tile_sweep").record("products", [{"ms": NAN}], {}, [], str, str(out), False, {})
     return _strict(out.read_text())["rows"][0]["ms"]
 
 
 def _resources_with_a_nan_count(monkeypatch, out):
     pytest.importorskip("triton")
-    module = _load("triton_resources")
+    module = load_benchmark("triton_resources")
     launch = {"module": "m", "kernel": "k", "constants": {}, "options": {}, "arguments": {}}
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(module.subprocess, "run", lambda *args, **kwargs: _completed(
@@ -599,7 +587,7 @@ def test_triton_resources_records_its_settings_environment_and_command(monkeypat
     environment and the command (it held Triton's version and the kernel options alone);
     the recording and the compiler stubbed."""
     pytest.importorskip("triton")
-    module = _load("triton_resources")
+    module = load_benchmark("triton_resources")
     launch = {"module": "m", "kernel": "k", "constants": {}, "options": {}, "arguments": {}}
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(module.subprocess, "run", lambda *args, **kwargs: _completed(
@@ -627,7 +615,7 @@ def _completed(stdout):
 def _causal_window_with_a_nan_error(monkeypatch, out):
     row = {"layer": 0, "method": "skyformer", "causal_local": True, "n": 8,
            "num_features": 4, "error_mean": NAN, "error_std": NAN, "seeds": 1}
-    _load("causal_window").write([row], out, {"max": INF})
+    load_benchmark("causal_window").write([row], out, {"max": INF})
     result = _strict(out.with_suffix(".json").read_text())
     assert result["config"] == {"max": None}
     return result["rows"][0]["error_mean"]
@@ -648,7 +636,7 @@ def test_the_paired_steps_benchmark_says_it_needs_a_gpu(capsys):
     (on a GPU the CUDA test run does not start it; docs/gpu.md has its measurement)."""
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: the script would time it")
-    assert _load("paired_steps").main(["--repeats", "1"]) == 2
+    assert load_benchmark("paired_steps").main(["--repeats", "1"]) == 2
     assert "run it on a machine with a GPU" in capsys.readouterr().err
 
 
@@ -656,7 +644,7 @@ def test_paired_steps_writes_its_times_settings_environment_and_command(monkeypa
                                                                         tmp_path):
     """Beside the text table, a JSON of the times with what they were measured with (the
     CUDA calls stubbed: they need a GPU)."""
-    module = _load("paired_steps")
+    module = load_benchmark("paired_steps")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "stub")
     monkeypatch.setattr(module, "calls", lambda matrices, m: {f"{matrices}, eager": None})
@@ -677,7 +665,7 @@ def test_launch_counts_writes_its_counts_settings_environment_and_command(monkey
                                                                           tmp_path):
     """Beside the Markdown table, a JSON of the counts with what they were counted with
     (the counting stubbed)."""
-    module = _load("launch_counts")
+    module = load_benchmark("launch_counts")
     monkeypatch.setattr(module, "count", lambda method, b, h, n, d, m: m)
     out = tmp_path / "counts.md"
     argv = ["--features", "8", "--out", str(out)]
@@ -703,7 +691,7 @@ def test_the_kernel_benchmarks_one_pass_row_runs_the_one_pass_kernel(monkeypatch
     q, k, v, grad = (torch.randn(1, 1, 40, 8) for _ in range(4))
     for t in (q, k, v):
         t.requires_grad_(True)
-    calls = _load("gpu_kernels")._calls(q, k, v, grad, 8, compiled=False)
+    calls = load_benchmark("gpu_kernels")._calls(q, k, v, grad, 8, compiled=False)
     calls["skyformer/triton+implicit"]()
     assert seen == [] and not kernel_matmul_triton.ONE_PASS_BACKWARD
     calls["skyformer/triton+implicit+one-pass"]()
@@ -717,7 +705,7 @@ def test_the_half_gradient_benchmark_runs_on_the_cpu(tmp_path):
     out = tmp_path / "half"
     argv = ["--methods", "nystrom_softmax", "--noise", "0.1", "--n", "24", "--head-dim", "8",
             "--features", "8", "--out", str(out)]
-    assert _load("half_gradients").main(argv) == 0
+    assert load_benchmark("half_gradients").main(argv) == 0
     saved = json.loads(out.with_suffix(".json").read_text())
     assert saved["config"]["methods"] == ["nystrom_softmax"] and saved["config"]["noise"] == [0.1]
     assert saved["environment"]["torch_threads"] == torch.get_num_threads()
@@ -736,7 +724,7 @@ def test_half_gradients_gives_every_call_the_same_output_weights(monkeypatch):
     """The gradients are compared against float64 for the same upstream gradient: the
     output weights rounded to bfloat16 as q, k and v are, in the reference too (rounded
     in the bfloat16 call alone, their rounding counted as the call's gradient error)."""
-    half_gradients = _load("half_gradients")
+    half_gradients = load_benchmark("half_gradients")
     monkeypatch.setattr(half_gradients.skyformer, "attention",
                         lambda q, k, v, method, **options: q + k + v)  # dv = the weights
     inputs = half_gradients.clustered(8, 4, 2, 0.1, seed=0)
@@ -759,7 +747,7 @@ def test_triton_resources_records_the_graph_launches_on_request(monkeypatch):
 
     # the recording stands the target's capability in for the device's: undone after
     monkeypatch.setattr(triton_kernels, "device_capability", triton_kernels.device_capability)
-    record = _load("triton_resources")._record_launches
+    record = load_benchmark("triton_resources")._record_launches
     spec = {"method": "skyformer", "head_dim": 16, "dtype": "float32", "features": 8,
             "n": 24, "pinv_gradient": "implicit"}
     kernels = {flag: {launch["kernel"] for launch in record(spec | {"graph_launches": flag})}
@@ -796,14 +784,15 @@ def test_lra_gpu_refuses_methods_without_softmax(capsys):
     """Its columns are ratios to softmax; without it they were to the first method,
     still labelled time/softmax."""
     with pytest.raises(SystemExit):
-        _load("lra_gpu").main(["--tasks", "listops", "--methods", "skyformer", "kernelized"])
+        load_benchmark("lra_gpu").main(["--tasks", "listops", "--methods", "skyformer",
+                                        "kernelized"])
     assert "the ratios are to softmax: include softmax in --methods." in capsys.readouterr().err
 
 
 def test_lra_gpu_records_its_settings_environment_and_command(monkeypatch, tmp_path):
     """The JSON says what the ratios were measured with: every setting, the threads and
     versions beside the GPU's name, and the command that reruns it."""
-    module = _load("lra_gpu")
+    module = load_benchmark("lra_gpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "stub")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
@@ -828,7 +817,7 @@ def test_a_tile_sweep_whose_candidates_all_differ_names_them_and_by_how_much():
 
     with pytest.raises(ValueError, match=r"every launch option of the rows kernel differs .*"
                                          r": \(2,\) by 1\.00e\+00, \(3,\) by 2\.00e\+00\."):
-        _load("tile_sweep").sweep(call, [torch.ones(4)], {"rows": [(2,), (3,)]},
+        load_benchmark("tile_sweep").sweep(call, [torch.ones(4)], {"rows": [(2,), (3,)]},
                                   {"rows": (2,)}, str, shape="1,1,16,float32", n=8,
                                   device="cpu", repeats=1)
 
@@ -839,7 +828,7 @@ def test_a_tile_sweep_leaves_out_a_candidate_with_non_finite_results(capsys):
     def call(kernel, tiles):
         return lambda: [torch.ones(4) if tiles == (2,) else torch.full((4,), float("nan"))]
 
-    rows, best = _load("tile_sweep").sweep(call, [torch.ones(4)], {"rows": [(2,), (3,)]},
+    rows, best = load_benchmark("tile_sweep").sweep(call, [torch.ones(4)], {"rows": [(2,), (3,)]},
                                            {"rows": (2,)}, str, shape="1,1,16,float32", n=8,
                                            device="cpu", repeats=1)
     assert [row["tiles"] for row in rows] == ["(2,)"] and best == {"rows": [2]}
@@ -850,7 +839,7 @@ def test_the_lemma3_sweep_leaves_out_options_with_non_finite_results(monkeypatch
     """An option whose inverse or gradient holds NaN differs by NaN, which compared as no
     difference: it was timed. With every option so, the sweep names them (it ended in
     min()'s 'empty sequence' at best)."""
-    tiles = _load("lemma3_tiles")
+    tiles = load_benchmark("lemma3_tiles")
     monkeypatch.setattr(tiles, "relative", lambda a, b: float("nan"))
     with pytest.raises(ValueError, match=r"every launch option of the forward kernel differs "
                                          r"from the default call's results at m=16 .*"

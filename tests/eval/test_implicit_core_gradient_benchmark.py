@@ -5,23 +5,16 @@ gradient where the iteration has not converged and equals it where it has."""
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
-import sys
-from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
 
 import skyformer
+from tests.benchmark_scripts import load_benchmark
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "implicit_core_gradient.py"
-if str(SCRIPT.parent) not in sys.path:  # the scripts import their helpers, as run from there
-    sys.path.insert(0, str(SCRIPT.parent))
-spec = importlib.util.spec_from_file_location("implicit_core_gradient_benchmark", SCRIPT)
-benchmark = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(benchmark)
+benchmark = load_benchmark("implicit_core_gradient")
 
 
 def inputs(seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -101,11 +94,7 @@ def test_clustered_inputs_put_lambda_min_near_its_bound():
 
 def _cost_benchmark():
     """benchmarks/implicit_gradient_cost.py as a module."""
-    path = SCRIPT.with_name("implicit_gradient_cost.py")
-    spec = importlib.util.spec_from_file_location("implicit_gradient_cost_benchmark", path)
-    cost = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cost)
-    return cost
+    return load_benchmark("implicit_gradient_cost")
 
 
 def test_the_cost_benchmark_times_both_gradients(tmp_path):

