@@ -566,7 +566,9 @@ def _sweep_with_a_nan_time(monkeypatch, out):
     return _strict(out.read_text())["rows"][0]["ms"]
 
 
-def _resources_with_a_nan_count(monkeypatch, out):
+def _stubbed_triton_resources(monkeypatch, exp2):
+    """benchmarks/triton_resources.py with one recorded launch and its compiler stubbed
+    (``exp2`` exp2 instructions)."""
     pytest.importorskip("triton")
     module = load_benchmark("triton_resources")
     launch = {"module": "m", "kernel": "k", "constants": {}, "options": {}, "arguments": {}}
@@ -575,7 +577,12 @@ def _resources_with_a_nan_count(monkeypatch, out):
         json.dumps([launch])))
     monkeypatch.setattr(module, "compile_launch", lambda launch, arch: {
         "registers": 32, "stack": 0, "spill_stores": 0, "spill_loads": 0, "mma": 1,
-        "exp2": NAN, "shared": 0, "num_warps": 4, "warps_per_sm": 16})
+        "exp2": exp2, "shared": 0, "num_warps": 4, "warps_per_sm": 16})
+    return module
+
+
+def _resources_with_a_nan_count(monkeypatch, out):
+    module = _stubbed_triton_resources(monkeypatch, exp2=NAN)
     assert module.main(["--methods", "kernelized", "--configs", "16:float32",
                         "--out", str(out)]) == 0
     return _strict(out.with_suffix(".json").read_text())["rows"][0]["exp2"]
@@ -586,15 +593,7 @@ def test_triton_resources_records_its_settings_environment_and_command(monkeypat
     """The JSON names the methods, head dims, dtypes and landmark counts compiled, the
     environment and the command (it held Triton's version and the kernel options alone);
     the recording and the compiler stubbed."""
-    pytest.importorskip("triton")
-    module = load_benchmark("triton_resources")
-    launch = {"module": "m", "kernel": "k", "constants": {}, "options": {}, "arguments": {}}
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(module.subprocess, "run", lambda *args, **kwargs: _completed(
-        json.dumps([launch])))
-    monkeypatch.setattr(module, "compile_launch", lambda launch, arch: {
-        "registers": 32, "stack": 0, "spill_stores": 0, "spill_loads": 0, "mma": 1,
-        "exp2": 2, "shared": 0, "num_warps": 4, "warps_per_sm": 16})
+    module = _stubbed_triton_resources(monkeypatch, exp2=2)
     out = tmp_path / "resources"
     argv = ["--methods", "kernelized", "--configs", "16:float32", "--features", "8",
             "--out", str(out)]
