@@ -403,3 +403,102 @@ def test_replace_validates_a_value_equal_to_the_current_one_of_another_type(opti
     with pytest.raises(ValueError, match=rf"skyformer: {option} must be"):
         bound.replace(**{option: value})
     assert bound.replace(num_features=128, causal=False) is bound
+
+
+# The methods with a per-layer state, bound with options under which it draws everything
+SEEDED_STATES = {"performer": {"num_features": 12}, "linformer": {"max_seq_len": 16},
+                 "nystromformer": {"conv_kernel": 3}}
+
+
+def _state_values(state: torch.nn.Module) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in state.state_dict().values()]
+
+
+@pytest.mark.parametrize("method", sorted(SEEDED_STATES))
+def test_a_seeded_state_holds_what_the_global_generator_seeded_alike_draws(method):
+    """``new_state(seed)`` draws from a generator of its own the values the factory draws
+    from torch's global generator seeded with the same seed (so a seed keeps its states)."""
+    bound = get_method(method).bind(2, 8, **SEEDED_STATES[method])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        expected = _state_values(bound.method.state(bound.config, 2, 8))
+    got = _state_values(bound.new_state(seed=5))
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("method", sorted(SEEDED_STATES))
+def test_a_seeded_state_is_built_apart_from_draws_in_another_thread(method, monkeypatch):
+    """One thread builds seeded states while another draws from the global generator in the
+    middle of each build (a barrier at the state's first parameter or buffer): the states
+    equal those built alone, and the other thread draws what it draws alone."""
+    import threading
+
+    bound = get_method(method).bind(2, 8, **SEEDED_STATES[method])
+    alone = [_state_values(bound.new_state(seed=s)) for s in (0, 1)]
+    torch.manual_seed(123)
+    drawn_alone = [torch.rand(3) for _ in range(2)]
+
+    barrier, builder = threading.Barrier(2, timeout=30), threading.current_thread()
+    paused = []  # the states paused in (kept: a freed one's id could come back)
+
+    def pause_once(register):
+        def registered(module, name, value, *args, **kwargs):
+            if threading.current_thread() is builder and isinstance(
+                    module, bound.method.state) and all(m is not module for m in paused):
+                paused.append(module)
+                barrier.wait()  # the other thread draws now
+                barrier.wait()
+            return register(module, name, value, *args, **kwargs)
+        return registered
+
+    for name in ("register_buffer", "register_parameter"):
+        monkeypatch.setattr(torch.nn.Module, name, pause_once(getattr(torch.nn.Module, name)))
+    drawn = []
+
+    def draw():
+        for _ in range(2):
+            barrier.wait()
+            drawn.append(torch.rand(3))
+            barrier.wait()
+
+    torch.manual_seed(123)
+    other = threading.Thread(target=draw)
+    other.start()
+    built = [_state_values(bound.new_state(seed=s)) for s in (0, 1)]
+    other.join()
+    for state, expected in zip(built, alone, strict=True):
+        for a, b in zip(state, expected, strict=True):
+            assert torch.equal(a, b)
+    for a, b in zip(drawn, drawn_alone, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_factory_without_a_generator_is_seeded_through_the_global_generator(monkeypatch):
+    """A state factory registered without a ``generator`` argument still draws under the
+    seed (torch's global CPU generator seeded for the build, restored after)."""
+    @dataclasses.dataclass(frozen=True)
+    class Cfg:
+        num_features: int = 2
+
+    class Drawn(torch.nn.Module):
+        def __init__(self, config, num_heads, head_dim):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(num_heads, head_dim))
+
+    monkeypatch.delitem(registry_methods._REGISTRY, "drawn_state", raising=False)
+
+    @register("drawn_state", Cfg, Capabilities(target="softmax"), state=Drawn)
+    def drawn_state(q, k, v, config, *, key_padding_mask=None, generator=None, weight=None):
+        return q
+
+    monkeypatch.setitem(registry_methods._REGISTRY, "drawn_state",
+                        registry_methods._REGISTRY["drawn_state"])
+    bound = get_method("drawn_state").bind(2, 3)
+    before = torch.get_rng_state()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(4)
+        expected = torch.randn(2, 3)
+    assert torch.equal(bound.new_state(seed=4).weight, expected)
+    assert torch.equal(torch.get_rng_state(), before)

@@ -90,6 +90,17 @@ def test_shorter_input_uses_the_first_columns():
     torch.testing.assert_close(long, short, rtol=0, atol=0)
 
 
+def test_seeded_projections_are_the_global_generators_draws_at_that_seed():
+    """N(0, 1/k) entries, E then F, as torch.randn draws them from a generator seeded alike."""
+    from skyformer.registry import get_method
+
+    state = get_method("linformer").bind(2, 8, num_features=4, max_seq_len=6).new_state(seed=3)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        e, f = torch.randn(2, 4, 6) / 2.0, torch.randn(2, 4, 6) / 2.0
+    assert torch.equal(state.proj_k.detach(), e) and torch.equal(state.proj_v.detach(), f)
+
+
 def test_module_learns_projections_and_padding_equals_truncation():
     torch.manual_seed(0)
     layer = MultiHeadAttention(16, 2, method="linformer", num_features=8, max_seq_len=24).double()

@@ -218,6 +218,21 @@ def test_module_owns_learned_conv_weights():
     assert not any("method_state" in name for name, _ in plain.named_parameters())
 
 
+def test_conv_weights_are_those_of_the_reference_conv_layer():
+    """Drawn as nn.Conv2d(H, H, (K, 1), groups=H, bias=False) draws its weight, from the
+    global generator or (seeded) from a generator of the state's own."""
+    from skyformer.registry import get_method
+
+    bound = get_method("nystromformer").bind(2, 8, conv_kernel=3)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        conv = torch.nn.Conv2d(2, 2, (3, 1), groups=2, bias=False).weight.detach()
+        torch.manual_seed(7)
+        unseeded = bound.new_state().weight.detach()
+    assert torch.equal(unseeded, conv.view(2, 3))
+    assert torch.equal(bound.new_state(seed=7).weight.detach(), conv.view(2, 3))
+
+
 def test_half_precision_is_computed_in_float32():
     q, k, v = make_qkv(1, 2, 40, 16, dtype=torch.float32)
     out = nystromformer_attention(q.half(), k.half(), v.half(), num_features=8)

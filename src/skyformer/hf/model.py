@@ -108,7 +108,8 @@ def set_attention(
             run now.
         seed: ``None``: randomised methods draw from torch's global generator on every
             call; an int: layer i draws from a generator seeded (seed + i) mod 2^64 on every call
-            and initialises its per-layer state under that seed (deterministic outputs).
+            and initialises its per-layer state under that seed (deterministic outputs;
+            from a generator of its own: torch's global one is neither read nor changed).
         **options: the method's options (``skyformer list``); options the model fixes
             (``max_seq_len`` from ``max_position_embeddings``) are filled in, ``causal``
             follows the model and the model's logit ``scaling`` is passed as ``scale``

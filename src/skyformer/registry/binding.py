@@ -176,8 +176,13 @@ class BoundMethod:
         """The method's per-layer state module (``None`` for methods without one).
 
         Args:
-            seed: draw its initial parameters under this seed (torch's global random
-                state is left as it was); ``None`` draws from the global state, as any
+            seed: draw its initial parameters from a CPU ``torch.Generator`` of its own
+                seeded with ``seed``, passed to the factory as ``generator=``: the
+                numbers torch's global generator seeded alike would give, which is
+                neither read nor changed (other threads may draw meanwhile). A factory
+                without a ``generator`` argument is built with torch's global CPU
+                generator seeded for the while (restored after; not safe beside draws
+                in other threads). ``None`` draws from the global state, as any
                 ``nn.Module`` does.
         """
         factory = self.method.state
@@ -190,7 +195,10 @@ class BoundMethod:
             )
         if seed is None:
             return factory(self.config, self.num_heads, self.head_dim)
-        with cpu_draws_seeded(seed):  # the factories draw on the CPU
+        if takes_keyword(factory, "generator"):
+            generator = torch.Generator().manual_seed(seed)
+            return factory(self.config, self.num_heads, self.head_dim, generator=generator)
+        with cpu_draws_seeded(seed):  # a factory registered without a generator argument
             return factory(self.config, self.num_heads, self.head_dim)
 
     def __call__(

@@ -83,10 +83,13 @@ class LinformerProjections(nn.Module):
     """Per-layer learned projections E, F: ``[H, k, max_seq_len]`` each (one if shared).
 
     Initialised with N(0, 1/k) entries: at initialisation the layer computes the
-    Johnson-Lindenstrauss projected attention of Linformer's Theorem 2.
+    Johnson-Lindenstrauss projected attention of Linformer's Theorem 2. ``generator``: a
+    CPU generator to draw them from (on the CPU, then moved to the default device), else
+    torch's global generator of the default device.
     """
 
-    def __init__(self, config: LinformerConfig, num_heads: int, head_dim: int) -> None:
+    def __init__(self, config: LinformerConfig, num_heads: int, head_dim: int, *,
+                 generator: torch.Generator | None = None) -> None:
         super().__init__()
         if config.max_seq_len is None:
             raise ValueError(
@@ -99,8 +102,14 @@ class LinformerProjections(nn.Module):
             )
         shape = (num_heads, config.num_features, config.max_seq_len)
         std = 1.0 / math.sqrt(config.num_features)
-        self.proj_k = nn.Parameter(torch.randn(shape) * std)
-        self.proj_v = None if config.share_kv else nn.Parameter(torch.randn(shape) * std)
+        device = None if generator is None else generator.device
+
+        def draw() -> nn.Parameter:
+            drawn = torch.randn(shape, generator=generator, device=device)
+            return nn.Parameter(drawn.to(torch.get_default_device()) * std)
+
+        self.proj_k = draw()
+        self.proj_v = None if config.share_kv else draw()
 
     def forward(self, q: Tensor, k: Tensor) -> dict[str, Tensor]:
         proj_v = self.proj_k if self.proj_v is None else self.proj_v

@@ -181,16 +181,22 @@ class NystromformerConv(nn.Module):
     """Per-layer state of Nystromformer: the depthwise convolution weights (if any).
 
     Initialised as ``nn.Conv2d(H, H, (K, 1), groups=H, bias=False)`` is (the reference
-    implementation's layer).
+    implementation's layer): its ``reset_parameters`` draws the weight ``[H, 1, K, 1]``
+    by ``kaiming_uniform_(a=sqrt(5))``, here from ``generator`` (a CPU generator: drawn
+    on the CPU, then moved to the default device) or else torch's global generator of
+    the default device.
     """
 
-    def __init__(self, config: NystromformerConfig, num_heads: int, head_dim: int) -> None:
+    def __init__(self, config: NystromformerConfig, num_heads: int, head_dim: int, *,
+                 generator: torch.Generator | None = None) -> None:
         super().__init__()
         self.weight = None
         if config.conv_kernel is not None:
-            conv = nn.Conv2d(num_heads, num_heads, (config.conv_kernel, 1), groups=num_heads,
-                             bias=False)
-            self.weight = nn.Parameter(conv.weight.detach().view(num_heads, config.conv_kernel))
+            device = None if generator is None else generator.device
+            weight = torch.empty(num_heads, 1, config.conv_kernel, 1, device=device)
+            nn.init.kaiming_uniform_(weight, a=math.sqrt(5), generator=generator)
+            self.weight = nn.Parameter(
+                weight.view(num_heads, config.conv_kernel).to(torch.get_default_device()))
 
     def forward(self, q: Tensor, k: Tensor) -> dict[str, Tensor]:
         return {} if self.weight is None else {"conv_weight": self.weight}

@@ -124,13 +124,15 @@ class PerformerFeatures(nn.Module):
     Redraw r draws from the random key ``fold_in(seed, r)``
     (``sketch/rng.py``), ``seed`` and ``redraws`` being buffers: every data-parallel
     process (and a resumed run) draws the same features, whatever else consumed the
-    global random stream. ``seed`` itself is drawn from the global generator at
-    construction, so it follows the model's seed. Under ``torch.compile`` the redraw is
+    global random stream. ``seed`` itself is drawn at construction, as the first
+    features are, from ``generator`` (a CPU generator) or else the global generator, so
+    it follows the model's seed. Under ``torch.compile`` the redraw is
     made with tensor operations (the fresh features are computed every training call and
     kept only when due), so the compiled layer has no data-dependent branch.
     """
 
-    def __init__(self, config: PerformerConfig, num_heads: int, head_dim: int) -> None:
+    def __init__(self, config: PerformerConfig, num_heads: int, head_dim: int, *,
+                 generator: torch.Generator | None = None) -> None:
         super().__init__()
         self.config = config
         self.head_dim = head_dim
@@ -139,11 +141,11 @@ class PerformerFeatures(nn.Module):
         device = torch.get_default_device()
         self.register_buffer(
             "projection",
-            gaussian_projection(config.num_features, head_dim, orthogonal=config.orthogonal
-                                ).to(device),
+            gaussian_projection(config.num_features, head_dim, orthogonal=config.orthogonal,
+                                generator=generator).to(device),
         )
         self.register_buffer("calls_since_redraw", torch.zeros((), dtype=torch.long))
-        self.register_buffer("seed", random_key().to(device))
+        self.register_buffer("seed", random_key(generator).to(device))
         self.register_buffer("redraws", torch.zeros((), dtype=torch.long))
 
     def _features(self, generator: torch.Generator | Tensor) -> Tensor:
