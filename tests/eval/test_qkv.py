@@ -74,6 +74,58 @@ def test_random_init_differs_from_pretrained(minilm, monkeypatch):
     assert not torch.allclose(a.q, b.q)
 
 
+def _initialised_alone(seed: int) -> dict[str, torch.Tensor]:
+    """The randomly initialised model as torch's global CPU generator seeded alike draws it."""
+    import transformers
+
+    from skyformer.eval.data.qkv import default_model_dir
+
+    config = transformers.AutoConfig.from_pretrained(default_model_dir(), local_files_only=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return transformers.AutoModel.from_config(config).state_dict()
+
+
+def test_random_init_is_seeded_apart_from_draws_in_another_thread(monkeypatch):
+    """The seeded initialisation draws from a generator of its own: the numbers the global
+    generator seeded alike gives, also while another thread draws from the global
+    generator in the middle of it (a barrier at the model's first parameter), whose
+    draws stay those it makes alone."""
+    import threading
+
+    expected = _initialised_alone(1)
+    torch.manual_seed(123)
+    drawn_alone = torch.rand(3)
+    barrier, builder, paused = threading.Barrier(2, timeout=30), threading.current_thread(), []
+    register = torch.nn.Module.register_parameter
+
+    def registered(module, name, value):
+        if threading.current_thread() is builder and not paused:
+            paused.append(name)
+            barrier.wait()  # the other thread draws now
+            barrier.wait()
+        return register(module, name, value)
+
+    monkeypatch.setattr(torch.nn.Module, "register_parameter", registered)
+    drawn = []
+
+    def draw():
+        barrier.wait()
+        drawn.append(torch.rand(3))
+        barrier.wait()
+
+    torch.manual_seed(123)
+    other = threading.Thread(target=draw)
+    other.start()
+    model, _, _ = load_model(pretrained=False, seed=1)
+    other.join()
+    assert paused and drawn and torch.equal(drawn[0], drawn_alone)
+    got = model.state_dict()
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+
+
 def test_model_folders_that_cannot_be_used_give_sentences(tmp_path):
     import shutil
 

@@ -12,6 +12,7 @@ from skyformer.sketch.random_features import gaussian_columns
 from skyformer.sketch.rng import (
     bulk_normal,
     check_key,
+    draws_from,
     fold_in,
     normal,
     random_key,
@@ -126,3 +127,25 @@ def test_uniforms_of_a_half_type_stay_below_one(dtype):
     u = uniform(random_key(0), (20000,), dtype)
     assert u.dtype == dtype and u.min() >= 0 and u.max() < 1
     assert u.unique().numel() > 100  # every representable step is reached, not a few
+
+
+def test_draws_from_gives_the_generator_to_calls_without_one():
+    """Inside ``draws_from(g)`` torch's random functions, Tensor methods and nn.init draw
+    from ``g`` what the global generator seeded alike would, a given generator is kept,
+    and the global generator is left as it was."""
+    def draws(generator=None):
+        w = torch.empty(2, 3)
+        torch.nn.init.kaiming_uniform_(w, a=5 ** 0.5)
+        return [torch.randn(4), torch.randint(0, 9, (3,)), torch.empty(3).normal_(), w,
+                torch.rand_like(w), torch.randn(2, generator=generator)]
+
+    own = torch.Generator().manual_seed(8)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        expected = draws(torch.Generator().manual_seed(8))
+    before = torch.get_rng_state()
+    with draws_from(torch.Generator().manual_seed(3)):
+        got = draws(own)
+    assert torch.equal(torch.get_rng_state(), before)
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 
 from ..seeds import check_seed
 
@@ -208,4 +209,44 @@ def cpu_draws_seeded(seed: int) -> Iterator[None]:
     over every device starts CUDA): for what is built on the CPU under a seed."""
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(seed)
+        yield
+
+
+# torch's random functions and Tensor methods, and the nn.init functions (which take a
+# generator since torch 2.2): every one takes ``generator=``
+_RANDOM_FUNCTIONS = frozenset({
+    "rand", "randn", "randint", "randperm", "normal", "bernoulli", "multinomial", "poisson",
+    "rand_like", "randn_like", "randint_like",
+    "normal_", "uniform_", "random_", "bernoulli_", "exponential_", "geometric_", "cauchy_",
+    "log_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+    "xavier_normal_", "trunc_normal_", "orthogonal_", "sparse_",
+})
+
+
+class _DrawsFrom(TorchFunctionMode):
+    """Gives ``generator`` to the random functions called without one."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        super().__init__()
+        self.generator = generator
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = dict(kwargs or {})
+        if getattr(func, "__name__", None) in _RANDOM_FUNCTIONS \
+                and kwargs.get("generator") is None:
+            kwargs["generator"] = self.generator
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def draws_from(generator: torch.Generator) -> Iterator[None]:
+    """Inside, in this thread: torch's random functions (``torch.randn``,
+    ``Tensor.normal_``, ``nn.init.*``, ...) called without a generator draw from
+    ``generator``, in the order they are called, so a CPU one seeded with s gives what the
+    global CPU generator seeded with s would; torch's global generators are neither read
+    nor changed (other threads may draw meanwhile). For code that takes no generator, such
+    as a Hugging Face model's initialisation. A torch function mode: thread-local; a
+    draw inside another torch function that passes no generator on (``F.dropout``,
+    ``F.gumbel_softmax``) is not seen and still takes torch's global generator."""
+    with _DrawsFrom(generator):
         yield

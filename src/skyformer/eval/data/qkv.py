@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ...sketch.rng import cpu_draws_seeded
+from ...sketch.rng import draws_from
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,10 @@ def load_model(
     model_dir: str | Path | None = None, *, pretrained: bool = True, seed: int = 0
 ) -> tuple[nn.Module, Any, str]:
     """Load (model, tokenizer, name) from a local folder, never from the network
-    (``local_files_only``; the process itself stays as online as it was)."""
+    (``local_files_only``; the process itself stays as online as it was). With
+    ``pretrained=False`` the weights are drawn from a CPU generator of their own seeded
+    with ``seed`` (what the global one seeded alike draws; it is neither read nor
+    changed)."""
     transformers = _import_transformers()
     path = Path(model_dir) if model_dir is not None else default_model_dir()
     if not (path / "config.json").is_file():
@@ -84,7 +87,8 @@ def load_model(
             if pretrained:
                 model = transformers.AutoModel.from_pretrained(path, local_files_only=True)
             else:
-                with cpu_draws_seeded(seed):  # the model is built on the CPU
+                # transformers takes no generator: its draws are given one (thread-safe)
+                with draws_from(torch.Generator().manual_seed(seed)):  # built on the CPU
                     model = transformers.AutoModel.from_config(config)
     except (OSError, KeyError, ValueError) as err:
         # transformers reports missing weights/tokenizer files as OSError and unknown
