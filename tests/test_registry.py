@@ -502,3 +502,13 @@ def test_a_factory_without_a_generator_is_seeded_through_the_global_generator(mo
         expected = torch.randn(2, 3)
     assert torch.equal(bound.new_state(seed=4).weight, expected)
     assert torch.equal(torch.get_rng_state(), before)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, True, 1.5])
+def test_a_state_seed_out_of_range_gets_a_sentence(seed):
+    """new_state takes the seeds every seeded generator takes: an integer in [0, 2^64)
+    (torch would wrap -1 onto 2^64 - 1 and report 2^64 as an overflow)."""
+    bound = get_method("performer").bind(2, 8, num_features=4)
+    with pytest.raises(ValueError, match=r"new_state's seed must be an integer from 0 to "
+                                         r"2\^64 - 1"):
+        bound.new_state(seed=seed)

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from ..linalg.functional_ops import exporting
 from ..ops.shared.inputs import check_query_mask_word
+from ..seeds import check_seed
 from ..sketch.rng import cpu_draws_seeded
 from .autocast import call_core
 from .capabilities import CapabilityError
@@ -176,15 +177,18 @@ class BoundMethod:
         """The method's per-layer state module (``None`` for methods without one).
 
         Args:
-            seed: draw its initial parameters from a CPU ``torch.Generator`` of its own
-                seeded with ``seed``, passed to the factory as ``generator=``: the
-                numbers torch's global generator seeded alike would give, which is
-                neither read nor changed (other threads may draw meanwhile). A factory
+            seed: an integer in [0, 2^64): draw its initial parameters from a CPU
+                ``torch.Generator`` of its own seeded with ``seed``, passed to the
+                factory as ``generator=``: the numbers torch's global generator seeded
+                alike would give, which is neither read nor changed (other threads may
+                draw meanwhile). A factory
                 without a ``generator`` argument is built with torch's global CPU
                 generator seeded for the while (restored after; not safe beside draws
                 in other threads). ``None`` draws from the global state, as any
                 ``nn.Module`` does.
         """
+        if seed is not None:
+            check_seed("new_state's seed", seed)
         factory = self.method.state
         if factory is None:
             return None
