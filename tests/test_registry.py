@@ -475,33 +475,40 @@ def test_a_seeded_state_is_built_apart_from_draws_in_another_thread(method, monk
         assert torch.equal(a, b)
 
 
-def test_a_factory_without_a_generator_is_seeded_through_the_global_generator(monkeypatch):
-    """A state factory registered without a ``generator`` argument still draws under the
-    seed (torch's global CPU generator seeded for the build, restored after)."""
+class _Drawn(torch.nn.Module):
+    def __init__(self, config, num_heads, head_dim):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(num_heads, head_dim))
+
+
+class _DrawnTakingAnything(_Drawn):
+    def __init__(self, config, num_heads, head_dim, **ignored):
+        super().__init__(config, num_heads, head_dim)
+
+
+@pytest.mark.parametrize("factory", [_Drawn, _DrawnTakingAnything])
+def test_a_factory_without_a_generator_is_seeded_through_the_global_generator(factory):
+    """A state factory registered without a ``generator`` argument (also one taking any
+    keyword, which may drop it) still draws under the seed: torch's global CPU generator
+    seeded for the build, restored after."""
     @dataclasses.dataclass(frozen=True)
     class Cfg:
         num_features: int = 2
 
-    class Drawn(torch.nn.Module):
-        def __init__(self, config, num_heads, head_dim):
-            super().__init__()
-            self.weight = torch.nn.Parameter(torch.randn(num_heads, head_dim))
-
-    monkeypatch.delitem(registry_methods._REGISTRY, "drawn_state", raising=False)
-
-    @register("drawn_state", Cfg, Capabilities(target="softmax"), state=Drawn)
+    @register("drawn_state", Cfg, Capabilities(target="softmax"), state=factory)
     def drawn_state(q, k, v, config, *, key_padding_mask=None, generator=None, weight=None):
         return q
 
-    monkeypatch.setitem(registry_methods._REGISTRY, "drawn_state",
-                        registry_methods._REGISTRY["drawn_state"])
-    bound = get_method("drawn_state").bind(2, 3)
-    before = torch.get_rng_state()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(4)
-        expected = torch.randn(2, 3)
-    assert torch.equal(bound.new_state(seed=4).weight, expected)
-    assert torch.equal(torch.get_rng_state(), before)
+    try:
+        bound = get_method("drawn_state").bind(2, 3)
+        before = torch.get_rng_state()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(4)
+            expected = torch.randn(2, 3)
+        assert torch.equal(bound.new_state(seed=4).weight, expected)
+        assert torch.equal(torch.get_rng_state(), before)
+    finally:
+        registry_methods._REGISTRY.pop("drawn_state")
 
 
 @pytest.mark.parametrize("seed", [-1, 2**64, True, 1.5])

@@ -66,6 +66,16 @@ def takes_keyword(fn: Callable[..., Any], name: str) -> bool:
     return any(p.kind is p.VAR_KEYWORD for p in parameters.values()) or (
         name in parameters and parameters[name].kind is not inspect.Parameter.POSITIONAL_ONLY)
 
+def _names_generator(factory: Callable[..., Any]) -> bool:
+    """Whether a state factory names a ``generator`` keyword argument: one that only
+    takes ``**kwargs`` may drop it, and would then draw unseeded."""
+    try:
+        parameter = inspect.signature(factory).parameters.get("generator")
+    except (TypeError, ValueError):  # no signature to read: take it as absent
+        return False
+    return parameter is not None and parameter.kind is not inspect.Parameter.POSITIONAL_ONLY
+
+
 if TYPE_CHECKING:
     from .methods import Method
 
@@ -181,8 +191,8 @@ class BoundMethod:
                 ``torch.Generator`` of its own seeded with ``seed``, passed to the
                 factory as ``generator=``: the numbers torch's global generator seeded
                 alike would give, which is neither read nor changed (other threads may
-                draw meanwhile). A factory
-                without a ``generator`` argument is built with torch's global CPU
+                draw meanwhile). A factory without a named ``generator`` argument
+                (``**kwargs`` alone may drop it) is built with torch's global CPU
                 generator seeded for the while (restored after; not safe beside draws
                 in other threads). ``None`` draws from the global state, as any
                 ``nn.Module`` does.
@@ -199,7 +209,7 @@ class BoundMethod:
             )
         if seed is None:
             return factory(self.config, self.num_heads, self.head_dim)
-        if takes_keyword(factory, "generator"):
+        if _names_generator(factory):
             generator = torch.Generator().manual_seed(seed)
             return factory(self.config, self.num_heads, self.head_dim, generator=generator)
         with cpu_draws_seeded(seed):  # a factory registered without a generator argument
