@@ -83,8 +83,10 @@ def distill(config: FinetuneConfig = FinetuneConfig(),
 
     student = copy.deepcopy(teacher)
     options = {} if config.num_features is None else {"num_features": config.num_features}
+    # the per-layer state's draws (Linformer's projections, Performer's features), then
+    # the randomised methods' and dropout's during training
+    torch.manual_seed(config.seed)
     set_attention(student, config.method, seed=None, **options)
-    torch.manual_seed(config.seed)  # the randomised methods' draws during training
     before = quality(embed_all(student, test, config.batch_size), exact_test)
     student.get_input_embeddings().weight.requires_grad_(False)
     trainable = [p for p in student.parameters() if p.requires_grad]
