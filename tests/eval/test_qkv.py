@@ -126,6 +126,17 @@ def test_random_init_is_seeded_apart_from_draws_in_another_thread(monkeypatch):
         assert torch.equal(got[name], value), name
 
 
+def test_random_init_is_drawn_on_the_cpu_whatever_the_default_device():
+    """Built on the CPU, where its generator draws, also under another default device
+    (the meta device here; on a GPU a CPU generator could not draw its weights)."""
+    expected = _initialised_alone(2)
+    with torch.device("meta"):
+        model, _, _ = load_model(pretrained=False, seed=2)
+    got = model.state_dict()
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+
+
 def test_model_folders_that_cannot_be_used_give_sentences(tmp_path):
     import shutil
 

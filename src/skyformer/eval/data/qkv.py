@@ -70,9 +70,9 @@ def load_model(
 ) -> tuple[nn.Module, Any, str]:
     """Load (model, tokenizer, name) from a local folder, never from the network
     (``local_files_only``; the process itself stays as online as it was). With
-    ``pretrained=False`` the weights are drawn from a CPU generator of their own seeded
-    with ``seed`` (what the global one seeded alike draws; it is neither read nor
-    changed)."""
+    ``pretrained=False`` the weights are drawn on the CPU (whatever the default device)
+    from a CPU generator of their own seeded with ``seed`` (what the global one seeded
+    alike draws; it is neither read nor changed)."""
     transformers = _import_transformers()
     path = Path(model_dir) if model_dir is not None else default_model_dir()
     if not (path / "config.json").is_file():
@@ -87,8 +87,9 @@ def load_model(
             if pretrained:
                 model = transformers.AutoModel.from_pretrained(path, local_files_only=True)
             else:
-                # transformers takes no generator: its draws are given one (thread-safe)
-                with draws_from(torch.Generator().manual_seed(seed)):  # built on the CPU
+                # transformers takes no generator: its draws are given one (thread-safe),
+                # a CPU one, so the model is built on the CPU whatever the default device
+                with torch.device("cpu"), draws_from(torch.Generator().manual_seed(seed)):
                     model = transformers.AutoModel.from_config(config)
     except (OSError, KeyError, ValueError) as err:
         # transformers reports missing weights/tokenizer files as OSError and unknown
