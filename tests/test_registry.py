@@ -17,6 +17,7 @@ from skyformer.registry import (
 )
 from skyformer.registry import methods as registry_methods
 from tests.conftest import make_qkv
+from tests.threads import GlobalDraws, draws_alone
 
 
 def test_foundation_methods_are_registered_with_targets():
@@ -437,8 +438,7 @@ def test_a_seeded_state_is_built_apart_from_draws_in_another_thread(method, monk
 
     bound = get_method(method).bind(2, 8, **SEEDED_STATES[method])
     alone = [_state_values(bound.new_state(seed=s)) for s in (0, 1)]
-    torch.manual_seed(123)
-    drawn_alone = [torch.rand(3) for _ in range(2)]
+    drawn_alone = draws_alone(2)
 
     barrier, builder = threading.Barrier(2, timeout=30), threading.current_thread()
     paused = []  # the states paused in (kept: a freed one's id could come back)
@@ -455,23 +455,14 @@ def test_a_seeded_state_is_built_apart_from_draws_in_another_thread(method, monk
 
     for name in ("register_buffer", "register_parameter"):
         monkeypatch.setattr(torch.nn.Module, name, pause_once(getattr(torch.nn.Module, name)))
-    drawn = []
-
-    def draw():
-        for _ in range(2):
-            barrier.wait()
-            drawn.append(torch.rand(3))
-            barrier.wait()
-
-    torch.manual_seed(123)
-    other = threading.Thread(target=draw)
+    other = GlobalDraws(barrier, 2)
     other.start()
     built = [_state_values(bound.new_state(seed=s)) for s in (0, 1)]
     other.join()
     for state, expected in zip(built, alone, strict=True):
         for a, b in zip(state, expected, strict=True):
             assert torch.equal(a, b)
-    for a, b in zip(drawn, drawn_alone, strict=True):
+    for a, b in zip(other.drawn, drawn_alone, strict=True):
         assert torch.equal(a, b)
 
 

