@@ -58,9 +58,12 @@ def test_one_block_covering_the_sequence_is_exact_softmax(masked):
             q, k, v, key_padding_mask=mask, generator=gen(0), num_features=num_features
         )
         torch.testing.assert_close(out, exact, rtol=1e-9, atol=1e-11)
-    # three blocks: every query block's window or globality covers everything
-    out = bigbird_attention(q, k, v, generator=gen(0), num_features=8 * 14)
-    torch.testing.assert_close(out, softmax_attention(q, k, v), rtol=1e-9, atol=1e-11)
+    # three and four blocks: every query block's window or globality covers everything;
+    # five with a random block: the one key block left is drawn
+    for num_features, r in ((8 * 14, 3), (8 * 10, 3), (6 * 8, 1)):
+        out = bigbird_attention(q, k, v, generator=gen(0), num_features=num_features,
+                                num_random_blocks=r)
+        torch.testing.assert_close(out, softmax_attention(q, k, v), rtol=1e-9, atol=1e-11)
 
 
 def test_block_size_mapping():
