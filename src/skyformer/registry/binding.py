@@ -60,20 +60,21 @@ def query_mask_argument(name: str, takes: bool, query_padding_mask: Any, q: Any,
         f"(CONTRIBUTING.md).")
 
 
-def takes_keyword(fn: Callable[..., Any], name: str) -> bool:
-    """Whether ``fn`` takes the keyword argument ``name`` (or any, ``**kwargs``)."""
+def takes_keyword(fn: Callable[..., Any], name: str, *, named: bool = False) -> bool:
+    """Whether ``fn`` takes the keyword argument ``name`` (or any, ``**kwargs``, unless
+    ``named``: a function taking ``**kwargs`` alone may drop it)."""
     parameters = inspect.signature(fn).parameters
-    return any(p.kind is p.VAR_KEYWORD for p in parameters.values()) or (
+    return (not named and any(p.kind is p.VAR_KEYWORD for p in parameters.values())) or (
         name in parameters and parameters[name].kind is not inspect.Parameter.POSITIONAL_ONLY)
+
 
 def _names_generator(factory: Callable[..., Any]) -> bool:
     """Whether a state factory names a ``generator`` keyword argument: one that only
     takes ``**kwargs`` may drop it, and would then draw unseeded."""
     try:
-        parameter = inspect.signature(factory).parameters.get("generator")
+        return takes_keyword(factory, "generator", named=True)
     except (TypeError, ValueError):  # no signature to read: take it as absent
         return False
-    return parameter is not None and parameter.kind is not inspect.Parameter.POSITIONAL_ONLY
 
 
 if TYPE_CHECKING:
