@@ -63,6 +63,17 @@ class ResolvedMask:
     causal: bool
 
 
+def allowed_entries(mask: Tensor) -> Tensor:
+    """True where a mask of an accepted form lets a query attend, read without checks
+    (``_allowed`` checks too): a boolean one as it is, a 2-D ``[B, Nk]`` one where it
+    is nonzero (1 = real token), an additive float one above ``BLOCKED_LOGIT``."""
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.dim() == 2 or not mask.is_floating_point():
+        return mask != 0
+    return mask > BLOCKED_LOGIT
+
+
 def _allowed(mask: Tensor, batch: int, query_len: int, key_len: int, advice: str) -> Tensor:
     """``[B, Hm, Qm, Nk]`` bool (True = may attend) from any accepted mask form."""
     if mask.dim() == 2:
@@ -79,7 +90,7 @@ def _allowed(mask: Tensor, batch: int, query_len: int, key_len: int, advice: str
                 "this one holds other values: an additive mask (0 = real token, a large "
                 "negative = padding) converts with (mask == 0)."
             )
-        return (mask != 0)[:, None, None, :]
+        return allowed_entries(mask)[:, None, None, :]
     if mask.dim() != 4:
         raise UnsupportedMaskError(
             f"the attention mask has {mask.dim()} dimensions (shape {tuple(mask.shape)}); "

@@ -59,7 +59,7 @@ import torch
 from torch import Tensor, nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..masks import BLOCKED_LOGIT
+from ..masks import allowed_entries
 from .layers import EXACT, STATE_NAME, LayerAttention, attention_modules, is_cross_attention
 
 # The steps that updates handed back and no attention function has taken yet:
@@ -170,8 +170,7 @@ class DecodingLayer(CacheLayerMixin):
         parts) goes on."""
         if not isinstance(attention_mask, Tensor) or self.seen == new:
             return
-        shown = attention_mask if attention_mask.dtype == torch.bool else \
-            attention_mask > BLOCKED_LOGIT
+        shown = allowed_entries(attention_mask)
         new_shown, past_shown = torch.stack(  # one read
             [shown[..., -new:].any(), shown[..., :-new].any()]).tolist()
         if past_shown and not new_shown:
