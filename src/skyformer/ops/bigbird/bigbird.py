@@ -276,7 +276,8 @@ def _global_rows(qb: Tensor, kb: Tensor, vb: Tensor, real: Tensor, layout: BigBi
     "bigbird",
     BigBirdConfig,
     Capabilities(target="softmax", randomized=True, cross_attention=False,
-                 fixed_shapes_because="its count of 64-token blocks follows N"),
+                 fixed_shapes_because="its number of blocks (num_features // (5 + r) "
+                                      "tokens each) follows N"),
     summary="BigBird block-sparse attention: window + global + random blocks (block 64)",
 )
 def bigbird_attention(
