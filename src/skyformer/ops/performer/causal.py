@@ -21,10 +21,10 @@ before c and
 
 on a CPU one float64 cumulative sum at a fixed reference shift where the running maxima
 stay within 600 of it (``_prefix_sums``; float32 would hold 88), else (keys of large
-norm first, ordinary ones later; on a GPU; under tracers, which cannot read the span;
-not while exporting, whose symbolic lengths leave the step count unknown) scanned in
-ceil(log2(C + 1)) vectorised steps of rescale-and-add, each factor at most 1, for any
-range. ``eps > 0`` adds eps per feature after the shift
+norm first, ordinary ones later; on a GPU; under tracers, which cannot read the span)
+scanned in ceil(log2(C + 1)) vectorised steps of rescale-and-add, each factor at most 1,
+for any range. While exporting always the cumulative sum (a symbolic length leaves the
+scan's step count unknown). ``eps > 0`` adds eps per feature after the shift
 (performer-pytorch's stabiliser): eps sum_f phi(q_i)_f times the plain prefix sum of
 [v_j, 1]. The shifts are constants for autograd.
 
