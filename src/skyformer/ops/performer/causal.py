@@ -73,16 +73,16 @@ def _prefix_sums(sums: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
     scan, since the read would make the host wait for the queue there. While exporting
     always the cumulative sum: the scan's step count follows the number of chunks,
     which a symbolic length leaves unknown (an exported program holds a span of ~700)."""
+    if not exporting() and not (shift.device.type == "cpu" and may_read_values(shift)):
+        return _prefix_sums_by_scan(sums, shift)
     top = shift.cummax(2).values  # [B, H, C]
     reference = torch.where(torch.isfinite(top), top, float("inf")).amin(2, keepdim=True)
     reference = torch.where(torch.isfinite(reference), reference, 0.0)
-    if exporting():
-        return _prefix_sums_at_reference(sums, shift, top, reference), top
-    if shift.device.type == "cpu" and may_read_values(shift):
+    if not exporting():
         span = torch.where(torch.isfinite(top), top - reference, 0.0).amax()
-        if bool(span <= CUMSUM_SPAN):
-            return _prefix_sums_at_reference(sums, shift, top, reference), top
-    return _prefix_sums_by_scan(sums, shift)
+        if not bool(span <= CUMSUM_SPAN):
+            return _prefix_sums_by_scan(sums, shift)
+    return _prefix_sums_at_reference(sums, shift, top, reference), top
 
 
 def _prefix_sums_at_reference(sums: Tensor, shift: Tensor, top: Tensor,
