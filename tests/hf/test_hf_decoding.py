@@ -653,3 +653,30 @@ def test_generate_of_a_longer_prompt_over_a_used_padded_cache_names_the_fix(padd
                                                    r"DecodingCache\(model\).*reset\(\)"):
         model.generate(longer, attention_mask=longer_mask if padded else None,
                        max_new_tokens=3, do_sample=False, pad_token_id=0, cache=cache)
+
+
+@torch.no_grad()
+def test_the_mask_checks_read_the_mask_once_per_step_not_once_per_layer(monkeypatch):
+    """Every layer of a step gets the same mask and holds the same positions: the checks
+    that wait for its values on the host (a stall of the device's queue on a GPU) run at
+    the step's first layer only, and the tokens stay those of the full forward."""
+    import skyformer.hf.attention as attention
+    import skyformer.hf.decoding as decoding
+
+    model = _llama(layers=3)
+    shf.set_attention(model, "performer", seed=0, num_features=16)
+    expected = _generate(model, None, new=6)
+    calls = {"key_valid": 0, "reaches": 0}
+
+    def counted(name, function):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(attention, "decoding_key_valid",
+                        counted("key_valid", attention.decoding_key_valid))
+    monkeypatch.setattr(decoding, "allowed_entries",
+                        counted("reaches", decoding.allowed_entries))
+    assert torch.equal(_generate(model, shf.DecodingCache(model), new=6), expected)
+    assert calls == {"key_valid": 6, "reaches": 5}  # the prompt has no cached positions

@@ -314,8 +314,9 @@ def _decoding_step(module: nn.Module, layer: LayerAttention, decoding: DecodingL
     assert layer.bound is not None
     where = _where(module, layer)
     b, _, n, head_dim = query.shape
-    key_valid = decoding_key_valid(attention_mask, batch=b, new=n, total=decoding.seen,
-                                   past_valid=decoding.past_valid(), advice=USE_SDPA)
+    key_valid = decoding.once_per_step("key_valid", attention_mask, n, lambda: (
+        decoding_key_valid(attention_mask, batch=b, new=n, total=decoding.seen,
+                           past_valid=decoding.past_valid(), advice=USE_SDPA)))
     if decoding.state is None:
         bound = layer.bound.replace(
             **_call_options(layer.bound.method, layer, scaling, head_dim, True, where))

@@ -54,6 +54,8 @@ from __future__ import annotations
 
 import copy
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -74,10 +76,13 @@ class DecodingLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, modules: tuple[nn.Module, ...] | None = None) -> None:
+    def __init__(self, modules: tuple[nn.Module, ...] | None = None,
+                 readings: StepReadings | None = None) -> None:
         """``modules``: the attention modules of this layer index in the model the cache
-        is made for (weakly held; ``None``: any module)."""
+        is made for (weakly held; ``None``: any module); ``readings``: the mask readings
+        shared by the cache's layers (``None``: the layer's own)."""
         super().__init__()
+        self.readings = readings if readings is not None else StepReadings()
         self.modules = None if modules is None else tuple(weakref.ref(m) for m in modules)
         self.runs: tuple | None = None  # what the layer ran at the first step (_runs)
         self.state = None  # skyformer.decoding.DecodingState, made at the first step
@@ -170,6 +175,11 @@ class DecodingLayer(CacheLayerMixin):
         parts) goes on."""
         if not isinstance(attention_mask, Tensor) or self.seen == new:
             return
+        self.once_per_step("reaches", attention_mask, new, lambda: self._reaches(
+            attention_mask, new))
+
+    def _reaches(self, attention_mask: Tensor, new: int) -> None:
+        """``check_reaches``' test, one host read."""
         shown = allowed_entries(attention_mask)
         new_shown, past_shown = torch.stack(  # one read
             [shown[..., -new:].any(), shown[..., :-new].any()]).tolist()
@@ -183,6 +193,12 @@ class DecodingLayer(CacheLayerMixin):
                 f"it holds, given whole (the earlier output, then the new tokens, with their "
                 f"mask); for a new prompt make a new cache (DecodingCache(model)) or call "
                 f"cache.reset().")
+
+    def once_per_step(self, name: str, attention_mask: Tensor | None, new: int,
+                      read: Callable[[], Any]) -> Any:
+        """``read()`` (a reading of the step's ``attention_mask`` that waits for its values
+        on the host), once per model step for all the cache's layers (``StepReadings``)."""
+        return self.readings.once(name, attention_mask, (self.seen, new), read)
 
     def fail(self, key: Tensor) -> None:
         """Count the step of ``key`` as not taken (its call failed after claiming it):
@@ -273,6 +289,7 @@ class DecodingLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
+        self.readings.clear()
         self.state, self.seen, self.pending, self.rollback = None, 0, None, None
         self.runs = None
         self.valid = None
@@ -282,6 +299,7 @@ class DecodingLayer(CacheLayerMixin):
         self.batch_select_indices(beam_idx)
 
     def batch_select_indices(self, indices: Tensor) -> None:
+        self.readings.clear()  # the positions' record follows the sequences
         if self.rollback is not None:  # the kept state and inputs follow the sequences
             state, *inputs = self.rollback  # the state is the rollback's own copy
             state.reorder(indices)
@@ -331,6 +349,7 @@ class DecodingLayer(CacheLayerMixin):
         drop positions of its last step only, and only while recording; a refused crop
         changes nothing."""
         self.check_crop(tokens_to_remove)
+        self.readings.clear()
         remove = -tokens_to_remove
         rollback, self.rollback = self.rollback, None
         if remove == 0 or not self.is_initialized:
@@ -365,6 +384,36 @@ class DecodingLayer(CacheLayerMixin):
             if t is not None:
                 total += t.numel() * t.element_size()
         return total
+
+
+class StepReadings:
+    """The readings of one model step's attention mask, shared by a cache's layers: in a
+    step every layer gets the same mask tensor and its layers hold the same positions,
+    so what the mask checks read on the host (a wait for the device's queue on a GPU)
+    is read once per step instead of once per layer. A reading is known by its name,
+    the mask (the very tensor, weakly held) and the positions (held, the step's);
+    reordering, cropping or resetting the cache forgets it."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.step: tuple | None = None  # (id of the mask, positions)
+        self.mask: weakref.ref | None = None
+        self.results: dict[str, Any] = {}
+
+    def once(self, name: str, attention_mask: Tensor | None, positions: tuple,
+             read: Callable[[], Any]) -> Any:
+        """``read()``'s result, read at the step's first layer (only results are kept:
+        a reading that raises stops the step); without a mask tensor, ``read()``."""
+        if not isinstance(attention_mask, Tensor):
+            return read()
+        step = (id(attention_mask), positions)
+        if step != self.step or self.mask is None or self.mask() is not attention_mask:
+            self.step, self.mask, self.results = step, weakref.ref(attention_mask), {}
+        if name not in self.results:
+            self.results[name] = read()
+        return self.results[name]
 
 
 def _runs(module: nn.Module, layer: LayerAttention) -> tuple:
@@ -407,7 +456,9 @@ class DecodingCache(Cache):
             raise ValueError("DecodingCache is for decoder-only models; this model has "
                              "cross-attention (use transformers' EncoderDecoderCache).")
         self.model = weakref.ref(model)  # weakly: a cache does not keep a model alive
-        super().__init__(layers=[DecodingLayer(tuple(m for j, m in modules if j == i))
+        readings = StepReadings()
+        super().__init__(layers=[DecodingLayer(tuple(m for j, m in modules if j == i),
+                                               readings)
                                  for i in range(max(i for i, _ in modules) + 1)])
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args,
