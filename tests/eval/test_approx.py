@@ -183,9 +183,22 @@ def test_config_errors():
     with pytest.raises(ValueError, match="features must be positive integers"):
         small(features=(0, 4))
     with pytest.raises(ValueError, match="every number of features is >= N=8"):
-        run_approx(small(seq_lens=(8,), features=(8, 16)), log=lambda s: None)
+        small(seq_lens=(8,), features=(8, 16))
     with pytest.raises(ValueError, match="unknown attention method 'nope'"):
         run_approx(small(methods=("nope",)), log=lambda s: None)
+
+
+def test_a_length_shorter_than_every_m_is_refused_before_any_work(monkeypatch):
+    """--seq-lens 48 8 --features 8 16: N=8 has no m to measure; the run says so before
+    it measures N=48, not after (a long first length lost to an error, nothing written)."""
+    def measure(*args, **kwargs):
+        raise AssertionError("a method was measured")
+
+    monkeypatch.setattr("skyformer.eval.approx.run._Sweep.method", measure)
+    with pytest.raises(ValueError, match="every number of features is >= N=8; pass smaller "
+                                         "--features or longer --seq-lens"):
+        run_approx(small(seq_lens=(48, 8), features=(8, 16)), log=lambda s: None)
+    small(seq_lens=(8,), features=(8, 16), sweep=False)  # the analysis alone needs no m < N
 
 
 def test_outputs_without_plots(tmp_path):

@@ -122,6 +122,10 @@ class ApproxConfig:
             raise ValueError(f"heads must be non-negative indices, got {list(self.heads)}.")
         if not (self.sweep or self.analysis):
             raise ValueError("nothing to do: both the sweep and the analysis are switched off.")
+        short = [n for n in self.seq_lens if n <= min(self.features)] if self.sweep else []
+        if short:  # here, not when the sweep reaches N after measuring the others
+            raise ValueError(f"every number of features is >= N={short[0]}; pass smaller "
+                             f"--features or longer --seq-lens.")
         if self.floor_oversample < 0 or self.floor_power_iterations < 0:
             raise ValueError("floor_oversample and floor_power_iterations must be >= 0.")
         if self.residual_block < 1 or self.lsh_bits < 1:
@@ -304,10 +308,7 @@ class _Sweep:
             self.noted_lengths.add(n)
             self.note(f"N={n}: m={','.join(map(str, dropped))} dropped (m >= N: a rank-N "
                       f"approximation of an N x N matrix is exact).")
-        if not ms:
-            raise ValueError(f"every number of features is >= N={n}; pass smaller --features "
-                             f"or longer --seq-lens.")
-        return ms
+        return ms  # not empty: ApproxConfig refuses an N below every m
 
     def references(self, data: SourceData, targets: list[str], ms: list[int]) -> dict[str, Tensor]:
         """Exact outputs per target ``[H, N, Dv]`` (float64); records floors and baselines."""
