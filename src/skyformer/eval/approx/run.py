@@ -468,8 +468,8 @@ def run_approx(config: ApproxConfig = ApproxConfig(), *,
     targets = sorted({s.capabilities.target for s in methods}, key=("softmax", "gaussian").index)
     loader = SourceLoader(config.source_options())
     longest, setting = _longest(config)
-    for source in config.sources:  # a text or GloVe file too short fails before the sweep
-        loader.check_length(source, longest, setting)
+    for source in config.sources:  # a text too short or a head missing fails before the sweep
+        loader.check(source, longest, setting)
     sources: list[dict[str, Any]] = []
     analysis: list[dict[str, Any]] = []
     per_n = {n: len([m for m in set(config.features) if m < n]) for n in config.seq_lens}

@@ -120,6 +120,14 @@ def attention_projections(model: nn.Module) -> list[tuple[nn.Linear, nn.Linear, 
     return found
 
 
+def layer_projections(model: nn.Module, layer: int) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+    """(query, key, value) projections of ``layer``; a sentence where the model lacks it."""
+    layers = attention_projections(model)
+    if not 0 <= layer < len(layers):
+        raise ValueError(f"layer must be in 0..{len(layers) - 1} for this model, got {layer}.")
+    return layers[layer]
+
+
 def _window_sizes(seq_len: int, max_positions: int) -> list[int]:
     """Split ``seq_len`` into windows of at most ``max_positions`` and at least 3 tokens."""
     count = -(-seq_len // max_positions)
@@ -211,9 +219,7 @@ def extract_qkv(
     Sequences longer than the model's position limit are built by running consecutive
     windows and concatenating their Q/K/V along N.
     """
-    layers = attention_projections(model)
-    if not 0 <= layer < len(layers):
-        raise ValueError(f"layer must be in 0..{len(layers) - 1} for this model, got {layer}.")
+    projections = layer_projections(model, layer)
     if seq_len < 3:
         raise ValueError(f"seq_len must be at least 3, got {seq_len}.")
     config = model.config
@@ -231,7 +237,7 @@ def extract_qkv(
     windows = _windows(tokenizer, text, seq_len, limit)  # may refuse: before the hooks
     handles = [
         proj.register_forward_hook(hook(key))
-        for key, proj in zip(("q", "k", "v"), layers[layer], strict=True)
+        for key, proj in zip(("q", "k", "v"), projections, strict=True)
     ]
     try:
         device = next(model.parameters()).device

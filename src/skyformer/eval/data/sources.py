@@ -23,7 +23,14 @@ import torch
 from torch import Tensor
 
 from .glove import read_glove
-from .qkv import extract_qkv, load_model, position_limit, text_tokens, tokens_needed
+from .qkv import (
+    extract_qkv,
+    layer_projections,
+    load_model,
+    position_limit,
+    text_tokens,
+    tokens_needed,
+)
 from .text import read_text
 
 SOURCES = ("pretrained", "init", "glove", "gaussian")
@@ -88,13 +95,16 @@ class SourceLoader:
             return self._glove(seq_len)
         return self._gaussian(seq_len)
 
-    def check_length(self, source: str, seq_len: int, setting: str) -> None:
+    def check(self, source: str, seq_len: int, setting: str) -> None:
         """Fail in a sentence where ``source`` cannot give ``seq_len`` tokens (a text too
-        short, a GloVe file with too few vectors), before any measurement; ``setting``
-        names the option that asks for that length (``--seq-lens``)."""
+        short, a GloVe file with too few vectors) or lacks the chosen layer or heads,
+        before any measurement; ``setting`` names the option that asks for that length
+        (``--seq-lens``)."""
         check_source(source)
         if source in ("pretrained", "init"):
             model, tokenizer, _ = self._model(source == "pretrained")
+            layer_projections(model, self.options.layer)
+            self._heads(model.config.num_attention_heads)
             have = len(text_tokens(tokenizer, self._read_text()))
             need = tokens_needed(seq_len, position_limit(model))
             if have < need:
@@ -123,6 +133,14 @@ class SourceLoader:
             self._text = read_text(self.options.text)
         return self._text
 
+    def _heads(self, total: int) -> list[int]:
+        """The chosen heads of a model with ``total`` heads (default all of them)."""
+        heads = list(self.options.heads) if self.options.heads else list(range(total))
+        bad = [h for h in heads if not 0 <= h < total]
+        if bad:
+            raise ValueError(f"heads must be in 0..{total - 1} for this model, got {bad}.")
+        return heads
+
     def _bert(self, pretrained: bool, seq_len: int) -> SourceData:
         o = self.options
         model, tokenizer, name = self._model(pretrained)
@@ -130,11 +148,7 @@ class SourceLoader:
             model, tokenizer, self._read_text(), seq_len=seq_len, layer=o.layer, name=name,
             pretrained=pretrained,
         )
-        total = qkv.q.shape[1]
-        heads = list(o.heads) if o.heads else list(range(total))
-        bad = [h for h in heads if not 0 <= h < total]
-        if bad:
-            raise ValueError(f"heads must be in 0..{total - 1} for this model, got {bad}.")
+        heads = self._heads(qkv.q.shape[1])
         q, k, v = (t[:, heads].contiguous() for t in (qkv.q, qkv.k, qkv.v))
         text = qkv.describe() + f", heads {','.join(map(str, heads))}"
         return SourceData("pretrained" if pretrained else "init", q, k, v, text, qkv.windows,
