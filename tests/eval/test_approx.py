@@ -345,3 +345,23 @@ def test_a_layer_or_head_the_model_lacks_is_refused_before_any_work(option, mess
     with pytest.raises(ValueError, match=message):
         run_approx(small(sources=("gaussian", "pretrained"), seq_lens=(16,), features=(4,),
                          methods=("linear",), analysis=False, **option), log=lambda s: None)
+
+
+def test_the_error_plots_legend_leaves_the_axis_labels_readable(monkeypatch):
+    """One row of panels (a single source) with every method's entry: the legend sat
+    over the x axis's ticks and 'number of features m'."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from skyformer.eval.approx.plots import plot_errors
+
+    figures = []
+    monkeypatch.setattr("skyformer.eval.approx.plots.save_figure",
+                        lambda fig, path, **kw: figures.append(fig) or path)
+    plot_errors(run_approx(small(seeds=(0,), analysis=False), log=lambda s: None), "errors.png")
+    canvas = FigureCanvasAgg(figures[0])
+    canvas.draw()
+    legend = figures[0].legends[0].get_window_extent(canvas.get_renderer())
+    assert len(figures[0].legends[0].get_texts()) >= 12
+    for ax in figures[0].axes:
+        assert not ax.xaxis.get_tightbbox(canvas.get_renderer()).overlaps(legend)
