@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -108,3 +109,78 @@ def test_the_recorded_command_keeps_options_set_to_zero():
     command = _command(args)
     assert "--floor-oversample 0" in command and "--floor-power-iterations 0" in command
     assert "--quick" in command and "--no-plots" not in command
+
+
+RESUMABLE = ["approx", "--sources", "gaussian", "--seq-lens", "64", "96", "--features", "16",
+             "--seeds", "0", "1", "--heads", "0", "--methods", "skyformer", "performer",
+             "--analysis-len", "64", "--eps", "0.1", "--no-plots", "--no-progress"]
+
+
+def _interrupt_at(monkeypatch, seq_len):
+    """Make the sweep block at ``seq_len`` stop as Ctrl-C would; returns the lengths of
+    the blocks measured."""
+    import skyformer.eval.approx.run as approx_run
+
+    measured, block = [], approx_run._sweep_block
+
+    def sweep_block(sweep, loader, source, n, *args):
+        if n == seq_len:
+            raise KeyboardInterrupt
+        measured.append(n)
+        return block(sweep, loader, source, n, *args)
+
+    monkeypatch.setattr(approx_run, "_sweep_block", sweep_block)
+    return measured
+
+
+def test_an_interrupted_run_resumes_with_the_numbers_of_an_uninterrupted_one(
+        tmp_path, monkeypatch, capsys):
+    """Ctrl-C during the second length: the first is saved; --resume measures only the
+    rest, and the result files hold what one uninterrupted run writes."""
+    assert main([*RESUMABLE, "--out", str(tmp_path / "whole")]) == 0
+    out = tmp_path / "interrupted"
+    with monkeypatch.context() as patched:
+        measured = _interrupt_at(patched, 96)
+        assert main([*RESUMABLE, "--out", str(out)]) == 130  # "interrupted"
+    assert measured == [64] and (out / "approx.progress.json").exists()
+    assert not (out / "approx.json").exists()
+    measured = _interrupt_at(monkeypatch, None)
+    capsys.readouterr()
+    assert main([*RESUMABLE, "--out", str(out), "--resume"]) == 0
+    assert measured == [96]
+    assert "resuming from" in capsys.readouterr().err
+    assert not (out / "approx.progress.json").exists()
+    whole, resumed = (json.loads((d / "approx.json").read_text())
+                      for d in (tmp_path / "whole", out))
+    for part in ("rows", "samples", "analysis", "sources", "config"):
+        assert resumed[part] == whole[part], part
+    assert resumed["notes"][:-1] == whole["notes"] and resumed["notes"][-1].startswith("resumed: 1")
+    assert resumed["command"] == whole["command"].replace("whole", "interrupted")
+    assert (out / "approx.csv").read_text().split("\n# environment")[0] == \
+        (tmp_path / "whole" / "approx.csv").read_text().split("\n# environment")[0].replace(
+            "whole", "interrupted")
+
+
+def test_resume_refuses_other_settings_and_starting_over_says_what_it_leaves(
+        tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    with monkeypatch.context() as patched:
+        _interrupt_at(patched, 96)
+        assert main([*RESUMABLE, "--out", str(out)]) == 130  # "interrupted"
+    capsys.readouterr()
+    assert main([*RESUMABLE, "--out", str(out), "--resume", "--features", "32"]) == 2
+    assert re.search(r"other settings \(features=\[16\] there, \[32\] now\).*same settings.*"
+                     r"without --resume", capsys.readouterr().err)
+    measured = _interrupt_at(monkeypatch, None)
+    assert main([*RESUMABLE, "--out", str(out), "--seq-lens", "64"]) == 0  # starts over
+    assert measured == [64]
+    assert "holds what an interrupted run measured; this run starts over" in \
+        capsys.readouterr().err
+    (out / "approx.progress.json").write_text("{not json")
+    assert main([*RESUMABLE, "--out", str(out), "--resume"]) == 2
+    assert "not an approx progress file" in capsys.readouterr().err
+
+
+def test_resume_without_a_progress_file_measures_everything(tmp_path, capsys):
+    assert main([*RESUMABLE, "--out", str(tmp_path), "--resume", "--seq-lens", "64"]) == 0
+    assert "nothing to resume" in capsys.readouterr().err

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 import shlex
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..eval.approx.progress import PROGRESS_FILE, warn_if_left
 from ..eval.approx.report import analysis_table, format_table, write_outputs
 from ..eval.approx.run import QUICK, ApproxConfig, run_approx
 from ..eval.data.sources import SOURCES
@@ -98,6 +100,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-plots", "--no-plot", action="store_true",
                         help="write no PNG plots (and remove those an earlier run left in --out)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--resume", action="store_true",
+                        help=f"continue an interrupted run: take what it measured from "
+                        f"OUT/{PROGRESS_FILE} (saved after every source and length) and "
+                        f"measure the rest; the other settings must be the same (--seq-lens "
+                        f"and --sources may differ)")
 
 
 def config_from_args(args: argparse.Namespace) -> ApproxConfig:
@@ -128,7 +135,8 @@ def config_from_args(args: argparse.Namespace) -> ApproxConfig:
 def _command(args: argparse.Namespace) -> str:
     parts = ["skyformer", "approx"]
     for key, value in vars(args).items():
-        if key.startswith("_") or key == "command" or value is None or value is False:
+        if key.startswith("_") or key in ("command", "resume") or value is None \
+                or value is False:
             continue
         if key == "out" and value == "results/approx":
             continue
@@ -151,7 +159,10 @@ def run(args: argparse.Namespace) -> int:
         from ..eval.approx.plots import require_matplotlib
 
         require_matplotlib()  # fail before the run, not after it, when matplotlib is missing
-    result = run_approx(config)
+    progress_file = Path(args.out) / PROGRESS_FILE
+    if not args.resume:
+        warn_if_left(progress_file)
+    result = run_approx(config, progress_file=progress_file, resume=args.resume)
     print("Q/K/V:")
     for s in result.sources:
         print(f"  {s['source']} N={s['seq_len']}: {s['description']}")
@@ -163,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(analysis_table(result.analysis))
     written = write_outputs(result, args.out, plots=not args.no_plots, command=_command(args))
+    progress_file.unlink(missing_ok=True)  # the results hold it all now
     print()
     for _kind, path in written.items():
         print(f"wrote {path}")

@@ -44,6 +44,7 @@ from ..data.sources import SOURCES, SourceData, SourceLoader, SourceOptions, che
 from ..measure.metrics import constant_row_error, rank_m_floor, relative_error
 from ..methods import TARGET_OPTIONS, refuse_repeated_methods, refuse_repeats
 from .leverage import THEOREM_CONSTANT, leverage_analysis
+from .progress import PARTS, ProgressFile, block_key
 from .spectra import attention_spectra, lsh_mask, oracle_mask
 
 FLOOR = "svd_floor"
@@ -282,8 +283,29 @@ class _Sweep:
         self.notes: list[str] = []
         self.rows: list[dict[str, Any]] = []
         self.samples: list[dict[str, Any]] = []
+        self.sources: list[dict[str, Any]] = []
+        self.analysis: list[dict[str, Any]] = []
         self.seconds: dict[str, float] = {}
         self.noted_lengths: set[int] = set()  # N whose dropped m were noted
+
+    def _parts(self) -> dict[str, list]:
+        return {part: getattr(self, part) for part in PARTS}
+
+    @contextmanager
+    def block(self, key: str, saved: ProgressFile | None) -> Iterator[bool]:
+        """One block of the run (``progress`` module docstring): yields whether it is to
+        be measured; False where ``saved`` holds it from before, whose parts are then
+        added as they were. A measured block is saved when it ends."""
+        earlier = saved.restore(key) if saved is not None else None
+        if earlier is not None:
+            for part, items in earlier.items():
+                getattr(self, part).extend(items)
+            yield False
+            return
+        start = {part: len(items) for part, items in self._parts().items()}
+        yield True
+        if saved is not None:
+            saved.save(key, {part: items[start[part]:] for part, items in self._parts().items()})
 
     @contextmanager
     def timed(self, phase: str) -> Iterator[None]:
@@ -450,11 +472,16 @@ def analyse_source(data: SourceData, config: ApproxConfig) -> dict[str, Any]:
 
 
 def run_approx(config: ApproxConfig = ApproxConfig(), *,
-               log: Callable[[str], None] | None = None) -> ApproxResult:
+               log: Callable[[str], None] | None = None,
+               progress_file: str | os.PathLike[str] | None = None,
+               resume: bool = False) -> ApproxResult:
     """Run the study; returns the results table (``rows``) and everything else measured.
 
     ``log`` receives notes (skipped methods, dropped m, concatenated windows) as they
     happen; default: the ``skyformer.approx`` logger (the ``skyformer`` command prints it).
+    ``progress_file``: where to save each block of the run as it ends (``progress``
+    module); with ``resume``, the blocks an earlier run with the same settings saved
+    there are taken instead of measured (the numbers are the same).
     """
     from tqdm.auto import tqdm
 
@@ -462,6 +489,7 @@ def run_approx(config: ApproxConfig = ApproxConfig(), *,
     cpu_started = time.process_time()
     load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
     sweep = _Sweep(config, log or get_logger("approx").info)
+    saved = None if progress_file is None else ProgressFile(progress_file, config, resume=resume)
     methods = resolve_methods(config.methods, sweep.notes)
     for text in sweep.notes:
         sweep.log(text)
@@ -470,8 +498,6 @@ def run_approx(config: ApproxConfig = ApproxConfig(), *,
     longest, setting = _longest(config)
     for source in config.sources:  # a text too short or a head missing fails before the sweep
         loader.check(source, longest, setting)
-    sources: list[dict[str, Any]] = []
-    analysis: list[dict[str, Any]] = []
     per_n = {n: len([m for m in set(config.features) if m < n]) for n in config.seq_lens}
     total = len(config.sources) * len(methods) * len(config.seeds) * sum(per_n.values())
     total = total if config.sweep else 0
@@ -479,29 +505,20 @@ def run_approx(config: ApproxConfig = ApproxConfig(), *,
               leave=False) as bar:
         for source in config.sources:
             for n in config.seq_lens if config.sweep else ():
-                with sweep.timed("load"):
-                    data = loader.load(source, n)
-                sources.append({"source": source, "seq_len": n, "part": "sweep",
-                                "description": data.description, "windows": data.windows})
-                if data.windows > 1:
-                    sweep.note(f"{source} N={n}: Q/K/V concatenated from {data.windows} windows "
-                               f"of the model's position limit.")
-                ms = sweep.features_for(n)
-                with sweep.timed("targets_and_floors"):
-                    exact = sweep.references(data, targets, ms)
-                with sweep.timed("methods"):
-                    for spec in methods:
-                        sweep.method(spec, data, exact[spec.capabilities.target], ms, bar)
+                with sweep.block(block_key("sweep", source, n), saved) as measure:
+                    if measure:
+                        _sweep_block(sweep, loader, source, n, methods, targets, bar)
+                    else:
+                        sweep.noted_lengths.add(n)  # its dropped m were noted then
+                        bar.update(len(methods) * len(config.seeds) * per_n[n])
             if config.analysis:
-                with sweep.timed("analysis"):
-                    bar.set_postfix_str(f"{source} analysis N={config.analysis_seq_len}")
-                    data = loader.load(source, config.analysis_seq_len)
-                    if not any(s["source"] == source and s["seq_len"] == config.analysis_seq_len
-                               for s in sources):
-                        sources.append({"source": source, "seq_len": config.analysis_seq_len,
-                                        "part": "analysis", "description": data.description,
-                                        "windows": data.windows})
-                    analysis.append(analyse_source(data, config))
+                with sweep.block(block_key("analysis", source), saved) as measure:
+                    if measure:
+                        _analysis_block(sweep, loader, source, bar)
+    if saved is not None and saved.resumed:
+        sweep.note(f"resumed: {saved.resumed} blocks (a source at one length, or "
+                           f"its analysis) measured by an earlier run, taken from "
+                           f"{saved.path}; seconds counts this run's blocks only.")
     sweep.seconds["total"] = time.perf_counter() - started
     sweep.seconds["cpu_total"] = time.process_time() - cpu_started
     env = environment(torch.device("cpu"))
@@ -509,8 +526,38 @@ def run_approx(config: ApproxConfig = ApproxConfig(), *,
         env["loadavg_before"] = [round(x, 2) for x in load_before]
         env["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     env["methods"] = [s.name for s in methods]
-    return ApproxResult(config, sweep.rows, sweep.samples, analysis, sources, sweep.notes,
-                        env, sweep.seconds)
+    return ApproxResult(config, sweep.rows, sweep.samples, sweep.analysis, sweep.sources,
+                        sweep.notes, env, sweep.seconds)
+
+
+def _sweep_block(sweep: _Sweep, loader: SourceLoader, source: str, n: int,
+                 methods: list[Method], targets: list[str], bar: Any) -> None:
+    """Every method, m and seed on ``source`` at length ``n``, with targets and floors."""
+    with sweep.timed("load"):
+        data = loader.load(source, n)
+    sweep.sources.append({"source": source, "seq_len": n, "part": "sweep",
+                          "description": data.description, "windows": data.windows})
+    if data.windows > 1:
+        sweep.note(f"{source} N={n}: Q/K/V concatenated from {data.windows} windows "
+                   f"of the model's position limit.")
+    ms = sweep.features_for(n)
+    with sweep.timed("targets_and_floors"):
+        exact = sweep.references(data, targets, ms)
+    with sweep.timed("methods"):
+        for spec in methods:
+            sweep.method(spec, data, exact[spec.capabilities.target], ms, bar)
+
+
+def _analysis_block(sweep: _Sweep, loader: SourceLoader, source: str, bar: Any) -> None:
+    """The spectra and leverage analysis of ``source`` (``analyse_source``)."""
+    n = sweep.config.analysis_seq_len
+    with sweep.timed("analysis"):
+        bar.set_postfix_str(f"{source} analysis N={n}")
+        data = loader.load(source, n)
+        if not any(s["source"] == source and s["seq_len"] == n for s in sweep.sources):
+            sweep.sources.append({"source": source, "seq_len": n, "part": "analysis",
+                                  "description": data.description, "windows": data.windows})
+        sweep.analysis.append(analyse_source(data, sweep.config))
 
 
 __all__ = [
