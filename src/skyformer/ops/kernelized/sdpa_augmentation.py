@@ -54,10 +54,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ...linalg import half_sq_norm
-from ..shared.sdpa import sdpa
+from ..shared.sdpa import WIDTH_MULTIPLE, sdpa
 
 MASKED_LOGIT = -1e6
-WIDTH_MULTIPLE = 8
 
 
 def fused_dtype(dtype: torch.dtype) -> torch.dtype:
