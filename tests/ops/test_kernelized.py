@@ -289,3 +289,28 @@ def test_auto_falls_back_when_the_backward_kernels_fail(monkeypatch):
     out = kernelized_attention(q, k, v, kernel="triton")
     with pytest.raises(RuntimeError, match="out of resources"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("float_mask", [False, True])
+def test_an_attn_mask_over_keys_alone_forms_no_n_by_n_bias(float_mask):
+    """A mask ``[B, 1, 1, N]`` (padded keys, as SDPA callers pass them) stays one row
+    for every query: expanding it over the queries for the extra key's column made an
+    [N, N + 1] bias. Forward and backward stay below N^2 / 8 entries, equal to the same
+    padding given as ``key_padding_mask``."""
+    n = 256
+    q, k, v = make_qkv(1, 1, n, 8)
+    valid = torch.ones(1, n, dtype=torch.bool)
+    valid[0, -30:] = False
+    mask = valid[:, None, None, :]
+    if float_mask:
+        mask = torch.where(mask, 0.0, float("-inf")).double()
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    with Recorder(lambda func, args, out: func.name() if isinstance(out, torch.Tensor)
+                  and out.numel() >= n * n // 8 else None) as big:
+        out = kernelized_attention(*leaves, attn_mask=mask, query_padding_mask=None)
+        grads = torch.autograd.grad(out.sin().sum(), leaves)
+    assert big.items == []
+    want = kernelized_attention(*leaves, key_padding_mask=valid, query_padding_mask=None)
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
+    for got, expected in zip(grads, torch.autograd.grad(want.sin().sum(), leaves), strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-11)

@@ -183,8 +183,9 @@ def kernelized_by_sdpa(
     q_aug, k_aug, v_aug = augmented_inputs(q, k, v, scale, key_valid, causal=causal,
                                            shift=shift)
     if bias is not None:  # the extra key (last column) always visible
-        bias = bias.to(q_aug.dtype)
-        bias = F.pad(bias.expand(*bias.shape[:2], q.shape[-2], k.shape[-2]), (0, 1))
+        # a bias [.., 1, Nk] over the keys alone stays one row: SDPA broadcasts it (the
+        # fused kernels keep O(N) memory), where one row per query would be [Nq, Nk + 1]
+        bias = F.pad(bias.to(q_aug.dtype), (0, 1))
         out = sdpa(q_aug, k_aug, v_aug, attn_mask=bias, scale=scale)
     elif causal:
         out = sdpa(q_aug, k_aug, v_aug, scale=scale, is_causal=True)[..., 1:, :]
