@@ -390,3 +390,22 @@ def test_nystrom_softmax_decoding_follows_the_forward_into_float64(late):
     decoded = _decode(state, q, k, v, None, 10, [1] * (n - 10))
     assert decoded.dtype == torch.float32 and state.wide
     torch.testing.assert_close(decoded, full, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("method", "options"), CASES[:2], ids=lambda c: str(c))
+def test_a_one_token_step_costs_a_row_not_a_chunk(method, options):
+    """A step of one token is one chunk of one row: it was padded to a 64-row chunk, as
+    much work as a step of 64 tokens."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q, k, v = make_qkv(1, 2, 100, 8, seed=0)
+    state = new_decoding_state(get_method(method).bind(**options), generator=random_key(0))
+    state.step(q[:, :, :20], k[:, :, :20], v[:, :, :20])
+
+    def flops(n):
+        with FlopCounterMode(display=False) as counter:
+            state.step(q[:, :, 20:20 + n], k[:, :, 20:20 + n], v[:, :, 20:20 + n])
+        return counter.get_total_flops()
+
+    one, chunk = flops(1), flops(64)
+    assert 0 < one * 16 < chunk, (one, chunk)

@@ -39,7 +39,13 @@ import torch
 from torch import Tensor
 
 from ...linalg.functional_ops import exporting
-from ..shared.causal_prefix import CAUSAL_CHUNK, chunk_rows, lower_triangle, unchunk_rows
+from ..shared.causal_prefix import (
+    CAUSAL_CHUNK,
+    chunk_length,
+    chunk_rows,
+    lower_triangle,
+    unchunk_rows,
+)
 from ..shared.tracing import may_read_values
 
 
@@ -170,6 +176,7 @@ def causal_performer_sums(phi_q: Tensor, log_k: Tensor, scale_basis: Tensor, v1:
     valid = _valid(key_valid, log_k)
     log_scale = _log_scales(scale_basis, valid)
     k_hat = torch.where(valid, log_k - log_scale[..., None], float("-inf")).exp()
+    chunk = chunk_length(n, chunk)
     q_c, k_c, v_c = (chunk_rows(t, chunk) for t in (phi_q, k_hat, v1))  # [B, H, C, L, .]
     scale_c = chunk_rows(log_scale[..., None], chunk)[..., 0].masked_fill(
         ~chunk_rows(valid, chunk)[..., 0], float("-inf"))  # [B, H, C, L]

@@ -41,6 +41,14 @@ CAUSAL_CHUNK = 64
 EXPORT_CHUNKS = 2
 
 
+def chunk_length(n: int, chunk: int) -> int:
+    """The chunk length L for ``n`` positions: ``chunk``, or ``n`` where fewer (a
+    decoding step of one token is one chunk of one row, not of ``chunk`` rows of which
+    all but one are padding: ~chunk^2 times the work of its block); ``chunk`` while
+    exporting (module docstring). The sums are the same for any L."""
+    return chunk if exporting() or n >= chunk else max(n, 1)
+
+
 def chunk_rows(x: Tensor, chunk: int, fill: float = 0.0) -> Tensor:
     """``[B, H, N, F] -> [B, H, C, L, F]`` with C = ceil(N / L) (two more while
     exporting: module docstring), rows of ``fill`` appended."""
@@ -92,6 +100,8 @@ def causal_feature_sums(phi_q: Tensor, psi_k: Tensor, v: Tensor, *,
         ``[B, H, N, Dv]``.
     """
     n = phi_q.shape[2]
+    if local is None:  # else its [L, L] blocks fix L
+        chunk = chunk_length(n, chunk)
     q_c, k_c, v_c = (chunk_rows(t, chunk) for t in (phi_q, psi_k, v))
     before = exclusive_chunk_sums(k_c, v_c)  # [B, H, C, m, Dv]
     scores = q_c @ k_c.transpose(-1, -2) if local is None else local  # [B, H, C, L, L]
