@@ -97,3 +97,34 @@ def test_the_padded_causal_form_and_another_value_width_form_no_n_by_n_block(cau
     torch.testing.assert_close(out, want)
     for got, expected in zip(grads, torch.autograd.grad(want.sin().sum(), leaves), strict=True):
         torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_dropout_keeps_sdpa_s_causal_flag_and_no_n_by_n_bias(monkeypatch, causal, padded):
+    """With dropout_p the call stays on SDPA's causal flag and key-column mask, which its
+    fused kernels take with dropout on CUDA; it built a [B, H, N, N] bias. Dropout
+    follows its expectation (the mean of many draws is the output without it)."""
+    import torch.nn.functional as F
+
+    q, k, v = make_qkv(2, 1, 6, 4)
+    valid = torch.ones(2, 6, dtype=torch.bool)
+    if padded:
+        valid[1, 4:] = False
+    mask = valid if padded else None
+    calls = []
+    original = F.scaled_dot_product_attention
+
+    def recorded(q, k, v, attn_mask=None, *args, **kwargs):
+        calls.append((attn_mask, kwargs.get("is_causal", False)))
+        return original(q, k, v, attn_mask, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recorded)
+    clean = softmax_attention(q, k, v, key_padding_mask=mask, causal=causal)
+    torch.manual_seed(0)
+    draws = torch.stack([softmax_attention(q, k, v, key_padding_mask=mask, causal=causal,
+                                           dropout_p=0.5) for _ in range(3000)])
+    assert all(m is None or m.shape[-2] == 1 for m, _ in calls)
+    assert all(flag == causal for _, flag in calls)
+    assert not torch.equal(draws[0], draws[1])
+    torch.testing.assert_close(draws.mean(0), clean, atol=0.1, rtol=0)

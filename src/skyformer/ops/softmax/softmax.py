@@ -34,14 +34,15 @@ class SoftmaxConfig:
 
 
 def _masked_sdpa(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, *, scale: float,
-                 causal: bool) -> Tensor:
-    """SDPA with a key padding mask that never yields NaN (fully padded rows give 0)."""
+                 causal: bool, dropout_p: float = 0.0) -> Tensor:
+    """SDPA with a key padding mask that never yields NaN (fully padded rows give 0),
+    ``dropout_p`` on the probabilities (a padded key's is 0, dropped or not)."""
     if key_valid is None:
-        return sdpa(q, k, v, scale=scale, is_causal=causal)
+        return sdpa(q, k, v, scale=scale, is_causal=causal, dropout_p=dropout_p)
     has_key = key_valid.any(dim=-1, keepdim=True)  # [B, 1]
     if not causal:
         safe = key_valid | ~has_key  # a row without keys attends to all, then is zeroed
-        out = sdpa(q, k, v, attn_mask=safe[:, None, None, :], scale=scale)
+        out = sdpa(q, k, v, attn_mask=safe[:, None, None, :], scale=scale, dropout_p=dropout_p)
     else:
         # SDPA takes no attn_mask together with is_causal: carry the padding in one
         # extra logit column instead (q' = [s q, 1], k' = [k, 0 or -1e6]).
@@ -49,7 +50,7 @@ def _masked_sdpa(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, *, s
         ones = torch.ones_like(q[..., :1])
         q_aug = torch.cat([q * scale, ones], dim=-1)
         k_aug = torch.cat([k, bias.expand(*k.shape[:-1], 1)], dim=-1)
-        out = sdpa(q_aug, k_aug, v, scale=1.0, is_causal=True)
+        out = sdpa(q_aug, k_aug, v, scale=1.0, is_causal=True, dropout_p=dropout_p)
     return out * has_key[:, None, :, None].to(out.dtype)
 
 
@@ -96,8 +97,9 @@ def softmax_attention(
             f"skyformer.scaled_dot_product_attention, which builds it."
         )
     s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
-    if attn_mask is None and not dropout_p:
-        out = _masked_sdpa(q, k, v, info.key_valid, scale=s, causal=config.causal)
+    if attn_mask is None:  # SDPA's causal flag: its fused kernels (dropout too on CUDA)
+        out = _masked_sdpa(q, k, v, info.key_valid, scale=s, causal=config.causal,
+                           dropout_p=dropout_p)
     else:
         mask = attn_mask if attn_mask is not None else torch.ones(
             info.key_len, dtype=torch.bool, device=q.device)
