@@ -365,3 +365,23 @@ def test_the_error_plots_legend_leaves_the_axis_labels_readable(monkeypatch):
     assert len(figures[0].legends[0].get_texts()) >= 12
     for ax in figures[0].axes:
         assert not ax.xaxis.get_tightbbox(canvas.get_renderer()).overlaps(legend)
+
+
+def test_a_floor_by_the_full_svd_is_taken_in_float64(monkeypatch):
+    """Above floor_exact_below, a block of m + p columns covering half of N takes the
+    full SVD; it was given the float32 matrix meant for the randomized iteration."""
+    import skyformer.eval.approx.run as approx_run
+
+    dtypes, original = [], approx_run.top_singular_subspace
+
+    def recorded(a, *args, **kwargs):
+        dtypes.append(a.dtype)
+        return original(a, *args, **kwargs)
+
+    monkeypatch.setattr(approx_run, "top_singular_subspace", recorded)
+    settings = {"sources": ("gaussian",), "features": (16, 40), "seeds": (0,),
+                "methods": ("skyformer",), "heads": (0,), "analysis": False,
+                "progress": False, "floor_exact_below": 64, "floor_oversample": 8}
+    run_approx(ApproxConfig(seq_lens=(96,), **settings))  # 2 (40 + 8) >= 96: full SVD
+    run_approx(ApproxConfig(seq_lens=(200,), **settings))  # randomized
+    assert dtypes == [torch.float64, torch.float32]  # one head, one target

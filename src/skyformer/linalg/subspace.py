@@ -32,6 +32,13 @@ def _orthonormal(x: Tensor) -> Tensor:
     return torch.linalg.qr(x, mode="reduced").Q
 
 
+def takes_full_svd(n: int, m: int, k: int, *, oversample: int = 64,
+                   exact_below: int = 1024) -> bool:
+    """Whether ``top_singular_subspace`` of ``[N, M]`` matrices takes the full SVD: the
+    smaller side at most ``exact_below``, or a block of k + p columns covering half of it."""
+    return min(n, m) <= exact_below or 2 * (k + max(0, oversample)) >= min(n, m)
+
+
 def top_singular_subspace(
     a: Tensor,
     k: int,
@@ -57,7 +64,7 @@ def top_singular_subspace(
     if not 1 <= k <= min(n, m):
         raise ValueError(f"k must be in 1..{min(n, m)} for {n} x {m} matrices, got {k}.")
     width = k + max(0, oversample)
-    if min(n, m) <= exact_below or 2 * width >= min(n, m):
+    if takes_full_svd(n, m, k, oversample=oversample, exact_below=exact_below):
         u, s, _ = torch.linalg.svd(a, full_matrices=False)
         return Subspace(u[..., :k], s[..., :k], exact=True)
     omega = torch.randn(

@@ -36,6 +36,7 @@ from torch import Tensor
 
 from ...io import environment
 from ...linalg import gaussian_scores, softmax_scores, top_singular_subspace
+from ...linalg.subspace import takes_full_svd
 from ...logs import get_logger
 from ...registry import Method, exact_method, get_method, list_methods
 from ...registry.variants import refuse_swept_option
@@ -345,9 +346,12 @@ class _Sweep:
             for h in range(q.shape[0]):
                 # One head at a time: [N, N] float64 is 128 MiB at N = 4096.
                 a = _matrix(target, q[h : h + 1], k[h : h + 1])[0]
-                if n > c.floor_exact_below:
+                if not takes_full_svd(n, n, max(ms), oversample=c.floor_oversample,
+                                      exact_below=c.floor_exact_below):
                     # The randomized path is as accurate in float32 as in float64 here
-                    # (floors agree to 1e-5 relative at N = 2048) and twice as fast.
+                    # (floors agree to 1e-5 relative at N = 2048) and twice as fast; the
+                    # full SVD (also above floor_exact_below where m + p covers N / 2)
+                    # stays in float64.
                     a = a.float()
                 g = torch.Generator().manual_seed(c.data_seed)
                 basis = top_singular_subspace(
