@@ -20,14 +20,23 @@ ARGS = ["--attn", "softmax", "--dropout", "0", "--steps", "6", "--batch-size", "
         "--no-tensorboard"]
 
 
-def _torchrun(*args: str) -> subprocess.CompletedProcess:
+def _torchrun(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """``args`` under torchrun with 2 CPU processes; fails the test if the job fails."""
     src = str(Path(skyformer.__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env) as job:
+        try:
+            out, err = job.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            job.terminate()  # torchrun stops its workers on SIGTERM; SIGKILL would orphan them
+            out, err = job.communicate()
+            raise AssertionError(f"the job hung for {timeout} s:\n{out[-3000:]}"
+                                 f"{err[-3000:]}") from None
+    proc = subprocess.CompletedProcess(cmd, job.returncode, out, err)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -72,3 +81,16 @@ def test_two_processes_resume_with_their_own_partial_log_sums(listops_cache, tmp
     assert cut == whole
     sums = load_checkpoint(tmp_path / "cut" / "last.pt")["running"]
     assert sums.shape == (2, 3)
+
+
+def test_seeds_under_torchrun_train_one_after_another(listops_cache, tmp_path):
+    """``--seeds`` under torchrun trains every seed in one process group: destroying
+    torch's default group after a seed and initialising it again for the next hung."""
+    args = [a for a in ARGS if a != "--full-dev"]
+    args[args.index("--steps") + 1] = "3"
+    _torchrun("-m", "skyformer", "lra", "train", "listops", *args, "--eval-batches", "1",
+              "--seeds", "0", "1", "--cache", str(listops_cache), "--out", str(tmp_path),
+              timeout=120)
+    for seed in (0, 1):
+        result = json.loads((tmp_path / f"seed{seed}" / "result.json").read_text())
+        assert (result["seed"], result["world_size"], result["steps"]) == (seed, 2, 3)

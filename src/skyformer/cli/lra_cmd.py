@@ -262,6 +262,7 @@ def _run_train(args: argparse.Namespace) -> int:
     import dataclasses
 
     from ..lra import make_config
+    from ..lra.distributed import joined
     from ..lra.train import Trainer, default_run_dir
 
     _distinct("--seeds", args.seeds)
@@ -293,18 +294,24 @@ def _run_train(args: argparse.Namespace) -> int:
     if len(trainers) > 1:  # a seed's folder refused only after the seeds before it trained
         for trainer in trainers:
             trainer.check()
-    for trainer in trainers:
-        if trainer.run() is None:  # the one line about --stop-after (the trainer says none)
-            step = trainer.state.step
-            said = f"stopped after step {step}"
-            if trainer.resumed_at == step:
-                where = f", past --stop-after {args.stop_after}" if step > args.stop_after \
-                    else f" (--stop-after {args.stop_after})"
-                said = f"nothing trained: the run is already at step {step}{where}"
-            if trainer.info.is_main:  # under torchrun, one line rather than one per process
-                print(f"{said}; continue with --resume")
-            return 0
+    with joined(args.device):  # one process group for every seed (see joined)
+        for trainer in trainers:
+            if trainer.run() is None:  # the one line about --stop-after (the trainer says none)
+                _say_stopped(trainer, args.stop_after)
+                return 0
     return 0
+
+
+def _say_stopped(trainer: Any, stop_after: int) -> None:
+    """Where a run stopped by ``--stop-after`` is, once (process 0) under torchrun."""
+    step = trainer.state.step
+    said = f"stopped after step {step}"
+    if trainer.resumed_at == step:
+        where = f", past --stop-after {stop_after}" if step > stop_after \
+            else f" (--stop-after {stop_after})"
+        said = f"nothing trained: the run is already at step {step}{where}"
+    if trainer.info.is_main:
+        print(f"{said}; continue with --resume")
 
 
 def _run_report(args: argparse.Namespace) -> int:

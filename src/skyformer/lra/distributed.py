@@ -9,6 +9,8 @@ one process. Backend: NCCL on CUDA, gloo on CPU. Multi-node works the same way
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +71,22 @@ def shutdown(info: DistInfo) -> None:
     collected first, so that no graph keeps it alive into interpreter shutdown)."""
     if info.owns_group and dist.is_initialized():
         destroy_process_group()
+
+
+@contextmanager
+def joined(device_request: str = "auto") -> Iterator[DistInfo]:
+    """The process group ``torchrun`` describes (if any), joined once for several runs
+    (``--seeds``) and left at the end; ``Trainer.run`` uses it and leaves it in place.
+
+    Under ``torchrun`` a process that destroys torch's default group and initialises it
+    again reuses the group's keys in the launcher's store: one that comes back before
+    another has left the old group can find that process's old address and wait for it
+    forever (the second seed hung)."""
+    info, _ = init_distributed(device_request)
+    try:
+        yield info
+    finally:
+        shutdown(info)
 
 
 def _comm_device(info: DistInfo, tensor: Tensor) -> torch.device:
