@@ -94,3 +94,19 @@ def test_seeds_under_torchrun_train_one_after_another(listops_cache, tmp_path):
     for seed in (0, 1):
         result = json.loads((tmp_path / f"seed{seed}" / "result.json").read_text())
         assert (result["seed"], result["world_size"], result["steps"]) == (seed, 2, 3)
+
+
+def test_processes_that_disagree_on_the_run_are_refused_on_every_process(listops_cache,
+                                                                         tmp_path):
+    """Settings, --stop-after or the step resumed from (a run folder that only process 0
+    sees) that differ between the processes: every process says so instead of waiting
+    for the others in a collective the others never reach."""
+    _torchrun(str(Path(__file__).with_name("ddp_disagree_job.py")), str(listops_cache),
+              str(tmp_path), timeout=120)
+    for rank in (0, 1):
+        lines = (tmp_path / f"said{rank}.txt").read_text().splitlines()
+        said = dict(line.split(": ", 1) for line in lines)
+        assert "settings differ between the processes (lr, steps" in said["settings"]
+        assert "--stop-after differs" in said["stop_after"]
+        assert "process 0 at step 3, process 1 at step 0" in said["resume"]
+        assert "a filesystem every process sees" in said["resume"]

@@ -8,10 +8,14 @@ one process. Backend: NCCL on CUDA, gloo on CPU. Multi-node works the same way
 
 from __future__ import annotations
 
+import json
 import os
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,6 +23,7 @@ from torch import Tensor, nn
 
 from ..devices import parse_device
 from ..distributed import destroy_process_group
+from ..io import json_ready
 
 
 @dataclass(frozen=True)
@@ -128,3 +133,49 @@ def broadcast_state(module: nn.Module, info: DistInfo, src: int = 0) -> None:
 def barrier(info: DistInfo) -> None:
     if info.enabled:
         dist.barrier()
+
+
+def _checksum(value: Any) -> int:
+    """A checksum of a JSON-able value, equal on every process for equal values."""
+    text = json.dumps(json_ready(value), sort_keys=True, default=str)
+    return zlib.crc32(text.encode())
+
+
+def check_processes_agree(info: DistInfo, settings: dict[str, Any], data: Any,
+                          stop_after: int | None, step: int, finished: bool,
+                          folder: Path) -> None:
+    """Refuse, on every process, a run whose processes were given other settings, other
+    prepared data or another ``stop_after``, or find its folder at another ``step`` or
+    ``finished`` on one only (a run folder not every process sees): each process would
+    train its own number of steps and wait forever in a collective another never
+    reaches. One all-gather of a checksum per setting and of the rest."""
+    if not info.enabled:
+        return
+    names = sorted(settings)
+    codes = [*(_checksum(settings[n]) for n in names), _checksum(data), _checksum(stop_after),
+             2 * step + finished]
+    rows = torch.stack(all_gather(torch.tensor(codes, dtype=torch.long), info))  # [P, C]
+    differ = (rows != rows[0]).any(dim=0).tolist()
+
+    def others(columns: slice) -> list[int]:
+        return [r for r in range(info.world_size) if (rows[r, columns] != rows[0, columns]).any()]
+
+    keys = [n for n, d in zip(names, differ, strict=False) if d]
+    if keys:
+        raise ValueError(f"the settings differ between the processes ({', '.join(keys)}: "
+                         f"process(es) {others(slice(0, len(names)))} differ from process 0); "
+                         "start every process with the same command.")
+    if differ[-3]:
+        raise ValueError(f"the processes read other prepared data (meta.json: process(es) "
+                         f"{others(slice(-3, -2))} differ from process 0); prepare the data "
+                         "once on a filesystem every process reads, or alike on every node.")
+    if differ[-2]:
+        raise ValueError(f"--stop-after differs between the processes (process(es) "
+                         f"{others(slice(-2, -1))} differ from process 0); give every process "
+                         "the same one.")
+    if differ[-1]:
+        states = ", ".join(f"process {r} at step {int(c) // 2}" + (" (finished)" if c % 2 else "")
+                           for r, c in enumerate(rows[:, -1].tolist()))
+        raise ValueError(f"the processes find the run in {folder} in different states "
+                         f"({states}): resuming needs the run folder on a filesystem every "
+                         "process sees.")

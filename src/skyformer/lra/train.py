@@ -51,6 +51,7 @@ from .distributed import (
     all_reduce_sum,
     barrier,
     broadcast_state,
+    check_processes_agree,
     init_distributed,
     shutdown,
 )
@@ -627,6 +628,9 @@ class Trainer:
                           f"cut short: {', '.join(p.name for p in removed)}")
             finished = finished_result(self.folder, self.cfg, self.state.step) if resumed \
                 else None
+            check_processes_agree(self.info, self.cfg.to_dict(), data_fingerprint(self.data.meta),
+                                  self.stop_after, self.state.step, finished is not None,
+                                  self.folder)
             if finished is not None:
                 self._say(f"{self.folder} is finished (result.json); nothing to do")
                 return finished
