@@ -485,3 +485,28 @@ def check_gradients_present_on_some_ranks(rank: int, world: int) -> None:
     (out.sum() if rank == 0 else 0 * out.sum()).backward()
     for name, a, b in zip("qkv", part, full, strict=True):
         torch.testing.assert_close(a.grad, b.grad[:, :, mine], **TOL, msg=name)
+
+
+def check_sum_gradients_of_models_that_differ(rank: int, world: int) -> None:
+    """Trainable parameters whose shapes, dtypes or number differ between ranks (a head
+    sized by each rank's own data) get a sentence on every rank: the all-reduces of other
+    sizes aborted the process (gloo) or waited forever."""
+    x = torch.ones(1, 2)
+    models = {
+        "shapes": torch.nn.Linear(2, 2 + (rank == world - 1)),
+        "dtypes": torch.nn.Linear(2, 2).to(torch.float64 if rank == world - 1 else torch.float32),
+        "number": torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(1 + (rank > 0)))),
+        "frozen": torch.nn.Linear(2, 2).requires_grad_(rank == 0),
+    }
+    for name, model in models.items():
+        out = model(x.to(next(model.parameters()).dtype)).sum()
+        if out.requires_grad:  # not where every parameter is frozen
+            out.backward()
+        said = _outcome(lambda model=model: sum_gradients(model))
+        assert "sum_gradients: the trainable parameters differ between ranks" in said, \
+            (name, said)
+        differ = list(range(1, world)) if name == "number" else [world - 1]
+        assert f"rank(s) {differ} hold another number" in said, (name, said)
+    model = torch.nn.Linear(2, 2)
+    model(x).sum().backward()
+    sum_gradients(model)  # the group still works

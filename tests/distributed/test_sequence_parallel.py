@@ -17,6 +17,7 @@ from seqpar_workers import (
     check_one_rank_fails,
     check_performer_layer,
     check_ranks_disagree,
+    check_sum_gradients_of_models_that_differ,
     spawn,
 )
 
@@ -69,6 +70,10 @@ def test_layer_runs_data_by_sequence_parallel():
 
 def test_gradients_missing_on_some_ranks_count_as_zero_and_zero_weighted_rows_join():
     spawn(2, check_gradients_present_on_some_ranks)
+
+
+def test_sum_gradients_of_models_that_differ_between_ranks_gets_a_sentence():
+    spawn(2, check_sum_gradients_of_models_that_differ)
 
 
 def test_without_an_initialised_group_the_call_says_so():

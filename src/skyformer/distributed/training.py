@@ -9,13 +9,14 @@ of its own shard's share of the loss; the model's gradient is their sum over the
 from __future__ import annotations
 
 import gc
+import zlib
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .layout import resolve_group
+from .layout import comm_device, resolve_group
 
 
 def shard_bounds(n: int, world: int, rank: int) -> tuple[int, int]:
@@ -37,9 +38,12 @@ def sum_gradients(module: nn.Module, group: Any = None, divide_by: float = 1.0) 
     A parameter may have a gradient on some ranks only (a head reading a token that one
     shard holds): it counts as zero where missing, as in DDP. The ranks first agree on
     which parameters have one (an all-reduce of one flag each), then sum those in one
-    all-reduce; a parameter with a gradient on no rank keeps ``grad = None``."""
+    all-reduce; a parameter with a gradient on no rank keeps ``grad = None``. The
+    trainable parameters' number, shapes and dtypes must agree across ranks (checked
+    first, by an all-gather of two integers)."""
     group = resolve_group(group, "sum_gradients")
     params = [p for p in module.parameters() if p.requires_grad]
+    _check_alike(params, group)
     if not params:
         return
     present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32,
@@ -58,6 +62,24 @@ def sum_gradients(module: nn.Module, group: Any = None, divide_by: float = 1.0) 
         flat /= divide_by
     for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
         g.copy_(part.view_as(g))
+
+
+def _check_alike(params: list[nn.Parameter], group: Any) -> None:
+    """Refuse, on every rank, trainable parameters whose number, shapes or dtypes differ
+    between ranks (a head sized by each rank's own data): summed in all-reduces of other
+    sizes, they abort the process (gloo) or wait forever."""
+    layout = repr([(tuple(p.shape), str(p.dtype)) for p in params])
+    mine = torch.tensor([len(params), zlib.crc32(layout.encode())], device=comm_device(group))
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    rows = torch.stack(every).tolist()
+    differ = [r for r, row in enumerate(rows) if row != rows[0]]
+    if differ:
+        counts = ", ".join(f"rank {r}: {row[0]}" for r, row in enumerate(rows))
+        raise ValueError(f"sum_gradients: the trainable parameters differ between ranks: "
+                         f"rank(s) {differ} hold another number of them ({counts}) or other "
+                         "shapes or dtypes than rank 0; build the model alike on every rank, "
+                         "with the same parameters requiring gradients.")
 
 
 def destroy_process_group(group: Any = None) -> None:
