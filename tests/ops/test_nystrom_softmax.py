@@ -312,3 +312,19 @@ def test_causal_gradients_stay_finite_at_keys_past_the_exponent_range(dtype):
     assert torch.isfinite(out).all()
     for grad in torch.autograd.grad(out.sum(), leaves):
         assert torch.isfinite(grad).all()
+
+
+@pytest.mark.parametrize("method, causal", [("nystrom_softmax", False),
+                                            ("nystrom_softmax", True), ("skyformer", True)])
+def test_kernel_triton_on_the_cpu_without_the_interpreter_names_the_option(
+        monkeypatch, method, causal):
+    """There the landmark draw is the first Triton step: on a CPU tensor with the
+    interpreter off its sentence names the option the user set and says where the
+    tensors are, as the kernels' own does."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q = torch.randn(1, 1, 40, 8)
+    with pytest.raises(RuntimeError, match=r'kernel="triton".* runs on CUDA tensors; these '
+                                           r'are on cpu\..*TRITON_INTERPRET=1.* or use '
+                                           r'kernel="auto"'):
+        skyformer.attention(q, q, q, method=method, num_features=8, kernel="triton",
+                            causal=causal)

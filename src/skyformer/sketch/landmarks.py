@@ -134,9 +134,9 @@ def use_triton_draw(draw: str, key: Tensor, *tensors: Tensor | None) -> bool:
                            'back to PyTorch).')
     if not key.is_cuda and not interpreter_on():
         raise RuntimeError(
-            f"the Triton landmark draw runs on CUDA tensors; this key is on {key.device}. "
-            "Set TRITON_INTERPRET=1 before Python starts to run it on the CPU (slow, for "
-            'testing), or use "auto".')
+            f'kernel="triton" (the Triton landmark draw, draw="triton") runs on CUDA '
+            f"tensors; these are on {key.device}. Set TRITON_INTERPRET=1 before Python "
+            'starts to run it on the CPU (slow, for testing), or use kernel="auto".')
     if interpreter_on():  # it runs the kernels whatever the tensors' device
         check_interpreter()
     return True
