@@ -33,6 +33,11 @@ def block_key(kind: str, source: str, seq_len: int | None = None) -> str:
     return f"{kind}/{source}" if seq_len is None else f"{kind}/{source}/{seq_len}"
 
 
+def blocks_said(count: int) -> str:
+    """``"1 block"``, ``"3 blocks"``."""
+    return f"{count} block" + ("" if count == 1 else "s")
+
+
 def _settings(config: Any) -> dict[str, Any]:
     """The config's settings that define what a block measures, as JSON reads them."""
     settings = json.loads(json.dumps(dataclasses.asdict(config)))
@@ -67,7 +72,7 @@ class ProgressFile:
                              f"settings ({said}); run with the same settings (other "
                              f"--seq-lens and --sources may differ), or without --resume to "
                              f"start over.")
-        print(f"resuming from {self.path}: {len(blocks)} blocks measured before",
+        print(f"resuming from {self.path}: {blocks_said(len(blocks))} measured before",
               file=sys.stderr)
         return blocks
 

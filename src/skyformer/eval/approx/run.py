@@ -45,7 +45,7 @@ from ..data.sources import SOURCES, SourceData, SourceLoader, SourceOptions, che
 from ..measure.metrics import constant_row_error, rank_m_floor, relative_error
 from ..methods import TARGET_OPTIONS, refuse_repeated_methods, refuse_repeats
 from .leverage import THEOREM_CONSTANT, leverage_analysis
-from .progress import PARTS, ProgressFile, block_key
+from .progress import PARTS, ProgressFile, block_key, blocks_said
 from .spectra import attention_spectra, lsh_mask, oracle_mask
 
 FLOOR = "svd_floor"
@@ -520,9 +520,9 @@ def run_approx(config: ApproxConfig = ApproxConfig(), *,
                     if measure:
                         _analysis_block(sweep, loader, source, bar)
     if saved is not None and saved.resumed:
-        sweep.note(f"resumed: {saved.resumed} blocks (a source at one length, or "
-                           f"its analysis) measured by an earlier run, taken from "
-                           f"{saved.path}; seconds counts this run's blocks only.")
+        sweep.note(f"resumed: {blocks_said(saved.resumed)} (a source at one length, or "
+                   f"its analysis) measured by an earlier run, taken from {saved.path}; "
+                   f"seconds counts this run's blocks only.")
     sweep.seconds["total"] = time.perf_counter() - started
     sweep.seconds["cpu_total"] = time.process_time() - cpu_started
     env = environment(torch.device("cpu"))
