@@ -409,3 +409,25 @@ def test_a_one_token_step_costs_a_row_not_a_chunk(method, options):
 
     one, chunk = flops(1), flops(64)
     assert 0 < one * 16 < chunk, (one, chunk)
+
+
+@pytest.mark.parametrize(("method", "where", "spoils_before"), [
+    ("linear", "v", True), ("performer", "v", True), ("softmax", "k", True),
+    ("softmax", "v", True), ("skyformer", "v", False), ("nystrom_softmax", "v", False),
+    ("linear", "k", False), ("performer", "k", False)])
+def test_which_earlier_rows_of_a_step_a_non_finite_input_spoils(method, where,
+                                                                 spoils_before):
+    """docs/reliability.md: in a step of several tokens a NaN value at step row 15 also
+    spoils the step's earlier rows where the step runs the chunked sums (linear,
+    performer) or a masked product (the exact methods, a key too); the Nystrom states
+    step token by token. The prompt's rows stay finite."""
+    q, k, v = make_qkv(1, 1, 30, 4, seed=5)
+    {"q": q, "k": k, "v": v}[where][0, 0, 25, 1] = float("nan")
+    options = {} if method in ("linear", "softmax") else {"num_features": 8}
+    state = new_decoding_state(get_method(method).bind(**options), generator=random_key(0))
+    prompt = state.step(q[:, :, :10], k[:, :, :10], v[:, :, :10])
+    out = state.step(q[:, :, 10:], k[:, :, 10:], v[:, :, 10:])
+    assert torch.isfinite(prompt).all()
+    assert torch.isnan(out[0, 0, 15:]).all()
+    spoiled = torch.isnan(out[0, 0, :15]).any(-1)  # a NaN entry (its column, 0 x NaN)
+    assert spoiled.all() if spoils_before else not spoiled.any()
