@@ -154,7 +154,8 @@ def test_an_interrupted_run_resumes_with_the_numbers_of_an_uninterrupted_one(
                       for d in (tmp_path / "whole", out))
     for part in ("rows", "samples", "analysis", "sources", "config"):
         assert resumed[part] == whole[part], part
-    assert resumed["notes"][:-1] == whole["notes"] and resumed["notes"][-1].startswith("resumed: 1 block (")
+    assert resumed["notes"][:-1] == whole["notes"]
+    assert resumed["notes"][-1].startswith("resumed: 1 block (")
     assert resumed["command"] == whole["command"].replace("whole", "interrupted")
     assert (out / "approx.csv").read_text().split("\n# environment")[0] == \
         (tmp_path / "whole" / "approx.csv").read_text().split("\n# environment")[0].replace(
