@@ -680,3 +680,19 @@ def test_the_mask_checks_read_the_mask_once_per_step_not_once_per_layer(monkeypa
                         counted("reaches", decoding.allowed_entries))
     assert torch.equal(_generate(model, shf.DecodingCache(model), new=6), expected)
     assert calls == {"key_valid": 6, "reaches": 5}  # the prompt has no cached positions
+
+
+def test_step_readings_keep_one_reading_per_mask_of_a_step():
+    """Layers of two kinds (sliding-window and full) alternate their masks within a step:
+    each mask is read once; a step at other positions reads again."""
+    from skyformer.hf.decoding import StepReadings
+
+    readings, reads = StepReadings(), []
+    full, window = torch.ones(1, 1, 1, 5, dtype=torch.bool), torch.ones(1, 1, 1, 5,
+                                                                          dtype=torch.bool)
+    for mask in (full, window, full, window):
+        readings.once("key_valid", mask, (5, 1), lambda m=mask: reads.append(m) or len(reads))
+    assert len(reads) == 2
+    assert readings.once("key_valid", full, (5, 1), lambda: 99) == 1
+    assert readings.once("key_valid", full, (6, 1), lambda: 99) == 99
+    assert readings.once("other", None, (6, 1), lambda: 7) == 7

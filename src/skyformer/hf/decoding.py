@@ -387,33 +387,37 @@ class DecodingLayer(CacheLayerMixin):
 
 
 class StepReadings:
-    """The readings of one model step's attention mask, shared by a cache's layers: in a
-    step every layer gets the same mask tensor and its layers hold the same positions,
-    so what the mask checks read on the host (a wait for the device's queue on a GPU)
-    is read once per step instead of once per layer. A reading is known by its name,
-    the mask (the very tensor, weakly held) and the positions (held, the step's);
-    reordering, cropping or resetting the cache forgets it."""
+    """The readings of one model step's attention masks, shared by a cache's layers: in
+    a step the layers get the same mask tensor (or one per kind of layer: sliding-window
+    and full layers alternate in some models) and hold the same positions, so what the
+    mask checks read on the host (a wait for the device's queue on a GPU) is read once
+    per step and mask instead of once per layer. A reading is known by its name, the
+    mask (the very tensor, weakly held) and the step's positions; a step at other
+    positions, reordering, cropping or resetting the cache forgets them."""
 
     def __init__(self) -> None:
         self.clear()
 
     def clear(self) -> None:
-        self.step: tuple | None = None  # (id of the mask, positions)
-        self.mask: weakref.ref | None = None
-        self.results: dict[str, Any] = {}
+        self.positions: tuple | None = None
+        # id of a mask -> (the mask, weakly held; its readings by name)
+        self.masks: dict[int, tuple[weakref.ref, dict[str, Any]]] = {}
 
     def once(self, name: str, attention_mask: Tensor | None, positions: tuple,
              read: Callable[[], Any]) -> Any:
-        """``read()``'s result, read at the step's first layer (only results are kept:
-        a reading that raises stops the step); without a mask tensor, ``read()``."""
+        """``read()``'s result, read at the first layer of the step that asks it of this
+        mask (only results are kept: a reading that raises stops the step); without a
+        mask tensor, ``read()``."""
         if not isinstance(attention_mask, Tensor):
             return read()
-        step = (id(attention_mask), positions)
-        if step != self.step or self.mask is None or self.mask() is not attention_mask:
-            self.step, self.mask, self.results = step, weakref.ref(attention_mask), {}
-        if name not in self.results:
-            self.results[name] = read()
-        return self.results[name]
+        if positions != self.positions:
+            self.positions, self.masks = positions, {}
+        held = self.masks.get(id(attention_mask))
+        if held is None or held[0]() is not attention_mask:
+            held = self.masks[id(attention_mask)] = (weakref.ref(attention_mask), {})
+        if name not in held[1]:
+            held[1][name] = read()
+        return held[1][name]
 
 
 def _runs(module: nn.Module, layer: LayerAttention) -> tuple:
