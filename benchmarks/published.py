@@ -1,9 +1,12 @@
-"""Side by side with the published implementations of KDEformer, Scatterbrain and Reformer.
+"""Side by side with the published implementations of KDEformer, Scatterbrain, Reformer
+and Skyformer (with the Skyformer release's Nystromformer and Informer).
 
     KDEFORMER_OFFICIAL=~/src/kdeformer python benchmarks/published.py kdeformer
     FLY_OFFICIAL=~/src/fly python benchmarks/published.py scatterbrain
     pip install --target ~/rp --no-deps reformer-pytorch ...   # or install it normally
     REFORMER_PYTORCH=~/rp python benchmarks/published.py reformer
+    SKYFORMER_OFFICIAL=~/src/Skyformer python benchmarks/published.py skyformer \
+        --seq-lens 512 --features 32 64 128 --layers 0 3 --seeds 0 1 2 3 4
     python benchmarks/published.py reformer --seq-lens 512 --features 64 --layers 0 \
         --out /tmp/quick.json                                                # quick
 
@@ -11,7 +14,8 @@ The published code is never part of the library: each run imports it from the fo
 an environment variable names (``KDEFORMER_OFFICIAL``: a checkout of
 majid-daliri/kdeformer; ``FLY_OFFICIAL``: a checkout of HazyResearch/fly;
 ``REFORMER_PYTORCH``: a folder holding the ``reformer_pytorch`` package, unneeded when it
-is installed) and calls it as its own demos do. Both sides get the same Q/K/V:
+is installed; ``SKYFORMER_OFFICIAL``: a checkout of pkuzengqi/Skyformer) and calls it as
+its own demos do. Both sides get the same Q/K/V:
 pretrained MiniLM-L6 (``skyformer.eval.data.qkv``, the default text), all 12 heads, in
 float64. Error: relative spectral norm of the output difference per head, against the
 exact target of each comparison (softmax(s Q K^T) V; for Reformer, whose published code
@@ -26,6 +30,23 @@ docs/approximation.md came from these calls.
 Scatterbrain's published code calls fast-transformers' compiled local-product kernels,
 which take float32 only; the comparison runs in float64 through a dense stand-in with
 the same interface (``_DenseLocalProduct``, exact, slow: one head at a time), always.
+
+Skyformer's release (``src/models`` of the checkout) is called as its LRA model calls
+it: each attention module built from a config dict (its ``config.py`` entries with
+``nb_features`` / ``num_landmarks`` / ``in_nb_features`` = m), then
+``module(Q, K, V, mask)`` on ``[B, H, N, D]`` with an all-ones float mask. Nothing in
+the checkout is patched: its ``Skyformer`` reads the device from ``config["device"]``
+("cuda" when absent), which the script sets to "cpu"; its ``Attention`` wrapper (the
+projections, and a cast to float32) is bypassed, so the modules run in float64. The
+released Skyformer scales Q and K by a hard-coded ``32 ** -0.25``, the paper's
+p^-1/4 for MiniLM-L6's head dim 32 (other head dims are refused). Targets: Skyformer's
+rows (released and ours) against Gaussian kernelized attention C V, C_ij =
+exp(-|q_i - k_j|^2 / (2 sqrt(p))), unnormalised; Nystromformer and Informer against
+softmax(s Q K^T) V. Both are checked against the released code's own exact modules
+(``SoftmaxAttention_RBF``, ``SoftmaxAttention``) on every layer. "one head a call"
+calls a released module on each head alone, under the same seed: its inverse's
+starting scale is a maximum over the whole [B, H] tensor, which one call of all heads
+shares between heads.
 """
 
 from __future__ import annotations
@@ -58,6 +79,7 @@ SOURCES = {
                  "a folder holding the reformer_pytorch package (pip install --target DIR "
                  "--no-deps reformer-pytorch product-key-memory colt5-attention "
                  "axial-positional-embedding local-attention hyper-connections einops)"),
+    "skyformer": ("SKYFORMER_OFFICIAL", "a checkout of github.com/pkuzengqi/Skyformer"),
 }
 Output = Callable[[int], torch.Tensor]  # seed -> output [1, H, N, D]
 
@@ -222,8 +244,107 @@ def reformer_variants(q, k, v, m: int) -> dict[str, Output]:
     }
 
 
+# -- Skyformer's released code: Skyformer, Nystromformer, Informer -----------------------
+
+def gaussian_target(q, k, v):
+    """C V, C_ij = exp(-|q_i - k_j|^2 / (2 sqrt(p))): Gaussian kernelized attention,
+    unnormalised (Skyformer eq. (3); the released ``SoftmaxAttention_RBF``)."""
+    s = q.shape[-1] ** -0.5
+    return torch.exp(-0.5 * s * torch.cdist(q, k).square()) @ v
+
+
+def uses_gaussian_target(variant: str) -> bool:
+    """Skyformer's rows approximate C V; every other row softmax(s Q K^T) V."""
+    return variant.lower().startswith(("released skyformer", "skyformer"))
+
+
+def _import_skyformer_official() -> types.SimpleNamespace:
+    """The released attention modules, from ``src/models`` of the checkout."""
+    src = str(Path(published_path("skyformer")) / "src")
+    for name in ("models", "config"):  # the checkout's top-level names
+        module = sys.modules.get(name)
+        where = getattr(module, "__file__", None) or "".join(getattr(module, "__path__", []))
+        if module is not None and not where.startswith(src):
+            sys.exit(f"skyformer: a module named {name!r} is already imported from {where}; "
+                     f"the released code needs its own (run the script in a fresh process).")
+    _importable_from(src)
+    from models.attention import SoftmaxAttention, SoftmaxAttention_RBF
+    from models.attention_informer import ProbAttention
+    from models.attention_nystrom import NystromAttention
+    from models.attention_skyformer import Skyformer
+    return types.SimpleNamespace(
+        softmax=SoftmaxAttention, kernelized=SoftmaxAttention_RBF, skyformer=Skyformer,
+        nystrom=NystromAttention, informer=ProbAttention)
+
+
+def check_released_targets(q, k, v) -> None:
+    """The released code's own exact attentions (``SoftmaxAttention``,
+    ``SoftmaxAttention_RBF``) are this script's targets, or the run stops."""
+    released = _import_skyformer_official()
+    config = {"head_dim": q.shape[-1], "attention_dropout": 0.0}
+    mask = q.new_ones(q.shape[0], q.shape[2])
+    for name, ours_target in (("softmax", softmax_target), ("kernelized", gaussian_target)):
+        module = getattr(released, name)(config).eval()
+        got, want = module(q, k, v, mask), ours_target(q, k, v)
+        err = relative_spectral(got, want)
+        if not err < 1e-10:
+            sys.exit(f"skyformer: the released {type(module).__name__} is {err:.2e} from this "
+                     f"script's {name} target; the comparison would measure the targets.")
+
+
+def _per_head(module, q, k, v, seed: int) -> torch.Tensor:
+    """One head a call, each under ``torch.manual_seed(seed)`` (the same landmarks as one
+    call of all heads), so that nothing is shared between heads."""
+    mask = q.new_ones(q.shape[0], q.shape[2])
+    heads = []
+    for h in range(q.shape[1]):
+        torch.manual_seed(seed)
+        heads.append(module(q[:, h:h + 1], k[:, h:h + 1], v[:, h:h + 1], mask))
+    return torch.cat(heads, 1)
+
+
+def skyformer_variants(q, k, v, m: int) -> dict[str, Output]:
+    """Skyformer (m landmarks, half from Q and half from K, 6 iterations, gamma = 0.1),
+    Nystromformer (m segment means) and Informer (u = c ceil(ln N) active queries,
+    c = ceil(m / ln N), the released code's ``in_nb_features`` = m)."""
+    released = _import_skyformer_official()
+    _, h, n, d = q.shape
+    if d != 32:
+        sys.exit(f"skyformer: the released Skyformer scales by 32 ** -0.25 whatever the head "
+                 f"dim; compare on head dim 32 (MiniLM-L6's), got {d}.")
+    mask = q.new_ones(1, n)
+    sky = released.skyformer({  # the LRA "skyformer" entry of its config.py
+        "device": "cpu", "max_seq_len": n, "nb_features": m, "head_dim": d,
+        "sketched_kernel": "kernel_RS_RBF", "accumulation": 1, "sampling_factor": 4,
+        "no_projection": False}).eval()
+    nystrom = {heads: released.nystrom({"head_dim": d, "num_head": heads, "num_landmarks": m,
+                                        "max_seq_len": n}).eval() for heads in (h, 1)}
+    informer = released.informer({"in_nb_features": m, "max_seq_len": n,
+                                  "attention_dropout": 0.0}).eval()
+
+    def together(module) -> Output:
+        def run(seed: int) -> torch.Tensor:
+            torch.manual_seed(seed)
+            return module(q, k, v, mask)
+        return run
+
+    return {
+        "released Skyformer": together(sky),
+        "released Skyformer, one head a call": lambda seed: _per_head(sky, q, k, v, seed),
+        "skyformer": ours("skyformer", q, k, v, num_features=m),
+        "skyformer, pinv_init=scaled_transpose": ours(
+            "skyformer", q, k, v, num_features=m, pinv_init="scaled_transpose"),
+        "released Nystromformer": together(nystrom[h]),
+        "released Nystromformer, one head a call":
+            lambda seed: _per_head(nystrom[1], q, k, v, seed),
+        "nystromformer": ours("nystromformer", q, k, v, num_features=m),
+        "released Informer": together(informer),
+        "informer": ours("informer", q, k, v, factor=informer.factor),
+    }
+
+
 VARIANTS = {"kdeformer": kdeformer_variants, "scatterbrain": scatterbrain_variants,
-            "reformer": reformer_variants}
+            "reformer": reformer_variants, "skyformer": skyformer_variants}
 
 
 def cell(n: int, layer: int, m: int, variant: str, seed: int, err: float) -> dict:
@@ -284,6 +405,9 @@ def main(argv: list[str] | None = None) -> None:
             q, k, v = (t.double() for t in (qkv.q, qkv.k, qkv.v))
             target = shared_qk_target(q, v) if args.method == "reformer" \
                 else softmax_target(q, k, v)
+            if args.method == "skyformer":
+                check_released_targets(q, k, v)
+                gaussian = gaussian_target(q, k, v)
             if (n, layer, 0, "mean(V)", 0) not in done:
                 trivial = v.mean(2, keepdim=True).expand_as(target)
                 rows.append(cell(n, layer, 0, "mean(V)", 0, relative_spectral(trivial, target)))
@@ -292,8 +416,10 @@ def main(argv: list[str] | None = None) -> None:
                     for seed in args.seeds:
                         if (n, layer, m, variant, seed) in done:
                             continue
+                        exact = gaussian if args.method == "skyformer" \
+                            and uses_gaussian_target(variant) else target
                         with torch.no_grad():
-                            err = relative_spectral(run(seed), target)
+                            err = relative_spectral(run(seed), exact)
                         rows.append(cell(n, layer, m, variant, seed, err))
                 write_json(out, {"method": args.method, **metadata, "rows": rows})
                 print(f"N={n} layer={layer} m={m} done", flush=True)

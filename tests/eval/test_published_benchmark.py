@@ -133,3 +133,127 @@ def test_a_cell_saved_as_null_is_a_nan_in_the_table():
     table = published.table(rows)
     assert "| published | 0.250 ± 0.000 |" in table
     assert "| reformer | nan ± 0.000 |" in table
+
+
+FAKE_SKYFORMER = {
+    "attention.py": '''
+import torch
+
+class SoftmaxAttention(torch.nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.head_dim = config["head_dim"]
+
+    def forward(self, Q, K, V, mask):
+        return torch.softmax(Q @ K.transpose(-1, -2) / self.head_dim ** 0.5, -1) @ V
+
+class SoftmaxAttention_RBF(SoftmaxAttention):
+    def forward(self, Q, K, V, mask):
+        s = self.head_dim ** -0.5
+        return torch.exp(-0.5 * s * torch.cdist(Q, K).square()) @ V
+''',
+    "attention_skyformer.py": '''
+import torch
+from models.attention import SoftmaxAttention_RBF
+
+class Skyformer(SoftmaxAttention_RBF):
+    """Exact kernelized attention plus a draw from the global generator."""
+    def __init__(self, config):
+        assert config["device"] == "cpu", "the released default device is cuda"
+        super().__init__(config)
+        self.nb_features = config["nb_features"]
+
+    def forward(self, q, k, v, mask):
+        draw = torch.rand((), dtype=torch.float64)
+        return super().forward(q, k, v, mask) * (1 + 1e-3 * self.nb_features * draw)
+''',
+    "attention_nystrom.py": '''
+import torch
+from models.attention import SoftmaxAttention
+
+class NystromAttention(SoftmaxAttention):
+    """Exact softmax attention when called on one head, shifted when on several."""
+    def __init__(self, config):
+        super().__init__(config)
+        self.shift = 1e-3 * config["num_landmarks"] * (config["num_head"] - 1)
+
+    def forward(self, Q, K, V, mask):
+        return super().forward(Q, K, V, mask) + self.shift
+''',
+    "attention_informer.py": '''
+import math
+import torch
+
+class ProbAttention(torch.nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.factor = math.ceil(config["in_nb_features"] / math.log(config["max_seq_len"]))
+
+    def forward(self, queries, keys, values, attn_mask):
+        logits = queries @ keys.transpose(-1, -2) / queries.shape[-1] ** 0.5
+        return torch.softmax(logits, -1) @ values + 1e-3 * self.factor
+''',
+}
+
+
+@pytest.fixture
+def fake_skyformer_checkout(tmp_path, monkeypatch):
+    """A folder laid out as the Skyformer release (``src/models``), named by
+    SKYFORMER_OFFICIAL; its modules are forgotten afterwards."""
+    models = tmp_path / "Skyformer" / "src" / "models"
+    models.mkdir(parents=True)
+    (models / "__init__.py").write_text("")
+    for name, text in FAKE_SKYFORMER.items():
+        (models / name).write_text(text)
+    monkeypatch.setenv("SKYFORMER_OFFICIAL", str(tmp_path / "Skyformer"))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    fake_modules = ("models", *(f"models.{name[:-3]}" for name in FAKE_SKYFORMER))
+    for name in fake_modules:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    yield models
+    for name in fake_modules:
+        sys.modules.pop(name, None)
+
+
+def test_gaussian_target_is_kernelized_attention():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 20, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    exact = get_method("kernelized").bind(seq_len=20)(q, k, v)
+    torch.testing.assert_close(published.gaussian_target(q, k, v), exact)
+
+
+def test_skyformer_rows_are_measured_against_the_gaussian_target(tmp_path,
+                                                                 fake_skyformer_checkout):
+    """The fake released Skyformer is exact kernelized attention scaled by 1 + a draw, its
+    Nystromformer exact softmax on one head: their errors come out as that draw and 0."""
+    out = tmp_path / "skyformer.json"
+    published.main(["skyformer", "--seq-lens", "32", "--features", "8", "--layers", "0",
+                    "--seeds", "0", "1", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 1 + 9 * 2  # mean(V), then variants x seeds
+    err = {(r["variant"], r["seed"]): r["err"] for r in rows}
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        draw = 1e-3 * 8 * torch.rand((), dtype=torch.float64).item()
+        assert err[("released Skyformer", seed)] == pytest.approx(draw, rel=1e-9)
+        assert err[("released Skyformer, one head a call", seed)] == pytest.approx(draw, rel=1e-9)
+        assert err[("released Nystromformer, one head a call", seed)] < 1e-12
+        assert err[("released Nystromformer", seed)] > 1e-3
+    assert err[("skyformer", 0)] < 1  # a softmax target would put it far above 1
+    report = out.with_suffix(".md").read_text()
+    assert "| released Informer | " in report and "| informer | " in report
+
+
+def test_a_released_exact_module_other_than_the_target_stops_the_run(
+        tmp_path, fake_skyformer_checkout):
+    attention = fake_skyformer_checkout / "attention.py"
+    attention.write_text(attention.read_text().replace("@ V\n", "@ V / 2\n", 1))
+    with pytest.raises(SystemExit, match=r"released SoftmaxAttention is .* from this script's"):
+        published.main(["skyformer", "--seq-lens", "32", "--features", "8", "--layers", "0",
+                        "--seeds", "0", "--out", str(tmp_path / "x.json")])
+
+
+def test_the_released_skyformer_is_compared_on_head_dim_32_only(fake_skyformer_checkout):
+    q = torch.randn(1, 2, 16, 8, dtype=torch.float64)
+    with pytest.raises(SystemExit, match=r"32 \*\* -0.25 whatever the head dim"):
+        published.skyformer_variants(q, q, q, 8)
