@@ -343,6 +343,9 @@ def skyformer_variants(q, k, v, m: int) -> dict[str, Output]:
     }
 
 
+TARGET_NOTES = {"skyformer": "\nSkyformer's rows (released and ours) against Gaussian "
+                "kernelized attention C V, C_ij = exp(-|q_i - k_j|^2 / (2 sqrt(p))); the other "
+                "rows and mean(V) against softmax(s Q K^T) V.\n"}
 VARIANTS = {"kdeformer": kdeformer_variants, "scatterbrain": scatterbrain_variants,
             "reformer": reformer_variants, "skyformer": skyformer_variants}
 
@@ -425,7 +428,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"N={n} layer={layer} m={m} done", flush=True)
     report = table(rows)
     atomic_write_text(out.with_suffix(".md"), f"# {args.method} against its published code\n"
-                      + report)
+                      + TARGET_NOTES.get(args.method, "") + report)
     print(report)
 
 

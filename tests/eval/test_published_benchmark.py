@@ -242,6 +242,7 @@ def test_skyformer_rows_are_measured_against_the_gaussian_target(tmp_path,
     assert err[("skyformer", 0)] < 1  # a softmax target would put it far above 1
     report = out.with_suffix(".md").read_text()
     assert "| released Informer | " in report and "| informer | " in report
+    assert "Skyformer's rows (released and ours) against Gaussian kernelized" in report
 
 
 def test_a_released_exact_module_other_than_the_target_stops_the_run(
