@@ -258,3 +258,27 @@ def test_the_released_skyformer_is_compared_on_head_dim_32_only(fake_skyformer_c
     q = torch.randn(1, 2, 16, 8, dtype=torch.float64)
     with pytest.raises(SystemExit, match=r"32 \*\* -0.25 whatever the head dim"):
         published.skyformer_variants(q, q, q, 8)
+
+
+def test_bench_measures_the_released_modules_beside_ours(tmp_path, fake_skyformer_checkout):
+    """benchmarks/released.py: `skyformer bench` takes the released modules as
+    module:function entries, called with the run's num_features, against their targets
+    (the fake Skyformer is exact up to 1e-3 m times a draw, and refuses another m)."""
+    from skyformer.cli import main
+
+    module = fake_skyformer_checkout / "attention_skyformer.py"
+    module.write_text(module.read_text().replace(
+        'self.nb_features = config["nb_features"]',
+        'self.nb_features = config["nb_features"]\n        assert self.nb_features == 8'))
+    for name in ("released", "published"):
+        sys.modules.pop(name, None)
+    out = tmp_path / "bench"
+    assert main(["bench", "--methods", "released:released_skyformer@gaussian",
+                 "released:released_nystromformer@softmax", "--shapes", "1,1,32",
+                 "--seq-lens", "48", "--features", "8", "--repeats", "1", "--warmup", "0",
+                 "--no-memory", "--no-plot", "--out", str(out)]) == 0
+    rows = {r["method"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
+    assert 0 < rows["released_skyformer"]["rel_error"] < 8e-3
+    assert rows["released_nystromformer"]["rel_error"] < 1e-6  # one head: exact softmax
+    with pytest.raises(ValueError, match=r"32 \*\* -0.25 whatever the head dim"):
+        sys.modules["released"].released_skyformer(*torch.randn(3, 1, 1, 16, 8))
