@@ -13,7 +13,7 @@ from skyformer.ops.kernelized.naive import reference_kernelized_attention
 from skyformer.ops.kernelized.sdpa_augmentation import augmented_width
 from tests.conftest import make_qkv
 from tests.devices import needs_interpreter, relative_error
-from tests.dispatch import Recorder
+from tests.dispatch import Recorder, check_lean_and_equal
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -304,13 +304,7 @@ def test_an_attn_mask_over_keys_alone_forms_no_n_by_n_bias(float_mask):
     mask = valid[:, None, None, :]
     if float_mask:
         mask = torch.where(mask, 0.0, float("-inf")).double()
-    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    with Recorder(lambda func, args, out: func.name() if isinstance(out, torch.Tensor)
-                  and out.numel() >= n * n // 8 else None) as big:
-        out = kernelized_attention(*leaves, attn_mask=mask, query_padding_mask=None)
-        grads = torch.autograd.grad(out.sin().sum(), leaves)
-    assert big.items == []
-    want = kernelized_attention(*leaves, key_padding_mask=valid, query_padding_mask=None)
-    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
-    for got, expected in zip(grads, torch.autograd.grad(want.sin().sum(), leaves), strict=True):
-        torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-11)
+    check_lean_and_equal(
+        lambda *qkv: kernelized_attention(*qkv, attn_mask=mask, query_padding_mask=None),
+        lambda *qkv: kernelized_attention(*qkv, key_padding_mask=valid, query_padding_mask=None),
+        [t.clone().requires_grad_(True) for t in (q, k, v)], n * n // 8, rtol=1e-9, atol=1e-11)

@@ -81,22 +81,16 @@ def test_the_padded_causal_form_and_another_value_width_form_no_n_by_n_block(cau
     column (causal) or a value width Dv != D sent the call to the math backend, which
     forms the [N, N] scores. Forward and backward stay below N^2 / 8 entries, equal to
     the materialised reference."""
-    from tests.dispatch import Recorder
+    from tests.dispatch import check_lean_and_equal
 
     n = 256
     q, k, v = make_qkv(1, 1, n, 16, dv=dv)
     mask = torch.ones(1, n, dtype=torch.bool)
     mask[:, -40:] = False
-    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    with Recorder(lambda func, args, out: func.name() if isinstance(out, torch.Tensor)
-                  and out.numel() >= n * n // 8 else None) as big:
-        out = softmax_attention(*leaves, key_padding_mask=mask, causal=causal)
-        grads = torch.autograd.grad(out.sin().sum(), leaves)
-    assert big.items == []
-    want = reference_softmax_attention(*leaves, key_padding_mask=mask, causal=causal)
-    torch.testing.assert_close(out, want)
-    for got, expected in zip(grads, torch.autograd.grad(want.sin().sum(), leaves), strict=True):
-        torch.testing.assert_close(got, expected)
+    check_lean_and_equal(
+        lambda *qkv: softmax_attention(*qkv, key_padding_mask=mask, causal=causal),
+        lambda *qkv: reference_softmax_attention(*qkv, key_padding_mask=mask, causal=causal),
+        [t.clone().requires_grad_(True) for t in (q, k, v)], n * n // 8)
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
