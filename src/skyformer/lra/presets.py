@@ -4,7 +4,8 @@ Skyformer paper, section 5: batch size 16 (Text), 32 (ListOps), 16 (Retrieval),
 128 (Pathfinder), 256 (Image); learning rate 1e-4 (Text, ListOps, Image) and 2e-4
 (Retrieval, Pathfinder); 50k steps; the best dev checkpoint is evaluated on test.
 Warm-up steps and evaluation intervals follow the configuration of the PyTorch LRA
-code the paper used (AdamW, weight decay 0, linear warm-up then linear decay).
+code the paper used (AdamW, weight decay 0, linear warm-up then linear decay); that
+configuration's Text batch is 32, not the paper's 16.
 That configuration also lists a patience of 10 evaluations, but the paper trains every
 model for the full 50k steps, so early stopping is off unless ``patience`` is set.
 """
