@@ -1,9 +1,11 @@
 """The five Long Range Arena tasks: classes, vocabulary, sequence length, encoder layout.
 
-Defaults are those of the LRA release and of the PyTorch LRA code the Skyformer paper
-used (Xiong et al., 2021): ListOps 2000 tokens, byte-level Text and Retrieval 4000
-bytes per document (LRA's own pipeline uses 4096 for Text; ``--max-len`` changes it),
-Image and Pathfinder 32 x 32 = 1024 pixels.
+Defaults are the truncation lengths of the LRA release and of the PyTorch LRA code the
+Skyformer paper used (Xiong et al., 2021): ListOps 2000 tokens, byte-level Text and
+Retrieval 4000 bytes per document (LRA's own pipeline uses 4096 for Text; ``--max-len``
+changes it), Image and Pathfinder 32 x 32 = 1024 pixels. That code then appends 48
+(ListOps) or 96 masked zeros, so its model runs 2048 or 4096 positions; the model here
+runs the truncation length (docs/lra.md).
 """
 
 from __future__ import annotations
