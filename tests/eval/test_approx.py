@@ -385,3 +385,39 @@ def test_a_floor_by_the_full_svd_is_taken_in_float64(monkeypatch):
     run_approx(ApproxConfig(seq_lens=(96,), **settings))  # 2 (40 + 8) >= 96: full SVD
     run_approx(ApproxConfig(seq_lens=(200,), **settings))  # randomized
     assert dtypes == [torch.float64, torch.float32]  # one head, one target
+
+
+def _glove_file(tmp_path, vectors):
+    path = tmp_path / "glove.txt"
+    rows = torch.randn(vectors, 4, generator=torch.Generator().manual_seed(0)).tolist()
+    path.write_text("".join(f"w{i} " + " ".join(map(str, row)) + "\n"
+                            for i, row in enumerate(rows)), encoding="utf-8")
+    return str(path)
+
+
+def test_a_resumed_run_in_another_order_of_sources_or_lengths_reads_as_an_uninterrupted_one(
+        tmp_path):
+    """Blocks taken from a progress file written with other --sources or --seq-lens: each
+    dropped m noted once, each source and length listed once, as one run in this order."""
+    settings = {"glove": _glove_file(tmp_path, 2 * 2 * 48), "features": (4, 16), "seeds": (0,),
+                "methods": ("skyformer",), "analysis_seq_len": 12}
+    progress = tmp_path / "approx.progress.json"
+    for before, now in [
+        ({"sources": ("gaussian",), "seq_lens": (12,)},  # the note in gaussian's block
+         {"sources": ("glove", "gaussian"), "seq_lens": (12,)}),
+        ({"sources": ("glove", "gaussian"), "seq_lens": (12,)},  # ... in glove's block
+         {"sources": ("gaussian",), "seq_lens": (12,)}),
+        ({"sources": ("gaussian",), "seq_lens": (48,)},  # the analysis's N listed by it
+         {"sources": ("gaussian",), "seq_lens": (12, 48)}),
+        ({"sources": ("gaussian",), "seq_lens": (12, 48)},  # ... by the sweep
+         {"sources": ("gaussian",), "seq_lens": (48,)}),
+    ]:
+        progress.unlink(missing_ok=True)
+        run_approx(small(**settings, **before), log=lambda s: None, progress_file=progress)
+        whole = run_approx(small(**settings, **now), log=lambda s: None)
+        resumed = run_approx(small(**settings, **now), log=lambda s: None,
+                             progress_file=progress, resume=True)
+        assert resumed.notes[:-1] == whole.notes, (before, now)
+        assert resumed.notes[-1].startswith("resumed: ")
+        assert resumed.sources == whole.sources, (before, now)
+        assert resumed.rows == whole.rows and resumed.analysis == whole.analysis

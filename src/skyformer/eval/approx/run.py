@@ -287,7 +287,6 @@ class _Sweep:
         self.sources: list[dict[str, Any]] = []
         self.analysis: list[dict[str, Any]] = []
         self.seconds: dict[str, float] = {}
-        self.noted_lengths: set[int] = set()  # N whose dropped m were noted
 
     def _parts(self) -> dict[str, list]:
         return {part: getattr(self, part) for part in PARTS}
@@ -296,10 +295,14 @@ class _Sweep:
     def block(self, key: str, saved: ProgressFile | None) -> Iterator[bool]:
         """One block of the run (``progress`` module docstring): yields whether it is to
         be measured; False where ``saved`` holds it from before, whose parts are then
-        added as they were. A measured block is saved when it ends."""
+        added as they were (less the notes a block before it in this run said: a run
+        with other --sources or --seq-lens says them in another block). A measured block
+        is saved when it ends."""
         earlier = saved.restore(key) if saved is not None else None
         if earlier is not None:
             for part, items in earlier.items():
+                if part == "notes":
+                    items = [text for text in items if text not in self.notes]
                 getattr(self, part).extend(items)
             yield False
             return
@@ -327,10 +330,10 @@ class _Sweep:
     def features_for(self, n: int) -> list[int]:
         ms = sorted(m for m in set(self.config.features) if m < n)
         dropped = sorted(m for m in set(self.config.features) if m >= n)
-        if dropped and n not in self.noted_lengths:  # the same for every source: said once
-            self.noted_lengths.add(n)
-            self.note(f"N={n}: m={','.join(map(str, dropped))} dropped (m >= N: a rank-N "
-                      f"approximation of an N x N matrix is exact).")
+        said = (f"N={n}: m={','.join(map(str, dropped))} dropped (m >= N: a rank-N "
+                f"approximation of an N x N matrix is exact).")
+        if dropped and said not in self.notes:  # the same for every source: said once
+            self.note(said)
         return ms  # not empty: ApproxConfig refuses an N below every m
 
     def references(self, data: SourceData, targets: list[str], ms: list[int]) -> dict[str, Tensor]:
@@ -512,8 +515,8 @@ def run_approx(config: ApproxConfig = ApproxConfig(), *,
                 with sweep.block(block_key("sweep", source, n), saved) as measure:
                     if measure:
                         _sweep_block(sweep, loader, source, n, methods, targets, bar)
-                    else:
-                        sweep.noted_lengths.add(n)  # its dropped m were noted then
+                    else:  # its dropped m, where no block before it in this run noted them
+                        sweep.features_for(n)
                         bar.update(len(methods) * len(config.seeds) * per_n[n])
             if config.analysis:
                 with sweep.block(block_key("analysis", source), saved) as measure:
@@ -530,8 +533,17 @@ def run_approx(config: ApproxConfig = ApproxConfig(), *,
         env["loadavg_before"] = [round(x, 2) for x in load_before]
         env["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     env["methods"] = [s.name for s in methods]
-    return ApproxResult(config, sweep.rows, sweep.samples, sweep.analysis, sweep.sources,
-                        sweep.notes, env, sweep.seconds)
+    return ApproxResult(config, sweep.rows, sweep.samples, sweep.analysis,
+                        _listed_once(sweep.sources), sweep.notes, env, sweep.seconds)
+
+
+def _listed_once(sources: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The Q/K/V loaded, less an analysis's where the sweep loaded the same source and N
+    (every analysis block lists its own, so that a run resumed with other --seq-lens
+    lists it where its sweep does not)."""
+    swept = {(s["source"], s["seq_len"]) for s in sources if s["part"] == "sweep"}
+    return [s for s in sources
+            if s["part"] == "sweep" or (s["source"], s["seq_len"]) not in swept]
 
 
 def _sweep_block(sweep: _Sweep, loader: SourceLoader, source: str, n: int,
@@ -558,9 +570,8 @@ def _analysis_block(sweep: _Sweep, loader: SourceLoader, source: str, bar: Any) 
     with sweep.timed("analysis"):
         bar.set_postfix_str(f"{source} analysis N={n}")
         data = loader.load(source, n)
-        if not any(s["source"] == source and s["seq_len"] == n for s in sweep.sources):
-            sweep.sources.append({"source": source, "seq_len": n, "part": "analysis",
-                                  "description": data.description, "windows": data.windows})
+        sweep.sources.append({"source": source, "seq_len": n, "part": "analysis",
+                              "description": data.description, "windows": data.windows})
         sweep.analysis.append(analyse_source(data, sweep.config))
 
 
