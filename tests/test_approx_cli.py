@@ -185,3 +185,20 @@ def test_resume_refuses_other_settings_and_starting_over_says_what_it_leaves(
 def test_resume_without_a_progress_file_measures_everything(tmp_path, capsys):
     assert main([*RESUMABLE, "--out", str(tmp_path), "--resume", "--seq-lens", "64"]) == 0
     assert "nothing to resume" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("edit", [{"rows": None}, {"notes": 5}, {"samples": "abc"},
+                                  {"sources": [1]}, {"notes": [{}]}])
+def test_resume_refuses_a_progress_file_whose_block_holds_no_list_of_results(
+        edit, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    with monkeypatch.context() as patched:
+        _interrupt_at(patched, 96)
+        assert main([*RESUMABLE, "--out", str(out)]) == 130  # "interrupted"
+    progress = out / "approx.progress.json"
+    saved = json.loads(progress.read_text())
+    saved["blocks"]["sweep/gaussian/64"].update(edit)
+    progress.write_text(json.dumps(saved))
+    capsys.readouterr()
+    assert main([*RESUMABLE, "--out", str(out), "--resume"]) == 2
+    assert "not an approx progress file" in capsys.readouterr().err

@@ -44,6 +44,14 @@ def _settings(config: Any) -> dict[str, Any]:
     return {key: value for key, value in settings.items() if key not in _BLOCK_SETTINGS}
 
 
+def _is_block(block: Any) -> bool:
+    """Whether ``block`` holds every part as a list: of strings (notes) or of objects."""
+    return isinstance(block, dict) and set(block) == set(PARTS) and all(
+        isinstance(items, list)
+        and all(isinstance(item, str if part == "notes" else dict) for item in items)
+        for part, items in block.items())
+
+
 class ProgressFile:
     """The blocks of one run, saved to ``path`` after each; with ``resume``, those an
     earlier run with the same settings saved there first."""
@@ -60,7 +68,7 @@ class ProgressFile:
             return {}
         blocks = earlier.get("blocks") if isinstance(earlier, dict) else None
         if not isinstance(blocks, dict) or not isinstance(earlier.get("settings"), dict) or \
-                not all(isinstance(b, dict) and set(b) == set(PARTS) for b in blocks.values()):
+                not all(_is_block(b) for b in blocks.values()):
             raise ValueError(f"cannot resume from {self.path}: not an approx progress file (an "
                              f"object with settings and blocks); write to another --out.")
         other = sorted(key for key in self.settings.keys() | earlier["settings"].keys()
