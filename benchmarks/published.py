@@ -260,7 +260,12 @@ def uses_gaussian_target(variant: str) -> bool:
 
 def _import_skyformer_official() -> types.SimpleNamespace:
     """The released attention modules, from ``src/models`` of the checkout."""
-    src = str(Path(published_path("skyformer")) / "src")
+    checkout = published_path("skyformer")
+    src = str(Path(checkout) / "src")
+    if not (Path(src) / "models" / "attention_skyformer.py").is_file():
+        var, what = SOURCES["skyformer"]
+        sys.exit(f"{var}={checkout!r} holds no src/models/attention_skyformer.py; set it to "
+                 f"{what}.")
     for name in ("models", "config"):  # the checkout's top-level names
         module = sys.modules.get(name)
         where = getattr(module, "__file__", None) or "".join(getattr(module, "__path__", []))

@@ -254,6 +254,20 @@ def test_a_released_exact_module_other_than_the_target_stops_the_run(
                         "--seeds", "0", "--out", str(tmp_path / "x.json")])
 
 
+def test_a_folder_other_than_the_release_is_named_with_the_variable_to_set(
+        tmp_path, monkeypatch):
+    """SKYFORMER_OFFICIAL naming a folder without the release's src/models (the
+    checkout's parent, a fork of another layout) stops with a sentence, not Python's
+    "No module named 'models'"."""
+    monkeypatch.setenv("SKYFORMER_OFFICIAL", str(tmp_path))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "models", raising=False)
+    with pytest.raises(SystemExit, match=r"SKYFORMER_OFFICIAL=.* holds no "
+                                         r"src/models/attention_skyformer.py; set it to a "
+                                         r"checkout of github.com/pkuzengqi/Skyformer"):
+        published._import_skyformer_official()
+
+
 def test_the_released_skyformer_is_compared_on_head_dim_32_only(fake_skyformer_checkout):
     q = torch.randn(1, 2, 16, 8, dtype=torch.float64)
     with pytest.raises(SystemExit, match=r"32 \*\* -0.25 whatever the head dim"):
