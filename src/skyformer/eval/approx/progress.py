@@ -98,10 +98,6 @@ class ProgressFile:
         atomic_write_text(self.path, json.dumps(
             {"settings": self.settings, "blocks": self.blocks}, allow_nan=True) + "\n")
 
-    def remove(self) -> None:
-        """Forget the file (the run's results are written)."""
-        self.path.unlink(missing_ok=True)
-
 
 def warn_if_left(path: str | Path) -> None:
     """Say on stderr that a run starting over leaves an interrupted run's blocks behind."""
