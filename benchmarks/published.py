@@ -39,7 +39,9 @@ the checkout is patched: its ``Skyformer`` reads the device from ``config["devic
 ("cuda" when absent), which the script sets to "cpu"; its ``Attention`` wrapper (the
 projections, and a cast to float32) is bypassed, so the modules run in float64. The
 released Skyformer scales Q and K by a hard-coded ``32 ** -0.25``, the paper's
-p^-1/4 for MiniLM-L6's head dim 32 (other head dims are refused). Targets: Skyformer's
+p^-1/4 for MiniLM-L6's head dim 32; at another head dim p it is given Q and K times
+(32 / p)^(1/4) (``at_released_skyformer_scale``), which makes its scale p^-1/4 (it
+reads Q and K only through that product). Targets: Skyformer's
 rows (released and ours) against Gaussian kernelized attention C V, C_ij =
 exp(-|q_i - k_j|^2 / (2 sqrt(p))), unnormalised; Nystromformer and Informer against
 softmax(s Q K^T) V. Both are checked against the released code's own exact modules
@@ -297,6 +299,14 @@ def check_released_targets(q, k, v) -> None:
                      f"script's {name} target; the comparison would measure the targets.")
 
 
+def at_released_skyformer_scale(q: torch.Tensor, k: torch.Tensor):
+    """``q, k: [B, H, N, p]`` times ``(32 / p) ** 0.25``: the released Skyformer multiplies
+    its Q and K by a hard-coded ``32 ** -0.25`` and reads them only through that product,
+    so on these inputs it runs at the paper's scale ``p ** -0.25`` for any head dim p."""
+    factor = (32 / q.shape[-1]) ** 0.25
+    return q * factor, k * factor
+
+
 def _per_head(module, q, k, v, seed: int) -> torch.Tensor:
     """One head a call, each under ``torch.manual_seed(seed)`` (the same landmarks as one
     call of all heads), so that nothing is shared between heads."""
@@ -314,9 +324,6 @@ def skyformer_variants(q, k, v, m: int) -> dict[str, Output]:
     c = ceil(m / ln N), the released code's ``in_nb_features`` = m)."""
     released = _import_skyformer_official()
     _, h, n, d = q.shape
-    if d != 32:
-        sys.exit(f"skyformer: the released Skyformer scales by 32 ** -0.25 whatever the head "
-                 f"dim; compare on head dim 32 (MiniLM-L6's), got {d}.")
     mask = q.new_ones(1, n)
     sky = released.skyformer({  # the LRA "skyformer" entry of its config.py
         "device": "cpu", "max_seq_len": n, "nb_features": m, "head_dim": d,
@@ -327,15 +334,17 @@ def skyformer_variants(q, k, v, m: int) -> dict[str, Output]:
     informer = released.informer({"in_nb_features": m, "max_seq_len": n,
                                   "attention_dropout": 0.0}).eval()
 
-    def together(module) -> Output:
+    def together(module, q=q, k=k) -> Output:
         def run(seed: int) -> torch.Tensor:
             torch.manual_seed(seed)
             return module(q, k, v, mask)
         return run
 
+    sky_q, sky_k = at_released_skyformer_scale(q, k)
     return {
-        "released Skyformer": together(sky),
-        "released Skyformer, one head a call": lambda seed: _per_head(sky, q, k, v, seed),
+        "released Skyformer": together(sky, sky_q, sky_k),
+        "released Skyformer, one head a call":
+            lambda seed: _per_head(sky, sky_q, sky_k, v, seed),
         "skyformer": ours("skyformer", q, k, v, num_features=m),
         "skyformer, pinv_init=scaled_transpose": ours(
             "skyformer", q, k, v, num_features=m, pinv_init="scaled_transpose"),

@@ -13,7 +13,8 @@ as the library's methods::
 
 Each call builds its module for the call's shape (cheap: the modules hold no weights)
 and passes the all-real mask the released model passes. The released Skyformer scales by
-32 ** -0.25 whatever the head dim: use head dim 32, where that is the paper's scale.
+32 ** -0.25 whatever the head dim p; it is given Q and K times (32 / p)^(1/4), which
+makes its scale the paper's p^-1/4 at any head dim (``published.at_released_skyformer_scale``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from published import _import_skyformer_official
+from published import _import_skyformer_official, at_released_skyformer_scale
 from torch import Tensor
 
 
@@ -49,10 +50,8 @@ def _mask(q: Tensor) -> Tensor:
 def released_skyformer(q: Tensor, k: Tensor, v: Tensor, *, num_features: int = 128) -> Tensor:
     """The released ``Skyformer`` module (m landmarks, half from Q and half from K)."""
     _, _, n, d = q.shape
-    if d != 32:
-        raise ValueError(f"the released Skyformer scales by 32 ** -0.25 whatever the head "
-                         f"dim; measure it at head dim 32, got {d}.")
-    return _released_skyformer(n, num_features, d, q.device.type)(q, k, v, _mask(q))
+    module = _released_skyformer(n, num_features, d, q.device.type)
+    return module(*at_released_skyformer_scale(q, k), v, _mask(q))
 
 
 def released_nystromformer(q: Tensor, k: Tensor, v: Tensor, *, num_features: int = 128) -> Tensor:

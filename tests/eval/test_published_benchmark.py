@@ -157,7 +157,8 @@ import torch
 from models.attention import SoftmaxAttention_RBF
 
 class Skyformer(SoftmaxAttention_RBF):
-    """Exact kernelized attention plus a draw from the global generator."""
+    """Exact kernelized attention at the release's hard-coded scale 32 ** -0.25 (whatever
+    the head dim), times 1 plus a draw from the global generator."""
     def __init__(self, config):
         assert config["device"] == "cpu", "the released default device is cuda"
         super().__init__(config)
@@ -165,7 +166,8 @@ class Skyformer(SoftmaxAttention_RBF):
 
     def forward(self, q, k, v, mask):
         draw = torch.rand((), dtype=torch.float64)
-        return super().forward(q, k, v, mask) * (1 + 1e-3 * self.nb_features * draw)
+        exact = torch.exp(-0.5 * torch.cdist(q * 32 ** -0.25, k * 32 ** -0.25).square()) @ v
+        return exact * (1 + 1e-3 * self.nb_features * draw)
 ''',
     "attention_nystrom.py": '''
 import torch
@@ -268,10 +270,21 @@ def test_a_folder_other_than_the_release_is_named_with_the_variable_to_set(
         published._import_skyformer_official()
 
 
-def test_the_released_skyformer_is_compared_on_head_dim_32_only(fake_skyformer_checkout):
-    q = torch.randn(1, 2, 16, 8, dtype=torch.float64)
-    with pytest.raises(SystemExit, match=r"32 \*\* -0.25 whatever the head dim"):
-        published.skyformer_variants(q, q, q, 8)
+@pytest.mark.parametrize("head_dim", [8, 32, 64])
+def test_the_released_skyformer_runs_at_the_papers_scale_for_any_head_dim(
+        head_dim, fake_skyformer_checkout):
+    """The release hard-codes 32 ** -0.25; given Q, K times (32 / p)^(1/4) its output is
+    Gaussian kernelized attention at p^-1/4 (the fake's only error is its draw)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, head_dim, generator=g, dtype=torch.float64)
+               for _ in range(3))
+    variants = published.skyformer_variants(q, k, v, 8)
+    target = published.gaussian_target(q, k, v)
+    for name in ("released Skyformer", "released Skyformer, one head a call"):
+        torch.manual_seed(3)
+        draw = 1e-3 * 8 * torch.rand((), dtype=torch.float64).item()
+        err = published.relative_spectral(variants[name](3), target)
+        assert err == pytest.approx(draw, rel=1e-9), name
 
 
 def test_bench_measures_the_released_modules_beside_ours(tmp_path, fake_skyformer_checkout):
@@ -294,5 +307,10 @@ def test_bench_measures_the_released_modules_beside_ours(tmp_path, fake_skyforme
     rows = {r["method"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
     assert 0 < rows["released_skyformer"]["rel_error"] < 8e-3
     assert rows["released_nystromformer"]["rel_error"] < 1e-6  # one head: exact softmax
-    with pytest.raises(ValueError, match=r"32 \*\* -0.25 whatever the head dim"):
-        sys.modules["released"].released_skyformer(*torch.randn(3, 1, 1, 16, 8))
+    q, k, v = torch.randn(3, 1, 1, 16, 8, dtype=torch.float64)  # head dim 8, not 32
+    torch.manual_seed(0)
+    draw = 1e-3 * 8 * torch.rand((), dtype=torch.float64).item()
+    torch.manual_seed(0)
+    out = sys.modules["released"].released_skyformer(q, k, v, num_features=8)
+    assert published.relative_spectral(out, published.gaussian_target(q, k, v)) \
+        == pytest.approx(draw, rel=1e-9)
