@@ -182,6 +182,23 @@ def test_resume_refuses_other_settings_and_starting_over_says_what_it_leaves(
     assert "not an approx progress file" in capsys.readouterr().err
 
 
+def test_resume_names_a_setting_the_progress_file_lacks_as_missing(
+        tmp_path, monkeypatch, capsys):
+    """A file from a version that recorded fewer settings: the key is said to be missing
+    there, not to have been None."""
+    out = tmp_path / "run"
+    with monkeypatch.context() as patched:
+        _interrupt_at(patched, 96)
+        assert main([*RESUMABLE, "--out", str(out)]) == 130  # "interrupted"
+    progress = out / "approx.progress.json"
+    saved = json.loads(progress.read_text())
+    del saved["settings"]["features"]
+    progress.write_text(json.dumps(saved))
+    capsys.readouterr()
+    assert main([*RESUMABLE, "--out", str(out), "--resume"]) == 2
+    assert "other settings (no features there, features=[16] now)" in capsys.readouterr().err
+
+
 def test_resume_without_a_progress_file_measures_everything(tmp_path, capsys):
     assert main([*RESUMABLE, "--out", str(tmp_path), "--resume", "--seq-lens", "64"]) == 0
     assert "nothing to resume" in capsys.readouterr().err

@@ -52,6 +52,15 @@ def _is_block(block: Any) -> bool:
         for part, items in block.items())
 
 
+def _difference(key: str, there: dict, now: dict) -> str:
+    """``key=[16] there, [32] now``; a key one side lacks (a file written by another
+    version) is said to be missing there, not to have been None."""
+    if key not in there:
+        return f"no {key} there, {key}={now[key]!r} now"
+    return f"{key}={there[key]!r} there, {now[key]!r} now" if key in now else \
+        f"{key}={there[key]!r} there, none now"
+
+
 class ProgressFile:
     """The blocks of one run, saved to ``path`` after each; with ``resume``, those an
     earlier run with the same settings saved there first."""
@@ -74,8 +83,8 @@ class ProgressFile:
         other = sorted(key for key in self.settings.keys() | earlier["settings"].keys()
                        if self.settings.get(key) != earlier["settings"].get(key))
         if other:
-            said = ", ".join(f"{key}={earlier['settings'].get(key)!r} there, "
-                             f"{self.settings.get(key)!r} now" for key in other)
+            said = ", ".join(_difference(key, earlier["settings"], self.settings)
+                             for key in other)
             raise ValueError(f"cannot resume from {self.path}: it was measured with other "
                              f"settings ({said}); run with the same settings (other "
                              f"--seq-lens and --sources may differ), or without --resume to "
