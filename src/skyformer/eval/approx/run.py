@@ -488,7 +488,9 @@ def run_approx(config: ApproxConfig = ApproxConfig(), *,
     happen; default: the ``skyformer.approx`` logger (the ``skyformer`` command prints it).
     ``progress_file``: where to save each block of the run as it ends (``progress``
     module); with ``resume``, the blocks an earlier run with the same settings saved
-    there are taken instead of measured (the numbers are the same).
+    there are taken instead of measured (the numbers are the same). The file stays after
+    the run: remove it once the results are saved (``skyformer approx`` does so after
+    writing them), or a later run with ``resume`` takes its blocks again.
     """
     from tqdm.auto import tqdm
 
