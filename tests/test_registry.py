@@ -348,6 +348,28 @@ def test_declared_incapabilities_are_enforced_on_every_route(monkeypatch):
     skyformer.attention(q, k, v, "scaled_mean[factor=2.0]")  # what it can do, it does
 
 
+def test_the_public_function_refuses_what_its_capabilities_exclude(monkeypatch):
+    """The function ``register`` returns ran a key padding mask, other lengths or half
+    inputs past capabilities that exclude them (a mask ignored, silently), where
+    ``skyformer.attention`` and the layers refuse them with the capability's sentence."""
+    caps = Capabilities(target="softmax", mask=False, cross_attention=False,
+                        half_precision=False)
+    scaled = _register_scaled(monkeypatch, "scaled_unable", caps)
+    q, k, v = (t.float() for t in make_qkv(1, 2, 6, 4, nk=9))
+    mask = torch.ones(1, 6, dtype=torch.bool)
+    mask[0, 4:] = False
+    for call, sentence in (
+            (lambda: scaled(q, q, q, key_padding_mask=mask), "honour a key_padding_mask"),
+            (lambda: scaled(q, k, v), "attend with a different number of queries and keys"),
+            (lambda: scaled(q.half(), q.half(), q.half()), "take float16/bfloat16 inputs")):
+        with pytest.raises(CapabilityError, match=f"scaled_unable cannot {sentence}"):
+            call()
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(CapabilityError,
+                                                                     match="bfloat16 inputs"):
+        scaled(q, q, q)
+    assert scaled(q, q, q, factor=2.0).shape == (1, 2, 6, 4)  # what it can do, it does
+
+
 def test_a_variant_follows_its_method_registered_again(monkeypatch):
     """Variants were cached by name: after the method was registered again, its variant
     still ran the old function."""

@@ -240,8 +240,9 @@ def with_options(config_class: type, method: str
     e.g. a materialised variant of a method)."""
 
     def decorator(core: Callable[..., Tensor]) -> Callable[..., Tensor]:
-        return public_function(core, config_class,
-                               lambda options: get_method(method).make_config(**options))
+        return public_function(
+            core, config_class, lambda options: get_method(method).make_config(**options),
+            lambda q, k, mask: get_method(method).check_call(q, k, mask))
 
     return decorator
 
