@@ -370,6 +370,38 @@ def test_the_public_function_refuses_what_its_capabilities_exclude(monkeypatch):
     assert scaled(q, q, q, factor=2.0).shape == (1, 2, 6, 4)  # what it can do, it does
 
 
+@dataclasses.dataclass(frozen=True)
+class _Positions:
+    max_seq_len: int | None = None
+
+
+def test_a_fixed_length_method_refuses_more_keys_than_its_max_seq_len(monkeypatch):
+    """Capabilities(fixed_length=True) filled max_seq_len in, and a longer input reached
+    the method, whose per-position tensors then failed in torch's words (or were cut
+    silently); every route now refuses it in a sentence."""
+    monkeypatch.delitem(registry_methods._REGISTRY, "positions", raising=False)
+
+    @register("positions", _Positions, Capabilities(target="softmax", fixed_length=True))
+    def positions(q, k, v, config, *, key_padding_mask=None, query_padding_mask="auto",
+                  generator=None):
+        weights = torch.ones(config.max_seq_len or k.shape[2])[: k.shape[2]]  # [N]
+        return (weights[:, None] * v).mean(2, keepdim=True).expand(*q.shape[:3], v.shape[-1])
+
+    monkeypatch.setitem(registry_methods._REGISTRY, "positions",
+                        registry_methods._REGISTRY["positions"])
+    q = torch.randn(1, 2, 9, 4)
+    sentence = (r"^positions(\[max_seq_len=8\])?: the input has 9 keys but max_seq_len=8; "
+                r".* larger max_seq_len\.$")
+    for call in (lambda: positions(q, q, q, max_seq_len=8),
+                 lambda: skyformer.attention(q, q, q, "positions[max_seq_len=8]"),
+                 lambda: skyformer.MultiHeadAttention(8, 2, "positions", seq_len=8)(
+                     torch.randn(1, 9, 8))):
+        with pytest.raises(CapabilityError, match=sentence):
+            call()
+    assert positions(q, q, q, max_seq_len=9).shape == (1, 2, 9, 4)  # what fits runs
+    assert positions(q[:, :, :5], q[:, :, :5], q[:, :, :5], max_seq_len=8).shape[2] == 5
+
+
 def test_a_variant_follows_its_method_registered_again(monkeypatch):
     """Variants were cached by name: after the method was registered again, its variant
     still ran the old function."""

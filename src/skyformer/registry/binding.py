@@ -242,7 +242,7 @@ class BoundMethod:
         Returns:
             ``[B, H, Nq, Dv]``.
         """
-        self.method.check_call(q, k, key_padding_mask)
+        self.method.check_call(q, k, key_padding_mask, self.config)
         check_symbolic_length(self.method, self.config, q, k)
         if arguments.get("attn_mask") is not None and not self.method.capabilities.attn_mask:
             raise CapabilityError(capability_sentence_for(self.method, "attn_mask"))

@@ -31,7 +31,8 @@ class Capabilities:
     causal: has a ``causal`` option.
     cross_attention: accepts Nq != Nk.
     randomized: output depends on the ``generator``.
-    fixed_length: needs a fixed ``max_seq_len`` (e.g. Linformer's projections).
+    fixed_length: needs a fixed ``max_seq_len`` (e.g. Linformer's projections); more keys
+        than it are refused in a sentence before the method runs.
     learned_parameters: owns trainable parameters (a ``state`` module, see ``Method``).
     half_precision: accepts float16/bfloat16 inputs.
     attn_mask: takes any SDPA-style ``attn_mask`` (bool or additive, broadcastable to

@@ -148,9 +148,12 @@ class Method:
         config = self.make_config(**self.resolve_options(options, seq_len))
         return BoundMethod(self, config, num_heads, head_dim)
 
-    def check_call(self, q: object, k: object, key_padding_mask: object) -> None:
-        """Fail with a sentence if this call needs a capability the method lacks. Inputs
-        that are not ``[B, H, N, D]`` tensors are left to the method's own input checks."""
+    def check_call(self, q: object, k: object, key_padding_mask: object,
+                   config: Any = None) -> None:
+        """Fail with a sentence if this call needs a capability the method lacks, or (given
+        the call's ``config``) has more keys than a fixed-length method's ``max_seq_len``.
+        Inputs that are not ``[B, H, N, D]`` tensors are left to the method's own input
+        checks."""
         q_ok = isinstance(q, Tensor) and q.dim() == 4
         k_ok = isinstance(k, Tensor) and k.dim() == 4
         half = q_ok and (q.dtype in HALF_DTYPES  # type: ignore[union-attr]
@@ -161,6 +164,19 @@ class Method:
             cross_attention=q_ok and k_ok and q.shape[2] != k.shape[2],  # type: ignore[union-attr]
             half_precision=half,  # given half, or cast to half by autocast (call_core)
         )
+        if config is not None and k_ok:
+            self.check_length(config, k.shape[2])  # type: ignore[union-attr]
+
+    def check_length(self, config: Any, keys: object) -> None:
+        """A fixed-length method (``Capabilities.fixed_length``) holds one position per key
+        up to ``max_seq_len``: more keys fail with a sentence, not inside the method."""
+        limit = getattr(config, "max_seq_len", None)
+        if self.capabilities.fixed_length and isinstance(limit, int) \
+                and isinstance(keys, int) and keys > limit:
+            raise CapabilityError(
+                f"{self.name}: the input has {keys} keys but max_seq_len={limit}; the method "
+                f"holds one position per key up to max_seq_len, so truncate the input or "
+                f"give a larger max_seq_len.")
 
 
 _REGISTRY: dict[str, Method] = {}
@@ -242,7 +258,7 @@ def with_options(config_class: type, method: str
     def decorator(core: Callable[..., Tensor]) -> Callable[..., Tensor]:
         return public_function(
             core, config_class, lambda options: get_method(method).make_config(**options),
-            lambda q, k, mask: get_method(method).check_call(q, k, mask))
+            lambda q, k, mask, config: get_method(method).check_call(q, k, mask, config))
 
     return decorator
 

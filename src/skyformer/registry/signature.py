@@ -102,7 +102,7 @@ def public_function(
     core: Callable[..., Tensor],
     config_class: type,
     make_config: Callable[[dict[str, Any]], Any],
-    check_call: Callable[[Any, Any, Any], None] | None = None,
+    check_call: Callable[[Any, Any, Any, Any], None] | None = None,
 ) -> Callable[..., Tensor]:
     """The public form of ``core``: options as keyword arguments, defaults from the config.
 
@@ -111,9 +111,9 @@ def public_function(
         config_class: the frozen dataclass of the options.
         make_config: builds and validates the config from a dict of options (rejecting
             unknown names with a sentence).
-        check_call: ``check_call(q, k, key_padding_mask)`` fails with a sentence where the
-            call needs a capability the method lacks (``Method.check_call``), as every
-            other route to the method does.
+        check_call: ``check_call(q, k, key_padding_mask, config)`` fails with a sentence
+            where the call needs a capability the method lacks (``Method.check_call``), as
+            every other route to the method does.
     Returns:
         ``f(q, k, v, *, key_padding_mask=None, generator=None, **options, **state_arguments)``
         with ``f.core`` = ``core`` and ``f.config_class`` = ``config_class``.
@@ -130,7 +130,7 @@ def public_function(
         state = {name: kwargs.pop(name) for name in state_names if name in kwargs}
         config = make_config(kwargs)
         if check_call is not None:
-            check_call(q, k, key_padding_mask)
+            check_call(q, k, key_padding_mask, config)
         query = query_mask_argument(getattr(core, "__name__", "the method"),
                                     takes_query_mask, query_padding_mask, q, k,
                                     key_padding_mask)
