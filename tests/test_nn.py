@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from skyformer import MultiHeadAttention, list_methods
-from skyformer.registry import CapabilityError
+from skyformer.registry import CapabilityError, get_method
 from tests.test_contract import MAX_LEN
 
 
@@ -120,3 +120,29 @@ def test_a_layer_with_fixed_draws_leaves_the_global_generator_alone(method):
     assert torch.equal(torch.get_rng_state(), before)
     with pytest.raises(TypeError, match="generator must be"):  # still checked
         layer(x, generator="seed")
+
+
+STATE_OPTIONS = {"performer": {"num_features": 8}, "linformer": {"num_features": 8},
+                 "nystromformer": {"num_features": 8, "conv_kernel": 3}}
+
+
+@pytest.mark.parametrize("method", [m for m in list_methods() if get_method(m).state])
+def test_a_layer_built_on_meta_is_initialised_by_reset_parameters(method):
+    """PyTorch's recipe for large models: build on the meta device, ``to_empty``, then
+    ``reset_parameters()`` of every module that has one. The method's state (Performer's
+    features and redraw seed, Linformer's projections, Nystromformer's convolution) is
+    drawn again as at construction, not left as uninitialised memory."""
+    options = {"seq_len": MAX_LEN, **STATE_OPTIONS.get(method, {})}
+    torch.manual_seed(0)
+    built = MultiHeadAttention(16, 2, method=method, **options)
+    with torch.device("meta"):
+        layer = MultiHeadAttention(16, 2, method=method, **options)
+    layer = layer.to_empty(device="cpu")
+    torch.manual_seed(0)
+    for module in layer.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    want = built.state_dict()
+    assert any(key.startswith("method_state.") for key in want)
+    for key, value in layer.state_dict().items():
+        assert torch.equal(value, want[key]), key

@@ -111,6 +111,16 @@ class LinformerProjections(nn.Module):
         self.proj_k = draw()
         self.proj_v = None if config.share_kv else draw()
 
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Draw E and F again (N(0, 1/k)) from torch's global generator of their device,
+        as a layer built now would: what a layer built on the meta device needs after
+        ``to_empty`` (its parameters hold no values)."""
+        for projection in (self.proj_k, self.proj_v):
+            if projection is not None:
+                drawn = torch.randn(projection.shape, device=projection.device)
+                projection.copy_(drawn * (1.0 / math.sqrt(projection.shape[1])))
+
     def forward(self, q: Tensor, k: Tensor) -> dict[str, Tensor]:
         proj_v = self.proj_k if self.proj_v is None else self.proj_v
         return {"proj_k": self.proj_k, "proj_v": proj_v}

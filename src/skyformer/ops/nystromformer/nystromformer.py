@@ -198,6 +198,14 @@ class NystromformerConv(nn.Module):
             self.weight = nn.Parameter(
                 weight.view(num_heads, config.conv_kernel).to(torch.get_default_device()))
 
+    def reset_parameters(self) -> None:
+        """Draw the weight again from torch's global generator of its device, as a layer
+        built now would: what a layer built on the meta device needs after ``to_empty``
+        (its parameters hold no values)."""
+        if self.weight is not None:
+            heads, kernel = self.weight.shape
+            nn.init.kaiming_uniform_(self.weight.view(heads, 1, kernel, 1), a=math.sqrt(5))
+
     def forward(self, q: Tensor, k: Tensor) -> dict[str, Tensor]:
         return {} if self.weight is None else {"conv_weight": self.weight}
 

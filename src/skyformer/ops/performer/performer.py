@@ -139,14 +139,28 @@ class PerformerFeatures(nn.Module):
         # drawn on the CPU (the same numbers whatever the device), kept on the device
         # the layer is built on (``with torch.device(...)``, as nn.Linear's weights are)
         device = torch.get_default_device()
-        self.register_buffer(
-            "projection",
-            gaussian_projection(config.num_features, head_dim, orthogonal=config.orthogonal,
-                                generator=generator).to(device),
-        )
+        projection, seed = self._first_draws(generator)
+        self.register_buffer("projection", projection.to(device))
         self.register_buffer("calls_since_redraw", torch.zeros((), dtype=torch.long))
-        self.register_buffer("seed", random_key(generator).to(device))
+        self.register_buffer("seed", seed.to(device))
         self.register_buffer("redraws", torch.zeros((), dtype=torch.long))
+
+    def _first_draws(self, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+        """The first features ``[m, D]`` and the redraw seed ``[2]``, drawn on the CPU."""
+        projection = gaussian_projection(self.config.num_features, self.head_dim,
+                                         orthogonal=self.config.orthogonal, generator=generator)
+        return projection, random_key(generator)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Draw the first features and the redraw seed again from torch's global
+        generator and restart the counts, as a layer built now would: what a layer built
+        on the meta device needs after ``to_empty`` (its buffers hold no values)."""
+        projection, seed = self._first_draws(None)
+        self.projection.copy_(projection)
+        self.seed.copy_(seed)
+        self.calls_since_redraw.zero_()
+        self.redraws.zero_()
 
     def _features(self, generator: torch.Generator | Tensor) -> Tensor:
         fresh = gaussian_projection(
