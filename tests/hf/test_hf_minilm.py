@@ -108,6 +108,22 @@ def test_saved_state_comes_back_from_every_checkpoint_format(model, padded_batch
     assert holding < set(weight_map.values())
 
 
+@torch.no_grad()
+def test_saved_state_is_refused_for_other_shapes_and_runs_with_other_options(model, tmp_path):
+    """The folder records no setting: options that change the saved tensors' shapes
+    are refused with a sentence, the others run the saved tensors (docs/hf.md)."""
+    shf.set_attention(model, "performer", layers=[0], num_features=8, seed=0)
+    features = model.encoder.layer[0].attention.self.skyformer_state.projection
+    features.mul_(3.0)  # as kept from training
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="do not fit performer as set up now"):
+        shf.from_pretrained(tmp_path, "performer", layers=[0], num_features=16)
+    loaded = shf.from_pretrained(tmp_path, "performer", layers=[0], num_features=8,
+                                 orthogonal=False, feature_redraw_interval=5)
+    state = loaded.encoder.layer[0].attention.self.skyformer_state
+    assert torch.equal(state.projection, features) and not state.config.orthogonal
+
+
 def save_bin_shards(model, folder, max_shard_size):
     """``model`` as sharded ``pytorch_model-0000i-of-0000n.bin`` files with their
     ``pytorch_model.bin.index.json``, as transformers before version 5 saved it with
