@@ -124,6 +124,34 @@ def test_saved_state_is_refused_for_other_shapes_and_runs_with_other_options(mod
     assert torch.equal(state.projection, features) and not state.config.orthogonal
 
 
+@torch.no_grad()
+def test_saved_state_of_layers_running_different_methods_comes_back(model, padded_batch,
+                                                                    tmp_path):
+    """Layers set with different methods that keep state (Linformer in layer 0,
+    Performer in layer 1) save together; no one method loads them back, so
+    from_pretrained says how to (naming the layers it did not set up), and load_state
+    after a set_attention call per method gives back the same model."""
+    shf.set_attention(model, "linformer", layers=[0], num_features=8, seed=0)
+    shf.set_attention(model, "performer", layers=[1], num_features=8, seed=1)
+    for name, tensor in model.state_dict().items():
+        if "skyformer_state" in name and tensor.is_floating_point():
+            tensor.mul_(3.0)  # as trained
+    want = model(**padded_batch).last_hidden_state
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"encoder\.layer\.1\.attention\.self.*"
+                                         r"skyformer\.hf\.load_state\(model, path\)"):
+        shf.from_pretrained(tmp_path, "linformer", layers=[0], num_features=8)
+    loaded = shf.from_pretrained(tmp_path, "exact")
+    shf.set_attention(loaded, "linformer", layers=[0], num_features=8)
+    shf.set_attention(loaded, "performer", layers=[1], num_features=8)
+    assert shf.load_state(loaded, tmp_path) == 6
+    torch.testing.assert_close(loaded.eval()(**padded_batch).last_hidden_state, want,
+                               rtol=0, atol=0)
+    shf.restore_exact(loaded, layers=[1])
+    with pytest.raises(ValueError, match=r"encoder\.layer\.1\.attention\.self"):
+        shf.load_state(loaded, tmp_path)
+
+
 def save_bin_shards(model, folder, max_shard_size):
     """``model`` as sharded ``pytorch_model-0000i-of-0000n.bin`` files with their
     ``pytorch_model.bin.index.json``, as transformers before version 5 saved it with

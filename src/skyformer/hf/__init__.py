@@ -43,7 +43,13 @@ from ..masks import ResolvedMask, UnsupportedMaskError, resolve_mask  # noqa: E4
 from .attention import PER_LAYER, implementation_name, register_methods  # noqa: E402
 from .decoding import DecodingCache  # noqa: E402
 from .layers import EXACT, LayerAttention, attention_modules  # noqa: E402
-from .model import describe, from_pretrained, restore_exact, set_attention  # noqa: E402
+from .model import (  # noqa: E402
+    describe,
+    from_pretrained,
+    load_state,
+    restore_exact,
+    set_attention,
+)
 
 register_methods()
 
@@ -58,6 +64,7 @@ __all__ = [
     "describe",
     "from_pretrained",
     "implementation_name",
+    "load_state",
     "register_methods",
     "resolve_mask",
     "restore_exact",

@@ -337,10 +337,7 @@ def load_saved_state(model: nn.Module, path: str | Path, method: str) -> int:
                 renamed[candidate] = value
                 break
     if set(renamed) != expected or len(renamed) != len(saved):
-        raise ValueError(
-            f"{path} holds per-layer {STATE_NAME} tensors that do not fit {method} as set "
-            f"up now ({len(saved)} saved, {len(expected)} here, {len(renamed)} matched): load "
-            f"it with the method, layers and options it was saved with.")
+        raise ValueError(_misfit_sentence(path, method, saved, expected, renamed, prefix))
     try:
         model.load_state_dict(renamed, strict=False)
     except RuntimeError as err:
@@ -348,6 +345,42 @@ def load_saved_state(model: nn.Module, path: str | Path, method: str) -> int:
                          f"up now ({str(err).splitlines()[-1].strip()}); load it with the "
                          f"options it was saved with.") from None
     return len(renamed)
+
+
+def _misfit_sentence(path: str | Path, method: str, saved: dict[str, Any], expected: set[str],
+                     renamed: dict[str, Any], prefix: str) -> str:
+    """Why the saved ``skyformer_state`` tensors do not fit the model as set up now, and
+    what to do: naming the attention modules that held some when saved and hold none
+    now (set when saved, by this method or another)."""
+    def module(key: str) -> str:
+        return key.split(f".{STATE_NAME}.")[0].removeprefix(f"{prefix}.")
+
+    others = sorted({module(key) for key in saved} - {module(key) for key in expected})
+    sentence = (f"{path} holds per-layer {STATE_NAME} tensors that do not fit {method} as "
+                f"set up now ({len(saved)} saved, {len(expected)} here, {len(renamed)} "
+                f"matched)")
+    if others:
+        sentence += (f"; {', '.join(others)} held some when saved and hold none now (those "
+                     f"layers were set too)")
+    return sentence + (
+        ": load it with the method, layers and options it was saved with (a model whose "
+        "layers ran different methods: skyformer.hf.from_pretrained(path, 'exact'), one "
+        "set_attention(model, method, layers=..., ...) call for each method, then "
+        "skyformer.hf.load_state(model, path)).")
+
+
+def load_state(model: nn.Module, path: str | Path) -> int:
+    """Load the per-layer parameters (``skyformer_state``) that ``save_pretrained`` wrote
+    to the local folder ``path`` into ``model`` as its layers are set up now; returns how
+    many tensors were loaded. For a model whose layers ran different methods when saved
+    (which one ``from_pretrained`` call cannot set up): load it with
+    ``from_pretrained(path, "exact")``, make one ``set_attention`` call for each method
+    with the layers and options it was saved with, then ``load_state(model, path)``. Refused with
+    a sentence, changing nothing, where the saved tensors do not fit (another method,
+    other layers, other shapes)."""
+    used = [f"{row['method']} in layer {row['layer']}" for row in describe(model)
+            if row["method"] != EXACT and not row["method"].startswith(f"{EXACT} (")]
+    return load_saved_state(model, path, f"the model's layers ({', '.join(used) or 'all exact'})")
 
 
 # The weights files of a saved model, in the order transformers looks for them.
