@@ -50,6 +50,19 @@ def test_dtype_errors(method):
 
 
 @pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("norm", [1.0, 100.0])
+def test_mixed_dtypes_are_refused_whichever_tensor_differs(method, norm):
+    """float32 queries with keys or values of another dtype, at unit norms and at norms
+    past float32's reach (where a method may compute in float64): a sentence, never
+    torch's words nor a silent conversion."""
+    q, k, v = (t.float() * norm for t in make_qkv(1, 1, 6, 4))
+    for other in (torch.float64, torch.float16, torch.int64):
+        for mixed in ((q, k.to(other), v), (q, k, v.to(other)), (q, k.to(other), v.to(other))):
+            with pytest.raises(TypeError, match=r"one dtype|floating point"):
+                attention(*mixed, method, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_mask_errors(method):
     q, k, v = make_qkv(2, 1, 6, 4)
     with pytest.raises(TypeError, match="bool"):

@@ -168,8 +168,9 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, config: NystromSoftmaxConfig, *,
 def in_float64_where_needed(call: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor,
                             config: NystromSoftmaxConfig, **kwargs: Any) -> Tensor:
     """``call(q, k, v, config, **kwargs)``, in float64 and back to q's dtype where
-    ``needs_float64`` says so (the fused and the materialised path alike)."""
-    if needs_float64(q, k, config):
+    ``needs_float64`` says so (the fused and the materialised path alike). Values of
+    another dtype are left to the input checks, which refuse them."""
+    if needs_float64(q, k, config) and isinstance(v, Tensor) and v.dtype == q.dtype:
         return call(q.double(), k.double(), v.double(), config, **kwargs).to(q.dtype)
     return call(q, k, v, config, **kwargs)
 
@@ -178,8 +179,10 @@ def needs_float64(q: Tensor, k: Tensor, config: NystromSoftmaxConfig) -> bool:
     """Whether a call computed in float32 would lose the Gaussian entries its sums need
     (module docstring, "Float32 range"): on a CPU (the read costs nothing there), in
     eager code, when s max(|q|^2, |k|^2) exceeds ``FLOAT32_REACH``. Every row counts,
-    padded ones too (at worst a padded row's value costs a float64 call)."""
-    if not (isinstance(q, Tensor) and isinstance(k, Tensor)) or q.device.type != "cpu" \
+    padded ones too (at worst a padded row's value costs a float64 call). Keys of
+    another dtype than the queries' are left to the input checks (False)."""
+    if not (isinstance(q, Tensor) and isinstance(k, Tensor)) or k.dtype != q.dtype \
+            or q.device.type != "cpu" \
             or compute_dtype(q.dtype) != torch.float32 or not may_read_values(q, k) \
             or q.dim() < 2 or 0 in q.shape or 0 in k.shape:
         return False
