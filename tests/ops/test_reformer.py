@@ -85,6 +85,18 @@ def test_one_bucket_one_chunk_with_self_is_exact_softmax(rounds):
                                rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("norm", [1e3, 1e4])
+def test_round_weights_sum_to_one_at_large_logits(norm):
+    """float32 logits of 1e6 to 1e8, where adding log 2 to a round's log-normaliser is
+    lost to rounding: the rounds' weights still sum to one (the output was up to twice
+    softmax attention's, every round weighted 1)."""
+    q, k, v = (t.float() for t in make_qkv(1, 2, 16, 8, seed=5))
+    q, k = q * norm, k * norm
+    out = reformer_attention(q, k, v, num_features=32, num_buckets=1, num_hashes=2,
+                             exclude_self=False, generator=gen(0))
+    torch.testing.assert_close(out, softmax_attention(q, k, v), rtol=1e-5, atol=1e-5)
+
+
 def test_no_attention_to_self_unless_alone():
     q, k, v = make_qkv(1, 1, 12, 4, seed=6)
     # one bucket, one chunk: everyone sees everyone, so self is always excluded

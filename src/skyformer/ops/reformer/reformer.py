@@ -270,9 +270,13 @@ def _combine_rounds(o: Tensor, lse: Tensor, has: Tensor, q_rank: Tensor) -> Tens
     # Self counts only where no round attends to anything else (the m_ii = 10^5 rule,
     # applied exactly rather than through a large finite penalty).
     lse = torch.where(~has & has.any(dim=1, keepdim=True), float("-inf"), lse)
-    total = torch.logsumexp(lse, dim=1, keepdim=True)
-    total = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
-    return (torch.exp(lse - total)[..., None] * o).sum(1)
+    # Normalised by their sum, not by exp(logsumexp): at large logits (1e6 in float32)
+    # logsumexp rounds away the log R that separates it from every round's lse, and
+    # the weights, each exp(0), summed to R.
+    top = lse.amax(dim=1, keepdim=True)
+    weights = torch.exp(lse - torch.where(torch.isfinite(top), top, torch.zeros_like(top)))
+    weights = weights / weights.sum(dim=1, keepdim=True).clamp_min(1.0)  # >= 1 unless none
+    return (weights[..., None] * o).sum(1)
 
 
 @register(
