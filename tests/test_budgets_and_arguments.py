@@ -63,5 +63,9 @@ def test_multihead_attention_forward_names_bad_inputs():
     with pytest.raises(TypeError, match=r"x is torch.float64 but the layer's weights are "
                                         r"torch.float32"):
         layer(torch.randn(1, 4, 16, dtype=torch.float64))
+    # the conversion offered is of the tensor named, here the context, not x
+    with pytest.raises(TypeError, match=r"context is torch.float64 .*\(context.to\("
+                                        r"torch.float32\) or layer.to\(torch.float64\)\)"):
+        layer(torch.randn(1, 4, 16), context=torch.randn(1, 3, 16, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"x must have shape \[B, N, 16\]"):
         layer(torch.randn(1, 4, 8))

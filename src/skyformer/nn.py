@@ -193,7 +193,7 @@ class MultiHeadAttention(nn.Module):
             if t.dtype != weight.dtype and not autocast_enabled(t.device.type):
                 raise TypeError(
                     f"MultiHeadAttention: {name} is {t.dtype} but the layer's weights are "
-                    f"{weight.dtype}; convert one of them (x.to({weight.dtype}) or "
+                    f"{weight.dtype}; convert one of them ({name}.to({weight.dtype}) or "
                     f"layer.to({t.dtype}))."
                 )
         if context is None and query_padding_mask is not None:
