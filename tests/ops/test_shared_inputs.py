@@ -47,6 +47,12 @@ def test_dtype_errors(method):
         attention(q.long(), k.long(), v.long(), method)
     with pytest.raises(TypeError, match="one dtype"):
         attention(q, k.float(), v, method)
+    # floating point, but no method computes in it: a sentence, not torch's words from
+    # inside the method ("mul_cpu_reduced_float" not implemented for 'Float8_e4m3fn')
+    eight = [t.to(torch.float8_e4m3fn) for t in (q, k, v)]
+    with pytest.raises(TypeError, match=r"float8_e4m3fn.*float32, float64, float16 or "
+                                        r"bfloat16.*q.float\(\)"):
+        attention(*eight, method, generator=torch.Generator().manual_seed(0))
 
 
 @pytest.mark.parametrize("method", METHODS)

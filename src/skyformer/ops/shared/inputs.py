@@ -24,6 +24,7 @@ from ...sketch.rng import check_key, random_key
 from .reduction import WHOLE, KeyReduction
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+FLOAT_DTYPES = (torch.float32, torch.float64, *HALF_DTYPES)  # the dtypes methods take
 
 
 @dataclass(frozen=True)
@@ -56,10 +57,10 @@ def check_attention_inputs(
                 f"{method}: {name} must have shape [B, H, N, D] (4 dimensions), got shape "
                 f"{tuple(t.shape)}; split heads first, e.g. x.view(B, N, H, D).transpose(1, 2)."
             )
-        if not t.is_floating_point():
+        if t.dtype not in FLOAT_DTYPES:  # not float8, which no method computes in
             raise TypeError(
                 f"{method}: {name} has dtype {t.dtype}; attention needs floating point "
-                f"tensors, e.g. {name}.float()."
+                f"tensors of float32, float64, float16 or bfloat16, e.g. {name}.float()."
             )
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(
