@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skyformer import attention, list_methods
+from skyformer import attention, get_method, list_methods
 from tests.conftest import make_qkv
 
 METHODS = list_methods()
@@ -77,6 +77,18 @@ def test_mask_errors(method):
         attention(q, k, v, method, key_padding_mask=torch.ones(2, 5, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"\[B, Nk\]"):
         attention(q, k, v, method, key_padding_mask=torch.ones(2, 1, 1, 6, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS
+                                    if get_method(m).capabilities.has("attn_mask")])
+def test_an_attn_mask_on_another_device_is_named(method):
+    """An exact method's attn_mask on another device than the inputs (meta here, CUDA
+    beside CPU inputs alike): a sentence, not torch's words or a bias read from no data."""
+    q, k, v = make_qkv(1, 2, 6, 4)
+    elsewhere = torch.ones(6, 6, dtype=torch.bool).tril().to("meta")
+    with pytest.raises(ValueError, match=r"attn_mask is on meta but the inputs are on cpu; "
+                                         r"pass attn_mask.to\('cpu'\)"):
+        get_method(method).function(q, k, v, attn_mask=elsewhere)
 
 
 def test_unknown_method_lists_available():

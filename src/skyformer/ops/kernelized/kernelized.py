@@ -123,7 +123,7 @@ def _augmented(q: Tensor, k: Tensor, v: Tensor, info: AttentionInputs, scale: fl
             # a float mask rounded to bfloat16 would shift logits by ~2^-9 |mask|
             q, k, v = q.float(), k.float(), v.float()
         bias = attention_bias(attn_mask, None, causal, (*q.shape[:3], info.key_len),
-                              fused_dtype(q.dtype), "kernelized")
+                              fused_dtype(q.dtype), q.device, "kernelized")
     # the keys' mean out of q and k (in the augmentation's copies, ops/shared/centring.py);
     # not for causal rows, whose rounding must not depend on later keys
     shift = None if causal else keys_mean(k, info.key_valid)

@@ -47,14 +47,18 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None) ->
 
 
 def attention_bias(attn_mask: Tensor, key_valid: Tensor | None, causal: bool,
-                   shape: tuple[int, ...], dtype: torch.dtype, method: str) -> Tensor:
+                   shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                   method: str) -> Tensor:
     """One additive bias ``[B|1, H|1, Nq, Nk]`` from an SDPA-style ``attn_mask`` (bool:
     True = may attend; float: added to the logits), the key padding and the causal
     pattern; blocked entries are ``-inf``.
 
-    ``attn_mask`` must broadcast to ``shape`` = ``[B, H, Nq, Nk]``; checked here with a
-    sentence.
+    ``attn_mask`` must broadcast to ``shape`` = ``[B, H, Nq, Nk]`` and be on the inputs'
+    ``device``; checked here with a sentence.
     """
+    if attn_mask.device != device:
+        raise ValueError(f"{method}: attn_mask is on {attn_mask.device} but the inputs are on "
+                         f"{device}; pass attn_mask.to('{device}').")
     _check_broadcasts(attn_mask, tuple(shape), method)
     if attn_mask.dtype == torch.bool:
         bias = torch.where(attn_mask, 0.0, float("-inf")).to(dtype)

@@ -104,6 +104,7 @@ def softmax_attention(
         mask = attn_mask if attn_mask is not None else torch.ones(
             info.key_len, dtype=torch.bool, device=q.device)
         bias = attention_bias(mask, info.key_valid, config.causal,
-                              (*q.shape[:3], info.key_len), q.dtype, "softmax")
+                              (*q.shape[:3], info.key_len), q.dtype, q.device,
+                              "softmax")
         out = biased_attention(q, k, v, bias, scale=s, dropout_p=dropout_p)
     return zero_padded_queries(out, info.query_valid)
