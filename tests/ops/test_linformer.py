@@ -144,6 +144,8 @@ def test_bad_projections_and_options():
         ),
         ({"num_features": 5, "proj_k": e[:1], "proj_v": e[:1]}, r"\[2, 5, L\]"),
         ({"num_features": 5, "max_seq_len": 12, "proj_k": e, "proj_v": e}, "max_seq_len=12"),
+        ({"num_features": 5, "proj_k": e, "proj_v": e.to("meta")},  # torch's words, before
+         r"proj_v is on meta but the inputs are on cpu; pass proj_v.to\('cpu'\)"),
         ({"num_features": 0}, "num_features"),
         ({"max_seq_len": 0}, "max_seq_len"),
         ({"share_kv": 1}, "share_kv"),

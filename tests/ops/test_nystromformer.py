@@ -252,6 +252,9 @@ def test_bad_options_and_inputs_name_the_problem():
         ({"conv_kernel": 3}, "conv_weight"),
         ({"conv_kernel": 3, "conv_weight": torch.ones(3, 3)}, r"\[H, conv_kernel\] = \[2, 3\]"),
         ({"conv_weight": torch.ones(2, 3)}, "conv_kernel is None"),
+        # the output was read from a weight of no data before
+        ({"conv_kernel": 3, "conv_weight": torch.ones(2, 3, device="meta")},
+         r"conv_weight is on meta but the inputs are on cpu; pass conv_weight.to\('cpu'\)"),
     ):
         with pytest.raises(ValueError, match=word):
             nystromformer_attention(q, k, v, **options)

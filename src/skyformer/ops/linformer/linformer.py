@@ -138,9 +138,10 @@ def jl_projections(key: Tensor, heads: int, k: int, n: int, share_kv: bool
 
 
 def _check_projection(name: str, p: Tensor, heads: int, k: int, n: int,
-                      max_seq_len: int | None, whole: bool = False) -> Tensor:
-    """Validate ``p`` (``[H, k, L]`` or ``[k, L]``) and return its first n columns
-    (all of them if ``whole``: ``_keep_whole``)."""
+                      max_seq_len: int | None, device: torch.device,
+                      whole: bool = False) -> Tensor:
+    """Validate ``p`` (``[H, k, L]`` or ``[k, L]``, on the inputs' ``device``) and return
+    its first n columns (all of them if ``whole``: ``_keep_whole``)."""
     if not isinstance(p, Tensor) or p.dim() not in (2, 3) or p.shape[-2] != k or (
         p.dim() == 3 and p.shape[0] != heads
     ):
@@ -158,6 +159,9 @@ def _check_projection(name: str, p: Tensor, heads: int, k: int, n: int,
         raise ValueError(
             f"linformer: {name} has {p.shape[-1]} columns but max_seq_len={max_seq_len}."
         )
+    if p.device != device:
+        raise ValueError(f"linformer: {name} is on {p.device} but the inputs are on {device}; "
+                         f"pass {name}.to('{device}').")
     return p if whole else p[..., :n]
 
 
@@ -240,9 +244,9 @@ def linformer_attention(
     else:
         whole = _keep_whole(proj_k, n)
         e = _check_projection("proj_k", proj_k, info.heads, cfg.num_features, n, cfg.max_seq_len,
-                              whole)
+                              q.device, whole)
         f = _check_projection("proj_v", proj_v, info.heads, cfg.num_features, n, cfg.max_seq_len,
-                              whole)
+                              q.device, whole)
         if whole:
             kw, vw, key_valid = _padded_to(e.shape[-1], kw, vw, key_valid)
     e, f = e.to(work), f.to(work)  # [H, k, Nk] or [k, Nk]

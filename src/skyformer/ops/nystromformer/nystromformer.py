@@ -153,7 +153,10 @@ def depthwise_conv(v: Tensor, weight: Tensor, key_valid: Tensor | None,
     return from_real_first(out, q_order)
 
 
-def _check_conv_weight(weight: Tensor | None, kernel: int | None, heads: int) -> None:
+def _check_conv_weight(weight: Tensor | None, kernel: int | None, heads: int,
+                       device: torch.device) -> None:
+    """``weight`` is ``[H, conv_kernel]`` on the inputs' ``device`` where ``conv_kernel``
+    is set, and None otherwise; or a sentence."""
     if kernel is None:
         if weight is not None:
             raise ValueError(
@@ -175,6 +178,9 @@ def _check_conv_weight(weight: Tensor | None, kernel: int | None, heads: int) ->
             f"nystromformer: conv_weight must have shape [H, conv_kernel] = [{heads}, {kernel}], "
             f"got {shape}."
         )
+    if weight.device != device:
+        raise ValueError(f"nystromformer: conv_weight is on {weight.device} but the inputs are "
+                         f"on {device}; pass conv_weight.to('{device}').")
 
 
 class NystromformerConv(nn.Module):
@@ -248,7 +254,7 @@ def nystromformer_attention(
     info = check_attention_inputs(q, k, v, key_padding_mask, method="nystromformer",
                                   query_padding_mask=query_padding_mask)
     check_generator("nystromformer", generator, q.device)
-    _check_conv_weight(conv_weight, config.conv_kernel, info.heads)
+    _check_conv_weight(conv_weight, config.conv_kernel, info.heads, q.device)
     if conv_weight is not None and info.query_len != info.key_len:
         raise ValueError(
             f"nystromformer: conv_kernel adds the convolved value of rank r to the query of "
