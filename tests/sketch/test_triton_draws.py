@@ -7,6 +7,7 @@ with ``SKYFORMER_TEST_CUDA=1``.
 
 from __future__ import annotations
 
+import math
 from unittest import mock
 
 import pytest
@@ -243,3 +244,31 @@ def test_tracers_record_the_draw(tracer):
         else torch.jit.trace(attend, (q, k, v, first), check_trace=False)
     for key in (first, second):
         torch.testing.assert_close(traced(q, k, v, key), attend(q, k, v, key))
+
+
+@pytest.mark.parametrize("paired", [False, True])
+def test_a_sequence_longer_than_a_cuda_grid_row_launches_within_cudas_limits(monkeypatch,
+                                                                              paired):
+    """CUDA launches at most 65535 blocks along a grid's second and third dimensions: a
+    draw over N > 65535 * 1024 rows (67M tokens, one block of 1024 rows a program) keeps
+    every program on the first (the launch is recorded, not run: no kernel reads the
+    512 MiB that ``torch.empty`` reserves)."""
+    from skyformer.sketch import triton_draws
+
+    grids = []
+
+    class Recording:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return lambda *args, **options: None
+
+    monkeypatch.setattr(triton_draws, "_selection_keys_kernel", Recording())
+    n = 65535 * triton_draws.BLOCK + 1
+    if paired:
+        triton_draws.paired_selection_keys(KEYS[0], (lm.QUERY_STREAM, lm.KEY_STREAM), 1, n)
+    else:
+        triton_draws.selection_keys(KEYS[0], lm.KEY_STREAM, None, 1, n, rank=None,
+                                    valid_before=None, rows_before=0, padded_key=lm.PADDED_KEY)
+    (grid,) = grids
+    assert all(size <= 65535 for size in grid[1:]), grid
+    assert math.prod(grid) == (2 if paired else 1) * 65536  # every block of every row

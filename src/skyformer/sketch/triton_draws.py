@@ -76,14 +76,31 @@ def _batch_key(KEY, stream_data, b):
 
 
 @triton.jit
+def _row_and_block(n, BLOCK: tl.constexpr):
+    """(row, block of ``BLOCK`` positions) of this program, int64, from the one grid
+    dimension ``row_grid`` numbers them along (row-major)."""
+    pid = tl.program_id(0).to(tl.int64)
+    blocks = tl.cdiv(n, BLOCK)
+    return pid // blocks, pid % blocks
+
+
+def row_grid(rows: int, n: int) -> tuple[int]:
+    """The launch grid of a kernel with a program per block of ``BLOCK`` positions of
+    each of ``rows`` rows of ``n``: all on the first dimension (CUDA's limit 2^31 - 1),
+    since the second and third hold at most 65535 blocks, which a row of more than
+    65535 * 1024 positions (67M tokens) had needed."""
+    return (rows * cdiv(n, BLOCK),)
+
+
+@triton.jit
 def _selection_keys_kernel(
     KEY, RANK, VALID, BEFORE, OUT, batch, n, stream_data, second_stream_data, rows_before,
     HAS_RANK: tl.constexpr, HAS_VALID: tl.constexpr, HAS_BEFORE: tl.constexpr,
     SALT: tl.constexpr, PADDED: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)  # of OUT: [streams * B, n], stream-major
+    row, block = _row_and_block(n, BLOCK)  # row of OUT: [streams * B, n], stream-major
     b = row % batch
-    pos = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    pos = block * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     inside = pos < n
     k0, k1 = _batch_key(KEY, tl.where(row < batch, stream_data, second_stream_data), b)
     if HAS_RANK:
@@ -136,7 +153,7 @@ def selection_keys(
     if batch == 0 or n == 0:
         return out
     with _on(key.device):
-        _selection_keys_kernel[(batch, cdiv(n, BLOCK))](
+        _selection_keys_kernel[row_grid(batch, n)](
             key.contiguous(),
             out if rank is None else rank.contiguous(),
             out if valid is None else valid.contiguous().view(torch.uint8),  # bool mask
@@ -160,7 +177,7 @@ def paired_selection_keys(key: Tensor, stream_names: tuple[str, str], batch: int
         return out
     first, second = map(rng.stream_data, stream_names)
     with _on(key.device):
-        _selection_keys_kernel[(2 * batch, cdiv(n, BLOCK))](
+        _selection_keys_kernel[row_grid(2 * batch, n)](
             key.contiguous(), out, out, out, out, batch, n, first, second, 0,
             HAS_RANK=False, HAS_VALID=False, HAS_BEFORE=False, SALT=rng.UNIFORM_SALT,
             PADDED=0, BLOCK=BLOCK,
