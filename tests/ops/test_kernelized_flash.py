@@ -18,7 +18,9 @@ from tests.conftest import gen, make_qkv
 from tests.devices import cuda_only, devices, relative_error
 from tests.dispatch import Recorder
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+triton_flash = pytest.importorskip("skyformer.ops.kernelized.triton_flash")
 
 CASES = [  # b, h, nq, nk, d, dv
     (2, 2, 37, 45, 16, 24),
@@ -302,3 +304,25 @@ def test_more_sequences_than_a_cuda_grid_holds_go_in_slices(monkeypatch, causal)
     for a, e in zip(run(), expected, strict=True):
         torch.testing.assert_close(a, e, rtol=0, atol=0)
     assert len(grids) == 9 and max(grid[2] for grid in grids) == 2  # 3 slices a kernel
+
+
+
+@triton.jit
+def _second_matrix_offsets(OUT, n, width, BLOCK: tl.constexpr):
+    """``triton_flash._matrix_offsets`` of rows 0..BLOCK-1 of matrix bh = 1 (int64, as
+    the kernels' bh) into ``OUT [BLOCK, BLOCK]``."""
+    bh = tl.program_id(0).to(tl.int64) + 1
+    rows = tl.arange(0, BLOCK)
+    offsets, _ = triton_flash._matrix_offsets(bh, rows, n, width, BLOCK)
+    tl.store(OUT + rows[:, None] * BLOCK + rows[None, :], offsets)
+
+
+def test_offsets_of_a_head_past_2_31_entries_are_int64(triton_interpreter):
+    """The gradient kernels read dO as matrix bh of a contiguous ``[BH, Nq, Dv]``: from
+    one head of 2^31 entries (Nq = 2^25 queries of width 64) the offset of the second
+    head, bh Nq Dv = 2^31, passes int32 (here the offsets alone, computed by the
+    kernels' own function: the tensors would take 8 GiB)."""
+    out = torch.zeros(16, 16, dtype=torch.int64)
+    _second_matrix_offsets[(1,)](out, 2**25, 64, BLOCK=16)
+    rows, cols = torch.meshgrid(torch.arange(16), torch.arange(16), indexing="ij")
+    assert torch.equal(out, 2**31 + rows * 64 + cols)

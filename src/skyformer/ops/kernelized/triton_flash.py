@@ -81,11 +81,29 @@ def _tile(PTR, b, h, s_b, s_h, s_n, rows, n, width, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _matrix_offsets(bh, rows, n, width, BLOCK: tl.constexpr):
+    """(int64 offsets, mask) of rows ``rows`` of matrix bh of a contiguous ``[BH, n,
+    width]``, ``[len(rows), BLOCK]``, masked past n and width. bh (int64) multiplies
+    first: n * width alone is an int32 product, which wraps from one head of 2^31
+    entries (n = 2^25 rows of width 64)."""
+    cols = tl.arange(0, BLOCK)
+    offsets = bh.to(tl.int64) * n * width + rows.to(tl.int64)[:, None] * width + cols[None, :]
+    return offsets, (rows < n)[:, None] & (cols < width)[None, :]
+
+
+@triton.jit
+def _matrix_tile(PTR, bh, rows, n, width, BLOCK: tl.constexpr):
+    """Rows ``rows`` of matrix bh of a contiguous ``[BH, n, width]``, ``[len(rows),
+    BLOCK]``, zero past n and width."""
+    offsets, mask = _matrix_offsets(bh, rows, n, width, BLOCK)
+    return tl.load(PTR + offsets, mask=mask, other=0.0)
+
+
+@triton.jit
 def _store(PTR, bh, rows, n, width, value, BLOCK: tl.constexpr):
     """``value`` into rows ``rows`` of matrix bh of a contiguous ``[BH, n, width]``."""
-    cols = tl.arange(0, BLOCK)
-    tl.store(PTR + bh * n * width + rows.to(tl.int64)[:, None] * width + cols[None, :],
-             value.to(PTR.dtype.element_ty), mask=(rows < n)[:, None] & (cols < width)[None, :])
+    offsets, mask = _matrix_offsets(bh, rows, n, width, BLOCK)
+    tl.store(PTR + offsets, value.to(PTR.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -185,7 +203,7 @@ def _flash_key_grad_kernel(
     for m0 in range(start, NQ, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
         q = _tile(Q, b, h, sq_b, sq_h, sq_n, rows, NQ, D, BLOCK_D)
-        do = _tile(DO, bh, 0, NQ * DV, 0, DV, rows, NQ, DV, BLOCK_DV)
+        do = _matrix_tile(DO, bh, rows, NQ, DV, BLOCK_DV)
         _, a = _query_offsets(q, c, F64)
         t = _dot(k, tl.trans(q), PRECISION, FMA).to(kf.dtype) * c - bn[:, None] - a[None, :]
         live = (rows < NQ)[None, :]
@@ -218,7 +236,7 @@ def _flash_query_grad_kernel(
     bh = b * heads + h
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     q = _tile(Q, b, h, sq_b, sq_h, sq_n, rows, NQ, D, BLOCK_D)
-    do = _tile(DO, bh, 0, NQ * DV, 0, DV, rows, NQ, DV, BLOCK_DV)
+    do = _matrix_tile(DO, bh, rows, NQ, DV, BLOCK_DV)
     qf, a = _query_offsets(q, c, F64)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=qf.dtype)
     row_sums = tl.zeros([BLOCK_M], dtype=qf.dtype)
