@@ -18,7 +18,9 @@ from tests.conftest import make_qkv
 from tests.devices import cuda_only, devices, needs_interpreter, relative_error
 from tests.dispatch import Recorder
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+triton_kernels = pytest.importorskip("skyformer.linalg.triton_kernels")
 
 
 @pytest.fixture(autouse=True)
@@ -817,3 +819,23 @@ def test_activation_checkpointing_on_the_triton_path(method, selective):
     for got, expected in zip(torch.autograd.grad(out.square().sum(), (q, k, v)), want,
                              strict=True):
         torch.testing.assert_close(got, expected)
+
+
+@triton.jit
+def _exclude_offsets(OUT, s_rows, s_cols, BLOCK: tl.constexpr):
+    """``triton_kernels.strided_offsets`` of rows and columns 0..BLOCK-1 (int32 index
+    vectors, as the kernels' column blocks) into ``OUT [BLOCK, BLOCK]``."""
+    index = tl.arange(0, BLOCK)
+    tl.store(OUT + index[:, None] * BLOCK + index[None, :],
+             triton_kernels.strided_offsets(index, s_rows, index, s_cols))
+
+
+def test_exclude_offsets_past_2_31_are_int64(triton_interpreter):
+    """The kernels read ``exclude`` at any strides: a transposed ``[m, N]`` mask has
+    column stride N, so column j of it lies at j N, past 2^31 from m N = 2^31 (m = 128,
+    N = 2^24: a 2 GiB mask) on, where int32 products wrapped to a wrong address (here
+    the offsets alone, computed by the kernels' own function, with a stride of 2^28)."""
+    out = torch.zeros(16, 16, dtype=torch.int64)
+    _exclude_offsets[(1,)](out, 1, 2**28, BLOCK=16)
+    rows, cols = torch.meshgrid(torch.arange(16), torch.arange(16), indexing="ij")
+    assert torch.equal(out, rows + cols * 2**28)

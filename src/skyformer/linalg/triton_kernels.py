@@ -108,6 +108,14 @@ def _dot_bf16(a, b, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def strided_offsets(rows, s_rows, cols, s_cols):
+    """``rows[:, None] s_rows + cols[None, :] s_cols`` in int64: an exclude mask of any
+    strides (a transposed ``[m, N]`` one has a column stride of N) takes int32
+    products past 2^31 from m N = 2^31 (m = 128, N = 2^24) on."""
+    return rows.to(tl.int64)[:, None] * s_rows + cols.to(tl.int64)[None, :] * s_cols
+
+
+@triton.jit
 def _column_side(X, B, VM, bh, rm, rd, rr, M, D, R, b_scale, HAS_B: tl.constexpr,
                  HAS_VM: tl.constexpr):
     """A program's columns ``rm`` of the landmark side: x ``[BLOCK_M, BLOCK_D]``, the
@@ -177,7 +185,7 @@ def _rows_kernel(
                 e = e - b_scale * b[None, :]
             e = tl.where((rm < M)[None, :], e, float("-inf"))
             if HAS_EXC:
-                exc = tl.load(EXC + bh * s_exc_b + rn[:, None] * s_exc_n + rm[None, :] * s_exc_m,
+                exc = tl.load(EXC + bh * s_exc_b + strided_offsets(rn, s_exc_n, rm, s_exc_m),
                               mask=row_in[:, None] & (rm < M)[None, :], other=0)
                 e = tl.where(exc != 0, float("-inf"), e)
             top = tl.maximum(top, tl.max(e, axis=1))
@@ -198,7 +206,7 @@ def _rows_kernel(
             e = e - b_scale * b[None, :]
         e = tl.where(col_in[None, :], e, float("-inf"))
         if HAS_EXC:
-            exc = tl.load(EXC + bh * s_exc_b + rn[:, None] * s_exc_n + rm[None, :] * s_exc_m,
+            exc = tl.load(EXC + bh * s_exc_b + strided_offsets(rn, s_exc_n, rm, s_exc_m),
                           mask=row_in[:, None] & col_in[None, :], other=0)
             e = tl.where(exc != 0, float("-inf"), e)
         c = tl.exp2(e)  # [BLOCK_N, BLOCK_M]
@@ -263,7 +271,7 @@ def _cols_kernel(
             e = e - (norm_scale * squares)[None, :]
         e = tl.where(row_in[None, :], e, float("-inf"))
         if HAS_EXC:
-            exc = tl.load(EXC + bh * s_exc_b + rn[None, :] * s_exc_n + rm[:, None] * s_exc_m,
+            exc = tl.load(EXC + bh * s_exc_b + strided_offsets(rm, s_exc_m, rn, s_exc_n),
                           mask=col_in[:, None] & row_in[None, :], other=0)
             e = tl.where(exc != 0, float("-inf"), e)
         ct = tl.exp2(e)  # C^T tile: [BLOCK_M, BLOCK_N]

@@ -42,6 +42,7 @@ from .triton_kernels import (
     _mm,
     _precision,
     row_slices,
+    strided_offsets,
 )
 
 
@@ -83,7 +84,7 @@ def _one_pass_kernel(
             e = e - (norm_scale * tl.sum(y * y, axis=1))[:, None]
         e = tl.where(row_in[:, None] & col_in[None, :], e, float("-inf"))
         if HAS_EXC:
-            exc = tl.load(EXC + bh * s_exc_b + rn[:, None] * s_exc_n + rm[None, :] * s_exc_m,
+            exc = tl.load(EXC + bh * s_exc_b + strided_offsets(rn, s_exc_n, rm, s_exc_m),
                           mask=row_in[:, None] & col_in[None, :], other=0)
             e = tl.where(exc != 0, float("-inf"), e)
         c = tl.exp2(e)  # [BLOCK_N, BLOCK_M]
