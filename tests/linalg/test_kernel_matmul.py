@@ -146,6 +146,16 @@ def test_rejects_an_exclude_mask_of_the_wrong_shape():
         gaussian_kernel_matmul(y, x, z, None, exclude=torch.zeros(B, H, M, N, dtype=torch.bool))
 
 
+@pytest.mark.parametrize("chunk", [0, -4, 2.5, True])
+def test_a_chunk_that_is_not_a_positive_row_count_is_named(chunk):
+    """``chunk`` counts rows: 0 stopped with Python's "range() arg 3 must not be zero",
+    a negative count or a float with torch's words about tensor sizes."""
+    y, x, z, _, _ = inputs()
+    with pytest.raises(ValueError, match=rf"gaussian_kernel_matmul: chunk must be a "
+                                         rf"positive integer, got {chunk}\."):
+        gaussian_kernel_matmul(y, x, z, None, chunk=chunk)
+
+
 @pytest.mark.parametrize("transpose", [False, True])
 @pytest.mark.parametrize("chunk", [None, 8])
 def test_compiled_product_gives_eager_outputs_and_gradients(transpose, chunk):

@@ -322,6 +322,10 @@ def gaussian_kernel_matmul(
         bh *= size
     if chunk is None:
         chunk = chunk_rows(n, bh, m, y.device)
+    else:
+        from ..ops.shared.options import check_positive_int  # the ops package imports linalg
+
+        check_positive_int("gaussian_kernel_matmul", "chunk", chunk)
     if row_valid is not None:
         row_valid = row_valid.expand(*batch_shape, n).reshape(bh, n)
     auto = kernel == "auto"
