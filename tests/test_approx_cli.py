@@ -182,18 +182,24 @@ def test_resume_refuses_other_settings_and_starting_over_says_what_it_leaves(
     assert "not an approx progress file" in capsys.readouterr().err
 
 
-def test_resume_names_a_setting_the_progress_file_lacks_as_missing(
-        tmp_path, monkeypatch, capsys):
-    """A file from a version that recorded fewer settings: the key is said to be missing
-    there, not to have been None."""
-    out = tmp_path / "run"
+def _edit_interrupted_progress(out, monkeypatch, edit) -> None:
+    """Run the study into ``out``, interrupted at N = 96, then ``edit`` the JSON of the
+    progress file it leaves."""
     with monkeypatch.context() as patched:
         _interrupt_at(patched, 96)
         assert main([*RESUMABLE, "--out", str(out)]) == 130  # "interrupted"
     progress = out / "approx.progress.json"
     saved = json.loads(progress.read_text())
-    del saved["settings"]["features"]
+    edit(saved)
     progress.write_text(json.dumps(saved))
+
+
+def test_resume_names_a_setting_the_progress_file_lacks_as_missing(
+        tmp_path, monkeypatch, capsys):
+    """A file from a version that recorded fewer settings: the key is said to be missing
+    there, not to have been None."""
+    out = tmp_path / "run"
+    _edit_interrupted_progress(out, monkeypatch, lambda saved: saved["settings"].pop("features"))
     capsys.readouterr()
     assert main([*RESUMABLE, "--out", str(out), "--resume"]) == 2
     assert "other settings (no features there, features=[16] now)" in capsys.readouterr().err
@@ -209,13 +215,8 @@ def test_resume_without_a_progress_file_measures_everything(tmp_path, capsys):
 def test_resume_refuses_a_progress_file_whose_block_holds_no_list_of_results(
         edit, tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
-    with monkeypatch.context() as patched:
-        _interrupt_at(patched, 96)
-        assert main([*RESUMABLE, "--out", str(out)]) == 130  # "interrupted"
-    progress = out / "approx.progress.json"
-    saved = json.loads(progress.read_text())
-    saved["blocks"]["sweep/gaussian/64"].update(edit)
-    progress.write_text(json.dumps(saved))
+    _edit_interrupted_progress(out, monkeypatch,
+                               lambda saved: saved["blocks"]["sweep/gaussian/64"].update(edit))
     capsys.readouterr()
     assert main([*RESUMABLE, "--out", str(out), "--resume"]) == 2
     assert "not an approx progress file" in capsys.readouterr().err
