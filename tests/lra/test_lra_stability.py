@@ -195,3 +195,27 @@ def test_a_method_listed_twice_is_refused(listops_cache):
                            (["linear[eps=0.001]", "linear[eps=1e-3]"], r"linear\[eps=1e-3\]")):
         with pytest.raises(ValueError, match=rf"methods lists .*{named}"):
             run_stability(["listops"], methods, cache_root=listops_cache, steps=1)
+
+
+@pytest.mark.parametrize("method", ["performer", "linformer"])
+def test_every_method_starts_from_the_initial_parameters_of_softmax(listops_cache, method,
+                                                                    monkeypatch):
+    """Performer drew its features, Linformer its projections, from torch's generator
+    while the model was built, so every later layer of theirs started from other values
+    than softmax's: the methods did not share W_0."""
+    from skyformer.lra import stability
+
+    first = []
+    flat = stability._flat_parameters
+
+    def spy(model):
+        if not first:  # the first call: W_0, before the first update
+            first.append({k: p.detach().clone() for k, p in model.named_parameters()})
+        return flat(model)
+
+    monkeypatch.setattr(stability, "_flat_parameters", spy)
+    instability_taus(_cfg(method), listops_cache, steps=1)
+    torch.manual_seed(0)
+    softmax = LRAClassifier(model_config(_cfg(), load_cache(listops_cache, "listops")))
+    for name, value in softmax.named_parameters():
+        assert torch.equal(first[0][name], value), name

@@ -16,8 +16,9 @@ layer. Kernelized attention ``C V`` is not normalised (a sum over keys, not an
 average), so its raw hidden states are far larger than softmax's and change
 correspondingly more; the final LayerNorm removes that scale.
 
-To compare like with like, every method starts from the same W_0 (same seed; the
-methods share the parameter layout) and sees the same batches with the same dropout
+To compare like with like, every method starts from the same W_0 (every parameter it
+shares with softmax's model of the same seed is that model's; a method's own, such as
+Linformer's projections, are its own draws) and sees the same batches with the same dropout
 masks, under the task's training settings (optimizer, learning-rate schedule,
 dropout). f is evaluated without dropout, in float64 (early learning rates are tiny,
 and float32 rounding would swamp the change), and with the same attention randomness
@@ -28,6 +29,7 @@ the parameter change only.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import statistics
 from collections.abc import Callable
@@ -45,7 +47,7 @@ from ..registry import get_method
 from ..registry.variants import refuse_swept_option
 from .batches import BatchOrder, Position, fetch
 from .cache import load_cache
-from .model import LRAClassifier, resolve_attention_options
+from .model import LRAClassifier, ModelConfig, resolve_attention_options
 from .presets import TrainConfig, learning_rate, make_config
 from .seeds import derive_seed
 from .tasks import TASKS
@@ -68,6 +70,24 @@ def _embedding(model: LRAClassifier, tokens, lengths, seed: int, probe: str) -> 
 PROBES = ("normed", "hidden")
 
 
+@torch.no_grad()
+def initial_model(mcfg: ModelConfig, seed: int, device: torch.device) -> LRAClassifier:
+    """The model of ``mcfg`` at W_0: every parameter it shares (name and shape) with the
+    softmax model built from ``seed`` holds that model's value. Building a method can draw
+    from torch's generator (Performer's features) or add parameters (Linformer's
+    projections) before the later layers are initialised, which would otherwise start
+    each method from other values."""
+    torch.manual_seed(seed)
+    model = LRAClassifier(mcfg)
+    torch.manual_seed(seed)
+    softmax = LRAClassifier(dataclasses.replace(mcfg, attention=BASELINE, attention_options={}))
+    own = dict(model.named_parameters())
+    for name, value in softmax.named_parameters():
+        if name in own and own[name].shape == value.shape:
+            own[name].copy_(value)
+    return model.to(device)
+
+
 def instability_taus(cfg: TrainConfig, cache_root: str | os.PathLike[str], *, steps: int = 20,
                      device: torch.device | str = "cpu", probe: str = "normed") -> list[float]:
     """tau_1 .. tau_steps of one method (``cfg.attention``) on ``cfg.task``."""
@@ -77,8 +97,7 @@ def instability_taus(cfg: TrainConfig, cache_root: str | os.PathLike[str], *, st
     data = load_cache(cache_root, cfg.task)
     mcfg = model_config(cfg, data)
     split = data.splits["train"]
-    torch.manual_seed(cfg.seed)
-    model = LRAClassifier(mcfg).to(device)
+    model = initial_model(mcfg, cfg.seed, device)
     torch.manual_seed(derive_seed(cfg.seed, 0, 1))
     attention_generator = torch.Generator(device=device).manual_seed(derive_seed(cfg.seed, 0, 2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-6,
