@@ -219,3 +219,15 @@ def test_every_method_starts_from_the_initial_parameters_of_softmax(listops_cach
     softmax = LRAClassifier(model_config(_cfg(), load_cache(listops_cache, "listops")))
     for name, value in softmax.named_parameters():
         assert torch.equal(first[0][name], value), name
+
+
+def test_features_redrawn_by_a_training_step_do_not_enter_tau(listops_cache):
+    """Performer redraws its features in training calls; the probe after the step read the
+    new features and the one before the old, so tau measured the redraw (a million times
+    the parameter change's effect), not the update."""
+    kept = instability_taus(_cfg("performer"), listops_cache, steps=3)
+    redrawn = instability_taus(
+        _cfg("performer", attention_options={"feature_redraw_interval": 1}), listops_cache,
+        steps=3)
+    assert redrawn[0] == pytest.approx(kept[0], rel=1e-9)  # the first call redraws nothing
+    assert max(redrawn) < 10 * max(kept)

@@ -22,8 +22,9 @@ Linformer's projections, are its own draws) and sees the same batches with the s
 masks, under the task's training settings (optimizer, learning-rate schedule,
 dropout). f is evaluated without dropout, in float64 (early learning rates are tiny,
 and float32 rounding would swamp the change), and with the same attention randomness
-(landmarks, features) before and after the step, so that tau measures the effect of
-the parameter change only.
+(landmarks, features) and the same method state (buffers: Performer's features, redrawn
+by training calls) before and after the step, so that tau measures the effect of the
+parameter change only.
 """
 
 from __future__ import annotations
@@ -61,10 +62,21 @@ def _flat_parameters(model: torch.nn.Module) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _embedding(model: LRAClassifier, tokens, lengths, seed: int, probe: str) -> torch.Tensor:
-    copy64 = copy.deepcopy(model).double().eval()
+def _embedding(copy64: LRAClassifier, tokens, lengths, seed: int, probe: str) -> torch.Tensor:
+    """f(x, W): ``copy64`` (a float64 copy in eval mode) on ``tokens: [B, S, N]``, with the
+    attention draws of ``seed``."""
     generator = torch.Generator(device=tokens.device).manual_seed(seed)
     return copy64.embed(tokens, lengths, generator=generator, normed=probe == "normed")
+
+
+@torch.no_grad()
+def _set_parameters(copy64: LRAClassifier, model: LRAClassifier) -> LRAClassifier:
+    """``copy64`` with the parameters of ``model`` and its own buffers: a method's state
+    that training calls change (Performer's redrawn features) stays that of before the
+    step, so f changes by the parameter change alone."""
+    for mine, new in zip(copy64.parameters(), model.parameters(), strict=True):
+        mine.copy_(new)
+    return copy64
 
 
 PROBES = ("normed", "hidden")
@@ -108,7 +120,8 @@ def instability_taus(cfg: TrainConfig, cache_root: str | os.PathLike[str], *, st
     for step in range(steps):
         tokens, lengths, labels = fetch(split, order.batch(position), device, mcfg.max_len)
         probe_seed = derive_seed(cfg.seed, 4, step)
-        before = _embedding(model, tokens, lengths, probe_seed, probe)
+        copy64 = copy.deepcopy(model).double().eval()
+        before = _embedding(copy64, tokens, lengths, probe_seed, probe)
         w_before = _flat_parameters(model)
         model.train()
         loss = F.cross_entropy(model(tokens, lengths, generator=attention_generator), labels)
@@ -117,7 +130,7 @@ def instability_taus(cfg: TrainConfig, cache_root: str | os.PathLike[str], *, st
             group["lr"] = learning_rate(step, cfg)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        after = _embedding(model, tokens, lengths, probe_seed, probe)
+        after = _embedding(_set_parameters(copy64, model), tokens, lengths, probe_seed, probe)
         dw = (_flat_parameters(model) - w_before).square().sum().item()
         if dw == 0:
             raise ValueError(f"step {step + 1} did not change the parameters (learning rate "
