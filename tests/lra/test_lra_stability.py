@@ -231,3 +231,30 @@ def test_features_redrawn_by_a_training_step_do_not_enter_tau(listops_cache):
         steps=3)
     assert redrawn[0] == pytest.approx(kept[0], rel=1e-9)  # the first call redraws nothing
     assert max(redrawn) < 10 * max(kept)
+
+
+def test_resuming_with_other_seeds_keeps_the_taus_of_the_seeds_it_shares(listops_cache):
+    """The settings kept per task held the seed of the first measurement, so resuming with
+    --seeds 1 after --seeds 0 1 was refused for "the training settings of listops"."""
+    args = {"cache_root": listops_cache, "steps": 2, "overrides": {"batch_size": 16}}
+    earlier = json.loads(json.dumps(
+        run_stability(["listops"], ["kernelized"], seeds=[0, 1], **args).to_dict()))
+    assert "seed" not in earlier["settings"]["listops"]
+    said = []
+    resumed = run_stability(["listops"], ["kernelized"], seeds=[1], earlier=earlier,
+                            progress=said.append, **args)
+    assert said == []
+    assert resumed.taus["listops"]["kernelized"][1] == earlier["taus"]["listops"]["kernelized"]["1"]
+    earlier["settings"]["listops"]["seed"] = 0  # as files written before held it
+    run_stability(["listops"], ["kernelized"], seeds=[1], earlier=earlier,
+                  progress=said.append, **args)
+    assert said == []
+
+
+def test_a_refused_resume_names_the_training_settings_that_differ(listops_cache):
+    args = {"cache_root": listops_cache, "steps": 1, "overrides": {"batch_size": 16}}
+    earlier = json.loads(json.dumps(run_stability(["listops"], ["kernelized"], **args).to_dict()))
+    with pytest.raises(ValueError, match=r"the training settings of listops \(batch_size: 16 -> "
+                                         r"32, max_len: None -> 4\)"):
+        run_stability(["listops"], ["kernelized"], earlier=earlier,
+                      **{**args, "overrides": {"batch_size": 32, "max_len": 4}})

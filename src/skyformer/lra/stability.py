@@ -174,7 +174,7 @@ class StabilityReport:
 
     def to_dict(self) -> dict[str, Any]:
         """Everything the scores depend on: ``settings`` (training, per task; shared by the
-        methods), ``num_features`` as asked for, ``attention_options`` (per task and
+        methods and seeds), ``num_features`` as asked for, ``attention_options`` (per task and
         method, every option the method ran with, defaults included) and the environment.
         A report still being measured (``complete`` false) has the ratios measured so far."""
         return {
@@ -233,7 +233,7 @@ def run_stability(tasks: list[str], methods: list[str], *, cache_root: str | os.
     report.attention_options = _check_configs(plan, cache_root)
     for (task, _, _), cfg in plan.items():
         report.settings.setdefault(task, {k: v for k, v in cfg.to_dict().items()
-                                          if k not in ("attention", "attention_options")})
+                                          if k not in ("attention", "attention_options", "seed")})
     kept = resumable_taus(report, earlier) if earlier is not None else {}
     for task in tasks:
         report.taus[task] = {}
@@ -276,8 +276,10 @@ def resumable_taus(report: StabilityReport, earlier: dict[str, Any]
     for task, methods in earlier["taus"].items():
         if task not in report.tasks:
             continue
-        if json_ready(now["settings"][task]) != earlier.get("settings", {}).get(task):
-            differ.append(f"the training settings of {task}")
+        changed = _changed_settings(earlier.get("settings", {}).get(task),
+                                    json_ready(now["settings"][task]))
+        if changed:
+            differ.append(f"the training settings of {task} ({changed})")
         for method, per_seed in methods.items():
             if method != BASELINE and method not in report.methods:
                 continue
@@ -291,6 +293,17 @@ def resumable_taus(report: StabilityReport, earlier: dict[str, Any]
                          f"({', '.join(differ)}); resume with the same ones, or write to "
                          "another --json.")
     return kept
+
+
+def _changed_settings(then: Any, now: dict[str, Any]) -> str:
+    """``batch_size: 16 -> 32, ...``: the training settings of a task that differ between an
+    earlier report's (``then``, as its JSON holds them) and ``now``; empty when none do.
+    The seed, which files written before held, is no setting of a task."""
+    if not isinstance(then, dict):
+        return f"none recorded -> {now!r}"
+    then = {k: v for k, v in then.items() if k != "seed"}
+    return ", ".join(f"{k}: {then.get(k)!r} -> {now.get(k)!r}" for k in sorted({*then, *now})
+                     if then.get(k) != now.get(k))
 
 
 def _configs(tasks: list[str], methods: list[str], seeds: list[int] | tuple[int, ...],
