@@ -295,3 +295,19 @@ def test_prepare_refuses_a_max_len_below_one_by_its_flag_before_reading(tmp_path
     assert main(["lra", "prepare", "listops", "--src", str(tmp_path), "--cache",
                  str(tmp_path / "cache"), "--max-len", "0"]) == 2
     assert "--max-len must be a positive integer, got 0." in capsys.readouterr().err
+
+
+def test_stability_resume_refuses_to_drop_taus_the_file_holds(tmp_path, capsys, listops_cache):
+    """Resumed with fewer --seeds (or methods, tasks), the file was rewritten without the
+    taus of the others: measurements lost without a word."""
+    out = tmp_path / "s.json"
+    base = ["lra", "stability", "--tasks", "listops", "--methods", "kernelized", "--steps",
+            "1", "--batch-size", "16", "--cache", str(listops_cache), "--json", str(out)]
+    assert main([*base, "--seeds", "0", "1"]) == 0
+    before = out.read_text()
+    capsys.readouterr()
+    assert main([*base, "--seeds", "1", "--resume"]) == 2
+    assert (f"{out} holds taus this run does not ask for (listops softmax seed 0, listops "
+            "kernelized seed 0)") in capsys.readouterr().err
+    assert out.read_text() == before
+    assert main([*base, "--seeds", "0", "1", "2", "--resume"]) == 0  # more is fine

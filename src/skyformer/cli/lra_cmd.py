@@ -357,7 +357,10 @@ def _run_stability(args: argparse.Namespace) -> int:
 
 
 def _earlier_taus(args: argparse.Namespace) -> dict | None:
-    """The file ``--resume`` continues, read (None: nothing to resume)."""
+    """The file ``--resume`` continues, read (None: nothing to resume); refused when it
+    holds taus the run would drop from it."""
+    from ..lra.stability import taus_left_out
+
     if not args.resume:
         return None
     if args.json_path is None:
@@ -369,6 +372,13 @@ def _earlier_taus(args: argparse.Namespace) -> dict | None:
     if not (isinstance(earlier, dict) and isinstance(earlier.get("taus"), dict)):
         raise ValueError(f"cannot resume from {path}: not an lra stability result (an object "
                          "with taus, as --json writes); write to another --json.")
+    left_out = taus_left_out(earlier, args.tasks, args.methods, args.seeds)
+    if left_out:
+        shown = ", ".join(left_out[:4]) + (f" and {len(left_out) - 4} more"
+                                           if len(left_out) > 4 else "")
+        raise ValueError(f"{path} holds taus this run does not ask for ({shown}), which "
+                         "rewriting it would lose; give their tasks, methods and seeds too, or "
+                         "write to another --json.")
     print(f"resuming from {path}", file=sys.stderr)
     return earlier
 

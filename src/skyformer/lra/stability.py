@@ -295,6 +295,18 @@ def resumable_taus(report: StabilityReport, earlier: dict[str, Any]
     return kept
 
 
+def taus_left_out(earlier: dict[str, Any], tasks: list[str], methods: list[str],
+                  seeds: list[int]) -> list[str]:
+    """``task method seed N`` of every tau that ``earlier`` (a report's ``to_dict()``)
+    holds and a run of ``tasks``, ``methods`` (softmax besides them) and ``seeds`` does not
+    ask for: a file rewritten by that run would lose them."""
+    asked = {BASELINE, *methods}
+    return [f"{task} {method} seed {seed}"
+            for task, per_method in earlier.get("taus", {}).items()
+            for method, per_seed in per_method.items() for seed in per_seed
+            if task not in tasks or method not in asked or int(seed) not in seeds]
+
+
 def _changed_settings(then: Any, now: dict[str, Any]) -> str:
     """``batch_size: 16 -> 32, ...``: the training settings of a task that differ between an
     earlier report's (``then``, as its JSON holds them) and ``now``; empty when none do.
