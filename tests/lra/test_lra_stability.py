@@ -258,3 +258,21 @@ def test_a_refused_resume_names_the_training_settings_that_differ(listops_cache)
                                          r"32, max_len: None -> 4\)"):
         run_stability(["listops"], ["kernelized"], earlier=earlier,
                       **{**args, "overrides": {"batch_size": 32, "max_len": 4}})
+
+
+def test_resuming_on_other_prepared_data_is_refused(listops_cache, tmp_path):
+    """The taus of a task prepared from other files were kept beside new ones: the file
+    recorded nothing of the data it was measured on."""
+    from skyformer.lra import prepare, write_listops
+    from tests.lra.release_files import TINY_RULES
+
+    write_listops(tmp_path / "src", train=256, dev=64, test=64, rules=TINY_RULES, seed=1)
+    prepare("listops", tmp_path / "src", tmp_path / "cache", max_len=8)
+    args = {"steps": 1, "overrides": {"batch_size": 16}}
+    earlier = json.loads(json.dumps(
+        run_stability(["listops"], ["kernelized"], cache_root=listops_cache, **args).to_dict()))
+    assert earlier["data"]["listops"]["generated"]["seed"] == 0
+    with pytest.raises(ValueError, match=r"measured with other settings \(the prepared data of "
+                                         r"listops \(generated, splits\)"):
+        run_stability(["listops"], ["kernelized"], cache_root=tmp_path / "cache",
+                      earlier=earlier, **args)

@@ -47,7 +47,7 @@ from ..io import environment, json_ready
 from ..registry import get_method
 from ..registry.variants import refuse_swept_option
 from .batches import BatchOrder, Position, fetch
-from .cache import load_cache
+from .cache import data_fingerprint, load_cache
 from .model import LRAClassifier, ModelConfig, resolve_attention_options
 from .presets import TrainConfig, learning_rate, make_config
 from .seeds import derive_seed
@@ -153,6 +153,7 @@ class StabilityReport:
     settings: dict[str, dict[str, Any]] = field(default_factory=dict)
     num_features: int | None = None  # as asked for (None: each method's own)
     attention_options: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    data: dict[str, dict[str, Any]] = field(default_factory=dict)  # per task, its meta.json
     environment: dict[str, Any] = field(default_factory=dict)
 
     def ratio(self, task: str, method: str) -> float:
@@ -175,7 +176,9 @@ class StabilityReport:
     def to_dict(self) -> dict[str, Any]:
         """Everything the scores depend on: ``settings`` (training, per task; shared by the
         methods and seeds), ``num_features`` as asked for, ``attention_options`` (per task and
-        method, every option the method ran with, defaults included) and the environment.
+        method, every option the method ran with, defaults included), ``data`` (per task,
+        the prepared data's ``meta.json`` without its source path and time) and the
+        environment.
         A report still being measured (``complete`` false) has the ratios measured so far."""
         return {
             "tasks": self.tasks, "methods": self.methods, "seeds": self.seeds,
@@ -188,6 +191,7 @@ class StabilityReport:
                      for t, methods in self.taus.items()},
             "settings": self.settings,
             "attention_options": self.attention_options,
+            "data": self.data,
             "environment": self.environment,
         }
 
@@ -230,7 +234,7 @@ def run_stability(tasks: list[str], methods: list[str], *, cache_root: str | os.
     report = StabilityReport(list(tasks), compared, list(seeds), steps, probe,
                              num_features=num_features, environment=environment(device))
     plan = _configs(tasks, [BASELINE, *compared], seeds, num_features, overrides or {})
-    report.attention_options = _check_configs(plan, cache_root)
+    report.attention_options, report.data = _check_configs(plan, cache_root)
     for (task, _, _), cfg in plan.items():
         report.settings.setdefault(task, {k: v for k, v in cfg.to_dict().items()
                                           if k not in ("attention", "attention_options", "seed")})
@@ -280,6 +284,11 @@ def resumable_taus(report: StabilityReport, earlier: dict[str, Any]
                                     json_ready(now["settings"][task]))
         if changed:
             differ.append(f"the training settings of {task} ({changed})")
+        then = earlier.get("data", {}).get(task)  # None: written before data was recorded
+        if then is not None and then != json_ready(now["data"][task]):
+            keys = sorted(k for k in {*then, *now["data"][task]}
+                          if then.get(k) != json_ready(now["data"][task].get(k)))
+            differ.append(f"the prepared data of {task} ({', '.join(keys)})")
         for method, per_seed in methods.items():
             if method != BASELINE and method not in report.methods:
                 continue
@@ -335,10 +344,12 @@ def _configs(tasks: list[str], methods: list[str], seeds: list[int] | tuple[int,
 
 
 def _check_configs(plan: dict[tuple[str, str, int], TrainConfig],
-                   cache_root: str | os.PathLike[str]) -> dict[str, dict[str, dict[str, Any]]]:
+                   cache_root: str | os.PathLike[str]
+                   ) -> tuple[dict[str, dict[str, dict[str, Any]]], dict[str, dict[str, Any]]]:
     """Fail before the first measurement, not after the earlier ones: every task is
     prepared, fits its length, and every method takes its options. Returns, per task and
-    method, every option the method runs with (defaults included)."""
+    method, every option the method runs with (defaults included), and per task the
+    prepared data's record (``data_fingerprint``)."""
     data, ran_with = {}, {}
     for cfg in plan.values():
         if cfg.task not in data:
@@ -348,7 +359,7 @@ def _check_configs(plan: dict[tuple[str, str, int], TrainConfig],
         spec = get_method(cfg.attention)
         ran_with.setdefault(cfg.task, {})[cfg.attention] = spec.options_of(
             spec.make_config(**resolved))
-    return ran_with
+    return ran_with, {task: data_fingerprint(d.meta) for task, d in data.items()}
 
 
 def format_table(report: StabilityReport) -> str:
