@@ -307,3 +307,26 @@ def test_a_run_reached_by_several_paths_counts_once(tmp_path):
                          tmp_path / "runs" / ".." / "runs"])
     assert sorted(r.result["seed"] for r in runs) == [0, 1]
     assert "ran more than once" not in tables(runs)
+
+
+def test_a_run_without_result_json_is_named_not_left_out_silently(tmp_path, capsys):
+    """A seed still training, stopped by --stop-after or failed was left out of the tables
+    without a word: the row showed one seed fewer."""
+    from skyformer.cli import main
+
+    _fake_run(tmp_path, "listops", "softmax", 0, 0.30)
+    folder = tmp_path / "listops" / "softmax" / "seed1"
+    folder.mkdir()
+    config = make_config("listops", attention="softmax", seed=1, steps=50)
+    (folder / "config.json").write_text(json.dumps({"train": config.to_dict()}))
+    entries = [{"kind": "train", "step": 10}, {"kind": "dev", "step": 20, "seconds": 1.0,
+                                                 "accuracy": 0.2}]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in entries)
+                                          + '{"kind": "tr')  # cut short by a kill
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text('{"model_type": "bert"}')  # not a run's
+    assert main(["lra", "report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"- {folder}: not finished (no result.json; logged up to step 20 of 50), so not " \
+           "in the tables." in out
+    assert "hf" not in out

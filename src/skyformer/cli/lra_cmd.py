@@ -316,12 +316,12 @@ def _say_stopped(trainer: Any, stop_after: int) -> None:
 
 def _run_report(args: argparse.Namespace) -> int:
     from ..io import atomic_write_text
-    from ..lra.report import collect_runs, plot_dev_curves, tables
+    from ..lra.report import collect_runs, plot_dev_curves, tables, unfinished_runs
 
     check_output_path(args.markdown)
     check_output_path(args.plot)
     runs = collect_runs(args.runs)
-    text = tables(runs)
+    text = tables(runs, unfinished_runs(args.runs))
     print(text)
     if args.markdown:
         print(f"wrote {atomic_write_text(args.markdown, text)}")

@@ -146,6 +146,54 @@ def collect_runs(paths: list[str | os.PathLike[str]]) -> list[Run]:
     return runs
 
 
+@dataclass
+class Unfinished:
+    """A run folder a training run started (``config.json``) without finishing it (no
+    ``result.json``): still training, stopped by ``--stop-after``, or failed."""
+
+    folder: Path
+    step: int | None  # the last step its metrics.jsonl logged (None: nothing logged)
+    steps: Any  # the steps its config asks for
+
+
+def unfinished_runs(paths: list[str | os.PathLike[str]]) -> list[Unfinished]:
+    """Every run folder under ``paths`` holding a training ``config.json`` but no
+    ``result.json``, each once: left out of the tables, they are named in their notes."""
+    found, seen = [], set()
+    for path in paths:
+        root = Path(path)
+        for file in sorted(root.rglob("config.json")) if root.is_dir() else []:
+            folder = file.parent.resolve()
+            if folder in seen or (folder / "result.json").exists():
+                continue
+            seen.add(folder)
+            try:
+                config = json.loads(file.read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                continue
+            train = config.get("train") if isinstance(config, dict) else None
+            if isinstance(train, dict) and train.get("task") in TASKS:  # not another tool's
+                found.append(Unfinished(file.parent, _last_step(file.parent / "metrics.jsonl"),
+                                        train.get("steps")))
+    return found
+
+
+def _last_step(metrics: Path) -> int | None:
+    """The largest step of the entries of ``metrics`` that parse (a line a kill cut short
+    is skipped); None without any."""
+    if not metrics.is_file():
+        return None
+    steps = []
+    for line in metrics.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(entry, dict) and isinstance(entry.get("step"), int):
+            steps.append(entry["step"])
+    return max(steps, default=None)
+
+
 def _dev_curve(metrics: Path) -> list[tuple[float, float]]:
     """(seconds, accuracy) of the dev entries of a run's ``metrics.jsonl``; a line that is
     not JSON, or a dev entry without either, is named with its line number."""
@@ -294,8 +342,9 @@ def _row_names(groups: dict[tuple[str, str, str], list[Run]]) -> dict[tuple[str,
     return {(m, label): f"{m} ({label})" if label else m for m, label in rows_of}
 
 
-def tables(runs: list[Run]) -> str:
-    """Tables 1 and 2 as markdown."""
+def tables(runs: list[Run], unfinished: list[Unfinished] = ()) -> str:
+    """Tables 1 and 2 as markdown; ``unfinished`` runs (``unfinished_runs``) are named in
+    the notes."""
     groups = _groups(runs)
     tasks = [t for t in TASKS if any(task == t for task, _, _ in groups)]
     names = _row_names(groups)
@@ -350,6 +399,11 @@ def tables(runs: list[Run]) -> str:
         if repeated:
             notes.append(f"{name}: seed(s) {', '.join(map(str, repeated))} ran more than once "
                          "with the same settings; each seed's runs are averaged and count once.")
+    for run in unfinished:
+        logged = "nothing logged" if run.step is None else \
+            f"logged up to step {run.step} of {run.steps}"
+        notes.append(f"{run.folder}: not finished (no result.json; {logged}), so not in the "
+                     "tables.")
     if notes:
         out += ["Notes:", "", *(f"- {n}" for n in notes), ""]
     return "\n".join(out)
