@@ -330,3 +330,22 @@ def test_a_run_without_result_json_is_named_not_left_out_silently(tmp_path, caps
     assert f"- {folder}: not finished (no result.json; logged up to step 20 of 50), so not " \
            "in the tables." in out
     assert "hf" not in out
+
+
+def test_a_panel_without_dev_curves_says_so(tmp_path, monkeypatch):
+    """A task whose runs have no dev entries (no metrics.jsonl) drew an empty panel and
+    matplotlib's "No artists with labels found to put in legend" warning."""
+    pytest.importorskip("matplotlib")
+    folder = _fake_run(tmp_path, "text", "softmax", 0, 0.55)
+    (folder / "metrics.jsonl").unlink()
+    figures = []
+    monkeypatch.setattr("skyformer.lra.report.save_figure",
+                        lambda fig, path, **kw: figures.append(fig) or path)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plot_dev_curves(collect_runs([tmp_path]), tmp_path / "figure2.png")
+    ax = figures[0].axes[0]
+    assert ax.get_legend() is None
+    assert [t.get_text() for t in ax.texts] == ["no dev entries in the runs' metrics.jsonl"]

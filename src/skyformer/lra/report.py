@@ -439,7 +439,11 @@ def plot_dev_curves(runs: list[Run], path: str | os.PathLike[str]) -> Path:
         ax.set_xlabel("training time (s)")
         ax.set_ylabel("dev accuracy (%)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_lines():
+            ax.legend(fontsize=8)
+        else:  # no run of the task logged a dev entry (metrics.jsonl missing)
+            ax.text(0.5, 0.5, "no dev entries in the runs' metrics.jsonl", ha="center",
+                    va="center", transform=ax.transAxes)
     for ax in list(axes.flat)[len(tasks):]:
         ax.axis("off")
     fig.tight_layout()
