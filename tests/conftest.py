@@ -5,8 +5,10 @@ after the run (passed / cells): the support matrices are read off CI's log."""
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -78,7 +80,46 @@ def qkv64():
     return make_qkv()
 
 
+# A method registered with Capabilities(mask=False) (or without another capability) is
+# taken by the registry-wide tests as CONTRIBUTING.md promises: a test of what a mask
+# does checks that the mask is refused with the capability's sentence (``lacks``), a
+# test in which the padding is incidental runs the method unpadded (``mask_for``), a
+# property drawn over padding patterns is skipped with the reason (``mask_params``).
 
+
+def lacks(method: str, capability: str, call: Callable[[], object]) -> bool:
+    """Whether ``method`` lacks ``capability`` (a key of ``CAPABILITY_TEXT``); when it
+    does, ``call``, which asks for it, must be refused with the capability's sentence
+    (``"<method> cannot <do it>..."``). A test of what the capability does returns when
+    this is True."""
+    from skyformer.registry import CapabilityError, get_method
+    from skyformer.registry.capabilities import CAPABILITY_TEXT
+
+    if get_method(method).capabilities.has(capability):
+        return False
+    sentence = f"{method} cannot {CAPABILITY_TEXT[capability]}"
+    with pytest.raises(CapabilityError, match=f"^{re.escape(sentence)}"):
+        call()
+    return True
+
+
+def mask_for(method: str, mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The key padding mask ``[B, Nk]`` a test in which the padding is incidental passes
+    ``method``: ``mask``, or None for a method registered with ``mask=False``."""
+    from skyformer.registry import get_method
+
+    return mask if get_method(method).capabilities.mask else None
+
+
+def mask_params(methods: list[str]) -> list:
+    """``methods`` as pytest parameters, those registered with ``mask=False`` skipped
+    with the reason: for properties drawn over padding patterns (the refusal of a mask
+    is checked once, by ``tests/test_contract.py``)."""
+    from skyformer.registry import get_method
+
+    return [pytest.param(m, marks=() if get_method(m).capabilities.mask else pytest.mark.skip(
+        reason=f"{m} cannot honour a key_padding_mask (Capabilities(mask=False)): this "
+               f"property is drawn over padding patterns")) for m in methods]
 
 
 _CELLS: dict[str, dict[str, str]] = defaultdict(dict)

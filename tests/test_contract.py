@@ -4,16 +4,21 @@ Parametrised over ``list_methods()``: a new method is covered as soon as it regi
 Methods are called through the registry's binding, as every caller calls them (a
 fixed-length method such as Linformer is bound for ``MAX_LEN`` tokens). Every test runs
 on each device of ``tests/devices.py`` (CUDA when ``SKYFORMER_TEST_CUDA=1``): inputs
-are made on the CPU, moved, and outputs come back, so the same assertions hold.
+are made on the CPU, moved, and outputs come back, so the same assertions hold. A method
+registered with ``mask=False`` is checked to refuse a mask with the capability's sentence
+in the tests of padding, and runs unpadded in the others (``tests/conftest.py``).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from skyformer import get_method, list_methods, random_key
-from tests.conftest import gen, make_qkv
+from skyformer.registry import Capabilities, register
+from tests.conftest import gen, lacks, make_qkv, mask_for
 from tests.devices import devices
 
 METHODS = list_methods()
@@ -72,6 +77,8 @@ def test_padding_equals_truncation(method):
     q, k, v = make_qkv(1, 2, n, 8, seed=1)
     mask = torch.zeros(1, n, dtype=torch.bool)
     mask[:, :real] = True
+    if lacks(method, "mask", lambda: run(method, q, k, v, mask)):
+        return
     budgets = [{}]
     if "num_features" in get_method(method).option_names():
         budgets.append({"num_features": 6})  # fewer features than rows: the draw matters
@@ -90,6 +97,8 @@ def test_padded_keys_get_no_weight(method):
     mask = torch.ones(2, n, dtype=torch.bool)
     mask[0, :5] = False  # left padding
     mask[1, 13:] = False  # right padding
+    if lacks(method, "mask", lambda: run(method, q, k, v, mask)):
+        return
     base = run(method, q, k, v, mask)
     q2, k2, v2 = (t.clone() for t in (q, k, v))
     junk = torch.randn(2, 2, n, 8, generator=gen(9), dtype=q.dtype) * 5
@@ -107,12 +116,14 @@ def test_gradients_flow(method):
         t.requires_grad_(True)
     mask = torch.ones(1, 16, dtype=torch.bool)
     mask[:, 12:] = False
+    mask = mask_for(method, mask)
     out = run(method, q, k, v, mask)
     out.square().sum().backward()
     for name, t in (("q", q), ("k", k), ("v", v)):
         assert t.grad is not None and torch.isfinite(t.grad).all(), name
         assert t.grad[:, :, :12].abs().sum() > 0, f"no gradient reaches {name}"
-    assert torch.all(v.grad[:, :, 12:] == 0), "padded values must get no gradient"
+    if mask is not None:
+        assert torch.all(v.grad[:, :, 12:] == 0), "padded values must get no gradient"
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -136,6 +147,7 @@ def test_any_storage_order_gives_the_contiguous_result(method):
     q, k, v = make_qkv(2, 2, 20, 6, seed=4)
     mask = torch.ones(2, 20, dtype=torch.bool)
     mask[1, 15:] = False
+    mask = mask_for(method, mask)
     layouts = (q.transpose(1, 2).contiguous().transpose(1, 2),  # [B, N, H, D] storage
                k.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3),  # N outermost
                v.transpose(2, 3).contiguous().transpose(2, 3))  # D before N
@@ -157,13 +169,13 @@ def test_batch_independence(method):
     q, k, v = make_qkv(3, 2, 24, 8, seed=3)
     mask = torch.ones(3, 24, dtype=torch.bool)
     mask[2, 20:] = False
-    base = run(method, q, k, v, mask)
+    base = run(method, q, k, v, mask_for(method, mask))
     q2, k2, v2 = (t.clone() for t in (q, k, v))
     for t in (q2, k2, v2):
         t[1:] = torch.randn(t[1:].shape, generator=gen(4), dtype=t.dtype) * 3
     mask2 = mask.clone()
     mask2[1, :7] = False
-    out = run(method, q2, k2, v2, mask2)
+    out = run(method, q2, k2, v2, mask_for(method, mask2))
     torch.testing.assert_close(out[0], base[0], rtol=1e-7, atol=1e-9)
 
 
@@ -183,7 +195,7 @@ def test_sequence_shorter_than_features(method):
     q, k, v = make_qkv(2, 2, 5, 8, seed=7)
     mask = torch.ones(2, 5, dtype=torch.bool)
     mask[1, 3:] = False
-    out = run(method, q, k, v, mask)
+    out = run(method, q, k, v, mask_for(method, mask))
     assert out.shape == (2, 2, 5, 8)
     assert torch.isfinite(out).all()
 
@@ -193,6 +205,8 @@ def test_fully_padded_sequence_gives_zeros(method):
     q, k, v = make_qkv(2, 2, 10, 8, seed=8)
     mask = torch.ones(2, 10, dtype=torch.bool)
     mask[1] = False
+    if lacks(method, "mask", lambda: run(method, q, k, v, mask)):
+        return
     out = run(method, q, k, v, mask)
     assert torch.isfinite(out).all()
     assert torch.all(out[1] == 0)
@@ -228,3 +242,35 @@ def test_a_key_per_batch_element_gets_a_sentence(method):
     keys = torch.stack([random_key(i) for i in range(3)])
     with pytest.raises(TypeError, match=r"one random key, an int64 tensor \[2\]"):
         get_method(method).bind(seq_len=MAX_LEN)(q, k, v, generator=keys)
+
+
+def _softmax_without_masks(q, k, v, config, *, key_padding_mask=None, generator=None):
+    """softmax(QK^T / sqrt(D)) V with no key padding mask (``Capabilities(mask=False)``):
+    ``[B, H, Nq, D]``, ``[B, H, Nk, D]``, ``[B, H, Nk, Dv]`` -> ``[B, H, Nq, Dv]``."""
+    return torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1) @ v
+
+
+@dataclasses.dataclass(frozen=True)
+class _NoOptions:
+    pass
+
+
+def test_a_method_that_takes_no_mask_is_held_to_the_rest_of_the_contract(monkeypatch):
+    """CONTRIBUTING.md: a method registered with ``mask=False`` (no built-in one is) is
+    taken by the registry-wide tests, which passed it a mask and failed on the refusal:
+    the tests of padding now check that refusal, the others run it unpadded."""
+    from skyformer.registry import methods as registry_methods
+
+    name = "softmax_without_masks"
+    monkeypatch.delitem(registry_methods._REGISTRY, name, raising=False)  # gone after
+    register(name, _NoOptions, Capabilities(target="softmax", exact=True, mask=False))(
+        _softmax_without_masks)
+    monkeypatch.setitem(registry_methods._REGISTRY, name, registry_methods._REGISTRY[name])
+    for test in (test_padding_equals_truncation, test_padded_keys_get_no_weight,
+                 test_gradients_flow, test_any_storage_order_gives_the_contiguous_result,
+                 test_batch_independence, test_sequence_shorter_than_features,
+                 test_fully_padded_sequence_gives_zeros, test_deterministic_given_generator,
+                 test_cross_attention_capability, test_num_features_is_the_common_knob):
+        test(name)
+    test_shape_and_dtype(name, torch.float64)
+    test_large_norms_stay_finite(name, torch.float32)

@@ -5,6 +5,7 @@ import torch
 
 from skyformer import MultiHeadAttention, list_methods
 from skyformer.registry import CapabilityError, get_method
+from tests.conftest import lacks, mask_for
 from tests.test_contract import MAX_LEN
 
 
@@ -15,7 +16,9 @@ def test_module_forward_backward_and_mask(method):
     x = torch.randn(2, 20, 32)
     mask = torch.ones(2, 20, dtype=torch.bool)
     mask[1, 14:] = False
-    y = layer(x, key_padding_mask=mask, generator=torch.Generator().manual_seed(0))
+    lacks(method, "mask", lambda: layer(x, key_padding_mask=mask))  # mask=False: refused
+    y = layer(x, key_padding_mask=mask_for(method, mask),
+              generator=torch.Generator().manual_seed(0))
     assert y.shape == x.shape
     y.sum().backward()
     assert all(p.grad is not None for p in layer.parameters())
