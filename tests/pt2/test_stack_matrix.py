@@ -5,7 +5,8 @@ Parametrised over ``list_methods()``: a new method is covered as soon as it regi
 Tiny shapes; compile uses the ``eager`` and ``aot_eager`` backends (dynamo's tracing and
 AOT autograd, the parts that refuse data-dependent code) and one inductor case per
 family (``INDUCTOR_CASES``), whose C++ compile takes seconds per method on CPU. Each
-test records its cell; ``tests/pt2/conftest.py`` prints the counts after the run.
+test records its cell; ``tests/pt2/conftest.py`` prints the counts after the run. A
+method registered with ``mask=False`` runs unpadded (``mask_for``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 import skyformer
 from skyformer import MultiHeadAttention, get_method, list_methods, random_key
-from tests.conftest import make_qkv
+from tests.conftest import make_qkv, mask_for
 
 METHODS = list_methods()
 SEQ_LEN = 32  # the length fixed-length methods (Linformer) are bound for
@@ -43,7 +44,8 @@ def padded(b, n, real):
 def test_autocast_bf16_returns_bf16_close_to_float32(method, matrix):
     matrix("autocast", method)
     q, k, v = make_qkv(2, 2, 24, 8, dtype=torch.float32)
-    mask, key = padded(2, 24, 19), random_key(0)
+    valid, key = padded(2, 24, 19), random_key(0)
+    mask = mask_for(method, valid)
     if not get_method(method).capabilities.half_precision:  # autocast would cast to bf16
         with torch.autocast("cpu", torch.bfloat16), pytest.raises(
                 skyformer.CapabilityError, match=rf"^{method} cannot take float16/bfloat16"):
@@ -54,7 +56,7 @@ def test_autocast_bf16_returns_bf16_close_to_float32(method, matrix):
         assert out.dtype == torch.bfloat16  # as SDPA under autocast
         # The same method in float32 on the bf16-rounded inputs: bf16 keeps 8 bits.
         ref = call(method, *(t.bfloat16().float() for t in (q, k, v)), mask, key=key)
-        real = mask[:, None, :, None].expand_as(ref)
+        real = valid[:, None, :, None].expand_as(ref)
         error = (out.float() - ref)[real].abs().max() / ref[real].abs().max()
         assert error < 0.05
     # float64 is left as it is by autocast, as torch's SDPA leaves it
@@ -87,7 +89,7 @@ def _assert_compiled_equals_eager(bound, n: int) -> None:
     """``bound`` compiled (fullgraph, aot_eager) against eager on a padded batch at
     length ``n``: output and the gradients of q, k, v."""
     q, k, v = make_qkv(2, 2, n, 8, dtype=torch.float32)
-    mask, key = padded(2, n, n * 4 // 5), random_key(1)
+    mask, key = mask_for(bound.name, padded(2, n, n * 4 // 5)), random_key(1)
 
     def plain(q, k, v):
         return bound(q, k, v, key_padding_mask=mask, generator=key)
@@ -224,7 +226,7 @@ def test_compile_inductor_equals_eager(method, matrix):
 def test_func_grad_equals_autograd(method, matrix):
     matrix("func.grad", method)
     q, k, v = make_qkv(2, 2, 16, 8)
-    mask, key = padded(2, 16, 12), random_key(3)
+    mask, key = mask_for(method, padded(2, 16, 12)), random_key(3)
 
     def loss(q):
         return call(method, q, k, v, mask, key=key).square().sum()
@@ -250,7 +252,7 @@ def test_activation_checkpointing_gives_the_gradients_of_the_plain_call(method, 
 
     matrix(f"checkpoint {mode}", method)
     q, k, v = (t.requires_grad_(True) for t in make_qkv(2, 2, SEQ_LEN, 8))
-    mask, key = padded(2, SEQ_LEN, 20), random_key(3)
+    mask, key = mask_for(method, padded(2, SEQ_LEN, 20)), random_key(3)
 
     def attend(q, k, v):
         return call(method, q, k, v, mask, key=key)
@@ -296,7 +298,7 @@ def test_activation_checkpointing_refuses_a_torch_generator(method, reentrant):
 def test_func_vmap_equals_loop(method, matrix):
     matrix("func.vmap", method)
     q, k, v = make_qkv(2, 2, 16, 8)
-    mask, key = padded(2, 16, 12), random_key(4)
+    mask, key = mask_for(method, padded(2, 16, 12)), random_key(4)
     qs = torch.stack([q, q.flip(-1)])
 
     def f(q):
@@ -312,7 +314,7 @@ def test_func_vmap_over_random_keys_equals_loop(method, matrix):
     ``[R, 2]`` (the k-means of the adaptive and multipole methods sums into slots)."""
     matrix("func.vmap keys", method)
     q, k, v = make_qkv(2, 2, 16, 8)
-    mask = padded(2, 16, 12)
+    mask = mask_for(method, padded(2, 16, 12))
     keys = torch.stack([random_key(seed) for seed in range(3)])
 
     def f(key):
@@ -328,7 +330,7 @@ def test_func_jvp_agrees_with_reverse_mode(method, matrix):
     against the naive references) gives, through masks and fixed random draws."""
     matrix("func.jvp", method)
     q, k, v = make_qkv(2, 2, 16, 8)
-    mask, key = padded(2, 16, 12), random_key(5)
+    mask, key = mask_for(method, padded(2, 16, 12)), random_key(5)
     tangents = make_qkv(2, 2, 16, 8, seed=1)
     u = torch.randn(2, 2, 16, 8, dtype=q.dtype, generator=torch.Generator().manual_seed(2))
 
@@ -353,7 +355,7 @@ def test_func_jvp_agrees_with_reverse_mode_on_the_approximate_path(method, matri
     projections get no forward-mode derivative that reverse mode does not give."""
     matrix("func.jvp (N = 160)", method)
     q, k, v = make_qkv(2, 1, APPROXIMATE_LEN, 8)
-    mask, key = padded(2, APPROXIMATE_LEN, 120), random_key(8)
+    mask, key = mask_for(method, padded(2, APPROXIMATE_LEN, 120)), random_key(8)
     bound = get_method(method).bind(seq_len=APPROXIMATE_LEN)
     tangents = make_qkv(2, 1, APPROXIMATE_LEN, 8, seed=1)
     u = torch.randn(q.shape, dtype=q.dtype, generator=torch.Generator().manual_seed(2))
@@ -397,7 +399,7 @@ def test_func_jacfwd_equals_reverse_jacobian(method, matrix):
     reverse mode (``torch.autograd.functional.jacobian``)."""
     matrix("func.jacfwd", method)
     q, k, v = make_qkv(1, 1, 8, 4)
-    mask, key = padded(1, 8, 6), random_key(6)
+    mask, key = mask_for(method, padded(1, 8, 6)), random_key(6)
 
     def f(q):
         return call(method, q, k, v, mask, key=key)
@@ -410,7 +412,7 @@ def _jacobian_case(method, seed):
     """(f, (q, k, v)) on the approximate path, key padding: f gives a few output rows
     (12 rows of the Jacobian, one per entry)."""
     q, k, v = make_qkv(1, 1, APPROXIMATE_LEN, 4)
-    mask, key = padded(1, APPROXIMATE_LEN, 150), random_key(seed)
+    mask, key = mask_for(method, padded(1, APPROXIMATE_LEN, 150)), random_key(seed)
     bound = get_method(method).bind(seq_len=APPROXIMATE_LEN)
 
     def f(q, k, v):
@@ -453,17 +455,21 @@ def test_per_sample_gradients_by_vmap_of_grad_equal_a_loop(method, matrix):
     mask = torch.ones(3, APPROXIMATE_LEN, dtype=torch.bool)
     mask[1, 130:] = False
     mask[2, :7] = False
+    mask = mask_for(method, mask)
     key = random_key(12)
     bound = get_method(method).bind(seq_len=APPROXIMATE_LEN)
 
     def loss(q, k, v, mask):
-        out = bound(q[None], k[None], v[None], key_padding_mask=mask[None], generator=key)
+        out = bound(q[None], k[None], v[None], generator=key,
+                    key_padding_mask=None if mask is None else mask[None])
         return out.square().sum()
 
-    got = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1, 2)))(q, k, v, mask)
+    per_sample = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1, 2)),
+                                 in_dims=(0, 0, 0, None if mask is None else 0))
+    got = per_sample(q, k, v, mask)
     for i in range(3):
         leaves = [t[i].clone().requires_grad_(True) for t in (q, k, v)]
-        want = torch.autograd.grad(loss(*leaves, mask[i]), leaves)
+        want = torch.autograd.grad(loss(*leaves, None if mask is None else mask[i]), leaves)
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g[i], w)
 
@@ -486,7 +492,7 @@ def test_func_hessian_equals_differences_of_gradients(method, matrix):
     to a direction equals the central difference of autograd's gradient along it."""
     matrix("func.hessian", method)
     q, k, v = make_qkv(1, 1, 6, 3)
-    mask, key = padded(1, 6, 5), random_key(7)
+    mask, key = mask_for(method, padded(1, 6, 5)), random_key(7)
     direction = make_qkv(1, 1, 6, 3, seed=1)[0]
 
     def loss(q):
@@ -549,7 +555,7 @@ def test_meta_tensors_give_the_shapes_forward_and_backward(method, matrix):
     matrix("meta device", method)
     q, k, v = (torch.empty(2, 2, APPROXIMATE_LEN, 8, device="meta", requires_grad=True)
                for _ in range(3))
-    mask = torch.ones(2, APPROXIMATE_LEN, dtype=torch.bool, device="meta")
+    mask = mask_for(method, torch.ones(2, APPROXIMATE_LEN, dtype=torch.bool, device="meta"))
     out = get_method(method).bind(seq_len=APPROXIMATE_LEN)(q, k, v, key_padding_mask=mask)
     out.sum().backward()
     assert (out.shape, out.device.type, q.grad.shape) == (q.shape, "meta", q.shape)
@@ -566,7 +572,7 @@ def test_export_multihead_attention(method, matrix):
     matrix("export", method)
     torch.manual_seed(0)
     model = _Layer(method).eval()
-    x, mask, key = torch.randn(2, 24, 32), padded(2, 24, 18), random_key(5)
+    x, mask, key = torch.randn(2, 24, 32), mask_for(method, padded(2, 24, 18)), random_key(5)
     program = torch.export.export(model, (x, mask, key))
     out = program.module()(x, mask, key)
     torch.testing.assert_close(out, model(x, mask, key))
@@ -707,7 +713,7 @@ def test_multihead_attention_compiles_fullgraph(method, matrix):
     matrix("MHA compile", method)
     torch.manual_seed(0)
     model = _Layer(method)
-    x, mask, key = torch.randn(2, 24, 32), padded(2, 24, 18), random_key(6)
+    x, mask, key = torch.randn(2, 24, 32), mask_for(method, padded(2, 24, 18)), random_key(6)
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(x, mask, key), model(x, mask, key))
