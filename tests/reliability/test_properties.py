@@ -6,7 +6,9 @@ cross-attention) and the data; local windows and convolutions get their own prop
 with widths between one token and the whole sequence and a hole in the middle.
 
 CI runs ``EXAMPLES`` examples per property and method; ``SKYFORMER_HYPOTHESIS_EXAMPLES=200``
-runs a long search (200 examples for each of the 95 property-method pairs).
+runs a long search (200 examples for each of the 95 property-method pairs). A method
+registered with ``mask=False`` skips the padding properties (``mask_params``) and runs the
+others unpadded (``mask_for``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from skyformer import get_method, list_methods, random_key
+from tests.conftest import mask_for, mask_params
 
 EXAMPLES = int(os.environ.get("SKYFORMER_HYPOTHESIS_EXAMPLES", "10"))
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES <= 30,
@@ -61,7 +64,7 @@ def call(fn, q, k, v, mask, seed, **kwargs):
     return fn(q, k, v, key_padding_mask=mask, generator=random_key(seed), **kwargs)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", mask_params(METHODS))
 @SETTINGS
 @given(case=cases())
 def test_garbage_in_padded_positions_never_reaches_real_outputs(method, case):
@@ -78,7 +81,7 @@ def test_garbage_in_padded_positions_never_reaches_real_outputs(method, case):
         assert torch.equal(out[~real], torch.zeros_like(out[~real]))
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", mask_params(METHODS))
 @SETTINGS
 @given(case=cases())
 def test_one_element_never_depends_on_another_or_on_the_padded_width(method, case):
@@ -101,7 +104,7 @@ def test_one_element_never_depends_on_another_or_on_the_padded_width(method, cas
                                    atol=1e-9)
 
 
-@pytest.mark.parametrize("method", POSITION_FREE)
+@pytest.mark.parametrize("method", mask_params(POSITION_FREE))
 @SETTINGS
 @given(case=cases())
 def test_left_padding_and_holes_equal_the_compacted_sequence(method, case):
@@ -180,12 +183,12 @@ def test_non_finite_real_inputs_are_never_hidden(method, case):
     i = int(torch.randint(0, nq, (1,), generator=g))
     bad_q = q.clone()
     bad_q[0, 0, i, 0] = float("nan")
-    out = call(fn, bad_q, k, v, mask, seed, query_padding_mask=None)
+    out = call(fn, bad_q, k, v, mask_for(method, mask), seed, query_padding_mask=None)
     assert torch.isnan(out[0, 0, i]).all()  # the query's own row shows it
     j = int(mask[0].nonzero()[int(torch.randint(0, int(mask[0].sum()), (1,), generator=g))])
     bad_v = v.clone()
     bad_v[0, 0, j, 0] = float("inf")
-    out = call(fn, q, k, bad_v, mask, seed, query_padding_mask=None)
+    out = call(fn, q, k, bad_v, mask_for(method, mask), seed, query_padding_mask=None)
     assert not torch.isfinite(out[0, 0]).all(dim=-1).any()  # every row that sees it
 
 
@@ -196,7 +199,7 @@ def test_gradients_stay_finite_at_large_norms_in_float32(method, case, scale):
     b, h, _, n, mask, seed, budget = case
     fn = bound(method, budget)
     q, k, v = (t.requires_grad_(True) for t in qkv(b, h, n, n, seed, torch.float32, scale))
-    out = call(fn, q, k, v, mask, seed)
+    out = call(fn, q, k, v, mask_for(method, mask), seed)
     # an output that overflowed float32 is not what this property checks (assume, not
     # skip: a skip inside @given ends the whole property at that example)
     assume(bool(torch.isfinite(out).all()))
@@ -205,7 +208,7 @@ def test_gradients_stay_finite_at_large_norms_in_float32(method, case, scale):
         assert torch.isfinite(t.grad).all(), method
 
 
-@pytest.mark.parametrize("method", CROSS)
+@pytest.mark.parametrize("method", mask_params(CROSS))
 @SETTINGS
 @given(case=cases(cross=True))
 def test_cross_attention_key_padding_equals_truncated_keys(method, case):
