@@ -348,6 +348,26 @@ def test_declared_incapabilities_are_enforced_on_every_route(monkeypatch):
     skyformer.attention(q, k, v, "scaled_mean[factor=2.0]")  # what it can do, it does
 
 
+def test_a_method_without_masks_runs_no_packed_sequences(monkeypatch):
+    """Packed sequences run as a padded batch with its key padding mask: mask=False left
+    varlen=True, so cu_seqlens got the mask's sentence, which names an argument the
+    caller did not pass, and the method was listed among those that run them. varlen now
+    follows mask, and a registration that says both is refused."""
+    caps = Capabilities(target="softmax", mask=False)
+    assert not caps.varlen and Capabilities(target="softmax").varlen
+    _register_scaled(monkeypatch, "scaled_unmasked", caps)
+    q = make_qkv(1, 2, 6, 4)[0]
+    with pytest.raises(CapabilityError, match=r"^scaled_unmasked cannot run packed "
+                       r"variable-length sequences \(cu_seqlens\); methods that can: softmax"):
+        skyformer.scaled_dot_product_attention(q, q, q, method="scaled_unmasked",
+                                               cu_seqlens=torch.tensor([0, 2, 6]))
+    able = registry_methods._capability_sentence("softmax", "varlen")  # who can run them
+    assert "softmax" in able and "scaled_unmasked" not in able
+    with pytest.raises(ValueError, match=r"varlen=True needs mask=True: packed "
+                                         r"variable-length sequences run as a padded batch"):
+        Capabilities(target="softmax", mask=False, varlen=True)
+
+
 def test_the_public_function_refuses_what_its_capabilities_exclude(monkeypatch):
     """The function ``register`` returns ran a key padding mask, other lengths or half
     inputs past capabilities that exclude them (a mask ignored, silently), where

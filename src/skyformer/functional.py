@@ -328,7 +328,7 @@ def _varlen(spec: Method, query: Tensor, key: Tensor, value: Tensor, attn_mask: 
     if attn_mask is not None:
         raise ValueError(f"{spec.name}: with cu_seqlens, pass no attn_mask (the sequences "
                          f"are kept apart by the cumulative lengths; use is_causal).")
-    check_capabilities(spec.name, mask=True, varlen=True)
+    check_capabilities(spec.name, varlen=True)  # varlen implies mask (Capabilities)
     if _same_lengths(cu_seqlens, cu_seqlens_k) and (
             max_seqlen is None or max_seqlen_k is None or max_seqlen_k == max_seqlen):
         # keys packed as the queries: self-attention, padded to the one width given

@@ -38,7 +38,7 @@ def _sdpa_support(caps: dict) -> dict[str, str]:
         "scale": "yes" if caps["scale"] else "no",
         "dropout_p": "on weights" if caps["weight_dropout"] else "on output",
         "enable_gqa": "yes" if caps["gqa"] else "no",
-        "varlen": "yes" if caps["varlen"] and caps["mask"] else "no",
+        "varlen": "yes" if caps["varlen"] else "no",
     }
 
 

@@ -40,7 +40,9 @@ class Capabilities:
     weight_dropout: ``dropout_p`` drops attention weights, as SDPA does; methods without
         a weight matrix drop entries of their output instead.
     gqa: runs grouped-query attention (key/value heads repeated to the query heads).
-    varlen: runs packed variable-length batches (``cu_seqlens``; needs ``mask``).
+    varlen: runs packed variable-length batches (``cu_seqlens``), which run as a padded
+        batch with its key padding mask: it follows ``mask`` unless given, and
+        ``varlen=True`` with ``mask=False`` is refused.
     not_causal_because: for a method without ``causal``, why it cannot have it (a clause
         appended to the refusal).
     fixed_shapes_because: why ``torch.export`` cannot take a symbolic sequence length
@@ -60,9 +62,18 @@ class Capabilities:
     attn_mask: bool = False
     weight_dropout: bool = False
     gqa: bool = True
-    varlen: bool = True
+    varlen: bool | None = None  # None: as mask (__post_init__)
     not_causal_because: str | None = None
     fixed_shapes_because: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.varlen is None:
+            object.__setattr__(self, "varlen", self.mask)
+        elif self.varlen and not self.mask:
+            raise ValueError(
+                "Capabilities: varlen=True needs mask=True: packed variable-length "
+                "sequences run as a padded batch with its key padding mask; leave varlen "
+                "out (it follows mask) or give mask=True.")
 
     def has(self, capability: str) -> bool:
         """Whether the method can do ``capability`` (a key of ``CAPABILITY_TEXT``)."""
