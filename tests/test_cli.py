@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -20,6 +21,32 @@ def test_list_prints_every_method(capsys):
     assert main(["list", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert {m["name"] for m in data} >= {"skyformer", "softmax"}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Causal:
+    causal: bool = False
+
+
+def test_list_says_which_attn_mask_a_method_without_masks_takes(monkeypatch):
+    """``skyformer list`` said "attn_mask: key padding" for a method registered with
+    mask=False, which refuses every padding mask; it says what such a method takes."""
+    from skyformer.cli.list_cmd import describe
+    from skyformer.registry import Capabilities, register
+    from skyformer.registry import methods as registry_methods
+
+    def unmasked(q, k, v, config, *, key_padding_mask=None, generator=None):
+        return v
+
+    for name, causal in (("unmasked_causal", True), ("unmasked", False)):
+        monkeypatch.delitem(registry_methods._REGISTRY, name, raising=False)  # gone after
+        register(name, _Causal, Capabilities(target="softmax", exact=True, mask=False,
+                                             causal=causal))(unmasked)
+        monkeypatch.setitem(registry_methods._REGISTRY, name, registry_methods._REGISTRY[name])
+    takes = {m["name"]: m["sdpa"]["attn_mask"] for m in describe()}
+    assert (takes["unmasked_causal"], takes["unmasked"]) == ("causal", "none")
+    assert (takes["linear"], takes["nystromformer"], takes["softmax"]) == (
+        "key padding / causal", "key padding", "any")
 
 
 def test_compare_on_real_minilm_qkv(tmp_path, capsys):

@@ -32,14 +32,21 @@ def describe() -> list[dict]:
 def _sdpa_support(caps: dict) -> dict[str, str]:
     """How ``skyformer.scaled_dot_product_attention`` serves each argument."""
     return {
-        "attn_mask": "any" if caps["attn_mask"] else (
-            "key padding / causal" if caps["causal"] else "key padding"),
+        "attn_mask": "any" if caps["attn_mask"] else _mask_forms(caps),
         "is_causal": "yes" if caps["causal"] else "no",
         "scale": "yes" if caps["scale"] else "no",
         "dropout_p": "on weights" if caps["weight_dropout"] else "on output",
         "enable_gqa": "yes" if caps["gqa"] else "no",
         "varlen": "yes" if caps["varlen"] else "no",
     }
+
+
+def _mask_forms(caps: dict) -> str:
+    """The forms of ``attn_mask`` a method without ``attn_mask`` takes: key padding (with
+    ``mask``) and causal (with ``causal``); "none" for neither."""
+    forms = [form for form, able in (("key padding", caps["mask"]), ("causal", caps["causal"]))
+             if able]
+    return " / ".join(forms) or "none"
 
 
 def run(args: argparse.Namespace) -> int:
