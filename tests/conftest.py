@@ -28,6 +28,21 @@ torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER")
                       else max(1, min(2, torch.get_num_threads())))
 
 
+@pytest.fixture(autouse=True)
+def _registry_as_found():
+    """Each test leaves the method registry as it found it: a method a test registers for
+    itself (one left behind after ``monkeypatch.setitem`` of a name it had just added,
+    say) would otherwise reach the tests that a worker runs after it (``skyformer
+    approx`` notes every registered method)."""
+    from skyformer.registry import methods
+
+    before = dict(methods._REGISTRY)
+    yield
+    if before != methods._REGISTRY:
+        methods._REGISTRY.clear()
+        methods._REGISTRY.update(before)
+
+
 @pytest.fixture
 def triton_interpreter():
     """Skips a test that runs Triton kernels on CPU tensors where the interpreter is off
