@@ -494,6 +494,23 @@ def test_a_float_mask_under_a_transform_is_refused_not_read_as_padding():
     torch.testing.assert_close(per_sample(q, k, v, padding), want, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("method", ["skyformer", "performer", "linear"])
+def test_a_float_mask_that_requires_grad_is_refused_not_left_without_a_gradient(method):
+    """An approximate method reads only which keys a float mask hides: a mask that
+    requires grad (a learned bias) would get no gradient, in silence. Refused; the
+    detached mask, or the call under no_grad, runs as the padding it holds."""
+    q, k, v = make_qkv(2, 2, 16, 4)
+    key = random_key(0)
+    bias = torch.zeros(2, 1, 1, 16, dtype=q.dtype)
+    bias[1, ..., 12:] = float("-inf")
+    bias.requires_grad_(True)
+    with pytest.raises(ValueError, match=r"requires grad.*no gradient.*detach\(\)"):
+        sdpa(q, k, v, bias, method=method, generator=key)
+    want = sdpa(q, k, v, bias.detach(), method=method, generator=key)
+    with torch.no_grad():
+        torch.testing.assert_close(sdpa(q, k, v, bias, method=method, generator=key), want)
+
+
 def test_varlen_refuses_padding_masks_rather_than_leaving_them_out():
     q, k, v = make_qkv(1, 2, 8, 4)
     cu = torch.tensor([0, 3, 8])

@@ -163,6 +163,7 @@ def resolve_mask(
             f"the attention mask is a {type(attention_mask).__name__}, not a tensor (e.g. a "
             f"flex-attention BlockMask); {advice}."
         )
+    _refuse_learned(attention_mask, advice)
     allowed = _allowed(attention_mask, batch, query_len, key_len, advice)
     _refuse_per_head(allowed, "the attention mask", advice)
     rows = allowed[:, 0].expand(batch, -1, -1)  # [B, Qm, Nk]
@@ -196,6 +197,18 @@ def resolve_mask(
         "sliding window, packed sequences, a cached prefix or a custom pattern); the "
         f"approximate methods take only a key padding mask and causal masking; {advice}."
     )
+
+
+def _refuse_learned(attention_mask: Tensor, advice: str) -> None:
+    """A float mask that requires grad (while autograd records) is a bias being learned:
+    the approximate methods read only which keys it hides, so its gradient would be left
+    out (``None``) in silence; refused in a sentence."""
+    if attention_mask.is_floating_point() and attention_mask.requires_grad \
+            and torch.is_grad_enabled():
+        raise UnsupportedMaskError(
+            "the attention mask is a float tensor that requires grad (a learned bias?), "
+            "and the approximate methods read only which keys it hides, so it would get no "
+            f"gradient; {advice}, or pass attention_mask.detach() if it is a fixed mask.")
 
 
 def _refuse_per_head(allowed: Tensor, what: str, advice: str) -> None:
