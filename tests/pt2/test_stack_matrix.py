@@ -370,6 +370,27 @@ def test_func_jvp_agrees_with_reverse_mode_on_the_approximate_path(method, matri
                                sum((g * t).sum() for g, t in zip(reverse, tangents, strict=True)))
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_anomaly_detection_passes_and_gives_the_same_gradients(method, matrix):
+    """``torch.autograd.set_detect_anomaly(True)`` raises where a backward node returns
+    NaN: rows that attend to no key (padding, a query alone in its LSH bucket) must
+    not make one, even where a later ``where`` drops it."""
+    matrix("detect_anomaly (N = 160)", method)
+    q, k, v = (t.requires_grad_(True) for t in make_qkv(1, 1, APPROXIMATE_LEN, 4))
+    mask, key = padded(1, APPROXIMATE_LEN, 150), random_key(1)
+    bound = get_method(method).bind(seq_len=APPROXIMATE_LEN)
+
+    def gradients():
+        out = bound(q, k, v, key_padding_mask=mask, generator=key)
+        return torch.autograd.grad(out.sin().sum(), (q, k, v))
+
+    want = gradients()
+    with torch.autograd.set_detect_anomaly(True):
+        got = gradients()
+    for a, e in zip(got, want, strict=True):
+        torch.testing.assert_close(a, e)
+
+
 @pytest.mark.parametrize("method", ["softmax", "skyformer"])
 def test_forward_mode_through_compiled_functions(method):
     """jvp inside a compiled function (fullgraph), and a function compiled outside

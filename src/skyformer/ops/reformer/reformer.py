@@ -335,9 +335,11 @@ def reformer_attention(
     neg_inf = torch.full((), float("-inf"), dtype=work, device=q.device)  # no copy
     logits = torch.where(attended, logits - torch.log(counts.clamp_min(1).to(work)), neg_inf)
 
-    lse = torch.logsumexp(logits, dim=-1)  # [B, R, H, C, m], -inf where no key is attended
-    has = torch.isfinite(lse)
-    weights = torch.exp(logits - torch.where(has, lse, torch.zeros_like(lse))[..., None])
+    has = (logits > float("-inf")).any(-1)  # [B, R, H, C, m]: some key is attended
+    # Rows without a key take zeros: logsumexp's backward of an all -inf row is NaN
+    # (exp(-inf - -inf)), which the `where`s below drop but anomaly detection reports
+    lse = torch.logsumexp(logits.masked_fill(~has[..., None], 0.0), dim=-1)
+    weights = torch.exp(logits - lse[..., None])
     o = weights @ _rows_at(v_ext, pos_k)  # [B, R, H, C, m, Dv]
     # Alone in this round (self excluded, or no key in the bucket's window): attend to
     # self (weight 1), with log-normaliser s q_i.k_i; used only if every round is empty.
