@@ -220,3 +220,20 @@ def test_resume_refuses_a_progress_file_whose_block_holds_no_list_of_results(
     capsys.readouterr()
     assert main([*RESUMABLE, "--out", str(out), "--resume"]) == 2
     assert "not an approx progress file" in capsys.readouterr().err
+
+
+def test_the_printed_tables_fit_a_windows_code_page(tmp_path, monkeypatch):
+    """Redirected to a file on Windows, standard output is in the locale's code page
+    (cp1252 in English): a character outside it stopped the run when the tables were
+    printed, before any result file was written."""
+    import io
+    import sys
+
+    stdout = io.TextIOWrapper(io.BytesIO(), encoding="cp1252")
+    monkeypatch.setattr(sys, "stdout", stdout)
+    assert main(["approx", "--sources", "gaussian", "--no-sweep", "--analysis-len", "32",
+                 "--eps", "0.1", "--heads", "0", "--no-plots", "--no-progress",
+                 "--out", str(tmp_path)]) == 0
+    stdout.flush()
+    assert "d_stat" in stdout.buffer.getvalue().decode("cp1252")
+    assert (tmp_path / "approx.json").exists()

@@ -127,7 +127,7 @@ def analysis_table(analysis: list[dict[str, Any]]) -> str:
                      f"{100 * _mean(r['density']):.1f}%", f"{_mean(r['srank']):.2f}",
                      *(tail if i == 0 else [""] * 2)]
             out.append("| " + " | ".join(cells) + " |")
-    out += ["", "| source | 2n | eps | lambda = eps ‖C‖ | d_stat | max leverage | beta "
+    out += ["", "| source | 2n | eps | lambda = eps norm(C, 2) | d_stat | max leverage | beta "
             "| d = d_stat/beta ln(n/delta) (C=1) | d = 56/3 d_stat/beta ln(4n/delta) |",
             "|---|---|---|---|---|---|---|---|---|"]
     for a in analysis:
