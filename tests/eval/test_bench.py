@@ -573,3 +573,17 @@ def test_a_variant_is_measured_against_the_target_at_its_scale_and_causal_is_a_f
         with pytest.raises(ValueError, match=r"softmax\[causal=True\]: bench makes every "
                                              r"method causal with --causal"):
             BenchConfig(methods=("softmax[causal=True]",), seq_lens=(32,), causal=causal)
+
+
+def test_a_platform_without_load_averages_runs(monkeypatch):
+    """Windows has no ``os.getloadavg``: the load average is left out of the result
+    instead of the run stopping with an AttributeError."""
+    import os
+
+    monkeypatch.delattr(os, "getloadavg")
+    config = BenchConfig(methods=("softmax",), seq_lens=(16,), shapes=((1, 1, 8),),
+                         repeats=1, warmup=0, memory=False)
+    result = run_bench(config)
+    assert result.environment["load_average_start"] is None
+    assert [r["status"] for r in result.rows] == ["ok"]
+    assert result.rows[0]["load_avg"] is None

@@ -380,6 +380,10 @@ def _cpu_model() -> str | None:
 
 
 def _load() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages; None where there are none (Windows has no
+    ``os.getloadavg``, and it fails where the system cannot say)."""
+    if not hasattr(os, "getloadavg"):
+        return None
     try:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
