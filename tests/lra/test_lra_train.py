@@ -631,3 +631,42 @@ def test_peak_memory_is_that_of_training_steps_not_of_evaluations(
     monkeypatch.setattr(lra_train, "peak_memory_bytes", lambda device: peak["now"])
     result = _run(_cfg(steps=8, eval_every=2, log_every=2), listops_cache, tmp_path / "run")
     assert result["peak_memory_bytes"] == 100
+
+
+def _metrics_without_resource(monkeypatch):
+    """``skyformer.lra.metrics`` imported afresh where the ``resource`` module does not
+    exist (Windows)."""
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, "resource", None)  # import resource: ImportError
+    monkeypatch.delitem(sys.modules, "skyformer.lra.metrics")
+    metrics = importlib.import_module("skyformer.lra.metrics")
+    monkeypatch.setattr(sys.modules["skyformer.lra"], "metrics", metrics)
+    return metrics
+
+
+def test_peak_memory_without_the_resource_module(monkeypatch):
+    """``resource`` is Unix only: ``skyformer lra train`` stopped on Windows with "No
+    module named 'resource'"; the peak there is the process's peak working set."""
+    import ctypes
+
+    metrics = _metrics_without_resource(monkeypatch)
+
+    class Kernel32:  # the two calls of the Windows API the peak is read with
+        class GetCurrentProcess:
+            def __call__(self):
+                return 7
+
+        class K32GetProcessMemoryInfo:
+            def __call__(self, process, counters, size):
+                assert process == 7 and size == ctypes.sizeof(counters._obj)
+                counters._obj.PeakWorkingSetSize = 3 << 20
+                return 1
+
+        def __init__(self):
+            self.GetCurrentProcess = self.GetCurrentProcess()
+            self.K32GetProcessMemoryInfo = self.K32GetProcessMemoryInfo()
+
+    monkeypatch.setattr(ctypes, "WinDLL", lambda name, **kw: Kernel32(), raising=False)
+    assert metrics.peak_memory_bytes(torch.device("cpu")) == 3 << 20

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-import resource
 import sys
 
 import torch
+
+try:
+    import resource
+except ImportError:  # Windows: the peak working set is read instead
+    resource = None
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -15,12 +19,39 @@ def reset_peak_memory(device: torch.device) -> None:
 
 def peak_memory_bytes(device: torch.device) -> int:
     """CUDA: ``torch.cuda.max_memory_allocated`` since the last reset. CPU: the process's
-    maximum resident set size (``getrusage``), which includes the interpreter and the
-    pages of the data files it touched."""
+    maximum resident set size (``getrusage``; on Windows the peak working set), which
+    includes the interpreter and the pages of the data files it touched."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    if resource is None:
+        return _peak_working_set()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux reports KiB
+
+
+def _peak_working_set() -> int:
+    """Windows' maximum resident set size: the process's ``PeakWorkingSetSize``
+    (``GetProcessMemoryInfo``, a ``PROCESS_MEMORY_COUNTERS``), in bytes."""
+    import ctypes
+    from ctypes import wintypes
+
+    class Counters(ctypes.Structure):
+        _fields_ = [("cb", wintypes.DWORD), ("PageFaultCount", wintypes.DWORD),
+                    *((name, ctypes.c_size_t) for name in (
+                        "PeakWorkingSetSize", "WorkingSetSize", "QuotaPeakPagedPoolUsage",
+                        "QuotaPagedPoolUsage", "QuotaPeakNonPagedPoolUsage",
+                        "QuotaNonPagedPoolUsage", "PagefileUsage", "PeakPagefileUsage"))]
+
+    kernel32 = ctypes.WinDLL("kernel32", use_last_error=True)
+    kernel32.GetCurrentProcess.restype = wintypes.HANDLE
+    kernel32.K32GetProcessMemoryInfo.argtypes = [wintypes.HANDLE, ctypes.POINTER(Counters),
+                                                 wintypes.DWORD]
+    kernel32.K32GetProcessMemoryInfo.restype = wintypes.BOOL
+    counters = Counters(cb=ctypes.sizeof(Counters))
+    if not kernel32.K32GetProcessMemoryInfo(kernel32.GetCurrentProcess(),
+                                            ctypes.byref(counters), counters.cb):
+        raise ctypes.WinError(ctypes.get_last_error())
+    return int(counters.PeakWorkingSetSize)
 
 
 class Running:
