@@ -53,6 +53,15 @@ def check_output_path(path: str | os.PathLike[str] | None, *, folder: bool = Fal
         raise PermissionError(f"cannot write {target}: no write permission in {ancestor}.")
 
 
+def portable_name(name: str) -> str:
+    """``name`` (a method's, as a folder of results) as a file name every system takes:
+    a double quote (a variant's quoted value) becomes a single quote, which means the
+    same in a variant; any other character Windows refuses in a name (``<>:/\\|?*`` and
+    control characters) becomes ``_``."""
+    name = name.replace('"', "'")
+    return re.sub(r'[<>:"/\\|?*\x00-\x1f]', "_", name)
+
+
 @contextmanager
 def atomic_writer(path: str | os.PathLike[str], mode: str = "w") -> Iterator[IO[Any]]:
     """A handle (``mode`` "w" for UTF-8 text, "wb" for bytes) on a temporary file next to

@@ -670,3 +670,18 @@ def test_peak_memory_without_the_resource_module(monkeypatch):
 
     monkeypatch.setattr(ctypes, "WinDLL", lambda name, **kw: Kernel32(), raising=False)
     assert metrics.peak_memory_bytes(torch.device("cpu")) == 3 << 20
+
+
+@pytest.mark.parametrize("attention", ['skyformer[pinv_gradient="implicit"]',
+                                       "skyformer[num_features=8, pinv_gradient=implicit]"])
+def test_the_default_run_folder_of_a_variant_is_a_name_windows_takes(attention):
+    """A variant with a quoted value (``--attn 'skyformer[pinv_gradient="implicit"]'``)
+    named its run folder with a double quote, which Windows refuses in file names; the
+    folder takes a single quote, which means the same in a variant."""
+    from skyformer.lra.train import default_run_dir
+    from skyformer.registry import get_method
+
+    folder = default_run_dir(_cfg(attention=attention))
+    method = folder.parent.name
+    assert not set(method) & set('<>:"/\\|?*') and folder.name == "seed0"
+    assert get_method(method).make_config() == get_method(attention).make_config()

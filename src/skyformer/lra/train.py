@@ -33,7 +33,14 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from ..io import environment, json_ready, json_text, remove_interrupted_writes, write_json
+from ..io import (
+    environment,
+    json_ready,
+    json_text,
+    portable_name,
+    remove_interrupted_writes,
+    write_json,
+)
 from ..logs import get_logger
 from .batches import BatchOrder, Position, fetch, micro_batches
 from .cache import TaskData, data_fingerprint, load_cache
@@ -68,7 +75,9 @@ CHECKPOINT_FORMAT = 1
 
 
 def default_run_dir(cfg: TrainConfig) -> Path:
-    return Path("runs") / "lra" / cfg.task / cfg.attention / f"seed{cfg.seed}"
+    """``runs/lra/TASK/METHOD/seedN``, the method's name made a portable file name (a
+    variant's double quotes as single ones, ``portable_name``)."""
+    return Path("runs") / "lra" / cfg.task / portable_name(cfg.attention) / f"seed{cfg.seed}"
 
 
 def model_config(cfg: TrainConfig, data: TaskData) -> ModelConfig:
