@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import json
+
 from skyformer.eval.measure.memory import MemoryJob, peak_memory_bytes
 
 
@@ -111,3 +113,50 @@ def test_a_measurement_out_of_time_is_a_sentence_and_reports_keep_their_rows(mon
                         and r["reason"].startswith("peak memory not measured: memory "
                                                    "measurement of softmax took more")
                         for r in rows)
+
+
+
+def test_a_module_on_this_process_path_only_is_found_by_the_measuring_process(
+        tmp_path, monkeypatch):
+    """A notebook or a script that puts a folder on ``sys.path`` (not ``PYTHONPATH``)
+    and names a function or registers a method from it: the fresh process that measures
+    CPU memory could not import it, and the peak was reported missing. (The fresh
+    process here only finds what the job names, to stay quick.)"""
+    import subprocess
+    import sys
+
+    import skyformer.eval.measure.memory as memory
+    from skyformer.registry import _REGISTRY
+
+    package = tmp_path / "toy_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "registers.py").write_text(TOY_MODULE.replace("toy_memory_method",
+                                                             "toy_path_method"))
+    (tmp_path / "toy_function.py").write_text(
+        "from skyformer.ops import softmax_attention as attention\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    imports, subprocess_run = [], subprocess.run
+
+    def run(command, **kwargs):
+        if "skyformer.eval.measure.memory" not in command:
+            return subprocess_run(command, **kwargs)
+        job = json.loads(command[-1])
+        module = job["method"].partition(":")[0] if ":" in job["method"] else job["imports"][0]
+        imports.append(module)
+        check = (f"import importlib.util; assert importlib.util.find_spec({module!r}); "
+                 f"print('{{\"peak_bytes\": 0}}')")
+        return subprocess_run([sys.executable, "-c", check], **kwargs)
+
+    monkeypatch.setattr(memory.subprocess, "run", run)
+    try:
+        import toy_pkg.registers  # noqa: F401
+
+        for method in ("toy_function:attention@softmax", "toy_path_method"):
+            assert memory.peak_memory_or_reason(MemoryJob(method, (1, 1, 16, 4))) == (0, None)
+        assert imports == ["toy_function", "toy_pkg.registers"]
+    finally:
+        _REGISTRY.pop("toy_path_method", None)
+        for name in ("toy_pkg", "toy_pkg.registers", "toy_function"):
+            sys.modules.pop(name, None)

@@ -140,14 +140,13 @@ def peak_memory_bytes(
         return measure_in_this_process(job, device)
     if not Path("/proc/self/clear_refs").exists():
         raise RuntimeError("CPU peak memory needs Linux /proc (clear_refs, VmHWM).")
-    src_root = str(Path(__file__).resolve().parents[3])
+    imports = _registering_module(job.method) if isinstance(job, MemoryJob) else []
+    roots = [str(Path(__file__).resolve().parents[3]), *_import_roots(job, imports)]
     env = dict(os.environ)
-    env["PYTHONPATH"] = src_root + (
-        os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""
-    )
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(
+        [*roots, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])]))
     env["SKYFORMER_THREADS"] = str(torch.get_num_threads())
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))  # see the module docstring
-    imports = _registering_module(job.method) if isinstance(job, MemoryJob) else []
     payload = json.dumps({"kind": type(job).__name__, "imports": imports,
                           **dataclasses.asdict(job)})
     what = job.method if isinstance(job, MemoryJob) else job.setup
@@ -199,6 +198,22 @@ def _registering_module(method: str) -> list[str]:
             f"process that measures CPU memory cannot import; register it in an importable "
             f"module.")
     return [module]
+
+
+def _import_roots(job: MemoryJob | CallJob, imports: list[str]) -> list[str]:
+    """The folders the fresh process needs on its path to import what ``job`` names (the
+    module of a ``module:function`` spec or of ``CallJob.setup``, the ``imports`` that
+    register its method) from where this process found them: a folder that a notebook
+    or a script put on ``sys.path`` is on this process's path only."""
+    spec = job.setup if isinstance(job, CallJob) else job.method.partition("@")[0]
+    names = [spec.partition(":")[0]] if ":" in spec else []
+    roots = []
+    for name in [*names, *imports]:
+        file = getattr(sys.modules.get(name), "__file__", None)
+        if file:
+            path = Path(os.path.abspath(file))
+            roots.append(str(path.parents[name.count(".") + (path.stem == "__init__")]))
+    return roots
 
 
 def _main(argv: list[str]) -> None:
