@@ -110,6 +110,32 @@ def test_a_built_folder_is_flushed_to_disk_before_it_is_renamed(tmp_path, monkey
     assert events == [] and not (tmp_path / "other").exists()
 
 
+
+def test_a_built_folder_is_flushed_as_windows_allows(tmp_path, monkeypatch):
+    """Windows flushes a file only through a handle open for writing (FlushFileBuffers;
+    ``os.fsync`` of a read-only one fails with EBADF), where POSIX takes any: every
+    ``lra prepare`` and ``lra generate`` failed there. This ``fsync`` refuses files as
+    Windows does."""
+    import errno
+
+    fcntl = pytest.importorskip("fcntl")
+    from skyformer.io import building_folder
+
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        read_only = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+        if stat.S_ISREG(os.fstat(fd).st_mode) and read_only:
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with building_folder(tmp_path / "data") as tmp:
+        (tmp / "imgs").mkdir()
+        (tmp / "imgs" / "0.png").write_bytes(b"png")
+    assert (tmp_path / "data" / "imgs" / "0.png").read_bytes() == b"png"
+
+
 def test_a_built_folder_has_the_modes_of_results_whatever_the_umask(tmp_path):
     """Generated LRA data and caches are written plainly inside the folder: under
     ``umask 077`` they would be 0600 / 0700 while the run's own results are 0644."""

@@ -217,17 +217,19 @@ def _readable_tree(folder: Path) -> None:
 def _flush_tree(folder: Path) -> None:
     """``fsync`` every file under ``folder``, then every folder (its entries), deepest
     first: only what was written here, where a global ``os.sync`` would wait on every
-    file system of the machine (a busy shared one on a cluster). Folders cannot be
-    opened for a flush on Windows: there only the files are flushed."""
+    file system of the machine (a busy shared one on a cluster). A file is opened for
+    writing (it is ours, given ``FILE_MODE``): Windows flushes only through such a
+    handle, where POSIX takes any. Folders cannot be opened for a flush on Windows:
+    there only the files are flushed."""
     for root, _, files in os.walk(folder, topdown=False):
         for name in files:
-            _fsync(os.path.join(root, name))
+            _fsync(os.path.join(root, name), os.O_RDWR)
         if hasattr(os, "O_DIRECTORY"):
-            _fsync(root, os.O_DIRECTORY)
+            _fsync(root, os.O_RDONLY | os.O_DIRECTORY)
 
 
-def _fsync(path: str, flags: int = 0) -> None:
-    fd = os.open(path, os.O_RDONLY | flags)
+def _fsync(path: str, flags: int) -> None:
+    fd = os.open(path, flags)
     try:
         os.fsync(fd)
     finally:
