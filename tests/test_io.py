@@ -211,3 +211,47 @@ def test_the_environment_records_the_version_of_the_code_that_ran(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.0.0-installed")
     monkeypatch.setattr(skyformer, "__version__", "9.9.9-running")
     assert environment()["skyformer"] == "9.9.9-running"
+
+
+def _windows_text_mode(monkeypatch):
+    """Text files opened without ``newline=`` write each "\\n" as "\\r\\n", as on Windows
+    (``os.fdopen`` and ``Path.open`` open through ``io.open``)."""
+    import io
+
+    real_open = io.open
+
+    def io_open(file, mode="r", buffering=-1, encoding=None, errors=None, newline=None,
+                *args, **kwargs):
+        if "b" not in mode and newline is None:
+            newline = "\r\n"
+        return real_open(file, mode, buffering, encoding, errors, newline, *args, **kwargs)
+
+    monkeypatch.setattr(io, "open", io_open)
+
+
+def _run_log_files(folder):
+    from skyformer.eval.hf.report import write_csv as write_hf_csv
+    from skyformer.lra.runlog import RunLog
+
+    log = RunLog(folder, enabled=True, tensorboard=False)
+    for step in (1, 2):
+        log.record("train", step=step, loss=0.5)
+    log.record("dev", step=2, accuracy=0.25)
+    write_csv(folder / "rows.csv", [{"a": 1, "b": "x"}], metadata={"note": "n"})
+    write_hf_csv(folder / "hf_eval.csv", [{"setting": "short", "method": "softmax"}])
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_result_files_are_the_same_bytes_on_windows(tmp_path, monkeypatch):
+    """A CSV is built with its own line ends ("\\r\\n" from ``csv.DictWriter``): written
+    through a text file that turns "\\n" into "\\r\\n", as Windows' are, every row of
+    train.csv, dev.csv and hf_eval.csv ended in "\\r\\r\\n", which spreadsheets and
+    ``csv`` readers take as an empty row after each one."""
+    import csv
+
+    expected = _run_log_files(tmp_path / "linux")
+    _windows_text_mode(monkeypatch)
+    written = _run_log_files(tmp_path / "windows")
+    assert written == expected
+    with open(tmp_path / "windows" / "train.csv", newline="", encoding="utf-8") as handle:
+        assert len(list(csv.reader(handle))) == 3  # the header and two rows

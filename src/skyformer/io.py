@@ -67,15 +67,18 @@ def atomic_writer(path: str | os.PathLike[str], mode: str = "w") -> Iterator[IO[
     """A handle (``mode`` "w" for UTF-8 text, "wb" for bytes) on a temporary file next to
     ``path`` that, when the ``with`` block ends without error, is flushed to disk, given
     ``FILE_MODE`` and renamed to ``path``; otherwise it is removed and ``path`` is left
-    as it was. The temporary file is ``.NAME.XXXXXXXX.tmp`` (``remove_interrupted_writes``
-    removes those a killed process left)."""
+    as it was. Text is written as given, "\\n" as "\\n" on every system (not "\\r\\n" on
+    Windows, where a CSV's own "\\r\\n" would become "\\r\\r\\n"). The temporary file
+    is ``.NAME.XXXXXXXX.tmp`` (``remove_interrupted_writes`` removes those a killed
+    process left)."""
     if mode not in ("w", "wb"):
         raise ValueError(f"mode must be 'w' or 'wb', got {mode!r}.")
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
-        with os.fdopen(fd, mode, **({"encoding": "utf-8"} if mode == "w" else {})) as handle:
+        text = {"encoding": "utf-8", "newline": "\n"} if mode == "w" else {}
+        with os.fdopen(fd, mode, **text) as handle:  # "\n" kept: the same file everywhere
             yield handle
             handle.flush()
             os.fsync(handle.fileno())

@@ -85,7 +85,7 @@ class RunLog:
         self.history.append(entry)
         if not self.enabled:
             return entry
-        with (self.folder / "metrics.jsonl").open("a", encoding="utf-8") as handle:
+        with (self.folder / "metrics.jsonl").open("a", encoding="utf-8", newline="\n") as handle:
             handle.write(_json_line(entry))
         self._write_csv(kind)
         if self._writer is not None:
