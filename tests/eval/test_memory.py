@@ -160,3 +160,23 @@ def test_a_module_on_this_process_path_only_is_found_by_the_measuring_process(
         _REGISTRY.pop("toy_path_method", None)
         for name in ("toy_pkg", "toy_pkg.registers", "toy_function"):
             sys.modules.pop(name, None)
+
+
+def test_a_function_of_main_gets_the_sentence_a_method_registered_there_gets(monkeypatch):
+    """``__main__:function`` (a notebook's or a script's function): the measuring process
+    has a ``__main__`` of its own, so the function cannot be found there; this was said
+    as "cannot load ... expected 'package.module:function'", after a process was started
+    for nothing."""
+    import sys
+
+    import pytest
+
+    import skyformer.eval.measure.memory as memory
+    from skyformer.ops import softmax_attention
+
+    monkeypatch.setattr(sys.modules["__main__"], "notebook_attention", softmax_attention,
+                        raising=False)
+    monkeypatch.setattr(memory.subprocess, "run", None)  # no process may be started
+    with pytest.raises(RuntimeError, match=r"__main__:notebook_attention is defined in "
+                                           r"__main__ \(a script or a notebook\).*importable"):
+        memory.peak_memory_bytes(MemoryJob("__main__:notebook_attention@softmax", (1, 1, 8, 4)))

@@ -184,10 +184,15 @@ def peak_memory_or_reason(job: MemoryJob | CallJob, device: torch.device | str =
 def _registering_module(method: str) -> list[str]:
     """The module a fresh process must import to know ``method``: [] for the library's
     own methods and ``module:function`` specs (imported when resolved); a method
-    registered in ``__main__`` (a script, a notebook) cannot be known there. A name
-    ``resolve`` refuses fails here, before a process is started."""
+    registered, or a function defined, in ``__main__`` (a script, a notebook) cannot be
+    known there. A name ``resolve`` refuses fails here, before a process is started."""
     named = resolve(method)
     if not named.registered:
+        if method.partition(":")[0] == "__main__":
+            raise RuntimeError(
+                f"{method.partition('@')[0]} is defined in __main__ (a script or a "
+                f"notebook), which the fresh process that measures CPU memory cannot "
+                f"import; define it in an importable module.")
         return []
     module = getattr(get_method(named.name).function, "__module__", "") or ""
     if module.startswith("skyformer."):
