@@ -649,39 +649,11 @@ def _metrics_without_resource(monkeypatch):
 def test_peak_memory_without_the_resource_module(monkeypatch):
     """``resource`` is Unix only: ``skyformer lra train`` stopped on Windows with "No
     module named 'resource'"; the peak there is the process's peak working set."""
-    import ctypes
+    import sys
+    import types
 
     metrics = _metrics_without_resource(monkeypatch)
-
-    class Kernel32:  # the two calls of the Windows API the peak is read with
-        class GetCurrentProcess:
-            def __call__(self):
-                return 7
-
-        class K32GetProcessMemoryInfo:
-            def __call__(self, process, counters, size):
-                assert process == 7 and size == ctypes.sizeof(counters._obj)
-                counters._obj.PeakWorkingSetSize = 3 << 20
-                return 1
-
-        def __init__(self):
-            self.GetCurrentProcess = self.GetCurrentProcess()
-            self.K32GetProcessMemoryInfo = self.K32GetProcessMemoryInfo()
-
-    monkeypatch.setattr(ctypes, "WinDLL", lambda name, **kw: Kernel32(), raising=False)
+    info = types.SimpleNamespace(peak_wset=3 << 20)  # psutil's Windows memory_info
+    process = types.SimpleNamespace(memory_info=lambda: info)
+    monkeypatch.setitem(sys.modules, "psutil", types.SimpleNamespace(Process=lambda: process))
     assert metrics.peak_memory_bytes(torch.device("cpu")) == 3 << 20
-
-
-@pytest.mark.parametrize("attention", ['skyformer[pinv_gradient="implicit"]',
-                                       "skyformer[num_features=8, pinv_gradient=implicit]"])
-def test_the_default_run_folder_of_a_variant_is_a_name_windows_takes(attention):
-    """A variant with a quoted value (``--attn 'skyformer[pinv_gradient="implicit"]'``)
-    named its run folder with a double quote, which Windows refuses in file names; the
-    folder takes a single quote, which means the same in a variant."""
-    from skyformer.lra.train import default_run_dir
-    from skyformer.registry import get_method
-
-    folder = default_run_dir(_cfg(attention=attention))
-    method = folder.parent.name
-    assert not set(method) & set('<>:"/\\|?*') and folder.name == "seed0"
-    assert get_method(method).make_config() == get_method(attention).make_config()

@@ -30,28 +30,11 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def _peak_working_set() -> int:
-    """Windows' maximum resident set size: the process's ``PeakWorkingSetSize``
-    (``GetProcessMemoryInfo``, a ``PROCESS_MEMORY_COUNTERS``), in bytes."""
-    import ctypes
-    from ctypes import wintypes
+    """Windows' maximum resident set size: the process's peak working set in bytes
+    (psutil, installed with skyformer on Windows)."""
+    import psutil
 
-    class Counters(ctypes.Structure):
-        _fields_ = [("cb", wintypes.DWORD), ("PageFaultCount", wintypes.DWORD),
-                    *((name, ctypes.c_size_t) for name in (
-                        "PeakWorkingSetSize", "WorkingSetSize", "QuotaPeakPagedPoolUsage",
-                        "QuotaPagedPoolUsage", "QuotaPeakNonPagedPoolUsage",
-                        "QuotaNonPagedPoolUsage", "PagefileUsage", "PeakPagefileUsage"))]
-
-    kernel32 = ctypes.WinDLL("kernel32", use_last_error=True)
-    kernel32.GetCurrentProcess.restype = wintypes.HANDLE
-    kernel32.K32GetProcessMemoryInfo.argtypes = [wintypes.HANDLE, ctypes.POINTER(Counters),
-                                                 wintypes.DWORD]
-    kernel32.K32GetProcessMemoryInfo.restype = wintypes.BOOL
-    counters = Counters(cb=ctypes.sizeof(Counters))
-    if not kernel32.K32GetProcessMemoryInfo(kernel32.GetCurrentProcess(),
-                                            ctypes.byref(counters), counters.cb):
-        raise ctypes.WinError(ctypes.get_last_error())
-    return int(counters.PeakWorkingSetSize)
+    return int(psutil.Process().memory_info().peak_wset)
 
 
 class Running:
