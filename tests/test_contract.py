@@ -233,6 +233,19 @@ def test_num_features_is_the_common_knob(method):
             run(method, *make_qkv(1, 1, 8, 4), num_features=0)
 
 
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("generator", ["seed", 7, "keys"])
+def test_a_generator_that_is_none_of_the_three_kinds_gets_a_sentence(method, generator):
+    """Every method checks ``generator``, also one that draws nothing (exact softmax and
+    kernelized took anything: a sweep's typo passed there and failed at the next
+    method): None, a torch.Generator or one random key [2]."""
+    q, k, v = make_qkv(3, 2, 12, 4)
+    if generator == "keys":
+        generator = torch.stack([random_key(i) for i in range(3)])
+    with pytest.raises(TypeError, match=r"generator (must be|takes one random key)"):
+        get_method(method).bind(seq_len=MAX_LEN)(q, k, v, generator=generator)
+
+
 @pytest.mark.parametrize("method", [m for m in METHODS
                                     if get_method(m).capabilities.randomized])
 def test_a_key_per_batch_element_gets_a_sentence(method):

@@ -19,7 +19,12 @@ from ...linalg import KERNELS, kernel_scale
 from ...linalg.kernel_backend import use_triton
 from ...registry import Capabilities, register
 from ..shared.centring import keys_mean
-from ..shared.inputs import AttentionInputs, check_attention_inputs, zero_padded_queries
+from ..shared.inputs import (
+    AttentionInputs,
+    check_attention_inputs,
+    check_generator,
+    zero_padded_queries,
+)
 from ..shared.masked import attention_bias
 from ..shared.options import check_bool, check_choice, check_scale
 from .flash import FLASH_FALLBACK, flash_kernelized
@@ -75,7 +80,7 @@ def kernelized_attention(
     Args:
         q: ``[B, H, Nq, D]``; k: ``[B, H, Nk, D]``; v: ``[B, H, Nk, Dv]``.
         key_padding_mask: ``[B, Nk]`` bool, True = real token.
-        generator: unused (exact method).
+        generator: unused (exact method); checked as every method's.
         attn_mask: SDPA's mask, broadcastable to ``[B, H, Nq, Nk]``: bool (False: weight
             0) or float m_ij (weights C_ij exp(m_ij)); combined with padding and causal.
     Returns:
@@ -86,6 +91,7 @@ def kernelized_attention(
     """
     info = check_attention_inputs(q, k, v, key_padding_mask, method="kernelized",
                                   query_padding_mask=query_padding_mask)
+    check_generator("kernelized", generator, q.device)
     causal = config.causal
     if causal and info.query_len != info.key_len:
         raise ValueError(

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from ...registry import Capabilities, register
-from ..shared.inputs import check_attention_inputs, zero_padded_queries
+from ..shared.inputs import check_attention_inputs, check_generator, zero_padded_queries
 from ..shared.masked import attention_bias, biased_attention
 from ..shared.options import check_bool, check_probability, check_scale
 from ..shared.sdpa import sdpa
@@ -78,7 +78,8 @@ def softmax_attention(
     Args:
         q: ``[B, H, Nq, D]``; k: ``[B, H, Nk, D]``; v: ``[B, H, Nk, Dv]``.
         key_padding_mask: ``[B, Nk]`` bool, True = real token.
-        generator: unused (exact method); accepted for a uniform signature.
+        generator: unused (exact method; dropout draws from torch's global generator, as
+            SDPA's); accepted for a uniform signature and checked as every method's.
         attn_mask: SDPA's mask, broadcastable to ``[B, H, Nq, Nk]``: bool (True = may
             attend) or float (added to the logits); combined with the padding and
             ``causal``. A row that may attend to nothing returns zeros.
@@ -88,6 +89,7 @@ def softmax_attention(
     """
     info = check_attention_inputs(q, k, v, key_padding_mask, method="softmax",
                                   query_padding_mask=query_padding_mask)
+    check_generator("softmax", generator, q.device)
     check_probability("softmax", "dropout_p", dropout_p)
     if config.causal and info.query_len != info.key_len:
         raise ValueError(
