@@ -263,13 +263,8 @@ def with_options(config_class: type, method: str
     return decorator
 
 
-def _load_builtin_methods() -> None:
-    pass
-
-
 def list_methods() -> list[str]:
     """Names of every registered method, in registration order."""
-    _load_builtin_methods()
     return list(_REGISTRY)
 
 
@@ -277,7 +272,6 @@ def get_method(name: str) -> Method:
     """The registered method ``name``, or a variant of it with some options set
     (``"skyformer[pinv_gradient=implicit]"``, ``variants.py``), checked at once; unknown
     names fail with the list of known ones."""
-    _load_builtin_methods()
     if isinstance(name, str) and is_variant(name):
         cached = _VARIANTS.get(name)  # parsed and checked once (calls name it every time)
         if cached is None or _REGISTRY.get(cached[0]) is not cached[1]:

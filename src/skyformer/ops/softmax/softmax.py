@@ -103,9 +103,7 @@ def softmax_attention(
         out = _masked_sdpa(q, k, v, info.key_valid, scale=s, causal=config.causal,
                            dropout_p=dropout_p)
     else:
-        mask = attn_mask if attn_mask is not None else torch.ones(
-            info.key_len, dtype=torch.bool, device=q.device)
-        bias = attention_bias(mask, info.key_valid, config.causal,
+        bias = attention_bias(attn_mask, info.key_valid, config.causal,
                               (*q.shape[:3], info.key_len), q.dtype, q.device,
                               "softmax")
         out = biased_attention(q, k, v, bias, scale=s, dropout_p=dropout_p)
