@@ -66,3 +66,22 @@ def test_an_iteration_count_no_inverse_needs_is_refused_up_front(method):
                                          f"{MAX_PINV_ITERATIONS}") as err:
         get_method(method).bind(pinv_iterations=10**6)
     assert method in str(err.value)
+
+
+INTEGER_OPTIONS = [
+    (method, field.name, field.default)
+    for method in list_methods()
+    for field in dataclasses.fields(get_method(method).config_class)
+    if isinstance(field.default, int) and not isinstance(field.default, bool)
+]
+
+
+@pytest.mark.parametrize(("method", "option", "default"), INTEGER_OPTIONS,
+                         ids=[f"{m}-{o}" for m, o, _ in INTEGER_OPTIONS])
+def test_numpy_integers_are_taken_as_python_ints(method, option, default):
+    """A sweep over ``np.arange`` passes ``np.int64``: it is taken as the int it equals
+    (and written as one), not refused as "not a positive integer"."""
+    import numpy as np
+
+    value = getattr(get_method(method).bind(**{option: np.int64(default)}).config, option)
+    assert value == default and type(value) is int

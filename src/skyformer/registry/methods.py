@@ -20,6 +20,7 @@ missing capability and the methods that have it.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -117,7 +118,7 @@ class Method:
                 f"{self.name} has no option {', '.join(map(repr, unknown))}; "
                 f"its options are: {known}{hint}."
             )
-        return self.config_class(**options)
+        return self.config_class(**{name: _python_int(value) for name, value in options.items()})
 
     def resolve_options(self, options: dict[str, Any], seq_len: int | None) -> dict[str, Any]:
         """``options`` with the rules of a layer that sees sequences of ``seq_len`` tokens:
@@ -177,6 +178,15 @@ class Method:
                 f"{self.name}: the input has {keys} keys but max_seq_len={limit}; the method "
                 f"holds one position per key up to max_seq_len, so truncate the input or "
                 f"give a larger max_seq_len.")
+
+
+def _python_int(value: Any) -> Any:
+    """NumPy's integer scalars (``np.int64(64)``, from ``np.arange`` sweeps) as Python
+    ints, the type the option checks take and the result files write; anything else as
+    it is."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, int):
+        return int(value)
+    return value
 
 
 _REGISTRY: dict[str, Method] = {}
