@@ -233,6 +233,16 @@ def test_refusals_name_the_problem():
     assert state.batch_size() == 2  # a refused reorder changes nothing
 
 
+@pytest.mark.parametrize("given", ["skyformer", get_method("skyformer")])
+def test_a_name_or_an_unbound_method_is_refused_with_the_call_that_binds_it(given):
+    with pytest.raises(TypeError, match=r"takes a bound method, get_method\('skyformer'\)"
+                       r"\.bind\(\.\.\.\)"):
+        new_decoding_state(given)
+    state = new_decoding_state(get_method("skyformer").bind())  # the call it names
+    q, k, v = make_qkv(1, 2, 4, 8)
+    assert state.step(q, k, v).shape == v.shape
+
+
 @pytest.mark.parametrize(("method", "options"), [
     ("skyformer", {"num_features": 6, "landmark_stride": 5}),
     ("performer", {"num_features": 8}),

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from ..registry import BoundMethod, CapabilityError
-from ..registry.methods import _capability_sentence
+from ..registry.methods import Method, _capability_sentence
 from .keys import KeyValueDecoding
 from .nystrom import NystromSoftmaxDecoding, SkyformerDecoding
 from .prefix_sums import LinearDecoding, PerformerDecoding
@@ -30,6 +30,8 @@ def new_decoding_state(bound: BoundMethod, *, generator: torch.Generator | Tenso
     Raises:
         CapabilityError: the method cannot attend causally.
     """
+    if not isinstance(bound, BoundMethod):
+        raise TypeError(_not_bound_sentence(bound))
     spec = bound.method
     if not spec.capabilities.causal:
         raise CapabilityError(_capability_sentence(spec.name, "causal").replace(
@@ -44,3 +46,15 @@ def new_decoding_state(bound: BoundMethod, *, generator: torch.Generator | Tenso
     if method == "performer":
         return PerformerDecoding(bound, generator, state)
     return KeyValueDecoding(bound, generator)
+
+
+def _not_bound_sentence(given: object) -> str:
+    """What ``new_decoding_state`` says of a method name or an unbound ``Method``."""
+    if isinstance(given, Method):
+        call, got = f"get_method({given.name!r})", f"the unbound method {given.name!r}"
+    elif isinstance(given, str):
+        call, got = f"get_method({given!r})", f"the name {given!r}"
+    else:
+        call, got = "get_method(name)", type(given).__name__
+    return (f"new_decoding_state takes a bound method, {call}.bind(...) with the method's "
+            f"options, got {got}.")
