@@ -137,6 +137,11 @@ def test_command_line(tmp_path, capsys):
     assert "unknown attention method 'nope'" in capsys.readouterr().err
     assert main(["bench", "--min-n", "64", "--max-n", "32", "--no-memory"]) == 2
     capsys.readouterr()
+    # lengths given twice: --seq-lens, and --min-n / --max-n that would make them
+    for extra in (["--min-n", "8"], ["--max-n", "64"]):
+        assert main(["bench", "--seq-lens", "16", *extra, "--no-memory"]) == 2
+        err = capsys.readouterr().err
+        assert f"--seq-lens 16 with {extra[0]} {extra[1]}" in err and "not both" in err
     # a method never timed: its rows say why, and no crossover is claimed for it
     assert main(["bench", "--methods", "linear", "tests.eval.failing_method:attention@softmax",
                  "--seq-lens", "16", "32", "--shapes", "1,1,4", "--repeats", "1", "--warmup",

@@ -20,6 +20,7 @@ from ..eval.bench.run import (
 from ..io import check_output_path, read_to_resume
 
 NAME = "bench"
+MIN_N, MAX_N = 512, 16384  # the lengths without --seq-lens: MIN_N doubling up to MAX_N
 HELP = (
     "time (forward, forward+backward) and peak memory of attention methods against exact "
     "SDPA over sequence lengths, with relative error, crossover length and scaling exponent"
@@ -42,8 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: every registered method; softmax is always included)")
     parser.add_argument("--seq-lens", nargs="+", type=int, default=None,
                         help="sequence lengths (default: --min-n doubling to --max-n)")
-    parser.add_argument("--min-n", type=int, default=512, help="shortest length (default 512)")
-    parser.add_argument("--max-n", type=int, default=16384, help="longest length (default 16384)")
+    parser.add_argument("--min-n", type=int, default=None,
+                        help=f"shortest length (default {MIN_N}; not with --seq-lens)")
+    parser.add_argument("--max-n", type=int, default=None,
+                        help=f"longest length (default {MAX_N}; not with --seq-lens)")
     parser.add_argument("--shapes", nargs="+", type=_shape, default=[(1, 2, 32)], metavar="B,H,D",
                         help="batch,heads,head-dim triples (default 1,2,32; e.g. also 4,8,64)")
     parser.add_argument(
@@ -91,6 +94,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="print Markdown tables, one column per N (time with speed-up, memory)",
     )
+
+
+def _seq_lens(args: argparse.Namespace) -> tuple[int, ...]:
+    """The lengths asked for: ``--seq-lens``, or ``--min-n`` doubling up to ``--max-n``."""
+    bounds = [(flag, value) for flag, value in (("--min-n", args.min_n), ("--max-n", args.max_n))
+              if value is not None]
+    if args.seq_lens is not None:
+        if bounds:
+            given = " ".join(f"{flag} {value}" for flag, value in bounds)
+            raise ValueError(f"--seq-lens {' '.join(map(str, args.seq_lens))} with {given}: "
+                             f"--seq-lens lists the lengths, --min-n and --max-n make them "
+                             f"(doubling); pass one or the other, not both.")
+        return tuple(args.seq_lens)
+    low = MIN_N if args.min_n is None else args.min_n
+    high = MAX_N if args.max_n is None else args.max_n
+    if not 1 <= low <= high:
+        raise ValueError(f"need 1 <= --min-n <= --max-n, got {low} and {high}.")
+    seq_lens, n = [], low
+    while n <= high:
+        seq_lens.append(n)
+        n *= 2
+    return tuple(seq_lens)
 
 
 def _earlier_rows(config: BenchConfig, out: str | None) -> list[dict]:
@@ -142,16 +167,8 @@ def run(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise ValueError(f"--threads must be at least 1, got {args.threads}.")
         torch.set_num_threads(args.threads)
-    seq_lens = args.seq_lens
-    if seq_lens is None:
-        if not 1 <= args.min_n <= args.max_n:
-            raise ValueError(f"need 1 <= --min-n <= --max-n, got {args.min_n} and {args.max_n}.")
-        seq_lens, n = [], args.min_n
-        while n <= args.max_n:
-            seq_lens.append(n)
-            n *= 2
     config = BenchConfig(
-        methods=tuple(args.methods) if args.methods else None, seq_lens=tuple(seq_lens),
+        methods=tuple(args.methods) if args.methods else None, seq_lens=_seq_lens(args),
         shapes=tuple(args.shapes), dtypes=tuple(args.dtypes), device=args.device,
         num_features=args.features, repeats=args.repeats, warmup=args.warmup,
         backward=not args.forward_only, memory=not args.no_memory, error=not args.no_error,
