@@ -184,6 +184,21 @@ def test_config_errors():
         small(features=(0, 4))
     with pytest.raises(ValueError, match="every number of features is >= N=8"):
         small(seq_lens=(8,), features=(8, 16))
+    # each refused setting is named with its flag and the value given
+    for setting, said in (
+            ({"seq_lens": (2, 16)}, r"seq_lens \(--seq-lens\) must be at least 3, got \[2\]"),
+            ({"analysis_seq_len": 2}, r"analysis_seq_len \(--analysis-len\) must be at least "
+                                      r"3, got 2\."),
+            ({"floor_oversample": -1}, r"floor_oversample \(--floor-oversample\) must be at "
+                                       r"least 0, got -1\."),
+            ({"floor_power_iterations": -2}, r"floor_power_iterations "
+                                             r"\(--floor-power-iterations\) must be at least 0, "
+                                             r"got -2\."),
+            ({"residual_block": 0}, r"residual_block \(--residual-block\) must be at least 1, "
+                                    r"got 0\."),
+            ({"lsh_bits": 0}, r"lsh_bits \(--lsh-bits\) must be at least 1, got 0\.")):
+        with pytest.raises(ValueError, match=said):
+            small(**setting)
     with pytest.raises(ValueError, match="unknown attention method 'nope'"):
         run_approx(small(methods=("nope",)), log=lambda s: None)
 

@@ -422,6 +422,17 @@ def test_config_and_names_are_checked():
         BenchConfig(shapes=((1, 2),))
     with pytest.raises(ValueError, match="clock"):
         BenchConfig(clock="sundial")
+    # each refused count is named with its flag and the value given
+    for setting, said in (({"repeats": 0}, r"repeats \(--repeats\) must be at least 1, got 0\."),
+                          ({"warmup": -1}, r"warmup \(--warmup\) must be at least 0, got -1\."),
+                          ({"num_features": 0}, r"num_features \(--features\) must be a "
+                                                r"positive integer, got 0\."),
+                          ({"max_seconds": 0.0}, r"max_seconds \(--max-seconds\) must be "
+                                                 r"positive, got 0\.0\."),
+                          ({"seq_lens": (0,)}, r"seq_lens \(--seq-lens\) must be positive "
+                                               r"integers, got \(0,\)\.")):
+        with pytest.raises(ValueError, match=said):
+            BenchConfig(**setting)
     for device in ("tpu", "cuda:x"):
         with pytest.raises(ValueError, match=f"device must be cpu, cuda or cuda:K, got '{device}'"):
             BenchConfig(device=device)

@@ -169,6 +169,13 @@ def _runs(name: str) -> Any:
     return base, tuple(sorted(preset, key=lambda item: item[0]))
 
 
+def setting_name(field: str, flag: str | None = None) -> str:
+    """A setting of an experiment as its sentences name it: the config field and the
+    command's flag, ``repeats (--repeats)``; ``flag`` where it is not the field's name
+    (``analysis_seq_len (--analysis-len)``)."""
+    return f"{field} (--{(flag or field).replace('_', '-')})"
+
+
 def refuse_repeats(name: str, values: Any) -> None:
     """Fail in a sentence where the list ``values`` of setting ``name`` holds a value
     twice: each would be measured again, into rows of its own."""

@@ -43,7 +43,7 @@ from ...registry.variants import refuse_swept_option
 from ...seeds import check_seed
 from ..data.sources import SOURCES, SourceData, SourceLoader, SourceOptions, check_source
 from ..measure.metrics import constant_row_error, rank_m_floor, relative_error
-from ..methods import TARGET_OPTIONS, refuse_repeated_methods, refuse_repeats
+from ..methods import TARGET_OPTIONS, refuse_repeated_methods, refuse_repeats, setting_name
 from .leverage import THEOREM_CONSTANT, leverage_analysis
 from .progress import PARTS, ProgressFile, block_key, blocks_said
 from .spectra import attention_spectra, lsh_mask, oracle_mask
@@ -118,8 +118,12 @@ class ApproxConfig:
         for seed in self.seeds:
             check_seed("seeds", seed)
         check_seed("data_seed", self.data_seed)
-        if any(n < 3 for n in self.seq_lens) or self.analysis_seq_len < 3:
-            raise ValueError("sequence lengths must be at least 3.")
+        short = [n for n in self.seq_lens if n < 3]
+        if short:
+            raise ValueError(f"{setting_name('seq_lens')} must be at least 3, got {short}.")
+        if self.analysis_seq_len < 3:
+            raise ValueError(f"{setting_name('analysis_seq_len', 'analysis_len')} must be at "
+                             f"least 3, got {self.analysis_seq_len}.")
         if self.heads is not None and (not self.heads or any(h < 0 for h in self.heads)):
             raise ValueError(f"heads must be non-negative indices, got {list(self.heads)}.")
         if not (self.sweep or self.analysis):
@@ -128,11 +132,7 @@ class ApproxConfig:
         if short:  # here, not when the sweep reaches N after measuring the others
             raise ValueError(f"every number of features is >= N={short[0]}; pass smaller "
                              f"--features or longer --seq-lens.")
-        if self.floor_oversample < 0 or self.floor_power_iterations < 0:
-            raise ValueError("floor_oversample and floor_power_iterations must be >= 0.")
-        if self.residual_block < 1 or self.lsh_bits < 1:
-            raise ValueError(f"residual_block and lsh_bits must be at least 1, got "
-                             f"{self.residual_block} and {self.lsh_bits}.")
+        self._check_counts()
         for e in self.eps:
             if not 0 < e < 1:
                 raise ValueError(f"eps must be in (0, 1) (Theorem 2), got {e}.")
@@ -140,6 +140,14 @@ class ApproxConfig:
             raise ValueError(f"delta must be in (0, 1/2) (Theorem 2), got {self.delta}.")
         if "glove" in self.sources and self.glove is None:
             raise ValueError("the glove source needs a GloVe-format file: pass --glove FILE.")
+
+    def _check_counts(self) -> None:
+        """The floors' and the sparse part's counts, each named with its flag."""
+        for name, least in (("floor_oversample", 0), ("floor_power_iterations", 0),
+                            ("residual_block", 1), ("lsh_bits", 1)):
+            value = getattr(self, name)
+            if value < least:
+                raise ValueError(f"{setting_name(name)} must be at least {least}, got {value}.")
 
     def source_options(self) -> SourceOptions:
         return SourceOptions(

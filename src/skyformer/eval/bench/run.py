@@ -51,6 +51,7 @@ from ..methods import (
     refuse_repeated_methods,
     refuse_repeats,
     resolve_all,
+    setting_name,
     target_options,
 )
 
@@ -102,7 +103,8 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         if not self.seq_lens or any(not isinstance(n, int) or n < 1 for n in self.seq_lens):
-            raise ValueError(f"seq_lens must be positive integers, got {self.seq_lens!r}.")
+            raise ValueError(f"{setting_name('seq_lens')} must be positive integers, got "
+                             f"{self.seq_lens!r}.")
         for shape in self.shapes:
             if len(shape) != 3 or any(not isinstance(s, int) or s < 1 for s in shape):
                 raise ValueError(f"a shape is (B, H, D) with positive integers, got {shape!r}.")
@@ -114,23 +116,29 @@ class BenchConfig:
         for dtype in self.dtypes:
             if dtype not in DTYPES:
                 raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
-        if self.repeats < 1 or self.warmup < 0:
-            raise ValueError(
-                f"repeats must be >= 1 and warmup >= 0, got {self.repeats}, {self.warmup}."
-            )
-        if self.num_features is not None and self.num_features < 1:
-            raise ValueError(f"num_features must be a positive integer, got {self.num_features}.")
+        self._check_counts()
         check_seed("seed", self.seed)
         for named in resolve_all(self.methods or ()):
             if named.registered:  # functions take no presets
                 _refuse_presets(get_method(named.name), self.num_features is not None)
-        if not self.max_seconds > 0:
-            raise ValueError(f"max_seconds must be positive, got {self.max_seconds}.")
         if self.clock not in CLOCKS:
             raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}.")
         device = parse_device(self.device)
         if self.clock == "cpu" and device.type == "cuda":
             raise ValueError("clock 'cpu' times host CPU work only; on CUDA use the wall clock.")
+
+    def _check_counts(self) -> None:
+        """The numbers of runs, features and seconds, each named with its flag."""
+        if self.repeats < 1:
+            raise ValueError(f"{setting_name('repeats')} must be at least 1, got {self.repeats}.")
+        if self.warmup < 0:
+            raise ValueError(f"{setting_name('warmup')} must be at least 0, got {self.warmup}.")
+        if self.num_features is not None and self.num_features < 1:
+            raise ValueError(f"{setting_name('num_features', 'features')} must be a positive "
+                             f"integer, got {self.num_features}.")
+        if not self.max_seconds > 0:
+            raise ValueError(f"{setting_name('max_seconds')} must be positive, got "
+                             f"{self.max_seconds}.")
 
     def method_names(self) -> list[str]:
         names = list(self.methods) if self.methods else [

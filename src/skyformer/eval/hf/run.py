@@ -44,6 +44,7 @@ from ..data.text import read_text, sentences
 from ..measure.memory import CallJob, peak_memory_or_reason
 from ..measure.timing import CLOCKS, median_seconds
 from ..methods import refuse_repeated_methods, refuse_repeats
+from ..methods import setting_name as _named
 
 SETTINGS = ("short", "long")
 NOT_DROP_IN_GAUSSIAN = "Gaussian kernel, not a drop-in"
@@ -122,11 +123,6 @@ class HFEvalConfig:
         if self.clock == "cpu" and device.type != "cpu":
             raise ValueError("the cpu clock (process CPU time) measures CPU work only; use "
                              "the wall clock (--clock wall) on a GPU.")
-
-
-def _named(setting: str) -> str:
-    """A setting as sentences name it: the field and the flag of ``skyformer hf-eval``."""
-    return f"{setting} (--{setting.replace('_', '-')})"
 
 
 def check_seq_len(model: nn.Module, seq_len: int) -> None:
