@@ -92,6 +92,8 @@ def test_user_errors_are_one_line(capsys):
     assert main(["compare", "--methods", "nope", "--no-memory"]) == 2
     err = capsys.readouterr().err
     assert "unknown attention method 'nope'" in err and "Traceback" not in err
+    assert main(["compare", "--methods", "skyformr", "--no-memory"]) == 2
+    assert "'skyformr' (did you mean 'skyformer'?); available" in capsys.readouterr().err
     assert main(["compare", "--text", "/nonexistent.txt", "--no-memory"]) == 2
     assert "does not exist" in capsys.readouterr().err
 

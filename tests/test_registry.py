@@ -149,6 +149,28 @@ def test_a_malformed_or_invalid_variant_fails_in_a_sentence(name, problem):
         get_method(name)
 
 
+@pytest.mark.parametrize("given, close", [
+    ("skyformr", "skyformer"), ("Performer", "performer"), (" linear", "linear"),
+    ("kernalized", "kernelized"), ("nope", None),
+])
+def test_a_misspelt_method_name_gets_the_close_one(given, close):
+    hint = "" if close is None else f" \\(did you mean '{close}'\\?\\)"
+    with pytest.raises(ValueError, match=f"unknown attention method '{given}'{hint}; available"):
+        get_method(given)
+    if close is not None:
+        get_method(close)  # the name suggested is one that works
+
+
+@pytest.mark.parametrize("options, said", [
+    ({"num_featurs": 8}, "no option 'num_featurs' \\(did you mean 'num_features'\\?\\); its"),
+    ({"features": 8}, "no option 'features' \\(did you mean 'num_features'\\?\\); its"),
+    ({"colour": 1}, "no option 'colour'; its"),
+])
+def test_a_misspelt_option_gets_the_close_one(options, said):
+    with pytest.raises(ValueError, match=said):
+        get_method("skyformer").bind(**options)
+
+
 @pytest.mark.parametrize("text, value", [
     ("64", 64), ("-2", -2), ("0.5", 0.5), (".5", 0.5), ("1.", 1.0), ("1e-3", 1e-3),
     ("2.5E4", 2.5e4), ("true", True), ("True", True), ("false", False), ("False", False),

@@ -309,8 +309,12 @@ def test_unknown_names_options_and_layers(model):
         model.set_attn_implementation("skyformer:nope")
     with pytest.raises((ValueError, KeyError), match="skyformer:nope"):
         AutoModel.from_pretrained(default_model_dir(), attn_implementation="skyformer:nope")
-    with pytest.raises(ValueError, match="skyformer has no option 'features'; its options are"):
+    with pytest.raises(ValueError, match="skyformer has no option 'features' \\(did you mean "
+                       "'num_features'\\?\\); its options are"):
         shf.set_attention(model, "skyformer", features=8)
+    with pytest.raises(ValueError, match="unknown attention method 'exakt' \\(did you mean "
+                       "'exact'\\?\\); available: softmax"):
+        shf.set_attention(model, "exakt")
     with pytest.raises(ValueError, match=r"layers must be layer numbers of this model \(0..5\)"):
         shf.set_attention(model, "skyformer", layers=[6])
     with pytest.raises(ValueError, match="do not pass causal"):

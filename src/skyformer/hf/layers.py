@@ -27,6 +27,7 @@ from ..registry import (
     get_method,
     list_methods,
 )
+from ..registry.methods import did_you_mean
 from ..registry.variants import is_variant
 from ..seeds import SEED_LIMIT, check_seed
 
@@ -212,9 +213,10 @@ def resolve_method_name(method: str) -> str:
         get_method(name)
         return name
     if name not in list_methods():
+        close = did_you_mean(name, [*list_methods(), EXACT])
         raise ValueError(
-            f"unknown attention method {method!r}; available: {', '.join(list_methods())}, "
-            f"or 'exact' for the model's own attention."
+            f"unknown attention method {method!r}{close}; available: "
+            f"{', '.join(list_methods())}, or 'exact' for the model's own attention."
         )
     return name
 

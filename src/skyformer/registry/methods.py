@@ -20,9 +20,10 @@ missing capability and the methods that have it.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import numbers
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,8 +115,9 @@ class Method:
             sdpa = sorted(set(unknown) & _SDPA_ARGUMENTS)
             hint = (f" ({', '.join(sdpa)}: skyformer.scaled_dot_product_attention takes "
                     f"torch's SDPA arguments)" if sdpa else "")
+            close = did_you_mean(unknown[0], self.option_names()) if len(unknown) == 1 else ""
             raise ValueError(
-                f"{self.name} has no option {', '.join(map(repr, unknown))}; "
+                f"{self.name} has no option {', '.join(map(repr, unknown))}{close}; "
                 f"its options are: {known}{hint}."
             )
         return self.config_class(**{name: _python_int(value) for name, value in options.items()})
@@ -294,9 +296,25 @@ def get_method(name: str) -> Method:
         return cached[2]
     if not isinstance(name, str) or name not in _REGISTRY:
         raise ValueError(
-            f"unknown attention method {name!r}; available: {', '.join(_REGISTRY)}."
+            f"unknown attention method {name!r}{did_you_mean(name, _REGISTRY)}; available: "
+            f"{', '.join(_REGISTRY)}."
         )
     return _REGISTRY[name]
+
+
+def did_you_mean(given: object, names: Iterable[str]) -> str:
+    """`` (did you mean 'skyformer'?)`` where ``given`` (a method or option name) is a
+    close misspelling of one of ``names`` (a letter swapped, missing or of another case,
+    spaces around it), else ``""``."""
+    if not isinstance(given, str):
+        return ""
+    names = list(names)
+    folded = {name.lower(): name for name in names}
+    close = folded.get(given.strip().lower())
+    if close is None:
+        found = difflib.get_close_matches(given.strip().lower(), list(folded), n=1, cutoff=0.75)
+        close = folded[found[0]] if found else None
+    return f" (did you mean {close!r}?)" if close is not None and close != given else ""
 
 
 def exact_method(target: Target) -> Method:
