@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skyformer import attention, get_method, list_methods
+from skyformer import attention, get_method, list_methods, random_key
 from tests.conftest import lacks, make_qkv
 
 METHODS = list_methods()
@@ -98,6 +98,17 @@ def test_unknown_method_lists_available():
     q, k, v = make_qkv(1, 1, 4, 4)
     with pytest.raises(ValueError, match=r"unknown attention method 'flash'.*skyformer"):
         attention(q, k, v, "flash")
+
+
+def test_a_generator_of_another_type_is_named_and_a_seed_gets_its_key():
+    q, k, v = make_qkv(1, 1, 4, 4)
+    with pytest.raises(TypeError, match=r"skyformer: generator must be a torch.Generator, a "
+                       r"random key \(skyformer.random_key\(...\)\) or None, got int 3; for a "
+                       r"seed pass generator=skyformer.random_key\(3\)\."):
+        attention(q, k, v, "skyformer", generator=3)
+    with pytest.raises(TypeError, match=r"or None, got float\.$"):
+        attention(q, k, v, "skyformer", generator=3.0)
+    attention(q, k, v, "skyformer", generator=random_key(3))  # the fix named
 
 
 def test_unknown_option_lists_known_ones():

@@ -170,9 +170,12 @@ def check_generator(method: str, generator: object, device: torch.device) -> Non
             )
         return
     if not isinstance(generator, torch.Generator):
+        seed = isinstance(generator, int) and not isinstance(generator, bool)
         raise TypeError(
             f"{method}: generator must be a torch.Generator, a random key "
-            f"(skyformer.random_key(...)) or None."
+            f"(skyformer.random_key(...)) or None, got {type(generator).__name__}"
+            + (f" {generator!r}; for a seed pass generator=skyformer.random_key({generator!r})."
+               if seed else ".")
         )
     if torch.compiler.is_compiling():
         raise TypeError(
