@@ -46,7 +46,8 @@ def test_cross_attention_with_context():
 def test_options_and_errors():
     layer = MultiHeadAttention(16, 2, method="skyformer", num_features=8)
     assert layer.config.num_features == 8
-    with pytest.raises(ValueError, match="divisible"):
+    with pytest.raises(ValueError, match=r"MultiHeadAttention: dim \(10\) must be divisible by "
+                       r"num_heads \(3\), .*; pass num_heads among 1, 2, 5, 10\."):
         MultiHeadAttention(10, 3)
     with pytest.raises(ValueError, match="no option"):
         MultiHeadAttention(16, 2, method="skyformer", features=8)

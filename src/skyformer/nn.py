@@ -69,7 +69,10 @@ class MultiHeadAttention(nn.Module):
                 raise ValueError(f"MultiHeadAttention: {name} must be a positive integer, "
                                  f"got {value!r}.")
         if dim % num_heads:
-            raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads}).")
+            divisors = [h for h in range(1, min(dim, 64) + 1) if dim % h == 0]
+            raise ValueError(f"MultiHeadAttention: dim ({dim}) must be divisible by num_heads "
+                             f"({num_heads}), each head taking dim / num_heads features; pass "
+                             f"num_heads among {', '.join(map(str, divisors))}.")
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) \
                 or not 0.0 <= dropout < 1.0:
             raise ValueError(f"MultiHeadAttention: dropout must be a number in [0, 1), got "
