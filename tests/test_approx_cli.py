@@ -237,3 +237,30 @@ def test_the_printed_tables_fit_a_windows_code_page(tmp_path, monkeypatch):
     stdout.flush()
     assert "d_stat" in stdout.buffer.getvalue().decode("cp1252")
     assert (tmp_path / "approx.json").exists()
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["--sources", "gaussian", "--glove", "g.txt", "--text", "t.txt"],
+     ["--glove changes nothing in this run: only --sources glove reads it.",
+      "--text changes nothing in this run: only --sources pretrained or init reads it."]),
+    (["--no-sweep", "--methods", "linear", "--features", "8"],
+     ["--features, --methods change nothing in this run: only the sweep (--no-sweep "
+      "skips it) reads them."]),
+    (["--no-analysis", "--analysis-len", "64"],
+     ["--analysis-len changes nothing in this run: only the analysis"]),
+    (["--sources", "glove", "gaussian", "--glove", "g.txt", "--gaussian-dim", "8"], []),
+])
+def test_flags_the_run_never_reads_are_noted(argv, said):
+    """``--glove`` without the glove source, ``--methods`` with ``--no-sweep``: the run
+    went ahead as if they had not been given, without a word."""
+    import argparse
+
+    from skyformer.cli.approx_cmd import add_arguments, config_from_args, unused_flags
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    notes = unused_flags(args, config_from_args(args))
+    assert len(notes) == len(said), notes
+    for note, words in zip(notes, said, strict=True):
+        assert words in note

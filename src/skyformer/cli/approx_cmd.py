@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +133,32 @@ def config_from_args(args: argparse.Namespace) -> ApproxConfig:
     return ApproxConfig(**values)
 
 
+# flags read by one part of the study only: (what reads them, whether the run has it)
+_READ_BY = (
+    (("glove",), "--sources glove", lambda c: "glove" in c.sources),
+    (("model", "text", "layer"), "--sources pretrained or init",
+     lambda c: bool({"pretrained", "init"} & set(c.sources))),
+    (("gaussian_norm", "gaussian_dim"), "--sources gaussian", lambda c: "gaussian" in c.sources),
+    (("seq_lens", "features", "seeds", "methods"), "the sweep (--no-sweep skips it)",
+     lambda c: c.sweep),
+    (("analysis_len", "eps", "delta"), "the analysis (--no-analysis skips it)",
+     lambda c: c.analysis),
+)
+
+
+def unused_flags(args: argparse.Namespace, config: ApproxConfig) -> list[str]:
+    """A note for each flag given that this run never reads (``--glove`` without the
+    glove source, ``--methods`` with ``--no-sweep``, ...): it changes nothing."""
+    notes = []
+    for names, reader, runs in _READ_BY:
+        given = ["--" + n.replace("_", "-") for n in names if getattr(args, n) is not None]
+        if given and not runs(config):
+            one = len(given) == 1
+            notes.append(f"note: {', '.join(given)} {'changes' if one else 'change'} nothing "
+                         f"in this run: only {reader} reads {'it' if one else 'them'}.")
+    return notes
+
+
 def _command(args: argparse.Namespace) -> str:
     parts = ["skyformer", "approx"]
     for key, value in vars(args).items():
@@ -159,6 +186,8 @@ def run(args: argparse.Namespace) -> int:
         from ..eval.approx.plots import require_matplotlib
 
         require_matplotlib()  # fail before the run, not after it, when matplotlib is missing
+    for note in unused_flags(args, config):
+        print(note, file=sys.stderr)
     progress_file = Path(args.out) / PROGRESS_FILE
     if not args.resume:
         warn_if_left(progress_file)
