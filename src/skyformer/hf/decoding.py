@@ -99,8 +99,12 @@ class DecodingLayer(CacheLayerMixin):
         """Whether ``crop`` can drop positions: while recording (module docstring)."""
         return self.record_past
 
-    def activate_past_recording(self) -> None:
-        """From now on keep the state before each step, so that ``crop`` can undo it."""
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None) -> None:
+        """From now on keep the state before each step, so that ``crop`` can undo it.
+
+        ``recurrent_states_to_keep`` (transformers 5.25 on: how many recent positions a
+        crop may drop): no states per position are kept here, since ``crop`` steps the
+        state again from before the last step; any count within that step is undone."""
         self.record_past = True
 
     def step(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None) -> Tensor:
