@@ -299,11 +299,16 @@ def check_released_targets(q, k, v) -> None:
                      f"script's {name} target; the comparison would measure the targets.")
 
 
+# the head dim the released Skyformer's scale is written for: it multiplies Q and K by
+# RELEASED_HEAD_DIM ** -0.25 (``data_normalizer``) whatever the input's head dim
+RELEASED_HEAD_DIM = 32
+
+
 def at_released_skyformer_scale(q: torch.Tensor, k: torch.Tensor):
-    """``q, k: [B, H, N, p]`` times ``(32 / p) ** 0.25``: the released Skyformer multiplies
-    its Q and K by a hard-coded ``32 ** -0.25`` and reads them only through that product,
-    so on these inputs it runs at the paper's scale ``p ** -0.25`` for any head dim p."""
-    factor = (32 / q.shape[-1]) ** 0.25
+    """``q, k: [B, H, N, p]`` times ``(RELEASED_HEAD_DIM / p) ** 0.25``: the released
+    Skyformer reads Q and K only through its fixed ``RELEASED_HEAD_DIM ** -0.25``, so on
+    these inputs it runs at the paper's scale ``p ** -0.25`` of the input's head dim p."""
+    factor = (RELEASED_HEAD_DIM / q.shape[-1]) ** 0.25
     return q * factor, k * factor
 
 
