@@ -40,6 +40,7 @@ from ...sketch.random_features import gaussian_columns
 from ...sketch.rng import stream
 from ..shared.inputs import (
     check_attention_inputs,
+    check_device,
     compute_dtype,
     resolve_key,
     zero_padded_queries,
@@ -159,9 +160,7 @@ def _check_projection(name: str, p: Tensor, heads: int, k: int, n: int,
         raise ValueError(
             f"linformer: {name} has {p.shape[-1]} columns but max_seq_len={max_seq_len}."
         )
-    if p.device != device:
-        raise ValueError(f"linformer: {name} is on {p.device} but the inputs are on {device}; "
-                         f"pass {name}.to('{device}').")
+    check_device("linformer", name, p, device)
     return p if whole else p[..., :n]
 
 

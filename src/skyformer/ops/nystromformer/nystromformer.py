@@ -41,6 +41,7 @@ from ...linalg import iterative_pinv
 from ...registry import Capabilities, register
 from ..shared.inputs import (
     check_attention_inputs,
+    check_device,
     check_generator,
     compute_dtype,
     zero_padded_queries,
@@ -178,9 +179,7 @@ def _check_conv_weight(weight: Tensor | None, kernel: int | None, heads: int,
             f"nystromformer: conv_weight must have shape [H, conv_kernel] = [{heads}, {kernel}], "
             f"got {shape}."
         )
-    if weight.device != device:
-        raise ValueError(f"nystromformer: conv_weight is on {weight.device} but the inputs are "
-                         f"on {device}; pass conv_weight.to('{device}').")
+    check_device("nystromformer", "conv_weight", weight, device)
 
 
 class NystromformerConv(nn.Module):

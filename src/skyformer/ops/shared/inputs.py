@@ -132,10 +132,16 @@ def _check_mask(method: str, name: str, m: object, b: int, n: int, n_name: str,
             f"{method}: {name} must have shape [B, {n_name}] = [{b}, {n}], got "
             f"{tuple(m.shape)}."
         )
-    if m.device != like.device:
-        raise ValueError(f"{method}: {name} is on {m.device} but the inputs are on "
-                         f"{like.device}; pass {name}.to('{like.device}').")
+    check_device(method, name, m, like.device)
     return m
+
+
+def check_device(method: str, name: str, t: Tensor, device: torch.device) -> None:
+    """A sentence where tensor ``t`` (argument ``name``: a mask, a method's state) is not
+    on the inputs' ``device``, with the ``.to`` call that moves it."""
+    if t.device != device:
+        raise ValueError(f"{method}: {name} is on {t.device} but the inputs are on "
+                         f"{device}; pass {name}.to('{device}').")
 
 
 def zero_padded_queries(out: Tensor, query_valid: Tensor | None) -> Tensor:

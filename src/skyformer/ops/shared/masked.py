@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .inputs import check_device
 from .sdpa import sdpa
 
 
@@ -56,9 +57,7 @@ def attention_bias(attn_mask: Tensor, key_valid: Tensor | None, causal: bool,
     ``attn_mask`` must broadcast to ``shape`` = ``[B, H, Nq, Nk]`` and be on the inputs'
     ``device``; checked here with a sentence.
     """
-    if attn_mask.device != device:
-        raise ValueError(f"{method}: attn_mask is on {attn_mask.device} but the inputs are on "
-                         f"{device}; pass attn_mask.to('{device}').")
+    check_device(method, "attn_mask", attn_mask, device)
     _check_broadcasts(attn_mask, tuple(shape), method)
     if attn_mask.dtype == torch.bool:
         bias = torch.where(attn_mask, 0.0, float("-inf")).to(dtype)
