@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -62,6 +64,21 @@ def test_options_and_errors():
         layer(torch.randn(2, 5, 16), query_padding_mask=queries)  # not silently ignored
     layer(torch.randn(2, 5, 16), context=torch.randn(2, 7, 16), query_padding_mask=queries)
 
+
+
+def test_forward_says_how_a_randomised_layer_draws_in_eval_mode():
+    """``eval()`` fixes no draw: a randomised method takes a fresh key from torch's
+    global generator on every call unless ``generator`` is passed, which forward's
+    docstring says (it named every argument but ``generator``)."""
+    doc = inspect.getdoc(MultiHeadAttention.forward)
+    names = [n for n in inspect.signature(MultiHeadAttention.forward).parameters if n != "self"]
+    assert [n for n in names if f"``{n}" not in doc] == []
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(16, 2, method="skyformer", num_features=4).eval()
+    x = torch.randn(1, 12, 16)
+    assert not torch.equal(layer(x), layer(x))
+    assert torch.equal(layer(x, generator=torch.Generator().manual_seed(1)),
+                       layer(x, generator=torch.Generator().manual_seed(1)))
 
 
 @pytest.mark.parametrize("cached", [False, True], ids=["forward", "decoding"])

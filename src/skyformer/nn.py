@@ -145,6 +145,12 @@ class MultiHeadAttention(nn.Module):
         are all real unless ``query_padding_mask: [B, N]`` says otherwise. With a
         ``cache`` (``new_cache()``), ``x`` holds the next positions of the sequences the
         cache has seen: causal self-attention to all of them (decoding).
+        ``generator`` (a ``torch.Generator`` or a key, ``skyformer.random_key``) makes
+        the draws of a randomised method (landmarks, hashes, samples); with ``None``
+        each call takes one fresh key from torch's global generator, in eval mode too,
+        so the same input gives another output on every call: pass a generator seeded
+        anew (or a key) for reproducible outputs. Performer's features and Linformer's
+        projections are the layer's own (``method_state``) and take no draw here.
         Returns ``[B, N, dim]``.
         """
         with self._failing_together():
