@@ -26,7 +26,8 @@ where it cannot:
 - ``dropout_p``: applied, as by SDPA, whenever it is positive (pass 0 in evaluation):
   on the attention probabilities for ``softmax``, on the output for the methods that
   have no attention matrix (the same expectation, per entry of the output rather than
-  per weight).
+  per weight). The dropout draws from torch's global generator, as SDPA's, not from
+  ``generator``: seed torch as well for a call with dropout to repeat.
 - ``enable_gqa``: fewer key/value heads than query heads (H a multiple of Hkv), each
   group of H / Hkv query heads sharing one key/value head, as SDPA; the key/value heads
   are repeated for the methods, so every method runs grouped-query attention.
