@@ -307,6 +307,37 @@ def test_resume_from_a_foreign_last_pt_gets_a_sentence(listops_cache, tmp_path, 
         _run(cfg, listops_cache, tmp_path, resume=True)
 
 
+def _damage(path, kind):
+    """Make ``path`` (a checkpoint) cut short, empty, text, or a pickle with an object."""
+    import argparse
+
+    if kind == "cut short":
+        path.write_bytes(path.read_bytes()[:2000])
+    elif kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "text":
+        path.write_text('{"format": 1}\n')
+    else:
+        torch.save({"format": 1, "args": argparse.Namespace(lr=1)}, path)
+
+
+@pytest.mark.parametrize("kind, says", [
+    ("cut short", "cut short, empty or not written by torch.save"),
+    ("empty", "cut short, empty or not written by torch.save"),
+    ("text", "cut short, empty or not written by torch.save"),
+    ("object", r"a Python object \(argparse.Namespace\) .* not loaded"),
+])
+def test_an_unreadable_last_pt_is_named_with_what_to_do(listops_cache, tmp_path, kind, says):
+    """Not torch's paragraph advising weights_only=False, which --resume cannot take."""
+    cfg = _cfg(steps=2, checkpoint_every=1)
+    _run(cfg, listops_cache, tmp_path, stop_after=1)
+    _damage(tmp_path / "last.pt", kind)
+    with pytest.raises(ValueError, match=says) as caught:
+        _run(cfg, listops_cache, tmp_path, resume=True)
+    assert str(caught.value).endswith("or start a new run with another --out.")
+    assert "weights_only" not in str(caught.value)
+
+
 def test_a_run_stopped_early_is_finished_on_resume_without_training(listops_cache, tmp_path):
     """Interrupted between early stopping and result.json: resume evaluates, trains no more."""
     cfg = _cfg(steps=40, lr=1e-12, eval_every=2, patience=2)

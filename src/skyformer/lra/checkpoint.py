@@ -17,7 +17,9 @@ Data order needs no state beyond its position (see ``batches.py``).
 from __future__ import annotations
 
 import os
+import pickle
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +46,28 @@ def load_checkpoint(path: str | os.PathLike[str], device: torch.device | str = "
     try:
         return torch.load(target, map_location=device, weights_only=True)
     except Exception as err:  # truncated or foreign files raise many different errors
-        raise ValueError(f"cannot read checkpoint {target} ({type(err).__name__}: "
-                         f"{err}).") from None
+        raise ValueError(_unreadable_sentence(target, err)) from None
+
+
+def _unreadable_sentence(target: Path, err: Exception) -> str:
+    """Why ``torch.load(target, weights_only=True)`` failed, and what to do: a file that
+    holds Python objects (a class torch names as ``GLOBAL module.Name``) is no checkpoint
+    ``save_checkpoint`` wrote, and is not loaded, since unpickling it could run code; any
+    other failure is a file cut short, empty or not written by ``torch.save``."""
+    fix = ("put the run's own file back (from a copy), or start a new run with another "
+           "--out.")
+    refused = re.search(r"GLOBAL ([\w.]+)", str(err))
+    if isinstance(err, pickle.UnpicklingError) and refused:
+        return (f"cannot read checkpoint {target}: it holds a Python object ({refused[1]}) "
+                f"besides tensors and plain values, which is not loaded since loading it "
+                f"could run code; checkpoints of skyformer lra train hold none, so it is not "
+                f"one of them: {fix}")
+    detail = type(err).__name__
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    if first and "weights only" not in first.lower():  # not torch's advice to unpickle it
+        detail += f": {first}"
+    return (f"cannot read checkpoint {target}: the file is cut short, empty or not written "
+            f"by torch.save ({detail}); {fix}")
 
 
 def device_rng_state(device: torch.device, attention_generator: torch.Generator
