@@ -338,6 +338,25 @@ def test_an_unreadable_last_pt_is_named_with_what_to_do(listops_cache, tmp_path,
     assert "weights_only" not in str(caught.value)
 
 
+@pytest.mark.parametrize("other", [{"seed": 1}, {"attention": "linear"}])
+def test_a_best_pt_of_another_run_is_refused_not_tested_as_this_runs(listops_cache, tmp_path,
+                                                                     other):
+    """best.pt put back from another seed's or method's folder (same step) was evaluated
+    on test at the end and written to result.json as this run's."""
+    cfg = _cfg(steps=8)
+    _run(cfg, listops_cache, tmp_path / "run", stop_after=4)
+    _run(dataclasses.replace(cfg, **other), listops_cache, tmp_path / "other", stop_after=4)
+    (tmp_path / "other" / "best.pt").replace(tmp_path / "run" / "best.pt")
+    key, value = next(iter(other.items()))
+    with pytest.raises(ValueError, match=rf"best.pt is the best checkpoint of a run with other "
+                       rf"settings \({key}: {value} then, .* now\)"):
+        _run(cfg, listops_cache, tmp_path / "run", resume=True)
+    assert not (tmp_path / "run" / "result.json").exists()
+    torch.save(torch.zeros(2), tmp_path / "run" / "best.pt")
+    with pytest.raises(ValueError, match=r"best\.pt is not a best-dev checkpoint"):
+        _run(cfg, listops_cache, tmp_path / "run", resume=True)
+
+
 def test_a_run_stopped_early_is_finished_on_resume_without_training(listops_cache, tmp_path):
     """Interrupted between early stopping and result.json: resume evaluates, trains no more."""
     cfg = _cfg(steps=40, lr=1e-12, eval_every=2, patience=2)

@@ -292,6 +292,30 @@ def check_best_checkpoint(folder: Path, step: int, best_step: int,
                      "--out.")
 
 
+def best_checkpoint_step(folder: Path, cfg: TrainConfig) -> int | None:
+    """The step ``folder/best.pt`` holds (None: there is none), refusing a file that is no
+    best-dev checkpoint of ``cfg``'s run (another seed's or method's, put in its place),
+    which the end of the run would evaluate on test and report as its own."""
+    path = folder / "best.pt"
+    if not path.is_file():
+        return None
+    best = load_checkpoint(path)
+    fix = f"put this run's own best.pt back into {folder}, or start a new run with another --out."
+    if not (isinstance(best, dict) and best.get("format") == CHECKPOINT_FORMAT
+            and isinstance(best.get("config"), dict) and "model" in best
+            and isinstance(best.get("step"), int)):
+        raise ValueError(f"cannot resume {folder / 'last.pt'}: {path} is not a best-dev "
+                         f"checkpoint of format {CHECKPOINT_FORMAT} (config, model and step); "
+                         f"{fix}")
+    saved, current = best["config"], cfg.to_dict()
+    if _config_differences(saved, current):
+        said = _describe_differences(saved, current, nested=True)
+        raise ValueError(f"cannot resume {folder / 'last.pt'}: {path} is the best checkpoint "
+                         f"of a run with other settings ({said}), which the end of this run "
+                         f"would evaluate on test as its own; {fix}")
+    return best["step"]
+
+
 def check_run(cfg: TrainConfig, folder: Path, cache_root: str | os.PathLike[str],
               resume: bool) -> None:
     """Fail now with the sentence ``Trainer.run`` would fail with when ``cfg`` cannot
@@ -304,6 +328,7 @@ def check_run(cfg: TrainConfig, folder: Path, cache_root: str | os.PathLike[str]
         s = ckpt["state"]
         if finished_result(folder, cfg, s["step"]) is None:
             check_best_checkpoint(folder, s["step"], s["best_step"], ckpt["history"])
+            best_checkpoint_step(folder, cfg)
 
 
 class Trainer:
@@ -401,10 +426,10 @@ class Trainer:
         it is written again. Missing otherwise, the run is refused (every process)."""
         s = self.state
         check_best_checkpoint(self.folder, s.step, s.best_step, s.history)
+        saved = best_checkpoint_step(self.folder, self.cfg)  # every process: all refuse
         if not self.info.is_main or s.best_step == 0:
             return
         path = self.folder / "best.pt"
-        saved = load_checkpoint(path).get("step") if path.is_file() else None
         if saved == s.best_step:
             return
         entry = best_dev_entry(s.step, s.best_step, s.history)
