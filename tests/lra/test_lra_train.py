@@ -357,6 +357,18 @@ def test_a_best_pt_of_another_run_is_refused_not_tested_as_this_runs(listops_cac
         _run(cfg, listops_cache, tmp_path / "run", resume=True)
 
 
+@pytest.mark.parametrize("text, says", [('{"test_acc', "not JSON"), ("[1]", "a JSON list"),
+                                         (b"\xff\xfe", "not JSON")])
+def test_an_unreadable_result_json_is_named_at_resume(listops_cache, tmp_path, text, says):
+    """It gave json's bare 'Unterminated string ...' without a file, or an AttributeError."""
+    cfg = _cfg(steps=8)
+    _run(cfg, listops_cache, tmp_path, stop_after=4)
+    path = tmp_path / "result.json"
+    path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
+    with pytest.raises(ValueError, match=rf"its result.json is {says}.*remove it"):
+        _run(cfg, listops_cache, tmp_path, resume=True)
+
+
 def test_a_run_stopped_early_is_finished_on_resume_without_training(listops_cache, tmp_path):
     """Interrupted between early stopping and result.json: resume evaluates, trains no more."""
     cfg = _cfg(steps=40, lr=1e-12, eval_every=2, patience=2)

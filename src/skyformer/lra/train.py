@@ -261,7 +261,16 @@ def finished_result(folder: Path, cfg: TrainConfig, step: int) -> dict[str, Any]
     path = folder / "result.json"
     if not path.is_file():
         return None
-    result = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        result = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        problem = f"not JSON ({err})"
+    else:
+        problem = None if isinstance(result, dict) else f"a JSON {type(result).__name__}"
+    if problem is not None:
+        raise ValueError(f"cannot resume {folder}: its result.json is {problem}, not a result "
+                         f"of skyformer lra train; remove it (the run writes it again when it "
+                         f"finishes), or choose another --out.")
     config = json_ready(cfg.to_dict())  # as written: an infinite setting is null
     if result.get("config") != config or result.get("steps") != step:
         return None
