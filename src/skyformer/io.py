@@ -151,6 +151,53 @@ def remove_dead_builds(final: Path) -> list[Path]:
     return removed
 
 
+LOCK_FILE = ".skyformer.lock"
+
+
+@contextmanager
+def folder_lock(folder: str | os.PathLike[str], flag: str = "--out") -> Iterator[Path]:
+    """Hold ``folder/.skyformer.lock`` while the ``with`` block runs: a file created
+    exclusively, naming this process (``HOST-PID``), removed at the end. Another process
+    that takes the lock of the same folder meanwhile is refused with a sentence (naming
+    ``flag``, the option that chose the folder) instead of mixing its files with this
+    one's. A lock that a killed process of this host left is taken over (its process no
+    longer runs); one of another host is left for the user to remove, as the sentence says."""
+    target = Path(folder)
+    target.mkdir(parents=True, exist_ok=True)
+    lock = target / LOCK_FILE
+    _take_lock(lock, flag)
+    try:
+        yield lock
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def _take_lock(lock: Path, flag: str) -> None:
+    """Create ``lock`` holding this process's ``HOST-PID``, or raise a sentence naming the
+    process that holds it; a lock of a dead process of this host is removed first."""
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, FILE_MODE)
+        except FileExistsError:
+            holder = lock.read_text(encoding="utf-8", errors="replace").strip() \
+                if lock.is_file() else ""
+            host, _, pid = holder.rpartition("-")
+            here = _builder_tag().rsplit("-", 1)[0]
+            if host == here and pid.isdigit() and holder != _builder_tag() \
+                    and not _process_alive(int(pid)):
+                lock.unlink(missing_ok=True)  # left by a killed process: nobody writes now
+                continue
+            who = f"process {pid} on {host}" if host and pid.isdigit() else "another process"
+            raise ValueError(f"{lock.parent} is in use by another run ({who} holds {lock}); "
+                             f"wait for it to end, or choose another {flag}; if no run uses the "
+                             f"folder (one killed on another machine), remove {lock}.") from None
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(_builder_tag() + "\n")
+        return
+    raise ValueError(f"cannot take {lock} (it came back after a dead process's was removed); "
+                     f"remove it if no run uses {lock.parent}.")
+
+
 @contextmanager
 def building_folder(path: str | os.PathLike[str]) -> Iterator[Path]:
     """A new temporary folder next to ``path`` to fill in the ``with`` block. When the

@@ -15,6 +15,7 @@ import sys
 import torch.distributed as dist
 
 from skyformer.distributed import destroy_process_group
+from skyformer.io import LOCK_FILE
 from skyformer.lra import make_config, train
 
 
@@ -30,7 +31,13 @@ def main(cache: str, out: str) -> None:
         "stop_after": lambda: train(cfg, out_dir=f"{out}/stop_after", stop_after=4, **common),
         # the run folder not shared: process 1 finds no last.pt in its own copy of the path
         "resume": lambda: train(cfg, out_dir=f"{out}/resume1", resume=True, **common),
+        # the folder in use by another run, which only process 0 checks
+        "in_use": lambda: train(cfg, out_dir=f"{out}/in_use", **common),
     }
+    if rank == 0:
+        os.makedirs(f"{out}/in_use")
+        with open(f"{out}/in_use/{LOCK_FILE}", "w", encoding="utf-8") as handle:
+            handle.write("another-host-1\n")
     train(cfg, out_dir=f"{out}/resume", stop_after=3, **common)
     dist.barrier()  # process 0 has written last.pt
     said = []

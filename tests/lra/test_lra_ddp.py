@@ -110,3 +110,5 @@ def test_processes_that_disagree_on_the_run_are_refused_on_every_process(listops
         assert "--stop-after differs" in said["stop_after"]
         assert "process 0 at step 3, process 1 at step 0" in said["resume"]
         assert "a filesystem every process sees" in said["resume"]
+        assert ("is in use by another run (process 1 on another-host" if rank == 0
+                else "process 0 refused the run") in said["in_use"]

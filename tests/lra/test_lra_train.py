@@ -369,6 +369,41 @@ def test_an_unreadable_result_json_is_named_at_resume(listops_cache, tmp_path, t
         _run(cfg, listops_cache, tmp_path, resume=True)
 
 
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_second_run_in_a_folder_in_use_is_refused(listops_cache, tmp_path, resume):
+    """Two runs started in one folder before either wrote last.pt (or two --resume of
+    one run) both trained there, each writing over and between the other's files."""
+    from skyformer.io import LOCK_FILE, folder_lock
+
+    cfg = _cfg(steps=8)
+    if resume:
+        _run(cfg, listops_cache, tmp_path, stop_after=4)
+    with folder_lock(tmp_path):  # the run training there now
+        with pytest.raises(ValueError, match=rf"is in use by another run \(process \d+ on "
+                           rf".*holds .*{re.escape(LOCK_FILE)}\); wait for it to end"):
+            _run(cfg, listops_cache, tmp_path, resume=resume)
+        assert not (tmp_path / "result.json").exists()
+    assert _run(cfg, listops_cache, tmp_path, resume=resume)["steps"] == 8
+    assert not (tmp_path / LOCK_FILE).exists()
+
+
+def test_the_lock_a_killed_run_left_is_taken_over(listops_cache, tmp_path):
+    import subprocess
+    import sys
+
+    from skyformer.io import LOCK_FILE, _builder_tag
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    host = _builder_tag().rsplit("-", 1)[0]
+    (tmp_path / LOCK_FILE).write_text(f"{host}-{dead}\n")
+    assert _run(_cfg(steps=4), listops_cache, tmp_path)["steps"] == 4
+    assert not (tmp_path / LOCK_FILE).exists()
+    (tmp_path / LOCK_FILE).write_text(f"another-host-{dead}\n")  # alive there, maybe
+    with pytest.raises(ValueError, match=rf"process {dead} on another-host holds"):
+        _run(_cfg(steps=4), listops_cache, tmp_path, resume=True)
+
+
 def test_a_run_stopped_early_is_finished_on_resume_without_training(listops_cache, tmp_path):
     """Interrupted between early stopping and result.json: resume evaluates, trains no more."""
     cfg = _cfg(steps=40, lr=1e-12, eval_every=2, patience=2)

@@ -135,6 +135,18 @@ def barrier(info: DistInfo) -> None:
         dist.barrier()
 
 
+def refuse_everywhere(info: DistInfo, refusal: Exception | None, what: str) -> None:
+    """Raise ``refusal`` (found by process 0 alone, e.g. a run folder in use) on process
+    0, and a sentence pointing to it on the others, which would otherwise wait forever in
+    the next collective. ``what``: what process 0 checked, for the others' sentence."""
+    if info.enabled:
+        flags = all_gather(torch.tensor([refusal is not None], dtype=torch.long), info)
+        if refusal is None and int(flags[0]):
+            raise ValueError(f"process 0 refused the run ({what}); see its message.")
+    if refusal is not None:
+        raise refusal
+
+
 def _checksum(value: Any) -> int:
     """A checksum of a JSON-able value, equal on every process for equal values."""
     text = json.dumps(json_ready(value), sort_keys=True, default=str)

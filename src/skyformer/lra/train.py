@@ -35,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..io import (
     environment,
+    folder_lock,
     json_ready,
     json_text,
     portable_name,
@@ -60,6 +61,7 @@ from .distributed import (
     broadcast_state,
     check_processes_agree,
     init_distributed,
+    refuse_everywhere,
     shutdown,
 )
 from .evaluate import evaluate
@@ -661,45 +663,57 @@ class Trainer:
     def run(self) -> dict[str, Any] | None:
         self.info, self.device = init_distributed(self.device_request)
         try:
-            self._build()
-            resumed = self._restore()
-            self.resumed_at = self.state.step if resumed else None
-            removed = remove_interrupted_writes(self.folder, ATOMIC_FILES) \
-                if self.info.is_main else []
-            if removed:
-                self._say(f"removed {len(removed)} temporary file(s) of writes an interruption "
-                          f"cut short: {', '.join(p.name for p in removed)}")
-            finished = finished_result(self.folder, self.cfg, self.state.step) if resumed \
-                else None
-            check_processes_agree(self.info, self.cfg.to_dict(), data_fingerprint(self.data.meta),
-                                  self.stop_after, self.state.step, finished is not None,
-                                  self.folder)
-            if finished is not None:
-                self._say(f"{self.folder} is finished (result.json); nothing to do")
-                return finished
-            if resumed:
-                self._check_best()
-                self._say(f"resumed {self.folder} at step {self.state.step}")
-            self.net = self.model
-            if self.info.enabled:
-                ids = [self.device.index] if self.device.type == "cuda" else None
-                self.net = DistributedDataParallel(self.model, device_ids=ids)
-            if self.info.is_main:
-                write_json(self.folder / "config.json", {
-                    "train": self.cfg.to_dict(), "model": dataclasses.asdict(self.model.cfg),
-                    "data": dict(self.data.meta.items()),
-                    "world_size": self.info.world_size, "environment": environment(self.device),
-                })
-            self.log = RunLog(self.folder, enabled=self.info.is_main, history=self.state.history,
-                              tensorboard=self.tensorboard,
-                              purge_step=self.state.step)  # 0 for a new run
-            try:
-                finished = self._loop()
-                return self._finish() if finished else None
-            finally:
-                self.log.close()
+            with contextlib.ExitStack() as stack:
+                refusal = None
+                if self.info.is_main:  # one run at a time in a folder (io.folder_lock)
+                    try:
+                        stack.enter_context(folder_lock(self.folder))
+                    except ValueError as err:
+                        refusal = err
+                refuse_everywhere(self.info, refusal, f"{self.folder} is in use")
+                return self._run_in_folder()
         finally:
             shutdown(self.info)
+
+    def _run_in_folder(self) -> dict[str, Any] | None:
+        """``run`` once the folder is this run's alone."""
+        self._build()
+        resumed = self._restore()
+        self.resumed_at = self.state.step if resumed else None
+        removed = remove_interrupted_writes(self.folder, ATOMIC_FILES) \
+            if self.info.is_main else []
+        if removed:
+            self._say(f"removed {len(removed)} temporary file(s) of writes an interruption "
+                      f"cut short: {', '.join(p.name for p in removed)}")
+        finished = finished_result(self.folder, self.cfg, self.state.step) if resumed \
+            else None
+        check_processes_agree(self.info, self.cfg.to_dict(), data_fingerprint(self.data.meta),
+                              self.stop_after, self.state.step, finished is not None,
+                              self.folder)
+        if finished is not None:
+            self._say(f"{self.folder} is finished (result.json); nothing to do")
+            return finished
+        if resumed:
+            self._check_best()
+            self._say(f"resumed {self.folder} at step {self.state.step}")
+        self.net = self.model
+        if self.info.enabled:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.net = DistributedDataParallel(self.model, device_ids=ids)
+        if self.info.is_main:
+            write_json(self.folder / "config.json", {
+                "train": self.cfg.to_dict(), "model": dataclasses.asdict(self.model.cfg),
+                "data": dict(self.data.meta.items()),
+                "world_size": self.info.world_size, "environment": environment(self.device),
+            })
+        self.log = RunLog(self.folder, enabled=self.info.is_main, history=self.state.history,
+                          tensorboard=self.tensorboard,
+                          purge_step=self.state.step)  # 0 for a new run
+        try:
+            finished = self._loop()
+            return self._finish() if finished else None
+        finally:
+            self.log.close()
 
 
 def train(cfg: TrainConfig, **kwargs: Any) -> dict[str, Any] | None:
