@@ -349,3 +349,12 @@ def test_a_panel_without_dev_curves_says_so(tmp_path, monkeypatch):
     ax = figures[0].axes[0]
     assert ax.get_legend() is None
     assert [t.get_text() for t in ax.texts] == ["no dev entries in the runs' metrics.jsonl"]
+
+
+def test_a_binary_result_json_is_named(tmp_path):
+    """A result.json that is not text (a copy cut short, another tool's binary) is named
+    with the file, as invalid JSON is, not by the codec's words alone."""
+    folder = _fake_run(tmp_path, "listops", "softmax", 0, 0.5)
+    (folder / "result.json").write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(ValueError, match=r"result.json is not valid JSON"):
+        collect_runs([tmp_path])

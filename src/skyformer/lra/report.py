@@ -134,7 +134,7 @@ def collect_runs(paths: list[str | os.PathLike[str]]) -> list[Run]:
             seen.add(file.resolve())
             try:
                 result = json.loads(file.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as err:
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
                 raise ValueError(f"{file} is not valid JSON ({err}).") from None
             _check_result(file, result)
             metrics = file.parent / "metrics.jsonl"
