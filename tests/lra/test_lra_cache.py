@@ -127,3 +127,13 @@ def test_an_empty_document_is_refused_when_the_cache_is_written(tmp_path):
     splits = {**_splits(), "dev": SplitSource(1, iter([([np.array([], dtype=int)], 0)]))}
     with pytest.raises(ValueError, match="document 0 is empty"):
         write_cache(tmp_path, LISTOPS, splits, max_len=5)
+
+
+def test_a_cache_root_with_a_tilde_is_the_home_folder(monkeypatch, tmp_path):
+    """``SKYFORMER_LRA_CACHE=~/x`` (quoted in a shell, or set in a notebook) names a folder
+    in the home folder, as ``--src`` does, not a folder called ``~`` in the working one."""
+    from skyformer.lra.cache import CACHE_ENV, default_cache_root
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv(CACHE_ENV, "~/lra-cache")
+    assert default_cache_root() == tmp_path / "lra-cache"

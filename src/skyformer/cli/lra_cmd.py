@@ -190,7 +190,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _cache(args: argparse.Namespace) -> Path:
     from ..lra.cache import default_cache_root
 
-    return Path(args.cache) if args.cache else default_cache_root()
+    return Path(args.cache).expanduser() if args.cache else default_cache_root()
 
 
 def _threads(n: int | None) -> None:

@@ -34,9 +34,10 @@ CACHE_ENV = "SKYFORMER_LRA_CACHE"
 
 
 def default_cache_root() -> Path:
-    """``$SKYFORMER_LRA_CACHE`` or ``~/.cache/skyformer/lra``."""
+    """``$SKYFORMER_LRA_CACHE`` (a leading ``~`` is the home folder) or
+    ``~/.cache/skyformer/lra``."""
     env = os.environ.get(CACHE_ENV)
-    return Path(env) if env else Path.home() / ".cache" / "skyformer" / "lra"
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "skyformer" / "lra"
 
 
 @dataclass
@@ -87,7 +88,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def cache_dir(cache_root: str | os.PathLike[str], task: str) -> Path:
-    return Path(cache_root) / task
+    return Path(cache_root).expanduser() / task
 
 
 def _write_split(folder: Path, name: str, task: TaskSpec, source: SplitSource,

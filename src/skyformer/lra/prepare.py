@@ -26,5 +26,5 @@ def prepare(task: str, src: str | os.PathLike[str],
     splits, meta = READERS[task](src, **options)
     if max_len is None:
         max_len = meta["resolution"] ** 2 if "resolution" in meta else spec.max_len
-    root = Path(cache_root) if cache_root is not None else default_cache_root()
+    root = Path(cache_root).expanduser() if cache_root is not None else default_cache_root()
     return write_cache(root, spec, splits, max_len=max_len, meta=meta)

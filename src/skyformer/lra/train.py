@@ -357,7 +357,7 @@ class Trainer:
             raise ValueError(f"stop_after (--stop-after) must be a number of steps >= 0, "
                              f"got {stop_after!r}.")
         self.cfg = cfg
-        self.cache_root = Path(cache_root)
+        self.cache_root = Path(cache_root).expanduser()
         self.folder = Path(out_dir) if out_dir is not None else default_run_dir(cfg)
         self.resume = resume
         self.stop_after = stop_after
