@@ -152,6 +152,19 @@ def test_saved_state_of_layers_running_different_methods_comes_back(model, padde
         shf.load_state(loaded, tmp_path)
 
 
+@pytest.mark.parametrize("name, content", [
+    ("model.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a"),  # cut short
+    ("model.safetensors.index.json", b'{"metadata": {}'),
+    ("pytorch_model.bin", b"not a torch.save file")])
+def test_load_state_names_a_weights_file_it_cannot_read(model, tmp_path, name, content):
+    """A weights file cut short or of another format is named with the fix, not left
+    to the reader's own words (SafetensorError, JSONDecodeError, UnpicklingError)."""
+    shf.set_attention(model, "performer", layers=[0], num_features=8, seed=0)
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(ValueError, match=rf"{name} could not be read as saved weights"):
+        shf.load_state(model, tmp_path)
+
+
 def save_bin_shards(model, folder, max_shard_size):
     """``model`` as sharded ``pytorch_model-0000i-of-0000n.bin`` files with their
     ``pytorch_model.bin.index.json``, as transformers before version 5 saved it with

@@ -19,7 +19,8 @@ import dataclasses
 import json
 import warnings
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -412,24 +413,39 @@ def _saved_tensors(folder: Path, marker: str) -> dict[str, Any] | None:
 
     found = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as handle:
+        with _reading(file), safe_open(str(file), framework="pt") as handle:
             found.update({key: handle.get_tensor(key) for key in handle.keys()  # noqa: SIM118
                           if marker in key})
     return found
 
 
+@contextmanager
+def _reading(file: Path) -> Iterator[None]:
+    """Name ``file`` and the fix when reading it fails (a file cut short, of another
+    format, or not holding tensors), instead of the reader's words alone."""
+    try:
+        yield
+    except Exception as err:  # the readers' own types: SafetensorError, UnpicklingError, ...
+        raise ValueError(f"{file} could not be read as saved weights ({type(err).__name__}: "
+                         f"{err}); save the model again with save_pretrained, or give the "
+                         "folder it was saved to.") from err
+
+
 def _shards_holding(index: Path, marker: str) -> list[Path]:
     """The shards that the ``index`` of a sharded checkpoint lists for tensors whose names
     contain ``marker``."""
-    weight_map = json.loads(index.read_text())["weight_map"]
-    return sorted({index.parent / file for key, file in weight_map.items() if marker in key})
+    with _reading(index):
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        return sorted({index.parent / file for key, file in weight_map.items()
+                       if marker in key})
 
 
 def _bin_tensors(files: list[Path], marker: str) -> dict[str, Any]:
     """The tensors whose names contain ``marker`` in the ``torch.save`` files ``files``."""
     found = {}
     for file in files:
-        weights = torch.load(file, map_location="cpu", weights_only=True,
-                             mmap=zipfile.is_zipfile(file))  # mmap needs the zip format
-        found.update({key: value for key, value in weights.items() if marker in key})
+        with _reading(file):
+            weights = torch.load(file, map_location="cpu", weights_only=True,
+                                 mmap=zipfile.is_zipfile(file))  # mmap needs the zip format
+            found.update({key: value for key, value in weights.items() if marker in key})
     return found
