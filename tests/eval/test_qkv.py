@@ -203,3 +203,35 @@ def test_loading_keeps_the_callers_transformers_settings(minilm):
     finally:
         hf_logging.enable_progress_bar()
         root.setLevel(level)
+
+
+def _save_with_minilm_tokenizer(model, folder):
+    import shutil
+
+    from skyformer.eval.data.qkv import default_model_dir
+
+    model.save_pretrained(folder)
+    for name in ("vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(default_model_dir() / name, folder / name)
+
+
+def test_a_layer_shared_by_every_block_gives_its_first_application(tmp_path):
+    """ALBERT runs one attention module in each of its blocks: the hooks took every
+    application, so --seq-len 64 gave N = 128 (two blocks' Q/K/V end to end)."""
+    import transformers
+
+    config = transformers.AlbertConfig(vocab_size=30522, embedding_size=16, hidden_size=32,
+                                       num_hidden_layers=2, num_attention_heads=4,
+                                       intermediate_size=64, max_position_embeddings=64)
+    torch.manual_seed(0)
+    _save_with_minilm_tokenizer(transformers.AlbertModel(config), tmp_path)
+    model, tokenizer, _ = load_model(tmp_path)
+    qkv = extract_qkv(model, tokenizer, default_text(), seq_len=100, layer=0)
+    assert qkv.q.shape == (1, 4, 100, 8) and qkv.windows == 2
+    ids = tokenizer(default_text(), add_special_tokens=False)["input_ids"][:48]
+    ids = torch.tensor([[tokenizer.cls_token_id, *ids, tokenizer.sep_token_id]])
+    with torch.no_grad():
+        hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[0]
+        attention = model.encoder.albert_layer_groups[0].albert_layers[0].attention
+        k = attention.key(hidden).view(1, 50, 4, 8).transpose(1, 2)
+    torch.testing.assert_close(qkv.k[:, :, :50], k)

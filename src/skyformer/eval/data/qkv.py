@@ -217,7 +217,8 @@ def extract_qkv(
     """Q/K/V of ``layer`` for the first ``seq_len`` tokens of ``text``: ``[1, H, N, Dh]``.
 
     Sequences longer than the model's position limit are built by running consecutive
-    windows and concatenating their Q/K/V along N.
+    windows and concatenating their Q/K/V along N. A layer whose module runs in several
+    blocks (ALBERT's one shared layer) gives its first application in each window.
     """
     projections = layer_projections(model, layer)
     if seq_len < 3:
@@ -226,9 +227,12 @@ def extract_qkv(
     heads = config.num_attention_heads
     limit = position_limit(model)
     captured: dict[str, list[Tensor]] = {"q": [], "k": [], "v": []}
+    done = {"windows": 0}  # windows the model has run
 
     def hook(key: str):
         def fn(_module, _inputs, output):
+            if len(captured[key]) > done["windows"]:  # a shared layer's later application
+                return
             b, n, width = output.shape
             captured[key].append(output.view(b, n, heads, width // heads).transpose(1, 2))
 
@@ -244,6 +248,7 @@ def extract_qkv(
         with torch.no_grad():  # values to compare, not to differentiate
             for ids in windows:
                 model(input_ids=torch.tensor([ids], device=device))
+                done["windows"] += 1
     finally:
         for h in handles:
             h.remove()
