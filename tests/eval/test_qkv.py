@@ -152,7 +152,8 @@ def test_model_folders_that_cannot_be_used_give_sentences(tmp_path):
     transformers.GPT2Model(config).save_pretrained(gpt2)
     for name in ("vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(default_model_dir() / name, gpt2 / name)
-    with pytest.raises(ValueError, match="holds a GPT2Model, not a BERT-type encoder"):
+    with pytest.raises(ValueError, match=r"holds a GPT2Model, not a BERT-type encoder.*"
+                       r"DistilBERT"):
         load_model(gpt2)
 
 
@@ -235,3 +236,23 @@ def test_a_layer_shared_by_every_block_gives_its_first_application(tmp_path):
         attention = model.encoder.albert_layer_groups[0].albert_layers[0].attention
         k = attention.key(hidden).view(1, 50, 4, 8).transpose(1, 2)
     torch.testing.assert_close(qkv.k[:, :, :50], k)
+
+
+def test_a_distilbert_model_gives_the_qkv_of_its_own_projections(tmp_path):
+    """DistilBERT names its projections q_lin, k_lin, v_lin: it was refused as "not a
+    BERT-type encoder"."""
+    import transformers
+
+    config = transformers.DistilBertConfig(vocab_size=30522, dim=32, n_layers=2, n_heads=4,
+                                           hidden_dim=64, max_position_embeddings=64)
+    torch.manual_seed(0)
+    _save_with_minilm_tokenizer(transformers.DistilBertModel(config), tmp_path)
+    model, tokenizer, _ = load_model(tmp_path)
+    qkv = extract_qkv(model, tokenizer, default_text(), seq_len=40, layer=1)
+    assert qkv.q.shape == (1, 4, 40, 8)
+    ids = tokenizer(default_text(), add_special_tokens=False)["input_ids"][:38]
+    ids = torch.tensor([[tokenizer.cls_token_id, *ids, tokenizer.sep_token_id]])
+    with torch.no_grad():
+        hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[1]
+        v = model.transformer.layer[1].attention.v_lin(hidden).view(1, 40, 4, 8)
+    torch.testing.assert_close(qkv.v, v.transpose(1, 2))

@@ -105,18 +105,26 @@ def load_model(
     if not attention_projections(model):
         raise ValueError(
             f"{str(path)!r} holds a {type(model).__name__}, not a BERT-type encoder: no "
-            f"attention layer with query/key/value projections was found."
+            f"attention layer with query/key/value (or DistilBERT's q_lin/k_lin/v_lin) "
+            f"projections was found. Pass a BERT, RoBERTa, XLM-R, ELECTRA, ALBERT, DistilBERT "
+            f"or MiniLM model folder; other models take skyformer.hf.set_attention from Python."
         )
     return model, tokenizer, name
+
+
+# names of the query, key and value projections: BERT-type layers, DistilBERT's
+PROJECTION_NAMES = (("query", "key", "value"), ("q_lin", "k_lin", "v_lin"))
 
 
 def attention_projections(model: nn.Module) -> list[tuple[nn.Linear, nn.Linear, nn.Linear]]:
     """(query, key, value) projections of every self-attention layer, in order."""
     found = []
     for module in model.modules():
-        parts = [getattr(module, name, None) for name in ("query", "key", "value")]
-        if all(isinstance(p, nn.Linear) for p in parts):
-            found.append(tuple(parts))
+        for names in PROJECTION_NAMES:
+            parts = [getattr(module, name, None) for name in names]
+            if all(isinstance(p, nn.Linear) for p in parts):
+                found.append(tuple(parts))
+                break
     return found
 
 
