@@ -37,6 +37,21 @@ def test_sentences_and_paragraphs_of_the_shipped_text():
         == ["One two three four.", "Five six seven eight!", "Nine ten eleven twelve?"]
 
 
+def test_sentences_of_a_text_in_other_languages():
+    """A sentence starting with a capital outside A-Z (Über, Ça, Élan) or ending in a CJK
+    full stop was not split off: a German or Chinese text was one sentence, refused by
+    hf-eval's short setting as too short."""
+    assert sentences("Wir gehen heute nach Hause. Über die Brücke gehen wir dann. "
+                     "Ça va très bien, merci beaucoup! Élan vital ist ein Wort, e.g. hier.") \
+        == ["Wir gehen heute nach Hause.", "Über die Brücke gehen wir dann.",
+            "Ça va très bien, merci beaucoup!", "Élan vital ist ein Wort, e.g. hier."]
+    stop, bang, ask = "\u3002", "\uff01", "\uff1f"  # CJK full stop, ! and ?
+    assert sentences(f"我们今天去公园散步{stop}天气非常好{bang}你想一起去吗{ask}好{stop}") \
+        == [f"我们今天去公园散步{stop}", f"天气非常好{bang}", f"你想一起去吗{ask}"]  # 好: 1 word
+    assert sentences("Один два три четыре. Пять шесть семь восемь.") \
+        == ["Один два три четыре.", "Пять шесть семь восемь."]
+
+
 def test_quality_metrics():
     g = torch.Generator().manual_seed(0)
     exact = torch.nn.functional.normalize(torch.randn(6, 8, generator=g), dim=-1)

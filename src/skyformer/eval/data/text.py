@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import unicodedata
 from importlib import resources
 from pathlib import Path
 
@@ -34,7 +35,13 @@ def read_text(path: str | Path | None) -> str:
     return text
 
 
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[\"'(\[]?[A-Z0-9])")
+# a break after . ! ? and whitespace, before an optional opening quote or bracket and the
+# next sentence's first character (group 1: split there unless it is lowercase); or after a
+# CJK full stop, exclamation or question mark, with or without whitespace
+_CJK_END = "\u3002\uff01\uff1f"  # full stop, exclamation and question marks
+_CJK_CLOSE = "\u300d\u300f\uff09"  # closing corner brackets and parenthesis
+_SENTENCE_END = re.compile(rf"(?<=[.!?])\s+(?=[\"'(\[]?(\w))"
+                           rf"|(?<=[{_CJK_END}])(?![{_CJK_END}{_CJK_CLOSE}])\s*(?=\S)")
 
 
 def paragraphs(text: str) -> list[str]:
@@ -42,11 +49,33 @@ def paragraphs(text: str) -> list[str]:
     return [" ".join(p.split()) for p in re.split(r"\n\s*\n", text) if p.strip()]
 
 
+def _split_sentences(paragraph: str) -> list[str]:
+    """``paragraph`` cut at every ``_SENTENCE_END`` not followed by a lowercase letter."""
+    out, start = [], 0
+    for end in _SENTENCE_END.finditer(paragraph):
+        first = end.group(1)
+        if first is not None and (first.islower() or first == "_"):  # "e.g. the", "a. _x"
+            continue
+        out.append(paragraph[start : end.start()])
+        start = end.end()
+    out.append(paragraph[start:])
+    return out
+
+
+def _words(sentence: str) -> int:
+    """Whitespace-separated words, each wide (CJK) letter counted as one."""
+    wide = sum(1 for c in sentence if c.isalpha() and unicodedata.east_asian_width(c) == "W")
+    return len(sentence.split()) + wide
+
+
 def sentences(text: str, *, min_words: int = 4) -> list[str]:
     """Sentences of ``text``: paragraphs split after ``.``, ``!`` or ``?`` followed by a
-    capital or a digit; sentences of fewer than ``min_words`` words (headings such as
-    "Section. 2.") are dropped."""
+    letter that is not lowercase (a capital in any script, or a letter of a script without
+    case) or a digit, and after the CJK full stop, exclamation and question marks
+    (U+3002, U+FF01, U+FF1F); sentences of fewer than
+    ``min_words`` words (headings such as "Section. 2."; a CJK character counts as a word)
+    are dropped."""
     out = []
     for paragraph in paragraphs(text):
-        out.extend(s for s in _SENTENCE_END.split(paragraph) if len(s.split()) >= min_words)
+        out.extend(s for s in _split_sentences(paragraph) if _words(s) >= min_words)
     return out

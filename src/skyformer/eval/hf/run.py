@@ -187,8 +187,10 @@ def build_inputs(tokenizer: Any, text: str, setting: str, *, seq_len: int,
         found = sentences(text)[:max_texts]
         if len(found) < 2:
             raise ValueError(
-                f"the text has {len(found)} sentence(s); the short setting needs at least 2 "
-                f"for retrieval (pass a longer --text FILE)."
+                f"the text has {len(found)} sentence(s) (one ends at . ! or ? before a "
+                f"capital or a digit, or at a CJK full stop, and has at least 4 words); the short "
+                f"setting needs at least 2 for retrieval: pass a longer --text FILE, or "
+                f"--settings long."
             )
         ids = [tokenizer(s, truncation=True, max_length=seq_len)["input_ids"] for s in found]
         return Inputs(setting, ids)
