@@ -240,6 +240,24 @@ def test_refused_keyword_arguments():
                                     softcap=30.0)
 
 
+@torch.no_grad()
+def test_output_attentions_says_that_no_weights_come_back():
+    """output_attentions=True gave an empty tuple of attention maps without a word
+    (transformers' SDPA says it returns none)."""
+    import warnings
+
+    model = tiny_bert()
+    shf.set_attention(model, "nystrom_softmax", num_features=4, seed=0)
+    ids, mask = ids_and_padding()
+    with pytest.warns(UserWarning, match=r"nystrom_softmax returns no attention weights.*"
+                      r"attn_implementation='eager'"):
+        out = model(input_ids=ids, attention_mask=mask, output_attentions=True)
+    assert out.attentions == ()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(input_ids=ids, attention_mask=mask)
+
+
 @dataclasses.dataclass(frozen=True)
 class _ToyConfig:
     scale: float | None = None

@@ -241,6 +241,8 @@ def _attention(module: nn.Module, layer: LayerAttention, decoding: DecodingLayer
     """``skyformer_attention_forward`` once the layer and its cache step are known."""
     if layer.method != EXACT:  # with or without a cache
         _refuse_what_the_method_cannot_apply(module, layer, kwargs)
+        if kwargs.get("output_attentions"):  # exact layers: transformers' SDPA says so
+            _warn_no_weights(layer)
     if decoding is not None:
         if layer.method != EXACT and not layer.bound.method.capabilities.attn_mask:
             return _decoding_step(module, layer, decoding, query, key, value, attention_mask,
@@ -304,6 +306,14 @@ def _refuse_what_the_method_cannot_apply(module: nn.Module, layer: LayerAttentio
                 f"{_where(module, layer)}: the model asks for {what} ({name}=...), which "
                 f"{spec.name} cannot apply; keep exact attention in this layer."
             )
+
+
+def _warn_no_weights(layer: LayerAttention) -> None:
+    """Say that ``output_attentions=True`` gets no attention maps from this layer."""
+    warnings.warn(
+        f"{layer.method} returns no attention weights (no method materialises the attention "
+        f"matrix), so output_attentions=True gives none for its layers; to read the maps, "
+        f"load the model with attn_implementation='eager'.", UserWarning, stacklevel=2)
 
 
 def _decoding_step(module: nn.Module, layer: LayerAttention, decoding: DecodingLayer,
