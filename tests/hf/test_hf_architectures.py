@@ -258,6 +258,18 @@ def test_output_attentions_says_that_no_weights_come_back():
         model(input_ids=ids, attention_mask=mask)
 
 
+def test_a_model_with_attention_of_its_own_is_refused_naming_the_models_that_run():
+    """DeBERTa computes attention in its own code: the refusal named the mechanism
+    but no model a user could turn to."""
+    from transformers import DebertaV2Config, DebertaV2Model
+
+    model = DebertaV2Model(DebertaV2Config(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                           num_attention_heads=2, intermediate_size=32))
+    with pytest.raises(ValueError, match=r"DebertaV2Model has no attention module .*"
+                       r"BERT, RoBERTa.*Llama.*docs/pytorch2.md"):
+        shf.set_attention(model, "nystrom_softmax")
+
+
 @dataclasses.dataclass(frozen=True)
 class _ToyConfig:
     scale: float | None = None

@@ -90,7 +90,10 @@ def attention_modules(model: nn.Module) -> list[tuple[int, str, nn.Module]]:
         raise ValueError(
             f"{type(model).__name__} has no attention module that dispatches through "
             f"transformers' AttentionInterface (modules with config, scaling and is_causal "
-            f"that call ALL_ATTENTION_FUNCTIONS); skyformer.hf cannot change its attention."
+            f"that call ALL_ATTENTION_FUNCTIONS); skyformer.hf cannot change its attention. "
+            f"Models that dispatch so include BERT, RoBERTa, XLM-R, ELECTRA, ALBERT, "
+            f"DistilBERT, ViT, CLIP, GPT-2, Llama, Qwen2, Gemma, Phi, BART and Whisper "
+            f"(docs/pytorch2.md lists the architectures tested)."
         )
     indices = [getattr(m, "layer_idx", None) for _, m in found]
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in indices):
