@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import subprocess
 import sys
 
@@ -12,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from skyformer import MultiHeadAttention
+from skyformer.cli import main
 from skyformer.logs import enable_console, get_logger
 
 
@@ -21,6 +24,29 @@ def test_list_into_a_closed_pipe_ends_quietly():
         capture_output=True, text=True, timeout=120, check=False,
     )
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
+
+
+def _closed_pipe():
+    """A text stream into a pipe whose reader has gone (``| head`` after its lines)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    return open(write_end, "w", buffering=1)
+
+
+def test_a_run_into_closed_pipes_still_writes_its_files(tmp_path, monkeypatch):
+    """``skyformer bench --out X 2>&1 | head -1``: the first line written after the
+    reader left ended the run (exit 0), before its files were complete (approx: before
+    any result file); the run now goes on with its output dropped."""
+    out, err = _closed_pipe(), _closed_pipe()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    code = main(["bench", "--methods", "softmax", "--seq-lens", "16", "32", "--repeats", "1",
+                 "--warmup", "0", "--no-memory", "--no-plot", "--out", str(tmp_path / "b")])
+    assert code == 0
+    assert json.loads((tmp_path / "b.json").read_text())["complete"] is True
+    assert sys.stdout is out and sys.stderr is err  # given back as they were
+    out.close()
+    err.close()
 
 
 def _without_console():

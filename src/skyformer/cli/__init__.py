@@ -7,12 +7,12 @@ Subcommand modules define ``NAME``, ``HELP``, ``add_arguments(parser)`` and ``ru
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from types import ModuleType
 
 from ..logs import enable_console
 from . import approx_cmd, bench_cmd, compare_cmd, hf_eval_cmd, list_cmd, lra_cmd
+from .streams import surviving_closed_pipes
 
 SUBCOMMANDS: list[ModuleType] = [
     list_cmd, compare_cmd, bench_cmd, approx_cmd, hf_eval_cmd, lra_cmd,
@@ -46,20 +46,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     enable_console()
-    try:
-        return int(args._run(args) or 0)
-    except BrokenPipeError:
-        # The reader went away (``skyformer list --json | head``): stop quietly; stdout
-        # is pointed at /dev/null so that the interpreter's final flush cannot fail too.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 0
-    except USER_ERRORS as err:
-        print(f"skyformer {args.command}: error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    # A reader that goes away (``skyformer approx | head -3``) ends no run: the rest of
+    # its output is dropped and its result files are written as without the pipe.
+    with surviving_closed_pipes():
+        try:
+            return int(args._run(args) or 0)
+        except USER_ERRORS as err:
+            print(f"skyformer {args.command}: error: {err}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
 
 
 if __name__ == "__main__":
