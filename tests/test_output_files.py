@@ -9,7 +9,7 @@ import stat
 import pytest
 
 from skyformer.cli import main
-from skyformer.io import check_output_path, save_figure
+from skyformer.io import check_output_path, save_figure, write_json
 
 
 def test_unwritable_output_paths_are_refused_up_front(tmp_path):
@@ -23,6 +23,27 @@ def test_unwritable_output_paths_are_refused_up_front(tmp_path):
         check_output_path(afile, folder=True)
     check_output_path(tmp_path / "new" / "deeper" / "out.json")  # creatable: fine
     check_output_path(None)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes are POSIX")
+def test_a_device_or_named_pipe_is_refused_as_an_output_file(tmp_path, capsys):
+    """``--json /dev/stdout`` (or a FIFO, or a link to /dev/null) ran the study, then
+    renamed the result file over the name: the pipe became a plain file, and as root
+    /dev/stdout or /dev/null would have; such a path is refused before any work."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="is a named pipe, not a regular file"):
+        check_output_path(fifo)
+    with pytest.raises(ValueError, match="is a named pipe"):
+        write_json(fifo, {"a": 1})
+    assert main(["compare", "--methods", "nope", "--json", str(fifo)]) == 2
+    assert "is a named pipe, not a regular file" in capsys.readouterr().err
+    if os.path.exists(os.devnull):
+        (tmp_path / "null").symlink_to(os.devnull)
+        with pytest.raises(ValueError, match="is a character device"):
+            check_output_path(tmp_path / "null")
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and sorted(os.listdir(tmp_path)) == sorted(
+        ["fifo"] + (["null"] if os.path.exists(os.devnull) else []))
 
 
 def test_a_file_path_ending_in_a_separator_is_refused(tmp_path, capsys):

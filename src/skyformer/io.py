@@ -10,6 +10,7 @@ import platform
 import re
 import shutil
 import socket
+import stat
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -28,7 +29,8 @@ DIR_MODE = 0o755
 
 def check_output_path(path: str | os.PathLike[str] | None, *, folder: bool = False) -> None:
     """Fail now, with a sentence, if ``path`` cannot be written later (a file where a
-    folder is needed, a folder where a file is needed, no write permission), so that a
+    folder is needed, a folder where a file is needed, a device or named pipe where a
+    file is needed: ``refuse_special_file``, no write permission), so that a
     long run does not end in an error at its last step. ``folder``: ``path`` is an
     output folder (or a prefix whose folder is its parent when False: then a string
     ending in a separator, which ``Path`` would drop, is refused too)."""
@@ -43,6 +45,7 @@ def check_output_path(path: str | os.PathLike[str] | None, *, folder: bool = Fal
         raise NotADirectoryError(f"the output folder {target} is a file; choose another path.")
     if not folder and target.is_dir():
         raise IsADirectoryError(f"the output file {target} is a folder; choose a file name.")
+    refuse_special_file(target)
     ancestor = (target if folder else target.parent).absolute()
     while not ancestor.exists():
         ancestor = ancestor.parent
@@ -51,6 +54,27 @@ def check_output_path(path: str | os.PathLike[str] | None, *, folder: bool = Fal
             f"cannot write {target}: {ancestor} is a file, not a folder; choose another path.")
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise PermissionError(f"cannot write {target}: no write permission in {ancestor}.")
+
+
+_SPECIAL_FILES = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                  (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"))
+
+
+def refuse_special_file(path: str | os.PathLike[str]) -> None:
+    """Refuse, with a sentence, a ``path`` (links followed) that is a device, named pipe
+    or socket (``/dev/null``, ``/dev/stdout``, a FIFO): a result file is written whole
+    beside it and renamed over its name, which would put a plain file where the device
+    or pipe was (as root, in place of ``/dev/null`` for every program)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:  # absent (or unreadable: the write will say why)
+        return
+    for is_kind, kind in _SPECIAL_FILES:
+        if is_kind(mode):
+            raise ValueError(
+                f"the output file {path} is {kind}, not a regular file: results are written "
+                "to a new file renamed over that name, which would replace it; choose a "
+                "file name (and read the file afterwards).")
 
 
 def portable_name(name: str) -> str:
@@ -74,6 +98,7 @@ def atomic_writer(path: str | os.PathLike[str], mode: str = "w") -> Iterator[IO[
     if mode not in ("w", "wb"):
         raise ValueError(f"mode must be 'w' or 'wb', got {mode!r}.")
     target = Path(path)
+    refuse_special_file(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
@@ -291,6 +316,7 @@ def save_figure(fig: Any, path: str | os.PathLike[str], **savefig: Any) -> Path:
     ``FILE_MODE``, then rename) and close it where pyplot holds it: a reader never sees
     half a PNG."""
     target = Path(path)
+    refuse_special_file(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=target.suffix or ".png",
                                dir=target.parent)
