@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from skyformer import MultiHeadAttention
 from skyformer.cli import main
 from skyformer.logs import enable_console, get_logger
+from tests.streams import FlushRecorder
 
 
 def test_list_into_a_closed_pipe_ends_quietly():
@@ -47,6 +48,20 @@ def test_a_run_into_closed_pipes_still_writes_its_files(tmp_path, monkeypatch):
     assert sys.stdout is out and sys.stderr is err  # given back as they were
     out.close()
     err.close()
+
+
+def test_each_log_line_is_flushed_as_it_is_logged(monkeypatch):
+    """``skyformer lra train > train.log``: the console handler wrote without flushing,
+    so the log file showed lines kilobytes late and lost the last ones to a kill."""
+    _without_console()
+    recorder = FlushRecorder()
+    monkeypatch.setattr(sys, "stdout", recorder)
+    enable_console()
+    try:
+        get_logger("test").info("step 10")
+        assert recorder.flushed == "step 10\n"
+    finally:
+        _without_console()
 
 
 def _without_console():

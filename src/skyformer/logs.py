@@ -18,13 +18,17 @@ def get_logger(name: str) -> logging.Logger:
 
 class _Console(logging.Handler):
     """Writes records to the current ``sys.stdout`` (looked up at each record, so that
-    redirections made later, e.g. by pytest's capture, are followed)."""
+    redirections made later, e.g. by pytest's capture, are followed), each flushed as
+    ``logging.StreamHandler`` flushes: a log file (``> train.log``, where stdout is
+    block-buffered) shows every line when it is logged, not kilobytes later, and keeps
+    the last ones when the run is killed."""
 
     def emit(self, record: logging.LogRecord) -> None:
         from tqdm import tqdm
 
         try:
             tqdm.write(self.format(record), file=sys.stdout)
+            sys.stdout.flush()
         except Exception:  # a logging handler must not raise
             self.handleError(record)
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
 from skyformer.cli import main
 from skyformer.lra.checkpoint import load_checkpoint
+from tests.streams import FlushRecorder
 
 
 def test_generate_prepare_train_report_stability(tmp_path, capsys):
@@ -226,6 +228,16 @@ def test_a_task_given_twice_to_stability_is_refused(tmp_path, capsys, listops_ca
     captured = capsys.readouterr()
     assert "--tasks lists listops more than once; give each task once." in captured.err
     assert captured.out == ""
+
+
+def test_stability_progress_lines_are_flushed(monkeypatch, listops_cache):
+    """``skyformer lra stability > log``: each 'mean tau' line reaches the log when
+    measured (it sat in stdout's buffer until the run ended)."""
+    recorder = FlushRecorder()
+    monkeypatch.setattr(sys, "stdout", recorder)
+    assert main(["lra", "stability", "--tasks", "listops", "--methods", "kernelized",
+                 "--steps", "1", "--batch-size", "16", "--cache", str(listops_cache)]) == 0
+    assert "listops kernelized seed 0: mean tau" in recorder.flushed
 
 
 def test_stability_json_records_features_options_command_and_environment(

@@ -347,13 +347,18 @@ def _run_stability(args: argparse.Namespace) -> int:
 
     report = run_stability(args.tasks, args.methods, cache_root=_cache(args), seeds=args.seeds,
                            steps=args.steps, device=args.device, num_features=args.features,
-                           probe=args.probe, overrides=overrides, progress=print,
+                           probe=args.probe, overrides=overrides, progress=_say_now,
                            earlier=_earlier_taus(args),
                            on_measured=save if args.json_path else None)
     print(format_table(report))
     if args.json_path:
         print(f"wrote {save(report)}")
     return 0
+
+
+def _say_now(line: str) -> None:
+    """A progress line, flushed: a log file (stdout block-buffered) shows it now."""
+    print(line, flush=True)
 
 
 def _earlier_taus(args: argparse.Namespace) -> dict | None:
