@@ -107,6 +107,15 @@ def test_module_entry_point_runs():
     assert proc.returncode == 0 and "skyformer:" in proc.stdout
 
 
+@pytest.mark.parametrize("argv", [[], ["lra"]])
+def test_a_missing_command_is_an_error_on_stderr(capsys, argv):
+    """``skyformer`` or ``skyformer lra`` alone exits 2: its help went to stdout, into
+    the output a script captures (``out=$(skyformer $CMD)``), as if it were a result."""
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "usage: skyformer" in captured.err
+
+
 def test_version_flag(capsys):
     with pytest.raises(SystemExit) as stop:
         main(["--version"])

@@ -42,8 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args._argv = list(sys.argv[1:] if argv is None else argv)  # for result files
-    if not getattr(args, "_run", None):
-        parser.print_help()
+    if not getattr(args, "_run", None):  # no command: an error, so its help on stderr
+        parser.print_help(sys.stderr)
         return 2
     enable_console()
     # A reader that goes away (``skyformer approx | head -3``) ends no run: the rest of

@@ -406,7 +406,7 @@ def _run_presets(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     runners = {"prepare": _run_prepare, "generate": _run_generate, "train": _run_train,
                "report": _run_report, "stability": _run_stability, "presets": _run_presets}
-    if not args.lra_command:
-        args._lra_parser.print_help()
+    if not args.lra_command:  # no subcommand: an error, so its help on stderr
+        args._lra_parser.print_help(sys.stderr)
         return 2
     return runners[args.lra_command](args)
