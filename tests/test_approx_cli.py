@@ -289,3 +289,16 @@ def test_flags_the_run_never_reads_are_noted(argv, said):
     assert len(notes) == len(said), notes
     for note, words in zip(notes, said, strict=True):
         assert words in note
+
+
+def test_a_second_run_in_a_folder_in_use_is_refused(tmp_path, capsys):
+    """Two approx runs with one --out (or two --resume of one run) measured together,
+    each writing over the other's progress file and results; the second is refused."""
+    from skyformer.io import LOCK_FILE, folder_lock
+
+    with folder_lock(tmp_path):  # the run measuring there now
+        assert main([*RESUMABLE, "--out", str(tmp_path), "--resume"]) == 2
+        assert "is in use by another run" in capsys.readouterr().err
+        assert not (tmp_path / "approx.json").exists()
+    assert main([*RESUMABLE, "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "approx.json").exists() and not (tmp_path / LOCK_FILE).exists()

@@ -15,7 +15,7 @@ from ..eval.approx.progress import PROGRESS_FILE, warn_if_left
 from ..eval.approx.report import analysis_table, format_table, write_outputs
 from ..eval.approx.run import QUICK, ApproxConfig, run_approx
 from ..eval.data.sources import SOURCES
-from ..io import check_output_path
+from ..io import check_output_path, folder_lock
 
 NAME = "approx"
 HELP = (
@@ -188,6 +188,12 @@ def run(args: argparse.Namespace) -> int:
         require_matplotlib()  # fail before the run, not after it, when matplotlib is missing
     for note in unused_flags(args, config):
         print(note, file=sys.stderr)
+    with folder_lock(args.out):  # one run at a time in a folder
+        return _run_in_folder(args, config)
+
+
+def _run_in_folder(args: argparse.Namespace, config: ApproxConfig) -> int:
+    """The measurement of ``run``, its progress file and results in ``args.out``."""
     progress_file = Path(args.out) / PROGRESS_FILE
     if not args.resume:
         warn_if_left(progress_file)
