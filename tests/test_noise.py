@@ -50,6 +50,18 @@ def test_a_run_into_closed_pipes_still_writes_its_files(tmp_path, monkeypatch):
     err.close()
 
 
+def test_a_closed_stdout_or_stderr_ends_no_run(monkeypatch):
+    """``skyformer list >&-`` (or ``2>&-``): Python sets a closed standard stream to None;
+    the pipe-surviving wrapper wrapped None too, so the first line written (or an error's
+    sentence) crashed with an AttributeError traceback instead of being dropped."""
+    monkeypatch.setattr(sys, "stdout", None)
+    assert main(["list"]) == 0
+    assert sys.stdout is None
+    monkeypatch.setattr(sys, "stderr", None)
+    assert main(["compare", "--methods", "no_such_method"]) == 2
+    assert sys.stderr is None
+
+
 def test_each_log_line_is_flushed_as_it_is_logged(monkeypatch):
     """``skyformer lra train > train.log``: the console handler wrote without flushing,
     so the log file showed lines kilobytes late and lost the last ones to a kill."""

@@ -46,12 +46,18 @@ class ReaderGoneStream:
         return getattr(self._stream, name)
 
 
+def _surviving(stream: TextIO | None) -> ReaderGoneStream | None:
+    """``stream`` as a ``ReaderGoneStream``; None (a stream closed when Python started,
+    ``skyformer list >&-``) stays None, which ``print`` skips."""
+    return None if stream is None else ReaderGoneStream(stream)
+
+
 @contextmanager
 def surviving_closed_pipes() -> Iterator[None]:
     """``sys.stdout`` and ``sys.stderr`` as ``ReaderGoneStream`` inside the block, the
     streams given back after it."""
     saved = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = ReaderGoneStream(saved[0]), ReaderGoneStream(saved[1])
+    sys.stdout, sys.stderr = _surviving(saved[0]), _surviving(saved[1])
     try:
         yield
     finally:
