@@ -255,3 +255,20 @@ def test_result_files_are_the_same_bytes_on_windows(tmp_path, monkeypatch):
     assert written == expected
     with open(tmp_path / "windows" / "train.csv", newline="", encoding="utf-8") as handle:
         assert len(list(csv.reader(handle))) == 3  # the header and two rows
+
+
+def test_a_lock_left_by_an_earlier_process_of_this_id_is_taken_over(tmp_path):
+    """A container restarted after a kill (same host name, the run again process 1, say)
+    found its own ``HOST-PID`` in the lock the killed run left and refused itself as the
+    run in use; a lock this process does not hold is a dead one's, while one it holds is
+    still refused."""
+    from skyformer.io import LOCK_FILE, _builder_tag, folder_lock
+
+    (tmp_path / LOCK_FILE).write_text(_builder_tag() + "\n")  # the killed run's
+    with folder_lock(tmp_path) as lock:
+        assert lock.read_text() == _builder_tag() + "\n"
+        with pytest.raises(ValueError, match="is in use by another run"), \
+                folder_lock(tmp_path):
+            pass
+        assert lock.exists()
+    assert not (tmp_path / LOCK_FILE).exists()

@@ -13,6 +13,7 @@ import socket
 import stat
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -177,6 +178,8 @@ def remove_dead_builds(final: Path) -> list[Path]:
 
 
 LOCK_FILE = ".skyformer.lock"
+_HELD_LOCKS: set[str] = set()  # the locks this process holds (real paths)
+_HELD_GUARD = threading.Lock()  # one thread at a time takes or gives back a lock
 
 
 @contextmanager
@@ -190,11 +193,16 @@ def folder_lock(folder: str | os.PathLike[str], flag: str = "--out") -> Iterator
     target = Path(folder)
     target.mkdir(parents=True, exist_ok=True)
     lock = target / LOCK_FILE
-    _take_lock(lock, flag)
+    held = os.path.realpath(lock)  # the same file if the working folder changes meanwhile
+    with _HELD_GUARD:
+        _take_lock(lock, flag)
+        _HELD_LOCKS.add(held)
     try:
         yield lock
     finally:
-        lock.unlink(missing_ok=True)
+        with _HELD_GUARD:
+            Path(held).unlink(missing_ok=True)
+            _HELD_LOCKS.discard(held)
 
 
 def _take_lock(lock: Path, flag: str) -> None:
@@ -207,9 +215,7 @@ def _take_lock(lock: Path, flag: str) -> None:
             holder = lock.read_text(encoding="utf-8", errors="replace").strip() \
                 if lock.is_file() else ""
             host, _, pid = holder.rpartition("-")
-            here = _builder_tag().rsplit("-", 1)[0]
-            if host == here and pid.isdigit() and holder != _builder_tag() \
-                    and not _process_alive(int(pid)):
+            if _left_by_dead_process(lock, holder):
                 lock.unlink(missing_ok=True)  # left by a killed process: nobody writes now
                 continue
             who = f"process {pid} on {host}" if host and pid.isdigit() else "another process"
@@ -221,6 +227,19 @@ def _take_lock(lock: Path, flag: str) -> None:
         return
     raise ValueError(f"cannot take {lock} (it came back after a dead process's was removed); "
                      f"remove it if no run uses {lock.parent}.")
+
+
+def _left_by_dead_process(lock: Path, holder: str) -> bool:
+    """Whether ``lock``, naming ``holder`` (``HOST-PID``), was left by a process of this
+    host that no longer runs. A holder with this process's own id is a dead one unless
+    this process holds the lock: an earlier process had the id (a container restarted
+    after a kill keeps its host name and often its process ids)."""
+    host, _, pid = holder.rpartition("-")
+    if host != _builder_tag().rsplit("-", 1)[0] or not pid.isdigit():
+        return False
+    if holder == _builder_tag():
+        return os.path.realpath(lock) not in _HELD_LOCKS
+    return not _process_alive(int(pid))
 
 
 @contextmanager
