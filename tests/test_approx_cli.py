@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -302,3 +303,13 @@ def test_a_second_run_in_a_folder_in_use_is_refused(tmp_path, capsys):
         assert not (tmp_path / "approx.json").exists()
     assert main([*RESUMABLE, "--out", str(tmp_path)]) == 0
     assert (tmp_path / "approx.json").exists() and not (tmp_path / LOCK_FILE).exists()
+
+
+def test_a_refused_run_leaves_no_empty_out_folder(tmp_path, capsys):
+    """The folder lock made --out (and its parents) before the run was refused for a
+    missing --model, leaving empty folders that no run wrote in."""
+    out = tmp_path / "results" / "run"
+    code = main(["approx", "--sources", "pretrained", "--no-progress", "--no-plots",
+                 "--model", str(tmp_path / "no_model"), "--out", str(out)])
+    assert code == 2 and "is not a Hugging Face model folder" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []

@@ -272,3 +272,20 @@ def test_a_lock_left_by_an_earlier_process_of_this_id_is_taken_over(tmp_path):
             pass
         assert lock.exists()
     assert not (tmp_path / LOCK_FILE).exists()
+
+
+def test_a_folder_the_lock_made_is_removed_when_nothing_was_written_in_it(tmp_path):
+    """A run refused once it held the lock (a missing model or cache) left the empty
+    --out folder, and its parents, that only the lock had made."""
+    from skyformer.io import folder_lock
+
+    with pytest.raises(ValueError, match="refused"), folder_lock(tmp_path / "new" / "run"):
+        raise ValueError("refused")
+    assert os.listdir(tmp_path) == []
+    with folder_lock(tmp_path / "new" / "run") as lock:
+        (lock.parent / "result.json").write_text("{}")
+    assert os.listdir(tmp_path / "new" / "run") == ["result.json"]
+    (tmp_path / "kept").mkdir()
+    with folder_lock(tmp_path / "kept"):
+        pass
+    assert (tmp_path / "kept").is_dir()  # there before the run: left as it was

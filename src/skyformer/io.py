@@ -189,13 +189,20 @@ def folder_lock(folder: str | os.PathLike[str], flag: str = "--out") -> Iterator
     that takes the lock of the same folder meanwhile is refused with a sentence (naming
     ``flag``, the option that chose the folder) instead of mixing its files with this
     one's. A lock that a killed process of this host left is taken over (its process no
-    longer runs); one of another host is left for the user to remove, as the sentence says."""
+    longer runs); one of another host is left for the user to remove, as the sentence says.
+    The folders made for the lock are removed with it when the block wrote nothing in them
+    (a run refused after taking it)."""
     target = Path(folder)
+    made = [p for p in (target.absolute(), *target.absolute().parents) if not p.exists()]
     target.mkdir(parents=True, exist_ok=True)
     lock = target / LOCK_FILE
     held = os.path.realpath(lock)  # the same file if the working folder changes meanwhile
     with _HELD_GUARD:
-        _take_lock(lock, flag)
+        try:
+            _take_lock(lock, flag)
+        except BaseException:
+            _remove_empty(made)
+            raise
         _HELD_LOCKS.add(held)
     try:
         yield lock
@@ -203,6 +210,16 @@ def folder_lock(folder: str | os.PathLike[str], flag: str = "--out") -> Iterator
         with _HELD_GUARD:
             Path(held).unlink(missing_ok=True)
             _HELD_LOCKS.discard(held)
+            _remove_empty(made)
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove ``folders`` (deepest first) while they are empty."""
+    for path in folders:
+        try:
+            path.rmdir()
+        except OSError:  # written in (or gone): kept, and so are the folders above it
+            return
 
 
 def _take_lock(lock: Path, flag: str) -> None:
