@@ -33,8 +33,12 @@ def main(cache: str, out: str) -> None:
         "resume": lambda: train(cfg, out_dir=f"{out}/resume1", resume=True, **common),
         # the folder in use by another run, which only process 0 checks
         "in_use": lambda: train(cfg, out_dir=f"{out}/in_use", **common),
+        # a file where the run folder goes, which only process 0 (making it) finds
+        "not_a_folder": lambda: train(cfg, out_dir=f"{out}/not_a_folder", **common),
     }
     if rank == 0:
+        with open(f"{out}/not_a_folder", "w", encoding="utf-8") as handle:
+            handle.write("a file\n")
         os.makedirs(f"{out}/in_use")
         with open(f"{out}/in_use/{LOCK_FILE}", "w", encoding="utf-8") as handle:
             handle.write("another-host-1\n")
@@ -47,7 +51,7 @@ def main(cache: str, out: str) -> None:
                 other()
             else:
                 train(cfg, out_dir=f"{out}/{name}", resume=name == "resume", **common)
-        except ValueError as error:
+        except (ValueError, OSError) as error:
             said.append(f"{name}: {error}\n")
         dist.barrier()
     with open(f"{out}/said{rank}.txt", "w", encoding="utf-8") as handle:

@@ -112,3 +112,6 @@ def test_processes_that_disagree_on_the_run_are_refused_on_every_process(listops
         assert "a filesystem every process sees" in said["resume"]
         assert ("is in use by another run (process 1 on another-host" if rank == 0
                 else "process 0 refused the run") in said["in_use"]
+        # an OSError on process 0 alone: process 1 got gloo's "Connection closed by peer"
+        assert ("File exists" if rank == 0 else "process 0 refused the run") \
+            in said["not_a_folder"]

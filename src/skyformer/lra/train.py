@@ -668,9 +668,9 @@ class Trainer:
                 if self.info.is_main:  # one run at a time in a folder (io.folder_lock)
                     try:
                         stack.enter_context(folder_lock(self.folder))
-                    except ValueError as err:
+                    except (ValueError, OSError) as err:  # in use, or cannot be made
                         refusal = err
-                refuse_everywhere(self.info, refusal, f"{self.folder} is in use")
+                refuse_everywhere(self.info, refusal, f"taking the lock of {self.folder}")
                 return self._run_in_folder()
         finally:
             shutdown(self.info)
