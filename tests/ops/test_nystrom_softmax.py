@@ -41,6 +41,25 @@ def test_fast_matches_naive_reference(masked, threshold):
     torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)
 
 
+def test_the_exact_inverse_with_a_ridge_is_exact_at_large_norms():
+    """gamma > 0: the ridge matrix is positive definite, and its inverse is what the
+    iterations converge to. At |q|, |k| ~ 7 the factors exp(|k|^2 / 2) reach e^22 and
+    magnify every entry's error of W; an eigendecomposition's errors of order eps spread
+    over entries near 1e-20 (far landmarks) gave rows 3e-2 off in float64."""
+    q, k, v = make_qkv(1, 1, 10, 5, seed=1, scale=3.0)
+    key = skyformer.random_key(1)
+    options = {"generator": key, "num_features": 20, "normalizer_threshold": 0.0}
+    converged = nystrom_softmax_attention(q, k, v, pinv_iterations=60, **options)
+    exact = nystrom_softmax_attention(q, k, v, pinv="exact", **options)
+    torch.testing.assert_close(exact, converged, rtol=1e-9, atol=1e-10)
+    info = check_attention_inputs(q, k, v, None, method="test")
+    lm = sample_landmarks(info, 20, q.device, key)
+    for option in ({"pinv": "exact"}, {"pinv_gradient": "implicit"}):
+        ref = reference_nystrom_softmax_attention(q, k, v, lm, normalizer_threshold=0.0,
+                                                  **option)
+        torch.testing.assert_close(ref, converged, rtol=1e-9, atol=1e-10)
+
+
 def test_equals_eq5_on_the_raw_softmax_matrix():
     """gamma = 0 and the exact inverse: the stable factorisation equals eq. (5) applied
     literally to A_bar = exp(s [Q;K][Q;K]^T), then D~^-1 A~ V."""

@@ -50,7 +50,9 @@ def lemma3_inverse(
             columns of dead landmarks must already be zero.
         gamma: ridge added to the diagonal (Skyformer uses 0.1).
         pinv: ``"iterative"`` (Razavi et al., ``iterations`` steps) or ``"exact"``
-            (``torch.linalg.pinv``; for tests and analysis).
+            (for tests and analysis: with gamma > 0 the inverse of the positive
+            definite matrix, by LU; with gamma = 0 ``torch.linalg.pinv``;
+            ``exact_inverse``).
         live: ``[B, m]`` bool for ``m: [B, H, m, m]`` (shared by the heads), False for
             landmark slots that hold no landmark (more features than valid rows).
             Their diagonal is set to 1 so they decouple from the live block; their
@@ -75,7 +77,8 @@ def lemma3_inverse(
     if fused_lemma3_applies(kernel, m, size, pinv, init, iterations):
         return triton_lemma3_inverse(m, None, diag.reshape(-1, size), iterations,
                                      kernel=kernel, implicit=gradient == "implicit")
-    return lemma3_by_pytorch(m, diag, pinv, iterations, init, gradient)
+    return lemma3_by_pytorch(m, diag, pinv, iterations, init, gradient,
+                             definite=gamma > 0)
 
 
 def landmark_inverse(
@@ -145,9 +148,11 @@ def _check_live(live: Tensor, like: Tensor, size: int) -> None:
 
 
 def lemma3_by_pytorch(m: Tensor, diag: Tensor, pinv: PinvMethod, iterations: int,
-                      init: PinvInit, gradient: str = "unrolled") -> Tensor:
+                      init: PinvInit, gradient: str = "unrolled", *,
+                      definite: bool = False) -> Tensor:
     """``lemma3_inverse``'s PyTorch path, ``diag`` the ridge (broadcast against the
-    diagonal of ``m: [..., m, m]``); ``iterations`` as ``core_iterations`` gives them."""
+    diagonal of ``m: [..., m, m]``); ``iterations`` as ``core_iterations`` gives them;
+    ``definite``: every entry of ``diag`` is > 0 (``exact_inverse``)."""
     m = m + torch.diag_embed(diag)
     d_inv_sqrt = m.sum(dim=-1).clamp_min(torch.finfo(m.dtype).tiny).rsqrt()  # [..., m]
     a = d_inv_sqrt[..., :, None] * m * d_inv_sqrt[..., None, :]
@@ -157,7 +162,26 @@ def lemma3_by_pytorch(m: Tensor, diag: Tensor, pinv: PinvMethod, iterations: int
     elif pinv == "iterative":
         a_inv = iterative_pinv(a, iterations, init=init)
     elif pinv == "exact":
-        a_inv = torch.linalg.pinv(a, hermitian=True)
+        a_inv = exact_inverse(a, definite)
     else:
         raise ValueError(f"pinv must be one of {PINV_METHODS}, got {pinv!r}.")
     return d_inv_sqrt[..., :, None] * a_inv * d_inv_sqrt[..., None, :]
+
+
+def exact_inverse(a: Tensor, definite: bool) -> Tensor:
+    """``pinv="exact"`` of the normalised matrix ``a: [..., m, m]``: its inverse by LU
+    where a positive ridge makes it positive definite (``definite``), else
+    ``torch.linalg.pinv``. An eigendecomposition is exact norm-wise only: landmarks far
+    apart leave entries near 1e-20 in the inverse, which it returns with errors of
+    order eps, and the softmax factors exp(|k|^2 / 2) of ``nystrom_softmax`` magnify
+    them (rows 3e-2 off in float64 at |q|, |k| ~ 7); LU keeps them. A matrix that is
+    singular in floating point all the same (a ridge below rounding, repeated rows)
+    takes the pseudo-inverse where the values may be read (eager calls)."""
+    from ..ops.shared.tracing import may_read_values  # the ops package imports linalg
+
+    if not definite:
+        return torch.linalg.pinv(a, hermitian=True)
+    inverse, info = torch.linalg.inv_ex(a)
+    if may_read_values(a) and bool(info.any()):
+        return torch.linalg.pinv(a, hermitian=True)
+    return inverse

@@ -49,7 +49,8 @@ class NystromOptions:
     gamma: ridge added to M before the Lemma 3 normalisation; 0 only with
         ``pinv_init="scaled_transpose"`` or ``pinv="exact"`` (from the identity the
         iteration needs Lemma 3's gamma > 0).
-    pinv: ``"iterative"`` (Razavi et al.) or ``"exact"`` (torch.linalg.pinv).
+    pinv: ``"iterative"`` (Razavi et al.) or ``"exact"`` (the inverse by LU for
+        gamma > 0, torch.linalg.pinv for gamma = 0; ``linalg.nystrom.exact_inverse``).
     pinv_iterations: iterations of the iterative inverse.
     pinv_init: starting point of the iteration, ``"identity"`` (justified by Lemma 3)
         or ``"scaled_transpose"`` (A^T / (|A|_1 |A|_inf), per matrix).

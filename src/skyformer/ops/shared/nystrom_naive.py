@@ -36,9 +36,12 @@ def naive_lemma3_inverse(m: Tensor, gamma: float, pinv: str, iterations: int, in
     mg = m + gamma * eye
     d_inv_sqrt = torch.diag_embed((mg @ torch.ones_like(mg[..., :1]))[..., 0] ** -0.5)
     a = d_inv_sqrt @ mg @ d_inv_sqrt
-    a_inv = torch.linalg.pinv(a, hermitian=True) if pinv == "exact" else _naive_razavi(
-        a, iterations, init
-    )
+    if pinv != "exact":
+        a_inv = _naive_razavi(a, iterations, init)
+    elif gamma > 0:  # positive definite: its inverse (an eigendecomposition is exact
+        a_inv = torch.linalg.inv(a)  # norm-wise only, linalg.nystrom.exact_inverse)
+    else:
+        a_inv = torch.linalg.pinv(a, hermitian=True)
     return d_inv_sqrt @ a_inv @ d_inv_sqrt
 
 
