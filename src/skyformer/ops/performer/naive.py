@@ -83,5 +83,9 @@ def reference_performer_attention(
                              eps=eps)
     if causal:
         a = a.tril()
-    out = (a @ v) / a.sum(-1, keepdim=True)
+    total = a.sum(-1, keepdim=True)
+    if info.query_valid is not None:  # a padded row before every real key (causal, left
+        # padding) sums to 0: its 0 / 0, zeroed below, would reach the gradients as NaN
+        total = torch.where(info.query_valid[:, None, :, None], total, 1.0)
+    out = (a @ v) / total
     return zero_padded_queries(out, info.query_valid)
