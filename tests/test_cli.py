@@ -66,6 +66,8 @@ def test_compare_on_real_minilm_qkv(tmp_path, capsys):
     assert 0 < rows["skyformer"]["spectral_error"] < 1.0
     assert rows["skyformer"]["num_features"] == 32
     assert data["config"]["seq_len"] == 256 and "torch" in data["environment"]
+    assert data["command"] == f"skyformer compare --seq-len 256 --features 32 --repeats 1 " \
+                              f"--no-memory --json {out_json}"  # to run it again
 
 
 def test_compare_measures_memory_for_a_subset(capsys):

@@ -203,8 +203,11 @@ def test_hf_eval_end_to_end(tmp_path, capsys):
         sky = rows[(setting, "skyformer")]
         assert sky["drop_in"] is False and sky["num_features"] == 8 and sky["time_ms"] > 0
         assert rows[(setting, "nystrom_softmax")]["drop_in"] is True
-    with open(out / "hf_eval.csv", newline="") as handle:
-        assert len(list(csv.DictReader(handle))) == len(data["rows"]) == 8
+    assert data["command"].startswith("skyformer hf-eval --methods softmax skyformer ")
+    with open(out / "hf_eval.csv", newline="") as handle:  # as the other commands' CSV files
+        lines = handle.read().split("\n")
+    assert lines[0].startswith("# config: {") and lines[2] == f"# command: \"{data['command']}\""
+    assert len(list(csv.DictReader(lines[3:-1]))) == len(data["rows"]) == 8
     assert (out / "hf_eval.png").stat().st_size > 10_000
     markdown = (out / "hf_eval.md").read_text()
     assert "| long | `skyformer` | 8 |" in markdown and "not a drop-in" in markdown

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 
 import torch
@@ -18,6 +17,7 @@ from ..eval.bench.run import (
     run_bench,
 )
 from ..io import check_output_path, read_to_resume
+from .recorded import command_line
 
 NAME = "bench"
 MIN_N, MAX_N = 512, 16384  # the lengths without --seq-lens: MIN_N doubling up to MAX_N
@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed, max_seconds=args.max_seconds, clock=args.clock, causal=args.causal,
     )
     measured = _earlier_rows(config, args.out) if args.resume else None
-    command = "skyformer " + shlex.join(getattr(args, "_argv", sys.argv[1:]))
+    command = command_line(args)
 
     def write_partial(partial: BenchResult) -> None:
         write_results(partial, args.out, plot=False, command=command, complete=False)

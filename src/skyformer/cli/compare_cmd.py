@@ -6,6 +6,7 @@ import argparse
 
 from ..eval.compare import CompareConfig, compare, format_table
 from ..io import check_output_path, write_json
+from .recorded import command_line
 
 NAME = "compare"
 HELP = (
@@ -61,6 +62,6 @@ def run(args: argparse.Namespace) -> int:
     )
     print(format_table(result.rows))
     if args.json_path:
-        path = write_json(args.json_path, result.to_dict())
+        path = write_json(args.json_path, {**result.to_dict(), "command": command_line(args)})
         print(f"wrote {path}")
     return 0

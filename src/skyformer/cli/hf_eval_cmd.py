@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from .recorded import command_line
+
 NAME = "hf-eval"
 HELP = (
     "replace the attention of the pretrained MiniLM-L6 sentence-embedding model by each "
@@ -102,8 +104,11 @@ def run(args: argparse.Namespace) -> int:
     names = ["hf_eval.json", "hf_eval.csv", "hf_eval.md"] + ([] if args.no_plot
                                                              else ["hf_eval.png"])
     with replacing_together(out) as stage:  # all of this run's files, or none of them
-        write_json(stage / "hf_eval.json", result.to_dict())
-        write_csv(stage / "hf_eval.csv", result.rows)
+        command = command_line(args)
+        write_json(stage / "hf_eval.json", {**result.to_dict(), "command": command})
+        write_csv(stage / "hf_eval.csv", result.rows, metadata={
+            "config": result.to_dict()["config"], "environment": result.environment,
+            "command": command})
         atomic_write_text(stage / "hf_eval.md", markdown_table(result.rows) + "\n")
         if not args.no_plot:
             plot(stage / "hf_eval.png", result.rows,

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
 from ..io import check_output_path, read_to_resume
+from .recorded import command_line
 
 NAME = "lra"
 HELP = "Long Range Arena: prepare data, train, report the papers' tables, instability score"
@@ -340,7 +340,7 @@ def _run_stability(args: argparse.Namespace) -> int:
     _threads(args.threads)
     overrides = {k: v for k, v in (("batch_size", args.batch_size), ("max_len", args.max_len))
                  if v is not None}
-    command = "skyformer " + shlex.join(getattr(args, "_argv", sys.argv[1:]))
+    command = command_line(args)
 
     def save(report: StabilityReport) -> Path:  # the command, as bench and approx record theirs
         return write_json(args.json_path, {**report.to_dict(), "command": command})

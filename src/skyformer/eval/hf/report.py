@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import csv
-import io
 import os
 from pathlib import Path
 from typing import Any
 
-from ...io import atomic_write_text, save_figure
+from ...io import save_figure
+from ...io import write_csv as write_rows_csv
 
 COLUMNS = ("setting", "method", "target", "drop_in", "num_features", "texts", "cosine_mean",
            "cosine_min", "recall_at_1", "time_ms", "peak_mib", "note", "error")
@@ -52,13 +51,13 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def write_csv(path: str | os.PathLike[str], rows: list[dict[str, Any]]) -> Path:
-    """Atomically write the rows as CSV (one line per setting, method and feature count)."""
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=COLUMNS, extrasaction="ignore")
-    writer.writeheader()
-    writer.writerows(rows)
-    return atomic_write_text(path, buffer.getvalue())
+def write_csv(path: str | os.PathLike[str], rows: list[dict[str, Any]], *,
+              metadata: dict[str, Any] | None = None) -> Path:
+    """Atomically write the rows as CSV (one line per setting, method and feature count;
+    the ``COLUMNS``), ``metadata`` first as ``# key: <json>`` lines, as the other
+    commands' CSV files (``io.write_csv``; ``pandas.read_csv(path, comment="#")``)."""
+    return write_rows_csv(path, [{c: row.get(c) for c in COLUMNS} for row in rows],
+                          metadata=metadata)
 
 
 def plot(path: str | os.PathLike[str], rows: list[dict[str, Any]], title: str = "") -> Path:
