@@ -167,7 +167,9 @@ def test_an_interrupted_run_resumes_with_the_numbers_of_an_uninterrupted_one(
     out = tmp_path / "interrupted"
     with monkeypatch.context() as patched:
         measured = _interrupt_at(patched, 96)
-        assert main([*RESUMABLE, "--out", str(out)]) == 130  # "interrupted"
+        assert main([*RESUMABLE, "--out", str(out)]) == 130
+    assert capsys.readouterr().err.endswith("interrupted; what it measured is saved: run the "
+                                            "same command again with --resume to continue\n")
     assert measured == [64] and (out / "approx.progress.json").exists()
     assert not (out / "approx.json").exists()
     measured = _interrupt_at(monkeypatch, None)

@@ -133,3 +133,22 @@ def test_the_commands_that_plot_take_either_spelling_of_no_plot(command, flag):
 
     args = build_parser().parse_args([command, flag])
     assert (args.no_plots if command == "approx" else args.no_plot) is True
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["compare"], "interrupted"),
+    (["bench"], "interrupted; nothing was saved (give --out to keep what a run measures)"),
+    (["bench", "--out", "x"], "run the same command again with --resume to continue"),
+    (["bench", "--out", "x", "--resume"], "run the same command again to continue"),
+    (["lra", "stability", "--tasks", "listops", "--methods", "softmax"],
+     "nothing was saved (give --json to keep what a run measures)"),
+    (["lra", "train", "listops", "--attn", "softmax"],
+     "its last checkpoint (last.pt) is kept: run the same command again with "
+     "--resume to continue"),
+])
+def test_ctrl_c_says_what_was_kept_and_how_to_continue(argv, said):
+    """A Ctrl-C printed "interrupted" alone: nothing said that a command saving as it
+    goes continues with --resume, or that one without its save option kept nothing."""
+    from skyformer.cli import build_parser, interrupted_note
+
+    assert interrupted_note(build_parser().parse_args(argv)).endswith(said)

@@ -55,8 +55,25 @@ def main(argv: list[str] | None = None) -> int:
             print(f"skyformer {args.command}: error: {err}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:
-            print("interrupted", file=sys.stderr)
+            print(interrupted_note(args), file=sys.stderr)
             return 130
+
+
+def interrupted_note(args: argparse.Namespace) -> str:
+    """The line a Ctrl-C prints: for a command that saves as it goes (it has ``--resume``),
+    what is kept and how to continue; for one without its save option, that nothing was."""
+    if not hasattr(args, "resume"):
+        return "interrupted"
+    # The commands whose saving is optional: (their flag, its attribute).
+    optional = {"bench": ("--out", "out"), "stability": ("--json", "json_path")}
+    command = getattr(args, "lra_command", None) or args.command
+    flag, name = optional.get(command, ("", ""))
+    if flag and getattr(args, name) is None:
+        return f"interrupted; nothing was saved (give {flag} to keep what a run measures)"
+    kept = ("its last checkpoint (last.pt) is kept" if command == "train"
+            else "what it measured is saved")
+    how = "again with --resume" if not args.resume else "again"
+    return f"interrupted; {kept}: run the same command {how} to continue"
 
 
 if __name__ == "__main__":
