@@ -124,6 +124,24 @@ def test_stable_at_large_norms_where_the_naive_features_overflow():
     torch.testing.assert_close(out.double(), ref64, rtol=1e-3, atol=1e-4)
 
 
+def test_a_row_of_small_float32_sums_keeps_its_estimate_not_the_mean_of_the_values():
+    """A query whose features are large where the keys' are small has sums far below 1
+    (3.8e-29 here, |q| = |k| = 30, D = 8: LayerNorm'd activations reach such norms),
+    under the normaliser's float32 threshold (~1e-19) though they hold every digit: the
+    row returned the mean of the values, 0.41 from the float64 estimate. Each row is
+    scaled by a power of two first, as in causal calls."""
+    g = gen(1)
+    q, k, v = (torch.randn(1, 2, 2, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    q, k = (x / x.norm(dim=-1, keepdim=True) * 30 for x in (q, k))
+    w = gaussian_projection(128, 8, generator=gen(0))
+    ref = performer_attention(q, k, v, projection=w, num_features=128)
+    q32, k32, v32 = (x.float().requires_grad_() for x in (q, k, v))
+    out = performer_attention(q32, k32, v32, projection=w.float(), num_features=128)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+    grads = torch.autograd.grad(out.sum(), (q32, k32, v32))
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
 def test_padded_keys_contribute_nothing_even_when_huge():
     q, k, v = make_qkv(1, 2, 10, 8, seed=8)
     mask = torch.ones(1, 10, dtype=torch.bool)

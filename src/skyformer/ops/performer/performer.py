@@ -15,12 +15,13 @@ Stabilisation (the max-subtraction of the reference implementation, without its
 coupling of batch elements): each query's log-features are shifted by their own
 maximum (a per-row factor, cancels in the row normalisation); the keys' by the
 maximum over the real keys and features of the same batch element and head (a
-common factor, cancels too). The shifts are constants for autograd. If a row's
-normaliser underflows to zero the row returns the mean of the values (uniform
-attention) instead of 0/0. By default no additive epsilon biases the features;
-``eps > 0`` adds performer-pytorch's (phi~ + eps after its shifts: max_f w_f.q' per
-query, max of w_f.k' over the keys and features of a batch element and head), which
-pulls every row towards the mean of the values (README).
+common factor, cancels too). The shifts are constants for autograd. Each row's sums
+are scaled by the power of two that brings its normaliser near 1 (``rows_rescaled``,
+exact); if a row's normaliser still underflows (below 2^-100) the row returns the mean
+of the values (uniform attention) instead of 0/0. By default no additive epsilon biases
+the features; ``eps > 0`` adds performer-pytorch's (phi~ + eps after its shifts:
+max_f w_f.q' per query, max of w_f.k' over the keys and features of a batch element
+and head), which pulls every row towards the mean of the values (README).
 
 Causal attention (``causal=True``): out_i = sum_{j<=i} phi(q_i).phi(k_j) v_j / sum_{j<=i}
 phi(q_i).phi(k_j) by chunked prefix sums (``causal.py``). The keys' shift above is a
@@ -323,6 +324,6 @@ def performer_from_projection(
                             reduce)  # [B, H, Nk, m]
     v_and_one = with_ones_column(v)  # [B, H, Nk, Dv + 1]
     o = phi_q @ reduce.sum(phi_k.transpose(-1, -2) @ v_and_one)  # [B, H, Nq, Dv + 1]
-    numerator, denominator = numerator_and_denominator(o)
+    numerator, denominator = numerator_and_denominator(rows_rescaled(o))
     out = normalised_or(numerator, denominator, mean_values(v, info.key_valid, reduce))
     return zero_padded_queries(out, info.query_valid)
