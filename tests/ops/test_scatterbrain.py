@@ -73,6 +73,23 @@ def test_no_sparse_part_is_performer_with_the_same_features(support):
     torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+def test_a_low_rank_row_of_small_float32_sums_keeps_its_estimate():
+    """Without a sparse part, a query whose features are large where the keys' are
+    small has sums far below the normaliser's float32 threshold (~1e-19) that still
+    hold every digit (|q| = |k| = 30, D = 8, N = 4): such rows returned the mean of the
+    values, 0.26 from the float64 estimate. Each row is scaled by a power of two first."""
+    g = gen(0)
+    q, k, v = (torch.randn(1, 2, 4, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    q, k = (x / x.norm(dim=-1, keepdim=True) * 30 for x in (q, k))
+    q, k, v = (x.float().double() for x in (q, k, v))
+    ref = scatterbrain_attention(q, k, v, generator=gen(0), block_size=0)
+    q32, k32, v32 = (x.float().requires_grad_() for x in (q, k, v))
+    out = scatterbrain_attention(q32, k32, v32, generator=gen(0), block_size=0)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+    grads = torch.autograd.grad(out.sum(), (q32, k32, v32))
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
 def test_antithetic_features_are_a_direction_and_its_negation():
     cfg = ScatterbrainConfig(num_features=7, support="lsh")
     w, planes = draw_scatterbrain(1, 1, 5, cfg, generator=gen(3))

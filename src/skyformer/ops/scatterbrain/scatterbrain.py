@@ -51,6 +51,7 @@ from ...sketch import (
 )
 from ...sketch.rng import random_key
 from ..performer.features import key_features, query_features
+from ..performer.performer import rows_rescaled
 from ..shared.inputs import (
     check_attention_inputs,
     compute_dtype,
@@ -196,7 +197,9 @@ def scatterbrain_attention(
         o = sparse + torch.exp(log_lr - ref)[..., None] * low_rank
     else:
         o = low_rank
-    numerator, denominator = numerator_and_denominator(o)
+    # a row whose low-rank sums fall below the normaliser's threshold (no sparse part)
+    # still holds every digit: a power of two brings its normaliser near 1, exactly
+    numerator, denominator = numerator_and_denominator(rows_rescaled(o))
     out = normalised_or(numerator, denominator, mean_values(vw, info.key_valid))
     return zero_padded_queries(out, info.query_valid).to(dtype)
 
