@@ -88,9 +88,10 @@ def far_field(
         exclude=member.transpose(-1, -2).contiguous(), kernel=kernel,
     )  # [B, H, c, D + Dv + 1]
     mass = sums[..., -1:]
-    # A mass below sqrt(tiny) (1e-19 in float32) is a far field some 44 below the shift,
-    # at least that far below the largest logit: nothing at the output's precision, and
-    # 1/mass^2 in the backward pass would overflow. Such centres count as empty.
+    # The shift is the largest far logit (``sums._near_keys``), whose key weighs 1 here, so
+    # a mass below sqrt(tiny) (1e-19 in float32) is a far field without a real key (or
+    # one some 44 below a shift the caller chose higher): 1/mass^2 in the backward pass
+    # would overflow. Such centres count as empty.
     live = mass[..., 0] > torch.finfo(mass.dtype).tiny ** 0.5
     inv_mass = safe_reciprocal(mass, live[..., None])
     kbar = sums[..., :d] * inv_mass  # [B, H, c, D]

@@ -126,7 +126,7 @@ class _NearKeys:
     index: Tensor  # [B, H, c, t]
     live: Tensor  # [B, H, c, t] bool (finite logit)
     member: Tensor  # [B, H, c, Nk] bool: the near keys of each cluster
-    shift: Tensor  # [B, H, c, 1] finite: the largest centre logit (far-field reference)
+    shift: Tensor  # [B, H, c, 1] finite: the largest far centre logit (far-field reference)
 
 
 @torch.no_grad()
@@ -140,9 +140,14 @@ def _near_keys(z: Tensor, k: Tensor, key_bias: Tensor, t: int) -> _NearKeys:
         k.detach().reshape(b * h, nk, d).transpose(1, 2),
     ).view(b, h, c, nk)  # [B, H, c, Nk]
     if t:
-        near_logits, near = logits.topk(t, dim=-1)  # [B, H, c, t]
+        top_logits, top = logits.topk(min(t + 1, nk), dim=-1)  # [B, H, c, t (+ 1)]
+        near_logits, near = top_logits[..., :t], top[..., :t]
         near_live = torch.isfinite(near_logits)
-        shift = near_logits[..., :1]
+        # the largest far logit (t < Nk), so that the largest far key weighs 1 in the far
+        # field's sums: relative to the largest near logit a far mass fell below
+        # float32's sqrt(tiny) and counted as empty, where the queries' tilts made it a
+        # row's largest term
+        shift = top_logits[..., t:] if t < nk else near_logits[..., :1]
         # stored keys-by-centres, the layout the far field's chunks read
         member = torch.zeros(b, h, nk, c, dtype=torch.bool, device=z.device).scatter(
             2, near.transpose(-1, -2), near_live.transpose(-1, -2)
