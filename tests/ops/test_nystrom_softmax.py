@@ -302,6 +302,28 @@ def test_float32_holds_the_kernels_entries_at_large_norms(norm, causal):
         assert ((g32 - g64).norm() / g64.norm()).item() < 1e-5
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_float64_range_ends_where_the_docs_say(causal):
+    """docs/reliability.md: float64 holds s max |x|^2 up to about 354, over the queries
+    and the keys, causal or not (the causal text counted the query alone): |q| = |k| = 50
+    at D = 64 (s |x|^2 = 312) is softmax to rounding, 55 (378) is not, nor |q| = 5 with
+    |k| = 80, and nothing is refused."""
+    def error(q_norm, k_norm):
+        g = torch.Generator().manual_seed(0)
+        q, k = (torch.nn.functional.normalize(
+            torch.randn(1, 2, 16, 64, dtype=torch.float64, generator=g), dim=-1) * norm
+            for norm in (q_norm, k_norm))
+        v = torch.randn(1, 2, 16, 64, dtype=torch.float64, generator=g)
+        out = skyformer.attention(q, k, v, "nystrom_softmax", num_features=32, causal=causal,
+                                  generator=torch.Generator().manual_seed(0))
+        exact = softmax_attention(q, k, v, causal=causal)
+        return ((out - exact).norm() / exact.norm()).item()
+
+    assert error(50, 50) < 1e-9
+    assert error(55, 55) > 0.1
+    assert error(5, 80) > 0.5
+
+
 @pytest.mark.parametrize("method", ["nystrom_softmax", "skyformer"])
 def test_kernel_triton_without_triton_names_the_option(monkeypatch, method):
     """The landmark draw is the first Triton step of these methods: without Triton its
