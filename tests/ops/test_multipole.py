@@ -15,6 +15,7 @@ from skyformer.ops.multipole import (
     skyformer_multipole_attention,
     softmax_multipole_attention,
 )
+from skyformer.ops.multipole.far_field import value_basis
 from skyformer.ops.multipole.layout import block_layout
 from skyformer.ops.multipole.naive import (
     reference_skyformer_multipole_attention,
@@ -516,3 +517,39 @@ def test_values_gradient_through_the_range_clamp_matches_finite_differences():
         lambda v: attention(q, k, v, "softmax_multipole", num_features=128,
                                       generator=torch.Generator().manual_seed(0)),
         (v,), atol=1e-6, rtol=1e-5)
+
+
+def test_value_basis_keeps_only_directions_the_values_vary_along():
+    """Fewer real keys than tilt_rank + 1 give fewer principal directions than the rank:
+    the basis held tilt_rank columns anyway, the extra ones eigenvectors of a zero
+    eigenvalue that eigh picks at will, and the values' gradient (for which the basis is
+    a constant) followed that pick. Those columns are zero: the projector is the one
+    onto the span of the centred real values."""
+    v = torch.randn(2, 1, 6, 7, generator=gen(0), dtype=torch.float64)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[0, 3:] = False  # 3 real keys: their centred rows span 2 directions
+    basis = value_basis(v, mask, 4)  # [2, 1, 7, 4]
+    projector = basis @ basis.transpose(-1, -2)  # [2, 1, 7, 7]
+    centred = v[0, 0, :3] - v[0, 0, :3].mean(0)
+    assert int(torch.linalg.matrix_rank(projector[0, 0])) == 2
+    torch.testing.assert_close(centred @ projector[0, 0], centred, rtol=1e-12, atol=1e-12)
+    assert int(torch.linalg.matrix_rank(projector[1, 0])) == 4  # 5 directions: 4 leading
+
+
+@pytest.mark.parametrize("target", ["softmax", "gaussian"])
+def test_values_gradient_with_fewer_keys_than_the_tilt_rank_matches_reference(target):
+    """Two keys, tilt_rank 3 of 7 value coordinates: one direction of variance. The values'
+    gradient was 0.12 off the reference, the two taking other zero-eigenvalue
+    eigenvectors as the remaining basis columns."""
+    q, k, v = make_qkv(1, 2, 2, 1, dv=7, scale=0.7)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    options = {"num_features": 1, "tilt_rank": 3, "kmeans_iterations": 0}
+    fast = FAST[target](q, k, v, generator=gen(0), **options)
+    a, _, _ = draws_for(target, q, k, v, None, 0, 1, 0)
+    ref = REFERENCE[target](q, k, v, a, near=0, window=0, rank=3)
+    torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)
+    up = torch.randn(fast.shape, generator=gen(9), dtype=fast.dtype)
+    for a_, b_ in zip(torch.autograd.grad((fast * up).sum(), (q, k, v)),
+                      torch.autograd.grad((ref * up).sum(), (q, k, v)), strict=True):
+        torch.testing.assert_close(a_, b_, rtol=1e-8, atol=1e-10)

@@ -14,23 +14,36 @@ from ...linalg.kernels import finite_matrices, overwrite_allowed
 _NEG_INF = float("-inf")
 
 
+# Eigenvalues of the values' covariance at most this many rounding units of float64
+# (times Dv) of the largest are zero: no direction of variance.
+_ZERO_VARIANCE_ULPS = 64
+
+
 def value_basis(v: Tensor, key_valid: Tensor | None, rank: int | None) -> Tensor | None:
     """Leading principal directions of the values, ``[B, H, Dv, r]`` (no gradient), or
-    ``None`` when every direction is kept."""
+    ``None`` when every direction is kept.
+
+    Only directions the real values vary along: where they span fewer than r (fewer than
+    r + 1 real keys), the other columns are zero instead of eigenvectors of a zero
+    eigenvalue, which eigh picks at will and the values' gradient would follow.
+    """
     dv = v.shape[-1]
     if rank is None or rank >= dv:
         return None
     with torch.no_grad():
-        vv = v.detach()
+        vv = v.detach().double()
         if key_valid is not None:
-            w = key_valid[:, None, :, None].to(v.dtype)
+            w = key_valid[:, None, :, None].double()
             count = w.sum(2, keepdim=True).clamp_min(1.0)
             centred = (vv - (vv * w).sum(2, keepdim=True) / count) * w
         else:
             centred = vv - vv.mean(2, keepdim=True)
-        cd = centred.double()
-        cov = finite_matrices(cd.transpose(-1, -2) @ cd)  # [B, H, Dv, Dv]
-        basis = torch.linalg.eigh(cov).eigenvectors[..., dv - rank:]
+        cov = finite_matrices(centred.transpose(-1, -2) @ centred)  # [B, H, Dv, Dv]
+        eigenvalues, eigenvectors = torch.linalg.eigh(cov)  # ascending
+        floor = eigenvalues[..., -1:] * (_ZERO_VARIANCE_ULPS * dv
+                                         * torch.finfo(torch.float64).eps)  # [B, H, 1]
+        varies = eigenvalues[..., dv - rank:] > floor  # [B, H, r]
+        basis = eigenvectors[..., dv - rank:] * varies[..., None, :]
     return basis.to(v.dtype)
 
 

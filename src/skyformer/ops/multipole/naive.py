@@ -25,12 +25,16 @@ from torch import Tensor
 
 
 def _value_projector(v: Tensor, rank: int) -> Tensor:
-    """P = U U^T for the top ``rank`` principal directions of the rows of v ``[n, Dv]``."""
+    """P = U U^T for the top ``rank`` principal directions of the rows of v ``[n, Dv]``,
+    of those along which the rows vary (eigenvalue above rounding, relative to the
+    largest): fewer than ``rank`` where the centred rows span fewer."""
     dv = v.shape[-1]
     if rank >= dv:
         return torch.eye(dv, dtype=v.dtype)
-    centred = v.detach() - v.detach().mean(0)
-    u = torch.linalg.eigh((centred.T @ centred).double()).eigenvectors[:, dv - rank:].to(v.dtype)
+    centred = v.detach().double() - v.detach().double().mean(0)
+    eigenvalues, eigenvectors = torch.linalg.eigh(centred.T @ centred)
+    varies = eigenvalues > eigenvalues[-1] * 64 * dv * torch.finfo(torch.float64).eps
+    u = eigenvectors[:, dv - rank:][:, varies[dv - rank:]].to(v.dtype)
     return u @ u.T
 
 
