@@ -133,7 +133,8 @@ def test_hf_eval_without_a_plot_removes_the_plot_an_earlier_run_left(tmp_path, m
 
     import skyformer.eval.hf.run as hf_run
 
-    result = SimpleNamespace(texts={}, model="m", rows=[], to_dict=lambda: {"rows": []})
+    result = SimpleNamespace(texts={}, model="m", rows=[], to_dict=lambda: {
+        "config": {}, "environment": {}, "rows": []})
     monkeypatch.setattr(hf_run, "evaluate", lambda config, progress=None: result)
     (tmp_path / "hf_eval.png").write_bytes(PNG)
     assert main(["hf-eval", "--methods", "softmax", "--quiet", "--no-plot",

@@ -104,11 +104,10 @@ def run(args: argparse.Namespace) -> int:
     names = ["hf_eval.json", "hf_eval.csv", "hf_eval.md"] + ([] if args.no_plot
                                                              else ["hf_eval.png"])
     with replacing_together(out) as stage:  # all of this run's files, or none of them
-        command = command_line(args)
-        write_json(stage / "hf_eval.json", {**result.to_dict(), "command": command})
-        write_csv(stage / "hf_eval.csv", result.rows, metadata={
-            "config": result.to_dict()["config"], "environment": result.environment,
-            "command": command})
+        data = {**result.to_dict(), "command": command_line(args)}
+        write_json(stage / "hf_eval.json", data)
+        write_csv(stage / "hf_eval.csv", result.rows,
+                  metadata={key: data[key] for key in ("config", "environment", "command")})
         atomic_write_text(stage / "hf_eval.md", markdown_table(result.rows) + "\n")
         if not args.no_plot:
             plot(stage / "hf_eval.png", result.rows,
