@@ -19,6 +19,12 @@ def minilm():
     return load_model()
 
 
+def _first_window_ids(tokenizer, length: int) -> torch.Tensor:
+    """[1, length] ids of the default text's first window: [CLS], its tokens, [SEP]."""
+    ids = tokenizer(default_text(), add_special_tokens=False)["input_ids"][: length - 2]
+    return torch.tensor([[tokenizer.cls_token_id, *ids, tokenizer.sep_token_id]])
+
+
 def test_default_text_is_long_real_english():
     text = default_text()
     assert "Four score and seven years ago" in text
@@ -29,8 +35,7 @@ def test_qkv_match_the_models_own_projections(minilm):
     model, tokenizer, _ = minilm
     qkv = extract_qkv(model, tokenizer, default_text(), seq_len=64, layer=1)
     assert qkv.q.shape == (1, 12, 64, 32) and qkv.windows == 1
-    ids = tokenizer(default_text(), add_special_tokens=False)["input_ids"][:62]
-    ids = torch.tensor([[tokenizer.cls_token_id, *ids, tokenizer.sep_token_id]])
+    ids = _first_window_ids(tokenizer, 64)
     with torch.no_grad():
         hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[1]
         layer = model.encoder.layer[1].attention.self
@@ -229,8 +234,7 @@ def test_a_layer_shared_by_every_block_gives_its_first_application(tmp_path):
     model, tokenizer, _ = load_model(tmp_path)
     qkv = extract_qkv(model, tokenizer, default_text(), seq_len=100, layer=0)
     assert qkv.q.shape == (1, 4, 100, 8) and qkv.windows == 2
-    ids = tokenizer(default_text(), add_special_tokens=False)["input_ids"][:48]
-    ids = torch.tensor([[tokenizer.cls_token_id, *ids, tokenizer.sep_token_id]])
+    ids = _first_window_ids(tokenizer, 50)
     with torch.no_grad():
         hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[0]
         attention = model.encoder.albert_layer_groups[0].albert_layers[0].attention
@@ -250,8 +254,7 @@ def test_a_distilbert_model_gives_the_qkv_of_its_own_projections(tmp_path):
     model, tokenizer, _ = load_model(tmp_path)
     qkv = extract_qkv(model, tokenizer, default_text(), seq_len=40, layer=1)
     assert qkv.q.shape == (1, 4, 40, 8)
-    ids = tokenizer(default_text(), add_special_tokens=False)["input_ids"][:38]
-    ids = torch.tensor([[tokenizer.cls_token_id, *ids, tokenizer.sep_token_id]])
+    ids = _first_window_ids(tokenizer, 40)
     with torch.no_grad():
         hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[1]
         v = model.transformer.layer[1].attention.v_lin(hidden).view(1, 40, 4, 8)
