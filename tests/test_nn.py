@@ -66,6 +66,27 @@ def test_options_and_errors():
 
 
 
+@pytest.mark.parametrize(("argument", "value", "says"), [
+    ("batch_first", True, r"always takes x batch-first, \[B, N, dim\]; leave batch_first "
+                          r"out \(a sequence-first x \[N, B, dim\] converts with "
+                          r"x.transpose\(0, 1\)\)"),
+    ("kdim", 4, r"projects keys and values from a context of width dim \(16\); leave kdim "
+                r"out and bring the context to that width first"),
+    ("vdim", 16, r"leave vdim out"),
+    ("add_bias_kv", False, r"has no add_bias_kv: it attends to the keys and values given; "
+                           r"leave add_bias_kv out"),
+    ("add_zero_attn", True, r"leave add_zero_attn out"),
+    ("dtype", torch.float64, r"takes no dtype: build it and call layer.to\(dtype\), or "
+                             r"build it in a `with torch.device\(...\)` block"),
+])
+def test_torch_multihead_attention_arguments_get_their_own_sentence(argument, value, says):
+    """torch.nn.MultiheadAttention's arguments were read as options of the method ("skyformer
+    has no option 'batch_first'; its options are: ..."), naming options that have nothing
+    to do with them; each gets a sentence saying what the layer does instead."""
+    with pytest.raises(ValueError, match=r"MultiHeadAttention .*" + says):
+        MultiHeadAttention(16, 2, method="skyformer", **{argument: value})
+
+
 def test_forward_says_how_a_randomised_layer_draws_in_eval_mode():
     """``eval()`` fixes no draw: a randomised method takes a fresh key from torch's
     global generator on every call unless ``generator`` is passed, which forward's

@@ -28,6 +28,9 @@ class MultiHeadAttention(nn.Module):
     of ``(query, key, value)``, its ``key_padding_mask`` is True for real tokens (torch's
     is True for padding), it returns the output alone (no attention weights), and its
     parameters are ``q_proj``/``k_proj``/``v_proj``/``out_proj``, not ``in_proj_weight``.
+    It takes no ``batch_first`` (``x`` is always batch-first), ``kdim``/``vdim`` (a
+    context has width ``dim``), ``add_bias_kv``, ``add_zero_attn``, ``device`` or
+    ``dtype`` (``layer.to(...)``): each is refused in a sentence.
 
     Args:
         dim: model width; must be divisible by ``num_heads``.
@@ -79,6 +82,7 @@ class MultiHeadAttention(nn.Module):
                              f"{dropout!r}.")
         if not isinstance(bias, bool):
             raise ValueError(f"MultiHeadAttention: bias must be True or False, got {bias!r}.")
+        _refuse_torch_arguments(method_options, dim)
         if process_group is not None:
             from .distributed.forms import form_of  # torch.distributed only when asked
 
@@ -253,6 +257,32 @@ class MultiHeadAttention(nn.Module):
         return f"dim={self.dim}, num_heads={self.num_heads}, method={self.method!r}" + (
             f", {options}" if options else ""
         )
+
+
+def _refuse_torch_arguments(method_options: dict[str, Any], dim: int) -> None:
+    """A sentence for an argument of ``torch.nn.MultiheadAttention``'s that this layer
+    does not take, saying what it does instead (read as a method option, it was refused
+    as an unknown option of the method, with the method's options as the choices)."""
+    for name in ("batch_first", "kdim", "vdim", "add_bias_kv", "add_zero_attn", "device",
+                 "dtype"):
+        if name not in method_options:
+            continue
+        if name == "batch_first":
+            why = ("always takes x batch-first, [B, N, dim]; leave batch_first out (a "
+                   "sequence-first x [N, B, dim] converts with x.transpose(0, 1))")
+        elif name in ("kdim", "vdim"):
+            why = (f"projects keys and values from a context of width dim ({dim}); leave "
+                   f"{name} out and bring the context to that width first (e.g. with an "
+                   f"nn.Linear({name}, {dim}))")
+        elif name in ("add_bias_kv", "add_zero_attn"):
+            why = (f"has no {name}: it attends to the keys and values given; leave {name} "
+                   f"out")
+        else:
+            why = (f"takes no {name}: build it and call layer.to({name}), or build it "
+                   f"in a `with torch.device(...)` block for its device")
+        raise ValueError(f"MultiHeadAttention {why}; torch.nn.MultiheadAttention's "
+                         f"arguments are not this layer's (its docstring lists how they "
+                         f"differ).")
 
 
 class _GroupHandle:
