@@ -87,6 +87,21 @@ def test_torch_multihead_attention_arguments_get_their_own_sentence(argument, va
         MultiHeadAttention(16, 2, method="skyformer", **{argument: value})
 
 
+@pytest.mark.parametrize("cached", [False, True], ids=["forward", "decoding"])
+def test_keys_passed_where_the_padding_mask_goes_get_a_sentence(cached):
+    """``layer(x, keys)``, torch.nn.MultiheadAttention's call with the keys second, put a
+    float tensor [B, M, dim] in key_padding_mask's place and got the advice to convert a
+    0/1 or additive mask with ``mask == 1`` / ``mask == 0``; it is now told to pass
+    the keys' source as ``context``."""
+    layer = MultiHeadAttention(16, 2, method="softmax", causal=cached)
+    x = torch.randn(2, 5, 16)
+    cache = {"cache": layer.new_cache()} if cached else {}
+    with pytest.raises(ValueError, match=r"MultiHeadAttention: key_padding_mask must be "
+                       r"\[B, N\] bool \(True = real token\), got a tensor of shape "
+                       r"\(2, 7, 16\), the shape of x or a context; .*pass their source as "
+                       r"context=\.\.\."):
+        layer(x, torch.randn(2, 7, 16), **cache)
+
 def test_forward_says_how_a_randomised_layer_draws_in_eval_mode():
     """``eval()`` fixes no draw: a randomised method takes a fresh key from torch's
     global generator on every call unless ``generator`` is passed, which forward's

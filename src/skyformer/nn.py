@@ -158,7 +158,8 @@ class MultiHeadAttention(nn.Module):
         Returns ``[B, N, dim]``.
         """
         with self._failing_together():
-            self._check_forward(x, context, query_padding_mask, cache, generator)
+            self._check_forward(x, context, key_padding_mask, query_padding_mask, cache,
+                                generator)
         q = self._split(self.q_proj(x))
         source = x if context is None else context
         k = self._split(self.k_proj(source))
@@ -189,9 +190,18 @@ class MultiHeadAttention(nn.Module):
         return failing_together(f"MultiHeadAttention ({self.bound.name}, sequence parallel)",
                                 self.process_group)
 
-    def _check_forward(self, x: Any, context: Any, query_padding_mask: Any,
-                       cache: DecodingState | None, generator: Any) -> None:
+    def _check_forward(self, x: Any, context: Any, key_padding_mask: Any,
+                       query_padding_mask: Any, cache: DecodingState | None,
+                       generator: Any) -> None:
         """A sentence for inputs ``forward`` cannot take."""
+        if isinstance(key_padding_mask, Tensor) and key_padding_mask.dim() == 3 \
+                and key_padding_mask.shape[-1] == self.dim:  # layer(query, key): keys
+            raise ValueError(
+                f"MultiHeadAttention: key_padding_mask must be [B, N] bool (True = real "
+                f"token), got a tensor of shape {tuple(key_padding_mask.shape)}, the shape "
+                f"of x or a context; the layer takes one x, not torch.nn.MultiheadAttention's "
+                f"(query, key, value): to attend to other positions pass their source as "
+                f"context=...")
         source = x if context is None else context
         weight = self.q_proj.weight
         for name, t in (("x", x), ("context", source)):
