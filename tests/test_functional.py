@@ -504,8 +504,9 @@ def test_a_float_mask_that_requires_grad_is_refused_not_left_without_a_gradient(
     bias = torch.zeros(2, 1, 1, 16, dtype=q.dtype)
     bias[1, ..., 12:] = float("-inf")
     bias.requires_grad_(True)
-    with pytest.raises(ValueError, match=r"requires grad.*no gradient.*detach\(\)"):
+    with pytest.raises(ValueError, match=r"requires grad.*no gradient.*detach\(\)") as err:
         sdpa(q, k, v, bias, method=method, generator=key)
+    assert "attention_mask" not in str(err.value)  # transformers' name; SDPA's is attn_mask
     want = sdpa(q, k, v, bias.detach(), method=method, generator=key)
     with torch.no_grad():
         torch.testing.assert_close(sdpa(q, k, v, bias, method=method, generator=key), want)

@@ -208,7 +208,7 @@ def _refuse_learned(attention_mask: Tensor, advice: str) -> None:
         raise UnsupportedMaskError(
             "the attention mask is a float tensor that requires grad (a learned bias?), "
             "and the approximate methods read only which keys it hides, so it would get no "
-            f"gradient; {advice}, or pass attention_mask.detach() if it is a fixed mask.")
+            f"gradient; {advice}, or pass the mask's .detach() if it is a fixed mask.")
 
 
 def _refuse_per_head(allowed: Tensor, what: str, advice: str) -> None:
