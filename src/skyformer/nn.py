@@ -246,9 +246,19 @@ class MultiHeadAttention(nn.Module):
         Args:
             generator: the random key of the whole decode (``None``: drawn from torch's
                 global generator at the first step).
+        Raises:
+            ValueError: the layer was built without ``causal=True``: its forward attends
+                to every position, which its cached steps would not equal.
         """
         from .decoding import new_decoding_state
 
+        if getattr(self.config, "causal", None) is False:  # a method that can be causal
+            raise ValueError(
+                f"MultiHeadAttention: this {self.method} layer was built without causal=True, "
+                f"so its forward attends to every position, later ones included, while a "
+                f"decoding cache attends causally: its steps would not equal the layer's "
+                f"forward. Build the layer as MultiHeadAttention({self.dim}, "
+                f"{self.num_heads}, {self.method!r}, causal=True) to train and decode it.")
         return new_decoding_state(self.bound, generator=generator, state=self.method_state)
 
     def _sequence_parallel(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None,

@@ -243,6 +243,18 @@ def test_a_name_or_an_unbound_method_is_refused_with_the_call_that_binds_it(give
     assert state.step(q, k, v).shape == v.shape
 
 
+@pytest.mark.parametrize("method", ["softmax", "linear", "skyformer", "performer[num_features=8]"])
+def test_a_layer_built_without_causal_refuses_a_cache(method):
+    """A cache decodes causally; a layer built without causal=True attends to every
+    position in its forward, so its cached steps would silently differ from it (a
+    model trained that way sees the future and generates from what it never saw)."""
+    layer = MultiHeadAttention(16, 2, method)
+    with pytest.raises(ValueError, match=r"built without causal=True.*"
+                                         r"MultiHeadAttention\(16, 2, .*causal=True"):
+        layer.new_cache()
+    assert MultiHeadAttention(16, 2, method, causal=True).new_cache().length == 0
+
+
 @pytest.mark.parametrize(("method", "options"), [
     ("skyformer", {"num_features": 6, "landmark_stride": 5}),
     ("performer", {"num_features": 8}),

@@ -98,6 +98,7 @@ def test_the_layer_and_its_decoding_cache_make_no_tensor_on_the_default_device(n
     assert out.device.type == "cpu" and x.grad is not None
     if not skyformer.get_method(name).capabilities.has("causal"):
         return
+    layer = MultiHeadAttention(32, 2, method=name, seq_len=24, causal=True)
     cache = layer.new_cache(generator=skyformer.random_key(2))
 
     def decode() -> torch.Tensor:
