@@ -603,3 +603,23 @@ def test_a_platform_without_load_averages_runs(monkeypatch):
     assert result.environment["load_average_start"] is None
     assert [r["status"] for r in result.rows] == ["ok"]
     assert result.rows[0]["load_avg"] is None
+
+
+def test_half_inputs_get_a_speed_of_light_no_call_can_beat(monkeypatch):
+    """Half inputs are computed in float32 by several methods (and CPU SDPA does not use
+    the float16 matmul, far slower there): their speed of light takes the faster of the
+    half type's and float32's matmul rates, both in the file."""
+    import skyformer.eval.bench.run as bench_run
+
+    rates = {torch.float16: 1e9, torch.float32: 5e10, torch.bfloat16: 2e11}
+    monkeypatch.setattr(bench_run, "matmul_flops_per_second",
+                        lambda device, dtype, **kwargs: rates[dtype])
+    config = BenchConfig(methods=("skyformer",), seq_lens=(32,), shapes=((1, 1, 8),),
+                         dtypes=("float16", "bfloat16"), num_features=8, repeats=1, warmup=0,
+                         memory=False, error=False)
+    result = run_bench(config)
+    assert result.matmul_gflops == {"float16": 1.0, "float32": 50.0, "bfloat16": 200.0}
+    for row in result.rows:
+        rate = {"float16": 50.0, "bfloat16": 200.0}[row["dtype"]]
+        assert row["gflop"] and row["sol_ms"] == pytest.approx(row["gflop"] / rate * 1e3)
+    assert "half inputs at the faster of theirs and float32's" in format_table(result)

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from ...io import remove_stale, save_figure, write_csv, write_json
-from .run import BenchResult
+from .run import HALF, BenchResult
 
 COLUMNS = [
     ("N", "n", "{:d}"),
@@ -58,6 +58,8 @@ def _header(result: BenchResult) -> str:
     cfg = result.config
     timed = "forward+backward" if cfg.backward else "forward"
     rates = ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in result.matmul_gflops.items())
+    if any(dtype in HALF for dtype in cfg.dtypes):
+        rates += "; half inputs at the faster of theirs and float32's"
     return (
         f"times: median of {cfg.repeats} after {cfg.warmup} warm-up, {cfg.clock} clock; "
         f"speed-up: {cfg.reference}'s time / the method's ({timed}); memory: the method's "

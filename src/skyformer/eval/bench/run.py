@@ -13,7 +13,8 @@ state), (B, H, D) shape, dtype and sequence length N, on random inputs:
 - relative spectral error against the exact attention the method approximates, at the
   method's ``scale`` (and causal with ``causal``);
 - for methods with a FLOP count (``flops.py``), the "speed of light": that arithmetic at
-  the matmul throughput measured on the same device in the same run.
+  the matmul throughput measured on the same device in the same run (for half inputs
+  the faster of the half type's and float32's, ``sol_gflops``).
 
 A configuration predicted (from the previous N) to take more than ``max_seconds`` per
 call or more memory than is available is skipped, and the row says so. The summary
@@ -254,9 +255,9 @@ def run_bench(
     if len(set(labels)) != len(labels):
         raise ValueError(f"two methods share a name in {labels}; give each once.")
     load_start = _load()
-    throughput = {
+    throughput = {  # the inputs' dtypes and the float32 that half inputs may compute in
         dtype: matmul_flops_per_second(device, getattr(torch, dtype), clock=config.clock) / 1e9
-        for dtype in config.dtypes
+        for dtype in dict.fromkeys(name for d in config.dtypes for name in (d, _computed(d)))
     }
     limit = _available_bytes(device)
     env = run_environment(device)
@@ -275,13 +276,14 @@ def run_bench(
                 kept = earlier.get(_length_key(group))
                 if kept is not None and set(kept) >= set(labels):
                     new_rows = [_speed_of_light({**kept[label], **RATIOS_UNSET},
-                                                throughput[dtype_name], config.backward)
+                                                sol_gflops(throughput, dtype_name),
+                                                config.backward)
                                 for label in labels]
                     _remember(config, new_rows, n, times, peaks)
                 else:
                     new_rows = _measure_length(
                         config, methods, labels, shape, n, dtype, device, limit, times, peaks,
-                        throughput[dtype_name], group,
+                        sol_gflops(throughput, dtype_name), group,
                     )
                     if progress:
                         for row in new_rows:
@@ -476,6 +478,23 @@ def _measure_length(
                 row["gflop"] = flops / 1e9
                 _speed_of_light(row, gflops, config.backward)
     return [rows[label] for label in labels]
+
+
+def _computed(dtype_name: str) -> str:
+    """The dtype inputs of ``dtype_name`` may be computed in (half types: float32)."""
+    return str(compute_dtype(getattr(torch, dtype_name))).removeprefix("torch.")
+
+
+def sol_gflops(throughput: dict[str, float], dtype_name: str) -> float:
+    """The matmul rate (GFLOP/s) a speed of light at ``dtype_name`` inputs is taken at:
+    that of the inputs' dtype, or for half types the faster of theirs and float32's.
+
+    Half inputs are computed in their own type or in float32, by method and device
+    (Skyformer and ``nystrom_softmax`` upcast on the PyTorch path, ``kernelized`` upcasts
+    float16, SDPA on a CPU does not use the float16 matmul, which is there far slower
+    than float32's), so the faster rate is the one no call can beat: with the half
+    type's alone a CPU float16 call came out at several times the speed of light."""
+    return max(throughput[dtype_name], throughput[_computed(dtype_name)])
 
 
 def _speed_of_light(row: dict[str, Any], gflops: float, backward: bool) -> dict[str, Any]:
