@@ -8,7 +8,7 @@ later appear by themselves), N = 1024 ... 16384, B=1, H=2, D=32 (the Long Range 
 setting of the Skyformer paper), float32, each method at its default options and
 called as inside ``MultiHeadAttention`` (Linformer with its learned projections,
 ``max_seq_len = N``), and writes ``benchmarks/results/methods.{json,csv,png}``.
-Options given on the command line override the preset's.
+Options given on the command line override the preset's (``--seq-lens`` its lengths).
 """
 
 from __future__ import annotations
@@ -19,11 +19,22 @@ from skyformer.cli import main as skyformer_main
 from skyformer.registry import get_method, list_methods
 
 
-def preset() -> list[str]:
+def preset(extra: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The arguments of ``skyformer bench``: the preset's, then ``extra`` (the later of
+    two settings wins); the preset's --min-n and --max-n only where ``extra`` lists no
+    lengths of its own (bench takes --seq-lens or the two bounds, not both)."""
     approximate = [m for m in list_methods() if not get_method(m).capabilities.exact]
-    return ["bench", "--methods", "softmax", *approximate, "--min-n", "1024", "--max-n", "16384",
-            "--out", "benchmarks/results/methods", "--markdown"]
+    lengths = [] if any(_is_seq_lens(arg) for arg in extra) else [
+        "--min-n", "1024", "--max-n", "16384"]
+    return ["bench", "--methods", "softmax", *approximate, *lengths,
+            "--out", "benchmarks/results/methods", "--markdown", *extra]
+
+
+def _is_seq_lens(arg: str) -> bool:
+    """Whether ``arg`` is --seq-lens, as given or abbreviated (argparse takes ``--seq``)."""
+    name = arg.partition("=")[0]
+    return name.startswith("--seq") and "--seq-lens".startswith(name)
 
 
 if __name__ == "__main__":
-    sys.exit(skyformer_main(preset() + sys.argv[1:]))
+    sys.exit(skyformer_main(preset(sys.argv[1:])))

@@ -1,0 +1,26 @@
+"""benchmarks/methods.py, the preset of ``skyformer bench`` over every approximate
+method: options given after it override the preset's, the lengths included."""
+
+from __future__ import annotations
+
+import json
+
+from skyformer.cli import main
+from tests.benchmark_scripts import load_benchmark
+
+benchmark = load_benchmark("methods")
+
+
+def test_lengths_given_replace_the_preset_s_and_the_run_writes_them(tmp_path):
+    for given in (["--seq-lens", "32"], ["--seq-lens=32"], ["--seq", "32"]):
+        argv = benchmark.preset(given)
+        assert "--min-n" not in argv and "--max-n" not in argv and argv[-len(given):] == given
+    argv = benchmark.preset(["--max-n", "2048"])  # one bound given: the other is the preset's
+    assert argv[argv.index("--min-n") + 1] == "1024" and argv[-2:] == ["--max-n", "2048"]
+    out = tmp_path / "methods"
+    argv = benchmark.preset(["--methods", "softmax", "linear", "--seq-lens", "16",
+                             "--shapes", "1,1,4", "--repeats", "1", "--warmup", "0",
+                             "--no-memory", "--no-plot", "--out", str(out)])
+    assert main(argv) == 0
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [(r["method"], r["n"]) for r in rows] == [("softmax", 16), ("linear", 16)]
