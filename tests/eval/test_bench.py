@@ -623,3 +623,35 @@ def test_half_inputs_get_a_speed_of_light_no_call_can_beat(monkeypatch):
         rate = {"float16": 50.0, "bfloat16": 200.0}[row["dtype"]]
         assert row["gflop"] and row["sol_ms"] == pytest.approx(row["gflop"] / rate * 1e3)
     assert "half inputs at the faster of theirs and float32's" in format_table(result)
+
+
+def test_inputs_too_large_to_hold_skip_their_length_and_the_run_goes_on(monkeypatch, capsys):
+    """A length whose inputs exceed the memory available, or fail to allocate, is a
+    skipped row with a sentence for every method; the other shapes are still measured
+    (the run stopped with the allocator's message)."""
+    import skyformer.eval.bench.run as bench_run
+
+    monkeypatch.setattr(bench_run, "_available_bytes", lambda device: 32 * 1024)
+    config = BenchConfig(methods=("softmax", "linear"), seq_lens=(16, 1024),
+                         shapes=((1, 1, 4), (2, 1, 4)), repeats=1, warmup=0, memory=False)
+    rows = {(r["batch"], r["n"], r["method"]): r for r in run_bench(config).rows}
+    assert len(rows) == 8
+    for (_, n, _), row in rows.items():
+        assert row["status"] == ("ok" if n == 16 else "skipped")
+    reason = rows[(2, 1024, "linear")]["reason"]
+    assert reason.startswith("the inputs (q, k, v and the output gradient, [2, 1, 1024, 4] "
+                             "each) take ") and "GiB available" in reason
+
+    def no_memory(shape, n, *args):
+        if n > 16:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried ...")
+        return real(shape, n, *args)
+
+    real = bench_run._inputs
+    monkeypatch.setattr(bench_run, "_available_bytes", lambda device: math.inf)
+    monkeypatch.setattr(bench_run, "_inputs", no_memory)
+    assert main(["bench", "--methods", "linear", "--seq-lens", "16", "32", "--shapes", "1,1,4",
+                 "--repeats", "1", "--warmup", "0", "--no-memory"]) == 0
+    out = capsys.readouterr().out
+    assert "skipped: the inputs [1, 1, 32, 4] could not be allocated: RuntimeError: " \
+           "DefaultCPUAllocator" in out

@@ -17,7 +17,8 @@ state), (B, H, D) shape, dtype and sequence length N, on random inputs:
   the faster of the half type's and float32's, ``sol_gflops``).
 
 A configuration predicted (from the previous N) to take more than ``max_seconds`` per
-call or more memory than is available is skipped, and the row says so. The summary
+call or more memory than is available, or whose inputs do not fit, is skipped, and the
+row says so. The summary
 gives, per method, the crossover length with the reference (exact SDPA softmax) and
 the fitted scaling exponent of its time.
 """
@@ -215,6 +216,23 @@ def _inputs(shape: tuple[int, int, int], n: int, dtype: torch.dtype, device: tor
     return q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True), grad
 
 
+def _inputs_or_reason(shape: tuple[int, int, int], n: int, dtype: torch.dtype,
+                      device: torch.device, seed: int, limit: float
+                      ) -> tuple[tuple[Tensor, Tensor, Tensor, Tensor] | None, str]:
+    """(q, k, v, the output gradient) of ``_inputs``, or (None, why not): their bytes
+    above ``limit`` (a run that went on would be killed for memory, not told), or an
+    allocation that failed; every method at that length is then skipped with the why."""
+    b, h, d = shape
+    size = 4 * b * h * n * d * dtype.itemsize
+    if size > limit:
+        return None, (f"the inputs (q, k, v and the output gradient, [{b}, {h}, {n}, {d}] "
+                      f"each) take {size / 2**30:.3g} GiB > {limit / 2**30:.3g} GiB available")
+    try:
+        return _inputs(shape, n, dtype, device, seed), ""
+    except (RuntimeError, MemoryError) as err:  # torch.OutOfMemoryError is a RuntimeError
+        return None, f"the inputs [{b}, {h}, {n}, {d}] could not be allocated: {_one_line(err)}"
+
+
 def _closures(
     call: PreparedCall, q: Tensor, k: Tensor, v: Tensor, grad: Tensor, seed: int,
 ) -> tuple[Callable[[], Tensor], Callable[[], None]]:
@@ -407,7 +425,7 @@ def _measure_length(
 ) -> list[dict[str, Any]]:
     """One row per method at sequence length ``n`` (all methods on the same inputs)."""
     b, h, d = shape
-    q, k, v, grad = _inputs(shape, n, dtype, device, config.seed)
+    inputs, no_inputs = _inputs_or_reason(shape, n, dtype, device, config.seed, limit)
     rows: dict[str, dict[str, Any]] = {}
     runnable: dict[str, tuple[NamedAttention, dict[str, Any], Callable, Callable]] = {}
     for label, method in zip(labels, methods, strict=True):
@@ -419,14 +437,15 @@ def _measure_length(
                "num_features": method.resolved_options(options, n).get("num_features"),
                "status": "ok", "reason": ""}
         rows[label] = row
-        reason = _skip_reason(config, method, group["dtype"], n, times[label], peaks[label], limit)
+        reason = no_inputs or _skip_reason(config, method, group["dtype"], n, times[label],
+                                           peaks[label], limit)
         if reason:
             row.update(status="skipped", reason=reason)
             continue
         try:  # a first call: one that fails (e.g. out of memory) is skipped, not fatal
             call = method.prepare((b, h, n, d), options, device=device, dtype=dtype,
                                   as_layer=True)
-            forward, step = _closures(call, q, k, v, grad, config.seed)
+            forward, step = _closures(call, *inputs, config.seed)
             (step if config.backward else forward)()
         except (RuntimeError, ValueError, TypeError) as err:
             row.update(status="skipped", reason=_one_line(err))
@@ -464,7 +483,7 @@ def _measure_length(
                 row["peak_mib"] = peak / 2**20
                 peaks[label].append((n, float(peak)))
         if config.error and method.target is not None:
-            target, row["trivial_error"] = _target(q, k, v, method, options, exact)
+            target, row["trivial_error"] = _target(*inputs[:3], method, options, exact)
             out = forward().to(target.dtype)
             row["rel_error"] = relative_error(out, target, ord=2).mean().item()
         if method.registered:
