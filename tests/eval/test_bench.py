@@ -655,3 +655,29 @@ def test_inputs_too_large_to_hold_skip_their_length_and_the_run_goes_on(monkeypa
     out = capsys.readouterr().out
     assert "skipped: the inputs [1, 1, 32, 4] could not be allocated: RuntimeError: " \
            "DefaultCPUAllocator" in out
+
+
+def test_the_memory_panel_leaves_out_cpu_peaks_below_resolution_and_says_so(
+        tiny, tmp_path, monkeypatch):
+    """A CPU peak under 1 MiB says only "small" (no ratio is taken from it): the plot drew
+    such peaks as values (0.004 MiB) and dropped peaks of 0 silently (the reference's
+    line vanished); it draws the peaks above resolution and notes the rest."""
+    import skyformer.eval.bench.report as report
+
+    figures = []
+    monkeypatch.setattr(report, "save_figure", lambda fig, path, **kw: figures.append(fig))
+    copy = dataclasses.replace(tiny, rows=[dict(r) for r in tiny.rows])
+    peaks = {"softmax": 0.0, "skyformer": 0.004, "materialised_skyformer_attention": 3.0}
+    for row in copy.rows:
+        row["peak_mib"] = peaks[row["method"]]
+    report.plot_results(copy, tmp_path / "bench.png")
+    time_axes, memory_axes = figures[0].axes
+    assert len(time_axes.lines) == 3
+    assert [line.get_label() for line in memory_axes.lines] == [
+        "materialised_skyformer_attention"]
+    assert [t.get_text() for t in memory_axes.texts] == [
+        "peaks under 1 MiB (the CPU measurement's resolution) not drawn"]
+    for row in copy.rows:
+        row["peak_mib"] = None  # --no-memory: nothing left out, no note
+    report.plot_results(copy, tmp_path / "bench.png")
+    assert not figures[1].axes[1].lines and not figures[1].axes[1].texts

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from ...io import remove_stale, save_figure, write_csv, write_json
+from ..measure.memory import CPU_RESOLUTION_BYTES, above_resolution
 from .run import HALF, BenchResult
 
 COLUMNS = [
@@ -256,6 +257,15 @@ def write_results(
     return written
 
 
+def _drawn_peaks(points: list[tuple[int, float | None]], device: str
+                 ) -> list[tuple[int, float]]:
+    """The (N, peak MiB) points the memory panel draws: measured peaks above the
+    measurement's resolution (a CPU peak under 1 MiB says only "small", and one of 0
+    has no place on a log axis), as the memory ratios are taken."""
+    return [(n, mib) for n, mib in points
+            if mib is not None and above_resolution(mib * 2**20, device)]
+
+
 def plot_results(result: BenchResult, path: str | Path) -> Path:
     """Log-log time and peak memory against N, one row of panels per shape/dtype, with
     the reference (exact SDPA) drawn as a thick dashed black line."""
@@ -275,6 +285,7 @@ def plot_results(result: BenchResult, path: str | Path) -> Path:
     ]
     markers = "os^vD<>ph*"
     for (g, rows), (ax_t, ax_m) in zip(groups.items(), axes, strict=True):
+        hidden = False  # a measured peak left out (below the CPU's resolution)
         for i, method in enumerate(dict.fromkeys(r["method"] for r in rows)):
             pts = sorted(
                 (r["n"], r[key], r["peak_mib"])
@@ -292,7 +303,8 @@ def plot_results(result: BenchResult, path: str | Path) -> Path:
                 style.update(color="tab:red", linewidth=2.5, markersize=5)
             if pts:
                 ax_t.plot([p[0] for p in pts], [p[1] for p in pts], label=method, **style)
-                mem = [(p[0], p[2]) for p in pts if p[2]]
+                mem = _drawn_peaks([(p[0], p[2]) for p in pts], g[0])
+                hidden = hidden or len(mem) < sum(p[2] is not None for p in pts)
                 if mem:
                     ax_m.plot([p[0] for p in mem], [p[1] for p in mem], label=method, **style)
         for ax, ylabel in (
@@ -306,5 +318,9 @@ def plot_results(result: BenchResult, path: str | Path) -> Path:
             ax.set_title(_title(g))
             ax.grid(True, which="both", alpha=0.3)
         ax_t.legend(fontsize=7)
+        if hidden:
+            ax_m.text(0.01, 0.01, f"peaks under {CPU_RESOLUTION_BYTES / 2**20:g} MiB (the CPU "
+                      "measurement's resolution) not drawn", transform=ax_m.transAxes,
+                      fontsize=7, va="bottom")
     fig.tight_layout()
     return save_figure(fig, path, dpi=110)
