@@ -424,34 +424,60 @@ def _measure_length(
     times: History, peaks: History, gflops: float, group: dict[str, Any],
 ) -> list[dict[str, Any]]:
     """One row per method at sequence length ``n`` (all methods on the same inputs)."""
-    b, h, d = shape
     inputs, no_inputs = _inputs_or_reason(shape, n, dtype, device, config.seed, limit)
     rows: dict[str, dict[str, Any]] = {}
-    runnable: dict[str, tuple[NamedAttention, dict[str, Any], Callable, Callable]] = {}
+    runnable: dict[str, _Runnable] = {}
     for label, method in zip(labels, methods, strict=True):
-        options = method.options(config.num_features)
-        if config.causal:
-            options["causal"] = True
-        row = {**dict.fromkeys(ROW_KEYS), "method": label, "spec": method.name, **group,
-               "target": method.target, "exact": method.exact,
-               "num_features": method.resolved_options(options, n).get("num_features"),
-               "status": "ok", "reason": ""}
-        rows[label] = row
-        reason = no_inputs or _skip_reason(config, method, group["dtype"], n, times[label],
-                                           peaks[label], limit)
-        if reason:
-            row.update(status="skipped", reason=reason)
-            continue
-        try:  # a first call: one that fails (e.g. out of memory) is skipped, not fatal
-            call = method.prepare((b, h, n, d), options, device=device, dtype=dtype,
-                                  as_layer=True)
-            forward, step = _closures(call, *inputs, config.seed)
-            (step if config.backward else forward)()
-        except (RuntimeError, ValueError, TypeError) as err:
-            row.update(status="skipped", reason=_one_line(err))
-            continue
-        runnable[label] = (method, options, forward, step)
+        rows[label], ready = _first_call(config, method, label, shape, n, dtype, device,
+                                         inputs, no_inputs, limit, times[label], peaks[label],
+                                         group)
+        if ready is not None:
+            runnable[label] = ready
+    _time_interleaved(config, runnable, rows, device)
+    exact: dict[tuple, tuple[Tensor, float]] = {}
+    for label, ready in runnable.items():
+        _complete_row(config, rows[label], ready, shape, n, dtype, device, inputs, exact,
+                      times[label], peaks[label], gflops, group)
+    return [rows[label] for label in labels]
 
+
+_Runnable = tuple[NamedAttention, dict[str, Any], Callable, Callable]  # method, options, fwd, step
+
+
+def _first_call(
+    config: BenchConfig, method: NamedAttention, label: str, shape: tuple[int, int, int],
+    n: int, dtype: torch.dtype, device: torch.device, inputs: Any, no_inputs: str | None,
+    limit: float, times: list, peaks: list, group: dict[str, Any],
+) -> tuple[dict[str, Any], _Runnable | None]:
+    """The row of ``method`` at length ``n`` and, where it is not skipped, its prepared
+    calls after a first run of them (one that fails, e.g. out of memory, skips the row)."""
+    b, h, d = shape
+    options = method.options(config.num_features)
+    if config.causal:
+        options["causal"] = True
+    row = {**dict.fromkeys(ROW_KEYS), "method": label, "spec": method.name, **group,
+           "target": method.target, "exact": method.exact,
+           "num_features": method.resolved_options(options, n).get("num_features"),
+           "status": "ok", "reason": ""}
+    reason = no_inputs or _skip_reason(config, method, group["dtype"], n, times, peaks, limit)
+    if reason:
+        row.update(status="skipped", reason=reason)
+        return row, None
+    try:
+        call = method.prepare((b, h, n, d), options, device=device, dtype=dtype,
+                              as_layer=True)
+        forward, step = _closures(call, *inputs, config.seed)
+        (step if config.backward else forward)()
+    except (RuntimeError, ValueError, TypeError) as err:
+        row.update(status="skipped", reason=_one_line(err))
+        return row, None
+    return row, (method, options, forward, step)
+
+
+def _time_interleaved(config: BenchConfig, runnable: dict[str, _Runnable],
+                      rows: dict[str, dict[str, Any]], device: torch.device) -> None:
+    """``fwd_ms`` (and ``fwd_bwd_ms``) of every runnable row, timed interleaved, and the
+    load average over the timing."""
     fns: dict[str, Callable[[], object]] = {}
     for label, (_, _, forward, step) in runnable.items():
         fns[f"{label}/fwd"] = forward
@@ -464,39 +490,46 @@ def _measure_length(
     if load_before and load_after:
         for row in rows.values():
             row["load_avg"] = round((load_before[0] + load_after[0]) / 2, 2)
-
-    exact: dict[tuple, tuple[Tensor, float]] = {}
-    for label, (method, options, forward, _) in runnable.items():
-        row = rows[label]
-        row["fwd_ms"] = medians[f"{label}/fwd"] * 1e3
+    for label in runnable:
+        rows[label]["fwd_ms"] = medians[f"{label}/fwd"] * 1e3
         if config.backward:
-            row["fwd_bwd_ms"] = medians[f"{label}/fwd_bwd"] * 1e3
-        main = row["fwd_bwd_ms"] if config.backward else row["fwd_ms"]
-        times[label].append((n, main / 1e3))
-        if config.memory:
-            job = MemoryJob(method.name, (b, h, n, d), options, dtype=group["dtype"],
-                            seed=config.seed, backward=config.backward, as_layer=True)
-            peak, reason = peak_memory_or_reason(job, device)
-            if peak is None:
-                row["reason"] = reason
-            else:
-                row["peak_mib"] = peak / 2**20
-                peaks[label].append((n, float(peak)))
-        if config.error and method.target is not None:
-            target, row["trivial_error"] = _target(*inputs[:3], method, options, exact)
-            out = forward().to(target.dtype)
-            row["rel_error"] = relative_error(out, target, ord=2).mean().item()
-        if method.registered:
-            flops = attention_flops(
-                method.name, batch=b, heads=h, nq=n, nk=n, d=d, dv=d,
-                options=method.resolved_options(options, n), backward=config.backward,
-                factorised_core=factorises(device, compute_dtype(dtype)),
-                dtype=compute_dtype(dtype),
-            )
-            if flops is not None:
-                row["gflop"] = flops / 1e9
-                _speed_of_light(row, gflops, config.backward)
-    return [rows[label] for label in labels]
+            rows[label]["fwd_bwd_ms"] = medians[f"{label}/fwd_bwd"] * 1e3
+
+
+def _complete_row(
+    config: BenchConfig, row: dict[str, Any], ready: _Runnable, shape: tuple[int, int, int],
+    n: int, dtype: torch.dtype, device: torch.device, inputs: Any,
+    exact: dict[tuple, tuple[Tensor, float]], times: list, peaks: list, gflops: float,
+    group: dict[str, Any],
+) -> None:
+    """A timed row's history entry, peak memory, error and speed of light."""
+    b, h, d = shape
+    method, options, forward, _ = ready
+    main = row["fwd_bwd_ms"] if config.backward else row["fwd_ms"]
+    times.append((n, main / 1e3))
+    if config.memory:
+        job = MemoryJob(method.name, (b, h, n, d), options, dtype=group["dtype"],
+                        seed=config.seed, backward=config.backward, as_layer=True)
+        peak, reason = peak_memory_or_reason(job, device)
+        if peak is None:
+            row["reason"] = reason
+        else:
+            row["peak_mib"] = peak / 2**20
+            peaks.append((n, float(peak)))
+    if config.error and method.target is not None:
+        target, row["trivial_error"] = _target(*inputs[:3], method, options, exact)
+        out = forward().to(target.dtype)
+        row["rel_error"] = relative_error(out, target, ord=2).mean().item()
+    if method.registered:
+        flops = attention_flops(
+            method.name, batch=b, heads=h, nq=n, nk=n, d=d, dv=d,
+            options=method.resolved_options(options, n), backward=config.backward,
+            factorised_core=factorises(device, compute_dtype(dtype)),
+            dtype=compute_dtype(dtype),
+        )
+        if flops is not None:
+            row["gflop"] = flops / 1e9
+            _speed_of_light(row, gflops, config.backward)
 
 
 def _computed(dtype_name: str) -> str:
