@@ -168,3 +168,32 @@ def test_share_kv_projects_the_values_by_proj_k():
                                                    proj_k=e, proj_v=e))
     with pytest.raises(ValueError, match=r"share_kv=True projects the values by proj_k too"):
         linformer_attention(q, k, v, num_features=5, share_kv=True, proj_k=e, proj_v=f)
+
+
+def test_share_heads_is_the_papers_headwise_and_key_value_sharing():
+    """Section 4's headwise sharing (one E, one F per layer) and key-value sharing (one E
+    per layer, for the heads, the keys and the values); share_kv alone kept E per head."""
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(16, 2, method="linformer", num_features=4, max_seq_len=400,
+                               share_heads=True, share_kv=True).double()
+    state = layer.method_state
+    assert state.proj_k.shape == (4, 400) and state.proj_v is None
+    state.reset_parameters()
+    assert abs(state.proj_k.std().item() - 0.5) < 0.05, "entries N(0, 1/k)"
+    heads = MultiHeadAttention(16, 2, method="linformer", num_features=4, max_seq_len=24,
+                               share_heads=True)
+    assert heads.method_state.proj_k.shape == heads.method_state.proj_v.shape == (4, 24)
+    q, k, v = make_qkv(1, 1, 12, 4)
+    q, k, v = (t.expand(1, 3, 12, 4) for t in (q, k, v))  # three equal heads
+    out = linformer_attention(q, k, v, num_features=4, share_heads=True, generator=gen(0))
+    torch.testing.assert_close(out[:, 1:], out[:, :1].expand(1, 2, 12, 4), rtol=0, atol=0)
+    e = torch.randn(4, 12, dtype=torch.float64, generator=gen(1))
+    torch.testing.assert_close(
+        linformer_attention(q, k, v, num_features=4, share_heads=True, share_kv=True, proj_k=e),
+        reference_linformer_attention(q, k, v, e, e), rtol=1e-9, atol=1e-11)
+    with pytest.raises(ValueError, match=r"share_heads=True shares one projection across the "
+                                         r"heads, so proj_k must have shape \[num_features, L\]"):
+        linformer_attention(q, k, v, num_features=4, share_heads=True,
+                            proj_k=e.expand(3, 4, 12), proj_v=e)
+    with pytest.raises(ValueError, match="share_heads"):
+        linformer_attention(q, k, v, share_heads=1)

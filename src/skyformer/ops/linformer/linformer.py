@@ -6,8 +6,11 @@ Linformer's linear self-attention head (Wang et al. 2020, Section 4) computes
 
 so the attention matrix is ``[N, k]``: O(N k) time; it is applied through fused masked
 SDPA and never stored, so memory is O(N D + k N) for the projections. E and F are
-learned, one pair per head (the paper's unshared setting; ``share_kv`` is its
-key-value sharing, E = F), and have one column per position up to a fixed
+learned, by default one pair per head (the paper's unshared setting). Section 4's
+sharing: ``share_heads`` is its headwise sharing (one E and one F for all the heads
+of a layer), ``share_heads`` with ``share_kv`` its key-value sharing (one E for the
+heads, the keys and the values); ``share_kv`` alone keeps E = F per head. E and F
+have one column per position up to a fixed
 ``max_seq_len``: a shorter input uses their first N columns, as if it were padded.
 
 Padding. Padded keys and values are zeroed before projecting, so they enter no
@@ -64,24 +67,30 @@ class LinformerConfig:
     max_seq_len: columns of the learned E and F, i.e. the longest input. Required by
         ``MultiHeadAttention`` (learned projections); optional for direct calls, where
         it only bounds the input length.
-    share_kv: one projection for keys and values (E = F, the paper's key-value sharing).
+    share_kv: one projection for keys and values (E = F); with ``share_heads``, the
+        paper's key-value sharing (Section 4: one E per layer).
+    share_heads: one E (and one F) for all the heads of a layer, ``[k, L]``: the
+        paper's headwise sharing (and its released code's default).
     scale: softmax logit scale s, ``None`` = 1/sqrt(head dim).
     """
 
     num_features: int = 128
     max_seq_len: int | None = None
     share_kv: bool = False
+    share_heads: bool = False
     scale: float | None = None
 
     def __post_init__(self) -> None:
         check_random_features("linformer", self.num_features)
         check_optional_positive_int("linformer", "max_seq_len", self.max_seq_len)
         check_bool("linformer", "share_kv", self.share_kv)
+        check_bool("linformer", "share_heads", self.share_heads)
         check_scale("linformer", self.scale)
 
 
 class LinformerProjections(nn.Module):
-    """Per-layer learned projections E, F: ``[H, k, max_seq_len]`` each (one if shared).
+    """Per-layer learned projections E, F: ``[H, k, max_seq_len]`` each, ``[k,
+    max_seq_len]`` with ``share_heads`` (one tensor for both with ``share_kv``).
 
     Initialised with N(0, 1/k) entries: at initialisation the layer computes the
     Johnson-Lindenstrauss projected attention of Linformer's Theorem 2. ``generator``: a
@@ -101,7 +110,8 @@ class LinformerProjections(nn.Module):
                 "max_seq_len=4096) for a model without max_position_embeddings, or the "
                 "name 'linformer[max_seq_len=4096]' wherever a method is named."
             )
-        shape = (num_heads, config.num_features, config.max_seq_len)
+        shape = ((config.num_features, config.max_seq_len) if config.share_heads
+                 else (num_heads, config.num_features, config.max_seq_len))
         std = 1.0 / math.sqrt(config.num_features)
         device = None if generator is None else generator.device
 
@@ -120,20 +130,22 @@ class LinformerProjections(nn.Module):
         for projection in (self.proj_k, self.proj_v):
             if projection is not None:
                 drawn = torch.randn(projection.shape, device=projection.device)
-                projection.copy_(drawn * (1.0 / math.sqrt(projection.shape[1])))
+                projection.copy_(drawn * (1.0 / math.sqrt(projection.shape[-2])))
 
     def forward(self, q: Tensor, k: Tensor) -> dict[str, Tensor]:
         proj_v = self.proj_k if self.proj_v is None else self.proj_v
         return {"proj_k": self.proj_k, "proj_v": proj_v}
 
 
-def jl_projections(key: Tensor, heads: int, k: int, n: int, share_kv: bool
-                   ) -> tuple[Tensor, Tensor]:
-    """E and F ``[H, k, n]`` with N(0, 1/k) entries (Linformer Theorems 1-2), column j a
-    function of the key and j only, so a shorter input gets the first columns."""
+def jl_projections(key: Tensor, heads: int, k: int, n: int, share_kv: bool,
+                   share_heads: bool = False) -> tuple[Tensor, Tensor]:
+    """E and F ``[H, k, n]`` (``[k, n]`` with ``share_heads``) with N(0, 1/k) entries
+    (Linformer Theorems 1-2), column j a function of the key and j only, so a shorter
+    input gets the first columns."""
     scale = 1.0 / math.sqrt(k)
-    e = gaussian_columns((heads, k), n, stream(key, "linformer/E"), key.device) * scale
-    f = e if share_kv else gaussian_columns((heads, k), n, stream(key, "linformer/F"),
+    rows = (k,) if share_heads else (heads, k)
+    e = gaussian_columns(rows, n, stream(key, "linformer/E"), key.device) * scale
+    f = e if share_kv else gaussian_columns(rows, n, stream(key, "linformer/F"),
                                             key.device) * scale
     return e, f
 
@@ -183,6 +195,41 @@ def _padded_to(width: int, k: Tensor, v: Tensor, key_valid: Tensor | None
     return k, v, torch.nn.functional.pad(valid, (0, extra), value=False)
 
 
+def _paired_projections(cfg: LinformerConfig, proj_k: Tensor | None, proj_v: Tensor | None
+                        ) -> tuple[Tensor | None, Tensor | None]:
+    """The caller's E and F as the options share them: ``proj_k`` for both with
+    ``share_kv``, ``[k, L]`` tensors with ``share_heads``; both or neither; or a sentence."""
+    if cfg.share_kv and proj_k is not None:
+        if proj_v is not None and proj_v is not proj_k:
+            raise ValueError("linformer: share_kv=True projects the values by proj_k too "
+                             "(E = F); pass proj_v=None (or proj_k itself), or share_kv=False "
+                             "to project them by proj_v.")
+        proj_v = proj_k
+    if (proj_k is None) != (proj_v is None):
+        raise ValueError("linformer: pass both proj_k and proj_v, or neither"
+                         f"{'' if cfg.share_kv else ' (proj_k alone with share_kv=True)'}.")
+    for name, p in (("proj_k", proj_k), ("proj_v", proj_v)):
+        if cfg.share_heads and isinstance(p, Tensor) and p.dim() != 2:
+            raise ValueError(
+                f"linformer: share_heads=True shares one projection across the heads, so "
+                f"{name} must have shape [num_features, L], got {tuple(p.shape)}; pass one "
+                f"head's {name}[h], or share_heads=False for one projection per head.")
+    return proj_k, proj_v
+
+
+def _live_slots(e: Tensor, key_valid: Tensor | None) -> Tensor:
+    """Which projected slots have weight on a real key: ``[H, k]`` or ``[k]`` without
+    padding, else ``[B, H, k]`` or ``[B, 1, k]`` (bool, no float copy of E); ``e: [H, k,
+    Nk]`` or ``[k, Nk]``."""
+    with torch.no_grad():
+        support = e != 0  # [H, k, Nk] or [k, Nk]
+        if key_valid is None:
+            return support.any(dim=-1)
+        real_keys = key_valid[:, None, None, :] if e.dim() == 3 else key_valid[:, None, :]
+        slot_live = (support & real_keys).any(dim=-1)  # [B, H, k] or [B, k]
+        return slot_live[:, None, :] if e.dim() == 2 else slot_live
+
+
 @register(
     "linformer",
     LinformerConfig,
@@ -209,8 +256,9 @@ def linformer_attention(
         config: the options (``LinformerConfig``).
         key_padding_mask: ``[B, Nk]`` bool, True = real token.
         generator: draws E and F when they are not given (module docstring).
-        proj_k, proj_v: E and F, ``[H, k, L]`` (or ``[k, L]`` shared by the heads) with
-            L >= Nk; both or neither (with ``share_kv``, proj_k alone: F = E).
+        proj_k, proj_v: E and F, ``[H, k, L]`` (or ``[k, L]`` shared by the heads; that
+            alone with ``share_heads``) with L >= Nk; both or neither (with
+            ``share_kv``, proj_k alone: F = E).
     Returns:
         ``[B, H, Nq, Dv]`` in the dtype of ``q`` (half types computed in float32); rows of
         padded queries (self-attention) are zero.
@@ -226,20 +274,13 @@ def linformer_attention(
             f"projections have one column per position, so truncate the input or build the "
             f"layer with a larger max_seq_len."
         )
-    if cfg.share_kv and proj_k is not None:
-        if proj_v is not None and proj_v is not proj_k:
-            raise ValueError("linformer: share_kv=True projects the values by proj_k too "
-                             "(E = F); pass proj_v=None (or proj_k itself), or share_kv=False "
-                             "to project them by proj_v.")
-        proj_v = proj_k
-    if (proj_k is None) != (proj_v is None):
-        raise ValueError("linformer: pass both proj_k and proj_v, or neither"
-                         f"{'' if cfg.share_kv else ' (proj_k alone with share_kv=True)'}.")
+    proj_k, proj_v = _paired_projections(cfg, proj_k, proj_v)
     dtype = q.dtype
     work = compute_dtype(dtype)
     kw, vw, key_valid = k.to(work), v.to(work), info.key_valid
     if proj_k is None:
-        e, f = jl_projections(key, info.heads, cfg.num_features, n, cfg.share_kv)
+        e, f = jl_projections(key, info.heads, cfg.num_features, n, cfg.share_kv,
+                              cfg.share_heads)
     else:
         whole = _keep_whole(proj_k, n)
         e = _check_projection("proj_k", proj_k, info.heads, cfg.num_features, n, cfg.max_seq_len,
@@ -250,16 +291,7 @@ def linformer_attention(
             kw, vw, key_valid = _padded_to(e.shape[-1], kw, vw, key_valid)
     e, f = e.to(work), f.to(work)  # [H, k, Nk] or [k, Nk]
 
-    with torch.no_grad():  # which slots have weight on a real key (bool, no float copy of E)
-        support = e != 0  # [H, k, Nk] or [k, Nk]
-        if key_valid is None:
-            slot_live = support.any(dim=-1)  # [H, k] or [k]
-        else:
-            real_keys = (key_valid[:, None, None, :] if e.dim() == 3
-                         else key_valid[:, None, :])
-            slot_live = (support & real_keys).any(dim=-1)  # [B, H, k] or [B, k]
-            if e.dim() == 2:
-                slot_live = slot_live[:, None, :]
+    slot_live = _live_slots(e, key_valid)
     if key_valid is not None:
         real = key_valid[:, None, :, None].to(work)  # [B, 1, Nk, 1]
         kw, vw = kw * real, vw * real
