@@ -509,3 +509,11 @@ def test_a_compiled_layer_under_checkpointing_does_not_count_the_recomputation()
         assert torch.equal(getattr(twin.method_state, name),
                            getattr(layer.method_state, name)), name
     assert int(layer.method_state.redraws) == 1
+
+
+def test_a_projection_of_other_rows_names_num_features():
+    q = torch.randn(1, 1, 5, 8)
+    with pytest.raises(ValueError, match=r"pass num_features=16 with it"):
+        performer_attention(q, q, q, projection=torch.randn(16, 8))
+    with pytest.raises(ValueError, match=r"its columns are the head dim, D = 8"):
+        performer_attention(q, q, q, num_features=16, projection=torch.randn(16, 4))

@@ -83,9 +83,12 @@ def resolve_projection(
     if not isinstance(projection, Tensor) or not projection.is_floating_point():
         raise TypeError(f"{method}: projection must be a floating point tensor [num_features, D].")
     if tuple(projection.shape) != (num_features, dim):
+        fix = (f"pass num_features={projection.shape[0]} with it"
+               if projection.dim() == 2 and projection.shape[1] == dim
+               else f"its columns are the head dim, D = {dim}")
         raise ValueError(
             f"{method}: projection must have shape [num_features, D] = [{num_features}, {dim}], "
-            f"got {tuple(projection.shape)}."
+            f"got {tuple(projection.shape)}; {fix}."
         )
     if projection.device != device:
         raise ValueError(f"{method}: projection is on {projection.device} but q is on {device}.")
