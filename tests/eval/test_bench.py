@@ -167,6 +167,23 @@ def test_no_plot_without_out_says_it_has_nothing_to_leave_out(capsys, monkeypatc
     assert "--no-plot changes nothing without --out" in capsys.readouterr().err
 
 
+def test_a_cpu_clock_on_several_threads_says_it_adds_them(capsys, monkeypatch):
+    """--clock cpu sums the CPU time of every thread: with more than one, a note says
+    to pass --threads 1; with one, nothing is said."""
+    import skyformer.eval.bench.run as bench_run
+
+    monkeypatch.setattr(bench_run, "_measure_length", lambda *a: [])
+    threads = torch.get_num_threads()
+    try:
+        args = ["bench", "--methods", "softmax", "--seq-lens", "16", "--clock", "cpu"]
+        assert main([*args, "--threads", "2"]) == 0
+        assert "pass --threads 1" in capsys.readouterr().err
+        assert main([*args, "--threads", "1"]) == 0
+        assert "--threads 1" not in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_an_interrupted_run_keeps_its_lengths_and_resume_measures_only_the_rest(
         tmp_path, capsys, monkeypatch):
     """--out is written after every length; an interruption at N = 128 leaves the N = 64

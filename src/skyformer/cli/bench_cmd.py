@@ -167,6 +167,10 @@ def run(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise ValueError(f"--threads must be at least 1, got {args.threads}.")
         torch.set_num_threads(args.threads)
+    if args.clock == "cpu" and args.device == "cpu" and torch.get_num_threads() > 1:
+        print(f"note: --clock cpu adds the CPU time of all {torch.get_num_threads()} threads, "
+              f"so a call that runs on several reads as slower than its wall time; pass "
+              f"--threads 1 for times comparable with one another", file=sys.stderr)
     config = BenchConfig(
         methods=tuple(args.methods) if args.methods else None, seq_lens=_seq_lens(args),
         shapes=tuple(args.shapes), dtypes=tuple(args.dtypes), device=args.device,
