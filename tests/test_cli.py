@@ -152,3 +152,17 @@ def test_ctrl_c_says_what_was_kept_and_how_to_continue(argv, said):
     from skyformer.cli import build_parser, interrupted_note
 
     assert interrupted_note(build_parser().parse_args(argv)).endswith(said)
+
+
+def test_a_home_folder_after_an_equals_sign_is_the_home_folder(tmp_path, monkeypatch):
+    """`--out=~/runs/b`: the shell leaves ~ after = alone; it was a folder named ~ in the
+    working directory."""
+    import skyformer.eval.bench.run as bench_run
+
+    monkeypatch.setattr(bench_run, "_measure_length", lambda *a: [])
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "--methods", "softmax", "--seq-lens", "16", "--no-plot",
+                 "--out=~/runs/b"]) == 0
+    assert (tmp_path / "home" / "runs" / "b.json").is_file()
+    assert not (tmp_path / "~").exists()

@@ -7,6 +7,7 @@ Subcommand modules define ``NAME``, ``HELP``, ``add_arguments(parser)`` and ``ru
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from types import ModuleType
 
@@ -42,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args._argv = list(sys.argv[1:] if argv is None else argv)  # for result files
+    _expand_home(args)
     if not getattr(args, "_run", None):  # no command: an error, so its help on stderr
         parser.print_help(sys.stderr)
         return 2
@@ -57,6 +59,23 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             print(interrupted_note(args), file=sys.stderr)
             return 130
+
+
+def _expand_home(args: argparse.Namespace) -> None:
+    """Paths given as ``--out=~/runs``: the shell expands ``~`` only at the start of a
+    word, so after ``=`` it reached the command as is and made a folder named ``~`` in
+    the working directory. A value that is ``~`` or starts with ``~/`` is the home folder
+    (no option takes such a value as anything but a path)."""
+    def expanded(value: object) -> object:
+        if isinstance(value, str) and (value == "~" or value.startswith("~/")):
+            return os.path.expanduser(value)
+        if isinstance(value, list):
+            return [expanded(item) for item in value]
+        return value
+
+    for name, value in vars(args).items():
+        if not name.startswith("_"):
+            setattr(args, name, expanded(value))
 
 
 def interrupted_note(args: argparse.Namespace) -> str:
