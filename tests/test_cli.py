@@ -179,3 +179,10 @@ def test_a_list_option_given_twice_is_refused(capsys, argv):
         main(argv)
     assert stop.value.code == 2
     assert "was given more than once" in capsys.readouterr().err
+
+
+def test_an_lra_error_names_its_subcommand(tmp_path, capsys):
+    argv = ["lra", "train", "listops", "--cache", str(tmp_path / "none"), "--steps", "1",
+            "--out", str(tmp_path / "run")]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.startswith("skyformer lra train: error: no prepared")

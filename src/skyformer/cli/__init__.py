@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return int(args._run(args) or 0)
         except USER_ERRORS as err:
-            print(f"skyformer {args.command}: error: {err}", file=sys.stderr)
+            command = " ".join(filter(None, (args.command, getattr(args, "lra_command", None))))
+            print(f"skyformer {command}: error: {err}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:
             print(interrupted_note(args), file=sys.stderr)
