@@ -341,6 +341,32 @@ def test_saved_per_layer_parameters_come_back_with_from_pretrained(tmp_path):
 
 
 @torch.no_grad()
+def test_saved_per_layer_parameters_are_read_from_the_files_the_loader_reads(tmp_path):
+    """The loader's ``subfolder``, ``variant`` and ``use_safetensors`` choose the weights
+    files transformers loads; the per-layer parameters come from those same files, not
+    from the folder's top level (another model's, or none) nor from another variant."""
+    model = tiny_bert()
+    shf.set_attention(model, "linformer", num_features=8, seed=0)
+    state = model.encoder.layer[0].attention.self.skyformer_state
+    tiny_bert().save_pretrained(tmp_path)  # another model at the top level
+    for factor, kwargs in ((3.0, {"subfolder": "encoder"}), (5.0, {"variant": "tuned"}),
+                           (7.0, {"use_safetensors": False})):
+        for name, parameter in model.named_parameters():
+            if "skyformer_state" in name:
+                parameter.mul_(factor)  # as trained
+        want = state.proj_k.clone()
+        if "use_safetensors" in kwargs:  # a .bin next to the top level's safetensors
+            torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+        else:
+            model.save_pretrained(tmp_path / kwargs.get("subfolder", ""),
+                                  variant=kwargs.get("variant"))
+        loaded = shf.from_pretrained(tmp_path, "linformer", num_features=8, seed=0,
+                                     model_kwargs=kwargs)
+        got = loaded.encoder.layer[0].attention.self.skyformer_state.proj_k
+        assert torch.equal(got, want), kwargs
+
+
+@torch.no_grad()
 def test_per_layer_parameters_never_saved_start_fresh_and_unreadable_folders_are_refused(
         tmp_path):
     """A model saved without per-layer parameters (an original checkpoint) loads with the

@@ -269,7 +269,7 @@ def from_pretrained(
     model.__dict__[_ORIGINAL] = "sdpa"
     if name != EXACT:
         set_attention(model, name, layers=layers, seed=seed, **options)
-        load_saved_state(model, path, name)
+        load_saved_state(model, path, name, **_weights_choice(model_kwargs))
     else:  # every layer runs the model's own attention already
         check_layers(model, layers)
     return model
@@ -304,7 +304,16 @@ def _loader_kwargs(model_kwargs: Any) -> dict[str, Any]:
     return model_kwargs
 
 
-def load_saved_state(model: nn.Module, path: str | Path, method: str) -> int:
+def _weights_choice(model_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The transformers loader's keywords that choose which weights files of a folder it
+    reads (``subfolder``, ``variant``, ``use_safetensors``): the per-layer state is read
+    from the same files."""
+    return {key: model_kwargs[key] for key in ("subfolder", "variant", "use_safetensors")
+            if model_kwargs.get(key) is not None}
+
+
+def load_saved_state(model: nn.Module, path: str | Path, method: str, *, subfolder: str = "",
+                     variant: str | None = None, use_safetensors: bool | None = None) -> int:
     """Load the per-layer parameters (``skyformer_state``, e.g. trained Linformer
     projections) that ``save_pretrained`` wrote to the folder ``path`` into ``model``,
     whose layers ``set_attention`` has set up; returns how many tensors were loaded (0:
@@ -314,9 +323,14 @@ def load_saved_state(model: nn.Module, path: str | Path, method: str) -> int:
     start again from the method's initialisation. A local folder without a weights file
     this reads is refused when ``model`` has such parameters, since whether they were
     saved cannot be told; a Hub name (no local folder) loads with a warning that they
-    start from the initialisation, the case of a Hub model saved without them."""
+    start from the initialisation, the case of a Hub model saved without them.
+    ``subfolder``, ``variant`` and ``use_safetensors`` choose the files as they do for
+    transformers' ``from_pretrained``: ``path/subfolder/model.<variant>.safetensors``, ...
+    (``pytorch_model.bin`` files only where ``use_safetensors`` is not True, and only
+    those where it is False)."""
     expected = {key for key in model.state_dict() if f".{STATE_NAME}." in key}
-    saved = _saved_tensors(Path(path), f".{STATE_NAME}.")
+    names = _weight_files(variant, use_safetensors)
+    saved = _saved_tensors(Path(path) / subfolder, f".{STATE_NAME}.", names)
     if saved is None and expected and not Path(path).is_dir():
         warnings.warn(
             f"{path} is not a local folder: the per-layer {STATE_NAME} tensors of {method} "
@@ -325,9 +339,9 @@ def load_saved_state(model: nn.Module, path: str | Path, method: str) -> int:
         return 0
     if saved is None and expected:
         raise ValueError(
-            f"{path} is not a folder holding {', '.join(_WEIGHT_FILES)}, so the per-layer "
-            f"{STATE_NAME} tensors of {method} cannot be read back from it: load from the "
-            f"local folder save_pretrained wrote.")
+            f"{Path(path) / subfolder} is not a folder holding {', '.join(names)}, so the "
+            f"per-layer {STATE_NAME} tensors of {method} cannot be read back from it: load "
+            f"from the local folder save_pretrained wrote.")
     if not saved:
         return 0
     prefix = getattr(model, "base_model_prefix", "")
@@ -389,26 +403,37 @@ _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_m
                 "pytorch_model.bin.index.json")
 
 
-def _saved_tensors(folder: Path, marker: str) -> dict[str, Any] | None:
+def _weight_files(variant: str | None, use_safetensors: bool | None) -> tuple[str, ...]:
+    """The names of ``_WEIGHT_FILES`` transformers' ``from_pretrained`` looks for with these
+    loader keywords, in its order: a ``variant`` goes before the last suffix
+    (``model.fp16.safetensors``, ``model.safetensors.index.fp16.json``)."""
+    names = []
+    for name in _WEIGHT_FILES:
+        safe = name.startswith("model.safetensors")
+        if (safe and use_safetensors is False) or (not safe and use_safetensors):
+            continue
+        stem, suffix = name.rsplit(".", 1)
+        names.append(name if variant is None else f"{stem}.{variant}.{suffix}")
+    return tuple(names)
+
+
+def _saved_tensors(folder: Path, marker: str, names: tuple[str, ...] = _WEIGHT_FILES
+                   ) -> dict[str, Any] | None:
     """The tensors of a saved model whose names contain ``marker``, from its safetensors
-    or its ``pytorch_model.bin`` files (one, or shards listed in an index; looked for in
-    the order transformers loads them), or ``None`` when ``folder`` holds none of these.
+    or its ``pytorch_model.bin`` files (one, or shards listed in an index): from the first
+    of ``names`` (``_weight_files``, in the order transformers loads them) that ``folder``
+    holds, or ``None`` when it holds none of them.
 
     transformers has loaded the model's weights already; this reads only the tensors
     asked for, and of shards only those that hold some: safetensors files are opened
     lazily, and a zip ``.bin`` is memory-mapped (as transformers loads it), so the other
     tensors are never copied into memory. Only a legacy (pre-zip) ``.bin`` is read whole."""
-    if (folder / "model.safetensors").exists():
-        files = [folder / "model.safetensors"]
-    elif (folder / "model.safetensors.index.json").exists():
-        files = _shards_holding(folder / "model.safetensors.index.json", marker)
-    elif (folder / "pytorch_model.bin").exists():
-        return _bin_tensors([folder / "pytorch_model.bin"], marker)
-    elif (folder / "pytorch_model.bin.index.json").exists():
-        return _bin_tensors(_shards_holding(folder / "pytorch_model.bin.index.json", marker),
-                            marker)
-    else:
+    name = next((name for name in names if (folder / name).exists()), None)
+    if name is None:
         return None
+    files = _shards_holding(folder / name, marker) if name.endswith(".json") else [folder / name]
+    if name.startswith("pytorch_model"):
+        return _bin_tensors(files, marker)
     from safetensors import safe_open
 
     found = {}
