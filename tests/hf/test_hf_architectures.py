@@ -367,6 +367,27 @@ def test_saved_per_layer_parameters_are_read_from_the_files_the_loader_reads(tmp
 
 
 @torch.no_grad()
+def test_load_state_fills_the_layers_of_the_attn_implementation_route(tmp_path):
+    """A model loaded with attn_implementation="skyformer:linformer" runs Linformer in
+    every layer (describe says so) but makes the per-layer parameters at its first
+    forward pass: load_state makes them as that pass would and loads the saved ones."""
+    from transformers import AutoModel
+
+    model = tiny_bert()
+    shf.set_attention(model, "linformer")
+    for name, parameter in model.named_parameters():
+        if "skyformer_state" in name:
+            parameter.mul_(3.0)  # as trained
+    ids, mask = ids_and_padding()
+    want = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    model.save_pretrained(tmp_path)
+    plain = AutoModel.from_pretrained(tmp_path, attn_implementation="skyformer:linformer")
+    assert shf.load_state(plain, tmp_path) == 4
+    got = plain.eval()(input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@torch.no_grad()
 def test_per_layer_parameters_never_saved_start_fresh_and_unreadable_folders_are_refused(
         tmp_path):
     """A model saved without per-layer parameters (an original checkpoint) loads with the

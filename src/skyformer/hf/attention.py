@@ -155,6 +155,15 @@ def _make_layer_for(module: nn.Module, implementation: str, default_method: str
     return layer
 
 
+def make_first_forward_layers(modules: list[nn.Module], implementation: str) -> None:
+    """Set up now, as their first forward pass would, the ``modules`` of a model switched
+    to ``implementation`` = ``"skyformer:<method>"`` that have no setting for it (with
+    the method's per-layer state), so that saved state can be loaded into them."""
+    method = implementation.removeprefix(PREFIX)
+    for module in modules:
+        _layer_for(module, implementation, method)
+
+
 def _where(module: nn.Module, layer: LayerAttention) -> str:
     name = type(module).__name__
     return name if layer.index is None else f"layer {layer.index} ({name})"

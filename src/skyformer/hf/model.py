@@ -29,7 +29,13 @@ from torch import nn
 
 from ..registry import get_method, list_methods
 from ..registry.variants import is_variant
-from .attention import PER_LAYER, PREFIX, implementation_name, register_methods
+from .attention import (
+    PER_LAYER,
+    PREFIX,
+    implementation_name,
+    make_first_forward_layers,
+    register_methods,
+)
 from .layers import (
     EXACT,
     SETTING_NAME,
@@ -392,7 +398,13 @@ def load_state(model: nn.Module, path: str | Path) -> int:
     ``from_pretrained(path, "exact")``, make one ``set_attention`` call for each method
     with the layers and options it was saved with, then ``load_state(model, path)``. Refused with
     a sentence, changing nothing, where the saved tensors do not fit (another method,
-    other layers, other shapes)."""
+    other layers, other shapes). A model loaded with
+    ``attn_implementation="skyformer:<method>"``, whose layers make their state at their
+    first forward pass, has it made first, as that pass would (and keeps it when
+    refused, as after that pass)."""
+    implementation = _implementation(model)
+    if _is_ours(implementation) and implementation != PER_LAYER:
+        make_first_forward_layers([m for _, _, m in attention_modules(model)], implementation)
     used = [f"{row['method']} in layer {row['layer']}" for row in describe(model)
             if row["method"] != EXACT and not row["method"].startswith(f"{EXACT} (")]
     return load_saved_state(model, path, f"the model's layers ({', '.join(used) or 'all exact'})")
