@@ -388,6 +388,28 @@ def test_load_state_fills_the_layers_of_the_attn_implementation_route(tmp_path):
 
 
 @torch.no_grad()
+def test_load_state_refused_for_one_layer_changes_no_layer(tmp_path):
+    """Saved state that fits layer 0 but not layer 1 (other num_features) is refused
+    with a sentence naming layer 1's tensor, and layer 0 keeps what it held."""
+    model = tiny_bert()
+    shf.set_attention(model, "linformer", layers=[0], num_features=8, seed=0)
+    shf.set_attention(model, "performer", layers=[1], num_features=8, seed=1)
+    for name, parameter in model.named_parameters():
+        if "skyformer_state" in name:
+            parameter.mul_(3.0)  # as trained
+    model.save_pretrained(tmp_path)
+    loaded = shf.from_pretrained(tmp_path, "exact")
+    shf.set_attention(loaded, "linformer", layers=[0], num_features=8, seed=0)
+    shf.set_attention(loaded, "performer", layers=[1], num_features=16, seed=1)
+    before = {k: v.clone() for k, v in loaded.state_dict().items() if "skyformer_state" in k}
+    with pytest.raises(ValueError, match=r"layer\.1\.attention\.self\.skyformer_state\."
+                                         r"projection.*load it with the options"):
+        shf.load_state(loaded, tmp_path)
+    for key, value in before.items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+
+
+@torch.no_grad()
 def test_per_layer_parameters_never_saved_start_fresh_and_unreadable_folders_are_refused(
         tmp_path):
     """A model saved without per-layer parameters (an original checkpoint) loads with the

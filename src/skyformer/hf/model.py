@@ -334,7 +334,8 @@ def load_saved_state(model: nn.Module, path: str | Path, method: str, *, subfold
     transformers' ``from_pretrained``: ``path/subfolder/model.<variant>.safetensors``, ...
     (``pytorch_model.bin`` files only where ``use_safetensors`` is not True, and only
     those where it is False)."""
-    expected = {key for key in model.state_dict() if f".{STATE_NAME}." in key}
+    current = model.state_dict()
+    expected = {key for key in current if f".{STATE_NAME}." in key}
     names = _weight_files(variant, use_safetensors)
     saved = _saved_tensors(Path(path) / subfolder, f".{STATE_NAME}.", names)
     if saved is None and expected and not Path(path).is_dir():
@@ -359,12 +360,14 @@ def load_saved_state(model: nn.Module, path: str | Path, method: str, *, subfold
                 break
     if set(renamed) != expected or len(renamed) != len(saved):
         raise ValueError(_misfit_sentence(path, method, saved, expected, renamed, prefix))
-    try:
-        model.load_state_dict(renamed, strict=False)
-    except RuntimeError as err:
+    # checked before any is copied: load_state_dict copies those that fit, then raises
+    misfits = [f"{key}: {tuple(value.shape)} saved, {tuple(current[key].shape)} here"
+               for key, value in renamed.items() if value.shape != current[key].shape]
+    if misfits:
         raise ValueError(f"{path}: the saved {STATE_NAME} tensors do not fit {method} as set "
-                         f"up now ({str(err).splitlines()[-1].strip()}); load it with the "
-                         f"options it was saved with.") from None
+                         f"up now ({'; '.join(misfits)}); load it with the options it was "
+                         f"saved with.")
+    model.load_state_dict(renamed, strict=False)
     return len(renamed)
 
 
