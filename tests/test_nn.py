@@ -102,6 +102,18 @@ def test_keys_passed_where_the_padding_mask_goes_get_a_sentence(cached):
                        r"context=\.\.\."):
         layer(x, torch.randn(2, 7, 16), **cache)
 
+
+def test_keys_of_another_width_passed_where_the_padding_mask_goes_get_the_sentence():
+    """torch.nn.MultiheadAttention's ``kdim``/``vdim`` call, ``layer(x, keys)`` with keys
+    [B, M, 8] narrower than the layer, got the advice to convert a 0/1 mask with
+    ``mask == 1``; it gets the sentence of keys passed there, with the width to bring
+    them to."""
+    layer = MultiHeadAttention(16, 2, method="softmax")
+    with pytest.raises(ValueError, match=r"got a tensor of shape \(2, 7, 8\), the shape of "
+                       r"keys or values; .*pass their source as context=\.\.\., of width "
+                       r"dim \(16\): bring it to that width first"):
+        layer(torch.randn(2, 5, 16), torch.randn(2, 7, 8))
+
 def test_forward_says_how_a_randomised_layer_draws_in_eval_mode():
     """``eval()`` fixes no draw: a randomised method takes a fresh key from torch's
     global generator on every call unless ``generator`` is passed, which forward's

@@ -194,14 +194,7 @@ class MultiHeadAttention(nn.Module):
                        query_padding_mask: Any, cache: DecodingState | None,
                        generator: Any) -> None:
         """A sentence for inputs ``forward`` cannot take."""
-        if isinstance(key_padding_mask, Tensor) and key_padding_mask.dim() == 3 \
-                and key_padding_mask.shape[-1] == self.dim:  # layer(query, key): keys
-            raise ValueError(
-                f"MultiHeadAttention: key_padding_mask must be [B, N] bool (True = real "
-                f"token), got a tensor of shape {tuple(key_padding_mask.shape)}, the shape "
-                f"of x or a context; the layer takes one x, not torch.nn.MultiheadAttention's "
-                f"(query, key, value): to attend to other positions pass their source as "
-                f"context=...")
+        self._refuse_keys_as_mask(key_padding_mask)
         source = x if context is None else context
         weight = self.q_proj.weight
         for name, t in (("x", x), ("context", source)):
@@ -234,6 +227,27 @@ class MultiHeadAttention(nn.Module):
         if context is not None and self.process_group is not None:
             raise ValueError("MultiHeadAttention: with a process_group the layer runs "
                              "sequence-parallel self-attention; it takes no context.")
+
+    def _refuse_keys_as_mask(self, key_padding_mask: Any) -> None:
+        """A sentence for ``layer(x, keys)``, torch.nn.MultiheadAttention's call order:
+        keys ``[B, M, width]`` where the ``[B, N]`` mask goes, of the layer's width or
+        (torch's ``kdim``) a float tensor of another."""
+        if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dim() != 3:
+            return
+        width = key_padding_mask.shape[-1]
+        if width == self.dim:
+            what, fix = "x or a context", ""
+        elif key_padding_mask.is_floating_point():
+            what, fix = "keys or values", (f", of width dim ({self.dim}): bring it to that "
+                                           f"width first (e.g. with an nn.Linear({width}, "
+                                           f"{self.dim})).")
+        else:
+            return
+        raise ValueError(
+            f"MultiHeadAttention: key_padding_mask must be [B, N] bool (True = real token), "
+            f"got a tensor of shape {tuple(key_padding_mask.shape)}, the shape of {what}; "
+            f"the layer takes one x, not torch.nn.MultiheadAttention's (query, key, value): "
+            f"to attend to other positions pass their source as context=...{fix}")
 
     def new_cache(self, generator: torch.Generator | Tensor | None = None) -> DecodingState:
         """An empty decoding cache for ``forward(x, cache=...)``: causal self-attention of
