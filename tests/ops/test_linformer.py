@@ -197,3 +197,28 @@ def test_share_heads_is_the_papers_headwise_and_key_value_sharing():
                             proj_k=e.expand(3, 4, 12), proj_v=e)
     with pytest.raises(ValueError, match="share_heads"):
         linformer_attention(q, k, v, share_heads=1)
+
+
+@pytest.mark.parametrize(("saved", "loaded", "says"), [
+    ({}, {"share_heads": True}, r"saved with share_heads=False.*\[2, 4, 24\].*this layer "
+                                r"has share_heads=True"),
+    ({"share_heads": True}, {}, r"saved with share_heads=True.*\[4, 24\].*this layer has "
+                                r"share_heads=False"),
+    ({"share_heads": True}, {"share_heads": True, "share_kv": True},
+     r"saved with share_heads=True, share_kv=False.*this layer has share_heads=True, "
+     r"share_kv=True"),
+])
+def test_projections_saved_with_other_sharing_are_refused_with_the_options(saved, loaded,
+                                                                           says):
+    """A state dict of a layer with other share_heads / share_kv failed with torch's
+    size mismatch or unexpected key alone; the sentence names the options to build the
+    layer with."""
+    def layer(options):
+        return MultiHeadAttention(16, 2, method="linformer", num_features=4, max_seq_len=24,
+                                  **options)
+
+    with pytest.raises(RuntimeError, match=r"linformer: the projections were " + says
+                       + r".*build the layer with the options they were saved with"):
+        layer(loaded).load_state_dict(layer(saved).state_dict())
+    same = layer(loaded)
+    same.load_state_dict(layer(loaded).state_dict())

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -131,6 +132,28 @@ class LinformerProjections(nn.Module):
             if projection is not None:
                 drawn = torch.randn(projection.shape, device=projection.device)
                 projection.copy_(drawn * (1.0 / math.sqrt(projection.shape[-2])))
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any
+                              ) -> None:
+        """Refuse projections saved with other ``share_heads`` (a ``[k, L]`` E against
+        ``[H, k, L]``) or, loading strictly, other ``share_kv`` (F saved or not) in a
+        sentence naming the options, not torch's size mismatch or unexpected key alone.
+        ``args``: torch's (local_metadata, strict, missing_keys, unexpected_keys,
+        error_msgs)."""
+        strict, error_msgs = args[1], args[4]
+        saved = state_dict.get(prefix + "proj_k")
+        if isinstance(saved, Tensor):
+            was = (saved.dim() == 2, prefix + "proj_v" not in state_dict)
+            now = (self.proj_k.dim() == 2, self.proj_v is None)
+            if was[0] != now[0] or (strict and was[1] != now[1]):
+                error_msgs.append(
+                    f"linformer: the projections were saved with share_heads={was[0]}, "
+                    f"share_kv={was[1]} (proj_k {list(saved.shape)}), but this layer has "
+                    f"share_heads={now[0]}, share_kv={now[1]} (proj_k "
+                    f"{list(self.proj_k.shape)}); build the layer with the options they "
+                    f"were saved with.")
+                return
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def forward(self, q: Tensor, k: Tensor) -> dict[str, Tensor]:
         proj_v = self.proj_k if self.proj_v is None else self.proj_v
