@@ -222,3 +222,17 @@ def test_projections_saved_with_other_sharing_are_refused_with_the_options(saved
         layer(loaded).load_state_dict(layer(saved).state_dict())
     same = layer(loaded)
     same.load_state_dict(layer(loaded).state_dict())
+
+
+def test_a_misshapen_projection_with_share_heads_is_told_the_shared_shape():
+    """With share_heads the sentence for a projection of the wrong shape offered
+    ``[H, num_features, L]``, which share_heads refuses, and told a 1-dimensional one to
+    pass one head's ``proj_k[h]``; it names ``[num_features, L]`` alone."""
+    q, k, v = make_qkv(1, 3, 12, 4)
+    e = torch.randn(4, 12, dtype=torch.float64, generator=gen(1))
+    for bad in (e[:3], e[0]):
+        with pytest.raises(ValueError, match=r"^linformer: share_heads=True shares one "
+                           r"projection across the heads, so proj_k must have shape "
+                           r"\[num_features, L\] = \[4, L\], got \((3, 12|12,)\)\.$"):
+            linformer_attention(q, k, v, num_features=4, share_heads=True, proj_k=bad,
+                                proj_v=bad)

@@ -175,13 +175,22 @@ def jl_projections(key: Tensor, heads: int, k: int, n: int, share_kv: bool,
 
 def _check_projection(name: str, p: Tensor, heads: int, k: int, n: int,
                       max_seq_len: int | None, device: torch.device,
-                      whole: bool = False) -> Tensor:
-    """Validate ``p`` (``[H, k, L]`` or ``[k, L]``, on the inputs' ``device``) and return
-    its first n columns (all of them if ``whole``: ``_keep_whole``)."""
-    if not isinstance(p, Tensor) or p.dim() not in (2, 3) or p.shape[-2] != k or (
+                      whole: bool = False, share_heads: bool = False) -> Tensor:
+    """Validate ``p`` (``[H, k, L]`` or ``[k, L]``, only the latter with ``share_heads``;
+    on the inputs' ``device``) and return its first n columns (all of them if ``whole``:
+    ``_keep_whole``)."""
+    dims = (2,) if share_heads else (2, 3)
+    if not isinstance(p, Tensor) or p.dim() not in dims or p.shape[-2] != k or (
         p.dim() == 3 and p.shape[0] != heads
     ):
         shape = tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__
+        if share_heads:
+            per_head = isinstance(p, Tensor) and p.dim() == 3
+            raise ValueError(
+                f"linformer: share_heads=True shares one projection across the heads, so "
+                f"{name} must have shape [num_features, L] = [{k}, L], got {shape}"
+                + (f"; pass one head's {name}[h], or share_heads=False for one projection "
+                   f"per head." if per_head else "."))
         raise ValueError(
             f"linformer: {name} must have shape [H, num_features, L] = [{heads}, {k}, L] or "
             f"[{k}, L], got {shape}."
@@ -221,7 +230,7 @@ def _padded_to(width: int, k: Tensor, v: Tensor, key_valid: Tensor | None
 def _paired_projections(cfg: LinformerConfig, proj_k: Tensor | None, proj_v: Tensor | None
                         ) -> tuple[Tensor | None, Tensor | None]:
     """The caller's E and F as the options share them: ``proj_k`` for both with
-    ``share_kv``, ``[k, L]`` tensors with ``share_heads``; both or neither; or a sentence."""
+    ``share_kv``; both or neither; or a sentence."""
     if cfg.share_kv and proj_k is not None:
         if proj_v is not None and proj_v is not proj_k:
             raise ValueError("linformer: share_kv=True projects the values by proj_k too "
@@ -231,12 +240,6 @@ def _paired_projections(cfg: LinformerConfig, proj_k: Tensor | None, proj_v: Ten
     if (proj_k is None) != (proj_v is None):
         raise ValueError("linformer: pass both proj_k and proj_v, or neither"
                          f"{'' if cfg.share_kv else ' (proj_k alone with share_kv=True)'}.")
-    for name, p in (("proj_k", proj_k), ("proj_v", proj_v)):
-        if cfg.share_heads and isinstance(p, Tensor) and p.dim() != 2:
-            raise ValueError(
-                f"linformer: share_heads=True shares one projection across the heads, so "
-                f"{name} must have shape [num_features, L], got {tuple(p.shape)}; pass one "
-                f"head's {name}[h], or share_heads=False for one projection per head.")
     return proj_k, proj_v
 
 
@@ -306,10 +309,9 @@ def linformer_attention(
                               cfg.share_heads)
     else:
         whole = _keep_whole(proj_k, n)
-        e = _check_projection("proj_k", proj_k, info.heads, cfg.num_features, n, cfg.max_seq_len,
-                              q.device, whole)
-        f = _check_projection("proj_v", proj_v, info.heads, cfg.num_features, n, cfg.max_seq_len,
-                              q.device, whole)
+        e, f = (_check_projection(name, p, info.heads, cfg.num_features, n, cfg.max_seq_len,
+                                  q.device, whole, cfg.share_heads)
+                for name, p in (("proj_k", proj_k), ("proj_v", proj_v)))
         if whole:
             kw, vw, key_valid = _padded_to(e.shape[-1], kw, vw, key_valid)
     e, f = e.to(work), f.to(work)  # [H, k, Nk] or [k, Nk]
