@@ -698,3 +698,17 @@ def test_the_memory_panel_leaves_out_cpu_peaks_below_resolution_and_says_so(
         row["peak_mib"] = None  # --no-memory: nothing left out, no note
     report.plot_results(copy, tmp_path / "bench.png")
     assert not figures[1].axes[1].lines and not figures[1].axes[1].texts
+
+
+def test_a_length_with_nothing_timed_gets_no_load_average(monkeypatch):
+    """A length whose every row was skipped (its inputs too large) had the load average
+    read around no timing, listed as the load "while timing" it; it has none."""
+    import skyformer.eval.bench.run as bench_run
+
+    monkeypatch.setattr(bench_run, "_available_bytes", lambda device: 32 * 1024)
+    monkeypatch.setattr(bench_run, "_load", lambda: [1.5, 1.0, 0.5])
+    config = BenchConfig(methods=("linear",), seq_lens=(16, 1024), shapes=((1, 1, 4),),
+                         repeats=1, warmup=0, memory=False)
+    result = run_bench(config)
+    assert {r["n"]: r["load_avg"] for r in result.rows} == {16: 1.5, 1024: None}
+    assert "1-minute load average while timing: N=16: 1.5\n" in format_table(result) + "\n"

@@ -477,15 +477,17 @@ def _first_call(
 def _time_interleaved(config: BenchConfig, runnable: dict[str, _Runnable],
                       rows: dict[str, dict[str, Any]], device: torch.device) -> None:
     """``fwd_ms`` (and ``fwd_bwd_ms``) of every runnable row, timed interleaved, and the
-    load average over the timing."""
+    load average over the timing (none where nothing is timed)."""
     fns: dict[str, Callable[[], object]] = {}
     for label, (_, _, forward, step) in runnable.items():
         fns[f"{label}/fwd"] = forward
         if config.backward:
             fns[f"{label}/fwd_bwd"] = step
+    if not fns:
+        return
     load_before = _load()
     medians = interleaved_median_seconds(fns, device=device, warmup=config.warmup,
-                                         repeats=config.repeats, clock=config.clock) if fns else {}
+                                         repeats=config.repeats, clock=config.clock)
     load_after = _load()
     if load_before and load_after:
         for row in rows.values():
