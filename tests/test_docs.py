@@ -1,0 +1,103 @@
+"""The user docs agree with the code: every ``skyformer ...`` command line they show parses
+with the current command line, and every relative link and repository path they name
+exists (README.md, CONTRIBUTING.md, docs/, benchmarks/README.md, the methods' READMEs)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from skyformer.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "benchmarks" / "README.md",
+        *sorted((ROOT / "docs").glob("*.md")),
+        *sorted((ROOT / "src" / "skyformer").rglob("README.md"))]
+# Placeholders the docs write for a value of the user's.
+PLACEHOLDERS = {"TASK": "listops", "METHOD": "skyformer"}
+SUBCOMMANDS = ("list", "compare", "bench", "approx", "hf-eval", "lra")
+REPOSITORY_PATH = re.compile(
+    r"(?<![\w./-])((?:docs|benchmarks|tests|examples|scripts|src/skyformer)/[\w./-]*\w)")
+
+
+def _name(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def _code_block_commands(text: str) -> list[str]:
+    """The ``skyformer ...`` lines of the fenced code blocks, continuations joined."""
+    found = []
+    for block in re.findall(r"```[a-z]*\n(.*?)```", text, re.S):
+        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+            line = re.sub(r"^\s*(\$\s*)?(\S*/)?", "", line)
+            if line.startswith("skyformer "):
+                found.append(line.removeprefix("skyformer "))
+    return found
+
+
+def _inline_commands(text: str) -> list[str]:
+    """The ``skyformer <command> ...`` spans in backticks outside the code blocks."""
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    spans = (s.removeprefix("skyformer ") for s in re.findall(r"`(skyformer [^`\n]+)`", prose))
+    return [s.replace("\\|", "|") for s in spans if s.split()[0] in SUBCOMMANDS]
+
+
+def _argvs(command: str) -> list[list[str]]:
+    """The argument lists a documented command stands for: comments, pipes and
+    redirections cut, placeholders filled, an optional ``[--flag value]`` taken, each
+    alternative of ``a|b`` parsed. Lines eliding arguments (``...``) are skipped."""
+    command = re.split(r"\s(?:#|\||>|&&|;)", " " + command)[0].strip()
+    if "..." in command:
+        return []
+    unbracketed = command.replace("[", " ").replace("]", " ")
+    tokens = [PLACEHOLDERS.get(t, t) for t in shlex.split(unbracketed)]
+    choices = [t.split("|") if re.fullmatch(r"[\w-]+(\|[\w-]+)+", t) else [t] for t in tokens]
+    width = max(len(c) for c in choices)
+    return [[c[min(i, len(c) - 1)] for c in choices] for i in range(width)]
+
+
+def _documented_commands() -> list[tuple[str, list[str]]]:
+    found = []
+    for path in DOCS:
+        text = path.read_text()
+        for command in _code_block_commands(text) + _inline_commands(text):
+            found += [(_name(path), argv) for argv in _argvs(command)]
+    return found
+
+
+def test_every_command_line_in_the_docs_parses():
+    commands = _documented_commands()
+    assert len(commands) > 50, "the docs' command lines were not found"
+    parser = build_parser()
+    failed = []
+    for where, argv in commands:
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                parser.parse_args(argv)
+        except SystemExit as exit_:
+            if exit_.code:
+                failed.append(f"{where}: skyformer {shlex.join(argv)}: "
+                              f"{err.getvalue().strip().splitlines()[-1]}")
+    assert not failed, "\n".join(failed)
+
+
+@pytest.mark.parametrize("path", DOCS, ids=_name)
+def test_relative_links_and_repository_paths_exist(path):
+    text = path.read_text()
+    missing = []
+    prose = re.sub(r"`[^`\n]*`", "", re.sub(r"```.*?```", "", text, flags=re.S))
+    for target in re.findall(r"\]\(([^)\s]+)\)", prose):
+        external = target.startswith(("http:", "https:", "mailto:", "#"))
+        if not external and not (path.parent / target.split("#")[0]).exists():
+            missing.append(f"link {target}")
+    for named in REPOSITORY_PATH.findall(text):
+        # a results prefix (bench_cpu for bench_cpu.json) names its files
+        if not any(ROOT.glob(named + "*")) and not (path.parent / named).exists():
+            missing.append(named)
+    assert not missing, f"{_name(path)} names what does not exist: {missing}"
