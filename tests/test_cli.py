@@ -168,19 +168,6 @@ def test_a_home_folder_after_an_equals_sign_is_the_home_folder(tmp_path, monkeyp
     assert not (tmp_path / "~").exists()
 
 
-@pytest.mark.parametrize("argv", [
-    ["bench", "--methods", "softmax", "--methods", "skyformer"],
-    ["bench", "--methods=softmax", "--meth", "skyformer"],
-    ["lra", "train", "listops", "--seeds", "1", "--seeds", "2"],
-])
-def test_a_list_option_given_twice_is_refused(capsys, argv):
-    """argparse kept the last --methods and dropped the first without a word."""
-    with pytest.raises(SystemExit) as stop:
-        main(argv)
-    assert stop.value.code == 2
-    assert "was given more than once" in capsys.readouterr().err
-
-
 def test_an_lra_error_names_its_subcommand(tmp_path, capsys):
     argv = ["lra", "train", "listops", "--cache", str(tmp_path / "none"), "--steps", "1",
             "--out", str(tmp_path / "run")]

@@ -47,11 +47,6 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_run", None):  # no command: an error, so its help on stderr
         parser.print_help(sys.stderr)
         return 2
-    command_parser = _command_parser(parser, args._argv)
-    repeated = _repeated_list_option(command_parser, args._argv)
-    if repeated:
-        command_parser.error(f"{repeated} was given more than once, and only its last values "
-                           f"would be used; list all of them after one {repeated}")
     enable_console()
     # A reader that goes away (``skyformer approx | head -3``) ends no run: the rest of
     # its output is dropped and its result files are written as without the pipe.
@@ -65,37 +60,6 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             print(interrupted_note(args), file=sys.stderr)
             return 130
-
-
-def _command_parser(parser: argparse.ArgumentParser, argv: list[str]
-                    ) -> argparse.ArgumentParser:
-    """The parser of the (sub)command ``argv`` runs: ``lra train``'s for ``lra train ...``."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for token in argv:
-                if token in action.choices:
-                    return _command_parser(action.choices[token], argv)
-    return parser
-
-
-def _repeated_list_option(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
-    """The first option taking a list (``--methods a b``) that ``argv`` gives twice:
-    argparse keeps the last one's values and drops the others' without a word."""
-    options = [o for action in parser._actions for o in action.option_strings]
-    lists = {o for action in parser._actions if action.nargs in ("+", "*")
-             for o in action.option_strings}
-    seen: set[str] = set()
-    for token in argv[:argv.index("--")] if "--" in argv else argv:
-        if not token.startswith("--"):
-            continue
-        name = token.split("=", 1)[0]
-        matches = [o for o in options if o == name] or [o for o in options if o.startswith(name)]
-        if len(matches) != 1 or matches[0] not in lists:
-            continue
-        if matches[0] in seen:
-            return matches[0]
-        seen.add(matches[0])
-    return None
 
 
 def _expand_home(args: argparse.Namespace) -> None:
