@@ -313,6 +313,14 @@ def test_per_layer_state_is_a_trained_submodule(learned_method):
     assert not hasattr(model.encoder.layer[0].attention.self, "skyformer_state")
 
 
+def _as_trained(model, factor: float) -> None:
+    """Scale the per-layer parameters (Linformer's projections), as training would move
+    them away from what a fresh layer draws."""
+    for name, parameter in model.named_parameters():
+        if "skyformer_state" in name:
+            parameter.mul_(factor)
+
+
 @torch.no_grad()
 def test_saved_per_layer_parameters_come_back_with_from_pretrained(tmp_path):
     """Trained Linformer projections are saved by save_pretrained; loading with the
@@ -322,9 +330,7 @@ def test_saved_per_layer_parameters_come_back_with_from_pretrained(tmp_path):
 
     model = tiny_bert()
     shf.set_attention(model, "linformer", num_features=8, seed=0)
-    for name, parameter in model.named_parameters():
-        if "skyformer_state" in name:
-            parameter.mul_(3.0)  # as trained
+    _as_trained(model, 3.0)
     ids, mask = ids_and_padding()
     want = model(input_ids=ids, attention_mask=mask).last_hidden_state
     model.save_pretrained(tmp_path)
@@ -351,9 +357,7 @@ def test_saved_per_layer_parameters_are_read_from_the_files_the_loader_reads(tmp
     tiny_bert().save_pretrained(tmp_path)  # another model at the top level
     for factor, kwargs in ((3.0, {"subfolder": "encoder"}), (5.0, {"variant": "tuned"}),
                            (7.0, {"use_safetensors": False})):
-        for name, parameter in model.named_parameters():
-            if "skyformer_state" in name:
-                parameter.mul_(factor)  # as trained
+        _as_trained(model, factor)
         want = state.proj_k.clone()
         if "use_safetensors" in kwargs:  # a .bin next to the top level's safetensors
             torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
@@ -375,9 +379,7 @@ def test_load_state_fills_the_layers_of_the_attn_implementation_route(tmp_path):
 
     model = tiny_bert()
     shf.set_attention(model, "linformer")
-    for name, parameter in model.named_parameters():
-        if "skyformer_state" in name:
-            parameter.mul_(3.0)  # as trained
+    _as_trained(model, 3.0)
     ids, mask = ids_and_padding()
     want = model(input_ids=ids, attention_mask=mask).last_hidden_state
     model.save_pretrained(tmp_path)
@@ -394,9 +396,7 @@ def test_load_state_refused_for_one_layer_changes_no_layer(tmp_path):
     model = tiny_bert()
     shf.set_attention(model, "linformer", layers=[0], num_features=8, seed=0)
     shf.set_attention(model, "performer", layers=[1], num_features=8, seed=1)
-    for name, parameter in model.named_parameters():
-        if "skyformer_state" in name:
-            parameter.mul_(3.0)  # as trained
+    _as_trained(model, 3.0)
     model.save_pretrained(tmp_path)
     loaded = shf.from_pretrained(tmp_path, "exact")
     shf.set_attention(loaded, "linformer", layers=[0], num_features=8, seed=0)
