@@ -32,7 +32,8 @@ def test_fast_matches_naive_reference_outputs_and_gradients(shared_heads, masked
     inputs = (q, k, v, e, f)
     for t in (q, k, v):
         t.requires_grad_(True)
-    fast = linformer_attention(q, k, v, key_padding_mask=mask, num_features=6, proj_k=e, proj_v=f)
+    fast = linformer_attention(q, k, v, key_padding_mask=mask, num_features=6, proj_k=e, proj_v=f,
+                               share_heads=shared_heads)  # [k, L] is share_heads' shape
     ref = reference_linformer_attention(q, k, v, e, f, key_padding_mask=mask)
     torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)
     for a, b in zip(torch.autograd.grad(fast.square().sum(), inputs),
