@@ -148,6 +148,23 @@ def test_memory_stops_growing(method):
     assert sizes[400] <= sizes[192] + 63 * 2 * (8 + 1 + 8) * 8, sizes  # + one partial chunk
 
 
+@pytest.mark.parametrize(("method", "options"), CASES, ids=lambda c: str(c))
+def test_a_state_holds_no_view_of_a_steps_tensors(method, options):
+    """After a prompt and after a step of many positions the state's tensors own their
+    storage: a slice of a step's [B, H, n, .] prefix sums (or of its [B, H, n] marks)
+    kept alive the whole step's tensor, O(n) bytes beyond what ``nbytes`` counts,
+    in a state promised constant."""
+    q, k, v = make_qkv(2, 2, 300, 8, seed=3)
+    state = new_decoding_state(get_method(method).bind(**options), generator=random_key(0))
+    for sl in (slice(0, 150), slice(150, 151), slice(151, 300)):
+        state.step(*(t[:, :, sl].clone() for t in (q, k, v)))  # each step's own tensors
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in vars(state).values() if isinstance(t, torch.Tensor)}
+        assert sum(storages.values()) <= state.nbytes(), (sl, {
+            name: (t.untyped_storage().nbytes(), t.numel() * t.element_size())
+            for name, t in vars(state).items() if isinstance(t, torch.Tensor)})
+
+
 @pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax"])
 @pytest.mark.parametrize("stride", [4, 8], ids=["all-revealed", "slot-unrevealed"])
 def test_memory_stops_growing_with_a_finished_sequence(method, stride):

@@ -89,7 +89,19 @@ class DecodingState(ABC):
         else:
             out = self._extend(q, k, v, key_valid)
         self.length += q.shape[2]
-        return self._show_nonfinite(out, q, k, v, key_valid)
+        out = self._show_nonfinite(out, q, k, v, key_valid)
+        self._own_storage()
+        return out
+
+    def _own_storage(self) -> None:
+        """Copy out each kept tensor that is a view of a larger one (the last row of a
+        step's ``[B, H, n, .]`` prefix sums, running maxima or non-finite marks): the view
+        would keep the whole step's tensor alive, O(n) bytes that ``nbytes`` does not
+        count, in a state whose size is promised independent of the steps' lengths."""
+        for name, t in list(vars(self).items()):
+            if isinstance(t, Tensor) and (t.untyped_storage().nbytes()
+                                          > t.numel() * t.element_size()):
+                setattr(self, name, t.clone())
 
     def _show_nonfinite(self, out: Tensor, q: Tensor, k: Tensor, v: Tensor,
                         key_valid: Tensor | None) -> Tensor:
