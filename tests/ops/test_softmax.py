@@ -122,3 +122,27 @@ def test_dropout_keeps_sdpa_s_causal_flag_and_no_n_by_n_bias(monkeypatch, causal
     assert all(flag == causal for _, flag in calls)
     assert not torch.equal(draws[0], draws[1])
     torch.testing.assert_close(draws.mean(0), clean, atol=0.1, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float64], ids=["bool", "additive"])
+@pytest.mark.parametrize("method", ["softmax", "kernelized"])
+def test_a_key_padding_mask_expanded_over_the_queries_forms_no_n_by_n_bias(method, dtype):
+    """A mask ``[B, 1, Nq, Nk]`` that is one key row expanded over the queries (stride 0,
+    as ``skyformer.hf`` builds padding masks: O(N) memory) became a materialised
+    [B, 1, Nq, Nk] bias and was kept for the backward pass; it stays one row, which
+    SDPA broadcasts. Forward and backward stay below N^2 / 4 entries, equal to the
+    call with ``key_padding_mask``."""
+    import skyformer
+    from tests.dispatch import check_lean_and_equal
+
+    n = 256
+    q, k, v = make_qkv(2, 1, n, 8)
+    valid = torch.ones(2, n, dtype=torch.bool)
+    valid[1, -40:] = False
+    rows = valid if dtype == torch.bool else torch.where(valid, 0.0, float("-inf"))
+    mask = rows[:, None, None, :].expand(2, 1, n, n)
+    method_fn = skyformer.get_method(method).function
+    check_lean_and_equal(
+        lambda *qkv: method_fn(*qkv, attn_mask=mask, query_padding_mask=valid),
+        lambda *qkv: method_fn(*qkv, key_padding_mask=valid),
+        [t.clone().requires_grad_(True) for t in (q, k, v)], n * n // 4)

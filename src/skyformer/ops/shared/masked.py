@@ -59,6 +59,7 @@ def attention_bias(attn_mask: Tensor, key_valid: Tensor | None, causal: bool,
     """
     check_device(method, "attn_mask", attn_mask, device)
     _check_broadcasts(attn_mask, tuple(shape), method)
+    attn_mask = _broadcast_dims_as_one(attn_mask)
     if attn_mask.dtype == torch.bool:
         bias = torch.where(attn_mask, 0.0, float("-inf")).to(dtype)
     elif attn_mask.is_floating_point():
@@ -77,6 +78,17 @@ def attention_bias(attn_mask: Tensor, key_valid: Tensor | None, causal: bool,
         tril = torch.ones(*shape[-2:], dtype=torch.bool, device=bias.device).tril()
         bias = torch.where(tril, bias, blocked)
     return bias
+
+
+def _broadcast_dims_as_one(attn_mask: Tensor) -> Tensor:
+    """``attn_mask`` with each dim it repeats by stride 0 (a key padding row expanded
+    over the queries, ``[B, 1, Nq, Nk]`` as ``skyformer.hf`` builds it) cut to size 1:
+    the same mask under broadcasting, so that the bias built from it and kept for the
+    backward pass is one row per batch element, not ``[B, 1, Nq, Nk]``."""
+    for dim, (size, stride) in enumerate(zip(attn_mask.shape, attn_mask.stride(), strict=True)):
+        if size > 1 and stride == 0:
+            attn_mask = attn_mask.narrow(dim, 0, 1)
+    return attn_mask
 
 
 def mask_broadcasts(attn_mask: object, shape: tuple[int, ...]) -> bool:
