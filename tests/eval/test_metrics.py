@@ -113,3 +113,25 @@ def test_a_matrix_with_a_non_finite_entry_has_error_nan_and_the_others_theirs(or
     bad[1, 2] = bad[0, 1] = True
     assert got[bad].isnan().all()
     torch.testing.assert_close(got[~bad], want[~bad], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("ord", [2, "fro"])
+def test_the_error_against_an_output_of_tiny_entries_is_scale_free_and_nan_against_zero(ord):
+    """The Gaussian target's output on queries far from every key has entries of 1e-200
+    or less: its Frobenius norm underflowed to 0 (an answer of zeros scored 0, not 1), and
+    an output that is zero (every kernel entry underflows) divided by the smallest float.
+    The error is that of the scaled matrices; against a zero output it is NaN."""
+    exact = batch(seed=1)
+    approx = exact + 0.1 * batch(seed=2)
+    want = relative_error(approx, exact, ord=ord)
+    tiny = relative_error(approx * 1e-200, exact * 1e-200, ord=ord)
+    torch.testing.assert_close(tiny, want, rtol=1e-12, atol=0)
+    zeros = relative_error(torch.zeros_like(exact), exact * 1e-200, ord=ord)
+    torch.testing.assert_close(zeros, torch.ones_like(want), rtol=1e-12, atol=0)
+    exact[0, 1] = 0.0
+    exact[1, 2] = 1e-320  # subnormal: no significant digits left
+    got = relative_error(approx, exact, ord=ord)
+    bad = torch.zeros(2, 3, dtype=torch.bool)
+    bad[0, 1] = bad[1, 2] = True
+    assert got[bad].isnan().all()
+    torch.testing.assert_close(got[~bad], want[~bad], rtol=0, atol=0)

@@ -46,6 +46,12 @@ def relative_error(approx: Tensor, exact: Tensor, ord: int | str = 2) -> Tensor:
     section 3.5 and KDEformer; ``ord="fro"``: Frobenius norm. Computed in float64. A
     matrix with a non-finite entry (in either input) has error NaN: the SVD of the
     spectral norm would refuse it, and the call it belongs to is not stopped for it.
+
+    The norms are taken of both matrices divided by the largest entry of ``exact``
+    (the ratio does not change): the Gaussian target's output on queries far from every
+    key can have entries of 1e-200, whose squares underflow. An ``exact`` whose
+    entries are all zero or subnormal (every kernel entry underflowed) has no relative
+    error: NaN.
     """
     if approx.shape != exact.shape:
         raise ValueError(f"shapes differ: {tuple(approx.shape)} vs {tuple(exact.shape)}.")
@@ -54,9 +60,12 @@ def relative_error(approx: Tensor, exact: Tensor, ord: int | str = 2) -> Tensor:
     finite = (torch.isfinite(a) & torch.isfinite(e)).flatten(-2).all(-1)  # [...]
     if not bool(finite.all()):
         a, e = (torch.where(finite[..., None, None], t, 0.0) for t in (a, e))
-    num = torch.linalg.matrix_norm(a - e, ord=ord)
-    den = torch.linalg.matrix_norm(e, ord=ord)
-    return torch.where(finite, num / den.clamp_min(_TINY), float("nan"))
+    scale = e.abs().flatten(-2).amax(-1)  # [...]
+    defined = finite & (scale >= _TINY)
+    scale = torch.where(defined, scale, 1.0)[..., None, None]
+    num = torch.linalg.matrix_norm((a - e) / scale, ord=ord)
+    den = torch.linalg.matrix_norm(e / scale, ord=ord)  # >= 1 where defined
+    return torch.where(defined, num / den.clamp_min(_TINY), float("nan"))
 
 
 def rank_m_floor(basis: Tensor, exact: Tensor, ranks: list[int], ord: int | str = 2) -> Tensor:
