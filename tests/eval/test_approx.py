@@ -436,3 +436,24 @@ def test_a_resumed_run_in_another_order_of_sources_or_lengths_reads_as_an_uninte
         assert resumed.notes[-1].startswith("resumed: ")
         assert resumed.sources == whole.sources, (before, now)
         assert resumed.rows == whole.rows and resumed.analysis == whole.analysis
+
+
+def test_a_gaussian_target_that_underflows_to_zero_is_said_not_scored_or_a_crash():
+    """Q, K of norm 200: every Gaussian kernel entry is 0 in float64, so C V = 0. The
+    floors read 0 and the methods scored against the smallest float, and the analysis
+    stopped with 'the ridge lambda must be positive.'; now those numbers are NaN, and
+    a note says why."""
+    notes = []
+    result = run_approx(small(gaussian_norm=200.0, seq_lens=(12,), features=(4,), seeds=(0,),
+                              methods=("skyformer", "nystrom_softmax"), analysis_seq_len=12),
+                        log=notes.append)
+    gaussian = rows_of(result, target="gaussian")
+    assert {r["method"] for r in gaussian} == {"skyformer", "svd_floor", "constant_row"}
+    assert all(r["nonfinite"] == r["samples"] == 2 for r in gaussian)
+    assert all(r["nonfinite"] == 0 for r in rows_of(result, target="softmax"))
+    lev = result.analysis[0]["leverage"][0]
+    assert all(np.isnan(x) for x in lev["d_stat"] + lev["d_theorem"])
+    said = [n for n in notes if "underflows" in n]
+    assert len(said) == 2 and said == [n for n in result.notes if "underflows" in n]
+    assert "gaussian N=12: the exact gaussian output is zero on heads 0, 1" in said[0]
+    assert "||C||_2 = 0 on heads 0, 1" in said[1]

@@ -91,7 +91,8 @@ def theorem2_sample_sizes(
 
 
 def leverage_analysis(q: Tensor, k: Tensor, eps: float, *, delta: float = 0.1) -> LeverageResult:
-    """Skyformer Theorem 2 for ``q, k: [H, n, p]`` (H heads of one sequence)."""
+    """Skyformer Theorem 2 for ``q, k: [H, n, p]`` (H heads of one sequence); NaN on a
+    head whose C is zero in float64 (every kernel entry underflowed: lambda = 0)."""
     if not 0 < eps < 1:
         raise ValueError(f"eps must be in (0, 1) (Theorem 2), got {eps}.")
     if not 0 < delta < 0.5:
@@ -100,7 +101,11 @@ def leverage_analysis(q: Tensor, k: Tensor, eps: float, *, delta: float = 0.1) -
     cbar = lifted_kernel(q, k)  # [H, 2n, 2n]
     norm_c = spectral_norm(cbar[..., :n, n:])  # C = kappa(Q^, K^), the off-diagonal block
     lam = eps * norm_c
-    scores = ridge_leverage_scores(cbar, lam)
+    # Every entry of C underflowed (queries far from every key): lambda = 0 and the
+    # theorem says nothing; those heads' quantities are NaN (``vanished_heads``).
+    vanished = lam < torch.finfo(torch.float64).tiny
+    scores = ridge_leverage_scores(cbar, torch.where(vanished, 1.0, lam))
+    scores = scores.masked_fill(vanished[..., None], math.nan)
     d_stat = scores.sum(dim=-1)
     max_lev = scores.amax(dim=-1)
     beta, d_theorem, d_shape = theorem2_sample_sizes(d_stat, max_lev, n, delta)

@@ -15,7 +15,8 @@ Gaussian kernelized). References per target and head:
   best answer that ignores the query (in Frobenius norm). For the Gaussian target the
   output C V is not row-normalised, its rows' scale varies with the row sums of C,
   and "mean of V" has no meaning there; the best constant row is the trivial answer.
-  Returning zeros scores exactly 1.0 for either target.
+  Returning zeros scores exactly 1.0 for either target; against a zero output (every
+  kernel entry underflowed) the error is NaN, with a note.
 
 See docs/approximation.md.
 """
@@ -360,6 +361,12 @@ class _Sweep:
         for target in targets:
             out = exact_method(target).function(q[None], k[None], v[None])[0]  # [H, N, Dv]
             exact[target] = out
+            zero = _zero_heads(data, out.abs().flatten(-2).amax(-1))
+            if zero:
+                self.note(f"{data.source} N={n}: the exact {target} output is zero on "
+                          f"{_heads_said(zero)} (every kernel entry underflows in float64: "
+                          f"each query is far from every key); an error relative to it is "
+                          f"undefined, recorded as NaN.")
             spectral, frob = [], []
             for h in range(q.shape[0]):
                 # One head at a time: [N, N] float64 is 128 MiB at N = 4096.
@@ -436,6 +443,18 @@ class _Sweep:
                 self._samples(data, spec.name, target, m, seed, s, f)
             self.rows.append(_row(data.source, n, "method", spec.name, target, m,
                                   torch.stack(spectral), torch.stack(frob)))
+
+
+def _zero_heads(data: SourceData, largest: Tensor) -> list[int]:
+    """The heads (as results name them) whose matrix has ``largest: [H]`` entry zero or
+    subnormal: nothing left to measure relative to."""
+    tiny = torch.finfo(torch.float64).tiny
+    return [h for h, x in zip(data.head_indices(), largest.tolist(), strict=True) if x < tiny]
+
+
+def _heads_said(heads: list[int]) -> str:
+    """``"head 3"``, ``"heads 0, 1"``."""
+    return ("head " if len(heads) == 1 else "heads ") + ", ".join(map(str, heads))
 
 
 def _longest(config: ApproxConfig) -> tuple[int, str]:
@@ -590,6 +609,12 @@ def _analysis_block(sweep: _Sweep, loader: SourceLoader, source: str, bar: Any) 
         sweep.sources.append({"source": source, "seq_len": n, "part": "analysis",
                               "description": data.description, "windows": data.windows})
         sweep.analysis.append(analyse_source(data, sweep.config))
+    for lev in sweep.analysis[-1]["leverage"][:1]:  # ||C||_2 is the same for every eps
+        zero = _zero_heads(data, torch.tensor(lev["norm_c"], dtype=torch.float64))
+        if zero:
+            sweep.note(f"{source} N={n}: ||C||_2 = 0 on {_heads_said(zero)} (every Gaussian "
+                       f"kernel entry underflows in float64): lambda = eps ||C||_2 = 0 and "
+                       f"Theorem 2 says nothing there; its quantities are NaN.")
 
 
 __all__ = [
