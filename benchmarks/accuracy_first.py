@@ -82,7 +82,7 @@ class Data:
                 q, k, v = (
                     torch.randn(1, 12, n, 32, generator=g, dtype=torch.float64) for _ in range(3)
                 )
-                q, k = q * 6 / math.sqrt(32), k * 6 / math.sqrt(32)  # expected row norm 6
+                q, k = q * 6 / math.sqrt(32), k * 6 / math.sqrt(32)  # root-mean-square row norm 6
             else:
                 pretrained = source == "pretrained"
                 if pretrained not in self.models:

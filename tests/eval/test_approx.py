@@ -136,6 +136,10 @@ def test_gaussian_source_has_the_chosen_norm():
     assert data.q.shape == (1, 3, 4000, 64)
     assert data.q.norm(dim=-1).pow(2).mean().sqrt().item() == pytest.approx(9.0, rel=0.01)
     assert data.v.std().item() == pytest.approx(1.0, rel=0.01)
+    # sqrt(E |q|^2), not E |q|: in one dimension the mean norm is sqrt(2 / pi) of it
+    one = SourceLoader(SourceOptions(gaussian_norm=9.0, gaussian_dim=1)).load("gaussian", 4000)
+    assert one.q.norm(dim=-1).mean().item() == pytest.approx(9.0 * (2 / np.pi) ** 0.5, rel=0.02)
+    assert "root-mean-square row norm 9" in one.description
 
 
 def _register(monkeypatch, name, fn, config, **caps):

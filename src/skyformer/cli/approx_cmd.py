@@ -68,7 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--glove", default=None, metavar="FILE",
                         help="GloVe-format word vector file")
     parser.add_argument("--gaussian-norm", type=float, default=None,
-                        help=f"expected row norm of synthetic Q, K (default {d.gaussian_norm:g})")
+                        help=f"root-mean-square row norm sqrt(E|q|^2) of synthetic Q, K "
+                        f"(default {d.gaussian_norm:g})")
     parser.add_argument("--gaussian-dim", type=int, default=None,
                         help=f"head dim of synthetic Q/K/V (default {d.gaussian_dim})")
     parser.add_argument("--data-seed", type=int, default=None,

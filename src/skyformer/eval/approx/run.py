@@ -75,8 +75,8 @@ class ApproxConfig:
     layer, heads: model layer and head indices (``None`` = all heads); for ``glove``
         and ``gaussian`` the number of heads is the number of independent slices.
     model, text: local BERT-type model folder and UTF-8 text file (``None`` = MiniLM-L6
-        and the shipped text); glove: GloVe-format file; gaussian_norm/dim: expected
-        row norm and width of synthetic Q, K; data_seed: random init / synthetic data.
+        and the shipped text); glove: GloVe-format file; gaussian_norm/dim: root-mean-
+        square row norm and width of synthetic Q, K; data_seed: random init / synthetic data.
     floor_*: randomized subspace iteration for the rank-m floors (full SVD when
         N <= floor_exact_below).
     sweep: measure the methods (error against m); analysis: the spectra and leverage

@@ -189,7 +189,7 @@ class SourceLoader:
         sigma = o.gaussian_norm / math.sqrt(d)  # E|q|^2 = d sigma^2 = norm^2
         q, k, v = (torch.randn(1, h, seq_len, d, generator=g) for _ in range(3))
         text = (
-            f"synthetic Gaussian Q, K with expected row norm {o.gaussian_norm:g} "
+            f"synthetic Gaussian Q, K with root-mean-square row norm {o.gaussian_norm:g} "
             f"(entries N(0, {sigma:.3g}^2)), V ~ N(0, 1), d={d}, {h} draw{'s' * (h != 1)} of "
             f"N={seq_len}"
         )
