@@ -461,3 +461,27 @@ def test_a_gaussian_target_that_underflows_to_zero_is_said_not_scored_or_a_crash
     assert len(said) == 2 and said == [n for n in result.notes if "underflows" in n]
     assert "gaussian N=12: the exact gaussian output is zero on heads 0, 1" in said[0]
     assert "||C||_2 = 0 on heads 0, 1" in said[1]
+
+
+def test_panels_whose_every_number_is_nan_are_drawn_on_linear_axes(tmp_path):
+    """A panel (or leverage curve) with no finite number, here the Gaussian target where
+    every kernel entry underflows, stopped write_outputs in matplotlib ('Data cannot be
+    log-scaled'), and no result file was written."""
+    result = run_approx(small(gaussian_norm=200.0, seq_lens=(12,), features=(4,), seeds=(0,),
+                              methods=("skyformer",), analysis_seq_len=12), log=lambda s: None)
+    written = write_outputs(result, tmp_path)
+    assert set(written) == {"json", "csv", "errors", "spectra", "leverage", "report"}
+    assert all(path.stat().st_size > 0 for path in written.values())
+    import io
+
+    import matplotlib.figure
+
+    from skyformer.eval.approx.plots import _log_axes
+
+    fig = matplotlib.figure.Figure()
+    ax = fig.subplots()
+    ax.plot([16, 32], [float("nan")] * 2)
+    ax.axhline(0.5)  # a finite reference line sets no data limits: still nothing to log-scale
+    _log_axes(ax, x_base=2)
+    fig.savefig(io.BytesIO())
+    assert ax.get_yscale() == "linear"

@@ -52,6 +52,23 @@ def _label(source: str) -> str:
     return SOURCE_LABEL.get(source, source)
 
 
+def _log_axes(ax: Any, x_base: float = 10) -> None:
+    """Log scales on both axes of ``ax`` where a curve has a positive finite point; an
+    axes with none (every number NaN: a Gaussian target that underflowed, see the
+    notes) stays linear and says so, since matplotlib cannot log-scale it. Horizontal
+    reference lines (``axhline``) are not curves: they set no data limits."""
+    import math
+
+    drawn = [y for line in ax.get_lines() if line.get_transform() == ax.transData
+             for y in line.get_ydata() if math.isfinite(y) and y > 0]
+    if not drawn:
+        ax.text(0.5, 0.5, "nothing finite to draw on log axes (see the notes)",
+                ha="center", va="center", transform=ax.transAxes, fontsize=8)
+        return
+    ax.set_xscale("log", base=x_base)
+    ax.set_yscale("log")
+
+
 def plot_errors(result: Any, path: str | Path) -> Path:
     """Error against m for every method, panels = sources x sequence lengths."""
     mpl = require_matplotlib()
@@ -100,8 +117,7 @@ def plot_errors(result: Any, path: str | Path) -> Path:
                     h = ax.axhline(base[0]["spectral_mean"], color=REFERENCE_COLOR[target],
                                    linestyle="-.", linewidth=1.0)
                     handles.setdefault(f"trivial: {text} ({target})", h)
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
+            _log_axes(ax, x_base=2)
             if ms:
                 ax.set_xticks(ms, [str(m) for m in ms])
             ax.set_title(f"{_label(source)}, N={n}", fontsize=9)
@@ -191,8 +207,7 @@ def plot_leverage(result: Any, path: str | Path) -> Path:
             x, y = _mean_curve(lev["leverage_sorted"])
             ax.plot(x, y, color=f"C{i}", label=f"eps={lev['eps']:g}: d_stat="
                     f"{_mean(lev['d_stat']):.0f}, Thm 2 d={_mean(lev['d_theorem']):.3g}")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
+        _log_axes(ax)
         n2 = 2 * a["seq_len"]
         ax.set_title(f"{_label(a['source'])}, 2n={n2}", fontsize=9)
         ax.set_xlabel("rank of the row of [Q; K]", fontsize=8)
