@@ -754,3 +754,23 @@ def test_peak_memory_without_the_resource_module(monkeypatch):
     process = types.SimpleNamespace(memory_info=lambda: info)
     monkeypatch.setitem(sys.modules, "psutil", types.SimpleNamespace(Process=lambda: process))
     assert metrics.peak_memory_bytes(torch.device("cpu")) == 3 << 20
+
+
+def test_resume_refuses_data_of_the_same_sizes_but_other_examples(tmp_path):
+    """Counts, label counts and mean lengths do not identify prepared data: the same
+    training rows in another order (another data order, another run) are refused too."""
+    from skyformer.lra import prepare, write_listops
+    from tests.lra.release_files import TINY_RULES
+
+    src = tmp_path / "src"
+    write_listops(src, train=64, dev=16, test=16, rules=TINY_RULES, seed=0)
+    cfg, run, cache = _cfg(steps=4), tmp_path / "run", tmp_path / "cache"
+    prepare("listops", src, cache, max_len=8)
+    _run(cfg, cache, run, stop_after=2)
+    train_file = src / "basic_train.tsv"
+    header, *rows = train_file.read_text(encoding="utf-8").splitlines()
+    train_file.write_text("\n".join([header, *reversed(rows)]) + "\n", encoding="utf-8")
+    prepare("listops", src, cache, max_len=8)
+    with pytest.raises(ValueError, match=r"differs from the data the run started with "
+                       r"\(meta.json: splits\)"):
+        _run(cfg, cache, run, resume=True)

@@ -2,7 +2,7 @@
 
 Layout of ``<cache root>/<task>/``::
 
-    meta.json                 task, lengths, counts, label counts, source, notes
+    meta.json                 task, lengths, counts, label counts, digests, source, notes
     <split>.tokens.npy        [N, S, L] uint8/uint16  token ids, right padded with 0
     <split>.lengths.npy       [N, S] int32            real tokens per document
     <split>.labels.npy        [N] int64
@@ -16,6 +16,7 @@ that looks usable.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -91,6 +92,20 @@ def cache_dir(cache_root: str | os.PathLike[str], task: str) -> Path:
     return Path(cache_root).expanduser() / task
 
 
+def split_digest(tokens: np.ndarray, lengths: np.ndarray, labels: np.ndarray,
+                 rows: int = 4096) -> str:
+    """SHA-256 of a split's arrays (``tokens: [N, S, L]``, ``lengths: [N, S]``, ``labels:
+    [N]``, their bytes in that order), read ``rows`` examples at a time so that a
+    memory-mapped split is never loaded whole. It tells apart prepared data that its
+    counts, label counts and mean lengths do not: other examples, or the same in another
+    order (another data order in training)."""
+    digest = hashlib.sha256()
+    for array in (tokens, lengths, labels):
+        for start in range(0, array.shape[0], rows):
+            digest.update(np.ascontiguousarray(array[start:start + rows]).tobytes())
+    return digest.hexdigest()
+
+
 def _write_split(folder: Path, name: str, task: TaskSpec, source: SplitSource,
                  max_len: int) -> dict[str, Any]:
     if source.count <= 0:
@@ -126,15 +141,16 @@ def _write_split(folder: Path, name: str, task: TaskSpec, source: SplitSource,
     if i + 1 != n:
         raise ValueError(f"the {name} split of {task.name} announced {n} examples but "
                          f"yielded {i + 1}.")
+    for array in (tokens, lengths, labels):
+        array.flush()
     counts = np.bincount(np.asarray(labels), minlength=task.num_classes)
     info = {
         "count": n,
         "label_counts": counts.tolist(),
         "mean_length": float(np.asarray(lengths).mean()),
         "truncated": int(truncated),  # documents longer than max_len
+        "sha256": split_digest(tokens, lengths, labels),
     }
-    for array in (tokens, lengths, labels):
-        array.flush()
     del tokens, lengths, labels
     return info
 
@@ -177,8 +193,9 @@ def write_cache(
 
 def data_fingerprint(meta: dict[str, Any]) -> dict[str, Any]:
     """What identifies prepared data: its ``meta.json`` (length, counts, label counts, mean
-    lengths, reader and generator records) without the time of preparation and the source
-    path, so that preparing the same files again, or a moved copy, gives the same one."""
+    lengths, the arrays' digests, reader and generator records) without the time of
+    preparation and the source path, so that preparing the same files again, or a moved
+    copy, gives the same one."""
     return {k: v for k, v in meta.items() if k not in ("created", "source")}
 
 
