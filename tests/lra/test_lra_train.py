@@ -774,3 +774,23 @@ def test_resume_refuses_data_of_the_same_sizes_but_other_examples(tmp_path):
     with pytest.raises(ValueError, match=r"differs from the data the run started with "
                        r"\(meta.json: splits\)"):
         _run(cfg, cache, run, resume=True)
+
+
+def test_the_report_keeps_runs_on_other_prepared_data_apart(listops_cache, tmp_path):
+    """result.json records the splits' sizes and digests: two seeds trained on data of
+    other sizes are two rows of the report, not one experiment's two seeds."""
+    from skyformer.lra import prepare, write_listops
+    from skyformer.lra.report import collect_runs, tables
+    from tests.lra.release_files import TINY_RULES
+
+    write_listops(tmp_path / "src", train=64, dev=64, test=64, rules=TINY_RULES, seed=0)
+    prepare("listops", tmp_path / "src", tmp_path / "cache", max_len=8)
+    cfg = _cfg(steps=2, eval_every=2, log_every=2)
+    _run(cfg, listops_cache, tmp_path / "runs" / "seed0")
+    _run(dataclasses.replace(cfg, seed=1), tmp_path / "cache", tmp_path / "runs" / "seed1")
+    result = json.loads((tmp_path / "runs" / "seed1" / "result.json").read_text())
+    assert result["data"]["splits"]["train"]["count"] == 64
+    rows = [line for line in tables(collect_runs([tmp_path / "runs"])).split("Table 2")[0]
+            .splitlines() if line.startswith("| softmax")]
+    assert len(rows) == 2 and all("(1)" in row for row in rows), rows
+    assert "data.splits.train.count=64" in rows[1] or "data.splits.train.count=64" in rows[0]

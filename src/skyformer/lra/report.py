@@ -81,8 +81,13 @@ class Run:
         """The prepared data's records (``data_fingerprint`` of the ``meta.json`` the run
         recorded: no source path, so a moved copy is the same data), one entry per
         value, nested records flattened: ``{"data.tokens": ..., "data.generated.seed":
-        ...}``."""
-        return _leaves(data_fingerprint(self.result.get("data") or {}), "data")
+        ...}``. Of each split, its count and digest (its first ``DIGEST_CHARS``
+        characters): its label counts and lengths follow from its examples."""
+        records = data_fingerprint(self.result.get("data") or {})
+        splits = records.pop("splits", None)
+        if isinstance(splits, dict):
+            records["splits"] = {name: _split_identity(split) for name, split in splits.items()}
+        return _leaves(records, "data")
 
     @property
     def hardware(self) -> str | None:
@@ -101,6 +106,20 @@ class Run:
     def context(self) -> dict[str, Any]:
         """What a run measured on besides its settings: ``data`` and ``hardware``."""
         return {**self.data, "hardware": self.hardware}
+
+
+DIGEST_CHARS = 12  # of a split's SHA-256 in a row's label: enough to tell data apart
+
+
+def _split_identity(split: Any) -> Any:
+    """A split's record in ``meta.json`` reduced to what identifies it: its count and a
+    prefix of its digest (each where recorded)."""
+    if not isinstance(split, dict):
+        return split
+    out = {k: split[k] for k in ("count", "sha256") if k in split}
+    if isinstance(out.get("sha256"), str):
+        out["sha256"] = out["sha256"][:DIGEST_CHARS]
+    return out
 
 
 def _leaves(value: Any, name: str) -> dict[str, Any]:

@@ -651,7 +651,7 @@ class Trainer:
             "dev_is_test": bool(self.data.meta.get("dev_is_test", False)),
             "config": self.cfg.to_dict(),
             "model": dataclasses.asdict(self.model.cfg),
-            "data": {k: v for k, v in self.data.meta.items() if k != "splits"},
+            "data": self.data.meta,  # the splits' sizes and digests tell the data apart
             "environment": environment(self.device),
         }
         if self.info.is_main:
