@@ -372,3 +372,26 @@ def test_meta_records_counts_and_source(tmp_path):
     assert meta["splits"]["train"]["count"] == 3
     assert meta["splits"]["train"]["label_counts"][9] == 1
     assert meta["max_len"] == 6 and meta["source"].endswith("src")
+
+
+def test_an_empty_split_is_named_by_its_file_or_its_images(tmp_path):
+    """A split without examples names where it was read from, not only the split."""
+    make_listops_release(tmp_path / "lo")
+    write_tsv(tmp_path / "lo" / "basic_val.tsv", [], header=["Source", "Target"])
+    with pytest.raises(ValueError, match=r"the dev split of listops has no examples: "
+                       r".*basic_val.tsv holds no rows"):
+        prepare("listops", tmp_path / "lo", tmp_path / "cache")
+    make_aan(tmp_path / "aan")
+    (tmp_path / "aan" / "new_aan_pairs.test.tsv").write_text("\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"test split of retrieval has no examples: "
+                       r".*new_aan_pairs.test.tsv holds no rows"):
+        prepare("retrieval", tmp_path / "aan", tmp_path / "cache")
+    root, _ = make_pathfinder_release(tmp_path / "pf", count=4)
+    with pytest.raises(ValueError, match=r"the dev split of pathfinder has no examples: "
+                       r".*curv_contour_length_14 lists 4 readable images, too few for its "
+                       r"80/10/10 split"):
+        prepare("pathfinder", root, tmp_path / "cache")
+    make_imdb(tmp_path / "imdb")  # 8 training reviews
+    with pytest.raises(ValueError, match=r"the train split of text has no examples: "
+                       r"--dev-fraction 0.95 holds out all 8 training reviews under "):
+        prepare("text", tmp_path / "imdb", tmp_path / "cache", dev_fraction=0.95)

@@ -48,10 +48,13 @@ class SplitSource:
     count: number of examples ``examples`` yields.
     examples: ``(segments, label)`` pairs; ``segments`` holds S 1-D integer arrays
         (any length: longer ones are truncated to the cache's max length).
+    empty: why there are none when ``count`` is 0, naming the file or folder at fault
+        (``data/basic_val.tsv holds no rows``), for the sentence refusing the split.
     """
 
     count: int
     examples: Iterable[tuple[Sequence[np.ndarray], int]]
+    empty: str = ""
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,10 @@ def split_digest(tokens: np.ndarray, lengths: np.ndarray, labels: np.ndarray,
 def _write_split(folder: Path, name: str, task: TaskSpec, source: SplitSource,
                  max_len: int) -> dict[str, Any]:
     if source.count <= 0:
-        raise ValueError(f"the {name} split of {task.name} has no examples.")
+        why = f": {source.empty}" if source.empty else ""
+        raise ValueError(f"the {name} split of {task.name} has no examples{why}; a model "
+                         "needs examples to train on, select with and test on: add them, "
+                         "then prepare again.")
     n, s = source.count, task.segments
     dtype = token_dtype(task.vocab_size)
     tokens = np.lib.format.open_memmap(folder / f"{name}.tokens.npy", "w+", dtype, (n, s, max_len))

@@ -55,6 +55,11 @@ def _content_lines(path: Path, header: str | None) -> Iterator[tuple[int, bytes]
                 yield number, raw
 
 
+def no_rows(path: Path) -> str:
+    """Why a tab-separated file gives a split no examples (``SplitSource.empty``)."""
+    return f"{path} holds no rows (a header and blank lines do not count)"
+
+
 def count_rows(path: Path, *, header: str | None = None) -> int:
     """Number of non-empty lines of a text file, minus a first line starting with ``header``."""
     return sum(1 for _ in _content_lines(path, header))

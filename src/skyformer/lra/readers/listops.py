@@ -17,7 +17,7 @@ import numpy as np
 
 from ..cache import SplitSource
 from ..vocab import check_listops_tokenizer, encode_listops
-from .common import count_rows, empty_document, locate, require_file, tsv_rows
+from .common import count_rows, empty_document, locate, no_rows, require_file, tsv_rows
 
 FILES = {"train": "basic_train.tsv", "dev": "basic_val.tsv", "test": "basic_test.tsv"}
 GENERATOR_RECORD = "generator.json"  # written by `skyformer lra generate listops`
@@ -62,7 +62,8 @@ def read_listops(src: str | Path, tokens: str = "lra"
     splits = {}
     for split, name in FILES.items():
         path = require_file(folder / name, f"ListOps {split} split, tab-separated Source, Target")
-        splits[split] = SplitSource(count_rows(path, header="Source"), _examples(path, tokens))
+        splits[split] = SplitSource(count_rows(path, header="Source"), _examples(path, tokens),
+                                    empty=no_rows(path))
     meta: dict[str, Any] = {"source": str(folder.resolve())}
     if tokens != "lra":  # absent for LRA's tokens, as in caches made before the option
         meta["tokens"] = tokens

@@ -119,8 +119,10 @@ def read_pathfinder(src: str | Path, *, difficulty: str | None = None,
     order = np.random.default_rng(split_seed).permutation(len(samples))
     a, b = int(0.8 * len(samples)), int(0.9 * len(samples))
     parts = {"train": order[:a], "dev": order[a:b], "test": order[b:]}
+    few = (f"{folder} lists {len(samples)} readable images, too few for its 80/10/10 split "
+           "(10 give every split one)")
     splits = {
-        name: SplitSource(len(idx), _examples([samples[i] for i in idx], side))
+        name: SplitSource(len(idx), _examples([samples[i] for i in idx], side), empty=few)
         for name, idx in parts.items()
     }
     meta: dict[str, Any] = {

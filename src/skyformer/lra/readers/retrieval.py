@@ -15,7 +15,7 @@ import numpy as np
 
 from ..cache import SplitSource
 from ..vocab import encode_bytes
-from .common import count_rows, empty_document, locate, require_file, tsv_rows
+from .common import count_rows, empty_document, locate, no_rows, require_file, tsv_rows
 
 FILES = {"train": "new_aan_pairs.train.tsv", "dev": "new_aan_pairs.eval.tsv",
          "test": "new_aan_pairs.test.tsv"}
@@ -49,5 +49,6 @@ def read_retrieval(src: str | Path) -> tuple[dict[str, SplitSource], dict[str, A
     splits = {}
     for split, name in FILES.items():
         path = require_file(folder / name, f"AAN {split} pairs: label, id1, id2, text1, text2")
-        splits[split] = SplitSource(count_rows(path, header="label\t"), _examples(path))
+        splits[split] = SplitSource(count_rows(path, header="label\t"), _examples(path),
+                                    empty=no_rows(path))
     return splits, {"source": str(folder.resolve())}

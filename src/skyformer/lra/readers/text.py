@@ -72,6 +72,8 @@ def read_text(src: str | Path, *, dev_fraction: float = 0.1, split_seed: int = 0
         dev = [train[i] for i in order[:n_dev]]
         train = [train[i] for i in np.sort(order[n_dev:])]
         meta["split_seed"] = split_seed
-    splits = {name: SplitSource(len(items), _examples(items))
+    held_out = (f"--dev-fraction {dev_fraction} holds out all {len(dev)} training reviews "
+                f"under {root / 'train'} as dev")  # the one split that can be left empty
+    splits = {name: SplitSource(len(items), _examples(items), empty=held_out)
               for name, items in (("train", train), ("dev", dev), ("test", test))}
     return splits, meta
