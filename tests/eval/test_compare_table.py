@@ -89,3 +89,19 @@ def test_a_variant_is_compared_with_the_target_of_its_causal_and_scale():
     assert rows["linear[causal=True]"]["trivial_error"] == causal
     assert rows["softmax[causal=True]"]["trivial_error"] == causal != rows["softmax"][
         "trivial_error"]
+
+
+def test_rows_of_randomized_methods_record_their_seed():
+    """A randomized method's error depends on the seed it drew with: its row says which;
+    a deterministic method's row has none (``None``)."""
+    import torch
+
+    from skyformer.eval.compare.run import CompareConfig, compare_on
+    from skyformer.eval.data.qkv import QKV
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=g) for _ in range(3))
+    qkv = QKV(q, k, v, model="gaussian", pretrained=False, layer=0, windows=1)
+    rows = compare_on(qkv, CompareConfig(methods=("softmax", "performer"), seed=5, repeats=1,
+                                         memory=False))
+    assert [r["seed"] for r in rows] == [None, 5]

@@ -191,6 +191,7 @@ def test_hf_eval_end_to_end(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "Gaussian kernel, not a drop-in" in printed
     assert "long: 6 texts of 64 tokens" in printed  # equal lengths: one number, not 64-64
+    assert "seed 0: the draws of the randomized methods" in printed
     data = json.loads((out / "hf_eval.json").read_text())
     assert data["config"]["features"] == [8] and "torch" in data["environment"]
     assert data["config"]["layers"] == [0, 1] and data["config"]["clock"] == "cpu"
@@ -203,11 +204,14 @@ def test_hf_eval_end_to_end(tmp_path, capsys):
         sky = rows[(setting, "skyformer")]
         assert sky["drop_in"] is False and sky["num_features"] == 8 and sky["time_ms"] > 0
         assert rows[(setting, "nystrom_softmax")]["drop_in"] is True
+        assert sky["seed"] == 0 and rows[(setting, "softmax")]["seed"] is None
     assert data["command"].startswith("skyformer hf-eval --methods softmax skyformer ")
     with open(out / "hf_eval.csv", newline="") as handle:  # as the other commands' CSV files
         lines = handle.read().split("\n")
     assert lines[0].startswith("# config: {") and lines[2] == f"# command: \"{data['command']}\""
-    assert len(list(csv.DictReader(lines[3:-1]))) == len(data["rows"]) == 8
+    table = list(csv.DictReader(lines[3:-1]))
+    assert len(table) == len(data["rows"]) == 8
+    assert [r["seed"] for r in table if r["method"] == "skyformer"] == ["0", "0"]
     assert (out / "hf_eval.png").stat().st_size > 10_000
     markdown = (out / "hf_eval.md").read_text()
     assert "| long | `skyformer` | 8 |" in markdown and "not a drop-in" in markdown
@@ -259,5 +263,15 @@ def test_table_columns_line_up_with_long_method_names():
 def test_a_row_says_whether_the_method_is_a_drop_in(method, drop_in):
     """Nystromformer's convolution (an option) is learned, started from its initialisation:
     with it the method is no drop-in; Performer's fixed features are no learned weights."""
-    row = _row("short", method, 8, types.SimpleNamespace(ids=[[1, 2]]))
+    row = _row("short", method, 8, types.SimpleNamespace(ids=[[1, 2]]), seed=0)
     assert row["drop_in"] is drop_in, row["note"]
+
+
+@pytest.mark.parametrize(("method", "seeded"), [
+    ("sdpa", False), ("softmax", False), ("linear", False), ("performer", True),
+    ("nystromformer", False), ("nystromformer[conv_kernel=3]", True)])
+def test_a_row_records_the_seed_its_method_draws_with(method, seeded):
+    """Random draws (Performer's features) and untrained weights (the convolution) come
+    from the seed: such rows say which; deterministic methods' rows have none."""
+    row = _row("short", method, 8, types.SimpleNamespace(ids=[[1, 2]]), seed=7)
+    assert row["seed"] == (7 if seeded else None)

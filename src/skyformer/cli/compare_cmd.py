@@ -56,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
     )
     result = compare(config)
     print(f"Q/K/V: {result.source}")
+    print(f"seed {args.seed}: the draws of the randomized methods (their rows' seed)"
+          + ("" if not args.random_init else " and the random weights"))
     print(
         "error: relative spectral norm ||O - O_exact||_2 / ||O_exact||_2 against the method's "
         "target (mean +- std over heads)"

@@ -133,6 +133,8 @@ def compare_on(qkv: QKV, config: CompareConfig) -> list[dict[str, Any]]:
                     "target": target,
                     "exact": spec.capabilities.exact,
                     "num_features": resolved.get("num_features"),
+                    # the generator's seed where the output depends on it
+                    "seed": config.seed if spec.capabilities.randomized else None,
                     "spectral_error": spectral.mean().item(),
                     "spectral_error_std": spectral.std().item() if spectral.numel() > 1 else 0.0,
                     "trivial_error": trivial[key],

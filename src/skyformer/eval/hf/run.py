@@ -304,7 +304,18 @@ def _learns(method: str) -> bool:
     return any(True for _ in state.parameters())
 
 
-def _row(setting: str, method: str, features: int | None, inputs: Inputs) -> dict[str, Any]:
+def _seeded(method: str) -> bool:
+    """Whether ``method``'s output depends on the seed: it draws at random, or it runs
+    with per-layer weights initialised under the seed (``_learns``)."""
+    if method == BASELINE:
+        return False
+    return get_method(method).capabilities.randomized or _learns(method)
+
+
+def _row(setting: str, method: str, features: int | None, inputs: Inputs, *,
+         seed: int) -> dict[str, Any]:
+    """The row of one configuration, metrics unset; ``seed`` is recorded where the
+    method's output depends on it (``None`` otherwise)."""
     note = ""
     if method == BASELINE:
         target, exact = "softmax", True
@@ -317,7 +328,8 @@ def _row(setting: str, method: str, features: int | None, inputs: Inputs) -> dic
             note = NOT_DROP_IN_LEARNED
     return {
         "setting": setting, "method": method, "target": target, "exact": exact,
-        "drop_in": not note, "note": note, "num_features": features, "texts": len(inputs.ids),
+        "drop_in": not note, "note": note, "num_features": features,
+        "seed": seed if _seeded(method) else None, "texts": len(inputs.ids),
         "cosine_mean": None, "cosine_min": None, "recall_at_1": None, "time_ms": None,
         "peak_mib": None, "error": None,
     }
@@ -359,7 +371,7 @@ def evaluate(config: HFEvalConfig = HFEvalConfig(),
         restore_exact(model)
         exact = embed_all(model, inputs, config.batch_size)
         for method, features in [(BASELINE, None), *_configurations(config)]:
-            row = _row(setting, method, features, inputs)
+            row = _row(setting, method, features, inputs, seed=config.seed)
             options = {} if features is None else {"num_features": features}
             if progress:
                 progress(f"{setting}: {method}" + (f" ({features} features)" if features else ""))
