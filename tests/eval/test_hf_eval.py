@@ -263,7 +263,8 @@ def test_table_columns_line_up_with_long_method_names():
 def test_a_row_says_whether_the_method_is_a_drop_in(method, drop_in):
     """Nystromformer's convolution (an option) is learned, started from its initialisation:
     with it the method is no drop-in; Performer's fixed features are no learned weights."""
-    row = _row("short", method, 8, types.SimpleNamespace(ids=[[1, 2]]), seed=0)
+    row = _row("short", method, 8, types.SimpleNamespace(ids=[[1, 2]]), seed=0,
+               model_scale=32 ** -0.5)
     assert row["drop_in"] is drop_in, row["note"]
 
 
@@ -273,5 +274,29 @@ def test_a_row_says_whether_the_method_is_a_drop_in(method, drop_in):
 def test_a_row_records_the_seed_its_method_draws_with(method, seeded):
     """Random draws (Performer's features) and untrained weights (the convolution) come
     from the seed: such rows say which; deterministic methods' rows have none."""
-    row = _row("short", method, 8, types.SimpleNamespace(ids=[[1, 2]]), seed=7)
+    row = _row("short", method, 8, types.SimpleNamespace(ids=[[1, 2]]), seed=7,
+               model_scale=32 ** -0.5)
     assert row["seed"] == (7 if seeded else None)
+
+
+@pytest.mark.parametrize(("method", "drop_in"), [
+    ("softmax[scale=0.5]", False), ("nystrom_softmax[scale=0.1]", False),
+    (f"softmax[scale={32 ** -0.5!r}]", True), ("softmax", True)])
+def test_a_row_whose_scale_is_not_the_models_is_no_drop_in(method, drop_in):
+    """softmax at a logit scale of its own is another function than the model's attention
+    (MiniLM's scale is 1/sqrt(32)): its row says so, as a Gaussian-kernel row does."""
+    row = _row("short", method, None, types.SimpleNamespace(ids=[[1, 2]]), seed=0,
+               model_scale=32 ** -0.5)
+    assert row["drop_in"] is drop_in, row["note"]
+    if not drop_in:
+        assert "not the model's 0.176777: not a drop-in" in row["note"], row["note"]
+
+
+def test_the_model_scale_is_its_attention_scaling():
+    from transformers import BertConfig, BertModel
+
+    from skyformer.eval.hf.run import model_scale
+
+    model = BertModel(BertConfig(vocab_size=16, hidden_size=16, num_hidden_layers=1,
+                                 num_attention_heads=2, intermediate_size=16)).eval()
+    assert model_scale(model) == pytest.approx(8 ** -0.5)

@@ -20,7 +20,9 @@ Gaussian-target methods (``kernelized``, ``skyformer`` and its ``_adaptive`` and
 ``_multipole`` variants) replace softmax by a Gaussian kernel, a different function;
 methods with learned parameters (e.g. Linformer's projections) start them from their
 initialisation, not from pretrained weights. Neither is expected to keep a
-softmax-pretrained model's embeddings without fine-tuning.
+softmax-pretrained model's embeddings without fine-tuning. A variant with a ``scale`` of
+its own other than the model's (``softmax[scale=0.5]``) computes another function than
+the model's attention, and its row says so too.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from ..methods import setting_name as _named
 SETTINGS = ("short", "long")
 NOT_DROP_IN_GAUSSIAN = "Gaussian kernel, not a drop-in"
 NOT_DROP_IN_LEARNED = "untrained learned projections, not a drop-in"
+NOT_DROP_IN_SCALE = "scale {scale:g}, not the model's {model:g}: not a drop-in"
 BASELINE = "sdpa"  # transformers' own exact attention
 
 
@@ -312,18 +315,37 @@ def _seeded(method: str) -> bool:
     return get_method(method).capabilities.randomized or _learns(method)
 
 
+def model_scale(model: nn.Module) -> float:
+    """The attention logit scale of ``model``'s first attention module: its ``scaling``,
+    else 1/sqrt(head dim) (what ``set_attention`` passes to the methods)."""
+    from ...hf.layers import attention_modules, heads_and_dim, model_scaling
+
+    _, _, module = attention_modules(model)[0]
+    scaling = model_scaling(module)
+    if scaling is not None:
+        return scaling
+    _, head_dim = heads_and_dim(module)
+    return float(head_dim or model.config.hidden_size // model.config.num_attention_heads
+                 ) ** -0.5
+
+
 def _row(setting: str, method: str, features: int | None, inputs: Inputs, *,
-         seed: int) -> dict[str, Any]:
+         seed: int, model_scale: float) -> dict[str, Any]:
     """The row of one configuration, metrics unset; ``seed`` is recorded where the
-    method's output depends on it (``None`` otherwise)."""
+    method's output depends on it (``None`` otherwise); a variant's own ``scale`` other
+    than ``model_scale`` (the model's) makes it no drop-in."""
     note = ""
     if method == BASELINE:
         target, exact = "softmax", True
     else:
-        caps = get_method(method).capabilities
+        spec = get_method(method)
+        caps = spec.capabilities
         target, exact = caps.target, caps.exact
+        scale = dict(spec.preset).get("scale")
         if caps.target != "softmax":
             note = NOT_DROP_IN_GAUSSIAN
+        elif scale is not None and not math.isclose(scale, model_scale, rel_tol=1e-6):
+            note = NOT_DROP_IN_SCALE.format(scale=scale, model=model_scale)
         elif _learns(method):
             note = NOT_DROP_IN_LEARNED
     return {
@@ -354,6 +376,7 @@ def evaluate(config: HFEvalConfig = HFEvalConfig(),
     layers = list(config.layers) if config.layers is not None else None
     check_layers(model, layers)  # before any work, not as a row per configuration
     check_seq_len(model, config.seq_len)
+    scale = model_scale(model)
     rows: list[dict[str, Any]] = []
     described: dict[str, dict[str, Any]] = {}
     for setting in config.settings:
@@ -371,7 +394,7 @@ def evaluate(config: HFEvalConfig = HFEvalConfig(),
         restore_exact(model)
         exact = embed_all(model, inputs, config.batch_size)
         for method, features in [(BASELINE, None), *_configurations(config)]:
-            row = _row(setting, method, features, inputs, seed=config.seed)
+            row = _row(setting, method, features, inputs, seed=config.seed, model_scale=scale)
             options = {} if features is None else {"num_features": features}
             if progress:
                 progress(f"{setting}: {method}" + (f" ({features} features)" if features else ""))
