@@ -361,6 +361,30 @@ def check_ranks_disagree(rank: int, world: int) -> None:
     assert _outcome(lambda: layer(x)) == "ok"
 
 
+def check_gradients_recorded_on_some_ranks(rank: int, world: int) -> None:
+    """A call under torch.no_grad on one rank only (or with other inputs requiring
+    gradients) gets a sentence on every rank: the ranks that record the call would wait
+    in its backward all-reduce for the others, which had gone on to the next call's
+    exchange (a collective of another size: a hang until the group's timeout)."""
+    q, k, v, _ = inputs(4 * world)
+    s = slice(4 * rank, 4 * rank + 4)
+    q, k, v = (t[:, :, s].clone().requires_grad_() for t in (q, k, v))
+    last = rank == world - 1
+    for method in ("skyformer", "linear"):
+        with torch.set_grad_enabled(not last):
+            said = _outcome(lambda method=method: sequence_parallel_attention(q, k, v, method))
+        assert "differ in which of q, k, v require gradients" in said, said
+        assert f"rank {world - 1}: none" in said, said
+        said = _outcome(lambda method=method: sequence_parallel_attention(
+            q, k.detach() if last else k, v, method))
+        assert f"rank {world - 1}: q, v)" in said and "rank 0: q, k, v;" in said, said
+    with torch.no_grad():  # alike on every rank: runs
+        assert _outcome(lambda: sequence_parallel_attention(q, k, v, "linear")) == "ok"
+    out = sequence_parallel_attention(q, k, v, "linear")
+    out.sum().backward()  # the group still works
+    assert q.grad is not None
+
+
 def check_performer_layer(rank: int, world: int) -> None:
     """A sequence-parallel Performer layer uses its own features, as on one process:
     it draws nothing from the global generator, and a non-finite feature marks every

@@ -12,6 +12,7 @@ from seqpar_workers import (
     check_equal,
     check_errors,
     check_gradients_present_on_some_ranks,
+    check_gradients_recorded_on_some_ranks,
     check_layer_2d,
     check_layer_copies,
     check_one_rank_fails,
@@ -50,6 +51,10 @@ def test_a_check_failing_on_one_rank_stops_every_rank():
 
 def test_methods_options_and_fixed_draws_that_differ_between_ranks_get_a_sentence():
     spawn(2, check_ranks_disagree)
+
+
+def test_a_call_recorded_for_backward_on_some_ranks_only_gets_a_sentence():
+    spawn(2, check_gradients_recorded_on_some_ranks)
 
 
 def test_a_performer_layer_uses_its_own_features_as_on_one_process():

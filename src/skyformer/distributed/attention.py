@@ -21,7 +21,7 @@ from ..registry import BoundMethod, get_method
 from ..registry.autocast import autocast_rule
 from ..registry.guard import show_nonfinite, zero_padding
 from .forms import form_of
-from .layout import DTYPES, agree_layout, failing_together, resolve_group
+from .layout import DTYPES, agree_layout, failing_together, recorded_gradients, resolve_group
 from .reduction import GroupReduction
 
 
@@ -80,6 +80,7 @@ def run_sequence_parallel(
     group = resolve_group(group, caller)
     info: AttentionInputs | None = None
     key = error = None
+    gradients = 0
     try:  # a rank that fails a check still joins the exchange (layout.py)
         form = form_of(name)
         form.check(bound.config)
@@ -103,12 +104,13 @@ def run_sequence_parallel(
                                  f"shape {tuple(key.shape)}.")
         else:
             check_generator(name, generator, q.device)
+        gradients = recorded_gradients(q, k, v)
         q, k, v, precision = autocast_rule(q, k, v)
     except Exception as failure:
         error = failure
     layout = agree_layout(caller, q, v, None if info is None else info.key_valid, key, error,
                           group, call=f"{bound.method.base_name} {bound.config!r}",
-                          draws=state_arguments)
+                          draws=state_arguments, gradients=gradients)
     assert info is not None
     with precision:
         # padded rows never matter, whatever they hold, and non-finite real inputs mark

@@ -28,7 +28,7 @@ from .collectives import all_gather
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FIELDS = ("B", "H", "D", "Dv", "dtype")
-_HEADER = 10  # B, H, D, Dv, dtype, N_r, key (2), call fingerprint, draws fingerprint
+_HEADER = 11  # B, H, D, Dv, dtype, N_r, key (2), call and draws fingerprints, gradients
 _INTEGER_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -70,6 +70,7 @@ def comm_device(group: Any) -> torch.device:
 def agree_layout(
     caller: str, q: Tensor, v: Tensor, key_valid: Tensor | None, key: Tensor | None,
     error: Exception | None, group: Any, call: str = "", draws: Mapping[str, Tensor] = {},
+    gradients: int = 0,
 ) -> ShardLayout:
     """Exchange checks, shapes, keys and valid counts; raise the same failure everywhere.
 
@@ -77,7 +78,8 @@ def agree_layout(
     ``q: [B, H, N_r, D]``, ``v: [B, H, N_r, Dv]``, ``key_valid: [B, N_r]`` or None,
     ``key: [2]`` (or None for deterministic methods), ``call``: the method and its
     resolved options as text, and ``draws``: the fixed random draws the call runs with
-    (a layer's Performer features); both must be the same on every rank.
+    (a layer's Performer features), and ``gradients``: which of q, k, v the call records
+    for a backward pass (``recorded_gradients``); all must be the same on every rank.
     """
     device = comm_device(group)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -88,6 +90,7 @@ def agree_layout(
         if key is not None:
             header[6:8] = key.cpu()
         header[8] = zlib.crc32(call.encode())
+        header[10] = gradients
         header = header.to(device)
         header[9] = fingerprint(draws.values()).to(device)
     headers = all_gather(header.to(device), group).cpu()  # [P, _HEADER]
@@ -113,6 +116,7 @@ def agree_layout(
             f"ranks: rank(s) {_differing(headers[:, 9])} differ from rank 0. Build the layers "
             f"alike on every rank (the same seed) or broadcast their buffers as well as their "
             f"parameters (DistributedDataParallel does, with broadcast_buffers=True).")
+    _check_gradients_alike(caller, headers[:, 10])
     lengths = headers[:, 5]
     b = int(shapes[0, 0])
     counts = torch.full((b,), q.shape[2], dtype=torch.long) if key_valid is None \
@@ -123,6 +127,30 @@ def agree_layout(
         rows_before=int(lengths[:rank].sum()), total_rows=int(lengths.sum()),
         valid_before=before.to(q.device), key=headers[0, 6:8].to(q.device),
     )
+
+
+def recorded_gradients(q: Tensor, k: Tensor, v: Tensor) -> int:
+    """Which of q, k, v the call records for a backward pass, as bits (q = 1, k = 2,
+    v = 4): none under ``torch.no_grad`` or for inputs that do not require gradients."""
+    if not torch.is_grad_enabled():
+        return 0
+    return sum(1 << i for i, t in enumerate((q, k, v)) if t.requires_grad)
+
+
+def _check_gradients_alike(caller: str, bits: Tensor) -> None:
+    """A sentence where the ranks record different gradients (``recorded_gradients``):
+    a rank whose backward pass all-reduces a sum the others did not record would wait
+    for them, while they go on to the next call's exchange."""
+    if (bits == bits[0]).all():
+        return
+    names = [", ".join(c for i, c in enumerate("qkv") if x >> i & 1) or "none"
+             for x in bits.tolist()]
+    ranks = "; ".join(f"rank {r}: {x}" for r, x in enumerate(names))
+    raise ValueError(
+        f"{caller}: the ranks differ in which of q, k, v require gradients ({ranks}): the "
+        f"backward pass all-reduces on every rank that records it and would wait forever "
+        f"for the others. Call every rank alike: all under torch.no_grad (evaluation), or "
+        f"all with the same inputs requiring gradients.")
 
 
 def reject_together(caller: str, error: Exception, group: Any) -> NoReturn:
