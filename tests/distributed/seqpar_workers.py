@@ -511,6 +511,22 @@ def check_gradients_present_on_some_ranks(rank: int, world: int) -> None:
         torch.testing.assert_close(a.grad, b.grad[:, :, mine], **TOL, msg=name)
 
 
+def check_sum_gradients_of_sparse_gradients(rank: int, world: int) -> None:
+    """A sparse gradient (an nn.Embedding(sparse=True)) gets a sentence on every rank,
+    also where only some ranks have one (the others would have waited in the sum)."""
+    model = torch.nn.ModuleDict({"embed": torch.nn.Embedding(5, 2, sparse=True),
+                                 "head": torch.nn.Linear(2, 1)})
+    tokens = torch.tensor([rank])
+    out = model["head"](model["embed"](tokens) if rank == 0 else torch.ones(1, 2))
+    out.sum().backward()
+    said = _outcome(lambda: sum_gradients(model))
+    assert "sum_gradients: rank(s) [0] hold sparse gradients" in said, said
+    assert ("embed.weight" in said) == (rank == 0), said
+    model["embed"].weight.grad = None
+    sum_gradients(model)  # the group still works
+    torch.testing.assert_close(model["head"].bias.grad, torch.tensor([float(world)]))
+
+
 def check_sum_gradients_of_models_that_differ(rank: int, world: int) -> None:
     """Trainable parameters whose shapes, dtypes or number differ between ranks (a head
     sized by each rank's own data) get a sentence on every rank: the all-reduces of other

@@ -19,6 +19,7 @@ from seqpar_workers import (
     check_performer_layer,
     check_ranks_disagree,
     check_sum_gradients_of_models_that_differ,
+    check_sum_gradients_of_sparse_gradients,
     spawn,
 )
 
@@ -79,6 +80,10 @@ def test_gradients_missing_on_some_ranks_count_as_zero_and_zero_weighted_rows_jo
 
 def test_sum_gradients_of_models_that_differ_between_ranks_gets_a_sentence():
     spawn(2, check_sum_gradients_of_models_that_differ)
+
+
+def test_sum_gradients_of_sparse_gradients_gets_a_sentence():
+    spawn(2, check_sum_gradients_of_sparse_gradients)
 
 
 def test_without_an_initialised_group_the_call_says_so():

@@ -39,11 +39,12 @@ def sum_gradients(module: nn.Module, group: Any = None, divide_by: float = 1.0) 
     shard holds): it counts as zero where missing, as in DDP. The ranks first agree on
     which parameters have one (an all-reduce of one flag each), then sum those in one
     all-reduce; a parameter with a gradient on no rank keeps ``grad = None``. The
-    trainable parameters' number, shapes and dtypes must agree across ranks (checked
-    first, by an all-gather of two integers)."""
+    trainable parameters' number, shapes and dtypes must agree across ranks, and their
+    gradients be dense (checked first, by an all-gather of three integers)."""
     group = resolve_group(group, "sum_gradients")
-    params = [p for p in module.parameters() if p.requires_grad]
-    _check_alike(params, group)
+    named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    _check_alike(named, group)
+    params = [p for _, p in named]
     if not params:
         return
     present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32,
@@ -64,16 +65,25 @@ def sum_gradients(module: nn.Module, group: Any = None, divide_by: float = 1.0) 
         g.copy_(part.view_as(g))
 
 
-def _check_alike(params: list[nn.Parameter], group: Any) -> None:
+def _check_alike(named: list[tuple[str, nn.Parameter]], group: Any) -> None:
     """Refuse, on every rank, trainable parameters whose number, shapes or dtypes differ
     between ranks (a head sized by each rank's own data): summed in all-reduces of other
-    sizes, they abort the process (gloo) or wait forever."""
-    layout = repr([(tuple(p.shape), str(p.dtype)) for p in params])
-    mine = torch.tensor([len(params), zlib.crc32(layout.encode())], device=comm_device(group))
+    sizes, they abort the process (gloo) or wait forever; and sparse gradients (an
+    embedding built with ``sparse=True``), which the flat sum cannot hold, on any rank."""
+    layout = repr([(tuple(p.shape), str(p.dtype)) for _, p in named])
+    sparse = [name for name, p in named if p.grad is not None and p.grad.is_sparse]
+    mine = torch.tensor([len(named), zlib.crc32(layout.encode()), len(sparse)],
+                        device=comm_device(group))
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)
     rows = torch.stack(every).tolist()
-    differ = [r for r, row in enumerate(rows) if row != rows[0]]
+    with_sparse = [r for r, row in enumerate(rows) if row[2]]
+    if with_sparse:
+        here = f" (here: {', '.join(sparse)})" if sparse else ""
+        raise ValueError(f"sum_gradients: rank(s) {with_sparse} hold sparse gradients{here}, "
+                         "which it does not sum; build those embeddings with sparse=False "
+                         "(nn.Embedding's default), or sum their gradients yourself.")
+    differ = [r for r, row in enumerate(rows) if row[:2] != rows[0][:2]]
     if differ:
         counts = ", ".join(f"rank {r}: {row[0]}" for r, row in enumerate(rows))
         raise ValueError(f"sum_gradients: the trainable parameters differ between ranks: "
