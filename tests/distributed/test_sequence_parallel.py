@@ -24,7 +24,7 @@ from seqpar_workers import (
 )
 
 import skyformer
-from skyformer.distributed import sequence_parallel_attention, shard_bounds
+from skyformer.distributed import sequence_parallel_attention, shard_bounds, sum_gradients
 
 
 def test_two_processes_uneven_shards_padding_on_the_boundary_and_a_padded_shard():
@@ -120,6 +120,14 @@ def test_a_layer_pickled_before_the_group_handle_loads():
     x = torch.randn(1, 3, 8)
     assert loaded.process_group is None
     torch.testing.assert_close(loaded(x), layer(x))
+
+
+@pytest.mark.parametrize("divide_by", [0, -2, float("nan"), "2", True])
+def test_sum_gradients_refuses_a_divisor_that_is_no_positive_number(divide_by):
+    """Zero or a negative count made every gradient inf or flipped its sign silently; a
+    string failed inside the sum. Checked before any collective (none is needed here)."""
+    with pytest.raises(ValueError, match="divide_by must be a positive number"):
+        sum_gradients(torch.nn.Linear(2, 2), divide_by=divide_by)
 
 
 def test_shard_bounds_cover_the_sequence_contiguously():

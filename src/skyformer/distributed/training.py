@@ -9,6 +9,7 @@ of its own shard's share of the loss; the model's gradient is their sum over the
 from __future__ import annotations
 
 import gc
+import math
 import zlib
 from typing import Any
 
@@ -41,6 +42,11 @@ def sum_gradients(module: nn.Module, group: Any = None, divide_by: float = 1.0) 
     all-reduce; a parameter with a gradient on no rank keeps ``grad = None``. The
     trainable parameters' number, shapes and dtypes must agree across ranks, and their
     gradients be dense (checked first, by an all-gather of three integers)."""
+    if isinstance(divide_by, bool) or not isinstance(divide_by, (int, float)) \
+            or not 0 < divide_by < math.inf:
+        raise ValueError(f"sum_gradients: divide_by must be a positive number (the number of "
+                         f"data-parallel groups to average over, 1 for a sum), got "
+                         f"{divide_by!r}.")
     group = resolve_group(group, "sum_gradients")
     named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
     _check_alike(named, group)
