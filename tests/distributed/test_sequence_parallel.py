@@ -135,6 +135,10 @@ def test_shard_bounds_cover_the_sequence_contiguously():
     assert bounds == [(0, 3), (3, 6), (6, 8), (8, 10)]
     with pytest.raises(ValueError, match="rank < world <= n"):
         shard_bounds(3, 4, 0)
+    # a float (10.0, or a rank of 1.5) gave float bounds that no slice takes, or nonsense
+    for args in ((10.0, 3, 0), (10, 3, 1.5), (10, True, 0)):
+        with pytest.raises(ValueError, match="must be integers"):
+            shard_bounds(*args)
 
 
 def _example_losses(procs: int, *sizes: str) -> list[float]:

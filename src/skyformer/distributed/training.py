@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import math
+import numbers
 import zlib
 from typing import Any
 
@@ -23,6 +24,11 @@ from .layout import comm_device, resolve_group
 def shard_bounds(n: int, world: int, rank: int) -> tuple[int, int]:
     """``(start, stop)`` of rank ``rank``'s contiguous shard of ``n`` rows cut into
     ``world`` near-equal shards (the first ``n % world`` one row longer)."""
+    if any(isinstance(x, bool) or not isinstance(x, numbers.Integral)
+           for x in (n, world, rank)):
+        raise ValueError(f"shard_bounds: n, world and rank must be integers, got n={n!r}, "
+                         f"world={world!r}, rank={rank!r}.")
+    n, world, rank = int(n), int(world), int(rank)  # numpy's integers too
     if not 0 <= rank < world or n < world:
         raise ValueError(f"shard_bounds: need 0 <= rank < world <= n, got rank={rank}, "
                          f"world={world}, n={n}.")
