@@ -276,3 +276,21 @@ def test_resuming_on_other_prepared_data_is_refused(listops_cache, tmp_path):
                                          r"listops \(generated, splits\)"):
         run_stability(["listops"], ["kernelized"], cache_root=tmp_path / "cache",
                       earlier=earlier, **args)
+
+
+@pytest.mark.parametrize("clip", [{"grad_clip": 1e-9}, {"grad_clip_value": 1e-9}])
+def test_gradient_clipping_of_the_settings_applies_to_the_measured_steps(listops_cache, clip):
+    """The paper measures Table 3 under Table 1's settings, and the reference code clips
+    gradients: a clipping setting changes the update, so it changes tau."""
+    plain = instability_taus(_cfg("kernelized"), listops_cache, steps=2)
+    clipped = instability_taus(_cfg("kernelized", **clip), listops_cache, steps=2)
+    assert clipped != pytest.approx(plain, rel=1e-3)
+
+
+@pytest.mark.parametrize("setting, value", [("precision", "bf16"), ("grad_accum", 2)])
+def test_settings_the_measurement_cannot_follow_are_refused(listops_cache, setting, value):
+    with pytest.raises(ValueError, match=setting):
+        instability_taus(_cfg("kernelized", **{setting: value}), listops_cache, steps=1)
+    with pytest.raises(ValueError, match=setting):
+        run_stability(["listops"], ["kernelized"], cache_root=listops_cache, steps=1,
+                      overrides={"batch_size": 16, setting: value})

@@ -19,9 +19,10 @@ correspondingly more; the final LayerNorm removes that scale.
 To compare like with like, every method starts from the same W_0 (every parameter it
 shares with softmax's model of the same seed is that model's; a method's own, such as
 Linformer's projections, are its own draws) and sees the same batches with the same dropout
-masks, under the task's training settings (optimizer, learning-rate schedule,
-dropout). f is evaluated without dropout, in float64 (early learning rates are tiny,
-and float32 rounding would swamp the change), and with the same attention randomness
+masks, under the task's training settings (optimizer, learning-rate schedule, dropout,
+gradient clipping; precision and grad_accum other than fp32 and 1 are refused). f is
+evaluated without dropout, in float64 (early learning rates are tiny, and float32
+rounding would swamp the change), and with the same attention randomness
 (landmarks, features) and the same method state (buffers: Performer's features, redrawn
 by training calls) before and after the step, so that tau measures the effect of the
 parameter change only.
@@ -100,11 +101,33 @@ def initial_model(mcfg: ModelConfig, seed: int, device: torch.device) -> LRAClas
     return model.to(device)
 
 
+def check_measurable(cfg: TrainConfig) -> None:
+    """Refuse the training settings that the measured steps do not follow: they train in
+    float32 on whole batches (gradient clipping, as Table 1's settings, does apply)."""
+    if cfg.precision != "fp32":
+        raise ValueError(f"precision {cfg.precision} is not applied by the instability score, "
+                         "whose steps train in float32 (f is evaluated in float64); leave "
+                         "precision at fp32.")
+    if cfg.grad_accum != 1:
+        raise ValueError(f"grad_accum {cfg.grad_accum} is not applied by the instability "
+                         "score, whose steps take each batch whole (the same mean gradient); "
+                         "leave grad_accum at 1.")
+
+
+def _clip_gradients(model: torch.nn.Module, cfg: TrainConfig) -> None:
+    """Clip the gradients as a training step of ``cfg`` does (norm or each entry)."""
+    if cfg.grad_clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    if cfg.grad_clip_value is not None:
+        torch.nn.utils.clip_grad_value_(model.parameters(), cfg.grad_clip_value)
+
+
 def instability_taus(cfg: TrainConfig, cache_root: str | os.PathLike[str], *, steps: int = 20,
                      device: torch.device | str = "cpu", probe: str = "normed") -> list[float]:
     """tau_1 .. tau_steps of one method (``cfg.attention``) on ``cfg.task``."""
     if probe not in PROBES:
         raise ValueError(f"probe must be one of {', '.join(PROBES)}, got {probe!r}.")
+    check_measurable(cfg)
     device = torch.device(device)
     data = load_cache(cache_root, cfg.task)
     mcfg = model_config(cfg, data)
@@ -126,6 +149,7 @@ def instability_taus(cfg: TrainConfig, cache_root: str | os.PathLike[str], *, st
         model.train()
         loss = F.cross_entropy(model(tokens, lengths, generator=attention_generator), labels)
         loss.backward()
+        _clip_gradients(model, cfg)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, cfg)
         optimizer.step()
@@ -352,6 +376,7 @@ def _check_configs(plan: dict[tuple[str, str, int], TrainConfig],
     prepared data's record (``data_fingerprint``)."""
     data, ran_with = {}, {}
     for cfg in plan.values():
+        check_measurable(cfg)
         if cfg.task not in data:
             data[cfg.task] = load_cache(cache_root, cfg.task)
         mcfg = model_config(cfg, data[cfg.task])
