@@ -189,3 +189,13 @@ def test_an_informer_variant_takes_the_papers_features_unless_it_sets_them(
     resolved = resolve_attention_options(method, options, 2000)
     bound = registry.get_method(method).bind(seq_len=2000, **resolved)
     assert bound.options()["num_features"] == features
+
+
+@pytest.mark.parametrize("method", ["skyformer", "nystromformer", "linformer", "informer",
+                                    "performer", "reformer"])
+def test_every_method_of_table_one_but_bigbird_runs_with_128_features(method):
+    """Skyformer section 5: "the number of features to be 128 used in all methods (except
+    Big Bird)", at each task's length."""
+    for length in (1024, 2000, 4000):
+        assert resolve_attention_options(method, {}, length).get(
+            "num_features", registry.get_method(method).bind().options()["num_features"]) == 128

@@ -794,3 +794,18 @@ def test_the_report_keeps_runs_on_other_prepared_data_apart(listops_cache, tmp_p
             .splitlines() if line.startswith("| softmax")]
     assert len(rows) == 2 and all("(1)" in row for row in rows), rows
     assert "data.splits.train.count=64" in rows[1] or "data.splits.train.count=64" in rows[0]
+
+
+# Skyformer section 5 (Implementation Details): batch size and learning rate per task,
+# 50k steps, a 2-layer transformer of width 64, MLP hidden 128 and 2 heads.
+PAPER_SETTINGS = {"text": (16, 1e-4), "listops": (32, 1e-4), "retrieval": (16, 2e-4),
+                  "pathfinder": (128, 2e-4), "image": (256, 1e-4)}
+
+
+@pytest.mark.parametrize("task", sorted(PAPER_SETTINGS))
+def test_each_task_preset_is_the_papers_setting(task):
+    cfg = make_config(task)
+    assert (cfg.batch_size, cfg.lr) == PAPER_SETTINGS[task]
+    assert (cfg.steps, cfg.dim, cfg.hidden, cfg.heads, cfg.layers) == (50_000, 64, 128, 2, 2)
+    assert cfg.dim // cfg.heads == 32  # head dim
+    assert cfg.patience is None  # every model trains for the full 50k steps
