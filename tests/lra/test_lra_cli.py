@@ -323,3 +323,26 @@ def test_stability_resume_refuses_to_drop_taus_the_file_holds(tmp_path, capsys, 
             "kernelized seed 0)") in capsys.readouterr().err
     assert out.read_text() == before
     assert main([*base, "--seeds", "0", "1", "2", "--resume"]) == 0  # more is fine
+
+
+@pytest.mark.parametrize(("given", "value"), [
+    ("shared_qk=True", True), ("shared_qk=true", True), ("shared_qk=False", False)])
+def test_an_option_takes_the_words_a_variant_takes(tmp_path, capsys, listops_cache, given,
+                                                   value):
+    """--option shared_qk=True failed with "shared_qk must be True or False, got 'True'"
+    where "reformer[shared_qk=True]" ran: the option's value stayed the string."""
+    assert main(["lra", "train", "listops", "--attn", "reformer", "--steps", "1",
+                 "--batch-size", "16", "--eval-every", "1", "--cache", str(listops_cache),
+                 "--out", str(tmp_path / "run"), "--no-tensorboard", "--quiet",
+                 "--option", given]) == 0
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["config"]["attention_options"] == {"shared_qk": value}
+
+
+def test_an_option_set_to_none_is_none(tmp_path, capsys, listops_cache):
+    assert main(["lra", "train", "listops", "--attn", "performer", "--steps", "1",
+                 "--batch-size", "16", "--eval-every", "1", "--cache", str(listops_cache),
+                 "--out", str(tmp_path / "run"), "--no-tensorboard", "--quiet",
+                 "--option", "feature_redraw_interval=None"]) == 0
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["config"]["attention_options"] == {"feature_redraw_interval": None}

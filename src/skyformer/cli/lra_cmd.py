@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..io import check_output_path, read_to_resume
+from ..registry.variants import option_value
 from .recorded import command_line
 
 NAME = "lra"
@@ -22,14 +23,16 @@ TASK_NAMES = ("text", "listops", "retrieval", "pathfinder", "image")
 
 
 def _option(text: str) -> tuple[str, Any]:
-    """``key=value`` with a JSON value (bare words stay strings)."""
+    """``key=value`` with a JSON value, or else a value as a variant's brackets take it
+    (``True``, ``None``; other bare words stay strings), so that ``--option KEY=VALUE``
+    and ``METHOD[KEY=VALUE]`` set the same."""
     if "=" not in text:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}.")
     key, raw = text.split("=", 1)
     try:
         value = json.loads(raw)
     except json.JSONDecodeError:
-        value = raw
+        value = option_value(raw)
     return key.strip(), value
 
 

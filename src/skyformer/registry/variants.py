@@ -57,6 +57,12 @@ def parse_variant(name: str) -> tuple[str, tuple[tuple[str, Any], ...]]:
     return base.strip(), tuple(options)
 
 
+def option_value(raw: str) -> Any:
+    """An option's value as written inside a variant's brackets (``64``, ``True``,
+    ``null``, ``implicit``): what ``name[key=value]`` would set."""
+    return _value(raw.strip())
+
+
 def _value(raw: str) -> Any:
     """A number, a word of ``_WORDS``, a quoted string, or ``raw`` itself."""
     if raw in _WORDS:
