@@ -664,3 +664,21 @@ def test_a_padded_query_row_does_not_make_keys_real():
     out = sdpa(q, k, v, mask, method="skyformer", query_padding_mask=rows)
     want = sdpa(q, k, v, method="skyformer", key_padding_mask=rows, query_padding_mask=rows)
     torch.testing.assert_close(out, want)
+
+
+@pytest.mark.parametrize("method", ["bigbird", "reformer"])
+def test_packed_cross_attention_of_other_lengths_is_refused_where_each_sequence_is(method):
+    """A method that needs as many queries as keys refuses a packed sequence whose query
+    and key lengths differ, as it refuses that sequence alone; it ran where the longest
+    query and key lengths happened to be equal (both padded to one width)."""
+    q, k, v = make_qkv(1, 2, 70, 8)
+    cu_q, cu_k = torch.tensor([0, 20, 70]), torch.tensor([0, 50, 70])
+    with pytest.raises(CapabilityError, match=r"cannot attend with a different number of "
+                                              r"queries and keys.* sequence 0 has 20 "
+                                              r"queries and 50 keys"):
+        sdpa(q, k, v, method=method, cu_seqlens=cu_q, cu_seqlens_k=cu_k,
+             generator=random_key(0))
+    out = sdpa(q, k, v, method=method, cu_seqlens=cu_q, cu_seqlens_k=cu_q.clone(),
+               generator=random_key(0))  # equal lengths: self-attention
+    torch.testing.assert_close(out, sdpa(q, k, v, method=method, cu_seqlens=cu_q,
+                                         generator=random_key(0)))

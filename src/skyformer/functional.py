@@ -306,18 +306,40 @@ def _same_lengths(cu_q: Any, cu_k: Any) -> bool:
         and may_read_values(cu_q, cu_k) and bool(torch.equal(cu_q, cu_k))
 
 
-def _check_causal_lengths(name: str, cu_q: Tensor, cu_k: Tensor) -> None:
-    """is_causal over packed sequences needs each sequence's queries and keys alike in
-    number, as one causal call does (whether a shorter query side aligns at the top or
-    the bottom has no one convention: SDPA's top left, FlashAttention's bottom right).
-    A host read: eager calls only, as the other checks of the lengths (``varlen.py``)."""
+def _first_unequal_sequence(cu_q: Tensor, cu_k: Tensor) -> tuple[int, int, int] | None:
+    """``(i, Nq, Nk)`` of the first packed sequence whose queries and keys differ in
+    number, or None. A host read: eager calls only, as the other checks of the lengths
+    (``varlen.py``)."""
     lengths_q, lengths_k = torch.diff(cu_q).tolist(), torch.diff(cu_k).tolist()
     for i, (nq, nk) in enumerate(zip(lengths_q, lengths_k, strict=True)):
         if nq != nk:
-            raise ValueError(
-                f"{name}: is_causal needs as many queries as keys in every packed sequence, "
-                f"got Nq={nq}, Nk={nk} in sequence {i} (cu_seqlens and cu_seqlens_k differ "
-                f"there); pack the keys as the queries, or attend without is_causal.")
+            return i, nq, nk
+    return None
+
+
+def _check_paired_lengths(spec: Method, cu_q: Tensor, cu_k: Tensor, is_causal: bool) -> None:
+    """Packed sequences whose query and key lengths differ (``cu_q``, ``cu_k``: checked
+    ``[B + 1]``) are refused where one such sequence alone would be: by a method that
+    needs Nq == Nk (padded to one width, it would run), and with is_causal, as one causal
+    call, since whether a shorter query side aligns at the top or the bottom has no one
+    convention (SDPA's top left, FlashAttention's bottom right)."""
+    if spec.capabilities.cross_attention and not is_causal:
+        return
+    unequal = _first_unequal_sequence(cu_q, cu_k)
+    if unequal is None:
+        return
+    i, nq, nk = unequal
+    if not spec.capabilities.cross_attention:
+        try:
+            check_capabilities(spec.name, cross_attention=True)
+        except CapabilityError as err:
+            raise CapabilityError(
+                f"{err} Packed sequence {i} has {nq} queries and {nk} keys (cu_seqlens and "
+                f"cu_seqlens_k differ there); pack the keys as the queries.") from None
+    raise ValueError(
+        f"{spec.name}: is_causal needs as many queries as keys in every packed sequence, "
+        f"got Nq={nq}, Nk={nk} in sequence {i} (cu_seqlens and cu_seqlens_k differ "
+        f"there); pack the keys as the queries, or attend without is_causal.")
 
 
 def _varlen(spec: Method, query: Tensor, key: Tensor, value: Tensor, attn_mask: Any,
@@ -353,8 +375,8 @@ def _varlen(spec: Method, query: Tensor, key: Tensor, value: Tensor, attn_mask: 
     q, q_valid = unpack(query, cu_seqlens, max_seqlen, spec.name)
     k, k_valid = (unpack(key, cu_k, max_seqlen_k, spec.name, "max_seqlen_k", "cu_seqlens_k")
                   if cu_seqlens_k is not None else unpack(key, cu_k, max_seqlen, spec.name))
-    if is_causal and cu_seqlens_k is not None and may_read_values(cu_seqlens, cu_k):
-        _check_causal_lengths(spec.name, cu_seqlens, cu_k)  # checked tensors by now
+    if cu_seqlens_k is not None and may_read_values(cu_seqlens, cu_k):
+        _check_paired_lengths(spec, cu_seqlens, cu_k, is_causal)  # checked tensors by now
     v, _ = unpack(value, cu_k, k.shape[2], spec.name)
     # one mask object for self-attention: the methods read two (equal) masks as
     # cross-attention (KDEformer's and Scatterbrain's LSH blocks, the causal chunks)
