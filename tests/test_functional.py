@@ -682,3 +682,12 @@ def test_packed_cross_attention_of_other_lengths_is_refused_where_each_sequence_
                generator=random_key(0))  # equal lengths: self-attention
     torch.testing.assert_close(out, sdpa(q, k, v, method=method, cu_seqlens=cu_q,
                                          generator=random_key(0)))
+
+
+def test_keys_of_another_packed_length_without_cu_seqlens_k_ask_for_it():
+    """Keys packed to another total than the queries, without cu_seqlens_k, were told
+    that cu_seqlens (right for the queries) must rise to the keys' length."""
+    q, k, v = make_qkv(1, 2, 8, 4, nk=6)
+    with pytest.raises(ValueError, match=r"the keys hold 6 packed tokens and the queries 8.*"
+                                         r"pass cu_seqlens_k"):
+        sdpa(q, k, v, cu_seqlens=torch.tensor([0, 3, 8]))

@@ -364,6 +364,11 @@ def _varlen(spec: Method, query: Tensor, key: Tensor, value: Tensor, attn_mask: 
             f"{spec.name}: cu_seqlens_k must have one entry per entry of cu_seqlens (the "
             f"same sequences, keys of other lengths), got {tuple(cu_k.shape)} and "
             f"{tuple(cu_seqlens.shape)}.")
+    if cu_seqlens_k is None and key.shape[2] != query.shape[2]:
+        raise ValueError(
+            f"{spec.name}: the keys hold {key.shape[2]} packed tokens and the queries "
+            f"{query.shape[2]}, but without cu_seqlens_k the keys are packed as the queries "
+            f"(cu_seqlens); pass cu_seqlens_k, the keys' cumulative lengths.")
     if key.shape[2] != value.shape[2]:
         raise ValueError(f"{spec.name}: key and value must hold the same packed tokens, got "
                          f"T = {key.shape[2]} keys and {value.shape[2]} values.")
