@@ -851,3 +851,46 @@ def test_concurrent_first_forwards_make_each_layer_once(monkeypatch):
     assert sorted(map(id, made)) == sorted(map(id, modules)), "each layer made once"
     later = model(input_ids=ids, attention_mask=mask).last_hidden_state
     assert torch.equal(outs[0], later) and torch.equal(outs[1], later)
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+@torch.no_grad()
+def test_packed_sequences_without_a_mask_that_keeps_them_apart_are_refused():
+    """A packed row (position_ids restarting at 0, no attention_mask, as
+    DataCollatorWithFlattening builds it) gets its block mask from transformers only
+    without a cache: with one (use_cache's default) or with cu_seq_lens_q alone, no mask
+    keeps the sequences apart, and every method attended across their boundaries."""
+    model = _tiny_llama()
+    lengths = (5, 7, 4)
+    ids = torch.randint(1, 64, (1, sum(lengths)), generator=torch.Generator().manual_seed(0))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor([0, 5, 12, 16], dtype=torch.int32)
+    starts = (0, 5, 12)
+    alone = torch.cat([model(input_ids=ids[:, s : s + n]).logits
+                       for s, n in zip(starts, lengths, strict=True)], dim=1)
+    for method in ("softmax", "kernelized", "skyformer"):
+        ours = copy_as(model, f"skyformer:{method}")
+        if method != "skyformer":  # the block mask, built without a cache, is honoured
+            packed = ours(input_ids=ids, position_ids=positions, use_cache=False).logits
+            if method == "softmax":
+                torch.testing.assert_close(packed, alone, rtol=0, atol=ATOL)
+        with pytest.raises(ValueError, match=r"position_ids restart at 0 .* no attention mask "
+                                             r"keeps them apart.*use_cache=False"):
+            ours(input_ids=ids, position_ids=positions)
+        sentence = (r"packed sequences \(cu_seq_lens_q=...\), which skyformer cannot apply"
+                    if method == "skyformer" else r"no attention mask keeps them apart")
+        with pytest.raises(ValueError, match=sentence):
+            ours(input_ids=ids, use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                 max_length_q=7, max_length_k=7)
+    one_sequence = copy_as(model, "skyformer:skyformer")(
+        input_ids=ids, position_ids=torch.arange(16)[None])  # no restart: one sequence
+    assert torch.isfinite(one_sequence.logits).all()

@@ -51,7 +51,8 @@ from transformers.masking_utils import (
 )
 
 from ..decoding import new_decoding_state
-from ..masks import causal_without_mask, decoding_key_valid, resolve_mask
+from ..masks import UnsupportedMaskError, causal_without_mask, decoding_key_valid, resolve_mask
+from ..ops.shared.tracing import may_read_values
 from ..registry import CapabilityError, Method, get_method, list_methods
 from ..sketch.rng import random_key
 from .decoding import DecodingLayer, claimed_step
@@ -250,6 +251,7 @@ def _attention(module: nn.Module, layer: LayerAttention, decoding: DecodingLayer
     """``skyformer_attention_forward`` once the layer and its cache step are known."""
     if layer.method != EXACT:  # with or without a cache
         _refuse_what_the_method_cannot_apply(module, layer, kwargs)
+        _refuse_packing_outside_the_mask(module, layer, attention_mask, query, kwargs)
         if kwargs.get("output_attentions"):  # exact layers: transformers' SDPA says so
             _warn_no_weights(layer)
     if decoding is not None:
@@ -315,6 +317,41 @@ def _refuse_what_the_method_cannot_apply(module: nn.Module, layer: LayerAttentio
                 f"{_where(module, layer)}: the model asks for {what} ({name}=...), which "
                 f"{spec.name} cannot apply; keep exact attention in this layer."
             )
+
+
+def _refuse_packing_outside_the_mask(module: nn.Module, layer: LayerAttention,
+                                     attention_mask: Tensor | None, query: Tensor,
+                                     kwargs: dict[str, Any]) -> None:
+    """A sentence for packed sequences that no mask keeps apart (``attention_mask`` None):
+    ``position_ids`` ``[B, Nq]`` that restart (transformers builds their block mask only
+    without a cache) or ``cu_seq_lens_q`` of more than one sequence (FlashAttention's
+    kwargs, read by no mask); the method would attend across their boundaries. A host
+    read: eager calls only (under ``torch.compile`` transformers builds the block mask
+    whenever the position ids are given without a cache)."""
+    if attention_mask is not None:
+        return
+    positions, cu = kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q")
+    what = None
+    if isinstance(cu, Tensor) and cu.dim() == 1 and cu.numel() > 2:
+        what = "cu_seq_lens_q holds more than one sequence"
+        fix = ("pass position_ids restarting at 0 too (DataCollatorWithFlattening's "
+               "return_position_ids=True) and use_cache=False, from which transformers "
+               "builds the mask")
+    elif isinstance(positions, Tensor) and positions.dim() == 2 \
+            and positions.shape[-1] == query.shape[2] > 1 and may_read_values(positions) \
+            and bool((positions.diff(dim=-1) != 1).any()):
+        what = "the position_ids restart at 0 or jump"
+        fix = ("call the model with use_cache=False: transformers builds the mask that keeps "
+               "packed sequences apart only without a cache")
+    if what is None:
+        return
+    assert layer.bound is not None
+    also = ("" if layer.bound.method.capabilities.attn_mask else
+            f"; {layer.method} then refuses that mask, so keep exact attention in this layer "
+            f"for packed sequences")
+    raise UnsupportedMaskError(
+        f"{_where(module, layer)}: {what} (packed sequences), but no attention mask keeps "
+        f"them apart, and {layer.method} would attend across their boundaries; {fix}{also}.")
 
 
 def _warn_no_weights(layer: LayerAttention) -> None:
