@@ -101,3 +101,82 @@ def test_relative_links_and_repository_paths_exist(path):
         if not any(ROOT.glob(named + "*")) and not (path.parent / named).exists():
             missing.append(named)
     assert not missing, f"{_name(path)} names what does not exist: {missing}"
+
+
+def _cells(row: str) -> list[str]:
+    """The cells of a markdown table row (``\\|`` inside a cell is no separator)."""
+    return [c.strip() for c in re.split(r"(?<!\\)\|", row.strip())[1:-1]]
+
+
+def _readme_method_rows() -> dict[str, list[str]]:
+    """Method name -> cells of its row in README.md's methods table, in order."""
+    from skyformer import list_methods
+
+    rows = {}
+    for line in (ROOT / "README.md").read_text().splitlines():
+        cells = _cells(line) if line.startswith("| `") else []
+        name = re.fullmatch(r"`(\w+)`", cells[0]) if len(cells) == 3 else None
+        if name and name.group(1) in list_methods():
+            rows[name.group(1)] = cells
+    return rows
+
+
+def _named_options(name: str, rows: dict[str, list[str]]) -> set[str]:
+    """The options README.md's row of ``name`` names (backticked, bare or ``=value``),
+    with those of the row it refers to by "options as `other`"."""
+    from skyformer import get_method
+
+    text = rows[name][1]
+    named = set(re.findall(r"`(\w+)(?:=[^`]*)?`", text)) & set(get_method(name).option_names())
+    base = re.search(r"options as `(\w+)`", text)
+    return named | (_named_options(base.group(1), rows) if base else set())
+
+
+def test_the_readme_methods_table_is_the_registry():
+    """README.md's methods table has every method in the registry's order with its
+    target, and the logit/kernel ``scale`` and ``causal`` it names are the methods' own
+    (the Gaussian methods' ``scale`` was once missing, so that "options as `skyformer`
+    plus `scale`" said skyformer had none)."""
+    from skyformer import get_method, list_methods
+
+    rows = _readme_method_rows()
+    assert list(rows) == list_methods()
+    wrong = []
+    for name, (_, text, target) in rows.items():
+        spec = get_method(name)
+        if target.lower() != spec.capabilities.target:
+            wrong.append(f"{name}: target {target}, registered {spec.capabilities.target}")
+        named = _named_options(name, rows)
+        for option, has in (("scale", "scale" in spec.option_names()),
+                            ("causal", spec.capabilities.causal)):
+            if (option in named) != has:
+                wrong.append(f"{name}: {option} {'not ' if has else ''}named, but "
+                             f"{'an' if has else 'no'} option of it")
+        for base, plus in re.findall(r"options as `(\w+)` plus ((?:`[^`]+`(?:, )?)+)", text):
+            inherited = set(re.findall(r"`(\w+)", plus)) & set(get_method(base).option_names())
+            if inherited:
+                wrong.append(f"{name}: 'options as {base} plus {sorted(inherited)}', but "
+                             f"{base} has them")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_methods_index_is_the_registry():
+    """docs/methods.md's index names every method in order with its target, "(exact)"
+    where the method computes it exactly."""
+    from skyformer import get_method, list_methods
+
+    found = []
+    for line in (ROOT / "docs" / "methods.md").read_text().splitlines():
+        cells = _cells(line) if line.startswith("| `") else []
+        if len(cells) != 3 or "ops/" not in cells[1]:
+            continue
+        names = re.findall(r"`(\w+)`", cells[0])
+        targets = [t.strip() for t in cells[2].split(",")]
+        found += [(n, t) for n, t in zip(names, targets * len(names) if len(targets) == 1
+                                         else targets, strict=True)]
+    expected = []
+    for name in list_methods():
+        caps = get_method(name).capabilities
+        target = {"softmax": "softmax", "gaussian": "Gaussian"}[caps.target]
+        expected.append((name, f"{target} (exact)" if caps.exact else target))
+    assert found == expected
