@@ -24,6 +24,20 @@ def test_shape_errors(method):
         attention(q, k[:1], v[:1], method)
 
 
+@pytest.mark.parametrize("method", ["softmax", "skyformer"])
+def test_fewer_key_value_heads_point_to_grouped_query_attention(method):
+    """Every method runs grouped-query attention (``skyformer list``: enable_gqa yes), but
+    a direct call with fewer key/value heads was told only that all must have the same
+    H; it now names the call that groups them."""
+    q, k, v = make_qkv(1, 4, 8, 4)
+    with pytest.raises(ValueError, match=r"grouped-query attention.*"
+                       r"scaled_dot_product_attention\(q, k, v, enable_gqa=True, "
+                       f"method='{method}'"):
+        attention(q, k[:, :2], v[:, :2], method)
+    with pytest.raises(ValueError, match=r"same B and H\.$"):  # no grouping: as before
+        attention(q, k[:, :3], v[:, :3], method)
+
+
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("empty", ["B", "H", "N", "D", "Dv"])
 def test_an_empty_dimension_is_named(method, empty):

@@ -44,6 +44,19 @@ class AttentionInputs:
 AUTO = "auto"  # query_padding_mask: the key padding mask when Nq == Nk, else none
 
 
+def _grouped_hint(method: str, q: Tensor, k: Tensor, v: Tensor) -> str:
+    """The end of the sentence for inputs of different head counts: where the key/value
+    heads (``[B, Hkv, N, D]``, as many for k as for v) divide the query heads, the call
+    that runs them as grouped-query attention; else a full stop."""
+    h, hkv = q.shape[1], k.shape[1]
+    if k.shape[0] == v.shape[0] == q.shape[0] and v.shape[1] == hkv and 0 < hkv < h \
+            and h % hkv == 0:
+        return (f"; for grouped-query attention ({hkv} key/value heads, each shared by "
+                f"{h // hkv} query heads) call skyformer.scaled_dot_product_attention(q, k, "
+                f"v, enable_gqa=True, method={method!r}), which repeats them.")
+    return "."
+
+
 def check_attention_inputs(
     q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, *, method: str,
     query_padding_mask: Tensor | str | None = AUTO,
@@ -74,7 +87,8 @@ def check_attention_inputs(
     if k.shape[0] != b or v.shape[0] != b or k.shape[1] != h or v.shape[1] != h:
         raise ValueError(
             f"{method}: batch and head sizes differ: q {tuple(q.shape)}, k {tuple(k.shape)}, "
-            f"v {tuple(v.shape)}; all must be [B, H, N, D] with the same B and H."
+            f"v {tuple(v.shape)}; all must be [B, H, N, D] with the same B and H"
+            + _grouped_hint(method, q, k, v)
         )
     if k.shape[-1] != d:
         raise ValueError(
