@@ -691,3 +691,24 @@ def test_keys_of_another_packed_length_without_cu_seqlens_k_ask_for_it():
     with pytest.raises(ValueError, match=r"the keys hold 6 packed tokens and the queries 8.*"
                                          r"pass cu_seqlens_k"):
         sdpa(q, k, v, cu_seqlens=torch.tensor([0, 3, 8]))
+
+
+@pytest.mark.parametrize("method", ["nystromformer", "skyformer"])
+def test_the_refusal_of_a_mask_names_the_masks_the_method_takes(method):
+    """A method without causal masking was said to take "key padding and causal masks"
+    and told to pass is_causal, which it then refused: the refusals of an attn_mask
+    (through a binding, and under a transform, where a mask's values cannot be read) now
+    name the masks the method takes."""
+    q, k, v = make_qkv(2, 2, 8, 4)
+    causal = skyformer.get_method(method).capabilities.causal
+    forms = "key padding and causal masks" if causal else "key padding masks"
+    arguments = "key_padding_mask and is_causal" if causal else "key_padding_mask"
+    mask = torch.rand(8, 8, generator=torch.Generator().manual_seed(0)) > 0.5
+    with pytest.raises(CapabilityError, match=rf"\({method} takes {forms} only"):
+        skyformer.get_method(method).bind()(q, k, v, attn_mask=mask)
+    per_sample = torch.func.vmap(
+        lambda a, b, c, m: sdpa(a, b, c, m, method=method, generator=random_key(0)))
+    for given in (mask.expand(2, 8, 8), torch.zeros(2, 1, 1, 8, dtype=q.dtype)):
+        with pytest.raises(CapabilityError, match=rf"^{method} takes only {forms}, .* "
+                                                  rf"{arguments}[,.]"):
+            per_sample(q, k, v, given)

@@ -61,6 +61,7 @@ from .ops.shared.masked import mask_broadcasts
 from .ops.shared.options import check_probability
 from .ops.shared.tracing import may_read_values
 from .registry import CapabilityError, check_capabilities, get_method
+from .registry.capabilities import masks_taken
 from .registry.methods import Method
 from .varlen import pack, unpack
 
@@ -275,22 +276,30 @@ def _as_padding(spec: Method, attn_mask: Tensor, key_padding_mask: Tensor | None
         valid = attn_mask.reshape(-1, lk).expand(b, lk)
     elif attn_mask.is_floating_point():  # its values (a bias?) cannot be read to check
         raise CapabilityError(
-            f"{spec.name} takes only key padding and causal masks, and under torch.compile "
-            f"or a torch.func transform the values of a float attn_mask cannot be read to "
-            f"check that it holds no bias (which {spec.name} would leave out): pass a bool "
-            f"mask [B, 1, 1, S] (True = attend), or key_padding_mask and is_causal."
+            f"{spec.name} takes only {masks_taken(spec.capabilities)}, and under "
+            f"torch.compile or a torch.func transform the values of a float attn_mask "
+            f"cannot be read to check that it holds no bias (which {spec.name} would leave "
+            f"out): pass a bool mask [B, 1, 1, S] (True = attend), or "
+            f"{_mask_arguments(spec)}."
         )
     else:
         raise CapabilityError(
-            f"{spec.name} takes only key padding and causal masks, and under torch.compile "
-            f"or a torch.func transform the values of attn_mask cannot be read to check it "
-            f"is one: pass "
-            f"key_padding_mask and is_causal, or a mask [B, 1, 1, S] that is the same for "
-            f"every query."
+            f"{spec.name} takes only {masks_taken(spec.capabilities)}, and under "
+            f"torch.compile or a torch.func transform the values of attn_mask cannot be read "
+            f"to check it is one: pass {_mask_arguments(spec)}, or a mask [B, 1, 1, S] that "
+            f"is the same for every query."
         )
     if valid is not None and key_padding_mask is not None:
         valid = valid & key_padding_mask
     return (key_padding_mask if valid is None else valid), causal
+
+
+def _mask_arguments(spec: Method) -> str:
+    """The arguments that give ``spec`` the masks it takes: ``"key_padding_mask and
+    is_causal"``, or the one of them it has."""
+    caps = spec.capabilities
+    return " and ".join(a for a, able in (("key_padding_mask", caps.mask),
+                                          ("is_causal", caps.causal)) if able) or "no mask"
 
 
 def _same_lengths(cu_q: Any, cu_k: Any) -> bool:

@@ -7,6 +7,7 @@ import dataclasses
 import json
 
 from ..registry import get_method, list_methods
+from ..registry.capabilities import mask_forms
 
 NAME = "list"
 HELP = "list the attention methods with their default options and capabilities"
@@ -44,9 +45,7 @@ def _sdpa_support(caps: dict) -> dict[str, str]:
 def _mask_forms(caps: dict) -> str:
     """The forms of ``attn_mask`` a method without ``attn_mask`` takes: key padding (with
     ``mask``) and causal (with ``causal``); "none" for neither."""
-    forms = [form for form, able in (("key padding", caps["mask"]), ("causal", caps["causal"]))
-             if able]
-    return " / ".join(forms) or "none"
+    return " / ".join(mask_forms(caps["mask"], caps["causal"])) or "none"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@ CAPABILITY_TEXT = {
     "cross_attention": "attend with a different number of queries and keys",
     "fixed_length": "run without a fixed max_seq_len",
     "half_precision": "take float16/bfloat16 inputs",
-    "attn_mask": "take an arbitrary attn_mask (only key padding and causal masks)",
+    "attn_mask": "take an arbitrary attn_mask",
     "gqa": "attend with fewer key/value heads than query heads",
     "varlen": "run packed variable-length sequences (cu_seqlens)",
 }
@@ -80,6 +80,18 @@ class Capabilities:
         if capability == "fixed_length":
             return not self.fixed_length
         return bool(getattr(self, capability))
+
+
+def mask_forms(mask: bool, causal: bool) -> list[str]:
+    """The masks a method without ``attn_mask`` takes: ``"key padding"`` (with ``mask``)
+    and ``"causal"`` (with ``causal``), in that order."""
+    return [form for form, able in (("key padding", mask), ("causal", causal)) if able]
+
+
+def masks_taken(caps: Capabilities) -> str:
+    """``"key padding and causal masks"``, ``"key padding masks"``, ... or ``"no
+    masks"``: what a method without ``attn_mask`` takes, for its sentences."""
+    return f"{' and '.join(mask_forms(caps.mask, caps.causal)) or 'no'} masks"
 
 
 class CapabilityError(ValueError):

@@ -32,7 +32,14 @@ from torch import Tensor
 
 from .autocast import autocast_dtype
 from .binding import HALF_DTYPES, TAKES_QUERY_MASK, BoundMethod, takes_keyword
-from .capabilities import TARGETS, Capabilities, CapabilityError, Target, capability_sentence
+from .capabilities import (
+    TARGETS,
+    Capabilities,
+    CapabilityError,
+    Target,
+    capability_sentence,
+    masks_taken,
+)
 from .signature import config_fields, core_of, public_function, takes_config
 from .variants import base_name, is_variant, parse_variant
 
@@ -331,7 +338,18 @@ def _capability_sentence(name: str, capability: str) -> str:
     why = _REGISTRY[base].capabilities.not_causal_because if base in _REGISTRY else None
     if capability == "causal" and why:
         sentence = f"{sentence[:-1]} ({name}: {why})."
+    if capability == "attn_mask" and base in _REGISTRY:
+        sentence = f"{sentence[:-1]} ({name} takes {_masks_and_arguments(_REGISTRY[base])})."
     return sentence
+
+
+def _masks_and_arguments(method: Method) -> str:
+    """``"key padding and causal masks only, as key_padding_mask and causal=True"``: the
+    masks a method without ``attn_mask`` takes and how they are passed."""
+    caps = method.capabilities
+    arguments = [a for a, able in (("key_padding_mask", caps.mask), ("causal=True", caps.causal))
+                 if able]
+    return masks_taken(caps) + (f" only, as {' and '.join(arguments)}" if arguments else "")
 
 
 def check_capabilities(
