@@ -146,3 +146,42 @@ def test_a_key_padding_mask_expanded_over_the_queries_forms_no_n_by_n_bias(metho
         lambda *qkv: method_fn(*qkv, attn_mask=mask, query_padding_mask=valid),
         lambda *qkv: method_fn(*qkv, key_padding_mask=valid),
         [t.clone().requires_grad_(True) for t in (q, k, v)], n * n // 4)
+
+
+def _recorded(recorder: str, fn, example: tuple):
+    """``fn`` recorded on ``example`` by ``recorder`` (a program that runs other inputs)."""
+    if recorder == "export":
+        class Module(torch.nn.Module):
+            def forward(self, *args):
+                return fn(*args)
+
+        return torch.export.export(Module(), example).module()
+    if recorder == "jit.trace":
+        return torch.jit.trace(fn, example, check_trace=False)
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(fn)(*example)
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("recorder", ["export", "jit.trace", "make_fx"])
+@pytest.mark.parametrize("method", ["softmax", "kernelized"])
+def test_a_program_recorded_with_an_expanded_mask_runs_any_mask(method, recorder):
+    """A program exported (or traced) with an example mask that repeats a key row by
+    stride 0 ran every later mask as its first query row: a graph keeps no strides, so
+    a causal mask given to it then was read as a padding row. The recorded program takes
+    any mask of the shape."""
+    import skyformer
+
+    n = 8
+    q, k, v = make_qkv(2, 2, n, 4)
+    valid = torch.ones(2, n, dtype=torch.bool)
+    valid[1, -3:] = False
+    method_fn = skyformer.get_method(method).function
+
+    def call(q, k, v, mask):
+        return method_fn(q, k, v, attn_mask=mask)
+
+    program = _recorded(recorder, call, (q, k, v, valid[:, None, None, :].expand(2, 1, n, n)))
+    causal = torch.ones(2, 1, n, n, dtype=torch.bool).tril()
+    torch.testing.assert_close(program(q, k, v, causal), call(q, k, v, causal))

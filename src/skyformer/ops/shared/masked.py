@@ -8,6 +8,7 @@ from torch import Tensor
 
 from .inputs import check_device
 from .sdpa import sdpa
+from .tracing import strides_hold
 
 
 def masked_softmax(logits: Tensor, visible: Tensor) -> Tensor:
@@ -84,7 +85,10 @@ def _broadcast_dims_as_one(attn_mask: Tensor) -> Tensor:
     """``attn_mask`` with each dim it repeats by stride 0 (a key padding row expanded
     over the queries, ``[B, 1, Nq, Nk]`` as ``skyformer.hf`` builds it) cut to size 1:
     the same mask under broadcasting, so that the bias built from it and kept for the
-    backward pass is one row per batch element, not ``[B, 1, Nq, Nk]``."""
+    backward pass is one row per batch element, not ``[B, 1, Nq, Nk]``. Not in a
+    program being recorded (``strides_hold``): it would cut any mask given to it later."""
+    if not strides_hold():
+        return attn_mask
     for dim, (size, stride) in enumerate(zip(attn_mask.shape, attn_mask.stride(), strict=True)):
         if size > 1 and stride == 0:
             attn_mask = attn_mask.narrow(dim, 0, 1)

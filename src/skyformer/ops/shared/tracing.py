@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ...linalg.functional_ops import exporting
+
 
 def may_read_values(*tensors: Tensor) -> bool:
     """False under ``torch.compile``, ``torch.jit.trace`` and ``make_fx`` (proxy or fake
@@ -24,6 +26,17 @@ def may_read_values(*tensors: Tensor) -> bool:
         return False
     return not any(torch._C._functorch.is_functorch_wrapped_tensor(t) or t.is_meta
                    for t in tensors)
+
+
+def strides_hold() -> bool:
+    """Whether every later run of this code sees the strides its inputs have now: in
+    eager code, and under ``torch.compile``, which guards on them (another layout
+    recompiles). Not in a program recorded once (``torch.export``, ``torch.jit.trace``,
+    ``make_fx``): it keeps operators, not strides, and runs inputs of any layout, so a
+    choice read from a stride there would be applied to other inputs."""
+    if exporting() or torch.jit.is_tracing():
+        return False
+    return torch.compiler.is_compiling() or not _tracing_mode_active()
 
 
 def _tracing_mode_active() -> bool:
