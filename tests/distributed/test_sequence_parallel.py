@@ -5,6 +5,7 @@ MultiHeadAttention trains data x sequence parallel on a 2 x 2 grid."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from seqpar_workers import (
@@ -128,6 +129,25 @@ def test_sum_gradients_refuses_a_divisor_that_is_no_positive_number(divide_by):
     string failed inside the sum. Checked before any collective (none is needed here)."""
     with pytest.raises(ValueError, match="divide_by must be a positive number"):
         sum_gradients(torch.nn.Linear(2, 2), divide_by=divide_by)
+
+
+@pytest.mark.parametrize("divide_by", [np.int64(2), np.float32(2.0)], ids=repr)
+def test_sum_gradients_takes_a_numpy_divisor(divide_by, tmp_path):
+    """A count from numpy (np.prod of a mesh's sizes) is a positive number too; it was
+    refused as none. In a group of one process, the gradient is divided by it."""
+    import torch.distributed as dist
+
+    layer = torch.nn.Linear(2, 2)
+    layer(torch.ones(1, 2)).sum().backward()
+    want = [p.grad / 2 for p in layer.parameters()]
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        sum_gradients(layer, divide_by=divide_by)
+    finally:
+        dist.destroy_process_group()
+    for p, g in zip(layer.parameters(), want, strict=True):
+        torch.testing.assert_close(p.grad, g)
 
 
 def test_shard_bounds_cover_the_sequence_contiguously():

@@ -48,8 +48,8 @@ def sum_gradients(module: nn.Module, group: Any = None, divide_by: float = 1.0) 
     all-reduce; a parameter with a gradient on no rank keeps ``grad = None``. The
     trainable parameters' number, shapes and dtypes must agree across ranks, and their
     gradients be dense (checked first, by an all-gather of three integers)."""
-    if isinstance(divide_by, bool) or not isinstance(divide_by, (int, float)) \
-            or not 0 < divide_by < math.inf:
+    if isinstance(divide_by, bool) or not isinstance(divide_by, numbers.Real) \
+            or not 0 < divide_by < math.inf:  # numpy's numbers too
         raise ValueError(f"sum_gradients: divide_by must be a positive number (the number of "
                          f"data-parallel groups to average over, 1 for a sum), got "
                          f"{divide_by!r}.")
@@ -72,7 +72,7 @@ def sum_gradients(module: nn.Module, group: Any = None, divide_by: float = 1.0) 
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=group)
     if divide_by != 1.0:
-        flat /= divide_by
+        flat /= float(divide_by)
     for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
         g.copy_(part.view_as(g))
 
