@@ -809,3 +809,26 @@ def test_each_task_preset_is_the_papers_setting(task):
     assert (cfg.steps, cfg.dim, cfg.hidden, cfg.heads, cfg.layers) == (50_000, 64, 128, 2, 2)
     assert cfg.dim // cfg.heads == 32  # head dim
     assert cfg.patience is None  # every model trains for the full 50k steps
+
+
+def test_a_run_recorded_before_split_digests_resumes_on_the_same_data_prepared_again(
+        tmp_path):
+    """A checkpoint whose data record has no split digests (written before meta.json held
+    them) was refused on the same files prepared again, whose record has them, and told
+    to prepare them again, which adds them again: the run could not be resumed at all.
+    It is compared on what it recorded; other examples of those sizes cannot be told
+    apart there."""
+    from skyformer.lra import prepare, write_listops
+    from tests.lra.release_files import TINY_RULES
+
+    src = tmp_path / "src"
+    write_listops(src, train=64, dev=16, test=16, rules=TINY_RULES, seed=0)
+    cfg, run, cache = _cfg(steps=3), tmp_path / "run", tmp_path / "cache"
+    prepare("listops", src, cache, max_len=8)
+    _run(cfg, cache, run, stop_after=2)
+    ckpt = torch.load(run / "last.pt", weights_only=False)
+    for split in ckpt["data"]["splits"].values():
+        del split["sha256"]
+    torch.save(ckpt, run / "last.pt")
+    prepare("listops", src, cache, max_len=8)
+    assert _run(cfg, cache, run, resume=True)["steps"] == 3

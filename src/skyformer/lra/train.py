@@ -241,7 +241,7 @@ def check_same_data(ckpt: dict[str, Any], last: Path, data: TaskData,
     where = f"the prepared {data.task.name} data in {data.root}"
     saved = ckpt.get("data")
     if saved is not None:
-        current = data_fingerprint(data.meta)
+        current = _as_recorded(data_fingerprint(data.meta), saved)
         problem = f"{where} differs from the data the run started with (meta.json: "
     else:
         saved = ckpt.get("model_config") or {}
@@ -255,6 +255,19 @@ def check_same_data(ckpt: dict[str, Any], last: Path, data: TaskData,
     raise ValueError(f"cannot resume {last}: {problem}"
                      f"{_describe_differences(saved, current)}); prepare it again as it "
                      f"was{hint}, or start a new run with another --out.")
+
+
+def _as_recorded(current: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:
+    """``current``, a data record, without the split digests (``splits.<name>.sha256``)
+    that ``saved`` lacks: a run recorded before ``meta.json`` held them resumes on the
+    same files prepared again, checked on the sizes and counts it recorded."""
+    splits, then = current.get("splits"), saved.get("splits")
+    if not (isinstance(splits, dict) and isinstance(then, dict)):
+        return current
+    kept = {name: {k: v for k, v in split.items()
+                   if k != "sha256" or "sha256" in (then.get(name) or {})}
+            if isinstance(split, dict) else split for name, split in splits.items()}
+    return {**current, "splits": kept}
 
 
 def finished_result(folder: Path, cfg: TrainConfig, step: int) -> dict[str, Any] | None:
