@@ -123,7 +123,8 @@ def test_a_layer_pickled_before_the_group_handle_loads():
     torch.testing.assert_close(loaded(x), layer(x))
 
 
-@pytest.mark.parametrize("divide_by", [0, -2, float("nan"), "2", True])
+@pytest.mark.parametrize("divide_by", [0, -2, float("nan"), "2", True, torch.tensor([2.0])],
+                         ids=repr)
 def test_sum_gradients_refuses_a_divisor_that_is_no_positive_number(divide_by):
     """Zero or a negative count made every gradient inf or flipped its sign silently; a
     string failed inside the sum. Checked before any collective (none is needed here)."""
@@ -131,10 +132,12 @@ def test_sum_gradients_refuses_a_divisor_that_is_no_positive_number(divide_by):
         sum_gradients(torch.nn.Linear(2, 2), divide_by=divide_by)
 
 
-@pytest.mark.parametrize("divide_by", [np.int64(2), np.float32(2.0)], ids=repr)
+@pytest.mark.parametrize("divide_by", [np.int64(2), np.float32(2.0), torch.tensor(2)],
+                         ids=repr)
 def test_sum_gradients_takes_a_numpy_divisor(divide_by, tmp_path):
-    """A count from numpy (np.prod of a mesh's sizes) is a positive number too; it was
-    refused as none. In a group of one process, the gradient is divided by it."""
+    """A count from numpy (np.prod of a mesh's sizes) or a 0-d tensor (a world size
+    summed by a collective) is a positive number too; it was refused as none. In a group
+    of one process, the gradient is divided by it."""
     import torch.distributed as dist
 
     layer = torch.nn.Linear(2, 2)

@@ -48,6 +48,9 @@ def sum_gradients(module: nn.Module, group: Any = None, divide_by: float = 1.0) 
     all-reduce; a parameter with a gradient on no rank keeps ``grad = None``. The
     trainable parameters' number, shapes and dtypes must agree across ranks, and their
     gradients be dense (checked first, by an all-gather of three integers)."""
+    if isinstance(divide_by, torch.Tensor) and divide_by.dim() == 0 \
+            and not divide_by.is_complex():
+        divide_by = divide_by.item()  # a count summed by a collective
     if isinstance(divide_by, bool) or not isinstance(divide_by, numbers.Real) \
             or not 0 < divide_by < math.inf:  # numpy's numbers too
         raise ValueError(f"sum_gradients: divide_by must be a positive number (the number of "
