@@ -315,3 +315,32 @@ def test_a_refused_run_leaves_no_empty_out_folder(tmp_path, capsys):
                  "--model", str(tmp_path / "no_model"), "--out", str(out)])
     assert code == 2 and "is not a Hugging Face model folder" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []
+
+
+def test_sigterm_ends_a_run_as_ctrl_c_does_and_gives_its_lock_back(tmp_path, monkeypatch,
+                                                                  capsys):
+    """SIGTERM (a scheduler pre-empting the job) ended the process at once: no message,
+    and `.skyformer.lock` stayed, so the job requeued on another node was refused."""
+    import signal
+    import threading
+
+    import skyformer.eval.approx.run as approx_run
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach the main thread only")
+    block = approx_run._sweep_block
+
+    def sweep_block(sweep, loader, source, n, *args):
+        if n == 96:  # sent only where it is caught: the default would end the tests too
+            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL, "not caught"
+            os.kill(os.getpid(), signal.SIGTERM)
+        return block(sweep, loader, source, n, *args)
+
+    monkeypatch.setattr(approx_run, "_sweep_block", sweep_block)
+    out = tmp_path / "run"
+    assert main([*RESUMABLE, "--out", str(out)]) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.endswith(
+        "terminated (SIGTERM); what it measured is saved: run the same command again with "
+        "--resume to continue\n")
+    assert sorted(p.name for p in out.iterdir()) == ["approx.progress.json"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from types import ModuleType
 
 from ..logs import enable_console
 from . import approx_cmd, bench_cmd, compare_cmd, hf_eval_cmd, list_cmd, lra_cmd
+from .signals import Terminated, terminating_as_interrupt
 from .streams import surviving_closed_pipes
 
 SUBCOMMANDS: list[ModuleType] = [
@@ -50,13 +52,18 @@ def main(argv: list[str] | None = None) -> int:
     enable_console()
     # A reader that goes away (``skyformer approx | head -3``) ends no run: the rest of
     # its output is dropped and its result files are written as without the pipe.
-    with surviving_closed_pipes():
+    # SIGTERM (a scheduler pre-empting the job) ends a run as Ctrl-C does: locks given
+    # back, temporary files removed, what was kept said; exit status 128 + 15.
+    with surviving_closed_pipes(), terminating_as_interrupt():
         try:
             return int(args._run(args) or 0)
         except USER_ERRORS as err:
             command = " ".join(filter(None, (args.command, getattr(args, "lra_command", None))))
             print(f"skyformer {command}: error: {err}", file=sys.stderr)
             return 2
+        except Terminated:
+            print(interrupted_note(args, "terminated (SIGTERM)"), file=sys.stderr)
+            return 128 + signal.SIGTERM
         except KeyboardInterrupt:
             print(interrupted_note(args), file=sys.stderr)
             return 130
@@ -79,21 +86,22 @@ def _expand_home(args: argparse.Namespace) -> None:
             setattr(args, name, expanded(value))
 
 
-def interrupted_note(args: argparse.Namespace) -> str:
-    """The line a Ctrl-C prints: for a command that saves as it goes (it has ``--resume``),
-    what is kept and how to continue; for one without its save option, that nothing was."""
+def interrupted_note(args: argparse.Namespace, how: str = "interrupted") -> str:
+    """The line a Ctrl-C (or SIGTERM: ``how`` says which) prints: for a command that saves
+    as it goes (it has ``--resume``), what is kept and how to continue; for one without its
+    save option, that nothing was."""
     if not hasattr(args, "resume"):
-        return "interrupted"
+        return how
     # The commands whose saving is optional: (their flag, its attribute).
     optional = {"bench": ("--out", "out"), "stability": ("--json", "json_path")}
     command = getattr(args, "lra_command", None) or args.command
     flag, name = optional.get(command, ("", ""))
     if flag and getattr(args, name) is None:
-        return f"interrupted; nothing was saved (give {flag} to keep what a run measures)"
+        return f"{how}; nothing was saved (give {flag} to keep what a run measures)"
     kept = ("its last checkpoint (last.pt) is kept" if command == "train"
             else "what it measured is saved")
-    how = "again with --resume" if not args.resume else "again"
-    return f"interrupted; {kept}: run the same command {how} to continue"
+    again = "again with --resume" if not args.resume else "again"
+    return f"{how}; {kept}: run the same command {again} to continue"
 
 
 if __name__ == "__main__":
