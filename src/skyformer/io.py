@@ -195,11 +195,34 @@ def folder_lock(folder: str | os.PathLike[str], flag: str = "--out") -> Iterator
     target = Path(folder)
     made = [p for p in (target.absolute(), *target.absolute().parents) if not p.exists()]
     target.mkdir(parents=True, exist_ok=True)
-    lock = target / LOCK_FILE
+    with _holding(target / LOCK_FILE, f"{target} is in use by another run", flag, made) as lock:
+        yield lock
+
+
+@contextmanager
+def results_lock(path: str | os.PathLike[str], flag: str = "--out") -> Iterator[Path]:
+    """Hold ``.NAME.skyformer.lock`` next to the result file ``path`` while the ``with``
+    block runs, as ``folder_lock`` holds a folder's: a second run writing the same
+    results (``bench --out``, ``lra stability --json``: rewritten as they go, each run's
+    rows over the other's) is refused with a sentence naming the process; runs writing
+    other files of the folder are not. The folders made for it are removed with it when
+    nothing was written in them."""
+    target = Path(path)
+    made = [p for p in target.absolute().parents if not p.exists()]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lock = target.parent / f".{target.name}{LOCK_FILE}"
+    with _holding(lock, f"{target} is being written by another run", flag, made) as held:
+        yield held
+
+
+@contextmanager
+def _holding(lock: Path, in_use: str, flag: str, made: list[Path]) -> Iterator[Path]:
+    """Take ``lock`` (refused with ``in_use``, a sentence's start, where another process
+    holds it), yield it, give it back and remove the empty folders of ``made``."""
     held = os.path.realpath(lock)  # the same file if the working folder changes meanwhile
     with _HELD_GUARD:
         try:
-            _take_lock(lock, flag)
+            _take_lock(lock, in_use, flag)
         except BaseException:
             _remove_empty(made)
             raise
@@ -222,9 +245,10 @@ def _remove_empty(folders: list[Path]) -> None:
             return
 
 
-def _take_lock(lock: Path, flag: str) -> None:
-    """Create ``lock`` holding this process's ``HOST-PID``, or raise a sentence naming the
-    process that holds it; a lock of a dead process of this host is removed first."""
+def _take_lock(lock: Path, in_use: str, flag: str) -> None:
+    """Create ``lock`` holding this process's ``HOST-PID``, or raise a sentence (starting
+    with ``in_use``) naming the process that holds it; a lock of a dead process of this
+    host is removed first."""
     for _ in range(2):
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, FILE_MODE)
@@ -236,9 +260,9 @@ def _take_lock(lock: Path, flag: str) -> None:
                 lock.unlink(missing_ok=True)  # left by a killed process: nobody writes now
                 continue
             who = f"process {pid} on {host}" if host and pid.isdigit() else "another process"
-            raise ValueError(f"{lock.parent} is in use by another run ({who} holds {lock}); "
-                             f"wait for it to end, or choose another {flag}; if no run uses the "
-                             f"folder (one killed on another machine), remove {lock}.") from None
+            raise ValueError(f"{in_use} ({who} holds {lock}); wait for it to end, or choose "
+                             f"another {flag}; if no run uses it (one killed on another "
+                             f"machine), remove {lock}.") from None
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(_builder_tag() + "\n")
         return

@@ -712,3 +712,23 @@ def test_a_length_with_nothing_timed_gets_no_load_average(monkeypatch):
     result = run_bench(config)
     assert {r["n"]: r["load_avg"] for r in result.rows} == {16: 1.5, 1024: None}
     assert "1-minute load average while timing: N=16: 1.5\n" in format_table(result) + "\n"
+
+
+def test_a_second_run_writing_the_same_out_is_refused(tmp_path, capsys, monkeypatch):
+    """Two runs with one --out (a job requeued while the first still runs) both rewrote
+    OUT.json after every length, each over the other's rows; the second is now refused,
+    naming the process, and a run writing another prefix of the folder is not."""
+    import skyformer.eval.bench.run as bench_run
+    from skyformer.io import LOCK_FILE, results_lock
+
+    monkeypatch.setattr(bench_run, "_measure_length", lambda *a: [])
+    out = tmp_path / "shared"
+    argv = ["bench", "--methods", "linear", "--seq-lens", "16", "--no-plot", "--out"]
+    with results_lock(out.with_suffix(".json")):  # the run writing there now
+        assert main([*argv, str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"{out.with_suffix('.json')} is being written by another run (process" in err
+        assert "choose another --out" in err and not out.with_suffix(".json").exists()
+        assert main([*argv, str(tmp_path / "other")]) == 0
+    assert main([*argv, str(out)]) == 0
+    assert not list(tmp_path.glob(f"*{LOCK_FILE}"))

@@ -346,3 +346,18 @@ def test_an_option_set_to_none_is_none(tmp_path, capsys, listops_cache):
                  "--option", "feature_redraw_interval=None"]) == 0
     result = json.loads((tmp_path / "run" / "result.json").read_text())
     assert result["config"]["attention_options"] == {"feature_redraw_interval": None}
+
+
+def test_stability_refuses_a_second_run_writing_the_same_json(tmp_path, capsys, listops_cache):
+    """--json is rewritten after every measurement: two runs with one file (a job requeued
+    while the first still runs) wrote each over the other's taus."""
+    from skyformer.io import results_lock
+
+    out = tmp_path / "s.json"
+    argv = ["lra", "stability", "--tasks", "listops", "--methods", "kernelized", "--steps",
+            "1", "--batch-size", "16", "--cache", str(listops_cache), "--json", str(out)]
+    with results_lock(out):
+        assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{out} is being written by another run (process" in err
+    assert "choose another --json" in err and not out.exists()

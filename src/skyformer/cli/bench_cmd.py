@@ -16,7 +16,7 @@ from ..eval.bench.run import (
     resumable_rows,
     run_bench,
 )
-from ..io import check_output_path, read_to_resume
+from ..io import check_output_path, read_to_resume, results_lock
 from .recorded import command_line
 
 NAME = "bench"
@@ -178,6 +178,14 @@ def run(args: argparse.Namespace) -> int:
         backward=not args.forward_only, memory=not args.no_memory, error=not args.no_error,
         seed=args.seed, max_seconds=args.max_seconds, clock=args.clock, causal=args.causal,
     )
+    if not args.out:
+        return _measure(args, config)
+    with results_lock(result_path(args.out, ".json")):  # one run at a time writes OUT.*
+        return _measure(args, config)
+
+
+def _measure(args: argparse.Namespace, config: BenchConfig) -> int:
+    """The run of ``run``: measure, print the tables, write ``--out`` as it goes."""
     measured = _earlier_rows(config, args.out) if args.resume else None
     command = command_line(args)
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -334,8 +336,8 @@ def _run_report(args: argparse.Namespace) -> int:
 
 
 def _run_stability(args: argparse.Namespace) -> int:
-    from ..io import write_json
-    from ..lra.stability import StabilityReport, format_table, run_stability
+    from ..io import results_lock, write_json
+    from ..lra.stability import StabilityReport
 
     check_output_path(args.json_path)
     _distinct("--tasks", args.tasks)
@@ -347,6 +349,15 @@ def _run_stability(args: argparse.Namespace) -> int:
 
     def save(report: StabilityReport) -> Path:  # the command, as bench and approx record theirs
         return write_json(args.json_path, {**report.to_dict(), "command": command})
+
+    with results_lock(args.json_path, "--json") if args.json_path else nullcontext():
+        return _measure_stability(args, overrides, save)
+
+
+def _measure_stability(args: argparse.Namespace, overrides: dict,
+                       save: Callable[[Any], Path]) -> int:
+    """The run of ``_run_stability``: measure (``save`` after each), print, write."""
+    from ..lra.stability import format_table, run_stability
 
     report = run_stability(args.tasks, args.methods, cache_root=_cache(args), seeds=args.seeds,
                            steps=args.steps, device=args.device, num_features=args.features,
