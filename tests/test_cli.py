@@ -144,7 +144,8 @@ def test_the_commands_that_plot_take_either_spelling_of_no_plot(command, flag):
     (["lra", "stability", "--tasks", "listops", "--methods", "softmax"],
      "nothing was saved (give --json to keep what a run measures)"),
     (["lra", "train", "listops", "--attn", "softmax"],
-     "its last checkpoint (last.pt) is kept: run the same command again with "
+     "its last checkpoint (last.pt), if one was written yet, is kept: run the same "
+     "command again with "
      "--resume to continue"),
 ])
 def test_ctrl_c_says_what_was_kept_and_how_to_continue(argv, said):

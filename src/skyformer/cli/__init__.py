@@ -98,7 +98,7 @@ def interrupted_note(args: argparse.Namespace, how: str = "interrupted") -> str:
     flag, name = optional.get(command, ("", ""))
     if flag and getattr(args, name) is None:
         return f"{how}; nothing was saved (give {flag} to keep what a run measures)"
-    kept = ("its last checkpoint (last.pt) is kept" if command == "train"
+    kept = ("its last checkpoint (last.pt), if one was written yet, is kept" if command == "train"
             else "what it measured is saved")
     again = "again with --resume" if not args.resume else "again"
     return f"{how}; {kept}: run the same command {again} to continue"
