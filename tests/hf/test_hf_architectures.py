@@ -240,6 +240,23 @@ def test_refused_keyword_arguments():
                                     softcap=30.0)
 
 
+@pytest.mark.parametrize("name, value, what", [
+    ("s_aux", torch.zeros(2), "attention sinks"),  # gpt-oss, MiMo's sliding layers
+    ("indices", torch.zeros(1, 6, 2, dtype=torch.int32), "a sparse key selection"),  # DSA
+])
+def test_what_sdpa_cannot_apply_is_refused_in_exact_layers_too(name, value, what):
+    """The exact layers of skyformer's implementations run transformers' SDPA attention,
+    which drops attention sinks and sparse key selections without a word (gpt-oss gave
+    other hidden states than its own eager attention): refused in a sentence that names
+    the model's own attention, which the approximate methods' sentence names too."""
+    q, k, v = make_qkv(1, 2, 6, 8, dtype=torch.float32)
+    own = r"attn_implementation='eager'"
+    for implementation, method in (("skyformer", "exact"), ("skyformer:linear", "linear")):
+        with pytest.raises(CapabilityError, match=rf"{what} \({name}=...\).*{own}"):
+            skyformer_attention_forward(implementation, method, _Module(), q, k, v, None,
+                                        **{name: value})
+
+
 @torch.no_grad()
 def test_output_attentions_says_that_no_weights_come_back():
     """output_attentions=True gave an empty tuple of attention maps without a word

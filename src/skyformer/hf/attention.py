@@ -19,8 +19,9 @@ and expects ``(attn_output [B, Nq, H, Dv], attn_weights or None)``. Each functio
   as it is, with a T5 position bias added to it, so that sliding windows, packed
   sequences, static caches and position biases work as with SDPA;
 - refuses keyword arguments that change the attention in a way the method cannot
-  apply (soft-capping, attention sinks; for the approximate methods also sliding
-  windows, position biases and packed sequences);
+  apply (soft-capping, attention sinks, sparse key selections, also in exact layers,
+  whose SDPA attention cannot apply them either; for the approximate methods also
+  sliding windows, position biases and packed sequences);
 - repeats key/value heads for grouped-query attention;
 - returns ``(output.transpose(1, 2), None)``: no method materialises attention weights.
 
@@ -85,8 +86,11 @@ OVER_A_CACHED_PREFIX = (
 PER_LAYER = "skyformer"  # the implementation whose layers each follow their own setting
 
 # Keyword arguments some models pass that change what attention computes. Those in
-# _IN_THE_MASK are also in the mask transformers builds for SDPA (or, for a position
-# bias, merged into it here), so the methods that take any attn_mask honour them.
+# _REFUSED_KWARGS transformers' SDPA attention cannot apply either (it drops sinks and
+# sparse selections without a word), so exact layers refuse them too: such models run
+# their own attention. Those in _IN_THE_MASK are also in the mask transformers builds
+# for SDPA (or, for a position bias, merged into it here), so exact layers and the
+# methods that take any attn_mask honour them.
 _REFUSED_KWARGS = {
     "softcap": "logit soft-capping",
     "s_aux": "attention sinks",
@@ -100,6 +104,13 @@ _IN_THE_MASK = {
     "cu_seq_lens_q": "packed sequences",
     "cu_seq_lens_k": "packed sequences",
 }
+
+# What to do with a model whose attention needs what _REFUSED_KWARGS names.
+USE_ITS_OWN = (
+    "run this model with its own attention: load it with attn_implementation='eager' "
+    "(or call skyformer.hf.restore_exact(model))"
+)
+SDPA_HERE = "transformers' SDPA attention (what exact layers run here)"
 
 _EXACT_LAYER = LayerAttention(EXACT, None, (), None, None, PER_LAYER, False)
 
@@ -249,8 +260,8 @@ def _attention(module: nn.Module, layer: LayerAttention, decoding: DecodingLayer
                dropout: float, scaling: float | None, is_causal: bool | None,
                kwargs: dict[str, Any]) -> tuple[Tensor, None]:
     """``skyformer_attention_forward`` once the layer and its cache step are known."""
+    _refuse_what_the_layer_cannot_apply(module, layer, kwargs)
     if layer.method != EXACT:  # with or without a cache
-        _refuse_what_the_method_cannot_apply(module, layer, kwargs)
         _refuse_packing_outside_the_mask(module, layer, attention_mask, query, kwargs)
         if kwargs.get("output_attentions"):  # exact layers: transformers' SDPA says so
             _warn_no_weights(layer)
@@ -302,21 +313,27 @@ def _attention(module: nn.Module, layer: LayerAttention, decoding: DecodingLayer
     return out.transpose(1, 2).contiguous(), None
 
 
-def _refuse_what_the_method_cannot_apply(module: nn.Module, layer: LayerAttention,
-                                          kwargs: dict[str, Any]) -> None:
-    """A sentence for a keyword argument that changes what the layer's method would
-    compute (``_REFUSED_KWARGS``; ``_IN_THE_MASK`` too for a method that takes no
-    attn_mask)."""
-    assert layer.bound is not None
-    spec = layer.bound.method
-    refused = _REFUSED_KWARGS if spec.capabilities.attn_mask else {**_REFUSED_KWARGS,
-                                                                   **_IN_THE_MASK}
+def _refuse_what_the_layer_cannot_apply(module: nn.Module, layer: LayerAttention,
+                                         kwargs: dict[str, Any]) -> None:
+    """A sentence for a keyword argument that changes what the layer would compute and
+    it cannot apply: ``_REFUSED_KWARGS`` in every layer (exact ones run transformers'
+    SDPA attention, which cannot either), ``_IN_THE_MASK`` too for a method that takes
+    no attn_mask."""
+    exact = layer.method == EXACT
+    takes_any_mask = exact or (layer.bound is not None
+                               and layer.bound.method.capabilities.attn_mask)
+    refused = _REFUSED_KWARGS if takes_any_mask else {**_REFUSED_KWARGS, **_IN_THE_MASK}
     for name, what in refused.items():
-        if kwargs.get(name) is not None:
-            raise CapabilityError(
-                f"{_where(module, layer)}: the model asks for {what} ({name}=...), which "
-                f"{spec.name} cannot apply; keep exact attention in this layer."
-            )
+        if kwargs.get(name) is None:
+            continue
+        if exact:
+            cannot = f"{SDPA_HERE} cannot apply; {USE_ITS_OWN}"
+        elif name in _REFUSED_KWARGS:
+            cannot = f"{layer.method} cannot apply, nor can {SDPA_HERE}; {USE_ITS_OWN}"
+        else:
+            cannot = f"{layer.method} cannot apply; keep exact attention in this layer"
+        raise CapabilityError(
+            f"{_where(module, layer)}: the model asks for {what} ({name}=...), which {cannot}.")
 
 
 def _refuse_packing_outside_the_mask(module: nn.Module, layer: LayerAttention,
