@@ -14,6 +14,7 @@ from skyformer.eval.measure.metrics import (
     singular_values,
     spectral_norm,
     stable_rank,
+    trivial_error,
 )
 from tests.conftest import gen
 
@@ -135,3 +136,13 @@ def test_the_error_against_an_output_of_tiny_entries_is_scale_free_and_nan_again
     bad[0, 1] = bad[1, 2] = True
     assert got[bad].isnan().all()
     torch.testing.assert_close(got[~bad], want[~bad], rtol=0, atol=0)
+
+
+def test_the_trivial_error_against_a_head_with_no_relative_error_is_nan():
+    """A head whose exact output is all zero has no relative error (NaN, as the methods'
+    errors there): the trivial answer's mean read min(1.0, nan) = 1.0 beside them."""
+    v = torch.randn(1, 2, 6, 3, generator=gen(0), dtype=torch.float64)
+    exact = torch.randn(1, 2, 6, 3, generator=gen(1), dtype=torch.float64)
+    assert 0 < trivial_error(v, exact) <= 1.0
+    exact[:, 1] = 0.0
+    assert np.isnan(trivial_error(v, exact))

@@ -6,6 +6,8 @@ matrix, i.e. per head) and computes in float64.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -110,10 +112,12 @@ def trivial_error(v: Tensor, exact: Tensor, *, causal: bool = False) -> float:
     """Mean relative spectral error of the better trivial answer against ``exact``
     ``[B, H, N, Dv]``: every row = the mean of ``v`` (the softmax target's constant; with
     ``causal``, row i = the mean of v_0..v_i), or all zeros (error 1; the Gaussian
-    target's rows are not weighted means)."""
+    target's rows are not weighted means); NaN where a head has no relative error (an
+    all-zero exact output), as the methods' errors there."""
     if causal:
         count = torch.arange(1, v.shape[-2] + 1, dtype=exact.dtype, device=v.device)[:, None]
         mean_v = v.to(exact.dtype).cumsum(-2) / count
     else:
         mean_v = v.to(exact.dtype).mean(dim=-2, keepdim=True).expand_as(exact)
-    return min(1.0, relative_error(mean_v, exact, ord=2).mean().item())
+    error = relative_error(mean_v, exact, ord=2).mean().item()
+    return error if math.isnan(error) else min(1.0, error)  # a NaN head: NaN, as methods'
