@@ -911,3 +911,21 @@ def test_packed_sequences_without_a_mask_that_keeps_them_apart_are_refused():
     one_sequence = copy_as(model, "skyformer:skyformer")(
         input_ids=ids, position_ids=torch.arange(16)[None])  # no restart: one sequence
     assert torch.isfinite(one_sequence.logits).all()
+
+
+@torch.no_grad()
+def test_packed_rows_with_an_all_real_mask_are_told_to_drop_the_mask():
+    """An all-real attention_mask with position_ids restarting at 0 is dropped by
+    transformers' mask builder, which then builds no block mask either (it reads position
+    ids only without a mask): the sentence asks for no attention_mask as well as
+    use_cache=False, and that call runs the sequences apart."""
+    model = copy_as(_tiny_llama(), "skyformer:softmax")
+    ids = torch.randint(1, 64, (1, 6), generator=torch.Generator().manual_seed(0))
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    for use_cache in (True, False):
+        with pytest.raises(ValueError, match=r"use_cache=False and no attention_mask"):
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=positions,
+                  use_cache=use_cache)
+    apart = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+    alone = model(input_ids=ids[:, 3:], use_cache=False).logits
+    torch.testing.assert_close(apart[:, 3:], alone, rtol=0, atol=ATOL)

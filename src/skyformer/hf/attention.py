@@ -336,15 +336,21 @@ def _refuse_what_the_layer_cannot_apply(module: nn.Module, layer: LayerAttention
             f"{_where(module, layer)}: the model asks for {what} ({name}=...), which {cannot}.")
 
 
+# The call from which transformers builds the block mask of packed position_ids.
+_BLOCK_MASK_CALL = "use_cache=False and no attention_mask"
+
+
 def _refuse_packing_outside_the_mask(module: nn.Module, layer: LayerAttention,
                                      attention_mask: Tensor | None, query: Tensor,
                                      kwargs: dict[str, Any]) -> None:
     """A sentence for packed sequences that no mask keeps apart (``attention_mask`` None):
     ``position_ids`` ``[B, Nq]`` that restart (transformers builds their block mask only
-    without a cache) or ``cu_seq_lens_q`` of more than one sequence (FlashAttention's
-    kwargs, read by no mask); the method would attend across their boundaries. A host
-    read: eager calls only (under ``torch.compile`` transformers builds the block mask
-    whenever the position ids are given without a cache)."""
+    without a cache and without an ``attention_mask`` of the caller's: an all-real one,
+    which its builder drops, arrives here as None too) or ``cu_seq_lens_q`` of more than
+    one sequence (FlashAttention's kwargs, read by no mask); the method would attend
+    across their boundaries. A host read: eager calls only (under ``torch.compile``
+    transformers builds the block mask whenever the position ids are given without a
+    cache)."""
     if attention_mask is not None:
         return
     positions, cu = kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q")
@@ -352,14 +358,15 @@ def _refuse_packing_outside_the_mask(module: nn.Module, layer: LayerAttention,
     if isinstance(cu, Tensor) and cu.dim() == 1 and cu.numel() > 2:
         what = "cu_seq_lens_q holds more than one sequence"
         fix = ("pass position_ids restarting at 0 too (DataCollatorWithFlattening's "
-               "return_position_ids=True) and use_cache=False, from which transformers "
+               f"return_position_ids=True) with {_BLOCK_MASK_CALL}, from which transformers "
                "builds the mask")
     elif isinstance(positions, Tensor) and positions.dim() == 2 \
             and positions.shape[-1] == query.shape[2] > 1 and may_read_values(positions) \
             and bool((positions.diff(dim=-1) != 1).any()):
         what = "the position_ids restart at 0 or jump"
-        fix = ("call the model with use_cache=False: transformers builds the mask that keeps "
-               "packed sequences apart only without a cache")
+        fix = (f"call the model with {_BLOCK_MASK_CALL}: transformers builds the mask that "
+               "keeps packed sequences apart only without a cache and without a mask of the "
+               "caller's (an all-real attention_mask reads as one sequence)")
     if what is None:
         return
     assert layer.bound is not None
