@@ -114,6 +114,32 @@ def test_keys_of_another_width_passed_where_the_padding_mask_goes_get_the_senten
                        r"dim \(16\): bring it to that width first"):
         layer(torch.randn(2, 5, 16), torch.randn(2, 7, 8))
 
+@pytest.mark.parametrize(("call", "says"), [
+    (lambda layer, x: layer(x, x, x),
+     r"takes one x \(and key_padding_mask\) positionally, not torch.nn.MultiheadAttention's "
+     r"\(query, key, value\): .*context=\.\.\."),
+    (lambda layer, x: layer(x, need_weights=False),
+     r"returns the output alone, with no attention weights \(the approximate methods have "
+     r"no attention matrix\); leave need_weights out"),
+    (lambda layer, x: layer(x, attn_mask=torch.ones(5, 5, dtype=torch.bool)),
+     r"takes no attn_mask: .*causal=True.*key_padding_mask.*"
+     r"skyformer.scaled_dot_product_attention"),
+    (lambda layer, x: layer(x, is_causal=True),
+     r"takes no is_causal: build the layer with causal=True"),
+    (lambda layer, x: layer(x, mask=None),
+     r"got an unexpected keyword argument 'mask'; it takes key_padding_mask, context, "
+     r"query_padding_mask, generator and cache"),
+], ids=["query_key_value", "need_weights", "attn_mask", "is_causal", "unknown"])
+def test_torch_multihead_attention_calls_get_their_own_sentence(call, says):
+    """torch.nn.MultiheadAttention's call, ``layer(q, k, v, need_weights=..., attn_mask=...,
+    is_causal=...)``, failed with Python's "forward() takes from 2 to 3 positional
+    arguments but 4 were given" or "unexpected keyword argument", while the constructor
+    refuses torch's arguments in a sentence; each now says what the layer does instead."""
+    layer = MultiHeadAttention(16, 2, method="softmax")
+    with pytest.raises(TypeError, match=r"MultiHeadAttention.* " + says):
+        call(layer, torch.randn(2, 5, 16))
+
+
 def test_forward_says_how_a_randomised_layer_draws_in_eval_mode():
     """``eval()`` fixes no draw: a randomised method takes a fresh key from torch's
     global generator on every call unless ``generator`` is passed, which forward's

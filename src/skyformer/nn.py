@@ -136,11 +136,12 @@ class MultiHeadAttention(nn.Module):
         self,
         x: Tensor,
         key_padding_mask: Tensor | None = None,
-        *,
+        *torch_arguments: Any,
         context: Tensor | None = None,
         query_padding_mask: Tensor | None = None,
         generator: torch.Generator | Tensor | None = None,
         cache: DecodingState | None = None,
+        **torch_keywords: Any,
     ) -> Tensor:
         """Attend from ``x: [B, N, dim]`` to itself, or to ``context: [B, M, dim]``.
 
@@ -155,8 +156,12 @@ class MultiHeadAttention(nn.Module):
         so the same input gives another output on every call: pass a generator seeded
         anew (or a key) for reproducible outputs. Performer's features and Linformer's
         projections are the layer's own (``method_state``) and take no draw here.
+        ``torch_arguments`` and ``torch_keywords`` take nothing: they are there so that
+        torch.nn.MultiheadAttention's call (``(query, key, value)``, ``need_weights``,
+        ``attn_mask``, ``is_causal``) is refused in a sentence saying what to do instead.
         Returns ``[B, N, dim]``.
         """
+        _refuse_torch_call(torch_arguments, torch_keywords)
         with self._failing_together():
             self._check_forward(x, context, key_padding_mask, query_padding_mask, cache,
                                 generator)
@@ -317,6 +322,37 @@ def _refuse_torch_arguments(method_options: dict[str, Any], dim: int) -> None:
         raise ValueError(f"MultiHeadAttention {why}; torch.nn.MultiheadAttention's "
                          f"arguments are not this layer's (its docstring lists how they "
                          f"differ).")
+
+
+def _refuse_torch_call(arguments: tuple[Any, ...], keywords: dict[str, Any]) -> None:
+    """A sentence for a call in ``torch.nn.MultiheadAttention``'s form, ``layer(query, key,
+    value, need_weights=..., attn_mask=..., is_causal=...)``, or for any other argument
+    ``forward`` does not take, saying what the layer does instead."""
+    if arguments:
+        raise TypeError(
+            f"MultiHeadAttention takes one x (and key_padding_mask) positionally, not "
+            f"torch.nn.MultiheadAttention's (query, key, value): it got {len(arguments)} "
+            f"more positional argument(s). Call layer(x, key_padding_mask) for "
+            f"self-attention and layer(x, context=...) to attend to other positions "
+            f"(its keys' and values' source); x is batch-first, [B, N, dim].")
+    if not keywords:
+        return
+    name = next(iter(keywords))
+    if name in ("need_weights", "average_attn_weights"):
+        why = ("returns the output alone, with no attention weights (the approximate "
+               f"methods have no attention matrix); leave {name} out")
+    elif name == "attn_mask":
+        why = ("takes no attn_mask: build the layer with causal=True for a causal mask and "
+               "pass key_padding_mask (True = real token) for padding; other masks go to "
+               "skyformer.scaled_dot_product_attention(q, k, v, attn_mask=..., method=...) "
+               "for the methods that take them")
+    elif name == "is_causal":
+        why = ("takes no is_causal: build the layer with causal=True (a method that can be "
+               "causal) and leave is_causal out")
+    else:
+        why = (f"forward() got an unexpected keyword argument {name!r}; it takes "
+               f"key_padding_mask, context, query_padding_mask, generator and cache")
+    raise TypeError(f"MultiHeadAttention {why}.")
 
 
 class _GroupHandle:
