@@ -92,6 +92,20 @@ def test_missing_or_damaged_caches_say_how_to_fix(tmp_path):
         load_cache(tmp_path, "listops")
 
 
+@pytest.mark.parametrize(("task", "source"), [
+    ("listops", r", or a folder `skyformer lra generate listops --out PATH` writes"),
+    ("text", r"\.$"),
+])
+def test_missing_data_says_what_the_source_path_is(tmp_path, task, source):
+    """``lra train TASK --quick`` without prepared data said to run ``lra prepare TASK
+    --src PATH`` without saying what PATH is; it now names the release's files and, for
+    the tasks ``lra generate`` makes, that command."""
+    with pytest.raises(FileNotFoundError, match=r"--src PATH --cache .*, PATH being "
+                                                  r"the task's files of the public LRA "
+                                                  r"release \(docs/lra.md\)" + source):
+        load_cache(tmp_path, task)
+
+
 def test_pickled_arrays_are_refused(tmp_path):
     folder = write_cache(tmp_path, LISTOPS, _splits(), max_len=5)
     np.save(folder / "test.labels.npy", np.array([{"a": 1}, {"b": 2}], dtype=object),

@@ -32,6 +32,9 @@ from .tasks import SPLITS, TaskSpec, get_task
 
 CACHE_FORMAT = 1
 CACHE_ENV = "SKYFORMER_LRA_CACHE"
+# The tasks ``skyformer lra generate`` writes data for, in the release's format.
+GENERATED_TASKS = {"listops": "ListOps by LRA's rules",
+                   "pathfinder": "synthetic Pathfinder-like images"}
 
 
 def default_cache_root() -> Path:
@@ -211,9 +214,12 @@ def load_cache(cache_root: str | os.PathLike[str], task: str) -> TaskData:
     folder = cache_dir(cache_root, task)
     meta_path = folder / "meta.json"
     if not meta_path.is_file():
+        generated = (f", or a folder `skyformer lra generate {task} --out PATH` writes "
+                     f"({GENERATED_TASKS[task]})" if task in GENERATED_TASKS else "")
         raise FileNotFoundError(
             f"no prepared {task} data in {folder} (missing {meta_path.name}); run "
-            f"`skyformer lra prepare {task} --src PATH --cache {Path(cache_root)}` first."
+            f"`skyformer lra prepare {task} --src PATH --cache {Path(cache_root)}` first, "
+            f"PATH being the task's files of the public LRA release (docs/lra.md){generated}."
         )
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
