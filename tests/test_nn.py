@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
 import pytest
 import torch
@@ -138,6 +139,46 @@ def test_torch_multihead_attention_calls_get_their_own_sentence(call, says):
     layer = MultiHeadAttention(16, 2, method="softmax")
     with pytest.raises(TypeError, match=r"MultiHeadAttention.* " + says):
         call(layer, torch.randn(2, 5, 16))
+
+
+def test_the_readme_recipe_inside_a_torch_encoder_layer():
+    """README.md: called from the ``_sa_block`` of a ``torch.nn.TransformerEncoderLayer``
+    subclass the layer gets torch's padding mask as an additive float mask (torch converts
+    a bool one before ``_sa_block``), so ``~mask`` fails there and ``key_padding_mask ==
+    0`` is the conversion; the result equals the layer's own call with the bool mask, and
+    in eval under ``no_grad`` torch's fast path skips ``_sa_block`` unless disabled."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "pass `key_padding_mask == 0`" in " ".join(readme.split())
+    seen = []
+
+    class Encoder(torch.nn.TransformerEncoderLayer):
+        def __init__(self) -> None:
+            super().__init__(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+            self.attention = MultiHeadAttention(16, 2, method="softmax")
+
+        def _sa_block(self, x, attn_mask, key_padding_mask, is_causal=False):
+            seen.append(key_padding_mask.dtype)
+            return self.attention(x, key_padding_mask=key_padding_mask == 0)
+
+    torch.manual_seed(0)
+    layer, x = Encoder(), torch.randn(2, 6, 16)
+    padding = torch.zeros(2, 6, dtype=torch.bool)
+    padding[1, 4:] = True
+    y = layer(x, src_key_padding_mask=padding)
+    assert seen == [torch.float32]
+    expected = layer.norm1(x + layer.attention(x, key_padding_mask=~padding))
+    torch.testing.assert_close(y, layer.norm2(expected + layer._ff_block(expected)))
+    with torch.no_grad():
+        layer.eval()(x, src_key_padding_mask=padding)
+    assert len(seen) == 1  # torch's own exact attention ran
+    enabled = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with torch.no_grad():
+            layer(x, src_key_padding_mask=padding)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(enabled)
+    assert len(seen) == 2
 
 
 def test_forward_says_how_a_randomised_layer_draws_in_eval_mode():
