@@ -929,3 +929,12 @@ def test_packed_rows_with_an_all_real_mask_are_told_to_drop_the_mask():
     apart = model(input_ids=ids, position_ids=positions, use_cache=False).logits
     alone = model(input_ids=ids[:, 3:], use_cache=False).logits
     torch.testing.assert_close(apart[:, 3:], alone, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("given", ["path/to/model", Path("path/to/model")], ids=repr)
+def test_a_path_given_for_the_model_points_to_from_pretrained(given):
+    """set_attention("path/to/model", ...) said only that a PreTrainedModel was expected;
+    a newcomer with a saved folder is pointed to the loader that takes one."""
+    with pytest.raises(TypeError, match=r"got (str|PosixPath|WindowsPath) .*call "
+                                        r"skyformer\.hf\.from_pretrained\(path, method\)"):
+        shf.set_attention(given, "skyformer")

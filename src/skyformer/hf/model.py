@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import warnings
 import zipfile
 from collections.abc import Iterable, Iterator
@@ -60,9 +61,11 @@ KEEP_STATE = object()  # marks a layer whose setting is re-stamped and whose sta
 def _implementation(model: nn.Module) -> str | None:
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "_attn_implementation"):
+        load = (" To load a saved model with a method, call skyformer.hf.from_pretrained"
+                "(path, method)." if isinstance(model, (str, os.PathLike)) else "")
         raise TypeError(
             f"expected a transformers PreTrainedModel, got {type(model).__name__} (no "
-            f"config._attn_implementation)."
+            f"config._attn_implementation).{load}"
         )
     return config._attn_implementation
 
