@@ -106,6 +106,30 @@ def test_padding_attn_mask_equals_key_padding_mask(method):
         torch.testing.assert_close(out[real], expected[real], atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("method", ["softmax", "kernelized"])
+def test_exact_methods_ignore_what_padding_holds_given_it_beside_an_attn_mask(method):
+    """docs/reliability.md: an attn_mask goes to SDPA as it is, so padding that may hold
+    NaN or inf is given as key_padding_mask beside it; real rows and their gradients
+    are then those of finite padding, and the padded inputs get zero gradients."""
+    q, k, v = make_qkv(2, 2, 12, 8)
+    valid = torch.ones(2, 12, dtype=torch.bool)
+    valid[0, 9:] = False
+    valid[1, :2] = False
+    window = torch.ones(12, 12, dtype=torch.bool).tril()
+    pad = ~valid[:, None, :, None].expand(-1, 2, -1, 8)
+    junk = [t.masked_fill(pad, bad) for t, bad in zip((q, k, v), (float("nan"), float("inf"),
+                                                               float("-inf")), strict=True)]
+    results = []
+    for inputs in ((q, k, v), junk):
+        leaves = [t.clone().requires_grad_(True) for t in inputs]
+        out = sdpa(*leaves, window, method=method, key_padding_mask=valid)
+        results.append([out, *torch.autograd.grad(out.square().sum(), leaves)])
+    for clean, dirty in zip(*results, strict=True):
+        assert torch.isfinite(dirty).all()
+        torch.testing.assert_close(dirty, clean, atol=1e-12, rtol=0)
+    assert all(torch.all(g[pad] == 0) for g in results[1][1:])
+
+
 def test_approximate_method_refuses_a_general_mask_with_a_sentence():
     q, k, v = make_qkv(1, 1, 8, 4)
     mask = torch.rand(8, 8, generator=torch.Generator().manual_seed(0)) > 0.5
