@@ -179,6 +179,40 @@ def test_batch_independence(method):
     torch.testing.assert_close(out[0], base[0], rtol=1e-7, atol=1e-9)
 
 
+# docs/methods.md, "Invariances": the methods whose outputs are not linear in V, and
+# those whose outputs follow a permutation of the keys (with their values) or queries.
+NOT_LINEAR_IN_V = {"kdeformer", "skyformer_multipole", "softmax_multipole"}
+PERMUTATION_INVARIANT = {"softmax", "kernelized", "linear", "performer"}
+
+
+def few_features(method):
+    """num_features=8 where the method has it: fewer features than rows."""
+    return {"num_features": 8} if "num_features" in get_method(method).option_names() else {}
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if m not in NOT_LINEAR_IN_V])
+def test_outputs_are_linear_in_the_values(method):
+    q, k, v = make_qkv(2, 2, 16, 8, seed=5)
+    w = torch.randn(v.shape, generator=gen(6), dtype=v.dtype)
+    mask = torch.ones(2, 16, dtype=torch.bool)
+    mask[0, :3] = False
+    mask[1, 12:] = False
+    mask = mask_for(method, mask)
+    a, b, mixed = (run(method, q, k, x, mask, **few_features(method))
+                   for x in (v, w, 0.5 * v - 2 * w))
+    torch.testing.assert_close(mixed, 0.5 * a - 2 * b, rtol=1e-7, atol=1e-9)
+
+
+@pytest.mark.parametrize("method", sorted(PERMUTATION_INVARIANT))
+def test_permutations_of_keys_and_of_queries(method):
+    q, k, v = make_qkv(1, 2, 16, 8, seed=7)
+    perm = torch.randperm(16, generator=gen(8))
+    out = run(method, q, k, v, **few_features(method))
+    keys = run(method, q, k[:, :, perm], v[:, :, perm], **few_features(method))
+    queries = run(method, q[:, :, perm], k, v, **few_features(method))
+    torch.testing.assert_close(keys, out, rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(queries, out[:, :, perm], rtol=1e-7, atol=1e-9)
+
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_large_norms_stay_finite(method, dtype):
