@@ -214,3 +214,24 @@ def test_the_reference_settings_docs_name_are_options_of_the_methods(method, opt
     model = _model(method, **options)
     tokens, lengths = _batch()
     assert torch.isfinite(model(tokens, lengths)).all()
+
+
+@pytest.mark.parametrize("method", ["softmax", "performer"])
+def test_a_model_built_on_meta_is_initialised_by_reset_parameters(method):
+    """Built under ``torch.device("meta")``, then ``to_empty`` and ``reset_parameters()``
+    of every module that has one, the model equals one built normally under the same
+    seed: the embedding tables too (N(0, 0.02^2) as the reference LRA code draws them,
+    not nn.Embedding's N(0, 1))."""
+    options = {"num_features": 8} if method == "performer" else {}
+    built = _model(method, **options)
+    with torch.device("meta"):
+        model = _model(method, **options)
+    model = model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    want = built.state_dict()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, want[key]), key
+    assert built.encoder.tokens.weight.std() < 0.05

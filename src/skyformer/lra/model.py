@@ -114,16 +114,23 @@ class EncoderLayer(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+class _Table(nn.Embedding):
+    """An embedding table drawn N(0, 0.02^2), as the reference LRA code draws it, by
+    ``reset_parameters`` too: a model built on the meta device gets these values after
+    ``to_empty`` and ``reset_parameters()`` of each module, not nn.Embedding's N(0, 1)."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.02)
+
+
 class Encoder(nn.Module):
     """Token + learned position embeddings and the transformer layers."""
 
     def __init__(self, cfg: ModelConfig, options: dict[str, Any]) -> None:
         super().__init__()
         self.cfg = cfg
-        self.tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.positions = nn.Embedding(cfg.max_len, cfg.dim)
-        for table in (self.tokens, self.positions):
-            nn.init.normal_(table.weight, std=0.02)  # as the reference LRA code
+        self.tokens = _Table(cfg.vocab_size, cfg.dim)
+        self.positions = _Table(cfg.max_len, cfg.dim)
         self.drop = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(EncoderLayer(cfg, options) for _ in range(cfg.layers))
         self.norm = nn.LayerNorm(cfg.dim)
