@@ -105,3 +105,28 @@ def test_rows_of_randomized_methods_record_their_seed():
     rows = compare_on(qkv, CompareConfig(methods=("softmax", "performer"), seed=5, repeats=1,
                                          memory=False))
     assert [r["seed"] for r in rows] == [None, 5]
+
+
+def test_every_batch_element_counts_in_the_errors():
+    """Q/K/V of several sequences, ``[B, H, N, D]``: the errors are the mean over every
+    sequence's heads, as the trivial answer's, not those of the first sequence alone."""
+    import torch
+
+    from skyformer.eval.compare.run import CompareConfig, compare_on
+    from skyformer.eval.data.qkv import QKV
+    from skyformer.eval.measure.metrics import relative_error
+    from skyformer.ops.linear import linear_attention
+    from skyformer.ops.softmax import softmax_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 32, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    q[1] *= 4  # the second sequence's softmax is sharper: linear's error there is larger
+    qkv = QKV(q, k, v, model="gaussian", pretrained=False, layer=0, windows=1)
+    row, = compare_on(qkv, CompareConfig(methods=("linear",), repeats=1, memory=False))
+    out, exact = linear_attention(q, k, v), softmax_attention(q, k, v)
+    spectral = relative_error(out, exact, ord=2)  # [2, 2]
+    assert abs(spectral[0].mean() - spectral[1].mean()) > 0.05  # the two sequences differ
+    assert abs(row["spectral_error"] - spectral.mean().item()) < 1e-12
+    assert abs(row["spectral_error_std"] - spectral.std().item()) < 1e-12
+    frobenius = relative_error(out, exact, ord="fro")
+    assert abs(row["frobenius_error"] - frobenius.mean().item()) < 1e-12
