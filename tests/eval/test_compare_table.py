@@ -130,3 +130,26 @@ def test_every_batch_element_counts_in_the_errors():
     assert abs(row["spectral_error_std"] - spectral.std().item()) < 1e-12
     frobenius = relative_error(out, exact, ord="fro")
     assert abs(row["frobenius_error"] - frobenius.mean().item()) < 1e-12
+
+
+def test_compare_on_takes_plain_tensors():
+    """Q/K/V of one's own, ``(q, k, v)``, need no model name, layer or window count."""
+    import pytest
+    import torch
+
+    from skyformer.eval.compare.run import CompareConfig, compare_on
+    from skyformer.eval.data.qkv import QKV
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 32, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    config = CompareConfig(methods=("softmax", "linear"), repeats=1, memory=False)
+    plain = compare_on((q, k, v), config)
+    captured = compare_on(QKV(q, k, v, model="m", pretrained=False, layer=0, windows=1),
+                          config)
+    for a, b in zip(plain, captured, strict=True):
+        assert a["spectral_error"] == b["spectral_error"]
+        assert a["trivial_error"] == b["trivial_error"]
+    with pytest.raises(TypeError, match=r"compare_on takes the queries, keys and values as "
+                                        r"\(q, k, v\), three tensors \[B, H, N, D\], or a QKV; "
+                                        r"got a dict"):
+        compare_on({"q": q, "k": k, "v": v}, config)

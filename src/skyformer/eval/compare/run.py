@@ -80,13 +80,28 @@ def memory_job(method: str, shape: tuple[int, int, int, int], options: dict[str,
     return MemoryJob(method, shape, options, seed=seed, inputs=inputs, as_layer=False)
 
 
-def compare_on(qkv: QKV, config: CompareConfig) -> list[dict[str, Any]]:
-    """Rows of the comparison on given Q/K/V ``[B, H, N, D]``: errors are the mean (and
-    spread) over the B * H heads, times those of one call on the whole batch."""
+def given_tensors(qkv: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """``(q, k, v)`` of a ``QKV`` or of three tensors; a sentence for anything else."""
+    if isinstance(qkv, QKV):
+        return qkv.q, qkv.k, qkv.v
+    if isinstance(qkv, (tuple, list)) and len(qkv) == 3 \
+            and all(isinstance(t, Tensor) for t in qkv):
+        return tuple(qkv)  # type: ignore[return-value]
+    hint = (" (for a dict d of them, pass (d['q'], d['k'], d['v']))"
+            if isinstance(qkv, dict) else "")
+    raise TypeError(f"compare_on takes the queries, keys and values as (q, k, v), three "
+                    f"tensors [B, H, N, D], or a QKV; got a {type(qkv).__name__}{hint}.")
+
+
+def compare_on(qkv: QKV | tuple[Tensor, Tensor, Tensor],
+               config: CompareConfig) -> list[dict[str, Any]]:
+    """Rows of the comparison on given Q/K/V ``[B, H, N, D]`` (a ``QKV`` captured from a
+    model, or one's own ``(q, k, v)``): errors are the mean (and spread) over the B * H
+    heads, times those of one call on the whole batch."""
+    q, k, v = given_tensors(qkv)
     methods = list(config.methods) if config.methods else list_methods()
     for m in methods:
         get_method(m)  # unknown names fail before any work
-    q, k, v = qkv.q, qkv.k, qkv.v
     # per target and its causal and scale options: the exact output and the error of
     # the better trivial answer, every row = mean of V (the softmax target's constant) or
     # all zeros (relative error 1: the Gaussian target's rows are not weighted means, so
