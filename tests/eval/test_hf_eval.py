@@ -300,3 +300,26 @@ def test_the_model_scale_is_its_attention_scaling():
     model = BertModel(BertConfig(vocab_size=16, hidden_size=16, num_hidden_layers=1,
                                  num_attention_heads=2, intermediate_size=16)).eval()
     assert model_scale(model) == pytest.approx(8 ** -0.5)
+
+
+def test_a_text_too_short_for_the_long_setting_stops_the_run_before_any_row(tmp_path,
+                                                                             monkeypatch):
+    """The long setting's inputs were built after the short setting's rows had run: a
+    short text ran every short row, then failed with nothing written."""
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    import skyformer.eval.hf.run as hf_run
+    from skyformer.eval.data.qkv import default_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    tiny = BertModel(BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=8,
+                                num_hidden_layers=1, num_attention_heads=2,
+                                intermediate_size=16)).eval()
+    monkeypatch.setattr(hf_run, "load_model", lambda path: (tiny, tokenizer, "tiny"))
+    text = tmp_path / "short.txt"
+    text.write_text(" ".join(f"This is sentence number {i} of a short file." for i in range(4)))
+    steps = []
+    with pytest.raises(ValueError, match="the long setting needs at least 2 inputs"):
+        hf_run.evaluate(HFEvalConfig(methods=("softmax",), text=str(text), memory=False,
+                                     repeats=1), progress=steps.append)
+    assert steps == []

@@ -379,9 +379,12 @@ def evaluate(config: HFEvalConfig = HFEvalConfig(),
     scale = model_scale(model)
     rows: list[dict[str, Any]] = []
     described: dict[str, dict[str, Any]] = {}
-    for setting in config.settings:
-        inputs = build_inputs(tokenizer, text, setting, seq_len=config.seq_len,
-                              max_texts=config.max_texts)
+    # every setting's inputs before any row: a text too short for the long setting
+    # fails at once, not after the short setting's rows have run
+    settings = {setting: build_inputs(tokenizer, text, setting, seq_len=config.seq_len,
+                                      max_texts=config.max_texts)
+                for setting in config.settings}
+    for setting, inputs in settings.items():
         lengths = [len(x) for x in inputs.ids]
         described[setting] = {
             "count": len(lengths), "min_tokens": min(lengths),
