@@ -332,6 +332,22 @@ def test_a_run_without_result_json_is_named_not_left_out_silently(tmp_path, caps
     assert "hf" not in out
 
 
+def test_a_folder_of_unfinished_runs_only_names_them(tmp_path, capsys):
+    """A folder whose only run had not finished was refused as holding no result.json,
+    as an empty folder is, without naming the run or how far it got."""
+    from skyformer.cli import main
+
+    folder = tmp_path / "listops" / "softmax" / "seed0"
+    folder.mkdir(parents=True)
+    config = make_config("listops", attention="softmax", seed=0, steps=50)
+    (folder / "config.json").write_text(json.dumps({"train": config.to_dict()}))
+    (folder / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 10}) + "\n")
+    assert main(["lra", "report", str(tmp_path)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"the runs there have not finished: {folder} (logged up to step 10 of 50); " \
+           "continue each with its `skyformer lra train` command and --resume" in err, err
+
+
 def test_a_panel_without_dev_curves_says_so(tmp_path, monkeypatch):
     """A task whose runs have no dev entries (no metrics.jsonl) drew an empty panel and
     matplotlib's "No artists with labels found to put in legend" warning."""

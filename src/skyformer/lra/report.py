@@ -160,9 +160,21 @@ def collect_runs(paths: list[str | os.PathLike[str]]) -> list[Run]:
             curve = _dev_curve(metrics) if metrics.is_file() else []
             runs.append(Run(file.parent, result, curve))
     if not runs:
-        raise FileNotFoundError(f"no result.json under {', '.join(map(str, paths))}; finish a "
-                                "run with `skyformer lra train` first.")
+        raise FileNotFoundError(_no_finished_run(paths))
     return runs
+
+
+def _no_finished_run(paths: list[str | os.PathLike[str]]) -> str:
+    """The sentence for ``paths`` without a ``result.json``, naming the run folders they
+    hold that have not finished (``unfinished_runs``) and how far each got."""
+    where = ", ".join(map(str, paths))
+    unfinished = unfinished_runs(paths)
+    if not unfinished:
+        return f"no result.json under {where}; finish a run with `skyformer lra train` first."
+    named = "; ".join(f"{run.folder} ({run.progress})" for run in unfinished)
+    return (f"no result.json under {where}; the runs there have not finished: {named}; "
+            "continue each with its `skyformer lra train` command and --resume, or wait for it "
+            "to end.")
 
 
 @dataclass
@@ -173,6 +185,13 @@ class Unfinished:
     folder: Path
     step: int | None  # the last step its metrics.jsonl logged (None: nothing logged)
     steps: Any  # the steps its config asks for
+
+    @property
+    def progress(self) -> str:
+        """How far it got: ``logged up to step 20 of 50`` or ``nothing logged``."""
+        if self.step is None:
+            return "nothing logged"
+        return f"logged up to step {self.step} of {self.steps}"
 
 
 def unfinished_runs(paths: list[str | os.PathLike[str]]) -> list[Unfinished]:
@@ -419,10 +438,8 @@ def tables(runs: list[Run], unfinished: list[Unfinished] = ()) -> str:
             notes.append(f"{name}: seed(s) {', '.join(map(str, repeated))} ran more than once "
                          "with the same settings; each seed's runs are averaged and count once.")
     for run in unfinished:
-        logged = "nothing logged" if run.step is None else \
-            f"logged up to step {run.step} of {run.steps}"
-        notes.append(f"{run.folder}: not finished (no result.json; {logged}), so not in the "
-                     "tables.")
+        notes.append(f"{run.folder}: not finished (no result.json; {run.progress}), so not in "
+                     "the tables.")
     if notes:
         out += ["Notes:", "", *(f"- {n}" for n in notes), ""]
     return "\n".join(out)
