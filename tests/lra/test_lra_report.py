@@ -374,3 +374,14 @@ def test_a_binary_result_json_is_named(tmp_path):
     (folder / "result.json").write_bytes(b"\xff\xfe\x00binary")
     with pytest.raises(ValueError, match=r"result.json is not valid JSON"):
         collect_runs([tmp_path])
+
+
+def test_a_result_json_cut_short_says_what_to_do(tmp_path):
+    """A damaged result.json was named with the parser's words alone, no way out."""
+    _fake_run(tmp_path, "listops", "softmax", 0, 0.5)
+    folder = _fake_run(tmp_path, "listops", "softmax", 1, 0.5)
+    (folder / "result.json").write_text((folder / "result.json").read_text()[:40])
+    with pytest.raises(ValueError, match=r"seed1/result.json is not valid JSON \(.*\): .*cut "
+                                         r"short since; run that seed again, or move its "
+                                         r"folder out of the folders given"):
+        collect_runs([tmp_path])

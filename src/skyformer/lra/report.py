@@ -154,7 +154,10 @@ def collect_runs(paths: list[str | os.PathLike[str]]) -> list[Run]:
             try:
                 result = json.loads(file.read_text(encoding="utf-8"))
             except (json.JSONDecodeError, UnicodeDecodeError) as err:
-                raise ValueError(f"{file} is not valid JSON ({err}).") from None
+                raise ValueError(f"{file} is not valid JSON ({err}): `skyformer lra train` "
+                                 "writes it whole, so it was damaged or cut short since; run "
+                                 "that seed again, or move its folder out of the folders "
+                                 "given.") from None
             _check_result(file, result)
             metrics = file.parent / "metrics.jsonl"
             curve = _dev_curve(metrics) if metrics.is_file() else []
