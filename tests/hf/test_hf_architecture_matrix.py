@@ -59,6 +59,19 @@ ARCHITECTURES = {
 }
 CAUSAL_LMS = ("llama", "qwen2", "gpt2")
 
+# model_type -> tiny config of architectures whose attention is computed in their own code
+# (not through transformers' AttentionInterface): a skyformer attn_implementation would
+# be ignored, so it is refused when the model is built.
+OWN_ATTENTION = {
+    "deberta-v2": dict(_C, relative_attention=True, position_buckets=8),
+    "mpnet": _C,
+    "gpt_neo": {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "vocab_size": 99,
+                "max_position_embeddings": 64, "attention_types": [[["global", "local"], 1]],
+                "window_size": 8},
+    "bloom": {"hidden_size": 32, "n_layer": 2, "n_head": 4, "vocab_size": 99},
+    "mpt": {"d_model": 32, "n_layers": 2, "n_heads": 4, "vocab_size": 99, "max_seq_len": 64},
+}
+
 
 def build(kind):
     config = AutoConfig.for_model(kind, **ARCHITECTURES[kind])
@@ -165,3 +178,20 @@ def test_causal_linear_attention_in_decoders_does_not_look_ahead(kind):
         a, b = model(input_ids=ids)[0], model(input_ids=changed)[0]
     torch.testing.assert_close(a[:, :8], b[:, :8], rtol=0, atol=1e-6)
     assert not torch.allclose(a[:, 8:], b[:, 8:])
+
+
+@pytest.mark.parametrize("kind", list(OWN_ATTENTION))
+@pytest.mark.parametrize("implementation", ["skyformer:kernelized", "skyformer"])
+def test_a_model_computing_its_own_attention_refuses_a_skyformer_implementation(
+        kind, implementation, matrix):
+    """Bloom, MPT, DeBERTa, MPNet and GPT-Neo compute attention in their own code:
+    transformers accepted attn_implementation="skyformer:<method>" for them, the config
+    named it, and every forward ran the model's own attention (or failed inside
+    transformers: MPT's AttributeError, GPT-Neo's KeyError). Building the model now fails
+    with a sentence naming it and the fix; eager still builds."""
+    matrix("HF own attention refused at load", kind)
+    config = AutoConfig.for_model(kind, **OWN_ATTENTION[kind])
+    name = AutoModel.from_config(config, attn_implementation="eager").__class__.__name__
+    with pytest.raises(ValueError, match=rf"{name} computes attention in its own code.*"
+                       r"attn_implementation='eager'"):
+        AutoModel.from_config(config, attn_implementation=implementation)

@@ -283,7 +283,7 @@ def test_a_model_with_attention_of_its_own_is_refused_naming_the_models_that_run
     model = DebertaV2Model(DebertaV2Config(vocab_size=64, hidden_size=16, num_hidden_layers=1,
                                            num_attention_heads=2, intermediate_size=32))
     with pytest.raises(ValueError, match=r"DebertaV2Model has no attention module .*"
-                       r"BERT, RoBERTa.*Llama.*docs/pytorch2.md"):
+                       r"BERT, RoBERTa.*Llama.*docs/hf.md"):
         shf.set_attention(model, "nystrom_softmax")
 
 

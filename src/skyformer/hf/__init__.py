@@ -40,7 +40,12 @@ if major_minor(transformers.__version__) < MIN_TRANSFORMERS:
     )
 
 from ..masks import ResolvedMask, UnsupportedMaskError, resolve_mask  # noqa: E402
-from .attention import PER_LAYER, implementation_name, register_methods  # noqa: E402
+from .attention import (  # noqa: E402
+    PER_LAYER,
+    implementation_name,
+    refuse_models_with_their_own_attention,
+    register_methods,
+)
 from .decoding import DecodingCache  # noqa: E402
 from .layers import EXACT, LayerAttention, attention_modules  # noqa: E402
 from .model import (  # noqa: E402
@@ -52,6 +57,7 @@ from .model import (  # noqa: E402
 )
 
 register_methods()
+refuse_models_with_their_own_attention()
 
 __all__ = [
     "EXACT",

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import (
     AttentionMaskInterface,
@@ -58,6 +58,7 @@ from ..registry import CapabilityError, Method, get_method, list_methods
 from ..sketch.rng import random_key
 from .decoding import DecodingLayer, claimed_step
 from .layers import (
+    DISPATCHING_MODELS,
     EXACT,
     STATE_NAME,
     LayerAttention,
@@ -535,3 +536,41 @@ def register_methods() -> list[str]:
         AttentionInterface.register(name, _function(name, method))
         AttentionMaskInterface.register(name, skyformer_mask)
     return list(names)
+
+
+def refuse_models_with_their_own_attention() -> None:
+    """Make building a model (``from_pretrained``, ``from_config``, its class) with a
+    skyformer ``attn_implementation`` fail with a sentence where the model computes
+    attention in its own code (Bloom, MPT, DeBERTa, MPNet, GPT-Neo): transformers
+    accepts any registered name there, and such a model would run its own attention
+    under a config naming the method. Which models: those transformers itself does not
+    let ``set_attn_implementation`` switch (``_can_set_attn_implementation``: no module
+    of theirs calls ``ALL_ATTENTION_FUNCTIONS``). Idempotent."""
+    check = PreTrainedModel._check_and_adjust_attn_implementation
+    if getattr(check, "_skyformer_checked", False):
+        return
+
+    @functools.wraps(check)
+    def checked(self, attn_implementation, *args, **kwargs):
+        _refuse_own_attention(type(self), attn_implementation)
+        return check(self, attn_implementation, *args, **kwargs)
+
+    checked._skyformer_checked = True
+    PreTrainedModel._check_and_adjust_attn_implementation = checked
+
+
+def _refuse_own_attention(cls: type, implementation: object) -> None:
+    """Raise the sentence of ``refuse_models_with_their_own_attention`` for a model class
+    ``cls`` asked to run ``implementation``, where it would ignore it."""
+    if not isinstance(implementation, str) or not (
+            implementation == PER_LAYER or implementation.startswith(PREFIX)):
+        return
+    can_switch = getattr(cls, "_can_set_attn_implementation", None)
+    if can_switch is None or can_switch():
+        return
+    raise ValueError(
+        f"{cls.__name__} computes attention in its own code, not through transformers' "
+        f"AttentionInterface, so it would ignore attn_implementation={implementation!r} "
+        f"and run its own attention; skyformer.hf cannot change this model's attention: "
+        f"load it with attn_implementation='eager'. {DISPATCHING_MODELS}"
+    )

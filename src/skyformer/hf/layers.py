@@ -36,6 +36,12 @@ STATE_NAME = "skyformer_state"  # submodule holding a method's per-layer paramet
 SETTING_NAME = "skyformer_layer"  # attribute holding a module's LayerAttention
 
 _CROSS_NAMES = ("encoder_attn", "crossattention", "cross_attn", "cross_attention")
+# Which models a skyformer method can serve, ending the sentences that refuse a model.
+DISPATCHING_MODELS = (
+    "Models that dispatch so include BERT, RoBERTa, XLM-R, ELECTRA, ALBERT, DistilBERT, "
+    "ViT, CLIP, SigLIP, GPT-2, GPT-J, OPT, Llama, Mistral, Qwen2, Gemma, Phi, Falcon, "
+    "StableLM, BART, Marian, T5 and Whisper (docs/hf.md lists the architectures tested)."
+)
 
 
 @dataclass(frozen=True)
@@ -91,9 +97,7 @@ def attention_modules(model: nn.Module) -> list[tuple[int, str, nn.Module]]:
             f"{type(model).__name__} has no attention module that dispatches through "
             f"transformers' AttentionInterface (modules with config, scaling and is_causal "
             f"that call ALL_ATTENTION_FUNCTIONS); skyformer.hf cannot change its attention. "
-            f"Models that dispatch so include BERT, RoBERTa, XLM-R, ELECTRA, ALBERT, "
-            f"DistilBERT, ViT, CLIP, GPT-2, Llama, Qwen2, Gemma, Phi, BART and Whisper "
-            f"(docs/pytorch2.md lists the architectures tested)."
+            f"{DISPATCHING_MODELS}"
         )
     indices = [getattr(m, "layer_idx", None) for _, m in found]
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in indices):
