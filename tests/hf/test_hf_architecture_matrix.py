@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModel
 
 import skyformer.hf as shf
 from skyformer import CapabilityError
+from skyformer.hf.layers import current_layer
 
 _C = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
           "vocab_size": 99, "max_position_embeddings": 64}
@@ -40,6 +41,12 @@ ARCHITECTURES = {
     "gpt2": {"n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 99, "n_positions": 64,
              "bos_token_id": 1, "eos_token_id": 2},
     "gpt_neox": _C,
+    "gptj": {"n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 99, "n_positions": 64,
+             "rotary_dim": 4},
+    "gpt_bigcode": {"n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 99,
+                    "n_positions": 64, "multi_query": True},
+    "falcon": dict(_C, new_decoder_architecture=True, num_kv_heads=2),
+    "stablelm": dict(_C, num_key_value_heads=2),
     "opt": dict(_C, ffn_dim=64, word_embed_proj_dim=32),
     "llama": dict(_C, num_key_value_heads=2),
     "mistral": dict(_C, num_key_value_heads=2, sliding_window=5),
@@ -48,6 +55,8 @@ ARCHITECTURES = {
     "gemma": dict(_C, num_key_value_heads=2, head_dim=8),
     "phi": _C,
     "bart": dict(_SEQ2SEQ, max_position_embeddings=64),
+    "marian": dict(_SEQ2SEQ, max_position_embeddings=64, decoder_start_token_id=1,
+                   pad_token_id=0),
     "t5": {"d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2, "num_heads": 4, "vocab_size": 99,
                "relative_attention_num_buckets": 8},
     "whisper": dict(_SEQ2SEQ, num_mel_bins=8, max_source_positions=16, max_target_positions=32,
@@ -89,7 +98,7 @@ def inputs(kind):
     if kind == "whisper":
         return {"input_features": torch.randn(2, 8, 32, generator=g),
                     "decoder_input_ids": ids[:, :6]}, None
-    if kind in ("t5", "bart"):
+    if kind in ("t5", "bart", "marian"):
         return {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": ids[:, :6]}, None
     return {"input_ids": ids, "attention_mask": mask}, mask.bool()
 
@@ -111,6 +120,29 @@ def test_softmax_equals_sdpa(kind, matrix):
     if real is not None:
         out, expected = out[real], expected[real]
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", list(ARCHITECTURES))
+def test_the_layers_run_the_method_the_model_is_built_with(kind, matrix):
+    """softmax equal to SDPA would hold as well in a model that ignored the name: with
+    kernelized (another function) the output changes, built with the name or switched
+    to it, and every attention module has made its setting in that forward pass."""
+    matrix("HF layers run the method", kind)
+    model = build(kind)
+    batch, _ = inputs(kind)
+    expected = hidden(model, batch)
+    config = AutoConfig.for_model(kind, **ARCHITECTURES[kind])
+    torch.manual_seed(0)
+    built = AutoModel.from_config(config, attn_implementation="skyformer:kernelized").eval()
+    switched = copy.deepcopy(model)
+    switched.set_attn_implementation("skyformer:kernelized")
+    for ours in (built, switched):
+        out = hidden(ours, batch)
+        assert torch.isfinite(out).all()
+        assert (out - expected).abs().max() > 1e-3
+        assert [row["method"] for row in shf.describe(ours)] == \
+            ["kernelized"] * len(shf.attention_modules(ours))
+        assert all(current_layer(m) is not None for _, _, m in shf.attention_modules(ours))
 
 
 @pytest.mark.parametrize("kind", list(ARCHITECTURES))
