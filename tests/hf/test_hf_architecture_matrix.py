@@ -227,3 +227,18 @@ def test_a_model_computing_its_own_attention_refuses_a_skyformer_implementation(
     with pytest.raises(ValueError, match=rf"{name} computes attention in its own code.*"
                        r"attn_implementation='eager'"):
         AutoModel.from_config(config, attn_implementation=implementation)
+
+
+def test_an_alibi_model_refuses_the_methods_without_attn_mask_at_load():
+    """Falcon with ALiBi adds its position bias to the mask: set_attention accepted
+    skyformer, and the first forward pass refused the mask. It is refused at load now,
+    naming the bias; kernelized, which takes any mask, runs it."""
+    config = AutoConfig.for_model("falcon", **dict(_C, alibi=True, new_decoder_architecture=False))
+    torch.manual_seed(0)
+    model = AutoModel.from_config(config, attn_implementation="sdpa").eval()
+    with pytest.raises(CapabilityError, match=r"layer 0 \(FalconAttention\) uses an ALiBi "
+                       r"position bias.*softmax or kernelized"):
+        shf.set_attention(model, "skyformer", num_features=8)
+    assert shf.describe(model)[0]["method"] == "exact (sdpa)"
+    shf.set_attention(model, "kernelized")
+    assert torch.isfinite(hidden(model, inputs("falcon")[0])).all()

@@ -148,13 +148,17 @@ def under(name: str, scopes: list[str]) -> bool:
 
 def mask_pattern(module: nn.Module) -> str | None:
     """What the module adds to plain (padding, causal) masking, in words, or None: a
-    sliding window (Mistral, Qwen2, ModernBERT's local layers) or T5's position bias."""
+    sliding window (Mistral, Qwen2, ModernBERT's local layers), T5's position bias or
+    the ALiBi bias Falcon adds to its mask."""
+    config = getattr(module, "config", None)
     window = getattr(module, "sliding_window", None) if hasattr(module, "sliding_window") \
-        else getattr(getattr(module, "config", None), "sliding_window", None)
+        else getattr(config, "sliding_window", None)
     if isinstance(window, int) and not isinstance(window, bool):
         return f"a sliding window of {window} tokens"
     if hasattr(module, "relative_attention_num_buckets"):
         return "an additive relative position bias (T5)"
+    if getattr(config, "alibi", None) is True:
+        return "an ALiBi position bias (added to its mask)"
     return None
 
 
