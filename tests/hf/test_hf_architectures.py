@@ -817,6 +817,36 @@ def test_set_attention_on_one_part_of_an_encoder_decoder_leaves_the_other_part()
 
 
 @torch.no_grad()
+def test_one_part_of_a_t5_model_is_described_and_kept_as_it_runs():
+    """T5's encoder and decoder hold copies of the config: after set_attention(model.
+    get_encoder(), "kernelized") describe(model) said every layer ran SDPA while the
+    encoder ran kernelized, and set_attention(model, ..., layers=[1]) reset encoder
+    layer 0 to exact without a word. Each layer is now read by the config its module
+    dispatches on."""
+    import copy
+
+    from transformers import T5Config, T5Model
+
+    config = T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, vocab_size=99,
+                      relative_attention_num_buckets=8)
+    torch.manual_seed(0)
+    model = T5Model(config).eval()
+    model.set_attn_implementation("sdpa")
+    ids, mask = ids_and_padding(b=2, n=12)
+    batch = {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": ids[:, :6]}
+    first_only = copy.deepcopy(model)
+    shf.set_attention(first_only.get_encoder(), "kernelized", layers=[0])
+    want = first_only(**batch).last_hidden_state  # softmax below equals SDPA
+    shf.set_attention(model.get_encoder(), "kernelized")
+    assert [r["method"] for r in shf.describe(model)] == \
+        ["kernelized"] * 2 + ["exact (sdpa)"] * 4
+    shf.set_attention(model, "softmax", layers=[1])
+    assert [r["method"] for r in shf.describe(model)] == \
+        ["kernelized", "softmax", "exact", "exact", "softmax", "softmax"]
+    torch.testing.assert_close(model(**batch).last_hidden_state, want, rtol=0, atol=1e-5)
+
+
+@torch.no_grad()
 def test_concurrent_first_forwards_make_each_layer_once(monkeypatch):
     """On the attn_implementation route two threads' first forwards (a thread-pool
     server) make each layer's setting and state once: each made its own Performer

@@ -152,14 +152,15 @@ def set_attention(
     for index, qualified, module in modules:
         cross = is_cross_attention(module, qualified)
         old = current_layer(module)
+        runs = _runs(module)  # T5's encoder and decoder hold copies of the config
         if chosen is None or index in chosen:
             plan = (name, options, seed)
-        elif old is not None and old.implementation == current:
+        elif old is not None and old.implementation == runs:
             # Unchanged layer: keep its setting and its state (learned parameters).
             built.append((module, dataclasses.replace(old, implementation=target), KEEP_STATE))
             continue
-        elif _is_ours(current) and current != PER_LAYER:
-            plan = (current.removeprefix(PREFIX), {}, None)
+        elif _is_ours(runs) and runs != PER_LAYER:
+            plan = (runs.removeprefix(PREFIX), {}, None)
         else:
             plan = (EXACT, {}, None)
         layer, state = build_layer(module, plan[0], index=index, implementation=target,
@@ -173,6 +174,12 @@ def set_attention(
         else:
             install_layer(module, layer, state)
     return model
+
+
+def _runs(module: nn.Module) -> str | None:
+    """The implementation an attention module dispatches on: its own config's, which is
+    the model's except in a part holding a copy (T5's encoder and decoder stacks)."""
+    return module.config._attn_implementation
 
 
 def _one_part(model: nn.Module, modules: list) -> bool:
@@ -225,9 +232,10 @@ def describe(model: nn.Module) -> list[dict[str, Any]]:
     """What every attention layer of ``model`` runs: layer, module, method, options (a
     dict; a layer set up at its first forward pass gives the options it will run),
     seed."""
-    implementation = _implementation(model)
+    _implementation(model)
     rows = []
     for index, qualified, module in attention_modules(model):
+        implementation = _runs(module)
         layer = current_layer(module)
         if layer is not None and layer.implementation == implementation:
             method, options, seed = layer.method, layer.options(), layer.seed
