@@ -546,9 +546,9 @@ def refuse_models_with_their_own_attention() -> None:
     under a config naming the method. Which models: those transformers itself does not
     let ``set_attn_implementation`` switch (``_can_set_attn_implementation``: no module
     of theirs calls ``ALL_ATTENTION_FUNCTIONS``). Idempotent."""
-    check = PreTrainedModel._check_and_adjust_attn_implementation
-    if getattr(check, "_skyformer_checked", False):
-        return
+    check = getattr(PreTrainedModel, "_check_and_adjust_attn_implementation", None)
+    if check is None or getattr(check, "_skyformer_checked", False):
+        return  # a transformers without this hook: models are checked at set_attention
 
     @functools.wraps(check)
     def checked(self, attn_implementation, *args, **kwargs):
