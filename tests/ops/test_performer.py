@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 
@@ -174,6 +175,55 @@ def test_layer_state_redraws_every_interval_in_training_only():
     outs = [layer(x) for _ in range(4)]
     assert torch.equal(state.projection, before)
     assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+def _functional_loss(layer, params, buffers, x):
+    return torch.func.functional_call(layer, (params, buffers), (x,)).sum()
+
+
+@pytest.mark.parametrize("transform", ["grad", "jacrev", "per-sample grad"])
+def test_a_training_layer_under_torch_func_with_captured_buffers_gets_a_sentence(transform):
+    """torch.func forbids writing into a tensor the transformed function captures; a
+    training layer counts its calls in place, which failed with torch's message on
+    ``aten::add_`` naming no buffer and no way out."""
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(8, 2, method="performer", num_features=4).train()
+    x = torch.randn(2, 5, 8)
+    params = {n: p.detach() for n, p in layer.named_parameters()}
+    buffers = dict(layer.named_buffers())
+    before = {n: b.clone() for n, b in buffers.items()}
+    calls = {
+        "grad": lambda: torch.func.grad(lambda p: _functional_loss(layer, p, buffers, x))(params),
+        "jacrev": lambda: torch.func.jacrev(layer)(x),
+        "per-sample grad": lambda: torch.func.vmap(torch.func.grad(
+            lambda p, x: _functional_loss(layer, p, buffers, x)), in_dims=(None, 0))(
+                params, x[:, None]),
+    }
+    with pytest.raises(RuntimeError, match=r"^performer: a MultiHeadAttention layer in "
+                       r"training mode counts its calls .* pass the buffers as an argument"):
+        calls[transform]()
+    assert all(torch.equal(b, before[n]) for n, b in buffers.items())  # nothing counted
+
+
+def test_a_training_layer_under_torch_func_grad_with_the_buffers_as_arguments_counts():
+    """The way the sentence gives: the buffers an argument of the transformed function,
+    whose calls count and redraw as the layer's eager calls do, with their gradients."""
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(8, 2, method="performer", num_features=4,
+                               feature_redraw_interval=2).train()
+    eager = copy.deepcopy(layer)
+    x = torch.randn(2, 5, 8)
+    params = {n: p.detach() for n, p in layer.named_parameters()}
+    buffers = {n: b.clone() for n, b in layer.named_buffers()}
+    for _ in range(3):
+        grads = torch.func.grad(lambda p, b: _functional_loss(layer, p, b, x))(params, buffers)
+        eager.zero_grad()
+        eager(x).sum().backward()
+        for name, g in grads.items():
+            torch.testing.assert_close(g, eager.get_parameter(name).grad)
+    for name, b in eager.named_buffers():
+        assert torch.equal(buffers[name], b)
+    assert int(buffers["method_state.redraws"]) == 1
 
 
 @pytest.mark.parametrize("reentrant", [False, True])

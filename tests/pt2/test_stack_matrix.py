@@ -11,6 +11,7 @@ method registered with ``mask=False`` runs unpadded (``mask_for``).
 
 from __future__ import annotations
 
+import copy
 import shutil
 
 import pytest
@@ -305,6 +306,33 @@ def test_func_vmap_equals_loop(method, matrix):
         return call(method, q, k, v, mask, key=key)
 
     torch.testing.assert_close(torch.func.vmap(f)(qs), torch.stack([f(x) for x in qs]))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_func_ensemble_of_layers_equals_a_loop(method, matrix):
+    """``functional_call`` with another layer's parameters and buffers equals that layer,
+    and an ensemble (``stack_module_state`` and ``vmap``) equals the loop over its
+    members, in training mode (Performer counts its calls in its stacked buffers)."""
+    matrix("func.functional_call ensembles of MHA", method)
+    x = torch.randn(2, 16, 8, dtype=torch.float64)
+    mask, key = mask_for(method, padded(2, 16, 12)), random_key(2)
+    members = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        members.append(MultiHeadAttention(8, 2, method, seq_len=16).double().train())
+    loop = [copy.deepcopy(member) for member in members]
+    base = copy.deepcopy(members[0]).to("meta")
+
+    def f(params, buffers, x):
+        return torch.func.functional_call(base, (params, buffers), (x, mask), {"generator": key})
+
+    one = f(dict(members[1].named_parameters()), dict(members[1].named_buffers()), x)
+    torch.testing.assert_close(one, loop[1](x, mask, generator=key))
+    params, buffers = torch.func.stack_module_state(members)
+    for _ in range(2):
+        ensemble = torch.func.vmap(f, in_dims=(0, 0, None))(params, buffers, x)
+        torch.testing.assert_close(
+            ensemble, torch.stack([member(x, mask, generator=key) for member in loop]))
 
 
 @pytest.mark.parametrize(

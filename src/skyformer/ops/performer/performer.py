@@ -180,6 +180,18 @@ class PerformerFeatures(nn.Module):
         self.projection.copy_(self._features(generator))
         self.calls_since_redraw.zero_()
 
+    def _count_call(self, interval: int) -> None:
+        """Count a training call, redrawing first when ``interval`` calls have used the
+        features (buffers written in place)."""
+        if not may_read_values(self.calls_since_redraw):  # traced, meta or vmapped
+            self._redraw_if_due(interval)
+        elif recomputing():  # activation checkpointing runs the forward again:
+            pass  # the features it used, uncounted (not redrawn under the gradient)
+        else:
+            if int(self.calls_since_redraw) >= interval:
+                self.redraw()
+            self.calls_since_redraw += 1
+
     @torch.no_grad()
     def _redraw_if_due(self, interval: int) -> None:
         """``redraw()`` when ``interval`` calls have used the features, then count this
@@ -196,14 +208,12 @@ class PerformerFeatures(nn.Module):
     def forward(self, q: Tensor, k: Tensor) -> dict[str, Tensor]:
         interval = self.config.feature_redraw_interval
         if self.training and interval is not None:
-            if not may_read_values(self.calls_since_redraw):  # traced, meta or vmapped
-                self._redraw_if_due(interval)
-            elif recomputing():  # activation checkpointing runs the forward again:
-                pass  # the features it used, uncounted (not redrawn under the gradient)
-            else:
-                if int(self.calls_since_redraw) >= interval:
-                    self.redraw()
-                self.calls_since_redraw += 1
+            try:
+                self._count_call(interval)
+            except RuntimeError as error:
+                if "mutate a captured Tensor" not in str(error):
+                    raise
+                raise RuntimeError(_CAPTURED_BUFFERS) from error
         # a copy: a later redraw (a call's, or ``redraw()``) writes the buffer in place,
         # and this call's backward pass needs the features it used (a layer called twice
         # before one backward pass; [m, D], a few KiB)
@@ -212,6 +222,17 @@ class PerformerFeatures(nn.Module):
     def extra_repr(self) -> str:
         return (f"num_features={self.config.num_features}, head_dim={self.head_dim}, "
                 f"feature_redraw_interval={self.config.feature_redraw_interval}")
+
+
+_CAPTURED_BUFFERS = (
+    "performer: a MultiHeadAttention layer in training mode counts its calls and redraws "
+    "its features in its buffers (method_state.calls_since_redraw, .projection), in place, "
+    "which torch.func's grad, vjp, jvp, jacrev, jacfwd and hessian refuse for a buffer the "
+    "transformed function captures. Either pass the buffers as an argument of the "
+    "transformed function (torch.func.grad(lambda params, buffers: "
+    "functional_call(model, (params, buffers), x).sum())(params, buffers): they count "
+    "there as in eager calls), or build the layer with feature_redraw_interval=None and "
+    "call layer.method_state.redraw() between steps, or call it in eval mode.")
 
 
 @custom_op("skyformer::in_recomputation")
