@@ -308,6 +308,32 @@ def test_func_vmap_equals_loop(method, matrix):
     torch.testing.assert_close(torch.func.vmap(f)(qs), torch.stack([f(x) for x in qs]))
 
 
+@pytest.mark.parametrize("method", ["skyformer", "reformer", "performer"])
+def test_func_vmap_randomness_modes_of_a_draw_made_inside(method):
+    """A key drawn inside ``vmap`` (``generator`` None or a ``torch.Generator``):
+    ``randomness="error"`` (vmap's default) is refused in a sentence naming the key
+    drawn outside; ``"same"`` draws once, as the plain call after the same seed;
+    ``"different"`` draws a key per mapped element. ``jacfwd`` and ``hessian`` map too."""
+    q, k, v = make_qkv(1, 1, 160, 4)  # 160: every method on its approximate path
+    qs = torch.stack([q, q])
+
+    def f(q, generator=None):
+        return call(method, q, k, v, key=generator)
+
+    for generator in (None, torch.Generator().manual_seed(0)):
+        with pytest.raises(RuntimeError, match=rf"^{method}: .*randomness='error'.*"
+                           r"generator=skyformer\.random_key\("):
+            torch.func.vmap(f, in_dims=(0, None))(qs, generator)
+    with pytest.raises(RuntimeError, match=r"vmap \(which jacfwd and hessian run too\)"):
+        torch.func.hessian(lambda q: f(q).sum())(q)  # refused at its first draw
+    torch.manual_seed(3)
+    same = torch.func.vmap(f, randomness="same")(qs)
+    torch.manual_seed(3)
+    torch.testing.assert_close(same, f(q).expand_as(same))
+    different = torch.func.vmap(f, randomness="different")(qs)
+    assert not torch.equal(different[0], different[1])
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_func_ensemble_of_layers_equals_a_loop(method, matrix):
     """``functional_call`` with another layer's parameters and buffers equals that layer,

@@ -228,7 +228,22 @@ def resolve_key(method: str, generator: object, device: torch.device, *,
             f"checkpointed function, generator=skyformer.random_key(g), or None to draw "
             f"from torch's global generator."
         )
-    return random_key(generator, device)  # type: ignore[arg-type]
+    try:
+        return random_key(generator, device)  # type: ignore[arg-type]
+    except RuntimeError as error:
+        if "randomness error mode" not in str(error):
+            raise
+        source = "torch's global generator" if generator is None else "a torch.Generator"
+        raise RuntimeError(
+            f"{method}: the call draws its random key from {source} inside "
+            f"torch.func.vmap (which jacfwd and hessian run too), whose default "
+            f"randomness='error' refuses random draws. Draw the key outside the mapped "
+            f"function, generator=skyformer.random_key(seed or generator): the same draws "
+            f"for every mapped element, as a Jacobian needs (vmap over a stack of keys "
+            f"[R, 2] for R draws); or pass randomness='same' (vmap, jacfwd) for one draw "
+            f"shared by the elements, or randomness='different' (vmap) for a draw per "
+            f"element."
+        ) from error
 
 
 def recomputing() -> bool:
