@@ -153,3 +153,20 @@ def test_compare_on_takes_plain_tensors():
                                         r"\(q, k, v\), three tensors \[B, H, N, D\], or a QKV; "
                                         r"got a dict"):
         compare_on({"q": q, "k": k, "v": v}, config)
+
+
+def test_more_keys_than_queries_bind_methods_for_the_keys():
+    """Own Q/K/V with Nk > Nq: a fixed-length method is bound for the Nk keys it holds
+    (Linformer was bound for Nq and refused them), and the features column is what the
+    call runs with (Nystromformer's landmarks are capped by max(Nq, Nk), not Nq)."""
+    import torch
+
+    from skyformer.eval.compare.run import CompareConfig, compare_on
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 12, 8, generator=g)
+    k, v = (torch.randn(1, 2, 20, 8, generator=g) for _ in range(2))
+    rows = compare_on((q, k, v), CompareConfig(methods=("linformer", "nystromformer"),
+                                               num_features=16, repeats=1, memory=False))
+    assert [r["num_features"] for r in rows] == [16, 16]
+    assert all(0 < r["spectral_error"] < 2 for r in rows)

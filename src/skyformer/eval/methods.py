@@ -94,6 +94,15 @@ class NamedAttention:
         return lambda q, k, v, g: bound(q, k, v, generator=g, state=state)
 
 
+def call_shape(q: Tensor, k: Tensor) -> tuple[int, int, int, int]:
+    """The shape ``[B, H, N, D]`` that ``NamedAttention.prepare`` binds a call on ``q:
+    [B, H, Nq, D]`` and ``k: [B, H, Nk, D]`` for, with ``N = max(Nq, Nk)``: the longest
+    sequence the call sees (a fixed-length method holds one position per key; token
+    budgets are capped by the longer of the two)."""
+    b, h, nq, d = q.shape
+    return b, h, max(nq, k.shape[-2]), d
+
+
 def target_options(options: dict[str, Any]) -> dict[str, Any]:
     """The options of the exact target that a call with (resolved) ``options`` approximates:
     its causal masking and its logit scale, where it has them (``causal=True`` against

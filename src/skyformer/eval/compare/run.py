@@ -28,7 +28,7 @@ from ..data.text import read_text
 from ..measure.memory import MemoryJob, peak_memory_or_reason
 from ..measure.metrics import relative_error, trivial_error
 from ..measure.timing import median_seconds
-from ..methods import PreparedCall, refuse_repeated_methods, resolve, target_options
+from ..methods import PreparedCall, call_shape, refuse_repeated_methods, resolve, target_options
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ def compare_on(qkv: QKV | tuple[Tensor, Tensor, Tensor],
             target = spec.capabilities.target
             named = resolve(name)
             options = named.options(config.num_features)
-            resolved = named.resolved_options(options, q.shape[-2])
+            resolved = named.resolved_options(options, call_shape(q, k)[2])
             key = (target, *sorted(target_options(resolved).items()))
             if key not in exact:
                 with torch.no_grad():
@@ -126,7 +126,7 @@ def compare_on(qkv: QKV | tuple[Tensor, Tensor, Tensor],
                                                                **target_options(resolved))
                 trivial[key] = trivial_error(v, exact[key],
                                              causal=bool(resolved.get("causal")))
-            call = named.prepare(tuple(q.shape), options, device=q.device, dtype=q.dtype)
+            call = named.prepare(call_shape(q, k), options, device=q.device, dtype=q.dtype)
 
             def run(call: PreparedCall = call) -> Tensor:
                 g = torch.Generator(device=q.device).manual_seed(config.seed)

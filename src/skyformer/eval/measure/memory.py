@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ...registry import get_method
-from ..methods import resolve
+from ..methods import call_shape, resolve
 
 CPU_RESOLUTION_BYTES = 1 << 20  # CPU peaks below this are noise (module docstring)
 
@@ -108,7 +108,7 @@ def _call(job: MemoryJob | CallJob, device: torch.device) -> Any:
     if isinstance(job, CallJob):
         return _resolve(job.setup)(**job.kwargs)
     q, k, v = _inputs(job, device)
-    call = resolve(job.method).prepare(tuple(q.shape), job.options, device=device,
+    call = resolve(job.method).prepare(call_shape(q, k), job.options, device=device,
                                        dtype=q.dtype, as_layer=job.as_layer)
     return lambda: _run(job, call, q, k, v, device)
 
