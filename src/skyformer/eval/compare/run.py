@@ -20,7 +20,9 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ...io import environment
+from ...ops.shared.inputs import check_attention_inputs
 from ...registry import exact_method, get_method, list_methods
+from ...registry.capabilities import CapabilityError
 from ...registry.variants import refuse_swept_option
 from ...seeds import check_seed
 from ..data.qkv import QKV, load_qkv
@@ -29,6 +31,7 @@ from ..measure.memory import MemoryJob, peak_memory_or_reason
 from ..measure.metrics import relative_error, trivial_error
 from ..measure.timing import median_seconds
 from ..methods import PreparedCall, call_shape, refuse_repeated_methods, resolve, target_options
+from .report import not_measured
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,7 @@ class CompareResult:
             "source": self.source,
             "environment": self.environment,
             "rows": self.rows,
+            "not_measured": not_measured(self.rows),
         }
 
 
@@ -93,75 +97,104 @@ def given_tensors(qkv: Any) -> tuple[Tensor, Tensor, Tensor]:
                     f"tensors [B, H, N, D], or a QKV; got a {type(qkv).__name__}{hint}.")
 
 
+NOT_RUN = ("not supported", "failed")  # the statuses of rows without numbers
+NUMBERS = ("spectral_error", "spectral_error_std", "trivial_error", "worse_than_trivial",
+           "frobenius_error", "time_ms", "peak_mib")
+
+
 def compare_on(qkv: QKV | tuple[Tensor, Tensor, Tensor],
                config: CompareConfig) -> list[dict[str, Any]]:
     """Rows of the comparison on given Q/K/V ``[B, H, N, D]`` (a ``QKV`` captured from a
     model, or one's own ``(q, k, v)``): errors are the mean (and spread) over the B * H
-    heads, times those of one call on the whole batch."""
+    heads, times those of one call on the whole batch.
+
+    Unknown method names and inputs no method can take (``check_attention_inputs``) fail
+    before anything runs. A method that cannot run these inputs (e.g. BigBird with
+    Nq != Nk) gets a row with ``status`` "not supported" (a call that fails otherwise:
+    "failed") and the sentence why in ``reason``, its numbers ``None``; the others are
+    measured."""
     q, k, v = given_tensors(qkv)
+    check_attention_inputs(q, k, v, None, method="compare_on")
     methods = list(config.methods) if config.methods else list_methods()
     for m in methods:
         get_method(m)  # unknown names fail before any work
-    # per target and its causal and scale options: the exact output and the error of
-    # the better trivial answer, every row = mean of V (the softmax target's constant) or
-    # all zeros (relative error 1: the Gaussian target's rows are not weighted means, so
-    # mean(V) can be far off there)
-    exact: dict[tuple, Tensor] = {}
-    trivial: dict[tuple, float] = {}
+    targets: dict[tuple, tuple[Tensor, float]] = {}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         inputs = Path(tmp) / "qkv.pt"
         torch.save({"q": q, "k": k, "v": v}, inputs)
         # a bar on a terminal, nothing when piped (tqdm's disable=None)
         for name in tqdm(methods, desc="compare", unit="method", leave=False, disable=None):
-            spec = get_method(name)
-            target = spec.capabilities.target
-            named = resolve(name)
-            options = named.options(config.num_features)
-            resolved = named.resolved_options(options, call_shape(q, k)[2])
-            key = (target, *sorted(target_options(resolved).items()))
-            if key not in exact:
-                with torch.no_grad():
-                    exact[key] = exact_method(target).function(q, k, v,
-                                                               **target_options(resolved))
-                trivial[key] = trivial_error(v, exact[key],
-                                             causal=bool(resolved.get("causal")))
-            call = named.prepare(call_shape(q, k), options, device=q.device, dtype=q.dtype)
-
-            def run(call: PreparedCall = call) -> Tensor:
-                g = torch.Generator(device=q.device).manual_seed(config.seed)
-                with torch.no_grad():
-                    return call(q, k, v, g)
-
-            out = run()
-            # one error per head of every sequence, [B * H], as the trivial answer's
-            spectral = relative_error(out, exact[key], ord=2).flatten()
-            frobenius = relative_error(out, exact[key], ord="fro").flatten()
-            seconds = median_seconds(run, device=q.device, warmup=1, repeats=config.repeats)
-            peak = None
-            if config.memory:
-                job = memory_job(name, tuple(q.shape), options, config.seed, str(inputs))
-                peak, reason = peak_memory_or_reason(job, q.device)
-                if reason is not None:  # the row keeps its errors and time
-                    warnings.warn(f"{name}: {reason}", stacklevel=2)
-            rows.append(
-                {
-                    "method": name,
-                    "target": target,
-                    "exact": spec.capabilities.exact,
-                    "num_features": resolved.get("num_features"),
-                    # the generator's seed where the output depends on it
-                    "seed": config.seed if spec.capabilities.randomized else None,
-                    "spectral_error": spectral.mean().item(),
-                    "spectral_error_std": spectral.std().item() if spectral.numel() > 1 else 0.0,
-                    "trivial_error": trivial[key],
-                    "worse_than_trivial": spectral.mean().item() > trivial[key],
-                    "frobenius_error": frobenius.mean().item(),
-                    "time_ms": seconds * 1e3,
-                    "peak_mib": None if peak is None else peak / 2**20,
-                }
-            )
+            rows.append(_row(name, (q, k, v), config, targets, str(inputs)))
     return rows
+
+
+def _target(target: str, resolved: dict[str, Any], q: Tensor, k: Tensor, v: Tensor,
+            known: dict[tuple, tuple[Tensor, float]]) -> tuple[Tensor, float]:
+    """The exact output ``[B, H, Nq, Dv]`` of ``target`` with the ``target_options`` of
+    ``resolved`` (causal, scale) and the error of the better trivial answer against it,
+    every row = mean of V (the softmax target's constant) or all zeros (relative error
+    1: the Gaussian target's rows are not weighted means, so mean(V) can be far off
+    there); kept in ``known`` for the next method with the same target."""
+    same = target_options(resolved)
+    key = (target, *sorted(same.items()))
+    if key not in known:
+        with torch.no_grad():
+            out = exact_method(target).function(q, k, v, **same)
+        known[key] = out, trivial_error(v, out, causal=bool(same.get("causal")))
+    return known[key]
+
+
+def _row(name: str, qkv: tuple[Tensor, Tensor, Tensor], config: CompareConfig,
+         targets: dict[tuple, tuple[Tensor, float]], inputs: str) -> dict[str, Any]:
+    """The row of method ``name`` on ``qkv`` (``compare_on``)."""
+    q, k, v = qkv
+    spec = get_method(name)
+    named = resolve(name)
+    options = named.options(config.num_features)
+    row = {"method": name, "target": spec.capabilities.target,
+           "exact": spec.capabilities.exact, "num_features": None,
+           # the generator's seed where the output depends on it
+           "seed": config.seed if spec.capabilities.randomized else None,
+           "status": "ok", "reason": "", **dict.fromkeys(NUMBERS)}
+    try:
+        resolved = named.resolved_options(options, call_shape(q, k)[2])
+        row["num_features"] = resolved.get("num_features")
+        call = named.prepare(call_shape(q, k), options, device=q.device, dtype=q.dtype)
+
+        def run(call: PreparedCall = call) -> Tensor:
+            g = torch.Generator(device=q.device).manual_seed(config.seed)
+            with torch.no_grad():
+                return call(q, k, v, g)
+
+        out = run()
+    except CapabilityError as err:
+        return {**row, "status": "not supported", "reason": _first_line(err)}
+    except (RuntimeError, ValueError, TypeError) as err:  # e.g. out of memory
+        return {**row, "status": "failed",
+                "reason": f"{type(err).__name__}: {_first_line(err)}"}
+    exact, trivial = _target(row["target"], resolved, q, k, v, targets)
+    # one error per head of every sequence, [B * H], as the trivial answer's
+    spectral = relative_error(out, exact, ord=2).flatten()
+    frobenius = relative_error(out, exact, ord="fro").flatten()
+    row.update(spectral_error=spectral.mean().item(),
+               spectral_error_std=spectral.std().item() if spectral.numel() > 1 else 0.0,
+               trivial_error=trivial, worse_than_trivial=spectral.mean().item() > trivial,
+               frobenius_error=frobenius.mean().item())
+    row["time_ms"] = median_seconds(run, device=q.device, warmup=1,
+                                    repeats=config.repeats) * 1e3
+    if config.memory:
+        job = memory_job(name, tuple(q.shape), options, config.seed, inputs)
+        peak, reason = peak_memory_or_reason(job, q.device)
+        if reason is not None:  # the row keeps its errors and time
+            warnings.warn(f"{name}: {reason}", stacklevel=3)
+        row["peak_mib"] = None if peak is None else peak / 2**20
+    return row
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
 
 
 def compare(config: CompareConfig = CompareConfig()) -> CompareResult:
