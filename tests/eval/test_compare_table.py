@@ -213,3 +213,25 @@ def test_bad_tensors_fail_before_any_method_runs():
         compare_on((q, torch.randn(1, 2, 12, 4), torch.randn(1, 2, 12, 8)), config)
     with pytest.raises(ValueError, match=r"compare_on: empty input"):
         compare_on((q[:, :, :0],) * 3, config)
+
+
+def test_cpu_peaks_below_the_measurements_resolution_are_not_printed_as_numbers(
+        monkeypatch):
+    """A CPU peak under ``CPU_RESOLUTION_BYTES`` says only "small" (as ``bench`` takes no
+    ratio and draws no point of it): the table shows "<1", the row says so, and a peak
+    above it is printed as measured."""
+    import torch
+
+    import skyformer.eval.measure.memory as memory
+    from skyformer.eval.compare.run import CompareConfig, compare_on
+
+    peaks = {"softmax": 200 * 1024, "linear": 3 * 2**20}
+    monkeypatch.setattr(memory, "peak_memory_bytes",
+                        lambda job, device="cpu", timeout=600: peaks[job.method])
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    rows = compare_on((q, k, v), CompareConfig(methods=("softmax", "linear"), repeats=1))
+    assert [r["peak_below_resolution"] for r in rows] == [True, False]
+    assert rows[1]["peak_mib"] == 3.0
+    lines = format_table(rows).splitlines()
+    assert lines[2].split()[-1] == "<1" and lines[3].split()[-1] == "3.0"
+    assert any("below the measurement's resolution" in line for line in lines[4:])

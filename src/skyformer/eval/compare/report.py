@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..measure.memory import CPU_RESOLUTION_BYTES
+
+SMALL = f"<{CPU_RESOLUTION_BYTES / 2**20:g}"  # a peak below the CPU measurement's resolution
+
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """Plain-text table of compare rows (the method column fits the longest name)."""
@@ -25,11 +29,17 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         err = f"{r['spectral_error']:.4f} +- {r['spectral_error_std']:.4f}{mark}"
         trivial = "-" if r.get("trivial_error") is None else f"{r['trivial_error']:.4f}"
         peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.1f}"
+        if r.get("peak_below_resolution"):
+            peak = SMALL
         lines.append(
             f"{r['method']:<{width}}{r['target']:<10}{feats:>9}{err:>23}{trivial:>9}"
             f"{r['frobenius_error']:>10.4f}{r['time_ms']:>10.2f}{peak:>10}"
         )
     lines.append(TRIVIAL_LEGEND)
+    if any(r.get("peak_below_resolution") for r in rows):
+        lines.append(f"peak MiB {SMALL}: a CPU peak under {CPU_RESOLUTION_BYTES / 2**20:g} MiB, "
+                     f"below the measurement's resolution (it says only \"small\"; the "
+                     f"measured value is the row's peak_mib).")
     not_run = not_measured(rows)
     if not_run:
         lines.append(f"{not_run} of {len(rows)} methods not measured on these inputs (their "

@@ -27,7 +27,7 @@ from ...registry.variants import refuse_swept_option
 from ...seeds import check_seed
 from ..data.qkv import QKV, load_qkv
 from ..data.text import read_text
-from ..measure.memory import MemoryJob, peak_memory_or_reason
+from ..measure.memory import MemoryJob, above_resolution, peak_memory_or_reason
 from ..measure.metrics import relative_error, trivial_error
 from ..measure.timing import median_seconds
 from ..methods import PreparedCall, call_shape, refuse_repeated_methods, resolve, target_options
@@ -99,7 +99,7 @@ def given_tensors(qkv: Any) -> tuple[Tensor, Tensor, Tensor]:
 
 NOT_RUN = ("not supported", "failed")  # the statuses of rows without numbers
 NUMBERS = ("spectral_error", "spectral_error_std", "trivial_error", "worse_than_trivial",
-           "frobenius_error", "time_ms", "peak_mib")
+           "frobenius_error", "time_ms", "peak_mib", "peak_below_resolution")
 
 
 def compare_on(qkv: QKV | tuple[Tensor, Tensor, Tensor],
@@ -189,6 +189,9 @@ def _row(name: str, qkv: tuple[Tensor, Tensor, Tensor], config: CompareConfig,
         if reason is not None:  # the row keeps its errors and time
             warnings.warn(f"{name}: {reason}", stacklevel=3)
         row["peak_mib"] = None if peak is None else peak / 2**20
+        # a CPU peak under the resolution says only "small" (bench takes no ratio of it)
+        row["peak_below_resolution"] = peak is not None and not above_resolution(peak,
+                                                                                 q.device)
     return row
 
 
