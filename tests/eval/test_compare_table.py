@@ -235,3 +235,25 @@ def test_cpu_peaks_below_the_measurements_resolution_are_not_printed_as_numbers(
     lines = format_table(rows).splitlines()
     assert lines[2].split()[-1] == "<1" and lines[3].split()[-1] == "3.0"
     assert any("below the measurement's resolution" in line for line in lines[4:])
+
+
+def test_the_table_and_the_result_file_say_what_every_column_is():
+    """Whoever prints ``compare_on``'s rows (not only ``skyformer compare``) reads what
+    each column measures, over what its spread is taken and in which unit; the result
+    file describes its row keys the same way."""
+    import torch
+
+    from skyformer.eval.compare.report import COLUMNS
+    from skyformer.eval.compare.run import CompareConfig, CompareResult, compare_on
+
+    q, k, v = (torch.randn(2, 2, 16, 8) for _ in range(3))
+    config = CompareConfig(methods=("softmax", "linear"), repeats=1, memory=False)
+    rows = compare_on((q, k, v), config)
+    legend = "\n".join(format_table(rows).splitlines()[4:])
+    assert "spectral err: relative spectral-norm error" in legend
+    assert "mean +- sample std over the B * H heads (4 heads here)" in legend
+    for column in ("frob err:", "time ms:", "peak MiB:", "features:"):
+        assert column in legend, column
+    described = CompareResult(config, "mine", rows).to_dict()["columns"]
+    assert described == COLUMNS
+    assert set(described) <= set(rows[0]) and "time_ms" in described

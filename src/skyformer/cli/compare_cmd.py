@@ -58,10 +58,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"Q/K/V: {result.source}")
     print(f"seed {args.seed}: the draws of the randomized methods (their rows' seed)"
           + ("" if not args.random_init else " and the random weights"))
-    print(
-        "error: relative spectral norm ||O - O_exact||_2 / ||O_exact||_2 against the method's "
-        "target (mean +- std over heads)"
-    )
     print(format_table(result.rows))
     if args.json_path:
         path = write_json(args.json_path, {**result.to_dict(), "command": command_line(args)})

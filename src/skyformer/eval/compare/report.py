@@ -8,6 +8,28 @@ from ..measure.memory import CPU_RESOLUTION_BYTES
 
 SMALL = f"<{CPU_RESOLUTION_BYTES / 2**20:g}"  # a peak below the CPU measurement's resolution
 
+# What each number of a row is, in its unit: the table's legend and the result file's
+# "columns" (the trivial answer's is TRIVIAL_LEGEND)
+COLUMNS = {
+    "num_features": "the method's num_features as the call runs it (its default where none "
+                    "is given, capped by the sequence; exact = an exact method)",
+    "spectral_error": "relative spectral-norm error ||O - O_exact||_2 / ||O_exact||_2 of "
+                      "each head's output [Nq, Dv] against the method's exact target, in "
+                      "float64; mean +- sample std over the B * H heads",
+    "spectral_error_std": "sample standard deviation of the spectral error over the B * H "
+                          "heads",
+    "frobenius_error": "relative Frobenius-norm error against the same target, mean over "
+                       "the B * H heads",
+    "samples": "the heads the errors are taken over, B * H",
+    "time_ms": "median wall-clock milliseconds of one forward call on the whole batch, over "
+               "the timed repeats after one warm-up call",
+    "peak_mib": "peak memory in MiB (2^20 bytes) of one forward call above what was there "
+                "before it (CUDA: allocated; CPU: resident, in a fresh process); - = not "
+                "measured",
+}
+HEADERS = {"num_features": "features", "spectral_error": "spectral err",
+           "frobenius_error": "frob err", "time_ms": "time ms", "peak_mib": "peak MiB"}
+
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """Plain-text table of compare rows (the method column fits the longest name)."""
@@ -35,7 +57,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"{r['method']:<{width}}{r['target']:<10}{feats:>9}{err:>23}{trivial:>9}"
             f"{r['frobenius_error']:>10.4f}{r['time_ms']:>10.2f}{peak:>10}"
         )
-    lines.append(TRIVIAL_LEGEND)
+    lines += legend(rows)
     if any(r.get("peak_below_resolution") for r in rows):
         lines.append(f"peak MiB {SMALL}: a CPU peak under {CPU_RESOLUTION_BYTES / 2**20:g} MiB, "
                      f"below the measurement's resolution (it says only \"small\"; the "
@@ -45,6 +67,17 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         lines.append(f"{not_run} of {len(rows)} methods not measured on these inputs (their "
                      f"rows say why).")
     return "\n".join(lines)
+
+
+def legend(rows: list[dict[str, Any]]) -> list[str]:
+    """The lines under the table that say what each column is (``COLUMNS``)."""
+    samples = {r["samples"] for r in rows if r.get("samples")}
+    lines = []
+    for key, header in HEADERS.items():
+        here = f" ({samples.pop()} heads here)" if key == "spectral_error" \
+            and len(samples) == 1 else ""
+        lines.append(f"{header}: {COLUMNS[key]}{here}.")
+    return [*lines, TRIVIAL_LEGEND]
 
 
 def not_measured(rows: list[dict[str, Any]]) -> int:

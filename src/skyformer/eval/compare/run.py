@@ -31,7 +31,7 @@ from ..measure.memory import MemoryJob, above_resolution, peak_memory_or_reason
 from ..measure.metrics import relative_error, trivial_error
 from ..measure.timing import median_seconds
 from ..methods import PreparedCall, call_shape, refuse_repeated_methods, resolve, target_options
-from .report import not_measured
+from .report import COLUMNS, not_measured
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,7 @@ class CompareResult:
             "config": dataclasses.asdict(self.config),
             "source": self.source,
             "environment": self.environment,
+            "columns": COLUMNS,
             "rows": self.rows,
             "not_measured": not_measured(self.rows),
         }
@@ -99,7 +100,7 @@ def given_tensors(qkv: Any) -> tuple[Tensor, Tensor, Tensor]:
 
 NOT_RUN = ("not supported", "failed")  # the statuses of rows without numbers
 NUMBERS = ("spectral_error", "spectral_error_std", "trivial_error", "worse_than_trivial",
-           "frobenius_error", "time_ms", "peak_mib", "peak_below_resolution")
+           "frobenius_error", "samples", "time_ms", "peak_mib", "peak_below_resolution")
 
 
 def compare_on(qkv: QKV | tuple[Tensor, Tensor, Tensor],
@@ -180,7 +181,7 @@ def _row(name: str, qkv: tuple[Tensor, Tensor, Tensor], config: CompareConfig,
     row.update(spectral_error=spectral.mean().item(),
                spectral_error_std=spectral.std().item() if spectral.numel() > 1 else 0.0,
                trivial_error=trivial, worse_than_trivial=spectral.mean().item() > trivial,
-               frobenius_error=frobenius.mean().item())
+               frobenius_error=frobenius.mean().item(), samples=spectral.numel())
     row["time_ms"] = median_seconds(run, device=q.device, warmup=1,
                                     repeats=config.repeats) * 1e3
     if config.memory:
