@@ -257,3 +257,23 @@ def test_the_table_and_the_result_file_say_what_every_column_is():
     described = CompareResult(config, "mine", rows).to_dict()["columns"]
     assert described == COLUMNS
     assert set(described) <= set(rows[0]) and "time_ms" in described
+
+
+def test_half_precision_inputs_are_measured_against_a_float32_target():
+    """bfloat16 Q/K/V: the exact target is computed in float32 from them (as ``bench``
+    does), so softmax's own bfloat16 rounding shows as an error instead of being the
+    reference every other method is measured against."""
+    import torch
+
+    from skyformer.eval.compare.run import CompareConfig, compare_on
+    from skyformer.eval.measure.metrics import relative_error
+    from skyformer.ops.softmax import softmax_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=g).bfloat16() for _ in range(3))
+    row, = compare_on((q, k, v), CompareConfig(methods=("softmax",), repeats=1,
+                                               memory=False))
+    exact = softmax_attention(q.float(), k.float(), v.float())
+    expected = relative_error(softmax_attention(q, k, v), exact).mean().item()
+    assert expected > 1e-4
+    assert abs(row["spectral_error"] - expected) < 1e-9

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..registry import get_method
+from ..registry import exact_method, get_method
 from ..registry.autocast import capped_for
 from ..registry.capabilities import TARGETS
 from ..registry.variants import is_variant, parse_variant
@@ -108,6 +108,16 @@ def target_options(options: dict[str, Any]) -> dict[str, Any]:
     its causal masking and its logit scale, where it has them (``causal=True`` against
     causal softmax, ``scale=0.5`` against softmax at that scale)."""
     return {name: options[name] for name in TARGET_OPTIONS if name in options}
+
+
+def exact_output(target: str, q: Tensor, k: Tensor, v: Tensor, **options: Any) -> Tensor:
+    """The exact attention ``target`` ("softmax" or "gaussian") with ``options`` (its
+    ``target_options``) on ``q, k, v`` in float32, or float64 for float64 inputs:
+    ``[B, H, Nq, Dv]``. Half-precision inputs are upcast first, so that an error
+    measured against it includes a method's rounding instead of sharing the target's."""
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    with torch.no_grad():
+        return exact_method(target).function(q.to(work), k.to(work), v.to(work), **options)
 
 
 def resolve_all(specs: list[str] | tuple[str, ...]) -> list[NamedAttention]:

@@ -40,7 +40,7 @@ from ...devices import parse_device
 from ...io import environment, json_ready
 from ...linalg.implicit_inverse import factorises
 from ...ops.shared.inputs import compute_dtype
-from ...registry import Method, exact_method, get_method, list_methods
+from ...registry import Method, get_method, list_methods
 from ...registry.variants import refuse_swept_option
 from ...seeds import check_seed
 from ..measure.flops import attention_flops, matmul_flops_per_second
@@ -50,6 +50,7 @@ from ..measure.timing import CLOCKS, interleaved_median_seconds
 from ..methods import (
     NamedAttention,
     PreparedCall,
+    exact_output,
     refuse_repeated_methods,
     refuse_repeats,
     resolve_all,
@@ -584,10 +585,7 @@ def _target(q: Tensor, k: Tensor, v: Tensor, method: NamedAttention, options: di
     same = target_options(method.resolved_options(options, q.shape[-2]))
     key = (method.target, *sorted(same.items()))
     if key not in known:
-        work = torch.float64 if q.dtype == torch.float64 else torch.float32
-        with torch.no_grad():
-            out = exact_method(method.target).function(q.to(work), k.to(work), v.to(work),
-                                                       **same)
+        out = exact_output(method.target, q, k, v, **same)
         known[key] = out, trivial_error(v, out, causal=bool(same.get("causal")))
     return known[key]
 

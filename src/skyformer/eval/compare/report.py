@@ -14,8 +14,9 @@ COLUMNS = {
     "num_features": "the method's num_features as the call runs it (its default where none "
                     "is given, capped by the sequence; exact = an exact method)",
     "spectral_error": "relative spectral-norm error ||O - O_exact||_2 / ||O_exact||_2 of "
-                      "each head's output [Nq, Dv] against the method's exact target, in "
-                      "float64; mean +- sample std over the B * H heads",
+                      "each head's output [Nq, Dv] against the method's exact target (in "
+                      "float32 for half-precision inputs; norms in float64); mean +- sample "
+                      "std over the B * H heads",
     "spectral_error_std": "sample standard deviation of the spectral error over the B * H "
                           "heads",
     "frobenius_error": "relative Frobenius-norm error against the same target, mean over "

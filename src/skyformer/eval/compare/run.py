@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from ...io import environment
 from ...ops.shared.inputs import check_attention_inputs
-from ...registry import exact_method, get_method, list_methods
+from ...registry import get_method, list_methods
 from ...registry.capabilities import CapabilityError
 from ...registry.variants import refuse_swept_option
 from ...seeds import check_seed
@@ -30,7 +30,14 @@ from ..data.text import read_text
 from ..measure.memory import MemoryJob, above_resolution, peak_memory_or_reason
 from ..measure.metrics import relative_error, trivial_error
 from ..measure.timing import median_seconds
-from ..methods import PreparedCall, call_shape, refuse_repeated_methods, resolve, target_options
+from ..methods import (
+    PreparedCall,
+    call_shape,
+    exact_output,
+    refuse_repeated_methods,
+    resolve,
+    target_options,
+)
 from .report import COLUMNS, not_measured
 
 
@@ -132,7 +139,8 @@ def compare_on(qkv: QKV | tuple[Tensor, Tensor, Tensor],
 
 def _target(target: str, resolved: dict[str, Any], q: Tensor, k: Tensor, v: Tensor,
             known: dict[tuple, tuple[Tensor, float]]) -> tuple[Tensor, float]:
-    """The exact output ``[B, H, Nq, Dv]`` of ``target`` with the ``target_options`` of
+    """The exact output ``[B, H, Nq, Dv]`` of ``target`` (``exact_output``: float32 for
+    half-precision inputs) with the ``target_options`` of
     ``resolved`` (causal, scale) and the error of the better trivial answer against it,
     every row = mean of V (the softmax target's constant) or all zeros (relative error
     1: the Gaussian target's rows are not weighted means, so mean(V) can be far off
@@ -140,8 +148,7 @@ def _target(target: str, resolved: dict[str, Any], q: Tensor, k: Tensor, v: Tens
     same = target_options(resolved)
     key = (target, *sorted(same.items()))
     if key not in known:
-        with torch.no_grad():
-            out = exact_method(target).function(q, k, v, **same)
+        out = exact_output(target, q, k, v, **same)
         known[key] = out, trivial_error(v, out, causal=bool(same.get("causal")))
     return known[key]
 
