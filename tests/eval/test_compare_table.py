@@ -277,3 +277,21 @@ def test_half_precision_inputs_are_measured_against_a_float32_target():
     expected = relative_error(softmax_attention(q, k, v), exact).mean().item()
     assert expected > 1e-4
     assert abs(row["spectral_error"] - expected) < 1e-9
+
+
+def test_a_causal_variant_on_more_keys_than_queries_is_not_supported():
+    """``causal=True`` needs Nq == Nk: the methods refuse it in a sentence (a ValueError,
+    as every check of inputs against options), which is a configuration they do not
+    support, not a failure of the call."""
+    import torch
+
+    from skyformer.eval.compare.run import CompareConfig, compare_on
+
+    q = torch.randn(1, 2, 12, 8)
+    k, v = torch.randn(1, 2, 20, 8), torch.randn(1, 2, 20, 8)
+    rows = compare_on((q, k, v), CompareConfig(methods=("linear[causal=True]", "linear"),
+                                               repeats=1, memory=False))
+    assert rows[0]["status"] == "not supported"
+    assert rows[0]["reason"] == "linear: causal=True needs as many queries as keys, got " \
+                                "Nq=12, Nk=20."
+    assert rows[1]["status"] == "ok"

@@ -22,7 +22,6 @@ from tqdm.auto import tqdm
 from ...io import environment
 from ...ops.shared.inputs import check_attention_inputs
 from ...registry import get_method, list_methods
-from ...registry.capabilities import CapabilityError
 from ...registry.variants import refuse_swept_option
 from ...seeds import check_seed
 from ..data.qkv import QKV, load_qkv
@@ -105,7 +104,6 @@ def given_tensors(qkv: Any) -> tuple[Tensor, Tensor, Tensor]:
                     f"tensors [B, H, N, D], or a QKV; got a {type(qkv).__name__}{hint}.")
 
 
-NOT_RUN = ("not supported", "failed")  # the statuses of rows without numbers
 NUMBERS = ("spectral_error", "spectral_error_std", "trivial_error", "worse_than_trivial",
            "frobenius_error", "samples", "time_ms", "peak_mib", "peak_below_resolution")
 
@@ -118,8 +116,9 @@ def compare_on(qkv: QKV | tuple[Tensor, Tensor, Tensor],
 
     Unknown method names and inputs no method can take (``check_attention_inputs``) fail
     before anything runs. A method that cannot run these inputs (e.g. BigBird with
-    Nq != Nk) gets a row with ``status`` "not supported" (a call that fails otherwise:
-    "failed") and the sentence why in ``reason``, its numbers ``None``; the others are
+    Nq != Nk, ``causal=True`` with Nq != Nk: the sentence of its ``ValueError``) gets a
+    row with ``status`` "not supported" (a call that fails otherwise, e.g. out of
+    memory: "failed") and the sentence why in ``reason``, its numbers ``None``; the others are
     measured."""
     q, k, v = given_tensors(qkv)
     check_attention_inputs(q, k, v, None, method="compare_on")
@@ -176,9 +175,9 @@ def _row(name: str, qkv: tuple[Tensor, Tensor, Tensor], config: CompareConfig,
                 return call(q, k, v, g)
 
         out = run()
-    except CapabilityError as err:
+    except ValueError as err:  # a CapabilityError, or inputs the options exclude
         return {**row, "status": "not supported", "reason": _first_line(err)}
-    except (RuntimeError, ValueError, TypeError) as err:  # e.g. out of memory
+    except (RuntimeError, TypeError) as err:  # e.g. out of memory
         return {**row, "status": "failed",
                 "reason": f"{type(err).__name__}: {_first_line(err)}"}
     exact, trivial = _target(row["target"], resolved, q, k, v, targets)
