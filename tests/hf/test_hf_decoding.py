@@ -696,3 +696,23 @@ def test_step_readings_keep_one_reading_per_mask_of_a_step():
     assert readings.once("key_valid", full, (5, 1), lambda: 99) == 1
     assert readings.once("key_valid", full, (6, 1), lambda: 99) == 99
     assert readings.once("other", None, (6, 1), lambda: 7) == 7
+
+
+@torch.no_grad()
+def test_batch_size_reads_the_sequences_held_as_transformers_caches():
+    """``cache.batch_size`` (transformers' Cache property) is -1 before the first step and
+    then the number of sequences held, following selections and repeats; it raised
+    'not consistent across layers' over the layers' methods."""
+    model = _gpt2()
+    shf.set_attention(model, "skyformer", layers=[1], seed=0, num_features=8,
+                      landmark_stride=4)  # layer 0 exact (keys kept), layer 1 a state
+    cache = shf.DecodingCache(model)
+    assert cache.batch_size == -1
+    model(_prompt()[0][:, 4:10], cache=cache)
+    assert cache.batch_size == 2
+    cache.batch_repeat_interleave(3)
+    assert cache.batch_size == 6
+    cache.batch_select_indices(torch.tensor([5]))
+    assert cache.batch_size == 1
+    cache.reset()
+    assert cache.batch_size == -1

@@ -239,8 +239,10 @@ class DecodingLayer(CacheLayerMixin):
         self.seen += key_states.shape[-2]
         return key_states, value_states
 
-    def batch_size(self) -> int | None:
-        """The number of sequences held (None before the first step)."""
+    def held_sequences(self) -> int | None:
+        """The number of sequences held (None before the first step). Not named
+        ``batch_size``: transformers' ``Cache.batch_size`` reads that attribute of each
+        layer as a number."""
         if self.state is not None:
             return self.state.batch_size()
         return self.keys.shape[0] if self.keys is not None else None
@@ -248,7 +250,7 @@ class DecodingLayer(CacheLayerMixin):
     def _check_batch(self, batch: int) -> None:
         """Refuse a step of another number of sequences than the layer holds, before any
         layer changes: the cache holds an earlier generation's sequences."""
-        held = self.batch_size()
+        held = self.held_sequences()
         if held is not None and batch != held:
             raise ValueError(
                 f"DecodingCache: this step has {batch} sequences, the cache holds {held} "
@@ -319,7 +321,7 @@ class DecodingLayer(CacheLayerMixin):
             self.values = self.values.index_select(0, indices.to(self.values.device))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        batch = self.batch_size()
+        batch = self.held_sequences()
         if batch is not None:
             device = self.keys.device if self.keys is not None else None
             index = torch.arange(batch, device=device).repeat_interleave(repeats)
@@ -497,6 +499,13 @@ class DecodingCache(Cache):
                 f"or set_attn_implementation since the cache was made), so its states cannot "
                 f"take this step; start a new cache once it runs skyformer again, or use "
                 f"transformers' DynamicCache for its own attention.")
+
+    @property
+    def batch_size(self) -> int:
+        """The number of sequences held, -1 before the first step (transformers'
+        ``Cache.batch_size``; the layers hold the same number: ``_check_batch``)."""
+        held = [n for layer in self.layers if (n := layer.held_sequences()) is not None]
+        return held[0] if held else -1
 
     def crop(self, tokens_to_remove: int) -> None:
         """``DecodingLayer.crop`` on every layer, after checking them all: a refused crop
