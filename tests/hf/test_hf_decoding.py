@@ -716,3 +716,31 @@ def test_batch_size_reads_the_sequences_held_as_transformers_caches():
     assert cache.batch_size == 1
     cache.reset()
     assert cache.batch_size == -1
+
+
+@torch.no_grad()
+def test_assisted_generation_over_a_used_padded_cache_is_refused_before_any_token():
+    """transformers' assisted generation feeds the whole input again at its first step,
+    over the positions a used cache holds (a second turn): with a padded conversation
+    its mask then ends before the step does, so the state would take the input's first
+    tokens as the next positions and the rest as padding, and the step's last logits
+    (all a short generation reads) come from a padded row. Refused at that step, naming
+    the fix; a reset cache given the whole conversation decodes it."""
+    model = _gpt2()
+    shf.set_attention(model, "performer", seed=0, num_features=16)
+    ids, mask = _prompt()
+    ids, mask = ids[1:], mask[1:]  # left padding
+    settings = {"max_new_tokens": 1, "do_sample": False, "pad_token_id": 0}
+    cache = shf.DecodingCache(model)
+    first = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=3,
+                           do_sample=False, pad_token_id=0)
+    turn = torch.cat([first, ids[:, 10:15]], dim=1)
+    turn_mask = torch.cat([mask, torch.ones(1, 8, dtype=mask.dtype)], dim=1)
+    with pytest.raises(ValueError, match=r"assisted generation.*whole input again.*"
+                                         r"DecodingCache\(model\).*reset\(\)"):
+        model.generate(turn, attention_mask=turn_mask, cache=cache,
+                       prompt_lookup_num_tokens=3, **settings)
+    expected = model.generate(turn, attention_mask=turn_mask, use_cache=False, **settings)
+    cache.reset()
+    assert torch.equal(model.generate(turn, attention_mask=turn_mask, cache=cache,
+                                      prompt_lookup_num_tokens=3, **settings), expected)

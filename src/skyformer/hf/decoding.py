@@ -30,6 +30,9 @@ steps it again with the positions that stay (generation in eval mode: in trainin
 a Performer layer may redraw its features in place between steps). While recording,
 the replaced tensors of the state before the last step stay alive until the next step
 or ``crop``, with that step's inputs: up to about twice the state's memory.
+Assisted generation cannot continue a used cache: transformers feeds the whole input
+again at its first step, over the cached positions; a padded one is refused
+(``check_reaches``), an unpadded one cannot be told from a continuation.
 
 How it plugs in: the cache's ``update`` records the new keys and values and hands them
 back unchanged; the skyformer attention function of that layer recognises them (the
@@ -185,8 +188,10 @@ class DecodingLayer(CacheLayerMixin):
     def _reaches(self, attention_mask: Tensor, new: int) -> None:
         """``check_reaches``' test, one host read."""
         shown = allowed_entries(attention_mask)
-        new_shown, past_shown = torch.stack(  # one read
-            [shown[..., -new:].any(), shown[..., :-new].any()]).tolist()
+        new_shown, past_shown, last_shown = torch.stack(  # one read
+            [shown[..., -new:].any(), shown[..., :-new].any(), shown[..., -1].any()]).tolist()
+        if self.record_past and past_shown and not last_shown:
+            self._refuse_assisted_over_a_used_cache(new)
         if past_shown and not new_shown:
             raise ValueError(
                 f"DecodingCache: none of this step's {new} positions is a real token in "
@@ -197,6 +202,20 @@ class DecodingLayer(CacheLayerMixin):
                 f"it holds, given whole (the earlier output, then the new tokens, with their "
                 f"mask); for a new prompt make a new cache (DecodingCache(model)) or call "
                 f"cache.reset().")
+
+    def _refuse_assisted_over_a_used_cache(self, new: int) -> None:
+        """A step that ends in padding in every sequence while recording: transformers'
+        assisted generation feeds its whole input at its first step, also over a used
+        cache, whose mask then ends before the step does (it reads the logits of the
+        step's last positions, padded rows here)."""
+        raise ValueError(
+            f"DecodingCache: this step's last position is padding in every sequence, after "
+            f"the {self.seen - new} positions the cache holds, while it records for "
+            f"assisted generation: transformers' assisted generation (assistant_model=..., "
+            f"prompt_lookup_num_tokens=...) feeds the whole input again at its first step, "
+            f"over the positions of a used cache, so it cannot continue one (a second turn). "
+            f"Give each assisted generate call a new cache (DecodingCache(model)) with the "
+            f"whole conversation, or call cache.reset() first.")
 
     def once_per_step(self, name: str, attention_mask: Tensor | None, new: int,
                       read: Callable[[], Any]) -> Any:
