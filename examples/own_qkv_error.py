@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 from skyformer.eval.compare import CompareConfig, compare_on, format_table
-from skyformer.eval.compare.run import given_tensors
+
+SAVE = "torch.save({'q': q, 'k': k, 'v': v}, path)"
 
 
 def save_minilm_qkv(path: Path, seq_len: int) -> None:
@@ -45,11 +46,28 @@ def save_minilm_qkv(path: Path, seq_len: int) -> None:
 
 def load_qkv_file(path: str | Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q, k, v)`` from a file of ``torch.save``: a dict with keys q, k, v, or the three
-    tensors in order (anything else is refused in a sentence saying so)."""
-    data = torch.load(path, map_location="cpu", weights_only=True)
+    tensors in order; anything else is refused in a sentence saying what the file holds."""
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"--qkv {str(path)!r} is a folder; pass the file that "
+                                f"torch.save wrote.")
+    if not path.is_file():
+        raise FileNotFoundError(f"--qkv {str(path)!r} does not exist; save your tensors "
+                                f"first: {SAVE}.")
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # the unpickler fails on other files in many ways
+        raise ValueError(f"--qkv {str(path)!r} is not a file of torch.save holding tensors "
+                         f"({type(err).__name__}: {err}); write it with {SAVE}.") from None
     if isinstance(data, dict) and {"q", "k", "v"} <= set(data):
         data = data["q"], data["k"], data["v"]
-    return given_tensors(data)
+    if isinstance(data, (tuple, list)) and len(data) == 3 \
+            and all(isinstance(t, torch.Tensor) for t in data):
+        return data[0], data[1], data[2]
+    held = (f"a dict with keys {sorted(map(str, data))}" if isinstance(data, dict)
+            else f"a {type(data).__name__}")
+    raise ValueError(f"--qkv {str(path)!r} holds {held}, not the queries, keys and values: "
+                     f"save them as {SAVE}, each a tensor [B, H, N, D].")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

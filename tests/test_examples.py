@@ -66,8 +66,26 @@ def test_own_qkv_error_on_tensors_saved_by_the_user(tmp_path, capsys):
 
 def test_own_qkv_error_refuses_a_file_of_one_tensor_in_a_sentence(tmp_path):
     torch.save(torch.zeros(1, 2, 8, 4), tmp_path / "q.pt")
-    with pytest.raises(TypeError, match=r"takes the queries, keys and values as \(q, k, v\)"):
+    with pytest.raises(ValueError, match=r"holds a Tensor, not the queries, keys and values"):
         example("own_qkv_error").main(["--qkv", str(tmp_path / "q.pt")])
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "does not exist"),
+    ("folder", "is a folder"),
+    (b"q k v as text", "is not a file of torch.save"),
+    ({"query": 1}, r"holds a dict with keys \['query'\], not"),
+])
+def test_own_qkv_error_says_what_is_wrong_with_a_file(tmp_path, content, message):
+    path = tmp_path / "qkv.pt"
+    if content == "folder":
+        path.mkdir()
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        torch.save(content, path)
+    with pytest.raises((ValueError, FileNotFoundError, IsADirectoryError), match=message):
+        example("own_qkv_error").main(["--qkv", str(path), "--methods", "softmax"])
 
 
 def test_own_qkv_error_on_minilm_by_default(capsys):
