@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+import skyformer
 from skyformer.eval.compare import CompareConfig, compare_on, format_table
 
 SAVE = "torch.save({'q': q, 'k': k, 'v': v}, path)"
@@ -80,8 +81,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="method names or variants 'name[option=value]' "
                              "(skyformer.list_methods())")
     parser.add_argument("--features", type=int,
-                        help="num_features of every approximate method (default: quick 32, "
-                             "full each method's own)")
+                        help="num_features of every approximate method (default: quick 32 "
+                             "unless a method sets it in brackets, full each method's own)")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", default=True,
                       help="one timed run, no memory measurement, MiniLM at N=256 (default)")
@@ -90,7 +91,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the methods' draws")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
-    if args.features is None and args.quick:
+    # a variant's own num_features and a --features for all cannot go together
+    bracketed = any("num_features" in dict(skyformer.get_method(m).preset)
+                    for m in args.methods)
+    if args.features is None and args.quick and not bracketed:
         args.features = 32
     return args
 

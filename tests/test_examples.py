@@ -127,3 +127,12 @@ def test_causal_decoder_with_exact_softmax_keeps_a_growing_key_value_cache():
                                              "--generate", "8"])
     assert result.cached == result.full
     assert result.cache_bytes[-1] > result.cache_bytes[0]
+
+
+def test_own_qkv_error_takes_num_features_in_brackets_by_default(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    torch.save(tuple(torch.randn(1, 2, 64, 8, generator=g) for _ in range(3)), tmp_path / "p")
+    rows = example("own_qkv_error").main(
+        ["--qkv", str(tmp_path / "p"), "--methods", "skyformer[num_features=8]", "linear"])
+    assert [r["method"] for r in rows] == ["skyformer[num_features=8]", "linear"]
+    assert rows[0]["num_features"] == 8
