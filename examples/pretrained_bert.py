@@ -25,11 +25,9 @@ import argparse
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModel, AutoTokenizer
 
 import skyformer.hf
-from skyformer.eval.data.qkv import default_model_dir
-from skyformer.eval.data.text import read_text, sentences
+from skyformer.eval.data import load_model, read_text, sentences
 from skyformer.eval.hf.run import embed, quality
 
 DEFAULT_METHODS = ("softmax", "nystrom_softmax[num_features=16]",
@@ -67,9 +65,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[Result]:
     args = parse_args(argv)
-    path = args.model or default_model_dir()
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModel.from_pretrained(path, local_files_only=True).eval()
+    # a local folder, never the network; in eval mode (no dropout)
+    model, tokenizer, _ = load_model(args.model)
     texts = sentences(read_text(args.text))[: args.sentences]
     batch = tokenizer(texts, padding=True, truncation=True, return_tensors="pt")
     print(f"{len(texts)} sentences, {int(batch['attention_mask'].sum(1).max())} tokens at most")

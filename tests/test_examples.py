@@ -136,3 +136,9 @@ def test_own_qkv_error_takes_num_features_in_brackets_by_default(tmp_path):
         ["--qkv", str(tmp_path / "p"), "--methods", "skyformer[num_features=8]", "linear"])
     assert [r["method"] for r in rows] == ["skyformer[num_features=8]", "linear"]
     assert rows[0]["num_features"] == 8
+
+
+def test_pretrained_bert_refuses_a_model_folder_that_is_none_in_a_sentence(tmp_path):
+    pytest.importorskip("transformers")
+    with pytest.raises(FileNotFoundError, match="is not a Hugging Face model folder"):
+        example("pretrained_bert").main(["--model", str(tmp_path / "nothing")])
