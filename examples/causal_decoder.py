@@ -159,6 +159,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the "
                                                             "generation's random key")
     args = parser.parse_args(argv)
+    if not args.prompt:
+        parser.error("--prompt is empty; give at least one character to continue.")
+    if args.generate < 1:
+        parser.error(f"--generate must be at least 1 (bytes to generate), got {args.generate}.")
     quick = args.quick
     args.steps = args.steps or (30 if quick else 500)
     args.seq_len = args.seq_len or (128 if quick else 512)

@@ -142,3 +142,11 @@ def test_pretrained_bert_refuses_a_model_folder_that_is_none_in_a_sentence(tmp_p
     pytest.importorskip("transformers")
     with pytest.raises(FileNotFoundError, match="is not a Hugging Face model folder"):
         example("pretrained_bert").main(["--model", str(tmp_path / "nothing")])
+
+
+@pytest.mark.parametrize("argv, message", [(["--prompt", ""], "--prompt is empty"),
+                                           (["--generate", "0"], "--generate must be")])
+def test_causal_decoder_refuses_nothing_to_continue_or_generate(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        example("causal_decoder").main([*argv, "--steps", "1"])
+    assert message in capsys.readouterr().err
