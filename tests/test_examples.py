@@ -115,6 +115,8 @@ def test_causal_decoder_generates_with_caches_what_the_full_forward_does(capsys)
     result = example("causal_decoder").main(["--steps", "15", "--generate", "110"])
     assert result.last_loss < 0.8 * result.first_loss
     assert result.cached == result.full
+    # greedy bytes of a briefly trained model agree even where the logits do not
+    assert result.max_logit_difference < 1e-4
     assert result.cached.startswith("We hold these truths to be")
     # the state's size repeats with the 64-position chunks: no growth with the length
     prompt = len("We hold these truths to be")
@@ -125,7 +127,7 @@ def test_causal_decoder_generates_with_caches_what_the_full_forward_does(capsys)
 def test_causal_decoder_with_exact_softmax_keeps_a_growing_key_value_cache():
     result = example("causal_decoder").main(["--method", "softmax", "--steps", "2",
                                              "--generate", "8"])
-    assert result.cached == result.full
+    assert result.cached == result.full and result.max_logit_difference < 1e-4
     assert result.cache_bytes[-1] > result.cache_bytes[0]
 
 
