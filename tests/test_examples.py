@@ -5,11 +5,14 @@ full forward."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+import skyformer
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -152,3 +155,21 @@ def test_causal_decoder_refuses_nothing_to_continue_or_generate(argv, message, c
     with pytest.raises(SystemExit):
         example("causal_decoder").main([*argv, "--steps", "1"])
     assert message in capsys.readouterr().err
+
+
+def test_causal_decoder_commands_of_its_docstring_fix_the_landmark_stride():
+    """Without one, a cache keeps the prompt's stride and differs from the full forward."""
+    module = example("causal_decoder")
+    methods = re.findall(r'--method "([^"]+)"', module.__doc__)
+    assert methods
+    for name in methods:
+        method = skyformer.get_method(name)
+        if "landmark_stride" in method.option_names():
+            assert "landmark_stride" in dict(method.preset), name
+
+
+def test_causal_decoder_says_why_caches_without_a_landmark_stride_differ(capsys):
+    result = example("causal_decoder").main(["--method", "skyformer[num_features=16]",
+                                             "--steps", "1", "--generate", "60"])
+    assert result.max_logit_difference > 1e-4
+    assert "without a fixed landmark_stride" in capsys.readouterr().out
