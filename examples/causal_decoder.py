@@ -207,9 +207,10 @@ def main(argv: list[str] | None = None) -> Result:
               f"stride in the caches, the full forward takes the whole sequence's; "
               f"docs/causal.md)")
     # a state's size cycles with the 64-position chunks of its exact local part: compare
-    # it at chunk boundaries
+    # it at chunk boundaries (at the end where the generation crosses none)
     n0 = prompt.shape[1]
-    ends = [n for n in range(64, n0 + args.generate + 1, 64) if n > n0]
+    ends = [n for n in range(64, n0 + args.generate + 1, 64) if n > n0] \
+        or [n0 + args.generate]
     sizes_at = ", ".join(f"{sizes[n - n0 - 1] / 1024:.1f} KiB after {n}" for n in ends)
     print(f"caches of all layers: {sizes_at} positions")
     return result

@@ -127,11 +127,13 @@ def test_causal_decoder_generates_with_caches_what_the_full_forward_does(capsys)
     assert "the same" in capsys.readouterr().out
 
 
-def test_causal_decoder_with_exact_softmax_keeps_a_growing_key_value_cache():
+def test_causal_decoder_with_exact_softmax_keeps_a_growing_key_value_cache(capsys):
     result = example("causal_decoder").main(["--method", "softmax", "--steps", "2",
                                              "--generate", "8"])
     assert result.cached == result.full and result.max_logit_difference < 1e-4
     assert result.cache_bytes[-1] > result.cache_bytes[0]
+    # 34 positions, short of the first chunk boundary: the size at the end is printed
+    assert "KiB after 34 positions" in capsys.readouterr().out
 
 
 def test_own_qkv_error_takes_num_features_in_brackets_by_default(tmp_path):
