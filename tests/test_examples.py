@@ -44,6 +44,24 @@ def test_own_model_trains_with_each_method(capsys):
     assert "skyformer[num_features=8]" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("method", ["softmax", "skyformer[num_features=8]",
+                                    "linformer[num_features=8]"])
+def test_own_model_ignores_the_padding(method):
+    """The task can be learnt with the padding attended to (its id is neither 1 nor 2), so
+    the losses alone would not notice a model that drops the key padding mask."""
+    module = example("own_model")
+    torch.manual_seed(0)
+    model = module.Classifier(vocab=8, seq_len=16, dim=16, heads=2, layers=1,
+                              method=method).eval()
+    tokens, mask, _ = module.synthetic_batch(4, 16, 8, torch.Generator().manual_seed(0))
+    assert not mask.all()
+    other = torch.where(mask, tokens, 5)  # other ids at the padded positions
+    with torch.no_grad():
+        logits, other_logits = (model(t, mask, torch.Generator().manual_seed(1))
+                                for t in (tokens, other))
+    torch.testing.assert_close(other_logits, logits)
+
+
 def test_own_model_refuses_an_unknown_method_in_a_sentence():
     with pytest.raises(ValueError, match="unknown attention method 'skyformr'"):
         example("own_model").main(["--methods", "skyformr", "--steps", "1"])
