@@ -88,7 +88,7 @@ def hidden_characters(start: int, stop: int, step: int, device: torch.device) ->
     return (torch.cat(draws)[start - offset:stop - offset] < MASK_RATE)[None]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-len", type=int, default=2**16)
     parser.add_argument("--data-parallel", type=int, default=1)
@@ -99,7 +99,10 @@ def main() -> None:
     parser.add_argument("--features", type=int, default=128)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--device", default="auto")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.data_parallel < 1:
+        parser.error(f"--data-parallel must be at least 1 (sequences trained side by side), "
+                     f"got {args.data_parallel}.")
 
     info, device = init_distributed(args.device)
     if not info.enabled:  # one process: a group of one, so the same code runs

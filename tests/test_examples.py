@@ -193,3 +193,9 @@ def test_causal_decoder_says_why_caches_without_a_landmark_stride_differ(capsys)
                                              "--steps", "1", "--generate", "60"])
     assert result.max_logit_difference > 1e-4
     assert "without a fixed landmark_stride" in capsys.readouterr().out
+
+
+def test_sequence_parallel_train_refuses_no_data_parallel_group_in_a_sentence(capsys):
+    with pytest.raises(SystemExit):
+        example("sequence_parallel_train").main(["--data-parallel", "0"])
+    assert "--data-parallel must be at least 1" in capsys.readouterr().err
