@@ -7,15 +7,17 @@ A small transformer encoder classifier whose attention is ``skyformer.MultiHeadA
 (a batch-first layer ``[B, N, dim] -> [B, N, dim]`` taking a ``key_padding_mask`` that is
 True for real tokens), trained for a few steps on synthetic, padded sequences: the label
 says whether token 1 occurs more often than token 2 among a sequence's real tokens, so
-the model has to look at every real position and ignore the padding. The same model is
+the model has to look at every real position; the mask keeps the padding (id 0) out of the
+attention and of the mean pooling, so the logits do not depend on it. The same model is
 trained once per method named on the command line, from the same seed and on the same
 batches. A method name may carry options, as in ``"skyformer[num_features=32]"``: every
 approximate method takes ``num_features`` (landmarks, projection size, random features),
 the exact ones (``softmax``, ``kernelized``) take none. Linformer learns projections of a
 fixed length, so the layer is told the longest sequence (``seq_len=``).
 
-It prints, per method, the training loss at the start and at the end and the accuracy on
-held-out sequences.
+It prints, per method, the training loss (cross-entropy, mean of the first and of the last
+fifth of the steps; 0.69 is a coin toss) and the accuracy on 256 held-out sequences (about
+0.57 for always answering the more frequent label, 1 for a perfect classifier).
 """
 
 from __future__ import annotations
