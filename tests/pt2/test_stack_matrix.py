@@ -152,6 +152,23 @@ def test_a_new_length_recompiles_once(method):
     assert counters["stats"]["unique_graphs"] == 2
 
 
+def test_informer_recompiles_only_where_its_sample_count_changes():
+    """Informer samples c ceil(ln N) keys: lengths with the same ceil(ln N) (149 to 403)
+    share one symbolic graph after the first recompilation. ``math.log`` of the length
+    specialised it, so every length compiled again until dynamo's recompile limit."""
+    from torch._dynamo.utils import counters
+
+    key = random_key(6)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(lambda q, k, v: call("informer", q, k, v, key=key),
+                             fullgraph=True, backend="eager")
+    for n in (160, 164, 168, 172):
+        q, k, v = make_qkv(1, 1, n, 4, dtype=torch.float32)
+        torch.testing.assert_close(compiled(q, k, v), call("informer", q, k, v, key=key))
+    assert counters["stats"]["unique_graphs"] == 2
+
+
 @pytest.mark.parametrize("method", ["softmax", "skyformer", "performer"])
 def test_compile_fullgraph_with_dynamic_shapes_forward(method):
     """``dynamic=True`` makes even a default float symbolic: the option checks compare

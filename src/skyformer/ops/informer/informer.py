@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from ...linalg.functional_ops import no_derivatives
+from ...linalg.kernel_matmul import chunk_starts
 from ...registry import Capabilities, register
 from ...sketch.rng import fold_in, random_key, uniform_at
 from ..shared.inputs import (
@@ -69,11 +70,26 @@ class InformerConfig:
         check_scale("informer", self.scale)
 
 
+# floor(e^k) for k = 0, 1, ...: ceil(ln n) is the number of them below n (e^k is
+# irrational for k >= 1), up to beyond 2^63.
+_EXP_FLOORS = tuple(math.floor(math.exp(k)) for k in range(45))
+
+
+def ceil_log(n: int) -> int:
+    """ceil(ln n) for an integer n >= 1, by comparisons: under ``torch.compile`` a
+    symbolic length is then guarded to the range of its ceil(ln n), where ``math.log``
+    would fix the length itself (every length compiled again)."""
+    k = 0
+    while n > _EXP_FLOORS[k]:
+        k += 1
+    return k
+
+
 def log_budget(factor: int, n: int) -> int:
     """Informer's c * ceil(ln n), capped at n and at least 1 (0 for n = 0)."""
     if n <= 0:
         return 0
-    return max(1, min(n, factor * math.ceil(math.log(n))))
+    return max(1, min(n, factor * ceil_log(n)))
 
 
 def log_budgets(factor: int, n: Tensor) -> Tensor:
@@ -148,7 +164,7 @@ def sparsity_measurement(
     parts = []
     rows = k.reshape(-1, d)  # [B*H*Nk, D]: whole-row copies are faster than gather
     offset = (torch.arange(b * h, device=q.device) * k.shape[2]).view(b, h, 1)
-    for start in range(0, nq, chunk):
+    for start in chunk_starts(nq, chunk):  # one chunk keeps a compiled N symbolic
         stop = min(nq, start + chunk)
         idx = samples.index[:, start:stop]  # [B, C, U]
         live = samples.live[:, None, start:stop]  # [B, 1, C, U]
