@@ -59,6 +59,31 @@ def test_padding_does_not_change_the_prediction(method):
     torch.testing.assert_close(padded, short, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("method", ["softmax", "skyformer"])
+def test_the_model_compiles_whole_in_a_training_loop(method):
+    """``torch.compile(model, fullgraph=True)`` traces the padding mask without reading
+    the lengths (a batch with nothing padded takes the mask too, which gives what no mask
+    gives), and a new padding is no new graph; reading them failed at the first call."""
+    from torch._dynamo.utils import counters
+
+    from skyformer import random_key
+
+    model = _model(method, num_features=8) if method == "skyformer" else _model(method)
+    tokens, lengths = _batch()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    for step, real in enumerate((5, 9, 12)):
+        lengths[-1] = real
+        out = compiled(tokens, lengths, random_key(step))
+        torch.testing.assert_close(out, model(tokens, lengths, random_key(step)))
+        out.sum().backward()
+    lengths[:] = 12  # nothing padded
+    torch.testing.assert_close(compiled(tokens, lengths, random_key(0)),
+                               model(tokens, lengths, random_key(0)))
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 def test_dual_encoder_classifies_u_v_products_and_differences():
     model = _model("softmax", segments=2).eval()
     tokens, lengths = _batch(2, s=2)

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from ..amp import autocast_enabled, autocast_off
 from ..nn import MultiHeadAttention
+from ..ops.shared.tracing import may_read_values
 from ..registry import get_method
 
 
@@ -73,8 +74,10 @@ def resolve_attention_options(method: str, options: dict[str, Any], max_len: int
 
 
 def lengths_to_mask(lengths: Tensor, max_len: int) -> Tensor | None:
-    """``[B, N]`` bool mask (True = real) from ``lengths: [B]``; None when nothing is padded."""
-    if bool((lengths >= max_len).all()):
+    """``[B, N]`` bool mask (True = real) from ``lengths: [B]``; None when nothing is padded,
+    in eager code (compiled and traced code cannot read the lengths, and take the mask,
+    whose result is the same)."""
+    if may_read_values(lengths) and bool((lengths >= max_len).all()):
         return None
     return torch.arange(max_len, device=lengths.device)[None, :] < lengths[:, None]
 
