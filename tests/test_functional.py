@@ -395,6 +395,27 @@ def test_argument_errors_name_what_is_wrong():
         skyformer.attention(q, k, v, "softmax", attn_mask=torch.ones(10, 10, dtype=torch.bool))
 
 
+def test_a_compiled_packed_call_keeps_max_seqlen_symbolic():
+    """A training loop passes each packed batch's longest length: after one new value
+    dynamo compiles max_seqlen as a symbol, and that graph takes the values after it.
+    ``operator.index`` of the int fixed its value, so each value compiled again."""
+    from torch._dynamo.utils import counters
+
+    q, k, v = make_qkv(1, 2, 24, 4)
+    torch._dynamo.reset()
+    counters.clear()
+    packed = torch.compile(lambda q, k, v, cu, longest: sdpa(
+        q, k, v, cu_seqlens=cu, max_seqlen=longest, method="skyformer", num_features=4,
+        generator=random_key(0)), fullgraph=True, backend="eager")
+    for lengths in ((10, 8, 6), (12, 6, 6), (14, 5, 5), (9, 9, 6)):
+        cu = torch.tensor((0, *lengths)).cumsum(0)
+        torch.testing.assert_close(
+            packed(q, k, v, cu, max(lengths)),
+            sdpa(q, k, v, cu_seqlens=cu, method="skyformer", num_features=4,
+                 generator=random_key(0)))
+    assert counters["stats"]["unique_graphs"] == 2
+
+
 @pytest.mark.parametrize("method", ["nystromformer", "skyformer", "linear"])
 def test_a_mask_row_of_a_query_called_real_is_followed_or_refused(method):
     """With query_padding_mask=None (or a tensor) the rows of real queries must follow

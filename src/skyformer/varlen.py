@@ -43,8 +43,11 @@ def _check(cu_seqlens: object, x: Tensor, method: str, name: str = "cu_seqlens")
 
 def _length(value: object, method: str, argument: str, lengths: str) -> int | None:
     """``max_seqlen`` as an int: a Python or NumPy int, or a 0-d integer tensor (what
-    transformers' packed path hands FlashAttention, ``cu_seqlens.diff().max()``)."""
-    if value is None or isinstance(value, torch.SymInt):
+    transformers' packed path hands FlashAttention, ``cu_seqlens.diff().max()``). An int
+    is taken as it is: under ``torch.compile`` ``operator.index`` would fix a symbolic
+    one to its value (every new length compiled again)."""
+    if value is None or isinstance(value, torch.SymInt) or (
+            isinstance(value, int) and not isinstance(value, bool)):
         return value
     if isinstance(value, Tensor) and value.dim() == 0 and not value.is_floating_point() \
             and value.dtype != torch.bool:
