@@ -169,6 +169,23 @@ def test_informer_recompiles_only_where_its_sample_count_changes():
     assert counters["stats"]["unique_graphs"] == 2
 
 
+@pytest.mark.parametrize("method", ["skyformer_multipole", "softmax_multipole"])
+def test_the_multipole_methods_recompile_once_while_their_near_field_is_one_group(method):
+    """The near field's loop over groups of blocks fixed N in the graph (every length
+    compiled again until dynamo's recompile limit); one group takes no loop."""
+    from torch._dynamo.utils import counters
+
+    key = random_key(6)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(lambda q, k, v: call(method, q, k, v, key=key), fullgraph=True,
+                             backend="eager")
+    for n in (160, 168, 176):
+        q, k, v = make_qkv(1, 1, n, 4, dtype=torch.float32)
+        torch.testing.assert_close(compiled(q, k, v), call(method, q, k, v, key=key))
+    assert counters["stats"]["unique_graphs"] == 2
+
+
 @pytest.mark.parametrize("method", ["softmax", "skyformer", "performer"])
 def test_compile_fullgraph_with_dynamic_shapes_forward(method):
     """``dynamic=True`` makes even a default float symbolic: the option checks compare

@@ -23,6 +23,7 @@ from torch import Tensor
 from ...amp import autocast_off
 from ...linalg.eager_calls import apply
 from ...linalg.functional_ops import first_order_backward, functional_ops_only
+from ...linalg.kernel_matmul import chunk_starts
 from ...linalg.kernels import overwrite_allowed
 from ...linalg.vmap import vmap_into_batch
 
@@ -51,7 +52,7 @@ class _NearField(torch.autograd.Function):
         out = q.new_empty(groups, s, v.shape[-1])
         top = q.new_empty(groups, s, 1)
         kt = k.transpose(1, 2)
-        for g in range(0, groups, chunk):
+        for g in chunk_starts(groups, chunk):  # one group keeps a compiled N symbolic
             rows = slice(g, g + chunk)
             e, top[rows] = _scores(q[rows], kt[rows], bias[rows], None)
             torch.bmm(e, v[rows], out=out[rows])
@@ -85,7 +86,7 @@ class _NearField(torch.autograd.Function):
         dq, dk = torch.empty_like(q), torch.empty_like(k)
         db, dv = torch.empty_like(bias), torch.empty_like(v)
         kt, vt = k.transpose(1, 2), v.transpose(1, 2)
-        for g in range(0, q.shape[0], chunk):
+        for g in chunk_starts(q.shape[0], chunk):
             rows = slice(g, g + chunk)
             e, _ = _scores(q[rows], kt[rows], bias[rows], top[rows])
             torch.bmm(e.transpose(1, 2), grad[rows], out=dv[rows])
