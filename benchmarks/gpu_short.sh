@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The short GPU check (about seven minutes on an H200), for a device lent for a few
+# minutes; `bash benchmarks/gpu.sh` is the whole measurement. From the repository root:
+#   bash benchmarks/gpu_short.sh OUT_DIR
+# In order of what matters most, each part with its own time limit so that a slow part
+# cannot starve the next: the CUDA tests (every method and path: causal, decoding,
+# packed sequences, compiled layers, `skyformer lra train` with bf16 autocast, the
+# Triton kernels); the model shape (B=4, H=16, D=64, bf16) against flash SDPA, eager and
+# in a CUDA graph; the implicit core's Newton steps against Razavi's; the LRA shape
+# (B=1, H=2, D=32, float32); `skyformer bench --device cuda --causal` at the model shape.
+# Logs and JSON go to OUT_DIR; OUT_DIR/summary.txt holds each part's exit status.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: bash benchmarks/gpu_short.sh OUT_DIR}
+mkdir -p "$out"
+export PYTHONPATH="$PWD/src:$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device')" \
+    || exit 1
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  git log -1 --format='code %h %s' 2>/dev/null | cut -c1-100; } | tee "$out/summary.txt"
+
+part() {  # part NAME SECONDS COMMAND...: output to OUT_DIR/NAME.txt and the terminal
+  local name=$1 seconds=$2 start=$SECONDS rc
+  shift 2
+  echo "+ $name (at most $seconds s)"
+  timeout --signal=INT --kill-after=15 "$seconds" "$@" 2>&1 | tee "$out/$name.txt" \
+      | tail -n 25
+  rc=${PIPESTATUS[0]}
+  echo "$name: exit $rc after $((SECONDS - start)) s" | tee -a "$out/summary.txt"
+}
+
+parallel=$(python3 -c "import xdist" 2>/dev/null && echo "-n 12" || true)
+SKYFORMER_TEST_CUDA=1 part tests 220 python3 -m pytest -q -p no:warnings \
+    -p no:cacheprovider $parallel tests/gpu tests/test_contract.py tests/linalg \
+    tests/sketch/test_triton_draws.py tests/ops/test_kernelized_flash.py \
+    tests/reliability/test_marks_in_products.py
+part kernels_model 100 python3 -W ignore benchmarks/gpu_kernels.py \
+    --shapes 4,16,64,bfloat16 --seq-lens 4096 32768 --compile-seq-lens 4096 32768 \
+    --compile-kernels triton --max-exact-n 0 --calls 'skyformer/triton+implicit' \
+    'skyformer/triton+implicit+guard*' 'skyformer/triton+implicit+cudagraphs' --no-core \
+    --out "$out/kernels_model.json"
+part paired_steps 40 python3 -W ignore benchmarks/paired_steps.py --out "$out/paired_steps.txt"
+part kernels_lra 50 python3 -W ignore benchmarks/gpu_kernels.py \
+    --shapes 1,2,32,float32 --seq-lens 4096 --compile-seq-lens 4096 \
+    --compile-kernels triton --max-exact-n 0 --calls 'skyformer/triton+implicit' \
+    'skyformer/triton+implicit+cudagraphs' --no-core --out "$out/kernels_lra.json"
+part bench_causal 60 python3 -W ignore -m skyformer bench --device cuda --causal \
+    --shapes 4,16,64 --dtypes bfloat16 --seq-lens 4096 16384 \
+    --methods softmax skyformer 'skyformer[pinv_gradient=implicit]' performer \
+    --features 128 --repeats 5 --max-seconds 5 --no-error --no-plot --markdown \
+    --out "$out/bench_causal"
+echo "+ parts:"
+cat "$out/summary.txt"
+! grep -q ": exit [1-9]" "$out/summary.txt"
