@@ -62,27 +62,34 @@ def chunk_rows(rows: int, batch: int, m: int, device: torch.device) -> int:
 
 class _Workspace:
     """Chunk buffers reused by every chunk of one call: a fresh ~1 MiB tensor per chunk
-    would be a fresh allocation each time (page faults, cold cache lines)."""
+    would be a fresh allocation each time (page faults, cold cache lines).
+
+    Traced (``torch.compile``), it hands out no buffer (``None``: the product allocates
+    its output, and the compiler plans the memory): torch 2.11's dynamo fixed the length
+    in the graph at a product written into a view of a buffer (``out=``), so every new
+    length compiled again."""
 
     def __init__(self, like: Tensor, chunk: int, widths: dict[str, int]) -> None:
         self.bh = like.shape[0]
-        self.buffers = {name: like.new_empty(self.bh * chunk * w) for name, w in widths.items()}
+        self.buffers = {} if torch.compiler.is_compiling() else {
+            name: like.new_empty(self.bh * chunk * w) for name, w in widths.items()}
 
-    def get(self, name: str, rows: int, width: int) -> Tensor:
-        """A contiguous ``[BH, rows, width]`` view of buffer ``name``."""
+    def get(self, name: str, rows: int, width: int) -> Tensor | None:
+        """A contiguous ``[BH, rows, width]`` view of buffer ``name`` (None when traced)."""
+        if name not in self.buffers:
+            return None
         return self.buffers[name][: self.bh * rows * width].view(self.bh, rows, width)
 
 
 def _exponent(
-    y: Tensor, xt: Tensor, a: Tensor | None, neg_b: Tensor | None, out: Tensor,
+    y: Tensor, xt: Tensor, a: Tensor | None, neg_b: Tensor | None, out: Tensor | None,
     exclude: Tensor | None = None,
 ) -> Tensor:
-    """y xt - a - b for one chunk (in log2 units): ``[BH, c, D] x [BH, D, m] -> [BH, c, m]``;
-    -inf where ``exclude`` (``[BH, c, m]`` bool) is set."""
-    if neg_b is None:
-        torch.bmm(y, xt, out=out)
-    else:
-        torch.baddbmm(neg_b, y, xt, out=out)
+    """y xt - a - b for one chunk (in log2 units): ``[BH, c, D] x [BH, D, m] -> [BH, c, m]``,
+    into ``out`` (a new tensor where None); -inf where ``exclude`` (``[BH, c, m]`` bool)
+    is set."""
+    out = (torch.bmm(y, xt, out=out) if neg_b is None
+           else torch.baddbmm(neg_b, y, xt, out=out))
     if a is not None:
         out.sub_(a[:, :, None])
     if exclude is not None:

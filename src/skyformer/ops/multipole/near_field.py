@@ -15,6 +15,7 @@ once and the backward pass rebuilds them (as ``linalg.kernel_matmul`` does for t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,6 +43,17 @@ def _scores(q: Tensor, kt: Tensor, bias: Tensor, top: Tensor | None) -> tuple[Te
     return (e - top).exp(), top  # selective checkpointing may keep baddbmm's output
 
 
+def _write(target: Tensor, rows: slice, op: Callable[..., Tensor], *args: Any,
+           **kwargs: Any) -> None:
+    """``target[rows] = op(*args, **kwargs)``: eagerly into the rows (``out=``, no
+    temporary); traced, assigned, as torch 2.11's dynamo fixed the length in the graph
+    at a product written into a view, so every new length compiled again."""
+    if torch.compiler.is_compiling():
+        target[rows] = op(*args, **kwargs)
+    else:
+        op(*args, **kwargs, out=target[rows])
+
+
 class _NearField(torch.autograd.Function):
     """(M, exp(l - M) V) per block; see the module docstring. M carries no gradient."""
 
@@ -55,7 +67,7 @@ class _NearField(torch.autograd.Function):
         for g in chunk_starts(groups, chunk):  # one group keeps a compiled N symbolic
             rows = slice(g, g + chunk)
             e, top[rows] = _scores(q[rows], kt[rows], bias[rows], None)
-            torch.bmm(e, v[rows], out=out[rows])
+            _write(out, rows, torch.bmm, e, v[rows])
         return top, out
 
     @staticmethod
@@ -89,11 +101,11 @@ class _NearField(torch.autograd.Function):
         for g in chunk_starts(q.shape[0], chunk):
             rows = slice(g, g + chunk)
             e, _ = _scores(q[rows], kt[rows], bias[rows], top[rows])
-            torch.bmm(e.transpose(1, 2), grad[rows], out=dv[rows])
+            _write(dv, rows, torch.bmm, e.transpose(1, 2), grad[rows])
             de = torch.bmm(grad[rows], vt[rows]).mul_(e)  # [g, s, t]
-            torch.bmm(de, k[rows], out=dq[rows])
-            torch.bmm(de.transpose(1, 2), q[rows], out=dk[rows])
-            torch.sum(de, dim=1, keepdim=True, out=db[rows])
+            _write(dq, rows, torch.bmm, de, k[rows])
+            _write(dk, rows, torch.bmm, de.transpose(1, 2), q[rows])
+            _write(db, rows, torch.sum, de, dim=1, keepdim=True)
         return dq, dk, db, dv, None
 
 
