@@ -9,6 +9,8 @@
 # in a CUDA graph; the implicit core's Newton steps against Razavi's; the LRA shape
 # (B=1, H=2, D=32, float32); `skyformer bench --device cuda --causal` at the model shape.
 # Logs and JSON go to OUT_DIR; OUT_DIR/summary.txt holds each part's exit status.
+# ONLY="NAME ..." runs those parts alone (tests kernels_model paired_steps kernels_lra
+# bench_causal).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: bash benchmarks/gpu_short.sh OUT_DIR}
@@ -23,6 +25,9 @@ python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no 
 part() {  # part NAME SECONDS COMMAND...: output to OUT_DIR/NAME.txt and the terminal
   local name=$1 seconds=$2 start=$SECONDS rc
   shift 2
+  if [ -n "${ONLY:-}" ] && ! [[ " $ONLY " == *" $name "* ]]; then
+    return 0
+  fi
   echo "+ $name (at most $seconds s)"
   timeout --signal=INT --kill-after=15 "$seconds" "$@" 2>&1 | tee "$out/$name.txt" \
       | tail -n 25

@@ -34,7 +34,10 @@ def compiled_rows(out: Path, *options: str) -> list[dict]:
     ``triton_resources.py OPTIONS --out OUT`` writes, for Skyformer at N = 40."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "triton_resources.py"),
-                    "--methods", "skyformer", "--n", "40", *options, "--out", str(out)],
-                   env=env, check=True, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "triton_resources.py"),
+                           "--methods", "skyformer", "--n", "40", *options, "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:  # the child's own words, not only its exit status
+        pytest.fail(f"triton_resources.py {' '.join(options)} exited {done.returncode}:\n"
+                    f"{done.stderr[-4000:]}", pytrace=False)
     return json.loads(out.with_suffix(".json").read_text())["rows"]

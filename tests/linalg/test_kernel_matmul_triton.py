@@ -309,7 +309,7 @@ def test_an_undefined_output_gradient_gives_no_input_gradient(device, kernel):
     dtype = _exact_dtype(device)
     q, k, v = (t.to(device, dtype).requires_grad_(True) for t in make_qkv(1, 2, 6, 4))
     out = skyformer.attention(q, k, v, "skyformer", num_features=4, kernel=kernel,
-                              generator=torch.Generator().manual_seed(0))
+                              generator=skyformer.random_key(0))
     grads = torch.autograd.grad(NoGradient.apply(out).sum() + q.sum(), (q, k, v),
                                 allow_unused=True, materialize_grads=True)
     torch.testing.assert_close(grads[0], torch.ones_like(q))
