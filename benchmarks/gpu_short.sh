@@ -9,6 +9,7 @@
 # in a CUDA graph; the implicit core's Newton steps against Razavi's; the LRA shape
 # (B=1, H=2, D=32, float32); `skyformer bench --device cuda --causal` at the model shape.
 # Logs and JSON go to OUT_DIR; OUT_DIR/summary.txt holds each part's exit status.
+# A copy of the working tree may carry a stale .git: CODE=<commit> names the code measured.
 # ONLY="NAME ..." runs those parts alone (tests kernels_model paired_steps kernels_lra
 # bench_causal).
 set -uo pipefail
@@ -20,7 +21,7 @@ python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no 
     || exit 1
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  git log -1 --format='code %h %s' 2>/dev/null | cut -c1-100; } | tee "$out/summary.txt"
+  echo "code ${CODE:-(set CODE=<commit> to record it)}"; } | tee "$out/summary.txt"
 
 part() {  # part NAME SECONDS COMMAND...: output to OUT_DIR/NAME.txt and the terminal
   local name=$1 seconds=$2 start=$SECONDS rc

@@ -48,6 +48,13 @@ _RANK_BITS = 32  # the rank among valid rows below the score bits (N < 2^32)
 PADDED_KEY = 1 << 62  # above every valid row's key (< 2^56)
 
 
+def _padded_keys(positions: Tensor) -> Tensor:
+    """``PADDED_KEY + positions`` (positions < 2^62), as a bitwise or: a compiled call's
+    inductor folded the sum with an ``arange`` into one index expression, which Triton
+    then typed int32 and refused (torch 2.11, on CUDA)."""
+    return positions | PADDED_KEY
+
+
 @dataclass(frozen=True)
 class Landmarks:
     """Indices of the sampled rows of Q and K, with slots that hold no landmark.
@@ -104,7 +111,7 @@ def selection_keys(
     if valid is None:
         return ordered
     position = rows_before + torch.arange(n, device=key.device)
-    return torch.where(valid, ordered, PADDED_KEY + position)
+    return torch.where(valid, ordered, _padded_keys(position))
 
 
 def use_triton_draw(draw: str, key: Tensor, *tensors: Tensor | None) -> bool:
@@ -186,7 +193,7 @@ def _count_slots(keys: Tensor, count: int) -> tuple[Tensor, Tensor]:
     n)`` slots (topk's k <= n, a slice's end), so there are ``count``, the ones past
     ``n`` dead (a key above every row's, the index of row 0)."""
     batch, n = keys.shape
-    extra = PADDED_KEY + n + torch.arange(count, device=keys.device)  # above padded rows'
+    extra = _padded_keys(n + torch.arange(count, device=keys.device))  # above padded rows'
     index, picked = smallest_keys(torch.cat([keys, extra.expand(batch, count)], 1), count)
     return torch.where(index < n, index, 0), picked
 
