@@ -92,9 +92,10 @@ stage() {
 if [ -z "${SKIP_TESTS:-}" ]; then
   # CUDA test run: contract, every method in float32 and bfloat16, Triton kernels
   parallel=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8" || true)
-  SKYFORMER_TEST_CUDA=1 stage tests 150 python3 -m pytest -q -p no:warnings \
+  SKYFORMER_TEST_CUDA=1 stage tests 220 python3 -m pytest -q -p no:warnings \
       -p no:cacheprovider $parallel tests/gpu tests/test_contract.py tests/linalg \
-      tests/sketch/test_triton_draws.py tests/ops/test_kernelized_flash.py
+      tests/sketch/test_triton_draws.py tests/ops/test_kernelized_flash.py \
+      tests/reliability/test_marks_in_products.py
   [ -e "$out/tests.log" ] && tail -3 "$out/tests.log" > "$out/tests.txt"
 fi
 # The launch options of the Lemma 3 kernels (m = 128) and of the product kernels (model
