@@ -44,6 +44,27 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 
+def device_leaves(tensors, device, dtype) -> list[torch.Tensor]:
+    """Copies of ``tensors`` on ``device`` in ``dtype`` that take gradients."""
+    return [t.detach().to(device, dtype).requires_grad_(True) for t in tensors]
+
+
+def backward_with_weights(out: torch.Tensor) -> None:
+    """Backward of a weighted sum of ``out`` (weights -1..1 along its last dim), so that
+    every gradient entry is exercised and none cancels by symmetry."""
+    (out.float() * torch.linspace(-1, 1, out.shape[-1], device=out.device)).sum().backward()
+
+
+def assert_matches_reference(out, grads, ref, ref_grads, dtype) -> None:
+    """``out`` (in ``dtype``) within ``TOLERANCES[dtype]`` of ``ref``, and each of the
+    gradients of q, k, v within five times that (relative Frobenius errors)."""
+    tol = TOLERANCES[dtype]
+    assert out.dtype == dtype
+    assert relative_error(out, ref) < tol
+    for name, g, g_ref in zip("qkv", grads, ref_grads, strict=True):
+        assert relative_error(g, g_ref) < 5 * tol, f"gradient of {name}"
+
+
 # A test that runs Triton kernels on CPU tensors needs Triton's interpreter, which is off
 # where a GPU runs the kernels (SKYFORMER_TEST_CUDA=1 leaves TRITON_INTERPRET unset): the
 # fixture (conftest.py) skips it then, at setup, once conftest has set the variable.

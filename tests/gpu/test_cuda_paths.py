@@ -20,7 +20,15 @@ from skyformer.decoding import new_decoding_state
 from tests.conftest import gen, make_qkv
 from tests.decoding.test_decoding_states import CASES as DECODING_CASES
 from tests.decoding.test_decoding_states import STEPS, _decode
-from tests.devices import TOLERANCES, cuda_only, relative_error
+from tests.devices import (
+    TOLERANCES,
+    assert_matches_reference,
+    backward_with_weights,
+    cuda_only,
+    device_leaves,
+    relative_error,
+)
+from tests.gpu.test_cuda_methods import _call
 from tests.reliability.test_host_reads import CAUSAL
 
 # (device, dtype): float32 on the CPU checks the checks; the GPU in float32 and bfloat16
@@ -28,31 +36,6 @@ TARGETS = [("cpu", torch.float32),
            pytest.param("cuda", torch.float32, marks=cuda_only),
            pytest.param("cuda", torch.bfloat16, marks=cuda_only)]
 IDS = ["cpu-float32", "cuda-float32", "cuda-bfloat16"]
-
-
-def _leaves(tensors, device, dtype):
-    return [t.detach().to(device, dtype).requires_grad_(True) for t in tensors]
-
-
-def _backward(out):
-    (out.float() * torch.linspace(-1, 1, out.shape[-1], device=out.device)).sum().backward()
-
-
-def _check(out, grads, ref, ref_grads, dtype):
-    tol = TOLERANCES[dtype]
-    assert out.dtype == dtype
-    assert relative_error(out, ref) < tol
-    for name, g, g_ref in zip("qkv", grads, ref_grads, strict=True):
-        assert relative_error(g, g_ref) < 5 * tol, f"gradient of {name}"
-
-
-def _causal_call(method, q, k, v, mask, device, dtype):
-    bound = get_method(method).bind(causal=True)
-    leaves = _leaves((q, k, v), device, dtype)
-    out = bound(*leaves, key_padding_mask=None if mask is None else mask.to(device),
-                generator=random_key(gen(4)))
-    _backward(out)
-    return out, [t.grad for t in leaves]
 
 
 @pytest.mark.parametrize(("device", "dtype"), TARGETS, ids=IDS)
@@ -65,13 +48,13 @@ def test_causal_equals_cpu_float64(method, masked, device, dtype):
         mask = torch.ones(2, 70, dtype=torch.bool)
         mask[0, 51:] = False
         mask[1, :9] = False
-    ref, ref_grads = _causal_call(method, q, k, v, mask, "cpu", torch.float64)
-    out, grads = _causal_call(method, q, k, v, mask, device, dtype)
+    ref, ref_grads = _call(method, q, k, v, mask, "cpu", torch.float64, causal=True)
+    out, grads = _call(method, q, k, v, mask, device, dtype, causal=True)
     assert out.device.type == device
     if mask is not None:  # rows of padded queries are not compared (no keys before them)
         keep = mask[:, None, :, None].to(out.device)
         out, ref = out * keep, ref * keep.cpu()
-    _check(out, grads, ref, ref_grads, dtype)
+    assert_matches_reference(out, grads, ref, ref_grads, dtype)
 
 
 @pytest.mark.parametrize(("device", "dtype"), TARGETS, ids=IDS)
@@ -107,25 +90,26 @@ def test_packed_sequences_equal_cpu_float64(method, causal, device, dtype):
     lengths = torch.tensor([0, 17, 57, 62], dtype=torch.int32)
 
     def call(on, as_dtype):
-        leaves = _leaves((q, k, v), on, as_dtype)
+        leaves = device_leaves((q, k, v), on, as_dtype)
         out = skyformer.scaled_dot_product_attention(
             *leaves, is_causal=causal, method=method, cu_seqlens=lengths.to(on),
             max_seqlen=40, generator=random_key(gen(6)))
-        _backward(out)
+        backward_with_weights(out)
         return out, [t.grad for t in leaves]
 
     ref, ref_grads = call("cpu", torch.float64)
     out, grads = call(device, dtype)
     assert out.device.type == device and out.shape == ref.shape
-    _check(out, grads, ref, ref_grads, dtype)
+    assert_matches_reference(out, grads, ref, ref_grads, dtype)
 
 
 @cuda_only
 @pytest.mark.parametrize("method", ["kernelized", "skyformer", "performer"])
-def test_compiled_layer_equals_the_eager_layer(method, device="cuda"):
+def test_compiled_layer_equals_the_eager_layer(method):
     """``torch.compile(fullgraph=True)`` of a layer (inductor writes Triton kernels around
     the library's own), forward and backward, padded, float32. The CPU's inductor cases
     are ``tests/pt2``'s (their C++ compile takes a minute there)."""
+    device = "cuda"
     torch.manual_seed(0)
     layer = skyformer.MultiHeadAttention(dim=32, num_heads=2, method=method).to(device)
     x = torch.randn(2, 48, 32, device=device)
@@ -137,7 +121,7 @@ def test_compiled_layer_equals_the_eager_layer(method, device="cuda"):
         layer.zero_grad()
         xs = x.clone().requires_grad_(True)
         out = module(xs, key_padding_mask=mask, generator=key)
-        _backward(out * mask[..., None])
+        backward_with_weights(out * mask[..., None])
         return out, [xs.grad, *(p.grad for p in layer.parameters())]
 
     eager, eager_grads = run(layer)
