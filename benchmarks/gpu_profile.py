@@ -41,6 +41,8 @@ METHODS = {
     "sdpa": lambda q, k, v, key, m: F.scaled_dot_product_attention(q, k, v),
     "skyformer": lambda q, k, v, key, m: skyformer.attention(
         q, k, v, "skyformer", num_features=m, generator=key),
+    "skyformer/implicit": lambda q, k, v, key, m: skyformer.attention(
+        q, k, v, "skyformer", num_features=m, generator=key, pinv_gradient="implicit"),
     "skyformer/torch": lambda q, k, v, key, m: skyformer.attention(
         q, k, v, "skyformer", num_features=m, generator=key, kernel="torch"),
     "kernelized": lambda q, k, v, key, m: skyformer.attention(q, k, v, "kernelized"),

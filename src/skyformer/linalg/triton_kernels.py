@@ -546,18 +546,30 @@ def rows_product(
     return out1, out2, shift
 
 
-def _splits(n: int, blocks: int, block_n: int, device: torch.device) -> int:
-    """Row slices for the cols kernel: about four programs per multiprocessor."""
+# Programs per multiprocessor the cols kernel's row slices aim at. Its launches keep two
+# or three programs resident per SM (8-12 warps), so the last wave of a grid sized for
+# four left many SMs idle: on an H200 (Skyformer, B=4, H=16, D=64, bfloat16, m = 128,
+# N = 32768, forward + backward) its three launches took 2.07 ms at 4 per SM, 1.85 at 8,
+# 1.89 at 16 and 1.86 at 32 (the partial sums' addition growing with the slices), and
+# 0.29 / 0.27 ms at N = 4096 (benchmarks/results/gpu_h200_2026-12-04b/splits.txt).
+COLS_PROGRAMS_PER_SM = 8
+
+
+def _splits(n: int, blocks: int, block_n: int, device: torch.device,
+            per_sm: int = COLS_PROGRAMS_PER_SM) -> int:
+    """Row slices for the cols kernel: about ``per_sm`` programs per multiprocessor."""
     if device.type != "cuda":
         return min(2, cdiv(n, block_n))
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(cdiv(n, block_n), cdiv(4 * sms, max(1, blocks))))
+    return max(1, min(cdiv(n, block_n), cdiv(per_sm * sms, max(1, blocks))))
 
 
-def row_slices(n: int, blocks: int, block_n: int, device: torch.device) -> tuple[int, int]:
+def row_slices(n: int, blocks: int, block_n: int, device: torch.device,
+               per_sm: int = COLS_PROGRAMS_PER_SM) -> tuple[int, int]:
     """(slices, rows a slice) of N rows for ``blocks`` programs a slice (``_splits``),
     each slice a whole number of ``block_n`` blocks."""
-    rows_per_split = cdiv(cdiv(n, _splits(n, blocks, block_n, device)), block_n) * block_n
+    rows_per_split = cdiv(cdiv(n, _splits(n, blocks, block_n, device, per_sm)),
+                          block_n) * block_n
     return cdiv(n, rows_per_split), rows_per_split
 
 

@@ -150,7 +150,9 @@ def one_pass_product(
                          f"R = {r}.")
     bm, bd, br = tile_width(m), tile_width(d), tile_width(r)
     bn, warps = _tiles(bm, bd, br, x.dtype, y.dtype in HALF_TYPES)
-    splits, rows_per_split = row_slices(n, bh, bn, y.device)
+    # four programs per SM, as this kernel was timed (one resident per SM: not re-timed
+    # with the cols kernel's eight)
+    splits, rows_per_split = row_slices(n, bh, bn, y.device, per_sm=4)
     row1 = y.new_empty(bh, n, r, dtype=vn.dtype) if write_row1 else None
     row2 = y.new_empty(bh, n, d) if write_row2 else None
     col1 = x.new_empty(splits, bh, m, r) if write_col1 else None
