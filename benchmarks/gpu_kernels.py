@@ -1,9 +1,11 @@
 """Fused Triton kernels against the PyTorch path and against flash SDPA, on CUDA.
 
-For each shape and N: forward + backward time (median, interleaved rounds, synchronised)
-and peak memory (``torch.cuda.max_memory_allocated`` above the inputs, the gradients of
-q, k, v included; none for the CUDA-graph rows, which replay into memory their capture
-took) of
+For each shape and N: forward + backward time (median, synchronised; the calls'
+repeats interleaved, or with ``--timing blocked`` each call's in a block of its own
+after an idle pause of ``--pause`` seconds, ``eval/measure/timing.py``: at N = 32768 the
+132 ms of flash SDPA between two Skyformer calls can slow the second) and peak memory
+(``torch.cuda.max_memory_allocated`` above the inputs, the gradients of q, k, v
+included; none for the CUDA-graph rows, which replay into memory their capture took) of
 
 - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` on the inputs' dtype
   (the flash backend for bfloat16 / float16),
@@ -62,7 +64,7 @@ from launch_counts import guard_passes  # benchmarks/, beside this script
 from run_metadata import run_metadata
 
 import skyformer
-from skyformer.eval.measure.timing import interleaved_median_seconds
+from skyformer.eval.measure.timing import blocked_median_seconds, interleaved_median_seconds
 from skyformer.io import write_json
 
 
@@ -267,6 +269,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="default 1024 ... 32768 (on the CPU 64)")
     parser.add_argument("--features", type=int, default=None, help="default 128 (CPU: 16)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--timing", choices=("interleaved", "blocked"), default="interleaved",
+                        help="the calls' repeats in rounds of every call, or each call's "
+                        "in a block of its own (module docstring)")
+    parser.add_argument("--pause", type=float, default=1.0,
+                        help="seconds idle before each call's block (--timing blocked)")
     parser.add_argument("--compile-seq-lens", nargs="*", type=int, default=None,
                         help="lengths at which the compiled variants are timed too (default "
                         "4096; none on the CPU)")
@@ -325,8 +332,12 @@ def _main(args: argparse.Namespace, argv: list[str] | None) -> int:
             if args.calls:
                 calls = {name: fn for name, fn in calls.items() if name == "sdpa"
                          or any(fnmatch.fnmatchcase(name, p) for p in args.calls)}
-            times = interleaved_median_seconds(calls, device=device, warmup=2,
-                                               repeats=args.repeats)
+            if args.timing == "blocked":
+                times = blocked_median_seconds(calls, device=device, warmup=2,
+                                               repeats=args.repeats, pause=args.pause)
+            else:
+                times = interleaved_median_seconds(calls, device=device, warmup=2,
+                                                   repeats=args.repeats)
             for name, fn in calls.items():
                 # a graph replays into memory its capture took: a replay's peak is not
                 # the call's

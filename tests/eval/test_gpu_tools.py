@@ -534,6 +534,32 @@ def _kernels_with_a_nan_time(monkeypatch, out):
     return _strict(out.read_text())["rows"][0]["ms"]
 
 
+def test_gpu_kernels_times_each_call_in_its_own_block_when_asked(monkeypatch, tmp_path):
+    """``--timing blocked --pause S``: the calls go to the blocked timer with that pause,
+    and the JSON says how they were timed."""
+    module = load_benchmark("gpu_kernels")
+    monkeypatch.setattr(module, "_matmul_rate", lambda device: {"bfloat16": 1.0,
+                                                                "float32": 1.0})
+    monkeypatch.setattr(module, "_calls", lambda *args: {"sdpa": lambda: None})
+    seen = {}
+
+    def blocked(calls, **kwargs):
+        seen.update(kwargs)
+        return dict.fromkeys(calls, 1e-3)
+
+    monkeypatch.setattr(module, "blocked_median_seconds", blocked)
+    monkeypatch.setattr(module, "interleaved_median_seconds",
+                        lambda *args, **kwargs: pytest.fail("interleaved timing used"))
+    monkeypatch.setattr(module, "_peak", lambda fn, device: None)
+    monkeypatch.setattr(module, "_core_rows", lambda *args: [])
+    out = tmp_path / "kernels.json"
+    assert module.main(["--device", "cpu", "--seq-lens", "8", "--timing", "blocked",
+                        "--pause", "0.25", "--out", str(out)]) == 0
+    assert seen["pause"] == 0.25
+    result = json.loads(out.read_text())
+    assert result["config"]["timing"] == "blocked" and result["rows"][0]["ms"] == 1.0
+
+
 def _profile_with_a_nan_time(monkeypatch, out):
     module = load_benchmark("gpu_profile")
     monkeypatch.setattr(module, "profile_call", lambda *args: {

@@ -3,6 +3,12 @@
 The clock is wall time by default; ``clock="cpu"`` takes the process's CPU time
 instead (all threads), which a loaded shared machine disturbs far less (time slices
 given to other processes are not counted): meaningful with one thread, on CPU.
+
+Two orders of the runs: interleaved (round r runs every function once: a drift in the
+machine's load hits all alike) and blocked (each function's runs one after another,
+after an idle pause: no function's runs change the machine for another's, as a long,
+heavy GPU call can for the light call after it, e.g. through the clocks its power
+draw lowers).
 """
 
 from __future__ import annotations
@@ -69,3 +75,24 @@ def interleaved_seconds(
             _sync(device)
             times[name].append(now() - start)
     return times
+
+
+def blocked_median_seconds(
+    fns: Mapping[str, Callable[[], object]], *, device: torch.device | str = "cpu",
+    warmup: int = 1, repeats: int = 5, pause: float = 0.0, clock: str = "wall",
+) -> dict[str, float]:
+    """Median time of each function timed in a block of its own: ``pause`` seconds idle
+    (the device synchronised), its ``warmup`` runs, then its ``repeats`` runs one after
+    another, as a loop of its own calls (a training loop) runs it. The functions' blocks
+    follow each other in order (module docstring: when to prefer this to
+    ``interleaved_median_seconds``)."""
+    device = torch.device(device)
+    if pause < 0:
+        raise ValueError(f"pause must be at least 0 seconds, got {pause}.")
+    medians = {}
+    for name, fn in fns.items():
+        _sync(device)
+        time.sleep(pause)
+        medians[name] = median_seconds(fn, device=device, warmup=warmup, repeats=repeats,
+                                       clock=clock)
+    return medians
