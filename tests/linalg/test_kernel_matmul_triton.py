@@ -8,6 +8,8 @@ block, m = 1, m = 0, head dims 16..128), invalid rows, excluded entries, row shi
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -839,3 +841,46 @@ def test_exclude_offsets_past_2_31_are_int64(triton_interpreter):
     _exclude_offsets[(1,)](out, 1, 2**28, BLOCK=16)
     rows, cols = torch.meshgrid(torch.arange(16), torch.arange(16), indexing="ij")
     assert torch.equal(out, rows + cols * 2**28)
+
+
+def test_the_cols_kernel_slices_the_rows_for_eight_programs_per_multiprocessor(monkeypatch):
+    """On a GPU of 132 SMs, Skyformer's cols launches at m = 128 (two column blocks) and
+    B x H = 64 get ceil(8 x 132 / 128) = 9 row slices, each a whole number of row blocks;
+    never more slices than row blocks; the one-pass kernel keeps four programs per SM."""
+    class Properties:
+        multi_processor_count = 132
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties)
+    cuda = torch.device("cuda")
+    assert triton_kernels.COLS_PROGRAMS_PER_SM == 8
+    assert triton_kernels.row_slices(32768, 2 * 64, 64, cuda) == (9, 3648)
+    assert triton_kernels.row_slices(32768, 2 * 64, 64, cuda, per_sm=4) == (5, 6592)
+    assert triton_kernels.row_slices(300, 2 * 64, 64, cuda) == (5, 64)  # one block each
+    slices, rows = triton_kernels.row_slices(1000, 2, 64, cuda)
+    assert slices * rows >= 1000 > (slices - 1) * rows and rows % 64 == 0
+
+
+@needs_interpreter
+@pytest.mark.parametrize("slices", [1, 7, 64])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_any_number_of_row_slices_gives_the_same_products(monkeypatch, slices, transpose):
+    """The cols kernel's partial sums over row slices, however many a GPU's size asks for
+    (one row block each, or the last one part-filled), add up to the PyTorch path's
+    products and gradients; on the CPU the slices are otherwise at most two."""
+    monkeypatch.setattr(triton_kernels, "_splits", lambda n, blocks, block_n, device,
+                        per_sm=8: slices)
+    n, m, d, r = 150, 20, 32, 16
+    g = torch.Generator().manual_seed(slices)
+    y = torch.randn(2, n, d, generator=g, dtype=torch.float64)
+    x = torch.randn(2, m, d, generator=g, dtype=torch.float64) * 0.7
+    b = 0.5 * (x * x).sum(-1)
+    rhs = torch.randn(2, n if transpose else m, r, generator=g, dtype=torch.float64)
+    launches = []
+    _record_product_launches(monkeypatch, lambda grid, kwargs, name: launches.append(
+        (name, grid)))
+    ours = _product("triton", y, x, b, rhs, scale=d ** -0.25, transpose=transpose)
+    ref = _product("torch", y, x, b, rhs, scale=d ** -0.25, transpose=transpose)
+    _assert_products_close(ours, ref, torch.float64)
+    cols = [grid for name, grid in launches if name == "_cols_kernel"]
+    rows = math.ceil(math.ceil(n / slices) / 16) * 16  # whole row blocks of 16 (float64)
+    assert cols and all(grid[2] == math.ceil(n / rows) for grid in cols)
