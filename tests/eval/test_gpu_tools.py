@@ -665,6 +665,34 @@ def test_the_paired_steps_benchmark_says_it_needs_a_gpu(capsys):
     assert "run it on a machine with a GPU" in capsys.readouterr().err
 
 
+def test_col_slices_launches_the_cols_kernel_with_each_target_and_reports_it(monkeypatch,
+                                                                          tmp_path):
+    """``col_slices.py`` on the CPU (a GPU of one SM): each target reaches the cols
+    kernel's grid as its number of row slices, and the table and JSON list every target."""
+    pytest.importorskip("triton")
+    from skyformer.linalg import triton_kernels
+
+    module = load_benchmark("col_slices")
+    grids = []
+    launch = triton_kernels._cols_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return launch[grid]
+
+    monkeypatch.setattr(triton_kernels, "_cols_kernel", Recording())
+    out = tmp_path / "slices.txt"
+    argv = ["--device", "cpu", "--shape", "1,1,16,float32", "--seq-lens", "256",
+            "--features", "8", "--targets", "1", "4", "--repeats", "1", "--out", str(out)]
+    assert module.main(argv) == 0
+    assert {grid[2] for grid in grids} == {1, 4}  # four row blocks of 64
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert [row["programs_per_sm"] for row in result["rows"]] == [1, 4]
+    assert result["command"] == "python benchmarks/col_slices.py " + " ".join(argv)
+    assert "| 256 | 4 |" in out.read_text()
+
+
 def test_paired_steps_writes_its_times_settings_environment_and_command(monkeypatch,
                                                                         tmp_path):
     """Beside the text table, a JSON of the times with what they were measured with (the

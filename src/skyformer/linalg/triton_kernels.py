@@ -551,7 +551,7 @@ def rows_product(
 # four left many SMs idle: on an H200 (Skyformer, B=4, H=16, D=64, bfloat16, m = 128,
 # N = 32768, forward + backward) its three launches took 2.07 ms at 4 per SM, 1.85 at 8,
 # 1.89 at 16 and 1.86 at 32 (the partial sums' addition growing with the slices), and
-# 0.29 / 0.27 ms at N = 4096 (benchmarks/results/gpu_h200_2026-12-04b/splits.txt).
+# 0.29 / 0.27 ms at N = 4096 (benchmarks/results/gpu_h200_2026-12-04b/col_slices.txt).
 COLS_PROGRAMS_PER_SM = 8
 
 
