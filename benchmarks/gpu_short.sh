@@ -6,12 +6,18 @@
 # cannot starve the next: the CUDA tests (every method and path: causal, decoding,
 # packed sequences, compiled layers, `skyformer lra train` with bf16 autocast, the
 # Triton kernels); the model shape (B=4, H=16, D=64, bf16) against flash SDPA, eager and
-# in a CUDA graph; the implicit core's Newton steps against Razavi's; the LRA shape
-# (B=1, H=2, D=32, float32); `skyformer bench --device cuda --causal` at the model shape.
+# in a CUDA graph, each call timed in a block of its own after an idle second
+# (`gpu_kernels.py --timing blocked`; exact kernelized attention at N = 4096 too), then
+# the same calls interleaved, as earlier runs timed them (interleaved with the 132 ms of
+# flash SDPA at N = 32768 a Skyformer call measured 8.7 ms where alone it took 6.6: the
+# two parts show how much of that is the order); the GPU's clocks, power and
+# temperature sampled every 100 ms meanwhile (clocks.csv); the implicit core's Newton
+# steps against Razavi's; the LRA shape (B=1, H=2, D=32, float32); `skyformer bench
+# --device cuda --causal` at the model shape.
 # Logs and JSON go to OUT_DIR; OUT_DIR/summary.txt holds each part's exit status.
 # A copy of the working tree may carry a stale .git: CODE=<commit> names the code measured.
-# ONLY="NAME ..." runs those parts alone (tests kernels_model paired_steps kernels_lra
-# bench_causal).
+# ONLY="NAME ..." runs those parts alone (tests kernels_model kernels_model_interleaved
+# paired_steps kernels_lra bench_causal).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: bash benchmarks/gpu_short.sh OUT_DIR}
@@ -41,14 +47,23 @@ SKYFORMER_TEST_CUDA=1 part tests 220 python3 -m pytest -q -p no:warnings \
     -p no:cacheprovider $parallel tests/gpu tests/test_contract.py tests/linalg \
     tests/sketch/test_triton_draws.py tests/ops/test_kernelized_flash.py \
     tests/reliability/test_marks_in_products.py
-part kernels_model 100 python3 -W ignore benchmarks/gpu_kernels.py \
+nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv \
+    -lms 100 > "$out/clocks.csv" 2>&1 &
+sampler=$!
+trap 'kill $sampler 2>/dev/null' EXIT
+model_calls=('skyformer/triton+implicit' 'skyformer/triton+implicit+guard*'
+             'skyformer/triton+implicit+cudagraphs')
+part kernels_model 110 python3 -W ignore benchmarks/gpu_kernels.py --timing blocked \
+    --pause 1 --shapes 4,16,64,bfloat16 --seq-lens 4096 32768 \
+    --compile-seq-lens 4096 32768 --compile-kernels triton --max-exact-n 4096 \
+    --calls "${model_calls[@]}" 'kernelized/*' --no-core --out "$out/kernels_model.json"
+part kernels_model_interleaved 100 python3 -W ignore benchmarks/gpu_kernels.py \
     --shapes 4,16,64,bfloat16 --seq-lens 4096 32768 --compile-seq-lens 4096 32768 \
-    --compile-kernels triton --max-exact-n 0 --calls 'skyformer/triton+implicit' \
-    'skyformer/triton+implicit+guard*' 'skyformer/triton+implicit+cudagraphs' --no-core \
-    --out "$out/kernels_model.json"
+    --compile-kernels triton --max-exact-n 0 --calls "${model_calls[@]}" --no-core \
+    --out "$out/kernels_model_interleaved.json"
 part paired_steps 40 python3 -W ignore benchmarks/paired_steps.py --out "$out/paired_steps.txt"
-part kernels_lra 50 python3 -W ignore benchmarks/gpu_kernels.py \
-    --shapes 1,2,32,float32 --seq-lens 4096 --compile-seq-lens 4096 \
+part kernels_lra 50 python3 -W ignore benchmarks/gpu_kernels.py --timing blocked \
+    --pause 1 --shapes 1,2,32,float32 --seq-lens 4096 --compile-seq-lens 4096 \
     --compile-kernels triton --max-exact-n 0 --calls 'skyformer/triton+implicit' \
     'skyformer/triton+implicit+cudagraphs' --no-core --out "$out/kernels_lra.json"
 part bench_causal 60 python3 -W ignore -m skyformer bench --device cuda --causal \
