@@ -253,3 +253,47 @@ def test_a_non_finite_query_or_key_changes_no_earlier_output(method, bad):
             again = _run(method, *inputs, None, seed=0)
             assert torch.equal(again[:, :, :j], out[:, :, :j]), (method, j)
             assert torch.isnan(again[0, 1, j]).all(), (method, j)
+
+
+def test_causal_skyformer_saves_no_gaussian_block_for_the_backward_pass():
+    """Its features phi = L^-1 C(X_S, y) come from one product
+    (``causal_nystrom.gaussian_features``, ``linalg.gaussian_kernel_matmul``), whose
+    backward pass rebuilds C by chunks: no exponential of an ``[N, m]`` block is kept
+    (those of the queries' and of the keys' blocks were: 37 % of what a call at N = 4096,
+    m = 128 saved, on the CPU)."""
+    n, m = 1024, 96
+    q, k, v = (t.requires_grad_(True) for t in make_qkv(1, 1, n, 16, seed=2))
+    out = attention(q, k, v, "skyformer", causal=True, num_features=m,
+                    generator=torch.Generator().manual_seed(1))
+    blocks, seen, nodes = [], set(), [out.grad_fn]
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        result = getattr(node, "_saved_result", None)
+        if type(node).__name__ in ("ExpBackward0", "Exp2Backward0") and result.numel() >= n * m:
+            blocks.append(tuple(result.shape))
+        nodes.extend(next_node for next_node, _ in node.next_functions)
+    assert blocks == []
+
+
+def test_causal_skyformer_features_on_the_triton_kernels_equal_the_pytorch_path():
+    """``kernel="triton"`` (Triton's interpreter on the CPU; on CUDA the default for
+    float32) gives the PyTorch path's outputs and gradients, padding included."""
+    pytest.importorskip("triton")
+    from skyformer.linalg.kernel_backend import interpreter_on
+
+    if not interpreter_on():
+        pytest.skip("Triton's interpreter is off (TRITON_INTERPRET=0)")
+    n = 90
+    q, k, v = (t.requires_grad_(True) for t in make_qkv(2, 2, n, 16, seed=5))
+    mask = _mask(n, padded=True)
+
+    def run(kernel):
+        out = attention(q, k, v, "skyformer", causal=True, num_features=24, kernel=kernel,
+                        key_padding_mask=mask, generator=torch.Generator().manual_seed(2))
+        return (out, *torch.autograd.grad(out.square().sum(), (q, k, v)))
+
+    for got, want in zip(run("triton"), run("torch"), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

@@ -24,7 +24,7 @@ from ..shared.causal_nystrom import (
     CausalLandmarks,
     causal_core,
     draw_causal_landmarks,
-    nystrom_features,
+    gaussian_features,
     uses_failed,
 )
 from ..shared.causal_prefix import CAUSAL_CHUNK, causal_feature_sums, chunk_rows
@@ -35,22 +35,24 @@ __all__ = ["causal_skyformer", "draw_causal_landmarks"]
 
 def causal_skyformer(q: Tensor, k: Tensor, v: Tensor, info: AttentionInputs, scale: float,
                      gamma: float, local: bool, landmarks: CausalLandmarks, *,
-                     chunk: int = CAUSAL_CHUNK) -> tuple[Tensor, CausalCore]:
+                     chunk: int = CAUSAL_CHUNK, kernel: str = "auto"
+                     ) -> tuple[Tensor, CausalCore]:
     """Causal Skyformer of ``q, k: [B, H, N, D]``, ``v: [B, H, N, Dv]`` (compute dtype,
-    unscaled): ``([B, H, N, Dv], core)``; rows of padded queries are not zeroed here."""
+    unscaled): ``([B, H, N, Dv], core)``; rows of padded queries are not zeroed here.
+    ``kernel``: the features' products (``gaussian_features``)."""
     n = q.shape[2]
     q, k, core = causal_core(q, k, scale, gamma, landmarks)
     qs, ks = q * scale, k * scale
-    q_norm = half_sq_norm(qs)
-    k_norm = half_sq_norm(ks)  # [B, H, N]
-    if info.key_valid is not None:
-        k_norm = torch.where(info.key_valid[:, None, :], k_norm, float("inf"))
     available = landmarks.available(n)  # [B, 1, N, m]
-    phi_q = nystrom_features(gaussian_kernel_block(qs, core.x, q_norm, core.x_norm), core)
+    phi_q = gaussian_features(qs, core, kernel=kernel)
     phi_q = torch.where(available, phi_q, 0.0)  # [B, H, N, m]
-    phi_k = nystrom_features(gaussian_kernel_block(ks, core.x, k_norm, core.x_norm), core)
+    phi_k = gaussian_features(ks, core, row_valid=info.key_valid, kernel=kernel)
     exact = None
     if local:  # C(q_i, k_j) within each chunk; padded keys have +inf norms: exact zeros
+        q_norm = half_sq_norm(qs)
+        k_norm = half_sq_norm(ks)  # [B, H, N]
+        if info.key_valid is not None:
+            k_norm = torch.where(info.key_valid[:, None, :], k_norm, float("inf"))
         q_c, k_c = chunk_rows(qs, chunk), chunk_rows(ks, chunk)
         qn_c, kn_c = (chunk_rows(t[..., None], chunk)[..., 0] for t in (q_norm, k_norm))
         exact = gaussian_kernel_block(q_c, k_c, qn_c, kn_c)  # [B, H, C, L, L]

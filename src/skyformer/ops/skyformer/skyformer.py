@@ -161,7 +161,7 @@ def _causal(q: Tensor, k: Tensor, v: Tensor, config: SkyformerConfig,
     work = compute_dtype(q.dtype)
     out, _ = causal_skyformer(q.to(work), k.to(work), v.to(work), info,
                               kernel_scale(info.head_dim, config.scale), config.gamma,
-                              config.causal_local, landmarks)
+                              config.causal_local, landmarks, kernel=config.kernel)
     return causal_outputs(out, info, order).to(q.dtype)
 
 

@@ -1,0 +1,126 @@
+"""Causal Skyformer's features phi = L^-1 C(X_S, y): one product against the block, timed.
+
+``ops/skyformer/causal.py`` computes phi for the queries and the keys as one Gaussian
+product C(y, X_S) (L^-1)^T (``causal_nystrom.gaussian_features``,
+``linalg.gaussian_kernel_matmul``: the ``[N, m]`` block C is never held for the backward
+pass, which rebuilds it by chunks; on CUDA the fused Triton kernels). Before, it formed
+C as a block (``gaussian_kernel_block``) and multiplied it by (L^-1)^T
+(``nystrom_features``), and autograd kept the block's exponent and exponential. This
+times a causal forward + backward with each (the block path patched in), interleaved,
+and sums the bytes of the tensors each keeps for its backward pass
+(``torch.autograd.graph.saved_tensors_hooks``, each storage once).
+
+    python benchmarks/causal_features.py [--seq-lens 4096 16384] [--out FILE.md]
+
+``--out FILE.md`` writes the table there and FILE.json beside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from collections.abc import Iterator
+from unittest import mock
+
+import torch
+from run_metadata import run_metadata, write_report  # benchmarks/, beside this script
+
+import skyformer
+from skyformer.eval.measure.timing import interleaved_median_seconds
+from skyformer.linalg import gaussian_kernel_block, half_sq_norm
+from skyformer.ops.shared.causal_nystrom import nystrom_features
+from skyformer.ops.skyformer import causal as causal_skyformer
+
+PATHS = ("product", "block")
+
+
+def block_features(y, core, *, row_valid=None, kernel="auto"):
+    """phi as the Gaussian block times (L^-1)^T (the earlier path)."""
+    norm = half_sq_norm(y)
+    if row_valid is not None:
+        norm = torch.where(row_valid[:, None, :], norm, float("inf"))
+    return nystrom_features(gaussian_kernel_block(y, core.x, norm, core.x_norm), core)
+
+
+@contextlib.contextmanager
+def features(path: str) -> Iterator[None]:
+    """Inside: causal Skyformer computes its features by ``path`` (``PATHS``)."""
+    if path == "product":
+        yield
+        return
+    with mock.patch.object(causal_skyformer, "gaussian_features", block_features):
+        yield
+
+
+def saved_bytes(fn) -> int:
+    """Bytes of the tensors that ``fn()``'s autograd graph keeps, each storage once."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(storages.values())
+
+
+def measure(b: int, h: int, n: int, d: int, m: int, repeats: int) -> list[dict]:
+    q, k, v = (torch.randn(b, h, n, d, requires_grad=True) for _ in range(3))
+    key = skyformer.random_key(0)
+
+    def forward():
+        return skyformer.attention(q, k, v, "skyformer", causal=True, num_features=m,
+                                   generator=key)
+
+    def call(path):
+        def run():
+            with features(path):
+                forward().sum().backward()
+            for t in (q, k, v):
+                t.grad = None
+        return run
+
+    times = interleaved_median_seconds({path: call(path) for path in PATHS}, warmup=2,
+                                       repeats=repeats)
+    rows = []
+    for path in PATHS:
+        with features(path):
+            kept = saved_bytes(forward)
+        rows.append({"n": n, "features": path, "ms": times[path] * 1e3,
+                     "saved_mib": kept / 2**20})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="1,2,64", help="B,H,D")
+    parser.add_argument("--seq-lens", nargs="+", type=int, default=[4096, 16384])
+    parser.add_argument("--features", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    b, h, d = map(int, args.shape.split(","))
+    rows = []
+    for n in args.seq_lens:
+        rows += measure(b, h, n, d, args.features, args.repeats)
+    lines = [f"Causal Skyformer, B,H,D = {args.shape}, m = {args.features}, forward + backward "
+             f"on the CPU ({torch.get_num_threads()} threads), medians of {args.repeats} "
+             f"interleaved calls, torch {torch.__version__}", "",
+             "| N | features | ms | saved for the backward pass, MiB |", "|---|---|---|---|"]
+    lines += [f"| {r['n']} | {r['features']} | {r['ms']:.1f} | {r['saved_mib']:.1f} |"
+              for r in rows]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        write_report(args.out, text, run_metadata(__file__, argv, vars(args), "cpu"),
+                     rows=rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
