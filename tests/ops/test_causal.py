@@ -278,9 +278,11 @@ def test_causal_skyformer_saves_no_gaussian_block_for_the_backward_pass():
     assert blocks == []
 
 
-def test_causal_skyformer_features_on_the_triton_kernels_equal_the_pytorch_path():
-    """``kernel="triton"`` (Triton's interpreter on the CPU; on CUDA the default for
-    float32) gives the PyTorch path's outputs and gradients, padding included."""
+@pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax"])
+def test_causal_features_on_the_triton_kernels_equal_the_pytorch_path(method):
+    """The features' products with ``kernel="triton"`` (Triton's interpreter on the CPU;
+    on CUDA the default for float32) give the PyTorch path's outputs and gradients,
+    padding included."""
     pytest.importorskip("triton")
     from skyformer.linalg.kernel_backend import interpreter_on
 
@@ -291,7 +293,7 @@ def test_causal_skyformer_features_on_the_triton_kernels_equal_the_pytorch_path(
     mask = _mask(n, padded=True)
 
     def run(kernel):
-        out = attention(q, k, v, "skyformer", causal=True, num_features=24, kernel=kernel,
+        out = attention(q, k, v, method, causal=True, num_features=24, kernel=kernel,
                         key_padding_mask=mask, generator=torch.Generator().manual_seed(2))
         return (out, *torch.autograd.grad(out.square().sum(), (q, k, v)))
 

@@ -31,11 +31,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...linalg import gaussian_kernel_block, half_sq_norm, with_ones_column
+from ...linalg import half_sq_norm, with_ones_column
 from ...linalg.flush import flush_exponent_on_cpu_, flush_on_cpu
 from ..shared.causal_nystrom import (
     CausalLandmarks,
     causal_core,
+    gaussian_features,
     nystrom_features,
     uses_failed,
 )
@@ -70,9 +71,11 @@ def _earlier_chunks(mix: Tensor, t: Tensor) -> Tensor:
 
 def causal_nystrom_softmax(q: Tensor, k: Tensor, v: Tensor, info: AttentionInputs,
                            root: float, gamma: float, local: bool, threshold: float,
-                           landmarks: CausalLandmarks, *, chunk: int = CAUSAL_CHUNK) -> Tensor:
+                           landmarks: CausalLandmarks, *, chunk: int = CAUSAL_CHUNK,
+                           kernel: str = "auto") -> Tensor:
     """``q, k: [B, H, N, D]`` (unscaled, compute dtype), ``v: [B, H, N, Dv]`` ->
-    ``[B, H, N, Dv]``; rows of padded queries are not zeroed here."""
+    ``[B, H, N, Dv]``; rows of padded queries are not zeroed here. ``kernel``: the query
+    features' product (``causal_nystrom.gaussian_features``)."""
     n, dv = q.shape[2], v.shape[-1]
     q, k, core = causal_core(q, k, root, gamma, landmarks)
     qs, ks = q * root, k * root
@@ -103,8 +106,7 @@ def causal_nystrom_softmax(q: Tensor, k: Tensor, v: Tensor, info: AttentionInput
     expo = ks @ core.x.transpose(-1, -2) - core.x_norm[..., None, :] - r_safe[..., None]
     psi_k = nystrom_features(flush_exponent_on_cpu_(
         torch.where(real[..., None], expo, float("-inf"))).exp(), core)
-    phi_q = nystrom_features(gaussian_kernel_block(qs, core.x, half_sq_norm(qs), core.x_norm),
-                             core)
+    phi_q = gaussian_features(qs, core, kernel=kernel)  # no [N, m] block kept
     available = landmarks.available(n)  # [B, 1, N, m]
     phi_q = torch.where(available, phi_q, 0.0)  # [B, H, N, m]
     v1 = with_ones_column(v)  # [B, H, N, Dv + 1]

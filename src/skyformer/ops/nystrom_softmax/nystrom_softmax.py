@@ -257,7 +257,8 @@ def _causal(q: Tensor, k: Tensor, v: Tensor, config: NystromSoftmaxConfig,
     work = compute_dtype(q.dtype)
     out = causal_nystrom_softmax(q.to(work), k.to(work), v.to(work), info, math.sqrt(s),
                                  config.gamma, config.causal_local,
-                                 config.normalizer_threshold, landmarks)
+                                 config.normalizer_threshold, landmarks,
+                                 kernel=config.kernel)
     return causal_outputs(out, info, order).to(q.dtype)
 
 
