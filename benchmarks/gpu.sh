@@ -124,6 +124,7 @@ for spec in "1,2,32 float32 131072" "4,16,64 bfloat16 65536"; do
   stage "bench_$2" 90 sh -c 'python3 -m skyformer bench --device cuda --shapes "$1" \
       --dtypes "$2" --min-n 1024 --max-n "$3" --methods skyformer nystromformer performer \
       kernelized --features 128 --repeats 5 --max-seconds 5 --no-error --markdown \
+      --timing blocked --pause 0.2 \
       --resume --out "$4/bench_$2" > "$4/bench_$2.md"; rc=$?; cat "$4/bench_$2.md"; exit $rc' \
       sh "$1" "$2" "$3" "$out"
 done

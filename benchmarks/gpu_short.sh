@@ -70,7 +70,7 @@ part bench_causal 60 python3 -W ignore -m skyformer bench --device cuda --causal
     --shapes 4,16,64 --dtypes bfloat16 --seq-lens 4096 16384 \
     --methods softmax skyformer 'skyformer[pinv_gradient=implicit]' performer \
     --features 128 --repeats 5 --max-seconds 5 --no-error --no-plot --markdown \
-    --out "$out/bench_causal"
+    --timing blocked --pause 0.5 --out "$out/bench_causal"
 echo "+ parts:"
 cat "$out/summary.txt"
 ! grep -q ": exit [1-9]" "$out/summary.txt"

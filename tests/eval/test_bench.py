@@ -254,7 +254,7 @@ RESUMED_BASE = {"methods": ("softmax", "skyformer"), "seq_lens": (16,), "shapes"
     ("methods", ("softmax", "linear")), ("dtypes", ("float64",)), ("num_features", 16),
     ("repeats", 2), ("warmup", 1), ("backward", False), ("memory", False), ("error", False),
     ("seed", 1), ("max_seconds", 5.0), ("reference", "skyformer"), ("clock", "cpu"),
-    ("causal", True)])
+    ("causal", True), ("timing", "blocked"), ("pause", 0.0)])
 def test_resume_refuses_rows_measured_with_another_setting(setting, value):
     """Every setting a row's numbers depend on is compared with the earlier file's: rows
     measured with 8 features (or another seed, clock, ...) are not kept beside rows of
@@ -439,6 +439,11 @@ def test_config_and_names_are_checked():
         BenchConfig(shapes=((1, 2),))
     with pytest.raises(ValueError, match="clock"):
         BenchConfig(clock="sundial")
+    with pytest.raises(ValueError, match=r"timing \(--timing\) must be one of interleaved, "
+                       r"blocked, got 'shuffled'\."):
+        BenchConfig(timing="shuffled")
+    with pytest.raises(ValueError, match=r"pause \(--pause\) must be at least 0 seconds"):
+        BenchConfig(pause=-0.5)
     # each refused count is named with its flag and the value given
     for setting, said in (({"repeats": 0}, r"repeats \(--repeats\) must be at least 1, got 0\."),
                           ({"warmup": -1}, r"warmup \(--warmup\) must be at least 0, got -1\."),
@@ -732,3 +737,24 @@ def test_a_second_run_writing_the_same_out_is_refused(tmp_path, capsys, monkeypa
         assert main([*argv, str(tmp_path / "other")]) == 0
     assert main([*argv, str(out)]) == 0
     assert not list(tmp_path.glob(f"*{LOCK_FILE}"))
+
+
+def test_blocked_timing_times_each_call_alone_after_its_pause(monkeypatch, capsys):
+    """``--timing blocked --pause S``: every call's repeats go to the blocked timer with
+    that pause (none to the interleaved one), and the summary line says so."""
+    from skyformer.eval.bench import run as bench_run
+
+    seen = {}
+
+    def blocked(fns, **kwargs):
+        seen.update(kwargs, calls=list(fns))
+        return dict.fromkeys(fns, 1e-3)
+
+    monkeypatch.setattr(bench_run, "blocked_median_seconds", blocked)
+    monkeypatch.setattr(bench_run, "interleaved_median_seconds",
+                        lambda *args, **kwargs: pytest.fail("interleaved timing used"))
+    args = ["bench", "--methods", "softmax", "linear", "--seq-lens", "16", "--shapes", "1,1,8",
+            "--no-memory", "--no-error", "--no-plot", "--timing", "blocked", "--pause", "0.25"]
+    assert main(args) == 0
+    assert seen["pause"] == 0.25 and "linear/fwd_bwd" in seen["calls"]
+    assert "blocked timing" in capsys.readouterr().out

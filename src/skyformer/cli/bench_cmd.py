@@ -72,6 +72,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="wall time (default) or process CPU time (robust to other load on "
                         "a shared machine; use with --threads 1)")
+    parser.add_argument("--timing", choices=("interleaved", "blocked"), default="interleaved",
+                        help="the repeats interleaved across methods (default), or each "
+                        "method's in a block of its own after an idle pause (on a GPU a "
+                        "long, heavy call can slow the light one after it)")
+    parser.add_argument("--pause", type=float, default=1.0,
+                        help="seconds idle before each block (--timing blocked; default 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of inputs and landmarks")
     parser.add_argument("--causal", action="store_true",
                         help="causal attention for every method (the reference is causal SDPA); "
@@ -177,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
         num_features=args.features, repeats=args.repeats, warmup=args.warmup,
         backward=not args.forward_only, memory=not args.no_memory, error=not args.no_error,
         seed=args.seed, max_seconds=args.max_seconds, clock=args.clock, causal=args.causal,
+        timing=args.timing, pause=args.pause,
     )
     if not args.out:
         return _measure(args, config)
@@ -197,8 +204,8 @@ def _measure(args: argparse.Namespace, config: BenchConfig) -> int:
     print(format_wide(result) if args.markdown else format_table(result))
     env = result.environment
     print(f"\ntorch {env['torch']}, {env['device']}, {env['torch_threads']} threads, "
-          f"{config.clock} clock, load average {env.get('load_average_start')} -> "
-          f"{env.get('load_average_end')}")
+          f"{config.clock} clock, {config.timing} timing, load average "
+          f"{env.get('load_average_start')} -> {env.get('load_average_end')}")
     if args.out:
         for path in write_results(result, args.out, plot=not args.no_plot, command=command):
             print(f"wrote {path}")

@@ -6,8 +6,10 @@ state), (B, H, D) shape, dtype and sequence length N, on random inputs:
 
 - forward time (under ``torch.no_grad``) and forward + backward time: medians after
   warm-up, the repeats interleaved across methods so that load changes on a shared
-  machine hit all of them alike (``timing.interleaved_median_seconds``); CUDA is
-  synchronised;
+  machine hit all of them alike (``timing.interleaved_median_seconds``), or with
+  ``timing="blocked"`` each call's repeats in a block of its own after an idle pause
+  (``timing.blocked_median_seconds``: on a GPU a long, heavy call can slow the light
+  one after it); CUDA is synchronised;
 - peak memory of forward + backward (``memory.peak_memory_bytes``: a fresh process per
   configuration on CPU, ``max_memory_allocated`` on CUDA);
 - relative spectral error against the exact attention the method approximates, at the
@@ -46,7 +48,7 @@ from ...seeds import check_seed
 from ..measure.flops import attention_flops, matmul_flops_per_second
 from ..measure.memory import MemoryJob, above_resolution, peak_memory_or_reason
 from ..measure.metrics import relative_error, trivial_error
-from ..measure.timing import CLOCKS, interleaved_median_seconds
+from ..measure.timing import CLOCKS, blocked_median_seconds, interleaved_median_seconds
 from ..methods import (
     NamedAttention,
     PreparedCall,
@@ -61,6 +63,7 @@ from ..methods import (
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 History = dict[str, list[tuple[int, float]]]  # label -> (N, seconds or bytes) measured so far
 HALF = ("bfloat16", "float16")
+TIMINGS = ("interleaved", "blocked")
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,9 @@ class BenchConfig:
         the exact causal target; without ``methods``, the methods that can be causal. A
         variant may not set causal itself (it would be timed against a reference of the
         other kind).
+    timing: "interleaved" (default: round r runs every call once) or "blocked" (each
+        call's runs in a block of its own, after ``pause`` seconds idle; see ``timing``).
+    pause: seconds idle before each call's block (``timing="blocked"``).
     """
 
     methods: tuple[str, ...] | None = None
@@ -103,6 +109,8 @@ class BenchConfig:
     reference: str = "softmax"
     clock: str = "wall"
     causal: bool = False
+    timing: str = "interleaved"
+    pause: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.seq_lens or any(not isinstance(n, int) or n < 1 for n in self.seq_lens):
@@ -126,6 +134,12 @@ class BenchConfig:
                 _refuse_presets(get_method(named.name), self.num_features is not None)
         if self.clock not in CLOCKS:
             raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}.")
+        if self.timing not in TIMINGS:
+            raise ValueError(f"{setting_name('timing')} must be one of {', '.join(TIMINGS)}, "
+                             f"got {self.timing!r}.")
+        if not self.pause >= 0:
+            raise ValueError(f"{setting_name('pause')} must be at least 0 seconds, got "
+                             f"{self.pause!r}.")
         device = parse_device(self.device)
         if self.clock == "cpu" and device.type == "cuda":
             raise ValueError("clock 'cpu' times host CPU work only; on CUDA use the wall clock.")
@@ -359,7 +373,7 @@ def _remember(config: BenchConfig, rows: list[dict[str, Any]], n: int, times: Hi
 
 RESUMABLE_SETTINGS = ("methods", "dtypes", "device", "num_features", "repeats", "warmup",
                       "backward", "memory", "error", "seed", "max_seconds", "reference",
-                      "clock", "causal")
+                      "clock", "causal", "timing", "pause")
 
 
 RESUMABLE_ENVIRONMENT = ("device_name", "torch", "torch_threads")
@@ -477,8 +491,9 @@ def _first_call(
 
 def _time_interleaved(config: BenchConfig, runnable: dict[str, _Runnable],
                       rows: dict[str, dict[str, Any]], device: torch.device) -> None:
-    """``fwd_ms`` (and ``fwd_bwd_ms``) of every runnable row, timed interleaved, and the
-    load average over the timing (none where nothing is timed)."""
+    """``fwd_ms`` (and ``fwd_bwd_ms``) of every runnable row, timed interleaved (or in
+    blocks, ``config.timing``), and the load average over the timing (none where nothing
+    is timed)."""
     fns: dict[str, Callable[[], object]] = {}
     for label, (_, _, forward, step) in runnable.items():
         fns[f"{label}/fwd"] = forward
@@ -487,8 +502,13 @@ def _time_interleaved(config: BenchConfig, runnable: dict[str, _Runnable],
     if not fns:
         return
     load_before = _load()
-    medians = interleaved_median_seconds(fns, device=device, warmup=config.warmup,
-                                         repeats=config.repeats, clock=config.clock)
+    if config.timing == "blocked":
+        medians = blocked_median_seconds(fns, device=device, warmup=config.warmup,
+                                         repeats=config.repeats, pause=config.pause,
+                                         clock=config.clock)
+    else:
+        medians = interleaved_median_seconds(fns, device=device, warmup=config.warmup,
+                                             repeats=config.repeats, clock=config.clock)
     load_after = _load()
     if load_before and load_after:
         for row in rows.values():
