@@ -884,3 +884,44 @@ def test_any_number_of_row_slices_gives_the_same_products(monkeypatch, slices, t
     cols = [grid for name, grid in launches if name == "_cols_kernel"]
     rows = math.ceil(math.ceil(n / slices) / 16) * 16  # whole row blocks of 16 (float64)
     assert cols and all(grid[2] == math.ceil(n / rows) for grid in cols)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("row_norm", [False, True])
+def test_row_offsets_scale_each_row_by_a_constant(device, transpose, row_norm):
+    """``row_offset`` r_i multiplies row i of C by exp(-r_i) (+inf: a zero row), with or
+    beside ``row_valid``, and passes no gradient: both paths give the block formed whole
+    (``causal nystrom_softmax`` shifts its keys' rows so)."""
+    dtype = _exact_dtype(device)
+    n, m, d, r = 70, 24, 16, 8
+    g = torch.Generator().manual_seed(11)
+    y, x = (torch.randn(2, size, d, generator=g, dtype=dtype).to(device) * 0.7
+            for size in (n, m))
+    b = 0.5 * (x * x).sum(-1)
+    rhs = torch.randn(2, n if transpose else m, r, generator=g, dtype=dtype).to(device)
+    offset = torch.rand(2, n, generator=g, dtype=dtype).to(device) * 3
+    offset[0, 5] = float("inf")
+    valid = torch.ones(2, n, dtype=torch.bool, device=device)
+    valid[1, 60:] = False
+    scale = d ** -0.25
+
+    def block(y, x, b, rhs):
+        e = scale * y @ x.transpose(-1, -2) - b[:, None, :] - offset[..., None]
+        if row_norm:
+            e = e - 0.5 * scale * scale * (y * y).sum(-1, keepdim=True)
+        c = torch.where(valid[..., None], e, float("-inf")).exp()
+        return c.transpose(-1, -2) @ rhs if transpose else c @ rhs
+
+    def grads(fn):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (y, x, b, rhs)]
+        out = fn(*leaves)
+        return [out, *torch.autograd.grad((out * out.detach().sin()).sum(), leaves)]
+
+    want = grads(block)
+    for kernel in ("torch", "triton"):
+        got = grads(lambda y, x, b, rhs, kernel=kernel: gaussian_kernel_matmul(
+            y, x, rhs, b, scale=scale, row_norm=row_norm, row_valid=valid, row_offset=offset,
+            transpose=transpose, kernel=kernel))
+        for name, a, e in zip(("out", "dy", "dx", "db", "drhs"), got, want, strict=True):
+            torch.testing.assert_close(a, e, **TOLERANCE[dtype], msg=f"{kernel} {name}")

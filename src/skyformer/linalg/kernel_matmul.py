@@ -110,7 +110,8 @@ class _GaussianBlockProduct(torch.autograd.Function):
     with [rhs, 1] for ``ones_column`` (appended here, so that rhs itself is saved).
 
     Tensors have one batch dim: y ``[BH, N, D]``, x ``[BH, m, D]``, b ``[BH, m]``,
-    rhs ``[BH, m or N, R]``, row_valid ``[BH, N]`` bool, exclude ``[BH, N, m]`` bool.
+    rhs ``[BH, m or N, R]``, row_valid ``[BH, N]`` bool or float row offsets
+    (``kernel_offsets.row_offsets``), exclude ``[BH, N, m]`` bool.
     ``forward`` also returns what the backward pass needs (the row offsets, and the
     block itself when it fits in one chunk), so that ``setup_context`` can save it: the
     form ``torch.func`` transforms require. ``vmap`` folds the mapped dim into BH.
@@ -253,6 +254,7 @@ def gaussian_kernel_matmul(
     scale: float = 1.0,
     row_norm: bool = True,
     row_valid: Tensor | None = None,
+    row_offset: Tensor | None = None,
     transpose: bool = False,
     shift_rows: bool = False,
     chunk: int | None = None,
@@ -278,6 +280,9 @@ def gaussian_kernel_matmul(
         row_norm: subtract s^2 |y_i|^2 / 2 from row i (the Gaussian kernel); ``False``
             leaves it out (rows scaled by exp(s^2 |y_i|^2 / 2)).
         row_valid: ``[..., N]`` bool (broadcastable over the batch dims), False rows are 0.
+        row_offset: ``[..., N]`` (broadcastable) constants r_i subtracted from row i's
+            exponent (C_is scaled by exp(-r_i); not differentiated; +inf: a zero row),
+            e.g. a shift that keeps a row's entries at most 1.
         transpose: compute C^T @ rhs instead of C @ rhs.
         shift_rows: divide each row of C by its largest entry (computed in log space,
             without gradient), as ``gaussian_kernel_block(shift_rows=True)``; only with
@@ -335,6 +340,10 @@ def gaussian_kernel_matmul(
         check_positive_int("gaussian_kernel_matmul", "chunk", chunk)
     if row_valid is not None:
         row_valid = row_valid.expand(*batch_shape, n).reshape(bh, n)
+    if row_offset is not None:  # with row_valid, in one float tensor (row_offsets)
+        offset = row_offset.detach().to(x.dtype).expand(*batch_shape, n).reshape(bh, n)
+        row_valid = offset if row_valid is None else torch.where(
+            row_valid, offset, torch.full((), float("inf"), dtype=x.dtype, device=x.device))
     auto = kernel == "auto"
     triton = use_triton(kernel, x)
     if not (triton and y.dtype in (x.dtype, *HALF_TYPES)):
@@ -390,6 +399,8 @@ def _with_marks(out: Tensor, y: Tensor, rhs: Tensor, row_valid: Tensor | None,
     """``out`` with ``show_nonfinite``'s marks added (the PyTorch paths); ``row_valid``
     ``[BH, N]``, the other tensors with the batch dims ``batch_shape``."""
     valid = None if row_valid is None else row_valid.reshape(*batch_shape, -1)
+    if valid is not None and valid.dtype != torch.bool:  # row offsets: +inf drops a row
+        valid = torch.isfinite(valid)
     if transpose:  # every entry: the sum of the valid rows' marks
         marks = row_marks(y, rhs, valid).sum(-1)[..., None, None]
     else:
@@ -404,14 +415,16 @@ def _product_by_autograd(
 ) -> Tensor:
     """The same product with the block formed whole and differentiated by autograd,
     in both modes: for ``torch.export`` and forward-mode AD (``functional_ops``).
-    ``row_valid`` is ``[BH, N]``; the rest as the caller's.
+    ``row_valid`` is ``[BH, N]`` (bool, or float row offsets); the rest as the caller's.
     """
     e = scale * (y @ x.transpose(-1, -2))  # [..., N, m]
     if row_norm:
         e = e - (0.5 * scale * scale) * (y * y).sum(-1, keepdim=True)
     if col_offset is not None:
         e = e - col_offset[..., None, :]
-    if row_valid is not None:
+    if row_valid is not None and row_valid.dtype != torch.bool:  # row offsets
+        e = e - row_valid.reshape(*batch_shape, -1, 1)
+    elif row_valid is not None:
         e = e.masked_fill(~row_valid.reshape(*batch_shape, -1, 1), float("-inf"))
     if exclude is not None:
         e = e.masked_fill(exclude, float("-inf"))

@@ -19,12 +19,17 @@ def row_offsets(
     dtype: torch.dtype | None = None,
 ) -> Tensor | None:
     """a log2(e), a = s^2 |y|^2 / 2 (or 0), +inf on invalid rows: ``[BH, N]`` (None if all 0),
-    in ``dtype`` (default y's; a half-type y is summed in that dtype, not rounded first)."""
+    in ``dtype`` (default y's; a half-type y is summed in that dtype, not rounded first).
+    ``row_valid``: ``[BH, N]`` bool (False: an invalid row), or float constant offsets
+    r_i added to a (+inf: an invalid row; ``gaussian_kernel_matmul(row_offset=...)``)."""
     dtype = y.dtype if dtype is None else dtype
     a = None
     if row_norm:
         a = squared_norms(y, dtype).mul_(0.5 * scale * scale * LOG2E)
-    if row_valid is not None:
+    if row_valid is not None and row_valid.dtype != torch.bool:
+        offset = row_valid.to(dtype) * LOG2E
+        a = offset if a is None else a + offset
+    elif row_valid is not None:
         inf = torch.full((), float("inf"), dtype=dtype, device=y.device)  # a fill, no copy
         a = torch.where(row_valid, 0.0 if a is None else a, inf)
     return a

@@ -37,7 +37,6 @@ from ..shared.causal_nystrom import (
     CausalLandmarks,
     causal_core,
     gaussian_features,
-    nystrom_features,
     uses_failed,
 )
 from ..shared.causal_prefix import (
@@ -103,10 +102,10 @@ def causal_nystrom_softmax(q: Tensor, k: Tensor, v: Tensor, info: AttentionInput
                                n)[..., 0]  # R_c of each key's chunk
         key_factor = torch.where(real, r - own_end, float("-inf")).exp()  # [B, H, N]
     # exp(k^.x_s - |x_s|^2/2 - r_j) <= 1: C(X_S, k_j) E_K / exp(r_j)
-    expo = ks @ core.x.transpose(-1, -2) - core.x_norm[..., None, :] - r_safe[..., None]
-    psi_k = nystrom_features(flush_exponent_on_cpu_(
-        torch.where(real[..., None], expo, float("-inf"))).exp(), core)
-    phi_q = gaussian_features(qs, core, kernel=kernel)  # no [N, m] block kept
+    # (one product each: no [N, m] block kept for the backward pass)
+    psi_k = gaussian_features(ks, core, row_valid=info.key_valid, row_offset=r_safe,
+                              row_norm=False, kernel=kernel)
+    phi_q = gaussian_features(qs, core, kernel=kernel)
     available = landmarks.available(n)  # [B, 1, N, m]
     phi_q = torch.where(available, phi_q, 0.0)  # [B, H, N, m]
     v1 = with_ones_column(v)  # [B, H, N, Dv + 1]
