@@ -20,7 +20,6 @@ one SM: its times mean nothing.
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import sys
 from collections.abc import Iterator
@@ -28,13 +27,12 @@ from unittest import mock
 
 import torch
 from gpu_device import device_problem  # benchmarks/, beside this script
+from gpu_profile import kernel_times
 from run_metadata import run_metadata, write_report
-from torch.profiler import ProfilerActivity, profile
 
 import skyformer
 from skyformer.eval.measure.timing import interleaved_median_seconds
 from skyformer.linalg import triton_kernels
-from skyformer.linalg.launch_grid import cdiv
 
 TARGETS = (4, 6, 8, 12, 16, 32)
 
@@ -46,27 +44,19 @@ def programs_per_sm(target: int) -> Iterator[None]:
     def splits(n, blocks, block_n, device, per_sm=None):
         sms = (torch.cuda.get_device_properties(device).multi_processor_count
                if device.type == "cuda" else 1)
-        return max(1, min(cdiv(n, block_n), cdiv(target * sms, max(1, blocks))))
+        return triton_kernels.slices_for(n, blocks, block_n, sms, target)
 
     with mock.patch.object(triton_kernels, "_splits", splits):
         yield
 
 
 def kernel_ms(fn, device: str, calls: int = 3) -> dict[str, float]:
-    """GPU time of each kernel per call of ``fn`` (already warm), over ``calls`` calls;
-    empty on the CPU."""
+    """GPU time of each kernel per call of ``fn`` (already warm), over ``calls`` calls
+    (``gpu_profile.kernel_times``); empty on the CPU."""
     if device != "cuda":
         return {}
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    times: dict[str, float] = collections.defaultdict(float)
-    for event in prof.events():
-        if str(event.device_type).endswith("CUDA"):
-            times[event.name] += event.time_range.elapsed_us() / 1e3 / calls
-    return dict(times)
+    durations, _ = kernel_times(fn, torch.device(device), calls)
+    return {name: sum(us) / 1e3 / calls for name, us in durations.items()}
 
 
 def measure(shape: str, n: int, features: int, targets: list[int], device: str,

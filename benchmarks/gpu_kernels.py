@@ -64,7 +64,11 @@ from launch_counts import guard_passes  # benchmarks/, beside this script
 from run_metadata import run_metadata
 
 import skyformer
-from skyformer.eval.measure.timing import blocked_median_seconds, interleaved_median_seconds
+from skyformer.eval.measure.timing import (
+    TIMINGS,
+    blocked_median_seconds,
+    interleaved_median_seconds,
+)
 from skyformer.io import write_json
 
 
@@ -269,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="default 1024 ... 32768 (on the CPU 64)")
     parser.add_argument("--features", type=int, default=None, help="default 128 (CPU: 16)")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--timing", choices=("interleaved", "blocked"), default="interleaved",
+    parser.add_argument("--timing", choices=TIMINGS, default="interleaved",
                         help="the calls' repeats in rounds of every call, or each call's "
                         "in a block of its own (module docstring)")
     parser.add_argument("--pause", type=float, default=1.0,

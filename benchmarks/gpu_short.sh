@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# The short GPU check (about seven minutes on an H200), for a device lent for a few
-# minutes; `bash benchmarks/gpu.sh` is the whole measurement. From the repository root:
+# The short GPU check (about seven minutes on an H200; at most about nine with every
+# part at its time limit, so where a command may run 600 s at most, run it in two calls,
+# e.g. ONLY="tests kernels_model kernels_model_interleaved" then ONLY="paired_steps
+# kernels_lra bench_causal"), for a device lent for a few minutes; `bash
+# benchmarks/gpu.sh` is the whole measurement. From the repository root:
 #   bash benchmarks/gpu_short.sh OUT_DIR
 # In order of what matters most, each part with its own time limit so that a slow part
 # cannot starve the next: the CUDA tests (every method and path: causal, decoding,
@@ -9,7 +12,7 @@
 # in a CUDA graph, each call timed in a block of its own after an idle second
 # (`gpu_kernels.py --timing blocked`; exact kernelized attention at N = 4096 too), then
 # the same calls interleaved, as earlier runs timed them (interleaved with the 132 ms of
-# flash SDPA at N = 32768 a Skyformer call measured 8.7 ms where alone it took 6.6: the
+# flash SDPA at N = 32768 a Skyformer call measured 8.7 ms where alone it took 6.8-7.0: the
 # two parts show how much of that is the order); the GPU's clocks, power and
 # temperature sampled every 100 ms meanwhile (clocks.csv); the implicit core's Newton
 # steps against Razavi's; the LRA shape (B=1, H=2, D=32, float32); `skyformer bench
@@ -43,7 +46,7 @@ part() {  # part NAME SECONDS COMMAND...: output to OUT_DIR/NAME.txt and the ter
 }
 
 parallel=$(python3 -c "import xdist" 2>/dev/null && echo "-n 12" || true)
-SKYFORMER_TEST_CUDA=1 part tests 220 python3 -m pytest -q -p no:warnings \
+SKYFORMER_TEST_CUDA=1 part tests 180 python3 -m pytest -q -p no:warnings \
     -p no:cacheprovider $parallel tests/gpu tests/test_contract.py tests/linalg \
     tests/sketch/test_triton_draws.py tests/ops/test_kernelized_flash.py \
     tests/reliability/test_marks_in_products.py
@@ -57,7 +60,7 @@ part kernels_model 110 python3 -W ignore benchmarks/gpu_kernels.py --timing bloc
     --pause 1 --shapes 4,16,64,bfloat16 --seq-lens 4096 32768 \
     --compile-seq-lens 4096 32768 --compile-kernels triton --max-exact-n 4096 \
     --calls "${model_calls[@]}" 'kernelized/*' --no-core --out "$out/kernels_model.json"
-part kernels_model_interleaved 100 python3 -W ignore benchmarks/gpu_kernels.py \
+part kernels_model_interleaved 80 python3 -W ignore benchmarks/gpu_kernels.py \
     --shapes 4,16,64,bfloat16 --seq-lens 4096 32768 --compile-seq-lens 4096 32768 \
     --compile-kernels triton --max-exact-n 0 --calls "${model_calls[@]}" --no-core \
     --out "$out/kernels_model_interleaved.json"

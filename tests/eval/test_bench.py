@@ -254,7 +254,7 @@ RESUMED_BASE = {"methods": ("softmax", "skyformer"), "seq_lens": (16,), "shapes"
     ("methods", ("softmax", "linear")), ("dtypes", ("float64",)), ("num_features", 16),
     ("repeats", 2), ("warmup", 1), ("backward", False), ("memory", False), ("error", False),
     ("seed", 1), ("max_seconds", 5.0), ("reference", "skyformer"), ("clock", "cpu"),
-    ("causal", True), ("timing", "blocked"), ("pause", 0.0)])
+    ("causal", True), ("timing", "blocked")])
 def test_resume_refuses_rows_measured_with_another_setting(setting, value):
     """Every setting a row's numbers depend on is compared with the earlier file's: rows
     measured with 8 features (or another seed, clock, ...) are not kept beside rows of
@@ -267,6 +267,23 @@ def test_resume_refuses_rows_measured_with_another_setting(setting, value):
     assert resumable_rows(BenchConfig(**RESUMED_BASE), earlier) == ([], [])
     with pytest.raises(ValueError, match=f"other settings or on another machine \\({setting}: "):
         resumable_rows(BenchConfig(**{**RESUMED_BASE, setting: value}), earlier)
+
+
+def test_resume_compares_the_pause_only_where_the_calls_were_timed_in_blocks():
+    """The pause changes nothing where the calls are interleaved: rows measured with
+    another pause are kept then, and refused where either run timed in blocks."""
+    from skyformer.eval.bench.run import resumable_rows, run_environment
+    from skyformer.io import json_ready
+
+    def earlier(**settings):
+        return {"config": json_ready(dataclasses.asdict(BenchConfig(**RESUMED_BASE,
+                                                                    **settings))),
+                "environment": json_ready(run_environment(torch.device("cpu"))), "rows": []}
+
+    assert resumable_rows(BenchConfig(**RESUMED_BASE, pause=0.0), earlier()) == ([], [])
+    with pytest.raises(ValueError, match=r"\(pause: 1\.0 -> 0\.0\)"):
+        resumable_rows(BenchConfig(**RESUMED_BASE, timing="blocked", pause=0.0),
+                       earlier(timing="blocked"))
 
 
 @pytest.mark.parametrize("text", ["[1, 2]", '{"rows": 5}', '{"config": [], "rows": []}',
@@ -442,8 +459,10 @@ def test_config_and_names_are_checked():
     with pytest.raises(ValueError, match=r"timing \(--timing\) must be one of interleaved, "
                        r"blocked, got 'shuffled'\."):
         BenchConfig(timing="shuffled")
-    with pytest.raises(ValueError, match=r"pause \(--pause\) must be at least 0 seconds"):
-        BenchConfig(pause=-0.5)
+    for pause in (-0.5, math.inf):
+        with pytest.raises(ValueError, match=r"pause \(--pause\) must be a finite number of "
+                           r"seconds, at least 0"):
+            BenchConfig(pause=pause)
     # each refused count is named with its flag and the value given
     for setting, said in (({"repeats": 0}, r"repeats \(--repeats\) must be at least 1, got 0\."),
                           ({"warmup": -1}, r"warmup \(--warmup\) must be at least 0, got -1\."),
@@ -757,4 +776,6 @@ def test_blocked_timing_times_each_call_alone_after_its_pause(monkeypatch, capsy
             "--no-memory", "--no-error", "--no-plot", "--timing", "blocked", "--pause", "0.25"]
     assert main(args) == 0
     assert seen["pause"] == 0.25 and "linear/fwd_bwd" in seen["calls"]
-    assert "blocked timing" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "blocked timing" in printed
+    assert "each method's repeats in a block after 0.25 s idle" in printed

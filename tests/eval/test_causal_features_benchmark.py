@@ -16,11 +16,16 @@ benchmark = load_benchmark("causal_features")
 
 
 def test_the_block_path_gives_the_same_outputs_and_gradients():
-    q, k, v = (t.requires_grad_(True) for t in make_qkv(1, 2, 150, 16, seed=3))
+    """With padded keys too (their rows of phi zeros on both paths)."""
+    q, k, v = (t.requires_grad_(True) for t in make_qkv(2, 2, 150, 16, seed=3))
+    mask = torch.ones(2, 150, dtype=torch.bool)
+    mask[0, :9] = False
+    mask[1, 120:] = False
 
     def run(path):
         with benchmark.features(path):
             out = skyformer.attention(q, k, v, "skyformer", causal=True, num_features=24,
+                                      key_padding_mask=mask,
                                       generator=torch.Generator().manual_seed(1))
             return (out, *torch.autograd.grad(out.square().sum(), (q, k, v)))
 

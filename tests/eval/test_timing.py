@@ -33,6 +33,7 @@ def test_blocked_timing_runs_each_function_alone_after_its_pause():
     assert order == ["slow"] * 4 + ["fast"] * 4
     assert time.perf_counter() - start >= 2 * 0.05 + 4 * (0.02 + 0.002)
     assert times["slow"] >= 0.02 and 0.002 <= times["fast"] < times["slow"]
+    assert times["slow"] < 0.05 and times["fast"] < 0.05  # the pause is not in them
 
 
 def test_interleaved_timing_alternates_the_functions():
@@ -41,6 +42,7 @@ def test_interleaved_timing_alternates_the_functions():
     assert order == ["slow", "fast"] * 3
 
 
-def test_blocked_timing_refuses_a_negative_pause():
-    with pytest.raises(ValueError, match="pause must be at least 0"):
-        blocked_median_seconds({"f": lambda: None}, pause=-1)
+def test_blocked_timing_refuses_a_pause_it_cannot_take():
+    for pause in (-1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="pause must be a finite number of seconds"):
+            blocked_median_seconds({"f": lambda: None}, pause=pause)

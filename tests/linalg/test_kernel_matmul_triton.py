@@ -846,7 +846,8 @@ def test_exclude_offsets_past_2_31_are_int64(triton_interpreter):
 def test_the_cols_kernel_slices_the_rows_for_eight_programs_per_multiprocessor(monkeypatch):
     """On a GPU of 132 SMs, Skyformer's cols launches at m = 128 (two column blocks) and
     B x H = 64 get ceil(8 x 132 / 128) = 9 row slices, each a whole number of row blocks;
-    never more slices than row blocks; the one-pass kernel keeps four programs per SM."""
+    never more slices than row blocks; four programs per SM (``per_sm=4``, what the
+    one-pass kernel asks for) give five."""
     class Properties:
         multi_processor_count = 132
 
@@ -902,6 +903,7 @@ def test_row_offsets_scale_each_row_by_a_constant(device, transpose, row_norm):
     rhs = torch.randn(2, n if transpose else m, r, generator=g, dtype=dtype).to(device)
     offset = torch.rand(2, n, generator=g, dtype=dtype).to(device) * 3
     offset[0, 5] = float("inf")
+    offset.requires_grad_(True)  # a constant all the same: no gradient reaches it
     valid = torch.ones(2, n, dtype=torch.bool, device=device)
     valid[1, 60:] = False
     scale = d ** -0.25
@@ -913,6 +915,9 @@ def test_row_offsets_scale_each_row_by_a_constant(device, transpose, row_norm):
         c = torch.where(valid[..., None], e, float("-inf")).exp()
         return c.transpose(-1, -2) @ rhs if transpose else c @ rhs
 
+    offset_ = offset
+    offset = offset.detach()  # the reference's constant
+
     def grads(fn):
         leaves = [t.detach().clone().requires_grad_(True) for t in (y, x, b, rhs)]
         out = fn(*leaves)
@@ -921,7 +926,9 @@ def test_row_offsets_scale_each_row_by_a_constant(device, transpose, row_norm):
     want = grads(block)
     for kernel in ("torch", "triton"):
         got = grads(lambda y, x, b, rhs, kernel=kernel: gaussian_kernel_matmul(
-            y, x, rhs, b, scale=scale, row_norm=row_norm, row_valid=valid, row_offset=offset,
+            y, x, rhs, b, scale=scale, row_norm=row_norm, row_valid=valid, row_offset=offset_,
             transpose=transpose, kernel=kernel))
+        assert not got[0].requires_grad or torch.autograd.grad(
+            got[0].sum(), offset_, allow_unused=True) == (None,)
         for name, a, e in zip(("out", "dy", "dx", "db", "drhs"), got, want, strict=True):
             torch.testing.assert_close(a, e, **TOLERANCE[dtype], msg=f"{kernel} {name}")

@@ -14,6 +14,7 @@ import torch
 from skyformer.registry import attention, get_method, list_methods
 from skyformer.sketch.rng import random_key
 from tests.conftest import make_qkv
+from tests.dispatch import Recorder
 
 CAUSAL = [m for m in list_methods() if get_method(m).capabilities.causal]
 # Positions probed: inside the first chunk, on both sides of a chunk boundary (64), late.
@@ -88,7 +89,6 @@ def test_the_landmark_rows_gradient_joins_that_of_q_and_k_without_zero_tensors(m
     from unittest import mock
 
     from skyformer.linalg import rows
-    from tests.dispatch import Recorder
 
     n = 80
     q, k, v = (t.requires_grad_(True) for t in make_qkv(2, 3, n, 16, seed=4))
@@ -255,27 +255,40 @@ def test_a_non_finite_query_or_key_changes_no_earlier_output(method, bad):
             assert torch.isnan(again[0, 1, j]).all(), (method, j)
 
 
-def test_causal_skyformer_saves_no_gaussian_block_for_the_backward_pass():
+def test_causal_skyformer_saves_no_gaussian_block_for_the_backward_pass(monkeypatch):
     """Its features phi = L^-1 C(X_S, y) come from one product
     (``causal_nystrom.gaussian_features``, ``linalg.gaussian_kernel_matmul``), whose
-    backward pass rebuilds C by chunks: no exponential of an ``[N, m]`` block is kept
-    (those of the queries' and of the keys' blocks were: 37 % of what a call at N = 4096,
-    m = 128 saved, on the CPU)."""
-    n, m = 1024, 96
+    backward pass rebuilds C: at a length of more than one of its chunks, the call keeps
+    at least the two ``[N, m]`` blocks (of the queries and of the keys) less for its
+    backward pass than with the block times (L^-1)^T, the earlier path (patched in)."""
+    from skyformer.linalg import gaussian_kernel_block, half_sq_norm
+    from skyformer.linalg.kernel_matmul import chunk_rows
+    from skyformer.ops.shared.causal_nystrom import nystrom_features
+    from skyformer.ops.skyformer import causal as causal_skyformer
+
+    n, m = 3000, 96
+    assert chunk_rows(n, 1, m, torch.device("cpu")) < n  # the product rebuilds C by chunks
     q, k, v = (t.requires_grad_(True) for t in make_qkv(1, 1, n, 16, seed=2))
-    out = attention(q, k, v, "skyformer", causal=True, num_features=m,
-                    generator=torch.Generator().manual_seed(1))
-    blocks, seen, nodes = [], set(), [out.grad_fn]
-    while nodes:
-        node = nodes.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        result = getattr(node, "_saved_result", None)
-        if type(node).__name__ in ("ExpBackward0", "Exp2Backward0") and result.numel() >= n * m:
-            blocks.append(tuple(result.shape))
-        nodes.extend(next_node for next_node, _ in node.next_functions)
-    assert blocks == []
+
+    def saved_bytes():
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            attention(q, k, v, "skyformer", causal=True, num_features=m,
+                      generator=torch.Generator().manual_seed(1))
+        return sum(storages.values())
+
+    def block_features(y, core, *, row_valid=None, kernel="auto"):
+        return nystrom_features(gaussian_kernel_block(y, core.x, half_sq_norm(y),
+                                                      core.x_norm), core)
+
+    product = saved_bytes()
+    monkeypatch.setattr(causal_skyformer, "gaussian_features", block_features)
+    assert saved_bytes() - product >= 2 * n * m * q.element_size()
 
 
 @pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax"])
@@ -293,9 +306,14 @@ def test_causal_features_on_the_triton_kernels_equal_the_pytorch_path(method):
     mask = _mask(n, padded=True)
 
     def run(kernel):
-        out = attention(q, k, v, method, causal=True, num_features=24, kernel=kernel,
-                        key_padding_mask=mask, generator=torch.Generator().manual_seed(2))
-        return (out, *torch.autograd.grad(out.square().sum(), (q, k, v)))
+        with Recorder(lambda func, args, out: func.name() if "gaussian_" in func.name()
+                      and "product" in func.name() else None) as products:
+            out = attention(q, k, v, method, causal=True, num_features=24, kernel=kernel,
+                            key_padding_mask=mask, generator=torch.Generator().manual_seed(2))
+            results = (out, *torch.autograd.grad(out.square().sum(), (q, k, v)))
+        return results, products.items
 
-    for got, want in zip(run("triton"), run("torch"), strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    (got, launched), (want, none) = run("triton"), run("torch")
+    assert launched and not none  # the Triton products' operators ran, and only there
+    for a, e in zip(got, want, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-12)

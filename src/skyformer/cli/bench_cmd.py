@@ -16,6 +16,7 @@ from ..eval.bench.run import (
     resumable_rows,
     run_bench,
 )
+from ..eval.measure.timing import TIMINGS
 from ..io import check_output_path, read_to_resume, results_lock
 from .recorded import command_line
 
@@ -72,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="wall time (default) or process CPU time (robust to other load on "
                         "a shared machine; use with --threads 1)")
-    parser.add_argument("--timing", choices=("interleaved", "blocked"), default="interleaved",
+    parser.add_argument("--timing", choices=TIMINGS, default="interleaved",
                         help="the repeats interleaved across methods (default), or each "
                         "method's in a block of its own after an idle pause (on a GPU a "
                         "long, heavy call can slow the light one after it)")

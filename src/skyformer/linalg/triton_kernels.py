@@ -561,6 +561,13 @@ def _splits(n: int, blocks: int, block_n: int, device: torch.device,
     if device.type != "cuda":
         return min(2, cdiv(n, block_n))
     sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return slices_for(n, blocks, block_n, sms, per_sm)
+
+
+def slices_for(n: int, blocks: int, block_n: int, sms: int, per_sm: int) -> int:
+    """Row slices of ``n`` rows (blocks of ``block_n``) for ``blocks`` programs a slice,
+    about ``per_sm`` programs on each of ``sms`` multiprocessors: at least one, at most
+    one a row block."""
     return max(1, min(cdiv(n, block_n), cdiv(per_sm * sms, max(1, blocks))))
 
 

@@ -62,13 +62,21 @@ def _header(result: BenchResult) -> str:
     if any(dtype in HALF for dtype in cfg.dtypes):
         rates += "; half inputs at the faster of theirs and float32's"
     return (
-        f"times: median of {cfg.repeats} after {cfg.warmup} warm-up, {cfg.clock} clock; "
+        f"times: median of {cfg.repeats} after {cfg.warmup} warm-up, {cfg.clock} clock, "
+        f"{_timing(cfg)}; "
         f"speed-up: {cfg.reference}'s time / the method's ({timed}); memory: the method's "
         f"peak / {cfg.reference}'s; N->2N: time growth; "
         "rel. error: spectral norm against the exact target, ! where it exceeds the trivial "
         "answer's (every row = mean of V, or all zeros); SOL: the method's matmul FLOPs "
         f"at the measured matmul throughput ({rates}) over the measured time"
     )
+
+
+def _timing(cfg: Any) -> str:
+    """How the repeats were ordered (``BenchConfig.timing``)."""
+    if cfg.timing == "blocked":
+        return f"each method's repeats in a block after {cfg.pause:g} s idle"
+    return "the methods' repeats interleaved"
 
 
 def _notes(result: BenchResult, g: tuple, rows: list[dict[str, Any]]) -> list[str]:

@@ -48,7 +48,12 @@ from ...seeds import check_seed
 from ..measure.flops import attention_flops, matmul_flops_per_second
 from ..measure.memory import MemoryJob, above_resolution, peak_memory_or_reason
 from ..measure.metrics import relative_error, trivial_error
-from ..measure.timing import CLOCKS, blocked_median_seconds, interleaved_median_seconds
+from ..measure.timing import (
+    CLOCKS,
+    TIMINGS,
+    blocked_median_seconds,
+    interleaved_median_seconds,
+)
 from ..methods import (
     NamedAttention,
     PreparedCall,
@@ -63,7 +68,6 @@ from ..methods import (
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 History = dict[str, list[tuple[int, float]]]  # label -> (N, seconds or bytes) measured so far
 HALF = ("bfloat16", "float16")
-TIMINGS = ("interleaved", "blocked")
 
 
 @dataclass(frozen=True)
@@ -137,9 +141,9 @@ class BenchConfig:
         if self.timing not in TIMINGS:
             raise ValueError(f"{setting_name('timing')} must be one of {', '.join(TIMINGS)}, "
                              f"got {self.timing!r}.")
-        if not self.pause >= 0:
-            raise ValueError(f"{setting_name('pause')} must be at least 0 seconds, got "
-                             f"{self.pause!r}.")
+        if not 0 <= self.pause < math.inf:
+            raise ValueError(f"{setting_name('pause')} must be a finite number of seconds, "
+                             f"at least 0, got {self.pause!r}.")
         device = parse_device(self.device)
         if self.clock == "cpu" and device.type == "cuda":
             raise ValueError("clock 'cpu' times host CPU work only; on CUDA use the wall clock.")
@@ -389,7 +393,10 @@ def resumable_rows(config: BenchConfig, earlier: dict[str, Any]
     defaults = {f.name: f.default for f in dataclasses.fields(BenchConfig)}
     before = {**defaults, **earlier.get("config", {})}
     now = dataclasses.asdict(config)
-    differ = [f"{name}: {before.get(name)!r} -> {now[name]!r}" for name in RESUMABLE_SETTINGS
+    # the pause changes nothing where the calls are interleaved
+    compared = [name for name in RESUMABLE_SETTINGS if name != "pause"
+                or "blocked" in (before.get("timing"), now["timing"])]
+    differ = [f"{name}: {before.get(name)!r} -> {now[name]!r}" for name in compared
               if _comparable(before.get(name)) != _comparable(now[name])]
     env_before = earlier.get("environment", {})
     env_now = run_environment(torch.device(config.device))

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+TIMINGS = ("interleaved", "blocked")  # the orders of the runs (module docstring)
 
 
 def _sync(device: torch.device) -> None:
@@ -87,8 +88,8 @@ def blocked_median_seconds(
     follow each other in order (module docstring: when to prefer this to
     ``interleaved_median_seconds``)."""
     device = torch.device(device)
-    if pause < 0:
-        raise ValueError(f"pause must be at least 0 seconds, got {pause}.")
+    if not 0 <= pause < float("inf"):
+        raise ValueError(f"pause must be a finite number of seconds, at least 0, got {pause}.")
     medians = {}
     for name, fn in fns.items():
         _sync(device)

@@ -276,12 +276,13 @@ def gaussian_features(y: Tensor, core: CausalCore, *, row_valid: Tensor | None =
     """phi = L^-1 C(X_S, y) of scaled rows ``y: [B, H, N, D]``, ``[B, H, N, m]``:
     ``nystrom_features`` of the Gaussian block C(y, X_S) = exp(y x_s - |y|^2/2 - |x_s|^2/2),
     as one product C (L^-1)^T (``linalg.gaussian_kernel_matmul``), so that the ``[N, m]``
-    block is never held for the backward pass (it is rebuilt there by chunks; on CUDA the
-    fused Triton kernels, ``kernel``). Rows where ``row_valid`` (``[B, N]``) is False are
-    zeros; ``row_offset`` (``[B, H, N]``, constants) r_i replaces |y_i|^2/2 where
-    ``row_norm`` is False, or is subtracted beside it; failed slots' columns are zeros,
-    their rows of X_S read as zeros so that a non-finite landmark row reaches no other
-    feature (``nystrom_features``)."""
+    block is not held for the backward pass, which rebuilds it (on CUDA the fused Triton
+    kernels, ``kernel``, never hold it; the PyTorch path keeps it only where it fits in
+    one of its chunks of rows, ``kernel_matmul.chunk_rows``). Rows where ``row_valid``
+    (``[B, N]``) is False are zeros; ``row_offset`` (``[B, H, N]``, constants) r_i
+    replaces |y_i|^2/2 where ``row_norm`` is False, or is subtracted beside it; failed
+    slots' columns are zeros, their rows of X_S read as zeros so that a non-finite
+    landmark row reaches no other feature (``nystrom_features``)."""
     x = torch.where(core.failed[..., None], 0.0, core.x)
     offsets = torch.where(core.failed, float("inf"), core.x_norm)  # [B, H, m]
     return gaussian_kernel_matmul(
