@@ -30,6 +30,9 @@ SEQ_LEN = 32  # the length fixed-length methods (Linformer) are bound for
 INDUCTOR_CASES = ("softmax", "kernelized", "linear", "nystromformer")
 
 
+TORCH_BEFORE_2_13 = tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 13)
+
+
 def call(method, q, k, v, mask=None, *, key=None, **options):
     bound = get_method(method).bind(seq_len=SEQ_LEN, **options)
     return bound(q, k, v, key_padding_mask=mask, generator=key)
@@ -132,7 +135,14 @@ def test_compile_fullgraph_of_self_attention_on_one_tensor(method, matrix):
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("method", ["skyformer", "softmax"])
+@pytest.mark.parametrize("method", [
+    pytest.param("skyformer", marks=pytest.mark.xfail(
+        TORCH_BEFORE_2_13, strict=True,
+        reason="its default core below the landmark count (N < 64 here) is Razavi's steps, "
+        "whose products into views of their store torch 2.11's dynamo fixes the length "
+        "at (docs/gpu.md)")),
+    "softmax",
+])
 def test_a_new_length_recompiles_once(method):
     """After one new length dynamo recompiles with N symbolic, and that graph takes the
     lengths after it (forward and backward): the Gaussian products' loop over row
@@ -152,9 +162,6 @@ def test_a_new_length_recompiles_once(method):
     assert counters["stats"]["unique_graphs"] == 2
 
 
-TORCH_BEFORE_2_13 = tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 13)
-
-
 @pytest.mark.parametrize("method", [
     "skyformer",
     pytest.param("nystromformer", marks=pytest.mark.xfail(
@@ -166,7 +173,8 @@ TORCH_BEFORE_2_13 = tuple(int(part) for part in torch.__version__.split(".")[:2]
 def test_lengths_below_the_landmark_count_recompile_once(method):
     """Below ``num_features`` every token is a landmark, so the m x m core's size follows
     N: after one new length the graph takes N symbolic there too, forward and backward
-    (Skyformer's PyTorch core; Nystromformer's Razavi steps, ``linalg/pinv.py``)."""
+    (Skyformer with ``kernel="torch"``; Nystromformer's Razavi steps, ``linalg/pinv.py``;
+    Skyformer's default core: ``test_a_new_length_recompiles_once``)."""
     from torch._dynamo.utils import counters
 
     key = random_key(6)

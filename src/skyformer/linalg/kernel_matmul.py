@@ -338,10 +338,8 @@ def gaussian_kernel_matmul(
         from ..ops.shared.options import check_positive_int  # the ops package imports linalg
 
         check_positive_int("gaussian_kernel_matmul", "chunk", chunk)
-    if row_valid is not None:
-        row_valid = row_valid.expand(*batch_shape, n).reshape(bh, n)
     if row_offset is not None:  # with row_valid, in one float tensor (row_offsets)
-        offset = row_offset.detach().to(x.dtype).expand(*batch_shape, n).reshape(bh, n)
+        offset = row_offset.detach().to(x.dtype)
         row_valid = offset if row_valid is None else torch.where(
             row_valid, offset, torch.full((), float("inf"), dtype=x.dtype, device=x.device))
     auto = kernel == "auto"
@@ -353,13 +351,16 @@ def gaussian_kernel_matmul(
     triton = triton and not (auto and PRODUCT_FALLBACK.failed_on(y))
     if not (triton and transpose and rhs.dtype in (x.dtype, *HALF_TYPES)):
         rhs = rhs.to(x.dtype)
-    if functional_ops_only() or jit_tracing():
+    if functional_ops_only() or jit_tracing():  # row_valid as given, broadcast: a
+        # reshape of its expanded batch dims made torch 2.11's export guard on N
         rhs = with_ones_column(rhs, ones_column)
         out = _product_by_autograd(y, x, col_offset, rhs, row_valid, scale, row_norm,
                                    transpose, shift_rows, exclude, batch_shape)
         out = out.reshape(*batch_shape, *out.shape[-2:])
         return _with_marks(out, y, rhs, row_valid, transpose, batch_shape) \
             if show_nonfinite else out
+    if row_valid is not None:
+        row_valid = row_valid.expand(*batch_shape, n).reshape(bh, n)
     if exclude is not None:
         if exclude.shape != (*batch_shape, n, m) or exclude.dtype != torch.bool:
             raise ValueError(
@@ -398,7 +399,8 @@ def _with_marks(out: Tensor, y: Tensor, rhs: Tensor, row_valid: Tensor | None,
                 transpose: bool, batch_shape: torch.Size | tuple[int, ...]) -> Tensor:
     """``out`` with ``show_nonfinite``'s marks added (the PyTorch paths); ``row_valid``
     ``[BH, N]``, the other tensors with the batch dims ``batch_shape``."""
-    valid = None if row_valid is None else row_valid.reshape(*batch_shape, -1)
+    valid = None if row_valid is None else row_valid.expand(*batch_shape,
+                                                             row_valid.shape[-1])
     if valid is not None and valid.dtype != torch.bool:  # row offsets: +inf drops a row
         valid = torch.isfinite(valid)
     if transpose:  # every entry: the sum of the valid rows' marks
@@ -415,7 +417,8 @@ def _product_by_autograd(
 ) -> Tensor:
     """The same product with the block formed whole and differentiated by autograd,
     in both modes: for ``torch.export`` and forward-mode AD (``functional_ops``).
-    ``row_valid`` is ``[BH, N]`` (bool, or float row offsets); the rest as the caller's.
+    ``row_valid`` is ``[..., N]`` broadcast over the batch dims (bool, or float row
+    offsets); the rest as the caller's.
     """
     e = scale * (y @ x.transpose(-1, -2))  # [..., N, m]
     if row_norm:
@@ -423,9 +426,9 @@ def _product_by_autograd(
     if col_offset is not None:
         e = e - col_offset[..., None, :]
     if row_valid is not None and row_valid.dtype != torch.bool:  # row offsets
-        e = e - row_valid.reshape(*batch_shape, -1, 1)
+        e = e - row_valid[..., None]
     elif row_valid is not None:
-        e = e.masked_fill(~row_valid.reshape(*batch_shape, -1, 1), float("-inf"))
+        e = e.masked_fill(~row_valid[..., None], float("-inf"))
     if exclude is not None:
         e = e.masked_fill(exclude, float("-inf"))
     if shift_rows:
