@@ -96,6 +96,12 @@ def test_rejects_mismatched_shapes():
         gaussian_kernel_matmul(y, x, v, None)  # C @ rhs needs rhs with m rows
     with pytest.raises(ValueError, match="shift_rows"):
         gaussian_kernel_matmul(y, x, v, None, transpose=True, shift_rows=True)
+    z = torch.zeros(*x.shape[:-1], 3, dtype=x.dtype)
+    for offset in (torch.zeros(y.shape[-2] + 1, dtype=y.dtype),  # not one a row
+                   torch.zeros(*y.shape[:-1], dtype=torch.long)):  # not a float
+        with pytest.raises(ValueError, match="row_offset must be a float tensor of one "
+                           "offset a row of y, broadcastable to"):
+            gaussian_kernel_matmul(y, x, z, None, row_offset=offset)
 
 
 @pytest.mark.parametrize("kernel", ["torch", "triton"])

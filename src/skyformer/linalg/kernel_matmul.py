@@ -329,6 +329,12 @@ def gaussian_kernel_matmul(
         raise ValueError(
             f"gaussian_kernel_matmul: empty input, y {tuple(y.shape)} has no rows; "
             f"give it at least one (C would be 0 x {m}).")
+    if row_offset is not None and (not row_offset.is_floating_point() or _broadcast(
+            row_offset.shape, (*batch_shape, n)) != (*batch_shape, n)):
+        raise ValueError(
+            f"gaussian_kernel_matmul: row_offset must be a float tensor of one offset a "
+            f"row of y, broadcastable to {(*batch_shape, n)}; got {row_offset.dtype} "
+            f"{tuple(row_offset.shape)}.")
     bh = 1
     for size in batch_shape:
         bh *= size
@@ -393,6 +399,14 @@ def gaussian_kernel_matmul(
     # this one catches what fails around them in eager code (importing Triton)
     out = PRODUCT_FALLBACK.run(auto, by_triton, by_pytorch, on=y) if triton else by_pytorch()
     return out.reshape(*batch_shape, *out.shape[1:])
+
+
+def _broadcast(*shapes: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The shapes broadcast together, or None where they do not."""
+    try:
+        return tuple(torch.broadcast_shapes(*shapes))
+    except RuntimeError:
+        return None
 
 
 def _with_marks(out: Tensor, y: Tensor, rhs: Tensor, row_valid: Tensor | None,
