@@ -4,8 +4,11 @@
 
 Fast path without an n x n matrix: softmax attention over augmented inputs through the
 fused kernels of ``scaled_dot_product_attention`` (O(N) memory); the derivation is in
-``sdpa_augmentation.py``. ``kernel="triton"`` takes flash-style Triton kernels of the
-Gaussian kernel itself instead (``triton_flash.py``: no augmentation, no running maximum).
+``sdpa_augmentation.py``. ``fold_key_norms=True`` runs those kernels at the head dim
+itself instead, the key norms folded into V and the normaliser read off the logsumexp
+(``sdpa_fold.py``: exact while the keys' norms span a bounded range).
+``kernel="triton"`` takes flash-style Triton kernels of the Gaussian kernel itself
+instead (``triton_flash.py``: no augmentation, no running maximum).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 from torch import Tensor
 
 from ...linalg import KERNELS, kernel_scale
+from ...linalg.functional_ops import forward_mode_active
 from ...linalg.kernel_backend import use_triton
 from ...registry import Capabilities, register
 from ..shared.centring import keys_mean
@@ -29,6 +33,7 @@ from ..shared.masked import attention_bias
 from ..shared.options import check_bool, check_choice, check_scale
 from .flash import FLASH_FALLBACK, flash_kernelized
 from .sdpa_augmentation import fused_dtype, kernelized_by_sdpa
+from .sdpa_fold import kernelized_by_folding
 
 
 @dataclass(frozen=True)
@@ -45,16 +50,29 @@ class KernelizedConfig:
         (``"triton"`` for CUDA tensors in float32, bfloat16 or float16 without an
         ``attn_mask``, where it was faster on an H100 at every N measured, with under a
         tenth of the memory; ``"torch"`` otherwise).
+    fold_key_norms: run SDPA's fused kernels at the head dim D rather than at the
+        augmentation's D + 8 (``sdpa_fold.py``): exp(-s |k_j|^2 / 2) folded into V and
+        the normaliser taken from the kernels' logsumexp. Exact (to the dtype's rounding)
+        while the keys' s |k|^2 / 2 span less than about 120 within a head (float32
+        inputs: after the keys' mean is taken out); past that the largest-norm keys'
+        values underflow. No ``attn_mask``, and not with ``kernel="triton"``.
     """
 
     scale: float | None = None
     causal: bool = False
     kernel: str = "auto"
+    fold_key_norms: bool = False
 
     def __post_init__(self) -> None:
         check_scale("kernelized", self.scale)
         check_bool("kernelized", "causal", self.causal)
         check_choice("kernelized", "kernel", self.kernel, KERNELS)
+        check_bool("kernelized", "fold_key_norms", self.fold_key_norms)
+        if self.fold_key_norms and self.kernel == "triton":
+            raise ValueError(
+                'kernelized: fold_key_norms=True runs SDPA\'s fused kernels and '
+                'kernel="triton" the Gaussian flash kernels; pass one of them '
+                '(kernel="auto" or "torch" with fold_key_norms=True).')
 
 
 @register(
@@ -102,6 +120,8 @@ def kernelized_attention(
         )
     dtype = q.dtype
     scale = kernel_scale(info.head_dim, config.scale)
+    if config.fold_key_norms:
+        return _folded(q, k, v, info, scale, causal, attn_mask)
     auto = config.kernel == "auto"
     flash = config.kernel == "triton" or (auto and attn_mask is None
                                           and not FLASH_FALLBACK.failed_on(q))
@@ -117,6 +137,24 @@ def kernelized_attention(
                 info.query_valid),
             lambda: _augmented(q, k, v, info, scale, causal, None), on=q)
     return _augmented(q, k, v, info, scale, causal, attn_mask)
+
+
+def _folded(q: Tensor, k: Tensor, v: Tensor, info: AttentionInputs, scale: float,
+            causal: bool, attn_mask: Tensor | None) -> Tensor:
+    """``fold_key_norms=True``: SDPA's fused kernels at head dim D (``sdpa_fold.py``);
+    the augmentation where no fused kernel takes the call (float64 on CUDA, forward-mode
+    AD, which the fused kernels lack)."""
+    if attn_mask is not None:
+        raise ValueError(
+            "kernelized: fold_key_norms=True takes no attn_mask (FlashAttention takes "
+            "none): key padding and causal=True with Nq == Nk only; pass "
+            "fold_key_norms=False for an attn_mask.")
+    if forward_mode_active() or (q.device.type != "cpu" and q.dtype == torch.float64):
+        return _augmented(q, k, v, info, scale, causal, None)
+    shift = None if causal else keys_mean(k, info.key_valid)  # as _augmented's
+    out = kernelized_by_folding(q, k, v, scale * scale, key_valid=info.key_valid,
+                                causal=causal, shift=shift)
+    return zero_padded_queries(out, info.query_valid).to(q.dtype)
 
 
 def _augmented(q: Tensor, k: Tensor, v: Tensor, info: AttentionInputs, scale: float,
