@@ -95,6 +95,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   SKYFORMER_TEST_CUDA=1 stage tests 220 python3 -m pytest -q -p no:warnings \
       -p no:cacheprovider $parallel tests/gpu tests/test_contract.py tests/linalg \
       tests/sketch/test_triton_draws.py tests/ops/test_kernelized_flash.py \
+      tests/ops/test_kernelized_fold.py \
       tests/reliability/test_marks_in_products.py
   [ -e "$out/tests.log" ] && tail -3 "$out/tests.log" > "$out/tests.txt"
 fi
@@ -123,7 +124,8 @@ for spec in "1,2,32 float32 131072" "4,16,64 bfloat16 65536"; do
   set -- $spec
   stage "bench_$2" 90 sh -c 'python3 -m skyformer bench --device cuda --shapes "$1" \
       --dtypes "$2" --min-n 1024 --max-n "$3" --methods skyformer nystromformer performer \
-      kernelized --features 128 --repeats 5 --max-seconds 5 --no-error --markdown \
+      kernelized "kernelized[fold_key_norms=True]" --features 128 --repeats 5 \
+      --max-seconds 5 --no-error --markdown \
       --timing blocked --pause 0.2 \
       --resume --out "$4/bench_$2" > "$4/bench_$2.md"; rc=$?; cat "$4/bench_$2.md"; exit $rc' \
       sh "$1" "$2" "$3" "$out"

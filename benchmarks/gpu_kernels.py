@@ -11,6 +11,8 @@ included; none for the CUDA-graph rows, which replay into memory their capture t
   (the flash backend for bfloat16 / float16),
 - ``skyformer`` with ``kernel="torch"`` and ``kernel="triton"``,
 - ``kernelized`` (exact) with ``kernel="torch"`` (SDPA augmentation) and ``"triton"``,
+  and ``kernelized/fold``: ``fold_key_norms=True`` (SDPA's fused kernels at head dim D,
+  ``ops/kernelized/sdpa_fold.py``),
 - ``skyformer/triton+tf32``: the Triton path where PyTorch allows TF32
   (``torch.set_float32_matmul_precision("high")``: the float32 core's dots in one TF32
   pass instead of three; bfloat16 products keep their bf16x3),
@@ -142,6 +144,8 @@ def _calls(q, k, v, grad, features, compiled, compile_kernels=("triton", "auto")
                                                             kernel="torch")),
         "kernelized/triton": run(lambda: skyformer.attention(q, k, v, "kernelized",
                                                              kernel="triton")),
+        "kernelized/fold": run(lambda: skyformer.attention(q, k, v, "kernelized",
+                                                           fold_key_norms=True)),
     }
 
 

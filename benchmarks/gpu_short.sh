@@ -49,6 +49,7 @@ parallel=$(python3 -c "import xdist" 2>/dev/null && echo "-n 12" || true)
 SKYFORMER_TEST_CUDA=1 part tests 180 python3 -m pytest -q -p no:warnings \
     -p no:cacheprovider $parallel tests/gpu tests/test_contract.py tests/linalg \
     tests/sketch/test_triton_draws.py tests/ops/test_kernelized_flash.py \
+    tests/ops/test_kernelized_fold.py \
     tests/reliability/test_marks_in_products.py
 nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv \
     -lms 100 > "$out/clocks.csv" 2>&1 &

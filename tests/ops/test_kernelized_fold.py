@@ -126,7 +126,7 @@ def test_fold_exponent_shift_is_the_middle_of_the_valid_keys_range_with_headroom
 
 def test_bad_combinations_are_refused_in_a_sentence():
     q, k, v = make_qkv(1, 2, 8, 16)
-    with pytest.raises(ValueError, match='fold_key_norms=True .* kernel="triton"'):
+    with pytest.raises(ValueError, match=r'fold_key_norms=True .* kernel="triton"'):
         kernelized_attention(q, k, v, fold_key_norms=True, kernel="triton")
     with pytest.raises(ValueError, match="fold_key_norms=False for an attn_mask"):
         kernelized_attention(q, k, v, fold_key_norms=True,
