@@ -10,7 +10,7 @@ from skyformer import kernelized_attention, skyformer_attention
 from skyformer.eval.measure.memory import CallJob, peak_memory_bytes
 from skyformer.linalg import gaussian_scores
 from skyformer.ops.kernelized.naive import reference_kernelized_attention
-from skyformer.ops.kernelized.sdpa_augmentation import augmented_width
+from skyformer.ops.kernelized.sdpa_augmentation import augmented_width, kernelized_by_sdpa
 from tests.conftest import make_qkv
 from tests.devices import needs_interpreter, relative_error
 from tests.dispatch import Recorder, check_lean_and_equal
@@ -132,20 +132,26 @@ def test_bfloat16_keeps_float32_accuracy_in_the_exponent(variant):
 
 
 def test_bfloat16_makes_no_float32_copy_with_n_rows_and_d_columns():
-    """Only the norms ([.., N]) and the final division are float32: q', k', v' are
-    bfloat16 (half the memory of the float32 augmentation), float16 goes through float32."""
+    """The augmentation: only the norms ([.., N]) and the final division are float32:
+    q', k', v' are bfloat16 (half the memory of the float32 augmentation), float16 goes
+    through float32. The CPU's default, the key bias at head dim D (``sdpa_fold.py``):
+    a float32 bias row per head ([.., 1, Nk]) and the output before its cast."""
     def float32_width(func, args, out):
-        if isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.dim() == 4:
+        if isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.dim() == 4 \
+                and out.shape[-2] > 1:
             return out.shape[-1]
         return None
 
     q, k, v = (t.to(torch.bfloat16) for t in make_qkv(1, 2, 50, 16, dtype=torch.float32))
     with Recorder(float32_width) as seen:
-        skyformer.attention(q, k, v, "kernelized")
+        kernelized_by_sdpa(q, k, v, 0.25)
     assert max(seen.items) <= 16  # the output before its cast, [.., N, Dv]
     with Recorder(float32_width) as seen:
-        skyformer.attention(q.half(), k.half(), v.half(), "kernelized")
+        kernelized_by_sdpa(q.half(), k.half(), v.half(), 0.25)
     assert max(seen.items) == 24  # float16: the augmentation in float32 (16 + 4 -> 24)
+    with Recorder(float32_width) as seen:
+        skyformer.attention(q, k, v, "kernelized")
+    assert max(seen.items) <= 16
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -196,10 +202,11 @@ def test_the_augmented_output_is_split_not_sliced(dtype):
     write, where the two slices' backward wrote a zero tensor of that size each and
     autograd added them."""
     q, k, v = (t.to(dtype).requires_grad_(True) for t in make_qkv(2, 2, 30, 8, dv=6))
-    out = kernelized_attention(q, k, v)
-    with Recorder(lambda func, args, o: func.overloadpacket.__name__) as ops:
-        torch.autograd.grad(out.float().square().sum(), (q, k, v))
-    assert "slice_backward" not in ops.items
+    for out in (kernelized_by_sdpa(q, k, v, 0.3),  # the augmentation
+                kernelized_attention(q, k, v)):  # the CPU's key bias, its width padded
+        with Recorder(lambda func, args, o: func.overloadpacket.__name__) as ops:
+            torch.autograd.grad(out.float().square().sum(), (q, k, v))
+        assert "slice_backward" not in ops.items
 
 
 @pytest.mark.parametrize("dtype, attn_mask, kernel, flash", [

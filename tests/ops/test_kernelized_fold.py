@@ -1,8 +1,10 @@
-"""Exact kernelized attention with the key norms folded into V (``fold_key_norms=True``,
-``ops/kernelized/sdpa_fold.py``) against the naive pairwise reference: outputs and
-gradients, padding, causal masks, cross-attention, Dv != D, half types, the range it
-is exact in, ``torch.func`` and ``torch.compile``; on CUDA with ``SKYFORMER_TEST_CUDA=1``
-(FlashAttention-2 for bfloat16, the memory-efficient kernel for float32).
+"""Exact kernelized attention through SDPA at head dim D (``fold_key_norms=True``,
+``ops/kernelized/sdpa_fold.py``) against the naive pairwise reference, both routes (the
+key norms as a bias of the scores; folded into the values, which CUDA bfloat16 takes and
+the CPU tests force): outputs and gradients, padding, causal masks, cross-attention,
+Dv != D, half types, the range the values route is exact in, ``torch.func`` and
+``torch.compile``; on CUDA with ``SKYFORMER_TEST_CUDA=1`` (FlashAttention-2 for
+bfloat16, the memory-efficient kernel with the bias for float32).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from skyformer.ops.kernelized import sdpa_fold
 from skyformer.ops.kernelized.naive import reference_kernelized_attention
 from tests.conftest import gen, make_qkv
 from tests.devices import devices, relative_error
+from tests.dispatch import Recorder
 
 CASES = [  # b, h, nq, nk, d, dv
     (2, 2, 37, 45, 16, 24),
@@ -24,6 +27,15 @@ CASES = [  # b, h, nq, nk, d, dv
     (1, 1, 130, 97, 64, 64),
 ]
 FORMS = ["plain", "padded", "causal", "padded causal"]
+
+
+@pytest.fixture(params=["bias", "values"])
+def route(request, monkeypatch):
+    """The key norms as a bias of the scores (the CPU's and CUDA float32's route) or
+    folded into the values (CUDA bfloat16's), forced on any device."""
+    if request.param == "values":
+        monkeypatch.setattr(sdpa_fold, "takes_key_bias", lambda q: False)
+    return request.param
 
 
 def _padding(b: int, n: int, device) -> torch.Tensor:
@@ -53,7 +65,7 @@ def _errors(q, k, v, mask, causal, dtype, device) -> dict[str, float]:
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize(("case", "form"), [(case, form) for case in CASES for form in FORMS
                                             if "causal" not in form or case[2] == case[3]])
-def test_folded_sdpa_equals_the_naive_reference(device, case, form):
+def test_folded_sdpa_equals_the_naive_reference(device, case, form, route):
     b, h, nq, nk, d, dv = case
     q, k, v = make_qkv(b, h, nq, d, nk=nk, dv=dv, seed=nq + d, scale=0.7)
     mask = _padding(b, nk, device) if "padded" in form else None
@@ -66,7 +78,7 @@ def test_folded_sdpa_equals_the_naive_reference(device, case, form):
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [False, True])
-def test_folded_sdpa_in_float32_and_half_types(device, dtype, causal):
+def test_folded_sdpa_in_float32_and_half_types(device, dtype, causal, route):
     """To the dtype's rounding: bfloat16 as SDPA itself rounds (the weights before their
     product with V), float16 computed in float32 and rounded once at the end."""
     q, k, v = make_qkv(2, 2, 66, 64, seed=4)
@@ -84,44 +96,81 @@ def test_the_augmentation_and_the_fold_agree_with_padded_queries_zeroed():
     assert (out[1][0, :, -12:] == 0).all()  # padded queries of batch 0
 
 
-def _one_far_key(spread: float, d: int = 64) -> tuple[torch.Tensor, ...]:
-    """float32 keys near the origin and one key (the last) with s |k|^2 / 2 = ``spread``
+def _one_far_key(span: float, d: int = 64) -> tuple[torch.Tensor, ...]:
+    """float32 keys near the origin and one key (the last) with s |k|^2 / 2 = ``span``
     (s = d^-1/2), the last query next to it, so that its row is that key's value."""
     q, k, v = make_qkv(1, 1, 40, d, seed=3, dtype=torch.float32, scale=0.5)
-    far = torch.full((d,), (2 * spread * d**0.5 / d) ** 0.5)
+    far = torch.full((d,), (2 * span * d**0.5 / d) ** 0.5)
     k[0, 0, -1], q[0, 0, -1] = far, far + 0.1
     return q, k, v
 
 
-def test_exact_while_the_key_norms_span_less_than_the_documented_range():
-    q, k, v = _one_far_key(110.0)
+@pytest.mark.parametrize("span", [95.0, 300.0])
+def test_exact_while_the_key_norms_span_less_than_the_values_route_limit(span, route):
+    """The values route to its limit (a span of 95 < ``FOLD_SPAN_LIMIT``), the bias route
+    past it: as exact as the augmentation (float32's rounding of the far key, 3e-5 in
+    its own row)."""
+    if route == "values" and span > sdpa_fold.FOLD_SPAN_LIMIT:
+        pytest.skip("past the values route's limit: the next test")
+    q, k, v = _one_far_key(span)
     ref = reference_kernelized_attention(q.double(), k.double(), v.double())
     out = kernelized_attention(q, k, v, fold_key_norms=True)
     augmented = kernelized_attention(q, k, v)
     assert relative_error(out, ref) < 1e-5
-    # the far key's own row: float32's rounding of that key (3e-5), as the augmentation
     assert relative_error(out[0, 0, -1], ref[0, 0, -1]) < 1e-4
     assert relative_error(out[0, 0, -1], augmented[0, 0, -1]) < 1e-6
 
 
-def test_past_the_documented_range_the_fold_loses_the_far_key_and_the_augmentation_does_not():
-    """The limit the docstrings state, shown: at a span of 300 the far key's folded value
-    underflows in float32; the default augmentation has no such limit."""
-    q, k, v = _one_far_key(300.0)
-    ref = reference_kernelized_attention(q.double(), k.double(), v.double())[0, 0, -1]
-    folded = kernelized_attention(q, k, v, fold_key_norms=True)[0, 0, -1]
-    augmented = kernelized_attention(q, k, v)[0, 0, -1]
-    assert relative_error(augmented, ref) < 1e-4  # float32's rounding of that key
-    assert not relative_error(folded, ref) < 0.5  # lost (or NaN)
+def test_past_the_values_route_limit_the_head_is_nan_not_silently_inexact(monkeypatch):
+    monkeypatch.setattr(sdpa_fold, "takes_key_bias", lambda q: False)
+    q, k, v = _one_far_key(sdpa_fold.FOLD_SPAN_LIMIT + 20)  # less after the mean is out
+    other = make_qkv(1, 1, 40, 64, seed=4, dtype=torch.float32, scale=0.5)
+    q, k, v = (torch.cat([a, b], dim=1) for a, b in zip((q, k, v), other, strict=True))
+    out = kernelized_attention(q, k, v, fold_key_norms=True)  # heads: too wide, fine
+    assert out[0, 0].isnan().all()
+    ref = reference_kernelized_attention(*(t[:, 1:].double() for t in (q, k, v)))
+    assert relative_error(out[:, 1:], ref) < 1e-5
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_key_reaches_only_the_causal_rows_that_see_it(route, bad):
+    """Not the rows before it (the fused kernel adds the bias after its causal mask; a
+    NaN folded into V would reach them through 0 x NaN), nor the other keys' shift."""
+    q, k, v = make_qkv(1, 2, 40, 16, seed=7)
+    clean = kernelized_attention(q, k, v, causal=True, fold_key_norms=True)
+    k[0, 1, 20, 3] = bad
+    out = kernelized_attention(q, k, v, causal=True, fold_key_norms=True)
+    torch.testing.assert_close(out[:, :, :20], clean[:, :, :20], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out[:, 0], clean[:, 0], rtol=1e-12, atol=1e-12)
+    assert not out[0, 1, 20:].isfinite().all()
 
 
 def test_fold_exponent_shift_is_the_middle_of_the_valid_keys_range_with_headroom():
     norms = torch.tensor([[[1.0, 5.0, 1000.0, 9.0]], [[2.0, 300.0, 4.0, float("nan")]]])
     valid = torch.tensor([[True, True, False, True], [True, True, True, False]])[:, None]
-    shift = sdpa_fold.fold_exponent_shift(norms, valid)
+    shift, too_wide = sdpa_fold.fold_exponent_shift(norms, valid)
     assert shift[:, 0, 0].tolist() == [5.0, 2.0 + sdpa_fold.FOLD_HEADROOM]
-    empty = sdpa_fold.fold_exponent_shift(norms, torch.zeros_like(valid))
+    assert too_wide[:, 0, 0].tolist() == [False, True]
+    empty, _ = sdpa_fold.fold_exponent_shift(norms, torch.zeros_like(valid))
     assert empty.eq(0).all()  # no valid key: 0, not inf
+
+
+def test_cpu_calls_take_the_head_dim_by_default_and_the_augmentation_on_request():
+    """Default (None): a CPU call without an attn_mask runs SDPA's CPU kernel at head dim
+    D; False, or an attn_mask: the augmentation at D + 8."""
+    q, k, v = make_qkv(1, 2, 20, 16)
+
+    def widths(**options):
+        def width(func, args, out):
+            return args[0].shape[-1] if "scaled_dot_product" in func.name() else None
+
+        with Recorder(width) as seen:
+            kernelized_attention(q, k, v, **options)
+        return set(seen.items) - {None}
+
+    assert widths() == widths(fold_key_norms=True) == {16}
+    assert widths(fold_key_norms=False) == {24}
+    assert widths(attn_mask=torch.ones(20, 20, dtype=torch.bool)) == {24}
 
 
 def test_bad_combinations_are_refused_in_a_sentence():
@@ -131,11 +180,11 @@ def test_bad_combinations_are_refused_in_a_sentence():
     with pytest.raises(ValueError, match="fold_key_norms=False for an attn_mask"):
         kernelized_attention(q, k, v, fold_key_norms=True,
                              attn_mask=torch.ones(8, 8, dtype=torch.bool))
-    with pytest.raises(ValueError, match="fold_key_norms"):
+    with pytest.raises(ValueError, match="fold_key_norms must be True, False or None"):
         kernelized_attention(q, k, v, fold_key_norms="yes")
 
 
-def test_torch_func_transforms_and_forward_mode():
+def test_torch_func_transforms_and_forward_mode(route):
     q, k, v = make_qkv(3, 2, 20, 16, seed=11)
     call = lambda q, k, v: kernelized_attention(q, k, v, fold_key_norms=True)  # noqa: E731
     mapped = torch.func.vmap(call)(q[:, None], k[:, None], v[:, None])[:, 0]
@@ -161,7 +210,7 @@ def test_torch_func_transforms_and_forward_mode():
     torch.testing.assert_close(jvp, ref_jvp, rtol=1e-9, atol=1e-12)
 
 
-def test_compiled_call_equals_the_eager_one():
+def test_compiled_call_equals_the_eager_one(route):
     q, k, v = make_qkv(1, 2, 24, 16, seed=12, dtype=torch.float32)
     mask = _padding(1, 24, "cpu")
 
@@ -183,15 +232,17 @@ def test_compiled_call_equals_the_eager_one():
                            "(checked under fake CUDA tensors, no GPU needed)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_operator_calls_are_well_formed_on_fake_tensors(dtype):
-    """The CUDA branch's private operators (flash for bfloat16, memory-efficient for
-    float32), forward and backward, called as the Function calls them: shapes and
+    """The CUDA branch's private operators (flash for bfloat16, memory-efficient with the
+    key bias for float32), forward and backward, called as the Function calls them: shapes and
     dtypes from their fake kernels, on a machine without a GPU."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
         q, k, v = (torch.randn(2, 3, 100, 64, device="cuda", dtype=dtype) for _ in range(3))
-        out, lse, seed, offset = sdpa_fold._fused_forward(q, k, v, 0.125, True)
-        grads = sdpa_fold._fused_backward(out, q, k, v, out, lse, seed, offset, 0.125, True)
-    assert sdpa_fold.uses_flash(q) == (dtype == torch.bfloat16)
+        bias = torch.zeros(2, 3, 1, 100, device="cuda") if dtype == torch.float32 else None
+        out, lse, seed, offset = sdpa_fold._fused_forward(q, k, v, bias, 0.125, True)
+        grads = sdpa_fold._fused_backward(out, q, k, v, bias, out, lse, seed, offset, 0.125,
+                                          True)
+    assert sdpa_fold.takes_key_bias(q) == (dtype == torch.float32)
     assert out.shape == q.shape and lse.dtype == torch.float32 and lse.shape[-1] >= 100
     assert [g.shape for g in grads] == [q.shape] * 3

@@ -4,9 +4,10 @@
 
 Fast path without an n x n matrix: softmax attention over augmented inputs through the
 fused kernels of ``scaled_dot_product_attention`` (O(N) memory); the derivation is in
-``sdpa_augmentation.py``. ``fold_key_norms=True`` runs those kernels at the head dim
-itself instead, the key norms folded into V and the normaliser read off the logsumexp
-(``sdpa_fold.py``: exact while the keys' norms span a bounded range).
+``sdpa_augmentation.py``. CPU calls without an ``attn_mask`` (and CUDA ones with
+``fold_key_norms=True``) run those kernels at the head dim itself instead, the key norms
+a bias of the scores or folded into V, the normaliser read off the logsumexp
+(``sdpa_fold.py``).
 ``kernel="triton"`` takes flash-style Triton kernels of the Gaussian kernel itself
 instead (``triton_flash.py``: no augmentation, no running maximum).
 """
@@ -50,24 +51,31 @@ class KernelizedConfig:
         (``"triton"`` for CUDA tensors in float32, bfloat16 or float16 without an
         ``attn_mask``, where it was faster on an H100 at every N measured, with under a
         tenth of the memory; ``"torch"`` otherwise).
-    fold_key_norms: run SDPA's fused kernels at the head dim D rather than at the
-        augmentation's D + 8 (``sdpa_fold.py``): exp(-s |k_j|^2 / 2) folded into V and
-        the normaliser taken from the kernels' logsumexp. Exact (to the dtype's rounding)
-        while the keys' s |k|^2 / 2 span less than about 120 within a head (float32
-        inputs: after the keys' mean is taken out); past that the largest-norm keys'
-        values underflow. No ``attn_mask``, and not with ``kernel="triton"``.
+    fold_key_norms: SDPA's fused kernels at the head dim D rather than at the
+        augmentation's D + 8 (``sdpa_fold.py``), the normaliser taken from their
+        logsumexp. ``True``: wherever a fused kernel runs, CUDA included: float32 (and
+        float16, computed in float32) with exp(-s |k_j|^2 / 2) as a bias of the scores,
+        exact; bfloat16 on CUDA with it folded into V, exact to bfloat16's rounding
+        while the keys' s |k|^2 / 2 span less than 100 within a head (a head past that
+        comes out NaN); no ``attn_mask``, and not with ``kernel="triton"``. ``None``
+        (default): CPU calls without an ``attn_mask`` (the bias form, exact, and faster
+        than the augmentation there), not CUDA ones (not yet timed on a GPU).
+        ``False``: never (the augmentation, or the flash kernels).
     """
 
     scale: float | None = None
     causal: bool = False
     kernel: str = "auto"
-    fold_key_norms: bool = False
+    fold_key_norms: bool | None = None
 
     def __post_init__(self) -> None:
         check_scale("kernelized", self.scale)
         check_bool("kernelized", "causal", self.causal)
         check_choice("kernelized", "kernel", self.kernel, KERNELS)
-        check_bool("kernelized", "fold_key_norms", self.fold_key_norms)
+        if not isinstance(self.fold_key_norms, bool | None):
+            raise ValueError(
+                f"kernelized: fold_key_norms must be True, False or None (the default: "
+                f"the library's choice), got {self.fold_key_norms!r}.")
         if self.fold_key_norms and self.kernel == "triton":
             raise ValueError(
                 'kernelized: fold_key_norms=True runs SDPA\'s fused kernels and '
@@ -103,9 +111,11 @@ def kernelized_attention(
             0) or float m_ij (weights C_ij exp(m_ij)); combined with padding and causal.
     Returns:
         ``[B, H, Nq, Dv]`` in the dtype of ``q``; rows of padded queries
-        (self-attention) are zero. bfloat16 goes through SDPA's fused kernels as it is
-        (float32 sums, the norms split hi + lo); float16, and bfloat16 with a float
-        ``attn_mask``, are computed in float32.
+        (self-attention) are zero. On the CPU without an ``attn_mask``: SDPA's flash
+        kernel at head dim D with the key norms as a float32 bias (``sdpa_fold.py``).
+        Otherwise (``kernel="torch"``) the augmentation: bfloat16 goes through SDPA's
+        fused kernels as it is (float32 sums, the norms split hi + lo); float16, and
+        bfloat16 with a float ``attn_mask``, are computed in float32.
     """
     info = check_attention_inputs(q, k, v, key_padding_mask, method="kernelized",
                                   query_padding_mask=query_padding_mask)
@@ -136,14 +146,16 @@ def kernelized_attention(
                 q, k.to(dtype), v.to(dtype), info.key_valid, scale * scale, causal, auto),
                 info.query_valid),
             lambda: _augmented(q, k, v, info, scale, causal, None), on=q)
+    if config.fold_key_norms is None and attn_mask is None and q.device.type == "cpu":
+        return _folded(q, k, v, info, scale, causal, None)  # the key bias, at head dim D
     return _augmented(q, k, v, info, scale, causal, attn_mask)
 
 
 def _folded(q: Tensor, k: Tensor, v: Tensor, info: AttentionInputs, scale: float,
             causal: bool, attn_mask: Tensor | None) -> Tensor:
-    """``fold_key_norms=True``: SDPA's fused kernels at head dim D (``sdpa_fold.py``);
-    the augmentation where no fused kernel takes the call (float64 on CUDA, forward-mode
-    AD, which the fused kernels lack)."""
+    """SDPA's fused kernels at head dim D (``sdpa_fold.py``): ``fold_key_norms=True``, and
+    by default CPU calls without an ``attn_mask``; the augmentation where no fused kernel takes the
+    call (float64 on CUDA, forward-mode AD, which the fused kernels lack)."""
     if attn_mask is not None:
         raise ValueError(
             "kernelized: fold_key_norms=True takes no attn_mask (FlashAttention takes "

@@ -1,42 +1,43 @@
 """Exact kernelized attention through SDPA's fused kernels at the inputs' own head dim:
-the key norms folded into the values, the normaliser taken from the logsumexp
-(``fold_key_norms=True``).
+the key norms as a bias of the scores or folded into the values, the normaliser taken
+from the logsumexp (``fold_key_norms=True``).
 
-With the kernel scale s, a_i = s |q_i|^2 / 2 + c and b_j = s |k_j|^2 / 2 - c for any
-constant c,
+With the kernel scale s and a_i = s |q_i|^2 / 2, b_j = s |k_j|^2 / 2,
 
     C_ij = exp(s q_i.k_j - a_i - b_j),
-    (C V)_i = exp(lse_i - a_i) O_i,   O = softmax(s Q K^T) V',   v'_j = exp(-b_j) v_j,
+    (C V)_i = exp(lse_i - a_i) O_i,   O = softmax(s Q K^T - 1 b^T) V,
 
-where lse_i = log sum_j exp(s q_i.k_j) is the logsumexp that SDPA's fused kernels
-compute anyway. So one fused call on q, k and v' of head dim D gives C V, where the
-augmentation (``sdpa_augmentation.py``) runs at width D + 8 (72 at D = 64, which
-FlashAttention-2 rounds up to its 96 kernel and cuDNN to 128).
+where lse_i = log sum_j exp(s q_i.k_j - b_j) is the logsumexp that SDPA's fused kernels
+compute anyway (exp(lse_i - a_i) = sum_j C_ij <= Nk: no overflow). So one fused call at
+head dim D gives C V, where the augmentation (``sdpa_augmentation.py``) runs at width
+D + 8 (72 at D = 64, which FlashAttention-2 rounds up to its 96 kernel and cuDNN to 128).
+The key bias -b is an additive ``attn_mask`` row, in float32 (float64 for float64
+inputs), which the CPU flash kernel (any dtype) and CUDA's memory-efficient kernel
+(float32) take. FlashAttention-2 (CUDA bfloat16) takes no bias; there the values carry
+it instead: v'_j = exp(c - b_j) v_j and a_i + c in place of a_i, for a constant c.
 
 The backward pass needs no term for the normaliser. With g = dL/d(C V) and
-r_i = exp(lse_i - a_i), the gradient of the scores is
-dS_ij = C_ij e^{a_i} (g_i . v'_j) e^{-lse_i} ... = P_ij (dO_i . v'_j) with dO = r g:
-softmax's backward pass, P (dP - D), with D_i = 0. The fused backward kernels compute
-D_i = dO_i . O_i from the output they are given, so they are given zeros for it
-(the CPU flash kernel, FlashAttention-2 and the memory-efficient kernel read the output
-for D alone). And dL/da_i = -g_i . (C V)_i.
+r_i = exp(lse_i - a_i): dS_ij = P_ij (dO_i . v_j) with dO = r g, i.e. softmax's
+backward pass P (dP - D) with D_i = 0. The fused backward kernels compute
+D_i = dO_i . O_i from the output they are given, so they are given zeros for it (the
+CPU flash kernel, FlashAttention-2 and the memory-efficient kernel read the output for
+D alone). Then dL/da_i = -g_i . (C V)_i, and the bias's gradient is the column sums of
+dS: sum_i P_ij dO_i . v_j = dV_j . v_j.
 
-Range: v' and O are stored in the inputs' dtype, so exp(-b_j) must stay inside it.
-c is set per batch element and head from the valid keys' s |k|^2 / 2 (detached: C does
-not depend on it): the middle of their range, but at most ``FOLD_HEADROOM`` above the
-smallest, so that v' <= e^40 |v| and the kernels' float32 sums cannot overflow. The
-result is exact (to the dtype's rounding) while the keys' s |k|^2 / 2 span less than
-about 120 within a head (for float32 inputs after the keys' mean is taken out,
-``shared/centring.py``); past that the values of the largest-norm keys underflow to
-zero (and the call is no longer exact). At D = 64 that is a spread of |k|^2 of about
-1900, e.g. a key of norm 44 beside one at 0; the augmentation has no such limit.
+Range, where the values carry the bias (CUDA bfloat16 only): v' is stored in
+bfloat16, so exp(c - b_j) must stay inside its range. c is set per batch element and
+head from the valid keys' b (detached: C does not depend on it): the middle of their
+range, but at most ``FOLD_HEADROOM`` above the smallest, so that v' <= e^40 |v| and the
+kernels' float32 sums cannot overflow. That is exact, to bfloat16's rounding, while the
+keys' b spans less than about 125 - ln(Nk) within a head; past ``FOLD_SPAN_LIMIT``
+(100) the head's output is made NaN rather than silently inexact. At D = 64 a span of
+100 in b is one of 1600 in |k|^2, e.g. a key of norm 40 beside one at 0. The bias
+route and the augmentation have no such limit.
 
-Where it runs: CPU (the CPU flash kernel, any float dtype), CUDA bfloat16 (flash),
-CUDA float32 (memory-efficient); float16 is computed in float32 as in the augmentation.
 Head dims are padded with zero columns to a common multiple of 8 where they differ or
-CUDA needs it. Padded keys have k = 0 and v' = 0 (they add to lse, which cancels);
-``causal`` is SDPA's top-left mask (Nq == Nk). The private ``aten`` operators called
-here have the same signatures in torch 2.11 and 2.13.
+CUDA needs it. Padded keys have k = 0 and v = 0 and a bias of -1e6 (or v' = 0); causal
+is SDPA's top-left mask (Nq == Nk). The private ``aten`` operators called here have the
+same signatures in torch 2.11 and 2.13.
 """
 
 from __future__ import annotations
@@ -50,30 +51,23 @@ from torch import Tensor
 from ...linalg import half_sq_norm
 from ...linalg.eager_calls import apply
 from ...linalg.functional_ops import first_order_backward
-from ...linalg.vmap import fold_into_batch, split_batch
+from ...linalg.vmap import fold_into_batch, is_placeholder, split_batch
 from ..shared.sdpa import WIDTH_MULTIPLE
 from .sdpa_augmentation import fused_dtype
 
-FOLD_HEADROOM = 40.0  # the largest exponent of exp(-b_j): v' <= e^40 |v|
+FOLD_HEADROOM = 40.0  # the largest exponent of exp(c - b_j): v' <= e^40 |v|
+FOLD_SPAN_LIMIT = 100.0  # heads whose keys' b spans more come out NaN (values route)
+MASKED_LOGIT = -1e6  # the bias of a padded key (added to the scaled scores)
+_BIAS_ALIGNMENT = 16  # CUDA's memory-efficient kernel reads the bias in aligned rows
 
 _aten = torch.ops.aten
 
 
-def _fused_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool
-                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(O, lse ``[B, H, >= Nq]`` float32, and the dropout seed and offset that the
-    backward operator takes: empty placeholders for the CPU kernel)."""
-    if q.device.type == "cpu":
-        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, scale=scale)
-        return out, lse, q.new_empty(0), q.new_empty(0)
-    if uses_flash(q):
-        out, lse, _, _, _, _, seed, offset, _ = _aten._scaled_dot_product_flash_attention(
-            q, k, v, 0.0, causal, False, scale=scale)
-        return out, lse, seed, offset
-    out, lse, seed, offset = _aten._scaled_dot_product_efficient_attention(
-        q, k, v, None, True, 0.0, causal, scale=scale)
-    return out, lse, seed, offset
+def takes_key_bias(q: Tensor) -> bool:
+    """Whether the fused kernel that runs ``q``'s call takes the key bias: the CPU flash
+    kernel (any dtype) and CUDA's memory-efficient kernel (float32), not
+    FlashAttention-2 (CUDA half types)."""
+    return q.device.type == "cpu" or not uses_flash(q)
 
 
 def uses_flash(q: Tensor) -> bool:
@@ -82,54 +76,91 @@ def uses_flash(q: Tensor) -> bool:
     return q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256
 
 
-def _fused_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                    seed: Tensor, offset: Tensor, scale: float, causal: bool
-                    ) -> tuple[Tensor, Tensor, Tensor]:
+def _cuda_bias(bias: Tensor, nq: int) -> Tensor:
+    """``[B, H, 1, Nk]`` as the memory-efficient kernel reads it: ``[B, H, Nq, Nk]``, each
+    row the same one, in storage whose rows are padded to ``_BIAS_ALIGNMENT`` (as SDPA
+    itself pads a mask)."""
+    nk = bias.shape[-1]
+    pad = -nk % _BIAS_ALIGNMENT
+    if pad:
+        bias = F.pad(bias, (0, pad))[..., :nk]
+    return bias.expand(*bias.shape[:2], nq, nk)
+
+
+def _fused_forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float,
+                   causal: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(O, lse ``[B, H, >= Nq]`` float32, and the dropout seed and offset that the
+    backward operator takes: empty placeholders for the CPU kernel)."""
+    if q.device.type == "cpu":
+        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
+        return out, lse, q.new_empty(0), q.new_empty(0)
+    if bias is None:
+        out, lse, _, _, _, _, seed, offset, _ = _aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale)
+        return out, lse, seed, offset
+    out, lse, seed, offset = _aten._scaled_dot_product_efficient_attention(
+        q, k, v, _cuda_bias(bias, q.shape[2]), True, 0.0, causal, scale=scale)
+    return out, lse, seed, offset
+
+
+def _fused_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None,
+                    out: Tensor, lse: Tensor, seed: Tensor, offset: Tensor, scale: float,
+                    causal: bool) -> tuple[Tensor, Tensor, Tensor]:
     """Softmax attention's backward pass with D = rowsum(grad * out) zero: ``out`` is
     given as zeros (module docstring)."""
     zeros = torch.zeros_like(out)
     if q.device.type == "cpu":
         return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad, q, k, v, zeros, lse, 0.0, causal, scale=scale)
-    if uses_flash(q):
+            grad, q, k, v, zeros, lse, 0.0, causal, attn_mask=bias, scale=scale)
+    if bias is None:
         return _aten._scaled_dot_product_flash_attention_backward(
             grad, q, k, v, zeros, lse, None, None, q.shape[2], k.shape[2], 0.0, causal,
             seed, offset, scale=scale)
     dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-        grad, q, k, v, None, zeros, lse, seed, offset, 0.0, [True, True, True, False],
-        causal, scale=scale)
+        grad, q, k, v, _cuda_bias(bias, q.shape[2]), zeros, lse, seed, offset, 0.0,
+        [True, True, True, False], causal, scale=scale)
     return dq, dk, dv
 
 
+def _bias_or_none(bias: Tensor) -> Tensor | None:
+    return None if is_placeholder(bias) else bias
+
+
 class FoldedSDPA(torch.autograd.Function):
-    """exp(lse_i - a_i) O_i with (O, lse) of one fused softmax-attention call at scale s:
-    q ``[B, H, Nq, W]``, k ``[B, H, Nk, W]``, v ``[B, H, Nk, W]`` in one dtype, a
-    ``[B, H, Nq]`` float32 (float64 for float64 inputs). Returns that ``[B, H, Nq, W]``
-    in a's dtype, then O, lse and the dropout seed and offset (not differentiable; kept
-    for the backward operator, as SDPA's own autograd keeps them)."""
+    """exp(lse_i - a_i) O_i with (O, lse) of one fused softmax-attention call at scale s
+    with the key bias added to its scores: q ``[B, H, Nq, W]``, k ``[B, H, Nk, W]``,
+    v ``[B, H, Nk, W]`` in one dtype, bias ``[B, H, 1, Nk]`` (an empty placeholder: none)
+    and a ``[B, H, Nq]`` in float32 (float64 for float64 inputs). Returns that
+    ``[B, H, Nq, W]`` in a's dtype, then O, lse and the dropout seed and offset (not
+    differentiable; kept for the backward operator, as SDPA's own autograd keeps them)."""
 
     @staticmethod
-    def forward(q: Tensor, k: Tensor, v: Tensor, a: Tensor,  # type: ignore[override]
-                scale: float, causal: bool) -> tuple[Tensor, ...]:
-        out, lse, seed, offset = _fused_forward(q, k, v, scale, causal)
+    def forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor,  # type: ignore[override]
+                a: Tensor, scale: float, causal: bool) -> tuple[Tensor, ...]:
+        # the bias detached: the operators have no gradient for it (the backward below
+        # does), and export traces this forward with autograd on
+        bias = _bias_or_none(bias.detach())
+        out, lse, seed, offset = _fused_forward(q, k, v, bias, scale, causal)
         y = out.to(a.dtype) * torch.exp(lse[..., : q.shape[2]] - a)[..., None]
         return y, out, lse, seed, offset
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        q, k, v, a, scale, causal = inputs
+        q, k, v, bias, a, scale, causal = inputs
         _, out, lse, seed, offset = output
         ctx.mark_non_differentiable(out, lse, seed, offset)
-        ctx.save_for_backward(q, k, v, a, out, lse)
+        ctx.save_for_backward(q, k, v, bias, a, out, lse)
         ctx.rng = (seed, offset)  # not batched: outside the saved tensors' batch dims
         ctx.options = (scale, causal)
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple, q, k, v, a, scale, causal):  # type: ignore[override]
+    def vmap(info: Any, in_dims: tuple, q, k, v, bias, a, scale,  # type: ignore[override]
+             causal):
         """The mapped dim joins the batch dim (the seed and offset are not mapped)."""
         size = info.batch_size
-        tensors = [fold_into_batch(t, dim, size)
-                   for t, dim in zip((q, k, v, a), in_dims, strict=False)]
+        tensors = [t if is_placeholder(t) else fold_into_batch(t, dim, size)
+                   for t, dim in zip((q, k, v, bias, a), in_dims, strict=False)]
         y, out, lse, seed, offset = FoldedSDPA.apply(*tensors, scale, causal)
         return ((split_batch(y, size), split_batch(out, size), split_batch(lse, size),
                  seed, offset), (0, 0, 0, None, None))
@@ -137,26 +168,32 @@ class FoldedSDPA(torch.autograd.Function):
     @staticmethod
     @first_order_backward
     def backward(ctx: Any, grad: Tensor, *_: Tensor) -> tuple[Tensor | None, ...]:
-        q, k, v, a, out, lse = ctx.saved_tensors
+        q, k, v, bias, a, out, lse = ctx.saved_tensors
         scale, causal = ctx.options
         r = torch.exp(lse[..., : q.shape[2]] - a)[..., None]  # [B, H, Nq, 1]
         grad = grad.to(a.dtype)
         grad_a = -(r * (grad * out.to(a.dtype))).sum(-1)  # -g . (C V)
-        dq, dk, dv = _fused_backward((grad * r).to(q.dtype).contiguous(), q, k, v, out,
-                                     lse, *ctx.rng, scale, causal)
-        return dq, dk, dv, grad_a, None, None
+        bias = _bias_or_none(bias)
+        dq, dk, dv = _fused_backward((grad * r).to(q.dtype).contiguous(), q, k, v, bias,
+                                     out, lse, *ctx.rng, scale, causal)
+        grad_bias = None if bias is None or not ctx.needs_input_grad[3] \
+            else (dv.to(bias.dtype) * v.to(bias.dtype)).sum(-1)[:, :, None, :]  # dV_j . v_j
+        return dq, dk, dv, grad_bias, grad_a, None, None
 
 
-def fold_exponent_shift(norms: Tensor, valid: Tensor | None) -> Tensor:
-    """c ``[B, H, 1]`` of the module docstring from the keys' s |k|^2 / 2 ``[B, H, Nk]``
-    (``valid`` ``[B, 1, Nk]`` bool or None): the middle of the valid keys' range, at most
-    ``FOLD_HEADROOM`` above its bottom; 0 where a head has no valid or finite key."""
+def fold_exponent_shift(norms: Tensor, valid: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(c, too wide), each ``[B, H, 1]``, for the values route (module docstring), from
+    the keys' b = s |k|^2 / 2 ``[B, H, Nk]`` (``valid`` ``[B, 1, Nk]`` bool or None): c
+    the middle of the valid, finite keys' range (a non-finite key spoils the rows that
+    see it, not the others' c), at most ``FOLD_HEADROOM`` above its bottom (0 where a
+    head has no such key); too wide where that range exceeds ``FOLD_SPAN_LIMIT``."""
     norms = norms.detach()
-    low = norms if valid is None else torch.where(valid, norms, torch.inf)
-    high = norms if valid is None else torch.where(valid, norms, -torch.inf)
+    counted = norms.isfinite() if valid is None else valid & norms.isfinite()
+    low = torch.where(counted, norms, torch.inf)
+    high = torch.where(counted, norms, -torch.inf)
     low, high = low.amin(-1, keepdim=True), high.amax(-1, keepdim=True)
     shift = low + ((high - low) / 2).clamp(max=FOLD_HEADROOM)
-    return shift.nan_to_num(0.0, 0.0, 0.0)
+    return shift.nan_to_num(0.0, 0.0, 0.0), (high - low) > FOLD_SPAN_LIMIT
 
 
 def kernelized_by_folding(
@@ -177,18 +214,31 @@ def kernelized_by_folding(
         q, k = q - shift, k - shift
     valid = None if key_valid is None else key_valid[:, None, :]  # [B, 1, Nk]
     if valid is not None:
-        k = torch.where(valid[..., None], k, 0.0)
-    key_norms = scale * half_sq_norm(k.to(work))  # [B, H, Nk]
-    c = fold_exponent_shift(key_norms, valid)  # [B, H, 1]
-    factor = torch.exp(c - key_norms)
-    if valid is not None:
-        factor = torch.where(valid, factor, 0.0)
-    v_folded = (factor[..., None] * v.to(work)).to(dtype)
-    a = scale * half_sq_norm(q.to(work)) + c  # [B, H, Nq]
+        k, v = (torch.where(valid[..., None], t, 0.0) for t in (k, v))
+    key_norms = scale * half_sq_norm(k.to(work))  # b: [B, H, Nk]
+    a = scale * half_sq_norm(q.to(work))  # [B, H, Nq]
+    if takes_key_bias(q):
+        bias = -key_norms if valid is None else torch.where(valid, -key_norms, MASKED_LOGIT)
+        # a key's NaN reaches the rows that see it through q.k already; the fused kernel
+        # adds the bias after its causal mask (-inf), so a NaN there would reach the rows
+        # before that key too
+        bias = torch.where(bias.isnan(), 0.0, bias)[:, :, None, :]  # [B, H, 1, Nk]
+    else:  # the values carry it (FlashAttention-2 takes no bias)
+        c, too_wide = fold_exponent_shift(key_norms, valid)  # [B, H, 1]
+        # a NaN key: v' = 0 (the rows that see it get its NaN through q.k; a NaN in v'
+        # would reach, through 0 x NaN, the rows before it in a causal call)
+        factor = torch.where(key_norms.isnan(), 0.0, torch.exp(c - key_norms))
+        v = (factor[..., None] * v.to(work)).to(dtype)
+        a = a + torch.where(too_wide, torch.nan, c)
+        bias = q.new_empty(0)
     d, dv = q.shape[-1], v.shape[-1]
     width = d if d == dv and (q.device.type == "cpu" or not d % WIDTH_MULTIPLE) \
         else -(-max(d, dv) // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
     if width != d or width != dv:
-        q, k, v_folded = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v_folded))
-    out = apply(FoldedSDPA, q, k, v_folded, a, scale, causal)[0]
-    return out[..., :dv]
+        q, k, v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
+    # the fused operators read rows of unit stride (SDPA's wrapper sees to it for them)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    out = apply(FoldedSDPA, q, k, v, bias, a, scale, causal)[0]
+    # split, not sliced: the backward writes one tensor of out's size, not a zero
+    # tensor of that size and a copy (as the augmentation's)
+    return out if width == dv else out.split([dv, width - dv], dim=-1)[0]
