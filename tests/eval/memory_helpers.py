@@ -19,9 +19,10 @@ def free_one_then_hold_two(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
     return out
 
 
-def kernelized_call(shape: list[int], padded: bool, causal: bool):
-    """A ``CallJob`` setup: exact kernelized attention (SDPA augmentation) of random
-    float32 inputs of ``shape`` [B, H, N, D], the last 100 keys padded if ``padded``."""
+def kernelized_call(shape: list[int], padded: bool, causal: bool, fold: bool = False):
+    """A ``CallJob`` setup: exact kernelized attention of random float32 inputs of
+    ``shape`` [B, H, N, D], the last 100 keys padded if ``padded``: the SDPA augmentation,
+    or with ``fold`` SDPA at head dim D (``fold_key_norms``)."""
     import skyformer
 
     b, _, n, _ = shape
@@ -29,4 +30,5 @@ def kernelized_call(shape: list[int], padded: bool, causal: bool):
     mask = torch.ones(b, n, dtype=torch.bool)
     mask[:, -100:] = False
     return lambda: skyformer.attention(q, k, v, "kernelized", causal=causal,
-                                       key_padding_mask=mask if padded else None)
+                                       key_padding_mask=mask if padded else None,
+                                       fold_key_norms=fold)
