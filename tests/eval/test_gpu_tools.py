@@ -449,7 +449,8 @@ def test_gpu_script_runs_every_stage_past_failures_limits_and_reruns(tmp_path):
     before = len(calls.read_text().splitlines())
     second = run()
     assert second.stdout.count("done in an earlier run") == 9
-    assert len(calls.read_text().splitlines()) == before + 3  # CUDA, xdist checks; lra
+    # the CUDA check, the versions for machine.txt, the xdist check; lra
+    assert len(calls.read_text().splitlines()) == before + 4
     assert stages()["lra"].startswith("0 ") and len(stages()) == 10
     assert second.returncode == 1  # tests and kernels failed, and stay so
     (out / ".done-tests").unlink()
@@ -507,6 +508,44 @@ def test_gpu_script_runs_every_stage_past_failures_limits_and_reruns(tmp_path):
                                   f"{only}/flash_tiles.json") in kernels[0]
     assert "gpu_profile.py" not in calls.read_text()
     assert "gpu_host_split.py" not in calls.read_text()
+
+
+def test_the_short_gpu_check_runs_its_own_stages_through_the_same_runner(tmp_path):
+    """benchmarks/gpu_short.sh (SHORT=1 of gpu.sh) with a stand-in ``python3``: the CUDA
+    tests, the model shape blocked and interleaved (exact kernelized attention's forms
+    among the blocked calls), the paired steps, the LRA shape and the causal bench, each a
+    stage of stages.txt; machine.txt names the code measured; a rerun skips them all."""
+    import os
+    import subprocess
+
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    calls = tmp_path / "calls.txt"
+    (stub / "python3").write_text('#!/usr/bin/env bash\necho "$*" >> "$CALLS"\n'
+                                  'case "$*" in *"import torch, triton"*) echo "torch x";;'
+                                  ' *"-m pytest"*) echo "9 passed in 3.0s";; esac\n')
+    (stub / "python3").chmod(0o755)
+    out = tmp_path / "short"
+    env = {**os.environ, "PATH": f"{stub}:{os.environ['PATH']}", "CALLS": str(calls),
+           "CODE": "abc123"}
+
+    def run():
+        return subprocess.run(["bash", str(BENCHMARKS / "gpu_short.sh"), str(out)], env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    first = run()
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert list(stages_of(out)) == ["tests", "kernels_model", "kernels_model_interleaved",
+                                    "paired_steps", "kernels_lra", "bench_causal"]
+    assert "code abc123" in (out / "machine.txt").read_text()
+    blocked = [line for line in calls.read_text().splitlines()
+               if "gpu_kernels.py --timing blocked" in line and "4,16,64" in line]
+    assert len(blocked) == 1 and "kernelized/*" in blocked[0]
+    assert "tests/ops/test_kernelized_fold.py" in calls.read_text()
+    assert run().stdout.count("done in an earlier run") == 6
+    usage = subprocess.run(["bash", str(BENCHMARKS / "gpu_short.sh")], env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert usage.returncode != 0 and "usage" in usage.stderr
 
 
 def stages_of(out):
