@@ -105,20 +105,33 @@ def _one_far_key(span: float, d: int = 64) -> tuple[torch.Tensor, ...]:
     return q, k, v
 
 
-@pytest.mark.parametrize("span", [95.0, 300.0])
-def test_exact_while_the_key_norms_span_less_than_the_values_route_limit(span, route):
-    """The values route to its limit (a span of 95 < ``FOLD_SPAN_LIMIT``), the bias route
-    past it: as exact as the augmentation (float32's rounding of the far key, 3e-5 in
-    its own row)."""
+def _errors_against_float64(q, k, v, **options) -> list[float]:
+    """Relative errors of the folded call's output and q, k, v gradients against the
+    pairwise reference in float64 on the same (rounded) inputs."""
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    exact = [t.double().requires_grad_(True) for t in (q, k, v)]
+    out = kernelized_attention(*leaves, fold_key_norms=True, **options)
+    ref = reference_kernelized_attention(*exact, **options)
+    weights = torch.randn(ref.shape, generator=gen(2), dtype=torch.float64)
+    got = [out, *torch.autograd.grad((out * weights.to(out.dtype)).sum(), leaves)]
+    want = [ref, *torch.autograd.grad((ref * weights).sum(), exact)]
+    return [relative_error(a, b) for a, b in zip(got, want, strict=True)]
+
+
+@pytest.mark.parametrize("span", [55.0, 95.0, 300.0])
+def test_exact_within_the_range_of_each_route(span, route):
+    """The values route within its limit (55 < ``FOLD_SPAN_LIMIT``), the bias route at
+    any span: outputs and gradients as exact as the augmentation's (float32's rounding
+    of the far key: about 3e-5 in its own row)."""
     if route == "values" and span > sdpa_fold.FOLD_SPAN_LIMIT:
         pytest.skip("past the values route's limit: the next test")
     q, k, v = _one_far_key(span)
-    ref = reference_kernelized_attention(q.double(), k.double(), v.double())
+    assert max(_errors_against_float64(q, k, v)) < 1e-5
     out = kernelized_attention(q, k, v, fold_key_norms=True)
-    augmented = kernelized_attention(q, k, v)
-    assert relative_error(out, ref) < 1e-5
+    augmented = kernelized_attention(q, k, v, fold_key_norms=False)
+    ref = reference_kernelized_attention(q.double(), k.double(), v.double())
     assert relative_error(out[0, 0, -1], ref[0, 0, -1]) < 1e-4
-    assert relative_error(out[0, 0, -1], augmented[0, 0, -1]) < 1e-6
+    assert relative_error(out[0, 0, -1], augmented[0, 0, -1]) < 1e-5
 
 
 def test_past_the_values_route_limit_the_head_is_nan_not_silently_inexact(monkeypatch):
@@ -130,6 +143,65 @@ def test_past_the_values_route_limit_the_head_is_nan_not_silently_inexact(monkey
     assert out[0, 0].isnan().all()
     ref = reference_kernelized_attention(*(t[:, 1:].double() for t in (q, k, v)))
     assert relative_error(out[:, 1:], ref) < 1e-5
+
+
+def _large_norm_keys(span: float, d: int = 64) -> tuple[torch.Tensor, ...]:
+    """bfloat16 keys near x with s |x|^2 / 2 = 400 and the first along x with ``span``
+    more, the queries next to the keys: the first key's larger score, not carried by
+    -b in the values route, takes the softmax weight of the others' (their weights can
+    fall below e^-87 while their C is the larger)."""
+    g = gen(5)
+    x = torch.full((d,), (2 * 400 * d**0.5 / d) ** 0.5)
+    k = x + 0.05 * torch.randn(12, d, generator=g)
+    k[0] = x * ((400 + span) / 400) ** 0.5
+    q = k.clone()
+    q[1:] += 0.05 * torch.randn(11, d, generator=g)
+    v = torch.randn(12, d, generator=g)
+    return tuple(t[None, None].to(torch.bfloat16) for t in (q, k, v))
+
+
+@pytest.mark.parametrize("span", [55.0, 95.0])
+def test_the_values_route_keeps_every_key_below_its_limit_and_says_so_above(span,
+                                                                            monkeypatch):
+    """Causal, so that row 1 sees key 0 (larger norm and score) and key 1 only."""
+    monkeypatch.setattr(sdpa_fold, "takes_key_bias", lambda q: False)
+    q, k, v = _large_norm_keys(span)
+    out = kernelized_attention(q, k, v, causal=True, fold_key_norms=True)
+    if span > sdpa_fold.FOLD_SPAN_LIMIT:
+        assert out.isnan().all()
+        return
+    ref = reference_kernelized_attention(*(t.double() for t in (q, k, v)), causal=True)
+    rows = (out.double() - ref).norm(dim=-1) / ref.norm(dim=-1)
+    assert rows.max() < 1e-2  # bfloat16's rounding in every row
+
+
+def test_padded_keys_of_the_values_route_stay_out_of_every_row(monkeypatch):
+    """A padded key has k = 0, b = 0: its v' must be 0, not exp(c) (which overflows once
+    the valid keys' b, and so c, pass 88), whatever the causal order."""
+    monkeypatch.setattr(sdpa_fold, "takes_key_bias", lambda q: False)
+    q, k, v = make_qkv(1, 1, 16, 64, seed=9, dtype=torch.float32)
+    q, k = q + 5.0, k + 5.0  # b of 94 to 112: a span of 18, far from the limit
+    mask = torch.ones(1, 16, dtype=torch.bool)
+    mask[0, -2:] = False
+    for causal in (False, True):
+        errors = _errors_against_float64(q, k, v, key_padding_mask=mask, causal=causal)
+        assert max(errors) < 1e-4, (causal, errors)
+
+
+def test_the_values_route_backward_takes_any_gradient_size(monkeypatch):
+    """dO . v' = r g . v' passes float32's range here for |g| ~ 1e20 (r ~ e^15, v' up to
+    e^40 |v|): the backward scales dO (it is linear in it) and the gradients back. (At
+    |g| ~ 1e30 the term of a, -s q (g . C V), passes it itself, on either route.)"""
+    monkeypatch.setattr(sdpa_fold, "takes_key_bias", lambda q: False)
+    q, k, v = _one_far_key(55.0)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = kernelized_attention(*leaves, fold_key_norms=True)
+    weights = torch.randn(out.shape, generator=gen(3))
+    small = torch.autograd.grad((out * weights).sum(), leaves, retain_graph=True)
+    large = torch.autograd.grad((out * weights * 1e20).sum(), leaves)
+    for a, b in zip(large, small, strict=True):
+        assert a.isfinite().all()
+        assert relative_error(a / 1e20, b) < 1e-5  # rounded otherwise, as a whole
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
@@ -230,19 +302,25 @@ def test_compiled_call_equals_the_eager_one(route):
 @pytest.mark.skipif(not torch.backends.cuda.is_built(),
                     reason="the CUDA operators' signatures need a CUDA build of torch "
                            "(checked under fake CUDA tensors, no GPU needed)")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cuda_operator_calls_are_well_formed_on_fake_tensors(dtype):
-    """The CUDA branch's private operators (flash for bfloat16, memory-efficient with the
-    key bias for float32), forward and backward, called as the Function calls them: shapes and
-    dtypes from their fake kernels, on a machine without a GPU."""
+@pytest.mark.parametrize(("dtype", "width"), [(torch.bfloat16, 64), (torch.float32, 64),
+                                              (torch.bfloat16, 264)])
+def test_cuda_operator_calls_are_well_formed_on_fake_tensors(dtype, width):
+    """The CUDA branch's private operators as the Function calls them, forward and
+    backward, on fake tensors (shapes and dtypes from their fake kernels, which check
+    neither dtypes nor head dims; the CUDA tests check those): half types without a bias
+    (FlashAttention-2 up to head dim 256, the memory-efficient kernel above), float32
+    with the key bias (memory-efficient)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
-        q, k, v = (torch.randn(2, 3, 100, 64, device="cuda", dtype=dtype) for _ in range(3))
-        bias = torch.zeros(2, 3, 1, 100, device="cuda") if dtype == torch.float32 else None
+        q, k, v = (torch.randn(2, 3, 100, width, device="cuda", dtype=dtype)
+                   for _ in range(3))
+        bias = torch.zeros(2, 3, 1, 100, device="cuda") if sdpa_fold.takes_key_bias(q) \
+            else None
         out, lse, seed, offset = sdpa_fold._fused_forward(q, k, v, bias, 0.125, True)
         grads = sdpa_fold._fused_backward(out, q, k, v, bias, out, lse, seed, offset, 0.125,
                                           True)
     assert sdpa_fold.takes_key_bias(q) == (dtype == torch.float32)
+    assert sdpa_fold.uses_flash(q) == (dtype == torch.bfloat16 and width <= 256)
     assert out.shape == q.shape and lse.dtype == torch.float32 and lse.shape[-1] >= 100
     assert [g.shape for g in grads] == [q.shape] * 3

@@ -56,7 +56,7 @@ class KernelizedConfig:
         logsumexp. ``True``: wherever a fused kernel runs, CUDA included: float32 (and
         float16, computed in float32) with exp(-s |k_j|^2 / 2) as a bias of the scores,
         exact; bfloat16 on CUDA with it folded into V, exact to bfloat16's rounding
-        while the keys' s |k|^2 / 2 span less than 100 within a head (a head past that
+        while the keys' s |k|^2 / 2 span less than 60 within a head (a head past that
         comes out NaN); no ``attn_mask``, and not with ``kernel="triton"``. ``None``
         (default): CPU calls without an ``attn_mask`` (the bias form, exact, and faster
         than the augmentation there), not CUDA ones (not yet timed on a GPU).
@@ -111,11 +111,13 @@ def kernelized_attention(
             0) or float m_ij (weights C_ij exp(m_ij)); combined with padding and causal.
     Returns:
         ``[B, H, Nq, Dv]`` in the dtype of ``q``; rows of padded queries
-        (self-attention) are zero. On the CPU without an ``attn_mask``: SDPA's flash
-        kernel at head dim D with the key norms as a float32 bias (``sdpa_fold.py``).
-        Otherwise (``kernel="torch"``) the augmentation: bfloat16 goes through SDPA's
-        fused kernels as it is (float32 sums, the norms split hi + lo); float16, and
-        bfloat16 with a float ``attn_mask``, are computed in float32.
+        (self-attention) are zero. On the CPU without an ``attn_mask`` (unless
+        ``fold_key_norms=False``): SDPA's flash kernel at head dim D with the key norms
+        as a bias of the scores in float32 (float64 for float64 inputs;
+        ``sdpa_fold.py``). The augmentation otherwise (``kernel="torch"``, or ``"auto"``
+        where the flash kernels are not taken): bfloat16 goes through SDPA's fused
+        kernels as it is (float32 sums, the norms split hi + lo); float16, and bfloat16
+        with a float ``attn_mask``, are computed in float32.
     """
     info = check_attention_inputs(q, k, v, key_padding_mask, method="kernelized",
                                   query_padding_mask=query_padding_mask)
@@ -155,13 +157,15 @@ def _folded(q: Tensor, k: Tensor, v: Tensor, info: AttentionInputs, scale: float
             causal: bool, attn_mask: Tensor | None) -> Tensor:
     """SDPA's fused kernels at head dim D (``sdpa_fold.py``): ``fold_key_norms=True``, and
     by default CPU calls without an ``attn_mask``; the augmentation where no fused kernel takes the
-    call (float64 on CUDA, forward-mode AD, which the fused kernels lack)."""
+    call (float64 on CUDA, devices other than the CPU and CUDA, forward-mode AD, which
+    the fused kernels lack)."""
     if attn_mask is not None:
         raise ValueError(
             "kernelized: fold_key_norms=True takes no attn_mask (FlashAttention takes "
             "none): key padding and causal=True with Nq == Nk only; pass "
             "fold_key_norms=False for an attn_mask.")
-    if forward_mode_active() or (q.device.type != "cpu" and q.dtype == torch.float64):
+    if forward_mode_active() or q.device.type not in ("cpu", "cuda") \
+            or (q.device.type == "cuda" and q.dtype == torch.float64):
         return _augmented(q, k, v, info, scale, causal, None)
     shift = None if causal else keys_mean(k, info.key_valid)  # as _augmented's
     out = kernelized_by_folding(q, k, v, scale * scale, key_valid=info.key_valid,

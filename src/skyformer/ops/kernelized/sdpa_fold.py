@@ -1,6 +1,6 @@
 """Exact kernelized attention through SDPA's fused kernels at the inputs' own head dim:
 the key norms as a bias of the scores or folded into the values, the normaliser taken
-from the logsumexp (``fold_key_norms=True``).
+from the logsumexp (``fold_key_norms``: by default on the CPU, with ``True`` on CUDA).
 
 With the kernel scale s and a_i = s |q_i|^2 / 2, b_j = s |k_j|^2 / 2,
 
@@ -13,8 +13,10 @@ head dim D gives C V, where the augmentation (``sdpa_augmentation.py``) runs at 
 D + 8 (72 at D = 64, which FlashAttention-2 rounds up to its 96 kernel and cuDNN to 128).
 The key bias -b is an additive ``attn_mask`` row, in float32 (float64 for float64
 inputs), which the CPU flash kernel (any dtype) and CUDA's memory-efficient kernel
-(float32) take. FlashAttention-2 (CUDA bfloat16) takes no bias; there the values carry
-it instead: v'_j = exp(c - b_j) v_j and a_i + c in place of a_i, for a constant c.
+(float32) take. For CUDA half types FlashAttention-2 takes no bias, and the
+memory-efficient kernel (above head dim 256) only one of q's dtype, which would round
+b; there the values carry it instead: v'_j = exp(c - b_j) v_j and a_i + c in place of
+a_i, for a constant c.
 
 The backward pass needs no term for the normaliser. With g = dL/d(C V) and
 r_i = exp(lse_i - a_i): dS_ij = P_ij (dO_i . v_j) with dO = r g, i.e. softmax's
@@ -24,15 +26,19 @@ CPU flash kernel, FlashAttention-2 and the memory-efficient kernel read the outp
 D alone). Then dL/da_i = -g_i . (C V)_i, and the bias's gradient is the column sums of
 dS: sum_i P_ij dO_i . v_j = dV_j . v_j.
 
-Range, where the values carry the bias (CUDA bfloat16 only): v' is stored in
-bfloat16, so exp(c - b_j) must stay inside its range. c is set per batch element and
-head from the valid keys' b (detached: C does not depend on it): the middle of their
-range, but at most ``FOLD_HEADROOM`` above the smallest, so that v' <= e^40 |v| and the
-kernels' float32 sums cannot overflow. That is exact, to bfloat16's rounding, while the
-keys' b spans less than about 125 - ln(Nk) within a head; past ``FOLD_SPAN_LIMIT``
-(100) the head's output is made NaN rather than silently inexact. At D = 64 a span of
-100 in b is one of 1600 in |k|^2, e.g. a key of norm 40 beside one at 0. The bias
-route and the augmentation have no such limit.
+Range, where the values carry the bias (CUDA half types only; ``takes_key_bias``): the
+softmax weights P_ij = exp(s q_i.k_j - max_l s q_i.k_l) no longer carry -b_j, so beside
+a key of larger norm and score a key whose C_ij is the larger can get a P_ij below
+e^-87, which the fused kernels flush to zero: its share of C is at most e^(-87 + span),
+span the range of the keys' b. In the backward pass dP = (r g).v' reaches
+Nk e^span |g| |v|. Both stay harmless while span + ln(Nk) is well under 87: past
+``FOLD_SPAN_LIMIT`` (60) a head's output is made NaN rather than silently inexact, and
+the backward scales dO by its largest entry per head (it is linear in dO once D = 0),
+so that |g| cannot push dP past float32's range. c (per batch element and head,
+detached: C does not depend on it) is the middle of the valid keys' b, at most
+``FOLD_HEADROOM`` above the smallest, so that v' <= e^40 |v|. At D = 64 a span of 60 in
+b is one of 960 in |k|^2, e.g. a key of norm 31 beside one at 0. The bias route and
+the augmentation have no such limit.
 
 Head dims are padded with zero columns to a common multiple of 8 where they differ or
 CUDA needs it. Padded keys have k = 0 and v = 0 and a bias of -1e6 (or v' = 0); causal
@@ -56,7 +62,7 @@ from ..shared.sdpa import WIDTH_MULTIPLE
 from .sdpa_augmentation import fused_dtype
 
 FOLD_HEADROOM = 40.0  # the largest exponent of exp(c - b_j): v' <= e^40 |v|
-FOLD_SPAN_LIMIT = 100.0  # heads whose keys' b spans more come out NaN (values route)
+FOLD_SPAN_LIMIT = 60.0  # heads whose keys' b spans more come out NaN (values route)
 MASKED_LOGIT = -1e6  # the bias of a padded key (added to the scaled scores)
 _BIAS_ALIGNMENT = 16  # CUDA's memory-efficient kernel reads the bias in aligned rows
 
@@ -64,15 +70,16 @@ _aten = torch.ops.aten
 
 
 def takes_key_bias(q: Tensor) -> bool:
-    """Whether the fused kernel that runs ``q``'s call takes the key bias: the CPU flash
-    kernel (any dtype) and CUDA's memory-efficient kernel (float32), not
-    FlashAttention-2 (CUDA half types)."""
-    return q.device.type == "cpu" or not uses_flash(q)
+    """Whether the call takes the key bias: the CPU flash kernel (a float32 or float64
+    bias for any dtype) and CUDA's memory-efficient kernel in float32; not CUDA half
+    types (FlashAttention-2 takes no bias, the memory-efficient kernel only one of q's
+    dtype, which would round b)."""
+    return q.device.type == "cpu" or q.dtype not in (torch.bfloat16, torch.float16)
 
 
 def uses_flash(q: Tensor) -> bool:
-    """Whether a CUDA call takes FlashAttention-2 (half types, head dim <= 256), else the
-    memory-efficient kernel."""
+    """Whether a CUDA call without a bias takes FlashAttention-2 (half types, padded head
+    dim <= 256), else the memory-efficient kernel."""
     return q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256
 
 
@@ -95,12 +102,13 @@ def _fused_forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: 
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
         return out, lse, q.new_empty(0), q.new_empty(0)
-    if bias is None:
+    if bias is None and uses_flash(q):
         out, lse, _, _, _, _, seed, offset, _ = _aten._scaled_dot_product_flash_attention(
             q, k, v, 0.0, causal, False, scale=scale)
         return out, lse, seed, offset
     out, lse, seed, offset = _aten._scaled_dot_product_efficient_attention(
-        q, k, v, _cuda_bias(bias, q.shape[2]), True, 0.0, causal, scale=scale)
+        q, k, v, None if bias is None else _cuda_bias(bias, q.shape[2]), True, 0.0, causal,
+        scale=scale)
     return out, lse, seed, offset
 
 
@@ -113,12 +121,13 @@ def _fused_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Tensor 
     if q.device.type == "cpu":
         return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad, q, k, v, zeros, lse, 0.0, causal, attn_mask=bias, scale=scale)
-    if bias is None:
+    if bias is None and uses_flash(q):
         return _aten._scaled_dot_product_flash_attention_backward(
             grad, q, k, v, zeros, lse, None, None, q.shape[2], k.shape[2], 0.0, causal,
             seed, offset, scale=scale)
     dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-        grad, q, k, v, _cuda_bias(bias, q.shape[2]), zeros, lse, seed, offset, 0.0,
+        grad, q, k, v, None if bias is None else _cuda_bias(bias, q.shape[2]), zeros, lse,
+        seed, offset, 0.0,
         [True, True, True, False], causal, scale=scale)
     return dq, dk, dv
 
@@ -174,11 +183,29 @@ class FoldedSDPA(torch.autograd.Function):
         grad = grad.to(a.dtype)
         grad_a = -(r * (grad * out.to(a.dtype))).sum(-1)  # -g . (C V)
         bias = _bias_or_none(bias)
-        dq, dk, dv = _fused_backward((grad * r).to(q.dtype).contiguous(), q, k, v, bias,
+        if bias is None:  # the values route: dO.v' may pass float32's range (docstring)
+            # the backward is linear in dO (D = 0): dO scaled to at most 1 per head, g
+            # first (r g itself may overflow), and the gradients scaled back
+            size = _largest_per_head(grad)
+            grad_out = grad / size * r
+            second = _largest_per_head(grad_out)
+            grad_out, size = grad_out / second, size * second
+        else:
+            grad_out = grad * r  # dO
+        dq, dk, dv = _fused_backward(grad_out.to(q.dtype).contiguous(), q, k, v, bias,
                                      out, lse, *ctx.rng, scale, causal)
+        if bias is None:
+            dq, dk, dv = ((d * size).to(d.dtype) for d in (dq, dk, dv))
         grad_bias = None if bias is None or not ctx.needs_input_grad[3] \
             else (dv.to(bias.dtype) * v.to(bias.dtype)).sum(-1)[:, :, None, :]  # dV_j . v_j
         return dq, dk, dv, grad_bias, grad_a, None, None
+
+
+def _largest_per_head(x: Tensor) -> Tensor:
+    """max |x| over each head's ``[N, W]`` block, ``[B, H, 1, 1]``; 1 where that is 0 or
+    not finite (nothing to scale, or a NaN to pass on as it is)."""
+    size = x.abs().amax(dim=(-2, -1), keepdim=True)
+    return torch.where(size.isfinite() & (size > 0), size, 1.0)
 
 
 def fold_exponent_shift(norms: Tensor, valid: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -225,9 +252,10 @@ def kernelized_by_folding(
         bias = torch.where(bias.isnan(), 0.0, bias)[:, :, None, :]  # [B, H, 1, Nk]
     else:  # the values carry it (FlashAttention-2 takes no bias)
         c, too_wide = fold_exponent_shift(key_norms, valid)  # [B, H, 1]
-        # a NaN key: v' = 0 (the rows that see it get its NaN through q.k; a NaN in v'
-        # would reach, through 0 x NaN, the rows before it in a causal call)
-        factor = torch.where(key_norms.isnan(), 0.0, torch.exp(c - key_norms))
+        # a NaN key, a padded one: v' = 0 (the rows that see a NaN key get it through
+        # q.k; a NaN or an overflow in v' would reach, through 0 x NaN, every row)
+        kept = ~key_norms.isnan() if valid is None else valid & ~key_norms.isnan()
+        factor = torch.exp(torch.where(kept, c - key_norms, -torch.inf))
         v = (factor[..., None] * v.to(work)).to(dtype)
         a = a + torch.where(too_wide, torch.nan, c)
         bias = q.new_empty(0)
