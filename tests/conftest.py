@@ -63,6 +63,16 @@ def make_qkv(b=2, h=2, n=24, d=16, *, nk=None, dv=None, dtype=torch.float64, see
     return q, k, v
 
 
+def edge_padding(b: int, n: int, device="cpu") -> torch.Tensor:
+    """``[b, n]`` bool: element 0's last quarter padded (its only key kept when n = 1),
+    element 1's first fifth; the rest real."""
+    mask = torch.ones(b, n, dtype=torch.bool)
+    mask[0, n - max(1, n // 4):] = n <= 1  # keep the only key of a one-key case
+    if b > 1:
+        mask[1, : n // 5] = False
+    return mask.to(device)
+
+
 def holes_mask(b: int, n: int) -> torch.Tensor:
     """Holes in the middle of element 0; left padding and a hole in element 1."""
     mask = torch.ones(b, n, dtype=torch.bool)

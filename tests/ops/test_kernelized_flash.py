@@ -14,7 +14,7 @@ import torch
 import skyformer
 from skyformer import kernelized_attention
 from skyformer.ops.kernelized.naive import reference_kernelized_attention
-from tests.conftest import gen, make_qkv
+from tests.conftest import edge_padding, gen, make_qkv
 from tests.devices import cuda_only, devices, relative_error
 from tests.dispatch import Recorder
 
@@ -35,14 +35,6 @@ def _interpreter_for_cpu(request):
     callspec = getattr(request.node, "callspec", None)
     if callspec is None or callspec.params.get("device", "cpu") == "cpu":
         request.getfixturevalue("triton_interpreter")
-
-
-def _padding(b: int, n: int, device) -> torch.Tensor:
-    mask = torch.ones(b, n, dtype=torch.bool)
-    mask[0, n - max(1, n // 4):] = n <= 1  # keep the only key of a one-key case
-    if b > 1:
-        mask[1, : n // 5] = False
-    return mask.to(device)
 
 
 def _grads(out: torch.Tensor, leaves) -> list[torch.Tensor]:
@@ -75,7 +67,7 @@ def test_flash_kernels_equal_the_naive_reference(device, case, form):
     b, h, nq, nk, d, dv = case
     causal = "causal" in form
     q, k, v = make_qkv(b, h, nq, d, nk=nk, dv=dv, seed=nq + d, scale=0.7)
-    mask = _padding(b, nk, device) if "padded" in form else None
+    mask = edge_padding(b, nk, device) if "padded" in form else None
     dtype, tolerance = ((torch.float64, 1e-12) if device == "cpu"
                         else (torch.float32, 1e-5))  # float64 on CUDA takes SDPA
     errors = _errors(q, k, v, mask, causal, dtype, device)
@@ -90,7 +82,7 @@ def test_flash_kernels_in_float32_and_half_types(device, dtype, causal):
     half type before their products (as flash attention rounds softmax's)."""
     q, k, v = make_qkv(2, 2, 66, 64, seed=4)
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}[dtype]
-    errors = _errors(q, k, v, _padding(2, 66, device), causal, dtype, device)
+    errors = _errors(q, k, v, edge_padding(2, 66, device), causal, dtype, device)
     assert all(error < tolerance for error in errors.values()), errors
 
 
@@ -99,7 +91,7 @@ def test_the_sdpa_augmentation_and_the_flash_kernels_agree(device):
     """The two exact paths, padded self-attention with padded query rows zeroed."""
     dtype = torch.float64 if device == "cpu" else torch.float32
     q, k, v = (t.to(device, dtype) for t in make_qkv(2, 2, 50, 32, seed=6))
-    mask = _padding(2, 50, device)
+    mask = edge_padding(2, 50, device)
     out = [kernelized_attention(q, k, v, key_padding_mask=mask, kernel=kernel)
            for kernel in ("torch", "triton")]
     assert relative_error(out[1], out[0]) < (1e-12 if dtype == torch.float64 else 1e-5)
@@ -189,7 +181,7 @@ def test_torch_compile_calls_the_flash_operators():
     """``torch.compile(fullgraph=True)`` traces the method around the custom operators
     (forward and backward): the eager results."""
     q, k, v = (t.float() for t in make_qkv(2, 2, 24, 16, seed=12))
-    mask = _padding(2, 24, "cpu")
+    mask = edge_padding(2, 24, "cpu")
 
     def attention(q, k, v):
         return kernelized_attention(q, k, v, key_padding_mask=mask, causal=True,

@@ -16,7 +16,7 @@ import skyformer
 from skyformer import kernelized_attention
 from skyformer.ops.kernelized import sdpa_fold
 from skyformer.ops.kernelized.naive import reference_kernelized_attention
-from tests.conftest import gen, make_qkv
+from tests.conftest import edge_padding, gen, make_qkv
 from tests.devices import devices, relative_error
 from tests.dispatch import Recorder
 
@@ -36,14 +36,6 @@ def route(request, monkeypatch):
     if request.param == "values":
         monkeypatch.setattr(sdpa_fold, "takes_key_bias", lambda q: False)
     return request.param
-
-
-def _padding(b: int, n: int, device) -> torch.Tensor:
-    mask = torch.ones(b, n, dtype=torch.bool)
-    mask[0, n - max(1, n // 4):] = n <= 1  # keep the only key of a one-key case
-    if b > 1:
-        mask[1, : n // 5] = False
-    return mask.to(device)
 
 
 def _errors(q, k, v, mask, causal, dtype, device) -> dict[str, float]:
@@ -68,7 +60,7 @@ def _errors(q, k, v, mask, causal, dtype, device) -> dict[str, float]:
 def test_folded_sdpa_equals_the_naive_reference(device, case, form, route):
     b, h, nq, nk, d, dv = case
     q, k, v = make_qkv(b, h, nq, d, nk=nk, dv=dv, seed=nq + d, scale=0.7)
-    mask = _padding(b, nk, device) if "padded" in form else None
+    mask = edge_padding(b, nk, device) if "padded" in form else None
     dtype, tolerance = ((torch.float64, 1e-12) if device == "cpu"
                         else (torch.float32, 1e-4))  # float64 on CUDA: the augmentation
     errors = _errors(q, k, v, mask, "causal" in form, dtype, device)
@@ -83,13 +75,13 @@ def test_folded_sdpa_in_float32_and_half_types(device, dtype, causal, route):
     product with V), float16 computed in float32 and rounded once at the end."""
     q, k, v = make_qkv(2, 2, 66, 64, seed=4)
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}[dtype]
-    errors = _errors(q, k, v, _padding(2, 66, device), causal, dtype, device)
+    errors = _errors(q, k, v, edge_padding(2, 66, device), causal, dtype, device)
     assert all(error < tolerance for error in errors.values()), errors
 
 
 def test_the_augmentation_and_the_fold_agree_with_padded_queries_zeroed():
     q, k, v = make_qkv(2, 2, 50, 32, seed=6)
-    mask = _padding(2, 50, "cpu")
+    mask = edge_padding(2, 50, "cpu")
     out = [kernelized_attention(q, k, v, key_padding_mask=mask, fold_key_norms=fold)
            for fold in (False, True)]
     assert relative_error(out[1], out[0]) < 1e-12
@@ -284,7 +276,7 @@ def test_torch_func_transforms_and_forward_mode(route):
 
 def test_compiled_call_equals_the_eager_one(route):
     q, k, v = make_qkv(1, 2, 24, 16, seed=12, dtype=torch.float32)
-    mask = _padding(1, 24, "cpu")
+    mask = edge_padding(1, 24, "cpu")
 
     def step(q, k, v):
         return skyformer.attention(q, k, v, "kernelized", fold_key_norms=True,
