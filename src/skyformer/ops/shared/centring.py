@@ -8,7 +8,10 @@ common offset of the rows, e.g. a projection's bias) the kernel comes out wrong 
 above 1. Taking the keys' mean out first leaves norms of the order of the distances.
 
 Exact kernelized attention's SDPA augmentation copies q and k anyway: the mean is
-taken out in those copies and costs no memory. Skyformer's products read q and k as
+taken out in those copies and costs no memory. Its form at head dim D (``sdpa_fold.py``,
+the CPU's default) keeps the two moved copies for its backward pass, and still holds less
+than the augmentation (4.05 against 5.5 buffers of q's size at N = 8192,
+``ops/kernelized/README.md``). Skyformer's products read q and k as
 they are (their backward keeps them), so a moved copy would be held from the forward to
 the backward pass; the multipole methods' angular LSH buckets depend on where the
 origin is. Those are not moved (docs/reliability.md, "Large norms in float32").
