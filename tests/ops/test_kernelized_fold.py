@@ -219,31 +219,86 @@ def test_fold_exponent_shift_is_the_middle_of_the_valid_keys_range_with_headroom
     assert empty.eq(0).all()  # no valid key: 0, not inf
 
 
-def test_cpu_calls_take_the_head_dim_by_default_and_the_augmentation_on_request():
-    """Default (None): a CPU call without an attn_mask runs SDPA's CPU kernel at head dim
-    D; False, or an attn_mask: the augmentation at D + 8."""
-    q, k, v = make_qkv(1, 2, 20, 16)
+def test_cpu_calls_take_the_head_dim_by_default_and_the_augmentation_on_request(
+        monkeypatch):
+    """Default (None): a CPU call runs SDPA's CPU kernel at head dim D, a padding-like
+    attn_mask (one row over the keys) added to the key bias; False, a mask with a row per
+    query (slower at head dim D on the CPU) or one that requires grad: the augmentation
+    at D + 8. True: head dim D with any mask that does not require grad."""
+    from skyformer.ops.kernelized import kernelized as module
 
-    def widths(**options):
+    q, k, v = make_qkv(1, 2, 20, 16)
+    ran = []
+
+    def counting(name, call):
+        def counted(*args, **kwargs):
+            ran.append(name)
+            return call(*args, **kwargs)
+        return counted
+
+    for name in ("kernelized_by_folding", "kernelized_by_sdpa"):
+        monkeypatch.setattr(module, name, counting(name, getattr(module, name)))
+
+    def route(**options):
         def width(func, args, out):
             return args[0].shape[-1] if "scaled_dot_product" in func.name() else None
 
+        ran.clear()
         with Recorder(width) as seen:
-            kernelized_attention(q, k, v, **options)
-        return set(seen.items) - {None}
+            out = kernelized_attention(q, k, v, **options)
+        c = torch.exp(-(q[..., :, None, :] - k[..., None, :, :]).square().sum(-1) / 8)
+        mask = options.get("attn_mask")  # the Gaussian times the mask's weights
+        if mask is not None:
+            c = c * (mask if mask.dtype == torch.bool else mask.detach().exp())
+        assert relative_error(out, c @ v) < 1e-12  # s = 16^-1/2: the exponent / 8
+        return ran[0], set(seen.items) - {None}
 
-    assert widths() == widths(fold_key_norms=True) == {16}
-    assert widths(fold_key_norms=False) == {24}
-    assert widths(attn_mask=torch.ones(20, 20, dtype=torch.bool)) == {24}
+    folded = ("kernelized_by_folding", {16})
+    assert route() == route(fold_key_norms=True) == folded
+    assert route(fold_key_norms=False) == ("kernelized_by_sdpa", {24})
+    keys = torch.rand(1, 1, 1, 20, generator=gen(1), dtype=torch.float64)
+    assert route(attn_mask=keys) == route(attn_mask=keys.expand(1, 1, 20, 20)) == folded
+    assert route(attn_mask=keys > 0.2) == folded
+    causal_pattern = torch.ones(20, 20, dtype=torch.bool).tril()
+    assert route(attn_mask=causal_pattern)[0] == "kernelized_by_sdpa"
+    assert route(attn_mask=causal_pattern, fold_key_norms=True) == folded
+    assert route(attn_mask=keys.requires_grad_(True))[0] == "kernelized_by_sdpa"
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_an_attn_mask_with_padding_and_causal_equals_the_augmentation(kind):
+    """CPU: the mask added to the key bias, with key padding and causal; a query that may
+    see no key (an all-False row) gets zeros and zero gradients, as from the
+    augmentation. Outputs and gradients, float64."""
+    q, k, v = make_qkv(2, 2, 30, 16, seed=13)
+    g = gen(14)
+    mask = torch.rand(2, 1, 30, 30, generator=g) > 0.3
+    mask[:, :, 4] = False  # query 4 sees nothing
+    if kind == "float":
+        mask = torch.where(mask, 3 * torch.rand(mask.shape, generator=g), -torch.inf)
+        mask = mask.double()
+    padding = edge_padding(2, 30)
+    results = []
+    for fold in (True, False):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = kernelized_attention(*leaves, attn_mask=mask, key_padding_mask=padding,
+                                   causal=True, fold_key_norms=fold)
+        weights = torch.randn(out.shape, generator=gen(15), dtype=torch.float64)
+        results.append([out, *torch.autograd.grad((out * weights).sum(), leaves)])
+    for got, want in zip(*results, strict=True):
+        assert got.isfinite().all()
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert results[0][0][:, :, 4].eq(0).all()
 
 
 def test_bad_combinations_are_refused_in_a_sentence():
     q, k, v = make_qkv(1, 2, 8, 16)
     with pytest.raises(ValueError, match=r'fold_key_norms=True .* kernel="triton"'):
         kernelized_attention(q, k, v, fold_key_norms=True, kernel="triton")
-    with pytest.raises(ValueError, match="fold_key_norms=False for an attn_mask"):
+    with pytest.raises(ValueError, match="fold_key_norms=False for that attn_mask"):
         kernelized_attention(q, k, v, fold_key_norms=True,
-                             attn_mask=torch.ones(8, 8, dtype=torch.bool))
+                             attn_mask=torch.zeros(8, 8, dtype=torch.float64,
+                                                   requires_grad=True))
     with pytest.raises(ValueError, match="fold_key_norms must be True, False or None"):
         kernelized_attention(q, k, v, fold_key_norms="yes")
 

@@ -57,9 +57,11 @@ class KernelizedConfig:
         float16, computed in float32) with exp(-s |k_j|^2 / 2) as a bias of the scores,
         exact; bfloat16 on CUDA with it folded into V, exact to bfloat16's rounding
         while the keys' s |k|^2 / 2 span less than 60 within a head (a head past that
-        comes out NaN); no ``attn_mask``, and not with ``kernel="triton"``. ``None``
-        (default): CPU calls without an ``attn_mask`` (the bias form, exact, and faster
-        than the augmentation there), not CUDA ones (not yet timed on a GPU).
+        comes out NaN); an ``attn_mask`` only on the CPU, and not one that requires grad;
+        not with ``kernel="triton"``. ``None`` (default): CPU calls (the bias form, exact,
+        and faster than the augmentation there), with an ``attn_mask`` only one row over
+        the keys (a padding mask; a row per query is slower there), not CUDA ones (not
+        yet timed on a GPU).
         ``False``: never (the augmentation, or the flash kernels).
     """
 
@@ -111,13 +113,15 @@ def kernelized_attention(
             0) or float m_ij (weights C_ij exp(m_ij)); combined with padding and causal.
     Returns:
         ``[B, H, Nq, Dv]`` in the dtype of ``q``; rows of padded queries
-        (self-attention) are zero. On the CPU without an ``attn_mask`` (unless
-        ``fold_key_norms=False``): SDPA's flash kernel at head dim D with the key norms
-        as a bias of the scores in float32 (float64 for float64 inputs;
-        ``sdpa_fold.py``). The augmentation otherwise (``kernel="torch"``, or ``"auto"``
-        where the flash kernels are not taken): bfloat16 goes through SDPA's fused
-        kernels as it is (float32 sums, the norms split hi + lo); float16, and bfloat16
-        with a float ``attn_mask``, are computed in float32.
+        (self-attention) are zero. On the CPU (unless ``fold_key_norms=False``, or an
+        ``attn_mask`` with a row per query or that requires grad): SDPA's flash kernel at
+        head dim D with the key norms as a bias of the scores in float32 (float64 for
+        float64 inputs; ``sdpa_fold.py``), an ``attn_mask``'s row added to it. The
+        augmentation otherwise (``kernel="torch"``, or ``"auto"`` where the flash kernels
+        are not taken):
+        bfloat16 goes through SDPA's fused kernels as it is (float32 sums, the norms split
+        hi + lo); float16, and bfloat16 with a float ``attn_mask``, are computed in
+        float32.
     """
     info = check_attention_inputs(q, k, v, key_padding_mask, method="kernelized",
                                   query_padding_mask=query_padding_mask)
@@ -148,28 +152,40 @@ def kernelized_attention(
                 q, k.to(dtype), v.to(dtype), info.key_valid, scale * scale, causal, auto),
                 info.query_valid),
             lambda: _augmented(q, k, v, info, scale, causal, None), on=q)
-    if config.fold_key_norms is None and attn_mask is None and q.device.type == "cpu":
-        return _folded(q, k, v, info, scale, causal, None)  # the key bias, at head dim D
+    if config.fold_key_norms is None and q.device.type == "cpu" \
+            and (attn_mask is None or _one_row_per_key(attn_mask)):
+        return _folded(q, k, v, info, scale, causal, attn_mask)  # the key bias, head dim D
     return _augmented(q, k, v, info, scale, causal, attn_mask)
+
+
+def _one_row_per_key(attn_mask: Tensor) -> bool:
+    """An ``attn_mask`` that the head-dim-D form takes by default: one row over the keys,
+    broadcast or expanded over the queries (a padding mask, as ``skyformer.hf`` builds
+    it), which it adds to its key bias as one row; not one that requires grad. A mask
+    with a row per query would be added into a ``[B, H, Nq, Nk]`` bias per head, slower
+    on the CPU than the augmentation's shared one (284 against 251 ms at N = 4096, a run
+    whose file was not kept)."""
+    return not attn_mask.requires_grad and (
+        attn_mask.dim() < 2 or attn_mask.shape[-2] == 1 or attn_mask.stride(-2) == 0)
 
 
 def _folded(q: Tensor, k: Tensor, v: Tensor, info: AttentionInputs, scale: float,
             causal: bool, attn_mask: Tensor | None) -> Tensor:
     """SDPA's fused kernels at head dim D (``sdpa_fold.py``): ``fold_key_norms=True``, and
-    by default CPU calls without an ``attn_mask``; the augmentation where no fused kernel takes the
-    call (float64 on CUDA, devices other than the CPU and CUDA, forward-mode AD, which
-    the fused kernels lack)."""
-    if attn_mask is not None:
+    by default CPU calls (with an ``attn_mask``, ``_one_row_per_key``); the augmentation
+    where no fused kernel takes the call (float64 on CUDA, devices other than the CPU and
+    CUDA, forward-mode AD, which the fused kernels lack)."""
+    if attn_mask is not None and (q.device.type != "cpu" or attn_mask.requires_grad):
         raise ValueError(
-            "kernelized: fold_key_norms=True takes no attn_mask (FlashAttention takes "
-            "none): key padding and causal=True with Nq == Nk only; pass "
-            "fold_key_norms=False for an attn_mask.")
+            "kernelized: fold_key_norms=True takes an attn_mask on the CPU only, and not "
+            "one that requires grad (the fused kernels give no gradient for it; on CUDA "
+            "FlashAttention takes none): pass fold_key_norms=False for that attn_mask.")
     if forward_mode_active() or q.device.type not in ("cpu", "cuda") \
             or (q.device.type == "cuda" and q.dtype == torch.float64):
-        return _augmented(q, k, v, info, scale, causal, None)
+        return _augmented(q, k, v, info, scale, causal, attn_mask)
     shift = None if causal else keys_mean(k, info.key_valid)  # as _augmented's
     out = kernelized_by_folding(q, k, v, scale * scale, key_valid=info.key_valid,
-                                causal=causal, shift=shift)
+                                causal=causal, shift=shift, attn_mask=attn_mask)
     return zero_padded_queries(out, info.query_valid).to(q.dtype)
 
 

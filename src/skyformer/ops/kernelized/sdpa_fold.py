@@ -58,6 +58,7 @@ from ...linalg import half_sq_norm
 from ...linalg.eager_calls import apply
 from ...linalg.functional_ops import first_order_backward
 from ...linalg.vmap import fold_into_batch, is_placeholder, split_batch
+from ..shared.masked import attention_bias
 from ..shared.sdpa import WIDTH_MULTIPLE
 from .sdpa_augmentation import fused_dtype
 
@@ -136,40 +137,50 @@ def _bias_or_none(bias: Tensor) -> Tensor | None:
     return None if is_placeholder(bias) else bias
 
 
+def _scores_bias(bias: Tensor | None, mask: Tensor | None) -> Tensor | None:
+    """What the operator adds to the scaled scores: the key bias ``[B, H, 1, Nk]`` and an
+    ``attn_mask``'s additive form ``[B, H|1, Nq, Nk]`` (CPU calls only)."""
+    if mask is None:
+        return bias
+    return mask if bias is None else bias + mask
+
+
 class FoldedSDPA(torch.autograd.Function):
     """exp(lse_i - a_i) O_i with (O, lse) of one fused softmax-attention call at scale s
     with the key bias added to its scores: q ``[B, H, Nq, W]``, k ``[B, H, Nk, W]``,
-    v ``[B, H, Nk, W]`` in one dtype, bias ``[B, H, 1, Nk]`` (an empty placeholder: none)
-    and a ``[B, H, Nq]`` in float32 (float64 for float64 inputs). Returns that
+    v ``[B, H, Nk, W]`` in one dtype, bias ``[B, H, 1, Nk]`` and an ``attn_mask``'s
+    additive form ``[B, H|1, Nq, Nk]`` (not differentiated; CPU calls only), each an
+    empty placeholder where there is none, and a ``[B, H, Nq]``, these three in float32
+    (float64 for float64 inputs). Returns that
     ``[B, H, Nq, W]`` in a's dtype, then O, lse and the dropout seed and offset (not
     differentiable; kept for the backward operator, as SDPA's own autograd keeps them)."""
 
     @staticmethod
     def forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor,  # type: ignore[override]
-                a: Tensor, scale: float, causal: bool) -> tuple[Tensor, ...]:
+                mask: Tensor, a: Tensor, scale: float, causal: bool) -> tuple[Tensor, ...]:
         # the bias detached: the operators have no gradient for it (the backward below
         # does), and export traces this forward with autograd on
-        bias = _bias_or_none(bias.detach())
-        out, lse, seed, offset = _fused_forward(q, k, v, bias, scale, causal)
+        scores_bias = _scores_bias(_bias_or_none(bias.detach()), _bias_or_none(mask))
+        out, lse, seed, offset = _fused_forward(q, k, v, scores_bias, scale, causal)
         y = out.to(a.dtype) * torch.exp(lse[..., : q.shape[2]] - a)[..., None]
         return y, out, lse, seed, offset
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        q, k, v, bias, a, scale, causal = inputs
+        q, k, v, bias, mask, a, scale, causal = inputs
         _, out, lse, seed, offset = output
         ctx.mark_non_differentiable(out, lse, seed, offset)
-        ctx.save_for_backward(q, k, v, bias, a, out, lse)
+        ctx.save_for_backward(q, k, v, bias, mask, a, out, lse)
         ctx.rng = (seed, offset)  # not batched: outside the saved tensors' batch dims
         ctx.options = (scale, causal)
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple, q, k, v, bias, a, scale,  # type: ignore[override]
-             causal):
+    def vmap(info: Any, in_dims: tuple, q, k, v, bias, mask, a,  # type: ignore[override]
+             scale, causal):
         """The mapped dim joins the batch dim (the seed and offset are not mapped)."""
         size = info.batch_size
         tensors = [t if is_placeholder(t) else fold_into_batch(t, dim, size)
-                   for t, dim in zip((q, k, v, bias, a), in_dims, strict=False)]
+                   for t, dim in zip((q, k, v, bias, mask, a), in_dims, strict=False)]
         y, out, lse, seed, offset = FoldedSDPA.apply(*tensors, scale, causal)
         return ((split_batch(y, size), split_batch(out, size), split_batch(lse, size),
                  seed, offset), (0, 0, 0, None, None))
@@ -177,7 +188,7 @@ class FoldedSDPA(torch.autograd.Function):
     @staticmethod
     @first_order_backward
     def backward(ctx: Any, grad: Tensor, *_: Tensor) -> tuple[Tensor | None, ...]:
-        q, k, v, bias, a, out, lse = ctx.saved_tensors
+        q, k, v, bias, mask, a, out, lse = ctx.saved_tensors
         scale, causal = ctx.options
         r = torch.exp(lse[..., : q.shape[2]] - a)[..., None]  # [B, H, Nq, 1]
         grad = grad.to(a.dtype)
@@ -192,13 +203,14 @@ class FoldedSDPA(torch.autograd.Function):
             grad_out, size = grad_out / second, size * second
         else:
             grad_out = grad * r  # dO
-        dq, dk, dv = _fused_backward(grad_out.to(q.dtype).contiguous(), q, k, v, bias,
-                                     out, lse, *ctx.rng, scale, causal)
+        dq, dk, dv = _fused_backward(grad_out.to(q.dtype).contiguous(), q, k, v,
+                                     _scores_bias(bias, _bias_or_none(mask)), out, lse,
+                                     *ctx.rng, scale, causal)
         if bias is None:
             dq, dk, dv = ((d * size).to(d.dtype) for d in (dq, dk, dv))
         grad_bias = None if bias is None or not ctx.needs_input_grad[3] \
             else (dv.to(bias.dtype) * v.to(bias.dtype)).sum(-1)[:, :, None, :]  # dV_j . v_j
-        return dq, dk, dv, grad_bias, grad_a, None, None
+        return dq, dk, dv, grad_bias, None, grad_a, None, None
 
 
 def _largest_per_head(x: Tensor) -> Tensor:
@@ -225,14 +237,16 @@ def fold_exponent_shift(norms: Tensor, valid: Tensor | None) -> tuple[Tensor, Te
 
 def kernelized_by_folding(
     q: Tensor, k: Tensor, v: Tensor, scale: float, *, key_valid: Tensor | None = None,
-    causal: bool = False, shift: Tensor | None = None,
+    causal: bool = False, shift: Tensor | None = None, attn_mask: Tensor | None = None,
 ) -> Tensor:
     """C V through one fused softmax-attention call at head dim D (module docstring).
 
     q ``[B, H, Nq, D]``, k ``[B, H, Nk, D]``, v ``[B, H, Nk, Dv]``; ``key_valid``
     ``[B, Nk]`` bool or None; ``shift`` ``[B, H, 1, D]`` (or None), detached, taken out of
-    q and k (``shared/centring.keys_mean``). Returns ``[B, H, Nq, Dv]`` in float32
-    (float64 for float64 inputs), rows of padded queries not zeroed.
+    q and k (``shared/centring.keys_mean``); ``attn_mask`` SDPA's (bool, or float
+    weights exp(m_ij)), CPU calls only and not differentiated (callers send one that
+    requires grad to the augmentation). Returns ``[B, H, Nq, Dv]`` in float32 (float64
+    for float64 inputs), rows of padded queries not zeroed.
     """
     dtype = fused_dtype(q.dtype)
     work = torch.float64 if dtype == torch.float64 else torch.float32
@@ -266,7 +280,15 @@ def kernelized_by_folding(
         q, k, v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
     # the fused operators read rows of unit stride (SDPA's wrapper sees to it for them)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    out = apply(FoldedSDPA, q, k, v, bias, a, scale, causal)[0]
+    mask = q.new_empty(0)
+    if attn_mask is not None:  # additive, with the causal pattern: [B, H|1, Nq, Nk]
+        if not takes_key_bias(q) or q.device.type != "cpu":
+            raise ValueError("kernelized_by_folding takes an attn_mask on the CPU only")
+        shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        mask = attention_bias(attn_mask, None, causal, shape, work, q.device, "kernelized")
+        mask = mask.expand(q.shape[0], *mask.shape[1:])  # a batch dim to fold under vmap
+        causal = False
+    out = apply(FoldedSDPA, q, k, v, bias, mask, a, scale, causal)[0]
     # split, not sliced: the backward writes one tensor of out's size, not a zero
     # tensor of that size and a copy (as the augmentation's)
     return out if width == dv else out.split([dv, width - dv], dim=-1)[0]
