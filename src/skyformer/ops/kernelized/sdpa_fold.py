@@ -60,11 +60,10 @@ from ...linalg.functional_ops import first_order_backward
 from ...linalg.vmap import fold_into_batch, is_placeholder, split_batch
 from ..shared.masked import attention_bias
 from ..shared.sdpa import WIDTH_MULTIPLE
-from .sdpa_augmentation import fused_dtype
+from .sdpa_augmentation import MASKED_LOGIT, fused_dtype
 
 FOLD_HEADROOM = 40.0  # the largest exponent of exp(c - b_j): v' <= e^40 |v|
 FOLD_SPAN_LIMIT = 60.0  # heads whose keys' b spans more come out NaN (values route)
-MASKED_LOGIT = -1e6  # the bias of a padded key (added to the scaled scores)
 _BIAS_ALIGNMENT = 16  # CUDA's memory-efficient kernel reads the bias in aligned rows
 
 _aten = torch.ops.aten
@@ -259,6 +258,7 @@ def kernelized_by_folding(
     key_norms = scale * half_sq_norm(k.to(work))  # b: [B, H, Nk]
     a = scale * half_sq_norm(q.to(work))  # [B, H, Nq]
     if takes_key_bias(q):
+        # a padded key: a logit of -1e6 (added to the scaled scores: weight exactly 0)
         bias = -key_norms if valid is None else torch.where(valid, -key_norms, MASKED_LOGIT)
         # a key's NaN reaches the rows that see it through q.k already; the fused kernel
         # adds the bias after its causal mask (-inf), so a NaN there would reach the rows
@@ -282,7 +282,7 @@ def kernelized_by_folding(
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     mask = q.new_empty(0)
     if attn_mask is not None:  # additive, with the causal pattern: [B, H|1, Nq, Nk]
-        if not takes_key_bias(q) or q.device.type != "cpu":
+        if q.device.type != "cpu":
             raise ValueError("kernelized_by_folding takes an attn_mask on the CPU only")
         shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         mask = attention_bias(attn_mask, None, causal, shape, work, q.device, "kernelized")
