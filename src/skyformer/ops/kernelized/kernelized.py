@@ -163,8 +163,7 @@ def _one_row_per_key(attn_mask: Tensor) -> bool:
     broadcast or expanded over the queries (a padding mask, as ``skyformer.hf`` builds
     it), which it adds to its key bias as one row; not one that requires grad. A mask
     with a row per query would be added into a ``[B, H, Nq, Nk]`` bias per head, slower
-    on the CPU than the augmentation's shared one (284 against 251 ms at N = 4096, a run
-    whose file was not kept)."""
+    on the CPU than the augmentation's shared one (``benchmarks/kernelized_masks.py``)."""
     return not attn_mask.requires_grad and (
         attn_mask.dim() < 2 or attn_mask.shape[-2] == 1 or attn_mask.stride(-2) == 0)
 
