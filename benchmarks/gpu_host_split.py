@@ -1,7 +1,7 @@
 """Where an eager call's wall time goes on a CUDA machine: Triton's launcher, the rest of
 the host, the GPU.
 
-An eager Skyformer forward + backward below N = 8192 is host-bound on a GPU (docs/gpu.md).
+An eager Skyformer forward + backward below N = 8192 is host-bound on a GPU (docs/gpu-record.md).
 This splits its host time on the machine itself, in one interleaved run:
 
 - the call as it is (wall time, synchronised after each call);

@@ -2,7 +2,7 @@
 
 Queries and keys around a few centres (``--centres``, spread ``--noise``; 0: repeated
 tokens) are where a query's gradient cancels between its two routes, the rows of
-C(Q, X_S) and the landmark rows drawn from q (docs/gpu.md, "Half-precision inputs read
+C(Q, X_S) and the landmark rows drawn from q (docs/gpu-record.md, "Half-precision inputs read
 as they are"). For each method, noise, path (``kernel="torch"``: q, k, v converted to
 float32 inside; ``"triton"``: half rows read as they are) and dtype: the relative
 Frobenius error of the output and of dq, dk, dv against the same call in float64 on the

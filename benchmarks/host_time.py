@@ -2,7 +2,7 @@
 
 On a GPU an eager call is host-bound while its kernels take less time to run than to
 issue: Skyformer below N = 8192 on the H200 spent 5-7 ms of wall time on 3.0 ms of GPU
-work (docs/gpu.md). This measures what the host does besides Triton's own launcher:
+work (docs/gpu-record.md). This measures what the host does besides Triton's own launcher:
 the library's Python, autograd, the custom operators and the PyTorch operations (on
 the CPU at these sizes they cost about what issuing them costs on a GPU). Every
 ``triton.jit`` kernel of the library is replaced by a launch that does nothing (the

@@ -698,7 +698,7 @@ def test_benchmark_json_holds_null_for_a_non_finite_number(script, monkeypatch, 
 
 def test_the_paired_steps_benchmark_says_it_needs_a_gpu(capsys):
     """benchmarks/paired_steps.py times CUDA graphs: without CUDA it says so and exits 2
-    (on a GPU the CUDA test run does not start it; docs/gpu.md has its measurement)."""
+    (on a GPU the CUDA test run does not start it; docs/gpu-record.md has its measurement)."""
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: the script would time it")
     assert load_benchmark("paired_steps").main(["--repeats", "1"]) == 2

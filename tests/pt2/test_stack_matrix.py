@@ -140,7 +140,7 @@ def test_compile_fullgraph_of_self_attention_on_one_tensor(method, matrix):
         TORCH_BEFORE_2_13, strict=True,
         reason="its default core below the landmark count (N < 64 here) is Razavi's steps, "
         "whose products into views of their store torch 2.11's dynamo fixes the length "
-        "at (docs/gpu.md)")),
+        "at (docs/gpu-record.md)")),
     "softmax",
 ])
 def test_a_new_length_recompiles_once(method):
@@ -168,7 +168,7 @@ def test_a_new_length_recompiles_once(method):
         TORCH_BEFORE_2_13, strict=True,
         reason="torch 2.11's dynamo fixes the length at Razavi's steps' products into "
         "views of their store (linalg/pinv.py), forward and backward: each length "
-        "below the landmark count compiles again (docs/gpu.md)")),
+        "below the landmark count compiles again (docs/gpu-record.md)")),
 ])
 def test_lengths_below_the_landmark_count_recompile_once(method):
     """Below ``num_features`` every token is a landmark, so the m x m core's size follows

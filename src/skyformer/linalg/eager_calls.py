@@ -2,7 +2,7 @@
 layers where plain eager code does not need them.
 
 On a GPU an eager call of a fused method is bound by the host below N ~ 8192
-(docs/gpu.md): the kernels take less time to run than to issue. Two generic layers of
+(docs/gpu-record.md): the kernels take less time to run than to issue. Two generic layers of
 PyTorch cost the host more there than the work they wrap, on every call:
 
 - ``Function.apply`` of a Function with a ``setup_context`` binds its arguments with

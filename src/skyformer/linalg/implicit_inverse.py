@@ -3,13 +3,13 @@
 The Razavi steps from V_0 = I (``pinv.py``) make V_K a polynomial in the normalised
 matrix A; their unrolled adjoint costs about twice the steps' products (44-60 products
 of two m x m matrices at K = 6, the largest single cost of a Skyformer call on a GPU at
-N = 4096, docs/gpu.md). Were V_K = A^-1, its gradient would be two products:
+N = 4096, docs/gpu-record.md). Were V_K = A^-1, its gradient would be two products:
 
     dA = -V^T G V^T        (from d(A^-1) = -A^-1 dA A^-1, G the gradient of V).
 
 That is the gradient of what the forward pass computes only where ||I - A V_K|| is
 negligible, and at the authors' K = 6 it is not for every input (0.40 at m = 128 in the
-worst case, docs/gpu.md "The implicit gradient of the inverse"). Lemma 3 bounds it for
+worst case, docs/gpu-record.md "The implicit gradient of the inverse"). Lemma 3 bounds it for
 every input: A >= gamma D^-1 and D <= (m + gamma) I (entries of M at most 1), so
 lambda_min(A) >= gamma / (m + gamma), and lambda_max(A) <= 1. The implicit option
 therefore forms A^-1 to rounding, so that dA is its exact gradient: by scaled
@@ -33,7 +33,7 @@ factorisation and the inverse from it cost about m^3 / 2 multiply-adds, the step
 16 products of two m x m matrices (9 steps at m = 128) 16 m^3; on a 2-core CPU the
 core's forward pass is 1.3-1.5x faster, its forward and backward passes as fast
 (``benchmarks/implicit_gradient_cost.py``), and its inverse about twice as accurate
-in float32 (docs/gpu.md). GPU tensors keep the steps,
+in float32 (docs/gpu-record.md). GPU tensors keep the steps,
 which the Triton kernel runs in one program per matrix (a factorisation there is not
 measured).
 """

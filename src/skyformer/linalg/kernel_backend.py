@@ -105,7 +105,7 @@ def use_triton(kernel: str, y: Tensor, *, half: bool = False) -> bool:
     ``half``: the kernels also compute in ``y``'s half type (exact kernelized attention's
     flash kernels), which ``"triton"`` then accepts and ``"auto"`` takes too (on an
     H100 the flash kernels beat the SDPA augmentation in bfloat16 and float32 at every
-    N measured, with under a tenth of its memory: docs/gpu.md).
+    N measured, with under a tenth of its memory: docs/gpu-record.md).
     """
     check_kernel(kernel)
     if kernel == "torch":

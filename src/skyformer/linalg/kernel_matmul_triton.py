@@ -41,7 +41,7 @@ PRODUCT_FALLBACK = KernelFallback(
     "computing the products with PyTorch operations (the same values up to rounding)")
 # The backward pass's rows and cols kernels as one pass over the rows where every column
 # fits one tile (``triton_one_pass``, ``one_pass_applies``): off, since on an H100 it was
-# slower in GPU time at every shape but the smallest (docs/gpu.md). Where it fails to
+# slower in GPU time at every shape but the smallest (docs/gpu-record.md). Where it fails to
 # compile or launch, the two kernels run instead, with a warning.
 ONE_PASS_BACKWARD = False
 ONE_PASS_FALLBACK = KernelFallback(

@@ -357,7 +357,7 @@ def dot_family(capability: tuple[int, int] | None) -> str:
     shape either; None too), ``"mma_sync"`` (Ampere and Ada, 8.x, and consumer
     Blackwell, 12.x: RTX 50xx, GB10, which has neither), ``"fma"`` (before 8.0: Volta,
     Turing, where Triton 3.9 emits no MMA instruction, float16 included). Compiled for
-    sm_80, sm_120 and sm_75, sm_90's tiles spilled (docs/gpu.md, "Tiles and precision
+    sm_80, sm_120 and sm_75, sm_90's tiles spilled (docs/gpu-record.md, "Tiles and precision
     before Hopper")."""
     if capability is None:
         return "default"
@@ -412,7 +412,7 @@ FAMILY_TILES = {"mma_sync": (32, 32, 4, STAGES), "fma": (16, 16, 8, STAGES)}
 # spilled nothing and keeps its tiles). At 256 (sm_90): half rows spilled 1256-1288
 # bytes in the rows kernel's gradient launches and 224 in one cols launch; with these,
 # at most 8. Float32 rows at 256 still spill 112-392 bytes (16 rows is the least a dot
-# takes). Not timed: docs/gpu.md, "Tiles for head dims above 64".
+# takes). Not timed: docs/gpu-record.md, "Tiles for head dims above 64".
 WIDE_TILES = {  # (kernel, padded width, half rows) -> tiles; absent: the narrow choice
     ("rows", 128, True): (32, 32, 8, STAGES), ("rows", 128, False): (16, 32, 8, STAGES),
     ("cols", 128, False): (16, 16, 8, STAGES),

@@ -399,7 +399,7 @@ def launch(program_kernel, pass_kernel, passes: list[tuple[int, int]], bh: int, 
 # MMA): the backward spilled 80 bytes at m = 128 and spills nothing with 16 there
 # (either gradient); with 16 the implicit backward would spill 24 bytes at m = 64 and
 # the forward 16 at m = 128, so those keep 32. The launches a CUDA graph replays spill on
-# neither family. Not timed: docs/gpu.md, "Tiles and precision before Hopper".
+# neither family. Not timed: docs/gpu-record.md, "Tiles and precision before Hopper".
 FAMILY_KC = {("forward", "mma_sync"): 64, ("backward", "mma_sync"): 64,
              ("backward", "fma"): 128}
 

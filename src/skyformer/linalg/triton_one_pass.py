@@ -21,7 +21,7 @@ Off by default (``kernel_matmul_triton.ONE_PASS_BACKWARD``): the columns' two [m
 float32 sums stay in registers for the whole slice, which leaves one program per SM,
 and on an H100 that cost more than the saved passes: 0.52-1.02x the two kernels' speed
 in GPU time, 0.68x at B x H = 64, N = 32768 (``benchmarks/one_pass_sweep.py``,
-docs/gpu.md).
+docs/gpu-record.md).
 """
 
 from __future__ import annotations

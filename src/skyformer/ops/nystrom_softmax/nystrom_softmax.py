@@ -199,7 +199,7 @@ def queries_for_gradient(q: Tensor) -> Tensor:
     rows drawn from q, and on clustered queries they cancel: each rounded to the half
     type before autograd added them (the Triton product stores dy in q's dtype), dq
     had 1e-1 relative error against float64 for bfloat16 queries around a few centres;
-    meeting in float32 they keep the half type's own rounding (docs/gpu.md,
+    meeting in float32 they keep the half type's own rounding (docs/gpu-record.md,
     "Half-precision inputs read as they are"). Grad mode, not ``q.requires_grad``:
     inside ``torch.vmap`` or ``torch.func.grad`` q does not say it needs one."""
     if q.dtype in HALF_TYPES and torch.is_grad_enabled():
