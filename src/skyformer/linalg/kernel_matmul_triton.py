@@ -8,9 +8,10 @@ Same algebra as ``kernel_matmul`` (see its docstring), on the two kernels of
     out = C^T V:  forward cols(V_N = V);  backward rows(V_N = V, V_M = g) -> (dV = C g,
                   dE x), cols(V_N = V, V_M = g) -> dE^T y
 
-and the row sums of dE come from the identities of ``kernel_matmul`` (no extra pass):
-(dE 1)_i = V_N,i . (C V_M)_i, which the rows kernel forms in the compute dtype to
-finish dy in place. y and the N-row values may be half types (``triton_kernels``).
+and the row sums of dE need no extra pass: the rows kernel sums the dE tiles it forms
+for dy, in the compute dtype, to finish dy in place ((dE 1)_i = V_N,i . (C V_M)_i, the
+identity of ``kernel_matmul``, would cost the product C V_M where dV is not asked
+for). y and the N-row values may be half types (``triton_kernels``).
 The kernels are called as the custom operators of ``triton_ops``, so that
 ``torch.compile`` traces everything around them and CUDA graphs capture them. Under
 ``kernel="auto"`` the operators compute a kernel's results by PyTorch operations where

@@ -90,17 +90,16 @@ def _one_pass_kernel(
         c = tl.exp2(e)  # [BLOCK_N, BLOCK_M]
         vn = tl.load(VN + bh * N * R + rn[:, None] * R + rr[None, :],
                      mask=row_in[:, None] & (rr < R)[None, :], other=0.0).to(x.dtype)
-        if WRITE_ROW1 or NORM_TERM:
-            row1 = _mm(c.to(vm.dtype), vm, PRECISION, FMA)  # [BLOCK_N, BLOCK_R]
         if WRITE_ROW1:
+            row1 = _mm(c.to(vm.dtype), vm, PRECISION, FMA)  # [BLOCK_N, BLOCK_R]
             tl.store(ROW1 + bh * N * R + rn[:, None] * R + rr[None, :], row1,
                      mask=row_in[:, None] & (rr < R)[None, :])
         if WRITE_ROW2 or WRITE_COL2:
             de = _mm(vn, tl.trans(vm), PRECISION, FMA, VN_BF16).to(c.dtype) * c
         if WRITE_ROW2:
             row2 = _mm(de.to(x.dtype), x, PRECISION, FMA, False, X_BF16) * row2_scale
-            if NORM_TERM:  # dy's term of the row norm: (dE 1)_i = vn_i . (C V_M)_i
-                row2 += norm_coef * tl.sum(vn * row1, axis=1)[:, None] * y
+            if NORM_TERM:  # dy's term of the row norm: (dE 1)_i, every column in the tile
+                row2 += norm_coef * tl.sum(de, axis=1)[:, None] * y
             tl.store(ROW2 + bh * N * D + rn[:, None] * D + rd[None, :], row2,
                      mask=row_in[:, None] & (rd < D)[None, :])
         if WRITE_COL1:
