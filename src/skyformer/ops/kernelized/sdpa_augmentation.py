@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ...linalg import half_sq_norm
-from ..shared.sdpa import WIDTH_MULTIPLE, sdpa
+from ..shared.sdpa import fused_width, sdpa
 
 MASKED_LOGIT = -1e6
 
@@ -66,9 +66,9 @@ def fused_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def augmented_width(head_dim: int, value_dim: int) -> int:
     """Head dim of q', k', v': room for [q, 1, 1, a^hi, a^lo] and [v, 1], rounded up to
-    a multiple of ``WIDTH_MULTIPLE``."""
+    a multiple of ``shared.sdpa.WIDTH_MULTIPLE``."""
     need = max(head_dim + 4, value_dim + 1)
-    return -(-need // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
+    return fused_width(need)
 
 
 def split_hi_lo(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

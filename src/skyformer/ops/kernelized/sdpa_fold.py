@@ -59,7 +59,7 @@ from ...linalg.eager_calls import apply
 from ...linalg.functional_ops import first_order_backward
 from ...linalg.vmap import fold_into_batch, is_placeholder, split_batch
 from ..shared.masked import attention_bias
-from ..shared.sdpa import WIDTH_MULTIPLE
+from ..shared.sdpa import WIDTH_MULTIPLE, fused_width
 from .sdpa_augmentation import MASKED_LOGIT, fused_dtype
 
 FOLD_HEADROOM = 40.0  # the largest exponent of exp(c - b_j): v' <= e^40 |v|
@@ -275,7 +275,7 @@ def kernelized_by_folding(
         bias = q.new_empty(0)
     d, dv = q.shape[-1], v.shape[-1]
     width = d if d == dv and (q.device.type == "cpu" or not d % WIDTH_MULTIPLE) \
-        else -(-max(d, dv) // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
+        else fused_width(max(d, dv))
     if width != d or width != dv:
         q, k, v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
     # the fused operators read rows of unit stride (SDPA's wrapper sees to it for them)

@@ -28,6 +28,12 @@ from ...linalg.functional_ops import forward_mode_active
 WIDTH_MULTIPLE = 8
 
 
+def fused_width(n: int) -> int:
+    """The least head dim >= n that every fused SDPA kernel takes: a multiple of
+    ``WIDTH_MULTIPLE``."""
+    return -(-n // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
+
+
 def sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, **options: Any
          ) -> Tensor:
     """``F.scaled_dot_product_attention(q, k, v, attn_mask, **options)``: q, k ``[.., N, D]``
@@ -39,7 +45,7 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, **opt
         return _fused_or_math(q, k, v, attn_mask, **options)
     if options.get("scale") is None:  # SDPA's default, read off the unpadded q
         options["scale"] = 1.0 / math.sqrt(d)
-    width = -(-max(d, dv) // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
+    width = fused_width(max(d, dv))
     q, k, v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
     return _fused_or_math(q, k, v, attn_mask, **options)[..., :dv]
 
