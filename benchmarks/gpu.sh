@@ -134,8 +134,8 @@ fi
 
 if [ -n "${SHORT:-}" ]; then
   model_calls=('skyformer/triton+implicit' 'skyformer/triton+implicit+guard*'
-               'skyformer/triton+implicit+cudagraphs')
-  stage kernels_model 110 python3 -W ignore benchmarks/gpu_kernels.py --timing blocked \
+               'skyformer/triton+implicit+cudagraphs' 'skyformer/triton+implicit+rows-bf16*')
+  stage kernels_model 140 python3 -W ignore benchmarks/gpu_kernels.py --timing blocked \
       --pause 1 --shapes 4,16,64,bfloat16 --seq-lens 4096 32768 \
       --compile-seq-lens 4096 32768 --compile-kernels triton --max-exact-n 4096 \
       --calls "${model_calls[@]}" 'kernelized/*' --no-core --out "$out/kernels_model.json"

@@ -22,7 +22,9 @@ included; none for the CUDA-graph rows, which replay into memory their capture t
   and ``+one-pass``: with the products' backward pass in one pass over the rows
   (``linalg/triton_one_pass.py``, off by default), ``+guard``: with the non-finite
   marks made by the guard's own passes instead of in the product kernels (as before
-  ``marks_in_products``; ``+guard+cudagraphs`` in a CUDA graph),
+  ``marks_in_products``; ``+guard+cudagraphs`` in a CUDA graph), ``+rows-bf16``: with
+  the rows kernel's value products in one bfloat16 pass (``ROWS_ONE_BF16_PASS``, off by
+  default; ``+rows-bf16+cudagraphs`` in a CUDA graph),
 - at the lengths in ``--compile-seq-lens``: Skyformer (Triton kernels) under
   ``torch.compile`` (Inductor fuses the small ops around the kernels) and under
   ``torch.compile(mode="reduce-overhead")`` (CUDA graphs replay the whole call; warm-up
@@ -62,6 +64,7 @@ import torch
 import torch.nn.functional as F
 import tuned  # benchmarks/, beside this script
 from gpu_device import device_problem  # benchmarks/, beside this script
+from kernel_flags import one_pass_backward, rows_one_bf16_pass
 from launch_counts import guard_passes  # benchmarks/, beside this script
 from run_metadata import run_metadata
 
@@ -75,10 +78,11 @@ from skyformer.io import write_json
 
 
 def _calls(q, k, v, grad, features, compiled, compile_kernels=("triton", "auto")):
-    def run(fn, in_graph=False, one_pass=False, guard=False):
+    def run(fn, in_graph=False, one_pass=False, guard=False, rows_bf16=False):
         def step():  # the gradients dropped after the call, so that the next call's peak
             # counts its own (as skyformer bench does)
-            with one_pass_backward(one_pass), guard_passes(guard):
+            with one_pass_backward(one_pass), guard_passes(guard), \
+                    rows_one_bf16_pass(rows_bf16):
                 fn().backward(grad)
             for t in (q, k, v):
                 t.grad = None
@@ -90,7 +94,8 @@ def _calls(q, k, v, grad, features, compiled, compile_kernels=("triton", "auto")
 
     key = skyformer.random_key(0, device=q.device)
 
-    def compiled_call(kernel, mode=None, gradient="unrolled", one_pass=False, guard=False):
+    def compiled_call(kernel, mode=None, gradient="unrolled", one_pass=False, guard=False,
+                      rows_bf16=False):
         # bound once, outside the compiled region; "auto" under torch.compile: the Triton
         # products and the PyTorch core (Inductor fuses it), "triton": the fused core too
         bound = skyformer.get_method("skyformer").bind(num_features=features, kernel=kernel,
@@ -101,7 +106,7 @@ def _calls(q, k, v, grad, features, compiled, compile_kernels=("triton", "auto")
 
         call = torch.compile(sky, fullgraph=True, dynamic=False, mode=mode)
         return run(lambda: call(q, k, v), in_graph=mode is not None, one_pass=one_pass,
-                   guard=guard)
+                   guard=guard, rows_bf16=rows_bf16)
 
     extra = {}
     for kernel in compile_kernels if compiled else ():
@@ -114,6 +119,8 @@ def _calls(q, k, v, grad, features, compiled, compile_kernels=("triton", "auto")
             "triton", "reduce-overhead", "implicit", one_pass=True)
         extra["skyformer/triton+implicit+guard+cudagraphs"] = compiled_call(
             "triton", "reduce-overhead", "implicit", guard=True)
+        extra["skyformer/triton+implicit+rows-bf16+cudagraphs"] = compiled_call(
+            "triton", "reduce-overhead", "implicit", rows_bf16=True)
 
     def tf32():
         before = torch.get_float32_matmul_precision()
@@ -140,6 +147,9 @@ def _calls(q, k, v, grad, features, compiled, compile_kernels=("triton", "auto")
         "skyformer/triton+implicit+guard": run(lambda: skyformer.attention(
             q, k, v, "skyformer", num_features=features, kernel="triton",
             pinv_gradient="implicit", generator=key), guard=True),
+        "skyformer/triton+implicit+rows-bf16": run(lambda: skyformer.attention(
+            q, k, v, "skyformer", num_features=features, kernel="triton",
+            pinv_gradient="implicit", generator=key), rows_bf16=True),
         "kernelized/torch": run(lambda: skyformer.attention(q, k, v, "kernelized",
                                                             kernel="torch")),
         "kernelized/triton": run(lambda: skyformer.attention(q, k, v, "kernelized",
@@ -226,24 +236,6 @@ def _core_rows(batch: int, heads: int, m: int, repeats: int, device: str) -> lis
 
 def peak_text(mib: float | None) -> str:
     return "   memory -" if mib is None else f"{mib:9.1f} MiB"
-
-
-class one_pass_backward:
-    """Inside (``on``): the products' backward pass in one pass over the rows
-    (``kernel_matmul_triton.ONE_PASS_BACKWARD``, ``linalg/triton_one_pass.py``); with
-    ``on=False`` as it is set, unless ``force``: then off."""
-
-    def __init__(self, on: bool, force: bool = False):
-        from skyformer.linalg import kernel_matmul_triton
-
-        self.module, self.on, self.force = kernel_matmul_triton, on, force
-
-    def __enter__(self):
-        self.before = self.module.ONE_PASS_BACKWARD
-        self.module.ONE_PASS_BACKWARD = self.on or (self.before and not self.force)
-
-    def __exit__(self, *exc):
-        self.module.ONE_PASS_BACKWARD = self.before
 
 
 def _fallbacks() -> list[str]:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 from gpu_device import device_problem  # benchmarks/, beside this script
+from kernel_flags import rows_one_bf16_pass
 from run_metadata import run_metadata
 
 import skyformer
@@ -64,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--features", type=int, default=32)
     parser.add_argument("--centres", type=int, default=4)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--rows-one-bf16-pass", action="store_true",
+                        help="also bfloat16 on the Triton path with the rows kernel's value "
+                             "products in one bfloat16 pass (kernel triton+rows-bf16)")
     parser.add_argument("--out", type=Path, default=None, help="writes OUT.json, OUT.md")
     args = parser.parse_args(argv)
     problem = device_problem("half_gradients.py", args.device)  # every call runs Triton too
@@ -75,20 +79,25 @@ def main(argv: list[str] | None = None) -> int:
         for noise in args.noise:
             inputs = clustered(args.n, args.head_dim, args.centres, noise, seed=0)
             exact = call(method, inputs, torch.float64, "cpu", "torch", args.features)
-            for kernel in ("torch", "triton"):
-                for dtype in (torch.float32, torch.bfloat16):
-                    got = call(method, inputs, dtype, args.device, kernel, args.features)
-                    errors = [relative_error(a.cpu().reshape(-1, a.shape[-1]),
-                                             e.reshape(-1, e.shape[-1]), ord="fro").item()
-                              for a, e in zip(got, exact, strict=True)]
-                    rows.append({"method": method, "noise": noise, "kernel": kernel,
-                                 "dtype": str(dtype).removeprefix("torch.")}
-                                | dict(zip(("out", "dq", "dk", "dv"), errors, strict=True)))
-                    print(" ".join(f"{rows[-1][key]}" for key in ("method", "noise", "kernel",
-                                                                  "dtype")),
-                          " ".join(f"{name} {error:.2e}" for name, error
-                                   in zip(("out", "dq", "dk", "dv"), errors, strict=True)),
-                          flush=True)
+            variants = [(kernel, dtype) for kernel in ("torch", "triton")
+                        for dtype in (torch.float32, torch.bfloat16)]
+            if args.rows_one_bf16_pass:  # it changes half-type rows only
+                variants.append(("triton+rows-bf16", torch.bfloat16))
+            for kernel, dtype in variants:
+                with rows_one_bf16_pass(kernel.endswith("+rows-bf16")):
+                    got = call(method, inputs, dtype, args.device,
+                               kernel.removesuffix("+rows-bf16"), args.features)
+                errors = [relative_error(a.cpu().reshape(-1, a.shape[-1]),
+                                         e.reshape(-1, e.shape[-1]), ord="fro").item()
+                          for a, e in zip(got, exact, strict=True)]
+                rows.append({"method": method, "noise": noise, "kernel": kernel,
+                             "dtype": str(dtype).removeprefix("torch.")}
+                            | dict(zip(("out", "dq", "dk", "dv"), errors, strict=True)))
+                print(" ".join(f"{rows[-1][key]}" for key in ("method", "noise", "kernel",
+                                                              "dtype")),
+                      " ".join(f"{name} {error:.2e}" for name, error
+                               in zip(("out", "dq", "dk", "dv"), errors, strict=True)),
+                      flush=True)
     if args.out is not None:
         write_json(args.out.with_suffix(".json"),
                    {**run_metadata(__file__, argv, vars(args), args.device), "rows": rows},

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 from gpu_device import device_problem  # benchmarks/, beside this script
-from gpu_kernels import one_pass_backward
 from gpu_profile import kernel_times
+from kernel_flags import one_pass_backward
 from run_metadata import run_metadata
 
 import skyformer

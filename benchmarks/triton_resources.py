@@ -100,6 +100,7 @@ def _record_launches(spec: dict) -> list[dict]:
         from skyformer.linalg import kernel_matmul_triton
 
         kernel_matmul_triton.ONE_PASS_BACKWARD = True
+    triton_kernels.ROWS_ONE_BF16_PASS = bool(spec.get("rows_one_bf16_pass"))
     dtype = getattr(torch, spec["dtype"])
     g = torch.Generator().manual_seed(0)
     shape = (1, 2, spec["n"], spec["head_dim"])
@@ -200,10 +201,9 @@ def compile_launch(launch: dict, arch: int) -> dict:
     from triton.backends.compiler import GPUTarget
 
     options = {"num_warps": 4, "num_stages": 3} | launch["options"]
-    precision = launch["constants"].get("PRECISION")
-    if isinstance(precision, str) and precision.endswith("-interpreted"):  # what CUDA takes
-        launch = launch | {"constants": launch["constants"]
-                           | {"PRECISION": precision.removesuffix("-interpreted")}}
+    constants = {name: value.removesuffix("-interpreted") if isinstance(value, str)
+                 else value for name, value in launch["constants"].items()}
+    launch = launch | {"constants": constants}  # what CUDA takes
     compiled = triton.compile(_source(launch), target=GPUTarget("cuda", arch, 32),
                               options=options)
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -224,6 +224,9 @@ def _label(launch: dict) -> str:
                              if "pointer" in a and a["pointer"] in ("fp32", "bf16", "fp16",
                                                                      "fp64")}))
     precision = c.get("PRECISION", "").replace("-interpreted", "")
+    values = c.get("VALUE_PRECISION", "").replace("-interpreted", "")
+    if values and values != precision:  # the value products' own (ROWS_ONE_BF16_PASS)
+        precision = f"{precision}/{values}"
     if "PASS" in c:  # a kernel launched once a pass (the Lemma 3 chain): which one
         flags.append(f"pass {c['PASS']} rows {c['ROWS']}")
     return f"{launch['kernel']} [{types}; {tiles}; {precision}; {' '.join(flags)}]"
@@ -244,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--one-pass-backward", action="store_true",
                         help="the products' backward pass in one pass over the rows "
                              "(kernel_matmul_triton.ONE_PASS_BACKWARD)")
+    parser.add_argument("--rows-one-bf16-pass", action="store_true",
+                        help="the rows kernel's value products in one bfloat16 pass for "
+                             "half-type rows (triton_kernels.ROWS_ONE_BF16_PASS)")
     parser.add_argument("--graph-launches", action="store_true",
                         help="record the launches made for CUDA graphs "
                              "(inside skyformer.cuda_graph_launches(): a launch per pass)")
@@ -274,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = {"method": method, "head_dim": int(head_dim), "dtype": dtype,
                 "features": m, "n": args.n, "arch": args.arch, "pinv_gradient": args.pinv_gradient,
                 "one_pass_backward": args.one_pass_backward,
+                "rows_one_bf16_pass": args.rows_one_bf16_pass,
                 "graph_launches": args.graph_launches,
                 "matmul_precision": args.matmul_precision}
         env = os.environ | {RECORD_ENV: json.dumps(spec), "TRITON_INTERPRET": "1"}
@@ -309,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     header = (f"Triton {triton.__version__}, sm_{args.arch}, forward + backward of each "
               f"method with kernel=\"triton\", pinv_gradient={args.pinv_gradient}"
               f"{', the one-pass backward' if args.one_pass_backward else ''}"
+              f"{', the rows kernel in one bfloat16 pass' if args.rows_one_bf16_pass else ''}"
               f"{', launches made for CUDA graphs' if args.graph_launches else ''}"
               f"{precision}; "
               "registers per thread, stack frame bytes a "
@@ -338,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
                    {**run_metadata(__file__, argv, vars(args)), "triton": triton.__version__,
                     "arch": args.arch, "pinv_gradient": args.pinv_gradient,
                     "one_pass_backward": args.one_pass_backward,
+                    "rows_one_bf16_pass": args.rows_one_bf16_pass,
                     "graph_launches": args.graph_launches,
                     "matmul_precision": args.matmul_precision, "rows": unique}, indent=1)
         atomic_write_text(args.out.with_suffix(".md"), text + "\n")

@@ -86,9 +86,16 @@ def _mm(a, b, PRECISION: tl.constexpr, FMA: tl.constexpr, A_BF16: tl.constexpr =
     or one for two such operands, the same sum.
     ``"bf16x3-interpreted"``: the same parts multiplied as float32 values (exact, as
     the tensor cores do), for Triton's interpreter, whose bfloat16 ``tl.dot`` is wrong
-    (Triton 3.9: two 16 x 16 tiles of ones give 4.2e9 for 16)."""
+    (Triton 3.9: two 16 x 16 tiles of ones give 4.2e9 for 16).
+    ``"bf16"`` (``"bf16-interpreted"``): one product of the tiles rounded to bfloat16,
+    summed in float32 (``ROWS_ONE_BF16_PASS``)."""
     if FMA:
         return tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+    elif PRECISION == "bf16":
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), out_dtype=tl.float32)
+    elif PRECISION == "bf16-interpreted":
+        return tl.dot(bf16_values(a, PRECISION), bf16_values(b, PRECISION),
+                      input_precision="ieee")
     elif PRECISION == "bf16x3" or PRECISION == "bf16x3-interpreted":
         a_hi, a_lo = _split_bf16(a)
         b_hi, b_lo = _split_bf16(b)
@@ -100,6 +107,20 @@ def _mm(a, b, PRECISION: tl.constexpr, FMA: tl.constexpr, A_BF16: tl.constexpr =
         return _dot_bf16(a_hi, b_hi, acc, PRECISION)
     else:
         return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def bf16_values(a, PRECISION: tl.constexpr):
+    """Float32 ``a`` rounded to bfloat16 (to nearest, ties to even, as a GPU converts),
+    held as float32. Under the interpreter (``PRECISION`` ending "-interpreted") by the
+    bits: its conversion to bfloat16 truncates (Triton 3.6 and 3.9, whatever
+    ``fp_downcast_rounding`` says), which biases every rounding toward zero."""
+    if PRECISION == "bf16-interpreted" or PRECISION == "bf16x3-interpreted":
+        bits = a.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return tl.where(a != a, a, bits.to(tl.float32, bitcast=True))
+    else:
+        return a.to(tl.bfloat16).to(tl.float32)
 
 
 @triton.jit
@@ -152,7 +173,10 @@ def _rows_kernel(
     SHOW_NONFINITE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, FMA: tl.constexpr,
+    VALUE_PRECISION: tl.constexpr,
 ):
+    """Rows of y against every column (module docstring); the exponent's dot in
+    ``PRECISION``, the value products in ``VALUE_PRECISION`` (``rows_value_precision``)."""
     pid_n = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     Y_BF16: tl.constexpr = Y.dtype.element_ty == tl.bfloat16  # exact bfloat16 tiles (_mm)
@@ -218,10 +242,14 @@ def _rows_kernel(
         vm = tl.load(VM + bh * M * R + rm[:, None] * R + rr[None, :],
                      mask=col_in[:, None] & (rr < R)[None, :], other=0.0)
         if WRITE_OUT1:
-            acc1 += _mm(c.to(vm.dtype), vm, PRECISION, FMA)
+            acc1 += _mm(c.to(vm.dtype), vm, VALUE_PRECISION, FMA)
         if HAS_VN:
-            de = _mm(vn, tl.trans(vm), PRECISION, FMA, VN_BF16).to(c.dtype) * c
-            acc2 += _mm(de.to(x.dtype), x, PRECISION, FMA, False, X_BF16)
+            de = _mm(vn, tl.trans(vm), VALUE_PRECISION, FMA, VN_BF16).to(c.dtype) * c
+            if VALUE_PRECISION == "bf16" or VALUE_PRECISION == "bf16-interpreted":
+                # rounded once, so that dy's two terms (dE X and the row norm's, from
+                # the sums below) read the same numbers and still cancel exactly
+                de = bf16_values(de, VALUE_PRECISION)
+            acc2 += _mm(de.to(x.dtype), x, VALUE_PRECISION, FMA, False, X_BF16)
             if NORM_TERM:
                 de_sum += tl.sum(de, axis=1)
     if WRITE_OUT1:
@@ -331,6 +359,31 @@ def _precision(dtype: torch.dtype, rows: torch.dtype | None = None,
         if capability is not None:
             return "bf16x3"
     return "tf32" if tf32_allowed() else "tf32x3"
+
+
+# The rows kernel's value products (C V_M, V_N V_M^T, dE X) in one bfloat16 pass where
+# the rows are half types, instead of bf16x3; off. dE is rounded once and dy's row-norm
+# term summed from the rounded numbers, so dy's two terms still cancel exactly. The
+# outputs of the rows kernel do not enter the Lemma 3 inverse; the cols kernel's C^T V
+# and dZ = C^T g do, and keep bf16x3 (in one pass too, Skyformer's dq was 0.20 off
+# float64 for repeated tokens). Under the interpreter, rounding as a GPU does
+# (``bf16_values``), bfloat16 inputs around 4 centres (benchmarks/half_gradients.py
+# --rows-one-bf16-pass, results/half_gradients_rows_bf16.md): Skyformer's output and
+# gradients 3.1e-3 to 4.3e-3 from float64, against 2.7e-3 to 4.5e-3 with bf16x3.
+# Compiled for sm_90 at the model shape (Triton 3.6, results/
+# triton_resources_triton36_rows_bf16.md): the forward launch 6 MMA instructions instead
+# of 10 (20 resident warps per SM instead of 16), the dy launch 10 instead of 16 (16
+# instead of 12), the dy-and-dV launch 12 instead of 22 (174 registers instead of 249).
+# Not timed on a GPU: gpu_kernels.py times it as "+rows-bf16".
+ROWS_ONE_BF16_PASS = False
+
+
+def rows_value_precision(precision: str) -> str:
+    """The rows kernel's precision for its value products, given ``_precision``'s for the
+    call: one bfloat16 pass in place of bf16x3 under ``ROWS_ONE_BF16_PASS``."""
+    if ROWS_ONE_BF16_PASS and precision in ("bf16x3", "bf16x3-interpreted"):
+        return precision.replace("bf16x3", "bf16")
+    return precision
 
 
 def tf32_allowed() -> bool:
@@ -534,6 +587,7 @@ def rows_product(
     exc, se_b, se_n, se_m = _exclude_args(exclude, y)
     dummy = y
     grid = (cdiv(n, bn), bh)
+    precision = _precision(x.dtype, y.dtype, y.device)
     _rows_kernel[grid](
         y, x, dummy if a is None else a, dummy if b is None else b, vm,
         dummy if vn is None else vn, exc,
@@ -547,8 +601,8 @@ def rows_product(
         NORM_TERM=vn is not None and norm_coef is not None, ROW_NORM=norm_scale is not None,
         X_BF16=x_bf16, SHOW_NONFINITE=show_nonfinite,
         BLOCK_N=bn, BLOCK_M=bm, BLOCK_D=bd, BLOCK_R=br,
-        PRECISION=_precision(x.dtype, y.dtype, y.device), FMA=x.dtype == torch.float64,
-        num_warps=warps, num_stages=stages,
+        PRECISION=precision, FMA=x.dtype == torch.float64,
+        VALUE_PRECISION=rows_value_precision(precision), num_warps=warps, num_stages=stages,
     )
     return out1, out2, shift
 

@@ -1,0 +1,38 @@
+"""The library's opt-in kernel switches, set for one measurement.
+
+``kernel_matmul_triton.ONE_PASS_BACKWARD`` (the products' backward pass in one pass over
+the rows) and ``triton_kernels.ROWS_ONE_BF16_PASS`` (the rows kernel's value products in
+one bfloat16 pass) are module constants, off by default, which the benchmarks turn on
+around the calls they time."""
+
+from __future__ import annotations
+
+import importlib
+
+
+class switched:
+    """Inside: ``module.name`` set to ``on`` or left as it is set (``on=False``), unless
+    ``force``: then exactly ``on``. Restored on the way out."""
+
+    def __init__(self, module: str, name: str, on: bool, force: bool = False):
+        self.module, self.name = importlib.import_module(module), name
+        self.on, self.force = on, force
+
+    def __enter__(self):
+        self.before = getattr(self.module, self.name)
+        setattr(self.module, self.name, self.on or (self.before and not self.force))
+
+    def __exit__(self, *exc):
+        setattr(self.module, self.name, self.before)
+
+
+def one_pass_backward(on: bool, force: bool = False) -> switched:
+    """The products' backward pass in one pass over the rows
+    (``kernel_matmul_triton.ONE_PASS_BACKWARD``, ``linalg/triton_one_pass.py``)."""
+    return switched("skyformer.linalg.kernel_matmul_triton", "ONE_PASS_BACKWARD", on, force)
+
+
+def rows_one_bf16_pass(on: bool, force: bool = False) -> switched:
+    """The rows kernel's value products in one bfloat16 pass for half-type rows
+    (``triton_kernels.ROWS_ONE_BF16_PASS``)."""
+    return switched("skyformer.linalg.triton_kernels", "ROWS_ONE_BF16_PASS", on, force)
