@@ -220,9 +220,17 @@ def _rows_kernel(
         top = tl.where(top == float("-inf"), 0.0, top)
         tl.store(SHIFT + bh * N + rn, top, mask=row_in)
         a = a + top
+    ONE_BF16: tl.constexpr = VALUE_PRECISION == "bf16" or VALUE_PRECISION == "bf16-interpreted"
+    # dy's row-norm term (dE 1)_i: the sums of the dE tiles, or vn_i . (C V_M)_i where
+    # C V_M is formed anyway (WRITE_OUT1) for head dims above 64: there the sums in the
+    # loop spilled 48 bytes a thread in the float32 launch (sm_90, Triton 3.6), where up
+    # to 64 they take fewer registers (Triton 3.9: 249 against 255 and 16 bytes spilled
+    # at the model shape). Where dE is rounded once (ONE_BF16), always its sums: both of
+    # dy's terms must read the same numbers.
+    SUM_DE: tl.constexpr = NORM_TERM and (ONE_BF16 or not WRITE_OUT1 or BLOCK_D <= 64)
     acc1 = tl.zeros([BLOCK_N, BLOCK_R], dtype=y.dtype)
     acc2 = tl.zeros([BLOCK_N, BLOCK_D], dtype=y.dtype)
-    de_sum = tl.zeros([BLOCK_N], dtype=y.dtype)  # NORM_TERM: (dE 1)_i
+    de_sum = tl.zeros([BLOCK_N], dtype=y.dtype)  # SUM_DE: (dE 1)_i
     for m0 in range(0, M, BLOCK_M):
         rm = m0 + tl.arange(0, BLOCK_M)
         col_in = rm < M
@@ -245,12 +253,11 @@ def _rows_kernel(
             acc1 += _mm(c.to(vm.dtype), vm, VALUE_PRECISION, FMA)
         if HAS_VN:
             de = _mm(vn, tl.trans(vm), VALUE_PRECISION, FMA, VN_BF16).to(c.dtype) * c
-            if VALUE_PRECISION == "bf16" or VALUE_PRECISION == "bf16-interpreted":
-                # rounded once, so that dy's two terms (dE X and the row norm's, from
-                # the sums below) read the same numbers and still cancel exactly
+            if ONE_BF16:  # rounded once, so that dy's two terms (dE X and the row
+                # norm's, from the sums below) read the same numbers and still cancel
                 de = bf16_values(de, VALUE_PRECISION)
             acc2 += _mm(de.to(x.dtype), x, VALUE_PRECISION, FMA, False, X_BF16)
-            if NORM_TERM:
+            if SUM_DE:
                 de_sum += tl.sum(de, axis=1)
     if WRITE_OUT1:
         if SHOW_NONFINITE:
@@ -259,8 +266,10 @@ def _rows_kernel(
                  mask=row_in[:, None] & (rr < R)[None, :])
     if HAS_VN:
         acc2 = acc2 * out2_scale
-        if NORM_TERM:  # dy's term of the row norm, from the dE tiles summed above
+        if SUM_DE:  # dy's term of the row norm, from the dE tiles summed above
             acc2 += norm_coef * de_sum[:, None] * y
+        elif NORM_TERM:  # (dE 1)_i = vn_i . (C V_M)_i
+            acc2 += norm_coef * tl.sum(vn * acc1, axis=1)[:, None] * y
         tl.store(OUT2 + bh * N * D + rn[:, None] * D + rd[None, :], acc2,
                  mask=row_in[:, None] & (rd < D)[None, :])
 
