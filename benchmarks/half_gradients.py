@@ -32,14 +32,18 @@ from skyformer.eval.measure.metrics import relative_error
 from skyformer.io import atomic_write_text, write_json
 
 
-def clustered(n: int, d: int, centres: int, noise: float, seed: int) -> tuple:
+def clustered(n: int, d: int, centres: int, noise: float, seed: int,
+              independent_keys: bool = False) -> tuple:
     """(q, k, v, weights) ``[1, 2, n, d]`` in float64: q and k around ``centres`` shared
-    points, v and the output weights standard normal."""
+    points (key j around query j's centre, or, ``independent_keys``, a centre of its
+    own), v and the output weights standard normal."""
     g = torch.Generator().manual_seed(seed)
     points = torch.randn(1, 2, centres, d, generator=g, dtype=torch.float64)
     base = points[:, :, torch.randint(0, centres, (n,), generator=g)]
-    q, k = (base + noise * torch.randn(1, 2, n, d, generator=g, dtype=torch.float64)
-            for _ in range(2))
+    key_base = points[:, :, torch.randint(0, centres, (n,), generator=g)] \
+        if independent_keys else base
+    q, k = (b + noise * torch.randn(1, 2, n, d, generator=g, dtype=torch.float64)
+            for b in (base, key_base))
     v, weights = (torch.randn(1, 2, n, d, generator=g, dtype=torch.float64) for _ in range(2))
     return q, k, v, weights
 
@@ -65,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--features", type=int, default=32)
     parser.add_argument("--centres", type=int, default=4)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--independent-keys", action="store_true",
+                        help="each key around a centre of its own (default: key j around "
+                             "query j's centre)")
     parser.add_argument("--rows-one-bf16-pass", action="store_true",
                         help="also bfloat16 on the Triton path with the rows kernel's value "
                              "products in one bfloat16 pass (kernel triton+rows-bf16)")
@@ -77,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for method in args.methods:
         for noise in args.noise:
-            inputs = clustered(args.n, args.head_dim, args.centres, noise, seed=0)
+            inputs = clustered(args.n, args.head_dim, args.centres, noise, seed=0,
+                               independent_keys=args.independent_keys)
             exact = call(method, inputs, torch.float64, "cpu", "torch", args.features)
             variants = [(kernel, dtype) for kernel in ("torch", "triton")
                         for dtype in (torch.float32, torch.bfloat16)]
@@ -104,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
                    indent=1)
         lines = [f"Relative error against float64 (PyTorch path), N = {args.n}, D = "
                  f"{args.head_dim}, m = {args.features}, q and k around {args.centres} "
-                 f"centres, device {args.device}, torch {torch.__version__}", "",
+                 f"centres{' (each key its own)' if args.independent_keys else ''}, "
+                 f"device {args.device}, torch {torch.__version__}", "",
                  "| method | noise | kernel | dtype | out | dq | dk | dv |",
                  "|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['method']} | {r['noise']} | {r['kernel']} | {r['dtype']} | "
