@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ...linalg.functional_ops import forward_mode_active
+from ...linalg.launch_grid import cdiv
 
 WIDTH_MULTIPLE = 8
 
@@ -31,7 +32,7 @@ WIDTH_MULTIPLE = 8
 def fused_width(n: int) -> int:
     """The least head dim >= n that every fused SDPA kernel takes: a multiple of
     ``WIDTH_MULTIPLE``."""
-    return -(-n // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
+    return cdiv(n, WIDTH_MULTIPLE) * WIDTH_MULTIPLE
 
 
 def sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, **options: Any
