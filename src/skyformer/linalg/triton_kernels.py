@@ -112,10 +112,10 @@ def _mm(a, b, PRECISION: tl.constexpr, FMA: tl.constexpr, A_BF16: tl.constexpr =
 @triton.jit
 def bf16_values(a, PRECISION: tl.constexpr):
     """Float32 ``a`` rounded to bfloat16 (to nearest, ties to even, as a GPU converts),
-    held as float32. Under the interpreter (``PRECISION`` ending "-interpreted") by the
-    bits: its conversion to bfloat16 truncates (Triton 3.6 and 3.9, whatever
-    ``fp_downcast_rounding`` says), which biases every rounding toward zero."""
-    if PRECISION == "bf16-interpreted" or PRECISION == "bf16x3-interpreted":
+    held as float32; ``PRECISION`` ``"bf16"`` or ``"bf16-interpreted"``. Under the
+    interpreter by the bits: its conversion to bfloat16 truncates (Triton 3.6 and 3.9,
+    whatever ``fp_downcast_rounding`` says), which biases every rounding toward zero."""
+    if PRECISION == "bf16-interpreted":
         bits = a.to(tl.int32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
         return tl.where(a != a, a, bits.to(tl.float32, bitcast=True))
