@@ -38,9 +38,11 @@ def _repeated_tokens(keys_are_queries: bool, n: int = 128, d: int = 64,
     return [q, k, torch.randn(1, 2, n, d, generator=g, dtype=torch.float64)]
 
 
-def _call(inputs, dtype, device, kernel):
+def _call(inputs, dtype, device, kernel, key_padding_mask=None):
     leaves = [t.to(device, dtype).requires_grad_(True) for t in inputs]
+    mask = None if key_padding_mask is None else key_padding_mask.to(device)
     out = skyformer.attention(*leaves, "skyformer", num_features=32, kernel=kernel,
+                              key_padding_mask=mask,
                               generator=skyformer.random_key(0, device=device))
     weights = torch.linspace(-1, 1, out.shape[-1], device=device, dtype=torch.float64)
     grads = torch.autograd.grad((out.double() * weights).sum(), leaves)
@@ -61,6 +63,23 @@ def test_bfloat16_is_as_close_to_float64_as_with_three_passes(device, keys_are_q
     monkeypatch.setattr(triton_kernels, "ROWS_ONE_BF16_PASS", True)
     one = _call(inputs, torch.bfloat16, device, "triton")
     for name, a, b, e in zip(("out", "dq", "dk", "dv"), one, three, exact, strict=True):
+        assert relative_error(a, e) < 1.25 * relative_error(b, e) + 1e-3, name
+
+
+@pytest.mark.parametrize("device", devices())
+def test_padded_keys_stay_out_and_the_errors_those_of_three_passes(device, monkeypatch):
+    """With padding (the rows kernel's dead rows and columns as +inf offsets): padded
+    queries' outputs and every padded row's gradient exactly zero, the rest as close to
+    float64 as with bf16x3."""
+    inputs = _repeated_tokens(True)
+    mask = torch.ones(1, inputs[0].shape[-2], dtype=torch.bool)
+    mask[:, 100:] = False
+    exact = _call(inputs, torch.float64, "cpu", "torch", mask)
+    three = _call(inputs, torch.bfloat16, device, "triton", mask)
+    monkeypatch.setattr(triton_kernels, "ROWS_ONE_BF16_PASS", True)
+    one = _call(inputs, torch.bfloat16, device, "triton", mask)
+    for name, a, b, e in zip(("out", "dq", "dk", "dv"), one, three, exact, strict=True):
+        assert not a[..., 100:, :].any(), name
         assert relative_error(a, e) < 1.25 * relative_error(b, e) + 1e-3, name
 
 
