@@ -1,9 +1,9 @@
 """The rows kernel's value products in one bfloat16 pass (``triton_kernels.ROWS_ONE_BF16_PASS``,
-opt-in): Skyformer on bfloat16 inputs as close to float64 as with bf16x3 where queries
-and keys repeat (where dy's two terms cancel, which a dE rounded once keeps exact),
-float32 rows not touched, and the rows product equal to one product of the tiles
-rounded to bfloat16 to nearest (as a GPU rounds; the interpreter's own conversion
-truncates, ``bf16_values``)."""
+opt-in): Skyformer on bfloat16 inputs within 1.6x of bf16x3's distance to float64 where
+queries and keys repeat (where dy's two terms cancel, which a dE rounded once keeps
+exact), float32 rows not touched, and the rows product equal to one product of the
+tiles rounded to bfloat16 to nearest (as a GPU rounds, under the interpreter too:
+``triton_rounding``)."""
 
 from __future__ import annotations
 
@@ -53,24 +53,24 @@ def _call(inputs, dtype, device, kernel, key_padding_mask=None):
 @pytest.mark.parametrize("device", devices())
 def test_bfloat16_is_as_close_to_float64_as_with_three_passes(device, keys_are_queries,
                                                              monkeypatch):
-    """Outputs and dq, dk, dv against float64, one pass against bf16x3 (their errors
-    here: 3.6e-3 to 4.5e-2; the one-pass errors within 10 % of them under the
-    interpreter). Summed from the unrounded dE, dy's terms no longer cancelled: dq was
-    0.73 off on repeated tokens."""
+    """Outputs and dq, dk, dv against float64, one pass against bf16x3 (bf16x3's errors
+    here: 2.0e-3 to 1.4e-2, the one pass's 1.0x to 1.5x of them; the PyTorch path's,
+    which converts to float32, 0.9x). Summed from the unrounded dE, dy's terms no
+    longer cancelled: dq was 0.73 off on repeated tokens."""
     inputs = _repeated_tokens(keys_are_queries)
     exact = _call(inputs, torch.float64, "cpu", "torch")
     three = _call(inputs, torch.bfloat16, device, "triton")
     monkeypatch.setattr(triton_kernels, "ROWS_ONE_BF16_PASS", True)
     one = _call(inputs, torch.bfloat16, device, "triton")
     for name, a, b, e in zip(("out", "dq", "dk", "dv"), one, three, exact, strict=True):
-        assert relative_error(a, e) < 1.25 * relative_error(b, e) + 1e-3, name
+        assert relative_error(a, e) < 1.6 * relative_error(b, e), name
 
 
 @pytest.mark.parametrize("device", devices())
-def test_padded_keys_stay_out_and_the_errors_those_of_three_passes(device, monkeypatch):
+def test_padded_keys_stay_out_and_the_errors_stay_near_three_passes(device, monkeypatch):
     """With padding (the rows kernel's dead rows and columns as +inf offsets): padded
     queries' outputs and every padded row's gradient exactly zero, the rest as close to
-    float64 as with bf16x3."""
+    float64 as the other test asks."""
     inputs = _repeated_tokens(True)
     mask = torch.ones(1, inputs[0].shape[-2], dtype=torch.bool)
     mask[:, 100:] = False
@@ -80,7 +80,7 @@ def test_padded_keys_stay_out_and_the_errors_those_of_three_passes(device, monke
     one = _call(inputs, torch.bfloat16, device, "triton", mask)
     for name, a, b, e in zip(("out", "dq", "dk", "dv"), one, three, exact, strict=True):
         assert not a[..., 100:, :].any(), name
-        assert relative_error(a, e) < 1.25 * relative_error(b, e) + 1e-3, name
+        assert relative_error(a, e) < 1.6 * relative_error(b, e), name
 
 
 @pytest.mark.parametrize("device", devices())

@@ -104,12 +104,12 @@ def test_half_type_gradients_where_queries_and_keys_share_a_large_offset(device,
     """C depends on q - k only, so a common offset changes nothing exact; the gradients'
     two terms (dS K and (dS 1) q) then cancel almost completely, which stays exact only
     if both are formed from the same rounded dS (with unrounded sums the bfloat16 dq
-    error grew to 9e-2 at offset 10)."""
+    error grew to 9e-2 at offset 10; now 2.8e-3, and 3.6e-4 in float16)."""
     q, k, v = make_qkv(1, 2, 64, 64, seed=14)
     offset = 10.0 + torch.randn(64, generator=gen(15), dtype=torch.float64)
     q, k = offset + 0.3 * q, offset + 0.3 * k
     errors = _errors(q, k, v, None, False, dtype, device)
-    tolerance = {torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    tolerance = {torch.bfloat16: 5e-3, torch.float16: 1e-3}[dtype]
     assert all(error < tolerance for error in errors.values()), errors
 
 

@@ -63,13 +63,14 @@ from torch import Tensor
 
 from .kernel_backend import interpreter_on
 from .launch_grid import cdiv, tile_width
+from .triton_rounding import bf16_values, to_dtype
 
 
 @triton.jit
 def _split_bf16(a):
-    """(hi, lo) bfloat16 tiles with hi + lo = a to about 16 mantissa bits."""
-    hi = a.to(tl.bfloat16)
-    return hi, (a - hi.to(a.dtype)).to(tl.bfloat16)
+    """(hi, lo) bfloat16 tiles with hi + lo = a to about 17 mantissa bits."""
+    hi = to_dtype(a, tl.bfloat16)
+    return hi, to_dtype(a - hi.to(a.dtype), tl.bfloat16)
 
 
 @triton.jit
@@ -94,7 +95,7 @@ def _mm(a, b, PRECISION: tl.constexpr, FMA: tl.constexpr, A_BF16: tl.constexpr =
     elif PRECISION == "bf16":
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), out_dtype=tl.float32)
     elif PRECISION == "bf16-interpreted":
-        return tl.dot(bf16_values(a, PRECISION), bf16_values(b, PRECISION),
+        return tl.dot(bf16_values(a), bf16_values(b),
                       input_precision="ieee")
     elif PRECISION == "bf16x3" or PRECISION == "bf16x3-interpreted":
         a_hi, a_lo = _split_bf16(a)
@@ -107,20 +108,6 @@ def _mm(a, b, PRECISION: tl.constexpr, FMA: tl.constexpr, A_BF16: tl.constexpr =
         return _dot_bf16(a_hi, b_hi, acc, PRECISION)
     else:
         return tl.dot(a, b, input_precision=PRECISION)
-
-
-@triton.jit
-def bf16_values(a, PRECISION: tl.constexpr):
-    """Float32 ``a`` rounded to bfloat16 (to nearest, ties to even, as a GPU converts),
-    held as float32; ``PRECISION`` ``"bf16"`` or ``"bf16-interpreted"``. Under the
-    interpreter by the bits: its conversion to bfloat16 truncates (Triton 3.6 and 3.9,
-    whatever ``fp_downcast_rounding`` says), which biases every rounding toward zero."""
-    if PRECISION == "bf16-interpreted":
-        bits = a.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        return tl.where(a != a, a, bits.to(tl.float32, bitcast=True))
-    else:
-        return a.to(tl.bfloat16).to(tl.float32)
 
 
 @triton.jit
@@ -255,23 +242,23 @@ def _rows_kernel(
             de = _mm(vn, tl.trans(vm), VALUE_PRECISION, FMA, VN_BF16).to(c.dtype) * c
             if ONE_BF16:  # rounded once, so that dy's two terms (dE X and the row
                 # norm's, from the sums below) read the same numbers and still cancel
-                de = bf16_values(de, VALUE_PRECISION)
+                de = bf16_values(de)
             acc2 += _mm(de.to(x.dtype), x, VALUE_PRECISION, FMA, False, X_BF16)
             if SUM_DE:
                 de_sum += tl.sum(de, axis=1)
     if WRITE_OUT1:
         if SHOW_NONFINITE:
             acc1 += mark[:, None]
-        tl.store(OUT1 + bh * N * R + rn[:, None] * R + rr[None, :], acc1,
-                 mask=row_in[:, None] & (rr < R)[None, :])
+        tl.store(OUT1 + bh * N * R + rn[:, None] * R + rr[None, :],
+                 to_dtype(acc1, OUT1.dtype.element_ty), mask=row_in[:, None] & (rr < R)[None, :])
     if HAS_VN:
         acc2 = acc2 * out2_scale
         if SUM_DE:  # dy's term of the row norm, from the dE tiles summed above
             acc2 += norm_coef * de_sum[:, None] * y
         elif NORM_TERM:  # (dE 1)_i = vn_i . (C V_M)_i
             acc2 += norm_coef * tl.sum(vn * acc1, axis=1)[:, None] * y
-        tl.store(OUT2 + bh * N * D + rn[:, None] * D + rd[None, :], acc2,
-                 mask=row_in[:, None] & (rd < D)[None, :])
+        tl.store(OUT2 + bh * N * D + rn[:, None] * D + rd[None, :],
+                 to_dtype(acc2, OUT2.dtype.element_ty), mask=row_in[:, None] & (rd < D)[None, :])
 
 
 @triton.jit
@@ -376,9 +363,9 @@ def _precision(dtype: torch.dtype, rows: torch.dtype | None = None,
 # outputs of the rows kernel do not enter the Lemma 3 inverse; the cols kernel's C^T V
 # and dZ = C^T g do, and keep bf16x3 (in one pass too, Skyformer's dq was 0.20 off
 # float64 for repeated tokens). Under the interpreter, rounding as a GPU does
-# (``bf16_values``), bfloat16 inputs around 4 centres (benchmarks/half_gradients.py
+# (``triton_rounding``), bfloat16 inputs around 4 centres (benchmarks/half_gradients.py
 # --rows-one-bf16-pass, results/half_gradients_rows_bf16.md): Skyformer's output and
-# gradients 3.1e-3 to 4.3e-3 from float64, against 2.7e-3 to 4.5e-3 with bf16x3.
+# gradients 1.7e-3 to 3.0e-3 from float64, up to 1.8x bf16x3's (1.6e-3 to 2.2e-3).
 # Compiled for sm_90 at the model shape (Triton 3.6, results/
 # triton_resources_triton36_rows_bf16.md): the forward launch 6 MMA instructions instead
 # of 10 (20 resident warps per SM instead of 16), the dy launch 10 instead of 16 (16

@@ -44,6 +44,7 @@ from .triton_kernels import (
     row_slices,
     strided_offsets,
 )
+from .triton_rounding import to_dtype
 
 
 @triton.jit
@@ -92,7 +93,8 @@ def _one_pass_kernel(
                      mask=row_in[:, None] & (rr < R)[None, :], other=0.0).to(x.dtype)
         if WRITE_ROW1:
             row1 = _mm(c.to(vm.dtype), vm, PRECISION, FMA)  # [BLOCK_N, BLOCK_R]
-            tl.store(ROW1 + bh * N * R + rn[:, None] * R + rr[None, :], row1,
+            tl.store(ROW1 + bh * N * R + rn[:, None] * R + rr[None, :],
+                     to_dtype(row1, ROW1.dtype.element_ty),
                      mask=row_in[:, None] & (rr < R)[None, :])
         if WRITE_ROW2 or WRITE_COL2:
             de = _mm(vn, tl.trans(vm), PRECISION, FMA, VN_BF16).to(c.dtype) * c
@@ -100,7 +102,8 @@ def _one_pass_kernel(
             row2 = _mm(de.to(x.dtype), x, PRECISION, FMA, False, X_BF16) * row2_scale
             if NORM_TERM:  # dy's term of the row norm: (dE 1)_i, every column in the tile
                 row2 += norm_coef * tl.sum(de, axis=1)[:, None] * y
-            tl.store(ROW2 + bh * N * D + rn[:, None] * D + rd[None, :], row2,
+            tl.store(ROW2 + bh * N * D + rn[:, None] * D + rd[None, :],
+                     to_dtype(row2, ROW2.dtype.element_ty),
                      mask=row_in[:, None] & (rd < D)[None, :])
         if WRITE_COL1:
             col1 += _mm(tl.trans(c).to(vn.dtype), vn, PRECISION, FMA, False, VN_BF16)

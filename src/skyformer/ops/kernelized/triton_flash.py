@@ -44,6 +44,7 @@ from ...linalg import triton_kernels
 from ...linalg.kernel_backend import float64_dots, interpreter_on
 from ...linalg.launch_grid import cdiv, tile_width
 from ...linalg.triton_kernels import _mm, _precision
+from ...linalg.triton_rounding import to_dtype
 
 LOG2E = math.log2(math.e)
 
@@ -103,7 +104,7 @@ def _matrix_tile(PTR, bh, rows, n, width, BLOCK: tl.constexpr):
 def _store(PTR, bh, rows, n, width, value, BLOCK: tl.constexpr):
     """``value`` into rows ``rows`` of matrix bh of a contiguous ``[BH, n, width]``."""
     offsets, mask = _matrix_offsets(bh, rows, n, width, BLOCK)
-    tl.store(PTR + offsets, value.to(PTR.dtype.element_ty), mask=mask)
+    tl.store(PTR + offsets, to_dtype(value, PTR.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -170,7 +171,7 @@ def _flash_forward_kernel(
         bn = _key_offsets(k, cols, VALID, b, NK, c, HAS_VALID, F64)
         t = _exponents(q, k, a, bn, rows, cols, c, CAUSAL, PRECISION, FMA)
         v = _tile(V, b, h, sv_b, sv_h, sv_n, cols, NK, DV, BLOCK_DV)
-        acc += _dot(tl.exp2(t).to(v.dtype), v, PRECISION, FMA).to(qf.dtype)
+        acc += _dot(to_dtype(tl.exp2(t), v.dtype), v, PRECISION, FMA).to(qf.dtype)
     _store(OUT, bh, rows, NQ, DV, acc, BLOCK_DV)
 
 
@@ -210,10 +211,10 @@ def _flash_key_grad_kernel(
         if CAUSAL:
             live = live & (cols[:, None] <= rows[None, :])
         weights = tl.where(live, tl.exp2(t), 0.0)  # C^T, [BLOCK_N, BLOCK_M]
-        dv += _dot(weights.to(do.dtype), do, PRECISION, FMA).to(kf.dtype)
+        dv += _dot(to_dtype(weights, do.dtype), do, PRECISION, FMA).to(kf.dtype)
         # dS^T, rounded to the inputs' dtype once: its product with Q and its sums use
         # the same numbers, so that dS^T Q - (dS^T 1) k cancels exactly where q ~ k
-        ds = (weights * _dot(v, tl.trans(do), PRECISION, FMA).to(kf.dtype)).to(q.dtype)
+        ds = to_dtype(weights * _dot(v, tl.trans(do), PRECISION, FMA).to(kf.dtype), q.dtype)
         col_sums += tl.sum(ds.to(kf.dtype), axis=1)
         dk += _dot(ds, q, PRECISION, FMA).to(kf.dtype)
     _store(DK, bh, cols, NK, D, s * (dk - col_sums[:, None] * kf), BLOCK_D)
@@ -247,7 +248,7 @@ def _flash_query_grad_kernel(
         bn = _key_offsets(k, cols, VALID, b, NK, c, HAS_VALID, F64)
         t = _exponents(q, k, a, bn, rows, cols, c, CAUSAL, PRECISION, FMA)
         # dS, rounded once (as in the key kernel)
-        ds = (tl.exp2(t) * _dot(do, tl.trans(v), PRECISION, FMA).to(qf.dtype)).to(k.dtype)
+        ds = to_dtype(tl.exp2(t) * _dot(do, tl.trans(v), PRECISION, FMA).to(qf.dtype), k.dtype)
         row_sums += tl.sum(ds.to(qf.dtype), axis=1)
         dq += _dot(ds, k, PRECISION, FMA).to(qf.dtype)
     _store(DQ, bh, rows, NQ, D, s * (dq - row_sums[:, None] * qf), BLOCK_D)
