@@ -49,15 +49,45 @@ def clustered(n: int, d: int, centres: int, noise: float, seed: int,
 
 
 def call(method: str, inputs: tuple, dtype: torch.dtype, device: str, kernel: str,
-         features: int) -> list[torch.Tensor]:
+         features: int, landmark_seed: int = 3) -> list[torch.Tensor]:
     """[output, dq, dk, dv] of one call in ``dtype``: q, k, v and the output's weights
     (the upstream gradient) rounded to bfloat16 first, so that every call, the float64
     reference too, differentiates the same numbers and only its own rounding differs."""
     q, k, v, weights = (t.to(torch.bfloat16).to(device, dtype) for t in inputs)
     leaves = [t.requires_grad_(True) for t in (q, k, v)]
     out = skyformer.attention(*leaves, method, kernel=kernel, num_features=features,
-                              generator=skyformer.random_key(3))
+                              generator=skyformer.random_key(landmark_seed))
     return [out, *torch.autograd.grad((out * weights).sum(), leaves)]
+
+
+def measure(method: str, noise: float, seed: int, args: argparse.Namespace) -> list[dict]:
+    """One table row per path and dtype for one method, noise and landmark draw."""
+    inputs = clustered(args.n, args.head_dim, args.centres, noise, seed=0,
+                       independent_keys=args.independent_keys)
+    if args.one_upstream_row:
+        weights = inputs[3]
+        inputs = (*inputs[:3], weights[..., :1, :].expand_as(weights))
+    exact = call(method, inputs, torch.float64, "cpu", "torch", args.features, seed)
+    variants = [(kernel, dtype) for kernel in ("torch", "triton")
+                for dtype in (torch.float32, torch.bfloat16)]
+    if args.rows_one_bf16_pass:  # it changes half-type rows only
+        variants.append(("triton+rows-bf16", torch.bfloat16))
+    rows = []
+    for kernel, dtype in variants:
+        with rows_one_bf16_pass(kernel.endswith("+rows-bf16")):
+            got = call(method, inputs, dtype, args.device, kernel.removesuffix("+rows-bf16"),
+                       args.features, seed)
+        errors = [relative_error(a.cpu().reshape(-1, a.shape[-1]),
+                                 e.reshape(-1, e.shape[-1]), ord="fro").item()
+                  for a, e in zip(got, exact, strict=True)]
+        rows.append({"method": method, "noise": noise, "seed": seed, "kernel": kernel,
+                     "dtype": str(dtype).removeprefix("torch.")}
+                    | dict(zip(("out", "dq", "dk", "dv"), errors, strict=True)))
+        print(" ".join(f"{rows[-1][key]}" for key in ("method", "noise", "seed", "kernel",
+                                                      "dtype")),
+              " ".join(f"{name} {error:.2e}" for name, error
+                       in zip(("out", "dq", "dk", "dv"), errors, strict=True)), flush=True)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,48 +105,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows-one-bf16-pass", action="store_true",
                         help="also bfloat16 on the Triton path with the rows kernel's value "
                              "products in one bfloat16 pass (kernel triton+rows-bf16)")
+    parser.add_argument("--one-upstream-row", action="store_true",
+                        help="the same upstream gradient row for every output row (default: "
+                             "a standard normal row each)")
+    parser.add_argument("--landmark-seeds", type=int, nargs="+", default=[3],
+                        help="seeds of the landmark draws (each the same for every path)")
     parser.add_argument("--out", type=Path, default=None, help="writes OUT.json, OUT.md")
     args = parser.parse_args(argv)
     problem = device_problem("half_gradients.py", args.device)  # every call runs Triton too
     if problem:
         print(problem, file=sys.stderr)
         return 1
-    rows = []
-    for method in args.methods:
-        for noise in args.noise:
-            inputs = clustered(args.n, args.head_dim, args.centres, noise, seed=0,
-                               independent_keys=args.independent_keys)
-            exact = call(method, inputs, torch.float64, "cpu", "torch", args.features)
-            variants = [(kernel, dtype) for kernel in ("torch", "triton")
-                        for dtype in (torch.float32, torch.bfloat16)]
-            if args.rows_one_bf16_pass:  # it changes half-type rows only
-                variants.append(("triton+rows-bf16", torch.bfloat16))
-            for kernel, dtype in variants:
-                with rows_one_bf16_pass(kernel.endswith("+rows-bf16")):
-                    got = call(method, inputs, dtype, args.device,
-                               kernel.removesuffix("+rows-bf16"), args.features)
-                errors = [relative_error(a.cpu().reshape(-1, a.shape[-1]),
-                                         e.reshape(-1, e.shape[-1]), ord="fro").item()
-                          for a, e in zip(got, exact, strict=True)]
-                rows.append({"method": method, "noise": noise, "kernel": kernel,
-                             "dtype": str(dtype).removeprefix("torch.")}
-                            | dict(zip(("out", "dq", "dk", "dv"), errors, strict=True)))
-                print(" ".join(f"{rows[-1][key]}" for key in ("method", "noise", "kernel",
-                                                              "dtype")),
-                      " ".join(f"{name} {error:.2e}" for name, error
-                               in zip(("out", "dq", "dk", "dv"), errors, strict=True)),
-                      flush=True)
+    rows = [row for method in args.methods for noise in args.noise
+            for seed in args.landmark_seeds for row in measure(method, noise, seed, args)]
     if args.out is not None:
         write_json(args.out.with_suffix(".json"),
                    {**run_metadata(__file__, argv, vars(args), args.device), "rows": rows},
                    indent=1)
         lines = [f"Relative error against float64 (PyTorch path), N = {args.n}, D = "
                  f"{args.head_dim}, m = {args.features}, q and k around {args.centres} "
-                 f"centres{' (each key its own)' if args.independent_keys else ''}, "
+                 f"centres{' (each key its own)' if args.independent_keys else ''}"
+                 f"{', one upstream gradient row' if args.one_upstream_row else ''}, "
                  f"device {args.device}, torch {torch.__version__}", "",
-                 "| method | noise | kernel | dtype | out | dq | dk | dv |",
-                 "|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['method']} | {r['noise']} | {r['kernel']} | {r['dtype']} | "
+                 "| method | noise | landmark seed | kernel | dtype | out | dq | dk | dv |",
+                 "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['method']} | {r['noise']} | {r['seed']} | {r['kernel']} | {r['dtype']} | "
                   f"{r['out']:.2e} | {r['dq']:.2e} | {r['dk']:.2e} | {r['dv']:.2e} |"
                   for r in rows]
         atomic_write_text(args.out.with_suffix(".md"), "\n".join(lines) + "\n")

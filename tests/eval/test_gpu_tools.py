@@ -810,7 +810,26 @@ def test_the_half_gradient_benchmark_runs_on_the_cpu(tmp_path):
     for r in rows:
         bound = 1e-3 if r["dtype"] == "float32" else 5e-2
         assert all(0 <= r[name] < bound for name in ("out", "dq", "dk", "dv")), r
-    assert "| nystrom_softmax | 0.1 | triton | bfloat16 |" in out.with_suffix(".md").read_text()
+    assert "| nystrom_softmax | 0.1 | 3 | triton | bfloat16 |" in out.with_suffix(".md").read_text()
+
+
+def test_half_gradients_draws_landmarks_per_seed_and_may_share_one_upstream_row(
+        monkeypatch):
+    """``--landmark-seeds``: one row per seed, path and dtype, each call with that draw;
+    ``--one-upstream-row``: every output row weighted by the same gradient row."""
+    half_gradients = load_benchmark("half_gradients")
+    seen = []
+
+    def fake_call(method, inputs, dtype, device, kernel, features, seed):
+        seen.append((seed, bool((inputs[3] == inputs[3][..., :1, :]).all())))
+        return [torch.ones(1)] * 4
+
+    monkeypatch.setattr(half_gradients, "call", fake_call)
+    argv = ["--methods", "skyformer", "--noise", "0.0", "--n", "8", "--head-dim", "4",
+            "--features", "4", "--landmark-seeds", "0", "5", "--one-upstream-row"]
+    assert half_gradients.main(argv) == 0
+    assert [seed for seed, _ in seen] == [0] * 5 + [5] * 5  # float64 and four calls each
+    assert all(shared for _, shared in seen)
 
 
 def test_half_gradients_gives_every_call_the_same_output_weights(monkeypatch):
