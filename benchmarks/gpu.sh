@@ -16,7 +16,7 @@
 # as the library would with them as its defaults; `skyformer bench` at the LRA and model
 # shapes; LRA training steps. About 8 minutes on an H100 before the profile and the core
 # at two sizes were added.
-# The short check (SHORT=1; about seven minutes on an H200, at most about nine with
+# The short check (SHORT=1; about seven minutes on an H200, at most about ten with
 # every stage at its limit), in order of what matters most: the CUDA tests (every method
 # and path: causal, decoding, packed sequences, compiled layers, `skyformer lra train`
 # with bf16 autocast, the Triton kernels); the model shape (B=4, H=16, D=64, bf16)
@@ -26,7 +26,8 @@
 # (interleaved with the 132 ms of flash SDPA at N = 32768 a Skyformer call measured
 # 8.7 ms where alone it took 6.8-7.0); the implicit core's Newton steps against
 # Razavi's; the LRA shape (B=1, H=2, D=32, float32); `skyformer bench --device cuda
-# --causal` at the model shape.
+# --causal` at the model shape; bfloat16 outputs and gradients against float64 on
+# clustered inputs (`half_gradients.py --device cuda`), beside the interpreter's figures.
 #
 # Run it again with the same OUT_DIR to go on after a time limit, an interruption or a
 # command limit of the machine: a stage that finished (passed or failed: see stages.txt;
@@ -38,7 +39,7 @@
 # STAGE_SECONDS=N gives every stage N seconds instead of its own limit.
 # ONLY="NAME ..." runs those stages alone: tests tiles ptiles ftiles profile split kernels
 # bench_float32 bench_bfloat16 lra; with SHORT=1: tests kernels_model
-# kernels_model_interleaved paired_steps kernels_lra bench_causal.
+# kernels_model_interleaved paired_steps kernels_lra bench_causal half_gradients.
 # ARCHIVE=FILE.tar.gz packs OUT_DIR into that one file after every stage (and when
 # interrupted): for a machine that hands back only a few files, put OUT_DIR elsewhere and
 # FILE in the folder that comes back.
@@ -154,6 +155,8 @@ if [ -n "${SHORT:-}" ]; then
       --methods softmax skyformer 'skyformer[pinv_gradient=implicit]' performer \
       --features 128 --repeats 5 --max-seconds 5 --no-error --no-plot --markdown \
       --timing blocked --pause 0.5 --resume --out "$out/bench_causal"
+  stage half_gradients 45 python3 -W ignore benchmarks/half_gradients.py --device cuda \
+      --noise 0.1 0.0 --rows-one-bf16-pass --out "$out/half_gradients"
 else
   # The launch options of the Lemma 3 kernels (m = 128) and of the product kernels (model
   # shape, N = 16384), timed (each option compiles its kernels)

@@ -513,8 +513,9 @@ def test_gpu_script_runs_every_stage_past_failures_limits_and_reruns(tmp_path):
 def test_the_short_gpu_check_runs_its_own_stages_through_the_same_runner(tmp_path):
     """benchmarks/gpu_short.sh (SHORT=1 of gpu.sh) with a stand-in ``python3``: the CUDA
     tests, the model shape blocked and interleaved (exact kernelized attention's forms
-    among the blocked calls), the paired steps, the LRA shape and the causal bench, each a
-    stage of stages.txt; machine.txt names the code measured; a rerun skips them all."""
+    among the blocked calls), the paired steps, the LRA shape, the causal bench and the
+    bfloat16 accuracy, each a stage of stages.txt; machine.txt names the code measured; a
+    rerun skips them all."""
     import os
     import subprocess
 
@@ -536,13 +537,15 @@ def test_the_short_gpu_check_runs_its_own_stages_through_the_same_runner(tmp_pat
     first = run()
     assert first.returncode == 0, first.stdout + first.stderr
     assert list(stages_of(out)) == ["tests", "kernels_model", "kernels_model_interleaved",
-                                    "paired_steps", "kernels_lra", "bench_causal"]
+                                    "paired_steps", "kernels_lra", "bench_causal",
+                                    "half_gradients"]
     assert "code abc123" in (out / "machine.txt").read_text()
     blocked = [line for line in calls.read_text().splitlines()
                if "gpu_kernels.py --timing blocked" in line and "4,16,64" in line]
     assert len(blocked) == 1 and "kernelized/*" in blocked[0]
     assert "tests/ops/test_kernelized_fold.py" in calls.read_text()
-    assert run().stdout.count("done in an earlier run") == 6
+    assert "half_gradients.py --device cuda" in calls.read_text()
+    assert run().stdout.count("done in an earlier run") == 7
     usage = subprocess.run(["bash", str(BENCHMARKS / "gpu_short.sh")], env=env,
                            capture_output=True, text=True, timeout=60)
     assert usage.returncode != 0 and "usage" in usage.stderr
