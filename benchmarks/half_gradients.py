@@ -11,9 +11,11 @@ weights (the upstream gradient).
 
     TRITON_INTERPRET=1 python benchmarks/half_gradients.py --out benchmarks/results/half_gradients
 
-On the CPU the Triton kernels run under the interpreter, which rounds as the tensor
-cores do at PyTorch's default precision ("highest"); ``--device cuda`` runs them on a
-GPU. Writes OUT.json and OUT.md atomically.
+On the CPU the Triton kernels run under the interpreter: their products are exact, as
+the tensor cores' are at PyTorch's default precision ("highest"), and their conversions
+to bfloat16 round to nearest as a GPU's do (``linalg/triton_rounding.py``; the
+interpreter's own conversion truncates); ``--device cuda`` runs them on a GPU. Writes
+OUT.json and OUT.md atomically.
 """
 
 from __future__ import annotations

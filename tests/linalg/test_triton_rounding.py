@@ -60,15 +60,28 @@ def test_to_dtype_rounds_as_pytorch_converts(device):
     assert torch.equal(out[:-1].view(torch.int16), expected[:-1].view(torch.int16))
 
 
-@pytest.mark.parametrize("method", ["skyformer", "kernelized"])
+@pytest.mark.parametrize("method, one_pass", [("skyformer", False), ("skyformer", True),
+                                              ("kernelized", False)])
 @pytest.mark.parametrize("device", devices())
-def test_half_results_have_no_bias_toward_zero(device, method):
-    """Skyformer (the Gaussian products' rows and one-pass stores) and exact kernelized
-    attention (the flash kernels' weight tiles and stores) on bfloat16 inputs, Triton
-    path: the mean of (|got| - |exact|) / |exact| over the output's and the gradients'
-    entries, against float64 on the same inputs. Rounded to nearest it is within
-    5e-4 here; truncated, as the interpreter's own conversion does, -2.6e-3 to
-    -5.8e-3."""
+def test_half_results_have_no_bias_toward_zero(device, method, one_pass, monkeypatch):
+    """Skyformer (the rows kernel's stores, and with ``one_pass`` the one-pass backward
+    kernel's) and exact kernelized attention (the flash kernels' weight tiles and
+    stores) on bfloat16 inputs, Triton path: the mean of (|got| - |exact|) / |exact|
+    over the output's and the gradients' entries, against float64 on the same inputs.
+    Rounded to nearest it is within 5e-4 here; truncated, as the interpreter's own
+    conversion does, -2.6e-3 to -5.8e-3."""
+    from skyformer.linalg import kernel_matmul_triton, triton_one_pass
+
+    one_pass_calls = []
+    if one_pass:
+        monkeypatch.setattr(kernel_matmul_triton, "ONE_PASS_BACKWARD", True)
+        launch = triton_one_pass.one_pass_product
+
+        def counted(*args, **kwargs):
+            one_pass_calls.append(1)
+            return launch(*args, **kwargs)
+
+        monkeypatch.setattr(triton_one_pass, "one_pass_product", counted)
     g = torch.Generator().manual_seed(0)
     q, k, v, weights = (torch.randn(1, 2, 96, 32, generator=g, dtype=torch.float64)
                         for _ in range(4))
@@ -82,6 +95,7 @@ def test_half_results_have_no_bias_toward_zero(device, method):
         out = skyformer.attention(*leaves, method, kernel=kernel, **options)
         grads = torch.autograd.grad((out.double() * weights.to(where)).sum(), leaves)
         results.append([t.detach().double().cpu() for t in (out, *grads)])
+    assert bool(one_pass_calls) == one_pass  # the backward pass took the one-pass kernel
     exact, triton_path = results
     for name, got, want in zip(("out", "dq", "dk", "dv"), triton_path, exact, strict=True):
         large = want.abs() > 1e-3 * want.abs().max()  # relative errors that mean something

@@ -5,14 +5,15 @@ truncates (Triton 3.6 and 3.9, stores into a bfloat16 tensor included, whatever
 ``fp_downcast_rounding`` says), and loses bfloat16's subnormal numbers. Truncation is
 biased toward zero: under the interpreter, Skyformer's bfloat16 outputs were twice as
 far from float64 as the PyTorch path's (3.3e-3 against 1.7e-3), exact kernelized
-attention's 2.5x (6.2e-3 against 2.5e-3 rounded to nearest), and Skyformer's dq on
-repeated tokens up to six times (docs/gpu-record.md, "Conversions to bfloat16 under
-the interpreter"). The kernels' tests and accuracy measurements run under the
-interpreter, so every conversion to a half type inside the kernels goes through
-``to_dtype`` (and ``bf16_values``): under the interpreter they round to nearest by the
-bits; compiled for a GPU they are ``a.to(DTYPE)``, the same code as before. Half-type
-inputs are read with the interpreter's own conversion (a subnormal bfloat16 input,
-below 1.2e-38, reads wrong there, not on a GPU).
+attention's 2.5x as far as when rounded to nearest (6.2e-3 against 2.5e-3), and
+Skyformer's dq on repeated tokens up to 7x as far as the PyTorch path's
+(docs/gpu-record.md, "Conversions to bfloat16 under the interpreter"). The kernels'
+tests and accuracy measurements run under the interpreter, so every conversion to a
+half type inside the kernels goes through ``to_dtype`` (and ``bf16_values``): under
+the interpreter they round to nearest by the bits; compiled for a GPU they are
+``a.to(DTYPE)``, the same code as before. Half-type inputs are read with the
+interpreter's own conversion (a subnormal bfloat16 input, below 1.2e-38, reads wrong
+there, not on a GPU).
 """
 
 from __future__ import annotations
