@@ -102,10 +102,11 @@ def test_hi_lo_split_carries_twice_the_mantissa_and_the_gradient_once():
 
 @pytest.mark.parametrize("variant", ["plain", "padded", "causal", "attn_mask"])
 def test_bfloat16_keeps_float32_accuracy_in_the_exponent(variant):
-    """bfloat16 inputs go to SDPA as bfloat16. Against float64 on the same (rounded)
-    values the error is bfloat16's rounding of weights and outputs (0.003 here), not of
-    the exponent: with the norms |q|^2/2 ~ 50 as single bfloat16 numbers (no lo part)
-    it is ten times larger (0.03 for outputs and gradients)."""
+    """bfloat16 inputs go to SDPA as bfloat16 without gradients (with them, in float32:
+    the next test). Against float64 on the same (rounded) values the error is
+    bfloat16's rounding of weights and outputs (0.003 here), not of the exponent: with
+    the norms |q|^2/2 ~ 50 as single bfloat16 numbers (no lo part) it is ten times
+    larger (0.03 for outputs and gradients)."""
     q, k, v = make_qkv(2, 2, 40, 32, dtype=torch.float32, scale=1.8, seed=3)
     k = q + 0.6 * k  # keys near the queries: many non-negligible weights
     q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
@@ -117,11 +118,14 @@ def test_bfloat16_keeps_float32_accuracy_in_the_exponent(variant):
         options["causal"] = True
     if variant == "attn_mask":
         options["attn_mask"] = torch.rand(40, 40, generator=torch.Generator().manual_seed(1)) > 0.3
+    with torch.no_grad():
+        inference = kernelized_attention(q, k, v, key_padding_mask=mask, **options)
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     out = kernelized_attention(*leaves, key_padding_mask=mask, **options)
-    assert out.dtype == torch.bfloat16
+    assert out.dtype == inference.dtype == torch.bfloat16
     exact_leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
     exact = kernelized_attention(*exact_leaves, key_padding_mask=mask, **options)
+    assert relative_error(inference, exact) < 1e-2
     assert relative_error(out, exact) < 1e-2
     weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
     grads = torch.autograd.grad((out.float() * weights).sum(), leaves)
@@ -131,11 +135,38 @@ def test_bfloat16_keeps_float32_accuracy_in_the_exponent(variant):
         assert relative_error(got, want) < 1.5e-2
 
 
+@pytest.mark.parametrize("route", [{}, {"fold_key_norms": False},
+                                   {"attn_mask": torch.ones(1, 48, dtype=torch.bool)}])
+def test_bfloat16_gradients_where_queries_and_keys_repeat(route):
+    """A query's gradient s sum_j dS_ij (k_j - q_i) cancels where keys repeat it; on the
+    SDPA routes (the CPU's key bias, the augmentation, a padding attn_mask) a bfloat16
+    call with gradients is computed in float32, so that SDPA's dq and the row offset's
+    meet unrounded: dq and dk within 4e-3 of float64 (bfloat16's rounding, 1.7e-3;
+    each rounded first they were 0.9 to 1.0 off)."""
+    g = torch.Generator().manual_seed(0)
+    centres = torch.randn(1, 2, 3, 32, generator=g, dtype=torch.float64)
+    q = centres[:, :, torch.randint(0, 3, (48,), generator=g)]
+    k = centres[:, :, torch.randint(0, 3, (48,), generator=g)]
+    v, weights = (torch.randn(1, 2, 48, 32, generator=g, dtype=torch.float64)
+                  for _ in range(2))
+    results = []
+    for dtype in (torch.float64, torch.bfloat16):
+        leaves = [t.to(torch.bfloat16).to(dtype).requires_grad_(True) for t in (q, k, v)]
+        out = kernelized_attention(*leaves, kernel="torch", **route)
+        grads = torch.autograd.grad((out.double() * weights).sum(), leaves)
+        results.append([out, *grads])
+    exact, got = results
+    assert all(t.dtype == torch.bfloat16 for t in got)
+    for name, a, e in zip(("out", "dq", "dk", "dv"), got, exact, strict=True):
+        assert relative_error(a, e) < 4e-3, name
+
+
 def test_bfloat16_makes_no_float32_copy_with_n_rows_and_d_columns():
     """The augmentation: only the norms ([.., N]) and the final division are float32:
     q', k', v' are bfloat16 (half the memory of the float32 augmentation), float16 goes
     through float32. The CPU's default, the key bias at head dim D (``sdpa_fold.py``):
-    a float32 bias row per head ([.., 1, Nk]) and the output before its cast."""
+    a float32 bias row per head ([.., 1, Nk]) and the output before its cast. Without
+    gradients: a call with them computes in float32 (the test above)."""
     def float32_width(func, args, out):
         if isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.dim() == 4 \
                 and out.shape[-2] > 1:
@@ -149,7 +180,7 @@ def test_bfloat16_makes_no_float32_copy_with_n_rows_and_d_columns():
     with Recorder(float32_width) as seen:
         kernelized_by_sdpa(q.half(), k.half(), v.half(), 0.25)
     assert max(seen.items) == 24  # float16: the augmentation in float32 (16 + 4 -> 24)
-    with Recorder(float32_width) as seen:
+    with Recorder(float32_width) as seen, torch.no_grad():
         skyformer.attention(q, k, v, "kernelized")
     assert max(seen.items) <= 16
 

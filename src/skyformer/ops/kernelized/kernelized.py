@@ -137,7 +137,7 @@ def kernelized_attention(
     dtype = q.dtype
     scale = kernel_scale(info.head_dim, config.scale)
     if config.fold_key_norms:
-        return _folded(q, k, v, info, scale, causal, attn_mask)
+        return _folded(q, k, v, info, scale, causal, attn_mask).to(dtype)
     auto = config.kernel == "auto"
     flash = config.kernel == "triton" or (auto and attn_mask is None
                                           and not FLASH_FALLBACK.failed_on(q))
@@ -151,11 +151,37 @@ def kernelized_attention(
             auto, lambda: zero_padded_queries(flash_kernelized(
                 q, k.to(dtype), v.to(dtype), info.key_valid, scale * scale, causal, auto),
                 info.query_valid),
-            lambda: _augmented(q, k, v, info, scale, causal, None), on=q)
+            lambda: _augmented(*_inputs_for_gradients(q, k, v), info, scale, causal,
+                               None).to(dtype), on=q)
+    q, k, v = _inputs_for_gradients(q, k, v)
     if config.fold_key_norms is None and q.device.type == "cpu" \
             and (attn_mask is None or _one_row_per_key(attn_mask)):
-        return _folded(q, k, v, info, scale, causal, attn_mask)  # the key bias, head dim D
-    return _augmented(q, k, v, info, scale, causal, attn_mask)
+        # the key bias, head dim D
+        return _folded(q, k, v, info, scale, causal, attn_mask).to(dtype)
+    return _augmented(q, k, v, info, scale, causal, attn_mask).to(dtype)
+
+
+def _inputs_for_gradients(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v for the SDPA routes: float32 copies where ``sums_in_float32_for_gradients``."""
+    if sums_in_float32_for_gradients(q):
+        return q.float(), k.float(), v.float()
+    return q, k, v
+
+
+def sums_in_float32_for_gradients(q: Tensor) -> bool:
+    """Whether the SDPA routes compute a bfloat16 call in float32: where gradients are
+    on. A query's gradient is s sum_j dS_ij (k_j - q_i), which cancels where q_i ~ k_j;
+    through SDPA its two terms (SDPA's dq and that of the row offset s |q_i|^2 / 2) are
+    rounded to bfloat16 each before autograd adds them, and dq, dk came out 3e-2 from
+    float64 for queries and keys around a few centres (spread 0.1 at D = 64), 0.95 for
+    repeated tokens; in float32 1.7e-3, bfloat16's rounding (docs/gpu-record.md,
+    "Exact kernelized attention's bfloat16 gradients on the SDPA routes"). The flash
+    kernels keep it (dS rounded once) and stay in bfloat16; so does an explicit
+    ``fold_key_norms=True``, the fused bfloat16 route, and so does a call without
+    gradients, whose output is bfloat16's rounding either way. Grad mode, not
+    ``requires_grad``, as ``nystrom_softmax``'s queries (inside ``torch.func`` the
+    inputs do not say they need one)."""
+    return q.dtype == torch.bfloat16 and torch.is_grad_enabled()
 
 
 def _one_row_per_key(attn_mask: Tensor) -> bool:
