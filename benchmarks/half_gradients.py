@@ -7,7 +7,8 @@ as they are"). For each method, noise, path (``kernel="torch"``: q, k, v convert
 float32 inside; ``"triton"``: half rows read as they are) and dtype: the relative
 Frobenius error of the output and of dq, dk, dv against the same call in float64 on the
 PyTorch path, with the same landmarks, on the same bfloat16-rounded q, k, v and output
-weights (the upstream gradient).
+weights (the upstream gradient). ``--methods kernelized``: exact kernelized attention,
+which draws no landmarks (its Triton path is the flash kernels).
 
     TRITON_INTERPRET=1 python benchmarks/half_gradients.py --out benchmarks/results/half_gradients
 
@@ -32,6 +33,7 @@ from run_metadata import run_metadata
 import skyformer
 from skyformer.eval.measure.metrics import relative_error
 from skyformer.io import atomic_write_text, write_json
+from skyformer.registry import get_method
 
 
 def clustered(n: int, d: int, centres: int, noise: float, seed: int,
@@ -57,8 +59,10 @@ def call(method: str, inputs: tuple, dtype: torch.dtype, device: str, kernel: st
     reference too, differentiates the same numbers and only its own rounding differs."""
     q, k, v, weights = (t.to(torch.bfloat16).to(device, dtype) for t in inputs)
     leaves = [t.requires_grad_(True) for t in (q, k, v)]
-    out = skyformer.attention(*leaves, method, kernel=kernel, num_features=features,
-                              generator=skyformer.random_key(landmark_seed))
+    drawn = get_method(method).capabilities.randomized  # exact kernelized draws nothing
+    options = {"num_features": features, "generator": skyformer.random_key(landmark_seed)} \
+        if drawn else {}
+    out = skyformer.attention(*leaves, method, kernel=kernel, **options)
     return [out, *torch.autograd.grad((out * weights).sum(), leaves)]
 
 
