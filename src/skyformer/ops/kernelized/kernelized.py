@@ -137,7 +137,7 @@ def kernelized_attention(
     dtype = q.dtype
     scale = kernel_scale(info.head_dim, config.scale)
     if config.fold_key_norms:
-        return _folded(q, k, v, info, scale, causal, attn_mask).to(dtype)
+        return _folded(q, k, v, info, scale, causal, attn_mask)
     auto = config.kernel == "auto"
     flash = config.kernel == "triton" or (auto and attn_mask is None
                                           and not FLASH_FALLBACK.failed_on(q))
