@@ -262,7 +262,8 @@ def test_auto_takes_the_flash_kernels_where_a_gpu_run_found_them_faster(
     """``kernel="auto"`` on a CUDA tensor (here a CPU one taken for one) in float32 or a
     half type and without ``attn_mask`` runs the flash kernels (faster than the SDPA
     augmentation on an H100 at every N measured, docs/gpu-record.md); float64 and an
-    ``attn_mask`` keep the augmentation."""
+    ``attn_mask`` with a row per query keep the augmentation (a padding ``attn_mask``:
+    ``test_kernelized_flash.py``)."""
     from skyformer.linalg import kernel_backend
     from skyformer.ops.kernelized import kernelized as module
 

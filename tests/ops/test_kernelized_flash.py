@@ -168,6 +168,97 @@ def test_an_attn_mask_is_refused_with_the_way_out():
                                                kernel="triton", is_causal=True)
 
 
+def _padding_masks(row: torch.Tensor, nq: int) -> dict[str, torch.Tensor]:
+    """A key padding row ``[B, Nk]`` in the attn_mask forms that hold one row over the
+    keys for every query and head."""
+    b, nk = row.shape
+    return {"[B, 1, 1, Nk]": row[:, None, None, :],
+            "[B, 1, Nq, Nk], stride 0": row[:, None, None, :].expand(b, 1, nq, nk),
+            "[B, H, 1, Nk], stride 0": row[:, None, None, :].expand(b, 2, 1, nk),
+            "[Nk]": row[0],
+            "[1, 1, 1, Nk]": row[:1, None, None, :]}
+
+
+def _flash_calls() -> Recorder:
+    return Recorder(lambda func, args, out: func.name() if "gaussian_flash" in func.name()
+                    else None)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("form", list(_padding_masks(torch.ones(2, 3, dtype=torch.bool), 4)))
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_padding_attn_mask_runs_on_the_flash_kernels(device, form, causal):
+    """A boolean attn_mask that is one row over the keys for every query and head (a
+    padding mask, as skyformer.hf builds it) is the flash kernels' key padding, joined
+    with key_padding_mask: the flash operators run, with the SDPA augmentation's outputs
+    and gradients under the same masks."""
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    q, k, v = (t.to(device, dtype) for t in make_qkv(2, 2, 40, 16, dv=24, seed=16))
+    row = torch.ones(2, 40, dtype=torch.bool, device=device)
+    row[0, 5:9], row[1, -7:] = False, False
+    attn_mask = _padding_masks(row, 40)[form]
+    padding = edge_padding(2, 40, device)
+
+    def run(kernel):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = kernelized_attention(*leaves, key_padding_mask=padding, attn_mask=attn_mask,
+                                   causal=causal, kernel=kernel)
+        return [out, *_grads(out, leaves)]
+
+    with _flash_calls() as calls:
+        flash = run("triton")
+    assert "skyformer::gaussian_flash_forward" in calls.items
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-5
+    for name, a, e in zip(["out", "dq", "dk", "dv"], flash, run("torch"), strict=True):
+        assert relative_error(a, e) < tolerance, name
+
+
+@pytest.mark.parametrize("form", ["float", "a row per query", "a row per head"])
+def test_auto_leaves_other_attn_masks_to_the_sdpa_routes(monkeypatch, form):
+    """With the flash kernels available (here under the interpreter), kernel="auto"
+    takes them for a padding attn_mask and leaves any other to the SDPA routes, and
+    kernel="triton" refuses it with the way out."""
+    from skyformer.ops.kernelized import kernelized
+
+    monkeypatch.setattr(kernelized, "use_triton", lambda kernel, q, half=False:
+                        kernel != "torch")
+    q, k, v = make_qkv(2, 2, 12, 8, seed=17)
+    row = torch.ones(2, 12, dtype=torch.bool)
+    row[1, -3:] = False
+    masks = {"padding": row[:, None, None, :],
+             "float": torch.zeros(2, 1, 1, 12, dtype=torch.float64).masked_fill(
+                 ~row[:, None, None, :], float("-inf")),
+             "a row per query": row[:, None, None, :].expand(2, 1, 12, 12).clone(),
+             "a row per head": row[:, None, None, :].expand(2, 2, 1, 12).clone()}
+    for name in ("padding", form):
+        with _flash_calls() as calls:
+            out = kernelized_attention(q, k, v, attn_mask=masks[name], kernel="auto")
+        assert bool(calls.items) == (name == "padding"), name
+        reference = kernelized_attention(q, k, v, attn_mask=masks[name], kernel="torch")
+        torch.testing.assert_close(out, reference, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=r'boolean row over the keys.*kernel="torch"'):
+        kernelized_attention(q, k, v, attn_mask=masks[form], kernel="triton")
+
+
+def test_a_repeat_by_stride_0_is_not_read_as_one_row_in_a_recorded_program(monkeypatch):
+    """Where strides do not hold (torch.export, make_fx), a mask repeated by stride 0
+    is not taken for one row (the program would read one row of any later mask); a
+    mask of size 1 over the queries and heads still is."""
+    from skyformer.ops.shared import masked
+
+    row = torch.ones(2, 6, dtype=torch.bool)
+    row[1, :2] = False
+    shape = (2, 2, 5, 6)
+    masks = _padding_masks(row, 5)
+    for name, mask in masks.items():
+        assert torch.equal(masked.shared_key_row(mask, shape), row if name.startswith("[B")
+                           else row[:1].expand(2, 6)), name
+    monkeypatch.setattr(masked, "strides_hold", lambda: False)
+    for name, mask in masks.items():
+        got = masked.shared_key_row(mask, shape)
+        assert (got is None) == ("stride 0" in name), name
+
+
 @cuda_only
 def test_float64_on_cuda_takes_the_sdpa_augmentation():
     q, k, v = (t.cuda() for t in make_qkv(1, 2, 30, 16))

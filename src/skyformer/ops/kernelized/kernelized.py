@@ -30,7 +30,7 @@ from ..shared.inputs import (
     check_generator,
     zero_padded_queries,
 )
-from ..shared.masked import attention_bias
+from ..shared.masked import attention_bias, shared_key_row
 from ..shared.options import check_bool, check_choice, check_scale
 from .flash import FLASH_FALLBACK, flash_kernelized
 from .sdpa_augmentation import fused_dtype, kernelized_by_sdpa
@@ -46,11 +46,12 @@ class KernelizedConfig:
     causal: query i attends to keys j <= i (requires Nq == Nk).
     kernel: ``"torch"`` (the SDPA augmentation, ``sdpa_augmentation.py``), ``"triton"``
         (flash-style kernels of the Gaussian kernel itself, ``triton_flash.py``: O(N)
-        memory, padding and causal masks, no ``attn_mask``; in the inputs' dtype,
-        half types included; float64 on CUDA takes ``"torch"``) or ``"auto"``
-        (``"triton"`` for CUDA tensors in float32, bfloat16 or float16 without an
-        ``attn_mask``, where it was faster on an H100 at every N measured, with under a
-        tenth of the memory; ``"torch"`` otherwise).
+        memory, padding and causal masks, an ``attn_mask`` only as a boolean row over
+        the keys for every query and head, i.e. padding; in the inputs' dtype, half
+        types included; float64 on CUDA takes ``"torch"``) or ``"auto"`` (``"triton"``
+        for CUDA tensors in float32, bfloat16 or float16 without an ``attn_mask`` or
+        with such a row, where it was faster on an H100 at every N measured without
+        one, with under a tenth of the memory; ``"torch"`` otherwise).
     fold_key_norms: SDPA's fused kernels at the head dim D rather than at the
         augmentation's D + 8 (``sdpa_fold.py``), the normaliser taken from their
         logsumexp. ``True``: wherever a fused kernel runs, CUDA included: float32 (and
@@ -139,26 +140,48 @@ def kernelized_attention(
     if config.fold_key_norms:
         return _folded(q, k, v, info, scale, causal, attn_mask)
     auto = config.kernel == "auto"
-    flash = config.kernel == "triton" or (auto and attn_mask is None
+    mask_row = _padding_row(attn_mask, info, q)
+    flash_takes_mask = attn_mask is None or mask_row is not None
+    flash = config.kernel == "triton" or (auto and flash_takes_mask
                                           and not FLASH_FALLBACK.failed_on(q))
     if flash and use_triton(config.kernel, q, half=True):
-        if attn_mask is not None:
-            raise ValueError('kernelized: kernel="triton" takes no attn_mask, nor is_causal '
-                             'with Nq != Nk (scaled_dot_product_attention passes it as a '
+        if not flash_takes_mask:
+            raise ValueError('kernelized: kernel="triton" takes an attn_mask only as a '
+                             'boolean row over the keys, the same for every query and '
+                             'head (a padding mask, [B, 1, 1, Nk]), nor is_causal with '
+                             'Nq != Nk (scaled_dot_product_attention passes it as a '
                              'mask): padding and causal with Nq == Nk only; use '
-                             'kernel="torch" for them.')
+                             'kernel="torch" for other masks.')
         return FLASH_FALLBACK.run(
             auto, lambda: zero_padded_queries(flash_kernelized(
-                q, k.to(dtype), v.to(dtype), info.key_valid, scale * scale, causal, auto),
-                info.query_valid),
+                q, k.to(dtype), v.to(dtype), _joined(info.key_valid, mask_row),
+                scale * scale, causal, auto), info.query_valid),
             lambda: _augmented(*_inputs_for_gradients(q, k, v), info, scale, causal,
-                               None).to(dtype), on=q)
+                               attn_mask).to(dtype), on=q)
     q, k, v = _inputs_for_gradients(q, k, v)
     if config.fold_key_norms is None and q.device.type == "cpu" \
             and (attn_mask is None or _one_row_per_key(attn_mask)):
         # the key bias, head dim D
         return _folded(q, k, v, info, scale, causal, attn_mask).to(dtype)
     return _augmented(q, k, v, info, scale, causal, attn_mask).to(dtype)
+
+
+def _padding_row(attn_mask: Tensor | None, info: AttentionInputs, q: Tensor
+                 ) -> Tensor | None:
+    """``[B, Nk]`` bool: the keys ``attn_mask`` lets every query and head see, where it
+    is a boolean row over the keys for all of them (a padding mask, as ``skyformer.hf``
+    builds it; ``shared_key_row``), which the flash kernels take as key padding; None
+    for no mask or any other (the SDPA routes take it)."""
+    if attn_mask is None or attn_mask.device != q.device:
+        return None
+    return shared_key_row(attn_mask, (*q.shape[:3], info.key_len))
+
+
+def _joined(key_valid: Tensor | None, row: Tensor | None) -> Tensor | None:
+    """The keys that both masks keep (``[B, Nk]`` bool, or None: every key)."""
+    if row is None or key_valid is None:
+        return key_valid if row is None else row
+    return key_valid & row
 
 
 def _inputs_for_gradients(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -95,6 +95,24 @@ def _broadcast_dims_as_one(attn_mask: Tensor) -> Tensor:
     return attn_mask
 
 
+def shared_key_row(attn_mask: Tensor, shape: tuple[int, ...]) -> Tensor | None:
+    """The keys a boolean ``attn_mask`` lets every query of every head see, ``[B, Nk]``
+    bool (expanded), where it is one row over the keys for all of them: a key padding
+    mask, ``[B|1, 1, 1, Nk]``, or ``[B, 1, Nq, Nk]`` repeated over the queries by stride
+    0 as ``skyformer.hf`` builds it. None for any other mask: float, a row per query or
+    per head, one that does not broadcast to ``shape`` = ``[B, H, Nq, Nk]``, and a
+    stride-0 repeat in a program being recorded (``strides_hold``), which would read
+    one row of any mask given to it later."""
+    if attn_mask.dtype != torch.bool or not mask_broadcasts(attn_mask, shape) \
+            or attn_mask.dim() == 0:
+        return None
+    mask = attn_mask[(None,) * (4 - attn_mask.dim())]  # [B|1, H|1, Nq|1, Nk|1], a view
+    for dim in (1, 2):
+        if mask.shape[dim] > 1 and not (mask.stride(dim) == 0 and strides_hold()):
+            return None
+    return mask[:, 0, 0, :].expand(shape[0], shape[3])
+
+
 def mask_broadcasts(attn_mask: object, shape: tuple[int, ...]) -> bool:
     """Whether ``attn_mask`` is a tensor of at most 4 dims that broadcasts to ``shape``
     ``[B, H, Nq, Nk]``, as SDPA's masks do."""
