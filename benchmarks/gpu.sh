@@ -22,7 +22,7 @@
 # with bf16 autocast, the Triton kernels); the model shape (B=4, H=16, D=64, bf16)
 # against flash SDPA, eager and in a CUDA graph, each call timed in a block of its own
 # after an idle second (`gpu_kernels.py --timing blocked`; exact kernelized attention
-# at N = 4096 too), then the same calls interleaved, as earlier runs timed them
+# at N = 4096 too, also with a model's padding as an attn_mask), then the same calls interleaved, as earlier runs timed them
 # (interleaved with the 132 ms of flash SDPA at N = 32768 a Skyformer call measured
 # 8.7 ms where alone it took 6.8-7.0); the implicit core's Newton steps against
 # Razavi's; the LRA shape (B=1, H=2, D=32, float32); `skyformer bench --device cuda
@@ -139,7 +139,8 @@ if [ -n "${SHORT:-}" ]; then
   stage kernels_model 140 python3 -W ignore benchmarks/gpu_kernels.py --timing blocked \
       --pause 1 --shapes 4,16,64,bfloat16 --seq-lens 4096 32768 \
       --compile-seq-lens 4096 32768 --compile-kernels triton --max-exact-n 4096 \
-      --calls "${model_calls[@]}" 'kernelized/*' --no-core --out "$out/kernels_model.json"
+      --calls "${model_calls[@]}" 'kernelized/*' 'sdpa+padding' --no-core \
+      --out "$out/kernels_model.json"
   stage kernels_model_interleaved 80 python3 -W ignore benchmarks/gpu_kernels.py \
       --shapes 4,16,64,bfloat16 --seq-lens 4096 32768 --compile-seq-lens 4096 32768 \
       --compile-kernels triton --max-exact-n 0 --calls "${model_calls[@]}" --no-core \

@@ -12,7 +12,10 @@ included; none for the CUDA-graph rows, which replay into memory their capture t
 - ``skyformer`` with ``kernel="torch"`` and ``kernel="triton"``,
 - ``kernelized`` (exact) with ``kernel="torch"`` (SDPA augmentation) and ``"triton"``,
   and ``kernelized/fold``: ``fold_key_norms=True`` (SDPA's fused kernels at head dim D,
-  ``ops/kernelized/sdpa_fold.py``),
+  ``ops/kernelized/sdpa_fold.py``); with a model's padding as an ``attn_mask``
+  (``_padding_mask``): ``sdpa+padding``, ``kernelized/auto+padding`` (the flash kernels,
+  which take it as key padding) and ``kernelized/torch+padding`` (the augmentation, where
+  every ``attn_mask`` went before; bfloat16 with gradients computed in float32),
 - ``skyformer/triton+tf32``: the Triton path where PyTorch allows TF32
   (``torch.set_float32_matmul_precision("high")``: the float32 core's dots in one TF32
   pass instead of three; bfloat16 products keep their bf16x3),
@@ -93,6 +96,7 @@ def _calls(q, k, v, grad, features, compiled, compile_kernels=("triton", "auto")
         return step_in_graph if in_graph else step
 
     key = skyformer.random_key(0, device=q.device)
+    padding = _padding_mask(q)
 
     def compiled_call(kernel, mode=None, gradient="unrolled", one_pass=False, guard=False,
                       rows_bf16=False):
@@ -156,7 +160,23 @@ def _calls(q, k, v, grad, features, compiled, compile_kernels=("triton", "auto")
                                                              kernel="triton")),
         "kernelized/fold": run(lambda: skyformer.attention(q, k, v, "kernelized",
                                                            fold_key_norms=True)),
+        "sdpa+padding": run(lambda: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=padding)),
+        "kernelized/auto+padding": run(lambda: skyformer.kernelized_attention(
+            q, k, v, attn_mask=padding)),
+        "kernelized/torch+padding": run(lambda: skyformer.kernelized_attention(
+            q, k, v, kernel="torch", attn_mask=padding)),
     }
+
+
+def _padding_mask(q) -> torch.Tensor:
+    """``[B, 1, N, N]`` bool, a model's padding as ``skyformer.hf`` passes it: one row
+    over the keys repeated over the queries by stride 0; the last eighth of the keys of
+    every other sequence hidden."""
+    b, _, n, _ = q.shape
+    row = torch.ones(b, n, dtype=torch.bool, device=q.device)
+    row[::2, n - n // 8:] = False
+    return row[:, None, None, :].expand(b, 1, n, n)
 
 
 def _flops(name: str, q, v, m: int) -> float:
@@ -280,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile-kernels", nargs="+", default=["triton", "auto"],
                         choices=["triton", "auto"], help="the kernel options compiled")
     parser.add_argument("--max-exact-n", type=int, default=32768,
-                        help="longest N for the exact kernelized variants")
+                        help="longest N for the exact kernelized variants and the padded calls")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: check the script at tiny sizes (TRITON_INTERPRET=1)")
     parser.add_argument("--tiles", nargs="+", default=None,
@@ -328,7 +348,8 @@ def _main(args: argparse.Namespace, argv: list[str] | None) -> int:
             calls = _calls(q, k, v, grad, args.features, n in args.compile_seq_lens,
                            args.compile_kernels)
             if n > args.max_exact_n:
-                calls = {name: fn for name, fn in calls.items() if "kernelized" not in name}
+                calls = {name: fn for name, fn in calls.items()
+                         if "kernelized" not in name and "+padding" not in name}
             if args.calls:
                 calls = {name: fn for name, fn in calls.items() if name == "sdpa"
                          or any(fnmatch.fnmatchcase(name, p) for p in args.calls)}

@@ -107,7 +107,8 @@ def test_kernel_benchmark_runs_on_the_cpu_under_the_interpreter(tmp_path):
         "sdpa", "skyformer/torch", "skyformer/triton", "skyformer/triton+tf32",
         "skyformer/triton+implicit", "skyformer/triton+implicit+one-pass",
         "skyformer/triton+implicit+guard", "skyformer/triton+implicit+rows-bf16",
-        "kernelized/torch", "kernelized/triton", "kernelized/fold"]
+        "kernelized/torch", "kernelized/triton", "kernelized/fold", "sdpa+padding",
+        "kernelized/auto+padding", "kernelized/torch+padding"]
     assert all(row["ms"] > 0 and row["peak_mib"] is None for row in result["rows"])
     assert {(row["shape"], row["call"]) for row in result["core"]} == {
         (f"1,1,m={m}", f"core/{kernel}/{mode}") for m in (8, 64)
