@@ -27,6 +27,7 @@ from ..shared.centring import keys_mean
 from ..shared.inputs import (
     AttentionInputs,
     check_attention_inputs,
+    check_device,
     check_generator,
     zero_padded_queries,
 )
@@ -171,9 +172,11 @@ def _padding_row(attn_mask: Tensor | None, info: AttentionInputs, q: Tensor
     """``[B, Nk]`` bool: the keys ``attn_mask`` lets every query and head see, where it
     is a boolean row over the keys for all of them (a padding mask, as ``skyformer.hf``
     builds it; ``shared_key_row``), which the flash kernels take as key padding; None
-    for no mask or any other (the SDPA routes take it)."""
-    if attn_mask is None or attn_mask.device != q.device:
+    for no mask or any other (the SDPA routes take it). A mask on another device than
+    q: a sentence."""
+    if not isinstance(attn_mask, Tensor):
         return None
+    check_device("kernelized", "attn_mask", attn_mask, q.device)
     return shared_key_row(attn_mask, (*q.shape[:3], info.key_len))
 
 
