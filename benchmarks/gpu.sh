@@ -22,7 +22,8 @@
 # with bf16 autocast, the Triton kernels); the model shape (B=4, H=16, D=64, bf16)
 # against flash SDPA, eager and in a CUDA graph, each call timed in a block of its own
 # after an idle second (`gpu_kernels.py --timing blocked`; exact kernelized attention
-# at N = 4096 too, also with a model's padding as an attn_mask), then the same calls interleaved, as earlier runs timed them
+# at N = 4096 too, also with a model's padding as an attn_mask), then the same calls
+# interleaved, as earlier runs timed them
 # (interleaved with the 132 ms of flash SDPA at N = 32768 a Skyformer call measured
 # 8.7 ms where alone it took 6.8-7.0); the implicit core's Newton steps against
 # Razavi's; the LRA shape (B=1, H=2, D=32, float32); `skyformer bench --device cuda

@@ -13,9 +13,12 @@ included; none for the CUDA-graph rows, which replay into memory their capture t
 - ``kernelized`` (exact) with ``kernel="torch"`` (SDPA augmentation) and ``"triton"``,
   and ``kernelized/fold``: ``fold_key_norms=True`` (SDPA's fused kernels at head dim D,
   ``ops/kernelized/sdpa_fold.py``); with a model's padding as an ``attn_mask``
-  (``_padding_mask``): ``sdpa+padding``, ``kernelized/auto+padding`` (the flash kernels,
-  which take it as key padding) and ``kernelized/torch+padding`` (the augmentation, where
-  every ``attn_mask`` went before; bfloat16 with gradients computed in float32),
+  (``_padding_mask``), up to N = ``--padding-max-n``: ``sdpa+padding`` (SDPA expands
+  the mask to a float ``[B, 1, N, N]``, which its peak memory includes),
+  ``kernelized/auto+padding`` (the flash kernels, which take it as key padding) and
+  ``kernelized/torch+padding`` (the augmentation, where every ``attn_mask`` went before;
+  bfloat16 with gradients computed in float32); their ``vs_sdpa`` is against SDPA
+  without the mask, like every row's: compare them with ``sdpa+padding``'s,
 - ``skyformer/triton+tf32``: the Triton path where PyTorch allows TF32
   (``torch.set_float32_matmul_precision("high")``: the float32 core's dots in one TF32
   pass instead of three; bfloat16 products keep their bf16x3),
@@ -172,10 +175,10 @@ def _calls(q, k, v, grad, features, compiled, compile_kernels=("triton", "auto")
 def _padding_mask(q) -> torch.Tensor:
     """``[B, 1, N, N]`` bool, a model's padding as ``skyformer.hf`` passes it: one row
     over the keys repeated over the queries by stride 0; the last eighth of the keys of
-    every other sequence hidden."""
+    every other sequence hidden (at least one key)."""
     b, _, n, _ = q.shape
     row = torch.ones(b, n, dtype=torch.bool, device=q.device)
-    row[::2, n - n // 8:] = False
+    row[::2, n - max(1, n // 8):] = False
     return row[:, None, None, :].expand(b, 1, n, n)
 
 
@@ -300,7 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile-kernels", nargs="+", default=["triton", "auto"],
                         choices=["triton", "auto"], help="the kernel options compiled")
     parser.add_argument("--max-exact-n", type=int, default=32768,
-                        help="longest N for the exact kernelized variants and the padded calls")
+                        help="longest N for the exact kernelized variants")
+    parser.add_argument("--padding-max-n", type=int, default=4096,
+                        help="longest N for the calls with a padding mask (+padding)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: check the script at tiny sizes (TRITON_INTERPRET=1)")
     parser.add_argument("--tiles", nargs="+", default=None,
@@ -348,8 +353,9 @@ def _main(args: argparse.Namespace, argv: list[str] | None) -> int:
             calls = _calls(q, k, v, grad, args.features, n in args.compile_seq_lens,
                            args.compile_kernels)
             if n > args.max_exact_n:
-                calls = {name: fn for name, fn in calls.items()
-                         if "kernelized" not in name and "+padding" not in name}
+                calls = {name: fn for name, fn in calls.items() if "kernelized" not in name}
+            if n > args.padding_max_n:
+                calls = {name: fn for name, fn in calls.items() if "+padding" not in name}
             if args.calls:
                 calls = {name: fn for name, fn in calls.items() if name == "sdpa"
                          or any(fnmatch.fnmatchcase(name, p) for p in args.calls)}
@@ -368,7 +374,8 @@ def _main(args: argparse.Namespace, argv: list[str] | None) -> int:
                        "vs_sdpa": times["sdpa"] / times[name], "flops": _flops(name, q, v,
                                                                               args.features)}
                 row["speed_of_light"] = row["flops"] / (times[name] * rate[
-                    "bfloat16" if dtype != torch.float32 or name == "sdpa" else "float32"])
+                    "bfloat16" if dtype != torch.float32 or name.split("+")[0] == "sdpa"
+                    else "float32"])
                 rows.append(row)
                 print(f"{spec:18s} N={n:6d} {name:18s} {row['ms']:9.3f} ms "
                       f"{row['vs_sdpa']:7.2f}x sdpa  {peak_text(row['peak_mib'])}  "

@@ -312,6 +312,49 @@ def test_auto_falls_back_to_the_augmentation_when_the_flash_kernels_fail(monkeyp
 
 
 @needs_interpreter  # kernel="triton" on CPU tensors
+def test_the_fallback_keeps_a_padding_attn_mask(monkeypatch):
+    """A padding ``attn_mask`` reaches the flash kernels joined with ``key_padding_mask``
+    (the keys both keep), and where they fail under ``"auto"`` the augmentation gets the
+    mask itself: the output of ``kernel="torch"`` with it."""
+    from skyformer.linalg import kernel_backend
+    from skyformer.ops.kernelized import kernelized as module
+
+    monkeypatch.setattr(kernel_backend, "auto_device", lambda y: True)
+    monkeypatch.setattr(kernel_backend, "triton_available", lambda: True)
+    monkeypatch.setattr(module.FLASH_FALLBACK, "failures", set())
+    q, k, v = make_qkv(2, 2, 16, 8, dtype=torch.float32, seed=4)
+    row = torch.ones(2, 16, dtype=torch.bool)
+    row[0, 10:] = False
+    padding = torch.ones(2, 16, dtype=torch.bool)
+    padding[1, :3] = False
+    given = []
+
+    def broken(q, k, v, key_valid, *args):
+        given.append(key_valid)
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(module, "flash_kernelized", broken)
+    mask = row[:, None, None, :].expand(2, 1, 16, 16)
+    with pytest.warns(RuntimeWarning, match="kernel='auto' takes the SDPA augmentation"):
+        out = kernelized_attention(q, k, v, key_padding_mask=padding, attn_mask=mask)
+    assert len(given) == 1 and torch.equal(given[0], row & padding)
+    torch.testing.assert_close(out, kernelized_attention(
+        q, k, v, key_padding_mask=padding, attn_mask=mask, kernel="torch"))
+    assert not torch.allclose(out, kernelized_attention(q, k, v, key_padding_mask=padding,
+                                                        kernel="torch"))
+
+
+@needs_interpreter  # kernel="triton" on CPU tensors
+def test_an_attn_mask_on_another_device_is_named():
+    """Also where the flash kernels would read its row (kernel="triton")."""
+    q, k, v = make_qkv(1, 2, 8, 4)
+    for kernel in ("auto", "torch", "triton"):
+        with pytest.raises(ValueError, match=r"attn_mask is on meta .* attn_mask.to\('cpu'\)"):
+            kernelized_attention(q, k, v, kernel=kernel, attn_mask=torch.ones(
+                1, 1, 1, 8, dtype=torch.bool, device="meta"))
+
+
+@needs_interpreter  # kernel="triton" on CPU tensors
 def test_auto_falls_back_when_the_backward_kernels_fail(monkeypatch):
     """A backward flash kernel that cannot run (too few resources on a smaller GPU)
     under ``"auto"`` warns once and gives the augmentation's gradients; under

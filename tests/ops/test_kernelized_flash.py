@@ -186,17 +186,21 @@ def _flash_calls() -> Recorder:
 
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("form", list(_padding_masks(torch.ones(2, 3, dtype=torch.bool), 4)))
-@pytest.mark.parametrize("causal", [False, True])
-def test_a_padding_attn_mask_runs_on_the_flash_kernels(device, form, causal):
+@pytest.mark.parametrize("pattern", ["full", "causal", "cross"])
+def test_a_padding_attn_mask_runs_on_the_flash_kernels(device, form, pattern):
     """A boolean attn_mask that is one row over the keys for every query and head (a
     padding mask, as skyformer.hf builds it) is the flash kernels' key padding, joined
     with key_padding_mask: the flash operators run, with the SDPA augmentation's outputs
-    and gradients under the same masks."""
+    and gradients under the same masks (self-attention, causal, and 29 queries against
+    40 keys)."""
     dtype = torch.float64 if device == "cpu" else torch.float32
+    nq = 29 if pattern == "cross" else 40
+    causal = pattern == "causal"
     q, k, v = (t.to(device, dtype) for t in make_qkv(2, 2, 40, 16, dv=24, seed=16))
+    q = q[:, :, :nq]
     row = torch.ones(2, 40, dtype=torch.bool, device=device)
     row[0, 5:9], row[1, -7:] = False, False
-    attn_mask = _padding_masks(row, 40)[form]
+    attn_mask = _padding_masks(row, nq)[form]
     padding = edge_padding(2, 40, device)
 
     def run(kernel):
