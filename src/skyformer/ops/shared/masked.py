@@ -106,11 +106,16 @@ def shared_key_row(attn_mask: Tensor, shape: tuple[int, ...]) -> Tensor | None:
     if attn_mask.dtype != torch.bool or not mask_broadcasts(attn_mask, shape) \
             or attn_mask.dim() == 0:
         return None
-    mask = attn_mask[(None,) * (4 - attn_mask.dim())]  # [B|1, H|1, Nq|1, Nk|1], a view
-    for dim in (1, 2):
-        if mask.shape[dim] > 1 and not (mask.stride(dim) == 0 and strides_hold()):
+    row = attn_mask
+    for dim in (2, 1):  # queries, then heads, as the mask's own dims (it may have fewer)
+        own = dim - (4 - row.dim())
+        if own < 0 or row.shape[own] == 1:
+            continue
+        if not (row.stride(own) == 0 and strides_hold()):
             return None
-    return mask[:, 0, 0, :].expand(shape[0], shape[3])
+        row = row.narrow(own, 0, 1)  # queries first: no view of [.., Nq, Nk] is formed
+    batch = row.shape[0] if row.dim() == 4 else 1
+    return row.reshape(batch, row.shape[-1]).expand(shape[0], shape[3])
 
 
 def mask_broadcasts(attn_mask: object, shape: tuple[int, ...]) -> bool:
