@@ -269,7 +269,8 @@ def _as_padding(spec: Method, attn_mask: Tensor, key_padding_mask: Tensor | None
             and tuple(query_padding_mask.shape) == (b, lq))
         rows = query_padding_mask if given else "auto"  # others: the method's check names
         resolved = resolve_mask(attn_mask, batch=b, query_len=lq, key_len=lk,
-                                is_causal=False, query_valid=rows, advice=advice)
+                                is_causal=False, query_valid=rows, advice=advice,
+                                all_real_as_none=not spec.capabilities.mask)
         valid, causal = resolved.key_padding_mask, causal or resolved.causal
     elif attn_mask.dtype == torch.bool and attn_mask.shape[-2] == 1 \
             and attn_mask.shape[-1] == lk and attn_mask.shape[-3] == 1:

@@ -129,6 +129,7 @@ def resolve_mask(
     is_causal: bool,
     query_valid: Tensor | str | None = "auto",
     advice: str = USE_EXACT,
+    all_real_as_none: bool = True,
 ) -> ResolvedMask:
     """Turn a transformers attention mask into ``key_padding_mask`` and ``causal``.
 
@@ -144,8 +145,13 @@ def resolve_mask(
             the mask hides from every query is padding, its row unchecked), ``None``
             (every query is real: every row is checked) or ``[B, Nq]`` bool.
         advice: what the caller can do instead, ending every error sentence.
+        all_real_as_none: return ``key_padding_mask=None`` where every key is real (so
+            that a method without key padding runs), which reads the mask on the host
+            (on a GPU a wait for the queue, once a layer); ``False`` for a method that
+            takes key padding, whose result with a mask of real keys is the same.
     Returns:
-        ``ResolvedMask``; its ``key_padding_mask`` is ``None`` when every key is real.
+        ``ResolvedMask``; its ``key_padding_mask`` is ``None`` when every key is real
+        and ``all_real_as_none``.
     Raises:
         UnsupportedMaskError: for any other mask pattern, with the reason.
     """
@@ -168,7 +174,7 @@ def resolve_mask(
     _refuse_per_head(allowed, "the attention mask", advice)
     rows = allowed[:, 0].expand(batch, -1, -1)  # [B, Qm, Nk]
     if rows.shape[1] == 1 or rows.stride(1) == 0:  # one row for every query: key padding
-        return ResolvedMask(_normalise(rows[:, 0]), False)
+        return ResolvedMask(_normalise(rows[:, 0], all_real_as_none), False)
 
     # [B, Nk]: keys some (real) query may see; the others are padding. Rows of padded
     # queries are not checked (module docstring).
@@ -186,12 +192,12 @@ def resolve_mask(
     traced = torch.compiler.is_compiling()
     if not (traced and is_causal and query_len == key_len) and _holds(
             (rows == visible[:, None, :]) | unchecked, "the attention mask is not key padding"):
-        return ResolvedMask(_normalise(visible), False)
+        return ResolvedMask(_normalise(visible, all_real_as_none), False)
     if query_len == key_len:
         tril = torch.ones(query_len, key_len, dtype=torch.bool, device=rows.device).tril()
         if _holds((rows == (tril & visible[:, None, :])) | unchecked,
                   "the attention mask is not causal with key padding"):
-            return ResolvedMask(_normalise(visible), True)
+            return ResolvedMask(_normalise(visible, all_real_as_none), True)
     raise UnsupportedMaskError(
         "the attention mask is neither key padding nor causal with key padding (e.g. a "
         "sliding window, packed sequences, a cached prefix or a custom pattern); the "
@@ -229,11 +235,11 @@ def causal_without_mask(is_causal: bool, query_len: int, key_len: int) -> bool:
     return bool(is_causal) and (query_len > 1 or query_len == key_len == 1)
 
 
-def _normalise(key_valid: Tensor) -> Tensor | None:
-    """``None`` when every key is real (lets methods without mask support run); a traced
-    call keeps the mask (no branch on its values)."""
+def _normalise(key_valid: Tensor, all_real_as_none: bool = True) -> Tensor | None:
+    """``None`` when every key is real and ``all_real_as_none`` (lets methods without
+    mask support run); a traced call keeps the mask (no branch on its values)."""
     key_valid = key_valid.to(torch.bool).contiguous()
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not all_real_as_none:
         return key_valid
     return None if bool(key_valid.all()) else key_valid
 

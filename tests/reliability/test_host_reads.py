@@ -181,3 +181,51 @@ def test_a_decoding_step_that_reveals_a_landmark_reads_two_values(method):
     assert len(revealing) >= 8  # the landmark slots revealed after the prompt
     assert max(revealing) <= 2
     assert max(reads[t] for t in completes_chunk) <= 3
+
+
+def _padding_as_attn_mask(b: int, n: int, padded: bool) -> torch.Tensor:
+    """``[B, 1, N, N]`` bool, padding as ``skyformer.hf`` passes it: one row over the
+    keys repeated over the queries by stride 0 (every key real where not ``padded``)."""
+    row = torch.ones(b, n, dtype=torch.bool)
+    if padded:
+        row[0, -7:] = False
+    return row[:, None, None, :].expand(b, 1, n, n)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("name", ["skyformer", "nystromformer", "performer"])
+def test_a_padding_attn_mask_is_turned_into_key_padding_without_a_read(name, padded):
+    """``scaled_dot_product_attention`` gives an approximate method a padding
+    ``attn_mask`` as key padding without reading it: whether every key is real was a
+    read (on a GPU a wait for the queue, once a layer) to pass None instead, which a
+    method that takes key padding does not need; with every key real the result is the
+    call's without a mask."""
+    q, k, v = (t.float().requires_grad_() for t in make_qkv(2, 2, 48, 16, seed=5))
+    mask = _padding_as_attn_mask(2, 48, padded)
+    key = skyformer.random_key(4)  # made from Python data: outside the watch
+
+    def call(attn_mask):
+        return skyformer.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, method=name, num_features=16, generator=key)
+
+    assert not host_reads(lambda: call(mask)), name
+    if not padded:
+        torch.testing.assert_close(call(mask), call(None), rtol=0, atol=0)
+
+
+def test_a_models_padding_is_read_once_a_forward_not_once_a_layer():
+    """A Hugging Face model with a Skyformer layer and padded batches: the mask builder
+    reads whether there is padding once a forward (to pass no mask without it); the
+    layers take the padding without a read of their own."""
+    pytest.importorskip("transformers")
+    from skyformer.hf import set_attention
+    from tests.hf.conftest import tiny_bert
+
+    model = set_attention(tiny_bert(), "skyformer", num_features=8)  # two layers
+    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(0))
+    attention_mask = torch.ones(2, 24, dtype=torch.long)
+    attention_mask[1, 17:] = 0
+    with mock.patch.object(guard, "may_read_values", lambda *_: False), torch.no_grad(), \
+            _HostReads() as reads:  # the non-finite check as on CUDA (module docstring)
+        model(input_ids=ids, attention_mask=attention_mask)
+    assert sum(reads.where.values()) == 1, dict(reads.where)

@@ -289,7 +289,8 @@ def _attention(module: nn.Module, layer: LayerAttention, decoding: DecodingLayer
     nk = key.shape[2]
     advice = OVER_A_CACHED_PREFIX if nq < nk and not layer.cross else USE_SDPA
     resolved = resolve_mask(attention_mask, batch=b, query_len=nq, key_len=nk,
-                            is_causal=is_causal, advice=advice)
+                            is_causal=is_causal, advice=advice,
+                            all_real_as_none=not spec.capabilities.mask)
     bound = layer.bound.replace(
         **_call_options(spec, layer, scaling, head_dim, resolved.causal, where))
     # softmax, which drops probabilities as the model was trained, took the any-mask path
