@@ -139,7 +139,8 @@ def resolve_mask(
         batch, query_len, key_len: B, Nq, Nk of the attention call.
         is_causal: the model's causal flag; as in transformers' SDPA path it applies only
             when no mask is given (a given mask already holds the causal pattern), and
-            then as ``causal_without_mask`` says.
+            then as ``causal_without_mask`` says; with a mask, causal with key padding
+            is the pattern checked first (one read in eager code where it holds).
         query_valid: which queries are real, whose rows must follow the pattern:
             ``"auto"`` (self-attention's convention when Nq == Nk: a position whose key
             the mask hides from every query is padding, its row unchecked), ``None``
@@ -186,18 +187,29 @@ def resolve_mask(
         real_rows = visible if query_valid is not None and query_len == key_len \
             else torch.ones_like(rows[:, :, 0])
     unchecked = ~real_rows[:, :, None]  # [B, Nq, 1]
-    # A traced call cannot branch on the mask's values: it takes the pattern the model
-    # declares (causal with key padding where is_causal and Nq == Nk, else key padding)
-    # and checks it on the device (``_holds``)
-    traced = torch.compiler.is_compiling()
-    if not (traced and is_causal and query_len == key_len) and _holds(
-            (rows == visible[:, None, :]) | unchecked, "the attention mask is not key padding"):
-        return ResolvedMask(_normalise(visible, all_real_as_none), False)
-    if query_len == key_len:
+
+    def padding() -> bool:
+        return _holds((rows == visible[:, None, :]) | unchecked,
+                      "the attention mask is not key padding")
+
+    def causal_padding() -> bool:
         tril = torch.ones(query_len, key_len, dtype=torch.bool, device=rows.device).tril()
-        if _holds((rows == (tril & visible[:, None, :])) | unchecked,
-                  "the attention mask is not causal with key padding"):
+        return _holds((rows == (tril & visible[:, None, :])) | unchecked,
+                      "the attention mask is not causal with key padding")
+
+    # The pattern the model declares first (causal with key padding where is_causal and
+    # Nq == Nk, else key padding): in eager code one read where it holds (each check is
+    # a read: on a GPU a wait for the queue, once a layer); a traced call cannot branch
+    # on the mask's values, so it takes that pattern and checks it on the device
+    if is_causal and query_len == key_len:
+        if causal_padding():
             return ResolvedMask(_normalise(visible, all_real_as_none), True)
+        if padding():
+            return ResolvedMask(_normalise(visible, all_real_as_none), False)
+    elif padding():
+        return ResolvedMask(_normalise(visible, all_real_as_none), False)
+    elif query_len == key_len and causal_padding():
+        return ResolvedMask(_normalise(visible, all_real_as_none), True)
     raise UnsupportedMaskError(
         "the attention mask is neither key padding nor causal with key padding (e.g. a "
         "sliding window, packed sequences, a cached prefix or a custom pattern); the "

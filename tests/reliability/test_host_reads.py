@@ -213,19 +213,34 @@ def test_a_padding_attn_mask_is_turned_into_key_padding_without_a_read(name, pad
         torch.testing.assert_close(call(mask), call(None), rtol=0, atol=0)
 
 
-def test_a_models_padding_is_read_once_a_forward_not_once_a_layer():
-    """A Hugging Face model with a Skyformer layer and padded batches: the mask builder
-    reads whether there is padding once a forward (to pass no mask without it); the
-    layers take the padding without a read of their own."""
+def _model_reads(decoder: bool) -> collections.Counter[str]:
+    """The reads of a forward pass of a 2-layer BERT (a decoder: causal) with Skyformer
+    layers on a padded batch, by place."""
     pytest.importorskip("transformers")
     from skyformer.hf import set_attention
     from tests.hf.conftest import tiny_bert
 
-    model = set_attention(tiny_bert(), "skyformer", num_features=8)  # two layers
+    model = set_attention(tiny_bert(is_decoder=decoder), "skyformer", num_features=8)
     ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(0))
     attention_mask = torch.ones(2, 24, dtype=torch.long)
     attention_mask[1, 17:] = 0
     with mock.patch.object(guard, "may_read_values", lambda *_: False), torch.no_grad(), \
             _HostReads() as reads:  # the non-finite check as on CUDA (module docstring)
         model(input_ids=ids, attention_mask=attention_mask)
-    assert sum(reads.where.values()) == 1, dict(reads.where)
+    return reads.where
+
+
+def test_a_models_padding_is_read_once_a_forward_not_once_a_layer():
+    """An encoder: the mask builder reads whether there is padding once a forward (to
+    pass no mask without it); the layers take the padding row without a read."""
+    reads = _model_reads(decoder=False)
+    assert sum(reads.values()) == 1, dict(reads)
+
+
+def test_a_decoders_causal_padding_is_checked_by_one_read_a_layer():
+    """A decoder: transformers materialises causal with padding, which each layer checks
+    (a mask ignored is a wrong answer); the pattern the model declares first, so one
+    read a layer where it holds (the key padding check came first, and failed, before)."""
+    reads = _model_reads(decoder=True)
+    checks = sum(n for where, n in reads.items() if "/skyformer/masks.py:" in where)
+    assert checks == 2, dict(reads)  # one for each of the 2 layers
