@@ -643,6 +643,25 @@ def test_a_float_key_padding_mask_gets_the_conversion_of_its_convention():
         sdpa(q, k, v, key_padding_mask=torch.ones(1, 6, dtype=torch.long))
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_wrong_key_padding_mask_beside_a_padding_attn_mask_gets_its_sentence(padded):
+    """An attn_mask's key padding joins key_padding_mask only where that is a bool
+    [B, S] tensor; any other goes to the method as given, whose check names it (joined,
+    a float one failed inside ``&``, a [B, S - 1] one with torch's size error, and a
+    [1, S] one was broadcast over the batch)."""
+    q, k, v = make_qkv(2, 2, 8, 4)
+    attn_mask = torch.ones(2, 1, 1, 8, dtype=torch.bool)
+    if padded:
+        attn_mask[0, ..., -2:] = False
+    for wrong, error, sentence in (
+            (torch.ones(2, 8), TypeError, r"key_padding_mask must be a bool tensor"),
+            (torch.ones(2, 7, dtype=torch.bool), ValueError, r"must have shape \[B, Nk\]"),
+            (torch.ones(1, 8, dtype=torch.bool), ValueError, r"must have shape \[B, Nk\]")):
+        with pytest.raises(error, match=sentence):
+            sdpa(q, k, v, attn_mask, method="skyformer", key_padding_mask=wrong,
+                 num_features=4, generator=random_key(0))
+
+
 def test_numpy_scalars_are_numbers_as_for_sdpa():
     """A NumPy float32 scale or dropout_p (what a config read with NumPy holds) is a
     number, as torch's SDPA takes it; the refusal said it was not a finite number."""

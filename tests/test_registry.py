@@ -274,6 +274,12 @@ def test_a_core_without_the_call_arguments_is_refused_at_registration(monkeypatc
     layer = skyformer.MultiHeadAttention(8, 2, "no_query_mask").double()
     layer(torch.randn(1, 6, 8, dtype=torch.float64),
           context=torch.randn(1, 4, 8, dtype=torch.float64))
+    # a padding attn_mask of real keys reaches such a core as no mask (read to say so),
+    # where it would refuse a key mask with every query called real
+    all_real = torch.ones(1, 1, 1, 8, dtype=torch.bool)
+    torch.testing.assert_close(skyformer.scaled_dot_product_attention(
+        q, q, q, attn_mask=all_real, method="no_query_mask", query_padding_mask=None),
+        torch.nn.functional.scaled_dot_product_attention(q, q, q))
     padded = torch.ones(1, 8, dtype=torch.bool)
     padded[0, 6:] = False  # a key mask, and queries called real: the core cannot say so
     monkeypatch.delitem(registry_methods._REGISTRY, "no_query_mask_public", raising=False)

@@ -61,6 +61,7 @@ from .ops.shared.masked import mask_broadcasts
 from .ops.shared.options import check_probability
 from .ops.shared.tracing import may_read_values
 from .registry import CapabilityError, check_capabilities, get_method
+from .registry.binding import all_real_padding_as_none
 from .registry.capabilities import masks_taken
 from .registry.methods import Method
 from .varlen import pack, unpack
@@ -270,7 +271,7 @@ def _as_padding(spec: Method, attn_mask: Tensor, key_padding_mask: Tensor | None
         rows = query_padding_mask if given else "auto"  # others: the method's check names
         resolved = resolve_mask(attn_mask, batch=b, query_len=lq, key_len=lk,
                                 is_causal=False, query_valid=rows, advice=advice,
-                                all_real_as_none=not spec.capabilities.mask)
+                                all_real_as_none=all_real_padding_as_none(spec))
         valid, causal = resolved.key_padding_mask, causal or resolved.causal
     elif attn_mask.dtype == torch.bool and attn_mask.shape[-2] == 1 \
             and attn_mask.shape[-1] == lk and attn_mask.shape[-3] == 1:
@@ -291,8 +292,18 @@ def _as_padding(spec: Method, attn_mask: Tensor, key_padding_mask: Tensor | None
             f"is the same for every query."
         )
     if valid is not None and key_padding_mask is not None:
+        if not _is_key_padding(key_padding_mask, b, lk):
+            return key_padding_mask, causal  # the method's check names what is wrong
         valid = valid & key_padding_mask
     return (key_padding_mask if valid is None else valid), causal
+
+
+def _is_key_padding(mask: Any, b: int, lk: int) -> bool:
+    """Whether ``mask`` is a bool ``[B, S]`` tensor, which an ``attn_mask``'s key padding
+    may join; anything else goes to the method as given, whose check says what is wrong
+    (joined, a float mask failed inside ``&`` and a ``[1, S]`` one was broadcast)."""
+    return isinstance(mask, Tensor) and mask.dtype == torch.bool \
+        and tuple(mask.shape) == (b, lk)
 
 
 def _mask_arguments(spec: Method) -> str:

@@ -149,7 +149,8 @@ def resolve_mask(
         all_real_as_none: return ``key_padding_mask=None`` where every key is real (so
             that a method without key padding runs), which reads the mask on the host
             (on a GPU a wait for the queue, once a layer); ``False`` for a method that
-            takes key padding, whose result with a mask of real keys is the same.
+            takes key padding, whose result with a mask of real keys is the same up to
+            rounding (``registry.binding.all_real_padding_as_none``).
     Returns:
         ``ResolvedMask``; its ``key_padding_mask`` is ``None`` when every key is real
         and ``all_real_as_none``.

@@ -55,6 +55,7 @@ from ..decoding import new_decoding_state
 from ..masks import UnsupportedMaskError, causal_without_mask, decoding_key_valid, resolve_mask
 from ..ops.shared.tracing import may_read_values
 from ..registry import CapabilityError, Method, get_method, list_methods
+from ..registry.binding import all_real_padding_as_none
 from ..sketch.rng import random_key
 from .decoding import DecodingLayer, claimed_step
 from .layers import (
@@ -290,7 +291,7 @@ def _attention(module: nn.Module, layer: LayerAttention, decoding: DecodingLayer
     advice = OVER_A_CACHED_PREFIX if nq < nk and not layer.cross else USE_SDPA
     resolved = resolve_mask(attention_mask, batch=b, query_len=nq, key_len=nk,
                             is_causal=is_causal, advice=advice,
-                            all_real_as_none=not spec.capabilities.mask)
+                            all_real_as_none=all_real_padding_as_none(spec))
     bound = layer.bound.replace(
         **_call_options(spec, layer, scaling, head_dim, resolved.causal, where))
     # softmax, which drops probabilities as the model was trained, took the any-mask path

@@ -60,6 +60,16 @@ def query_mask_argument(name: str, takes: bool, query_padding_mask: Any, q: Any,
         f"(CONTRIBUTING.md).")
 
 
+def all_real_padding_as_none(method: Any) -> bool:
+    """Whether a caller that turns an attention mask into key padding for ``method``
+    (a registry ``Method``) must pass None where every key is real, which takes a read
+    of the mask on the host: for a method without key padding (capability ``mask``),
+    and for one whose function lacks ``query_padding_mask`` (``query_mask_argument``
+    refuses a key mask there when the queries could be padded). The library's methods
+    give the same result, up to rounding, with a mask of real keys as with None."""
+    return not (method.capabilities.mask and TAKES_QUERY_MASK.get(method.function, True))
+
+
 def takes_keyword(fn: Callable[..., Any], name: str, *, named: bool = False) -> bool:
     """Whether ``fn`` takes the keyword argument ``name`` (or any, ``**kwargs``, unless
     ``named``: a function taking ``**kwargs`` alone may drop it)."""
