@@ -106,14 +106,9 @@ def shared_key_row(attn_mask: Tensor, shape: tuple[int, ...]) -> Tensor | None:
     if attn_mask.dtype != torch.bool or not mask_broadcasts(attn_mask, shape) \
             or attn_mask.dim() == 0:
         return None
-    row = attn_mask
-    for dim in (2, 1):  # queries, then heads, as the mask's own dims (it may have fewer)
-        own = dim - (4 - row.dim())
-        if own < 0 or row.shape[own] == 1:
-            continue
-        if not (row.stride(own) == 0 and strides_hold()):
-            return None
-        row = row.narrow(own, 0, 1)  # queries first: no view of [.., Nq, Nk] is formed
+    row = _broadcast_dims_as_one(attn_mask)
+    if any(size != 1 for size in row.shape[-3:-1]):  # heads and queries: one of each
+        return None
     batch = row.shape[0] if row.dim() == 4 else 1
     return row.reshape(batch, row.shape[-1]).expand(shape[0], shape[3])
 
