@@ -195,53 +195,65 @@ class TritonGaussianBlockProduct(torch.autograd.Function):
     @staticmethod
     @first_order_backward
     def backward(ctx: Any, grad: Tensor, _: Any) -> tuple[Tensor | None, ...]:
-        y, x, b, rhs, a, out, exclude, x_bf16 = ctx.saved_tensors
         if grad is None:  # the output reached no loss (grads are not materialised)
             return (None,) * 15
-        a = None if is_absent(a) else a.contiguous()
-        scale, row_norm, transpose, x_factor, ones_column, auto = ctx.options
-        need_y, need_x, need_b, need_rhs = ctx.needs_input_grad[:4]
-        y, grad = y.contiguous(), grad.contiguous()
-        rhs = with_ones_column(rhs, ones_column).contiguous()
-        kx = _kernel_x(x, x_bf16, x_factor, scale)
-        b = None if b is None else b.contiguous()
-        vn, vm = (rhs, grad) if transpose else (grad, rhs)
-        # the rows of C g (transpose: dV) and dE x; the columns of C^T g (dZ) and dE^T y
-        rows_first = transpose and (need_rhs or (need_y and row_norm))
-        cols_first = not transpose and (need_rhs or need_b)
-        row_norm_coef = -scale * scale if row_norm else None
-        if ONE_PASS_BACKWARD and (need_y or rows_first) and (need_x or cols_first) \
-                and one_pass_applies(x.shape[-2], y.shape[-1], rhs.shape[-1]):
-            c_vm, dy, c_vn, dx = _one_pass(
-                y, kx, a, b, vn, vm, exclude, _norm_scale(scale, row_norm), auto=auto,
-                write_row1=rows_first, write_row2=need_y, write_col1=cols_first,
-                write_col2=need_x, row2_scale=kx.dot_scale, norm_coef=row_norm_coef,
-                col2_scale=scale)
-            return _gradients(ctx, grad, out, rhs, c_vm, dy, c_vn, dx, ones_column)
-        c_vm, dy = None, None
-        if need_y or rows_first:
-            # dy = s dE x (x = c x_bf16 when the kernels read x_bf16); the row norm adds
-            # -s^2 (dE 1)_i y_i, summed in the kernel (no rounded copy of dE 1). C V_M
-            # (dV = C g) in V_N's dtype, V's, whether or not V_N is read for dy
-            c_vm, dy, _ = _rows(y, kx, a, b, vm, vn if need_y else None, exclude,
-                                _norm_scale(scale, row_norm), auto=auto, out1_dtype=vn.dtype,
-                                write_out1=rows_first, out2_scale=kx.dot_scale,
-                                norm_coef=row_norm_coef)
-        c_vn, dx = None, None
-        if need_x or cols_first:
-            c_vn, dx = _cols(y, kx, a, b, vn, vm if need_x else None, exclude,
-                             _norm_scale(scale, row_norm), scale, auto=auto,
-                             write_out1=cols_first)
-        return _gradients(ctx, grad, out, rhs, c_vm, dy, c_vn, dx, ones_column)
+        return (*block_product_backward(ctx.saved_tensors, ctx.options,
+                                        ctx.needs_input_grad[:4], grad),) + (None,) * 11
 
 
-def _gradients(ctx: Any, grad: Tensor, out: Tensor | None, rhs: Tensor, c_vm: Tensor | None,
-               dy: Tensor | None, c_vn: Tensor | None, dx: Tensor | None, ones_column: bool
-               ) -> tuple[Tensor | None, ...]:
-    """``TritonGaussianBlockProduct.backward``'s gradients from the kernels' outputs."""
-    transpose = ctx.options[2]
-    need_b, need_rhs = ctx.needs_input_grad[2:4]
+def block_product_backward(saved: tuple, options: tuple, needs: tuple, grad: Tensor
+                           ) -> tuple[Tensor | None, Tensor | None, Tensor | None,
+                                      Tensor | None]:
+    """(dy, dx, db, drhs) of ``TritonGaussianBlockProduct`` for the gradient ``grad`` of
+    its output: ``saved`` and ``options`` as its ``setup_context`` keeps them,
+    ``needs`` whether each of y, x, b and rhs needs its gradient (None where not).
+    Also the backward step of a caller that chains the products itself
+    (``ops/skyformer/one_node.py``)."""
+    y, x, b, rhs, a, out, exclude, x_bf16 = saved
+    a = None if is_absent(a) else a.contiguous()
+    scale, row_norm, transpose, x_factor, ones_column, auto = options
+    need_y, need_x, need_b, need_rhs = needs
+    y, grad = y.contiguous(), grad.contiguous()
+    rhs = with_ones_column(rhs, ones_column).contiguous()
+    kx = _kernel_x(x, x_bf16, x_factor, scale)
+    b = None if b is None else b.contiguous()
+    vn, vm = (rhs, grad) if transpose else (grad, rhs)
+    # the rows of C g (transpose: dV) and dE x; the columns of C^T g (dZ) and dE^T y
+    rows_first = transpose and (need_rhs or (need_y and row_norm))
+    cols_first = not transpose and (need_rhs or need_b)
+    row_norm_coef = -scale * scale if row_norm else None
+    gradients = (grad, out, rhs, transpose, need_b, need_rhs, ones_column)
+    if ONE_PASS_BACKWARD and (need_y or rows_first) and (need_x or cols_first) \
+            and one_pass_applies(x.shape[-2], y.shape[-1], rhs.shape[-1]):
+        c_vm, dy, c_vn, dx = _one_pass(
+            y, kx, a, b, vn, vm, exclude, _norm_scale(scale, row_norm), auto=auto,
+            write_row1=rows_first, write_row2=need_y, write_col1=cols_first,
+            write_col2=need_x, row2_scale=kx.dot_scale, norm_coef=row_norm_coef,
+            col2_scale=scale)
+        return _gradients(*gradients, c_vm, dy, c_vn, dx)
+    c_vm, dy = None, None
+    if need_y or rows_first:
+        # dy = s dE x (x = c x_bf16 when the kernels read x_bf16); the row norm adds
+        # -s^2 (dE 1)_i y_i, summed in the kernel (no rounded copy of dE 1). C V_M
+        # (dV = C g) in V_N's dtype, V's, whether or not V_N is read for dy
+        c_vm, dy, _ = _rows(y, kx, a, b, vm, vn if need_y else None, exclude,
+                            _norm_scale(scale, row_norm), auto=auto, out1_dtype=vn.dtype,
+                            write_out1=rows_first, out2_scale=kx.dot_scale,
+                            norm_coef=row_norm_coef)
+    c_vn, dx = None, None
+    if need_x or cols_first:
+        c_vn, dx = _cols(y, kx, a, b, vn, vm if need_x else None, exclude,
+                         _norm_scale(scale, row_norm), scale, auto=auto,
+                         write_out1=cols_first)
+    return _gradients(*gradients, c_vm, dy, c_vn, dx)
+
+
+def _gradients(grad: Tensor, out: Tensor | None, rhs: Tensor, transpose: bool, need_b: bool,
+               need_rhs: bool, ones_column: bool, c_vm: Tensor | None, dy: Tensor | None,
+               c_vn: Tensor | None, dx: Tensor | None
+               ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+    """``block_product_backward``'s gradients from the kernels' outputs."""
     db, drhs = offset_and_value_gradients(  # dV = C g, or dZ = C^T g
         grad, out, rhs, c_vm if transpose else c_vn, transpose=transpose, need_b=need_b,
         need_rhs=need_rhs, ones_column=ones_column)
-    return dy, dx, db, drhs, None, None, None, None, None, None, None, None, None, None, None
+    return dy, dx, db, drhs

@@ -110,19 +110,27 @@ class TritonLemma3Inverse(torch.autograd.Function):
     @first_order_backward
     def backward(ctx: Any, grad: Tensor, _: Any
                  ) -> tuple[Tensor | None, Tensor | None, None, None, None, None, None, None]:
-        source, norm, ridge, store = ctx.saved_tensors
         if grad is None:  # W reached no loss (grads are not materialised)
             return (None,) * 8
-        m = source.shape[-2]
-        # "auto"'s fallback runs inside the operator, where compiled autograd's traced
-        # backward graph calls it (``lemma3_gradients_by_pytorch``)
-        dsource, dnorm = _ops().lemma3_backward(
-            _flat(source, 2, source), _flat(norm, 1, source), ridge.contiguous(),
-            store.contiguous(), grad.reshape(-1, m, m).contiguous(), ctx.iterations, ctx.auto,
-            ctx.implicit)
-        return (dsource.reshape(source.shape),
-                None if norm is None else dnorm.reshape(norm.shape), None, None, None, None,
-                None, None)
+        dsource, dnorm = lemma3_backward_from(ctx.saved_tensors, ctx.iterations, ctx.auto,
+                                              ctx.implicit, grad)
+        return dsource, dnorm, None, None, None, None, None, None
+
+
+def lemma3_backward_from(saved: tuple, iterations: int, auto: bool, implicit: bool,
+                         grad: Tensor) -> tuple[Tensor, Tensor | None]:
+    """The gradients of the source and the norms (None without) of
+    ``TritonLemma3Inverse`` for the gradient ``grad`` of W: ``saved`` as its
+    ``setup_context`` keeps them (source, norm, ridge, store). Also the backward step of
+    a caller that chains the core itself (``ops/skyformer/one_node.py``)."""
+    source, norm, ridge, store = saved
+    m = source.shape[-2]
+    # "auto"'s fallback runs inside the operator, where compiled autograd's traced
+    # backward graph calls it (``lemma3_gradients_by_pytorch``)
+    dsource, dnorm = _ops().lemma3_backward(
+        _flat(source, 2, source), _flat(norm, 1, source), ridge.contiguous(),
+        store.contiguous(), grad.reshape(-1, m, m).contiguous(), iterations, auto, implicit)
+    return dsource.reshape(source.shape), None if norm is None else dnorm.reshape(norm.shape)
 
 
 def lemma3_gradients_by_pytorch(source: Tensor, norm: Tensor | None, ridge: Tensor,
@@ -168,6 +176,20 @@ def triton_lemma3_inverse(source: Tensor, norm: Tensor | None, ridge: Tensor,
         lambda: _by_pytorch(source, norm, ridge, iterations, implicit), on=source)
 
 
+def lemma3_forward_step(source: Tensor, norm: Tensor | None, ridge: Tensor, iterations: int,
+                        auto: bool, implicit: bool, keep: bool, backward: bool
+                        ) -> tuple[Tensor, Tensor]:
+    """(W, the store) of ``TritonLemma3Inverse``'s forward for a caller that chains the
+    core itself (``ops/skyformer/one_node.py``), launched on the source's device; under
+    ``auto`` where the kernel fails, W by PyTorch and an empty store (the backward
+    operator then takes the PyTorch path's gradients, ``CORE_FALLBACK``)."""
+    return CORE_FALLBACK.run(
+        auto, lambda: TritonLemma3Inverse.forward(source, norm, ridge, iterations, auto,
+                                                  implicit, keep, backward),
+        lambda: (_by_pytorch(source, norm, ridge, iterations, implicit), source.new_empty(0)),
+        on=source)
+
+
 def _stored(source: Tensor, norm: Tensor | None, implicit: bool) -> tuple[bool, bool]:
     """(whether the forward kernel keeps its step products, whether it keeps every
     iterate for a backward pass): without one, or for the ``implicit`` gradient, which
@@ -182,9 +204,16 @@ def _stored(source: Tensor, norm: Tensor | None, implicit: bool) -> tuple[bool, 
     # outer grad differentiates them (grad of vmap: the batched ones do not)
     transformed = not torch.compiler.is_compiling() \
         and torch._C._are_functorch_transforms_active()
-    if not (transformed or source.requires_grad
-            or (norm is not None and norm.requires_grad)):
+    return stores_for(source.shape[-2], implicit, transformed or source.requires_grad
+                      or (norm is not None and norm.requires_grad))
+
+
+def stores_for(size: int, implicit: bool, differentiated: bool) -> tuple[bool, bool]:
+    """``_stored``'s answer for ``size`` landmarks and a core that is, or is not,
+    ``differentiated`` (grad mode is not read: a caller that chains the core itself
+    says)."""
+    if implicit or not differentiated:
         return False, False
     from .triton_lemma3 import keeps_products  # imports Triton
 
-    return keeps_products(source.shape[-2], graph_launches_on()), True
+    return keeps_products(size, graph_launches_on()), True

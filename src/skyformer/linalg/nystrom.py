@@ -73,7 +73,7 @@ def lemma3_inverse(
     """
     size = m.shape[-1]
     iterations = core_iterations(gradient, iterations, size, gamma, pinv, init, m.dtype)
-    diag = _ridge(gamma, live, size, m)
+    diag = ridge_diagonal(gamma, live, size, m)
     if fused_lemma3_applies(kernel, m, size, pinv, init, iterations):
         return triton_lemma3_inverse(m, None, diag.reshape(-1, size), iterations,
                                      kernel=kernel, implicit=gradient == "implicit")
@@ -101,7 +101,7 @@ def landmark_inverse(
     size = x.shape[-2]
     steps = core_iterations(gradient, iterations, size, gamma, pinv, init, x.dtype)
     if fused_lemma3_applies(kernel, x, size, pinv, init, steps):
-        ridge = _ridge(gamma, live, size, x)
+        ridge = ridge_diagonal(gamma, live, size, x)
         return triton_lemma3_inverse(x, x_norm, ridge.reshape(-1, size), steps,
                                      kernel=kernel, implicit=gradient == "implicit")
     return lemma3_inverse(gaussian_kernel_block(x, x, x_norm, x_norm), gamma=gamma,
@@ -126,7 +126,7 @@ def core_iterations(gradient: str, iterations: int, size: int, gamma: float, pin
     return implicit_iterations(size, gamma, dtype, at_least=iterations)
 
 
-def _ridge(gamma: float, live: Tensor | None, size: int, like: Tensor) -> Tensor:
+def ridge_diagonal(gamma: float, live: Tensor | None, size: int, like: Tensor) -> Tensor:
     """The diagonal added to M: gamma, 1 on dead slots; ``[m]`` or ``[B, 1, m]`` (for
     ``live: [B, m]``, broadcast over the heads of ``[B, H, m, m]``)."""
     diag = torch.full((size,), float(gamma), dtype=like.dtype, device=like.device)

@@ -142,6 +142,27 @@ def gather_rows_through(xs: Sequence[Tensor], indices: Sequence[Tensor], *,
     return (x, y), rows
 
 
+def rows_untracked(xs: Sequence[Tensor], indices: Sequence[Tensor]
+                   ) -> tuple[list[Tensor], Tensor]:
+    """(the row numbers of each x, the rows) of ``gather_rows_through`` without its
+    autograd node, for a caller that adds the rows' gradient itself
+    (``add_rows_gradient_``): each number a row of x viewed as ``[M, C]``."""
+    for x, index in zip(xs, indices, strict=True):
+        _check(x, index)
+    flats = [_flat_index(x, index) for x, index in zip(xs, indices, strict=True)]
+    rows = [_rows(x, flat) for x, flat in zip(xs, flats, strict=True)]
+    return flats, rows[0] if len(rows) == 1 else torch.cat(rows, dim=-2)
+
+
+def add_rows_gradient_(grad: Tensor, rows_grad: Tensor, flat: Tensor) -> Tensor:
+    """``grad`` (contiguous) with the gradient ``rows_grad`` of the rows at ``flat``
+    (``rows_untracked``'s numbers) added in place; returns ``grad``."""
+    width = grad.shape[-1]
+    grad.view(-1, width).index_add_(0, flat.reshape(-1),
+                                    rows_grad.reshape(-1, width).to(grad.dtype))
+    return grad
+
+
 class _RowsThrough(torch.autograd.Function):
     """(x, y, the rows ``flat_x: [*L', S_x]`` of x viewed as ``[M_x, C]`` joined along
     the row dim with the rows ``flat_y`` of y); y and ``flat_y`` may be None. The

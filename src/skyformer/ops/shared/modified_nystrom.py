@@ -146,10 +146,10 @@ def sample_landmarks(
 
 def head_rows(x: Tensor, index: Tensor) -> Tensor:
     """Rows ``index: [B, m]`` of ``x: [B, H, N, D]`` for every head: ``[B, H, m, D]``."""
-    return gather_rows(x, _every_head(index, x))
+    return gather_rows(x, every_head(index, x))
 
 
-def _every_head(index: Tensor, x: Tensor) -> Tensor:
+def every_head(index: Tensor, x: Tensor) -> Tensor:
     """``index: [B, m]`` as ``[B, H, m]`` for ``x: [B, H, N, D]`` (a view)."""
     return index[:, None, :].expand(x.shape[0], x.shape[1], index.shape[1])
 
@@ -214,7 +214,7 @@ def nystrom_core(
     such (``NystromCore.x_bf16``); by default where they are bfloat16 tensors (a caller
     that converted bfloat16 queries to float32 says so)."""
     (q, k), rows = gather_rows_through(  # [B, H, m, D]
-        (q, k), [_every_head(index, q) for index in (landmarks.query_index,
+        (q, k), [every_head(index, q) for index in (landmarks.query_index,
                                                      landmarks.key_index)],
         in_place=True)
     unscaled = rows.to(compute_dtype(rows.dtype))
