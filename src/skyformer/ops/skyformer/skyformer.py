@@ -47,6 +47,7 @@ from ..shared.modified_nystrom import (
 )
 from ..shared.options import check_scale
 from ..shared.reduction import WHOLE, KeyReduction
+from . import one_node
 from .causal import causal_skyformer
 
 
@@ -121,6 +122,10 @@ def skyformer_attention(
     # half inputs stay half: the landmark rows are converted to float32 (m rows), the
     # products read q, k, v as they are (Triton) or convert them (PyTorch path)
     marks = marks_in_products(q, k, v, config)
+    if one_node.applies(q, k, v, config, info, landmarks):
+        out = one_node.attention(q, k, v, config, info, landmarks, scale, marks)
+        if out is not None:
+            return out
     q, k, core = nystrom_core(q, k, scale, config, landmarks)
     return skyformer_from_core(q, k, v, core, info, scale, kernel=config.kernel,
                                show_nonfinite=marks).to(q.dtype)
