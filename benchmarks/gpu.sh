@@ -135,7 +135,8 @@ if [ -z "${SKIP_TESTS:-}" ]; then
 fi
 
 if [ -n "${SHORT:-}" ]; then
-  model_calls=('skyformer/triton+implicit' 'skyformer/triton+implicit+guard*'
+  model_calls=('skyformer/triton+implicit' 'skyformer/triton+implicit+composable'
+               'skyformer/triton+implicit+guard*'
                'skyformer/triton+implicit+cudagraphs' 'skyformer/triton+implicit+rows-bf16*')
   stage kernels_model 140 python3 -W ignore benchmarks/gpu_kernels.py --timing blocked \
       --pause 1 --shapes 4,16,64,bfloat16 --seq-lens 4096 32768 \

@@ -28,7 +28,9 @@ included; none for the CUDA-graph rows, which replay into memory their capture t
   and ``+one-pass``: with the products' backward pass in one pass over the rows
   (``linalg/triton_one_pass.py``, off by default), ``+guard``: with the non-finite
   marks made by the guard's own passes instead of in the product kernels (as before
-  ``marks_in_products``; ``+guard+cudagraphs`` in a CUDA graph), ``+rows-bf16``: with
+  ``marks_in_products``; ``+guard+cudagraphs`` in a CUDA graph), ``+composable``: the
+  eager call composed of its Functions, not as one autograd node
+  (``ops/skyformer/one_node.py``), ``+rows-bf16``: with
   the rows kernel's value products in one bfloat16 pass (``ROWS_ONE_BF16_PASS``, off by
   default; ``+rows-bf16+cudagraphs`` in a CUDA graph),
 - at the lengths in ``--compile-seq-lens``: Skyformer (Triton kernels) under
@@ -70,7 +72,7 @@ import torch
 import torch.nn.functional as F
 import tuned  # benchmarks/, beside this script
 from gpu_device import device_problem  # benchmarks/, beside this script
-from kernel_flags import one_pass_backward, rows_one_bf16_pass
+from kernel_flags import composed, one_pass_backward, rows_one_bf16_pass
 from launch_counts import guard_passes  # benchmarks/, beside this script
 from run_metadata import run_metadata
 
@@ -84,11 +86,13 @@ from skyformer.io import write_json
 
 
 def _calls(q, k, v, grad, features, compiled, compile_kernels=("triton", "auto")):
-    def run(fn, in_graph=False, one_pass=False, guard=False, rows_bf16=False):
+    def run(fn, in_graph=False, one_pass=False, guard=False, rows_bf16=False,
+            composable=False):
         def step():  # the gradients dropped after the call, so that the next call's peak
             # counts its own (as skyformer bench does)
             with one_pass_backward(one_pass), guard_passes(guard), \
-                    rows_one_bf16_pass(rows_bf16):
+                    rows_one_bf16_pass(rows_bf16), \
+                    composed(composable):
                 fn().backward(grad)
             for t in (q, k, v):
                 t.grad = None
@@ -148,6 +152,9 @@ def _calls(q, k, v, grad, features, compiled, compile_kernels=("triton", "auto")
         "skyformer/triton+implicit": run(lambda: skyformer.attention(
             q, k, v, "skyformer", num_features=features, kernel="triton",
             pinv_gradient="implicit", generator=key)),
+        "skyformer/triton+implicit+composable": run(lambda: skyformer.attention(
+            q, k, v, "skyformer", num_features=features, kernel="triton",
+            pinv_gradient="implicit", generator=key), composable=True),
         "skyformer/triton+implicit+one-pass": run(lambda: skyformer.attention(
             q, k, v, "skyformer", num_features=features, kernel="triton",
             pinv_gradient="implicit", generator=key), one_pass=True),

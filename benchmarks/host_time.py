@@ -13,11 +13,13 @@ functions with the most cumulative time (cProfile, which slows Python-heavy path
 ``--through-pytorch`` adds each method with its autograd Functions and custom
 operators called through PyTorch's Python layers (``linalg.eager_calls``), in the same
 interleaved run; ``--guard-passes`` adds Skyformer with the non-finite marks made by
-the guard's own passes instead of in its product kernels (``launch_counts.guard_passes``).
+the guard's own passes instead of in its product kernels (``launch_counts.guard_passes``);
+``--composable`` adds Skyformer composed of its Functions instead of run as one node
+(``ops/skyformer/one_node.py``).
 
     python benchmarks/host_time.py [--methods skyformer kernelized] [--calls 300]
                                    [--profile 30] [--through-pytorch] [--guard-passes]
-                                   [--out FILE.md]
+                                   [--composable] [--out FILE.md]
 
 ``--out FILE.md`` writes the table there and FILE.json beside (the numbers, every
 setting, the environment and the command).
@@ -44,7 +46,8 @@ from typing import Any
 from unittest import mock
 
 import torch
-from launch_counts import as_on_cuda, guard_passes  # benchmarks/, beside this script
+from kernel_flags import composed  # benchmarks/, beside this script
+from launch_counts import as_on_cuda, guard_passes
 from run_metadata import run_metadata, write_report
 
 import skyformer
@@ -84,17 +87,18 @@ def stubbed_launches(stub: Callable[[Any], Any] = lambda kernel: _NoLaunch()
 
 def call_of(method: str, b: int, h: int, n: int, d: int, m: int, through: bool = False, *,
             device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-            guard: bool = False) -> Callable[[], None]:
+            guard: bool = False, composable: bool = False) -> Callable[[], None]:
     """One eager forward + backward of ``method`` on the Triton path (``through``:
-    ``eager_calls.through_pytorch``; ``guard``: ``guard_passes``), on inputs of
-    ``device`` and ``dtype``."""
+    ``eager_calls.through_pytorch``; ``guard``: ``guard_passes``; ``composable``:
+    Skyformer not as one node), on inputs of ``device`` and ``dtype``."""
     q, k, v = (torch.randn(b, h, n, d, device=device, dtype=dtype, requires_grad=True)
                for _ in range(3))
     key = skyformer.random_key(0)  # made once by the caller, as a training loop would
     options = {} if method == "kernelized" else {"num_features": m, "generator": key}
 
     def call() -> None:
-        with through_pytorch() if through else contextlib.nullcontext(), guard_passes(guard):
+        with through_pytorch() if through else contextlib.nullcontext(), guard_passes(guard), \
+                composed(composable):
             out = skyformer.attention(q, k, v, method, kernel="triton", **options)
             out.sum().backward()
 
@@ -121,10 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", type=int, default=0, metavar="N")
     parser.add_argument("--through-pytorch", action="store_true")
     parser.add_argument("--guard-passes", action="store_true")
+    parser.add_argument("--composable", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     b, h, n, d = map(int, args.shape.split(","))
     torch.set_num_threads(1)  # the host issues from one thread
+    # the stubbed kernels leave their outputs unwritten: subnormal garbage would slow
+    # the CPU's arithmetic on them (the m x m products), by up to 30x in one run
+    torch.set_flush_denormal(True)
     with as_on_cuda(), stubbed_launches() as stubbed:
         calls = {method: call_of(method, b, h, n, d, args.features)
                  for method in args.methods}
@@ -135,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.guard_passes and "skyformer" in args.methods:
             calls["skyformer, guard's passes"] = call_of("skyformer", b, h, n, d,
                                                          args.features, guard=True)
+        if args.composable and "skyformer" in args.methods:
+            calls["skyformer, composable"] = call_of("skyformer", b, h, n, d, args.features,
+                                                     composable=True)
         times = interleaved_seconds(calls, warmup=10, repeats=args.calls)
         profiles = {method: profile(call, args.profile)
                      for method, call in calls.items()} if args.profile else {}

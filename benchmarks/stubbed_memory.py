@@ -13,10 +13,12 @@ pass alone under ``torch.no_grad()`` (inference). ``--rows-copied`` adds each
 method with the landmark rows' gradient added out of place
 (``gather_rows_through(in_place=False)``), as before it was added in place;
 ``--kept-products`` each method with the Lemma 3 step products kept from the forward to
-the backward kernel (``triton_lemma3.keeps_products``).
+the backward kernel (``triton_lemma3.keeps_products``); ``--composable`` Skyformer
+composed of its Functions instead of run as one node (``ops/skyformer/one_node.py``).
 
     python benchmarks/stubbed_memory.py [--shape 4,16,16384,64] [--dtype bfloat16]
-                                        [--rows-copied] [--kept-products] [--out FILE.md]
+                                        [--rows-copied] [--kept-products] [--composable]
+                                        [--out FILE.md]
 
 ``--out FILE.md`` writes the table there and FILE.json beside (the numbers, every
 setting, the environment and the command).
@@ -39,6 +41,7 @@ from unittest import mock
 
 import torch
 from host_time import stubbed_launches  # benchmarks/, beside this script
+from kernel_flags import composed
 from launch_counts import as_on_cuda, emit
 from run_metadata import run_metadata
 from torch._C._profiler import _EventType
@@ -54,10 +57,11 @@ FORWARD = "stubbed_memory: forward"  # the profiler's name for the forward pass
 
 @contextlib.contextmanager
 def rows_copied() -> Iterator[None]:
-    """The landmark rows' gradient added out of place (a copy of q's and k's size)."""
+    """The landmark rows' gradient added out of place (a copy of q's and k's size), in
+    the composed call (Skyformer's one node adds it in place)."""
     through = functools.partial(modified_nystrom.gather_rows_through, in_place=False)
     with mock.patch.object(modified_nystrom, "gather_rows_through",
-                           lambda xs, indices, **_: through(xs, indices)):
+                           lambda xs, indices, **_: through(xs, indices)), composed(True):
         yield
 
 
@@ -163,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--features", type=int, default=128)
     parser.add_argument("--rows-copied", action="store_true")
     parser.add_argument("--kept-products", action="store_true")
+    parser.add_argument("--composable", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     shape = tuple(map(int, args.shape.split(",")))
@@ -172,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         variants.append((", rows' gradient copied", rows_copied))
     if args.kept_products:
         variants.append((", step products kept", kept_products))
+    if args.composable:
+        variants.append((", composable", lambda: composed(True)))
     lines = [f"B,H,N,D = {args.shape}, {args.dtype}, m = {args.features}: eager forward + "
              f"backward on the Triton path, launches stubbed, torch {torch.__version__}", "",
              "| method | peak MiB above the call's start | at | MiB held after the forward "
@@ -180,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     with as_on_cuda(), stubbed_launches():
         for method in args.methods:
             for label, context in variants:
+                if label == ", composable" and method != "skyformer":
+                    continue  # the other methods have no one-node path
                 with context():
                     mib, where, held = peak_mib(method, shape, dtype, args.features)
                     inference = no_grad_peak_mib(method, shape, dtype, args.features)

@@ -105,8 +105,9 @@ def test_kernel_benchmark_runs_on_the_cpu_under_the_interpreter(tmp_path):
     assert result["config"]["shapes"] == ["1,1,16,float32"] and result["config"]["repeats"] == 1
     assert [row["call"] for row in result["rows"]] == [
         "sdpa", "skyformer/torch", "skyformer/triton", "skyformer/triton+tf32",
-        "skyformer/triton+implicit", "skyformer/triton+implicit+one-pass",
-        "skyformer/triton+implicit+guard", "skyformer/triton+implicit+rows-bf16",
+        "skyformer/triton+implicit", "skyformer/triton+implicit+composable",
+        "skyformer/triton+implicit+one-pass", "skyformer/triton+implicit+guard",
+        "skyformer/triton+implicit+rows-bf16",
         "kernelized/torch", "kernelized/triton", "kernelized/fold", "sdpa+padding",
         "kernelized/auto+padding", "kernelized/torch+padding"]
     assert all(row["ms"] > 0 and row["peak_mib"] is None for row in result["rows"])
@@ -120,8 +121,9 @@ def test_kernel_benchmark_runs_on_the_cpu_under_the_interpreter(tmp_path):
         "--calls", "skyformer/triton+implicit*", "--no-core", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert [row["call"] for row in result["rows"]] == [
-        "sdpa", "skyformer/triton+implicit", "skyformer/triton+implicit+one-pass",
-        "skyformer/triton+implicit+guard", "skyformer/triton+implicit+rows-bf16"]
+        "sdpa", "skyformer/triton+implicit", "skyformer/triton+implicit+composable",
+        "skyformer/triton+implicit+one-pass", "skyformer/triton+implicit+guard",
+        "skyformer/triton+implicit+rows-bf16"]
     assert result["core"] == []
 
 
