@@ -29,8 +29,8 @@ included; none for the CUDA-graph rows, which replay into memory their capture t
   (``linalg/triton_one_pass.py``, off by default), ``+guard``: with the non-finite
   marks made by the guard's own passes instead of in the product kernels (as before
   ``marks_in_products``; ``+guard+cudagraphs`` in a CUDA graph), ``+composable``: the
-  eager call composed of its Functions, not as one autograd node
-  (``ops/skyformer/one_node.py``), ``+rows-bf16``: with
+  eager call composed of its Functions, not as its two hand-chained autograd nodes
+  (``ops/skyformer/two_nodes.py``), ``+rows-bf16``: with
   the rows kernel's value products in one bfloat16 pass (``ROWS_ONE_BF16_PASS``, off by
   default; ``+rows-bf16+cudagraphs`` in a CUDA graph),
 - at the lengths in ``--compile-seq-lens``: Skyformer (Triton kernels) under

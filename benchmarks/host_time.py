@@ -14,8 +14,8 @@ functions with the most cumulative time (cProfile, which slows Python-heavy path
 operators called through PyTorch's Python layers (``linalg.eager_calls``), in the same
 interleaved run; ``--guard-passes`` adds Skyformer with the non-finite marks made by
 the guard's own passes instead of in its product kernels (``launch_counts.guard_passes``);
-``--composable`` adds Skyformer composed of its Functions instead of run as one node
-(``ops/skyformer/one_node.py``).
+``--composable`` adds Skyformer composed of its Functions instead of run as two
+hand-chained nodes (``ops/skyformer/two_nodes.py``).
 
     python benchmarks/host_time.py [--methods skyformer kernelized] [--calls 300]
                                    [--profile 30] [--through-pytorch] [--guard-passes]
@@ -90,7 +90,7 @@ def call_of(method: str, b: int, h: int, n: int, d: int, m: int, through: bool =
             guard: bool = False, composable: bool = False) -> Callable[[], None]:
     """One eager forward + backward of ``method`` on the Triton path (``through``:
     ``eager_calls.through_pytorch``; ``guard``: ``guard_passes``; ``composable``:
-    Skyformer not as one node), on inputs of ``device`` and ``dtype``."""
+    Skyformer not as its two nodes), on inputs of ``device`` and ``dtype``."""
     q, k, v = (torch.randn(b, h, n, d, device=device, dtype=dtype, requires_grad=True)
                for _ in range(3))
     key = skyformer.random_key(0)  # made once by the caller, as a training loop would

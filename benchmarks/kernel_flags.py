@@ -3,7 +3,7 @@
 ``kernel_matmul_triton.ONE_PASS_BACKWARD`` (the products' backward pass in one pass over
 the rows) and ``triton_kernels.ROWS_ONE_BF16_PASS`` (the rows kernel's value products in
 one bfloat16 pass) are module constants, off by default, which the benchmarks turn on
-around the calls they time; ``one_node.ONE_NODE`` (Skyformer's eager call as one
+around the calls they time; ``two_nodes.TWO_NODES`` (Skyformer's eager call as two
 autograd node) is on by default, and they turn it off (``composed``)."""
 
 from __future__ import annotations
@@ -40,6 +40,6 @@ def rows_one_bf16_pass(on: bool, force: bool = False) -> switched:
 
 
 def composed(on: bool) -> switched:
-    """Skyformer's eager call composed of its Functions, not as one autograd node
-    (``ops/skyformer/one_node.py``, ``ONE_NODE`` off) where ``on``."""
-    return switched("skyformer.ops.skyformer.one_node", "ONE_NODE", not on, force=True)
+    """Skyformer's eager call composed of its Functions, not as its two hand-chained autograd nodes
+    (``ops/skyformer/two_nodes.py``, ``TWO_NODES`` off) where ``on``."""
+    return switched("skyformer.ops.skyformer.two_nodes", "TWO_NODES", not on, force=True)

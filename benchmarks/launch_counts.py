@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for method in ("skyformer", "nystrom_softmax", "skyformer_adaptive"):
         for m in args.features:
-            # the PyTorch core: Skyformer composed of its Functions (its one node takes
+            # the PyTorch core: Skyformer composed of its Functions (its two nodes take
             # the core's kernels)
             with mock.patch.object(nystrom, "fused_lemma3_applies", lambda *_: False), \
                     composed(True):

@@ -14,7 +14,7 @@ method with the landmark rows' gradient added out of place
 (``gather_rows_through(in_place=False)``), as before it was added in place;
 ``--kept-products`` each method with the Lemma 3 step products kept from the forward to
 the backward kernel (``triton_lemma3.keeps_products``); ``--composable`` Skyformer
-composed of its Functions instead of run as one node (``ops/skyformer/one_node.py``).
+composed of its Functions instead of run as two hand-chained nodes (``ops/skyformer/two_nodes.py``).
 
     python benchmarks/stubbed_memory.py [--shape 4,16,16384,64] [--dtype bfloat16]
                                         [--rows-copied] [--kept-products] [--composable]
@@ -58,7 +58,7 @@ FORWARD = "stubbed_memory: forward"  # the profiler's name for the forward pass
 @contextlib.contextmanager
 def rows_copied() -> Iterator[None]:
     """The landmark rows' gradient added out of place (a copy of q's and k's size), in
-    the composed call (Skyformer's one node adds it in place)."""
+    the composed call (Skyformer's two nodes add it in place)."""
     through = functools.partial(modified_nystrom.gather_rows_through, in_place=False)
     with mock.patch.object(modified_nystrom, "gather_rows_through",
                            lambda xs, indices, **_: through(xs, indices)), composed(True):

@@ -208,7 +208,7 @@ def block_product_backward(saved: tuple, options: tuple, needs: tuple, grad: Ten
     its output: ``saved`` and ``options`` as its ``setup_context`` keeps them,
     ``needs`` whether each of y, x, b and rhs needs its gradient (None where not).
     Also the backward step of a caller that chains the products itself
-    (``ops/skyformer/one_node.py``)."""
+    (``ops/skyformer/two_nodes.py``)."""
     y, x, b, rhs, a, out, exclude, x_bf16 = saved
     a = None if is_absent(a) else a.contiguous()
     scale, row_norm, transpose, x_factor, ones_column, auto = options

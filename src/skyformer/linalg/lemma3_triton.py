@@ -122,7 +122,7 @@ def lemma3_backward_from(saved: tuple, iterations: int, auto: bool, implicit: bo
     """The gradients of the source and the norms (None without) of
     ``TritonLemma3Inverse`` for the gradient ``grad`` of W: ``saved`` as its
     ``setup_context`` keeps them (source, norm, ridge, store). Also the backward step of
-    a caller that chains the core itself (``ops/skyformer/one_node.py``)."""
+    a caller that chains the core itself (``ops/skyformer/two_nodes.py``)."""
     source, norm, ridge, store = saved
     m = source.shape[-2]
     # "auto"'s fallback runs inside the operator, where compiled autograd's traced
@@ -180,7 +180,7 @@ def lemma3_forward_step(source: Tensor, norm: Tensor | None, ridge: Tensor, iter
                         auto: bool, implicit: bool, keep: bool, backward: bool
                         ) -> tuple[Tensor, Tensor]:
     """(W, the store) of ``TritonLemma3Inverse``'s forward for a caller that chains the
-    core itself (``ops/skyformer/one_node.py``), launched on the source's device; under
+    core itself (``ops/skyformer/two_nodes.py``), launched on the source's device; under
     ``auto`` where the kernel fails, W by PyTorch and an empty store (the backward
     operator then takes the PyTorch path's gradients, ``CORE_FALLBACK``)."""
     return CORE_FALLBACK.run(

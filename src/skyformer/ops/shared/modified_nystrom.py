@@ -217,11 +217,18 @@ def nystrom_core(
         (q, k), [every_head(index, q) for index in (landmarks.query_index,
                                                      landmarks.key_index)],
         in_place=True)
+    return q, k, core_of_rows(rows, scale, options, landmarks, bf16_values=bf16_values)
+
+
+def core_of_rows(rows: Tensor, scale: float, options: NystromOptions, landmarks: Landmarks,
+                 *, bf16_values: bool | None = None) -> NystromCore:
+    """``nystrom_core``'s core of the gathered, unscaled landmark rows
+    ``rows: [B, H, m, D]`` (its arguments)."""
     unscaled = rows.to(compute_dtype(rows.dtype))
     core = core_from_rows(unscaled * scale, options, landmarks)
     if not (rows.dtype == torch.bfloat16 if bf16_values is None else bf16_values):
-        return q, k, core
-    return q, k, dataclasses.replace(core, x_bf16=unscaled.detach(), x_factor=scale)
+        return core
+    return dataclasses.replace(core, x_bf16=unscaled.detach(), x_factor=scale)
 
 
 def core_from_rows(x: Tensor, options: NystromOptions, landmarks: Landmarks) -> NystromCore:

@@ -47,7 +47,7 @@ from ..shared.modified_nystrom import (
 )
 from ..shared.options import check_scale
 from ..shared.reduction import WHOLE, KeyReduction
-from . import one_node
+from . import two_nodes
 from .causal import causal_skyformer
 
 
@@ -122,8 +122,8 @@ def skyformer_attention(
     # half inputs stay half: the landmark rows are converted to float32 (m rows), the
     # products read q, k, v as they are (Triton) or convert them (PyTorch path)
     marks = marks_in_products(q, k, v, config)
-    if one_node.applies(q, k, v, config, info, landmarks):
-        out = one_node.attention(q, k, v, config, info, landmarks, scale, marks)
+    if two_nodes.applies(q, k, v, config, landmarks):
+        out = two_nodes.attention(q, k, v, config, info, landmarks, scale, marks)
         if out is not None:
             return out
     q, k, core = nystrom_core(q, k, scale, config, landmarks)
@@ -145,15 +145,30 @@ def skyformer_from_core(
     completes the sum over the keys when they are a shard (``shared/reduction.py``).
     Returns ``[B, H, Nq, Dv]`` with padded query rows zero.
     """
+    z = core_values(k, v, core, info, scale, reduce, kernel, show_nonfinite)
+    return query_product(q, core, z, info, scale, kernel, show_nonfinite)
+
+
+def core_values(k: Tensor, v: Tensor, core: NystromCore, info: AttentionInputs,
+                scale: float, reduce: KeyReduction = WHOLE, kernel: str = "auto",
+                show_nonfinite: bool = False) -> Tensor:
+    """Z = W (C(X_S, K) V) ``[B, H, m, Dv]``, the first half of ``skyformer_from_core``
+    (its arguments)."""
     key_valid = None if info.key_valid is None else info.key_valid[:, None, :]  # [B, 1, Nk]
     context = reduce.sum(gaussian_kernel_matmul(
         k, core.x, v, core.x_norm, scale=scale, row_valid=key_valid, transpose=True,
         kernel=kernel, show_nonfinite=show_nonfinite, **core.bf16_rows,
     ))  # C(X_S, K) V: [B, H, m, Dv]
     w = core.inverse()  # after C(X_S, K) V (NystromCore.inverse): [B, H, m, m]
-    out = gaussian_kernel_matmul(q, core.x, w @ context, core.x_norm, scale=scale,
-                                 kernel=kernel, show_nonfinite=show_nonfinite,
-                                 **core.bf16_rows)
+    return w @ context
+
+
+def query_product(q: Tensor, core: NystromCore, z: Tensor, info: AttentionInputs,
+                  scale: float, kernel: str = "auto", show_nonfinite: bool = False) -> Tensor:
+    """C(Q, X_S) Z with padded query rows zero, ``[B, H, Nq, Dv]``: the second half of
+    ``skyformer_from_core`` (its arguments)."""
+    out = gaussian_kernel_matmul(q, core.x, z, core.x_norm, scale=scale, kernel=kernel,
+                                 show_nonfinite=show_nonfinite, **core.bf16_rows)
     return zero_padded_queries(out, info.query_valid)  # [B, H, Nq, Dv]
 
 
