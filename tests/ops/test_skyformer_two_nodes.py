@@ -7,6 +7,8 @@ On the CPU through Triton's interpreter, on CUDA with ``SKYFORMER_TEST_CUDA=1``.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -22,6 +24,25 @@ pytestmark = pytest.mark.usefixtures("triton_interpreter")
 NODE = "_QueryProductBackward"
 
 
+@contextlib.contextmanager
+def _nodes(on: bool):
+    """Inside: eligible calls take the two nodes (``on``) or the composed call."""
+    before, two_nodes.TWO_NODES = two_nodes.TWO_NODES, on
+    try:
+        yield
+    finally:
+        two_nodes.TWO_NODES = before
+
+
+def _auto_as_on_cuda(monkeypatch, fallback) -> None:
+    """``kernel="auto"`` takes the Triton path on these CPU tensors (as on CUDA), with
+    ``fallback`` (a ``KernelFallback``) as if no kernel had failed yet."""
+    from skyformer.linalg import kernel_backend
+
+    monkeypatch.setattr(fallback, "failures", set())
+    monkeypatch.setattr(kernel_backend, "auto_device", lambda y: True)
+
+
 def _call(q, k, v, **options):
     options = {"num_features": 8, "kernel": "triton", **options}
     return skyformer.attention(q, k, v, "skyformer", generator=skyformer.random_key(3),
@@ -33,11 +54,8 @@ def _results(inputs, needs=(True, True, True), one=True, **options):
     the output's autograd node's name."""
     leaves = [t.detach().clone().requires_grad_(need) for t, need in zip(inputs, needs,
                                                                          strict=True)]
-    before, two_nodes.TWO_NODES = two_nodes.TWO_NODES, one
-    try:
+    with _nodes(one):
         out = _call(*leaves, **options)
-    finally:
-        two_nodes.TWO_NODES = before
     weights = torch.randn(out.shape, generator=gen(5), dtype=torch.float64).to(out)
     wanted = [t for t in leaves if t.requires_grad]
     grads = torch.autograd.grad((out * weights).sum(), wanted)
@@ -160,11 +178,8 @@ def test_one_tensor_as_queries_and_keys():
 
     def grads(one):
         leaf = x.clone().requires_grad_(True)
-        before, two_nodes.TWO_NODES = two_nodes.TWO_NODES, one
-        try:
+        with _nodes(one):
             out = _call(leaf, leaf, v)
-        finally:
-            two_nodes.TWO_NODES = before
         return [out, *torch.autograd.grad(out.square().sum(), leaf)]
 
     _assert_same(grads(True), grads(False), 0.0)
@@ -226,11 +241,8 @@ def test_batched_gradients_replay_the_composed_backward():
     weights = torch.randn(3, *out.shape, generator=gen(2), dtype=out.dtype)
     batched = torch.autograd.grad(out, leaves, weights, is_grads_batched=True,
                                   retain_graph=True)
-    before, two_nodes.TWO_NODES = two_nodes.TWO_NODES, False
-    try:
+    with _nodes(False):
         composed = _call(*leaves)
-    finally:
-        two_nodes.TWO_NODES = before
     for i in range(3):
         one = torch.autograd.grad(composed, leaves, weights[i], retain_graph=True)
         _assert_same([g[i] for g in batched], one, 1e-12)
@@ -245,36 +257,14 @@ def test_activation_checkpointing_gives_the_same_gradients():
     _assert_same([out, *torch.autograd.grad((out * weights).sum(), leaves)], want, 0.0)
 
 
-def test_a_failing_core_kernel_under_auto_falls_back_inside_the_node(monkeypatch):
-    """Triton installed but the Lemma 3 kernel unable to compile or launch: "auto"
-    warns, the node takes W by PyTorch and the PyTorch path's core gradient."""
-    from skyformer.linalg import kernel_backend, lemma3_triton, triton_lemma3
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("out of resources")
-
-    monkeypatch.setattr(lemma3_triton.CORE_FALLBACK, "failures", set())
-    monkeypatch.setattr(kernel_backend, "auto_device", lambda y: True)  # CPU as CUDA
-    monkeypatch.setattr(triton_lemma3, "lemma3_forward", broken)
-    inputs = [t.float() for t in make_qkv(1, 2, 20, 16, seed=11)]
-    want, _ = _results(inputs, kernel="torch")
-    with pytest.warns(RuntimeWarning, match="Lemma 3 kernel failed"):
-        got, node = _results(inputs, kernel="auto")
-    assert node == NODE and lemma3_triton.CORE_FALLBACK.failed
-    _assert_same(got, want, 1e-5)
-
-
 def test_the_output_may_be_changed_in_place():
     """A residual added in place (``out += x``), as the composed call allows."""
     inputs = make_qkv(1, 2, 20, 16, seed=13)
 
     def grads(nodes):
         leaves = [t.clone().requires_grad_(True) for t in inputs]
-        before, two_nodes.TWO_NODES = two_nodes.TWO_NODES, nodes
-        try:
+        with _nodes(nodes):
             out = _call(*leaves)
-        finally:
-            two_nodes.TWO_NODES = before
         out += leaves[0]
         out.mul_(2.0)
         return [out, *torch.autograd.grad(out.square().sum(), leaves)]
@@ -299,11 +289,8 @@ def test_vmap_over_autograd_grad_replays_the_composed_backward():
 
     def batched(nodes):
         leaves = [t.clone().requires_grad_(True) for t in inputs]
-        before, two_nodes.TWO_NODES = two_nodes.TWO_NODES, nodes
-        try:
+        with _nodes(nodes):
             out = _call(*leaves)
-        finally:
-            two_nodes.TWO_NODES = before
         return torch.func.vmap(lambda w: torch.autograd.grad(out, leaves, w,
                                                              retain_graph=True))(weights)
 
@@ -317,30 +304,35 @@ def test_one_tensor_as_queries_keys_and_values():
 
     def grads(nodes):
         leaf = x.clone().requires_grad_(True)
-        before, two_nodes.TWO_NODES = two_nodes.TWO_NODES, nodes
-        try:
+        with _nodes(nodes):
             out = _call(leaf, leaf, leaf)
-        finally:
-            two_nodes.TWO_NODES = before
         return [out, *torch.autograd.grad(out.square().sum(), leaf)]
 
     _assert_same(grads(True), grads(False), 1e-13)
 
 
-def test_triton_failing_around_the_kernels_under_auto_hands_the_call_over(monkeypatch):
-    """What fails before the kernels (importing Triton) under "auto": the composed call
-    takes over with its fallback's warning, as it would alone."""
-    from skyformer.linalg import kernel_backend, kernel_matmul_triton
+@pytest.mark.parametrize("fails", ["core kernel", "import"])
+def test_auto_falls_back_where_triton_fails(monkeypatch, fails):
+    """"auto" where Triton fails, with each fallback's warning: the Lemma 3 kernel
+    unable to compile or launch (the nodes take W by PyTorch and its gradient), or
+    what fails before the kernels, importing Triton (the composed call takes over)."""
+    from skyformer.linalg import kernel_matmul_triton, lemma3_triton, triton_lemma3
+
+    core = fails == "core kernel"
 
     def broken(*args, **kwargs):
-        raise ImportError("no Triton here")
+        raise RuntimeError("out of resources") if core else ImportError("no Triton here")
 
-    monkeypatch.setattr(kernel_matmul_triton.PRODUCT_FALLBACK, "failures", set())
-    monkeypatch.setattr(kernel_backend, "auto_device", lambda y: True)  # CPU as CUDA
-    monkeypatch.setattr(two_nodes, "stores_for", broken)
-    inputs = [t.float() for t in make_qkv(1, 2, 20, 16, seed=17)]
+    fallback = lemma3_triton.CORE_FALLBACK if core else kernel_matmul_triton.PRODUCT_FALLBACK
+    _auto_as_on_cuda(monkeypatch, fallback)
+    if core:
+        monkeypatch.setattr(triton_lemma3, "lemma3_forward", broken)
+    else:
+        monkeypatch.setattr(two_nodes, "stores_for", broken)
+    inputs = [t.float() for t in make_qkv(1, 2, 20, 16, seed=11)]
     want, _ = _results(inputs, kernel="torch")
-    with pytest.warns(RuntimeWarning, match="product kernels failed"):
+    with pytest.warns(RuntimeWarning, match="Lemma 3 kernel failed" if core
+                      else "product kernels failed"):
         got, node = _results(inputs, kernel="auto")
-    assert node != NODE
+    assert (node == NODE) == core and fallback.failed
     _assert_same(got, want, 1e-5)
