@@ -130,6 +130,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
       python3 -m pytest -q -p no:warnings -p no:cacheprovider $parallel tests/gpu \
       tests/test_contract.py tests/linalg tests/sketch/test_triton_draws.py \
       tests/ops/test_kernelized_flash.py tests/ops/test_kernelized_fold.py \
+      tests/ops/test_skyformer_two_nodes.py \
       tests/reliability/test_marks_in_products.py
   [ -e "$out/tests.log" ] && tail -3 "$out/tests.log" > "$out/tests.txt"
 fi
