@@ -2,9 +2,10 @@
 
 ``skyformer.py`` composes the call from four custom Functions (the landmark rows'
 gather, the two Gaussian block products, the Lemma 3 core) and the views and products
-between them: 27 autograd nodes for a forward and backward pass. On a GPU an eager
-call below N ~ 8192 is bound by the host, not by its kernels (docs/gpu-record.md), so
-what the host spends around the kernels is the call's time. Here the same kernels run
+between them: 27 autograd nodes for a forward and backward pass (the inputs'
+accumulators included; 6 here). On a GPU an eager call below N ~ 8192 is bound by the
+host, not by its kernels (docs/gpu-record.md), so what the host spends around the
+kernels is the call's time. Here the same kernels run
 in the same order on the same tensors as two Functions whose backward passes chain the
 products' and the core's backward steps by hand
 (``kernel_matmul_triton.block_product_backward``, ``lemma3_triton.lemma3_backward_from``):
