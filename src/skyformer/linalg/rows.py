@@ -126,9 +126,7 @@ def gather_rows_through(xs: Sequence[Tensor], indices: Sequence[Tensor], *,
         return tuple(xs), torch.cat(
             [gather_rows(x, index).flatten(x.dim() - 2, -2)
              for x, index in zip(xs, indices, strict=True)], dim=-2)
-    for x, index in zip(xs, indices, strict=True):
-        _check(x, index)
-    flats = [_flat_index(x, index) for x, index in zip(xs, indices, strict=True)]
+    flats = _flat_indices(xs, indices)
     if len(xs) == 1:
         x, _, rows = apply(_RowsThrough, xs[0], flats[0], None, None, in_place)
         return (x,), rows
@@ -145,22 +143,25 @@ def gather_rows_through(xs: Sequence[Tensor], indices: Sequence[Tensor], *,
 def rows_untracked(xs: Sequence[Tensor], indices: Sequence[Tensor]
                    ) -> tuple[list[Tensor], Tensor]:
     """(the row numbers of each x, the rows) of ``gather_rows_through`` without its
-    autograd node, for a caller that adds the rows' gradient itself
-    (``add_rows_gradient_``): each number a row of x viewed as ``[M, C]``."""
-    for x, index in zip(xs, indices, strict=True):
-        _check(x, index)
-    flats = [_flat_index(x, index) for x, index in zip(xs, indices, strict=True)]
+    autograd node, for a caller that adds the rows' gradient itself (``add_rows``):
+    each number a row of x viewed as ``[M, C]``."""
+    flats = _flat_indices(xs, indices)
     rows = [_rows(x, flat) for x, flat in zip(xs, flats, strict=True)]
     return flats, rows[0] if len(rows) == 1 else torch.cat(rows, dim=-2)
 
 
-def add_rows_gradient_(grad: Tensor, rows_grad: Tensor, flat: Tensor) -> Tensor:
-    """``grad`` (contiguous) with the gradient ``rows_grad`` of the rows at ``flat``
-    (``rows_untracked``'s numbers) added in place; returns ``grad``."""
-    width = grad.shape[-1]
-    grad.view(-1, width).index_add_(0, flat.reshape(-1),
-                                    rows_grad.reshape(-1, width).to(grad.dtype))
-    return grad
+def add_rows(grad: Tensor, rows_grad: Tensor, flat: Tensor, *, in_place: bool) -> Tensor:
+    """``grad`` with the gradient ``rows_grad`` of the rows at ``flat``
+    (``rows_untracked``'s numbers) added, as ``gather_rows_through``'s backward adds it
+    (``in_place``: into ``grad`` itself where it is contiguous)."""
+    return _add_rows(grad, rows_grad, flat, grad.shape, grad.dtype, grad.device, in_place)
+
+
+def _flat_indices(xs: Sequence[Tensor], indices: Sequence[Tensor]) -> list[Tensor]:
+    """``_flat_index`` of each x and its index, checked."""
+    for x, index in zip(xs, indices, strict=True):
+        _check(x, index)
+    return [_flat_index(x, index) for x, index in zip(xs, indices, strict=True)]
 
 
 class _RowsThrough(torch.autograd.Function):

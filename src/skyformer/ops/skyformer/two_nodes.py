@@ -40,7 +40,6 @@ import torch
 from torch import Tensor
 
 from ...amp import autocast_off
-from ...linalg import half_sq_norm
 from ...linalg.eager_calls import apply, plain_eager, plain_tensors
 from ...linalg.functional_ops import _NOT_DIFFERENTIABLE
 from ...linalg.kernel_backend import use_triton
@@ -57,9 +56,9 @@ from ...linalg.lemma3_triton import (
     stores_for,
 )
 from ...linalg.nystrom import core_iterations, ridge_diagonal
-from ...linalg.rows import add_rows_gradient_, gather_rows, rows_untracked
+from ...linalg.rows import add_rows, gather_rows, rows_untracked
 from ...sketch import Landmarks
-from ..shared.inputs import AttentionInputs, compute_dtype
+from ..shared.inputs import AttentionInputs
 from ..shared.modified_nystrom import NystromCore, core_of_rows, every_head
 
 # Whether eligible calls take this path; the benchmarks turn it off to time and weigh
@@ -119,14 +118,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, config: Any, info: AttentionInput
     with torch.no_grad():  # the key side's node differentiates the rows itself
         flats, rows = rows_untracked((q, k), [every_head(index, q) for index in (
             landmarks.query_index, landmarks.key_index)])  # [B, H, m, D]
-        unscaled = rows.to(compute_dtype(rows.dtype))
-        bf16 = rows.dtype == torch.bfloat16  # x_bf16: the rows before their scale
         q_rows = rows[..., :flats[0].shape[-1], :]  # what a replay reads of q (_replay)
-        x = unscaled * scale
-        x_norm = half_sq_norm(x)  # [B, H, m]
-        live = None if landmarks.every_slot_live else landmarks.live  # [B, m]
-        if live is not None:  # slots that hold no landmark: zero columns
-            x_norm = torch.where(live[:, None, :], x_norm, float("inf"))
+        # X, its norms (+inf on dead slots) and, for bfloat16 rows, x_bf16, as the
+        # composed call makes them
+        core = core_of_rows(rows, scale, config, landmarks)
+    x, x_norm, live, x_bf16 = core.x, core.x_norm, core.live, core.x_bf16
     size = x.shape[-2]
     steps = core_iterations(config.pinv_gradient, config.pinv_iterations, size,
                             config.gamma, config.pinv, config.pinv_init, x.dtype)
@@ -138,14 +134,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, config: Any, info: AttentionInput
     ridge = ridge_diagonal(config.gamma, live, size, x).reshape(-1, size)  # [1 | B, m]
     key_valid = None if info.key_valid is None else info.key_valid[:, None, :].expand(
         *k.shape[:2], k.shape[2]).reshape(-1, k.shape[2])  # [BH, Nk]
-    x_bf16 = unscaled if bf16 else None
     rows_differentiated = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
 
     def launch() -> Tensor:
         keep, every_iterate = stores_for(size, config.pinv_gradient == "implicit",
                                          rows_differentiated)  # imports Triton
-        plan = _Plan(config, landmarks, info, float(scale), float(scale) if bf16 else 1.0,
-                     marks, steps, keep, every_iterate, rows_differentiated, q.dtype)
+        plan = _Plan(config, landmarks, info, float(scale), float(core.x_factor), marks,
+                     steps, keep, every_iterate, rows_differentiated, q.dtype)
         q_through, x_through, norm_through, z = apply(
             _KeySide, q, k, v, x, x_norm, x_bf16, q_rows, *flats, ridge, key_valid, live,
             plan)[:4]
@@ -274,9 +269,9 @@ def _key_side_backward(saved: list, plan: _Plan, needs: tuple, dq: Tensor | None
         dx = dx.view(x.shape).to(plan.rows_dtype)  # [B, H, m, D]
         rows_q = flat_q.shape[-1]
         if need_q:
-            add_rows_gradient_(dq, dx[..., :rows_q, :], flat_q)
+            dq = add_rows(dq, dx[..., :rows_q, :], flat_q, in_place=True)
         if need_k:
-            add_rows_gradient_(dk, dx[..., rows_q:, :], flat_k)
+            dk = add_rows(dk, dx[..., rows_q:, :], flat_k, in_place=True)
     return (dq if need_q else None, None if dk is None else dk.view(k.shape),
             None if dv is None else dv.view(v.shape))
 
@@ -367,9 +362,7 @@ def _key_side_replay(saved: list, plan: _Plan, needs: tuple, dq: Tensor | None,
     need_q = needs[0]
     d_rows, dk, dv = _replay(key_side, [q_rows, k, v], needs, (dx, dnorm, dz))
     if need_q:  # dq passed through, and the gradient of q's landmark rows
-        width = q_rows.shape[-1]
-        dq = dq.reshape(-1, width).index_add(0, flat_q.reshape(-1),
-                                             d_rows.reshape(-1, width)).view(dq.shape)
+        dq = add_rows(dq, d_rows, flat_q, in_place=False)
     return dq if need_q else None, dk, dv
 
 
