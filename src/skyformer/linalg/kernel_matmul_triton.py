@@ -67,8 +67,9 @@ def _ops():
 
 
 def _none_to_empty(t: Tensor | None, like: Tensor) -> Tensor:
-    """The operators' stand-in for an absent tensor: empty and one-dimensional, which
-    no present tensor is (they have a batch and a row dim, and may be empty: m = 0)."""
+    """The operators' stand-in for an absent output (an operator returns no None):
+    empty and one-dimensional, which no present tensor is (they have a batch and a row
+    dim, and may be empty: m = 0). Absent inputs are passed as None."""
     return like.new_empty(0) if t is None else t
 
 
@@ -86,11 +87,9 @@ def _rows(y, kx, a, b, vm, vn, exclude, norm_scale, *, auto, out1_dtype, write_o
     """``triton_ops.rows_product`` with ``None`` for absent tensors, x (``_KernelX``)
     and b as the method holds them, C V_M in ``out1_dtype``; ``auto``:
     ``PRODUCT_FALLBACK`` where it fails."""
-    out = _ops().rows_product(y, kx.x, _none_to_empty(a, kx.x), _none_to_empty(b, kx.x), vm,
-                              _none_to_empty(vn, y), _none_to_empty(exclude, y),
-                              write_out1, out1_dtype, shift_rows, out2_scale, norm_coef,
-                              norm_scale, kx.dot_scale * LOG2E, LOG2E, kx.bf16,
-                              show_nonfinite, auto)
+    out = _ops().rows_product(y, kx.x, a, b, vm, vn, exclude, write_out1, out1_dtype,
+                              shift_rows, out2_scale, norm_coef, norm_scale,
+                              kx.dot_scale * LOG2E, LOG2E, kx.bf16, show_nonfinite, auto)
     return tuple(_empty_to_none(t) for t in out)
 
 
@@ -98,8 +97,7 @@ def _one_pass(y, kx, a, b, vn, vm, exclude, norm_scale, *, auto, write_row1, wri
               write_col1, write_col2, row2_scale, norm_coef, col2_scale):
     """``triton_ops.one_pass_product`` with ``None`` for absent tensors: the outputs of
     ``_rows`` (C V_M, dE x) and ``_cols`` (C^T V_N, dE^T y) in one pass."""
-    out = _ops().one_pass_product(y, kx.x, _none_to_empty(a, kx.x), _none_to_empty(b, kx.x),
-                                  vn, vm, _none_to_empty(exclude, y), write_row1, write_row2,
+    out = _ops().one_pass_product(y, kx.x, a, b, vn, vm, exclude, write_row1, write_row2,
                                   write_col1, write_col2, row2_scale, norm_coef, norm_scale,
                                   kx.dot_scale * LOG2E, LOG2E, col2_scale, kx.bf16, auto)
     return tuple(_empty_to_none(t) for t in out)
@@ -110,10 +108,9 @@ def _cols(y, kx, a, b, vn, vm, exclude, norm_scale, scale, *, auto, write_out1=T
     """``triton_ops.cols_product`` with ``None`` for absent tensors, x (``_KernelX``)
     and b as the method holds them; the second output is dx, ((V_N V_M^T) * C)^T y
     times s (``scale``); ``auto``: ``PRODUCT_FALLBACK`` where it fails."""
-    out = _ops().cols_product(y, kx.x, _none_to_empty(a, kx.x), _none_to_empty(b, kx.x), vn,
-                              _none_to_empty(vm, kx.x), _none_to_empty(exclude, y),
-                              write_out1, norm_scale, kx.dot_scale * LOG2E, LOG2E, scale,
-                              kx.bf16, show_nonfinite, auto)
+    out = _ops().cols_product(y, kx.x, a, b, vn, vm, exclude, write_out1, norm_scale,
+                              kx.dot_scale * LOG2E, LOG2E, scale, kx.bf16, show_nonfinite,
+                              auto)
     return tuple(_empty_to_none(t) for t in out)
 
 

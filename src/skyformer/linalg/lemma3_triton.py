@@ -67,11 +67,11 @@ def _ops():
     return triton_ops
 
 
-def _flat(t: Tensor | None, trailing: int, like: Tensor) -> Tensor:
-    """``t`` as a contiguous ``[BH, ...]`` (its last ``trailing`` dims kept); an empty
-    tensor like ``like`` for an absent one (the operators take tensors)."""
+def _flat(t: Tensor | None, trailing: int) -> Tensor | None:
+    """``t`` as a contiguous ``[BH, ...]`` (its last ``trailing`` dims kept); None stays
+    None."""
     if t is None:
-        return like.new_empty(0)
+        return None
     return t.reshape(-1, *t.shape[t.dim() - trailing:]).contiguous()
 
 
@@ -87,7 +87,7 @@ class TritonLemma3Inverse(torch.autograd.Function):
                 iterations: int, auto: bool, implicit: bool, keep: bool, backward: bool
                 ) -> tuple[Tensor, Tensor]:
         m = source.shape[-2]
-        w, store = _ops().lemma3_forward(_flat(source, 2, source), _flat(norm, 1, source),
+        w, store = _ops().lemma3_forward(_flat(source, 2), _flat(norm, 1),
                                          ridge.contiguous(), iterations, keep, backward,
                                          implicit)
         return w.reshape(*source.shape[:-2], m, m), store
@@ -128,7 +128,7 @@ def lemma3_backward_from(saved: tuple, iterations: int, auto: bool, implicit: bo
     # "auto"'s fallback runs inside the operator, where compiled autograd's traced
     # backward graph calls it (``lemma3_gradients_by_pytorch``)
     dsource, dnorm = _ops().lemma3_backward(
-        _flat(source, 2, source), _flat(norm, 1, source), ridge.contiguous(),
+        _flat(source, 2), _flat(norm, 1), ridge.contiguous(),
         store.contiguous(), grad.reshape(-1, m, m).contiguous(), iterations, auto, implicit)
     return dsource.reshape(source.shape), None if norm is None else dnorm.reshape(norm.shape)
 
