@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .eager_calls import apply, plain_eager, plain_tensors
+from .eager_calls import apply, plain_eager, plain_tensors, untraced_eager
 from .functional_ops import functional_ops_only
 from .vmap import vmap_into_batch
 
@@ -158,10 +158,16 @@ def add_rows(grad: Tensor, rows_grad: Tensor, flat: Tensor, *, in_place: bool) -
 
 
 def _flat_indices(xs: Sequence[Tensor], indices: Sequence[Tensor]) -> list[Tensor]:
-    """``_flat_index`` of each x and its index, checked."""
+    """``_flat_index`` of each x and its index, checked; tensors of one layout (Q and K
+    of a self-attention call) share their row offsets: one launch less, two in eager."""
     for x, index in zip(xs, indices, strict=True):
         _check(x, index)
-    return [_flat_index(x, index) for x, index in zip(xs, indices, strict=True)]
+    offsets = _row_offsets(xs[0], indices[0])
+    if len(xs) == 2 and xs[1].shape[:-1] == xs[0].shape[:-1] \
+            and indices[1].shape[:-1] == indices[0].shape[:-1]:
+        return [_offset(index, offsets) for index in indices]
+    return [_offset(indices[0], offsets),
+            *(_flat_index(x, index) for x, index in zip(xs[1:], indices[1:], strict=True))]
 
 
 class _RowsThrough(torch.autograd.Function):
@@ -247,12 +253,24 @@ def _check(x: Tensor, index: Tensor) -> None:
 
 def _flat_index(x: Tensor, index: Tensor) -> Tensor:
     """``[*L', S']``: ``index`` as row numbers of x viewed as ``[prod(L) * R, C]``."""
+    return _offset(index, _row_offsets(x, index))
+
+
+def _row_offsets(x: Tensor, index: Tensor) -> Tensor:
+    """``[*L', 1]``: the number of each leading entry's first row in x viewed as
+    ``[prod(L) * R, C]`` (``index: [*L', ...]``); broadcast dims of x read the same
+    rows."""
     lead = x.dim() - 2
     r = x.shape[-2]
-    batch = index.shape[:lead]
     groups = math.prod(x.shape[:lead])
-    # Offset of each leading entry's first row in the flattened [groups * R, C] table;
-    # broadcast dims of x read the same rows. A multiple of arange(groups) rather than
-    # arange(0, groups * R, R), whose length a symbolic R (torch.export) cannot prove.
-    offset = (torch.arange(groups, device=x.device) * r).view(x.shape[:lead])
-    return index.reshape(*batch, -1) + offset.expand(batch)[..., None]
+    if untraced_eager() and r > 0:  # one launch (arange takes no zero step)
+        offset = torch.arange(0, groups * r, r, device=x.device)
+    else:  # a multiple of arange(groups): a symbolic R (torch.export) cannot prove the
+        # length of arange(0, groups * R, R)
+        offset = torch.arange(groups, device=x.device) * r
+    return offset.view(x.shape[:lead]).expand(index.shape[:lead])[..., None]
+
+
+def _offset(index: Tensor, offsets: Tensor) -> Tensor:
+    """``index`` flattened after its leading dims, plus the row offsets ``[*L', 1]``."""
+    return index.reshape(*offsets.shape[:-1], -1) + offsets
