@@ -215,6 +215,21 @@ def test_bad_tensors_fail_before_any_method_runs():
         compare_on((q[:, :, :0],) * 3, config)
 
 
+def test_a_bad_number_of_features_is_refused_before_the_model_loads():
+    """--features 0 used to load the model and give every method a "not supported" row
+    with exit status 0; bench, approx and hf-eval refuse it up front."""
+    import pytest
+
+    from skyformer.cli import main
+    from skyformer.eval.compare.run import CompareConfig
+
+    for bad in (0, -5, True, 2.5):
+        with pytest.raises(ValueError, match=r"num_features \(--features\) must be a "
+                                             r"positive integer, got"):
+            CompareConfig(num_features=bad)
+    assert main(["compare", "--features", "0", "--methods", "skyformer"]) == 2
+
+
 def test_cpu_peaks_below_the_measurements_resolution_are_not_printed_as_numbers(
         monkeypatch):
     """A CPU peak under ``CPU_RESOLUTION_BYTES`` says only "small" (as ``bench`` takes no

@@ -19,7 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=512, help="sequence length N (default 512)")
     parser.add_argument("--features", type=int, default=None,
                         help="num_features for every approximate method (default: each method's)")
-    parser.add_argument("--layer", type=int, default=0, help="model layer to take Q/K/V from")
+    parser.add_argument("--layer", type=int, default=0,
+                        help="model layer to take Q/K/V from (default 0, the first)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the methods' randomness (and of the --random-init "
                         "weights)")

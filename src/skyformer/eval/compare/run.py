@@ -57,6 +57,12 @@ class CompareConfig:
 
     def __post_init__(self) -> None:
         check_seed("seed", self.seed)
+        if self.num_features is not None and (isinstance(self.num_features, bool) or not
+                                              isinstance(self.num_features, int)
+                                              or self.num_features < 1):
+            # before the model loads; each method's row would say "not supported"
+            raise ValueError(f"num_features (--features) must be a positive integer, got "
+                             f"{self.num_features!r}.")
         refuse_repeated_methods(self.methods)
         for m in self.methods or ():  # unknown names fail before any work
             method = get_method(m)
