@@ -494,6 +494,13 @@ def test_config_and_names_are_checked():
         and not plain.takes_generator
         and plain.label.startswith("reference")
     )
+    # a builtin has no signature to read: called as f(q, k, v), no options (it raised
+    # "no signature found for builtin")
+    sdpa = resolve("torch.nn.functional:scaled_dot_product_attention@softmax")
+    assert not sdpa.takes_generator and sdpa.option_names == () and sdpa.options(8) == {}
+    q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
+    out = sdpa.prepare(tuple(q.shape), {})(q, k, v, None)
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v))
 
 
 def test_every_registered_method_runs():

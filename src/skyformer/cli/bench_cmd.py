@@ -40,8 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", nargs="+", default=None,
                         help="registered names, variants with options set "
                         "('skyformer[pinv_gradient=implicit]') or "
-                        "package.module:function[@softmax|@gaussian] "
-                        "(default: every registered method; softmax is always included)")
+                        "package.module:function[@softmax|@gaussian], called as "
+                        "function(q, k, v, **options), with generator= where its "
+                        "signature names one (default: every registered method; softmax "
+                        "is always included)")
     parser.add_argument("--seq-lens", nargs="+", type=int, default=None,
                         help="sequence lengths (default: --min-n doubling to --max-n)")
     parser.add_argument("--min-n", type=int, default=None,

@@ -152,7 +152,10 @@ def resolve(spec: str) -> NamedAttention:
         ) from None
     if not callable(function):
         raise ValueError(f"{name!r} is not a function; expected 'package.module:function'.")
-    parameters = inspect.signature(function).parameters
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):  # a builtin without one (torch's SDPA): f(q, k, v)
+        parameters = {}
     takes_generator = "generator" in parameters or any(
         p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()
     )
