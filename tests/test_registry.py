@@ -171,6 +171,37 @@ def test_a_misspelt_option_gets_the_close_one(options, said):
         get_method("skyformer").bind(**options)
 
 
+@pytest.mark.parametrize("call, said", [
+    (lambda q, m: skyformer.scaled_dot_product_attention(q, q, q, methd="skyformer"),
+     r"scaled_dot_product_attention has no argument 'methd' \(did you mean 'method'\?\); "
+     r"softmax's options are: scale, causal\."),
+    (lambda q, m: skyformer.scaled_dot_product_attention(q, q, q, method="skyformer",
+                                                         is_casual=True),
+     r"has no argument 'is_casual' \(did you mean 'is_causal'\?\); skyformer's options"),
+    (lambda q, m: skyformer.scaled_dot_product_attention(q, q, q, method="linear",
+                                                         dropout=0.1),
+     r"has no argument 'dropout' \(did you mean 'dropout_p'\?\)"),
+    (lambda q, m: skyformer.scaled_dot_product_attention(q, q, q, method="linear", mask=m),
+     r"scaled_dot_product_attention takes no argument 'mask': pass key_padding_mask "
+     r"\(\[B, Nk\] bool, True = real token\) or attn_mask"),
+    (lambda q, m: skyformer.attention(q, q, q, "skyformer", mask=m),
+     r"skyformer\.attention takes no argument 'mask': pass key_padding_mask \(\[B, Nk\] "
+     r"bool, True = real token\)\.$"),
+    (lambda q, m: skyformer.attention(q, q, q, "skyformer", key_padding=m),
+     r"attention has no argument 'key_padding' \(did you mean 'key_padding_mask'\?\)"),
+    # closer to one of the method's options: the method's own sentence
+    (lambda q, m: skyformer.scaled_dot_product_attention(q, q, q, method="skyformer",
+                                                         casual=True),
+     r"skyformer has no option 'casual' \(did you mean 'causal'\?\)"),
+])
+def test_a_misspelt_argument_of_an_entry_point_gets_the_close_one(call, said):
+    """The method's sentence blamed the default method ('softmax has no option
+    'methd'') or listed options that were not the point."""
+    q = torch.randn(1, 2, 8, 4)
+    with pytest.raises(ValueError, match=said):
+        call(q, torch.ones(1, 8, dtype=torch.bool))
+
+
 @pytest.mark.parametrize("text, value", [
     ("64", 64), ("-2", -2), ("0.5", 0.5), (".5", 0.5), ("1.", 1.0), ("1e-3", 1e-3),
     ("2.5E4", 2.5e4), ("true", True), ("True", True), ("false", False), ("False", False),
