@@ -82,7 +82,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "(skyformer.list_methods())")
     parser.add_argument("--features", type=int,
                         help="num_features of every approximate method (default: quick 32 "
-                             "unless a method sets it in brackets, full each method's own)")
+                             "for all of them, but where any method sets num_features in "
+                             "brackets each method's own, as full always)")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", default=True,
                       help="one timed run, no memory measurement, MiniLM at N=256 (default)")

@@ -11,8 +11,11 @@ SMALL = f"<{CPU_RESOLUTION_BYTES / 2**20:g}"  # a peak below the CPU measurement
 # What each number of a row is, in its unit: the table's legend and the result file's
 # "columns" (the trivial answer's is TRIVIAL_LEGEND)
 COLUMNS = {
-    "num_features": "the method's num_features as the call runs it (its default where none "
-                    "is given, capped by the sequence; exact = an exact method)",
+    "num_features": "the num_features the method is called with (its default where none "
+                    "is given), after the caps a call applies before it runs (Nystromformer's "
+                    "landmarks, Reformer's chunks); the Skyformer family and Informer use "
+                    "at most the rows the sequence has, and linear ignores it (exact = an "
+                    "exact method)",
     "spectral_error": "relative spectral-norm error ||O - O_exact||_2 / ||O_exact||_2 of "
                       "each head's output [Nq, Dv] against the method's exact target (in "
                       "float32 for half-precision inputs; norms in float64); mean +- sample "
