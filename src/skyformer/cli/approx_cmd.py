@@ -42,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = ApproxConfig()
     parser.add_argument("--quick", action="store_true",
                         help="small preset that runs in well under a minute: N=256, m in "
-                        "16 32 64, heads 0 1 (explicit options still apply)")
+                        "16 32 64, seeds 0 1 2, heads 0 1, the analyses at N=256 with "
+                        "--eps 0.1 only (explicit options still apply)")
     parser.add_argument("--sources", nargs="+", choices=SOURCES, default=None,
                         help=f"Q/K/V sources (default: {' '.join(d.sources)})")
     parser.add_argument("--seq-lens", nargs="+", type=int, default=None, metavar="N",

@@ -24,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="num_features values for approximate methods (default: 32 64 128)")
     parser.add_argument("--settings", nargs="+", choices=["short", "long"],
                         default=["short", "long"],
-                        help="short: sentences in padded batches; long: --seq-len token inputs")
+                        help="short: sentences in padded batches; long: --seq-len token inputs "
+                        "(default: both)")
     parser.add_argument("--layers", nargs="+", type=int, default=None,
                         help="replace attention only in these layers (default: all)")
     parser.add_argument("--seq-len", type=int, default=512,

@@ -87,7 +87,8 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
 
 def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("task", choices=TASK_NAMES)
-    p.add_argument("--attn", default="skyformer", help="attention method (skyformer list)")
+    p.add_argument("--attn", default="skyformer",
+                   help="attention method (skyformer list; default skyformer)")
     p.add_argument("--option", dest="options", type=_option, action="append", default=[],
                    metavar="KEY=VALUE", help="option of the method, e.g. num_features=64 "
                    "(repeatable)")
