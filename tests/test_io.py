@@ -274,6 +274,39 @@ def test_a_lock_left_by_an_earlier_process_of_this_id_is_taken_over(tmp_path):
     assert not (tmp_path / LOCK_FILE).exists()
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
+def test_a_lock_of_a_killed_process_not_yet_collected_is_taken_over(tmp_path):
+    """A run killed by a job driver that does not wait for it stays a zombie, which
+    ``os.kill(pid, 0)`` still finds: its lock refused the --resume ("in use by another
+    run") until the driver collected it."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from skyformer.io import LOCK_FILE, _builder_tag, _process_alive, folder_lock
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert _process_alive(child.pid)
+        os.kill(child.pid, signal.SIGKILL)  # not waited for: a zombie
+        for _ in range(200):  # until the kernel has ended it
+            with open(f"/proc/{child.pid}/stat") as stat_file:
+                stat_line = stat_file.read()
+            if stat_line[stat_line.rfind(")") + 2] == "Z":
+                break
+            time.sleep(0.01)
+        assert not _process_alive(child.pid)
+        host = _builder_tag().rsplit("-", 1)[0]
+        (tmp_path / LOCK_FILE).write_text(f"{host}-{child.pid}\n")
+        with folder_lock(tmp_path) as lock:  # taken over, not "in use by another run"
+            assert lock.exists()
+    finally:
+        child.kill()
+        child.wait()
+    assert not _process_alive(child.pid) and _process_alive(os.getpid())
+
+
 def test_a_folder_the_lock_made_is_removed_when_nothing_was_written_in_it(tmp_path):
     """A run refused once it held the lock (a missing model or cache) left the empty
     --out folder, and its parents, that only the lock had made."""

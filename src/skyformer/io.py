@@ -145,14 +145,28 @@ def _builder_tag() -> str:
 
 
 def _process_alive(pid: int) -> bool:
-    """Whether process ``pid`` of this host exists (one of another user's counts)."""
+    """Whether process ``pid`` of this host exists (one of another user's counts) and
+    has not ended: a process killed but not yet collected by its parent (a zombie, which
+    ``os.kill`` still finds: a job driver that kills without waiting) runs no more and
+    holds nothing."""
     try:
         os.kill(pid, 0)  # signal 0: a check, nothing is sent
     except ProcessLookupError:
         return False
     except (OSError, OverflowError, ValueError):  # PermissionError: it exists; anything
         return True  # else (a pid no process can have): do not guess, leave it alone
-    return True
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """Whether process ``pid`` has ended and waits for its parent to collect it (its
+    state in ``/proc/PID/stat`` is Z; False where there is no such file to read)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    # "PID (COMMAND) STATE ...": the command may hold spaces and parentheses
+    return stat[stat.rfind(")") + 1:].split()[:1] == ["Z"]
 
 
 def remove_dead_builds(final: Path) -> list[Path]:
