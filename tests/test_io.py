@@ -5,6 +5,7 @@ import os
 import stat
 
 import pytest
+import torch
 
 from skyformer.io import atomic_write_text, write_csv, write_json
 from skyformer.lra.checkpoint import load_checkpoint, save_checkpoint
@@ -44,6 +45,34 @@ def test_a_write_that_fails_leaves_the_old_file_whole(tmp_path, monkeypatch, fai
     assert read(path) == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["a.txt"]
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
+
+
+def test_a_checkpoint_that_does_not_fit_says_so_and_keeps_the_old_one(tmp_path,
+                                                                     monkeypatch):
+    """A full disk made torch's zip writer say "[enforce fail at inline_container.cc]
+    unexpected pos ...", naming neither the file nor the disk."""
+    import io as stdlib_io
+    import shutil
+
+    path = tmp_path / "last.pt"
+    save_checkpoint(path, {"format": "old"})
+
+    class Full(stdlib_io.BufferedWriter):
+        def write(self, data):
+            raise OSError(28, "No space left on device")
+
+    real_fdopen = os.fdopen
+    monkeypatch.setattr(os, "fdopen", lambda fd, mode, *a, **k: Full(real_fdopen(fd, mode,
+                                                                                 buffering=0)))
+    monkeypatch.setattr(shutil, "disk_usage", lambda folder: shutil._ntuple_diskusage(
+        100 * 2**20, 100 * 2**20, 0))
+    with pytest.raises(OSError, match=rf"cannot write checkpoint {path} \(.+\); 0\.0 MiB "
+                                      r"are free there\. Free some space, or give --out on "
+                                      r"another disk, and continue with --resume"):
+        save_checkpoint(path, {"format": torch.zeros(1000)})
+    monkeypatch.undo()
+    assert load_checkpoint(path)["format"] == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
 
 
 def test_json_and_csv(tmp_path):

@@ -20,6 +20,7 @@ import os
 import pickle
 import random
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +32,29 @@ from ..io import atomic_writer
 
 
 def save_checkpoint(path: str | os.PathLike[str], payload: dict[str, Any]) -> Path:
-    """``torch.save(payload)`` through a temporary file in the same folder, then rename."""
-    with atomic_writer(path, "wb") as handle:
-        torch.save(payload, handle)
+    """``torch.save(payload)`` through a temporary file in the same folder, then rename.
+    A write that fails (a full disk) raises an ``OSError`` naming the file, the space left
+    and what to do; the file there before stays as it was."""
+    try:
+        with atomic_writer(path, "wb") as handle:
+            torch.save(payload, handle)
+    except (OSError, RuntimeError) as err:
+        # torch's zip writer reports a short write as "unexpected pos ..." (a RuntimeError)
+        raise OSError(_unwritable_sentence(Path(path), err)) from err
     return Path(path)
+
+
+def _unwritable_sentence(target: Path, err: Exception) -> str:
+    """Why a checkpoint could not be written: torch's or the system's words, and the
+    space left on the file system of its folder."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    try:
+        free = f"{shutil.disk_usage(target.parent).free / 2**20:.1f} MiB are free there"
+    except OSError:
+        free = "the space left there could not be read"
+    return (f"cannot write checkpoint {target} ({first}); {free}. Free some space, or give "
+            f"--out on another disk, and continue with --resume: the checkpoint written "
+            f"before is kept.")
 
 
 def load_checkpoint(path: str | os.PathLike[str], device: torch.device | str = "cpu"
