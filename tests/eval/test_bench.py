@@ -269,6 +269,21 @@ def test_resume_refuses_rows_measured_with_another_setting(setting, value):
         resumable_rows(BenchConfig(**{**RESUMED_BASE, setting: value}), earlier)
 
 
+def test_resume_takes_the_same_methods_and_dtypes_in_another_order():
+    """Their order is only the table's: --methods linear skyformer resumes a run of
+    --methods skyformer linear (it was refused as another setting)."""
+    from skyformer.eval.bench.run import resumable_rows, run_environment
+    from skyformer.io import json_ready
+
+    base = {**RESUMED_BASE, "dtypes": ("float32", "float64")}
+    earlier = {"config": json_ready(dataclasses.asdict(BenchConfig(**base))),
+               "environment": json_ready(run_environment(torch.device("cpu"))), "rows": []}
+    swapped = {**base, "methods": ("skyformer", "softmax"), "dtypes": ("float64", "float32")}
+    assert resumable_rows(BenchConfig(**swapped), earlier) == ([], [])
+    with pytest.raises(ValueError, match=r"\(methods: "):
+        resumable_rows(BenchConfig(**{**base, "methods": ("skyformer",)}), earlier)
+
+
 def test_resume_compares_the_pause_only_where_the_calls_were_timed_in_blocks():
     """The pause changes nothing where the calls are interleaved: rows measured with
     another pause are kept then, and refused where either run timed in blocks."""

@@ -397,7 +397,7 @@ def resumable_rows(config: BenchConfig, earlier: dict[str, Any]
     compared = [name for name in RESUMABLE_SETTINGS if name != "pause"
                 or "blocked" in (before.get("timing"), now["timing"])]
     differ = [f"{name}: {before.get(name)!r} -> {now[name]!r}" for name in compared
-              if _comparable(before.get(name)) != _comparable(now[name])]
+              if _comparable(before.get(name), name) != _comparable(now[name], name)]
     env_before = earlier.get("environment", {})
     env_now = run_environment(torch.device(config.device))
     differ += [f"{name}: {env_before.get(name)!r} -> {env_now.get(name)!r}"
@@ -413,10 +413,19 @@ def resumable_rows(config: BenchConfig, earlier: dict[str, Any]
             [r for r in rows if _length_key(r) not in asked])
 
 
-def _comparable(value: Any) -> Any:
+# settings whose order is only that of the table's rows: the same ones in another
+# order resume the run
+ORDERLESS_SETTINGS = ("methods", "dtypes")
+
+
+def _comparable(value: Any, name: str = "") -> Any:
     """``value`` as the JSON file holds it (tuples as lists, a non-finite number such as
-    ``--max-seconds inf`` as None), so that a setting read back compares equal."""
-    return json_ready(value)
+    ``--max-seconds inf`` as None), so that a setting read back compares equal; the
+    ``ORDERLESS_SETTINGS`` sorted."""
+    value = json_ready(value)
+    if name in ORDERLESS_SETTINGS and isinstance(value, list):
+        return sorted(value, key=str)
+    return value
 
 
 def _cpu_model() -> str | None:
