@@ -1,5 +1,5 @@
 """Attention functions that fail, for ``bench`` runs (``module:function@target`` names):
-one never timed, one whose output is not finite."""
+one never timed, one that fails above 16 tokens, one whose output is not finite."""
 
 from __future__ import annotations
 
@@ -8,6 +8,13 @@ import torch
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     raise RuntimeError("this method always fails")
+
+
+def short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Exact softmax attention up to 16 tokens; longer inputs fail."""
+    if q.shape[-2] > 16:
+        raise RuntimeError("this method fails above 16 tokens")
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v)
 
 
 def nan_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -148,7 +148,17 @@ def test_command_line(tmp_path, capsys):
                  "0", "--no-memory", "--out", str(tmp_path / "failing"), "--no-plot"]) == 0
     printed = capsys.readouterr().out
     assert "this method always fails" in printed
-    assert not any(line.startswith("attention:") for line in printed.splitlines())
+    notes = [line.strip() for line in printed.splitlines()
+             if line.strip().startswith("attention:")]
+    assert notes == ["attention: skipped at N = 16, 32 (the rows say why)"]
+    # one that fails at the longer length: its summary says so, and speaks of the rest
+    assert main(["bench", "--methods", "tests.eval.failing_method:short_attention@softmax",
+                 "--seq-lens", "16", "32", "--shapes", "1,1,4", "--repeats", "1", "--warmup",
+                 "0", "--no-memory"]) == 0
+    notes = [line.strip() for line in capsys.readouterr().out.splitlines()
+             if line.strip().startswith("short_attention:")]
+    assert len(notes) == 1 and "of the lengths it ran" in notes[0] \
+        and notes[0].endswith("skipped at N = 32 (the rows say why)"), notes
     # a method whose output holds a NaN: timed, its error NaN (null in the file), no stop
     assert main(["bench", "--methods", "tests.eval.failing_method:nan_attention@softmax",
                  "--seq-lens", "32", "--shapes", "1,2,16", "--repeats", "1", "--warmup", "0",

@@ -86,17 +86,24 @@ def _notes(result: BenchResult, g: tuple, rows: list[dict[str, Any]]) -> list[st
                for s in result.summary}
     notes = []
     for method in dict.fromkeys(r["method"] for r in rows):
+        # a length it did not run leaves the crossover and the exponent to the others
+        skipped = sorted(r["n"] for r in rows if r["method"] == method and r["status"] != "ok")
         s = summary.get((*g, method))
         if not s:
+            if skipped:
+                notes.append(f"{method}: skipped at every N (the rows say why)")
             continue
         parts = []
+        ran = " of the lengths it ran" if skipped else ""
         if method != ref and s["crossover"] is not None:  # None: never timed beside it
             if s["crossover"] == "never":
-                parts.append(f"slower than {ref} at every N measured")
+                parts.append(f"slower than {ref} at every N measured{ran}")
             elif s["crossover"] == "at most":
-                parts.append(f"faster than {ref} from N <= {s['crossover_n']:.0f}")
+                parts.append(f"faster than {ref} from N <= {s['crossover_n']:.0f}{ran}")
             else:
-                parts.append(f"faster than {ref} from N ~ {s['crossover_n']:.0f}")
+                parts.append(f"faster than {ref} from N ~ {s['crossover_n']:.0f}{ran}")
+        if skipped:
+            parts.append(f"skipped at N = {', '.join(map(str, skipped))} (the rows say why)")
         if s["exponent"] is not None:
             lo, hi = s["exponent_range"]
             parts.append(f"time ~ N^{s['exponent']:.2f} (N {lo}..{hi})")
