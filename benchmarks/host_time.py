@@ -56,6 +56,7 @@ from skyformer.linalg.eager_calls import through_pytorch
 
 TRITON_MODULES = ("skyformer.linalg.triton_kernels", "skyformer.linalg.triton_lemma3",
                   "skyformer.linalg.triton_lemma3_backward", "skyformer.sketch.triton_draws",
+                  "skyformer.linalg.triton_landmark_rows",
                   "skyformer.ops.kernelized.triton_flash")
 METHODS = ("skyformer", "nystrom_softmax", "kernelized")
 

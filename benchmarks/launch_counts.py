@@ -11,7 +11,8 @@ is counted as a CUDA call runs it (on the CPU an eager call first asks whether t
 inputs are finite at all and skips it).
 Raw Triton launches are not dispatched operations: the draws add one launch per side
 (one for both sides of an unpadded call whose queries and keys have one length, as
-here), the core one per pass.
+here), the core one per pass, and Skyformer's eager backward pass one for its landmark
+rows' gradient (``linalg/landmark_rows.py``).
 
     python benchmarks/launch_counts.py [--out FILE.md]
 

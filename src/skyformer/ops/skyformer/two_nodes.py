@@ -12,7 +12,8 @@ products' and the core's backward steps by hand
 
 - ``_KeySide``: Z = W (C(X_S, K) V), X_S the landmark rows (gathered without a node,
   ``attention``); it passes q, X_S and their norms through, so that its backward pass
-  receives their gradients and adds the rows' gradient into dq and dk in place;
+  receives their gradients and adds the rows' gradient into dq and dk in place, in one
+  kernel (``linalg/landmark_rows.py``);
 - ``_QueryProduct``: C(Q, X_S) Z, padded queries' rows zero.
 
 Two, not one: the output's gradient and q are freed after the second node's backward
@@ -48,6 +49,7 @@ from ...linalg.kernel_matmul_triton import (
     TritonGaussianBlockProduct,
     block_product_backward,
 )
+from ...linalg.landmark_rows import add_rows_gradient
 from ...linalg.lemma3_triton import (
     MAX_M,
     fused_lemma3_applies,
@@ -234,8 +236,9 @@ def _key_side_backward(saved: list, plan: _Plan, needs: tuple, dq: Tensor | None
                        dx: Tensor | None, dnorm: Tensor | None, dz: Tensor
                        ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """(dq, dk, dv) of ``_KeySide``: its steps' backward in reverse order, X's
-    gradients summed in autograd's order, the rows' gradient added into dq (in place:
-    the query product's own, which no other node holds) and dk. ``saved`` is emptied
+    gradients summed in autograd's order and the rows' gradient added into dq (in place:
+    the query product's own, which no other node holds) and dk, by one kernel
+    (``linalg/landmark_rows.py``: 13 launches by PyTorch operations). ``saved`` is emptied
     and each tensor dropped once read: the Lemma 3 iterates and W before the key
     product's backward makes dk and dv (the peak of the call at short N)."""
     _, k, v, x, x_norm, x_bf16, flat_q, flat_k, ridge, live, context, w, a_k, store = saved
@@ -250,28 +253,16 @@ def _key_side_backward(saved: list, plan: _Plan, needs: tuple, dq: Tensor | None
     if need_x:
         dx_core, dnorm_core = lemma3_backward_from(  # of W
             (xf, nf, ridge, store), plan.steps, plan.auto, plan.implicit, dw)
-        dx, dnorm = _flat(dx, dnorm)
-        dx, dnorm = dx + dx_core, dnorm + dnorm_core
-        del dx_core, dnorm_core
     del store, dw
     dk, dx_keys, dnorm_keys, dv = block_product_backward(  # of C(X_S, K)^T V
         (kf, xf, nf, vf, a_k, context, None, bf), plan.product_options(transpose=True),
         (need_k, need_x, need_x, need_v), dcontext)
-    if need_x:
-        dnorm = dnorm + dnorm_keys
-        if live is not None:  # the dead slots' +inf norms (attention) take no gradient
-            dnorm = torch.where(live[:, None, :], dnorm.view(x_norm.shape), 0.0).view(
-                dnorm.shape)
-        # x_norm = |x|^2 / 2 gives x its gradient times x, as autograd's (dn / 2) x
-        # twice (each factor of x * x), summed in its order; x = s rows
-        half = dnorm.mul_(0.5)[..., None] * xf
-        dx = (dx + dx_keys).add_(half).add_(half).mul_(plan.scale)
-        dx = dx.view(x.shape).to(plan.rows_dtype)  # [B, H, m, D]
-        rows_q = flat_q.shape[-1]
-        if need_q:
-            dq = add_rows(dq, dx[..., :rows_q, :], flat_q, in_place=True)
-        if need_k:
-            dk = add_rows(dk, dx[..., rows_q:, :], flat_k, in_place=True)
+    if need_x:  # x = s rows, x_norm = |x|^2 / 2: the rows' gradient, in place
+        dx, dnorm = _flat(dx, dnorm)
+        dq, dk = add_rows_gradient(
+            dq if need_q else None, dk if need_k else None, flat_q, flat_k, xf,
+            (dx, dx_core, dx_keys), (dnorm, dnorm_core, dnorm_keys), live, plan.scale,
+            kernel=True, auto=plan.auto)
     return (dq if need_q else None, None if dk is None else dk.view(k.shape),
             None if dv is None else dv.view(v.shape))
 
