@@ -110,6 +110,28 @@ def _assert_compiled_equals_eager(bound, n: int) -> None:
         torch.testing.assert_close(a, b, msg=lambda text, name=name: f"{name}: {text}")
 
 
+@pytest.mark.parametrize("method", [m for m in METHODS if get_method(m).capabilities.causal])
+def test_compile_causal_backward_after_a_recompile_for_a_new_length(method):
+    """A second length below one chunk of 64 tokens makes dynamo recompile with the
+    length symbolic; aot_eager's backward graph then recorded k's gradient, which a
+    transposed layout reaches in the causal form, as contiguous, and a reshape of it
+    as a view, which failed at run time (skyformer and nystrom_softmax)."""
+    bound = get_method(method).bind(seq_len=64, causal=True)
+    key = random_key(2)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: bound(q, k, v, generator=key), fullgraph=True,
+                             backend="aot_eager")
+    for n in (20, 30):
+        q, k, v = make_qkv(2, 1, n, 8, dtype=torch.float32, seed=n)
+        grads = []
+        for fn in (compiled, lambda q, k, v: bound(q, k, v, generator=key)):
+            leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+            (fn(*leaves) * torch.linspace(-1, 1, 8)).sum().backward()
+            grads.append([t.grad for t in leaves])
+        for got, want in zip(*grads, strict=True):
+            torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_compile_fullgraph_of_self_attention_on_one_tensor(method, matrix):
     """``attention(x, x, x)`` compiled whole: dynamo traces no autograd Function given
