@@ -473,6 +473,14 @@ def test_importing_skyformer_never_needs_transformers():
     assert "skyformer.hf needs transformers: pip install 'skyformer[hf]'" in out
 
 
+def test_a_transformers_that_fails_to_import_is_not_called_missing():
+    """A module of the caller's named like one of transformers' dependencies (or a
+    broken dependency) made skyformer.hf advise installing transformers, hiding why."""
+    out = _import_skyformer_hf_after("import sys; sys.modules['huggingface_hub'] = None\n")
+    assert "skyformer.hf: importing transformers failed (" in out and "huggingface_hub" in out
+    assert "pip install" not in out
+
+
 def test_restore_returns_to_the_implementation_the_model_had():
     model = tiny_bert()
     model.set_attn_implementation("eager")

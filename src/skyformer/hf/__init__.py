@@ -21,10 +21,16 @@ from __future__ import annotations
 
 try:
     import transformers
-except ImportError:  # pragma: no cover - exercised in a subprocess test
-    raise ImportError(
-        "skyformer.hf needs transformers: pip install 'skyformer[hf]'."
-    ) from None
+except ImportError as error:  # pragma: no cover - exercised in a subprocess test
+    if getattr(error, "name", None) == "transformers":  # not installed
+        raise ImportError(
+            "skyformer.hf needs transformers: pip install 'skyformer[hf]'."
+        ) from None
+    # installed, but its own import failed (a module of the caller's named like one of
+    # its dependencies, a broken dependency): that error, not an advice to install it
+    raise ImportError(f"skyformer.hf: importing transformers failed ({error}); it is "
+                      f"installed, so the cause is in its import, not a missing "
+                      f"package.") from error
 
 from ..versions import major_minor
 
