@@ -70,8 +70,7 @@ def test_the_kernel_adds_the_same_bits_as_pytorch(device, dtype, case, live):
     want = add_rows_gradient_by_pytorch(dq.clone(), dk.clone(), flat_q, flat_k, x, dx,
                                         tuple(t.clone() for t in dnorm), slots, 0.7)
     got_q, got_k = dq.clone(), dk.clone()
-    add_rows_gradient(got_q, got_k, flat_q, flat_k, x, dx, dnorm, slots, 0.7,
-                      kernel=True, auto=False)
+    add_rows_gradient(got_q, got_k, flat_q, flat_k, x, dx, dnorm, slots, 0.7, auto=False)
     assert torch.equal(got_q, want[0]) and torch.equal(got_k, want[1])
     assert not torch.equal(got_q, dq)  # rows were added to
     if case[4] > case[5]:
@@ -84,7 +83,7 @@ def test_one_side_leaves_the_other_untouched(side):
                                                       torch.float32, "cpu")
     got_q, got_k = dq.clone(), dk.clone()
     out = add_rows_gradient(got_q if side == "q" else None, got_k if side == "k" else None,
-                            flat_q, flat_k, x, dx, dnorm, None, 0.5, kernel=True, auto=False)
+                            flat_q, flat_k, x, dx, dnorm, None, 0.5, auto=False)
     want = add_rows_gradient_by_pytorch(dq.clone() if side == "q" else None,
                                         dk.clone() if side == "k" else None, flat_q, flat_k,
                                         x, dx, tuple(t.clone() for t in dnorm), None, 0.5)
@@ -92,7 +91,7 @@ def test_one_side_leaves_the_other_untouched(side):
     assert out[kept] is None and torch.equal(out[changed], want[changed])
     assert torch.equal((got_q, got_k)[kept], (dq, dk)[kept])  # the other side as it was
     assert add_rows_gradient(None, None, flat_q, flat_k, x, dx, dnorm, None, 0.5,
-                             kernel=True, auto=False) == (None, None)
+                             auto=False) == (None, None)
 
 
 def test_a_strided_gradient_takes_pytorch_out_of_place():
@@ -101,7 +100,7 @@ def test_a_strided_gradient_takes_pytorch_out_of_place():
                                                       torch.float32, "cpu")
     strided = dq.transpose(-1, -2).contiguous().transpose(-1, -2)
     got = add_rows_gradient(strided, dk.clone(), flat_q, flat_k, x, dx, dnorm, None, 0.5,
-                            kernel=True, auto=False)
+                            auto=False)
     want = add_rows_gradient_by_pytorch(dq.clone(), dk.clone(), flat_q, flat_k, x, dx,
                                         tuple(t.clone() for t in dnorm), None, 0.5)
     assert torch.equal(got[0], want[0]) and torch.equal(strided, dq)
@@ -123,16 +122,14 @@ def test_a_kernel_that_fails_gives_way_to_pytorch_under_auto(monkeypatch):
                                         tuple(t.clone() for t in dnorm), None, 0.5)
     with pytest.raises(RuntimeError, match="no compiler here"):
         add_rows_gradient(dq.clone(), dk.clone(), flat_q, flat_k, x, dx, dnorm, None, 0.5,
-                          kernel=True, auto=False)
+                          auto=False)
     with pytest.warns(RuntimeWarning, match="landmark rows' gradient kernel failed for "
                                             "float32 tensors on cpu"):
         got = add_rows_gradient(dq.clone(), dk.clone(), flat_q, flat_k, x, dx,
-                                tuple(t.clone() for t in dnorm), None, 0.5, kernel=True,
-                                auto=True)
+                                tuple(t.clone() for t in dnorm), None, 0.5, auto=True)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once
         again = add_rows_gradient(dq.clone(), dk.clone(), flat_q, flat_k, x, dx,
-                                  tuple(t.clone() for t in dnorm), None, 0.5, kernel=True,
-                                  auto=True)
+                                  tuple(t.clone() for t in dnorm), None, 0.5, auto=True)
     assert torch.equal(again[0], want[0])

@@ -32,7 +32,7 @@ ROWS_GRADIENT_FALLBACK = KernelFallback(
 def add_rows_gradient(
     dq: Tensor | None, dk: Tensor | None, flat_q: Tensor, flat_k: Tensor, x: Tensor,
     dx: tuple[Tensor, Tensor, Tensor], dnorm: tuple[Tensor, Tensor, Tensor],
-    live: Tensor | None, scale: float, *, kernel: bool, auto: bool,
+    live: Tensor | None, scale: float, *, auto: bool,
 ) -> tuple[Tensor | None, Tensor | None]:
     """(dq, dk) with the rows' gradient added, in place (module docstring): ``dq``
     ``[B, H, Nq, D]`` and ``dk`` ``[BH, Nk, D]`` (None: that side needs none), the rows
@@ -40,15 +40,15 @@ def add_rows_gradient(
     ``dnorm`` their norms' ``[BH, m]`` (query product, core, key product), ``live:
     [B, m]`` or None, ``flat_q: [B, H, mq]`` and ``flat_k: [B, H, m - mq]`` the slots'
     rows in q and k viewed as ``[rows, D]`` (``rows.rows_untracked``), s = ``scale``.
-    ``kernel``: the Triton kernel, where dq and dk are contiguous (``auto``: with its
-    fallback)."""
+    By the Triton kernel where dq and dk are contiguous (``auto``: with its fallback),
+    by PyTorch operations otherwise."""
     if dq is None and dk is None:
         return None, None
 
     def by_pytorch() -> tuple[Tensor | None, Tensor | None]:
         return add_rows_gradient_by_pytorch(dq, dk, flat_q, flat_k, x, dx, dnorm, live, scale)
 
-    if not kernel or not all(t is None or t.is_contiguous() for t in (dq, dk)):
+    if not all(t is None or t.is_contiguous() for t in (dq, dk)):
         return by_pytorch()
 
     def launch() -> tuple[Tensor | None, Tensor | None]:

@@ -262,7 +262,7 @@ def _key_side_backward(saved: list, plan: _Plan, needs: tuple, dq: Tensor | None
         dq, dk = add_rows_gradient(
             dq if need_q else None, dk if need_k else None, flat_q, flat_k, xf,
             (dx, dx_core, dx_keys), (dnorm, dnorm_core, dnorm_keys), live, plan.scale,
-            kernel=True, auto=plan.auto)
+            auto=plan.auto)
     return (dq if need_q else None, None if dk is None else dk.view(k.shape),
             None if dv is None else dv.view(v.shape))
 
