@@ -66,11 +66,6 @@ from .registry.capabilities import masks_taken
 from .registry.methods import Method, refuse_misnamed_arguments
 from .varlen import pack, unpack
 
-# the entry point's own arguments, for the hint on a misspelt one (``is_casual``)
-_ARGUMENTS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa", "method",
-              "key_padding_mask", "query_padding_mask", "cu_seqlens", "cu_seqlens_k",
-              "max_seqlen", "max_seqlen_k", "generator")
-
 
 def scaled_dot_product_attention(
     query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
@@ -85,7 +80,7 @@ def scaled_dot_product_attention(
     ``value: [B, Hkv, S, Ev]`` by ``method``; returns ``[B, H, L, Ev]`` (module doc)."""
     spec = get_method(method)
     refuse_misnamed_arguments(spec, options, "skyformer.scaled_dot_product_attention",
-                              _ARGUMENTS)
+                              scaled_dot_product_attention)
     check_probability(spec.name, "dropout_p", dropout_p)
     if not isinstance(is_causal, bool):  # as torch's: truthiness would read "no" as True
         raise TypeError(f"{spec.name}: is_causal must be True or False, got "

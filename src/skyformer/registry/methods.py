@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import inspect
 import numbers
 import re
 from collections.abc import Callable, Iterable
@@ -51,8 +53,6 @@ _BIND_ARGUMENTS = ("num_heads", "head_dim", "seq_len")
 # Arguments of torch's scaled_dot_product_attention, which skyformer's takes beside the
 # methods' options (a sentence for one given to a method as an option points there).
 _SDPA_ARGUMENTS = frozenset({"attn_mask", "dropout_p", "is_causal", "enable_gqa"})
-# attention's own arguments, for the hint on a misspelt one
-_ATTENTION_ARGUMENTS = ("method", "key_padding_mask", "query_padding_mask", "generator")
 # The exact method of each target: what approximation errors are measured against.
 _EXACT = {"softmax": "softmax", "gaussian": "kernelized"}
 
@@ -327,15 +327,15 @@ def did_you_mean(given: object, names: Iterable[str]) -> str:
 
 
 def refuse_misnamed_arguments(method: Method, options: dict[str, Any], entry: str,
-                              arguments: Iterable[str]) -> None:
+                              function: Callable[..., Any]) -> None:
     """A sentence (ValueError) for an option ``method`` lacks that was meant as an
-    argument of the entry point ``entry``: a close misspelling of one of its
-    ``arguments`` (``is_casual``, ``methd``: the method's own error would blame the
-    default method, or list options that are not the point), or ``mask``, which no
+    argument of the entry point ``entry`` (``function``): a close misspelling of one of
+    its named arguments (``is_casual``, ``methd``: the method's own error would blame
+    the default method, or list options that are not the point), or ``mask``, which no
     entry point takes under that name."""
     if not options:
         return
-    names = tuple(arguments)
+    names = _argument_names(function)
     for name in sorted(set(options) - set(method.option_names())):
         close = did_you_mean(name, names)
         if close and not did_you_mean(name, method.option_names()):  # else the method's
@@ -345,6 +345,13 @@ def refuse_misnamed_arguments(method: Method, options: dict[str, Any], entry: st
             other = " or attn_mask (SDPA's mask)" if "attn_mask" in names else ""
             raise ValueError(f"{entry} takes no argument 'mask': pass key_padding_mask "
                              f"([B, Nk] bool, True = real token){other}.")
+
+
+@functools.cache
+def _argument_names(function: Callable[..., Any]) -> tuple[str, ...]:
+    """The arguments ``function`` takes by name (not its ``**options``)."""
+    return tuple(name for name, p in inspect.signature(function).parameters.items()
+                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
 
 
 def exact_method(target: Target) -> Method:
@@ -430,7 +437,7 @@ def attention(
     if options.get("causal"):
         check_capabilities(method, causal=True)
     spec = get_method(method)
-    refuse_misnamed_arguments(spec, options, "skyformer.attention", _ATTENTION_ARGUMENTS)
+    refuse_misnamed_arguments(spec, options, "skyformer.attention", attention)
     bound = BoundMethod(spec, spec.make_config(**options))
     return bound(q, k, v, key_padding_mask=key_padding_mask,
                  query_padding_mask=query_padding_mask, generator=generator)
