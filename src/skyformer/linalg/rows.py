@@ -242,9 +242,11 @@ def _add_rows(grad: Tensor | None, part: Tensor, flat: Tensor, shape: torch.Size
     if torch.compiler.is_compiling():
         # a traced gradient may say it is contiguous where the real one is not (k's in
         # causal Skyformer, a transposed layout, compiled by aot_eager once the length
-        # turned dynamic): the reshape below was recorded as a view, which then failed
-        # at run time. A copy in the contiguous layout is one in any case.
-        grad = grad.clone(memory_format=torch.contiguous_format)
+        # turned dynamic): a reshape of it was recorded as a view, which then failed at
+        # run time. The addition goes into a copy in the contiguous layout instead, the
+        # one copy the out-of-place addition makes.
+        copy = grad.clone(memory_format=torch.contiguous_format)
+        return copy.view(-1, width).index_add_(0, flat.reshape(-1), rows).view(shape)
     return grad.reshape(-1, width).index_add(0, flat.reshape(-1), rows).view(shape)
 
 
