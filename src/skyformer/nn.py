@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from .amp import autocast_enabled
+from .checks import check_positive_int
 from .ops.shared.inputs import check_attention_inputs
 from .registry import BoundMethod, Method, get_method
 
@@ -68,9 +69,7 @@ class MultiHeadAttention(nn.Module):
     ) -> None:
         super().__init__()
         for name, value in (("dim", dim), ("num_heads", num_heads)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"MultiHeadAttention: {name} must be a positive integer, "
-                                 f"got {value!r}.")
+            check_positive_int(f"MultiHeadAttention: {name}", value)
         if dim % num_heads:
             divisors = [h for h in range(1, min(dim, 64) + 1) if dim % h == 0]
             raise ValueError(f"MultiHeadAttention: dim ({dim}) must be divisible by num_heads "

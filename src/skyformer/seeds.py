@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .checks import integer_hint, is_integer
+
 # torch.Generator.manual_seed takes at most 64 bits; numpy's and Python's generators
 # take any integer >= 0. Negative seeds are refused too: numpy refuses them, and torch
 # would wrap -1 onto 2^64 - 1, so two spellings would name one stream.
@@ -10,8 +12,6 @@ SEED_LIMIT = 2**64
 
 def check_seed(name: str, value: object) -> None:
     """Raise a ``ValueError`` naming ``name`` unless ``value`` is an integer in [0, 2^64)."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < SEED_LIMIT:
-        # a NumPy or 0-d torch integer is an integer to its user: say which one is wanted
-        hint = (" (a Python int: pass int(value))" if type(value).__module__ in ("numpy", "torch")
-                else "")
-        raise ValueError(f"{name} must be an integer from 0 to 2^64 - 1{hint}, got {value!r}.")
+    if not is_integer(value) or not 0 <= value < SEED_LIMIT:  # type: ignore[operator]
+        raise ValueError(f"{name} must be an integer from 0 to 2^64 - 1{integer_hint(value)}, "
+                         f"got {value!r}.")

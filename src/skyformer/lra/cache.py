@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from ..checks import check_positive_int
 from ..io import building_folder
 from .tasks import SPLITS, TaskSpec, get_task
 
@@ -179,8 +180,7 @@ def write_cache(
     """
     if sorted(splits) != sorted(SPLITS):
         raise ValueError(f"a cache needs the splits {', '.join(SPLITS)}, got {', '.join(splits)}.")
-    if not isinstance(max_len, int) or max_len <= 0:
-        raise ValueError(f"max_len must be a positive integer, got {max_len!r}.")
+    check_positive_int("max_len", max_len)
     # Files are written plainly in tmp: renaming tmp to the cache folder is the one atomic step.
     with building_folder(cache_dir(cache_root, task.name)) as tmp:
         infos = {name: _write_split(tmp, name, task, splits[name], max_len) for name in SPLITS}

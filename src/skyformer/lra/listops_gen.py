@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..checks import check_positive_int
 from ..seeds import check_seed
 from .generated import generated_folder
 from .readers.listops import FILES, GENERATOR_RECORD
@@ -198,9 +199,7 @@ def write_listops(out: str | os.PathLike[str], *, train: int = 96_000, dev: int 
     rules = rules or ListOpsRules()
     counts = {"train": train, "dev": dev, "test": test}
     for name, n in counts.items():
-        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-            raise ValueError(f"the number of {name} examples must be a positive integer, "
-                             f"got {n!r}.")
+        check_positive_int(f"the number of {name} examples", n)
     check_seed("seed", seed)
     folder = Path(out)
     # Files are written plainly in tmp: renaming tmp to ``folder`` is the one atomic step.

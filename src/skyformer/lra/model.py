@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from ..amp import autocast_enabled, autocast_off
+from ..checks import check_positive_int
 from ..nn import MultiHeadAttention
 from ..ops.shared.tracing import may_read_values
 from ..registry import get_method
@@ -40,9 +41,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "num_classes", "max_len", "dim", "hidden", "heads", "layers"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"model {name} must be a positive integer, got {value!r}.")
+            check_positive_int(f"model {name}", getattr(self, name))
         if self.segments not in (1, 2):
             raise ValueError(f"segments must be 1 or 2, got {self.segments!r}.")
         if not 0.0 <= self.dropout < 1.0:

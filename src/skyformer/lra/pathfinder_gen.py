@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from ..checks import check_positive_int
 from ..seeds import check_seed
 from .generated import generated_folder
 from .readers.pathfinder import SYNTHETIC_MARKER, pil_image
@@ -188,8 +189,7 @@ def write_pathfinder(out: str | os.PathLike[str], count: int, *,
     --src``.
     """
     rules = rules or PathfinderRules()
-    if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
-        raise ValueError(f"count must be a positive integer, got {count!r}.")
+    check_positive_int("count", count)
     check_seed("seed", seed)
     folder = Path(out)
     image = pil_image("writing Pathfinder images")  # before any folder is made

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..checks import check_positive_int
 from ..registry import get_method
 from ..seeds import check_seed
 from .tasks import get_task
@@ -71,14 +72,9 @@ class TrainConfig:
         positive = ("steps", "batch_size", "eval_every", "grad_accum", "log_every", "dim",
                     "hidden", "heads", "layers")
         for name in positive:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+            check_positive_int(name, getattr(self, name))
         for name in ("eval_batches", "patience", "max_len", "checkpoint_every"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value <= 0):
-                raise ValueError(f"{name} must be a positive integer or None, got {value!r}.")
+            check_positive_int(name, getattr(self, name), optional=True)
         check_seed("seed", self.seed)
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"warmup must be an integer >= 0, got {self.warmup!r}.")

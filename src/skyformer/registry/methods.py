@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..checks import check_positive_int
 from .autocast import autocast_dtype
 from .binding import HALF_DTYPES, TAKES_QUERY_MASK, BoundMethod, takes_keyword
 from .capabilities import (
@@ -153,10 +154,7 @@ class Method:
         """
         for name, value in (("num_heads", num_heads), ("head_dim", head_dim),
                             ("seq_len", seq_len)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value <= 0):
-                raise ValueError(f"{self.name}: {name} must be a positive integer or None, "
-                                 f"got {value!r}.")
+            check_positive_int(f"{self.name}: {name}", value, optional=True)
         config = self.make_config(**self.resolve_options(options, seq_len))
         return BoundMethod(self, config, num_heads, head_dim)
 

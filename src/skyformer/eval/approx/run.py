@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ...checks import check_positive_ints
 from ...io import environment
 from ...linalg import gaussian_scores, softmax_scores, top_singular_subspace
 from ...linalg.subspace import takes_full_svd
@@ -120,9 +121,7 @@ class ApproxConfig:
             refuse_repeats(name, getattr(self, name))
         refuse_repeated_methods(self.methods)
         for name in ("seq_lens", "features"):
-            bad = [x for x in getattr(self, name) if not isinstance(x, int) or x < 1]
-            if bad:
-                raise ValueError(f"{name} must be positive integers, got {bad}.")
+            check_positive_ints(name, getattr(self, name))
         for seed in self.seeds:
             check_seed("seeds", seed)
         check_seed("data_seed", self.data_seed)

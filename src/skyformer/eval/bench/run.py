@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ...checks import check_positive_ints, is_integer
 from ...devices import parse_device
 from ...io import environment, json_ready
 from ...linalg.implicit_inverse import factorises
@@ -117,11 +118,9 @@ class BenchConfig:
     pause: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.seq_lens or any(not isinstance(n, int) or n < 1 for n in self.seq_lens):
-            raise ValueError(f"{setting_name('seq_lens')} must be positive integers, got "
-                             f"{self.seq_lens!r}.")
+        check_positive_ints(setting_name("seq_lens"), self.seq_lens)
         for shape in self.shapes:
-            if len(shape) != 3 or any(not isinstance(s, int) or s < 1 for s in shape):
+            if len(shape) != 3 or any(not is_integer(s) or s < 1 for s in shape):
                 raise ValueError(f"a shape is (B, H, D) with positive integers, got {shape!r}.")
         if not self.shapes:
             raise ValueError("give at least one (B, H, D) shape.")

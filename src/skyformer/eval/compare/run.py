@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from ...checks import check_positive_int
 from ...io import environment
 from ...ops.shared.inputs import check_attention_inputs
 from ...registry import get_method, list_methods
@@ -57,12 +58,9 @@ class CompareConfig:
 
     def __post_init__(self) -> None:
         check_seed("seed", self.seed)
-        if self.num_features is not None and (isinstance(self.num_features, bool) or not
-                                              isinstance(self.num_features, int)
-                                              or self.num_features < 1):
-            # before the model loads; each method's row would say "not supported"
-            raise ValueError(f"num_features (--features) must be a positive integer, got "
-                             f"{self.num_features!r}.")
+        # before the model loads; each method's row would say "not supported"
+        if self.num_features is not None:  # each method's own
+            check_positive_int("num_features (--features)", self.num_features)
         refuse_repeated_methods(self.methods)
         for m in self.methods or ():  # unknown names fail before any work
             method = get_method(m)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ...checks import check_positive_int
 from ...hf import set_attention
 from ...registry import get_method
 from ...seeds import check_seed
@@ -47,9 +48,7 @@ class FinetuneConfig:
     def validate(self) -> None:
         get_method(self.method)
         for name in ("steps", "batch_size", "seq_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+            check_positive_int(name, getattr(self, name))
         check_seed("seed", self.seed)
         if not isinstance(self.holdout, int) or self.holdout < 2:
             raise ValueError(f"holdout must be an integer >= 2, got {self.holdout!r}.")

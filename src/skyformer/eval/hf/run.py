@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ...checks import check_positive_int, check_positive_ints
 from ...devices import parse_device
 from ...io import environment
 from ...registry import CapabilityError, get_method, list_methods
@@ -89,21 +90,15 @@ class HFEvalConfig:
         """Fail in a sentence naming the setting and its ``skyformer hf-eval`` flag."""
         for name in ("seq_len", "max_texts", "batch_size", "time_batch", "repeats"):
             value = getattr(self, name)
-            if name == "time_batch" and value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{_named(name)} must be a positive integer, got {value!r}.")
+            if not (name == "time_batch" and value is None):  # None: batch_size's
+                check_positive_int(_named(name), value)
         check_seed(_named("seed"), self.seed)
         if self.seq_len < 8:
             raise ValueError(f"{_named('seq_len')} must be at least 8, got {self.seq_len}.")
         if self.max_texts < 2:  # retrieval ranks a text among the others
             raise ValueError(f"{_named('max_texts')} must be at least 2 (retrieval needs two "
                              f"texts), got {self.max_texts}.")
-        if not self.features or any(
-            isinstance(f, bool) or not isinstance(f, int) or f < 1 for f in self.features
-        ):
-            raise ValueError(f"{_named('features')} must be positive integers, got "
-                             f"{self.features!r}.")
+        check_positive_ints(_named("features"), self.features)
         unknown = sorted(set(self.settings) - set(SETTINGS))
         if unknown or not self.settings:
             raise ValueError(f"{_named('settings')} must be chosen from {', '.join(SETTINGS)}, "

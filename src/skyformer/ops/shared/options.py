@@ -9,9 +9,8 @@ from __future__ import annotations
 import math
 import numbers
 
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+from ... import checks
+from ...checks import is_integer as _is_int
 
 
 def _is_number(value: object) -> bool:
@@ -24,8 +23,7 @@ def _is_number(value: object) -> bool:
 
 
 def check_positive_int(method: str, name: str, value: object) -> None:
-    if not _is_int(value) or value <= 0:  # type: ignore[operator]
-        raise ValueError(f"{method}: {name} must be a positive integer, got {value!r}.")
+    checks.check_positive_int(f"{method}: {name}", value)
 
 
 def check_optional_positive_int(method: str, name: str, value: object) -> None:

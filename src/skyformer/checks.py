@@ -1,0 +1,41 @@
+"""Checks of the integers a user passes (sizes, counts, lengths), shared by the layers,
+the methods' options and the experiments' settings.
+
+Each raises ``ValueError`` with a sentence naming the setting, what it must be and what
+it got: ``"MultiHeadAttention: dim must be a positive integer, got 0."``. ``True`` is
+no integer here; a NumPy or 0-d torch integer is one to its user, so the sentence says
+which kind is wanted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def is_integer(value: object) -> bool:
+    """A Python ``int`` that is not a ``bool``."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def integer_hint(value: object) -> str:
+    """`` (a Python int: pass int(value))`` for a NumPy or torch scalar, else ``""``."""
+    return " (a Python int: pass int(value))" if type(value).__module__ in ("numpy", "torch") \
+        else ""
+
+
+def check_positive_int(name: str, value: object, *, optional: bool = False) -> None:
+    """Refuse ``value`` unless it is a positive integer (or None, where ``optional``)."""
+    if optional and value is None:
+        return
+    if not is_integer(value) or value <= 0:  # type: ignore[operator]
+        kind = "a positive integer or None" if optional else "a positive integer"
+        raise ValueError(f"{name} must be {kind}{integer_hint(value)}, got {value!r}.")
+
+
+def check_positive_ints(name: str, values: Sequence[object]) -> None:
+    """Refuse ``values`` unless it is a non-empty sequence of positive integers."""
+    bad = [v for v in values if not is_integer(v) or v <= 0]  # type: ignore[operator]
+    if not values or bad:
+        hint = next((integer_hint(v) for v in bad if integer_hint(v)), "")
+        raise ValueError(f"{name} must be positive integers{hint}, got "
+                         f"{bad if bad else 'none'}.")
