@@ -24,6 +24,7 @@ from torch import Tensor
 
 from ..amp import autocast_enabled, autocast_off
 from .guard import marked_by_core, show_nonfinite, zero_padding
+from .outputs import check_output
 
 
 def call_core(core: Callable[..., Tensor], q: Any, k: Any, v: Any, config: Any,
@@ -73,8 +74,10 @@ def _guarded(core: Callable[..., Tensor], q: Tensor, k: Any, v: Any, config: Any
     core itself where it says it marks them in this call (``guard.marked_by_core``)."""
     if marked_by_core(core, q, k, v, config):
         return core(q, k, v, config, **kwargs)
-    return show_nonfinite(core(q, k, v, config, **kwargs), q, k, v, *masks, owned=owned,
-                          causal=causal)
+    out = core(q, k, v, config, **kwargs)
+    if not owned:  # a method registered from outside: its output is checked
+        out = check_output(core, out, q, v)
+    return show_nonfinite(out, q, k, v, *masks, owned=owned, causal=causal)
 
 
 def _library_method(core: Callable[..., Tensor]) -> bool:

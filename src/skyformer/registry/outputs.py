@@ -1,0 +1,48 @@
+"""What a method registered from outside the library must return, checked where its
+core returns: ``[B, H, Nq, Dv]`` (q's leading dims, v's last) in q's dtype.
+
+The library's own methods are tested to return that; a plugin that returns the wrong
+number of rows would otherwise reach a ``MultiHeadAttention`` layer's output silently
+(``[B, Nq', dim]``), and one that returns another dtype or a transposed tensor would
+fail later in torch's internals, far from its cause.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def check_output(core: Callable[..., Any], out: Any, q: Tensor, v: Any) -> Tensor:
+    """``out`` where it is what a call of ``core`` on ``q`` and ``v`` must return (module
+    docstring), else a ``TypeError`` naming the core, what it returned and what it must."""
+    if not isinstance(v, Tensor):  # a call form the check does not know: left as it is
+        return out
+    name = _named(core)
+    expected = (*q.shape[:-1], v.shape[-1])
+    if not isinstance(out, Tensor):
+        raise TypeError(f"the attention method {name} returned a {type(out).__name__}; a "
+                        f"method returns one tensor [B, H, Nq, Dv] = {list(expected)}.")
+    if tuple(out.shape) != expected or out.dtype != q.dtype:
+        raise TypeError(
+            f"the attention method {name} returned a {_dtype(out.dtype)} tensor of shape "
+            f"{list(out.shape)} for q of shape {list(q.shape)} and v of shape "
+            f"{list(v.shape)}; a method returns [B, H, Nq, Dv] = {list(expected)} in q's "
+            f"dtype ({_dtype(q.dtype)}).")
+    return out
+
+
+def _named(core: Callable[..., Any]) -> str:
+    """``'name' (module.function)``: the registered name and where its core is defined."""
+    from .methods import _REGISTRY  # it imports this module (through autocast)
+
+    where = f"{getattr(core, '__module__', '?')}.{getattr(core, '__qualname__', repr(core))}"
+    names = [m.name for m in _REGISTRY.values() if m.core is core]
+    return f"{names[0]!r} ({where})" if names else where
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

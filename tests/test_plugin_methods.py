@@ -1,0 +1,138 @@
+"""Methods registered from outside the library (``skyformer.registry.register``): what
+they must return, and registering one again."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import sys
+
+import pytest
+import torch
+
+import skyformer
+from skyformer.registry import Capabilities, register
+from skyformer.registry import methods as registry_methods
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    width: int = 2
+
+
+@pytest.fixture
+def plugin():
+    """``register(name, body)``: a method from outside whose core returns
+    ``body(q, k, v)``; the names are taken out of the registry afterwards."""
+    names = []
+
+    def make(name, body):
+        @register(name, _Options, Capabilities(target="softmax"))
+        def core(q, k, v, config, *, key_padding_mask=None, generator=None):
+            return body(q, k, v)
+
+        names.append(name)
+        return core
+
+    yield make
+    for name in names:
+        registry_methods._REGISTRY.pop(name, None)
+
+
+WRONG = [
+    ("few_rows", lambda q, k, v: v[:, :, :3], r"tensor of shape \[2, 2, 3, 5\]"),
+    ("transposed", lambda q, k, v: v.transpose(1, 2), r"tensor of shape \[2, 6, 2, 5\]"),
+    ("head_dim", lambda q, k, v: q, r"float32 tensor of shape \[2, 2, 6, 4\]"),
+    ("dtype", lambda q, k, v: v.double(), r"float64 tensor"),
+]
+
+
+@pytest.mark.parametrize("name,body,said", WRONG, ids=[w[0] for w in WRONG])
+def test_a_wrong_output_is_named_at_every_entry_point(plugin, name, body, said):
+    """A plugin's output of the wrong shape or dtype used to pass through (a layer then
+    returned fewer rows) or to fail deep in torch; now each route names the method,
+    what it returned and what it must."""
+    plugin(f"plugin_{name}", body)
+    q, k = torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 4)
+    v = torch.randn(2, 2, 6, 5)
+    pattern = rf"the attention method 'plugin_{name}' \(.*core\) returned a .*{said}.*" \
+              r"\[B, H, Nq, Dv\] = \[2, 2, 6, 5\]"
+    for call in (lambda: skyformer.attention(q, k, v, f"plugin_{name}"),
+                 lambda: skyformer.scaled_dot_product_attention(q, k, v,
+                                                                method=f"plugin_{name}")):
+        with pytest.raises(TypeError, match=pattern):
+            call()
+
+
+def test_a_layer_does_not_return_fewer_rows_than_it_took(plugin):
+    plugin("plugin_rows", lambda q, k, v: v[:, :, :3])
+    layer = skyformer.MultiHeadAttention(dim=8, num_heads=2, method="plugin_rows")
+    with pytest.raises(TypeError, match=r"'plugin_rows'.*shape \[2, 2, 3, 4\]"):
+        layer(torch.randn(2, 6, 8))
+
+
+def test_a_method_that_returns_no_tensor_is_named(plugin):
+    plugin("plugin_list", lambda q, k, v: v.tolist())
+    q = torch.randn(1, 1, 3, 2)
+    with pytest.raises(TypeError, match=r"'plugin_list' .* returned a list; a method "
+                                        r"returns one tensor \[B, H, Nq, Dv\] = \[1, 1, 3, 2\]"):
+        skyformer.attention(q, q, q, "plugin_list")
+
+
+def test_a_right_output_passes_as_it_is(plugin):
+    plugin("plugin_values", lambda q, k, v: v * 1)
+    q, k, v = (torch.randn(1, 2, 5, 3) for _ in range(3))
+    torch.testing.assert_close(skyformer.attention(q, k, v, "plugin_values"), v)
+
+
+def test_a_name_held_by_another_function_is_refused_with_what_to_do(plugin):
+    plugin("plugin_taken", lambda q, k, v: v)
+    with pytest.raises(ValueError, match=r"'skyformer' is already registered, by "
+                       r"skyformer\.ops\.skyformer\..*; register .* under another name"):
+        register("skyformer", _Options, Capabilities(target="softmax"))(
+            lambda q, k, v, config, *, key_padding_mask=None, generator=None: v)
+
+    def other(q, k, v, config, *, key_padding_mask=None, generator=None):
+        return v
+
+    with pytest.raises(ValueError, match="'plugin_taken' is already registered"):
+        register("plugin_taken", _Options, Capabilities(target="softmax"))(other)
+
+
+def test_reloading_the_module_that_registers_a_method_replaces_it(tmp_path, monkeypatch):
+    """``importlib.reload`` of a plugin (or a notebook cell run twice) defines the same
+    function again: it takes the name's place instead of failing."""
+    (tmp_path / "reloaded_plugin.py").write_text(
+        "import dataclasses\n"
+        "from skyformer.registry import Capabilities, register\n"
+        "SCALE = 2.0\n"
+        "@dataclasses.dataclass(frozen=True)\n"
+        "class Options:\n"
+        "    pass\n"
+        "@register('plugin_reloaded', Options, Capabilities(target='softmax'))\n"
+        "def core(q, k, v, config, *, key_padding_mask=None, generator=None):\n"
+        "    return v * SCALE\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # the edit below keeps its size
+    try:
+        module = importlib.import_module("reloaded_plugin")
+        q = torch.ones(1, 1, 2, 2)
+        assert skyformer.attention(q, q, q, "plugin_reloaded").max() == 2.0
+        text = (tmp_path / "reloaded_plugin.py").read_text().replace("2.0", "3.0")
+        (tmp_path / "reloaded_plugin.py").write_text(text)
+        importlib.reload(module)
+        assert skyformer.attention(q, q, q, "plugin_reloaded").max() == 3.0
+    finally:
+        registry_methods._REGISTRY.pop("plugin_reloaded", None)
+        sys.modules.pop("reloaded_plugin", None)
+
+
+def test_a_config_that_is_not_frozen_is_refused():
+    @dataclasses.dataclass
+    class Loose:
+        width: int = 2
+
+    with pytest.raises(TypeError, match=r"config_class of 'plugin_loose' must be a frozen "
+                                        r"dataclass .*dataclass\(frozen=True\)"):
+        register("plugin_loose", Loose, Capabilities(target="softmax"))
+    assert "plugin_loose" not in skyformer.list_methods()
