@@ -240,9 +240,13 @@ def register(
     if clash:
         raise TypeError(f"{name!r}: option names {clash} are reserved for Method.bind.")
 
+    if not config_class.__dataclass_params__.frozen:  # type: ignore[attr-defined]
+        raise TypeError(f"config_class of {name!r} must be a frozen dataclass (a method's "
+                        f"options are fixed once bound): declare it with "
+                        f"@dataclasses.dataclass(frozen=True).")
+
     def decorator(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
-        if name in _REGISTRY:
-            raise ValueError(f"attention method {name!r} is already registered.")
+        _refuse_taken_name(name, fn)
         _check_call_arguments(name, fn)
         public = with_options(config_class, name)(fn) if takes_config(fn) else fn
         _REGISTRY[name] = Method(name, public, config_class, capabilities, summary, state)
@@ -250,6 +254,22 @@ def register(
         return public
 
     return decorator
+
+
+def _refuse_taken_name(name: str, fn: Callable[..., Tensor]) -> None:
+    """Refuse ``name`` where another function holds it. The same function defined
+    again (its module re-imported with ``importlib.reload``, a notebook cell run
+    twice) takes its place."""
+    held = _REGISTRY.get(name)
+    if held is None or _defined_as(core_of(held.function)) == _defined_as(fn):
+        return
+    raise ValueError(f"attention method {name!r} is already registered, by "
+                     f"{'.'.join(_defined_as(core_of(held.function)))}; register "
+                     f"{'.'.join(_defined_as(fn))} under another name.")
+
+
+def _defined_as(fn: Callable[..., Any]) -> tuple[str, str]:
+    return getattr(fn, "__module__", "?") or "?", getattr(fn, "__qualname__", repr(fn))
 
 
 # What every call passes a method's core (``binding.BoundMethod.__call__``); the calls
