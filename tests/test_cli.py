@@ -189,3 +189,45 @@ def test_an_lra_error_names_its_subcommand(tmp_path, capsys):
             "--out", str(tmp_path / "run")]
     assert main(argv) == 2
     assert capsys.readouterr().err.startswith("skyformer lra train: error: no prepared")
+
+
+_PLUGIN = '''
+import dataclasses
+from skyformer.registry import Capabilities, register
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    num_features: int = 4
+
+
+@register("cli_plugin_method", Options, Capabilities(target="softmax"),
+          summary="a method from a module of the user's own")
+def core(q, k, v, config, *, key_padding_mask=None, generator=None):
+    return v * 1
+'''
+
+
+def test_a_plugin_module_registers_methods_for_every_command(tmp_path, monkeypatch, capsys):
+    """``skyformer --plugin MODULE``: a method registered outside the library was known
+    to ``bench`` (as module:function) only; compare, approx and hf-eval said "unknown
+    attention method". The module is imported first, from the current folder too."""
+    from skyformer.registry import methods as registry_methods
+
+    (tmp_path / "my_methods.py").write_text(_PLUGIN)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    try:
+        assert main(["--plugin", "my_methods", "list"]) == 0
+        assert "cli_plugin_method: a method from a module of the user's own" in \
+            capsys.readouterr().out
+        for plugin, said in (("not_a_module", "give a module importable from here"),
+                             ("my_methods.py", "give its module name, my_methods, from the "
+                                               "folder that holds it")):
+            assert main(["--plugin", plugin, "list"]) == 2
+            err = capsys.readouterr().err
+            assert f"skyformer list: error: --plugin {plugin}: cannot import it" in err
+            assert said in err
+    finally:  # importing my_methods.py imports my_methods first
+        registry_methods._REGISTRY.pop("cli_plugin_method", None)
+        sys.modules.pop("my_methods", None)

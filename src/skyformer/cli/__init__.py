@@ -7,6 +7,7 @@ Subcommand modules define ``NAME``, ``HELP``, ``add_arguments(parser)`` and ``ru
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import signal
 import sys
@@ -33,6 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
 
     parser.add_argument("--version", action="version", version=f"skyformer {__version__}")
+    parser.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                        help="import MODULE before the command: a module of your own that "
+                        "registers attention methods (skyformer.registry.register), which "
+                        "every command then knows by name; the current folder is searched "
+                        "too; give it once per module")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in SUBCOMMANDS:
         p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
@@ -56,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     # back, temporary files removed, what was kept said; exit status 128 + 15.
     with surviving_closed_pipes(), terminating_as_interrupt():
         try:
+            import_plugins(args.plugin)
             return int(args._run(args) or 0)
         except USER_ERRORS as err:
             command = " ".join(filter(None, (args.command, getattr(args, "lra_command", None))))
@@ -67,6 +74,23 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             print(interrupted_note(args), file=sys.stderr)
             return 130
+
+
+def import_plugins(modules: list[str]) -> None:
+    """Import each module of ``--plugin``, from the current folder too (searched after
+    the installed packages, so that a file there shadows none of them)."""
+    if modules and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as err:
+            hint = (f" give its module name, {name.removesuffix('.py').replace('/', '.')}, "
+                    f"from the folder that holds it" if name.endswith(".py")
+                    else " give a module importable from here (a file of the current "
+                    "folder without .py, or an installed package's module), or put its "
+                    "folder on PYTHONPATH")
+            raise ImportError(f"--plugin {name}: cannot import it ({err});{hint}.") from None
 
 
 def _expand_home(args: argparse.Namespace) -> None:
