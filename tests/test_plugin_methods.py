@@ -136,3 +136,23 @@ def test_a_config_that_is_not_frozen_is_refused():
                                         r"dataclass .*dataclass\(frozen=True\)"):
         register("plugin_loose", Loose, Capabilities(target="softmax"))
     assert "plugin_loose" not in skyformer.list_methods()
+
+
+def test_a_config_without_a_docstring_lists_its_fields_in_the_public_docstring(plugin):
+    """The generated docstring ended in an empty "Options" section."""
+    public = plugin("plugin_documented", lambda q, k, v: v)
+    assert public.__doc__.rstrip().endswith(
+        "Options (``_Options``, keyword arguments):\n\nwidth: int = 2")
+
+
+def test_a_plugin_without_a_sequence_parallel_form_is_told_why(plugin):
+    """It was given the reason of the library's sparse methods (hashing, clustering)."""
+    from skyformer.distributed.forms import form_of
+
+    plugin("plugin_local", lambda q, k, v: v)
+    with pytest.raises(ValueError, match=r"plugin_local cannot run sequence parallel: it is "
+                                         r"registered from outside the library"):
+        form_of("plugin_local")
+    with pytest.raises(ValueError, match=r"reformer cannot run sequence parallel: its keys "
+                                         r"enter through more than sums"):
+        form_of("reformer")

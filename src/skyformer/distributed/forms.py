@@ -132,8 +132,12 @@ def form_of(method: str) -> Form:
     base = get_method(method).base_name
     if base in FORMS:
         return FORMS[base]
-    reason = _WHY_NOT.get(base, "its keys enter through more than sums of a size "
-                          "independent of N (sparse patterns, hashing or clustering need "
-                          "the other shards' keys themselves)")
+    if not getattr(get_method(base).core, "__module__", "").startswith("skyformer."):
+        reason = "it is registered from outside the library, which has no sequence-parallel " \
+                 "form of it"
+    else:
+        reason = _WHY_NOT.get(base, "its keys enter through more than sums of a size "
+                              "independent of N (sparse patterns, hashing or clustering "
+                              "need the other shards' keys themselves)")
     raise ValueError(f"{method} cannot run sequence parallel: {reason}; methods that can: "
                      f"{', '.join(FORMS)}.")

@@ -81,7 +81,10 @@ def _docstring(core: Callable[..., Any], config_class: type) -> str:
         if dataclasses.is_dataclass(cls) and doc and not doc.startswith(cls.__name__ + "("):
             docs.append(inspect.cleandoc(doc))
     head = _without_config_argument(inspect.cleandoc(core.__doc__ or ""))
-    options = "\n\n".join(docs)
+    # a config without a docstring (a plugin's): its fields as the signature shows them
+    options = "\n\n".join(docs) or "\n".join(
+        f"{f.name}: {getattr(f.type, '__name__', f.type)} = {f.default!r}"
+        for f in dataclasses.fields(config_class))
     return f"{head}\n\nOptions (``{config_class.__name__}``, keyword arguments):\n\n{options}"
 
 
