@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -221,6 +222,8 @@ class MultiHeadAttention(nn.Module):
                 "MultiHeadAttention: query_padding_mask is for attention to a context; in "
                 "self-attention key_padding_mask marks the padded queries too (pass the "
                 "mask there).")
+        if cache is not None:
+            self._check_cache(cache)
         if cache is not None and (context is not None or self.process_group is not None):
             raise ValueError("MultiHeadAttention: a decoding cache runs causal self-attention "
                              "on one process; it takes no context and no process_group.")
@@ -231,6 +234,36 @@ class MultiHeadAttention(nn.Module):
         if context is not None and self.process_group is not None:
             raise ValueError("MultiHeadAttention: with a process_group the layer runs "
                              "sequence-parallel self-attention; it takes no context.")
+
+    def _check_cache(self, cache: Any) -> None:
+        """A sentence for a cache this layer cannot step: not a cache, another layer's
+        (it holds that layer's keys and state: stepped here, the two would mix), or one
+        of another method; and any cache where the layer is not causal."""
+        from .decoding import DecodingState
+
+        if not isinstance(cache, DecodingState):
+            raise TypeError(f"MultiHeadAttention: cache must be this layer's decoding cache "
+                            f"(cache = layer.new_cache()), got {type(cache).__name__}.")
+        self._refuse_cache_unless_causal()
+        owner = getattr(cache, "layer", None)
+        if owner is not None and owner() is not self:
+            raise ValueError(
+                "MultiHeadAttention: this cache was made by another layer's new_cache(); a "
+                "cache holds one layer's keys and state, so each layer needs its own: "
+                "caches = [layer.new_cache(...) for layer in layers].")
+        if owner is None and cache.method != self.method:  # new_decoding_state's own
+            raise ValueError(f"MultiHeadAttention: this cache decodes {cache.method!r}, the "
+                             f"layer runs {self.method!r}; make it with the layer's "
+                             f"new_cache().")
+
+    def _refuse_cache_unless_causal(self) -> None:
+        if getattr(self.config, "causal", None) is False:  # a method that can be causal
+            raise ValueError(
+                f"MultiHeadAttention: this {self.method} layer was built without causal=True, "
+                f"so its forward attends to every position, later ones included, while a "
+                f"decoding cache attends causally: its steps would not equal the layer's "
+                f"forward. Build the layer as MultiHeadAttention({self.dim}, "
+                f"{self.num_heads}, {self.method!r}, causal=True) to train and decode it.")
 
     def _refuse_keys_as_mask(self, key_padding_mask: Any) -> None:
         """A sentence for ``layer(x, keys)``, torch.nn.MultiheadAttention's call order:
@@ -270,14 +303,10 @@ class MultiHeadAttention(nn.Module):
         """
         from .decoding import new_decoding_state
 
-        if getattr(self.config, "causal", None) is False:  # a method that can be causal
-            raise ValueError(
-                f"MultiHeadAttention: this {self.method} layer was built without causal=True, "
-                f"so its forward attends to every position, later ones included, while a "
-                f"decoding cache attends causally: its steps would not equal the layer's "
-                f"forward. Build the layer as MultiHeadAttention({self.dim}, "
-                f"{self.num_heads}, {self.method!r}, causal=True) to train and decode it.")
-        return new_decoding_state(self.bound, generator=generator, state=self.method_state)
+        self._refuse_cache_unless_causal()
+        cache = new_decoding_state(self.bound, generator=generator, state=self.method_state)
+        cache.layer = weakref.ref(self)  # the layer it steps (_check_cache); a copy shares it
+        return cache
 
     def _sequence_parallel(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None,
                            generator: Any) -> Tensor:

@@ -3,6 +3,7 @@ forward with the same random key; memory constant where promised; clear errors."
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -270,6 +271,36 @@ def test_a_layer_built_without_causal_refuses_a_cache(method):
                                          r"MultiHeadAttention\(16, 2, .*causal=True"):
         layer.new_cache()
     assert MultiHeadAttention(16, 2, method, causal=True).new_cache().length == 0
+
+
+def test_a_layer_steps_only_its_own_cache():
+    """A cache holds one layer's keys and state. Another layer's cache (of another
+    method: a linear cache stepped by a Skyformer layer gave linear attention, with no
+    error), a cache passed to a layer built without causal=True, or no cache at all
+    (a list of them) used to run or to fail with an AttributeError."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 10, 16)
+    linear = MultiHeadAttention(16, 2, "linear", causal=True)
+    sky = MultiHeadAttention(16, 2, "skyformer", causal=True, num_features=8)
+    twin = MultiHeadAttention(16, 2, "skyformer", causal=True, num_features=8)
+    for other in (linear, twin):
+        with pytest.raises(ValueError, match=r"made by another layer's new_cache\(\).*"
+                                             r"each layer needs its own"):
+            sky(x, cache=other.new_cache())
+    with pytest.raises(TypeError, match=r"cache must be this layer's decoding cache "
+                                        r"\(cache = layer.new_cache\(\)\), got list"):
+        sky(x, cache=[sky.new_cache()])
+    with pytest.raises(ValueError, match="built without causal=True"):
+        MultiHeadAttention(16, 2, "skyformer")(x, cache=sky.new_cache())
+    # a state made directly for the method runs; for another method it is refused
+    assert sky(x, cache=new_decoding_state(sky.bound)).shape == x.shape
+    with pytest.raises(ValueError, match=r"this cache decodes 'skyformer', the layer runs "
+                                         r"'linear'"):
+        linear(x, cache=new_decoding_state(sky.bound))
+    with torch.no_grad():  # a copy of a cache (to continue a prompt twice) is the layer's
+        cache = sky.new_cache(generator=random_key(0))
+        sky(x, cache=cache)
+        assert sky(x[:, :1], cache=copy.deepcopy(cache)).shape == (2, 1, 16)
 
 
 @pytest.mark.parametrize(("method", "options"), [
