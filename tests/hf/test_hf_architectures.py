@@ -976,3 +976,12 @@ def test_a_path_given_for_the_model_points_to_from_pretrained(given):
     with pytest.raises(TypeError, match=r"got (str|PosixPath|WindowsPath) .*call "
                                         r"skyformer\.hf\.from_pretrained\(path, method\)"):
         shf.set_attention(given, "skyformer")
+
+
+def test_describe_shows_a_decoder_layer_as_causal():
+    """describe gave 'causal': False for every layer of a decoder, which runs causally
+    (each call takes causal from the model's mask)."""
+    for decoder in (True, False):
+        model = tiny_bert(is_decoder=decoder)
+        shf.set_attention(model, "skyformer", num_features=8)
+        assert {row["options"]["causal"] for row in shf.describe(model)} == {decoder}

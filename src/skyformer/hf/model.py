@@ -230,8 +230,9 @@ def restore_exact(model: nn.Module, *, layers: Iterable[int] | int | None = None
 
 def describe(model: nn.Module) -> list[dict[str, Any]]:
     """What every attention layer of ``model`` runs: layer, module, method, options (a
-    dict; a layer set up at its first forward pass gives the options it will run),
-    seed."""
+    dict; a layer set up at its first forward pass gives the options it will run;
+    ``causal`` as the module declares it, ``is_causal``, for each call follows the
+    model's mask: True in a decoder's self-attention), seed."""
     _implementation(model)
     rows = []
     for index, qualified, module in attention_modules(model):
@@ -246,6 +247,9 @@ def describe(model: nn.Module) -> list[dict[str, Any]]:
             method, options, seed = EXACT, {}, None
         else:
             method, options, seed = f"{EXACT} ({implementation})", {}, None
+        if "causal" in options and isinstance(getattr(module, "is_causal", None), bool):
+            # each call takes causal from the model's mask: a decoder's is causal
+            options = {**options, "causal": module.is_causal}
         rows.append({"layer": index, "module": qualified, "method": method,
                      "options": options, "seed": seed})
     return rows
