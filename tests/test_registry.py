@@ -240,6 +240,24 @@ def test_a_variant_named_inside_a_compiled_function_is_traced():
     torch.testing.assert_close(out, f(q))
 
 
+def test_a_compiled_call_with_options_traces_no_cached_function(recwarn):
+    """The misspelt-argument hint's cached names were read on every call with options:
+    Dynamo then traced a functools cache and warned on each fresh compile. They are
+    read only for an option the method lacks."""
+    import warnings
+
+    q = make_qkv(1, 2, 40, 8)[0]
+    key = skyformer.random_key(0)
+
+    def f(q):
+        return skyformer.attention(q, q, q, "skyformer", generator=key, num_features=7)
+
+    torch._dynamo.reset()
+    warnings.simplefilter("always")
+    torch.compile(f, fullgraph=True, backend="eager")(q)
+    assert not [w for w in recwarn if "functools" in str(w.message)]
+
+
 def test_a_name_with_brackets_cannot_be_registered():
     @dataclasses.dataclass(frozen=True)
     class Config:

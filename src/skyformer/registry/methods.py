@@ -351,10 +351,11 @@ def refuse_misnamed_arguments(method: Method, options: dict[str, Any], entry: st
     its named arguments (``is_casual``, ``methd``: the method's own error would blame
     the default method, or list options that are not the point), or ``mask``, which no
     entry point takes under that name."""
-    if not options:
-        return
+    unknown = sorted(set(options or ()) - set(method.option_names()))
+    if not unknown:  # the usual call: the cached names are not asked (a compiled call
+        return       # would trace them, and Dynamo warns of a functools cache)
     names = _argument_names(function)
-    for name in sorted(set(options) - set(method.option_names())):
+    for name in unknown:
         close = did_you_mean(name, names)
         if close and not did_you_mean(name, method.option_names()):  # else the method's
             raise ValueError(f"{entry} has no argument {name!r}{close}; {method.name}'s "
