@@ -686,6 +686,16 @@ def test_an_integer_mask_with_is_causal_is_refused_as_without_it():
             sdpa(q, k, v, ints, is_causal=causal, method="softmax")
 
 
+@pytest.mark.parametrize("method", ["softmax", "kernelized", "skyformer"])
+def test_an_integer_mask_is_named_as_given(method):
+    """A [L, S] mask of integers given to an approximate method was said to be a
+    "4-D attention mask" (the shape the methods see), not the one passed."""
+    q, k, v = make_qkv(1, 2, 6, 4)
+    with pytest.raises(TypeError, match=r"^attn_mask must be boolean \(True = attend\) or "
+                                        r"float .*got torch\.uint8; pass attn_mask\.bool\(\)"):
+        sdpa(q, k, v, torch.ones(6, 6, dtype=torch.uint8), method=method)
+
+
 @pytest.mark.parametrize("longest", [torch.tensor(5), torch.tensor(5, dtype=torch.int32), 5])
 def test_max_seqlen_as_transformers_builds_it(longest):
     """transformers' packed path hands FlashAttention max_seqlen as a 0-d tensor

@@ -241,10 +241,15 @@ def _sdpa_options(spec: Method, options: dict[str, Any], is_causal: bool,
 
 
 def _check_mask_shape(attn_mask: Tensor, query: Tensor, key: Tensor) -> None:
-    """``attn_mask`` broadcasts to [B, H, L, S], as SDPA requires, and is on the inputs'
-    device, or a sentence that names the shape as given (not as the methods later see
-    it) or the device (torch's error came from inside the method, an approximate one
-    naming the key_padding_mask made of the mask)."""
+    """``attn_mask`` broadcasts to [B, H, L, S], as SDPA requires, is boolean or float
+    and is on the inputs' device, or a sentence that names the shape and dtype as given
+    (not as the methods later see them: a [L, S] mask of integers was called 4-D) or the
+    device (torch's error came from inside the method, an approximate one naming the
+    key_padding_mask made of the mask)."""
+    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        raise TypeError(f"attn_mask must be boolean (True = attend) or float (added to the "
+                         f"scores), as in scaled_dot_product_attention, got "
+                         f"{attn_mask.dtype}; pass attn_mask.bool() for a mask of 0s and 1s.")
     if attn_mask.device != query.device:
         raise ValueError(f"attn_mask is on {attn_mask.device} but the inputs are on "
                          f"{query.device}; pass attn_mask.to(query.device).")
