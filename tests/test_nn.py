@@ -282,3 +282,17 @@ def test_a_layer_built_on_meta_is_initialised_by_reset_parameters(method):
     assert any(key.startswith("method_state.") for key in want)
     for key, value in layer.state_dict().items():
         assert torch.equal(value, want[key]), key
+
+
+@pytest.mark.parametrize("method", ["softmax", "skyformer", "performer"])
+def test_an_empty_batch_gives_an_empty_output_as_torch_does(method):
+    """torch.nn.MultiheadAttention returns [0, N, dim] for an empty batch (a model's
+    empty sub-batch); the layer refused it with the methods' "skip the call" sentence."""
+    options = {} if method == "softmax" else {"num_features": 8}
+    layer = MultiHeadAttention(16, 2, method, **options)
+    x = torch.randn(0, 40, 16, requires_grad=True)
+    out = layer(x, key_padding_mask=torch.ones(0, 40, dtype=torch.bool))
+    assert out.shape == (0, 40, 16)
+    out.sum().backward()
+    assert x.grad.shape == x.shape and layer.q_proj.weight.grad is not None
+    assert layer(torch.randn(2, 0, 16)).shape == (2, 0, 16)

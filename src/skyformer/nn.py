@@ -159,7 +159,7 @@ class MultiHeadAttention(nn.Module):
         ``torch_arguments`` and ``torch_keywords`` take nothing: they are there so that
         torch.nn.MultiheadAttention's call (``(query, key, value)``, ``need_weights``,
         ``attn_mask``, ``is_causal``) is refused in a sentence saying what to do instead.
-        Returns ``[B, N, dim]``.
+        Returns ``[B, N, dim]`` (empty where B or N is 0, without calling the method).
         """
         _refuse_torch_call(torch_arguments, torch_keywords)
         with self._failing_together():
@@ -175,6 +175,11 @@ class MultiHeadAttention(nn.Module):
             out = cache.step(q, k, v, key_padding_mask)
         elif self.process_group is not None:
             out = self._sequence_parallel(q, k, v, key_padding_mask, generator)
+        elif x.shape[0] == 0 or x.shape[1] == 0:
+            # no query: an empty output, as torch.nn.MultiheadAttention gives (a model's
+            # empty sub-batch; the methods refuse empty inputs), in the graph of q, k, v
+            # so that x and the weights get their (empty or zero) gradients
+            out = q.new_zeros(*q.shape[:-1], v.shape[-1]) + 0 * (q.sum() + k.sum() + v.sum())
         else:
             out = self.bound(
                 q, k, v, key_padding_mask=key_padding_mask,
