@@ -50,10 +50,10 @@ def tiny_bert(**overrides):
     """A randomly initialised 2-layer BERT (e.g. ``is_decoder=True``), in eval mode."""
     from transformers import BertConfig, BertModel
 
-    config = BertConfig(
-        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, max_position_embeddings=64, **overrides,
-    )
+    config = BertConfig(**{
+        "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "intermediate_size": 64, "max_position_embeddings": 64, **overrides,
+    })
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return BertModel(config).eval()

@@ -985,3 +985,23 @@ def test_describe_shows_a_decoder_layer_as_causal():
         model = tiny_bert(is_decoder=decoder)
         shf.set_attention(model, "skyformer", num_features=8)
         assert {row["options"]["causal"] for row in shf.describe(model)} == {decoder}
+
+
+@torch.no_grad()
+def test_the_causal_forms_options_serve_the_causal_layers_only():
+    """set_attention's options apply to every layer; landmark_stride (which a call that
+    is not causal refuses) shapes the layers the model runs causally and is left out of
+    the others (an encoder, an encoder-decoder's encoder and cross-attention)."""
+    ids, mask = ids_and_padding()
+    outputs = []
+    for options in ({}, {"landmark_stride": 4}):
+        model = tiny_bert()
+        shf.set_attention(model, "skyformer", seed=0, num_features=8, **options)
+        outputs.append(model(input_ids=ids, attention_mask=mask).last_hidden_state)
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0)
+    # past the exact 64-token chunk, a decoder's landmarks follow the stride
+    decoder = [tiny_bert(is_decoder=True, max_position_embeddings=128) for _ in range(2)]
+    for model, stride in zip(decoder, (4, 1), strict=True):
+        shf.set_attention(model, "skyformer", seed=0, num_features=8, landmark_stride=stride)
+    ids = torch.randint(1, 64, (1, 120), generator=torch.Generator().manual_seed(1))
+    assert not torch.equal(*(m(input_ids=ids).last_hidden_state for m in decoder))

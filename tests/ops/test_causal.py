@@ -317,3 +317,18 @@ def test_causal_features_on_the_triton_kernels_equal_the_pytorch_path(method):
     assert launched and not none  # the Triton products' operators ran, and only there
     for a, e in zip(got, want, strict=True):
         torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax"])
+def test_a_call_that_is_not_causal_refuses_the_causal_forms_options(method):
+    """landmark_stride and causal_local=False shape the causal form only: a call
+    without causal=True gave the default's output, bit for bit, without a word."""
+    q, k, v = make_qkv(1, 2, 16, 4)
+    for options, said in (({"landmark_stride": 3}, r"landmark_stride=3 shapes"),
+                          ({"causal_local": False}, r"causal_local=False shapes"),
+                          ({"landmark_stride": 3, "causal_local": False},
+                           r"causal_local=False and landmark_stride=3 shape")):
+        with pytest.raises(ValueError, match=rf"^{method}: {said} causal attention only "
+                                             r"\(causal=True\); this call is not causal"):
+            attention(q, k, v, method, num_features=4, **options)
+        attention(q, k, v, method, num_features=4, causal=True, **options)

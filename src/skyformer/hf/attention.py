@@ -53,6 +53,7 @@ from transformers.masking_utils import (
 
 from ..decoding import new_decoding_state
 from ..masks import UnsupportedMaskError, causal_without_mask, decoding_key_valid, resolve_mask
+from ..ops.shared.causal_nystrom import CAUSAL_FORM_DEFAULTS
 from ..ops.shared.tracing import may_read_values
 from ..registry import CapabilityError, Method, get_method, list_methods
 from ..registry.binding import all_real_padding_as_none
@@ -197,6 +198,10 @@ def _call_options(spec: Method, layer: LayerAttention, scaling: float | None, he
     changes: dict[str, Any] = {}
     if "causal" in names:
         changes["causal"] = causal
+    if not causal:  # the causal form's own options, which a call that is not causal
+        # refuses: they serve the model's causal layers (an encoder-decoder's decoder)
+        changes.update({name: default for name, default in CAUSAL_FORM_DEFAULTS.items()
+                        if name in names})
     if scaling is not None and not is_default_scaling(scaling, head_dim):
         if "scale" not in names:
             sentence = scaling_sentence(spec.name, scaling, head_dim)

@@ -63,7 +63,12 @@ from ...linalg.kernel_backend import HALF_TYPES
 from ...linalg.kernel_offsets import squared_norms
 from ...registry import Capabilities, register
 from ...sketch import Landmarks
-from ..shared.causal_nystrom import CausalNystromOptions, causal_inputs, causal_outputs
+from ..shared.causal_nystrom import (
+    CausalNystromOptions,
+    causal_inputs,
+    causal_outputs,
+    refuse_causal_form_options,
+)
 from ..shared.inputs import (
     AttentionInputs,
     check_attention_inputs,
@@ -153,6 +158,7 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, config: NystromSoftmaxConfig, *,
     """``nystrom_softmax_attention`` in the compute dtype of q's."""
     if config.causal:
         return _causal(q, k, v, config, key_padding_mask, query_padding_mask, generator)
+    refuse_causal_form_options("nystrom_softmax", config)
     info, landmarks, root, _ = prepare(
         q, k, v, config, key_padding_mask=key_padding_mask,
         query_padding_mask=query_padding_mask, generator=generator)

@@ -31,7 +31,12 @@ from ...linalg.kernel_backend import use_triton
 from ...registry import Capabilities, register
 from ...registry.guard import marks_nonfinite_when
 from ...sketch import Landmarks
-from ..shared.causal_nystrom import CausalNystromOptions, causal_inputs, causal_outputs
+from ..shared.causal_nystrom import (
+    CausalNystromOptions,
+    causal_inputs,
+    causal_outputs,
+    refuse_causal_form_options,
+)
 from ..shared.inputs import (
     AttentionInputs,
     check_attention_inputs,
@@ -116,6 +121,7 @@ def skyformer_attention(
     """
     if config.causal:
         return _causal(q, k, v, config, key_padding_mask, query_padding_mask, generator)
+    refuse_causal_form_options("skyformer", config)
     info, landmarks, scale, _ = prepare(
         q, k, v, config, key_padding_mask=key_padding_mask,
         query_padding_mask=query_padding_mask, generator=generator)
