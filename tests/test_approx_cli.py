@@ -137,6 +137,23 @@ def test_the_recorded_command_keeps_options_set_to_zero():
     assert "--quick" in command and "--no-plots" not in command
 
 
+def test_the_recorded_command_runs_again_with_or_without_plugins():
+    """The top level's --plugin (default []) was recorded as a bare '--plugin' after
+    'approx', which the command line refuses."""
+    import shlex
+
+    from skyformer.cli import build_parser
+    from skyformer.cli.approx_cmd import _command
+
+    parser = build_parser()
+    for argv in (["approx", "--quick"], ["--plugin", "a", "--plugin", "b.c", "approx",
+                                         "--quick"]):
+        command = _command(parser.parse_args(argv))
+        assert command.startswith("skyformer " + " ".join(argv[:-2]).strip())
+        again = shlex.split(command)[1:]
+        assert parser.parse_args(again).plugin == parser.parse_args(argv).plugin
+
+
 RESUMABLE = ["approx", "--sources", "gaussian", "--seq-lens", "64", "96", "--features", "16",
              "--seeds", "0", "1", "--heads", "0", "--methods", "skyformer", "performer",
              "--analysis-len", "64", "--eps", "0.1", "--no-plots", "--no-progress"]
@@ -231,6 +248,24 @@ def test_resume_names_a_setting_the_progress_file_lacks_as_missing(
     capsys.readouterr()
     assert main([*RESUMABLE, "--out", str(out), "--resume"]) == 2
     assert "other settings (no features there, features=[16] now)" in capsys.readouterr().err
+
+
+def test_resume_refuses_a_run_of_other_methods_when_none_were_named(
+        tmp_path, monkeypatch, capsys):
+    """Without --methods (every method) the config said None both times: a run that
+    --plugin or another version of the library gave another method was resumed, and
+    its lengths held different rows. The methods that run are compared, resolved."""
+    out = tmp_path / "run"
+
+    def other_methods(saved):
+        assert saved["settings"]["resolved_methods"] == ["skyformer", "performer"]
+        saved["settings"]["resolved_methods"] = ["skyformer"]
+
+    _edit_interrupted_progress(out, monkeypatch, other_methods)
+    capsys.readouterr()
+    assert main([*RESUMABLE, "--out", str(out), "--resume"]) == 2
+    assert "other settings (resolved_methods=['skyformer'] there, ['skyformer', " \
+           "'performer'] now)" in capsys.readouterr().err
 
 
 def test_resume_without_a_progress_file_measures_everything(tmp_path, capsys):

@@ -162,9 +162,13 @@ def unused_flags(args: argparse.Namespace, config: ApproxConfig) -> list[str]:
 
 
 def _command(args: argparse.Namespace) -> str:
-    parts = ["skyformer", "approx"]
+    """The command that runs this again (``--resume`` left out); the top level's
+    ``--plugin`` modules go before ``approx``, where the command line takes them."""
+    plugins = [part for module in getattr(args, "plugin", None) or ()
+               for part in ("--plugin", module)]
+    parts = ["skyformer", *plugins, "approx"]
     for key, value in vars(args).items():
-        if key.startswith("_") or key in ("command", "resume") or value is None \
+        if key.startswith("_") or key in ("command", "resume", "plugin") or value is None \
                 or value is False:
             continue
         if key == "out" and value == "results/approx":
