@@ -63,11 +63,16 @@ def _difference(key: str, there: dict, now: dict) -> str:
 
 class ProgressFile:
     """The blocks of one run, saved to ``path`` after each; with ``resume``, those an
-    earlier run with the same settings saved there first."""
+    earlier run with the same settings (and the same ``methods`` run, resolved) saved
+    there first."""
 
-    def __init__(self, path: str | Path, config: Any, *, resume: bool) -> None:
+    def __init__(self, path: str | Path, config: Any, *, resume: bool,
+                 methods: list[str] | None = None) -> None:
         self.path = Path(path)
         self.settings = _settings(config)
+        if methods is not None:  # what runs, in order: config.methods None is "every
+            # method", which a plugin (--plugin) or another version of the library changes
+            self.settings["resolved_methods"] = list(methods)
         self.blocks: dict[str, dict[str, list]] = self._read() if resume else {}
         self.resumed = 0  # blocks taken from the file
 

@@ -531,8 +531,9 @@ def run_approx(config: ApproxConfig = ApproxConfig(), *,
     cpu_started = time.process_time()
     load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
     sweep = _Sweep(config, log or get_logger("approx").info)
-    saved = None if progress_file is None else ProgressFile(progress_file, config, resume=resume)
     methods = resolve_methods(config.methods, sweep.notes)
+    saved = None if progress_file is None else ProgressFile(
+        progress_file, config, resume=resume, methods=[m.name for m in methods])
     for text in sweep.notes:
         sweep.log(text)
     targets = sorted({s.capabilities.target for s in methods}, key=("softmax", "gaussian").index)
