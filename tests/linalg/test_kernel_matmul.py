@@ -104,6 +104,17 @@ def test_rejects_mismatched_shapes():
             gaussian_kernel_matmul(y, x, z, None, row_offset=offset)
 
 
+def test_a_tensor_on_another_device_is_named_before_any_kernel_runs():
+    """On a GPU, Triton's "cannot be accessed from Triton (cpu tensor?)" for a tensor
+    left on the CPU was taken under "auto" for the kernel's own failure: every later
+    call on that device then took the PyTorch path."""
+    y, x, z, _, _ = inputs()
+    offsets = torch.zeros(*x.shape[:-1], dtype=x.dtype, device="meta")
+    with pytest.raises(ValueError, match=r"^gaussian_kernel_matmul: y is on cpu but "
+                                         r"col_offset on meta; move them to cpu\.$"):
+        gaussian_kernel_matmul(y, x, z, offsets)
+
+
 @pytest.mark.parametrize("kernel", ["torch", "triton"])
 @pytest.mark.parametrize("transpose", [False, True])
 def test_rejects_rows_of_none_in_a_sentence(kernel, transpose):

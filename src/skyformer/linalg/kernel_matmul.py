@@ -245,6 +245,18 @@ class _GaussianBlockProduct(torch.autograd.Function):
         return dy, dx, db, drhs, None, None, None, None, None, None, None, None
 
 
+def _check_devices(y: Tensor, **others: Tensor | None) -> None:
+    """Every tensor on y's device, or a sentence naming those that are not: the Triton
+    kernels would fail on a tensor of another device, and under "auto" that failure
+    would be taken for the kernel's own (``PRODUCT_FALLBACK``: PyTorch for every later
+    call on that device)."""
+    elsewhere = [f"{name} on {t.device}" for name, t in others.items()
+                 if t is not None and t.device != y.device]
+    if elsewhere:
+        raise ValueError(f"gaussian_kernel_matmul: y is on {y.device} but "
+                         f"{', '.join(elsewhere)}; move them to {y.device}.")
+
+
 def gaussian_kernel_matmul(
     y: Tensor,
     x: Tensor,
@@ -325,6 +337,8 @@ def gaussian_kernel_matmul(
             f"gaussian_kernel_matmul: shapes do not fit: y {tuple(y.shape)}, x {tuple(x.shape)}, "
             f"rhs {tuple(rhs.shape)} (transpose={transpose})."
         )
+    _check_devices(y, x=x, rhs=rhs, col_offset=col_offset, row_offset=row_offset,
+                   row_valid=row_valid, exclude=exclude, x_bf16=x_bf16)
     if n == 0:
         raise ValueError(
             f"gaussian_kernel_matmul: empty input, y {tuple(y.shape)} has no rows; "
