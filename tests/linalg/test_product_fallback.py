@@ -9,6 +9,7 @@ forced onto the kernels where ``"auto"`` asks (it takes them on CUDA only).
 from __future__ import annotations
 
 import inspect
+import re
 import warnings
 
 import pytest
@@ -284,3 +285,71 @@ def test_the_fallback_computes_every_option_of_the_kernels(monkeypatch, transpos
         scale = e.abs().max().item()  # bfloat16 rows: relative to the largest entry
         torch.testing.assert_close(a, e, rtol=tolerance["rtol"],
                                    atol=tolerance["atol"] * max(scale, 1.0), msg=name)
+
+
+class _WideTilesTooLarge:
+    """A product kernel whose launches with value tiles ``BLOCK_R`` = ``width`` are
+    refused as Triton refuses a kernel that needs more shared memory than the GPU has
+    (``OutOfResources``, which the interpreter never raises); others run. ``launches``
+    counts the BLOCK_R of each launch tried."""
+
+    def __init__(self, kernel, width, launches):
+        self.kernel, self.width, self.launches = kernel, width, launches
+
+    def __getitem__(self, grid):
+        from triton.runtime.errors import OutOfResources
+
+        def launch(*args, **options):
+            self.launches.append(options["BLOCK_R"])
+            if options["BLOCK_R"] == self.width:
+                raise OutOfResources(114688, 101376, "shared memory")
+            return self.kernel[grid](*args, **options)
+
+        return launch
+
+
+def test_tiles_the_gpu_cannot_hold_take_pytorch_for_those_shapes_alone(monkeypatch):
+    """A product kernel compiled for wide value tiles can need more shared memory a block
+    than a GPU has (nystrom_softmax, float32, Dv = 128 on an RTX/L4 GPU: 112 KiB of 99).
+    That refusal was taken for the kernel's own failure: every float32 product on the
+    device then took the PyTorch path. Now those shapes alone do, with one warning;
+    "triton" raises in a sentence."""
+    from skyformer.linalg import triton_kernels, triton_limits
+    from skyformer.linalg.kernel_backend import KernelTooLarge
+
+    monkeypatch.setattr(triton_limits, "_TOO_LARGE", {})
+    launches = []
+    for name in ("_rows_kernel", "_cols_kernel"):
+        monkeypatch.setattr(triton_kernels, name,
+                            _WideTilesTooLarge(getattr(triton_kernels, name), 64, launches))
+    y, x = (torch.randn(2, 21, 8, generator=gen(s), dtype=torch.float64) for s in (1, 2))
+    wide, narrow = (torch.randn(2, 6, r, generator=gen(3), dtype=torch.float64)
+                    for r in (40, 4))
+    x = x[:, :6]
+
+    def product(rhs, kernel):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = gaussian_kernel_matmul(y, x, rhs, None, kernel=kernel)
+        return out, [str(w.message) for w in caught if w.category is RuntimeWarning]
+
+    want = gaussian_kernel_matmul(y, x, wide, None, kernel="torch")
+    got, warned = product(wide, "auto")
+    torch.testing.assert_close(got, want, **TIGHT)
+    assert len(warned) == 1 and re.search(
+        r"the Triton rows product kernel for these shapes \(tiles of head dim 16 and value "
+        r"width 64, torch\.float64 rows\) needs 112 KiB of shared memory a block, more "
+        r"than the 99 KiB of cpu \(cpu\); computing the products with PyTorch operations "
+        r"\(.*\) for these shapes from now on \(other shapes keep the Triton path\)\.$",
+        warned[0]), warned
+    assert launches == [64] and not _fallback().failed
+    torch.testing.assert_close(product(wide, "auto")[0], want, **TIGHT)
+    assert launches == [64]  # refused again without a launch, and without a warning
+    out, warned = product(narrow, "auto")  # other shapes keep the kernel
+    torch.testing.assert_close(out, gaussian_kernel_matmul(y, x, narrow, None,
+                                                           kernel="torch"), **TIGHT)
+    assert warned == [] and launches == [64, 16]
+    with pytest.raises(KernelTooLarge, match=r"needs 112 KiB of shared memory .* "
+                                             r"kernel=\"auto\" takes the PyTorch path for "
+                                             r"these shapes, kernel=\"torch\" for every"):
+        product(wide, "triton")

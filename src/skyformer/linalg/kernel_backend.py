@@ -142,6 +142,18 @@ def use_triton(kernel: str, y: Tensor, *, half: bool = False) -> bool:
     return True
 
 
+class KernelTooLarge(RuntimeError):
+    """A kernel configuration (its tiles) that needs more of a GPU's resources (shared
+    memory) than the GPU has (``triton_limits``); ``first``: refused at this launch, not
+    remembered from an earlier one. Under ``"auto"`` ``KernelFallback`` takes the
+    PyTorch path for that configuration alone."""
+
+    def __init__(self, need: str, *, first: bool) -> None:
+        super().__init__(f'{need}; kernel="auto" takes the PyTorch path for these shapes, '
+                         f'kernel="torch" for every shape')
+        self.need, self.first = need, first
+
+
 class KernelFallback:
     """The ``"auto"`` safety net of one Triton kernel family: ``run`` launches it and,
     under ``"auto"``, a failure (Triton installed but unable to compile or launch here:
@@ -153,7 +165,9 @@ class KernelFallback:
     bfloat16 tensor cores leave float32 on the kernels. ``"triton"`` insists: its
     failures propagate. Running out of GPU memory is not the kernel's failure (the
     PyTorch path would need more): it propagates under ``"auto"`` too, and the kernel
-    stays in use.
+    stays in use. Nor is a configuration of tiles the GPU cannot hold
+    (``KernelTooLarge``): ``"auto"`` takes the PyTorch path for those shapes only, with
+    one warning each.
 
     The warning is attributed to the innermost caller outside Skyformer and PyTorch
     (``_user_frame``): the user's call of the method, or of ``backward()`` where a
@@ -206,6 +220,13 @@ class KernelFallback:
             return launch()
         except torch.OutOfMemoryError:
             raise
+        except KernelTooLarge as error:  # these shapes alone: the others keep the kernel
+            if _capturing(on):
+                raise
+            if error.first:
+                _warn_from_user_frame(f"{error.need}; {self.instead} for these shapes "
+                                      f"from now on (other shapes keep the Triton path).")
+            return fallback()
         except Exception as error:  # any compiler or driver error
             if _capturing(on):  # the capture's failure, not the kernel's (below)
                 raise

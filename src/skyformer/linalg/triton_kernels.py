@@ -63,6 +63,7 @@ from torch import Tensor
 
 from .kernel_backend import interpreter_on
 from .launch_grid import cdiv, tile_width
+from .triton_limits import launch_within_limits
 from .triton_rounding import bf16_values, to_dtype
 
 
@@ -584,7 +585,7 @@ def rows_product(
     dummy = y
     grid = (cdiv(n, bn), bh)
     precision = _precision(x.dtype, y.dtype, y.device)
-    _rows_kernel[grid](
+    launch_within_limits(_rows_kernel, grid, (
         y, x, dummy if a is None else a, dummy if b is None else b, vm,
         dummy if vn is None else vn, exc,
         dummy if out1 is None else out1, dummy if out2 is None else out2,
@@ -592,14 +593,16 @@ def rows_product(
         n, m, d, r, se_b, se_n, se_m, float(out2_scale),
         0.0 if norm_coef is None else float(norm_coef),
         0.0 if norm_scale is None else float(norm_scale), float(dot_scale), float(b_scale),
-        HAS_A=a is not None, HAS_B=b is not None, HAS_EXC=exclude is not None,
-        WRITE_OUT1=write_out1, HAS_VN=vn is not None, SHIFT_ROWS=shift_rows,
-        NORM_TERM=vn is not None and norm_coef is not None, ROW_NORM=norm_scale is not None,
-        X_BF16=x_bf16, SHOW_NONFINITE=show_nonfinite,
-        BLOCK_N=bn, BLOCK_M=bm, BLOCK_D=bd, BLOCK_R=br,
-        PRECISION=precision, FMA=x.dtype == torch.float64,
-        VALUE_PRECISION=rows_value_precision(precision), num_warps=warps, num_stages=stages,
-    )
+    ), {
+        "HAS_A": a is not None, "HAS_B": b is not None, "HAS_EXC": exclude is not None,
+        "WRITE_OUT1": write_out1, "HAS_VN": vn is not None, "SHIFT_ROWS": shift_rows,
+        "NORM_TERM": vn is not None and norm_coef is not None,
+        "ROW_NORM": norm_scale is not None, "X_BF16": x_bf16,
+        "SHOW_NONFINITE": show_nonfinite, "BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_D": bd,
+        "BLOCK_R": br, "PRECISION": precision, "FMA": x.dtype == torch.float64,
+        "VALUE_PRECISION": rows_value_precision(precision), "num_warps": warps,
+        "num_stages": stages,
+    }, "rows product")
     return out1, out2, shift
 
 
@@ -660,18 +663,19 @@ def cols_product(
     out2 = x.new_empty(splits, bh, m, d) if vm is not None else None
     exc, se_b, se_n, se_m = _exclude_args(exclude, y)
     dummy = y
-    _cols_kernel[(col_blocks, bh, splits)](
+    launch_within_limits(_cols_kernel, (col_blocks, bh, splits), (
         y, x, dummy if a is None else a, dummy if b is None else b, vn,
         dummy if vm is None else vm, exc,
         dummy if out1 is None else out1, dummy if out2 is None else out2,
         n, m, d, r, bh, rows_per_split, se_b, se_n, se_m,
         0.0 if norm_scale is None else float(norm_scale), float(dot_scale), float(b_scale),
         float(out2_scale),
-        HAS_A=a is not None, HAS_B=b is not None, HAS_EXC=exclude is not None,
-        WRITE_OUT1=write_out1, HAS_VM=vm is not None, ROW_NORM=norm_scale is not None,
-        X_BF16=x_bf16, SHOW_NONFINITE=show_nonfinite,
-        BLOCK_N=bn, BLOCK_M=bm, BLOCK_D=bd, BLOCK_R=br,
-        PRECISION=_precision(x.dtype, y.dtype, y.device), FMA=x.dtype == torch.float64,
-        num_warps=warps, num_stages=stages,
-    )
+    ), {
+        "HAS_A": a is not None, "HAS_B": b is not None, "HAS_EXC": exclude is not None,
+        "WRITE_OUT1": write_out1, "HAS_VM": vm is not None,
+        "ROW_NORM": norm_scale is not None, "X_BF16": x_bf16,
+        "SHOW_NONFINITE": show_nonfinite, "BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_D": bd,
+        "BLOCK_R": br, "PRECISION": _precision(x.dtype, y.dtype, y.device),
+        "FMA": x.dtype == torch.float64, "num_warps": warps, "num_stages": stages,
+    }, "cols product")
     return (None if out1 is None else out1.sum(0)), (None if out2 is None else out2.sum(0))
