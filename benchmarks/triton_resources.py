@@ -39,16 +39,25 @@ from pathlib import Path
 RECORD_ENV = "SKYFORMER_RECORD_LAUNCHES"
 DTYPE_CODES = {"float32": "fp32", "float64": "fp64", "bfloat16": "bf16", "float16": "fp16",
                "uint8": "u8", "int8": "i8", "int32": "i32", "int64": "i64", "bool": "u8"}
-# Per-SM limits of the architectures (CUDA occupancy tables): registers, threads, shared
-# memory in bytes, and the register allocation granularity (per warp).
+# Limits of the architectures (CUDA occupancy tables): registers, threads and shared
+# memory in bytes per SM, the register allocation granularity (per warp), the most
+# shared memory one block may have ("block_shared", the opt-in maximum: a kernel that
+# needs more cannot launch) and what the driver reserves per block ("reserved").
 SM_LIMITS = {
-    75: {"registers": 65536, "threads": 1024, "shared": 65536, "granularity": 256},
-    80: {"registers": 65536, "threads": 2048, "shared": 167936, "granularity": 256},
-    86: {"registers": 65536, "threads": 1536, "shared": 102400, "granularity": 256},
-    89: {"registers": 65536, "threads": 1536, "shared": 102400, "granularity": 256},
-    90: {"registers": 65536, "threads": 2048, "shared": 232448, "granularity": 256},
-    100: {"registers": 65536, "threads": 2048, "shared": 233472, "granularity": 256},
-    120: {"registers": 65536, "threads": 1536, "shared": 102400, "granularity": 256},
+    75: {"registers": 65536, "threads": 1024, "shared": 65536, "granularity": 256,
+         "block_shared": 65536, "reserved": 0},
+    80: {"registers": 65536, "threads": 2048, "shared": 167936, "granularity": 256,
+         "block_shared": 166912, "reserved": 1024},
+    86: {"registers": 65536, "threads": 1536, "shared": 102400, "granularity": 256,
+         "block_shared": 101376, "reserved": 1024},
+    89: {"registers": 65536, "threads": 1536, "shared": 102400, "granularity": 256,
+         "block_shared": 101376, "reserved": 1024},
+    90: {"registers": 65536, "threads": 2048, "shared": 233472, "granularity": 256,
+         "block_shared": 232448, "reserved": 1024},
+    100: {"registers": 65536, "threads": 2048, "shared": 233472, "granularity": 256,
+          "block_shared": 232448, "reserved": 1024},
+    120: {"registers": 65536, "threads": 1536, "shared": 102400, "granularity": 256,
+          "block_shared": 101376, "reserved": 1024},
 }
 
 
@@ -184,12 +193,15 @@ def _cubin_facts(cubin: bytes, tools: Path) -> dict:
 
 
 def _occupancy(registers: int, shared: int, warps: int, arch: int) -> dict:
-    """Resident warps per SM as the register file and shared memory allow (the 1 KiB
-    the driver reserves per block is left out: an edge case can be one block off)."""
+    """Resident warps per SM as the register file and shared memory allow, with the
+    shared memory the driver reserves per block; 0 where the kernel needs more shared
+    memory than one block may have (it cannot launch)."""
     limits = SM_LIMITS.get(arch, SM_LIMITS[90])
     per_warp = -(-registers * 32 // limits["granularity"]) * limits["granularity"]
     by_registers = limits["registers"] // max(1, per_warp * warps)
-    by_shared = limits["shared"] // shared if shared else 10**9
+    if shared > limits["block_shared"]:
+        return {"blocks_per_sm": 0, "warps_per_sm": 0, "occupancy": 0.0}
+    by_shared = limits["shared"] // (shared + limits["reserved"]) if shared else 10**9
     by_threads = limits["threads"] // (32 * warps)
     blocks = min(by_registers, by_shared, by_threads)
     return {"blocks_per_sm": blocks, "warps_per_sm": blocks * warps,

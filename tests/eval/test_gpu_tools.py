@@ -60,6 +60,11 @@ def test_occupancy_follows_the_register_file_and_shared_memory():
     # 100 KiB of shared memory: 2 blocks on sm_90 (227 KiB), none past the limit
     assert resources._occupancy(64, 100 * 1024, 4, 90)["blocks_per_sm"] == 2
     assert resources._occupancy(64, 384 * 1024, 8, 90)["blocks_per_sm"] == 0
+    # a block may hold 99 KiB on sm_86 (100 per SM, 1 reserved per block): the 112 KiB
+    # of nystrom_softmax's widest float32 launch cannot launch; 99 KiB can, once
+    assert resources._occupancy(64, 112 * 1024, 8, 86)["warps_per_sm"] == 0
+    assert resources._occupancy(64, 99 * 1024, 4, 86)["blocks_per_sm"] == 1
+    assert resources._occupancy(64, 50 * 1024, 4, 86)["blocks_per_sm"] == 1  # 2 x 51 > 100
 
 
 def test_triton_resources_compiles_the_launches_for_an_h100(tmp_path):
