@@ -151,8 +151,9 @@ def markdown_report(result: Any, command: str | None = None, plots: bool = True)
               "the exact attention it approximates (softmax or Gaussian kernelized), per head; "
               "mean and spread over seeds and heads. References: the error of the best rank-m "
               "approximation of the attention matrix (truncated SVD) times V, and the trivial "
-              "answers (softmax: every row = mean of V; Gaussian: every row = the mean row of "
-              "the exact output). Zero output scores 1.0.", "", "## Inputs", ""]
+              "answers (every row = the mean row of the exact output, and for softmax also "
+              "every row = mean of V; '!' and the plots compare with the better). Zero "
+              "output scores 1.0.", "", "## Inputs", ""]
     for s in result.sources:
         lines.append(f"- {s['source']}, N={s['seq_len']}: {s['description']}")
     lines.append("")
