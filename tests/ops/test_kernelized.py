@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -44,6 +46,16 @@ def test_kernel_bandwidth_uses_the_input_head_dim():
     c = torch.exp(-torch.cdist(q, k) ** 2 / (2 * 50**0.5))
     torch.testing.assert_close(kernelized_attention(q, k, v), c @ v)
     torch.testing.assert_close(gaussian_scores(q, k), c)
+
+
+def test_the_exact_matrix_keeps_the_tiny_entries_of_far_queries():
+    """gaussian_scores, the exact matrix of the analyses (approx's floors), flushed
+    entries below sqrt(tiny) on the CPU: for queries far from every key (1e-180) it
+    was all zeros while the exact output was not, and the floors came out 1.0."""
+    q = torch.zeros(1, 1, 1, 4, dtype=torch.float64)
+    k = torch.full((1, 1, 2, 4), 20.0, dtype=torch.float64)
+    c = gaussian_scores(q, k)  # exp(-1600 / (2 * 2)) = exp(-400) ~ 1.9e-174
+    torch.testing.assert_close(c, torch.full_like(c, math.exp(-400.0)), rtol=1e-12, atol=0)
 
 
 def test_cross_attention_and_float32_accuracy():

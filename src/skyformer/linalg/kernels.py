@@ -55,6 +55,7 @@ def gaussian_kernel_block(
     half_norm2: Tensor | None = None,
     *,
     shift_rows: bool = False,
+    flush: bool = True,
 ) -> Tensor:
     """Gaussian kernel block exp(-|x1_i - x2_j|^2 / 2).
 
@@ -64,6 +65,9 @@ def gaussian_kernel_block(
             ``+inf`` for rows/columns that must be zero.
         shift_rows: divide each row by its largest entry (computed in log space).
             Used where a per-row factor cancels, e.g. a row-normalised output.
+        flush: on the CPU, entries below sqrt(tiny) of the dtype are zero (subnormal
+            numbers are slow there: ``flush.py``); False keeps every entry, as the exact
+            matrices of the analyses must (far queries' rows are nothing else).
     Returns:
         ``[..., N1, N2]``.
     """
@@ -77,6 +81,8 @@ def gaussian_kernel_block(
         # A row with every column masked has max -inf: leave it at exp(-inf) = 0.
         row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
         exponent = exponent - row_max
+    if not flush:
+        return exponent.exp()
     # far pairs would give subnormal entries, slow on CPUs (flush.py)
     if overwrite_allowed():
         return flush_exponent_on_cpu_(exponent).exp_()

@@ -54,10 +54,11 @@ def gaussian_scores(
     """The kernelized attention matrix C ``[B, H, Nq, Nk]`` (Skyformer eq. (1)),
     exp(-s |q_i - k_j|^2 / 2) with s = ``scale`` (``None``: 1/sqrt(D)).
 
-    Columns of padded keys (and, with ``causal``, entries j > i) are zero.
+    Columns of padded keys (and, with ``causal``, entries j > i) are zero; no other
+    entry is (none is flushed: rows of far queries hold tiny entries, not zeros).
     """
     scale = kernel_scale(q.shape[-1], scale)
-    c = gaussian_kernel_block(q * scale, k * scale)
+    c = gaussian_kernel_block(q * scale, k * scale, flush=False)
     if key_padding_mask is not None:
         c = c * key_padding_mask[:, None, None, :].to(c.dtype)
     if causal:
