@@ -310,3 +310,20 @@ def test_a_causal_variant_on_more_keys_than_queries_is_not_supported():
     assert rows[0]["reason"] == "linear: causal=True needs as many queries as keys, got " \
                                 "Nq=12, Nk=20."
     assert rows[1]["status"] == "ok"
+
+
+def test_non_finite_inputs_are_named_in_a_warning():
+    """A table of NaNs said nothing of why: the inputs holding NaN or inf are named."""
+    import math
+
+    import pytest
+    import torch
+
+    from skyformer.eval.compare import CompareConfig, compare_on
+
+    q, k, v = (torch.randn(1, 2, 16, 4) for _ in range(3))
+    k[0, 1, 3, 0] = float("nan")
+    with pytest.warns(UserWarning, match=r"compare_on: k \(1 entries\) hold NaN or inf"):
+        rows = compare_on((q, k, v), CompareConfig(methods=("performer",), memory=False,
+                                                   repeats=1))
+    assert math.isnan(rows[0]["spectral_error"])  # what the warning explains

@@ -126,6 +126,7 @@ def compare_on(qkv: QKV | tuple[Tensor, Tensor, Tensor],
     measured."""
     q, k, v = given_tensors(qkv)
     check_attention_inputs(q, k, v, None, method="compare_on")
+    _say_nonfinite(q, k, v)
     methods = list(config.methods) if config.methods else list_methods()
     for m in methods:
         get_method(m)  # unknown names fail before any work
@@ -138,6 +139,19 @@ def compare_on(qkv: QKV | tuple[Tensor, Tensor, Tensor],
         for name in tqdm(methods, desc="compare", unit="method", leave=False, disable=None):
             rows.append(_row(name, (q, k, v), config, targets, str(inputs)))
     return rows
+
+
+def _say_nonfinite(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """A warning naming the inputs that hold NaN or inf: the rows they reach are NaN in
+    every method's output and in the exact one, so those heads' errors are NaN (a table
+    of NaNs said nothing of why)."""
+    spoiled = [f"{name} ({int((~torch.isfinite(t)).sum())} entries)"
+               for name, t in (("q", q), ("k", k), ("v", v)) if not torch.isfinite(t).all()]
+    if spoiled:
+        warnings.warn(f"compare_on: {', '.join(spoiled)} hold NaN or inf: the output rows "
+                      f"they reach are NaN, exact and approximate, and so are the errors "
+                      f"of their heads; replace them (torch.nan_to_num) or drop those "
+                      f"tokens first.", stacklevel=3)
 
 
 def _target(target: str, resolved: dict[str, Any], q: Tensor, k: Tensor, v: Tensor,
