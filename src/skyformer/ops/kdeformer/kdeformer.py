@@ -25,10 +25,11 @@ time). Two estimators of those norms (``estimator``):
   distribution is the mixture
       p = mix * sqrt(beta) / sum sqrt(beta) + (1 - mix) * p_v,
       p_v_j  ∝  ||[v_j 1]|| / ||[V 1]||_op^2 + 1/n,
-  where sqrt(beta) (column norms, not squared) is the Frobenius-optimal AMM weight for
-  (D^-1 A_res) V, and p_v, the value-norm-plus-uniform distribution of the authors'
-  released code, keeps every weight 1/(m p) below 2 n / ((1 - mix) m) (defensive
-  mixture; ``mix=0`` is exactly the released code's distribution).
+  where sqrt(beta) (column norms, not squared) is the attention's factor of the
+  Frobenius-optimal AMM weights ||D^-1 A_res e_j|| ||v_j|| for (D^-1 A_res) V, and
+  p_v, the value-norm-plus-uniform distribution of the authors' released code, keeps
+  every weight 1/(m p) below n (1 + sqrt(Dv + 1)) / ((1 - mix) m) (defensive mixture,
+  README.md; ``mix=0`` is exactly the released code's distribution).
 - ``"uniform"``: the earlier estimator of this library, Algorithm 3 line 3 literally,
   p ∝ ||D~^-1 A_res e_j||^2 + gamma ||v_j||^2 (gamma = ||V||_op^-2) with D~ and the
   column norms from ``kde_samples`` uniformly drawn keys and queries. Needed by
@@ -105,7 +106,8 @@ class KDEformerConfig(LshBlockOptions):
     kde_rows: r, the query rows of the ``"rows"`` estimator; None = max(1, m // 4).
     mix: weight of the estimated column norms in p (``"rows"``); the rest is the
         value-norm + uniform distribution of the authors' code (0.5; 0 = that code's p;
-        1 = the estimated norms alone, as Algorithm 1 line 5, where a column whose
+        1 = the estimated norms alone (Algorithm 1 line 5 draws by squared norms plus
+        a value term), where a column whose
         estimate is 0, because every sampled row shares its LSH block, is never drawn:
         a bias, small but measurable, that any mix < 1 avoids).
     sampler: ``"systematic"`` (along the LSH order of the keys) or ``"iid"``.

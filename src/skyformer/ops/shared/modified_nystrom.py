@@ -42,7 +42,9 @@ from .options import (
 
 @dataclass(frozen=True)
 class NystromOptions:
-    """Options common to the modified Nystrom methods (defaults of the Skyformer paper).
+    """Options common to the modified Nystrom methods (gamma and the 6 steps are the
+    Skyformer authors' released code's, which the paper does not state; the identity
+    start is this library's: ``ops/skyformer/README.md``).
 
     num_features: number of landmarks m sampled from the rows of [Q; K] (half from
         each); capped by the valid rows, so m >= 2 N uses every row once.

@@ -7,8 +7,8 @@ Skyformer (Chen et al., NeurIPS 2021) eqs. (4)-(6) with the Lemma 3 inverse:
 where X_S are m landmarks drawn uniformly from the valid rows of [Q; K] and W the
 regularised, normalised iterative inverse of C(X_S, X_S). Differences from the
 reference implementation (deliberate): the kernel scale uses the input's head dim
-(the reference hard-codes 32), the inverse's starting point is computed per matrix
-(the reference takes a maximum over the whole batch), landmarks are drawn among the
+(the reference hard-codes 32), the inverse starts from the identity (the reference
+from A^T / |A|_1 with a maximum over the whole batch: README.md), landmarks are drawn among the
 valid rows wherever the padding is (the reference assumes right padding), without
 replacement, and nothing defaults to CUDA.
 
