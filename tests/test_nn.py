@@ -296,3 +296,6 @@ def test_an_empty_batch_gives_an_empty_output_as_torch_does(method):
     out.sum().backward()
     assert x.grad.shape == x.shape and layer.q_proj.weight.grad is not None
     assert layer(torch.randn(2, 0, 16)).shape == (2, 0, 16)
+    with pytest.raises(ValueError, match=r"key_padding_mask must be a bool tensor \[B, Nk\] = "
+                                         r"\[0, 40\], got torch.bool \(3, 6\)"):
+        layer(torch.randn(0, 40, 16), key_padding_mask=torch.ones(3, 6, dtype=torch.bool))

@@ -179,6 +179,7 @@ class MultiHeadAttention(nn.Module):
             # no query: an empty output, as torch.nn.MultiheadAttention gives (a model's
             # empty sub-batch; the methods refuse empty inputs), in the graph of q, k, v
             # so that x and the weights get their (empty or zero) gradients
+            self._check_empty_batch_mask(key_padding_mask, k)
             out = q.new_zeros(*q.shape[:-1], v.shape[-1]) + 0 * (q.sum() + k.sum() + v.sum())
         else:
             out = self.bound(
@@ -239,6 +240,18 @@ class MultiHeadAttention(nn.Module):
         if context is not None and self.process_group is not None:
             raise ValueError("MultiHeadAttention: with a process_group the layer runs "
                              "sequence-parallel self-attention; it takes no context.")
+
+    def _check_empty_batch_mask(self, key_padding_mask: Any, k: Tensor) -> None:
+        """The method's sentence for a key_padding_mask of the wrong shape or dtype, which
+        an empty batch (the method not called) would otherwise take silently."""
+        want = (k.shape[0], k.shape[2])
+        if key_padding_mask is not None and (
+                not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool
+                or tuple(key_padding_mask.shape) != want):
+            got = (f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
+                   if isinstance(key_padding_mask, Tensor) else type(key_padding_mask).__name__)
+            raise ValueError(f"MultiHeadAttention: key_padding_mask must be a bool tensor "
+                             f"[B, Nk] = {list(want)}, got {got}.")
 
     def _check_cache(self, cache: Any) -> None:
         """A sentence for a cache this layer cannot step: not a cache, another layer's
