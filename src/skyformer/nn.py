@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +15,24 @@ from .registry import BoundMethod, Method, get_method
 
 if TYPE_CHECKING:
     from .decoding import DecodingState
+
+
+class _LayerToken:
+    """Which layer made a decoding cache (``MultiHeadAttention.new_cache``). Copies keep
+    it (``copy.deepcopy`` of a cache, to continue a prompt twice, or of a model with its
+    caches: the copies still match); pickling drops it (None: an unpickled cache is
+    checked by its method's name alone)."""
+
+    __slots__ = ()
+
+    def __copy__(self) -> _LayerToken:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> _LayerToken:
+        return self
+
+    def __reduce__(self) -> tuple:
+        return type(None), ()
 
 
 class MultiHeadAttention(nn.Module):
@@ -264,7 +281,7 @@ class MultiHeadAttention(nn.Module):
                             f"(cache = layer.new_cache()), got {type(cache).__name__}.")
         self._refuse_cache_unless_causal()
         owner = getattr(cache, "layer", None)
-        if owner is not None and owner() is not self:
+        if owner is not None and owner is not self.__dict__.get("_decoding_token"):
             raise ValueError(
                 "MultiHeadAttention: this cache was made by another layer's new_cache(); a "
                 "cache holds one layer's keys and state, so each layer needs its own: "
@@ -323,7 +340,11 @@ class MultiHeadAttention(nn.Module):
 
         self._refuse_cache_unless_causal()
         cache = new_decoding_state(self.bound, generator=generator, state=self.method_state)
-        cache.layer = weakref.ref(self)  # the layer it steps (_check_cache); a copy shares it
+        # the layer it steps (_check_cache): a token of the layer's own (None in a
+        # layer unpickled: it gets a new one)
+        if self.__dict__.get("_decoding_token") is None:
+            self.__dict__["_decoding_token"] = _LayerToken()
+        cache.layer = self.__dict__["_decoding_token"]
         return cache
 
     def _sequence_parallel(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import pickle
 
 import pytest
 import torch
@@ -301,6 +302,16 @@ def test_a_layer_steps_only_its_own_cache():
         cache = sky.new_cache(generator=random_key(0))
         sky(x, cache=cache)
         assert sky(x[:, :1], cache=copy.deepcopy(cache)).shape == (2, 1, 16)
+        for copied_layer, copied_cache in (copy.deepcopy((sky, cache)),  # either order
+                                           copy.deepcopy((cache, sky))[::-1]):
+            assert copied_layer(x[:, :1], cache=copied_cache).shape == (2, 1, 16)
+        # a pickled cache (torch.save) knows its method, not its layer
+        assert sky(x[:, :1], cache=pickle.loads(pickle.dumps(cache))).shape == (2, 1, 16)
+        with pytest.raises(ValueError, match="this cache decodes 'skyformer'"):
+            linear(x[:, :1], cache=pickle.loads(pickle.dumps(cache)))
+        unpickled = pickle.loads(pickle.dumps(sky))  # a new token of its own
+        with pytest.raises(ValueError, match="made by another layer's new_cache"):
+            sky(x, cache=unpickled.new_cache())
 
 
 @pytest.mark.parametrize(("method", "options"), [
