@@ -221,8 +221,8 @@ class KernelFallback:
         except torch.OutOfMemoryError:
             raise
         except KernelTooLarge as error:  # these shapes alone: the others keep the kernel
-            if _capturing(on):
-                raise
+            # (inside a CUDA graph capture too: Triton refuses before any CUDA call, so
+            # the capture is intact, and a refusal remembered makes no call at all)
             if error.first:
                 _warn_from_user_frame(f"{error.need}; {self.instead} for these shapes "
                                       f"from now on (other shapes keep the Triton path).")
