@@ -268,6 +268,19 @@ def test_resume_refuses_a_run_of_other_methods_when_none_were_named(
            "'performer'] now)" in capsys.readouterr().err
 
 
+def test_a_progress_file_without_resolved_methods_resumes_when_methods_were_named(
+        tmp_path, monkeypatch, capsys):
+    """Files written before the resolved methods were kept: with --methods given (as
+    RESUMABLE does) the config names them, and the run resumes."""
+    out = tmp_path / "run"
+    _edit_interrupted_progress(out, monkeypatch,
+                               lambda saved: saved["settings"].pop("resolved_methods"))
+    _interrupt_at(monkeypatch, None)
+    capsys.readouterr()
+    assert main([*RESUMABLE, "--out", str(out), "--resume"]) == 0
+    assert "resuming from" in capsys.readouterr().err
+
+
 def test_resume_without_a_progress_file_measures_everything(tmp_path, capsys):
     assert main([*RESUMABLE, "--out", str(tmp_path), "--resume", "--seq-lens", "64"]) == 0
     assert "nothing to resume" in capsys.readouterr().err

@@ -85,10 +85,14 @@ class ProgressFile:
                 not all(_is_block(b) for b in blocks.values()):
             raise ValueError(f"cannot resume from {self.path}: not an approx progress file (an "
                              f"object with settings and blocks); write to another --out.")
-        other = sorted(key for key in self.settings.keys() | earlier["settings"].keys()
-                       if self.settings.get(key) != earlier["settings"].get(key))
+        settings = dict(self.settings)
+        if "resolved_methods" not in earlier["settings"] and settings.get("methods"):
+            # a file from before the resolved methods were kept: --methods named them
+            settings.pop("resolved_methods", None)
+        other = sorted(key for key in settings.keys() | earlier["settings"].keys()
+                       if settings.get(key) != earlier["settings"].get(key))
         if other:
-            said = ", ".join(_difference(key, earlier["settings"], self.settings)
+            said = ", ".join(_difference(key, earlier["settings"], settings)
                              for key in other)
             raise ValueError(f"cannot resume from {self.path}: it was measured with other "
                              f"settings ({said}); run with the same settings (other "
