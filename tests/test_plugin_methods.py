@@ -156,3 +156,26 @@ def test_a_plugin_without_a_sequence_parallel_form_is_told_why(plugin):
     with pytest.raises(ValueError, match=r"reformer cannot run sequence parallel: its keys "
                                          r"enter through more than sums"):
         form_of("reformer")
+
+
+def test_a_method_registered_in_its_public_form_is_named_as_itself():
+    """A function taking its options as keyword arguments (no config argument) runs
+    through an adapter of the registry's: the sentences named that adapter
+    (skyformer.registry.signature.core_of.<locals>.adapted), registering the same
+    function again was refused, and sequence parallelism took it for a library method."""
+    from skyformer.distributed.forms import form_of
+
+    def public_plugin(q, k, v, *, key_padding_mask=None, generator=None, width=2):
+        return v[:, :, :3]
+
+    try:
+        for _ in range(2):  # the same function again (a reload) takes its place
+            register("plugin_public", _Options, Capabilities(target="softmax"))(public_plugin)
+        q = torch.randn(1, 1, 6, 4)
+        with pytest.raises(TypeError, match=r"the attention method 'plugin_public' "
+                                            r"\(test_plugin_methods\..*public_plugin\)"):
+            skyformer.attention(q, q, q, "plugin_public")
+        with pytest.raises(ValueError, match="registered from outside the library"):
+            form_of("plugin_public")
+    finally:
+        registry_methods._REGISTRY.pop("plugin_public", None)

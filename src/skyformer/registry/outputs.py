@@ -9,6 +9,7 @@ fail later in torch's internals, far from its cause.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -40,7 +41,10 @@ def _named(core: Callable[..., Any]) -> str:
     from .methods import _REGISTRY  # it imports this module (through autocast)
 
     where = f"{getattr(core, '__module__', '?')}.{getattr(core, '__qualname__', repr(core))}"
-    names = [m.name for m in _REGISTRY.values() if m.core is core]
+    # a method registered with its options as keyword arguments runs an adapter made
+    # for each call (signature.core_of), which unwraps to the function
+    names = [m.name for m in _REGISTRY.values()
+             if inspect.unwrap(m.core) is inspect.unwrap(core)]
     return f"{names[0]!r} ({where})" if names else where
 
 

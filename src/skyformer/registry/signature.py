@@ -158,6 +158,10 @@ def core_of(function: Callable[..., Tensor]) -> Callable[..., Tensor]:
     if core is not None:
         return core
 
+    # named as the function (its module and name: where a sentence points, what a
+    # registration again compares), which inspect.unwrap gives back
+    @functools.wraps(function, assigned=("__module__", "__name__", "__qualname__"),
+                     updated=())
     def adapted(q: Tensor, k: Tensor, v: Tensor, config: Any, **kwargs: Any) -> Tensor:
         return function(q, k, v, **config_fields(config), **kwargs)
 
