@@ -294,6 +294,26 @@ def test_resume_takes_the_same_methods_and_dtypes_in_another_order():
         resumable_rows(BenchConfig(**{**base, "methods": ("skyformer",)}), earlier)
 
 
+def test_resume_without_methods_compares_the_methods_that_ran():
+    """Without --methods the config says None (every method) in both runs: a run whose
+    registry held another method (--plugin, another version) was resumed, and its
+    lengths held different rows. The file now keeps the methods that ran."""
+    from skyformer.eval.bench.run import resumable_rows, run_environment
+    from skyformer.io import json_ready
+
+    every = {**RESUMED_BASE, "methods": None}
+    environment = json_ready(run_environment(torch.device("cpu")))
+    ran = BenchConfig(**every).method_names()
+    earlier = {"config": json_ready(dataclasses.asdict(BenchConfig(**every))),
+               "environment": {**environment, "methods": ran}, "rows": []}
+    assert resumable_rows(BenchConfig(**every), earlier) == ([], [])
+    earlier["environment"]["methods"] = [*ran, "local_window"]
+    with pytest.raises(ValueError, match=r"\(methods run: \[.*'local_window'\] -> "):
+        resumable_rows(BenchConfig(**every), earlier)
+    del earlier["environment"]["methods"]  # a file from before they were kept
+    assert resumable_rows(BenchConfig(**every), earlier) == ([], [])
+
+
 def test_resume_compares_the_pause_only_where_the_calls_were_timed_in_blocks():
     """The pause changes nothing where the calls are interleaved: rows measured with
     another pause are kept then, and refused where either run timed in blocks."""

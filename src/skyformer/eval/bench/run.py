@@ -297,6 +297,7 @@ def run_bench(
     }
     limit = _available_bytes(device)
     env = run_environment(device)
+    env["methods"] = config.method_names()  # what runs: None in the config is "every one"
     env["load_average_start"] = load_start
     earlier = _rows_by_length(measured or [])
     rows: list[dict[str, Any]] = []
@@ -401,6 +402,11 @@ def resumable_rows(config: BenchConfig, earlier: dict[str, Any]
     env_now = run_environment(torch.device(config.device))
     differ += [f"{name}: {env_before.get(name)!r} -> {env_now.get(name)!r}"
                for name in RESUMABLE_ENVIRONMENT if env_before.get(name) != env_now.get(name)]
+    # the methods that ran (a file from before they were kept: the config's alone):
+    # without --methods, --plugin or another version of the library changes them
+    ran = env_before.get("methods")
+    if isinstance(ran, list) and sorted(map(str, ran)) != sorted(config.method_names()):
+        differ.append(f"methods run: {ran!r} -> {config.method_names()!r}")
     if differ:
         raise ValueError(f"the earlier results were measured with other settings or on "
                          f"another machine ({', '.join(differ)}); resume with the same "
