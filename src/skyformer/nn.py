@@ -198,6 +198,9 @@ class MultiHeadAttention(nn.Module):
             # so that x and the weights get their (empty or zero) gradients
             self._check_empty_batch_mask(key_padding_mask, k)
             out = q.new_zeros(*q.shape[:-1], v.shape[-1]) + 0 * (q.sum() + k.sum() + v.sum())
+            if self.method_state is not None:  # Linformer's projections: every parameter
+                # gets a gradient, as DDP (find_unused_parameters=False) needs of each rank
+                out = out + 0 * sum(p.sum() for p in self.method_state.parameters())
         else:
             out = self.bound(
                 q, k, v, key_padding_mask=key_padding_mask,
