@@ -221,13 +221,20 @@ def test_a_plugin_module_registers_methods_for_every_command(tmp_path, monkeypat
         assert main(["--plugin", "my_methods", "list"]) == 0
         assert "cli_plugin_method: a method from a module of the user's own" in \
             capsys.readouterr().out
-        for plugin, said in (("not_a_module", "give a module importable from here"),
-                             ("my_methods.py", "give its module name, my_methods, from the "
-                                               "folder that holds it")):
-            assert main(["--plugin", plugin, "list"]) == 2
-            err = capsys.readouterr().err
-            assert f"skyformer list: error: --plugin {plugin}: cannot import it" in err
-            assert said in err
-    finally:  # importing my_methods.py imports my_methods first
+    finally:
         registry_methods._REGISTRY.pop("cli_plugin_method", None)
         sys.modules.pop("my_methods", None)
+    (tmp_path / "broken_methods.py").write_text("import a_package_nobody_has\n")
+    for plugin, said in (
+            ("not_a_module", "not_a_module: cannot import it (No module named "
+                             "'not_a_module'); give a module importable from here"),
+            ("my_methods.py", "my_methods.py: give the module's name, my_methods, not its "
+                              "file, and run from the folder that holds it."),
+            ("sub/my_methods.py", "sub/my_methods.py: give the module's name, my_methods, "
+                                  "not its file, and run from sub (or with it on "
+                                  "PYTHONPATH)."),
+            ("broken_methods", "broken_methods: importing it failed: No module named "
+                               "'a_package_nobody_has'")):
+        assert main(["--plugin", plugin, "list"]) == 2
+        assert f"skyformer list: error: --plugin {said}" in capsys.readouterr().err
+    assert "my_methods" not in sys.modules  # a file's path imports nothing

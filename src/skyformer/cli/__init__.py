@@ -82,15 +82,20 @@ def import_plugins(modules: list[str]) -> None:
     if modules and os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
     for name in modules:
+        if name.endswith(".py") or os.sep in name:  # a file's path, not a module's name
+            folder, stem = os.path.split(name.removesuffix(".py"))
+            where = f" from {folder} (or with it on PYTHONPATH)" if folder else ""
+            raise ImportError(f"--plugin {name}: give the module's name, {stem}, not its "
+                              f"file, and run{where or ' from the folder that holds it'}.")
         try:
             importlib.import_module(name)
         except ImportError as err:
-            hint = (f" give its module name, {name.removesuffix('.py').replace('/', '.')}, "
-                    f"from the folder that holds it" if name.endswith(".py")
-                    else " give a module importable from here (a file of the current "
-                    "folder without .py, or an installed package's module), or put its "
-                    "folder on PYTHONPATH")
-            raise ImportError(f"--plugin {name}: cannot import it ({err});{hint}.") from None
+            if err.name is None or not (name == err.name or name.startswith(err.name + ".")):
+                raise ImportError(f"--plugin {name}: importing it failed: {err}") from err
+            raise ImportError(
+                f"--plugin {name}: cannot import it ({err}); give a module importable from "
+                f"here (a file of the current folder without .py, or an installed package's "
+                f"module), or put its folder on PYTHONPATH.") from None
 
 
 def _expand_home(args: argparse.Namespace) -> None:
