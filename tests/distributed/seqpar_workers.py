@@ -249,6 +249,9 @@ def check_errors(rank: int, world: int) -> None:
             assert "causal=True does not run sequence parallel" in str(error), str(error)
         else:
             raise AssertionError(f"{method}: a causal layer was built sequence parallel")
+    for method in ("skyformer", "nystrom_softmax"):  # as on one process
+        raises(f"{method}: landmark_stride=4 shapes causal attention only", q, k, v, method,
+               landmark_stride=4)
     raises("unknown attention method 'skyfromer'", q, k, v, "skyfromer")
     seen = []  # the products run on the kernel asked for, as in one process
     original = forms.skyformer_from_core

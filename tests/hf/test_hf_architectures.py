@@ -983,8 +983,11 @@ def test_describe_shows_a_decoder_layer_as_causal():
     (each call takes causal from the model's mask)."""
     for decoder in (True, False):
         model = tiny_bert(is_decoder=decoder)
-        shf.set_attention(model, "skyformer", num_features=8)
-        assert {row["options"]["causal"] for row in shf.describe(model)} == {decoder}
+        shf.set_attention(model, "skyformer", num_features=8, landmark_stride=4)
+        rows = shf.describe(model)
+        assert {row["options"]["causal"] for row in rows} == {decoder}
+        # the causal form's options serve the causal calls: the others leave them out
+        assert {row["options"]["landmark_stride"] for row in rows} == {4 if decoder else None}
 
 
 @torch.no_grad()

@@ -26,6 +26,7 @@ from ..ops.linear.linear import linear_features, linear_from_features
 from ..ops.nystrom_softmax.nystrom_softmax import nystrom_softmax_from_core
 from ..ops.performer.features import resolve_projection
 from ..ops.performer.performer import marked_by_projection, performer_from_projection
+from ..ops.shared.causal_nystrom import CausalNystromOptions, refuse_causal_form_options
 from ..ops.shared.inputs import AttentionInputs, compute_dtype
 from ..ops.shared.modified_nystrom import NystromCore, NystromOptions, core_from_rows
 from ..ops.skyformer.skyformer import skyformer_from_core
@@ -94,6 +95,8 @@ def _no_causal(method: str, reason: str) -> Callable[[Any], None]:
             raise ValueError(
                 f"{method}: causal=True does not run sequence parallel ({reason}); use "
                 "causal=False or one process.")
+        if isinstance(config, CausalNystromOptions):  # as a call on one process does
+            refuse_causal_form_options(method, config)
     return check
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..ops.shared.causal_nystrom import CAUSAL_FORM_DEFAULTS
 from ..registry import get_method, list_methods
 from ..registry.variants import is_variant
 from .attention import (
@@ -248,8 +249,12 @@ def describe(model: nn.Module) -> list[dict[str, Any]]:
         else:
             method, options, seed = f"{EXACT} ({implementation})", {}, None
         if "causal" in options and isinstance(getattr(module, "is_causal", None), bool):
-            # each call takes causal from the model's mask: a decoder's is causal
+            # each call takes causal from the model's mask: a decoder's is causal, and the
+            # other calls leave the causal form's options out (attention._call_options)
             options = {**options, "causal": module.is_causal}
+            if not module.is_causal:
+                options.update({name: default for name, default in
+                                CAUSAL_FORM_DEFAULTS.items() if name in options})
         rows.append({"layer": index, "module": qualified, "method": method,
                      "options": options, "seed": seed})
     return rows
