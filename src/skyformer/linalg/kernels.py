@@ -11,6 +11,8 @@ zeros (exp(-inf) = 0, and its gradient is 0, never NaN).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -66,8 +68,9 @@ def gaussian_kernel_block(
         shift_rows: divide each row by its largest entry (computed in log space).
             Used where a per-row factor cancels, e.g. a row-normalised output.
         flush: on the CPU, entries below sqrt(tiny) of the dtype are zero (subnormal
-            numbers are slow there: ``flush.py``); False keeps every entry, as the exact
-            matrices of the analyses must (far queries' rows are nothing else).
+            numbers are slow there: ``flush.py``); False keeps every normal entry (only
+            those below tiny are zero), as the exact matrices of the analyses must (far
+            queries' rows are nothing else).
     Returns:
         ``[..., N1, N2]``.
     """
@@ -81,7 +84,10 @@ def gaussian_kernel_block(
         # A row with every column masked has max -inf: leave it at exp(-inf) = 0.
         row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
         exponent = exponent - row_max
-    if not flush:
+    if not flush:  # only what would be subnormal (slow on CPUs), NaN kept
+        if exponent.device.type == "cpu":
+            exponent = torch.where(exponent < math.log(torch.finfo(exponent.dtype).tiny),
+                                   float("-inf"), exponent)
         return exponent.exp()
     # far pairs would give subnormal entries, slow on CPUs (flush.py)
     if overwrite_allowed():
