@@ -18,8 +18,22 @@ from pathlib import Path
 
 from run_metadata import run_metadata  # benchmarks/, beside this script
 
+from skyformer import get_method
 from skyformer.eval.hf.finetune import FinetuneConfig, distill
-from skyformer.io import write_csv, write_json
+from skyformer.io import check_output_path, write_csv, write_json
+
+
+def _config(method: str, args: argparse.Namespace) -> FinetuneConfig:
+    """The run of ``method``, checked: --features where the method has num_features and
+    its name does not set it in brackets (there the brackets' value runs: --features,
+    which has a default, would override it without a word)."""
+    spec = get_method(method)
+    takes = "num_features" in spec.option_names() and "num_features" not in dict(spec.preset)
+    config = FinetuneConfig(method=method, num_features=args.features if takes else None,
+                            steps=args.steps, lr=args.lr, batch_size=args.batch_size,
+                            seed=args.seed)
+    config.validate()
+    return config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,15 +47,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results/hf_finetune")
     args = parser.parse_args(argv)
+    try:  # what fails before training: a sentence, not a traceback after it
+        configs = [_config(method, args) for method in args.methods]
+        check_output_path(args.out)
+    except (ValueError, TypeError, OSError) as err:
+        print(f"hf_finetune: error: {err}", file=sys.stderr)
+        return 2
 
-    runs = []
-    for method in args.methods:
-        from skyformer import get_method
-
-        features = args.features if "num_features" in get_method(method).option_names() else None
-        config = FinetuneConfig(method=method, num_features=features, steps=args.steps,
-                                lr=args.lr, batch_size=args.batch_size, seed=args.seed)
-        runs.append(distill(config, progress=lambda line: print(f"  {line}", file=sys.stderr)))
+    runs = [distill(config, progress=lambda line: print(f"  {line}", file=sys.stderr))
+            for config in configs]
 
     header = (f"{'method':<12}{'features':>9}{'steps':>7}{'cos before':>12}{'cos after':>11}"
               f"{'R@1 before':>12}{'R@1 after':>11}{'train s':>9}")
@@ -52,11 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for run in runs:
         c, b, a = run["config"], run["before"], run["after"]
-        rows.append({"method": c["method"], "num_features": c["num_features"], "steps": c["steps"],
+        # what ran: --features, or the brackets' own (skyformer[num_features=8])
+        features = c["num_features"] if c["num_features"] is not None else \
+            dict(get_method(c["method"]).preset).get("num_features")
+        rows.append({"method": c["method"], "num_features": features, "steps": c["steps"],
                      "cosine_before": b["cosine_mean"], "cosine_after": a["cosine_mean"],
                      "recall_before": b["recall_at_1"], "recall_after": a["recall_at_1"],
                      "seconds": run["seconds"]})
-        print(f"{c['method']:<12}{c['num_features'] or 'exact'!s:>9}{c['steps']:>7}"
+        print(f"{c['method']:<12}{features or 'exact'!s:>9}{c['steps']:>7}"
               f"{b['cosine_mean']:>12.4f}{a['cosine_mean']:>11.4f}{b['recall_at_1']:>12.3f}"
               f"{a['recall_at_1']:>11.3f}{run['seconds']:>9.0f}")
 

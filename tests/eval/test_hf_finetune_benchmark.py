@@ -36,3 +36,27 @@ def test_the_csv_and_json_record_the_settings_environment_and_command(monkeypatc
         assert record["command"] == "python benchmarks/hf_finetune.py " + " ".join(argv)
     assert [run["config"]["method"] for run in saved["runs"]] == ["kernelized", "skyformer"]
     assert lines[len(meta)].startswith("method,num_features,steps") and len(lines) == len(meta) + 3
+
+
+def test_a_variants_features_run_and_bad_settings_stop_before_training(monkeypatch, tmp_path,
+                                                                        capsys):
+    """--features (default 32) overrode skyformer[num_features=8] without a word, and a
+    bad --out or --steps failed with a traceback after the training."""
+    ran = []
+    monkeypatch.setattr(benchmark, "distill", lambda config, progress=None: ran.append(
+        config) or _run(config))
+    out = str(tmp_path / "finetune")
+    assert benchmark.main(["--methods", "skyformer[num_features=8]", "skyformer",
+                           "--steps", "2", "--out", out]) == 0
+    assert [c.num_features for c in ran] == [None, 32]  # the brackets' 8 runs
+    assert [row.split(",")[1] for row in (tmp_path / "finetune.csv").read_text().splitlines()
+            if row.startswith("skyformer")] == ["8", "32"]
+    ran.clear()
+    (tmp_path / "file").write_text("")
+    for argv, said in ((["--steps", "0"], "steps must be a positive integer, got 0"),
+                       (["--methods", "nosuch"], "unknown attention method 'nosuch'"),
+                       (["--out", str(tmp_path / "file" / "x")], "file")):
+        assert benchmark.main(["--methods", "skyformer", "--out", out, *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("hf_finetune: error: ") and said in err, err
+    assert ran == []
