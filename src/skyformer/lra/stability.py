@@ -317,8 +317,14 @@ def resumable_taus(report: StabilityReport, earlier: dict[str, Any]
             if method != BASELINE and method not in report.methods:
                 continue
             options = earlier.get("attention_options", {}).get(task, {}).get(method)
-            if json_ready(report.attention_options[task][method]) != options:
-                differ.append(f"the options of {method} on {task}")
+            current = json_ready(report.attention_options[task][method])
+            if current != options:  # each option that differs, then -> now
+                then = options if isinstance(options, dict) else {}
+                said = ", ".join(f"{key}: {then.get(key)!r} -> {current.get(key)!r}"
+                                 for key in sorted({*then, *current}, key=str)
+                                 if then.get(key) != current.get(key))
+                differ.append(f"the options of {method} on {task} "
+                              f"({said if said else repr(options)})")
             kept.update({(task, method, int(seed)): taus for seed, taus in per_seed.items()
                          if int(seed) in report.seeds})
     if differ:
