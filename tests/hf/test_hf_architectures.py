@@ -1008,3 +1008,15 @@ def test_the_causal_forms_options_serve_the_causal_layers_only():
         shf.set_attention(model, "skyformer", seed=0, num_features=8, landmark_stride=stride)
     ids = torch.randint(1, 64, (1, 120), generator=torch.Generator().manual_seed(1))
     assert not torch.equal(*(m(input_ids=ids).last_hidden_state for m in decoder))
+
+
+def test_from_pretrained_names_a_path_that_is_no_folder(tmp_path):
+    """transformers answered a missing folder with the Hub's rules for repository ids
+    ("Repo id must be in the form 'repo_name'...")."""
+    with pytest.raises(FileNotFoundError, match=r"does not exist; pass the folder that "
+                                                r"save_pretrained wrote"):
+        shf.from_pretrained(tmp_path / "no_such_model", "performer")
+    (tmp_path / "weights.bin").write_text("")
+    with pytest.raises(NotADirectoryError, match=r"weights\.bin is a file; from_pretrained "
+                                                 r"takes the folder"):
+        shf.from_pretrained(str(tmp_path / "weights.bin"), "performer")

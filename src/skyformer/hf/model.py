@@ -260,6 +260,21 @@ def describe(model: nn.Module) -> list[dict[str, Any]]:
     return rows
 
 
+def _refuse_missing_folder(path: str | Path) -> None:
+    """A sentence for a path that names no folder: transformers takes what is not one
+    for a Hub repository id and answers with the Hub's rules for those ("Repo id must
+    be in the form 'repo_name'..."). A bare name (``bert-base-uncased``) goes on to it."""
+    text = str(path)
+    if Path(text).expanduser().is_dir():
+        return
+    if Path(text).expanduser().exists():
+        raise NotADirectoryError(f"{text} is a file; from_pretrained takes the folder that "
+                                 f"save_pretrained wrote (its config.json and weights).")
+    if isinstance(path, Path) or "/" in text or "\\" in text or text.startswith(("~", ".")):
+        raise FileNotFoundError(f"{text} does not exist; pass the folder that "
+                                f"save_pretrained wrote (or a model's folder).")
+
+
 def from_pretrained(
     path: str | Path,
     method: str,
@@ -282,6 +297,7 @@ def from_pretrained(
     """
     import transformers
 
+    _refuse_missing_folder(path)
     register_methods()
     name = resolve_method_name(method)
     _refuse_loader_keywords(name, options)
