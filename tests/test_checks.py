@@ -28,6 +28,14 @@ def test_numpy_and_torch_integers_get_a_hint(value):
         check_positive_int("size", value)
 
 
+@pytest.mark.parametrize("value", [np.float32(3.5), torch.tensor(3.5), torch.tensor(True)])
+def test_a_float_or_bool_scalar_gets_no_int_hint(value):
+    """int(value) would not fix a 3.5, and would turn True into 1."""
+    with pytest.raises(ValueError) as err:
+        check_positive_int("size", value)
+    assert "pass int(value)" not in str(err.value)
+
+
 def test_a_list_names_its_bad_entries_and_refuses_an_empty_one():
     check_positive_ints("lengths", [1, 2, 3])
     with pytest.raises(ValueError, match=r"^lengths must be positive integers, got \[0, True\]\.$"):
@@ -36,6 +44,8 @@ def test_a_list_names_its_bad_entries_and_refuses_an_empty_one():
         check_positive_ints("lengths", [])
     with pytest.raises(ValueError, match=r"pass int\(value\)"):
         check_positive_ints("lengths", [np.int32(4)])
+    with pytest.raises(ValueError, match=r"pass int\(value\)\), got \[np.int64"):  # an array
+        check_positive_ints("lengths", np.array([3, 0]))
 
 
 def test_the_layer_and_the_methods_use_them():

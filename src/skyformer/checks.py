@@ -18,9 +18,14 @@ def is_integer(value: object) -> bool:
 
 
 def integer_hint(value: object) -> str:
-    """`` (a Python int: pass int(value))`` for a NumPy or torch scalar, else ``""``."""
-    return " (a Python int: pass int(value))" if type(value).__module__ in ("numpy", "torch") \
-        else ""
+    """`` (a Python int: pass int(value))`` for a NumPy or torch integer scalar, else
+    ``""`` (a float's or an array's trouble is not its type)."""
+    if type(value).__module__ not in ("numpy", "torch") or getattr(value, "ndim", 0) != 0:
+        return ""
+    dtype = getattr(value, "dtype", None)  # NumPy's kind "i"/"u", torch.int*/uint*
+    integral = getattr(dtype, "kind", None) in ("i", "u") or str(dtype).startswith(
+        ("torch.int", "torch.uint"))
+    return " (a Python int: pass int(value))" if integral else ""
 
 
 def check_positive_int(name: str, value: object, *, optional: bool = False) -> None:
@@ -35,7 +40,7 @@ def check_positive_int(name: str, value: object, *, optional: bool = False) -> N
 def check_positive_ints(name: str, values: Sequence[object]) -> None:
     """Refuse ``values`` unless it is a non-empty sequence of positive integers."""
     bad = [v for v in values if not is_integer(v) or v <= 0]  # type: ignore[operator]
-    if not values or bad:
+    if len(values) == 0 or bad:  # not "not values": ambiguous for a NumPy array
         hint = next((integer_hint(v) for v in bad if integer_hint(v)), "")
         raise ValueError(f"{name} must be positive integers{hint}, got "
                          f"{bad if bad else 'none'}.")
