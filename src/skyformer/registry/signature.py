@@ -82,10 +82,22 @@ def _docstring(core: Callable[..., Any], config_class: type) -> str:
             docs.append(inspect.cleandoc(doc))
     head = _without_config_argument(inspect.cleandoc(core.__doc__ or ""))
     # a config without a docstring (a plugin's): its fields as the signature shows them
-    options = "\n\n".join(docs) or "\n".join(
-        f"{f.name}: {getattr(f.type, '__name__', f.type)} = {f.default!r}"
-        for f in dataclasses.fields(config_class))
+    options = "\n\n".join(docs) or "\n".join(_field_line(f)
+                                             for f in dataclasses.fields(config_class))
     return f"{head}\n\nOptions (``{config_class.__name__}``, keyword arguments):\n\n{options}"
+
+
+def _field_line(field: dataclasses.Field) -> str:
+    """``name: type = default`` of a config field as its declaration reads (a string
+    annotation as written; a default factory as ``factory()``)."""
+    kind = field.type if isinstance(field.type, str) else \
+        inspect.formatannotation(field.type)
+    if field.default is not dataclasses.MISSING:
+        return f"{field.name}: {kind} = {field.default!r}"
+    if field.default_factory is not dataclasses.MISSING:
+        factory = getattr(field.default_factory, "__name__", repr(field.default_factory))
+        return f"{field.name}: {kind} = {factory}()"
+    return f"{field.name}: {kind}"
 
 
 def _without_config_argument(doc: str) -> str:
