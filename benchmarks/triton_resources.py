@@ -43,22 +43,16 @@ DTYPE_CODES = {"float32": "fp32", "float64": "fp64", "bfloat16": "bf16", "float1
 # memory in bytes per SM, the register allocation granularity (per warp), the most
 # shared memory one block may have ("block_shared", the opt-in maximum: a kernel that
 # needs more cannot launch) and what the driver reserves per block ("reserved").
-SM_LIMITS = {
-    75: {"registers": 65536, "threads": 1024, "shared": 65536, "granularity": 256,
-         "block_shared": 65536, "reserved": 0},
-    80: {"registers": 65536, "threads": 2048, "shared": 167936, "granularity": 256,
-         "block_shared": 166912, "reserved": 1024},
-    86: {"registers": 65536, "threads": 1536, "shared": 102400, "granularity": 256,
-         "block_shared": 101376, "reserved": 1024},
-    89: {"registers": 65536, "threads": 1536, "shared": 102400, "granularity": 256,
-         "block_shared": 101376, "reserved": 1024},
-    90: {"registers": 65536, "threads": 2048, "shared": 233472, "granularity": 256,
-         "block_shared": 232448, "reserved": 1024},
-    100: {"registers": 65536, "threads": 2048, "shared": 233472, "granularity": 256,
-          "block_shared": 232448, "reserved": 1024},
-    120: {"registers": 65536, "threads": 1536, "shared": 102400, "granularity": 256,
-          "block_shared": 101376, "reserved": 1024},
-}
+_LIMIT_FIELDS = ("registers", "threads", "shared", "granularity", "block_shared", "reserved")
+SM_LIMITS = {arch: dict(zip(_LIMIT_FIELDS, values, strict=True)) for arch, values in {
+    75: (65536, 1024, 65536, 256, 65536, 0),
+    80: (65536, 2048, 167936, 256, 166912, 1024),
+    86: (65536, 1536, 102400, 256, 101376, 1024),
+    89: (65536, 1536, 102400, 256, 101376, 1024),
+    90: (65536, 2048, 233472, 256, 232448, 1024),
+    100: (65536, 2048, 233472, 256, 232448, 1024),
+    120: (65536, 1536, 102400, 256, 101376, 1024),
+}.items()}
 
 
 # --------------------------------------------------------------------------------------
