@@ -1016,6 +1016,13 @@ def test_from_pretrained_names_a_path_that_is_no_folder(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"does not exist; pass the folder that "
                                                 r"save_pretrained wrote"):
         shf.from_pretrained(tmp_path / "no_such_model", "performer")
+    from skyformer.hf.model import _refuse_missing_folder
+
+    for hub_id in ("bert-base-uncased", "sentence-transformers/all-MiniLM-L6-v2"):
+        _refuse_missing_folder(hub_id)  # transformers' to load (or to refuse offline)
+    for path in ("./no_such_model", "/no/such/model", "runs/2026/model"):
+        with pytest.raises(FileNotFoundError, match="does not exist"):
+            _refuse_missing_folder(path)
     (tmp_path / "weights.bin").write_text("")
     with pytest.raises(NotADirectoryError, match=r"weights\.bin is a file; from_pretrained "
                                                  r"takes the folder"):

@@ -263,14 +263,17 @@ def describe(model: nn.Module) -> list[dict[str, Any]]:
 def _refuse_missing_folder(path: str | Path) -> None:
     """A sentence for a path that names no folder: transformers takes what is not one
     for a Hub repository id and answers with the Hub's rules for those ("Repo id must
-    be in the form 'repo_name'..."). A bare name (``bert-base-uncased``) goes on to it."""
+    be in the form 'repo_name'..."). What reads as a Hub id (``bert-base-uncased``,
+    ``sentence-transformers/all-MiniLM-L6-v2``) goes on to it."""
     text = str(path)
     if Path(text).expanduser().is_dir():
         return
     if Path(text).expanduser().exists():
         raise NotADirectoryError(f"{text} is a file; from_pretrained takes the folder that "
                                  f"save_pretrained wrote (its config.json and weights).")
-    if isinstance(path, Path) or "/" in text or "\\" in text or text.startswith(("~", ".")):
+    # a Hub id is "name" or "org/name": one slash at most, and no path's own marks
+    if isinstance(path, Path) or text.startswith(("/", "~", ".")) or "\\" in text \
+            or text.count("/") > 1:
         raise FileNotFoundError(f"{text} does not exist; pass the folder that "
                                 f"save_pretrained wrote (or a model's folder).")
 
