@@ -18,21 +18,32 @@ if TYPE_CHECKING:
 
 
 class _LayerToken:
-    """Which layer made a decoding cache (``MultiHeadAttention.new_cache``). Copies keep
-    it (``copy.deepcopy`` of a cache, to continue a prompt twice, or of a model with its
-    caches: the copies still match); pickling drops it (None: an unpickled cache is
-    checked by its method's name alone)."""
+    """Which layer made a decoding cache (``MultiHeadAttention.new_cache``). A deep copy
+    is a new token whose ``parent`` is the original: a layer and its caches copied
+    together share the copy (``copy.deepcopy``'s memo), a cache copied alone (to
+    continue a prompt twice) still descends from its layer's token, and two clones of
+    one layer differ. Pickling drops it (None: an unpickled cache is checked by its
+    method's name alone)."""
 
-    __slots__ = ()
+    __slots__ = ("parent",)
 
-    def __copy__(self) -> _LayerToken:
-        return self
+    def __init__(self, parent: _LayerToken | None = None) -> None:
+        self.parent = parent
 
     def __deepcopy__(self, memo: dict) -> _LayerToken:
-        return self
+        return _LayerToken(self)
 
     def __reduce__(self) -> tuple:
         return type(None), ()
+
+    def made(self, cache_token: Any) -> bool:
+        """Whether a cache holding ``cache_token`` was made by this token's layer (or is
+        a copy of such a cache)."""
+        while cache_token is not None:
+            if cache_token is self:
+                return True
+            cache_token = cache_token.parent
+        return False
 
 
 class MultiHeadAttention(nn.Module):
@@ -284,7 +295,8 @@ class MultiHeadAttention(nn.Module):
                             f"(cache = layer.new_cache()), got {type(cache).__name__}.")
         self._refuse_cache_unless_causal()
         owner = getattr(cache, "layer", None)
-        if owner is not None and owner is not self.__dict__.get("_decoding_token"):
+        token = self.__dict__.get("_decoding_token")
+        if owner is not None and (token is None or not token.made(owner)):
             raise ValueError(
                 "MultiHeadAttention: this cache was made by another layer's new_cache(); a "
                 "cache holds one layer's keys and state, so each layer needs its own: "

@@ -312,6 +312,10 @@ def test_a_layer_steps_only_its_own_cache():
         unpickled = pickle.loads(pickle.dumps(sky))  # a new token of its own
         with pytest.raises(ValueError, match="made by another layer's new_cache"):
             sky(x, cache=unpickled.new_cache())
+        # two clones of one layer (nn.TransformerEncoder's copies) are two layers
+        first, second = copy.deepcopy(sky), copy.deepcopy(sky)
+        with pytest.raises(ValueError, match="made by another layer's new_cache"):
+            second(x, cache=first.new_cache())
 
 
 @pytest.mark.parametrize(("method", "options"), [
