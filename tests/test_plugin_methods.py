@@ -179,3 +179,26 @@ def test_a_method_registered_in_its_public_form_is_named_as_itself():
             form_of("plugin_public")
     finally:
         registry_methods._REGISTRY.pop("plugin_public", None)
+
+
+def test_a_config_with_a_factory_or_an_optional_field_reads_as_declared():
+    """A default factory showed as <dataclasses._MISSING_TYPE object> in the public
+    function's signature and docstring, and Optional[str] as Optional."""
+    import inspect
+    import typing
+
+    @dataclasses.dataclass(frozen=True)
+    class Shaped:
+        sizes: tuple = dataclasses.field(default_factory=tuple)
+        label: typing.Optional[str] = None  # noqa: UP045 (the spelling under test)
+
+    try:
+        public = register("plugin_shaped", Shaped, Capabilities(target="softmax"))(
+            lambda q, k, v, config, *, key_padding_mask=None, generator=None: v)
+        shown = str(inspect.signature(public))
+        # (annotations are strings here: this module has from __future__ import)
+        assert "sizes: 'tuple' = tuple()" in shown and "_MISSING_TYPE" not in shown, shown
+        assert public.__doc__.rstrip().endswith(
+            "sizes: tuple = tuple()\nlabel: typing.Optional[str] = None"), public.__doc__
+    finally:
+        registry_methods._REGISTRY.pop("plugin_shaped", None)

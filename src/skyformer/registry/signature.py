@@ -65,7 +65,7 @@ def _signature(core: Callable[..., Any], config_class: type) -> inspect.Signatur
                           annotation="torch.Generator | Tensor | None"),
     ]
     parameters += [
-        inspect.Parameter(f.name, keyword, default=f.default, annotation=f.type)
+        inspect.Parameter(f.name, keyword, default=_default(f), annotation=f.type)
         for f in dataclasses.fields(config_class)
     ]
     parameters += _state_parameters(core)
@@ -87,17 +87,34 @@ def _docstring(core: Callable[..., Any], config_class: type) -> str:
     return f"{head}\n\nOptions (``{config_class.__name__}``, keyword arguments):\n\n{options}"
 
 
+class _Made:
+    """A default made by a factory, shown as its call (``list()``) in signatures."""
+
+    def __init__(self, factory: Callable[[], Any]) -> None:
+        self.text = f"{getattr(factory, '__name__', repr(factory))}()"
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _default(field: dataclasses.Field) -> Any:
+    """A config field's default as a signature shows it: the value, the factory's call,
+    or none (a required option)."""
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return _Made(field.default_factory)
+    return inspect.Parameter.empty
+
+
 def _field_line(field: dataclasses.Field) -> str:
     """``name: type = default`` of a config field as its declaration reads (a string
     annotation as written; a default factory as ``factory()``)."""
     kind = field.type if isinstance(field.type, str) else \
         inspect.formatannotation(field.type)
-    if field.default is not dataclasses.MISSING:
-        return f"{field.name}: {kind} = {field.default!r}"
-    if field.default_factory is not dataclasses.MISSING:
-        factory = getattr(field.default_factory, "__name__", repr(field.default_factory))
-        return f"{field.name}: {kind} = {factory}()"
-    return f"{field.name}: {kind}"
+    default = _default(field)
+    return f"{field.name}: {kind}" if default is inspect.Parameter.empty else \
+        f"{field.name}: {kind} = {default!r}"
 
 
 def _without_config_argument(doc: str) -> str:
