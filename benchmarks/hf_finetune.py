@@ -22,14 +22,21 @@ from skyformer import get_method
 from skyformer.eval.hf.finetune import FinetuneConfig, distill
 from skyformer.io import check_output_path, write_csv, write_json
 
+DEFAULT_FEATURES = 32
+
 
 def _config(method: str, args: argparse.Namespace) -> FinetuneConfig:
     """The run of ``method``, checked: --features where the method has num_features and
     its name does not set it in brackets (there the brackets' value runs: --features,
     which has a default, would override it without a word)."""
     spec = get_method(method)
-    takes = "num_features" in spec.option_names() and "num_features" not in dict(spec.preset)
-    config = FinetuneConfig(method=method, num_features=args.features if takes else None,
+    bracketed = "num_features" in dict(spec.preset)
+    if bracketed and args.features is not None:  # which of the two would be ambiguous
+        raise ValueError(f"{method} sets num_features in its brackets and --features "
+                         f"{args.features} sets it too; give it in one place.")
+    takes = "num_features" in spec.option_names() and not bracketed
+    features = DEFAULT_FEATURES if args.features is None else args.features
+    config = FinetuneConfig(method=method, num_features=features if takes else None,
                             steps=args.steps, lr=args.lr, batch_size=args.batch_size,
                             seed=args.seed)
     config.validate()
@@ -39,8 +46,9 @@ def _config(method: str, args: argparse.Namespace) -> FinetuneConfig:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", nargs="+", default=["kernelized", "skyformer"])
-    parser.add_argument("--features", type=int, default=32,
-                        help="num_features of approximate methods (default 32)")
+    parser.add_argument("--features", type=int, default=None,
+                        help="num_features of approximate methods (default 32; a method "
+                             "that sets it in brackets keeps its own)")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--batch-size", type=int, default=16)

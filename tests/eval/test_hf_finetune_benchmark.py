@@ -55,7 +55,9 @@ def test_a_variants_features_run_and_bad_settings_stop_before_training(monkeypat
     (tmp_path / "file").write_text("")
     for argv, said in ((["--steps", "0"], "steps must be a positive integer, got 0"),
                        (["--methods", "nosuch"], "unknown attention method 'nosuch'"),
-                       (["--out", str(tmp_path / "file" / "x")], "file")):
+                       (["--out", str(tmp_path / "file" / "x")], "file is a file, not a folder"),
+                       (["--methods", "skyformer[num_features=8]", "--features", "16"],
+                        "sets num_features in its brackets and --features 16 sets it too")):
         assert benchmark.main(["--methods", "skyformer", "--out", out, *argv]) == 2
         err = capsys.readouterr().err
         assert err.startswith("hf_finetune: error: ") and said in err, err
