@@ -17,7 +17,7 @@ def is_integer(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def integer_hint(value: object) -> str:
+def integer_hint(value: object, least: int = 1) -> str:
     """`` (a Python int: pass int(value))`` for a NumPy or torch integer scalar, else
     ``""`` (a float's or an array's trouble is not its type)."""
     if type(value).__module__ not in ("numpy", "torch") or getattr(value, "ndim", 0) != 0:
@@ -25,7 +25,9 @@ def integer_hint(value: object) -> str:
     dtype = getattr(value, "dtype", None)  # NumPy's kind "i"/"u", torch.int*/uint*
     integral = getattr(dtype, "kind", None) in ("i", "u") or str(dtype).startswith(
         ("torch.int", "torch.uint"))
-    return " (a Python int: pass int(value))" if integral else ""
+    # int() helps one the check would take as an int (from ``least``): a -3 is refused
+    # for its value
+    return " (a Python int: pass int(value))" if integral and int(value) >= least else ""
 
 
 def check_positive_int(name: str, value: object, *, optional: bool = False) -> None:

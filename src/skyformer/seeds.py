@@ -13,5 +13,5 @@ SEED_LIMIT = 2**64
 def check_seed(name: str, value: object) -> None:
     """Raise a ``ValueError`` naming ``name`` unless ``value`` is an integer in [0, 2^64)."""
     if not is_integer(value) or not 0 <= value < SEED_LIMIT:  # type: ignore[operator]
-        raise ValueError(f"{name} must be an integer from 0 to 2^64 - 1{integer_hint(value)}, "
-                         f"got {value!r}.")
+        hint = integer_hint(value, least=0)
+        raise ValueError(f"{name} must be an integer from 0 to 2^64 - 1{hint}, got {value!r}.")

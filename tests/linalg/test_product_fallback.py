@@ -352,9 +352,9 @@ def test_tiles_the_gpu_cannot_hold_take_pytorch_for_those_shapes_alone(monkeypat
     # inside a CUDA graph capture too: the refusal comes before any CUDA call
     from skyformer.linalg import kernel_backend
 
-    monkeypatch.setattr(kernel_backend, "_capturing", lambda on: True)
-    torch.testing.assert_close(product(wide, "auto")[0], want, **TIGHT)
-    monkeypatch.setattr(kernel_backend, "_capturing", lambda on: False)
+    with monkeypatch.context() as capturing:
+        capturing.setattr(kernel_backend, "_capturing", lambda on: True)
+        torch.testing.assert_close(product(wide, "auto")[0], want, **TIGHT)
     with pytest.raises(KernelTooLarge, match=r"needs 112 KiB of shared memory .* "
                                              r"kernel=\"auto\" takes the PyTorch path for "
                                              r"these shapes, kernel=\"torch\" for every"):

@@ -86,9 +86,10 @@ def gaussian_kernel_block(
         exponent = exponent - row_max
     if not flush:  # only what would be subnormal (slow on CPUs), NaN kept
         if exponent.device.type == "cpu":
-            exponent = torch.where(exponent < math.log(torch.finfo(exponent.dtype).tiny),
-                                   float("-inf"), exponent)
-        return exponent.exp()
+            below = exponent < math.log(torch.finfo(exponent.dtype).tiny)
+            exponent = exponent.masked_fill_(below, float("-inf")) if overwrite_allowed() \
+                else exponent.masked_fill(below, float("-inf"))
+        return exponent.exp_() if overwrite_allowed() else exponent.exp()
     # far pairs would give subnormal entries, slow on CPUs (flush.py)
     if overwrite_allowed():
         return flush_exponent_on_cpu_(exponent).exp_()

@@ -324,7 +324,7 @@ def resumable_taus(report: StabilityReport, earlier: dict[str, Any]
                                  for key in sorted({*then, *current}, key=str)
                                  if then.get(key) != current.get(key))
                 differ.append(f"the options of {method} on {task} "
-                              f"({said if said else repr(options)})")
+                              f"({said if isinstance(options, dict) else 'none recorded'})")
             kept.update({(task, method, int(seed)): taus for seed, taus in per_seed.items()
                          if int(seed) in report.seeds})
     if differ:
