@@ -5,7 +5,7 @@ A kernel compiled for wide tiles can need more shared memory a block than a GPU 
 ``nystrom_softmax`` in float32 with value width 128 (129 with its ones column, padded to
 256) needs 112 KiB in one backward launch, where RTX 30xx/40xx and L4 GPUs allow 99;
 width 256 (padded to 512) needs up to 224, more than an A100's 163 (compiled with
-Triton 3.9, ``benchmarks/triton_resources.py``). Triton refuses such a launch
+Triton 3.9, ``benchmarks/results/triton_resources_shared_memory/``). Triton refuses such a launch
 (``OutOfResources``). Those shapes then take the PyTorch path under ``"auto"``, one
 warning a kernel configuration, while every other shape on that GPU keeps the
 kernels; ``KernelFallback`` would otherwise take the refusal for the kernel's own
