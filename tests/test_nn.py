@@ -298,6 +298,12 @@ def test_an_empty_batch_gives_an_empty_output_as_torch_does(method):
     # every trained parameter gets a gradient (DDP expects one on each rank)
     assert all(p.grad is not None for p in layer.parameters() if p.requires_grad)
     assert layer(torch.randn(2, 0, 16)).shape == (2, 0, 16)
-    with pytest.raises(ValueError, match=r"key_padding_mask must be a bool tensor \[B, Nk\] = "
-                                         r"\[0, 40\], got torch.bool \(3, 6\)"):
+    # the method's sentences for a mask it would refuse, though it is not called
+    with pytest.raises(ValueError, match=rf"^{method}: key_padding_mask must have shape "
+                                         r"\[B, Nk\] = \[0, 40\], got \(3, 6\)\.$"):
         layer(torch.randn(0, 40, 16), key_padding_mask=torch.ones(3, 6, dtype=torch.bool))
+    with pytest.raises(TypeError, match=rf"^{method}: key_padding_mask must be a bool tensor"):
+        layer(torch.randn(0, 40, 16), key_padding_mask=torch.ones(0, 40))
+    with pytest.raises(ValueError, match=r"key_padding_mask is on meta but the inputs are on "):
+        layer(torch.randn(0, 40, 16), key_padding_mask=torch.ones(0, 40, dtype=torch.bool,
+                                                                   device="meta"))

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from .amp import autocast_enabled
 from .checks import check_positive_int
-from .ops.shared.inputs import check_attention_inputs
+from .ops.shared.inputs import check_attention_inputs, check_padding_mask
 from .registry import BoundMethod, Method, get_method
 
 if TYPE_CHECKING:
@@ -273,16 +273,11 @@ class MultiHeadAttention(nn.Module):
                              "sequence-parallel self-attention; it takes no context.")
 
     def _check_empty_batch_mask(self, key_padding_mask: Any, k: Tensor) -> None:
-        """The method's sentence for a key_padding_mask of the wrong shape or dtype, which
-        an empty batch (the method not called) would otherwise take silently."""
-        want = (k.shape[0], k.shape[2])
-        if key_padding_mask is not None and (
-                not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool
-                or tuple(key_padding_mask.shape) != want):
-            got = (f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
-                   if isinstance(key_padding_mask, Tensor) else type(key_padding_mask).__name__)
-            raise ValueError(f"MultiHeadAttention: key_padding_mask must be a bool tensor "
-                             f"[B, Nk] = {list(want)}, got {got}.")
+        """The method's sentence for a key_padding_mask of the wrong shape, dtype or
+        device, which an empty batch (the method not called) would otherwise take
+        silently. ``k: [B, H, Nk, Dh]``."""
+        check_padding_mask(self.bound.name, "key_padding_mask", key_padding_mask,
+                           k.shape[0], k.shape[2], "Nk", k)
 
     def _check_cache(self, cache: Any) -> None:
         """A sentence for a cache this layer cannot step: not a cache, another layer's

@@ -110,8 +110,8 @@ def test_a_tensor_on_another_device_is_named_before_any_kernel_runs():
     call on that device then took the PyTorch path."""
     y, x, z, _, _ = inputs()
     offsets = torch.zeros(*x.shape[:-1], dtype=x.dtype, device="meta")
-    with pytest.raises(ValueError, match=r"^gaussian_kernel_matmul: y is on cpu but "
-                                         r"col_offset on meta; move them to cpu\.$"):
+    with pytest.raises(ValueError, match=r"^gaussian_kernel_matmul: col_offset is on meta but "
+                                         r"the inputs are on cpu; pass col_offset.to\('cpu'\)\.$"):
         gaussian_kernel_matmul(y, x, z, offsets)
 
 

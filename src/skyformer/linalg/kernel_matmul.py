@@ -246,15 +246,15 @@ class _GaussianBlockProduct(torch.autograd.Function):
 
 
 def _check_devices(y: Tensor, **others: Tensor | None) -> None:
-    """Every tensor on y's device, or a sentence naming those that are not: the Triton
-    kernels would fail on a tensor of another device, and under "auto" that failure
-    would be taken for the kernel's own (``PRODUCT_FALLBACK``: PyTorch for every later
-    call on that device)."""
-    elsewhere = [f"{name} on {t.device}" for name, t in others.items()
-                 if t is not None and t.device != y.device]
-    if elsewhere:
-        raise ValueError(f"gaussian_kernel_matmul: y is on {y.device} but "
-                         f"{', '.join(elsewhere)}; move them to {y.device}.")
+    """Every tensor on y's device, or a sentence naming the first that is not: the
+    Triton kernels would fail on a tensor of another device, and under "auto" that
+    failure would be taken for the kernel's own (``PRODUCT_FALLBACK``: PyTorch for every
+    later call on that device)."""
+    from ..ops.shared.inputs import check_device  # the ops package imports linalg
+
+    for name, t in others.items():
+        if t is not None:
+            check_device("gaussian_kernel_matmul", name, t, y.device)
 
 
 def gaussian_kernel_matmul(

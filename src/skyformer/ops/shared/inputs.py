@@ -106,13 +106,14 @@ def check_attention_inputs(
             f"the call for an empty batch).")
 
     key_valid = None
-    key_valid = _check_mask(method, "key_padding_mask", key_padding_mask, b, nk, "Nk", k)
+    key_valid = check_padding_mask(method, "key_padding_mask", key_padding_mask, b, nk, "Nk",
+                                   k)
     if isinstance(query_padding_mask, str):
         check_query_mask_word(method, query_padding_mask)
         query_valid = key_valid if nq == nk else None
     else:
-        query_valid = _check_mask(method, "query_padding_mask", query_padding_mask, b, nq,
-                                  "Nq", q)
+        query_valid = check_padding_mask(method, "query_padding_mask", query_padding_mask, b,
+                                         nq, "Nq", q)
     return AttentionInputs(b, h, nq, nk, d, v.shape[-1], key_valid, query_valid)
 
 
@@ -125,8 +126,8 @@ def check_query_mask_word(method: str, query_padding_mask: str) -> None:
         )
 
 
-def _check_mask(method: str, name: str, m: object, b: int, n: int, n_name: str,
-                like: Tensor) -> Tensor | None:
+def check_padding_mask(method: str, name: str, m: object, b: int, n: int, n_name: str,
+                       like: Tensor) -> Tensor | None:
     """A padding mask ``[B, n]`` bool (True = real token) on ``like``'s device, or None."""
     if m is None:
         return None
