@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import inspect
-from pathlib import Path
 
 import pytest
 import torch
@@ -141,44 +140,44 @@ def test_torch_multihead_attention_calls_get_their_own_sentence(call, says):
         call(layer, torch.randn(2, 5, 16))
 
 
-def test_the_readme_recipe_inside_a_torch_encoder_layer():
-    """README.md: called from the ``_sa_block`` of a ``torch.nn.TransformerEncoderLayer``
-    subclass the layer gets torch's padding mask as an additive float mask (torch converts
-    a bool one before ``_sa_block``), so ``~mask`` fails there and ``key_padding_mask ==
-    0`` is the conversion; the result equals the layer's own call with the bool mask, and
-    in eval under ``no_grad`` torch's fast path skips ``_sa_block`` unless disabled."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert "pass `key_padding_mask == 0`" in " ".join(readme.split())
-    seen = []
+def test_torch_calls_sentence_names_the_drop_in():
+    """``layer(q, k, v)`` is told how many positional arguments it passed and which layer
+    takes torch's call."""
+    layer = MultiHeadAttention(16, 2, method="softmax")
+    x = torch.randn(2, 5, 16)
+    with pytest.raises(TypeError, match=r"it got 3 positional arguments\. .*"
+                                        r"skyformer.TorchMultiheadAttention takes torch's"):
+        layer(x, x, x)
 
-    class Encoder(torch.nn.TransformerEncoderLayer):
-        def __init__(self) -> None:
-            super().__init__(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
-            self.attention = MultiHeadAttention(16, 2, method="softmax")
 
-        def _sa_block(self, x, attn_mask, key_padding_mask, is_causal=False):
-            seen.append(key_padding_mask.dtype)
-            return self.attention(x, key_padding_mask=key_padding_mask == 0)
+def test_a_number_where_the_method_goes_names_dropout():
+    """``MultiHeadAttention(8, 2, 0.1)``: torch's third positional argument is dropout;
+    it was looked up as a method ("unknown attention method 0.1")."""
+    with pytest.raises(TypeError, match=r"method must be a method's name .*got float 0\.1; "
+                                        r"dropout is keyword-only here: dropout=0\.1\.$"):
+        MultiHeadAttention(8, 2, 0.1)
 
-    torch.manual_seed(0)
-    layer, x = Encoder(), torch.randn(2, 6, 16)
-    padding = torch.zeros(2, 6, dtype=torch.bool)
-    padding[1, 4:] = True
-    y = layer(x, src_key_padding_mask=padding)
-    assert seen == [torch.float32]
-    expected = layer.norm1(x + layer.attention(x, key_padding_mask=~padding))
-    torch.testing.assert_close(y, layer.norm2(expected + layer._ff_block(expected)))
-    with torch.no_grad():
-        layer.eval()(x, src_key_padding_mask=padding)
-    assert len(seen) == 1  # torch's own exact attention ran
-    enabled = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(False)
-    try:
-        with torch.no_grad():
-            layer(x, src_key_padding_mask=padding)
-    finally:
-        torch.backends.mha.set_fastpath_enabled(enabled)
-    assert len(seen) == 2
+
+def test_a_context_of_another_batch_is_named_at_the_layer():
+    """A context of another batch size was named in the heads' shapes ("q (3, 2, 5, 4),
+    k (2, 2, 7, 4)"), and with an empty x it was taken in silence."""
+    layer = MultiHeadAttention(8, 2, method="softmax")
+    for n in (5, 0):
+        with pytest.raises(ValueError, match=rf"x and context must hold the same batch, got "
+                                             rf"3 and 2 sequences \(x \(3, {n}, 8\), context "
+                                             r"\(2, 7, 8\)\)"):
+            layer(torch.randn(3, n, 8), context=torch.randn(2, 7, 8))
+
+
+def test_an_empty_context_gives_zeros_through_the_output_projection():
+    """No key to attend to (a context of length 0): torch.nn.MultiheadAttention's output,
+    the output projection of zeros; the methods refused it as an empty input."""
+    layer = MultiHeadAttention(8, 2, method="skyformer", num_features=4)
+    x = torch.randn(3, 5, 8, requires_grad=True)
+    out = layer(x, context=torch.randn(3, 0, 8))
+    torch.testing.assert_close(out, layer.out_proj.bias.expand(3, 5, 8))
+    out.sum().backward()
+    assert x.grad is not None and not x.grad.any()
 
 
 def test_forward_says_how_a_randomised_layer_draws_in_eval_mode():

@@ -18,6 +18,7 @@ from .ops import (
 )
 from .registry import Capabilities, CapabilityError, attention, get_method, list_methods
 from .sketch.rng import random_key
+from .torch_attention import TorchMultiheadAttention, replace_attention
 
 __version__ = "0.1.0"
 
@@ -25,6 +26,7 @@ __all__ = [
     "Capabilities",
     "CapabilityError",
     "MultiHeadAttention",
+    "TorchMultiheadAttention",
     "attention",
     "cuda_graph_launches",
     "get_method",
@@ -32,6 +34,7 @@ __all__ = [
     "list_methods",
     "nystrom_softmax_attention",
     "random_key",
+    "replace_attention",
     "scaled_dot_product_attention",
     "skyformer_attention",
     "softmax_attention",

@@ -97,6 +97,12 @@ class MultiHeadAttention(nn.Module):
         **method_options: Any,
     ) -> None:
         super().__init__()
+        if not isinstance(method, str):  # torch's third positional argument is dropout
+            hint = (f"; dropout is keyword-only here: dropout={method!r}"
+                    if isinstance(method, (int, float)) and not isinstance(method, bool) else "")
+            raise TypeError(f"MultiHeadAttention: method must be a method's name (one of "
+                            f"skyformer.list_methods()), got {type(method).__name__} "
+                            f"{method!r}{hint}.")
         for name, value in (("dim", dim), ("num_heads", num_heads)):
             check_positive_int(f"MultiHeadAttention: {name}", value)
         if dim % num_heads:
@@ -186,8 +192,12 @@ class MultiHeadAttention(nn.Module):
         projections are the layer's own (``method_state``) and take no draw here.
         ``torch_arguments`` and ``torch_keywords`` take nothing: they are there so that
         torch.nn.MultiheadAttention's call (``(query, key, value)``, ``need_weights``,
-        ``attn_mask``, ``is_causal``) is refused in a sentence saying what to do instead.
-        Returns ``[B, N, dim]`` (empty where B or N is 0, without calling the method).
+        ``attn_mask``, ``is_causal``) is refused in a sentence saying what to do instead
+        (``skyformer.TorchMultiheadAttention`` takes that call; torch's
+        ``TransformerEncoderLayer`` passes key_padding_mask by keyword beside three
+        positional tensors, which Python refuses before this method runs). Returns
+        ``[B, N, dim]`` (zeros through the output projection where B, N or the
+        context's M is 0, without calling the method).
         """
         _refuse_torch_call(torch_arguments, torch_keywords)
         with self._failing_together():
@@ -203,9 +213,10 @@ class MultiHeadAttention(nn.Module):
             out = cache.step(q, k, v, key_padding_mask)
         elif self.process_group is not None:
             out = self._sequence_parallel(q, k, v, key_padding_mask, generator)
-        elif x.shape[0] == 0 or x.shape[1] == 0:
-            # no query: an empty output, as torch.nn.MultiheadAttention gives (a model's
-            # empty sub-batch; the methods refuse empty inputs), in the graph of q, k, v
+        elif 0 in (x.shape[0], x.shape[1], source.shape[1]):
+            # no query, or no key: an empty (or zero) output, as torch.nn.MultiheadAttention
+            # gives (a model's empty sub-batch; the methods refuse empty inputs), in the
+            # graph of q, k, v
             # so that x and the weights get their (empty or zero) gradients
             self._check_empty_batch_mask(key_padding_mask, k)
             out = q.new_zeros(*q.shape[:-1], v.shape[-1]) + 0 * (q.sum() + k.sum() + v.sum())
@@ -254,6 +265,11 @@ class MultiHeadAttention(nn.Module):
                     f"{weight.dtype}; convert one of them ({name}.to({weight.dtype}) or "
                     f"layer.to({t.dtype}))."
                 )
+        if context is not None and source.shape[0] != x.shape[0]:
+            raise ValueError(
+                f"MultiHeadAttention: x and context must hold the same batch, got "
+                f"{x.shape[0]} and {source.shape[0]} sequences (x {tuple(x.shape)}, context "
+                f"{tuple(source.shape)}).")
         if context is None and query_padding_mask is not None:
             raise ValueError(
                 "MultiHeadAttention: query_padding_mask is for attention to a context; in "
@@ -404,14 +420,17 @@ def _refuse_torch_arguments(method_options: dict[str, Any], dim: int) -> None:
 def _refuse_torch_call(arguments: tuple[Any, ...], keywords: dict[str, Any]) -> None:
     """A sentence for a call in ``torch.nn.MultiheadAttention``'s form, ``layer(query, key,
     value, need_weights=..., attn_mask=..., is_causal=...)``, or for any other argument
-    ``forward`` does not take, saying what the layer does instead."""
+    ``forward`` does not take, saying what the layer does instead. ``arguments``: those
+    past ``(x, key_padding_mask)``."""
+    drop_in = ("; skyformer.TorchMultiheadAttention takes torch's call, its weights and "
+               "its masks (skyformer.replace_attention swaps it into a torch model)")
     if arguments:
         raise TypeError(
             f"MultiHeadAttention takes one x (and key_padding_mask) positionally, not "
-            f"torch.nn.MultiheadAttention's (query, key, value): it got {len(arguments)} "
-            f"more positional argument(s). Call layer(x, key_padding_mask) for "
+            f"torch.nn.MultiheadAttention's (query, key, value): it got "
+            f"{2 + len(arguments)} positional arguments. Call layer(x, key_padding_mask) for "
             f"self-attention and layer(x, context=...) to attend to other positions "
-            f"(its keys' and values' source); x is batch-first, [B, N, dim].")
+            f"(its keys' and values' source); x is batch-first, [B, N, dim]{drop_in}.")
     if not keywords:
         return
     name = next(iter(keywords))

@@ -1,0 +1,547 @@
+"""A drop-in replacement for ``torch.nn.MultiheadAttention`` whose core is any registered
+method, and ``replace_attention``, which swaps it into a model built on torch's layer.
+
+``TorchMultiheadAttention`` takes torch's constructor arguments, parameter names and
+initialisation (``in_proj_weight``, ``in_proj_bias``, ``q_proj_weight``/...,
+``out_proj``), torch's call ``(query, key, value, key_padding_mask, need_weights,
+attn_mask, average_attn_weights, is_causal)`` and return value ``(output, weights)``, so
+that a model built on ``nn.MultiheadAttention`` (``nn.TransformerEncoderLayer``,
+``nn.TransformerDecoderLayer``, ``nn.Transformer``) runs a skyformer method with its
+trained weights. What differs from torch:
+
+- Attention weights are never returned: ``(output, None)``, with a warning once per
+  layer where ``need_weights=True`` (torch's default; ``need_weights=False`` silences it).
+  No method materialises the attention matrix, ``softmax`` included (its output comes
+  from SDPA's fused kernels; weights beside it would double the cost).
+- Masks, in torch's conventions (``key_padding_mask`` True = padding, ``attn_mask``
+  True = not allowed, or additive floats), are turned into SDPA's and routed as
+  ``skyformer.scaled_dot_product_attention`` routes them: the exact methods
+  (``softmax``, ``kernelized``) take any mask; the approximate ones take key padding and
+  causal masks (``skyformer.masks.resolve_mask``) and refuse others in a sentence.
+- ``is_causal`` is torch's hint that ``attn_mask`` is the causal mask: as in torch the
+  mask must be given with it. The exact methods apply the mask; the approximate methods
+  run their causal form without reading it (as torch's SDPA path drops the mask for the
+  hint), which needs as many queries as keys.
+- In self-attention (``query is key``, as torch's layers call it) the approximate methods
+  take the padded queries as padding (skyformer's convention: output rows 0, never
+  landmarks, so that padding equals truncation); torch and the exact methods give those
+  rows the attention of a real query. A query that may attend to no key gets 0, not NaN.
+- Dropout drops attention weights for ``softmax`` (as torch) and, for methods without a
+  weight matrix, entries of the attention output (the same expectation), in training only.
+- ``add_bias_kv`` and ``add_zero_attn`` are refused: they append keys, which the causal
+  and self-attention forms of the approximate methods cannot follow.
+
+torch's ``TransformerEncoderLayer`` has a fused fast path (eval under ``no_grad``) that
+reads ``self_attn.in_proj_weight`` and runs torch's own softmax, and declines it where
+any module inside the layer has a forward hook: every layer here registers a pre-hook
+that does nothing, so that path is never taken. ``TransformerEncoder``'s sparsity path
+(nested tensors of the real tokens) still runs, each layer then handing its
+``self_attn`` a nested tensor: it is padded, attended with the padding as key padding,
+and nested again.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.init import constant_, xavier_uniform_
+from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
+
+from .amp import autocast_enabled
+from .checks import check_positive_int
+from .functional import _as_padding, _sdpa_options, _top_left_causal
+from .ops.shared.options import check_probability
+from .registry import BoundMethod, Method, get_method
+
+NAME = "TorchMultiheadAttention"
+
+
+def _decline_torch_fast_path(module: nn.Module, args: tuple[Any, ...]) -> None:
+    """A forward pre-hook that does nothing. ``nn.TransformerEncoderLayer`` takes its
+    fused fast path (torch's exact softmax from ``self_attn.in_proj_weight``) only where
+    no module inside it has hooks; this one makes it call ``self_attn`` instead."""
+    return None
+
+
+class TorchMultiheadAttention(nn.Module):
+    """``torch.nn.MultiheadAttention`` with any registered method as its core.
+
+    Constructor, parameters, initialisation, call and return value as torch's (module
+    doc for what differs); ``load_state_dict`` takes a ``torch.nn.MultiheadAttention``'s
+    state dict (a method's own state, e.g. Performer's features, is then kept as it is).
+
+    Args:
+        embed_dim, num_heads, dropout, bias, kdim, vdim, batch_first, device, dtype: as
+            torch's (``dropout`` on the attention in training only).
+        add_bias_kv, add_zero_attn: only ``False`` (refused in a sentence).
+        method: a name from ``skyformer.list_methods()`` (options in brackets allowed).
+        seq_len: the longest key sequence; a fixed-length method (Linformer) takes it as
+            its ``max_seq_len`` unless that option is given.
+        **method_options: options of the method (e.g. ``num_features=64``).
+
+    Example::
+
+        mha = TorchMultiheadAttention(64, 4, method="skyformer", num_features=128)
+        out, _ = mha(x, x, x, key_padding_mask=pad, need_weights=False)  # x: [N, B, 64]
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        batch_first: bool = False,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+        *,
+        method: str = "skyformer",
+        seq_len: int | None = None,
+        **method_options: Any,
+    ) -> None:
+        super().__init__()
+        _check_configuration(embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn,
+                             kdim, vdim, NAME)
+        factory = {"device": device, "dtype": dtype}
+        self.embed_dim = embed_dim
+        self.kdim = kdim if kdim is not None else embed_dim
+        self.vdim = vdim if vdim is not None else embed_dim
+        self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
+        self.num_heads = num_heads
+        self.dropout = dropout
+        self.batch_first = batch_first
+        self.head_dim = embed_dim // num_heads
+        self.add_zero_attn = False
+        if self._qkv_same_embed_dim:
+            self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim, **factory))
+            for name in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
+                self.register_parameter(name, None)
+        else:
+            self.q_proj_weight = nn.Parameter(torch.empty(embed_dim, embed_dim, **factory))
+            self.k_proj_weight = nn.Parameter(torch.empty(embed_dim, self.kdim, **factory))
+            self.v_proj_weight = nn.Parameter(torch.empty(embed_dim, self.vdim, **factory))
+            self.register_parameter("in_proj_weight", None)
+        if bias:
+            self.in_proj_bias = nn.Parameter(torch.empty(3 * embed_dim, **factory))
+        else:
+            self.register_parameter("in_proj_bias", None)
+        self.out_proj = NonDynamicallyQuantizableLinear(embed_dim, embed_dim, bias=bias,
+                                                        **factory)
+        self.bias_k = self.bias_v = None
+        self._reset_parameters()  # before the method's state: torch's draws, in its order
+        self.bound: BoundMethod = get_method(method).bind(
+            num_heads, self.head_dim, seq_len=seq_len, **method_options)
+        state = self.bound.new_state()  # learned projections, kept random features
+        if state is not None and (device is not None or dtype is not None):
+            state = state.to(**factory)
+        self.method_state = state
+        self._weights_warned = False
+        self.register_forward_pre_hook(_decline_torch_fast_path)
+
+    def _reset_parameters(self) -> None:
+        """torch's initialisation: Xavier-uniform projections, zero biases."""
+        if self._qkv_same_embed_dim:
+            xavier_uniform_(self.in_proj_weight)
+        else:
+            for weight in (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight):
+                xavier_uniform_(weight)
+        if self.in_proj_bias is not None:
+            constant_(self.in_proj_bias, 0.0)
+            constant_(self.out_proj.bias, 0.0)
+
+    @property
+    def method(self) -> str:
+        return self.bound.name
+
+    @property
+    def spec(self) -> Method:
+        """The registered method."""
+        return self.bound.method
+
+    @property
+    def config(self) -> Any:
+        """The method's resolved options (a frozen dataclass)."""
+        return self.bound.config
+
+    @classmethod
+    def from_torch(cls, mha: nn.MultiheadAttention, method: str = "skyformer", *,
+                   seq_len: int | None = None, **method_options: Any
+                   ) -> TorchMultiheadAttention:
+        """A layer with ``mha``'s configuration, device, dtype, weights (and which of
+        them require grad) and training mode, running ``method``."""
+        return _from_torch(cls, mha, f"{NAME}.from_torch", method, seq_len, method_options)
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+        *,
+        generator: torch.Generator | Tensor | None = None,
+    ) -> tuple[Tensor, None]:
+        """torch.nn.MultiheadAttention's call (module doc for what differs).
+
+        Args:
+            query: ``[L, B, E]`` (``[B, L, E]`` with ``batch_first``, ``[L, E]`` unbatched);
+                key: ``[S, B, kdim]``; value: ``[S, B, vdim]`` (laid out as the query).
+            key_padding_mask: ``[B, S]`` (``[S]`` unbatched), bool (True = padding, not
+                attended) or float (added to the scores).
+            need_weights: ``True`` warns once per layer that no weights are returned.
+            attn_mask: ``[L, S]`` or ``[B * num_heads, L, S]``, bool (True = NOT allowed
+                to attend) or float (added to the scores).
+            average_attn_weights: no effect (no weights).
+            is_causal: the hint that ``attn_mask`` is the causal mask (given with it).
+            generator: a ``torch.Generator`` or a key (``skyformer.random_key``) for a
+                randomised method's draws; ``None``: torch's global generator.
+        Returns:
+            ``(output, None)``, output laid out as ``query`` with width ``embed_dim``.
+        """
+        self._warn_no_weights(need_weights)
+        if any(isinstance(t, Tensor) and t.is_nested for t in (query, key, value)):
+            return self._nested(query, key, value, key_padding_mask, attn_mask, generator), None
+        batched = _check_call(query, key, value, key_padding_mask, attn_mask, is_causal)
+        self_attention = query is key and key is value  # as torch's layers call it
+        if not batched:  # one sequence: batch_first is ignored, as torch does
+            query, key, value = query[None], key[None], value[None]
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask[None]
+        elif not self.batch_first:
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        self._check_shapes(query, key, value, key_padding_mask, attn_mask)
+        out = self._attend(query, key, value, key_padding_mask, attn_mask, is_causal,
+                           self_attention, generator)  # [B, L, E]
+        if not batched:
+            return out[0], None
+        return (out if self.batch_first else out.transpose(0, 1)), None
+
+    def _attend(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Any,
+                attn_mask: Any, is_causal: bool, self_attention: bool, generator: Any
+                ) -> Tensor:
+        """Batch-first attention: ``query: [B, L, E]``, ``key: [B, S, kdim]``, ``value:
+        [B, S, vdim]``, torch's masks; returns ``[B, L, E]``."""
+        q, k, v = self._project(query, key, value, self_attention)  # [B, H, L|S, Dh]
+        b, _, lq, _ = q.shape
+        if b == 0 or lq == 0:  # torch gives an empty output; the methods refuse it
+            out = q.new_zeros(b, lq, self.embed_dim) + 0 * (q.sum() + k.sum() + v.sum())
+            return self.out_proj(out)
+        key_valid, padding_bias, allowed = _sdpa_masks(key_padding_mask, attn_mask,
+                                                       self.num_heads)
+        if self.spec.capabilities.attn_mask:
+            out = self._exact(q, k, v, key_valid, _joined(allowed, padding_bias, q.dtype),
+                              generator)
+        else:
+            out = self._approximate(q, k, v, key_valid, padding_bias, allowed, is_causal,
+                                    self_attention, generator)
+        return self.out_proj(out.transpose(1, 2).reshape(b, lq, self.embed_dim))
+
+    def _project(self, query: Tensor, key: Tensor, value: Tensor, self_attention: bool
+                 ) -> tuple[Tensor, Tensor, Tensor]:
+        """The input projections split into heads, ``[B, H, N, Dh]`` each (one product
+        for self-attention)."""
+        if self_attention and self._qkv_same_embed_dim:
+            projected = F.linear(query, self.in_proj_weight, self.in_proj_bias).chunk(3, -1)
+        else:
+            if self._qkv_same_embed_dim:
+                weights = self.in_proj_weight.chunk(3)
+            else:
+                weights = (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)
+            biases = ((None,) * 3 if self.in_proj_bias is None
+                      else self.in_proj_bias.chunk(3))
+            projected = tuple(F.linear(x, w, bias) for x, w, bias in
+                              zip((query, key, value), weights, biases, strict=True))
+        return tuple(t.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
+                     for t in projected)  # type: ignore[return-value]
+
+    def _dropout(self) -> float:
+        return self.dropout if self.training else 0.0
+
+    def _exact(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None,
+               mask: Tensor | None, generator: Any) -> Tensor:
+        """A method that takes any mask (``softmax``, ``kernelized``): torch's masks as
+        they are, every query real (torch's rows for padded queries)."""
+        arguments: dict[str, Any] = {} if mask is None else {"attn_mask": mask}
+        p = self._dropout()
+        weight_dropout = self.spec.capabilities.weight_dropout
+        if p and weight_dropout:
+            arguments["dropout_p"] = p
+        out = self.bound(q, k, v, key_padding_mask=key_valid, query_padding_mask=None,
+                         generator=generator, state=self.method_state, **arguments)
+        return F.dropout(out, p=p, training=True) if p and not weight_dropout else out
+
+    def _approximate(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None,
+                     padding_bias: Tensor | None, allowed: Tensor | None, is_causal: bool,
+                     self_attention: bool, generator: Any) -> Tensor:
+        """A method that takes key padding and causal masks: torch's masks resolved into
+        them (``functional._as_padding``), or a sentence. With the ``is_causal`` hint the
+        method runs its causal form and ``attn_mask`` is not read."""
+        rows = "auto" if self_attention else None  # cross-attention: every query real
+        mask = padding_bias if is_causal else _joined(allowed, padding_bias, q.dtype)
+        causal = is_causal
+        if mask is not None:
+            key_valid, causal = _as_padding(self.spec, mask, key_valid, rows, q, k, causal)
+        if causal and q.shape[2] != k.shape[2]:
+            _top_left_causal(self.spec, None, q, k)  # the sentence: the causal forms need L == S
+        bound = self.bound.replace(**_sdpa_options(self.spec, {}, causal, None,
+                                                   self.head_dim))
+        out = bound(q, k, v, key_padding_mask=key_valid, query_padding_mask=rows,
+                    generator=generator, state=self.method_state)
+        p = self._dropout()
+        return F.dropout(out, p=p, training=True) if p else out
+
+    def _nested(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Any,
+                attn_mask: Any, generator: Any) -> Tensor:
+        """Self-attention of a nested batch ``[B, j, E]`` (what ``nn.TransformerEncoder``'s
+        sparsity path hands its layers): padded, attended with the padding as key
+        padding, nested again."""
+        if not (query is key is value) or key_padding_mask is not None \
+                or attn_mask is not None or not self.batch_first:
+            raise ValueError(
+                f"{NAME} takes a nested tensor only as torch's fast path does: one batch-first "
+                f"nested tensor as query, key and value (self-attention), without masks; pass "
+                f"a padded tensor with a key_padding_mask instead.")
+        lengths = [t.shape[0] for t in query.unbind()]
+        x = query.to_padded_tensor(0.0)  # [B, Lmax, E]
+        positions = torch.arange(x.shape[1], device=x.device)
+        padding = positions >= torch.tensor(lengths, device=x.device)[:, None]  # [B, Lmax]
+        self._check_shapes(x, x, x, padding, None)
+        out = self._attend(x, x, x, padding, None, False, True, generator)
+        return torch.nested.as_nested_tensor([o[:n] for o, n in zip(out, lengths, strict=True)])
+
+    def _check_shapes(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Any,
+                      attn_mask: Any) -> None:
+        """A sentence for batch-first inputs or masks of the wrong width, length, batch or
+        dtype: ``query: [B, L, E]``, ``key: [B, S, kdim]``, ``value: [B, S, vdim]``,
+        ``key_padding_mask: [B, S]``, ``attn_mask: [L, S]`` or ``[B * H, L, S]``."""
+        weight = self.out_proj.weight
+        for name, t, width, option in (("query", query, self.embed_dim, "embed_dim"),
+                                       ("key", key, self.kdim, "kdim"),
+                                       ("value", value, self.vdim, "vdim")):
+            if t.shape[-1] != width:
+                raise ValueError(f"{NAME}: {name} has {t.shape[-1]} features but the layer "
+                                 f"projects {width} ({option}).")
+            if t.dtype != weight.dtype and not autocast_enabled(t.device.type):
+                raise TypeError(f"{NAME}: {name} is {t.dtype} but the layer's weights are "
+                                f"{weight.dtype}; convert one of them ({name}.to("
+                                f"{weight.dtype}) or layer.to({t.dtype})).")
+        b, lq, lk = query.shape[0], query.shape[1], key.shape[1]
+        if key.shape[:2] != value.shape[:2] or key.shape[0] != b:
+            raise ValueError(f"{NAME}: key and value must hold the same positions of the "
+                             f"query's batch, got batch/lengths {tuple(query.shape[:2])}, "
+                             f"{tuple(key.shape[:2])} and {tuple(value.shape[:2])} (batch-first).")
+        shapes = {"key_padding_mask": [(b, lk)],
+                  "attn_mask": [(lq, lk), (b * self.num_heads, lq, lk)]}
+        for name, mask in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
+            if mask is not None and tuple(mask.shape) not in shapes[name]:
+                raise ValueError(f"{NAME}: {name} must have shape "
+                                 f"{' or '.join(str(list(s)) for s in shapes[name])}, got "
+                                 f"{list(mask.shape)} (torch.nn.MultiheadAttention's shapes).")
+            if mask is not None and mask.device != query.device:
+                raise ValueError(f"{NAME}: {name} is on {mask.device} but the inputs are on "
+                                 f"{query.device}; pass {name}.to(query.device).")
+
+    def _warn_no_weights(self, need_weights: bool) -> None:
+        """Warn, once per layer, that ``need_weights=True`` gets no weights."""
+        if need_weights and not self._weights_warned:
+            self._weights_warned = True
+            warnings.warn(
+                f"{NAME} ({self.method}) returns (output, None): no method materialises the "
+                f"attention matrix, so need_weights=True (torch's default) gets no weights; "
+                f"pass need_weights=False to silence this, or keep torch.nn.MultiheadAttention "
+                f"where the weights are read.", UserWarning, stacklevel=2)
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str,
+                              *args: Any) -> None:
+        """A ``torch.nn.MultiheadAttention``'s state dict has no entries for the method's
+        state: the layer then keeps its own (given as the entries), so that a strict load
+        of torch's weights works for every method."""
+        own = prefix + "method_state."
+        if self.method_state is not None and not any(k.startswith(own) for k in state_dict):
+            for name, t in self.method_state.state_dict(keep_vars=True).items():
+                state_dict[own + name] = t  # load_state_dict hands its own copy
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+    def extra_repr(self) -> str:
+        options = ", ".join(f"{k}={v!r}" for k, v in self.bound.options().items())
+        shape = (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}"
+                 + ("" if self._qkv_same_embed_dim else f", kdim={self.kdim}, vdim={self.vdim}")
+                 + f", batch_first={self.batch_first}, method={self.method!r}")
+        return shape + (f", {options}" if options else "")
+
+
+# torch's name, for ``from skyformer.torch_attention import MultiheadAttention``
+MultiheadAttention = TorchMultiheadAttention
+
+
+def _check_configuration(embed_dim: Any, num_heads: Any, dropout: Any, bias: Any,
+                         add_bias_kv: Any, add_zero_attn: Any, kdim: Any, vdim: Any,
+                         where: str) -> None:
+    """A sentence for a configuration the layer cannot take; ``where`` names the layer."""
+    for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads)):
+        check_positive_int(f"{where}: {name}", value)
+    for name, value in (("kdim", kdim), ("vdim", vdim)):
+        check_positive_int(f"{where}: {name}", value, optional=True)
+    if embed_dim % num_heads:
+        raise ValueError(f"{where}: embed_dim ({embed_dim}) must be divisible by num_heads "
+                         f"({num_heads}), each head taking embed_dim / num_heads features.")
+    check_probability(where, "dropout", dropout)
+    if not isinstance(bias, bool):
+        raise ValueError(f"{where}: bias must be True or False, got {bias!r}.")
+    for name, value in (("add_bias_kv", add_bias_kv), ("add_zero_attn", add_zero_attn)):
+        if value:
+            raise ValueError(
+                f"{where}: {name}=True is not supported: it appends a key and value to every "
+                f"sequence, which the causal and self-attention forms of the approximate "
+                f"methods cannot follow; build the layer with {name}=False, or keep "
+                f"torch.nn.MultiheadAttention where it is needed.")
+
+
+def _check_call(query: Any, key: Any, value: Any, key_padding_mask: Any, attn_mask: Any,
+                is_causal: Any) -> bool:
+    """A sentence for a call torch would refuse (dimensions, mask dtypes, ``is_causal``
+    without a mask); returns whether the call is batched (3-D)."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{NAME}: {name} must be a tensor, got {type(t).__name__}.")
+    batched = query.dim() == 3
+    if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
+        raise ValueError(f"{NAME}: query, key and value must all be 3-D (batched: [L, B, E], "
+                         f"or [B, L, E] with batch_first) or all 2-D (one sequence: [L, E]), "
+                         f"got {query.dim()}-D, {key.dim()}-D and {value.dim()}-D.")
+    for name, mask, dims in (("key_padding_mask", key_padding_mask, (2 if batched else 1,)),
+                             ("attn_mask", attn_mask, (2, 3))):
+        if mask is None:
+            continue
+        if not isinstance(mask, Tensor) or not (mask.dtype == torch.bool
+                                                or mask.is_floating_point()):
+            what = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
+            raise TypeError(f"{NAME}: {name} must be a bool tensor (True = not attended) or "
+                            f"a float one (added to the scores), got {what}.")
+        if mask.dim() not in dims:
+            raise ValueError(f"{NAME}: {name} must be {' or '.join(map(str, dims))}-D for a "
+                             f"{query.dim()}-D query, got {mask.dim()}-D.")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"{NAME}: is_causal must be True or False, got {is_causal!r}.")
+    if is_causal and attn_mask is None:
+        raise ValueError(f"{NAME}: is_causal=True is a hint that attn_mask is the causal mask, "
+                         f"and torch.nn.MultiheadAttention needs the mask with it; pass "
+                         f"attn_mask=nn.Transformer.generate_square_subsequent_mask(L) too.")
+    return batched
+
+
+def _sdpa_masks(key_padding_mask: Tensor | None, attn_mask: Tensor | None, heads: int
+                ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """torch.nn.MultiheadAttention's masks in SDPA's convention.
+
+    Returns ``key_valid`` (``[B, S]`` bool, True = real token, from a bool
+    ``key_padding_mask``), ``padding_bias`` (``[B, 1, 1, S]``, a float
+    ``key_padding_mask``) and ``allowed`` (``[1, 1, L, S]`` or ``[B, H, L, S]``: bool,
+    True = may attend, or float, added to the scores), each ``None`` where not given.
+    """
+    key_valid = padding_bias = allowed = None
+    if key_padding_mask is not None and key_padding_mask.dtype == torch.bool:
+        key_valid = ~key_padding_mask
+    elif key_padding_mask is not None:
+        padding_bias = key_padding_mask[:, None, None, :]
+    if attn_mask is not None:
+        lq, lk = attn_mask.shape[-2:]
+        allowed = attn_mask.reshape(-1 if attn_mask.dim() == 3 else 1,
+                                    heads if attn_mask.dim() == 3 else 1, lq, lk)
+        if allowed.dtype == torch.bool:
+            allowed = ~allowed
+    return key_valid, padding_bias, allowed
+
+
+def _joined(a: Tensor | None, b: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """Two SDPA-style masks as one (both apply): ``&`` of bool masks, else the sum of
+    their additive forms, as torch adds its masks."""
+    if a is None or b is None:
+        return a if b is None else b
+    if a.dtype == torch.bool and b.dtype == torch.bool:
+        return a & b
+    return _additive(a, dtype) + _additive(b, dtype)
+
+
+def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A bool mask (True = may attend) as 0 / -inf in ``dtype``; a float one as it is."""
+    if mask.is_floating_point():
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+        ~mask, float("-inf"))
+
+
+def _from_torch(cls: type[TorchMultiheadAttention], mha: Any, where: str, method: str,
+                seq_len: int | None, options: dict[str, Any]) -> TorchMultiheadAttention:
+    """``TorchMultiheadAttention.from_torch``, its sentences naming ``where``."""
+    if not isinstance(mha, nn.MultiheadAttention):
+        raise TypeError(f"{where}: expected a torch.nn.MultiheadAttention, got "
+                        f"{type(mha).__name__}.")
+    if type(mha) is not nn.MultiheadAttention:
+        kind = f"{type(mha).__module__}.{type(mha).__qualname__}"
+        raise TypeError(
+            f"{where}: {kind} is a subclass of torch.nn.MultiheadAttention whose forward may "
+            f"differ from torch's; swap it by hand (with {NAME}.from_torch, which takes "
+            f"exactly torch's layer) only if its forward is torch's.")
+    _check_configuration(mha.embed_dim, mha.num_heads, mha.dropout, mha.in_proj_bias is not None,
+                         mha.bias_k is not None, mha.add_zero_attn, mha.kdim, mha.vdim, where)
+    weight = mha.out_proj.weight
+    layer = cls(mha.embed_dim, mha.num_heads, mha.dropout, mha.in_proj_bias is not None,
+                kdim=mha.kdim, vdim=mha.vdim, batch_first=mha.batch_first,
+                device=weight.device, dtype=weight.dtype, method=method, seq_len=seq_len,
+                **options)
+    layer.load_state_dict(mha.state_dict())
+    mine = dict(layer.named_parameters())
+    for name, p in mha.named_parameters():
+        mine[name].requires_grad_(p.requires_grad)
+    return layer.train(mha.training)
+
+
+def replace_attention(model: nn.Module, method: str = "skyformer", *,
+                      seq_len: int | None = None, **method_options: Any) -> nn.Module:
+    """Swap every ``torch.nn.MultiheadAttention`` inside ``model`` for a
+    ``TorchMultiheadAttention`` running ``method``, in place.
+
+    Each keeps its weights, training mode, device and dtype (``from_torch``); a layer
+    shared by several parents is swapped for one new layer. Every layer is checked
+    before any is swapped: a configuration it cannot take (``add_bias_kv``,
+    ``add_zero_attn``, a subclass of torch's layer) fails in a sentence naming the
+    module's path, and the model is left as it was.
+
+    Args:
+        model: any module (a ``torch.nn.MultiheadAttention`` itself is returned swapped).
+        method, seq_len, **method_options: as ``TorchMultiheadAttention``'s.
+    Returns:
+        ``model``.
+
+    Example::
+
+        model = replace_attention(model, "skyformer", num_features=128)
+    """
+    if isinstance(model, nn.MultiheadAttention):
+        return _from_torch(TorchMultiheadAttention, model, "replace_attention: model",
+                           method, seq_len, method_options)
+    sites = [(parent, name, f"{path}.{name}" if path else name, child)
+             for path, parent in model.named_modules(remove_duplicate=False)
+             for name, child in parent._modules.items()
+             if isinstance(child, nn.MultiheadAttention)]
+    new: dict[int, TorchMultiheadAttention] = {}
+    for _, _, path, child in sites:
+        if id(child) not in new:
+            new[id(child)] = _from_torch(TorchMultiheadAttention, child,
+                                         f"replace_attention: model.{path}", method, seq_len,
+                                         method_options)
+    for parent, name, _, child in sites:
+        setattr(parent, name, new[id(child)])
+    return model

@@ -1,0 +1,330 @@
+"""TorchMultiheadAttention against torch.nn.MultiheadAttention (float64, tiny shapes), its
+mask routing for the approximate methods, and replace_attention inside torch's
+Transformer layers (fast paths included)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from skyformer import kernelized_attention
+from skyformer.registry import CapabilityError
+from skyformer.registry.binding import BoundMethod
+from skyformer.torch_attention import TorchMultiheadAttention, replace_attention
+
+E, H, B, L, S = 8, 2, 3, 6, 5
+F64 = torch.float64
+EXACT = {"rtol": 0.0, "atol": 1e-12}
+
+
+def pair(method="softmax", options=None, **kwargs):
+    """torch's layer (``kwargs``) and ours running ``method`` (``options``) with its
+    weights, float64."""
+    torch.manual_seed(0)
+    ref = nn.MultiheadAttention(E, H, dtype=F64, **kwargs)
+    ours = TorchMultiheadAttention(E, H, dtype=F64, method=method, **kwargs, **(options or {}))
+    ours.load_state_dict(ref.state_dict())
+    return ref, ours
+
+
+def rand(*shape, seed=1):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
+def padding(b=B, n=S):
+    """torch's key_padding_mask: True = padding (the last keys of element 1)."""
+    mask = torch.zeros(b, n, dtype=torch.bool)
+    mask[1, n - 2:] = True
+    return mask
+
+
+def causal(n=L):
+    """torch's bool causal mask: True = not allowed."""
+    return torch.ones(n, n, dtype=torch.bool).triu(1)
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def test_parameters_initialisation_and_state_dict_match_torch():
+    for kwargs in ({}, {"kdim": 4, "vdim": 6}, {"bias": False}):
+        torch.manual_seed(3)
+        ref = nn.MultiheadAttention(E, H, **kwargs)
+        torch.manual_seed(3)
+        ours = TorchMultiheadAttention(E, H, **kwargs)
+        assert ours.state_dict().keys() == ref.state_dict().keys()
+        for name, t in ref.state_dict().items():  # same draws in the same order
+            torch.testing.assert_close(ours.state_dict()[name], t, rtol=0, atol=0)
+        for name in ("embed_dim", "num_heads", "head_dim", "dropout", "batch_first", "kdim",
+                     "vdim", "_qkv_same_embed_dim", "bias_k", "bias_v", "add_zero_attn"):
+            assert getattr(ours, name) == getattr(ref, name), name
+        ref.load_state_dict(ours.state_dict())  # and back
+
+
+def test_torch_state_dict_loads_strictly_into_a_stateful_method():
+    ref = nn.MultiheadAttention(E, H)
+    ours = TorchMultiheadAttention(E, H, method="performer", num_features=8)
+    own = {k: t.clone() for k, t in ours.state_dict().items() if k.startswith("method_state")}
+    assert own  # Performer keeps its features
+    ours.load_state_dict(ref.state_dict())
+    for k, t in own.items():
+        torch.testing.assert_close(ours.state_dict()[k], t, rtol=0, atol=0)
+    torch.testing.assert_close(ours.in_proj_weight, ref.in_proj_weight, rtol=0, atol=0)
+
+
+def _case(name):
+    """(constructor kwargs, query, key, value, call kwargs) of each case."""
+    x = rand(L, B, E)
+    kv = rand(S, B, E, seed=2)
+    float_pad = torch.zeros(B, S, dtype=F64).masked_fill(padding(), float("-inf"))
+    cases = {
+        "plain": ({}, x, x, x, {}),
+        "cross": ({}, x, kv, kv, {}),
+        "padding_bool": ({}, x, kv, kv, {"key_padding_mask": padding()}),
+        "padding_float": ({}, x, kv, kv, {"key_padding_mask": float_pad}),
+        "self_padding": ({}, x, x, x, {"key_padding_mask": padding(n=L)}),
+        "attn_bool": ({}, x, kv, kv, {"attn_mask": rand(L, S) > 0.5}),
+        "attn_float": ({}, x, kv, kv, {"attn_mask": rand(L, S)}),
+        "attn_per_head": ({}, x, kv, kv, {"attn_mask": rand(B * H, L, S) > 0.8}),
+        "attn_and_padding": ({}, x, kv, kv, {"attn_mask": rand(L, S),
+                                             "key_padding_mask": float_pad}),
+        "causal": ({}, x, x, x, {"attn_mask": causal(), "is_causal": True}),
+        "causal_padding": ({}, x, x, x, {"attn_mask": causal(), "is_causal": True,
+                                         "key_padding_mask": padding(n=L)}),
+        "batch_first": ({"batch_first": True}, x.transpose(0, 1), kv.transpose(0, 1),
+                        kv.transpose(0, 1), {"key_padding_mask": padding()}),
+        "unbatched": ({}, x[:, 0], kv[:, 0], kv[:, 0],
+                      {"key_padding_mask": padding()[1], "attn_mask": causal()[:, :S]}),
+        "kdim_vdim": ({"kdim": 4, "vdim": 6}, x, rand(S, B, 4), rand(S, B, 6),
+                      {"key_padding_mask": padding()}),
+        "dropout_eval": ({"dropout": 0.5}, x, x, x, {}),
+    }
+    return cases[name]
+
+
+@pytest.mark.parametrize("name", [
+    "plain", "cross", "padding_bool", "padding_float", "self_padding", "attn_bool",
+    "attn_float", "attn_per_head", "attn_and_padding", "causal", "causal_padding",
+    "batch_first", "unbatched", "kdim_vdim", "dropout_eval"])
+def test_softmax_equals_torch(name):
+    kwargs, query, key, value, call = _case(name)
+    ref, ours = pair(**kwargs)
+    ref.eval(), ours.eval()
+    expected = ref(query, key, value, need_weights=False, **call)[0]
+    out, weights = ours(query, key, value, need_weights=False, **call)
+    assert weights is None and out.shape == expected.shape
+    torch.testing.assert_close(out, expected, **EXACT)
+
+
+def _heads(layer, x, kv):
+    """Batch-first input projections as [B, H, N, Dh]."""
+    w_q, w_k, w_v = layer.in_proj_weight.chunk(3)
+    b_q, b_k, b_v = layer.in_proj_bias.chunk(3)
+    return [nn.functional.linear(t, w, b).unflatten(-1, (H, E // H)).transpose(1, 2)
+            for t, w, b in ((x, w_q, b_q), (kv, w_k, b_k), (kv, w_v, b_v))]
+
+
+def test_kernelized_equals_the_function_on_projected_heads():
+    _, ours = pair("kernelized", batch_first=True)
+    x, kv, pad = rand(B, L, E), rand(B, S, E, seed=2), padding()
+    q, k, v = _heads(ours, x, kv)
+    heads = kernelized_attention(q, k, v, key_padding_mask=~pad)
+    expected = ours.out_proj(heads.transpose(1, 2).reshape(B, L, E))
+    out = ours(x, kv, kv, key_padding_mask=pad, need_weights=False)[0]
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_skyformer_is_reproducible_and_kernelized_at_its_exactness_limit():
+    x, pad = rand(B, L, E), padding(n=L)
+    _, exact = pair("kernelized", batch_first=True)
+    # every row of [Q; K] a landmark, no ridge, exact inverse: C~ = C (test_skyformer.py)
+    _, limit = pair("skyformer", {"num_features": 2 * L, "gamma": 0.0, "pinv": "exact"},
+                    batch_first=True)
+    _, sky = pair("skyformer", {"num_features": 4}, batch_first=True)
+    call = {"key_padding_mask": pad, "need_weights": False}
+    real = ~pad
+    expected = exact(x, x, x, **call)[0]
+    torch.testing.assert_close(limit(x, x, x, **call, generator=gen())[0][real],
+                               expected[real], rtol=1e-7, atol=1e-9)
+    first = sky(x, x, x, **call, generator=gen(0))[0]
+    torch.testing.assert_close(sky(x, x, x, **call, generator=gen(0))[0], first, rtol=0,
+                               atol=0)
+    assert not torch.allclose(sky(x, x, x, **call, generator=gen(1))[0], first)
+    assert (first[1, L - 2:] == sky.out_proj.bias).all()  # padded queries: output row 0
+
+
+def test_approximate_methods_read_torch_masks_as_key_padding_and_causal():
+    _, sky = pair("skyformer", {"num_features": 4}, batch_first=True)
+    x, pad = rand(B, L, E), padding(n=L)
+    float_pad = torch.zeros(B, L, dtype=F64).masked_fill(pad, float("-inf"))
+
+    def run(**call):
+        return sky(x, x, x, need_weights=False, generator=gen(), **call)[0]
+
+    by_bool = run(key_padding_mask=pad)
+    torch.testing.assert_close(run(key_padding_mask=float_pad), by_bool, rtol=0, atol=0)
+    torch.testing.assert_close(run(attn_mask=pad[:, None, :].expand(B, L, L)
+                                   .repeat_interleave(H, 0)), by_bool, rtol=0, atol=0)
+    hinted = run(attn_mask=causal(), is_causal=True, key_padding_mask=pad)
+    read = run(attn_mask=causal().double().masked_fill(causal(), float("-inf")),
+               key_padding_mask=float_pad)  # the same mask, read without the hint
+    torch.testing.assert_close(read, hinted, rtol=0, atol=0)
+    assert not torch.allclose(hinted, by_bool)
+
+
+@pytest.mark.parametrize("method, call, match", [
+    ("skyformer", {"attn_mask": torch.ones(L, L, dtype=torch.bool).triu(2) |
+                   torch.ones(L, L, dtype=torch.bool).tril(-2)},
+     "neither key padding nor causal.*softmax' or 'kernelized'"),
+    ("skyformer", {"attn_mask": rand(L, L)}, "carries a bias"),
+    ("skyformer", {"attn_mask": torch.eye(L, dtype=torch.bool).repeat(B * H, 1, 1)
+                   .index_fill(0, torch.tensor([1]), False)}, "differs between heads"),
+    ("softmax", {"attn_mask": causal()[:, :3]}, r"attn_mask must have shape \[6, 6\]"),
+    ("softmax", {"attn_mask": torch.zeros(L, L, dtype=torch.int64)}, "bool tensor"),
+    ("softmax", {"is_causal": True}, "needs the mask with it"),
+    ("linear", {"key_padding_mask": padding(n=L).long()}, "bool tensor"),
+])
+def test_refused_calls_get_sentences(method, call, match):
+    _, layer = pair(method)
+    x = rand(L, B, E)
+    with pytest.raises((ValueError, TypeError), match=match):
+        layer(x, x, x, need_weights=False, **call)
+
+
+def test_refused_configurations_get_sentences():
+    with pytest.raises(ValueError, match=r"add_bias_kv=True is not supported.*add_bias_kv=False"):
+        TorchMultiheadAttention(E, H, 0.0, True, True)
+    with pytest.raises(ValueError, match="add_zero_attn=True is not supported"):
+        TorchMultiheadAttention(E, H, add_zero_attn=True)
+    with pytest.raises(ValueError, match=r"embed_dim \(8\) must be divisible by num_heads"):
+        TorchMultiheadAttention(E, 3)
+    _, sky = pair("skyformer")
+    with pytest.raises(ValueError, match="is_causal with 6 queries and 5 keys"):
+        sky(rand(L, B, E), rand(S, B, E), rand(S, B, E), attn_mask=causal()[:, :S],
+            is_causal=True, need_weights=False)
+    _, reformer = pair("reformer")  # self-attention only
+    with pytest.raises(CapabilityError, match="reformer cannot attend with a different"):
+        reformer(rand(L, B, E), rand(S, B, E), rand(S, B, E), need_weights=False)
+
+
+def test_need_weights_warns_once_per_layer():
+    _, ours = pair()
+    x = rand(L, B, E)
+    with pytest.warns(UserWarning, match="need_weights=False to silence"):
+        assert ours(x, x, x)[1] is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours(x, x, x)  # warned once already
+        pair()[1](x, x, x, need_weights=False)
+
+
+def encoder(layers=2, **kwargs):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(E, H, 16, dropout=0.0, batch_first=True, dtype=F64,
+                                       **kwargs)
+    return nn.TransformerEncoder(layer, layers, enable_nested_tensor=True)
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_encoder_with_softmax_equals_torch_with_padding_and_causal_masks(train):
+    ref = encoder()
+    model = replace_attention(copy.deepcopy(ref), "softmax")
+    assert not any(isinstance(m, nn.MultiheadAttention) for m in model.modules())
+    x, pad = rand(B, L, E), padding(n=L)
+    mask = nn.Transformer.generate_square_subsequent_mask(L, dtype=F64)
+    for call in ({"src_key_padding_mask": pad}, {"mask": mask, "src_key_padding_mask": pad},
+                 {"mask": mask, "is_causal": True}):
+        ref.train(train), model.train(train)
+        with torch.set_grad_enabled(train):
+            expected, out = ref(x, **call), model(x, **call)
+        real = ~pad if "src_key_padding_mask" in call else slice(None)
+        torch.testing.assert_close(out[real], expected[real], rtol=1e-12, atol=1e-12)
+    if train:
+        model(x, src_key_padding_mask=pad).sum().backward()
+        assert all(p.grad is not None for p in model.parameters())
+
+
+def test_no_fast_path_bypasses_the_method_in_eval_under_no_grad(monkeypatch):
+    calls = []
+    original = BoundMethod.__call__
+
+    def spy(self, *args, **kwargs):
+        calls.append(self.name)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(BoundMethod, "__call__", spy)
+    ref = encoder(layers=2)
+    model = replace_attention(copy.deepcopy(ref), "skyformer", num_features=4).eval()
+    ref.eval()
+    x, pad = rand(B, L, E), padding(n=L)
+    with torch.no_grad():
+        for call in ({}, {"src_key_padding_mask": pad}):  # the layers' path, the nested one
+            calls.clear()
+            out = model(x, **call)
+            assert calls == ["skyformer"] * 2
+            assert not torch.allclose(out, ref(x, **call))  # not torch's exact softmax
+        layer = model.layers[0]  # the fused layer path alone
+        calls.clear()
+        layer(x)
+        assert calls == ["skyformer"]
+
+
+def test_decoder_and_transformer_run_replaced_attention():
+    torch.manual_seed(0)
+    ref = nn.TransformerDecoder(nn.TransformerDecoderLayer(E, H, 16, dropout=0.0, dtype=F64), 2)
+    model = replace_attention(copy.deepcopy(ref), "softmax")
+    tgt, memory = rand(L, B, E), rand(S, B, E, seed=2)
+    call = {"tgt_mask": nn.Transformer.generate_square_subsequent_mask(L, dtype=F64),
+            "tgt_is_causal": True, "tgt_key_padding_mask": padding(n=L),
+            "memory_key_padding_mask": padding()}
+    for train in (True, False):
+        ref.train(train), model.train(train)
+        torch.testing.assert_close(model(tgt, memory, **call), ref(tgt, memory, **call),
+                                   rtol=1e-12, atol=1e-12)
+    torch.manual_seed(0)
+    transformer = nn.Transformer(E, H, 1, 1, 16, dropout=0.1, batch_first=True)
+    replace_attention(transformer, "skyformer", num_features=4)
+    assert sum(isinstance(m, TorchMultiheadAttention) for m in transformer.modules()) == 3
+    src, tgt = torch.randn(B, S, E), torch.randn(B, L, E)
+    transformer(src, tgt, tgt_mask=transformer.generate_square_subsequent_mask(L),
+                tgt_is_causal=True).sum().backward()
+    with torch.no_grad():
+        transformer.eval()(src, tgt, src_key_padding_mask=padding(),
+                           memory_key_padding_mask=padding())
+
+
+def test_replace_attention_keeps_weights_mode_dtype_and_sharing():
+    shared = nn.MultiheadAttention(E, H, batch_first=True, dtype=F64)
+    shared.in_proj_bias.requires_grad_(False)
+    model = nn.ModuleDict({"a": shared, "b": nn.Sequential(shared), "c": nn.Linear(E, E)})
+    model.eval()
+    state = copy.deepcopy(shared.state_dict())
+    assert replace_attention(model, "kernelized") is model
+    new = model["a"]
+    assert isinstance(new, TorchMultiheadAttention) and model["b"][0] is new
+    assert new.method == "kernelized" and new.batch_first and not new.training
+    assert new.in_proj_weight.dtype == F64 and not new.in_proj_bias.requires_grad
+    for name, t in state.items():
+        torch.testing.assert_close(new.state_dict()[name], t, rtol=0, atol=0)
+    assert isinstance(replace_attention(nn.MultiheadAttention(E, H)), TorchMultiheadAttention)
+
+
+def test_replace_attention_refuses_in_a_sentence_and_changes_nothing():
+    model = nn.Sequential(nn.MultiheadAttention(E, H),
+                          nn.ModuleList([nn.MultiheadAttention(E, H, add_bias_kv=True)]))
+    with pytest.raises(ValueError, match=r"model\.1\.0: add_bias_kv=True is not supported"):
+        replace_attention(model)
+    assert type(model[0]) is nn.MultiheadAttention
+
+    class Mine(nn.MultiheadAttention):
+        pass
+
+    with pytest.raises(TypeError, match=r"model\.0: .*Mine is a subclass"):
+        replace_attention(nn.Sequential(Mine(E, H)))
+    with pytest.raises(ValueError, match=r"no option 'num_featres' \(did you mean"):
+        replace_attention(nn.Sequential(nn.MultiheadAttention(E, H)), num_featres=4)
