@@ -71,6 +71,26 @@ def test_a_mask_that_does_not_broadcast_is_named_as_given(method, shape):
         sdpa(q, k, v, torch.ones(shape, dtype=torch.bool), method=method)
 
 
+@pytest.mark.parametrize("method", ["softmax", "skyformer"])
+def test_a_torch_multihead_attention_mask_gets_the_reshape(method):
+    """torch.nn.MultiheadAttention's per-head mask [B * H, L, S] does not broadcast to
+    SDPA's [B, H, L, S]; the sentence gives the view that does."""
+    q, k, v = make_qkv(2, 3, 10, 8, nk=7)
+    with pytest.raises(ValueError, match=r"attn_mask.view\(2, 3, 10, 7\) \(and a bool one of "
+                                         r"torch's, True = blocked, inverts with ~\)\.$"):
+        sdpa(q, k, v, torch.ones(6, 10, 7, dtype=torch.bool), method=method)
+
+
+@pytest.mark.parametrize("method", ["kernelized", "skyformer"])
+def test_is_causal_beside_causal_false_is_refused(method):
+    """``is_causal=True, causal=False`` ran causal: the two disagree, and one of them
+    was dropped without a word."""
+    q, k, v = make_qkv(1, 2, 8, 4)
+    with pytest.raises(ValueError, match=rf"^{method}: is_causal=True and causal=False "
+                                         r"disagree"):
+        sdpa(q, k, v, is_causal=True, method=method, causal=False)
+
+
 def test_kernelized_bool_mask_equals_gathered_keys():
     q, k, v = make_qkv(1, 2, 6, 4, nk=9)
     mask = torch.zeros(9, dtype=torch.bool)

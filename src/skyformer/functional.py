@@ -85,6 +85,9 @@ def scaled_dot_product_attention(
     if not isinstance(is_causal, bool):  # as torch's: truthiness would read "no" as True
         raise TypeError(f"{spec.name}: is_causal must be True or False, got "
                         f"{type(is_causal).__name__} {is_causal!r}.")
+    if is_causal and options.get("causal") is False:
+        raise ValueError(f"{spec.name}: is_causal=True and causal=False disagree; pass "
+                         f"is_causal=True alone (or the method's causal=True).")
     _refuse_nested(spec.name, query, key, value)
     if attn_mask is not None and not isinstance(attn_mask, Tensor):
         raise TypeError(f"{spec.name}: attn_mask must be a torch.Tensor (bool, True = attend, "
@@ -255,10 +258,16 @@ def _check_mask_shape(attn_mask: Tensor, query: Tensor, key: Tensor) -> None:
                          f"{query.device}; pass attn_mask.to(query.device).")
     target = (*query.shape[:3], key.shape[-2])
     if not mask_broadcasts(attn_mask, target):
+        b, h = target[:2]
+        merged = (attn_mask.dim() == 3 and attn_mask.shape[0] == b * h and h > 1
+                  and tuple(attn_mask.shape[1:]) == tuple(target[2:]))
+        hint = (f" A torch.nn.MultiheadAttention mask [B * H, L, S] reshapes with "
+                f"attn_mask.view({b}, {h}, {target[2]}, {target[3]}) (and a bool one of "
+                f"torch's, True = blocked, inverts with ~)." if merged else "")
         raise ValueError(
             f"attn_mask has shape {tuple(attn_mask.shape)}, which does not broadcast to the "
             f"attention's [B, H, L, S] = {list(target)}; as in scaled_dot_product_attention "
-            f"it is e.g. [L, S], [B, 1, L, S], or [B, 1, 1, S] for padded keys.")
+            f"it is e.g. [L, S], [B, 1, L, S], or [B, 1, 1, S] for padded keys.{hint}")
 
 
 def _as_padding(spec: Method, attn_mask: Tensor, key_padding_mask: Tensor | None,
