@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..eval.approx.progress import PROGRESS_FILE, warn_if_left
+from ..eval.approx.progress import PROGRESS_FILE, kept_note, warn_if_left
 from ..eval.approx.report import analysis_table, format_table, write_outputs
 from ..eval.approx.run import QUICK, ApproxConfig, run_approx
 from ..eval.data.sources import SOURCES
@@ -106,8 +106,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true",
                         help=f"continue an interrupted run: take what it measured from "
                         f"OUT/{PROGRESS_FILE} (saved after every source and length) and "
-                        f"measure the rest; the other settings must be the same (--seq-lens "
-                        f"and --sources may differ)")
+                        f"measure the rest; the other settings and data files must be the "
+                        f"same (--seq-lens and --sources may differ: blocks of others stay "
+                        f"in the file)")
 
 
 def config_from_args(args: argparse.Namespace) -> ApproxConfig:
@@ -215,7 +216,10 @@ def _run_in_folder(args: argparse.Namespace, config: ApproxConfig) -> int:
         print()
         print(analysis_table(result.analysis))
     written = write_outputs(result, args.out, plots=not args.no_plots, command=_command(args))
-    progress_file.unlink(missing_ok=True)  # the results hold it all now
+    if result.progress_left:  # blocks of other lengths or sources: only the file has them
+        print(kept_note(progress_file, config, result.progress_left), file=sys.stderr)
+    else:
+        progress_file.unlink(missing_ok=True)  # the results hold it all now
     print()
     for _kind, path in written.items():
         print(f"wrote {path}")

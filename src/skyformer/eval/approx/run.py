@@ -177,7 +177,9 @@ def quick_config(**overrides: Any) -> ApproxConfig:
 
 @dataclass
 class ApproxResult:
-    """Everything the study measured; ``rows`` is the results table."""
+    """Everything the study measured; ``rows`` is the results table. ``progress_left``:
+    the blocks of the progress file a resumed run did not ask for (other --seq-lens or
+    --sources), which it keeps; not part of the results."""
 
     config: ApproxConfig
     rows: list[dict[str, Any]]
@@ -187,6 +189,7 @@ class ApproxResult:
     notes: list[str]
     environment: dict[str, Any] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    progress_left: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -523,7 +526,9 @@ def run_approx(config: ApproxConfig = ApproxConfig(), *,
     module); with ``resume``, the blocks an earlier run with the same settings saved
     there are taken instead of measured (the numbers are the same). The file stays after
     the run: remove it once the results are saved (``skyformer approx`` does so after
-    writing them), or a later run with ``resume`` takes its blocks again.
+    writing them), or a later run with ``resume`` takes its blocks again; unless the
+    result's ``progress_left`` names blocks of it that this run did not ask for (other
+    lengths or sources), which only the file holds.
     """
     from tqdm.auto import tqdm
 
@@ -570,7 +575,8 @@ def run_approx(config: ApproxConfig = ApproxConfig(), *,
         env["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     env["methods"] = [s.name for s in methods]
     return ApproxResult(config, sweep.rows, sweep.samples, sweep.analysis,
-                        _listed_once(sweep.sources), sweep.notes, env, sweep.seconds)
+                        _listed_once(sweep.sources), sweep.notes, env, sweep.seconds,
+                        list(saved.left_out) if saved is not None else [])
 
 
 def _listed_once(sources: list[dict[str, Any]]) -> list[dict[str, Any]]:
