@@ -49,3 +49,43 @@ def test_clear_errors(tmp_path):
     lonely.write_text("a\n", encoding="utf-8")
     with pytest.raises(ValueError, match="no numbers after the word"):
         read_glove(lonely, 1)
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "NaN"])
+@pytest.mark.parametrize("line", [1, 3])
+def test_a_non_finite_value_is_refused_naming_file_and_line(tmp_path, value, line):
+    """It was read, and approx then failed in an SVD naming neither."""
+    rows = [[0.5, 1.0, 2.0]] * 4
+    lines = [f"w{i} " + " ".join(map(str, row)) for i, row in enumerate(rows)]
+    lines[line - 1] = f"w{line - 1} 0.5 {value} 2.0"
+    path = tmp_path / "g.txt"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"g.txt' line {line} holds '{value}', not a "
+                                         r"finite number; .*fix or remove that line"):
+        read_glove(path, 4)
+
+
+def test_a_line_wider_than_the_file_is_refused_not_cut_to_its_last_numbers(tmp_path):
+    """32 numbers in a 16-d file gave the last 16."""
+    path = write_glove(tmp_path / "g.txt", [[0.25] * 16] * 4)
+    lines = path.read_text(encoding="utf-8").splitlines()
+    lines[2] = "w2 " + " ".join(["1.0"] * 32)
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"g.txt' line 3 has 32 numbers after the word, the "
+                                         r"first vector has 16; the file is not a consistent"):
+        read_glove(path, 4)
+    assert read_glove(path, 2).shape == (2, 16)  # the lines before it still read
+
+
+def test_words_with_spaces_and_words_that_are_numbers(tmp_path):
+    """The vector is the run of numbers at the end after the first field: a spaced word
+    (glove.840B's ". . .") on any line, line 1 included, and a word that is a number."""
+    path = tmp_path / "g.txt"
+    path.write_text("new york 1 2\n. . . 3 4\n2010 5 6\nat name@x.com 7 8\n",
+                    encoding="utf-8")
+    assert read_glove(path, 4).tolist() == [[1, 2], [3, 4], [5, 6], [7, 8]]
+    spaced = tmp_path / "spaced.txt"
+    spaced.write_text("a 1 2\nroute 66 3 4\n", encoding="utf-8")  # ambiguous: a 3-d vector
+    with pytest.raises(ValueError, match="line 2 has 3 numbers after the word, the first "
+                                         "vector has 2"):
+        read_glove(spaced, 2)

@@ -1,28 +1,87 @@
 """Word vectors from a GloVe-format text file (KDEformer section 4.1's data).
 
 Format: one vector per line, ``word x_1 ... x_d``, separated by spaces; an optional
-word2vec-style first line ``count dim`` is skipped. The dimension d is read from the
-first vector line; a word that itself contains spaces (glove.840B has a few) is
-allowed, since the last d fields are taken as the vector. Only as many lines as needed
-are read, so multi-gigabyte files cost nothing extra.
+word2vec-style first line ``count dim`` is skipped. A line's vector is the run of
+numbers that ends it, less its first field (the word, which may itself be a number);
+the dimension d is that of the first vector line. A word that itself contains spaces
+(glove.840B has a few, ``. . .``, ``at name@domain.com``) is allowed, on the first line
+too, where the field before the vector is not a number: a line whose run of numbers is
+longer than d is refused (a vector of another width, not a spaced word), as are
+non-finite values. Only as many lines as needed are read, so multi-gigabyte files cost
+nothing extra.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 
+def _is_number(field: str) -> bool:
+    """Whether ``field`` reads as a float (``nan`` and ``inf`` included)."""
+    try:
+        float(field)
+    except ValueError:
+        return False
+    return True
+
+
+def _numbers_at_end(fields: list[str]) -> int:
+    """How many of ``fields`` after the first (the word) are numbers, counted from the end."""
+    count = 0
+    for field in reversed(fields[1:]):
+        if not _is_number(field):
+            break
+        count += 1
+    return count
+
+
 def _floats(fields: list[str], path: Path, line_no: int) -> list[float]:
     try:
-        return [float(x) for x in fields]
+        values = [float(x) for x in fields]
     except ValueError:
         raise ValueError(
             f"{str(path)!r} line {line_no} is not in GloVe format (word followed by numbers): "
             f"{' '.join(fields[:4])!r}..."
         ) from None
+    bad = [field for field, x in zip(fields, values, strict=True) if not math.isfinite(x)]
+    if bad:
+        raise ValueError(
+            f"{str(path)!r} line {line_no} holds {bad[0]!r}, not a finite number; GloVe "
+            f"vectors must be finite: fix or remove that line."
+        )
+    return values
+
+
+def _width(fields: list[str], path: Path, line_no: int) -> int:
+    """The dimension d, from the first vector line: its run of numbers at the end."""
+    dim = _numbers_at_end(fields)
+    if dim < 1:
+        raise ValueError(
+            f"{str(path)!r} line {line_no} has no numbers after the word; "
+            f"expected 'word x_1 ... x_d'."
+        )
+    return dim
+
+
+def _vector(fields: list[str], dim: int, path: Path, line_no: int) -> list[float]:
+    """The last ``dim`` fields of a line as floats, refusing a line of another width."""
+    if len(fields) < dim + 1:
+        raise ValueError(
+            f"{str(path)!r} line {line_no} has {len(fields) - 1} numbers, the first "
+            f"vector has {dim}; the file is not a consistent GloVe file."
+        )
+    vector = _floats(fields[-dim:], path, line_no)
+    if len(fields) > dim + 1 and _is_number(fields[-dim - 1]):
+        raise ValueError(
+            f"{str(path)!r} line {line_no} has {_numbers_at_end(fields)} numbers after "
+            f"the word, the first vector has {dim}; the file is not a consistent GloVe "
+            f"file (a word with spaces may not end in a number)."
+        )
+    return vector
 
 
 def read_glove(path: str | Path, count: int, *, at_most: bool = False) -> Tensor:
@@ -45,18 +104,8 @@ def read_glove(path: str | Path, count: int, *, at_most: bool = False) -> Tensor
             if dim is None:
                 if line_no == 1 and len(fields) == 2 and all(f.isdigit() for f in fields):
                     continue  # word2vec header "count dim"
-                dim = len(fields) - 1
-                if dim < 1:
-                    raise ValueError(
-                        f"{str(p)!r} line {line_no} has no numbers after the word; "
-                        f"expected 'word x_1 ... x_d'."
-                    )
-            if len(fields) < dim + 1:
-                raise ValueError(
-                    f"{str(p)!r} line {line_no} has {len(fields) - 1} numbers, the first "
-                    f"vector has {dim}; the file is not a consistent GloVe file."
-                )
-            rows.append(_floats(fields[-dim:], p, line_no))
+                dim = _width(fields, p, line_no)
+            rows.append(_vector(fields, dim, p, line_no))
             if len(rows) == count:
                 break
     if len(rows) < count and not at_most:
