@@ -266,7 +266,8 @@ def test_the_table_and_the_result_file_say_what_every_column_is():
     rows = compare_on((q, k, v), config)
     legend = "\n".join(format_table(rows).splitlines()[4:])
     assert "spectral err: relative spectral-norm error" in legend
-    assert "mean +- sample std over the B * H heads (4 heads here)" in legend
+    assert "mean +- sample std over those with a finite error (all but nonfinite) of the " \
+           "B * H heads (4 heads here)" in legend
     for column in ("frob err:", "time ms:", "peak MiB:", "features:"):
         assert column in legend, column
     described = CompareResult(config, "mine", rows).to_dict()["columns"]
@@ -314,8 +315,6 @@ def test_a_causal_variant_on_more_keys_than_queries_is_not_supported():
 
 def test_non_finite_inputs_are_named_in_a_warning():
     """A table of NaNs said nothing of why: the inputs holding NaN or inf are named."""
-    import math
-
     import pytest
     import torch
 
@@ -323,7 +322,174 @@ def test_non_finite_inputs_are_named_in_a_warning():
 
     q, k, v = (torch.randn(1, 2, 16, 4) for _ in range(3))
     k[0, 1, 3, 0] = float("nan")
-    with pytest.warns(UserWarning, match=r"compare_on: k \(1 entries\) hold NaN or inf"):
+    with pytest.warns(UserWarning, match=r"compare_on: k \(1 entries\) hold NaN or inf: .* "
+                                         r"left out of every row's mean and std"):
         rows = compare_on((q, k, v), CompareConfig(methods=("performer",), memory=False,
                                                    repeats=1))
-    assert math.isnan(rows[0]["spectral_error"])  # what the warning explains
+    assert rows[0]["nonfinite"] == 1  # what the warning explains
+
+
+SPOILED_METHODS = ("softmax", "linear", "nystromformer")  # deterministic: heads alone agree
+
+
+def test_a_nan_in_one_head_leaves_the_others_measured():
+    """One NaN made every row "nan +- nan" though the other heads were finite: the
+    heads it reaches are left out of the mean, the std and the trivial answer, which are
+    those of the clean heads alone, and counted in the row and in the table."""
+    import math
+
+    import pytest
+    import torch
+
+    from skyformer.eval.compare import CompareConfig, compare_on
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 3, 16, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    config = CompareConfig(methods=SPOILED_METHODS, repeats=1, memory=False,
+                           num_features=4)
+    clean = compare_on((q[:, :2], k[:, :2], v[:, :2]), config)
+    q[0, 2, 5, 1] = float("nan")
+    with pytest.warns(UserWarning, match=r"q \(1 entries\) hold NaN or inf"):
+        rows = compare_on((q, k, v), config)
+    for row, alone in zip(rows, clean, strict=True):
+        assert row["samples"] == 3 and row["nonfinite"] == 1, row
+        for key in ("spectral_error", "spectral_error_std", "frobenius_error",
+                    "trivial_error"):
+            assert math.isfinite(row[key]), (row["method"], key)
+            assert row[key] == pytest.approx(alone[key], rel=1e-9, abs=1e-12), key
+    table = format_table(rows).splitlines()
+    assert all(line.endswith("  1 of 3 heads not finite") for line in table[2:5])
+    assert any(line.startswith("n of m heads not finite: heads whose spectral error is not "
+                               "finite") for line in table[5:])
+    assert not any("heads not finite" in line for line in format_table(clean).splitlines())
+
+
+def test_a_method_not_finite_on_a_measured_head_has_nan_statistics(monkeypatch):
+    """Where the exact output is finite and the method's is not, the method failed:
+    its mean and std are NaN, as ``approx``'s rows (it must not read as if it had no
+    hard heads), and the head is counted."""
+    import dataclasses
+    import math
+
+    import torch
+
+    from skyformer import registry
+    from skyformer.eval.compare import CompareConfig, compare_on
+    from skyformer.registry import Capabilities, Method
+
+    @dataclasses.dataclass(frozen=True)
+    class Options:
+        num_features: int = 8
+
+    def broken(q, k, v, *, key_padding_mask=None, generator=None, num_features=8):
+        out = torch.zeros_like(v) + v.mean(-2, keepdim=True)
+        out[:, 1, 0, 0] = float("inf")
+        return out
+
+    monkeypatch.setitem(registry._REGISTRY, "broken_on_one_head", Method(
+        "broken_on_one_head", broken, Options, Capabilities(target="softmax"), "test"))
+    q, k, v = (torch.randn(1, 2, 16, 4) for _ in range(3))
+    row, = compare_on((q, k, v), CompareConfig(methods=("broken_on_one_head",), repeats=1,
+                                               memory=False))
+    assert row["nonfinite"] == 1 and row["samples"] == 2
+    assert math.isnan(row["spectral_error"]) and math.isnan(row["frobenius_error"])
+    assert not row["worse_than_trivial"] and math.isfinite(row["trivial_error"])
+
+
+def test_more_heads_than_tokens_warn_of_a_forgotten_transpose():
+    """[B, N, H, D] tensors read as [B, H, N, D] run as N heads of H tokens, with
+    meaningless, excellent-looking errors: a warning says so (not an error: a model may
+    have that many heads on short inputs), and names the fix."""
+    import warnings
+
+    import pytest
+    import torch
+
+    from skyformer.eval.compare import CompareConfig, compare_on
+    from skyformer.eval.data.qkv import QKV
+
+    q, k, v = (torch.randn(1, 2, 16, 4) for _ in range(3))
+    config = CompareConfig(methods=("softmax",), repeats=1, memory=False)
+    saved = tuple(t.transpose(1, 2) for t in (q, k, v))  # [1, 16, 2, 4]
+    with pytest.warns(UserWarning, match=r"more heads \(H=16\) than tokens \(Nq=2, Nk=2\)"
+                                         r".*\[B, N, H, D\].*q\.transpose\(1, 2\)"):
+        row, = compare_on(saved, config)
+    assert row["status"] == "ok"  # measured all the same
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compare_on((q, k, v), config)
+        compare_on((q[:, :, :1], k, v), config)  # one query, more keys than heads
+        # a captured QKV's layout is known, whatever its length
+        compare_on(QKV(*saved, model="m", pretrained=False, layer=0, windows=1), config)
+
+
+def test_a_key_padding_mask_measures_what_truncation_does():
+    """Padding is left out of the exact target, of the trivial answer and of every
+    method: a padded sequence's rows are those of the sequence cut to its real tokens,
+    whatever the padding holds (NaN included, with no warning)."""
+    import warnings
+
+    import pytest
+    import torch
+
+    from skyformer.eval.compare import CompareConfig, compare_on
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 2, 16, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = torch.ones(2, 16, dtype=torch.bool)
+    mask[1, 11:] = False
+    for t in (q, k, v):
+        t[1, :, 11:] = float("nan")
+    config = CompareConfig(methods=SPOILED_METHODS, repeats=1, memory=False,
+                           num_features=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rows = compare_on((q, k, v), config, key_padding_mask=mask)
+    whole = compare_on((q[:1], k[:1], v[:1]), config)
+    cut = compare_on((q[1:, :, :11], k[1:, :, :11], v[1:, :, :11]), config)
+    for row, first, second in zip(rows, whole, cut, strict=True):
+        assert row["nonfinite"] == 0 and row["samples"] == 4
+        for key in ("spectral_error", "frobenius_error"):  # two heads each
+            assert row[key] == pytest.approx((first[key] + second[key]) / 2, rel=1e-6), key
+    cut_trivial = compare_on((q[:, :, :11], k[:, :, :11], v[:, :, :11]),
+                             CompareConfig(methods=("softmax",), repeats=1, memory=False))
+    q[1, :, 11:] = k[1, :, 11:] = v[1, :, 11:] = 0.0
+    mask[0, 11:] = False  # both sequences cut at 11: the trivial answer of the cut ones
+    row, = compare_on((q, k, v), CompareConfig(methods=("softmax",), repeats=1,
+                                               memory=False), key_padding_mask=mask)
+    assert row["trivial_error"] == pytest.approx(cut_trivial[0]["trivial_error"], rel=1e-9)
+
+
+def test_a_causal_target_with_a_mask_takes_the_trivial_answer_of_the_real_prefix():
+    """With ``causal`` and a mask, the trivial answer's row i is the mean of the real
+    values up to i: what the sequence cut to its real tokens gives."""
+    import pytest
+    import torch
+
+    from skyformer.eval.compare import CompareConfig, compare_on
+
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 12, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = torch.ones(1, 12, dtype=torch.bool)
+    mask[0, 9:] = False
+    config = CompareConfig(methods=("linear[causal=True]",), repeats=1, memory=False)
+    row, = compare_on((q, k, v), config, key_padding_mask=mask)
+    cut, = compare_on((q[:, :, :9], k[:, :, :9], v[:, :, :9]), config)
+    for key in ("spectral_error", "trivial_error"):
+        assert row[key] == pytest.approx(cut[key], rel=1e-9), key
+
+
+def test_a_malformed_key_padding_mask_is_refused_before_anything_runs():
+    import pytest
+    import torch
+
+    from skyformer.eval.compare import CompareConfig, compare_on
+
+    q, k, v = (torch.randn(2, 2, 16, 4) for _ in range(3))
+    config = CompareConfig(methods=("softmax",), repeats=1, memory=False)
+    with pytest.raises(TypeError, match=r"compare_on: key_padding_mask must be a bool tensor "
+                                        r"\(True = real token\).*mask == 1"):
+        compare_on((q, k, v), config, key_padding_mask=torch.ones(2, 16, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"key_padding_mask must have shape \[B, Nk\] = "
+                                         r"\[2, 16\], got \(2, 15\)"):
+        compare_on((q, k, v), config, key_padding_mask=torch.ones(2, 15, dtype=torch.bool))

@@ -79,3 +79,31 @@ def test_one_method_named_twice_in_other_spellings_is_refused_by_every_command()
         with pytest.raises(ValueError, match=said):
             make(same)
         make(("linear", "linear[eps=0.001]", "softmax"))  # other options: two methods
+
+
+def test_a_prepared_call_takes_the_key_padding_mask():
+    """``compare`` passes a padded batch's mask to each method through ``prepare``."""
+    q, k, v = make_qkv(2, 2, 20, 8)
+    mask = torch.ones(2, 20, dtype=torch.bool)
+    mask[1, 13:] = False
+    call = resolve("nystromformer").prepare(tuple(q.shape), {"num_features": 4},
+                                            dtype=q.dtype)
+    masked = call(q, k, v, gen(1), key_padding_mask=mask)
+    torch.testing.assert_close(
+        masked, attention(q, k, v, "nystromformer", num_features=4, key_padding_mask=mask,
+                          generator=gen(1)), rtol=0, atol=0)
+    assert not torch.allclose(masked, call(q, k, v, gen(1)))
+
+
+def test_a_plain_function_gets_the_mask_only_where_one_is_given():
+    """A ``module:function`` need not take a mask; one that does gets it when given."""
+    q, k, v = make_qkv(1, 2, 12, 8)
+    mask = torch.ones(1, 12, dtype=torch.bool)
+    mask[0, 9:] = False
+    sdpa = resolve("torch.nn.functional:scaled_dot_product_attention@softmax")
+    plain = sdpa.prepare(tuple(q.shape), {})(q, k, v, None)
+    torch.testing.assert_close(plain, attention(q, k, v, "softmax"))
+    exact = resolve("skyformer.ops.softmax:softmax_attention@softmax")
+    torch.testing.assert_close(
+        exact.prepare(tuple(q.shape), {})(q, k, v, None, key_padding_mask=mask),
+        attention(q, k, v, "softmax", key_padding_mask=mask), rtol=0, atol=0)

@@ -17,7 +17,7 @@ import importlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -32,7 +32,13 @@ STATE_SEED = 0  # initialisation seed of the per-layer state of layer-like calls
 # kernelized take both): its error is measured against the target with the same ones.
 TARGET_OPTIONS = ("causal", "scale")
 
-PreparedCall = Callable[[Tensor, Tensor, Tensor, "torch.Generator | None"], Tensor]
+
+class PreparedCall(Protocol):
+    """``f(q, k, v, generator, key_padding_mask=None) -> out``: a call that
+    ``NamedAttention.prepare`` bound; the mask ``[B, Nk]`` bool (True = real token)."""
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, generator: torch.Generator | None,
+                 /, key_padding_mask: Tensor | None = None) -> Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -76,22 +82,36 @@ class NamedAttention:
         device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
         as_layer: bool = False,
     ) -> PreparedCall:
-        """The call ``f(q, k, v, generator) -> out`` for inputs of ``shape`` [B, H, N, D].
+        """The call ``f(q, k, v, generator, key_padding_mask=None) -> out``
+        (``PreparedCall``) for inputs of ``shape`` [B, H, N, D].
 
         Registered methods are bound once (options validated, fixed-length methods given
         ``max_seq_len = N``); with ``as_layer`` they get their per-layer state, built
-        under ``STATE_SEED`` on ``device`` in ``dtype``."""
+        under ``STATE_SEED`` on ``device`` in ``dtype``. A plain function is given
+        ``key_padding_mask`` only where a mask is passed (it need not take one)."""
         if self.function is not None:
-            function = self.function
-            if self.takes_generator:
-                return lambda q, k, v, g: function(q, k, v, generator=g, **options)
-            return lambda q, k, v, g: function(q, k, v, **options)
+            return self._plain_call(options)
         _, heads, seq_len, head_dim = shape
         bound = get_method(self.name).bind(heads, head_dim, seq_len=seq_len, **options)
         state = bound.new_state(seed=STATE_SEED) if as_layer else None
         if state is not None:
             state = state.to(device=device, dtype=dtype)
-        return lambda q, k, v, g: bound(q, k, v, generator=g, state=state)
+        return lambda q, k, v, g, key_padding_mask=None: bound(
+            q, k, v, generator=g, state=state, key_padding_mask=key_padding_mask)
+
+    def _plain_call(self, options: dict[str, Any]) -> PreparedCall:
+        """``prepare`` of a plain function: ``generator`` where it takes one, the mask
+        where one is given."""
+        function, takes_generator = self.function, self.takes_generator
+
+        def call(q: Tensor, k: Tensor, v: Tensor, g: torch.Generator | None,
+                 key_padding_mask: Tensor | None = None) -> Tensor:
+            extra: dict[str, Any] = {"generator": g} if takes_generator else {}
+            if key_padding_mask is not None:
+                extra["key_padding_mask"] = key_padding_mask
+            return function(q, k, v, **extra, **options)
+
+        return call
 
 
 def call_shape(q: Tensor, k: Tensor) -> tuple[int, int, int, int]:

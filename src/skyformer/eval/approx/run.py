@@ -24,7 +24,6 @@ See docs/approximation.md.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -51,7 +50,12 @@ from ..data.sources import (
     SourceOptions,
     check_source,
 )
-from ..measure.metrics import constant_row_error, rank_m_floor, relative_error
+from ..measure.metrics import (
+    constant_row_error,
+    rank_m_floor,
+    relative_error,
+    sample_statistics,
+)
 from ..methods import TARGET_OPTIONS, refuse_repeated_methods, refuse_repeats, setting_name
 from .leverage import THEOREM_CONSTANT, leverage_analysis
 from .progress import PARTS, ProgressFile, block_key, blocks_said
@@ -209,30 +213,10 @@ class ApproxResult:
         return format_table(self.rows)
 
 
-def _stats(values: Tensor) -> dict[str, float]:
-    """Mean, std, quartiles and range of the samples; NaN where any sample is not finite
-    (a method that fails on its hardest heads must not read as if it had none; the
-    row's ``nonfinite`` says how many)."""
-    v = values.detach().to(torch.float64).flatten()
-    finite = v[torch.isfinite(v)]
-    if finite.numel() == 0 or finite.numel() < v.numel():
-        return dict.fromkeys(("mean", "std", "median", "q25", "q75", "min", "max"), math.nan)
-    q = torch.quantile(finite, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64))
-    return {
-        "mean": finite.mean().item(),
-        "std": finite.std().item() if finite.numel() > 1 else 0.0,
-        "median": q[1].item(),
-        "q25": q[0].item(),
-        "q75": q[2].item(),
-        "min": finite.min().item(),
-        "max": finite.max().item(),
-    }
-
-
 def _row(source: str, n: int, kind: str, method: str, target: str, m: int | None,
          spectral: Tensor, frobenius: Tensor) -> dict[str, Any]:
-    s = _stats(spectral)
-    f = _stats(frobenius)
+    s = sample_statistics(spectral)
+    f = sample_statistics(frobenius)
     return {
         "source": source, "seq_len": n, "kind": kind, "method": method, "target": target,
         "num_features": m, "samples": int(spectral.numel()),

@@ -19,12 +19,19 @@ COLUMNS = {
     "spectral_error": "relative spectral-norm error ||O - O_exact||_2 / ||O_exact||_2 of "
                       "each head's output [Nq, Dv] against the method's exact target (in "
                       "float32 for half-precision inputs; norms in float64); mean +- sample "
-                      "std over the B * H heads",
-    "spectral_error_std": "sample standard deviation of the spectral error over the B * H "
+                      "std over those with a finite error (all but nonfinite) of the B * H "
+                      "heads",
+    "spectral_error_std": "sample standard deviation of the spectral error over the same "
                           "heads",
     "frobenius_error": "relative Frobenius-norm error against the same target, mean over "
-                       "the B * H heads",
-    "samples": "the heads the errors are taken over, B * H",
+                       "the same heads",
+    "samples": "the heads of every sequence, B * H",
+    "nonfinite": "heads whose spectral error is not finite: where NaN or inf in the "
+                 "inputs reach the exact output (or it is all zero), the head has no error "
+                 "and is left out of every row's mean and std alike; where only the "
+                 "method's output is not finite, the method failed there and its mean and "
+                 "std are NaN (as approx's rows: a method failing on some heads must not "
+                 "read as if it had none)",
     "time_ms": "median wall-clock milliseconds of one forward call on the whole batch, over "
                "the timed repeats after one warm-up call",
     "peak_mib": "peak memory in MiB (2^20 bytes) of one forward call above what was there "
@@ -59,9 +66,11 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             peak = SMALL
         lines.append(
             f"{r['method']:<{width}}{r['target']:<10}{feats:>9}{err:>23}{trivial:>9}"
-            f"{r['frobenius_error']:>10.4f}{r['time_ms']:>10.2f}{peak:>10}"
+            f"{r['frobenius_error']:>10.4f}{r['time_ms']:>10.2f}{peak:>10}{nonfinite(r)}"
         )
     lines += legend(rows)
+    if any(nonfinite(r) for r in rows):
+        lines.append(f"{NONFINITE_MARK}: {COLUMNS['nonfinite']}.")
     if any(r.get("peak_below_resolution") for r in rows):
         lines.append(f"peak MiB {SMALL}: a CPU peak under {CPU_RESOLUTION_BYTES / 2**20:g} MiB, "
                      f"below the measurement's resolution (it says only \"small\"; the "
@@ -71,6 +80,15 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         lines.append(f"{not_run} of {len(rows)} methods not measured on these inputs (their "
                      f"rows say why).")
     return "\n".join(lines)
+
+
+NONFINITE_MARK = "n of m heads not finite"  # what the legend calls a row's nonfinite
+
+
+def nonfinite(row: dict[str, Any]) -> str:
+    """The end of a row with heads that have no finite error: how many of how many."""
+    count = row.get("nonfinite")
+    return f"  {count} of {row['samples']} heads not finite" if count else ""
 
 
 def legend(rows: list[dict[str, Any]]) -> list[str]:

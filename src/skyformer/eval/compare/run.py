@@ -9,6 +9,7 @@ mean and spread over heads, relative Frobenius error, forward time and peak memo
 from __future__ import annotations
 
 import dataclasses
+import math
 import tempfile
 import warnings
 from dataclasses import dataclass, field
@@ -21,14 +22,14 @@ from tqdm.auto import tqdm
 
 from ...checks import check_positive_int
 from ...io import environment
-from ...ops.shared.inputs import check_attention_inputs
+from ...ops.shared.inputs import AttentionInputs, check_attention_inputs
 from ...registry import get_method, list_methods
 from ...registry.variants import refuse_swept_option
 from ...seeds import check_seed
 from ..data.qkv import QKV, load_qkv
 from ..data.text import read_text
 from ..measure.memory import MemoryJob, above_resolution, peak_memory_or_reason
-from ..measure.metrics import relative_error, trivial_error
+from ..measure.metrics import relative_error, sample_statistics
 from ..measure.timing import median_seconds
 from ..methods import (
     PreparedCall,
@@ -109,14 +110,47 @@ def given_tensors(qkv: Any) -> tuple[Tensor, Tensor, Tensor]:
 
 
 NUMBERS = ("spectral_error", "spectral_error_std", "trivial_error", "worse_than_trivial",
-           "frobenius_error", "samples", "time_ms", "peak_mib", "peak_below_resolution")
+           "frobenius_error", "samples", "nonfinite", "time_ms", "peak_mib",
+           "peak_below_resolution")
 
 
-def compare_on(qkv: QKV | tuple[Tensor, Tensor, Tensor],
-               config: CompareConfig) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class Given:
+    """The inputs ``compare_on`` measures on: ``q, k, v`` ``[B, H, N, D]`` and the key
+    padding mask ``[B, Nk]`` (True = real token; None = every key real)."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    key_padding_mask: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Target:
+    """The exact output a method is measured against, ``[B, H, Nq, Dv]``; ``measured``,
+    ``[B * H]``: the heads that have an error against it (output finite and not all
+    zero), the same for every method of the target; ``trivial``: the better trivial
+    answer's error over them."""
+
+    output: Tensor
+    measured: Tensor
+    trivial: float
+
+
+def compare_on(qkv: QKV | tuple[Tensor, Tensor, Tensor], config: CompareConfig, *,
+               key_padding_mask: Tensor | None = None) -> list[dict[str, Any]]:
     """Rows of the comparison on given Q/K/V ``[B, H, N, D]`` (a ``QKV`` captured from a
     model, or one's own ``(q, k, v)``): errors are the mean (and spread) over the B * H
-    heads, times those of one call on the whole batch.
+    heads, times those of one call on the whole batch. ``key_padding_mask``, ``[B, Nk]``
+    bool (True = real token), goes to the exact target and to every method alike (the
+    peak memory is measured on the call without it).
+
+    Heads whose exact output is not finite (NaN or inf in the inputs reach it: a
+    warning names them) or all zero have no error: they are left out of every row's
+    mean and std, and counted, with any head where the method alone is not finite
+    (whose row's mean and std are then NaN, as ``approx``'s), in ``nonfinite``.
+    Own tensors with more heads than tokens get a warning: the mark of ``[B, N, H, D]``
+    tensors read as ``[B, H, N, D]``.
 
     Unknown method names and inputs no method can take (``check_attention_inputs``) fail
     before anything runs. A method that cannot run these inputs (e.g. BigBird with
@@ -125,55 +159,110 @@ def compare_on(qkv: QKV | tuple[Tensor, Tensor, Tensor],
     memory: "failed") and the sentence why in ``reason``, its numbers ``None``; the others are
     measured."""
     q, k, v = given_tensors(qkv)
-    check_attention_inputs(q, k, v, None, method="compare_on")
-    _say_nonfinite(q, k, v)
+    info = check_attention_inputs(q, k, v, key_padding_mask, method="compare_on")
+    if not isinstance(qkv, QKV):  # a captured QKV's layout is known
+        _say_layout(q, k)
+    _say_nonfinite(q, k, v, info)
     methods = list(config.methods) if config.methods else list_methods()
     for m in methods:
         get_method(m)  # unknown names fail before any work
-    targets: dict[tuple, tuple[Tensor, float]] = {}
+    given = Given(q, k, v, key_padding_mask)
+    targets: dict[tuple, Target] = {}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         inputs = Path(tmp) / "qkv.pt"
         torch.save({"q": q, "k": k, "v": v}, inputs)
         # a bar on a terminal, nothing when piped (tqdm's disable=None)
         for name in tqdm(methods, desc="compare", unit="method", leave=False, disable=None):
-            rows.append(_row(name, (q, k, v), config, targets, str(inputs)))
+            rows.append(_row(name, given, config, targets, str(inputs)))
     return rows
 
 
-def _say_nonfinite(q: Tensor, k: Tensor, v: Tensor) -> None:
-    """A warning naming the inputs that hold NaN or inf: the rows they reach are NaN in
-    every method's output and in the exact one, so those heads' errors are NaN (a table
-    of NaNs said nothing of why)."""
-    spoiled = [f"{name} ({int((~torch.isfinite(t)).sum())} entries)"
-               for name, t in (("q", q), ("k", k), ("v", v)) if not torch.isfinite(t).all()]
+def _say_layout(q: Tensor, k: Tensor) -> None:
+    """A warning where the inputs have more heads than tokens: what tensors saved as
+    ``[B, N, H, D]`` (the transpose forgotten) look like read as ``[B, H, N, D]``, whose
+    "heads" are then tokens and whose errors, excellent-looking, mean nothing. A model
+    can have that many heads on short inputs: a warning, not an error."""
+    heads, nq, nk = q.shape[1], q.shape[2], k.shape[2]
+    if heads > max(nq, nk):
+        warnings.warn(
+            f"compare_on: q {tuple(q.shape)} and k {tuple(k.shape)}, read as [B, H, N, D], "
+            f"have more heads (H={heads}) than tokens (Nq={nq}, Nk={nk}): tensors saved as "
+            f"[B, N, H, D] look like that; if yours were, pass q.transpose(1, 2), "
+            f"k.transpose(1, 2) and v.transpose(1, 2) instead.", stacklevel=3)
+
+
+def _real_rows(t: Tensor, valid: Tensor | None) -> Tensor:
+    """The rows of ``t: [B, H, N, D]`` at the real tokens of ``valid: [B, N]``."""
+    return t if valid is None else t.transpose(1, 2)[valid]
+
+
+def _say_nonfinite(q: Tensor, k: Tensor, v: Tensor, info: AttentionInputs) -> None:
+    """A warning naming the inputs that hold NaN or inf at real tokens (the padding the
+    mask leaves out is read by nothing): the rows they reach are NaN in every method's
+    output and in the exact one, so those heads have no error and are left out of the
+    means (a table of NaNs said nothing of why)."""
+    counts = {name: int((~torch.isfinite(_real_rows(t, valid))).sum())
+              for name, t, valid in (("q", q, info.query_valid), ("k", k, info.key_valid),
+                                     ("v", v, info.key_valid))}
+    spoiled = [f"{name} ({count} entries)" for name, count in counts.items() if count]
     if spoiled:
         warnings.warn(f"compare_on: {', '.join(spoiled)} hold NaN or inf: the output rows "
-                      f"they reach are NaN, exact and approximate, and so are the errors "
-                      f"of their heads; replace them (torch.nan_to_num) or drop those "
-                      f"tokens first.", stacklevel=3)
+                      f"they reach are NaN, exact and approximate, so their heads have no "
+                      f"error and are left out of every row's mean and std (its nonfinite "
+                      f"counts them); replace them (torch.nan_to_num) or drop those tokens "
+                      f"first.", stacklevel=3)
 
 
-def _target(target: str, resolved: dict[str, Any], q: Tensor, k: Tensor, v: Tensor,
-            known: dict[tuple, tuple[Tensor, float]]) -> tuple[Tensor, float]:
-    """The exact output ``[B, H, Nq, Dv]`` of ``target`` (``exact_output``: float32 for
-    half-precision inputs) with the ``target_options`` of
-    ``resolved`` (causal, scale) and the error of the better trivial answer against it,
-    every row = mean of V (the softmax target's constant) or all zeros (relative error
-    1: the Gaussian target's rows are not weighted means, so mean(V) can be far off
-    there); kept in ``known`` for the next method with the same target."""
+def _target(target: str, resolved: dict[str, Any], given: Given,
+            known: dict[tuple, Target]) -> Target:
+    """The exact output of ``target`` (``exact_output``: float32 for half-precision
+    inputs) with the ``target_options`` of ``resolved`` (causal, scale) and the mask,
+    the heads it gives an error on (a head's error against itself is defined where
+    the exact output is finite and not all zero) and the trivial answer's error; kept
+    in ``known`` for the next method with the same target."""
     same = target_options(resolved)
     key = (target, *sorted(same.items()))
     if key not in known:
-        out = exact_output(target, q, k, v, **same)
-        known[key] = out, trivial_error(v, out, causal=bool(same.get("causal")))
+        out = exact_output(target, given.q, given.k, given.v,
+                           key_padding_mask=given.key_padding_mask, **same)
+        measured = relative_error(out, out, ord="fro").isfinite().flatten()
+        trivial = _trivial(given, out, measured, causal=bool(same.get("causal")))
+        known[key] = Target(out, measured, trivial)
     return known[key]
 
 
-def _row(name: str, qkv: tuple[Tensor, Tensor, Tensor], config: CompareConfig,
-         targets: dict[tuple, tuple[Tensor, float]], inputs: str) -> dict[str, Any]:
-    """The row of method ``name`` on ``qkv`` (``compare_on``)."""
-    q, k, v = qkv
+def _trivial(given: Given, exact: Tensor, measured: Tensor, *, causal: bool) -> float:
+    """Mean spectral error over the ``measured`` heads of the better trivial answer:
+    every row the mean of the real values (uniform attention: with ``causal``, row i the
+    mean of v_0..v_i; padded queries' rows zero, as every method's), the softmax
+    target's constant, or all zeros (relative error 1: the Gaussian target's rows are
+    not weighted means, so the mean of V can be far off there)."""
+    # zero queries and keys: equal scores, equal weights on every real key
+    mean_v = exact_output("softmax", torch.zeros_like(given.q), torch.zeros_like(given.k),
+                          given.v, key_padding_mask=given.key_padding_mask, causal=causal)
+    errors = relative_error(mean_v, exact, ord=2).flatten()[measured]
+    error = errors.mean().item()  # NaN where no head has an error
+    return error if math.isnan(error) else min(1.0, error)
+
+
+def _errors(out: Tensor, target: Target) -> dict[str, Any]:
+    """The error numbers of a row: ``out``'s spectral and Frobenius errors per head
+    against the target, their statistics over the heads it measures (approx's: NaN
+    where the method is not finite on one of them), the heads without a finite error."""
+    spectral = relative_error(out, target.output, ord=2).flatten()  # [B * H]
+    frobenius = relative_error(out, target.output, ord="fro").flatten()
+    s = sample_statistics(spectral[target.measured])
+    return {"spectral_error": s["mean"], "spectral_error_std": s["std"],
+            "trivial_error": target.trivial, "worse_than_trivial": s["mean"] > target.trivial,
+            "frobenius_error": sample_statistics(frobenius[target.measured])["mean"],
+            "samples": spectral.numel(), "nonfinite": int((~spectral.isfinite()).sum())}
+
+
+def _row(name: str, given: Given, config: CompareConfig, targets: dict[tuple, Target],
+         inputs: str) -> dict[str, Any]:
+    """The row of method ``name`` on ``given`` (``compare_on``)."""
+    q, k, v, mask = given.q, given.k, given.v, given.key_padding_mask
     spec = get_method(name)
     named = resolve(name)
     options = named.options(config.num_features)
@@ -190,7 +279,7 @@ def _row(name: str, qkv: tuple[Tensor, Tensor, Tensor], config: CompareConfig,
         def run(call: PreparedCall = call) -> Tensor:
             g = torch.Generator(device=q.device).manual_seed(config.seed)
             with torch.no_grad():
-                return call(q, k, v, g)
+                return call(q, k, v, g, key_padding_mask=mask)
 
         out = run()
     except ValueError as err:  # a CapabilityError, or inputs the options exclude
@@ -198,14 +287,7 @@ def _row(name: str, qkv: tuple[Tensor, Tensor, Tensor], config: CompareConfig,
     except (RuntimeError, TypeError) as err:  # e.g. out of memory
         return {**row, "status": "failed",
                 "reason": f"{type(err).__name__}: {_first_line(err)}"}
-    exact, trivial = _target(row["target"], resolved, q, k, v, targets)
-    # one error per head of every sequence, [B * H], as the trivial answer's
-    spectral = relative_error(out, exact, ord=2).flatten()
-    frobenius = relative_error(out, exact, ord="fro").flatten()
-    row.update(spectral_error=spectral.mean().item(),
-               spectral_error_std=spectral.std().item() if spectral.numel() > 1 else 0.0,
-               trivial_error=trivial, worse_than_trivial=spectral.mean().item() > trivial,
-               frobenius_error=frobenius.mean().item(), samples=spectral.numel())
+    row.update(_errors(out, _target(row["target"], resolved, given, targets)))
     row["time_ms"] = median_seconds(run, device=q.device, warmup=1,
                                     repeats=config.repeats) * 1e3
     if config.memory:

@@ -121,3 +121,24 @@ def trivial_error(v: Tensor, exact: Tensor, *, causal: bool = False) -> float:
         mean_v = v.to(exact.dtype).mean(dim=-2, keepdim=True).expand_as(exact)
     error = relative_error(mean_v, exact, ord=2).mean().item()
     return error if math.isnan(error) else min(1.0, error)  # a NaN head: NaN, as methods'
+
+
+def sample_statistics(values: Tensor) -> dict[str, float]:
+    """Mean, std, quartiles and range of the samples (per head errors of ``approx`` and
+    ``compare``); NaN where any sample is not finite
+    (a method that fails on its hardest heads must not read as if it had none; the
+    row's ``nonfinite`` says how many)."""
+    v = values.detach().to(torch.float64).flatten()
+    finite = v[torch.isfinite(v)]
+    if finite.numel() == 0 or finite.numel() < v.numel():
+        return dict.fromkeys(("mean", "std", "median", "q25", "q75", "min", "max"), math.nan)
+    q = torch.quantile(finite, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64))
+    return {
+        "mean": finite.mean().item(),
+        "std": finite.std().item() if finite.numel() > 1 else 0.0,
+        "median": q[1].item(),
+        "q25": q[0].item(),
+        "q75": q[2].item(),
+        "min": finite.min().item(),
+        "max": finite.max().item(),
+    }
