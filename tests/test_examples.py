@@ -267,3 +267,19 @@ def test_sequence_parallel_train_refuses_no_data_parallel_group_in_a_sentence(ca
     with pytest.raises(SystemExit):
         example("sequence_parallel_train").main(["--data-parallel", "0"])
     assert "--data-parallel must be at least 1" in capsys.readouterr().err
+
+
+def test_torch_model_swaps_attention_into_torch_layers_keeping_the_weights(capsys):
+    module = example("torch_model")
+    result = module.main(["--quick", "--methods", "skyformer", "performer[num_features=8]"])
+    # softmax through replace_attention is torch's own layers' output, to rounding
+    assert result.softmax_difference < 1e-4
+    names = [module.EXACT, "skyformer[num_features=16]", "performer[num_features=8]"]
+    assert list(result.swapped) == list(result.finetuned) == names
+    for accuracy in (*result.swapped.values(), *result.finetuned.values()):
+        assert 0 <= accuracy <= 1
+    assert result.swapped[module.EXACT] > 0.75  # trained with torch's attention: it learnt
+    assert result.finetuned["skyformer[num_features=16]"] > 0.75
+    out = capsys.readouterr().out
+    assert 'replace_attention(model, "softmax"): logits differ' in out
+    assert "Gaussian kernelized attention, not softmax" in out
