@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from skyformer import attention, kernelized_attention, softmax_attention
+from skyformer import attention, kernelized_attention, random_key, softmax_attention
 from skyformer.eval.measure.metrics import relative_error
 from skyformer.linalg import kernel_scale
 from skyformer.ops.multipole import (
@@ -15,7 +15,7 @@ from skyformer.ops.multipole import (
     skyformer_multipole_attention,
     softmax_multipole_attention,
 )
-from skyformer.ops.multipole.far_field import value_basis
+from skyformer.ops.multipole.far_field import subspace_gradient, subspace_tangent, value_basis
 from skyformer.ops.multipole.layout import block_layout
 from skyformer.ops.multipole.naive import (
     reference_skyformer_multipole_attention,
@@ -130,28 +130,58 @@ def test_lsh_buckets_match_naive_reference(target, masked):
 
 
 @pytest.mark.parametrize("target", ["softmax", "gaussian"])
-def test_cross_attention_matches_reference_and_has_no_window(target):
+def test_cross_attention_matches_reference(target):
     q, k, v = make_qkv(1, 2, 10, 8, nk=23, seed=12, scale=0.7)
-    fast = FAST[target](q, k, v, generator=gen(1), num_features=12, window=4)
-    w, _, c, near = feature_split(12, 4, None, self_attention=False)
-    assert w == 0 and c + near == 12
-    a, _, _ = draws_for(target, q, k, v, None, 1, 12, 4)
+    fast = FAST[target](q, k, v, generator=gen(1), num_features=12)
+    _, _, c, near = feature_split(12, 0, None, self_attention=False)
+    assert c + near == 12
+    a, _, _ = draws_for(target, q, k, v, None, 1, 12, 0)
     ref = REFERENCE[target](q, k, v, a, near=near, window=0, rank=8)
     torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)
 
 
 @pytest.mark.parametrize("target", ["softmax", "gaussian"])
-def test_a_query_mask_of_its_own_is_cross_attention_without_a_window(target):
+def test_a_query_mask_of_its_own_is_cross_attention(target):
     """Queries with a mask of their own attend to other keys, also when both are padded
-    to one width: no window, so padding equals truncation (the window was applied by
-    rank there, and the truncated call, of other lengths, had none)."""
+    to one width: padding equals truncation."""
     q, k, v = make_qkv(1, 2, 40, 8, seed=14)
     real = torch.zeros(1, 40, dtype=torch.bool)
     real[0, :25] = True
-    options = {"num_features": 16, "window": 1}
-    padded = FAST[target](q, k, v, query_padding_mask=real, generator=gen(0), **options)
-    truncated = FAST[target](q[:, :, :25], k, v, generator=gen(0), **options)
+    padded = FAST[target](q, k, v, query_padding_mask=real, generator=gen(0), num_features=16)
+    truncated = FAST[target](q[:, :, :25], k, v, generator=gen(0), num_features=16)
     torch.testing.assert_close(padded[:, :, :25], truncated, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("target", ["softmax", "gaussian"])
+def test_a_window_in_cross_attention_is_refused(target):
+    """A window needs each query's own position among the keys: with Nq != Nk or a
+    query mask of its own it was dropped without a word (the output that of window=0)."""
+    q, k, v = make_qkv(1, 2, 40, 8, seed=14)
+    real = torch.zeros(1, 40, dtype=torch.bool)
+    real[0, :25] = True
+    with pytest.raises(ValueError, match=r"window=1 .* \(here Nq=25 != Nk=40\); use lsh_block"):
+        FAST[target](q[:, :, :25], k, v, generator=gen(0), num_features=16, window=1)
+    with pytest.raises(ValueError, match=r"here a query_padding_mask of its own\); use lsh_b"):
+        FAST[target](q, k, v, query_padding_mask=real, generator=gen(0), num_features=16,
+                     window=1)
+    FAST[target](q[:, :, :25], k, v, generator=gen(0), num_features=16, lsh_block=4)
+
+
+def test_a_window_or_bucket_wider_than_the_budget_allows_is_refused():
+    """num_features=8 with window=3 ran as window=0 (the window shrunk to a quarter of
+    the budget without a word); a window that does not fit is refused, one that does
+    runs as asked, and the tolerance ladder's smaller rungs shrink it to their budget."""
+    q, k, v = make_qkv(1, 1, 24, 4)
+    for options, words in (({"num_features": 8, "window": 3}, "lower window to at most 0 or "
+                            "raise num_features to 28"),
+                           ({"num_features": 16, "window": 2}, "at most 1"),
+                           ({"num_features": 16, "lsh_block": 5}, "lsh_block to at most 4")):
+        with pytest.raises(ValueError, match=words):
+            attention(q, k, v, "softmax_multipole", **options)
+    assert feature_split(20, 2, None, self_attention=True)[0] == 2
+    out, choice = multipole_with_choice("softmax_multipole", q, k, v, generator=gen(0),
+                                        num_features=20, window=2, tolerance=0.1, probe=4)
+    assert choice.ladder == (0, 4, 5, 10, 20) and torch.isfinite(out).all()
 
 
 @pytest.mark.parametrize("target", ["softmax", "gaussian"])
@@ -416,7 +446,7 @@ def test_window_follows_ranks_so_holes_equal_truncation(window):
     packed = [t.gather(2, order[:, None, :, None].expand_as(t)) for t in (q, k, v)]
     packed_mask = mask.gather(1, order)
     for method in ("softmax_multipole", "skyformer_multipole"):
-        opts = {"num_features": 12, "window": window}
+        opts = {"num_features": 20, "window": window}
         out = attention(q, k, v, method, key_padding_mask=mask, generator=gen(0), **opts)
         ref = attention(*packed, method, key_padding_mask=packed_mask, generator=gen(0), **opts)
         for i in range(2):
@@ -433,6 +463,28 @@ def test_tolerance_options_are_checked():
             attention(q, k, v, "softmax_multipole", **options)
     with pytest.raises(ValueError, match="method must be one of"):
         multipole_with_choice("skyformer", q, k, v)
+
+
+def test_multipole_with_choice_takes_a_query_mask_and_refuses_misnamed_options():
+    """It had no ``query_padding_mask`` and passed every keyword to the config, whose
+    raw TypeError ("__init__() got an unexpected keyword argument") answered both."""
+    q, k, v = make_qkv(1, 2, 20, 4, seed=3)
+    real = torch.ones(1, 20, dtype=torch.bool)
+    real[0, 15:] = False
+    options = {"num_features": 8, "tolerance": 0.1, "probe": 4}
+    out, _ = multipole_with_choice("softmax_multipole", q, k, v, query_padding_mask=real,
+                                   generator=gen(0), **options)
+    truncated, _ = multipole_with_choice("softmax_multipole", q[:, :, :15], k, v,
+                                         generator=gen(0), **options)
+    torch.testing.assert_close(out[:, :, :15], truncated, rtol=1e-9, atol=1e-11)
+    assert torch.all(out[:, :, 15:] == 0)
+    for options, words in (({"num_featurs": 8}, "has no option 'num_featurs' .*did you mean "
+                            "'num_features'"),
+                           ({"query_padding_msk": real}, "multipole_with_choice has no "
+                            "argument 'query_padding_msk' .*did you mean"),
+                           ({"mask": real}, "takes no argument 'mask'")):
+        with pytest.raises(ValueError, match=words):
+            multipole_with_choice("skyformer_multipole", q, k, v, **options)
 
 
 @pytest.mark.parametrize("chunk", [1, 3, None])  # several groups with a ragged last one; one
@@ -472,7 +524,8 @@ def test_a_backward_pass_under_autocast_gives_the_gradients_of_one_outside(metho
     def gradients(inside):
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = attention(*leaves, method, num_features=8, generator=gen(0))
+            # tilt_rank < Dv: the value basis' backward too (float64 under autocast)
+            out = attention(*leaves, method, num_features=8, tilt_rank=4, generator=gen(0))
             loss = out.float().square().sum()
             if inside:
                 return torch.autograd.grad(loss, leaves)
@@ -522,9 +575,9 @@ def test_values_gradient_through_the_range_clamp_matches_finite_differences():
 def test_value_basis_keeps_only_directions_the_values_vary_along():
     """Fewer real keys than tilt_rank + 1 give fewer principal directions than the rank:
     the basis held tilt_rank columns anyway, the extra ones eigenvectors of a zero
-    eigenvalue that eigh picks at will, and the values' gradient (for which the basis is
-    a constant) followed that pick. Those columns are zero: the projector is the one
-    onto the span of the centred real values."""
+    eigenvalue that eigh picks at will, and the values' gradient followed that pick.
+    Those columns are zero: the projector is the one onto the span of the centred real
+    values."""
     v = torch.randn(2, 1, 6, 7, generator=gen(0), dtype=torch.float64)
     mask = torch.ones(2, 6, dtype=torch.bool)
     mask[0, 3:] = False  # 3 real keys: their centred rows span 2 directions
@@ -553,3 +606,114 @@ def test_values_gradient_with_fewer_keys_than_the_tilt_rank_matches_reference(ta
     for a_, b_ in zip(torch.autograd.grad((fast * up).sum(), (q, k, v)),
                       torch.autograd.grad((ref * up).sum(), (q, k, v)), strict=True):
         torch.testing.assert_close(a_, b_, rtol=1e-8, atol=1e-10)
+
+
+def _projector_loss(basis, w, x):
+    """A loss that depends on U through U U^T only, as the far field does."""
+    p = basis @ basis.transpose(-1, -2)
+    return (w * p).sum() + ((p @ x) ** 3).sum()
+
+
+def test_subspace_gradient_matches_finite_differences_on_the_covariance():
+    """The basis' backward (grad_C = sym(V [F o (V^T G)] V^T), kept-vs-dropped pairs
+    only) against central differences of the loss through eigh along symmetric
+    directions of C, and its forward-mode counterpart as its adjoint."""
+    g = gen(0)
+    a = torch.randn(10, 6, generator=g, dtype=torch.float64)
+    cov = (a.T @ a)[None, None]  # [1, 1, 6, 6], distinct eigenvalues
+    w, x = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((6, 6), (6, 4)))
+    eigenvalues, eigenvectors = torch.linalg.eigh(cov)
+    floor = eigenvalues[..., -1:] * 1e-12
+
+    def loss_of_cov(c):
+        return _projector_loss(torch.linalg.eigh(c)[1][..., 3:], w, x)
+
+    basis = eigenvectors[..., 3:].clone().requires_grad_(True)
+    grad_basis = torch.autograd.grad(_projector_loss(basis, w, x), basis)[0]
+    grad_cov = subspace_gradient(grad_basis, eigenvalues, eigenvectors, floor, 3)
+    torch.testing.assert_close(grad_cov, grad_cov.transpose(-1, -2), rtol=0, atol=0)
+    for seed in range(3):
+        e = torch.randn(6, 6, generator=gen(seed + 1), dtype=torch.float64)
+        e = e + e.T
+        step = 1e-6
+        fd = (loss_of_cov(cov + step * e) - loss_of_cov(cov - step * e)) / (2 * step)
+        torch.testing.assert_close((grad_cov * e).sum(), fd, rtol=1e-7, atol=1e-9)
+        tangent = subspace_tangent(e, eigenvalues, eigenvectors, floor, 3)
+        torch.testing.assert_close((grad_basis * tangent).sum(), (grad_cov * e).sum())
+
+
+@pytest.mark.parametrize("method", ["softmax_multipole", "skyformer_multipole"])
+def test_values_gradient_through_the_value_basis_passes_gradcheck(method):
+    """tilt_rank < Dv: the basis U(V) is part of the function. Its gradient was taken as
+    fixed (gradcheck failed here for the Gaussian target; the reviewer's directional
+    derivative below had the wrong sign)."""
+    q, k, v = make_qkv(2, 1, 16, 4, dv=6, seed=3)
+    mask = torch.ones(2, 16, dtype=torch.bool)
+    mask[1, 12:] = False
+    mask[0, 4] = False
+    v.requires_grad_(True)
+    torch.autograd.gradcheck(
+        lambda v: attention(q, k, v, method, key_padding_mask=mask, num_features=6,
+                            tilt_rank=2, generator=gen(0)),
+        (v,), atol=1e-6, rtol=1e-5)
+
+
+def test_values_directional_derivative_with_the_default_tilt_rank_matches_differences():
+    """The review's case: D = Dv = 16 > tilt_rank = 8 (the default), 8 features. Autograd
+    gave -0.738 along this direction where the central difference gives +0.580."""
+    g = gen(0)
+    q, k, v = (torch.randn(1, 1, 40, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    w, d = (torch.randn(1, 1, 40, 16, generator=g, dtype=torch.float64) for _ in range(2))
+
+    def f(v):
+        return (softmax_multipole_attention(q, k, v, generator=gen(1), num_features=8)
+                * w).sum()
+
+    leaf = v.clone().requires_grad_(True)
+    grad = torch.autograd.grad(f(leaf), leaf)[0]
+    step = 1e-6
+    fd = (f(v + step * d) - f(v - step * d)) / (2 * step)
+    torch.testing.assert_close((grad * d).sum(), fd, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("method", ["softmax_multipole", "skyformer_multipole"])
+def test_value_basis_gradient_under_transforms_and_compile(method):
+    """tilt_rank < Dv through torch.func (jvp against reverse mode, per-sample gradients
+    by vmap of grad) and torch.compile (aot_eager): the same derivative as eager
+    autograd; a differentiable backward (create_graph) is refused in a sentence."""
+    q, k, v = make_qkv(2, 2, 24, 8, seed=4)
+    mask = torch.ones(2, 24, dtype=torch.bool)
+    mask[1, 18:] = False
+    key = random_key(3)
+    options = {"num_features": 8, "tilt_rank": 3}
+
+    def f(q, k, v):
+        return attention(q, k, v, method, key_padding_mask=mask, generator=key, **options)
+
+    u = torch.randn(q.shape, generator=gen(5), dtype=q.dtype)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    reverse = torch.autograd.grad(f(*leaves), leaves, u)
+    tangents = make_qkv(2, 2, 24, 8, seed=1)
+    _, forward = torch.func.jvp(f, (q, k, v), tangents)
+    torch.testing.assert_close((u * forward).sum(),
+                               sum((g * t).sum() for g, t in zip(reverse, tangents, strict=True)))
+
+    def loss(q, k, v, valid):
+        return (attention(q[None], k[None], v[None], method, key_padding_mask=valid[None],
+                          generator=key, **options) * 1.5).square().sum()
+
+    per_sample = torch.func.vmap(torch.func.grad(loss, argnums=2))(q, k, v, mask)
+    for i in range(2):
+        leaf = v[i].clone().requires_grad_(True)
+        want = torch.autograd.grad(loss(q[i], k[i], leaf, mask[i]), leaf)[0]
+        torch.testing.assert_close(per_sample[i], want)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    for got, want in zip(torch.autograd.grad(compiled(*leaves), leaves, u), reverse,
+                         strict=True):
+        torch.testing.assert_close(got, want)
+    leaf = v.clone().requires_grad_(True)
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        torch.autograd.grad(value_basis(leaf, mask, 3).sum(), leaf, create_graph=True)

@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 from ...linalg import half_sq_norm, kernel_scale
-from ...registry import Capabilities, register
+from ...registry import Capabilities, get_method, register
+from ...registry.methods import refuse_misnamed_arguments
 from ..shared.inputs import (
     check_attention_inputs,
     compute_dtype,
@@ -33,7 +34,7 @@ from ..shared.inputs import (
     zero_padded_queries,
 )
 from ..shared.options import check_scale
-from .options import MultipoleOptions
+from .options import MultipoleOptions, check_window
 from .sums import PartialSums, multipole_sums
 from .targeted import FeatureChoice, targeted_multipole
 
@@ -105,6 +106,9 @@ def multipole_and_choice(
     method = "softmax_multipole" if softmax else "skyformer_multipole"
     info = check_attention_inputs(q, k, v, key_padding_mask, method=method,
                                   query_padding_mask=query_padding_mask)
+    check_window(method, config, nq=info.query_len, nk=info.key_len,
+                 self_attention=info.query_len == info.key_len
+                 and info.query_valid is info.key_valid)
     generator = resolve_key(method, generator, q.device)
     work = compute_dtype(q.dtype)
     values = v.to(work)
@@ -136,19 +140,25 @@ def multipole_and_choice(
 
 def multipole_with_choice(
     method: str, q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask: Tensor | None = None,
-    generator: torch.Generator | None = None, **options: Any,
+    query_padding_mask: Tensor | str | None = "auto",
+    generator: torch.Generator | Tensor | None = None, **options: Any,
 ) -> tuple[Tensor, FeatureChoice | None]:
     """``multipole_and_choice`` by method name, options as keyword arguments.
 
     Args:
         method: ``"softmax_multipole"`` or ``"skyformer_multipole"``.
         q: ``[B, H, Nq, D]``; k: ``[B, H, Nk, D]``; v: ``[B, H, Nk, Dv]``.
-        options: the method's options (``SoftmaxMultipoleConfig`` / ``SkyformerMultipoleConfig``).
+        key_padding_mask, query_padding_mask, generator: as ``skyformer.attention``.
+        options: the method's options (``SoftmaxMultipoleConfig`` / ``SkyformerMultipoleConfig``);
+            an unknown one is refused in a sentence listing them.
     """
     if method not in CONFIGS:
         raise ValueError(f"method must be one of {', '.join(CONFIGS)}, got {method!r}.")
-    return multipole_and_choice(q, k, v, CONFIGS[method](**options),
-                                key_padding_mask=key_padding_mask, generator=generator)
+    spec = get_method(method)
+    refuse_misnamed_arguments(spec, options, "multipole_with_choice", multipole_with_choice)
+    return multipole_and_choice(q, k, v, spec.make_config(**options),
+                                key_padding_mask=key_padding_mask,
+                                query_padding_mask=query_padding_mask, generator=generator)
 
 
 # why torch.export cannot take a symbolic sequence length (Capabilities)

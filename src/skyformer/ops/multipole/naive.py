@@ -27,13 +27,17 @@ from torch import Tensor
 def _value_projector(v: Tensor, rank: int) -> Tensor:
     """P = U U^T for the top ``rank`` principal directions of the rows of v ``[n, Dv]``,
     of those along which the rows vary (eigenvalue above rounding, relative to the
-    largest): fewer than ``rank`` where the centred rows span fewer."""
+    largest and to what centring leaves, eps sum_j |v_j|^2): fewer than ``rank`` where
+    the centred rows span fewer. Differentiable in v by autograd's eigenvector
+    derivative (exact where the eigenvalues are distinct)."""
     dv = v.shape[-1]
     if rank >= dv:
         return torch.eye(dv, dtype=v.dtype)
-    centred = v.detach().double() - v.detach().double().mean(0)
+    centred = v.double() - v.double().mean(0)
     eigenvalues, eigenvectors = torch.linalg.eigh(centred.T @ centred)
-    varies = eigenvalues > eigenvalues[-1] * 64 * dv * torch.finfo(torch.float64).eps
+    eps = torch.finfo(torch.float64).eps  # rounding: of the largest, or of the centring
+    scale = torch.maximum(eigenvalues[-1], eps * v.double().square().sum()).detach()
+    varies = eigenvalues.detach() > scale * 64 * dv * eps
     u = eigenvectors[:, dv - rank:][:, varies[dv - rank:]].to(v.dtype)
     return u @ u.T
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ...linalg import KERNELS
@@ -19,14 +20,16 @@ class MultipoleOptions:
     """Options of the multipole (near field + far-field expansion) methods.
 
     num_features: kernel evaluations per query: clusters + near keys + window keys.
-    window: local window half-width w (keys |i - j| <= w, ranks among the real tokens,
-        self-attention only, so not with a query_padding_mask of its own; 0 = none, the
-        default: with the first-order far field it bought little on MiniLM, see
-        ``docs/accuracy-first.md``); shrunk so that its 2w + 1 keys are at most a quarter
-        of ``num_features`` (w <= 15 at 128).
+    window: local window half-width w (keys |i - j| <= w, ranks among the real tokens;
+        0 = none, the default: with the first-order far field it bought little on
+        MiniLM, see ``docs/accuracy-first.md``). Self-attention only: a call with
+        Nq != Nk or a query_padding_mask of its own is refused (``check_window``). Its
+        2w + 1 keys must fit in a quarter of ``num_features`` (w <= 15 at 128; a wider
+        window is refused, not shrunk; with ``tolerance`` the smaller rungs of the
+        ladder shrink it to their budget).
     lsh_block: keys per angular-LSH bucket (KDEformer Appendix A, Hamming-ordered
         equal-sized buckets) computed exactly for each query (0 = none); at most a
-        quarter of ``num_features``. Exclusive with ``window``.
+        quarter of ``num_features`` (refused above). Exclusive with ``window``.
     lsh_hyperplanes: hyperplanes r of the LSH (2^r buckets before equal-size cutting).
     clusters: number of query clusters c; ``None`` = half of what the window leaves.
         The remaining budget goes to the near keys of each cluster.
@@ -60,6 +63,25 @@ class MultipoleOptions:
     probe: int = 32
     kernel: str = "auto"
 
+    def _check_exact_keys_fit(self, method: str) -> None:
+        """A window or LSH bucket wider than a quarter of the budget is refused (it was
+        shrunk without a word: num_features=8 with window=3 ran as window=0)."""
+        quarter = self.num_features // 4
+        widest = max(0, (quarter - 1) // 2)
+        if self.window > widest:
+            raise ValueError(
+                f"{method}: window={self.window} takes 2w + 1 = {2 * self.window + 1} keys "
+                f"per query, more than a quarter of num_features={self.num_features} "
+                f"({quarter}); lower window to at most {widest} or raise num_features to "
+                f"{4 * (2 * self.window + 1)}."
+            )
+        if self.lsh_block > quarter:
+            raise ValueError(
+                f"{method}: lsh_block={self.lsh_block} keys per query are more than a "
+                f"quarter of num_features={self.num_features} ({quarter}); lower lsh_block "
+                f"to at most {quarter} or raise num_features to {4 * self.lsh_block}."
+            )
+
     def validate(self, method: str) -> None:
         check_positive_int(method, "num_features", self.num_features)
         for name in ("window", "lsh_block", "kmeans_iterations"):
@@ -88,6 +110,7 @@ class MultipoleOptions:
             check_optional_positive_int(method, name, getattr(self, name))
         if self.tilt_rank is not None:
             check_nonnegative_int(method, "tilt_rank", self.tilt_rank)
+        self._check_exact_keys_fit(method)
         window, lsh, _, _ = feature_split(self.num_features, self.window, None,
                                           self_attention=True, lsh_block=self.lsh_block)
         extra = (2 * window + 1 if window else 0) + lsh
@@ -98,6 +121,18 @@ class MultipoleOptions:
                 f"{self.num_features} with {extra} window/LSH keys allows at most {left} "
                 f"clusters; raise num_features or lower clusters."
             )
+
+
+def check_window(method: str, options: MultipoleOptions, *, nq: int, nk: int,
+                 self_attention: bool) -> None:
+    """Refuse a ``window`` where the call is cross-attention (it would be dropped)."""
+    if options.window and not self_attention:
+        why = f"Nq={nq} != Nk={nk}" if nq != nk else "a query_padding_mask of its own"
+        raise ValueError(
+            f"{method}: window={options.window} takes the keys around each query's own "
+            f"position, which only self-attention has (here {why}); use lsh_block for "
+            f"per-query exact keys in cross-attention, or leave window=0."
+        )
 
 
 def feature_split(
@@ -118,3 +153,11 @@ def feature_split(
     left = num_features - (2 * w + 1 if w else 0) - lsh
     c = max(1, left // 2) if clusters is None else min(clusters, left)
     return w, lsh, c, left - c
+
+
+def rung_options(options: MultipoleOptions, num_features: int) -> MultipoleOptions:
+    """``options`` at a smaller budget of the ``tolerance`` ladder, the window and LSH
+    bucket shrunk to fit it (``feature_split``'s rule)."""
+    w, lsh, _, _ = feature_split(num_features, options.window, None, self_attention=True,
+                                 lsh_block=options.lsh_block)
+    return dataclasses.replace(options, num_features=num_features, window=w, lsh_block=lsh)

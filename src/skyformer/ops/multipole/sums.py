@@ -27,9 +27,10 @@ exp(-|q_i|^2/2) S_i[:Dv] with b_j = -|k_j|^2/2). Queries are clustered by k-mean
   with kbar_a, vbar_a the p_a-means and Cov_a(v, k) the p_a-covariance of values and
   keys. The same expansion serves the numerator and the normaliser, so nothing is
   counted twice and the normaliser is always positive. The covariance is kept for the
-  ``tilt_rank`` leading principal directions of the values (per head; the basis carries
-  no gradient), and the tilted mean is clamped to the range of the values, so softmax
-  outputs stay inside the values' per-coordinate range like exact attention.
+  ``tilt_rank`` leading principal directions of the values (per head; differentiable
+  in the values through the subspace it spans, ``far_field.value_basis``), and the
+  tilted mean is clamped to the range of the values, so softmax outputs stay inside
+  the values' per-coordinate range like exact attention.
   The covariance is estimated from a uniform sample of ``tilt_sample`` keys, so its
   cost does not grow with N.
 - **Window / LSH keys in the far field** are removed from it with their first-order

@@ -21,7 +21,6 @@ ladder costs less than twice the top rung, plus the probe rows.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,7 +29,7 @@ from torch import Tensor
 
 from ...sketch.landmarks import PADDED_KEY, smallest_keys
 from ..shared.inputs import AttentionInputs
-from .options import MultipoleOptions
+from .options import MultipoleOptions, rung_options
 from .sums import PartialSums, draw, multipole_sums
 
 Finish = Callable[[PartialSums, Tensor], Tensor]  # (sums, scaled query rows) -> output rows
@@ -93,7 +92,7 @@ def targeted_multipole(
         if budget == 0:
             out = trivial(exact, probe_live).expand(b, h, nq, exact.shape[-1])
         else:
-            rung = dataclasses.replace(options, num_features=budget)
+            rung = rung_options(options, budget)
             out = finish(multipole_sums(q, k, v, key_bias, info, rung, generator, draws=draws,
                                         gaussian=gaussian), q)
         rows = out.gather(2, index.expand(b, h, -1, out.shape[-1])) * probe_live
