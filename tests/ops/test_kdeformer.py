@@ -205,7 +205,8 @@ def test_defaults_follow_the_paper():
     cfg = get_method("kdeformer").make_config()
     assert (cfg.num_features, cfg.blocks, cfg.num_hyperplanes, cfg.normalizer) == (
         128, 64, 7, "sampled")
-    assert (cfg.estimator, cfg.rows, cfg.mix, cfg.sampler) == ("rows", 32, 0.5, "systematic")
+    assert (cfg.estimator, cfg.rows, cfg.mix_weight, cfg.sampler) == (
+        "rows", 32, 0.5, "systematic")
 
 
 def test_bad_inputs_name_the_problem():
@@ -215,7 +216,12 @@ def test_bad_inputs_name_the_problem():
         ({"block_size": -1}, "block_size"),
         ({"num_hyperplanes": 0}, "num_hyperplanes"),
         ({"num_hyperplanes": 40}, "num_hyperplanes"),
-        ({"kde_samples": 0}, "kde_samples"),
+        ({"kde_samples": 0, "estimator": "uniform"}, "kde_samples"),
+        ({"kde_samples": 8}, r"kde_samples=8 has no effect with estimator='rows' .*pass "
+         r"estimator='uniform' or leave kde_samples out"),
+        ({"kde_rows": 4, "mix": 0.5, "estimator": "uniform"}, r"kde_rows=4, mix=0.5 has no "
+         r"effect with estimator='uniform' .*leave kde_rows and mix out"),
+        ({"mix": 0.2, "estimator": "uniform"}, "mix=0.2 has no effect"),
         ({"normalizer": "exact"}, "normalizer"),
         ({"normalizer": "kde"}, "estimator='uniform'"),
         ({"estimator": "kde"}, "estimator"),

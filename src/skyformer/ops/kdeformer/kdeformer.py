@@ -48,6 +48,10 @@ released code's 1.5 m (``"uniform"``: m/2 + m + 2 ``kde_samples`` = 3.5 m).
 ``block_size=0`` drops the sparse part. Every sample is drawn with a shape independent
 of N, and rows are taken by rank among the real rows, so for one sequence right padding
 draws the same samples as truncation.
+
+Gradients: p is detached on purpose. The importance-weighted sums are unbiased for any
+fixed p, so with p fixed their gradient is an unbiased estimate of the expected output's
+gradient; the derivative of one draw through p is not, so ``gradcheck`` does not apply.
 """
 
 from __future__ import annotations
@@ -105,14 +109,16 @@ class KDEformerConfig(LshBlockOptions):
         module doc).
     kde_rows: r, the query rows of the ``"rows"`` estimator; None = max(1, m // 4).
     mix: weight of the estimated column norms in p (``"rows"``); the rest is the
-        value-norm + uniform distribution of the authors' code (0.5; 0 = that code's p;
-        1 = the estimated norms alone (Algorithm 1 line 5 draws by squared norms plus
+        value-norm + uniform distribution of the authors' code (None = 0.5; 0 = that
+        code's p; 1 = the estimated norms alone (Algorithm 1 line 5 draws by squared norms plus
         a value term), where a column whose
         estimate is 0, because every sampled row shares its LSH block, is never drawn:
         a bias, small but measurable, that any mix < 1 avoids).
     sampler: ``"systematic"`` (along the LSH order of the keys) or ``"iid"``.
     kde_samples: uniformly sampled keys (for alpha) and queries (for the column
         norms) of the ``"uniform"`` estimator; None = num_features.
+    An option of the other estimator (``kde_samples`` with ``"rows"``; ``kde_rows`` or
+    ``mix`` with ``"uniform"``) would have no effect and is refused.
     normalizer: ``"sampled"`` (D~ from the importance samples, as the authors' code) or
         ``"kde"`` (D~ = diag(alpha), literally Algorithm 3; needs
         ``estimator="uniform"``; unstable, see module doc).
@@ -121,7 +127,7 @@ class KDEformerConfig(LshBlockOptions):
 
     estimator: str = "rows"
     kde_rows: int | None = None
-    mix: float = 0.5
+    mix: float | None = None
     sampler: str = "systematic"
     kde_samples: int | None = None
     normalizer: str = "sampled"
@@ -131,13 +137,15 @@ class KDEformerConfig(LshBlockOptions):
         self.validate("kdeformer")
         check_choice("kdeformer", "estimator", self.estimator, ESTIMATORS)
         check_optional_positive_int("kdeformer", "kde_rows", self.kde_rows)
-        check_nonnegative_float("kdeformer", "mix", self.mix)
-        if self.mix > 1:
-            raise ValueError(f"kdeformer: mix must be a number in [0, 1], got {self.mix!r}.")
+        if self.mix is not None:
+            check_nonnegative_float("kdeformer", "mix", self.mix)
+            if self.mix > 1:
+                raise ValueError(f"kdeformer: mix must be a number in [0, 1], got {self.mix!r}.")
         check_choice("kdeformer", "sampler", self.sampler, SAMPLERS)
         check_optional_positive_int("kdeformer", "kde_samples", self.kde_samples)
         if self.kde_samples is not None:
             check_budget("kdeformer", "kde_samples", self.kde_samples)
+        self._refuse_options_of_the_other_estimator()
         check_choice("kdeformer", "normalizer", self.normalizer, NORMALIZERS)
         if self.normalizer == "kde" and self.estimator != "uniform":
             raise ValueError(
@@ -145,6 +153,25 @@ class KDEformerConfig(LshBlockOptions):
                 "estimator='uniform' computes; pass estimator='uniform' with it."
             )
         check_scale("kdeformer", self.scale)
+
+    def _refuse_options_of_the_other_estimator(self) -> None:
+        """``kde_samples`` only acts with ``"uniform"``, ``kde_rows`` and ``mix`` only with
+        ``"rows"``: given with the other estimator they ran without effect."""
+        other = "uniform" if self.estimator == "rows" else "rows"
+        unused = ("kde_samples",) if self.estimator == "rows" else ("kde_rows", "mix")
+        given = [name for name in unused if getattr(self, name) is not None]
+        if given:
+            values = ", ".join(f"{name}={getattr(self, name)!r}" for name in given)
+            raise ValueError(
+                f"kdeformer: {values} has no effect with estimator={self.estimator!r} (only "
+                f"estimator={other!r} uses it); pass estimator={other!r} or leave "
+                f"{' and '.join(given)} out."
+            )
+
+    @property
+    def mix_weight(self) -> float:
+        """mix, 0.5 when not given."""
+        return 0.5 if self.mix is None else self.mix
 
     @property
     def samples(self) -> int:
@@ -350,7 +377,7 @@ def row_estimate_probabilities(
     norm_sum = norms.sum(-1, keepdim=True)
     p_v = value_norm_probabilities(v, key_ok)
     p_norms = torch.where(norm_sum > 0, norms / torch.where(norm_sum > 0, norm_sum, 1.0), p_v)
-    return cfg.mix * p_norms + (1.0 - cfg.mix) * p_v
+    return cfg.mix_weight * p_norms + (1.0 - cfg.mix_weight) * p_v
 
 
 def draw_columns(p: Tensor, order: Tensor, key_ok: Tensor, cfg: KDEformerConfig,

@@ -165,7 +165,7 @@ def reference_kdeformer_attention(
                            + 1.0 / len(k_real)) * real_cols
                     p_v = p_v / p_v.sum()
                     p_norms = root / root.sum() if float(root.sum()) > 0 else p_v
-                    p = cfg.mix * p_norms + (1 - cfg.mix) * p_v
+                    p = cfg.mix_weight * p_norms + (1 - cfg.mix_weight) * p_v
                 p = p / p.sum()
                 u_cols = [float(u) for u in draws.column_uniform[bi, hi]]
                 if cfg.sampler == "iid":
