@@ -120,3 +120,10 @@ def test_blocks_match_the_naive_pattern(nq):
     assert torch.equal(fast, ref)
     # every slot index of a block is a real position or the sentinel
     assert int(blocks.q_index.max()) <= nq and int(blocks.k_index.max()) <= 18
+
+
+def test_hamming_blocks_refuses_an_empty_block():
+    q, k, _ = make_qkv(1, 1, 8, 4)
+    planes = draw_hyperplanes((1, 1), 4, 3, generator=gen(0))
+    with pytest.raises(ValueError, match="block_size must be a positive integer"):
+        hamming_blocks(q, k, planes, 0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from skyformer.sketch.kmeans import _means_index_add, _means_one_hot, kmeans_clusters
@@ -106,3 +107,10 @@ def test_index_add_means_equal_one_hot_means_with_gradients():
     up = torch.randn(fast.shape, generator=g, dtype=torch.float64)
     torch.testing.assert_close(torch.autograd.grad((fast * up).sum(), x)[0],
                                torch.autograd.grad((ref * up).sum(), x)[0])
+
+
+def test_kmeans_refuses_zero_clusters():
+    """An IndexError from argmin over no centres, now a sentence."""
+    x = torch.randn(1, 2, 10, 4, generator=gen(0))
+    with pytest.raises(ValueError, match="num_clusters must be a positive integer, got 0"):
+        kmeans_clusters(x, 0, generator=gen(1))

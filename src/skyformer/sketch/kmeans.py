@@ -116,7 +116,7 @@ def kmeans_clusters(
 
     Args:
         x: ``[B, H, N, D]``.
-        num_clusters: c, the number of centres (slots); capped by the valid rows.
+        num_clusters: c >= 1, the number of centres (slots); capped by the valid rows.
         valid: ``[B, N]`` bool, True = real row; padded rows take no part.
         generator: draws the sub-sample and the initial centres (a generator or a random
             key; the draws are indexed by each row's rank among the valid rows).
@@ -130,6 +130,9 @@ def kmeans_clusters(
     Returns:
         ``Clusters``; ``centres`` are differentiable member means.
     """
+    if num_clusters < 1:  # a comparison, not an int check: a compiled size may be symbolic
+        raise ValueError(f"kmeans_clusters: num_clusters must be a positive integer, got "
+                         f"{num_clusters!r}.")
     b, h, n, d = x.shape
     if keys is None:
         keys = selection_keys(stream(random_key(generator, x.device), "kmeans"), valid, b, n)

@@ -56,6 +56,9 @@ def hamming_blocks(
         block_size: keys per block (> 0).
         query_valid: ``[B, Nq]``; key_valid: ``[B, Nk]`` bool, True = real row.
     """
+    if block_size < 1:  # a comparison, not an int check: a compiled size may be symbolic
+        raise ValueError(f"hamming_blocks: block_size must be a positive integer (keys per "
+                         f"block), got {block_size!r}.")
     nq, nk = q.shape[2], k.shape[2]
     num_blocks = math.ceil(nk / block_size)
     q_order = hamming_order(q, hyperplanes, query_valid)

@@ -10,13 +10,15 @@ item's index, never on how many other numbers are drawn. That gives, by construc
   width, wherever the padding is and whatever the other sequences are;
 - ``torch.compile``: a draw is a few integer tensor ops, with no ``torch.Generator``
   object in the graph (Dynamo cannot trace one);
-- the same numbers on every device.
+- the same numbers on every device for one key: the hash is integer arithmetic.
 
 Callers keep passing a ``torch.Generator`` (or ``None``): ``random_key`` turns it into a
-key with one draw. A key tensor (``skyformer.random_key(generator)``) can be passed
-wherever a generator is, which is how randomised methods run inside ``torch.compile``
-reproducibly (with ``None`` the key is drawn from torch's global generator, which
-compiled code supports).
+key with one draw, ``torch.randint`` on the generator's own device, and a CPU and a CUDA
+generator seeded alike draw different numbers: for draws that match across devices pass
+a key (``skyformer.random_key(seed)`` with an int seed, or one key made once and moved).
+A key tensor (``skyformer.random_key(generator)``) can be passed wherever a generator
+is, which is how randomised methods run inside ``torch.compile`` reproducibly (with
+``None`` the key is drawn from torch's global generator, which compiled code supports).
 """
 
 from __future__ import annotations

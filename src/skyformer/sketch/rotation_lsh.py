@@ -43,7 +43,10 @@ def rotation_hash(x: Tensor, rotations: Tensor, num_buckets: Tensor) -> Tensor:
     Args:
         x: ``[B, H, N, D]``.
         rotations: ``[H, R, D, C]`` with C >= max(num_buckets) / 2.
-        num_buckets: ``[B]`` long, each 1 or even.
+        num_buckets: ``[B]`` long, each 1 or even (an odd count hashes into one bucket
+            fewer; not checked: a check of a tensor's values is a host read, or a
+            device-side assert that ends a GPU process, on every Reformer call, whose
+            counts are even by construction).
     Returns:
         ``[B, R, H, N]`` long buckets in ``[0, num_buckets[b])``.
     """
@@ -61,3 +64,4 @@ def rotation_hash(x: Tensor, rotations: Tensor, num_buckets: Tensor) -> Tensor:
     bucket = torch.where(positive, column, column + half)
     bucket = bucket.masked_fill((num_buckets <= 1).view(b, 1, 1, 1), 0)
     return bucket.permute(0, 3, 1, 2)
+
