@@ -178,6 +178,10 @@ def test_an_empty_context_gives_zeros_through_the_output_projection():
     torch.testing.assert_close(out, layer.out_proj.bias.expand(3, 5, 8))
     out.sum().backward()
     assert x.grad is not None and not x.grad.any()
+    with pytest.raises(ValueError, match=r"query_padding_mask must have shape \[B, Nq\] = "
+                                         r"\[3, 5\], got \(7, 7\)"):
+        layer(x, context=torch.randn(3, 0, 8),
+              query_padding_mask=torch.ones(7, 7, dtype=torch.bool))
 
 
 def test_forward_says_how_a_randomised_layer_draws_in_eval_mode():

@@ -328,3 +328,105 @@ def test_replace_attention_refuses_in_a_sentence_and_changes_nothing():
         replace_attention(nn.Sequential(Mine(E, H)))
     with pytest.raises(ValueError, match=r"no option 'num_featres' \(did you mean"):
         replace_attention(nn.Sequential(nn.MultiheadAttention(E, H)), num_featres=4)
+
+
+def test_a_dropout_after_the_layer_draws_torchs_mask():
+    """The output is torch's [L, B, E] in memory (batch-first a view of it), so a
+    decoder in training with dropout equals torch's under one seed; laid out [B, L, E]
+    the dropout after the layer drew another mask (outputs 1.46 apart)."""
+    for batch_first in (False, True):
+        torch.manual_seed(0)
+        ref = nn.TransformerDecoder(nn.TransformerDecoderLayer(
+            E, H, 16, dropout=0.1, batch_first=batch_first, dtype=F64), 2)
+        ours = replace_attention(copy.deepcopy(ref), "softmax")
+        tgt, memory = rand(B, L, E), rand(B, S, E, seed=2)
+        if not batch_first:
+            tgt, memory = tgt.transpose(0, 1), memory.transpose(0, 1)
+        outs = []
+        for model in (ref, ours):
+            torch.manual_seed(5)
+            outs.append(model.train()(tgt, memory, tgt_mask=causal()))
+        torch.testing.assert_close(outs[1], outs[0], **EXACT)
+
+
+def test_no_keys_give_the_output_projection_of_zeros_as_torch():
+    for method in ("softmax", "skyformer"):
+        ref, ours = pair(method, {"num_features": 4} if method == "skyformer" else None)
+        nn.init.normal_(ref.out_proj.bias)
+        ours.load_state_dict(ref.state_dict())
+        q, kv = rand(L, B, E), rand(0, B, E, seed=2)
+        torch.testing.assert_close(ours(q, kv, kv, need_weights=False)[0],
+                                   ref(q, kv, kv, need_weights=False)[0], **EXACT)
+
+
+def test_compiled_with_torchs_float_padding_mask():
+    """torch's layers hand the padding mask on as 0 / -inf floats; under torch.compile
+    an approximate method could not read them ("the values of a float attn_mask cannot
+    be read"), so a padded model did not compile. There 0 is a real key, anything else
+    padding; the default need_weights=True does not break the graph either."""
+    torch.manual_seed(0)
+    layer = TorchMultiheadAttention(E, H, method="skyformer", num_features=4,
+                                    batch_first=True)
+    key = __import__("skyformer").random_key(0)
+    x, pad = torch.randn(B, L, E), padding(n=L)
+    additive = torch.zeros(B, L).masked_fill(pad, float("-inf"))
+    eager = layer(x, x, x, key_padding_mask=pad, generator=key)[0]
+
+    def call(x, additive):
+        return layer(x, x, x, key_padding_mask=additive, generator=key)[0]
+
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = torch.compile(call, backend="aot_eager", fullgraph=True)(x, additive)
+    torch.testing.assert_close(compiled, eager)
+
+
+def test_replace_attention_goes_from_method_to_method_and_says_when_it_did_nothing():
+    torch.manual_seed(0)
+    ref = nn.TransformerEncoder(nn.TransformerEncoderLayer(E, H, 16, dropout=0.0,
+                                                           dtype=F64), 2)
+    model = replace_attention(copy.deepcopy(ref), "linear")
+    model = replace_attention(model, "softmax")  # the linear layers rebuilt, weights kept
+    assert all(m.method == "softmax" for m in model.modules()
+               if isinstance(m, TorchMultiheadAttention))
+    x = rand(L, B, E)
+    torch.testing.assert_close(model(x), ref(x), **EXACT)
+    with pytest.warns(UserWarning, match="holds no torch.nn.MultiheadAttention; nothing"):
+        replace_attention(nn.Linear(2, 2), "skyformer")
+    with pytest.raises(ValueError, match="skyfromer"):
+        replace_attention(nn.Linear(2, 2), "skyfromer")
+    hooked = nn.Sequential(nn.MultiheadAttention(E, H))
+    hooked[0].register_forward_hook(lambda *args: None)
+    with pytest.warns(UserWarning, match=r"model\.0 has hooks registered on it; they stay"):
+        replace_attention(hooked, "softmax")
+
+
+def test_key_and_value_of_other_lengths_are_named_as_passed():
+    _, ours = pair()
+    q, k, v = rand(L, B, E), rand(S, B, E), rand(S - 1, B, E)
+    with pytest.raises(ValueError, match=r"got query \(6, 3, 8\), key \(5, 3, 8\) and value "
+                                         r"\(4, 3, 8\), laid out \[L, B, E\]\.$"):
+        ours(q, k, v, need_weights=False)
+
+
+def test_built_on_meta_and_initialised_by_reset_parameters():
+    """PyTorch's recipe: build on meta, to_empty, reset_parameters() of every module: the
+    projections get torch's initialisation (Xavier-uniform), the method's state its own
+    draw, not uninitialised memory."""
+    with torch.device("meta"):
+        layer = TorchMultiheadAttention(E, H, method="performer", num_features=4)
+    layer = layer.to_empty(device="cpu")
+    torch.manual_seed(0)
+    for module in layer.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    bound = (6 / (E + 3 * E)) ** 0.5  # xavier_uniform_ of [3E, E]
+    assert 0 < layer.in_proj_weight.abs().max() <= bound
+    assert not layer.in_proj_bias.any()
+    fresh = TorchMultiheadAttention(E, H, method="performer", num_features=4)
+    for state in (layer.method_state, fresh.method_state):
+        torch.manual_seed(1)
+        state.reset_parameters()
+    for name, value in fresh.method_state.state_dict().items():
+        assert torch.equal(layer.method_state.state_dict()[name], value), name

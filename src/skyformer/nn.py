@@ -46,7 +46,28 @@ class _LayerToken:
         return False
 
 
-class MultiHeadAttention(nn.Module):
+class BoundMethodProperties:
+    """``method``, ``spec`` and ``config`` of a layer that holds its method bound as
+    ``self.bound`` (``MultiHeadAttention``, ``TorchMultiheadAttention``)."""
+
+    bound: BoundMethod
+
+    @property
+    def method(self) -> str:
+        return self.bound.name
+
+    @property
+    def spec(self) -> Method:
+        """The registered method."""
+        return self.bound.method
+
+    @property
+    def config(self) -> Any:
+        """The method's resolved options (a frozen dataclass)."""
+        return self.bound.config
+
+
+class MultiHeadAttention(BoundMethodProperties, nn.Module):
     """Multi-head attention whose core is any registered method.
 
     A layer ``x: [B, N, dim] -> [B, N, dim]`` with separate q/k/v/output projections.
@@ -148,20 +169,6 @@ class MultiHeadAttention(nn.Module):
             state["_group"] = _GroupHandle(state.pop("process_group"))
         super().__setstate__(state)
 
-    @property
-    def method(self) -> str:
-        return self.bound.name
-
-    @property
-    def spec(self) -> Method:
-        """The registered method."""
-        return self.bound.method
-
-    @property
-    def config(self) -> Any:
-        """The method's resolved options (a frozen dataclass)."""
-        return self.bound.config
-
     def _split(self, x: Tensor) -> Tensor:
         b, n, _ = x.shape
         return x.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, N, Dh]
@@ -219,6 +226,9 @@ class MultiHeadAttention(nn.Module):
             # graph of q, k, v
             # so that x and the weights get their (empty or zero) gradients
             self._check_empty_batch_mask(key_padding_mask, k)
+            if context is not None:  # the method's sentence, as for a context of keys
+                check_padding_mask(self.bound.name, "query_padding_mask", query_padding_mask,
+                                   q.shape[0], q.shape[2], "Nq", q)
             out = q.new_zeros(*q.shape[:-1], v.shape[-1]) + 0 * (q.sum() + k.sum() + v.sum())
             if self.method_state is not None:  # Linformer's projections: every parameter
                 # gets a gradient, as DDP (find_unused_parameters=False) needs of each rank

@@ -54,8 +54,10 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from .amp import autocast_enabled
 from .checks import check_positive_int
 from .functional import _as_padding, _sdpa_options, _top_left_causal
+from .nn import BoundMethodProperties
 from .ops.shared.options import check_probability
-from .registry import BoundMethod, Method, get_method
+from .ops.shared.tracing import may_read_values
+from .registry import BoundMethod, get_method
 
 NAME = "TorchMultiheadAttention"
 
@@ -67,7 +69,7 @@ def _decline_torch_fast_path(module: nn.Module, args: tuple[Any, ...]) -> None:
     return None
 
 
-class TorchMultiheadAttention(nn.Module):
+class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
     """``torch.nn.MultiheadAttention`` with any registered method as its core.
 
     Constructor, parameters, initialisation, call and return value as torch's (module
@@ -146,6 +148,12 @@ class TorchMultiheadAttention(nn.Module):
         self._weights_warned = False
         self.register_forward_pre_hook(_decline_torch_fast_path)
 
+    def reset_parameters(self) -> None:
+        """torch's initialisation of the projections (PyTorch's meta-device recipe:
+        ``to_empty``, then ``reset_parameters()`` of every module, the method's state
+        included: it has its own)."""
+        self._reset_parameters()
+
     def _reset_parameters(self) -> None:
         """torch's initialisation: Xavier-uniform projections, zero biases."""
         if self._qkv_same_embed_dim:
@@ -156,20 +164,6 @@ class TorchMultiheadAttention(nn.Module):
         if self.in_proj_bias is not None:
             constant_(self.in_proj_bias, 0.0)
             constant_(self.out_proj.bias, 0.0)
-
-    @property
-    def method(self) -> str:
-        return self.bound.name
-
-    @property
-    def spec(self) -> Method:
-        """The registered method."""
-        return self.bound.method
-
-    @property
-    def config(self) -> Any:
-        """The method's resolved options (a frozen dataclass)."""
-        return self.bound.config
 
     @classmethod
     def from_torch(cls, mha: nn.MultiheadAttention, method: str = "skyformer", *,
@@ -213,6 +207,7 @@ class TorchMultiheadAttention(nn.Module):
         if any(isinstance(t, Tensor) and t.is_nested for t in (query, key, value)):
             return self._nested(query, key, value, key_padding_mask, attn_mask, generator), None
         batched = _check_call(query, key, value, key_padding_mask, attn_mask, is_causal)
+        self._check_positions(query, key, value, batched)
         self_attention = query is key and key is value  # as torch's layers call it
         if not batched:  # one sequence: batch_first is ignored, as torch does
             query, key, value = query[None], key[None], value[None]
@@ -222,20 +217,24 @@ class TorchMultiheadAttention(nn.Module):
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
         self._check_shapes(query, key, value, key_padding_mask, attn_mask)
         out = self._attend(query, key, value, key_padding_mask, attn_mask, is_causal,
-                           self_attention, generator)  # [B, L, E]
+                           self_attention, generator)  # [L, B, E]
         if not batched:
-            return out[0], None
-        return (out if self.batch_first else out.transpose(0, 1)), None
+            return out[:, 0], None
+        return (out.transpose(0, 1) if self.batch_first else out), None
 
     def _attend(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Any,
                 attn_mask: Any, is_causal: bool, self_attention: bool, generator: Any
                 ) -> Tensor:
         """Batch-first attention: ``query: [B, L, E]``, ``key: [B, S, kdim]``, ``value:
-        [B, S, vdim]``, torch's masks; returns ``[B, L, E]``."""
+        [B, S, vdim]``, torch's masks; returns ``[L, B, E]``, torch's layout in memory
+        (batch-first is a view of it, as torch's: a dropout after the layer then draws
+        torch's mask for torch's output)."""
         q, k, v = self._project(query, key, value, self_attention)  # [B, H, L|S, Dh]
         b, _, lq, _ = q.shape
-        if b == 0 or lq == 0:  # torch gives an empty output; the methods refuse it
-            out = q.new_zeros(b, lq, self.embed_dim) + 0 * (q.sum() + k.sum() + v.sum())
+        if 0 in (b, lq, k.shape[2]):  # torch: empty, or the output projection of zeros
+            out = q.new_zeros(lq, b, self.embed_dim) + 0 * (q.sum() + k.sum() + v.sum())
+            if self.method_state is not None:  # every parameter gets a gradient (DDP)
+                out = out + 0 * sum(p.sum() for p in self.method_state.parameters())
             return self.out_proj(out)
         key_valid, padding_bias, allowed = _sdpa_masks(key_padding_mask, attn_mask,
                                                        self.num_heads)
@@ -245,7 +244,7 @@ class TorchMultiheadAttention(nn.Module):
         else:
             out = self._approximate(q, k, v, key_valid, padding_bias, allowed, is_causal,
                                     self_attention, generator)
-        return self.out_proj(out.transpose(1, 2).reshape(b, lq, self.embed_dim))
+        return self.out_proj(out.permute(2, 0, 1, 3).reshape(lq, b, self.embed_dim))
 
     def _project(self, query: Tensor, key: Tensor, value: Tensor, self_attention: bool
                  ) -> tuple[Tensor, Tensor, Tensor]:
@@ -288,6 +287,12 @@ class TorchMultiheadAttention(nn.Module):
         them (``functional._as_padding``), or a sentence. With the ``is_causal`` hint the
         method runs its causal form and ``attn_mask`` is not read."""
         rows = "auto" if self_attention else None  # cross-attention: every query real
+        if padding_bias is not None and not may_read_values(padding_bias):
+            # torch's layers hand a bool padding mask on as 0 / -inf; under tracing its
+            # values cannot be checked for a bias: 0 = real key, anything else = padding
+            real = padding_bias[:, 0, 0, :] == 0
+            key_valid = real if key_valid is None else key_valid & real
+            padding_bias = None
         mask = padding_bias if is_causal else _joined(allowed, padding_bias, q.dtype)
         causal = is_causal
         if mask is not None:
@@ -317,8 +322,22 @@ class TorchMultiheadAttention(nn.Module):
         positions = torch.arange(x.shape[1], device=x.device)
         padding = positions >= torch.tensor(lengths, device=x.device)[:, None]  # [B, Lmax]
         self._check_shapes(x, x, x, padding, None)
-        out = self._attend(x, x, x, padding, None, False, True, generator)
+        out = self._attend(x, x, x, padding, None, False, True, generator).transpose(0, 1)
         return torch.nested.as_nested_tensor([o[:n] for o, n in zip(out, lengths, strict=True)])
+
+    def _check_positions(self, query: Tensor, key: Tensor, value: Tensor, batched: bool
+                         ) -> None:
+        """A sentence, naming the shapes as passed, where key and value differ in length
+        or batch, or differ from the query's batch."""
+        layout = ("[B, L, E] (batch_first)" if self.batch_first else "[L, B, E]") \
+            if batched else "[L, E] (one sequence)"
+        batch = (0 if self.batch_first else 1) if batched else None
+        same_batch = batch is None or query.shape[batch] == key.shape[batch]
+        if key.shape[:-1] != value.shape[:-1] or not same_batch:
+            raise ValueError(
+                f"{NAME}: key and value must hold the same positions, in the query's batch; "
+                f"got query {tuple(query.shape)}, key {tuple(key.shape)} and value "
+                f"{tuple(value.shape)}, laid out {layout}.")
 
     def _check_shapes(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Any,
                       attn_mask: Any) -> None:
@@ -337,10 +356,6 @@ class TorchMultiheadAttention(nn.Module):
                                 f"{weight.dtype}; convert one of them ({name}.to("
                                 f"{weight.dtype}) or layer.to({t.dtype})).")
         b, lq, lk = query.shape[0], query.shape[1], key.shape[1]
-        if key.shape[:2] != value.shape[:2] or key.shape[0] != b:
-            raise ValueError(f"{NAME}: key and value must hold the same positions of the "
-                             f"query's batch, got batch/lengths {tuple(query.shape[:2])}, "
-                             f"{tuple(key.shape[:2])} and {tuple(value.shape[:2])} (batch-first).")
         shapes = {"key_padding_mask": [(b, lk)],
                   "attn_mask": [(lq, lk), (b * self.num_heads, lq, lk)]}
         for name, mask in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
@@ -354,7 +369,7 @@ class TorchMultiheadAttention(nn.Module):
 
     def _warn_no_weights(self, need_weights: bool) -> None:
         """Warn, once per layer, that ``need_weights=True`` gets no weights."""
-        if need_weights and not self._weights_warned:
+        if need_weights and not self._weights_warned and not torch.compiler.is_compiling():
             self._weights_warned = True
             warnings.warn(
                 f"{NAME} ({self.method}) returns (output, None): no method materialises the "
@@ -484,11 +499,13 @@ def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
 
 def _from_torch(cls: type[TorchMultiheadAttention], mha: Any, where: str, method: str,
                 seq_len: int | None, options: dict[str, Any]) -> TorchMultiheadAttention:
-    """``TorchMultiheadAttention.from_torch``, its sentences naming ``where``."""
-    if not isinstance(mha, nn.MultiheadAttention):
+    """``TorchMultiheadAttention.from_torch``, its sentences naming ``where``; ``mha`` is
+    torch's layer, or one of this module's (rebuilt with another method, its weights
+    kept and its method's state left behind)."""
+    if not isinstance(mha, (nn.MultiheadAttention, TorchMultiheadAttention)):
         raise TypeError(f"{where}: expected a torch.nn.MultiheadAttention, got "
                         f"{type(mha).__name__}.")
-    if type(mha) is not nn.MultiheadAttention:
+    if isinstance(mha, nn.MultiheadAttention) and type(mha) is not nn.MultiheadAttention:
         kind = f"{type(mha).__module__}.{type(mha).__qualname__}"
         raise TypeError(
             f"{where}: {kind} is a subclass of torch.nn.MultiheadAttention whose forward may "
@@ -496,28 +513,45 @@ def _from_torch(cls: type[TorchMultiheadAttention], mha: Any, where: str, method
             f"exactly torch's layer) only if its forward is torch's.")
     _check_configuration(mha.embed_dim, mha.num_heads, mha.dropout, mha.in_proj_bias is not None,
                          mha.bias_k is not None, mha.add_zero_attn, mha.kdim, mha.vdim, where)
+    _warn_of_hooks(mha, where)
     weight = mha.out_proj.weight
     layer = cls(mha.embed_dim, mha.num_heads, mha.dropout, mha.in_proj_bias is not None,
                 kdim=mha.kdim, vdim=mha.vdim, batch_first=mha.batch_first,
                 device=weight.device, dtype=weight.dtype, method=method, seq_len=seq_len,
                 **options)
-    layer.load_state_dict(mha.state_dict())
+    weights = {name: t for name, t in mha.state_dict().items()
+               if not name.startswith("method_state.")}  # another method's state
+    layer.load_state_dict(weights)
     mine = dict(layer.named_parameters())
     for name, p in mha.named_parameters():
-        mine[name].requires_grad_(p.requires_grad)
+        if name in mine:
+            mine[name].requires_grad_(p.requires_grad)
     return layer.train(mha.training)
+
+
+def _warn_of_hooks(mha: nn.Module, where: str) -> None:
+    """Hooks registered on a layer being swapped stay on it, not on its replacement."""
+    own = 1 if isinstance(mha, TorchMultiheadAttention) else 0  # the fast-path decline
+    if len(mha._forward_hooks) + len(mha._forward_pre_hooks) > own \
+            or mha._backward_hooks or mha._backward_pre_hooks:
+        warnings.warn(f"{where} has hooks registered on it; they stay on the layer swapped "
+                      f"out: register them again on the new one.", UserWarning, stacklevel=4)
 
 
 def replace_attention(model: nn.Module, method: str = "skyformer", *,
                       seq_len: int | None = None, **method_options: Any) -> nn.Module:
     """Swap every ``torch.nn.MultiheadAttention`` inside ``model`` for a
-    ``TorchMultiheadAttention`` running ``method``, in place.
+    ``TorchMultiheadAttention`` running ``method``, in place; one already swapped is
+    rebuilt with ``method`` (its weights kept), so a model can go from one method to
+    another, ``"softmax"`` included.
 
     Each keeps its weights, training mode, device and dtype (``from_torch``); a layer
     shared by several parents is swapped for one new layer. Every layer is checked
     before any is swapped: a configuration it cannot take (``add_bias_kv``,
     ``add_zero_attn``, a subclass of torch's layer) fails in a sentence naming the
-    module's path, and the model is left as it was.
+    module's path, and the model is left as it was. An unknown method fails at once; a
+    model without such a layer is returned with a warning; hooks registered on a layer
+    swapped out stay there (a warning).
 
     Args:
         model: any module (a ``torch.nn.MultiheadAttention`` itself is returned swapped).
@@ -529,13 +563,19 @@ def replace_attention(model: nn.Module, method: str = "skyformer", *,
 
         model = replace_attention(model, "skyformer", num_features=128)
     """
-    if isinstance(model, nn.MultiheadAttention):
+    get_method(method)  # an unknown name fails even where there is nothing to swap
+    swappable = (nn.MultiheadAttention, TorchMultiheadAttention)
+    if isinstance(model, swappable):
         return _from_torch(TorchMultiheadAttention, model, "replace_attention: model",
                            method, seq_len, method_options)
     sites = [(parent, name, f"{path}.{name}" if path else name, child)
              for path, parent in model.named_modules(remove_duplicate=False)
              for name, child in parent._modules.items()
-             if isinstance(child, nn.MultiheadAttention)]
+             if isinstance(child, swappable)]
+    if not sites:
+        warnings.warn(f"replace_attention: {type(model).__name__} holds no "
+                      f"torch.nn.MultiheadAttention; nothing was swapped.", UserWarning,
+                      stacklevel=2)
     new: dict[int, TorchMultiheadAttention] = {}
     for _, _, path, child in sites:
         if id(child) not in new:
