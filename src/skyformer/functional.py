@@ -119,7 +119,7 @@ def scaled_dot_product_attention(
     if is_causal and query.shape[-2] != key.shape[-2]:
         attn_mask = _top_left_causal(spec, attn_mask, query, key)
         is_causal = False
-    options = _sdpa_options(spec, options, is_causal, scale, query.shape[-1])
+    options = sdpa_options(spec, options, is_causal, scale, query.shape[-1])
     arguments: dict[str, Any] = {}
     if attn_mask is not None:
         _check_mask_shape(attn_mask, query, key)
@@ -131,10 +131,10 @@ def scaled_dot_product_attention(
         if spec.capabilities.attn_mask:
             arguments["attn_mask"] = attn_mask
         else:
-            key_padding_mask, causal = _as_padding(spec, attn_mask, key_padding_mask,
-                                                   query_padding_mask, query, key,
-                                                   bool(options.get("causal")))
-            options = _sdpa_options(spec, options, causal, None, query.shape[-1])
+            key_padding_mask, causal = attn_mask_as_padding(
+                spec, attn_mask, key_padding_mask, query_padding_mask, query, key,
+                bool(options.get("causal")))
+            options = sdpa_options(spec, options, causal, None, query.shape[-1])
     if dropout_p and spec.capabilities.weight_dropout:
         arguments["dropout_p"] = dropout_p
     bound = spec.bind(**options)
@@ -145,6 +145,18 @@ def scaled_dot_product_attention(
     return out
 
 
+def refuse_causal_lengths(spec: Method, lq: int, lk: int) -> None:
+    """The sentence for an approximate method's causal form asked of ``lq`` queries and
+    ``lk != lq`` keys (or for a method without one): SDPA's top-left alignment is the
+    exact methods' alone."""
+    check_capabilities(spec.name, causal=True)
+    raise ValueError(
+        f"{spec.name}: is_causal with {lq} queries and {lk} keys: SDPA aligns the causal "
+        f"mask top left (query i sees keys j <= i), which only the methods that take any "
+        f"attn_mask ('softmax', 'kernelized') follow; {spec.name}'s causal form needs as "
+        f"many queries as keys.")
+
+
 def _top_left_causal(spec: Method, attn_mask: Tensor | None, query: Tensor, key: Tensor
                      ) -> Tensor:
     """``is_causal`` with L != S as SDPA reads it: query i sees keys j <= i (the mask
@@ -152,12 +164,7 @@ def _top_left_causal(spec: Method, attn_mask: Tensor | None, query: Tensor, key:
     for the methods that take any mask; the causal forms of the others need L == S."""
     lq, lk = query.shape[-2], key.shape[-2]
     if not spec.capabilities.attn_mask:
-        check_capabilities(spec.name, causal=True)
-        raise ValueError(
-            f"{spec.name}: is_causal with {lq} queries and {lk} keys: SDPA aligns the causal "
-            f"mask top left (query i sees keys j <= i), which only the methods that take any "
-            f"attn_mask ('softmax', 'kernelized') follow; {spec.name}'s causal form needs as "
-            f"many queries as keys.")
+        refuse_causal_lengths(spec, lq, lk)
     causal = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril()
     if attn_mask is None:
         return causal
@@ -226,7 +233,7 @@ def _grouped(method: str, query: Tensor, key: Tensor, value: Tensor, enable_gqa:
     return key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
 
 
-def _sdpa_options(spec: Method, options: dict[str, Any], is_causal: bool,
+def sdpa_options(spec: Method, options: dict[str, Any], is_causal: bool,
                   scale: float | None, head_dim: int) -> dict[str, Any]:
     """The method's options with SDPA's ``is_causal`` and ``scale``, or a sentence."""
     options = dict(options)
@@ -270,9 +277,9 @@ def _check_mask_shape(attn_mask: Tensor, query: Tensor, key: Tensor) -> None:
             f"it is e.g. [L, S], [B, 1, L, S], or [B, 1, 1, S] for padded keys.{hint}")
 
 
-def _as_padding(spec: Method, attn_mask: Tensor, key_padding_mask: Tensor | None,
-                query_padding_mask: Any, query: Tensor, key: Tensor, causal: bool
-                ) -> tuple[Tensor | None, bool]:
+def attn_mask_as_padding(spec: Method, attn_mask: Tensor, key_padding_mask: Tensor | None,
+                         query_padding_mask: Any, query: Tensor, key: Tensor, causal: bool
+                         ) -> tuple[Tensor | None, bool]:
     """An ``attn_mask`` as the key padding mask and causal flag an approximate method
     takes (combined with the caller's ``key_padding_mask``), or a sentence; the rows of
     the queries ``query_padding_mask`` calls real must follow it (``resolve_mask``)."""

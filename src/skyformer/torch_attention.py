@@ -53,7 +53,7 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from .amp import autocast_enabled
 from .checks import check_positive_int
-from .functional import _as_padding, _sdpa_options, _top_left_causal
+from .functional import attn_mask_as_padding, refuse_causal_lengths, sdpa_options
 from .nn import BoundMethodProperties
 from .ops.shared.options import check_probability
 from .ops.shared.tracing import may_read_values
@@ -284,7 +284,7 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
                      padding_bias: Tensor | None, allowed: Tensor | None, is_causal: bool,
                      self_attention: bool, generator: Any) -> Tensor:
         """A method that takes key padding and causal masks: torch's masks resolved into
-        them (``functional._as_padding``), or a sentence. With the ``is_causal`` hint the
+        them (``functional.attn_mask_as_padding``), or a sentence. With the ``is_causal`` hint the
         method runs its causal form and ``attn_mask`` is not read."""
         rows = "auto" if self_attention else None  # cross-attention: every query real
         if padding_bias is not None and not may_read_values(padding_bias):
@@ -296,10 +296,10 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         mask = padding_bias if is_causal else _joined(allowed, padding_bias, q.dtype)
         causal = is_causal
         if mask is not None:
-            key_valid, causal = _as_padding(self.spec, mask, key_valid, rows, q, k, causal)
+            key_valid, causal = attn_mask_as_padding(self.spec, mask, key_valid, rows, q, k, causal)
         if causal and q.shape[2] != k.shape[2]:
-            _top_left_causal(self.spec, None, q, k)  # the sentence: the causal forms need L == S
-        bound = self.bound.replace(**_sdpa_options(self.spec, {}, causal, None,
+            refuse_causal_lengths(self.spec, q.shape[2], k.shape[2])
+        bound = self.bound.replace(**sdpa_options(self.spec, {}, causal, None,
                                                    self.head_dim))
         out = bound(q, k, v, key_padding_mask=key_valid, query_padding_mask=rows,
                     generator=generator, state=self.method_state)
