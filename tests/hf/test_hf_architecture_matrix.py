@@ -242,3 +242,31 @@ def test_an_alibi_model_refuses_the_methods_without_attn_mask_at_load():
     assert shf.describe(model)[0]["method"] == "exact (sdpa)"
     shf.set_attention(model, "kernelized")
     assert torch.isfinite(hidden(model, inputs("falcon")[0])).all()
+
+
+@pytest.mark.parametrize("kind", ["opt", "whisper"])
+def test_queries_scaled_by_the_module_are_checked_at_load(kind):
+    """OPT and Whisper multiply the queries by ``scaling`` themselves and call the
+    attention function with ``scaling=1.0``: set_attention read their ``scaling``
+    (1/sqrt(d), every method's default) and took linear, which then failed at the first
+    forward pass. The scale checked is the call's; methods with a scale option run."""
+    model = build(kind)
+    batch, _ = inputs(kind)
+    with pytest.raises(CapabilityError, match=r"linear cannot use the model's attention logit "
+                                              r"scale 1 \(the scale its attention call passes"):
+        shf.set_attention(copy.deepcopy(model), "linear")
+    shf.set_attention(model, "kernelized")
+    assert torch.isfinite(hidden(model, batch)).all()
+
+
+def test_logit_soft_capping_is_refused_at_load():
+    """Gemma-2 caps its attention logits, which no layer here applies (transformers' SDPA
+    neither): set_attention took it, softmax included, and the first forward failed."""
+    config = AutoConfig.for_model("gemma2", hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=8, vocab_size=99)
+    model = AutoModel.from_config(config, attn_implementation="eager")
+    for method in ("softmax", "skyformer"):
+        with pytest.raises(CapabilityError, match=r"caps its attention logits "
+                                                  r"\(attn_logit_softcapping=50"):
+            shf.set_attention(copy.deepcopy(model), method)

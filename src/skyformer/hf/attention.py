@@ -204,7 +204,7 @@ def _call_options(spec: Method, layer: LayerAttention, scaling: float | None, he
                         if name in names})
     if scaling is not None and not is_default_scaling(scaling, head_dim):
         if "scale" not in names:
-            sentence = scaling_sentence(spec.name, scaling, head_dim)
+            sentence = scaling_sentence(spec.name, scaling, head_dim, causal)
             raise CapabilityError(f"{where}: {sentence}.")
         if "scale" not in layer.explicit:
             changes["scale"] = float(scaling)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,12 +164,34 @@ def mask_pattern(module: nn.Module) -> str | None:
 
 
 def model_scaling(module: nn.Module) -> float | None:
-    """The module's attention logit scale (``scaling``, or CLIP's ``scale``), if it says."""
+    """The logit scale the module's attention call passes, if it says: its ``scaling``
+    (or CLIP's ``scale``), or 1.0 where its forward multiplies the queries by it itself
+    and calls with ``scaling=1.0`` (OPT, Whisper: ``prescales_queries``)."""
     for name in ("scaling", "scale"):
         value = getattr(module, name, None)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            return 1.0 if prescales_queries(type(module)) else float(value)
     return None
+
+
+_PRESCALES: dict[type, bool] = {}
+
+
+def prescales_queries(module_type: type) -> bool:
+    """Whether the forward of ``module_type`` passes ``scaling=1.0`` to its attention
+    function, having scaled the queries (read from its source, once per class; False
+    without one). Under ``torch.compile`` the source cannot be read: a class not read
+    before (at ``set_attention``) reads False there, and the call's own check of the
+    scale it passes (``attention._call_options``) stands."""
+    if module_type not in _PRESCALES:
+        if torch.compiler.is_compiling():
+            return False
+        try:
+            source = inspect.getsource(inspect.unwrap(module_type.forward))
+        except (OSError, TypeError, AttributeError):
+            source = ""
+        _PRESCALES[module_type] = re.search(r"\bscaling\s*=\s*1\.0\b", source) is not None
+    return _PRESCALES[module_type]
 
 
 def is_cross_attention(module: nn.Module, name: str = "") -> bool:
@@ -248,6 +271,12 @@ def _check_module(spec: Method, module: nn.Module, index: int | None, cross: boo
     where = type(module).__name__ if index is None else f"layer {index} ({type(module).__name__})"
     caps = spec.capabilities
     refuse_causal_option(spec, explicit)
+    softcap = getattr(getattr(module, "config", None), "attn_logit_softcapping", None)
+    if softcap:  # Gemma-2: refused at the first forward pass by every layer, exact too
+        raise CapabilityError(
+            f"{where} caps its attention logits (attn_logit_softcapping={softcap}), which no "
+            f"skyformer method applies, nor transformers' SDPA attention; run this model "
+            f"with its own attention (attn_implementation='eager').")
     if (causal or getattr(module, "is_causal", False)) and not cross and not caps.causal:
         raise CapabilityError(
             f"{where} uses causal attention (a decoder), and {spec.name} cannot do causal "
@@ -271,15 +300,18 @@ def _check_module(spec: Method, module: nn.Module, index: int | None, cross: boo
         if pattern is not None:
             raise CapabilityError(
                 f"{where} uses {pattern}, which {spec.name} cannot apply (it takes key "
-                f"padding and causal masks only); keep exact attention in this layer "
-                f"(skyformer.hf.set_attention(model, {spec.name!r}, layers=[...]) for the "
-                f"others), or use softmax or kernelized, which take any mask."
+                f"padding and causal masks only); use softmax or kernelized, which take any "
+                f"mask, or keep exact attention in the layers that use it "
+                f"(skyformer.hf.set_attention(model, {spec.name!r}, layers=[...]) with the "
+                f"others, where the model has layers without it)."
             )
     scaling = model_scaling(module)
     _, head_dim = heads_and_dim(module)
     if scaling is not None and head_dim and not is_default_scaling(scaling, head_dim) \
             and "scale" not in spec.option_names():
-        raise CapabilityError(scaling_sentence(spec.name, scaling, head_dim) + f" ({where})")
+        decoder = (causal or getattr(module, "is_causal", False)) and not cross
+        raise CapabilityError(scaling_sentence(spec.name, scaling, head_dim, decoder)
+                              + f" ({where})")
     param = next(module.parameters(), None)
     if param is not None and param.dtype in (torch.float16, torch.bfloat16):
         check_capabilities(spec.name, half_precision=True)
@@ -290,12 +322,16 @@ def is_default_scaling(scaling: float, head_dim: int) -> bool:
     return math.isclose(float(scaling), head_dim**-0.5, rel_tol=1e-6)
 
 
-def scaling_sentence(method: str, scaling: float, head_dim: int) -> str:
-    having = [m for m in list_methods() if "scale" in get_method(m).option_names()]
+def scaling_sentence(method: str, scaling: float, head_dim: int, causal: bool = False) -> str:
+    """Why ``method`` (no ``scale`` option) cannot serve a module whose attention call
+    passes ``scaling``, and the methods that can (causal ones, for a decoder)."""
+    having = [m for m in list_methods() if "scale" in get_method(m).option_names()
+              and (not causal or get_method(m).capabilities.causal)]
     return (
-        f"{method} cannot use the model's attention logit scale {float(scaling):.6g} (it "
-        f"computes with 1/sqrt(head dim) = {head_dim**-0.5:.6g} and has no scale option); "
-        f"methods with a scale option: {', '.join(having) or 'none'}"
+        f"{method} cannot use the model's attention logit scale {float(scaling):.6g} (the "
+        f"scale its attention call passes, where 1/sqrt(head dim) = {head_dim**-0.5:.6g}): "
+        f"{method} has no scale option; {'causal ' if causal else ''}methods with a scale "
+        f"option: {', '.join(having) or 'none'}"
     )
 
 
