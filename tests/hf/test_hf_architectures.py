@@ -407,6 +407,25 @@ def test_load_state_fills_the_layers_of_the_attn_implementation_route(tmp_path):
 
 
 @torch.no_grad()
+def test_load_state_takes_the_loader_keywords_of_a_variant(tmp_path):
+    """save_pretrained(variant="v1") writes model.v1.safetensors: load_state took no
+    variant and refused the folder it was given ("is not a folder holding ..."); it
+    takes from_pretrained's keywords, and without them names the variant it found."""
+    from transformers import AutoModel
+
+    model = tiny_bert()
+    shf.set_attention(model, "linformer")
+    _as_trained(model, 3.0)
+    model.save_pretrained(tmp_path, variant="v1")
+    plain = AutoModel.from_pretrained(tmp_path, variant="v1",
+                                      attn_implementation="skyformer:linformer")
+    with pytest.raises(ValueError, match=r"holds model\.v1\.safetensors: pass "
+                                         r"variant='v1'\)\.$"):
+        shf.load_state(plain, tmp_path)
+    assert shf.load_state(plain, tmp_path, variant="v1") == 4
+
+
+@torch.no_grad()
 def test_load_state_refused_for_one_layer_changes_no_layer(tmp_path):
     """Saved state that fits layer 0 but not layer 1 (other num_features) is refused
     with a sentence naming layer 1's tensor, and layer 0 keeps what it held."""

@@ -384,10 +384,11 @@ def load_saved_state(model: nn.Module, path: str | Path, method: str, *, subfold
             f"save_pretrained wrote).", UserWarning, stacklevel=3)
         return 0
     if saved is None and expected:
+        hint = _variant_hint(Path(path) / subfolder, variant)
         raise ValueError(
             f"{Path(path) / subfolder} is not a folder holding {', '.join(names)}, so the "
             f"per-layer {STATE_NAME} tensors of {method} cannot be read back from it: load "
-            f"from the local folder save_pretrained wrote.")
+            f"from the local folder save_pretrained wrote{hint}.")
     if not saved:
         return 0
     prefix = getattr(model, "base_model_prefix", "")
@@ -432,7 +433,8 @@ def _misfit_sentence(path: str | Path, method: str, saved: dict[str, Any], expec
         "skyformer.hf.load_state(model, path)).")
 
 
-def load_state(model: nn.Module, path: str | Path) -> int:
+def load_state(model: nn.Module, path: str | Path, *, subfolder: str = "",
+               variant: str | None = None, use_safetensors: bool | None = None) -> int:
     """Load the per-layer parameters (``skyformer_state``) that ``save_pretrained`` wrote
     to the local folder ``path`` into ``model`` as its layers are set up now; returns how
     many tensors were loaded. For a model whose layers ran different methods when saved
@@ -443,13 +445,30 @@ def load_state(model: nn.Module, path: str | Path) -> int:
     other layers, other shapes). A model loaded with
     ``attn_implementation="skyformer:<method>"``, whose layers make their state at their
     first forward pass, has it made first, as that pass would (and keeps it when
-    refused, as after that pass)."""
+    refused, as after that pass). ``subfolder``, ``variant`` and ``use_safetensors``
+    choose the files as for ``from_pretrained`` (``load_saved_state``)."""
     implementation = _implementation(model)
     if _is_ours(implementation) and implementation != PER_LAYER:
         make_first_forward_layers([m for _, _, m in attention_modules(model)], implementation)
     used = [f"{row['method']} in layer {row['layer']}" for row in describe(model)
             if row["method"] != EXACT and not row["method"].startswith(f"{EXACT} (")]
-    return load_saved_state(model, path, f"the model's layers ({', '.join(used) or 'all exact'})")
+    return load_saved_state(model, path, f"the model's layers ({', '.join(used) or 'all exact'})",
+                            subfolder=subfolder, variant=variant,
+                            use_safetensors=use_safetensors)
+
+
+def _variant_hint(folder: Path, variant: str | None) -> str:
+    """`` (it holds model.fp16.safetensors: pass variant="fp16")`` where the folder holds
+    weights of a variant not asked for, else ``""``."""
+    if variant is not None or not folder.is_dir():
+        return ""
+    found = sorted(p.name for p in folder.glob("*.*.safetensors"))
+    found += sorted(p.name for p in folder.glob("pytorch_model.*.bin"))
+    for name in found:
+        parts = name.split(".")
+        if parts[0] in ("model", "pytorch_model") and len(parts) == 3:
+            return f" (it holds {name}: pass variant={parts[1]!r})"
+    return ""
 
 
 # The weights files of a saved model, in the order transformers looks for them.
