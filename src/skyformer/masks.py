@@ -161,9 +161,10 @@ def resolve_mask(
         causal = causal_without_mask(is_causal, query_len, key_len)
         if causal and query_len != key_len:
             raise UnsupportedMaskError(
-                f"causal attention over a cached prefix (Nq={query_len} queries, Nk={key_len} "
-                f"keys) is not supported by skyformer methods, whose causal option needs "
-                f"Nq == Nk; run the prompt without a cache, or {advice}."
+                f"causal attention over a cached prefix, or over the slots of a static cache "
+                f"(Nq={query_len} queries, Nk={key_len} keys), is not supported by skyformer "
+                f"methods, whose causal option needs Nq == Nk; run the prompt without a cache "
+                f"(and without cache_implementation='static'), or {advice}."
             )
         return ResolvedMask(None, causal)
     if not isinstance(attention_mask, Tensor):
