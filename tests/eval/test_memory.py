@@ -180,3 +180,12 @@ def test_a_function_of_main_gets_the_sentence_a_method_registered_there_gets(mon
     with pytest.raises(RuntimeError, match=r"__main__:notebook_attention is defined in "
                                            r"__main__ \(a script or a notebook\).*importable"):
         memory.peak_memory_bytes(MemoryJob("__main__:notebook_attention@softmax", (1, 1, 8, 4)))
+
+
+def test_a_backward_peak_is_above_the_inputs_and_the_output_gradient():
+    """``2 v`` holds its output (8 MiB here) and v's gradient (8 MiB): 16 MiB above the
+    inputs and the output gradient, which bench allocates before it times a call. The
+    gradient was allocated inside the measured call, and the peak read 24 MiB."""
+    job = MemoryJob("tests.eval.memory_helpers:scaled_values", (1, 1, 65536, 32),
+                    backward=True)
+    assert 15 * 2**20 <= peak_memory_bytes(job) <= 17.5 * 2**20

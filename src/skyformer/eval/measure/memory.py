@@ -6,6 +6,12 @@ its peak): after one warm-up call the kernel's peak-RSS counter is reset through
 ``/proc/self/clear_refs`` and the measured call's peak is VmHWM minus the resident
 size just before it. Run as ``python -m skyformer.eval.measure.memory '<job json>'``.
 
+What is measured is the peak above the inputs (and, for a ``MemoryJob`` with
+``backward``, above the output gradient too, allocated by the warm-up call): what the
+call itself adds, as ``bench`` times it. (Before, the gradient was allocated inside
+the measured call: result files written then include one output-sized buffer in their
+backward peaks.)
+
 That process runs with glibc's ``MALLOC_MMAP_THRESHOLD_`` fixed at 64 KiB: every
 tensor buffer of 64 KiB or more is then its own mapping, returned to the system when
 freed, so resident size follows live tensors. (By default the threshold grows after
@@ -86,14 +92,29 @@ def _inputs(job: MemoryJob, device: torch.device) -> tuple[torch.Tensor, ...]:
     return tuple(t.detach().requires_grad_(job.backward) for t in tensors)
 
 
-def _run(job: MemoryJob, call: Any, q, k, v, device: torch.device) -> None:
-    g = torch.Generator(device=device).manual_seed(job.seed)
-    out = call(q, k, v, g)
-    if job.backward:
-        out.backward(torch.ones_like(out))
-        for t in (q, k, v):
-            t.grad = None
-    del out
+class _AttentionCall:
+    """One call of ``job``'s method, and its backward pass with ``job.backward``.
+
+    The output gradient is allocated by the first call (the warm-up, which tells the
+    output's shape) and kept, as the generator is: the measured call's peak is then
+    above the inputs and the output gradient, as ``bench`` times it (its gradient is
+    made before the timing)."""
+
+    def __init__(self, job: MemoryJob, call: Any, inputs: tuple[torch.Tensor, ...],
+                 device: torch.device) -> None:
+        self.job, self.call, self.inputs = job, call, inputs
+        self.generator = torch.Generator(device=device)
+        self.grad: torch.Tensor | None = None
+
+    def __call__(self) -> None:
+        out = self.call(*self.inputs, self.generator.manual_seed(self.job.seed))
+        if self.job.backward:
+            if self.grad is None:
+                self.grad = torch.ones_like(out)
+            out.backward(self.grad)
+            for t in self.inputs:
+                t.grad = None
+        del out
 
 
 def _status_kib(key: str) -> int:
@@ -110,11 +131,12 @@ def _call(job: MemoryJob | CallJob, device: torch.device) -> Any:
     q, k, v = _inputs(job, device)
     call = resolve(job.method).prepare(call_shape(q, k), job.options, device=device,
                                        dtype=q.dtype, as_layer=job.as_layer)
-    return lambda: _run(job, call, q, k, v, device)
+    return _AttentionCall(job, call, (q, k, v), device)
 
 
 def measure_in_this_process(job: MemoryJob | CallJob, device: torch.device | str = "cpu") -> int:
-    """Peak bytes of one call above what was resident before it."""
+    """Peak bytes of one call above what was resident before it: after a warm-up call,
+    so above the inputs and, for a backward ``MemoryJob``, its output gradient."""
     device = torch.device(device)
     call = _call(job, device)
     call()  # warm-up: one-time allocations are not the call's cost
