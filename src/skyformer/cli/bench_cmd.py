@@ -8,14 +8,8 @@ import sys
 import torch
 
 from ..eval.bench.report import format_table, format_wide, result_path, write_results
-from ..eval.bench.run import (
-    DTYPES,
-    ROW_KEYS,
-    BenchConfig,
-    BenchResult,
-    resumable_rows,
-    run_bench,
-)
+from ..eval.bench.resume import earlier_runs, resumable_rows
+from ..eval.bench.run import DTYPES, ROW_KEYS, BenchConfig, BenchResult, run_bench
 from ..eval.measure.timing import TIMINGS
 from ..io import check_output_path, read_to_resume, results_lock
 from .recorded import command_line
@@ -49,7 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-n", type=int, default=None,
                         help=f"shortest length (default {MIN_N}; not with --seq-lens)")
     parser.add_argument("--max-n", type=int, default=None,
-                        help=f"longest length (default {MAX_N}; not with --seq-lens)")
+                        help=f"longest length allowed (default {MAX_N}; not with --seq-lens): "
+                        "lengths double from --min-n, the last being the largest such "
+                        "length <= --max-n")
     parser.add_argument("--shapes", nargs="+", type=_shape, default=[(1, 2, 32)], metavar="B,H,D",
                         help="batch,heads,head-dim triples (default 1,2,32; e.g. also 4,8,64)")
     parser.add_argument(
@@ -65,9 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--repeats", type=int, default=3, help="timed runs per configuration (median)"
     )
-    parser.add_argument("--warmup", type=int, default=1, help="untimed runs first")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed runs before the timed ones, after one untimed first "
+                        "call (default 1)")
     parser.add_argument("--forward-only", action="store_true", help="time the forward pass only")
-    parser.add_argument("--no-memory", action="store_true", help="skip peak-memory measurement")
+    parser.add_argument("--no-memory", action="store_true",
+                        help="skip peak-memory measurement (the peak of one call above its "
+                        "inputs and, with the backward pass, the output gradient)")
     parser.add_argument("--no-error", action="store_true", help="skip the relative error")
     parser.add_argument("--max-seconds", type=float, default=60.0,
                         help="skip configurations predicted to take longer per call (default 60)")
@@ -118,8 +118,7 @@ def _seq_lens(args: argparse.Namespace) -> tuple[int, ...]:
         return tuple(args.seq_lens)
     low = MIN_N if args.min_n is None else args.min_n
     high = MAX_N if args.max_n is None else args.max_n
-    if not 1 <= low <= high:
-        raise ValueError(f"need 1 <= --min-n <= --max-n, got {low} and {high}.")
+    _check_bounds(args, low, high)
     seq_lens, n = [], low
     while n <= high:
         seq_lens.append(n)
@@ -127,22 +126,44 @@ def _seq_lens(args: argparse.Namespace) -> tuple[int, ...]:
     return tuple(seq_lens)
 
 
-def _earlier_rows(config: BenchConfig, out: str | None) -> list[dict]:
-    """The rows ``--resume`` keeps: those of OUT.json, measured with the same settings."""
+def _check_bounds(args: argparse.Namespace, low: int, high: int) -> None:
+    """Lengths from ``low`` doubling up to ``high``: a sentence naming the bounds given,
+    and the default where the other bound was not."""
+    for flag, value in (("--min-n", args.min_n), ("--max-n", args.max_n)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}.")
+    if low <= high:
+        return
+    if args.min_n is None:
+        raise ValueError(f"--max-n {high} is below --min-n's default {MIN_N}: pass --min-n "
+                         f"too, e.g. --min-n {max(1, high // 4)}.")
+    if args.max_n is None:
+        raise ValueError(f"--min-n {low} is above --max-n's default {MAX_N}: pass --max-n "
+                         f"too, e.g. --max-n {low * 4}.")
+    raise ValueError(f"--min-n {low} is above --max-n {high}: the lengths double from "
+                     "--min-n up to --max-n; pass a --min-n at most --max-n.")
+
+
+def _earlier_rows(config: BenchConfig, out: str | None) -> tuple[list[dict], list[dict]]:
+    """The rows ``--resume`` keeps (those of OUT.json measured with the same settings)
+    and the runs that measured them."""
     if out is None:
         raise ValueError("--resume continues the results written to --out; give --out.")
     path = result_path(out, ".json")
     earlier = read_to_resume(path, "a bench result file", "--out")
     if earlier is None:
-        return []
+        return [], []
     if not _is_bench_result(earlier):
         raise ValueError(f"cannot resume from {path}: not a bench result file (an object with "
                          "config, environment and a list of rows); write to another --out.")
-    missing = [key for key in ROW_KEYS if any(key not in row for row in earlier["rows"])]
+    # files written before rows said which run measured them are resumed as one run
+    missing = [key for key in ROW_KEYS
+               if key != "run" and any(key not in row for row in earlier["rows"])]
     if missing:
         raise ValueError(f"cannot resume from {path}: its rows lack {', '.join(missing)}, "
                          "which bench writes (a file edited or of another version); write to "
                          "another --out.")
+    runs = earlier_runs(earlier, str(path))
     rows, unasked = resumable_rows(config, earlier)
     print(f"resuming from {path}: {len(rows)} rows measured before", file=sys.stderr)
     if unasked:
@@ -150,7 +171,7 @@ def _earlier_rows(config: BenchConfig, out: str | None) -> list[dict]:
         print(f"warning: {path} also holds {len(unasked)} rows this run does not ask for "
               f"(N = {', '.join(map(str, lengths))}, or other shapes or dtypes); they will "
               "not be in the new file: ask for them too to keep them", file=sys.stderr)
-    return rows
+    return rows, runs
 
 
 def _is_bench_result(data: object) -> bool:
@@ -196,19 +217,22 @@ def run(args: argparse.Namespace) -> int:
 
 def _measure(args: argparse.Namespace, config: BenchConfig) -> int:
     """The run of ``run``: measure, print the tables, write ``--out`` as it goes."""
-    measured = _earlier_rows(config, args.out) if args.resume else None
+    measured, runs = _earlier_rows(config, args.out) if args.resume else (None, None)
     command = command_line(args)
 
     def write_partial(partial: BenchResult) -> None:
         write_results(partial, args.out, plot=False, command=command, complete=False)
 
     result = run_bench(config, progress=lambda line: print(line, file=sys.stderr, flush=True),
-                       measured=measured, after_length=write_partial if args.out else None)
+                       measured=measured, earlier_runs=runs,
+                       after_length=write_partial if args.out else None)
     print(format_wide(result) if args.markdown else format_table(result))
     env = result.environment
     print(f"\ntorch {env['torch']}, {env['device']}, {env['torch_threads']} threads, "
           f"{config.clock} clock, {config.timing} timing, load average "
-          f"{env.get('load_average_start')} -> {env.get('load_average_end')}")
+          f"{env.get('load_average_start')} -> {env.get('load_average_end')}"
+          + (" (this run; the earlier runs' are in the result file's runs)"
+             if len(result.runs) > 1 else ""))
     if args.out:
         for path in write_results(result, args.out, plot=not args.no_plot, command=command):
             print(f"wrote {path}")

@@ -58,18 +58,45 @@ def _title(g: tuple) -> str:
 def _header(result: BenchResult) -> str:
     cfg = result.config
     timed = "forward+backward" if cfg.backward else "forward"
-    rates = ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in result.matmul_gflops.items())
+    rates = _rates(result)
     if any(dtype in HALF for dtype in cfg.dtypes):
         rates += "; half inputs at the faster of theirs and float32's"
     return (
-        f"times: median of {cfg.repeats} after {cfg.warmup} warm-up, {cfg.clock} clock, "
-        f"{_timing(cfg)}; "
-        f"speed-up: {cfg.reference}'s time / the method's ({timed}); memory: the method's "
-        f"peak / {cfg.reference}'s; N->2N: time growth; "
-        "rel. error: spectral norm against the exact target, ! where it exceeds the trivial "
-        "answer's (every row = mean of V, or all zeros); SOL: the method's matmul FLOPs "
-        f"at the measured matmul throughput ({rates}) over the measured time"
+        f"times: median of {cfg.repeats} after an untimed first call and {cfg.warmup} "
+        f"warm-up, {cfg.clock} clock, {_timing(cfg)}; "
+        f"speed-up: {cfg.reference}'s time / the method's ({timed}); {PEAK[cfg.backward]}; "
+        f"memory: the method's peak / {cfg.reference}'s; N->2N: time growth (within one "
+        "run); rel. error: spectral norm against the exact target, ! where it exceeds the "
+        "trivial answer's (every row = mean of V, or all zeros); SOL: the method's matmul "
+        f"FLOPs at the measured matmul throughput ({rates}) over the measured time"
     )
+
+
+# the memory column, by whether the backward pass ran (``memory.measure_in_this_process``)
+PEAK = {True: "peak MiB: the peak of one forward+backward call above its inputs and the "
+              "output gradient",
+        False: "peak MiB: the peak of one forward call above its inputs"}
+
+
+def _rates(result: BenchResult) -> str:
+    """The matmul rates the rows' speed of light was taken at: those of the run that
+    measured them (one list per run where the rows come from several, ``--resume``)."""
+    def listed(rates: dict[str, float]) -> str:
+        return ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in rates.items())
+
+    held = sorted({r.get("run") or 0 for r in result.rows})
+    if len(result.runs) < 2 or not held:
+        return listed(result.matmul_gflops)
+    if len(held) == 1:
+        return listed(result.runs[held[0]]["matmul_gflops"])
+    return "; ".join(f"{_run_name(result, i)}: {listed(result.runs[i]['matmul_gflops'])}"
+                     for i in held)
+
+
+def _run_name(result: BenchResult, index: int) -> str:
+    """``run I`` with its start time where known (files before runs were kept have none)."""
+    started = result.runs[index].get("started") if index < len(result.runs) else None
+    return f"run {index}" + (f" (started {started})" if started else "")
 
 
 def _timing(cfg: Any) -> str:
@@ -96,7 +123,10 @@ def _notes(result: BenchResult, g: tuple, rows: list[dict[str, Any]]) -> list[st
         parts = []
         ran = " of the lengths it ran" if skipped else ""
         if method != ref and s["crossover"] is not None:  # None: never timed beside it
-            if s["crossover"] == "never":
+            if s["crossover"] == "across runs":
+                parts.append(f"crossover with {ref} not given: its speed-ups come from "
+                             "different runs")
+            elif s["crossover"] == "never":
                 parts.append(f"slower than {ref} at every N measured{ran}")
             elif s["crossover"] == "at most":
                 parts.append(f"faster than {ref} from N <= {s['crossover_n']:.0f}{ran}")
@@ -107,13 +137,29 @@ def _notes(result: BenchResult, g: tuple, rows: list[dict[str, Any]]) -> list[st
         if s["exponent"] is not None:
             lo, hi = s["exponent_range"]
             parts.append(f"time ~ N^{s['exponent']:.2f} (N {lo}..{hi})")
+        elif s.get("exponent_across_runs"):
+            lo, hi = s["exponent_range"]
+            parts.append(f"time exponent not given: N {lo}..{hi} come from different runs")
         if parts:
             notes.append(f"{method}: {', '.join(parts)}")
     loads = {r["n"]: r.get("load_avg") for r in rows if r.get("load_avg") is not None}
     if loads:
         notes.append("1-minute load average while timing: "
                      + ", ".join(f"N={n}: {load:.1f}" for n, load in sorted(loads.items())))
-    return notes
+    return notes + _runs_note(result, rows)
+
+
+def _runs_note(result: BenchResult, rows: list[dict[str, Any]]) -> list[str]:
+    """Which run measured which lengths, where the rows come from more than one."""
+    lengths: dict[int, set[int]] = {}
+    for row in rows:
+        lengths.setdefault(row.get("run") or 0, set()).add(row["n"])
+    if len(lengths) < 2:
+        return []
+    parts = [f"N = {', '.join(map(str, sorted(ns)))} by {_run_name(result, i)}"
+             for i, ns in sorted(lengths.items())]
+    return [f"rows of more than one run (--resume): {'; '.join(parts)}; N->2N growth, "
+            "exponents and crossovers are taken within one run only"]
 
 
 def format_table(result: BenchResult, *, markdown: bool = False) -> str:
@@ -250,20 +296,24 @@ def write_results(
     result: BenchResult, prefix: str | Path, *, plot: bool = True, command: str | None = None,
     complete: bool = True,
 ) -> list[Path]:
-    """``prefix``.json (config, environment, rows, summary), .csv (rows) and .png, each
-    written atomically. ``complete=False`` marks a run still going (or interrupted), in
-    the JSON and in the CSV's first comment line: ``skyformer bench --resume`` continues
-    it. Without ``plot``, a .png an earlier run left is removed."""
+    """``prefix``.json (config, this run's environment and command, every run's in
+    ``runs``, rows, summary), .csv (rows, the rest in its first lines) and .png, each
+    written atomically. ``command`` is this run's (the last of ``runs``).
+    ``complete=False`` marks a run still going (or interrupted), in the JSON and in the
+    CSV's first comment line: ``skyformer bench --resume`` continues it. Without
+    ``plot``, a .png an earlier run left is removed."""
     prefix = Path(prefix)
     data = result.to_dict()
     data["complete"] = complete
     if command:
         data["command"] = command
+        if data["runs"]:
+            data["runs"] = [*data["runs"][:-1], {**data["runs"][-1], "command": command}]
     written = [write_json(result_path(prefix, ".json"), data)]
     # ``# key: <json>`` lines first, as approx's CSV: pandas.read_csv(path, comment="#")
     written.append(write_csv(result_path(prefix, ".csv"), result.rows, metadata={
         "complete": complete, "config": data["config"], "environment": data["environment"],
-        "command": command,
+        "command": command, "runs": data["runs"],
     }))
     if plot:
         written.append(plot_results(result, result_path(prefix, ".png")))

@@ -5,13 +5,15 @@ For every method (registered names, or ``module:function`` entries, see
 state), (B, H, D) shape, dtype and sequence length N, on random inputs:
 
 - forward time (under ``torch.no_grad``) and forward + backward time: medians after
-  warm-up, the repeats interleaved across methods so that load changes on a shared
-  machine hit all of them alike (``timing.interleaved_median_seconds``), or with
+  an untimed first call and ``warmup`` untimed calls, the repeats interleaved across
+  methods so that load changes on a shared machine hit all of them alike
+  (``timing.interleaved_median_seconds``), or with
   ``timing="blocked"`` each call's repeats in a block of its own after an idle pause
   (``timing.blocked_median_seconds``: on a GPU a long, heavy call can slow the light
   one after it); CUDA is synchronised;
-- peak memory of forward + backward (``memory.peak_memory_bytes``: a fresh process per
-  configuration on CPU, ``max_memory_allocated`` on CUDA);
+- peak memory of forward + backward above the inputs and the output gradient
+  (``memory.peak_memory_bytes``: a fresh process per configuration on CPU,
+  ``max_memory_allocated`` on CUDA);
 - relative spectral error against the exact attention the method approximates, at the
   method's ``scale`` (and causal with ``causal``);
 - for methods with a FLOP count (``flops.py``), the "speed of light": that arithmetic at
@@ -20,9 +22,15 @@ state), (B, H, D) shape, dtype and sequence length N, on random inputs:
 
 A configuration predicted (from the previous N) to take more than ``max_seconds`` per
 call or more memory than is available, or whose inputs do not fit, is skipped, and the
-row says so. The summary
-gives, per method, the crossover length with the reference (exact SDPA softmax) and
-the fitted scaling exponent of its time.
+row says so; so is a method whose call fails (its first call, a timed one: the row
+says why, the other methods of that length are measured). The summary gives, per
+method, the crossover length with the reference (exact SDPA softmax) and the fitted
+scaling exponent of its time.
+
+A run resumed from an earlier one's file (``measured``, ``earlier_runs``) keeps every
+run's environment and matmul rates (``BenchResult.runs``) and each row says which run
+measured it (``run``, an index into them): numbers between rows (N -> 2N growth, the
+exponent, the crossover) are taken within one run only, never across runs.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +49,7 @@ from torch import Tensor
 
 from ...checks import check_positive_ints, is_integer
 from ...devices import parse_device
-from ...io import environment, json_ready
+from ...io import environment
 from ...linalg.implicit_inverse import factorises
 from ...ops.shared.inputs import compute_dtype
 from ...registry import Method, get_method, list_methods
@@ -82,7 +91,8 @@ class BenchConfig:
     dtypes: input dtypes ("float32", "float64", "bfloat16", "float16").
     device: "cpu" or "cuda" (never chosen for you).
     num_features: for every method that has the option (None = each method's default).
-    repeats, warmup: timed runs (median) and untimed runs first.
+    repeats, warmup: timed runs (median) and untimed runs before them (after the one
+        untimed first call every configuration gets).
     backward: also time forward + backward (and measure its peak memory; else forward).
     memory, error: measure peak memory / relative error.
     max_seconds: skip a configuration predicted to take longer per call.
@@ -181,17 +191,24 @@ def _refuse_presets(method: Method, features: bool) -> None:
 
 @dataclass
 class BenchResult:
+    """What a run measured. ``environment`` and ``matmul_gflops`` are this run's;
+    ``runs`` holds every run whose rows the result may hold (the earlier ones of
+    ``--resume`` first, this one last), each ``{"started", "environment",
+    "matmul_gflops"}`` (and ``"command"`` once written); a row's ``run`` indexes them."""
+
     config: BenchConfig
     environment: dict[str, Any]
     matmul_gflops: dict[str, float]  # dtype -> measured square-matmul throughput
     rows: list[dict[str, Any]]
     summary: list[dict[str, Any]] = field(default_factory=list)
+    runs: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "config": dataclasses.asdict(self.config),
             "environment": self.environment,
             "matmul_gflops": self.matmul_gflops,
+            "runs": self.runs,
             "rows": self.rows,
             "summary": self.summary,
         }
@@ -254,15 +271,17 @@ def _inputs_or_reason(shape: tuple[int, int, int], n: int, dtype: torch.dtype,
 def _closures(
     call: PreparedCall, q: Tensor, k: Tensor, v: Tensor, grad: Tensor, seed: int,
 ) -> tuple[Callable[[], Tensor], Callable[[], None]]:
-    def generator() -> torch.Generator:
-        return torch.Generator(device=q.device).manual_seed(seed)
+    """The forward and the forward + backward call timed. Their generator is made once,
+    here, and reseeded in place by each call (every call draws the same): making one
+    per call took ~4.5 us on a CPU inside the timed region, reseeding takes ~1 us."""
+    generator = torch.Generator(device=q.device)
 
     def forward() -> Tensor:
         with torch.no_grad():
-            return call(q, k, v, generator())
+            return call(q, k, v, generator.manual_seed(seed))
 
     def forward_backward() -> None:
-        out = call(q, k, v, generator())
+        out = call(q, k, v, generator.manual_seed(seed))
         out.backward(grad[..., : out.shape[-1]])
         for t in (q, k, v):
             t.grad = None
@@ -273,6 +292,7 @@ def _closures(
 def run_bench(
     config: BenchConfig, progress: Callable[[str], None] | None = None, *,
     measured: list[dict[str, Any]] | None = None,
+    earlier_runs: list[dict[str, Any]] | None = None,
     after_length: Callable[[BenchResult], None] | None = None,
 ) -> BenchResult:
     """Measure every configuration of ``config``.
@@ -282,6 +302,9 @@ def run_bench(
         measured: rows of an earlier run of the same configuration (``resumable_rows``):
             a sequence length whose rows are all there is not measured again, and its
             times and peaks feed the predictions of the next lengths as if just measured.
+            Each keeps its ``run``, an index into ``earlier_runs``.
+        earlier_runs: the runs of the earlier file (``resume.earlier_runs``); this run
+            comes after them in ``BenchResult.runs``.
         after_length: receives the result so far after every sequence length (to write
             it, so that an interruption loses at most the length being measured).
     """
@@ -290,56 +313,69 @@ def run_bench(
     labels = [m.label for m in methods]
     if len(set(labels)) != len(labels):
         raise ValueError(f"two methods share a name in {labels}; give each once.")
+    result = _start(config, device, list(earlier_runs or []))
+    earlier = _rows_by_length(measured or [])
+    limit = _available_bytes(device)
+    for shape in config.shapes:
+        for dtype_name in config.dtypes:
+            times: History = {label: [] for label in labels}
+            peaks: History = {label: [] for label in labels}
+            for n in sorted(config.seq_lens):
+                group = {"device": str(device), "dtype": dtype_name, "batch": shape[0],
+                         "heads": shape[1], "head_dim": shape[2], "n": n,
+                         "run": len(result.runs) - 1}
+                kept = earlier.get(_length_key(group))
+                if kept is not None and set(kept) >= set(labels):
+                    # their speed of light stays at the matmul rate of the run that measured them
+                    new_rows = [{**kept[label], **RATIOS_UNSET} for label in labels]
+                    _remember(config, new_rows, n, times, peaks)
+                else:
+                    new_rows = _measure_length(
+                        config, methods, labels, shape, n, getattr(torch, dtype_name), device,
+                        limit, times, peaks, sol_gflops(result.matmul_gflops, dtype_name),
+                        group,
+                    )
+                    if progress:
+                        for row in new_rows:
+                            progress(_progress_line(row))
+                result.rows.extend(new_rows)
+                if after_length:
+                    _finish(result)
+                    after_length(result)
+    return _finish(result)
+
+
+def _start(config: BenchConfig, device: torch.device, earlier_runs: list[dict[str, Any]]
+           ) -> BenchResult:
+    """An empty result with this run's environment and matmul rates, after the earlier
+    runs' in ``runs``."""
+    started = datetime.now(UTC).isoformat(timespec="seconds")
     load_start = _load()
     throughput = {  # the inputs' dtypes and the float32 that half inputs may compute in
         dtype: matmul_flops_per_second(device, getattr(torch, dtype), clock=config.clock) / 1e9
         for dtype in dict.fromkeys(name for d in config.dtypes for name in (d, _computed(d)))
     }
-    limit = _available_bytes(device)
     env = run_environment(device)
     env["methods"] = config.method_names()  # what runs: None in the config is "every one"
     env["load_average_start"] = load_start
-    earlier = _rows_by_length(measured or [])
-    rows: list[dict[str, Any]] = []
-    result = BenchResult(config, env, throughput, rows)
-    for shape in config.shapes:
-        for dtype_name in config.dtypes:
-            dtype = getattr(torch, dtype_name)
-            times: History = {label: [] for label in labels}
-            peaks: History = {label: [] for label in labels}
-            for n in sorted(config.seq_lens):
-                group = {"device": str(device), "dtype": dtype_name, "batch": shape[0],
-                         "heads": shape[1], "head_dim": shape[2], "n": n}
-                kept = earlier.get(_length_key(group))
-                if kept is not None and set(kept) >= set(labels):
-                    new_rows = [_speed_of_light({**kept[label], **RATIOS_UNSET},
-                                                sol_gflops(throughput, dtype_name),
-                                                config.backward)
-                                for label in labels]
-                    _remember(config, new_rows, n, times, peaks)
-                else:
-                    new_rows = _measure_length(
-                        config, methods, labels, shape, n, dtype, device, limit, times, peaks,
-                        sol_gflops(throughput, dtype_name), group,
-                    )
-                    if progress:
-                        for row in new_rows:
-                            progress(_progress_line(row))
-                rows.extend(new_rows)
-                if after_length:
-                    env["load_average_end"] = _load()
-                    result.summary = summarise(rows, config.reference, config.backward)
-                    after_length(result)
-    env["load_average_end"] = _load()
-    result.summary = summarise(rows, config.reference, config.backward)
+    this_run = {"started": started, "environment": env, "matmul_gflops": throughput}
+    return BenchResult(config, env, throughput, [], runs=[*earlier_runs, this_run])
+
+
+def _finish(result: BenchResult) -> BenchResult:
+    """``result`` with the load average now and the summary of its rows so far."""
+    result.environment["load_average_end"] = _load()
+    result.summary = summarise(result.rows, result.config.reference, result.config.backward)
     return result
 
 
-# The keys of every row, in the order of the CSV's columns (``--resume`` reads them back).
+# The keys of every row, in the order of the CSV's columns (``--resume`` reads them back;
+# ``run``, the index of the run that measured the row in the file's ``runs``, is missing
+# from files written before it was kept: their rows are the first run's).
 ROW_KEYS = ("method", "spec", "device", "dtype", "batch", "heads", "head_dim", "n", "target",
             "exact", "num_features", "status", "reason", "fwd_ms", "fwd_bwd_ms", "peak_mib",
             "rel_error", "trivial_error", "gflop", "sol_ms", "sol_fraction", "speedup",
-            "memory_ratio", "growth", "load_avg")
+            "memory_ratio", "growth", "load_avg", "run")
 # Set by ``summarise`` from the rows beside a row: recomputed for rows kept by --resume.
 RATIOS_UNSET = {"speedup": None, "memory_ratio": None, "growth": None}
 
@@ -375,64 +411,6 @@ def _remember(config: BenchConfig, rows: list[dict[str, Any]], n: int, times: Hi
             peaks[row["method"]].append((n, row["peak_mib"] * 2**20))
 
 
-RESUMABLE_SETTINGS = ("methods", "dtypes", "device", "num_features", "repeats", "warmup",
-                      "backward", "memory", "error", "seed", "max_seconds", "reference",
-                      "clock", "causal", "timing", "pause")
-
-
-RESUMABLE_ENVIRONMENT = ("device_name", "torch", "torch_threads")
-
-
-def resumable_rows(config: BenchConfig, earlier: dict[str, Any]
-                   ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(rows ``config`` may reuse, rows it does not ask for) of an earlier result file
-    (``write_results``'s JSON). Lengths and shapes may differ (rows are kept per shape
-    and length); other settings, the device, torch and the thread count may not: raises
-    a sentence naming what differs."""
-    # a setting added after the file was written ran as its default then
-    defaults = {f.name: f.default for f in dataclasses.fields(BenchConfig)}
-    before = {**defaults, **earlier.get("config", {})}
-    now = dataclasses.asdict(config)
-    # the pause changes nothing where the calls are interleaved
-    compared = [name for name in RESUMABLE_SETTINGS if name != "pause"
-                or "blocked" in (before.get("timing"), now["timing"])]
-    differ = [f"{name}: {before.get(name)!r} -> {now[name]!r}" for name in compared
-              if _comparable(before.get(name), name) != _comparable(now[name], name)]
-    env_before = earlier.get("environment", {})
-    env_now = run_environment(torch.device(config.device))
-    differ += [f"{name}: {env_before.get(name)!r} -> {env_now.get(name)!r}"
-               for name in RESUMABLE_ENVIRONMENT if env_before.get(name) != env_now.get(name)]
-    # the methods that ran (a file from before they were kept: the config's alone):
-    # without --methods, --plugin or another version of the library changes them
-    ran = env_before.get("methods")
-    if isinstance(ran, list) and sorted(map(str, ran)) != sorted(config.method_names()):
-        differ.append(f"methods run: {ran!r} -> {config.method_names()!r}")
-    if differ:
-        raise ValueError(f"the earlier results were measured with other settings or on "
-                         f"another machine ({', '.join(differ)}); resume with the same "
-                         "ones, or write to another --out.")
-    asked = {(str(torch.device(config.device)), dtype, *shape, n) for shape in config.shapes
-             for dtype in config.dtypes for n in config.seq_lens}
-    rows = list(earlier.get("rows", []))
-    return ([r for r in rows if _length_key(r) in asked],
-            [r for r in rows if _length_key(r) not in asked])
-
-
-# settings whose order is only that of the table's rows: the same ones in another
-# order resume the run
-ORDERLESS_SETTINGS = ("methods", "dtypes")
-
-
-def _comparable(value: Any, name: str = "") -> Any:
-    """``value`` as the JSON file holds it (tuples as lists, a non-finite number such as
-    ``--max-seconds inf`` as None), so that a setting read back compares equal; the
-    ``ORDERLESS_SETTINGS`` sorted."""
-    value = json_ready(value)
-    if name in ORDERLESS_SETTINGS and isinstance(value, list):
-        return sorted(value, key=str)
-    return value
-
-
 def _cpu_model() -> str | None:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -459,7 +437,9 @@ def _measure_length(
     shape: tuple[int, int, int], n: int, dtype: torch.dtype, device: torch.device, limit: float,
     times: History, peaks: History, gflops: float, group: dict[str, Any],
 ) -> list[dict[str, Any]]:
-    """One row per method at sequence length ``n`` (all methods on the same inputs)."""
+    """One row per method at sequence length ``n`` (all methods on the same inputs). A
+    method whose call fails (``CALL_ERRORS``) gets a skipped row saying so, and the others
+    are measured; any other error escapes with a note naming the method and N."""
     inputs, no_inputs = _inputs_or_reason(shape, n, dtype, device, config.seed, limit)
     rows: dict[str, dict[str, Any]] = {}
     runnable: dict[str, _Runnable] = {}
@@ -478,6 +458,18 @@ def _measure_length(
 
 
 _Runnable = tuple[NamedAttention, dict[str, Any], Callable, Callable]  # method, options, fwd, step
+# What a method's call may raise and its row then records (out of memory, inputs its
+# options exclude, a function of the wrong kind); anything else escapes (``_escaping``).
+CALL_ERRORS = (RuntimeError, ValueError, TypeError)
+
+
+def _escaping(err: Exception, row: dict[str, Any], when: str) -> Exception:
+    """``err`` with a note naming the method, the configuration and ``when`` it was
+    raised, to re-raise: an error bench does not record in a row stops the run, and
+    its traceback says where."""
+    err.add_note(f"raised by {row['method']} at N = {row['n']} (B={row['batch']} "
+                 f"H={row['heads']} D={row['head_dim']} {row['dtype']}), {when}")
+    return err
 
 
 def _first_call(
@@ -486,7 +478,8 @@ def _first_call(
     limit: float, times: list, peaks: list, group: dict[str, Any],
 ) -> tuple[dict[str, Any], _Runnable | None]:
     """The row of ``method`` at length ``n`` and, where it is not skipped, its prepared
-    calls after a first run of them (one that fails, e.g. out of memory, skips the row)."""
+    calls after a first, untimed run of them (one that fails, e.g. out of memory, skips
+    the row)."""
     b, h, d = shape
     options = method.options(config.num_features)
     if config.causal:
@@ -504,24 +497,71 @@ def _first_call(
                               as_layer=True)
         forward, step = _closures(call, *inputs, config.seed)
         (step if config.backward else forward)()
-    except (RuntimeError, ValueError, TypeError) as err:
+    except CALL_ERRORS as err:
         row.update(status="skipped", reason=_one_line(err))
         return row, None
+    except Exception as err:
+        _escaping(err, row, "in its first call")
+        raise
     return row, (method, options, forward, step)
+
+
+class _CallFailed(Exception):
+    """A timed call of the method ``label`` raised ``error``."""
+
+    def __init__(self, label: str, error: Exception) -> None:
+        super().__init__(label, error)
+        self.label, self.error = label, error
+
+
+def _named(label: str, fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn``, its errors raised as ``_CallFailed`` naming ``label``."""
+    def call() -> object:
+        try:
+            return fn()
+        except Exception as err:
+            raise _CallFailed(label, err) from err
+
+    return call
 
 
 def _time_interleaved(config: BenchConfig, runnable: dict[str, _Runnable],
                       rows: dict[str, dict[str, Any]], device: torch.device) -> None:
     """``fwd_ms`` (and ``fwd_bwd_ms``) of every runnable row, timed interleaved (or in
     blocks, ``config.timing``), and the load average over the timing (none where nothing
-    is timed)."""
+    is timed). A method whose timed call fails leaves ``runnable``, its row skipped
+    with the error, and the others are timed again without it: every time in a length
+    comes from one timing."""
+    while runnable:
+        try:
+            medians, load = _timed(config, runnable, device)
+        except _CallFailed as failed:
+            label, error = failed.label, failed.error
+        else:
+            break
+        if not isinstance(error, CALL_ERRORS):  # raised here: no _CallFailed as context
+            raise _escaping(error, rows[label], "in a timed call")
+        rows[label].update(status="skipped", reason=f"a timed call failed: {_one_line(error)}")
+        del runnable[label]
+    else:
+        return  # nothing (left) to time
+    for row in rows.values() if load is not None else ():
+        row["load_avg"] = load
+    for label in runnable:
+        rows[label]["fwd_ms"] = medians[f"{label}/fwd"] * 1e3
+        if config.backward:
+            rows[label]["fwd_bwd_ms"] = medians[f"{label}/fwd_bwd"] * 1e3
+
+
+def _timed(config: BenchConfig, runnable: dict[str, _Runnable], device: torch.device
+           ) -> tuple[dict[str, float], float | None]:
+    """(median seconds of each call of ``runnable``, named ``label/fwd`` and
+    ``label/fwd_bwd``; the mean 1-minute load average over the timing, if known)."""
     fns: dict[str, Callable[[], object]] = {}
     for label, (_, _, forward, step) in runnable.items():
-        fns[f"{label}/fwd"] = forward
+        fns[f"{label}/fwd"] = _named(label, forward)
         if config.backward:
-            fns[f"{label}/fwd_bwd"] = step
-    if not fns:
-        return
+            fns[f"{label}/fwd_bwd"] = _named(label, step)
     load_before = _load()
     if config.timing == "blocked":
         medians = blocked_median_seconds(fns, device=device, warmup=config.warmup,
@@ -531,13 +571,9 @@ def _time_interleaved(config: BenchConfig, runnable: dict[str, _Runnable],
         medians = interleaved_median_seconds(fns, device=device, warmup=config.warmup,
                                              repeats=config.repeats, clock=config.clock)
     load_after = _load()
-    if load_before and load_after:
-        for row in rows.values():
-            row["load_avg"] = round((load_before[0] + load_after[0]) / 2, 2)
-    for label in runnable:
-        rows[label]["fwd_ms"] = medians[f"{label}/fwd"] * 1e3
-        if config.backward:
-            rows[label]["fwd_bwd_ms"] = medians[f"{label}/fwd_bwd"] * 1e3
+    if not (load_before and load_after):
+        return medians, None
+    return medians, round((load_before[0] + load_after[0]) / 2, 2)
 
 
 def _complete_row(
@@ -546,7 +582,9 @@ def _complete_row(
     exact: dict[tuple, tuple[Tensor, float]], times: list, peaks: list, gflops: float,
     group: dict[str, Any],
 ) -> None:
-    """A timed row's history entry, peak memory, error and speed of light."""
+    """A timed row's history entry, peak memory, error and speed of light. A peak or an
+    error that fails to be measured is left out, the row saying why in its reason (its
+    times stand: they were measured)."""
     b, h, d = shape
     method, options, forward, _ = ready
     main = row["fwd_bwd_ms"] if config.backward else row["fwd_ms"]
@@ -554,16 +592,10 @@ def _complete_row(
     if config.memory:
         job = MemoryJob(method.name, (b, h, n, d), options, dtype=group["dtype"],
                         seed=config.seed, backward=config.backward, as_layer=True)
-        peak, reason = peak_memory_or_reason(job, device)
-        if peak is None:
-            row["reason"] = reason
-        else:
-            row["peak_mib"] = peak / 2**20
-            peaks.append((n, float(peak)))
+        _guarded(row, "peak memory", lambda: _peak(row, job, device, peaks))
     if config.error and method.target is not None:
-        target, row["trivial_error"] = _target(*inputs[:3], method, options, exact)
-        out = forward().to(target.dtype)
-        row["rel_error"] = relative_error(out, target, ord=2).mean().item()
+        _guarded(row, "relative error",
+                 lambda: _error(row, forward, _target(*inputs[:3], method, options, exact)))
     if method.registered:
         flops = attention_flops(
             method.name, batch=b, heads=h, nq=n, nk=n, d=d, dv=d,
@@ -574,6 +606,42 @@ def _complete_row(
         if flops is not None:
             row["gflop"] = flops / 1e9
             _speed_of_light(row, gflops, config.backward)
+
+
+def _guarded(row: dict[str, Any], what: str, measure: Callable[[], None]) -> None:
+    """``measure()``; where it raises one of ``CALL_ERRORS``, ``what`` is not measured and
+    the row's reason says why."""
+    try:
+        measure()
+    except CALL_ERRORS as err:
+        _add_reason(row, f"{what} not measured: {_one_line(err)}")
+    except Exception as err:
+        _escaping(err, row, f"measuring its {what}")
+        raise
+
+
+def _add_reason(row: dict[str, Any], reason: str) -> None:
+    row["reason"] = "; ".join(filter(None, (row["reason"], reason)))
+
+
+def _peak(row: dict[str, Any], job: MemoryJob, device: torch.device, peaks: list) -> None:
+    """The row's ``peak_mib`` (or its reason where the measurement failed)."""
+    peak, reason = peak_memory_or_reason(job, device)
+    if peak is None:
+        _add_reason(row, reason or "")
+    else:
+        row["peak_mib"] = peak / 2**20
+        peaks.append((row["n"], float(peak)))
+
+
+def _error(row: dict[str, Any], forward: Callable[[], Tensor],
+           target: tuple[Tensor, float]) -> None:
+    """The row's ``rel_error`` against ``target`` (the exact output, the trivial answer's
+    error), from one more forward call."""
+    exact, trivial = target
+    out = forward().to(exact.dtype)
+    row["rel_error"] = relative_error(out, exact, ord=2).mean().item()
+    row["trivial_error"] = trivial
 
 
 def _computed(dtype_name: str) -> str:
@@ -648,6 +716,8 @@ def _progress_line(row: dict[str, Any]) -> str:
         parts.append(f"peak {row['peak_mib']:8.1f} MiB")
     if row["rel_error"] is not None:
         parts.append(f"err {row['rel_error']:.2e}")
+    if row["reason"]:  # what was not measured, and why
+        parts.append(row["reason"])
     return head + "  " + "  ".join(parts)
 
 
@@ -687,7 +757,9 @@ def crossover(points: list[tuple[int, float]]) -> tuple[float | None, str]:
 def summarise(rows: list[dict[str, Any]], reference: str, backward: bool) -> list[dict[str, Any]]:
     """Per (shape, dtype, device) and method: ratios to the reference, N -> 2N growth,
     crossover length and the scaling exponent of time over the longest quarter of
-    the sweep (at least the two longest lengths)."""
+    the sweep (at least the two longest lengths). Each is taken between rows of one run
+    (``run``, --resume): growth between runs is left out, and an exponent or a crossover
+    whose points span runs is None (``exponent_across_runs``, crossover "across runs")."""
     key = "fwd_bwd_ms" if backward else "fwd_ms"
     groups: dict[tuple, dict[str, dict[int, dict[str, Any]]]] = {}
     for row in rows:
@@ -698,31 +770,65 @@ def summarise(rows: list[dict[str, Any]], reference: str, backward: bool) -> lis
         ref = by_method.get(reference, {})
         for method, by_n in by_method.items():
             ok = sorted((n, r) for n, r in by_n.items() if r["status"] == "ok" and r[key])
-            for n, r in ok:
-                base = ref.get(n)
-                if base and base["status"] == "ok" and base[key]:
-                    r["speedup"] = base[key] / r[key]
-                    peaks = [None if x["peak_mib"] is None else x["peak_mib"] * 2**20
-                             for x in (r, base)]
-                    if peaks[1] and all(above_resolution(peak, g[0]) for peak in peaks):
-                        r["memory_ratio"] = r["peak_mib"] / base["peak_mib"]
-            by_length = dict(ok)
-            for n1, r1 in ok:  # any measured N/2, not only the previous length
-                r0 = by_length.get(n1 // 2) if n1 % 2 == 0 else None
-                if r0 is not None and r0[key]:
-                    r1["growth"] = r1[key] / r0[key]
-            times = [(n, r[key]) for n, r in ok]
-            longest = [p for p in times if times and p[0] * 4 >= times[-1][0]]
-            if len(longest) < 2:
-                longest = times[-2:]
-            speedups = [(n, r["speedup"]) for n, r in ok if r["speedup"]]
-            # none for the reference itself, or where nothing was timed beside it
-            cross, how = crossover(speedups) if speedups and method != reference \
-                else (None, None)
-            out.append({
-                "device": g[0], "dtype": g[1], "batch": g[2], "heads": g[3], "head_dim": g[4],
-                "method": method, "crossover_n": cross, "crossover": how,
-                "exponent": _fit_exponent(longest),
-                "exponent_range": [longest[0][0], longest[-1][0]] if len(longest) >= 2 else None,
-            })
+            _ratios(ok, ref, key, g[0])
+            _growth(ok, key)
+            out.append({"device": g[0], "dtype": g[1], "batch": g[2], "heads": g[3],
+                        "head_dim": g[4], "method": method,
+                        **_crossover_of(ok, method != reference), **_exponent_of(ok, key)})
     return out
+
+
+def _run_of(row: dict[str, Any]) -> int:
+    """The index of the run that measured ``row`` (0 for rows of files without runs)."""
+    return row.get("run") or 0
+
+
+def _ratios(ok: list[tuple[int, dict[str, Any]]], ref: dict[int, dict[str, Any]], key: str,
+            device: str) -> None:
+    """Each row's speed-up and memory ratio against the reference's row at its N."""
+    for n, r in ok:
+        base = ref.get(n)
+        if not (base and base["status"] == "ok" and base[key]
+                and _run_of(base) == _run_of(r)):
+            continue
+        r["speedup"] = base[key] / r[key]
+        peaks = [None if x["peak_mib"] is None else x["peak_mib"] * 2**20 for x in (r, base)]
+        if peaks[1] and all(above_resolution(peak, device) for peak in peaks):
+            r["memory_ratio"] = r["peak_mib"] / base["peak_mib"]
+
+
+def _growth(ok: list[tuple[int, dict[str, Any]]], key: str) -> None:
+    """Each row's time over that at N/2, measured in the same run (any measured N/2,
+    not only the previous length)."""
+    by_length = dict(ok)
+    for n1, r1 in ok:
+        r0 = by_length.get(n1 // 2) if n1 % 2 == 0 else None
+        if r0 is not None and r0[key] and _run_of(r0) == _run_of(r1):
+            r1["growth"] = r1[key] / r0[key]
+
+
+def _crossover_of(ok: list[tuple[int, dict[str, Any]]], against: bool) -> dict[str, Any]:
+    """``crossover_n`` and ``crossover`` (how) of the rows' speed-ups: none for the
+    reference itself or where nothing was timed beside it, "across runs" where the
+    speed-ups come from more than one run."""
+    timed = [(n, r) for n, r in ok if r["speedup"]]
+    if not (timed and against):
+        return {"crossover_n": None, "crossover": None}
+    if len({_run_of(r) for _, r in timed}) > 1:
+        return {"crossover_n": None, "crossover": "across runs"}
+    cross, how = crossover([(n, r["speedup"]) for n, r in timed])
+    return {"crossover_n": cross, "crossover": how}
+
+
+def _exponent_of(ok: list[tuple[int, dict[str, Any]]], key: str) -> dict[str, Any]:
+    """The fitted exponent of time over the longest quarter of the lengths (at least the
+    two longest), its range, and whether it was left out for spanning runs."""
+    longest = [(n, r) for n, r in ok if n * 4 >= ok[-1][0]] if ok else []
+    if len(longest) < 2:
+        longest = ok[-2:]
+    across = len({_run_of(r) for _, r in longest}) > 1
+    return {
+        "exponent": None if across else _fit_exponent([(n, r[key]) for n, r in longest]),
+        "exponent_range": [longest[0][0], longest[-1][0]] if len(longest) >= 2 else None,
+        "exponent_across_runs": across,
+    }
