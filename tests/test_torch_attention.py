@@ -430,3 +430,21 @@ def test_built_on_meta_and_initialised_by_reset_parameters():
         state.reset_parameters()
     for name, value in fresh.method_state.state_dict().items():
         assert torch.equal(layer.method_state.state_dict()[name], value), name
+
+
+def test_a_float_padding_mask_with_a_bias_is_named_for_an_approximate_method():
+    """A float key_padding_mask of 0 / -inf is padding; other values are a bias the
+    approximate methods would leave out: refused naming key_padding_mask (it was called
+    'the additive attention mask'). Large negatives count as padding, as -inf."""
+    _, ours = pair("kernelized", None)
+    _, approx = pair("nystromformer", {"num_features": 4})
+    q, kv = rand(L, B, E), rand(S, B, E, seed=2)
+    additive = torch.zeros(B, S, dtype=F64).masked_fill(padding(), float("-inf"))
+    large = torch.zeros(B, S, dtype=F64).masked_fill(padding(), -1e9)
+    torch.testing.assert_close(approx(q, kv, kv, key_padding_mask=large, need_weights=False)[0],
+                               approx(q, kv, kv, key_padding_mask=padding(),
+                                      need_weights=False)[0], **EXACT)
+    with pytest.raises(ValueError, match=r"nystromformer\): key_padding_mask holds additive "
+                                         r"values other than 0"):
+        approx(q, kv, kv, key_padding_mask=additive - 1.0, need_weights=False)
+    ours(q, kv, kv, key_padding_mask=additive - 1.0, need_weights=False)  # exact: a bias

@@ -54,6 +54,7 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from .amp import autocast_enabled
 from .checks import check_positive_int
 from .functional import attn_mask_as_padding, refuse_causal_lengths, sdpa_options
+from .masks import BLOCKED_LOGIT
 from .nn import BoundMethodProperties
 from .ops.shared.options import check_probability
 from .ops.shared.tracing import may_read_values
@@ -287,10 +288,8 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         them (``functional.attn_mask_as_padding``), or a sentence. With the ``is_causal`` hint the
         method runs its causal form and ``attn_mask`` is not read."""
         rows = "auto" if self_attention else None  # cross-attention: every query real
-        if padding_bias is not None and not may_read_values(padding_bias):
-            # torch's layers hand a bool padding mask on as 0 / -inf; under tracing its
-            # values cannot be checked for a bias: 0 = real key, anything else = padding
-            real = padding_bias[:, 0, 0, :] == 0
+        if padding_bias is not None:  # torch's layers hand a bool mask on as 0 / -inf
+            real = self._real_keys(padding_bias[:, 0, 0, :])
             key_valid = real if key_valid is None else key_valid & real
             padding_bias = None
         mask = padding_bias if is_causal else _joined(allowed, padding_bias, q.dtype)
@@ -305,6 +304,21 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
                     generator=generator, state=self.method_state)
         p = self._dropout()
         return F.dropout(out, p=p, training=True) if p else out
+
+    def _real_keys(self, additive: Tensor) -> Tensor:
+        """A float ``key_padding_mask`` ``[B, S]`` (0 = real key, -inf or a large
+        negative = padding) as ``[B, S]`` bool, True = real; a sentence for other values
+        (a bias, which an approximate method would leave out), checked where values can
+        be read (under tracing 0 is real and anything else padding)."""
+        real = additive == 0
+        if may_read_values(additive) and not bool((real | (additive <= BLOCKED_LOGIT)).all()):
+            raise ValueError(
+                f"{NAME} ({self.method}): key_padding_mask holds additive values other than 0 "
+                f"(a real key) and -inf or a large negative (padding): a bias, which "
+                f"{self.method} cannot apply (it takes key padding and causal masks); pass a "
+                f"bool mask (True = padding), or use method='softmax' or 'kernelized', "
+                f"which take any mask.")
+        return real
 
     def _nested(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Any,
                 attn_mask: Any, generator: Any) -> Tensor:
