@@ -270,3 +270,32 @@ def test_logit_soft_capping_is_refused_at_load():
         with pytest.raises(CapabilityError, match=r"caps its attention logits "
                                                   r"\(attn_logit_softcapping=50"):
             shf.set_attention(copy.deepcopy(model), method)
+
+
+def test_prescaled_queries_are_read_from_the_code_not_its_comments():
+    """prescales_queries reads a call's keyword ``scaling=1.0`` from the forward's syntax
+    (a comment saying so does not count), per function: a forward replaced later, or
+    set on the instance, is read anew."""
+    from skyformer.hf.layers import model_scaling
+
+    def attend(**kwargs):
+        return kwargs
+
+    class Attention(torch.nn.Module):
+        scaling = 0.125
+
+        def forward(self, x):
+            # the attention call below passes scaling=1.0 in OPT; here it does not
+            return attend(x=x, scaling=self.scaling)
+
+    module = Attention()
+    assert model_scaling(module) == 0.125
+
+    def prescaled(self, x):
+        return attend(x=x * self.scaling, scaling=1.0)
+
+    Attention.forward = prescaled
+    assert model_scaling(module) == 1.0
+    other = Attention()
+    other.forward = lambda x: attend(x=x, scaling=other.scaling)
+    assert model_scaling(other) == 0.125

@@ -423,6 +423,12 @@ def test_load_state_takes_the_loader_keywords_of_a_variant(tmp_path):
                                          r"variant='v1'\)\.$"):
         shf.load_state(plain, tmp_path)
     assert shf.load_state(plain, tmp_path, variant="v1") == 4
+    sharded = tmp_path / "sharded"  # model.v2-00001-of-0000n.safetensors and its index
+    model.save_pretrained(sharded, variant="v2", max_shard_size="20KB")
+    assert len(list(sharded.glob("model.v2-*-of-*.safetensors"))) > 1
+    with pytest.raises(ValueError, match=r"pass variant='v2'\)\.$"):
+        shf.load_state(plain, sharded)
+    assert shf.load_state(plain, sharded, variant="v2") == 4
 
 
 @torch.no_grad()

@@ -11,9 +11,11 @@ its own logit scale needs a ``scale`` option, ...) fails when it is chosen.
 
 from __future__ import annotations
 
+import ast
 import inspect
 import math
-import re
+import textwrap
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,28 +172,42 @@ def model_scaling(module: nn.Module) -> float | None:
     for name in ("scaling", "scale"):
         value = getattr(module, name, None)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return 1.0 if prescales_queries(type(module)) else float(value)
+            return 1.0 if prescales_queries(module) else float(value)
     return None
 
 
-_PRESCALES: dict[type, bool] = {}
+# prescales_queries' reading, per forward function (weakly: a class or a forward
+# replaced later is read anew, and none is kept alive by it)
+_PRESCALES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def prescales_queries(module_type: type) -> bool:
-    """Whether the forward of ``module_type`` passes ``scaling=1.0`` to its attention
-    function, having scaled the queries (read from its source, once per class; False
-    without one). Under ``torch.compile`` the source cannot be read: a class not read
-    before (at ``set_attention``) reads False there, and the call's own check of the
-    scale it passes (``attention._call_options``) stands."""
-    if module_type not in _PRESCALES:
+def prescales_queries(module: nn.Module) -> bool:
+    """Whether the module's forward (its own, where one is set on the instance) calls
+    with the keyword ``scaling=1.0``, having scaled the queries: read from its source
+    (comments aside), once per function; False without a source. Under
+    ``torch.compile`` a function not read before (at ``set_attention``) reads False,
+    and the call's own check of the scale it passes (``attention._call_options``)
+    stands."""
+    forward = module.__dict__.get("forward", type(module).forward)
+    forward = inspect.unwrap(getattr(forward, "__func__", forward))  # a bound method's
+    if forward not in _PRESCALES:
         if torch.compiler.is_compiling():
             return False
-        try:
-            source = inspect.getsource(inspect.unwrap(module_type.forward))
-        except (OSError, TypeError, AttributeError):
-            source = ""
-        _PRESCALES[module_type] = re.search(r"\bscaling\s*=\s*1\.0\b", source) is not None
-    return _PRESCALES[module_type]
+        _PRESCALES[forward] = _passes_scaling_one(forward)
+    return _PRESCALES[forward]
+
+
+def _passes_scaling_one(function: Any) -> bool:
+    """Whether ``function``'s code has a call with the keyword ``scaling=1.0`` (its
+    syntax tree: a comment or a string saying so does not count)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    return any(isinstance(node, ast.keyword) and node.arg == "scaling"
+               and isinstance(node.value, ast.Constant) and node.value.value == 1.0
+               and not isinstance(node.value.value, bool)
+               for node in ast.walk(tree))
 
 
 def is_cross_attention(module: nn.Module, name: str = "") -> bool:

@@ -458,16 +458,17 @@ def load_state(model: nn.Module, path: str | Path, *, subfolder: str = "",
 
 
 def _variant_hint(folder: Path, variant: str | None) -> str:
-    """`` (it holds model.fp16.safetensors: pass variant="fp16")`` where the folder holds
-    weights of a variant not asked for, else ``""``."""
+    """`` (it holds model.fp16.safetensors: pass variant='fp16')`` where the folder holds
+    weights of a variant not asked for (one file, or the index of shards
+    ``model.safetensors.index.fp16.json``), else ``""``."""
     if variant is not None or not folder.is_dir():
         return ""
-    found = sorted(p.name for p in folder.glob("*.*.safetensors"))
-    found += sorted(p.name for p in folder.glob("pytorch_model.*.bin"))
-    for name in found:
-        parts = name.split(".")
-        if parts[0] in ("model", "pytorch_model") and len(parts) == 3:
-            return f" (it holds {name}: pass variant={parts[1]!r})"
+    for pattern in ("model.*.safetensors", "pytorch_model.*.bin",
+                    "model.safetensors.index.*.json", "pytorch_model.bin.index.*.json"):
+        for path in sorted(folder.glob(pattern)):
+            found = path.name.split(".")[-2]  # the part before the last suffix
+            if "-of-" not in found:  # a shard's name is read from its index instead
+                return f" (it holds {path.name}: pass variant={found!r})"
     return ""
 
 
