@@ -1008,3 +1008,20 @@ def test_a_file_from_before_runs_were_kept_resumes_as_one_run(tmp_path, capsys):
     capsys.readouterr()
     assert main([*argv, "--seq-lens", "16", "32", "--resume"]) == 2
     assert "its rows name runs [5] of 2 it records (a file edited?)" in capsys.readouterr().err
+
+
+def test_backward_peaks_of_a_file_from_before_runs_are_not_mixed_with_new_ones(tmp_path,
+                                                                                capsys):
+    """Files written before runs were kept measured backward peaks with the output
+    gradient inside; new rows leave it out: resuming such a file with memory and
+    backward would put two definitions in one table, so it is refused in a sentence."""
+    out = tmp_path / "older"
+    argv = ["bench", "--methods", "linear", "--shapes", "1,1,4", "--repeats", "1",
+            "--warmup", "0", "--no-plot", "--out", str(out)]
+    assert main([*argv, "--seq-lens", "16"]) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    del data["runs"]
+    out.with_suffix(".json").write_text(json.dumps(data))
+    capsys.readouterr()
+    assert main([*argv, "--seq-lens", "16", "32", "--resume"]) == 2
+    assert "before backward peaks left out the output gradient" in capsys.readouterr().err

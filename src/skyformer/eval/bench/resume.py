@@ -44,6 +44,12 @@ def resumable_rows(config: BenchConfig, earlier: dict[str, Any]
     env_before = earlier.get("environment", {})
     differ = [*_settings_differ(config, before), *_methods_differ(config, before, env_before),
               *_environment_differs(config, env_before)]
+    if "runs" not in earlier and config.memory and config.backward and earlier.get("rows"):
+        raise ValueError(
+            "the earlier results were written before backward peaks left out the output "
+            "gradient: theirs include one output-sized buffer, which new rows would not, and "
+            "one table must not hold two definitions of peak memory; write to another --out "
+            "(or resume them with --no-memory if they were measured without it).")
     if differ:
         raise ValueError(f"the earlier results were measured with other settings or on "
                          f"another machine ({'; '.join(differ)}); resume with the earlier "
