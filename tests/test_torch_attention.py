@@ -436,7 +436,6 @@ def test_a_float_padding_mask_with_a_bias_is_named_for_an_approximate_method():
     """A float key_padding_mask of 0 / -inf is padding; other values are a bias the
     approximate methods would leave out: refused naming key_padding_mask (it was called
     'the additive attention mask'). Large negatives count as padding, as -inf."""
-    _, ours = pair("kernelized", None)
     _, approx = pair("nystromformer", {"num_features": 4})
     q, kv = rand(L, B, E), rand(S, B, E, seed=2)
     additive = torch.zeros(B, S, dtype=F64).masked_fill(padding(), float("-inf"))
@@ -447,4 +446,8 @@ def test_a_float_padding_mask_with_a_bias_is_named_for_an_approximate_method():
     with pytest.raises(ValueError, match=r"nystromformer\): key_padding_mask holds additive "
                                          r"values other than 0"):
         approx(q, kv, kv, key_padding_mask=additive - 1.0, need_weights=False)
-    ours(q, kv, kv, key_padding_mask=additive - 1.0, need_weights=False)  # exact: a bias
+    ref, ours = pair("softmax")  # an exact method takes the bias, as torch's layer
+    biased = additive - 1.0
+    torch.testing.assert_close(ours(q, kv, kv, key_padding_mask=biased, need_weights=False)[0],
+                               ref(q, kv, kv, key_padding_mask=biased, need_weights=False)[0],
+                               **EXACT)

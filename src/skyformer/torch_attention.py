@@ -285,17 +285,17 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
                      padding_bias: Tensor | None, allowed: Tensor | None, is_causal: bool,
                      self_attention: bool, generator: Any) -> Tensor:
         """A method that takes key padding and causal masks: torch's masks resolved into
-        them (``functional.attn_mask_as_padding``), or a sentence. With the ``is_causal`` hint the
-        method runs its causal form and ``attn_mask`` is not read."""
+        them (``functional.attn_mask_as_padding``), or a sentence. With the ``is_causal``
+        hint the method runs its causal form and ``attn_mask`` is not read."""
         rows = "auto" if self_attention else None  # cross-attention: every query real
         if padding_bias is not None:  # torch's layers hand a bool mask on as 0 / -inf
             real = self._real_keys(padding_bias[:, 0, 0, :])
             key_valid = real if key_valid is None else key_valid & real
-            padding_bias = None
-        mask = padding_bias if is_causal else _joined(allowed, padding_bias, q.dtype)
+        mask = None if is_causal else allowed
         causal = is_causal
         if mask is not None:
-            key_valid, causal = attn_mask_as_padding(self.spec, mask, key_valid, rows, q, k, causal)
+            key_valid, causal = attn_mask_as_padding(self.spec, mask, key_valid, rows, q, k,
+                                                     causal)
         if causal and q.shape[2] != k.shape[2]:
             refuse_causal_lengths(self.spec, q.shape[2], k.shape[2])
         bound = self.bound.replace(**sdpa_options(self.spec, {}, causal, None,

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+import skyformer
 from skyformer import softmax_attention
 from skyformer.eval.measure.metrics import relative_error
 from skyformer.ops.kdeformer import KDEformerConfig, kdeformer_attention
@@ -207,6 +208,14 @@ def test_defaults_follow_the_paper():
         128, 64, 7, "sampled")
     assert (cfg.estimator, cfg.rows, cfg.mix_weight, cfg.sampler) == (
         "rows", 32, 0.5, "systematic")
+    # mix's default (None, so that a value set with estimator="uniform" is told apart)
+    # computes what mix=0.5 does
+    q, k, v = make_qkv(1, 2, 40, 8, seed=3)
+    key = skyformer.random_key(0)
+    torch.testing.assert_close(
+        skyformer.attention(q, k, v, "kdeformer", num_features=16, generator=key),
+        skyformer.attention(q, k, v, "kdeformer", num_features=16, mix=0.5, generator=key),
+        rtol=0, atol=0)
 
 
 def test_bad_inputs_name_the_problem():

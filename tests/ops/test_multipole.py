@@ -161,7 +161,8 @@ def test_a_window_in_cross_attention_is_refused(target):
     real[0, :25] = True
     with pytest.raises(ValueError, match=r"window=1 .* \(here Nq=25 != Nk=40\); use lsh_block"):
         FAST[target](q[:, :, :25], k, v, generator=gen(0), num_features=16, window=1)
-    with pytest.raises(ValueError, match=r"here a query_padding_mask of its own\); use lsh_b"):
+    with pytest.raises(ValueError, match=r"here query_padding_mask given: the queries padded "
+                                         r"apart from the keys.*\); use lsh_b"):
         FAST[target](q, k, v, query_padding_mask=real, generator=gen(0), num_features=16,
                      window=1)
     FAST[target](q[:, :, :25], k, v, generator=gen(0), num_features=16, lsh_block=4)

@@ -69,7 +69,7 @@ def _inverse_gaps(eigenvalues: Tensor, floor: Tensor, rank: int) -> Tensor:
     kept = _kept(eigenvalues, floor, rank)
     gap = eigenvalues[..., None, :] - eigenvalues[..., :, None]  # [.., j, i] = l_i - l_j
     ok = kept[..., None, :] & ~kept[..., :, None] & (gap > floor[..., None])
-    return torch.where(ok, 1.0 / torch.where(ok, gap, 1.0), 0.0)
+    return safe_reciprocal(gap, ok)
 
 
 def subspace_tangent(d_cov: Tensor, eigenvalues: Tensor, eigenvectors: Tensor,

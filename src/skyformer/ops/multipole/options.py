@@ -127,7 +127,9 @@ def check_window(method: str, options: MultipoleOptions, *, nq: int, nk: int,
                  self_attention: bool) -> None:
     """Refuse a ``window`` where the call is cross-attention (it would be dropped)."""
     if options.window and not self_attention:
-        why = f"Nq={nq} != Nk={nk}" if nq != nk else "a query_padding_mask of its own"
+        why = (f"Nq={nq} != Nk={nk}" if nq != nk else "query_padding_mask given: the "
+               "queries padded apart from the keys, where self-attention reads both from "
+               "key_padding_mask")
         raise ValueError(
             f"{method}: window={options.window} takes the keys around each query's own "
             f"position, which only self-attention has (here {why}); use lsh_block for "
