@@ -451,3 +451,12 @@ def test_a_float_padding_mask_with_a_bias_is_named_for_an_approximate_method():
     torch.testing.assert_close(ours(q, kv, kv, key_padding_mask=biased, need_weights=False)[0],
                                ref(q, kv, kv, key_padding_mask=biased, need_weights=False)[0],
                                **EXACT)
+
+
+def test_linformer_without_a_length_is_told_replace_attentions_argument():
+    """Linformer's missing max_seq_len named MultiHeadAttention's and set_attention's
+    arguments, neither of which a torch model's swap calls."""
+    with pytest.raises(ValueError, match=r"replace_attention\(model, 'linformer', "
+                                         r"seq_len=4096\) for a model built on torch"):
+        replace_attention(nn.Sequential(nn.MultiheadAttention(E, H)), "linformer")
+    replace_attention(nn.Sequential(nn.MultiheadAttention(E, H)), "linformer", seq_len=16)

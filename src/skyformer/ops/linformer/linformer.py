@@ -105,10 +105,12 @@ class LinformerProjections(nn.Module):
         if config.max_seq_len is None:
             raise ValueError(
                 "linformer needs a fixed max_seq_len, the longest input: its learned "
-                "projections have one column per position. Give it: max_seq_len=4096 to "
-                "MultiHeadAttention or to skyformer.hf.set_attention (for a model without "
-                "max_position_embeddings), seq_len=4096 to replace_attention or "
-                "TorchMultiheadAttention, or the name 'linformer[max_seq_len=4096]' "
+                "projections have one column per position. Give it with the method's "
+                "options: MultiHeadAttention(dim, heads, method='linformer', "
+                "max_seq_len=4096), skyformer.hf.set_attention(model, 'linformer', "
+                "max_seq_len=4096) for a model without max_position_embeddings, "
+                "replace_attention(model, 'linformer', seq_len=4096) for a model built on "
+                "torch.nn.MultiheadAttention, or the name 'linformer[max_seq_len=4096]' "
                 "wherever a method is named."
             )
         shape = ((config.num_features, config.max_seq_len) if config.share_heads
