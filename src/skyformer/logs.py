@@ -41,3 +41,10 @@ def enable_console(level: int = logging.INFO) -> None:
         handler = _Console()
         handler.setFormatter(logging.Formatter("%(message)s"))
         root.addHandler(handler)
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an error's message (its type's name where it has none): the
+    reason a one-line sentence or a table row quotes."""
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from ..io import atomic_writer
+from ..logs import first_line
 
 
 def save_checkpoint(path: str | os.PathLike[str], payload: dict[str, Any]) -> Path:
@@ -47,7 +48,7 @@ def save_checkpoint(path: str | os.PathLike[str], payload: dict[str, Any]) -> Pa
 def _unwritable_sentence(target: Path, err: Exception) -> str:
     """Why a checkpoint could not be written: torch's or the system's words, and the
     space left on the file system of its folder."""
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    first = first_line(err)
     try:
         free = f"{shutil.disk_usage(target.parent).free / 2**20:.1f} MiB are free there"
     except OSError:

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from ...checks import check_positive_int
 from ...io import environment
+from ...logs import first_line
 from ...ops.shared.inputs import AttentionInputs, check_attention_inputs
 from ...registry import get_method, list_methods
 from ...registry.variants import refuse_swept_option
@@ -285,10 +286,10 @@ def _row(name: str, given: Given, config: CompareConfig, targets: dict[tuple, Ta
 
         out = run()
     except ValueError as err:  # a CapabilityError, or inputs the options exclude
-        return {**row, "status": "not supported", "reason": _first_line(err)}
+        return {**row, "status": "not supported", "reason": first_line(err)}
     except (RuntimeError, TypeError) as err:  # e.g. out of memory
         return {**row, "status": "failed",
-                "reason": f"{type(err).__name__}: {_first_line(err)}"}
+                "reason": f"{type(err).__name__}: {first_line(err)}"}
     row.update(_errors(out, _target(row["target"], resolved, given, targets)))
     row["time_ms"] = median_seconds(run, device=q.device, warmup=1,
                                     repeats=config.repeats) * 1e3
@@ -302,11 +303,6 @@ def _row(name: str, given: Given, config: CompareConfig, targets: dict[tuple, Ta
         row["peak_below_resolution"] = peak is not None and not above_resolution(peak,
                                                                                  q.device)
     return row
-
-
-def _first_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return lines[0] if lines else type(err).__name__
 
 
 def compare(config: CompareConfig = CompareConfig()) -> CompareResult:

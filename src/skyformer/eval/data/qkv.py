@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ...logs import first_line
 from ...ops.shared.inputs import check_padding_mask
 from ...sketch.rng import draws_from
 
@@ -368,7 +369,7 @@ def _read_npz(path: Path, where: str) -> dict[str, Tensor]:
             return {key: torch.from_numpy(loaded[key]) for key in loaded.files}
     except (ValueError, TypeError, OSError, zipfile.BadZipFile) as err:
         raise ValueError(f"{where} is a NumPy .npz file whose arrays cannot be read as "
-                         f"tensors ({type(err).__name__}: {_first_line(err)}); save arrays "
+                         f"tensors ({type(err).__name__}: {first_line(err)}); save arrays "
                          f"of numbers with {NUMPY_SAVE}.") from None
 
 
@@ -377,16 +378,11 @@ def _read_torch(path: Path, where: str) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # the unpickler fails on other files in many ways
-        why = _first_line(err)
+        why = first_line(err)
         if why.startswith("Weights only load failed"):  # a paragraph on torch's default
             why = "torch.load(weights_only=True) cannot read its content"
         raise ValueError(f"{where} is not a file of torch.save holding tensors "
                          f"({type(err).__name__}: {why}); write it with {TORCH_SAVE}.") from None
-
-
-def _first_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return lines[0] if lines else type(err).__name__
 
 
 def _entries(data: Any, where: str, save: str) -> dict[str, Tensor]:
