@@ -272,8 +272,8 @@ def _closures(
     call: PreparedCall, q: Tensor, k: Tensor, v: Tensor, grad: Tensor, seed: int,
 ) -> tuple[Callable[[], Tensor], Callable[[], None]]:
     """The forward and the forward + backward call timed. Their generator is made once,
-    here, and reseeded in place by each call (every call draws the same): making one
-    per call took ~4.5 us on a CPU inside the timed region, reseeding takes ~1 us."""
+    here, and reseeded in place by each call (every call draws the same): a generator
+    made per call put its construction, host work, inside the timed region."""
     generator = torch.Generator(device=q.device)
 
     def forward() -> Tensor:
