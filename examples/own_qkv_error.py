@@ -40,7 +40,7 @@ import torch
 
 import skyformer
 from skyformer.eval.compare import CompareConfig, compare_on, format_table
-from skyformer.eval.data.qkv import SavedQKV, load_qkv_file
+from skyformer.eval.data.qkv import MaskedQKV, load_qkv_file
 from skyformer.io import check_output_path, write_json
 
 
@@ -83,7 +83,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def describe(saved: SavedQKV) -> str:
+def describe(saved: MaskedQKV) -> str:
     """The shapes and what they are read as, so that a layout mistake shows at once."""
     q, k, v, mask = saved
     b, h, nq, _ = q.shape

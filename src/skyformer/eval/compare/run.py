@@ -27,7 +27,7 @@ from ...ops.shared.inputs import AttentionInputs, check_attention_inputs
 from ...registry import get_method, list_methods
 from ...registry.variants import refuse_swept_option
 from ...seeds import check_seed
-from ..data.qkv import QKV, load_qkv
+from ..data.qkv import QKV, MaskedQKV, load_qkv
 from ..data.text import read_text
 from ..measure.memory import MemoryJob, above_resolution, peak_memory_or_reason
 from ..measure.metrics import relative_error, sample_statistics
@@ -116,17 +116,6 @@ NUMBERS = ("spectral_error", "spectral_error_std", "trivial_error", "worse_than_
 
 
 @dataclass(frozen=True)
-class Given:
-    """The inputs ``compare_on`` measures on: ``q, k, v`` ``[B, H, N, D]`` and the key
-    padding mask ``[B, Nk]`` (True = real token; None = every key real)."""
-
-    q: Tensor
-    k: Tensor
-    v: Tensor
-    key_padding_mask: Tensor | None = None
-
-
-@dataclass(frozen=True)
 class Target:
     """The exact output a method is measured against, ``[B, H, Nq, Dv]``; ``measured``,
     ``[B * H]``: the heads that have an error against it (output finite and not all
@@ -167,7 +156,7 @@ def compare_on(qkv: QKV | tuple[Tensor, Tensor, Tensor], config: CompareConfig, 
     methods = list(config.methods) if config.methods else list_methods()
     for m in methods:
         get_method(m)  # unknown names fail before any work
-    given = Given(q, k, v, key_padding_mask)
+    given = MaskedQKV(q, k, v, key_padding_mask)
     targets: dict[tuple, Target] = {}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -215,7 +204,7 @@ def _say_nonfinite(q: Tensor, k: Tensor, v: Tensor, info: AttentionInputs) -> No
                       f"first.", stacklevel=3)
 
 
-def _target(target: str, resolved: dict[str, Any], given: Given,
+def _target(target: str, resolved: dict[str, Any], given: MaskedQKV,
             known: dict[tuple, Target]) -> Target:
     """The exact output of ``target`` (``exact_output``: float32 for half-precision
     inputs) with the ``target_options`` of ``resolved`` (causal, scale) and the mask,
@@ -233,7 +222,7 @@ def _target(target: str, resolved: dict[str, Any], given: Given,
     return known[key]
 
 
-def _trivial(given: Given, exact: Tensor, measured: Tensor, *, causal: bool) -> float:
+def _trivial(given: MaskedQKV, exact: Tensor, measured: Tensor, *, causal: bool) -> float:
     """Mean spectral error over the ``measured`` heads of the better trivial answer:
     every row the mean of the real values (uniform attention: with ``causal``, row i the
     mean of v_0..v_i; padded queries' rows zero, as every method's), the softmax
@@ -260,7 +249,7 @@ def _errors(out: Tensor, target: Target) -> dict[str, Any]:
             "samples": spectral.numel(), "nonfinite": int((~spectral.isfinite()).sum())}
 
 
-def _row(name: str, given: Given, config: CompareConfig, targets: dict[tuple, Target],
+def _row(name: str, given: MaskedQKV, config: CompareConfig, targets: dict[tuple, Target],
          inputs: str) -> dict[str, Any]:
     """The row of method ``name`` on ``given`` (``compare_on``)."""
     q, k, v, mask = given.q, given.k, given.v, given.key_padding_mask

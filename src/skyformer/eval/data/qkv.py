@@ -305,10 +305,11 @@ KNOWN_KEYS = ("q", "k", "v", *MASK_KEYS)
 NPY_MAGIC = b"\x93NUMPY"  # the first bytes of every .npy file
 
 
-class SavedQKV(NamedTuple):
-    """Q/K/V read by ``load_qkv_file``: ``q: [B, H, Nq, D]``, ``k: [B, H, Nk, D]``,
-    ``v: [B, H, Nk, Dv]`` and the key padding mask ``[B, Nk]`` bool (True = real
-    token), None where the file has none."""
+class MaskedQKV(NamedTuple):
+    """Q/K/V of one's own with their key padding mask (``load_qkv_file`` reads them,
+    ``compare_on`` measures on them): ``q: [B, H, Nq, D]``, ``k: [B, H, Nk, D]``,
+    ``v: [B, H, Nk, Dv]`` and the mask ``[B, Nk]`` bool (True = real token), None where
+    every key is real."""
 
     q: Tensor
     k: Tensor
@@ -316,7 +317,7 @@ class SavedQKV(NamedTuple):
     key_padding_mask: Tensor | None = None
 
 
-def load_qkv_file(path: str | Path, *, label: str = "the file") -> SavedQKV:
+def load_qkv_file(path: str | Path, *, label: str = "the file") -> MaskedQKV:
     """Q/K/V, on the CPU, from a file of ``torch.save`` (a dict with keys q, k, v, or the
     three tensors in order) or of NumPy (``.npz`` with keys q, k, v). A dict may hold the
     key padding mask under ``"mask"`` or ``"key_padding_mask"``; any other key is
@@ -343,7 +344,7 @@ def load_qkv_file(path: str | Path, *, label: str = "the file") -> SavedQKV:
     mask = None
     for name in (key for key in MASK_KEYS if key in entries):  # at most one
         mask = check_padding_mask(where, name, entries[name], k.shape[0], k.shape[2], "Nk", k)
-    return SavedQKV(q, k, v, mask)
+    return MaskedQKV(q, k, v, mask)
 
 
 def _numpy_kind(path: Path) -> str | None:
