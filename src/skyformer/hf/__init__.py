@@ -61,9 +61,11 @@ from .model import (  # noqa: E402
     restore_exact,
     set_attention,
 )
+from .record import record_settings_when_saving  # noqa: E402
 
 register_methods()
 refuse_models_with_their_own_attention()
+record_settings_when_saving()
 
 __all__ = [
     "EXACT",

@@ -123,6 +123,13 @@ def implementation_name(method: str) -> str:
     return PREFIX + method
 
 
+def is_skyformer_implementation(implementation: str | None) -> bool:
+    """Whether an ``attn_implementation`` name is one of ours: ``"skyformer"`` (each
+    layer runs its own setting) or ``"skyformer:<method>"``."""
+    return implementation is not None and (
+        implementation == PER_LAYER or implementation.startswith(PREFIX))
+
+
 # Held while a layer's setting is made or cleared on the attn_implementation route:
 # concurrent first forwards (a thread-pool server) would each make a per-layer state
 # and install their own, so the first calls ran with states the model then dropped.
@@ -569,8 +576,7 @@ def refuse_models_with_their_own_attention() -> None:
 def _refuse_own_attention(cls: type, implementation: object) -> None:
     """Raise the sentence of ``refuse_models_with_their_own_attention`` for a model class
     ``cls`` asked to run ``implementation``, where it would ignore it."""
-    if not isinstance(implementation, str) or not (
-            implementation == PER_LAYER or implementation.startswith(PREFIX)):
+    if not isinstance(implementation, str) or not is_skyformer_implementation(implementation):
         return
     can_switch = getattr(cls, "_can_set_attn_implementation", None)
     if can_switch is None or can_switch():

@@ -470,10 +470,11 @@ class DecodingCache(Cache):
     settings); one cache per generation."""
 
     def __init__(self, model: nn.Module) -> None:
-        from .model import _implementation, _is_ours
+        from .attention import is_skyformer_implementation
+        from .model import _implementation
 
         implementation = _implementation(model)
-        if not _is_ours(implementation):
+        if not is_skyformer_implementation(implementation):
             raise ValueError(
                 f"DecodingCache needs a model whose attention runs through skyformer, but "
                 f"this one uses attn_implementation={implementation!r}; load it with "
@@ -503,7 +504,8 @@ class DecodingCache(Cache):
     def _check_model(self) -> None:
         """Refuse a step once the model this cache was made for is gone or no longer runs
         skyformer's attention functions (which alone take the cache's steps)."""
-        from .model import _implementation, _is_ours
+        from .attention import is_skyformer_implementation
+        from .model import _implementation
 
         model = self.model()
         if model is None:
@@ -511,7 +513,7 @@ class DecodingCache(Cache):
                 "DecodingCache: the model this cache was made for no longer exists; make "
                 "one from the model that generates (DecodingCache(model)).")
         implementation = _implementation(model)
-        if not _is_ours(implementation):
+        if not is_skyformer_implementation(implementation):
             raise ValueError(
                 f"DecodingCache: the model this cache was made for runs "
                 f"attn_implementation={implementation!r} now, not skyformer (restore_exact "

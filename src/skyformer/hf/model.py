@@ -35,6 +35,7 @@ from .attention import (
     PER_LAYER,
     PREFIX,
     implementation_name,
+    is_skyformer_implementation,
     make_first_forward_layers,
     register_methods,
 )
@@ -54,6 +55,7 @@ from .layers import (
     resolve_method_name,
     under,
 )
+from .record import RECORD_KEY, describe_record, read_record, settings_of
 
 _ORIGINAL = "_skyformer_original_attn_implementation"
 KEEP_STATE = object()  # marks a layer whose setting is re-stamped and whose state is kept
@@ -69,12 +71,6 @@ def _implementation(model: nn.Module) -> str | None:
             f"config._attn_implementation).{load}"
         )
     return config._attn_implementation
-
-
-def _is_ours(implementation: str | None) -> bool:
-    return implementation is not None and (
-        implementation == PER_LAYER or implementation.startswith(PREFIX)
-    )
 
 
 def _select(model: nn.Module, layers: Iterable[int] | None) -> tuple[list, set[int] | None]:
@@ -137,7 +133,7 @@ def set_attention(
     check_setting_arguments(name, seed, options)  # also where no layer is built (exact)
     current = _implementation(model)
     modules, chosen = _select(model, layers)
-    if not _is_ours(current):
+    if not is_skyformer_implementation(current):
         model.__dict__[_ORIGINAL] = current
     # a variant has no implementation name of its own, and the other part of an
     # encoder-decoder would run one too: each layer holds its setting
@@ -160,7 +156,7 @@ def set_attention(
             # Unchanged layer: keep its setting and its state (learned parameters).
             built.append((module, dataclasses.replace(old, implementation=target), KEEP_STATE))
             continue
-        elif _is_ours(runs) and runs != PER_LAYER:
+        elif is_skyformer_implementation(runs) and runs != PER_LAYER:
             plan = (runs.removeprefix(PREFIX), {}, None)
         else:
             plan = (EXACT, {}, None)
@@ -225,7 +221,7 @@ def restore_exact(model: nn.Module, *, layers: Iterable[int] | int | None = None
     for _, _, module in modules:
         clear_layer(module)
     original = model.__dict__.pop(_ORIGINAL, None) or current
-    _switch(model, original if original and not _is_ours(original) else "sdpa")
+    _switch(model, original if original and not is_skyformer_implementation(original) else "sdpa")
     return model
 
 
@@ -241,7 +237,8 @@ def describe(model: nn.Module) -> list[dict[str, Any]]:
         layer = current_layer(module)
         if layer is not None and layer.implementation == implementation:
             method, options, seed = layer.method, layer.options(), layer.seed
-        elif _is_ours(implementation) and implementation != PER_LAYER:  # set up when it runs
+        elif is_skyformer_implementation(implementation) and implementation != PER_LAYER:
+            # the attn_implementation route: set up when it runs
             method, seed = implementation.removeprefix(PREFIX), None
             options = first_forward_options(module, method)
         elif implementation == PER_LAYER:
@@ -280,7 +277,7 @@ def _refuse_missing_folder(path: str | Path) -> None:
 
 def from_pretrained(
     path: str | Path,
-    method: str,
+    method: str | None = None,
     *,
     layers: Iterable[int] | int | None = None,
     seed: int | None = None,
@@ -288,36 +285,123 @@ def from_pretrained(
     model_kwargs: dict[str, Any] | None = None,
     **options: Any,
 ) -> nn.Module:
-    """Load a model from a local folder with ``method`` in ``layers`` (default all).
+    """Load a model from a local folder with ``method`` in ``layers`` (default all), or
+    without ``method`` as it was saved.
 
     Like ``auto_class.from_pretrained(path, attn_implementation=..., **model_kwargs)``
     followed by ``set_attention``, so an unsuitable method fails at load time (a half
-    precision ``dtype`` too). ``auto_class`` defaults to ``transformers.AutoModel``; pass
-    e.g. ``AutoModelForSequenceClassification``. ``model_kwargs``: keyword arguments of
-    the transformers loader (``dtype``, ``device_map``, ``revision``, ...), all but
+    precision ``dtype`` too). ``method=None``: every layer as the folder's config records
+    it (``skyformer.hf.record``: what each layer ran when ``save_pretrained`` wrote it,
+    with its options and seed; refused with a sentence where it records nothing).
+    ``auto_class`` defaults to ``transformers.AutoModel``; pass e.g.
+    ``AutoModelForSequenceClassification``. ``model_kwargs``: keyword arguments of the
+    transformers loader (``dtype``, ``device_map``, ``revision``, ...), all but
     ``attn_implementation``, which the method sets. The per-layer state of a method
-    (``skyformer_state``) is made on the device and dtype of each attention module.
+    (``skyformer_state``) is made on the device and dtype of each attention module and
+    loaded from the folder's weights.
     """
     import transformers
 
     _refuse_missing_folder(path)
     register_methods()
+    model_kwargs = _loader_kwargs(model_kwargs)
+    auto_class = auto_class or transformers.AutoModel
+    if method is None:
+        return _as_recorded(path, layers, seed, options, auto_class, model_kwargs)
     name = resolve_method_name(method)
     _refuse_loader_keywords(name, options)
     check_setting_arguments(name, seed, options)  # before the model is loaded
-    model_kwargs = _loader_kwargs(model_kwargs)
-    auto_class = auto_class or transformers.AutoModel
     # a variant is no registered implementation: set_attention gives it per layer
     whole = layers is None and name != EXACT and not is_variant(name)
     initial = implementation_name(name) if whole else "sdpa"
-    model = auto_class.from_pretrained(path, attn_implementation=initial, **model_kwargs)
-    model.__dict__[_ORIGINAL] = "sdpa"
+    model, record = _load(auto_class, path, initial, model_kwargs)
     if name != EXACT:
         set_attention(model, name, layers=layers, seed=seed, **options)
-        load_saved_state(model, path, name, **_weights_choice(model_kwargs))
+        try:
+            load_saved_state(model, path, name, **_weights_choice(model_kwargs))
+        except ValueError as err:
+            saved = _recorded_settings(record)
+            if saved is None:
+                raise
+            raise ValueError(f"{err} Its config records {saved}, which skyformer.hf."
+                             f"from_pretrained(path) sets up.") from None
     else:  # every layer runs the model's own attention already
         check_layers(model, layers)
     return model
+
+
+def _load(auto_class: Any, path: str | Path, implementation: str,
+          model_kwargs: dict[str, Any]) -> tuple[nn.Module, Any]:
+    """The transformers loader's model with ``implementation``, and the record of the
+    setting it was saved with, taken off its config (what the model runs decides what
+    is saved next)."""
+    model = auto_class.from_pretrained(path, attn_implementation=implementation,
+                                       **model_kwargs)
+    model.__dict__[_ORIGINAL] = "sdpa"
+    return model, model.config.__dict__.pop(RECORD_KEY, None)
+
+
+def _recorded_settings(record: Any) -> str | None:
+    """A record's settings in words, ``None`` where there is none this reads."""
+    try:
+        return describe_record(read_record(record, "config.json"))
+    except ValueError:
+        return None
+
+
+def _as_recorded(path: str | Path, layers: Any, seed: Any, options: dict[str, Any],
+                 auto_class: Any, model_kwargs: dict[str, Any]) -> nn.Module:
+    """``from_pretrained(path)``: the model with every layer set up as the folder's
+    config records, and the per-layer parameters loaded."""
+    if layers is not None or seed is not None or options:
+        given = [*(["layers"] if layers is not None else []),
+                 *(["seed"] if seed is not None else []), *options]
+        raise TypeError(
+            f"from_pretrained(path) sets every layer up as it was saved, so it takes no "
+            f"{', '.join(given)}; to choose them, pass the method: "
+            f"skyformer.hf.from_pretrained(path, method, ...).")
+    record, where = _saved_record(path, model_kwargs)
+    if record is None:
+        raise ValueError(
+            f"{where} records no skyformer attention setting (saved from a model running "
+            f"exact attention, or by transformers without skyformer.hf imported); pass "
+            f"the method: skyformer.hf.from_pretrained(path, method, ...) ('exact' for "
+            f"the model's own attention).")
+    rows = read_record(record, where)
+    model, _ = _load(auto_class, path, "sdpa", model_kwargs)
+    settings = settings_of(rows, model, where)
+    for setting in settings:
+        set_attention(model, setting.method, layers=setting.layers, seed=setting.seed,
+                      **setting.options)
+    saved = describe_record(rows)
+    loaded = load_saved_state(model, path, saved, **_weights_choice(model_kwargs))
+    if not loaded and any(f".{STATE_NAME}." in key for key in model.state_dict()):
+        warnings.warn(
+            f"{where} records {saved}, but the weights hold no per-layer {STATE_NAME} "
+            f"tensors: they start from the method's initialisation (the model that "
+            f"wrote the folder had not made them: on the attn_implementation route a "
+            f"layer makes them in its first forward pass).", UserWarning, stacklevel=3)
+    return model
+
+
+# The transformers loader's keywords that also choose which config.json it reads.
+_CONFIG_KEYWORDS = ("cache_dir", "force_download", "proxies", "token", "local_files_only",
+                    "revision", "subfolder")
+
+
+def _saved_record(path: str | Path, model_kwargs: dict[str, Any]) -> tuple[Any, str]:
+    """The ``skyformer_attention`` entry of the config the loader will read (``None``
+    where it has none), and that config's name for sentences."""
+    import transformers
+
+    config = model_kwargs.get("config")
+    if isinstance(config, transformers.PretrainedConfig):
+        return getattr(config, RECORD_KEY, None), "the config passed in model_kwargs"
+    source = path if config is None else config
+    keywords = {key: model_kwargs[key] for key in _CONFIG_KEYWORDS if key in model_kwargs}
+    values, _ = transformers.PretrainedConfig.get_config_dict(source, **keywords)
+    where = Path(str(source)) / keywords.get("subfolder", "") / "config.json"
+    return values.get(RECORD_KEY), str(where)
 
 
 def _refuse_loader_keywords(method: str, options: dict[str, Any]) -> None:
@@ -448,7 +532,7 @@ def load_state(model: nn.Module, path: str | Path, *, subfolder: str = "",
     refused, as after that pass). ``subfolder``, ``variant`` and ``use_safetensors``
     choose the files as for ``from_pretrained`` (``load_saved_state``)."""
     implementation = _implementation(model)
-    if _is_ours(implementation) and implementation != PER_LAYER:
+    if is_skyformer_implementation(implementation) and implementation != PER_LAYER:
         make_first_forward_layers([m for _, _, m in attention_modules(model)], implementation)
     used = [f"{row['method']} in layer {row['layer']}" for row in describe(model)
             if row["method"] != EXACT and not row["method"].startswith(f"{EXACT} (")]
