@@ -9,7 +9,8 @@ attention-function registry as ``"skyformer:<method>"``::
     skyformer.hf.restore_exact(model)
 
 ``set_attention`` is the one route for options and per-layer choice; ``describe`` lists
-what each layer runs. Masks, causal flags, the model's logit scaling and dropout are
+what each layer runs. ``model.save_pretrained(path)`` records that in the saved config
+(``skyformer.hf.record``) and ``skyformer.hf.from_pretrained(path)`` sets it up again. Masks, causal flags, the model's logit scaling and dropout are
 handled as documented in ``skyformer.hf.attention`` and docs/hf.md; what a method cannot
 honour fails with a sentence. Gaussian-target methods (``kernelized``, ``skyformer``,
 ``skyformer_adaptive``, ``skyformer_multipole``) compute a different function from
