@@ -10,12 +10,13 @@ attention-function registry as ``"skyformer:<method>"``::
 
 ``set_attention`` is the one route for options and per-layer choice; ``describe`` lists
 what each layer runs. ``model.save_pretrained(path)`` records that in the saved config
-(``skyformer.hf.record``) and ``skyformer.hf.from_pretrained(path)`` sets it up again. Masks, causal flags, the model's logit scaling and dropout are
-handled as documented in ``skyformer.hf.attention`` and docs/hf.md; what a method cannot
-honour fails with a sentence. Gaussian-target methods (``kernelized``, ``skyformer``,
-``skyformer_adaptive``, ``skyformer_multipole``) compute a different function from
-softmax attention, and methods with learned parameters (``linformer``) start them
-untrained: in a softmax-pretrained model neither is a drop-in without fine-tuning.
+(``skyformer.hf.record``) and ``skyformer.hf.from_pretrained(path)`` sets it up again.
+Masks, causal flags, the model's logit scaling and dropout are handled as documented in
+``skyformer.hf.attention`` and docs/hf.md; what a method cannot honour fails with a
+sentence. Gaussian-target methods (``kernelized``, ``skyformer``, ``skyformer_adaptive``,
+``skyformer_multipole``) compute a different function from softmax attention, and
+methods with learned parameters (``linformer``) start them untrained: in a
+softmax-pretrained model neither is a drop-in without fine-tuning.
 """
 
 from __future__ import annotations
