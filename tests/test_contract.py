@@ -256,6 +256,51 @@ def test_cross_attention_capability(method):
             run(method, q, k, v)
 
 
+def _earlier_outputs_change(method, **options):
+    """How much the outputs of the first 20 of 40 queries move when the later 20 change
+    (a causal decoder's later tokens, in its cross-attention over 30 keys)."""
+    spec = get_method(method)
+    options = {**({} if spec.capabilities.exact else {"num_features": 8}), **options}
+    q, k, v = make_qkv(2, 2, 40, 8, nk=30, dtype=torch.float64)
+    later = q.clone()
+    later[:, :, 20:] += torch.randn(2, 2, 20, 8, dtype=torch.float64, generator=gen(5))
+    moved = run(method, later, k, v, **options) - run(method, q, k, v, **options)
+    return moved[:, :, :20].abs().max().item()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_independent_queries_capability(method):
+    """A method declaring ``independent_queries`` gives each query an output of its own
+    query, the keys and the values alone: changing the later queries leaves the earlier
+    outputs exactly as they were."""
+    spec = get_method(method)
+    if not spec.capabilities.independent_queries:
+        pytest.skip("declares that its outputs mix the queries")
+    assert _earlier_outputs_change(method) == 0
+
+
+# The methods that leave independent_queries undeclared, with the options under which
+# their outputs mix the queries: the flag is not merely missing.
+MIXING = [("skyformer", {}), ("nystrom_softmax", {}), ("nystromformer", {}), ("informer", {}),
+          ("kdeformer", {}), ("skyformer_adaptive", {}), ("skyformer_multipole", {}),
+          ("softmax_multipole", {}), ("scatterbrain", {"support": "lsh"})]
+
+
+@pytest.mark.parametrize(("method", "options"), MIXING, ids=[m for m, _ in MIXING])
+def test_methods_without_independent_queries_mix_them(method, options):
+    assert not get_method(method).capabilities.independent_queries
+    assert _earlier_outputs_change(method, **options) > 1e-6
+
+
+def test_every_method_is_classed_by_independent_queries():
+    """A cross-attention method is either declared independent or shown mixing above."""
+    mixing = {m for m, _ in MIXING}
+    for method in METHODS:
+        caps = get_method(method).capabilities
+        if caps.cross_attention:
+            assert caps.independent_queries != (method in mixing), method
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_num_features_is_the_common_knob(method):
     spec = get_method(method)

@@ -18,6 +18,7 @@ from .methods import (
     exact_method,
     get_method,
     list_methods,
+    methods_that_can,
     register,
     with_options,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "exact_method",
     "get_method",
     "list_methods",
+    "methods_that_can",
     "register",
     "with_options",
 ]

@@ -17,6 +17,8 @@ CAPABILITY_TEXT = {
     "attn_mask": "take an arbitrary attn_mask",
     "gqa": "attend with fewer key/value heads than query heads",
     "varlen": "run packed variable-length sequences (cu_seqlens)",
+    "independent_queries": "serve a causal decoder's cross-attention (its outputs mix the "
+                           "queries, and a decoder's later queries are later tokens)",
 }
 
 
@@ -43,6 +45,11 @@ class Capabilities:
     varlen: runs packed variable-length batches (``cu_seqlens``), which run as a padded
         batch with its key padding mask: it follows ``mask`` unless given, and
         ``varlen=True`` with ``mask=False`` is refused.
+    independent_queries: each query's output depends on that query, the keys and the
+        values alone, not on the other queries (no landmarks, clusters or samples drawn
+        from them). Needed in the cross-attention of a causal decoder, whose later
+        queries are later target tokens: a method mixing them would let a position see
+        the tokens after it in teacher-forced training. False unless declared.
     not_causal_because: for a method without ``causal``, why it cannot have it (a clause
         appended to the refusal).
     fixed_shapes_because: why ``torch.export`` cannot take a symbolic sequence length
@@ -63,6 +70,7 @@ class Capabilities:
     weight_dropout: bool = False
     gqa: bool = True
     varlen: bool | None = None  # None: as mask (__post_init__)
+    independent_queries: bool = False
     not_causal_because: str | None = None
     fixed_shapes_because: str | None = None
 

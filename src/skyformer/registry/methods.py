@@ -380,8 +380,14 @@ def exact_method(target: Target) -> Method:
     return get_method(_EXACT[target])
 
 
+def methods_that_can(capability: str) -> list[str]:
+    """The registered methods that can do ``capability`` (a key of ``CAPABILITY_TEXT``),
+    in registration order."""
+    return [m.name for m in _REGISTRY.values() if m.capabilities.has(capability)]
+
+
 def _capability_sentence(name: str, capability: str) -> str:
-    able = [m.name for m in _REGISTRY.values() if m.capabilities.has(capability)]
+    able = methods_that_can(capability)
     sentence = capability_sentence(name, capability, able)
     base = base_name(name)
     why = _REGISTRY[base].capabilities.not_causal_because if base in _REGISTRY else None

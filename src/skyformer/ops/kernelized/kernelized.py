@@ -91,7 +91,7 @@ class KernelizedConfig:
     "kernelized",
     KernelizedConfig,
     Capabilities(target="gaussian", exact=True, causal=True, cross_attention=True,
-                 attn_mask=True),
+                 attn_mask=True, independent_queries=True),
     summary="exact Gaussian kernelized attention C V (Skyformer eq. (1)), O(N) memory",
 )
 def kernelized_attention(

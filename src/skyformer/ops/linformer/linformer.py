@@ -261,7 +261,8 @@ def _live_slots(e: Tensor, key_valid: Tensor | None) -> Tensor:
 @register(
     "linformer",
     LinformerConfig,
-    Capabilities(target="softmax", randomized=True, fixed_length=True, learned_parameters=True),
+    Capabilities(target="softmax", randomized=True, fixed_length=True, learned_parameters=True,
+                 independent_queries=True),
     summary="Linformer: softmax attention over k projected keys/values (E, F: k x N)",
     state=LinformerProjections,
 )

@@ -252,7 +252,7 @@ def _(like: Tensor) -> Tensor:
 @register(
     "performer",
     PerformerConfig,
-    Capabilities(target="softmax", randomized=True, causal=True),
+    Capabilities(target="softmax", randomized=True, causal=True, independent_queries=True),
     summary="positive orthogonal random features for the softmax kernel (Performer, FAVOR+)",
     state=PerformerFeatures,
 )
