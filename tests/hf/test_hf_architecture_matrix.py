@@ -156,10 +156,38 @@ def test_approximate_method_runs_or_is_refused_at_load(kind, matrix):
     except CapabilityError as err:
         matrix("HF skyformer refused at load", kind)
         assert any(need in str(err) for need in (
-            "causal", "sliding window", "position bias")), str(err)
+            "causal", "sliding window", "position bias", "cross-attention of a causal "
+            "decoder")), str(err)
         return
     matrix("HF skyformer runs", kind)
     assert torch.isfinite(hidden(model, batch)).all()
+
+
+@pytest.mark.parametrize("kind", ["bart", "marian", "whisper"])
+def test_a_decoders_cross_attention_takes_methods_with_independent_queries(kind):
+    """The decoder's queries are its tokens in order: skyformer (landmarks drawn from the
+    queries) is refused in its cross-attention, at set_attention and on the
+    attn_implementation route, and runs in the encoder alone; performer (each output
+    from its own query) runs everywhere. Either way a decoder position's output does not
+    change when a later decoder token does."""
+    batch, _ = inputs(kind)
+    later = {**batch, "decoder_input_ids": batch["decoder_input_ids"].clone()}
+    later["decoder_input_ids"][:, 3:] = (later["decoder_input_ids"][:, 3:] + 7) % 90 + 3
+    model = build(kind)
+    with pytest.raises(CapabilityError, match=r"is the cross-attention of a causal decoder.*"
+                                              r"set_attention\(model\.get_encoder\(\), "
+                                              r"'skyformer', \.\.\.\)\)\.$"):
+        shf.set_attention(model, "skyformer", num_features=8)
+    routed = build(kind)
+    routed.set_attn_implementation("skyformer:skyformer")
+    with pytest.raises(CapabilityError, match="cross-attention of a causal decoder"):
+        hidden(routed, batch)
+    shf.set_attention(model.get_encoder(), "skyformer", num_features=8, seed=0)
+    everywhere = build(kind)
+    shf.set_attention(everywhere, "performer", num_features=8, seed=0)
+    for ours in (model, everywhere):
+        torch.testing.assert_close(hidden(ours, later)[:, :3], hidden(ours, batch)[:, :3],
+                                   rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("kind", CAUSAL_LMS)

@@ -143,6 +143,18 @@ def test_cross_attention_with_as_many_queries_as_encoder_tokens():
     torch.testing.assert_close(out[real], exact[real], rtol=0, atol=ATOL)
 
 
+def test_a_bert_decoders_cross_attention_refuses_methods_mixing_queries():
+    """A BERT decoder (causal self-attention, cross-attention over an encoder's states)
+    marks its config ``is_decoder``: its cross-attention takes linear (each output from
+    its own query), not nystrom_softmax, whose landmarks mix the decoder's tokens."""
+    model = tiny_bert(is_decoder=True, add_cross_attention=True)
+    shf.set_attention(model, "linear")
+    with pytest.raises(CapabilityError, match=r"layer 0 \(BertCrossAttention\) is the "
+                                              r"cross-attention of a causal decoder"):
+        shf.set_attention(model, "nystrom_softmax")
+    assert {row["method"] for row in shf.describe(model)} == {"linear"}  # nothing changed
+
+
 @torch.no_grad()
 def test_llama_grouped_query_attention_with_padding():
     from transformers import LlamaConfig, LlamaModel

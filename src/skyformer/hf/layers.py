@@ -29,6 +29,7 @@ from ..registry import (
     check_capabilities,
     get_method,
     list_methods,
+    methods_that_can,
 )
 from ..registry.methods import did_you_mean
 from ..registry.variants import is_variant
@@ -311,6 +312,16 @@ def _check_module(spec: Method, module: nn.Module, index: int | None, cross: boo
                              f"form of {spec.name} refuses these options: {err}") from None
     if cross:
         check_capabilities(spec.name, cross_attention=True)
+    if cross and attends_from_a_causal_decoder(module) and not caps.independent_queries:
+        able = ", ".join(methods_that_can("independent_queries"))
+        raise CapabilityError(
+            f"{where} is the cross-attention of a causal decoder, whose later queries are "
+            f"later target tokens: {spec.name}'s outputs mix the queries (landmarks, "
+            f"clusters or samples drawn from all of them), so in teacher-forced training "
+            f"and evaluation a position would see the tokens after it. Methods whose "
+            f"outputs use their own query alone: {able}; or set {spec.name} in the "
+            f"encoder alone (in an encoder-decoder model: skyformer.hf.set_attention("
+            f"model.get_encoder(), {spec.name!r}, ...)).")
     if not caps.attn_mask:
         pattern = mask_pattern(module)
         if pattern is not None:
@@ -331,6 +342,15 @@ def _check_module(spec: Method, module: nn.Module, index: int | None, cross: boo
     param = next(module.parameters(), None)
     if param is not None and param.dtype in (torch.float16, torch.bfloat16):
         check_capabilities(spec.name, half_precision=True)
+
+
+def attends_from_a_causal_decoder(module: nn.Module) -> bool:
+    """Whether a cross-attention module's queries come from a causal decoder: the
+    decoders of BART, Marian, Whisper and T5 mark their attention modules
+    ``is_decoder``, a BERT-type decoder its config (``is_decoder=True``, causal
+    self-attention). DETR-type decoders, whose queries are not tokens in order, do not."""
+    return (getattr(module, "is_decoder", None) is True
+            or getattr(getattr(module, "config", None), "is_decoder", None) is True)
 
 
 def is_default_scaling(scaling: float, head_dim: int) -> bool:
