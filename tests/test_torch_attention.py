@@ -121,6 +121,27 @@ def test_softmax_equals_torch(name):
     torch.testing.assert_close(out, expected, **EXACT)
 
 
+@pytest.mark.parametrize("need_weights", [False, True])
+@pytest.mark.parametrize("with_padding", [False, True])
+def test_softmax_follows_torch_for_a_wrong_is_causal_hint(need_weights, with_padding):
+    """is_causal=True with a mask that is not causal: torch runs the hint alone where it
+    takes its SDPA path (no key_padding_mask, need_weights=False), else the mask; softmax
+    does the same, so it equals torch even where the hint is wrong."""
+    ref, ours = pair()
+    x = rand(L, B, E)
+    call = {"attn_mask": torch.zeros(L, L, dtype=torch.bool), "is_causal": True,
+            "need_weights": need_weights,
+            "key_padding_mask": padding(n=L) if with_padding else None}
+    expected = ref(x, x, x, **call)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # need_weights=True: no weights, a warning
+        out = ours(x, x, x, **call)[0]
+    torch.testing.assert_close(out, expected, **EXACT)
+    unmasked = ref(x, x, x, need_weights=False, key_padding_mask=call["key_padding_mask"])[0]
+    hint_alone = not need_weights and not with_padding
+    assert torch.allclose(out, unmasked) != hint_alone  # the case tells the two apart
+
+
 def _heads(layer, x, kv):
     """Batch-first input projections as [B, H, N, Dh]."""
     w_q, w_k, w_v = layer.in_proj_weight.chunk(3)
@@ -288,7 +309,9 @@ def test_decoder_and_transformer_run_replaced_attention():
                                    rtol=1e-12, atol=1e-12)
     torch.manual_seed(0)
     transformer = nn.Transformer(E, H, 1, 1, 16, dropout=0.1, batch_first=True)
-    replace_attention(transformer, "skyformer", num_features=4)
+    with pytest.warns(UserWarning, match=r"model\.decoder\.layers\.0\.multihead_attn is "
+                                         r"the cross-attention of nn\.TransformerDecoderLayer"):
+        replace_attention(transformer, "skyformer", num_features=4)
     assert sum(isinstance(m, TorchMultiheadAttention) for m in transformer.modules()) == 3
     src, tgt = torch.randn(B, S, E), torch.randn(B, L, E)
     transformer(src, tgt, tgt_mask=transformer.generate_square_subsequent_mask(L),
@@ -296,6 +319,36 @@ def test_decoder_and_transformer_run_replaced_attention():
     with torch.no_grad():
         transformer.eval()(src, tgt, src_key_padding_mask=padding(),
                            memory_key_padding_mask=padding())
+
+
+def test_a_decoders_cross_attention_warns_of_methods_mixing_queries():
+    """In nn.TransformerDecoderLayer's cross-attention the queries are the target tokens
+    in order: skyformer (landmarks drawn from them) lets an earlier position's output
+    move with a later token, and replace_attention says so naming the layers and the
+    way out; performer (each output from its own query) swaps in without a word."""
+    torch.manual_seed(0)
+    decoder = nn.TransformerDecoder(nn.TransformerDecoderLayer(E, H, 16, dropout=0.0,
+                                                               dtype=F64), 2)
+    tgt, memory = rand(12, 1, E), rand(S, 1, E, seed=2)
+    later = tgt.clone()
+    later[6:] += 1.0
+    mask = nn.Transformer.generate_square_subsequent_mask(12, dtype=F64)
+    with pytest.warns(UserWarning, match=r"model\.layers\.0\.multihead_attn, "
+                                         r"model\.layers\.1\.multihead_attn are the cross-"
+                                         r"attention .* self_attn alone .*\(softmax, "
+                                         r"kernelized, linformer, linear, performer\)"):
+        mixed = replace_attention(copy.deepcopy(decoder), "skyformer", num_features=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        own = replace_attention(copy.deepcopy(decoder), "performer", num_features=4)
+    for model, leaks in ((mixed, True), (own, False)):
+        outputs = []
+        for target in (tgt, later):  # the same draws for both calls: only the tokens differ
+            torch.manual_seed(3)
+            with torch.no_grad():
+                outputs.append(model(target, memory, tgt_mask=mask, tgt_is_causal=True)[:6])
+        a, b = outputs
+        assert (a - b).abs().max() > 1e-6 if leaks else torch.equal(a, b)
 
 
 def test_replace_attention_keeps_weights_mode_dtype_and_sharing():

@@ -188,7 +188,9 @@ class MultiHeadAttention(BoundMethodProperties, nn.Module):
 
         ``key_padding_mask: [B, N]`` (or ``[B, M]`` with a context), True = real token;
         in self-attention it also marks the padded queries. With a context the queries
-        are all real unless ``query_padding_mask: [B, N]`` says otherwise. With a
+        are all real unless ``query_padding_mask: [B, N]`` says otherwise; as the
+        cross-attention of a causal decoder, where later queries are later tokens, use a
+        method with ``independent_queries`` (docs/causal.md), since the others mix them. With a
         ``cache`` (``new_cache()``), ``x`` holds the next positions of the sequences the
         cache has seen: causal self-attention to all of them (decoding).
         ``generator`` (a ``torch.Generator`` or a key, ``skyformer.random_key``) makes

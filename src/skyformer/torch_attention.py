@@ -19,9 +19,11 @@ trained weights. What differs from torch:
   (``softmax``, ``kernelized``) take any mask; the approximate ones take key padding and
   causal masks (``skyformer.masks.resolve_mask``) and refuse others in a sentence.
 - ``is_causal`` is torch's hint that ``attn_mask`` is the causal mask: as in torch the
-  mask must be given with it. The exact methods apply the mask; the approximate methods
-  run their causal form without reading it (as torch's SDPA path drops the mask for the
-  hint), which needs as many queries as keys.
+  mask must be given with it. The exact methods do as torch does: the hint alone where
+  torch takes its SDPA path (no ``key_padding_mask``, ``need_weights=False``), the mask
+  otherwise, so that even a wrong hint gives torch's result; the approximate methods
+  run their causal form without reading the mask (as torch's SDPA path drops it for
+  the hint), which needs as many queries as keys.
 - In self-attention (``query is key``, as torch's layers call it) the approximate methods
   take the padded queries as padding (skyformer's convention: output rows 0, never
   landmarks, so that padding equals truncation); torch and the exact methods give those
@@ -58,7 +60,7 @@ from .masks import BLOCKED_LOGIT
 from .nn import BoundMethodProperties
 from .ops.shared.options import check_probability
 from .ops.shared.tracing import may_read_values
-from .registry import BoundMethod, get_method
+from .registry import BoundMethod, get_method, methods_that_can
 
 NAME = "TorchMultiheadAttention"
 
@@ -217,15 +219,18 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         elif not self.batch_first:
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
         self._check_shapes(query, key, value, key_padding_mask, attn_mask)
+        # torch runs SDPA with the hint alone where it may, else the mask (the exact methods
+        # follow it; the approximate ones take the hint always)
+        hint_alone = is_causal and key_padding_mask is None and not need_weights
         out = self._attend(query, key, value, key_padding_mask, attn_mask, is_causal,
-                           self_attention, generator)  # [L, B, E]
+                           hint_alone, self_attention, generator)  # [L, B, E]
         if not batched:
             return out[:, 0], None
         return (out.transpose(0, 1) if self.batch_first else out), None
 
     def _attend(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Any,
-                attn_mask: Any, is_causal: bool, self_attention: bool, generator: Any
-                ) -> Tensor:
+                attn_mask: Any, is_causal: bool, hint_alone: bool, self_attention: bool,
+                generator: Any) -> Tensor:
         """Batch-first attention: ``query: [B, L, E]``, ``key: [B, S, kdim]``, ``value:
         [B, S, vdim]``, torch's masks; returns ``[L, B, E]``, torch's layout in memory
         (batch-first is a view of it, as torch's: a dropout after the layer then draws
@@ -239,7 +244,9 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
             return self.out_proj(out)
         key_valid, padding_bias, allowed = _sdpa_masks(key_padding_mask, attn_mask,
                                                        self.num_heads)
-        if self.spec.capabilities.attn_mask:
+        if self.spec.capabilities.attn_mask and hint_alone:
+            out = self._exact(q, k, v, key_valid, None, generator, causal=True)
+        elif self.spec.capabilities.attn_mask:
             out = self._exact(q, k, v, key_valid, _joined(allowed, padding_bias, q.dtype),
                               generator)
         else:
@@ -269,16 +276,18 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         return self.dropout if self.training else 0.0
 
     def _exact(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None,
-               mask: Tensor | None, generator: Any) -> Tensor:
+               mask: Tensor | None, generator: Any, causal: bool = False) -> Tensor:
         """A method that takes any mask (``softmax``, ``kernelized``): torch's masks as
-        they are, every query real (torch's rows for padded queries)."""
+        they are, or its causal form alone (``causal``: torch's hint without its mask),
+        every query real (torch's rows for padded queries)."""
         arguments: dict[str, Any] = {} if mask is None else {"attn_mask": mask}
+        bound = self.bound.replace(causal=True) if causal else self.bound
         p = self._dropout()
         weight_dropout = self.spec.capabilities.weight_dropout
         if p and weight_dropout:
             arguments["dropout_p"] = p
-        out = self.bound(q, k, v, key_padding_mask=key_valid, query_padding_mask=None,
-                         generator=generator, state=self.method_state, **arguments)
+        out = bound(q, k, v, key_padding_mask=key_valid, query_padding_mask=None,
+                    generator=generator, state=self.method_state, **arguments)
         return F.dropout(out, p=p, training=True) if p and not weight_dropout else out
 
     def _approximate(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None,
@@ -336,7 +345,7 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         positions = torch.arange(x.shape[1], device=x.device)
         padding = positions >= torch.tensor(lengths, device=x.device)[:, None]  # [B, Lmax]
         self._check_shapes(x, x, x, padding, None)
-        out = self._attend(x, x, x, padding, None, False, True, generator).transpose(0, 1)
+        out = self._attend(x, x, x, padding, None, False, False, True, generator).transpose(0, 1)
         return torch.nested.as_nested_tensor([o[:n] for o, n in zip(out, lengths, strict=True)])
 
     def _check_positions(self, query: Tensor, key: Tensor, value: Tensor, batched: bool
@@ -598,4 +607,29 @@ def replace_attention(model: nn.Module, method: str = "skyformer", *,
                                          method_options)
     for parent, name, _, child in sites:
         setattr(parent, name, new[id(child)])
+    _warn_mixed_queries_in_decoders(method, sites)
     return model
+
+
+def _warn_mixed_queries_in_decoders(method: str, sites: list) -> None:
+    """Warn where a method whose outputs mix the queries went into the cross-attention
+    of ``nn.TransformerDecoderLayer``: in a causal decoder (teacher forcing) the later
+    queries are later target tokens, so a position would see them. Whether a decoder is
+    causal shows only in its call (``tgt_mask``), so this warns rather than refuses."""
+    if get_method(method).capabilities.independent_queries:
+        return
+    paths = [f"model.{path}" for parent, name, path, _ in sites
+             if isinstance(parent, nn.TransformerDecoderLayer) and name == "multihead_attn"]
+    if not paths:
+        return
+    able = ", ".join(methods_that_can("independent_queries"))
+    warnings.warn(
+        f"replace_attention: {', '.join(paths)} {'is' if len(paths) == 1 else 'are'} the "
+        f"cross-attention of nn.TransformerDecoderLayer, and {method}'s outputs mix the "
+        f"queries (landmarks, clusters or samples drawn from all of them): in a causal "
+        f"decoder (tgt_is_causal, teacher forcing) a position would see the target tokens "
+        f"after it. There, swap the encoder and each decoder layer's self_attn alone "
+        f"(replace_attention(model.encoder, ...); layer.self_attn = "
+        f"replace_attention(layer.self_attn, ...)), or use a method whose outputs use their "
+        f"own query alone ({able}). In a decoder whose queries are not in order (DETR's "
+        f"object queries) it does no harm.", UserWarning, stacklevel=3)
