@@ -362,7 +362,10 @@ class MultiHeadAttention(BoundMethodProperties, nn.Module):
     def new_cache(self, generator: torch.Generator | Tensor | None = None) -> DecodingState:
         """An empty decoding cache for ``forward(x, cache=...)``: causal self-attention of
         each new chunk of positions to every position before it, equal (to rounding) to
-        the causal forward over the whole sequence with the same random key. Its memory
+        the causal forward over the whole sequence with the same random key (for
+        ``skyformer`` and ``nystrom_softmax`` with the same ``landmark_stride``: without
+        one the cache keeps the stride its first chunk set, ceil(n0 / m), while a forward
+        takes ceil(n / m) of the whole sequence; fix it to compare them). Its memory
         is constant in the length for ``linear``, ``performer``, ``skyformer`` and
         ``nystrom_softmax`` (``skyformer.decoding``); the exact methods keep the keys
         and values.
