@@ -488,6 +488,10 @@ def test_is_causal_with_other_lengths_names_the_methods_that_follow_sdpa():
     with pytest.raises(ValueError, match=r"skyformer: is_causal with 5 queries and 9 keys: SDPA "
                        r"aligns the causal mask top left .* \('softmax', 'kernelized'\)"):
         sdpa(q, k, v, is_causal=True, method="skyformer")
+    with pytest.raises(ValueError, match=r"is_causal with 1 query and 9 keys: .* as many "
+                       r"queries as keys \(new queries over cached keys, a decoding step: "
+                       r"a decoding cache steps them, .*new_cache\(\)"):
+        sdpa(q[:, :, -1:], k, v, is_causal=True, method="skyformer")
     with pytest.raises(CapabilityError, match="linformer"):
         sdpa(q, k, v, is_causal=True, method="linformer", max_seq_len=16)
     with pytest.raises(ValueError, match=r"pass attn_mask=torch.ones\(Nq, Nk, dtype=torch.bool\)"

@@ -156,6 +156,16 @@ def test_other_patterns_are_refused():
         resolve(real_query_sees_nothing)
 
 
+def test_a_causal_mask_of_the_other_convention_is_named_so():
+    """True above the diagonal (torch.nn.MultiheadAttention's causal mask, True = not
+    allowed, where True = attend is read): the sentence says to pass ~mask."""
+    above = torch.ones(N, N, dtype=torch.bool).triu(1).expand(B, 1, N, N)
+    with pytest.raises(UnsupportedMaskError, match=r"complement of a causal mask .* pass "
+                                                   r"~mask\.$"):
+        resolve(above, causal=True)
+    assert resolve(~above, causal=True).causal
+
+
 def test_malformed_masks_are_refused():
     with pytest.raises(UnsupportedMaskError, match="must broadcast"):
         resolve(torch.ones(B, 1, N, N + 1, dtype=torch.bool))

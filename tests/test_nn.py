@@ -39,6 +39,15 @@ def test_module_equals_manual_projection_pipeline():
     torch.testing.assert_close(layer(x), expected)
 
 
+def test_a_causal_layer_given_a_context_of_another_length_says_cross_attention_is_another_layer():
+    layer = MultiHeadAttention(16, 2, "skyformer", causal=True, num_features=4)
+    with pytest.raises(ValueError, match=r"built with causal=True, .* x holds 5 positions, "
+                                         r"context 7; a decoder's cross-attention to an "
+                                         r"encoder is a layer of its own, built without "
+                                         r"causal=True"):
+        layer(torch.randn(2, 5, 16), context=torch.randn(2, 7, 16))
+
+
 def test_cross_attention_with_context():
     layer = MultiHeadAttention(16, 2, method="kernelized")
     x, ctx = torch.randn(2, 5, 16), torch.randn(2, 9, 16)

@@ -321,6 +321,15 @@ def test_decoder_and_transformer_run_replaced_attention():
                            memory_key_padding_mask=padding())
 
 
+def test_a_causal_mask_in_sdpas_convention_is_named_as_such():
+    """torch's layer takes True = not allowed: an SDPA-style tril mask reaches an
+    approximate method as the complement of a causal one, and the sentence says so."""
+    _, ours = pair("skyformer", {"num_features": 4})
+    x = rand(L, B, E)
+    with pytest.raises(ValueError, match=r"complement of a causal mask .* pass ~mask"):
+        ours(x, x, x, attn_mask=~causal(), need_weights=False)
+
+
 def test_a_decoders_cross_attention_warns_of_methods_mixing_queries():
     """In nn.TransformerDecoderLayer's cross-attention the queries are the target tokens
     in order: skyformer (landmarks drawn from them) lets an earlier position's output

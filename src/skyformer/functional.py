@@ -150,11 +150,15 @@ def refuse_causal_lengths(spec: Method, lq: int, lk: int) -> None:
     ``lk != lq`` keys (or for a method without one): SDPA's top-left alignment is the
     exact methods' alone."""
     check_capabilities(spec.name, causal=True)
+    step = (" (new queries over cached keys, a decoding step: a decoding cache steps "
+            "them, MultiHeadAttention(..., causal=True).new_cache() or "
+            "skyformer.hf.DecodingCache; docs/causal.md)" if lq < lk else "")
     raise ValueError(
-        f"{spec.name}: is_causal with {lq} queries and {lk} keys: SDPA aligns the causal "
-        f"mask top left (query i sees keys j <= i), which only the methods that take any "
-        f"attn_mask ('softmax', 'kernelized') follow; {spec.name}'s causal form needs as "
-        f"many queries as keys.")
+        f"{spec.name}: is_causal with {lq} quer{'y' if lq == 1 else 'ies'} and {lk} "
+        f"key{'' if lk == 1 else 's'}: SDPA aligns the causal mask top left (query i sees "
+        f"keys j <= i), which only the methods that take any attn_mask ('softmax', "
+        f"'kernelized') follow; {spec.name}'s causal form needs as many queries as "
+        f"keys{step}.")
 
 
 def _top_left_causal(spec: Method, attn_mask: Tensor | None, query: Tensor, key: Tensor

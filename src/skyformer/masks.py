@@ -212,11 +212,28 @@ def resolve_mask(
         return ResolvedMask(_normalise(visible, all_real_as_none), False)
     elif query_len == key_len and causal_padding():
         return ResolvedMask(_normalise(visible, all_real_as_none), True)
+    if _is_causal_complement(rows):
+        raise UnsupportedMaskError(
+            "the attention mask is the complement of a causal mask (True above the "
+            "diagonal): a mask of the other convention? scaled_dot_product_attention's "
+            "attn_mask holds True where attention is allowed, torch.nn.MultiheadAttention's "
+            "where it is not; pass ~mask.")
     raise UnsupportedMaskError(
         "the attention mask is neither key padding nor causal with key padding (e.g. a "
         "sliding window, packed sequences, a cached prefix or a custom pattern); the "
         f"approximate methods take only a key padding mask and causal masking; {advice}."
     )
+
+
+def _is_causal_complement(rows: Tensor) -> bool:
+    """Whether ``rows`` ``[B, Nq, Nk]`` (True = attend) is True exactly above the
+    diagonal: a causal mask of the other convention (read in eager code only, on the
+    way to a refusal)."""
+    query_len, key_len = rows.shape[-2:]
+    if query_len != key_len or torch.compiler.is_compiling():
+        return False
+    above = torch.ones(query_len, key_len, dtype=torch.bool, device=rows.device).triu(1)
+    return bool((rows == above).all())
 
 
 def _refuse_learned(attention_mask: Tensor, advice: str) -> None:

@@ -282,6 +282,15 @@ class MultiHeadAttention(BoundMethodProperties, nn.Module):
                 f"MultiHeadAttention: x and context must hold the same batch, got "
                 f"{x.shape[0]} and {source.shape[0]} sequences (x {tuple(x.shape)}, context "
                 f"{tuple(source.shape)}).")
+        if context is not None and getattr(self.config, "causal", None) is True \
+                and source.shape[1] != x.shape[1]:
+            raise ValueError(
+                f"MultiHeadAttention: this layer was built with causal=True, which attends "
+                f"causally within one sequence (as many queries as keys), and x holds "
+                f"{x.shape[1]} positions, context {source.shape[1]}; a decoder's "
+                f"cross-attention to an encoder is a layer of its own, built without "
+                f"causal=True (with a method whose outputs use their own query alone: "
+                f"docs/causal.md).")
         if context is None and query_padding_mask is not None:
             raise ValueError(
                 "MultiHeadAttention: query_padding_mask is for attention to a context; in "
