@@ -286,6 +286,49 @@ def test_a_seeded_state_leaves_every_generator_as_it_was(method, monkeypatch):
         assert torch.equal(a, b)
 
 
+def test_registration_refuses_what_no_call_could_reach(monkeypatch):
+    """Refused when registered, with a sentence: a core whose config parameter has
+    another name (it would be called with the options as keywords, a TypeError at every
+    call), an option named like a call argument, and the names skyformer.hf gives the
+    model's own attention. A public form taking every option registers."""
+    from skyformer.registry import _REGISTRY
+
+    @dataclasses.dataclass(frozen=True)
+    class Cfg:
+        num_features: int | None = None
+
+    def cfg_named_otherwise(q, k, v, cfg, *, key_padding_mask=None, generator=None):
+        return q
+
+    with pytest.raises(TypeError, match=r"'x' takes neither a config .* nor the options "
+                                        r"num_features as keyword arguments .* name its "
+                                        r"fourth parameter config\."):
+        register("x", Cfg, Capabilities(target="softmax"))(cfg_named_otherwise)
+
+    @dataclasses.dataclass(frozen=True)
+    class Clashing:
+        generator: int = 1
+
+    with pytest.raises(TypeError, match=r"option names \['generator'\] are arguments of "
+                                        r"every call .* rename the option in Clashing\."):
+        register("x", Clashing, Capabilities(target="softmax"))
+    for reserved in ("exact", "sdpa"):
+        with pytest.raises(ValueError, match=rf"{reserved!r} names the model's own attention"):
+            register(reserved, Cfg, Capabilities(target="softmax"))
+    assert not {"x", "exact", "sdpa"} & set(_REGISTRY)
+
+    def public(q, k, v, *, key_padding_mask=None, generator=None, num_features=None):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    monkeypatch.delitem(registry_methods._REGISTRY, "public_form", raising=False)
+    register("public_form", Cfg, Capabilities(target="softmax"))(public)
+    monkeypatch.setitem(registry_methods._REGISTRY, "public_form",
+                        registry_methods._REGISTRY["public_form"])
+    q = torch.randn(1, 2, 8, 4)
+    torch.testing.assert_close(skyformer.attention(q, q, q, "public_form", num_features=4),
+                               torch.nn.functional.scaled_dot_product_attention(q, q, q))
+
+
 def test_a_core_without_the_call_arguments_is_refused_at_registration(monkeypatch):
     """Every call passes key_padding_mask and generator: a function without them is
     refused when registered. One without query_padding_mask registers (it serves the

@@ -629,6 +629,34 @@ def test_registering_again_leaves_the_registry_as_it_was():
     assert all(AttentionInterface()[name] is fn for name, fn in before.items())
 
 
+def test_a_method_registered_after_the_import_has_its_name_at_once(monkeypatch):
+    """A plugin imported after skyformer.hf: transformers knows its
+    attn_implementation name as soon as it is registered, before any set_attention."""
+    import dataclasses
+
+    from skyformer import registry
+    from skyformer.registry import methods as registry_methods
+
+    @dataclasses.dataclass(frozen=True)
+    class Cfg:
+        scale: float | None = None
+
+    monkeypatch.delitem(registry_methods._REGISTRY, "late_softmax", raising=False)
+
+    @registry.register("late_softmax", Cfg, registry.Capabilities(target="softmax"))
+    def late_softmax(q, k, v, config, *, key_padding_mask=None, generator=None):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    monkeypatch.setitem(registry_methods._REGISTRY, "late_softmax",
+                        registry_methods._REGISTRY["late_softmax"])
+    model = tiny_bert()
+    model.set_attn_implementation("skyformer:late_softmax")
+    ids = torch.randint(1, 64, (1, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).last_hidden_state,
+                                   tiny_bert()(input_ids=ids).last_hidden_state)
+
+
 def test_a_model_that_refuses_the_switch_is_left_as_it_was(monkeypatch):
     """A model that does not take a new attn_implementation is refused before any
     layer changes: no setting, and no method state among its parameters (a state_dict

@@ -25,6 +25,7 @@ import functools
 import inspect
 import numbers
 import re
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +52,12 @@ _OPTION_NAMES: dict[type, tuple[str, ...]] = {}  # config class -> its option na
 
 # Names ``Method.bind`` takes itself; no method may have an option of that name.
 _BIND_ARGUMENTS = ("num_heads", "head_dim", "seq_len")
+# The arguments of every call (``attention``, a public function, a bound method): an
+# option of one of these names could never be passed.
+_CALL_NAMES = ("q", "k", "v", "method", "key_padding_mask", "query_padding_mask",
+               "generator", "state")
+# Names the integrations give a meaning of their own: skyformer.hf's model attention.
+_RESERVED_METHOD_NAMES = ("exact", "sdpa")
 # Arguments of torch's scaled_dot_product_attention, which skyformer's takes beside the
 # methods' options (a sentence for one given to a method as an option points there).
 _SDPA_ARGUMENTS = frozenset({"attn_mask", "dropout_p", "is_causal", "enable_gqa"})
@@ -239,6 +246,15 @@ def register(
     clash = sorted(options & set(_BIND_ARGUMENTS))
     if clash:
         raise TypeError(f"{name!r}: option names {clash} are reserved for Method.bind.")
+    clash = sorted(options & set(_CALL_NAMES))
+    if clash:
+        raise TypeError(f"{name!r}: option names {clash} are arguments of every call "
+                        f"({', '.join(_CALL_NAMES)}); rename the option in "
+                        f"{config_class.__name__}.")
+    if name in _RESERVED_METHOD_NAMES:
+        raise ValueError(f"register: {name!r} names the model's own attention in "
+                         f"skyformer.hf (set_attention(model, {name!r})); register the "
+                         f"method under another name.")
 
     if not config_class.__dataclass_params__.frozen:  # type: ignore[attr-defined]
         raise TypeError(f"config_class of {name!r} must be a frozen dataclass (a method's "
@@ -248,12 +264,25 @@ def register(
     def decorator(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
         _refuse_taken_name(name, fn)
         _check_call_arguments(name, fn)
+        _check_options_taken(name, fn, config_class)
         public = with_options(config_class, name)(fn) if takes_config(fn) else fn
         _REGISTRY[name] = Method(name, public, config_class, capabilities, summary, state)
         TAKES_QUERY_MASK[public] = takes_keyword(fn, "query_padding_mask")
+        _name_in_transformers()
         return public
 
     return decorator
+
+
+def _name_in_transformers() -> None:
+    """Where ``skyformer.hf`` is imported, give every method (this one too) its
+    ``attn_implementation`` name now: a method registered after that import (a plugin
+    imported second) was otherwise unknown to transformers until the next
+    ``set_attention``."""
+    hf = sys.modules.get("skyformer.hf")
+    register_methods = getattr(hf, "register_methods", None)  # None while it imports
+    if register_methods is not None:
+        register_methods()
 
 
 def _refuse_taken_name(name: str, fn: Callable[..., Tensor]) -> None:
@@ -286,6 +315,23 @@ def _check_call_arguments(name: str, fn: Callable[..., Tensor]) -> None:
             f"register: the function registered as {name!r} must take the keyword arguments "
             f"{', '.join(CALL_ARGUMENTS)} (every call passes them), and query_padding_mask "
             f"for calls with queries of their own padding; it lacks {', '.join(missing)}.")
+
+
+def _check_options_taken(name: str, fn: Callable[..., Tensor], config_class: type) -> None:
+    """A function registered as its public form (no ``config`` parameter) takes every
+    option as a keyword argument; one that takes neither them nor a ``config`` (a core
+    whose fourth parameter has another name) gets a sentence at registration, not a
+    TypeError at every call."""
+    if takes_config(fn):
+        return
+    missing = [f.name for f in dataclasses.fields(config_class) if not takes_keyword(fn, f.name)]
+    if missing:
+        raise TypeError(
+            f"register: the function registered as {name!r} takes neither a config (a "
+            f"core: its fourth positional parameter named config, def f(q, k, v, config, "
+            f"*, key_padding_mask=None, generator=None)) nor the options "
+            f"{', '.join(missing)} as keyword arguments (a public form); name its fourth "
+            f"parameter config.")
 
 
 def with_options(config_class: type, method: str
