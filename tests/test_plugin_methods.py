@@ -85,6 +85,26 @@ def test_a_right_output_passes_as_it_is(plugin):
     torch.testing.assert_close(skyformer.attention(q, k, v, "plugin_values"), v)
 
 
+def test_a_plugins_inputs_get_the_librarys_checks_and_padded_rows_are_zero(plugin):
+    """A plugin that checks nothing: 3-D inputs (which it ran and returned 3-D), a mask
+    of the wrong shape or dtype get the library's sentences naming the method; the
+    output rows of padded queries are 0, as every method's (README conventions)."""
+    plugin("plugin_unchecked", lambda q, k, v: v * 1)
+    q = torch.randn(2, 6, 4)
+    with pytest.raises(ValueError, match=r"plugin_unchecked: q must have shape \[B, H, N, D\]"):
+        skyformer.attention(q, q, q, "plugin_unchecked")
+    q = torch.randn(2, 2, 6, 4)
+    for mask, said in ((torch.ones(2, 5, dtype=torch.bool), "plugin_unchecked: "),
+                       (torch.ones(2, 6), "plugin_unchecked: ")):
+        with pytest.raises((ValueError, TypeError), match=said):
+            skyformer.attention(q, q, q, "plugin_unchecked", key_padding_mask=mask)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[1, 4:] = False
+    out = skyformer.attention(q, q, q, "plugin_unchecked", key_padding_mask=mask)
+    assert torch.equal(out[1, :, 4:], torch.zeros(2, 2, 4))
+    torch.testing.assert_close(out[0], q[0])
+
+
 def test_a_name_held_by_another_function_is_refused_with_what_to_do(plugin):
     plugin("plugin_taken", lambda q, k, v: v)
     with pytest.raises(ValueError, match=r"'skyformer' is already registered, by "

@@ -23,24 +23,30 @@ import torch
 from torch import Tensor
 
 from ..amp import autocast_enabled, autocast_off
+from ..ops.shared.inputs import check_attention_inputs, zero_padded_queries
 from .guard import marked_by_core, show_nonfinite, zero_padding
-from .outputs import check_output
+from .outputs import check_output, registered_name
 
 
 def call_core(core: Callable[..., Tensor], q: Any, k: Any, v: Any, config: Any,
               **kwargs: Any) -> Tensor:
     """``core(q, k, v, config, **kwargs)``, with the autocast rule above, the budget caps
     of ``capped`` and the padding and non-finite rules of ``guard``."""
-    config = capped(config, q, k)
     masks = (kwargs.get("key_padding_mask"), kwargs.get("query_padding_mask", "auto"))
+    owned = _library_method(core)
+    # the library's methods check their inputs themselves; one from outside gets the same
+    # checks here, and its padded queries' rows are set to 0 after it (the convention)
+    outside = None if owned else check_attention_inputs(
+        q, k, v, masks[0], method=registered_name(core), query_padding_mask=masks[1])
+    config = capped(config, q, k)
     q, k, v = zero_padding(q, k, v, *masks)
     if not isinstance(q, Tensor) or not q.is_floating_point():
         return core(q, k, v, config, **kwargs)
-    owned = _library_method(core)
     causal = getattr(config, "causal", False) is True
     q, k, v, precision = autocast_rule(q, k, v)
     with precision:
-        return _guarded(core, q, k, v, config, masks, owned, causal, kwargs)
+        out = _guarded(core, q, k, v, config, masks, owned, causal, kwargs)
+    return out if outside is None else zero_padded_queries(out, outside.query_valid)
 
 
 def autocast_dtype(q: Tensor) -> torch.dtype | None:

@@ -38,14 +38,21 @@ def check_output(core: Callable[..., Any], out: Any, q: Tensor, v: Any) -> Tenso
 
 def _named(core: Callable[..., Any]) -> str:
     """``'name' (module.function)``: the registered name and where its core is defined."""
+    where = f"{getattr(core, '__module__', '?')}.{getattr(core, '__qualname__', repr(core))}"
+    name = registered_name(core)
+    return where if name == where else f"{name!r} ({where})"
+
+
+def registered_name(core: Callable[..., Any]) -> str:
+    """The name ``core`` is registered under (``module.function`` where none)."""
     from .methods import _REGISTRY  # it imports this module (through autocast)
 
-    where = f"{getattr(core, '__module__', '?')}.{getattr(core, '__qualname__', repr(core))}"
     # a method registered with its options as keyword arguments runs an adapter made
     # for each call (signature.core_of), which unwraps to the function
     names = [m.name for m in _REGISTRY.values()
              if inspect.unwrap(m.core) is inspect.unwrap(core)]
-    return f"{names[0]!r} ({where})" if names else where
+    where = f"{getattr(core, '__module__', '?')}.{getattr(core, '__qualname__', repr(core))}"
+    return names[0] if names else where
 
 
 def _dtype(dtype: torch.dtype) -> str:
