@@ -233,8 +233,37 @@ def test_a_plugin_module_registers_methods_for_every_command(tmp_path, monkeypat
             ("sub/my_methods.py", "sub/my_methods.py: give the module's name, my_methods, "
                                   "not its file, and run from sub (or with it on "
                                   "PYTHONPATH)."),
-            ("broken_methods", "broken_methods: importing it failed: No module named "
+            ("broken_methods", "broken_methods: importing it failed at "
+                               f"{tmp_path / 'broken_methods.py'}:1: No module named "
                                "'a_package_nobody_has'")):
         assert main(["--plugin", plugin, "list"]) == 2
         assert f"skyformer list: error: --plugin {said}" in capsys.readouterr().err
     assert "my_methods" not in sys.modules  # a file's path imports nothing
+
+
+def test_a_plugin_failing_in_its_own_code_or_shadowed_is_named(tmp_path, monkeypatch, capsys):
+    """Any exception while a plugin imports (a mistake in its register call, a syntax
+    error) is named with the plugin and its file and line, where a ValueError printed
+    as a bare line and a NameError as a traceback; a file of the current folder whose
+    name an installed module takes (the standard library's ``imp``... ``json``) is said
+    to be shadowed, not imported in silence."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "raising.py").write_text("x = 1\nraise ValueError('boom at import')\n")
+    (tmp_path / "unnamed.py").write_text("\n\nundefined_name\n")
+    (tmp_path / "bad_syntax.py").write_text("def f(:\n")
+    (tmp_path / "json.py").write_text("raise SystemExit('never imported')\n")
+    for plugin, said in (
+            ("raising", f"raising: importing it failed at {tmp_path / 'raising.py'}:2: "
+                        f"ValueError: boom at import"),
+            ("unnamed", f"unnamed: importing it failed at {tmp_path / 'unnamed.py'}:3: "
+                        f"NameError: name 'undefined_name' is not defined"),
+            ("bad_syntax", f"bad_syntax: importing it failed at {tmp_path / 'bad_syntax.py'}"
+                           f":1: SyntaxError"),
+            ("json", f"json: that name imports {sys.modules['json'].__file__}, not "
+                     f"{tmp_path / 'json.py'} (a module of that name comes first); rename "
+                     f"your file.")):
+        assert main(["--plugin", plugin, "list"]) == 2, plugin
+        assert f"skyformer list: error: --plugin {said}" in capsys.readouterr().err
+        if plugin != "json":  # a failed import leaves no module behind
+            assert plugin not in sys.modules

@@ -11,6 +11,7 @@ import importlib
 import os
 import signal
 import sys
+import traceback
 from types import ModuleType
 
 from ..logs import enable_console
@@ -88,14 +89,40 @@ def import_plugins(modules: list[str]) -> None:
             raise ImportError(f"--plugin {name}: give the module's name, {stem}, not its "
                               f"file, and run{where or ' from the folder that holds it'}.")
         try:
-            importlib.import_module(name)
+            module = importlib.import_module(name)
         except ImportError as err:
             if err.name is None or not (name == err.name or name.startswith(err.name + ".")):
-                raise ImportError(f"--plugin {name}: importing it failed: {err}") from err
+                raise ImportError(f"--plugin {name}: importing it failed{_where(err)}: "
+                                  f"{err}") from err
             raise ImportError(
                 f"--plugin {name}: cannot import it ({err}); give a module importable from "
                 f"here (a file of the current folder without .py, or an installed package's "
                 f"module), or put its folder on PYTHONPATH.") from None
+        except Exception as err:  # its own code failed: a mistake in it, named where
+            raise ImportError(f"--plugin {name}: importing it failed{_where(err)}: "
+                              f"{type(err).__name__}: {err}") from err
+        _refuse_shadowed(name, module)
+
+
+def _where(err: BaseException) -> str:
+    """`` at file:line``: where in the plugin's code an import failed (a syntax error's
+    own line, else the innermost frame of the traceback)."""
+    if isinstance(err, SyntaxError) and err.filename:
+        return f" at {err.filename}:{err.lineno}"
+    frames = traceback.extract_tb(err.__traceback__)
+    return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+
+
+def _refuse_shadowed(name: str, module: object) -> None:
+    """A file of the current folder that ``name`` did not import: a module of that name
+    comes first (the standard library's ``imp``, an installed package), so its methods
+    were never registered."""
+    here = os.path.join(os.getcwd(), *name.split(".")) + ".py"
+    found = getattr(module, "__file__", None)
+    if os.path.isfile(here) and (found is None or not os.path.samefile(found, here)):
+        raise ImportError(
+            f"--plugin {name}: that name imports {found or 'a built-in module'}, not "
+            f"{here} (a module of that name comes first); rename your file.")
 
 
 def _expand_home(args: argparse.Namespace) -> None:

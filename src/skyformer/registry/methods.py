@@ -370,7 +370,8 @@ def get_method(name: str) -> Method:
     if not isinstance(name, str) or name not in _REGISTRY:
         raise ValueError(
             f"unknown attention method {name!r}{did_you_mean(name, _REGISTRY)}; available: "
-            f"{', '.join(_REGISTRY)}."
+            f"{', '.join(_REGISTRY)} (a method of your own: import the module that "
+            f"registers it first; on the command line, skyformer --plugin MODULE ...)."
         )
     return _REGISTRY[name]
 
