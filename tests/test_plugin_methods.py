@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import sys
+import typing
 
 import pytest
 import torch
@@ -103,6 +104,46 @@ def test_a_plugins_inputs_get_the_librarys_checks_and_padded_rows_are_zero(plugi
     out = skyformer.attention(q, q, q, "plugin_unchecked", key_padding_mask=mask)
     assert torch.equal(out[1, :, 4:], torch.zeros(2, 2, 4))
     torch.testing.assert_close(out[0], q[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Typed:
+    num_features: int = 8
+    scale: float | None = None
+    mode: typing.Literal["a", "b"] = "a"
+    flag: bool = False
+
+
+@pytest.mark.parametrize(("option", "value", "said"), [
+    ("num_features", "abc", r"num_features must be an int .*got 'abc' \(str\)"),
+    ("num_features", 2.5, r"num_features must be an int .*got 2\.5 \(float\)"),
+    ("num_features", True, r"num_features must be an int .*got True \(bool\)"),
+    ("scale", "x", r"scale must be a float or None"),
+    ("mode", "c", r"mode must be 'a' or 'b'"),
+    ("flag", 1, r"flag must be a bool")])
+def test_a_plugins_options_are_held_to_their_annotations(monkeypatch, option, value, said):
+    """A plugin's config may check nothing: a value its annotation excludes failed deep
+    in the method (a str compared with a Tensor) or ran (2.5 for an int); it is refused
+    in a sentence, at the call, in a variant's name and in a layer's constructor. An int
+    for a float and the values of a Literal pass."""
+    monkeypatch.delitem(registry_methods._REGISTRY, "plugin_typed", raising=False)
+
+    @register("plugin_typed", _Typed, Capabilities(target="softmax"))
+    def typed(q, k, v, config, *, key_padding_mask=None, generator=None):
+        return v * 1
+
+    monkeypatch.setitem(registry_methods._REGISTRY, "plugin_typed",
+                        registry_methods._REGISTRY["plugin_typed"])
+    q = torch.randn(1, 2, 4, 3)
+    pattern = rf"plugin_typed: option {said} \(as _Typed declares it\)|{said}"
+    with pytest.raises(TypeError, match=pattern):
+        skyformer.attention(q, q, q, "plugin_typed", **{option: value})
+    with pytest.raises(TypeError, match=pattern):
+        skyformer.MultiHeadAttention(6, 2, "plugin_typed", **{option: value})
+    if isinstance(value, str):
+        with pytest.raises(TypeError, match=pattern):
+            skyformer.get_method(f"plugin_typed[{option}={value}]")
+    assert skyformer.attention(q, q, q, "plugin_typed", scale=1, mode="b").shape == q.shape
 
 
 def test_a_name_held_by_another_function_is_refused_with_what_to_do(plugin):
@@ -205,7 +246,6 @@ def test_a_config_with_a_factory_or_an_optional_field_reads_as_declared():
     """A default factory showed as <dataclasses._MISSING_TYPE object> in the public
     function's signature and docstring, and Optional[str] as Optional."""
     import inspect
-    import typing
 
     @dataclasses.dataclass(frozen=True)
     class Shaped:

@@ -44,6 +44,7 @@ from .capabilities import (
     capability_sentence,
     masks_taken,
 )
+from .option_types import accepted_options
 from .signature import config_fields, core_of, public_function, takes_config
 from .variants import base_name, is_variant, parse_variant
 
@@ -137,7 +138,10 @@ class Method:
                 f"{self.name} has no option {', '.join(map(repr, unknown))}{close}; "
                 f"its options are: {known}{hint}."
             )
-        return self.config_class(**{name: _python_int(value) for name, value in options.items()})
+        options = {name: _python_int(value) for name, value in options.items()}
+        if not self.config_class.__module__.startswith("skyformer."):
+            _check_option_types(self.name, self.config_class, options)
+        return self.config_class(**options)
 
     def resolve_options(self, options: dict[str, Any], seq_len: int | None) -> dict[str, Any]:
         """``options`` with the rules of a layer that sees sequences of ``seq_len`` tokens:
@@ -194,6 +198,18 @@ class Method:
                 f"{self.name}: the input has {keys} keys but max_seq_len={limit}; the method "
                 f"holds one position per key up to max_seq_len, so truncate the input or "
                 f"give a larger max_seq_len.")
+
+
+def _check_option_types(method: str, config_class: type, options: dict[str, Any]) -> None:
+    """A sentence for an option of a method from outside the library whose value its
+    config's annotation excludes (``option_types``; the library's configs check their
+    own in ``__post_init__``)."""
+    accepted = accepted_options(config_class)
+    for name, value in options.items():
+        if name in accepted and not accepted[name].takes(value):
+            raise TypeError(f"{method}: option {name} must be {accepted[name].text} (as "
+                            f"{config_class.__name__} declares it), got {value!r} "
+                            f"({type(value).__name__}).")
 
 
 def _python_int(value: Any) -> Any:
