@@ -323,6 +323,12 @@ def test_stability_resume_refuses_to_drop_taus_the_file_holds(tmp_path, capsys, 
             "kernelized seed 0)") in capsys.readouterr().err
     assert out.read_text() == before
     assert main([*base, "--seeds", "0", "1", "2", "--resume"]) == 0  # more is fine
+    capsys.readouterr()
+    before = out.read_text()  # without --resume the file was rewritten: every tau lost
+    assert main([*base, "--seeds", "0"]) == 2
+    assert (f"{out} holds the taus of an earlier run, which this run would replace: pass "
+            f"--resume to continue them, or write to another --json") in capsys.readouterr().err
+    assert out.read_text() == before
 
 
 @pytest.mark.parametrize(("given", "value"), [

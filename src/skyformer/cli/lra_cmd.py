@@ -376,12 +376,25 @@ def _say_now(line: str) -> None:
     print(line, flush=True)
 
 
+def _refuse_replacing_taus(json_path: str | None) -> None:
+    """An existing ``--json`` is rewritten after the first new measurement: without
+    ``--resume`` that dropped every earlier tau (hours of training), even where the run
+    was interrupted at once. Refused instead, with the two ways on."""
+    if json_path is None or not Path(json_path).is_file() or Path(json_path).stat().st_size == 0:
+        return
+    raise FileExistsError(
+        f"{json_path} holds the taus of an earlier run, which this run would replace: pass "
+        f"--resume to continue them, or write to another --json (delete the file to start "
+        f"again).")
+
+
 def _earlier_taus(args: argparse.Namespace) -> dict | None:
     """The file ``--resume`` continues, read (None: nothing to resume); refused when it
     holds taus the run would drop from it."""
     from ..lra.stability import taus_left_out
 
     if not args.resume:
+        _refuse_replacing_taus(args.json_path)
         return None
     if args.json_path is None:
         raise ValueError("--resume continues the taus written to --json; give --json.")
