@@ -357,6 +357,34 @@ def test_a_best_pt_of_another_run_is_refused_not_tested_as_this_runs(listops_cac
         _run(cfg, listops_cache, tmp_path / "run", resume=True)
 
 
+def test_a_best_pt_of_another_step_or_other_data_is_refused(listops_cache, tmp_path):
+    """best.pt of this run's settings from another run (other prepared data) or from an
+    earlier step of this run: the other step was a warning, after which the end of the
+    run tested that model and wrote it to result.json as this run's best; the other data
+    went unseen (best.pt recorded none)."""
+    cfg = _cfg(steps=12, eval_every=2, log_every=2)
+    _run(cfg, listops_cache, tmp_path / "run", stop_after=2)
+    early = tmp_path / "early.pt"
+    early.write_bytes((tmp_path / "run" / "best.pt").read_bytes())
+    _run(cfg, listops_cache, tmp_path / "run", resume=True, stop_after=8)
+    best = load_checkpoint(tmp_path / "run" / "best.pt")
+    state = load_checkpoint(tmp_path / "run" / "last.pt")["state"]
+    if best["step"] == 2 or state["best_step"] == state["step"]:
+        pytest.skip("the best dev step is 2 or the last one here: no other step to put back")
+    kept = (tmp_path / "run" / "best.pt").read_bytes()
+    early.replace(tmp_path / "run" / "best.pt")
+    with pytest.raises(ValueError, match=rf"best\.pt holds step 2, not step {best['step']} "
+                                         rf"where this run has its best dev accuracy"):
+        _run(cfg, listops_cache, tmp_path / "run", resume=True)
+    moved = dict(best, data={**best["data"], "examples": -1})
+    save_checkpoint(tmp_path / "run" / "best.pt", moved)
+    with pytest.raises(ValueError, match=r"best\.pt is the best checkpoint of a run on other "
+                                         r"prepared data"):
+        _run(cfg, listops_cache, tmp_path / "run", resume=True)
+    (tmp_path / "run" / "best.pt").write_bytes(kept)
+    assert _run(cfg, listops_cache, tmp_path / "run", resume=True)["best_step"] == best["step"]
+
+
 @pytest.mark.parametrize("text, says", [('{"test_acc', "not JSON"), ("[1]", "a JSON list"),
                                          (b"\xff\xfe", "not JSON")])
 def test_an_unreadable_result_json_is_named_at_resume(listops_cache, tmp_path, text, says):

@@ -316,10 +316,17 @@ def check_best_checkpoint(folder: Path, step: int, best_step: int,
                      "--out.")
 
 
-def best_checkpoint_step(folder: Path, cfg: TrainConfig) -> int | None:
+def best_checkpoint_step(folder: Path, cfg: TrainConfig, data: dict[str, Any],
+                         step: int, best_step: int, history: list[dict[str, Any]]
+                         ) -> int | None:
     """The step ``folder/best.pt`` holds (None: there is none), refusing a file that is no
-    best-dev checkpoint of ``cfg``'s run (another seed's or method's, put in its place),
-    which the end of the run would evaluate on test and report as its own."""
+    best-dev checkpoint of ``cfg``'s run on ``data`` (a ``data_fingerprint``) resumed at
+    ``step``: another seed's, method's or data's put in its place, or one of another
+    step than the run's best (``best_step``), which the end of the run would evaluate on
+    test and report as its own. ``last.pt`` is written before ``best.pt``, so a best
+    step without its ``best.pt`` is only ever ``last.pt``'s own step, written again from
+    the model it restores (``best_dev_entry``). Before its first evaluation
+    (``best_step`` 0) a run replaces whatever ``best.pt`` holds at that evaluation."""
     path = folder / "best.pt"
     if not path.is_file():
         return None
@@ -337,6 +344,17 @@ def best_checkpoint_step(folder: Path, cfg: TrainConfig) -> int | None:
         raise ValueError(f"cannot resume {folder / 'last.pt'}: {path} is the best checkpoint "
                          f"of a run with other settings ({said}), which the end of this run "
                          f"would evaluate on test as its own; {fix}")
+    if "data" in best and best["data"] != data:  # written since best.pt records its data
+        raise ValueError(f"cannot resume {folder / 'last.pt'}: {path} is the best checkpoint "
+                         f"of a run on other prepared data, which the end of this run would "
+                         f"evaluate on test as its own; {fix}")
+    if best["step"] != best_step and best_step > 0 \
+            and best_dev_entry(step, best_step, history) is None:
+        raise ValueError(f"cannot resume {folder / 'last.pt'}: {path} holds step "
+                         f"{best['step']}, not step {best_step} where this run has its best dev "
+                         f"accuracy (a checkpoint of another run, or an earlier one of this "
+                         f"run), which the end of this run would evaluate on test as its own; "
+                         f"{fix}")
     return best["step"]
 
 
@@ -352,7 +370,8 @@ def check_run(cfg: TrainConfig, folder: Path, cache_root: str | os.PathLike[str]
         s = ckpt["state"]
         if finished_result(folder, cfg, s["step"]) is None:
             check_best_checkpoint(folder, s["step"], s["best_step"], ckpt["history"])
-            best_checkpoint_step(folder, cfg)
+            best_checkpoint_step(folder, cfg, data_fingerprint(data.meta), s["step"],
+                                 s["best_step"], ckpt["history"])
 
 
 class Trainer:
@@ -450,20 +469,13 @@ class Trainer:
         it is written again. Missing otherwise, the run is refused (every process)."""
         s = self.state
         check_best_checkpoint(self.folder, s.step, s.best_step, s.history)
-        saved = best_checkpoint_step(self.folder, self.cfg)  # every process: all refuse
-        if not self.info.is_main or s.best_step == 0:
+        saved = best_checkpoint_step(self.folder, self.cfg, data_fingerprint(self.data.meta),
+                                     s.step, s.best_step, s.history)  # every process refuses
+        if not self.info.is_main or s.best_step == 0 or saved == s.best_step:
             return
-        path = self.folder / "best.pt"
-        if saved == s.best_step:
-            return
-        entry = best_dev_entry(s.step, s.best_step, s.history)
-        if entry is not None:
-            self._save_best({"accuracy": entry["accuracy"], "loss": entry["loss"],
-                             "count": entry["examples"]})
-            return
-        _log.warning(f"{path} holds step {saved}, not step {s.best_step} where the resumed "
-                     "checkpoint has its best dev accuracy: unless a later step does better, "
-                     "the test accuracy will be that of another model")
+        entry = best_dev_entry(s.step, s.best_step, s.history)  # not None: refused otherwise
+        self._save_best({"accuracy": entry["accuracy"], "loss": entry["loss"],
+                         "count": entry["examples"]})
 
     # -- checkpoints --------------------------------------------------------------------
     def _save_last(self) -> None:
@@ -497,6 +509,7 @@ class Trainer:
         if self.info.is_main:
             save_checkpoint(self.folder / "best.pt", {
                 "format": CHECKPOINT_FORMAT, "config": self.cfg.to_dict(),
+                "data": data_fingerprint(self.data.meta),
                 "model_config": dataclasses.asdict(self.model.cfg),
                 "model": self.model.state_dict(), "step": self.state.step, "dev": dev,
             })
