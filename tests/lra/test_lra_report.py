@@ -84,6 +84,30 @@ def test_figure_two_draws_each_table_row_as_its_own_curve(tmp_path, monkeypatch)
     assert len(colours) == 3 and len(set(colours)) == 2
 
 
+def test_figure_two_tells_more_than_ten_rows_apart_and_keeps_the_legend_off_the_curves(
+        tmp_path, monkeypatch):
+    """Twelve rows: colours came from tab10 modulo 10 (rows 1 and 11 alike) and the legend
+    sat inside the panel, over the curves; now each row has its own look and the legend
+    stands beside the panel."""
+    pytest.importorskip("matplotlib")
+    config = {"task": "listops", "attention": "skyformer", "steps": 50_000}
+    for i in range(12):
+        _fake_run(tmp_path / f"r{i}", "listops", "skyformer", 0, 0.3,
+                  config={**config, "seed": 0, "lr": 1e-4 * (i + 1)})
+    figures = []
+    monkeypatch.setattr("skyformer.lra.report.save_figure",
+                        lambda fig, path, **kw: figures.append((fig, kw)) or path)
+    plot_dev_curves(collect_runs([tmp_path]), tmp_path / "figure2.png")
+    fig, saved = figures[0]
+    ax = fig.axes[0]
+    looks = {(str(line.get_color()), line.get_linestyle()) for line in ax.get_lines()}
+    assert len(ax.get_lines()) == 12 and len(looks) == 12
+    fig.canvas.draw()
+    legend = ax.get_legend().get_window_extent()
+    assert legend.x0 >= ax.get_window_extent().x1  # beside the panel, not over it
+    assert saved.get("bbox_inches") == "tight"  # and inside the saved image
+
+
 def test_no_runs_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"no result.json"):
         collect_runs([tmp_path])
@@ -242,12 +266,16 @@ def test_a_variant_and_its_method_with_the_same_options_are_one_experiment(tmp_p
 ])
 def test_a_damaged_metrics_jsonl_is_named_with_its_line(tmp_path, damage, message):
     """A truncated line gave a JSON error without the file, a dev entry without seconds a
-    KeyError with a traceback."""
+    KeyError with a traceback. Only the plot reads the file: the tables are made (they
+    stopped at it, while the sentence said only the plot reads it)."""
+    pytest.importorskip("matplotlib")
     folder = _fake_run(tmp_path, "listops", "softmax", 0, 0.4)
     metrics = folder / "metrics.jsonl"
     metrics.write_text("\n".join(damage(metrics.read_text().splitlines())) + "\n")
+    runs = collect_runs([tmp_path])
+    assert "| softmax |" in tables(runs)
     with pytest.raises(ValueError, match=rf"{re.escape(str(metrics))} {message}"):
-        collect_runs([tmp_path])
+        plot_dev_curves(runs, tmp_path / "figure2.png")
 
 
 def test_runs_on_other_prepared_data_are_not_averaged_together(tmp_path):

@@ -22,6 +22,7 @@ split are flagged.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -29,7 +30,7 @@ import statistics
 import textwrap
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,13 @@ NOT_EXPERIMENT = ("seed", "log_every", "checkpoint_every")
 class Run:
     folder: Path
     result: dict[str, Any]
-    dev_curve: list[tuple[float, float]] = field(default_factory=list)  # (seconds, accuracy)
+
+    @functools.cached_property
+    def dev_curve(self) -> list[tuple[float, float]]:
+        """(seconds, accuracy) of the run's dev entries, read from its ``metrics.jsonl``
+        when first asked for (by the plot alone: a damaged file stops no table)."""
+        metrics = self.folder / "metrics.jsonl"
+        return _dev_curve(metrics) if metrics.is_file() else []
 
     @property
     def key(self) -> tuple[str, str]:
@@ -159,9 +166,7 @@ def collect_runs(paths: list[str | os.PathLike[str]]) -> list[Run]:
                                  "that seed again, or move its folder out of the folders "
                                  "given.") from None
             _check_result(file, result)
-            metrics = file.parent / "metrics.jsonl"
-            curve = _dev_curve(metrics) if metrics.is_file() else []
-            runs.append(Run(file.parent, result, curve))
+            runs.append(Run(file.parent, result))
     if not runs:
         raise FileNotFoundError(_no_finished_run(paths))
     return runs
@@ -448,6 +453,9 @@ def tables(runs: list[Run], unfinished: list[Unfinished] = ()) -> str:
     return "\n".join(out)
 
 
+_LINE_STYLES = ("-", "--", ":", "-.")
+
+
 def plot_dev_curves(runs: list[Run], path: str | os.PathLike[str]) -> Path:
     """Figure 2: dev accuracy against training time, one panel per task, one colour per
     row of the tables (a method with other settings is a row, and a curve, of its own)."""
@@ -464,26 +472,29 @@ def plot_dev_curves(runs: list[Run], path: str | os.PathLike[str]) -> Path:
     axes = fig.subplots(rows, cols, squeeze=False)
     groups = _groups(runs)
     names = _row_names(groups)
-    colors = {name: matplotlib.colormaps["tab10"](i % 10)
-              for i, name in enumerate(names.values())}
+    # one look per row: ten colours, then the same colours dashed, dotted, ...
+    looks = {name: (matplotlib.colormaps["tab10"](i % 10), _LINE_STYLES[i // 10 % 4])
+             for i, name in enumerate(names.values())}
     for ax, task in zip(axes.flat, tasks, strict=False):
         for row, name in names.items():
             for i, run in enumerate(r for r in groups.get((task, *row), []) if r.dev_curve):
                 xs, ys = zip(*run.dev_curve, strict=True)
                 label = None if i else textwrap.fill(name, 40, break_long_words=False)
-                ax.plot(xs, [100 * y for y in ys], color=colors[name], alpha=0.8,
+                color, style = looks[name]
+                ax.plot(xs, [100 * y for y in ys], color=color, linestyle=style, alpha=0.8,
                         linewidth=1.2, label=label)  # one legend entry per row
         synthetic = any(r.result.get("synthetic_data") for r in runs if r.key[0] == task)
         ax.set_title(TASKS[task].title + (" (synthetic)" if synthetic else ""))
         ax.set_xlabel("training time (s)")
         ax.set_ylabel("dev accuracy (%)")
         ax.grid(alpha=0.3)
-        if ax.get_lines():
-            ax.legend(fontsize=8)
+        if ax.get_lines():  # beside the panel: many rows would cover the curves
+            ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0),
+                      borderaxespad=0.0)
         else:  # no run of the task logged a dev entry (metrics.jsonl missing)
             ax.text(0.5, 0.5, "no dev entries in the runs' metrics.jsonl", ha="center",
                     va="center", transform=ax.transAxes)
     for ax in list(axes.flat)[len(tasks):]:
         ax.axis("off")
     fig.tight_layout()
-    return save_figure(fig, path, dpi=120)
+    return save_figure(fig, path, dpi=120, bbox_inches="tight")  # the legends included
