@@ -48,6 +48,13 @@ def test_seeds_stop_after_then_resume(tmp_path, capsys, listops_cache):
     assert "continue with --resume" in capsys.readouterr().out
     assert not (tmp_path / "seed0" / "result.json").exists()
     assert not (tmp_path / "seed1").exists(), "the next seed waits for the first"
+    # again at 3: seed 0 trains nothing (it said "continue with --resume", and that went
+    # round forever), so seed 1 goes on to step 3; each line names its folder
+    assert main([*args, "--stop-after", "3", "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert (f"{tmp_path / 'seed0'}: nothing trained: the run is already at step 3 "
+            f"(--stop-after 3); to go on, resume with a later --stop-after or none") in out
+    assert f"{tmp_path / 'seed1'}: stopped after step 3; continue with --resume" in out
     assert main([*args, "--resume"]) == 0
     results = [json.loads((tmp_path / f"seed{s}" / "result.json").read_text()) for s in (0, 1)]
     assert [r["steps"] for r in results] == [6, 6] and [r["seed"] for r in results] == [0, 1]
@@ -90,9 +97,9 @@ def test_a_run_already_at_or_past_stop_after_says_so_in_one_line(
     assert main([*args, "--stop-after", "4"]) == 0
     capsys.readouterr()
     for stop, said in (("4", "nothing trained: the run is already at step 4 (--stop-after 4); "
-                        "continue with --resume"),
+                        "to go on, resume with a later --stop-after or none"),
                        ("2", "nothing trained: the run is already at step 4, past --stop-after "
-                        "2; continue with --resume")):
+                        "2; to go on, resume with a later --stop-after or none")):
         assert main([*args, "--stop-after", stop, "--resume"]) == 0
         out = capsys.readouterr().out
         assert [line for line in out.splitlines() if "stop" in line] == [said], out

@@ -303,21 +303,25 @@ def _run_train(args: argparse.Namespace) -> int:
     with joined(args.device):  # one process group for every seed (see joined)
         for trainer in trainers:
             if trainer.run() is None:  # the one line about --stop-after (the trainer says none)
-                _say_stopped(trainer, args.stop_after)
-                return 0
+                _say_stopped(trainer, args.stop_after, len(trainers) > 1)
+                if trainer.resumed_at != trainer.state.step:
+                    return 0  # a run trained and stopped: the job ends (the next seed waits)
+                # one already at --stop-after trains nothing: the next seed may go on
     return 0
 
 
-def _say_stopped(trainer: Any, stop_after: int) -> None:
-    """Where a run stopped by ``--stop-after`` is, once (process 0) under torchrun."""
+def _say_stopped(trainer: Any, stop_after: int, seeds: bool) -> None:
+    """Where a run stopped by ``--stop-after`` is, once (process 0) under torchrun; with
+    several seeds, naming its folder."""
     step = trainer.state.step
-    said = f"stopped after step {step}"
+    said = f"stopped after step {step}; continue with --resume"
     if trainer.resumed_at == step:
         where = f", past --stop-after {stop_after}" if step > stop_after \
             else f" (--stop-after {stop_after})"
-        said = f"nothing trained: the run is already at step {step}{where}"
+        said = (f"nothing trained: the run is already at step {step}{where}; to go on, "
+                f"resume with a later --stop-after or none")
     if trainer.info.is_main:
-        print(f"{said}; continue with --resume")
+        print(f"{trainer.folder}: {said}" if seeds else said)
 
 
 def _run_report(args: argparse.Namespace) -> int:
