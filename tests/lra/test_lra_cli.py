@@ -202,12 +202,38 @@ def test_an_option_given_twice_is_refused(tmp_path, capsys, listops_cache):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_warmup_as_long_as_the_run_is_noted(tmp_path, capsys, listops_cache):
+    """--steps 200 kept ListOps' 1000-step warm-up: the learning rate never reached --lr
+    and never decayed, and the run looked as if it did not learn, without a word."""
+    assert main(["lra", "train", "listops", "--attn", "softmax", "--steps", "2",
+                 "--batch-size", "16", "--cache", str(listops_cache), "--out",
+                 str(tmp_path / "run"), "--no-tensorboard", "--quiet"]) == 0
+    assert ("note: the warm-up of 1000 steps (the task's preset) is not shorter than --steps "
+            "2: the learning rate never reaches") in capsys.readouterr().err
+    assert main(["lra", "train", "listops", "--attn", "softmax", "--steps", "2", "--warmup",
+                 "1", "--batch-size", "16", "--cache", str(listops_cache), "--out",
+                 str(tmp_path / "short"), "--no-tensorboard", "--quiet"]) == 0
+    assert "note: the warm-up" not in capsys.readouterr().err
+
+
+def test_an_option_in_the_brackets_and_in_option_is_refused(tmp_path, capsys, listops_cache):
+    """--attn "skyformer[num_features=16]" --option num_features=8 ran with 8, in a folder
+    named after 16."""
+    assert main(["lra", "train", "listops", "--attn", "skyformer[num_features=16]", "--steps",
+                 "2", "--cache", str(listops_cache), "--out", str(tmp_path / "run"),
+                 "--no-tensorboard", "--option", "num_features=8"]) == 2
+    assert ("--option num_features sets what --attn skyformer[num_features=16] sets in its "
+            "brackets (num_features=16); give it one way.") in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
 def test_every_seed_folder_is_checked_before_the_first_seed_trains(
         tmp_path, capsys, listops_cache):
     """A later seed's folder that holds a run (without --resume), or a run of other
     settings (with --resume), is refused before seed 0 trains, not after."""
     args = ["lra", "train", "listops", "--attn", "softmax", "--steps", "2", "--eval-every", "1",
-            "--batch-size", "16", "--cache", str(listops_cache), "--no-tensorboard", "--quiet"]
+            "--warmup", "1", "--batch-size", "16", "--cache", str(listops_cache),
+            "--no-tensorboard", "--quiet"]
     assert main([*args, "--seed", "2", "--out", str(tmp_path / "seed2")]) == 0
     for extra, said in (([], "seed2 already holds a run (last.pt); pass --resume"),
                         (["--resume", "--lr", "0.01"], "seed2/last.pt: the settings differ")):

@@ -497,8 +497,16 @@ def test_resume_refuses_other_prepared_data_with_a_sentence(tmp_path):
                        r"--max-len 8"):
         _run(cfg, tmp_path / "cache", run, resume=True)
     prepare_from(0, tokens="reference")
-    with pytest.raises(ValueError, match=r"meta.json: .*tokens: None then, reference now"):
+    with pytest.raises(ValueError, match=r"meta.json: .*tokens: the release's \(no "
+                                         r"--listops-tokens\) then, reference now"):
         _run(cfg, tmp_path / "cache", run, resume=True)
+    prepare_from(0, tokens="reference")  # a run on reference tokens, resumed on the release's
+    other = tmp_path / "reference_run"
+    _run(cfg, tmp_path / "cache", other, stop_after=2)
+    prepare_from(0)
+    with pytest.raises(ValueError, match=r"prepare it again as it was with --listops-tokens "
+                                         r"reference,"):
+        _run(cfg, tmp_path / "cache", other, resume=True)
     prepare_from(0)  # the same files prepared again: the run goes on
     assert _run(cfg, tmp_path / "cache", run, resume=True, stop_after=3) is None
     # A checkpoint without a fingerprint (older versions): the model's shape is checked.

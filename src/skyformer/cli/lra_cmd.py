@@ -273,6 +273,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
     _distinct("--seeds", args.seeds)
     _distinct("--option", [key for key, _ in args.options])  # dict() keeps the last silently
+    _refuse_options_in_brackets(args.attn, [key for key, _ in args.options])
     _threads(args.threads)
     cfg = make_config(
         args.task, quick=args.quick, attention=args.attn, attention_options=dict(args.options),
@@ -300,6 +301,11 @@ def _run_train(args: argparse.Namespace) -> int:
     if len(trainers) > 1:  # a seed's folder refused only after the seeds before it trained
         for trainer in trainers:
             trainer.check()
+    if 0 < cfg.steps <= cfg.warmup:
+        given = "--warmup" if args.warmup is not None else "the task's preset"
+        print(f"note: the warm-up of {cfg.warmup} steps ({given}) is not shorter than --steps "
+              f"{cfg.steps}: the learning rate never reaches {cfg.lr:g} and never decays; pass "
+              f"a shorter --warmup, e.g. --warmup {max(1, cfg.steps // 10)}.", file=sys.stderr)
     with joined(args.device):  # one process group for every seed (see joined)
         for trainer in trainers:
             if trainer.run() is None:  # the one line about --stop-after (the trainer says none)
@@ -308,6 +314,18 @@ def _run_train(args: argparse.Namespace) -> int:
                     return 0  # a run trained and stopped: the job ends (the next seed waits)
                 # one already at --stop-after trains nothing: the next seed may go on
     return 0
+
+
+def _refuse_options_in_brackets(attention: str, keys: list[str]) -> None:
+    """An option given both in ``--attn``'s brackets and with ``--option``: the run used
+    the --option value while its default folder, named after --attn, showed the other."""
+    from ..registry import get_method
+
+    preset = dict(get_method(attention).preset)
+    both = [key for key in keys if key in preset]
+    if both:
+        raise ValueError(f"--option {both[0]} sets what --attn {attention} sets in its "
+                         f"brackets ({both[0]}={preset[both[0]]!r}); give it one way.")
 
 
 def _say_stopped(trainer: Any, stop_after: int, seeds: bool) -> None:

@@ -187,6 +187,11 @@ def _config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[
     return sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
 
 
+# What an absent (None) setting or data record means, in the sentences naming differences.
+_NONE_SAID = {"eval_batches": "every batch (--full-dev)",
+              "tokens": "the release's (no --listops-tokens)"}
+
+
 def _describe_differences(saved: dict[str, Any], current: dict[str, Any], *,
                           nested: bool = False) -> str:
     """``key: A then, B now`` for plain values, the key alone for nested ones (lists and
@@ -196,7 +201,9 @@ def _describe_differences(saved: dict[str, Any], current: dict[str, Any], *,
         then, now = saved.get(key), current.get(key)
         plain = all(v is None or isinstance(v, int | float | str) for v in (then, now))
         if plain:
-            parts.append(f"{key}: {then} then, {now} now")
+            then_said, now_said = (_NONE_SAID.get(key, "unset") if v is None else v
+                                   for v in (then, now))
+            parts.append(f"{key}: {then_said} then, {now_said} now")
         elif nested:
             parts.append(f"{key}: {json_text(then)} then, {json_text(now)} now")
         else:
@@ -249,9 +256,9 @@ def check_same_data(ckpt: dict[str, Any], last: Path, data: TaskData,
         problem = f"the model built for {where} differs from the run's ("
     if saved == current:
         return
-    then = saved.get("max_len")
-    hint = f" with --max-len {then}" if then is not None and then != current.get(
-        "max_len") else ""
+    hint = "".join(f" with {flag} {saved[key]}" for key, flag in
+                   (("max_len", "--max-len"), ("tokens", "--listops-tokens"))
+                   if saved.get(key) is not None and saved[key] != current.get(key))
     raise ValueError(f"cannot resume {last}: {problem}"
                      f"{_describe_differences(saved, current)}); prepare it again as it "
                      f"was{hint}, or start a new run with another --out.")
