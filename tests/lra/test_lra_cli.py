@@ -128,9 +128,9 @@ def test_user_errors_are_one_line(tmp_path, capsys):
     cases = [
         (["lra", "prepare", "listops", "--src", str(tmp_path / "none")], "does not exist"),
         (["lra", "prepare", "listops", "--src", str(tmp_path), "--dev-fraction", "0.1"],
-         "--dev-fraction do(es) not apply to listops"),
+         "--dev-fraction does not apply to listops"),
         (["lra", "prepare", "text", "--src", str(tmp_path), "--listops-tokens", "reference"],
-         "--listops-tokens do(es) not apply to text"),
+         "--listops-tokens does not apply to text"),
         (["lra", "train", "image", "--cache", str(tmp_path)], "lra prepare image"),
         (["lra", "train", "listops", "--attn", "nope", "--cache", str(tmp_path)],
          "unknown attention method 'nope'"),
@@ -200,6 +200,16 @@ def test_an_option_given_twice_is_refused(tmp_path, capsys, listops_cache):
     captured = capsys.readouterr()
     assert "--option lists num_features more than once" in captured.err and captured.out == ""
     assert not (tmp_path / "run").exists()
+
+
+def test_report_refuses_a_plot_format_matplotlib_lacks_before_writing(tmp_path, capsys):
+    """--plot figure.txt wrote --markdown first, then failed in matplotlib's words."""
+    pytest.importorskip("matplotlib")
+    assert main(["lra", "report", str(tmp_path), "--markdown", str(tmp_path / "t.md"),
+                 "--plot", str(tmp_path / "figure.txt")]) == 2
+    err = capsys.readouterr().err
+    assert f"--plot {tmp_path / 'figure.txt'}: matplotlib writes " in err and ".png" in err
+    assert not (tmp_path / "t.md").exists()
 
 
 def test_a_warmup_as_long_as_the_run_is_noted(tmp_path, capsys, listops_cache):

@@ -292,7 +292,6 @@ def test_paths_that_do_not_fit_name_the_settings_to_change():
     """Without distractors the two paths of the dots remain: 'use fewer paths' could not
     be followed; the sentence names the dashes and the resolution too."""
     with pytest.raises(ValueError, match=r"could not place 2 paths \(2 for the dots, 0 "
-                       r"distractors\) .* lower --distractors or --dashes, or raise "
-                       r"--resolution"):
+                       r"distractors\) .* canvas; lower --dashes or raise --resolution\.$"):
         draw_example(np.random.default_rng(0), PathfinderRules(resolution=8, distractors=0), 1,
                      attempts=3)

@@ -230,7 +230,8 @@ def _run_prepare(args: argparse.Namespace) -> int:
     if extra:
         flags = ", ".join("--listops-tokens" if e == "tokens" else "--" + e.replace("_", "-")
                           for e in sorted(extra))
-        raise ValueError(f"{flags} do(es) not apply to {args.task}.")
+        verb = "does" if len(extra) == 1 else "do"
+        raise ValueError(f"{flags} {verb} not apply to {args.task}.")
     if args.max_len is not None and args.max_len <= 0:  # before reading the release files
         raise ValueError(f"--max-len must be a positive integer, got {args.max_len}.")
     check_output_path(_cache(args), folder=True)
@@ -348,6 +349,10 @@ def _run_report(args: argparse.Namespace) -> int:
 
     check_output_path(args.markdown)
     check_output_path(args.plot)
+    if args.plot:
+        from ..eval.approx.plots import require_figure_format
+
+        require_figure_format(args.plot, "--plot")
     runs = collect_runs(args.runs)
     text = tables(runs, unfinished_runs(args.runs))
     print(text)

@@ -175,8 +175,9 @@ def draw_example(rng: np.random.Generator, rules: PathfinderRules, label: int,
         return Drawing(image, label, [p[0] for p in paths], dots)
     raise ValueError(f"could not place {wanted} paths (2 for the dots, {rules.distractors} "
                      f"distractors) of {rules.dashes} dashes with clearance {rules.clearance} "
-                     f"on a {rules.resolution} x {rules.resolution} canvas; lower --distractors "
-                     "or --dashes, or raise --resolution.")
+                     f"on a {rules.resolution} x {rules.resolution} canvas; "
+                     + ("lower --distractors or --dashes, or raise --resolution."
+                        if rules.distractors else "lower --dashes or raise --resolution."))
 
 
 def write_pathfinder(out: str | os.PathLike[str], count: int, *,

@@ -47,6 +47,21 @@ def require_matplotlib() -> Any:
     return matplotlib
 
 
+def require_figure_format(path: str | Path, flag: str) -> None:
+    """A sentence, before any work, where ``path``'s suffix names a format matplotlib does
+    not write (``--plot figure.txt`` failed in matplotlib's words after the tables were
+    written); a name without a suffix is written as PNG."""
+    require_matplotlib()
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    suffix = Path(path).suffix.lstrip(".").lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        raise ValueError(f"{flag} {path}: matplotlib writes "
+                         f"{', '.join('.' + f for f in sorted(formats))}; end the name with one "
+                         f"of them (e.g. .png).")
+
+
 def _save(fig: Any, path: str | Path) -> Path:
     """Write the PNG through a temporary file and a rename (never half-written)."""
     return save_figure(fig, path, dpi=120, bbox_inches="tight")
