@@ -3,6 +3,7 @@ or, with ``as_layer``, with the per-layer state a layer owns."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from skyformer import attention
@@ -107,3 +108,25 @@ def test_a_plain_function_gets_the_mask_only_where_one_is_given():
     torch.testing.assert_close(
         exact.prepare(tuple(q.shape), {})(q, k, v, None, key_padding_mask=mask),
         attention(q, k, v, "softmax", key_padding_mask=mask), rtol=0, atol=0)
+
+
+def test_a_function_of_a_module_in_the_current_folder_is_found(tmp_path, monkeypatch):
+    """``bench --methods my_methods:f@softmax`` run beside my_methods.py said "cannot load
+    ... No module named 'my_methods'" although the format was right (``--plugin`` finds
+    such a module); the current folder is searched too, after the installed packages."""
+    import sys
+
+    (tmp_path / "beside_methods.py").write_text(
+        "from skyformer.ops import softmax_attention as attention\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    try:
+        named = resolve("beside_methods:attention@softmax")
+        assert named.target == "softmax" and sys.path[-1] == str(tmp_path)
+        with pytest.raises(ValueError, match=r"cannot load 'nowhere_methods:f' \(No module "
+                                             r"named 'nowhere_methods'\); expected "
+                                             r"'package.module:function', the module "
+                                             r"importable from here"):
+            resolve("nowhere_methods:f@softmax")
+    finally:
+        sys.modules.pop("beside_methods", None)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -165,10 +167,12 @@ def resolve(spec: str) -> NamedAttention:
                               caps.half_precision)
     module_name, _, function_name = name.partition(":")
     try:
-        function = getattr(importlib.import_module(module_name), function_name)
+        function = getattr(_import_from_here_too(module_name), function_name)
     except (ImportError, AttributeError) as err:
         raise ValueError(
-            f"cannot load {name!r} ({err}); expected 'package.module:function'."
+            f"cannot load {name!r} ({err}); expected 'package.module:function', the module "
+            f"importable from here (a file of the current folder, an installed package's "
+            f"module, or one on PYTHONPATH)."
         ) from None
     if not callable(function):
         raise ValueError(f"{name!r} is not a function; expected 'package.module:function'.")
@@ -187,6 +191,21 @@ def resolve(spec: str) -> NamedAttention:
     )
     return NamedAttention(name, target or None, False, option_names, function=function,
                           takes_generator=takes_generator)
+
+
+def _import_from_here_too(module_name: str) -> Any:
+    """``importlib.import_module``, finding the modules of the current folder too (as
+    ``--plugin`` does; searched after the installed packages, which it shadows none of):
+    ``skyformer bench --methods my_methods:f@softmax`` run beside ``my_methods.py``."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        top = module_name.split(".")[0]
+        if err.name != top or os.getcwd() in sys.path or not (
+                os.path.isfile(f"{top}.py") or os.path.isdir(top)):
+            raise
+    sys.path.append(os.getcwd())
+    return importlib.import_module(module_name)
 
 
 def refuse_repeated_methods(methods: Any) -> None:
