@@ -65,6 +65,18 @@ def test_a_wrong_output_is_named_at_every_entry_point(plugin, name, body, said):
             call()
 
 
+def test_a_dtype_autocast_chose_is_named_as_autocasts(plugin):
+    """Under torch.autocast the inputs reach the method in bfloat16; one that upcasts and
+    returns float32 was told to return 'q's dtype (bfloat16)' for float32 inputs given,
+    without a word of autocast."""
+    plugin("plugin_upcast", lambda q, k, v: v.float())
+    q = torch.randn(1, 2, 4, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
+            TypeError, match=r"in q's dtype \(bfloat16\); torch.autocast cast the inputs to "
+                             r"bfloat16, so that is the dtype to return"):
+        skyformer.attention(q, q, q, "plugin_upcast")
+
+
 def test_a_layer_does_not_return_fewer_rows_than_it_took(plugin):
     plugin("plugin_rows", lambda q, k, v: v[:, :, :3])
     layer = skyformer.MultiHeadAttention(dim=8, num_heads=2, method="plugin_rows")

@@ -43,9 +43,10 @@ def call_core(core: Callable[..., Tensor], q: Any, k: Any, v: Any, config: Any,
     if not isinstance(q, Tensor) or not q.is_floating_point():
         return core(q, k, v, config, **kwargs)
     causal = getattr(config, "causal", False) is True
+    cast = autocast_dtype(q) is not None
     q, k, v, precision = autocast_rule(q, k, v)
     with precision:
-        out = _guarded(core, q, k, v, config, masks, owned, causal, kwargs)
+        out = _guarded(core, q, k, v, config, masks, owned, causal, cast, kwargs)
     return out if outside is None else zero_padded_queries(out, outside.query_valid)
 
 
@@ -75,14 +76,14 @@ def autocast_rule(q: Tensor, k: Any, v: Any) -> tuple[Tensor, Any, Any, Abstract
 
 
 def _guarded(core: Callable[..., Tensor], q: Tensor, k: Any, v: Any, config: Any,
-             masks: tuple, owned: bool, causal: bool, kwargs: dict) -> Tensor:
+             masks: tuple, owned: bool, causal: bool, cast: bool, kwargs: dict) -> Tensor:
     """``core``'s output with non-finite rows marked: by ``show_nonfinite``, or by the
     core itself where it says it marks them in this call (``guard.marked_by_core``)."""
     if marked_by_core(core, q, k, v, config):
         return core(q, k, v, config, **kwargs)
     out = core(q, k, v, config, **kwargs)
     if not owned:  # a method registered from outside: its output is checked
-        out = check_output(core, out, q, v)
+        out = check_output(core, out, q, v, autocast=cast)
     return show_nonfinite(out, q, k, v, *masks, owned=owned, causal=causal)
 
 

@@ -17,9 +17,11 @@ import torch
 from torch import Tensor
 
 
-def check_output(core: Callable[..., Any], out: Any, q: Tensor, v: Any) -> Tensor:
+def check_output(core: Callable[..., Any], out: Any, q: Tensor, v: Any,
+                 autocast: bool = False) -> Tensor:
     """``out`` where it is what a call of ``core`` on ``q`` and ``v`` must return (module
-    docstring), else a ``TypeError`` naming the core, what it returned and what it must."""
+    docstring), else a ``TypeError`` naming the core, what it returned and what it must;
+    ``autocast``: the caller's ``torch.autocast`` cast the inputs to ``q``'s dtype."""
     if not isinstance(v, Tensor):  # a call form the check does not know: left as it is
         return out
     name = _named(core)
@@ -28,11 +30,14 @@ def check_output(core: Callable[..., Any], out: Any, q: Tensor, v: Any) -> Tenso
         raise TypeError(f"the attention method {name} returned a {type(out).__name__}; a "
                         f"method returns one tensor [B, H, Nq, Dv] = {list(expected)}.")
     if tuple(out.shape) != expected or out.dtype != q.dtype:
+        cast = (f"; torch.autocast cast the inputs to {_dtype(q.dtype)}, so that is the dtype "
+                f"to return (the library runs the method with autocast off)"
+                if out.dtype != q.dtype and autocast else "")
         raise TypeError(
             f"the attention method {name} returned a {_dtype(out.dtype)} tensor of shape "
             f"{list(out.shape)} for q of shape {list(q.shape)} and v of shape "
             f"{list(v.shape)}; a method returns [B, H, Nq, Dv] = {list(expected)} in q's "
-            f"dtype ({_dtype(q.dtype)}).")
+            f"dtype ({_dtype(q.dtype)}){cast}.")
     return out
 
 
