@@ -302,11 +302,6 @@ def _run_train(args: argparse.Namespace) -> int:
     if len(trainers) > 1:  # a seed's folder refused only after the seeds before it trained
         for trainer in trainers:
             trainer.check()
-    if 0 < cfg.steps <= cfg.warmup:
-        given = "--warmup" if args.warmup is not None else "the task's preset"
-        print(f"note: the warm-up of {cfg.warmup} steps ({given}) is not shorter than --steps "
-              f"{cfg.steps}: the learning rate never reaches {cfg.lr:g} and never decays; pass "
-              f"a shorter --warmup, e.g. --warmup {max(1, cfg.steps // 10)}.", file=sys.stderr)
     with joined(args.device):  # one process group for every seed (see joined)
         for trainer in trainers:
             if trainer.run() is None:  # the one line about --stop-after (the trainer says none)

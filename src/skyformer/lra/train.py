@@ -729,6 +729,12 @@ class Trainer:
         if resumed:
             self._check_best()
             self._say(f"resumed {self.folder} at step {self.state.step}")
+        elif self.info.is_main and 0 < self.cfg.steps <= self.cfg.warmup:
+            _log.warning(f"the warm-up of {self.cfg.warmup} steps (the task's preset unless "
+                         f"--warmup is given) is not shorter than the run's {self.cfg.steps} "
+                         f"steps: the learning rate never reaches {self.cfg.lr:g} and never "
+                         f"decays; give a shorter --warmup, e.g. "
+                         f"{max(1, self.cfg.steps // 10)}")
         self.net = self.model
         if self.info.enabled:
             ids = [self.device.index] if self.device.type == "cuda" else None
