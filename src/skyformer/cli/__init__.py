@@ -15,12 +15,20 @@ import traceback
 from types import ModuleType
 
 from ..logs import enable_console
-from . import approx_cmd, bench_cmd, compare_cmd, hf_eval_cmd, list_cmd, lra_cmd
+from . import (
+    approx_cmd,
+    bench_cmd,
+    check_cmd,
+    compare_cmd,
+    hf_eval_cmd,
+    list_cmd,
+    lra_cmd,
+)
 from .signals import Terminated, terminating_as_interrupt
 from .streams import surviving_closed_pipes
 
 SUBCOMMANDS: list[ModuleType] = [
-    list_cmd, compare_cmd, bench_cmd, approx_cmd, hf_eval_cmd, lra_cmd,
+    list_cmd, check_cmd, compare_cmd, bench_cmd, approx_cmd, hf_eval_cmd, lra_cmd,
 ]
 
 USER_ERRORS = (ValueError, TypeError, OSError, ImportError, RuntimeError)

@@ -6,10 +6,12 @@
 - ``signature``: a method's public function (options as keyword arguments) generated
   from its core and config dataclass.
 - ``binding``: ``Method.bind`` -> ``BoundMethod``, how every caller runs a method.
+- ``contract``: ``check_method``, the contract every method keeps, checked on tiny inputs.
 """
 
 from .binding import BoundMethod
 from .capabilities import Capabilities, CapabilityError, Target
+from .contract import CheckResult, check_method
 from .methods import (
     _REGISTRY,
     Method,
@@ -28,10 +30,12 @@ __all__ = [
     "BoundMethod",
     "Capabilities",
     "CapabilityError",
+    "CheckResult",
     "Method",
     "Target",
     "attention",
     "check_capabilities",
+    "check_method",
     "exact_method",
     "get_method",
     "list_methods",

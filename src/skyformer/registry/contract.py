@@ -1,0 +1,220 @@
+"""The contract a method keeps, checked on tiny inputs: ``check_method(name)`` and
+``skyformer check METHOD``, for the author of a method of their own.
+
+Each check runs the method through its registered binding, as every caller does, in
+float64 on the CPU unless it checks a dtype, with a seeded generator; a capability the
+method declares is checked for what it promises (``causal``: no output depends on a
+later position; ``mask``: padding gives the truncated input's outputs and zero rows;
+``independent_queries``: an output depends on its own query alone), and one it lacks is
+skipped. The library's own methods pass every check (``tests/test_check_method.py``);
+``tests/test_contract.py`` holds them to more, on every device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..logs import first_line
+from .methods import get_method
+
+# Tolerances of outputs that should be equal in float64 (other summation orders).
+_CLOSE = {"rtol": 1e-7, "atol": 1e-9}
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One check: ``passed`` (None: skipped, the method lacks the capability it needs)
+    and what was found, in words."""
+
+    name: str
+    passed: bool | None
+    detail: str
+
+
+def check_method(name: str, **options: Any) -> list[CheckResult]:
+    """Run every check on method ``name`` (a variant's name too) with ``options``;
+    methods with ``num_features`` get 8 unless it is given (fewer features than rows,
+    where the approximation and its draws matter). Never raises for what the method does:
+    a failure is a ``CheckResult``."""
+    spec = get_method(name)
+    if "num_features" in spec.option_names() and "num_features" not in dict(spec.preset):
+        options = {"num_features": 8, **options}
+    spec.make_config(**spec.resolve_options(options, 256))  # unknown options fail at once
+    caps = spec.capabilities
+
+    def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, seed: int = 0,
+            **more: Any) -> Tensor:
+        bound = spec.bind(seq_len=256, **{**options, **more})
+        return bound(q, k, v, key_padding_mask=mask,
+                     generator=torch.Generator().manual_seed(seed))
+
+    checks: list[tuple[str, bool, Callable[[], str]]] = [
+        ("output shape, dtype and values", True, lambda: _output(run)),
+        ("the same generator gives the same output", True,
+         lambda: _deterministic(run, caps.randomized)),
+        ("batch elements are independent", True, lambda: _batch(run, caps.mask)),
+        ("gradients reach q, k and v", True, lambda: _gradients(run)),
+        ("padding gives the truncated input's outputs", caps.mask, lambda: _padding(run)),
+        ("padded keys get no weight", caps.mask, lambda: _padded_keys(run)),
+        ("causal: no output depends on a later position", caps.causal,
+         lambda: _causal(run)),
+        ("cross-attention: other numbers of queries and keys", caps.cross_attention,
+         lambda: _cross(run)),
+        ("independent queries: no output depends on another query",
+         caps.independent_queries and caps.cross_attention, lambda: _independent(run)),
+    ]
+    results = []
+    for check, applies, body in checks:
+        if not applies:
+            results.append(CheckResult(check, None, "not declared"))
+            continue
+        try:
+            results.append(CheckResult(check, True, body()))
+        except _Broken as err:
+            results.append(CheckResult(check, False, str(err)))
+        except Exception as err:  # the method failed: that is what the check found
+            results.append(CheckResult(check, False,
+                                       f"raised {type(err).__name__}: {first_line(err)}"))
+    return results
+
+
+class _Broken(Exception):
+    """A check's finding that the method breaks its contract."""
+
+
+def _qkv(b: int, n: int, *, nk: int | None = None, dv: int = 8, seed: int = 0,
+         dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    nk = n if nk is None else nk
+    return (torch.randn(b, 2, n, 8, generator=g, dtype=dtype),
+            torch.randn(b, 2, nk, 8, generator=g, dtype=dtype),
+            torch.randn(b, 2, nk, dv, generator=g, dtype=dtype))
+
+
+def _largest(a: Tensor, b: Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+def _equal(got: Tensor, want: Tensor, what: str) -> None:
+    if not torch.allclose(got, want, **_CLOSE):
+        raise _Broken(f"{what} (largest difference {_largest(got, want):.3g})")
+
+
+def _output(run: Callable[..., Tensor]) -> str:
+    for dtype in (torch.float32, torch.float64):
+        q, k, v = _qkv(2, 20, dv=5, dtype=dtype)
+        out = run(q, k, v)
+        if tuple(out.shape) != (2, 2, 20, 5) or out.dtype != dtype:
+            raise _Broken(f"gave {out.dtype} {list(out.shape)} for {dtype} inputs; expected "
+                          f"[B, H, Nq, Dv] = [2, 2, 20, 5] in the inputs' dtype")
+        if not torch.isfinite(out).all():
+            raise _Broken(f"gave non-finite values for {dtype} inputs")
+    return "[B, H, Nq, Dv] in the inputs' dtype (float32, float64), finite"
+
+
+def _deterministic(run: Callable[..., Tensor], randomized: bool) -> str:
+    q, k, v = _qkv(2, 30)
+    _equal(run(q, k, v, seed=5), run(q, k, v, seed=5), "two calls with one seed differ")
+    if randomized and torch.allclose(run(q, k, v, seed=5), run(q, k, v, seed=6)):
+        raise _Broken("declares randomized, but two seeds gave the same output: it ignores "
+                      "its generator (or draws nothing at these options)")
+    return "equal for one seed" + (", different for two" if randomized else "")
+
+
+def _batch(run: Callable[..., Tensor], mask: bool) -> str:
+    q, k, v = _qkv(3, 24, seed=3)
+    padding = torch.ones(3, 24, dtype=torch.bool)
+    padding[2, 20:] = False
+    base = run(q, k, v, padding if mask else None)
+    q2, k2, v2 = (t.clone() for t in (q, k, v))
+    for t in (q2, k2, v2):
+        t[1:] = torch.randn(t[1:].shape, generator=torch.Generator().manual_seed(4),
+                            dtype=t.dtype) * 3
+    _equal(run(q2, k2, v2, padding if mask else None)[0], base[0],
+           "element 0's output changed with element 1's inputs")
+    return "element 0's output is unchanged by element 1's inputs"
+
+
+def _gradients(run: Callable[..., Tensor]) -> str:
+    leaves = [t.requires_grad_(True) for t in _qkv(1, 16)]
+    run(*leaves).square().sum().backward()
+    for name, t in zip("qkv", leaves, strict=True):
+        if t.grad is None or not torch.isfinite(t.grad).all() or t.grad.abs().sum() == 0:
+            raise _Broken(f"no finite, non-zero gradient reaches {name}")
+    return "finite and non-zero for q, k and v"
+
+
+def _padding(run: Callable[..., Tensor]) -> str:
+    q, k, v = _qkv(1, 24, seed=1)
+    mask = torch.zeros(1, 24, dtype=torch.bool)
+    mask[:, :17] = True
+    padded = run(q, k, v, mask)
+    truncated = run(q[:, :, :17], k[:, :, :17], v[:, :, :17])
+    _equal(padded[:, :, :17], truncated, "the real rows differ from the truncated input's")
+    if not torch.all(padded[:, :, 17:] == 0):
+        raise _Broken("the rows of padded queries are not 0")
+    return "real rows equal the truncated input's, padded rows are 0"
+
+
+def _padded_keys(run: Callable[..., Tensor]) -> str:
+    q, k, v = _qkv(2, 20, seed=2)
+    mask = torch.ones(2, 20, dtype=torch.bool)
+    mask[0, :5] = False
+    mask[1, 13:] = False
+    base = run(q, k, v, mask)
+    hidden = ~mask[:, None, :].expand(-1, 2, -1)
+    junk = torch.randn(2, 2, 20, 8, generator=torch.Generator().manual_seed(9),
+                       dtype=q.dtype) * 5
+    q2, k2, v2 = (t.clone() for t in (q, k, v))
+    for t in (q2, k2, v2):
+        t[hidden] = junk[hidden]
+    _equal(run(q2, k2, v2, mask), base, "what padded positions hold changed the output")
+    return "what padded positions hold changes no output (left and right padding)"
+
+
+def _causal(run: Callable[..., Tensor]) -> str:
+    n, cut = 150, 70  # past a 64-token chunk: causal forms run by chunks
+    q, k, v = _qkv(1, n, seed=5)
+    later = [t.clone() for t in (q, k, v)]
+    for t in later:
+        t[:, :, cut:] = torch.randn(t[:, :, cut:].shape, generator=torch.Generator()
+                                    .manual_seed(6), dtype=t.dtype) * 3
+    out, changed = run(q, k, v, causal=True), run(*later, causal=True)
+    if not torch.equal(out[:, :, :cut], changed[:, :, :cut]):
+        raise _Broken(f"outputs before position {cut} changed with the inputs after it "
+                      f"(largest difference {_largest(out[:, :, :cut], changed[:, :, :cut]):.3g})")
+    leaves = [t.requires_grad_(True) for t in _qkv(1, n, seed=7)]
+    run(*leaves, causal=True)[:, :, :cut].sum().backward()
+    for name, t in zip("qkv", leaves, strict=True):
+        if t.grad is not None and t.grad[:, :, cut:].abs().max() != 0:
+            raise _Broken(f"the outputs before position {cut} have a gradient with respect "
+                          f"to {name} after it")
+    return f"outputs and gradients before position {cut} of {n} ignore every later input"
+
+
+def _cross(run: Callable[..., Tensor]) -> str:
+    for nq, nk in ((12, 20), (20, 12)):
+        q, k, v = _qkv(1, nq, nk=nk, dv=5)
+        out = run(q, k, v)
+        if tuple(out.shape) != (1, 2, nq, 5) or not torch.isfinite(out).all():
+            raise _Broken(f"gave {list(out.shape)} for {nq} queries and {nk} keys; expected "
+                          f"[1, 2, {nq}, 5], finite")
+    return "12 queries over 20 keys and 20 over 12: the right shape, finite"
+
+
+def _independent(run: Callable[..., Tensor]) -> str:
+    q, k, v = _qkv(2, 40, nk=30, seed=8)
+    later = q.clone()
+    later[:, :, 20:] += torch.randn(2, 2, 20, 8, generator=torch.Generator().manual_seed(5),
+                                    dtype=q.dtype)
+    moved = _largest(run(later, k, v)[:, :, :20], run(q, k, v)[:, :, :20])
+    if moved != 0:
+        raise _Broken(f"the outputs of the first 20 queries changed with the other 20 "
+                      f"(largest difference {moved:.3g}): it mixes the queries, so leave "
+                      f"independent_queries undeclared")
+    return "the first 20 queries' outputs ignore the other 20 (30 keys)"

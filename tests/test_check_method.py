@@ -1,0 +1,87 @@
+"""``skyformer.registry.check_method`` / ``skyformer check``: every library method keeps
+the contract it checks, and a method breaking it is named check by check."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from skyformer import list_methods
+from skyformer.cli import main
+from skyformer.registry import Capabilities, register
+from skyformer.registry import methods as registry_methods
+from skyformer.registry.contract import check_method
+
+
+@pytest.mark.parametrize("method", list_methods())
+def test_every_library_method_keeps_the_contract(method):
+    results = check_method(method)
+    assert [r for r in results if r.passed is False] == []
+    assert results[0].passed  # the output check always applies
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaky:
+    causal: bool = False
+    num_features: int = 8
+
+
+@pytest.fixture
+def leaky(monkeypatch):
+    """A method declaring what it does not do: causal (it ignores the option), key
+    padding (it ignores the mask), randomised (it draws nothing) and independent queries
+    (it mixes them)."""
+    monkeypatch.delitem(registry_methods._REGISTRY, "leaky_check", raising=False)
+
+    @register("leaky_check", _Leaky, Capabilities(target="softmax", causal=True,
+                                                  randomized=True, independent_queries=True))
+    def leaky_check(q, k, v, config, *, key_padding_mask=None, generator=None):
+        mixed = q + q.mean(2, keepdim=True)
+        return torch.softmax(mixed @ k.transpose(-1, -2), -1) @ v
+
+    monkeypatch.setitem(registry_methods._REGISTRY, "leaky_check",
+                        registry_methods._REGISTRY["leaky_check"])
+    return "leaky_check"
+
+
+def test_each_broken_promise_is_its_own_failed_check(leaky):
+    failed = {r.name: r.detail for r in check_method(leaky) if r.passed is False}
+    assert set(failed) == {
+        "the same generator gives the same output",
+        "padding gives the truncated input's outputs",
+        "causal: no output depends on a later position",
+        "independent queries: no output depends on another query"}
+    assert failed["causal: no output depends on a later position"].startswith(
+        "outputs before position 70 changed with the inputs after it")
+    assert "leave independent_queries undeclared" in \
+        failed["independent queries: no output depends on another query"]
+
+
+def test_a_method_that_raises_fails_the_checks_with_its_words(monkeypatch):
+    monkeypatch.delitem(registry_methods._REGISTRY, "raising_check", raising=False)
+
+    @register("raising_check", _Leaky, Capabilities(target="softmax"))
+    def raising_check(q, k, v, config, *, key_padding_mask=None, generator=None):
+        raise RuntimeError("not written yet")
+
+    monkeypatch.setitem(registry_methods._REGISTRY, "raising_check",
+                        registry_methods._REGISTRY["raising_check"])
+    results = check_method("raising_check")
+    assert results[0] == type(results[0])("output shape, dtype and values", False,
+                                          "raised RuntimeError: not written yet")
+    assert {r.passed for r in results} == {False, None}
+
+
+def test_the_command_prints_each_check_and_fails_where_one_fails(leaky, capsys):
+    assert main(["check", "linear", "bigbird[num_features=16]"]) == 0
+    out = capsys.readouterr().out
+    assert "linear\n  ok      output shape, dtype and values" in out
+    assert "  skipped cross-attention: other numbers of queries and keys: not declared" in out
+    assert main(["check", leaky]) == 1
+    out = capsys.readouterr().out
+    assert "  FAILED  causal: no output depends on a later position: outputs before" in out
+    assert out.rstrip().endswith("4 check(s) failed")
+    assert main(["check", "linear[no_such_option=1]"]) == 2
+    assert "has no option 'no_such_option'" in capsys.readouterr().err
