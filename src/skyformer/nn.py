@@ -282,15 +282,6 @@ class MultiHeadAttention(BoundMethodProperties, nn.Module):
                 f"MultiHeadAttention: x and context must hold the same batch, got "
                 f"{x.shape[0]} and {source.shape[0]} sequences (x {tuple(x.shape)}, context "
                 f"{tuple(source.shape)}).")
-        if context is not None and getattr(self.config, "causal", None) is True \
-                and source.shape[1] != x.shape[1]:
-            raise ValueError(
-                f"MultiHeadAttention: this layer was built with causal=True, which attends "
-                f"causally within one sequence (as many queries as keys), and x holds "
-                f"{x.shape[1]} positions, context {source.shape[1]}; a decoder's "
-                f"cross-attention to an encoder is a layer of its own, built without "
-                f"causal=True (with a method whose outputs use their own query alone: "
-                f"docs/causal.md).")
         if context is None and query_padding_mask is not None:
             raise ValueError(
                 "MultiHeadAttention: query_padding_mask is for attention to a context; in "
@@ -308,6 +299,15 @@ class MultiHeadAttention(BoundMethodProperties, nn.Module):
         if context is not None and self.process_group is not None:
             raise ValueError("MultiHeadAttention: with a process_group the layer runs "
                              "sequence-parallel self-attention; it takes no context.")
+        if context is not None and getattr(self.config, "causal", None) is True \
+                and source.shape[1] != x.shape[1]:
+            raise ValueError(
+                f"MultiHeadAttention: this layer was built with causal=True, which attends "
+                f"causally within one sequence (as many queries as keys), and x holds "
+                f"{x.shape[1]} position{'s' * (x.shape[1] != 1)}, context "
+                f"{source.shape[1]}; a decoder's cross-attention to an encoder is a layer of "
+                f"its own, built without causal=True (with a method whose outputs use their "
+                f"own query alone: docs/causal.md).")
 
     def _check_empty_batch_mask(self, key_padding_mask: Any, k: Tensor) -> None:
         """The method's sentence for a key_padding_mask of the wrong shape, dtype or
