@@ -77,6 +77,20 @@ def test_a_dtype_autocast_chose_is_named_as_autocasts(plugin):
         skyformer.attention(q, q, q, "plugin_upcast")
 
 
+def test_a_plugin_takes_inputs_of_mixed_dtypes_that_autocast_unifies(plugin):
+    """Llama's rotary step under torch.autocast hands float32 q, k beside a bfloat16 v;
+    the input checks ran before autocast's cast and refused them ('must share one
+    dtype'), where the library's methods run."""
+    plugin("plugin_mixed", lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
+        q, k, v))
+    q, k = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+    v = torch.randn(1, 2, 5, 4).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert skyformer.attention(q, k, v, "plugin_mixed").dtype == torch.bfloat16
+    with pytest.raises(TypeError, match="plugin_mixed: q, k, v must share one dtype"):
+        skyformer.attention(q, k, v, "plugin_mixed")  # without autocast: refused
+
+
 def test_a_layer_does_not_return_fewer_rows_than_it_took(plugin):
     plugin("plugin_rows", lambda q, k, v: v[:, :, :3])
     layer = skyformer.MultiHeadAttention(dim=8, num_heads=2, method="plugin_rows")

@@ -34,10 +34,12 @@ def call_core(core: Callable[..., Tensor], q: Any, k: Any, v: Any, config: Any,
     of ``capped`` and the padding and non-finite rules of ``guard``."""
     masks = (kwargs.get("key_padding_mask"), kwargs.get("query_padding_mask", "auto"))
     owned = _library_method(core)
-    # the library's methods check their inputs themselves; one from outside gets the same
-    # checks here, and its padded queries' rows are set to 0 after it (the convention)
+    # the library's methods check their inputs themselves (as autocast hands them over:
+    # Llama's rotary step gives float32 q, k beside a bfloat16 v); one from outside gets
+    # the same checks here, and its padded queries' rows are set to 0 after it
     outside = None if owned else check_attention_inputs(
-        q, k, v, masks[0], method=registered_name(core), query_padding_mask=masks[1])
+        *_as_autocast_hands_them(q, k, v), masks[0], method=registered_name(core),
+        query_padding_mask=masks[1])
     config = capped(config, q, k)
     q, k, v = zero_padding(q, k, v, *masks)
     if not isinstance(q, Tensor) or not q.is_floating_point():
@@ -48,6 +50,14 @@ def call_core(core: Callable[..., Tensor], q: Any, k: Any, v: Any, config: Any,
     with precision:
         out = _guarded(core, q, k, v, config, masks, owned, causal, cast, kwargs)
     return out if outside is None else zero_padded_queries(out, outside.query_valid)
+
+
+def _as_autocast_hands_them(q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
+    """``q, k, v`` cast as ``autocast_rule`` casts them for the method (as they are where
+    they are no floating-point tensors: the checks then name what they are)."""
+    if isinstance(q, Tensor) and q.is_floating_point():
+        return autocast_rule(q, k, v)[:3]
+    return q, k, v
 
 
 def autocast_dtype(q: Tensor) -> torch.dtype | None:
