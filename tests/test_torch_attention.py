@@ -124,9 +124,9 @@ def test_softmax_equals_torch(name):
 @pytest.mark.parametrize("need_weights", [False, True])
 @pytest.mark.parametrize("with_padding", [False, True])
 def test_softmax_follows_torch_for_a_wrong_is_causal_hint(need_weights, with_padding):
-    """is_causal=True with a mask that is not causal: torch runs the hint alone where it
-    takes its SDPA path (no key_padding_mask, need_weights=False), else the mask; softmax
-    does the same, so it equals torch even where the hint is wrong."""
+    """is_causal=True with a mask that is not causal: torch's SDPA path runs the hint
+    alone (no key_padding_mask, need_weights=False), else the mask; softmax does the
+    same (torch's inference fast path, not taken here in training, applies the mask)."""
     ref, ours = pair()
     x = rand(L, B, E)
     call = {"attn_mask": torch.zeros(L, L, dtype=torch.bool), "is_causal": True,

@@ -19,11 +19,12 @@ trained weights. What differs from torch:
   (``softmax``, ``kernelized``) take any mask; the approximate ones take key padding and
   causal masks (``skyformer.masks.resolve_mask``) and refuse others in a sentence.
 - ``is_causal`` is torch's hint that ``attn_mask`` is the causal mask: as in torch the
-  mask must be given with it. The exact methods do as torch does: the hint alone where
-  torch takes its SDPA path (no ``key_padding_mask``, ``need_weights=False``), the mask
-  otherwise, so that even a wrong hint gives torch's result; the approximate methods
-  run their causal form without reading the mask (as torch's SDPA path drops it for
-  the hint), which needs as many queries as keys.
+  mask must be given with it. The exact methods do as torch's SDPA path does: the hint
+  alone where it would take it (no ``key_padding_mask``, ``need_weights=False``), the
+  mask otherwise (torch's inference fast path applies the mask always, so a wrong hint
+  gives torch two results; a right one, one); the approximate methods run their causal
+  form without reading the mask (as torch's SDPA path drops it for the hint), which
+  needs as many queries as keys.
 - In self-attention (``query is key``, as torch's layers call it) the approximate methods
   take the padded queries as padding (skyformer's convention: output rows 0, never
   landmarks, so that padding equals truncation); torch and the exact methods give those
