@@ -155,6 +155,24 @@ def test_a_bert_decoders_cross_attention_refuses_methods_mixing_queries():
     assert {row["method"] for row in shf.describe(model)} == {"linear"}  # nothing changed
 
 
+def test_a_gpt2_given_cross_attention_refuses_methods_mixing_queries_on_both_routes():
+    """GPT-2 with add_cross_attention marks neither its modules nor its config is_decoder:
+    skyformer was accepted in its cross-attention, and a later token moved the earlier
+    logits (8.7e-4). Refused at set_attention (the model builds causal masks) and on the
+    attn_implementation route (its config adds cross-attention to a decoder)."""
+    from transformers import GPT2Config, GPT2Model
+
+    config = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=64,
+                        add_cross_attention=True, bos_token_id=0, eos_token_id=0)
+    model = GPT2Model(config).eval()
+    with pytest.raises(CapabilityError, match=r"is the cross-attention of a causal decoder"):
+        shf.set_attention(model, "skyformer", num_features=4)
+    model.set_attn_implementation("skyformer:skyformer")
+    states = torch.randn(1, 5, 32)
+    with torch.no_grad(), pytest.raises(CapabilityError, match="cross-attention of a causal"):
+        model(input_ids=torch.ones(1, 4, dtype=torch.long), encoder_hidden_states=states)
+
+
 @torch.no_grad()
 def test_llama_grouped_query_attention_with_padding():
     from transformers import LlamaConfig, LlamaModel

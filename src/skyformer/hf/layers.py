@@ -312,7 +312,8 @@ def _check_module(spec: Method, module: nn.Module, index: int | None, cross: boo
                              f"form of {spec.name} refuses these options: {err}") from None
     if cross:
         check_capabilities(spec.name, cross_attention=True)
-    if cross and attends_from_a_causal_decoder(module) and not caps.independent_queries:
+    if cross and (causal or attends_from_a_causal_decoder(module)) \
+            and not caps.independent_queries:
         able = ", ".join(methods_that_can("independent_queries"))
         raise CapabilityError(
             f"{where} is the cross-attention of a causal decoder, whose later queries are "
@@ -345,12 +346,17 @@ def _check_module(spec: Method, module: nn.Module, index: int | None, cross: boo
 
 
 def attends_from_a_causal_decoder(module: nn.Module) -> bool:
-    """Whether a cross-attention module's queries come from a causal decoder: the
-    decoders of BART, Marian, Whisper and T5 mark their attention modules
-    ``is_decoder``, a BERT-type decoder its config (``is_decoder=True``, causal
-    self-attention). DETR-type decoders, whose queries are not tokens in order, do not."""
+    """Whether a cross-attention module's queries come from a causal decoder, as the
+    module and its config tell: the decoders of BART, Marian, Whisper and T5 mark their
+    attention modules ``is_decoder``, a BERT-type decoder its config (``is_decoder``), a
+    decoder-only language model given cross-attention (GPT-2) its config
+    (``add_cross_attention``). DETR-type decoders and BLIP-2's Q-Former, whose queries
+    are not tokens in order, mark neither. ``set_attention`` also reads the model: a
+    cross-attention inside a part that builds causal masks (``causal_scopes``)."""
+    config = getattr(module, "config", None)
     return (getattr(module, "is_decoder", None) is True
-            or getattr(getattr(module, "config", None), "is_decoder", None) is True)
+            or getattr(config, "is_decoder", None) is True
+            or getattr(config, "add_cross_attention", None) is True)
 
 
 def is_default_scaling(scaling: float, head_dim: int) -> bool:
@@ -393,9 +399,11 @@ def build_layer(
     cross: bool, options: dict[str, Any], causal: bool = False,
 ) -> tuple[LayerAttention, nn.Module | None]:
     """Check ``method`` against ``module`` and build its setting and per-layer state
-    (``None`` for methods without one). ``causal``: the model gives this module causal
-    masks although its ``is_causal`` flag says no (``causal_scopes``). Changes nothing:
-    see ``install_layer``."""
+    (``None`` for methods without one). ``causal``: the module is inside a part of the
+    model that builds causal masks (``causal_scopes``): a self-attention module there
+    attends causally although its ``is_causal`` flag may say no, and a cross-attention
+    module attends from a causal decoder's tokens. Changes nothing: see
+    ``install_layer``."""
     check_setting_arguments(method, seed, options)
     if method == EXACT:
         return LayerAttention(EXACT, None, (), seed, index, implementation, cross), None
