@@ -164,9 +164,11 @@ def test_a_record_without_saved_parameters_warns(tmp_path):
 
 
 def test_encoder_decoder_round_trip_and_one_part_set_alone(tmp_path):
-    """T5 (three attention modules share each layer number): a method in every layer
-    comes back; with the encoder returned to exact alone, layer numbers cannot say
-    which modules ran what, and from_pretrained(path) refuses with the manual route."""
+    """T5 and BART (an encoder layer and a decoder block share each layer number): a
+    method in every layer comes back; so does one part set alone, by set_attention on
+    that part, as the refusal of skyformer in a decoder's cross-attention advises (the
+    record's module names say which part each row is of). A row in neither part is
+    refused."""
     model = build("t5")
     shf.set_attention(model, "softmax")
     model.save_pretrained(tmp_path / "whole")
@@ -175,12 +177,23 @@ def test_encoder_decoder_round_trip_and_one_part_set_alone(tmp_path):
     batch, _ = inputs("t5")
     torch.testing.assert_close(hidden(loaded, batch), hidden(model, batch), rtol=0, atol=0)
     shf.restore_exact(model.get_encoder())
-    model.save_pretrained(tmp_path / "part")
-    assert len(_record(tmp_path / "part")["layers"]) == 4
-    with pytest.raises(ValueError, match=r"records different settings for the 3 attention "
-                                         r"modules of layer 0 .* one set_attention call for "
-                                         r"each part"):
-        shf.from_pretrained(tmp_path / "part")
+    model.save_pretrained(tmp_path / "decoder")
+    assert len(_record(tmp_path / "decoder")["layers"]) == 4
+    loaded = shf.from_pretrained(tmp_path / "decoder").eval()
+    assert shf.describe(loaded) == shf.describe(model)
+    bart = build("bart")
+    shf.set_attention(bart.get_encoder(), "skyformer", num_features=8, seed=0)
+    bart.save_pretrained(tmp_path / "encoder")
+    loaded = shf.from_pretrained(tmp_path / "encoder").eval()
+    assert shf.describe(loaded) == shf.describe(bart)
+    batch, _ = inputs("bart")
+    torch.testing.assert_close(hidden(loaded, batch), hidden(bart, batch), rtol=0, atol=0)
+    record = _record(tmp_path / "encoder")
+    record["layers"][0]["module"] = "elsewhere.self_attn"
+    _edit_record(tmp_path / "encoder", record)
+    with pytest.raises(ValueError, match=r"records attention modules that are in neither "
+                                         r"part of this model"):
+        shf.from_pretrained(tmp_path / "encoder")
 
 
 def test_a_record_that_cannot_be_made_never_stops_a_save(tmp_path, monkeypatch):

@@ -55,7 +55,7 @@ from .layers import (
     resolve_method_name,
     under,
 )
-from .record import RECORD_KEY, describe_record, read_record, settings_of
+from .record import RECORD_KEY, describe_record, placements, read_record
 
 _ORIGINAL = "_skyformer_original_attn_implementation"
 KEEP_STATE = object()  # marks a layer whose setting is re-stamped and whose state is kept
@@ -369,9 +369,8 @@ def _as_recorded(path: str | Path, layers: Any, seed: Any, options: dict[str, An
             f"the model's own attention).")
     rows = read_record(record, where)
     model, _ = _load(auto_class, path, "sdpa", model_kwargs)
-    settings = settings_of(rows, model, where)
-    for setting in settings:
-        set_attention(model, setting.method, layers=setting.layers, seed=setting.seed,
+    for part, setting in placements(rows, model, where):
+        set_attention(part, setting.method, layers=setting.layers, seed=setting.seed,
                       **setting.options)
     saved = describe_record(rows)
     loaded = load_saved_state(model, path, saved, **_weights_choice(model_kwargs))

@@ -185,11 +185,15 @@ def _grouped(rows: list[dict[str, Any]]) -> list[Setting]:
     return list(groups.values())
 
 
+class _AmbiguousLayer(ValueError):
+    """Modules sharing a layer number ran different settings (``settings_of``)."""
+
+
 def settings_of(rows: list[dict[str, Any]], model: nn.Module, where: str) -> list[Setting]:
     """The ``set_attention`` calls that set ``model`` up as the record's ``rows`` say,
     refused with a sentence where calls by layer number cannot (the modules sharing a
-    layer number, as a decoder block's self- and cross-attention, ran different
-    settings; a model of other layers)."""
+    layer number, as an encoder layer and a decoder block of one number, ran different
+    settings: ``_AmbiguousLayer``; a model of other layers)."""
     modules: dict[int, int] = {}
     for index, _, _ in attention_modules(model):
         modules[index] = modules.get(index, 0) + 1
@@ -202,17 +206,55 @@ def settings_of(rows: list[dict[str, Any]], model: nn.Module, where: str) -> lis
                              f"layers are {min(modules)}..{max(modules)}: load it with the "
                              f"model class it was saved from, or pass the method.")
         if len(set(keys)) > 1 or len(keys) != modules[index]:
-            raise ValueError(
+            raise _AmbiguousLayer(
                 f"{where} records different settings for the {modules[index]} attention "
-                f"modules of layer {index} (one part of an encoder-decoder set alone), "
-                f"which set_attention by layer number cannot rebuild: set it up with "
-                f"skyformer.hf.from_pretrained(path, 'exact'), one set_attention call for "
-                f"each part (model.get_encoder(), ...), then skyformer.hf.load_state(model, "
+                f"modules of layer {index}, which set_attention by layer number cannot "
+                f"rebuild: set it up with skyformer.hf.from_pretrained(path, 'exact'), one "
+                f"set_attention call for each setting, then skyformer.hf.load_state(model, "
                 f"path).")
     settings = _grouped(rows)
     if len(settings) == 1 and set(settings[0].layers) == set(modules):
         return [Setting(settings[0].method, settings[0].options, settings[0].seed, None)]
     return [Setting(s.method, s.options, s.seed, tuple(sorted(s.layers))) for s in settings]
+
+
+def placements(rows: list[dict[str, Any]], model: nn.Module, where: str
+               ) -> list[tuple[nn.Module, Setting]]:
+    """``(part, setting)``: the ``set_attention(part, ...)`` calls that rebuild the
+    record's ``rows``: on ``model``, or, where a layer number names modules of both parts
+    of an encoder-decoder that ran different settings (a method set on
+    ``model.get_encoder()`` alone), on each part, as it was set. The rows' module names
+    say which part a row is of (the name in a model with a head, ``model.encoder...``,
+    ends with the name in the base model, ``encoder...``, or the other way round)."""
+    try:
+        return [(model, setting) for setting in settings_of(rows, model, where)]
+    except _AmbiguousLayer:
+        parts = [getattr(model, getter)() for getter in ("get_encoder", "get_decoder")
+                 if callable(getattr(model, getter, None))]
+        parts = [part for part in parts if part is not None and part is not model]
+        if not parts:
+            raise
+    names = {id(module): name for name, module in model.named_modules()}
+    placed, claimed = [], 0
+    for part in parts:
+        own = [names[id(module)] for _, _, module in attention_modules(part)]
+        part_rows = [row for row in rows
+                     if any(_same_module(row.get("module"), name) for name in own)]
+        claimed += len(part_rows)
+        if part_rows:
+            placed += [(part, setting) for setting in settings_of(part_rows, part, where)]
+    if claimed != len(rows):
+        raise ValueError(f"{where} records attention modules that are in neither part of "
+                         f"this model: load it with the model class it was saved from, or "
+                         f"pass the method.")
+    return placed
+
+
+def _same_module(recorded: Any, name: str) -> bool:
+    """Whether a row's module name and a module's name in this model name one module
+    (one of them may carry a head model's prefix)."""
+    return isinstance(recorded, str) and (
+        recorded == name or recorded.endswith("." + name) or name.endswith("." + recorded))
 
 
 def describe_record(rows: list[dict[str, Any]]) -> str:
