@@ -220,7 +220,7 @@ def test_a_warmup_as_long_as_the_run_is_noted(tmp_path, capsys, listops_cache):
                  str(tmp_path / "run"), "--no-tensorboard", "--quiet"]) == 0
     captured = capsys.readouterr()
     assert ("the warm-up of 1000 steps (the task's preset unless --warmup is given) is not "
-            "shorter than the run's 2 steps: the learning rate never reaches") in \
+            "shorter than the run's 2 steps: the learning rate rises for the whole run") in \
         captured.err + captured.out
     assert main(["lra", "train", "listops", "--attn", "softmax", "--steps", "2", "--warmup",
                  "1", "--batch-size", "16", "--cache", str(listops_cache), "--out",

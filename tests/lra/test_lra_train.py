@@ -385,6 +385,21 @@ def test_a_best_pt_of_another_step_or_other_data_is_refused(listops_cache, tmp_p
     assert _run(cfg, listops_cache, tmp_path / "run", resume=True)["best_step"] == best["step"]
 
 
+def test_a_best_pt_recorded_before_split_digests_resumes_on_the_same_data(
+        listops_cache, tmp_path):
+    """A run whose records (last.pt's and best.pt's) lack the split digests a later
+    preparation of the same files adds resumes, as last.pt's check lets it: best.pt's
+    compared them exactly and refused it as 'other prepared data'."""
+    cfg = _cfg(steps=6, eval_every=2, log_every=2)
+    _run(cfg, listops_cache, tmp_path, stop_after=2)
+    for name in ("last.pt", "best.pt"):
+        ckpt = load_checkpoint(tmp_path / name)
+        for split in ckpt["data"]["splits"].values():
+            split.pop("sha256")
+        save_checkpoint(tmp_path / name, ckpt)
+    assert _run(cfg, listops_cache, tmp_path, resume=True)["steps"] == 6
+
+
 @pytest.mark.parametrize("text, says", [('{"test_acc', "not JSON"), ("[1]", "a JSON list"),
                                          (b"\xff\xfe", "not JSON")])
 def test_an_unreadable_result_json_is_named_at_resume(listops_cache, tmp_path, text, says):

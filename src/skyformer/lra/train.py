@@ -351,7 +351,9 @@ def best_checkpoint_step(folder: Path, cfg: TrainConfig, data: dict[str, Any],
         raise ValueError(f"cannot resume {folder / 'last.pt'}: {path} is the best checkpoint "
                          f"of a run with other settings ({said}), which the end of this run "
                          f"would evaluate on test as its own; {fix}")
-    if "data" in best and best["data"] != data:  # written since best.pt records its data
+    # written since best.pt records its data; compared as last.pt's (a record without
+    # the split digests of a later preparation of the same files is the same data)
+    if "data" in best and _as_recorded(data, best["data"]) != best["data"]:
         raise ValueError(f"cannot resume {folder / 'last.pt'}: {path} is the best checkpoint "
                          f"of a run on other prepared data, which the end of this run would "
                          f"evaluate on test as its own; {fix}")
@@ -732,9 +734,9 @@ class Trainer:
         elif self.info.is_main and 0 < self.cfg.steps <= self.cfg.warmup:
             _log.warning(f"the warm-up of {self.cfg.warmup} steps (the task's preset unless "
                          f"--warmup is given) is not shorter than the run's {self.cfg.steps} "
-                         f"steps: the learning rate never reaches {self.cfg.lr:g} and never "
-                         f"decays; give a shorter --warmup, e.g. "
-                         f"{max(1, self.cfg.steps // 10)}")
+                         f"steps: the learning rate rises for the whole run, reaching "
+                         f"{self.cfg.lr:g} at its last step at most, and never decays; give a "
+                         f"shorter --warmup, e.g. {max(1, self.cfg.steps // 10)}")
         self.net = self.model
         if self.info.enabled:
             ids = [self.device.index] if self.device.type == "cuda" else None
