@@ -4,10 +4,12 @@ they must return, and registering one again."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 import importlib
 import sys
 import typing
 
+import numpy as np
 import pytest
 import torch
 
@@ -170,6 +172,46 @@ def test_a_plugins_options_are_held_to_their_annotations(monkeypatch, option, va
         with pytest.raises(TypeError, match=pattern):
             skyformer.get_method(f"plugin_typed[{option}={value}]")
     assert skyformer.attention(q, q, q, "plugin_typed", scale=1, mode="b").shape == q.shape
+
+
+class _Mode(enum.Enum):
+    LOCAL = "local"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lenient:
+    mode: _Mode = _Mode.LOCAL
+    widths: tuple[int, ...] = (1,)
+    level: typing.Literal[1.0, 2.0] = 1.0
+    rate: float = 0.5
+    flag: bool = False
+
+    def __post_init__(self):  # the config converts what the command line gives
+        object.__setattr__(self, "mode", _Mode(self.mode))
+        object.__setattr__(self, "widths", tuple(self.widths))
+
+
+def test_the_annotation_checks_take_what_a_config_converts_and_numpy_numbers(monkeypatch):
+    """The checks refused values that worked: a str for an Enum the config converts, a
+    list for a tuple (--option gives JSON lists), 2 for Literal[1.0, 2.0], NumPy's
+    float32 and bool_. Plain annotations alone are checked; a flag is still no number."""
+    monkeypatch.delitem(registry_methods._REGISTRY, "plugin_lenient", raising=False)
+
+    @register("plugin_lenient", _Lenient, Capabilities(target="softmax"))
+    def lenient(q, k, v, config, *, key_padding_mask=None, generator=None):
+        return v * 1
+
+    monkeypatch.setitem(registry_methods._REGISTRY, "plugin_lenient",
+                        registry_methods._REGISTRY["plugin_lenient"])
+    q = torch.randn(1, 2, 4, 3)
+    for options in ({"mode": "local"}, {"widths": [2, 3]}, {"level": 2},
+                    {"rate": np.float32(0.25)}, {"flag": np.bool_(True)}):
+        assert skyformer.attention(q, q, q, "plugin_lenient", **options).shape == q.shape
+    for options, said in (({"level": True}, "level must be 1.0 or 2.0"),
+                          ({"widths": "ab"}, "widths must be a tuple"),
+                          ({"rate": True}, "rate must be a float")):
+        with pytest.raises(TypeError, match=said):
+            skyformer.attention(q, q, q, "plugin_lenient", **options)
 
 
 def test_a_name_held_by_another_function_is_refused_with_what_to_do(plugin):

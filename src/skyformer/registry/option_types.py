@@ -4,42 +4,74 @@ The library's configs check their options in ``__post_init__`` with sentences of
 own (``ops/shared/options.py``). A plugin's config may check nothing: ``num_features="abc"``
 then failed deep in its code (``'<=' not supported between 'Tensor' and 'str'``), and
 ``2.5`` for an ``int`` ran. ``Method.make_config`` checks each given value against its
-field's annotation, read once per config class: ``int``, ``float`` (an int is taken),
-``bool``, ``str``, other classes, ``X | None``, ``Literal[...]`` and the origin of a
-generic (``tuple[int, ...]`` takes a tuple). Annotations it cannot read are not checked.
+field's annotation, read once per config class, where the annotation is plain: ``int``
+(any integral number, NumPy's too), ``float`` (any real number), ``bool`` (NumPy's too),
+``str``, ``None``, ``X | None``, ``Literal[...]``, and a sequence for ``tuple[...]`` or
+``list[...]`` (a config may turn a list into a tuple). Other annotations (an ``Enum`` a
+config converts from a string, a class of the plugin's own) are left to the config.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import types
 import typing
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 
 @dataclass(frozen=True)
 class Accepted:
-    """What one option takes: instances of ``classes`` (a bool only where ``bool`` is
-    among them), or one of ``literals``; ``text`` says it in a sentence."""
+    """What one option takes: a value one of ``tests`` passes, or equal to one of
+    ``literals``; ``text`` says it in a sentence."""
 
-    classes: tuple[type, ...]
+    tests: tuple[Callable[[Any], bool], ...]
     literals: tuple[Any, ...]
     text: str
 
     def takes(self, value: Any) -> bool:
-        if any(value == literal and type(value) is type(literal) for literal in self.literals):
-            return True
-        if isinstance(value, bool) and bool not in self.classes:
-            return False
-        return isinstance(value, self.classes)
+        return any(_same_literal(value, literal) for literal in self.literals) \
+            or any(test(value) for test in self.tests)
 
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool | np.bool_)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not _is_bool(value)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not _is_bool(value)
+
+
+def _is_sequence(value: Any) -> bool:
+    return isinstance(value, Sequence) and not isinstance(value, str | bytes)
+
+
+def _same_literal(value: Any, literal: Any) -> bool:
+    """``value == literal`` where both are flags or both are not (True is no 1)."""
+    return _is_bool(value) == _is_bool(literal) and value == literal
+
+
+_PLAIN: dict[Any, tuple[Callable[[Any], bool], str]] = {
+    int: (_is_int, "an int"),
+    float: (_is_real, "a float"),
+    bool: (_is_bool, "a bool"),
+    str: (lambda value: isinstance(value, str), "a str"),
+    type(None): (lambda value: value is None, "None"),
+}
 
 _ACCEPTED: dict[type, dict[str, Accepted]] = {}
 
 
 def accepted_options(config_class: type) -> dict[str, Accepted]:
-    """Option name -> what it takes, for the fields whose annotation can be read."""
+    """Option name -> what it takes, for the fields whose annotation is plain."""
     known = _ACCEPTED.get(config_class)
     if known is None:
         try:
@@ -56,26 +88,19 @@ def accepted_options(config_class: type) -> dict[str, Accepted]:
 
 
 def _accepted(hint: Any) -> Accepted | None:
-    """What ``hint`` takes, or None where anything goes (``Any``, a type variable, an
-    annotation of a kind not read here)."""
+    """What ``hint`` takes, or None where it is not plain (left to the config)."""
     origin = typing.get_origin(hint)
     if origin is typing.Literal:
-        return Accepted((), typing.get_args(hint),
-                        " or ".join(repr(a) for a in typing.get_args(hint)))
+        args = typing.get_args(hint)
+        return Accepted((), args, " or ".join(repr(a) for a in args))
     if origin in (typing.Union, types.UnionType):
         parts = [_accepted(arg) for arg in typing.get_args(hint)]
         if any(part is None for part in parts):
             return None
-        return Accepted(tuple(c for p in parts for c in p.classes),  # type: ignore[union-attr]
+        return Accepted(tuple(t for p in parts for t in p.tests),  # type: ignore[union-attr]
                         tuple(v for p in parts for v in p.literals),  # type: ignore[union-attr]
                         " or ".join(p.text for p in parts))  # type: ignore[union-attr]
-    if hint is type(None) or hint is None:
-        return Accepted((type(None),), (), "None")
-    if hint is float:
-        return Accepted((float, int), (), "a float")
-    if isinstance(origin, type):  # tuple[int, ...], list[str]: the container's class
-        return Accepted((origin,), (), f"a {origin.__name__}")
-    if isinstance(hint, type) and hint is not typing.Any:
-        article = "an" if hint.__name__[0] in "aeiou" else "a"
-        return Accepted((hint,), (), f"{article} {hint.__name__}")
-    return None
+    if origin in (tuple, list):
+        return Accepted((_is_sequence,), (), f"a {origin.__name__} (a sequence)")
+    plain = _PLAIN.get(None if hint is None else hint)
+    return None if plain is None else Accepted((plain[0],), (), plain[1])
