@@ -151,6 +151,19 @@ def test_records_this_cannot_read_are_refused_with_the_entry_named(tmp_path):
     assert not _round_trips((1, 2)) and not _round_trips(torch.float16)
 
 
+def test_numpy_options_are_recorded_as_the_numbers_they_hold(tmp_path):
+    """scale=np.float64(0.1) (a sweep over np.linspace) was written as an unrecorded
+    option, which made the folder unloadable by its record."""
+    import numpy as np
+
+    model = tiny_bert()
+    shf.set_attention(model, "skyformer", num_features=np.int64(8), scale=np.float64(0.1),
+                      seed=0)
+    model.save_pretrained(tmp_path)
+    assert _record(tmp_path)["layers"][0]["options"] == {"num_features": 8, "scale": 0.1}
+    assert shf.describe(shf.from_pretrained(tmp_path)) == shf.describe(model)
+
+
 def test_a_record_without_saved_parameters_warns(tmp_path):
     """A config recording Linformer beside weights without its parameters (written by a
     model that did not run it): they start from the initialisation, with a warning."""

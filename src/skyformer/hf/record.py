@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from torch import nn
 from transformers import PreTrainedModel
 
@@ -69,7 +70,7 @@ def setting_record(model: nn.Module) -> dict[str, Any] | None:
                 continue
             given = layer.options()
             method, seed = layer.method, layer.seed
-            options = {name: given[name] for name in layer.explicit}
+            options = {name: _python(given[name]) for name in layer.explicit}
         elif is_skyformer_implementation(runs) and runs != PER_LAYER:
             # the attn_implementation route: the method's defaults, set up when it runs
             method, options, seed = runs.removeprefix(PREFIX), {}, None
@@ -83,6 +84,12 @@ def setting_record(model: nn.Module) -> dict[str, Any] | None:
             row["unrecorded_options"] = unrecorded
         rows.append(row)
     return {"format": RECORD_FORMAT, "layers": rows} if rows else None
+
+
+def _python(value: Any) -> Any:
+    """A NumPy scalar as the Python number it holds (``scale=np.float64(0.1)`` is 0.1),
+    which JSON writes; anything else as it is."""
+    return value.item() if isinstance(value, np.generic) else value
 
 
 def _round_trips(value: Any) -> bool:
