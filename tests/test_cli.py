@@ -252,6 +252,9 @@ def test_a_plugin_failing_in_its_own_code_or_shadowed_is_named(tmp_path, monkeyp
     (tmp_path / "raising.py").write_text("x = 1\nraise ValueError('boom at import')\n")
     (tmp_path / "unnamed.py").write_text("\n\nundefined_name\n")
     (tmp_path / "bad_syntax.py").write_text("def f(:\n")
+    (tmp_path / "bad_register.py").write_text(
+        "from skyformer.registry import register\n\n"
+        "register('x', int, None)(lambda q, k, v, config: v)\n")
     (tmp_path / "json.py").write_text("raise SystemExit('never imported')\n")
     for plugin, said in (
             ("raising", f"raising: importing it failed at {tmp_path / 'raising.py'}:2: "
@@ -260,6 +263,8 @@ def test_a_plugin_failing_in_its_own_code_or_shadowed_is_named(tmp_path, monkeyp
                         f"NameError: name 'undefined_name' is not defined"),
             ("bad_syntax", f"bad_syntax: importing it failed at {tmp_path / 'bad_syntax.py'}"
                            f":1: SyntaxError"),
+            ("bad_register", f"bad_register: importing it failed at "
+                             f"{tmp_path / 'bad_register.py'}:3: TypeError: config_class"),
             ("json", f"json: that name imports {sys.modules['json'].__file__}, not "
                      f"{tmp_path / 'json.py'} (a module of that name comes first); rename "
                      f"your file.")):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import signal
 import sys
@@ -100,25 +101,34 @@ def import_plugins(modules: list[str]) -> None:
             module = importlib.import_module(name)
         except ImportError as err:
             if err.name is None or not (name == err.name or name.startswith(err.name + ".")):
-                raise ImportError(f"--plugin {name}: importing it failed{_where(err)}: "
+                raise ImportError(f"--plugin {name}: importing it failed{_where(err, name)}: "
                                   f"{err}") from err
             raise ImportError(
                 f"--plugin {name}: cannot import it ({err}); give a module importable from "
                 f"here (a file of the current folder without .py, or an installed package's "
                 f"module), or put its folder on PYTHONPATH.") from None
         except Exception as err:  # its own code failed: a mistake in it, named where
-            raise ImportError(f"--plugin {name}: importing it failed{_where(err)}: "
+            raise ImportError(f"--plugin {name}: importing it failed{_where(err, name)}: "
                               f"{type(err).__name__}: {err}") from err
         _refuse_shadowed(name, module)
 
 
-def _where(err: BaseException) -> str:
-    """`` at file:line``: where in the plugin's code an import failed (a syntax error's
-    own line, else the innermost frame of the traceback)."""
+def _where(err: BaseException, name: str) -> str:
+    """`` at file:line``: where in the plugin's code its import failed: a syntax error's
+    own line, else the innermost frame in the plugin's file (a mistake in its register
+    call fails inside skyformer, whose line would not help), else outside skyformer."""
     if isinstance(err, SyntaxError) and err.filename:
         return f" at {err.filename}:{err.lineno}"
     frames = traceback.extract_tb(err.__traceback__)
-    return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        spec = None
+    own = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package
+    chosen = [f for f in frames if spec is not None and f.filename == spec.origin] or \
+        [f for f in frames if not os.path.abspath(f.filename).startswith(own + os.sep)
+         and "importlib" not in f.filename] or frames
+    return f" at {chosen[-1].filename}:{chosen[-1].lineno}" if chosen else ""
 
 
 def _refuse_shadowed(name: str, module: object) -> None:
