@@ -22,6 +22,16 @@ def test_every_library_method_keeps_the_contract(method):
     assert results[0].passed  # the output check always applies
 
 
+@pytest.mark.parametrize("method", [
+    "softmax[causal=True]", "linear[causal=True]", "skyformer[landmark_stride=2]",
+    "skyformer[num_features=64]", "nystrom_softmax[num_features=64]"])
+def test_library_methods_keep_it_under_options_of_their_own(method):
+    """Options the checks once failed on: causal ones (no cross-attention then), options
+    of the causal form alone (refused outside it), and as many landmarks as the rows
+    (no draw mattered, so 'it ignores its generator')."""
+    assert [r for r in check_method(method) if r.passed is False] == []
+
+
 @dataclasses.dataclass(frozen=True)
 class _Leaky:
     causal: bool = False

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from ..logs import first_line
+from ..ops.shared.causal_nystrom import CAUSAL_FORM_DEFAULTS
 from .methods import get_method
 
 # Tolerances of outputs that should be equal in float64 (other summation orders).
@@ -44,8 +45,10 @@ def check_method(name: str, **options: Any) -> list[CheckResult]:
     spec = get_method(name)
     if "num_features" in spec.option_names() and "num_features" not in dict(spec.preset):
         options = {"num_features": 8, **options}
-    spec.make_config(**spec.resolve_options(options, 256))  # unknown options fail at once
+    options = _causal_where_needed(spec, options)  # unknown or bad options fail at once
+    causal = {**dict(spec.preset), **options}.get("causal") is True
     caps = spec.capabilities
+    rows = _rows_for_draws({**dict(spec.preset), **options}.get("num_features"), causal)
 
     def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, seed: int = 0,
             **more: Any) -> Tensor:
@@ -56,22 +59,25 @@ def check_method(name: str, **options: Any) -> list[CheckResult]:
     checks: list[tuple[str, bool, Callable[[], str]]] = [
         ("output shape, dtype and values", True, lambda: _output(run)),
         ("the same generator gives the same output", True,
-         lambda: _deterministic(run, caps.randomized)),
+         lambda: _deterministic(run, caps.randomized, rows)),
         ("batch elements are independent", True, lambda: _batch(run, caps.mask)),
         ("gradients reach q, k and v", True, lambda: _gradients(run)),
         ("padding gives the truncated input's outputs", caps.mask, lambda: _padding(run)),
         ("padded keys get no weight", caps.mask, lambda: _padded_keys(run)),
         ("causal: no output depends on a later position", caps.causal,
          lambda: _causal(run)),
-        ("cross-attention: other numbers of queries and keys", caps.cross_attention,
-         lambda: _cross(run)),
+        ("cross-attention: other numbers of queries and keys",
+         caps.cross_attention and not causal, lambda: _cross(run)),
         ("independent queries: no output depends on another query",
-         caps.independent_queries and caps.cross_attention, lambda: _independent(run)),
+         caps.independent_queries and caps.cross_attention and not causal,
+         lambda: _independent(run)),
     ]
     results = []
     for check, applies, body in checks:
         if not applies:
-            results.append(CheckResult(check, None, "not declared"))
+            said = "not declared" if not causal or not check.startswith(("cross", "indep")) \
+                else "not with causal=True (as many queries as keys)"
+            results.append(CheckResult(check, None, said))
             continue
         try:
             results.append(CheckResult(check, True, body()))
@@ -81,6 +87,27 @@ def check_method(name: str, **options: Any) -> list[CheckResult]:
             results.append(CheckResult(check, False,
                                        f"raised {type(err).__name__}: {first_line(err)}"))
     return results
+
+
+def _causal_where_needed(spec: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` checked (an unknown or bad one fails at once), with ``causal=True``
+    where they set options of the causal form alone (``skyformer[landmark_stride=2]``),
+    which a call of the other form refuses."""
+    given = {**dict(spec.preset), **options}
+    config = spec.make_config(**spec.resolve_options(options, 256))
+    causal_only = [name for name, default in CAUSAL_FORM_DEFAULTS.items()
+                   if name in given and getattr(config, name, default) != default]
+    if causal_only and "causal" in spec.option_names() and "causal" not in given:
+        return {**options, "causal": True}
+    return options
+
+
+def _rows_for_draws(num_features: Any, causal: bool) -> int:
+    """Rows enough that a method's draws matter: more than twice its features (with as
+    many landmarks as rows a Nystrom method uses every row, and draws nothing), and past
+    the first 64-token chunk of a causal form (exact inside it)."""
+    rows = 30 if not isinstance(num_features, int) else min(512, max(30, 4 * num_features))
+    return max(rows, 150) if causal else rows
 
 
 class _Broken(Exception):
@@ -117,8 +144,8 @@ def _output(run: Callable[..., Tensor]) -> str:
     return "[B, H, Nq, Dv] in the inputs' dtype (float32, float64), finite"
 
 
-def _deterministic(run: Callable[..., Tensor], randomized: bool) -> str:
-    q, k, v = _qkv(2, 30)
+def _deterministic(run: Callable[..., Tensor], randomized: bool, rows: int) -> str:
+    q, k, v = _qkv(2, rows)
     _equal(run(q, k, v, seed=5), run(q, k, v, seed=5), "two calls with one seed differ")
     if randomized and torch.allclose(run(q, k, v, seed=5), run(q, k, v, seed=6)):
         raise _Broken("declares randomized, but two seeds gave the same output: it ignores "
