@@ -182,12 +182,15 @@ def test_a_decoders_cross_attention_takes_methods_with_independent_queries(kind)
     routed.set_attn_implementation("skyformer:skyformer")
     with pytest.raises(CapabilityError, match="cross-attention of a causal decoder"):
         hidden(routed, batch)
+    exact = hidden(build(kind), batch)
     shf.set_attention(model.get_encoder(), "skyformer", num_features=8, seed=0)
+    assert {row["method"] for row in shf.describe(model.get_encoder())} == {"skyformer"}
     everywhere = build(kind)
     shf.set_attention(everywhere, "performer", num_features=8, seed=0)
     for ours in (model, everywhere):
-        torch.testing.assert_close(hidden(ours, later)[:, :3], hidden(ours, batch)[:, :3],
-                                   rtol=0, atol=0)
+        out = hidden(ours, batch)
+        assert (out - exact).abs().max() > 1e-4  # the method runs where it was set
+        torch.testing.assert_close(hidden(ours, later)[:, :3], out[:, :3], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("kind", CAUSAL_LMS)
