@@ -432,6 +432,25 @@ def check_autocast(rank: int, world: int) -> None:
                                    msg=method)
 
 
+def check_float32_norms_past_its_reach(rank: int, world: int) -> None:
+    """float32 nystrom_softmax with norms past float32's reach: one process computes in
+    float64 (needs_float64), each rank decided on its own rows and computed in float32,
+    an answer far from the one-process one (0.9 against 0.3 of softmax's). Every rank
+    now decides on the largest norm of all, as one process does; a shard whose own rows
+    are within reach goes to float64 with the others."""
+    lengths = [13, 6][:world]
+    n = sum(lengths)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g) for _ in range(3))
+    q[:, :, :13], k[:, :, :13] = q[:, :, :13] * 5, k[:, :, :13] * 5  # rank 0's rows alone
+    mine = _shards(lengths)[rank]
+    want = skyformer.attention(q, k, v, "nystrom_softmax", num_features=8,
+                               generator=torch.Generator().manual_seed(1))
+    got = sequence_parallel_attention(*(t[:, :, mine] for t in (q, k, v)), "nystrom_softmax",
+                                      num_features=8, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(got, want[:, :, mine], rtol=1e-5, atol=1e-5)
+
+
 def check_layer_copies(rank: int, world: int) -> None:
     """A deep copy of a sequence-parallel layer (an EMA model) shares the group and
     computes what the layer does; pickling the layer says to save its state_dict."""

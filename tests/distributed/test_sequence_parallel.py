@@ -12,6 +12,7 @@ from seqpar_workers import (
     check_autocast,
     check_equal,
     check_errors,
+    check_float32_norms_past_its_reach,
     check_gradients_present_on_some_ranks,
     check_gradients_recorded_on_some_ranks,
     check_layer_2d,
@@ -41,6 +42,10 @@ def test_three_processes_without_mask_and_with_a_wholly_padded_shard():
     mask[1, 2:4] = False
     spawn(3, check_equal, [5, 11, 7], mask)
     spawn(3, check_equal, [9, 1, 6], None)
+
+
+def test_float32_norms_past_its_reach_are_computed_as_one_process_computes_them():
+    spawn(2, check_float32_norms_past_its_reach)
 
 
 def test_bad_use_gets_a_sentence_on_every_rank():

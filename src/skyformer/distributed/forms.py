@@ -23,7 +23,11 @@ from torch import Tensor
 
 from ..linalg import kernel_scale
 from ..ops.linear.linear import linear_features, linear_from_features
-from ..ops.nystrom_softmax.nystrom_softmax import nystrom_softmax_from_core
+from ..ops.nystrom_softmax.nystrom_softmax import (
+    FLOAT32_REACH,
+    float32_reach,
+    nystrom_softmax_from_core,
+)
 from ..ops.performer.features import resolve_projection
 from ..ops.performer.performer import marked_by_projection, performer_from_projection
 from ..ops.shared.causal_nystrom import CausalNystromOptions, refuse_causal_form_options
@@ -56,6 +60,12 @@ def _skyformer(q: Tensor, k: Tensor, v: Tensor, config: Any, info: AttentionInpu
 
 def _nystrom_softmax(q: Tensor, k: Tensor, v: Tensor, config: Any, info: AttentionInputs,
                      layout: ShardLayout, reduce: GroupReduction) -> Tensor:
+    # as one process: in float64 where float32 would lose the Gaussian entries, decided
+    # on the largest norm of every rank's rows (each rank makes the same call)
+    reach = float32_reach(q, k, config)
+    if reach is not None and bool(reduce.max(reach.reshape(1)) > FLOAT32_REACH):
+        return _nystrom_softmax(q.double(), k.double(), v.double(), config, info, layout,
+                                reduce).to(q.dtype)
     work = compute_dtype(q.dtype)
     qw, kw, vw = q.to(work), k.to(work), v.to(work)
     root = math.sqrt(config.scale if config.scale is not None else info.head_dim ** -0.5)

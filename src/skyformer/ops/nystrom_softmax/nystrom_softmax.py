@@ -187,16 +187,27 @@ def needs_float64(q: Tensor, k: Tensor, config: NystromSoftmaxConfig) -> bool:
     eager code, when s max(|q|^2, |k|^2) exceeds ``FLOAT32_REACH``. Every row counts,
     padded ones too (at worst a padded row's value costs a float64 call). Keys of
     another dtype than the queries' are left to the input checks (False)."""
+    reach = float32_reach(q, k, config)
+    return reach is not None and bool(reach > FLOAT32_REACH)
+
+
+def float32_reach(q: Tensor, k: Tensor, config: NystromSoftmaxConfig) -> Tensor | None:
+    """s max(|q|^2, |k|^2) over the rows (a 0-dim float32 tensor; -inf for no rows), which
+    ``needs_float64`` compares with ``FLOAT32_REACH``; ``None`` where no float64 call is
+    made whatever the values (not on a CPU, not computed in float32, traced, keys of
+    another dtype). Sequence-parallel calls take its maximum over the ranks, so that
+    every rank decides as one process would."""
     if not (isinstance(q, Tensor) and isinstance(k, Tensor)) or k.dtype != q.dtype \
             or q.device.type != "cpu" \
             or compute_dtype(q.dtype) != torch.float32 or not may_read_values(q, k) \
-            or q.dim() < 2 or 0 in q.shape or 0 in k.shape:
-        return False
+            or q.dim() < 2:
+        return None
+    if 0 in q.shape or 0 in k.shape:
+        return torch.tensor(-math.inf)
     s = config.scale if config.scale is not None else 1.0 / math.sqrt(q.shape[-1])
     with torch.no_grad():
-        reach = torch.maximum(squared_norms(q, torch.float32).amax(),
-                              squared_norms(k, torch.float32).amax())
-    return bool(s * reach > FLOAT32_REACH)
+        return s * torch.maximum(squared_norms(q, torch.float32).amax(),
+                                 squared_norms(k, torch.float32).amax())
 
 
 def queries_for_gradient(q: Tensor) -> Tensor:
