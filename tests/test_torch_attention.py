@@ -321,6 +321,16 @@ def test_decoder_and_transformer_run_replaced_attention():
                            memory_key_padding_mask=padding())
 
 
+def test_a_process_group_is_said_to_be_multiheadattentions():
+    """process_group was refused as a misspelt option of the method ('skyformer has no
+    option process_group'); sequence parallelism is the other layer's."""
+    with pytest.raises(TypeError, match=r"takes no process_group; sequence parallelism is "
+                                        r"skyformer\.MultiHeadAttention's"):
+        TorchMultiheadAttention(E, H, method="skyformer", process_group=None)
+    with pytest.raises(TypeError, match="takes no process_group"):
+        replace_attention(nn.TransformerEncoderLayer(E, H, 16), "skyformer", process_group=None)
+
+
 def test_a_causal_mask_in_sdpas_convention_is_named_as_such():
     """torch's layer takes True = not allowed: an SDPA-style tril mask reaches an
     approximate method as the complement of a causal one, and the sentence says so."""

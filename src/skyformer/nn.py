@@ -208,8 +208,8 @@ class MultiHeadAttention(BoundMethodProperties, nn.Module):
         ``[B, N, dim]`` (zeros through the output projection where B, N or the
         context's M is 0, without calling the method).
         """
-        _refuse_torch_call(torch_arguments, torch_keywords)
-        with self._failing_together():
+        with self._failing_together():  # a rank refused alone would leave the others waiting
+            _refuse_torch_call(torch_arguments, torch_keywords)
             self._check_forward(x, context, key_padding_mask, query_padding_mask, cache,
                                 generator)
         q = self._split(self.q_proj(x))

@@ -116,6 +116,10 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         super().__init__()
         _check_configuration(embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn,
                              kdim, vdim, NAME)
+        if "process_group" in method_options:  # read as a misspelt option of the method
+            raise TypeError(f"{NAME} attends within one process and takes no process_group; "
+                            f"sequence parallelism is skyformer.MultiHeadAttention's "
+                            f"(process_group=...; docs/distributed.md).")
         factory = {"device": device, "dtype": dtype}
         self.embed_dim = embed_dim
         self.kdim = kdim if kdim is not None else embed_dim

@@ -253,6 +253,9 @@ def check_errors(rank: int, world: int) -> None:
         raises(f"{method}: landmark_stride=4 shapes causal attention only", q, k, v, method,
                landmark_stride=4)
     raises("unknown attention method 'skyfromer'", q, k, v, "skyfromer")
+    for group in ([0, 1], 0):  # torch said "unhashable type: 'list'", "Group 0 ..."
+        raises("group must be a torch.distributed process group (torch.distributed."
+               "new_group(ranks), or None for all processes)", q, k, v, "linear", group=group)
     seen = []  # the products run on the kernel asked for, as in one process
     original = forms.skyformer_from_core
     forms.skyformer_from_core = lambda *a, **kw: seen.append(kw.get("kernel")) or original(
@@ -324,7 +327,10 @@ def check_one_rank_fails(rank: int, world: int) -> None:
     layer = skyformer.MultiHeadAttention(8, 2, "linear", process_group=dist.group.WORLD)
     x = torch.randn(1, 4, 8)
     cases += [(lambda: layer(x[..., :6] if bad else x), "must have shape [B, N, 8]"),
-              (lambda: layer(x, context=x if bad else None), "it takes no context")]
+              (lambda: layer(x, context=x if bad else None), "it takes no context"),
+              # torch's call on one rank (the others waited for it until the timeout)
+              (lambda: layer(x, **({"need_weights": False} if bad else {})),
+               "need_weights")]
     for call, fragment in cases:
         said = _outcome(call)
         expected = fragment if bad else f"rank(s) [{world - 1}] of the group rejected"

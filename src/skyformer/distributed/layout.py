@@ -54,6 +54,10 @@ def resolve_group(group: Any, caller: str) -> Any:
             f"it reads), or use skyformer.attention for a sequence held by one process."
         )
     group = dist.group.WORLD if group is None else group
+    if not isinstance(group, dist.ProcessGroup):  # a list of ranks, a rank: torch's words
+        raise TypeError(f"{caller}: group must be a torch.distributed process group "
+                        f"(torch.distributed.new_group(ranks), or None for all processes), "
+                        f"got {type(group).__name__} {group!r}.")
     if dist.get_rank(group) < 0:
         raise ValueError(f"{caller}: this process is not a member of the process group it "
                          f"was given; pass a group that contains it (or None for all).")
@@ -115,7 +119,9 @@ def agree_layout(
             f"{caller}: the layer's fixed random draws ({', '.join(draws)}) differ between "
             f"ranks: rank(s) {_differing(headers[:, 9])} differ from rank 0. Build the layers "
             f"alike on every rank (the same seed) or broadcast their buffers as well as their "
-            f"parameters (DistributedDataParallel does, with broadcast_buffers=True).")
+            f"parameters (DistributedDataParallel does, with broadcast_buffers=True), and call "
+            f"them in the same mode (a layer in training on one rank and in eval on another "
+            f"redraws Performer's features at other calls).")
     _check_gradients_alike(caller, headers[:, 10])
     lengths = headers[:, 5]
     b = int(shapes[0, 0])
