@@ -134,6 +134,18 @@ def test_a_plugins_inputs_get_the_librarys_checks_and_padded_rows_are_zero(plugi
     torch.testing.assert_close(out[0], q[0])
 
 
+def _returning_values(monkeypatch, name, config_class):
+    """Register ``name``, options ``config_class``, as a method returning ``v``; taken out
+    of the registry after the test."""
+    monkeypatch.delitem(registry_methods._REGISTRY, name, raising=False)
+
+    @register(name, config_class, Capabilities(target="softmax"))
+    def values(q, k, v, config, *, key_padding_mask=None, generator=None):
+        return v * 1
+
+    monkeypatch.setitem(registry_methods._REGISTRY, name, registry_methods._REGISTRY[name])
+
+
 @dataclasses.dataclass(frozen=True)
 class _Typed:
     num_features: int = 8
@@ -154,14 +166,7 @@ def test_a_plugins_options_are_held_to_their_annotations(monkeypatch, option, va
     in the method (a str compared with a Tensor) or ran (2.5 for an int); it is refused
     in a sentence, at the call, in a variant's name and in a layer's constructor. An int
     for a float and the values of a Literal pass."""
-    monkeypatch.delitem(registry_methods._REGISTRY, "plugin_typed", raising=False)
-
-    @register("plugin_typed", _Typed, Capabilities(target="softmax"))
-    def typed(q, k, v, config, *, key_padding_mask=None, generator=None):
-        return v * 1
-
-    monkeypatch.setitem(registry_methods._REGISTRY, "plugin_typed",
-                        registry_methods._REGISTRY["plugin_typed"])
+    _returning_values(monkeypatch, "plugin_typed", _Typed)
     q = torch.randn(1, 2, 4, 3)
     pattern = rf"plugin_typed: option {said} \(as _Typed declares it\)|{said}"
     with pytest.raises(TypeError, match=pattern):
@@ -195,14 +200,7 @@ def test_the_annotation_checks_take_what_a_config_converts_and_numpy_numbers(mon
     """The checks refused values that worked: a str for an Enum the config converts, a
     list for a tuple (--option gives JSON lists), 2 for Literal[1.0, 2.0], NumPy's
     float32 and bool_. Plain annotations alone are checked; a flag is still no number."""
-    monkeypatch.delitem(registry_methods._REGISTRY, "plugin_lenient", raising=False)
-
-    @register("plugin_lenient", _Lenient, Capabilities(target="softmax"))
-    def lenient(q, k, v, config, *, key_padding_mask=None, generator=None):
-        return v * 1
-
-    monkeypatch.setitem(registry_methods._REGISTRY, "plugin_lenient",
-                        registry_methods._REGISTRY["plugin_lenient"])
+    _returning_values(monkeypatch, "plugin_lenient", _Lenient)
     q = torch.randn(1, 2, 4, 3)
     for options in ({"mode": "local"}, {"widths": [2, 3]}, {"level": 2},
                     {"rate": np.float32(0.25)}, {"flag": np.bool_(True)}):
