@@ -542,6 +542,7 @@ def check_gradients_present_on_some_ranks(rank: int, world: int) -> None:
 def check_sum_gradients_of_sparse_gradients(rank: int, world: int) -> None:
     """A sparse gradient (an nn.Embedding(sparse=True)) gets a sentence on every rank,
     also where only some ranks have one (the others would have waited in the sum)."""
+    torch.manual_seed(0)  # alike on every rank
     model = torch.nn.ModuleDict({"embed": torch.nn.Embedding(5, 2, sparse=True),
                                  "head": torch.nn.Linear(2, 1)})
     tokens = torch.tensor([rank])
@@ -575,6 +576,16 @@ def check_sum_gradients_of_models_that_differ(rank: int, world: int) -> None:
             (name, said)
         differ = list(range(1, world)) if name == "number" else [world - 1]
         assert f"rank(s) {differ} hold another number" in said, (name, said)
-    model = torch.nn.Linear(2, 2)
+    model = torch.nn.Linear(2, 2)  # unseeded: other values on every rank
     model(x).sum().backward()
+    said = _outcome(lambda: sum_gradients(model))
+    assert ("sum_gradients: the trainable parameters' values differ between ranks: rank(s) "
+            f"{list(range(1, world))} hold other values than rank 0") in said, said
+    with torch.no_grad():  # made alike (as a broadcast of rank 0's would): summed
+        for p in model.parameters():
+            p.fill_(0.5)
+    sum_gradients(model)
+    torch.testing.assert_close(model.bias.grad, torch.full((2,), float(world)))
+    with torch.no_grad():  # compared at a module's first sum only: alike parameters stay so
+        model.bias.add_(rank)
     sum_gradients(model)  # the group still works

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import math
 import numbers
+import weakref
 import zlib
 from typing import Any
 
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .layout import comm_device, resolve_group
+from .layout import _INTEGER_OF_SIZE, comm_device, resolve_group
 
 
 def shard_bounds(n: int, world: int, rank: int) -> tuple[int, int]:
@@ -46,8 +47,9 @@ def sum_gradients(module: nn.Module, group: Any = None, divide_by: float = 1.0) 
     shard holds): it counts as zero where missing, as in DDP. The ranks first agree on
     which parameters have one (an all-reduce of one flag each), then sum those in one
     all-reduce; a parameter with a gradient on no rank keeps ``grad = None``. The
-    trainable parameters' number, shapes and dtypes must agree across ranks, and their
-    gradients be dense (checked first, by an all-gather of three integers)."""
+    trainable parameters' number, shapes and dtypes must agree across ranks, their
+    gradients be dense, and, at a module's first sum, their values agree (checked first,
+    by an all-gather of four integers)."""
     if isinstance(divide_by, torch.Tensor) and divide_by.dim() == 0 \
             and not divide_by.is_complex():
         divide_by = divide_by.item()  # a count summed by a collective
@@ -58,7 +60,9 @@ def sum_gradients(module: nn.Module, group: Any = None, divide_by: float = 1.0) 
                          f"{divide_by!r}.")
     group = resolve_group(group, "sum_gradients")
     named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-    _check_alike(named, group)
+    first = module not in _SUMMED  # the values are compared at a module's first sum
+    _check_alike(named, group, values=first)
+    _SUMMED.add(module)
     params = [p for _, p in named]
     if not params:
         return
@@ -80,14 +84,22 @@ def sum_gradients(module: nn.Module, group: Any = None, divide_by: float = 1.0) 
         g.copy_(part.view_as(g))
 
 
-def _check_alike(named: list[tuple[str, nn.Parameter]], group: Any) -> None:
+# Modules whose parameter values sum_gradients has compared across ranks (at their first
+# sum: summed gradients keep alike parameters alike, so later sums need not compare).
+_SUMMED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def _check_alike(named: list[tuple[str, nn.Parameter]], group: Any, values: bool) -> None:
     """Refuse, on every rank, trainable parameters whose number, shapes or dtypes differ
     between ranks (a head sized by each rank's own data): summed in all-reduces of other
     sizes, they abort the process (gloo) or wait forever; and sparse gradients (an
-    embedding built with ``sparse=True``), which the flat sum cannot hold, on any rank."""
+    embedding built with ``sparse=True``), which the flat sum cannot hold, on any rank.
+    With ``values``, parameters whose values differ (built without a common seed): their
+    summed gradients would train each rank's model apart, in silence."""
     layout = repr([(tuple(p.shape), str(p.dtype)) for _, p in named])
     sparse = [name for name, p in named if p.grad is not None and p.grad.is_sparse]
-    mine = torch.tensor([len(named), zlib.crc32(layout.encode()), len(sparse)],
+    mine = torch.tensor([len(named), zlib.crc32(layout.encode()), len(sparse),
+                         _bit_sum(p for _, p in named) if values else 0],
                         device=comm_device(group))
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)
@@ -105,6 +117,26 @@ def _check_alike(named: list[tuple[str, nn.Parameter]], group: Any) -> None:
                          f"rank(s) {differ} hold another number of them ({counts}) or other "
                          "shapes or dtypes than rank 0; build the model alike on every rank, "
                          "with the same parameters requiring gradients.")
+    differ = [r for r, row in enumerate(rows) if row[3] != rows[0][3]]
+    if differ:
+        raise ValueError(f"sum_gradients: the trainable parameters' values differ between "
+                         f"ranks: rank(s) {differ} hold other values than rank 0, so summed "
+                         f"gradients would train each rank's model apart; build the model "
+                         f"under one seed on every rank (torch.manual_seed(0) before it), or "
+                         f"broadcast rank 0's parameters first (torch.distributed.broadcast of "
+                         f"each).")
+
+
+def _bit_sum(parameters: Any) -> int:
+    """An integer that changes with the bits of ``parameters`` (their bits read as
+    integers and summed, exactly and in any order, modulo 2^64): equal on every rank for
+    equal values, on any device."""
+    total = 0
+    for p in parameters:
+        integers = _INTEGER_OF_SIZE.get(p.element_size(), torch.uint8)  # complex128: bytes
+        bits = p.detach().contiguous().view(-1).view(integers)
+        total = (total + int(bits.long().sum())) % 2**63
+    return total
 
 
 def destroy_process_group(group: Any = None) -> None:
