@@ -46,9 +46,10 @@ def check_method(name: str, **options: Any) -> list[CheckResult]:
     if "num_features" in spec.option_names() and "num_features" not in dict(spec.preset):
         options = {"num_features": 8, **options}
     options = _causal_where_needed(spec, options)  # unknown or bad options fail at once
-    causal = {**dict(spec.preset), **options}.get("causal") is True
+    given = {**dict(spec.preset), **options}
+    causal = given.get("causal") is True
     caps = spec.capabilities
-    rows = _rows_for_draws({**dict(spec.preset), **options}.get("num_features"), causal)
+    rows = _rows_for_draws(given.get("num_features"), causal)
 
     def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, seed: int = 0,
             **more: Any) -> Tensor:
@@ -56,28 +57,31 @@ def check_method(name: str, **options: Any) -> list[CheckResult]:
         return bound(q, k, v, key_padding_mask=mask,
                      generator=torch.Generator().manual_seed(seed))
 
-    checks: list[tuple[str, bool, Callable[[], str]]] = [
-        ("output shape, dtype and values", True, lambda: _output(run)),
-        ("the same generator gives the same output", True,
+    undeclared, square = "not declared", "not with causal=True (as many queries as keys)"
+    cross = None if caps.cross_attention else undeclared
+    # (check, why it is skipped or None, what it runs)
+    checks: list[tuple[str, str | None, Callable[[], str]]] = [
+        ("output shape, dtype and values", None, lambda: _output(run)),
+        ("the same generator gives the same output", None,
          lambda: _deterministic(run, caps.randomized, rows)),
-        ("batch elements are independent", True, lambda: _batch(run, caps.mask)),
-        ("gradients reach q, k and v", True, lambda: _gradients(run)),
-        ("padding gives the truncated input's outputs", caps.mask, lambda: _padding(run)),
-        ("padded keys get no weight", caps.mask, lambda: _padded_keys(run)),
-        ("causal: no output depends on a later position", caps.causal,
-         lambda: _causal(run)),
+        ("batch elements are independent", None, lambda: _batch(run, caps.mask)),
+        ("gradients reach q, k and v", None, lambda: _gradients(run)),
+        ("padding gives the truncated input's outputs", None if caps.mask else undeclared,
+         lambda: _padding(run)),
+        ("padded keys get no weight", None if caps.mask else undeclared,
+         lambda: _padded_keys(run)),
+        ("causal: no output depends on a later position",
+         None if caps.causal else undeclared, lambda: _causal(run)),
         ("cross-attention: other numbers of queries and keys",
-         caps.cross_attention and not causal, lambda: _cross(run)),
+         square if causal else cross, lambda: _cross(run)),
         ("independent queries: no output depends on another query",
-         caps.independent_queries and caps.cross_attention and not causal,
+         square if causal else (cross or (None if caps.independent_queries else undeclared)),
          lambda: _independent(run)),
     ]
     results = []
-    for check, applies, body in checks:
-        if not applies:
-            said = "not declared" if not causal or not check.startswith(("cross", "indep")) \
-                else "not with causal=True (as many queries as keys)"
-            results.append(CheckResult(check, None, said))
+    for check, skipped, body in checks:
+        if skipped is not None:
+            results.append(CheckResult(check, None, skipped))
             continue
         try:
             results.append(CheckResult(check, True, body()))
