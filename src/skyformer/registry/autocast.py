@@ -33,7 +33,7 @@ def call_core(core: Callable[..., Tensor], q: Any, k: Any, v: Any, config: Any,
     """``core(q, k, v, config, **kwargs)``, with the autocast rule above, the budget caps
     of ``capped`` and the padding and non-finite rules of ``guard``."""
     masks = (kwargs.get("key_padding_mask"), kwargs.get("query_padding_mask", "auto"))
-    owned = _library_method(core)
+    owned = in_the_library(core)
     # the library's methods check their inputs themselves (as autocast hands them over:
     # Llama's rotary step gives float32 q, k beside a bfloat16 v); one from outside gets
     # the same checks here, and its padded queries' rows are set to 0 after it
@@ -97,11 +97,12 @@ def _guarded(core: Callable[..., Tensor], q: Tensor, k: Any, v: Any, config: Any
     return show_nonfinite(out, q, k, v, *masks, owned=owned, causal=causal)
 
 
-def _library_method(core: Callable[..., Tensor]) -> bool:
-    """Whether ``core`` is one of the library's methods (``skyformer.ops``), whose
-    output is a new tensor of its own; a method registered from outside might return a
-    view of a buffer it keeps."""
-    return getattr(core, "__module__", "").startswith("skyformer.ops.")
+def in_the_library(defined: Any) -> bool:
+    """Whether a method's core or config class is the library's (``skyformer.ops``): its
+    core checks its inputs and returns a new tensor of its own, its config checks its
+    options; a method registered from outside gets those checks here and in
+    ``Method.make_config``, and might return a view of a buffer it keeps."""
+    return getattr(defined, "__module__", "").startswith("skyformer.ops.")
 
 
 def capped(config: Any, q: Any, k: Any) -> Any:

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from ..checks import check_positive_int
-from .autocast import autocast_dtype
+from .autocast import autocast_dtype, in_the_library
 from .binding import HALF_DTYPES, TAKES_QUERY_MASK, BoundMethod, takes_keyword
 from .capabilities import (
     TARGETS,
@@ -139,7 +139,7 @@ class Method:
                 f"its options are: {known}{hint}."
             )
         options = {name: _python_int(value) for name, value in options.items()}
-        if not self.config_class.__module__.startswith("skyformer."):
+        if not in_the_library(self.config_class):
             _check_option_types(self.name, self.config_class, options)
         return self.config_class(**options)
 
