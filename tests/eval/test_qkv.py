@@ -162,6 +162,20 @@ def test_model_folders_that_cannot_be_used_give_sentences(tmp_path):
         load_model(gpt2)
 
 
+def test_a_folder_without_tokenizer_files_is_refused(tmp_path):
+    """transformers 5 builds a tokenizer of the special tokens alone for a folder without
+    tokenizer files: every word became [UNK] and hf-eval printed a normal-looking table."""
+    import transformers
+
+    folder = tmp_path / "weights_only"
+    config = transformers.BertConfig(num_hidden_layers=1, hidden_size=8, num_attention_heads=2,
+                                     intermediate_size=8, vocab_size=30522)
+    transformers.BertModel(config).save_pretrained(folder)
+    with pytest.raises(ValueError, match=r"holds no usable tokenizer: it knows \d+ tokens where "
+                       r"the model has 30522.*tokenizer\.json"):
+        load_model(folder)
+
+
 def test_loading_leaves_the_process_online(monkeypatch):
     """A local folder is read with ``local_files_only``: loading it must not switch the
     user's whole process off the Hugging Face Hub (HF_HUB_OFFLINE), which would break

@@ -106,6 +106,7 @@ def load_model(
             f"could not load a Hugging Face model and tokenizer from {str(path)!r}: "
             f"{str(err).strip().splitlines()[0]}"
         ) from None
+    _check_tokenizer(tokenizer, config, path)
     model.eval()
     name = getattr(config, "_name_or_path", "") or path.name
     if model_dir is None:
@@ -118,6 +119,21 @@ def load_model(
             f"or MiniLM model folder; other models take skyformer.hf.set_attention from Python."
         )
     return model, tokenizer, name
+
+
+def _check_tokenizer(tokenizer: Any, config: Any, path: Path) -> None:
+    """Refuse a folder whose tokenizer files are missing: transformers 5 then builds a
+    tokenizer of the special tokens alone instead of failing, and every word becomes
+    [UNK] (a table of meaningless numbers, printed as if all were well)."""
+    vocab_size = getattr(config, "vocab_size", None)
+    if isinstance(vocab_size, int) and len(tokenizer) < vocab_size // 2:
+        raise ValueError(
+            f"{str(path)!r} holds no usable tokenizer: it knows {len(tokenizer)} tokens "
+            f"where the model has {vocab_size}, so every word would be [UNK]. Copy the "
+            f"tokenizer files the model was trained with (tokenizer.json, or vocab.txt / "
+            f"vocab.json and merges.txt / the sentencepiece .model, with "
+            f"tokenizer_config.json) into that folder."
+        )
 
 
 # names of the query, key and value projections: BERT-type layers, DistilBERT's
