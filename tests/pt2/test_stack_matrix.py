@@ -70,6 +70,57 @@ def test_autocast_bf16_returns_bf16_close_to_float32(method, matrix):
     torch.testing.assert_close(out64, call(method, *doubles, mask, key=key), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("method", [m for m in METHODS
+                                    if get_method(m).capabilities.half_precision])
+def test_compile_under_autocast_gives_eager_gradients(method, matrix):
+    """A call compiled under bf16 autocast, differentiated after the autocast block: the
+    methods' Functions ran their backward under the forward's autocast there, and the
+    float32 accumulations in it failed to compile. With torch's backward_pass_autocast
+    = "off" (eager's semantics) the gradients equal eager ones."""
+    matrix("autocast + compile (aot_eager), fwd + bwd", method)
+    import torch._functorch.config as functorch_config
+
+    bound = get_method(method).bind(seq_len=160)
+    q, k, v = make_qkv(2, 2, 160, 8, dtype=torch.float32)
+    mask, key = mask_for(method, padded(2, 160, 128)), random_key(1)
+
+    def plain(q, k, v):
+        return bound(q, k, v, key_padding_mask=mask, generator=key)
+
+    def with_grads(fn):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        with torch.autocast("cpu", torch.bfloat16):
+            out = fn(*leaves)
+        (out.float() * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        return out.detach(), *(t.grad for t in leaves)
+
+    torch._dynamo.reset()
+    with functorch_config.patch(backward_pass_autocast="off"):
+        got = with_grads(torch.compile(plain, fullgraph=True, backend="aot_eager"))
+    for name, a, b in zip(("output", "dq", "dk", "dv"), got, with_grads(plain), strict=True):
+        torch.testing.assert_close(a, b, msg=lambda text, name=name: f"{name}: {text}")
+
+
+def test_compile_under_autocast_warns_where_torch_casts_the_backward():
+    """torch's default traces a compiled backward under the forward's autocast, which runs
+    the methods' float32 steps' derivatives in bf16: one warning per traced graph names
+    the setting, and the call still compiles (Skyformer's Gaussian products had failed
+    there: their backward ran under autocast, and its float32 accumulation refused the
+    bf16 products)."""
+    import torch._functorch.config as functorch_config
+
+    q, k, v = (t.requires_grad_(True) for t in make_qkv(1, 2, 40, 8, dtype=torch.float32))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: skyformer.attention(
+        q, k, v, "skyformer", num_features=8), fullgraph=True, backend="aot_eager")
+    with functorch_config.patch(backward_pass_autocast="same_as_forward"):
+        with (pytest.warns(UserWarning, match=r"backward_pass_autocast = 'off' before compiling"),
+              torch.autocast("cpu", torch.bfloat16)):
+            out = compiled(q, k, v)
+        out.float().sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
 @pytest.mark.parametrize("n", [24, 160])  # 160: every method approximates
 @pytest.mark.parametrize("method", METHODS)
 def test_compile_fullgraph_equals_eager(method, n, matrix):

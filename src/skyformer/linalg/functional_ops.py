@@ -27,6 +27,7 @@ import torch.autograd.forward_ad as forward_ad
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from ..amp import outside_autocast
 from .vmap import fold_into_batch, is_placeholder, split_batch
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -102,11 +103,14 @@ def first_order_backward(backward: F) -> F:
     Gradients batched by the legacy vmap (``autograd.grad(..., is_grads_batched=True)``)
     are folded the same way (``_legacy_batched_backward``). The
     backward reads the saved tensors once, through the wrapper (activation
-    checkpointing allows one unpack)."""
+    checkpointing allows one unpack), and runs with autocast off
+    (``amp.outside_autocast``: as eager code runs it, where ``torch.compile`` would
+    trace it under the forward's autocast)."""
 
     once = once_differentiable(backward)
 
     @functools.wraps(backward)
+    @outside_autocast
     def wrapper(ctx: Any, *grads: Any) -> Any:
         saved = ctx.saved_tensors
         tensors = [t for t in (*grads, *saved) if isinstance(t, Tensor)]

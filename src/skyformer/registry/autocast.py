@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..amp import autocast_enabled, autocast_off
+from ..amp import autocast_enabled, autocast_off, warn_if_compiled_backward_casts
 from ..ops.shared.inputs import check_attention_inputs, zero_padded_queries
 from .guard import marked_by_core, show_nonfinite, zero_padding
 from .outputs import check_output, registered_name
@@ -46,6 +46,8 @@ def call_core(core: Callable[..., Tensor], q: Any, k: Any, v: Any, config: Any,
         return core(q, k, v, config, **kwargs)
     causal = getattr(config, "causal", False) is True
     cast = autocast_dtype(q) is not None
+    if cast:
+        warn_if_compiled_backward_casts(q, k, v)
     q, k, v, precision = autocast_rule(q, k, v)
     with precision:
         out = _guarded(core, q, k, v, config, masks, owned, causal, cast, kwargs)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...amp import autocast_off
+from ...amp import outside_autocast
 from ...linalg.eager_calls import apply
 from ...linalg.functional_ops import functional_ops_only
 from ...linalg.kernels import overwrite_in_eager
@@ -91,10 +91,9 @@ class _NormalisedOr(torch.autograd.Function):
         ctx.dtypes = (numerator.dtype, fallback.dtype)
 
     @staticmethod
+    @outside_autocast  # in the inputs' dtypes, also where backward runs under autocast
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        # in the inputs' dtypes, also where the backward pass runs under autocast
-        with autocast_off(grad.device.type):
-            return _NormalisedOr._gradients(ctx, grad)
+        return _NormalisedOr._gradients(ctx, grad)
 
     @staticmethod
     def _gradients(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
