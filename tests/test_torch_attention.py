@@ -525,6 +525,54 @@ def test_a_float_padding_mask_with_a_bias_is_named_for_an_approximate_method():
                                **EXACT)
 
 
+def test_a_float_padding_mask_with_a_bias_is_refused_under_torch_func_and_compile():
+    """Under torch.func and torch.compile the mask's values cannot be read as in eager
+    code: it was read as 0 = real and anything else padding without a word (under vmap a
+    random mask made every key padding). torch.func's wrapped values are read for the
+    check; a compiled graph checks them on the device when it runs."""
+    _, approx = pair("nystromformer", {"num_features": 4})
+    q, kv = rand(L, B, E), rand(S, B, E, seed=2)
+    padded = torch.zeros(B, S, dtype=F64).masked_fill(padding(), float("-inf"))
+    biased = padded - 1.0
+
+    def attend(q, kv, mask):
+        return approx(q, kv, kv, key_padding_mask=mask, need_weights=False)[0]
+
+    def under_grad(mask):
+        return torch.func.grad(lambda q: attend(q, kv, mask).square().sum())(q)
+
+    def under_vmap(mask):  # one mask row per mapped batch element
+        return torch.func.vmap(lambda qb, kvb, mb: attend(qb[:, None], kvb[:, None], mb[None]),
+                               in_dims=(1, 1, 0), randomness="same")(q, kv, mask)
+
+    compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")
+    refusals = {under_grad: ValueError, under_vmap: ValueError, lambda m: compiled(q, kv, m):
+                RuntimeError}
+    for run, error in refusals.items():
+        run(padded)  # 0 / -inf: padding, taken
+        with pytest.raises(error, match=r"nystromformer\): key_padding_mask holds additive "
+                                        r"values other than 0"):
+            run(biased)
+
+
+def test_an_attn_mask_that_cannot_be_read_is_refused_with_this_layers_arguments():
+    """Under a transform the refusal named the SDPA entry's mask [B, 1, 1, S] (True =
+    attend), which this layer refuses: it names this layer's arguments, torch's
+    convention."""
+    _, approx = pair("skyformer", {"num_features": 4})
+    blocked = torch.zeros(L, L, dtype=torch.bool)
+    blocked[:, 4:] = True  # torch's convention: True = not allowed
+    x = rand(L, 1, E)
+    approx(x, x, x, attn_mask=blocked, need_weights=False)  # eager: read as padding
+    with pytest.raises(CapabilityError, match=r"pass a bool key_padding_mask \[B, S\] \(True "
+                                              r"= padding\) and is_causal=True with a causal "
+                                              r"attn_mask\.$"):
+        torch.func.vmap(lambda x, mask: approx(x[:, None], x[:, None], x[:, None],
+                                               attn_mask=mask, need_weights=False)[0],
+                        in_dims=(1, 0), randomness="same")(rand(L, 2, E),
+                                                           torch.stack([blocked, blocked]))
+
+
 def test_linformer_without_a_length_is_told_replace_attentions_argument():
     """Linformer's missing max_seq_len named MultiHeadAttention's and set_attention's
     arguments, neither of which a torch model's swap calls."""

@@ -282,11 +282,14 @@ def _check_mask_shape(attn_mask: Tensor, query: Tensor, key: Tensor) -> None:
 
 
 def attn_mask_as_padding(spec: Method, attn_mask: Tensor, key_padding_mask: Tensor | None,
-                         query_padding_mask: Any, query: Tensor, key: Tensor, causal: bool
-                         ) -> tuple[Tensor | None, bool]:
+                         query_padding_mask: Any, query: Tensor, key: Tensor, causal: bool,
+                         instead: str | None = None) -> tuple[Tensor | None, bool]:
     """An ``attn_mask`` as the key padding mask and causal flag an approximate method
     takes (combined with the caller's ``key_padding_mask``), or a sentence; the rows of
-    the queries ``query_padding_mask`` calls real must follow it (``resolve_mask``)."""
+    the queries ``query_padding_mask`` calls real must follow it (``resolve_mask``).
+    ``instead``: what the caller's own arguments take in place of a mask whose values
+    cannot be read (by default this entry's: a bool ``[B, 1, 1, S]`` mask, or
+    ``key_padding_mask`` and ``is_causal``)."""
     b, _, lq, _ = query.shape
     lk = key.shape[2]
     advice = (f"{spec.name} is one of them: use method='softmax' or 'kernelized', which "
@@ -308,15 +311,15 @@ def attn_mask_as_padding(spec: Method, attn_mask: Tensor, key_padding_mask: Tens
             f"{spec.name} takes only {masks_taken(spec.capabilities)}, and under "
             f"torch.compile or a torch.func transform the values of a float attn_mask "
             f"cannot be read to check that it holds no bias (which {spec.name} would leave "
-            f"out): pass a bool mask [B, 1, 1, S] (True = attend), or "
-            f"{_mask_arguments(spec)}."
+            f"out): pass {instead or _instead_of_a_float_mask(spec)}."
         )
     else:
+        instead = instead or (f"{_mask_arguments(spec)}, or a mask [B, 1, 1, S] that is the "
+                              f"same for every query")
         raise CapabilityError(
             f"{spec.name} takes only {masks_taken(spec.capabilities)}, and under "
             f"torch.compile or a torch.func transform the values of attn_mask cannot be read "
-            f"to check it is one: pass {_mask_arguments(spec)}, or a mask [B, 1, 1, S] that "
-            f"is the same for every query."
+            f"to check it is one: pass {instead}."
         )
     if valid is not None and key_padding_mask is not None:
         if not _is_key_padding(key_padding_mask, b, lk):
@@ -331,6 +334,11 @@ def _is_key_padding(mask: Any, b: int, lk: int) -> bool:
     (joined, a float mask failed inside ``&`` and a ``[1, S]`` one was broadcast)."""
     return isinstance(mask, Tensor) and mask.dtype == torch.bool \
         and tuple(mask.shape) == (b, lk)
+
+
+def _instead_of_a_float_mask(spec: Method) -> str:
+    """What this entry takes in place of a float ``attn_mask`` it cannot read."""
+    return f"a bool mask [B, 1, 1, S] (True = attend), or {_mask_arguments(spec)}"
 
 
 def _mask_arguments(spec: Method) -> str:

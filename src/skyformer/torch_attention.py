@@ -60,7 +60,7 @@ from .functional import attn_mask_as_padding, refuse_causal_lengths, sdpa_option
 from .masks import BLOCKED_LOGIT
 from .nn import BoundMethodProperties
 from .ops.shared.options import check_probability
-from .ops.shared.tracing import may_read_values
+from .ops.shared.tracing import values_to_check
 from .registry import BoundMethod, get_method, methods_that_can
 
 NAME = "TorchMultiheadAttention"
@@ -309,7 +309,7 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         causal = is_causal
         if mask is not None:
             key_valid, causal = attn_mask_as_padding(self.spec, mask, key_valid, rows, q, k,
-                                                     causal)
+                                                     causal, instead=self._mask_arguments())
         if causal and q.shape[2] != k.shape[2]:
             refuse_causal_lengths(self.spec, q.shape[2], k.shape[2])
         bound = self.bound.replace(**sdpa_options(self.spec, {}, causal, None,
@@ -319,19 +319,37 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         p = self._dropout()
         return F.dropout(out, p=p, training=True) if p else out
 
+    def _mask_arguments(self) -> str:
+        """This layer's arguments for the masks its method takes (torch's conventions),
+        for a sentence that refuses an ``attn_mask`` it cannot read."""
+        caps = self.spec.capabilities
+        arguments = [a for a, able in (
+            ("a bool key_padding_mask [B, S] (True = padding)", caps.mask),
+            ("is_causal=True with a causal attn_mask", caps.causal)) if able]
+        return " and ".join(arguments) or "no mask"
+
     def _real_keys(self, additive: Tensor) -> Tensor:
         """A float ``key_padding_mask`` ``[B, S]`` (0 = real key, -inf or a large
         negative = padding) as ``[B, S]`` bool, True = real; a sentence for other values
-        (a bias, which an approximate method would leave out), checked where values can
-        be read (under tracing 0 is real and anything else padding)."""
+        (a bias, which an approximate method would leave out): read on the host in eager
+        code and under ``torch.func`` (the values the transforms wrap), checked on the
+        device in a compiled graph (``torch._assert_async``; under other tracers 0 is
+        real and anything else padding)."""
         real = additive == 0
-        if may_read_values(additive) and not bool((real | (additive <= BLOCKED_LOGIT)).all()):
-            raise ValueError(
-                f"{NAME} ({self.method}): key_padding_mask holds additive values other than 0 "
-                f"(a real key) and -inf or a large negative (padding): a bias, which "
-                f"{self.method} cannot apply (it takes key padding and causal masks); pass a "
-                f"bool mask (True = padding), or use method='softmax' or 'kernelized', "
-                f"which take any mask.")
+        sentence = (
+            f"{NAME} ({self.method}): key_padding_mask holds additive values other than 0 "
+            f"(a real key) and -inf or a large negative (padding): a bias, which "
+            f"{self.method} cannot apply (it takes key padding and causal masks); pass a "
+            f"bool mask (True = padding), or use method='softmax' or 'kernelized', "
+            f"which take any mask.")
+        values = values_to_check(additive)
+        if values is not None:
+            if not bool(((values == 0) | (values <= BLOCKED_LOGIT)).all()):
+                raise ValueError(sentence)
+        elif torch.compiler.is_compiling():
+            torch._assert_async((real | (additive <= BLOCKED_LOGIT)).all(),
+                                f"skyformer: {sentence} (checked at run time in a compiled "
+                                f"model)")
         return real
 
     def _nested(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Any,

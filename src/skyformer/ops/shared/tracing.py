@@ -28,6 +28,19 @@ def may_read_values(*tensors: Tensor) -> bool:
                    for t in tensors)
 
 
+def values_to_check(t: Tensor) -> Tensor | None:
+    """The values behind ``t`` where a check may read them without the result depending
+    on them: ``t`` in eager code; under ``torch.func`` transforms the tensor the
+    transforms wrap (under ``vmap`` every mapped slice at once), which a check of every
+    entry may read although no branch may; None under ``torch.compile``, tracers and on
+    the meta device."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or _tracing_mode_active():
+        return None
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return None if t.is_meta else t
+
+
 def strides_hold() -> bool:
     """Whether every later run of this code sees the strides its inputs have now: in
     eager code, and under ``torch.compile``, which guards on them (another layout
