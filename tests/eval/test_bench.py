@@ -603,6 +603,45 @@ def test_config_and_names_are_checked():
     torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v))
 
 
+def test_a_functions_options_are_its_parameters_after_q_k_v(tmp_path, monkeypatch):
+    """``def f(q, k, v, num_features=64)`` took no --features (only keyword-only
+    parameters counted): it ran at 64 beside methods at 32, with no word. Options in
+    brackets on a function are refused in a sentence (they failed as an attribute)."""
+    (tmp_path / "own_attention.py").write_text(
+        "def plain(q, k, v, num_features=64, key_padding_mask=None):\n    return v\n"
+        "def keyword(q, k, v, *, num_features=64, generator=None):\n    return v\n"
+        "def positional_only(q, k, v, /, scale=1.0):\n    return v\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert resolve("own_attention:plain@softmax").options(32) == {"num_features": 32}
+    assert resolve("own_attention:keyword@softmax").options(32) == {"num_features": 32}
+    assert resolve("own_attention:positional_only@softmax").option_names == ("scale",)
+    with pytest.raises(ValueError, match=r"options in brackets are for registered methods; a "
+                                         r"function is called with its own defaults"):
+        resolve("own_attention:plain[num_features=16]@softmax")
+
+
+def test_a_function_with_a_wrong_output_is_skipped_with_the_reason(tmp_path, monkeypatch):
+    """A function returning one row was timed and reported many times faster than softmax
+    (the reason only in the progress line); a NaN error is marked as worse than the
+    trivial answer."""
+    from skyformer.eval.bench.report import worse_than_trivial
+
+    (tmp_path / "wrong_attention.py").write_text(
+        "def one_row(q, k, v):\n    return v[..., :1, :]\n"
+        "def doubles(q, k, v):\n    return v.double()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = BenchConfig(methods=("wrong_attention:one_row@softmax",
+                                  "wrong_attention:doubles@softmax"), seq_lens=(16,),
+                         shapes=((1, 2, 4),), repeats=1, warmup=0, memory=False)
+    rows = {row["method"]: row for row in run_bench(config).rows}
+    assert rows["one_row"]["status"] == "skipped"
+    assert rows["one_row"]["reason"] == (
+        "ValueError: wrong_attention:one_row returned (1, 2, 1, 4), torch.float32; expected [B, H, N, Dv] "
+        "= (1, 2, 16, 4), torch.float32 (the inputs' dtype)")
+    assert "returned (1, 2, 16, 4), torch.float64" in rows["doubles"]["reason"]
+    assert worse_than_trivial({"rel_error": float("nan"), "trivial_error": 0.5})
+
+
 def test_every_registered_method_runs():
     """The default method list: all registered methods, including those with a per-layer
     state (Linformer, Nystromformer, Performer) and the multipole/adaptive variants."""
@@ -708,6 +747,10 @@ def test_a_variant_that_sets_the_swept_num_features_is_refused():
     CompareConfig(methods=("skyformer[num_features=16]", "linear"))
     with pytest.raises(ValueError, match="unknown attention method 'nope'"):
         CompareConfig(methods=("nope",))
+    with pytest.raises(ValueError, match=r"compare takes registered methods, not "
+                                         r"'my_attn:window@softmax'.*skyformer bench --methods "
+                                         r"my_attn:window@softmax\.$"):
+        CompareConfig(methods=("my_attn:window@softmax",))
     with pytest.raises(ValueError, match="methods lists linear more than once; give each"):
         CompareConfig(methods=("linear", "linear"))
     with pytest.raises(ValueError, match="seq_lens lists 16 more than once"):

@@ -166,6 +166,12 @@ def resolve(spec: str) -> NamedAttention:
         return NamedAttention(name, caps.target, caps.exact, method.option_names(),
                               caps.half_precision)
     module_name, _, function_name = name.partition(":")
+    if "[" in function_name:
+        raise ValueError(
+            f"{spec!r}: options in brackets are for registered methods; a function is "
+            f"called with its own defaults (and num_features from --features). Give the "
+            f"options as the function's defaults, or register it as a method (skyformer "
+            f"--plugin MODULE; CONTRIBUTING.md, 'Adding a method').")
     try:
         function = getattr(_import_from_here_too(module_name), function_name)
     except (ImportError, AttributeError) as err:
@@ -183,14 +189,26 @@ def resolve(spec: str) -> NamedAttention:
     takes_generator = "generator" in parameters or any(
         p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()
     )
-    option_names = tuple(
-        p
-        for p, info in parameters.items()
-        if info.kind is inspect.Parameter.KEYWORD_ONLY
-        and p not in ("generator", "key_padding_mask")
-    )
+    option_names = _option_parameters(parameters)
     return NamedAttention(name, target or None, False, option_names, function=function,
                           takes_generator=takes_generator)
+
+
+def _option_parameters(parameters: Any) -> tuple[str, ...]:
+    """The options of a function called as ``function(q, k, v, **options)``: its
+    parameters after the first three positional ones, keyword-only or not (``def f(q,
+    k, v, num_features=64)`` takes ``--features`` as ``def f(q, k, v, *,
+    num_features=64)`` does), but ``generator`` and ``key_padding_mask``."""
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names, skipped = [], 0
+    for name, info in parameters.items():
+        if info.kind in positional and skipped < 3:
+            skipped += 1  # q, k, v
+        elif info.kind in (inspect.Parameter.KEYWORD_ONLY,
+                           inspect.Parameter.POSITIONAL_OR_KEYWORD) \
+                and name not in ("generator", "key_padding_mask"):
+            names.append(name)
+    return tuple(names)
 
 
 def _import_from_here_too(module_name: str) -> Any:

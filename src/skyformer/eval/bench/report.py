@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +37,12 @@ def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
 
 
 def worse_than_trivial(row: dict[str, Any]) -> bool:
-    """Whether the method's error exceeds the trivial answer's (mean of V or zeros)."""
-    trivial = row.get("trivial_error")
-    return trivial is not None and row.get("rel_error") is not None \
-        and row["rel_error"] > trivial
+    """Whether the method's error exceeds the trivial answer's (mean of V or zeros), or
+    is not finite (NaN compares as neither)."""
+    trivial, error = row.get("trivial_error"), row.get("rel_error")
+    if trivial is None or error is None:
+        return False
+    return not math.isfinite(error) or error > trivial
 
 
 def _groups(result: BenchResult) -> dict[tuple, list[dict[str, Any]]]:

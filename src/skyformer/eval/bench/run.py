@@ -270,18 +270,27 @@ def _inputs_or_reason(shape: tuple[int, int, int], n: int, dtype: torch.dtype,
 
 def _closures(
     call: PreparedCall, q: Tensor, k: Tensor, v: Tensor, grad: Tensor, seed: int,
+    check: Callable[[Any], None] | None = None,
 ) -> tuple[Callable[[], Tensor], Callable[[], None]]:
     """The forward and the forward + backward call timed. Their generator is made once,
     here, and reseeded in place by each call (every call draws the same): a generator
-    made per call put its construction, host work, inside the timed region."""
+    made per call put its construction, host work, inside the timed region. ``check``
+    sees the output of the first call (of either), untimed."""
     generator = torch.Generator(device=q.device)
+
+    def checked(out: Any) -> Any:
+        nonlocal check
+        if check is not None:
+            check, first = None, check
+            first(out)
+        return out
 
     def forward() -> Tensor:
         with torch.no_grad():
-            return call(q, k, v, generator.manual_seed(seed))
+            return checked(call(q, k, v, generator.manual_seed(seed)))
 
     def forward_backward() -> None:
-        out = call(q, k, v, generator.manual_seed(seed))
+        out = checked(call(q, k, v, generator.manual_seed(seed)))
         out.backward(grad[..., : out.shape[-1]])
         for t in (q, k, v):
             t.grad = None
@@ -495,7 +504,9 @@ def _first_call(
     try:
         call = method.prepare((b, h, n, d), options, device=device, dtype=dtype,
                               as_layer=True)
-        forward, step = _closures(call, *inputs, config.seed)
+        check = None if method.registered else (  # the registry checks the methods'
+            lambda out: _check_function_output(method, out, (b, h, n, d), dtype))
+        forward, step = _closures(call, *inputs, config.seed, check)
         (step if config.backward else forward)()
     except CALL_ERRORS as err:
         row.update(status="skipped", reason=_one_line(err))
@@ -504,6 +515,18 @@ def _first_call(
         _escaping(err, row, "in its first call")
         raise
     return row, (method, options, forward, step)
+
+
+def _check_function_output(method: NamedAttention, out: Any, shape: tuple[int, ...],
+                           dtype: torch.dtype) -> None:
+    """A sentence (the row's reason) for a plain function whose output is not a tensor
+    ``[B, H, N, Dv]`` of the inputs' dtype: timed as it was, a function returning one
+    row was reported many times faster than softmax."""
+    got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+    if got != shape or out.dtype != dtype:
+        what = f"{got}, {out.dtype}" if isinstance(out, Tensor) else got
+        raise ValueError(f"{method.name} returned {what}; expected [B, H, N, Dv] = "
+                         f"{shape}, {dtype} (the inputs' dtype)")
 
 
 class _CallFailed(Exception):

@@ -65,10 +65,22 @@ class CompareConfig:
             check_positive_int("num_features (--features)", self.num_features)
         refuse_repeated_methods(self.methods)
         for m in self.methods or ():  # unknown names fail before any work
-            method = get_method(m)
+            method = registered_method(m)
             if self.num_features is not None:
                 refuse_swept_option(method.name, method.preset, "num_features",
                                     "compare (--features)")
+
+
+def registered_method(name: str) -> Any:
+    """``get_method(name)``, with a sentence for a ``module:function`` spec (which
+    ``bench`` takes): compare reads a method's capabilities and options, which only a
+    registered method declares."""
+    if isinstance(name, str) and ":" in name:
+        raise ValueError(
+            f"compare takes registered methods, not {name!r}: register it (skyformer "
+            f"--plugin MODULE compare ...; CONTRIBUTING.md, 'Adding a method'), or time and "
+            f"measure a plain function with skyformer bench --methods {name}.")
+    return get_method(name)
 
 
 @dataclass
@@ -155,7 +167,7 @@ def compare_on(qkv: QKV | tuple[Tensor, Tensor, Tensor], config: CompareConfig, 
     _say_nonfinite(q, k, v, info)
     methods = list(config.methods) if config.methods else list_methods()
     for m in methods:
-        get_method(m)  # unknown names fail before any work
+        registered_method(m)  # unknown names fail before any work
     given = MaskedQKV(q, k, v, key_padding_mask)
     targets: dict[tuple, Target] = {}
     rows = []
