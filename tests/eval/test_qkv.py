@@ -163,9 +163,15 @@ def test_model_folders_that_cannot_be_used_give_sentences(tmp_path):
 
 
 def test_a_folder_without_tokenizer_files_is_refused(tmp_path):
-    """transformers 5 builds a tokenizer of the special tokens alone for a folder without
-    tokenizer files: every word became [UNK] and hf-eval printed a normal-looking table."""
+    """A tokenizer that does not fit the model is refused. transformers 5 builds a
+    tokenizer of the special tokens alone for a folder without tokenizer files: every word
+    became [UNK] and hf-eval printed a normal-looking table; one larger than the
+    embeddings failed with an IndexError inside the model."""
+    import shutil
+
     import transformers
+
+    from skyformer.eval.data.qkv import default_model_dir
 
     folder = tmp_path / "weights_only"
     config = transformers.BertConfig(num_hidden_layers=1, hidden_size=8, num_attention_heads=2,
@@ -174,6 +180,14 @@ def test_a_folder_without_tokenizer_files_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"holds no usable tokenizer: it knows \d+ tokens where "
                        r"the model has 30522.*tokenizer\.json"):
         load_model(folder)
+    smaller = tmp_path / "smaller_vocabulary"
+    config.vocab_size = 20000
+    transformers.BertModel(config).save_pretrained(smaller)
+    for name in ("vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(default_model_dir() / name, smaller / name)
+    with pytest.raises(ValueError, match=r"its tokenizer knows 30522 tokens, more than the "
+                       r"20000 rows of the model's embeddings"):
+        load_model(smaller)
 
 
 def test_loading_leaves_the_process_online(monkeypatch):

@@ -124,9 +124,19 @@ def load_model(
 def _check_tokenizer(tokenizer: Any, config: Any, path: Path) -> None:
     """Refuse a folder whose tokenizer files are missing: transformers 5 then builds a
     tokenizer of the special tokens alone instead of failing, and every word becomes
-    [UNK] (a table of meaningless numbers, printed as if all were well)."""
+    [UNK] (a table of meaningless numbers, printed as if all were well); and one whose
+    tokenizer has more tokens than the model's embeddings (an IndexError deep in the
+    model's first layer)."""
     vocab_size = getattr(config, "vocab_size", None)
-    if isinstance(vocab_size, int) and len(tokenizer) < vocab_size // 2:
+    if not isinstance(vocab_size, int):
+        return
+    if len(tokenizer) > vocab_size:
+        raise ValueError(
+            f"{str(path)!r}: its tokenizer knows {len(tokenizer)} tokens, more than the "
+            f"{vocab_size} rows of the model's embeddings, so a text could hold ids the model "
+            f"cannot look up (tokenizer files of another model?). Copy the tokenizer files "
+            f"the model was trained with into that folder.")
+    if len(tokenizer) < vocab_size // 2:
         raise ValueError(
             f"{str(path)!r} holds no usable tokenizer: it knows {len(tokenizer)} tokens "
             f"where the model has {vocab_size}, so every word would be [UNK]. Copy the "
