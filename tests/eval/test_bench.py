@@ -227,6 +227,11 @@ def test_an_interrupted_run_keeps_its_lengths_and_resume_measures_only_the_rest(
                                                                ("skyformer", 64)]
     monkeypatch.setattr(bench_run, "_measure_length", measure)
     capsys.readouterr()
+    # the command again without --resume: refused, the measured rows kept
+    assert main([*argv, "--seq-lens", "64", "128"]) == 2
+    assert (f"{out.with_suffix('.json')} holds a run that stopped before its end (N = 64 "
+            f"measured): pass --resume to continue it" in capsys.readouterr().err)
+    assert json.loads(out.with_suffix(".json").read_text()) == partial
     assert main([*argv, "--seq-lens", "64", "128", "256", "--resume"]) == 0
     err = capsys.readouterr().err
     assert "resuming from" in err and "2 rows measured before" in err
@@ -251,7 +256,9 @@ def test_an_interrupted_run_keeps_its_lengths_and_resume_measures_only_the_rest(
 
     # fewer lengths: the dropped rows are announced, the kept ones lose their stale ratios
     assert main([*argv, "--seq-lens", "128", "256", "--resume"]) == 0
-    assert "also holds 2 rows this run does not ask for (N = 64," in capsys.readouterr().err
+    assert ("also holds 2 rows this run does not ask for (N = 64, or other shapes or dtypes); "
+            "they will not be in the new file: ask for them too to keep them (--seq-lens 64 "
+            "128 256" in capsys.readouterr().err)
     shorter = json.loads(out.with_suffix(".json").read_text())
     assert [r["n"] for r in shorter["rows"]] == [128, 128, 256, 256]
     assert shorter["rows"][1]["growth"] is None and shorter["rows"][3]["growth"] is not None

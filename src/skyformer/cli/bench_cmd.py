@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -168,9 +170,11 @@ def _earlier_rows(config: BenchConfig, out: str | None) -> tuple[list[dict], lis
     print(f"resuming from {path}: {len(rows)} rows measured before", file=sys.stderr)
     if unasked:
         lengths = sorted({row["n"] for row in unasked})
+        every = " ".join(map(str, sorted(set(lengths) | set(config.seq_lens))))
         print(f"warning: {path} also holds {len(unasked)} rows this run does not ask for "
               f"(N = {', '.join(map(str, lengths))}, or other shapes or dtypes); they will "
-              "not be in the new file: ask for them too to keep them", file=sys.stderr)
+              f"not be in the new file: ask for them too to keep them (--seq-lens {every}, "
+              f"and their shapes and dtypes)", file=sys.stderr)
     return rows, runs
 
 
@@ -212,7 +216,26 @@ def run(args: argparse.Namespace) -> int:
     if not args.out:
         return _measure(args, config)
     with results_lock(result_path(args.out, ".json")):  # one run at a time writes OUT.*
+        if not args.resume:
+            _refuse_to_replace_an_interrupted_run(result_path(args.out, ".json"))
         return _measure(args, config)
+
+
+def _refuse_to_replace_an_interrupted_run(path: Path) -> None:
+    """A sentence where ``path`` holds a run that stopped before its end (``complete:
+    false``): the interrupt note says to rerun with --resume, and a rerun from the shell
+    history without it replaced the measured rows."""
+    try:
+        earlier = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # no file, or not one of bench's: written over as before
+    if not (_is_bench_result(earlier) and earlier.get("complete") is False):
+        return
+    lengths = sorted({row.get("n") for row in earlier["rows"] if isinstance(row.get("n"), int)})
+    measured = f"N = {', '.join(map(str, lengths))} measured" if lengths else "nothing measured"
+    raise ValueError(f"{path} holds a run that stopped before its end ({measured}): pass "
+                     f"--resume to continue it, or remove it (or give another --out) to start "
+                     f"again.")
 
 
 def _measure(args: argparse.Namespace, config: BenchConfig) -> int:
