@@ -323,3 +323,20 @@ def test_a_text_too_short_for_the_long_setting_stops_the_run_before_any_row(tmp_
         hf_run.evaluate(HFEvalConfig(methods=("softmax",), text=str(text), memory=False,
                                      repeats=1), progress=steps.append)
     assert steps == []
+
+
+def test_a_method_whose_num_features_changes_nothing_runs_once():
+    """linear takes num_features with no effect: hf-eval ran it once per --features value
+    (identical rows, each with its own memory process) and bench/compare showed the
+    value as if used."""
+    from skyformer.eval.hf.run import _configurations
+    from skyformer.eval.methods import resolve
+    from skyformer.registry import get_method
+
+    config = HFEvalConfig(methods=("linear", "performer", "softmax"), features=(16, 64))
+    assert _configurations(config) == [("linear", None), ("performer", 16), ("performer", 64),
+                                       ("softmax", None)]
+    assert not get_method("linear").budget_changes_output()
+    assert get_method("performer").budget_changes_output()
+    assert resolve("linear").options(32) == {} and resolve("performer").options(32) == {
+        "num_features": 32}

@@ -163,7 +163,10 @@ def resolve(spec: str) -> NamedAttention:
             raise ValueError(f"{spec!r}: registered methods know their target; drop '@{target}'.")
         method = get_method(name)
         caps = method.capabilities
-        return NamedAttention(name, caps.target, caps.exact, method.option_names(),
+        # the options a sweep may set: not num_features where it has no effect (linear)
+        swept = tuple(o for o in method.option_names()
+                      if o != "num_features" or method.budget_changes_output())
+        return NamedAttention(name, caps.target, caps.exact, swept,
                               caps.half_precision)
     module_name, _, function_name = name.partition(":")
     if "[" in function_name:

@@ -117,6 +117,15 @@ class Method:
     def option_names(self) -> tuple[str, ...]:
         return self._option_names  # type: ignore[attr-defined]
 
+    def budget_changes_output(self) -> bool:
+        """Whether ``num_features`` is an option that changes what the method computes:
+        what sweeps over it ask (``compare``/``bench --features``, ``hf-eval``, ``approx``,
+        LRA stability). A config lists options it accepts with no effect in a class
+        attribute ``INERT_OPTIONS`` (linear attention takes ``num_features`` so that one
+        call fits every method, and is run once, not once per value)."""
+        return "num_features" in self.option_names() and "num_features" not in getattr(
+            self.config_class, "INERT_OPTIONS", ())
+
     def options_of(self, config: Any) -> dict[str, Any]:
         """Option name -> value of a config of this method."""
         return config_fields(config)

@@ -260,7 +260,7 @@ def _configurations(config: HFEvalConfig) -> list[tuple[str, int | None]]:
     """(method, num_features or None) pairs in table order."""
     out = []
     for name in config.methods or tuple(list_methods()):
-        if "num_features" in get_method(name).option_names():
+        if get_method(name).budget_changes_output():  # linear's is inert: run once
             out.extend((name, f) for f in config.features)
         else:
             out.append((name, None))

@@ -27,6 +27,7 @@ earlier chunks only, so output i depends on no position after i, not even by rou
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +57,9 @@ class LinearConfig:
     eps: added to the denominator (1e-6, as the reference implementation).
     causal: query i attends to keys j <= i (requires Nq == Nk; module docstring).
     """
+
+    # options taken with no effect: sweeps over num_features run linear once
+    INERT_OPTIONS: ClassVar[tuple[str, ...]] = ("num_features",)
 
     num_features: int | None = None
     eps: float = 1e-6
