@@ -329,6 +329,23 @@ def test_non_finite_inputs_are_named_in_a_warning():
     assert rows[0]["nonfinite"] == 1  # what the warning explains
 
 
+def test_a_mask_without_real_keys_is_named_in_a_warning():
+    """A mask of torch's convention (True = padding) gave "n of m heads not finite",
+    whose legend blames NaN or inf: the batch elements without a real key are named."""
+    import pytest
+    import torch
+
+    from skyformer.eval.compare import CompareConfig, compare_on
+
+    q, k, v = (torch.randn(2, 2, 16, 4) for _ in range(3))
+    padding = torch.zeros(2, 16, dtype=torch.bool)
+    padding[1, 12:] = True  # torch's convention: element 0 has no True, i.e. no real key
+    with pytest.warns(UserWarning, match=r"no real key in batch element\(s\) 0, so their "
+                                         r"outputs are all zero.*pass ~mask"):
+        compare_on((q, k, v), CompareConfig(methods=("performer",), memory=False, repeats=1),
+                   key_padding_mask=padding)
+
+
 SPOILED_METHODS = ("softmax", "linear", "nystromformer")  # deterministic: heads alone agree
 
 

@@ -165,6 +165,7 @@ def compare_on(qkv: QKV | tuple[Tensor, Tensor, Tensor], config: CompareConfig, 
     if not isinstance(qkv, QKV):  # a captured QKV's layout is known
         _say_layout(q, k)
     _say_nonfinite(q, k, v, info)
+    _say_keyless(info)
     methods = list(config.methods) if config.methods else list_methods()
     for m in methods:
         registered_method(m)  # unknown names fail before any work
@@ -214,6 +215,22 @@ def _say_nonfinite(q: Tensor, k: Tensor, v: Tensor, info: AttentionInputs) -> No
                       f"error and are left out of every row's mean and std (its nonfinite "
                       f"counts them); replace them (torch.nan_to_num) or drop those tokens "
                       f"first.", stacklevel=3)
+
+
+def _say_keyless(info: AttentionInputs) -> None:
+    """A warning naming the batch elements whose key padding mask has no real key: their
+    outputs are all zero, exact and approximate, so they give no error (a table of "not
+    finite" heads blamed NaN or inf). Almost always a mask of torch's convention (True =
+    padding) where True must mark real tokens."""
+    if info.key_valid is None:
+        return
+    keyless = (~info.key_valid.any(dim=-1)).nonzero().flatten().tolist()
+    if keyless:
+        shown = ", ".join(map(str, keyless[:8])) + (", ..." if len(keyless) > 8 else "")
+        warnings.warn(f"compare_on: the key padding mask has no real key in batch element(s) "
+                      f"{shown}, so their outputs are all zero and give no error; True must "
+                      f"mark real tokens (torch's key_padding_mask marks padding: pass ~mask).",
+                      stacklevel=3)
 
 
 def _target(target: str, resolved: dict[str, Any], given: MaskedQKV,
