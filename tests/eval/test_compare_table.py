@@ -510,3 +510,16 @@ def test_a_malformed_key_padding_mask_is_refused_before_anything_runs():
     with pytest.raises(ValueError, match=r"key_padding_mask must have shape \[B, Nk\] = "
                                          r"\[2, 16\], got \(2, 15\)"):
         compare_on((q, k, v), config, key_padding_mask=torch.ones(2, 15, dtype=torch.bool))
+
+
+def test_the_legend_says_linformer_runs_untrained_projections():
+    """compare calls Linformer as a function, drawing fresh untrained projections every
+    call: its time (mostly the drawing) and its error (above the trivial answer) read as
+    the method's without a word."""
+    from skyformer.eval.compare.report import legend
+
+    said = legend([{"method": "linformer", "samples": 4}, {"method": "softmax", "samples": 4}])
+    assert said[-1].startswith("linformer: learned parameters, here drawn anew and untrained "
+                               "at every call")
+    assert not any("untrained" in line for line in legend([{"method": "softmax",
+                                                            "samples": 4}]))

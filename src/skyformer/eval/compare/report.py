@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...registry import get_method
 from ..measure.memory import CPU_RESOLUTION_BYTES
 
 SMALL = f"<{CPU_RESOLUTION_BYTES / 2**20:g}"  # a peak below the CPU measurement's resolution
@@ -99,7 +100,27 @@ def legend(rows: list[dict[str, Any]]) -> list[str]:
         here = f" ({samples.pop()} heads here)" if key == "spectral_error" \
             and len(samples) == 1 else ""
         lines.append(f"{header}: {COLUMNS[key]}{here}.")
-    return [*lines, TRIVIAL_LEGEND]
+    return [*lines, TRIVIAL_LEGEND, *_untrained(rows)]
+
+
+def _untrained(rows: list[dict[str, Any]]) -> list[str]:
+    """A legend line for the methods with learned parameters (Linformer's projections):
+    compare calls every method as a function, which draws them anew, untrained, at every
+    call."""
+    names = [r["method"] for r in rows if _learns(r["method"])]
+    if not names:
+        return []
+    return [f"{', '.join(names)}: learned parameters, here drawn anew and untrained at every "
+            f"call (a direct call; Linformer's random projections): the time includes the "
+            f"drawing and the error is that of untrained parameters, not of a trained model "
+            f"(bench times it as a layer, its parameters held)."]
+
+
+def _learns(name: str) -> bool:
+    try:
+        return get_method(name).capabilities.learned_parameters
+    except ValueError:  # a row of a method no longer registered (a result file read back)
+        return False
 
 
 def not_measured(rows: list[dict[str, Any]]) -> int:
