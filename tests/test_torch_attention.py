@@ -580,3 +580,15 @@ def test_linformer_without_a_length_is_told_replace_attentions_argument():
                                          r"seq_len=4096\) for a model built on torch"):
         replace_attention(nn.Sequential(nn.MultiheadAttention(E, H)), "linformer")
     replace_attention(nn.Sequential(nn.MultiheadAttention(E, H)), "linformer", seq_len=16)
+
+
+def test_scripting_is_refused_with_the_ways_that_work():
+    """torch.jit.script of a model holding the layer failed with TorchScript's "Unknown
+    type annotation: 'BoundMethod'"; it names the tracers and compilers that work."""
+    model = replace_attention(nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(E, H, batch_first=True), 1, enable_nested_tensor=False),
+        "skyformer", num_features=4)
+    with pytest.raises(RuntimeError, match=r"^TorchMultiheadAttention \(skyformer\) cannot be "
+                                           r"scripted with torch.jit.script .* use "
+                                           r"torch.jit.trace, torch.export or torch.compile"):
+        torch.jit.script(model)

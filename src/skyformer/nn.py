@@ -66,6 +66,14 @@ class BoundMethodProperties:
         """The method's resolved options (a frozen dataclass)."""
         return self.bound.config
 
+    def __prepare_scriptable__(self) -> Any:
+        """``torch.jit.script`` calls this on every module first: a sentence instead of
+        TorchScript's "Unknown type annotation: 'BoundMethod'"."""
+        raise RuntimeError(
+            f"{type(self).__name__} ({self.method}) cannot be scripted with "
+            f"torch.jit.script (TorchScript cannot type its bound method and options); use "
+            f"torch.jit.trace, torch.export or torch.compile (docs/pytorch2.md).")
+
 
 class MultiHeadAttention(BoundMethodProperties, nn.Module):
     """Multi-head attention whose core is any registered method.

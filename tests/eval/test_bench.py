@@ -643,8 +643,8 @@ def test_a_function_with_a_wrong_output_is_skipped_with_the_reason(tmp_path, mon
     rows = {row["method"]: row for row in run_bench(config).rows}
     assert rows["one_row"]["status"] == "skipped"
     assert rows["one_row"]["reason"] == (
-        "ValueError: wrong_attention:one_row returned (1, 2, 1, 4), torch.float32; expected [B, H, N, Dv] "
-        "= (1, 2, 16, 4), torch.float32 (the inputs' dtype)")
+        "ValueError: wrong_attention:one_row returned (1, 2, 1, 4), torch.float32; expected "
+        "[B, H, N, Dv] = (1, 2, 16, 4), torch.float32 (the inputs' dtype)")
     assert "returned (1, 2, 16, 4), torch.float64" in rows["doubles"]["reason"]
     assert worse_than_trivial({"rel_error": float("nan"), "trivial_error": 0.5})
 
