@@ -155,6 +155,11 @@ def test_the_commands_that_plot_take_either_spelling_of_no_plot(command, flag):
     (["bench"], "interrupted; nothing was saved (give --out to keep what a run measures)"),
     (["bench", "--out", "x"], "run the same command again with --resume to continue"),
     (["bench", "--out", "x", "--resume"], "run the same command again to continue"),
+    (["bench", "--out", "none_yet"],
+     "interrupted before its first result was saved: run the same command again to start"),
+    (["approx", "--out", "approx_none_yet"],
+     "interrupted before its first result was saved: run the same command again to start"),
+    (["approx", "--out", "approx_out"], "run the same command again with --resume to continue"),
     (["lra", "stability", "--tasks", "listops", "--methods", "softmax"],
      "nothing was saved (give --json to keep what a run measures)"),
     (["lra", "train", "listops", "--attn", "softmax"],
@@ -162,10 +167,17 @@ def test_the_commands_that_plot_take_either_spelling_of_no_plot(command, flag):
      "command again with "
      "--resume to continue"),
 ])
-def test_ctrl_c_says_what_was_kept_and_how_to_continue(argv, said):
+def test_ctrl_c_says_what_was_kept_and_how_to_continue(argv, said, tmp_path, monkeypatch):
     """A Ctrl-C printed "interrupted" alone: nothing said that a command saving as it
-    goes continues with --resume, or that one without its save option kept nothing."""
+    goes continues with --resume, or that one without its save option kept nothing; and
+    one stopped before its first save said that what it measured was saved."""
     from skyformer.cli import build_parser, interrupted_note
+    from skyformer.eval.approx.progress import PROGRESS_FILE
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "x.json").write_text("{}")  # what bench --out x wrote after a length
+    (tmp_path / "approx_out").mkdir()
+    (tmp_path / "approx_out" / PROGRESS_FILE).write_text("{}")
 
     assert interrupted_note(build_parser().parse_args(argv)).endswith(said)
 

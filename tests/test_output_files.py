@@ -23,6 +23,11 @@ def test_unwritable_output_paths_are_refused_up_front(tmp_path):
         check_output_path(afile, folder=True)
     check_output_path(tmp_path / "new" / "deeper" / "out.json")  # creatable: fine
     check_output_path(None)
+    # "" was let through: approx --out "" wrote its files (and lock) into the current
+    # folder, and compare --json "" wrote nothing without a word
+    for folder in (False, True):
+        with pytest.raises(ValueError, match="the output path is empty; give a file or folder"):
+            check_output_path("", folder=folder)
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes are POSIX")

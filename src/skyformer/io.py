@@ -35,8 +35,11 @@ def check_output_path(path: str | os.PathLike[str] | None, *, folder: bool = Fal
     long run does not end in an error at its last step. ``folder``: ``path`` is an
     output folder (or a prefix whose folder is its parent when False: then a string
     ending in a separator, which ``Path`` would drop, is refused too)."""
-    if path is None or str(path) == "":
+    if path is None:
         return
+    if str(path) == "":  # Path("") is the current folder: files would land there
+        raise ValueError("the output path is empty; give a file or folder name (or leave the "
+                         "option out where it is optional).")
     separators = tuple(sep for sep in (os.sep, os.altsep) if sep)
     if not folder and isinstance(path, str) and path.endswith(separators):
         raise IsADirectoryError(f"the output file {path} ends in a path separator, which names "

@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import traceback
+from pathlib import Path
 from types import ModuleType
 
 from ..logs import enable_console
@@ -172,10 +173,29 @@ def interrupted_note(args: argparse.Namespace, how: str = "interrupted") -> str:
     flag, name = optional.get(command, ("", ""))
     if flag and getattr(args, name) is None:
         return f"{how}; nothing was saved (give {flag} to keep what a run measures)"
+    if _nothing_written_yet(args, command):
+        return f"{how} before its first result was saved: run the same command again to start"
     kept = ("its last checkpoint (last.pt), if one was written yet, is kept" if command == "train"
             else "what it measured is saved")
     again = "again with --resume" if not args.resume else "again"
     return f"{how}; {kept}: run the same command {again} to continue"
+
+
+def _nothing_written_yet(args: argparse.Namespace, command: str) -> bool:
+    """Whether a measurement that saves as it goes stopped before its first save (``approx``
+    saves blocks to its progress file, ``bench`` its results after each length): then
+    --resume would find nothing to continue."""
+    if command == "approx":
+        from ..eval.approx.progress import PROGRESS_FILE
+        from ..eval.approx.report import FILES
+
+        return not (Path(args.out) / PROGRESS_FILE).exists() \
+            and not (Path(args.out) / FILES["json"]).exists()
+    if command == "bench":
+        from ..eval.bench.report import result_path
+
+        return not result_path(args.out, ".json").exists()
+    return False
 
 
 if __name__ == "__main__":
