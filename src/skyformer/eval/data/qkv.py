@@ -83,6 +83,10 @@ def load_model(
     alike draws; it is neither read nor changed)."""
     transformers = _import_transformers()
     path = Path(model_dir) if model_dir is not None else default_model_dir()
+    if not path.exists():
+        raise FileNotFoundError(f"the model folder {str(path)!r} does not exist; pass the "
+                                f"folder that holds config.json, the weights and the tokenizer "
+                                f"files.")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"{str(path)!r} is not a Hugging Face model folder (no config.json); pass the folder "
@@ -341,6 +345,16 @@ class MaskedQKV(NamedTuple):
     k: Tensor
     v: Tensor
     key_padding_mask: Tensor | None = None
+
+    def describe(self) -> str:
+        """The shapes and what they are read as, so that a layout mistake shows at once."""
+        q, k, v, mask = self
+        b, h, nq, _ = q.shape
+        text = (f"Q {tuple(q.shape)}, K {tuple(k.shape)}, V {tuple(v.shape)}, {q.dtype}: "
+                f"B={b} sequences, H={h} heads, Nq={nq} queries, Nk={k.shape[2]} keys")
+        if mask is not None:
+            text += f"; key padding mask: {int(mask.sum())} of {mask.numel()} keys real"
+        return text
 
 
 def load_qkv_file(path: str | Path, *, label: str = "the file") -> MaskedQKV:
