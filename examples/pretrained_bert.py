@@ -31,11 +31,15 @@ import torch
 
 import skyformer.hf
 from skyformer.eval.data import load_model, read_text, sentences
+from skyformer.eval.data.qkv import max_positions
 from skyformer.eval.hf.run import embed, quality
 
 DEFAULT_METHODS = ("softmax", "nystrom_softmax[num_features=16]",
                    "nystromformer[num_features=16]", "performer[num_features=16]",
                    "linear", "skyformer[num_features=16]")
+
+
+BATCH = 16  # sentences per forward pass
 
 
 @dataclass
@@ -71,17 +75,31 @@ def main(argv: list[str] | None = None) -> list[Result]:
     # a local folder, never the network; in eval mode (no dropout)
     model, tokenizer, _ = load_model(args.model)
     texts = sentences(read_text(args.text))[: args.sentences]
-    batch = tokenizer(texts, padding=True, truncation=True, return_tensors="pt")
-    print(f"{len(texts)} sentences, {int(batch['attention_mask'].sum(1).max())} tokens at most")
-    with torch.no_grad():
-        exact = embed(model, batch)  # [T, 384]
+    if len(texts) < 2:  # recall@1 looks for each sentence's nearest other one
+        raise SystemExit(f"the text has {len(texts)} sentence(s) (one ends at . ! or ? and "
+                         f"has at least 4 words); the nearest-neighbour recall needs at least "
+                         f"2: pass a longer --text.")
+    # cut at the model's positions (a tokenizer may allow more, or set no limit), in
+    # batches of BATCH sentences in text order (one padded batch of a whole corpus would
+    # hold every sentence at the longest one's length)
+    limit = max_positions(model) or tokenizer.model_max_length
+    batches = [tokenizer(texts[start:start + BATCH], padding=True, truncation=True,
+                         max_length=limit, return_tensors="pt")
+               for start in range(0, len(texts), BATCH)]
+    longest = max(int(batch["attention_mask"].sum(1).max()) for batch in batches)
+    print(f"{len(texts)} sentences, {longest} tokens at most")
+
+    def embeddings() -> torch.Tensor:  # [T, 384]
+        with torch.no_grad():
+            return torch.cat([embed(model, batch) for batch in batches])
+
+    exact = embeddings()
     results = []
     print(f"{'method':34} {'cosine mean':>11} {'cosine min':>10} {'recall@1':>8}")
     for method in args.methods:
         # every layer runs the method; seed: the same draws at every call
         skyformer.hf.set_attention(model, method, seed=args.seed)
-        with torch.no_grad():
-            scores = quality(embed(model, batch), exact)
+        scores = quality(embeddings(), exact)
         skyformer.hf.restore_exact(model)
         results.append(Result(method, scores["cosine_mean"], scores["cosine_min"],
                               scores["recall_at_1"]))

@@ -233,8 +233,15 @@ def test_own_qkv_error_takes_num_features_in_brackets_by_default(tmp_path):
 
 def test_pretrained_bert_refuses_a_model_folder_that_is_none_in_a_sentence(tmp_path):
     pytest.importorskip("transformers")
-    with pytest.raises(FileNotFoundError, match="is not a Hugging Face model folder"):
+    with pytest.raises(FileNotFoundError, match=r"the model folder .*nothing' does not exist"):
         example("pretrained_bert").main(["--model", str(tmp_path / "nothing")])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="is not a Hugging Face model folder"):
+        example("pretrained_bert").main(["--model", str(tmp_path / "empty")])
+    text = tmp_path / "one.txt"
+    text.write_text("Only one sentence of four words here.")
+    with pytest.raises(SystemExit, match=r"the text has 1 sentence\(s\).*needs at least 2"):
+        example("pretrained_bert").main(["--text", str(text)])
 
 
 @pytest.mark.parametrize("argv, message", [(["--prompt", ""], "--prompt is empty"),

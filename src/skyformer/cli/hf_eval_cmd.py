@@ -96,7 +96,10 @@ def run(args: argparse.Namespace) -> int:
         f"({t['timed_texts']} in the timed pass)"
         for s, t in result.texts.items()
     )
-    print(f"model: pretrained {result.model}, no fine-tuning; {texts}")
+    layers = "every layer" if config.layers is None else \
+        f"layer{'s' if len(config.layers) > 1 else ''} {', '.join(map(str, config.layers))}"
+    kind = "pretrained " if config.model is None else ""
+    print(f"model: {kind}{result.model}, no fine-tuning, the method in {layers}; {texts}")
     print("cos: cosine similarity of the embeddings to the exact model's (mean, min); R@1: "
           f"nearest-neighbour agreement with the exact model; time ({config.clock} clock) and "
           f"memory: one forward pass; seed {config.seed}: the draws of the randomized methods "

@@ -31,7 +31,8 @@ def read_text(path: str | Path | None) -> str:
     except UnicodeDecodeError as err:
         raise ValueError(f"text file {str(p)!r} is not valid UTF-8: {err}.") from None
     if not text.strip():
-        raise ValueError(f"text file {str(p)!r} is empty.")
+        raise ValueError(f"text file {str(p)!r} is empty (or only whitespace); pass a UTF-8 "
+                         f"text file with the text to measure on.")
     return text
 
 

@@ -201,8 +201,8 @@ def build_inputs(tokenizer: Any, text: str, setting: str, *, seq_len: int,
     if count < 2:
         raise ValueError(
             f"the text has {len(stream)} tokens; the long setting needs at least 2 inputs of "
-            f"{seq_len} tokens ({2 * body} tokens of text): pass a longer --text FILE or a "
-            f"shorter --seq-len."
+            f"{seq_len} tokens ({2 * body} tokens of text): pass a longer --text FILE, a "
+            f"shorter --seq-len, or --settings short."
         )
     return Inputs(setting, [[cls, *stream[i * body : (i + 1) * body], sep] for i in range(count)])
 
