@@ -416,15 +416,25 @@ def write_rows(out: Path, part: str, rows: list[dict[str, Any]], metadata: dict[
     write_csv(out / f"{part}.csv", rows, metadata=metadata)
 
 
+PARTS = ("table", "baselines", "tolerance", "speed")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", default="table,baselines,tolerance,speed")
-    parser.add_argument("--out", default="benchmarks/results/accuracy_first")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated, of {', '.join(PARTS)} (default: all)")
+    parser.add_argument("--out", default="benchmarks/results/accuracy_first",
+                        help="folder of the results (default: the committed ones, which a "
+                             "run replaces; pass another folder to keep them)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--speed-n", type=int, default=16384)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
+    unknown = [part for part in args.parts.split(",") if part not in PARTS]
+    if unknown:  # before any part runs, not after the earlier ones have
+        parser.error(f"unknown part(s) {', '.join(map(repr, unknown))}; the parts are "
+                     f"{', '.join(PARTS)}.")
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     data = Data()

@@ -48,7 +48,8 @@ def test_configs_refuse_seeds_out_of_range(build, value):
 
 
 def test_approx_refuses_a_bad_data_seed():
-    with pytest.raises(ValueError, match=r"data_seed must be an integer from 0 to 2\^64 - 1"):
+    with pytest.raises(ValueError, match=r"data_seed \(--data-seed\) must be an integer from 0 "
+                                         r"to 2\^64 - 1"):
         ApproxConfig(data_seed=-3)
 
 

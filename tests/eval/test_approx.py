@@ -184,7 +184,7 @@ def test_config_errors():
         small(sources=("bert",))
     with pytest.raises(ValueError, match="needs a GloVe-format file"):
         small(sources=("glove",))
-    with pytest.raises(ValueError, match="features must be positive integers"):
+    with pytest.raises(ValueError, match=r"features \(--features\) must be positive integers"):
         small(features=(0, 4))
     with pytest.raises(ValueError, match="every number of features is >= N=8"):
         small(seq_lens=(8,), features=(8, 16))

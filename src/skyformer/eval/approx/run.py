@@ -125,10 +125,10 @@ class ApproxConfig:
             refuse_repeats(name, getattr(self, name))
         refuse_repeated_methods(self.methods)
         for name in ("seq_lens", "features"):
-            check_positive_ints(name, getattr(self, name))
+            check_positive_ints(setting_name(name), getattr(self, name))
         for seed in self.seeds:
-            check_seed("seeds", seed)
-        check_seed("data_seed", self.data_seed)
+            check_seed(setting_name("seeds"), seed)
+        check_seed(setting_name("data_seed"), self.data_seed)
         short = [n for n in self.seq_lens if n < 3]
         if short:
             raise ValueError(f"{setting_name('seq_lens')} must be at least 3, got {short}.")

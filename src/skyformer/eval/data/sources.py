@@ -181,9 +181,11 @@ class SourceLoader:
     def _gaussian(self, seq_len: int) -> SourceData:
         o = self.options
         if not (o.gaussian_norm > 0 and math.isfinite(o.gaussian_norm)):
-            raise ValueError(f"gaussian_norm must be a positive number, got {o.gaussian_norm}.")
+            raise ValueError(f"gaussian_norm (--gaussian-norm) must be a positive number, got "
+                             f"{o.gaussian_norm}.")
         if o.gaussian_dim < 1:
-            raise ValueError(f"gaussian_dim must be at least 1, got {o.gaussian_dim}.")
+            raise ValueError(f"gaussian_dim (--gaussian-dim) must be at least 1, got "
+                             f"{o.gaussian_dim}.")
         h, d = self.num_heads(), o.gaussian_dim
         g = torch.Generator().manual_seed(o.data_seed)
         sigma = o.gaussian_norm / math.sqrt(d)  # E|q|^2 = d sigma^2 = norm^2

@@ -44,8 +44,9 @@ def stable_rank_from_singular_values(s: Tensor) -> Tensor:
 def relative_error(approx: Tensor, exact: Tensor, ord: int | str = 2) -> Tensor:
     """||approx - exact|| / ||exact|| per matrix, for ``[..., N, D]`` inputs: ``[...]``.
 
-    ``ord=2``: spectral norm (largest singular value), the metric of Skyformer
-    section 3.5 and KDEformer; ``ord="fro"``: Frobenius norm. Computed in float64. A
+    ``ord=2``: spectral norm (largest singular value), the error of Skyformer's
+    Definition 2 (Section 3.3; its Figure 1 plots the error without the division) and of
+    KDEformer; ``ord="fro"``: Frobenius norm. Computed in float64. A
     matrix with a non-finite entry (in either input) has error NaN: the SVD of the
     spectral norm would refuse it, and the call it belongs to is not stopped for it.
 
