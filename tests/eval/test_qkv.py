@@ -136,27 +136,23 @@ def test_random_init_is_drawn_on_the_cpu_whatever_the_default_device():
 
 
 def test_model_folders_that_cannot_be_used_give_sentences(tmp_path):
-    import shutil
 
     import transformers
 
-    from skyformer.eval.data.qkv import default_model_dir
 
     config_only = tmp_path / "config_only"
     config_only.mkdir()
     (config_only / "config.json").write_text('{"model_type": "bert", "hidden_size": 8, '
                                              '"num_attention_heads": 2, "num_hidden_layers": 1, '
                                              '"intermediate_size": 8, "vocab_size": 30522}')
-    for name in ("vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(default_model_dir() / name, config_only / name)
+    _copy_minilm_tokenizer(config_only)
     with pytest.raises(ValueError, match=r"could not load a Hugging Face model .* no file named"):
         load_model(config_only)
     gpt2 = tmp_path / "gpt2"
     config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=30522,
                                      n_positions=32)
     transformers.GPT2Model(config).save_pretrained(gpt2)
-    for name in ("vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(default_model_dir() / name, gpt2 / name)
+    _copy_minilm_tokenizer(gpt2)
     with pytest.raises(ValueError, match=r"holds a GPT2Model, not a BERT-type encoder.*"
                        r"DistilBERT"):
         load_model(gpt2)
@@ -167,11 +163,9 @@ def test_a_folder_without_tokenizer_files_is_refused(tmp_path):
     tokenizer of the special tokens alone for a folder without tokenizer files: every word
     became [UNK] and hf-eval printed a normal-looking table; one larger than the
     embeddings failed with an IndexError inside the model."""
-    import shutil
 
     import transformers
 
-    from skyformer.eval.data.qkv import default_model_dir
 
     folder = tmp_path / "weights_only"
     config = transformers.BertConfig(num_hidden_layers=1, hidden_size=8, num_attention_heads=2,
@@ -183,11 +177,20 @@ def test_a_folder_without_tokenizer_files_is_refused(tmp_path):
     smaller = tmp_path / "smaller_vocabulary"
     config.vocab_size = 20000
     transformers.BertModel(config).save_pretrained(smaller)
-    for name in ("vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(default_model_dir() / name, smaller / name)
+    _copy_minilm_tokenizer(smaller)
     with pytest.raises(ValueError, match=r"its tokenizer knows 30522 tokens, more than the "
                        r"20000 rows of the model's embeddings"):
         load_model(smaller)
+
+
+def _copy_minilm_tokenizer(folder) -> None:
+    """MiniLM-L6's tokenizer files (30522 tokens) into ``folder``."""
+    import shutil
+
+    from skyformer.eval.data.qkv import default_model_dir
+
+    for name in ("vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(default_model_dir() / name, folder / name)
 
 
 def test_loading_leaves_the_process_online(monkeypatch):
