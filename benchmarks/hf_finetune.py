@@ -7,12 +7,14 @@ Skyformer's approximation) into the softmax-pretrained MiniLM-L6 loses much of i
 sentence embedding. This distils the exact model's embeddings into the model with the
 new attention on the sentences of the shipped text (every 5th sentence held out) and
 reports held-out cosine similarity and retrieval recall@1 before and after. Writes JSON
-and CSV (config and environment) and a PNG of the training loss under --out.
+and CSV (config and environment) and a PNG of the training loss under --out. Your own
+sentences and model: --text and --model; --save DIR keeps each fine-tuned model.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -38,9 +40,15 @@ def _config(method: str, args: argparse.Namespace) -> FinetuneConfig:
     features = DEFAULT_FEATURES if args.features is None else args.features
     config = FinetuneConfig(method=method, num_features=features if takes else None,
                             steps=args.steps, lr=args.lr, batch_size=args.batch_size,
-                            seed=args.seed)
+                            seq_len=args.seq_len, holdout=args.holdout, seed=args.seed,
+                            text=args.text, model=args.model)
     config.validate()
     return config
+
+
+def folder_name(method: str) -> str:
+    """A folder name for ``method`` (a variant's brackets and commas made plain)."""
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", method).strip("_")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,17 +61,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="benchmarks/results/hf_finetune")
+    parser.add_argument("--seq-len", type=int, default=128,
+                        help="tokens a sentence is cut at (default 128)")
+    parser.add_argument("--holdout", type=int, default=5,
+                        help="every HOLDOUT-th sentence is held out for evaluation (default 5)")
+    parser.add_argument("--text", default=None,
+                        help="UTF-8 text file whose sentences train and evaluate (default: "
+                             "the text shipped with skyformer)")
+    parser.add_argument("--model", default=None,
+                        help="local BERT-type model folder (default: MiniLM-L6)")
+    parser.add_argument("--save", default=None, metavar="DIR",
+                        help="save each fine-tuned model with its tokenizer to DIR/METHOD "
+                             "(skyformer.hf.from_pretrained(DIR/METHOD) loads it with its "
+                             "attention)")
+    parser.add_argument("--out", default="benchmarks/results/hf_finetune",
+                        help="path prefix of the results: OUT.json, OUT.csv, OUT.png")
     args = parser.parse_args(argv)
     try:  # what fails before training: a sentence, not a traceback after it
         configs = [_config(method, args) for method in args.methods]
         check_output_path(args.out)
+        saves = [None] * len(configs) if args.save is None else [
+            Path(args.save) / folder_name(config.method) for config in configs]
+        for folder in saves:
+            check_output_path(folder, folder=True)
     except (ValueError, TypeError, OSError) as err:
         print(f"hf_finetune: error: {err}", file=sys.stderr)
         return 2
 
-    runs = [distill(config, progress=lambda line: print(f"  {line}", file=sys.stderr))
-            for config in configs]
+    runs = [distill(config, progress=lambda line: print(f"  {line}", file=sys.stderr),
+                    save_to=folder) for config, folder in zip(configs, saves, strict=True)]
 
     header = (f"{'method':<12}{'features':>9}{'steps':>7}{'cos before':>12}{'cos after':>11}"
               f"{'R@1 before':>12}{'R@1 after':>11}{'train s':>9}")
@@ -109,7 +135,11 @@ def main(argv: list[str] | None = None) -> int:
         tmp.replace(out.with_suffix(".png"))
     except ImportError:
         print("matplotlib not installed: no plot", file=sys.stderr)
-    print(f"wrote {out.with_suffix('.json')}, {out.with_suffix('.csv')}")
+    print(f"wrote {out.with_suffix('.json')}, {out.with_suffix('.csv')}"
+          + ("" if "matplotlib" not in sys.modules else f", {out.with_suffix('.png')}"))
+    for folder in saves:
+        if folder is not None:
+            print(f"saved the fine-tuned model to {folder}")
     return 0
 
 

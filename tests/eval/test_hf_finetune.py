@@ -51,3 +51,18 @@ def test_the_seed_fixes_the_layers_state_too(tmp_path):
         torch.manual_seed(before)
         runs.append(distill(config))
     assert runs[0]["loss"] == runs[1]["loss"] and runs[0]["before"] == runs[1]["before"]
+
+
+def test_the_fine_tuned_model_is_saved_with_its_attention(tmp_path):
+    """distill returned metrics alone: the fine-tuned model was lost. save_to keeps it
+    with its tokenizer, and skyformer.hf.from_pretrained loads it with its method."""
+    import skyformer.hf
+
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    folder = tmp_path / "student"
+    distill(FinetuneConfig(method="performer", num_features=4, steps=1, batch_size=4,
+                           seq_len=16, holdout=5, text=str(text)), save_to=folder)
+    assert (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file()
+    model = skyformer.hf.from_pretrained(folder)
+    assert {row["method"] for row in skyformer.hf.describe(model)} == {"performer"}

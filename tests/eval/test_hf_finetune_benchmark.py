@@ -12,7 +12,7 @@ from tests.benchmark_scripts import load_benchmark
 benchmark = load_benchmark("hf_finetune")
 
 
-def _run(config, progress=None):
+def _run(config, progress=None, save_to=None):
     scores = {"cosine_mean": 0.5, "cosine_min": 0.1, "recall_at_1": 0.25}
     return {"config": {"method": config.method, "num_features": config.num_features,
                        "steps": config.steps},
@@ -43,8 +43,8 @@ def test_a_variants_features_run_and_bad_settings_stop_before_training(monkeypat
     """--features (default 32) overrode skyformer[num_features=8] without a word, and a
     bad --out or --steps failed with a traceback after the training."""
     ran = []
-    monkeypatch.setattr(benchmark, "distill", lambda config, progress=None: ran.append(
-        config) or _run(config))
+    monkeypatch.setattr(benchmark, "distill", lambda config, progress=None, save_to=None:
+                        ran.append(config) or _run(config))
     out = str(tmp_path / "finetune")
     assert benchmark.main(["--methods", "skyformer[num_features=8]", "skyformer",
                            "--steps", "2", "--out", out]) == 0
@@ -62,3 +62,28 @@ def test_a_variants_features_run_and_bad_settings_stop_before_training(monkeypat
         err = capsys.readouterr().err
         assert err.startswith("hf_finetune: error: ") and said in err, err
     assert ran == []
+
+
+def test_own_text_model_and_save_folders_reach_the_runs(monkeypatch, tmp_path, capsys):
+    """The script took neither one's own sentences nor model, and kept no fine-tuned
+    model: --text, --model, --seq-len, --holdout go to the runs, --save gives each method
+    a folder of its own."""
+    calls = []
+
+    def run(config, progress=None, save_to=None):
+        calls.append((config, save_to))
+        return _run(config)
+
+    monkeypatch.setattr(benchmark, "distill", run)
+    text = tmp_path / "mine.txt"
+    text.write_text("Some sentences of my own.")
+    argv = ["--methods", "kernelized", "skyformer[num_features=8]", "--steps", "1", "--text",
+            str(text), "--model", "my_model", "--seq-len", "64", "--holdout", "4", "--save",
+            str(tmp_path / "saved"), "--out", str(tmp_path / "finetune")]
+    assert benchmark.main(argv) == 0
+    assert [(c.text, c.model, c.seq_len, c.holdout) for c, _ in calls] == [
+        (str(text), "my_model", 64, 4)] * 2
+    assert [folder for _, folder in calls] == [tmp_path / "saved" / "kernelized",
+                                               tmp_path / "saved" / "skyformer_num_features=8"]
+    assert f"saved the fine-tuned model to {tmp_path / 'saved' / 'kernelized'}" in \
+        capsys.readouterr().out

@@ -17,6 +17,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -64,8 +65,12 @@ def split(inputs: Inputs, holdout: int) -> tuple[Inputs, Inputs]:
 
 
 def distill(config: FinetuneConfig = FinetuneConfig(),
-            progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Fine-tune MiniLM-L6 with ``config.method`` to reproduce the exact embeddings.
+            progress: Callable[[str], None] | None = None,
+            save_to: str | Path | None = None) -> dict[str, Any]:
+    """Fine-tune MiniLM-L6 (or ``config.model``) with ``config.method`` to reproduce the
+    exact embeddings. ``save_to``: a folder for the fine-tuned model and its tokenizer
+    (``save_pretrained``, which records each layer's attention:
+    ``skyformer.hf.from_pretrained(save_to)`` loads it with its method).
 
     Returns:
         ``{"config", "train_texts", "test_texts", "before", "after", "loss", "seconds"}``;
@@ -107,6 +112,9 @@ def distill(config: FinetuneConfig = FinetuneConfig(),
     seconds = time.perf_counter() - start
     student.eval()
     after = quality(embed_all(student, test, config.batch_size), exact_test)
+    if save_to is not None:
+        student.save_pretrained(save_to)
+        tokenizer.save_pretrained(save_to)
     return {
         "config": dataclasses.asdict(config),
         "train_texts": len(train.ids),
