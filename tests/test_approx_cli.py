@@ -49,7 +49,7 @@ def test_long_sequences_say_they_concatenate_windows(tmp_path, capsys):
         (["--sources", "glove"], "needs a GloVe-format file"),
         (["--sources", "glove", "--glove", "/nonexistent/glove.txt"], "does not exist"),
         (["--text", "/nonexistent.txt"], "does not exist"),
-        (["--model", "/nonexistent-model"], "no config.json"),
+        (["--model", "/nonexistent-model"], "the model folder '/nonexistent-model' does not exist"),
         (["--features", "512", "--seq-lens", "256"], "every number of features is >= N=256"),
         (["--heads", "40"], "heads must be in 0..11"),
         (["--heads", "first"], "--heads takes integers or 'all'"),
@@ -361,7 +361,7 @@ def test_a_refused_run_leaves_no_empty_out_folder(tmp_path, capsys):
     out = tmp_path / "results" / "run"
     code = main(["approx", "--sources", "pretrained", "--no-progress", "--no-plots",
                  "--model", str(tmp_path / "no_model"), "--out", str(out)])
-    assert code == 2 and "is not a Hugging Face model folder" in capsys.readouterr().err
+    assert code == 2 and "does not exist; pass the folder" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []
 
 

@@ -485,3 +485,49 @@ def test_panels_whose_every_number_is_nan_are_drawn_on_linear_axes(tmp_path):
     _log_axes(ax, x_base=2)
     fig.savefig(io.BytesIO())
     assert ax.get_yscale() == "linear"
+
+
+def _saved_qkv(tmp_path, b=2, h=3, n=40, d=8, mask=None):
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(b, h, n, d, generator=g) for _ in range(3))
+    path = tmp_path / "mine.pt"
+    torch.save({"q": q, "k": k, "v": v, **({} if mask is None else {"mask": mask})}, path)
+    return path, (q, k, v)
+
+
+def test_the_qkv_source_measures_ones_own_tensors(tmp_path):
+    """The error against m on one's own Q/K/V took a hand-written loop: --sources qkv
+    sweeps the file's first N tokens, its B x H heads numbered b * H + h."""
+    from skyformer import attention
+    from skyformer.eval.measure.metrics import relative_error
+
+    path, (q, k, v) = _saved_qkv(tmp_path)
+    config = small(sources=("qkv",), qkv=str(path), seq_lens=(32,), features=(4, 8),
+                   heads=(1, 4), methods=("nystromformer",), analysis=False)
+    result = run_approx(config, log=lambda s: None)
+    row = rows_of(result, kind="method", method="nystromformer", num_features=8)[0]
+    flat = [t[:, :, :32].reshape(1, 6, 32, 8)[:, [1, 4]] for t in (q, k, v)]
+    exact = attention(*flat, "softmax")
+    direct = relative_error(attention(*flat, "nystromformer", num_features=8), exact)
+    assert row["spectral_mean"] == pytest.approx(direct.mean().item(), rel=1e-4)
+    described = [s["description"] for s in result.sources if s["source"] == "qkv"]
+    assert described[0].startswith("your Q/K/V from mine.pt")
+
+
+def test_the_qkv_source_refuses_what_it_cannot_measure_before_any_work(tmp_path):
+    path, _ = _saved_qkv(tmp_path)
+    padded = torch.ones(2, 40, dtype=torch.bool)
+    padded[1, 30:] = False
+    (tmp_path / "padded").mkdir()
+    with_padding, _ = _saved_qkv(tmp_path / "padded", mask=padded)
+    for setting, said in (
+            ({}, r"the qkv source needs your Q/K/V: pass --qkv FILE"),
+            ({"qkv": str(path), "seq_lens": (48,)},
+             r"holds N=40 tokens; N=48 \(--seq-lens\) needs more"),
+            ({"qkv": str(path), "heads": (7,)}, r"heads must be in 0\.\.5 for the --qkv "
+                                                r"file's B x H = 6 heads"),
+            ({"qkv": str(with_padding), "seq_lens": (32,)},
+             r"sequence 1 has padding among its first 32 tokens")):
+        config = small(sources=("qkv",), **{"seq_lens": (24,), "analysis": False, **setting})
+        with pytest.raises(ValueError, match=said):
+            run_approx(config, log=lambda s: None)

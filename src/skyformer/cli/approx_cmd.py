@@ -30,6 +30,7 @@ HELP = (
 _FIELDS = {
     "sources": "sources", "seq_lens": "seq_lens", "features": "features", "seeds": "seeds",
     "methods": "methods", "layer": "layer", "model": "model", "text": "text", "glove": "glove",
+    "qkv": "qkv",
     "gaussian_norm": "gaussian_norm", "gaussian_dim": "gaussian_dim", "data_seed": "data_seed",
     "analysis_len": "analysis_seq_len", "residual_block": "residual_block",
     "lsh_bits": "lsh_bits", "eps": "eps",
@@ -68,6 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="UTF-8 text file (default: shipped text)")
     parser.add_argument("--glove", default=None, metavar="FILE",
                         help="GloVe-format word vector file")
+    parser.add_argument("--qkv", default=None, metavar="FILE",
+                        help="your own Q/K/V for --sources qkv: a torch.save file of a dict "
+                        "q, k, v (each [B, H, N, D]; optionally mask [B, N], True = real "
+                        "token) or an .npz with those keys; the first N tokens of each "
+                        "sequence, its B x H heads numbered b * H + h (--heads chooses among "
+                        "them; by default 0 3 6 9 where there are 10 or more, else all)")
     parser.add_argument("--gaussian-norm", type=float, default=None,
                         help=f"root-mean-square row norm sqrt(E|q|^2) of synthetic Q, K "
                         f"(default {d.gaussian_norm:g})")
@@ -139,6 +146,7 @@ def config_from_args(args: argparse.Namespace) -> ApproxConfig:
 # flags read by one part of the study only: (what reads them, whether the run has it)
 _READ_BY = (
     (("glove",), "--sources glove", lambda c: "glove" in c.sources),
+    (("qkv",), "--sources qkv", lambda c: "qkv" in c.sources),
     (("model", "text", "layer"), "--sources pretrained or init",
      lambda c: bool({"pretrained", "init"} & set(c.sources))),
     (("gaussian_norm", "gaussian_dim"), "--sources gaussian", lambda c: "gaussian" in c.sources),

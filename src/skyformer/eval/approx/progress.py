@@ -15,7 +15,8 @@ run's blocks, so that a run with every length and source and ``--resume`` writes
 with them all without measuring any again. Otherwise the file is removed once the result
 files are written.
 
-The files the blocks are measured on (``--text``, ``--glove``, the ``--model`` folder)
+The files the blocks are measured on (``--text``, ``--glove``, ``--qkv``, the ``--model``
+folder)
 are recorded by where they resolve and a stamp of each (size and modification time in
 ns: no file is read, a multi-gigabyte GloVe file costs a ``stat``); ``--resume`` refuses
 one moved or changed since, naming it. A file written before the stamps were kept
@@ -40,7 +41,7 @@ PARTS = ("rows", "samples", "sources", "analysis", "notes")
 _BLOCK_SETTINGS = ("seq_lens", "sources", "progress")
 # Settings naming a file or folder the blocks are measured on: kept as ``data_stamp``s
 # under "data" and compared by where they resolve and what they hold, not as spelt
-_DATA_SETTINGS = ("text", "glove", "model")
+_DATA_SETTINGS = ("text", "glove", "model", "qkv")
 # The files of a model folder that decide its Q/K/V: config, weights, tokenizer
 _MODEL_FILES = ("config.json", "*.safetensors", "*.bin", "*.index.json", "tokenizer*",
                 "vocab.*", "merges.txt", "special_tokens_map.json", "*.model")

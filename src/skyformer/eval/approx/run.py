@@ -100,6 +100,7 @@ class ApproxConfig:
     model: str | None = None
     text: str | None = None
     glove: str | None = None
+    qkv: str | None = None
     gaussian_norm: float = 6.0
     gaussian_dim: int = 32
     data_seed: int = 0
@@ -164,7 +165,7 @@ class ApproxConfig:
         return SourceOptions(
             model=self.model, text=self.text, layer=self.layer, heads=self.heads,
             glove=self.glove, gaussian_norm=self.gaussian_norm, gaussian_dim=self.gaussian_dim,
-            data_seed=self.data_seed,
+            data_seed=self.data_seed, qkv=self.qkv,
         )
 
 

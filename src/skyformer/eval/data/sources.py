@@ -6,7 +6,9 @@
   "initialized" setting);
 - ``glove``: word vectors from a GloVe-format file, KDEformer section 4.1's setup:
   keys equal queries, values another slice of the file;
-- ``gaussian``: synthetic i.i.d. Gaussian rows with a chosen expected norm.
+- ``gaussian``: synthetic i.i.d. Gaussian rows with a chosen expected norm;
+- ``qkv``: one's own Q/K/V from a file (``load_qkv_file``: ``[B, H, N, D]`` each), the
+  first N tokens of every sequence, its B x H heads numbered b * H + h.
 
 Every source returns ``[1, H, N, D]`` float32 tensors, H = the number of chosen heads
 (for ``glove`` and ``gaussian`` the heads are independent slices or draws).
@@ -24,16 +26,18 @@ from torch import Tensor
 
 from .glove import read_glove
 from .qkv import (
+    MaskedQKV,
     extract_qkv,
     layer_projections,
     load_model,
+    load_qkv_file,
     position_limit,
     text_tokens,
     tokens_needed,
 )
 from .text import read_text
 
-SOURCES = ("pretrained", "init", "glove", "gaussian")
+SOURCES = ("pretrained", "init", "glove", "gaussian", "qkv")
 DEFAULT_HEADS = (0, 3, 6, 9)  # spread over MiniLM-L6's 12 heads
 
 
@@ -69,6 +73,7 @@ class SourceOptions:
     gaussian_norm: float = 6.0
     gaussian_dim: int = 32
     data_seed: int = 0
+    qkv: str | None = None
 
 
 def check_source(source: str) -> None:
@@ -83,6 +88,7 @@ class SourceLoader:
         self.options = options
         self._models: dict[bool, tuple[Any, Any, str]] = {}
         self._text: str | None = None
+        self._saved: MaskedQKV | None = None
 
     def num_heads(self) -> int:
         """H for the synthetic sources (the BERT sources use the model's own count)."""
@@ -94,6 +100,8 @@ class SourceLoader:
             return self._bert(source == "pretrained", seq_len)
         if source == "glove":
             return self._glove(seq_len)
+        if source == "qkv":
+            return self._own(seq_len)
         return self._gaussian(seq_len)
 
     def check(self, source: str, seq_len: int, setting: str) -> None:
@@ -121,6 +129,8 @@ class SourceLoader:
                     f"{str(self.options.glove)!r} holds {have} vectors; N={seq_len} ({setting}) "
                     f"with {h} heads needs {need}: pass a larger --glove FILE, a shorter "
                     f"{setting} or fewer --heads.")
+        elif source == "qkv":
+            self._check_own(seq_len, setting)
 
     def _model(self, pretrained: bool) -> tuple[Any, Any, str]:
         """(model, tokenizer, name), loaded once."""
@@ -177,6 +187,64 @@ class SourceLoader:
             f"K = Q, V = the next {h * seq_len} vectors"
         )
         return SourceData("glove", q, q.clone(), v.contiguous(), text)
+
+    def _saved_qkv(self) -> MaskedQKV:
+        """The ``--qkv`` file's tensors, read once."""
+        if self.options.qkv is None:
+            raise ValueError("the qkv source needs your Q/K/V: pass --qkv FILE (a torch.save "
+                             "of {'q': q, 'k': k, 'v': v}, each [B, H, N, D]).")
+        if self._saved is None:
+            self._saved = load_qkv_file(self.options.qkv, label="--qkv")
+        return self._saved
+
+    def _check_own(self, seq_len: int, setting: str) -> None:
+        """Sentences for a ``--qkv`` file that cannot give ``seq_len`` tokens of
+        self-attention with no padding, or lacks the chosen heads."""
+        q, k, _, mask = self._saved_qkv()
+        where = f"--qkv {str(self.options.qkv)!r}"
+        if q.shape[2] != k.shape[2]:
+            raise ValueError(f"{where} holds {q.shape[2]} queries and {k.shape[2]} keys; the "
+                             f"study measures self-attention, one length for both: save "
+                             f"queries and keys of the same tokens.")
+        if seq_len > k.shape[2]:
+            raise ValueError(f"{where} holds N={k.shape[2]} tokens; N={seq_len} ({setting}) "
+                             f"needs more: pass a shorter {setting}.")
+        if mask is not None and not bool(mask[:, :seq_len].all()):
+            first = int((~mask[:, :seq_len]).any(dim=1).nonzero()[0])
+            raise ValueError(f"{where}: sequence {first} has padding among its first "
+                             f"{seq_len} tokens ({setting}); the study takes the first N "
+                             f"tokens of every sequence, all real: pass a shorter {setting}, "
+                             f"or save the sequences with enough real tokens.")
+        self._own_heads(q.shape[0] * q.shape[1])
+
+    def _own_heads(self, total: int) -> list[int]:
+        """The chosen heads of a file's ``total`` = B x H heads: the default heads (0, 3,
+        6, 9) where the file has them all, else every head; or those given."""
+        heads = self.options.heads
+        if heads is None or (tuple(heads) == DEFAULT_HEADS and total <= max(DEFAULT_HEADS)):
+            return list(range(total))
+        bad = [h for h in heads if not 0 <= h < total]
+        if bad:
+            raise ValueError(f"heads must be in 0..{total - 1} for the --qkv file's B x H = "
+                             f"{total} heads (head b * H + h), got {bad}; pass --heads with "
+                             f"indices below {total}, or --heads all.")
+        return list(heads)
+
+    def _own(self, seq_len: int) -> SourceData:
+        q, k, v, _ = self._saved_qkv()
+        self._check_own(seq_len, "--seq-lens")
+        b, h = q.shape[:2]
+        heads = self._own_heads(b * h)
+
+        def first_tokens(t: Tensor) -> Tensor:  # [B, H, N', D] -> [1, heads, N, D] float32
+            flat = t[:, :, :seq_len].reshape(1, b * h, seq_len, t.shape[-1])
+            return flat[:, heads].float().contiguous()
+
+        text = (f"your Q/K/V from {Path(str(self.options.qkv)).name} ({q.dtype}): the first "
+                f"{seq_len} of {k.shape[2]} tokens, heads b * H + h of B={b}, H={h}: "
+                f"{','.join(map(str, heads))}")
+        return SourceData("qkv", first_tokens(q), first_tokens(k), first_tokens(v), text,
+                          heads=tuple(heads))
 
     def _gaussian(self, seq_len: int) -> SourceData:
         o = self.options
