@@ -103,8 +103,9 @@ def _warn_backward_autocast() -> None:
             "skyformer: this call is compiled under torch.autocast and will be "
             "differentiated, and torch.compile traces its backward pass under the forward's "
             "autocast (torch._functorch.config.backward_pass_autocast = 'same_as_forward'): "
-            "the attention's float32 steps then take their gradients in the autocast dtype, "
-            "further from float32 than in eager mode. Set "
+            "the float32 steps of an approximate method (normalisers, Nystrom cores) then "
+            "take their gradients in the autocast dtype, further from float32 than in eager "
+            "mode (the exact methods have none). Set "
             "torch._functorch.config.backward_pass_autocast = 'off' before compiling (eager's "
             "behaviour, with loss.backward() run after the autocast block) for gradients "
             "equal to eager ones.", stacklevel=2)
