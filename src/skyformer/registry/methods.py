@@ -119,10 +119,11 @@ class Method:
 
     def budget_changes_output(self) -> bool:
         """Whether ``num_features`` is an option that changes what the method computes:
-        what sweeps over it ask (``compare``/``bench --features``, ``hf-eval``, ``approx``,
-        LRA stability). A config lists options it accepts with no effect in a class
+        what ``compare``/``bench --features`` and ``hf-eval`` ask before passing or
+        sweeping it. A config lists options it accepts with no effect in a class
         attribute ``INERT_OPTIONS`` (linear attention takes ``num_features`` so that one
-        call fits every method, and is run once, not once per value)."""
+        call fits every method, and is run once, not once per value; ``approx`` keeps its
+        flat line as a reference)."""
         return "num_features" in self.option_names() and "num_features" not in getattr(
             self.config_class, "INERT_OPTIONS", ())
 

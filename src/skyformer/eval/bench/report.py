@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
 from ...io import remove_stale, save_figure, write_csv, write_json
 from ..measure.memory import CPU_RESOLUTION_BYTES, above_resolution
+from ..measure.metrics import worse_than_trivial as trivial_rule
 from .run import HALF, BenchResult
 
 COLUMNS = [
@@ -38,11 +38,8 @@ def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
 
 def worse_than_trivial(row: dict[str, Any]) -> bool:
     """Whether the method's error exceeds the trivial answer's (mean of V or zeros), or
-    is not finite (NaN compares as neither)."""
-    trivial, error = row.get("trivial_error"), row.get("rel_error")
-    if trivial is None or error is None:
-        return False
-    return not math.isfinite(error) or error > trivial
+    is not finite (``measure.metrics.worse_than_trivial``)."""
+    return trivial_rule(row.get("rel_error"), row.get("trivial_error"))
 
 
 def _groups(result: BenchResult) -> dict[tuple, list[dict[str, Any]]]:
@@ -70,7 +67,8 @@ def _header(result: BenchResult) -> str:
         f"speed-up: {cfg.reference}'s time / the method's ({timed}); {PEAK[cfg.backward]}; "
         f"memory: the method's peak / {cfg.reference}'s; N->2N: time growth (within one "
         "run); rel. error: spectral norm against the exact target, ! where it exceeds the "
-        "trivial answer's (every row = mean of V, or all zeros); SOL: the method's matmul "
+        "trivial answer's (every row = mean of V, or all zeros) or is not finite; SOL: the "
+        "method's matmul "
         f"FLOPs at the measured matmul throughput ({rates}) over the measured time"
     )
 

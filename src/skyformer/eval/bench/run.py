@@ -181,7 +181,7 @@ class BenchConfig:
 def _refuse_presets(method: Method, features: bool) -> None:
     """Fail in a sentence where a variant sets an option that the run sets for every
     method: num_features (with ``features``) or causal."""
-    if features:
+    if features and method.budget_changes_output():  # --features sets it on this one
         refuse_swept_option(method.name, method.preset, "num_features", "bench (--features)")
     if "causal" in dict(method.preset):
         # a causal method against the non-causal reference would compare unlike things

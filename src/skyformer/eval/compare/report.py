@@ -107,7 +107,8 @@ def _untrained(rows: list[dict[str, Any]]) -> list[str]:
     """A legend line for the methods with learned parameters (Linformer's projections):
     compare calls every method as a function, which draws them anew, untrained, at every
     call."""
-    names = [r["method"] for r in rows if _learns(r["method"])]
+    names = [r["method"] for r in rows
+             if r.get("status", "ok") == "ok" and _learns(r["method"])]
     if not names:
         return []
     return [f"{', '.join(names)}: learned parameters, here drawn anew and untrained at every "
@@ -131,5 +132,5 @@ def not_measured(rows: list[dict[str, Any]]) -> int:
 TRIVIAL_LEGEND = (
     "trivial: spectral error of the better trivial answer against the same target, every "
     "row = the mean of V or all zeros (error 1); ! = the method is further from its target "
-    "than that answer."
+    "than that answer, or its error is not finite."
 )

@@ -30,7 +30,7 @@ from ...seeds import check_seed
 from ..data.qkv import QKV, MaskedQKV, load_qkv
 from ..data.text import read_text
 from ..measure.memory import MemoryJob, above_resolution, peak_memory_or_reason
-from ..measure.metrics import relative_error, sample_statistics
+from ..measure.metrics import relative_error, sample_statistics, worse_than_trivial
 from ..measure.timing import median_seconds
 from ..methods import (
     PreparedCall,
@@ -66,7 +66,7 @@ class CompareConfig:
         refuse_repeated_methods(self.methods)
         for m in self.methods or ():  # unknown names fail before any work
             method = registered_method(m)
-            if self.num_features is not None:
+            if self.num_features is not None and method.budget_changes_output():
                 refuse_swept_option(method.name, method.preset, "num_features",
                                     "compare (--features)")
 
@@ -273,7 +273,8 @@ def _errors(out: Tensor, target: Target) -> dict[str, Any]:
     frobenius = relative_error(out, target.output, ord="fro").flatten()
     s = sample_statistics(spectral[target.measured])
     return {"spectral_error": s["mean"], "spectral_error_std": s["std"],
-            "trivial_error": target.trivial, "worse_than_trivial": s["mean"] > target.trivial,
+            "trivial_error": target.trivial,
+            "worse_than_trivial": worse_than_trivial(s["mean"], target.trivial),
             "frobenius_error": sample_statistics(frobenius[target.measured])["mean"],
             "samples": spectral.numel(), "nonfinite": int((~spectral.isfinite()).sum())}
 

@@ -108,8 +108,9 @@ class HFEvalConfig:
         refuse_repeated_methods(self.methods)
         for m in self.methods or ():
             method = get_method(m)  # unknown names fail before any work
-            refuse_swept_option(method.name, method.preset, "num_features",
-                                "hf-eval (--features)")
+            if method.budget_changes_output():  # the sweep sets num_features on it
+                refuse_swept_option(method.name, method.preset, "num_features",
+                                    "hf-eval (--features)")
             if "causal" in dict(method.preset):  # as set_attention would, row after row
                 from ...hf.layers import refuse_causal_option
 

@@ -143,3 +143,12 @@ def sample_statistics(values: Tensor) -> dict[str, float]:
         "min": finite.min().item(),
         "max": finite.max().item(),
     }
+
+
+def worse_than_trivial(error: float | None, trivial: float | None) -> bool:
+    """Whether a method's ``error`` exceeds the trivial answer's, or is not finite (NaN
+    compares as neither: a method that failed must not read as a good one); False where
+    either is unknown."""
+    if error is None or trivial is None:
+        return False
+    return not math.isfinite(error) or error > trivial
