@@ -76,13 +76,14 @@ def main(argv: list[str] | None = None) -> list[Result]:
     model, tokenizer, _ = load_model(args.model)
     texts = sentences(read_text(args.text))[: args.sentences]
     if len(texts) < 2:  # recall@1 looks for each sentence's nearest other one
-        raise SystemExit(f"the text has {len(texts)} sentence(s) (one ends at . ! or ? and "
-                         f"has at least 4 words); the nearest-neighbour recall needs at least "
-                         f"2: pass a longer --text.")
+        raise SystemExit(f"{len(texts)} sentence(s) to embed (one ends at . ! or ? and has "
+                         f"at least 4 words); the nearest-neighbour recall needs at least 2: "
+                         f"pass --sentences 2 or more, or a longer --text.")
     # cut at the model's positions (a tokenizer may allow more, or set no limit), in
     # batches of BATCH sentences in text order (one padded batch of a whole corpus would
     # hold every sentence at the longest one's length)
-    limit = max_positions(model) or tokenizer.model_max_length
+    limit = min((n for n in (max_positions(model), tokenizer.model_max_length)
+                 if isinstance(n, int) and n < 10**9), default=None)  # "no limit" is 1e30
     batches = [tokenizer(texts[start:start + BATCH], padding=True, truncation=True,
                          max_length=limit, return_tensors="pt")
                for start in range(0, len(texts), BATCH)]

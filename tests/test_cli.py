@@ -95,7 +95,8 @@ def test_compare_on_ones_own_qkv_file(tmp_path, capsys):
     rows = {r["method"]: r for r in data["rows"]}
     assert rows["softmax"]["spectral_error"] < 1e-6 and rows["performer"]["num_features"] == 8
     assert data["source"].startswith(str(saved))
-    assert main(["compare", "--qkv", str(saved), "--seq-len", "256", "--text", "a.txt"]) == 2
+    assert data["config"]["qkv"] == str(saved) and "seq_len" not in data["config"]
+    assert main(["compare", "--qkv", str(saved), "--seq-len", "512", "--text", "a.txt"]) == 2
     assert ("--qkv measures the tensors of its file as they are; --seq-len, --text choose "
             "the model's Q/K/V instead: give one or the other.") in capsys.readouterr().err
     assert main(["compare", "--qkv", str(tmp_path / "missing.pt")]) == 2

@@ -240,7 +240,7 @@ def test_pretrained_bert_refuses_a_model_folder_that_is_none_in_a_sentence(tmp_p
         example("pretrained_bert").main(["--model", str(tmp_path / "empty")])
     text = tmp_path / "one.txt"
     text.write_text("Only one sentence of four words here.")
-    with pytest.raises(SystemExit, match=r"the text has 1 sentence\(s\).*needs at least 2"):
+    with pytest.raises(SystemExit, match=r"1 sentence\(s\) to embed.*needs at least 2"):
         example("pretrained_bert").main(["--text", str(text)])
 
 

@@ -565,8 +565,8 @@ def test_an_attn_mask_that_cannot_be_read_is_refused_with_this_layers_arguments(
     x = rand(L, 1, E)
     approx(x, x, x, attn_mask=blocked, need_weights=False)  # eager: read as padding
     with pytest.raises(CapabilityError, match=r"pass a bool key_padding_mask \[B, S\] \(True "
-                                              r"= padding\) and is_causal=True with a causal "
-                                              r"attn_mask\.$"):
+                                              r"= padding\) for padding, or is_causal=True "
+                                              r"beside a causal attn_mask\.$"):
         torch.func.vmap(lambda x, mask: approx(x[:, None], x[:, None], x[:, None],
                                                attn_mask=mask, need_weights=False)[0],
                         in_dims=(1, 0), randomness="same")(rand(L, 2, E),

@@ -324,9 +324,9 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         for a sentence that refuses an ``attn_mask`` it cannot read."""
         caps = self.spec.capabilities
         arguments = [a for a, able in (
-            ("a bool key_padding_mask [B, S] (True = padding)", caps.mask),
-            ("is_causal=True with a causal attn_mask", caps.causal)) if able]
-        return " and ".join(arguments) or "no mask"
+            ("a bool key_padding_mask [B, S] (True = padding) for padding", caps.mask),
+            ("is_causal=True beside a causal attn_mask", caps.causal)) if able]
+        return ", or ".join(arguments) or "no mask"
 
     def _real_keys(self, additive: Tensor) -> Tensor:
         """A float ``key_padding_mask`` ``[B, S]`` (0 = real key, -inf or a large

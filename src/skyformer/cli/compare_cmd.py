@@ -17,11 +17,16 @@ HELP = (
 )
 
 
+# the options that choose the model's Q/K/V (which --qkv replaces), with their defaults
+MODEL_SOURCE = {"seq_len": 512, "layer": 0, "text": None, "model": None, "random_init": False}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seq-len", type=int, default=512, help="sequence length N (default 512)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help=f"sequence length N (default {MODEL_SOURCE['seq_len']})")
     parser.add_argument("--features", type=int, default=None,
                         help="num_features for every approximate method (default: each method's)")
-    parser.add_argument("--layer", type=int, default=0,
+    parser.add_argument("--layer", type=int, default=None,
                         help="model layer to take Q/K/V from (default 0, the first)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the methods' randomness (and of the --random-init "
@@ -47,15 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-# the options that say where the model's Q/K/V come from, with their defaults
-MODEL_SOURCE = {"seq_len": 512, "layer": 0, "text": None, "model": None, "random_init": False}
 
 
 def run(args: argparse.Namespace) -> int:
     check_output_path(args.json_path)
     if args.qkv is not None:
-        given = [f"--{name.replace('_', '-')}" for name, default in MODEL_SOURCE.items()
-                 if getattr(args, name) != default]
+        given = [f"--{name.replace('_', '-')}" for name in MODEL_SOURCE
+                 if getattr(args, name) not in (None, False)]
         if given:
             raise ValueError(f"--qkv measures the tensors of its file as they are; "
                              f"{', '.join(given)} choose{'s' if len(given) == 1 else ''} the "
@@ -63,8 +66,8 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}.")
     config = CompareConfig(
-        seq_len=args.seq_len,
-        layer=args.layer,
+        seq_len=MODEL_SOURCE["seq_len"] if args.seq_len is None else args.seq_len,
+        layer=MODEL_SOURCE["layer"] if args.layer is None else args.layer,
         num_features=args.features,
         seed=args.seed,
         text=args.text,
@@ -80,7 +83,12 @@ def run(args: argparse.Namespace) -> int:
           + ("" if not args.random_init else " and the random weights"))
     print(format_table(result.rows))
     if args.json_path:
-        path = write_json(args.json_path, {**result.to_dict(), "command": command_line(args)})
+        data = result.to_dict()
+        if args.qkv is not None:  # the file's tensors, not a model's: no model settings
+            data["config"] = {**{key: value for key, value in data["config"].items()
+                                 if key not in (*MODEL_SOURCE, "pretrained")},
+                              "qkv": args.qkv}
+        path = write_json(args.json_path, {**data, "command": command_line(args)})
         print(f"wrote {path}")
     return 0
 
