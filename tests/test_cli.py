@@ -192,6 +192,8 @@ def test_the_commands_that_plot_take_either_spelling_of_no_plot(command, flag):
     (["approx", "--out", "approx_none_yet"],
      "interrupted before its first result was saved: run the same command again to start"),
     (["approx", "--out", "approx_out"], "run the same command again with --resume to continue"),
+    (["approx", "--out", "approx_done"],  # an earlier run's results, no progress file
+     "interrupted before its first result was saved: run the same command again to start"),
     (["lra", "stability", "--tasks", "listops", "--methods", "softmax"],
      "nothing was saved (give --json to keep what a run measures)"),
     (["lra", "train", "listops", "--attn", "softmax"],
@@ -210,6 +212,8 @@ def test_ctrl_c_says_what_was_kept_and_how_to_continue(argv, said, tmp_path, mon
     (tmp_path / "x.json").write_text("{}")  # what bench --out x wrote after a length
     (tmp_path / "approx_out").mkdir()
     (tmp_path / "approx_out" / PROGRESS_FILE).write_text("{}")
+    (tmp_path / "approx_done").mkdir()
+    (tmp_path / "approx_done" / "approx.json").write_text("{}")
 
     assert interrupted_note(build_parser().parse_args(argv)).endswith(said)
 

@@ -12,6 +12,7 @@ import importlib.util
 import os
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 from types import ModuleType
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args._argv = list(sys.argv[1:] if argv is None else argv)  # for result files
+    args._started = time.time()  # what an interrupted run wrote is newer
     _expand_home(args)
     if not getattr(args, "_run", None):  # no command: an error, so its help on stderr
         parser.print_help(sys.stderr)
@@ -184,17 +186,18 @@ def interrupted_note(args: argparse.Namespace, how: str = "interrupted") -> str:
 def _nothing_written_yet(args: argparse.Namespace, command: str) -> bool:
     """Whether a measurement that saves as it goes stopped before its first save (``approx``
     saves blocks to its progress file, ``bench`` its results after each length): then
-    --resume would find nothing to continue."""
+    --resume would find nothing of it to continue (an earlier run's complete results
+    are not this run's, unless it resumed them)."""
     if command == "approx":
         from ..eval.approx.progress import PROGRESS_FILE
-        from ..eval.approx.report import FILES
 
-        return not (Path(args.out) / PROGRESS_FILE).exists() \
-            and not (Path(args.out) / FILES["json"]).exists()
+        return not (Path(args.out) / PROGRESS_FILE).exists()
     if command == "bench":
         from ..eval.bench.report import result_path
 
-        return not result_path(args.out, ".json").exists()
+        path = result_path(args.out, ".json")
+        return not path.exists() or (
+            not args.resume and path.stat().st_mtime < getattr(args, "_started", 0.0))
     return False
 
 
