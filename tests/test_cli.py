@@ -99,6 +99,8 @@ def test_compare_on_ones_own_qkv_file(tmp_path, capsys):
     assert main(["compare", "--qkv", str(saved), "--seq-len", "512", "--text", "a.txt"]) == 2
     assert ("--qkv measures the tensors of its file as they are; --seq-len, --text choose "
             "the model's Q/K/V instead: give one or the other.") in capsys.readouterr().err
+    assert main(["compare", "--qkv", str(saved), "--layer", "0"]) == 2  # the default, given
+    assert "--layer chooses the model's Q/K/V" in capsys.readouterr().err
     assert main(["compare", "--qkv", str(tmp_path / "missing.pt")]) == 2
     assert "--qkv '" in capsys.readouterr().err
 

@@ -56,7 +56,7 @@ def autocast_off(device_type: str) -> AbstractContextManager:
 
 def outside_autocast(backward: F) -> F:
     """Run a custom ``autograd.Function``'s ``backward(ctx, *grads)`` with autocast off
-    on its gradients' devices, as eager autograd runs it after ``loss.backward()``
+    on its first gradient's device, as eager autograd runs it after ``loss.backward()``
     outside the ``torch.autocast`` block. ``torch.compile`` traces the backward under
     the forward's autocast state instead: there the backward's products came out in
     the autocast dtype and its float32 accumulations (``baddbmm_`` into a float32

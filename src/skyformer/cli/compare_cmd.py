@@ -52,13 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-
-
 def run(args: argparse.Namespace) -> int:
     check_output_path(args.json_path)
     if args.qkv is not None:
         given = [f"--{name.replace('_', '-')}" for name in MODEL_SOURCE
-                 if getattr(args, name) not in (None, False)]
+                 if getattr(args, name) is not None and getattr(args, name) is not False]
         if given:
             raise ValueError(f"--qkv measures the tensors of its file as they are; "
                              f"{', '.join(given)} choose{'s' if len(given) == 1 else ''} the "
