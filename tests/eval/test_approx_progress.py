@@ -192,3 +192,15 @@ def test_a_progress_file_with_malformed_stamps_is_refused(tmp_path, data):
     path.write_text(json.dumps(content))
     with pytest.raises(ValueError, match="not an approx progress file"):
         resumed(path, config())
+
+
+def test_the_order_of_features_seeds_and_eps_is_not_another_setting(tmp_path):
+    """--features 64 16 after --features 16 64 was refused as other settings, though
+    every block measures the same (the sweep sorts m; seeds and eps are sets)."""
+    path = tmp_path / PROGRESS_FILE
+    saved(path, config(features=(4, 8), seeds=(0, 1), eps=(0.1, 0.01)), "sweep/gaussian/12")
+    progress = resumed(path, config(features=(8, 4), seeds=(1, 0), eps=(0.01, 0.1)))
+    assert progress.restore("sweep/gaussian/12") is not None
+    with pytest.raises(ValueError, match=r"other settings \(features=\[4, 8\] there, "
+                                         r"\[4, 16\] now\)"):
+        resumed(path, config(features=(4, 16), seeds=(0, 1), eps=(0.1, 0.01)))

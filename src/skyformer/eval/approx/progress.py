@@ -142,6 +142,19 @@ def _changed(name: str, there: dict[str, Any], now: dict[str, Any]) -> list[str]
     return said
 
 
+# Settings whose order changes no block's numbers: the sweep sorts m, statistics over
+# seeds take them as a set, and each eps is its own row
+_ORDERLESS = ("features", "seeds", "eps")
+
+
+def _same_setting(key: str, now: Any, there: Any) -> bool:
+    """Whether a setting holds the same in this run and the file (``--features 64 16``
+    and ``--features 16 64`` are one setting)."""
+    if key in _ORDERLESS and isinstance(now, list) and isinstance(there, list):
+        return sorted(now) == sorted(there)
+    return now == there
+
+
 def _difference(key: str, there: dict, now: dict) -> str:
     """``key=[16] there, [32] now``; a key one side lacks (a file written by another
     version) is said to be missing there, not to have been None."""
@@ -221,7 +234,7 @@ class ProgressFile:
             # a file from before the resolved methods were kept: --methods named them
             settings.pop("resolved_methods", None)
         other = sorted(key for key in settings.keys() | earlier.keys()
-                       if settings.get(key) != earlier.get(key))
+                       if not _same_setting(key, settings.get(key), earlier.get(key)))
         if other:
             said = ", ".join(_difference(key, earlier, settings) for key in other)
             raise ValueError(f"cannot resume from {self.path}: it was measured with other "
