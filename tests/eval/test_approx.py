@@ -49,6 +49,11 @@ def test_sweep_rows_references_and_notes():
     assert any("N=12: m=16 dropped" in n for n in result.notes)
     assert "gaussian N=48" in format_table(result.rows)
     assert result.analysis[0]["seq_len"] == 32 and result.analysis[0]["leverage"][0]["eps"] == 0.1
+    # the default sparse block (64) holds all 32 keys: the residual stable ranks of 0 said
+    assert "gaussian N=32: --residual-block 64 covers every key, so the residuals are zero" \
+        in " ".join(result.notes)
+    assert not any("covers every key" in n for n in run_approx(
+        small(seq_lens=(12,), residual_block=8), log=lambda s: None).notes)
 
 
 def test_floor_rows_equal_a_direct_truncated_svd():

@@ -600,6 +600,11 @@ def _analysis_block(sweep: _Sweep, loader: SourceLoader, source: str, bar: Any) 
         sweep.sources.append({"source": source, "seq_len": n, "part": "analysis",
                               "description": data.description, "windows": data.windows})
         sweep.analysis.append(analyse_source(data, sweep.config))
+    block = sweep.config.residual_block
+    if block >= n:  # the sparse part holds every entry: nothing is left to have a rank
+        sweep.note(f"{source} N={n}: --residual-block {block} covers every key, so the "
+                   f"residuals are zero and their stable ranks 0 by convention; pass a "
+                   f"block below {n} to measure them.")
     for lev in sweep.analysis[-1]["leverage"][:1]:  # ||C||_2 is the same for every eps
         zero = _zero_heads(data, torch.tensor(lev["norm_c"], dtype=torch.float64))
         if zero:
