@@ -22,7 +22,7 @@ def may_read_values(*tensors: Tensor) -> bool:
     transform or is on the meta device (shapes without values). A tracer records
     operators only: a value read there would be baked into the graph, and a raw Triton
     launch (the landmark draws) would not be recorded."""
-    if torch.compiler.is_compiling() or torch.jit.is_tracing() or _tracing_mode_active():
+    if _recorded():
         return False
     return not any(torch._C._functorch.is_functorch_wrapped_tensor(t) or t.is_meta
                    for t in tensors)
@@ -34,11 +34,17 @@ def values_to_check(t: Tensor) -> Tensor | None:
     transforms wrap (under ``vmap`` every mapped slice at once), which a check of every
     entry may read although no branch may; None under ``torch.compile``, tracers and on
     the meta device."""
-    if torch.compiler.is_compiling() or torch.jit.is_tracing() or _tracing_mode_active():
+    if _recorded():
         return None
     while torch._C._functorch.is_functorch_wrapped_tensor(t):
         t = torch._C._functorch.get_unwrapped(t)
     return None if t.is_meta else t
+
+
+def _recorded() -> bool:
+    """Whether a tracer records this code (``torch.compile``, ``torch.jit.trace``,
+    ``make_fx`` and ``torch.export``): operators only, no values."""
+    return torch.compiler.is_compiling() or torch.jit.is_tracing() or _tracing_mode_active()
 
 
 def strides_hold() -> bool:
