@@ -635,18 +635,32 @@ def test_a_function_with_a_wrong_output_is_skipped_with_the_reason(tmp_path, mon
 
     (tmp_path / "wrong_attention.py").write_text(
         "def one_row(q, k, v):\n    return v[..., :1, :]\n"
-        "def doubles(q, k, v):\n    return v.double()\n")
+        "def doubles(q, k, v):\n    return v.double()\n"
+        "def pair(q, k, v):\n    return v, None\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     config = BenchConfig(methods=("wrong_attention:one_row@softmax",
-                                  "wrong_attention:doubles@softmax"), seq_lens=(16,),
+                                  "wrong_attention:doubles@softmax",
+                                  "wrong_attention:pair@softmax"), seq_lens=(16,),
                          shapes=((1, 2, 4),), repeats=1, warmup=0, memory=False)
     rows = {row["method"]: row for row in run_bench(config).rows}
     assert rows["one_row"]["status"] == "skipped"
     assert rows["one_row"]["reason"] == (
-        "ValueError: wrong_attention:one_row returned (1, 2, 1, 4), torch.float32; expected "
-        "[B, H, N, Dv] = (1, 2, 16, 4), torch.float32 (the inputs' dtype)")
-    assert "returned (1, 2, 16, 4), torch.float64" in rows["doubles"]["reason"]
+        "TypeError: the attention method wrong_attention.one_row returned a float32 tensor "
+        "of shape [1, 2, 1, 4] for q of shape [1, 2, 16, 4] and v of shape [1, 2, 16, 4]; a "
+        "method returns [B, H, Nq, Dv] = [1, 2, 16, 4] in q's dtype (float32).")
+    assert "returned a float64 tensor of shape [1, 2, 16, 4]" in rows["doubles"]["reason"]
+    assert "returned a tuple; a method returns one tensor" in rows["pair"]["reason"]
     assert worse_than_trivial({"rel_error": float("nan"), "trivial_error": 0.5})
+
+
+def test_a_reason_keeps_the_whole_sentence_and_cuts_only_a_runaway_line():
+    """Reasons were cut at 200 characters, mid-sentence, before the part naming the fix."""
+    from skyformer.eval.bench.run import REASON_CHARS, _one_line
+
+    sentence = "x" * 400 + " the fix."
+    assert _one_line(ValueError(sentence + "\ndetails")) == f"ValueError: {sentence}"
+    cut = _one_line(RuntimeError("y" * 2000))
+    assert len(cut) == REASON_CHARS and cut.endswith("...")
 
 
 def test_every_registered_method_runs():
