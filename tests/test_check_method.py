@@ -69,6 +69,27 @@ def test_each_broken_promise_is_its_own_failed_check(leaky):
         failed["independent queries: no output depends on another query"]
 
 
+def test_a_method_that_draws_without_declaring_it_fails_one_check(monkeypatch):
+    """approx evaluates a method that is not randomized once for all its seeds: one that
+    draws from its generator must say so."""
+    monkeypatch.delitem(registry_methods._REGISTRY, "undeclared_draws", raising=False)
+
+    @register("undeclared_draws", _Leaky, Capabilities(target="softmax", mask=True))
+    def undeclared_draws(q, k, v, config, *, key_padding_mask=None, generator=None):
+        noise = torch.rand((), generator=generator, dtype=q.dtype) * 1e-3
+        scores = (q @ k.transpose(-1, -2)) * (1 + noise)
+        if key_padding_mask is not None:
+            scores = scores.masked_fill(~key_padding_mask[:, None, None, :], -torch.inf)
+        return torch.softmax(scores, -1) @ v
+
+    monkeypatch.setitem(registry_methods._REGISTRY, "undeclared_draws",
+                        registry_methods._REGISTRY["undeclared_draws"])
+    failed = {r.name: r.detail for r in check_method("undeclared_draws") if r.passed is False}
+    assert failed == {"the same generator gives the same output": (
+        "two seeds gave different outputs, but randomized is not declared: declare "
+        "Capabilities(randomized=True)")}
+
+
 def test_a_method_that_raises_fails_the_checks_with_its_words(monkeypatch):
     monkeypatch.delitem(registry_methods._REGISTRY, "raising_check", raising=False)
 

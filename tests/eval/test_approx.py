@@ -87,6 +87,24 @@ def test_same_seed_same_numbers_other_seed_other_numbers():
     assert a != b
 
 
+def test_a_method_that_draws_nothing_is_run_once_for_all_seeds(monkeypatch):
+    """Nystromformer (segment means) gives every seed one output: it is evaluated once
+    per m, and each seed gets that sample; a randomized method is run per seed."""
+    import skyformer.eval.approx.run as approx_run
+
+    calls = []
+    real = approx_run._call
+    monkeypatch.setattr(approx_run, "_call",
+                        lambda spec, *a: calls.append(spec.name) or real(spec, *a))
+    result = run_approx(small(seeds=(0, 1, 2), methods=("nystromformer", "skyformer"),
+                              analysis=False), log=lambda s: None)
+    assert calls.count("nystromformer") == 3 and calls.count("skyformer") == 9  # 3 m
+    samples = [s for s in result.samples if s["method"] == "nystromformer"]
+    assert sorted({s["seed"] for s in samples}) == [0, 1, 2]
+    by_seed = {seed: [s["spectral"] for s in samples if s["seed"] == seed] for seed in (0, 1, 2)}
+    assert by_seed[0] == by_seed[1] == by_seed[2]
+
+
 def test_glove_source_is_kdeformers_setup(tmp_path):
     g = torch.Generator().manual_seed(0)
     vectors = torch.randn(2 * 2 * 40, 6, generator=g)

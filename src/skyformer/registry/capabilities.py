@@ -32,7 +32,8 @@ class Capabilities:
     mask: honours ``key_padding_mask``.
     causal: has a ``causal`` option.
     cross_attention: accepts Nq != Nk.
-    randomized: output depends on the ``generator``.
+    randomized: output depends on the ``generator`` (one that is not gives the same
+        output for every seed: ``approx`` evaluates it once for all of them).
     fixed_length: needs a fixed ``max_seq_len`` (e.g. Linformer's projections); more keys
         than it are refused in a sentence before the method runs.
     learned_parameters: owns trainable parameters (a ``state`` module, see ``Method``).

@@ -151,10 +151,15 @@ def _output(run: Callable[..., Tensor]) -> str:
 def _deterministic(run: Callable[..., Tensor], randomized: bool, rows: int) -> str:
     q, k, v = _qkv(2, rows)
     _equal(run(q, k, v, seed=5), run(q, k, v, seed=5), "two calls with one seed differ")
-    if randomized and torch.allclose(run(q, k, v, seed=5), run(q, k, v, seed=6)):
+    same = torch.allclose(run(q, k, v, seed=5), run(q, k, v, seed=6))
+    if randomized and same:
         raise _Broken("declares randomized, but two seeds gave the same output: it ignores "
                       "its generator (or draws nothing at these options)")
-    return "equal for one seed" + (", different for two" if randomized else "")
+    if not randomized and not same:  # approx evaluates such a method once for all seeds
+        raise _Broken("two seeds gave different outputs, but randomized is not declared: "
+                      "declare Capabilities(randomized=True)")
+    return "equal for one seed" + (", different for two" if randomized else
+                                   ", the same for two")
 
 
 def _batch(run: Callable[..., Tensor], mask: bool) -> str:
