@@ -290,3 +290,27 @@ def test_a_distilbert_model_gives_the_qkv_of_its_own_projections(tmp_path):
         hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[1]
         v = model.transformer.layer[1].attention.v_lin(hidden).view(1, 40, 4, 8)
     torch.testing.assert_close(qkv.v, v.transpose(1, 2))
+
+
+def test_a_texts_tokens_are_kept_between_lengths(minilm):
+    """A sweep over lengths read one text at each and tokenised it every time (seconds
+    for a large --text); a token added to the tokenizer since gives the new ids."""
+    from skyformer.eval.data.qkv import text_tokens
+
+    _, tokenizer, _ = minilm
+    calls = []
+
+    class Counting(type(tokenizer)):
+        def __call__(self, *args, **kwargs):
+            calls.append(args[0])
+            return super().__call__(*args, **kwargs)
+
+    counting = Counting.from_pretrained(tokenizer.name_or_path)
+    text = default_text()[:2000]
+    first = text_tokens(counting, text)
+    assert text_tokens(counting, text) == first and len(calls) == 1
+    other = text[:100]
+    assert text_tokens(counting, other) == tokenizer(other, add_special_tokens=False)[
+        "input_ids"] and len(calls) == 2
+    counting.add_tokens(["fourscore"])
+    assert text_tokens(counting, "fourscore") == [len(counting) - 1] and len(calls) == 3

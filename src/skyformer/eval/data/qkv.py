@@ -14,6 +14,7 @@ NumPy's ``.npz`` with the same keys.
 from __future__ import annotations
 
 import logging as std_logging
+import weakref
 import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -199,9 +200,22 @@ def _quiet_transformers() -> Iterator[None]:
 
 
 def text_tokens(tokenizer: Any, text: str) -> list[int]:
-    """The token ids of the whole ``text``, without special tokens."""
-    with _quiet_transformers():
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    """The token ids of the whole ``text``, without special tokens. The last text's ids
+    are kept per tokenizer: a sweep over lengths reads one text at each, and a large
+    ``--text`` took seconds to tokenise every time."""
+    key = (text, len(tokenizer))  # a token added since gives other ids
+    kept = _TOKENS.get(tokenizer)
+    if kept is None or kept[0] != key:
+        with _quiet_transformers():
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        kept = (key, tuple(ids))
+        _TOKENS[tokenizer] = kept
+    return list(kept[1])
+
+
+# tokenizer -> ((its last text, its size then), that text's ids); gone with the tokenizer
+_TOKENS: weakref.WeakKeyDictionary[Any, tuple[tuple[str, int], tuple[int, ...]]] = (
+    weakref.WeakKeyDictionary())
 
 
 def tokens_needed(seq_len: int, max_positions: int) -> int:
