@@ -78,7 +78,7 @@ def test_far_apart_inputs_underflow_to_zero_not_nan():
 
 
 def test_scale_option_sets_the_kernel_bandwidth():
-    """exp(-s |q - k|^2 / 2): the default s is 1/sqrt(D) (Skyformer eq. (1)); a model that
+    """exp(-s |q - k|^2 / 2): the default s is 1/sqrt(D) (Skyformer eq. (3)); a model that
     pre-scales its queries passes its own s (e.g. 1.0)."""
     q, k, v = make_qkv(2, 2, 12, 8)
     torch.testing.assert_close(kernelized_attention(q, k, v, scale=8**-0.5),

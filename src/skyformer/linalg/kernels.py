@@ -1,6 +1,6 @@
 """Gaussian kernel blocks, computed stably from dot products and half squared norms.
 
-Skyformer's kernel (eq. (1)): kappa(x, y) = exp(-|x - y|^2 / 2) applied to inputs
+Skyformer's kernel (eq. (3)): kappa(x, y) = exp(-|x - y|^2 / 2) applied to inputs
 already scaled by p^(-1/4), so that C_ij = exp(-|q_i - k_j|^2 / (2 sqrt(p))).
 Expanded, exp(x.y - |x|^2/2 - |y|^2/2): one matrix product plus two rank-one
 shifts, never a [N1, N2, D] difference tensor.

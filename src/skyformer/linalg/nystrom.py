@@ -1,4 +1,4 @@
-"""The regularised, diagonally normalised inverse of Skyformer section 3.4 (Lemma 3).
+"""The regularised, diagonally normalised inverse of Skyformer section 4.4 (Lemma 3).
 
 For the landmark kernel matrix M = S^T C_bar S (``[..., m, m]``, entries >= 0), the
 inverse used by the modified Nystrom method is

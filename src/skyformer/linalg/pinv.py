@@ -12,7 +12,7 @@ sequence's output depend on the others):
 - ``"scaled_transpose"``: V_0 = A^T / (||A||_1 ||A||_inf). Converges for any
   matrix (Pan & Schreiber 1991); the Nystromformer choice.
 - ``"identity"``: V_0 = I. Converges when ||I - A|| < 1, the condition Skyformer's
-  Lemma 3 establishes for D^-1/2 (M + gamma I) D^-1/2 (Skyformer section 3.4
+  Lemma 3 establishes for D^-1/2 (M + gamma I) D^-1/2 (Skyformer section 4.4
   states exactly this condition for Razavi et al.'s Theorem 2). For such a matrix
   it starts every eigenvalue of A V_0 at lambda instead of lambda^2 / ||A||_1^2,
   so small eigenvalues converge in far fewer iterations.

@@ -17,7 +17,7 @@ from .kernels import gaussian_kernel_block
 def kernel_scale(head_dim: int, scale: float | None = None) -> float:
     """sqrt(s), the factor the inputs are scaled by so that the Gaussian kernel is
     exp(-s |q_i - k_j|^2 / 2); s = ``scale`` or, by default, 1/sqrt(p): p^(-1/4), the
-    bandwidth p^(1/4) of Skyformer eq. (1), C_ij = exp(-|q_i - k_j|^2 / (2 sqrt(p)))."""
+    bandwidth p^(1/4) of Skyformer eq. (3), C_ij = exp(-|q_i - k_j|^2 / (2 sqrt(p)))."""
     return float(head_dim) ** -0.25 if scale is None else math.sqrt(scale)
 
 
@@ -51,7 +51,7 @@ def gaussian_scores(
     q: Tensor, k: Tensor, *, key_padding_mask: Tensor | None = None, causal: bool = False,
     scale: float | None = None,
 ) -> Tensor:
-    """The kernelized attention matrix C ``[B, H, Nq, Nk]`` (Skyformer eq. (1)),
+    """The kernelized attention matrix C ``[B, H, Nq, Nk]`` (Skyformer eq. (3)),
     exp(-s |q_i - k_j|^2 / 2) with s = ``scale`` (``None``: 1/sqrt(D)).
 
     Columns of padded keys (and, with ``causal``, entries j > i) are zero; no other

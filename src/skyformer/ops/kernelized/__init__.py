@@ -1,4 +1,4 @@
-"""Exact Gaussian kernelized attention (Skyformer eq. (1)), the target of Skyformer."""
+"""Exact Gaussian kernelized attention (Skyformer eq. (3)), the target of Skyformer."""
 
 from .kernelized import KernelizedConfig, kernelized_attention
 from .naive import reference_materialised_kernelized_attention

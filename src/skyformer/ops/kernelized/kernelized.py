@@ -1,4 +1,4 @@
-"""Exact kernelized (Gaussian) attention, Skyformer section 3.1.
+"""Exact kernelized (Gaussian) attention, Skyformer section 4.1.
 
     out = C V,   C_ij = exp(-|q_i - k_j|^2 / (2 sqrt(p))),   p = head dim.
 
@@ -43,7 +43,7 @@ class KernelizedConfig:
     """Options of exact kernelized attention.
 
     scale: s of the Gaussian kernel exp(-s |q - k|^2 / 2), ``None`` = 1/sqrt(head dim)
-        (Skyformer eq. (1)); a model that pre-scales its queries passes its own.
+        (Skyformer eq. (3)); a model that pre-scales its queries passes its own.
     causal: query i attends to keys j <= i (requires Nq == Nk).
     kernel: ``"torch"`` (the SDPA augmentation, ``sdpa_augmentation.py``), ``"triton"``
         (flash-style kernels of the Gaussian kernel itself, ``triton_flash.py``: O(N)
@@ -92,7 +92,7 @@ class KernelizedConfig:
     KernelizedConfig,
     Capabilities(target="gaussian", exact=True, causal=True, cross_attention=True,
                  attn_mask=True, independent_queries=True),
-    summary="exact Gaussian kernelized attention C V (Skyformer eq. (1)), O(N) memory",
+    summary="exact Gaussian kernelized attention C V (Skyformer eq. (3)), O(N) memory",
 )
 def kernelized_attention(
     q: Tensor,
@@ -105,7 +105,7 @@ def kernelized_attention(
     generator: torch.Generator | None = None,
     attn_mask: Tensor | None = None,
 ) -> Tensor:
-    """Exact Gaussian kernelized attention ``C V`` (Skyformer section 3.1).
+    """Exact Gaussian kernelized attention ``C V`` (Skyformer section 4.1).
 
     Args:
         q: ``[B, H, Nq, D]``; k: ``[B, H, Nk, D]``; v: ``[B, H, Nk, Dv]``.

@@ -1,4 +1,4 @@
-"""Naive kernelized attention, from explicit pairwise differences (Skyformer eq. (1))."""
+"""Naive kernelized attention, from explicit pairwise differences (Skyformer eq. (3))."""
 
 from __future__ import annotations
 

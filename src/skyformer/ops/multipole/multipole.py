@@ -5,7 +5,7 @@ Two registered methods share ``multipole_sums`` (``sums.py``):
 - ``softmax_multipole`` approximates softmax attention softmax(s Q K^T) V: logits
   s q_i.k_j, output S_i[:Dv] / S_i[Dv];
 - ``skyformer_multipole`` approximates Skyformer's Gaussian kernelized attention C V
-  (Skyformer eq. (1)): with q^ = q p^-1/4, k^ = k p^-1/4, C_ij = exp(q^_i.k^_j -
+  (Skyformer eq. (3)): with q^ = q p^-1/4, k^ = k p^-1/4, C_ij = exp(q^_i.k^_j -
   |k^_j|^2/2) exp(-|q^_i|^2/2), so the logits are q^_i.k^_j - |k^_j|^2/2 and the
   output is exp(-|q^_i|^2/2) S_i[:Dv].
 
@@ -44,7 +44,7 @@ class SkyformerMultipoleConfig(MultipoleOptions):
     """Options of ``skyformer_multipole`` (see ``MultipoleOptions``).
 
     scale: s of the Gaussian kernel exp(-s |q - k|^2 / 2), ``None`` = 1/sqrt(head dim)
-        (Skyformer eq. (1)); a model that pre-scales its queries passes its own.
+        (Skyformer eq. (3)); a model that pre-scales its queries passes its own.
     """
 
     scale: float | None = None

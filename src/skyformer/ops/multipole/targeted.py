@@ -1,7 +1,7 @@
 """Error-targeted budgets for the multipole methods: features per head from a tolerance.
 
 Skyformer's Theorem 2 ties the number of features to the statistical dimension for a
-target accuracy and leaves open how to pick it in practice (section 4.2). Here the
+target accuracy and leaves open how to pick it in practice (section 4.3). Here the
 error is measured instead of bounded: for each head, ``probe`` queries drawn uniformly
 from the real ones get their exact rows (``probe * Nk`` kernel entries), and the method
 is evaluated on the budget ladder m/8, m/4, m/2, m (m = ``num_features``, each at

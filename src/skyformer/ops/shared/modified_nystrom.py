@@ -206,7 +206,7 @@ def nystrom_core(
 ) -> tuple[Tensor, Tensor, NystromCore]:
     """(q, k, core): landmark rows X_S of [s Q; s K] (gathered, then scaled: m rows, not
     N), their half squared norms, and W = Lemma-3 inverse of C(X_S, X_S) (Skyformer
-    section 3.4); half inputs give float32 rows (``compute_dtype``). The products read
+    section 4.4); half inputs give float32 rows (``compute_dtype``). The products read
     the q and k returned here: the gradient of the landmark rows joins theirs in one
     ``index_add`` (``linalg.rows.gather_rows_through``), not through two zero tensors
     of their size and two more additions; in place, so the callers must read q and k

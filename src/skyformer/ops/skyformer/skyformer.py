@@ -66,7 +66,7 @@ class SkyformerConfig(NystromOptions, CausalNystromOptions):
         Cholesky), so the ``pinv*`` options do not apply.
 
     scale: s of the Gaussian kernel exp(-s |q - k|^2 / 2), ``None`` = 1/sqrt(head dim)
-        (Skyformer eq. (1)); a model that pre-scales its queries passes its own.
+        (Skyformer eq. (3)); a model that pre-scales its queries passes its own.
     """
 
     scale: float | None = None

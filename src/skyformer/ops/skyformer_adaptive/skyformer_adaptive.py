@@ -64,7 +64,7 @@ class SkyformerAdaptiveConfig(NystromOptions):
     ridge: lambda of the leverage scores, relative to the mean diagonal of the sketch's Gram.
     kmeans_iterations, kmeans_sample: Lloyd iterations and sub-sample size.
     scale: s of the Gaussian kernel exp(-s |q - k|^2 / 2), ``None`` = 1/sqrt(head dim)
-        (Skyformer eq. (1)); a model that pre-scales its queries passes its own.
+        (Skyformer eq. (3)); a model that pre-scales its queries passes its own.
     """
 
     query_fraction: float = 0.25
