@@ -53,3 +53,34 @@ def test_the_shift_is_the_real_keys_mean_detached_and_finite():
     assert mu[0, 0, 0, 2] == 0 and mu.isfinite().all()
     assert mu[0, 0, 0, 0] == bad[0, 0, :, 0].mean()
     assert keys_mean(k.bfloat16(), valid) is None  # half inputs: their own rounding rules
+
+
+# docs/reliability.md, "Large norms in float32": the table's rows, by its snippet's call
+DOCUMENTED = {  # method: (relative error at offset 1e3, at 1e4; None: NaN), largest |out| at 1e4
+    "kernelized": ((2.2e-5, 4.1e-4), 2.6),
+    "skyformer": ((0.35, None), None),
+    "skyformer_adaptive": ((0.35, None), None),
+    "skyformer_multipole": ((0.19, float("inf")), 2.4e21),
+}
+
+
+@pytest.mark.parametrize("method", DOCUMENTED)
+def test_the_documented_float32_offset_table(method):
+    """What the table says each method gives; a change that helps (or hurts) one of
+    the methods reading q and k as they are fails here until the table says so."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 20, 8, generator=g) for _ in range(3))
+    ref = skyformer.attention(q, k, v, method, generator=torch.Generator().manual_seed(0))
+    (at_1e3, at_1e4), largest = DOCUMENTED[method]
+    for offset, want in ((1e3, at_1e3), (1e4, at_1e4)):
+        out = skyformer.attention(q + offset, k + offset, v, method,
+                                  generator=torch.Generator().manual_seed(0))
+        error = ((out - ref).norm() / ref.norm()).item()
+        if want is None:
+            assert error != error, f"{method} at {offset:g}: {error} where the table says NaN"
+        elif want == float("inf"):
+            assert error == want
+        else:
+            assert error == pytest.approx(want, rel=0.05), f"{method} at {offset:g}"
+    if largest is not None:
+        assert out.abs().max().item() == pytest.approx(largest, rel=0.05)
