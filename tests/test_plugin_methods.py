@@ -134,6 +134,20 @@ def test_a_plugins_inputs_get_the_librarys_checks_and_padded_rows_are_zero(plugi
     torch.testing.assert_close(out[0], q[0])
 
 
+@pytest.mark.parametrize("generator", ["seed", 7, "keys"])
+def test_a_plugins_generator_gets_the_librarys_check(plugin, generator):
+    """A plugin that draws nothing took any generator silently (a seed as an int, a
+    string), where the library's methods name what they take."""
+    plugin("plugin_no_draws", lambda q, k, v: v * 1)
+    q = torch.randn(3, 2, 6, 4)
+    if generator == "keys":
+        generator = torch.stack([skyformer.random_key(i) for i in range(3)])
+    with pytest.raises(TypeError, match=r"plugin_no_draws'?.*: generator (must be|takes one "
+                                        r"random key)"):
+        skyformer.attention(q, q, q, "plugin_no_draws", generator=generator)
+    skyformer.attention(q, q, q, "plugin_no_draws", generator=torch.Generator())
+
+
 def _returning_values(monkeypatch, name, config_class):
     """Register ``name``, options ``config_class``, as a method returning ``v``; taken out
     of the registry after the test."""

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ..amp import autocast_enabled, autocast_off, warn_if_compiled_backward_casts
-from ..ops.shared.inputs import check_attention_inputs, zero_padded_queries
+from ..ops.shared.inputs import check_attention_inputs, check_generator, zero_padded_queries
 from .guard import marked_by_core, show_nonfinite, zero_padding
 from .outputs import check_output, registered_name
 
@@ -40,6 +40,8 @@ def call_core(core: Callable[..., Tensor], q: Any, k: Any, v: Any, config: Any,
     outside = None if owned else check_attention_inputs(
         *_as_autocast_hands_them(q, k, v), masks[0], method=registered_name(core),
         query_padding_mask=masks[1])
+    if not owned and isinstance(q, Tensor):  # its generator too (an int was taken silently)
+        check_generator(registered_name(core), kwargs.get("generator"), q.device)
     config = capped(config, q, k)
     q, k, v = zero_padding(q, k, v, *masks)
     if not isinstance(q, Tensor) or not q.is_floating_point():
