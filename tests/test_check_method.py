@@ -90,6 +90,25 @@ def test_a_method_that_draws_without_declaring_it_fails_one_check(monkeypatch):
         "Capabilities(randomized=True)")}
 
 
+def test_independent_queries_without_cross_attention_is_checked_in_self_attention(
+        monkeypatch):
+    """The check ran 40 queries over 30 keys, so such a method was reported 'not
+    declared' (and the contract test failed on the capability's refusal)."""
+    monkeypatch.delitem(registry_methods._REGISTRY, "square_only", raising=False)
+
+    @register("square_only", _Leaky, Capabilities(target="softmax", cross_attention=False,
+                                                  independent_queries=True))
+    def square_only(q, k, v, config, *, key_padding_mask=None, generator=None):
+        return torch.softmax(q @ k.transpose(-1, -2), -1) @ v
+
+    monkeypatch.setitem(registry_methods._REGISTRY, "square_only",
+                        registry_methods._REGISTRY["square_only"])
+    results = {r.name: r for r in check_method("square_only")}
+    independent = results["independent queries: no output depends on another query"]
+    assert independent.passed is True and "(40 keys)" in independent.detail
+    assert results["cross-attention: other numbers of queries and keys"].passed is None
+
+
 def test_a_method_that_raises_fails_the_checks_with_its_words(monkeypatch):
     monkeypatch.delitem(registry_methods._REGISTRY, "raising_check", raising=False)
 

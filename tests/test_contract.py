@@ -260,10 +260,12 @@ def test_cross_attention_capability(method):
 
 def _earlier_outputs_change(method, **options):
     """How much the outputs of the first 20 of 40 queries move when the later 20 change
-    (a causal decoder's later tokens, in its cross-attention over 30 keys)."""
+    (a causal decoder's later tokens, in its cross-attention over 30 keys; over the 40
+    keys of self-attention for a method without cross-attention)."""
     spec = get_method(method)
     options = {**({} if spec.capabilities.exact else {"num_features": 8}), **options}
-    q, k, v = make_qkv(2, 2, 40, 8, nk=30, dtype=torch.float64)
+    nk = 30 if spec.capabilities.cross_attention else 40  # else as many keys as queries
+    q, k, v = make_qkv(2, 2, 40, 8, nk=nk, dtype=torch.float64)
     later = q.clone()
     later[:, :, 20:] += torch.randn(2, 2, 20, 8, dtype=torch.float64, generator=gen(5))
     moved = run(method, later, k, v, **options) - run(method, q, k, v, **options)
