@@ -109,6 +109,31 @@ def test_independent_queries_without_cross_attention_is_checked_in_self_attentio
     assert results["cross-attention: other numbers of queries and keys"].passed is None
 
 
+def test_a_window_by_position_rather_than_among_real_tokens_fails_the_padding_check(
+        monkeypatch):
+    """Right padding alone was checked: a local window over positions (real tokens
+    behind a hole then see fewer neighbours) passed, and broke padding == truncation
+    for left-padded batches."""
+    monkeypatch.delitem(registry_methods._REGISTRY, "window_by_position", raising=False)
+
+    @register("window_by_position", _Leaky, Capabilities(target="softmax", cross_attention=False))
+    def window_by_position(q, k, v, config, *, key_padding_mask=None, generator=None):
+        i = torch.arange(q.shape[2])
+        allowed = (i[:, None] - i[None, :]).abs() <= 2
+        if key_padding_mask is not None:
+            allowed = allowed & key_padding_mask[:, None, None, :]
+        scores = (q @ k.transpose(-1, -2)).masked_fill(~allowed, -torch.inf)
+        return torch.softmax(scores, -1).nan_to_num() @ v
+
+    monkeypatch.setitem(registry_methods._REGISTRY, "window_by_position",
+                        registry_methods._REGISTRY["window_by_position"])
+    failed = {r.name: r.detail for r in check_method("window_by_position") if r.passed is False}
+    assert list(failed) == ["padding gives the truncated input's outputs"]
+    assert failed["padding gives the truncated input's outputs"].startswith(
+        "with left padding and a hole, the real rows differ from those of the real tokens "
+        "alone (windows and positions count real tokens: ops/shared/real_first.py)")
+
+
 def test_a_method_that_raises_fails_the_checks_with_its_words(monkeypatch):
     monkeypatch.delitem(registry_methods._REGISTRY, "raising_check", raising=False)
 

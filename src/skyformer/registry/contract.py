@@ -67,7 +67,7 @@ def check_method(name: str, **options: Any) -> list[CheckResult]:
         ("batch elements are independent", None, lambda: _batch(run, caps.mask)),
         ("gradients reach q, k and v", None, lambda: _gradients(run)),
         ("padding gives the truncated input's outputs", None if caps.mask else undeclared,
-         lambda: _padding(run)),
+         lambda: _padding(run, caps.fixed_length)),
         ("padded keys get no weight", None if caps.mask else undeclared,
          lambda: _padded_keys(run)),
         ("causal: no output depends on a later position",
@@ -185,16 +185,28 @@ def _gradients(run: Callable[..., Tensor]) -> str:
     return "finite and non-zero for q, k and v"
 
 
-def _padding(run: Callable[..., Tensor]) -> str:
+def _padding(run: Callable[..., Tensor], fixed_length: bool) -> str:
+    """Right padding, then left padding with a hole: a method's windows, blocks and
+    positions count the real tokens alone (``ops/shared/real_first.py``), so the real
+    rows equal those of the real tokens packed together; a ``fixed_length`` method's
+    parameters follow positions (Linformer's projections): right padding alone."""
     q, k, v = _qkv(1, 24, seed=1)
-    mask = torch.zeros(1, 24, dtype=torch.bool)
-    mask[:, :17] = True
-    padded = run(q, k, v, mask)
-    truncated = run(q[:, :, :17], k[:, :, :17], v[:, :, :17])
-    _equal(padded[:, :, :17], truncated, "the real rows differ from the truncated input's")
-    if not torch.all(padded[:, :, 17:] == 0):
-        raise _Broken("the rows of padded queries are not 0")
-    return "real rows equal the truncated input's, padded rows are 0"
+    cases = [(list(range(17)), "right padding")]
+    if not fixed_length:
+        cases.append(([i for i in range(3, 22) if i not in (9, 10, 11)],
+                      "left padding and a hole"))
+    for real, where in cases:
+        mask = torch.zeros(1, 24, dtype=torch.bool)
+        mask[:, real] = True
+        padded = run(q, k, v, mask)
+        truncated = run(q[:, :, real], k[:, :, real], v[:, :, real])
+        _equal(padded[:, :, real], truncated,
+               f"with {where}, the real rows differ from those of the real tokens alone "
+               f"(windows and positions count real tokens: ops/shared/real_first.py)")
+        if not torch.all(padded[:, :, ~mask[0]] == 0):
+            raise _Broken(f"with {where}, the rows of padded queries are not 0")
+    return (f"real rows equal the truncated input's ({', '.join(w for _, w in cases)}), "
+            f"padded rows are 0")
 
 
 def _padded_keys(run: Callable[..., Tensor]) -> str:
