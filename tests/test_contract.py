@@ -1,4 +1,4 @@
-"""The contract every registered method must honour (DESIGN.md, "Tests").
+"""The contract every registered method must honour (CONTRIBUTING.md, step 3).
 
 Parametrised over ``list_methods()``: a new method is covered as soon as it registers.
 Methods are called through the registry's binding, as every caller calls them (a

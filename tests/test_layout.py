@@ -4,8 +4,10 @@ a test module that compares with the naive reference."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -30,17 +32,38 @@ def test_every_method_is_one_folder_with_its_naive_reference_and_readme(method):
     folder = OPS / package_of(method)
     for name in ("__init__.py", "naive.py", "README.md"):
         assert (folder / name).is_file(), f"{method}: {folder / name} is missing"
-    assert "def reference_" in (folder / "naive.py").read_text()
+    assert "def reference_" in (folder / "naive.py").read_text(), (
+        f"{method}: {folder / 'naive.py'} defines no reference_<name>_attention")
     readme = (folder / "README.md").read_text()
     assert readme.startswith("# "), f"{method}: README.md has no title"
 
 
+def test_every_method_folder_is_imported_by_the_ops_package():
+    """A folder left out of ``ops/__init__.py`` passed every test that names it (its test
+    module's import registered it) while ``skyformer list`` and ``attention`` lacked it."""
+    tree = ast.parse((OPS / "__init__.py").read_text())
+    imported = {node.module.split(".")[0] for node in ast.walk(tree)
+                if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module}
+    folders = {p.parent.name for p in OPS.glob("*/naive.py")}
+    missing = sorted(folders - imported)
+    assert not missing, (f"ops/{missing[0]} is not imported by src/skyformer/ops/__init__.py, "
+                         f"so it registers no method (CONTRIBUTING.md, step 2)")
+
+
 @pytest.mark.parametrize("method", list_methods())
 def test_its_test_module_compares_with_the_naive_reference(method):
+    """The test module imports the naive reference and calls it (an import alone passed)."""
     package = package_of(method)
     test_file = ROOT / "tests" / "ops" / f"test_{package}.py"
     assert test_file.is_file(), f"{method}: {test_file} is missing"
-    assert f"skyformer.ops.{package}.naive import" in test_file.read_text()
+    text = test_file.read_text()
+    assert f"skyformer.ops.{package}.naive import" in text
+    references = re.findall(r"^def (reference_\w+)\(", (OPS / package / "naive.py").read_text(),
+                            flags=re.MULTILINE)
+    code = "\n".join(line for line in text.splitlines() if "import" not in line)
+    used = [r for r in references if re.search(rf"\b{r}\b", code)]  # called or passed on
+    assert used, (f"{method}: {test_file.name} imports but never uses "
+                            f"{' or '.join(references)}")
 
 
 @pytest.mark.parametrize("method", list_methods())
