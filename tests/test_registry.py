@@ -77,7 +77,9 @@ def test_malformed_registrations_are_refused_before_they_reach_the_registry():
     cases = [
         (("x", Cfg, {"target": "softmax"}), "must be a skyformer.registry.Capabilities"),
         ((("x",), Cfg, Capabilities(target="softmax")), "non-empty string"),
-        (("x", Cfg(), Capabilities(target="softmax")), "a dataclass class"),
+        (("x", Cfg(), Capabilities(target="softmax")), r"decorated with @dataclasses.dataclass"
+                                                        r"\(frozen=True\) .* not an instance"),
+        (("x", dict, Capabilities(target="softmax")), r"got <class 'dict'>"),
         (("x", Cfg, Capabilities(target="cosine")), "one of softmax, gaussian"),
         (("x", Cfg, Capabilities(target="softmax", causal=True)), "option 'causal'"),
         (("x", Cfg, Capabilities(target="softmax", fixed_length=True)), "'max_seq_len'"),

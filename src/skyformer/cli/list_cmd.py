@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     for m in methods:
         caps = m["capabilities"]
         flags = [k for k, v in caps.items() if v is True]
-        print(f"{m['name']}: {m['summary']}")
+        print(f"{m['name']}: {m['summary'] or '(no summary: register(..., summary=...))'}")
         print(f"    target: {caps['target']}; capabilities: {', '.join(flags) or 'none'}")
         sdpa = "; ".join(f"{k}: {v}" for k, v in m["sdpa"].items())
         print(f"    scaled_dot_product_attention: {sdpa}")

@@ -255,8 +255,9 @@ def register(
                         f"'_', '-' and '.' (brackets name a variant, ':' and '@' a function "
                         f"in the eval tools), got {name!r}.")
     if not isinstance(config_class, type) or not dataclasses.is_dataclass(config_class):
-        raise TypeError(f"config_class of {name!r} must be a dataclass class (not an "
-                        f"instance), got {config_class!r}.")
+        raise TypeError(f"config_class of {name!r} must be a class decorated with "
+                        f"@dataclasses.dataclass(frozen=True) (the method's options as its "
+                        f"fields; the class itself, not an instance), got {config_class!r}.")
     if not isinstance(capabilities, Capabilities):
         raise TypeError(f"capabilities of {name!r} must be a skyformer.registry.Capabilities, "
                         f"got {type(capabilities).__name__}.")
