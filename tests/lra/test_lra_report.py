@@ -259,6 +259,26 @@ def test_a_variant_and_its_method_with_the_same_options_are_one_experiment(tmp_p
                     f"| skyformer (num_features=32) | 35.00 ± {std:.2f} (2) | 35.00 |"], rows
 
 
+@pytest.mark.parametrize("recorded", [True, False], ids=["recorded", "older result"])
+def test_a_variant_of_a_method_not_registered_here_is_its_own_row(tmp_path, recorded):
+    """A plugin's runs reported without --plugin: the variant's options, kept only in its
+    name, were lost and its seeds averaged into the method's row."""
+    config = {"task": "listops", "steps": 50_000, "lr": 1e-4}
+    for seed, attention in enumerate(("mean_v", "mean_v[num_features=4]")):
+        ran_with = {"attention_ran_with": {"num_features": 4 if seed else 8}} if recorded else {}
+        _fake_run(tmp_path, "listops", attention, 0, 0.3 + 0.1 * seed,
+                  config={**config, "seed": 0, "attention": attention,
+                          "attention_options": {}}, **ran_with)
+    text = tables(collect_runs([tmp_path]))
+    rows = [line for line in text.split("Table 2")[0].splitlines()
+            if line.startswith("| mean_v")]
+    # with every option recorded both are named by it (the default is not known here)
+    plain = "| mean_v (num_features=8) |" if recorded else "| mean_v |"
+    assert sorted(rows) == sorted([f"{plain} 30.00 (1) | 30.00 |",
+                                   "| mean_v (num_features=4) | 40.00 (1) | 40.00 |"]), rows
+    assert "ran more than once" not in text
+
+
 @pytest.mark.parametrize(("damage", "message"), [
     (lambda lines: [*lines[:-1], lines[-1][:-20]], r"line 3 is not JSON \("),
     (lambda lines: [lines[0].replace('"seconds": 10.0, ', ""), *lines[1:]],

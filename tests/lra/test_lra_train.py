@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 
 import pytest
@@ -73,6 +74,9 @@ def test_loss_falls_and_the_best_dev_checkpoint_is_the_one_tested(listops_cache,
     for name in ("config.json", "train.csv", "dev.csv", "result.json", "last.pt"):
         assert (tmp_path / name).is_file()
     assert result["config"]["attention"] == "softmax" and result["peak_memory_bytes"] > 0
+    # every option it ran with, the defaults too: the report needs no registry for them
+    assert result["attention_ran_with"] == {"scale": None, "causal": False}
+    assert result["diverged_at_step"] is None
 
 
 def test_resume_reproduces_an_uninterrupted_run_exactly(listops_cache, tmp_path):
@@ -459,11 +463,13 @@ def test_a_run_stopped_early_is_finished_on_resume_without_training(listops_cach
 
 
 def test_a_diverged_run_writes_strict_json_and_resumes_as_finished(
-        listops_cache, tmp_path, monkeypatch):
+        listops_cache, tmp_path, monkeypatch, caplog):
     """A run whose loss became NaN (here: an infinite learning rate from the schedule)
     writes null for every non-finite number (metrics.jsonl, result.json and config.json
     are strict JSON, grad_clip = inf too); resumed, it is found finished (its config,
-    read back with null for inf, is the same) and the report reads it."""
+    read back with null for inf, is the same) and the report reads it. The divergence is
+    said once while it trains, recorded, and noted by the report (it was reported as an
+    ordinary result)."""
     import importlib
 
     from skyformer.lra.report import collect_runs, tables
@@ -475,17 +481,25 @@ def test_a_diverged_run_writes_strict_json_and_resumes_as_finished(
     lra_train = importlib.import_module("skyformer.lra.train")  # the package's train is a function
     monkeypatch.setattr(lra_train, "learning_rate", lambda step, cfg: float("inf"))
     cfg = _cfg(steps=4, grad_clip=float("inf"), eval_every=2, log_every=2)
-    _run(cfg, listops_cache, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="skyformer"):
+        _run(cfg, listops_cache, tmp_path)
+    said = [r.getMessage() for r in caplog.records if "diverged" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("the training loss is nan by step 2: the run "
+                                                 "diverged (a lower --lr")
     result = strict((tmp_path / "result.json").read_text())
     assert result["test_loss"] is None and result["config"]["grad_clip"] is None
+    assert result["diverged_at_step"] == 2
     assert strict((tmp_path / "config.json").read_text())["train"]["grad_clip"] is None
     entries = [strict(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [e["kind"] for e in entries] == ["train", "dev", "train", "dev", "test"]
     assert all(e["loss"] is None for e in entries)
     monkeypatch.setattr(Trainer, "_finish", lambda self: pytest.fail("evaluated again"))
     assert _run(cfg, listops_cache, tmp_path, resume=True) == result
+    report = tables(collect_runs([tmp_path]))
     assert "| softmax (batch_size=16, eval_every=2, lr=0.003, max_len=8, " \
-        "steps=4, warmup=2) |" in tables(collect_runs([tmp_path]))
+        "steps=4, warmup=2) |" in report
+    assert "diverged (training loss not finite) in seed(s) 0 at step 2; its numbers are " \
+        "of the best dev checkpoint" in report
 
 
 def test_resume_refuses_other_prepared_data_with_a_sentence(tmp_path):

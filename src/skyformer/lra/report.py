@@ -22,6 +22,7 @@ split are flagged.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -36,7 +37,7 @@ from typing import Any
 
 from ..io import save_figure
 from ..registry import get_method, list_methods
-from ..registry.variants import base_name
+from ..registry.variants import base_name, is_variant, parse_variant
 from .cache import data_fingerprint
 from .model import resolve_attention_options
 from .presets import make_config
@@ -75,8 +76,11 @@ class Run:
         out = {k: v for k, v in config.items()
                if k not in (*NOT_EXPERIMENT, "task", "attention", "attention_options")}
         model = self.result.get("model") or {}
-        ran_with = model.get("attention_options", config.get("attention_options")) or {}
-        for key, value in _every_option(self.result.get("attention"), ran_with).items():
+        ran_with = self.result.get("attention_ran_with")
+        if not isinstance(ran_with, dict):  # a result written before it was recorded
+            given = model.get("attention_options", config.get("attention_options")) or {}
+            ran_with = _every_option(self.result.get("attention"), given)
+        for key, value in ran_with.items():
             out[f"option {key}" if key in out else key] = value
         model_len = model.get("max_len")
         if model_len is not None:
@@ -138,11 +142,16 @@ def _leaves(value: Any, name: str) -> dict[str, Any]:
 
 def _every_option(method: Any, options: dict[str, Any]) -> dict[str, Any]:
     """``options`` with the method's defaults filled in, when the method is registered
-    here and takes them (else as they are: a run of a method registered elsewhere)."""
+    here and takes them (else as they are, with a variant's options read from its name:
+    a run of a method registered elsewhere, from before results recorded them all)."""
     try:
         return get_method(method).bind(**options).options()
     except (KeyError, TypeError, ValueError):
-        return dict(options)
+        preset: tuple[tuple[str, Any], ...] = ()
+        if isinstance(method, str) and is_variant(method):
+            with contextlib.suppress(ValueError):
+                preset = parse_variant(method)[1]
+        return {**dict(preset), **options}
 
 
 def collect_runs(paths: list[str | os.PathLike[str]]) -> list[Run]:
@@ -435,6 +444,13 @@ def tables(runs: list[Run], unfinished: list[Unfinished] = ()) -> str:
         steps = sorted({r.result["steps"] for r in group})
         if any(r.result.get("synthetic_data") for r in group):
             notes.append(f"{name}: synthetic data (not the LRA release).")
+        diverged = sorted({(r.result.get("seed"), r.result["diverged_at_step"]) for r in group
+                           if isinstance(r.result.get("diverged_at_step"), int)}, key=str)
+        if diverged:
+            notes.append(f"{name}: diverged (training loss not finite) in seed(s) "
+                         + ", ".join(f"{seed} at step {step}" for seed, step in diverged)
+                         + "; its numbers are of the best dev checkpoint, which may be "
+                         "from before.")
         if any(r.result.get("dev_is_test") for r in group):
             notes.append(f"{name}: the dev split is the test split (LRA's IMDb setup).")
         if steps != [50_000]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import random
 import time
@@ -43,6 +44,7 @@ from ..io import (
     write_json,
 )
 from ..logs import get_logger
+from ..registry import get_method
 from .batches import BatchOrder, Position, fetch, micro_batches
 from .cache import TaskData, data_fingerprint, load_cache
 from .checkpoint import (
@@ -120,6 +122,16 @@ class TrainState:
     train_seconds: float = 0.0
     wall_seconds: float = 0.0
     peak_memory: int = 0
+
+
+def diverged_at(history: list[dict[str, Any]]) -> int | None:
+    """The step of the first logged training loss that is not a finite number (written
+    as null: strict JSON), or None: the run's losses stayed finite."""
+    for entry in history:
+        loss = entry.get("loss", 0.0)
+        if entry.get("kind") == "train" and (loss is None or not math.isfinite(loss)):
+            return int(entry["step"])
+    return None
 
 
 def own_running_sums(saved: torch.Tensor, info: DistInfo) -> torch.Tensor:
@@ -567,6 +579,13 @@ class Trainer:
     def _log_train(self, steps: int, seconds: float) -> None:
         loss_sum, correct, count = all_reduce_sum(self.running.sums, self.info).tolist()
         self.running.reset()
+        if not math.isfinite(loss_sum) and self.info.is_main \
+                and diverged_at(self.log.history) is None:
+            _log.warning(  # once: later entries find the first in the history
+                f"the training loss is {loss_sum / max(count, 1.0)} by step "
+                f"{self.state.step}: the run diverged (a lower --lr, a longer --warmup or "
+                f"--grad-clip may keep it finite). It trains on to --steps; result.json "
+                f"(diverged_at_step) and the report say so.")
         self.log.record("train", step=self.state.step, loss=loss_sum / max(count, 1.0),
                         accuracy=correct / max(count, 1.0),
                         lr=learning_rate(self.state.step - 1, self.cfg),
@@ -682,10 +701,15 @@ class Trainer:
             "peak_memory_kind": "cuda max_memory_allocated" if self.device.type == "cuda"
             else "max RSS",
             "world_size": self.info.world_size,
+            "diverged_at_step": diverged_at(self.log.history),
             "synthetic_data": self.data.synthetic,
             "dev_is_test": bool(self.data.meta.get("dev_is_test", False)),
             "config": self.cfg.to_dict(),
             "model": dataclasses.asdict(self.model.cfg),
+            # every option the attention ran with, a variant's and the defaults included:
+            # the report groups by them without the method (a plugin) being registered
+            "attention_ran_with": get_method(self.model.cfg.attention).bind(
+                **self.model.cfg.attention_options).options(),
             "data": self.data.meta,  # the splits' sizes and digests tell the data apart
             "environment": environment(self.device),
         }
