@@ -323,6 +323,19 @@ def test_runs_on_other_prepared_data_are_not_averaged_together(tmp_path):
                     "20.00 |"], rows
 
 
+def test_runs_of_another_world_size_are_not_averaged_together(tmp_path):
+    """Randomised attention's evaluations depend on how examples are batched over the
+    processes: runs of one world size are one experiment (a result without it: 1)."""
+    _fake_run(tmp_path / "a", "listops", "skyformer", 0, 0.30, world_size=2)
+    _fake_run(tmp_path / "b", "listops", "skyformer", 1, 0.40, world_size=1)
+    _fake_run(tmp_path / "c", "listops", "skyformer", 2, 0.50)
+    rows = [line for line in tables(collect_runs([tmp_path])).split("Table 2")[0].splitlines()
+            if line.startswith("| skyformer")]
+    std = statistics.stdev([40, 50])
+    assert rows == [f"| skyformer (world_size=1) | 45.00 ± {std:.2f} (2) | 45.00 |",
+                    "| skyformer (world_size=2) | 30.00 (1) | 30.00 |"], rows
+
+
 def test_runs_on_other_hardware_are_not_averaged_together(tmp_path):
     """Table 2 would average a CPU's max RSS with a GPU's allocated memory; two GPUs of
     one kind (cuda:0, cuda:1) are one experiment."""

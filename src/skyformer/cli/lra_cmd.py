@@ -133,7 +133,8 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:K")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads per process (shared machines: 1 avoids contention)")
-    p.add_argument("--cache", default=None, help="cache root used by prepare")
+    p.add_argument("--cache", default=None, help="cache root that prepare wrote (default: "
+                   "$SKYFORMER_LRA_CACHE or ~/.cache/skyformer/lra)")
     p.add_argument("--out", default=None,
                    help="run folder (default runs/lra/TASK/METHOD/seedN); with --seeds the "
                    "folder holding seedN/ (default runs/lra/TASK/METHOD)")
@@ -167,8 +168,10 @@ def _stability_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--max-len", type=int, default=None)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--cache", default=None)
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (shared machines: 1 avoids contention)")
+    p.add_argument("--cache", default=None, help="cache root that prepare wrote (default: "
+                   "$SKYFORMER_LRA_CACHE or ~/.cache/skyformer/lra)")
     p.add_argument("--json", dest="json_path", default=None,
                    help="write all tau values here (after every measurement)")
     p.add_argument("--resume", action="store_true",

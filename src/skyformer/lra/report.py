@@ -115,8 +115,11 @@ class Run:
 
     @property
     def context(self) -> dict[str, Any]:
-        """What a run measured on besides its settings: ``data`` and ``hardware``."""
-        return {**self.data, "hardware": self.hardware}
+        """What a run measured on besides its settings: ``data``, ``hardware`` and the
+        number of processes (randomised attention's evaluations depend on how the
+        examples are batched, docs/lra.md)."""
+        return {**self.data, "hardware": self.hardware,
+                "world_size": self.result.get("world_size", 1)}
 
 
 DIGEST_CHARS = 12  # of a split's SHA-256 in a row's label: enough to tell data apart

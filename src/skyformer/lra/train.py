@@ -760,7 +760,7 @@ class Trainer:
                          f"--warmup is given) is not shorter than the run's {self.cfg.steps} "
                          f"steps: the learning rate rises for the whole run, reaching "
                          f"{self.cfg.lr:g} at its last step at most, and never decays; give a "
-                         f"shorter --warmup, e.g. {max(1, self.cfg.steps // 10)}")
+                         f"shorter --warmup, e.g. {self.cfg.steps // 10} (0: no warm-up)")
         self.net = self.model
         if self.info.enabled:
             ids = [self.device.index] if self.device.type == "cuda" else None
