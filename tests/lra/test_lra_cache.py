@@ -92,6 +92,15 @@ def test_missing_or_damaged_caches_say_how_to_fix(tmp_path):
         load_cache(tmp_path, "listops")
 
 
+def test_a_tasks_own_folder_given_as_the_cache_root_names_its_parent(tmp_path):
+    """--cache data/cache/listops was answered with a prepare command for that same path."""
+    folder = write_cache(tmp_path, LISTOPS, _splits(), max_len=5)
+    with pytest.raises(FileNotFoundError, match=rf"{folder} is a task's folder \(it holds "
+                                                rf"meta.json\), not the cache root: pass its "
+                                                rf"parent, --cache {tmp_path}\."):
+        load_cache(folder, "listops")
+
+
 @pytest.mark.parametrize(("task", "source"), [
     ("listops", r", or a folder `skyformer lra generate listops --out PATH` writes"),
     ("text", r"\.$"),

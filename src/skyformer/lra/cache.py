@@ -214,6 +214,10 @@ def load_cache(cache_root: str | os.PathLike[str], task: str) -> TaskData:
     folder = cache_dir(cache_root, task)
     meta_path = folder / "meta.json"
     if not meta_path.is_file():
+        if (Path(cache_root) / "meta.json").is_file():  # the task's own folder was given
+            raise FileNotFoundError(
+                f"{Path(cache_root)} is a task's folder (it holds meta.json), not the cache "
+                f"root: pass its parent, --cache {Path(cache_root).parent}.")
         generated = (f", or a folder `skyformer lra generate {task} --out PATH` writes "
                      f"({GENERATED_TASKS[task]})" if task in GENERATED_TASKS else "")
         raise FileNotFoundError(
