@@ -43,6 +43,7 @@ from ..shared.causal_prefix import (
     CAUSAL_CHUNK,
     chunk_rows,
     lower_triangle,
+    per_row,
     prefix_mean_values,
     unchunk_rows,
 )
@@ -98,8 +99,7 @@ def causal_nystrom_softmax(q: Tensor, k: Tensor, v: Tensor, info: AttentionInput
         row_factor = torch.where(torch.isfinite(before)[..., None],
                                  before[..., None] - _chunks(r_safe, chunk, float("inf")),
                                  float("-inf")).exp()  # exp(R_{c-1} - r_i): [B, H, C, L]
-        own_end = unchunk_rows(end[..., None, None].expand(*end.shape, chunk, 1),
-                               n)[..., 0]  # R_c of each key's chunk
+        own_end = per_row(end, chunk, n)  # R_c of each key's chunk
         key_factor = torch.where(real, r - own_end, float("-inf")).exp()  # [B, H, N]
     # exp(k^.x_s - |x_s|^2/2 - r_j) <= 1: C(X_S, k_j) E_K / exp(r_j)
     # (one product each: no [N, m] block kept for the backward pass)

@@ -72,6 +72,15 @@ def unchunk_rows(x: Tensor, n: int) -> Tensor:
     return rows[:, :, :n]
 
 
+def per_row(x: Tensor, chunk: int, n: int) -> Tensor:
+    """``[..., C] -> [..., N]``: each row gets the value of its chunk. An index, not
+    ``unchunk_rows`` of ``x`` expanded over the chunk: inductor (torch 2.13, CPU) gave
+    the rows of a last, partial chunk another chunk's value through that expand (or
+    ``repeat_interleave``), which made causal ``nystrom_softmax``'s compiled gradients
+    NaN under a padding mask."""
+    return x.index_select(-1, torch.arange(n, device=x.device) // chunk)
+
+
 def exclusive_chunk_sums(psi_k: Tensor, v: Tensor) -> Tensor:
     """S_c = sum_{c' < c} psi(K_c')^T V_c': ``[B, H, C, L, m]``, ``[B, H, C, L, Dv]``
     -> ``[B, H, C, m, Dv]`` (chunk 0 gets zeros)."""
