@@ -84,6 +84,28 @@ def test_figure_two_draws_each_table_row_as_its_own_curve(tmp_path, monkeypatch)
     assert len(colours) == 3 and len(set(colours)) == 2
 
 
+def test_figure_two_says_the_settings_every_curve_shares_once_under_the_title(
+        tmp_path, monkeypatch):
+    """Every row of a short CPU run differs from the preset in the same steps and lr: the
+    legend repeated them in each entry and squeezed the panel; they now stand under the
+    title, and an entry names what is its own (the tables keep the full names)."""
+    pytest.importorskip("matplotlib")
+    config = {"task": "listops", "steps": 2000, "lr": 1e-3}
+    for attention, options in (("softmax", {}), ("skyformer", {"num_features": 32})):
+        _fake_run(tmp_path, "listops", attention, 0, 0.3,
+                  config={**config, "seed": 0, "attention": attention,
+                          "attention_options": options})
+    figures = []
+    monkeypatch.setattr("skyformer.lra.report.save_figure",
+                        lambda fig, path, **kw: figures.append(fig) or path)
+    plot_dev_curves(collect_runs([tmp_path]), tmp_path / "figure2.png")
+    ax = figures[0].axes[0]
+    assert ax.get_legend_handles_labels()[1] == ["softmax", "skyformer (num_features=32)"]
+    assert ax.get_title() == "ListOps\nlr=0.001, steps=2000"
+    assert "| skyformer (lr=0.001, num_features=32, steps=2000) |" in tables(
+        collect_runs([tmp_path]))
+
+
 def test_figure_two_tells_more_than_ten_rows_apart_and_keeps_the_legend_off_the_curves(
         tmp_path, monkeypatch):
     """Twelve rows: colours came from tab10 modulo 10 (rows 1 and 11 alike) and the legend

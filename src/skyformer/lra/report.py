@@ -353,10 +353,15 @@ def _variant_label(run: Run, context_keys: list[str]) -> str:
     and hardware in which its task's runs differ); empty for a run with the preset's
     settings on the task's only data and hardware. A setting the run's config does not
     record (written before it existed) counts as the preset's."""
+    return ", ".join(_label_parts(run, context_keys))
+
+
+def _label_parts(run: Run, context_keys: list[str]) -> list[str]:
+    """The ``key=value`` items of ``_variant_label``."""
     settings, preset, context = run.settings, _preset_settings(run), run.context
     other = [f"{k}={settings[k]}" for k in sorted(settings)
              if _plain(settings[k]) != _plain(preset.get(k))]
-    return ", ".join(other + [f"{k}={context.get(k)}" for k in context_keys])
+    return other + [f"{k}={context.get(k)}" for k in context_keys]
 
 
 def _differing_context(runs: list[Run]) -> list[str]:
@@ -475,6 +480,25 @@ def tables(runs: list[Run], unfinished: list[Unfinished] = ()) -> str:
 _LINE_STYLES = ("-", "--", ":", "-.")
 
 
+def _panel_labels(task: str, groups: dict[tuple[str, str, str], list[Run]],
+                  names: dict[tuple[str, str], str]
+                  ) -> tuple[dict[tuple[str, str], str], list[str]]:
+    """Legend entries of ``task``'s panel, each row's method and the settings in which
+    it differs from the panel's other rows, and the settings all of them share (said
+    once, under the title: repeated in every entry they squeezed the panel)."""
+    context_keys = _differing_context([r for g in groups.values() for r in g
+                                       if r.key[0] == task])
+    parts = {(method, label): _label_parts(runs[0], context_keys)
+             for (t, method, label), runs in groups.items() if t == task}
+    shared = [p for p in next(iter(parts.values()), []) if all(p in q for q in parts.values())]
+    shared = shared if len(parts) > 1 else []
+    legends = {}
+    for row in names:
+        own = [p for p in parts.get(row, []) if p not in shared]
+        legends[row] = f"{row[0]} ({', '.join(own)})" if own else row[0]
+    return legends, shared
+
+
 def plot_dev_curves(runs: list[Run], path: str | os.PathLike[str]) -> Path:
     """Figure 2: dev accuracy against training time, one panel per task, one colour per
     row of the tables (a method with other settings is a row, and a curve, of its own)."""
@@ -495,15 +519,19 @@ def plot_dev_curves(runs: list[Run], path: str | os.PathLike[str]) -> Path:
     looks = {name: (matplotlib.colormaps["tab10"](i % 10), _LINE_STYLES[i // 10 % 4])
              for i, name in enumerate(names.values())}
     for ax, task in zip(axes.flat, tasks, strict=False):
+        legends, shared = _panel_labels(task, groups, names)
         for row, name in names.items():
             for i, run in enumerate(r for r in groups.get((task, *row), []) if r.dev_curve):
                 xs, ys = zip(*run.dev_curve, strict=True)
-                label = None if i else textwrap.fill(name, 40, break_long_words=False)
+                label = None if i else textwrap.fill(legends[row], 40, break_long_words=False)
                 color, style = looks[name]
                 ax.plot(xs, [100 * y for y in ys], color=color, linestyle=style, alpha=0.8,
                         linewidth=1.2, label=label)  # one legend entry per row
         synthetic = any(r.result.get("synthetic_data") for r in runs if r.key[0] == task)
-        ax.set_title(TASKS[task].title + (" (synthetic)" if synthetic else ""))
+        title = TASKS[task].title + (" (synthetic)" if synthetic else "")
+        if shared:  # the settings every curve of the panel has, once, under its title
+            title += "\n" + textwrap.fill(", ".join(shared), 60, break_long_words=False)
+        ax.set_title(title, fontsize=9 if shared else None)
         ax.set_xlabel("training time (s)")
         ax.set_ylabel("dev accuracy (%)")
         ax.grid(alpha=0.3)
