@@ -249,9 +249,12 @@ def check_errors(rank: int, world: int) -> None:
             assert "causal=True does not run sequence parallel" in str(error), str(error)
         else:
             raise AssertionError(f"{method}: a causal layer was built sequence parallel")
-    for method in ("skyformer", "nystrom_softmax"):  # as on one process
+    for method in ("skyformer", "nystrom_softmax"):  # as on one process, but causal=True
+        # is no way out here
         raises(f"{method}: landmark_stride=4 shapes causal attention only", q, k, v, method,
                landmark_stride=4)
+        raises("leave it out (causal attention does not run sequence parallel).", q, k, v,
+               method, landmark_stride=4)
     raises("unknown attention method 'skyfromer'", q, k, v, "skyfromer")
     for group in ([0, 1], 0):  # torch said "unhashable type: 'list'", "Group 0 ..."
         raises("group must be a torch.distributed process group (torch.distributed."
