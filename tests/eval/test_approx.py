@@ -98,11 +98,33 @@ def test_a_method_that_draws_nothing_is_run_once_for_all_seeds(monkeypatch):
                         lambda spec, *a: calls.append(spec.name) or real(spec, *a))
     result = run_approx(small(seeds=(0, 1, 2), methods=("nystromformer", "skyformer"),
                               analysis=False), log=lambda s: None)
-    assert calls.count("nystromformer") == 3 and calls.count("skyformer") == 9  # 3 m
+    # 3 m, and a second seed at the first m that agreed with the first
+    assert calls.count("nystromformer") == 4 and calls.count("skyformer") == 9
     samples = [s for s in result.samples if s["method"] == "nystromformer"]
     assert sorted({s["seed"] for s in samples}) == [0, 1, 2]
     by_seed = {seed: [s["spectral"] for s in samples if s["seed"] == seed] for seed in (0, 1, 2)}
     assert by_seed[0] == by_seed[1] == by_seed[2]
+
+
+def test_a_method_that_draws_without_declaring_it_is_noted_and_run_per_seed(monkeypatch):
+    """The run-once rule rests on the randomized flag, checked at other options: a
+    second seed that disagrees at the first m says so and every seed runs."""
+    @dataclasses.dataclass(frozen=True)
+    class Features:
+        num_features: int = 8
+
+    def undeclared(q, k, v, *, key_padding_mask=None, generator=None, num_features=8):
+        noise = torch.rand((), generator=generator, dtype=q.dtype)
+        return torch.softmax(q @ k.transpose(-1, -2) * (1 + noise), -1) @ v
+
+    _register(monkeypatch, "undeclared_draws", undeclared, Features)
+    notes = []
+    result = run_approx(small(seeds=(0, 1, 2), methods=("undeclared_draws",), analysis=False),
+                        log=notes.append)
+    assert any("undeclared_draws: not declared randomized, but seeds 0 and 1 gave other "
+               "outputs" in n for n in notes), notes
+    samples = [s["spectral"] for s in result.samples if s["num_features"] == 16]
+    assert len(set(samples)) > 2  # three seeds, each its own
 
 
 def test_glove_source_is_kdeformers_setup(tmp_path):
