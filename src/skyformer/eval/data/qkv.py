@@ -203,13 +203,16 @@ def text_tokens(tokenizer: Any, text: str) -> list[int]:
     """The token ids of the whole ``text``, without special tokens. The last text's ids
     are kept per tokenizer: a sweep over lengths reads one text at each, and a large
     ``--text`` took seconds to tokenise every time."""
-    key = (text, len(tokenizer))  # a token added since gives other ids
-    kept = _TOKENS.get(tokenizer)
+    try:  # a token added since gives other ids
+        key, kept = (text, len(tokenizer)), _TOKENS.get(tokenizer)
+    except TypeError:  # a tokenizer without a size, or one a weak reference cannot hold
+        key = kept = None
     if kept is None or kept[0] != key:
         with _quiet_transformers():
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         kept = (key, tuple(ids))
-        _TOKENS[tokenizer] = kept
+        if key is not None:
+            _TOKENS[tokenizer] = kept
     return list(kept[1])
 
 
