@@ -253,8 +253,8 @@ def check_errors(rank: int, world: int) -> None:
         # is no way out here
         raises(f"{method}: landmark_stride=4 shapes causal attention only", q, k, v, method,
                landmark_stride=4)
-        raises("leave it out (causal attention does not run sequence parallel).", q, k, v,
-               method, landmark_stride=4)
+        raises("leave it out, or run on one process with causal=True (causal attention "
+               "does not run sequence parallel).", q, k, v, method, landmark_stride=4)
     raises("unknown attention method 'skyfromer'", q, k, v, "skyfromer")
     for group in ([0, 1], 0):  # torch said "unhashable type: 'list'", "Group 0 ..."
         raises("group must be a torch.distributed process group (torch.distributed."

@@ -106,12 +106,9 @@ def _no_causal(method: str, reason: str) -> Callable[[Any], None]:
                 f"{method}: causal=True does not run sequence parallel ({reason}); use "
                 "causal=False or one process.")
         if isinstance(config, CausalNystromOptions):  # as a call on one process does,
-            try:  # but causal=True is no way out here
-                refuse_causal_form_options(method, config)
-            except ValueError as err:
-                raise ValueError(str(err).replace(
-                    ", or pass causal=True.",
-                    " (causal attention does not run sequence parallel).")) from None
+            refuse_causal_form_options(  # but causal=True is no way out here
+                method, config, way_out="run on one process with causal=True (causal "
+                "attention does not run sequence parallel)")
     return check
 
 

@@ -83,11 +83,13 @@ CAUSAL_FORM_DEFAULTS = {f.name: f.default for f in dataclasses.fields(CausalNyst
                         if f.name != "causal"}
 
 
-def refuse_causal_form_options(method: str, config: CausalNystromOptions) -> None:
+def refuse_causal_form_options(method: str, config: CausalNystromOptions,
+                               way_out: str = "pass causal=True") -> None:
     """A non-causal call given options of the causal form only (which it would ignore:
     the output would equal the default's without a word) is refused in a sentence.
     Checked when the call runs, not in the config: a Hugging Face decoder's layers keep
-    causal=False in their options and take causal from the model's mask at each call."""
+    causal=False in their options and take causal from the model's mask at each call.
+    ``way_out``: the sentence's other fix, after "leave it out"."""
     given = [f"{name}={getattr(config, name)!r}" for name, default in
              CAUSAL_FORM_DEFAULTS.items() if getattr(config, name) != default]
     if given:
@@ -95,7 +97,7 @@ def refuse_causal_form_options(method: str, config: CausalNystromOptions) -> Non
             f"{method}: {' and '.join(given)} shape{'' if len(given) > 1 else 's'} causal "
             f"attention only (causal=True); this call is not causal, where "
             f"{'they change' if len(given) > 1 else 'it changes'} nothing: leave "
-            f"{'them' if len(given) > 1 else 'it'} out, or pass causal=True.")
+            f"{'them' if len(given) > 1 else 'it'} out, or {way_out}.")
 
 
 @dataclass(frozen=True)
