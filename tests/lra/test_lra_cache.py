@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -95,10 +96,13 @@ def test_missing_or_damaged_caches_say_how_to_fix(tmp_path):
 def test_a_tasks_own_folder_given_as_the_cache_root_names_its_parent(tmp_path):
     """--cache data/cache/listops was answered with a prepare command for that same path."""
     folder = write_cache(tmp_path, LISTOPS, _splits(), max_len=5)
-    with pytest.raises(FileNotFoundError, match=rf"{folder} is a task's folder \(it holds "
-                                                rf"meta.json\), not the cache root: pass its "
-                                                rf"parent, --cache {tmp_path}\."):
+    with pytest.raises(FileNotFoundError, match=re.escape(
+            f"{folder} is a task's folder (it holds meta.json), not the cache root: pass "
+            f"its parent, --cache {tmp_path}.")):
         load_cache(folder, "listops")
+    with pytest.raises(FileNotFoundError, match=re.escape(
+            f"--cache {tmp_path} (it holds listops; text is prepared into text/ there).")):
+        load_cache(folder, "text")
 
 
 @pytest.mark.parametrize(("task", "source"), [

@@ -214,10 +214,13 @@ def load_cache(cache_root: str | os.PathLike[str], task: str) -> TaskData:
     folder = cache_dir(cache_root, task)
     meta_path = folder / "meta.json"
     if not meta_path.is_file():
-        if (Path(cache_root) / "meta.json").is_file():  # the task's own folder was given
+        given = Path(cache_root).expanduser()
+        if (given / "meta.json").is_file():  # a task's own folder was given
             raise FileNotFoundError(
-                f"{Path(cache_root)} is a task's folder (it holds meta.json), not the cache "
-                f"root: pass its parent, --cache {Path(cache_root).parent}.")
+                f"{given} is a task's folder (it holds meta.json), not the cache root: "
+                f"pass its parent, --cache {given.parent}"
+                + ("." if given.name == task else
+                   f" (it holds {given.name}; {task} is prepared into {task}/ there)."))
         generated = (f", or a folder `skyformer lra generate {task} --out PATH` writes "
                      f"({GENERATED_TASKS[task]})" if task in GENERATED_TASKS else "")
         raise FileNotFoundError(
