@@ -51,6 +51,7 @@ from ...checks import check_positive_ints, is_integer
 from ...devices import parse_device
 from ...io import environment
 from ...linalg.implicit_inverse import factorises
+from ...logs import first_line
 from ...ops.shared.inputs import compute_dtype
 from ...registry import Method, get_method, list_methods
 from ...registry.outputs import check_output
@@ -720,8 +721,8 @@ REASON_CHARS = 600  # the library's sentences fit; a longer first line is cut wi
 def _one_line(err: BaseException) -> str:
     """The error's type and first line: a row's reason (torch's own messages keep their
     details on the lines after)."""
-    text = str(err).strip().splitlines()
-    line = f"{type(err).__name__}: {text[0] if text else ''}"
+    line = f"{type(err).__name__}: {first_line(err)}" if str(err).strip() else \
+        type(err).__name__
     return line if len(line) <= REASON_CHARS else line[: REASON_CHARS - 3] + "..."
 
 
