@@ -55,6 +55,18 @@ def test_synthetic_and_short_runs_are_flagged(tmp_path):
     assert "image/softmax: trained for 200 steps" in text
 
 
+def test_a_diverged_run_is_noted_whether_or_not_its_result_records_the_step(tmp_path):
+    """A result records diverged_at_step; one written before it did is known by its
+    test loss, written null when not finite."""
+    _fake_run(tmp_path, "listops", "softmax", 0, 0.12, test_loss=None)
+    _fake_run(tmp_path, "listops", "softmax", 1, 0.12, test_loss=None, diverged_at_step=500)
+    _fake_run(tmp_path, "listops", "softmax", 2, 0.30, test_loss=1.8, diverged_at_step=None)
+    text = tables(collect_runs([tmp_path]))
+    assert ("- listops/softmax: diverged (training loss not finite) in seed(s) 0 (its test "
+            "loss is not finite), 1 at step 500; its numbers are of the best dev checkpoint, "
+            "which may be from before.") in text
+
+
 def test_figure_two_is_written(tmp_path):
     pytest.importorskip("matplotlib")
     _fake_run(tmp_path, "text", "skyformer", 0, 0.6)

@@ -280,6 +280,18 @@ def _dev_curve(metrics: Path) -> list[tuple[float, float]]:
 REQUIRED = ("task", "attention", "test_accuracy", "train_seconds", "peak_memory_bytes", "steps")
 
 
+def _diverged_at(result: dict[str, Any]) -> int | str | None:
+    """The step at which a run's training loss stopped being finite; "?" for a result
+    written before that step was recorded whose test loss is not finite (null); None."""
+    step = result.get("diverged_at_step")
+    if isinstance(step, int):
+        return step
+    if "diverged_at_step" not in result and "test_loss" in result \
+            and result["test_loss"] is None:
+        return "?"
+    return None
+
+
 def _finite_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) \
         and math.isfinite(value)
@@ -452,11 +464,13 @@ def tables(runs: list[Run], unfinished: list[Unfinished] = ()) -> str:
         steps = sorted({r.result["steps"] for r in group})
         if any(r.result.get("synthetic_data") for r in group):
             notes.append(f"{name}: synthetic data (not the LRA release).")
-        diverged = sorted({(r.result.get("seed"), r.result["diverged_at_step"]) for r in group
-                           if isinstance(r.result.get("diverged_at_step"), int)}, key=str)
+        diverged = sorted({(r.result.get("seed"), _diverged_at(r.result)) for r in group
+                           if _diverged_at(r.result) is not None}, key=str)
         if diverged:
             notes.append(f"{name}: diverged (training loss not finite) in seed(s) "
-                         + ", ".join(f"{seed} at step {step}" for seed, step in diverged)
+                         + ", ".join(f"{seed} at step {step}" if step != "?" else
+                                     f"{seed} (its test loss is not finite)"
+                                     for seed, step in diverged)
                          + "; its numbers are of the best dev checkpoint, which may be "
                          "from before.")
         if any(r.result.get("dev_is_test") for r in group):
