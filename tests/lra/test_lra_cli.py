@@ -28,6 +28,7 @@ def test_generate_prepare_train_report_stability(tmp_path, capsys):
     result = json.loads((runs / "skyformer" / "result.json").read_text())
     assert result["config"]["attention_options"] == {"num_features": 4}
     assert result["config"]["steps"] == 4 and result["config"]["batch_size"] == 16
+    assert result["command"].startswith("skyformer lra train listops --attn skyformer --quick")
     capsys.readouterr()
     assert main(["lra", "report", str(runs), "--markdown", str(tmp_path / "tables.md")]) == 0
     out = capsys.readouterr().out

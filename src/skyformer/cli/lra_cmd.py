@@ -300,7 +300,8 @@ def _run_train(args: argparse.Namespace) -> int:
         check_output_path(out if out is not None else default_run_dir(run_cfg), folder=True)
     trainers = [Trainer(run_cfg, cache_root=_cache(args), out_dir=out, resume=args.resume,
                         stop_after=args.stop_after, device=args.device,
-                        tensorboard=not args.no_tensorboard, quiet=args.quiet)
+                        tensorboard=not args.no_tensorboard, quiet=args.quiet,
+                        command=command_line(args))
                 for run_cfg, out in runs]
     if len(trainers) > 1:  # a seed's folder refused only after the seeds before it trained
         for trainer in trainers:

@@ -404,12 +404,13 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, *, cache_root: str | os.PathLike[str],
                  out_dir: str | os.PathLike[str] | None = None, resume: bool = False,
                  stop_after: int | None = None, device: str = "auto", tensorboard: bool = True,
-                 quiet: bool = False) -> None:
+                 quiet: bool = False, command: str | None = None) -> None:
         if stop_after is not None and (isinstance(stop_after, bool)
                                        or not isinstance(stop_after, int) or stop_after < 0):
             raise ValueError(f"stop_after (--stop-after) must be a number of steps >= 0, "
                              f"got {stop_after!r}.")
         self.cfg = cfg
+        self.command = command  # the command line that runs it, recorded in result.json
         self.cache_root = Path(cache_root).expanduser()
         self.folder = Path(out_dir) if out_dir is not None else default_run_dir(cfg)
         self.resume = resume
@@ -712,6 +713,7 @@ class Trainer:
                 **self.model.cfg.attention_options).options(),
             "data": self.data.meta,  # the splits' sizes and digests tell the data apart
             "environment": environment(self.device),
+            "command": self.command,  # the invocation that finished the run (None: Python)
         }
         if self.info.is_main:
             write_json(self.folder / "result.json", result)
