@@ -142,6 +142,9 @@ def _damage(folder, name, array):
     (lambda f: _damage(f, "tokens", np.full((4, 1, 5), 250, dtype=np.uint8)),
      "token ids lie outside"),
     (lambda f: _damage(f, "tokens", np.ones((4, 1, 5), dtype=np.float32)), "not integers"),
+    # a valid label changed by hand: only the digest prepare recorded tells
+    (lambda f: _damage(f, "labels", np.array([1, 1, 2, 3])),
+     r"the train arrays are not those meta.json recorded .* \(their SHA-256 differs\)"),
 ])
 def test_a_damaged_cache_is_named_not_trained_on(tmp_path, damage, words):
     folder = write_cache(tmp_path, LISTOPS, _splits(), max_len=5)

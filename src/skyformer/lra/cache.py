@@ -262,6 +262,12 @@ def load_cache(cache_root: str | os.PathLike[str], task: str) -> TaskData:
                 f"{labels.shape}, which do not match meta.json; prepare the task again."
             )
         _check_values(folder, name, spec, meta["max_len"], tokens, lengths, labels)
+        recorded = meta["splits"][name].get("sha256")
+        if isinstance(recorded, str) and split_digest(tokens, lengths, labels) != recorded:
+            raise ValueError(
+                f"{folder}: the {name} arrays are not those meta.json recorded when they were "
+                f"prepared (their SHA-256 differs): a file was changed or replaced since; "
+                f"prepare the task again.")
         splits[name] = SplitData(tokens, lengths, labels)
     return TaskData(spec, folder, meta, splits)
 
