@@ -77,6 +77,15 @@ def test_figure_two_is_written(tmp_path):
     assert path.stat().st_size > 1000 and path.read_bytes()[:4] == b"\x89PNG"
 
 
+def _first_panel(tmp_path, monkeypatch):
+    """The first panel of Figure 2 drawn from the runs under ``tmp_path`` (not saved)."""
+    figures = []
+    monkeypatch.setattr("skyformer.lra.report.save_figure",
+                        lambda fig, path, **kw: figures.append(fig) or path)
+    plot_dev_curves(collect_runs([tmp_path]), tmp_path / "figure2.png")
+    return figures[0].axes[0]
+
+
 def test_figure_two_draws_each_table_row_as_its_own_curve(tmp_path, monkeypatch):
     """Runs of one method with other settings are rows of their own in the tables; the
     figure names them as the rows are named, each row in its own colour (they were one
@@ -86,11 +95,7 @@ def test_figure_two_draws_each_table_row_as_its_own_curve(tmp_path, monkeypatch)
     for root, seed, changes in (("a", 0, {}), ("b", 1, {}), ("c", 0, {"lr": 1e-3})):
         _fake_run(tmp_path / root, "listops", "skyformer", seed, 0.3,
                   config={**config, "seed": seed, **changes})
-    figures = []
-    monkeypatch.setattr("skyformer.lra.report.save_figure",
-                        lambda fig, path, **kw: figures.append(fig) or path)
-    plot_dev_curves(collect_runs([tmp_path]), tmp_path / "figure2.png")
-    ax = figures[0].axes[0]
+    ax = _first_panel(tmp_path, monkeypatch)
     assert ax.get_legend_handles_labels()[1] == ["skyformer", "skyformer (lr=0.001)"]
     colours = [str(line.get_color()) for line in ax.get_lines()]  # one curve per run
     assert len(colours) == 3 and len(set(colours)) == 2
@@ -107,11 +112,7 @@ def test_figure_two_says_the_settings_every_curve_shares_once_under_the_title(
         _fake_run(tmp_path, "listops", attention, 0, 0.3,
                   config={**config, "seed": 0, "attention": attention,
                           "attention_options": options})
-    figures = []
-    monkeypatch.setattr("skyformer.lra.report.save_figure",
-                        lambda fig, path, **kw: figures.append(fig) or path)
-    plot_dev_curves(collect_runs([tmp_path]), tmp_path / "figure2.png")
-    ax = figures[0].axes[0]
+    ax = _first_panel(tmp_path, monkeypatch)
     assert ax.get_legend_handles_labels()[1] == ["softmax", "skyformer (num_features=32)"]
     assert ax.get_title() == "ListOps\nlr=0.001, steps=2000"
     assert "| skyformer (lr=0.001, num_features=32, steps=2000) |" in tables(
