@@ -443,8 +443,61 @@ def test_a_step_that_fails_in_one_layer_stops_the_cache(monkeypatch):
         model(ids[:, 10:11], cache=cache)
     monkeypatch.setattr(DecodingState, "step", real)
     assert cache.layers[0].state.length == 11 and cache.layers[1].state.length == 10
-    with pytest.raises(RuntimeError, match="when that forward failed"):
+    for _ in range(2):  # named at the next step and every one after, before any change
+        with pytest.raises(RuntimeError, match=r"an earlier step failed in layer 1 "
+                           r"\(LlamaAttention\) \(RuntimeError: out of memory \(simulated\)\)"
+                           r".* start a new cache"):
+            model(ids[:, 10:11], cache=cache)
+    assert cache.layers[0].state.length == 11
+    cache.reset()
+    model(ids[:, :10], cache=cache)
+    model(ids[:, 10:11], cache=cache)
+
+
+@torch.no_grad()
+def test_a_step_refused_before_any_layer_took_it_is_undone():
+    """A step refused in the first layer (its attention changed since the first step)
+    changes nothing: with the attention set back, the cache decodes as one that never
+    saw the refused step."""
+    model = _llama()
+    shf.set_attention(model, "linear", seed=0)
+    ids, _ = _prompt()
+    cache, control = shf.DecodingCache(model), shf.DecodingCache(model)
+    for c in (cache, control):
+        model(ids[:, :10], cache=c)
+    shf.set_attention(model, "linear", seed=1)
+    with pytest.raises(ValueError, match="attention layer 0 runs linear with other options"):
         model(ids[:, 10:11], cache=cache)
+    assert [layer.seen for layer in cache.layers] == [10, 10]
+    shf.set_attention(model, "linear", seed=0)
+    for step in range(10, 13):
+        torch.testing.assert_close(model(ids[:, step:step + 1], cache=cache).logits,
+                                   model(ids[:, step:step + 1], cache=control).logits,
+                                   rtol=0, atol=0)
+
+
+@torch.no_grad()
+def test_a_step_that_stopped_between_layers_stops_the_cache(monkeypatch):
+    """An error in the model after layer 0's attention took the step (here in its MLP)
+    leaves layer 1 a step behind: the next step is refused instead of decoding layer 1
+    without those positions."""
+    model = _llama()
+    shf.set_attention(model, "linear", seed=0)
+    ids, _ = _prompt()
+    cache = shf.DecodingCache(model)
+    model(ids[:, :10], cache=cache)
+
+    def fails(*args):
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(model.model.layers[0].mlp, "forward", fails)
+    with pytest.raises(RuntimeError, match="simulated"):
+        model(ids[:, 10:11], cache=cache)
+    monkeypatch.undo()
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"stopped between attention layers .* one "
+                                               r"layer holds 10 positions, another 1[12]"):
+            model(ids[:, 11:12], cache=cache)
 
 
 @torch.no_grad()
@@ -473,6 +526,12 @@ def test_a_step_mask_the_state_cannot_follow_is_refused(hide):
     past = cache.layers[0].past_valid()
     assert past.shape == (2, 20) and past[1, :4].eq(False).all() and past[:, 4:].all()
     assert cache.layers[0].valid.shape == (2, 4)  # kept up to the last padded position
+    # the refused step was undone: with the right mask the cache decodes as a fresh one
+    fresh = shf.DecodingCache(model)
+    model(ids[:, :20], attention_mask=mask[:, :20], cache=fresh)
+    torch.testing.assert_close(
+        model(ids[:, 20:21], attention_mask=mask[:, :21], cache=cache).logits,
+        model(ids[:, 20:21], attention_mask=mask[:, :21], cache=fresh).logits, rtol=0, atol=0)
 
 
 @torch.no_grad()

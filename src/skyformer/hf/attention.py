@@ -263,9 +263,9 @@ def skyformer_attention_forward(
             decoding.check_reaches(attention_mask, query.shape[2])
         return _attention(module, layer, decoding, query, key, value, attention_mask,
                           dropout, scaling, is_causal, kwargs)
-    except BaseException:
-        if decoding is not None:  # the cache lacks this layer's step: it refuses the next
-            decoding.fail(key)
+    except BaseException as error:
+        if decoding is not None:  # undone, or the cache refuses the next step
+            decoding.fail(_where(module, layer), error)
         raise
 
 

@@ -50,7 +50,10 @@ A cache serves the model it was made for, with the attention its layers ran at i
 step: its states and kept keys hold the positions so far under that attention. A step
 of another model, after ``restore_exact`` or another implementation, or in a layer whose
 method, options, seed or per-layer state changed since (``set_attention``) is refused
-with a sentence; start a new cache then.
+with a sentence; start a new cache then. A step refused or failed before any layer took
+its positions is undone (the cache goes on as before it); one that failed after some
+layers took them leaves the layers holding different positions, and every later step is
+refused, naming that failure (``cache_steps.StepProgress``).
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ from torch import Tensor, nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..masks import allowed_entries
+from .cache_steps import StepProgress, StepReadings
 from .layers import EXACT, STATE_NAME, LayerAttention, attention_modules, is_cross_attention
 
 # The steps that updates handed back and no attention function has taken yet:
@@ -80,12 +84,15 @@ class DecodingLayer(CacheLayerMixin):
     is_sliding = False
 
     def __init__(self, modules: tuple[nn.Module, ...] | None = None,
-                 readings: StepReadings | None = None) -> None:
+                 readings: StepReadings | None = None,
+                 progress: StepProgress | None = None) -> None:
         """``modules``: the attention modules of this layer index in the model the cache
-        is made for (weakly held; ``None``: any module); ``readings``: the mask readings
-        shared by the cache's layers (``None``: the layer's own)."""
+        is made for (weakly held; ``None``: any module); ``readings`` and ``progress``:
+        the mask readings and the progress shared by the cache's layers (``None``: the
+        layer's own)."""
         super().__init__()
         self.readings = readings if readings is not None else StepReadings()
+        self.progress = progress if progress is not None else StepProgress()
         self.modules = None if modules is None else tuple(weakref.ref(m) for m in modules)
         self.runs: tuple | None = None  # what the layer ran at the first step (_runs)
         self.state = None  # skyformer.decoding.DecodingState, made at the first step
@@ -94,6 +101,8 @@ class DecodingLayer(CacheLayerMixin):
         # padded one (every later position is real); None: every position is
         self.valid: Tensor | None = None
         self.pending: Tensor | None = None  # the keys of the step not yet attended
+        self.new = 0  # the positions of the last update
+        self.took = False  # whether that step stepped the state or kept its keys
         self.record_past = False  # keep what crop needs (transformers switches it on)
         self.rollback: tuple | None = None  # (state before the last step, its inputs)
 
@@ -114,6 +123,7 @@ class DecodingLayer(CacheLayerMixin):
         """The decoding state's step (``DecodingState.step``); while recording, first
         keep the state as it is (a shallow copy: steps replace tensors, never write
         into them) and the step's inputs (put back as they were if the step fails)."""
+        self._take()
         rollback = self.rollback
         if self.record_past:
             self.rollback = (copy.copy(self.state), q, k, v, key_valid)
@@ -223,10 +233,27 @@ class DecodingLayer(CacheLayerMixin):
         on the host), once per model step for all the cache's layers (``StepReadings``)."""
         return self.readings.once(name, attention_mask, (self.seen, new), read)
 
-    def fail(self, key: Tensor) -> None:
-        """Count the step of ``key`` as not taken (its call failed after claiming it):
-        the layers before this one took its positions, so the next ``update`` refuses."""
-        self.pending = key
+    def _take(self) -> None:
+        """Note that this layer takes the step's positions (it cannot be undone now)."""
+        self.took = True
+        self.progress.taken_at = (self.seen, self.new)
+
+    def fail(self, where: str, error: BaseException) -> None:
+        """The step this layer claimed failed in ``where``'s attention call with
+        ``error``. Where no layer took its positions (a refusal before any change: the
+        attention changed since the first step, a mask the state cannot follow) the step
+        is undone and the cache takes the next one as if it never came; else the layers
+        hold different positions and every later step is refused, naming ``error``."""
+        if not self.took and self.progress.taken_at != (self.seen, self.new):
+            self.seen -= self.new
+            self.progress.front = self.seen
+            if self.state is not None and self.state.length == 0:  # made for this step
+                self.state = None
+            return
+        cause = f"{type(error).__name__}: {error}".splitlines()[0]
+        self.progress.failure = (
+            f"an earlier step failed in {where} ({cause[:300]}) after some layers had "
+            f"taken its positions")
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         self.device = key_states.device
@@ -242,6 +269,7 @@ class DecodingLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._check_batch(key_states.shape[0])
+        self.progress.check(self.seen, key_states.shape[-2])
         if self.pending is not None:
             raise RuntimeError(
                 "DecodingCache: the keys this cache handed back at an earlier step never "
@@ -255,7 +283,9 @@ class DecodingLayer(CacheLayerMixin):
             if keys() is None or layer() is None:
                 _PENDING.pop(ident, None)
         _PENDING[id(key_states)] = (weakref.ref(key_states), weakref.ref(self))
-        self.seen += key_states.shape[-2]
+        self.new, self.took = key_states.shape[-2], False
+        self.seen += self.new
+        self.progress.front = max(self.progress.front, self.seen)
         return key_states, value_states
 
     def held_sequences(self) -> int | None:
@@ -289,6 +319,7 @@ class DecodingLayer(CacheLayerMixin):
 
     def keep(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         """For a layer run exactly: every key and value so far, as a ``DynamicLayer``."""
+        self._take()
         self.keys = key if self.keys is None else torch.cat([self.keys, key], dim=-2)
         self.values = value if self.values is None else torch.cat([self.values, value], dim=-2)
         return self.keys, self.values
@@ -315,7 +346,9 @@ class DecodingLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.readings.clear()
+        self.progress.reset()
         self.state, self.seen, self.pending, self.rollback = None, 0, None, None
+        self.new, self.took = 0, False
         self.runs = None
         self.valid = None
         self.keys = self.values = None
@@ -394,6 +427,7 @@ class DecodingLayer(CacheLayerMixin):
             self.keys = self.keys[..., : self.keys.shape[-2] - remove, :]
             self.values = self.values[..., : self.values.shape[-2] - remove, :]
         self.seen -= remove
+        self.progress.front, self.progress.taken_at = self.seen, None
 
     def offload(self) -> None:
         pass
@@ -409,40 +443,6 @@ class DecodingLayer(CacheLayerMixin):
             if t is not None:
                 total += t.numel() * t.element_size()
         return total
-
-
-class StepReadings:
-    """The readings of one model step's attention masks, shared by a cache's layers: in
-    a step the layers get the same mask tensor (or one per kind of layer: sliding-window
-    and full layers alternate in some models) and hold the same positions, so what the
-    mask checks read on the host (a wait for the device's queue on a GPU) is read once
-    per step and mask instead of once per layer. A reading is known by its name, the
-    mask (the very tensor, weakly held) and the step's positions; a step at other
-    positions, reordering, cropping or resetting the cache forgets them."""
-
-    def __init__(self) -> None:
-        self.clear()
-
-    def clear(self) -> None:
-        self.positions: tuple | None = None
-        # id of a mask -> (the mask, weakly held; its readings by name)
-        self.masks: dict[int, tuple[weakref.ref, dict[str, Any]]] = {}
-
-    def once(self, name: str, attention_mask: Tensor | None, positions: tuple,
-             read: Callable[[], Any]) -> Any:
-        """``read()``'s result, read at the first layer of the step that asks it of this
-        mask (only results are kept: a reading that raises stops the step); without a
-        mask tensor, ``read()``."""
-        if not isinstance(attention_mask, Tensor):
-            return read()
-        if positions != self.positions:
-            self.positions, self.masks = positions, {}
-        held = self.masks.get(id(attention_mask))
-        if held is None or held[0]() is not attention_mask:
-            held = self.masks[id(attention_mask)] = (weakref.ref(attention_mask), {})
-        if name not in held[1]:
-            held[1][name] = read()
-        return held[1][name]
 
 
 def _runs(module: nn.Module, layer: LayerAttention) -> tuple:
@@ -486,9 +486,9 @@ class DecodingCache(Cache):
             raise ValueError("DecodingCache is for decoder-only models; this model has "
                              "cross-attention (use transformers' EncoderDecoderCache).")
         self.model = weakref.ref(model)  # weakly: a cache does not keep a model alive
-        readings = StepReadings()
+        readings, progress = StepReadings(), StepProgress()
         super().__init__(layers=[DecodingLayer(tuple(m for j, m in modules if j == i),
-                                               readings)
+                                               readings, progress)
                                  for i in range(max(i for i, _ in modules) + 1)])
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args,
