@@ -160,3 +160,36 @@ def test_the_command_prints_each_check_and_fails_where_one_fails(leaky, capsys):
     assert out.rstrip().endswith("4 check(s) failed")
     assert main(["check", "linear[no_such_option=1]"]) == 2
     assert "has no option 'no_such_option'" in capsys.readouterr().err
+
+
+@dataclasses.dataclass(frozen=True)
+class _Naive:
+    num_features: int = 8
+
+
+def test_softmax_written_naively_fails_the_dtype_and_the_large_norm_checks(monkeypatch):
+    """Softmax attention as a first plugin often is: exp without taking out the largest
+    logit (inf / inf at large norms), computed in float32 and never cast back (a float32
+    output for bfloat16 inputs). Each is its own failed check, and nothing else fails."""
+    monkeypatch.delitem(registry_methods._REGISTRY, "naive_exp", raising=False)
+
+    @register("naive_exp", _Naive, Capabilities(target="softmax", independent_queries=True))
+    def naive_exp(q, k, v, config, *, key_padding_mask=None, generator=None):
+        work = torch.promote_types(q.dtype, torch.float32)
+        weights = (q.to(work) @ k.to(work).transpose(-1, -2) * q.shape[-1] ** -0.5).exp()
+        if key_padding_mask is not None:
+            weights = weights * key_padding_mask[:, None, None, :]
+        return weights / weights.sum(-1, keepdim=True) @ v.to(work)
+
+    monkeypatch.setitem(registry_methods._REGISTRY, "naive_exp",
+                        registry_methods._REGISTRY["naive_exp"])
+    failed = {r.name: r.detail for r in check_method("naive_exp") if r.passed is False}
+    assert list(failed) == ["bfloat16 inputs: bfloat16 output, close to float32's",
+                            "large norms: outputs stay finite and bounded"]
+    assert "returned a float32 tensor" in failed[
+        "bfloat16 inputs: bfloat16 output, close to float32's"]
+    assert "take the largest exponent out" in failed[
+        "large norms: outputs stay finite and bounded"]
+    with pytest.raises(ValueError, match="naive_exp: num_features must be a positive "
+                                         "integer, got 0"):
+        check_method("naive_exp", num_features=0)

@@ -5,9 +5,14 @@ Each check runs the method through its registered binding, as every caller does,
 float64 on the CPU unless it checks a dtype, with a seeded generator; a capability the
 method declares is checked for what it promises (``causal``: no output depends on a
 later position; ``mask``: padding gives the truncated input's outputs and zero rows;
-``independent_queries``: an output depends on its own query alone), and one it lacks is
-skipped. The library's own methods pass every check (``tests/test_check_method.py``);
-``tests/test_contract.py`` holds them to more, on every device.
+``independent_queries``: an output depends on its own query alone; ``half_precision``:
+bfloat16 in, bfloat16 out, close to float32's), and one it lacks is skipped. What the
+call guarantees for every method is not checked: a fully padded sequence gives zero
+rows and zero gradients whatever the method computes (``guard.py`` replaces padded
+inputs and outputs with ``torch.where``), and ``num_features`` below 1 is refused
+(``methods._check_common_knob``). The library's own methods pass every check
+(``tests/test_check_method.py``); ``tests/test_contract.py`` holds them to more, on
+every device.
 """
 
 from __future__ import annotations
@@ -62,6 +67,9 @@ def check_method(name: str, **options: Any) -> list[CheckResult]:
     # (check, why it is skipped or None, what it runs)
     checks: list[tuple[str, str | None, Callable[[], str]]] = [
         ("output shape, dtype and values", None, lambda: _output(run)),
+        ("bfloat16 inputs: bfloat16 output, close to float32's",
+         None if caps.half_precision else undeclared, lambda: _bfloat16(run)),
+        ("large norms: outputs stay finite and bounded", None, lambda: _large_norms(run)),
         ("the same generator gives the same output", None,
          lambda: _deterministic(run, caps.randomized, rows)),
         ("batch elements are independent", None, lambda: _batch(run, caps.mask)),
@@ -146,6 +154,37 @@ def _output(run: Callable[..., Tensor]) -> str:
         if not torch.isfinite(out).all():
             raise _Broken(f"gave non-finite values for {dtype} inputs")
     return "[B, H, Nq, Dv] in the inputs' dtype (float32, float64), finite"
+
+
+def _bfloat16(run: Callable[..., Tensor]) -> str:
+    """Within 5 % of the largest float32 output on the same (bfloat16) inputs: bfloat16
+    keeps 8 mantissa bits."""
+    q, k, v = (t.bfloat16() for t in _qkv(1, 32, dtype=torch.float32))
+    out = run(q, k, v)
+    if out.dtype != torch.bfloat16 or not torch.isfinite(out.float()).all():
+        raise _Broken(f"gave {out.dtype} with non-finite values or another dtype for "
+                      f"bfloat16 inputs; expected finite bfloat16")
+    want = run(*(t.float() for t in (q, k, v)))
+    error = _largest(out.float(), want) / want.abs().max().clamp_min(1e-6).item()
+    if error >= 0.05:
+        raise _Broken(f"differs from the float32 output on the same inputs by {error:.3g} "
+                      f"of its largest value (bfloat16 rounding gives about 0.01)")
+    return f"bfloat16, within {error:.2g} of the float32 output's largest value"
+
+
+def _large_norms(run: Callable[..., Tensor]) -> str:
+    """Queries and keys of norm 30 (logits up to 900, kernel distances up to 60): a
+    method that exponentiates without taking out the largest exponent overflows."""
+    q, k, v = _qkv(2, 40, dtype=torch.float32, seed=6)
+    q, k = (t / t.norm(dim=-1, keepdim=True) * 30 for t in (q, k))
+    out = run(q, k, v)
+    if not torch.isfinite(out).all():
+        raise _Broken("gave non-finite values for queries and keys of norm 30 (float32): "
+                      "take the largest exponent out before exponentiating")
+    if out.abs().max() >= 1e3 * v.abs().max():
+        raise _Broken(f"gave outputs up to {out.abs().max().item():.3g} for values up to "
+                      f"{v.abs().max().item():.3g} at queries and keys of norm 30")
+    return "finite, within 1000 times the values' largest, for norms of 30 (float32)"
 
 
 def _deterministic(run: Callable[..., Tensor], randomized: bool, rows: int) -> str:

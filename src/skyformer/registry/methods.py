@@ -151,6 +151,7 @@ class Method:
         options = {name: _python_int(value) for name, value in options.items()}
         if not in_the_library(self.config_class):
             _check_option_types(self.name, self.config_class, options)
+            _check_common_knob(self.name, options)
         return self.config_class(**options)
 
     def resolve_options(self, options: dict[str, Any], seq_len: int | None) -> dict[str, Any]:
@@ -220,6 +221,16 @@ def _check_option_types(method: str, config_class: type, options: dict[str, Any]
             raise TypeError(f"{method}: option {name} must be {accepted[name].text} (as "
                             f"{config_class.__name__} declares it), got {value!r} "
                             f"({type(value).__name__}).")
+
+
+def _check_common_knob(method: str, options: dict[str, Any]) -> None:
+    """``num_features``, the common knob (features, landmarks or samples), at least 1
+    for a method from outside the library too: a plugin's config may take 0, which no
+    approximation can use, and sweeps (``approx``, ``compare``) count on it. ``None``,
+    where a config's annotation allows it, is the config's to read."""
+    value = options.get("num_features")
+    if value is not None and not isinstance(value, bool) and isinstance(value, int):
+        check_positive_int(f"{method}: num_features", value)
 
 
 def _python_int(value: Any) -> Any:
