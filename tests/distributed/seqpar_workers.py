@@ -13,6 +13,7 @@ import pickle
 import sys
 import tempfile
 import traceback
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -52,6 +53,8 @@ def spawn(world: int, fn: Callable[..., None], *args: object) -> None:
 
 def _entry(rank: int, world: int, store: str, fn: Callable[..., None], args: tuple) -> None:
     torch.set_num_threads(1)
+    # no worker passes every rank the same rows by mistake (check_errors passes them once)
+    warnings.filterwarnings("error", message=".*every rank of the group passed the same")
     # a rank left waiting for another (a hang) fails within minutes instead of gloo's 30
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
@@ -291,6 +294,17 @@ def check_errors(rank: int, world: int) -> None:
         else:
             raise AssertionError(f"{transform.__name__} ran across processes")
     skyformer.distributed.sequence_parallel_attention(q, k, v)  # the group still works
+    whole, _, _, _ = inputs(4 * world)  # the whole sequence on every rank, not its shard
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sequence_parallel_attention(whole, whole, whole, "linear")
+    assert [str(w.message) for w in caught] == [
+        f"linear (sequence parallel): every rank of the group passed the same {4 * world} "
+        f"rows of q, k and v (their first and last rows are equal on all {world} ranks), as "
+        f"when each passes the whole sequence: each rank passes its own contiguous shard "
+        f"(skyformer.distributed.shard_bounds(N, world_size, rank) gives its rows), and the "
+        f"output is that of the shards concatenated, here {world} copies of these rows."]
+    assert caught[0].filename == __file__  # the warning points at the call
 
 
 def _outcome(call: Callable[[], object]) -> str:

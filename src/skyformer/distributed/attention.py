@@ -21,7 +21,14 @@ from ..registry import BoundMethod, get_method
 from ..registry.autocast import autocast_rule
 from ..registry.guard import show_nonfinite, zero_padding
 from .forms import form_of
-from .layout import DTYPES, agree_layout, failing_together, recorded_gradients, resolve_group
+from .layout import (
+    DTYPES,
+    agree_layout,
+    failing_together,
+    recorded_gradients,
+    resolve_group,
+    rows_fingerprint,
+)
 from .reduction import GroupReduction
 
 
@@ -79,7 +86,7 @@ def run_sequence_parallel(
     caller = f"{name} (sequence parallel)"
     group = resolve_group(group, caller)
     info: AttentionInputs | None = None
-    key = error = None
+    key = error = rows = None
     gradients = 0
     try:  # a rank that fails a check still joins the exchange (layout.py)
         form = form_of(name)
@@ -106,11 +113,12 @@ def run_sequence_parallel(
             check_generator(name, generator, q.device)
         gradients = recorded_gradients(q, k, v)
         q, k, v, precision = autocast_rule(q, k, v)
+        rows = rows_fingerprint(q, k, v)
     except Exception as failure:
         error = failure
     layout = agree_layout(caller, q, v, None if info is None else info.key_valid, key, error,
                           group, call=f"{bound.method.base_name} {bound.config!r}",
-                          draws=state_arguments, gradients=gradients)
+                          draws=state_arguments, gradients=gradients, rows=rows)
     assert info is not None
     with precision:
         # padded rows never matter, whatever they hold, and non-finite real inputs mark

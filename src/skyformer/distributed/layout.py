@@ -5,7 +5,9 @@ order, shards of any lengths). Before anything else the ranks exchange, in two
 all-gathers of a few integers each, whether their inputs passed the checks, their
 shapes (which must agree but for N_r), a fingerprint of the method and its options and
 one of a layer's fixed draws (which must agree), their random keys (the first rank's is
-used by all), and their valid-row counts per batch element: from these every rank knows
+used by all), a fingerprint of their shards' first and last rows (equal on every rank
+when each passed the whole sequence instead of its shard: a warning), and their
+valid-row counts per batch element: from these every rank knows
 the sequence's length and where its rows lie among the valid rows, which is all the
 landmark draw needs (``landmarks.py``). A rank whose inputs fail a check still takes
 part in the exchange (``failing_together``), so that every rank raises instead of
@@ -14,6 +16,7 @@ waiting for it forever.
 
 from __future__ import annotations
 
+import warnings
 import zlib
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -28,7 +31,8 @@ from .collectives import all_gather
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FIELDS = ("B", "H", "D", "Dv", "dtype")
-_HEADER = 11  # B, H, D, Dv, dtype, N_r, key (2), call and draws fingerprints, gradients
+# B, H, D, Dv, dtype, N_r, key (2), call and draws fingerprints, gradients, rows fingerprint
+_HEADER = 12
 _INTEGER_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -74,7 +78,7 @@ def comm_device(group: Any) -> torch.device:
 def agree_layout(
     caller: str, q: Tensor, v: Tensor, key_valid: Tensor | None, key: Tensor | None,
     error: Exception | None, group: Any, call: str = "", draws: Mapping[str, Tensor] = {},
-    gradients: int = 0,
+    gradients: int = 0, rows: Tensor | None = None,
 ) -> ShardLayout:
     """Exchange checks, shapes, keys and valid counts; raise the same failure everywhere.
 
@@ -84,6 +88,7 @@ def agree_layout(
     resolved options as text, and ``draws``: the fixed random draws the call runs with
     (a layer's Performer features), and ``gradients``: which of q, k, v the call records
     for a backward pass (``recorded_gradients``); all must be the same on every rank.
+    ``rows``: the shard's ``rows_fingerprint`` (None: not compared).
     """
     device = comm_device(group)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -97,6 +102,8 @@ def agree_layout(
         header[10] = gradients
         header = header.to(device)
         header[9] = fingerprint(draws.values()).to(device)
+        if rows is not None:
+            header[11] = rows.to(device)
     headers = all_gather(header.to(device), group).cpu()  # [P, _HEADER]
     if error is not None:
         raise error
@@ -124,6 +131,15 @@ def agree_layout(
             f"redraws Performer's features at other calls).")
     _check_gradients_alike(caller, headers[:, 10])
     lengths = headers[:, 5]
+    if world > 1 and rows is not None and (headers[:, 11] == headers[0, 11]).all() \
+            and (lengths == lengths[0]).all():
+        warnings.warn(
+            f"{caller}: every rank of the group passed the same {int(lengths[0])} rows of "
+            f"q, k and v (their first and last rows are equal on all {world} ranks), as "
+            f"when each passes the whole sequence: each rank passes its own contiguous "
+            f"shard (skyformer.distributed.shard_bounds(N, world_size, rank) gives its "
+            f"rows), and the output is that of the shards concatenated, here {world} copies "
+            f"of these rows.", RuntimeWarning, stacklevel=4)
     b = int(shapes[0, 0])
     counts = torch.full((b,), q.shape[2], dtype=torch.long) if key_valid is None \
         else key_valid.sum(dim=1).cpu()
@@ -190,6 +206,13 @@ def fingerprint(tensors: Any) -> Tensor:
         position = torch.arange(1, bits.numel() + 1, device=bits.device)
         total = total.to(bits.device) + (bits.long() * (position * 2654435761 + 1)).sum()
     return total
+
+
+def rows_fingerprint(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """``fingerprint`` of the first and last rows of q, k and v ``[B, H, N_r, *]``:
+    shards of one sequence differ there, copies of it do not (6 rows read, whatever
+    N_r)."""
+    return fingerprint(torch.cat([t[:, :, :1], t[:, :, -1:]], dim=2) for t in (q, k, v))
 
 
 def _differing(values: Tensor) -> list[int]:
