@@ -85,7 +85,9 @@ def warn_if_compiled_backward_casts(*tensors: Any) -> None:
     eager mode where ``loss.backward()`` runs after the autocast block (at N = 512, D =
     32 in bfloat16: Nystromformer's gradients 8.7 % from float32 instead of 0.4 %).
     ``"off"`` (eager's semantics) makes compiled gradients equal eager ones. The check
-    runs once per traced graph (``comptime``), never per call."""
+    runs once per traced graph (``comptime``), never per call, and not for a method
+    whose config says ``FLOAT32_STEPS = False`` (its compiled gradients equal eager ones
+    under either setting: ``benchmarks/compiled_autocast.py``)."""
     if not torch.compiler.is_compiling() or not torch.is_grad_enabled():
         return
     if not any(isinstance(t, Tensor) and t.requires_grad for t in tensors):
@@ -105,7 +107,7 @@ def _warn_backward_autocast() -> None:
             "autocast (torch._functorch.config.backward_pass_autocast = 'same_as_forward'): "
             "the float32 steps of an approximate method (normalisers, Nystrom cores) then "
             "take their gradients in the autocast dtype, further from float32 than in eager "
-            "mode (the exact methods have none). Set "
+            "mode. Set "
             "torch._functorch.config.backward_pass_autocast = 'off' before compiling (eager's "
             "behaviour, with loss.backward() run after the autocast block) for gradients "
             "equal to eager ones.", stacklevel=2)

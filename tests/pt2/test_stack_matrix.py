@@ -78,8 +78,9 @@ def test_compile_under_autocast_gives_eager_gradients(method, matrix):
     methods' Functions ran their backward under the forward's autocast there, and the
     float32 accumulations in it failed to compile (torch's default backward_pass_autocast
     = "same_as_forward"; Skyformer, nystrom_softmax, skyformer_adaptive, the multipole
-    methods). Under it the call now compiles with finite gradients; with "off" (eager's
-    semantics) the gradients equal eager ones."""
+    methods). Under it the call now compiles with finite gradients, and warns where the
+    method's config has float32 steps; with "off" (eager's semantics), and under either
+    setting for a method without such steps, the gradients equal eager ones."""
     matrix("autocast + compile (aot_eager), fwd + bwd", method)
     import torch._functorch.config as functorch_config
 
@@ -99,15 +100,21 @@ def test_compile_under_autocast_gives_eager_gradients(method, matrix):
 
     torch._dynamo.reset()
     with functorch_config.patch(backward_pass_autocast="same_as_forward"), \
-            warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the library's warning about this very setting
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         cast = with_grads(torch.compile(plain, fullgraph=True, backend="aot_eager"))
     assert all(torch.isfinite(t).all() for t in cast)
+    float32_steps = getattr(bound.config, "FLOAT32_STEPS", True)
+    assert any("backward_pass_autocast" in str(w.message) for w in caught) == float32_steps
     torch._dynamo.reset()
     with functorch_config.patch(backward_pass_autocast="off"):
         got = with_grads(torch.compile(plain, fullgraph=True, backend="aot_eager"))
-    for name, a, b in zip(("output", "dq", "dk", "dv"), got, with_grads(plain), strict=True):
+    eager = with_grads(plain)
+    for name, a, b in zip(("output", "dq", "dk", "dv"), got, eager, strict=True):
         torch.testing.assert_close(a, b, msg=lambda text, name=name: f"{name}: {text}")
+    if not float32_steps:
+        for name, a, b in zip(("output", "dq", "dk", "dv"), cast, eager, strict=True):
+            torch.testing.assert_close(a, b, msg=lambda text, name=name: f"{name}: {text}")
 
 
 def test_compile_under_autocast_warns_where_torch_casts_the_backward():

@@ -48,7 +48,7 @@ def call_core(core: Callable[..., Tensor], q: Any, k: Any, v: Any, config: Any,
         return core(q, k, v, config, **kwargs)
     causal = getattr(config, "causal", False) is True
     cast = autocast_dtype(q) is not None
-    if cast:
+    if cast and getattr(config, "FLOAT32_STEPS", True):  # a plugin's: maybe
         warn_if_compiled_backward_casts(q, k, v)
     q, k, v, precision = autocast_rule(q, k, v)
     with precision:

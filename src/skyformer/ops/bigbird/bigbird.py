@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -68,6 +69,9 @@ class BigBirdConfig:
         (each of the 5 + r blocks holds at least one key), or 3 (the paper's).
     scale: softmax logit scale s, ``None`` = 1/sqrt(head dim).
     """
+
+    # no float32 step whose derivative a compiled backward would cast (amp.py)
+    FLOAT32_STEPS: ClassVar[bool] = False
 
     num_features: int = 512
     num_random_blocks: int = 3

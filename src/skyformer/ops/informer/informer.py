@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -59,6 +60,9 @@ class InformerConfig:
     factor: sampling factor c (keys sampled per query: c * ceil(ln n_k)).
     scale: softmax logit scale s, ``None`` = 1/sqrt(head dim).
     """
+
+    # no float32 step whose derivative a compiled backward would cast (amp.py)
+    FLOAT32_STEPS: ClassVar[bool] = False
 
     num_features: int | None = None
     factor: int = 5

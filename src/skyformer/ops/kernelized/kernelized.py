@@ -15,6 +15,7 @@ instead (``triton_flash.py``: no augmentation, no running maximum).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -66,6 +67,9 @@ class KernelizedConfig:
         yet timed on a GPU).
         ``False``: never (the augmentation, or the flash kernels).
     """
+
+    # no float32 step whose derivative a compiled backward would cast (amp.py)
+    FLOAT32_STEPS: ClassVar[bool] = False
 
     scale: float | None = None
     causal: bool = False

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -24,6 +25,9 @@ class SoftmaxConfig:
     scale: logit scale, ``None`` = 1/sqrt(head dim).
     causal: query i attends to keys j <= i (requires Nq == Nk).
     """
+
+    # no float32 step whose derivative a compiled backward would cast (amp.py)
+    FLOAT32_STEPS: ClassVar[bool] = False
 
     scale: float | None = None
     causal: bool = False
