@@ -112,6 +112,21 @@ def test_resume_reproduces_an_uninterrupted_run_exactly(listops_cache, tmp_path)
     assert not torch.equal(a["model"]["head.0.weight"], c["model"]["head.0.weight"])
 
 
+def test_a_resume_may_log_and_checkpoint_at_other_steps(listops_cache, tmp_path):
+    """--log-every and --checkpoint-every change no step's arithmetic: a run resumed with
+    others ends where the uninterrupted one does, logging at the new steps from there."""
+    cfg = _cfg(steps=8, eval_every=4, checkpoint_every=2, log_every=2)
+    whole = _run(cfg, listops_cache, tmp_path / "whole")
+    _run(cfg, listops_cache, tmp_path / "cut", stop_after=2)
+    later = dataclasses.replace(cfg, log_every=3, checkpoint_every=4)
+    resumed = _run(later, listops_cache, tmp_path / "cut", resume=True)
+    _assert_same_tensors(load_checkpoint(tmp_path / "whole" / "last.pt")["model"],
+                         load_checkpoint(tmp_path / "cut" / "last.pt")["model"])
+    assert resumed["test_accuracy"] == whole["test_accuracy"]
+    assert [r["step"] for r in _history(tmp_path / "cut") if r["kind"] == "train"] == [2, 3, 6]
+    assert resumed["config"]["log_every"] == 3  # the run's last settings
+
+
 def test_csv_files_hold_only_the_entries_of_the_run_being_continued(listops_cache, tmp_path):
     """A CSV of a kind the checkpoint has no entries of yet (dev before the first
     evaluation) loses the rows logged after that checkpoint, as metrics.jsonl does; a new

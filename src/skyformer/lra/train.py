@@ -199,6 +199,16 @@ def _config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[
     return sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
 
 
+# Settings a resume may change: when the run logs and writes last.pt, which changes no
+# step's arithmetic (the run ends as an uninterrupted one with the new values would).
+CHANGEABLE_AT_RESUME = ("log_every", "checkpoint_every")
+
+
+def _settings(config: dict[str, Any]) -> dict[str, Any]:
+    """A recorded config without ``CHANGEABLE_AT_RESUME``: what a resume must match."""
+    return {k: v for k, v in config.items() if k not in CHANGEABLE_AT_RESUME}
+
+
 # What an absent (None) setting or data record means, in the sentences naming differences.
 _NONE_SAID = {"eval_batches": "every batch (--full-dev)",
               "tokens": "the release's (no --listops-tokens)"}
@@ -245,7 +255,7 @@ def open_checkpoint(folder: Path, cfg: TrainConfig, resume: bool,
     if missing:
         raise ValueError(f"{last} lacks {', '.join(missing)}: the checkpoint is damaged; "
                          f"resume from another copy or start again.")
-    saved, current = ckpt["config"], cfg.to_dict()
+    saved, current = _settings(ckpt["config"]), _settings(cfg.to_dict())
     if _config_differences(saved, current):
         raise ValueError(f"cannot resume {last}: the settings differ from the run's ("
                          f"{_describe_differences(saved, current, nested=True)}); resume "
@@ -357,7 +367,7 @@ def best_checkpoint_step(folder: Path, cfg: TrainConfig, data: dict[str, Any],
         raise ValueError(f"cannot resume {folder / 'last.pt'}: {path} is not a best-dev "
                          f"checkpoint of format {CHECKPOINT_FORMAT} (config, model and step); "
                          f"{fix}")
-    saved, current = best["config"], cfg.to_dict()
+    saved, current = _settings(best["config"]), _settings(cfg.to_dict())
     if _config_differences(saved, current):
         said = _describe_differences(saved, current, nested=True)
         raise ValueError(f"cannot resume {folder / 'last.pt'}: {path} is the best checkpoint "
