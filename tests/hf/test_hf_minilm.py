@@ -67,6 +67,29 @@ def test_from_pretrained_with_a_skyformer_implementation(minilm, padded_batch):
 
 
 @torch.no_grad()
+def test_the_per_layer_implementation_without_settings_warns_that_it_runs_exact(padded_batch):
+    """attn_implementation="skyformer" is the per-layer mode, the name a user would guess
+    for the method: with no layer set it runs exact attention, and says so once."""
+    import warnings
+
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(default_model_dir(), attn_implementation="skyformer")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(2):
+            mean_pooled(model.eval(), padded_batch)
+    said = [str(w.message) for w in caught if "has no setting" in str(w.message)]
+    assert len(said) == 1 and "attn_implementation='skyformer:<method>'" in said[0]
+    assert caught[0].filename.endswith("modeling_bert.py")  # the model's own attention call
+    shf.set_attention(model, "skyformer", layers=[0], num_features=8, seed=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mean_pooled(model, padded_batch)  # the other layers are set exact
+    assert not [w for w in caught if "has no setting" in str(w.message)]
+
+
+@torch.no_grad()
 def test_saved_state_comes_back_from_every_checkpoint_format(model, padded_batch, tmp_path,
                                                               monkeypatch):
     """MiniLM with trained Linformer projections, saved as safetensors (one file or

@@ -141,11 +141,27 @@ def _layer_for(module: nn.Module, implementation: str, default_method: str) -> L
     if layer is not None and layer.implementation == implementation:
         return layer
     if layer is None and default_method == EXACT:  # nothing to make or clear
+        if implementation == PER_LAYER and not torch.compiler.is_compiling():
+            _warn_never_set(module)
         return _EXACT_LAYER
     if torch.compiler.is_compiling():  # traced once, on one thread
         return _make_layer_for(module, implementation, default_method)
     with _MAKING:
         return _make_layer_for(module, implementation, default_method)
+
+
+def _warn_never_set(module: nn.Module) -> None:
+    """The per-layer implementation in a layer ``set_attention`` never set (it gives
+    every layer a setting, exact ones too): loaded with ``attn_implementation=
+    "skyformer"``, the name a user would guess for the method, every layer runs exact
+    attention. Shown once per place in the model's code (Python's warning registry)."""
+    warnings.warn(
+        f"attn_implementation={PER_LAYER!r} runs each attention layer as "
+        f"skyformer.hf.set_attention set it, and this {type(module).__name__} has no "
+        f"setting, so it runs exact attention; for one method in every layer load with "
+        f"attn_implementation='skyformer:<method>' (e.g. 'skyformer:skyformer'), or call "
+        f"skyformer.hf.set_attention(model, '<method>', ...) first.", UserWarning,
+        stacklevel=5)
 
 
 def _make_layer_for(module: nn.Module, implementation: str, default_method: str
