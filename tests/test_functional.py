@@ -642,6 +642,13 @@ def test_an_attn_mask_that_is_no_tensor_is_named_by_type(mask):
         sdpa(q, k, v, mask)
 
 
+def test_a_method_passed_in_attn_mask_s_place_names_the_keyword():
+    q, k, v = make_qkv(1, 2, 12, 8)
+    with pytest.raises(TypeError, match=r"takes the method by keyword: method='skyformer'; "
+                                        r"its fourth positional argument is attn_mask"):
+        sdpa(q, k, v, "skyformer")
+
+
 @pytest.mark.parametrize("method", ["softmax", "kernelized", "skyformer"])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_an_attn_mask_on_another_device_is_named(method, is_causal):

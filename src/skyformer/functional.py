@@ -89,6 +89,10 @@ def scaled_dot_product_attention(
         raise ValueError(f"{spec.name}: is_causal=True and causal=False disagree; pass "
                          f"is_causal=True alone (or the method's causal=True).")
     _refuse_nested(spec.name, query, key, value)
+    if isinstance(attn_mask, str):  # (q, k, v, "skyformer"): the fourth is torch's attn_mask
+        raise TypeError(f"scaled_dot_product_attention takes the method by keyword: "
+                        f"method={attn_mask!r}; its fourth positional argument is attn_mask, "
+                        f"as in torch.nn.functional.scaled_dot_product_attention.")
     if attn_mask is not None and not isinstance(attn_mask, Tensor):
         raise TypeError(f"{spec.name}: attn_mask must be a torch.Tensor (bool, True = attend, "
                         f"or float, added to the scores) or None, got "

@@ -21,8 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     failed = 0
     for method in args.methods:
+        results = check_method(method)  # an unknown name or option: refused before a line
         print(method)
-        for result in check_method(method):
+        for result in results:
             word = {True: "ok", False: "FAILED", None: "skipped"}[result.passed]
             print(f"  {word:7s} {result.name}: {result.detail}")
             failed += result.passed is False
