@@ -15,8 +15,9 @@ COLUMNS = {
     "num_features": "the num_features the method is called with (its default where none "
                     "is given), after the caps a call applies before it runs (Nystromformer's "
                     "landmarks, Reformer's chunks); the Skyformer family and Informer use "
-                    "at most the rows the sequence has, and linear ignores it (exact = an "
-                    "exact method)",
+                    "at most the rows the sequence has, BigBird at least its 5 + r blocks "
+                    "of one key (8 keys a query by default), and linear ignores it (exact = "
+                    "an exact method)",
     "spectral_error": "relative spectral-norm error ||O - O_exact||_2 / ||O_exact||_2 of "
                       "each head's output [Nq, Dv] against the method's exact target (in "
                       "float32 for half-precision inputs; norms in float64); mean +- sample "
