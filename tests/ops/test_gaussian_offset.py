@@ -1,7 +1,8 @@
 """The Gaussian kernel depends on q_i - k_j alone: queries and keys moved by one large
 vector give, in float32, what float64 gives for the same inputs, where the method takes
-the keys' mean out in a copy it makes anyway (``ops/shared/centring.py``): exact
-kernelized attention's SDPA augmentation. Without it a common offset of 1e4 gave
+the keys' mean out (``ops/shared/centring.py``): exact kernelized attention's SDPA
+augmentation, in a copy it makes anyway, and its flash kernels (under Triton's
+interpreter here; unmoved they gave outputs of 1e19). Without it a common offset of 1e4 gave
 outputs of 1e21. The methods that read q and k as they are keep the float32 limits
 docs/reliability.md's table states (checked last)."""
 
@@ -14,7 +15,7 @@ import skyformer
 from skyformer.ops.shared.centring import keys_mean
 from tests.conftest import make_qkv
 
-METHODS = {"kernelized": {"kernel": "torch"}}
+METHODS = {"kernelized": {"kernel": "torch"}, "kernelized[kernel=triton]": {}}
 
 
 def _call(method, q, k, v, mask):
@@ -23,7 +24,10 @@ def _call(method, q, k, v, mask):
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_a_large_common_offset_costs_float32_no_accuracy(method):
+def test_a_large_common_offset_costs_float32_no_accuracy(method, request):
+    if "triton" in method:  # the flash kernels, through Triton's interpreter
+        pytest.importorskip("triton")
+        request.getfixturevalue("triton_interpreter")
     q, k, v = make_qkv(2, 2, 40, 16, dtype=torch.float32, seed=1)
     mask = torch.ones(2, 40, dtype=torch.bool)
     mask[1, 30:] = False

@@ -157,9 +157,14 @@ def kernelized_attention(
                              'Nq != Nk (scaled_dot_product_attention passes it as a '
                              'mask): padding and causal with Nq == Nk only; use '
                              'kernel="torch" for other masks.')
+        # the keys' mean out of float32 q and k, as the SDPA routes take it (their
+        # exponent cancels c |q|^2 / 2 against c q.k; not for causal rows, as there)
+        keys = k.to(dtype)
+        shift = None if causal else keys_mean(keys, info.key_valid)
+        moved_q, moved_k = (q, keys) if shift is None else (q - shift, keys - shift)
         return FLASH_FALLBACK.run(
             auto, lambda: zero_padded_queries(flash_kernelized(
-                q, k.to(dtype), v.to(dtype), _joined(info.key_valid, mask_row),
+                moved_q, moved_k, v.to(dtype), _joined(info.key_valid, mask_row),
                 scale * scale, causal, auto), info.query_valid),
             lambda: _augmented(*_inputs_for_gradients(q, k, v), info, scale, causal,
                                attn_mask).to(dtype), on=q)
