@@ -387,22 +387,31 @@ def _main(args: argparse.Namespace, argv: list[str] | None) -> int:
                 print(f"{spec:18s} N={n:6d} {name:18s} {row['ms']:9.3f} ms "
                       f"{row['vs_sdpa']:7.2f}x sdpa  {peak_text(row['peak_mib'])}  "
                       f"SoL {100 * row['speed_of_light']:5.1f} %", flush=True)
+            if args.out:  # the rows so far: a run cut by a time limit keeps them
+                write_json(args.out, _result(args, argv, rate, rows, [], False), indent=1)
     core = []
     for spec in [] if args.no_core else args.shapes:
         b, h, _, _ = spec.split(",")
         for m in sorted({64, args.features}):
             core += _core_rows(int(b), int(h), m, args.repeats, device)
-    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (script check)"
-    result = {"device": name, **run_metadata(__file__, argv, vars(args), device),
-              "torch": torch.__version__, "features": args.features, "tiles": args.tiles,
-              "matmul_flops_per_s": rate, "rows": rows,
-              "core": core, "fallbacks": _fallbacks()}
+    result = _result(args, argv, rate, rows, core, True)
     for fallback in result["fallbacks"]:
         print(f"FALLBACK: {fallback}: the rows timed after it failed timed its fallback",
               flush=True)
     if args.out:
         write_json(args.out, result, indent=1)
     return 0
+
+
+def _result(args: argparse.Namespace, argv: list[str] | None, rate: dict, rows: list,
+            core: list, complete: bool) -> dict:
+    """The result file: ``complete`` false while rows are still to come."""
+    device = args.device
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (script check)"
+    return {"device": name, **run_metadata(__file__, argv, vars(args), device),
+            "torch": torch.__version__, "features": args.features, "tiles": args.tiles,
+            "matmul_flops_per_s": rate, "complete": complete, "rows": rows,
+            "core": core, "fallbacks": _fallbacks()}
 
 
 if __name__ == "__main__":

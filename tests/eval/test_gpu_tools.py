@@ -119,17 +119,31 @@ def test_kernel_benchmark_runs_on_the_cpu_under_the_interpreter(tmp_path):
     assert {(row["shape"], row["call"]) for row in result["core"]} == {
         (f"1,1,m={m}", f"core/{kernel}/{mode}") for m in (8, 64)
         for kernel in ("torch", "triton", "triton+implicit") for mode in ("fwd", "fwd+bwd")}
-    assert result["fallbacks"] == []
-    # a short loan: the calls named (and sdpa, the ratios' base), no core
-    assert load_benchmark("gpu_kernels").main([
-        "--device", "cpu", "--seq-lens", "40", "--features", "8", "--repeats", "1",
-        "--calls", "skyformer/triton+implicit*", "--no-core", "--out", str(out)]) == 0
+    assert result["fallbacks"] == [] and result["complete"] is True
+    # a short loan: the calls named (and sdpa, the ratios' base), no core; a run cut by
+    # its time limit (SIGINT) at the second length keeps the rows of the first
+    benchmark = load_benchmark("gpu_kernels")
+    timed = benchmark.interleaved_median_seconds
+    lengths = []
+
+    def cut_at_the_second_length(calls, **options):
+        lengths.extend(["a length"] if "sdpa" in calls else [])  # not the matmul rate's
+        if len(lengths) == 2:
+            raise KeyboardInterrupt
+        return timed(calls, **options)
+
+    benchmark.interleaved_median_seconds = cut_at_the_second_length
+    with pytest.raises(KeyboardInterrupt):
+        benchmark.main([
+            "--device", "cpu", "--seq-lens", "40", "48", "--features", "8", "--repeats", "1",
+            "--calls", "skyformer/triton+implicit*", "--no-core", "--out", str(out)])
     result = json.loads(out.read_text())
     assert [row["call"] for row in result["rows"]] == [
         "sdpa", "skyformer/triton+implicit", "skyformer/triton+implicit+composable",
         "skyformer/triton+implicit+one-pass", "skyformer/triton+implicit+guard",
         "skyformer/triton+implicit+rows-bf16"]
-    assert result["core"] == []
+    assert {row["n"] for row in result["rows"]} == {40}
+    assert result["core"] == [] and result["complete"] is False
 
 
 def test_the_guard_rows_leave_the_marks_to_the_guards_passes():
