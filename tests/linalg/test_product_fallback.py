@@ -17,7 +17,7 @@ import torch
 
 import skyformer
 from skyformer.linalg import gaussian_kernel_matmul
-from tests.conftest import gen, grads_and_warnings
+from tests.conftest import gen, grads_and_warnings, make_qkv
 from tests.devices import needs_interpreter
 
 pytest.importorskip("triton")
@@ -359,3 +359,68 @@ def test_tiles_the_gpu_cannot_hold_take_pytorch_for_those_shapes_alone(monkeypat
                                              r"kernel=\"auto\" takes the PyTorch path for "
                                              r"these shapes, kernel=\"torch\" for every"):
         product(wide, "triton")
+
+
+class _WideHeadsTooLarge:
+    """A flash kernel whose launches with head-dim tiles ``BLOCK_D`` = ``width`` are
+    refused as a GPU with too little shared memory refuses them; others run."""
+
+    def __init__(self, kernel, width, launches):
+        self.kernel, self.width, self.launches = kernel, width, launches
+
+    def __getitem__(self, grid):
+        from triton.runtime.errors import OutOfResources
+
+        def launch(*args, **options):
+            self.launches.append(options["BLOCK_D"])
+            if options["BLOCK_D"] == self.width:
+                raise OutOfResources(196608, 166912, "shared memory")
+            return self.kernel[grid](*args, **options)
+
+        return launch
+
+
+def test_flash_tiles_the_gpu_cannot_hold_take_the_augmentation_for_those_shapes_alone(
+        monkeypatch):
+    """Exact kernelized attention's key-gradient kernel at a wide head dim can need more
+    shared memory than a GPU has (float32, head dim 512: 192 KiB, an A100 holds 163).
+    Under "auto" those shapes' gradients come from the SDPA augmentation, with one
+    warning, and narrower heads keep the kernels; the dtype is not marked failed."""
+    from skyformer.linalg import triton_limits
+    from skyformer.ops.kernelized import flash, triton_flash
+
+    monkeypatch.setattr(triton_limits, "_TOO_LARGE", {})
+    monkeypatch.setattr(flash.FLASH_FALLBACK, "failures", set())
+    launches = []
+    monkeypatch.setattr(triton_flash, "_flash_key_grad_kernel", _WideHeadsTooLarge(
+        triton_flash._flash_key_grad_kernel, 32, launches))
+
+    def gradients(d, auto):
+        leaves = [t.requires_grad_(True) for t in make_qkv(1, 2, 9, d, seed=4)]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            flash.flash_kernelized(*leaves, None, d ** -0.5, False, auto).sum().backward()
+        return [t.grad for t in leaves], [str(w.message) for w in caught
+                                          if w.category is RuntimeWarning]
+
+    def augmented(d):
+        from skyformer.ops.kernelized.sdpa_augmentation import kernelized_by_sdpa
+
+        leaves = [t.requires_grad_(True) for t in make_qkv(1, 2, 9, d, seed=4)]
+        kernelized_by_sdpa(*leaves, d ** -0.5, key_valid=None, causal=False).sum().backward()
+        return [t.grad for t in leaves]
+
+    got, warned = gradients(32, True)
+    _close(got, augmented(32))
+    assert len(warned) == 1 and re.search(
+        r"the Triton flash key gradient kernel for these shapes \(tiles of head dim 32 and "
+        r"value width 32, torch\.float64 rows\) needs 192 KiB of shared memory a block, "
+        r"more than the 163 KiB of cpu", warned[0]), warned
+    assert launches == [32] and not flash.FLASH_FALLBACK.failed
+    got, warned = gradients(16, True)  # other shapes keep the kernels
+    _close(got, augmented(16))
+    assert warned == [] and launches == [32, 16]
+    from skyformer.linalg.kernel_backend import KernelTooLarge
+
+    with pytest.raises(KernelTooLarge, match="needs 192 KiB of shared memory"):
+        gradients(32, False)

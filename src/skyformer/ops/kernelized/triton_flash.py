@@ -44,6 +44,7 @@ from ...linalg import triton_kernels
 from ...linalg.kernel_backend import float64_dots, interpreter_on
 from ...linalg.launch_grid import cdiv, tile_width
 from ...linalg.triton_kernels import _mm, _precision
+from ...linalg.triton_limits import launch_within_limits
 from ...linalg.triton_rounding import to_dtype
 
 LOG2E = math.log2(math.e)
@@ -377,7 +378,9 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, s: 
         qp, kp, vp = _at(q, part), _at(k, part), _at(v, part)
         (valid, args), meta = _common(qp, kp, vp, _at(key_valid, part), s, causal)
         grid = (cdiv(nq, tiles["BLOCK_M"]), h, qp.shape[0])
-        _flash_forward_kernel[grid](qp, kp, vp, valid, _at(out, part), *args, **meta, **tiles)
+        launch_within_limits(_flash_forward_kernel, grid,
+                             (qp, kp, vp, valid, _at(out, part), *args), {**meta, **tiles},
+                             "flash forward")
     return out
 
 
@@ -403,11 +406,13 @@ def flash_backward(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None,
         if need_kv:
             tiles = flash_tiles(q.dtype, q.shape[3], "keys",
                                 triton_kernels.device_capability(q.device))
-            _flash_key_grad_kernel[(cdiv(nk, tiles["BLOCK_N"]), h, bp)](
-                qp, kp, vp, valid, gp, _at(dk, part), _at(dv, part), *args, s, **meta, **tiles)
+            launch_within_limits(_flash_key_grad_kernel, (cdiv(nk, tiles["BLOCK_N"]), h, bp),
+                                 (qp, kp, vp, valid, gp, _at(dk, part), _at(dv, part), *args,
+                                  s), {**meta, **tiles}, "flash key gradient")
         if need_q:
             tiles = flash_tiles(q.dtype, q.shape[3], "queries",
                                 triton_kernels.device_capability(q.device))
-            _flash_query_grad_kernel[(cdiv(nq, tiles["BLOCK_M"]), h, bp)](
-                qp, kp, vp, valid, gp, _at(dq, part), *args, s, **meta, **tiles)
+            launch_within_limits(_flash_query_grad_kernel, (cdiv(nq, tiles["BLOCK_M"]), h, bp),
+                                 (qp, kp, vp, valid, gp, _at(dq, part), *args, s),
+                                 {**meta, **tiles}, "flash query gradient")
     return dq, dk, dv
