@@ -288,21 +288,23 @@ def test_the_fallback_computes_every_option_of_the_kernels(monkeypatch, transpos
 
 
 class _WideTilesTooLarge:
-    """A product kernel whose launches with value tiles ``BLOCK_R`` = ``width`` are
-    refused as Triton refuses a kernel that needs more shared memory than the GPU has
-    (``OutOfResources``, which the interpreter never raises); others run. ``launches``
-    counts the BLOCK_R of each launch tried."""
+    """A Triton kernel whose launches with tiles ``option`` = ``width`` (``BLOCK_R``, a
+    product kernel's value tiles, by default) are refused as Triton refuses a kernel
+    that needs more shared memory than the GPU has (``OutOfResources``, which the
+    interpreter never raises: ``need`` bytes of ``limit``); others run. ``launches``
+    counts the ``option`` of each launch tried."""
 
-    def __init__(self, kernel, width, launches):
+    def __init__(self, kernel, width, launches, option="BLOCK_R", need=(114688, 101376)):
         self.kernel, self.width, self.launches = kernel, width, launches
+        self.option, self.need = option, need
 
     def __getitem__(self, grid):
         from triton.runtime.errors import OutOfResources
 
         def launch(*args, **options):
-            self.launches.append(options["BLOCK_R"])
-            if options["BLOCK_R"] == self.width:
-                raise OutOfResources(114688, 101376, "shared memory")
+            self.launches.append(options[self.option])
+            if options[self.option] == self.width:
+                raise OutOfResources(*self.need, "shared memory")
             return self.kernel[grid](*args, **options)
 
         return launch
@@ -361,25 +363,6 @@ def test_tiles_the_gpu_cannot_hold_take_pytorch_for_those_shapes_alone(monkeypat
         product(wide, "triton")
 
 
-class _WideHeadsTooLarge:
-    """A flash kernel whose launches with head-dim tiles ``BLOCK_D`` = ``width`` are
-    refused as a GPU with too little shared memory refuses them; others run."""
-
-    def __init__(self, kernel, width, launches):
-        self.kernel, self.width, self.launches = kernel, width, launches
-
-    def __getitem__(self, grid):
-        from triton.runtime.errors import OutOfResources
-
-        def launch(*args, **options):
-            self.launches.append(options["BLOCK_D"])
-            if options["BLOCK_D"] == self.width:
-                raise OutOfResources(196608, 166912, "shared memory")
-            return self.kernel[grid](*args, **options)
-
-        return launch
-
-
 def test_flash_tiles_the_gpu_cannot_hold_take_the_augmentation_for_those_shapes_alone(
         monkeypatch):
     """Exact kernelized attention's key-gradient kernel at a wide head dim can need more
@@ -392,8 +375,8 @@ def test_flash_tiles_the_gpu_cannot_hold_take_the_augmentation_for_those_shapes_
     monkeypatch.setattr(triton_limits, "_TOO_LARGE", {})
     monkeypatch.setattr(flash.FLASH_FALLBACK, "failures", set())
     launches = []
-    monkeypatch.setattr(triton_flash, "_flash_key_grad_kernel", _WideHeadsTooLarge(
-        triton_flash._flash_key_grad_kernel, 32, launches))
+    monkeypatch.setattr(triton_flash, "_flash_key_grad_kernel", _WideTilesTooLarge(
+        triton_flash._flash_key_grad_kernel, 32, launches, "BLOCK_D", (196608, 166912)))
 
     def gradients(d, auto):
         leaves = [t.requires_grad_(True) for t in make_qkv(1, 2, 9, d, seed=4)]
