@@ -34,6 +34,23 @@ def test_a_huge_budget_is_capped_or_refused(method):
         torch.testing.assert_close(out, capped(q, k, v, generator=key))
 
 
+@pytest.mark.parametrize(("method", "options"), [
+    ("skyformer", {"causal": True, "num_features": HUGE}),
+    ("nystrom_softmax", {"causal": True, "num_features": HUGE}),
+    ("reformer", {"num_buckets": HUGE}),
+    ("kdeformer", {"kde_rows": HUGE}),
+    ("kdeformer", {"estimator": "uniform", "kde_samples": HUGE}),
+], ids=["skyformer-causal", "nystrom_softmax-causal", "reformer", "kdeformer-rows",
+        "kdeformer-samples"])
+def test_a_budget_the_sequence_does_not_cap_is_refused(method, options):
+    """Budgets that size draws whatever the sequence's length (the causal forms' landmark
+    slots, Reformer's rotations, KDEformer's rows) asked torch for terabytes."""
+    name = next(key for key in options if key != "causal" and key != "estimator")
+    with pytest.raises(ValueError, match=rf"{method}: (with causal=True )?{name} must be "
+                                         rf"at most {MAX_RANDOM_FEATURES}"):
+        get_method(method).bind(**options)
+
+
 @pytest.mark.parametrize("value", [float("inf"), float("nan"), -1.0, "1"])
 def test_non_finite_scale_is_refused(value):
     with pytest.raises(ValueError, match="scale must be a finite positive number"):

@@ -137,6 +137,8 @@ class KDEformerConfig(LshBlockOptions):
         self.validate("kdeformer")
         check_choice("kdeformer", "estimator", self.estimator, ESTIMATORS)
         check_optional_positive_int("kdeformer", "kde_rows", self.kde_rows)
+        if self.kde_rows is not None:  # a draw per row, whatever the sequence's length
+            check_budget("kdeformer", "kde_rows", self.kde_rows)
         if self.mix is not None:
             check_nonnegative_float("kdeformer", "mix", self.mix)
             if self.mix > 1:

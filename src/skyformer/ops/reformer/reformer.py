@@ -58,6 +58,7 @@ from ..shared.inputs import (
 )
 from ..shared.options import (
     check_bool,
+    check_budget,
     check_optional_positive_int,
     check_positive_int,
     check_scale,
@@ -103,6 +104,8 @@ class ReformerConfig:
         if self.num_hashes > 255:
             raise ValueError(f"reformer: num_hashes must be at most 255, got {self.num_hashes}.")
         check_optional_positive_int("reformer", "num_buckets", self.num_buckets)
+        if self.num_buckets is not None:  # random rotations of num_buckets / 2 columns
+            check_budget("reformer", "num_buckets", self.num_buckets)
         if self.num_buckets is not None and self.num_buckets > 1 and self.num_buckets % 2:
             raise ValueError(
                 f"reformer: num_buckets must be 1 or even (argmax over [xR, -xR]), got "

@@ -41,7 +41,12 @@ from ...linalg.rows import gather_rows_through
 from ...sketch.landmarks import launch_or_fall_back, use_triton_draw
 from ...sketch.rng import fold_in, stream, uniform_at
 from .inputs import AttentionInputs, check_attention_inputs, resolve_key, zero_padded_queries
-from .options import check_bool, check_nonnegative_float, check_optional_positive_int
+from .options import (
+    MAX_BUDGET,
+    check_bool,
+    check_nonnegative_float,
+    check_optional_positive_int,
+)
 from .real_first import RealFirst, from_real_first, real_first, real_first_mask, to_real_first
 
 
@@ -76,6 +81,12 @@ class CausalNystromOptions:
         if self.causal and gamma <= 0:
             raise ValueError(f"{method}: causal=True needs gamma > 0 (its core factorises "
                              f"C(X_S, X_S) + gamma I by Cholesky), got {gamma!r}.")
+        m = getattr(self, "num_features", None)
+        if self.causal and isinstance(m, int) and m > MAX_BUDGET:
+            raise ValueError(
+                f"{method}: with causal=True num_features must be at most {MAX_BUDGET} (a "
+                f"landmark slot is drawn for each, whatever the sequence's length; without "
+                f"causal the rows of the sequence cap it), got {m!r}.")
 
 
 # The options that shape the causal form only, with their defaults
