@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..linalg.top_k import top_k
+
 
 def sketched_ridge_leverage(
     sketch: Tensor, ridge: float, key_valid: Tensor | None = None
@@ -52,5 +54,5 @@ def top_keys(scores: Tensor, count: int) -> tuple[Tensor, Tensor]:
     """The ``count`` highest-scoring keys per head: (index ``[B, H, count]``, live mask);
     slots beyond the number of real keys are marked dead."""
     count = min(count, scores.shape[-1])
-    values, index = scores.topk(count, dim=-1)
+    values, index = top_k(scores, count)  # ties by position, whatever the padding
     return index, torch.isfinite(values)

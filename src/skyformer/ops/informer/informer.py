@@ -35,6 +35,7 @@ from torch import Tensor
 
 from ...linalg.functional_ops import no_derivatives
 from ...linalg.kernel_matmul import chunk_starts
+from ...linalg.top_k import top_k
 from ...registry import Capabilities, register
 from ...sketch.rng import fold_in, random_key, uniform_at
 from ..shared.inputs import (
@@ -237,7 +238,7 @@ def informer_attention(
     samples = sample_keys(info, config.factor, q.device, key)
     measure = sparsity_measurement(qw, kw, samples, s, info.query_valid)  # [B, H, Nq]
     counts, u = active_counts(info, config.num_features, config.factor, q.device)
-    top = measure.topk(u, dim=-1, sorted=True).indices  # [B, H, u]
+    top = top_k(measure, u)[1]  # [B, H, u]; ties by position, whatever the padding
     active = torch.arange(u, device=q.device) < counts[:, None]
 
     b, h, _, d = qw.shape

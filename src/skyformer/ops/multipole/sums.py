@@ -57,6 +57,7 @@ from torch import Tensor
 
 from ...linalg import gather_rows
 from ...linalg.rows import permute_rows
+from ...linalg.top_k import top_k
 from ...sketch.angular_lsh import draw_hyperplanes
 from ...sketch.kmeans import kmeans_clusters
 from ...sketch.landmarks import selection_keys, smallest_keys
@@ -141,7 +142,7 @@ def _near_keys(z: Tensor, k: Tensor, key_bias: Tensor, t: int) -> _NearKeys:
         k.detach().reshape(b * h, nk, d).transpose(1, 2),
     ).view(b, h, c, nk)  # [B, H, c, Nk]
     if t:
-        top_logits, top = logits.topk(min(t + 1, nk), dim=-1)  # [B, H, c, t (+ 1)]
+        top_logits, top = top_k(logits, min(t + 1, nk))  # [B, H, c, t (+ 1)], ties by position
         near_logits, near = top_logits[..., :t], top[..., :t]
         near_live = torch.isfinite(near_logits)
         # the largest far logit (t < Nk), so that the largest far key weighs 1 in the far
