@@ -30,3 +30,10 @@ def test_the_values_carry_the_gradient_of_the_entries_chosen():
     assert index.tolist() == [[1, 2]]
     values.sum().backward()
     assert x.grad.tolist() == [[0.0, 1.0, 1.0, 0.0]]
+
+
+def test_the_timing_script_runs():
+    from tests.benchmark_scripts import load_benchmark
+
+    assert load_benchmark("topk_ties").main(["--seq-lens", "64", "--clusters", "2",
+                                             "--repeats", "1"]) == 0

@@ -8,8 +8,9 @@ keys, the adaptive method's top keys: up to 0.5 on inputs with repeated rows or
 integer values). Here ties go to the lowest index, which padding after the real
 tokens does not move, as a stable sort would order them (Informer's reference does).
 Two ``topk`` passes over the dimension and sorts of 2k entries: on the multipole's
-``[1, 2, 64, 16384]`` logits with k = 65, 15.5 ms against ``torch.topk``'s 5.3 (one
-thread, CPU), where a full stable sort took 28 times ``topk``'s time.
+``[1, 2, 64, N]`` logits with k = 65, one CPU thread, 1.7 and 2.6 times ``torch.topk``'s
+time at N = 4096 and 16384, where a full stable sort took 6.7 and 26 times
+(``python benchmarks/topk_ties.py``, ``benchmarks/results/topk_ties.json``).
 """
 
 from __future__ import annotations

@@ -11,8 +11,10 @@ warning a kernel configuration, while every other shape on that GPU keeps the
 kernels; ``KernelFallback`` would otherwise take the refusal for the kernel's own
 failure and send every call of the dtype on that device to PyTorch. ``"triton"``
 raises ``KernelTooLarge`` with a sentence. The flash kernels in float32 at head dim 512
-need 192 KiB in their key-gradient launch (compiled for sm_90): an H100's 227 hold it,
-an A100's 163 do not.
+need 192 KiB in their key-gradient launch (compiled for sm_90 by
+``benchmarks/triton_resources.py --methods kernelized --configs 512:float32``,
+``results/triton_resources_flash_d512.md``): an H100's 227 hold it, an A100's 163 do
+not.
 
 This module imports Triton (the kernels' modules import it).
 """

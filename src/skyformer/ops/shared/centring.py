@@ -12,8 +12,10 @@ taken out in those copies and costs no memory. Its form at head dim D (``sdpa_fo
 the CPU's default) keeps the two moved copies for its backward pass, and still holds less
 than the augmentation (4.05 against 5.5 buffers of q's size at N = 8192,
 ``ops/kernelized/README.md``). Its flash kernels (CUDA) take moved float32 copies,
-which they keep for the backward pass in place of q and k (float32 at |offset| 100,
-D = 64: 7e-5 from float64 unmoved, 3e-7 moved; half types are not moved, below).
+which they keep for the backward pass in place of q and k (unmoved, a common offset of
+1e4 gave outputs of 1e19; moved, they give float64's on the rounded inputs:
+``tests/ops/test_gaussian_offset.py``, under Triton's interpreter; half types are not
+moved, below).
 Skyformer's products read q and k as
 they are (their backward keeps them), so a moved copy would be held from the forward to
 the backward pass; the multipole methods' angular LSH buckets depend on where the
