@@ -216,6 +216,16 @@ def test_values_are_numbers_words_or_strings(text, value):
     assert parse_variant(f" m[a={text}] ") == ("m", (("a", value),))
 
 
+@pytest.mark.parametrize("value", [64, -2, 0.5, 1e-3, True, False, None, "implicit", "64",
+                                   "true", "1e-3", "a b"])
+def test_a_variant_name_reads_back_the_options_it_was_given(value):
+    from skyformer.registry.variants import parse_variant, variant_name
+
+    name = variant_name("m[x=1]", {"a": value})
+    assert parse_variant(name) == ("m", (("x", 1), ("a", value)))
+    assert variant_name(" m ", {}) == "m"
+
+
 def test_a_variants_values_reach_its_config():
     method = get_method("performer[num_features=32,orthogonal=False,scale=.5]")
     config = method.make_config()

@@ -41,6 +41,25 @@ def test_generate_prepare_train_report_stability(tmp_path, capsys):
     assert "| kernelized |" in capsys.readouterr().out
 
 
+def test_runs_of_two_option_values_get_two_default_folders():
+    """The default folder was named after --attn alone: the second value of a sweep found
+    the first's run there and was refused."""
+    from skyformer.lra import make_config
+    from skyformer.lra.train import default_run_dir
+
+    folders = {default_run_dir(make_config("listops", attention=attention,
+                                           attention_options=options, seed=1))
+               for attention, options in [("skyformer", {"num_features": 8}),
+                                          ("skyformer", {"num_features": 16}),
+                                          ("skyformer", {}),
+                                          ('skyformer[pinv_gradient="implicit"]', {})]}
+    assert {f.as_posix() for f in folders} == {
+        "runs/lra/listops/skyformer[num_features=8]/seed1",
+        "runs/lra/listops/skyformer[num_features=16]/seed1",
+        "runs/lra/listops/skyformer/seed1",
+        "runs/lra/listops/skyformer[pinv_gradient='implicit']/seed1"}
+
+
 def test_seeds_stop_after_then_resume(tmp_path, capsys, listops_cache):
     args = ["lra", "train", "listops", "--attn", "softmax", "--steps", "6", "--eval-every", "3",
             "--batch-size", "16", "--cache", str(listops_cache), "--out", str(tmp_path),

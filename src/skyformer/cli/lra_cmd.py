@@ -136,7 +136,8 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache", default=None, help="cache root that prepare wrote (default: "
                    "$SKYFORMER_LRA_CACHE or ~/.cache/skyformer/lra)")
     p.add_argument("--out", default=None,
-                   help="run folder (default runs/lra/TASK/METHOD/seedN); with --seeds the "
+                   help="run folder (default runs/lra/TASK/METHOD/seedN, METHOD with the --option "
+                   "values in brackets: skyformer[num_features=64]); with --seeds the "
                    "folder holding seedN/ (default runs/lra/TASK/METHOD)")
     p.add_argument("--resume", action="store_true",
                    help="continue from OUT/last.pt (finished runs are left as they are)")

@@ -45,6 +45,7 @@ from ..io import (
 )
 from ..logs import get_logger
 from ..registry import get_method
+from ..registry.variants import variant_name
 from .batches import BatchOrder, Position, fetch, micro_batches
 from .cache import TaskData, data_fingerprint, load_cache
 from .checkpoint import (
@@ -79,9 +80,11 @@ CHECKPOINT_FORMAT = 1
 
 
 def default_run_dir(cfg: TrainConfig) -> Path:
-    """``runs/lra/TASK/METHOD/seedN``, the method's name made a portable file name (a
-    variant's double quotes as single ones, ``portable_name``)."""
-    return Path("runs") / "lra" / cfg.task / portable_name(cfg.attention) / f"seed{cfg.seed}"
+    """``runs/lra/TASK/METHOD/seedN``, METHOD carrying the attention options in its
+    brackets (``skyformer[num_features=32]``: runs of two options do not share a folder)
+    and made a portable file name (double quotes as single ones, ``portable_name``)."""
+    method = variant_name(cfg.attention, dict(cfg.attention_options))
+    return Path("runs") / "lra" / cfg.task / portable_name(method) / f"seed{cfg.seed}"
 
 
 def model_config(cfg: TrainConfig, data: TaskData) -> ModelConfig:

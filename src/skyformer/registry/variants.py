@@ -57,6 +57,28 @@ def parse_variant(name: str) -> tuple[str, tuple[tuple[str, Any], ...]]:
     return base.strip(), tuple(options)
 
 
+def variant_name(name: str, options: dict[str, Any]) -> str:
+    """``name`` (a method or a variant) with ``options`` added to its brackets, written so
+    that ``parse_variant`` reads the same values back: ``variant_name("skyformer",
+    {"num_features": 64})`` is ``"skyformer[num_features=64]"``; ``name`` itself where
+    ``options`` is empty."""
+    if not options:
+        return name.strip()
+    base, preset = parse_variant(name) if is_variant(name) else (name.strip(), ())
+    items = [*preset, *options.items()]
+    return f"{base}[{','.join(f'{key}={_written(value)}' for key, value in items)}]"
+
+
+def _written(value: Any) -> str:
+    """``value`` as an item of a variant's brackets: a number or a word as it is, true /
+    false / null, and a string that would read back as something else quoted."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, str) and _value(value) != value:
+        return f'"{value}"'
+    return str(value)
+
+
 def option_value(raw: str) -> Any:
     """An option's value as written inside a variant's brackets (``64``, ``True``,
     ``null``, ``implicit``): what ``name[key=value]`` would set."""
