@@ -758,6 +758,49 @@ def test_keys_packed_as_the_queries_are_self_attention(method, options):
         torch.testing.assert_close(one_width, alone, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("method, causal", [("performer", True), ("skyformer", True),
+                                            ("bigbird", False)])
+def test_keys_packed_as_the_queries_take_the_wider_of_two_bounds(method, causal):
+    """max_seqlen_k other than max_seqlen, both bounds, with the keys packed as the
+    queries: the two sides were padded to two widths, and the methods that need
+    Nq == Nk refused although every packed pair is equal."""
+    cu = torch.tensor([0, 4, 10])
+    q, k, v = make_qkv(1, 2, 10, 8)
+    key = random_key(2)
+    both = sdpa(q, k, v, method=method, cu_seqlens=cu, cu_seqlens_k=cu.clone(), max_seqlen=6,
+                max_seqlen_k=10, is_causal=causal, generator=key)
+    wider = sdpa(q, k, v, method=method, cu_seqlens=cu, max_seqlen=10, is_causal=causal,
+                 generator=key)
+    torch.testing.assert_close(both, wider, atol=0, rtol=0)
+
+
+def test_max_seqlen_of_empty_sequences_and_a_negative_one():
+    cu = torch.tensor([0, 0, 0])
+    q, k, v = make_qkv(1, 2, 0, 8)
+    out = sdpa(q, k, v, cu_seqlens=cu, max_seqlen=0)  # what cu.diff().max() gives
+    assert out.shape == (1, 2, 0, 8)
+    with pytest.raises(ValueError, match=r"max_seqlen must be at least 0.*got -1"):
+        sdpa(*make_qkv(1, 2, 4, 8), cu_seqlens=torch.tensor([0, 4]), max_seqlen=-1)
+
+
+def test_a_compiled_packed_call_checks_the_lengths_on_the_device():
+    """Traced, the lengths cannot be read on the host: a max_seqlen shorter than a
+    sequence ran that sequence into the next one's slots, silently."""
+    q = make_qkv(1, 2, 12, 4)[0]
+    torch._dynamo.reset()
+    packed = torch.compile(lambda q, cu, longest: sdpa(q, q, q, cu_seqlens=cu,
+                                                       max_seqlen=longest),
+                           fullgraph=True, backend="eager")
+    cu = torch.tensor([0, 11, 12])
+    torch.testing.assert_close(packed(q, cu, 11), sdpa(q, q, q, cu_seqlens=cu))
+    with pytest.raises(RuntimeError, match="max_seqlen is shorter than a sequence of the "
+                                           "cumulative lengths"):
+        packed(q, cu, 8)
+    with pytest.raises(RuntimeError, match="cu_seqlens must rise from 0 to the packed "
+                                           "length T"):
+        packed(q, torch.tensor([0, 13, 12]), 13)
+
+
 def test_a_padded_query_row_does_not_make_keys_real():
     """With an explicit query_padding_mask, the rows of padded queries say nothing about
     which keys are real (a padded row left open was taken for a key pattern)."""

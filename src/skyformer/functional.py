@@ -64,7 +64,7 @@ from .registry import CapabilityError, check_capabilities, get_method
 from .registry.binding import all_real_padding_as_none
 from .registry.capabilities import masks_taken
 from .registry.methods import Method, refuse_misnamed_arguments
-from .varlen import pack, unpack
+from .varlen import check_longest, length_argument, pack, unpack
 
 
 def scaled_dot_product_attention(
@@ -412,10 +412,18 @@ def _varlen(spec: Method, query: Tensor, key: Tensor, value: Tensor, attn_mask: 
         raise ValueError(f"{spec.name}: with cu_seqlens, pass no attn_mask (the sequences "
                          f"are kept apart by the cumulative lengths; use is_causal).")
     check_capabilities(spec.name, varlen=True)  # varlen implies mask (Capabilities)
-    if _same_lengths(cu_seqlens, cu_seqlens_k) and (
-            max_seqlen is None or max_seqlen_k is None or max_seqlen_k == max_seqlen):
-        # keys packed as the queries: self-attention, padded to the one width given
-        max_seqlen = max_seqlen if max_seqlen is not None else max_seqlen_k
+    if _same_lengths(cu_seqlens, cu_seqlens_k):
+        # keys packed as the queries: self-attention, padded to one width (the wider of
+        # two bounds given: both sides padded alike, each pair is Nq == Nk)
+        if max_seqlen is None or max_seqlen_k is None:
+            max_seqlen = max_seqlen if max_seqlen is not None else max_seqlen_k
+        elif max_seqlen_k is not max_seqlen:
+            bounds = [length_argument(m, spec.name, name, "cu_seqlens")
+                      for m, name in ((max_seqlen, "max_seqlen"), (max_seqlen_k, "max_seqlen_k"))]
+            for bound, name in zip(bounds, ("max_seqlen", "max_seqlen_k"), strict=True):
+                if isinstance(cu_seqlens, Tensor) and bound is not None:  # else unpack's
+                    check_longest(cu_seqlens.long(), bound, spec.name, name)  # each a bound
+            max_seqlen = torch.sym_max(*bounds)
         cu_seqlens_k = max_seqlen_k = None
     cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
     if isinstance(cu_k, Tensor) and isinstance(cu_seqlens, Tensor) \

@@ -9,6 +9,7 @@ truncation for every method, so each sequence attends only to itself.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 
 import torch
@@ -31,32 +32,43 @@ def _check(cu_seqlens: object, x: Tensor, method: str, name: str = "cu_seqlens")
         raise ValueError(
             f"{method}: {name} is on {cu_seqlens.device} but the inputs are on {x.device}; "
             f"pass {name}.to(q.device).")
-    if not torch.compiler.is_compiling() and (
-            int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != total
-            or bool((cu_seqlens[1:] < cu_seqlens[:-1]).any())):
-        raise ValueError(
-            f"{method}: {name} must rise from 0 to the packed length {total}, got "
-            f"{cu_seqlens.tolist()}."
-        )
+    if torch.compiler.is_compiling():  # no host read while traced: checked on the device
+        ok = (cu_seqlens[0] == 0) & (cu_seqlens[-1] == total) \
+            & (cu_seqlens[1:] >= cu_seqlens[:-1]).all()
+        _assert_on_device(ok, f"{method}: {name} must rise from 0 to the packed length T")
+    elif int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != total \
+            or bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
+        raise ValueError(f"{method}: {name} must rise from 0 to the packed length {total}, "
+                         f"got {cu_seqlens.tolist()}.")
     return cu_seqlens.long()
 
 
-def _length(value: object, method: str, argument: str, lengths: str) -> int | None:
+def _assert_on_device(condition: Tensor, what: str) -> None:
+    """``condition`` (a 0-d bool tensor) checked at run time by a compiled model, where
+    the eager checks' host reads would break the graph (``torch._assert_async``: on CUDA
+    a device-side assert, fatal to the process's CUDA context: docs/pytorch2.md)."""
+    torch._assert_async(condition, f"skyformer: {what} (checked at run time in a compiled "
+                        "model)")
+
+
+def length_argument(value: object, method: str, argument: str, lengths: str) -> int | None:
     """``max_seqlen`` as an int: a Python or NumPy int, or a 0-d integer tensor (what
     transformers' packed path hands FlashAttention, ``cu_seqlens.diff().max()``). An int
     is taken as it is: under ``torch.compile`` ``operator.index`` would fix a symbolic
     one to its value (every new length compiled again)."""
-    if value is None or isinstance(value, torch.SymInt) or (
-            isinstance(value, int) and not isinstance(value, bool)):
+    if value is None or isinstance(value, torch.SymInt):
         return value
     if isinstance(value, Tensor) and value.dim() == 0 and not value.is_floating_point() \
             and value.dtype != torch.bool:
-        return int(value)
-    if not isinstance(value, bool | Tensor):
-        try:
-            return operator.index(value)  # type: ignore[arg-type]
-        except TypeError:
-            pass
+        value = int(value)
+    elif not isinstance(value, bool | Tensor | int):
+        with contextlib.suppress(TypeError):  # a NumPy int; anything else is refused below
+            value = operator.index(value)  # type: ignore[arg-type]
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"{method}: {argument} must be at least 0 (the longest "
+                             f"sequence's length), got {value}.")
+        return value
     raise ValueError(f"{method}: {argument} must be an int (the longest sequence's "
                      f"length) or None (read from {lengths}), got {value!r}.")
 
@@ -66,6 +78,24 @@ def _slots(cu_seqlens: Tensor, total: int, max_len: int) -> Tensor:
     position = torch.arange(total, device=cu_seqlens.device)
     seq = torch.searchsorted(cu_seqlens[1:], position, right=True)  # [T]
     return seq * max_len + position - cu_seqlens[seq]
+
+
+def check_longest(cu: Tensor, max_len: int, method: str, argument: str = "max_seqlen"
+                  ) -> None:
+    """Refuse a ``max_len`` (argument ``argument``) shorter than a sequence of the
+    checked cumulative lengths ``cu``, whose tokens would overwrite the next sequence's
+    padded slots: read on the host in eager code (as ``_check`` reads them), on the
+    device while traced."""
+    advice = "pass the longest length (or None to read it from them)"
+    if torch.compiler.is_compiling():
+        _assert_on_device((cu[1:] - cu[:-1]).max() <= max_len,  # no symbol in the text
+                          f"{method}: {argument} is shorter than a sequence of the "
+                          f"cumulative lengths; {advice}")
+        return
+    longest = int((cu[1:] - cu[:-1]).max())
+    if longest > max_len:
+        raise ValueError(f"{method}: {argument} is {max_len} but the cumulative lengths hold "
+                         f"a sequence of {longest} tokens; {advice}.")
 
 
 def unpack(x: Tensor, cu_seqlens: Tensor, max_len: int | None, method: str,
@@ -79,17 +109,12 @@ def unpack(x: Tensor, cu_seqlens: Tensor, max_len: int | None, method: str,
     h, total, e = x.shape[1:]
     cu = _check(cu_seqlens, x, method, lengths)
     batch = cu.numel() - 1
-    max_len = _length(max_len, method, argument, lengths)
+    max_len = length_argument(max_len, method, argument, lengths)
     if max_len is None:
         max_len = max(1, int((cu[1:] - cu[:-1]).max()))
-    elif not torch.compiler.is_compiling():  # the lengths are read in _check already
-        longest = int((cu[1:] - cu[:-1]).max())
-        if longest > max_len:
-            raise ValueError(
-                f"{method}: {argument} is {max_len} but the cumulative lengths hold a "
-                f"sequence of "
-                f"{longest} tokens; pass the longest length (or None to read it from "
-                f"them).")
+    else:
+        check_longest(cu, max_len, method, argument)
+    max_len = torch.sym_max(1, max_len)  # every sequence empty: one slot, as None gives
     slots = _slots(cu, total, max_len)
     rows = x[0].transpose(0, 1)  # [T, H, E]
     padded = rows.new_zeros(batch * max_len, h, e).index_copy(0, slots, rows)
