@@ -5,6 +5,7 @@ Transformer layers (fast paths included)."""
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 
 import pytest
@@ -142,6 +143,22 @@ def test_softmax_follows_torch_for_a_wrong_is_causal_hint(need_weights, with_pad
     assert torch.allclose(out, unmasked) != hint_alone  # the case tells the two apart
 
 
+@pytest.mark.parametrize("method", ["softmax", "kernelized"])
+def test_a_causal_hint_in_cross_attention_is_sdpas_top_left_mask(method):
+    """L != S with is_causal=True alone: torch's SDPA aligns the causal mask top left (a
+    TransformerDecoderLayer's memory_is_causal); the exact methods used to refuse it."""
+    ref, ours = pair(method)
+    x, memory = rand(L, B, E), rand(S, B, E)
+    wrong = torch.zeros(L, S, dtype=torch.bool)  # the hint wins over the mask, as in torch
+    out = ours(x, memory, memory, attn_mask=wrong, is_causal=True, need_weights=False)[0]
+    top_left = torch.ones(L, S, dtype=torch.bool).triu(1)
+    expected = ours(x, memory, memory, attn_mask=top_left, need_weights=False)[0]
+    torch.testing.assert_close(out, expected, **EXACT)
+    if method == "softmax":
+        hinted = ref(x, memory, memory, attn_mask=wrong, is_causal=True, need_weights=False)
+        torch.testing.assert_close(out, hinted[0], **EXACT)
+
+
 def _heads(layer, x, kv):
     """Batch-first input projections as [B, H, N, Dh]."""
     w_q, w_k, w_v = layer.in_proj_weight.chunk(3)
@@ -236,8 +253,9 @@ def test_refused_configurations_get_sentences():
 def test_need_weights_warns_once_per_layer():
     _, ours = pair()
     x = rand(L, B, E)
-    with pytest.warns(UserWarning, match="need_weights=False to silence"):
+    with pytest.warns(UserWarning, match="need_weights=False to silence") as said:
         assert ours(x, x, x)[1] is None
+    assert said[0].filename == __file__  # the caller's line, for a filter by module
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ours(x, x, x)  # warned once already
@@ -396,8 +414,14 @@ def test_replace_attention_refuses_in_a_sentence_and_changes_nothing():
     class Mine(nn.MultiheadAttention):
         pass
 
-    with pytest.raises(TypeError, match=r"model\.0: .*Mine is a subclass"):
-        replace_attention(nn.Sequential(Mine(E, H)))
+    with pytest.raises(TypeError, match=r"model\.0: .*Mine is a subclass") as refused:
+        replace_attention(nn.Sequential(Mine(E, H, bias=False)))
+    fix = re.search(r"new = (.*); new\.load_state_dict\(mha\.state_dict\(\)\)",
+                    str(refused.value))
+    mha = Mine(E, H, bias=False)  # the swap the sentence gives works for such a layer
+    new = eval(fix.group(1).replace("method=...", "method='softmax'"),
+               {"TorchMultiheadAttention": TorchMultiheadAttention, "mha": mha})
+    new.load_state_dict(mha.state_dict())
     with pytest.raises(ValueError, match=r"no option 'num_featres' \(did you mean"):
         replace_attention(nn.Sequential(nn.MultiheadAttention(E, H)), num_featres=4)
 

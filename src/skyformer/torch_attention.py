@@ -62,6 +62,7 @@ from .nn import BoundMethodProperties
 from .ops.shared.options import check_probability
 from .ops.shared.tracing import values_to_check
 from .registry import BoundMethod, get_method, methods_that_can
+from .user_frame import warn_from_user_frame
 
 NAME = "TorchMultiheadAttention"
 
@@ -249,8 +250,11 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
             return self.out_proj(out)
         key_valid, padding_bias, allowed = _sdpa_masks(key_padding_mask, attn_mask,
                                                        self.num_heads)
-        if self.spec.capabilities.attn_mask and hint_alone:
+        if self.spec.capabilities.attn_mask and hint_alone and lq == k.shape[2]:
             out = self._exact(q, k, v, key_valid, None, generator, causal=True)
+        elif self.spec.capabilities.attn_mask and hint_alone:  # SDPA's top-left causal mask
+            top_left = torch.ones(lq, k.shape[2], dtype=torch.bool, device=q.device).tril()
+            out = self._exact(q, k, v, key_valid, top_left, generator)
         elif self.spec.capabilities.attn_mask:
             out = self._exact(q, k, v, key_valid, _joined(allowed, padding_bias, q.dtype),
                               generator)
@@ -417,11 +421,11 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         """Warn, once per layer, that ``need_weights=True`` gets no weights."""
         if need_weights and not self._weights_warned and not torch.compiler.is_compiling():
             self._weights_warned = True
-            warnings.warn(
+            warn_from_user_frame(
                 f"{NAME} ({self.method}) returns (output, None): no method materialises the "
                 f"attention matrix, so need_weights=True (torch's default) gets no weights; "
                 f"pass need_weights=False to silence this, or keep torch.nn.MultiheadAttention "
-                f"where the weights are read.", UserWarning, stacklevel=2)
+                f"where the weights are read.", UserWarning)
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str,
                               *args: Any) -> None:
@@ -555,8 +559,11 @@ def _from_torch(cls: type[TorchMultiheadAttention], mha: Any, where: str, method
         kind = f"{type(mha).__module__}.{type(mha).__qualname__}"
         raise TypeError(
             f"{where}: {kind} is a subclass of torch.nn.MultiheadAttention whose forward may "
-            f"differ from torch's; swap it by hand (with {NAME}.from_torch, which takes "
-            f"exactly torch's layer) only if its forward is torch's.")
+            f"differ from torch's; only if its forward is torch's, swap it by hand: "
+            f"new = {NAME}(mha.embed_dim, mha.num_heads, mha.dropout, "
+            f"mha.in_proj_bias is not None, kdim=mha.kdim, vdim=mha.vdim, "
+            f"batch_first=mha.batch_first, method=...); "
+            f"new.load_state_dict(mha.state_dict()).")
     _check_configuration(mha.embed_dim, mha.num_heads, mha.dropout, mha.in_proj_bias is not None,
                          mha.bias_k is not None, mha.add_zero_attn, mha.kdim, mha.vdim, where)
     _warn_of_hooks(mha, where)
