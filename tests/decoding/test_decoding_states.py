@@ -516,3 +516,20 @@ def test_which_earlier_rows_of_a_step_a_non_finite_input_spoils(method, where,
     assert torch.isnan(out[0, 0, 15:]).all()
     spoiled = torch.isnan(out[0, 0, :15]).any(-1)  # a NaN entry (its column, 0 x NaN)
     assert spoiled.all() if spoils_before else not spoiled.any()
+
+
+def test_a_state_decoded_with_autograd_on_refuses_a_copy_in_a_sentence():
+    """torch's own error named weight_norm; the state says why and what to do."""
+    layer = MultiHeadAttention(16, 2, "performer", causal=True)
+    x = torch.randn(2, 5, 16)
+    cache = layer.new_cache(generator=random_key(0))
+    layer(x, cache=cache)
+    with pytest.raises(RuntimeError, match=r"performer decoding state cannot be copied: its "
+                                           r"steps ran with autograd on.*inference_mode"):
+        copy.deepcopy(cache)
+    with torch.no_grad():
+        cache = layer.new_cache(generator=random_key(0))
+        layer(x, cache=cache)
+        twin = copy.deepcopy(cache)
+        torch.testing.assert_close(layer(x[:, :1], cache=twin), layer(x[:, :1], cache=cache),
+                                   atol=0, rtol=0)

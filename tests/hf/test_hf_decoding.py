@@ -607,6 +607,25 @@ def test_a_step_of_several_tokens_over_transformers_cache_names_the_decoding_cac
 
 
 @torch.no_grad()
+def test_generate_over_transformers_cache_says_it_is_not_the_causal_forward():
+    """generate() without a cache argument decodes over transformers' DynamicCache: each
+    step runs the method's non-causal form over the cached keys and picks other tokens
+    than the causal forward, which it did without a word."""
+    import warnings
+
+    model = _llama()
+    shf.set_attention(model, "performer", seed=0, num_features=16)
+    ids = _prompt()[0][:1, :8]
+    with pytest.warns(UserWarning, match=r"performer decodes over transformers' own "
+                                         r"key/value cache.*DecodingCache\(model\)"):
+        model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*decodes over transformers")
+        model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0,
+                       cache=shf.DecodingCache(model))
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("build", [_gpt2, _llama], ids=["gpt2", "llama"])
 @pytest.mark.parametrize(("method", "options"), [SETTINGS[1], SETTINGS[4]],
                          ids=["performer", "softmax"])

@@ -20,6 +20,7 @@ extend what the state keeps. What it keeps, per form (``forms.py``):
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 
 import torch
@@ -47,6 +48,22 @@ class DecodingState(ABC):
         self.length = 0  # positions seen
         self.spoiled: Tensor | None = None  # [B, H] bool: a real key or value was non-finite
         self.layout: tuple | None = None  # (H, D, Dv, dtype, device) of the first step
+
+    def __deepcopy__(self, memo: dict[int, object]) -> DecodingState:
+        """A copy to continue one prompt twice; refused in a sentence (torch's names
+        ``weight_norm``) where the state holds the graph of steps decoded with autograd
+        on, since torch copies no tensor that is not a graph leaf."""
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        for name, value in vars(self).items():
+            if isinstance(value, Tensor) and not value.is_leaf:
+                raise RuntimeError(
+                    f"this {self.method} decoding state cannot be copied: its steps ran "
+                    f"with autograd on, and it holds their graph (torch copies no tensor "
+                    f"that is not a graph leaf); decode under torch.inference_mode() (or "
+                    f"torch.no_grad()) to copy it.")
+            vars(copied)[name] = copy.deepcopy(value, memo)
+        return copied
 
     def step(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None = None
              ) -> Tensor:

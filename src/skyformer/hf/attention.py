@@ -317,6 +317,8 @@ def _attention(module: nn.Module, layer: LayerAttention, decoding: DecodingLayer
     b, _, nq, head_dim = query.shape
     nk = key.shape[2]
     advice = OVER_A_CACHED_PREFIX if nq < nk and not layer.cross else USE_SDPA
+    if nq < nk and not layer.cross and decoding is None:
+        _warn_steps_over_transformers_cache(layer)
     resolved = resolve_mask(attention_mask, batch=b, query_len=nq, key_len=nk,
                             is_causal=is_causal, advice=advice,
                             all_real_as_none=all_real_padding_as_none(spec))
@@ -415,6 +417,18 @@ def _warn_no_weights(layer: LayerAttention) -> None:
         f"{layer.method} returns no attention weights (no method materialises the attention "
         f"matrix), so output_attentions=True gives none for its layers; to read the maps, "
         f"load the model with attn_implementation='eager'.", UserWarning, stacklevel=2)
+
+
+def _warn_steps_over_transformers_cache(layer: LayerAttention) -> None:
+    """Say (once: one text, one place) that a step over transformers' own key/value
+    cache is not the causal forward's approximation (docs/causal.md)."""
+    warnings.warn(
+        f"{layer.method} decodes over transformers' own key/value cache here: each new "
+        f"query attends with the method's non-causal form over the cached keys, not the "
+        f"approximation of the causal forward the model ran on its prompt, so generate() "
+        f"picks other tokens than a forward over the whole sequence would; pass "
+        f"cache=skyformer.hf.DecodingCache(model) to generate() to decode the causal "
+        f"forward (docs/causal.md).", UserWarning, stacklevel=2)
 
 
 def _decoding_step(module: nn.Module, layer: LayerAttention, decoding: DecodingLayer,
