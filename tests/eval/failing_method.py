@@ -43,17 +43,19 @@ def _fails_from_call(name: str, k: int, error: type[Exception], q: torch.Tensor,
 
 
 def fails_when_timed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Fails from its second call above 16 tokens: with --warmup 0, its first timed one."""
-    return _fails_from_call("fails_when_timed", 2, RuntimeError, q, k, v)
+    """Fails from its third call above 16 tokens: with --warmup 0 and the backward pass
+    (a first call of the forward and of the step), its first timed one."""
+    return _fails_from_call("fails_when_timed", 3, RuntimeError, q, k, v)
 
 
 def fails_for_its_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Fails from its fourth call above 16 tokens: with --warmup 0 --repeats 1 and the
-    backward pass (a first call, two timed ones), the forward call of its error."""
-    return _fails_from_call("fails_for_its_error", 4, RuntimeError, q, k, v)
+    """Fails from its fifth call above 16 tokens: with --warmup 0 --repeats 1 and the
+    backward pass (a first call of the forward and of the step, two timed ones), the
+    forward call of its error."""
+    return _fails_from_call("fails_for_its_error", 5, RuntimeError, q, k, v)
 
 
 def breaks_when_timed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Raises a ``LookupError`` (no error of a call bench records) from its second call
-    above 16 tokens."""
-    return _fails_from_call("breaks_when_timed", 2, LookupError, q, k, v)
+    above 16 tokens: its first timed one, as ``fails_when_timed``."""
+    return _fails_from_call("breaks_when_timed", 3, LookupError, q, k, v)

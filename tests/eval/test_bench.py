@@ -988,13 +988,13 @@ def test_a_method_failing_after_its_first_call_skips_its_row_and_not_the_length(
     timed = rows[("fails_when_timed", 32)]
     assert timed["status"] == "skipped" and timed["fwd_bwd_ms"] is None
     assert timed["reason"] == ("a timed call failed: RuntimeError: fails_when_timed fails "
-                               "from its call 2 on (call 2)")
+                               "from its call 3 on (call 3)")
     for method in ("softmax", "linear"):
         assert rows[(method, 32)]["status"] == "ok" and rows[(method, 32)]["fwd_bwd_ms"] > 0
     late = rows[("fails_for_its_error", 32)]
     assert late["status"] == "ok" and late["fwd_bwd_ms"] > 0 and late["rel_error"] is None
     assert late["reason"] == ("relative error not measured: RuntimeError: fails_for_its_error "
-                              "fails from its call 4 on (call 4)")
+                              "fails from its call 5 on (call 5)")
     captured = capsys.readouterr()
     assert "skipped: a timed call failed: RuntimeError: fails_when_timed" in captured.out
     assert "relative error not measured: RuntimeError: fails_for_its_error" in captured.err
@@ -1009,7 +1009,7 @@ def test_an_error_bench_does_not_record_names_the_method_and_the_length(monkeypa
     config = BenchConfig(methods=("tests.eval.failing_method:breaks_when_timed@softmax",),
                          seq_lens=(16, 32), shapes=((1, 1, 4),), repeats=1, warmup=0,
                          memory=False)
-    with pytest.raises(LookupError, match="breaks_when_timed fails from its call 2") as raised:
+    with pytest.raises(LookupError, match="breaks_when_timed fails from its call 3") as raised:
         run_bench(config)
     assert raised.value.__notes__ == [
         "raised by breaks_when_timed at N = 32 (B=1 H=1 D=4 float32), in a timed call"]

@@ -512,7 +512,9 @@ def _first_call(
         check = None if method.registered else (
             lambda out: check_output(method.function, out, inputs[0], inputs[2]))
         forward, step = _closures(call, *inputs, config.seed, check)
-        (step if config.backward else forward)()
+        forward()  # both timed calls once untimed: with --warmup 0 neither is a first
+        if config.backward:
+            step()
     except CALL_ERRORS as err:
         row.update(status="skipped", reason=_one_line(err))
         return row, None
@@ -679,8 +681,8 @@ def sol_gflops(throughput: dict[str, float], dtype_name: str) -> float:
 
 def _speed_of_light(row: dict[str, Any], gflops: float, backward: bool) -> dict[str, Any]:
     """``row`` with ``sol_ms`` (its ``gflop`` at the matmul rate ``gflops`` of this run)
-    and ``sol_fraction`` (that over its time); rows kept by --resume get this run's rate,
-    so that one file holds one."""
+    and ``sol_fraction`` (that over its time); a row kept by --resume keeps the rate of
+    the run that measured it (the report lists each run's rate)."""
     main = row.get("fwd_bwd_ms" if backward else "fwd_ms")
     if row.get("gflop") is not None and main:
         row["sol_ms"] = row["gflop"] / gflops * 1e3
