@@ -88,6 +88,17 @@ def test_listops_errors_name_the_file_and_line(tmp_path):
         prepare("listops", tmp_path / "src", tmp_path / "cache")
 
 
+@pytest.mark.parametrize("task", ["listops", "retrieval", "image", "text", "pathfinder"])
+def test_an_archive_given_as_src_asks_for_the_unpacked_folder(tmp_path, task):
+    """An archive (or one file of the release) as --src: "expected 'x' in F; looked for
+    F/x" did not say that F was a file."""
+    archive = tmp_path / "release.tar.gz"
+    archive.write_bytes(b"\x1f\x8b")
+    with pytest.raises(FileNotFoundError, match=r"release.tar.gz is a file; --src takes the "
+                       r"folder holding .*unpack an archive first"):
+        prepare(task, archive, tmp_path / "cache")
+
+
 def test_a_damaged_generator_record_is_named(tmp_path):
     """A generator.json that is not JSON raised a bare JSONDecodeError naming no file."""
     make_listops_release(tmp_path / "src")
@@ -341,7 +352,8 @@ def test_pathfinder_difficulty_that_contradicts_a_difficulty_folder_is_refused(t
     with pytest.raises(ValueError, match=r"curv_contour_length_14 is itself a difficulty folder "
                        r"\(it holds metadata/\), not curv_baseline; drop --difficulty"):
         prepare("pathfinder", folder, tmp_path / "c", difficulty="curv_baseline")
-    for src in (folder, root):  # the folder's own name, or picked from the resolution folder
+    # the folder's own name, or picked from the resolution folder or the release's root
+    for src in (folder, root, root.parent):
         cache = prepare("pathfinder", src, tmp_path / "c", difficulty="curv_contour_length_14")
         assert json.loads((cache / "meta.json").read_text())["difficulty"] == folder.name
     # a link named as the difficulty, to a folder named otherwise: the name given counts,

@@ -419,6 +419,7 @@ def test_a_run_without_result_json_is_named_not_left_out_silently(tmp_path, caps
                                                  "accuracy": 0.2}]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in entries)
                                           + '{"kind": "tr')  # cut short by a kill
+    (folder / "last.pt").write_bytes(b"")  # a checkpoint to resume from
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text('{"model_type": "bert"}')  # not a run's
     assert main(["lra", "report", str(tmp_path)]) == 0
@@ -440,8 +441,9 @@ def test_a_folder_of_unfinished_runs_only_names_them(tmp_path, capsys):
     (folder / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 10}) + "\n")
     assert main(["lra", "report", str(tmp_path)]) == 2
     err = " ".join(capsys.readouterr().err.split())
-    assert f"the runs there have not finished: {folder} (logged up to step 10 of 50); " \
-           "continue each with its `skyformer lra train` command and --resume" in err, err
+    assert f"the runs there have not finished: {folder} (logged up to step 10 of 50, no " \
+           "last.pt yet: --resume starts it again); continue each with its `skyformer lra " \
+           "train` command and --resume" in err, err
 
 
 def test_a_panel_without_dev_curves_says_so(tmp_path, monkeypatch):

@@ -168,8 +168,10 @@ def test_an_existing_run_needs_resume_and_the_same_settings(listops_cache, tmp_p
 
 
 def test_a_new_run_refuses_the_files_of_an_earlier_run_without_last_pt(listops_cache, tmp_path):
-    """Checkpoints deleted after a run: a new run there (fresh or --resume) would leave
-    the earlier result.json, which `lra report` reads, beside its own files."""
+    """Checkpoints deleted after a run: a new run there (fresh or --resume of other
+    settings) would leave the earlier result.json, which `lra report` reads, beside its
+    own files; --resume of its own settings finds it finished (it was refused, blocking
+    the later seeds of a --seeds command)."""
     cfg = _cfg(steps=4, eval_every=2)
     _run(cfg, listops_cache, tmp_path)
     before = (tmp_path / "result.json").read_text()
@@ -177,8 +179,12 @@ def test_a_new_run_refuses_the_files_of_an_earlier_run_without_last_pt(listops_c
         (tmp_path / name).unlink()
     for resume in (False, True):
         with pytest.raises(ValueError, match=r"holds files of an earlier run \(result.json, "
-                           r"metrics.jsonl\) but no last.pt .*choose another --out, or remove"):
+                           r"metrics.jsonl\) but no last.pt .*choose another --out \(to "
+                           r"discard that run instead, remove those files\)"):
             _run(dataclasses.replace(cfg, lr=1e-2), listops_cache, tmp_path, resume=resume)
+    # resumed with its own settings, the run is finished: its result stands, nothing trains
+    assert _run(cfg, listops_cache, tmp_path, resume=True) == json.loads(before)
+    assert not (tmp_path / "last.pt").exists()
     assert (tmp_path / "result.json").read_text() == before
     (tmp_path / "result.json").unlink()
     with pytest.raises(ValueError, match=r"earlier run \(metrics.jsonl\)"):

@@ -208,10 +208,14 @@ class Unfinished:
 
     @property
     def progress(self) -> str:
-        """How far it got: ``logged up to step 20 of 50`` or ``nothing logged``."""
-        if self.step is None:
-            return "nothing logged"
-        return f"logged up to step {self.step} of {self.steps}"
+        """How far it got: ``logged up to step 20 of 50`` or ``nothing logged``, and where
+        it holds no ``last.pt`` yet (killed before its first checkpoint), that --resume
+        starts it again from step 0."""
+        said = "nothing logged" if self.step is None \
+            else f"logged up to step {self.step} of {self.steps}"
+        if not (self.folder / "last.pt").exists():
+            said += ", no last.pt yet: --resume starts it again"
+        return said
 
 
 def unfinished_runs(paths: list[str | os.PathLike[str]]) -> list[Unfinished]:

@@ -194,8 +194,8 @@ def check_fresh_folder(folder: Path) -> None:
     found = earlier_run_files(folder)
     if found:
         raise ValueError(f"{folder} holds files of an earlier run ({', '.join(found)}) but no "
-                         "last.pt to continue it from; choose another --out, or remove those "
-                         "files to start a new run there.")
+                         "last.pt to continue it from; choose another --out (to discard that "
+                         "run instead, remove those files).")
 
 
 def _config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -243,7 +243,8 @@ def open_checkpoint(folder: Path, cfg: TrainConfig, resume: bool,
     ``last.pt``, and a checkpoint that is foreign, damaged or of other settings."""
     last = folder / "last.pt"
     if not last.exists():
-        check_fresh_folder(folder)
+        if not (resume and finished_without_checkpoint(folder, cfg)):
+            check_fresh_folder(folder)
         return None
     if not resume:
         raise ValueError(f"{folder} already holds a run (last.pt); pass --resume to "
@@ -302,9 +303,9 @@ def _as_recorded(current: dict[str, Any], saved: dict[str, Any]) -> dict[str, An
     return {**current, "splits": kept}
 
 
-def finished_result(folder: Path, cfg: TrainConfig, step: int) -> dict[str, Any] | None:
-    """The stored ``result.json`` of ``folder`` when it is the end of ``cfg``'s run resumed
-    at ``step``, else None."""
+def _stored_result(folder: Path) -> dict[str, Any] | None:
+    """``folder/result.json`` read, or None where there is none; one that is not a
+    result is refused in a sentence."""
     path = folder / "result.json"
     if not path.is_file():
         return None
@@ -318,8 +319,30 @@ def finished_result(folder: Path, cfg: TrainConfig, step: int) -> dict[str, Any]
         raise ValueError(f"cannot resume {folder}: its result.json is {problem}, not a result "
                          f"of skyformer lra train; remove it (the run writes it again when it "
                          f"finishes), or choose another --out.")
+    return result
+
+
+def finished_result(folder: Path, cfg: TrainConfig, step: int) -> dict[str, Any] | None:
+    """The stored ``result.json`` of ``folder`` when it is the end of ``cfg``'s run resumed
+    at ``step``, else None."""
+    result = _stored_result(folder)
     config = json_ready(cfg.to_dict())  # as written: an infinite setting is null
-    if result.get("config") != config or result.get("steps") != step:
+    if result is None or result.get("config") != config or result.get("steps") != step:
+        return None
+    return result
+
+
+def finished_without_checkpoint(folder: Path, cfg: TrainConfig) -> dict[str, Any] | None:
+    """The stored ``result.json`` of ``folder`` when it is the result of ``cfg``'s run (the
+    same settings but ``CHANGEABLE_AT_RESUME``) and ``last.pt`` is gone, as after the
+    checkpoints of finished runs were deleted to save space; else None. Resumed, such a
+    run is finished: nothing to train again."""
+    if (folder / "last.pt").exists():
+        return None
+    result = _stored_result(folder)
+    recorded = None if result is None else result.get("config")
+    if not isinstance(recorded, dict) \
+            or _settings(recorded) != _settings(json_ready(cfg.to_dict())):
         return None
     return result
 
@@ -469,7 +492,7 @@ class Trainer:
     def _restore(self) -> bool:
         ckpt = open_checkpoint(self.folder, self.cfg, self.resume, self.device)
         if ckpt is None:
-            if self.resume:
+            if self.resume and not finished_without_checkpoint(self.folder, self.cfg):
                 self._say(f"no checkpoint in {self.folder}; starting a new run")
             return False
         check_same_data(ckpt, self.folder / "last.pt", self.data, self.model.cfg)
@@ -760,7 +783,7 @@ class Trainer:
             self._say(f"removed {len(removed)} temporary file(s) of writes an interruption "
                       f"cut short: {', '.join(p.name for p in removed)}")
         finished = finished_result(self.folder, self.cfg, self.state.step) if resumed \
-            else None
+            else finished_without_checkpoint(self.folder, self.cfg) if self.resume else None
         check_processes_agree(self.info, self.cfg.to_dict(), data_fingerprint(self.data.meta),
                               self.stop_after, self.state.step, finished is not None,
                               self.folder)

@@ -15,6 +15,10 @@ def locate(src: str | Path, marker: str, *, subfolders: tuple[str, ...] = ()) ->
     root = Path(src).expanduser()
     if not root.exists():
         raise FileNotFoundError(f"{root} does not exist.")
+    if not root.is_dir():  # an archive of the release, or one of its files
+        raise FileNotFoundError(
+            f"{root} is a file; --src takes the folder holding {marker!r} (unpack an "
+            f"archive first, e.g. tar -xzf, and give the folder it makes).")
     for folder in (root, *(root / s for s in subfolders)):
         if (folder / marker).exists():
             return folder

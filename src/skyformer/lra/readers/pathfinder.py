@@ -87,15 +87,17 @@ def _examples(samples: Sequence[tuple[Path, int]], size: int
 
 
 def _difficulty_folder(src: str | Path, difficulty: str | None) -> Path:
-    """The folder holding ``metadata/``: ``src/<difficulty>`` or ``src`` itself, absolute,
+    """The folder holding ``metadata/``: ``src/<difficulty>``, ``src`` itself or (the
+    release's root) ``src/pathfinder32/<difficulty>``, absolute,
     so that its name is the difficulty also for ``.`` or ``..``. A ``difficulty`` given for
     a ``src`` that is itself another difficulty folder is refused rather than ignored."""
     root = Path(src).expanduser()
     if difficulty is not None and (root / difficulty / "metadata").exists():
         return Path(os.path.abspath(root / difficulty))
     # the name as given (a symlink keeps it), the name the metadata records; "." resolved
+    name = difficulty or DEFAULT_DIFFICULTY  # also under the release root's pathfinder32/
     folder = Path(os.path.abspath(
-        locate(root, "metadata", subfolders=(difficulty or DEFAULT_DIFFICULTY,))))
+        locate(root, "metadata", subfolders=(name, f"pathfinder32/{name}"))))
     if difficulty is not None and folder.name != difficulty:
         raise ValueError(f"{folder} is itself a difficulty folder (it holds metadata/), not "
                          f"{difficulty}; drop --difficulty, or give the folder holding "
