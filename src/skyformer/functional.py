@@ -421,7 +421,7 @@ def _varlen(spec: Method, query: Tensor, key: Tensor, value: Tensor, attn_mask: 
             bounds = [length_argument(m, spec.name, name, "cu_seqlens")
                       for m, name in ((max_seqlen, "max_seqlen"), (max_seqlen_k, "max_seqlen_k"))]
             for bound, name in zip(bounds, ("max_seqlen", "max_seqlen_k"), strict=True):
-                if isinstance(cu_seqlens, Tensor) and bound is not None:  # else unpack's
+                if isinstance(cu_seqlens, Tensor):  # (anything else: unpack's sentence)
                     check_longest(cu_seqlens.long(), bound, spec.name, name)  # each a bound
             max_seqlen = torch.sym_max(*bounds)
         cu_seqlens_k = max_seqlen_k = None

@@ -317,7 +317,8 @@ def _attention(module: nn.Module, layer: LayerAttention, decoding: DecodingLayer
     b, _, nq, head_dim = query.shape
     nk = key.shape[2]
     advice = OVER_A_CACHED_PREFIX if nq < nk and not layer.cross else USE_SDPA
-    if nq < nk and not layer.cross and decoding is None:
+    if nq < nk and not layer.cross and decoding is None \
+            and not torch.compiler.is_compiling():
         _warn_steps_over_transformers_cache(layer)
     resolved = resolve_mask(attention_mask, batch=b, query_len=nq, key_len=nk,
                             is_causal=is_causal, advice=advice,
