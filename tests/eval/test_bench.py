@@ -865,8 +865,13 @@ def test_inputs_too_large_to_hold_skip_their_length_and_the_run_goes_on(monkeypa
     for (_, n, _), row in rows.items():
         assert row["status"] == ("ok" if n == 16 else "skipped")
     reason = rows[(2, 1024, "linear")]["reason"]
-    assert reason.startswith("the inputs (q, k, v and the output gradient, [2, 1, 1024, 4] "
-                             "each) take ") and "GiB available" in reason
+    assert reason.startswith("the inputs (q, k, v and the output gradient), the output and "
+                             "the gradients of q, k and v, [2, 1, 1024, 4] each, take ") \
+        and "GiB available" in reason
+    # a table whose every row is skipped is printed (its widths failed on no rows)
+    alone = run_bench(dataclasses.replace(config, seq_lens=(1024,)))
+    assert all(r["status"] == "skipped" for r in alone.rows)
+    assert "skipped: the inputs" in format_table(alone)
 
     def no_memory(shape, n, *args):
         if n > 16:

@@ -258,7 +258,8 @@ def _render(header: list[str], table: list[list[str]], markdown: bool) -> list[s
             out.append("| " + " | ".join(row) + " |")
         return out
     widths = [
-        max(len(header[i]), *(len(r[i]) for r in table if not r[2].startswith("skipped") or i < 2))
+        max([len(header[i]),  # every row skipped: the header's width
+             *(len(r[i]) for r in table if not r[2].startswith("skipped") or i < 2)])
         for i in range(len(header))
     ]
     out = [

@@ -254,16 +254,21 @@ def _inputs(shape: tuple[int, int, int], n: int, dtype: torch.dtype, device: tor
 
 
 def _inputs_or_reason(shape: tuple[int, int, int], n: int, dtype: torch.dtype,
-                      device: torch.device, seed: int, limit: float
+                      device: torch.device, seed: int, limit: float, backward: bool = True
                       ) -> tuple[tuple[Tensor, Tensor, Tensor, Tensor] | None, str]:
-    """(q, k, v, the output gradient) of ``_inputs``, or (None, why not): their bytes
-    above ``limit`` (a run that went on would be killed for memory, not told), or an
-    allocation that failed; every method at that length is then skipped with the why."""
+    """(q, k, v, the output gradient) of ``_inputs``, or (None, why not): the bytes every
+    call holds whatever its method (those four, the output and, with ``backward``, the
+    gradients of q, k and v) above ``limit`` (a run that went on would be killed for
+    memory, not told), or an allocation that failed; every method at that length is
+    then skipped with the why."""
     b, h, d = shape
-    size = 4 * b * h * n * d * dtype.itemsize
+    tensors = 8 if backward else 5
+    size = tensors * b * h * n * d * dtype.itemsize
     if size > limit:
-        return None, (f"the inputs (q, k, v and the output gradient, [{b}, {h}, {n}, {d}] "
-                      f"each) take {size / 2**30:.3g} GiB > {limit / 2**30:.3g} GiB available")
+        held = "the output and the gradients of q, k and v" if backward else "the output"
+        return None, (f"the inputs (q, k, v and the output gradient), {held}, [{b}, {h}, "
+                      f"{n}, {d}] each, take {size / 2**30:.3g} GiB > {limit / 2**30:.3g} "
+                      f"GiB available")
     try:
         return _inputs(shape, n, dtype, device, seed), ""
     except (RuntimeError, MemoryError) as err:  # torch.OutOfMemoryError is a RuntimeError
@@ -451,7 +456,8 @@ def _measure_length(
     """One row per method at sequence length ``n`` (all methods on the same inputs). A
     method whose call fails (``CALL_ERRORS``) gets a skipped row saying so, and the others
     are measured; any other error escapes with a note naming the method and N."""
-    inputs, no_inputs = _inputs_or_reason(shape, n, dtype, device, config.seed, limit)
+    inputs, no_inputs = _inputs_or_reason(shape, n, dtype, device, config.seed, limit,
+                                          config.backward)
     rows: dict[str, dict[str, Any]] = {}
     runnable: dict[str, _Runnable] = {}
     for label, method in zip(labels, methods, strict=True):
