@@ -207,8 +207,10 @@ def test_an_interrupted_run_resumes_with_the_numbers_of_an_uninterrupted_one(
             "whole", "interrupted")
 
 
-def test_resume_refuses_other_settings_and_starting_over_says_what_it_leaves(
+def test_resume_refuses_other_settings_and_starting_over_is_refused_too(
         tmp_path, monkeypatch, capsys):
+    """Starting over without --resume replaced the interrupted run's blocks with a note
+    only, where bench and lra stability refuse; it is refused as theirs is."""
     out = tmp_path / "run"
     with monkeypatch.context() as patched:
         _interrupt_at(patched, 96)
@@ -216,12 +218,16 @@ def test_resume_refuses_other_settings_and_starting_over_says_what_it_leaves(
     capsys.readouterr()
     assert main([*RESUMABLE, "--out", str(out), "--resume", "--features", "32"]) == 2
     assert re.search(r"other settings \(features=\[16\] there, \[32\] now\).*same settings.*"
-                     r"without --resume", capsys.readouterr().err)
+                     r"or remove that file", capsys.readouterr().err)
     measured = _interrupt_at(monkeypatch, None)
+    kept = (out / "approx.progress.json").read_bytes()
+    assert main([*RESUMABLE, "--out", str(out), "--seq-lens", "64"]) == 2
+    assert measured == [] and (out / "approx.progress.json").read_bytes() == kept
+    assert "holds what an interrupted run measured: pass --resume to continue it, or " \
+           "remove that file" in capsys.readouterr().err
+    (out / "approx.progress.json").unlink()
     assert main([*RESUMABLE, "--out", str(out), "--seq-lens", "64"]) == 0  # starts over
     assert measured == [64]
-    assert "holds what an interrupted run measured; this run starts over" in \
-        capsys.readouterr().err
     (out / "approx.progress.json").write_text("{not json")
     assert main([*RESUMABLE, "--out", str(out), "--resume"]) == 2
     assert "not an approx progress file" in capsys.readouterr().err

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..eval.approx.progress import PROGRESS_FILE, kept_note, warn_if_left
+from ..eval.approx.progress import PROGRESS_FILE, kept_note, refuse_to_replace
 from ..eval.approx.report import analysis_table, format_table, write_outputs
 from ..eval.approx.run import QUICK, ApproxConfig, run_approx
 from ..eval.data.sources import SOURCES
@@ -211,7 +211,7 @@ def _run_in_folder(args: argparse.Namespace, config: ApproxConfig) -> int:
     """The measurement of ``run``, its progress file and results in ``args.out``."""
     progress_file = Path(args.out) / PROGRESS_FILE
     if not args.resume:
-        warn_if_left(progress_file)
+        refuse_to_replace(progress_file)
     result = run_approx(config, progress_file=progress_file, resume=args.resume)
     print("Q/K/V:")
     for s in result.sources:

@@ -239,8 +239,8 @@ class ProgressFile:
             said = ", ".join(_difference(key, earlier, settings) for key in other)
             raise ValueError(f"cannot resume from {self.path}: it was measured with other "
                              f"settings ({said}); run with the same settings (other "
-                             f"--seq-lens and --sources may differ), or without --resume to "
-                             f"start over.")
+                             f"--seq-lens and --sources may differ), or remove that file (or "
+                             f"give another --out) to start over.")
         if stamps is None:
             if now_stamps:
                 flags = ", ".join(f"--{name}" for name in now_stamps)
@@ -271,8 +271,11 @@ class ProgressFile:
             {"settings": self.settings, "blocks": self.blocks}, allow_nan=True) + "\n")
 
 
-def warn_if_left(path: str | Path) -> None:
-    """Say on stderr that a run starting over leaves an interrupted run's blocks behind."""
+def refuse_to_replace(path: str | Path) -> None:
+    """Refuse to start over where ``path`` holds an interrupted run's blocks: the
+    interrupt note says to rerun with --resume, and a rerun from the shell history
+    without it replaced the blocks measured (as ``bench`` and ``lra stability`` refuse)."""
     if Path(path).exists():
-        print(f"note: {path} holds what an interrupted run measured; this run starts over "
-              f"(pass --resume to continue it instead)", file=sys.stderr)
+        raise ValueError(f"{path} holds what an interrupted run measured: pass --resume to "
+                         f"continue it, or remove that file (or give another --out) to start "
+                         f"again.")
