@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import skyformer
 from skyformer.cli import main
@@ -61,6 +62,52 @@ def test_list_says_where_a_method_has_no_summary(monkeypatch, capsys):
                         registry_methods._REGISTRY["unsummarised"])
     assert main(["list"]) == 0
     assert "unsummarised: (no summary: register(..., summary=...))\n" in capsys.readouterr().out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unbounded:
+    eps: float = float("inf")
+    dtype: torch.dtype = torch.float32
+
+
+def test_list_json_is_strict_for_any_default_of_a_plugin(monkeypatch, capsys):
+    """An infinite default printed JSON's Infinity token, which strict readers refuse,
+    and a torch.dtype default failed the command ('not JSON serializable')."""
+    from skyformer.registry import Capabilities, register
+    from skyformer.registry import methods as registry_methods
+
+    monkeypatch.delitem(registry_methods._REGISTRY, "unbounded", raising=False)
+    register("unbounded", _Unbounded, Capabilities(target="softmax"))(
+        lambda q, k, v, config, *, key_padding_mask=None, generator=None: v * 1)
+    monkeypatch.setitem(registry_methods._REGISTRY, "unbounded",
+                        registry_methods._REGISTRY["unbounded"])
+    assert main(["list", "--json"]) == 0
+    described = json.loads(capsys.readouterr().out, parse_constant=pytest.fail)
+    assert {m["name"]: m["defaults"] for m in described}["unbounded"] == {
+        "eps": None, "dtype": "torch.float32"}
+
+
+def test_an_error_that_may_be_a_bug_says_how_to_get_its_traceback(monkeypatch, capsys):
+    """A TypeError or RuntimeError came out as one line, as a user's mistake does, with no
+    way to see where it was raised; MemoryError came out as a traceback."""
+    from skyformer.cli import list_cmd
+
+    def failing(args):
+        raise TypeError("'int' object is not iterable")
+
+    monkeypatch.setattr(list_cmd, "run", failing)
+    monkeypatch.delenv("SKYFORMER_DEBUG", raising=False)
+    assert main(["list"]) == 2
+    err = capsys.readouterr().err
+    assert "skyformer list: error: 'int' object is not iterable\n(a TypeError: where the " \
+           "line above names nothing you gave, run again with SKYFORMER_DEBUG=1" in err
+    monkeypatch.setenv("SKYFORMER_DEBUG", "1")
+    with pytest.raises(TypeError, match="not iterable"):
+        main(["list"])
+    monkeypatch.delenv("SKYFORMER_DEBUG")
+    monkeypatch.setattr(list_cmd, "run", lambda args: bytearray(2**62))
+    assert main(["list"]) == 2
+    assert "skyformer list: error: out of memory" in capsys.readouterr().err
 
 
 def test_compare_on_real_minilm_qkv(tmp_path, capsys):

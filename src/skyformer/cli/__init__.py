@@ -34,7 +34,10 @@ SUBCOMMANDS: list[ModuleType] = [
     list_cmd, check_cmd, compare_cmd, bench_cmd, approx_cmd, hf_eval_cmd, lra_cmd,
 ]
 
-USER_ERRORS = (ValueError, TypeError, OSError, ImportError, RuntimeError)
+USER_ERRORS = (ValueError, TypeError, OSError, ImportError, RuntimeError, MemoryError)
+# errors that may as well come from a bug as from the input: their line says how to get
+# the traceback (SKYFORMER_DEBUG=1 lets every error through with its traceback)
+MAYBE_A_BUG = (TypeError, RuntimeError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,8 +81,16 @@ def main(argv: list[str] | None = None) -> int:
             import_plugins(args.plugin)
             return int(args._run(args) or 0)
         except USER_ERRORS as err:
+            if os.environ.get("SKYFORMER_DEBUG", "") not in ("", "0"):
+                raise
             command = " ".join(filter(None, (args.command, getattr(args, "lra_command", None))))
-            print(f"skyformer {command}: error: {err}", file=sys.stderr)
+            said = f"out of memory ({err or 'no detail'})" if isinstance(err, MemoryError) \
+                else str(err)
+            print(f"skyformer {command}: error: {said}", file=sys.stderr)
+            if isinstance(err, MAYBE_A_BUG):
+                print(f"(a {type(err).__name__}: where the line above names nothing you "
+                      f"gave, run again with SKYFORMER_DEBUG=1 for the traceback)",
+                      file=sys.stderr)
             return 2
         except Terminated:
             print(interrupted_note(args, "terminated (SIGTERM)"), file=sys.stderr)

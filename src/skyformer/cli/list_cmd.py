@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 
+from ..io import json_text
 from ..registry import get_method, list_methods
 from ..registry.capabilities import mask_forms
 
@@ -51,7 +51,7 @@ def _mask_forms(caps: dict) -> str:
 def run(args: argparse.Namespace) -> int:
     methods = describe()
     if args.json:
-        print(json.dumps(methods, indent=2))
+        print(json_text(methods, indent=2))  # strict: an infinite default as null
         return 0
     for m in methods:
         caps = m["capabilities"]

@@ -33,6 +33,7 @@ from .generated import generated_folder
 from .readers.pathfinder import SYNTHETIC_MARKER, pil_image
 
 IMAGES_PER_FOLDER = 1000
+MAX_RESOLUTION = 1024  # a batch of images is drawn in memory: 1024^2 bytes each
 
 
 @dataclass(frozen=True)
@@ -50,10 +51,13 @@ class PathfinderRules:
     margin: int = 1
 
     def __post_init__(self) -> None:
-        if self.resolution < 8:
-            raise ValueError(f"Pathfinder resolution must be at least 8, got {self.resolution}.")
+        if not 8 <= self.resolution <= MAX_RESOLUTION:
+            raise ValueError(f"Pathfinder resolution (--resolution) must be in 8.."
+                             f"{MAX_RESOLUTION} (LRA's are 32 to 256), got {self.resolution}.")
         if self.dashes < 1 or self.dash_length <= 0 or self.gap_length < 0:
-            raise ValueError("Pathfinder paths need dashes >= 1, dash_length > 0, gap_length >= 0.")
+            raise ValueError(f"Pathfinder paths need dashes (--dashes) >= 1, dash_length > 0 "
+                             f"and gap_length >= 0, got {self.dashes}, {self.dash_length} and "
+                             f"{self.gap_length}.")
         if self.gap_length > 2.0:
             raise ValueError("gap_length must be at most 2 pixels so that growing the lit pixels "
                              "by one pixel joins the dashes of a path.")
