@@ -161,6 +161,12 @@ def test_the_command_prints_each_check_and_fails_where_one_fails(leaky, capsys):
     assert main(["check", "linear[no_such_option=1]"]) == 2
     said = capsys.readouterr()
     assert "has no option 'no_such_option'" in said.err and said.out == ""
+    # every name before any check: a typo after a good name ran that method's checks first
+    assert main(["check", "linear", "skyfromer"]) == 2
+    said = capsys.readouterr()
+    assert "(did you mean 'skyformer'?)" in said.err and said.out == ""
+    assert main(["check", "linear", "linear"]) == 2
+    assert "METHOD lists linear more than once" in capsys.readouterr().err
 
 
 @dataclasses.dataclass(frozen=True)

@@ -336,8 +336,11 @@ def test_a_method_variant_is_swept_under_its_name_in_aligned_columns():
     assert row.index("gaussian") == header.index("target")
     with pytest.raises(ValueError, match=r"approx \(--features\) sets num_features"):
         run_approx(small(methods=("skyformer[num_features=8]",)), log=lambda s: None)
-    for repeated, said in (({"seq_lens": (16, 16)}, "seq_lens lists 16 more than once"),
-                           ({"methods": ("linear", "linear")}, "methods lists linear")):
+    for repeated, said in (({"seq_lens": (16, 16)}, r"seq_lens \(--seq-lens\) lists 16 more "
+                                                     r"than once"),
+                           ({"methods": ("linear", "linear")}, r"methods \(--methods\) lists "
+                                                               r"linear"),
+                           ({"eps": (0.1, 0.1)}, r"eps \(--eps\) lists 0.1 more than once")):
         with pytest.raises(ValueError, match=said):
             small(**repeated)
 

@@ -772,11 +772,12 @@ def test_a_variant_that_sets_the_swept_num_features_is_refused():
                                          r"'my_attn:window@softmax'.*skyformer bench --methods "
                                          r"my_attn:window@softmax\.$"):
         CompareConfig(methods=("my_attn:window@softmax",))
-    with pytest.raises(ValueError, match="methods lists linear more than once; give each"):
+    with pytest.raises(ValueError, match=r"methods \(--methods\) lists linear more than once; "
+                                         r"give each"):
         CompareConfig(methods=("linear", "linear"))
-    with pytest.raises(ValueError, match="seq_lens lists 16 more than once"):
+    with pytest.raises(ValueError, match=r"seq_lens \(--seq-lens\) lists 16 more than once"):
         BenchConfig(seq_lens=(16, 16))
-    with pytest.raises(ValueError, match=r"shapes lists \(1, 1, 4\) more than once"):
+    with pytest.raises(ValueError, match=r"shapes \(--shapes\) lists \(1, 1, 4\) more than once"):
         BenchConfig(seq_lens=(16,), shapes=((1, 1, 4), (1, 1, 4)))
 
 

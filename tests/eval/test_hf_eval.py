@@ -113,7 +113,7 @@ def test_config_errors():
     with pytest.raises(ValueError, match=r"max_texts \(--max-texts\) must be at least 2 "
                                          r"\(retrieval"):
         HFEvalConfig(max_texts=1).validate()
-    with pytest.raises(ValueError, match="methods lists linear more than once"):
+    with pytest.raises(ValueError, match=r"methods \(--methods\) lists linear more than once"):
         HFEvalConfig(methods=("linear", "softmax", "linear")).validate()
     with pytest.raises(ValueError, match=r"settings \(--settings\) must be chosen from "
                                          r"short, long"):

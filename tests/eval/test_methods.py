@@ -73,8 +73,8 @@ def test_one_method_named_twice_in_other_spellings_is_refused_by_every_command()
     from skyformer.eval.hf.run import HFEvalConfig
 
     same = ("linear[eps=0.001,causal=false]", "linear[causal=False, eps=1e-3]")
-    said = (r"methods lists 'linear\[eps=0.001,causal=false\]' and 'linear\[causal=False, "
-            r"eps=1e-3\]', one method with the same options; give it once")
+    said = (r"methods \(--methods\) lists 'linear\[eps=0.001,causal=false\]' and "
+            r"'linear\[causal=False, eps=1e-3\]', one method with the same options; give it once")
     for make in (lambda m: CompareConfig(methods=m), lambda m: BenchConfig(methods=m),
                  lambda m: ApproxConfig(methods=m), lambda m: HFEvalConfig(methods=m).validate()):
         with pytest.raises(ValueError, match=said):

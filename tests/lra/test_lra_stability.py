@@ -193,7 +193,7 @@ def test_a_method_listed_twice_is_refused(listops_cache):
     were measured twice into identical rows."""
     for methods, named in ((["kernelized", "kernelized"], "kernelized"),
                            (["linear[eps=0.001]", "linear[eps=1e-3]"], r"linear\[eps=1e-3\]")):
-        with pytest.raises(ValueError, match=rf"methods lists .*{named}"):
+        with pytest.raises(ValueError, match=rf"methods \(--methods\) lists .*{named}"):
             run_stability(["listops"], methods, cache_root=listops_cache, steps=1)
 
 

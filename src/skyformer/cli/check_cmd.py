@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..eval.methods import refuse_repeated_methods
+from ..registry import get_method
 from ..registry.contract import check_method
 
 NAME = "check"
@@ -19,6 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # every name before any check: a typo in the last one was refused after the others ran
+    refuse_repeated_methods(args.methods, "METHOD")
+    for method in args.methods:
+        get_method(method)
     failed = 0
     for method in args.methods:
         results = check_method(method)  # an unknown name or option: refused before a line

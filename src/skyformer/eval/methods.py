@@ -229,16 +229,18 @@ def _import_from_here_too(module_name: str) -> Any:
     return importlib.import_module(module_name)
 
 
-def refuse_repeated_methods(methods: Any) -> None:
+def refuse_repeated_methods(methods: Any, setting: str | None = None) -> None:
     """``refuse_repeats`` for a list of method names, comparing what they run: a variant's
     options in another order or spelling (``linear[eps=0.001,causal=false]`` and
-    ``linear[causal=False, eps=1e-3]``) name one method, whose rows would repeat."""
-    refuse_repeats("methods", methods)
+    ``linear[causal=False, eps=1e-3]``) name one method, whose rows would repeat.
+    ``setting``: how the sentences name the list (default ``methods (--methods)``)."""
+    setting = setting or setting_name("methods")
+    refuse_repeats(setting, methods)
     seen: dict[Any, str] = {}
     for name in methods or ():
         key = _runs(name)
         if key in seen:
-            raise ValueError(f"methods lists {seen[key]!r} and {name!r}, one method with the "
+            raise ValueError(f"{setting} lists {seen[key]!r} and {name!r}, one method with the "
                              f"same options; give it once.")
         seen[key] = name
 

@@ -119,11 +119,11 @@ class ApproxConfig:
     def __post_init__(self) -> None:
         for name in ("sources", "seq_lens", "features", "seeds"):
             if not getattr(self, name):
-                raise ValueError(f"{name} must not be empty.")
+                raise ValueError(f"{setting_name(name)} must not be empty.")
         for s in self.sources:
             check_source(s)
-        for name in ("sources", "seq_lens", "features", "seeds", "heads"):
-            refuse_repeats(name, getattr(self, name))
+        for name in ("sources", "seq_lens", "features", "seeds", "heads", "eps"):
+            refuse_repeats(setting_name(name), getattr(self, name))
         refuse_repeated_methods(self.methods)
         for name in ("seq_lens", "features"):
             check_positive_ints(setting_name(name), getattr(self, name))

@@ -137,7 +137,7 @@ class BenchConfig:
         if not self.shapes:
             raise ValueError("give at least one (B, H, D) shape.")
         for name in ("seq_lens", "shapes", "dtypes"):
-            refuse_repeats(name, getattr(self, name))
+            refuse_repeats(setting_name(name), getattr(self, name))
         refuse_repeated_methods(self.methods)
         for dtype in self.dtypes:
             if dtype not in DTYPES:
