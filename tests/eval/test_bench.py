@@ -115,9 +115,13 @@ def test_files_and_table(tiny, tmp_path):
         assert shown in format_wide(copy)
 
 
-def test_memory_and_skips(capsys):
+def test_memory_and_skips(capsys, monkeypatch):
+    import skyformer.eval.bench.run as bench_run
+
+    monkeypatch.setattr(bench_run, "_flops", lambda *args: None)  # no floor: see below
     config = BenchConfig(methods=("skyformer",), seq_lens=(64, 128), shapes=((1, 1, 8),),
-                         num_features=8, repeats=1, warmup=0, max_seconds=1e-9, clock="cpu")
+                         num_features=8, repeats=1, warmup=0, max_seconds=1e-9, clock="cpu",
+                         error=False)
     rows = run_bench(config).rows
     first = [r for r in rows if r["n"] == 64]
     # measured in a fresh process each (tiny: may be 0 pages above the resident size)
@@ -127,6 +131,25 @@ def test_memory_and_skips(capsys):
     # a prediction under a second reads as its value, not as "predicted 0 s"
     assert all("predicted 0 s" not in r["reason"] and "(> max_seconds = 1e-09)" in r["reason"]
                for r in second)
+
+
+def test_the_first_length_is_bounded_by_its_operations_at_the_matmul_rate(monkeypatch):
+    """--max-seconds predicted from the lengths before: the first length of a sweep ran
+    whatever it cost (N = 2,000,000 of softmax for hours), and so did the exact target of
+    the error column."""
+    import skyformer.eval.bench.run as bench_run
+
+    config = BenchConfig(methods=("softmax",), seq_lens=(64,), shapes=((1, 1, 8),),
+                         repeats=1, warmup=0, max_seconds=1e-9, memory=False)
+    (row,) = run_bench(config).rows
+    assert row["status"] == "skipped" and row["reason"].startswith("at least ") \
+        and "s per call, its operations at this run's matmul rate (> max_seconds = 1e-09)" \
+        in row["reason"]
+    monkeypatch.setattr(bench_run, "_flops", lambda *args: 0.0)  # the call itself: free
+    (row,) = run_bench(config).rows
+    assert row["status"] == "ok" and row["rel_error"] is None
+    assert "relative error not measured: exact attention, its target, takes at least" \
+        in row["reason"]
 
 
 def test_command_line(tmp_path, capsys):

@@ -72,7 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "inputs and, with the backward pass, the output gradient)")
     parser.add_argument("--no-error", action="store_true", help="skip the relative error")
     parser.add_argument("--max-seconds", type=float, default=60.0,
-                        help="skip configurations predicted to take longer per call (default 60)")
+                        help="skip configurations predicted to take longer per call: from "
+                        "the two lengths before, or at least their operations at the measured "
+                        "matmul rate, the first length too (default 60)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="wall time (default) or process CPU time (robust to other load on "

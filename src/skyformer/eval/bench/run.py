@@ -463,7 +463,7 @@ def _measure_length(
     for label, method in zip(labels, methods, strict=True):
         rows[label], ready = _first_call(config, method, label, shape, n, dtype, device,
                                          inputs, no_inputs, limit, times[label], peaks[label],
-                                         group)
+                                         group, gflops)
         if ready is not None:
             runnable[label] = ready
     _time_interleaved(config, runnable, rows, device)
@@ -492,7 +492,7 @@ def _escaping(err: Exception, row: dict[str, Any], when: str) -> Exception:
 def _first_call(
     config: BenchConfig, method: NamedAttention, label: str, shape: tuple[int, int, int],
     n: int, dtype: torch.dtype, device: torch.device, inputs: Any, no_inputs: str | None,
-    limit: float, times: list, peaks: list, group: dict[str, Any],
+    limit: float, times: list, peaks: list, group: dict[str, Any], gflops: float = math.inf,
 ) -> tuple[dict[str, Any], _Runnable | None]:
     """The row of ``method`` at length ``n`` and, where it is not skipped, its prepared
     calls after a first, untimed run of them (one that fails, e.g. out of memory, skips
@@ -505,7 +505,10 @@ def _first_call(
            "target": method.target, "exact": method.exact,
            "num_features": method.resolved_options(options, n).get("num_features"),
            "status": "ok", "reason": ""}
-    reason = no_inputs or _skip_reason(config, method, group["dtype"], n, times, peaks, limit)
+    flops = _flops(config, method, options, shape, n, dtype, device)
+    floor = None if flops is None else flops / (gflops * 1e9)  # seconds at the matmul rate
+    reason = no_inputs or _skip_reason(config, method, group["dtype"], n, times, peaks, limit,
+                                       floor)
     if reason:
         row.update(status="skipped", reason=reason)
         return row, None
@@ -617,19 +620,33 @@ def _complete_row(
         job = MemoryJob(method.name, (b, h, n, d), options, dtype=group["dtype"],
                         seed=config.seed, backward=config.backward, as_layer=True)
         _guarded(row, "peak memory", lambda: _peak(row, job, device, peaks))
-    if config.error and method.target is not None:
+    target_floor = 4 * b * h * n * n * d / (gflops * 1e9)  # its two products, forward
+    if config.error and method.target is not None and target_floor > config.max_seconds:
+        _add_reason(row, f"relative error not measured: exact attention, its target, takes "
+                         f"at least {target_floor:.3g} s here (> max_seconds = "
+                         f"{config.max_seconds:g})")
+    elif config.error and method.target is not None:
         _guarded(row, "relative error",
                  lambda: _error(row, forward, _target(*inputs[:3], method, options, exact)))
-    if method.registered:
-        flops = attention_flops(
-            method.name, batch=b, heads=h, nq=n, nk=n, d=d, dv=d,
-            options=method.resolved_options(options, n), backward=config.backward,
-            factorised_core=factorises(device, compute_dtype(dtype)),
-            dtype=compute_dtype(dtype),
-        )
-        if flops is not None:
-            row["gflop"] = flops / 1e9
-            _speed_of_light(row, gflops, config.backward)
+    flops = _flops(config, method, options, shape, n, dtype, device)
+    if flops is not None:
+        row["gflop"] = flops / 1e9
+        _speed_of_light(row, gflops, config.backward)
+
+
+def _flops(config: BenchConfig, method: NamedAttention, options: dict[str, Any],
+           shape: tuple[int, int, int], n: int, dtype: torch.dtype, device: torch.device
+           ) -> float | None:
+    """The floating-point operations of one timed call of ``method`` at length ``n``
+    (``attention_flops``), None where they are not counted (a plain function's)."""
+    if not method.registered:
+        return None
+    b, h, d = shape
+    return attention_flops(
+        method.name, batch=b, heads=h, nq=n, nk=n, d=d, dv=d,
+        options=method.resolved_options(options, n), backward=config.backward,
+        factorised_core=factorises(device, compute_dtype(dtype)), dtype=compute_dtype(dtype),
+    )
 
 
 def _guarded(row: dict[str, Any], what: str, measure: Callable[[], None]) -> None:
@@ -698,12 +715,18 @@ def _speed_of_light(row: dict[str, Any], gflops: float, backward: bool) -> dict[
 
 def _skip_reason(config: BenchConfig, method: NamedAttention, dtype_name: str, n: int,
                  time_history: list[tuple[int, float]], peak_history: list[tuple[int, float]],
-                 limit: float) -> str:
+                 limit: float, floor: float | None = None) -> str:
+    """Why ``method`` is not measured at length ``n``, or "". ``floor``: seconds a call
+    takes at least (its operations at this run's matmul rate), which bounds the first
+    length too, where no time is known to extrapolate from."""
     if dtype_name in HALF and not method.half_precision:
         return f"{method.name} does not take {dtype_name} inputs"
     seconds = _extrapolate(time_history, n)
     if seconds is not None and seconds > config.max_seconds:
         return f"predicted {seconds:.3g} s per call (> max_seconds = {config.max_seconds:g})"
+    if floor is not None and floor > config.max_seconds:
+        return (f"at least {floor:.3g} s per call, its operations at this run's matmul rate "
+                f"(> max_seconds = {config.max_seconds:g})")
     peak = _extrapolate(peak_history, n)
     if peak is not None and peak > limit:
         return f"predicted peak {peak / 2**30:.1f} GiB > {limit / 2**30:.1f} GiB available"
