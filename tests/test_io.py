@@ -351,3 +351,24 @@ def test_a_folder_the_lock_made_is_removed_when_nothing_was_written_in_it(tmp_pa
     with folder_lock(tmp_path / "kept"):
         pass
     assert (tmp_path / "kept").is_dir()  # there before the run: left as it was
+
+
+def test_a_killed_runs_staging_folder_is_removed_by_the_next_run(tmp_path):
+    """A run killed while it wrote its results (SIGKILL: no finally) left its staging
+    folder beside them, and no later run removed it; one of a live process stays."""
+    import subprocess
+    import sys
+
+    from skyformer.io import _builder_tag, replacing_together
+
+    host = _builder_tag().rsplit("-", 1)[0]
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    dead = tmp_path / f".staging.{host}-{gone}.abcdefgh.tmp"
+    alive = tmp_path / f".staging.{_builder_tag()}.ijklmnop.tmp"
+    for folder in (dead, alive):
+        folder.mkdir()
+        (folder / "approx.png").write_bytes(b"")
+    with replacing_together(tmp_path) as stage:
+        (stage / "approx.json").write_text("{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [alive.name, "approx.json"]

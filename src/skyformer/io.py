@@ -344,10 +344,14 @@ def replacing_together(folder: str | os.PathLike[str]) -> Iterator[Path]:
     quick succession, replacing files of the same name); otherwise the temporary folder
     is removed and ``folder`` keeps the previous run's files, none of them replaced (an
     interruption while a plot is drawn no longer leaves a new JSON beside an old
-    report). Other files in ``folder`` are left alone."""
+    report). Other files in ``folder`` are left alone, and so are the temporary folders
+    of runs going on; those of killed runs (``.staging.HOST-PID.XXXXXXXX.tmp``, the
+    process gone) are removed (``remove_dead_builds``)."""
     target = Path(folder)
     target.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=".staging.", suffix=".tmp", dir=target))
+    remove_dead_builds(target / "staging")
+    stage = Path(tempfile.mkdtemp(prefix=f".staging.{_builder_tag()}.", suffix=".tmp",
+                                  dir=target))
     try:
         yield stage
         for path in sorted(stage.iterdir()):
