@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--features", type=int, default=None,
                         help="num_features for every method that has it (default: each method's)")
     parser.add_argument(
-        "--repeats", type=int, default=3, help="timed runs per configuration (median)"
+        "--repeats", type=int, default=3, help="timed runs per configuration (median; default 3)"
     )
     parser.add_argument("--warmup", type=int, default=1,
                         help="untimed runs before the timed ones, after one untimed first "
@@ -85,7 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "long, heavy call can slow the light one after it)")
     parser.add_argument("--pause", type=float, default=1.0,
                         help="seconds idle before each block (--timing blocked; default 1)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of inputs and landmarks")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of inputs and landmarks (default 0)")
     parser.add_argument("--causal", action="store_true",
                         help="causal attention for every method (the reference is causal SDPA); "
                         "default methods: those that can be causal")

@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model layer to take Q/K/V from (default 0, the first)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the methods' randomness (and of the --random-init "
-                        "weights)")
+                        "weights; default 0)")
     parser.add_argument("--text", default=None, help="UTF-8 text file (default: shipped text)")
     parser.add_argument("--model", default=None,
                         help="local BERT-type model folder (default: pretrained MiniLM-L6)")
@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", nargs="+", default=None,
                         help="subset of methods, each a name or a variant with options set, "
                         "'skyformer[pinv_gradient=implicit]'")
-    parser.add_argument("--repeats", type=int, default=3, help="timed repeats (median)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats (median; default 3)")
     parser.add_argument("--no-memory", action="store_true", help="skip peak-memory measurement")
     parser.add_argument(
         "--json", dest="json_path", default=None, help="write results to this JSON file"

@@ -33,12 +33,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "too (default 512)")
     parser.add_argument("--max-texts", type=int, default=128,
                         help="texts per setting (default 128)")
-    parser.add_argument("--batch-size", type=int, default=16, help="texts per forward pass")
+    parser.add_argument("--batch-size", type=int, default=16,
+                        help="texts per forward pass (default 16)")
     parser.add_argument("--time-batch", type=int, default=None,
                         help="texts in the timed and memory-measured forward pass (default: "
                         "--batch-size sentences for short inputs, one long input)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the methods' randomness")
-    parser.add_argument("--repeats", type=int, default=3, help="timed repeats (median)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the methods' randomness (default 0)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats (median; default 3)")
     parser.add_argument("--no-memory", action="store_true", help="skip peak-memory measurement")
     parser.add_argument("--text", default=None, help="UTF-8 text file (default: shipped text)")
     parser.add_argument("--model", default=None,
