@@ -352,6 +352,25 @@ def test_a_plugin_module_registers_methods_for_every_command(tmp_path, monkeypat
     assert "my_methods" not in sys.modules  # a file's path imports nothing
 
 
+def test_a_plugin_that_registers_nothing_is_said_to(tmp_path, monkeypatch, capsys):
+    """A module whose register calls sit under ``if __name__ == "__main__":`` imported
+    without error and added nothing: ``compare`` then ran without the user's method,
+    without a word. A module imported before (its methods registered then) is quiet."""
+    (tmp_path / "guarded_methods.py").write_text(
+        "if __name__ == '__main__':\n" + "\n".join("    " + line for line in
+                                                   _PLUGIN.splitlines()) + "\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    try:
+        assert main(["--plugin", "guarded_methods", "list"]) == 0
+        assert "note: --plugin guarded_methods registered no attention method" in \
+            capsys.readouterr().err
+        assert main(["--plugin", "guarded_methods", "list"]) == 0
+        assert "registered no" not in capsys.readouterr().err
+    finally:
+        sys.modules.pop("guarded_methods", None)
+
+
 def test_a_plugin_failing_in_its_own_code_or_shadowed_is_named(tmp_path, monkeypatch, capsys):
     """Any exception while a plugin imports (a mistake in its register call, a syntax
     error) is named with the plugin and its file and line, where a ValueError printed

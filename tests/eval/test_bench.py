@@ -205,6 +205,24 @@ def test_no_plot_without_out_says_it_has_nothing_to_leave_out(capsys, monkeypatc
     assert "--no-plot changes nothing without --out" in capsys.readouterr().err
 
 
+def test_options_that_change_nothing_are_said_to(capsys, monkeypatch):
+    """--pause without --timing blocked, and --features where no method has features,
+    were taken without a word; with a method that reads them nothing is said."""
+    import skyformer.eval.bench.run as bench_run
+
+    monkeypatch.setattr(bench_run, "_measure_length", lambda *a: [])
+    base = ["bench", "--seq-lens", "16"]
+    assert main([*base, "--methods", "softmax", "kernelized", "--pause", "2",
+                 "--features", "8"]) == 0
+    err = capsys.readouterr().err
+    assert "note: --pause 2 changes nothing with --timing interleaved" in err
+    assert "note: --features 8 changes nothing: none of softmax, kernelized has a number " \
+        "of features to set" in err
+    assert main([*base, "--methods", "softmax", "skyformer", "--pause", "2", "--features",
+                 "8", "--timing", "blocked"]) == 0
+    assert "note" not in capsys.readouterr().err
+
+
 def test_a_cpu_clock_on_several_threads_says_it_adds_them(capsys, monkeypatch):
     """--clock cpu sums the CPU time of every thread: with more than one, a note says
     to pass --threads 1; with one, nothing is said."""

@@ -524,3 +524,18 @@ def test_the_legend_says_linformer_runs_untrained_projections():
                                "at every call")
     assert not any("untrained" in line for line in legend([{"method": "softmax",
                                                             "samples": 4}]))
+
+
+def test_features_with_exact_methods_only_is_said_to_change_nothing(monkeypatch, capsys):
+    """``compare --methods softmax --features 64`` ran with no method that has features,
+    without a word; one that has them makes the note go."""
+    import skyformer.cli.compare_cmd as compare_cmd
+    from skyformer.cli import main
+
+    monkeypatch.setattr(compare_cmd, "compare", lambda config: compare_cmd.CompareResult(
+        config, "stub", [], {}))
+    assert main(["compare", "--methods", "softmax", "--features", "64"]) == 0
+    assert "note: --features 64 changes nothing: softmax has no number of features" in \
+        capsys.readouterr().err
+    assert main(["compare", "--methods", "softmax", "skyformer", "--features", "64"]) == 0
+    assert "note" not in capsys.readouterr().err

@@ -111,6 +111,8 @@ def import_plugins(modules: list[str]) -> None:
             where = f" from {folder} (or with it on PYTHONPATH)" if folder else ""
             raise ImportError(f"--plugin {name}: give the module's name, {stem}, not its "
                               f"file, and run{where or ' from the folder that holds it'}.")
+        imported_before = name in sys.modules
+        methods_before = _registered()
         try:
             module = importlib.import_module(name)
         except ImportError as err:
@@ -125,6 +127,18 @@ def import_plugins(modules: list[str]) -> None:
             raise ImportError(f"--plugin {name}: importing it failed{_where(err, name)}: "
                               f"{type(err).__name__}: {err}") from err
         _refuse_shadowed(name, module)
+        if not imported_before and _registered() == methods_before:
+            print(f"note: --plugin {name} registered no attention method: its "
+                  f"skyformer.registry.register calls run when it is imported (not under "
+                  f"'if __name__ == \"__main__\":'); skyformer --plugin {name} list shows "
+                  f"what it adds", file=sys.stderr)
+
+
+def _registered() -> dict[str, object]:
+    """The registered methods by name (a plugin registers new ones or replaces some)."""
+    from ..registry import get_method, list_methods
+
+    return {name: get_method(name) for name in list_methods()}
 
 
 def _where(err: BaseException, name: str) -> str:

@@ -13,6 +13,7 @@ from ..eval.bench.report import format_table, format_wide, result_path, write_re
 from ..eval.bench.resume import earlier_runs, resumable_rows
 from ..eval.bench.run import DTYPES, ROW_KEYS, BenchConfig, BenchResult, run_bench
 from ..eval.measure.timing import TIMINGS
+from ..eval.methods import unread_features_note
 from ..io import check_output_path, read_to_resume, results_lock
 from .recorded import command_line
 
@@ -83,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the repeats interleaved across methods (default), or each "
                         "method's in a block of its own after an idle pause (on a GPU a "
                         "long, heavy call can slow the light one after it)")
-    parser.add_argument("--pause", type=float, default=1.0,
+    parser.add_argument("--pause", type=float, default=None,
                         help="seconds idle before each block (--timing blocked; default 1)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of inputs and landmarks (default 0)")
@@ -196,6 +197,10 @@ def run(args: argparse.Namespace) -> int:
     if args.no_plot and not args.out:
         print("note: --no-plot changes nothing without --out (no file is written, the plot "
               "included)", file=sys.stderr)
+    if args.pause is not None and args.timing != "blocked":
+        print(f"note: --pause {args.pause:g} changes nothing with --timing {args.timing} "
+              f"(the repeats interleaved across methods, with no idle pause); it is the "
+              f"pause of --timing blocked", file=sys.stderr)
     if args.out and not args.no_plot:
         from ..eval.approx.plots import require_matplotlib
 
@@ -214,8 +219,11 @@ def run(args: argparse.Namespace) -> int:
         num_features=args.features, repeats=args.repeats, warmup=args.warmup,
         backward=not args.forward_only, memory=not args.no_memory, error=not args.no_error,
         seed=args.seed, max_seconds=args.max_seconds, clock=args.clock, causal=args.causal,
-        timing=args.timing, pause=args.pause,
+        timing=args.timing, pause=BenchConfig.pause if args.pause is None else args.pause,
     )
+    note = unread_features_note(config.methods, config.num_features)
+    if note:
+        print(note, file=sys.stderr)
     if not args.out:
         return _measure(args, config)
     with results_lock(result_path(args.out, ".json")):  # one run at a time writes OUT.*

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from ..eval.compare import CompareConfig, compare, compare_on, format_table
 from ..eval.compare.run import CompareResult
 from ..eval.data.qkv import load_qkv_file
+from ..eval.methods import unread_features_note
 from ..io import check_output_path, environment, write_json
 from .recorded import command_line
 
@@ -75,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         memory=not args.no_memory,
     )
+    note = unread_features_note(config.methods, config.num_features)
+    if note:
+        print(note, file=sys.stderr)
     result = compare(config) if args.qkv is None else _compare_file(args, config)
     print(f"Q/K/V: {result.source}")
     print(f"seed {args.seed}: the draws of the randomized methods (their rows' seed)"

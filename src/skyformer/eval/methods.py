@@ -197,6 +197,19 @@ def resolve(spec: str) -> NamedAttention:
                           takes_generator=takes_generator)
 
 
+def unread_features_note(specs: Any, num_features: int | None) -> str | None:
+    """A note where ``--features`` is given but no method of ``specs`` has a number of
+    features to set (exact methods, linear attention): it would change nothing, without
+    a word."""
+    if num_features is None or not specs:
+        return None
+    if any(resolve(spec).options(num_features) for spec in specs):
+        return None
+    which = f"{specs[0]} has no" if len(specs) == 1 else f"none of {', '.join(specs)} has a"
+    return (f"note: --features {num_features} changes nothing: {which} number of features "
+            f"to set (exact methods and linear attention have none).")
+
+
 def _option_parameters(parameters: Any) -> tuple[str, ...]:
     """The options of a function called as ``function(q, k, v, **options)``: its
     parameters after the first three positional ones, keyword-only or not (``def f(q,
