@@ -265,6 +265,31 @@ def test_a_length_shorter_than_every_m_is_refused_before_any_work(monkeypatch):
     small(seq_lens=(8,), features=(8, 16), sweep=False)  # the analysis alone needs no m < N
 
 
+def test_a_length_past_memory_is_refused_before_anything_loads(monkeypatch):
+    """A length whose [N, N] float64 matrix cannot fit ran until the system killed it;
+    it is refused first, naming the flag, the bytes held and the bytes free."""
+    import skyformer.eval.approx.run as approx_run
+
+    def load(*args, **kwargs):
+        raise AssertionError("a source was loaded")
+
+    monkeypatch.setattr(approx_run.SourceLoader, "check", load)
+    monkeypatch.setattr(approx_run, "available_bytes", lambda: 2**30)  # 1 GiB free
+    config = small(seq_lens=(64, 16384), features=(8,), heads=(0, 1))
+    with pytest.raises(ValueError, match=r"--seq-lens 16384: approx holds at least 2\.0 GiB "
+                                         r"at once at N = 16384 \(the \[N, N\] float64 "
+                                         r"attention matrix of a head\), more than the 1\.0 "
+                                         r"GiB free; pass a shorter --seq-lens"):
+        run_approx(config, log=lambda s: None)
+    config = small(sweep=False, analysis_seq_len=8192, heads=(0, 1))
+    with pytest.raises(ValueError, match=r"--analysis-len 8192: approx holds at least 4\.0 "
+                                         r"GiB .*lifted kernel matrix of 2 heads"):
+        run_approx(config, log=lambda s: None)
+    monkeypatch.setattr(approx_run, "available_bytes", lambda: 2**33)
+    with pytest.raises(AssertionError, match="a source was loaded"):  # fits: goes on
+        run_approx(config, log=lambda s: None)
+
+
 def test_outputs_without_plots(tmp_path):
     result = run_approx(small(), log=lambda s: None)
     result.rows[0]["spectral_std"] = float("nan")  # e.g. one seed: no spread

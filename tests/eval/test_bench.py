@@ -899,7 +899,7 @@ def test_inputs_too_large_to_hold_skip_their_length_and_the_run_goes_on(monkeypa
     (the run stopped with the allocator's message)."""
     import skyformer.eval.bench.run as bench_run
 
-    monkeypatch.setattr(bench_run, "_available_bytes", lambda device: 32 * 1024)
+    monkeypatch.setattr(bench_run, "available_bytes", lambda device: 32 * 1024)
     config = BenchConfig(methods=("softmax", "linear"), seq_lens=(16, 1024),
                          shapes=((1, 1, 4), (2, 1, 4)), repeats=1, warmup=0, memory=False)
     rows = {(r["batch"], r["n"], r["method"]): r for r in run_bench(config).rows}
@@ -921,7 +921,7 @@ def test_inputs_too_large_to_hold_skip_their_length_and_the_run_goes_on(monkeypa
         return real(shape, n, *args)
 
     real = bench_run._inputs
-    monkeypatch.setattr(bench_run, "_available_bytes", lambda device: math.inf)
+    monkeypatch.setattr(bench_run, "available_bytes", lambda device: math.inf)
     monkeypatch.setattr(bench_run, "_inputs", no_memory)
     assert main(["bench", "--methods", "linear", "--seq-lens", "16", "32", "--shapes", "1,1,4",
                  "--repeats", "1", "--warmup", "0", "--no-memory"]) == 0
@@ -961,7 +961,7 @@ def test_a_length_with_nothing_timed_gets_no_load_average(monkeypatch):
     read around no timing, listed as the load "while timing" it; it has none."""
     import skyformer.eval.bench.run as bench_run
 
-    monkeypatch.setattr(bench_run, "_available_bytes", lambda device: 32 * 1024)
+    monkeypatch.setattr(bench_run, "available_bytes", lambda device: 32 * 1024)
     monkeypatch.setattr(bench_run, "_load", lambda: [1.5, 1.0, 0.5])
     config = BenchConfig(methods=("linear",), seq_lens=(16, 1024), shapes=((1, 1, 4),),
                          repeats=1, warmup=0, memory=False)

@@ -50,6 +50,7 @@ from ..data.sources import (
     SourceOptions,
     check_source,
 )
+from ..measure.memory import available_bytes
 from ..measure.metrics import (
     constant_row_error,
     rank_m_floor,
@@ -472,6 +473,31 @@ def _longest(config: ApproxConfig) -> tuple[int, str]:
     return longest, " / ".join(dict.fromkeys(flag for n, flag in asked if n == longest))
 
 
+def _refuse_what_cannot_fit(config: ApproxConfig, available: float) -> None:
+    """A sentence, before anything loads, where the run would hold more than ``available``
+    bytes at once: at least one head's [N, N] float64 attention matrix in the sweep, and
+    each head's [2N, 2N] float64 lifted kernel matrix (Theorem 2) in the analysis. A
+    length past memory otherwise ran until the system killed it, or said only "out of
+    memory"."""
+    heads = len(config.heads) if config.heads else 1  # None (all): at least one
+    parts = []
+    if config.sweep:
+        n = max(config.seq_lens)
+        parts.append((8 * n * n, n, "--seq-lens", "the [N, N] float64 attention matrix of a "
+                      "head"))
+    if config.analysis:
+        n = config.analysis_seq_len
+        parts.append((32 * heads * n * n, n, "--analysis-len",
+                      f"the [2N, 2N] float64 lifted kernel matrix of {heads} "
+                      f"head{'s' if heads > 1 else ''}"))
+    for needed, n, flag, held in parts:
+        if needed > available:
+            raise ValueError(f"{flag} {n}: approx holds at least {needed / 2**30:.1f} GiB at "
+                             f"once at N = {n} ({held}), more than the "
+                             f"{available / 2**30:.1f} GiB free; pass a shorter {flag} (the "
+                             f"published study goes to N = 4096).")
+
+
 def analyse_source(data: SourceData, config: ApproxConfig) -> dict[str, Any]:
     """Spectra (softmax matrix, its residuals after KDEformer's LSH blocks and after the
     oracle mask with as many entries per row, outputs) and Theorem 2 leverage
@@ -547,6 +573,7 @@ def run_approx(config: ApproxConfig = ApproxConfig(), *,
         sweep.log(text)
     targets = sorted({s.capabilities.target for s in methods}, key=("softmax", "gaussian").index)
     loader = SourceLoader(config.source_options())
+    _refuse_what_cannot_fit(config, available_bytes())
     longest, setting = _longest(config)
     for source in config.sources:  # a text too short or a head missing fails before the sweep
         loader.check(source, longest, setting)

@@ -58,7 +58,7 @@ from ...registry.outputs import check_output
 from ...registry.variants import refuse_swept_option
 from ...seeds import check_seed
 from ..measure.flops import attention_flops, matmul_flops_per_second
-from ..measure.memory import MemoryJob, above_resolution, peak_memory_or_reason
+from ..measure.memory import MemoryJob, above_resolution, available_bytes, peak_memory_or_reason
 from ..measure.metrics import relative_error, trivial_error
 from ..measure.timing import (
     CLOCKS,
@@ -216,19 +216,6 @@ class BenchResult:
         }
 
 
-def _available_bytes(device: torch.device) -> float:
-    """Memory a configuration may use: most of what is free now."""
-    if device.type == "cuda":
-        return 0.9 * torch.cuda.mem_get_info(device)[0]
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return 0.8 * int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return math.inf
-
-
 def _extrapolate(history: list[tuple[int, float]], n: int) -> float | None:
     """Value at ``n`` from the last two points, growth exponent clipped to [1, 2]
     (quadratic if only one point is known)."""
@@ -331,7 +318,7 @@ def run_bench(
         raise ValueError(f"two methods share a name in {labels}; give each once.")
     result = _start(config, device, list(earlier_runs or []))
     earlier = _rows_by_length(measured or [])
-    limit = _available_bytes(device)
+    limit = available_bytes(device)
     for shape in config.shapes:
         for dtype_name in config.dtypes:
             times: History = {label: [] for label in labels}

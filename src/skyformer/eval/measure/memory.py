@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -72,6 +73,20 @@ class CallJob:
 
     setup: str
     kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def available_bytes(device: torch.device | str = "cpu") -> float:
+    """Memory a run may use on ``device``: most of what is free now (inf where unknown)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return 0.9 * torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return 0.8 * int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return math.inf
 
 
 def _resolve(target: str) -> Any:
