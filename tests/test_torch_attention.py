@@ -262,6 +262,22 @@ def test_need_weights_warns_once_per_layer():
         pair()[1](x, x, x, need_weights=False)
 
 
+def test_the_warning_reaches_code_without_a_source_file():
+    """Code run by ``python -c`` (or from stdin) has a module whose loader cannot read
+    its source: the warning raised ImportError there, so the call failed."""
+    import subprocess
+    import sys
+
+    code = ("import torch; from skyformer import TorchMultiheadAttention as T; "
+            "x = torch.randn(2, 3, 8); print(T(8, 2, batch_first=True)(x, x, x)[1])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "None"
+    assert "<string>:1: UserWarning: TorchMultiheadAttention (skyformer) returns" in \
+        done.stderr
+
+
 def encoder(layers=2, **kwargs):
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(E, H, 16, dropout=0.0, batch_first=True, dtype=F64,

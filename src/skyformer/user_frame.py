@@ -44,7 +44,9 @@ def user_frame() -> Any:
 
 def warn_from_user_frame(message: str, category: type[Warning] = RuntimeWarning) -> None:
     """A warning attributed to ``user_frame`` (``warnings.warn_explicit``, as
-    ``warnings.warn`` would for that frame: its module's filters and registry)."""
+    ``warnings.warn`` would for that frame: its module's filters and registry). Its
+    source line is read from the frame's file, as ``warnings.warn`` reads it: the
+    module's loader would fail where there is none to read (``python -c``, stdin)."""
     frame = user_frame()
     if frame is None:
         warnings.warn(message, category, stacklevel=2)
@@ -52,5 +54,4 @@ def warn_from_user_frame(message: str, category: type[Warning] = RuntimeWarning)
     module_globals = frame.f_globals
     warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
                            module=module_globals.get("__name__", "<string>"),
-                           registry=module_globals.setdefault("__warningregistry__", {}),
-                           module_globals=module_globals)
+                           registry=module_globals.setdefault("__warningregistry__", {}))
