@@ -278,6 +278,41 @@ def test_the_warning_reaches_code_without_a_source_file():
         done.stderr
 
 
+def test_masks_and_nested_inputs_as_torch_takes_them():
+    """A float mask neither float32 nor of the query's dtype is refused, as torch's
+    layer refuses it (it was taken); a jagged nested batch comes back jagged (it came
+    back strided); ``merge_masks`` is torch's."""
+    ref, ours = pair()
+    x = rand(L, B, E)
+    for name, shape in (("key_padding_mask", (B, L)), ("attn_mask", (L, L))):
+        mask = torch.zeros(shape, dtype=torch.float16)
+        with pytest.raises(TypeError, match=f"{name} is torch.float16 but the query is "
+                                            f"torch.float64; .* pass {name}.to"):
+            ours(x, x, x, need_weights=False, **{name: mask})
+        with pytest.raises(RuntimeError):  # torch's own refusal
+            ref(x, x, x, need_weights=False, **{name: mask})
+        taken = torch.zeros(shape, dtype=torch.float32)  # as torch's SDPA takes it
+        torch.testing.assert_close(ours(x, x, x, need_weights=False, **{name: taken})[0],
+                                   ref(x, x, x, need_weights=False, **{name: taken})[0])
+    first = nn.MultiheadAttention(E, H, batch_first=True, dtype=F64).eval()
+    layer = TorchMultiheadAttention.from_torch(first, "softmax").eval()
+    rows = [rand(3, E), rand(5, E)]
+    jagged = torch.nested.nested_tensor(rows, layout=torch.jagged)
+    strided = torch.nested.nested_tensor(rows)
+    out, strided_out = layer(jagged, jagged, jagged, need_weights=False)[0], \
+        layer(strided, strided, strided, need_weights=False)[0]
+    assert out.layout == torch.jagged and strided_out.layout == torch.strided
+    for a, b in zip(out.unbind(), strided_out.unbind(), strict=True):
+        torch.testing.assert_close(a, b)
+    y = rand(B, L, E)
+    attn = torch.rand(L, L) > 0.7
+    pad = padding(n=L)
+    for masks in ((attn, None), (None, pad), (attn, pad), (None, None)):
+        got, want = layer.merge_masks(*masks, y), first.merge_masks(*masks, y)
+        assert got[1] == want[1]
+        assert (got[0] is None and want[0] is None) or torch.equal(got[0], want[0])
+
+
 def encoder(layers=2, **kwargs):
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(E, H, 16, dropout=0.0, batch_first=True, dtype=F64,

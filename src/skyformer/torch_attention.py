@@ -373,7 +373,15 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         padding = positions >= torch.tensor(lengths, device=x.device)[:, None]  # [B, Lmax]
         self._check_shapes(x, x, x, padding, None)
         out = self._attend(x, x, x, padding, None, False, False, True, generator).transpose(0, 1)
-        return torch.nested.as_nested_tensor([o[:n] for o, n in zip(out, lengths, strict=True)])
+        return torch.nested.as_nested_tensor([o[:n] for o, n in zip(out, lengths, strict=True)],
+                                             layout=query.layout)
+
+    def merge_masks(self, attn_mask: Tensor | None, key_padding_mask: Tensor | None,
+                    query: Tensor) -> tuple[Tensor | None, int | None]:
+        """torch's ``merge_masks``: the masks as one ``[B, H, L, L]`` mask and its type
+        (torch's fused paths call it; this layer never takes them, its users may)."""
+        return nn.MultiheadAttention.merge_masks(self, attn_mask,  # type: ignore[arg-type]
+                                                 key_padding_mask, query)
 
     def _check_positions(self, query: Tensor, key: Tensor, value: Tensor, batched: bool
                          ) -> None:
@@ -416,6 +424,12 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
             if mask is not None and mask.device != query.device:
                 raise ValueError(f"{NAME}: {name} is on {mask.device} but the inputs are on "
                                  f"{query.device}; pass {name}.to(query.device).")
+            if mask is not None and mask.dtype not in (torch.bool, torch.float32, query.dtype) \
+                    and not autocast_enabled(query.device.type):  # torch's SDPA refuses it
+                raise TypeError(f"{NAME}: {name} is {mask.dtype} but the query is "
+                                f"{query.dtype}; torch's layer takes a float mask in float32 "
+                                f"or the query's dtype: pass {name}.to({query.dtype}) (or a "
+                                f"bool mask, True = not attended).")
 
     def _warn_no_weights(self, need_weights: bool) -> None:
         """Warn, once per layer, that ``need_weights=True`` gets no weights."""
