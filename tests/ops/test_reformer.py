@@ -171,3 +171,24 @@ def test_bad_inputs_name_the_problem():
     qc, kc, vc = make_qkv(1, 1, 6, 4, nk=9)
     with pytest.raises(ValueError, match="different number of queries and keys"):
         reformer_attention(qc, kc, vc)
+
+
+def test_a_real_query_at_a_padded_key_is_refused():
+    """A query real where its key is padding (query_padding_mask None, or one marking
+    more positions real) was sorted with the padding: with no real key in its windows it
+    attended to its padded self and got 0 where softmax gives v_0 (1.46 off). Queries
+    padded where keys are real are taken, and equal the reference."""
+    q, k, v = make_qkv(1, 1, 16, 8, seed=1)
+    keys = torch.zeros(1, 16, dtype=torch.bool)
+    keys[0, :4] = True
+    for queries in (None, torch.ones(1, 16, dtype=torch.bool), keys | (torch.arange(16) == 9)):
+        with pytest.raises(ValueError, match="reformer: a query is real where its position's "
+                                             r"key is padding .*\(query_padding_mask='auto'\)"):
+            reformer_attention(q, k, v, key_padding_mask=keys, query_padding_mask=queries,
+                               num_features=8, generator=gen(0))
+    fewer = keys & (torch.arange(16) != 2)
+    out = reformer_attention(q, k, v, key_padding_mask=keys, query_padding_mask=fewer,
+                             num_features=8, generator=gen(0))
+    same = reformer_attention(q, k, v, key_padding_mask=keys, num_features=8, generator=gen(0))
+    torch.testing.assert_close(out, same * fewer[:, None, :, None])
+    assert out[0, 0, 2].abs().max() == 0

@@ -63,6 +63,7 @@ from ..shared.options import (
     check_positive_int,
     check_scale,
 )
+from ..shared.tracing import values_to_check
 
 
 @dataclass(frozen=True)
@@ -282,6 +283,33 @@ def _combine_rounds(o: Tensor, lse: Tensor, has: Tensor, q_rank: Tensor) -> Tens
     return (weights[..., None] * o).sum(1)
 
 
+_REAL_QUERY_AT_PADDING = (
+    "reformer: a query is real where its position's key is padding (key_padding_mask "
+    "without query_padding_mask, or one that marks more positions real): LSH attention "
+    "sorts one sequence's queries and keys and pairs them by rank, so a real query there "
+    "would attend to padding; mark the same positions real on both sides "
+    "(query_padding_mask='auto'), or use a method that takes cross-attention (skyformer "
+    "list)")
+
+
+def _refuse_real_queries_at_padding(query_valid: Tensor | None, key_valid: Tensor | None
+                                    ) -> None:
+    """A sentence where a real query sits at a padded key's position: it would be sorted
+    with the padding and, with no real key in its windows, attend to its padded self.
+    The default (``query_padding_mask="auto"``: the key mask itself) reads nothing; a
+    query mask of its own is read once on the host."""
+    if key_valid is None or query_valid is key_valid:
+        return
+    real_at_padding = ~key_valid if query_valid is None else query_valid & ~key_valid
+    if torch.compiler.is_compiling():  # no host read in a graph: checked on the device
+        torch._assert_async(~real_at_padding.any(), f"skyformer: {_REAL_QUERY_AT_PADDING} "
+                            "(checked at run time in a compiled model)")
+        return
+    values = values_to_check(real_at_padding)
+    if values is not None and bool(values.any()):
+        raise ValueError(_REAL_QUERY_AT_PADDING + ".")
+
+
 @register(
     "reformer",
     ReformerConfig,
@@ -307,6 +335,8 @@ def reformer_attention(
         config: the options (``ReformerConfig``).
         key_padding_mask: ``[B, N]`` bool, True = real token; padded tokens sort after
             every real token, get zero weight and zero output rows.
+        query_padding_mask: ``[B, N]`` bool (True = real query) or ``"auto"`` (the key
+            mask); a query real where its key is padding is refused in a sentence.
         generator: draws the random rotations (one column at a time, see
             ``sketch.rotation_lsh``).
     Returns:
@@ -320,6 +350,7 @@ def reformer_attention(
             f"Nq={info.query_len}, Nk={info.key_len}): LSH attention pairs query and key "
             "chunks of one sequence."
         )
+    _refuse_real_queries_at_padding(info.query_valid, info.key_valid)
     key = resolve_key("reformer", generator, q.device)
     work = compute_dtype(q.dtype)
     s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
