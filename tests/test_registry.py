@@ -204,6 +204,25 @@ def test_a_misspelt_argument_of_an_entry_point_gets_the_close_one(call, said):
         call(q, torch.ones(1, 8, dtype=torch.bool))
 
 
+def test_an_argument_of_a_methods_call_given_as_an_option_says_where_it_goes():
+    """``attention(..., "performer", projection=W)``: the README says Performer's
+    features may be passed as ``projection``, and the refusal listed options only."""
+    q = torch.randn(1, 2, 8, 4)
+    with pytest.raises(ValueError, match=r"\(projection: an argument of the call, not an "
+                                         r"option: pass it to skyformer\.ops\."
+                                         r"performer_attention\(q, k, v, projection=\.\.\.\) "
+                                         r"or to skyformer\.get_method\('performer'\)\.bind"
+                                         r"\(\)\(q, k, v, projection=\.\.\.\)\)\.$"):
+        skyformer.attention(q, q, q, "performer", projection=torch.randn(128, 4))
+    with pytest.raises(ValueError, match=r"\(proj_k, proj_v: arguments of the call, not "
+                                         r"options: pass them to"):
+        skyformer.attention(q, q, q, "linformer", proj_k=1, proj_v=2)
+    projection = torch.randn(128, 4)
+    torch.testing.assert_close(  # the way the sentence gives
+        skyformer.get_method("performer").bind()(q, q, q, projection=projection),
+        skyformer.ops.performer_attention(q, q, q, projection=projection))
+
+
 @pytest.mark.parametrize("text, value", [
     ("64", 64), ("-2", -2), ("0.5", 0.5), (".5", 0.5), ("1.", 1.0), ("1e-3", 1e-3),
     ("2.5E4", 2.5e4), ("true", True), ("True", True), ("false", False), ("False", False),

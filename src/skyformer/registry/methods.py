@@ -146,13 +146,32 @@ class Method:
             close = did_you_mean(unknown[0], self.option_names()) if len(unknown) == 1 else ""
             raise ValueError(
                 f"{self.name} has no option {', '.join(map(repr, unknown))}{close}; "
-                f"its options are: {known}{hint}."
+                f"its options are: {known}{hint}{self._call_argument_hint(unknown)}."
             )
         options = {name: _python_int(value) for name, value in options.items()}
         if not in_the_library(self.config_class):
             _check_option_types(self.name, self.config_class, options)
             _check_common_knob(self.name, options)
         return self.config_class(**options)
+
+    def _call_argument_hint(self, unknown: list[str]) -> str:
+        """Where the unknown names are arguments of the method's own function (Performer's
+        ``projection``, Linformer's ``proj_k``): how to pass them, which ``attention``'s
+        options cannot."""
+        taken = [name for name in unknown if name in _argument_names(self.function)
+                 and name not in _CALL_NAMES]
+        if not taken:
+            return ""
+        given = ", ".join(f"{name}=..." for name in taken)
+        ops = sys.modules.get("skyformer.ops")
+        function = (f"skyformer.ops.{self.function.__name__}"
+                    if getattr(ops, self.function.__name__, None) is self.function
+                    else f"{self.function.__module__}.{self.function.__name__}")
+        one = len(taken) == 1
+        return (f" ({', '.join(taken)}: {'an argument' if one else 'arguments'} of the call, "
+                f"not {'an option' if one else 'options'}: pass {'it' if one else 'them'} to "
+                f"{function}(q, k, v, {given}) or to skyformer.get_method("
+                f"{self.name!r}).bind()(q, k, v, {given}))")
 
     def resolve_options(self, options: dict[str, Any], seq_len: int | None) -> dict[str, Any]:
         """``options`` with the rules of a layer that sees sequences of ``seq_len`` tokens:
