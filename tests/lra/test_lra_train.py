@@ -271,9 +271,10 @@ def test_bf16_autocast_on_cpu_and_fp16_refused(listops_cache, tmp_path):
 def test_settings_are_validated_with_sentences(listops_cache, tmp_path):
     with pytest.raises(ValueError, match="unknown training setting"):
         make_config("listops", learning_rate=1)
-    with pytest.raises(ValueError, match="precision must be one of"):
+    with pytest.raises(ValueError, match=r"precision \(--precision\) must be one of"):
         make_config("listops", precision="fp8")
-    with pytest.raises(ValueError, match=r"seed must be an integer from 0 to 2\^64 - 1, got -1"):
+    with pytest.raises(ValueError,
+                       match=r"seed \(--seed\) must be an integer from 0 to 2\^64 - 1, got -1"):
         make_config("listops", seed=-1)
     with pytest.raises(ValueError, match="device must be auto, cpu, cuda or cuda:K, got 'tpu'"):
         _run(_cfg(), listops_cache, tmp_path / "tpu", device="tpu")
@@ -284,10 +285,12 @@ def test_settings_are_validated_with_sentences(listops_cache, tmp_path):
 
 
 @pytest.mark.parametrize(("setting", "value", "message"), [
-    ("lr", float("inf"), "lr must be a positive finite number, got inf."),
-    ("lr", float("nan"), "lr must be a positive finite number, got nan."),
-    ("weight_decay", float("inf"), "weight_decay must be a finite number >= 0, got inf."),
-    ("weight_decay", float("nan"), "weight_decay must be a finite number >= 0, got nan."),
+    ("lr", float("inf"), "lr (--lr) must be a positive finite number, got inf."),
+    ("lr", float("nan"), "lr (--lr) must be a positive finite number, got nan."),
+    ("weight_decay", float("inf"),
+     "weight_decay (--weight-decay) must be a finite number >= 0, got inf."),
+    ("weight_decay", float("nan"),
+     "weight_decay (--weight-decay) must be a finite number >= 0, got nan."),
 ])
 def test_an_infinite_or_nan_lr_or_weight_decay_is_refused(setting, value, message):
     """inf trained NaN weights to the end and exited 0; weight decay NaN got torch's error."""
@@ -689,7 +692,8 @@ def test_two_ways_to_clip_are_refused_together():
     with pytest.raises(ValueError, match=r"grad_clip .* and grad_clip_value .* are both set; give "
                        r"one way to clip gradients"):
         _cfg(grad_clip=1.0, grad_clip_value=1.0)
-    with pytest.raises(ValueError, match="grad_clip_value must be positive or None, got 0"):
+    with pytest.raises(ValueError, match=r"grad_clip_value \(--grad-clip-value\) must be "
+                                         r"positive or None, got 0"):
         _cfg(grad_clip_value=0)
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..checks import check_positive_int
+from ..eval.methods import setting_name
 from ..registry import get_method
 from ..seeds import check_seed
 from .tasks import get_task
@@ -72,31 +73,37 @@ class TrainConfig:
         positive = ("steps", "batch_size", "eval_every", "grad_accum", "log_every", "dim",
                     "hidden", "heads", "layers")
         for name in positive:
-            check_positive_int(name, getattr(self, name))
+            check_positive_int(setting_name(name), getattr(self, name))
         for name in ("eval_batches", "patience", "max_len", "checkpoint_every"):
-            check_positive_int(name, getattr(self, name), optional=True)
-        check_seed("seed", self.seed)
+            check_positive_int(setting_name(name), getattr(self, name), optional=True)
+        check_seed(setting_name("seed"), self.seed)
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
-            raise ValueError(f"warmup must be an integer >= 0, got {self.warmup!r}.")
+            raise ValueError(f"{setting_name('warmup')} must be an integer >= 0, got "
+                             f"{self.warmup!r}.")
         if self.dim % self.heads:
-            raise ValueError(f"dim ({self.dim}) must be divisible by heads ({self.heads}).")
+            raise ValueError(f"{setting_name('dim')} must be divisible by "
+                             f"{setting_name('heads')}, got {self.dim} and {self.heads}.")
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}.")
+            raise ValueError(f"{setting_name('dropout')} must be in [0, 1), got "
+                             f"{self.dropout!r}.")
         if not (math.isfinite(self.lr) and self.lr > 0):  # inf trains NaN weights to the end
-            raise ValueError(f"lr must be a positive finite number, got {self.lr!r}.")
+            raise ValueError(f"{setting_name('lr')} must be a positive finite number, got "
+                             f"{self.lr!r}.")
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
-            raise ValueError(f"weight_decay must be a finite number >= 0, got "
-                             f"{self.weight_decay!r}.")
+            raise ValueError(f"{setting_name('weight_decay')} must be a finite number >= 0, "
+                             f"got {self.weight_decay!r}.")
         for name in ("grad_clip", "grad_clip_value"):
             value = getattr(self, name)
             if value is not None and not value > 0:  # inf: no clipping (NaN is refused)
-                raise ValueError(f"{name} must be positive or None, got {value!r}.")
+                raise ValueError(f"{setting_name(name)} must be positive or None, got "
+                                 f"{value!r}.")
         if self.grad_clip is not None and self.grad_clip_value is not None:
-            raise ValueError("grad_clip (the norm) and grad_clip_value (each entry) are both "
-                             "set; give one way to clip gradients.")
+            raise ValueError(f"{setting_name('grad_clip')} (the norm) and "
+                             f"{setting_name('grad_clip_value')} (each entry) are both set; "
+                             f"give one way to clip gradients.")
         if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got "
-                             f"{self.precision!r}.")
+            raise ValueError(f"{setting_name('precision')} must be one of "
+                             f"{', '.join(PRECISIONS)}, got {self.precision!r}.")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from ..devices import parse_device
-from ..eval.methods import refuse_repeated_methods
+from ..eval.methods import refuse_repeated_methods, setting_name
 from ..io import environment, json_ready
 from ..registry import get_method
 from ..registry.variants import refuse_swept_option
@@ -238,7 +238,7 @@ def run_stability(tasks: list[str], methods: list[str], *, cache_root: str | os.
     on_measured: called with the report after each new measurement (to save it).
     """
     if steps < 1:
-        raise ValueError(f"steps must be at least 1, got {steps}.")
+        raise ValueError(f"{setting_name('steps')} must be at least 1, got {steps}.")
     device = parse_device(device)
     for task in tasks:
         if task not in TASKS:
