@@ -303,6 +303,65 @@ def test_a_lock_left_by_an_earlier_process_of_this_id_is_taken_over(tmp_path):
     assert not (tmp_path / LOCK_FILE).exists()
 
 
+def test_a_lock_that_cannot_be_written_is_removed_and_an_empty_old_one_taken_over(
+        tmp_path, monkeypatch):
+    """On a full disk the lock was created but its name never written: the run failed
+    with "[Errno 28] No space left on device" alone, and the empty lock it left refused
+    every later run as "in use by another run" once space was freed."""
+    import errno
+    import time
+
+    import skyformer.io as io_module
+    from skyformer.io import EMPTY_LOCK_SECONDS, LOCK_FILE, folder_lock
+
+    real_fdopen = os.fdopen
+
+    def full_disk(fd, *args, **kwargs):
+        real_fdopen(fd).close()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(io_module.os, "fdopen", full_disk)
+        with pytest.raises(OSError, match=r"cannot write the lock .*\.skyformer\.lock \(No "
+                                          r"space left on device\): free space on its disk, "
+                                          r"or choose another --out\."), \
+                folder_lock(tmp_path):
+            pass
+    assert not (tmp_path / LOCK_FILE).exists()
+    (tmp_path / LOCK_FILE).write_text("")  # a process that died before writing its name
+    with pytest.raises(ValueError, match="is in use by another run"), folder_lock(tmp_path):
+        pass  # just made: maybe being written now
+    old = time.time() - EMPTY_LOCK_SECONDS - 1
+    os.utime(tmp_path / LOCK_FILE, (old, old))
+    with folder_lock(tmp_path) as lock:
+        assert lock.read_text().strip()
+    assert not (tmp_path / LOCK_FILE).exists()
+
+
+def test_a_lock_that_cannot_be_removed_hides_no_error_of_the_run(tmp_path, monkeypatch):
+    """A folder turned read-only during the run: giving the lock back raised
+    PermissionError over the run's own error (the write that failed). The run's error
+    goes on; a run that ended well warns that the lock stays."""
+    import pathlib
+
+    from skyformer.io import folder_lock
+
+    real_unlink = pathlib.Path.unlink
+
+    def read_only(path, missing_ok=False):
+        if path.name == ".skyformer.lock":
+            raise PermissionError(13, "Permission denied")
+        real_unlink(path, missing_ok=missing_ok)
+
+    monkeypatch.setattr(pathlib.Path, "unlink", read_only)
+    with pytest.raises(RuntimeError, match="the run's own error"), folder_lock(tmp_path):
+        raise RuntimeError("the run's own error")
+    with pytest.warns(RuntimeWarning, match=r"could not remove the lock .* \(Permission "
+                                            r"denied\); the next run on this host takes it "
+                                            r"over"), folder_lock(tmp_path / "other"):
+        pass
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
 def test_a_lock_of_a_killed_process_not_yet_collected_is_taken_over(tmp_path):
     """A run killed by a job driver that does not wait for it stays a zombie, which

@@ -14,6 +14,8 @@ import stat
 import sys
 import tempfile
 import threading
+import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -195,6 +197,9 @@ def remove_dead_builds(final: Path) -> list[Path]:
 
 
 LOCK_FILE = ".skyformer.lock"
+# An empty lock older than this was left by a process that died between creating it and
+# writing its name in it (a write takes microseconds)
+EMPTY_LOCK_SECONDS = 10.0
 _HELD_LOCKS: set[str] = set()  # the locks this process holds (real paths)
 _HELD_GUARD = threading.Lock()  # one thread at a time takes or gives back a lock
 
@@ -244,11 +249,19 @@ def _holding(lock: Path, in_use: str, flag: str, made: list[Path]) -> Iterator[P
             _remove_empty(made)
             raise
         _HELD_LOCKS.add(held)
+    finished = False
     try:
         yield lock
+        finished = True
     finally:
         with _HELD_GUARD:
-            Path(held).unlink(missing_ok=True)
+            try:
+                Path(held).unlink(missing_ok=True)
+            except OSError as err:  # the folder turned read-only: the run's own error first
+                if finished:
+                    warnings.warn(f"could not remove the lock {held} ({err.strerror}); the "
+                                  f"next run on this host takes it over.", RuntimeWarning,
+                                  stacklevel=3)
             _HELD_LOCKS.discard(held)
             _remove_empty(made)
 
@@ -280,8 +293,13 @@ def _take_lock(lock: Path, in_use: str, flag: str) -> None:
             raise ValueError(f"{in_use} ({who} holds {lock}); wait for it to end, or choose "
                              f"another {flag}; if no run uses it (one killed on another "
                              f"machine), remove {lock}.") from None
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(_builder_tag() + "\n")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                handle.write(_builder_tag() + "\n")
+        except OSError as err:  # a full disk: an empty lock would refuse every later run
+            lock.unlink(missing_ok=True)
+            raise OSError(err.errno, f"cannot write the lock {lock} ({err.strerror}): free "
+                          f"space on its disk, or choose another {flag}.") from None
         return
     raise ValueError(f"cannot take {lock} (it came back after a dead process's was removed); "
                      f"remove it if no run uses {lock.parent}.")
@@ -292,6 +310,11 @@ def _left_by_dead_process(lock: Path, holder: str) -> bool:
     host that no longer runs. A holder with this process's own id is a dead one unless
     this process holds the lock: an earlier process had the id (a container restarted
     after a kill keeps its host name and often its process ids)."""
+    if not holder:  # created, never written: its process died at once (or its disk was full)
+        try:
+            return time.time() - lock.stat().st_mtime > EMPTY_LOCK_SECONDS
+        except OSError:
+            return False
     host, _, pid = holder.rpartition("-")
     if host != _builder_tag().rsplit("-", 1)[0] or not pid.isdigit():
         return False
