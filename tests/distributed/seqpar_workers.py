@@ -262,6 +262,10 @@ def check_errors(rank: int, world: int) -> None:
     for group in ([0, 1], 0):  # torch said "unhashable type: 'list'", "Group 0 ..."
         raises("group must be a torch.distributed process group (torch.distributed."
                "new_group(ranks), or None for all processes)", q, k, v, "linear", group=group)
+    first = dist.new_group([0])  # every process makes it; the others get torch's marker
+    if rank != 0:  # it said "group must be a ... process group, got int -100"
+        raises("linear (sequence parallel): this process is not a member of the process "
+               "group it was given", q, k, v, "linear", group=first)
     seen = []  # the products run on the kernel asked for, as in one process
     original = forms.skyformer_from_core
     forms.skyformer_from_core = lambda *a, **kw: seen.append(kw.get("kernel")) or original(

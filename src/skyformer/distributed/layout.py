@@ -58,6 +58,10 @@ def resolve_group(group: Any, caller: str) -> Any:
             f"it reads), or use skyformer.attention for a sequence held by one process."
         )
     group = dist.group.WORLD if group is None else group
+    # new_group(ranks) hands a process outside ranks this marker, not a group
+    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(f"{caller}: this process is not a member of the process group it "
+                         f"was given; pass a group that contains it (or None for all).")
     if not isinstance(group, dist.ProcessGroup):  # a list of ranks, a rank: torch's words
         raise TypeError(f"{caller}: group must be a torch.distributed process group "
                         f"(torch.distributed.new_group(ranks), or None for all processes), "
