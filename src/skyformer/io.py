@@ -493,8 +493,9 @@ def read_to_resume(path: Path, kind: str, flag: str) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"cannot resume from {path}: not {kind} ({err}); write to another "
-                         f"{flag}.") from None
+        raise ValueError(f"cannot resume from {path}: not {kind}, or one cut short or "
+                         f"damaged ({err}); remove it to start over there, or write to "
+                         f"another {flag}.") from None
 
 
 def environment(device: torch.device | str | None = None) -> dict[str, Any]:

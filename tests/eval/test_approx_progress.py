@@ -204,3 +204,19 @@ def test_the_order_of_features_seeds_and_eps_is_not_another_setting(tmp_path):
     with pytest.raises(ValueError, match=r"other settings \(features=\[4, 8\] there, "
                                          r"\[4, 16\] now\)"):
         resumed(path, config(features=(4, 16), seeds=(0, 1), eps=(0.1, 0.01)))
+
+
+@pytest.mark.parametrize("damage", ["cut short", "empty", "not UTF-8", "no blocks"])
+def test_a_damaged_progress_file_says_how_to_start_over(tmp_path, damage):
+    """A progress file cut short by a full disk was called "not an approx progress
+    file", with only "write to another --out" for a fix."""
+    path = tmp_path / PROGRESS_FILE
+    saved(path, config(), "sweep/gaussian/12")
+    text = path.read_bytes()
+    path.write_bytes({"cut short": text[: len(text) // 2], "empty": b"",
+                      "not UTF-8": b"\xff\xfe" + text,
+                      "no blocks": b'{"settings": {}}'}[damage])
+    with pytest.raises(ValueError, match=r"cannot resume from .*: not an approx progress "
+                                         r"file.*, or .*damaged.*; remove it to start over "
+                                         r"there, or write to another --out\."):
+        resumed(path, config())

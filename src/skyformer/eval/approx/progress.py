@@ -211,7 +211,8 @@ class ProgressFile:
                 not all(_is_block(b) for b in blocks.values()) or \
                 not _is_data(earlier["settings"]):
             raise ValueError(f"cannot resume from {self.path}: not an approx progress file (an "
-                             f"object with settings and blocks); write to another --out.")
+                             f"object with settings and blocks), or one damaged; remove it "
+                             f"to start over there, or write to another --out.")
         self._check_settings(earlier["settings"])
         print(f"resuming from {self.path}: {blocks_said(len(blocks))} measured before",
               file=sys.stderr)
