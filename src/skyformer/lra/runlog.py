@@ -14,12 +14,10 @@ purged too, so they are never there twice.
 
 from __future__ import annotations
 
-import csv
-import io
 from pathlib import Path
 from typing import Any
 
-from ..io import atomic_write_text, json_text
+from ..io import atomic_write_text, json_text, write_csv
 
 KINDS = ("train", "dev", "test")  # the entries a training run records, one CSV each
 
@@ -69,15 +67,9 @@ class RunLog:
         return self._writer is not None
 
     def _write_csv(self, kind: str) -> None:
-        rows = [e for e in self.history if e["kind"] == kind]
-        columns: list[str] = []
-        for row in rows:
-            columns += [k for k in row if k != "kind" and k not in columns]
-        buffer = io.StringIO()
-        writer = csv.DictWriter(buffer, fieldnames=columns, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-        atomic_write_text(self.folder / f"{kind}.csv", buffer.getvalue())
+        rows = [{k: v for k, v in e.items() if k != "kind"} for e in self.history
+                if e["kind"] == kind]
+        write_csv(self.folder / f"{kind}.csv", rows)  # the result files' CSV, "\n" ends
 
     def record(self, kind: str, **values: Any) -> dict[str, Any]:
         """Add an entry ``{"kind": kind, **values}`` (values must be JSON-able)."""
