@@ -87,6 +87,14 @@ def fetch(split: SplitData, indices: np.ndarray, device: torch.device, max_len: 
     if max_len is not None and max_len < tokens.shape[-1]:
         tokens = tokens[..., :max_len]
         lengths = np.minimum(lengths, max_len)
-    return (torch.from_numpy(tokens.astype(np.int64)).to(device),
-            torch.from_numpy(lengths).to(device),
-            torch.from_numpy(labels.astype(np.int64)).to(device))
+    return (_to_device(tokens.astype(np.int64), device), _to_device(lengths, device),
+            _to_device(labels.astype(np.int64), device))
+
+
+def _to_device(array: np.ndarray, device: torch.device | str) -> Tensor:
+    """``array`` as a tensor on ``device``; to a GPU through page-locked memory, so the
+    copy does not make the host wait for the work queued before it."""
+    t = torch.from_numpy(array)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
