@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 import skyformer
+from skyformer.checks import positive_int_argument
 from skyformer.eval.data.text import default_text
 
 
@@ -158,26 +159,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="a small model, few steps, seconds on a CPU (default)")
     size.add_argument("--full", dest="quick", action="store_false",
                       help="a wider model trained longer on longer windows")
-    parser.add_argument("--steps", type=int, help="training steps (quick 30, full 500)")
-    parser.add_argument("--seq-len", type=int, help="training window (quick 128, full 512)")
-    parser.add_argument("--generate", type=int, default=170, help="bytes to generate")
+    parser.add_argument("--steps", type=positive_int_argument,
+                        help="training steps (quick 30, full 500)")
+    parser.add_argument("--seq-len", type=positive_int_argument,
+                        help="training window (quick 128, full 512)")
+    parser.add_argument("--generate", type=positive_int_argument,
+                        default=170, help="bytes to generate")
     parser.add_argument("--prompt", default="We hold these truths to be")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--dim", type=int, help="model width (quick 32, full 128)")
-    parser.add_argument("--heads", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--batch", type=positive_int_argument, default=8)
+    parser.add_argument("--dim", type=positive_int_argument,
+                        help="model width (quick 32, full 128)")
+    parser.add_argument("--heads", type=positive_int_argument, default=2)
+    parser.add_argument("--layers", type=positive_int_argument, default=2)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the "
                                                             "generation's random key")
     args = parser.parse_args(argv)
     if not args.prompt:
         parser.error("--prompt is empty; give at least one character to continue.")
-    if args.generate < 1:
-        parser.error(f"--generate must be at least 1 (bytes to generate), got {args.generate}.")
     quick = args.quick
     args.steps = args.steps or (30 if quick else 500)
     args.seq_len = args.seq_len or (128 if quick else 512)
     args.dim = args.dim or (32 if quick else 128)
+    text = len(default_text().encode("utf-8"))
+    if args.seq_len > text - 2:  # windows of seq_len + 1 bytes, at more than one start
+        parser.error(f"argument --seq-len: the training text holds {text} bytes, so windows "
+                     f"are at most {text - 2} long, got {args.seq_len}")
     return args
 
 

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 import skyformer
+from skyformer.checks import positive_int_argument
 
 # exact softmax, then approximations at 16 landmarks / projections / random features
 DEFAULT_METHODS = ("softmax", "skyformer[num_features=16]", "nystromformer[num_features=16]",
@@ -79,7 +80,7 @@ def synthetic_batch(batch: int, seq_len: int, vocab: int,
     """Padded random sequences and their labels: ``tokens, mask: [B, N]``, ``labels: [B]``
     (1 where token 1 occurs more often than token 2 among the real tokens; ties are 0)."""
     tokens = torch.randint(0, vocab, (batch, seq_len), generator=generator)
-    lengths = torch.randint(seq_len // 2, seq_len + 1, (batch,), generator=generator)
+    lengths = torch.randint(max(1, seq_len // 2), seq_len + 1, (batch,), generator=generator)
     mask = torch.arange(seq_len)[None] < lengths[:, None]
     tokens = torch.where(mask, tokens, 0)  # padding id 0, never counted: the mask hides it
     ones, twos = ((tokens == t) & mask for t in (1, 2))
@@ -131,16 +132,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     size.add_argument("--quick", action="store_true", default=True,
                       help="small model and few steps, seconds on a CPU (default)")
     size.add_argument("--full", dest="quick", action="store_false",
-                      help="longer sequences, a wider model, more steps")
-    parser.add_argument("--steps", type=int, help="training steps (quick 30, full 300)")
-    parser.add_argument("--seq-len", type=int, help="longest sequence (quick 32, full 512)")
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--dim", type=int, default=32)
-    parser.add_argument("--heads", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=1)
-    parser.add_argument("--vocab", type=int, default=8)
+                      help="longer sequences and more steps")
+    parser.add_argument("--steps", type=positive_int_argument,
+                        help="training steps (quick 30, full 300)")
+    parser.add_argument("--seq-len", type=positive_int_argument,
+                        help="longest sequence (quick 32, full 512)")
+    parser.add_argument("--batch", type=positive_int_argument, default=16)
+    parser.add_argument("--dim", type=positive_int_argument, default=32)
+    parser.add_argument("--heads", type=positive_int_argument, default=2)
+    parser.add_argument("--layers", type=positive_int_argument, default=1)
+    parser.add_argument("--vocab", type=positive_int_argument, default=8)
     parser.add_argument("--lr", type=float, default=3e-3)
     args = parser.parse_args(argv)
+    if args.vocab < 3:  # the label counts tokens 1 and 2; 0 pads
+        parser.error(f"argument --vocab: must be at least 3 (padding, tokens 1 and 2), got "
+                     f"{args.vocab}")
     args.steps = args.steps or (30 if args.quick else 300)
     args.seq_len = args.seq_len or (32 if args.quick else 512)
     return args

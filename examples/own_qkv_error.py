@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 import skyformer
+from skyformer.checks import positive_int_argument
 from skyformer.eval.compare import CompareConfig, compare_on, format_table
 from skyformer.eval.data.qkv import load_qkv_file
 from skyformer.io import check_output_path, write_json
@@ -63,7 +64,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                  "nystromformer", "performer", "linear", "reformer"],
                         help="method names or variants 'name[option=value]' "
                              "(skyformer.list_methods())")
-    parser.add_argument("--features", type=int,
+    parser.add_argument("--features", type=positive_int_argument,
                         help="num_features of every approximate method (default: quick 32 "
                              "for all of them, but where any method sets num_features in "
                              "brackets each method's own, as full always)")

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 import skyformer.hf
+from skyformer.checks import positive_int_argument
 from skyformer.eval.data import load_model, read_text, sentences
 from skyformer.eval.data.qkv import max_positions
 from skyformer.eval.hf.run import embed, quality
@@ -59,7 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="the first 16 sentences (default)")
     size.add_argument("--full", dest="quick", action="store_false",
                       help="every sentence of the text")
-    parser.add_argument("--sentences", type=int, help="how many sentences (quick 16)")
+    parser.add_argument("--sentences", type=positive_int_argument,
+                        help="how many sentences (quick 16)")
     parser.add_argument("--text", help="UTF-8 text file (default: the text shipped with "
                                        "skyformer, public-domain English)")
     parser.add_argument("--model", help="local BERT-type model folder (default: MiniLM-L6)")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shutil
 import tempfile
 import time
 from importlib import resources
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from skyformer import MultiHeadAttention
+from skyformer.checks import positive_int_argument
 from skyformer.distributed import destroy_process_group, shard_bounds, sum_gradients
 from skyformer.lra.distributed import init_distributed, shutdown
 
@@ -90,25 +92,23 @@ def hidden_characters(start: int, stop: int, step: int, device: torch.device) ->
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seq-len", type=int, default=2**16)
-    parser.add_argument("--data-parallel", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--heads", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--features", type=int, default=128)
+    parser.add_argument("--seq-len", type=positive_int_argument, default=2**16)
+    parser.add_argument("--data-parallel", type=positive_int_argument, default=1)
+    parser.add_argument("--steps", type=positive_int_argument, default=20)
+    parser.add_argument("--dim", type=positive_int_argument, default=64)
+    parser.add_argument("--heads", type=positive_int_argument, default=2)
+    parser.add_argument("--layers", type=positive_int_argument, default=2)
+    parser.add_argument("--features", type=positive_int_argument, default=128)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--device", default="auto")
     args = parser.parse_args(argv)
-    if args.data_parallel < 1:
-        parser.error(f"--data-parallel must be at least 1 (sequences trained side by side), "
-                     f"got {args.data_parallel}.")
-
     info, device = init_distributed(args.device)
+    store = None
     if not info.enabled:  # one process: a group of one, so the same code runs
-        store = os.path.join(tempfile.mkdtemp(), "store")
+        store = tempfile.mkdtemp()
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                init_method=f"file://{store}", rank=0, world_size=1)
+                                init_method=f"file://{os.path.join(store, 'store')}", rank=0,
+                                world_size=1)
     world, rank = dist.get_world_size(), dist.get_rank()
     if world % args.data_parallel:
         raise SystemExit(f"--data-parallel {args.data_parallel} must divide the {world} "
@@ -153,6 +153,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"{time.perf_counter() - t0:.2f} s", flush=True)
     dist.barrier()  # gloo: no rank closes its connections while another still reads
     destroy_process_group() if not info.enabled else shutdown(info)
+    if store is not None:
+        shutil.rmtree(store, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ import torch
 from torch import Tensor, nn
 
 import skyformer
+from skyformer.checks import positive_int_argument
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # examples/ is no package
 from own_model import synthetic_batch  # padded sequences and their labels
@@ -123,24 +124,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
                         help="methods swapped in (skyformer.list_methods()), options in "
                              "brackets allowed: 'skyformer[num_features=8]'")
-    parser.add_argument("--num-features", type=int, default=16,
+    parser.add_argument("--num-features", type=positive_int_argument, default=16,
                         help="num_features of each method that takes it (default 16)")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", default=True,
                       help="short sequences and few steps, seconds on a CPU (default)")
     size.add_argument("--full", dest="quick", action="store_false",
                       help="longer sequences and more steps, about a minute on 2 cores")
-    parser.add_argument("--steps", type=int, help="training steps, exact attention "
-                                                  "(quick 60, full 600)")
-    parser.add_argument("--finetune-steps", type=int,
+    parser.add_argument("--steps", type=positive_int_argument,
+                        help="training steps, exact attention (quick 60, full 600)")
+    parser.add_argument("--finetune-steps", type=positive_int_argument,
                         help="fine-tuning steps per method (quick 10, full 150)")
-    parser.add_argument("--seq-len", type=int, help="longest sequence (quick 24, full 128)")
-    parser.add_argument("--test", type=int, default=512, help="held-out sequences")
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--dim", type=int, default=32)
-    parser.add_argument("--heads", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=8)
+    parser.add_argument("--seq-len", type=positive_int_argument,
+                        help="longest sequence (quick 24, full 128)")
+    parser.add_argument("--test", type=positive_int_argument,
+                        default=512, help="held-out sequences")
+    parser.add_argument("--batch", type=positive_int_argument, default=32)
+    parser.add_argument("--dim", type=positive_int_argument, default=32)
+    parser.add_argument("--heads", type=positive_int_argument, default=2)
+    parser.add_argument("--layers", type=positive_int_argument, default=2)
+    parser.add_argument("--vocab", type=positive_int_argument, default=8)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--finetune-lr", type=float, default=1e-3,
                         help="learning rate of the fine-tunes (3e-3 unsettles skyformer's)")

@@ -5,6 +5,7 @@ full forward."""
 from __future__ import annotations
 
 import importlib.util
+import math
 import re
 import sys
 from pathlib import Path
@@ -65,6 +66,35 @@ def test_own_model_ignores_the_padding(method):
 def test_own_model_refuses_an_unknown_method_in_a_sentence():
     with pytest.raises(ValueError, match="unknown attention method 'skyformr'"):
         example("own_model").main(["--methods", "skyformr", "--steps", "1"])
+
+
+@pytest.mark.parametrize(("name", "argv", "said"), [
+    ("own_model", ["--steps", "0"], "argument --steps: must be a positive integer, got 0"),
+    ("own_model", ["--steps", "-5"], "argument --steps: must be a positive integer, got -5"),
+    ("own_model", ["--vocab", "2"], "argument --vocab: must be at least 3"),
+    ("torch_model", ["--test", "0"], "argument --test: must be a positive integer, got 0"),
+    ("causal_decoder", ["--seq-len", "1000000"], "argument --seq-len: the training text "
+                                                 "holds"),
+    ("pretrained_bert", ["--sentences", "0"], "argument --sentences: must be a positive"),
+    ("sequence_parallel_train", ["--steps", "0"], "argument --steps: must be a positive"),
+])
+def test_examples_refuse_counts_below_one_in_argparse_s_line(name, argv, said, capsys):
+    """``--steps 0`` ran the default 30 steps (``args.steps or 30``), ``--steps -5``
+    trained nothing and printed a loss of 0.000, ``--test 0`` failed in torch.stack."""
+    if name == "pretrained_bert":
+        pytest.importorskip("transformers")
+    with pytest.raises(SystemExit) as ended:
+        example(name).main(argv)
+    assert ended.value.code == 2
+    assert said in capsys.readouterr().err
+
+
+def test_own_model_takes_sequences_of_one_token(capsys):
+    """``--seq-len 1`` drew empty sequences (lengths from seq_len // 2 = 0), whose mean
+    pooling divided by zero: NaN losses."""
+    result, = example("own_model").main(["--methods", "softmax", "--seq-len", "1",
+                                          "--steps", "2"])
+    assert all(map(math.isfinite, (result.first_loss, result.last_loss))), result
 
 
 def test_own_qkv_error_on_tensors_saved_by_the_user(tmp_path, capsys):
@@ -245,7 +275,8 @@ def test_pretrained_bert_refuses_a_model_folder_that_is_none_in_a_sentence(tmp_p
 
 
 @pytest.mark.parametrize("argv, message", [(["--prompt", ""], "--prompt is empty"),
-                                           (["--generate", "0"], "--generate must be")])
+                                           (["--generate", "0"],
+                                            "argument --generate: must be a positive")])
 def test_causal_decoder_refuses_nothing_to_continue_or_generate(argv, message, capsys):
     with pytest.raises(SystemExit):
         example("causal_decoder").main([*argv, "--steps", "1"])
@@ -273,7 +304,8 @@ def test_causal_decoder_says_why_caches_without_a_landmark_stride_differ(capsys)
 def test_sequence_parallel_train_refuses_no_data_parallel_group_in_a_sentence(capsys):
     with pytest.raises(SystemExit):
         example("sequence_parallel_train").main(["--data-parallel", "0"])
-    assert "--data-parallel must be at least 1" in capsys.readouterr().err
+    assert "argument --data-parallel: must be a positive integer, got 0" in \
+        capsys.readouterr().err
 
 
 def test_torch_model_swaps_attention_into_torch_layers_keeping_the_weights(capsys):

@@ -46,3 +46,18 @@ def check_positive_ints(name: str, values: Sequence[object]) -> None:
         hint = next((integer_hint(v) for v in bad if integer_hint(v)), "")
         raise ValueError(f"{name} must be positive integers{hint}, got "
                          f"{bad if bad else 'none'}.")
+
+
+def positive_int_argument(text: str) -> int:
+    """An ``argparse`` type for counts and sizes: ``parser.add_argument("--steps",
+    type=positive_int_argument)`` refuses 0 and negatives with argparse's one line,
+    ``argument --steps: must be a positive integer, got 0``."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
