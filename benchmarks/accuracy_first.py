@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from run_metadata import run_metadata  # benchmarks/, beside this script
+from run_metadata import RESULTS, run_metadata  # benchmarks/, beside this script
 
 from skyformer.eval.data.qkv import extract_qkv, load_model
 from skyformer.eval.data.text import default_text
@@ -423,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default=",".join(PARTS),
                         help=f"comma-separated, of {', '.join(PARTS)} (default: all)")
-    parser.add_argument("--out", default="benchmarks/results/accuracy_first",
+    parser.add_argument("--out", default=str(RESULTS / "accuracy_first"),
                         help="folder of the results (default: the committed ones, which a "
                              "run replaces; pass another folder to keep them)")
     parser.add_argument("--seeds", type=int, default=3)

@@ -1,7 +1,7 @@
 """A small byte-level causal language model: exact causal softmax vs each causal approximation.
 
     python benchmarks/causal_lm.py                      # full run (see docs/causal.md)
-    python benchmarks/causal_lm.py --ns 128 --steps 3   # smoke run
+    python benchmarks/causal_lm.py --ns 128 --steps 3 --out /tmp/lm   # smoke run
 
 The public-domain text shipped with the package (``skyformer.eval.data.text``; or
 ``--text FILE``) as bytes: the first 90 % trains, the last 10 % is held out. For each
@@ -20,7 +20,8 @@ every ``--eval-every`` steps; the table reports the last value and the best one 
 corpus is small, so long runs overfit). Training tokens/s: median over steps after
 ``--warmup`` (over all steps when there are no more). Each finished (N, method) row is
 written at once, atomically, to ``<out>.{json,csv}``; a rerun with the same
-configuration skips the rows already there (``--fresh`` starts over). The plot
+configuration skips the rows already there, one with another is refused (``--fresh``
+starts over). The plot
 ``<out>.png`` is redrawn after every row.
 """
 
@@ -32,7 +33,7 @@ import time
 from pathlib import Path
 
 import torch
-from run_metadata import run_metadata  # benchmarks/, beside this script
+from run_metadata import RESULTS, run_metadata  # benchmarks/, beside this script
 from torch import Tensor, nn
 
 from skyformer.eval.data.text import read_text
@@ -171,14 +172,22 @@ def run_config(args: argparse.Namespace) -> dict:
 
 
 def load_rows(path: Path, config: dict) -> list[dict]:
-    """The rows saved in ``path`` by a run with ``config`` (none for another config)."""
+    """The rows saved in ``path`` by a run with ``config``; rows of another config are
+    refused in a sentence naming the settings that differ (a smoke run replaced the
+    committed results without a word), ``--fresh`` replaces them."""
     if not path.is_file():
         return []
     import json
 
     saved = json.loads(path.read_text())
     # compared as written: a non-finite setting is stored as null
-    return saved["rows"] if saved.get("config") == json_ready(config) else []
+    now, then = json_ready(config), saved.get("config") or {}
+    if then == now:
+        return saved["rows"]
+    differ = sorted(k for k in set(now) | set(then) if now.get(k) != then.get(k))
+    raise SystemExit(f"{path} holds {len(saved.get('rows', []))} rows of another "
+                     f"configuration ({', '.join(differ)} differ): pass --fresh to replace "
+                     f"them, or another --out.")
 
 
 def save(rows: list[dict], config: dict, out: Path, argv: list[str] | None) -> None:
@@ -208,8 +217,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--fresh", action="store_true", help="ignore rows of an earlier run")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/causal_lm/causal_lm"))
+    parser.add_argument("--fresh", action="store_true",
+                        help="replace the rows of an earlier run (of any configuration)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "causal_lm" / "causal_lm")
     return parser.parse_args(argv)
 
 

@@ -19,7 +19,7 @@ import statistics
 from pathlib import Path
 
 import torch
-from run_metadata import run_metadata  # benchmarks/, beside this script
+from run_metadata import RESULTS, run_metadata  # benchmarks/, beside this script
 
 from skyformer.eval.data.qkv import load_qkv
 from skyformer.eval.measure.metrics import relative_error
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--m", type=int, default=128)
     parser.add_argument("--layers", type=int, nargs="+", default=[0, 2, 4])
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/causal_window"))
+    parser.add_argument("--out", type=Path, default=RESULTS / "causal_window")
     args = parser.parse_args(argv)
     rows = measure(args.n, args.m, args.layers, args.seeds)
     write(rows, args.out, {k: (str(v) if isinstance(v, Path) else v)

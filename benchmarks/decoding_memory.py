@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import torch
-from run_metadata import run_metadata  # benchmarks/, beside this script
+from run_metadata import RESULTS, run_metadata  # benchmarks/, beside this script
 
 import skyformer.hf as shf
 from skyformer.io import atomic_write_text, write_json
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--m", type=int, default=128, help="num_features of the approximations")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

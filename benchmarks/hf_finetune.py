@@ -18,7 +18,7 @@ import re
 import sys
 from pathlib import Path
 
-from run_metadata import run_metadata  # benchmarks/, beside this script
+from run_metadata import RESULTS, run_metadata  # benchmarks/, beside this script
 
 from skyformer import get_method
 from skyformer.eval.hf.finetune import FinetuneConfig, distill
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="save each fine-tuned model with its tokenizer to DIR/METHOD "
                              "(skyformer.hf.from_pretrained(DIR/METHOD) loads it with its "
                              "attention)")
-    parser.add_argument("--out", default="benchmarks/results/hf_finetune",
+    parser.add_argument("--out", default=str(RESULTS / "hf_finetune"),
                         help="path prefix of the results: OUT.json, OUT.csv, OUT.png")
     args = parser.parse_args(argv)
     try:  # what fails before training: a sentence, not a traceback after it

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import sys
 
+from run_metadata import RESULTS  # benchmarks/, beside this script
+
 from skyformer.cli import main as skyformer_main
 from skyformer.registry import get_method, list_methods
 
@@ -24,16 +26,31 @@ def preset(extra: list[str] | tuple[str, ...] = ()) -> list[str]:
     two settings wins); the preset's --min-n and --max-n only where ``extra`` lists no
     lengths of its own (bench takes --seq-lens or the two bounds, not both)."""
     approximate = [m for m in list_methods() if not get_method(m).capabilities.exact]
-    lengths = [] if any(_is_seq_lens(arg) for arg in extra) else [
-        "--min-n", "1024", "--max-n", "16384"]
+    lengths = [] if any(_is_flag(arg, "--seq-lens") for arg in extra) else [
+        "--min-n", str(min(1024, _given(extra, "--max-n") or 1024)),
+        "--max-n", str(max(16384, _given(extra, "--min-n") or 16384))]
     return ["bench", "--methods", "softmax", *approximate, *lengths,
-            "--out", "benchmarks/results/methods", "--markdown", *extra]
+            "--out", str(RESULTS / "methods"), "--markdown", *extra]
 
 
-def _is_seq_lens(arg: str) -> bool:
-    """Whether ``arg`` is --seq-lens, as given or abbreviated (argparse takes ``--seq``)."""
+def _given(extra: list[str] | tuple[str, ...], flag: str) -> int | None:
+    """The integer value of ``flag`` in ``extra`` (its last, as argparse keeps), or None:
+    a bound given alone moves the preset's other one past it (``--max-n 512`` alone ran
+    into the preset's --min-n 1024, which the user never gave)."""
+    value = None
+    for i, arg in enumerate(extra):
+        if _is_flag(arg, flag):
+            text = arg.partition("=")[2] if "=" in arg else \
+                (extra[i + 1] if i + 1 < len(extra) else "")
+            value = int(text) if text.lstrip("-").isdigit() else value
+    return value
+
+
+def _is_flag(arg: str, flag: str) -> bool:
+    """Whether ``arg`` is ``flag``, as given or abbreviated (argparse takes ``--seq`` for
+    --seq-lens, ``--max`` for --max-n)."""
     name = arg.partition("=")[0]
-    return name.startswith("--seq") and "--seq-lens".startswith(name)
+    return len(name) > 2 and name.startswith("--") and flag.startswith(name)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,10 @@ import torch
 
 from skyformer.io import atomic_write_text, environment, write_json
 
+# where the committed results live, whatever the current folder: a default --out under
+# it ("benchmarks/results/...") made benchmarks/benchmarks/results when run from benchmarks/
+RESULTS = Path(__file__).resolve().parent / "results"
+
 
 def run_metadata(script: str, argv: list[str] | None, config: dict[str, Any],
                  device: torch.device | str | None = None) -> dict[str, Any]:

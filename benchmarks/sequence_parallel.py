@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from run_metadata import run_metadata  # benchmarks/, beside this script
+from run_metadata import RESULTS, run_metadata  # benchmarks/, beside this script
 
 from skyformer import MultiHeadAttention
 from skyformer.distributed import count_communication, destroy_process_group, shard_bounds
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                         default=[2**e for e in range(16, 21)])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    parser.add_argument("--out", default="benchmarks/results/sequence_parallel")
+    parser.add_argument("--out", default=str(RESULTS / "sequence_parallel"))
     args = parser.parse_args(argv)
     rows = []
     print(f"{'P':>2} {'N':>8} {'bytes':>10} {'ring bytes':>12} {'ring/ours':>10} "

@@ -33,7 +33,7 @@ def small_text(tmp_path):
     return str(path)
 
 
-def test_a_rerun_keeps_the_finished_rows_and_a_changed_config_starts_over(tmp_path, capsys):
+def test_a_rerun_keeps_the_finished_rows_and_a_changed_config_is_refused(tmp_path, capsys):
     out = tmp_path / "lm"
     args = [*TINY, "--text", small_text(tmp_path), "--methods", "softmax", "linear",
             "--out", str(out)]
@@ -52,7 +52,10 @@ def test_a_rerun_keeps_the_finished_rows_and_a_changed_config_starts_over(tmp_pa
     again = causal_lm.main(args)
     assert again == saved["rows"] and capsys.readouterr().out == ""  # nothing retrained
 
-    changed = causal_lm.main([*args, "--seed", "1"])
+    with pytest.raises(SystemExit, match=r"holds 4 rows of another configuration \(seed "
+                                         r"differ\): pass --fresh to replace them"):
+        causal_lm.main([*args, "--seed", "1"])
+    changed = causal_lm.main([*args, "--seed", "1", "--fresh"])
     assert len(changed) == 4 and capsys.readouterr().out.count("\n") == 4
 
 
@@ -65,7 +68,8 @@ def test_a_non_finite_setting_still_finds_the_rows_saved_with_it(tmp_path):
     path = tmp_path / "lm.json"
     write_json(path, {"config": config, "environment": {}, "rows": [{"n": 16}]})
     assert causal_lm.load_rows(path, config) == [{"n": 16}]
-    assert causal_lm.load_rows(path, config | {"lr": 1e-3}) == []
+    with pytest.raises(SystemExit, match=r"\(lr differ\)"):
+        causal_lm.load_rows(path, config | {"lr": 1e-3})
 
 
 def test_refuses_a_method_that_cannot_attend_causally(tmp_path):

@@ -17,6 +17,12 @@ def test_lengths_given_replace_the_preset_s_and_the_run_writes_them(tmp_path):
         assert "--min-n" not in argv and "--max-n" not in argv and argv[-len(given):] == given
     argv = benchmark.preset(["--max-n", "2048"])  # one bound given: the other is the preset's
     assert argv[argv.index("--min-n") + 1] == "1024" and argv[-2:] == ["--max-n", "2048"]
+    # below the preset's other bound: it moves (bench said "--min-n 1024 is above --max-n
+    # 512", a --min-n the user never gave)
+    argv = benchmark.preset(["--max-n=512"])
+    assert argv[argv.index("--min-n") + 1] == "512"
+    argv = benchmark.preset(["--min", "32768"])
+    assert argv[argv.index("--max-n") + 1] == "32768" and argv[-2:] == ["--min", "32768"]
     out = tmp_path / "methods"
     argv = benchmark.preset(["--methods", "softmax", "linear", "--seq-lens", "16",
                              "--shapes", "1,1,4", "--repeats", "1", "--warmup", "0",
