@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from run_metadata import RESULTS, run_metadata  # benchmarks/, beside this script
 
+from skyformer.checks import positive_int_argument
 from skyformer.eval.data.qkv import extract_qkv, load_model
 from skyformer.eval.data.text import default_text
 from skyformer.eval.measure.memory import MemoryJob, peak_memory_bytes
@@ -426,10 +427,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(RESULTS / "accuracy_first"),
                         help="folder of the results (default: the committed ones, which a "
                              "run replaces; pass another folder to keep them)")
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seeds", type=positive_int_argument, default=3)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--speed-n", type=int, default=16384)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--speed-n", type=positive_int_argument, default=16384)
+    parser.add_argument("--repeats", type=positive_int_argument, default=5)
     args = parser.parse_args(argv)
     unknown = [part for part in args.parts.split(",") if part not in PARTS]
     if unknown:  # before any part runs, not after the earlier ones have

@@ -29,6 +29,7 @@ import torch
 from run_metadata import run_metadata, write_report  # benchmarks/, beside this script
 
 import skyformer
+from skyformer.checks import positive_int_argument
 from skyformer.eval.measure.timing import interleaved_median_seconds
 from skyformer.linalg import half_sq_norm
 from skyformer.linalg.flush import flush_exponent_on_cpu_
@@ -113,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--shape", default="1,2,64", help="B,H,D")
     parser.add_argument("--seq-lens", nargs="+", type=int, default=[4096, 16384])
-    parser.add_argument("--features", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--features", type=positive_int_argument, default=128)
+    parser.add_argument("--repeats", type=positive_int_argument, default=9)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)

@@ -36,6 +36,7 @@ import torch
 from run_metadata import RESULTS, run_metadata  # benchmarks/, beside this script
 from torch import Tensor, nn
 
+from skyformer.checks import positive_int_argument
 from skyformer.eval.data.text import read_text
 from skyformer.io import (
     check_output_path,
@@ -202,18 +203,19 @@ def save(rows: list[dict], config: dict, out: Path, argv: list[str] | None) -> N
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ns", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    parser.add_argument("--ns", type=positive_int_argument,
+                        nargs="+", default=[256, 512, 1024, 2048])
     parser.add_argument("--methods", nargs="+", default=None)
     parser.add_argument("--text", type=Path, default=None,
                         help="UTF-8 text file (default: the text shipped with the package)")
-    parser.add_argument("--m", type=int, default=128)
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--tokens-per-step", type=int, default=8192)
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--m", type=positive_int_argument, default=128)
+    parser.add_argument("--dim", type=positive_int_argument, default=128)
+    parser.add_argument("--heads", type=positive_int_argument, default=4)
+    parser.add_argument("--layers", type=positive_int_argument, default=2)
+    parser.add_argument("--tokens-per-step", type=positive_int_argument, default=8192)
+    parser.add_argument("--steps", type=positive_int_argument, default=300)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--eval-every", type=positive_int_argument, default=50)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from run_metadata import RESULTS, run_metadata  # benchmarks/, beside this script
 
+from skyformer.checks import positive_int_argument
 from skyformer.eval.data.qkv import load_qkv
 from skyformer.eval.measure.metrics import relative_error
 from skyformer.io import save_figure, write_csv, write_json
@@ -72,10 +73,10 @@ def write(rows: list[dict], out: Path, config: dict, argv: list[str] | None = No
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n", type=int, default=1024)
-    parser.add_argument("--m", type=int, default=128)
+    parser.add_argument("--n", type=positive_int_argument, default=1024)
+    parser.add_argument("--m", type=positive_int_argument, default=128)
     parser.add_argument("--layers", type=int, nargs="+", default=[0, 2, 4])
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seeds", type=positive_int_argument, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS / "causal_window")
     args = parser.parse_args(argv)
     rows = measure(args.n, args.m, args.layers, args.seeds)

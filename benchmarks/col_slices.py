@@ -31,6 +31,7 @@ from gpu_profile import kernel_times
 from run_metadata import run_metadata, write_report
 
 import skyformer
+from skyformer.checks import positive_int_argument
 from skyformer.eval.measure.timing import interleaved_median_seconds
 from skyformer.linalg import triton_kernels
 
@@ -110,10 +111,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="B,H,D,dtype (default 4,16,64,bfloat16; on the CPU 1,1,16,float32)")
     parser.add_argument("--seq-lens", nargs="+", type=int, default=None,
                         help="default 32768 4096 (CPU: 64)")
-    parser.add_argument("--features", type=int, default=None, help="default 128 (CPU: 16)")
+    parser.add_argument("--features", type=positive_int_argument,
+                        default=None, help="default 128 (CPU: 16)")
     parser.add_argument("--targets", nargs="+", type=int, default=list(TARGETS),
                         help="programs per SM to time")
-    parser.add_argument("--repeats", type=int, default=None, help="default 15 (CPU: 1)")
+    parser.add_argument("--repeats", type=positive_int_argument,
+                        default=None, help="default 15 (CPU: 1)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     problem = device_problem("col_slices.py", args.device)

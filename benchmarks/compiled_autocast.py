@@ -26,6 +26,7 @@ import torch
 import torch._functorch.config as functorch_config
 
 import skyformer
+from skyformer.checks import positive_int_argument
 
 MODES = ("same_as_forward", "off")
 
@@ -60,8 +61,10 @@ def distances(method: str, n: int, d: int, seed: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--n", type=int, default=512, help="sequence length (default 512)")
-    parser.add_argument("--head-dim", type=int, default=32, help="head dim (default 32)")
+    parser.add_argument("--n", type=positive_int_argument,
+                        default=512, help="sequence length (default 512)")
+    parser.add_argument("--head-dim", type=positive_int_argument,
+                        default=32, help="head dim (default 32)")
     parser.add_argument("--seed", type=int, default=0, help="data and key seed (default 0)")
     parser.add_argument("--methods", nargs="+", default=skyformer.list_methods(),
                         help="methods (default: every registered one)")

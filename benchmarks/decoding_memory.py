@@ -22,6 +22,7 @@ import torch
 from run_metadata import RESULTS, run_metadata  # benchmarks/, beside this script
 
 import skyformer.hf as shf
+from skyformer.checks import positive_int_argument
 from skyformer.io import atomic_write_text, write_json
 
 METHODS = {
@@ -78,9 +79,10 @@ def table(rows: list[dict], lengths: list[int]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 8192])
-    parser.add_argument("--prompt", type=int, default=64)
-    parser.add_argument("--m", type=int, default=128, help="num_features of the approximations")
+    parser.add_argument("--lengths", type=positive_int_argument, nargs="+", default=[1024, 8192])
+    parser.add_argument("--prompt", type=positive_int_argument, default=64)
+    parser.add_argument("--m", type=positive_int_argument,
+                        default=128, help="num_features of the approximations")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)

@@ -31,6 +31,7 @@ from gpu_device import device_problem  # benchmarks/, beside this script
 from run_metadata import run_metadata
 
 import skyformer
+from skyformer.checks import positive_int_argument
 from skyformer.linalg import triton_kernels
 from skyformer.ops.kernelized import triton_flash
 
@@ -129,11 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--shape", default=None,
                         help="B,H,D,dtype (default 4,16,64,bfloat16; on the CPU 1,1,16,float32)")
-    parser.add_argument("--seq-len", type=int, default=None, help="default 8192 (CPU: 64)")
+    parser.add_argument("--seq-len", type=positive_int_argument,
+                        default=None, help="default 8192 (CPU: 64)")
     for kind in CANDIDATES:
         parser.add_argument(f"--{kind}", nargs="+", default=list(CANDIDATES[kind]),
                             help=f"{kind} kernel candidates OWN,STEP,WARPS,STAGES")
-    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--repeats", type=positive_int_argument, default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     on_gpu = args.device == "cuda"

@@ -44,6 +44,7 @@ from host_time import call_of, stubbed_launches  # benchmarks/, beside this scri
 from launch_counts import as_on_cuda
 from run_metadata import run_metadata, write_report
 
+from skyformer.checks import positive_int_argument
 from skyformer.eval.measure.timing import interleaved_seconds
 
 LAUNCHES = 200  # per timed loop of the per-launch costs
@@ -138,8 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default=None, help="B,H,N,D (default 4,16,4096,64; CPU: "
                         "1,1,64,16)")
     parser.add_argument("--dtype", default=None, help="default bfloat16 (CPU: float32)")
-    parser.add_argument("--features", type=int, default=None, help="default 128 (CPU: 16)")
-    parser.add_argument("--calls", type=int, default=None, help="default 30 (CPU: 3)")
+    parser.add_argument("--features", type=positive_int_argument,
+                        default=None, help="default 128 (CPU: 16)")
+    parser.add_argument("--calls", type=positive_int_argument,
+                        default=None, help="default 30 (CPU: 3)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: check the script (TRITON_INTERPRET=1)")

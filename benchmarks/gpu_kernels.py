@@ -77,6 +77,7 @@ from launch_counts import guard_passes  # benchmarks/, beside this script
 from run_metadata import run_metadata
 
 import skyformer
+from skyformer.checks import positive_int_argument
 from skyformer.eval.measure.timing import (
     TIMINGS,
     blocked_median_seconds,
@@ -297,8 +298,9 @@ def main(argv: list[str] | None = None) -> int:
                         "CPU 1,1,16,float32)")
     parser.add_argument("--seq-lens", nargs="+", type=int, default=None,
                         help="default 1024 ... 32768 (on the CPU 64)")
-    parser.add_argument("--features", type=int, default=None, help="default 128 (CPU: 16)")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--features", type=positive_int_argument,
+                        default=None, help="default 128 (CPU: 16)")
+    parser.add_argument("--repeats", type=positive_int_argument, default=5)
     parser.add_argument("--timing", choices=TIMINGS, default="interleaved",
                         help="the calls' repeats in rounds of every call, or each call's "
                         "in a block of its own (module docstring)")

@@ -35,6 +35,7 @@ from run_metadata import run_metadata
 from torch.profiler import ProfilerActivity, profile
 
 import skyformer
+from skyformer.checks import positive_int_argument
 from skyformer.io import atomic_write_text, write_json
 
 METHODS = {
@@ -151,9 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-lens", nargs="+", type=int, default=None,
                         help="default 4096 16384 (CPU: 64)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--features", type=int, default=None, help="default 128 (CPU: 16)")
-    parser.add_argument("--iterations", type=int, default=3)
-    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--features", type=positive_int_argument,
+                        default=None, help="default 128 (CPU: 16)")
+    parser.add_argument("--iterations", type=positive_int_argument, default=3)
+    parser.add_argument("--top", type=positive_int_argument, default=12)
     parser.add_argument("--tiles", nargs="+", default=None,
                         help="JSON of lemma3_tiles.py / product_tiles.py: launch the kernels "
                         "with the fastest options they recorded")

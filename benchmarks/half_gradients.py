@@ -31,6 +31,7 @@ from kernel_flags import rows_one_bf16_pass
 from run_metadata import run_metadata
 
 import skyformer
+from skyformer.checks import positive_int_argument
 from skyformer.eval.measure.metrics import relative_error
 from skyformer.io import atomic_write_text, write_json
 from skyformer.registry import get_method
@@ -100,10 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", nargs="+", default=["skyformer", "nystrom_softmax"])
     parser.add_argument("--noise", nargs="+", type=float, default=[1.0, 0.1, 0.03, 0.0])
-    parser.add_argument("--n", type=int, default=128)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--features", type=int, default=32)
-    parser.add_argument("--centres", type=int, default=4)
+    parser.add_argument("--n", type=positive_int_argument, default=128)
+    parser.add_argument("--head-dim", type=positive_int_argument, default=64)
+    parser.add_argument("--features", type=positive_int_argument, default=32)
+    parser.add_argument("--centres", type=positive_int_argument, default=4)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--independent-keys", action="store_true",
                         help="each key around a centre of its own (default: key j around "

@@ -21,6 +21,7 @@ from pathlib import Path
 from run_metadata import RESULTS, run_metadata  # benchmarks/, beside this script
 
 from skyformer import get_method
+from skyformer.checks import positive_int_argument
 from skyformer.eval.hf.finetune import FinetuneConfig, distill
 from skyformer.io import check_output_path, write_csv, write_json
 
@@ -54,16 +55,16 @@ def folder_name(method: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", nargs="+", default=["kernelized", "skyformer"])
-    parser.add_argument("--features", type=int, default=None,
+    parser.add_argument("--features", type=positive_int_argument, default=None,
                         help="num_features of approximate methods (default 32; a method "
                              "that sets it in brackets keeps its own)")
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--steps", type=positive_int_argument, default=100)
     parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--batch-size", type=positive_int_argument, default=16)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--seq-len", type=int, default=128,
+    parser.add_argument("--seq-len", type=positive_int_argument, default=128,
                         help="tokens a sentence is cut at (default 128)")
-    parser.add_argument("--holdout", type=int, default=5,
+    parser.add_argument("--holdout", type=positive_int_argument, default=5,
                         help="every HOLDOUT-th sentence is held out for evaluation (default 5)")
     parser.add_argument("--text", default=None,
                         help="UTF-8 text file whose sentences train and evaluate (default: "
@@ -88,8 +89,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hf_finetune: error: {err}", file=sys.stderr)
         return 2
 
-    runs = [distill(config, progress=lambda line: print(f"  {line}", file=sys.stderr),
-                    save_to=folder) for config, folder in zip(configs, saves, strict=True)]
+    try:  # what only the data shows (a text of one sentence): a sentence too
+        runs = [distill(config, progress=lambda line: print(f"  {line}", file=sys.stderr),
+                        save_to=folder) for config, folder in zip(configs, saves, strict=True)]
+    except (ValueError, OSError) as err:
+        print(f"hf_finetune: error: {err}", file=sys.stderr)
+        return 2
 
     header = (f"{'method':<12}{'features':>9}{'steps':>7}{'cos before':>12}{'cos after':>11}"
               f"{'R@1 before':>12}{'R@1 after':>11}{'train s':>9}")

@@ -51,6 +51,7 @@ from launch_counts import as_on_cuda, guard_passes
 from run_metadata import run_metadata, write_report
 
 import skyformer
+from skyformer.checks import positive_int_argument
 from skyformer.eval.measure.timing import interleaved_seconds
 from skyformer.linalg.eager_calls import through_pytorch
 
@@ -121,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--shape", default="1,1,256,64", help="B,H,N,D")
-    parser.add_argument("--features", type=int, default=128)
-    parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--features", type=positive_int_argument, default=128)
+    parser.add_argument("--calls", type=positive_int_argument, default=300)
     parser.add_argument("--profile", type=int, default=0, metavar="N")
     parser.add_argument("--through-pytorch", action="store_true")
     parser.add_argument("--guard-passes", action="store_true")

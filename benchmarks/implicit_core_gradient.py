@@ -55,6 +55,7 @@ from run_metadata import run_metadata  # benchmarks/, beside this script
 from torch import Tensor
 
 import skyformer
+from skyformer.checks import positive_int_argument
 from skyformer.io import atomic_write_text, write_json
 from skyformer.linalg.implicit_inverse import implicit_pinv, residual_bound
 from skyformer.linalg.pinv import inverse_residual
@@ -288,9 +289,10 @@ def clustered_inputs(n: int, heads: int, head_dim: int, seed: int) -> tuple[Tens
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[0, 1, 2, 3, 4, 5])
-    parser.add_argument("--features", type=int, nargs="+", default=[32, 64, 128, 256])
-    parser.add_argument("--iterations", type=int, nargs="+", default=[6, 8, 10])
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument("--features", type=positive_int_argument,
+                        nargs="+", default=[32, 64, 128, 256])
+    parser.add_argument("--iterations", type=positive_int_argument, nargs="+", default=[6, 8, 10])
+    parser.add_argument("--seq-lens", type=positive_int_argument, nargs="+", default=[512, 2048])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--gamma", type=float, default=0.1)
     parser.add_argument("--clustered-heads", type=int, default=4,

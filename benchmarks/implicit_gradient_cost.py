@@ -31,6 +31,7 @@ from gpu_device import device_problem  # benchmarks/, beside this script
 from run_metadata import run_metadata
 
 import skyformer
+from skyformer.checks import positive_int_argument
 from skyformer.eval.measure.timing import interleaved_median_seconds
 from skyformer.io import atomic_write_text, write_json
 from skyformer.linalg import GRADIENTS, half_sq_norm, implicit_inverse, landmark_inverse
@@ -94,11 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--kernel", default="torch", choices=["torch", "triton"])
-    parser.add_argument("--heads", type=int, default=16, help="matrices of the core alone")
-    parser.add_argument("--features", type=int, default=128, help="landmarks m")
+    parser.add_argument("--heads", type=positive_int_argument,
+                        default=16, help="matrices of the core alone")
+    parser.add_argument("--features", type=positive_int_argument, default=128, help="landmarks m")
     parser.add_argument("--shape", default="1,2,32", help="B,H,D of the whole calls")
-    parser.add_argument("--seq-lens", type=int, nargs="*", default=[1024, 4096])
-    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--seq-lens", type=positive_int_argument, nargs="*", default=[1024, 4096])
+    parser.add_argument("--repeats", type=positive_int_argument, default=30)
     parser.add_argument("--out", type=Path, default=None, help="write OUT.md and OUT.json")
     args = parser.parse_args(argv)
     if args.device != "cpu" or args.kernel == "triton":  # the torch path needs no interpreter

@@ -23,6 +23,7 @@ import torch
 from run_metadata import run_metadata, write_report  # benchmarks/, beside this script
 
 import skyformer
+from skyformer.checks import positive_int_argument
 from skyformer.eval.measure.timing import interleaved_median_seconds
 
 MASKS = ("none", "padding", "per query")
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="2,2,64", help="B,H,D")
     parser.add_argument("--seq-lens", nargs="+", type=int, default=[4096])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=positive_int_argument, default=5)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)

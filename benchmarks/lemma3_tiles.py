@@ -48,6 +48,7 @@ from run_metadata import run_metadata
 from tile_sweep import none_left, relative, write
 
 import skyformer
+from skyformer.checks import positive_int_argument
 from skyformer.eval.measure.timing import interleaved_median_seconds
 from skyformer.linalg import (  # the triton_* modules import Triton
     half_sq_norm,
@@ -260,13 +261,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--shape", default=None, help="B,H (default 4,16 on CUDA, 1,1 on CPU)")
-    parser.add_argument("--features", type=int, nargs="+", default=None,
+    parser.add_argument("--features", type=positive_int_argument, nargs="+", default=None,
                         help="numbers of landmarks m (default 128 on CUDA, 16 on CPU)")
-    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--head-dim", type=positive_int_argument, default=64)
     parser.add_argument("--options", nargs="+", default=list(CANDIDATES),
                         help="candidates ROWS,KC,WARPS,STAGES besides the default (each "
                              "compiles a kernel: a few seconds)")
-    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--repeats", type=positive_int_argument, default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     on_gpu = args.device == "cuda"

@@ -23,6 +23,7 @@ import torch
 from run_metadata import run_metadata  # benchmarks/, beside this script
 
 import skyformer
+from skyformer.checks import positive_int_argument
 from skyformer.io import atomic_write_text, write_json
 from skyformer.ops.linformer import linformer_attention
 from skyformer.sketch.rng import bulk_normal, normal, stream
@@ -55,11 +56,12 @@ def calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: torch.Tensor,
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[512, 2048, 8192])
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--head-dim", type=int, default=32)
-    parser.add_argument("--features", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seq-lens", type=positive_int_argument,
+                        nargs="+", default=[512, 2048, 8192])
+    parser.add_argument("--heads", type=positive_int_argument, default=12)
+    parser.add_argument("--head-dim", type=positive_int_argument, default=32)
+    parser.add_argument("--features", type=positive_int_argument, default=128)
+    parser.add_argument("--repeats", type=positive_int_argument, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=RESULTS / "linformer_draw")
     args = parser.parse_args(argv)

@@ -21,6 +21,7 @@ import time
 import torch
 from run_metadata import run_metadata  # benchmarks/, beside this script
 
+from skyformer.checks import positive_int_argument
 from skyformer.io import write_json
 from skyformer.lra.model import LRAClassifier, ModelConfig
 
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     parser.add_argument("--methods", nargs="+", default=list(PAPER["listops"]))
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=positive_int_argument, default=10)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if "softmax" not in args.methods:  # every ratio, measured and the paper's, is to it

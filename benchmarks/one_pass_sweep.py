@@ -30,6 +30,7 @@ from kernel_flags import one_pass_backward
 from run_metadata import run_metadata
 
 import skyformer
+from skyformer.checks import positive_int_argument
 from skyformer.io import atomic_write_text, write_json
 
 PRODUCT_KERNELS = ("_rows_kernel", "_cols_kernel", "_one_pass_kernel")
@@ -85,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dims", nargs="+", type=int, default=None,
                         help="default 32 64 (CPU 16)")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--features", type=int, default=128)
-    parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument("--features", type=positive_int_argument, default=128)
+    parser.add_argument("--iterations", type=positive_int_argument, default=3)
     parser.add_argument("--out", type=Path, default=None, help="writes OUT.json, OUT.md")
     args = parser.parse_args(argv)
     problem = device_problem("one_pass_sweep.py", args.device)

@@ -27,6 +27,7 @@ import torch
 from run_metadata import run_metadata, write_report  # benchmarks/, beside this script
 
 import skyformer
+from skyformer.checks import positive_int_argument
 from skyformer.eval.measure.timing import interleaved_median_seconds
 from skyformer.linalg import half_sq_norm, landmark_inverse
 
@@ -73,10 +74,10 @@ def calls(matrices: int, m: int) -> dict[str, Callable[[], None]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--matrices", type=int, nargs="+", default=[64, 2],
+    parser.add_argument("--matrices", type=positive_int_argument, nargs="+", default=[64, 2],
                         help="B x H (default: the model shape's and the LRA shape's)")
-    parser.add_argument("--features", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--features", type=positive_int_argument, default=128)
+    parser.add_argument("--repeats", type=positive_int_argument, default=40)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

@@ -32,6 +32,7 @@ from gpu_device import device_problem  # benchmarks/, beside this script
 from run_metadata import run_metadata
 
 import skyformer
+from skyformer.checks import positive_int_argument
 from skyformer.linalg import triton_kernels
 
 # compiled for sm_90 at D = 64, bfloat16 inputs: at most 32 bytes of spills a thread in
@@ -123,13 +124,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--shape", default=None,
                         help="B,H,D,dtype (default 4,16,64,bfloat16; on the CPU 1,1,16,float32)")
-    parser.add_argument("--seq-len", type=int, default=None, help="default 16384 (CPU: 64)")
-    parser.add_argument("--features", type=int, default=None, help="default 128 (CPU: 16)")
+    parser.add_argument("--seq-len", type=positive_int_argument,
+                        default=None, help="default 16384 (CPU: 64)")
+    parser.add_argument("--features", type=positive_int_argument,
+                        default=None, help="default 128 (CPU: 16)")
     parser.add_argument("--rows", nargs="+", default=list(ROWS),
                         help="rows kernel candidates BLOCK_N,BLOCK_M,WARPS,STAGES")
     parser.add_argument("--cols", nargs="+", default=list(COLS),
                         help="cols kernel candidates BLOCK_N,BLOCK_M,WARPS,STAGES")
-    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--repeats", type=positive_int_argument, default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     on_gpu = args.device == "cuda"

@@ -54,6 +54,7 @@ shares between heads.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -68,6 +69,7 @@ import torch
 import torch.nn.functional as F
 from run_metadata import run_metadata  # benchmarks/, beside this script
 
+from skyformer.checks import positive_int_argument
 from skyformer.eval.data.qkv import extract_qkv, load_model
 from skyformer.eval.data.text import default_text
 from skyformer.io import atomic_write_text, write_json
@@ -95,6 +97,9 @@ def published_path(method: str) -> str | None:
             sys.exit(f"{var}={path!r} is not a folder; set it to {what}.")
         return path
     if method == "reformer":
+        if importlib.util.find_spec("reformer_pytorch") is None:
+            sys.exit(f"reformer: set {var} to {what}, or install reformer-pytorch (the "
+                     f"library never ships or imports it).")
         return None  # an installed reformer_pytorch is fine
     sys.exit(f"{method}: set {var} to {what} (the library never ships or imports it).")
 
@@ -404,8 +409,10 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("method", choices=sorted(VARIANTS))
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[512, 2048, 4096])
-    parser.add_argument("--features", type=int, nargs="+", default=[32, 64, 128, 256])
+    parser.add_argument("--seq-lens", type=positive_int_argument,
+                        nargs="+", default=[512, 2048, 4096])
+    parser.add_argument("--features", type=positive_int_argument,
+                        nargs="+", default=[32, 64, 128, 256])
     parser.add_argument("--layers", type=int, nargs="+", default=[0, 2, 4])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--threads", type=int, default=None)

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from run_metadata import run_metadata  # benchmarks/, beside this script
 
+from skyformer.checks import positive_int_argument
 from skyformer.eval.data.qkv import extract_qkv, load_model
 from skyformer.eval.data.text import default_text
 from skyformer.io import atomic_write_text, write_json
@@ -56,10 +57,11 @@ def step(method: str, inputs: tuple[torch.Tensor, ...], m: int):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[512, 2048, 4096])
+    parser.add_argument("--seq-lens", type=positive_int_argument,
+                        nargs="+", default=[512, 2048, 4096])
     parser.add_argument("--methods", nargs="+", default=METHODS)
-    parser.add_argument("--features", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--features", type=positive_int_argument, default=128)
+    parser.add_argument("--repeats", type=positive_int_argument, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=RESULTS / "real_vs_random")
     args = parser.parse_args(argv)

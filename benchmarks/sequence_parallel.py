@@ -46,6 +46,7 @@ import torch.multiprocessing as mp
 from run_metadata import RESULTS, run_metadata  # benchmarks/, beside this script
 
 from skyformer import MultiHeadAttention
+from skyformer.checks import positive_int_argument
 from skyformer.distributed import count_communication, destroy_process_group, shard_bounds
 from skyformer.io import save_figure, write_csv, write_json
 
@@ -152,10 +153,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--procs", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--seq-lens", type=int, nargs="+",
+    parser.add_argument("--procs", type=positive_int_argument, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--seq-lens", type=positive_int_argument, nargs="+",
                         default=[2**e for e in range(16, 21)])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=positive_int_argument, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--out", default=str(RESULTS / "sequence_parallel"))
     args = parser.parse_args(argv)

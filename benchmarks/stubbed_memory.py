@@ -48,6 +48,7 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 import skyformer
+from skyformer.checks import positive_int_argument
 from skyformer.linalg import triton_lemma3, triton_lemma3_backward
 from skyformer.ops.shared import modified_nystrom
 
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--shape", default="4,16,16384,64", help="B,H,N,D")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--features", type=int, default=128)
+    parser.add_argument("--features", type=positive_int_argument, default=128)
     parser.add_argument("--rows-copied", action="store_true")
     parser.add_argument("--kept-products", action="store_true")
     parser.add_argument("--composable", action="store_true")

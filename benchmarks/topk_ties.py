@@ -16,6 +16,7 @@ import sys
 import torch
 from run_metadata import run_metadata  # benchmarks/, beside this script
 
+from skyformer.checks import positive_int_argument
 from skyformer.eval.measure.timing import interleaved_median_seconds
 from skyformer.io import write_json
 from skyformer.linalg.top_k import top_k
@@ -23,11 +24,12 @@ from skyformer.linalg.top_k import top_k
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384])
-    parser.add_argument("--clusters", type=int, default=64, help="c, rows per head")
-    parser.add_argument("--k", type=int, default=65, help="entries kept per row")
+    parser.add_argument("--seq-lens", type=positive_int_argument, nargs="+", default=[4096, 16384])
+    parser.add_argument("--clusters", type=positive_int_argument,
+                        default=64, help="c, rows per head")
+    parser.add_argument("--k", type=positive_int_argument, default=65, help="entries kept per row")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=positive_int_argument, default=5)
     parser.add_argument("--out", default=None, help="writes the rows as JSON")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from tests.benchmark_scripts import load_benchmark
@@ -53,8 +54,11 @@ def test_a_variants_features_run_and_bad_settings_stop_before_training(monkeypat
             if row.startswith("skyformer")] == ["8", "32"]
     ran.clear()
     (tmp_path / "file").write_text("")
-    for argv, said in ((["--steps", "0"], "steps must be a positive integer, got 0"),
-                       (["--methods", "nosuch"], "unknown attention method 'nosuch'"),
+    with pytest.raises(SystemExit) as ended:  # argparse's line, before anything loads
+        benchmark.main(["--methods", "skyformer", "--out", out, "--steps", "0"])
+    assert ended.value.code == 2
+    assert "argument --steps: must be a positive integer, got 0" in capsys.readouterr().err
+    for argv, said in ((["--methods", "nosuch"], "unknown attention method 'nosuch'"),
                        (["--out", str(tmp_path / "file" / "x")], "file is a file, not a folder"),
                        (["--methods", "skyformer[num_features=8]", "--features", "16"],
                         "sets num_features in its brackets and --features 16 sets it too")):

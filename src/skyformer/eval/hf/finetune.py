@@ -80,7 +80,7 @@ def distill(config: FinetuneConfig = FinetuneConfig(),
     config.validate()
     teacher, tokenizer, _ = load_model(config.model)
     inputs = build_inputs(tokenizer, read_text(config.text), "short", seq_len=config.seq_len,
-                          max_texts=10**9)
+                          max_texts=10**9, too_few="pass a longer text (--text FILE)")
     train, test = split(inputs, config.holdout)
     exact_train = embed_all(teacher, train, config.batch_size)
     exact_test = embed_all(teacher, test, config.batch_size)

@@ -179,8 +179,10 @@ def pad_batch(ids: list[list[int]], pad_id: int = 0) -> dict[str, Tensor]:
 
 
 def build_inputs(tokenizer: Any, text: str, setting: str, *, seq_len: int,
-                 max_texts: int) -> Inputs:
-    """Token ids of the ``short`` (sentences) or ``long`` (``seq_len``-token) setting."""
+                 max_texts: int, too_few: str = "pass a longer --text FILE, or --settings "
+                                                "long") -> Inputs:
+    """Token ids of the ``short`` (sentences) or ``long`` (``seq_len``-token) setting;
+    ``too_few``: what the sentence for a text of fewer than two sentences advises."""
     cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
     if setting == "short":
         found = sentences(text)[:max_texts]
@@ -188,8 +190,7 @@ def build_inputs(tokenizer: Any, text: str, setting: str, *, seq_len: int,
             raise ValueError(
                 f"the text has {len(found)} sentence(s) (one ends at . ! or ? before a "
                 f"capital or a digit, or at a CJK full stop, and has at least 4 words); the short "
-                f"setting needs at least 2 for retrieval: pass a longer --text FILE, or "
-                f"--settings long."
+                f"setting needs at least 2 for retrieval: {too_few}."
             )
         ids = [tokenizer(s, truncation=True, max_length=seq_len)["input_ids"] for s in found]
         return Inputs(setting, ids)
