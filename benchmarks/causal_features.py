@@ -31,6 +31,7 @@ from run_metadata import run_metadata, write_report  # benchmarks/, beside this 
 import skyformer
 from skyformer.checks import positive_int_argument
 from skyformer.eval.measure.timing import interleaved_median_seconds
+from skyformer.io import check_output_path
 from skyformer.linalg import half_sq_norm
 from skyformer.linalg.flush import flush_exponent_on_cpu_
 from skyformer.ops.nystrom_softmax import causal as causal_nystrom_softmax
@@ -113,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--shape", default="1,2,64", help="B,H,D")
-    parser.add_argument("--seq-lens", nargs="+", type=int, default=[4096, 16384])
+    parser.add_argument("--seq-lens", nargs="+", type=positive_int_argument,
+                        default=[4096, 16384])
     parser.add_argument("--features", type=positive_int_argument, default=128)
     parser.add_argument("--repeats", type=positive_int_argument, default=9)
     parser.add_argument("--threads", type=int, default=None)
@@ -121,7 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    b, h, d = map(int, args.shape.split(","))
+    try:
+        b, h, d = map(positive_int_argument, args.shape.split(","))
+    except (ValueError, argparse.ArgumentTypeError):
+        parser.error(f"argument --shape: B,H,D, three positive integers (e.g. 1,2,64), got "
+                     f"{args.shape!r}")
+    check_output_path(args.out)  # before the measurements, not after them
     rows = []
     for method in args.methods:
         for n in args.seq_lens:

@@ -1,7 +1,7 @@
 """Swap an efficient attention into a model built on torch's own layers, weights kept.
 
     python examples/torch_model.py                      # --quick: a few seconds on a CPU
-    python examples/torch_model.py --full               # about a minute on 2 CPU cores
+    python examples/torch_model.py --full               # one to two minutes on 2 CPU cores
     python examples/torch_model.py --methods skyformer "performer[num_features=8]"
 
 A user's plain PyTorch classifier: an embedding, an ``nn.TransformerEncoder`` of
@@ -130,7 +130,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     size.add_argument("--quick", action="store_true", default=True,
                       help="short sequences and few steps, seconds on a CPU (default)")
     size.add_argument("--full", dest="quick", action="store_false",
-                      help="longer sequences and more steps, about a minute on 2 cores")
+                      help="longer sequences and more steps, one to two minutes on 2 cores")
     parser.add_argument("--steps", type=positive_int_argument,
                         help="training steps, exact attention (quick 60, full 600)")
     parser.add_argument("--finetune-steps", type=positive_int_argument,
