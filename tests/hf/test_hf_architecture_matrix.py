@@ -227,6 +227,32 @@ def test_a_models_own_scaling_goes_to_the_scale_option():
         shf.set_attention(encoder, "linear")
 
 
+def test_a_scale_in_a_variant_name_wins_over_the_models_as_a_keyword_does():
+    """``set_attention(t5, "kernelized[scale=0.5]")`` ran with the model's scale 1 (only
+    a keyword counted as the user's), while ``describe`` said 0.5."""
+    batch, _ = inputs("t5")
+    runs = {}
+    for label, method, options in (("keyword", "kernelized", {"scale": 0.5}),
+                                   ("variant", "kernelized[scale=0.5]", {}),
+                                   ("model's", "kernelized", {})):
+        model = build("t5")
+        shf.set_attention(model, method, **options)
+        runs[label] = hidden(model, batch)
+    torch.testing.assert_close(runs["variant"], runs["keyword"], rtol=0, atol=0)
+    assert (runs["variant"] - runs["model's"]).abs().max() > 1e-3
+
+
+def test_options_of_the_causal_form_are_refused_where_no_layer_is_causal():
+    """``landmark_stride`` on an encoder changed nothing without a word; the other entry
+    points refuse it. A decoder takes it."""
+    for method, options in (("skyformer", {"landmark_stride": 2}),
+                            ("nystrom_softmax[causal_local=False]", {})):
+        with pytest.raises(ValueError, match=r"shapes causal attention only, and no layer "
+                                             r"set here is causal .*: leave it out"):
+            shf.set_attention(build("bert"), method, **options)
+    shf.set_attention(build(CAUSAL_LMS[0]), "skyformer", landmark_stride=2)
+
+
 @pytest.mark.parametrize("kind", CAUSAL_LMS)
 def test_causal_linear_attention_in_decoders_does_not_look_ahead(kind):
     """linear has causal masking: decoders run it; changing a later token leaves the

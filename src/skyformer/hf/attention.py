@@ -229,8 +229,8 @@ def _call_options(spec: Method, layer: LayerAttention, scaling: float | None, he
         if "scale" not in names:
             sentence = scaling_sentence(spec.name, scaling, head_dim, causal)
             raise CapabilityError(f"{where}: {sentence}.")
-        if "scale" not in layer.explicit:
-            changes["scale"] = float(scaling)
+        if "scale" not in layer.explicit and "scale" not in dict(spec.preset):
+            changes["scale"] = float(scaling)  # the user's, in a keyword or a variant, wins
     return changes
 
 

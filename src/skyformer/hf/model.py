@@ -146,12 +146,15 @@ def set_attention(
     # Build and check every setting before changing anything.
     built = []
     scopes = causal_scopes(model)
+    causal_layers = 0  # of those that run ``name``: where the causal form's options act
     for index, qualified, module in modules:
         cross = is_cross_attention(module, qualified)
         old = current_layer(module)
         runs = _runs(module)  # T5's encoder and decoder hold copies of the config
         if chosen is None or index in chosen:
             plan = (name, options, seed)
+            causal_layers += not cross and (under(qualified, scopes)
+                                            or bool(getattr(module, "is_causal", False)))
         elif old is not None and old.implementation == runs:
             # Unchanged layer: keep its setting and its state (learned parameters).
             built.append((module, dataclasses.replace(old, implementation=target), KEEP_STATE))
@@ -164,6 +167,8 @@ def set_attention(
                                    seed=plan[2], cross=cross, options=dict(plan[1]),
                                    causal=under(qualified, scopes))
         built.append((module, layer, state))
+    if not causal_layers:
+        _refuse_causal_form_options(name, options)
     _switch(model, target)  # first: where refused, nothing is installed
     for module, layer, state in built:  # only once every layer has passed its checks
         if state is KEEP_STATE:
@@ -171,6 +176,23 @@ def set_attention(
         else:
             install_layer(module, layer, state)
     return model
+
+
+def _refuse_causal_form_options(name: str, options: dict[str, Any]) -> None:
+    """A sentence where options of the causal form (``landmark_stride``,
+    ``causal_local``) are set for layers none of which is causal: every call would take
+    their defaults (an encoder's), as the other entry points refuse them."""
+    if name == EXACT:
+        return
+    given = {**dict(get_method(name).preset), **options}
+    shaping = sorted(option for option, default in CAUSAL_FORM_DEFAULTS.items()
+                     if option in given and given[option] != default)
+    if shaping:
+        raise ValueError(
+            f"{name}: {', '.join(f'{o}={given[o]!r}' for o in shaping)} "
+            f"{'shapes' if len(shaping) == 1 else 'shape'} causal attention only, and no "
+            f"layer set here is causal (an encoder's self-attention): leave "
+            f"{'it' if len(shaping) == 1 else 'them'} out.")
 
 
 def _runs(module: nn.Module) -> str | None:
