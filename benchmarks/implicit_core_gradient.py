@@ -85,11 +85,15 @@ def implicit_core(record: list[dict] | None = None) -> Iterator[None]:
         v = implicit_pinv(a, iterations, "razavi")  # the steps asked, on any device
         if record is not None:
             with torch.no_grad():
-                record.append({
+                call = {
                     "iterations": iterations,
                     "residual": inverse_residual(a, v).flatten().tolist(),
                     "lambda_min": torch.linalg.eigvalsh(a)[..., 0].flatten().tolist(),
-                })
+                    "backward": False,
+                }
+            record.append(call)
+            if v.requires_grad:  # the gradient reached the patched inverse
+                v.register_hook(lambda grad: call.__setitem__("backward", True))
         return v
 
     with mock.patch.object(NYSTROM, "iterative_pinv", pinv):
@@ -172,12 +176,13 @@ def study(q: Tensor, k: Tensor, v: Tensor, cotangent: Tensor, *, features: list[
 def check_patch(unrolled: tuple[Tensor, ...], implicit: tuple[Tensor, ...], calls: list[dict],
                 iterations: int) -> None:
     """The implicit run went through the patched inverse once (``calls``: what it recorded),
-    at ``iterations``, and through its backward: dQ and dK differ from the unrolled ones,
-    dV is the same."""
+    at ``iterations``, and through its backward; dV is the same. (dQ and dK may equal the
+    unrolled ones bitwise where the inverse has converged: a draw decides.)"""
     if [c["iterations"] for c in calls] != [iterations]:
         raise RuntimeError("the core did not call the patched iterative_pinv")
-    if any(torch.equal(a, b) for a, b in zip(unrolled[:2], implicit[:2], strict=True)):
-        raise RuntimeError("the implicit patch left dQ or dK unchanged")
+    if not all(c.get("backward") for c in calls):
+        raise RuntimeError("the implicit patch left dQ and dK unchanged: the gradient never "
+                           "reached the patched inverse")
     if not torch.equal(unrolled[2], implicit[2]):
         raise RuntimeError("dV changed: the patch changed the forward pass")
 
