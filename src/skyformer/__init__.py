@@ -17,7 +17,7 @@ from .ops import (
     softmax_attention,
 )
 from .registry import Capabilities, CapabilityError, attention, get_method, list_methods
-from .sketch.rng import random_key
+from .sketch.rng import fold_in, random_key
 from .torch_attention import TorchMultiheadAttention, replace_attention
 
 __version__ = "0.1.0"
@@ -29,6 +29,7 @@ __all__ = [
     "TorchMultiheadAttention",
     "attention",
     "cuda_graph_launches",
+    "fold_in",
     "get_method",
     "kernelized_attention",
     "list_methods",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 
+import numpy as np
 import pytest
 import scipy.stats
 import torch
@@ -160,5 +161,17 @@ def test_distinct_int_seeds_give_distinct_keys():
     seeds = [0, 1, 2**31, 2**32 - 1, 2**32, 2**32 + 1, 2**63, 2**64 - 1]
     keys = {tuple(random_key(s).tolist()) for s in seeds}
     assert len(keys) == len(seeds)  # the high half counts too
+    assert torch.equal(random_key(np.int64(3)), random_key(3))  # a NumPy seed is a seed
     first = {random_key(s)[0].item() for s in range(0, 70000, 7)}
     assert len(first) == len(range(0, 70000, 7))  # the first word alone is one-to-one
+
+
+def test_one_key_draws_alike_in_every_call_and_fold_in_gives_each_layer_its_own():
+    """The documented way to give layers their own draws from one key."""
+    import skyformer
+
+    q = torch.randn(1, 2, 40, 8, generator=torch.Generator().manual_seed(0))
+    key = skyformer.random_key(0)
+    run = [skyformer.attention(q, q, q, "skyformer", num_features=8, generator=k)
+           for k in (key, key, skyformer.fold_in(key, 1))]
+    assert torch.equal(run[0], run[1]) and not torch.equal(run[0], run[2])

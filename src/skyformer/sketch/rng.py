@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from collections.abc import Iterator
 
 import torch
@@ -58,7 +59,8 @@ def random_key(source: torch.Generator | Tensor | int | None = None,
     if isinstance(source, Tensor):
         check_key(source)
         return source.to(device)
-    if isinstance(source, int) and not isinstance(source, bool):
+    if isinstance(source, numbers.Integral) and not isinstance(source, bool):
+        source = int(source)  # a NumPy integer is a seed too
         check_seed("a random key's seed", source)
         lo, hi = torch.tensor(source & _MASK), torch.tensor((source >> 32) & _MASK)
         # one-to-one: the first word a bijection of the low half, the second of the high
