@@ -17,8 +17,10 @@ recomputing the forward over every position at every step, and printing both tex
 the largest difference of their next-byte logits (float32 rounding, about 1e-6, when they
 agree; the greedy bytes of a briefly trained model can agree even where they do not).
 
-Two settings make the two agree: one random key, ``skyformer.random_key(seed)``, given to
-every layer's forward and cache (a ``torch.Generator`` would be advanced by each draw), and
+Two settings make the two agree: one random key, ``skyformer.random_key(seed)``, from which
+each layer's forward and cache take the same key of their own, ``skyformer.fold_in(key, i)``
+for layer i (a ``torch.Generator`` would be advanced by each draw; one key for every layer
+would give them all the same landmarks), and
 a fixed ``landmark_stride`` (one landmark slot per that many tokens; without it a cache
 keeps the prompt's stride, the forward takes the whole sequence's: docs/causal.md).
 Causal ``skyformer`` and ``nystrom_softmax`` attend exactly to the keys of the query's own
@@ -78,8 +80,9 @@ class Decoder(nn.Module):
         """``tokens: [B, n]`` at positions ``start ..`` -> logits ``[B, n, 256]``: the whole
         sequence with ``key``, or the next positions with one cache per layer."""
         x = self.embed(tokens) + self.positions(start, tokens.shape[1])
-        for i, block in enumerate(self.blocks):
-            x = block(x, key, None if caches is None else caches[i])
+        for i, block in enumerate(self.blocks):  # layer i's key: its own landmarks
+            x = block(x, None if key is None else skyformer.fold_in(key, i),
+                      None if caches is None else caches[i])
         return self.head(self.norm(x))
 
 
@@ -97,7 +100,8 @@ def generate_cached(model: Decoder, prompt: Tensor, steps: int,
     each step running the model on one new position: ``[1, n0 + steps]``, the next-byte
     logits each step chose from, ``[steps, 256]``, and the bytes the caches hold after
     each step."""
-    caches = [block.attn.new_cache(generator=key) for block in model.blocks]
+    caches = [block.attn.new_cache(generator=skyformer.fold_in(key, i))  # as the forward's
+              for i, block in enumerate(model.blocks)]
     tokens, logits = prompt, model(prompt, caches=caches)[:, -1]
     chosen, sizes = [], []
     for _ in range(steps):
@@ -135,11 +139,12 @@ class Result:
 def train(model: Decoder, args: argparse.Namespace) -> list[float]:
     """Next-byte cross-entropy, AdamW; the losses of every step."""
     optimiser = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    data = torch.Generator().manual_seed(1)
+    data = torch.Generator().manual_seed(args.seed)
+    landmarks = skyformer.random_key(args.seed)
     losses = []
     for step in range(args.steps):
         window = text_batches(args.seq_len, args.batch, data)
-        logits = model(window[:, :-1], skyformer.random_key(step))  # new landmarks per step
+        logits = model(window[:, :-1], skyformer.fold_in(landmarks, step))  # new per step
         loss = nn.functional.cross_entropy(logits.flatten(0, 1), window[:, 1:].flatten())
         optimiser.zero_grad(set_to_none=True)
         loss.backward()
@@ -172,8 +177,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--heads", type=positive_int_argument, default=2)
     parser.add_argument("--layers", type=positive_int_argument, default=2)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the "
-                                                            "generation's random key")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the weights, the training data and landmarks, and the "
+                             "generation's random key")
     args = parser.parse_args(argv)
     if not args.prompt:
         parser.error("--prompt is empty; give at least one character to continue.")
