@@ -204,6 +204,23 @@ def test_a_misspelt_argument_of_an_entry_point_gets_the_close_one(call, said):
         call(q, torch.ones(1, 8, dtype=torch.bool))
 
 
+def test_a_bound_call_names_an_argument_it_does_not_take():
+    """``bind()(q, k, v, dropout_p=0.1)`` got Python's "skyformer_attention() got an
+    unexpected keyword argument", naming a function the user never called."""
+    q = torch.randn(1, 2, 8, 4)
+    bound = skyformer.get_method("skyformer").bind(num_features=4)
+    with pytest.raises(TypeError, match=r"skyformer: the bound call takes no argument "
+                                        r"'dropout_p'; it takes q, k, v and key_padding_mask, "
+                                        r"query_padding_mask, generator, state \(options are "
+                                        r"given to bind\(\)"):
+        bound(q, q, q, dropout_p=0.1)
+    with pytest.raises(TypeError, match=r"'generatr' \(did you mean 'generator'\?\)"):
+        bound(q, q, q, generatr=None)
+    exact = skyformer.get_method("softmax").bind()
+    torch.testing.assert_close(exact(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool)),
+                               exact(q, q, q))  # its own arguments still go through
+
+
 def test_an_argument_of_a_methods_call_given_as_an_option_says_where_it_goes():
     """``attention(..., "performer", projection=W)``: the README says Performer's
     features may be passed as ``projection``, and the refusal listed options only."""
