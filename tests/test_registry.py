@@ -191,6 +191,11 @@ def test_a_misspelt_option_gets_the_close_one(options, said):
      r"bool, True = real token\)\.$"),
     (lambda q, m: skyformer.attention(q, q, q, "skyformer", key_padding=m),
      r"attention has no argument 'key_padding' \(did you mean 'key_padding_mask'\?\)"),
+    # a method's own function (skyformer.ops) says so too: it listed the options alone
+    (lambda q, m: skyformer.ops.skyformer_attention(q, q, q, mask=m),
+     r"skyformer_attention takes no argument 'mask': pass key_padding_mask"),
+    (lambda q, m: skyformer.ops.performer_attention(q, q, q, generatr=None),
+     r"performer_attention has no argument 'generatr' \(did you mean 'generator'\?\)"),
     # closer to one of the method's options: the method's own sentence
     (lambda q, m: skyformer.scaled_dot_product_attention(q, q, q, method="skyformer",
                                                          casual=True),

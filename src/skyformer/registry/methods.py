@@ -398,8 +398,14 @@ def with_options(config_class: type, method: str
     e.g. a materialised variant of a method)."""
 
     def decorator(core: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        def make_config(options: dict[str, Any]) -> Any:
+            spec = get_method(method)
+            # a misspelt argument (``generatr``, ``mask``) named as the other entries name it
+            refuse_misnamed_arguments(spec, options, core.__name__, core)
+            return spec.make_config(**options)
+
         return public_function(
-            core, config_class, lambda options: get_method(method).make_config(**options),
+            core, config_class, make_config,
             lambda q, k, mask, config: get_method(method).check_call(q, k, mask, config))
 
     return decorator
