@@ -296,14 +296,17 @@ def test_a_task_given_twice_to_stability_is_refused(tmp_path, capsys, listops_ca
     assert captured.out == ""
 
 
-def test_stability_progress_lines_are_flushed(monkeypatch, listops_cache):
-    """``skyformer lra stability > log``: each 'mean tau' line reaches the log when
-    measured (it sat in stdout's buffer until the run ended)."""
-    recorder = FlushRecorder()
-    monkeypatch.setattr(sys, "stdout", recorder)
+def test_stability_progress_lines_are_flushed_to_stderr(monkeypatch, listops_cache):
+    """``skyformer lra stability 2> log``: each 'mean tau' line reaches the log when
+    measured (it sat in a buffer until the run ended), on stderr as bench's progress, so
+    that stdout holds the table alone."""
+    recorder, out = FlushRecorder(), FlushRecorder()
+    monkeypatch.setattr(sys, "stderr", recorder)
+    monkeypatch.setattr(sys, "stdout", out)
     assert main(["lra", "stability", "--tasks", "listops", "--methods", "kernelized",
                  "--steps", "1", "--batch-size", "16", "--cache", str(listops_cache)]) == 0
     assert "listops kernelized seed 0: mean tau" in recorder.flushed
+    assert "mean tau" not in out.getvalue()
 
 
 def test_stability_json_records_features_options_command_and_environment(

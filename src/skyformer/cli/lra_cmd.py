@@ -399,8 +399,9 @@ def _measure_stability(args: argparse.Namespace, overrides: dict,
 
 
 def _say_now(line: str) -> None:
-    """A progress line, flushed: a log file (stdout block-buffered) shows it now."""
-    print(line, flush=True)
+    """A progress line on stderr, as bench's: stdout keeps the table alone (``> table.txt``),
+    flushed so that a log file shows it now."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def _refuse_replacing_taus(json_path: str | None) -> None:
