@@ -16,7 +16,6 @@ experiments and the peak-memory subprocess alike.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -83,31 +82,20 @@ def _refuse_unknown_arguments(method: Method, arguments: dict[str, Any]) -> None
     """A sentence for a keyword the method's core does not take (``dropout_p``, ``mask``):
     Python's own named the core's function, ``skyformer_attention() got an unexpected
     keyword argument``, which the user never called."""
-    taken = _keywords(method.core)
-    unknown = [name for name in arguments if taken is not None and name not in taken]
+    from .methods import _CALL_NAMES, _argument_names, did_you_mean
+
+    taken = _argument_names(method.core)  # cached: the usual call reads no signature
+    unknown = [name for name in arguments
+               if name not in taken and not takes_keyword(method.core, name)]
     if not unknown:
         return
-    from .methods import did_you_mean
-
-    own = [n for n in taken if n not in ("q", "k", "v", "config", *_CALL_KEYWORDS)]
-    close = did_you_mean(unknown[0], [*_CALL_KEYWORDS, *own]) if len(unknown) == 1 else ""
+    call = [n for n in _CALL_NAMES if n not in ("q", "k", "v", "method")]
+    own = [n for n in taken if n not in ("q", "k", "v", "config", *call)]
+    close = did_you_mean(unknown[0], [*call, *own]) if len(unknown) == 1 else ""
     raise TypeError(f"{method.name}: the bound call takes no argument "
                     f"{', '.join(map(repr, unknown))}{close}; it takes q, k, v and "
-                    f"{', '.join([*_CALL_KEYWORDS, *own])} (options are given to bind(); "
+                    f"{', '.join([*call, *own])} (options are given to bind(); "
                     f"SDPA's arguments to skyformer.scaled_dot_product_attention).")
-
-
-_CALL_KEYWORDS = ("key_padding_mask", "query_padding_mask", "generator", "state")
-
-
-@functools.cache
-def _keywords(core: Callable[..., Any]) -> tuple[str, ...] | None:
-    """The names ``core`` takes by keyword; None where it takes any (``**kwargs``)."""
-    parameters = inspect.signature(core).parameters.values()
-    if any(p.kind is p.VAR_KEYWORD for p in parameters):
-        return None
-    return tuple(p.name for p in parameters if p.kind in (p.KEYWORD_ONLY,
-                                                          p.POSITIONAL_OR_KEYWORD))
 
 
 def _names_generator(factory: Callable[..., Any]) -> bool:
