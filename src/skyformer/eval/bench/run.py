@@ -456,12 +456,13 @@ def _measure_length(
     _time_interleaved(config, runnable, rows, device)
     exact: dict[tuple, tuple[Tensor, float]] = {}
     for label, ready in runnable.items():
-        _complete_row(config, rows[label], ready, shape, n, dtype, device, inputs, exact,
+        _complete_row(config, rows[label], ready, shape, n, device, inputs, exact,
                       times[label], peaks[label], gflops, group)
     return [rows[label] for label in labels]
 
 
-_Runnable = tuple[NamedAttention, dict[str, Any], Callable, Callable]  # method, options, fwd, step
+# method, options, fwd, step, and its operations (``_flops``: counted once a length)
+_Runnable = tuple[NamedAttention, dict[str, Any], Callable, Callable, float | None]
 # What a method's call may raise and its row then records (out of memory, inputs its
 # options exclude, a function of the wrong kind); anything else escapes (``_escaping``).
 CALL_ERRORS = (RuntimeError, ValueError, TypeError)
@@ -517,7 +518,7 @@ def _first_call(
     except Exception as err:
         _escaping(err, row, "in its first call")
         raise
-    return row, (method, options, forward, step)
+    return row, (method, options, forward, step, flops)
 
 
 class _CallFailed(Exception):
@@ -572,7 +573,7 @@ def _timed(config: BenchConfig, runnable: dict[str, _Runnable], device: torch.de
     """(median seconds of each call of ``runnable``, named ``label/fwd`` and
     ``label/fwd_bwd``; the mean 1-minute load average over the timing, if known)."""
     fns: dict[str, Callable[[], object]] = {}
-    for label, (_, _, forward, step) in runnable.items():
+    for label, (_, _, forward, step, _) in runnable.items():
         fns[f"{label}/fwd"] = _named(label, forward)
         if config.backward:
             fns[f"{label}/fwd_bwd"] = _named(label, step)
@@ -592,7 +593,7 @@ def _timed(config: BenchConfig, runnable: dict[str, _Runnable], device: torch.de
 
 def _complete_row(
     config: BenchConfig, row: dict[str, Any], ready: _Runnable, shape: tuple[int, int, int],
-    n: int, dtype: torch.dtype, device: torch.device, inputs: Any,
+    n: int, device: torch.device, inputs: Any,
     exact: dict[tuple, tuple[Tensor, float]], times: list, peaks: list, gflops: float,
     group: dict[str, Any],
 ) -> None:
@@ -600,7 +601,7 @@ def _complete_row(
     error that fails to be measured is left out, the row saying why in its reason (its
     times stand: they were measured)."""
     b, h, d = shape
-    method, options, forward, _ = ready
+    method, options, forward, _, flops = ready
     main = row["fwd_bwd_ms"] if config.backward else row["fwd_ms"]
     times.append((n, main / 1e3))
     if config.memory:
@@ -615,7 +616,6 @@ def _complete_row(
     elif config.error and method.target is not None:
         _guarded(row, "relative error",
                  lambda: _error(row, forward, _target(*inputs[:3], method, options, exact)))
-    flops = _flops(config, method, options, shape, n, dtype, device)
     if flops is not None:
         row["gflop"] = flops / 1e9
         _speed_of_light(row, gflops, config.backward)
