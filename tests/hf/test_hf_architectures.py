@@ -569,6 +569,39 @@ def test_seed_fixes_the_per_layer_state(method):
     assert not all(torch.equal(sa[k], sc[k]) for k in sa) or not sa, "the seed must matter"
 
 
+def test_a_seed_offsets_each_attention_module_by_its_position():
+    """seed s: the i-th attention module draws as seed s + i. In an encoder-decoder, the
+    encoder's layer 0, the decoder's self-attention 0 and its cross-attention 0 share
+    ``layer_idx`` 0 but are three modules, which must not draw alike."""
+    import copy
+
+    from transformers import BartConfig, BartModel
+
+    a, b = tiny_bert(), tiny_bert()
+    shf.set_attention(a, "performer", seed=3, num_features=8)
+    shf.set_attention(b, "performer", seed=4, num_features=8)
+    layer_1 = a.encoder.layer[1].attention.self.skyformer_state.state_dict()
+    layer_0 = b.encoder.layer[0].attention.self.skyformer_state.state_dict()
+    assert layer_1.keys() == layer_0.keys() and layer_1
+    assert all(torch.equal(layer_1[k], layer_0[k]) for k in layer_1)
+
+    config = BartConfig(d_model=32, encoder_layers=1, decoder_layers=1,
+                        encoder_attention_heads=4, decoder_attention_heads=4,
+                        encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=100,
+                        max_position_embeddings=64, pad_token_id=1, bos_token_id=0,
+                        eos_token_id=2, decoder_start_token_id=2)
+    config._attn_implementation = "sdpa"
+    bart = BartModel(copy.deepcopy(config)).eval()
+    shf.set_attention(bart, "performer", seed=3, num_features=8)
+    modules = (bart.encoder.layers[0].self_attn, bart.decoder.layers[0].self_attn,
+               bart.decoder.layers[0].encoder_attn)
+    assert [m.layer_idx for m in modules] == [0, 0, 0]
+    states = [m.skyformer_state.state_dict() for m in modules]
+    for i, first in enumerate(states):
+        for second in states[i + 1:]:
+            assert not all(torch.equal(first[k], second[k]) for k in first)
+
+
 def test_an_old_transformers_gets_a_version_sentence():
     out = _import_skyformer_hf_after("import transformers; transformers.__version__ = '4.57.1'\n")
     assert "needs transformers >= 5.4, found 4.57.1" in out

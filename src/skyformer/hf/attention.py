@@ -463,7 +463,7 @@ def _decoding_step(module: nn.Module, layer: LayerAttention, decoding: DecodingL
 
 def _layer_key(layer: LayerAttention, device: torch.device) -> Tensor | None:
     """The random key of a layer with a seed (a tensor: compile-friendly), else None."""
-    return None if layer.seed is None else random_key(layer_seed(layer.seed, layer.index), device)
+    return None if layer.seed is None else random_key(layer_seed(layer.seed, layer), device)
 
 
 def _with_attn_mask(

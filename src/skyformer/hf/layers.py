@@ -58,13 +58,17 @@ class LayerAttention:
         e.g. a user-given ``scale`` over the model's ``scaling``).
     seed: ``None`` = randomised methods draw from torch's global generator (fresh draws
         every call, as in training); an int = every call draws from a generator seeded
-        with ``layer_seed`` = (seed + index) mod 2^64 (the same input gives the same
+        with ``layer_seed`` = (seed + position) mod 2^64 (the same input gives the same
         output), and the per-layer state is initialised under that seed too.
     index: the layer number (``module.layer_idx`` or the module's position in the model;
         ``None`` for a module set up during a forward pass without a ``layer_idx``).
     implementation: the ``attn_implementation`` name this setting was made for; it is
         ignored once the model is switched to another implementation.
     cross: the module attends from one sequence to another (cross-attention).
+    position: the module's position among the model's attention modules
+        (``attention_modules``, model order), which a seed is offset by: unlike ``index``,
+        it differs between an encoder-decoder's encoder layer i, decoder self-attention i
+        and cross-attention i, so these draw apart (``None``: as ``index``).
     """
 
     method: str
@@ -74,6 +78,7 @@ class LayerAttention:
     index: int | None
     implementation: str
     cross: bool
+    position: int | None = None
 
     @property
     def config(self) -> Any:
@@ -377,10 +382,12 @@ def scaling_sentence(method: str, scaling: float, head_dim: int, causal: bool = 
     )
 
 
-def layer_seed(seed: int, index: int | None) -> int:
-    """The seed of layer ``index`` for a model seeded ``seed``: (seed + index) mod 2^64, a
-    seed every generator takes (``skyformer.seeds``) for any seed ``check_seed`` took."""
-    return (seed + (index or 0)) % SEED_LIMIT
+def layer_seed(seed: int, layer: LayerAttention) -> int:
+    """The seed of ``layer`` for a model seeded ``seed``: (seed + its position among the
+    model's attention modules) mod 2^64, a seed every generator takes
+    (``skyformer.seeds``) for any seed ``check_seed`` took."""
+    offset = layer.index if layer.position is None else layer.position
+    return (seed + (offset or 0)) % SEED_LIMIT
 
 
 def check_setting_arguments(method: str, seed: object, options: dict[str, Any]) -> None:
@@ -396,23 +403,25 @@ def check_setting_arguments(method: str, seed: object, options: dict[str, Any]) 
 
 def build_layer(
     module: nn.Module, method: str, *, index: int | None, implementation: str, seed: int | None,
-    cross: bool, options: dict[str, Any], causal: bool = False,
+    cross: bool, options: dict[str, Any], causal: bool = False, position: int | None = None,
 ) -> tuple[LayerAttention, nn.Module | None]:
     """Check ``method`` against ``module`` and build its setting and per-layer state
     (``None`` for methods without one). ``causal``: the module is inside a part of the
     model that builds causal masks (``causal_scopes``): a self-attention module there
     attends causally although its ``is_causal`` flag may say no, and a cross-attention
     module attends from a causal decoder's tokens. Changes nothing: see
-    ``install_layer``."""
+    ``install_layer``. ``position``: see ``LayerAttention``."""
     check_setting_arguments(method, seed, options)
     if method == EXACT:
-        return LayerAttention(EXACT, None, (), seed, index, implementation, cross), None
+        return LayerAttention(EXACT, None, (), seed, index, implementation, cross,
+                              position), None
     spec = get_method(method)
     _check_module(spec, module, index, cross, options, causal)
     heads, head_dim = heads_and_dim(module)
     bound = spec.bind(heads, head_dim, seq_len=position_limit(module), **options)
     explicit = tuple(sorted(options))
-    layer = LayerAttention(method, bound, explicit, seed, index, implementation, cross)
+    layer = LayerAttention(method, bound, explicit, seed, index, implementation, cross,
+                           position)
     if spec.state is None:
         return layer, None
     if heads is None or head_dim is None:
@@ -421,18 +430,18 @@ def build_layer(
             f"of {type(module).__name__} are unknown (no num_attention_heads/head_dim "
             f"attributes)."
         )
-    return layer, _new_state(module, bound, seed, index)
+    return layer, _new_state(module, layer)
 
 
-def _new_state(module: nn.Module, bound: BoundMethod, seed: int | None,
-               index: int | None) -> nn.Module:
+def _new_state(module: nn.Module, layer: LayerAttention) -> nn.Module:
     """The layer's state on the module's device and dtype. Made of ordinary tensors
     also where the first forward pass runs under ``torch.inference_mode()`` (the
     ``attn_implementation`` route makes it there): inference tensors could never be
     trained nor updated in place (Performer's redraws) outside that mode."""
     with torch.inference_mode(False), torch.no_grad():
         # the seed also fixes the state's initialisation (projections, feature seeds)
-        state = bound.new_state(seed=None if seed is None else layer_seed(seed, index))
+        seed = None if layer.seed is None else layer_seed(layer.seed, layer)
+        state = layer.bound.new_state(seed=seed)
         param = next(module.parameters(), None)
         if param is not None:
             state = state.to(device=param.device, dtype=param.dtype)

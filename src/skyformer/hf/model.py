@@ -114,9 +114,13 @@ def set_attention(
             attention modules); ``None`` = every layer. Layers not listed keep what they
             run now.
         seed: ``None``: randomised methods draw from torch's global generator on every
-            call; an int: layer i draws from a generator seeded (seed + i) mod 2^64 on every call
-            and initialises its per-layer state under that seed (deterministic outputs;
-            from a generator of its own: torch's global one is neither read nor changed).
+            call; an int: the i-th attention module in model order (layer i where each layer
+            has one) draws from a generator seeded (seed + i) mod 2^64 on every call and
+            initialises its per-layer state under that seed (deterministic outputs; from a
+            generator of its own: torch's global one is neither read nor changed). An
+            encoder-decoder's encoder layer i, decoder self-attention i and cross-attention
+            i are different modules and draw apart; positions count within ``model``, so
+            parts set one call each need seeds far apart.
         **options: the method's options (``skyformer list``); options the model fixes
             (``max_seq_len`` from ``max_position_embeddings``) are filled in, ``causal``
             follows the model and the model's logit ``scaling`` is passed as ``scale``
@@ -147,7 +151,7 @@ def set_attention(
     built = []
     scopes = causal_scopes(model)
     causal_layers = 0  # of those that run ``name``: where the causal form's options act
-    for index, qualified, module in modules:
+    for position, (index, qualified, module) in enumerate(modules):
         cross = is_cross_attention(module, qualified)
         old = current_layer(module)
         runs = _runs(module)  # T5's encoder and decoder hold copies of the config
@@ -165,7 +169,7 @@ def set_attention(
             plan = (EXACT, {}, None)
         layer, state = build_layer(module, plan[0], index=index, implementation=target,
                                    seed=plan[2], cross=cross, options=dict(plan[1]),
-                                   causal=under(qualified, scopes))
+                                   causal=under(qualified, scopes), position=position)
         built.append((module, layer, state))
     if not causal_layers:
         _refuse_causal_form_options(name, options)
