@@ -48,8 +48,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-benchmarks/results/gpu}
 mkdir -p "$out"
+# PYTHON=... names the interpreter (default python3: the machine's own torch with CUDA).
+export PYTHON=${PYTHON:-python3}
 export PYTHONPATH="$PWD/src:$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device')" \
+"$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device')" \
     || exit 1
 
 # stage NAME SECONDS COMMAND...: output to OUT_DIR/NAME.log, followed on the terminal.
@@ -113,7 +115,7 @@ stage() {
 }
 
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  "$PYTHON" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   echo "code ${CODE:-(set CODE=<commit> to record it)}"; } > "$out/machine.txt" 2>&1
 cat "$out/machine.txt"
 if command -v nvidia-smi > /dev/null; then  # appended: a rerun's samples follow
@@ -125,9 +127,9 @@ fi
 
 if [ -z "${SKIP_TESTS:-}" ]; then
   # CUDA test run: contract, every method in float32 and bfloat16, Triton kernels
-  parallel=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8" || true)
+  parallel=$("$PYTHON" -c "import xdist" 2>/dev/null && echo "-n 8" || true)
   SKYFORMER_TEST_CUDA=1 stage tests "$([ -n "${SHORT:-}" ] && echo 180 || echo 220)" \
-      python3 -m pytest -q -p no:warnings -p no:cacheprovider $parallel tests/gpu \
+      "$PYTHON" -m pytest -q -p no:warnings -p no:cacheprovider $parallel tests/gpu \
       tests/test_contract.py tests/linalg tests/sketch/test_triton_draws.py \
       tests/ops/test_kernelized_flash.py tests/ops/test_kernelized_fold.py \
       tests/ops/test_skyformer_two_nodes.py \
@@ -139,53 +141,53 @@ if [ -n "${SHORT:-}" ]; then
   model_calls=('skyformer/triton+implicit' 'skyformer/triton+implicit+composable'
                'skyformer/triton+implicit+guard*'
                'skyformer/triton+implicit+cudagraphs' 'skyformer/triton+implicit+rows-bf16*')
-  stage kernels_model 140 python3 -W ignore benchmarks/gpu_kernels.py --timing blocked \
+  stage kernels_model 140 "$PYTHON" -W ignore benchmarks/gpu_kernels.py --timing blocked \
       --pause 1 --shapes 4,16,64,bfloat16 --seq-lens 4096 32768 \
       --compile-seq-lens 4096 32768 --compile-kernels triton --max-exact-n 4096 \
       --calls "${model_calls[@]}" 'kernelized/*' 'sdpa+padding' --no-core \
       --out "$out/kernels_model.json"
-  stage kernels_model_interleaved 80 python3 -W ignore benchmarks/gpu_kernels.py \
+  stage kernels_model_interleaved 80 "$PYTHON" -W ignore benchmarks/gpu_kernels.py \
       --shapes 4,16,64,bfloat16 --seq-lens 4096 32768 --compile-seq-lens 4096 32768 \
       --compile-kernels triton --max-exact-n 0 --calls "${model_calls[@]}" --no-core \
       --out "$out/kernels_model_interleaved.json"
-  stage paired_steps 40 python3 -W ignore benchmarks/paired_steps.py \
+  stage paired_steps 40 "$PYTHON" -W ignore benchmarks/paired_steps.py \
       --out "$out/paired_steps.txt"
-  stage kernels_lra 50 python3 -W ignore benchmarks/gpu_kernels.py --timing blocked \
+  stage kernels_lra 50 "$PYTHON" -W ignore benchmarks/gpu_kernels.py --timing blocked \
       --pause 1 --shapes 1,2,32,float32 --seq-lens 4096 --compile-seq-lens 4096 \
       --compile-kernels triton --max-exact-n 0 --calls 'skyformer/triton+implicit' \
       'skyformer/triton+implicit+cudagraphs' --no-core --out "$out/kernels_lra.json"
-  stage bench_causal 60 python3 -W ignore -m skyformer bench --device cuda --causal \
+  stage bench_causal 60 "$PYTHON" -W ignore -m skyformer bench --device cuda --causal \
       --shapes 4,16,64 --dtypes bfloat16 --seq-lens 4096 16384 \
       --methods softmax skyformer 'skyformer[pinv_gradient=implicit]' performer \
       --features 128 --repeats 5 --max-seconds 5 --no-error --no-plot --markdown \
       --timing blocked --pause 0.5 --resume --out "$out/bench_causal"
-  stage half_gradients 45 python3 -W ignore benchmarks/half_gradients.py --device cuda \
+  stage half_gradients 45 "$PYTHON" -W ignore benchmarks/half_gradients.py --device cuda \
       --noise 0.1 0.0 --rows-one-bf16-pass --out "$out/half_gradients"
 else
   # The launch options of the Lemma 3 kernels (m = 128) and of the product kernels (model
   # shape, N = 16384), timed (each option compiles its kernels)
-  stage tiles 180 python3 benchmarks/lemma3_tiles.py --out "$out/lemma3_tiles.json"
-  stage ptiles 150 python3 benchmarks/product_tiles.py --out "$out/product_tiles.json"
-  stage ftiles 90 python3 benchmarks/flash_tiles.py --out "$out/flash_tiles.json"
+  stage tiles 180 "$PYTHON" benchmarks/lemma3_tiles.py --out "$out/lemma3_tiles.json"
+  stage ptiles 150 "$PYTHON" benchmarks/product_tiles.py --out "$out/product_tiles.json"
+  stage ftiles 90 "$PYTHON" benchmarks/flash_tiles.py --out "$out/flash_tiles.json"
   tiles=()
   for file in "$out/lemma3_tiles.json" "$out/product_tiles.json" "$out/flash_tiles.json"; do
     [ -e "$file" ] && tiles+=("$file")
   done
   [ ${#tiles[@]} -gt 0 ] && tiles=(--tiles "${tiles[@]}")
   # Where the time goes: kernels, launches and idle time of one call (torch.profiler)
-  stage profile 45 python3 benchmarks/gpu_profile.py --seq-lens 4096 16384 "${tiles[@]}" \
+  stage profile 45 "$PYTHON" benchmarks/gpu_profile.py --seq-lens 4096 16384 "${tiles[@]}" \
       --out "$out/profile"
   # The eager call's host time split: Triton's launcher against the rest of the host path
-  stage split 45 python3 -W ignore benchmarks/gpu_host_split.py --out "$out/host_split.md"
+  stage split 45 "$PYTHON" -W ignore benchmarks/gpu_host_split.py --out "$out/host_split.md"
   # Triton kernels vs PyTorch path vs flash SDPA, eager and compiled
-  stage kernels 150 python3 -W ignore benchmarks/gpu_kernels.py \
+  stage kernels 150 "$PYTHON" -W ignore benchmarks/gpu_kernels.py \
       --seq-lens 1024 2048 4096 8192 16384 32768 --compile-seq-lens 4096 \
       --max-exact-n 8192 "${tiles[@]}" --out "$out/kernels.json"
   # skyformer bench --device cuda: LRA shape (float32) and model shape (bfloat16); the
   # Markdown tables go to bench_DTYPE.md, one progress line per row to the log
   for spec in "1,2,32 float32 131072" "4,16,64 bfloat16 65536"; do
     set -- $spec
-    stage "bench_$2" 90 sh -c 'python3 -m skyformer bench --device cuda --shapes "$1" \
+    stage "bench_$2" 90 sh -c '"$PYTHON" -m skyformer bench --device cuda --shapes "$1" \
         --dtypes "$2" --min-n 1024 --max-n "$3" --methods skyformer nystromformer performer \
         kernelized "kernelized[fold_key_norms=True]" --features 128 --repeats 5 \
         --max-seconds 5 --no-error --markdown \
@@ -194,7 +196,7 @@ else
         sh "$1" "$2" "$3" "$out"
   done
   # LRA training steps: ListOps (32 x 2000) and Image (256 x 1024), bf16 autocast
-  stage lra 75 python3 benchmarks/lra_gpu.py --out "$out/lra_gpu.json"
+  stage lra 75 "$PYTHON" benchmarks/lra_gpu.py --out "$out/lra_gpu.json"
 fi
 echo "+ stages:"
 cat "$out/stages.txt"

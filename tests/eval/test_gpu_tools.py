@@ -531,6 +531,16 @@ def test_gpu_script_runs_every_stage_past_failures_limits_and_reruns(tmp_path):
     assert "gpu_profile.py" not in calls.read_text()
     assert "gpu_host_split.py" not in calls.read_text()
 
+    # PYTHON names the interpreter of every stage (no python3 of the stand-in's on PATH)
+    calls.write_text("")
+    (stub / "python3").rename(stub / "cuda-python")
+    named = subprocess.run(["bash", str(BENCHMARKS / "gpu.sh"), str(tmp_path / "named")],
+                           env=env(ONLY="kernels bench_float32", KERNELS_EXIT="0",
+                                   PYTHON=str(stub / "cuda-python")),
+                           capture_output=True, text=True, timeout=60)
+    assert named.returncode == 0, named.stdout + named.stderr
+    assert "gpu_kernels.py" in calls.read_text() and "-m skyformer bench" in calls.read_text()
+
 
 def test_the_short_gpu_check_runs_its_own_stages_through_the_same_runner(tmp_path):
     """benchmarks/gpu_short.sh (SHORT=1 of gpu.sh) with a stand-in ``python3``: the CUDA
