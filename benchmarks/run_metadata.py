@@ -32,9 +32,10 @@ def run_metadata(script: str, argv: list[str] | None, config: dict[str, Any],
 def write_report(out: str | Path, text: str, metadata: dict[str, Any], **data: Any) -> None:
     """The text table ``text`` atomically to ``out`` and, beside it (``out`` with the
     suffix ``.json``), ``metadata`` (``run_metadata``) and the numbers ``data`` (rows) as
-    JSON: the text alone said neither every setting nor the environment."""
+    JSON: the text alone said neither every setting nor the environment. ``out``
+    without a suffix names both: ``out.md`` and ``out.json``."""
     out = Path(out)
-    report, result = (out.with_suffix(".md"), out) if out.suffix == ".json" else \
-        (out, out.with_suffix(".json"))  # --out x.json: the JSON, its table beside
+    report = out if out.suffix not in (".json", "") else out.with_suffix(".md")
+    result = out.with_suffix(".json")  # --out x.json: the JSON, its table beside
     write_json(result, {**metadata, **data}, indent=1)
     atomic_write_text(report, text)

@@ -31,3 +31,10 @@ def test_tiny_run_writes_rows_json_and_table(tmp_path):
     assert all(row["ms"] > 0 for row in saved["rows"])
     assert saved["command"] == "python benchmarks/kernelized_masks.py " + " ".join(argv)
     assert "| 64 | per query |" in (tmp_path / "masks.md").read_text()
+
+
+def test_an_out_without_suffix_names_the_table_and_the_json(tmp_path):
+    run_metadata = load_benchmark("run_metadata")
+    run_metadata.write_report(tmp_path / "km", "| table |\n", {"command": "x"}, rows=[])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["km.json", "km.md"]
+    assert (tmp_path / "km.md").read_text() == "| table |\n"
