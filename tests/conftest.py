@@ -100,11 +100,6 @@ def grads_and_warnings(fn, inputs, before_backward=lambda: None, seed=5):
     return [out, *grads], [str(w.message) for w in caught if w.category is RuntimeWarning]
 
 
-@pytest.fixture
-def qkv64():
-    return make_qkv()
-
-
 # A method registered with Capabilities(mask=False) (or without another capability) is
 # taken by the registry-wide tests as CONTRIBUTING.md promises: a test of what a mask
 # does checks that the mask is refused with the capability's sentence (``lacks``), a

@@ -375,7 +375,7 @@ def gaussian_kernel_matmul(
         # reshape of its expanded batch dims made torch 2.11's export guard on N
         rhs = with_ones_column(rhs, ones_column)
         out = _product_by_autograd(y, x, col_offset, rhs, row_valid, scale, row_norm,
-                                   transpose, shift_rows, exclude, batch_shape)
+                                   transpose, shift_rows, exclude)
         out = out.reshape(*batch_shape, *out.shape[-2:])
         return _with_marks(out, y, rhs, row_valid, transpose, batch_shape) \
             if show_nonfinite else out
@@ -441,7 +441,6 @@ def _with_marks(out: Tensor, y: Tensor, rhs: Tensor, row_valid: Tensor | None,
 def _product_by_autograd(
     y: Tensor, x: Tensor, col_offset: Tensor | None, rhs: Tensor, row_valid: Tensor | None,
     scale: float, row_norm: bool, transpose: bool, shift_rows: bool, exclude: Tensor | None,
-    batch_shape: torch.Size,
 ) -> Tensor:
     """The same product with the block formed whole and differentiated by autograd,
     in both modes: for ``torch.export`` and forward-mode AD (``functional_ops``).

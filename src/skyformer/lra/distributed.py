@@ -94,7 +94,8 @@ def joined(device_request: str = "auto") -> Iterator[DistInfo]:
         shutdown(info)
 
 
-def _comm_device(info: DistInfo, tensor: Tensor) -> torch.device:
+def _comm_device() -> torch.device:
+    """Where the collectives run: the current GPU under NCCL, else the CPU (gloo)."""
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -104,7 +105,7 @@ def all_reduce_sum(tensor: Tensor, info: DistInfo) -> Tensor:
     """Sum of ``tensor`` over processes (the tensor itself when alone)."""
     if not info.enabled:
         return tensor
-    work = tensor.to(_comm_device(info, tensor))
+    work = tensor.to(_comm_device())
     dist.all_reduce(work, op=dist.ReduceOp.SUM)
     return work.to(tensor.device)
 
@@ -113,7 +114,7 @@ def all_gather(tensor: Tensor, info: DistInfo) -> list[Tensor]:
     """``tensor`` of every process (same shape everywhere), in rank order, on the CPU."""
     if not info.enabled:
         return [tensor.cpu()]
-    work = tensor.to(_comm_device(info, tensor))
+    work = tensor.to(_comm_device())
     out = [torch.empty_like(work) for _ in range(info.world_size)]
     dist.all_gather(out, work)
     return [t.cpu() for t in out]
@@ -124,7 +125,7 @@ def broadcast_state(module: nn.Module, info: DistInfo, src: int = 0) -> None:
     if not info.enabled:
         return
     for tensor in module.state_dict().values():
-        work = tensor.to(_comm_device(info, tensor))
+        work = tensor.to(_comm_device())
         dist.broadcast(work, src)
         if work is not tensor:
             tensor.copy_(work)

@@ -83,7 +83,6 @@ class _Plan:
     keep: bool  # the core keeps its step products (lemma3_triton.stores_for)
     every_iterate: bool  # the core keeps every iterate (the unrolled gradient's)
     differentiated: bool  # q or k needs a gradient: the core's backward pass runs
-    rows_dtype: torch.dtype  # the dtype of q and k (of the gathered rows)
 
     @property
     def auto(self) -> bool:
@@ -142,7 +141,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, config: Any, info: AttentionInput
         keep, every_iterate = stores_for(size, config.pinv_gradient == "implicit",
                                          rows_differentiated)  # imports Triton
         plan = _Plan(config, landmarks, info, float(scale), float(core.x_factor), marks,
-                     steps, keep, every_iterate, rows_differentiated, q.dtype)
+                     steps, keep, every_iterate, rows_differentiated)
         q_through, x_through, norm_through, z = apply(
             _KeySide, q, k, v, x, x_norm, x_bf16, q_rows, *flats, ridge, key_valid, live,
             plan)[:4]
