@@ -41,6 +41,16 @@ def exporting() -> bool:
     return bool(getattr(torch.compiler, "_is_exporting_flag", False))
 
 
+def known_while_exporting(condition: Any) -> bool:
+    """Whether ``torch.export`` can prove ``condition`` (a comparison of possibly
+    symbolic sizes) true without adding a guard: ``statically_known_true``, imported
+    here since its module imports sympy, which ``import skyformer`` would otherwise
+    pay for (half a second) though only an export asks."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return statically_known_true(condition)
+
+
 def forward_mode_active() -> bool:
     """Whether forward-mode AD is running: a dual level is open (``torch.func.jvp``,
     ``jacfwd`` and ``hessian`` open one, as ``forward_ad.dual_level`` does). Asked of

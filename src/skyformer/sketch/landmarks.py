@@ -32,9 +32,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..linalg.functional_ops import exporting
+from ..linalg.functional_ops import exporting, known_while_exporting
 from ..linalg.kernel_backend import KernelFallback
 from .rng import random_key, row_uniform, stream, valid_rank
 
@@ -225,7 +224,7 @@ def uniform_landmarks(
     for name, valid, n, count in ((QUERY_STREAM, query_valid, query_len, counts[0]),
                                   (KEY_STREAM, key_valid, key_len, counts[1])):
         keys = stream_selection_keys(key, name, valid, batch, n, draw=draw)
-        short = exporting() and not statically_known_true(count <= n)
+        short = exporting() and not known_while_exporting(count <= n)
         index, picked = (_count_slots if short else smallest_keys)(keys, count)
         # without padding a side's slots are capped by its length: every one is filled
         sides.append((index, None if valid is None and not short else picked < PADDED_KEY))

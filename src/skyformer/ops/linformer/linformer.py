@@ -36,9 +36,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ...linalg.functional_ops import exporting
+from ...linalg.functional_ops import exporting, known_while_exporting
 from ...registry import Capabilities, register
 from ...sketch.random_features import gaussian_columns
 from ...sketch.rng import stream
@@ -215,7 +214,7 @@ def _keep_whole(p: Tensor, n: int) -> bool:
     (``_padded_to``): while exporting with a symbolic ``n`` that may fall below the
     width, since the first n columns are contiguous only at the full width, a case
     split export refuses ("N != max_seq_len")."""
-    return exporting() and not statically_known_true(n == p.shape[-1])
+    return exporting() and not known_while_exporting(n == p.shape[-1])
 
 
 def _padded_to(width: int, k: Tensor, v: Tensor, key_valid: Tensor | None
