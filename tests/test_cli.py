@@ -402,3 +402,18 @@ def test_a_plugin_failing_in_its_own_code_or_shadowed_is_named(tmp_path, monkeyp
         assert f"skyformer list: error: --plugin {said}" in capsys.readouterr().err
         if plugin != "json":  # a failed import leaves no module behind
             assert plugin not in sys.modules
+
+
+def test_compare_without_transformers_names_the_extra_and_the_way_without_it(
+        monkeypatch, capsys):
+    """A bare install's first command: the model's Q/K/V need the hf extra; --qkv does
+    not."""
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None
+                        if name == "transformers" else real_find_spec(name, *a, **k))
+    assert main(["compare", "--methods", "softmax"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'skyformer[hf]' (Q/K/V of your own need no extra: skyformer compare " \
+           "--qkv FILE)." in err

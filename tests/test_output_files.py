@@ -165,8 +165,11 @@ def test_hf_eval_without_matplotlib_says_so_before_evaluating(tmp_path, monkeypa
     monkeypatch.setattr(hf_run, "evaluate", lambda config, progress=None: evaluated.append(1))
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     assert main(["hf-eval", "--methods", "softmax", "--quiet", "--out", str(tmp_path)]) == 2
-    assert "pip install 'skyformer[plot]'" in capsys.readouterr().err
+    assert "pip install 'skyformer[plot]' (or pass --no-plots)." in capsys.readouterr().err
     assert evaluated == [] and list(tmp_path.iterdir()) == []
+    # lra report has no --no-plots: its way out is to leave out --plot
+    assert main(["lra", "report", str(tmp_path), "--plot", str(tmp_path / "f.png")]) == 2
+    assert "(or leave out --plot)." in capsys.readouterr().err
 
 
 def test_bench_without_matplotlib_says_so_before_measuring(tmp_path, monkeypatch, capsys):
@@ -190,7 +193,7 @@ def test_bench_without_matplotlib_says_so_before_measuring(tmp_path, monkeypatch
     argv = ["bench", "--methods", "softmax", "--seq-lens", "16", "--shapes", "1,1,4",
             "--no-memory", "--repeats", "1", "--warmup", "0"]
     assert main([*argv, "--out", str(tmp_path / "bench")]) == 2
-    assert "pip install 'skyformer[plot]' (or pass --no-plots)" in capsys.readouterr().err
+    assert "pip install 'skyformer[plot]' (or pass --no-plot)." in capsys.readouterr().err
     assert measured == [] and list(tmp_path.iterdir()) == []
     assert main([*argv, "--out", str(tmp_path / "bench"), "--no-plot"]) == 0
     assert main(argv) == 0 and measured == [1, 1]

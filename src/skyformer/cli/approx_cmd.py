@@ -200,7 +200,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_plots:
         from ..eval.approx.plots import require_matplotlib
 
-        require_matplotlib()  # fail before the run, not after it, when matplotlib is missing
+        # fail before the run, not after it, when matplotlib is missing
+        require_matplotlib("pass --no-plots")
     for note in unused_flags(args, config):
         print(note, file=sys.stderr)
     with folder_lock(args.out):  # one run at a time in a folder

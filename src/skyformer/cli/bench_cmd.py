@@ -204,7 +204,8 @@ def run(args: argparse.Namespace) -> int:
     if args.out and not args.no_plot:
         from ..eval.approx.plots import require_matplotlib
 
-        require_matplotlib()  # fail before the run, not after it, when matplotlib is missing
+        # fail before the run, not after it, when matplotlib is missing
+        require_matplotlib("pass --no-plot")
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads must be at least 1, got {args.threads}.")

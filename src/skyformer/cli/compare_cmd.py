@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 
 from ..eval.compare import CompareConfig, compare, compare_on, format_table
@@ -65,6 +66,9 @@ def run(args: argparse.Namespace) -> int:
                              f"model's Q/K/V instead: give one or the other.")
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}.")
+    if args.qkv is None and importlib.util.find_spec("transformers") is None:
+        raise ImportError("the model's Q/K/V need transformers: pip install 'skyformer[hf]' "
+                          "(Q/K/V of your own need no extra: skyformer compare --qkv FILE).")
     config = CompareConfig(
         seq_len=MODEL_SOURCE["seq_len"] if args.seq_len is None else args.seq_len,
         layer=MODEL_SOURCE["layer"] if args.layer is None else args.layer,

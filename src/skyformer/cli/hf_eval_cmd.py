@@ -69,10 +69,12 @@ def run(args: argparse.Namespace) -> int:
     )
 
     check_output_path(args.out, folder=True)
+    import skyformer.hf  # noqa: F401  (first: without transformers there is no evaluation)
+
     if not args.no_plot:  # fail before the evaluation, not in its files' writing
         from ..eval.approx.plots import require_matplotlib
 
-        require_matplotlib()
+        require_matplotlib("pass --no-plots")
 
     config = HFEvalConfig(
         methods=tuple(args.methods) if args.methods else None, features=tuple(args.features),

@@ -34,16 +34,17 @@ MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "<", ">", "h")
 TRIVIAL = {"mean_v": "mean of V", "constant_row": "best constant row"}
 
 
-def require_matplotlib() -> Any:
-    """``matplotlib`` (a sentence with the fix where it is missing). The figures are
-    made without pyplot (``matplotlib.figure.Figure``), so the caller's backend (a
-    notebook's, a GUI's) stays as it is."""
+def require_matplotlib(way_out: str | None = None) -> Any:
+    """``matplotlib`` (a sentence with the fix where it is missing, and ``way_out``, the
+    command's way to go without plots, e.g. ``"pass --no-plots"``). The figures are made
+    without pyplot (``matplotlib.figure.Figure``), so the caller's backend (a notebook's,
+    a GUI's) stays as it is."""
     try:
         import matplotlib
         import matplotlib.figure
     except ImportError:
-        raise ImportError("plots need matplotlib: pip install 'skyformer[plot]' "
-                          "(or pass --no-plots).") from None
+        raise ImportError("plots need matplotlib: pip install 'skyformer[plot]'"
+                          + (f" (or {way_out})." if way_out else ".")) from None
     return matplotlib
 
 
@@ -51,7 +52,7 @@ def require_figure_format(path: str | Path, flag: str) -> None:
     """A sentence, before any work, where ``path``'s suffix names a format matplotlib does
     not write (``--plot figure.txt`` failed in matplotlib's words after the tables were
     written); a name without a suffix is written as PNG."""
-    require_matplotlib()
+    require_matplotlib(f"leave out {flag}")
     from matplotlib.backend_bases import FigureCanvasBase
 
     suffix = Path(path).suffix.lstrip(".").lower()
