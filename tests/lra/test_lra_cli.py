@@ -436,3 +436,13 @@ def test_stability_refuses_a_second_run_writing_the_same_json(tmp_path, capsys, 
     err = capsys.readouterr().err
     assert f"{out} is being written by another run (process" in err
     assert "choose another --json" in err and not out.exists()
+
+
+def test_the_commands_task_names_are_the_tasks_and_presets_says_the_quick_batch(capsys):
+    from skyformer.cli.lra_cmd import TASK_NAMES
+    from skyformer.lra.presets import QUICK_MAX_BATCH
+    from skyformer.lra.tasks import TASKS
+
+    assert tuple(TASKS) == TASK_NAMES
+    assert main(["lra", "presets"]) == 0
+    assert f"batch_size<={QUICK_MAX_BATCH}" in capsys.readouterr().out

@@ -21,6 +21,8 @@ from .recorded import command_line
 NAME = "lra"
 HELP = "Long Range Arena: prepare data, train, report the papers' tables, instability score"
 
+# skyformer.lra.tasks.TASKS' names, written here: the parser is built for every command,
+# and importing skyformer.lra would load the trainer (tests check that the two agree)
 TASK_NAMES = ("text", "listops", "retrieval", "pathfinder", "image")
 
 
@@ -445,7 +447,7 @@ def _earlier_taus(args: argparse.Namespace) -> dict | None:
 
 
 def _run_presets(args: argparse.Namespace) -> int:
-    from ..lra.presets import PRESETS, QUICK, TrainConfig
+    from ..lra.presets import PRESETS, QUICK, QUICK_MAX_BATCH, TrainConfig
 
     common = TrainConfig(task="listops")
     print("per task (Skyformer paper section 5; warm-up and evaluation from the reference "
@@ -455,7 +457,8 @@ def _run_presets(args: argparse.Namespace) -> int:
     print(f"all tasks: steps={common.steps}, weight_decay={common.weight_decay}, "
           f"dim={common.dim}, hidden={common.hidden}, heads={common.heads}, "
           f"layers={common.layers}, dropout={common.dropout}, patience={common.patience}")
-    print("--quick: " + "  ".join(f"{k}={v}" for k, v in QUICK.items()) + "  batch_size<=16")
+    print("--quick: " + "  ".join(f"{k}={v}" for k, v in QUICK.items())
+          + f"  batch_size<={QUICK_MAX_BATCH}")
     return 0
 
 
