@@ -63,7 +63,7 @@ def test_non_finite_scale_is_refused(value):
     ({"num_heads": True}, "num_heads must be a positive integer"),
     ({"dim": 64.0}, "dim must be a positive integer"),
     ({"dropout": "0.1"}, "dropout must be a number in"),
-    ({"dropout": 1.0}, "dropout must be a number in"),
+    ({"dropout": 1.5}, "dropout must be a number in"),
     ({"bias": "yes"}, "bias must be True or False"),
 ])
 def test_multihead_attention_constructor_names_bad_arguments(kwargs, words):

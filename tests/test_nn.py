@@ -167,6 +167,30 @@ def test_a_number_where_the_method_goes_names_dropout():
         MultiHeadAttention(8, 2, 0.1)
 
 
+@pytest.mark.parametrize("layer_class", ["MultiHeadAttention", "TorchMultiheadAttention"])
+def test_both_layers_take_the_dropout_range_torch_takes(layer_class):
+    """dropout=1.0, which torch's layers take (every attention output dropped: the output
+    projection's bias is left), was refused by MultiHeadAttention alone; both layers
+    check their configuration in one place now."""
+    import skyformer
+
+    make = getattr(skyformer, layer_class)
+    x = torch.randn(2, 5, 8)
+    if layer_class == "MultiHeadAttention":
+        layer = make(8, 2, dropout=1.0).train()
+        out = layer(x)
+    else:
+        layer = make(8, 2, dropout=1.0, batch_first=True).train()
+        out = layer(x, x, x, need_weights=False)[0]
+    torch.testing.assert_close(out, layer.out_proj.bias.expand_as(out))
+    with pytest.raises(ValueError, match=rf"^{layer_class}: dropout must be a number in "
+                                         r"\[0, 1\], got 1\.5\.$"):
+        make(8, 2, dropout=1.5)
+    with pytest.raises(ValueError, match=r"must be divisible by num_heads \(3\), .* pass "
+                                         r"num_heads among 1, 2, 4, 8\.$"):
+        make(8, 3)
+
+
 def test_a_context_of_another_batch_is_named_at_the_layer():
     """A context of another batch size was named in the heads' shapes ("q (3, 2, 5, 4),
     k (2, 2, 7, 4)"), and with an empty x it was taken in silence."""

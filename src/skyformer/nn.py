@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from .amp import autocast_enabled
 from .checks import check_positive_int
 from .ops.shared.inputs import check_attention_inputs, check_padding_mask
+from .ops.shared.options import check_probability
 from .registry import BoundMethod, Method, get_method
 
 if TYPE_CHECKING:
@@ -75,6 +76,24 @@ class BoundMethodProperties:
             f"torch.jit.trace, torch.export or torch.compile (docs/pytorch2.md).")
 
 
+def check_layer_configuration(where: str, dim_name: str, dim: Any, num_heads: Any,
+                              dropout: Any, bias: Any) -> None:
+    """What both attention layers (``MultiHeadAttention``, ``TorchMultiheadAttention``)
+    refuse, in a sentence naming ``where``: a size that is no positive integer, a
+    ``dim_name`` the heads do not divide (with the head counts that do), a dropout
+    outside [0, 1] (``nn.Dropout`` takes 1: every output zero), a bias not a bool."""
+    for name, value in ((dim_name, dim), ("num_heads", num_heads)):
+        check_positive_int(f"{where}: {name}", value)
+    if dim % num_heads:
+        divisors = [h for h in range(1, min(dim, 64) + 1) if dim % h == 0]
+        raise ValueError(f"{where}: {dim_name} ({dim}) must be divisible by num_heads "
+                         f"({num_heads}), each head taking {dim_name} / num_heads features; "
+                         f"pass num_heads among {', '.join(map(str, divisors))}.")
+    check_probability(where, "dropout", dropout)
+    if not isinstance(bias, bool):
+        raise ValueError(f"{where}: bias must be True or False, got {bias!r}.")
+
+
 class MultiHeadAttention(BoundMethodProperties, nn.Module):
     """Multi-head attention whose core is any registered method.
 
@@ -132,19 +151,7 @@ class MultiHeadAttention(BoundMethodProperties, nn.Module):
             raise TypeError(f"MultiHeadAttention: method must be a method's name (one of "
                             f"skyformer.list_methods()), got {type(method).__name__} "
                             f"{method!r}{hint}.")
-        for name, value in (("dim", dim), ("num_heads", num_heads)):
-            check_positive_int(f"MultiHeadAttention: {name}", value)
-        if dim % num_heads:
-            divisors = [h for h in range(1, min(dim, 64) + 1) if dim % h == 0]
-            raise ValueError(f"MultiHeadAttention: dim ({dim}) must be divisible by num_heads "
-                             f"({num_heads}), each head taking dim / num_heads features; pass "
-                             f"num_heads among {', '.join(map(str, divisors))}.")
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) \
-                or not 0.0 <= dropout < 1.0:
-            raise ValueError(f"MultiHeadAttention: dropout must be a number in [0, 1), got "
-                             f"{dropout!r}.")
-        if not isinstance(bias, bool):
-            raise ValueError(f"MultiHeadAttention: bias must be True or False, got {bias!r}.")
+        check_layer_configuration("MultiHeadAttention", "dim", dim, num_heads, dropout, bias)
         _refuse_torch_arguments(method_options, dim)
         if process_group is not None:
             from .distributed.forms import form_of  # torch.distributed only when asked

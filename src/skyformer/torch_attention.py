@@ -58,8 +58,7 @@ from .amp import autocast_enabled
 from .checks import check_positive_int
 from .functional import attn_mask_as_padding, refuse_causal_lengths, sdpa_options
 from .masks import BLOCKED_LOGIT
-from .nn import BoundMethodProperties
-from .ops.shared.options import check_probability
+from .nn import BoundMethodProperties, check_layer_configuration
 from .ops.shared.tracing import values_to_check
 from .registry import BoundMethod, get_method, methods_that_can
 from .user_frame import warn_from_user_frame
@@ -468,16 +467,9 @@ def _check_configuration(embed_dim: Any, num_heads: Any, dropout: Any, bias: Any
                          add_bias_kv: Any, add_zero_attn: Any, kdim: Any, vdim: Any,
                          where: str) -> None:
     """A sentence for a configuration the layer cannot take; ``where`` names the layer."""
-    for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads)):
-        check_positive_int(f"{where}: {name}", value)
+    check_layer_configuration(where, "embed_dim", embed_dim, num_heads, dropout, bias)
     for name, value in (("kdim", kdim), ("vdim", vdim)):
         check_positive_int(f"{where}: {name}", value, optional=True)
-    if embed_dim % num_heads:
-        raise ValueError(f"{where}: embed_dim ({embed_dim}) must be divisible by num_heads "
-                         f"({num_heads}), each head taking embed_dim / num_heads features.")
-    check_probability(where, "dropout", dropout)
-    if not isinstance(bias, bool):
-        raise ValueError(f"{where}: bias must be True or False, got {bias!r}.")
     for name, value in (("add_bias_kv", add_bias_kv), ("add_zero_attn", add_zero_attn)):
         if value:
             raise ValueError(
