@@ -247,8 +247,8 @@ def test_options_of_the_causal_form_are_refused_where_no_layer_is_causal():
     points refuse it. A decoder takes it."""
     for method, options in (("skyformer", {"landmark_stride": 2}),
                             ("nystrom_softmax[causal_local=False]", {})):
-        with pytest.raises(ValueError, match=r"shapes causal attention only, and no layer "
-                                             r"set here is causal .*: leave it out"):
+        with pytest.raises(ValueError, match=r"shapes causal attention only \(causal=True\); "
+                                             r"no layer set here is causal .*: leave it out\.$"):
             shf.set_attention(build("bert"), method, **options)
     shf.set_attention(build(CAUSAL_LMS[0]), "skyformer", landmark_stride=2)
 

@@ -1115,7 +1115,8 @@ def test_the_causal_forms_options_serve_the_causal_layers_only():
     causal (an encoder) it would change nothing, and is refused as every other entry
     point refuses it."""
     with pytest.raises(ValueError, match=r"skyformer: landmark_stride=4 shapes causal "
-                                         r"attention only, and no layer set here is causal"):
+                                         r"attention only \(causal=True\); no layer set here "
+                                         r"is causal"):
         shf.set_attention(tiny_bert(), "skyformer", seed=0, num_features=8, landmark_stride=4)
     # past the exact 64-token chunk, a decoder's landmarks follow the stride
     decoder = [tiny_bert(is_decoder=True, max_position_embeddings=128) for _ in range(2)]

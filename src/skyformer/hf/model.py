@@ -28,7 +28,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..ops.shared.causal_nystrom import CAUSAL_FORM_DEFAULTS
+from ..ops.shared.causal_nystrom import (
+    CAUSAL_FORM_DEFAULTS,
+    CausalNystromOptions,
+    refuse_causal_form_options,
+)
 from ..registry import get_method, list_methods
 from ..registry.variants import is_variant
 from .attention import (
@@ -188,15 +192,10 @@ def _refuse_causal_form_options(name: str, options: dict[str, Any]) -> None:
     their defaults (an encoder's), as the other entry points refuse them."""
     if name == EXACT:
         return
-    given = {**dict(get_method(name).preset), **options}
-    shaping = sorted(option for option, default in CAUSAL_FORM_DEFAULTS.items()
-                     if option in given and given[option] != default)
-    if shaping:
-        raise ValueError(
-            f"{name}: {', '.join(f'{o}={given[o]!r}' for o in shaping)} "
-            f"{'shapes' if len(shaping) == 1 else 'shape'} causal attention only, and no "
-            f"layer set here is causal (an encoder's self-attention): leave "
-            f"{'it' if len(shaping) == 1 else 'them'} out.")
+    config = get_method(name).make_config(**options)
+    if isinstance(config, CausalNystromOptions):
+        refuse_causal_form_options(name, config, way_out=None, not_causal=(
+            "no layer set here is causal (an encoder's self-attention)"))
 
 
 def _runs(module: nn.Module) -> str | None:

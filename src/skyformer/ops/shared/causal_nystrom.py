@@ -95,20 +95,23 @@ CAUSAL_FORM_DEFAULTS = {f.name: f.default for f in dataclasses.fields(CausalNyst
 
 
 def refuse_causal_form_options(method: str, config: CausalNystromOptions,
-                               way_out: str = "pass causal=True") -> None:
+                               way_out: str | None = "pass causal=True",
+                               not_causal: str = "this call is not causal") -> None:
     """A non-causal call given options of the causal form only (which it would ignore:
     the output would equal the default's without a word) is refused in a sentence.
     Checked when the call runs, not in the config: a Hugging Face decoder's layers keep
     causal=False in their options and take causal from the model's mask at each call.
-    ``way_out``: the sentence's other fix, after "leave it out"."""
+    ``way_out``: the sentence's other fix, after "leave it out" (``None``: none);
+    ``not_causal``: what is not causal (``skyformer.hf``: the layers set)."""
     given = [f"{name}={getattr(config, name)!r}" for name, default in
              CAUSAL_FORM_DEFAULTS.items() if getattr(config, name) != default]
     if given:
         raise ValueError(
             f"{method}: {' and '.join(given)} shape{'' if len(given) > 1 else 's'} causal "
-            f"attention only (causal=True); this call is not causal, where "
+            f"attention only (causal=True); {not_causal}, where "
             f"{'they change' if len(given) > 1 else 'it changes'} nothing: leave "
-            f"{'them' if len(given) > 1 else 'it'} out, or {way_out}.")
+            f"{'them' if len(given) > 1 else 'it'} out"
+            + (f", or {way_out}." if way_out else "."))
 
 
 @dataclass(frozen=True)
