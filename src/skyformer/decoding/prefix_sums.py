@@ -16,6 +16,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from ..linalg.scores import logit_scale
 from ..ops.linear.linear import elu_feature_map, linear_normalised
 from ..ops.performer.causal import RunningSums, causal_performer_sums, running_sums
 from ..ops.performer.features import causal_key_logs, query_features, resolve_projection
@@ -163,7 +164,7 @@ class PerformerDecoding(PrefixSumDecoding):
         """x s^1/2 and the feature directions, in the compute dtype."""
         assert self.projection is not None
         config = self.bound.config
-        s = config.scale if config.scale is not None else 1.0 / math.sqrt(x.shape[-1])
+        s = logit_scale(x.shape[-1], config.scale)
         work = compute_dtype(x.dtype)
         return x.to(work) * math.sqrt(s), self.projection.to(work)
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import Tensor
 
-from ..linalg import kernel_scale
+from ..linalg import kernel_scale, logit_scale
 from ..ops.linear.linear import linear_features, linear_from_features
 from ..ops.nystrom_softmax.nystrom_softmax import (
     FLOAT32_REACH,
@@ -68,7 +68,7 @@ def _nystrom_softmax(q: Tensor, k: Tensor, v: Tensor, config: Any, info: Attenti
                                 reduce).to(q.dtype)
     work = compute_dtype(q.dtype)
     qw, kw, vw = q.to(work), k.to(work), v.to(work)
-    root = math.sqrt(config.scale if config.scale is not None else info.head_dim ** -0.5)
+    root = math.sqrt(logit_scale(info.head_dim, config.scale))
     core = _nystrom_core(qw, kw, root, config, info, layout)
     return nystrom_softmax_from_core(qw, kw, vw, core, info, root, config, reduce).to(q.dtype)
 

@@ -10,7 +10,7 @@ from .nystrom import PINV_METHODS, landmark_inverse, lemma3_inverse
 from .ones_column import with_ones_column
 from .pinv import PINV_INITS, initial_inverse, inverse_residual, iterative_pinv
 from .rows import gather_rows
-from .scores import gaussian_scores, kernel_scale, softmax_scores
+from .scores import gaussian_scores, kernel_scale, logit_scale, softmax_scores
 from .subspace import Subspace, top_singular_subspace
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "kernel_scale",
     "landmark_inverse",
     "lemma3_inverse",
+    "logit_scale",
     "softmax_scores",
     "top_singular_subspace",
     "with_ones_column",

@@ -14,6 +14,13 @@ from torch import Tensor
 from .kernels import gaussian_kernel_block
 
 
+def logit_scale(head_dim: int, scale: float | None = None) -> float:
+    """s, the factor of the logits q_i . k_j: ``scale`` or, by default, 1/sqrt(p) (the
+    softmax attention of Vaswani et al.; its square root scales the inputs of the
+    methods that write softmax as a kernel of scaled q and k)."""
+    return 1.0 / math.sqrt(head_dim) if scale is None else scale
+
+
 def kernel_scale(head_dim: int, scale: float | None = None) -> float:
     """sqrt(s), the factor the inputs are scaled by so that the Gaussian kernel is
     exp(-s |q_i - k_j|^2 / 2); s = ``scale`` or, by default, 1/sqrt(p): p^(-1/4), the
@@ -34,7 +41,7 @@ def softmax_scores(
     ``q: [B, H, Nq, D]``, ``k: [B, H, Nk, D]``, ``key_padding_mask: [B, Nk]`` (True = real);
     ``scale`` ``None`` = 1/sqrt(D). Rows with no visible key are zero.
     """
-    s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    s = logit_scale(q.shape[-1], scale)
     logits = (q @ k.transpose(-1, -2)) * s
     visible = torch.ones(logits.shape[-2:], dtype=torch.bool, device=q.device)
     if causal:

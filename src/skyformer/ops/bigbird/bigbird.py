@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from ...linalg import gather_rows
+from ...linalg.scores import logit_scale
 from ...registry import Capabilities, register
 from ...sketch.rng import fold_in, random_key, uniform
 from ..shared.inputs import (
@@ -319,7 +320,7 @@ def bigbird_attention(
     key = resolve_key("bigbird", generator, q.device)
     dtype = q.dtype
     work = compute_dtype(dtype)
-    s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
+    s = logit_scale(info.head_dim, config.scale)
     n, bs = info.key_len, config.block_size
     layout = bigbird_layout(info.query_valid, info.key_valid, info.batch, info.heads, n, bs,
                             config.num_random_blocks, q.device, key)

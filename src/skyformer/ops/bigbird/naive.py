@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
+from ...linalg.scores import logit_scale
 from ..shared.inputs import check_attention_inputs, zero_padded_queries
 from ..shared.masked import masked_softmax
 from .bigbird import BigBirdLayout, RealBlocks
@@ -64,7 +63,7 @@ def reference_bigbird_attention(
     1/sqrt(D). For tests only."""
     info = check_attention_inputs(q, k, v, key_padding_mask, method="bigbird reference",
                                   query_padding_mask=query_padding_mask)
-    s = scale if scale is not None else 1.0 / math.sqrt(info.head_dim)
+    s = logit_scale(info.head_dim, scale)
     pattern = bigbird_pattern(layout, info.key_len).to(q.device)
     logits = (q @ k.transpose(-1, -2)) * s
     return zero_padded_queries(masked_softmax(logits, pattern) @ v, info.query_valid)

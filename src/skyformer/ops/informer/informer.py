@@ -35,6 +35,7 @@ from torch import Tensor
 
 from ...linalg.functional_ops import no_derivatives
 from ...linalg.kernel_matmul import chunk_starts
+from ...linalg.scores import logit_scale
 from ...linalg.top_k import top_k
 from ...registry import Capabilities, register
 from ...sketch.rng import fold_in, random_key, uniform_at
@@ -233,7 +234,7 @@ def informer_attention(
     key = resolve_key("informer", generator, q.device)
     dtype = q.dtype
     work = compute_dtype(dtype)
-    s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
+    s = logit_scale(info.head_dim, config.scale)
     qw, kw, vw = q.to(work), k.to(work), v.to(work)
     samples = sample_keys(info, config.factor, q.device, key)
     measure = sparsity_measurement(qw, kw, samples, s, info.query_valid)  # [B, H, Nq]

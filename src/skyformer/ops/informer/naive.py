@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from ...linalg.scores import logit_scale
 from ..shared.inputs import check_attention_inputs
 from .informer import InformerConfig, KeySamples, active_counts
 
@@ -28,7 +28,7 @@ def reference_informer_attention(
     ``InformerConfig``. For tests only."""
     config = InformerConfig(**options)
     info = check_attention_inputs(q, k, v, key_padding_mask, method="informer reference")
-    s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
+    s = logit_scale(info.head_dim, config.scale)
     counts = active_counts(info, config.num_features, config.factor, q.device)[0].tolist()
     out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=v.dtype, device=v.device)
     for b in range(info.batch):

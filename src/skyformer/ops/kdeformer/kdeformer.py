@@ -56,7 +56,6 @@ gradient; the derivative of one draw through p is not, so ``gradcheck`` does not
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +64,7 @@ from torch import Tensor
 from ...linalg import gather_rows, with_ones_column
 from ...linalg.functional_ops import no_derivatives
 from ...linalg.kernels import finite_matrices
+from ...linalg.scores import logit_scale
 from ...linalg.top_eigenvalue import top_eigenvalue_psd
 from ...registry import Capabilities, register
 from ...sketch import (
@@ -411,7 +411,7 @@ def kdeformer_core(
     """Algorithm 3 for given draws. Inputs in the working dtype; ``[B, H, Nq, Dv]``."""
     b, h, nq, _ = q.shape
     nk = k.shape[2]
-    s = cfg.scale if cfg.scale is not None else 1.0 / math.sqrt(info.head_dim)
+    s = logit_scale(info.head_dim, cfg.scale)
     qs = q * s
     neg_inf = float("-inf")
     key_ok = info.key_valid if info.key_valid is not None else torch.ones(

@@ -17,6 +17,7 @@ import math
 import torch
 from torch import Tensor
 
+from ...linalg.scores import logit_scale
 from ..shared.inputs import check_attention_inputs, zero_padded_queries
 from .kdeformer import KDEformerConfig, KDEformerDraws
 
@@ -112,7 +113,7 @@ def reference_kdeformer_attention(
     cfg = KDEformerConfig(**options)
     b, h, nq, d = q.shape
     nk = k.shape[2]
-    s_scale = cfg.scale if cfg.scale is not None else 1.0 / math.sqrt(d)
+    s_scale = logit_scale(d, cfg.scale)
     kv = key_padding_mask if key_padding_mask is not None else torch.ones(b, nk, dtype=torch.bool)
     qv = kv if nq == nk else torch.ones(b, nq, dtype=torch.bool)
     if cfg.blocks > 0:

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from ...linalg.functional_ops import exporting, known_while_exporting
+from ...linalg.scores import logit_scale
 from ...registry import Capabilities, register
 from ...sketch.random_features import gaussian_columns
 from ...sketch.rng import stream
@@ -324,7 +325,7 @@ def linformer_attention(
         kw, vw = kw * real, vw * real
     k_proj = e @ kw  # [B, H, k, D]
     v_proj = f @ vw  # [B, H, k, Dv]
-    s = cfg.scale if cfg.scale is not None else 1.0 / math.sqrt(info.head_dim)
+    s = logit_scale(info.head_dim, cfg.scale)
     # Skip the mask when every slot is live (SDPA is faster without one), unless the
     # data may not be read (torch.compile, torch.func).
     skip = may_read_values(slot_live) and bool(slot_live.all())

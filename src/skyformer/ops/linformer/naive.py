@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
+from ...linalg.scores import logit_scale
 from ..shared.inputs import check_attention_inputs, zero_padded_queries
 
 
@@ -24,7 +23,7 @@ def reference_linformer_attention(
     of E and F (``[k, n_real]``), drop slots whose key row is zero on them, and form the
     materialised ``[Nq, k]`` softmax matrix. For tests only."""
     info = check_attention_inputs(q, k, v, key_padding_mask, method="linformer reference")
-    s = scale if scale is not None else 1.0 / math.sqrt(info.head_dim)
+    s = logit_scale(info.head_dim, scale)
     n = info.key_len
     out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=v.dtype, device=v.device)
     for b in range(info.batch):

@@ -16,7 +16,6 @@ the data. Derivation, budget accounting and measurements: ``docs/accuracy-first.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ...linalg import half_sq_norm, kernel_scale
+from ...linalg.scores import logit_scale
 from ...registry import Capabilities, get_method, register
 from ...registry.methods import refuse_misnamed_arguments
 from ..shared.inputs import (
@@ -113,7 +113,7 @@ def multipole_and_choice(
     work = compute_dtype(q.dtype)
     values = v.to(work)
     if softmax:
-        s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
+        s = logit_scale(info.head_dim, config.scale)
         q_, k_ = q.to(work) * s, k.to(work)
         bias = q_.new_zeros(q.shape[0], q.shape[1], k.shape[2])
         finish = _softmax_finish

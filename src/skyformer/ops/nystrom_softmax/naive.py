@@ -11,6 +11,7 @@ from typing import Any
 
 from torch import Tensor
 
+from ...linalg.scores import logit_scale
 from ...sketch import Landmarks
 from ..shared.nystrom_naive import naive_modified_nystrom
 from .nystrom_softmax import NystromSoftmaxConfig
@@ -26,7 +27,7 @@ def reference_nystrom_softmax_attention(
     Rows with D~_i <= normalizer_threshold * sum_s C(q_i, x_s) |(W C(X_S, K) E_K 1)_s|
     return the mean of the values (see ``nystrom_softmax``)."""
     config = NystromSoftmaxConfig(**options)
-    s = config.scale if config.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    s = logit_scale(q.shape[-1], config.scale)
     return naive_modified_nystrom(
         q, k, v, landmarks, key_padding_mask, math.sqrt(s), config,
         softmax_threshold=config.normalizer_threshold,

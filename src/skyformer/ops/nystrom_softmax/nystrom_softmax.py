@@ -61,6 +61,7 @@ from ...linalg import gaussian_kernel_matmul
 from ...linalg.flush import negligible_exponent
 from ...linalg.kernel_backend import HALF_TYPES
 from ...linalg.kernel_offsets import squared_norms
+from ...linalg.scores import logit_scale
 from ...registry import Capabilities, register
 from ...sketch import Landmarks
 from ..shared.causal_nystrom import (
@@ -204,7 +205,7 @@ def float32_reach(q: Tensor, k: Tensor, config: NystromSoftmaxConfig) -> Tensor 
         return None
     if 0 in q.shape or 0 in k.shape:
         return torch.tensor(-math.inf)
-    s = config.scale if config.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    s = logit_scale(q.shape[-1], config.scale)
     with torch.no_grad():
         return s * torch.maximum(squared_norms(q, torch.float32).amax(),
                                  squared_norms(k, torch.float32).amax())
@@ -270,7 +271,7 @@ def _causal(q: Tensor, k: Tensor, v: Tensor, config: NystromSoftmaxConfig,
     q, k, v, info, landmarks, order = causal_inputs(
         "nystrom_softmax", q, k, v, config.num_features, config.landmark_stride, key_padding_mask,
         query_padding_mask, generator, config.kernel)
-    s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
+    s = logit_scale(info.head_dim, config.scale)
     work = compute_dtype(q.dtype)
     out = causal_nystrom_softmax(q.to(work), k.to(work), v.to(work), info, math.sqrt(s),
                                  config.gamma, config.causal_local,
@@ -288,7 +289,7 @@ def prepare(
     info = check_attention_inputs(q, k, v, key_padding_mask, method="nystrom_softmax",
                                   query_padding_mask=query_padding_mask)
     key = resolve_key("nystrom_softmax", generator, q.device)
-    s = options.scale if options.scale is not None else 1.0 / math.sqrt(info.head_dim)
+    s = logit_scale(info.head_dim, options.scale)
     landmarks = sample_landmarks(info, options.num_features, q.device, key,
                                  draw=options.kernel)
     return info, landmarks, math.sqrt(s), compute_dtype(q.dtype)

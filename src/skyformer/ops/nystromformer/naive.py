@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from ...linalg.scores import logit_scale
 from ..shared.inputs import check_attention_inputs
 from .nystromformer import NystromformerConfig
 
@@ -35,7 +35,7 @@ def reference_nystromformer_attention(
     config = NystromformerConfig(**options)
     num_features, pinv_iterations = config.num_features, config.pinv_iterations
     info = check_attention_inputs(q, k, v, key_padding_mask, method="nystromformer reference")
-    s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
+    s = logit_scale(info.head_dim, config.scale)
     out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=v.dtype, device=v.device)
     for b in range(info.batch):
         q_rows = _rows(info.query_valid, b, info.query_len, q.device)

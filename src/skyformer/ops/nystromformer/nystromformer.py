@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...linalg import iterative_pinv
+from ...linalg.scores import logit_scale
 from ...registry import Capabilities, register
 from ..shared.inputs import (
     check_attention_inputs,
@@ -262,7 +263,7 @@ def nystromformer_attention(
         )
     dtype = q.dtype
     work = compute_dtype(dtype)
-    s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
+    s = logit_scale(info.head_dim, config.scale)
     root = math.sqrt(s)  # split between q and k, as the reference does, so landmarks are scaled too
     qs, ks, vw = q.to(work) * root, k.to(work) * root, v.to(work)
     m = config.num_features

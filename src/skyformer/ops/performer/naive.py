@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ...linalg.scores import logit_scale
 from ..shared.inputs import check_attention_inputs, zero_padded_queries
 
 
@@ -50,7 +51,7 @@ def performer_scores(
     """The estimate A^ of exp(s Q K^T): ``[B, H, Nq, Nk]``, columns of padded keys zero.
     With ``eps > 0``, the features of ``eps_features`` (A^ is then off by per-row and
     per-head factors, which cancel in the attention)."""
-    s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    s = logit_scale(q.shape[-1], scale)
     if eps > 0:
         a = eps_features(q * math.sqrt(s), projection, eps, None, True) @ eps_features(
             k * math.sqrt(s), projection, eps, key_padding_mask, False).transpose(-1, -2)

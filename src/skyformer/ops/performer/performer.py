@@ -49,6 +49,7 @@ from torch import Tensor, nn
 
 from ...linalg import with_ones_column
 from ...linalg.eager_calls import custom_op
+from ...linalg.scores import logit_scale
 from ...registry import Capabilities, register
 from ...sketch import gaussian_projection
 from ...sketch.rng import fold_in, random_key
@@ -328,7 +329,7 @@ def performer_from_projection(
     completes the sums (m x (Dv + 1)) and the keys' shift when the keys are a shard
     (``shared/reduction.py``). Returns ``[B, H, Nq, Dv]``.
     """
-    s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
+    s = logit_scale(info.head_dim, config.scale)
     root = math.sqrt(s)
     phi_q, _ = query_features(q * root, projection, config.eps)  # [B, H, Nq, m]
     if config.causal:

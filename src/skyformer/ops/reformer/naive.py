@@ -13,11 +13,10 @@ masked matrix. For tests only.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
+from ...linalg.scores import logit_scale
 from ..shared.inputs import check_attention_inputs, zero_padded_queries
 from .reformer import ReformerConfig, buckets_per_sequence
 
@@ -88,7 +87,7 @@ def reference_reformer_attention(
         q.detach(), k.detach(), rotations, key_padding_mask=key_padding_mask, **options
     )
     keys = q / q.norm(dim=-1, keepdim=True) if cfg.shared_qk else k
-    s = cfg.scale if cfg.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    s = logit_scale(q.shape[-1], cfg.scale)
     nonempty = sets.any(-1, keepdim=True)
     logits = (q @ keys.transpose(-1, -2) * s).masked_fill(~sets & nonempty, float("-inf"))
     probs = torch.softmax(logits, dim=-1) * nonempty

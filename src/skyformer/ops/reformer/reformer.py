@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from ...linalg import gather_rows
+from ...linalg.scores import logit_scale
 from ...registry import Capabilities, register
 from ...sketch import draw_rotations, rotation_hash
 from ..shared.inputs import (
@@ -353,7 +354,7 @@ def reformer_attention(
     _refuse_real_queries_at_padding(info.query_valid, info.key_valid)
     key = resolve_key("reformer", generator, q.device)
     work = compute_dtype(q.dtype)
-    s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
+    s = logit_scale(info.head_dim, config.scale)
     qw, vw = q.to(work), v.to(work)
     kw = (
         qw / qw.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(work).tiny)

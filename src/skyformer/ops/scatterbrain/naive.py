@@ -9,11 +9,10 @@ Memory O(N^2): for tests only.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
+from ...linalg.scores import logit_scale
 from ...sketch.rng import valid_rank
 from ..kdeformer.naive import reference_block_pattern
 from ..performer.naive import performer_scores
@@ -37,7 +36,7 @@ def reference_scatterbrain_attention(
     as drawn by ``draw_scatterbrain`` (None for the local support). Returns ``[B, H, Nq, Dv]``."""
     info = check_attention_inputs(q, k, v, key_padding_mask, method="scatterbrain reference")
     cfg = ScatterbrainConfig(**options)
-    s = cfg.scale if cfg.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    s = logit_scale(q.shape[-1], cfg.scale)
     low_rank = performer_scores(q, k, projection, key_padding_mask=key_padding_mask, scale=s)
     exact = torch.exp(s * q @ k.transpose(-1, -2))
     if key_padding_mask is not None:

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from ...linalg import with_ones_column
+from ...linalg.scores import logit_scale
 from ...registry import Capabilities, register
 from ...sketch import (
     draw_hyperplanes,
@@ -167,7 +168,7 @@ def scatterbrain_attention(
     )
     dtype = q.dtype
     work = compute_dtype(dtype)
-    s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
+    s = logit_scale(info.head_dim, config.scale)
     root = math.sqrt(s)
     qh, kh, vw = q.to(work) * root, k.to(work) * root, v.to(work)
     w = projection.to(work)

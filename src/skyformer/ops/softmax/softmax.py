@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from torch import Tensor
 
+from ...linalg.scores import logit_scale
 from ...registry import Capabilities, register
 from ..shared.inputs import check_attention_inputs, check_generator, zero_padded_queries
 from ..shared.masked import attention_bias, biased_attention
@@ -102,7 +102,7 @@ def softmax_attention(
             f"pass attn_mask=torch.ones(Nq, Nk, dtype=torch.bool).tril(), or is_causal to "
             f"skyformer.scaled_dot_product_attention, which builds it."
         )
-    s = config.scale if config.scale is not None else 1.0 / math.sqrt(info.head_dim)
+    s = logit_scale(info.head_dim, config.scale)
     if attn_mask is None:  # SDPA's causal flag: its fused kernels (dropout too on CUDA)
         out = _masked_sdpa(q, k, v, info.key_valid, scale=s, causal=config.causal,
                            dropout_p=dropout_p)
