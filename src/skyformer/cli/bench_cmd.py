@@ -34,6 +34,7 @@ def _shape(text: str) -> tuple[int, int, int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = BenchConfig()  # the defaults, written once
     parser.add_argument("--methods", nargs="+", default=None,
                         help="registered names, variants with options set "
                         "('skyformer[pinv_gradient=implicit]') or "
@@ -49,45 +50,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"longest length allowed (default {MAX_N}; not with --seq-lens): "
                         "lengths double from --min-n, the last being the largest such "
                         "length <= --max-n")
-    parser.add_argument("--shapes", nargs="+", type=_shape, default=[(1, 2, 32)], metavar="B,H,D",
-                        help="batch,heads,head-dim triples (default 1,2,32; e.g. also 4,8,64)")
+    parser.add_argument("--shapes", nargs="+", type=_shape, default=list(d.shapes),
+                        metavar="B,H,D",
+                        help=f"batch,heads,head-dim triples (default "
+                        f"{' '.join(','.join(map(str, s)) for s in d.shapes)}; e.g. also 4,8,64)")
     parser.add_argument(
         "--dtypes",
         nargs="+",
-        default=["float32"],
+        default=list(d.dtypes),
         choices=DTYPES,
-        help="input dtypes (default float32; on a GPU e.g. bfloat16 float16 float32)",
+        help=f"input dtypes (default {' '.join(d.dtypes)}; on a GPU e.g. bfloat16 float16 "
+        "float32)",
     )
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    parser.add_argument("--device", default=d.device, help=f"cpu or cuda (default {d.device})")
     parser.add_argument("--features", type=int, default=None,
                         help="num_features for every method that has it (default: each method's)")
     parser.add_argument(
-        "--repeats", type=int, default=3, help="timed runs per configuration (median; default 3)"
+        "--repeats", type=int, default=d.repeats,
+        help=f"timed runs per configuration (median; default {d.repeats})"
     )
-    parser.add_argument("--warmup", type=int, default=1,
+    parser.add_argument("--warmup", type=int, default=d.warmup,
                         help="untimed runs before the timed ones, after one untimed first "
-                        "call (default 1)")
+                        f"call (default {d.warmup})")
     parser.add_argument("--forward-only", action="store_true", help="time the forward pass only")
     parser.add_argument("--no-memory", action="store_true",
                         help="skip peak-memory measurement (the peak of one call above its "
                         "inputs and, with the backward pass, the output gradient)")
     parser.add_argument("--no-error", action="store_true", help="skip the relative error")
-    parser.add_argument("--max-seconds", type=float, default=60.0,
+    parser.add_argument("--max-seconds", type=float, default=d.max_seconds,
                         help="skip configurations predicted to take longer per call: from "
                         "the two lengths before, or at least their operations at the measured "
-                        "matmul rate, the first length too (default 60)")
+                        f"matmul rate, the first length too (default {d.max_seconds:g})")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+    parser.add_argument("--clock", choices=("wall", "cpu"), default=d.clock,
                         help="wall time (default) or process CPU time (robust to other load on "
                         "a shared machine; use with --threads 1)")
-    parser.add_argument("--timing", choices=TIMINGS, default="interleaved",
+    parser.add_argument("--timing", choices=TIMINGS, default=d.timing,
                         help="the repeats interleaved across methods (default), or each "
                         "method's in a block of its own after an idle pause (on a GPU a "
                         "long, heavy call can slow the light one after it)")
     parser.add_argument("--pause", type=float, default=None,
-                        help="seconds idle before each block (--timing blocked; default 1)")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seed of inputs and landmarks (default 0)")
+                        help=f"seconds idle before each block (--timing blocked; default "
+                        f"{d.pause:g})")
+    parser.add_argument("--seed", type=int, default=d.seed,
+                        help=f"seed of inputs and landmarks (default {d.seed})")
     parser.add_argument("--causal", action="store_true",
                         help="causal attention for every method (the reference is causal SDPA); "
                         "default methods: those that can be causal")

@@ -21,7 +21,9 @@ HELP = (
 
 
 # the options that choose the model's Q/K/V (which --qkv replaces), with their defaults
-MODEL_SOURCE = {"seq_len": 512, "layer": 0, "text": None, "model": None, "random_init": False}
+MODEL_SOURCE = {"seq_len": CompareConfig.seq_len, "layer": CompareConfig.layer,
+                "text": CompareConfig.text, "model": CompareConfig.model,
+                "random_init": not CompareConfig.pretrained}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,10 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--features", type=int, default=None,
                         help="num_features for every approximate method (default: each method's)")
     parser.add_argument("--layer", type=int, default=None,
-                        help="model layer to take Q/K/V from (default 0, the first)")
-    parser.add_argument("--seed", type=int, default=0,
+                        help=f"model layer to take Q/K/V from (default "
+                        f"{MODEL_SOURCE['layer']}, the first)")
+    parser.add_argument("--seed", type=int, default=CompareConfig.seed,
                         help="seed of the methods' randomness (and of the --random-init "
-                        "weights; default 0)")
+                        f"weights; default {CompareConfig.seed})")
     parser.add_argument("--text", default=None, help="UTF-8 text file (default: shipped text)")
     parser.add_argument("--model", default=None,
                         help="local BERT-type model folder (default: pretrained MiniLM-L6)")
@@ -48,7 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", nargs="+", default=None,
                         help="subset of methods, each a name or a variant with options set, "
                         "'skyformer[pinv_gradient=implicit]'")
-    parser.add_argument("--repeats", type=int, default=3, help="timed repeats (median; default 3)")
+    parser.add_argument("--repeats", type=int, default=CompareConfig.repeats,
+                        help=f"timed repeats (median; default {CompareConfig.repeats})")
     parser.add_argument("--no-memory", action="store_true", help="skip peak-memory measurement")
     parser.add_argument(
         "--json", dest="json_path", default=None, help="write results to this JSON file"

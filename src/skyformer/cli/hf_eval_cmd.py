@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..eval.hf.run import SETTINGS, HFEvalConfig
 from .recorded import command_line
 
 NAME = "hf-eval"
@@ -17,36 +18,38 @@ HELP = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = HFEvalConfig()  # the defaults, written once
     parser.add_argument("--methods", nargs="+", default=None,
                         help="subset of methods, each a name or a variant with options set, "
                         "'skyformer[pinv_gradient=implicit]' (default: all)")
-    parser.add_argument("--features", nargs="+", type=int, default=[32, 64, 128],
-                        help="num_features values for approximate methods (default: 32 64 128)")
-    parser.add_argument("--settings", nargs="+", choices=["short", "long"],
-                        default=["short", "long"],
+    parser.add_argument("--features", nargs="+", type=int, default=list(d.features),
+                        help="num_features values for approximate methods (default: "
+                        f"{' '.join(map(str, d.features))})")
+    parser.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(d.settings),
                         help="short: sentences in padded batches; long: --seq-len token inputs "
                         "(default: both)")
     parser.add_argument("--layers", nargs="+", type=int, default=None,
                         help="replace attention only in these layers (default: all)")
-    parser.add_argument("--seq-len", type=int, default=512,
+    parser.add_argument("--seq-len", type=int, default=d.seq_len,
                         help="tokens per long input; short sentences are truncated to it "
-                        "too (default 512)")
-    parser.add_argument("--max-texts", type=int, default=128,
-                        help="texts per setting (default 128)")
-    parser.add_argument("--batch-size", type=int, default=16,
-                        help="texts per forward pass (default 16)")
+                        f"too (default {d.seq_len})")
+    parser.add_argument("--max-texts", type=int, default=d.max_texts,
+                        help=f"texts per setting (default {d.max_texts})")
+    parser.add_argument("--batch-size", type=int, default=d.batch_size,
+                        help=f"texts per forward pass (default {d.batch_size})")
     parser.add_argument("--time-batch", type=int, default=None,
                         help="texts in the timed and memory-measured forward pass (default: "
                         "--batch-size sentences for short inputs, one long input)")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seed of the methods' randomness (default 0)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed repeats (median; default 3)")
+    parser.add_argument("--seed", type=int, default=d.seed,
+                        help=f"seed of the methods' randomness (default {d.seed})")
+    parser.add_argument("--repeats", type=int, default=d.repeats,
+                        help=f"timed repeats (median; default {d.repeats})")
     parser.add_argument("--no-memory", action="store_true", help="skip peak-memory measurement")
     parser.add_argument("--text", default=None, help="UTF-8 text file (default: shipped text)")
     parser.add_argument("--model", default=None,
                         help="local BERT-type model folder (default: pretrained MiniLM-L6)")
-    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:i]")
-    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+    parser.add_argument("--device", default=d.device, help=f"{d.device} (default) or cuda[:i]")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default=d.clock,
                         help="wall time (default) or CPU time of the process (on a shared "
                         "CPU it leaves out waiting for a core; use with OMP_NUM_THREADS=1)")
     parser.add_argument("--out", default="results/hf-eval",
@@ -59,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..eval.hf.report import format_table, markdown_table, plot, write_csv
-    from ..eval.hf.run import HFEvalConfig, evaluate, hf_eval_steps
+    from ..eval.hf.run import evaluate, hf_eval_steps
     from ..io import (
         atomic_write_text,
         check_output_path,
