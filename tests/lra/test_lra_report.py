@@ -483,3 +483,20 @@ def test_a_result_json_cut_short_says_what_to_do(tmp_path):
                                          r"short since; run that seed again, or move its "
                                          r"folder out of the folders given"):
         collect_runs([tmp_path])
+
+
+def test_one_reader_of_metrics_jsonl_skips_or_names_a_line_a_kill_cut_short(tmp_path):
+    """Whether a run finished, its last step and its dev curve read metrics.jsonl through
+    one reader: a cut line is skipped where the file only guides (resume, the list of
+    unfinished runs) and named with its number where its numbers are drawn."""
+    from skyformer.lra.runlog import read_entries
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"kind": "dev", "step": 2, "seconds": 1.0, "accuracy": 0.5}\n'
+                       '\n7\n{"kind": "test", "st')
+    assert list(read_entries(metrics)) == [
+        (1, {"kind": "dev", "step": 2, "seconds": 1.0, "accuracy": 0.5})]
+    with pytest.raises(ValueError, match=r"metrics\.jsonl line 4 is not JSON .*delete that "
+                                         r"line \(what reads it\)\.$"):
+        list(read_entries(metrics, damaged="what reads it"))
+    assert list(read_entries(tmp_path / "missing.jsonl")) == []

@@ -41,6 +41,7 @@ from ..registry.variants import base_name, is_variant, parse_variant
 from .cache import data_fingerprint
 from .model import resolve_attention_options
 from .presets import make_config
+from .runlog import read_entries
 from .tasks import TASKS
 
 # Config entries that do not change what a run measures, besides the seed.
@@ -243,41 +244,24 @@ def unfinished_runs(paths: list[str | os.PathLike[str]]) -> list[Unfinished]:
 def _last_step(metrics: Path) -> int | None:
     """The largest step of the entries of ``metrics`` that parse (a line a kill cut short
     is skipped); None without any."""
-    if not metrics.is_file():
-        return None
-    steps = []
-    for line in metrics.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(entry, dict) and isinstance(entry.get("step"), int):
-            steps.append(entry["step"])
-    return max(steps, default=None)
+    return max((entry["step"] for _, entry in read_entries(metrics)
+                if isinstance(entry.get("step"), int)), default=None)
 
 
 def _dev_curve(metrics: Path) -> list[tuple[float, float]]:
     """(seconds, accuracy) of the dev entries of a run's ``metrics.jsonl``; a line that is
     not JSON, or a dev entry without either, is named with its line number."""
     curve = []
-    text = metrics.read_text(encoding="utf-8", errors="replace")
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
+    readers = "only the dev curves of --plot read this file"
+    for number, entry in read_entries(metrics, damaged=readers):
+        if entry.get("kind") != "dev":
             continue
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError as err:
-            problem = f"is not JSON ({err.msg}, column {err.colno})"
-        else:
-            if not isinstance(entry, dict) or entry.get("kind") != "dev":
-                continue
-            missing = [k for k in ("seconds", "accuracy") if k not in entry]
-            if not missing:
-                curve.append((entry["seconds"], entry["accuracy"]))
-                continue
-            problem = f"is a dev entry without {' and '.join(missing)}"
-        raise ValueError(f"{metrics} line {number} {problem}: the file is damaged; delete that "
-                         "line (only the dev curves of --plot read this file).")
+        missing = [k for k in ("seconds", "accuracy") if k not in entry]
+        if missing:
+            raise ValueError(f"{metrics} line {number} is a dev entry without "
+                             f"{' and '.join(missing)}: the file is damaged; delete that line "
+                             f"({readers}).")
+        curve.append((entry["seconds"], entry["accuracy"]))
     return curve
 
 

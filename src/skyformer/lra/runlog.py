@@ -14,6 +14,8 @@ purged too, so they are never there twice.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,30 @@ def tensorboard_available() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("tensorboard") is not None
+
+
+def read_entries(metrics: Path, *, damaged: str | None = None
+                 ) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, entry) of each entry of a run's ``metrics.jsonl`` (none where the
+    file is missing). A line that is not JSON (a kill cut it short) is skipped, or, with
+    ``damaged`` (what reads the file, for the sentence), named in a ValueError with its
+    line number; blank lines and JSON other than an object are skipped."""
+    if not metrics.is_file():
+        return
+    text = metrics.read_text(encoding="utf-8", errors="replace")
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as err:
+            if damaged is None:
+                continue
+            raise ValueError(
+                f"{metrics} line {number} is not JSON ({err.msg}, column {err.colno}): the "
+                f"file is damaged; delete that line ({damaged}).") from None
+        if isinstance(entry, dict):
+            yield number, entry
 
 
 def _json_line(entry: dict[str, Any]) -> str:

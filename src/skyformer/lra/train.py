@@ -71,7 +71,7 @@ from .evaluate import evaluate
 from .metrics import Running, peak_memory_bytes, reset_peak_memory
 from .model import LRAClassifier, ModelConfig
 from .presets import TrainConfig, learning_rate
-from .runlog import KINDS, RunLog
+from .runlog import KINDS, RunLog, read_entries
 from .seeds import derive_seed
 
 _log = get_logger("lra")
@@ -161,16 +161,7 @@ def _has_test_entry(metrics: Path) -> bool:
     """Whether ``metrics`` (a run's ``metrics.jsonl``) holds a test entry, which a
     finished run writes with its result.json; lines that do not parse (cut short by a
     kill) are skipped."""
-    if not metrics.is_file():
-        return False
-    for line in metrics.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(entry, dict) and entry.get("kind") == "test":
-            return True
-    return False
+    return any(entry.get("kind") == "test" for _, entry in read_entries(metrics))
 
 
 # The files a run writes through a temporary file and a rename (``io.atomic_write_text``,
