@@ -28,8 +28,7 @@ from ..ops.nystrom_softmax.nystrom_softmax import (
     float32_reach,
     nystrom_softmax_from_core,
 )
-from ..ops.performer.features import resolve_projection
-from ..ops.performer.performer import marked_by_projection, performer_from_projection
+from ..ops.performer.performer import performer_with_projection
 from ..ops.shared.causal_nystrom import CausalNystromOptions, refuse_causal_form_options
 from ..ops.shared.inputs import AttentionInputs, compute_dtype
 from ..ops.shared.modified_nystrom import NystromCore, NystromOptions, core_from_rows
@@ -82,14 +81,8 @@ def _linear(q: Tensor, k: Tensor, v: Tensor, config: Any, info: AttentionInputs,
 def _performer(q: Tensor, k: Tensor, v: Tensor, config: Any, info: AttentionInputs,
                layout: ShardLayout, reduce: GroupReduction, projection: Tensor | None = None
                ) -> Tensor:
-    w = resolve_projection("performer", projection, config.num_features, info.head_dim,
-                           config.orthogonal, q.device, layout.key)
-    work = compute_dtype(q.dtype)
-    out = performer_from_projection(q.to(work), k.to(work), v.to(work), w.to(work), info,
-                                    config, reduce)
-    if projection is not None:  # a layer's features, alike on every rank (layout.py)
-        out = marked_by_projection(out, w, info)
-    return out.to(q.dtype)
+    # a layer's projection is alike on every rank, as are draws from the layout's key
+    return performer_with_projection(q, k, v, projection, info, config, layout.key, reduce)
 
 
 # Why causal=True does not run sequence parallel (each rank's queries would need the

@@ -286,13 +286,23 @@ def performer_attention(
     info = check_attention_inputs(q, k, v, key_padding_mask, method="performer",
                                   query_padding_mask=query_padding_mask)
     key = resolve_key("performer", generator, q.device, needed=projection is None)
-    w = resolve_projection(
-        "performer", projection, config.num_features, info.head_dim, config.orthogonal, q.device,
-        key,
-    )
+    return performer_with_projection(q, k, v, projection, info, config, key)
+
+
+def performer_with_projection(
+    q: Tensor, k: Tensor, v: Tensor, projection: Tensor | None, info: AttentionInputs,
+    config: PerformerConfig, key: Tensor | None, reduce: KeyReduction = WHOLE,
+) -> Tensor:
+    """Performer attention with the fixed feature directions ``projection`` or, where it
+    is None, directions drawn from ``key``: computed in float32 for half types, returned
+    in ``q``'s dtype (the body of ``performer_attention`` and of its sequence-parallel
+    form, whose ``reduce`` completes the sums over the key shards). A fixed projection
+    marks the rows its features leave non-finite (``marked_by_projection``)."""
+    w = resolve_projection("performer", projection, config.num_features, info.head_dim,
+                           config.orthogonal, q.device, key)
     work = compute_dtype(q.dtype)
     out = performer_from_projection(q.to(work), k.to(work), v.to(work), w.to(work), info,
-                                    config)
+                                    config, reduce)
     if projection is not None:
         out = marked_by_projection(out, w, info)
     return out.to(q.dtype)
