@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 import torch
 
 from ..eval.bench.report import format_table, format_wide, result_path, write_results
-from ..eval.bench.resume import earlier_runs, resumable_rows
-from ..eval.bench.run import DTYPES, ROW_KEYS, BenchConfig, BenchResult, run_bench
+from ..eval.bench.resume import (
+    earlier_runs,
+    read_earlier_result,
+    refuse_to_replace_an_interrupted_run,
+    resumable_rows,
+)
+from ..eval.bench.run import DTYPES, BenchConfig, BenchResult, run_bench
 from ..eval.measure.timing import TIMINGS
 from ..eval.methods import unread_features_note
-from ..io import check_output_path, read_to_resume, results_lock
+from ..io import check_output_path, results_lock
 from .recorded import command_line
 
 NAME = "bench"
@@ -162,19 +165,9 @@ def _earlier_rows(config: BenchConfig, out: str | None) -> tuple[list[dict], lis
     if out is None:
         raise ValueError("--resume continues the results written to --out; give --out.")
     path = result_path(out, ".json")
-    earlier = read_to_resume(path, "a bench result file", "--out")
+    earlier = read_earlier_result(path)
     if earlier is None:
         return [], []
-    if not _is_bench_result(earlier):
-        raise ValueError(f"cannot resume from {path}: not a bench result file (an object with "
-                         "config, environment and a list of rows); write to another --out.")
-    # files written before rows said which run measured them are resumed as one run
-    missing = [key for key in ROW_KEYS
-               if key != "run" and any(key not in row for row in earlier["rows"])]
-    if missing:
-        raise ValueError(f"cannot resume from {path}: its rows lack {', '.join(missing)}, "
-                         "which bench writes (a file edited or of another version); write to "
-                         "another --out.")
     runs = earlier_runs(earlier, str(path))
     rows, unasked = resumable_rows(config, earlier)
     print(f"resuming from {path}: {len(rows)} rows measured before", file=sys.stderr)
@@ -186,13 +179,6 @@ def _earlier_rows(config: BenchConfig, out: str | None) -> tuple[list[dict], lis
               f"not be in the new file: ask for them too to keep them (--seq-lens {every}, "
               f"and their shapes and dtypes)", file=sys.stderr)
     return rows, runs
-
-
-def _is_bench_result(data: object) -> bool:
-    """Whether ``data`` has the shape of ``write_results``'s JSON."""
-    return (isinstance(data, dict) and isinstance(data.get("config"), dict)
-            and isinstance(data.get("environment"), dict) and isinstance(data.get("rows"), list)
-            and all(isinstance(row, dict) for row in data["rows"]))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -235,25 +221,8 @@ def run(args: argparse.Namespace) -> int:
         return _measure(args, config)
     with results_lock(result_path(args.out, ".json")):  # one run at a time writes OUT.*
         if not args.resume:
-            _refuse_to_replace_an_interrupted_run(result_path(args.out, ".json"))
+            refuse_to_replace_an_interrupted_run(result_path(args.out, ".json"))
         return _measure(args, config)
-
-
-def _refuse_to_replace_an_interrupted_run(path: Path) -> None:
-    """A sentence where ``path`` holds a run that stopped before its end (``complete:
-    false``): the interrupt note says to rerun with --resume, and a rerun from the shell
-    history without it replaced the measured rows."""
-    try:
-        earlier = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return  # no file, or not one of bench's: written over as before
-    if not (_is_bench_result(earlier) and earlier.get("complete") is False):
-        return
-    lengths = sorted({row.get("n") for row in earlier["rows"] if isinstance(row.get("n"), int)})
-    measured = f"N = {', '.join(map(str, lengths))} measured" if lengths else "nothing measured"
-    raise ValueError(f"{path} holds a run that stopped before its end ({measured}): pass "
-                     f"--resume to continue it, or remove it (or give another --out) to start "
-                     f"again.")
 
 
 def _measure(args: argparse.Namespace, config: BenchConfig) -> int:

@@ -4,13 +4,15 @@ the runs that measured them, and, where the settings differ, what to pass instea
 from __future__ import annotations
 
 import dataclasses
+import json
 import shlex
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from ...io import json_ready
-from .run import BenchConfig, _length_key, run_environment
+from ...io import json_ready, read_to_resume
+from .run import ROW_KEYS, BenchConfig, _length_key, run_environment
 
 # the settings a row's numbers depend on (``BenchConfig``'s fields; the methods are
 # compared as the lists that run, see ``_methods_differ``)
@@ -29,6 +31,50 @@ SWITCHES = {"backward": ("--forward-only", False), "memory": ("--no-memory", Fal
 # settings whose order is only that of the table's rows: the same ones in another
 # order resume the run
 ORDERLESS_SETTINGS = ("dtypes",)
+
+
+def is_bench_result(data: object) -> bool:
+    """Whether ``data`` has the shape of ``write_results``'s JSON."""
+    return (isinstance(data, dict) and isinstance(data.get("config"), dict)
+            and isinstance(data.get("environment"), dict) and isinstance(data.get("rows"), list)
+            and all(isinstance(row, dict) for row in data["rows"]))
+
+
+def read_earlier_result(path: Path) -> dict[str, Any] | None:
+    """The result file ``path`` that ``--resume`` continues (None where there is none),
+    refused in a sentence where it is not one of bench's or its rows lack what bench
+    writes."""
+    earlier = read_to_resume(path, "a bench result file", "--out")
+    if earlier is None:
+        return None
+    if not is_bench_result(earlier):
+        raise ValueError(f"cannot resume from {path}: not a bench result file (an object with "
+                         "config, environment and a list of rows); write to another --out.")
+    # files written before rows said which run measured them are resumed as one run
+    missing = [key for key in ROW_KEYS
+               if key != "run" and any(key not in row for row in earlier["rows"])]
+    if missing:
+        raise ValueError(f"cannot resume from {path}: its rows lack {', '.join(missing)}, "
+                         "which bench writes (a file edited or of another version); write to "
+                         "another --out.")
+    return earlier
+
+
+def refuse_to_replace_an_interrupted_run(path: Path) -> None:
+    """A sentence where ``path`` holds a run that stopped before its end (``complete:
+    false``): the interrupt note says to rerun with --resume, and a rerun from the shell
+    history without it replaced the measured rows."""
+    try:
+        earlier = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # no file, or not one of bench's: written over as before
+    if not (is_bench_result(earlier) and earlier.get("complete") is False):
+        return
+    lengths = sorted({row.get("n") for row in earlier["rows"] if isinstance(row.get("n"), int)})
+    measured = f"N = {', '.join(map(str, lengths))} measured" if lengths else "nothing measured"
+    raise ValueError(f"{path} holds a run that stopped before its end ({measured}): pass "
+                     f"--resume to continue it, or remove it (or give another --out) to start "
+                     f"again.")
 
 
 def resumable_rows(config: BenchConfig, earlier: dict[str, Any]
