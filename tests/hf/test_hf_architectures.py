@@ -488,7 +488,7 @@ def test_per_layer_parameters_never_saved_start_fresh_and_unreadable_folders_are
     method's initialisation; a local folder without weights this can read is refused when
     the method has such parameters (whether they were saved cannot be told), not when not;
     a Hub name loads with a warning."""
-    from skyformer.hf.model import load_saved_state
+    from skyformer.hf.loading import load_saved_state
 
     tiny_bert().save_pretrained(tmp_path / "plain")
     fresh = tiny_bert()
@@ -1132,7 +1132,7 @@ def test_from_pretrained_names_a_path_that_is_no_folder(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"does not exist; pass the folder that "
                                                 r"save_pretrained wrote"):
         shf.from_pretrained(tmp_path / "no_such_model", "performer")
-    from skyformer.hf.model import _refuse_missing_folder
+    from skyformer.hf.loading import _refuse_missing_folder
 
     for hub_id in ("bert-base-uncased", "sentence-transformers/all-MiniLM-L6-v2"):
         _refuse_missing_folder(hub_id)  # transformers' to load (or to refuse offline)

@@ -15,7 +15,7 @@ import skyformer.hf as shf
 from skyformer import CapabilityError, get_method, list_methods
 from skyformer.eval.data.qkv import default_model_dir
 from skyformer.hf import attention as hf_attention
-from skyformer.hf.model import load_saved_state
+from skyformer.hf.loading import load_saved_state
 from tests.hf.conftest import SENTENCES, mean_pooled
 
 # Float32 model, six layers of sums over 384 channels: SDPA and the registered path

@@ -56,13 +56,8 @@ from .attention import (  # noqa: E402
 )
 from .decoding import DecodingCache  # noqa: E402
 from .layers import EXACT, LayerAttention, attention_modules  # noqa: E402
-from .model import (  # noqa: E402
-    describe,
-    from_pretrained,
-    load_state,
-    restore_exact,
-    set_attention,
-)
+from .loading import from_pretrained, load_state  # noqa: E402
+from .model import describe, restore_exact, set_attention  # noqa: E402
 from .record import record_settings_when_saving  # noqa: E402
 
 register_methods()
