@@ -1,5 +1,15 @@
-"""Result files: atomic writes (a crash never leaves a half-written file), strict JSON
-(a non-finite number is ``null``) and environment."""
+"""Result files and the folders that hold them.
+
+- Writes: atomic (a crash never leaves a half-written file: ``atomic_writer``,
+  ``atomic_write_text``, ``write_json``, ``write_csv``, ``save_figure``), strict JSON (a
+  non-finite number is ``null``), the run's ``environment``, and checks of an output path
+  before any work (``check_output_path``).
+- Folders: one run at a time in a folder (``folder_lock``, ``results_lock``: a lock file
+  naming its process, taken over from a dead one), a folder built aside and renamed into
+  place (``building_folder``), files replaced together (``replacing_together``), and what
+  an interrupted run left (``remove_interrupted_writes``, ``remove_dead_builds``).
+- Resume: ``read_to_resume`` reads an earlier result with a sentence where it is damaged.
+"""
 
 from __future__ import annotations
 
