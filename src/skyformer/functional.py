@@ -56,10 +56,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .linalg.tracing import may_read_values
 from .masks import resolve_mask
 from .ops.shared.masked import mask_broadcasts
 from .ops.shared.options import check_probability
-from .ops.shared.tracing import may_read_values
 from .registry import CapabilityError, check_capabilities, get_method
 from .registry.binding import all_real_padding_as_none
 from .registry.capabilities import masks_taken

@@ -57,9 +57,9 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from .amp import autocast_enabled
 from .checks import check_positive_int
 from .functional import attn_mask_as_padding, refuse_causal_lengths, sdpa_options
+from .linalg.tracing import values_to_check
 from .masks import BLOCKED_LOGIT
 from .nn import BoundMethodProperties, check_layer_configuration
-from .ops.shared.tracing import values_to_check
 from .registry import BoundMethod, get_method, methods_that_can
 from .user_frame import warn_from_user_frame
 

@@ -26,8 +26,8 @@ from abc import ABC, abstractmethod
 import torch
 from torch import Tensor
 
+from ..linalg.tracing import may_read_values
 from ..ops.shared.inputs import resolve_key
-from ..ops.shared.tracing import may_read_values
 from ..registry.guard import zero_padding
 
 

@@ -52,9 +52,9 @@ from transformers.masking_utils import (
 )
 
 from ..decoding import new_decoding_state
+from ..linalg.tracing import may_read_values
 from ..masks import UnsupportedMaskError, causal_without_mask, decoding_key_valid, resolve_mask
 from ..ops.shared.causal_nystrom import CAUSAL_FORM_DEFAULTS
-from ..ops.shared.tracing import may_read_values
 from ..registry import CapabilityError, Method, get_method, list_methods
 from ..registry.binding import all_real_padding_as_none
 from ..sketch.rng import random_key

@@ -49,6 +49,7 @@ from .eager_calls import apply
 from .functional_ops import first_order_backward, functional_ops_only
 from .newton_inverse import newton_floor, newton_interval_step, newton_steps
 from .pinv import iterative_pinv
+from .tracing import may_read_values
 
 GRADIENTS: tuple[str, ...] = ("unrolled", "implicit")
 # how the implicit core's forward pass forms A^-1: "auto" = "cholesky" for float32 and
@@ -137,7 +138,6 @@ def _factorised_inverse(a3: Tensor, iterations: int) -> Tensor:
     not symmetric (``_symmetric``; a direct call's matrix) an LU factorisation; in
     traced code, which cannot branch on it, such a matrix's inverse is NaN, or that of
     the symmetric matrix of its lower triangle."""
-    from ..ops.shared.tracing import may_read_values  # the ops package imports linalg
 
     factor, info = torch.linalg.cholesky_ex(a3)
     if not may_read_values(a3):

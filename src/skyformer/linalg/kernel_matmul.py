@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..checks import check_positive_int
 from .eager_calls import apply
 from .flush import flush_exponent_on_cpu_
 from .functional_ops import first_order_backward, functional_ops_only, jit_tracing
@@ -355,9 +356,7 @@ def gaussian_kernel_matmul(
     if chunk is None:
         chunk = chunk_rows(n, bh, m, y.device)
     else:
-        from ..ops.shared.options import check_positive_int  # the ops package imports linalg
-
-        check_positive_int("gaussian_kernel_matmul", "chunk", chunk)
+        check_positive_int("gaussian_kernel_matmul: chunk", chunk)
     if row_offset is not None:  # with row_valid, in one float tensor (row_offsets)
         offset = row_offset.detach().to(x.dtype)
         row_valid = offset if row_valid is None else torch.where(

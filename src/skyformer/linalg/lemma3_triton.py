@@ -34,6 +34,7 @@ from .kernel_backend import (
     interpreter_on,
     use_triton,
 )
+from .tracing import may_read_values
 from .vmap import vmap_into_batch
 
 MAX_M = 128  # the kernels' tiles cover m <= 128 (triton_lemma3.launch_options)
@@ -52,7 +53,6 @@ def fused_lemma3_applies(kernel: str, source: Tensor, size: int, pinv: str, init
         return False
     if not use_triton(kernel, source):
         return False
-    from ..ops.shared.tracing import may_read_values  # the ops package imports linalg
 
     if kernel == "auto" and (CORE_FALLBACK.failed_on(source) or not may_read_values(source)):
         return False

@@ -27,6 +27,7 @@ from .implicit_inverse import GRADIENTS, implicit_iterations, implicit_pinv
 from .kernels import gaussian_kernel_block
 from .lemma3_triton import fused_lemma3_applies, triton_lemma3_inverse
 from .pinv import PinvInit, iterative_pinv
+from .tracing import may_read_values
 
 PinvMethod = Literal["iterative", "exact"]
 PINV_METHODS: tuple[str, ...] = ("iterative", "exact")
@@ -177,7 +178,6 @@ def exact_inverse(a: Tensor, definite: bool) -> Tensor:
     them (rows 3e-2 off in float64 at |q|, |k| ~ 7); LU keeps them. A matrix that is
     singular in floating point all the same (a ridge below rounding, repeated rows)
     takes the pseudo-inverse where the values may be read (eager calls)."""
-    from ..ops.shared.tracing import may_read_values  # the ops package imports linalg
 
     if not definite:
         return torch.linalg.pinv(a, hermitian=True)

@@ -18,8 +18,8 @@ from torch import Tensor, nn
 
 from ..amp import autocast_enabled, autocast_off
 from ..checks import check_positive_int
+from ..linalg.tracing import may_read_values
 from ..nn import MultiHeadAttention
-from ..ops.shared.tracing import may_read_values
 from ..registry import get_method
 
 

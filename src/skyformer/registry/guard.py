@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from ..linalg.kernels import overwrite_in_eager
-from ..ops.shared.tracing import may_read_values
+from ..linalg.tracing import may_read_values
 
 
 def _padding(mask: Any, batch: int, length: int, device: torch.device) -> Tensor | None:

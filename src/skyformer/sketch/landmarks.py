@@ -35,6 +35,7 @@ from torch import Tensor
 
 from ..linalg.functional_ops import exporting, known_while_exporting
 from ..linalg.kernel_backend import KernelFallback
+from ..linalg.tracing import may_read_values
 from .rng import random_key, row_uniform, stream, valid_rank
 
 DRAWS = ("auto", "torch", "triton")
@@ -122,7 +123,6 @@ def use_triton_draw(draw: str, key: Tensor, *tensors: Tensor | None) -> bool:
     transforms both take the PyTorch path, which gives the same keys. ``"torch"``: never.
     """
     from ..linalg.kernel_backend import check_interpreter, interpreter_on, triton_available
-    from ..ops.shared.tracing import may_read_values
 
     if draw not in DRAWS:
         raise ValueError(f"draw must be one of {', '.join(map(repr, DRAWS))}, got {draw!r}.")

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ..linalg.rows import gather_rows
-from ..ops.shared.tracing import may_read_values
+from ..linalg.tracing import may_read_values
 from .angular_lsh import equal_size_buckets, hamming_order
 
 

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from ...linalg.functional_ops import exporting, known_while_exporting
 from ...linalg.scores import logit_scale
+from ...linalg.tracing import may_read_values
 from ...registry import Capabilities, register
 from ...sketch.random_features import gaussian_columns
 from ...sketch.rng import stream
@@ -56,7 +57,6 @@ from ..shared.options import (
     check_random_features,
     check_scale,
 )
-from ..shared.tracing import may_read_values
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..shared.tracing import may_read_values
+from ...linalg.tracing import may_read_values
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,7 @@ from ...linalg.flush import negligible_exponent
 from ...linalg.kernel_backend import HALF_TYPES
 from ...linalg.kernel_offsets import squared_norms
 from ...linalg.scores import logit_scale
+from ...linalg.tracing import may_read_values
 from ...registry import Capabilities, register
 from ...sketch import Landmarks
 from ..shared.causal_nystrom import (
@@ -87,7 +88,6 @@ from ..shared.modified_nystrom import (
 from ..shared.normalised import normalised_or
 from ..shared.options import check_nonnegative_float, check_scale
 from ..shared.reduction import WHOLE, KeyReduction
-from ..shared.tracing import may_read_values
 from .causal import causal_nystrom_softmax
 
 # The largest s |x|^2 of a row for which every Gaussian entry the float32 sums need,

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from ...linalg.functional_ops import exporting
+from ...linalg.tracing import may_read_values
 from ..shared.causal_prefix import (
     CAUSAL_CHUNK,
     chunk_length,
@@ -46,7 +47,6 @@ from ..shared.causal_prefix import (
     lower_triangle,
     unchunk_rows,
 )
-from ..shared.tracing import may_read_values
 
 
 class RunningSums(NamedTuple):

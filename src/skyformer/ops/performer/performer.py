@@ -50,6 +50,7 @@ from torch import Tensor, nn
 from ...linalg import with_ones_column
 from ...linalg.eager_calls import custom_op
 from ...linalg.scores import logit_scale
+from ...linalg.tracing import may_read_values
 from ...registry import Capabilities, register
 from ...sketch import gaussian_projection
 from ...sketch.rng import fold_in, random_key
@@ -72,7 +73,6 @@ from ..shared.options import (
     check_scale,
 )
 from ..shared.reduction import WHOLE, KeyReduction
-from ..shared.tracing import may_read_values
 from .causal import causal_performer_sums
 from .features import causal_key_logs, key_features, query_features, resolve_projection
 

@@ -49,6 +49,7 @@ from torch import Tensor
 
 from ...linalg import gather_rows
 from ...linalg.scores import logit_scale
+from ...linalg.tracing import values_to_check
 from ...registry import Capabilities, register
 from ...sketch import draw_rotations, rotation_hash
 from ..shared.inputs import (
@@ -64,7 +65,6 @@ from ..shared.options import (
     check_positive_int,
     check_scale,
 )
-from ..shared.tracing import values_to_check
 
 
 @dataclass(frozen=True)

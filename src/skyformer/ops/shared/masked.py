@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ...linalg.tracing import strides_hold
 from .inputs import check_device
 from .sdpa import sdpa
-from .tracing import strides_hold
 
 
 def masked_softmax(logits: Tensor, visible: Tensor) -> Tensor:

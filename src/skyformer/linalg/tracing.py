@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...linalg.functional_ops import exporting
+from .functional_ops import exporting
 
 
 def may_read_values(*tensors: Tensor) -> bool:
