@@ -237,3 +237,24 @@ def test_a_misshapen_projection_with_share_heads_is_told_the_shared_shape():
                            r"\[num_features, L\] = \[4, L\], got \((3, 12|12,)\)\.$"):
             linformer_attention(q, k, v, num_features=4, share_heads=True, proj_k=bad,
                                 proj_v=bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_non_finite_projection_is_not_hidden(shared, dtype):
+    """A head whose key projection is all NaN gave zeros (the fused softmax takes a row
+    of NaN logits for one with no key); a projection that went non-finite in training
+    shows as NaN in the heads it serves, the others as they were."""
+    q, k, v = make_qkv(b=1, h=2, n=6, d=4, dtype=dtype)
+    shape = (8, 6) if shared else (2, 8, 6)
+    e = torch.randn(*shape, dtype=dtype, generator=gen(1)) / 8**0.5
+    f = torch.randn(*shape, dtype=dtype, generator=gen(2)) / 8**0.5
+    finite = linformer_attention(q, k, v, num_features=8, proj_k=e, proj_v=f)
+    broken = e.clone()
+    broken[0] = float("nan")  # head 0's projection, or every head's first row
+    out = linformer_attention(q, k, v, num_features=8, proj_k=broken, proj_v=f)
+    if shared:
+        assert out.isnan().all()
+    else:
+        assert out[:, 0].isnan().all()
+        torch.testing.assert_close(out[:, 1], finite[:, 1], rtol=0, atol=0)

@@ -332,4 +332,16 @@ def linformer_attention(
     visible = None if skip else slot_live[..., None, :]
     # softmax(s Q K_proj^T) V_proj by fused SDPA: the [Nq, k] matrix is never stored
     out = masked_attention(q.to(work) * s, k_proj, v_proj, visible)  # [B, H, Nq, Dv]
+    if proj_k is not None:
+        out = out + _projection_marks(e, f)
     return zero_padded_queries(out, info.query_valid).to(dtype)
+
+
+def _projection_marks(e: Tensor, f: Tensor) -> Tensor:
+    """0, or NaN in the heads whose given projection ``[H, k, Nk]`` (``[k, Nk]``: every
+    head) holds a non-finite entry, as ``[H, 1, 1]`` (or a scalar), detached. A head whose
+    key projection is all NaN has all-NaN logits, which the fused softmax takes for a
+    row with no key and answers with zeros: the marks keep such a head NaN, as the
+    non-finite values the docs promise never to hide."""
+    marks = (e.detach().sum((-2, -1)) + f.detach().sum((-2, -1))) * 0
+    return marks[..., None, None] if marks.dim() else marks
