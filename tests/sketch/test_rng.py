@@ -93,7 +93,7 @@ def test_fold_in_takes_a_symbolic_int_under_torch_compile():
     for n in (5, 6):
         assert torch.equal(compiled(key, torch.zeros(n)), fold_in(key, torch.tensor(n)))
     assert torch.equal(fold_in(key, 5), fold_in(key, torch.tensor(5)))
-    assert torch.equal(fold_in(key, -3), fold_in(key, torch.tensor(-3)))
+    assert torch.equal(fold_in(key, 2**32 - 3), fold_in(key, torch.tensor(2**32 - 3)))
 
 
 def test_row_uniform_is_indexed_by_rank_among_valid_rows():
@@ -175,3 +175,22 @@ def test_one_key_draws_alike_in_every_call_and_fold_in_gives_each_layer_its_own(
     run = [skyformer.attention(q, q, q, "skyformer", num_features=8, generator=k)
            for k in (key, key, skyformer.fold_in(key, 1))]
     assert torch.equal(run[0], run[1]) and not torch.equal(run[0], run[2])
+
+
+@pytest.mark.parametrize(("data", "error", "words"), [
+    (2**32, ValueError, r"must be in \[0, 2\^32\) .*4294967296 would give the stream of 0"),
+    (-1, ValueError, r"-1 would give the stream of 4294967295"),
+    (1.5, TypeError, r"an int in \[0, 2\^32\) or an integer tensor, got float 1\.5"),
+    (True, TypeError, r"got bool True"),
+    (torch.tensor([0.5]), TypeError, r"got a torch\.float32 tensor"),
+    (np.float32(0.5), TypeError, r"got a NumPy float32 value"),
+])
+def test_fold_in_refuses_data_whose_stream_would_be_anothers(data, error, words):
+    with pytest.raises(error, match=rf"^fold_in: .*{words}"):
+        fold_in(random_key(0), data)
+    with pytest.raises(TypeError, match=r"^fold_in: a random key must be an int64 tensor "
+                                        r"\[\.\.\., 2\] .*, got int\.$"):
+        fold_in(3, 1)
+    assert torch.equal(fold_in(random_key(0), np.int64(5)), fold_in(random_key(0), 5))
+    assert torch.equal(fold_in(random_key(0), np.arange(3)),
+                       fold_in(random_key(0), torch.arange(3)))

@@ -28,6 +28,7 @@ import math
 import numbers
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
@@ -88,22 +89,50 @@ def check_key(key: object, method: str = "skyformer") -> None:
 
 
 def fold_in(key: Tensor, data: int | Tensor) -> Tensor:
-    """A new key derived from ``key [..., 2]`` and ``data`` (an int or an integer tensor
-    broadcasting against ``key[..., 0]``): independent streams for parts of a method,
-    batch elements, heads. An int is hashed on the host: on a GPU, making it a tensor
-    would be a blocking copy, which makes the host wait for the queued work. Under
-    ``torch.compile`` an int may be symbolic (a size; an int argument once recompiled):
-    dynamo shows it as an int, and hashed as one its bit operations became symbolic
-    expressions that Inductor's C++ code cannot compile, so there (where a constant
-    becomes part of the graph, no copy) and for anything else the data becomes a
-    tensor first."""
-    if not isinstance(data, int) or torch.compiler.is_compiling():  # an int: bool too
+    """A new key derived from ``key [..., 2]`` and ``data`` (an int in [0, 2^32) or an
+    integer tensor broadcasting against ``key[..., 0]``, of which the low 32 bits are
+    folded in): independent streams for parts of a method, batch elements, heads. An
+    int is hashed on the host: on a GPU, making it a tensor would be a blocking copy,
+    which makes the host wait for the queued work. Under ``torch.compile`` an int may
+    be symbolic (a size; an int argument once recompiled): dynamo shows it as an int,
+    and hashed as one its bit operations became symbolic expressions that Inductor's
+    C++ code cannot compile, so there (where a constant becomes part of the graph, no
+    copy) and for anything else the data becomes a tensor first. A float, a bool or an
+    int out of range is refused: its stream would be another's (1.5 and True are 1's,
+    2^32 is 0's)."""
+    _check_fold_in(key, data)
+    if not isinstance(data, int) or torch.compiler.is_compiling():
         data = torch.as_tensor(data, device=key.device, dtype=torch.long)
     data = _mix(((data & _MASK) * _GOLDEN) & _MASK)
     k0, k1 = key[..., 0], key[..., 1]
     a = _mix(k0 ^ data)
     b = _mix(k1 ^ _mix(a + 0x632BE5AB))
     return torch.stack([a, b], dim=-1)
+
+
+def _check_fold_in(key: object, data: object) -> None:
+    """The key (an int64 key) and the data that ``fold_in`` would otherwise take for
+    another's: a float, bool or complex number or tensor (truncated), or a Python int
+    outside [0, 2^32) (folded by its low 32 bits; checked in eager code, where its value
+    is known). Integer tensors and arrays, and symbolic ints, go as they are."""
+    check_key(key, "fold_in")
+    if isinstance(data, Tensor):
+        integral = not (data.is_floating_point() or data.is_complex()
+                        or data.dtype == torch.bool)
+    elif isinstance(data, (np.ndarray, np.generic)):
+        integral = data.dtype.kind in ("i", "u")
+    else:  # a Python number, or a symbolic int under a tracer
+        integral = not isinstance(data, (bool, float, complex))
+    if not integral:
+        shown = (f"a {data.dtype} tensor" if isinstance(data, Tensor) else
+                 f"a NumPy {data.dtype} value" if isinstance(data, (np.ndarray, np.generic))
+                 else f"{type(data).__name__} {data!r}")
+        raise TypeError(f"fold_in: data must be an int in [0, 2^32) or an integer tensor, "
+                        f"got {shown} (its values would be truncated).")
+    if isinstance(data, int) and not torch.compiler.is_compiling() \
+            and not 0 <= data <= _MASK:
+        raise ValueError(f"fold_in: data must be in [0, 2^32) (its low 32 bits are folded "
+                         f"in: {data} would give the stream of {data & _MASK}), got {data}.")
 
 
 def stream_data(name: str) -> int:
