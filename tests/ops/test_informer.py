@@ -154,3 +154,16 @@ def test_bad_options():
     ):
         with pytest.raises(ValueError, match=word):
             informer_attention(q, k, v, **options)
+
+
+@pytest.mark.parametrize("options", [{"num_features": 2**63}, {"num_features": 2**70},
+                                     {"factor": 2**70}, {"factor": 2**1100}])
+def test_budgets_past_int64_are_capped_by_the_sequence(options):
+    """u = min(num_features or c ceil(ln n), n): a budget past int64 failed inside torch
+    (RuntimeError, OverflowError) instead of being capped by the length, as the docs
+    say it is."""
+    q, k, v = make_qkv(b=1, h=2, n=16, d=4)
+    capped = dict.fromkeys(options, 16)
+    torch.testing.assert_close(informer_attention(q, k, v, generator=gen(0), **options),
+                               informer_attention(q, k, v, generator=gen(0), **capped),
+                               rtol=0, atol=0)

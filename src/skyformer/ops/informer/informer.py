@@ -100,8 +100,11 @@ def log_budget(factor: int, n: int) -> int:
 
 def log_budgets(factor: int, n: Tensor) -> Tensor:
     """``log_budget`` of every entry of the long tensor ``n`` (float64 logarithms, so
-    ceil(ln n) matches Python's for every n below 2^52)."""
-    budget = (factor * torch.log(n.clamp_min(1).double()).ceil()).long()
+    ceil(ln n) matches Python's for every n below 2^52; capped at n before the cast back
+    to integers, and the factor at 2^52 before it becomes a float, which changes no
+    budget of such an n, so that any factor stays in range)."""
+    budget = float(min(factor, 2**52)) * torch.log(n.clamp_min(1).double()).ceil()
+    budget = torch.minimum(budget, n.double()).long()
     return torch.where(n > 0, torch.minimum(budget.clamp_min(1), n), 0)
 
 
@@ -198,7 +201,8 @@ def active_counts(info: AttentionInputs, num_features: int | None, factor: int,
            if info.query_valid is None else info.query_valid.sum(dim=1))
     if num_features is None:
         return log_budgets(factor, n_q), max(log_budget(factor, info.query_len), 1)
-    return n_q.clamp_max(num_features), max(min(num_features, info.query_len), 1)
+    bound = min(num_features, info.query_len)  # in range for any num_features
+    return n_q.clamp_max(bound), max(bound, 1)
 
 
 @register(
