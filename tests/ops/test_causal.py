@@ -332,3 +332,16 @@ def test_a_call_that_is_not_causal_refuses_the_causal_forms_options(method):
                                              r"\(causal=True\); this call is not causal"):
             attention(q, k, v, method, num_features=4, **options)
         attention(q, k, v, method, num_features=4, causal=True, **options)
+
+
+@pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax"])
+def test_a_landmark_stride_past_int64s_reach_gets_a_sentence(method):
+    """landmark_stride=2**62 overflowed slot * stride and failed with an IndexError deep
+    inside; the largest stride whose positions stay in range is 2^32."""
+    q, k, v = make_qkv(b=1, h=2, n=8, d=4)
+    with pytest.raises(ValueError, match=rf"^{method}: landmark_stride must be at most 2\^32 "):
+        attention(q, k, v, method, causal=True, num_features=4, landmark_stride=2**62,
+                  generator=random_key(0))
+    out = attention(q, k, v, method, causal=True, num_features=4, landmark_stride=2**32,
+                    generator=random_key(0))
+    assert out.isfinite().all()

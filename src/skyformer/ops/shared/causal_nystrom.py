@@ -75,6 +75,11 @@ class CausalNystromOptions:
         check_bool(method, "causal", self.causal)
         check_bool(method, "causal_local", self.causal_local)
         check_optional_positive_int(method, "landmark_stride", self.landmark_stride)
+        if self.landmark_stride is not None and self.landmark_stride > MAX_STRIDE:
+            raise ValueError(
+                f"{method}: landmark_stride must be at most 2^32 (a slot's position, slot "
+                f"* landmark_stride, must stay in int64; a stride longer than the sequence "
+                f"leaves at most its first slot a landmark), got {self.landmark_stride!r}.")
         gamma = getattr(self, "gamma", 1.0)
         if self.causal:
             check_nonnegative_float(method, "gamma", gamma)
@@ -88,6 +93,10 @@ class CausalNystromOptions:
                 f"landmark slot is drawn for each, whatever the sequence's length; without "
                 f"causal the rows of the sequence cap it), got {m!r}.")
 
+
+# The largest landmark_stride: slot s's rank s R + floor(u R) stays exact in int64 and
+# float64 for every slot (at most MAX_BUDGET of them)
+MAX_STRIDE = 2**32
 
 # The options that shape the causal form only, with their defaults
 CAUSAL_FORM_DEFAULTS = {f.name: f.default for f in dataclasses.fields(CausalNystromOptions)
