@@ -231,7 +231,12 @@ class MultiHeadAttention(BoundMethodProperties, nn.Module):
         source = x if context is None else context
         k = self._split(self.k_proj(source))
         v = self._split(self.v_proj(source))
-        if cache is not None:
+        # a decoding step with no new token: zeros, the cache unchanged (an empty batch
+        # with a cache is the step's own error: the cache holds its batch)
+        no_new_token = cache is not None and x.shape[1] == 0 and x.shape[0] > 0
+        if no_new_token:
+            cache.check_batch(x.shape[0])
+        if cache is not None and not no_new_token:
             # the forward's sentences, naming the argument passed here
             check_attention_inputs(q, k, v, key_padding_mask, method=self.bound.name)
             out = cache.step(q, k, v, key_padding_mask)

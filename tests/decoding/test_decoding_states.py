@@ -533,3 +533,24 @@ def test_a_state_decoded_with_autograd_on_refuses_a_copy_in_a_sentence():
         twin = copy.deepcopy(cache)
         torch.testing.assert_close(layer(x[:, :1], cache=twin), layer(x[:, :1], cache=cache),
                                    atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("method", ["softmax", "linear", "skyformer"])
+def test_a_step_of_no_new_token_gives_zero_rows_and_leaves_the_cache(method):
+    """A step of zero tokens was refused as 'empty input ... skip the call for an empty
+    batch', though the batch is not empty; the layer's forward promises zeros for N = 0
+    and gives them without a cache."""
+    torch.manual_seed(0)
+    options = {"num_features": 4} if method == "skyformer" else {}
+    layer = MultiHeadAttention(8, 2, method, causal=True, **options).eval()
+    x = torch.randn(2, 4, 8)
+    with torch.no_grad():
+        whole = layer(x, generator=random_key(0))
+        cache = layer.new_cache(generator=random_key(0))
+        first = layer(x[:, :3], cache=cache)
+        none = layer(x[:, :0], cache=cache)
+        last = layer(x[:, 3:], cache=cache)
+    assert none.shape == (2, 0, 8) and cache.length == 4
+    torch.testing.assert_close(torch.cat([first, last], dim=1), whole)
+    with pytest.raises(ValueError, match=r"the state holds 2 sequences, the step has 3"):
+        layer(torch.randn(3, 0, 8), cache=cache)

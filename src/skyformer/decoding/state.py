@@ -174,10 +174,14 @@ class DecodingState(ABC):
                 f"{dtype} on {device}; this step has H={q.shape[1]}, D={q.shape[-1]}, "
                 f"Dv={v.shape[-1]} in {q.dtype} on {q.device}. Give every step of a state "
                 f"the same heads, head dims, dtype and device (start a new state otherwise).")
-        batch = self.batch_size()
-        if batch is not None and q.shape[0] != batch:
-            raise ValueError(f"{self.method} decoding: the state holds {batch} sequences, the "
-                             f"step has {q.shape[0]}; reorder the state (reorder(index)) "
+        self.check_batch(q.shape[0])
+
+    def check_batch(self, batch: int) -> None:
+        """A sentence where a step of ``batch`` sequences does not fit the state's."""
+        held = self.batch_size()
+        if held is not None and batch != held:
+            raise ValueError(f"{self.method} decoding: the state holds {held} sequences, the "
+                             f"step has {batch}; reorder the state (reorder(index)) "
                              f"when the batch changes.")
 
     def batch_size(self) -> int | None:
