@@ -154,3 +154,18 @@ def test_bad_options_name_the_problem():
     ):
         with pytest.raises(ValueError, match=word):
             skyformer_adaptive_attention(q, k, v, **options)
+
+
+def test_query_fraction_takes_numpy_scalars_as_every_float_option_does():
+    """query_fraction=np.float32(0.5) was refused as out of (0, 1]."""
+    import numpy as np
+
+    q, k, v = make_qkv(1, 1, 8, 4)
+    torch.testing.assert_close(
+        skyformer_adaptive_attention(q, k, v, num_features=4, query_fraction=np.float32(0.5),
+                                     generator=gen(0)),
+        skyformer_adaptive_attention(q, k, v, num_features=4, query_fraction=0.5,
+                                     generator=gen(0)), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"query_fraction must be a number in \(0, 1\], got "
+                                         r"'0\.5'\."):
+        skyformer_adaptive_attention(q, k, v, query_fraction="0.5")

@@ -46,6 +46,12 @@ def check_probability(method: str, name: str, value: object) -> None:
         raise ValueError(f"{method}: {name} must be a number in [0, 1], got {value!r}.")
 
 
+def check_fraction(method: str, name: str, value: object) -> None:
+    """A number in (0, 1] (NumPy's scalars too, as every float option takes them)."""
+    if not _is_number(value) or not 0.0 < value <= 1.0:  # type: ignore[operator]
+        raise ValueError(f"{method}: {name} must be a number in (0, 1], got {value!r}.")
+
+
 def check_bool(method: str, name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{method}: {name} must be True or False, got {value!r}.")

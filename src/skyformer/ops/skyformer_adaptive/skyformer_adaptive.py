@@ -45,6 +45,7 @@ from ..shared.inputs import (
 )
 from ..shared.modified_nystrom import NystromOptions
 from ..shared.options import (
+    check_fraction,
     check_nonnegative_int,
     check_optional_positive_int,
     check_positive_float,
@@ -76,12 +77,7 @@ class SkyformerAdaptiveConfig(NystromOptions):
     def __post_init__(self) -> None:
         method = "skyformer_adaptive"
         self.validate(method)
-        if isinstance(self.query_fraction, bool) \
-                or not isinstance(self.query_fraction, (int, float)) \
-                or not 0 < self.query_fraction <= 1:
-            raise ValueError(
-                f"{method}: query_fraction must be in (0, 1], got {self.query_fraction!r}."
-            )
+        check_fraction(method, "query_fraction", self.query_fraction)
         check_positive_float(method, "ridge", self.ridge)
         check_nonnegative_int(method, "kmeans_iterations", self.kmeans_iterations)
         check_optional_positive_int(method, "kmeans_sample", self.kmeans_sample)
