@@ -163,6 +163,17 @@ def test_a_misspelt_method_name_gets_the_close_one(given, close):
         get_method(close)  # the name suggested is one that works
 
 
+def test_a_mask_where_the_method_goes_says_where_masks_go():
+    """attention(q, k, v, mask), in torch SDPA's order, printed the whole mask as an
+    unknown method's name."""
+    from skyformer import attention
+
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(TypeError, match=r"must be a method's name, got a tensor of shape "
+                                        r"\(1, 4\): a mask goes by keyword, key_padding_mask="):
+        attention(q, q, q, torch.ones(1, 4, dtype=torch.bool))
+
+
 @pytest.mark.parametrize("options, said", [
     ({"num_featurs": 8}, "no option 'num_featurs' \\(did you mean 'num_features'\\?\\); its"),
     ({"features": 8}, "no option 'features' \\(did you mean 'num_features'\\?\\); its"),

@@ -430,6 +430,12 @@ def get_method(name: str) -> Method:
             method.make_config()  # unknown options and bad values fail here, in a sentence
             cached = _VARIANTS[name] = (base, of, method)
         return cached[2]
+    if isinstance(name, Tensor):  # attention(q, k, v, mask): SDPA's order
+        raise TypeError(
+            f"the attention method must be a method's name, got a tensor of shape "
+            f"{tuple(name.shape)}: a mask goes by keyword, key_padding_mask= ([B, Nk] bool, "
+            f"True = real token) or, in skyformer.scaled_dot_product_attention(q, k, v, "
+            f"attn_mask, ...), where torch's SDPA takes it.")
     if not isinstance(name, str) or name not in _REGISTRY:
         raise ValueError(
             f"unknown attention method {name!r}{did_you_mean(name, _REGISTRY)}; available: "
