@@ -108,3 +108,40 @@ def test_the_layer_and_its_decoding_cache_make_no_tensor_on_the_default_device(n
 
     out = run_on_meta_default(decode)
     assert out.shape == (2, 8, 32) and out.device.type == "cpu"
+
+
+def test_an_int_seed_makes_its_key_on_the_cpu_whatever_the_default_device():
+    with default_device_meta():
+        key = skyformer.random_key(2**40 + 7)
+    assert key.device.type == "cpu"
+    assert torch.equal(key, skyformer.random_key(2**40 + 7))
+
+
+def test_a_seeded_hugging_face_layer_runs_on_a_meta_default_device():
+    pytest.importorskip("transformers")
+    import skyformer.hf as shf
+    from tests.hf.conftest import tiny_bert
+
+    model = tiny_bert()
+    shf.set_attention(model, "skyformer", num_features=8, seed=0)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    expected = model(input_ids=ids).last_hidden_state
+    with default_device_meta():
+        out = model(input_ids=ids).last_hidden_state
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_an_empty_input_is_refused_in_the_librarys_sentence_on_a_meta_default_device():
+    q = torch.randn(1, 1, 0, 8)
+    with default_device_meta(), pytest.raises(ValueError, match="nystrom_softmax: empty"):
+        skyformer.attention(q, q, q, "nystrom_softmax")
+
+
+def test_a_generator_beside_meta_inputs_is_told_to_pass_a_key():
+    q = torch.randn(1, 2, 16, 8, device="meta")
+    with pytest.raises(ValueError, match=r"random_key\(generator\)\.to\('meta'\)"):
+        skyformer.attention(q, q, q, "skyformer", num_features=4,
+                            generator=torch.Generator().manual_seed(0))
+    key = skyformer.random_key(torch.Generator().manual_seed(0)).to("meta")
+    assert skyformer.attention(q, q, q, "skyformer", num_features=4,
+                               generator=key).shape == q.shape

@@ -63,7 +63,8 @@ def random_key(source: torch.Generator | Tensor | int | None = None,
     if isinstance(source, numbers.Integral) and not isinstance(source, bool):
         source = int(source)  # a NumPy integer is a seed too
         check_seed("a random key's seed", source)
-        lo, hi = torch.tensor(source & _MASK), torch.tensor((source >> 32) & _MASK)
+        # hashed on the host whatever torch's default device (meta, a GPU), then moved
+        lo, hi = (torch.tensor(word & _MASK, device="cpu") for word in (source, source >> 32))
         # one-to-one: the first word a bijection of the low half, the second of the high
         # half given the first (a fold_in of both words by the low half mapped about
         # 2^32 (1 - 1/e) seeds below 2^32 onto one key apiece: seeds 52406 and 69315 drew

@@ -204,7 +204,7 @@ def float32_reach(q: Tensor, k: Tensor, config: NystromSoftmaxConfig) -> Tensor 
             or q.dim() < 2:
         return None
     if 0 in q.shape or 0 in k.shape:
-        return torch.tensor(-math.inf)
+        return torch.tensor(-math.inf, dtype=torch.float32, device=q.device)
     s = logit_scale(q.shape[-1], config.scale)
     with torch.no_grad():
         return s * torch.maximum(squared_norms(q, torch.float32).amax(),

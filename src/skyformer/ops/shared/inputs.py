@@ -207,7 +207,10 @@ def check_generator(method: str, generator: object, device: torch.device) -> Non
     if generator.device.type != device.type:
         raise ValueError(
             f"{method}: generator is on {generator.device} but the inputs are on {device}; "
-            f"create it with torch.Generator(device=q.device)."
+            + ("pass a random key on that device instead, "
+               f"generator=skyformer.random_key(generator).to({str(device)!r})."
+               if device.type == "meta" else
+               "create it with torch.Generator(device=q.device).")
         )
 
 
