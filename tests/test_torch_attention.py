@@ -455,6 +455,29 @@ def test_replace_attention_keeps_weights_mode_dtype_and_sharing():
     assert isinstance(replace_attention(nn.MultiheadAttention(E, H)), TorchMultiheadAttention)
 
 
+def test_replace_attention_keeps_the_parameter_objects_an_optimizer_holds():
+    """An optimizer built before the swap trains the new layer, and a weight tied to
+    another module stays tied (fresh parameters left both behind without a word)."""
+    mha = nn.MultiheadAttention(E, H, batch_first=True, dtype=F64)
+    head = nn.Linear(E, E, dtype=F64)
+    head.weight = mha.out_proj.weight
+    model = nn.ModuleDict({"mha": mha, "head": head})
+    before = dict(mha.named_parameters())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    replace_attention(model, "softmax")
+    new = model["mha"]
+    assert all(p is before[name] for name, p in new.named_parameters()
+               if not name.startswith("method_state."))
+    assert model["head"].weight is new.out_proj.weight
+    start = new.in_proj_weight.detach().clone()
+    x = rand(B, L, E)
+    model["head"](new(x, x, x, need_weights=False)[0]).square().sum().backward()
+    optimizer.step()
+    assert not torch.equal(new.in_proj_weight, start)
+    rebuilt = TorchMultiheadAttention.from_torch(new, "kernelized")
+    assert rebuilt.in_proj_weight is new.in_proj_weight
+
+
 def test_replace_attention_refuses_in_a_sentence_and_changes_nothing():
     model = nn.Sequential(nn.MultiheadAttention(E, H),
                           nn.ModuleList([nn.MultiheadAttention(E, H, add_bias_kv=True)]))

@@ -177,8 +177,10 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
     def from_torch(cls, mha: nn.MultiheadAttention, method: str = "skyformer", *,
                    seq_len: int | None = None, **method_options: Any
                    ) -> TorchMultiheadAttention:
-        """A layer with ``mha``'s configuration, device, dtype, weights (and which of
-        them require grad) and training mode, running ``method``."""
+        """A layer with ``mha``'s configuration, device, dtype and training mode, running
+        ``method``, whose parameters are ``mha``'s own (the same objects, which of them
+        require grad kept): an optimizer built over them trains the new layer. Pass
+        ``copy.deepcopy(mha)`` for a layer of its own."""
         return _from_torch(cls, mha, f"{NAME}.from_torch", method, seq_len, method_options)
 
     def forward(
@@ -580,11 +582,13 @@ def _from_torch(cls: type[TorchMultiheadAttention], mha: Any, where: str, method
                 **options)
     weights = {name: t for name, t in mha.state_dict().items()
                if not name.startswith("method_state.")}  # another method's state
-    layer.load_state_dict(weights)
-    mine = dict(layer.named_parameters())
-    for name, p in mha.named_parameters():
-        if name in mine:
-            mine[name].requires_grad_(p.requires_grad)
+    layer.load_state_dict(weights)  # checks the names and shapes
+    # then takes the parameter objects themselves: an optimizer or a weight tied to
+    # another module set up before the swap goes on training and sharing them
+    for name, p in mha.named_parameters(remove_duplicate=False):
+        if not name.startswith("method_state."):
+            owner, _, attr = name.rpartition(".")
+            setattr(layer.get_submodule(owner), attr, p)
     return layer.train(mha.training)
 
 
@@ -604,13 +608,14 @@ def replace_attention(model: nn.Module, method: str = "skyformer", *,
     rebuilt with ``method`` (its weights kept), so a model can go from one method to
     another, ``"softmax"`` included.
 
-    Each keeps its weights, training mode, device and dtype (``from_torch``); a layer
-    shared by several parents is swapped for one new layer. Every layer is checked
-    before any is swapped: a configuration it cannot take (``add_bias_kv``,
-    ``add_zero_attn``, a subclass of torch's layer) fails in a sentence naming the
-    module's path, and the model is left as it was. An unknown method fails at once; a
-    model without such a layer is returned with a warning; hooks registered on a layer
-    swapped out stay there (a warning).
+    Each keeps its parameters (the same objects: an optimizer or a tied weight set up
+    before the swap goes on with them), training mode, device and dtype
+    (``from_torch``); a layer shared by several parents is swapped for one new layer.
+    Every layer is checked before any is swapped: a configuration it cannot take
+    (``add_bias_kv``, ``add_zero_attn``, a subclass of torch's layer) fails in a
+    sentence naming the module's path, and the model is left as it was. An unknown
+    method fails at once; a model without such a layer is returned with a warning;
+    hooks registered on a layer swapped out stay there (a warning).
 
     Args:
         model: any module (a ``torch.nn.MultiheadAttention`` itself is returned swapped).
