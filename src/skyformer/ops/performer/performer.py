@@ -92,6 +92,9 @@ class PerformerConfig:
     eps: additive stabiliser of performer-pytorch (1e-4 there): each feature is
         m^-1/2 (exp(w.x' - |x'|^2/2 - c) + eps) with c its shift. 0 (default) is
         unbiased FAVOR+; eps > 0 biases the output towards the mean of the values.
+        As in performer-pytorch the shifts c are constants for autograd: at eps = 0 they
+        cancel and the gradient is exact; with eps > 0 it is performer-pytorch's, not
+        the exact gradient of the output (README.md of this folder).
     causal: query i attends to keys j <= i (requires Nq == Nk; module docstring).
     """
 
