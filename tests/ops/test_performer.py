@@ -330,6 +330,19 @@ def test_a_layer_built_under_a_device_context_keeps_its_features_there():
         torch.testing.assert_close(again.method_state.state_dict()[name], value)
 
 
+def test_the_features_follow_the_default_dtype_as_the_weights_do():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(3)
+        built = MultiHeadAttention(16, 2, method="performer", num_features=8)
+    finally:
+        torch.set_default_dtype(previous)
+    features = built.method_state.projection
+    assert features.dtype == built.q_proj.weight.dtype == torch.float64
+    assert torch.equal(features.float().double(), features)  # the float32 draws, as they were
+
+
 def test_defaults_are_the_published_settings():
     cfg = get_method("performer").make_config()
     assert (cfg.num_features, cfg.orthogonal, cfg.feature_redraw_interval) == (128, True, 1000)

@@ -142,10 +142,12 @@ class PerformerFeatures(nn.Module):
         self.config = config
         self.head_dim = head_dim
         # drawn on the CPU (the same numbers whatever the device), kept on the device
-        # the layer is built on (``with torch.device(...)``, as nn.Linear's weights are)
+        # the layer is built on (``with torch.device(...)``) and in the default dtype,
+        # as nn.Linear's weights are
         device = torch.get_default_device()
         projection, seed = self._first_draws(generator)
-        self.register_buffer("projection", projection.to(device))
+        self.register_buffer("projection",
+                             projection.to(device=device, dtype=torch.get_default_dtype()))
         self.register_buffer("calls_since_redraw", torch.zeros((), dtype=torch.long))
         self.register_buffer("seed", seed.to(device))
         self.register_buffer("redraws", torch.zeros((), dtype=torch.long))
