@@ -15,7 +15,7 @@ from torch import nn
 pytest.importorskip("transformers")
 
 import skyformer.hf as shf
-from skyformer import CapabilityError, registry
+from skyformer import CapabilityError, random_key, registry
 from skyformer.hf.attention import skyformer_attention_forward
 from tests.conftest import make_qkv
 from tests.hf.conftest import tiny_bert
@@ -567,6 +567,45 @@ def test_seed_fixes_the_per_layer_state(method):
                                    b(input_ids=ids, attention_mask=mask).last_hidden_state,
                                    rtol=0, atol=0)
     assert not all(torch.equal(sa[k], sc[k]) for k in sa) or not sa, "the seed must matter"
+
+
+def test_a_seeded_layer_makes_its_key_once(monkeypatch):
+    """The key of a seeded layer is made in its first forward and reused: made from the
+    seed on the host, it would be copied to a GPU in every forward of every layer (a
+    copy that waits for the queue)."""
+    from skyformer.hf import attention as hf_attention
+
+    model = tiny_bert()
+    shf.set_attention(model, "skyformer", num_features=8, seed=11)
+    ids, mask = ids_and_padding()
+    made = []
+    monkeypatch.setattr(hf_attention, "random_key",
+                        lambda seed, device: made.append(seed) or random_key(seed, device))
+    hf_attention._seed_key.cache_clear()
+    with torch.no_grad():
+        first = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        again = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert made == [11, 12]  # one per layer, in the first forward only
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+    assert all(torch.equal(hf_attention._seed_key(seed, torch.device("cpu")),
+                           random_key(seed)) for seed in made)  # not written into
+
+
+def test_an_export_of_a_seeded_model_leaves_its_eager_keys_alone():
+    """torch.export runs the model's Python on fake tensors: a key made there and kept
+    gave later eager calls a fake key (outputs 3.4 off, or NaN)."""
+    from skyformer.hf import attention as hf_attention
+
+    model = tiny_bert()
+    shf.set_attention(model, "skyformer", num_features=8, seed=3)
+    ids, _ = ids_and_padding()
+    hf_attention._seed_key.cache_clear()
+    with torch.no_grad():
+        torch.export.export(model, (), {"input_ids": ids}, strict=False)
+        after = model(input_ids=ids).last_hidden_state
+        hf_attention._seed_key.cache_clear()
+        fresh = model(input_ids=ids).last_hidden_state
+    torch.testing.assert_close(after, fresh, rtol=0, atol=0)
 
 
 def test_a_seed_offsets_each_attention_module_by_its_position():

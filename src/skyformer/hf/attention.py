@@ -462,8 +462,21 @@ def _decoding_step(module: nn.Module, layer: LayerAttention, decoding: DecodingL
 
 
 def _layer_key(layer: LayerAttention, device: torch.device) -> Tensor | None:
-    """The random key of a layer with a seed (a tensor: compile-friendly), else None."""
-    return None if layer.seed is None else random_key(layer_seed(layer.seed, layer), device)
+    """The random key of a layer with a seed (a tensor: compile-friendly), else None.
+    Traced (``torch.export``, ``torch.compile``) it is made afresh: a tracer runs this
+    code on fake tensors, which the cache would keep and give to later eager calls."""
+    if layer.seed is None:
+        return None
+    seed = layer_seed(layer.seed, layer)
+    return random_key(seed, device) if torch.compiler.is_compiling() else _seed_key(seed, device)
+
+
+@functools.lru_cache(maxsize=4096)
+def _seed_key(seed: int, device: torch.device) -> Tensor:
+    """``random_key(seed)`` on ``device``, made once: the key is hashed on the host and
+    moved, and on a GPU that copy waits for the queued work, so every forward after the
+    first reuses it. Callers derive new keys from it and never write into it."""
+    return random_key(seed, device)
 
 
 def _with_attn_mask(
