@@ -385,8 +385,10 @@ def test_is_causal_other_than_a_bool_is_refused_as_torch_does(flag):
 def test_argument_errors_name_what_is_wrong():
     q, k, v = make_qkv(1, 2, 10, 4)
     cu = torch.tensor([0, 3, 8, 10])
-    with pytest.raises(ValueError, match=r"max_seqlen is 3 but .* a sequence of 5 tokens"):
-        sdpa(q, k, v, cu_seqlens=cu, max_seqlen=3)
+    for short in (3, 4):  # one short: the last token would overwrite the next sequence's
+        with pytest.raises(ValueError,
+                           match=rf"max_seqlen is {short} but .* a sequence of 5 tokens"):
+            sdpa(q, k, v, cu_seqlens=cu, max_seqlen=short)
     with pytest.raises(ValueError, match="max_seqlen_k is 2"):
         sdpa(q, k, v, cu_seqlens=cu, cu_seqlens_k=cu, max_seqlen=5, max_seqlen_k=2)
     with pytest.raises(ValueError, match="one entry per entry of cu_seqlens"):

@@ -15,7 +15,7 @@ from transformers.masking_utils import (
     sliding_window_causal_mask_function,
 )
 
-from skyformer.masks import UnsupportedMaskError, resolve_mask
+from skyformer.masks import BLOCKED_LOGIT, UnsupportedMaskError, allowed_entries, resolve_mask
 
 B, N = 3, 7
 
@@ -208,3 +208,15 @@ def test_a_compiled_call_takes_the_declared_pattern_and_checks_it_on_the_device(
     torch._dynamo.reset()
     with pytest.raises(RuntimeError, match="not causal with key padding"):
         torch.compile(keys, backend="eager", fullgraph=True)(window, True)
+
+
+def test_an_additive_entry_at_the_blocked_logit_is_blocked_on_both_readings():
+    """Legacy BERT's -10000 is a blocked entry (exp(-1e4) is 0 in float32 and float64),
+    for ``allowed_entries`` (read without checks, e.g. by decoding's cache checks) as for
+    ``resolve_mask`` (which refuses a small negative bias: it attends, weighted)."""
+    bias = torch.tensor([0.0, -1.0, BLOCKED_LOGIT, -1e9, float("-inf")])
+    assert allowed_entries(bias.view(1, 1, 1, 5)).flatten().tolist() == [
+        True, True, False, False, False]
+    blocking = torch.tensor([0.0, BLOCKED_LOGIT, -1e9, 0.0])
+    resolved = resolve(blocking.view(1, 1, 1, 4).expand(B, 1, N, 4), nk=4)
+    assert resolved.key_padding_mask.tolist() == [[True, False, False, True]] * B

@@ -46,6 +46,8 @@ def test_kernel_bandwidth_uses_the_input_head_dim():
     c = torch.exp(-torch.cdist(q, k) ** 2 / (2 * 50**0.5))
     torch.testing.assert_close(kernelized_attention(q, k, v), c @ v)
     torch.testing.assert_close(gaussian_scores(q, k), c)
+    # causal (as many keys as queries): the lower triangle, each query's own key included
+    torch.testing.assert_close(gaussian_scores(q, k[..., :5, :], causal=True), c[..., :5].tril())
 
 
 def test_the_exact_matrix_keeps_the_tiny_entries_of_far_queries():

@@ -311,7 +311,23 @@ def test_causal_matches_the_naive_per_query_construction(local, padded):
         torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-12)
 
 
-def test_causal_with_a_landmark_at_every_position_and_no_ridge_is_exact():
+def test_landmark_slots_a_short_sequence_leaves_empty_match_the_lifted_reference():
+    """More landmarks than a padded sequence has real rows: its empty slots hold no
+    landmark (not a point at the origin, which the padded rows become), at the default
+    ridge and iterative inverse, where gamma = 0 with the exact inverse hid them."""
+    q, k, v = make_qkv(2, 2, 15, 8)
+    mask = torch.ones(2, 15, dtype=torch.bool)
+    mask[1, 9:] = False  # 18 real rows of [Q; K] for 24 slots
+    out = skyformer_attention(q, k, v, key_padding_mask=mask, generator=gen(3),
+                              num_features=24)
+    info = check_attention_inputs(q, k, v, mask, method="skyformer")
+    landmarks = sample_landmarks(info, 24, q.device, gen(3))
+    ref = reference_skyformer_attention(q, k, v, landmarks, key_padding_mask=mask)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_causal_with_a_landmark_at_every_position_and_no_ridge_is_exact(scale):
     """Every token a landmark (query and key slots alike, stride 1) and gamma -> 0: the
     far past is reproduced exactly, so causal Skyformer equals exact causal kernelized
     attention (up to the ridge's effect, here 1e-9)."""
@@ -320,6 +336,6 @@ def test_causal_with_a_landmark_at_every_position_and_no_ridge_is_exact():
     q, k, v = make_qkv(1, 2, 40, 6, scale=2.0)
     k = q  # landmarks drawn from queries then span the keys too
     out = skyformer_attention(q, k, v, num_features=40, landmark_stride=1, gamma=1e-9,
-                              causal=True, causal_local=False, generator=gen(0))
-    ref = reference_kernelized_attention(q, k, v, causal=True)
+                              causal=True, causal_local=False, generator=gen(0), scale=scale)
+    ref = reference_kernelized_attention(q, k, v, causal=True, scale=scale)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
