@@ -265,6 +265,9 @@ class MultiHeadAttention(BoundMethodProperties, nn.Module):
         out = out.transpose(1, 2).reshape(b, n, self.dim)
         return self.out_proj(self.dropout(out))
 
+    if TYPE_CHECKING:  # calling the layer runs forward: type checkers see its signature
+        __call__ = forward
+
     def _failing_together(self) -> AbstractContextManager:
         """Sequence parallel, a check that fails on this rank only still lets the other
         ranks raise (``distributed.layout.failing_together``); else nothing."""

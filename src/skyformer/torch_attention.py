@@ -46,7 +46,7 @@ and nested again.
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import torch
 import torch.nn.functional as F
@@ -234,6 +234,9 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         if not batched:
             return out[:, 0], None
         return (out.transpose(0, 1) if self.batch_first else out), None
+
+    if TYPE_CHECKING:  # calling the layer runs forward: type checkers see its signature
+        __call__ = forward
 
     def _attend(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Any,
                 attn_mask: Any, is_causal: bool, hint_alone: bool, self_attention: bool,
@@ -599,6 +602,20 @@ def _warn_of_hooks(mha: nn.Module, where: str) -> None:
             or mha._backward_hooks or mha._backward_pre_hooks:
         warnings.warn(f"{where} has hooks registered on it; they stay on the layer swapped "
                       f"out: register them again on the new one.", UserWarning, stacklevel=4)
+
+
+ModelT = TypeVar("ModelT", bound=nn.Module)
+
+
+@overload
+def replace_attention(model: nn.MultiheadAttention, method: str = ..., *,
+                      seq_len: int | None = ..., **method_options: Any
+                      ) -> TorchMultiheadAttention: ...
+
+
+@overload
+def replace_attention(model: ModelT, method: str = ..., *, seq_len: int | None = ...,
+                      **method_options: Any) -> ModelT: ...
 
 
 def replace_attention(model: nn.Module, method: str = "skyformer", *,

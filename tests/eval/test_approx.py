@@ -604,3 +604,9 @@ def test_the_qkv_source_refuses_what_it_cannot_measure_before_any_work(tmp_path)
         config = small(sources=("qkv",), **{"seq_lens": (24,), "analysis": False, **setting})
         with pytest.raises(ValueError, match=said):
             run_approx(config, log=lambda s: None)
+
+
+def test_paths_given_as_path_objects_are_kept_as_the_strings_the_results_record(tmp_path):
+    config = ApproxConfig(model=tmp_path / "model", qkv=tmp_path / "qkv.pt", glove=None)
+    assert (config.model, config.qkv) == (str(tmp_path / "model"), str(tmp_path / "qkv.pt"))
+    assert config == ApproxConfig(model=str(tmp_path / "model"), qkv=str(tmp_path / "qkv.pt"))

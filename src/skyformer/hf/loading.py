@@ -16,10 +16,13 @@ import zipfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 from ..registry import get_method, list_methods
 from ..registry.variants import is_variant
@@ -68,7 +71,7 @@ def from_pretrained(
     auto_class: Any = None,
     model_kwargs: dict[str, Any] | None = None,
     **options: Any,
-) -> nn.Module:
+) -> PreTrainedModel:
     """Load a model from a local folder with ``method`` in ``layers`` (default all), or
     without ``method`` as it was saved.
 
@@ -115,7 +118,7 @@ def from_pretrained(
 
 
 def _load(auto_class: Any, path: str | Path, implementation: str,
-          model_kwargs: dict[str, Any]) -> tuple[nn.Module, Any]:
+          model_kwargs: dict[str, Any]) -> tuple[PreTrainedModel, Any]:
     """The transformers loader's model with ``implementation``, and the record of the
     setting it was saved with, taken off its config (what the model runs decides what
     is saved next)."""
@@ -134,7 +137,7 @@ def _recorded_settings(record: Any) -> str | None:
 
 
 def _as_recorded(path: str | Path, layers: Any, seed: Any, options: dict[str, Any],
-                 auto_class: Any, model_kwargs: dict[str, Any]) -> nn.Module:
+                 auto_class: Any, model_kwargs: dict[str, Any]) -> PreTrainedModel:
     """``from_pretrained(path)``: the model with every layer set up as the folder's
     config records, and the per-layer parameters loaded."""
     if layers is not None or seed is not None or options:

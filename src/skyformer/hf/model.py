@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 from torch import nn
 
@@ -52,6 +52,8 @@ from .layers import (
     resolve_method_name,
     under,
 )
+
+ModelT = TypeVar("ModelT", bound=nn.Module)  # the model given is the model returned
 
 _ORIGINAL = "_skyformer_original_attn_implementation"
 KEEP_STATE = object()  # marks a layer whose setting is re-stamped and whose state is kept
@@ -92,13 +94,13 @@ def check_layers(model: nn.Module, layers: Iterable[int] | int | None) -> None:
 
 
 def set_attention(
-    model: nn.Module,
+    model: ModelT,
     method: str,
     *,
     layers: Iterable[int] | int | None = None,
     seed: int | None = None,
     **options: Any,
-) -> nn.Module:
+) -> ModelT:
     """Make ``layers`` of a transformers model run attention ``method`` with ``options``.
 
     Args:
@@ -220,7 +222,7 @@ def _switch(model: nn.Module, implementation: str) -> None:
         )
 
 
-def restore_exact(model: nn.Module, *, layers: Iterable[int] | int | None = None) -> nn.Module:
+def restore_exact(model: ModelT, *, layers: Iterable[int] | int | None = None) -> ModelT:
     """Return ``layers`` (default: all) to the model's own attention.
 
     With ``layers=None`` every setting and per-layer state is removed and the model gets

@@ -99,7 +99,8 @@ class EncoderLayer(nn.Module):
         self._takes_mask = caps.mask
         self._takes_half = caps.half_precision
 
-    def _attend(self, h: Tensor, mask: Tensor | None, generator: torch.Generator | None) -> Tensor:
+    def _attend(self, h: Tensor, mask: Tensor | None,
+                generator: torch.Generator | Tensor | None) -> Tensor:
         if mask is not None and not self._takes_mask:
             # The method cannot honour a padding mask: zero the padded rows instead, as
             # the reference LRA code does for every method.
@@ -110,7 +111,7 @@ class EncoderLayer(nn.Module):
         return self.attn(h, mask, generator=generator)
 
     def forward(self, x: Tensor, mask: Tensor | None = None,
-                generator: torch.Generator | None = None) -> Tensor:
+                generator: torch.Generator | Tensor | None = None) -> Tensor:
         """``x: [B, N, dim]``, ``mask: [B, N]`` bool (True = real) -> ``[B, N, dim]``."""
         x = x + self.drop(self._attend(self.norm1(x), mask, generator))
         return x + self.mlp(self.norm2(x))
@@ -138,7 +139,7 @@ class Encoder(nn.Module):
         self.norm = nn.LayerNorm(cfg.dim)
 
     def hidden_states(self, tokens: Tensor, mask: Tensor | None,
-                      generator: torch.Generator | None = None) -> Tensor:
+                      generator: torch.Generator | Tensor | None = None) -> Tensor:
         """Output of the last transformer layer, before the final LayerNorm: ``[B, N, dim]``
         (padded rows zeroed). ``tokens: [B, N]`` long."""
         n = tokens.shape[1]
@@ -152,7 +153,7 @@ class Encoder(nn.Module):
         return x if mask is None else x * mask[..., None].to(x.dtype)
 
     def forward(self, tokens: Tensor, mask: Tensor | None,
-                generator: torch.Generator | None = None) -> Tensor:
+                generator: torch.Generator | Tensor | None = None) -> Tensor:
         """Mean-pooled final representation ``[B, dim]`` over the real tokens."""
         x = self.norm(self.hidden_states(tokens, mask, generator))  # [B, N, dim]
         if mask is None:
@@ -188,8 +189,9 @@ class LRAClassifier(nn.Module):
         flat = tokens.transpose(0, 1).reshape(s * b, n)
         return flat, lengths_to_mask(lengths.transpose(0, 1).reshape(s * b), n)
 
-    def embed(self, tokens: Tensor, lengths: Tensor, generator: torch.Generator | None = None,
-              *, normed: bool = True) -> Tensor:
+    def embed(self, tokens: Tensor, lengths: Tensor,
+              generator: torch.Generator | Tensor | None = None, *, normed: bool = True
+              ) -> Tensor:
         """The encoder's output for every token, ``[S * B, N, dim]`` (segment-major), padded
         rows zero: after the final LayerNorm (``normed``, what the encoder hands to pooling)
         or the raw output of the last transformer layer. f(x, W) of the instability score
@@ -203,7 +205,7 @@ class LRAClassifier(nn.Module):
         return x
 
     def forward(self, tokens: Tensor, lengths: Tensor,
-                generator: torch.Generator | None = None) -> Tensor:
+                generator: torch.Generator | Tensor | None = None) -> Tensor:
         flat, mask = self._flat(tokens, lengths)
         pooled = self.encoder(flat, mask, generator)  # [S * B, dim]
         if self.cfg.segments == 2:

@@ -12,8 +12,8 @@
 from .binding import BoundMethod
 from .capabilities import Capabilities, CapabilityError, Target
 from .contract import CheckResult, check_method
+from .methods import _REGISTRY as _REGISTRY  # the registry itself, for tests to patch
 from .methods import (
-    _REGISTRY,
     Method,
     attention,
     check_capabilities,
@@ -24,9 +24,10 @@ from .methods import (
     register,
     with_options,
 )
+from .signature import AttentionFunction
 
 __all__ = [
-    "_REGISTRY",
+    "AttentionFunction",
     "BoundMethod",
     "Capabilities",
     "CapabilityError",

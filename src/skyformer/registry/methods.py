@@ -45,7 +45,7 @@ from .capabilities import (
     masks_taken,
 )
 from .option_types import accepted_options
-from .signature import config_fields, core_of, public_function, takes_config
+from .signature import AttentionFunction, config_fields, core_of, public_function, takes_config
 from .variants import base_name, is_variant, parse_variant
 
 StateFactory = Callable[[Any, int, int], "torch.nn.Module"]
@@ -277,7 +277,7 @@ def register(
     *,
     summary: str = "",
     state: StateFactory | None = None,
-) -> Callable[[Callable[..., Tensor]], Callable[..., Tensor]]:
+) -> Callable[[Callable[..., Tensor]], AttentionFunction]:
     """Decorator that registers an attention function under ``name``; returns its public
     form (generated from a core, see the module docstring)."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):
@@ -318,7 +318,7 @@ def register(
                         f"options are fixed once bound): declare it with "
                         f"@dataclasses.dataclass(frozen=True).")
 
-    def decorator(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    def decorator(fn: Callable[..., Tensor]) -> AttentionFunction:
         _refuse_taken_name(name, fn)
         _check_call_arguments(name, fn)
         _check_options_taken(name, fn, config_class)
@@ -392,12 +392,12 @@ def _check_options_taken(name: str, fn: Callable[..., Tensor], config_class: typ
 
 
 def with_options(config_class: type, method: str
-                 ) -> Callable[[Callable[..., Tensor]], Callable[..., Tensor]]:
+                 ) -> Callable[[Callable[..., Tensor]], AttentionFunction]:
     """Decorator: the public form of a core whose options are those of the registered
     ``method`` (``register`` applies it; use it alone for a core outside the registry,
     e.g. a materialised variant of a method)."""
 
-    def decorator(core: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    def decorator(core: Callable[..., Tensor]) -> AttentionFunction:
         def make_config(options: dict[str, Any]) -> Any:
             spec = get_method(method)
             # a misspelt argument (``generatr``, ``mask``) named as the other entries name it

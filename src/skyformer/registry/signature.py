@@ -20,8 +20,9 @@ import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
+import torch
 from torch import Tensor
 
 from .autocast import call_core
@@ -130,12 +131,24 @@ def _without_config_argument(doc: str) -> str:
     return "\n".join(lines)
 
 
+class AttentionFunction(Protocol):
+    """The type of a registered method's public function (``skyformer_attention``, what
+    ``register`` returns): q ``[B, H, Nq, D]``, k ``[B, H, Nk, D]``, v ``[B, H, Nk, Dv]``
+    -> ``[B, H, Nq, Dv]``, its options (and state arguments) keyword-only."""
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, *,
+                 key_padding_mask: Tensor | None = ...,
+                 query_padding_mask: Tensor | str | None = ...,
+                 generator: torch.Generator | Tensor | None = ...,
+                 **options: Any) -> Tensor: ...
+
+
 def public_function(
     core: Callable[..., Tensor],
     config_class: type,
     make_config: Callable[[dict[str, Any]], Any],
     check_call: Callable[[Any, Any, Any, Any], None] | None = None,
-) -> Callable[..., Tensor]:
+) -> AttentionFunction:
     """The public form of ``core``: options as keyword arguments, defaults from the config.
 
     Args:

@@ -98,10 +98,10 @@ class ApproxConfig:
     methods: tuple[str, ...] | None = None
     layer: int = 0
     heads: tuple[int, ...] | None = DEFAULT_HEADS
-    model: str | None = None
-    text: str | None = None
-    glove: str | None = None
-    qkv: str | None = None
+    model: str | os.PathLike[str] | None = None  # a path is kept as its str
+    text: str | os.PathLike[str] | None = None
+    glove: str | os.PathLike[str] | None = None
+    qkv: str | os.PathLike[str] | None = None
     gaussian_norm: float = 6.0
     gaussian_dim: int = 32
     data_seed: int = 0
@@ -118,6 +118,9 @@ class ApproxConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("model", "text", "glove", "qkv"):  # as recorded and compared at --resume
+            if isinstance(getattr(self, name), os.PathLike):
+                object.__setattr__(self, name, os.fspath(getattr(self, name)))
         for name in ("sources", "seq_lens", "features", "seeds"):
             if not getattr(self, name):
                 raise ValueError(f"{setting_name(name)} must not be empty.")
@@ -163,10 +166,11 @@ class ApproxConfig:
                 raise ValueError(f"{setting_name(name)} must be at least {least}, got {value}.")
 
     def source_options(self) -> SourceOptions:
+        paths = {name: None if getattr(self, name) is None else os.fspath(getattr(self, name))
+                 for name in ("model", "text", "glove", "qkv")}  # strs since __post_init__
         return SourceOptions(
-            model=self.model, text=self.text, layer=self.layer, heads=self.heads,
-            glove=self.glove, gaussian_norm=self.gaussian_norm, gaussian_dim=self.gaussian_dim,
-            data_seed=self.data_seed, qkv=self.qkv,
+            layer=self.layer, heads=self.heads, gaussian_norm=self.gaussian_norm,
+            gaussian_dim=self.gaussian_dim, data_seed=self.data_seed, **paths,
         )
 
 

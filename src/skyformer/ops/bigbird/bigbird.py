@@ -293,7 +293,7 @@ def bigbird_attention(
     *,
     key_padding_mask: Tensor | None = None,
     query_padding_mask: Tensor | str | None = "auto",
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Tensor | None = None,
 ) -> Tensor:
     """BigBird block-sparse self-attention (module docstring), O(N num_features D) time.
 

@@ -220,7 +220,7 @@ def informer_attention(
     *,
     key_padding_mask: Tensor | None = None,
     query_padding_mask: Tensor | str | None = "auto",
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Tensor | None = None,
 ) -> Tensor:
     """ProbSparse self-attention (module docstring), O(N log N) time and memory.
 

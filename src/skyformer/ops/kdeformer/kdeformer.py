@@ -469,7 +469,7 @@ def kdeformer_attention(
     *,
     key_padding_mask: Tensor | None = None,
     query_padding_mask: Tensor | str | None = "auto",
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Tensor | None = None,
 ) -> Tensor:
     """KDEformer attention (Zandieh et al. 2023, Algorithm 3 with Algorithm 1's estimates).
 

@@ -106,7 +106,7 @@ def kernelized_attention(
     *,
     key_padding_mask: Tensor | None = None,
     query_padding_mask: Tensor | str | None = "auto",
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Tensor | None = None,
     attn_mask: Tensor | None = None,
 ) -> Tensor:
     """Exact Gaussian kernelized attention ``C V`` (Skyformer section 4.1).

@@ -90,7 +90,7 @@ def linear_attention(
     *,
     key_padding_mask: Tensor | None = None,
     query_padding_mask: Tensor | str | None = "auto",
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Tensor | None = None,
 ) -> Tensor:
     """Linear attention phi(Q) (phi(K)^T V) / (phi(Q) phi(K)^T 1 + eps), O(N).
 

@@ -274,7 +274,7 @@ def linformer_attention(
     *,
     key_padding_mask: Tensor | None = None,
     query_padding_mask: Tensor | str | None = "auto",
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Tensor | None = None,
     proj_k: Tensor | None = None,
     proj_v: Tensor | None = None,
 ) -> Tensor:

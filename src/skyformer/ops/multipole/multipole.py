@@ -17,7 +17,7 @@ the data. Derivation, budget accounting and measurements: ``docs/accuracy-first.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import Tensor
@@ -138,12 +138,29 @@ def multipole_and_choice(
     return zero_padded_queries(out, info.query_valid).to(q.dtype), choice
 
 
+@overload
+def multipole_with_choice(
+    method: str, q: Tensor, k: Tensor, v: Tensor, *, tolerance: float,
+    key_padding_mask: Tensor | None = ..., query_padding_mask: Tensor | str | None = ...,
+    generator: torch.Generator | Tensor | None = ..., **options: Any,
+) -> tuple[Tensor, FeatureChoice]: ...
+
+
+@overload
+def multipole_with_choice(
+    method: str, q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask: Tensor | None = ...,
+    query_padding_mask: Tensor | str | None = ...,
+    generator: torch.Generator | Tensor | None = ..., **options: Any,
+) -> tuple[Tensor, FeatureChoice | None]: ...
+
+
 def multipole_with_choice(
     method: str, q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask: Tensor | None = None,
     query_padding_mask: Tensor | str | None = "auto",
     generator: torch.Generator | Tensor | None = None, **options: Any,
 ) -> tuple[Tensor, FeatureChoice | None]:
-    """``multipole_and_choice`` by method name, options as keyword arguments.
+    """``multipole_and_choice`` by method name, options as keyword arguments: the
+    choice is None without a ``tolerance`` (typed so: with one it is a ``FeatureChoice``).
 
     Args:
         method: ``"softmax_multipole"`` or ``"skyformer_multipole"``.
@@ -180,7 +197,7 @@ def skyformer_multipole_attention(
     *,
     key_padding_mask: Tensor | None = None,
     query_padding_mask: Tensor | str | None = "auto",
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Tensor | None = None,
 ) -> Tensor:
     """Gaussian kernelized attention ``C V`` by near field + far-field expansion.
 
@@ -211,7 +228,7 @@ def softmax_multipole_attention(
     *,
     key_padding_mask: Tensor | None = None,
     query_padding_mask: Tensor | str | None = "auto",
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Tensor | None = None,
 ) -> Tensor:
     """Softmax attention by near field + far-field expansion (normaliser from the same
     expansion, hence always positive).

@@ -239,7 +239,7 @@ def multipole_sums(
     key_bias: Tensor,
     info: AttentionInputs,
     options: MultipoleOptions,
-    generator: torch.Generator | None,
+    generator: torch.Generator | Tensor | None,
     *,
     draws: Draws | None = None,
     gaussian: bool = False,

@@ -62,7 +62,7 @@ def exact_rows(q_rows: Tensor, k: Tensor, v: Tensor, key_bias: Tensor) -> Partia
 
 def targeted_multipole(
     q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, info: AttentionInputs,
-    options: MultipoleOptions, generator: torch.Generator | None, finish: Finish,
+    options: MultipoleOptions, generator: torch.Generator | Tensor | None, finish: Finish,
     trivial: Trivial, *, tolerance: float, probe: int, gaussian: bool = False,
 ) -> tuple[Tensor, FeatureChoice]:
     """Multipole attention with per-head budgets for ``tolerance``.

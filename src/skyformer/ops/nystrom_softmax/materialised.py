@@ -24,7 +24,7 @@ def materialised_nystrom_softmax_attention(
     *,
     key_padding_mask: Tensor | None = None,
     query_padding_mask: Tensor | str | None = "auto",
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Tensor | None = None,
 ) -> Tensor:
     """``nystrom_softmax_attention`` with the [N, m] blocks formed whole.
 

@@ -136,7 +136,7 @@ def nystrom_softmax_attention(
     *,
     key_padding_mask: Tensor | None = None,
     query_padding_mask: Tensor | str | None = "auto",
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Tensor | None = None,
 ) -> Tensor:
     """Softmax attention approximated by the modified Nystrom method (O(N m)).
 

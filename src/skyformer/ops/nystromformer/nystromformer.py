@@ -235,7 +235,7 @@ def nystromformer_attention(
     *,
     key_padding_mask: Tensor | None = None,
     query_padding_mask: Tensor | str | None = "auto",
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Tensor | None = None,
     conv_weight: Tensor | None = None,
 ) -> Tensor:
     """Nystromformer attention, O(N m) time, O(N D + m^2) memory.

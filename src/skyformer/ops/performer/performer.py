@@ -270,7 +270,7 @@ def performer_attention(
     *,
     key_padding_mask: Tensor | None = None,
     query_padding_mask: Tensor | str | None = "auto",
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Tensor | None = None,
     projection: Tensor | None = None,
 ) -> Tensor:
     """Performer attention (FAVOR+, Choromanski et al. 2021, Lemma 1 and eqs. (5)-(6)).

@@ -326,7 +326,7 @@ def reformer_attention(
     *,
     key_padding_mask: Tensor | None = None,
     query_padding_mask: Tensor | str | None = "auto",
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Tensor | None = None,
 ) -> Tensor:
     """Reformer LSH attention (Kitaev et al. 2020, Section 2 and Appendix A).
 

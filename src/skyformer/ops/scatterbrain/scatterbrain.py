@@ -146,7 +146,7 @@ def scatterbrain_attention(
     *,
     key_padding_mask: Tensor | None = None,
     query_padding_mask: Tensor | str | None = "auto",
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Tensor | None = None,
 ) -> Tensor:
     """Scatterbrain attention (Chen et al. 2021, Algorithm 1): D~^-1 (S + phi(Q) phi(K)^T) V.
 

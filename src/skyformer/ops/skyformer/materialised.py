@@ -25,7 +25,7 @@ def materialised_skyformer_attention(
     *,
     key_padding_mask: Tensor | None = None,
     query_padding_mask: Tensor | str | None = "auto",
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Tensor | None = None,
 ) -> Tensor:
     """``skyformer_attention`` with the [N, m] blocks formed whole and autograd backward.
 

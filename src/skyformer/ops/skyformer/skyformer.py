@@ -105,7 +105,7 @@ def skyformer_attention(
     *,
     key_padding_mask: Tensor | None = None,
     query_padding_mask: Tensor | str | None = "auto",
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Tensor | None = None,
 ) -> Tensor:
     """Skyformer attention, an O(N m) approximation of ``kernelized_attention``.
 

@@ -198,7 +198,7 @@ def skyformer_adaptive_attention(
     *,
     key_padding_mask: Tensor | None = None,
     query_padding_mask: Tensor | str | None = "auto",
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Tensor | None = None,
 ) -> Tensor:
     """Kernelized attention by the modified Nystrom method with adaptive landmarks.
 

@@ -73,7 +73,7 @@ def softmax_attention(
     *,
     key_padding_mask: Tensor | None = None,
     query_padding_mask: Tensor | str | None = "auto",
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Tensor | None = None,
     attn_mask: Tensor | None = None,
     dropout_p: float = 0.0,
 ) -> Tensor:
