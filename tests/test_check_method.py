@@ -24,7 +24,8 @@ def test_every_library_method_keeps_the_contract(method):
 
 @pytest.mark.parametrize("method", [
     "softmax[causal=True]", "linear[causal=True]", "skyformer[landmark_stride=2]",
-    "skyformer[num_features=64]", "nystrom_softmax[num_features=64]"])
+    "skyformer[num_features=64]", "nystrom_softmax[num_features=64]",
+    "skyformer[causal=True]", "performer[eps=1e-4]"])
 def test_library_methods_keep_it_under_options_of_their_own(method):
     """Options the checks once failed on: causal ones (no cross-attention then), options
     of the causal form alone (refused outside it), and as many landmarks as the rows
@@ -88,6 +89,44 @@ def test_a_method_that_draws_without_declaring_it_fails_one_check(monkeypatch):
     assert failed == {"the same generator gives the same output": (
         "two seeds gave different outputs, but randomized is not declared: declare "
         "Capabilities(randomized=True)")}
+
+
+@pytest.mark.parametrize("declared", [False, True])
+def test_a_backward_missing_a_term_fails_the_derivative_check(monkeypatch, declared):
+    """A stabilising shift held constant where it does not cancel: the output depends on
+    it, the backward does not (as Performer's features with eps > 0, or sampling
+    probabilities held constant on purpose, which a method may declare)."""
+    monkeypatch.delitem(registry_methods._REGISTRY, "detached_shift", raising=False)
+    reason = "its shift is held constant"
+
+    @dataclasses.dataclass(frozen=True)
+    class Declaring(_Leaky):
+        @property
+        def inexact_gradient_because(self) -> str:
+            return reason
+
+    @register("detached_shift", Declaring if declared else _Leaky,
+              Capabilities(target="softmax"))
+    def detached_shift(q, k, v, config, *, key_padding_mask=None, generator=None):
+        scores = q @ k.transpose(-1, -2)
+        shift = scores.amax(-1, keepdim=True).detach()
+        weights = (scores - shift).exp() + 0.1  # the 0.1 does not cancel the shift
+        if key_padding_mask is not None:
+            weights = weights * key_padding_mask[:, None, None, :]
+        return (weights @ v) / weights.sum(-1, keepdim=True)
+
+    monkeypatch.setitem(registry_methods._REGISTRY, "detached_shift",
+                        registry_methods._REGISTRY["detached_shift"])
+    results = {r.name: r for r in check_method("detached_shift")}
+    derivative = results["the gradient is the derivative of the output (central differences)"]
+    others = [r for r in results.values() if r is not derivative and r.passed is False]
+    assert others == []
+    if declared:
+        assert derivative.passed is None and reason in derivative.detail
+    else:
+        assert derivative.passed is False
+        assert "a property inexact_gradient_because of the method's config" in \
+            derivative.detail
 
 
 def test_independent_queries_without_cross_attention_is_checked_in_self_attention(

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd import gradcheck
 
 from ..logs import first_line
 from ..ops.shared.causal_nystrom import CAUSAL_FORM_DEFAULTS
@@ -55,6 +56,7 @@ def check_method(name: str, **options: Any) -> list[CheckResult]:
     causal = given.get("causal") is True
     caps = spec.capabilities
     rows = _rows_for_draws(given.get("num_features"), causal)
+    inexact = inexact_gradient_reason(spec.bind(seq_len=256, **options).config)
 
     def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, seed: int = 0,
             **more: Any) -> Tensor:
@@ -74,6 +76,9 @@ def check_method(name: str, **options: Any) -> list[CheckResult]:
          lambda: _deterministic(run, caps.randomized, rows)),
         ("batch elements are independent", None, lambda: _batch(run, caps.mask)),
         ("gradients reach q, k and v", None, lambda: _gradients(run)),
+        ("the gradient is the derivative of the output (central differences)",
+         None if inexact is None else f"declared inexact: {inexact}",
+         lambda: _derivative(run, causal)),
         ("padding gives the truncated input's outputs", None if caps.mask else undeclared,
          lambda: _padding(run, caps.fixed_length)),
         ("padded keys get no weight", None if caps.mask else undeclared,
@@ -224,6 +229,29 @@ def _gradients(run: Callable[..., Tensor]) -> str:
         if t.grad is None or not torch.isfinite(t.grad).all() or t.grad.abs().sum() == 0:
             raise _Broken(f"no finite, non-zero gradient reaches {name}")
     return "finite and non-zero for q, k and v"
+
+
+def inexact_gradient_reason(config: Any) -> str | None:
+    """Why a method with ``config`` has, on purpose, a backward that is not the derivative
+    of its output: the config's ``inexact_gradient_because`` (a property, as KDEformer's
+    held-constant sampling probabilities or Performer's shifts with eps > 0 declare it),
+    else None: the gradient is checked against central differences."""
+    return getattr(config, "inexact_gradient_because", None)
+
+
+def _derivative(run: Callable[..., Tensor], causal: bool) -> str:
+    """``torch.autograd.gradcheck`` in float64, fast mode (along random directions): a
+    term the output depends on but the backward leaves out (a detached shift that does
+    not cancel, a selection held constant) fails here. Causal forms over 80 positions:
+    the causal Nystrom forms are exact within their first 64-token chunk."""
+    leaves = tuple(t.requires_grad_(True) for t in _qkv(1, 80 if causal else 12))
+    if not gradcheck(run, leaves, eps=1e-6, atol=1e-5, rtol=1e-4, fast_mode=True,
+                     raise_exception=False):
+        raise _Broken("the backward differs from central differences of the output: it "
+                      "leaves out a term the output depends on (a detached shift or "
+                      "selection); if that is on purpose, say why in a property "
+                      "inexact_gradient_because of the method's config")
+    return "gradcheck passes for q, k and v (float64, fast mode)"
 
 
 def _padding(run: Callable[..., Tensor], fixed_length: bool) -> str:

@@ -133,6 +133,13 @@ class KDEformerConfig(LshBlockOptions):
     normalizer: str = "sampled"
     scale: float | None = None
 
+    @property
+    def inexact_gradient_because(self) -> str:
+        """Why the backward is not the derivative of the output (``skyformer check``)."""
+        return ("its sampling probabilities are constants for autograd (module "
+                "docstring): the gradient is that of a fixed sampling distribution, not the "
+                "derivative of one draw")
+
     def __post_init__(self) -> None:
         self.validate("kdeformer")
         check_choice("kdeformer", "estimator", self.estimator, ESTIMATORS)

@@ -105,6 +105,15 @@ class PerformerConfig:
     eps: float = 0.0
     causal: bool = False
 
+    @property
+    def inexact_gradient_because(self) -> str | None:
+        """Why the backward is not the derivative of the output (``skyformer check``):
+        with eps > 0 the shifts, constants for autograd, do not cancel (README.md)."""
+        if self.eps == 0:
+            return None
+        return ("with eps > 0 its features' shifts, constants for autograd as in "
+                "performer-pytorch, no longer cancel")
+
     def __post_init__(self) -> None:
         check_bool("performer", "causal", self.causal)
         check_random_features("performer", self.num_features)
