@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,9 @@ from .registry import BoundMethod, Method, get_method
 
 if TYPE_CHECKING:
     from .decoding import DecodingState
+
+
+_TOKEN_LOCK = threading.Lock()  # a layer's first token, made once across threads
 
 
 class _LayerToken:
@@ -414,10 +418,13 @@ class MultiHeadAttention(BoundMethodProperties, nn.Module):
         self._refuse_cache_unless_causal()
         cache = new_decoding_state(self.bound, generator=generator, state=self.method_state)
         # the layer it steps (_check_cache): a token of the layer's own (None in a
-        # layer unpickled: it gets a new one)
-        if self.__dict__.get("_decoding_token") is None:
-            self.__dict__["_decoding_token"] = _LayerToken()
-        cache.layer = self.__dict__["_decoding_token"]
+        # layer unpickled: it gets a new one), made under a lock, so that caches made
+        # at once in several threads get the same one
+        with _TOKEN_LOCK:
+            token = self.__dict__.get("_decoding_token")
+            if token is None:
+                token = self.__dict__["_decoding_token"] = _LayerToken()
+        cache.layer = token
         return cache
 
     def _sequence_parallel(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -129,6 +130,7 @@ def _recorded(model: nn.Module) -> Iterator[None]:
 
 
 _NOTHING = object()
+_SAVING = threading.RLock()  # a save may save the models it holds
 
 
 def record_settings_when_saving() -> None:
@@ -140,7 +142,9 @@ def record_settings_when_saving() -> None:
 
     @functools.wraps(save)
     def save_pretrained(self, *args, **kwargs):
-        with _recorded(self):
+        # one save at a time: two saves of one model in two threads each put the record
+        # in its config and then what it held, which was the other save's record
+        with _SAVING, _recorded(self):
             return save(self, *args, **kwargs)
 
     save_pretrained._skyformer_recorded = True

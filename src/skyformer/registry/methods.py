@@ -499,7 +499,8 @@ def exact_method(target: Target) -> Method:
 def methods_that_can(capability: str) -> list[str]:
     """The registered methods that can do ``capability`` (a key of ``CAPABILITY_TEXT``),
     in registration order."""
-    return [m.name for m in _REGISTRY.values() if m.capabilities.has(capability)]
+    return [m.name for m in tuple(_REGISTRY.values())  # a copy: see registered_name
+            if m.capabilities.has(capability)]
 
 
 def _capability_sentence(name: str, capability: str) -> str:

@@ -54,7 +54,9 @@ def registered_name(core: Callable[..., Any]) -> str:
 
     # a method registered with its options as keyword arguments runs an adapter made
     # for each call (signature.core_of), which unwraps to the function
-    names = [m.name for m in _REGISTRY.values()
+    # over a copy (one C call, which no thread interrupts): a method registered in
+    # another thread meanwhile would end the iteration of the dict itself
+    names = [m.name for m in tuple(_REGISTRY.values())
              if inspect.unwrap(m.core) is inspect.unwrap(core)]
     where = f"{getattr(core, '__module__', '?')}.{getattr(core, '__qualname__', repr(core))}"
     return names[0] if names else where
