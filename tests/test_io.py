@@ -75,6 +75,68 @@ def test_a_checkpoint_that_does_not_fit_says_so_and_keeps_the_old_one(tmp_path,
     assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
 
 
+@pytest.mark.parametrize("signal_error", [KeyboardInterrupt, "Terminated"])
+def test_a_signal_during_a_checkpoint_write_is_the_interrupt_it_is(tmp_path, monkeypatch,
+                                                                   signal_error):
+    """Ctrl-C or SIGTERM while torch.save writes: its handler raises inside torch's write
+    callback, which torch reports as a failed write ("unexpected pos"); that was called
+    a full disk (exit status 2) instead of the interruption it is (130, 143)."""
+    import io as stdlib_io
+
+    from skyformer.cli.signals import Terminated
+
+    interrupt = Terminated if signal_error == "Terminated" else signal_error
+    path = tmp_path / "last.pt"
+    save_checkpoint(path, {"format": "old"})
+    writes = []
+
+    class Signalled(stdlib_io.BufferedWriter):
+        def write(self, data):
+            writes.append(len(data))
+            if len(writes) == 3:  # the signal arrives in the middle of the write
+                raise interrupt
+            return super().write(data)
+
+    real_fdopen = os.fdopen
+    monkeypatch.setattr(os, "fdopen", lambda fd, mode, *a, **k: Signalled(
+        real_fdopen(fd, mode, buffering=0)))
+    with pytest.raises(interrupt) as raised:
+        save_checkpoint(path, {"format": torch.zeros(1000)})
+    monkeypatch.undo()
+    assert type(raised.value) is interrupt
+    assert load_checkpoint(path)["format"] == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
+
+
+def test_an_interrupt_as_torch_closes_its_writer_does_not_end_the_process(tmp_path):
+    """An interrupt raised as torch.save's zip writer is closed left the writer alive in
+    the error's frames; freed after the file was closed, it wrote to the closed file and
+    the process ended in a C++ terminate (exit status 134) instead of reporting it."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import gc, torch, torch.serialization as serialization
+        from skyformer.lra.checkpoint import save_checkpoint
+
+        def interrupted_exit(self, *args):  # the signal's handler runs at its first line
+            raise KeyboardInterrupt
+
+        serialization._open_zipfile_writer_buffer.__exit__ = interrupted_exit
+        try:
+            save_checkpoint({str(tmp_path / "last.pt")!r}, {{"w": torch.zeros(10)}})
+        except KeyboardInterrupt:
+            print("interrupted")
+        gc.collect()
+        print("alive")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert (done.returncode, done.stdout.split()) == (0, ["interrupted", "alive"]), done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_json_and_csv(tmp_path):
     write_json(tmp_path / "a.json", {"x": [1, 2]}, indent=None)
     assert (tmp_path / "a.json").read_text() == '{"x":[1,2]}\n'

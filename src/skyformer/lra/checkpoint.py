@@ -21,6 +21,7 @@ import pickle
 import random
 import re
 import shutil
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +36,39 @@ from ..logs import first_line
 def save_checkpoint(path: str | os.PathLike[str], payload: dict[str, Any]) -> Path:
     """``torch.save(payload)`` through a temporary file in the same folder, then rename.
     A write that fails (a full disk) raises an ``OSError`` naming the file, the space left
-    and what to do; the file there before stays as it was."""
+    and what to do; the file there before stays as it was. Ctrl-C or SIGTERM during the
+    write raises the interrupt it is (torch reports it as a failed write)."""
     try:
         with atomic_writer(path, "wb") as handle:
-            torch.save(payload, handle)
+            try:
+                torch.save(payload, handle)
+            except BaseException as err:
+                # torch's zip writer, held by the frames of the error, writes its end when
+                # freed: after the file is closed that write ends the process (a C++
+                # terminate), so it is freed now, into the file removed next
+                traceback.clear_frames(err.__traceback__)
+                raise
     except (OSError, RuntimeError) as err:
+        interrupt = _interrupt_behind(err)
+        if interrupt is not None:
+            raise interrupt from None
         # torch's zip writer reports a short write as "unexpected pos ..." (a RuntimeError)
         raise OSError(_unwritable_sentence(Path(path), err)) from err
     return Path(path)
+
+
+def _interrupt_behind(err: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C or SIGTERM (``cli.signals.Terminated``) that ``err`` was raised while
+    handling: a signal's handler raising inside torch's write callback comes out of
+    ``torch.save`` as a RuntimeError ("unexpected pos") whose context it is."""
+    seen: set[int] = set()
+    cause: BaseException | None = err
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, KeyboardInterrupt):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def _unwritable_sentence(target: Path, err: Exception) -> str:
