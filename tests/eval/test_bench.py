@@ -295,11 +295,18 @@ def test_an_interrupted_run_keeps_its_lengths_and_resume_measures_only_the_rest(
     assert main(["bench", "--resume", "--no-memory"]) == 2
     assert "give --out" in capsys.readouterr().err
 
-    # fewer lengths: the dropped rows are announced, the kept ones lose their stale ratios
+    # fewer lengths: refused, since rewriting the file would lose the rows left out
+    before = out.with_suffix(".json").read_text()
+    assert main([*argv, "--seq-lens", "128", "256", "--resume"]) == 2
+    assert ("holds 2 rows this run does not ask for (N = 64, or other shapes or dtypes), "
+            "which rewriting it would lose; ask for them too (--seq-lens 64 128 256"
+            in capsys.readouterr().err)
+    assert out.with_suffix(".json").read_text() == before
+    # the rows asked for again are kept, and lose their stale ratios
+    kept = json.loads(before)
+    kept["rows"] = [r for r in kept["rows"] if r["n"] != 64]
+    out.with_suffix(".json").write_text(json.dumps(kept))
     assert main([*argv, "--seq-lens", "128", "256", "--resume"]) == 0
-    assert ("also holds 2 rows this run does not ask for (N = 64, or other shapes or dtypes); "
-            "they will not be in the new file: ask for them too to keep them (--seq-lens 64 "
-            "128 256" in capsys.readouterr().err)
     shorter = json.loads(out.with_suffix(".json").read_text())
     assert [r["n"] for r in shorter["rows"]] == [128, 128, 256, 256]
     assert shorter["rows"][1]["growth"] is None and shorter["rows"][3]["growth"] is not None

@@ -170,14 +170,15 @@ def _earlier_rows(config: BenchConfig, out: str | None) -> tuple[list[dict], lis
         return [], []
     runs = earlier_runs(earlier, str(path))
     rows, unasked = resumable_rows(config, earlier)
-    print(f"resuming from {path}: {len(rows)} rows measured before", file=sys.stderr)
-    if unasked:
+    if unasked:  # refused, as lra stability's: rewriting the file would drop them
         lengths = sorted({row["n"] for row in unasked})
         every = " ".join(map(str, sorted(set(lengths) | set(config.seq_lens))))
-        print(f"warning: {path} also holds {len(unasked)} rows this run does not ask for "
-              f"(N = {', '.join(map(str, lengths))}, or other shapes or dtypes); they will "
-              f"not be in the new file: ask for them too to keep them (--seq-lens {every}, "
-              f"and their shapes and dtypes)", file=sys.stderr)
+        raise ValueError(
+            f"{path} holds {len(unasked)} rows this run does not ask for (N = "
+            f"{', '.join(map(str, lengths))}, or other shapes or dtypes), which rewriting it "
+            f"would lose; ask for them too (--seq-lens {every}, and their shapes and "
+            f"dtypes), or write to another --out.")
+    print(f"resuming from {path}: {len(rows)} rows measured before", file=sys.stderr)
     return rows, runs
 
 
