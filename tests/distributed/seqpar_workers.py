@@ -38,6 +38,9 @@ METHODS = {
     "nystrom_softmax": {"num_features": 8},
     "linear": {},
     "performer": {"num_features": 6},
+    # causal: each shard's rows add the earlier shards' prefix sums
+    "linear[causal=True]": {},
+    "performer[causal=True]": {"num_features": 6},
 }
 # float64 rounding: the shards' partial sums are added in another order than one
 # process adds them; a few ulps of values of order 1, through the backward pass.
@@ -242,9 +245,9 @@ def check_errors(rank: int, world: int) -> None:
 
     raises("cannot run sequence parallel: its landmarks are segment means", q, k, v,
            "nystromformer")
-    for method in ("skyformer", "nystrom_softmax", "linear", "performer"):
-        raises(f"{method}: causal=True does not run sequence parallel", q, k, v, method,
-               causal=True)
+    for method in ("skyformer", "nystrom_softmax"):  # linear and performer run it
+        raises(f"{method}: causal=True does not run sequence parallel (its causal Nystrom "
+               f"construction reveals landmarks in order", q, k, v, method, causal=True)
         try:  # the layer says so when it is built
             skyformer.MultiHeadAttention(8, 2, method, causal=True,
                                          process_group=dist.group.WORLD)
@@ -418,11 +421,17 @@ def check_gradients_recorded_on_some_ranks(rank: int, world: int) -> None:
 def check_performer_layer(rank: int, world: int) -> None:
     """A sequence-parallel Performer layer uses its own features, as on one process:
     it draws nothing from the global generator, and a non-finite feature marks every
-    real row."""
+    real row; causal too."""
+    for causal in (False, True):
+        _check_performer_layer(rank, world, causal)
+
+
+def _check_performer_layer(rank: int, world: int, causal: bool) -> None:
     torch.manual_seed(0)
-    layer = skyformer.MultiHeadAttention(8, 2, "performer", num_features=4,
+    layer = skyformer.MultiHeadAttention(8, 2, "performer", num_features=4, causal=causal,
                                          process_group=dist.group.WORLD).double().eval()
-    reference = skyformer.MultiHeadAttention(8, 2, "performer", num_features=4).double().eval()
+    reference = skyformer.MultiHeadAttention(8, 2, "performer", num_features=4,
+                                             causal=causal).double().eval()
     reference.load_state_dict(layer.state_dict())
     x = torch.randn(2, 4 * world, 8, dtype=torch.float64)
     mask = torch.ones(2, 4 * world, dtype=torch.bool)

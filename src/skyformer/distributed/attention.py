@@ -55,7 +55,8 @@ def sequence_parallel_attention(
         q, k, v: this rank's shard ``[B, H, N_r, D]`` (``v``: ``[B, H, N_r, Dv]``) of the
             sequence; shards are contiguous, in rank order, of any lengths N_r >= 1; B, H,
             D, Dv and dtype the same on every rank.
-        method: ``skyformer``, ``nystrom_softmax``, ``linear`` or ``performer``.
+        method: ``skyformer``, ``nystrom_softmax``, ``linear`` or ``performer``
+            (``causal=True``: ``linear`` and ``performer``).
         group: a ``torch.distributed`` process group (``None`` = the default group).
         key_padding_mask: this rank's shard ``[B, N_r]`` of the mask (True = real token),
             or None; it marks padded queries too.
@@ -126,4 +127,7 @@ def run_sequence_parallel(
         q, k, v = zero_padding(q, k, v, key_padding_mask, "auto")
         reduction = GroupReduction(group)
         out = form.run(q, k, v, bound.config, info, layout, reduction, **state_arguments)
-        return show_nonfinite(out, q, k, v, key_padding_mask, "auto", key_sums=reduction.sum)
+        causal = getattr(bound.config, "causal", False) is True
+        return show_nonfinite(out, q, k, v, key_padding_mask, "auto", causal=causal,
+                              key_sums=reduction.sum,
+                              keys_before=lambda sums: reduction.earlier(sums).sum(0))

@@ -10,6 +10,12 @@ only through sums of a size independent of N (plus constants):
 - ``linear``: phi(K)^T [V, 1] (D x (Dv + 1)), Katharopoulos et al. eq. (6).
 - ``performer``: phi(K)^T [V, 1] (m x (Dv + 1)), the keys' shift and mean(V), Performer
   eqs. (5)-(6); the features come from the generator (or the layer), alike on every rank.
+
+With ``causal=True``, ``linear`` and ``performer`` take the same sums from the ranks
+before this one only (each rank's shard sums gathered, P times their size): the state
+of their prefix sums where the shard starts (Katharopoulos et al. eqs. (8)-(9);
+Performer's at the largest of the earlier ranks' key scales,
+``ops/performer/causal.py``). The causal Nystrom methods do not run sequence parallel.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from typing import Any
 from torch import Tensor
 
 from ..linalg import kernel_scale, logit_scale
-from ..ops.linear.linear import linear_features, linear_from_features
+from ..ops.linear.linear import causal_linear, linear_features, linear_from_features
 from ..ops.nystrom_softmax.nystrom_softmax import (
     FLOAT32_REACH,
     float32_reach,
@@ -30,7 +36,7 @@ from ..ops.nystrom_softmax.nystrom_softmax import (
 )
 from ..ops.performer.performer import performer_with_projection
 from ..ops.shared.causal_nystrom import CausalNystromOptions, refuse_causal_form_options
-from ..ops.shared.inputs import AttentionInputs, compute_dtype
+from ..ops.shared.inputs import AttentionInputs, compute_dtype, zero_padded_queries
 from ..ops.shared.modified_nystrom import NystromCore, NystromOptions, core_from_rows
 from ..ops.skyformer.skyformer import skyformer_from_core
 from ..registry import get_method
@@ -75,6 +81,9 @@ def _nystrom_softmax(q: Tensor, k: Tensor, v: Tensor, config: Any, info: Attenti
 def _linear(q: Tensor, k: Tensor, v: Tensor, config: Any, info: AttentionInputs,
             layout: ShardLayout, reduce: GroupReduction) -> Tensor:
     phi_q, phi_k, vw = linear_features(q, k, v, info.key_valid)
+    if config.causal:  # the earlier shards' sums added to every row
+        out = causal_linear(phi_q, phi_k, vw, config.eps, reduce=reduce)
+        return zero_padded_queries(out, info.query_valid).to(q.dtype)
     return linear_from_features(phi_q, phi_k, vw, info, config.eps, reduce).to(q.dtype)
 
 
@@ -85,11 +94,11 @@ def _performer(q: Tensor, k: Tensor, v: Tensor, config: Any, info: AttentionInpu
     return performer_with_projection(q, k, v, projection, info, config, layout.key, reduce)
 
 
-# Why causal=True does not run sequence parallel (each rank's queries would need the
-# earlier ranks' prefix, not the sums over every shard these forms exchange)
+# Why causal=True does not run sequence parallel for the Nystrom methods (each rank's
+# queries would need landmarks and chunks of the earlier ranks' keys, not sums
+# over whole shards as linear attention's and Performer's prefixes are)
 _LANDMARKS_IN_ORDER = ("its causal Nystrom construction reveals landmarks in order along the "
                        "whole sequence")
-_PREFIX_SCAN = "its prefix sums would need a scan across ranks"
 
 
 def _no_causal(method: str, reason: str) -> Callable[[Any], None]:
@@ -117,8 +126,8 @@ class Form:
 FORMS = {
     "skyformer": Form(_skyformer, _no_causal("skyformer", _LANDMARKS_IN_ORDER)),
     "nystrom_softmax": Form(_nystrom_softmax, _no_causal("nystrom_softmax", _LANDMARKS_IN_ORDER)),
-    "linear": Form(_linear, _no_causal("linear", _PREFIX_SCAN)),
-    "performer": Form(_performer, _no_causal("performer", _PREFIX_SCAN)),
+    "linear": Form(_linear),
+    "performer": Form(_performer),
 }
 
 _WHY_NOT = {

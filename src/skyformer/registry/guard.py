@@ -77,7 +77,8 @@ def zero_padding(q: Any, k: Any, v: Any, key_padding_mask: Any, query_padding_ma
 
 def show_nonfinite(out: Any, q: Any, k: Any, v: Any, key_padding_mask: Any,
                    query_padding_mask: Any, owned: bool = False, causal: bool = False,
-                   key_sums: Callable[[Tensor], Tensor] | None = None) -> Any:
+                   key_sums: Callable[[Tensor], Tensor] | None = None,
+                   keys_before: Callable[[Tensor], Tensor] | None = None) -> Any:
     """``out`` with NaN in every real row a non-finite real input can reach (module
     docstring); q, k, v are the inputs after ``zero_padding``. ``owned``: ``out`` is a
     new tensor of one of the library's methods (the flag may then go into it in place,
@@ -85,11 +86,14 @@ def show_nonfinite(out: Any, q: Any, k: Any, v: Any, key_padding_mask: Any,
     sum of their row sums), as SDPA with ``is_causal``. ``key_sums``: completes the
     keys' and values' sums ``[B, Hk, 1]`` over the shards other processes hold (the
     sequence-parallel calls: every process then takes the same steps, without the CPU
-    shortcut, which would skip the exchange on a process whose shard is finite)."""
+    shortcut, which would skip the exchange on a process whose shard is finite);
+    ``keys_before``, in causal calls, gives the same sums ``[B, Hk, 1]`` over the shards
+    before this one."""
     if not isinstance(out, Tensor) or not out.is_floating_point() or out.dim() != 4 \
             or not all(isinstance(t, Tensor) and t.dim() == 4 for t in (q, k, v)):
         return out
-    quick = key_sums is None and q.device.type == "cpu" and may_read_values(q, k, v, out)
+    quick = key_sums is None and keys_before is None and q.device.type == "cpu" \
+        and may_read_values(q, k, v, out)
     keys_finite = quick and _finite(k) and _finite(v)
     if keys_finite and _finite(q):
         return out
@@ -98,6 +102,8 @@ def show_nonfinite(out: Any, q: Any, k: Any, v: Any, key_padding_mask: Any,
     if not keys_finite:
         if causal and k.shape[-2] == q.shape[-2]:
             spoiled = (_sum(k, -1) + _sum(v, -1)).cumsum(-1)  # [B, Hk, N]: keys j <= i
+            if keys_before is not None:
+                spoiled = spoiled + keys_before(spoiled[..., -1:])
         else:
             spoiled = (_sum(k, (-2, -1)) + _sum(v, (-2, -1)))[..., None]  # [B, Hk, 1]
             if key_sums is not None:

@@ -149,11 +149,17 @@ def linear_from_features(phi_q: Tensor, phi_k: Tensor, v: Tensor, info: Attentio
 
 
 def causal_linear(phi_q: Tensor, phi_k: Tensor, v: Tensor, eps: float,
-                  chunk: int = CAUSAL_CHUNK) -> Tensor:
+                  chunk: int = CAUSAL_CHUNK, reduce: KeyReduction = WHOLE) -> Tensor:
     """sum_{j<=i} (phi_i . phi_j) v_j / (sum_{j<=i} phi_i . phi_j + eps) by chunks
-    (``shared/causal_prefix.py``): ``[B, H, N, D]`` features, ``[B, H, N, Dv]`` values."""
+    (``shared/causal_prefix.py``): ``[B, H, N, D]`` features, ``[B, H, N, Dv]`` values.
+    Where the keys are a shard (sequence parallel), ``reduce`` gives the sums of the
+    shards before it, phi(K)^T [V, 1] (D x (Dv + 1) each), which every row adds: the
+    RNN's state S at the shard's start (Katharopoulos et al. eqs. (8)-(9))."""
     v_and_one = with_ones_column(v)  # [B, H, N, Dv + 1]
     o = causal_feature_sums(phi_q, phi_k, v_and_one, chunk=chunk)
+    if reduce.sharded:
+        start = reduce.earlier(phi_k.transpose(-1, -2) @ v_and_one).sum(0)  # [B, H, D, Dv + 1]
+        o = o + phi_q @ start
     return linear_normalised(o, eps)
 
 

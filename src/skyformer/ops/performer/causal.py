@@ -47,6 +47,7 @@ from ..shared.causal_prefix import (
     lower_triangle,
     unchunk_rows,
 )
+from ..shared.reduction import KeyReduction
 
 
 class RunningSums(NamedTuple):
@@ -151,6 +152,24 @@ def running_sums(log_k: Tensor, scale_basis: Tensor, v1: Tensor, key_valid: Tens
     features = exponent.nan_to_num(float("-inf")).exp()  # -inf - -inf: no real key
     v1 = torch.where(valid, v1, 0.0)
     return RunningSums(features.transpose(-1, -2) @ v1, top, v1.sum(2, keepdim=True))
+
+
+def earlier_running_sums(log_k: Tensor, scale_basis: Tensor, v1: Tensor,
+                         key_valid: Tensor | None, reduce: KeyReduction) -> RunningSums | None:
+    """The running sums of the keys of the shards before this one (sequence parallel:
+    ``causal_performer_sums``' ``start``), None in one process. Each shard's own sums
+    at its own maximum (``running_sums``) are joined at the largest of the earlier
+    ones, every factor at most 1; shards without a real key have shift -inf and add
+    nothing. Arguments as ``causal_performer_sums``'."""
+    if not reduce.sharded:
+        return None
+    own = running_sums(log_k, scale_basis, v1, key_valid)
+    sums = reduce.earlier(own.sums)  # [R, B, H, m, F]
+    shifts = reduce.earlier(own.shift)  # [R, B, H], constants
+    none = own.shift.new_full((1, *own.shift.shape), float("-inf"))
+    top = torch.cat([none, shifts]).amax(0)  # [B, H]
+    joined = (sums * _factor(shifts, top)[..., None, None]).sum(0)
+    return RunningSums(joined, top, reduce.earlier(own.plain).sum(0))
 
 
 def causal_performer_sums(phi_q: Tensor, log_k: Tensor, scale_basis: Tensor, v1: Tensor,

@@ -73,7 +73,7 @@ from ..shared.options import (
     check_scale,
 )
 from ..shared.reduction import WHOLE, KeyReduction
-from .causal import causal_performer_sums
+from .causal import causal_performer_sums, earlier_running_sums
 from .features import causal_key_logs, key_features, query_features, resolve_projection
 
 
@@ -361,10 +361,14 @@ def performer_from_projection(
             raise ValueError(f"performer: causal=True needs as many queries as keys, got "
                              f"Nq={info.query_len}, Nk={info.key_len}.")
         log_k, scale_basis = causal_key_logs(k * root, projection, config.eps)
-        o, _ = causal_performer_sums(phi_q, log_k, scale_basis, with_ones_column(v),
-                                     info.key_valid, config.eps)  # [B, H, N, Dv + 1]
+        v1 = with_ones_column(v)
+        start = earlier_running_sums(log_k, scale_basis, v1, info.key_valid, reduce)
+        o, _ = causal_performer_sums(phi_q, log_k, scale_basis, v1, info.key_valid,
+                                     config.eps, start=start)  # [B, H, N, Dv + 1]
         numerator, denominator = numerator_and_denominator(rows_rescaled(o))
-        out = normalised_or(numerator, denominator, prefix_mean_values(v, info.key_valid))
+        fallback = prefix_mean_values(v, info.key_valid,
+                                      None if start is None else start.plain)
+        out = normalised_or(numerator, denominator, fallback)
         return zero_padded_queries(out, info.query_valid)
     phi_k, _ = key_features(k * root, projection, info.key_valid, config.eps,
                             reduce)  # [B, H, Nk, m]

@@ -118,12 +118,20 @@ def causal_feature_sums(phi_q: Tensor, psi_k: Tensor, v: Tensor, *,
     return unchunk_rows(out, n)
 
 
-def prefix_mean_values(v: Tensor, key_valid: Tensor | None) -> Tensor:
+def prefix_mean_values(v: Tensor, key_valid: Tensor | None,
+                       earlier: Tensor | None = None) -> Tensor:
     """Mean of the values of the real keys j <= i, ``[B, H, N, Dv]`` (zero before the
     first real key): the causal answer of uniform attention, for rows whose normaliser
-    is lost."""
-    if key_valid is None:
+    is lost. ``earlier: [B, H, 1, Dv + 1]``: the sums of [v_j, 1] over the real keys
+    before these (the shards before this one, sequence parallel)."""
+    if key_valid is None and earlier is None:
         count = torch.arange(1, v.shape[2] + 1, device=v.device, dtype=v.dtype)[:, None]
         return v.cumsum(2) / count
-    w = key_valid[:, None, :, None].to(v.dtype)  # [B, 1, N, 1]
-    return torch.where(w > 0, v, 0.0).cumsum(2) / w.cumsum(2).clamp_min(1.0)
+    if key_valid is None:
+        real = v.new_ones(1, 1, v.shape[2], 1)
+    else:
+        real = key_valid[:, None, :, None].to(v.dtype)  # [B, 1, N, 1]
+    sums, count = torch.where(real > 0, v, 0.0).cumsum(2), real.cumsum(2)
+    if earlier is not None:
+        sums, count = sums + earlier[..., :-1], count + earlier[..., -1:]
+    return sums / count.clamp_min(1.0)
