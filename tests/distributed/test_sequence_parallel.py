@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from seqpar_workers import (
+    CAUSAL_NYSTROM,
     check_autocast,
     check_equal,
     check_errors,
@@ -42,6 +43,17 @@ def test_three_processes_without_mask_and_with_a_wholly_padded_shard():
     mask[1, 2:4] = False
     spawn(3, check_equal, [5, 11, 7], mask)
     spawn(3, check_equal, [9, 1, 6], None)
+
+
+def test_causal_skyformer_over_chunks_that_cross_the_shard_boundaries():
+    """Chunks of 64 real tokens: a rank's first chunk begins on the ranks before it (on
+    two of them with the one-row shards), and its earlier chunks are theirs too."""
+    mask = torch.ones(2, 152, dtype=torch.bool)
+    mask[0, 58:75] = False  # across the shard boundaries of both layouts
+    mask[1, :90] = False
+    mask[1, 130:135] = False
+    spawn(3, check_equal, [70, 2, 80], mask, CAUSAL_NYSTROM)
+    spawn(4, check_equal, [62, 1, 1, 88], None, CAUSAL_NYSTROM)
 
 
 def test_float32_norms_past_its_reach_are_computed_as_one_process_computes_them():

@@ -15,7 +15,9 @@ With ``causal=True``, ``linear`` and ``performer`` take the same sums from the r
 before this one only (each rank's shard sums gathered, P times their size): the state
 of their prefix sums where the shard starts (Katharopoulos et al. eqs. (8)-(9);
 Performer's at the largest of the earlier ranks' key scales,
-``ops/performer/causal.py``). The causal Nystrom methods do not run sequence parallel.
+``ops/performer/causal.py``). ``skyformer`` gathers its landmark rows, the tails of
+the chunks that cross into a rank and the earlier chunks' sums
+(``causal_skyformer.py``); causal ``nystrom_softmax`` does not run sequence parallel.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from ..ops.shared.inputs import AttentionInputs, compute_dtype, zero_padded_quer
 from ..ops.shared.modified_nystrom import NystromCore, NystromOptions, core_from_rows
 from ..ops.skyformer.skyformer import skyformer_from_core
 from ..registry import get_method
+from .causal_skyformer import causal_skyformer_shard
 from .landmarks import draw_landmarks, landmark_rows
 from .layout import ShardLayout
 from .reduction import GroupReduction
@@ -55,6 +58,8 @@ def _nystrom_core(q: Tensor, k: Tensor, scale: float, config: NystromOptions,
 
 def _skyformer(q: Tensor, k: Tensor, v: Tensor, config: Any, info: AttentionInputs,
                layout: ShardLayout, reduce: GroupReduction) -> Tensor:
+    if config.causal:
+        return causal_skyformer_shard(q, k, v, config, info, layout, reduce)
     work = compute_dtype(q.dtype)
     qw, kw, vw = q.to(work), k.to(work), v.to(work)
     scale = kernel_scale(info.head_dim, config.scale)
@@ -94,11 +99,9 @@ def _performer(q: Tensor, k: Tensor, v: Tensor, config: Any, info: AttentionInpu
     return performer_with_projection(q, k, v, projection, info, config, layout.key, reduce)
 
 
-# Why causal=True does not run sequence parallel for the Nystrom methods (each rank's
-# queries would need landmarks and chunks of the earlier ranks' keys, not sums
-# over whole shards as linear attention's and Performer's prefixes are)
-_LANDMARKS_IN_ORDER = ("its causal Nystrom construction reveals landmarks in order along the "
-                       "whole sequence")
+# Why causal nystrom_softmax does not run sequence parallel
+_NOT_WRITTEN = ("causal Skyformer's sharded construction, with the running-maximum shifts "
+                "nystrom_softmax adds, is not written")
 
 
 def _no_causal(method: str, reason: str) -> Callable[[Any], None]:
@@ -114,6 +117,13 @@ def _no_causal(method: str, reason: str) -> Callable[[Any], None]:
     return check
 
 
+def _causal_options_when_causal(method: str) -> Callable[[Any], None]:
+    def check(config: Any) -> None:
+        if not config.causal:  # as a call on one process does
+            refuse_causal_form_options(method, config)
+    return check
+
+
 @dataclass(frozen=True)
 class Form:
     """``run(q, k, v, config, info, layout, reduce, **state_arguments)``; ``check(config)``
@@ -124,8 +134,8 @@ class Form:
 
 
 FORMS = {
-    "skyformer": Form(_skyformer, _no_causal("skyformer", _LANDMARKS_IN_ORDER)),
-    "nystrom_softmax": Form(_nystrom_softmax, _no_causal("nystrom_softmax", _LANDMARKS_IN_ORDER)),
+    "skyformer": Form(_skyformer, _causal_options_when_causal("skyformer")),
+    "nystrom_softmax": Form(_nystrom_softmax, _no_causal("nystrom_softmax", _NOT_WRITTEN)),
     "linear": Form(_linear),
     "performer": Form(_performer),
 }

@@ -47,6 +47,7 @@ class ShardLayout:
     total_rows: int  # N, the whole sequence
     valid_before: Tensor  # [B] long: valid rows before this shard, per batch element
     key: Tensor  # [2] the random key every rank uses
+    valid_counts: Tensor  # [P, B] long: each rank's valid rows, per batch element
 
 
 def resolve_group(group: Any, caller: str) -> Any:
@@ -147,11 +148,12 @@ def agree_layout(
     b = int(shapes[0, 0])
     counts = torch.full((b,), q.shape[2], dtype=torch.long) if key_valid is None \
         else key_valid.sum(dim=1).cpu()
-    before = all_gather(counts.to(device), group).cpu()[:rank].sum(dim=0)  # [B]
+    every = all_gather(counts.to(device), group).cpu()  # [P, B]
     return ShardLayout(
         group=group, rank=rank, world=world,
         rows_before=int(lengths[:rank].sum()), total_rows=int(lengths.sum()),
-        valid_before=before.to(q.device), key=headers[0, 6:8].to(q.device),
+        valid_before=every[:rank].sum(dim=0).to(q.device), key=headers[0, 6:8].to(q.device),
+        valid_counts=every.to(q.device),
     )
 
 

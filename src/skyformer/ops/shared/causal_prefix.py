@@ -96,7 +96,8 @@ def lower_triangle(scores: Tensor) -> Tensor:
 
 
 def causal_feature_sums(phi_q: Tensor, psi_k: Tensor, v: Tensor, *,
-                        chunk: int = CAUSAL_CHUNK, local: Tensor | None = None) -> Tensor:
+                        chunk: int = CAUSAL_CHUNK, local: Tensor | None = None,
+                        start: Tensor | None = None) -> Tensor:
     """sum_{j <= i} a_ij v_j by chunks (module docstring).
 
     Args:
@@ -105,6 +106,8 @@ def causal_feature_sums(phi_q: Tensor, psi_k: Tensor, v: Tensor, *,
         chunk: L, positions per chunk.
         local: ``[B, H, C, L, L]`` scores of each chunk's queries against the same
             chunk's keys, replacing phi(Q_c) psi(K_c)^T (entries j > i are ignored).
+        start: ``[B, H, m, Dv]`` sum psi(k_j)^T v_j of keys before these rows (a shard
+            after others, sequence parallel), added to every chunk's state.
     Returns:
         ``[B, H, N, Dv]``.
     """
@@ -113,6 +116,8 @@ def causal_feature_sums(phi_q: Tensor, psi_k: Tensor, v: Tensor, *,
         chunk = chunk_length(n, chunk)
     q_c, k_c, v_c = (chunk_rows(t, chunk) for t in (phi_q, psi_k, v))
     before = exclusive_chunk_sums(k_c, v_c)  # [B, H, C, m, Dv]
+    if start is not None:
+        before = before + start[:, :, None]
     scores = q_c @ k_c.transpose(-1, -2) if local is None else local  # [B, H, C, L, L]
     out = q_c @ before + lower_triangle(scores) @ v_c  # [B, H, C, L, Dv]
     return unchunk_rows(out, n)

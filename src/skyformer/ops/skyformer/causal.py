@@ -30,7 +30,7 @@ from ..shared.causal_nystrom import (
 from ..shared.causal_prefix import CAUSAL_CHUNK, causal_feature_sums, chunk_rows
 from ..shared.inputs import AttentionInputs
 
-__all__ = ["causal_skyformer", "draw_causal_landmarks"]
+__all__ = ["causal_skyformer", "causal_skyformer_from_core", "draw_causal_landmarks"]
 
 
 def causal_skyformer(q: Tensor, k: Tensor, v: Tensor, info: AttentionInputs, scale: float,
@@ -40,21 +40,33 @@ def causal_skyformer(q: Tensor, k: Tensor, v: Tensor, info: AttentionInputs, sca
     """Causal Skyformer of ``q, k: [B, H, N, D]``, ``v: [B, H, N, Dv]`` (compute dtype,
     unscaled): ``([B, H, N, Dv], core)``; rows of padded queries are not zeroed here.
     ``kernel``: the features' products (``gaussian_features``)."""
-    n = q.shape[2]
     q, k, core = causal_core(q, k, scale, gamma, landmarks)
-    qs, ks = q * scale, k * scale
+    out = causal_skyformer_from_core(q * scale, k * scale, v, info.key_valid, core, landmarks,
+                                     local, chunk=chunk, kernel=kernel)
+    return out, core
+
+
+def causal_skyformer_from_core(qs: Tensor, ks: Tensor, v: Tensor, key_valid: Tensor | None,
+                               core: CausalCore, landmarks: CausalLandmarks, local: bool, *,
+                               chunk: int = CAUSAL_CHUNK, kernel: str = "auto",
+                               start: Tensor | None = None) -> Tensor:
+    """The outputs given the core: ``qs, ks: [B, H, N, D]`` scaled rows, ``key_valid:
+    [B, N]`` or None, ``landmarks`` at positions of these rows. ``start: [B, H, m, Dv]``:
+    sum phi(k_j) v_j^T of keys before these rows (a shard after others, sequence
+    parallel; position 0 must start a chunk of the sequence). ``[B, H, N, Dv]``."""
+    n = qs.shape[2]
     available = landmarks.available(n)  # [B, 1, N, m]
     phi_q = gaussian_features(qs, core, kernel=kernel)
     phi_q = torch.where(available, phi_q, 0.0)  # [B, H, N, m]
-    phi_k = gaussian_features(ks, core, row_valid=info.key_valid, kernel=kernel)
+    phi_k = gaussian_features(ks, core, row_valid=key_valid, kernel=kernel)
     exact = None
     if local:  # C(q_i, k_j) within each chunk; padded keys have +inf norms: exact zeros
         q_norm = half_sq_norm(qs)
         k_norm = half_sq_norm(ks)  # [B, H, N]
-        if info.key_valid is not None:
-            k_norm = torch.where(info.key_valid[:, None, :], k_norm, float("inf"))
+        if key_valid is not None:
+            k_norm = torch.where(key_valid[:, None, :], k_norm, float("inf"))
         q_c, k_c = chunk_rows(qs, chunk), chunk_rows(ks, chunk)
         qn_c, kn_c = (chunk_rows(t[..., None], chunk)[..., 0] for t in (q_norm, k_norm))
         exact = gaussian_kernel_block(q_c, k_c, qn_c, kn_c)  # [B, H, C, L, L]
-    out = causal_feature_sums(phi_q, phi_k, v, chunk=chunk, local=exact)
-    return torch.where(uses_failed(available, core.failed)[..., None], float("nan"), out), core
+    out = causal_feature_sums(phi_q, phi_k, v, chunk=chunk, local=exact, start=start)
+    return torch.where(uses_failed(available, core.failed)[..., None], float("nan"), out)
