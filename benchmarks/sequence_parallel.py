@@ -3,12 +3,15 @@
     python benchmarks/sequence_parallel.py                       # P = 1, 2, 4; N = 2^16 ... 2^20
     python benchmarks/sequence_parallel.py --procs 4 --seq-lens 4194304 --repeats 1 \\
         --out benchmarks/results/sequence_parallel_4m            # one 2^22-token sequence
+    python benchmarks/sequence_parallel.py --causal \\
+        --out benchmarks/results/sequence_parallel_causal        # a decoder's layer
 
 For each (P, N) a fresh group of P processes (gloo, started here with
 torch.multiprocessing) runs one ``MultiHeadAttention`` layer (Skyformer, B=1, H=2, D=32,
-m=128, float32) forward and backward on its contiguous shard of one N-token sequence
-(gradients flow to the input too, as inside a stack of layers). P = 1 is one process
-without a group: the single-process run. Per configuration it records
+m=128, float32; ``--causal``: causal=True) forward and backward on its contiguous shard
+of one N-token sequence (gradients flow to the input too, as inside a stack of layers).
+P = 1 is one process without a group: the single-process run. Per configuration it
+records
 
 - bytes: the payload of every collective of the layer's forward and backward passes,
   counted as it is sent (``skyformer.distributed.count_communication``: per rank, the
@@ -69,7 +72,7 @@ def _worker(rank: int, world: int, store: str, n: int, args: argparse.Namespace,
     before = _rss_mib()
     torch.manual_seed(0)
     layer = MultiHeadAttention(HEADS * HEAD_DIM, HEADS, "skyformer", num_features=FEATURES,
-                               process_group=group)
+                               causal=args.causal, process_group=group)
     start, stop = shard_bounds(n, world, rank)
     x = torch.randn(BATCH, stop - start, HEADS * HEAD_DIM,
                     generator=torch.Generator().manual_seed(rank), requires_grad=True)
@@ -158,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                         default=[2**e for e in range(16, 21)])
     parser.add_argument("--repeats", type=positive_int_argument, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--causal", action="store_true",
+                        help="a causal layer (a decoder's self-attention)")
     parser.add_argument("--out", default=str(RESULTS / "sequence_parallel"))
     args = parser.parse_args(argv)
     rows = []

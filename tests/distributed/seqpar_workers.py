@@ -111,7 +111,9 @@ def check_equal(rank: int, world: int, lengths: list[int], mask: torch.Tensor | 
     n = sum(lengths)
     q, k, v, g = inputs(n)
     mine = _shards(lengths)[rank]
-    local_mask = None if mask is None else mask[:, mine]
+    shard_mask = None if mask is None else mask[:, mine]
+    # a shard without padding passes None (as a decoder's later ranks, after left padding)
+    local_mask = None if shard_mask is None or shard_mask.all() else shard_mask
     for method, options in methods.items():
         full = [t.clone().requires_grad_() for t in (q, k, v)]
         ref = skyformer.attention(*full, method, key_padding_mask=mask,
@@ -127,7 +129,7 @@ def check_equal(rank: int, world: int, lengths: list[int], mask: torch.Tensor | 
             clean = [t[:, :, mine].clone() for t in (q, k, v)]
             dirty = [t.clone() for t in clean]
             for t, bad in zip(dirty, (float("nan"), float("inf"), float("nan")), strict=True):
-                t.masked_fill_(~local_mask[:, None, :, None], bad)
+                t.masked_fill_(~shard_mask[:, None, :, None], bad)
             with torch.no_grad():
                 got, want = (sequence_parallel_attention(
                     *inputs_, method, key_padding_mask=local_mask,
@@ -148,7 +150,7 @@ def check_equal(rank: int, world: int, lengths: list[int], mask: torch.Tensor | 
         marked = want[:, :, mine].isnan()
         assert torch.equal(got.isnan(), marked), f"{method}: marked rows"
         rows = marked[0, 1].all(-1)  # every real row of (0, head 1), no padded one
-        assert torch.equal(rows, torch.ones_like(rows) if mask is None else local_mask[0])
+        assert torch.equal(rows, torch.ones_like(rows) if mask is None else shard_mask[0])
         torch.testing.assert_close(got[~marked], want[:, :, mine][~marked], **TOL,
                                    msg=f"{method} beside the marked rows")
         for name, a, b in zip("qkv", part, full, strict=True):

@@ -47,13 +47,17 @@ def test_three_processes_without_mask_and_with_a_wholly_padded_shard():
 
 def test_causal_skyformer_over_chunks_that_cross_the_shard_boundaries():
     """Chunks of 64 real tokens: a rank's first chunk begins on the ranks before it (on
-    two of them with the one-row shards), and its earlier chunks are theirs too."""
+    two of them with the one-row shards), and its earlier chunks are theirs too; ranks
+    without padding after one with padding (they pass no mask)."""
     mask = torch.ones(2, 152, dtype=torch.bool)
     mask[0, 58:75] = False  # across the shard boundaries of both layouts
     mask[1, :90] = False
     mask[1, 130:135] = False
     spawn(3, check_equal, [70, 2, 80], mask, CAUSAL_NYSTROM)
-    spawn(4, check_equal, [62, 1, 1, 88], None, CAUSAL_NYSTROM)
+    left = torch.ones(2, 152, dtype=torch.bool)  # left padding on rank 0 only: the other
+    left[0, :5] = False  # ranks pass None, their real tokens counted after it
+    left[1, :20] = False
+    spawn(4, check_equal, [62, 1, 1, 88], left, dict(list(CAUSAL_NYSTROM.items())[:1]))
 
 
 def test_float32_norms_past_its_reach_are_computed_as_one_process_computes_them():

@@ -26,6 +26,7 @@ equal one process's up to the order of floating-point sums.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -82,28 +83,63 @@ def causal_skyformer_shard(q: Tensor, k: Tensor, v: Tensor, config: Any, info: A
     tails = reduce.earlier(_tail(torch.cat([k, v], dim=-1), own))  # [R, B, H, HALO, D + Dv]
     halo_kv, halo_valid = _halo(tails, counts[:layout.rank], first, halo)
 
-    # 3. the chunks before the first: every earlier rank's head or whole sums
-    d = k.shape[-1]
-    seq_k = torch.cat([halo_kv[..., :d], k], dim=2)  # [B, H, HALO + N_r, D]
-    seq_v = torch.cat([halo_kv[..., d:], v], dim=2)
-    seq_q = torch.cat([torch.zeros_like(halo_kv[..., :d]), q], dim=2)  # halo rows: unused
-    mine = _arange_mask(own, q.shape[2]) if valid is None else valid
-    seq_valid = torch.cat([halo_valid, mine], dim=1)  # [B, HALO + N_r]
-    seq_order = real_first(seq_valid)  # the halo, then this rank's real tokens
-    seq_q, seq_k, seq_v = (to_real_first(t, seq_order) for t in (seq_q, seq_k, seq_v))
-    seq_valid = real_first_mask(seq_valid, seq_order)
-    assert seq_valid is not None
-    phi_k = gaussian_features(seq_k * scale, core, row_valid=seq_valid, kernel=config.kernel)
-    start = _earlier_state(phi_k, seq_v, reduce, counts, layout.rank, first, halo)
+    # 3. the halo followed by this rank's rows, whose chunks are the sequence's
+    seq_q, seq_k, seq_v, seq_valid, head, mine, back = _halo_then_rows(
+        q, k, v, halo_kv, halo_valid, valid, layout, first, halo, own)
+    seq_k = seq_k * scale
+    phi_k = gaussian_features(seq_k, core, row_valid=seq_valid, kernel=config.kernel)
+    start = _earlier_state(phi_k, seq_v, reduce, counts, layout.rank, first, head, mine)
 
-    # the one-process evaluation on halo + rows, slots at positions from the chunk start
+    # the one-process evaluation, slots at positions from that chunk's start
     landmarks = CausalLandmarks(torch.where(live, ranks - first[:, None], 0), live,
                                 slot_takes_query(m, q.device))
-    out = causal_skyformer_from_core(seq_q * scale, seq_k * scale, seq_v, seq_valid, core,
-                                     landmarks, config.causal_local, kernel=config.kernel,
-                                     start=start)
-    out = from_real_first(out, seq_order)[:, :, HALO:]  # this rank's rows, real first
-    return zero_padded_queries(from_real_first(out, order), info.query_valid).to(dtype)
+    out = causal_skyformer_from_core(seq_q * scale, seq_k, seq_v, seq_valid, core, landmarks,
+                                     config.causal_local, kernel=config.kernel, start=start,
+                                     phi_k=phi_k)
+    return zero_padded_queries(from_real_first(back(out), order), info.query_valid).to(dtype)
+
+
+Rows = slice | Tensor  # rows of the halo-then-rows sequence: a range, or a [B, N] mask
+
+
+def _halo_then_rows(q: Tensor, k: Tensor, v: Tensor, halo_kv: Tensor, halo_valid: Tensor,
+                    valid: Tensor | None, layout: ShardLayout, first: Tensor, halo: Tensor,
+                    own: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Rows, Rows,
+                                          Callable[[Tensor], Tensor]]:
+    """The halo's keys and values (queries: zeros, unused) followed by this rank's rows
+    (real first), real tokens first: ``(q, k, v, valid, head, mine, back)``, with
+    ``head`` the rows of this rank before its last chunk boundary, ``mine`` all its rows
+    and ``back`` taking this rank's rows (real first) out of an output. Without padding
+    here and on the ranks before, every batch element has the same halo, of the rows
+    before: ranges and slices, no gathers."""
+    d = k.shape[-1]
+    halo_k, halo_v = halo_kv[..., :d], halo_kv[..., d:]
+    if valid is None and layout.unpadded_before:
+        h, n = layout.rows_before % CAUSAL_CHUNK, q.shape[2]
+        cut = (layout.rows_before + n) // CAUSAL_CHUNK * CAUSAL_CHUNK - (layout.rows_before - h)
+        seq = (torch.cat([q.new_zeros(*q.shape[:2], h, d), q], 2),
+               torch.cat([halo_k[:, :, :h], k], 2), torch.cat([halo_v[:, :, :h], v], 2))
+        return (*seq, None, slice(h, max(h, cut)), slice(h, h + n),
+                lambda out: out[:, :, h:])
+    if valid is None:  # padding on the ranks before only
+        valid = torch.ones(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device)
+    seq_valid = torch.cat([halo_valid, valid], dim=1)  # [B, HALO + N_r]
+    order = real_first(seq_valid)  # the halo, then this rank's real tokens
+    seq = tuple(to_real_first(torch.cat(parts, 2), order) for parts in (
+        (torch.zeros_like(halo_k), q), (halo_k, k), (halo_v, v)))
+    position = torch.arange(seq_valid.shape[1], device=q.device)
+    mine = (position >= halo[:, None]) & (position < (halo + own)[:, None])  # [B, N]
+    end = first + halo + own  # one past this rank's last real rank
+    head = mine & (position < ((end // CAUSAL_CHUNK) * CAUSAL_CHUNK - first)[:, None])
+    return (*seq, real_first_mask(seq_valid, order), head, mine,
+            lambda out: from_real_first(out, order)[:, :, HALO:])
+
+
+def _key_sums(phi_k: Tensor, v: Tensor, rows: Rows) -> Tensor:
+    """sum phi(k_j) v_j^T over ``rows``: ``[B, H, m, Dv]`` (a range reads views)."""
+    if isinstance(rows, slice):
+        return phi_k[:, :, rows].transpose(-1, -2) @ v[:, :, rows]
+    return phi_k.transpose(-1, -2) @ torch.where(rows[:, None, :, None], v, 0.0)
 
 
 def _landmark_rows(q: Tensor, k: Tensor, held: Tensor, local: Tensor) -> Tensor:
@@ -145,24 +181,14 @@ def _halo(tails: Tensor, counts: Tensor, first: Tensor, halo: Tensor) -> tuple[T
 
 
 def _earlier_state(phi_k: Tensor, v: Tensor, reduce: GroupReduction, counts: Tensor,
-                   rank: int, first: Tensor, halo: Tensor) -> Tensor:
+                   rank: int, first: Tensor, head: Rows, mine: Rows) -> Tensor:
     """S = sum phi(k_j) v_j^T over the sequence's real keys before ``first`` (they are
     on the earlier ranks), ``[B, H, m, Dv]``, from ``phi_k [B, H, N, m]`` and ``v`` of
-    the halo followed by this rank's real tokens (module docstring, 3)."""
-    own = counts[rank]
-    end = first + halo + own  # [B]: one past this rank's last real rank
-    position = torch.arange(phi_k.shape[2], device=phi_k.device)
-    mine = (position >= halo[:, None]) & (position < (halo + own)[:, None])  # [B, N]
-    head = mine & (position < ((end // CAUSAL_CHUNK) * CAUSAL_CHUNK - first)[:, None])
-    masked = [torch.where(mask[:, None, :, None], v, 0.0) for mask in (head, mine)]
-    parts = reduce.earlier(phi_k.transpose(-1, -2) @ torch.cat(masked, -1))  # [R, B, H, m, 2 Dv]
+    the halo followed by this rank's rows (module docstring, 3)."""
+    sums = torch.cat([_key_sums(phi_k, v, head), _key_sums(phi_k, v, mine)], -1)
+    parts = reduce.earlier(sums)  # [R, B, H, m, 2 Dv]
     ends = counts[:rank].cumsum(0)  # [R, B]
     gives_head = (ends // CAUSAL_CHUNK) * CAUSAL_CHUNK == first  # [R, B]
     dv = v.shape[-1]
     return torch.where(gives_head[:, :, None, None, None], parts[..., :dv],
                        parts[..., dv:]).sum(0)
-
-
-def _arange_mask(count: Tensor, n: int) -> Tensor:
-    """``[B, n]`` bool: True for the first ``count [B]`` positions."""
-    return torch.arange(n, device=count.device) < count[:, None]

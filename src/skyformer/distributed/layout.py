@@ -48,6 +48,7 @@ class ShardLayout:
     valid_before: Tensor  # [B] long: valid rows before this shard, per batch element
     key: Tensor  # [2] the random key every rank uses
     valid_counts: Tensor  # [P, B] long: each rank's valid rows, per batch element
+    unpadded_before: bool  # every row of the ranks before this one is valid
 
 
 def resolve_group(group: Any, caller: str) -> Any:
@@ -154,6 +155,7 @@ def agree_layout(
         rows_before=int(lengths[:rank].sum()), total_rows=int(lengths.sum()),
         valid_before=every[:rank].sum(dim=0).to(q.device), key=headers[0, 6:8].to(q.device),
         valid_counts=every.to(q.device),
+        unpadded_before=bool((every[:rank] == lengths[:rank, None]).all()),
     )
 
 

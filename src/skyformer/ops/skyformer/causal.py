@@ -49,16 +49,20 @@ def causal_skyformer(q: Tensor, k: Tensor, v: Tensor, info: AttentionInputs, sca
 def causal_skyformer_from_core(qs: Tensor, ks: Tensor, v: Tensor, key_valid: Tensor | None,
                                core: CausalCore, landmarks: CausalLandmarks, local: bool, *,
                                chunk: int = CAUSAL_CHUNK, kernel: str = "auto",
-                               start: Tensor | None = None) -> Tensor:
+                               start: Tensor | None = None, phi_k: Tensor | None = None
+                               ) -> Tensor:
     """The outputs given the core: ``qs, ks: [B, H, N, D]`` scaled rows, ``key_valid:
     [B, N]`` or None, ``landmarks`` at positions of these rows. ``start: [B, H, m, Dv]``:
     sum phi(k_j) v_j^T of keys before these rows (a shard after others, sequence
-    parallel; position 0 must start a chunk of the sequence). ``[B, H, N, Dv]``."""
+    parallel; position 0 must start a chunk of the sequence); ``phi_k``: the keys'
+    features where the caller has them (``gaussian_features`` of ``ks``, ``key_valid``).
+    ``[B, H, N, Dv]``."""
     n = qs.shape[2]
     available = landmarks.available(n)  # [B, 1, N, m]
     phi_q = gaussian_features(qs, core, kernel=kernel)
     phi_q = torch.where(available, phi_q, 0.0)  # [B, H, N, m]
-    phi_k = gaussian_features(ks, core, row_valid=key_valid, kernel=kernel)
+    if phi_k is None:
+        phi_k = gaussian_features(ks, core, row_valid=key_valid, kernel=kernel)
     exact = None
     if local:  # C(q_i, k_j) within each chunk; padded keys have +inf norms: exact zeros
         q_norm = half_sq_norm(qs)
