@@ -1,14 +1,18 @@
-"""Train a small bidirectional model on one long sequence sharded over processes.
+"""Train a small model on one long sequence sharded over processes.
 
     torchrun --standalone --nproc-per-node 4 examples/sequence_parallel_train.py \\
         --seq-len 262144 --steps 20                      # 4 CPU processes (gloo)
     torchrun --standalone --nproc-per-node 8 examples/sequence_parallel_train.py \\
         --seq-len 1048576 --data-parallel 2              # 2 sequences x 4 shards (nccl on GPUs)
+    torchrun --standalone --nproc-per-node 4 examples/sequence_parallel_train.py \\
+        --seq-len 262144 --causal                        # a decoder: next-character prediction
 
 The task is masked-character prediction on the bundled public-domain text, tiled to
 ``--seq-len`` characters: 15% of the characters are hidden and predicted from both sides.
 Which ones depends on the step and the position alone, not on the sharding, so P processes
-take the steps of one process (the same losses, to rounding).
+take the steps of one process (the same losses, to rounding). With ``--causal`` the model
+is a decoder (causal attention) predicting each character from the ones before it, the
+last rank's last position excepted.
 Ranks form a grid of ``--data-parallel`` groups (each trains on its own sequence) times
 ``P / data-parallel`` sequence shards; each rank holds only its shard of the sequence and
 of every activation, so one process alone would need P / data-parallel times the memory.
@@ -42,11 +46,12 @@ MASK_BLOCK = 1024  # the hidden characters are drawn per block of this many glob
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int, group: object, features: int) -> None:
+    def __init__(self, dim: int, heads: int, group: object, features: int,
+                 causal: bool) -> None:
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.attn = MultiHeadAttention(dim, heads, "skyformer", num_features=features,
-                                       process_group=group)
+                                       causal=causal, process_group=group)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
     def forward(self, x: Tensor, generator: torch.Generator) -> Tensor:
@@ -59,11 +64,12 @@ class Model(nn.Module):
     norm + classifier."""
 
     def __init__(self, vocab: int, dim: int, heads: int, layers: int, group: object,
-                 features: int) -> None:
+                 features: int, causal: bool = False) -> None:
         super().__init__()
         self.dim = dim
         self.embed = nn.Embedding(vocab + 1, dim)  # the last id is the mask token
-        self.blocks = nn.ModuleList(Block(dim, heads, group, features) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(dim, heads, group, features, causal)
+                                    for _ in range(layers))
         self.norm = nn.LayerNorm(dim)  # Skyformer's kernelized attention is unnormalised
         self.head = nn.Linear(dim, vocab)
 
@@ -101,6 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--features", type=positive_int_argument, default=128)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--causal", action="store_true",
+                        help="a decoder: causal attention, next-character prediction")
     args = parser.parse_args(argv)
     info, device = init_distributed(args.device)
     store = None
@@ -123,25 +131,31 @@ def main(argv: list[str] | None = None) -> None:
     ids = torch.tensor([chars.index(c) for c in text])
     start, stop = shard_bounds(args.seq_len, shards, seq)
     offset = data * 7919  # each data-parallel group reads the text from another place
-    tokens = ids[(torch.arange(start, stop) + offset) % len(ids)][None].to(device)  # [1, N_r]
+    positions = torch.arange(start, stop) + offset
+    tokens = ids[positions % len(ids)][None].to(device)  # [1, N_r]
+    following = ids[(positions + 1) % len(ids)][None].to(device)  # the next characters
 
     torch.manual_seed(0)  # the same initial parameters on every rank
     model = Model(len(chars), args.dim, args.heads, args.layers, groups[data],
-                  args.features).to(device)
+                  args.features, args.causal).to(device)
     optimiser = torch.optim.Adam(model.parameters(), lr=args.lr)
     if rank == 0:
         print(f"{world} processes: {args.data_parallel} sequences x {shards} shards of "
               f"{args.seq_len} tokens ({stop - start} per rank) on {device}")
     for step in range(args.steps):
         t0 = time.perf_counter()
-        hidden = hidden_characters(start, stop, step, device)
-        inputs = torch.where(hidden, len(chars), tokens)
+        if args.causal:  # every position predicts the next character (the last has none)
+            scored = torch.arange(start, stop, device=device)[None] < args.seq_len - 1
+            inputs, targets = tokens, following
+        else:  # the hidden characters, from both sides
+            scored = hidden_characters(start, stop, step, device)
+            inputs, targets = torch.where(scored, len(chars), tokens), tokens
         landmarks = torch.Generator(device=device).manual_seed(step)  # alike on every rank
         logits = model(inputs, start, landmarks)
-        # the sequence's mean loss over its hidden characters, split over the shards
-        counts = hidden.sum().float().reshape(1)
+        # the sequence's mean loss over its scored characters, split over the shards
+        counts = scored.sum().float().reshape(1)
         dist.all_reduce(counts, group=groups[data])
-        loss = nn.functional.cross_entropy(logits[hidden], tokens[hidden], reduction="sum")
+        loss = nn.functional.cross_entropy(logits[scored], targets[scored], reduction="sum")
         (loss / counts).backward()
         sum_gradients(model, divide_by=args.data_parallel)
         optimiser.step()

@@ -204,10 +204,13 @@ def _example_losses(procs: int, *sizes: str) -> list[float]:
     return [float(x) for x in re.findall(r"loss (\S+)", done.stdout)]
 
 
-def test_the_training_example_sharded_over_two_processes_takes_one_process_steps():
-    """The hidden characters of a position do not depend on the sharding: two shards
-    train as one process does (the same loss at every step)."""
-    sizes = ["--seq-len", "2500", "--steps", "3", "--dim", "16", "--features", "8"]
+@pytest.mark.parametrize("causal", [False, True], ids=["masked", "causal"])
+def test_the_training_example_sharded_over_two_processes_takes_one_process_steps(causal):
+    """The hidden characters of a position do not depend on the sharding, nor does the
+    next character (a decoder, causal attention): two shards train as one process does
+    (the same loss at every step)."""
+    sizes = ["--seq-len", "2500", "--steps", "3", "--dim", "16", "--features", "8",
+             *(["--causal"] if causal else [])]
     one = _example_losses(1, *sizes)
     assert len(one) == 3
     assert _example_losses(2, *sizes) == pytest.approx(one, abs=2e-3)
