@@ -22,6 +22,8 @@ def test_rows_worse_than_the_trivial_answer_are_marked_with_a_legend():
     lines = format_table(rows).splitlines()
     assert "trivial" in lines[0]
     assert "0.3000 +- 0.0000 " in lines[2] and "!" not in lines[2]
+    assert lines[0].index("worst") + len("worst") == lines[2].index(" 0.5000") - 2  # "-"
+    assert "worst: largest spectral error over the same heads" in format_table(rows)
     assert "0.9000 +- 0.0000!" in lines[3] and "0.5000" in lines[3]
     assert lines[-1].startswith("trivial: spectral error of the better trivial answer")
 
@@ -128,6 +130,9 @@ def test_every_batch_element_counts_in_the_errors():
     assert abs(spectral[0].mean() - spectral[1].mean()) > 0.05  # the two sequences differ
     assert abs(row["spectral_error"] - spectral.mean().item()) < 1e-12
     assert abs(row["spectral_error_std"] - spectral.std().item()) < 1e-12
+    assert abs(row["spectral_error_max"] - spectral.max().item()) < 1e-12  # the worst head
+    assert abs(row["spectral_error_median"] - spectral.flatten().quantile(0.5).item()) < 1e-12
+    assert f"{spectral.max().item():.4f}" in format_table([row]).splitlines()[2]
     frobenius = relative_error(out, exact, ord="fro")
     assert abs(row["frobenius_error"] - frobenius.mean().item()) < 1e-12
 

@@ -25,6 +25,9 @@ COLUMNS = {
                       "heads",
     "spectral_error_std": "sample standard deviation of the spectral error over the same "
                           "heads",
+    "spectral_error_median": "median of the spectral error over the same heads",
+    "spectral_error_max": "largest spectral error over the same heads: the worst head, "
+                          "which a mean over many heads can hide",
     "frobenius_error": "relative Frobenius-norm error against the same target, mean over "
                        "the same heads",
     "samples": "the heads of every sequence, B * H",
@@ -41,14 +44,15 @@ COLUMNS = {
                 "measured",
 }
 HEADERS = {"num_features": "features", "spectral_error": "spectral err",
-           "frobenius_error": "frob err", "time_ms": "time ms", "peak_mib": "peak MiB"}
+           "spectral_error_max": "worst", "frobenius_error": "frob err", "time_ms": "time ms",
+           "peak_mib": "peak MiB"}
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """Plain-text table of compare rows (the method column fits the longest name)."""
     width = max([18] + [len(r["method"]) + 2 for r in rows])
     header = (f"{'method':<{width}}{'target':<10}{'features':>9}{'spectral err':>23}"
-              f"{'trivial':>9}{'frob err':>10}{'time ms':>10}{'peak MiB':>10}")
+              f"{'worst':>8}{'trivial':>9}{'frob err':>10}{'time ms':>10}{'peak MiB':>10}")
     lines = [header, "-" * len(header)]
     for r in rows:
         feats = (
@@ -63,11 +67,12 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         mark = "!" if r.get("worse_than_trivial") else " "
         err = f"{r['spectral_error']:.4f} +- {r['spectral_error_std']:.4f}{mark}"
         trivial = "-" if r.get("trivial_error") is None else f"{r['trivial_error']:.4f}"
+        worst = "-" if r.get("spectral_error_max") is None else f"{r['spectral_error_max']:.4f}"
         peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.1f}"
         if r.get("peak_below_resolution"):
             peak = SMALL
         lines.append(
-            f"{r['method']:<{width}}{r['target']:<10}{feats:>9}{err:>23}{trivial:>9}"
+            f"{r['method']:<{width}}{r['target']:<10}{feats:>9}{err:>23}{worst:>8}{trivial:>9}"
             f"{r['frobenius_error']:>10.4f}{r['time_ms']:>10.2f}{peak:>10}{nonfinite(r)}"
         )
     lines += legend(rows)

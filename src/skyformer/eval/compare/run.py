@@ -122,7 +122,8 @@ def given_tensors(qkv: Any) -> tuple[Tensor, Tensor, Tensor]:
                     f"tensors [B, H, N, D], or a QKV; got a {type(qkv).__name__}{hint}.")
 
 
-NUMBERS = ("spectral_error", "spectral_error_std", "trivial_error", "worse_than_trivial",
+NUMBERS = ("spectral_error", "spectral_error_std", "spectral_error_median",
+           "spectral_error_max", "trivial_error", "worse_than_trivial",
            "frobenius_error", "samples", "nonfinite", "time_ms", "peak_mib",
            "peak_below_resolution")
 
@@ -273,6 +274,7 @@ def _errors(out: Tensor, target: Target) -> dict[str, Any]:
     frobenius = relative_error(out, target.output, ord="fro").flatten()
     s = sample_statistics(spectral[target.measured])
     return {"spectral_error": s["mean"], "spectral_error_std": s["std"],
+            "spectral_error_median": s["median"], "spectral_error_max": s["max"],
             "trivial_error": target.trivial,
             "worse_than_trivial": worse_than_trivial(s["mean"], target.trivial),
             "frobenius_error": sample_statistics(frobenius[target.measured])["mean"],
