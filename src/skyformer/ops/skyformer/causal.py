@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from ...linalg import gaussian_kernel_block, half_sq_norm
+from ...linalg.tracing import may_read_values
 from ..shared.causal_nystrom import (
     CausalCore,
     CausalLandmarks,
@@ -46,6 +47,10 @@ def causal_skyformer(q: Tensor, k: Tensor, v: Tensor, info: AttentionInputs, sca
     return out, core
 
 
+# Rows per block of a call that records no gradient (``causal_skyformer_from_core``)
+STREAM_ROWS = 64 * CAUSAL_CHUNK
+
+
 def causal_skyformer_from_core(qs: Tensor, ks: Tensor, v: Tensor, key_valid: Tensor | None,
                                core: CausalCore, landmarks: CausalLandmarks, local: bool, *,
                                chunk: int = CAUSAL_CHUNK, kernel: str = "auto",
@@ -56,7 +61,47 @@ def causal_skyformer_from_core(qs: Tensor, ks: Tensor, v: Tensor, key_valid: Ten
     sum phi(k_j) v_j^T of keys before these rows (a shard after others, sequence
     parallel; position 0 must start a chunk of the sequence); ``phi_k``: the keys'
     features where the caller has them (``gaussian_features`` of ``ks``, ``key_valid``).
-    ``[B, H, N, Dv]``."""
+    ``[B, H, N, Dv]``.
+
+    An eager call that records no gradient (inference, a prompt's prefill) runs by
+    blocks of ``STREAM_ROWS`` rows, each starting from the keys before it (``start``):
+    the features, exact chunks and chunk states of one block at a time, where the whole
+    call held them for every row at once (4.8 KiB a row at B = 1, H = 2, m = 128).
+    The same sums, added in another order."""
+    n = qs.shape[2]
+    if n > STREAM_ROWS and phi_k is None and may_read_values(qs, ks, v) \
+            and not (torch.is_grad_enabled() and any(
+                t.requires_grad for t in (qs, ks, v, core.x, core.l_inv, start)
+                if t is not None)):
+        return _by_blocks(qs, ks, v, key_valid, core, landmarks, local, chunk=chunk,
+                          kernel=kernel, start=start)
+    return _whole(qs, ks, v, key_valid, core, landmarks, local, chunk=chunk, kernel=kernel,
+                  start=start, phi_k=phi_k)
+
+
+def _by_blocks(qs: Tensor, ks: Tensor, v: Tensor, key_valid: Tensor | None, core: CausalCore,
+               landmarks: CausalLandmarks, local: bool, *, chunk: int, kernel: str,
+               start: Tensor | None) -> Tensor:
+    """``causal_skyformer_from_core`` block by block (blocks of whole chunks), each
+    block's keys added to the state the next one starts from."""
+    b, h, n, _ = qs.shape
+    state = start if start is not None else v.new_zeros(b, h, core.l_inv.shape[-1], v.shape[-1])
+    outs = []
+    for first in range(0, n, STREAM_ROWS):
+        rows = slice(first, min(n, first + STREAM_ROWS))
+        valid = None if key_valid is None else key_valid[:, rows]
+        phi_k = gaussian_features(ks[:, :, rows], core, row_valid=valid, kernel=kernel)
+        here = CausalLandmarks(landmarks.position - first, landmarks.live, landmarks.from_query)
+        outs.append(_whole(qs[:, :, rows], ks[:, :, rows], v[:, :, rows], valid, core, here,
+                           local, chunk=chunk, kernel=kernel, start=state, phi_k=phi_k))
+        state = state + phi_k.transpose(-1, -2) @ v[:, :, rows]
+    return torch.cat(outs, dim=2)
+
+
+def _whole(qs: Tensor, ks: Tensor, v: Tensor, key_valid: Tensor | None, core: CausalCore,
+           landmarks: CausalLandmarks, local: bool, *, chunk: int, kernel: str,
+           start: Tensor | None, phi_k: Tensor | None) -> Tensor:
+    """``causal_skyformer_from_core`` on every row at once."""
     n = qs.shape[2]
     available = landmarks.available(n)  # [B, 1, N, m]
     phi_q = gaussian_features(qs, core, kernel=kernel)
