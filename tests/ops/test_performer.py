@@ -463,7 +463,7 @@ def test_causal_prefix_sums_of_ordinary_keys_take_one_cumulative_sum_equal_to_th
     """Keys whose log-scales span less than CUMSUM_SPAN take the one-pass cumulative sum
     (the scan's log2 C passes dominated at long lengths); it equals the scan, forced by
     a span of -1, forward and backward, with padding and a start state."""
-    from skyformer.ops.performer import causal
+    from skyformer.ops.shared import rescaled_prefix
 
     q, k, v = (t.to(dtype).requires_grad_() for t in make_qkv(2, 2, 300, 8, dv=4, seed=6))
     mask = torch.ones(2, 300, dtype=torch.bool)
@@ -476,12 +476,12 @@ def test_causal_prefix_sums_of_ordinary_keys_take_one_cumulative_sum_equal_to_th
         return (out, *torch.autograd.grad(out.square().sum(), (q, k, v)))
 
     scans = []
-    by_scan = causal._prefix_sums_by_scan
-    monkeypatch.setattr(causal, "_prefix_sums_by_scan",
+    by_scan = rescaled_prefix.prefix_sums_by_scan
+    monkeypatch.setattr(rescaled_prefix, "prefix_sums_by_scan",
                         lambda *a: scans.append(1) or by_scan(*a))
     fast = run()
     assert scans == []
-    monkeypatch.setattr(causal, "CUMSUM_SPAN", -1.0)
+    monkeypatch.setattr(rescaled_prefix, "CUMSUM_SPAN", -1.0)
     slow = run()
     assert scans
     tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {}

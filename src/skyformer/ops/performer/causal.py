@@ -20,7 +20,7 @@ before c and
     S_c = sum_{c' < c} e^(m_c' - M_c) T_c',   T_c = sum_{j in c} exp(l_j - m_c) [v_j, 1],
 
 on a CPU one float64 cumulative sum at a fixed reference shift where the running maxima
-stay within 600 of it (``_prefix_sums``; float32 would hold 88), else (keys of large
+stay within 600 of it (``shared/rescaled_prefix.py``; float32 would hold 88), else (keys of large
 norm first, ordinary ones later; on a GPU; under tracers, which cannot read the span)
 scanned in ceil(log2(C + 1)) vectorised steps of rescale-and-add, each factor at most 1,
 for any range. While exporting always the cumulative sum (a symbolic length leaves the
@@ -38,8 +38,6 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ...linalg.functional_ops import exporting
-from ...linalg.tracing import may_read_values
 from ..shared.causal_prefix import (
     CAUSAL_CHUNK,
     chunk_length,
@@ -48,6 +46,7 @@ from ..shared.causal_prefix import (
     unchunk_rows,
 )
 from ..shared.reduction import KeyReduction
+from ..shared.rescaled_prefix import factor, rescaled_prefix_sums
 
 
 class RunningSums(NamedTuple):
@@ -58,73 +57,6 @@ class RunningSums(NamedTuple):
     sums: Tensor
     shift: Tensor
     plain: Tensor
-
-
-def _factor(shift: Tensor, top: Tensor) -> Tensor:
-    """exp(shift - top), 0 where shift is -inf (no key yet)."""
-    return torch.where(torch.isfinite(shift), (shift - top).exp(), 0.0)
-
-
-# A range of the keys' log-scales up to which one float64 cumulative sum at a fixed
-# reference holds the chunk sums (e^600 times the sums of 10^4 chunks stays far below
-# float64's e^709); beyond it the scan, whose factors are all at most 1.
-CUMSUM_SPAN = 600.0
-
-
-def _prefix_sums(sums: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
-    """Inclusive prefixes along dim 2 of ``sums [B, H, C, m, F]``, each taken at its
-    ``shift [B, H, C]``: (sum_{c' <= c} sums_c' e^(shift_c' - M_c), M_c) with M_c the
-    running maximum of the shifts. On a CPU, one float64 cumulative sum at a fixed
-    reference where the running maxima stay within ``CUMSUM_SPAN`` of it (a read that
-    costs nothing there; in eager mode), else the log-depth scan; on a GPU always the
-    scan, since the read would make the host wait for the queue there. While exporting
-    always the cumulative sum: the scan's step count follows the number of chunks,
-    which a symbolic length leaves unknown (an exported program holds a span of ~700)."""
-    if not exporting() and not (shift.device.type == "cpu" and may_read_values(shift)):
-        return _prefix_sums_by_scan(sums, shift)
-    top = shift.cummax(2).values  # [B, H, C]
-    reference = torch.where(torch.isfinite(top), top, float("inf")).amin(2, keepdim=True)
-    reference = torch.where(torch.isfinite(reference), reference, 0.0)
-    if not exporting():
-        span = torch.where(torch.isfinite(top), top - reference, 0.0).amax()
-        if not bool(span <= CUMSUM_SPAN):
-            return _prefix_sums_by_scan(sums, shift)
-    return _prefix_sums_at_reference(sums, shift, top, reference), top
-
-
-def _prefix_sums_at_reference(sums: Tensor, shift: Tensor, top: Tensor,
-                              reference: Tensor) -> Tensor:
-    """``_prefix_sums`` as one cumulative sum in float64 at ``reference [B, H, 1]``,
-    the first finite shift (known from the first real key on, so no later key enters
-    an earlier prefix): its factors e^(shift - reference) are at most e^CUMSUM_SPAN,
-    and a chunk far below its prefix's maximum underflows where its weight would be
-    below e^-700 of that maximum's own. One pass over the chunk states, where the scan
-    takes ceil(log2 C) of them."""
-    up = _factor(shift.double(), reference.double())[..., None, None]
-    prefix = (sums.double() * up).cumsum(2)
-    top64 = top.double()  # -inf before the first real key, whose prefix is zero
-    down = torch.where(torch.isfinite(top64), (reference.double() - top64).exp(), 0.0)
-    return (prefix * down[..., None, None]).to(sums.dtype)
-
-
-def _prefix_sums_by_scan(sums: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
-    """``_prefix_sums`` by a scan of ceil(log2 C) steps (Hillis and Steele 1986), each
-    joining a prefix (P, M) with the one ``step`` chunks before it (P', M') as
-    P' e^(M' - max) + P e^(M - max): every factor is at most 1 whatever the range of
-    the keys' log-scales (keys of large norm first, ordinary ones later span more than
-    float64's 709), and no chunk after c enters prefix c."""
-    prefix, top = sums, shift
-    step = 1
-    while step < sums.shape[2]:
-        earlier, earlier_top = prefix[:, :, :-step], top[:, :, :-step]
-        later, later_top = prefix[:, :, step:], top[:, :, step:]
-        joint = torch.maximum(earlier_top, later_top)
-        joined = (earlier * _factor(earlier_top, joint)[..., None, None]
-                  + later * _factor(later_top, joint)[..., None, None])
-        prefix = torch.cat([prefix[:, :, :step], joined], 2)
-        top = torch.cat([top[:, :, :step], joint], 2)
-        step *= 2
-    return prefix, top
 
 
 def _log_scales(scale_basis: Tensor, valid: Tensor) -> Tensor:
@@ -168,7 +100,7 @@ def earlier_running_sums(log_k: Tensor, scale_basis: Tensor, v1: Tensor,
     shifts = reduce.earlier(own.shift)  # [R, B, H], constants
     none = own.shift.new_full((1, *own.shift.shape), float("-inf"))
     top = torch.cat([none, shifts]).amax(0)  # [B, H]
-    joined = (sums * _factor(shifts, top)[..., None, None]).sum(0)
+    joined = (sums * factor(shifts, top)[..., None, None]).sum(0)
     return RunningSums(joined, top, reduce.earlier(own.plain).sum(0))
 
 
@@ -201,12 +133,12 @@ def causal_performer_sums(phi_q: Tensor, log_k: Tensor, scale_basis: Tensor, v1:
         ~chunk_rows(valid, chunk)[..., 0], float("-inf"))  # [B, H, C, L]
     chunk_top = scale_c.amax(-1)  # m_c [B, H, C]
     # each chunk's own sums at its maximum, after the sums of the keys before these
-    weight = _factor(scale_c, chunk_top[..., None])[..., None]  # [B, H, C, L, 1]
+    weight = factor(scale_c, chunk_top[..., None])[..., None]  # [B, H, C, L, 1]
     own = (k_c * weight).transpose(-1, -2) @ v_c  # T_c [B, H, C, m, F]
     if start is None:
         start = RunningSums(v1.new_zeros(b, h, m, f), log_k.new_full((b, h), float("-inf")),
                             v1.new_zeros(b, h, 1, f))
-    sums, shift = _prefix_sums(torch.cat([start.sums[:, :, None], own], 2),
+    sums, shift = rescaled_prefix_sums(torch.cat([start.sums[:, :, None], own], 2),
                                torch.cat([start.shift[:, :, None], chunk_top], 2))
     before, before_shift = sums[:, :, :-1], shift[:, :, :-1]  # the chunks before c
     row_shift = torch.maximum(before_shift[..., None], scale_c.cummax(-1).values)  # R_i
@@ -216,7 +148,7 @@ def causal_performer_sums(phi_q: Tensor, log_k: Tensor, scale_basis: Tensor, v1:
     exponent = (scale_c[..., None, :] - finite_shift[..., None]).clamp_max(0.0)
     # exact zeros above the diagonal, whatever a later key holds (0 x NaN is NaN)
     local = lower_triangle((q_c @ k_c.transpose(-1, -2)) * exponent.exp())
-    out = ((q_c @ before) * _factor(before_shift[..., None], row_shift)[..., None]
+    out = ((q_c @ before) * factor(before_shift[..., None], row_shift)[..., None]
            + local @ v_c)  # [B, H, C, L, F]
     out = unchunk_rows(out, n)
     real_v1 = torch.where(valid, v1, 0.0)
