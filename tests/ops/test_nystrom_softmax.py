@@ -369,3 +369,28 @@ def test_kernel_triton_on_the_cpu_without_the_interpreter_names_the_option(
                                            r'kernel="auto"'):
         skyformer.attention(q, q, q, method=method, num_features=8, kernel="triton",
                             causal=causal)
+
+
+def test_an_exported_causal_call_holds_key_exponents_past_a_cumulative_sums_reach():
+    """Keys with |k^|^2/2 ~ 900 after ordinary ones: eager calls join the chunk states by
+    the rescaled prefix sums (their scan here), a traced program by the [C, C] matrix of
+    the weights, which holds any span; the prefix sums' one cumulative sum, export's
+    form, would overflow past ~700 and leave the later rows at the mean of the values."""
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v, key):
+            return skyformer.attention(q, k, v, "nystrom_softmax", causal=True,
+                                       num_features=16, generator=key)
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 200, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    far = torch.tensor([60.0, 0, 0, 0], dtype=torch.float64)  # s = 1/2: |k^|^2/2 = 900
+    k[0, 0, 64:128] = far + 0.01 * k[0, 0, 64:128]
+    q[0, 0, 128:] = 0.6 * far + 0.01 * q[0, 0, 128:]
+    key = skyformer.random_key(4)
+    eager = Attention()(q, k, v, key)
+    exported = torch.export.export(Attention(), (q, k, v, key)).module()(q, k, v, key)
+    torch.testing.assert_close(exported, eager, rtol=1e-9, atol=1e-11)
+    exact = skyformer.attention(q, k, v, "softmax", causal=True)
+    rows = slice(128, None)
+    assert (eager[..., rows, :] - exact[..., rows, :]).norm() \
+        < 0.1 * exact[..., rows, :].norm()

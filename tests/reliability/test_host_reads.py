@@ -47,6 +47,9 @@ READS_ON_PURPOSE = {
     "skyformer_multipole": "the number of cluster blocks the fullest head needs",
     "softmax_multipole": "the number of cluster blocks the fullest head needs",
 }
+# ... and, beside that read, in causal calls on a CPU: whether the running maxima of
+# the keys' exponents span little enough for one cumulative sum (else the log-depth scan)
+CAUSAL_SPAN_READS = {"nystrom_softmax"}
 # ... and, beside that read, an eigen-solver whose status PyTorch checks on the host
 SOLVER_CHECKS_ON_PURPOSE = {
     "skyformer_multipole": "eigh of the values' covariance (the far field's basis)",
@@ -105,7 +108,8 @@ def test_only_the_methods_that_say_why_read_values(name, causal, masked):
             return
     reads = host_reads(lambda: skyformer.attention(q, k, v, name, **options))
     if name in READS_ON_PURPOSE:
-        assert sum(reads.values()) <= 1 + (name in SOLVER_CHECKS_ON_PURPOSE), dict(reads)
+        allowed = 1 + (name in SOLVER_CHECKS_ON_PURPOSE) + (causal and name in CAUSAL_SPAN_READS)
+        assert sum(reads.values()) <= allowed, dict(reads)
     else:
         assert not reads, f"{name} reads values on the host at {dict(reads)}"
 

@@ -12,10 +12,10 @@ non-causal path divides E_K by its maximum over *all* keys. Here r_i = max_{j<=i
 |k^_j|^2/2 (a running maximum over the real keys) takes that role: row i is divided
 by exp(r_i), which cancels in its ratio. A key j enters its chunk's state with
 exp(|k^_j|^2/2 - R_c) <= 1, R_c = r at the end of chunk c; state S_c = sum_{c'<c}
-exp(R_c' - R_{c-1}) T_c' (weights <= 1, a [C, C] lower-triangular mix of the chunk
-sums); row i multiplies it by exp(R_{c-1} - r_i) <= 1. Nothing can overflow and no
-shift depends on a later key. The [C, C] mix costs O(N^2 m Dv / L^2), negligible up
-to N ~ 10^5 at L = 64.
+exp(R_c' - R_{c-1}) T_c' (weights <= 1: in eager calls the exclusive prefix of the
+chunk sums, each rescaled to the running maximum, ``shared/rescaled_prefix.py``, O(C);
+traced calls a [C, C] matrix of the weights, ``_earlier_chunks``); row i multiplies it
+by exp(R_{c-1} - r_i) <= 1. Nothing can overflow and no shift depends on a later key.
 
 Range: every term of row i carries exp(-|q^_i|^2/2), divided out only in the ratio, so
 past |q^_i|^2/2 ~ 354 (float64; ~44 in float32) the row's normaliser is lost and the row
@@ -33,6 +33,7 @@ from torch import Tensor
 
 from ...linalg import half_sq_norm, with_ones_column
 from ...linalg.flush import flush_exponent_on_cpu_, flush_on_cpu
+from ...linalg.tracing import may_read_values
 from ..shared.causal_nystrom import (
     CausalLandmarks,
     causal_core,
@@ -49,6 +50,7 @@ from ..shared.causal_prefix import (
 )
 from ..shared.inputs import AttentionInputs
 from ..shared.normalised import normalised_or
+from ..shared.rescaled_prefix import rescaled_prefix_sums
 
 
 def _chunks(x: Tensor, chunk: int, fill: float) -> Tensor:
@@ -56,13 +58,23 @@ def _chunks(x: Tensor, chunk: int, fill: float) -> Tensor:
     return chunk_rows(x[..., None], chunk, fill)[..., 0]
 
 
-def _earlier_chunks(mix: Tensor, t: Tensor) -> Tensor:
-    """S_c = sum_{c' < c} mix[c, c'] T_c' for ``mix: [B, H, C, C]`` (zero for c' >= c) and
-    ``t: [B, H, C, m, Dv + 1]``, with nothing of chunk c or later in it: a non-finite
-    T_c' (a NaN or inf key or value in chunk c') made 0 x NaN in the sums of the chunks
-    up to c', whose rows then fell back to the mean of the values; it reaches the later
-    chunks' sums as NaN."""
-    finite = torch.isfinite(t)
+def _earlier_chunks(t: Tensor, end: Tensor, before: Tensor) -> Tensor:
+    """S_c = sum_{c' < c} exp(R_c' - R_{c-1}) T_c', the chunks before c at R_{c-1}, for
+    ``t: [B, H, C, m, Dv + 1]`` at ``end`` R_c (a running maximum, ``[B, H, C]``) and
+    ``before`` R_{c-1}. In eager calls the rescaled prefix sums, O(C)
+    (``shared/rescaled_prefix.py``); traced calls (``torch.compile``, ``torch.export``,
+    ``torch.func``) keep the [C, C] matrix of the weights, O(C^2), which holds any span
+    of R in one graph whatever C (the prefix sums' scan has a step count that follows C,
+    and their cumulative sum, which export takes, a span of ~700). A non-finite T_c'
+    reaches the later chunks' sums only."""
+    if may_read_values(t, end):
+        upto, _ = rescaled_prefix_sums(t, end)  # chunks <= c at R_c (end is its own max)
+        return torch.cat([torch.zeros_like(upto[:, :, :1]), upto[:, :, :-1]], 2)
+    c = end.shape[-1]
+    earlier = torch.ones(c, c, dtype=torch.bool, device=t.device).tril(-1)
+    mix = end[..., None, :] - before[..., :, None]  # R_c' - R_{c-1}: [B, H, C, C]
+    mix = torch.where(earlier & torch.isfinite(end)[..., None, :], mix, float("-inf")).exp()
+    finite = torch.isfinite(t)  # 0 x NaN would reach the chunks before a non-finite one
     state = torch.einsum("bhcd,bhdmv->bhcmv", mix, torch.where(finite, t, 0.0))
     bad = (~finite).cummax(2).values  # a non-finite entry in chunk c or before
     bad_before = torch.cat([torch.zeros_like(bad[:, :, :1]), bad[:, :, :-1]], 2)
@@ -89,10 +101,6 @@ def causal_nystrom_softmax(q: Tensor, k: Tensor, v: Tensor, info: AttentionInput
         # (causal_prefix.py), whose -inf made their mix entries inf (NaN gradients)
         end = r_c.amax(-1).cummax(-1).values
         before = torch.cat([torch.full_like(end[..., :1], float("-inf")), end[..., :-1]], -1)
-        c = end.shape[-1]
-        earlier = torch.ones(c, c, dtype=torch.bool, device=q.device).tril(-1)
-        mix = end[..., None, :] - before[..., :, None]  # R_c' - R_{c-1}: [B, H, C, C]
-        mix = torch.where(earlier & torch.isfinite(end)[..., None, :], mix, float("-inf")).exp()
         r_safe = torch.where(torch.isfinite(r), r, 0.0)
         # rows past N get 0: exp(R_{c-1} - 0) overflowed at large keys, and its 0 x inf
         # in the backward pass made every gradient NaN
@@ -112,7 +120,7 @@ def causal_nystrom_softmax(q: Tensor, k: Tensor, v: Tensor, info: AttentionInput
     q_c, v_c = chunk_rows(phi_q, chunk), chunk_rows(v1, chunk)
     # CPU products of subnormal numbers are slow: flush each factor (linalg.flush)
     t = chunk_rows(flush_on_cpu(psi_k * key_factor[..., None]), chunk).transpose(-1, -2) @ v_c
-    state = flush_on_cpu(_earlier_chunks(mix, t))  # S_c: [B, H, C, m, Dv + 1]
+    state = flush_on_cpu(_earlier_chunks(t, end, before))  # S_c: [B, H, C, m, Dv + 1]
     far = (q_c @ state) * row_factor[..., None]  # [B, H, C, L, Dv + 1]
     bound = (q_c.abs() @ state[..., -1:].abs()) * row_factor[..., None]
     r_rows = _chunks(r_safe, chunk, 0.0)
