@@ -54,7 +54,8 @@ from ...linalg.tracing import may_read_values
 from ...registry import Capabilities, register
 from ...sketch import gaussian_projection
 from ...sketch.rng import fold_in, random_key
-from ..shared.causal_prefix import prefix_mean_values
+from ..shared import causal_prefix
+from ..shared.causal_prefix import by_blocks, prefix_mean_values
 from ..shared.inputs import (
     AttentionInputs,
     check_attention_inputs,
@@ -73,7 +74,7 @@ from ..shared.options import (
     check_scale,
 )
 from ..shared.reduction import WHOLE, KeyReduction
-from .causal import causal_performer_sums, earlier_running_sums
+from .causal import RunningSums, causal_performer_sums, earlier_running_sums
 from .features import causal_key_logs, key_features, query_features, resolve_projection
 
 
@@ -342,6 +343,44 @@ def rows_rescaled(o: Tensor) -> Tensor:
     return torch.ldexp(o, -exponent)  # a float exponent: pow(2, -int) is 0 in integers
 
 
+def causal_performer(qs: Tensor, ks: Tensor, v: Tensor, projection: Tensor,
+                     key_valid: Tensor | None, eps: float, reduce: KeyReduction = WHOLE
+                     ) -> Tensor:
+    """Causal Performer (``causal.py``) of the scaled rows ``qs, ks: [B, H, N, D]``,
+    ``v: [B, H, N, Dv]``: ``[B, H, N, Dv]``, padded query rows not zeroed. A call that
+    records no gradient runs by blocks of rows (``causal_prefix.by_blocks``), each from
+    the running sums of the keys before it; where the keys are a shard, ``reduce``
+    gives the earlier shards' running sums (sequence parallel)."""
+    n = qs.shape[2]
+    if reduce.sharded or not by_blocks(n, qs, ks, v, projection):
+        return _causal_rows(qs, ks, v, projection, key_valid, eps, reduce)[0]
+    outs, start = [], None
+    for first in range(0, n, causal_prefix.STREAM_ROWS):
+        rows = slice(first, min(n, first + causal_prefix.STREAM_ROWS))
+        out, start = _causal_rows(qs[:, :, rows], ks[:, :, rows], v[:, :, rows], projection,
+                                  None if key_valid is None else key_valid[:, rows], eps,
+                                  WHOLE, start)
+        outs.append(out)
+    return torch.cat(outs, dim=2)
+
+
+def _causal_rows(qs: Tensor, ks: Tensor, v: Tensor, projection: Tensor,
+                 key_valid: Tensor | None, eps: float, reduce: KeyReduction,
+                 start: RunningSums | None = None) -> tuple[Tensor, RunningSums]:
+    """``causal_performer`` of these rows after the keys of ``start`` (or of the earlier
+    shards, ``reduce``), and the running sums after them."""
+    phi_q, _ = query_features(qs, projection, eps)  # [B, H, N, m]
+    log_k, scale_basis = causal_key_logs(ks, projection, eps)
+    v1 = with_ones_column(v)
+    if reduce.sharded:
+        start = earlier_running_sums(log_k, scale_basis, v1, key_valid, reduce)
+    o, after = causal_performer_sums(phi_q, log_k, scale_basis, v1, key_valid, eps,
+                                     start=start)  # [B, H, N, Dv + 1]
+    numerator, denominator = numerator_and_denominator(rows_rescaled(o))
+    fallback = prefix_mean_values(v, key_valid, None if start is None else start.plain)
+    return normalised_or(numerator, denominator, fallback), after
+
+
 def performer_from_projection(
     q: Tensor, k: Tensor, v: Tensor, projection: Tensor, info: AttentionInputs,
     config: PerformerConfig, reduce: KeyReduction = WHOLE,
@@ -355,21 +394,14 @@ def performer_from_projection(
     """
     s = logit_scale(info.head_dim, config.scale)
     root = math.sqrt(s)
-    phi_q, _ = query_features(q * root, projection, config.eps)  # [B, H, Nq, m]
     if config.causal:
         if info.query_len != info.key_len:
             raise ValueError(f"performer: causal=True needs as many queries as keys, got "
                              f"Nq={info.query_len}, Nk={info.key_len}.")
-        log_k, scale_basis = causal_key_logs(k * root, projection, config.eps)
-        v1 = with_ones_column(v)
-        start = earlier_running_sums(log_k, scale_basis, v1, info.key_valid, reduce)
-        o, _ = causal_performer_sums(phi_q, log_k, scale_basis, v1, info.key_valid,
-                                     config.eps, start=start)  # [B, H, N, Dv + 1]
-        numerator, denominator = numerator_and_denominator(rows_rescaled(o))
-        fallback = prefix_mean_values(v, info.key_valid,
-                                      None if start is None else start.plain)
-        out = normalised_or(numerator, denominator, fallback)
+        out = causal_performer(q * root, k * root, v, projection, info.key_valid,
+                               config.eps, reduce)
         return zero_padded_queries(out, info.query_valid)
+    phi_q, _ = query_features(q * root, projection, config.eps)  # [B, H, Nq, m]
     phi_k, _ = key_features(k * root, projection, info.key_valid, config.eps,
                             reduce)  # [B, H, Nk, m]
     v_and_one = with_ones_column(v)  # [B, H, Nk, Dv + 1]

@@ -33,12 +33,27 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ...linalg.functional_ops import exporting
+from ...linalg.tracing import may_read_values
 
 # Positions per chunk: the intra-chunk block is CAUSAL_CHUNK^2 per head, the prefix states
 # (N / CAUSAL_CHUNK) m Dv, both O(N m) for m ~ CAUSAL_CHUNK.
 CAUSAL_CHUNK = 64
 # Chunks of padding appended while exporting (module docstring)
 EXPORT_CHUNKS = 2
+# Rows per block of a causal call that records no gradient (``by_blocks``)
+STREAM_ROWS = 64 * CAUSAL_CHUNK
+
+
+def by_blocks(n: int, *tensors: Tensor | None) -> bool:
+    """Whether a causal call over ``n`` rows runs by blocks of ``STREAM_ROWS`` rows, each
+    from the state of the keys before it: eager calls (a traced one keeps one graph
+    whatever n) longer than a block that record no gradient through ``tensors``
+    (inference, a prompt's prefill; a training call keeps its single pass). The
+    features and chunk states of one block are held at a time, where the whole call
+    held them for every row."""
+    present = [t for t in tensors if t is not None]
+    return n > STREAM_ROWS and may_read_values(*present) and not (
+        torch.is_grad_enabled() and any(t.requires_grad for t in present))
 
 
 def chunk_length(n: int, chunk: int) -> int:

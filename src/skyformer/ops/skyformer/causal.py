@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ...linalg import gaussian_kernel_block, half_sq_norm
-from ...linalg.tracing import may_read_values
+from ..shared import causal_prefix
 from ..shared.causal_nystrom import (
     CausalCore,
     CausalLandmarks,
@@ -28,7 +28,7 @@ from ..shared.causal_nystrom import (
     gaussian_features,
     uses_failed,
 )
-from ..shared.causal_prefix import CAUSAL_CHUNK, causal_feature_sums, chunk_rows
+from ..shared.causal_prefix import CAUSAL_CHUNK, by_blocks, causal_feature_sums, chunk_rows
 from ..shared.inputs import AttentionInputs
 
 __all__ = ["causal_skyformer", "causal_skyformer_from_core", "draw_causal_landmarks"]
@@ -47,10 +47,6 @@ def causal_skyformer(q: Tensor, k: Tensor, v: Tensor, info: AttentionInputs, sca
     return out, core
 
 
-# Rows per block of a call that records no gradient (``causal_skyformer_from_core``)
-STREAM_ROWS = 64 * CAUSAL_CHUNK
-
-
 def causal_skyformer_from_core(qs: Tensor, ks: Tensor, v: Tensor, key_valid: Tensor | None,
                                core: CausalCore, landmarks: CausalLandmarks, local: bool, *,
                                chunk: int = CAUSAL_CHUNK, kernel: str = "auto",
@@ -64,15 +60,11 @@ def causal_skyformer_from_core(qs: Tensor, ks: Tensor, v: Tensor, key_valid: Ten
     ``[B, H, N, Dv]``.
 
     An eager call that records no gradient (inference, a prompt's prefill) runs by
-    blocks of ``STREAM_ROWS`` rows, each starting from the keys before it (``start``):
-    the features, exact chunks and chunk states of one block at a time, where the whole
-    call held them for every row at once (4.8 KiB a row at B = 1, H = 2, m = 128).
-    The same sums, added in another order."""
-    n = qs.shape[2]
-    if n > STREAM_ROWS and phi_k is None and may_read_values(qs, ks, v) \
-            and not (torch.is_grad_enabled() and any(
-                t.requires_grad for t in (qs, ks, v, core.x, core.l_inv, start)
-                if t is not None)):
+    blocks of rows (``causal_prefix.by_blocks``), each starting from the keys before it
+    (``start``): the features, exact chunks and chunk states of one block at a time,
+    where the whole call held them for every row at once (4.8 KiB a row at B = 1,
+    H = 2, m = 128). The same sums, added in another order."""
+    if phi_k is None and by_blocks(qs.shape[2], qs, ks, v, core.x, core.l_inv, start):
         return _by_blocks(qs, ks, v, key_valid, core, landmarks, local, chunk=chunk,
                           kernel=kernel, start=start)
     return _whole(qs, ks, v, key_valid, core, landmarks, local, chunk=chunk, kernel=kernel,
@@ -87,8 +79,9 @@ def _by_blocks(qs: Tensor, ks: Tensor, v: Tensor, key_valid: Tensor | None, core
     b, h, n, _ = qs.shape
     state = start if start is not None else v.new_zeros(b, h, core.l_inv.shape[-1], v.shape[-1])
     outs = []
-    for first in range(0, n, STREAM_ROWS):
-        rows = slice(first, min(n, first + STREAM_ROWS))
+    block = max(1, causal_prefix.STREAM_ROWS // chunk) * chunk  # whole chunks of the grid
+    for first in range(0, n, block):
+        rows = slice(first, min(n, first + block))
         valid = None if key_valid is None else key_valid[:, rows]
         phi_k = gaussian_features(ks[:, :, rows], core, row_valid=valid, kernel=kernel)
         here = CausalLandmarks(landmarks.position - first, landmarks.live, landmarks.from_query)
