@@ -1,7 +1,8 @@
-"""Causal inference by blocks of rows against all rows at once (Skyformer, Performer):
+"""Causal inference by blocks of rows against all rows at once (Skyformer, Performer,
+linear attention):
 time and peak memory of one call that records no gradient (a prompt's prefill).
 
-    python benchmarks/causal_blocks.py [--methods skyformer performer]
+    python benchmarks/causal_blocks.py [--methods skyformer performer linear]
         [--seq-lens 16384 65536 262144] [--threads 2]
 
 For each method and N, each form runs in a fresh process (B=1, H=2, D=32, m=128,
@@ -33,6 +34,7 @@ from skyformer.checks import positive_int_argument
 from skyformer.ops.shared import causal_prefix
 
 FORMS = {"blocks": None, "whole": 1 << 62}  # STREAM_ROWS: the library's, or no blocks
+METHODS = ("skyformer", "performer", "linear")
 
 
 def measure_here(method: str, form: str, n: int, repeats: int, threads: int) -> dict:
@@ -46,7 +48,8 @@ def measure_here(method: str, form: str, n: int, repeats: int, threads: int) -> 
 
     def call() -> torch.Tensor:
         return skyformer.attention(q, k, v, method, causal=True, num_features=128,
-                                   generator=torch.Generator().manual_seed(1))
+                                   generator=torch.Generator().manual_seed(1))  # linear:
+        # num_features has no effect
 
     times = []
     with torch.no_grad():
@@ -85,8 +88,7 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--methods", nargs="+", choices=("skyformer", "performer"),
-                        default=["skyformer", "performer"])
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--seq-lens", type=positive_int_argument, nargs="+",
                         default=[16384, 65536, 262144])
     parser.add_argument("--repeats", type=positive_int_argument, default=3)

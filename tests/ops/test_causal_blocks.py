@@ -1,5 +1,5 @@
-"""Causal Skyformer and Performer without a gradient to record run by blocks of rows,
-each from the state of the keys before it (``ops/shared/causal_prefix.py``,
+"""Causal Skyformer, Performer and linear attention without a gradient to record run by
+blocks of rows, each from the state of the keys before it (``ops/shared/causal_prefix.py``,
 ``by_blocks``): the outputs of the call that records gradients, whole, to rounding."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import skyformer
+from skyformer.ops.linear import linear as linear_module
 from skyformer.ops.performer import performer, performer_attention
 from skyformer.ops.shared import causal_prefix
 from skyformer.ops.skyformer import causal
@@ -95,3 +96,20 @@ def test_blocks_hold_whole_chunks_of_any_chunk_length(monkeypatch):
     with torch.no_grad():
         blocks, _ = causal_skyformer(q, k, v, info, 8 ** -0.25, 0.1, True, landmarks, chunk=48)
     torch.testing.assert_close(blocks, whole.detach(), rtol=1e-12, atol=1e-13)
+
+
+def test_linear_blocks_give_the_whole_calls_rows(monkeypatch):
+    monkeypatch.setattr(causal_prefix, "STREAM_ROWS", 128)
+    q, k, v = make_qkv(2, 2, 300, 8, seed=5)
+    mask = torch.ones(2, 300, dtype=torch.bool)
+    mask[0, 100:140] = False
+    whole = skyformer.attention(q.clone().requires_grad_(), k, v, "linear", causal=True,
+                                key_padding_mask=mask).detach()
+    seen = []
+    original = causal_prefix.causal_feature_sums
+    monkeypatch.setattr(linear_module, "causal_feature_sums",
+                        lambda *a, **kw: seen.append(a[0].shape[2]) or original(*a, **kw))
+    with torch.no_grad():
+        blocks = skyformer.attention(q, k, v, "linear", causal=True, key_padding_mask=mask)
+    assert seen == [128, 128, 44]
+    torch.testing.assert_close(blocks, whole, rtol=1e-12, atol=1e-13)

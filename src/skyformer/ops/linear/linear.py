@@ -35,7 +35,8 @@ from torch import Tensor
 
 from ...linalg import with_ones_column
 from ...registry import Capabilities, register
-from ..shared.causal_prefix import CAUSAL_CHUNK, causal_feature_sums
+from ..shared import causal_prefix
+from ..shared.causal_prefix import CAUSAL_CHUNK, by_blocks, causal_feature_sums
 from ..shared.inputs import (
     AttentionInputs,
     check_attention_inputs,
@@ -154,7 +155,21 @@ def causal_linear(phi_q: Tensor, phi_k: Tensor, v: Tensor, eps: float,
     (``shared/causal_prefix.py``): ``[B, H, N, D]`` features, ``[B, H, N, Dv]`` values.
     Where the keys are a shard (sequence parallel), ``reduce`` gives the sums of the
     shards before it, phi(K)^T [V, 1] (D x (Dv + 1) each), which every row adds: the
-    RNN's state S at the shard's start (Katharopoulos et al. eqs. (8)-(9))."""
+    RNN's state S at the shard's start (Katharopoulos et al. eqs. (8)-(9)). A call that
+    records no gradient runs by blocks of rows (``causal_prefix.by_blocks``), each from
+    that state after the keys before it."""
+    n = phi_q.shape[2]
+    if not reduce.sharded and by_blocks(n, phi_q, phi_k, v):  # inference: block by block
+        outs, start = [], None
+        for first in range(0, n, causal_prefix.STREAM_ROWS):
+            rows = slice(first, min(n, first + causal_prefix.STREAM_ROWS))
+            v_and_one = with_ones_column(v[:, :, rows])
+            o = causal_feature_sums(phi_q[:, :, rows], phi_k[:, :, rows], v_and_one,
+                                    chunk=chunk, start=start)
+            outs.append(linear_normalised(o, eps))
+            block_sums = phi_k[:, :, rows].transpose(-1, -2) @ v_and_one
+            start = block_sums if start is None else start + block_sums
+        return torch.cat(outs, dim=2)
     v_and_one = with_ones_column(v)  # [B, H, N, Dv + 1]
     o = causal_feature_sums(phi_q, phi_k, v_and_one, chunk=chunk)
     if reduce.sharded:
