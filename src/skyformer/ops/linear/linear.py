@@ -35,8 +35,7 @@ from torch import Tensor
 
 from ...linalg import with_ones_column
 from ...registry import Capabilities, register
-from ..shared import causal_prefix
-from ..shared.causal_prefix import CAUSAL_CHUNK, by_blocks, causal_feature_sums
+from ..shared.causal_prefix import CAUSAL_CHUNK, by_blocks, causal_feature_sums, row_blocks
 from ..shared.inputs import (
     AttentionInputs,
     check_attention_inputs,
@@ -161,8 +160,7 @@ def causal_linear(phi_q: Tensor, phi_k: Tensor, v: Tensor, eps: float,
     n = phi_q.shape[2]
     if not reduce.sharded and by_blocks(n, phi_q, phi_k, v):  # inference: block by block
         outs, start = [], None
-        for first in range(0, n, causal_prefix.STREAM_ROWS):
-            rows = slice(first, min(n, first + causal_prefix.STREAM_ROWS))
+        for rows in row_blocks(n):
             v_and_one = with_ones_column(v[:, :, rows])
             o = causal_feature_sums(phi_q[:, :, rows], phi_k[:, :, rows], v_and_one,
                                     chunk=chunk, start=start)

@@ -54,8 +54,7 @@ from ...linalg.tracing import may_read_values
 from ...registry import Capabilities, register
 from ...sketch import gaussian_projection
 from ...sketch.rng import fold_in, random_key
-from ..shared import causal_prefix
-from ..shared.causal_prefix import by_blocks, prefix_mean_values
+from ..shared.causal_prefix import by_blocks, prefix_mean_values, row_blocks
 from ..shared.inputs import (
     AttentionInputs,
     check_attention_inputs,
@@ -355,8 +354,7 @@ def causal_performer(qs: Tensor, ks: Tensor, v: Tensor, projection: Tensor,
     if reduce.sharded or not by_blocks(n, qs, ks, v, projection):
         return _causal_rows(qs, ks, v, projection, key_valid, eps, reduce)[0]
     outs, start = [], None
-    for first in range(0, n, causal_prefix.STREAM_ROWS):
-        rows = slice(first, min(n, first + causal_prefix.STREAM_ROWS))
+    for rows in row_blocks(n):
         out, start = _causal_rows(qs[:, :, rows], ks[:, :, rows], v[:, :, rows], projection,
                                   None if key_valid is None else key_valid[:, rows], eps,
                                   WHOLE, start)

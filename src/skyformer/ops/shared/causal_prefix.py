@@ -56,6 +56,14 @@ def by_blocks(n: int, *tensors: Tensor | None) -> bool:
         torch.is_grad_enabled() and any(t.requires_grad for t in present))
 
 
+def row_blocks(n: int, chunk: int = 1) -> list[slice]:
+    """The blocks of ``n`` rows a call ``by_blocks`` takes: ``STREAM_ROWS`` rows each,
+    rounded down to whole chunks of ``chunk`` rows (the exact local parts follow the
+    chunk grid), the last one shorter."""
+    size = max(1, STREAM_ROWS // chunk) * chunk
+    return [slice(first, min(n, first + size)) for first in range(0, n, size)]
+
+
 def chunk_length(n: int, chunk: int) -> int:
     """The chunk length L for ``n`` positions: ``chunk``, or ``n`` where fewer (a
     decoding step of one token is one chunk of one row, not of ``chunk`` rows of which

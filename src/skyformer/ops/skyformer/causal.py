@@ -19,7 +19,6 @@ import torch
 from torch import Tensor
 
 from ...linalg import gaussian_kernel_block, half_sq_norm
-from ..shared import causal_prefix
 from ..shared.causal_nystrom import (
     CausalCore,
     CausalLandmarks,
@@ -28,7 +27,13 @@ from ..shared.causal_nystrom import (
     gaussian_features,
     uses_failed,
 )
-from ..shared.causal_prefix import CAUSAL_CHUNK, by_blocks, causal_feature_sums, chunk_rows
+from ..shared.causal_prefix import (
+    CAUSAL_CHUNK,
+    by_blocks,
+    causal_feature_sums,
+    chunk_rows,
+    row_blocks,
+)
 from ..shared.inputs import AttentionInputs
 
 __all__ = ["causal_skyformer", "causal_skyformer_from_core", "draw_causal_landmarks"]
@@ -79,12 +84,11 @@ def _by_blocks(qs: Tensor, ks: Tensor, v: Tensor, key_valid: Tensor | None, core
     b, h, n, _ = qs.shape
     state = start if start is not None else v.new_zeros(b, h, core.l_inv.shape[-1], v.shape[-1])
     outs = []
-    block = max(1, causal_prefix.STREAM_ROWS // chunk) * chunk  # whole chunks of the grid
-    for first in range(0, n, block):
-        rows = slice(first, min(n, first + block))
+    for rows in row_blocks(n, chunk):
         valid = None if key_valid is None else key_valid[:, rows]
         phi_k = gaussian_features(ks[:, :, rows], core, row_valid=valid, kernel=kernel)
-        here = CausalLandmarks(landmarks.position - first, landmarks.live, landmarks.from_query)
+        here = CausalLandmarks(landmarks.position - rows.start, landmarks.live,
+                               landmarks.from_query)
         outs.append(_whole(qs[:, :, rows], ks[:, :, rows], v[:, :, rows], valid, core, here,
                            local, chunk=chunk, kernel=kernel, start=state, phi_k=phi_k))
         state = state + phi_k.transpose(-1, -2) @ v[:, :, rows]
