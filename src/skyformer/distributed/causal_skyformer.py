@@ -42,6 +42,7 @@ from ..ops.shared.causal_nystrom import (
 )
 from ..ops.shared.causal_prefix import CAUSAL_CHUNK
 from ..ops.shared.inputs import AttentionInputs, compute_dtype, zero_padded_queries
+from ..ops.shared.modified_nystrom import head_rows
 from ..ops.shared.real_first import from_real_first, real_first, real_first_mask, to_real_first
 from ..ops.skyformer.causal import causal_skyformer_from_core
 from .layout import ShardLayout
@@ -145,11 +146,9 @@ def _key_sums(phi_k: Tensor, v: Tensor, rows: Rows) -> Tensor:
 def _landmark_rows(q: Tensor, k: Tensor, held: Tensor, local: Tensor) -> Tensor:
     """``[B, H, m, D]``: slot s's query row (even s) or key row where this rank holds its
     token (``held [B, m]``, at real-first row ``local [B, m]``), zeros elsewhere."""
-    b, h, _, d = q.shape
-    m = held.shape[1]
-    index = torch.where(held, local, 0)[:, None, :, None].expand(b, h, m, d)
-    rows = torch.where(slot_takes_query(m, q.device)[:, None], q.gather(2, index),
-                       k.gather(2, index))
+    index = torch.where(held, local, 0)
+    rows = torch.where(slot_takes_query(held.shape[1], q.device)[:, None],
+                       head_rows(q, index), head_rows(k, index))
     return torch.where(held[:, None, :, None], rows, 0.0)
 
 
