@@ -16,8 +16,8 @@ before this one only (each rank's shard sums gathered, P times their size): the 
 of their prefix sums where the shard starts (Katharopoulos et al. eqs. (8)-(9);
 Performer's at the largest of the earlier ranks' key scales,
 ``ops/performer/causal.py``). ``skyformer`` gathers its landmark rows, the tails of
-the chunks that cross into a rank and the earlier chunks' sums
-(``causal_skyformer.py``); causal ``nystrom_softmax`` does not run sequence parallel.
+the chunks that cross into a rank and the earlier chunks' sums (``causal_shard.py``);
+causal ``nystrom_softmax`` does not run sequence parallel.
 """
 
 from __future__ import annotations
