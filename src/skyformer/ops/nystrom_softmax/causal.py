@@ -24,9 +24,15 @@ takes the fallback below (docs/reliability.md, "nystrom_softmax in float32").
 Unreliable rows: as in the non-causal path, a row whose normaliser D~_i is at most
 ``normalizer_threshold`` times its bound sum_s |phi_s(q_i)| |z_s| + sum_{near j} |a_ij|
 (z the normaliser column of the state) returns the mean of the values j <= i.
+
+A call may start from the state of earlier keys at their shift (``EarlierKeys``, a
+shard after others): the shift starts the running maximum, the state joins every
+chunk's at R_{c-1}, and the values' sums the fallback's means.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -35,6 +41,7 @@ from ...linalg import half_sq_norm, with_ones_column
 from ...linalg.flush import flush_exponent_on_cpu_, flush_on_cpu
 from ...linalg.tracing import may_read_values
 from ..shared.causal_nystrom import (
+    CausalCore,
     CausalLandmarks,
     causal_core,
     gaussian_features,
@@ -50,7 +57,7 @@ from ..shared.causal_prefix import (
 )
 from ..shared.inputs import AttentionInputs
 from ..shared.normalised import normalised_or
-from ..shared.rescaled_prefix import rescaled_prefix_sums
+from ..shared.rescaled_prefix import factor, rescaled_prefix_sums
 
 
 def _chunks(x: Tensor, chunk: int, fill: float) -> Tensor:
@@ -81,6 +88,26 @@ def _earlier_chunks(t: Tensor, end: Tensor, before: Tensor) -> Tensor:
     return torch.where(bad_before, float("nan"), state)
 
 
+class EarlierKeys(NamedTuple):
+    """The real keys before these rows (the shards before this one, sequence parallel):
+    ``sums [B, H, m, Dv + 1]`` = sum_j L^-1 C(X_S, k^_j) exp(|k^_j|^2/2 - shift) [v_j, 1]
+    at ``shift [B, H]`` (a constant at least every such |k^_j|^2/2; -inf: no real key),
+    ``values [B, H, 1, Dv + 1]`` = sum_j [v_j, 1] (the fallback's prefix means)."""
+
+    sums: Tensor
+    shift: Tensor
+    values: Tensor
+
+
+class ShiftedKeys(NamedTuple):
+    """The keys' features where the caller has them: ``features [B, H, N, m]`` = L^-1
+    C(X_S, k^_j) exp(|k^_j|^2/2 - offset_j), zero for padded keys, at ``offset [B, H, N]``
+    (constants, at least |k^_j|^2/2 for real keys and at most the running maximum r_j)."""
+
+    features: Tensor
+    offset: Tensor
+
+
 def causal_nystrom_softmax(q: Tensor, k: Tensor, v: Tensor, info: AttentionInputs,
                            root: float, gamma: float, local: bool, threshold: float,
                            landmarks: CausalLandmarks, *, chunk: int = CAUSAL_CHUNK,
@@ -88,19 +115,35 @@ def causal_nystrom_softmax(q: Tensor, k: Tensor, v: Tensor, info: AttentionInput
     """``q, k: [B, H, N, D]`` (unscaled, compute dtype), ``v: [B, H, N, Dv]`` ->
     ``[B, H, N, Dv]``; rows of padded queries are not zeroed here. ``kernel``: the query
     features' product (``causal_nystrom.gaussian_features``)."""
-    n, dv = q.shape[2], v.shape[-1]
     q, k, core = causal_core(q, k, root, gamma, landmarks)
-    qs, ks = q * root, k * root
-    real = (torch.ones_like(qs[..., 0], dtype=torch.bool) if info.key_valid is None
-            else info.key_valid[:, None, :].expand_as(qs[..., 0]))  # [B, H, N]
+    return causal_nystrom_softmax_from_core(q * root, k * root, v, info.key_valid, core,
+                                            landmarks, local, threshold, chunk=chunk,
+                                            kernel=kernel)
+
+
+def causal_nystrom_softmax_from_core(
+    qs: Tensor, ks: Tensor, v: Tensor, key_valid: Tensor | None, core: CausalCore,
+    landmarks: CausalLandmarks, local: bool, threshold: float, *, chunk: int = CAUSAL_CHUNK,
+    kernel: str = "auto", start: EarlierKeys | None = None, keys: ShiftedKeys | None = None,
+) -> Tensor:
+    """The outputs given the core: ``qs, ks: [B, H, N, D]`` rows scaled by sqrt(s),
+    ``v: [B, H, N, Dv]``, ``key_valid: [B, N]`` or None, ``landmarks`` at positions of
+    these rows. ``start``: the keys before these rows (a shard after others; position 0
+    must start a chunk of the sequence), their maximum joining the running maximum r;
+    ``keys``: the keys' features where the caller has them. ``[B, H, N, Dv]``."""
+    n, dv = qs.shape[2], v.shape[-1]
+    real = (torch.ones_like(qs[..., 0], dtype=torch.bool) if key_valid is None
+            else key_valid[:, None, :].expand_as(qs[..., 0]))  # [B, H, N]
     with torch.no_grad():  # the shifts are constants: each cancels in its row's ratio
         log_e = half_sq_norm(ks).masked_fill(~real, float("-inf"))
         r = log_e.cummax(dim=-1).values  # [B, H, N], -inf before the first real key
+        first = qs.new_full(qs.shape[:2], float("-inf")) if start is None else start.shift
+        r = torch.maximum(r, first[..., None])  # with the keys before these
         r_c = _chunks(r, chunk, float("-inf"))  # [B, H, C, L]
         # R_c: [B, H, C]; carried over the chunks of padding alone that export appends
         # (causal_prefix.py), whose -inf made their mix entries inf (NaN gradients)
         end = r_c.amax(-1).cummax(-1).values
-        before = torch.cat([torch.full_like(end[..., :1], float("-inf")), end[..., :-1]], -1)
+        before = torch.cat([first[..., None], end[..., :-1]], -1)  # R_{c-1}, R_{-1}: start's
         r_safe = torch.where(torch.isfinite(r), r, 0.0)
         # rows past N get 0: exp(R_{c-1} - 0) overflowed at large keys, and its 0 x inf
         # in the backward pass made every gradient NaN
@@ -108,11 +151,12 @@ def causal_nystrom_softmax(q: Tensor, k: Tensor, v: Tensor, info: AttentionInput
                                  before[..., None] - _chunks(r_safe, chunk, float("inf")),
                                  float("-inf")).exp()  # exp(R_{c-1} - r_i): [B, H, C, L]
         own_end = per_row(end, chunk, n)  # R_c of each key's chunk
-        key_factor = torch.where(real, r - own_end, float("-inf")).exp()  # [B, H, N]
+        offset = r_safe if keys is None else keys.offset
+        key_factor = torch.where(real, offset - own_end, float("-inf")).exp()  # [B, H, N]
     # exp(k^.x_s - |x_s|^2/2 - r_j) <= 1: C(X_S, k_j) E_K / exp(r_j)
     # (one product each: no [N, m] block kept for the backward pass)
-    psi_k = gaussian_features(ks, core, row_valid=info.key_valid, row_offset=r_safe,
-                              row_norm=False, kernel=kernel)
+    psi_k = keys.features if keys is not None else gaussian_features(
+        ks, core, row_valid=key_valid, row_offset=r_safe, row_norm=False, kernel=kernel)
     phi_q = gaussian_features(qs, core, kernel=kernel)
     available = landmarks.available(n)  # [B, 1, N, m]
     phi_q = torch.where(available, phi_q, 0.0)  # [B, H, N, m]
@@ -120,23 +164,26 @@ def causal_nystrom_softmax(q: Tensor, k: Tensor, v: Tensor, info: AttentionInput
     q_c, v_c = chunk_rows(phi_q, chunk), chunk_rows(v1, chunk)
     # CPU products of subnormal numbers are slow: flush each factor (linalg.flush)
     t = chunk_rows(flush_on_cpu(psi_k * key_factor[..., None]), chunk).transpose(-1, -2) @ v_c
-    state = flush_on_cpu(_earlier_chunks(t, end, before))  # S_c: [B, H, C, m, Dv + 1]
+    state = _earlier_chunks(t, end, before)  # S_c: [B, H, C, m, Dv + 1]
+    if start is not None:  # the keys before these, at R_{c-1} >= their shift
+        state = state + start.sums[:, :, None] * factor(first[..., None], before)[..., None, None]
+    state = flush_on_cpu(state)
     far = (q_c @ state) * row_factor[..., None]  # [B, H, C, L, Dv + 1]
     bound = (q_c.abs() @ state[..., -1:].abs()) * row_factor[..., None]
     r_rows = _chunks(r_safe, chunk, 0.0)
     if local:  # exp(q^.k^ - |q^|^2/2 - r_i) <= 1 for real keys j <= i
-        visible = lower_triangle(chunk_rows(real[..., None].to(q.dtype), chunk)
+        visible = lower_triangle(chunk_rows(real[..., None].to(qs.dtype), chunk)
                                  .transpose(-1, -2).expand(*r_rows.shape, chunk)) > 0
         logits = (chunk_rows(qs, chunk) @ chunk_rows(ks, chunk).transpose(-1, -2)
                   - chunk_rows(half_sq_norm(qs)[..., None], chunk) - r_rows[..., None])
         near = flush_exponent_on_cpu_(torch.where(visible, logits, float("-inf"))).exp()
-    else:  # through the landmarks, key j shifted by its own r_j <= r_i
-        shift = r_rows[..., None, :] - r_rows[..., :, None]  # r_j - r_i
+    else:  # through the landmarks, key j shifted by its own offset <= r_j <= r_i
+        shift = _chunks(offset, chunk, 0.0)[..., None, :] - r_rows[..., :, None]
         near = lower_triangle((q_c @ chunk_rows(psi_k, chunk).transpose(-1, -2))
                               * torch.where(shift <= 0, shift, 0.0).exp())
     o = unchunk_rows(far + near @ v_c, n)
     bound = unchunk_rows(bound + near.abs().sum(-1, keepdim=True), n)
     numerator, denominator = o.split([dv, o.shape[-1] - dv], dim=-1)  # one backward write
-    fallback = prefix_mean_values(v, info.key_valid)
+    fallback = prefix_mean_values(v, key_valid, None if start is None else start.values)
     out = normalised_or(numerator, denominator, fallback, denominator > threshold * bound)
     return torch.where(uses_failed(available, core.failed)[..., None], float("nan"), out)
