@@ -42,12 +42,15 @@ METHODS = {
     "linear[causal=True]": {},
     "performer[causal=True]": {"num_features": 6},
     "skyformer[causal=True]": {"num_features": 8},
+    "nystrom_softmax[causal=True]": {"num_features": 8},
 }
-# causal Skyformer over several chunks of 64 real tokens, chunks across shard boundaries
+# the causal modified Nystrom methods over several chunks of 64 real tokens, chunks
+# across shard boundaries
 CAUSAL_NYSTROM = {
     "skyformer[causal=True]": {"num_features": 8},
+    "nystrom_softmax[causal=True]": {"num_features": 8},
     "skyformer[causal=True,causal_local=False]": {"num_features": 8},
-    "skyformer[causal=True,landmark_stride=5]": {"num_features": 8},
+    "nystrom_softmax[causal=True,causal_local=False,landmark_stride=5]": {"num_features": 8},
 }
 # float64 rounding: the shards' partial sums are added in another order than one
 # process adds them; a few ulps of values of order 1, through the backward pass.
@@ -255,25 +258,13 @@ def check_errors(rank: int, world: int) -> None:
 
     raises("cannot run sequence parallel: its landmarks are segment means", q, k, v,
            "nystromformer")
-    # the other methods run it
-    raises("nystrom_softmax: causal=True does not run sequence parallel (causal Skyformer's "
-           "sharded construction, with the running-maximum shifts nystrom_softmax adds, is "
-           "not written)", q, k, v, "nystrom_softmax", causal=True)
-    try:  # the layer says so when it is built
-        skyformer.MultiHeadAttention(8, 2, "nystrom_softmax", causal=True,
-                                     process_group=dist.group.WORLD)
-    except ValueError as error:
-        assert "causal=True does not run sequence parallel" in str(error), str(error)
-    else:
-        raise AssertionError("nystrom_softmax: a causal layer was built sequence parallel")
-    # as on one process (for nystrom_softmax causal=True is no way out here)
+    # as on one process: causal options without causal=True
     raises("skyformer: landmark_stride=4 shapes causal attention only (causal=True); this "
            "call is not causal, where it changes nothing: leave it out, or pass causal=True.",
            q, k, v, "skyformer", landmark_stride=4)
-    raises("nystrom_softmax: landmark_stride=4 shapes causal attention only", q, k, v,
-           "nystrom_softmax", landmark_stride=4)
-    raises("leave it out, or run on one process with causal=True (causal attention "
-           "does not run sequence parallel).", q, k, v, "nystrom_softmax", landmark_stride=4)
+    raises("nystrom_softmax: causal_local=False shapes causal attention only (causal=True); "
+           "this call is not causal, where it changes nothing: leave it out, or pass "
+           "causal=True.", q, k, v, "nystrom_softmax", causal_local=False)
     raises("unknown attention method 'skyfromer'", q, k, v, "skyfromer")
     for group in ([0, 1], 0):  # torch said "unhashable type: 'list'", "Group 0 ..."
         raises("group must be a torch.distributed process group (torch.distributed."
@@ -486,18 +477,51 @@ def check_float32_norms_past_its_reach(rank: int, world: int) -> None:
     float64 (needs_float64), each rank decided on its own rows and computed in float32,
     an answer far from the one-process one (0.9 against 0.3 of softmax's). Every rank
     now decides on the largest norm of all, as one process does; a shard whose own rows
-    are within reach goes to float64 with the others."""
+    are within reach goes to float64 with the others. Causal calls too."""
     lengths = [13, 6][:world]
     n = sum(lengths)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, n, 8, generator=g) for _ in range(3))
     q[:, :, :13], k[:, :, :13] = q[:, :, :13] * 5, k[:, :, :13] * 5  # rank 0's rows alone
     mine = _shards(lengths)[rank]
-    want = skyformer.attention(q, k, v, "nystrom_softmax", num_features=8,
-                               generator=torch.Generator().manual_seed(1))
-    got = sequence_parallel_attention(*(t[:, :, mine] for t in (q, k, v)), "nystrom_softmax",
-                                      num_features=8, generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(got, want[:, :, mine], rtol=1e-5, atol=1e-5)
+    for causal in (False, True):
+        want = skyformer.attention(q, k, v, "nystrom_softmax", num_features=8, causal=causal,
+                                   generator=torch.Generator().manual_seed(1))
+        got = sequence_parallel_attention(*(t[:, :, mine] for t in (q, k, v)),
+                                          "nystrom_softmax", num_features=8, causal=causal,
+                                          generator=torch.Generator().manual_seed(1))
+        torch.testing.assert_close(got, want[:, :, mine], rtol=1e-5, atol=1e-5,
+                                   msg=f"causal={causal}")
+
+
+def check_causal_nystrom_softmax_shifts(rank: int, world: int) -> None:
+    """Causal nystrom_softmax joins the earlier ranks' states at the largest of their
+    shifts, which start the later ranks' running maxima: on rank 2, rank 0's whole
+    state (keys of large norm) and rank 1's head (a key of larger norm still) at
+    different shifts; in head 1 a key on rank 0 whose exp(|k^|^2/2) float64 cannot hold;
+    queries past float64's reach take the mean of every earlier value, rank 0's too.
+    Outputs and gradients as one process's (float64)."""
+    lengths = [70, 70, 20]
+    n = sum(lengths)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, n, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    k[:, :, :70] *= 4  # |k^|^2/2 ~ 20 on rank 0
+    k[:, :, 100] *= 6  # ~ 50, on rank 1
+    k[:, 1, 5] *= 30  # ~ 1300
+    q[:, :, [80, 150]] *= 40  # |q^|^2/2 ~ 2000: the rows' normalisers are lost
+    mine = _shards(lengths)[rank]
+    means = v.cumsum(2) / torch.arange(1, n + 1, dtype=v.dtype)[:, None]
+    options = {"num_features": 8, "causal": True, "generator": skyformer.random_key(1)}
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = skyformer.attention(*full, "nystrom_softmax", **options)
+    torch.testing.assert_close(want[:, :, [80, 150]], means[:, :, [80, 150]])  # the fallback
+    want.sum().backward()
+    part = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
+    got = sequence_parallel_attention(*part, "nystrom_softmax", **options)
+    got.sum().backward()
+    torch.testing.assert_close(got, want[:, :, mine].detach(), **TOL)
+    for name, a, b in zip("qkv", part, full, strict=True):
+        torch.testing.assert_close(a.grad, b.grad[:, :, mine], **TOL, msg=f"gradient of {name}")
 
 
 def check_layer_copies(rank: int, world: int) -> None:

@@ -11,6 +11,7 @@ import torch
 from seqpar_workers import (
     CAUSAL_NYSTROM,
     check_autocast,
+    check_causal_nystrom_softmax_shifts,
     check_equal,
     check_errors,
     check_float32_norms_past_its_reach,
@@ -45,10 +46,11 @@ def test_three_processes_without_mask_and_with_a_wholly_padded_shard():
     spawn(3, check_equal, [9, 1, 6], None)
 
 
-def test_causal_skyformer_over_chunks_that_cross_the_shard_boundaries():
-    """Chunks of 64 real tokens: a rank's first chunk begins on the ranks before it (on
-    two of them with the one-row shards), and its earlier chunks are theirs too; ranks
-    without padding after one with padding (they pass no mask)."""
+def test_causal_nystrom_methods_over_chunks_that_cross_the_shard_boundaries():
+    """Causal skyformer and nystrom_softmax, chunks of 64 real tokens: a rank's first
+    chunk begins on the ranks before it (on two of them with the one-row shards), and
+    its earlier chunks are theirs too; ranks without padding after one with padding
+    (they pass no mask)."""
     mask = torch.ones(2, 152, dtype=torch.bool)
     mask[0, 58:75] = False  # across the shard boundaries of both layouts
     mask[1, :90] = False
@@ -57,11 +59,15 @@ def test_causal_skyformer_over_chunks_that_cross_the_shard_boundaries():
     left = torch.ones(2, 152, dtype=torch.bool)  # left padding on rank 0 only: the other
     left[0, :5] = False  # ranks pass None, their real tokens counted after it
     left[1, :20] = False
-    spawn(4, check_equal, [62, 1, 1, 88], left, dict(list(CAUSAL_NYSTROM.items())[:1]))
+    spawn(4, check_equal, [62, 1, 1, 88], left, dict(list(CAUSAL_NYSTROM.items())[:2]))
 
 
 def test_float32_norms_past_its_reach_are_computed_as_one_process_computes_them():
     spawn(2, check_float32_norms_past_its_reach)
+
+
+def test_causal_nystrom_softmax_joins_the_earlier_ranks_at_their_largest_shift():
+    spawn(3, check_causal_nystrom_softmax_shifts)
 
 
 def test_bad_use_gets_a_sentence_on_every_rank():

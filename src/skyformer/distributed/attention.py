@@ -56,7 +56,7 @@ def sequence_parallel_attention(
             sequence; shards are contiguous, in rank order, of any lengths N_r >= 1; B, H,
             D, Dv and dtype the same on every rank.
         method: ``skyformer``, ``nystrom_softmax``, ``linear`` or ``performer``
-            (``causal=True``: all but ``nystrom_softmax``).
+            (``causal=True`` too).
         group: a ``torch.distributed`` process group (``None`` = the default group).
         key_padding_mask: this rank's shard ``[B, N_r]`` of the mask (True = real token),
             or None; it marks padded queries too.

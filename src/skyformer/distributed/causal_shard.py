@@ -19,7 +19,7 @@ tokens of the ranks before it, per batch element). Three exchanges:
    boundary at or below its end ("head") and of all of them; an earlier rank whose last
    boundary is this rank's first chunk start gives its head (the rest is in the halo),
    any other its whole state (it ends at or before that start). What a state holds is
-   the method's (``causal_skyformer.py``).
+   the method's (``causal_skyformer.py``, ``causal_nystrom_softmax.py``).
 
 Then the rank runs the one-process evaluation on its halo followed by its rows, whose
 chunks are the sequence's, from that state. Output and gradients equal one process's up

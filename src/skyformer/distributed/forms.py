@@ -17,7 +17,8 @@ of their prefix sums where the shard starts (Katharopoulos et al. eqs. (8)-(9);
 Performer's at the largest of the earlier ranks' key scales,
 ``ops/performer/causal.py``). ``skyformer`` gathers its landmark rows, the tails of
 the chunks that cross into a rank and the earlier chunks' sums (``causal_shard.py``);
-causal ``nystrom_softmax`` does not run sequence parallel.
+``nystrom_softmax`` the same, its sums at the largest of the earlier ranks' shifts
+(``causal_nystrom_softmax.py``).
 """
 
 from __future__ import annotations
@@ -37,11 +38,12 @@ from ..ops.nystrom_softmax.nystrom_softmax import (
     nystrom_softmax_from_core,
 )
 from ..ops.performer.performer import performer_with_projection
-from ..ops.shared.causal_nystrom import CausalNystromOptions, refuse_causal_form_options
+from ..ops.shared.causal_nystrom import refuse_causal_form_options
 from ..ops.shared.inputs import AttentionInputs, compute_dtype, zero_padded_queries
 from ..ops.shared.modified_nystrom import NystromCore, NystromOptions, core_from_rows
 from ..ops.skyformer.skyformer import skyformer_from_core
 from ..registry import get_method
+from .causal_nystrom_softmax import causal_nystrom_softmax_shard
 from .causal_skyformer import causal_skyformer_shard
 from .landmarks import draw_landmarks, landmark_rows
 from .layout import ShardLayout
@@ -76,6 +78,8 @@ def _nystrom_softmax(q: Tensor, k: Tensor, v: Tensor, config: Any, info: Attenti
     if reach is not None and bool(reduce.max(reach.reshape(1)) > FLOAT32_REACH):
         return _nystrom_softmax(q.double(), k.double(), v.double(), config, info, layout,
                                 reduce).to(q.dtype)
+    if config.causal:
+        return causal_nystrom_softmax_shard(q, k, v, config, info, layout, reduce)
     work = compute_dtype(q.dtype)
     qw, kw, vw = q.to(work), k.to(work), v.to(work)
     root = math.sqrt(logit_scale(info.head_dim, config.scale))
@@ -99,24 +103,6 @@ def _performer(q: Tensor, k: Tensor, v: Tensor, config: Any, info: AttentionInpu
     return performer_with_projection(q, k, v, projection, info, config, layout.key, reduce)
 
 
-# Why causal nystrom_softmax does not run sequence parallel
-_NOT_WRITTEN = ("causal Skyformer's sharded construction, with the running-maximum shifts "
-                "nystrom_softmax adds, is not written")
-
-
-def _no_causal(method: str, reason: str) -> Callable[[Any], None]:
-    def check(config: Any) -> None:
-        if getattr(config, "causal", False):
-            raise ValueError(
-                f"{method}: causal=True does not run sequence parallel ({reason}); use "
-                "causal=False or one process.")
-        if isinstance(config, CausalNystromOptions):  # as a call on one process does,
-            refuse_causal_form_options(  # but causal=True is no way out here
-                method, config, way_out="run on one process with causal=True (causal "
-                "attention does not run sequence parallel)")
-    return check
-
-
 def _causal_options_when_causal(method: str) -> Callable[[Any], None]:
     def check(config: Any) -> None:
         if not config.causal:  # as a call on one process does
@@ -135,7 +121,7 @@ class Form:
 
 FORMS = {
     "skyformer": Form(_skyformer, _causal_options_when_causal("skyformer")),
-    "nystrom_softmax": Form(_nystrom_softmax, _no_causal("nystrom_softmax", _NOT_WRITTEN)),
+    "nystrom_softmax": Form(_nystrom_softmax, _causal_options_when_causal("nystrom_softmax")),
     "linear": Form(_linear),
     "performer": Form(_performer),
 }

@@ -25,9 +25,10 @@ Unreliable rows: as in the non-causal path, a row whose normaliser D~_i is at mo
 ``normalizer_threshold`` times its bound sum_s |phi_s(q_i)| |z_s| + sum_{near j} |a_ij|
 (z the normaliser column of the state) returns the mean of the values j <= i.
 
-A call may start from the state of earlier keys at their shift (``EarlierKeys``, a
-shard after others): the shift starts the running maximum, the state joins every
-chunk's at R_{c-1}, and the values' sums the fallback's means.
+A shard after others (sequence parallel, ``distributed/causal_nystrom_softmax.py``)
+starts from the earlier keys' state at their shift (``EarlierKeys``): the shift starts
+the running maximum, the state joins every chunk's at R_{c-1}, and the values' sums the
+fallback's means.
 """
 
 from __future__ import annotations
