@@ -86,22 +86,53 @@ def running_sums(log_k: Tensor, scale_basis: Tensor, v1: Tensor, key_valid: Tens
     return RunningSums(features.transpose(-1, -2) @ v1, top, v1.sum(2, keepdim=True))
 
 
-def earlier_running_sums(log_k: Tensor, scale_basis: Tensor, v1: Tensor,
-                         key_valid: Tensor | None, reduce: KeyReduction) -> RunningSums | None:
-    """The running sums of the keys of the shards before this one (sequence parallel:
-    ``causal_performer_sums``' ``start``), None in one process. Each shard's own sums
-    at its own maximum (``running_sums``) are joined at the largest of the earlier
-    ones, every factor at most 1; shards without a real key have shift -inf and add
-    nothing. Arguments as ``causal_performer_sums``'."""
-    if not reduce.sharded:
-        return None
-    own = running_sums(log_k, scale_basis, v1, key_valid)
+def earlier_running_sums(own: RunningSums, reduce: KeyReduction) -> RunningSums:
+    """The running sums of the keys of the shards before this one (sequence parallel),
+    from each shard's ``own`` sums at its own maximum (``KeyChunks.totals``): joined at
+    the largest of the earlier ones, every factor at most 1; shards without a real key
+    have shift -inf and add nothing."""
     sums = reduce.earlier(own.sums)  # [R, B, H, m, F]
     shifts = reduce.earlier(own.shift)  # [R, B, H], constants
     none = own.shift.new_full((1, *own.shift.shape), float("-inf"))
     top = torch.cat([none, shifts]).amax(0)  # [B, H]
     joined = (sums * factor(shifts, top)[..., None, None]).sum(0)
     return RunningSums(joined, top, reduce.earlier(own.plain).sum(0))
+
+
+class KeyChunks(NamedTuple):
+    """The keys by chunks of L (``key_chunks``): ``k_hat [B, H, C, L, m]`` = exp(l_j -
+    b_j) (each key at its own scale), ``values [B, H, C, L, F]``, ``scale [B, H, C, L]``
+    b_j (-inf for padded keys), ``top [B, H, C]`` m_c, ``own [B, H, C, m, F]`` T_c, and
+    ``real_values [B, H, N, F]`` ([v_j, 1], zero for padded keys)."""
+
+    k_hat: Tensor
+    values: Tensor
+    scale: Tensor
+    top: Tensor
+    own: Tensor
+    real_values: Tensor
+
+    def totals(self) -> RunningSums:
+        """The running sums of these keys alone, at their largest chunk maximum."""
+        top = self.top.amax(-1)  # [B, H], -inf without a real key
+        sums = (self.own * factor(self.top, top[..., None])[..., None, None]).sum(2)
+        return RunningSums(sums, top, self.real_values.sum(2, keepdim=True))
+
+
+def key_chunks(log_k: Tensor, scale_basis: Tensor, v1: Tensor, key_valid: Tensor | None,
+               chunk: int) -> KeyChunks:
+    """The keys' side of ``causal_performer_sums`` (its arguments), by chunks of
+    ``chunk``: each chunk's sums T_c at its maximum."""
+    valid = _valid(key_valid, log_k)
+    log_scale = _log_scales(scale_basis, valid)
+    k_hat = torch.where(valid, log_k - log_scale[..., None], float("-inf")).exp()
+    k_c, v_c = chunk_rows(k_hat, chunk), chunk_rows(v1, chunk)  # [B, H, C, L, .]
+    scale_c = chunk_rows(log_scale[..., None], chunk)[..., 0].masked_fill(
+        ~chunk_rows(valid, chunk)[..., 0], float("-inf"))  # [B, H, C, L]
+    chunk_top = scale_c.amax(-1)  # m_c [B, H, C]
+    weight = factor(scale_c, chunk_top[..., None])[..., None]  # [B, H, C, L, 1]
+    own = (k_c * weight).transpose(-1, -2) @ v_c  # T_c [B, H, C, m, F]
+    return KeyChunks(k_c, v_c, scale_c, chunk_top, own, torch.where(valid, v1, 0.0))
 
 
 def causal_performer_sums(phi_q: Tensor, log_k: Tensor, scale_basis: Tensor, v1: Tensor,
@@ -122,24 +153,22 @@ def causal_performer_sums(phi_q: Tensor, log_k: Tensor, scale_basis: Tensor, v1:
     Returns:
         ``([B, H, N, F], RunningSums)``; rows before the first real key are zero.
     """
-    b, h, n, m = log_k.shape
-    f = v1.shape[-1]
-    valid = _valid(key_valid, log_k)
-    log_scale = _log_scales(scale_basis, valid)
-    k_hat = torch.where(valid, log_k - log_scale[..., None], float("-inf")).exp()
-    chunk = chunk_length(n, chunk)
-    q_c, k_c, v_c = (chunk_rows(t, chunk) for t in (phi_q, k_hat, v1))  # [B, H, C, L, .]
-    scale_c = chunk_rows(log_scale[..., None], chunk)[..., 0].masked_fill(
-        ~chunk_rows(valid, chunk)[..., 0], float("-inf"))  # [B, H, C, L]
-    chunk_top = scale_c.amax(-1)  # m_c [B, H, C]
-    # each chunk's own sums at its maximum, after the sums of the keys before these
-    weight = factor(scale_c, chunk_top[..., None])[..., None]  # [B, H, C, L, 1]
-    own = (k_c * weight).transpose(-1, -2) @ v_c  # T_c [B, H, C, m, F]
+    keys = key_chunks(log_k, scale_basis, v1, key_valid, chunk_length(log_k.shape[2], chunk))
+    return causal_rows(phi_q, keys, eps, start)
+
+
+def causal_rows(phi_q: Tensor, keys: KeyChunks, eps: float, start: RunningSums | None
+                ) -> tuple[Tensor, RunningSums]:
+    """``causal_performer_sums`` given its keys by chunks (``key_chunks``)."""
+    b, h, n, m = phi_q.shape
+    f = keys.values.shape[-1]
+    k_c, v_c, scale_c = keys.k_hat, keys.values, keys.scale
+    q_c = chunk_rows(phi_q, k_c.shape[3])
     if start is None:
-        start = RunningSums(v1.new_zeros(b, h, m, f), log_k.new_full((b, h), float("-inf")),
-                            v1.new_zeros(b, h, 1, f))
-    sums, shift = rescaled_prefix_sums(torch.cat([start.sums[:, :, None], own], 2),
-                               torch.cat([start.shift[:, :, None], chunk_top], 2))
+        start = RunningSums(phi_q.new_zeros(b, h, m, f), phi_q.new_full((b, h), float("-inf")),
+                            phi_q.new_zeros(b, h, 1, f))
+    sums, shift = rescaled_prefix_sums(torch.cat([start.sums[:, :, None], keys.own], 2),
+                               torch.cat([start.shift[:, :, None], keys.top], 2))
     before, before_shift = sums[:, :, :-1], shift[:, :, :-1]  # the chunks before c
     row_shift = torch.maximum(before_shift[..., None], scale_c.cummax(-1).values)  # R_i
     # b_j - R_i <= 0 for real keys j <= i (-inf for padded ones; R_i finite then, as 0
@@ -151,11 +180,10 @@ def causal_performer_sums(phi_q: Tensor, log_k: Tensor, scale_basis: Tensor, v1:
     out = ((q_c @ before) * factor(before_shift[..., None], row_shift)[..., None]
            + local @ v_c)  # [B, H, C, L, F]
     out = unchunk_rows(out, n)
-    real_v1 = torch.where(valid, v1, 0.0)
     if eps:
-        plain = start.plain + real_v1.cumsum(2)  # [B, H, N, F]
+        plain = start.plain + keys.real_values.cumsum(2)  # [B, H, N, F]
         out = out + eps * phi_q.sum(-1, keepdim=True) * plain
         plain = plain[:, :, -1:]
     else:
-        plain = start.plain + real_v1.sum(2, keepdim=True)
+        plain = start.plain + keys.real_values.sum(2, keepdim=True)
     return out, RunningSums(sums[:, :, -1], shift[:, :, -1], plain)

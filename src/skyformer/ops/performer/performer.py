@@ -54,7 +54,13 @@ from ...linalg.tracing import may_read_values
 from ...registry import Capabilities, register
 from ...sketch import gaussian_projection
 from ...sketch.rng import fold_in, random_key
-from ..shared.causal_prefix import by_blocks, prefix_mean_values, row_blocks
+from ..shared.causal_prefix import (
+    CAUSAL_CHUNK,
+    by_blocks,
+    chunk_length,
+    prefix_mean_values,
+    row_blocks,
+)
 from ..shared.inputs import (
     AttentionInputs,
     check_attention_inputs,
@@ -73,7 +79,7 @@ from ..shared.options import (
     check_scale,
 )
 from ..shared.reduction import WHOLE, KeyReduction
-from .causal import RunningSums, causal_performer_sums, earlier_running_sums
+from .causal import RunningSums, causal_rows, earlier_running_sums, key_chunks
 from .features import causal_key_logs, key_features, query_features, resolve_projection
 
 
@@ -369,11 +375,11 @@ def _causal_rows(qs: Tensor, ks: Tensor, v: Tensor, projection: Tensor,
     shards, ``reduce``), and the running sums after them."""
     phi_q, _ = query_features(qs, projection, eps)  # [B, H, N, m]
     log_k, scale_basis = causal_key_logs(ks, projection, eps)
-    v1 = with_ones_column(v)
-    if reduce.sharded:
-        start = earlier_running_sums(log_k, scale_basis, v1, key_valid, reduce)
-    o, after = causal_performer_sums(phi_q, log_k, scale_basis, v1, key_valid, eps,
-                                     start=start)  # [B, H, N, Dv + 1]
+    keys = key_chunks(log_k, scale_basis, with_ones_column(v), key_valid,
+                      chunk_length(ks.shape[2], CAUSAL_CHUNK))
+    if reduce.sharded:  # from this shard's chunk sums: each key's features taken once
+        start = earlier_running_sums(keys.totals(), reduce)
+    o, after = causal_rows(phi_q, keys, eps, start)  # [B, H, N, Dv + 1]
     numerator, denominator = numerator_and_denominator(rows_rescaled(o))
     fallback = prefix_mean_values(v, key_valid, None if start is None else start.plain)
     return normalised_or(numerator, denominator, fallback), after
