@@ -585,6 +585,36 @@ def test_func_jvp_agrees_with_reverse_mode(method, matrix):
                                sum((g * t).sum() for g, t in zip(reverse, tangents, strict=True)))
 
 
+@pytest.mark.parametrize("method", [m for m in METHODS
+                                    if get_method(m).capabilities.causal])
+def test_func_jvp_agrees_with_reverse_mode_in_causal_calls(method, matrix):
+    """The identity above for causal calls over two chunks of 64 with padding: the
+    running-maximum shifts of causal nystrom_softmax were computed under no_grad, which
+    leaves forward-mode tangents on, and its directional derivatives came out wrong
+    (reverse mode was right)."""
+    matrix("func.jvp causal", method)
+    n = 80
+    q, k, v = make_qkv(2, 1, n, 8)
+    mask, key = mask_for(method, padded(2, n, 70)), random_key(4)
+    bound = get_method(method).bind(seq_len=n, causal=True)
+    tangents = make_qkv(2, 1, n, 8, seed=1)
+    u = torch.randn(q.shape, dtype=q.dtype, generator=torch.Generator().manual_seed(2))
+
+    _assert_jvp_agrees_with_reverse_mode(
+        lambda q, k, v: bound(q, k, v, key_padding_mask=mask, generator=key), (q, k, v),
+        tangents, u)
+
+
+def _assert_jvp_agrees_with_reverse_mode(f, primals: tuple, tangents: tuple,
+                                         u: torch.Tensor) -> None:
+    """<u, J t> by ``torch.func.jvp`` of ``f`` equals <J^T u, t> by autograd."""
+    _, forward = torch.func.jvp(f, primals, tangents)
+    leaves = [t.clone().requires_grad_(True) for t in primals]
+    reverse = torch.autograd.grad(f(*leaves), leaves, u)
+    torch.testing.assert_close((u * forward).sum(),
+                               sum((g * t).sum() for g, t in zip(reverse, tangents, strict=True)))
+
+
 APPROXIMATE_LEN = 160  # every method approximates here (at 16 several are exact)
 
 
@@ -600,14 +630,9 @@ def test_func_jvp_agrees_with_reverse_mode_on_the_approximate_path(method, matri
     tangents = make_qkv(2, 1, APPROXIMATE_LEN, 8, seed=1)
     u = torch.randn(q.shape, dtype=q.dtype, generator=torch.Generator().manual_seed(2))
 
-    def f(q, k, v):
-        return bound(q, k, v, key_padding_mask=mask, generator=key)
-
-    _, forward = torch.func.jvp(f, (q, k, v), tangents)
-    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    reverse = torch.autograd.grad(f(*leaves), leaves, u)
-    torch.testing.assert_close((u * forward).sum(),
-                               sum((g * t).sum() for g, t in zip(reverse, tangents, strict=True)))
+    _assert_jvp_agrees_with_reverse_mode(
+        lambda q, k, v: bound(q, k, v, key_padding_mask=mask, generator=key), (q, k, v),
+        tangents, u)
 
 
 @pytest.mark.parametrize("method", METHODS)

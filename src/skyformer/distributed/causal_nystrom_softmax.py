@@ -42,7 +42,7 @@ def causal_nystrom_softmax_shard(q: Tensor, k: Tensor, v: Tensor, config: Any,
     real = (torch.ones_like(ks[..., 0], dtype=torch.bool) if shard.valid is None
             else shard.valid[:, None, :].expand_as(ks[..., 0]))  # [B, H, N]
     with torch.no_grad():  # r'_j: the running maximum of this rank's halo and rows
-        own_max = half_sq_norm(ks).masked_fill(~real, float("-inf")).cummax(-1).values
+        own_max = half_sq_norm(ks.detach()).masked_fill(~real, float("-inf")).cummax(-1).values
         offset = torch.where(torch.isfinite(own_max), own_max, 0.0)
     psi_k = gaussian_features(ks, shard.core, row_valid=shard.valid, row_offset=offset,
                               row_norm=False, kernel=config.kernel)

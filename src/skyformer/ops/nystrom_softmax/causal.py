@@ -135,10 +135,14 @@ def causal_nystrom_softmax_from_core(
     n, dv = qs.shape[2], v.shape[-1]
     real = (torch.ones_like(qs[..., 0], dtype=torch.bool) if key_valid is None
             else key_valid[:, None, :].expand_as(qs[..., 0]))  # [B, H, N]
-    with torch.no_grad():  # the shifts are constants: each cancels in its row's ratio
-        log_e = half_sq_norm(ks).masked_fill(~real, float("-inf"))
+    # the shifts are constants: each cancels in its row's ratio. Detached, not only
+    # under no_grad, which leaves forward-mode tangents on (jvp): a shift's tangent in
+    # the factors but not in the features' product gave wrong directional derivatives
+    with torch.no_grad():
+        log_e = half_sq_norm(ks.detach()).masked_fill(~real, float("-inf"))
         r = log_e.cummax(dim=-1).values  # [B, H, N], -inf before the first real key
-        first = qs.new_full(qs.shape[:2], float("-inf")) if start is None else start.shift
+        first = qs.new_full(qs.shape[:2], float("-inf")) if start is None \
+            else start.shift.detach()
         r = torch.maximum(r, first[..., None])  # with the keys before these
         r_c = _chunks(r, chunk, float("-inf"))  # [B, H, C, L]
         # R_c: [B, H, C]; carried over the chunks of padding alone that export appends
@@ -152,7 +156,7 @@ def causal_nystrom_softmax_from_core(
                                  before[..., None] - _chunks(r_safe, chunk, float("inf")),
                                  float("-inf")).exp()  # exp(R_{c-1} - r_i): [B, H, C, L]
         own_end = per_row(end, chunk, n)  # R_c of each key's chunk
-        offset = r_safe if keys is None else keys.offset
+        offset = r_safe if keys is None else keys.offset.detach()
         key_factor = torch.where(real, offset - own_end, float("-inf")).exp()  # [B, H, N]
     # exp(k^.x_s - |x_s|^2/2 - r_j) <= 1: C(X_S, k_j) E_K / exp(r_j)
     # (one product each: no [N, m] block kept for the backward pass)
