@@ -5,11 +5,14 @@
         --out benchmarks/results/sequence_parallel_4m            # one 2^22-token sequence
     python benchmarks/sequence_parallel.py --causal \\
         --out benchmarks/results/sequence_parallel_causal        # a decoder's layer
+    python benchmarks/sequence_parallel.py --causal --inference --procs 2 \\
+        --seq-lens 262144                                        # its prefill, no gradient
 
 For each (P, N) a fresh group of P processes (gloo, started here with
-torch.multiprocessing) runs one ``MultiHeadAttention`` layer (Skyformer, B=1, H=2, D=32,
-m=128, float32; ``--causal``: causal=True) forward and backward on its contiguous shard
-of one N-token sequence (gradients flow to the input too, as inside a stack of layers).
+torch.multiprocessing) runs one ``MultiHeadAttention`` layer (Skyformer or ``--method``,
+B=1, H=2, D=32, m=128, float32; ``--causal``: causal=True) forward and backward on its
+contiguous shard of one N-token sequence (gradients flow to the input too, as inside a
+stack of layers; ``--inference``: the forward pass alone, recording no gradient).
 P = 1 is one process without a group: the single-process run. Per configuration it
 records
 
@@ -71,13 +74,18 @@ def _worker(rank: int, world: int, store: str, n: int, args: argparse.Namespace,
     barrier = dist.barrier if group is not None else (lambda: None)
     before = _rss_mib()
     torch.manual_seed(0)
-    layer = MultiHeadAttention(HEADS * HEAD_DIM, HEADS, "skyformer", num_features=FEATURES,
+    layer = MultiHeadAttention(HEADS * HEAD_DIM, HEADS, args.method, num_features=FEATURES,
                                causal=args.causal, process_group=group)
     start, stop = shard_bounds(n, world, rank)
     x = torch.randn(BATCH, stop - start, HEADS * HEAD_DIM,
-                    generator=torch.Generator().manual_seed(rank), requires_grad=True)
+                    generator=torch.Generator().manual_seed(rank),
+                    requires_grad=not args.inference)
 
     def step() -> None:
+        if args.inference:
+            with torch.no_grad():
+                layer(x, generator=torch.Generator().manual_seed(0))
+            return
         out = layer(x, generator=torch.Generator().manual_seed(0))
         out.sum().backward()
 
@@ -116,6 +124,8 @@ def measure(procs: int, n: int, args: argparse.Namespace) -> dict[str, Any]:
                  join=True)
         ranks = [json.loads(Path(tmp, f"{r}.json").read_text()) for r in range(procs)]
     ring_fwd, ring_all = ring_bytes(n, procs)
+    if args.inference:  # the forward pass alone
+        ring_all = ring_fwd
     return {"procs": procs, "n": n, "bytes": max(r["bytes"] for r in ranks),
             "forward_bytes": max(r["forward_bytes"] for r in ranks),
             "collectives": ranks[0]["collectives"], "ring_forward_bytes": ring_fwd,
@@ -126,7 +136,8 @@ def measure(procs: int, n: int, args: argparse.Namespace) -> dict[str, Any]:
             "ranks": ranks}
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
+def plot(rows: list[dict[str, Any]], path: Path, method: str = "skyformer",
+         passes: str = "fwd+bwd") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -137,12 +148,12 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         mine = sorted((r for r in rows if r["procs"] == p), key=lambda r: r["n"])
         ns = [r["n"] for r in mine]
         if p > 1:
-            axes[0].plot(ns, [r["bytes"] for r in mine], "o-", label=f"skyformer P={p}")
+            axes[0].plot(ns, [r["bytes"] for r in mine], "o-", label=f"{method} P={p}")
             axes[0].plot(ns, [r["ring_bytes"] for r in mine], "x--", label=f"ring P={p}")
         axes[1].plot(ns, [r["seconds"] for r in mine], "o-", label=f"P={p}")
         axes[2].plot(ns, [r["peak_above_start_mib"] for r in mine], "o-", label=f"P={p}")
-    for ax, title in zip(axes, ("bytes sent per rank per layer (fwd+bwd)",
-                                "fwd+bwd seconds", "peak RSS per rank above start, MiB"),
+    for ax, title in zip(axes, (f"bytes sent per rank per layer ({passes})",
+                                f"{passes} seconds", "peak RSS per rank above start, MiB"),
                          strict=True):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -163,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--causal", action="store_true",
                         help="a causal layer (a decoder's self-attention)")
+    parser.add_argument("--method", default="skyformer",
+                        choices=["skyformer", "nystrom_softmax", "linear", "performer"])
+    parser.add_argument("--inference", action="store_true",
+                        help="the forward pass alone, recording no gradient (a prefill)")
     parser.add_argument("--out", default=str(RESULTS / "sequence_parallel"))
     args = parser.parse_args(argv)
     rows = []
@@ -178,12 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     config = {**vars(args), "batch": BATCH, "heads": HEADS, "head_dim": HEAD_DIM,
-              "num_features": FEATURES, "method": "skyformer", "dtype": "float32"}
+              "num_features": FEATURES, "dtype": "float32"}
     metadata = run_metadata(__file__, argv, config, "cpu")
     write_json(out / "results.json", {**metadata, "rows": rows})
     write_csv(out / "results.csv", [{k: v for k, v in r.items() if k != "ranks"} for r in rows],
               metadata=metadata)
-    plot(rows, out / "sequence_parallel.png")
+    plot(rows, out / "sequence_parallel.png", args.method, "fwd" if args.inference else "fwd+bwd")
     print(f"wrote {out}/results.json, results.csv, sequence_parallel.png")
     return 0
 

@@ -524,6 +524,40 @@ def check_causal_nystrom_softmax_shifts(rank: int, world: int) -> None:
         torch.testing.assert_close(a.grad, b.grad[:, :, mine], **TOL, msg=f"gradient of {name}")
 
 
+def check_causal_blocks(rank: int, world: int) -> None:
+    """A causal Skyformer call that records no gradient runs each rank's rows by blocks
+    (here of 128 rows), the sums the rank offers taken block by block too: the rows of
+    one process's call, padding across a block and a shard boundary, a chunk across
+    the boundary, left padding."""
+    from skyformer.ops.shared import causal_prefix
+    from skyformer.ops.skyformer import causal
+
+    causal_prefix.STREAM_ROWS = 128
+    lengths = [350, 250][:world]
+    n = sum(lengths)
+    q, k, v, _ = inputs(n, seed=3)
+    mask = torch.ones(2, n, dtype=torch.bool)
+    mask[0, 330:380] = False
+    mask[1, :40] = False
+    mine = _shards(lengths)[rank]
+    seen: list[int] = []
+    original = causal._whole
+    causal._whole = lambda *a, **kw: seen.append(a[0].shape[2]) or original(*a, **kw)
+    for padding, local in ((mask, True), (mask, False), (None, True)):
+        full = [t.clone().requires_grad_() for t in (q, k, v)]  # records: one pass
+        want = skyformer.attention(*full, "skyformer", causal=True, key_padding_mask=padding,
+                                   num_features=8, causal_local=local,
+                                   generator=skyformer.random_key(2))
+        seen.clear()
+        with torch.no_grad():
+            got = sequence_parallel_attention(
+                *(t[:, :, mine] for t in (q, k, v)), "skyformer", causal=True,
+                key_padding_mask=None if padding is None else padding[:, mine],
+                num_features=8, causal_local=local, generator=skyformer.random_key(2))
+        assert len(seen) > 2 and max(seen) <= 128 + 63, seen  # halo + whole chunks
+        torch.testing.assert_close(got, want[:, :, mine].detach(), rtol=1e-12, atol=1e-13)
+
+
 def check_layer_copies(rank: int, world: int) -> None:
     """A deep copy of a sequence-parallel layer (an EMA model) shares the group and
     computes what the layer does; pickling the layer says to save its state_dict."""

@@ -11,6 +11,7 @@ import torch
 from seqpar_workers import (
     CAUSAL_NYSTROM,
     check_autocast,
+    check_causal_blocks,
     check_causal_nystrom_softmax_shifts,
     check_equal,
     check_errors,
@@ -64,6 +65,10 @@ def test_causal_nystrom_methods_over_chunks_that_cross_the_shard_boundaries():
 
 def test_float32_norms_past_its_reach_are_computed_as_one_process_computes_them():
     spawn(2, check_float32_norms_past_its_reach)
+
+
+def test_causal_skyformer_inference_runs_by_blocks_on_each_rank():
+    spawn(2, check_causal_blocks)
 
 
 def test_causal_nystrom_softmax_joins_the_earlier_ranks_at_their_largest_shift():

@@ -10,9 +10,10 @@ from torch import Tensor
 
 from ..linalg import kernel_scale
 from ..ops.shared.causal_nystrom import gaussian_features
+from ..ops.shared.causal_prefix import by_blocks, row_blocks
 from ..ops.shared.inputs import AttentionInputs
 from ..ops.skyformer.causal import causal_skyformer_from_core
-from .causal_shard import Rows, causal_shard
+from .causal_shard import CausalShard, Rows, causal_shard
 from .layout import ShardLayout
 from .reduction import GroupReduction
 
@@ -23,14 +24,41 @@ def causal_skyformer_shard(q: Tensor, k: Tensor, v: Tensor, config: Any, info: A
     shard ``q, k: [B, H, N_r, D]``, ``v: [B, H, N_r, Dv]`` it holds."""
     scale = kernel_scale(info.head_dim, config.scale)
     shard = causal_shard(q, k, v, config, info, layout, reduce, scale)
-    ks = shard.k * scale
-    phi_k = gaussian_features(ks, shard.core, row_valid=shard.valid, kernel=config.kernel)
-    start = shard.earlier(_key_sums(phi_k, shard.v, shard.head),
-                          _key_sums(phi_k, shard.v, shard.mine), reduce).sum(0)
-    out = causal_skyformer_from_core(shard.q * scale, ks, shard.v, shard.valid, shard.core,
-                                     shard.landmarks, config.causal_local,
-                                     kernel=config.kernel, start=start, phi_k=phi_k)
+    qs, ks = shard.q * scale, shard.k * scale
+    if by_blocks(ks.shape[2], qs, ks, shard.v, shard.core.x, shard.core.l_inv):
+        # inference: the features of one block at a time, for the sums this rank offers
+        # and again for its rows (ops/skyformer/causal.py), none kept for every row
+        offers, phi_k = _offers_by_blocks(ks, shard, config.kernel), None
+    else:
+        phi_k = gaussian_features(ks, shard.core, row_valid=shard.valid, kernel=config.kernel)
+        offers = (_key_sums(phi_k, shard.v, shard.head), _key_sums(phi_k, shard.v, shard.mine))
+    start = shard.earlier(*offers, reduce).sum(0)
+    out = causal_skyformer_from_core(qs, ks, shard.v, shard.valid, shard.core, shard.landmarks,
+                                     config.causal_local, kernel=config.kernel, start=start,
+                                     phi_k=phi_k)
     return shard.finish(out)
+
+
+def _offers_by_blocks(ks: Tensor, shard: CausalShard, kernel: str) -> tuple[Tensor, Tensor]:
+    """The sums of ``shard.head`` and ``shard.mine`` (``_key_sums``), the keys' features
+    taken block by block (``causal_prefix.row_blocks``)."""
+    head = whole = None
+    for block in row_blocks(ks.shape[2]):
+        valid = None if shard.valid is None else shard.valid[:, block]
+        phi_k = gaussian_features(ks[:, :, block], shard.core, row_valid=valid, kernel=kernel)
+        v = shard.v[:, :, block]
+        parts = (_key_sums(phi_k, v, _within(shard.head, block)),
+                 _key_sums(phi_k, v, _within(shard.mine, block)))
+        head, whole = parts if head is None else (head + parts[0], whole + parts[1])
+    return head, whole
+
+
+def _within(rows: Rows, block: slice) -> Rows:
+    """``rows`` of the sequence as rows of its ``block`` (a range of it)."""
+    if isinstance(rows, slice):
+        first = min(max(rows.start, block.start), block.stop) - block.start
+        return slice(first, max(first, min(rows.stop, block.stop) - block.start))
+    return rows[:, block]
 
 
 def _key_sums(phi_k: Tensor, v: Tensor, rows: Rows) -> Tensor:
