@@ -1,8 +1,8 @@
-"""Causal inference by blocks of rows against all rows at once (Skyformer, Performer,
-linear attention):
+"""Causal inference by blocks of rows against all rows at once (Skyformer,
+nystrom_softmax, Performer, linear attention):
 time and peak memory of one call that records no gradient (a prompt's prefill).
 
-    python benchmarks/causal_blocks.py [--methods skyformer performer linear]
+    python benchmarks/causal_blocks.py [--methods skyformer nystrom_softmax performer linear]
         [--seq-lens 16384 65536 262144] [--threads 2]
 
 For each method and N, each form runs in a fresh process (B=1, H=2, D=32, m=128,
@@ -34,7 +34,7 @@ from skyformer.checks import positive_int_argument
 from skyformer.ops.shared import causal_prefix
 
 FORMS = {"blocks": None, "whole": 1 << 62}  # STREAM_ROWS: the library's, or no blocks
-METHODS = ("skyformer", "performer", "linear")
+METHODS = ("skyformer", "nystrom_softmax", "performer", "linear")
 
 
 def measure_here(method: str, form: str, n: int, repeats: int, threads: int) -> dict:

@@ -1,6 +1,7 @@
-"""Causal Skyformer, Performer and linear attention without a gradient to record run by
-blocks of rows, each from the state of the keys before it (``ops/shared/causal_prefix.py``,
-``by_blocks``): the outputs of the call that records gradients, whole, to rounding."""
+"""Causal Skyformer, nystrom_softmax, Performer and linear attention without a gradient
+to record run by blocks of rows, each from the state of the keys before it
+(``ops/shared/causal_prefix.py``, ``by_blocks``): the outputs of the call that records
+gradients, whole, to rounding."""
 
 from __future__ import annotations
 
@@ -74,6 +75,40 @@ def test_performer_blocks_give_the_whole_calls_rows(monkeypatch, eps):
     seen = []
     original = performer._causal_rows
     monkeypatch.setattr(performer, "_causal_rows", lambda *a, **kw: seen.append(a[0].shape[2])
+                        or original(*a, **kw))
+    with torch.no_grad():
+        blocks = call(q)
+    assert seen == [128, 128, 44]
+    torch.testing.assert_close(blocks, whole, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("options", [{}, {"causal_local": False}, {"landmark_stride": 9}],
+                         ids=["local", "landmarks only", "stride"])
+def test_nystrom_softmax_blocks_give_the_whole_calls_rows(monkeypatch, options):
+    """Each block starts from the keys before it at their running maximum: keys of large
+    norm in the first block (the shift the later blocks start from), a later key of
+    larger norm still, rows whose normaliser is lost (the mean of every earlier value),
+    left padding and a hole across a block boundary."""
+    from skyformer.ops.nystrom_softmax import causal as causal_ns
+
+    monkeypatch.setattr(causal_prefix, "STREAM_ROWS", 128)
+    q, k, v = make_qkv(2, 2, 300, 8, seed=6)
+    k[:, :, :40] *= 4
+    k[:, :, 250] *= 6  # in the last chunk of a block (of both sequences, once packed)
+    q[:, :, [150, 290]] *= 40
+    mask = torch.ones(2, 300, dtype=torch.bool)
+    mask[0, :150] = False
+    mask[1, 100:140] = False
+
+    def call(q):
+        return skyformer.attention(q, k, v, "nystrom_softmax", causal=True, num_features=12,
+                                   key_padding_mask=mask, generator=skyformer.random_key(4),
+                                   **options)
+
+    whole = call(q.clone().requires_grad_()).detach()
+    seen = []
+    original = causal_ns._whole
+    monkeypatch.setattr(causal_ns, "_whole", lambda *a, **kw: seen.append(a[0].shape[2])
                         or original(*a, **kw))
     with torch.no_grad():
         blocks = call(q)

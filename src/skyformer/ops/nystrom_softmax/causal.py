@@ -50,10 +50,12 @@ from ..shared.causal_nystrom import (
 )
 from ..shared.causal_prefix import (
     CAUSAL_CHUNK,
+    by_blocks,
     chunk_rows,
     lower_triangle,
     per_row,
     prefix_mean_values,
+    row_blocks,
     unchunk_rows,
 )
 from ..shared.inputs import AttentionInputs
@@ -131,7 +133,34 @@ def causal_nystrom_softmax_from_core(
     ``v: [B, H, N, Dv]``, ``key_valid: [B, N]`` or None, ``landmarks`` at positions of
     these rows. ``start``: the keys before these rows (a shard after others; position 0
     must start a chunk of the sequence), their maximum joining the running maximum r;
-    ``keys``: the keys' features where the caller has them. ``[B, H, N, Dv]``."""
+    ``keys``: the keys' features where the caller has them. ``[B, H, N, Dv]``.
+
+    An eager call that records no gradient (inference, a prompt's prefill) runs by
+    blocks of rows (``causal_prefix.by_blocks``), each from the state of the keys before
+    it, as causal Skyformer does: one block's features, exact chunks and chunk states
+    at a time."""
+    earlier = () if start is None else tuple(start)
+    if keys is None and by_blocks(qs.shape[2], qs, ks, v, core.x, core.l_inv, *earlier):
+        outs = []
+        for rows in row_blocks(qs.shape[2], chunk):
+            here = CausalLandmarks(landmarks.position - rows.start, landmarks.live,
+                                   landmarks.from_query)
+            out, start = _whole(qs[:, :, rows], ks[:, :, rows], v[:, :, rows],
+                                None if key_valid is None else key_valid[:, rows], core,
+                                here, local, threshold, chunk=chunk, kernel=kernel,
+                                start=start)
+            outs.append(out)
+        return torch.cat(outs, dim=2)
+    return _whole(qs, ks, v, key_valid, core, landmarks, local, threshold, chunk=chunk,
+                  kernel=kernel, start=start, keys=keys)[0]
+
+
+def _whole(qs: Tensor, ks: Tensor, v: Tensor, key_valid: Tensor | None, core: CausalCore,
+           landmarks: CausalLandmarks, local: bool, threshold: float, *, chunk: int,
+           kernel: str, start: EarlierKeys | None, keys: ShiftedKeys | None = None
+           ) -> tuple[Tensor, EarlierKeys]:
+    """``causal_nystrom_softmax_from_core`` on every row at once, and the state after
+    these rows (their keys and the earlier ones, at the last chunk's running maximum)."""
     n, dv = qs.shape[2], v.shape[-1]
     real = (torch.ones_like(qs[..., 0], dtype=torch.bool) if key_valid is None
             else key_valid[:, None, :].expand_as(qs[..., 0]))  # [B, H, N]
@@ -191,4 +220,10 @@ def causal_nystrom_softmax_from_core(
     numerator, denominator = o.split([dv, o.shape[-1] - dv], dim=-1)  # one backward write
     fallback = prefix_mean_values(v, key_valid, None if start is None else start.values)
     out = normalised_or(numerator, denominator, fallback, denominator > threshold * bound)
-    return torch.where(uses_failed(available, core.failed)[..., None], float("nan"), out)
+    out = torch.where(uses_failed(available, core.failed)[..., None], float("nan"), out)
+    # the state after the last chunk, at its R: its exclusive state and its own sums
+    after = state[:, :, -1] * factor(before[..., -1], end[..., -1])[..., None, None] \
+        + t[:, :, -1]
+    values = torch.where(real[..., None], v1, 0.0).sum(2, keepdim=True)
+    return out, EarlierKeys(after, end[..., -1],
+                            values if start is None else start.values + values)
