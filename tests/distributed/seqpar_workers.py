@@ -525,37 +525,44 @@ def check_causal_nystrom_softmax_shifts(rank: int, world: int) -> None:
 
 
 def check_causal_blocks(rank: int, world: int) -> None:
-    """A causal Skyformer call that records no gradient runs each rank's rows by blocks
-    (here of 128 rows), the sums the rank offers taken block by block too: the rows of
-    one process's call, padding across a block and a shard boundary, a chunk across
-    the boundary, left padding."""
+    """A causal Skyformer or nystrom_softmax call that records no gradient runs each
+    rank's rows by blocks (here of 128 rows), the sums the rank offers taken block by
+    block too: the rows of one process's call, padding across a block and a shard
+    boundary, a chunk across the boundary, left padding, keys of large norm in the last
+    chunk of a block."""
+    from skyformer.ops.nystrom_softmax import causal as causal_nystrom_softmax
     from skyformer.ops.shared import causal_prefix
-    from skyformer.ops.skyformer import causal
+    from skyformer.ops.skyformer import causal as causal_skyformer
 
     causal_prefix.STREAM_ROWS = 128
     lengths = [350, 250][:world]
     n = sum(lengths)
     q, k, v, _ = inputs(n, seed=3)
+    k[:, :, 100] *= 4
+    k[:, :, [250, 520]] *= 6  # larger than the first: the blocks offer states at other shifts
     mask = torch.ones(2, n, dtype=torch.bool)
     mask[0, 330:380] = False
     mask[1, :40] = False
     mine = _shards(lengths)[rank]
     seen: list[int] = []
-    original = causal._whole
-    causal._whole = lambda *a, **kw: seen.append(a[0].shape[2]) or original(*a, **kw)
-    for padding, local in ((mask, True), (mask, False), (None, True)):
-        full = [t.clone().requires_grad_() for t in (q, k, v)]  # records: one pass
-        want = skyformer.attention(*full, "skyformer", causal=True, key_padding_mask=padding,
-                                   num_features=8, causal_local=local,
-                                   generator=skyformer.random_key(2))
-        seen.clear()
-        with torch.no_grad():
-            got = sequence_parallel_attention(
-                *(t[:, :, mine] for t in (q, k, v)), "skyformer", causal=True,
-                key_padding_mask=None if padding is None else padding[:, mine],
-                num_features=8, causal_local=local, generator=skyformer.random_key(2))
-        assert len(seen) > 2 and max(seen) <= 128 + 63, seen  # halo + whole chunks
-        torch.testing.assert_close(got, want[:, :, mine].detach(), rtol=1e-12, atol=1e-13)
+    for method, module in (("skyformer", causal_skyformer),
+                           ("nystrom_softmax", causal_nystrom_softmax)):
+        original = module._whole
+        module._whole = lambda *a, original=original, **kw: (
+            seen.append(a[0].shape[2]) or original(*a, **kw))
+        for padding, local in ((mask, True), (mask, False), (None, True)):
+            options = {"num_features": 8, "causal_local": local, "causal": True,
+                       "generator": skyformer.random_key(2)}
+            full = [t.clone().requires_grad_() for t in (q, k, v)]  # records: one pass
+            want = skyformer.attention(*full, method, key_padding_mask=padding, **options)
+            seen.clear()
+            with torch.no_grad():
+                got = sequence_parallel_attention(
+                    *(t[:, :, mine] for t in (q, k, v)), method,
+                    key_padding_mask=None if padding is None else padding[:, mine], **options)
+            assert len(seen) > 2 and max(seen) <= 128 + 63, (method, seen)  # halo + chunks
+            torch.testing.assert_close(got, want[:, :, mine].detach(), rtol=1e-12,
+                                       atol=1e-13, msg=f"{method} local={local}")
 
 
 def check_layer_copies(rank: int, world: int) -> None:

@@ -24,9 +24,10 @@ from ..ops.nystrom_softmax.causal import (
     causal_nystrom_softmax_from_core,
 )
 from ..ops.shared.causal_nystrom import gaussian_features
+from ..ops.shared.causal_prefix import by_blocks, row_blocks
 from ..ops.shared.inputs import AttentionInputs
 from ..ops.shared.rescaled_prefix import factor
-from .causal_shard import Rows, causal_shard
+from .causal_shard import CausalShard, Rows, causal_shard, rows_within
 from .layout import ShardLayout
 from .reduction import GroupReduction
 
@@ -41,25 +42,60 @@ def causal_nystrom_softmax_shard(q: Tensor, k: Tensor, v: Tensor, config: Any,
     ks = shard.k * root
     real = (torch.ones_like(ks[..., 0], dtype=torch.bool) if shard.valid is None
             else shard.valid[:, None, :].expand_as(ks[..., 0]))  # [B, H, N]
+    qs = shard.q * root
     with torch.no_grad():  # r'_j: the running maximum of this rank's halo and rows
         own_max = half_sq_norm(ks.detach()).masked_fill(~real, float("-inf")).cummax(-1).values
         offset = torch.where(torch.isfinite(own_max), own_max, 0.0)
-    psi_k = gaussian_features(ks, shard.core, row_valid=shard.valid, row_offset=offset,
-                              row_norm=False, kernel=config.kernel)
     v1 = torch.where(real[..., None], with_ones_column(shard.v), 0.0)
-    offers = [_state(psi_k, own_max, v1, rows) for rows in (shard.head, shard.mine)]
+    keys = None
+    if by_blocks(ks.shape[2], qs, ks, shard.v, shard.core.x, shard.core.l_inv):
+        # inference: the features of one block at a time, for the states this rank
+        # offers and again for its rows (ops/nystrom_softmax/causal.py)
+        offers = _offers_by_blocks(ks, shard, own_max, offset, v1, config.kernel)
+    else:
+        psi_k = gaussian_features(ks, shard.core, row_valid=shard.valid, row_offset=offset,
+                                  row_norm=False, kernel=config.kernel)
+        offers = [_state(psi_k, own_max, v1, rows) for rows in (shard.head, shard.mine)]
+        keys = ShiftedKeys(psi_k, offset)
     sums = shard.earlier(offers[0][0], offers[1][0], reduce)  # [R, B, H, m + 1, Dv + 1]
     shifts = shard.earlier(offers[0][1], offers[1][1], reduce)  # [R, B, H], constants
-    none = shifts.new_full((1, *shifts.shape[1:]), float("-inf"))
-    top = torch.cat([none, shifts]).amax(0)  # [B, H]
-    m = psi_k.shape[-1]
-    joined = (sums[..., :m, :] * factor(shifts, top)[..., None, None]).sum(0)
+    m = shard.core.l_inv.shape[-1]
+    joined, top = _joined(sums[..., :m, :], shifts)
     start = EarlierKeys(joined, top, sums[..., m:, :].sum(0))
     out = causal_nystrom_softmax_from_core(
-        shard.q * root, ks, shard.v, shard.valid, shard.core, shard.landmarks,
-        config.causal_local, config.normalizer_threshold, kernel=config.kernel, start=start,
-        keys=ShiftedKeys(psi_k, offset))
+        qs, ks, shard.v, shard.valid, shard.core, shard.landmarks, config.causal_local,
+        config.normalizer_threshold, kernel=config.kernel, start=start, keys=keys)
     return shard.finish(out)
+
+
+def _joined(sums: Tensor, shifts: Tensor) -> tuple[Tensor, Tensor]:
+    """States ``sums [R, B, H, ...]`` at ``shifts [R, B, H]`` (-inf: no real key) joined at
+    the largest shift, every factor at most 1: ``([B, H, ...], [B, H])``."""
+    none = shifts.new_full((1, *shifts.shape[1:]), float("-inf"))
+    top = torch.cat([none, shifts]).amax(0)  # [B, H]
+    factors = factor(shifts, top).reshape(*shifts.shape, *[1] * (sums.dim() - shifts.dim()))
+    return (sums * factors).sum(0), top
+
+
+def _offers_by_blocks(ks: Tensor, shard: CausalShard, own_max: Tensor, offset: Tensor,
+                      v1: Tensor, kernel: str) -> list[tuple[Tensor, Tensor]]:
+    """The states of ``shard.head`` and ``shard.mine`` (``_state``), the keys' features
+    taken block by block (``causal_prefix.row_blocks``), the blocks' states joined."""
+    parts: list[list[tuple[Tensor, Tensor]]] = [[], []]
+    for block in row_blocks(ks.shape[2]):
+        valid = None if shard.valid is None else shard.valid[:, block]
+        psi_k = gaussian_features(ks[:, :, block], shard.core, row_valid=valid,
+                                  row_offset=offset[:, :, block], row_norm=False, kernel=kernel)
+        for part, rows in zip(parts, (shard.head, shard.mine), strict=True):
+            part.append(_state(psi_k, own_max[:, :, block], v1[:, :, block],
+                               rows_within(rows, block)))
+    m = shard.core.l_inv.shape[-1]
+    offers = []
+    for part in parts:
+        states, tops = torch.stack([s for s, _ in part]), torch.stack([t for _, t in part])
+        joined, top = _joined(states[..., :m, :], tops)  # the values' sums: plain sums
+        offers.append((torch.cat([joined, states[..., m:, :].sum(0)], 2), top))
+    return offers
 
 
 def _state(psi_k: Tensor, own_max: Tensor, v1: Tensor, rows: Rows) -> tuple[Tensor, Tensor]:

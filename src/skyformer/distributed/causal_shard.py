@@ -129,6 +129,14 @@ def causal_shard(q: Tensor, k: Tensor, v: Tensor, config: Any, info: AttentionIn
                        (ends // CAUSAL_CHUNK) * CAUSAL_CHUNK == first, finish)
 
 
+def rows_within(rows: Rows, block: slice) -> Rows:
+    """``rows`` of the sequence as rows of its ``block`` (a range of it)."""
+    if isinstance(rows, slice):
+        first = min(max(rows.start, block.start), block.stop) - block.start
+        return slice(first, max(first, min(rows.stop, block.stop) - block.start))
+    return rows[:, block]
+
+
 def _halo_then_rows(q: Tensor, k: Tensor, v: Tensor, halo_kv: Tensor, halo_valid: Tensor,
                     valid: Tensor | None, layout: ShardLayout, first: Tensor, halo: Tensor,
                     own: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Rows, Rows,

@@ -13,7 +13,7 @@ from ..ops.shared.causal_nystrom import gaussian_features
 from ..ops.shared.causal_prefix import by_blocks, row_blocks
 from ..ops.shared.inputs import AttentionInputs
 from ..ops.skyformer.causal import causal_skyformer_from_core
-from .causal_shard import CausalShard, Rows, causal_shard
+from .causal_shard import CausalShard, Rows, causal_shard, rows_within
 from .layout import ShardLayout
 from .reduction import GroupReduction
 
@@ -47,18 +47,10 @@ def _offers_by_blocks(ks: Tensor, shard: CausalShard, kernel: str) -> tuple[Tens
         valid = None if shard.valid is None else shard.valid[:, block]
         phi_k = gaussian_features(ks[:, :, block], shard.core, row_valid=valid, kernel=kernel)
         v = shard.v[:, :, block]
-        parts = (_key_sums(phi_k, v, _within(shard.head, block)),
-                 _key_sums(phi_k, v, _within(shard.mine, block)))
+        parts = (_key_sums(phi_k, v, rows_within(shard.head, block)),
+                 _key_sums(phi_k, v, rows_within(shard.mine, block)))
         head, whole = parts if head is None else (head + parts[0], whole + parts[1])
     return head, whole
-
-
-def _within(rows: Rows, block: slice) -> Rows:
-    """``rows`` of the sequence as rows of its ``block`` (a range of it)."""
-    if isinstance(rows, slice):
-        first = min(max(rows.start, block.start), block.stop) - block.start
-        return slice(first, max(first, min(rows.stop, block.stop) - block.start))
-    return rows[:, block]
 
 
 def _key_sums(phi_k: Tensor, v: Tensor, rows: Rows) -> Tensor:
