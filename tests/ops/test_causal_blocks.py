@@ -22,6 +22,21 @@ def _call(q, k, v, mask, **options):
                                **options)
 
 
+def _assert_blocks_give_the_whole_rows(monkeypatch, call, q, module, name: str) -> None:
+    """``call(q)`` recording a gradient (one pass) against ``call(q)`` without one, which
+    runs ``module.name`` (spied on) once per block: blocks of 128, 128 and 44 rows, the
+    same rows to rounding."""
+    whole = call(q.clone().requires_grad_()).detach()
+    seen = []
+    original = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **kw: seen.append(a[0].shape[2])
+                        or original(*a, **kw))
+    with torch.no_grad():
+        blocks = call(q)
+    assert seen == [128, 128, 44]
+    torch.testing.assert_close(blocks, whole, rtol=1e-12, atol=1e-13)
+
+
 @pytest.mark.parametrize("options", [{}, {"causal_local": False}, {"landmark_stride": 9}],
                          ids=["local", "landmarks only", "stride"])
 def test_blocks_give_the_whole_calls_rows(monkeypatch, options):
@@ -30,15 +45,8 @@ def test_blocks_give_the_whole_calls_rows(monkeypatch, options):
     mask = torch.ones(2, 300, dtype=torch.bool)
     mask[0, :150] = False  # left padding: the first block all padding, once packed
     mask[1, 100:140] = False  # a hole across a block boundary
-    whole = _call(q.clone().requires_grad_(), k, v, mask, **options)  # records: one pass
-    seen = []
-    original = causal._whole
-    monkeypatch.setattr(causal, "_whole", lambda *a, **kw: seen.append(a[0].shape[2])
-                        or original(*a, **kw))
-    with torch.no_grad():
-        blocks = _call(q, k, v, mask, **options)
-    assert seen == [128, 128, 44]
-    torch.testing.assert_close(blocks, whole.detach(), rtol=1e-12, atol=1e-13)
+    _assert_blocks_give_the_whole_rows(
+        monkeypatch, lambda q: _call(q, k, v, mask, **options), q, causal, "_whole")
 
 
 def test_a_non_finite_key_reaches_the_later_blocks_as_in_the_whole_call(monkeypatch):
@@ -71,15 +79,7 @@ def test_performer_blocks_give_the_whole_calls_rows(monkeypatch, eps):
         return performer_attention(q, k, v, causal=True, num_features=16, eps=eps,
                                    projection=projection, key_padding_mask=mask)
 
-    whole = call(q.clone().requires_grad_()).detach()
-    seen = []
-    original = performer._causal_rows
-    monkeypatch.setattr(performer, "_causal_rows", lambda *a, **kw: seen.append(a[0].shape[2])
-                        or original(*a, **kw))
-    with torch.no_grad():
-        blocks = call(q)
-    assert seen == [128, 128, 44]
-    torch.testing.assert_close(blocks, whole, rtol=1e-12, atol=1e-13)
+    _assert_blocks_give_the_whole_rows(monkeypatch, call, q, performer, "_causal_rows")
 
 
 @pytest.mark.parametrize("options", [{}, {"causal_local": False}, {"landmark_stride": 9}],
@@ -105,15 +105,7 @@ def test_nystrom_softmax_blocks_give_the_whole_calls_rows(monkeypatch, options):
                                    key_padding_mask=mask, generator=skyformer.random_key(4),
                                    **options)
 
-    whole = call(q.clone().requires_grad_()).detach()
-    seen = []
-    original = causal_ns._whole
-    monkeypatch.setattr(causal_ns, "_whole", lambda *a, **kw: seen.append(a[0].shape[2])
-                        or original(*a, **kw))
-    with torch.no_grad():
-        blocks = call(q)
-    assert seen == [128, 128, 44]
-    torch.testing.assert_close(blocks, whole, rtol=1e-12, atol=1e-13)
+    _assert_blocks_give_the_whole_rows(monkeypatch, call, q, causal_ns, "_whole")
 
 
 def test_blocks_hold_whole_chunks_of_any_chunk_length(monkeypatch):
@@ -138,13 +130,7 @@ def test_linear_blocks_give_the_whole_calls_rows(monkeypatch):
     q, k, v = make_qkv(2, 2, 300, 8, seed=5)
     mask = torch.ones(2, 300, dtype=torch.bool)
     mask[0, 100:140] = False
-    whole = skyformer.attention(q.clone().requires_grad_(), k, v, "linear", causal=True,
-                                key_padding_mask=mask).detach()
-    seen = []
-    original = causal_prefix.causal_feature_sums
-    monkeypatch.setattr(linear_module, "causal_feature_sums",
-                        lambda *a, **kw: seen.append(a[0].shape[2]) or original(*a, **kw))
-    with torch.no_grad():
-        blocks = skyformer.attention(q, k, v, "linear", causal=True, key_padding_mask=mask)
-    assert seen == [128, 128, 44]
-    torch.testing.assert_close(blocks, whole, rtol=1e-12, atol=1e-13)
+    _assert_blocks_give_the_whole_rows(
+        monkeypatch, lambda q: skyformer.attention(q, k, v, "linear", causal=True,
+                                                   key_padding_mask=mask),
+        q, linear_module, "causal_feature_sums")
