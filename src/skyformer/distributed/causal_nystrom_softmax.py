@@ -26,7 +26,7 @@ from ..ops.nystrom_softmax.causal import (
 from ..ops.shared.causal_nystrom import gaussian_features
 from ..ops.shared.causal_prefix import by_blocks, row_blocks
 from ..ops.shared.inputs import AttentionInputs
-from ..ops.shared.rescaled_prefix import factor
+from ..ops.shared.rescaled_prefix import factor, joined_at_largest
 from .causal_shard import CausalShard, Rows, causal_shard, rows_within
 from .layout import ShardLayout
 from .reduction import GroupReduction
@@ -60,21 +60,12 @@ def causal_nystrom_softmax_shard(q: Tensor, k: Tensor, v: Tensor, config: Any,
     sums = shard.earlier(offers[0][0], offers[1][0], reduce)  # [R, B, H, m + 1, Dv + 1]
     shifts = shard.earlier(offers[0][1], offers[1][1], reduce)  # [R, B, H], constants
     m = shard.core.l_inv.shape[-1]
-    joined, top = _joined(sums[..., :m, :], shifts)
+    joined, top = joined_at_largest(sums[..., :m, :], shifts)
     start = EarlierKeys(joined, top, sums[..., m:, :].sum(0))
     out = causal_nystrom_softmax_from_core(
         qs, ks, shard.v, shard.valid, shard.core, shard.landmarks, config.causal_local,
         config.normalizer_threshold, kernel=config.kernel, start=start, keys=keys)
     return shard.finish(out)
-
-
-def _joined(sums: Tensor, shifts: Tensor) -> tuple[Tensor, Tensor]:
-    """States ``sums [R, B, H, ...]`` at ``shifts [R, B, H]`` (-inf: no real key) joined at
-    the largest shift, every factor at most 1: ``([B, H, ...], [B, H])``."""
-    none = shifts.new_full((1, *shifts.shape[1:]), float("-inf"))
-    top = torch.cat([none, shifts]).amax(0)  # [B, H]
-    factors = factor(shifts, top).reshape(*shifts.shape, *[1] * (sums.dim() - shifts.dim()))
-    return (sums * factors).sum(0), top
 
 
 def _offers_by_blocks(ks: Tensor, shard: CausalShard, own_max: Tensor, offset: Tensor,
@@ -93,7 +84,7 @@ def _offers_by_blocks(ks: Tensor, shard: CausalShard, own_max: Tensor, offset: T
     offers = []
     for part in parts:
         states, tops = torch.stack([s for s, _ in part]), torch.stack([t for _, t in part])
-        joined, top = _joined(states[..., :m, :], tops)  # the values' sums: plain sums
+        joined, top = joined_at_largest(states[..., :m, :], tops)  # the values' sums: plain sums
         offers.append((torch.cat([joined, states[..., m:, :].sum(0)], 2), top))
     return offers
 

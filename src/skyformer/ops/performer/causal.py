@@ -46,7 +46,7 @@ from ..shared.causal_prefix import (
     unchunk_rows,
 )
 from ..shared.reduction import KeyReduction
-from ..shared.rescaled_prefix import factor, rescaled_prefix_sums
+from ..shared.rescaled_prefix import factor, joined_at_largest, rescaled_prefix_sums
 
 
 class RunningSums(NamedTuple):
@@ -91,11 +91,8 @@ def earlier_running_sums(own: RunningSums, reduce: KeyReduction) -> RunningSums:
     from each shard's ``own`` sums at its own maximum (``KeyChunks.totals``): joined at
     the largest of the earlier ones, every factor at most 1; shards without a real key
     have shift -inf and add nothing."""
-    sums = reduce.earlier(own.sums)  # [R, B, H, m, F]
-    shifts = reduce.earlier(own.shift)  # [R, B, H], constants
-    none = own.shift.new_full((1, *own.shift.shape), float("-inf"))
-    top = torch.cat([none, shifts]).amax(0)  # [B, H]
-    joined = (sums * factor(shifts, top)[..., None, None]).sum(0)
+    # [R, B, H, m, F] at [R, B, H] (constants)
+    joined, top = joined_at_largest(reduce.earlier(own.sums), reduce.earlier(own.shift))
     return RunningSums(joined, top, reduce.earlier(own.plain).sum(0))
 
 
@@ -114,8 +111,7 @@ class KeyChunks(NamedTuple):
 
     def totals(self) -> RunningSums:
         """The running sums of these keys alone, at their largest chunk maximum."""
-        top = self.top.amax(-1)  # [B, H], -inf without a real key
-        sums = (self.own * factor(self.top, top[..., None])[..., None, None]).sum(2)
+        sums, top = joined_at_largest(self.own.movedim(2, 0), self.top.movedim(-1, 0))
         return RunningSums(sums, top, self.real_values.sum(2, keepdim=True))
 
 

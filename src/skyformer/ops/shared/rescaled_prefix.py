@@ -25,6 +25,16 @@ def factor(shift: Tensor, top: Tensor) -> Tensor:
     return torch.where(torch.isfinite(shift), (shift - top).exp(), 0.0)
 
 
+def joined_at_largest(sums: Tensor, shifts: Tensor) -> tuple[Tensor, Tensor]:
+    """States ``sums [R, B, H, ...]`` held at ``shifts [R, B, H]`` (-inf: no key) joined
+    at the largest shift, every factor at most 1 (the states of several shards or
+    blocks): ``([B, H, ...], top [B, H])``, top -inf where none has a key."""
+    none = shifts.new_full((1, *shifts.shape[1:]), float("-inf"))
+    top = torch.cat([none, shifts]).amax(0)
+    factors = factor(shifts, top).reshape(*shifts.shape, *[1] * (sums.dim() - shifts.dim()))
+    return (sums * factors).sum(0), top
+
+
 # A range of the keys' log-scales up to which one float64 cumulative sum at a fixed
 # reference holds the chunk sums (e^600 times the sums of 10^4 chunks stays far below
 # float64's e^709); beyond it the scan, whose factors are all at most 1.
