@@ -525,12 +525,14 @@ def check_causal_nystrom_softmax_shifts(rank: int, world: int) -> None:
 
 
 def check_causal_blocks(rank: int, world: int) -> None:
-    """A causal Skyformer or nystrom_softmax call that records no gradient runs each
-    rank's rows by blocks (here of 128 rows), the sums the rank offers taken block by
-    block too: the rows of one process's call, padding across a block and a shard
-    boundary, a chunk across the boundary, left padding, keys of large norm in the last
-    chunk of a block."""
+    """A causal call of any sharded method that records no gradient runs each rank's
+    rows by blocks (here of 128 rows), the sums the rank offers taken block by block
+    too: the rows of one process's call, padding across a block and a shard boundary,
+    a chunk across the boundary, left padding, keys of large norm in the last chunk of
+    a block."""
+    from skyformer.ops.linear import linear
     from skyformer.ops.nystrom_softmax import causal as causal_nystrom_softmax
+    from skyformer.ops.performer import performer
     from skyformer.ops.shared import causal_prefix
     from skyformer.ops.skyformer import causal as causal_skyformer
 
@@ -545,24 +547,34 @@ def check_causal_blocks(rank: int, world: int) -> None:
     mask[1, :40] = False
     mine = _shards(lengths)[rank]
     seen: list[int] = []
-    for method, module in (("skyformer", causal_skyformer),
-                           ("nystrom_softmax", causal_nystrom_softmax)):
-        original = module._whole
-        module._whole = lambda *a, original=original, **kw: (
-            seen.append(a[0].shape[2]) or original(*a, **kw))
-        for padding, local in ((mask, True), (mask, False), (None, True)):
-            options = {"num_features": 8, "causal_local": local, "causal": True,
-                       "generator": skyformer.random_key(2)}
-            full = [t.clone().requires_grad_() for t in (q, k, v)]  # records: one pass
-            want = skyformer.attention(*full, method, key_padding_mask=padding, **options)
-            seen.clear()
-            with torch.no_grad():
-                got = sequence_parallel_attention(
-                    *(t[:, :, mine] for t in (q, k, v)), method,
-                    key_padding_mask=None if padding is None else padding[:, mine], **options)
-            assert len(seen) > 2 and max(seen) <= 128 + 63, (method, seen)  # halo + chunks
-            torch.testing.assert_close(got, want[:, :, mine].detach(), rtol=1e-12,
-                                       atol=1e-13, msg=f"{method} local={local}")
+    local_options = [{"causal_local": True}, {"causal_local": False}]
+    for method, module, name, variants in (
+            ("skyformer", causal_skyformer, "_whole", local_options),
+            ("nystrom_softmax", causal_nystrom_softmax, "_whole", local_options),
+            ("linear", linear, "causal_feature_sums", [{}]),
+            ("performer", performer, "_causal_rows", [{}])):
+        original = getattr(module, name)
+        setattr(module, name, lambda *a, original=original, **kw: (
+            seen.append(a[0].shape[2]) or original(*a, **kw)))
+        try:
+            for padding, extra in [(mask, o) for o in variants] + [(None, variants[0])]:
+                options = {"causal": True, "generator": skyformer.random_key(2), **extra}
+                if method != "linear":
+                    options["num_features"] = 8
+                full = [t.clone().requires_grad_() for t in (q, k, v)]  # records: one pass
+                want = skyformer.attention(*full, method, key_padding_mask=padding, **options)
+                seen.clear()
+                with torch.no_grad():
+                    got = sequence_parallel_attention(
+                        *(t[:, :, mine] for t in (q, k, v)), method,
+                        key_padding_mask=None if padding is None else padding[:, mine],
+                        **options)
+                blocks = -(-lengths[rank] // 128)  # each at most 128 rows, a halo and chunks
+                assert len(seen) >= blocks and max(seen) <= 128 + 63, (method, seen)
+                torch.testing.assert_close(got, want[:, :, mine].detach(), rtol=1e-12,
+                                           atol=1e-13, msg=f"{method} {extra} {padding is None}")
+        finally:
+            setattr(module, name, original)
 
 
 def check_layer_copies(rank: int, world: int) -> None:

@@ -67,7 +67,7 @@ def test_float32_norms_past_its_reach_are_computed_as_one_process_computes_them(
     spawn(2, check_float32_norms_past_its_reach)
 
 
-def test_causal_nystrom_inference_runs_by_blocks_on_each_rank():
+def test_causal_inference_runs_by_blocks_on_each_rank():
     spawn(2, check_causal_blocks)
 
 

@@ -156,17 +156,20 @@ def causal_linear(phi_q: Tensor, phi_k: Tensor, v: Tensor, eps: float,
     shards before it, phi(K)^T [V, 1] (D x (Dv + 1) each), which every row adds: the
     RNN's state S at the shard's start (Katharopoulos et al. eqs. (8)-(9)). A call that
     records no gradient runs by blocks of rows (``causal_prefix.by_blocks``), each from
-    that state after the keys before it."""
+    that state after the keys before it (a shard's sums offered to later shards are
+    the sum of its blocks')."""
     n = phi_q.shape[2]
-    if not reduce.sharded and by_blocks(n, phi_q, phi_k, v):  # inference: block by block
-        outs, start = [], None
-        for rows in row_blocks(n):
-            v_and_one = with_ones_column(v[:, :, rows])
-            o = causal_feature_sums(phi_q[:, :, rows], phi_k[:, :, rows], v_and_one,
-                                    chunk=chunk, start=start)
+    if by_blocks(n, phi_q, phi_k, v):  # inference: block by block
+        blocks = row_blocks(n)
+        block_sums = [phi_k[:, :, rows].transpose(-1, -2) @ with_ones_column(v[:, :, rows])
+                      for rows in blocks]  # [B, H, D, Dv + 1] each
+        start = reduce.earlier(sum(block_sums)).sum(0) if reduce.sharded else None
+        outs = []
+        for rows, sums in zip(blocks, block_sums, strict=True):
+            o = causal_feature_sums(phi_q[:, :, rows], phi_k[:, :, rows],
+                                    with_ones_column(v[:, :, rows]), chunk=chunk, start=start)
             outs.append(linear_normalised(o, eps))
-            block_sums = phi_k[:, :, rows].transpose(-1, -2) @ v_and_one
-            start = block_sums if start is None else start + block_sums
+            start = sums if start is None else start + sums
         return torch.cat(outs, dim=2)
     v_and_one = with_ones_column(v)  # [B, H, N, Dv + 1]
     o = causal_feature_sums(phi_q, phi_k, v_and_one, chunk=chunk)

@@ -33,6 +33,7 @@ Time O(N L m + N m Dv) (the scan: + N m Dv log(N / L) / L), memory O(N m Dv / L 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -88,12 +89,22 @@ def running_sums(log_k: Tensor, scale_basis: Tensor, v1: Tensor, key_valid: Tens
 
 def earlier_running_sums(own: RunningSums, reduce: KeyReduction) -> RunningSums:
     """The running sums of the keys of the shards before this one (sequence parallel),
-    from each shard's ``own`` sums at its own maximum (``KeyChunks.totals``): joined at
-    the largest of the earlier ones, every factor at most 1; shards without a real key
-    have shift -inf and add nothing."""
-    # [R, B, H, m, F] at [R, B, H] (constants)
-    joined, top = joined_at_largest(reduce.earlier(own.sums), reduce.earlier(own.shift))
-    return RunningSums(joined, top, reduce.earlier(own.plain).sum(0))
+    from each shard's ``own`` sums at its own maximum (``KeyChunks.totals``); shards
+    without a real key have shift -inf and add nothing."""
+    return _joined(RunningSums(*(reduce.earlier(part) for part in own)))
+
+
+def joined_running_sums(parts: Sequence[RunningSums]) -> RunningSums:
+    """The running sums of several runs of keys (the blocks of a shard), each at its own
+    maximum, as those of all their keys."""
+    return _joined(RunningSums(*(torch.stack(part) for part in zip(*parts, strict=True))))
+
+
+def _joined(stacked: RunningSums) -> RunningSums:
+    """Running sums stacked along a first dim R (``sums [R, B, H, m, F]`` at ``shift
+    [R, B, H]``, constants) joined at the largest shift, every factor at most 1."""
+    sums, top = joined_at_largest(stacked.sums, stacked.shift)
+    return RunningSums(sums, top, stacked.plain.sum(0))
 
 
 class KeyChunks(NamedTuple):

@@ -79,7 +79,14 @@ from ..shared.options import (
     check_scale,
 )
 from ..shared.reduction import WHOLE, KeyReduction
-from .causal import RunningSums, causal_rows, earlier_running_sums, key_chunks
+from .causal import (
+    KeyChunks,
+    RunningSums,
+    causal_rows,
+    earlier_running_sums,
+    joined_running_sums,
+    key_chunks,
+)
 from .features import causal_key_logs, key_features, query_features, resolve_projection
 
 
@@ -352,20 +359,36 @@ def causal_performer(qs: Tensor, ks: Tensor, v: Tensor, projection: Tensor,
                      key_valid: Tensor | None, eps: float, reduce: KeyReduction = WHOLE
                      ) -> Tensor:
     """Causal Performer (``causal.py``) of the scaled rows ``qs, ks: [B, H, N, D]``,
-    ``v: [B, H, N, Dv]``: ``[B, H, N, Dv]``, padded query rows not zeroed. A call that
-    records no gradient runs by blocks of rows (``causal_prefix.by_blocks``), each from
-    the running sums of the keys before it; where the keys are a shard, ``reduce``
-    gives the earlier shards' running sums (sequence parallel)."""
+    ``v: [B, H, N, Dv]``: ``[B, H, N, Dv]``, padded query rows not zeroed. Where the
+    keys are a shard, ``reduce`` gives the earlier shards' running sums (sequence
+    parallel). A call that records no gradient runs by blocks of rows
+    (``causal_prefix.by_blocks``), each from the running sums of the keys before it;
+    a shard's blocks first take the sums it offers to later shards block by block
+    (its keys' features computed twice: the memory of one block, not of the shard)."""
     n = qs.shape[2]
-    if reduce.sharded or not by_blocks(n, qs, ks, v, projection):
+    if not by_blocks(n, qs, ks, v, projection):
         return _causal_rows(qs, ks, v, projection, key_valid, eps, reduce)[0]
-    outs, start = [], None
-    for rows in row_blocks(n):
+    blocks = [(rows, None if key_valid is None else key_valid[:, rows])
+              for rows in row_blocks(n)]
+    start = None
+    if reduce.sharded:
+        totals = [_keys(ks[:, :, rows], v[:, :, rows], projection, valid, eps).totals()
+                  for rows, valid in blocks]
+        start = earlier_running_sums(joined_running_sums(totals), reduce)
+    outs = []
+    for rows, valid in blocks:
         out, start = _causal_rows(qs[:, :, rows], ks[:, :, rows], v[:, :, rows], projection,
-                                  None if key_valid is None else key_valid[:, rows], eps,
-                                  WHOLE, start)
+                                  valid, eps, WHOLE, start)
         outs.append(out)
     return torch.cat(outs, dim=2)
+
+
+def _keys(ks: Tensor, v: Tensor, projection: Tensor, key_valid: Tensor | None, eps: float
+          ) -> KeyChunks:
+    """These keys' features and values by chunks (``causal.key_chunks``)."""
+    log_k, scale_basis = causal_key_logs(ks, projection, eps)
+    return key_chunks(log_k, scale_basis, with_ones_column(v), key_valid,
+                      chunk_length(ks.shape[2], CAUSAL_CHUNK))
 
 
 def _causal_rows(qs: Tensor, ks: Tensor, v: Tensor, projection: Tensor,
@@ -374,9 +397,7 @@ def _causal_rows(qs: Tensor, ks: Tensor, v: Tensor, projection: Tensor,
     """``causal_performer`` of these rows after the keys of ``start`` (or of the earlier
     shards, ``reduce``), and the running sums after them."""
     phi_q, _ = query_features(qs, projection, eps)  # [B, H, N, m]
-    log_k, scale_basis = causal_key_logs(ks, projection, eps)
-    keys = key_chunks(log_k, scale_basis, with_ones_column(v), key_valid,
-                      chunk_length(ks.shape[2], CAUSAL_CHUNK))
+    keys = _keys(ks, v, projection, key_valid, eps)
     if reduce.sharded:  # from this shard's chunk sums: each key's features taken once
         start = earlier_running_sums(keys.totals(), reduce)
     o, after = causal_rows(phi_q, keys, eps, start)  # [B, H, N, Dv + 1]
