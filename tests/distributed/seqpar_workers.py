@@ -577,6 +577,29 @@ def check_causal_blocks(rank: int, world: int) -> None:
             setattr(module, name, original)
 
 
+def check_causal_collectives(rank: int, world: int) -> None:
+    """A causal call's forward pass makes as many collectives whatever the rank and P,
+    each rank's offers to the later ranks in one exchange (docs/distributed.md): the
+    layout's two gathers, the offers and the non-finite check, and for the Nystrom
+    forms the landmark rows and the halo; one more for float32 nystrom_softmax (its
+    reach). The backward pass all-reduces the differentiable ones again."""
+    lengths = [70, 60, 50][:world]
+    q, k, v, _ = inputs(sum(lengths), seed=1)
+    mine = _shards(lengths)[rank]
+    expected = {"linear": 4, "performer": 4, "skyformer": 6, "nystrom_softmax": 6}
+    for method, count in expected.items():
+        for dtype in (torch.float64, torch.float32):
+            options = {"causal": True, "generator": skyformer.random_key(1)}
+            if method != "linear":
+                options["num_features"] = 8
+            part = [t[:, :, mine].to(dtype).requires_grad_() for t in (q, k, v)]
+            with count_communication() as forward:
+                out = sequence_parallel_attention(*part, method, **options)
+            out.sum().backward()
+            extra = method == "nystrom_softmax" and dtype == torch.float32
+            assert len(forward.calls) == count + extra, (method, dtype, forward.calls)
+
+
 def check_layer_copies(rank: int, world: int) -> None:
     """A deep copy of a sequence-parallel layer (an EMA model) shares the group and
     computes what the layer does; pickling the layer says to save its state_dict."""

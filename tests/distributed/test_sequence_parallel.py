@@ -12,6 +12,7 @@ from seqpar_workers import (
     CAUSAL_NYSTROM,
     check_autocast,
     check_causal_blocks,
+    check_causal_collectives,
     check_causal_nystrom_softmax_shifts,
     check_equal,
     check_errors,
@@ -69,6 +70,11 @@ def test_float32_norms_past_its_reach_are_computed_as_one_process_computes_them(
 
 def test_causal_inference_runs_by_blocks_on_each_rank():
     spawn(2, check_causal_blocks)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_causal_offers_cross_in_one_exchange(world):
+    spawn(world, check_causal_collectives)
 
 
 def test_causal_nystrom_softmax_joins_the_earlier_ranks_at_their_largest_shift():

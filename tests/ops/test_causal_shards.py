@@ -116,3 +116,28 @@ def test_prefix_means_continue_the_earlier_sums():
     ones = torch.ones(2, 12, dtype=torch.bool)
     torch.testing.assert_close(prefix_mean_values(v[:, :, 5:], None, earlier),
                                prefix_mean_values(v[:, :, 5:], ones[:, 5:], earlier))
+
+
+def test_earlier_each_gives_each_partial_of_the_earlier_shards_in_its_shape_and_dtype():
+    """The packed exchange returns what one ``earlier`` per partial would: ``[R,
+    *shape]`` in each partial's dtype (a float32 scale beside float64 sums), gradients
+    reaching the shard that offered them; in one process R = 0."""
+    reduce = ShardsInOrder()
+    offered = []
+    for shard in range(3):
+        reduce.next_shard()
+        sums = torch.full((2, 3, 4), float(shard + 1), dtype=torch.float64,
+                          requires_grad=True)
+        scale = torch.full((2,), -float(shard), dtype=torch.float32)
+        offered.append(sums)
+        got_sums, got_scale = reduce.earlier_each(sums, scale)
+    assert got_sums.shape == (2, 2, 3, 4) and got_sums.dtype == torch.float64
+    assert got_scale.shape == (2, 2) and got_scale.dtype == torch.float32
+    torch.testing.assert_close(got_sums, torch.stack([t.detach() for t in offered[:2]]))
+    torch.testing.assert_close(got_scale, torch.tensor([[0.0, 0.0], [-1.0, -1.0]]))
+    got_sums[1].sum().backward()
+    assert offered[0].grad is None or not offered[0].grad.any()
+    torch.testing.assert_close(offered[1].grad, torch.ones(2, 3, 4, dtype=torch.float64))
+    alone = WHOLE.earlier_each(offered[0], torch.zeros(5, dtype=torch.float32))
+    assert [(t.shape, t.dtype) for t in alone] == [((0, 2, 3, 4), torch.float64),
+                                                   ((0, 5), torch.float32)]

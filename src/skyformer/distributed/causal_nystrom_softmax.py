@@ -57,8 +57,8 @@ def causal_nystrom_softmax_shard(q: Tensor, k: Tensor, v: Tensor, config: Any,
                                   row_norm=False, kernel=config.kernel)
         offers = [_state(psi_k, own_max, v1, rows) for rows in (shard.head, shard.mine)]
         keys = ShiftedKeys(psi_k, offset)
-    sums = shard.earlier(offers[0][0], offers[1][0], reduce)  # [R, B, H, m + 1, Dv + 1]
-    shifts = shard.earlier(offers[0][1], offers[1][1], reduce)  # [R, B, H], constants
+    # [R, B, H, m + 1, Dv + 1] at [R, B, H] (constants), in one exchange
+    sums, shifts = shard.earlier(list(zip(*offers, strict=True)), reduce)
     m = shard.core.l_inv.shape[-1]
     joined, top = joined_at_largest(sums[..., :m, :], shifts)
     start = EarlierKeys(joined, top, sums[..., m:, :].sum(0))

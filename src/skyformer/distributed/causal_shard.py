@@ -28,7 +28,7 @@ to the order of floating-point sums.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,13 +73,17 @@ class CausalShard:
     gives_head: Tensor  # [R, B] bool: earlier rank r's head (else whole) precedes these
     finish: Callable[[Tensor], Tensor]  # an output's rows of this rank, as the call's
 
-    def earlier(self, head: Tensor, whole: Tensor, reduce: GroupReduction) -> Tensor:
-        """``[R, B, ...]``: of each earlier rank, its ``head`` or its ``whole`` (this
-        rank's offers, ``[B, ...]``, the state of its ``head`` and ``mine`` rows),
-        whichever precedes this rank's first chunk."""
-        parts = reduce.earlier(torch.stack([head, whole]).movedim(0, -1))  # [R, B, ..., 2]
-        return torch.where(self.gives_head.view(*self.gives_head.shape, *[1] * (head.dim() - 1)),
-                           parts[..., 0], parts[..., 1])
+    def earlier(self, offers: Sequence[tuple[Tensor, Tensor]], reduce: GroupReduction
+                ) -> list[Tensor]:
+        """For each offer ``(head, whole)`` of this rank (``[B, ...]`` each, the states
+        of its ``head`` and ``mine`` rows), ``[R, B, ...]``: of each earlier rank, its
+        ``head`` or its ``whole``, whichever precedes this rank's first chunk. One
+        exchange for all the offers."""
+        parts = reduce.earlier_each(*(torch.stack(pair).movedim(0, -1) for pair in offers))
+        return [torch.where(self.gives_head.view(*self.gives_head.shape,
+                                                 *[1] * (part.dim() - 3)),
+                            part[..., 0], part[..., 1])  # part: [R, B, ..., 2]
+                for part in parts]
 
 
 def causal_shard(q: Tensor, k: Tensor, v: Tensor, config: Any, info: AttentionInputs,

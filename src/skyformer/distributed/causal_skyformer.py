@@ -32,7 +32,7 @@ def causal_skyformer_shard(q: Tensor, k: Tensor, v: Tensor, config: Any, info: A
     else:
         phi_k = gaussian_features(ks, shard.core, row_valid=shard.valid, kernel=config.kernel)
         offers = (_key_sums(phi_k, shard.v, shard.head), _key_sums(phi_k, shard.v, shard.mine))
-    start = shard.earlier(*offers, reduce).sum(0)
+    start = shard.earlier([offers], reduce)[0].sum(0)
     out = causal_skyformer_from_core(qs, ks, shard.v, shard.valid, shard.core, shard.landmarks,
                                      config.causal_local, kernel=config.kernel, start=start,
                                      phi_k=phi_k)

@@ -91,7 +91,7 @@ def earlier_running_sums(own: RunningSums, reduce: KeyReduction) -> RunningSums:
     """The running sums of the keys of the shards before this one (sequence parallel),
     from each shard's ``own`` sums at its own maximum (``KeyChunks.totals``); shards
     without a real key have shift -inf and add nothing."""
-    return _joined(RunningSums(*(reduce.earlier(part) for part in own)))
+    return _joined(RunningSums(*reduce.earlier_each(*own)))  # one exchange
 
 
 def joined_running_sums(parts: Sequence[RunningSums]) -> RunningSums:

@@ -12,6 +12,7 @@ sequence-parallel forms run the same code as the single-process ones.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 
@@ -35,6 +36,15 @@ class KeyReduction:
         work where ``sharded`` is False). The first shard's ``R = 0`` rows stay tied to
         the exchange, so that its backward pass joins the other processes'."""
         return partial[None][:0]
+
+    def earlier_each(self, *partials: Tensor) -> tuple[Tensor, ...]:
+        """``earlier`` of each partial, by one exchange: the partials packed into one
+        flat tensor (their promoted dtype), the result split back into ``[R, *shape]``
+        in each partial's dtype (constants and tensors that record gradients alike)."""
+        stacked = self.earlier(torch.cat([p.reshape(-1) for p in partials]))  # [R, total]
+        parts = stacked.split([p.numel() for p in partials], dim=1)
+        return tuple(part.reshape(stacked.shape[0], *p.shape).to(p.dtype)
+                     for part, p in zip(parts, partials, strict=True))
 
 
 WHOLE = KeyReduction()
