@@ -343,3 +343,35 @@ def test_an_empty_batch_gives_an_empty_output_as_torch_does(method):
     with pytest.raises(ValueError, match=r"key_padding_mask is on meta but the inputs are on "):
         layer(torch.randn(0, 40, 16), key_padding_mask=torch.ones(0, 40, dtype=torch.bool,
                                                                    device="meta"))
+
+
+def test_a_mask_without_a_real_token_gets_a_warning_naming_both_conventions():
+    """torch.nn.MultiheadAttention's key_padding_mask (True = padding) passed for a batch
+    without padding is False everywhere here: every output was 0 without a word. The
+    layer and skyformer.attention warn, from the user's line; a mask with one real
+    token, a batch element of padding only beside real ones, and a sequence-parallel
+    shard of padding (tests/distributed) do not."""
+    import warnings
+
+    import skyformer
+
+    layer = MultiHeadAttention(16, 2, method="softmax")
+    x = torch.randn(2, 5, 16)
+    nothing_real = torch.zeros(2, 5, dtype=torch.bool)
+    says = (r"softmax: key_padding_mask is False everywhere, so every key is padding and "
+            r"every output row is 0\. Here True marks a real token .* "
+            r"torch\.nn\.MultiheadAttention's key_padding_mask marks padding with True: "
+            r"pass ~mask, or None where nothing is padded\.")
+    with pytest.warns(UserWarning, match=says) as caught:
+        out = layer(x, key_padding_mask=nothing_real)
+    assert caught[0].filename == __file__
+    torch.testing.assert_close(out, layer.out_proj(torch.zeros(2, 5, 16)))
+    q = torch.randn(2, 2, 5, 8)
+    with pytest.warns(UserWarning, match=says.replace("softmax", "skyformer")):
+        skyformer.attention(q, q, q, "skyformer", key_padding_mask=nothing_real)
+    one_empty = nothing_real.clone()
+    one_empty[0, 2] = True  # batch element 1 is padding only: legitimate
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer(x, key_padding_mask=one_empty)
+        skyformer.attention(q, q, q, "skyformer", key_padding_mask=one_empty)

@@ -14,6 +14,7 @@ from .checks import check_positive_int
 from .ops.shared.inputs import check_attention_inputs, check_padding_mask
 from .ops.shared.options import check_probability
 from .registry import BoundMethod, Method, get_method
+from .registry.guard import warn_if_no_real_key
 
 if TYPE_CHECKING:
     from .decoding import DecodingState
@@ -260,6 +261,7 @@ class MultiHeadAttention(BoundMethodProperties, nn.Module):
                 # gets a gradient, as DDP (find_unused_parameters=False) needs of each rank
                 out = out + 0 * sum(p.sum() for p in self.method_state.parameters())
         else:
+            warn_if_no_real_key(self.bound.name, key_padding_mask)
             out = self.bound(
                 q, k, v, key_padding_mask=key_padding_mask,
                 query_padding_mask="auto" if context is None else query_padding_mask,

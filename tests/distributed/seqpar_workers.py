@@ -16,6 +16,7 @@ import traceback
 import warnings
 from collections.abc import Callable
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -598,6 +599,28 @@ def check_causal_collectives(rank: int, world: int) -> None:
             out.sum().backward()
             extra = method == "nystrom_softmax" and dtype == torch.float32
             assert len(forward.calls) == count + extra, (method, dtype, forward.calls)
+
+
+def check_masks_without_a_real_token(rank: int, world: int) -> None:
+    """A key_padding_mask False on every rank (torch's convention given for a batch
+    without padding) gets the one-process warning on every rank; a rank whose shard is
+    padding only, beside real tokens on another, gets none."""
+    q, k, v, _ = inputs(10, seed=0)
+    mine = _shards([6, 4])[rank]
+    part = [t[:, :, mine] for t in (q, k, v)]
+    options = {"num_features": 4, "generator": skyformer.random_key(0)}
+    nothing_real = torch.zeros(2, 10, dtype=torch.bool)
+    with pytest.warns(UserWarning, match=r"skyformer \(sequence parallel\): key_padding_mask is "
+                      r"False on every rank, so every key is padding .* pass ~mask"):
+        out = sequence_parallel_attention(*part, "skyformer",
+                                          key_padding_mask=nothing_real[:, mine], **options)
+    assert not out.any()
+    later_only = nothing_real.clone()
+    later_only[:, 8] = True  # rank 0's shard is padding only
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sequence_parallel_attention(*part, "skyformer", key_padding_mask=later_only[:, mine],
+                                    **options)
 
 
 def check_layer_copies(rank: int, world: int) -> None:

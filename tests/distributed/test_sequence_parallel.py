@@ -21,6 +21,7 @@ from seqpar_workers import (
     check_gradients_recorded_on_some_ranks,
     check_layer_2d,
     check_layer_copies,
+    check_masks_without_a_real_token,
     check_one_rank_fails,
     check_performer_layer,
     check_ranks_disagree,
@@ -75,6 +76,10 @@ def test_causal_inference_runs_by_blocks_on_each_rank():
 @pytest.mark.parametrize("world", [2, 3])
 def test_causal_offers_cross_in_one_exchange(world):
     spawn(world, check_causal_collectives)
+
+
+def test_a_mask_without_a_real_token_on_any_rank_gets_a_warning():
+    spawn(2, check_masks_without_a_real_token)
 
 
 def test_causal_nystrom_softmax_joins_the_earlier_ranks_at_their_largest_shift():

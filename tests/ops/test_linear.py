@@ -131,8 +131,9 @@ def test_eps_zero_gives_zeros_not_nan_where_no_key_is_seen(causal):
     q, k, v = make_qkv(1, 2, 6, 4)
     if not causal:  # cross-attention: real queries, every key of the element padded
         none = torch.zeros(1, 6, dtype=torch.bool)
-        out = skyformer.attention(q, k, v, "linear", eps=0.0, key_padding_mask=none,
-                                  query_padding_mask=None)
+        with pytest.warns(UserWarning, match="key_padding_mask is False everywhere"):
+            out = skyformer.attention(q, k, v, "linear", eps=0.0, key_padding_mask=none,
+                                      query_padding_mask=None)
         assert out.eq(0).all()
     out = skyformer.attention(q - 800, k, v, "linear", eps=0.0, causal=causal)
     assert out.isfinite().all() and out.eq(0).all()  # exp(q - 800) underflows to 0

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..registry.guard import MASK_CONVENTION
+from ..user_frame import warn_from_user_frame
 from .collectives import all_gather
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -150,6 +152,10 @@ def agree_layout(
     counts = torch.full((b,), q.shape[2], dtype=torch.long) if key_valid is None \
         else key_valid.sum(dim=1).cpu()
     every = all_gather(counts.to(device), group).cpu()  # [P, B]
+    if every.numel() and not every.any():  # read on the host already
+        warn_from_user_frame(f"{caller}: key_padding_mask is False on every rank, so every "
+                             f"key is padding and every output row is 0. {MASK_CONVENTION}",
+                             UserWarning)
     return ShardLayout(
         group=group, rank=rank, world=world,
         rows_before=int(lengths[:rank].sum()), total_rows=int(lengths.sum()),

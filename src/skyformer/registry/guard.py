@@ -4,6 +4,8 @@
   and values (``key_padding_mask``) and padded queries are replaced by zeros with
   ``torch.where`` (a NaN times a zero mask would still be NaN), so no NaN, inf or huge
   value in padding can reach a real output or a gradient.
+- A mask that marks no real token at all gets a warning from the entry points
+  (``warn_if_no_real_key``): torch's convention, True = padding, given by mistake.
 - A non-finite value in a real token is never hidden: the output rows it can reach are
   NaN, as with SDPA (a NaN query spoils its own row; a NaN key or value spoils every
   row of its batch element and head, in a causal call the rows at and after it; a
@@ -35,6 +37,26 @@ from torch import Tensor
 
 from ..linalg.kernels import overwrite_in_eager
 from ..linalg.tracing import may_read_values
+from ..user_frame import warn_from_user_frame
+
+# Where a mask marks no real token: the convention of the other libraries, and the fix
+MASK_CONVENTION = ("Here True marks a real token (as transformers' attention_mask == 1); "
+                   "torch.nn.MultiheadAttention's key_padding_mask marks padding with True: "
+                   "pass ~mask, or None where nothing is padded.")
+
+
+def warn_if_no_real_key(method: str, key_padding_mask: object) -> None:
+    """A warning where a bool ``key_padding_mask`` with entries marks no real token at
+    all: every output row is then zero, and such a mask is most often torch's convention
+    (True = padding) given for a batch without padding. Read in eager calls on a CPU
+    only, as the finite check: on a GPU the read would make the host wait for the
+    queued work."""
+    if isinstance(key_padding_mask, Tensor) and key_padding_mask.dtype == torch.bool \
+            and key_padding_mask.numel() and key_padding_mask.device.type == "cpu" \
+            and may_read_values(key_padding_mask) and not key_padding_mask.any():
+        warn_from_user_frame(f"{method}: key_padding_mask is False everywhere, so every key "
+                             f"is padding and every output row is 0. {MASK_CONVENTION}",
+                             UserWarning)
 
 
 def _padding(mask: Any, batch: int, length: int, device: torch.device) -> Tensor | None:

@@ -44,6 +44,7 @@ from .capabilities import (
     capability_sentence,
     masks_taken,
 )
+from .guard import warn_if_no_real_key
 from .option_types import accepted_options
 from .signature import AttentionFunction, config_fields, core_of, public_function, takes_config
 from .variants import base_name, is_variant, parse_variant
@@ -581,5 +582,6 @@ def attention(
     spec = get_method(method)
     refuse_misnamed_arguments(spec, options, "skyformer.attention", attention)
     bound = BoundMethod(spec, spec.make_config(**options))
+    warn_if_no_real_key(method, key_padding_mask)
     return bound(q, k, v, key_padding_mask=key_padding_mask,
                  query_padding_mask=query_padding_mask, generator=generator)
