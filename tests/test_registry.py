@@ -151,6 +151,22 @@ def test_a_malformed_or_invalid_variant_fails_in_a_sentence(name, problem):
         get_method(name)
 
 
+@pytest.mark.parametrize("given", [None, 3, 0.5, ["skyformer"]])
+def test_a_method_that_is_no_name_is_a_type_error(given):
+    """``skyformer.attention(q, k, v, None)`` raised ValueError("unknown attention method
+    None"), where MultiHeadAttention(..., None) raised TypeError: the wrong type of
+    argument is a TypeError everywhere, naming the type given."""
+    import skyformer
+
+    says = (rf"the attention method must be a method's name \(one of "
+            rf"skyformer\.list_methods\(\)\), got {type(given).__name__} ")
+    with pytest.raises(TypeError, match=says):
+        get_method(given)
+    q = torch.randn(1, 1, 4, 2)
+    with pytest.raises(TypeError, match=says):
+        skyformer.attention(q, q, q, given)
+
+
 @pytest.mark.parametrize("given, close", [
     ("skyformr", "skyformer"), ("Performer", "performer"), (" linear", "linear"),
     ("kernalized", "kernelized"), ("nope", None),

@@ -437,7 +437,10 @@ def get_method(name: str) -> Method:
             f"{tuple(name.shape)}: a mask goes by keyword, key_padding_mask= ([B, Nk] bool, "
             f"True = real token) or, in skyformer.scaled_dot_product_attention(q, k, v, "
             f"attn_mask, ...), where torch's SDPA takes it.")
-    if not isinstance(name, str) or name not in _REGISTRY:
+    if not isinstance(name, str):  # None, a number: what the list below names is a str
+        raise TypeError(f"the attention method must be a method's name (one of "
+                        f"skyformer.list_methods()), got {type(name).__name__} {name!r}.")
+    if name not in _REGISTRY:
         raise ValueError(
             f"unknown attention method {name!r}{did_you_mean(name, _REGISTRY)}; available: "
             f"{', '.join(_REGISTRY)} (a method of your own: import the module that "

@@ -126,7 +126,8 @@ def _untrained(rows: list[dict[str, Any]]) -> list[str]:
 def _learns(name: str) -> bool:
     try:
         return get_method(name).capabilities.learned_parameters
-    except ValueError:  # a row of a method no longer registered (a result file read back)
+    except (ValueError, TypeError):  # a row of a method no longer registered, or none
+        # named (a result file read back)
         return False
 
 
