@@ -582,14 +582,14 @@ def check_causal_collectives(rank: int, world: int) -> None:
     """A causal call's forward pass makes as many collectives whatever the rank and P,
     each rank's offers to the later ranks in one exchange (docs/distributed.md): the
     layout's two gathers, the offers and the non-finite check, and for the Nystrom
-    forms the landmark rows and the halo; one more for float32 nystrom_softmax (its
-    reach). The backward pass all-reduces the differentiable ones again."""
+    forms the landmark rows and the halo; one more for nystrom_softmax in float32 or
+    bfloat16 (its reach). The backward pass all-reduces the differentiable ones again."""
     lengths = [70, 60, 50][:world]
     q, k, v, _ = inputs(sum(lengths), seed=1)
     mine = _shards(lengths)[rank]
     expected = {"linear": 4, "performer": 4, "skyformer": 6, "nystrom_softmax": 6}
     for method, count in expected.items():
-        for dtype in (torch.float64, torch.float32):
+        for dtype in (torch.float64, torch.float32, torch.bfloat16):
             options = {"causal": True, "generator": skyformer.random_key(1)}
             if method != "linear":
                 options["num_features"] = 8
@@ -597,8 +597,36 @@ def check_causal_collectives(rank: int, world: int) -> None:
             with count_communication() as forward:
                 out = sequence_parallel_attention(*part, method, **options)
             out.sum().backward()
-            extra = method == "nystrom_softmax" and dtype == torch.float32
+            extra = method == "nystrom_softmax" and dtype != torch.float64
             assert len(forward.calls) == count + extra, (method, dtype, forward.calls)
+
+
+def check_causal_backward_under_anomaly_detection(rank: int, world: int) -> None:
+    """The shifts a rank receives are constants for autograd: packed beside the sums in
+    one exchange, they came back recording gradients, and the backward pass of their
+    factors exp(shift - top) gave NaN where both are -inf (discarded later, but
+    ``detect_anomaly`` stopped there, and the other rank waited in its all-reduce).
+    Causal Performer and nystrom_softmax backpropagate under it, equal to one process."""
+    lengths = [40, 30]
+    q, k, v, weights = inputs(sum(lengths), seed=3)
+    mask = torch.ones(2, sum(lengths), dtype=torch.bool)
+    mask[0, :45] = False  # rank 0 holds no real key of element 0 (shift -inf)
+    mine = _shards(lengths)[rank]
+    for method in ("performer", "nystrom_softmax"):
+        options = {"causal": True, "num_features": 8, "generator": skyformer.random_key(2)}
+        for padding in (None, mask):
+            full = [t.clone().requires_grad_() for t in (q, k, v)]
+            want = skyformer.attention(*full, method, key_padding_mask=padding, **options)
+            (want * weights).sum().backward()
+            part = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
+            with torch.autograd.detect_anomaly(check_nan=True):
+                got = sequence_parallel_attention(
+                    *part, method, key_padding_mask=None if padding is None else padding[:, mine],
+                    **options)
+                (got * weights[:, :, mine]).sum().backward()
+            for name, a, b in zip("qkv", part, full, strict=True):
+                torch.testing.assert_close(a.grad, b.grad[:, :, mine], **TOL,
+                                           msg=f"{method}: gradient of {name}")
 
 
 def check_masks_without_a_real_token(rank: int, world: int) -> None:

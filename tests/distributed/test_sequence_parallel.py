@@ -11,6 +11,7 @@ import torch
 from seqpar_workers import (
     CAUSAL_NYSTROM,
     check_autocast,
+    check_causal_backward_under_anomaly_detection,
     check_causal_blocks,
     check_causal_collectives,
     check_causal_nystrom_softmax_shifts,
@@ -76,6 +77,10 @@ def test_causal_inference_runs_by_blocks_on_each_rank():
 @pytest.mark.parametrize("world", [2, 3])
 def test_causal_offers_cross_in_one_exchange(world):
     spawn(world, check_causal_collectives)
+
+
+def test_causal_exchanged_shifts_are_constants_for_autograd():
+    spawn(2, check_causal_backward_under_anomaly_detection)
 
 
 def test_a_mask_without_a_real_token_on_any_rank_gets_a_warning():

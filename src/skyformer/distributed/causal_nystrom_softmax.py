@@ -57,8 +57,10 @@ def causal_nystrom_softmax_shard(q: Tensor, k: Tensor, v: Tensor, config: Any,
                                   row_norm=False, kernel=config.kernel)
         offers = [_state(psi_k, own_max, v1, rows) for rows in (shard.head, shard.mine)]
         keys = ShiftedKeys(psi_k, offset)
-    # [R, B, H, m + 1, Dv + 1] at [R, B, H] (constants), in one exchange
+    # [R, B, H, m + 1, Dv + 1] at [R, B, H], in one exchange; the shifts came back tied to
+    # the sums' exchange: constants again (performer/causal.py, earlier_running_sums)
     sums, shifts = shard.earlier(list(zip(*offers, strict=True)), reduce)
+    shifts = shifts.detach()
     m = shard.core.l_inv.shape[-1]
     joined, top = joined_at_largest(sums[..., :m, :], shifts)
     start = EarlierKeys(joined, top, sums[..., m:, :].sum(0))

@@ -91,7 +91,10 @@ def earlier_running_sums(own: RunningSums, reduce: KeyReduction) -> RunningSums:
     """The running sums of the keys of the shards before this one (sequence parallel),
     from each shard's ``own`` sums at its own maximum (``KeyChunks.totals``); shards
     without a real key have shift -inf and add nothing."""
-    return _joined(RunningSums(*reduce.earlier_each(*own)))  # one exchange
+    sums, shift, plain = reduce.earlier_each(*own)  # one exchange
+    # the shifts came back tied to the sums' exchange: constants again (their factors'
+    # backward would give 0 x NaN where a shift and the top are -inf)
+    return _joined(RunningSums(sums, shift.detach(), plain))
 
 
 def joined_running_sums(parts: Sequence[RunningSums]) -> RunningSums:

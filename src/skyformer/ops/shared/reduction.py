@@ -40,7 +40,9 @@ class KeyReduction:
     def earlier_each(self, *partials: Tensor) -> tuple[Tensor, ...]:
         """``earlier`` of each partial, by one exchange: the partials packed into one
         flat tensor (their promoted dtype), the result split back into ``[R, *shape]``
-        in each partial's dtype (constants and tensors that record gradients alike)."""
+        in each partial's dtype. Every part comes back tied to the one exchange, so a
+        constant packed beside partials that record gradients records them too: the
+        caller detaches it."""
         stacked = self.earlier(torch.cat([p.reshape(-1) for p in partials]))  # [R, total]
         parts = stacked.split([p.numel() for p in partials], dim=1)
         return tuple(part.reshape(stacked.shape[0], *p.shape).to(p.dtype)
