@@ -348,8 +348,9 @@ def test_an_empty_batch_gives_an_empty_output_as_torch_does(method):
 def test_a_mask_without_a_real_token_gets_a_warning_naming_both_conventions():
     """torch.nn.MultiheadAttention's key_padding_mask (True = padding) passed for a batch
     without padding is False everywhere here: every output was 0 without a word. The
-    layer and skyformer.attention warn, from the user's line; a mask with one real
-    token, a batch element of padding only beside real ones, and a sequence-parallel
+    layer (its forward and a decoding step) and skyformer.attention warn, from the
+    user's line; a mask with one real token, a batch element of padding only beside
+    real ones, a mask of the wrong shape (its sentence alone) and a sequence-parallel
     shard of padding (tests/distributed) do not."""
     import warnings
 
@@ -369,9 +370,15 @@ def test_a_mask_without_a_real_token_gets_a_warning_naming_both_conventions():
     q = torch.randn(2, 2, 5, 8)
     with pytest.warns(UserWarning, match=says.replace("softmax", "skyformer")):
         skyformer.attention(q, q, q, "skyformer", key_padding_mask=nothing_real)
+    decoder = MultiHeadAttention(16, 2, method="skyformer", causal=True)
+    with pytest.warns(UserWarning, match=says.replace("softmax", "skyformer")):
+        decoder(x, key_padding_mask=nothing_real, cache=decoder.new_cache())  # a prefill
     one_empty = nothing_real.clone()
     one_empty[0, 2] = True  # batch element 1 is padding only: legitimate
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         layer(x, key_padding_mask=one_empty)
         skyformer.attention(q, q, q, "skyformer", key_padding_mask=one_empty)
+        with pytest.raises(ValueError, match=r"must have shape \[B, Nk\] = \[2, 5\]"):
+            skyformer.attention(q, q, q, "skyformer",  # the sentence alone, no warning first
+                                key_padding_mask=torch.zeros(2, 6, dtype=torch.bool))

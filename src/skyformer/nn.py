@@ -244,6 +244,7 @@ class MultiHeadAttention(BoundMethodProperties, nn.Module):
         if cache is not None and not no_new_token:
             # the forward's sentences, naming the argument passed here
             check_attention_inputs(q, k, v, key_padding_mask, method=self.bound.name)
+            warn_if_no_real_key(self.bound.name, key_padding_mask, k)
             out = cache.step(q, k, v, key_padding_mask)
         elif self.process_group is not None:
             out = self._sequence_parallel(q, k, v, key_padding_mask, generator)
@@ -261,7 +262,7 @@ class MultiHeadAttention(BoundMethodProperties, nn.Module):
                 # gets a gradient, as DDP (find_unused_parameters=False) needs of each rank
                 out = out + 0 * sum(p.sum() for p in self.method_state.parameters())
         else:
-            warn_if_no_real_key(self.bound.name, key_padding_mask)
+            warn_if_no_real_key(self.bound.name, key_padding_mask, k)
             out = self.bound(
                 q, k, v, key_padding_mask=key_padding_mask,
                 query_padding_mask="auto" if context is None else query_padding_mask,

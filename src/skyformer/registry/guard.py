@@ -45,15 +45,17 @@ MASK_CONVENTION = ("Here True marks a real token (as transformers' attention_mas
                    "pass ~mask, or None where nothing is padded.")
 
 
-def warn_if_no_real_key(method: str, key_padding_mask: object) -> None:
-    """A warning where a bool ``key_padding_mask`` with entries marks no real token at
-    all: every output row is then zero, and such a mask is most often torch's convention
-    (True = padding) given for a batch without padding. Read in eager calls on a CPU
-    only, as the finite check: on a GPU the read would make the host wait for the
-    queued work."""
-    if isinstance(key_padding_mask, Tensor) and key_padding_mask.dtype == torch.bool \
-            and key_padding_mask.numel() and key_padding_mask.device.type == "cpu" \
-            and may_read_values(key_padding_mask) and not key_padding_mask.any():
+def warn_if_no_real_key(method: str, key_padding_mask: object, k: Any) -> None:
+    """A warning where a bool ``key_padding_mask`` of the keys' ``[B, Nk]`` (``k: [B, H,
+    Nk, D]``; a mask of another form gets the method's sentence instead) marks no real
+    token at all: every output row is then zero, and such a mask is most often torch's
+    convention (True = padding) given for a batch without padding. Read in eager calls
+    on a CPU only, as the finite check: on a GPU the read would make the host wait for
+    the queued work."""
+    mask = _padding(key_padding_mask, k.shape[0], k.shape[-2], k.device) \
+        if isinstance(k, Tensor) and k.dim() == 4 else None
+    if mask is not None and mask.numel() and mask.device.type == "cpu" \
+            and may_read_values(mask) and not mask.any():
         warn_from_user_frame(f"{method}: key_padding_mask is False everywhere, so every key "
                              f"is padding and every output row is 0. {MASK_CONVENTION}",
                              UserWarning)

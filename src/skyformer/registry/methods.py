@@ -585,6 +585,6 @@ def attention(
     spec = get_method(method)
     refuse_misnamed_arguments(spec, options, "skyformer.attention", attention)
     bound = BoundMethod(spec, spec.make_config(**options))
-    warn_if_no_real_key(method, key_padding_mask)
+    warn_if_no_real_key(method, key_padding_mask, k)
     return bound(q, k, v, key_padding_mask=key_padding_mask,
                  query_padding_mask=query_padding_mask, generator=generator)
