@@ -167,10 +167,13 @@ def test_causal_and_scale_refusals_name_the_method():
     torch.testing.assert_close(  # a causal approximation takes is_causal
         sdpa(q, k, v, is_causal=True, method="skyformer", generator=torch.Generator()),
         skyformer.attention(q, k, v, "skyformer", causal=True, generator=torch.Generator()))
-    with pytest.raises(CapabilityError, match=r"linear cannot use scale=0\.3"):
+    with pytest.raises(CapabilityError, match=r"linear cannot use scale=0\.3: it has no logit "
+                       r"scale option.*1/sqrt\(E\) = 0\.5, which change nothing.*"
+                       r"methods with a scale option: softmax, kernelized, skyformer"):
         sdpa(q, k, v, scale=0.3, method="linear")
-    # the default scale 1/sqrt(E) is what linear computes: accepted
-    sdpa(q, k, v, scale=4**-0.5, method="linear")
+    # SDPA's default 1/sqrt(E) names no scale of its own: accepted, and nothing changes
+    torch.testing.assert_close(sdpa(q, k, v, scale=4**-0.5, method="linear"),
+                               sdpa(q, k, v, method="linear"))
 
 
 @pytest.mark.parametrize("method", ["skyformer", "kernelized", "performer"])
@@ -301,10 +304,38 @@ def test_varlen_errors_name_the_fix():
         sdpa(q, k, v, torch.ones(12, 12, dtype=torch.bool), cu_seqlens=torch.tensor([0, 12]))
 
 
-def test_layout_error_names_the_layout():
+def test_layout_error_names_the_layout_and_the_call_that_fits():
     q, k, v = make_qkv(1, 2, 12, 8)
-    with pytest.raises(ValueError, match=r"\[B, H, L, E\]"):
+    with pytest.raises(ValueError, match=r"\[B, H, L, E\].*got \(12, 8\); for one head "
+                       r"pass query\[None\]"):
         sdpa(q[0, 0], k, v)
+    q5, k5, v5 = (t.unflatten(0, (1, 1)) for t in (q, k, v))  # [1, 1, 2, 12, 8]
+    with pytest.raises(ValueError, match=r"query\.flatten\(0, -4\).*"
+                       r"out\.unflatten\(0, \(1, 1\)\)"):
+        sdpa(q5, k5, v5, method="skyformer")
+    # the calls the sentences name give SDPA's result
+    torch.testing.assert_close(sdpa(q5.flatten(0, -4), k5.flatten(0, -4), v5.flatten(0, -4)
+                                    ).unflatten(0, (1, 1)), F.scaled_dot_product_attention(
+                                        q5, k5, v5))
+
+
+@pytest.mark.parametrize("method", ["softmax", "skyformer", "performer"])
+def test_keys_and_values_of_a_batch_of_one_are_broadcast_as_sdpa_does(method):
+    """Keys and values of batch 1 against queries of batch 3: torch's SDPA broadcasts
+    them; the library refused them. Now they are the expanded views, the keys' gradient
+    summed over the batch."""
+    q, k, v = make_qkv(3, 2, 12, 8, dtype=torch.float64)
+    k, v = k[:1].requires_grad_(), v[:1].requires_grad_()
+    out = sdpa(q, k, v, method=method, generator=torch.Generator().manual_seed(0))
+    whole = [t.expand(3, -1, -1, -1).detach().clone().requires_grad_() for t in (k, v)]
+    same = sdpa(q, *whole, method=method, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(out, same)
+    grads = torch.autograd.grad(out.sum(), (k, v))
+    expected = torch.autograd.grad(same.sum(), whole)
+    for got, full in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, full.sum(0, keepdim=True))
+    if method == "softmax":
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v))
 
 
 def test_padding_mask_under_compile_and_the_sentence_for_other_masks():

@@ -60,7 +60,7 @@ from .linalg.tracing import may_read_values
 from .masks import resolve_mask
 from .ops.shared.masked import mask_broadcasts
 from .ops.shared.options import check_probability
-from .registry import CapabilityError, check_capabilities, get_method
+from .registry import CapabilityError, check_capabilities, get_method, list_methods
 from .registry.binding import all_real_padding_as_none
 from .registry.capabilities import masks_taken
 from .registry.methods import Method, refuse_misnamed_arguments
@@ -119,6 +119,7 @@ def scaled_dot_product_attention(
                          f"{verbs[1]} cu_seqlens, the queries' cumulative lengths; pass "
                          f"cu_seqlens too, or leave {packed} out.")
     _check_layout(spec.name, query, key, value)
+    key, value = _shared_batch(query, key, value)
     key, value = _grouped(spec.name, query, key, value, enable_gqa)
     if is_causal and query.shape[-2] != key.shape[-2]:
         attn_mask = _top_left_causal(spec, attn_mask, query, key)
@@ -213,13 +214,31 @@ def _refuse_padding_masks(method: str, key_padding_mask: Any, query_padding_mask
 
 
 def _check_layout(method: str, query: Any, key: Any, value: Any) -> None:
+    """Each of query, key and value is ``[B, H, L, E]``, or a sentence with the call that
+    makes it one where torch's SDPA takes the layout (more leading dims, or ``[L, E]``)."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, Tensor) or t.dim() != 4:
             shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            fix = "."
+            if isinstance(t, Tensor) and t.dim() > 4:
+                fix = (f"; flatten the leading dims into one batch, {name}.flatten(0, -4) "
+                       f"(the same for the others), and the output's back, "
+                       f"out.unflatten(0, {tuple(t.shape[:-3])}).")
+            elif isinstance(t, Tensor) and t.dim() == 2:
+                fix = f"; for one head pass {name}[None] ([1, L, E])."
             raise ValueError(
                 f"{method}: scaled_dot_product_attention takes {name} as [B, H, L, E] (or "
-                f"[H, L, E]), got {shape}."
+                f"[H, L, E]), got {shape}{fix}"
             )
+
+
+def _shared_batch(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+    """Keys and values of a batch of one that every query batch element attends to, as
+    SDPA broadcasts them: views of the queries' batch size (no copy)."""
+    b = query.shape[0]
+    if b > 1 and key.shape[0] == value.shape[0] == 1:
+        return key.expand(b, *key.shape[1:]), value.expand(b, *value.shape[1:])
+    return key, value
 
 
 def _grouped(method: str, query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool
@@ -251,9 +270,12 @@ def sdpa_options(spec: Method, options: dict[str, Any], is_causal: bool,
     if scale is not None and "scale" in spec.option_names():
         options["scale"] = scale  # the call's, over a scale in the method's name
     elif scale is not None and not math.isclose(scale, head_dim**-0.5, rel_tol=1e-6):
+        having = [m for m in list_methods() if "scale" in get_method(m).option_names()]
         raise CapabilityError(
-            f"{spec.name} cannot use scale={scale:g} (it has no scale option and "
-            f"computes with 1/sqrt(E) = {head_dim**-0.5:.6g}); the other methods can."
+            f"{spec.name} cannot use scale={scale:g}: it has no logit scale option, so it "
+            f"takes only scale=None or SDPA's default 1/sqrt(E) = {head_dim**-0.5:.6g}, "
+            f"which change nothing it computes; methods with a scale option: "
+            f"{', '.join(having)}."
         )
     return options
 

@@ -20,8 +20,11 @@ def test_shape_errors(method):
         attention(q, k[..., :3], v, method)
     with pytest.raises(ValueError, match="same sequence length"):
         attention(q, k, v[:, :, :5], method)
-    with pytest.raises(ValueError, match="batch and head sizes"):
+    with pytest.raises(ValueError, match=r"batch and head sizes.*shared by the 2 batch "
+                       r"elements.*k\.expand\(2, -1, -1, -1\) and v\.expand\(2,"):
         attention(q, k[:1], v[:1], method)
+    with pytest.raises(ValueError, match=r"same B and H\.$"):  # a batch of 2 against 1
+        attention(q[:1], k, v, method)
 
 
 @pytest.mark.parametrize("method", ["softmax", "skyformer"])

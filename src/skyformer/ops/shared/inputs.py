@@ -45,11 +45,17 @@ AUTO = "auto"  # query_padding_mask: the key padding mask when Nq == Nk, else no
 
 
 def _grouped_hint(method: str, q: Tensor, k: Tensor, v: Tensor) -> str:
-    """The end of the sentence for inputs of different head counts: where the key/value
-    heads (``[B, Hkv, N, D]``, as many for k as for v) divide the query heads, the call
-    that runs them as grouped-query attention; else a full stop."""
+    """The end of the sentence for inputs of different batch or head counts: for keys and
+    values of a batch of one, the views that give them the queries' batch; where the
+    key/value heads (``[B, Hkv, N, D]``, as many for k as for v) divide the query heads,
+    the call that runs them as grouped-query attention; else a full stop."""
     h, hkv = q.shape[1], k.shape[1]
-    if k.shape[0] == v.shape[0] == q.shape[0] and v.shape[1] == hkv and 0 < hkv < h \
+    b = q.shape[0]
+    if b > 1 and k.shape[0] == v.shape[0] == 1 and k.shape[1] == v.shape[1] == h:
+        return (f"; keys and values shared by the {b} batch elements (SDPA broadcasts a "
+                f"batch of one): pass k.expand({b}, -1, -1, -1) and v.expand({b}, -1, -1, "
+                f"-1), views that copy nothing.")
+    if k.shape[0] == v.shape[0] == b and v.shape[1] == hkv and 0 < hkv < h \
             and h % hkv == 0:
         return (f"; for grouped-query attention ({hkv} key/value heads, each shared by "
                 f"{h // hkv} query heads) call skyformer.scaled_dot_product_attention(q, k, "
