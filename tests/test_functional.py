@@ -319,6 +319,34 @@ def test_layout_error_names_the_layout_and_the_call_that_fits():
                                         q5, k5, v5))
 
 
+@pytest.mark.parametrize("method", ["softmax", "kernelized", "skyformer", "linear"])
+@pytest.mark.parametrize("sizes", [(0, 2, 5, 5, 8), (2, 0, 5, 5, 8), (2, 2, 0, 5, 8),
+                                   (2, 2, 5, 0, 8), (2, 2, 5, 5, 0)],
+                         ids=["batch", "heads", "queries", "keys", "values"])
+def test_a_size_of_zero_gives_sdpas_result_and_zero_gradients(method, sizes):
+    """Sizes of 0 were refused ("skip the call"), where torch's SDPA returns an empty
+    output, or zeros where there are no keys."""
+    b, h, lq, lk, dv = sizes
+    q, k = torch.randn(b, h, lq, 4), torch.randn(b, h, lk, 4)
+    v = torch.randn(b, h, lk, dv)
+    mask = torch.ones(b, lk, dtype=torch.bool)
+    for t in (q, k, v):
+        t.requires_grad_()
+    out = sdpa(q, k, v, method=method, key_padding_mask=mask, query_padding_mask=None)
+    expected = F.scaled_dot_product_attention(q, k, v)
+    assert out.shape == expected.shape and torch.equal(out, expected)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert all(g.shape == t.shape and not g.any() for g, t in zip(grads, (q, k, v), strict=True))
+    with pytest.raises(ValueError, match="key_padding_mask must have shape"):  # still checked
+        sdpa(q, k, v, method=method, key_padding_mask=torch.ones(b, lk + 1, dtype=torch.bool))
+
+
+def test_a_head_dim_of_zero_is_refused_where_sdpa_averages_the_values():
+    q, k, v = torch.randn(1, 1, 3, 0), torch.randn(1, 1, 4, 0), torch.randn(1, 1, 4, 2)
+    with pytest.raises(ValueError, match="empty input"):
+        sdpa(q, k, v, method="skyformer")
+
+
 @pytest.mark.parametrize("method", ["softmax", "skyformer", "performer"])
 def test_keys_and_values_of_a_batch_of_one_are_broadcast_as_sdpa_does(method):
     """Keys and values of batch 1 against queries of batch 3: torch's SDPA broadcasts

@@ -58,6 +58,7 @@ from torch import Tensor
 
 from .linalg.tracing import may_read_values
 from .masks import resolve_mask
+from .ops.shared.inputs import check_attention_inputs
 from .ops.shared.masked import mask_broadcasts
 from .ops.shared.options import check_probability
 from .registry import CapabilityError, check_capabilities, get_method, list_methods
@@ -125,6 +126,12 @@ def scaled_dot_product_attention(
         attn_mask = _top_left_causal(spec, attn_mask, query, key)
         is_causal = False
     options = sdpa_options(spec, options, is_causal, scale, query.shape[-1])
+    if 0 in (*query.shape[:3], key.shape[-2], value.shape[-1]):
+        if attn_mask is not None:
+            _check_mask_shape(attn_mask, query, key)
+        spec.bind(**options)  # the options are checked as in any call
+        return _empty_attention(spec.name, query, key, value, key_padding_mask,
+                                query_padding_mask)
     arguments: dict[str, Any] = {}
     if attn_mask is not None:
         _check_mask_shape(attn_mask, query, key)
@@ -230,6 +237,18 @@ def _check_layout(method: str, query: Any, key: Any, value: Any) -> None:
                 f"{method}: scaled_dot_product_attention takes {name} as [B, H, L, E] (or "
                 f"[H, L, E]), got {shape}{fix}"
             )
+
+
+def _empty_attention(method: str, query: Tensor, key: Tensor, value: Tensor,
+                     key_padding_mask: Tensor | None, query_padding_mask: Tensor | str | None
+                     ) -> Tensor:
+    """SDPA's result where a batch, head, length or value size is 0: ``[B, H, L, Ev]``,
+    zeros where it has rows (no key: a row without keys is zero, as in every call),
+    tied to the inputs so that a backward pass gives them zero gradients."""
+    check_attention_inputs(query, key, value, key_padding_mask, method=method,
+                           query_padding_mask=query_padding_mask, allow_empty=True)
+    tie = sum(t.reshape(-1)[:0].sum() for t in (query, key, value))  # 0, differentiable
+    return query.new_zeros(*query.shape[:3], value.shape[-1]) + tie
 
 
 def _shared_batch(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:

@@ -65,9 +65,11 @@ def _grouped_hint(method: str, q: Tensor, k: Tensor, v: Tensor) -> str:
 
 def check_attention_inputs(
     q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, *, method: str,
-    query_padding_mask: Tensor | str | None = AUTO,
+    query_padding_mask: Tensor | str | None = AUTO, allow_empty: bool = False,
 ) -> AttentionInputs:
-    """Validate ``q, k, v`` and the masks and resolve the query/key masks (module doc)."""
+    """Validate ``q, k, v`` and the masks and resolve the query/key masks (module doc);
+    ``allow_empty``: sizes of 0 pass, but a head dim of 0 with keys and queries (the
+    methods' results would not be SDPA's mean of the values)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{method}: {name} must be a torch.Tensor, got {type(t).__name__}.")
@@ -105,7 +107,7 @@ def check_attention_inputs(
         raise ValueError(
             f"{method}: k and v must have the same sequence length, got {nk} and {v.shape[2]}."
         )
-    if 0 in (b, h, nq, nk, d, v.shape[-1]):
+    if 0 in (b, h, nq, nk, d, v.shape[-1]) and not (allow_empty and (d or not nq * nk)):
         raise ValueError(
             f"{method}: empty input, q {tuple(q.shape)}, k {tuple(k.shape)}, v "
             f"{tuple(v.shape)}; every dimension (B, H, N, D, Dv) must be at least 1 (skip "
