@@ -73,6 +73,24 @@ def test_generate_equals_the_full_causal_forward(build, method, options):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("build", [_gpt2, _llama], ids=["gpt2", "llama"])
+def test_a_cache_with_use_cache_false_is_refused_and_goes_on_untouched(build):
+    """generate(..., cache=DecodingCache(model), use_cache=False) fed the whole sequence
+    at every step into the cache, which added those positions after the ones it held:
+    other tokens than the forward's, in silence. The first step is now refused, before
+    the cache takes anything, and the same cache then decodes as a new one."""
+    model = build()
+    shf.set_attention(model, "skyformer", seed=0, num_features=8, landmark_stride=4)
+    expected = _generate(model, None, new=8)
+    cache = shf.DecodingCache(model)
+    with pytest.raises(ValueError, match=r"use_cache=False.*feeds the whole sequence again "
+                       r"at every step.*Leave use_cache=False out"):
+        _generate(model, cache, new=8, use_cache=False)
+    assert cache.get_seq_length() == 0
+    assert torch.equal(_generate(model, cache, new=8), expected)
+
+
+@torch.no_grad()
 def test_mixed_layers_and_beams():
     """Layer 0 exact (keys kept), layer 1 skyformer (a state); beam search reorders both."""
     model = _gpt2()

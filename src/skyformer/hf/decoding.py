@@ -50,10 +50,11 @@ A cache serves the model it was made for, with the attention its layers ran at i
 step: its states and kept keys hold the positions so far under that attention. A step
 of another model, after ``restore_exact`` or another implementation, or in a layer whose
 method, options, seed or per-layer state changed since (``set_attention``) is refused
-with a sentence; start a new cache then. A step refused or failed before any layer took
-its positions is undone (the cache goes on as before it); one that failed after some
-layers took them leaves the layers holding different positions, and every later step is
-refused, naming that failure (``cache_steps.StepProgress``).
+with a sentence; start a new cache then. So is a forward with ``use_cache=False``
+(``generate`` would feed the whole sequence at every step). A step refused or failed
+before any layer took its positions is undone (the cache goes on as before it); one
+that failed after some layers took them leaves the layers holding different positions,
+and every later step is refused, naming that failure (``cache_steps.StepProgress``).
 """
 
 from __future__ import annotations
@@ -499,6 +500,7 @@ class DecodingCache(Cache):
                 f"DecodingCache: attention layer {layer_idx} asks for its state, but this "
                 f"cache was made for a model with {len(self.layers)} attention layers; make "
                 f"the cache from the model that generates (DecodingCache(model)).")
+        _refuse_use_cache_false(kwargs)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def _check_model(self) -> None:
@@ -538,6 +540,21 @@ class DecodingCache(Cache):
     def nbytes(self) -> int:
         """Bytes held by every layer's state (``DecodingLayer.nbytes``)."""
         return sum(layer.nbytes() for layer in self.layers)
+
+
+def _refuse_use_cache_false(update_kwargs: dict[str, Any]) -> None:
+    """Refuse a step of a forward called with ``use_cache=False`` (transformers passes
+    the layer's keyword arguments on to ``update`` as ``kwargs``, with ``use_cache``
+    where the model forwards it): ``generate`` then feeds the whole sequence at every
+    step, and the cache would take those positions again after the ones it holds."""
+    forwarded = update_kwargs.get("kwargs")
+    if isinstance(forwarded, dict) and forwarded.get("use_cache") is False:
+        raise ValueError(
+            "DecodingCache: this forward has use_cache=False, under which generate feeds "
+            "the whole sequence again at every step, and the cache would add those "
+            "positions after the ones it holds (wrong tokens, in silence). Leave "
+            "use_cache=False out to decode with the cache, or the cache out to recompute "
+            "the causal forward at every step.")
 
 
 def claimed_step(key: Tensor) -> DecodingLayer | None:
