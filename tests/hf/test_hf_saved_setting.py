@@ -65,6 +65,31 @@ def test_saved_model_comes_back_with_each_layer_as_it_ran(tmp_path):
 
 
 @torch.no_grad()
+def test_a_saved_decoder_comes_back_with_its_head_and_generates_the_same(tmp_path):
+    """The default class was AutoModel, so a saved LlamaForCausalLM came back as a
+    LlamaModel without its language-model head (only transformers' load report told,
+    listing lm_head.weight); it is now the class the config's architectures name."""
+    from transformers import AutoModel, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=128, bos_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    shf.set_attention(model, "performer", num_features=8, seed=0)
+    model.save_pretrained(tmp_path)
+    ids = torch.randint(2, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+    settings = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    for loaded in (shf.from_pretrained(tmp_path).eval(),
+                   shf.from_pretrained(tmp_path, "performer", num_features=8, seed=0).eval()):
+        assert type(loaded) is LlamaForCausalLM
+        assert torch.equal(loaded.generate(ids, cache=shf.DecodingCache(loaded), **settings),
+                           model.generate(ids, cache=shf.DecodingCache(model), **settings))
+    bare = shf.from_pretrained(tmp_path, auto_class=AutoModel)  # the class asked for
+    assert type(bare).__name__ == "LlamaModel"
+
+
+@torch.no_grad()
 def test_a_method_in_every_layer_comes_back_whole(tmp_path):
     """One setting in every layer is rebuilt as one (the model's implementation names
     the method), set by set_attention or by the attn_implementation route, whose layers

@@ -80,19 +80,19 @@ def from_pretrained(
     precision ``dtype`` too). ``method=None``: every layer as the folder's config records
     it (``skyformer.hf.record``: what each layer ran when ``save_pretrained`` wrote it,
     with its options and seed; refused with a sentence where it records nothing).
-    ``auto_class`` defaults to ``transformers.AutoModel``; pass e.g.
-    ``AutoModelForSequenceClassification``. ``model_kwargs``: keyword arguments of the
+    ``auto_class`` defaults to the class the folder's config names (its first
+    ``architectures`` entry that transformers has: ``LlamaForCausalLM`` for a saved
+    decoder, with its head), else ``transformers.AutoModel``; pass e.g.
+    ``AutoModel`` for the model without its head. ``model_kwargs``: keyword arguments of the
     transformers loader (``dtype``, ``device_map``, ``revision``, ...), all but
     ``attn_implementation``, which the method sets. The per-layer state of a method
     (``skyformer_state``) is made on the device and dtype of each attention module and
     loaded from the folder's weights.
     """
-    import transformers
-
     _refuse_missing_folder(path)
     register_methods()
     model_kwargs = _loader_kwargs(model_kwargs)
-    auto_class = auto_class or transformers.AutoModel
+    auto_class = auto_class or _saved_class(path, model_kwargs)
     if method is None:
         return _as_recorded(path, layers, seed, options, auto_class, model_kwargs)
     name = resolve_method_name(method)
@@ -178,16 +178,37 @@ _CONFIG_KEYWORDS = ("cache_dir", "force_download", "proxies", "token", "local_fi
 def _saved_record(path: str | Path, model_kwargs: dict[str, Any]) -> tuple[Any, str]:
     """The ``skyformer_attention`` entry of the config the loader will read (``None``
     where it has none), and that config's name for sentences."""
+    return _config_entry(path, model_kwargs, RECORD_KEY)
+
+
+def _saved_class(path: str | Path, model_kwargs: dict[str, Any]) -> Any:
+    """The transformers class that the config the loader will read names first among
+    its ``architectures`` (``save_pretrained`` writes the model's class there), else
+    ``AutoModel`` (none named, or none that transformers has: a model of remote code)."""
+    import transformers
+
+    architectures, _ = _config_entry(path, model_kwargs, "architectures")
+    for name in architectures or ():
+        found = getattr(transformers, str(name), None)
+        if isinstance(found, type) and issubclass(found, transformers.PreTrainedModel):
+            return found
+    return transformers.AutoModel
+
+
+def _config_entry(path: str | Path, model_kwargs: dict[str, Any], key: str
+                  ) -> tuple[Any, str]:
+    """The entry ``key`` of the config the loader will read (``None`` where it has
+    none), and that config's name for sentences."""
     import transformers
 
     config = model_kwargs.get("config")
     if isinstance(config, transformers.PretrainedConfig):
-        return getattr(config, RECORD_KEY, None), "the config passed in model_kwargs"
+        return getattr(config, key, None), "the config passed in model_kwargs"
     source = path if config is None else config
-    keywords = {key: model_kwargs[key] for key in _CONFIG_KEYWORDS if key in model_kwargs}
+    keywords = {name: model_kwargs[name] for name in _CONFIG_KEYWORDS if name in model_kwargs}
     values, _ = transformers.PretrainedConfig.get_config_dict(source, **keywords)
     where = Path(str(source)) / keywords.get("subfolder", "") / "config.json"
-    return values.get(RECORD_KEY), str(where)
+    return values.get(key), str(where)
 
 
 def _refuse_loader_keywords(method: str, options: dict[str, Any]) -> None:
