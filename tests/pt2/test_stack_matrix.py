@@ -316,21 +316,29 @@ def test_the_multipole_methods_recompile_once_while_their_near_field_is_one_grou
 
 
 @pytest.mark.parametrize("method", ["softmax", "skyformer", "performer"])
-def test_compile_fullgraph_with_dynamic_shapes_forward(method):
+def test_compile_fullgraph_with_dynamic_shapes_forward_and_backward(method):
     """``dynamic=True`` makes even a default float symbolic: the option checks compare
-    rather than call ``math.isfinite``, which dynamo cannot trace on one."""
+    rather than call ``math.isfinite``, which dynamo cannot trace on one. It made
+    log2(e), read from a module global inside the Gaussian products' autograd Function,
+    a symbolic input too, which Dynamo failed to carry into the Function when the
+    inputs record gradients (``lift_tracked_freevar_to_input``): the Skyformer family
+    (skyformer, skyformer_adaptive, nystrom_softmax) now reads it from a literal
+    (``kernel_offsets.log2e``)."""
     q, k, v = make_qkv(2, 2, 24, 8, dtype=torch.float32)
     key = random_key(5)
     torch._dynamo.reset()
-    compiled = torch.compile(
-        lambda q, k, v: skyformer.scaled_dot_product_attention(q, k, v, method=method,
-                                                               generator=key),
-        fullgraph=True, backend="eager", dynamic=True)
+
+    def attend(q, k, v):
+        return skyformer.scaled_dot_product_attention(q, k, v, method=method, generator=key)
+
+    compiled = torch.compile(attend, fullgraph=True, backend="eager", dynamic=True)
     for n in (24, 20):
-        torch.testing.assert_close(
-            compiled(q[:, :, :n], k[:, :, :n], v[:, :, :n]),
-            skyformer.scaled_dot_product_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n],
-                                                   method=method, generator=key))
+        inputs = [t[:, :, :n].detach().requires_grad_() for t in (q, k, v)]
+        out, expected = compiled(*inputs), attend(*inputs)
+        torch.testing.assert_close(out, expected)
+        for got, want in zip(torch.autograd.grad(out.sum(), inputs),
+                             torch.autograd.grad(expected.sum(), inputs), strict=True):
+            torch.testing.assert_close(got, want)
 
 
 @pytest.mark.parametrize("method", [m for m in METHODS if m not in ("reformer", "kdeformer")])

@@ -43,7 +43,7 @@ from .flush import flush_exponent_on_cpu_
 from .functional_ops import first_order_backward, functional_ops_only, jit_tracing
 from .kernel_backend import HALF_TYPES, use_triton
 from .kernel_matmul_triton import PRODUCT_FALLBACK, TritonGaussianBlockProduct
-from .kernel_offsets import LOG2E, offset_and_value_gradients, row_offsets
+from .kernel_offsets import log2e, offset_and_value_gradients, row_offsets
 from .nonfinite import row_marks
 from .ones_column import with_ones_column
 from .vmap import vmap_into_batch
@@ -126,8 +126,8 @@ class _GaussianBlockProduct(torch.autograd.Function):
         n = y.shape[1]
         rhs = with_ones_column(rhs, ones_column)
         # the row scale (and log2 e), applied to the m landmark rows: [BH, D, m]
-        xt = (x * (scale * LOG2E)).transpose(1, 2)
-        neg_b = None if b is None else (b * -LOG2E)[:, None, :]  # [BH, 1, m]
+        xt = (x * (scale * log2e())).transpose(1, 2)
+        neg_b = None if b is None else (b * -log2e())[:, None, :]  # [BH, 1, m]
         a = row_offsets(y, scale, row_norm, row_valid)  # [BH, N]
         shift = None
         if transpose:
@@ -192,8 +192,8 @@ class _GaussianBlockProduct(torch.autograd.Function):
         rhs = with_ones_column(rhs, ones_column)
         n = y.shape[1]
         xs = x * scale
-        xt = (x * (scale * LOG2E)).transpose(1, 2)
-        neg_b = None if b is None else (b * -LOG2E)[:, None, :]
+        xt = (x * (scale * log2e())).transpose(1, 2)
+        neg_b = None if b is None else (b * -log2e())[:, None, :]
         grad = grad.contiguous()
         # (dE 1): for C Z it is g . out; for C^T V it is v . dV, computed per chunk below.
         row_sums = None

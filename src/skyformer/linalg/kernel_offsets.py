@@ -6,12 +6,20 @@ AVX-512), and the factor folds into the m landmark rows and the offsets at no co
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-LOG2E = 1.0 / math.log(2.0)
+
+def log2e() -> float:
+    """log2(e), written as a literal for the code that ``torch.compile`` traces: with
+    ``dynamic=True`` Dynamo turns a float read from a module global into a symbolic
+    input, which (torch 2.13) it fails to carry into an autograd Function's forward
+    (an internal assertion, ``lift_tracked_freevar_to_input should not be called on
+    root SubgraphTracer``); a constant of the code stays a constant."""
+    return 1.4426950408889634  # 1 / ln 2
+
+
+LOG2E = log2e()  # for host code (kernel launches), which no compiler traces
 
 
 def row_offsets(
@@ -25,9 +33,9 @@ def row_offsets(
     dtype = y.dtype if dtype is None else dtype
     a = None
     if row_norm:
-        a = squared_norms(y, dtype).mul_(0.5 * scale * scale * LOG2E)
+        a = squared_norms(y, dtype).mul_(0.5 * scale * scale * log2e())
     if row_valid is not None and row_valid.dtype != torch.bool:
-        offset = row_valid.to(dtype) * LOG2E
+        offset = row_valid.to(dtype) * log2e()
         a = offset if a is None else a + offset
     elif row_valid is not None:
         inf = torch.full((), float("inf"), dtype=dtype, device=y.device)  # a fill, no copy
