@@ -433,12 +433,14 @@ def test_an_attn_mask_pads_queries_in_self_attention_unless_told_otherwise():
     torch.testing.assert_close(padded[0, :, :5], real[0, :, :5])
 
 
+@pytest.mark.parametrize("name", ["is_causal", "enable_gqa"])
 @pytest.mark.parametrize("flag", [1, None, "yes", torch.tensor(True)])
-def test_is_causal_other_than_a_bool_is_refused_as_torch_does(flag):
-    # "yes" or a tensor would switch causal masking on by truthiness, None off
+def test_flags_other_than_a_bool_are_refused_as_torch_does(name, flag):
+    # "yes" or a tensor would switch the flag on by truthiness, None off (enable_gqa=1
+    # was taken, which torch refuses as it refuses is_causal=1)
     q, k, v = make_qkv(1, 2, 10, 4)
-    with pytest.raises(TypeError, match=r"is_causal must be True or False, got"):
-        sdpa(q, k, v, is_causal=flag)
+    with pytest.raises(TypeError, match=rf"{name} must be True or False, got"):
+        sdpa(q, k, v, **{name: flag})
 
 
 def test_argument_errors_name_what_is_wrong():

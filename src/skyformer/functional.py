@@ -83,9 +83,10 @@ def scaled_dot_product_attention(
     refuse_misnamed_arguments(spec, options, "skyformer.scaled_dot_product_attention",
                               scaled_dot_product_attention)
     check_probability(spec.name, "dropout_p", dropout_p)
-    if not isinstance(is_causal, bool):  # as torch's: truthiness would read "no" as True
-        raise TypeError(f"{spec.name}: is_causal must be True or False, got "
-                        f"{type(is_causal).__name__} {is_causal!r}.")
+    for flag, given in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
+        if not isinstance(given, bool):  # as torch's: truthiness would read "no" as True
+            raise TypeError(f"{spec.name}: {flag} must be True or False, got "
+                            f"{type(given).__name__} {given!r}.")
     if is_causal and options.get("causal") is False:
         raise ValueError(f"{spec.name}: is_causal=True and causal=False disagree; pass "
                          f"is_causal=True alone (or the method's causal=True).")
