@@ -134,7 +134,7 @@ def test_compile_fullgraph_equals_eager_with_one_pass(one_pass):
     """``torch.compile`` traces the backward pass's one operator (its fake shapes)."""
     from tests.pt2.test_stack_matrix import _assert_compiled_equals_eager
 
-    _assert_compiled_equals_eager(skyformer.get_method("skyformer").bind(kernel="triton"), 40)
+    _assert_compiled_equals_eager(skyformer.get_method("skyformer").bind(kernel="triton"), 20)
     assert "_one_pass_kernel" in one_pass
 
 
