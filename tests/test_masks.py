@@ -156,6 +156,24 @@ def test_other_patterns_are_refused():
         resolve(real_query_sees_nothing)
 
 
+def test_a_causal_mask_over_more_keys_names_the_cache():
+    """A left-padded batch over a static cache's slots (or a cached prefix): causal with
+    key padding, Nq < Nk. Without padding the sentence named the static cache; with it,
+    only the generic patterns."""
+    nk = N + 5
+    pad = torch.ones(B, nk, dtype=torch.bool)
+    pad[1, :2] = False
+    rows = torch.ones(N, nk, dtype=torch.bool).tril(nk - N)  # query i sees keys <= i + 5
+    with pytest.raises(UnsupportedMaskError, match=r"neither key padding.*with as many "
+                       r"queries as keys \(here Nq=7 queries, Nk=12 keys: a cached prefix, "
+                       r"or the slots of a static cache, cache_implementation='static'\)"):
+        resolve(rows & pad[:, None, None, :], nk=nk, causal=True)
+    with pytest.raises(UnsupportedMaskError, match=r"causal with key padding \(e\.g\. a "
+                       r"sliding window.*causal masking; "):  # Nq == Nk: no such clause
+        resolve(hf_mask(sdpa_mask, sliding_window_causal_mask_function(3), padding(),
+                        allow_is_causal_skip=False))
+
+
 def test_a_causal_mask_of_the_other_convention_is_named_so():
     """True above the diagonal (torch.nn.MultiheadAttention's causal mask, True = not
     allowed, where True = attend is read): the sentence says to pass ~mask."""

@@ -218,10 +218,14 @@ def resolve_mask(
             "diagonal): a mask of the other convention? scaled_dot_product_attention's "
             "attn_mask holds True where attention is allowed, torch.nn.MultiheadAttention's "
             "where it is not; pass ~mask.")
+    lengths = "" if query_len == key_len else (
+        f" with as many queries as keys (here Nq={query_len} queries, Nk={key_len} keys: a "
+        f"cached prefix, or the slots of a static cache, cache_implementation='static')")
     raise UnsupportedMaskError(
         "the attention mask is neither key padding nor causal with key padding (e.g. a "
         "sliding window, packed sequences, a cached prefix or a custom pattern); the "
-        f"approximate methods take only a key padding mask and causal masking; {advice}."
+        f"approximate methods take only a key padding mask and causal masking{lengths}; "
+        f"{advice}."
     )
 
 
