@@ -61,7 +61,7 @@ from .masks import resolve_mask
 from .ops.shared.inputs import check_attention_inputs
 from .ops.shared.masked import mask_broadcasts
 from .ops.shared.options import check_probability
-from .registry import CapabilityError, check_capabilities, get_method, list_methods
+from .registry import CapabilityError, check_capabilities, get_method, methods_taking
 from .registry.binding import all_real_padding_as_none
 from .registry.capabilities import masks_taken
 from .registry.methods import Method, refuse_misnamed_arguments
@@ -290,7 +290,7 @@ def sdpa_options(spec: Method, options: dict[str, Any], is_causal: bool,
     if scale is not None and "scale" in spec.option_names():
         options["scale"] = scale  # the call's, over a scale in the method's name
     elif scale is not None and not math.isclose(scale, head_dim**-0.5, rel_tol=1e-6):
-        having = [m for m in list_methods() if "scale" in get_method(m).option_names()]
+        having = methods_taking("scale")
         raise CapabilityError(
             f"{spec.name} cannot use scale={scale:g}: it has no logit scale option, so it "
             f"takes only scale=None or SDPA's default 1/sqrt(E) = {head_dim**-0.5:.6g}, "

@@ -29,6 +29,7 @@ from ..registry import (
     check_capabilities,
     get_method,
     list_methods,
+    methods_taking,
     methods_that_can,
 )
 from ..registry.methods import did_you_mean
@@ -372,8 +373,8 @@ def is_default_scaling(scaling: float, head_dim: int) -> bool:
 def scaling_sentence(method: str, scaling: float, head_dim: int, causal: bool = False) -> str:
     """Why ``method`` (no ``scale`` option) cannot serve a module whose attention call
     passes ``scaling``, and the methods that can (causal ones, for a decoder)."""
-    having = [m for m in list_methods() if "scale" in get_method(m).option_names()
-              and (not causal or get_method(m).capabilities.causal)]
+    causal_ones = methods_that_can("causal")
+    having = [m for m in methods_taking("scale") if not causal or m in causal_ones]
     return (
         f"{method} cannot use the model's attention logit scale {float(scaling):.6g} (the "
         f"scale its attention call passes, where 1/sqrt(head dim) = {head_dim**-0.5:.6g}): "

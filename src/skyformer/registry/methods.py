@@ -507,6 +507,12 @@ def methods_that_can(capability: str) -> list[str]:
             if m.capabilities.has(capability)]
 
 
+def methods_taking(option: str) -> list[str]:
+    """The registered methods with ``option`` among their options, in registration
+    order."""
+    return [m.name for m in tuple(_REGISTRY.values()) if option in m.option_names()]
+
+
 def _capability_sentence(name: str, capability: str) -> str:
     able = methods_that_can(capability)
     sentence = capability_sentence(name, capability, able)
