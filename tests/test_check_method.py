@@ -91,6 +91,36 @@ def test_a_method_that_draws_without_declaring_it_fails_one_check(monkeypatch):
         "Capabilities(randomized=True)")}
 
 
+@pytest.mark.parametrize(("kind", "sentence"), [
+    ("draws_by_values", "more value columns changed the output's first columns"),
+    ("not_linear", "the columns of the appended identity, applied to the values, do not "
+                   "give the output")])
+def test_weights_declared_by_a_method_not_linear_in_its_values_fail(monkeypatch, kind,
+                                                                    sentence):
+    """``weights`` promises the output is one matrix of the queries and keys applied to
+    the values: a method whose scores follow the values' norms (as KDEformer's draws do),
+    or whose output is not linear in them (tanh of the values), fails that check alone."""
+    name = f"weights_{kind}"
+    monkeypatch.delitem(registry_methods._REGISTRY, name, raising=False)
+
+    @register(name, _Leaky, Capabilities(target="softmax", weights=True))
+    def method(q, k, v, config, *, key_padding_mask=None, generator=None):
+        scores = q @ k.transpose(-1, -2)
+        if kind == "draws_by_values":  # the real keys' value norms
+            norms = v.norm(dim=-1) * (1 if key_padding_mask is None
+                                      else key_padding_mask[:, None, :])
+            scores = scores * (1 + 0.01 * norms.sum(-1, keepdim=True)[..., None])
+        if key_padding_mask is not None:
+            scores = scores.masked_fill(~key_padding_mask[:, None, None, :], -torch.inf)
+        return torch.softmax(scores, -1) @ (v.tanh() if kind == "not_linear" else v)
+
+    monkeypatch.setitem(registry_methods._REGISTRY, name, registry_methods._REGISTRY[name])
+    failed = {r.name: r.detail for r in check_method(name) if r.passed is False}
+    assert list(failed) == ["weights: the output is one matrix applied to the values"]
+    detail = failed["weights: the output is one matrix applied to the values"]
+    assert detail.startswith(sentence) and "leave weights undeclared" in detail
+
+
 @pytest.mark.parametrize("declared", [False, True])
 def test_a_backward_missing_a_term_fails_the_derivative_check(monkeypatch, declared):
     """A stabilising shift held constant where it does not cancel: the output depends on

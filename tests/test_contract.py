@@ -181,9 +181,9 @@ def test_batch_independence(method):
     torch.testing.assert_close(out[0], base[0], rtol=1e-7, atol=1e-9)
 
 
-# docs/methods.md, "Invariances": the methods whose outputs are not linear in V, and
-# those whose outputs follow a permutation of the keys (with their values) or queries.
-NOT_LINEAR_IN_V = {"kdeformer", "skyformer_multipole", "softmax_multipole"}
+# docs/methods.md, "Invariances": the methods whose outputs follow a permutation of the
+# keys (with their values) or queries. Those whose outputs are linear in V declare
+# ``weights`` (the others are listed in tests/test_attention_weights.py).
 PERMUTATION_INVARIANT = {"softmax", "kernelized", "linear", "performer"}
 
 
@@ -192,7 +192,7 @@ def few_features(method):
     return {"num_features": 8} if "num_features" in get_method(method).option_names() else {}
 
 
-@pytest.mark.parametrize("method", [m for m in METHODS if m not in NOT_LINEAR_IN_V])
+@pytest.mark.parametrize("method", [m for m in METHODS if get_method(m).capabilities.weights])
 def test_outputs_are_linear_in_the_values(method):
     q, k, v = make_qkv(2, 2, 16, 8, seed=5)
     w = torch.randn(v.shape, generator=gen(6), dtype=v.dtype)

@@ -19,6 +19,7 @@ from .ops import (
 from .registry import Capabilities, CapabilityError, attention, get_method, list_methods
 from .sketch.rng import fold_in, random_key
 from .torch_attention import TorchMultiheadAttention, replace_attention
+from .weights import attention_weights
 
 __version__ = "0.1.0"
 
@@ -28,6 +29,7 @@ __all__ = [
     "MultiHeadAttention",
     "TorchMultiheadAttention",
     "attention",
+    "attention_weights",
     "cuda_graph_launches",
     "fold_in",
     "get_method",

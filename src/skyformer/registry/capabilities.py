@@ -19,6 +19,8 @@ CAPABILITY_TEXT = {
     "varlen": "run packed variable-length sequences (cu_seqlens)",
     "independent_queries": "serve a causal decoder's cross-attention (its outputs mix the "
                            "queries, and a decoder's later queries are later tokens)",
+    "weights": "give attention weights (its output is not one matrix of the queries and "
+               "keys applied to the values)",
 }
 
 
@@ -51,6 +53,10 @@ class Capabilities:
         from them). Needed in the cross-attention of a causal decoder, whose later
         queries are later target tokens: a method mixing them would let a position see
         the tokens after it in teacher-forced training. False unless declared.
+    weights: the output is ``A V``, ``A`` a matrix of the queries, keys, masks and draws
+        alone (not of the values): ``skyformer.attention_weights`` then gives ``A``.
+        False unless declared (a method that draws by the values, or clamps its output
+        to their range, has no such matrix).
     not_causal_because: for a method without ``causal``, why it cannot have it (a clause
         appended to the refusal).
     fixed_shapes_because: why ``torch.export`` cannot take a symbolic sequence length
@@ -72,6 +78,7 @@ class Capabilities:
     gqa: bool = True
     varlen: bool | None = None  # None: as mask (__post_init__)
     independent_queries: bool = False
+    weights: bool = False
     not_causal_because: str | None = None
     fixed_shapes_because: str | None = None
 

@@ -5,8 +5,9 @@ Each check runs the method through its registered binding, as every caller does,
 float64 on the CPU unless it checks a dtype, with a seeded generator; a capability the
 method declares is checked for what it promises (``causal``: no output depends on a
 later position; ``mask``: padding gives the truncated input's outputs and zero rows;
-``independent_queries``: an output depends on its own query alone; ``half_precision``:
-bfloat16 in, bfloat16 out, close to float32's), and one it lacks is skipped. What the
+``independent_queries``: an output depends on its own query alone; ``weights``: the
+output is one matrix applied to the values; ``half_precision``: bfloat16 in, bfloat16
+out, close to float32's), and one it lacks is skipped. What the
 call guarantees for every method is not checked: a fully padded sequence gives zero
 rows and zero gradients whatever the method computes (``guard.py`` replaces padded
 inputs and outputs with ``torch.where``), and ``num_features`` below 1 is refused
@@ -90,6 +91,8 @@ def check_method(name: str, **options: Any) -> list[CheckResult]:
         ("independent queries: no output depends on another query",
          square if causal else (None if caps.independent_queries else undeclared),
          lambda: _independent(run, 30 if caps.cross_attention else 40)),
+        ("weights: the output is one matrix applied to the values",
+         None if caps.weights else undeclared, lambda: _weights(run, rows)),
     ]
     results = []
     for check, skipped, body in checks:
@@ -322,6 +325,25 @@ def _cross(run: Callable[..., Tensor]) -> str:
             raise _Broken(f"gave {list(out.shape)} for {nq} queries and {nk} keys; expected "
                           f"[1, 2, {nq}, 5], finite")
     return "12 queries over 20 keys and 20 over 12: the right shape, finite"
+
+
+def _weights(run: Callable[..., Tensor], n: int) -> str:
+    """The identity appended to the values (``skyformer.weights``) leaves the output
+    and its draws as they were, and the columns it adds are a matrix that gives the
+    output when applied to the values: with padding, ``n`` rows (enough for the draws)."""
+    q, k, v = _qkv(2, n, dv=5, seed=11)
+    mask = torch.ones(2, n, dtype=torch.bool)
+    mask[1, n - n // 4:] = False
+    out = run(q, k, v, mask)
+    identity = torch.eye(n, dtype=v.dtype).expand(2, 2, n, n)
+    both = run(q, k, torch.cat([v, identity], -1), mask)
+    _equal(both[..., :5], out, "more value columns changed the output's first columns (the "
+                               "draws or the result follow the values): leave weights "
+                               "undeclared")
+    _equal(both[..., 5:] @ v, out, "the columns of the appended identity, applied to the "
+                                   "values, do not give the output (it is not linear in "
+                                   "them): leave weights undeclared")
+    return f"the output is the {n} x {n} weights applied to the values (with padding)"
 
 
 def _independent(run: Callable[..., Tensor], nk: int) -> str:

@@ -543,6 +543,7 @@ def check_capabilities(
     half_precision: bool = False,
     gqa: bool = False,
     varlen: bool = False,
+    weights: bool = False,
 ) -> Method:
     """Fail with a sentence if method ``name`` cannot do what is asked."""
     method = get_method(name)
@@ -554,6 +555,7 @@ def check_capabilities(
         ("half_precision", half_precision),
         ("gqa", gqa),
         ("varlen", varlen),
+        ("weights", weights),
     ):
         if wanted and not getattr(caps, capability):
             raise CapabilityError(_capability_sentence(name, capability))

@@ -280,7 +280,7 @@ def _global_rows(qb: Tensor, kb: Tensor, vb: Tensor, real: Tensor, layout: BigBi
 @register(
     "bigbird",
     BigBirdConfig,
-    Capabilities(target="softmax", randomized=True, cross_attention=False,
+    Capabilities(target="softmax", randomized=True, cross_attention=False, weights=True,
                  fixed_shapes_because="its number of blocks (num_features // (5 + r) "
                                       "tokens each) follows N"),
     summary="BigBird block-sparse attention: window + global + random blocks (block 64)",

@@ -208,7 +208,7 @@ def active_counts(info: AttentionInputs, num_features: int | None, factor: int,
 @register(
     "informer",
     InformerConfig,
-    Capabilities(target="softmax", randomized=True, fixed_shapes_because=(
+    Capabilities(target="softmax", randomized=True, weights=True, fixed_shapes_because=(
         "it samples c ceil(ln N) keys per query")),
     summary="Informer ProbSparse attention: top-u queries by sampled max-mean measurement",
 )

@@ -95,7 +95,7 @@ class KernelizedConfig:
     "kernelized",
     KernelizedConfig,
     Capabilities(target="gaussian", exact=True, causal=True, cross_attention=True,
-                 attn_mask=True, independent_queries=True),
+                 attn_mask=True, independent_queries=True, weights=True),
     summary="exact Gaussian kernelized attention C V (Skyformer eq. (3)), O(N) memory",
 )
 def kernelized_attention(

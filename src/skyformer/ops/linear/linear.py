@@ -79,7 +79,7 @@ def elu_feature_map(x: Tensor) -> Tensor:
 @register(
     "linear",
     LinearConfig,
-    Capabilities(target="softmax", causal=True, independent_queries=True),
+    Capabilities(target="softmax", causal=True, independent_queries=True, weights=True),
     summary="linear attention with the elu(x)+1 feature map (Katharopoulos et al.)",
 )
 def linear_attention(

@@ -262,7 +262,7 @@ def _live_slots(e: Tensor, key_valid: Tensor | None) -> Tensor:
     "linformer",
     LinformerConfig,
     Capabilities(target="softmax", randomized=True, fixed_length=True, learned_parameters=True,
-                 independent_queries=True),
+                 independent_queries=True, weights=True),
     summary="Linformer: softmax attention over k projected keys/values (E, F: k x N)",
     state=LinformerProjections,
 )

@@ -125,7 +125,7 @@ class NystromSoftmaxConfig(NystromOptions, CausalNystromOptions):
 @register(
     "nystrom_softmax",
     NystromSoftmaxConfig,
-    Capabilities(target="softmax", randomized=True, causal=True),
+    Capabilities(target="softmax", randomized=True, causal=True, weights=True),
     summary="modified Nystrom approximation of softmax attention (Skyformer Figure 1)",
 )
 def nystrom_softmax_attention(

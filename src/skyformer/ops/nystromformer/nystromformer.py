@@ -219,7 +219,7 @@ class NystromformerConv(nn.Module):
 @register(
     "nystromformer",
     NystromformerConfig,
-    Capabilities(target="softmax", not_causal_because=(
+    Capabilities(target="softmax", weights=True, not_causal_because=(
         "its landmarks are means of segments spanning the whole sequence and its first "
         "and last factors normalise over all landmarks and all keys, so every output "
         "depends on later tokens; skyformer and nystrom_softmax have a causal Nystrom "

@@ -280,7 +280,8 @@ def _(like: Tensor) -> Tensor:
 @register(
     "performer",
     PerformerConfig,
-    Capabilities(target="softmax", randomized=True, causal=True, independent_queries=True),
+    Capabilities(target="softmax", randomized=True, causal=True, independent_queries=True,
+                 weights=True),
     summary="positive orthogonal random features for the softmax kernel (Performer, FAVOR+)",
     state=PerformerFeatures,
 )

@@ -314,7 +314,7 @@ def _refuse_real_queries_at_padding(query_valid: Tensor | None, key_valid: Tenso
 @register(
     "reformer",
     ReformerConfig,
-    Capabilities(target="softmax", randomized=True, cross_attention=False,
+    Capabilities(target="softmax", randomized=True, cross_attention=False, weights=True,
                  fixed_shapes_because="its counts of buckets and chunks follow N"),
     summary="multi-round LSH attention with chunked buckets (Reformer)",
 )

@@ -134,7 +134,7 @@ def draw_scatterbrain(
 @register(
     "scatterbrain",
     ScatterbrainConfig,
-    Capabilities(target="softmax", randomized=True,
+    Capabilities(target="softmax", randomized=True, weights=True,
                  fixed_shapes_because="its count of sparse blocks follows N"),
     summary="local-window (or LSH) sparse + Performer low-rank, overlap subtracted (Scatterbrain)",
 )

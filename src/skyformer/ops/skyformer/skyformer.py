@@ -93,7 +93,7 @@ def marks_in_products(q: Tensor, k: Tensor, v: Tensor, config: SkyformerConfig) 
 @register(
     "skyformer",
     SkyformerConfig,
-    Capabilities(target="gaussian", randomized=True, causal=True),
+    Capabilities(target="gaussian", randomized=True, causal=True, weights=True),
     summary="modified Nystrom approximation of kernelized attention (Skyformer)",
 )
 @marks_nonfinite_when(marks_in_products)

@@ -186,7 +186,7 @@ def nystrom_with_landmarks(
 @register(
     "skyformer_adaptive",
     SkyformerAdaptiveConfig,
-    Capabilities(target="gaussian", randomized=True,
+    Capabilities(target="gaussian", randomized=True, weights=True,
                  fixed_shapes_because="its k-means sample is capped by N"),
     summary="Skyformer with adaptive landmarks: k-means query centres + ridge-leverage keys",
 )

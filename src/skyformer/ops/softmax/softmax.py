@@ -62,7 +62,8 @@ def _masked_sdpa(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, *, s
     "softmax",
     SoftmaxConfig,
     Capabilities(target="softmax", exact=True, causal=True, cross_attention=True,
-                 attn_mask=True, weight_dropout=True, independent_queries=True),
+                 attn_mask=True, weight_dropout=True, independent_queries=True,
+                 weights=True),
     summary="exact softmax attention (torch scaled_dot_product_attention)",
 )
 def softmax_attention(

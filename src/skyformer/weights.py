@@ -1,0 +1,82 @@
+"""The attention matrix a method applies to the values: ``attention_weights(q, k, method)``
+gives ``A: [B, H, Nq, Nk]`` with ``attention(q, k, v, method) == A @ v`` (up to rounding)
+for the same draws, for the methods that declare ``Capabilities.weights``.
+
+Those methods' outputs are ``A V`` with ``A`` a function of the queries, keys, masks and
+draws alone, so one call on the values with the ``Nk x Nk`` identity appended gives the
+output in its first ``Dv`` columns and ``A`` in the others (``call_with_weights``): the
+weights are those of that output's draws (landmarks, features, hashes, samples), the
+matrix the method's own code applied, not a formula written again beside it. For the
+exact methods ``A`` is the target itself: the softmax weights for ``softmax``, the
+Gaussian kernel matrix ``C`` of Skyformer's eq. (3) for ``kernelized`` (kernelized
+attention is ``C V``, not normalised by its row sums); for Skyformer, the modified
+Nystrom approximation of ``C`` that its output applies. Padded keys get weight 0;
+padded queries (``query_padding_mask``) zero rows.
+
+Cost: the method with ``Dv + Nk`` value columns (Skyformer's time becomes O(Nq Nk m))
+and ``A``'s memory, as torch's weights; on the PyTorch path: ``kernel="auto"`` runs as
+``"torch"``, since the Triton product kernels compile the value width in. A method whose
+draws follow the values (KDEformer samples keys by their norms) or whose output is not
+linear in them (the multipole methods clamp their far field to the values' range) has no
+such matrix and is refused in a sentence naming those that have one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .registry import BoundMethod, check_capabilities
+from .registry.guard import warn_if_no_real_key
+from .registry.methods import refuse_misnamed_arguments
+
+
+def attention_weights(
+    q: Tensor,
+    k: Tensor,
+    method: str = "skyformer",
+    *,
+    key_padding_mask: Tensor | None = None,
+    query_padding_mask: Tensor | str | None = "auto",
+    generator: torch.Generator | Tensor | None = None,
+    **options: Any,
+) -> Tensor:
+    """The attention matrix of ``method`` (module doc): ``skyformer.attention`` with the
+    same arguments and draws gives ``attention_weights(...) @ v``. Pass one key
+    (``skyformer.random_key(seed)``) as ``generator`` to both calls for the weights of
+    that output: a ``torch.Generator`` moves on at each call.
+
+    Args:
+        q: ``[B, H, Nq, D]``; k: ``[B, H, Nk, D]``.
+        method: a name from ``list_methods()`` whose capabilities include ``weights``.
+        key_padding_mask, query_padding_mask, generator, **options: as
+            ``skyformer.attention``'s.
+    Returns:
+        ``[B, H, Nq, Nk]`` in the dtype of the method's output.
+    """
+    spec = check_capabilities(method, weights=True, causal=bool(options.get("causal")))
+    refuse_misnamed_arguments(spec, options, "skyformer.attention_weights", attention_weights)
+    if not isinstance(k, Tensor) or k.dim() < 2:
+        raise TypeError(f"skyformer.attention_weights: k must be a tensor [B, H, Nk, D], got "
+                        f"{type(k).__name__}{list(k.shape) if isinstance(k, Tensor) else ''}.")
+    bound = BoundMethod(spec, spec.make_config(**options))
+    warn_if_no_real_key(method, key_padding_mask, k)
+    _, weights = call_with_weights(bound, q, k, k[..., :0], key_padding_mask=key_padding_mask,
+                                   query_padding_mask=query_padding_mask, generator=generator)
+    return weights
+
+
+def call_with_weights(bound: BoundMethod, q: Tensor, k: Tensor, v: Tensor, **call: Any
+                      ) -> tuple[Tensor, Tensor]:
+    """``(bound(q, k, v, **call), A)`` from one call (module doc): the output
+    ``[..., Nq, Dv]`` and the weights ``[..., Nq, Nk]`` of its draws. A method without
+    ``Capabilities.weights`` is refused (``CapabilityError``)."""
+    check_capabilities(bound.method.name, weights=True)
+    if bound.options().get("kernel") == "auto":
+        bound = bound.replace(kernel="torch")
+    n, dv = v.shape[-2], v.shape[-1]
+    identity = torch.eye(n, dtype=v.dtype, device=v.device).expand(*v.shape[:-1], n)
+    both = bound(q, k, torch.cat([v, identity], -1), **call)
+    return both[..., :dv], both[..., dv:]
