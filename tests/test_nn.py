@@ -128,8 +128,9 @@ def test_keys_of_another_width_passed_where_the_padding_mask_goes_get_the_senten
      r"takes one x \(and key_padding_mask\) positionally, not torch.nn.MultiheadAttention's "
      r"\(query, key, value\): .*context=\.\.\."),
     (lambda layer, x: layer(x, need_weights=False),
-     r"returns the output alone, with no attention weights \(the approximate methods have "
-     r"no attention matrix\); leave need_weights out"),
+     r"returns the output alone, with no attention weights \(the approximate methods form "
+     r"no attention matrix\); leave need_weights out, and for the matrix a method applies "
+     r"call skyformer.attention_weights\(q, k, method\)"),
     (lambda layer, x: layer(x, attn_mask=torch.ones(5, 5, dtype=torch.bool)),
      r"takes no attn_mask: .*causal=True.*key_padding_mask.*"
      r"skyformer.scaled_dot_product_attention"),

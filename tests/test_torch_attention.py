@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from skyformer import kernelized_attention
+from skyformer import kernelized_attention, random_key
 from skyformer.registry import CapabilityError
 from skyformer.registry.binding import BoundMethod
 from skyformer.torch_attention import TorchMultiheadAttention, replace_attention
@@ -250,10 +250,68 @@ def test_refused_configurations_get_sentences():
         reformer(rand(L, B, E), rand(S, B, E), rand(S, B, E), need_weights=False)
 
 
+@pytest.mark.parametrize("average", [True, False])
+@pytest.mark.parametrize("name", ["cross", "padding_float", "attn_per_head", "causal_padding",
+                                  "batch_first", "unbatched", "kdim_vdim"])
+def test_softmax_built_to_return_weights_gives_torchs(name, average):
+    """``return_weights=True``: ``need_weights=True`` gives torch's weights (and output),
+    averaged over the heads or not, batched or not."""
+    kwargs, query, key, value, call = _case(name)
+    ref, _ = pair(**kwargs)
+    ours = TorchMultiheadAttention(E, H, dtype=F64, method="softmax", return_weights=True,
+                                   **kwargs)
+    ours.load_state_dict(ref.state_dict())
+    expected = ref(query, key, value, average_attn_weights=average, **call)
+    got = ours(query, key, value, average_attn_weights=average, **call)
+    torch.testing.assert_close(got[1], expected[1], **EXACT)
+    torch.testing.assert_close(got[0], expected[0], **EXACT)
+    assert ours(query, key, value, need_weights=False, **call)[1] is None
+
+
+def test_an_approximate_layers_weights_give_its_output():
+    """skyformer's weights (``skyformer.attention_weights``'s, from the same call) applied
+    to the projected values, through the output projection, are its output; padded
+    queries (self-attention) get zero rows, padded keys no weight."""
+    layer = TorchMultiheadAttention(E, H, dtype=F64, method="skyformer", num_features=3,
+                                    return_weights=True).eval()
+    x, pad = rand(L, B, E), padding(n=L)
+    out, weights = layer(x, x, x, key_padding_mask=pad, average_attn_weights=False,
+                         generator=random_key(2))
+    assert weights.shape == (B, H, L, L)
+    values = nn.functional.linear(x, *(t.chunk(3)[2] for t in (layer.in_proj_weight,
+                                                               layer.in_proj_bias)))
+    heads = values.unflatten(-1, (H, E // H)).permute(1, 2, 0, 3)  # [B, H, L, Dh]
+    attended = (weights @ heads).permute(2, 0, 1, 3).reshape(L, B, E)
+    torch.testing.assert_close(out, layer.out_proj(attended), rtol=1e-9, atol=1e-10)
+    assert torch.all(weights[1, :, :, -2:] == 0) and torch.all(weights[1, :, -2:] == 0)
+    _, averaged = layer(x, x, x, key_padding_mask=pad, generator=random_key(2))
+    torch.testing.assert_close(averaged, weights.mean(1), **EXACT)
+
+
+def test_return_weights_is_refused_where_the_method_has_no_weights():
+    with pytest.raises(CapabilityError, match=r"^TorchMultiheadAttention: return_weights=True, "
+                       r"but kdeformer cannot give attention weights .*; methods that can: "
+                       r"softmax, kernelized, skyformer"):
+        TorchMultiheadAttention(E, H, method="kdeformer", return_weights=True)
+    with pytest.raises(TypeError, match="return_weights must be True or False, got 1"):
+        TorchMultiheadAttention(E, H, method="skyformer", return_weights=1)
+    model = nn.Sequential(nn.MultiheadAttention(E, H))
+    with pytest.raises(CapabilityError, match="return_weights=True, but softmax_multipole"):
+        replace_attention(model, "softmax_multipole", return_weights=True)
+    assert isinstance(model[0], nn.MultiheadAttention)  # left as it was
+    swapped = replace_attention(model, "performer", return_weights=True, num_features=4)
+    assert swapped[0].return_weights and "return_weights=True" in repr(swapped[0])
+    x = torch.randn(L, B, E)
+    assert swapped[0](x, x, x)[1].shape == (B, L, L)
+    with pytest.warns(UserWarning, match="need_weights=False to silence this, or keep"):
+        TorchMultiheadAttention(E, H, method="kdeformer")(x, x, x)  # no return_weights hint
+
+
 def test_need_weights_warns_once_per_layer():
     _, ours = pair()
     x = rand(L, B, E)
-    with pytest.warns(UserWarning, match="need_weights=False to silence") as said:
+    with pytest.warns(UserWarning, match="need_weights=False to silence this, build the layer "
+                      "with return_weights=True") as said:
         assert ours(x, x, x)[1] is None
     assert said[0].filename == __file__  # the caller's line, for a filter by module
     with warnings.catch_warnings():

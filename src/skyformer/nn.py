@@ -493,7 +493,9 @@ def _refuse_torch_call(arguments: tuple[Any, ...], keywords: dict[str, Any]) -> 
     name = next(iter(keywords))
     if name in ("need_weights", "average_attn_weights"):
         why = ("returns the output alone, with no attention weights (the approximate "
-               f"methods have no attention matrix); leave {name} out")
+               f"methods form no attention matrix); leave {name} out, and for the matrix "
+               f"a method applies call skyformer.attention_weights(q, k, method), or use "
+               f"skyformer.TorchMultiheadAttention(..., return_weights=True)")
     elif name == "attn_mask":
         why = ("takes no attn_mask: build the layer with causal=True for a causal mask and "
                "pass key_padding_mask (True = real token) for padding; other masks go to "

@@ -9,10 +9,15 @@ that a model built on ``nn.MultiheadAttention`` (``nn.TransformerEncoderLayer``,
 ``nn.TransformerDecoderLayer``, ``nn.Transformer``) runs a skyformer method with its
 trained weights. What differs from torch:
 
-- Attention weights are never returned: ``(output, None)``, with a warning once per
-  layer where ``need_weights=True`` (torch's default; ``need_weights=False`` silences it).
-  No method materialises the attention matrix, ``softmax`` included (its output comes
-  from SDPA's fused kernels; weights beside it would double the cost).
+- Attention weights are returned only by a layer built with ``return_weights=True``:
+  then ``need_weights=True`` gives the matrix the method applies to the values
+  (``skyformer.attention_weights``; torch's weights for ``softmax``), averaged over the
+  heads as torch's (``average_attn_weights``), at the cost of that matrix and of the
+  method run with ``S`` more value columns. Otherwise ``(output, None)``, with a warning
+  once per layer where ``need_weights=True`` (torch's default; ``need_weights=False``
+  silences it): no method materialises the attention matrix, ``softmax`` included (its
+  output comes from SDPA's fused kernels), and torch's default would otherwise cost
+  every call of a model written for torch's layer that matrix.
 - Masks, in torch's conventions (``key_padding_mask`` True = padding, ``attn_mask``
   True = not allowed, or additive floats), are turned into SDPA's and routed as
   ``skyformer.scaled_dot_product_attention`` routes them: the exact methods
@@ -60,8 +65,15 @@ from .functional import attn_mask_as_padding, refuse_causal_lengths, sdpa_option
 from .linalg.tracing import values_to_check
 from .masks import BLOCKED_LOGIT
 from .nn import BoundMethodProperties, check_layer_configuration
-from .registry import BoundMethod, get_method, methods_that_can
+from .registry import (
+    BoundMethod,
+    CapabilityError,
+    check_capabilities,
+    get_method,
+    methods_that_can,
+)
 from .user_frame import warn_from_user_frame
+from .weights import call_with_weights
 
 NAME = "TorchMultiheadAttention"
 
@@ -87,6 +99,8 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         method: a name from ``skyformer.list_methods()`` (options in brackets allowed).
         seq_len: the longest key sequence; a fixed-length method (Linformer) takes it as
             its ``max_seq_len`` unless that option is given.
+        return_weights: ``True``: ``need_weights=True`` returns the attention weights
+            (module doc), for a method whose capabilities include ``weights``.
         **method_options: options of the method (e.g. ``num_features=64``).
 
     Example::
@@ -111,6 +125,7 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         *,
         method: str = "skyformer",
         seq_len: int | None = None,
+        return_weights: bool = False,
         **method_options: Any,
     ) -> None:
         super().__init__()
@@ -153,6 +168,7 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         if state is not None and (device is not None or dtype is not None):
             state = state.to(**factory)
         self.method_state = state
+        self.return_weights = _check_return_weights(return_weights, self.bound, NAME)
         self._weights_warned = False
         self.register_forward_pre_hook(_decline_torch_fast_path)
 
@@ -175,13 +191,14 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
 
     @classmethod
     def from_torch(cls, mha: nn.MultiheadAttention, method: str = "skyformer", *,
-                   seq_len: int | None = None, **method_options: Any
-                   ) -> TorchMultiheadAttention:
+                   seq_len: int | None = None, return_weights: bool = False,
+                   **method_options: Any) -> TorchMultiheadAttention:
         """A layer with ``mha``'s configuration, device, dtype and training mode, running
         ``method``, whose parameters are ``mha``'s own (the same objects, which of them
         require grad kept): an optimizer built over them trains the new layer. Pass
         ``copy.deepcopy(mha)`` for a layer of its own."""
-        return _from_torch(cls, mha, f"{NAME}.from_torch", method, seq_len, method_options)
+        return _from_torch(cls, mha, f"{NAME}.from_torch", method, seq_len,
+                           {"return_weights": return_weights, **method_options})
 
     def forward(
         self,
@@ -195,7 +212,7 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         is_causal: bool = False,
         *,
         generator: torch.Generator | Tensor | None = None,
-    ) -> tuple[Tensor, None]:
+    ) -> tuple[Tensor, Tensor | None]:
         """torch.nn.MultiheadAttention's call (module doc for what differs).
 
         Args:
@@ -203,15 +220,18 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
                 key: ``[S, B, kdim]``; value: ``[S, B, vdim]`` (laid out as the query).
             key_padding_mask: ``[B, S]`` (``[S]`` unbatched), bool (True = padding, not
                 attended) or float (added to the scores).
-            need_weights: ``True`` warns once per layer that no weights are returned.
+            need_weights: ``True`` returns the weights where the layer was built with
+                ``return_weights=True``, else warns once per layer that it does not.
             attn_mask: ``[L, S]`` or ``[B * num_heads, L, S]``, bool (True = NOT allowed
                 to attend) or float (added to the scores).
-            average_attn_weights: no effect (no weights).
+            average_attn_weights: the weights' mean over the heads (as torch).
             is_causal: the hint that ``attn_mask`` is the causal mask (given with it).
             generator: a ``torch.Generator`` or a key (``skyformer.random_key``) for a
                 randomised method's draws; ``None``: torch's global generator.
         Returns:
-            ``(output, None)``, output laid out as ``query`` with width ``embed_dim``.
+            ``(output, weights)``, output laid out as ``query`` with width ``embed_dim``;
+            weights ``[B, L, S]`` (``[B, H, L, S]`` unaveraged; ``[L, S]`` or ``[H, L, S]``
+            unbatched) where returned, else ``None``.
         """
         self._warn_no_weights(need_weights)
         if any(isinstance(t, Tensor) and t.is_nested for t in (query, key, value)):
@@ -229,43 +249,49 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         # torch runs SDPA with the hint alone where it may, else the mask (the exact methods
         # follow it; the approximate ones take the hint always)
         hint_alone = is_causal and key_padding_mask is None and not need_weights
-        out = self._attend(query, key, value, key_padding_mask, attn_mask, is_causal,
-                           hint_alone, self_attention, generator)  # [L, B, E]
+        out, weights = self._attend(query, key, value, key_padding_mask, attn_mask, is_causal,
+                                    hint_alone, self_attention, generator,
+                                    need_weights and self.return_weights)  # [L, B, E]
+        if weights is not None:  # torch's shape: averaged over the heads, batched or not
+            weights = weights.mean(1) if average_attn_weights else weights
+            weights = weights if batched else weights[0]
         if not batched:
-            return out[:, 0], None
-        return (out.transpose(0, 1) if self.batch_first else out), None
+            return out[:, 0], weights
+        return (out.transpose(0, 1) if self.batch_first else out), weights
 
     if TYPE_CHECKING:  # calling the layer runs forward: type checkers see its signature
         __call__ = forward
 
     def _attend(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Any,
                 attn_mask: Any, is_causal: bool, hint_alone: bool, self_attention: bool,
-                generator: Any) -> Tensor:
+                generator: Any, weights: bool = False) -> tuple[Tensor, Tensor | None]:
         """Batch-first attention: ``query: [B, L, E]``, ``key: [B, S, kdim]``, ``value:
         [B, S, vdim]``, torch's masks; returns ``[L, B, E]``, torch's layout in memory
         (batch-first is a view of it, as torch's: a dropout after the layer then draws
-        torch's mask for torch's output)."""
+        torch's mask for torch's output), and with ``weights`` those of the call,
+        ``[B, H, L, S]`` (else ``None``)."""
         q, k, v = self._project(query, key, value, self_attention)  # [B, H, L|S, Dh]
         b, _, lq, _ = q.shape
         if 0 in (b, lq, k.shape[2]):  # torch: empty, or the output projection of zeros
             out = q.new_zeros(lq, b, self.embed_dim) + 0 * (q.sum() + k.sum() + v.sum())
             if self.method_state is not None:  # every parameter gets a gradient (DDP)
                 out = out + 0 * sum(p.sum() for p in self.method_state.parameters())
-            return self.out_proj(out)
+            empty = q.new_zeros(b, self.num_heads, lq, k.shape[2]) if weights else None
+            return self.out_proj(out), empty
         key_valid, padding_bias, allowed = _sdpa_masks(key_padding_mask, attn_mask,
                                                        self.num_heads)
         if self.spec.capabilities.attn_mask and hint_alone and lq == k.shape[2]:
-            out = self._exact(q, k, v, key_valid, None, generator, causal=True)
+            out, kept = self._exact(q, k, v, key_valid, None, generator, weights, causal=True)
         elif self.spec.capabilities.attn_mask and hint_alone:  # SDPA's top-left causal mask
             top_left = torch.ones(lq, k.shape[2], dtype=torch.bool, device=q.device).tril()
-            out = self._exact(q, k, v, key_valid, top_left, generator)
+            out, kept = self._exact(q, k, v, key_valid, top_left, generator, weights)
         elif self.spec.capabilities.attn_mask:
-            out = self._exact(q, k, v, key_valid, _joined(allowed, padding_bias, q.dtype),
-                              generator)
+            out, kept = self._exact(q, k, v, key_valid, _joined(allowed, padding_bias, q.dtype),
+                                    generator, weights)
         else:
-            out = self._approximate(q, k, v, key_valid, padding_bias, allowed, is_causal,
-                                    self_attention, generator)
-        return self.out_proj(out.permute(2, 0, 1, 3).reshape(lq, b, self.embed_dim))
+            out, kept = self._approximate(q, k, v, key_valid, padding_bias, allowed, is_causal,
+                                          self_attention, generator, weights)
+        return self.out_proj(out.permute(2, 0, 1, 3).reshape(lq, b, self.embed_dim)), kept
 
     def _project(self, query: Tensor, key: Tensor, value: Tensor, self_attention: bool
                  ) -> tuple[Tensor, Tensor, Tensor]:
@@ -289,26 +315,32 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         return self.dropout if self.training else 0.0
 
     def _exact(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None,
-               mask: Tensor | None, generator: Any, causal: bool = False) -> Tensor:
+               mask: Tensor | None, generator: Any, weights: bool, causal: bool = False
+               ) -> tuple[Tensor, Tensor | None]:
         """A method that takes any mask (``softmax``, ``kernelized``): torch's masks as
         they are, or its causal form alone (``causal``: torch's hint without its mask),
-        every query real (torch's rows for padded queries)."""
+        every query real (torch's rows for padded queries); the output and, with
+        ``weights``, the weights (dropped as the output's where the method drops
+        weights)."""
         arguments: dict[str, Any] = {} if mask is None else {"attn_mask": mask}
         bound = self.bound.replace(causal=True) if causal else self.bound
         p = self._dropout()
         weight_dropout = self.spec.capabilities.weight_dropout
         if p and weight_dropout:
             arguments["dropout_p"] = p
-        out = bound(q, k, v, key_padding_mask=key_valid, query_padding_mask=None,
-                    generator=generator, state=self.method_state, **arguments)
-        return F.dropout(out, p=p, training=True) if p and not weight_dropout else out
+        out, kept = _call(bound, q, k, v, weights, key_padding_mask=key_valid,
+                          query_padding_mask=None, generator=generator,
+                          state=self.method_state, **arguments)
+        return (F.dropout(out, p=p, training=True) if p and not weight_dropout else out), kept
 
     def _approximate(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None,
                      padding_bias: Tensor | None, allowed: Tensor | None, is_causal: bool,
-                     self_attention: bool, generator: Any) -> Tensor:
+                     self_attention: bool, generator: Any, weights: bool
+                     ) -> tuple[Tensor, Tensor | None]:
         """A method that takes key padding and causal masks: torch's masks resolved into
         them (``functional.attn_mask_as_padding``), or a sentence. With the ``is_causal``
-        hint the method runs its causal form and ``attn_mask`` is not read."""
+        hint the method runs its causal form and ``attn_mask`` is not read. The output
+        and, with ``weights``, the weights (before the output's dropout)."""
         rows = "auto" if self_attention else None  # cross-attention: every query real
         if padding_bias is not None:  # torch's layers hand a bool mask on as 0 / -inf
             real = self._real_keys(padding_bias[:, 0, 0, :])
@@ -322,10 +354,10 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
             refuse_causal_lengths(self.spec, q.shape[2], k.shape[2])
         bound = self.bound.replace(**sdpa_options(self.spec, {}, causal, None,
                                                    self.head_dim))
-        out = bound(q, k, v, key_padding_mask=key_valid, query_padding_mask=rows,
-                    generator=generator, state=self.method_state)
+        out, kept = _call(bound, q, k, v, weights, key_padding_mask=key_valid,
+                          query_padding_mask=rows, generator=generator, state=self.method_state)
         p = self._dropout()
-        return F.dropout(out, p=p, training=True) if p else out
+        return (F.dropout(out, p=p, training=True) if p else out), kept
 
     def _mask_arguments(self) -> str:
         """This layer's arguments for the masks its method takes (torch's conventions),
@@ -376,7 +408,7 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         positions = torch.arange(x.shape[1], device=x.device)
         padding = positions >= torch.tensor(lengths, device=x.device)[:, None]  # [B, Lmax]
         self._check_shapes(x, x, x, padding, None)
-        out = self._attend(x, x, x, padding, None, False, False, True, generator).transpose(0, 1)
+        out = self._attend(x, x, x, padding, None, False, False, True, generator)[0].transpose(0, 1)
         return torch.nested.as_nested_tensor([o[:n] for o, n in zip(out, lengths, strict=True)],
                                              layout=query.layout)
 
@@ -436,14 +468,19 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
                                 f"bool mask, True = not attended).")
 
     def _warn_no_weights(self, need_weights: bool) -> None:
-        """Warn, once per layer, that ``need_weights=True`` gets no weights."""
-        if need_weights and not self._weights_warned and not torch.compiler.is_compiling():
+        """Warn, once per layer, that ``need_weights=True`` gets no weights (a layer
+        built without ``return_weights``)."""
+        if need_weights and not self.return_weights and not self._weights_warned \
+                and not torch.compiler.is_compiling():
             self._weights_warned = True
+            instead = (f"build the layer with return_weights=True for the matrix "
+                       f"{self.method} applies (its memory, [B, H, L, S], and time), "
+                       if self.spec.capabilities.weights else "")
             warn_from_user_frame(
                 f"{NAME} ({self.method}) returns (output, None): no method materialises the "
                 f"attention matrix, so need_weights=True (torch's default) gets no weights; "
-                f"pass need_weights=False to silence this, or keep torch.nn.MultiheadAttention "
-                f"where the weights are read.", UserWarning)
+                f"pass need_weights=False to silence this, {instead}or keep "
+                f"torch.nn.MultiheadAttention where the weights are read.", UserWarning)
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str,
                               *args: Any) -> None:
@@ -460,7 +497,8 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         options = ", ".join(f"{k}={v!r}" for k, v in self.bound.options().items())
         shape = (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}"
                  + ("" if self._qkv_same_embed_dim else f", kdim={self.kdim}, vdim={self.vdim}")
-                 + f", batch_first={self.batch_first}, method={self.method!r}")
+                 + f", batch_first={self.batch_first}, method={self.method!r}"
+                 + (", return_weights=True" if self.return_weights else ""))
         return shape + (f", {options}" if options else "")
 
 
@@ -482,6 +520,29 @@ def _check_configuration(embed_dim: Any, num_heads: Any, dropout: Any, bias: Any
                 f"sequence, which the causal and self-attention forms of the approximate "
                 f"methods cannot follow; build the layer with {name}=False, or keep "
                 f"torch.nn.MultiheadAttention where it is needed.")
+
+
+def _check_return_weights(return_weights: Any, bound: BoundMethod, where: str) -> bool:
+    """``return_weights`` where it is a bool the layer's method can honour, else a
+    sentence."""
+    if not isinstance(return_weights, bool):
+        raise TypeError(f"{where}: return_weights must be True or False, got "
+                        f"{return_weights!r}.")
+    if return_weights:
+        try:
+            check_capabilities(bound.method.name, weights=True)
+        except CapabilityError as err:
+            raise CapabilityError(f"{where}: return_weights=True, but {err}") from None
+    return return_weights
+
+
+def _call(bound: BoundMethod, q: Tensor, k: Tensor, v: Tensor, weights: bool, **call: Any
+          ) -> tuple[Tensor, Tensor | None]:
+    """``bound(q, k, v, **call)`` and, with ``weights``, the weights of that call
+    (``skyformer.weights``: one call, the same draws), else ``None``."""
+    if weights:
+        return call_with_weights(bound, q, k, v, **call)
+    return bound(q, k, v, **call), None
 
 
 def _check_call(query: Any, key: Any, value: Any, key_padding_mask: Any, attn_mask: Any,
@@ -609,17 +670,18 @@ ModelT = TypeVar("ModelT", bound=nn.Module)
 
 @overload
 def replace_attention(model: nn.MultiheadAttention, method: str = ..., *,
-                      seq_len: int | None = ..., **method_options: Any
-                      ) -> TorchMultiheadAttention: ...
+                      seq_len: int | None = ..., return_weights: bool = ...,
+                      **method_options: Any) -> TorchMultiheadAttention: ...
 
 
 @overload
 def replace_attention(model: ModelT, method: str = ..., *, seq_len: int | None = ...,
-                      **method_options: Any) -> ModelT: ...
+                      return_weights: bool = ..., **method_options: Any) -> ModelT: ...
 
 
 def replace_attention(model: nn.Module, method: str = "skyformer", *,
-                      seq_len: int | None = None, **method_options: Any) -> nn.Module:
+                      seq_len: int | None = None, return_weights: bool = False,
+                      **method_options: Any) -> nn.Module:
     """Swap every ``torch.nn.MultiheadAttention`` inside ``model`` for a
     ``TorchMultiheadAttention`` running ``method``, in place; one already swapped is
     rebuilt with ``method`` (its weights kept), so a model can go from one method to
@@ -636,7 +698,8 @@ def replace_attention(model: nn.Module, method: str = "skyformer", *,
 
     Args:
         model: any module (a ``torch.nn.MultiheadAttention`` itself is returned swapped).
-        method, seq_len, **method_options: as ``TorchMultiheadAttention``'s.
+        method, seq_len, return_weights, **method_options: as
+            ``TorchMultiheadAttention``'s.
     Returns:
         ``model``.
 
@@ -645,6 +708,7 @@ def replace_attention(model: nn.Module, method: str = "skyformer", *,
         model = replace_attention(model, "skyformer", num_features=128)
     """
     get_method(method)  # an unknown name fails even where there is nothing to swap
+    method_options = {"return_weights": return_weights, **method_options}
     swappable = (nn.MultiheadAttention, TorchMultiheadAttention)
     if isinstance(model, swappable):
         return _from_torch(TorchMultiheadAttention, model, "replace_attention: model",
