@@ -288,16 +288,36 @@ def test_what_sdpa_cannot_apply_is_refused_in_exact_layers_too(name, value, what
 
 
 @torch.no_grad()
-def test_output_attentions_says_that_no_weights_come_back():
-    """output_attentions=True gave an empty tuple of attention maps without a word
-    (transformers' SDPA says it returns none)."""
+def test_output_attentions_gives_each_layers_weights():
+    """output_attentions=True gave an empty tuple of attention maps: each layer now gives
+    the matrix its method applies (skyformer.attention_weights), softmax's equal to the
+    eager model's; a method without one, or a layer left exact (transformers' SDPA),
+    says that it gives none."""
     import warnings
 
-    model = tiny_bert()
-    shf.set_attention(model, "nystrom_softmax", num_features=4, seed=0)
     ids, mask = ids_and_padding()
-    with pytest.warns(UserWarning, match=r"nystrom_softmax returns no attention weights.*"
-                      r"attn_implementation='eager'"):
+    eager = copy_as(tiny_bert(), "eager")
+    expected = eager(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    model = tiny_bert()
+    shf.set_attention(model, "softmax")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = model(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    assert len(got) == 2
+    for ours, theirs in zip(got, expected, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=0)
+    shf.set_attention(model, "nystrom_softmax", num_features=4, seed=0)
+    first = model(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    again = model(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    assert [a.shape for a in first] == [(3, 4, 10, 10)] * 2
+    for maps, same in zip(first, again, strict=True):
+        torch.testing.assert_close(maps, same, rtol=0, atol=0)  # the layer's seed
+        assert torch.all(maps[0, :, :, 7:] == 0) and torch.all(maps[1, :, :, :3] == 0)
+        torch.testing.assert_close(maps[0, :, :7].sum(-1), torch.ones(4, 7))
+    shf.set_attention(model, "kdeformer", num_features=4, seed=0)
+    with pytest.warns(UserWarning, match=r"kdeformer returns no attention weights \(its "
+                      r"output is not one matrix.*methods that give them: softmax, "
+                      r"kernelized, skyformer.*attn_implementation='eager'"):
         out = model(input_ids=ids, attention_mask=mask, output_attentions=True)
     assert out.attentions == ()
     with warnings.catch_warnings():

@@ -73,6 +73,26 @@ def test_generate_equals_the_full_causal_forward(build, method, options):
 
 
 @torch.no_grad()
+def test_attention_maps_of_a_decoders_forward_and_none_over_a_decoding_cache():
+    """GPT-2 drops output_attentions before its attention call (transformers' recorder
+    reads the maps): a forward still gives Skyformer's causal maps, which applied to
+    nothing later than their query; generate over a DecodingCache says it gives none."""
+    model = _gpt2()
+    shf.set_attention(model, "skyformer", seed=0, num_features=8, landmark_stride=4)
+    ids, mask = _prompt()
+    maps = model(ids, attention_mask=mask, output_attentions=True).attentions
+    assert [m.shape for m in maps] == [(2, 2, 30, 30)] * 2
+    for m in maps:
+        assert torch.all(m.triu(1) == 0) and torch.all(m[1, :, :, :4] == 0)
+        assert m[0].abs().sum() > 0
+    with pytest.warns(UserWarning, match="no attention weights in a step over a DecodingCache"):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False,
+                             pad_token_id=0, cache=shf.DecodingCache(model),
+                             output_attentions=True, return_dict_in_generate=True)
+    assert out.attentions == ((),)
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("build", [_gpt2, _llama], ids=["gpt2", "llama"])
 def test_a_cache_with_use_cache_false_is_refused_and_goes_on_untouched(build):
     """generate(..., cache=DecodingCache(model), use_cache=False) fed the whole sequence

@@ -44,6 +44,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+try:  # the recorder of output_attentions=True (transformers 5); None where it is not there
+    from transformers.utils.output_capturing import _active_collector as _COLLECTOR
+except ImportError:  # pragma: no cover - the flag passed down is read alone then
+    _COLLECTOR = None
 from transformers.masking_utils import (
     AttentionMaskInterface,
     bidirectional_mask_function,
@@ -55,9 +60,17 @@ from ..decoding import new_decoding_state
 from ..linalg.tracing import may_read_values
 from ..masks import UnsupportedMaskError, causal_without_mask, decoding_key_valid, resolve_mask
 from ..ops.shared.causal_nystrom import CAUSAL_FORM_DEFAULTS
-from ..registry import CapabilityError, Method, get_method, list_methods
+from ..registry import (
+    BoundMethod,
+    CapabilityError,
+    Method,
+    get_method,
+    list_methods,
+    methods_that_can,
+)
 from ..registry.binding import all_real_padding_as_none
 from ..sketch.rng import random_key
+from ..weights import call_with_weights
 from .decoding import DecodingLayer, claimed_step
 from .layers import (
     DISPATCHING_MODELS,
@@ -255,7 +268,7 @@ def skyformer_attention_forward(
     scaling: float | None = None,
     is_causal: bool | None = None,
     **kwargs: Any,
-) -> tuple[Tensor, None]:
+) -> tuple[Tensor, Tensor | None]:
     """One attention call of a transformers model through a skyformer method.
 
     Args:
@@ -269,7 +282,9 @@ def skyformer_attention_forward(
         scaling: the model's logit scale (``None`` = 1/sqrt(D)).
         is_causal: causal flag; ``None`` = ``module.is_causal`` (as transformers' SDPA).
     Returns:
-        ``(out [B, Nq, H, Dv], None)``.
+        ``(out [B, Nq, H, Dv], maps)``: ``maps`` ``[B, H, Nq, Nk]``, the method's attention
+        weights (``skyformer.attention_weights``), where ``output_attentions=True`` asks
+        for them and the method has them, else ``None``.
     """
     layer = _layer_for(module, implementation, default_method)
     decoding = claimed_step(key)
@@ -288,15 +303,21 @@ def skyformer_attention_forward(
 def _attention(module: nn.Module, layer: LayerAttention, decoding: DecodingLayer | None,
                query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                dropout: float, scaling: float | None, is_causal: bool | None,
-               kwargs: dict[str, Any]) -> tuple[Tensor, None]:
+               kwargs: dict[str, Any]) -> tuple[Tensor, Tensor | None]:
     """``skyformer_attention_forward`` once the layer and its cache step are known."""
     _refuse_what_the_layer_cannot_apply(module, layer, kwargs)
+    # the attention maps of output_attentions=True: the method's weights where it has them
+    # (exact layers: transformers' SDPA says it gives none)
+    weights = layer.method != EXACT and _attentions_requested(kwargs)
     if layer.method != EXACT:  # with or without a cache
         _refuse_packing_outside_the_mask(module, layer, attention_mask, query, kwargs)
-        if kwargs.get("output_attentions"):  # exact layers: transformers' SDPA says so
+        if weights and not layer.bound.method.capabilities.weights:
             _warn_no_weights(layer)
+            weights = False
     if decoding is not None:
         if layer.method != EXACT and not layer.bound.method.capabilities.attn_mask:
+            if weights:
+                _warn_no_weights(layer, decoding=True)
             return _decoding_step(module, layer, decoding, query, key, value, attention_mask,
                                   dropout, scaling)
         key, value = decoding.keep(key, value)  # exact attention over every key so far
@@ -313,7 +334,8 @@ def _attention(module: nn.Module, layer: LayerAttention, decoding: DecodingLayer
         is_causal = getattr(module, "is_causal", True)
     if takes_any_mask:
         return _with_attn_mask(module, layer, where, query, key, value, attention_mask,
-                               dropout, scaling, bool(is_causal), kwargs.get("position_bias"))
+                               dropout, scaling, bool(is_causal), kwargs.get("position_bias"),
+                               weights)
     b, _, nq, head_dim = query.shape
     nk = key.shape[2]
     advice = OVER_A_CACHED_PREFIX if nq < nk and not layer.cross else USE_SDPA
@@ -336,15 +358,36 @@ def _attention(module: nn.Module, layer: LayerAttention, decoding: DecodingLayer
     except CapabilityError as err:
         raise CapabilityError(f"{where}: {err}") from None
 
-    out = bound(
-        query, key, value, key_padding_mask=key_padding_mask,
+    out, maps = _call(
+        bound, query, key, value, weights, key_padding_mask=key_padding_mask,
         # a decoder's queries in cross-attention are all real, also when Nq == Nk
         query_padding_mask=None if layer.cross else "auto",
         generator=_layer_key(layer, query.device), state=module._modules.get(STATE_NAME),
-    )  # [B, H, Nq, Dv]
+    )  # [B, H, Nq, Dv], [B, H, Nq, Nk] or None
     if training_dropout:
         out = F.dropout(out, p=training_dropout, training=True)
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).contiguous(), maps
+
+
+def _attentions_requested(kwargs: dict[str, Any]) -> bool:
+    """Whether the model's caller asked for attention maps: ``output_attentions=True``
+    passed down to the attention call (BERT), or transformers' output recorder
+    collecting them (GPT-2 and Llama drop the flag and read the attention modules'
+    second output)."""
+    if kwargs.get("output_attentions"):
+        return True
+    collecting = _COLLECTOR.get() if _COLLECTOR is not None else None
+    return isinstance(collecting, dict) and any(
+        str(key).endswith("attentions") for key in collecting)
+
+
+def _call(bound: BoundMethod, query: Tensor, key: Tensor, value: Tensor, weights: bool,
+          **call: Any) -> tuple[Tensor, Tensor | None]:
+    """The method's output and, with ``weights``, the attention maps of the same call
+    (``skyformer.weights``), else ``None``."""
+    if weights:
+        return call_with_weights(bound, query, key, value, **call)
+    return bound(query, key, value, **call), None
 
 
 def _refuse_what_the_layer_cannot_apply(module: nn.Module, layer: LayerAttention,
@@ -412,12 +455,21 @@ def _refuse_packing_outside_the_mask(module: nn.Module, layer: LayerAttention,
         f"them apart, and {layer.method} would attend across their boundaries; {fix}{also}.")
 
 
-def _warn_no_weights(layer: LayerAttention) -> None:
-    """Say that ``output_attentions=True`` gets no attention maps from this layer."""
-    warnings.warn(
-        f"{layer.method} returns no attention weights (no method materialises the attention "
-        f"matrix), so output_attentions=True gives none for its layers; to read the maps, "
-        f"load the model with attn_implementation='eager'.", UserWarning, stacklevel=2)
+def _warn_no_weights(layer: LayerAttention, decoding: bool = False) -> None:
+    """Say that ``output_attentions=True`` gets no attention maps from this layer: its
+    method has none, or it decodes over a ``DecodingCache``."""
+    if decoding:
+        why = (f"{layer.method} returns no attention weights in a step over a "
+               f"DecodingCache (its decoding state keeps sums over the past keys, not "
+               f"them), so output_attentions=True gives none for its layers there; a "
+               f"forward without the cache gives them")
+    else:
+        why = (f"{layer.method} returns no attention weights (its output is not one matrix "
+               f"of the queries and keys applied to the values), so output_attentions=True "
+               f"gives none for its layers; methods that give them: "
+               f"{', '.join(methods_that_can('weights'))}")
+    warnings.warn(f"{why}; to read softmax's maps, load the model with "
+                  f"attn_implementation='eager'.", UserWarning, stacklevel=2)
 
 
 def _warn_steps_over_transformers_cache(layer: LayerAttention) -> None:
@@ -482,11 +534,12 @@ def _seed_key(seed: int, device: torch.device) -> Tensor:
 def _with_attn_mask(
     module: nn.Module, layer: LayerAttention, where: str, query: Tensor, key: Tensor,
     value: Tensor, attention_mask: Tensor | None, dropout: float, scaling: float | None,
-    is_causal: bool, position_bias: Tensor | None,
-) -> tuple[Tensor, None]:
+    is_causal: bool, position_bias: Tensor | None, weights: bool = False,
+) -> tuple[Tensor, Tensor | None]:
     """A method that takes any attn_mask gets the model's mask as SDPA would: sliding
     windows, packed sequences and static caches are in the mask; a position bias (T5)
-    is added to it; without a mask, causal attention follows ``is_causal``."""
+    is added to it; without a mask, causal attention follows ``is_causal``. With
+    ``weights``, the attention maps of the call too."""
     assert layer.bound is not None
     spec = layer.bound.method
     key, value = _keys_for_call(module, key, value)
@@ -507,12 +560,12 @@ def _with_attn_mask(
     arguments: dict[str, Any] = {}
     if training_dropout and spec.capabilities.weight_dropout:
         arguments["dropout_p"] = training_dropout
-    out = bound(query, key, value, attn_mask=attention_mask, query_padding_mask=None,
-                generator=_layer_key(layer, query.device),
-                state=module._modules.get(STATE_NAME), **arguments)  # [B, H, Nq, Dv]
+    out, maps = _call(bound, query, key, value, weights, attn_mask=attention_mask,
+                      query_padding_mask=None, generator=_layer_key(layer, query.device),
+                      state=module._modules.get(STATE_NAME), **arguments)  # [B, H, Nq, Dv]
     if training_dropout and not spec.capabilities.weight_dropout:
         out = F.dropout(out, p=training_dropout, training=True)
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).contiguous(), maps
 
 
 def _biased_mask(bias: Tensor, mask: Tensor | None, causal: bool, nq: int, nk: int) -> Tensor:
@@ -567,7 +620,8 @@ def skyformer_mask(
 
 
 @functools.cache
-def _function(implementation: str, default_method: str) -> Callable[..., tuple[Tensor, None]]:
+def _function(implementation: str, default_method: str
+              ) -> Callable[..., tuple[Tensor, Tensor | None]]:
     """The function registered as ``implementation``: one object a name, so that
     registering again (each ``set_attention``) leaves transformers' registry as it was
     (compiled models guard on what they looked up there)."""
