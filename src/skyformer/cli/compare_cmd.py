@@ -7,6 +7,7 @@ import importlib.util
 import sys
 
 from ..eval.compare import CompareConfig, compare, compare_on, format_table
+from ..eval.compare.maps import MapPanel, describe
 from ..eval.compare.run import CompareResult
 from ..eval.data.qkv import load_qkv_file
 from ..eval.methods import unread_features_note
@@ -57,6 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json", dest="json_path", default=None, help="write results to this JSON file"
     )
+    parser.add_argument("--maps", default=None, metavar="FIGURE",
+                        help="also draw the attention matrix each method applies to V for one "
+                        "head of the first sequence, beside the exact one, with its relative "
+                        "spectral error (a PNG, or the format its suffix names)")
+    parser.add_argument("--maps-head", type=int, default=CompareConfig.maps_head,
+                        help=f"the head --maps draws (default {CompareConfig.maps_head})")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -84,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
         methods=tuple(args.methods) if args.methods else None,
         repeats=args.repeats,
         memory=not args.no_memory,
+        maps=args.maps,
+        maps_head=args.maps_head,
     )
     note = unread_features_note(config.methods, config.num_features)
     if note:
@@ -93,6 +102,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"seed {args.seed}: the draws of the randomized methods (their rows' seed)"
           + ("" if not args.random_init else " and the random weights"))
     print(format_table(result.rows))
+    if args.maps:
+        print(f"wrote {args.maps}: the attention matrix of head {args.maps_head} of the first "
+              f"sequence, each method's relative spectral error against its target's:")
+        print("\n".join(describe(result.maps)))
     if args.json_path:
         data = result.to_dict()
         if args.qkv is not None:  # the file's tensors, not a model's: no model settings
@@ -107,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
 def _compare_file(args: argparse.Namespace, config: CompareConfig) -> CompareResult:
     """``compare_on`` the Q/K/V (and key padding mask) of the ``--qkv`` file."""
     saved = load_qkv_file(args.qkv, label="--qkv")
-    rows = compare_on(saved[:3], config, key_padding_mask=saved.key_padding_mask)
+    panels: list[MapPanel] = []
+    rows = compare_on(saved[:3], config, key_padding_mask=saved.key_padding_mask,
+                      maps=panels)
     return CompareResult(config, f"{args.qkv}: {saved.describe()}", rows,
-                         environment(saved.q.device))
+                         environment(saved.q.device), panels)

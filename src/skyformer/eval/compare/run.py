@@ -20,13 +20,14 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ...checks import check_positive_int
-from ...io import environment
+from ...checks import check_positive_int, is_integer
+from ...io import check_output_path, environment
 from ...logs import first_line
 from ...ops.shared.inputs import AttentionInputs, check_attention_inputs
 from ...registry import get_method, list_methods
 from ...registry.variants import refuse_swept_option
 from ...seeds import check_seed
+from ..approx.plots import require_figure_format
 from ..data.qkv import QKV, MaskedQKV, load_qkv
 from ..data.text import read_text
 from ..measure.memory import MemoryJob, above_resolution, peak_memory_or_reason
@@ -40,6 +41,7 @@ from ..methods import (
     resolve,
     target_options,
 )
+from .maps import MapPanel, attention_maps, plot_maps
 from .report import COLUMNS, not_measured
 
 
@@ -57,6 +59,8 @@ class CompareConfig:
     methods: tuple[str, ...] | None = None
     repeats: int = 3
     memory: bool = True
+    maps: str | None = None  # a figure of one head's attention matrices (maps.py)
+    maps_head: int = 0
 
     def __post_init__(self) -> None:
         check_seed("seed", self.seed)
@@ -64,6 +68,12 @@ class CompareConfig:
         if self.num_features is not None:  # each method's own
             check_positive_int("num_features (--features)", self.num_features)
         refuse_repeated_methods(self.methods)
+        if self.maps is not None:  # before the model loads, not after the table
+            check_output_path(self.maps)
+            require_figure_format(self.maps, "--maps")
+            if not is_integer(self.maps_head) or self.maps_head < 0:
+                raise ValueError(f"maps_head (--maps-head) must be a head's index, 0 or "
+                                 f"more, got {self.maps_head!r}.")
         for m in self.methods or ():  # unknown names fail before any work
             method = registered_method(m)
             if self.num_features is not None and method.budget_changes_output():
@@ -89,6 +99,7 @@ class CompareResult:
     source: str
     rows: list[dict[str, Any]]
     environment: dict[str, Any] = field(default_factory=dict)
+    maps: list[MapPanel] = field(default_factory=list)  # with config.maps
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -98,6 +109,11 @@ class CompareResult:
             "columns": COLUMNS,
             "rows": self.rows,
             "not_measured": not_measured(self.rows),
+            **({"maps": {"path": self.config.maps, "head": self.config.maps_head,
+                         "matrix_errors": [{"method": p.method, "target": p.target,
+                                            "error": p.error, "reason": p.reason}
+                                           for p in self.maps]}}
+               if self.config.maps is not None else {}),
         }
 
 
@@ -141,7 +157,8 @@ class Target:
 
 
 def compare_on(qkv: QKV | tuple[Tensor, Tensor, Tensor], config: CompareConfig, *,
-               key_padding_mask: Tensor | None = None) -> list[dict[str, Any]]:
+               key_padding_mask: Tensor | None = None,
+               maps: list[MapPanel] | None = None) -> list[dict[str, Any]]:
     """Rows of the comparison on given Q/K/V ``[B, H, N, D]`` (a ``QKV`` captured from a
     model, or one's own ``(q, k, v)``): errors are the mean (and spread) over the B * H
     heads, times those of one call on the whole batch. ``key_padding_mask``, ``[B, Nk]``
@@ -160,13 +177,17 @@ def compare_on(qkv: QKV | tuple[Tensor, Tensor, Tensor], config: CompareConfig, 
     Nq != Nk, ``causal=True`` with Nq != Nk: the sentence of its ``ValueError``) gets a
     row with ``status`` "not supported" (a call that fails otherwise, e.g. out of
     memory: "failed") and the sentence why in ``reason``, its numbers ``None``; the others are
-    measured."""
+    measured. With ``config.maps``, the figure of head ``config.maps_head`` of the first
+    sequence (``maps.py``) is written there, and its panels added to ``maps``."""
     q, k, v = given_tensors(qkv)
     info = check_attention_inputs(q, k, v, key_padding_mask, method="compare_on")
     if not isinstance(qkv, QKV):  # a captured QKV's layout is known
         _say_layout(q, k)
     _say_nonfinite(q, k, v, info)
     _say_keyless(info)
+    if config.maps is not None and config.maps_head >= q.shape[1]:
+        raise ValueError(f"--maps-head must be below the {q.shape[1]} heads of the Q/K/V, "
+                         f"got {config.maps_head}.")
     methods = list(config.methods) if config.methods else list_methods()
     for m in methods:
         registered_method(m)  # unknown names fail before any work
@@ -179,6 +200,13 @@ def compare_on(qkv: QKV | tuple[Tensor, Tensor, Tensor], config: CompareConfig, 
         # a bar on a terminal, nothing when piped (tqdm's disable=None)
         for name in tqdm(methods, desc="compare", unit="method", leave=False, disable=None):
             rows.append(_row(name, given, config, targets, str(inputs)))
+    if config.maps is not None:
+        panels = attention_maps(given, methods, config.num_features, config.seed,
+                                config.maps_head)
+        plot_maps(panels, config.maps, f"head {config.maps_head}: the matrix each method "
+                  f"applies to V, and its relative spectral error")
+        if maps is not None:
+            maps.extend(panels)
     return rows
 
 
@@ -336,5 +364,6 @@ def compare(config: CompareConfig = CompareConfig()) -> CompareResult:
         pretrained=config.pretrained,
         seed=config.seed,
     )
-    rows = compare_on(qkv, config)
-    return CompareResult(config, qkv.describe(), rows, environment(qkv.q.device))
+    panels: list[MapPanel] = []
+    rows = compare_on(qkv, config, maps=panels)
+    return CompareResult(config, qkv.describe(), rows, environment(qkv.q.device), panels)

@@ -1,0 +1,69 @@
+"""``skyformer compare --maps``: the attention matrix of one head, per method, with its
+relative spectral error against its target's matrix."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from skyformer import attention_weights
+from skyformer.cli import main
+
+pytest.importorskip("matplotlib")
+
+
+@pytest.fixture
+def saved(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 24, 8, generator=g) for _ in range(3))
+    mask = torch.ones(2, 24, dtype=torch.bool)
+    mask[0, 20:] = False
+    path = tmp_path / "mine.pt"
+    torch.save({"q": q, "k": k, "v": v, "mask": mask}, path)
+    return path, q, k, mask
+
+
+def test_the_maps_of_one_head_with_each_methods_matrix_error(tmp_path, capsys, saved):
+    """The figure is written; each method's error is that of its matrix on the head
+    (skyformer.attention_weights with the table's seed) against its target's, the exact
+    methods' about 0; a method without a matrix says so."""
+    path, q, k, mask = saved
+    figure, out_json = tmp_path / "maps.png", tmp_path / "compare.json"
+    assert main(["compare", "--qkv", str(path), "--methods", "softmax", "skyformer",
+                 "kdeformer", "--features", "8", "--repeats", "1", "--no-memory", "--maps",
+                 str(figure), "--maps-head", "1", "--json", str(out_json)]) == 0
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out
+    assert f"wrote {figure}: the attention matrix of head 1 of the first sequence" in printed
+    maps = json.loads(out_json.read_text())["maps"]
+    assert maps["head"] == 1 and maps["path"] == str(figure)
+    errors = {m["method"]: m for m in maps["matrix_errors"]}
+    assert errors["softmax"]["error"] < 1e-5
+    assert errors["kdeformer"]["error"] is None
+    assert errors["kdeformer"]["reason"] == "no attention matrix: its output is not linear in V"
+    one = {"key_padding_mask": mask[:1]}
+    head = (q[:1, 1:2].double(), k[:1, 1:2].double())
+    exact = attention_weights(*head, "kernelized", **one)[0, 0]
+    sky = attention_weights(*head, "skyformer", num_features=8,
+                            generator=torch.Generator().manual_seed(0), **one)[0, 0]
+    want = (torch.linalg.matrix_norm(sky - exact, ord=2)
+            / torch.linalg.matrix_norm(exact, ord=2)).item()
+    assert errors["skyformer"]["error"] == pytest.approx(want, rel=1e-4)
+    assert 0.01 < want < 1  # 8 landmarks of 20 keys: an approximation, not the matrix
+    assert f"  skyformer                matrix error {want:.3g} (gaussian)" in printed
+
+
+@pytest.mark.parametrize(("arguments", "says"), [
+    (["--maps-head", "2"], "--maps-head must be below the 2 heads of the Q/K/V, got 2."),
+    (["--maps-head", "-1"], "maps_head (--maps-head) must be a head's index, 0 or more"),
+    (["--maps", "maps.txt"], "--maps maps.txt: matplotlib writes")])
+def test_a_head_or_figure_it_cannot_draw_is_refused_before_the_table(
+        tmp_path, capsys, saved, arguments, says):
+    path = saved[0]
+    figure = ["--maps", str(tmp_path / "m.png")] if "--maps" not in arguments else []
+    assert main(["compare", "--qkv", str(path), "--methods", "softmax", "--repeats", "1",
+                 "--no-memory", *figure, *arguments]) == 2
+    out = capsys.readouterr()
+    assert says in out.err and "spectral err" not in out.out
