@@ -129,8 +129,8 @@ def test_keys_of_another_width_passed_where_the_padding_mask_goes_get_the_senten
      r"\(query, key, value\): .*context=\.\.\."),
     (lambda layer, x: layer(x, need_weights=False),
      r"returns the output alone, with no attention weights \(the approximate methods form "
-     r"no attention matrix\); leave need_weights out, and for the matrix a method applies "
-     r"call skyformer.attention_weights\(q, k, method\)"),
+     r"no attention matrix\); leave need_weights out, and for the matrix the layer's "
+     r"method applies call layer.attention_weights\(x, key_padding_mask\)"),
     (lambda layer, x: layer(x, attn_mask=torch.ones(5, 5, dtype=torch.bool)),
      r"takes no attn_mask: .*causal=True.*key_padding_mask.*"
      r"skyformer.scaled_dot_product_attention"),
@@ -246,6 +246,39 @@ def test_a_wrong_padding_mask_gets_the_same_sentence_with_a_cache(cached):
     with pytest.raises(ValueError, match=r"linear: key_padding_mask must have shape "
                                          r"\[B, Nk\] = \[2, 5\], got \(2, 4\)"):
         layer(x, torch.ones(2, 4, dtype=torch.bool), **cache)
+
+@pytest.mark.parametrize(("method", "cross"), [("skyformer", False), ("skyformer", True),
+                                                ("linformer", False)])
+def test_attention_weights_are_the_matrix_forward_applies(method, cross):
+    """With one key: forward is the output projection of the weights applied to the
+    projected values (Linformer's own projections included); padded keys get weight 0."""
+    from skyformer import random_key
+
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(16, 2, method, num_features=4, seq_len=12).double().eval()
+    x = torch.randn(2, 10, 16, dtype=torch.float64)
+    context = torch.randn(2, 12, 16, dtype=torch.float64) if cross else None
+    source = x if context is None else context
+    mask = torch.ones(2, source.shape[1], dtype=torch.bool)
+    mask[1, -3:] = False
+    weights = layer.attention_weights(x, mask, context=context, generator=random_key(3))
+    out = layer(x, mask, context=context, generator=random_key(3))
+    assert weights.shape == (2, 2, 10, source.shape[1])
+    attended = (weights @ layer._split(layer.v_proj(source))).transpose(1, 2).reshape(2, 10, 16)
+    torch.testing.assert_close(out, layer.out_proj(attended), rtol=1e-9, atol=1e-10)
+    assert torch.all(weights[1, :, :, -3:] == 0)
+
+
+def test_attention_weights_of_a_method_without_them_and_of_no_query():
+    layer = MultiHeadAttention(16, 2, "kdeformer")
+    with pytest.raises(CapabilityError, match=r"^MultiHeadAttention.attention_weights: "
+                       r"kdeformer cannot give attention weights"):
+        layer.attention_weights(torch.randn(1, 8, 16))
+    sky = MultiHeadAttention(16, 2, "skyformer")
+    assert sky.attention_weights(torch.randn(2, 0, 16)).shape == (2, 2, 0, 0)
+    with pytest.raises(ValueError, match="x must have shape"):
+        sky.attention_weights(torch.randn(2, 8, 15))
+
 
 def test_method_state_module_is_owned_and_passed():
     """A method's state module (e.g. learned projections) is a submodule of the layer and

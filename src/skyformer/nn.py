@@ -13,8 +13,9 @@ from .amp import autocast_enabled
 from .checks import check_positive_int
 from .ops.shared.inputs import check_attention_inputs, check_padding_mask
 from .ops.shared.options import check_probability
-from .registry import BoundMethod, Method, get_method
+from .registry import BoundMethod, CapabilityError, Method, check_capabilities, get_method
 from .registry.guard import warn_if_no_real_key
+from .weights import call_with_weights
 
 if TYPE_CHECKING:
     from .decoding import DecodingState
@@ -109,7 +110,8 @@ class MultiHeadAttention(BoundMethodProperties, nn.Module):
     It is not call-compatible with ``torch.nn.MultiheadAttention``: it takes one
     batch-first ``x`` for self-attention (and a ``context`` for cross-attention) instead
     of ``(query, key, value)``, its ``key_padding_mask`` is True for real tokens (torch's
-    is True for padding), it returns the output alone (no attention weights), and its
+    is True for padding), it returns the output alone (the weights come from
+    ``attention_weights``, a call of their own), and its
     parameters are ``q_proj``/``k_proj``/``v_proj``/``out_proj``, not ``in_proj_weight``.
     It takes no ``batch_first`` (``x`` is always batch-first), ``kdim``/``vdim`` (a
     context has width ``dim``), ``add_bias_kv``, ``add_zero_attn``, ``device`` or
@@ -398,6 +400,37 @@ class MultiHeadAttention(BoundMethodProperties, nn.Module):
             f"the layer takes one x, not torch.nn.MultiheadAttention's (query, key, value): "
             f"to attend to other positions pass their source as context=...{fix}")
 
+    def attention_weights(self, x: Tensor, key_padding_mask: Tensor | None = None, *,
+                          context: Tensor | None = None,
+                          query_padding_mask: Tensor | None = None,
+                          generator: torch.Generator | Tensor | None = None) -> Tensor:
+        """The matrix ``[B, H, N, M]`` (``M``: the context's length, else ``N``) that the
+        layer's method applies to the projected values in ``forward`` with the same
+        arguments and draws (``skyformer.attention_weights``): ``forward(x, ...)`` is
+        ``out_proj(dropout(heads merged(weights @ v_proj(x or context))))``. Pass one key
+        (``skyformer.random_key(seed)``) to both calls for the weights of that output.
+        A method without such a matrix, and a layer with a ``process_group`` (its ranks
+        hold shards of the keys), are refused in a sentence."""
+        where = "MultiHeadAttention.attention_weights"
+        if self.process_group is not None:
+            raise ValueError(f"{where}: the layer runs over a process_group, each rank holding "
+                             f"a shard of the keys; build a layer without one (the same "
+                             f"state_dict) to read the weights of the whole sequence.")
+        try:
+            check_capabilities(self.bound.name, weights=True)
+        except CapabilityError as err:
+            raise CapabilityError(f"{where}: {err}") from None
+        self._check_forward(x, context, key_padding_mask, query_padding_mask, None, generator)
+        source = x if context is None else context
+        q, k = self._split(self.q_proj(x)), self._split(self.k_proj(source))
+        if 0 in (x.shape[0], x.shape[1], source.shape[1]):  # as forward: no method call
+            return q.new_zeros(*q.shape[:-1], k.shape[2])
+        warn_if_no_real_key(self.bound.name, key_padding_mask, k)
+        return call_with_weights(
+            self.bound, q, k, k[..., :0], key_padding_mask=key_padding_mask,
+            query_padding_mask="auto" if context is None else query_padding_mask,
+            generator=generator, state=self.method_state)[1]
+
     def new_cache(self, generator: torch.Generator | Tensor | None = None) -> DecodingState:
         """An empty decoding cache for ``forward(x, cache=...)``: causal self-attention of
         each new chunk of positions to every position before it, equal (to rounding) to
@@ -494,8 +527,8 @@ def _refuse_torch_call(arguments: tuple[Any, ...], keywords: dict[str, Any]) -> 
     if name in ("need_weights", "average_attn_weights"):
         why = ("returns the output alone, with no attention weights (the approximate "
                f"methods form no attention matrix); leave {name} out, and for the matrix "
-               f"a method applies call skyformer.attention_weights(q, k, method), or use "
-               f"skyformer.TorchMultiheadAttention(..., return_weights=True)")
+               f"the layer's method applies call layer.attention_weights(x, "
+               f"key_padding_mask) with the forward's arguments")
     elif name == "attn_mask":
         why = ("takes no attn_mask: build the layer with causal=True for a causal mask and "
                "pass key_padding_mask (True = real token) for padding; other masks go to "
