@@ -92,3 +92,10 @@ def test_the_call_is_checked_as_attention_is():
         attention_weights(q, k, "skyformer", key_padding_mak=None)
     with pytest.raises(TypeError, match=r"k must be a tensor \[B, H, Nk, D\], got NoneType"):
         attention_weights(q, None, "softmax")
+    with pytest.raises(TypeError, match=r"takes \(q, k, method\): no v"):
+        attention_weights(q, k, k)
+    with pytest.raises(ValueError, match=r"k holds no key \(Nk = 0\)"):
+        attention_weights(q, k[:, :, :0], "skyformer")
+    with pytest.raises(ValueError, match=r"q has 2 heads and k 1; .*k.repeat_interleave\(2, "
+                                         r"dim=1\)"):
+        attention_weights(q, k[:, :1], "softmax")

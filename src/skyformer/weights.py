@@ -14,8 +14,9 @@ Nystrom approximation of ``C`` that its output applies. Padded keys get weight 0
 padded queries (``query_padding_mask``) zero rows.
 
 Cost: the method with ``Dv + Nk`` value columns (Skyformer's time becomes O(Nq Nk m))
-and ``A``'s memory, as torch's weights; on the PyTorch path: ``kernel="auto"`` runs as
-``"torch"``, since the Triton product kernels compile the value width in. A method whose
+and ``A``'s memory, as torch's weights (for the exact methods O(Nq Nk^2) time, where
+torch's weights take O(Nq Nk D)); on the PyTorch path: ``kernel`` runs as ``"torch"``,
+since the Triton kernels compile the value width in. A method whose
 draws follow the values (KDEformer samples keys by their norms) or whose output is not
 linear in them (the multipole methods clamp their far field to the values' range) has no
 such matrix and is refused in a sentence naming those that have one.
@@ -56,16 +57,36 @@ def attention_weights(
     Returns:
         ``[B, H, Nq, Nk]`` in the dtype of the method's output.
     """
+    where = "skyformer.attention_weights"
+    if isinstance(method, Tensor):  # attention's call, v included
+        raise TypeError(f"{where} takes (q, k, method): no v, the weights do not depend on "
+                        f"it (out = attention_weights(q, k, method) @ v).")
     spec = check_capabilities(method, weights=True, causal=bool(options.get("causal")))
-    refuse_misnamed_arguments(spec, options, "skyformer.attention_weights", attention_weights)
-    if not isinstance(k, Tensor) or k.dim() < 2:
-        raise TypeError(f"skyformer.attention_weights: k must be a tensor [B, H, Nk, D], got "
-                        f"{type(k).__name__}{list(k.shape) if isinstance(k, Tensor) else ''}.")
+    refuse_misnamed_arguments(spec, options, where, attention_weights)
+    _check_keys(q, k, where)
     bound = BoundMethod(spec, spec.make_config(**options))
     warn_if_no_real_key(method, key_padding_mask, k)
     _, weights = call_with_weights(bound, q, k, k[..., :0], key_padding_mask=key_padding_mask,
                                    query_padding_mask=query_padding_mask, generator=generator)
     return weights
+
+
+def _check_keys(q: Any, k: Any, where: str) -> None:
+    """A sentence for keys the weights cannot be of: not a tensor, none at all, or
+    fewer heads than the queries (grouped-query attention's keys)."""
+    if not isinstance(k, Tensor) or k.dim() != 4:
+        shape = list(k.shape) if isinstance(k, Tensor) else ""
+        raise TypeError(f"{where}: k must be a tensor [B, H, Nk, D], got "
+                        f"{type(k).__name__}{shape}.")
+    if k.shape[2] == 0:
+        raise ValueError(f"{where}: k holds no key (Nk = 0): there is no attention matrix "
+                         f"to give.")
+    if isinstance(q, Tensor) and q.dim() == 4 and 0 < k.shape[1] < q.shape[1] \
+            and q.shape[1] % k.shape[1] == 0:
+        groups = q.shape[1] // k.shape[1]
+        raise ValueError(f"{where}: q has {q.shape[1]} heads and k {k.shape[1]}; for "
+                         f"grouped-query attention pass each query head its key head, "
+                         f"k.repeat_interleave({groups}, dim=1).")
 
 
 def call_with_weights(bound: BoundMethod, q: Tensor, k: Tensor, v: Tensor, **call: Any
@@ -74,7 +95,7 @@ def call_with_weights(bound: BoundMethod, q: Tensor, k: Tensor, v: Tensor, **cal
     ``[..., Nq, Dv]`` and the weights ``[..., Nq, Nk]`` of its draws. A method without
     ``Capabilities.weights`` is refused (``CapabilityError``)."""
     check_capabilities(bound.method.name, weights=True)
-    if bound.options().get("kernel") == "auto":
+    if "kernel" in bound.options():  # "auto" or "triton": the value width is compiled in
         bound = bound.replace(kernel="torch")
     n, dv = v.shape[-2], v.shape[-1]
     identity = torch.eye(n, dtype=v.dtype, device=v.device).expand(*v.shape[:-1], n)
