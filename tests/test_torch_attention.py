@@ -301,6 +301,9 @@ def test_return_weights_is_refused_where_the_method_has_no_weights():
     assert isinstance(model[0], nn.MultiheadAttention)  # left as it was
     swapped = replace_attention(model, "performer", return_weights=True, num_features=4)
     assert swapped[0].return_weights and "return_weights=True" in repr(swapped[0])
+    assert replace_attention(swapped, "skyformer")[0].return_weights  # kept unless given
+    assert not replace_attention(swapped, "performer", return_weights=False)[0].return_weights
+    swapped = replace_attention(swapped, "performer", return_weights=True, num_features=4)
     x = torch.randn(L, B, E)
     assert swapped[0](x, x, x)[1].shape == (B, L, L)
     with pytest.warns(UserWarning, match="need_weights=False to silence this, or keep"):

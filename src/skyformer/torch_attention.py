@@ -191,12 +191,13 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
 
     @classmethod
     def from_torch(cls, mha: nn.MultiheadAttention, method: str = "skyformer", *,
-                   seq_len: int | None = None, return_weights: bool = False,
+                   seq_len: int | None = None, return_weights: bool | None = None,
                    **method_options: Any) -> TorchMultiheadAttention:
         """A layer with ``mha``'s configuration, device, dtype and training mode, running
         ``method``, whose parameters are ``mha``'s own (the same objects, which of them
         require grad kept): an optimizer built over them trains the new layer. Pass
-        ``copy.deepcopy(mha)`` for a layer of its own."""
+        ``copy.deepcopy(mha)`` for a layer of its own. ``return_weights``: ``None`` keeps
+        that of ``mha`` where it is one of these layers (else ``False``)."""
         return _from_torch(cls, mha, f"{NAME}.from_torch", method, seq_len,
                            {"return_weights": return_weights, **method_options})
 
@@ -639,6 +640,8 @@ def _from_torch(cls: type[TorchMultiheadAttention], mha: Any, where: str, method
     _check_configuration(mha.embed_dim, mha.num_heads, mha.dropout, mha.in_proj_bias is not None,
                          mha.bias_k is not None, mha.add_zero_attn, mha.kdim, mha.vdim, where)
     _warn_of_hooks(mha, where)
+    if options.get("return_weights") is None:  # a layer swapped before keeps its own
+        options = {**options, "return_weights": getattr(mha, "return_weights", False)}
     weight = mha.out_proj.weight
     layer = cls(mha.embed_dim, mha.num_heads, mha.dropout, mha.in_proj_bias is not None,
                 kdim=mha.kdim, vdim=mha.vdim, batch_first=mha.batch_first,
@@ -670,17 +673,17 @@ ModelT = TypeVar("ModelT", bound=nn.Module)
 
 @overload
 def replace_attention(model: nn.MultiheadAttention, method: str = ..., *,
-                      seq_len: int | None = ..., return_weights: bool = ...,
+                      seq_len: int | None = ..., return_weights: bool | None = ...,
                       **method_options: Any) -> TorchMultiheadAttention: ...
 
 
 @overload
 def replace_attention(model: ModelT, method: str = ..., *, seq_len: int | None = ...,
-                      return_weights: bool = ..., **method_options: Any) -> ModelT: ...
+                      return_weights: bool | None = ..., **method_options: Any) -> ModelT: ...
 
 
 def replace_attention(model: nn.Module, method: str = "skyformer", *,
-                      seq_len: int | None = None, return_weights: bool = False,
+                      seq_len: int | None = None, return_weights: bool | None = None,
                       **method_options: Any) -> nn.Module:
     """Swap every ``torch.nn.MultiheadAttention`` inside ``model`` for a
     ``TorchMultiheadAttention`` running ``method``, in place; one already swapped is
@@ -699,7 +702,8 @@ def replace_attention(model: nn.Module, method: str = "skyformer", *,
     Args:
         model: any module (a ``torch.nn.MultiheadAttention`` itself is returned swapped).
         method, seq_len, return_weights, **method_options: as
-            ``TorchMultiheadAttention``'s.
+            ``TorchMultiheadAttention``'s (``return_weights=None``: a layer swapped
+            before keeps its own, a torch layer gets ``False``).
     Returns:
         ``model``.
 
