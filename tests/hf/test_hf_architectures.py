@@ -325,6 +325,27 @@ def test_output_attentions_gives_each_layers_weights():
         model(input_ids=ids, attention_mask=mask)
 
 
+@torch.no_grad()
+def test_output_attentions_kept_by_the_attention_module_itself():
+    """Falcon's attention takes output_attentions as its own argument and hands the
+    attention function neither it nor a recorder: its maps came back None, without a
+    word. The flag of each call is recorded for the function (hf/maps_flag.py)."""
+    from transformers import FalconConfig, FalconModel
+
+    config = FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          vocab_size=64, new_decoder_architecture=True, num_kv_heads=2)
+    torch.manual_seed(0)
+    model = FalconModel(config).eval()
+    ids = torch.randint(2, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    expected = copy_as(model, "eager")(ids, output_attentions=True).attentions
+    shf.set_attention(model, "softmax")
+    got = model(ids, output_attentions=True).attentions
+    assert len(got) == 2
+    for ours, theirs in zip(got, expected, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=0)
+    assert model(ids).attentions is None  # not asked: none made
+
+
 def test_a_model_with_attention_of_its_own_is_refused_naming_the_models_that_run():
     """DeBERTa computes attention in its own code: the refusal named the mechanism
     but no model a user could turn to."""

@@ -23,7 +23,10 @@ and expects ``(attn_output [B, Nq, H, Dv], attn_weights or None)``. Each functio
   whose SDPA attention cannot apply them either; for the approximate methods also
   sliding windows, position biases and packed sequences);
 - repeats key/value heads for grouped-query attention;
-- returns ``(output.transpose(1, 2), None)``: no method materialises attention weights.
+- returns ``(output.transpose(1, 2), None)``, or with the attention maps asked for
+  (``output_attentions=True``: passed down, read by transformers' output recorder, or
+  recorded from an attention module's own argument, ``hf/maps_flag.py``) the matrix the
+  method applies (``skyformer.attention_weights``) in place of ``None``.
 
 The mask builder registered with each name gives padding-only masks as ``[B, 1, Nq, Nk]``
 views of one ``[B, Nk]`` row (stride 0 along Nq) instead of transformers' materialised
@@ -44,11 +47,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
-
-try:  # the recorder of output_attentions=True (transformers 5); None where it is not there
-    from transformers.utils.output_capturing import _active_collector as _COLLECTOR
-except ImportError:  # pragma: no cover - the flag passed down is read alone then
-    _COLLECTOR = None
 from transformers.masking_utils import (
     AttentionMaskInterface,
     bidirectional_mask_function,
@@ -85,6 +83,12 @@ from .layers import (
     make_layer,
     scaling_sentence,
 )
+from .maps_flag import maps_asked
+
+try:  # the recorder of output_attentions=True (transformers 5); None where it is not there
+    from transformers.utils.output_capturing import _active_collector as _COLLECTOR
+except ImportError:  # pragma: no cover - the flag passed down is read alone then
+    _COLLECTOR = None
 
 PREFIX = "skyformer:"
 # What to do with a layer whose mask a method cannot take, ending the error sentences.
@@ -308,7 +312,7 @@ def _attention(module: nn.Module, layer: LayerAttention, decoding: DecodingLayer
     _refuse_what_the_layer_cannot_apply(module, layer, kwargs)
     # the attention maps of output_attentions=True: the method's weights where it has them
     # (exact layers: transformers' SDPA says it gives none)
-    weights = layer.method != EXACT and _attentions_requested(kwargs)
+    weights = layer.method != EXACT and _attentions_requested(module, kwargs)
     if layer.method != EXACT:  # with or without a cache
         _refuse_packing_outside_the_mask(module, layer, attention_mask, query, kwargs)
         if weights and not layer.bound.method.capabilities.weights:
@@ -369,12 +373,12 @@ def _attention(module: nn.Module, layer: LayerAttention, decoding: DecodingLayer
     return out.transpose(1, 2).contiguous(), maps
 
 
-def _attentions_requested(kwargs: dict[str, Any]) -> bool:
+def _attentions_requested(module: nn.Module, kwargs: dict[str, Any]) -> bool:
     """Whether the model's caller asked for attention maps: ``output_attentions=True``
-    passed down to the attention call (BERT), or transformers' output recorder
-    collecting them (GPT-2 and Llama drop the flag and read the attention modules'
-    second output)."""
-    if kwargs.get("output_attentions"):
+    passed down to the attention call (BERT), transformers' output recorder collecting
+    them (GPT-2 and Llama drop the flag and read the attention modules' second output),
+    or the module's own argument (Falcon's; ``maps_flag``)."""
+    if kwargs.get("output_attentions") or maps_asked(module):
         return True
     collecting = _COLLECTOR.get() if _COLLECTOR is not None else None
     return isinstance(collecting, dict) and any(

@@ -35,6 +35,7 @@ from ..registry import (
 from ..registry.methods import did_you_mean
 from ..registry.variants import is_variant
 from ..seeds import SEED_LIMIT, check_seed
+from .maps_flag import follow_maps_flag
 
 EXACT = "exact"  # run transformers' own SDPA attention in this layer
 STATE_NAME = "skyformer_state"  # submodule holding a method's per-layer parameters
@@ -455,6 +456,7 @@ def install_layer(module: nn.Module, layer: LayerAttention, state: nn.Module | N
     if state is not None:
         module.add_module(STATE_NAME, state)
     module.__dict__[SETTING_NAME] = layer
+    follow_maps_flag(module)  # Falcon's output_attentions, which its module keeps
 
 
 def make_layer(module: nn.Module, method: str, **kwargs: Any) -> LayerAttention:
