@@ -40,6 +40,9 @@ def test_the_maps_of_one_head_with_each_methods_matrix_error(tmp_path, capsys, s
     maps = json.loads(out_json.read_text())["maps"]
     assert maps["head"] == 1 and maps["path"] == str(figure)
     errors = {m["method"]: m for m in maps["matrix_errors"]}
+    # softmax draws its target; skyformer's is drawn first, in a panel of its own
+    assert list(errors) == ["exact gaussian", "softmax", "skyformer", "kdeformer"]
+    assert errors["exact gaussian"]["reason"] == "the exact matrix of the target"
     assert errors["softmax"]["error"] < 1e-5
     assert errors["kdeformer"]["error"] is None
     assert errors["kdeformer"]["reason"] == "no attention matrix: its output is not linear in V"

@@ -1,14 +1,16 @@
 """``skyformer compare --maps FILE``: the attention matrix of one head, exact and per method.
 
-A panel per method: the ``[Nq, Nk]`` matrix its output applies to the values of that
-head (``skyformer.attention_weights``: the method run on that head alone, with the
-table's seed and options), titled with its relative spectral error against the exact
-matrix of its target, ``||A - A_exact||_2 / ||A_exact||_2``: the softmax weights, or
-the Gaussian kernel matrix C of Skyformer's eq. (3), whose approximation Skyformer's
-Theorem 2 bounds. A target's panels share one colour scale, the square root of the
-weight from 0 to the exact matrix's largest (a negative weight, which some
-approximations give, shows as 0). A method without such a matrix (``kdeformer``, the
-multipole methods), or one that cannot run these inputs, says so in its panel.
+A panel per exact target the methods approximate (unless an exact method among them
+draws it), then one per method: the ``[Nq, Nk]`` matrix its output applies to the
+values of that head (``skyformer.attention_weights``: the method run on that head
+alone, with the table's seed and options), titled with its relative spectral error
+against the exact matrix of its target, ``||A - A_exact||_2 / ||A_exact||_2``: the
+softmax weights, or the Gaussian kernel matrix C of Skyformer's eq. (3), whose
+approximation Skyformer's Theorem 2 bounds. A target's panels share one colour scale,
+the square root of the weight from 0 to the exact matrix's largest (a negative weight,
+which some approximations give, shows as 0). A method without such a matrix
+(``kdeformer``, the multipole methods), or one that cannot run these inputs, says so
+in its panel.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ..data.qkv import MaskedQKV
 from ..methods import resolve, target_options
 
 COLUMNS = 4  # panels per row of the figure
+EXACT_REASON = "the exact matrix of the target"
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ def attention_maps(given: MaskedQKV, methods: list[str], num_features: int | Non
     (module doc); ``num_features`` and ``seed`` as the comparison's."""
     one = _one_head(given, head)
     exact: dict[tuple, Tensor] = {}
+    drawn: set[tuple] = set()  # the targets an exact method's panel shows already
     panels = []
     for name in methods:
         spec = get_method(name)
@@ -69,7 +73,8 @@ def attention_maps(given: MaskedQKV, methods: list[str], num_features: int | Non
         except (ValueError, RuntimeError, TypeError) as err:
             panels.append(MapPanel(name, target, None, None, reason=first_line(err)))
             continue
-        same = target_options(resolved)
+        # the target's options away from its defaults (causal, a scale): one key a target
+        same = {k: v for k, v in target_options(resolved).items() if v not in (None, False)}
         key = (target, *sorted(same.items()))
         if key not in exact:
             with torch.no_grad():
@@ -81,7 +86,19 @@ def attention_maps(given: MaskedQKV, methods: list[str], num_features: int | Non
         error = (torch.linalg.matrix_norm(matrix - exact[key], ord=2) / norm).item()
         panels.append(MapPanel(name, target, matrix, error,
                                top=max(float(exact[key].max()), 1e-30)))
-    return panels
+        if spec.capabilities.exact:
+            drawn.add(key)
+    targets = [MapPanel(_exact_name(key), key[0], matrix, None,
+                        top=max(float(matrix.max()), 1e-30), reason=EXACT_REASON)
+               for key, matrix in exact.items() if key not in drawn]
+    return targets + panels
+
+
+def _exact_name(key: tuple) -> str:
+    """``"exact softmax"``, ``"exact gaussian (causal=True)"``: a target's panel."""
+    target, *options = key
+    given = ", ".join(f"{name}={value!r}" for name, value in options)
+    return f"exact {target}" + (f" ({given})" if given else "")
 
 
 def _one_head(given: MaskedQKV, head: int) -> MaskedQKV:
@@ -117,8 +134,9 @@ def plot_maps(panels: list[MapPanel], path: str | Path, title: str) -> Path:
             continue
         ax.imshow(panel.matrix.clamp_min(0).numpy(), cmap="viridis", interpolation="nearest",
                   norm=PowerNorm(gamma=0.5, vmin=0.0, vmax=panel.top))
-        ax.set_title(f"{panel.method} ({panel.target})\nmatrix error {panel.error:.3g}",
-                     fontsize=8)
+        title = (f"{panel.method} ({panel.target})\nmatrix error {panel.error:.3g}"
+                 if panel.error is not None else f"{panel.method}\n{panel.reason}")
+        ax.set_title(title, fontsize=8)
     for ax in list(axes.flat)[len(panels):]:
         ax.set_axis_off()
     fig.suptitle(title, fontsize=9)
