@@ -291,8 +291,8 @@ def test_what_sdpa_cannot_apply_is_refused_in_exact_layers_too(name, value, what
 def test_output_attentions_gives_each_layers_weights():
     """output_attentions=True gave an empty tuple of attention maps: each layer now gives
     the matrix its method applies (skyformer.attention_weights), softmax's equal to the
-    eager model's; a method without one, or a layer left exact (transformers' SDPA),
-    says that it gives none."""
+    eager model's, a layer left exact included (transformers' SDPA gives none, which
+    shifted the others' in the tuple); a method without one says that it gives none."""
     import warnings
 
     ids, mask = ids_and_padding()
@@ -306,6 +306,12 @@ def test_output_attentions_gives_each_layers_weights():
     assert len(got) == 2
     for ours, theirs in zip(got, expected, strict=True):
         torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=0)
+    # a layer left exact gives its maps too: attentions[i] stays layer i's
+    shf.set_attention(model, "exact")
+    shf.set_attention(model, "nystrom_softmax", layers=[1], num_features=4, seed=0)
+    mixed = model(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    assert len(mixed) == 2 and mixed[1].shape == (3, 4, 10, 10)
+    torch.testing.assert_close(mixed[0], expected[0], atol=ATOL, rtol=0)
     shf.set_attention(model, "nystrom_softmax", num_features=4, seed=0)
     first = model(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
     again = model(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
@@ -320,6 +326,14 @@ def test_output_attentions_gives_each_layers_weights():
                       r"kernelized, skyformer.*attn_implementation='eager'"):
         out = model(input_ids=ids, attention_mask=mask, output_attentions=True)
     assert out.attentions == ()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not asked: no map, no word
+        model(input_ids=ids, attention_mask=mask)
+    shf.set_attention(model, "exact")
+    shf.set_attention(model, "kdeformer", layers=[0], num_features=4, seed=0)
+    with pytest.warns(UserWarning, match="kdeformer returns no attention weights"):
+        out = model(input_ids=ids, attention_mask=mask, output_attentions=True)
+    assert len(out.attentions) == 1  # layer 1's, exact: the missing map is named above
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model(input_ids=ids, attention_mask=mask)

@@ -36,6 +36,7 @@ everything else.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import warnings
@@ -311,8 +312,8 @@ def _attention(module: nn.Module, layer: LayerAttention, decoding: DecodingLayer
     """``skyformer_attention_forward`` once the layer and its cache step are known."""
     _refuse_what_the_layer_cannot_apply(module, layer, kwargs)
     # the attention maps of output_attentions=True: the method's weights where it has them
-    # (exact layers: transformers' SDPA says it gives none)
-    weights = layer.method != EXACT and _attentions_requested(module, kwargs)
+    # (exact layers: skyformer's softmax, whose maps transformers' SDPA would not give)
+    weights = _attentions_requested(module, kwargs)
     if layer.method != EXACT:  # with or without a cache
         _refuse_packing_outside_the_mask(module, layer, attention_mask, query, kwargs)
         if weights and not layer.bound.method.capabilities.weights:
@@ -325,11 +326,14 @@ def _attention(module: nn.Module, layer: LayerAttention, decoding: DecodingLayer
             return _decoding_step(module, layer, decoding, query, key, value, attention_mask,
                                   dropout, scaling)
         key, value = decoding.keep(key, value)  # exact attention over every key so far
-    if layer.method == EXACT:
+    if layer.method == EXACT and not weights:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
             is_causal=is_causal, **kwargs,
         )
+    if layer.method == EXACT:  # its maps: the same attention as skyformer's softmax
+        layer = dataclasses.replace(
+            layer, bound=get_method("softmax").bind(query.shape[1], query.shape[-1]))
     assert layer.bound is not None
     spec = layer.bound.method
     where = _where(module, layer)
