@@ -73,6 +73,26 @@ def test_generate_equals_the_full_causal_forward(build, method, options):
 
 
 @torch.no_grad()
+def test_a_static_cache_is_refused_without_a_warning_about_decoding_steps():
+    """At prefill the slots of a static cache are more keys than queries: the method
+    warned that it decodes over transformers' cache (not so: it had not begun) before
+    the mask's refusal, which says what the slots are."""
+    import warnings
+
+    from skyformer.masks import UnsupportedMaskError
+
+    model = _llama()
+    shf.set_attention(model, "skyformer", seed=0, num_features=8)
+    ids, mask = _prompt()
+    with warnings.catch_warnings(record=True) as said, \
+            pytest.raises(UnsupportedMaskError, match="the slots of a static cache"):
+        warnings.simplefilter("always")
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
+                       pad_token_id=0, cache_implementation="static")
+    assert not [w for w in said if "own key/value cache" in str(w.message)]
+
+
+@torch.no_grad()
 def test_attention_maps_of_a_decoders_forward_and_none_over_a_decoding_cache():
     """GPT-2 drops output_attentions before its attention call (transformers' recorder
     reads the maps): a forward still gives Skyformer's causal maps, which applied to

@@ -347,12 +347,13 @@ def _attention(module: nn.Module, layer: LayerAttention, decoding: DecodingLayer
     b, _, nq, head_dim = query.shape
     nk = key.shape[2]
     advice = OVER_A_CACHED_PREFIX if nq < nk and not layer.cross else USE_SDPA
-    if nq < nk and not layer.cross and decoding is None \
-            and not torch.compiler.is_compiling():
-        _warn_steps_over_transformers_cache(layer)
     resolved = resolve_mask(attention_mask, batch=b, query_len=nq, key_len=nk,
                             is_causal=is_causal, advice=advice,
                             all_real_as_none=all_real_padding_as_none(spec))
+    # after the mask is taken: a mask refused (a static cache's slots) says it all
+    if nq < nk and not layer.cross and decoding is None \
+            and not torch.compiler.is_compiling():
+        _warn_steps_over_transformers_cache(layer)
     bound = layer.bound.replace(
         **_call_options(spec, layer, scaling, head_dim, resolved.causal, where))
     # softmax, which drops probabilities as the model was trained, took the any-mask path
