@@ -93,26 +93,6 @@ def test_the_padded_causal_form_and_another_value_width_form_no_n_by_n_block(cau
         [t.clone().requires_grad_(True) for t in (q, k, v)], n * n // 8)
 
 
-def test_values_as_wide_as_the_keys_are_many_are_not_padded(monkeypatch):
-    """skyformer.attention_weights appends the Nk x Nk identity to the values: padding
-    q and k to that width doubled the work of the weights for no memory saved (the
-    output is as large as the scores). Narrower values are padded as before."""
-    from skyformer.ops.shared import sdpa
-
-    widths = []
-    real = sdpa.F.scaled_dot_product_attention
-
-    def recorded(q, k, v, *args, **kwargs):
-        widths.append((q.shape[-1], v.shape[-1]))
-        return real(q, k, v, *args, **kwargs)
-
-    monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention", recorded)
-    q, k, v = make_qkv(1, 2, 12, 8, dv=20)
-    torch.testing.assert_close(sdpa.sdpa(q, k, v), reference_softmax_attention(q, k, v))
-    sdpa.sdpa(q, k, v[..., :10])
-    assert widths == [(8, 20), (16, 16)]
-
-
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_dropout_keeps_sdpa_s_causal_flag_and_no_n_by_n_bias(monkeypatch, causal, padded):

@@ -11,9 +11,7 @@ kernel widths that are multiples of 8 (4 in float32) and any Dv: a value width D
 than the query's D sent a CPU call, and an unaligned one on CUDA, to the math backend
 and its [Nq, Nk] scores. All three are then padded with zero columns (zero columns of q
 and k change no logit, those of v are sliced off the output) to max(D, Dv) rounded up
-to a multiple of ``WIDTH_MULTIPLE``: O((Nq + Nk) width) more memory. Values at least as
-wide as the keys are many (``skyformer.attention_weights`` appends the ``Nk x Nk``
-identity) are not padded: their output is as large as the scores.
+to a multiple of ``WIDTH_MULTIPLE``: O((Nq + Nk) width) more memory.
 """
 
 from __future__ import annotations
@@ -44,9 +42,7 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, **opt
     the math backend under forward-mode AD (module docstring). Returns ``[.., Nq, Dv]``."""
     d, dv = q.shape[-1], v.shape[-1]
     if d == dv or (q.device.type == "cuda" and not d % WIDTH_MULTIPLE
-                   and not dv % WIDTH_MULTIPLE) or dv >= k.shape[-2]:
-        # (values at least as wide as the keys are many: the output is as large as the
-        # math backend's scores, and padding q and k would double the work)
+                   and not dv % WIDTH_MULTIPLE):
         return _fused_or_math(q, k, v, attn_mask, **options)
     if options.get("scale") is None:  # SDPA's default, read off the unpadded q
         options["scale"] = 1.0 / math.sqrt(d)
