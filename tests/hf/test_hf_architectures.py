@@ -357,7 +357,13 @@ def test_output_attentions_kept_by_the_attention_module_itself():
     assert len(got) == 2
     for ours, theirs in zip(got, expected, strict=True):
         torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=0)
-    assert model(ids).attentions is None  # not asked: none made
+    from skyformer.hf.maps_flag import FLAG_NAME
+
+    assert not [m for m in model.modules() if FLAG_NAME in m.__dict__]  # taken off again
+    compiled = torch.compile(model, backend="eager")  # the flag of each call, traced
+    assert compiled(ids).attentions is None
+    assert [a.shape for a in compiled(ids, output_attentions=True).attentions] == \
+        [(2, 4, 12, 12)] * 2
 
 
 def test_a_model_with_attention_of_its_own_is_refused_naming_the_models_that_run():
