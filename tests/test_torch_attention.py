@@ -302,6 +302,9 @@ def test_return_weights_is_refused_where_the_method_has_no_weights():
     swapped = replace_attention(model, "performer", return_weights=True, num_features=4)
     assert swapped[0].return_weights and "return_weights=True" in repr(swapped[0])
     assert replace_attention(swapped, "skyformer")[0].return_weights  # kept unless given
+    with pytest.warns(UserWarning, match=r"model.0 was built with return_weights=True, but "
+                      r"kdeformer has no attention matrix"):
+        assert not replace_attention(swapped, "kdeformer")[0].return_weights
     assert not replace_attention(swapped, "performer", return_weights=False)[0].return_weights
     swapped = replace_attention(swapped, "performer", return_weights=True, num_features=4)
     x = torch.randn(L, B, E)

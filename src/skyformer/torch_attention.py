@@ -641,7 +641,7 @@ def _from_torch(cls: type[TorchMultiheadAttention], mha: Any, where: str, method
                          mha.bias_k is not None, mha.add_zero_attn, mha.kdim, mha.vdim, where)
     _warn_of_hooks(mha, where)
     if options.get("return_weights") is None:  # a layer swapped before keeps its own
-        options = {**options, "return_weights": getattr(mha, "return_weights", False)}
+        options = {**options, "return_weights": _kept_return_weights(mha, method, where)}
     weight = mha.out_proj.weight
     layer = cls(mha.embed_dim, mha.num_heads, mha.dropout, mha.in_proj_bias is not None,
                 kdim=mha.kdim, vdim=mha.vdim, batch_first=mha.batch_first,
@@ -657,6 +657,18 @@ def _from_torch(cls: type[TorchMultiheadAttention], mha: Any, where: str, method
             owner, _, attr = name.rpartition(".")
             setattr(layer.get_submodule(owner), attr, p)
     return layer.train(mha.training)
+
+
+def _kept_return_weights(mha: nn.Module, method: str, where: str) -> bool:
+    """The ``return_weights`` of a layer swapped before, where ``method`` has weights to
+    return; a warning where it has none (the layer then returns ``None`` again)."""
+    kept = bool(getattr(mha, "return_weights", False))
+    if kept and not get_method(method).capabilities.weights:
+        warnings.warn(f"{where} was built with return_weights=True, but {method} has no "
+                      f"attention matrix (its output is not linear in V): the new layer "
+                      f"returns (output, None).", UserWarning, stacklevel=5)
+        return False
+    return kept
 
 
 def _warn_of_hooks(mha: nn.Module, where: str) -> None:
