@@ -16,10 +16,10 @@ padded queries (``query_padding_mask``) zero rows.
 Cost: the method with ``Dv + Nk`` value columns (Skyformer's time becomes O(Nq Nk m))
 and ``A``'s memory, as torch's weights (for the exact methods O(Nq Nk^2) time, where
 torch's weights take O(Nq Nk D)); on the PyTorch path: ``kernel`` runs as ``"torch"``,
-since the Triton kernels compile the value width in. A method whose
-draws follow the values (KDEformer samples keys by their norms) or whose output is not
-linear in them (the multipole methods clamp their far field to the values' range) has no
-such matrix and is refused in a sentence naming those that have one.
+since the Triton kernels compile the value width in. A method whose draws follow the
+values (KDEformer samples keys by their norms) or whose output is not linear in them
+(the multipole methods clamp their far field to the values' range) has no such matrix
+and is refused in a sentence naming those that have one.
 """
 
 from __future__ import annotations

@@ -360,7 +360,7 @@ def test_output_attentions_kept_by_the_attention_module_itself():
     from skyformer.hf.maps_flag import FLAG_NAME
 
     assert not [m for m in model.modules() if FLAG_NAME in m.__dict__]  # taken off again
-    compiled = torch.compile(model, backend="eager")  # the flag of each call, traced
+    compiled = torch.compile(model, backend="eager", fullgraph=True)  # the flag, traced
     assert compiled(ids).attentions is None
     assert [a.shape for a in compiled(ids, output_attentions=True).attentions] == \
         [(2, 4, 12, 12)] * 2

@@ -385,7 +385,13 @@ def _attentions_requested(module: nn.Module, kwargs: dict[str, Any]) -> bool:
     or the module's own argument (Falcon's; ``maps_flag``)."""
     if kwargs.get("output_attentions") or maps_asked(module):
         return True
-    collecting = _COLLECTOR.get() if _COLLECTOR is not None else None
+    if _COLLECTOR is None or (torch.compiler.is_compiling()
+                              and not getattr(_COLLECTOR, "compiling", False)):
+        # Dynamo cannot trace a ContextVar's get: compiled, the recorder is read where
+        # transformers set it while compiling (its global), which a model without the
+        # recorder (Falcon) never does
+        return False
+    collecting = _COLLECTOR.get()
     return isinstance(collecting, dict) and any(
         str(key).endswith("attentions") for key in collecting)
 
