@@ -99,3 +99,54 @@ def test_the_call_is_checked_as_attention_is():
     with pytest.raises(ValueError, match=r"q has 2 heads and k 1; .*k.repeat_interleave\(2, "
                                          r"dim=1\)"):
         attention_weights(q, k[:, :1], "softmax")
+
+
+def _softmax_case(name):
+    """(options, q, k, v, call arguments) of one mask form of exact softmax."""
+    q, k, v = make_qkv(2, 2, 10, 8, dv=3, seed=6)
+    padding = torch.ones(2, 10, dtype=torch.bool)
+    padding[1, 6:] = False
+    g = torch.Generator().manual_seed(2)
+    cases = {
+        "padding": ({}, {"key_padding_mask": padding}),
+        "causal": ({"causal": True}, {"key_padding_mask": padding}),
+        "query_padding": ({}, {"key_padding_mask": padding,
+                               "query_padding_mask": padding}),
+        "bool_per_head": ({}, {"attn_mask": torch.rand(2, 2, 10, 10, generator=g) > 0.4}),
+        "additive": ({"scale": 0.3}, {"attn_mask": torch.randn(10, 10, generator=g,
+                                                               dtype=torch.float64)}),
+        "a_row_without_keys": ({}, {"attn_mask": torch.ones(10, 10, dtype=torch.bool)
+                                    .index_fill(0, torch.tensor([4]), False)}),
+    }
+    options, call = cases[name]
+    return options, q, k, v, call
+
+
+@pytest.mark.parametrize("name", ["padding", "causal", "query_padding", "bool_per_head",
+                                  "additive", "a_row_without_keys"])
+def test_softmax_weights_from_its_logits_equal_the_identity_appended(name):
+    """softmax's weights are formed from its logits and masks (O(Nq Nk D)); they equal
+    the columns of the identity appended to the values, mask form by mask form, and
+    the output is the method's own."""
+    from skyformer.weights import call_with_weights
+
+    options, q, k, v, call = _softmax_case(name)
+    bound = get_method("softmax").bind(**options)
+    out, weights = call_with_weights(bound, q, k, v, **call)
+    appended = bound(q, k, torch.cat([v, torch.eye(10, dtype=v.dtype).expand(2, 2, 10, 10)],
+                                     -1), **call)[..., 3:]
+    torch.testing.assert_close(weights, appended, rtol=0, atol=1e-12)
+    torch.testing.assert_close(out, bound(q, k, v, **call), rtol=0, atol=0)
+    torch.testing.assert_close(weights @ v, out, rtol=1e-9, atol=1e-12)
+
+
+def test_softmax_weights_with_dropout_are_those_of_the_call():
+    """With dropout only the call knows its mask: the identity appended gives the
+    weights that call dropped."""
+    from skyformer.weights import call_with_weights
+
+    q, k, v = make_qkv(1, 2, 12, 8, dv=3, seed=7)
+    torch.manual_seed(0)
+    out, weights = call_with_weights(get_method("softmax").bind(), q, k, v, dropout_p=0.5)
+    torch.testing.assert_close(weights @ v, out, rtol=1e-9, atol=1e-12)
+    assert (weights == 0).float().mean() > 0.3  # dropped entries

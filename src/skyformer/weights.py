@@ -14,8 +14,10 @@ Nystrom approximation of ``C`` that its output applies. Padded keys get weight 0
 padded queries (``query_padding_mask``) zero rows.
 
 Cost: the method with ``Dv + Nk`` value columns (Skyformer's time becomes O(Nq Nk m))
-and ``A``'s memory, as torch's weights (for the exact methods O(Nq Nk^2) time, where
-torch's weights take O(Nq Nk D)); on the PyTorch path: ``kernel`` runs as ``"torch"``,
+and ``A``'s memory, as torch's weights (for ``kernelized`` O(Nq Nk^2) time, where
+torch's weights take O(Nq Nk D); ``softmax``'s are formed from its logits and masks
+instead, ``ops/softmax/weights.py``, but for a call with dropout, whose mask only the
+call itself knows); on the PyTorch path: ``kernel`` runs as ``"torch"``,
 since the Triton kernels compile the value width in. A method whose draws follow the
 values (KDEformer samples keys by their norms) or whose output is not linear in them
 (the multipole methods clamp their far field to the values' range) has no such matrix
@@ -95,6 +97,16 @@ def call_with_weights(bound: BoundMethod, q: Tensor, k: Tensor, v: Tensor, **cal
     ``[..., Nq, Dv]`` and the weights ``[..., Nq, Nk]`` of its draws. A method without
     ``Capabilities.weights`` is refused (``CapabilityError``)."""
     check_capabilities(bound.method.name, weights=True)
+    if bound.method.base_name == "softmax" and not call.get("dropout_p"):
+        # its logits at O(Nq Nk D), the output from the method's own call
+        from .ops.softmax.weights import softmax_weights
+
+        # (attention_weights passes no value column: one of zeros, for the output's dtype)
+        values = v if v.shape[-1] else v.new_zeros(*v.shape[:-1], 1)
+        out = bound(q, k, values, **call)[..., :v.shape[-1]]
+        masks = {name: call[name] for name in ("key_padding_mask", "query_padding_mask",
+                                                "attn_mask") if name in call}
+        return out, softmax_weights(q, k, bound.config, **masks).to(out.dtype)
     if "kernel" in bound.options():  # "auto" or "triton": the value width is compiled in
         bound = bound.replace(kernel="torch")
     n, dv = v.shape[-2], v.shape[-1]
