@@ -13,9 +13,9 @@ from .amp import autocast_enabled
 from .checks import check_positive_int
 from .ops.shared.inputs import check_attention_inputs, check_padding_mask
 from .ops.shared.options import check_probability
-from .registry import BoundMethod, CapabilityError, Method, check_capabilities, get_method
+from .registry import BoundMethod, Method, get_method
 from .registry.guard import warn_if_no_real_key
-from .weights import call_with_weights
+from .weights import call_with_weights, check_weights
 
 if TYPE_CHECKING:
     from .decoding import DecodingState
@@ -416,10 +416,7 @@ class MultiHeadAttention(BoundMethodProperties, nn.Module):
             raise ValueError(f"{where}: the layer runs over a process_group, each rank holding "
                              f"a shard of the keys; build a layer without one (the same "
                              f"state_dict) to read the weights of the whole sequence.")
-        try:
-            check_capabilities(self.bound.name, weights=True)
-        except CapabilityError as err:
-            raise CapabilityError(f"{where}: {err}") from None
+        check_weights(self.bound.name, f"{where}: ")
         self._check_forward(x, context, key_padding_mask, query_padding_mask, None, generator)
         source = x if context is None else context
         q, k = self._split(self.q_proj(x)), self._split(self.k_proj(source))

@@ -67,13 +67,11 @@ from .masks import BLOCKED_LOGIT
 from .nn import BoundMethodProperties, check_layer_configuration
 from .registry import (
     BoundMethod,
-    CapabilityError,
-    check_capabilities,
     get_method,
     methods_that_can,
 )
 from .user_frame import warn_from_user_frame
-from .weights import call_with_weights
+from .weights import call_maybe_with_weights, check_weights
 
 NAME = "TorchMultiheadAttention"
 
@@ -329,9 +327,9 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         weight_dropout = self.spec.capabilities.weight_dropout
         if p and weight_dropout:
             arguments["dropout_p"] = p
-        out, kept = _call(bound, q, k, v, weights, key_padding_mask=key_valid,
-                          query_padding_mask=None, generator=generator,
-                          state=self.method_state, **arguments)
+        out, kept = call_maybe_with_weights(bound, q, k, v, weights, key_padding_mask=key_valid,
+                                            query_padding_mask=None, generator=generator,
+                                            state=self.method_state, **arguments)
         return (F.dropout(out, p=p, training=True) if p and not weight_dropout else out), kept
 
     def _approximate(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None,
@@ -355,8 +353,9 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
             refuse_causal_lengths(self.spec, q.shape[2], k.shape[2])
         bound = self.bound.replace(**sdpa_options(self.spec, {}, causal, None,
                                                    self.head_dim))
-        out, kept = _call(bound, q, k, v, weights, key_padding_mask=key_valid,
-                          query_padding_mask=rows, generator=generator, state=self.method_state)
+        out, kept = call_maybe_with_weights(bound, q, k, v, weights,
+                                            key_padding_mask=key_valid, query_padding_mask=rows,
+                                            generator=generator, state=self.method_state)
         p = self._dropout()
         return (F.dropout(out, p=p, training=True) if p else out), kept
 
@@ -530,20 +529,8 @@ def _check_return_weights(return_weights: Any, bound: BoundMethod, where: str) -
         raise TypeError(f"{where}: return_weights must be True or False, got "
                         f"{return_weights!r}.")
     if return_weights:
-        try:
-            check_capabilities(bound.method.name, weights=True)
-        except CapabilityError as err:
-            raise CapabilityError(f"{where}: return_weights=True, but {err}") from None
+        check_weights(bound.method.name, f"{where}: return_weights=True, but ")
     return return_weights
-
-
-def _call(bound: BoundMethod, q: Tensor, k: Tensor, v: Tensor, weights: bool, **call: Any
-          ) -> tuple[Tensor, Tensor | None]:
-    """``bound(q, k, v, **call)`` and, with ``weights``, the weights of that call
-    (``skyformer.weights``: one call, the same draws), else ``None``."""
-    if weights:
-        return call_with_weights(bound, q, k, v, **call)
-    return bound(q, k, v, **call), None
 
 
 def _check_call(query: Any, key: Any, value: Any, key_padding_mask: Any, attn_mask: Any,

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .registry import BoundMethod, check_capabilities
+from .registry import BoundMethod, CapabilityError, check_capabilities
 from .registry.guard import warn_if_no_real_key
 from .registry.methods import refuse_misnamed_arguments
 
@@ -91,12 +91,30 @@ def _check_keys(q: Any, k: Any, where: str) -> None:
                          f"k.repeat_interleave({groups}, dim=1).")
 
 
+def check_weights(method: str, prefix: str = "") -> None:
+    """A ``CapabilityError`` where ``method`` has no attention matrix, its sentence after
+    ``prefix`` (the caller's name)."""
+    try:
+        check_capabilities(method, weights=True)
+    except CapabilityError as err:
+        raise CapabilityError(f"{prefix}{err}") from None
+
+
+def call_maybe_with_weights(bound: BoundMethod, q: Tensor, k: Tensor, v: Tensor,
+                            weights: bool, **call: Any) -> tuple[Tensor, Tensor | None]:
+    """``(bound(q, k, v, **call), None)``, or with ``weights`` ``call_with_weights``:
+    the output and the weights of that one call."""
+    if weights:
+        return call_with_weights(bound, q, k, v, **call)
+    return bound(q, k, v, **call), None
+
+
 def call_with_weights(bound: BoundMethod, q: Tensor, k: Tensor, v: Tensor, **call: Any
                       ) -> tuple[Tensor, Tensor]:
     """``(bound(q, k, v, **call), A)`` from one call (module doc): the output
     ``[..., Nq, Dv]`` and the weights ``[..., Nq, Nk]`` of its draws. A method without
     ``Capabilities.weights`` is refused (``CapabilityError``)."""
-    check_capabilities(bound.method.name, weights=True)
+    check_weights(bound.method.name)
     if bound.method.base_name == "softmax" and not call.get("dropout_p"):
         # its logits at O(Nq Nk D), the output from the method's own call
         from .ops.softmax.weights import softmax_weights

@@ -60,7 +60,6 @@ from ..linalg.tracing import may_read_values
 from ..masks import UnsupportedMaskError, causal_without_mask, decoding_key_valid, resolve_mask
 from ..ops.shared.causal_nystrom import CAUSAL_FORM_DEFAULTS
 from ..registry import (
-    BoundMethod,
     CapabilityError,
     Method,
     get_method,
@@ -69,7 +68,7 @@ from ..registry import (
 )
 from ..registry.binding import all_real_padding_as_none
 from ..sketch.rng import random_key
-from ..weights import call_with_weights
+from ..weights import call_maybe_with_weights
 from .decoding import DecodingLayer, claimed_step
 from .layers import (
     DISPATCHING_MODELS,
@@ -367,7 +366,7 @@ def _attention(module: nn.Module, layer: LayerAttention, decoding: DecodingLayer
     except CapabilityError as err:
         raise CapabilityError(f"{where}: {err}") from None
 
-    out, maps = _call(
+    out, maps = call_maybe_with_weights(
         bound, query, key, value, weights, key_padding_mask=key_padding_mask,
         # a decoder's queries in cross-attention are all real, also when Nq == Nk
         query_padding_mask=None if layer.cross else "auto",
@@ -394,15 +393,6 @@ def _attentions_requested(module: nn.Module, kwargs: dict[str, Any]) -> bool:
     collecting = _COLLECTOR.get()
     return isinstance(collecting, dict) and any(
         str(key).endswith("attentions") for key in collecting)
-
-
-def _call(bound: BoundMethod, query: Tensor, key: Tensor, value: Tensor, weights: bool,
-          **call: Any) -> tuple[Tensor, Tensor | None]:
-    """The method's output and, with ``weights``, the attention maps of the same call
-    (``skyformer.weights``), else ``None``."""
-    if weights:
-        return call_with_weights(bound, query, key, value, **call)
-    return bound(query, key, value, **call), None
 
 
 def _refuse_what_the_layer_cannot_apply(module: nn.Module, layer: LayerAttention,
@@ -575,9 +565,10 @@ def _with_attn_mask(
     arguments: dict[str, Any] = {}
     if training_dropout and spec.capabilities.weight_dropout:
         arguments["dropout_p"] = training_dropout
-    out, maps = _call(bound, query, key, value, weights, attn_mask=attention_mask,
-                      query_padding_mask=None, generator=_layer_key(layer, query.device),
-                      state=module._modules.get(STATE_NAME), **arguments)  # [B, H, Nq, Dv]
+    out, maps = call_maybe_with_weights(
+        bound, query, key, value, weights, attn_mask=attention_mask, query_padding_mask=None,
+        generator=_layer_key(layer, query.device), state=module._modules.get(STATE_NAME),
+        **arguments)  # [B, H, Nq, Dv]
     if training_dropout and not spec.capabilities.weight_dropout:
         out = F.dropout(out, p=training_dropout, training=True)
     return out.transpose(1, 2).contiguous(), maps
