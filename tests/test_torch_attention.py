@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from skyformer import kernelized_attention, random_key
+from skyformer import attention, kernelized_attention, random_key
 from skyformer.registry import CapabilityError
 from skyformer.registry.binding import BoundMethod
 from skyformer.torch_attention import TorchMultiheadAttention, replace_attention
@@ -53,17 +53,19 @@ def gen(seed=0):
 
 
 def test_parameters_initialisation_and_state_dict_match_torch():
-    for kwargs in ({}, {"kdim": 4, "vdim": 6}, {"bias": False}):
+    for kwargs in ({}, {"kdim": 4, "vdim": 6}, {"bias": False},
+                   {"add_bias_kv": True, "add_zero_attn": True}):
         torch.manual_seed(3)
         ref = nn.MultiheadAttention(E, H, **kwargs)
         torch.manual_seed(3)
         ours = TorchMultiheadAttention(E, H, **kwargs)
-        assert ours.state_dict().keys() == ref.state_dict().keys()
+        assert list(ours.state_dict()) == list(ref.state_dict())
         for name, t in ref.state_dict().items():  # same draws in the same order
             torch.testing.assert_close(ours.state_dict()[name], t, rtol=0, atol=0)
         for name in ("embed_dim", "num_heads", "head_dim", "dropout", "batch_first", "kdim",
-                     "vdim", "_qkv_same_embed_dim", "bias_k", "bias_v", "add_zero_attn"):
+                     "vdim", "_qkv_same_embed_dim", "add_zero_attn"):
             assert getattr(ours, name) == getattr(ref, name), name
+        assert (ours.bias_k is None) == (ref.bias_k is None) == (ours.bias_v is None)
         ref.load_state_dict(ours.state_dict())  # and back
 
 
@@ -235,10 +237,8 @@ def test_refused_calls_get_sentences(method, call, match):
 
 
 def test_refused_configurations_get_sentences():
-    with pytest.raises(ValueError, match=r"add_bias_kv=True is not supported.*add_bias_kv=False"):
-        TorchMultiheadAttention(E, H, 0.0, True, True)
-    with pytest.raises(ValueError, match="add_zero_attn=True is not supported"):
-        TorchMultiheadAttention(E, H, add_zero_attn=True)
+    with pytest.raises(TypeError, match="add_bias_kv must be True or False, got 'yes'"):
+        TorchMultiheadAttention(E, H, 0.0, True, "yes")
     with pytest.raises(ValueError, match=r"embed_dim \(8\) must be divisible by num_heads"):
         TorchMultiheadAttention(E, 3)
     _, sky = pair("skyformer")
@@ -248,6 +248,71 @@ def test_refused_configurations_get_sentences():
     _, reformer = pair("reformer")  # self-attention only
     with pytest.raises(CapabilityError, match="reformer cannot attend with a different"):
         reformer(rand(L, B, E), rand(S, B, E), rand(S, B, E), need_weights=False)
+
+
+APPENDED = [{"add_bias_kv": True}, {"add_zero_attn": True},
+            {"add_bias_kv": True, "add_zero_attn": True}]
+
+
+@pytest.mark.parametrize("appended", APPENDED, ids=["bias", "zero", "both"])
+@pytest.mark.parametrize("name", ["plain", "padding_bool", "padding_float", "attn_per_head",
+                                  "attn_and_padding", "causal", "causal_padding",
+                                  "batch_first", "unbatched", "kdim_vdim"])
+def test_softmax_with_appended_keys_equals_torch(name, appended):
+    """``add_bias_kv`` and ``add_zero_attn``: torch's keys and mask columns, the hint
+    alone included (SDPA's top-left causal mask over ``S + n`` keys), outputs and
+    weights."""
+    kwargs, query, key, value, call = _case(name)
+    ref, ours = pair(**kwargs, **appended)
+    ours.return_weights = True
+    for need_weights in (False, True):
+        expected = ref(query, key, value, need_weights=need_weights,
+                       average_attn_weights=False, **call)
+        got = ours(query, key, value, need_weights=need_weights, average_attn_weights=False,
+                   **call)
+        torch.testing.assert_close(got[0], expected[0], **EXACT)
+        if need_weights:
+            torch.testing.assert_close(got[1], expected[1], **EXACT)
+    (got[0].square().sum() + expected[0].square().sum()).backward()
+    for name in ("bias_k", "bias_v", "in_proj_bias"):
+        if getattr(ref, name) is not None:
+            torch.testing.assert_close(getattr(ours, name).grad, getattr(ref, name).grad,
+                                       rtol=1e-10, atol=1e-12)
+
+
+def test_from_torch_takes_the_appended_keys_and_their_parameters():
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(E, H, add_bias_kv=True, add_zero_attn=True, dtype=F64)
+    layer = TorchMultiheadAttention.from_torch(mha, "softmax")
+    assert layer.bias_k is mha.bias_k and layer.bias_v is mha.bias_v and layer.add_zero_attn
+    assert "add_bias_kv=True, add_zero_attn=True" in repr(layer)
+    x = rand(L, B, E)
+    torch.testing.assert_close(layer(x, x, x, need_weights=False)[0],
+                               mha(x, x, x, need_weights=False)[0], **EXACT)
+
+
+def test_approximate_methods_attend_the_appended_keys():
+    """skyformer with ``add_bias_kv`` and ``add_zero_attn`` is the method over the
+    projected keys with torch's two appended, every query attending them; in
+    self-attention the padded queries stay padding (output rows 0); with ``is_causal``
+    a sentence."""
+    layer = TorchMultiheadAttention(E, H, dtype=F64, method="skyformer", num_features=4,
+                                    add_bias_kv=True, add_zero_attn=True).eval()
+    x, pad = rand(L, B, E), padding(n=L)
+    out = layer(x, x, x, key_padding_mask=pad, need_weights=False, generator=random_key(3))[0]
+    q, k, v = _heads(layer, x.transpose(0, 1), x.transpose(0, 1))
+    appended = [torch.cat([t, bias.reshape(1, H, 1, E // H).expand(B, H, 1, E // H),
+                           torch.zeros(B, H, 1, E // H, dtype=F64)], dim=2)
+                for t, bias in ((k, layer.bias_k), (v, layer.bias_v))]
+    heads = attention(q, *appended, "skyformer", num_features=4,
+                      key_padding_mask=torch.cat([~pad, torch.ones(B, 2, dtype=torch.bool)], 1),
+                      query_padding_mask=~pad, generator=random_key(3))
+    expected = layer.out_proj(heads.permute(2, 0, 1, 3).reshape(L, B, E))
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
+    assert (out[L - 2:, 1] == layer.out_proj.bias).all()
+    with pytest.raises(ValueError, match=r"add_bias_kv and add_zero_attn append keys that "
+                                         r"every query attends.*drop is_causal=True"):
+        layer(x, x, x, attn_mask=causal(), is_causal=True, need_weights=False)
 
 
 @pytest.mark.parametrize("average", [True, False])
@@ -543,14 +608,13 @@ def test_replace_attention_keeps_the_parameter_objects_an_optimizer_holds():
 
 
 def test_replace_attention_refuses_in_a_sentence_and_changes_nothing():
-    model = nn.Sequential(nn.MultiheadAttention(E, H),
-                          nn.ModuleList([nn.MultiheadAttention(E, H, add_bias_kv=True)]))
-    with pytest.raises(ValueError, match=r"model\.1\.0: add_bias_kv=True is not supported"):
-        replace_attention(model)
-    assert type(model[0]) is nn.MultiheadAttention
-
     class Mine(nn.MultiheadAttention):
         pass
+
+    model = nn.Sequential(nn.MultiheadAttention(E, H), nn.ModuleList([Mine(E, H)]))
+    with pytest.raises(TypeError, match=r"model\.1\.0: .*Mine is a subclass"):
+        replace_attention(model)
+    assert type(model[0]) is nn.MultiheadAttention
 
     with pytest.raises(TypeError, match=r"model\.0: .*Mine is a subclass") as refused:
         replace_attention(nn.Sequential(Mine(E, H, bias=False)))
@@ -742,6 +806,12 @@ def test_linformer_without_a_length_is_told_replace_attentions_argument():
                                          r"seq_len=4096\) for a model built on torch"):
         replace_attention(nn.Sequential(nn.MultiheadAttention(E, H)), "linformer")
     replace_attention(nn.Sequential(nn.MultiheadAttention(E, H)), "linformer", seq_len=16)
+    # seq_len counts the keys passed; the method's length adds the appended ones
+    appended = nn.MultiheadAttention(E, H, add_bias_kv=True, add_zero_attn=True)
+    layer = replace_attention(appended, "linformer", seq_len=L)
+    assert layer.bound.options()["max_seq_len"] == L + 2
+    x = torch.randn(L, B, E)
+    assert layer(x, x, x, need_weights=False)[0].shape == (L, B, E)
 
 
 def test_scripting_is_refused_with_the_ways_that_work():

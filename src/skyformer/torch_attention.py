@@ -36,8 +36,11 @@ trained weights. What differs from torch:
   rows the attention of a real query. A query that may attend to no key gets 0, not NaN.
 - Dropout drops attention weights for ``softmax`` (as torch) and, for methods without a
   weight matrix, entries of the attention output (the same expectation), in training only.
-- ``add_bias_kv`` and ``add_zero_attn`` are refused: they append keys, which the causal
-  and self-attention forms of the approximate methods cannot follow.
+- ``add_bias_kv`` and ``add_zero_attn`` append torch's keys and values (a learned pair,
+  then a zero pair) after the projections, attended by every query. The approximate
+  methods take them in their non-causal forms (self-attention's padded queries stay
+  padding) and refuse ``is_causal`` with them in a sentence: their causal forms pair query
+  ``i`` with key ``i`` and cannot add keys every query sees.
 
 torch's ``TransformerEncoderLayer`` has a fused fast path (eval under ``no_grad``) that
 reads ``self_attn.in_proj_weight`` and runs torch's own softmax, and declines it where
@@ -56,7 +59,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.init import constant_, xavier_uniform_
+from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from .amp import autocast_enabled
@@ -93,10 +96,12 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
     Args:
         embed_dim, num_heads, dropout, bias, kdim, vdim, batch_first, device, dtype: as
             torch's (``dropout`` on the attention in training only).
-        add_bias_kv, add_zero_attn: only ``False`` (refused in a sentence).
+        add_bias_kv, add_zero_attn: as torch's (``bias_k``, ``bias_v`` ``[1, 1, E]``,
+            Xavier-normal; module doc).
         method: a name from ``skyformer.list_methods()`` (options in brackets allowed).
-        seq_len: the longest key sequence; a fixed-length method (Linformer) takes it as
-            its ``max_seq_len`` unless that option is given.
+        seq_len: the longest key sequence passed; a fixed-length method (Linformer) takes
+            it, plus the keys ``add_bias_kv`` and ``add_zero_attn`` append, as its
+            ``max_seq_len`` unless that option is given.
         return_weights: ``True``: ``need_weights=True`` returns the attention weights
             (module doc), for a method whose capabilities include ``weights``.
         **method_options: options of the method (e.g. ``num_features=64``).
@@ -142,7 +147,7 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         self.dropout = dropout
         self.batch_first = batch_first
         self.head_dim = embed_dim // num_heads
-        self.add_zero_attn = False
+        self.add_zero_attn = add_zero_attn
         if self._qkv_same_embed_dim:
             self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim, **factory))
             for name in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
@@ -158,8 +163,14 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
             self.register_parameter("in_proj_bias", None)
         self.out_proj = NonDynamicallyQuantizableLinear(embed_dim, embed_dim, bias=bias,
                                                         **factory)
-        self.bias_k = self.bias_v = None
+        if add_bias_kv:
+            self.bias_k = nn.Parameter(torch.empty(1, 1, embed_dim, **factory))
+            self.bias_v = nn.Parameter(torch.empty(1, 1, embed_dim, **factory))
+        else:
+            self.bias_k = self.bias_v = None
         self._reset_parameters()  # before the method's state: torch's draws, in its order
+        if seq_len is not None:  # the method sees the appended keys too
+            seq_len = seq_len + self._appended_keys
         self.bound: BoundMethod = get_method(method).bind(
             num_heads, self.head_dim, seq_len=seq_len, **method_options)
         state = self.bound.new_state()  # learned projections, kept random features
@@ -177,7 +188,8 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         self._reset_parameters()
 
     def _reset_parameters(self) -> None:
-        """torch's initialisation: Xavier-uniform projections, zero biases."""
+        """torch's initialisation: Xavier-uniform projections, zero biases, Xavier-normal
+        ``bias_k`` and ``bias_v``."""
         if self._qkv_same_embed_dim:
             xavier_uniform_(self.in_proj_weight)
         else:
@@ -186,6 +198,14 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         if self.in_proj_bias is not None:
             constant_(self.in_proj_bias, 0.0)
             constant_(self.out_proj.bias, 0.0)
+        if self.bias_k is not None:
+            xavier_normal_(self.bias_k)
+            xavier_normal_(self.bias_v)
+
+    @property
+    def _appended_keys(self) -> int:
+        """How many keys ``add_bias_kv`` and ``add_zero_attn`` append to each sequence."""
+        return int(self.bias_k is not None) + int(self.add_zero_attn)
 
     @classmethod
     def from_torch(cls, mha: nn.MultiheadAttention, method: str = "skyformer", *,
@@ -270,6 +290,9 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         torch's mask for torch's output), and with ``weights`` those of the call,
         ``[B, H, L, S]`` (else ``None``)."""
         q, k, v = self._project(query, key, value, self_attention)  # [B, H, L|S, Dh]
+        if self._appended_keys:
+            k, v, key_padding_mask, attn_mask = self._append_keys(k, v, key_padding_mask,
+                                                                  attn_mask)
         b, _, lq, _ = q.shape
         if 0 in (b, lq, k.shape[2]):  # torch: empty, or the output projection of zeros
             out = q.new_zeros(lq, b, self.embed_dim) + 0 * (q.sum() + k.sum() + v.sum())
@@ -310,6 +333,26 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         return tuple(t.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
                      for t in projected)  # type: ignore[return-value]
 
+    def _append_keys(self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None,
+                     attn_mask: Tensor | None
+                     ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+        """torch's ``add_bias_kv`` and ``add_zero_attn``: ``bias_k`` / ``bias_v`` (split
+        into heads), then zeros, appended to ``k``, ``v`` ``[B, H, S, Dh]``, and a column
+        every query may attend appended to torch's masks (``False`` or ``0``) for each."""
+        b, h, _, dh = k.shape
+        keys, values = [k], [v]
+        if self.bias_k is not None:
+            for appended, bias in ((keys, self.bias_k), (values, self.bias_v)):
+                appended.append(bias.to(k.dtype).reshape(1, h, 1, dh).expand(b, h, 1, dh))
+        if self.add_zero_attn:
+            keys.append(k.new_zeros(b, h, 1, dh))
+            values.append(v.new_zeros(b, h, 1, dh))
+        n = len(keys) - 1
+        masks = [None if mask is None else
+                 torch.cat([mask, mask.new_zeros(*mask.shape[:-1], n)], dim=-1)
+                 for mask in (key_padding_mask, attn_mask)]
+        return torch.cat(keys, dim=2), torch.cat(values, dim=2), masks[0], masks[1]
+
     def _dropout(self) -> float:
         return self.dropout if self.training else 0.0
 
@@ -340,10 +383,19 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         them (``functional.attn_mask_as_padding``), or a sentence. With the ``is_causal``
         hint the method runs its causal form and ``attn_mask`` is not read. The output
         and, with ``weights``, the weights (before the output's dropout)."""
-        rows = "auto" if self_attention else None  # cross-attention: every query real
         if padding_bias is not None:  # torch's layers hand a bool mask on as 0 / -inf
             real = self._real_keys(padding_bias[:, 0, 0, :])
             key_valid = real if key_valid is None else key_valid & real
+        rows: Tensor | str | None = "auto" if self_attention else None  # cross: all real
+        if self._appended_keys:
+            if is_causal:
+                raise ValueError(
+                    f"{NAME} ({self.method}): add_bias_kv and add_zero_attn append keys that "
+                    f"every query attends, which the causal form of {self.method} (query i "
+                    f"with keys up to i) cannot add; drop is_causal=True, or use "
+                    f"method='softmax' or 'kernelized', which take the causal mask with them.")
+            if self_attention:  # the queries are the keys before the appended ones
+                rows = None if key_valid is None else key_valid[:, :q.shape[2]]
         mask = None if is_causal else allowed
         causal = is_causal
         if mask is not None:
@@ -498,6 +550,8 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         shape = (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}"
                  + ("" if self._qkv_same_embed_dim else f", kdim={self.kdim}, vdim={self.vdim}")
                  + f", batch_first={self.batch_first}, method={self.method!r}"
+                 + (", add_bias_kv=True" if self.bias_k is not None else "")
+                 + (", add_zero_attn=True" if self.add_zero_attn else "")
                  + (", return_weights=True" if self.return_weights else ""))
         return shape + (f", {options}" if options else "")
 
@@ -514,12 +568,8 @@ def _check_configuration(embed_dim: Any, num_heads: Any, dropout: Any, bias: Any
     for name, value in (("kdim", kdim), ("vdim", vdim)):
         check_positive_int(f"{where}: {name}", value, optional=True)
     for name, value in (("add_bias_kv", add_bias_kv), ("add_zero_attn", add_zero_attn)):
-        if value:
-            raise ValueError(
-                f"{where}: {name}=True is not supported: it appends a key and value to every "
-                f"sequence, which the causal and self-attention forms of the approximate "
-                f"methods cannot follow; build the layer with {name}=False, or keep "
-                f"torch.nn.MultiheadAttention where it is needed.")
+        if not isinstance(value, bool):
+            raise TypeError(f"{where}: {name} must be True or False, got {value!r}.")
 
 
 def _check_return_weights(return_weights: Any, bound: BoundMethod, where: str) -> bool:
@@ -625,13 +675,15 @@ def _from_torch(cls: type[TorchMultiheadAttention], mha: Any, where: str, method
             f"batch_first=mha.batch_first, method=...); "
             f"new.load_state_dict(mha.state_dict()).")
     _check_configuration(mha.embed_dim, mha.num_heads, mha.dropout, mha.in_proj_bias is not None,
-                         mha.bias_k is not None, mha.add_zero_attn, mha.kdim, mha.vdim, where)
+                         mha.bias_k is not None, bool(mha.add_zero_attn), mha.kdim, mha.vdim,
+                         where)
     _warn_of_hooks(mha, where)
     if options.get("return_weights") is None:  # a layer swapped before keeps its own
         options = {**options, "return_weights": _kept_return_weights(mha, method, where)}
     weight = mha.out_proj.weight
     layer = cls(mha.embed_dim, mha.num_heads, mha.dropout, mha.in_proj_bias is not None,
-                kdim=mha.kdim, vdim=mha.vdim, batch_first=mha.batch_first,
+                mha.bias_k is not None, bool(mha.add_zero_attn), kdim=mha.kdim,
+                vdim=mha.vdim, batch_first=mha.batch_first,
                 device=weight.device, dtype=weight.dtype, method=method, seq_len=seq_len,
                 **options)
     weights = {name: t for name, t in mha.state_dict().items()
@@ -692,9 +744,9 @@ def replace_attention(model: nn.Module, method: str = "skyformer", *,
     Each keeps its parameters (the same objects: an optimizer or a tied weight set up
     before the swap goes on with them), training mode, device and dtype
     (``from_torch``); a layer shared by several parents is swapped for one new layer.
-    Every layer is checked before any is swapped: a configuration it cannot take
-    (``add_bias_kv``, ``add_zero_attn``, a subclass of torch's layer) fails in a
-    sentence naming the module's path, and the model is left as it was. An unknown
+    Every layer is checked before any is swapped: one it cannot take (a subclass of
+    torch's layer) fails in a sentence naming the module's path, and the model is left
+    as it was. An unknown
     method fails at once; a model without such a layer is returned with a warning;
     hooks registered on a layer swapped out stay there (a warning).
 
