@@ -101,8 +101,8 @@ def test_the_call_is_checked_as_attention_is():
         attention_weights(q, k[:, :1], "softmax")
 
 
-def _softmax_case(name):
-    """(options, q, k, v, call arguments) of one mask form of exact softmax."""
+def _exact_case(name):
+    """(options, q, k, v, call arguments) of one mask form of an exact method."""
     q, k, v = make_qkv(2, 2, 10, 8, dv=3, seed=6)
     padding = torch.ones(2, 10, dtype=torch.bool)
     padding[1, 6:] = False
@@ -124,20 +124,41 @@ def _softmax_case(name):
 
 @pytest.mark.parametrize("name", ["padding", "causal", "query_padding", "bool_per_head",
                                   "additive", "a_row_without_keys"])
-def test_softmax_weights_from_its_logits_equal_the_identity_appended(name):
-    """softmax's weights are formed from its logits and masks (O(Nq Nk D)); they equal
-    the columns of the identity appended to the values, mask form by mask form, and
-    the output is the method's own."""
+@pytest.mark.parametrize("method", ["softmax", "kernelized"])
+def test_exact_weights_from_their_scores_equal_the_identity_appended(method, name,
+                                                                     monkeypatch):
+    """The exact methods' weights are formed from their scores and masks (O(Nq Nk D));
+    they equal the columns of the identity appended to the values, mask form by mask
+    form, and the output is the method's own."""
+    from skyformer.registry import BoundMethod
     from skyformer.weights import call_with_weights
 
-    options, q, k, v, call = _softmax_case(name)
-    bound = get_method("softmax").bind(**options)
+    options, q, k, v, call = _exact_case(name)
+    bound = get_method(method).bind(**options)
+    widths = []
+    run = BoundMethod.__call__
+    monkeypatch.setattr(BoundMethod, "__call__",
+                        lambda self, q, k, v, **kw: widths.append(v.shape[-1]) or run(
+                            self, q, k, v, **kw))
     out, weights = call_with_weights(bound, q, k, v, **call)
+    monkeypatch.undo()
+    assert widths == [3]  # the method ran on the values alone: no identity appended
     appended = bound(q, k, torch.cat([v, torch.eye(10, dtype=v.dtype).expand(2, 2, 10, 10)],
                                      -1), **call)[..., 3:]
     torch.testing.assert_close(weights, appended, rtol=0, atol=1e-12)
     torch.testing.assert_close(out, bound(q, k, v, **call), rtol=0, atol=0)
     torch.testing.assert_close(weights @ v, out, rtol=1e-9, atol=1e-12)
+
+
+def test_kernelized_weights_keep_their_accuracy_at_large_offsets():
+    """float32 inputs far from the origin: the keys' mean is taken out before the
+    distances (the kernel does not change), which the expansion |q|^2 + |k|^2 - 2 q.k
+    would otherwise lose to cancellation."""
+    q, k, _ = make_qkv(1, 2, 12, 8, seed=8)
+    q, k = q + 300.0, k + 300.0
+    exact = (-torch.cdist(q, k) ** 2 / (2 * 8 ** 0.5)).exp()  # float64
+    got = attention_weights(q.float(), k.float(), "kernelized")
+    torch.testing.assert_close(got.double(), exact, rtol=1e-3, atol=1e-5)
 
 
 def test_softmax_weights_with_dropout_are_those_of_the_call():

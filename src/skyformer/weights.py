@@ -14,11 +14,11 @@ Nystrom approximation of ``C`` that its output applies. Padded keys get weight 0
 padded queries (``query_padding_mask``) zero rows.
 
 Cost: the method with ``Dv + Nk`` value columns (Skyformer's time becomes O(Nq Nk m))
-and ``A``'s memory, as torch's weights (for ``kernelized`` O(Nq Nk^2) time, where
-torch's weights take O(Nq Nk D); ``softmax``'s are formed from its logits and masks
-instead, ``ops/softmax/weights.py``, but for a call with dropout, whose mask only the
-call itself knows); on the PyTorch path: ``kernel`` runs as ``"torch"``,
-since the Triton kernels compile the value width in. A method whose draws follow the
+and ``A``'s memory, as torch's weights. The exact methods' are formed from their
+scores and masks instead, O(Nq Nk D) as torch's (``ops/softmax/weights.py``,
+``ops/kernelized/weights.py``), but for a call with dropout, whose mask only the call
+itself knows. On the PyTorch path: ``kernel`` runs as ``"torch"``, since the Triton
+kernels compile the value width in. A method whose draws follow the
 values (KDEformer samples keys by their norms) or whose output is not linear in them
 (the multipole methods clamp their far field to the values' range) has no such matrix
 and is refused in a sentence naming those that have one.
@@ -115,19 +115,34 @@ def call_with_weights(bound: BoundMethod, q: Tensor, k: Tensor, v: Tensor, **cal
     ``[..., Nq, Dv]`` and the weights ``[..., Nq, Nk]`` of its draws. A method without
     ``Capabilities.weights`` is refused (``CapabilityError``)."""
     check_weights(bound.method.name)
-    if bound.method.base_name == "softmax" and not call.get("dropout_p"):
-        # its logits at O(Nq Nk D), the output from the method's own call
-        from .ops.softmax.weights import softmax_weights
-
+    formed = _formed_weights(bound.method.base_name)
+    if formed is not None and not call.get("dropout_p"):
+        # the exact matrix at O(Nq Nk D), the output from the method's own call
         # (attention_weights passes no value column: one of zeros, for the output's dtype)
         values = v if v.shape[-1] else v.new_zeros(*v.shape[:-1], 1)
         out = bound(q, k, values, **call)[..., :v.shape[-1]]
         masks = {name: call[name] for name in ("key_padding_mask", "query_padding_mask",
                                                 "attn_mask") if name in call}
-        return out, softmax_weights(q, k, bound.config, **masks).to(out.dtype)
+        return out, formed(q, k, bound.config, **masks).to(out.dtype)
     if "kernel" in bound.options():  # "auto" or "triton": the value width is compiled in
         bound = bound.replace(kernel="torch")
     n, dv = v.shape[-2], v.shape[-1]
     identity = torch.eye(n, dtype=v.dtype, device=v.device).expand(*v.shape[:-1], n)
     both = bound(q, k, torch.cat([v, identity], -1), **call)
     return both[..., :dv], both[..., dv:]
+
+
+def _formed_weights(name: str) -> Any:
+    """The function forming an exact method's weights from its scores and masks,
+    ``(q, k, config, *, key_padding_mask, query_padding_mask, attn_mask) -> [B, H, Nq,
+    Nk]``, for ``softmax`` and ``kernelized``; ``None`` for the others (their weights
+    come from the identity appended to the values)."""
+    if name == "softmax":
+        from .ops.softmax.weights import softmax_weights
+
+        return softmax_weights
+    if name == "kernelized":
+        from .ops.kernelized.weights import kernelized_weights
+
+        return kernelized_weights
+    return None
