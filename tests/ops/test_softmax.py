@@ -185,3 +185,18 @@ def test_a_program_recorded_with_an_expanded_mask_runs_any_mask(method, recorder
     program = _recorded(recorder, call, (q, k, v, valid[:, None, None, :].expand(2, 1, n, n)))
     causal = torch.ones(2, 1, n, n, dtype=torch.bool).tril()
     torch.testing.assert_close(program(q, k, v, causal), call(q, k, v, causal))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_float32_bias_with_half_inputs_keeps_its_precision_on_the_cpu(dtype):
+    """A float32 attn_mask (a bias such as ALiBi's, hundreds at long N) with half
+    inputs: the CPU's SDPA takes it as it is, as torch's own call; rounded to bfloat16,
+    its spacing of 2 there would move the logits by whole units."""
+    q, k, v = make_qkv(1, 2, 16, 8, seed=11)
+    bias = torch.randn(16, 16, generator=torch.Generator().manual_seed(1)) * 3 - 300.3
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        *(t.to(dtype) for t in (q, k, v)), attn_mask=bias)
+    out = softmax_attention(*(t.to(dtype) for t in (q, k, v)), attn_mask=bias)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    exact = softmax_attention(q, k, v, attn_mask=bias.double())
+    torch.testing.assert_close(out.double(), exact, rtol=0, atol=0.02)

@@ -10,7 +10,12 @@ from torch import Tensor
 
 from ...linalg.scores import logit_scale
 from ...registry import Capabilities, register
-from ..shared.inputs import check_attention_inputs, check_generator, zero_padded_queries
+from ..shared.inputs import (
+    HALF_DTYPES,
+    check_attention_inputs,
+    check_generator,
+    zero_padded_queries,
+)
 from ..shared.masked import attention_bias, biased_attention
 from ..shared.options import check_bool, check_probability, check_scale
 from ..shared.sdpa import sdpa
@@ -109,7 +114,19 @@ def softmax_attention(
                            dropout_p=dropout_p)
     else:
         bias = attention_bias(attn_mask, info.key_valid, config.causal,
-                              (*q.shape[:3], info.key_len), q.dtype, q.device,
-                              "softmax")
+                              (*q.shape[:3], info.key_len), _bias_dtype(q, attn_mask),
+                              q.device, "softmax")
         out = biased_attention(q, k, v, bias, scale=s, dropout_p=dropout_p)
     return zero_padded_queries(out, info.query_valid)
+
+
+def _bias_dtype(q: Tensor, attn_mask: Tensor) -> torch.dtype:
+    """The dtype of the bias handed to SDPA: the inputs', but float32 for a float32
+    mask with half-precision inputs on the CPU, whose SDPA kernels take it as it is
+    (torch's own call does: a bias such as ALiBi's, hundreds at long N, rounded to
+    bfloat16 would move logits by whole units). CUDA's fused kernels take only the
+    inputs' dtype."""
+    if q.device.type == "cpu" and q.dtype in HALF_DTYPES \
+            and attn_mask.dtype == torch.float32:
+        return torch.float32
+    return q.dtype
