@@ -82,7 +82,7 @@ def check_method(name: str, **options: Any) -> list[CheckResult]:
          lambda: _derivative(run, causal)),
         ("padding gives the truncated input's outputs", None if caps.mask else undeclared,
          lambda: _padding(run, caps.fixed_length)),
-        ("padded keys get no weight", None if caps.mask else undeclared,
+        ("what padded positions hold reaches no output", None if caps.mask else undeclared,
          lambda: _padded_keys(run)),
         ("causal: no output depends on a later position",
          None if caps.causal else undeclared, lambda: _causal(run)),
@@ -282,6 +282,9 @@ def _padding(run: Callable[..., Tensor], fixed_length: bool) -> str:
 
 
 def _padded_keys(run: Callable[..., Tensor]) -> str:
+    """Junk in the padded positions reaches no output. The registry's guard zeroes them
+    before the core runs (``guard.zero_padding``), so this checks that path end to end;
+    a core that weighs its padded keys anyway fails the padding check before it."""
     q, k, v = _qkv(2, 20, seed=2)
     mask = torch.ones(2, 20, dtype=torch.bool)
     mask[0, :5] = False
@@ -294,7 +297,7 @@ def _padded_keys(run: Callable[..., Tensor]) -> str:
     for t in (q2, k2, v2):
         t[hidden] = junk[hidden]
     _equal(run(q2, k2, v2, mask), base, "what padded positions hold changed the output")
-    return "what padded positions hold changes no output (left and right padding)"
+    return "junk in the padded q, k and v changes nothing (left and right padding)"
 
 
 def _causal(run: Callable[..., Tensor]) -> str:
