@@ -57,10 +57,23 @@ def test_a_file_path_ending_in_a_separator_is_refused(tmp_path, capsys):
     with pytest.raises(IsADirectoryError, match="ends in a path separator"):
         check_output_path(f"{tmp_path / 'new'}{os.sep}")
     check_output_path(f"{tmp_path / 'new'}{os.sep}", folder=True)
-    for argv in (["compare", "--json"], ["bench", "--methods", "linear", "--out"]):
-        assert main([*argv, f"{tmp_path / 'results'}{os.sep}"]) == 2
-        assert "ends in a path separator" in capsys.readouterr().err
+    assert main(["compare", "--json", f"{tmp_path / 'results'}{os.sep}"]) == 2
+    assert "ends in a path separator" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("made", [False, True])
+def test_bench_out_naming_a_folder_writes_bench_files_in_it(tmp_path, made):
+    """``bench --out DIR/`` (or an existing folder) writes DIR/bench.json, .csv (and
+    .png), as the other commands' ``--out DIR`` write into a folder; any other path is
+    the files' prefix."""
+    folder = tmp_path / "results"
+    if made:
+        folder.mkdir()
+    out = str(folder) if made else f"{folder}{os.sep}"
+    assert main(["bench", "--methods", "linear", "--seq-lens", "16", "--shapes", "1,1,4",
+                 "--no-memory", "--repeats", "1", "--no-plot", "--out", out]) == 0
+    assert sorted(p.name for p in folder.iterdir()) == ["bench.csv", "bench.json"]
 
 
 @pytest.mark.parametrize("taken", ["bench.json", "bench.csv", "bench.png"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -103,7 +104,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out",
         default=None,
-        help="write OUT.json, OUT.csv and OUT.png (e.g. benchmarks/results/bench_cpu)",
+        help="write OUT.json, OUT.csv and OUT.png (e.g. benchmarks/results/bench_cpu); "
+        "a folder (one that exists, or OUT/) gets bench.json, bench.csv and bench.png",
     )
     parser.add_argument("--no-plot", "--no-plots", action="store_true",
                         help="with --out: no PNG (and remove the one an earlier run left)")
@@ -182,7 +184,18 @@ def _earlier_rows(config: BenchConfig, out: str | None) -> tuple[list[dict], lis
     return rows, runs
 
 
+def _prefix(out: str | None) -> str | None:
+    """``--out`` as the prefix of the result files: a folder (one that exists, or a path
+    ending in a separator) holds ``bench.json``, ``.csv`` and ``.png``, as the other
+    commands' ``--out DIR``; anything else is the prefix itself."""
+    separators = tuple(sep for sep in (os.sep, os.altsep) if sep)
+    if out and (out.endswith(separators) or os.path.isdir(out)):
+        return os.path.join(out, "bench")
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
+    args.out = _prefix(args.out)
     check_output_path(args.out)  # a prefix: PREFIX.json, .csv, .png
     if args.out:
         for suffix in (".json", ".csv") + (() if args.no_plot else (".png",)):
