@@ -237,8 +237,9 @@ def test_refused_calls_get_sentences(method, call, match):
 
 
 def test_refused_configurations_get_sentences():
-    with pytest.raises(TypeError, match="add_bias_kv must be True or False, got 'yes'"):
-        TorchMultiheadAttention(E, H, 0.0, True, "yes")
+    with pytest.raises(CapabilityError, match=r"add_zero_attn append keys.*bigbird cannot "
+                                              r"attend \(self-attention only\).*softmax"):
+        TorchMultiheadAttention(E, H, add_zero_attn=True, method="bigbird")
     with pytest.raises(ValueError, match=r"embed_dim \(8\) must be divisible by num_heads"):
         TorchMultiheadAttention(E, 3)
     _, sky = pair("skyformer")
@@ -310,9 +311,21 @@ def test_approximate_methods_attend_the_appended_keys():
     expected = layer.out_proj(heads.permute(2, 0, 1, 3).reshape(L, B, E))
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
     assert (out[L - 2:, 1] == layer.out_proj.bias).all()
-    with pytest.raises(ValueError, match=r"add_bias_kv and add_zero_attn append keys that "
-                                         r"every query attends.*drop is_causal=True"):
-        layer(x, x, x, attn_mask=causal(), is_causal=True, need_weights=False)
+    for hint in (True, False):  # the hint, or a causal mask read as one
+        with pytest.raises(ValueError, match=r"add_bias_kv and add_zero_attn append keys that "
+                                             r"every query attends.*drop is_causal=True"):
+            layer(x, x, x, attn_mask=causal(), is_causal=hint, need_weights=False)
+    # padding given as an attn_mask: the same padded queries, the same output
+    by_mask = layer(x, x, x, attn_mask=pad[1].expand(L, L), need_weights=False,
+                    generator=random_key(3))[0][:, 1]
+    by_padding = layer(x, x, x, key_padding_mask=pad[1:2].expand(B, L), need_weights=False,
+                       generator=random_key(3))[0][:, 1]
+    torch.testing.assert_close(by_mask, by_padding, rtol=1e-10, atol=1e-12)
+    assert (by_mask[L - 2:] == layer.out_proj.bias).all()
+    no_causal = TorchMultiheadAttention(E, H, dtype=F64, method="nystromformer",
+                                        num_features=4, add_zero_attn=True)
+    with pytest.raises(CapabilityError, match="nystromformer cannot"):
+        no_causal(x, x, x, attn_mask=causal(), is_causal=True, need_weights=False)
 
 
 @pytest.mark.parametrize("average", [True, False])

@@ -37,10 +37,13 @@ trained weights. What differs from torch:
 - Dropout drops attention weights for ``softmax`` (as torch) and, for methods without a
   weight matrix, entries of the attention output (the same expectation), in training only.
 - ``add_bias_kv`` and ``add_zero_attn`` append torch's keys and values (a learned pair,
-  then a zero pair) after the projections, attended by every query. The approximate
-  methods take them in their non-causal forms (self-attention's padded queries stay
-  padding) and refuse ``is_causal`` with them in a sentence: their causal forms pair query
-  ``i`` with key ``i`` and cannot add keys every query sees.
+  then a zero pair) after the projections, with a mask column every query may attend
+  (the exact methods, as torch: with the ``is_causal`` hint alone, SDPA's top-left
+  causal mask over the ``S + n`` keys, which leaves them unattended). The approximate
+  methods that take other numbers of queries and keys take them in their non-causal
+  forms (self-attention's padded queries stay padding; Linformer's projection sees them
+  after the padding, so there padding no longer equals truncation) and refuse a causal
+  call in a sentence: their causal forms pair query ``i`` with key ``i``.
 
 torch's ``TransformerEncoderLayer`` has a fused fast path (eval under ``no_grad``) that
 reads ``self_attn.in_proj_weight`` and runs torch's own softmax, and declines it where
@@ -70,6 +73,7 @@ from .masks import BLOCKED_LOGIT
 from .nn import BoundMethodProperties, check_layer_configuration
 from .registry import (
     BoundMethod,
+    CapabilityError,
     get_method,
     methods_that_can,
 )
@@ -132,8 +136,7 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         **method_options: Any,
     ) -> None:
         super().__init__()
-        _check_configuration(embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn,
-                             kdim, vdim, NAME)
+        _check_configuration(embed_dim, num_heads, dropout, bias, kdim, vdim, NAME)
         if "process_group" in method_options:  # read as a misspelt option of the method
             raise TypeError(f"{NAME} attends within one process and takes no process_group; "
                             f"sequence parallelism is skyformer.MultiHeadAttention's "
@@ -147,7 +150,7 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         self.dropout = dropout
         self.batch_first = batch_first
         self.head_dim = embed_dim // num_heads
-        self.add_zero_attn = add_zero_attn
+        self.add_zero_attn = bool(add_zero_attn)
         if self._qkv_same_embed_dim:
             self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim, **factory))
             for name in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
@@ -163,7 +166,7 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
             self.register_parameter("in_proj_bias", None)
         self.out_proj = NonDynamicallyQuantizableLinear(embed_dim, embed_dim, bias=bias,
                                                         **factory)
-        if add_bias_kv:
+        if add_bias_kv:  # any truthy value, as torch's
             self.bias_k = nn.Parameter(torch.empty(1, 1, embed_dim, **factory))
             self.bias_v = nn.Parameter(torch.empty(1, 1, embed_dim, **factory))
         else:
@@ -173,6 +176,13 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
             seq_len = seq_len + self._appended_keys
         self.bound: BoundMethod = get_method(method).bind(
             num_heads, self.head_dim, seq_len=seq_len, **method_options)
+        if self._appended_keys and not self.spec.capabilities.cross_attention:
+            raise CapabilityError(
+                f"{NAME}: {' and '.join(self._appended_names)} append keys, so that the "
+                f"queries meet more keys than there are queries, which {self.method} "
+                f"cannot attend (self-attention only); use a method that takes other "
+                f"numbers of queries and keys: "
+                f"{', '.join(methods_that_can('cross_attention'))}.")
         state = self.bound.new_state()  # learned projections, kept random features
         if state is not None and (device is not None or dtype is not None):
             state = state.to(**factory)
@@ -203,9 +213,15 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
             xavier_normal_(self.bias_v)
 
     @property
+    def _appended_names(self) -> list[str]:
+        """Those of ``add_bias_kv`` and ``add_zero_attn`` that are set."""
+        return [name for name, on in (("add_bias_kv", self.bias_k is not None),
+                                      ("add_zero_attn", self.add_zero_attn)) if on]
+
+    @property
     def _appended_keys(self) -> int:
         """How many keys ``add_bias_kv`` and ``add_zero_attn`` append to each sequence."""
-        return int(self.bias_k is not None) + int(self.add_zero_attn)
+        return len(self._appended_names)
 
     @classmethod
     def from_torch(cls, mha: nn.MultiheadAttention, method: str = "skyformer", *,
@@ -290,11 +306,14 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         torch's mask for torch's output), and with ``weights`` those of the call,
         ``[B, H, L, S]`` (else ``None``)."""
         q, k, v = self._project(query, key, value, self_attention)  # [B, H, L|S, Dh]
-        if self._appended_keys:
-            k, v, key_padding_mask, attn_mask = self._append_keys(k, v, key_padding_mask,
-                                                                  attn_mask)
+        exact = self.spec.capabilities.attn_mask
+        if self._appended_keys and exact:  # torch's keys and mask columns
+            k, v = self._append_keys(k, v)
+            key_padding_mask, attn_mask = (None if m is None else _with_columns(
+                m, self._appended_keys, False) for m in (key_padding_mask, attn_mask))
         b, _, lq, _ = q.shape
-        if 0 in (b, lq, k.shape[2]):  # torch: empty, or the output projection of zeros
+        appended = 0 if exact else self._appended_keys  # after the masks are read
+        if 0 in (b, lq, k.shape[2] + appended):  # torch: empty, or the output projection of 0
             out = q.new_zeros(lq, b, self.embed_dim) + 0 * (q.sum() + k.sum() + v.sum())
             if self.method_state is not None:  # every parameter gets a gradient (DDP)
                 out = out + 0 * sum(p.sum() for p in self.method_state.parameters())
@@ -333,12 +352,9 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         return tuple(t.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
                      for t in projected)  # type: ignore[return-value]
 
-    def _append_keys(self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None,
-                     attn_mask: Tensor | None
-                     ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    def _append_keys(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """torch's ``add_bias_kv`` and ``add_zero_attn``: ``bias_k`` / ``bias_v`` (split
-        into heads), then zeros, appended to ``k``, ``v`` ``[B, H, S, Dh]``, and a column
-        every query may attend appended to torch's masks (``False`` or ``0``) for each."""
+        into heads), then zeros, appended to ``k``, ``v`` ``[B, H, S, Dh]``."""
         b, h, _, dh = k.shape
         keys, values = [k], [v]
         if self.bias_k is not None:
@@ -347,11 +363,17 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         if self.add_zero_attn:
             keys.append(k.new_zeros(b, h, 1, dh))
             values.append(v.new_zeros(b, h, 1, dh))
-        n = len(keys) - 1
-        masks = [None if mask is None else
-                 torch.cat([mask, mask.new_zeros(*mask.shape[:-1], n)], dim=-1)
-                 for mask in (key_padding_mask, attn_mask)]
-        return torch.cat(keys, dim=2), torch.cat(values, dim=2), masks[0], masks[1]
+        return torch.cat(keys, dim=2), torch.cat(values, dim=2)
+
+    def _refuse_appended_causal(self) -> None:
+        """A sentence for a causal call of an approximate method with appended keys."""
+        names = self._appended_names
+        raise ValueError(
+            f"{NAME} ({self.method}): {' and '.join(names)} append"
+            f"{'' if len(names) > 1 else 's'} keys that every query attends, which the "
+            f"causal form of {self.method} (query i with the keys up to i) cannot add; drop "
+            f"is_causal=True and the causal attn_mask, or use method='softmax' or "
+            f"'kernelized', which follow torch's masks with the appended keys.")
 
     def _dropout(self) -> float:
         return self.dropout if self.training else 0.0
@@ -387,15 +409,6 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
             real = self._real_keys(padding_bias[:, 0, 0, :])
             key_valid = real if key_valid is None else key_valid & real
         rows: Tensor | str | None = "auto" if self_attention else None  # cross: all real
-        if self._appended_keys:
-            if is_causal:
-                raise ValueError(
-                    f"{NAME} ({self.method}): add_bias_kv and add_zero_attn append keys that "
-                    f"every query attends, which the causal form of {self.method} (query i "
-                    f"with keys up to i) cannot add; drop is_causal=True, or use "
-                    f"method='softmax' or 'kernelized', which take the causal mask with them.")
-            if self_attention:  # the queries are the keys before the appended ones
-                rows = None if key_valid is None else key_valid[:, :q.shape[2]]
         mask = None if is_causal else allowed
         causal = is_causal
         if mask is not None:
@@ -405,6 +418,14 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
             refuse_causal_lengths(self.spec, q.shape[2], k.shape[2])
         bound = self.bound.replace(**sdpa_options(self.spec, {}, causal, None,
                                                    self.head_dim))
+        if self._appended_keys:  # after the keys given, every query attending them
+            if causal:
+                self._refuse_appended_causal()
+            if self_attention:  # the queries: the keys given, padded as they are
+                rows = key_valid
+            k, v = self._append_keys(k, v)
+            if key_valid is not None:
+                key_valid = _with_columns(key_valid, self._appended_keys, True)
         out, kept = call_maybe_with_weights(bound, q, k, v, weights,
                                             key_padding_mask=key_valid, query_padding_mask=rows,
                                             generator=generator, state=self.method_state)
@@ -561,15 +582,11 @@ MultiheadAttention = TorchMultiheadAttention
 
 
 def _check_configuration(embed_dim: Any, num_heads: Any, dropout: Any, bias: Any,
-                         add_bias_kv: Any, add_zero_attn: Any, kdim: Any, vdim: Any,
-                         where: str) -> None:
+                         kdim: Any, vdim: Any, where: str) -> None:
     """A sentence for a configuration the layer cannot take; ``where`` names the layer."""
     check_layer_configuration(where, "embed_dim", embed_dim, num_heads, dropout, bias)
     for name, value in (("kdim", kdim), ("vdim", vdim)):
         check_positive_int(f"{where}: {name}", value, optional=True)
-    for name, value in (("add_bias_kv", add_bias_kv), ("add_zero_attn", add_zero_attn)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{where}: {name} must be True or False, got {value!r}.")
 
 
 def _check_return_weights(return_weights: Any, bound: BoundMethod, where: str) -> bool:
@@ -639,6 +656,12 @@ def _sdpa_masks(key_padding_mask: Tensor | None, attn_mask: Tensor | None, heads
     return key_valid, padding_bias, allowed
 
 
+def _with_columns(mask: Tensor, n: int, fill: bool) -> Tensor:
+    """``mask [..., S]`` with ``n`` columns of ``fill`` (``False``/``0`` or ``True``, in
+    its dtype) appended: the appended keys' entries."""
+    return torch.cat([mask, mask.new_full((*mask.shape[:-1], n), fill)], dim=-1)
+
+
 def _joined(a: Tensor | None, b: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     """Two SDPA-style masks as one (both apply): ``&`` of bool masks, else the sum of
     their additive forms, as torch adds its masks."""
@@ -671,18 +694,18 @@ def _from_torch(cls: type[TorchMultiheadAttention], mha: Any, where: str, method
             f"{where}: {kind} is a subclass of torch.nn.MultiheadAttention whose forward may "
             f"differ from torch's; only if its forward is torch's, swap it by hand: "
             f"new = {NAME}(mha.embed_dim, mha.num_heads, mha.dropout, "
-            f"mha.in_proj_bias is not None, kdim=mha.kdim, vdim=mha.vdim, "
+            f"mha.in_proj_bias is not None, mha.bias_k is not None, mha.add_zero_attn, "
+            f"kdim=mha.kdim, vdim=mha.vdim, "
             f"batch_first=mha.batch_first, method=...); "
             f"new.load_state_dict(mha.state_dict()).")
     _check_configuration(mha.embed_dim, mha.num_heads, mha.dropout, mha.in_proj_bias is not None,
-                         mha.bias_k is not None, bool(mha.add_zero_attn), mha.kdim, mha.vdim,
-                         where)
+                         mha.kdim, mha.vdim, where)
     _warn_of_hooks(mha, where)
     if options.get("return_weights") is None:  # a layer swapped before keeps its own
         options = {**options, "return_weights": _kept_return_weights(mha, method, where)}
     weight = mha.out_proj.weight
     layer = cls(mha.embed_dim, mha.num_heads, mha.dropout, mha.in_proj_bias is not None,
-                mha.bias_k is not None, bool(mha.add_zero_attn), kdim=mha.kdim,
+                mha.bias_k is not None, mha.add_zero_attn, kdim=mha.kdim,
                 vdim=mha.vdim, batch_first=mha.batch_first,
                 device=weight.device, dtype=weight.dtype, method=method, seq_len=seq_len,
                 **options)
