@@ -152,13 +152,24 @@ def test_exact_weights_from_their_scores_equal_the_identity_appended(method, nam
 
 def test_kernelized_weights_keep_their_accuracy_at_large_offsets():
     """float32 inputs far from the origin: the keys' mean is taken out before the
-    distances (the kernel does not change), which the expansion |q|^2 + |k|^2 - 2 q.k
-    would otherwise lose to cancellation."""
+    inputs are scaled and the distances formed (the kernel does not change), which the
+    expansion |q|^2 + |k|^2 - 2 q.k would otherwise lose to cancellation."""
     q, k, _ = make_qkv(1, 2, 12, 8, seed=8)
-    q, k = q + 300.0, k + 300.0
-    exact = (-torch.cdist(q, k) ** 2 / (2 * 8 ** 0.5)).exp()  # float64
-    got = attention_weights(q.float(), k.float(), "kernelized")
-    torch.testing.assert_close(got.double(), exact, rtol=1e-3, atol=1e-5)
+    q, k = (q + 1e4).float(), (k + 1e4).float()
+    exact = (-torch.cdist(q.double(), k.double()) ** 2 / (2 * 8 ** 0.5)).exp()
+    got = attention_weights(q, k, "kernelized")
+    torch.testing.assert_close(got.double(), exact, rtol=0, atol=1e-6)
+
+
+def test_kernelized_weights_of_padded_keys_are_zero_whatever_they_hold():
+    """A NaN or infinite padded key (junk the method's guard zeroes) gets weight 0, as
+    in the method's output; any ``kernel`` runs the PyTorch path (module doc)."""
+    q, k, _ = make_qkv(1, 1, 4, 4, seed=9)
+    k[0, 0, 3] = float("nan")
+    k[0, 0, 2] = float("inf")
+    valid = torch.tensor([[True, True, False, False]])
+    weights = attention_weights(q, k, "kernelized", key_padding_mask=valid, kernel="triton")
+    assert torch.isfinite(weights).all() and (weights[..., 2:] == 0).all()
 
 
 def test_softmax_weights_with_dropout_are_those_of_the_call():

@@ -115,6 +115,8 @@ def call_with_weights(bound: BoundMethod, q: Tensor, k: Tensor, v: Tensor, **cal
     ``[..., Nq, Dv]`` and the weights ``[..., Nq, Nk]`` of its draws. A method without
     ``Capabilities.weights`` is refused (``CapabilityError``)."""
     check_weights(bound.method.name)
+    if "kernel" in bound.options():  # "auto" or "triton": the value width is compiled in
+        bound = bound.replace(kernel="torch")
     formed = _formed_weights(bound.method.base_name)
     if formed is not None and not call.get("dropout_p"):
         # the exact matrix at O(Nq Nk D), the output from the method's own call
@@ -124,8 +126,6 @@ def call_with_weights(bound: BoundMethod, q: Tensor, k: Tensor, v: Tensor, **cal
         masks = {name: call[name] for name in ("key_padding_mask", "query_padding_mask",
                                                 "attn_mask") if name in call}
         return out, formed(q, k, bound.config, **masks).to(out.dtype)
-    if "kernel" in bound.options():  # "auto" or "triton": the value width is compiled in
-        bound = bound.replace(kernel="torch")
     n, dv = v.shape[-2], v.shape[-1]
     identity = torch.eye(n, dtype=v.dtype, device=v.device).expand(*v.shape[:-1], n)
     both = bound(q, k, torch.cat([v, identity], -1), **call)
