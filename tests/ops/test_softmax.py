@@ -200,3 +200,6 @@ def test_a_float32_bias_with_half_inputs_keeps_its_precision_on_the_cpu(dtype):
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     exact = softmax_attention(q, k, v, attn_mask=bias.double())
     torch.testing.assert_close(out.double(), exact, rtol=0, atol=0.02)
+    # a float64 mask (torch refuses it) is not rounded to the inputs' dtype either
+    wider = softmax_attention(*(t.to(dtype) for t in (q, k, v)), attn_mask=bias.double())
+    torch.testing.assert_close(wider, out, rtol=0, atol=0)

@@ -121,12 +121,13 @@ def softmax_attention(
 
 
 def _bias_dtype(q: Tensor, attn_mask: Tensor) -> torch.dtype:
-    """The dtype of the bias handed to SDPA: the inputs', but float32 for a float32
-    mask with half-precision inputs on the CPU, whose SDPA kernels take it as it is
-    (torch's own call does: a bias such as ALiBi's, hundreds at long N, rounded to
-    bfloat16 would move logits by whole units). CUDA's fused kernels take only the
-    inputs' dtype."""
+    """The dtype of the bias handed to SDPA: the inputs', but float32 for a float mask
+    of another dtype with half-precision inputs on the CPU, whose SDPA kernels take a
+    float32 mask as it is (torch's own call does with a float32 one: a bias such as
+    ALiBi's, hundreds at long N, rounded to bfloat16 would move logits by whole units;
+    a float64 mask, which torch refuses, is rounded to float32). CUDA's fused kernels
+    take only the inputs' dtype."""
     if q.device.type == "cpu" and q.dtype in HALF_DTYPES \
-            and attn_mask.dtype == torch.float32:
+            and attn_mask.is_floating_point() and attn_mask.dtype != q.dtype:
         return torch.float32
     return q.dtype
