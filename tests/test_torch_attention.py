@@ -825,6 +825,11 @@ def test_linformer_without_a_length_is_told_replace_attentions_argument():
     assert layer.bound.options()["max_seq_len"] == L + 2
     x = torch.randn(L, B, E)
     assert layer(x, x, x, need_weights=False)[0].shape == (L, B, E)
+    given = TorchMultiheadAttention(E, H, method="linformer", max_seq_len=L, add_bias_kv=True)
+    with pytest.raises(CapabilityError, match=r"6 keys and the 1 that add_bias_kv appends "
+                                              r"make 7, but max_seq_len=6; build the layer "
+                                              r"with seq_len=6"):
+        given(x, x, x, need_weights=False)
 
 
 def test_scripting_is_refused_with_the_ways_that_work():

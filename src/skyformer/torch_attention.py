@@ -365,6 +365,20 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
             values.append(v.new_zeros(b, h, 1, dh))
         return torch.cat(keys, dim=2), torch.cat(values, dim=2)
 
+    def _check_appended_length(self, keys: int) -> None:
+        """A fixed-length method's ``max_seq_len`` must hold the keys given and those
+        appended: a sentence naming both where it does not."""
+        limit = self.bound.options().get("max_seq_len")
+        total = keys + self._appended_keys
+        if self.spec.capabilities.fixed_length and isinstance(limit, int) and total > limit:
+            raise CapabilityError(
+                f"{NAME} ({self.method}): {keys} keys and the {self._appended_keys} that "
+                f"{' and '.join(self._appended_names)} "
+                f"append{'' if self._appended_keys > 1 else 's'} make {total}, but "
+                f"max_seq_len={limit}; build the layer with seq_len={keys} (the keys passed: "
+                f"the layer adds those it appends) instead of max_seq_len, or with "
+                f"max_seq_len={total}.")
+
     def _refuse_appended_causal(self) -> None:
         """A sentence for a causal call of an approximate method with appended keys."""
         names = self._appended_names
@@ -423,6 +437,7 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
                 self._refuse_appended_causal()
             if self_attention:  # the queries: the keys given, padded as they are
                 rows = key_valid
+            self._check_appended_length(k.shape[2])
             k, v = self._append_keys(k, v)
             if key_valid is not None:
                 key_valid = _with_columns(key_valid, self._appended_keys, True)
