@@ -237,7 +237,7 @@ def test_refused_calls_get_sentences(method, call, match):
 
 
 def test_refused_configurations_get_sentences():
-    with pytest.raises(CapabilityError, match=r"add_zero_attn append keys.*bigbird cannot "
+    with pytest.raises(CapabilityError, match=r"add_zero_attn appends keys.*bigbird cannot "
                                               r"attend \(self-attention only\).*softmax"):
         TorchMultiheadAttention(E, H, add_zero_attn=True, method="bigbird")
     with pytest.raises(ValueError, match=r"embed_dim \(8\) must be divisible by num_heads"):
@@ -627,6 +627,12 @@ def test_replace_attention_refuses_in_a_sentence_and_changes_nothing():
     model = nn.Sequential(nn.MultiheadAttention(E, H), nn.ModuleList([Mine(E, H)]))
     with pytest.raises(TypeError, match=r"model\.1\.0: .*Mine is a subclass"):
         replace_attention(model)
+    assert type(model[0]) is nn.MultiheadAttention
+    model = nn.Sequential(nn.MultiheadAttention(E, H),
+                          nn.MultiheadAttention(E, H, add_bias_kv=True))
+    with pytest.raises(CapabilityError, match=r"model\.1: add_bias_kv appends keys.*reformer "
+                                              r"cannot attend \(self-attention only\)"):
+        replace_attention(model, "reformer")
     assert type(model[0]) is nn.MultiheadAttention
 
     with pytest.raises(TypeError, match=r"model\.0: .*Mine is a subclass") as refused:

@@ -176,13 +176,7 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
             seq_len = seq_len + self._appended_keys
         self.bound: BoundMethod = get_method(method).bind(
             num_heads, self.head_dim, seq_len=seq_len, **method_options)
-        if self._appended_keys and not self.spec.capabilities.cross_attention:
-            raise CapabilityError(
-                f"{NAME}: {' and '.join(self._appended_names)} append keys, so that the "
-                f"queries meet more keys than there are queries, which {self.method} "
-                f"cannot attend (self-attention only); use a method that takes other "
-                f"numbers of queries and keys: "
-                f"{', '.join(methods_that_can('cross_attention'))}.")
+        _check_appended_keys(self.spec, self._appended_names, NAME)
         state = self.bound.new_state()  # learned projections, kept random features
         if state is not None and (device is not None or dtype is not None):
             state = state.to(**factory)
@@ -215,8 +209,7 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
     @property
     def _appended_names(self) -> list[str]:
         """Those of ``add_bias_kv`` and ``add_zero_attn`` that are set."""
-        return [name for name, on in (("add_bias_kv", self.bias_k is not None),
-                                      ("add_zero_attn", self.add_zero_attn)) if on]
+        return _appended_names(self.bias_k is not None, self.add_zero_attn)
 
     @property
     def _appended_keys(self) -> int:
@@ -373,18 +366,15 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         if self.spec.capabilities.fixed_length and isinstance(limit, int) and total > limit:
             raise CapabilityError(
                 f"{NAME} ({self.method}): {keys} keys and the {self._appended_keys} that "
-                f"{' and '.join(self._appended_names)} "
-                f"append{'' if self._appended_keys > 1 else 's'} make {total}, but "
-                f"max_seq_len={limit}; build the layer with seq_len={keys} (the keys passed: "
-                f"the layer adds those it appends) instead of max_seq_len, or with "
-                f"max_seq_len={total}.")
+                f"{_appending(self._appended_names)} make {total}, but max_seq_len={limit}; "
+                f"build the layer with seq_len={keys} (the keys passed: the layer adds those "
+                f"it appends) instead of max_seq_len, or with max_seq_len={total}.")
 
     def _refuse_appended_causal(self) -> None:
         """A sentence for a causal call of an approximate method with appended keys."""
-        names = self._appended_names
         raise ValueError(
-            f"{NAME} ({self.method}): {' and '.join(names)} append"
-            f"{'' if len(names) > 1 else 's'} keys that every query attends, which the "
+            f"{NAME} ({self.method}): {_appending(self._appended_names)} keys that every "
+            f"query attends, which the "
             f"causal form of {self.method} (query i with the keys up to i) cannot add; drop "
             f"is_causal=True and the causal attn_mask, or use method='softmax' or "
             f"'kernelized', which follow torch's masks with the appended keys.")
@@ -604,6 +594,28 @@ def _check_configuration(embed_dim: Any, num_heads: Any, dropout: Any, bias: Any
         check_positive_int(f"{where}: {name}", value, optional=True)
 
 
+def _appended_names(add_bias_kv: bool, add_zero_attn: bool) -> list[str]:
+    """Those of ``add_bias_kv`` and ``add_zero_attn`` that are set, by name."""
+    return [name for name, on in (("add_bias_kv", add_bias_kv),
+                                  ("add_zero_attn", add_zero_attn)) if on]
+
+
+def _appending(names: list[str]) -> str:
+    """``"add_bias_kv appends"`` or ``"add_bias_kv and add_zero_attn append"``."""
+    return f"{' and '.join(names)} append{'' if len(names) > 1 else 's'}"
+
+
+def _check_appended_keys(spec: Any, names: list[str], where: str) -> None:
+    """Appended keys (``names``) make the queries fewer than the keys: a sentence where
+    the method ``spec`` attends only as many queries as keys."""
+    if names and not spec.capabilities.cross_attention:
+        raise CapabilityError(
+            f"{where}: {_appending(names)} keys, so that the queries meet more keys than "
+            f"there are queries, which {spec.name} cannot attend (self-attention only); use "
+            f"a method that takes other numbers of queries and keys: "
+            f"{', '.join(methods_that_can('cross_attention'))}.")
+
+
 def _check_return_weights(return_weights: Any, bound: BoundMethod, where: str) -> bool:
     """``return_weights`` where it is a bool the layer's method can honour, else a
     sentence."""
@@ -715,6 +727,8 @@ def _from_torch(cls: type[TorchMultiheadAttention], mha: Any, where: str, method
             f"new.load_state_dict(mha.state_dict()).")
     _check_configuration(mha.embed_dim, mha.num_heads, mha.dropout, mha.in_proj_bias is not None,
                          mha.kdim, mha.vdim, where)
+    _check_appended_keys(get_method(method),
+                         _appended_names(mha.bias_k is not None, bool(mha.add_zero_attn)), where)
     _warn_of_hooks(mha, where)
     if options.get("return_weights") is None:  # a layer swapped before keeps its own
         options = {**options, "return_weights": _kept_return_weights(mha, method, where)}
@@ -783,10 +797,10 @@ def replace_attention(model: nn.Module, method: str = "skyformer", *,
     before the swap goes on with them), training mode, device and dtype
     (``from_torch``); a layer shared by several parents is swapped for one new layer.
     Every layer is checked before any is swapped: one it cannot take (a subclass of
-    torch's layer) fails in a sentence naming the module's path, and the model is left
-    as it was. An unknown
-    method fails at once; a model without such a layer is returned with a warning;
-    hooks registered on a layer swapped out stay there (a warning).
+    torch's layer; appended keys for a self-attention-only method) fails in a sentence
+    naming the module's path, and the model is left as it was. An unknown method fails
+    at once; a model without such a layer is returned with a warning; hooks registered
+    on a layer swapped out stay there (a warning).
 
     Args:
         model: any module (a ``torch.nn.MultiheadAttention`` itself is returned swapped).
