@@ -155,8 +155,9 @@ def test_approximate_method_refuses_a_general_mask_with_a_sentence():
     mask = torch.rand(8, 8, generator=torch.Generator().manual_seed(0)) > 0.5
     mask[:, 0] = True
     with pytest.raises(ValueError, match="approximate methods take only a key padding mask "
-                                         "and causal masking; skyformer is one of them: use "
-                                         "method='softmax' or 'kernelized'"):
+                                         "and, those with a causal form, causal masking; "
+                                         "skyformer is one of them: use method='softmax' or "
+                                         "'kernelized'"):
         sdpa(q, k, v, mask, method="skyformer")
 
 
@@ -343,8 +344,27 @@ def test_a_size_of_zero_gives_sdpas_result_and_zero_gradients(method, sizes):
 
 def test_a_head_dim_of_zero_is_refused_where_sdpa_averages_the_values():
     q, k, v = torch.randn(1, 1, 3, 0), torch.randn(1, 1, 4, 0), torch.randn(1, 1, 4, 2)
-    with pytest.raises(ValueError, match="empty input"):
+    with pytest.raises(ValueError, match=r"empty input.*; D is 0, and every dimension"):
         sdpa(q, k, v, method="skyformer")
+
+
+@pytest.mark.parametrize("shapes", [((3, 4, 6), (1, 3, 5, 6), (1, 3, 5, 6)),
+                                    ((3, 4, 6), (2, 3, 5, 6), (2, 3, 5, 6)),
+                                    ((2, 3, 4, 6), (3, 5, 6), (3, 5, 6)),
+                                    ((1, 3, 4, 6), (2, 3, 5, 6), (2, 3, 5, 6)),
+                                    ((2, 3, 4, 6), (1, 3, 5, 6), (2, 3, 5, 6))],
+                         ids=["unbatched-q", "unbatched-q-batch-2", "unbatched-kv",
+                              "query-batch-1", "key-batch-1"])
+def test_batches_of_one_and_unbatched_tensors_broadcast_as_sdpa(shapes):
+    """An unbatched query beside batched keys lost the keys' batch (a [3, 4, 6] answer
+    where torch gives [1, 3, 4, 6]); a query of batch 1 against keys of batch 2, or
+    unbatched keys beside a batched query, were refused: torch broadcasts them all."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(shape, generator=g, dtype=torch.float64) for shape in shapes)
+    expected = F.scaled_dot_product_attention(q, k, v, scale=0.3)
+    out = sdpa(q, k, v, scale=torch.tensor(0.3, dtype=torch.float64))  # 0-dim, as torch
+    assert out.shape == expected.shape
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("method", ["softmax", "skyformer", "performer"])
@@ -624,6 +644,39 @@ def test_a_float_mask_under_a_transform_is_refused_not_read_as_padding():
     want = torch.stack([sdpa(q[i], k[i], v[i], padding[i], method="skyformer", generator=key)
                         for i in range(2)])
     torch.testing.assert_close(per_sample(q, k, v, padding), want, atol=ATOL, rtol=0)
+
+
+def test_a_constant_mask_under_grad_over_the_queries_is_read_as_in_eager_code():
+    """torch.func.grad over the queries with a float padding mask the transform does not
+    act on: the mask was refused as unreadable (the transform wrapped the view made of
+    it); its values are the caller's, so it runs and gives autograd's gradient."""
+    q, k, v = make_qkv(2, 2, 12, 4)
+    real = torch.ones(2, 12, dtype=torch.bool)
+    real[0, 9:] = False
+    bias = torch.zeros(2, 1, 1, 12, dtype=q.dtype).masked_fill(~real[:, None, None], -torch.inf)
+
+    def loss(queries):
+        return sdpa(queries, k, v, bias, method="skyformer", num_features=4,
+                    generator=random_key(0)).square().sum()
+
+    leaf = q.clone().requires_grad_()
+    loss(leaf).backward()
+    torch.testing.assert_close(torch.func.grad(loss)(q), leaf.grad, atol=ATOL, rtol=0)
+
+
+def test_a_mask_hiding_padded_queries_names_query_padding_mask():
+    """A mask whose only departure from key padding is queries that see no key (padded
+    queries hidden by it) is refused with the argument that takes them, which then
+    gives torch's zero rows."""
+    q, k, v = make_qkv(2, 2, 40, 8)
+    rows = torch.ones(2, 40, dtype=torch.bool)
+    rows[0, 35:] = False
+    with pytest.raises(ValueError, match=r"hides from every key look like padded "
+                                         r"queries: pass them as query_padding_mask"):
+        sdpa(q, k, v, rows[:, None, :, None], method="skyformer", num_features=8)
+    out = sdpa(q, k, v, rows[:, None, :, None], method="skyformer", num_features=8,
+               query_padding_mask=rows)
+    assert not out[0, :, 35:].any()
 
 
 @pytest.mark.parametrize("method", ["skyformer", "performer", "linear"])

@@ -1,7 +1,9 @@
 """``skyformer.scaled_dot_product_attention``: every method behind the signature of
 ``torch.nn.functional.scaled_dot_product_attention``.
 
-Same layout (``[B, H, L, E]``, or ``[H, L, E]``) and the same arguments, with the
+Same layout (``[B, H, L, E]``, or ``[H, L, E]``; a batch of one, or an unbatched
+tensor beside batched ones, broadcast over the others' batch as SDPA does) and the same
+arguments, with the
 method chosen by ``method=`` and its options as keyword arguments. Each argument is
 honoured where the method can honour it and refused with a sentence naming the method
 where it cannot:
@@ -9,10 +11,11 @@ where it cannot:
 - ``attn_mask``: the exact methods (capability ``attn_mask``) take any bool or additive
   mask broadcastable to ``[B, H, L, S]``; the approximate methods take masks that are
   key padding, or causal with key padding (``skyformer.masks.resolve_mask``), which
-  reads the mask's values: under ``torch.compile`` or a ``torch.func`` transform they
-  take bool masks that broadcast over the queries (``[B, 1, 1, S]``; a float mask could
-  hold a bias that cannot be checked there), or pass ``key_padding_mask`` and
-  ``is_causal``. For
+  reads the mask's values: under ``torch.compile``, or a ``torch.func`` transform of the
+  mask itself (``vmap`` over it, its gradient), they take bool masks that broadcast
+  over the queries (``[B, 1, 1, S]``; a float mask could hold a bias that cannot be
+  checked there), or pass ``key_padding_mask`` and ``is_causal``; a mask the transform
+  does not act on (a constant of ``grad`` over the queries) is read as in eager code. For
   them, as for ``key_padding_mask``, self-attention's convention holds when L == S
   (``query_padding_mask="auto"``): a position whose key the mask hides from every
   query is padding, its query too (output row 0, in no landmark pool, so that padding
@@ -56,7 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .linalg.tracing import may_read_values
+from .linalg.tracing import may_read_values, values_to_check
 from .masks import resolve_mask
 from .ops.shared.inputs import check_attention_inputs
 from .ops.shared.masked import mask_broadcasts
@@ -99,6 +102,11 @@ def scaled_dot_product_attention(
         raise TypeError(f"{spec.name}: attn_mask must be a torch.Tensor (bool, True = attend, "
                         f"or float, added to the scores) or None, got "
                         f"{type(attn_mask).__name__}.")
+    if isinstance(scale, Tensor) and scale.dim() == 0 and may_read_values(scale):
+        scale = float(scale)  # torch takes a 0-dim tensor where a float is meant
+    layouts = {t.dim() for t in (query, key, value) if isinstance(t, Tensor)}
+    if layouts == {3, 4}:  # an unbatched tensor beside batched ones: SDPA broadcasts it
+        query, key, value = (_batched(t) for t in (query, key, value))
     if isinstance(query, Tensor) and query.dim() == 3:  # unbatched [H, L, E]
         return scaled_dot_product_attention(
             query[None], _batched(key), _batched(value), attn_mask,
@@ -121,7 +129,7 @@ def scaled_dot_product_attention(
                          f"{verbs[1]} cu_seqlens, the queries' cumulative lengths; pass "
                          f"cu_seqlens too, or leave {packed} out.")
     _check_layout(spec.name, query, key, value)
-    key, value = _shared_batch(query, key, value)
+    query, key, value = _shared_batch(query, key, value)
     key, value = _grouped(spec.name, query, key, value, enable_gqa)
     if is_causal and query.shape[-2] != key.shape[-2]:
         attn_mask = _top_left_causal(spec, attn_mask, query, key)
@@ -136,11 +144,7 @@ def scaled_dot_product_attention(
     arguments: dict[str, Any] = {}
     if attn_mask is not None:
         _check_mask_shape(attn_mask, query, key)
-        # SDPA broadcasts a mask from the right: [S] and [L, S] are one mask for every
-        # batch and head, [H, L, S] one for every batch (resolve_mask would read a 2-D
-        # mask as transformers' [B, S]); a column [..., L, 1] holds for every key
-        attn_mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
-        attn_mask = attn_mask.expand(*attn_mask.shape[:-1], key.shape[-2])
+        attn_mask = _four_dims(attn_mask, key.shape[-2])
         if spec.capabilities.attn_mask:
             arguments["attn_mask"] = attn_mask
         else:
@@ -252,13 +256,30 @@ def _empty_attention(method: str, query: Tensor, key: Tensor, value: Tensor,
     return query.new_zeros(*query.shape[:3], value.shape[-1]) + tie
 
 
-def _shared_batch(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-    """Keys and values of a batch of one that every query batch element attends to, as
-    SDPA broadcasts them: views of the queries' batch size (no copy)."""
-    b = query.shape[0]
-    if b > 1 and key.shape[0] == value.shape[0] == 1:
-        return key.expand(b, *key.shape[1:]), value.expand(b, *value.shape[1:])
-    return key, value
+def _shared_batch(query: Tensor, key: Tensor, value: Tensor
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """query, key and value with a batch of one broadcast over the others' batch, as
+    SDPA broadcasts them: views (no copy). Batches of other sizes stay as they are, for
+    the method's check to name."""
+    sizes = {t.shape[0] for t in (query, key, value)}
+    if len(sizes) != 2 or 1 not in sizes:
+        return query, key, value
+    b = max(sizes)
+    return tuple(t.expand(b, *t.shape[1:]) for t in (query, key, value))  # type: ignore
+
+
+def _four_dims(attn_mask: Tensor, keys: int) -> Tensor:
+    """``attn_mask`` as ``[B|1, H|1, L|1, S]``: SDPA broadcasts a mask from the right
+    (``[S]`` and ``[L, S]`` are one mask for every batch and head, ``[H, L, S]`` one for
+    every batch; resolve_mask would read a 2-D mask as transformers' ``[B, S]``), and a
+    column ``[..., L, 1]`` holds for every key. A mask that a ``torch.func`` transform
+    does not act on stays readable: the transform wraps the view made of it here, which
+    the values of the mask given do not depend on."""
+    shaped = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+    shaped = shaped.expand(*shaped.shape[:-1], keys)
+    if may_read_values(attn_mask) and not may_read_values(shaped):
+        return values_to_check(shaped)  # type: ignore[return-value]
+    return shaped
 
 
 def _grouped(method: str, query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool

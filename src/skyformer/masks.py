@@ -224,9 +224,27 @@ def resolve_mask(
     raise UnsupportedMaskError(
         "the attention mask is neither key padding nor causal with key padding (e.g. a "
         "sliding window, packed sequences, a cached prefix or a custom pattern); the "
-        f"approximate methods take only a key padding mask and causal masking{lengths}; "
-        f"{advice}."
+        f"approximate methods take only a key padding mask and, those with a causal form, "
+        f"causal masking{lengths}; {advice}.{_hidden_queries(rows, query_valid)}"
     )
+
+
+def _hidden_queries(rows: Tensor, query_valid: Tensor | str | None) -> str:
+    """A sentence where some queries see no key at all and the mask is key padding
+    over the others (padded queries hidden by the mask, with no ``query_padding_mask``
+    to say so), naming the argument that takes them; else ``""``. Eager code only, on
+    the way to a refusal."""
+    if isinstance(query_valid, Tensor) or torch.compiler.is_compiling():
+        return ""
+    seen = rows.any(dim=-1)  # [B, Nq]: queries that see some key
+    if bool(seen.all()) or not bool(seen.any(dim=1).all()):
+        return ""
+    visible = (rows & seen[:, :, None]).any(dim=1)  # [B, Nk]
+    if not bool(((rows == visible[:, None, :]) | ~seen[:, :, None]).all()):
+        return ""
+    return (" The queries it hides from every key look like padded queries: pass them "
+            "as query_padding_mask [B, Nq] (True = real query) too, and their rows come "
+            "out 0.")
 
 
 def _is_causal_complement(rows: Tensor) -> bool:

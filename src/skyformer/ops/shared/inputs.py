@@ -108,10 +108,16 @@ def check_attention_inputs(
             f"{method}: k and v must have the same sequence length, got {nk} and {v.shape[2]}."
         )
     if 0 in (b, h, nq, nk, d, v.shape[-1]) and not (allow_empty and (d or not nq * nk)):
+        zero = [name for name, size in zip(("B", "H", "Nq", "Nk", "D", "Dv"),
+                                           (b, h, nq, nk, d, v.shape[-1]), strict=True)
+                if size == 0]
+        rule = ("the head dim D of q and k must be at least 1 where there are queries and "
+                "keys to score" if allow_empty else f"{', '.join(zero)} "
+                f"{'is' if len(zero) == 1 else 'are'} 0, and every dimension (B, H, N, D, "
+                f"Dv) must be at least 1 (skip the call for an empty batch)")
         raise ValueError(
             f"{method}: empty input, q {tuple(q.shape)}, k {tuple(k.shape)}, v "
-            f"{tuple(v.shape)}; every dimension (B, H, N, D, Dv) must be at least 1 (skip "
-            f"the call for an empty batch).")
+            f"{tuple(v.shape)}; {rule}.")
 
     key_valid = None
     key_valid = check_padding_mask(method, "key_padding_mask", key_padding_mask, b, nk, "Nk",

@@ -68,7 +68,8 @@ def check_scale(method: str, scale: object) -> None:
     """A softmax logit scale: a positive number, or ``None`` for 1/sqrt(head dim)."""
     if scale is not None and (not _is_number(scale) or not scale > 0):  # type: ignore[operator]
         raise ValueError(
-            f"{method}: scale must be a finite positive number or None, got {scale!r}.")
+            f"{method}: scale must be a finite positive number (the factor of the scores) "
+            f"or None (the method's default), got {scale!r}.")
 
 
 def check_positive_float(method: str, name: str, value: object) -> None:
