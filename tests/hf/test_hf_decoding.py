@@ -667,20 +667,28 @@ def test_a_step_of_several_tokens_over_transformers_cache_names_the_decoding_cac
 @torch.no_grad()
 def test_generate_over_transformers_cache_says_it_is_not_the_causal_forward():
     """generate() without a cache argument decodes over transformers' DynamicCache: each
-    step runs the method's non-causal form over the cached keys and picks other tokens
-    than the causal forward, which it did without a word."""
+    step runs the method's non-causal form over the cached keys, which for skyformer
+    (its landmarks drawn from the step's queries and keys) is not the causal forward,
+    and it did so without a word. A one-query step of a method whose queries are
+    independent (linear, performer) is its causal output: no warning there, and the
+    tokens of the forward without a cache."""
     import warnings
 
     model = _llama()
-    shf.set_attention(model, "performer", seed=0, num_features=16)
+    shf.set_attention(model, "skyformer", seed=0, num_features=8)
     ids = _prompt()[0][:1, :8]
-    with pytest.warns(UserWarning, match=r"performer decodes over transformers' own "
+    with pytest.warns(UserWarning, match=r"skyformer decodes over transformers' own "
                                          r"key/value cache.*DecodingCache\(model\)"):
         model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*decodes over transformers")
         model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0,
                        cache=shf.DecodingCache(model))
+        shf.set_attention(model, "performer", seed=0, num_features=16)
+        cached = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    whole = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                           use_cache=False)
+    assert torch.equal(cached, whole)
 
 
 @torch.no_grad()

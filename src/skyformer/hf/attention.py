@@ -101,7 +101,10 @@ USE_SDPA = (
 # steps them (assisted generation, a prompt fed in parts)
 OVER_A_CACHED_PREFIX = (
     "steps over a cached prefix decode with skyformer.hf.DecodingCache(model) as the cache "
-    "(generate(..., cache=skyformer.hf.DecodingCache(model))); for other masks, " + USE_SDPA
+    "(generate(..., cache=skyformer.hf.DecodingCache(model))); an assistant model "
+    "(assistant_model=...) gets transformers' own cache whatever generate is given, so "
+    "keep its attention exact (skyformer.hf.restore_exact(assistant)); for other masks, "
+    + USE_SDPA
 )
 PER_LAYER = "skyformer"  # the implementation whose layers each follow their own setting
 
@@ -349,8 +352,10 @@ def _attention(module: nn.Module, layer: LayerAttention, decoding: DecodingLayer
     resolved = resolve_mask(attention_mask, batch=b, query_len=nq, key_len=nk,
                             is_causal=is_causal, advice=advice,
                             all_real_as_none=all_real_padding_as_none(spec))
-    # after the mask is taken: a mask refused (a static cache's slots) says it all
+    # after the mask is taken: a mask refused (a static cache's slots) says it all; a
+    # one-query step of a method whose queries are independent is its causal output
     if nq < nk and not layer.cross and decoding is None \
+            and not (nq == 1 and spec.capabilities.independent_queries) \
             and not torch.compiler.is_compiling():
         _warn_steps_over_transformers_cache(layer)
     bound = layer.bound.replace(
