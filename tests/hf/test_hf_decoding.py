@@ -891,3 +891,27 @@ def test_assisted_generation_over_a_used_padded_cache_is_refused_before_any_toke
     cache.reset()
     assert torch.equal(model.generate(turn, attention_mask=turn_mask, cache=cache,
                                       prompt_lookup_num_tokens=3, **settings), expected)
+
+
+@torch.no_grad()
+def test_a_prompt_prefilled_whole_by_hand_is_named_with_the_prefill_that_works():
+    """A cache that holds the whole prompt, then generate given that prompt: generate
+    feeds it all again, and the refusal spoke only of a new prompt over a used cache.
+    It now names this case and its fix, all but the last token prefilled, which gives
+    the tokens of generate over a new cache."""
+    model = _llama()
+    shf.set_attention(model, "linear", seed=0)
+    ids, mask = _prompt()
+    call = {"attention_mask": mask, "max_new_tokens": 3, "do_sample": False,
+            "pad_token_id": 0}
+    cache = shf.DecodingCache(model)
+    model(ids, attention_mask=mask, cache=cache)
+    with pytest.raises(ValueError, match=r"held this whole input already \(30 positions.*"
+                                         r"prefill all but its last token"):
+        model.generate(ids, cache=cache, **call)
+    cache = shf.DecodingCache(model)
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)  # as generate numbers a padded prompt
+    model(ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions[:, :-1],
+          cache=cache)
+    expected = model.generate(ids, cache=shf.DecodingCache(model), **call)
+    assert torch.equal(model.generate(ids, cache=cache, **call), expected)

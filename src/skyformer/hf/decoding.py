@@ -204,6 +204,12 @@ class DecodingLayer(CacheLayerMixin):
         if self.record_past and past_shown and not last_shown:
             self._refuse_assisted_over_a_used_cache(new)
         if past_shown and not new_shown:
+            held = self.seen - new
+            whole = (f" If the cache held this whole input already ({held} positions, a "
+                     f"prompt prefilled by hand and then given to generate), generate fed "
+                     f"it all again: prefill all but its last token (a padded prompt with "
+                     f"generate's position_ids, (mask.cumsum(-1) - 1).clamp_min(0)), or "
+                     f"give generate the prompt with a new cache." if held == new else "")
             raise ValueError(
                 f"DecodingCache: none of this step's {new} positions is a real token in "
                 f"its attention mask, in any sequence, after the {self.seen - new} "
@@ -212,7 +218,7 @@ class DecodingLayer(CacheLayerMixin):
                 f"the cache's length). generate continues a cache only from the sequences "
                 f"it holds, given whole (the earlier output, then the new tokens, with their "
                 f"mask); for a new prompt make a new cache (DecodingCache(model)) or call "
-                f"cache.reset().")
+                f"cache.reset().{whole}")
 
     def _refuse_assisted_over_a_used_cache(self, new: int) -> None:
         """A step that ends in padding in every sequence while recording: transformers'
