@@ -70,3 +70,27 @@ def test_a_head_or_figure_it_cannot_draw_is_refused_before_the_table(
                  "--no-memory", *figure, *arguments]) == 2
     out = capsys.readouterr()
     assert says in out.err and "spectral err" not in out.out
+
+
+def test_the_figure_keeps_its_title_above_the_panels_captions(tmp_path, monkeypatch):
+    """The last panel's caption ("method (target) / matrix error") became the figure's
+    title: the loop's variable took the argument's name."""
+    pytest.importorskip("matplotlib")
+    import skyformer.eval.compare.maps as maps
+    import skyformer.io
+
+    shown = {}
+
+    def keep(fig, path, **options):
+        shown["title"] = fig._suptitle.get_text()
+        shown["captions"] = [ax.get_title() for ax in fig.axes]
+        return path
+
+    monkeypatch.setattr(skyformer.io, "save_figure", keep)  # imported at the call
+    panels = [maps.MapPanel("softmax", "softmax", torch.eye(3, dtype=torch.float64), 0.0,
+                            top=1.0),
+              maps.MapPanel("skyformer", "gaussian", torch.eye(3, dtype=torch.float64), 0.25,
+                            top=1.0)]
+    maps.plot_maps(panels, tmp_path / "maps.png", "head 0: the matrices")
+    assert shown["title"] == "head 0: the matrices"
+    assert "skyformer (gaussian)\nmatrix error 0.25" in shown["captions"]

@@ -134,9 +134,9 @@ def plot_maps(panels: list[MapPanel], path: str | Path, title: str) -> Path:
             continue
         ax.imshow(panel.matrix.clamp_min(0).numpy(), cmap="viridis", interpolation="nearest",
                   norm=PowerNorm(gamma=0.5, vmin=0.0, vmax=panel.top))
-        title = (f"{panel.method} ({panel.target})\nmatrix error {panel.error:.3g}"
-                 if panel.error is not None else f"{panel.method}\n{panel.reason}")
-        ax.set_title(title, fontsize=8)
+        caption = (f"{panel.method} ({panel.target})\nmatrix error {panel.error:.3g}"
+                   if panel.error is not None else f"{panel.method}\n{panel.reason}")
+        ax.set_title(caption, fontsize=8)
     for ax in list(axes.flat)[len(panels):]:
         ax.set_axis_off()
     fig.suptitle(title, fontsize=9)
