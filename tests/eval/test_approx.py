@@ -593,6 +593,10 @@ def test_the_qkv_source_refuses_what_it_cannot_measure_before_any_work(tmp_path)
     padded[1, 30:] = False
     (tmp_path / "padded").mkdir()
     with_padding, _ = _saved_qkv(tmp_path / "padded", mask=padded)
+    (tmp_path / "nan").mkdir()
+    with_nan, (q, k, v) = _saved_qkv(tmp_path / "nan")
+    v[1, 1, 3, 0] = float("inf")  # head 1 * 3 + 1 = 4
+    torch.save({"q": q, "k": k, "v": v}, with_nan)
     for setting, said in (
             ({}, r"the qkv source needs your Q/K/V: pass --qkv FILE"),
             ({"qkv": str(path), "seq_lens": (48,)},
@@ -600,7 +604,10 @@ def test_the_qkv_source_refuses_what_it_cannot_measure_before_any_work(tmp_path)
             ({"qkv": str(path), "heads": (7,)}, r"heads must be in 0\.\.5 for the --qkv "
                                                 r"file's B x H = 6 heads"),
             ({"qkv": str(with_padding), "seq_lens": (32,)},
-             r"sequence 1 has padding among its first 32 tokens")):
+             r"sequence 1 has padding among its first 32 tokens"),
+            ({"qkv": str(with_nan), "heads": (1, 4)},
+             r"V holds NaN or inf among the first 24 tokens of head 4 \(head b \* H \+ h\)"
+             r".*leave those heads out")):
         config = small(sources=("qkv",), **{"seq_lens": (24,), "analysis": False, **setting})
         with pytest.raises(ValueError, match=said):
             run_approx(config, log=lambda s: None)

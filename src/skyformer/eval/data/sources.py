@@ -199,8 +199,9 @@ class SourceLoader:
 
     def _check_own(self, seq_len: int, setting: str) -> None:
         """Sentences for a ``--qkv`` file that cannot give ``seq_len`` tokens of
-        self-attention with no padding, or lacks the chosen heads."""
-        q, k, _, mask = self._saved_qkv()
+        self-attention with no padding, lacks the chosen heads, or holds NaN or inf in
+        them (every error would be NaN, and the notes would blame the methods)."""
+        q, k, v, mask = self._saved_qkv()
         where = f"--qkv {str(self.options.qkv)!r}"
         if q.shape[2] != k.shape[2]:
             raise ValueError(f"{where} holds {q.shape[2]} queries and {k.shape[2]} keys; the "
@@ -215,7 +216,16 @@ class SourceLoader:
                              f"{seq_len} tokens ({setting}); the study takes the first N "
                              f"tokens of every sequence, all real: pass a shorter {setting}, "
                              f"or save the sequences with enough real tokens.")
-        self._own_heads(q.shape[0] * q.shape[1])
+        heads = self._own_heads(q.shape[0] * q.shape[1])
+        for name, t in (("Q", q), ("K", k), ("V", v)):
+            finite = t[:, :, :seq_len].flatten(0, 1)[heads].isfinite().flatten(1).all(1)
+            if not bool(finite.all()):
+                bad = [heads[i] for i in (~finite).nonzero().flatten().tolist()]
+                raise ValueError(
+                    f"{where}: {name} holds NaN or inf among the first {seq_len} tokens of "
+                    f"head{'s' * (len(bad) > 1)} {', '.join(map(str, bad))} (head b * H + h), "
+                    f"where every error would be NaN; the study needs finite Q/K/V: fix the "
+                    f"file, or leave those heads out with --heads.")
 
     def _own_heads(self, total: int) -> list[int]:
         """The chosen heads of a file's ``total`` = B x H heads: the default heads (0, 3,
