@@ -126,6 +126,8 @@ def test_own_qkv_error_refuses_a_file_of_one_tensor_in_a_sentence(tmp_path):
     ("folder", "is a folder"),
     (b"q k v as text", "is not a file of torch.save"),
     ({"query": 1}, r"holds a dict with keys \['query'\], not"),
+    ((torch.zeros(1, 1, 2, 2),) * 4, r"holds a tuple of 4, not .*or the three alone, in "
+                                     r"order, as a tuple; a key padding mask"),
 ])
 def test_own_qkv_error_says_what_is_wrong_with_a_file(tmp_path, content, message):
     path = tmp_path / "qkv.pt"

@@ -218,8 +218,8 @@ def _run_in_folder(args: argparse.Namespace, config: ApproxConfig) -> int:
     for s in result.sources:
         print(f"  {s['source']} N={s['seq_len']}: {s['description']}")
     if result.rows:
-        print("error: relative spectral norm ||O - O_exact||_2 / ||O_exact||_2 against the "
-              "method's target, mean over seeds and heads")
+        print("the table's error is the relative spectral norm ||O - O_exact||_2 / "
+              "||O_exact||_2 against the method's target, mean over seeds and heads")
         print(format_table(result.rows))
     if result.analysis:
         print()

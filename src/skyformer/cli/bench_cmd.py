@@ -104,8 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out",
         default=None,
-        help="write OUT.json, OUT.csv and OUT.png (e.g. benchmarks/results/bench_cpu); "
-        "a folder (one that exists, or OUT/) gets bench.json, bench.csv and bench.png",
+        help="write OUT.json, OUT.csv and OUT.png (e.g. benchmarks/results/bench_cpu; an "
+        "OUT ending in .json, .csv or .png names the same three); a folder (one that "
+        "exists, or OUT/) gets bench.json, bench.csv and bench.png",
     )
     parser.add_argument("--no-plot", "--no-plots", action="store_true",
                         help="with --out: no PNG (and remove the one an earlier run left)")

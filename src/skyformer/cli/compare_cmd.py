@@ -47,8 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="your own Q/K/V instead of the model's: a torch.save file of a "
                         "dict q, k, v (each [B, H, N, D]) and optionally mask [B, Nk] (True = "
                         "real token), or the three tensors in order, or an .npz with those "
-                        "keys (--seq-len, --layer, --text, --model, --random-init are then "
-                        "not read)")
+                        "keys (--seq-len, --layer, --text, --model, --random-init are "
+                        "refused beside it: they choose the model's Q/K/V)")
     parser.add_argument("--methods", nargs="+", default=None,
                         help="subset of methods, each a name or a variant with options set, "
                         "'skyformer[pinv_gradient=implicit]'")

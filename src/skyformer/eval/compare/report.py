@@ -16,8 +16,9 @@ COLUMNS = {
                     "is given), after the caps a call applies before it runs (Nystromformer's "
                     "landmarks, Reformer's chunks); the Skyformer family and Informer use "
                     "at most the rows the sequence has, BigBird at least its 5 + r blocks "
-                    "of one key (8 keys a query by default), and linear ignores it (exact = "
-                    "an exact method)",
+                    "of one key (8 keys a query by default); - for linear (it has none) "
+                    "and for Informer at its default, u = factor * ceil(ln Nq) active "
+                    "queries; exact = an exact method",
     "spectral_error": "relative spectral-norm error ||O - O_exact||_2 / ||O_exact||_2 of "
                       "each head's output [Nq, Dv] against the method's exact target (in "
                       "float32 for half-precision inputs; norms in float64); mean +- sample "

@@ -450,10 +450,12 @@ def _entries(data: Any, where: str, save: str) -> dict[str, Tensor]:
         data = dict(zip(("q", "k", "v"), data, strict=True))
     if not (isinstance(data, dict) and {"q", "k", "v"} <= set(data)):
         held = (f"a dict with keys {sorted(map(str, data))}" if isinstance(data, dict)
-                else f"a {type(data).__name__}")
+                else f"a {type(data).__name__} of {len(data)}"
+                if isinstance(data, (tuple, list)) else f"a {type(data).__name__}")
         raise ValueError(f"{where} holds {held}, not the queries, keys and values: save "
-                         f"them as {save}, each a tensor [B, H, N, D] (a key padding mask "
-                         f"[B, Nk] may go with them as mask).")
+                         f"them as {save}, each a tensor [B, H, N, D] (or the three alone, "
+                         f"in order, as a tuple; a key padding mask [B, Nk] goes with them "
+                         f"in the dict, as mask).")
     unknown = sorted(str(key) for key in data if key not in KNOWN_KEYS)
     if unknown:
         raise ValueError(
