@@ -534,6 +534,13 @@ def test_crossover_and_summary_arithmetic():
     assert summary["lin"]["exponent"] == pytest.approx(1.0)
     assert summary["softmax"]["exponent"] == pytest.approx(2.0)
     assert summary["lin"]["crossover_n"] == pytest.approx(1000.0)
+    # --resume: a crossover interpolated between two runs' lengths is not given; one
+    # between lengths of one run is, whatever run measured the others
+    for runs, expected in (((0, 0, 1, 1), None), ((0, 1, 1, 1), pytest.approx(1000.0))):
+        resumed = [{**r, "run": runs[(256, 512, 1024, 2048).index(r["n"])]} for r in rows]
+        lin = {s["method"]: s for s in summarise(resumed, "softmax", True)}["lin"]
+        assert lin["crossover_n"] == expected
+        assert lin["crossover"] == ("across runs" if expected is None else "interpolated")
     # N -> 2N growth wherever N/2 was measured, not only at the previous length
     between = [{**rows[0], "n": n, "fwd_bwd_ms": 1e-6 * n**2, "growth": None}
                for n in (256, 384, 512, 768, 1024)]
@@ -783,9 +790,15 @@ def test_each_row_at_its_runs_matmul_rate_a_dotted_out_and_float64_errors(
     table = capsys.readouterr().out
     assert "rows of more than one run (--resume): N = 64 by run 0 (started " in table
     assert "float64 100 GFLOP/s" in table and "float64 200 GFLOP/s" in table
-    assert "skyformer: crossover with softmax not given: its speed-ups come from different " \
-           "runs, time exponent not given: N 64..128 come from different runs" in table
-    assert all(s["exponent"] is None and s["crossover_n"] is None for s in data["summary"])
+    assert "time exponent not given: N 64..128 come from different runs" in table
+    assert all(s["exponent"] is None for s in data["summary"])
+    sky = next(s for s in data["summary"] if s["method"] == "skyformer")
+    speedups = [r["speedup"] for r in sorted(data["rows"], key=lambda r: r["n"])
+                if r["method"] == "skyformer"]
+    if speedups[0] < 1 <= speedups[1]:  # interpolated between the two runs' lengths
+        assert sky["crossover"] == "across runs" and sky["crossover_n"] is None
+        assert "skyformer: crossover with softmax not given: the lengths it lies between " \
+               "come from different runs" in table
 
 
 def test_two_settings_of_one_method_are_measured_side_by_side():

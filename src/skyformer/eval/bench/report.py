@@ -125,8 +125,8 @@ def _notes(result: BenchResult, g: tuple, rows: list[dict[str, Any]]) -> list[st
         ran = " of the lengths it ran" if skipped else ""
         if method != ref and s["crossover"] is not None:  # None: never timed beside it
             if s["crossover"] == "across runs":
-                parts.append(f"crossover with {ref} not given: its speed-ups come from "
-                             "different runs")
+                parts.append(f"crossover with {ref} not given: the lengths it lies "
+                             "between come from different runs")
             elif s["crossover"] == "never":
                 parts.append(f"slower than {ref} at every N measured{ran}")
             elif s["crossover"] == "at most":

@@ -47,8 +47,9 @@ def summarise(rows: list[dict[str, Any]], reference: str, backward: bool) -> lis
     """Per (shape, dtype, device) and method: ratios to the reference, N -> 2N growth,
     crossover length and the scaling exponent of time over the longest quarter of
     the sweep (at least the two longest lengths). Each is taken between rows of one run
-    (``run``, --resume): growth between runs is left out, and an exponent or a crossover
-    whose points span runs is None (``exponent_across_runs``, crossover "across runs")."""
+    (``run``, --resume): growth between runs is left out, and an exponent whose points
+    span runs, or a crossover interpolated between two runs' lengths, is None
+    (``exponent_across_runs``, crossover "across runs")."""
     key = "fwd_bwd_ms" if backward else "fwd_ms"
     groups: dict[tuple, dict[str, dict[int, dict[str, Any]]]] = {}
     for row in rows:
@@ -98,14 +99,20 @@ def _growth(ok: list[tuple[int, dict[str, Any]]], key: str) -> None:
 
 def _crossover_of(ok: list[tuple[int, dict[str, Any]]], against: bool) -> dict[str, Any]:
     """``crossover_n`` and ``crossover`` (how) of the rows' speed-ups: none for the
-    reference itself or where nothing was timed beside it, "across runs" where the
-    speed-ups come from more than one run."""
-    timed = [(n, r) for n, r in ok if r["speedup"]]
+    reference itself or where nothing was timed beside it, "across runs" where it is
+    interpolated between two lengths measured by different runs (--resume). Each
+    speed-up is a ratio of one run's times at one length, so only the interpolation
+    mixes runs: "at most" and "never" hold whatever run measured each length."""
+    timed = sorted((n, r) for n, r in ok if r["speedup"])
     if not (timed and against):
         return {"crossover_n": None, "crossover": None}
-    if len({_run_of(r) for _, r in timed}) > 1:
-        return {"crossover_n": None, "crossover": "across runs"}
     cross, how = crossover([(n, r["speedup"]) for n, r in timed])
+    if how == "interpolated":
+        first = len(timed) - 1  # the first length of the faster tail, as crossover's
+        while first > 0 and timed[first - 1][1]["speedup"] >= 1:
+            first -= 1
+        if _run_of(timed[first - 1][1]) != _run_of(timed[first][1]):
+            return {"crossover_n": None, "crossover": "across runs"}
     return {"crossover_n": cross, "crossover": how}
 
 
