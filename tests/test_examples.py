@@ -128,6 +128,8 @@ def test_own_qkv_error_refuses_a_file_of_one_tensor_in_a_sentence(tmp_path):
     ({"query": 1}, r"holds a dict with keys \['query'\], not"),
     ((torch.zeros(1, 1, 2, 2),) * 4, r"holds a tuple of 4, not .*or the three alone, in "
                                      r"order, as a tuple; a key padding mask"),
+    ({"q": torch.zeros(1, 1, 2, 2), "k": torch.zeros(1, 1, 2, 3), "v": torch.zeros(1, 1, 2, 2)},
+     r"^--qkv '.*qkv\.pt': q and k must have the same head dim, got 2 and 3"),
 ])
 def test_own_qkv_error_says_what_is_wrong_with_a_file(tmp_path, content, message):
     path = tmp_path / "qkv.pt"

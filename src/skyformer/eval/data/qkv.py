@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from ...logs import first_line
-from ...ops.shared.inputs import check_padding_mask
+from ...ops.shared.inputs import check_attention_inputs, check_padding_mask
 from ...sketch.rng import draws_from
 
 
@@ -401,6 +401,8 @@ def load_qkv_file(path: str | Path, *, label: str = "the file") -> MaskedQKV:
     mask = None
     for name in (key for key in MASK_KEYS if key in entries):  # at most one
         mask = check_padding_mask(where, name, entries[name], k.shape[0], k.shape[2], "Nk", k)
+    # shapes that do not fit together, named with the file (not the function it reaches)
+    check_attention_inputs(q, k, v, None, method=where, query_padding_mask=None)
     return MaskedQKV(q, k, v, mask)
 
 
