@@ -43,21 +43,33 @@ def test_generate_prepare_train_report_stability(tmp_path, capsys):
 
 def test_runs_of_two_option_values_get_two_default_folders():
     """The default folder was named after --attn alone: the second value of a sweep found
-    the first's run there and was refused."""
+    the first's run there and was refused. One setting written several ways (brackets or
+    --option, another order, spaces, quotes) is one folder: it was several, and a resume
+    written the other way started a new run beside the unfinished one."""
     from skyformer.lra import make_config
     from skyformer.lra.train import default_run_dir
 
-    folders = {default_run_dir(make_config("listops", attention=attention,
-                                           attention_options=options, seed=1))
+    def folder(attention, options):
+        return default_run_dir(make_config("listops", attention=attention,
+                                           attention_options=options, seed=1)).as_posix()
+
+    folders = {folder(attention, options)
                for attention, options in [("skyformer", {"num_features": 8}),
                                           ("skyformer", {"num_features": 16}),
                                           ("skyformer", {}),
-                                          ('skyformer[pinv_gradient="implicit"]', {})]}
-    assert {f.as_posix() for f in folders} == {
+                                          ('skyformer[pinv_gradient="implicit"]', {}),
+                                          ("skyformer", {"pinv_gradient": "implicit"})]}
+    assert folders == {
         "runs/lra/listops/skyformer[num_features=8]/seed1",
         "runs/lra/listops/skyformer[num_features=16]/seed1",
         "runs/lra/listops/skyformer/seed1",
-        "runs/lra/listops/skyformer[pinv_gradient='implicit']/seed1"}
+        "runs/lra/listops/skyformer[pinv_gradient=implicit]/seed1"}
+    same = {folder(attention, options)
+            for attention, options in [("skyformer", {"num_features": 16, "gamma": 0.2}),
+                                       ("skyformer", {"gamma": 0.2, "num_features": 16}),
+                                       ("skyformer[num_features=16, gamma=0.2]", {}),
+                                       ("skyformer[gamma=0.2]", {"num_features": 16})]}
+    assert same == {"runs/lra/listops/skyformer[gamma=0.2,num_features=16]/seed1"}
 
 
 def test_seeds_stop_after_then_resume(tmp_path, capsys, listops_cache):

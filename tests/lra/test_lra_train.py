@@ -165,6 +165,12 @@ def test_an_existing_run_needs_resume_and_the_same_settings(listops_cache, tmp_p
         _run(other, listops_cache, tmp_path, resume=True)
     again = _run(cfg, listops_cache, tmp_path, resume=True)  # finished: its stored result.json
     assert again["steps"] == 4
+    # one setting written two ways (a variant's brackets, or options) is the same run
+    bracketed = _cfg(steps=2, attention="softmax[scale=0.5]")
+    _run(bracketed, listops_cache, tmp_path / "variant", stop_after=1)
+    given = dataclasses.replace(bracketed, attention="softmax",
+                                attention_options={"scale": 0.5})
+    assert _run(given, listops_cache, tmp_path / "variant", resume=True)["steps"] == 2
 
 
 def test_a_new_run_refuses_the_files_of_an_earlier_run_without_last_pt(listops_cache, tmp_path):

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..io import json_ready, json_text
+from ..registry.variants import canonical_variant
 from .cache import TaskData, data_fingerprint
 from .checkpoint import load_checkpoint
 from .model import ModelConfig
@@ -77,8 +78,15 @@ CHANGEABLE_AT_RESUME = ("log_every", "checkpoint_every")
 
 
 def _settings(config: dict[str, Any]) -> dict[str, Any]:
-    """A recorded config without ``CHANGEABLE_AT_RESUME``: what a resume must match."""
-    return {k: v for k, v in config.items() if k not in CHANGEABLE_AT_RESUME}
+    """A recorded config without ``CHANGEABLE_AT_RESUME``: what a resume must match, its
+    attention in one form however it was written (``canonical_variant``: a variant's
+    brackets or ``--option``, in any order)."""
+    out = {k: v for k, v in config.items() if k not in CHANGEABLE_AT_RESUME}
+    if isinstance(out.get("attention"), str) and isinstance(out.get("attention_options"),
+                                                            dict | None):
+        out["attention"], out["attention_options"] = canonical_variant(
+            out["attention"], out.get("attention_options") or {})
+    return out
 
 
 # What an absent (None) setting or data record means, in the sentences naming differences.
@@ -122,8 +130,9 @@ def open_checkpoint(folder: Path, cfg: TrainConfig, resume: bool,
     fmt = ckpt.get("format") if isinstance(ckpt, dict) else None
     if fmt != CHECKPOINT_FORMAT:
         raise ValueError(f"{last} is not a training checkpoint of format {CHECKPOINT_FORMAT} "
-                         f"(found {type(ckpt).__name__}, format {fmt!r}); start without "
-                         f"--resume or point --out at the run's own folder.")
+                         f"(found {type(ckpt).__name__}, format {fmt!r}); point --out at "
+                         f"the run's own folder, or move that file away (or choose another "
+                         f"--out) to start a new run.")
     missing = [k for k in ("config", "model", "optimizer", "scaler", "state") if k not in ckpt]
     if missing:
         raise ValueError(f"{last} lacks {', '.join(missing)}: the checkpoint is damaged; "

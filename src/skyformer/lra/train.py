@@ -42,7 +42,7 @@ from ..io import (
 )
 from ..logs import get_logger
 from ..registry import get_method
-from ..registry.variants import variant_name
+from ..registry.variants import canonical_variant, variant_name
 from .batches import BatchOrder, Position, fetch, micro_batches
 from .cache import TaskData, data_fingerprint, load_cache
 from .checkpoint import (
@@ -87,9 +87,11 @@ _log = get_logger("lra")
 
 def default_run_dir(cfg: TrainConfig) -> Path:
     """``runs/lra/TASK/METHOD/seedN``, METHOD carrying the attention options in its
-    brackets (``skyformer[num_features=32]``: runs of two options do not share a folder)
-    and made a portable file name (double quotes as single ones, ``portable_name``)."""
-    method = variant_name(cfg.attention, dict(cfg.attention_options))
+    brackets (``skyformer[num_features=32]``: runs of two options do not share a folder),
+    in one form however they were written (``canonical_variant``: sorted, no spaces, in
+    the brackets or as ``--option``), and made a portable file name (double quotes as
+    single ones, ``portable_name``)."""
+    method = variant_name(*canonical_variant(cfg.attention, dict(cfg.attention_options)))
     return Path("runs") / "lra" / cfg.task / portable_name(method) / f"seed{cfg.seed}"
 
 

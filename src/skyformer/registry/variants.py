@@ -69,6 +69,17 @@ def variant_name(name: str, options: dict[str, Any]) -> str:
     return f"{base}[{','.join(f'{key}={_written(value)}' for key, value in items)}]"
 
 
+def canonical_variant(name: str, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(base method name, every option set, sorted by name) of ``name`` with ``options``
+    (which win over the brackets'): one form for each way of writing the same setting,
+    ``skyformer[num_features=16]``, ``skyformer`` with ``{"num_features": 16}``, options
+    in another order or with spaces. ``variant_name(*canonical_variant(...))`` is its
+    name."""
+    base, preset = parse_variant(name) if is_variant(name) else (name.strip(), ())
+    merged = {**dict(preset), **options}
+    return base, dict(sorted(merged.items()))
+
+
 def _written(value: Any) -> str:
     """``value`` as an item of a variant's brackets: a number or a word as it is, true /
     false / null, and a string that would read back as something else quoted."""
