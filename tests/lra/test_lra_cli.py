@@ -251,8 +251,9 @@ def test_a_warmup_as_long_as_the_run_is_noted(tmp_path, capsys, listops_cache):
                  "--batch-size", "16", "--cache", str(listops_cache), "--out",
                  str(tmp_path / "run"), "--no-tensorboard", "--quiet"]) == 0
     captured = capsys.readouterr()
-    assert ("the warm-up of 1000 steps (the task's preset unless --warmup is given) is not "
-            "shorter than the run's 2 steps: the learning rate rises for the whole run") in \
+    assert ("the warm-up of 1000 steps (--warmup where given, else the task's preset or "
+            "--quick's) is not shorter than the run's 2 steps: the learning rate rises for the "
+            "whole run") in \
         captured.err + captured.out
     assert main(["lra", "train", "listops", "--attn", "softmax", "--steps", "2", "--warmup",
                  "1", "--batch-size", "16", "--cache", str(listops_cache), "--out",

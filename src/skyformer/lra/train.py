@@ -535,9 +535,10 @@ class Trainer:
             self._check_best()
             self._say(f"resumed {self.folder} at step {self.state.step}")
         elif self.info.is_main and 0 < self.cfg.steps <= self.cfg.warmup:
-            _log.warning(f"the warm-up of {self.cfg.warmup} steps (the task's preset unless "
-                         f"--warmup is given) is not shorter than the run's {self.cfg.steps} "
-                         f"steps: the learning rate rises for the whole run, reaching "
+            _log.warning(f"the warm-up of {self.cfg.warmup} steps (--warmup where given, "
+                         f"else the task's preset or --quick's) is not shorter than the "
+                         f"run's {self.cfg.steps} steps: the learning rate rises for the "
+                         f"whole run, reaching "
                          f"{self.cfg.lr:g} at its last step at most, and never decays; give a "
                          f"shorter --warmup, e.g. {self.cfg.steps // 10} (0: no warm-up)")
         self.net = self.model
