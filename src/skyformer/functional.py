@@ -3,10 +3,9 @@
 
 Same layout (``[B, H, L, E]``, or ``[H, L, E]``; a batch of one, or an unbatched
 tensor beside batched ones, broadcast over the others' batch as SDPA does) and the same
-arguments, with the
-method chosen by ``method=`` and its options as keyword arguments. Each argument is
-honoured where the method can honour it and refused with a sentence naming the method
-where it cannot:
+arguments, with the method chosen by ``method=`` and its options as keyword arguments.
+Each argument is honoured where the method can honour it and refused with a sentence
+naming the method where it cannot:
 
 - ``attn_mask``: the exact methods (capability ``attn_mask``) take any bool or additive
   mask broadcastable to ``[B, H, L, S]``; the approximate methods take masks that are

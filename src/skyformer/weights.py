@@ -18,10 +18,10 @@ and ``A``'s memory, as torch's weights. The exact methods' are formed from their
 scores and masks instead, O(Nq Nk D) as torch's (``ops/softmax/weights.py``,
 ``ops/kernelized/weights.py``), but for a call with dropout, whose mask only the call
 itself knows. On the PyTorch path: ``kernel`` runs as ``"torch"``, since the Triton
-kernels compile the value width in. A method whose draws follow the
-values (KDEformer samples keys by their norms) or whose output is not linear in them
-(the multipole methods clamp their far field to the values' range) has no such matrix
-and is refused in a sentence naming those that have one.
+kernels compile the value width in. A method whose draws follow the values (KDEformer
+samples keys by their norms) or whose output is not linear in them (the multipole
+methods clamp their far field to the values' range) has no such matrix and is refused
+in a sentence naming those that have one.
 """
 
 from __future__ import annotations
