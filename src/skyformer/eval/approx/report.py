@@ -149,10 +149,11 @@ def markdown_report(result: Any, command: str | None = None, plots: bool = True)
         lines += ["```bash", command, "```", ""]
     lines += ["Relative spectral error ||O - O_exact||_2 / ||O_exact||_2 of each method against "
               "the exact attention it approximates (softmax or Gaussian kernelized), per head; "
-              "mean and spread over seeds and heads. References: the error of the best rank-m "
-              "approximation of the attention matrix (truncated SVD) times V, and the trivial "
-              "answers (every row = the mean row of the exact output, and for softmax also "
-              "every row = mean of V; '!' and the plots compare with the better). Zero "
+              "mean and spread over seeds and heads (over heads alone for a method that draws "
+              "nothing: each seed gives it the same output). References: the error of the best "
+              "rank-m approximation of the attention matrix (truncated SVD) times V, and the "
+              "trivial answers (every row = the mean row of the exact output, and for softmax "
+              "also every row = mean of V; '!' and the plots compare with the better). Zero "
               "output scores 1.0.", "", "## Inputs", ""]
     for s in result.sources:
         lines.append(f"- {s['source']}, N={s['seq_len']}: {s['description']}")

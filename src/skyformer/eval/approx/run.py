@@ -452,8 +452,12 @@ class _Sweep:
                 continue
             for seed, s, f in zip(seeds, spectral, frob, strict=True):
                 self._samples(data, spec.name, target, m, seed, s, f)
+            # the row's spread is over distinct outputs: a method that draws nothing has
+            # one per head, and its seeds' copies would shrink the std and move quartiles
+            distinct = len(spectral) if draws else 1
             self.rows.append(_row(data.source, n, "method", spec.name, target, m,
-                                  torch.stack(spectral), torch.stack(frob)))
+                                  torch.stack(spectral[:distinct]),
+                                  torch.stack(frob[:distinct])))
 
 
 def _zero_heads(data: SourceData, largest: Tensor) -> list[int]:
