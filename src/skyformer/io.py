@@ -52,6 +52,10 @@ def check_output_path(path: str | os.PathLike[str] | None, *, folder: bool = Fal
     if str(path) == "":  # Path("") is the current folder: files would land there
         raise ValueError("the output path is empty; give a file or folder name (or leave the "
                          "option out where it is optional).")
+    if str(path) == "-":  # the shell's standard-output name, which would make a file "-"
+        kind = "a folder" if folder else "a file"
+        raise ValueError(f"the output path '-' would be {kind} named '-': this option does not "
+                         f"write to standard output; choose a name (./- for {kind} named so).")
     separators = tuple(sep for sep in (os.sep, os.altsep) if sep)
     if not folder and isinstance(path, str) and path.endswith(separators):
         raise IsADirectoryError(f"the output file {path} ends in a path separator, which names "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import sys
 
@@ -11,7 +12,7 @@ from ..eval.compare.maps import MapPanel, describe
 from ..eval.compare.run import CompareResult
 from ..eval.data.qkv import load_qkv_file
 from ..eval.methods import unread_features_note
-from ..io import check_output_path, environment, write_json
+from ..io import check_output_path, environment, json_text, write_json
 from .recorded import command_line
 
 NAME = "compare"
@@ -56,8 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"timed repeats (median; default {CompareConfig.repeats})")
     parser.add_argument("--no-memory", action="store_true", help="skip peak-memory measurement")
     parser.add_argument(
-        "--json", dest="json_path", default=None, help="write results to this JSON file"
-    )
+        "--json", dest="json_path", default=None, metavar="FILE",
+        help="write results to this JSON file ('-': to standard output, the table then "
+        "to standard error)")
     parser.add_argument("--maps", default=None, metavar="FIGURE",
                         help="also draw the attention matrix each method applies to V for one "
                         "head of the first sequence, beside the exact one, with its relative "
@@ -67,7 +69,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_output_path(args.json_path)
+    """Measure and print; with ``--json -`` the JSON is standard output's only text
+    (``skyformer compare --json - | jq``) and everything else goes to standard error."""
+    to_stdout = args.json_path == "-"
+    if not to_stdout:
+        check_output_path(args.json_path)
+    text_out = contextlib.redirect_stdout(sys.stderr) if to_stdout else contextlib.nullcontext()
+    with text_out:
+        data = _measure(args)
+    if data is not None:
+        print(json_text(data, indent=2))
+    return 0
+
+
+def _measure(args: argparse.Namespace) -> dict | None:
+    """``run``'s work: the results printed (and written to a ``--json`` file), returned
+    as ``--json -`` prints them (None without ``--json -``)."""
     if args.qkv is not None:
         given = [f"--{name.replace('_', '-')}" for name in MODEL_SOURCE
                  if getattr(args, name) is not None and getattr(args, name) is not False]
@@ -106,15 +123,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.maps}: the attention matrix of head {args.maps_head} of the first "
               f"sequence, each method's relative spectral error against its target's:")
         print("\n".join(describe(result.maps)))
-    if args.json_path:
-        data = result.to_dict()
-        if args.qkv is not None:  # the file's tensors, not a model's: no model settings
-            data["config"] = {**{key: value for key, value in data["config"].items()
-                                 if key not in (*MODEL_SOURCE, "pretrained")},
-                              "qkv": args.qkv}
-        path = write_json(args.json_path, {**data, "command": command_line(args)})
-        print(f"wrote {path}")
-    return 0
+    if not args.json_path:
+        return None
+    data = result.to_dict()
+    if args.qkv is not None:  # the file's tensors, not a model's: no model settings
+        data["config"] = {**{key: value for key, value in data["config"].items()
+                             if key not in (*MODEL_SOURCE, "pretrained")},
+                          "qkv": args.qkv}
+    data = {**data, "command": command_line(args)}
+    if args.json_path == "-":
+        return data
+    print(f"wrote {write_json(args.json_path, data)}")
+    return None
 
 
 def _compare_file(args: argparse.Namespace, config: CompareConfig) -> CompareResult:
