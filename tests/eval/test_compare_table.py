@@ -351,6 +351,35 @@ def test_a_mask_without_real_keys_is_named_in_a_warning():
                    key_padding_mask=padding)
 
 
+def test_a_gaussian_target_that_underflows_is_explained_and_marks_no_method():
+    """Q, K of large norm: every Gaussian kernel entry is 0, so the kernelized output
+    is zero and no head has an error. The rows read "not finite" with '!' on the exact
+    method itself, and nothing said why; a warning names the underflow and the rows of
+    that target carry no '!' (the softmax rows are measured as before)."""
+    import warnings
+
+    import pytest
+    import torch
+
+    from skyformer.eval.compare import CompareConfig, compare_on
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 32, 8, generator=g) for _ in range(3))
+    config = CompareConfig(methods=("kernelized", "skyformer", "softmax"), memory=False,
+                           repeats=1)
+    with pytest.warns(UserWarning, match=r"the exact gaussian output is all zero on 2 of 2 "
+                                         r"heads: every kernel entry .* underflows"):
+        rows = {r["method"]: r for r in compare_on((60 * q, 60 * k, v), config)}
+    for name in ("kernelized", "skyformer"):
+        assert rows[name]["nonfinite"] == 2 and not rows[name]["worse_than_trivial"]
+    assert rows["softmax"]["nonfinite"] == 0 and rows["softmax"]["spectral_error"] < 1e-6
+    table = format_table(list(rows.values())).splitlines()
+    assert not [line for line in table if line.startswith(tuple(rows)) and "!" in line]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # ordinary inputs: nothing to say
+        compare_on((q, k, v), config)
+
+
 SPOILED_METHODS = ("softmax", "linear", "nystromformer")  # deterministic: heads alone agree
 
 

@@ -275,9 +275,31 @@ def _target(target: str, resolved: dict[str, Any], given: MaskedQKV,
         out = exact_output(target, given.q, given.k, given.v,
                            key_padding_mask=given.key_padding_mask, **same)
         measured = relative_error(out, out, ord="fro").isfinite().flatten()
+        _say_zero_target(target, out, given)
         trivial = _trivial(given, out, measured, causal=bool(same.get("causal")))
         known[key] = Target(out, measured, trivial)
     return known[key]
+
+
+def _say_zero_target(target: str, exact: Tensor, given: MaskedQKV) -> None:
+    """A warning naming the heads whose exact output ``[B, H, Nq, Dv]`` is finite but all
+    zero although they have real keys: an error relative to it is undefined, so they are
+    left out, and the table alone showed "not finite" with no reason. For the Gaussian
+    target that is every kernel entry underflowing (Q and K of large norm)."""
+    heads = exact.isfinite().flatten(2).all(-1) & (exact.flatten(2).abs().amax(-1) == 0)
+    if given.key_padding_mask is not None:
+        heads &= given.key_padding_mask.any(-1, keepdim=True)  # keyless: _say_keyless's
+    zero = heads.flatten().nonzero().flatten().tolist()  # [B * H] as the rows count them
+    if not zero:
+        return
+    why = {"gaussian": ": every kernel entry exp(-|q_i - k_j|^2 / (2 sqrt(D))) underflows, "
+                       "each query being far from every key (scale Q and K down, as a "
+                       "model's layer norm would)",
+           "softmax": ": V is zero at every real key"}.get(target, "")
+    warnings.warn(f"compare_on: the exact {target} output is all zero on {len(zero)} of "
+                  f"{heads.numel()} heads{why}. An error relative to it is undefined, so "
+                  f"those heads are left out of every {target} row's mean and std (its "
+                  f"nonfinite counts them).", stacklevel=5)
 
 
 def _trivial(given: MaskedQKV, exact: Tensor, measured: Tensor, *, causal: bool) -> float:

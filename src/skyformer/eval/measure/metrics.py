@@ -148,7 +148,8 @@ def sample_statistics(values: Tensor) -> dict[str, float]:
 def worse_than_trivial(error: float | None, trivial: float | None) -> bool:
     """Whether a method's ``error`` exceeds the trivial answer's, or is not finite (NaN
     compares as neither: a method that failed must not read as a good one); False where
-    either is unknown."""
-    if error is None or trivial is None:
+    either is unknown (``trivial`` NaN: the target gives no head an error, so no method
+    has one to compare)."""
+    if error is None or trivial is None or math.isnan(trivial):
         return False
     return not math.isfinite(error) or error > trivial
