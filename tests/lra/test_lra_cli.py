@@ -95,6 +95,30 @@ def test_seeds_stop_after_then_resume(tmp_path, capsys, listops_cache):
     assert (tmp_path / "seed0" / "result.json").stat().st_mtime_ns == before
 
 
+def test_ctrl_c_during_one_of_several_seeds_names_that_seeds_checkpoint(
+        tmp_path, capsys, listops_cache, monkeypatch):
+    """--seeds trains one folder a seed: the Ctrl-C line said "last.pt" without the
+    folder it lies in."""
+    from skyformer.lra.train import Trainer
+
+    ran = []
+
+    def interrupted(trainer):
+        ran.append(trainer.folder)
+        if len(ran) == 2:
+            raise KeyboardInterrupt
+        return {}
+
+    monkeypatch.setattr(Trainer, "run", interrupted)
+    assert main(["lra", "train", "listops", "--attn", "softmax", "--steps", "6",
+                 "--batch-size", "16", "--cache", str(listops_cache), "--out", str(tmp_path),
+                 "--no-tensorboard", "--quiet", "--seeds", "0", "1"]) == 130
+    assert ran == [tmp_path / "seed0", tmp_path / "seed1"]
+    assert (f"interrupted; its last checkpoint ({tmp_path / 'seed1' / 'last.pt'}), if one "
+            f"was written yet, is kept: run the same command again with --resume to "
+            f"continue") in capsys.readouterr().err
+
+
 def test_stop_after_stops_at_that_step_and_says_where(tmp_path, capsys, listops_cache):
     args = ["lra", "train", "listops", "--attn", "softmax", "--steps", "6", "--eval-every", "3",
             "--batch-size", "16", "--cache", str(listops_cache), "--out", str(tmp_path),

@@ -202,7 +202,9 @@ def interrupted_note(args: argparse.Namespace, how: str = "interrupted") -> str:
         return f"{how}; nothing was saved (give {flag} to keep what a run measures)"
     if _nothing_written_yet(args, command):
         return f"{how} before its first result was saved: run the same command again to start"
-    kept = ("its last checkpoint (last.pt), if one was written yet, is kept" if command == "train"
+    folder = getattr(args, "_training_in", None)  # train: the run (of --seeds) under way
+    last = "last.pt" if folder is None else Path(folder) / "last.pt"
+    kept = (f"its last checkpoint ({last}), if one was written yet, is kept" if command == "train"
             else "what it measured is saved")
     again = "again with --resume" if not args.resume else "again"
     return f"{how}; {kept}: run the same command {again} to continue"

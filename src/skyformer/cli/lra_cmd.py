@@ -311,6 +311,7 @@ def _run_train(args: argparse.Namespace) -> int:
             trainer.check()
     with joined(args.device):  # one process group for every seed (see joined)
         for trainer in trainers:
+            args._training_in = trainer.folder  # what a Ctrl-C names (interrupted_note)
             if trainer.run() is None:  # the one line about --stop-after (the trainer says none)
                 _say_stopped(trainer, args.stop_after, len(trainers) > 1)
                 if trainer.resumed_at != trainer.state.step:
