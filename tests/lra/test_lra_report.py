@@ -500,3 +500,13 @@ def test_one_reader_of_metrics_jsonl_skips_or_names_a_line_a_kill_cut_short(tmp_
                                          r"line \(what reads it\)\.$"):
         list(read_entries(metrics, damaged="what reads it"))
     assert list(read_entries(tmp_path / "missing.jsonl")) == []
+
+
+def test_a_run_on_the_whole_dev_split_is_labelled_so_not_none(tmp_path):
+    """--full-dev records eval_batches None, which the row label wrote as
+    "eval_batches=None", as if the setting were left at its default."""
+    config = {**make_config("listops", attention="softmax").to_dict(), "eval_batches": None}
+    assert make_config("listops", attention="softmax").eval_batches is not None  # preset's
+    model = {"max_len": TASKS["listops"].max_len, "attention_options": {}}
+    _fake_run(tmp_path, "listops", "softmax", 0, 0.3, config=config, model=model)
+    assert "| softmax (eval_batches=all) | 30.00 (1) |" in tables(collect_runs([tmp_path]))

@@ -359,9 +359,13 @@ def _variant_label(run: Run, context_keys: list[str]) -> str:
 def _label_parts(run: Run, context_keys: list[str]) -> list[str]:
     """The ``key=value`` items of ``_variant_label``."""
     settings, preset, context = run.settings, _preset_settings(run), run.context
-    other = [f"{k}={settings[k]}" for k in sorted(settings)
-             if _plain(settings[k]) != _plain(preset.get(k))]
+    other = [f"{k}={_NONE_LABEL.get(k, 'none') if settings[k] is None else settings[k]}"
+             for k in sorted(settings) if _plain(settings[k]) != _plain(preset.get(k))]
     return other + [f"{k}={context.get(k)}" for k in context_keys]
+
+
+# What an unset (None) setting means in a row label ("eval_batches=None" read as a default)
+_NONE_LABEL = {"eval_batches": "all", "max_len": "full"}
 
 
 def _differing_context(runs: list[Run]) -> list[str]:
