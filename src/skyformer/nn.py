@@ -29,8 +29,9 @@ class _LayerToken:
     is a new token whose ``parent`` is the original: a layer and its caches copied
     together share the copy (``copy.deepcopy``'s memo), a cache copied alone (to
     continue a prompt twice) still descends from its layer's token, and two clones of
-    one layer differ. Pickling drops it (None: an unpickled cache is checked by its
-    method's name alone)."""
+    one layer differ. A copied layer cuts its token's ``parent`` (``__setstate__``): the
+    original does not step the copy's caches (an EMA copy's weights move apart). Pickling
+    drops it (None: an unpickled cache is checked by its method and options)."""
 
     __slots__ = ("parent",)
 
@@ -51,6 +52,18 @@ class _LayerToken:
                 return True
             cache_token = cache_token.parent
         return False
+
+
+def _same_state(theirs: Any, ours: torch.nn.Module) -> bool:
+    """Whether a cache's method state module is the layer's, or an equal copy (a
+    cache unpickled holds a copy)."""
+    if theirs is ours:
+        return True
+    if not isinstance(theirs, torch.nn.Module):
+        return False
+    a, b = theirs.state_dict(), ours.state_dict()
+    return a.keys() == b.keys() and all(
+        a[k].shape == b[k].shape and torch.equal(a[k].cpu(), b[k].cpu()) for k in a)
 
 
 class BoundMethodProperties:
@@ -189,6 +202,9 @@ class MultiHeadAttention(BoundMethodProperties, nn.Module):
     def __setstate__(self, state: dict[str, Any]) -> None:
         if "process_group" in state:  # pickled before the group was held by a handle
             state["_group"] = _GroupHandle(state.pop("process_group"))
+        token = state.get("_decoding_token")
+        if token is not None:  # a deep copy (pickling drops the token): a layer of its own
+            token.parent = None
         super().__setstate__(state)
 
     def _split(self, x: Tensor) -> Tensor:
@@ -365,10 +381,30 @@ class MultiHeadAttention(BoundMethodProperties, nn.Module):
                 "MultiHeadAttention: this cache was made by another layer's new_cache(); a "
                 "cache holds one layer's keys and state, so each layer needs its own: "
                 "caches = [layer.new_cache(...) for layer in layers].")
-        if owner is None and cache.method != self.method:  # new_decoding_state's own
+        if owner is None:  # new_decoding_state's own, or unpickled
+            self._check_foreign_cache(cache)
+
+    def _check_foreign_cache(self, cache: DecodingState) -> None:
+        """A sentence for a cache no layer made (``new_decoding_state``, or unpickled)
+        whose method, options (``causal`` aside: decoding is causal) or method state
+        (Performer's features) are not this layer's: its steps would not be the layer's
+        forward."""
+        fix = "make it with the layer's new_cache()"
+        if cache.method != self.method:
             raise ValueError(f"MultiHeadAttention: this cache decodes {cache.method!r}, the "
-                             f"layer runs {self.method!r}; make it with the layer's "
-                             f"new_cache().")
+                             f"layer runs {self.method!r}; {fix}.")
+        theirs = cache.bound.options() if hasattr(cache, "bound") else {}
+        for name, value in self.bound.options().items():
+            if name != "causal" and name in theirs and theirs[name] != value:
+                raise ValueError(f"MultiHeadAttention: this cache decodes {self.method} with "
+                                 f"{name}={theirs[name]!r}, the layer with {name}={value!r}; "
+                                 f"{fix}.")
+        if self.method_state is not None and not _same_state(
+                getattr(cache, "features_module", None), self.method_state):
+            raise ValueError(f"MultiHeadAttention: this cache was made without the layer's "
+                             f"own {self.method} state (its features), so it would draw "
+                             f"others; {fix} (or pass state=layer.method_state to "
+                             f"new_decoding_state).")
 
     def _refuse_cache_unless_causal(self) -> None:
         if getattr(self.config, "causal", None) is False:  # a method that can be causal

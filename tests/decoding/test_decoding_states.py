@@ -316,6 +316,36 @@ def test_a_layer_steps_only_its_own_cache():
         first, second = copy.deepcopy(sky), copy.deepcopy(sky)
         with pytest.raises(ValueError, match="made by another layer's new_cache"):
             second(x, cache=first.new_cache())
+        # nor does the original step its copy's caches (an EMA copy's weights move apart)
+        with pytest.raises(ValueError, match="made by another layer's new_cache"):
+            sky(x, cache=first.new_cache())
+
+
+def test_a_cache_no_layer_made_must_have_the_layers_options_and_state():
+    """A state of new_decoding_state (or unpickled) was checked by its method's name
+    alone: other options (num_features=2 beside the layer's 16) or Performer features
+    drawn from the key instead of the layer's ran, 2.45 and 0.15 off its forward."""
+    x = torch.randn(2, 10, 16)
+    sky = MultiHeadAttention(16, 2, "skyformer", causal=True, num_features=16)
+    with pytest.raises(ValueError, match=r"this cache decodes skyformer with num_features=2, "
+                                         r"the layer with num_features=16; make it with"):
+        sky(x, cache=new_decoding_state(get_method("skyformer").bind(num_features=2)))
+    assert sky(x, cache=new_decoding_state(sky.bound.replace(causal=False))).shape == x.shape
+    performer = MultiHeadAttention(16, 2, "performer", causal=True, num_features=8).eval()
+    with pytest.raises(ValueError, match=r"made without the layer's own performer state .* "
+                                         r"pass state=layer.method_state"):
+        performer(x, cache=new_decoding_state(performer.bound))
+    with torch.no_grad():
+        own = new_decoding_state(performer.bound, state=performer.method_state)
+        expected = performer(x)
+        torch.testing.assert_close(performer(x, cache=own), expected)
+        cache = performer.new_cache()
+        performer(x[:, :4], cache=cache)
+        unpickled = pickle.loads(pickle.dumps(cache))  # its features a copy, equal
+        torch.testing.assert_close(performer(x[:, 4:], cache=unpickled), expected[:, 4:])
+        other = MultiHeadAttention(16, 2, "performer", causal=True, num_features=8)
+        with pytest.raises(ValueError, match="made without the layer's own performer state"):
+            other(x[:, 4:], cache=pickle.loads(pickle.dumps(cache)))
 
 
 @pytest.mark.parametrize(("method", "options"), [
