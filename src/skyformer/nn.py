@@ -54,6 +54,19 @@ class _LayerToken:
         return False
 
 
+def _refuse_whole_sequence_mask(key_padding_mask: Any, new: int, held: int) -> None:
+    """A sentence for a decoding step given a longer mask than its ``new`` positions
+    (the whole sequence's so far, ``[B, held + new]``, as Hugging Face passes one),
+    where the step's mask covers those positions alone."""
+    if (held and isinstance(key_padding_mask, Tensor) and key_padding_mask.dim() == 2
+            and key_padding_mask.shape[1] > new):
+        raise ValueError(
+            f"MultiHeadAttention: with a cache, key_padding_mask covers the step's {new} new "
+            f"position{'s' * (new != 1)} alone ([B, {new}]; the cache keeps the {held} "
+            f"earlier ones'), got {tuple(key_padding_mask.shape)}: for a mask of the whole "
+            f"sequence, pass its last columns, mask[:, -{new}:].")
+
+
 def _same_state(theirs: Any, ours: torch.nn.Module) -> bool:
     """Whether a cache's method state module is the layer's, or an equal copy (a
     cache unpickled holds a copy)."""
@@ -230,7 +243,8 @@ class MultiHeadAttention(BoundMethodProperties, nn.Module):
         cross-attention of a causal decoder, where later queries are later tokens, use a
         method with ``independent_queries`` (docs/causal.md), since the others mix them. With a
         ``cache`` (``new_cache()``), ``x`` holds the next positions of the sequences the
-        cache has seen: causal self-attention to all of them (decoding).
+        cache has seen: causal self-attention to all of them (decoding); the mask then
+        marks those new positions alone, ``[B, n]`` (the cache keeps the earlier ones').
         ``generator`` (a ``torch.Generator`` or a key, ``skyformer.random_key``) makes
         the draws of a randomised method (landmarks, hashes, samples); with ``None``
         each call takes one fresh key from torch's global generator, in eval mode too,
@@ -260,9 +274,11 @@ class MultiHeadAttention(BoundMethodProperties, nn.Module):
         if no_new_token:
             cache.check_batch(x.shape[0])
         if cache is not None and not no_new_token:
+            _refuse_whole_sequence_mask(key_padding_mask, x.shape[1], cache.length)
             # the forward's sentences, naming the argument passed here
             check_attention_inputs(q, k, v, key_padding_mask, method=self.bound.name)
-            warn_if_no_real_key(self.bound.name, key_padding_mask, k)
+            if cache.length == 0:  # later steps also attend to the keys the cache holds
+                warn_if_no_real_key(self.bound.name, key_padding_mask, k)
             out = cache.step(q, k, v, key_padding_mask)
         elif self.process_group is not None:
             out = self._sequence_parallel(q, k, v, key_padding_mask, generator)

@@ -584,3 +584,48 @@ def test_a_step_of_no_new_token_gives_zero_rows_and_leaves_the_cache(method):
     torch.testing.assert_close(torch.cat([first, last], dim=1), whole)
     with pytest.raises(ValueError, match=r"the state holds 2 sequences, the step has 3"):
         layer(torch.randn(3, 0, 8), cache=cache)
+
+
+def test_a_decoding_steps_mask_covers_its_new_positions_alone():
+    """A step given the mask of the whole sequence failed with the method's shape
+    sentence ([B, Nk] = [2, 1]) and no word of the rule; a step where every sequence
+    has finished warned that every key is padding and advised ~mask, though the cache
+    holds real keys."""
+    import warnings
+
+    layer = MultiHeadAttention(16, 2, "linear", causal=True).eval()
+    x = torch.randn(2, 7, 16)
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    with torch.no_grad():
+        cache = layer.new_cache()
+        layer(x[:, :5], mask[:, :5], cache=cache)
+        with pytest.raises(ValueError, match=r"with a cache, key_padding_mask covers the "
+                                             r"step's 1 new position alone \(\[B, 1\]; the "
+                                             r"cache keeps the 5 earlier ones'\), got \(2, 6\)"
+                                             r".* mask\[:, -1:\]"):
+            layer(x[:, 5:6], mask[:, :6], cache=cache)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out = layer(x[:, 5:6], torch.zeros(2, 1, dtype=torch.bool), cache=cache)
+        assert out.shape == (2, 1, 16)
+        with pytest.warns(UserWarning, match="every key is padding"):  # a first step: said
+            layer(x[:, :2], torch.zeros(2, 2, dtype=torch.bool), cache=layer.new_cache())
+
+
+def test_a_layers_cache_stepped_in_another_dtype_names_autocast_and_new_cache():
+    """The sentence said "start a new state otherwise": a layer's user has no state to
+    start but layer.new_cache(), and the dtype most often changed with autocast."""
+    layer = MultiHeadAttention(16, 2, "linear", causal=True).eval()
+    x = torch.randn(1, 6, 16)
+    with torch.no_grad():
+        cache = layer.new_cache()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            layer(x[:, :5], cache=cache)
+        with pytest.raises(ValueError, match=r"in torch\.bfloat16 on cpu; this step has .* in "
+                                             r"torch\.float32 .* most often autocast on for "
+                                             r"some steps .* \(layer\.new_cache\(\)\)"):
+            layer(x[:, 5:], cache=cache)
+    state = new_decoding_state(get_method("linear").bind())
+    state.step(*(t[None, None] for t in (x[0], x[0], x[0])))
+    with pytest.raises(ValueError, match=r"start a new one \(new_decoding_state\(\.\.\.\)\)"):
+        state.step(*(t[None, None, :, :8] for t in (x[0], x[0], x[0])))

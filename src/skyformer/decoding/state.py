@@ -169,11 +169,18 @@ class DecodingState(ABC):
         layout = getattr(self, "layout", None)  # None in a state pickled before it existed
         if self.length and layout is not None and _layout(q, v) != layout:
             h, d, dv, dtype, device = layout
+            # a layer's cache (MultiHeadAttention.new_cache) holds the layer's token
+            fresh = "layer.new_cache()" if getattr(self, "layer", None) is not None \
+                else "new_decoding_state(...)"
+            cause = (" (a dtype that changes between steps is most often autocast on for "
+                     "some steps and off for others, or a layer moved with .to())"
+                     if dtype != q.dtype else "")
             raise ValueError(
                 f"{self.method} decoding: the state holds H={h} heads of D={d}, Dv={dv} in "
                 f"{dtype} on {device}; this step has H={q.shape[1]}, D={q.shape[-1]}, "
                 f"Dv={v.shape[-1]} in {q.dtype} on {q.device}. Give every step of a state "
-                f"the same heads, head dims, dtype and device (start a new state otherwise).")
+                f"the same heads, head dims, dtype and device{cause}, or start a new one "
+                f"({fresh}).")
         self.check_batch(q.shape[0])
 
     def check_batch(self, batch: int) -> None:
