@@ -55,9 +55,9 @@ class KeyValueDecoding(DecodingState):
     def _attend(self, q: Tensor, n: int) -> Tensor:
         """Rows of the last ``n`` positions."""
         assert self.k is not None and self.v is not None and self.valid is not None
-        valid = None if bool(self.valid.all()) else self.valid
-        if not self.masked:
+        if not self.masked:  # the whole forward again (a read of the mask on the host)
             assert self.q is not None
+            valid = None if bool(self.valid.all()) else self.valid
             return self.bound(self.q, self.k, self.v, key_padding_mask=valid,
                               generator=self.key)[:, :, -n:]
         total = self.k.shape[2]

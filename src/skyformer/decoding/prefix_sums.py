@@ -29,53 +29,16 @@ from .state import DecodingState, padding_as_false
 
 
 class PrefixSumDecoding(DecodingState):
-    """Shared by the feature-map methods; subclasses give ``features`` and ``finish``
-    (Performer, whose sums carry their running maximum, its own steps)."""
+    """What the feature-map methods share: the method bound causal, the sums S and the
+    [v, 1] rows they sum."""
 
-    batched = ("sums", "value_sum", "count")
+    batched: tuple[str, ...] = ("sums",)
 
     def __init__(self, bound: BoundMethod, generator: torch.Generator | Tensor | None = None
                  ) -> None:
         super().__init__(bound.name, generator)
         self.bound = bound.replace(causal=True)
         self.sums: Tensor | None = None  # [B, H, m, Dv + 1]
-        self.value_sum: Tensor | None = None  # [B, H, 1, Dv]
-        self.count: Tensor | None = None  # [B, 1, 1, 1]
-
-    def features(self, q: Tensor, k: Tensor, key_valid: Tensor | None) -> tuple[Tensor, Tensor]:
-        """phi(q) ``[B, H, n, m]``, psi(k) ``[B, H, n, m]`` (zero rows for padded keys),
-        in the compute dtype."""
-        raise NotImplementedError
-
-    def finish(self, o: Tensor, mean: Tensor) -> Tensor:
-        """Output rows from ``o = [numerator, denominator]`` and the prefix mean of V."""
-        raise NotImplementedError
-
-    def _arguments(self) -> dict[str, Tensor]:
-        return {}
-
-    def _first(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None) -> Tensor:
-        out = self.bound(q, k, v, key_padding_mask=key_valid, generator=self.key,
-                         **self._arguments())
-        _, psi_k = self.features(q, k, key_valid)
-        vw, w = self._values(v, key_valid)
-        self.sums = psi_k.transpose(-1, -2) @ self._with_weights(vw, w)
-        self.value_sum = vw.sum(2, keepdim=True)
-        self.count = w.sum(2, keepdim=True)[:, :1]
-        return out
-
-    def _extend(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None) -> Tensor:
-        assert self.sums is not None and self.value_sum is not None and self.count is not None
-        phi_q, psi_k = self.features(q, k, key_valid)
-        vw, w = self._values(v, key_valid)
-        v1 = self._with_weights(vw, w)  # [B, H, n, Dv + 1]
-        o = causal_feature_sums(phi_q, psi_k, v1) + phi_q @ self.sums
-        value_sums = self.value_sum + vw.cumsum(2)
-        counts = self.count + w.cumsum(2)
-        out = self.finish(o, value_sums / counts.clamp_min(1.0))
-        self.sums = self.sums + psi_k.transpose(-1, -2) @ v1
-        self.value_sum, self.count = value_sums[:, :, -1:], counts[:, :1, -1:]
-        return zero_padded_queries(out, key_valid).to(q.dtype)
 
     @staticmethod
     def _values(v: Tensor, key_valid: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -87,22 +50,37 @@ class PrefixSumDecoding(DecodingState):
     @staticmethod
     def _with_weights(vw: Tensor, w: Tensor) -> Tensor:
         """[v, 1] rows ``[B, H, n, Dv + 1]`` (zero rows for padding) from ``_values``, or
-        the state's sums of them from ``value_sum`` and ``count``."""
+        the state's sums of them from Performer's ``value_sum`` and ``count``."""
         return torch.cat([vw, w.expand_as(vw[..., :1])], -1)
 
 
 class LinearDecoding(PrefixSumDecoding):
-    """``linear``: phi = psi = elu + 1 (``ops/linear``)."""
+    """``linear``: phi = psi = elu + 1 (``ops/linear``); its rows are normalised by
+    ``eps`` alone, so it keeps no sum of the values beside S."""
 
-    def features(self, q: Tensor, k: Tensor, key_valid: Tensor | None) -> tuple[Tensor, Tensor]:
-        work = compute_dtype(q.dtype)
-        phi_k = elu_feature_map(k.to(work))
+    def _first(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None) -> Tensor:
+        out = self.bound(q, k, v, key_padding_mask=key_valid, generator=self.key)
+        self.sums = self._key_features(k, key_valid).transpose(-1, -2) \
+            @ self._with_weights(*self._values(v, key_valid))
+        return out
+
+    def _extend(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None) -> Tensor:
+        assert self.sums is not None
+        phi_q = elu_feature_map(q.to(compute_dtype(q.dtype)))
+        psi_k = self._key_features(k, key_valid)
+        v1 = self._with_weights(*self._values(v, key_valid))  # [B, H, n, Dv + 1]
+        o = causal_feature_sums(phi_q, psi_k, v1) + phi_q @ self.sums
+        self.sums = self.sums + psi_k.transpose(-1, -2) @ v1
+        out = linear_normalised(o, self.bound.config.eps)
+        return zero_padded_queries(out, key_valid).to(q.dtype)
+
+    @staticmethod
+    def _key_features(k: Tensor, key_valid: Tensor | None) -> Tensor:
+        """psi(k) ``[B, H, n, m]`` in the compute dtype, zero rows for padded keys."""
+        psi_k = elu_feature_map(k.to(compute_dtype(k.dtype)))
         if key_valid is not None:
-            phi_k = torch.where(key_valid[:, None, :, None], phi_k, 0.0)
-        return elu_feature_map(q.to(work)), phi_k
-
-    def finish(self, o: Tensor, mean: Tensor) -> Tensor:
-        return linear_normalised(o, self.bound.config.eps)
+            psi_k = torch.where(key_valid[:, None, :, None], psi_k, 0.0)
+        return psi_k
 
 
 class PerformerDecoding(PrefixSumDecoding):
@@ -118,9 +96,8 @@ class PerformerDecoding(PrefixSumDecoding):
         self.features_module = features  # the layer's PerformerFeatures, if any
         self.projection: Tensor | None = None  # [m, D]
         self.shift: Tensor | None = None  # [B, H], the sums' running maximum
-
-    def _arguments(self) -> dict[str, Tensor]:
-        return {"projection": self.projection} if self.projection is not None else {}
+        self.value_sum: Tensor | None = None  # [B, H, 1, Dv]: the fallback rows' mean
+        self.count: Tensor | None = None  # [B, 1, 1, 1]
 
     def _first(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None) -> Tensor:
         config = self.bound.config
@@ -130,7 +107,7 @@ class PerformerDecoding(PrefixSumDecoding):
             "performer", self.projection, config.num_features, q.shape[-1], config.orthogonal,
             q.device, self.key)
         out = self.bound(q, k, v, key_padding_mask=key_valid, generator=self.key,
-                         **self._arguments())
+                         projection=self.projection)
         vw, w = self._values(v, key_valid)
         self.sums, self.shift, _ = running_sums(*self._key_logs(k), self._with_weights(vw, w),
                                                 key_valid)
