@@ -70,10 +70,11 @@ class Decoder(nn.Module):
         self.head = nn.Linear(dim, 256)
 
     def positions(self, start: int, n: int) -> Tensor:
-        """Sinusoidal encodings of positions ``start .. start + n - 1``: ``[n, dim]``."""
+        """Sinusoidal encodings of positions ``start .. start + n - 1``: ``[n, dim]`` (an
+        odd dim drops the last cosine)."""
         pos = torch.arange(start, start + n, dtype=torch.float32)[:, None]
         freq = torch.exp(torch.arange(0, self.dim, 2) * (-math.log(10000.0) / self.dim))
-        return torch.cat([torch.sin(pos * freq), torch.cos(pos * freq)], -1)
+        return torch.cat([torch.sin(pos * freq), torch.cos(pos * freq)], -1)[:, :self.dim]
 
     def forward(self, tokens: Tensor, key: Tensor | None = None, caches: list | None = None,
                 start: int = 0) -> Tensor:
@@ -187,6 +188,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.steps = args.steps or (30 if quick else 500)
     args.seq_len = args.seq_len or (128 if quick else 512)
     args.dim = args.dim or (32 if quick else 128)
+    if args.dim % args.heads:
+        parser.error(f"argument --heads: each of the {args.heads} heads takes dim / heads "
+                     f"features, and --dim {args.dim} does not divide by {args.heads}")
     text = len(default_text().encode("utf-8"))
     if args.seq_len > text - 2:  # windows of seq_len + 1 bytes, at more than one start
         parser.error(f"argument --seq-len: the training text holds {text} bytes, so windows "

@@ -75,6 +75,8 @@ def test_own_model_refuses_an_unknown_method_in_a_sentence():
     ("torch_model", ["--test", "0"], "argument --test: must be a positive integer, got 0"),
     ("causal_decoder", ["--seq-len", "1000000"], "argument --seq-len: the training text "
                                                  "holds"),
+    ("causal_decoder", ["--dim", "32", "--heads", "3"], "argument --heads: each of the 3 "
+                                                        "heads takes dim / heads features"),
     ("pretrained_bert", ["--sentences", "0"], "argument --sentences: must be a positive"),
     ("sequence_parallel_train", ["--steps", "0"], "argument --steps: must be a positive"),
 ])
@@ -338,3 +340,10 @@ def test_torch_model_says_what_its_run_shows_of_the_gaussian_methods():
     assert "as swapped, kernelized scored 0.800 against the exact model's 0.900; " \
            "softmax-trained weights need the fine-tune" in said(0.8)
     assert "they kept the exact model's accuracy (0.900) as swapped" in said(0.95)
+
+
+def test_causal_decoder_takes_an_odd_width():
+    """Its sinusoidal positions had 2 ceil(dim / 2) columns: --dim 33 failed adding them."""
+    result = example("causal_decoder").main(["--method", "softmax", "--steps", "1",
+                                             "--generate", "2", "--dim", "33", "--heads", "3"])
+    assert result.cached == result.full
