@@ -24,10 +24,10 @@ from ..ops.nystrom_softmax.causal import (
     causal_nystrom_softmax_from_core,
 )
 from ..ops.shared.causal_nystrom import gaussian_features
-from ..ops.shared.causal_prefix import by_blocks, row_blocks
+from ..ops.shared.causal_prefix import by_blocks
 from ..ops.shared.inputs import AttentionInputs
 from ..ops.shared.rescaled_prefix import factor, joined_at_largest
-from .causal_shard import CausalShard, Rows, causal_shard, rows_within
+from .causal_shard import CausalShard, Rows, causal_shard, offer_blocks
 from .layout import ShardLayout
 from .reduction import GroupReduction
 
@@ -73,15 +73,13 @@ def causal_nystrom_softmax_shard(q: Tensor, k: Tensor, v: Tensor, config: Any,
 def _offers_by_blocks(ks: Tensor, shard: CausalShard, own_max: Tensor, offset: Tensor,
                       v1: Tensor, kernel: str) -> list[tuple[Tensor, Tensor]]:
     """The states of ``shard.head`` and ``shard.mine`` (``_state``), the keys' features
-    taken block by block (``causal_prefix.row_blocks``), the blocks' states joined."""
+    taken block by block (``offer_blocks``), the blocks' states joined."""
     parts: list[list[tuple[Tensor, Tensor]]] = [[], []]
-    for block in row_blocks(ks.shape[2]):
-        valid = None if shard.valid is None else shard.valid[:, block]
+    for block, valid, *block_rows in offer_blocks(shard):
         psi_k = gaussian_features(ks[:, :, block], shard.core, row_valid=valid,
                                   row_offset=offset[:, :, block], row_norm=False, kernel=kernel)
-        for part, rows in zip(parts, (shard.head, shard.mine), strict=True):
-            part.append(_state(psi_k, own_max[:, :, block], v1[:, :, block],
-                               rows_within(rows, block)))
+        for part, rows in zip(parts, block_rows, strict=True):
+            part.append(_state(psi_k, own_max[:, :, block], v1[:, :, block], rows))
     m = shard.core.l_inv.shape[-1]
     offers = []
     for part in parts:

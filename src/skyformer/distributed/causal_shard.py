@@ -28,7 +28,7 @@ to the order of floating-point sums.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +42,7 @@ from ..ops.shared.causal_nystrom import (
     slot_ranks,
     slot_takes_query,
 )
-from ..ops.shared.causal_prefix import CAUSAL_CHUNK
+from ..ops.shared.causal_prefix import CAUSAL_CHUNK, row_blocks
 from ..ops.shared.inputs import AttentionInputs, compute_dtype, zero_padded_queries
 from ..ops.shared.modified_nystrom import head_rows
 from ..ops.shared.real_first import from_real_first, real_first, real_first_mask, to_real_first
@@ -131,6 +131,15 @@ def causal_shard(q: Tensor, k: Tensor, v: Tensor, config: Any, info: AttentionIn
 
     return CausalShard(seq_q, seq_k, seq_v, seq_valid, head, mine, core, landmarks,
                        (ends // CAUSAL_CHUNK) * CAUSAL_CHUNK == first, finish)
+
+
+def offer_blocks(shard: CausalShard) -> Iterator[tuple[slice, Tensor | None, Rows, Rows]]:
+    """The blocks of the shard's rows (``causal_prefix.row_blocks``) that a shard running
+    by blocks takes its offers from: ``(block, its mask or None, shard.head's rows in it,
+    shard.mine's)``."""
+    for block in row_blocks(shard.k.shape[2]):
+        valid = None if shard.valid is None else shard.valid[:, block]
+        yield block, valid, rows_within(shard.head, block), rows_within(shard.mine, block)
 
 
 def rows_within(rows: Rows, block: slice) -> Rows:

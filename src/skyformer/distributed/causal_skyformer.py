@@ -10,10 +10,10 @@ from torch import Tensor
 
 from ..linalg import kernel_scale
 from ..ops.shared.causal_nystrom import gaussian_features
-from ..ops.shared.causal_prefix import by_blocks, row_blocks
+from ..ops.shared.causal_prefix import by_blocks
 from ..ops.shared.inputs import AttentionInputs
 from ..ops.skyformer.causal import causal_skyformer_from_core
-from .causal_shard import CausalShard, Rows, causal_shard, rows_within
+from .causal_shard import CausalShard, Rows, causal_shard, offer_blocks
 from .layout import ShardLayout
 from .reduction import GroupReduction
 
@@ -41,14 +41,12 @@ def causal_skyformer_shard(q: Tensor, k: Tensor, v: Tensor, config: Any, info: A
 
 def _offers_by_blocks(ks: Tensor, shard: CausalShard, kernel: str) -> tuple[Tensor, Tensor]:
     """The sums of ``shard.head`` and ``shard.mine`` (``_key_sums``), the keys' features
-    taken block by block (``causal_prefix.row_blocks``)."""
+    taken block by block (``offer_blocks``)."""
     head = whole = None
-    for block in row_blocks(ks.shape[2]):
-        valid = None if shard.valid is None else shard.valid[:, block]
+    for block, valid, head_rows, mine_rows in offer_blocks(shard):
         phi_k = gaussian_features(ks[:, :, block], shard.core, row_valid=valid, kernel=kernel)
         v = shard.v[:, :, block]
-        parts = (_key_sums(phi_k, v, rows_within(shard.head, block)),
-                 _key_sums(phi_k, v, rows_within(shard.mine, block)))
+        parts = (_key_sums(phi_k, v, head_rows), _key_sums(phi_k, v, mine_rows))
         head, whole = parts if head is None else (head + parts[0], whole + parts[1])
     return head, whole
 
