@@ -22,7 +22,6 @@ from ..registry.autocast import autocast_rule
 from ..registry.guard import show_nonfinite, zero_padding
 from .forms import form_of
 from .layout import (
-    DTYPES,
     agree_layout,
     failing_together,
     recorded_gradients,
@@ -97,10 +96,7 @@ def run_sequence_parallel(
             raise ValueError(f"{caller}: this rank's shard of the sequence is empty; every "
                              f"rank of the group needs at least one row (shard_bounds(N, P, "
                              f"rank) splits N >= P rows).")
-        info = check_attention_inputs(q, k, v, key_padding_mask, method=name)
-        if q.dtype not in DTYPES:
-            raise TypeError(f"{caller}: q, k and v must be float16, bfloat16, float32 or "
-                            f"float64, got {q.dtype}.")
+        info = check_attention_inputs(q, k, v, key_padding_mask, method=name)  # a DTYPES one
         if info.query_len != info.key_len:
             raise ValueError(
                 f"{caller}: q and k must be shards of one sequence (self-attention), got "

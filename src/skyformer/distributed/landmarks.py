@@ -56,7 +56,7 @@ def draw_landmarks(
                                            rows_before=layout.rows_before)  # [B, n]
         index, picked = smallest_keys(shard_keys, count)  # [B, min(count, n)]
         none = index.new_full((batch, count - index.shape[1]), -1)  # [B, count - c]
-        keys.append(torch.cat([picked, none + 1 + _NO_CANDIDATE], 1))  # ints: F.pad is float
+        keys.append(torch.cat([picked, torch.full_like(none, _NO_CANDIDATE)], 1))
         positions.append(torch.cat([index + layout.rows_before, none], 1))
         rows.append(torch.cat([index, none], 1))
     gathered = all_gather(torch.stack([torch.cat(keys, 1), torch.cat(positions, 1)]),

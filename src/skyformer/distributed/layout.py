@@ -213,10 +213,11 @@ def failing_together(caller: str, group: Any) -> Iterator[None]:
 def fingerprint(tensors: Any) -> Tensor:
     """A long scalar that changes with any bit of ``tensors`` (an exact, order-free
     integer sum of their bits weighted by position: equal on every rank and device for
-    equal tensors, with no host read)."""
+    equal tensors, with no host read; int64 sums wrap alike everywhere)."""
     total = torch.zeros((), dtype=torch.long)
     for t in tensors:
-        bits = t.detach().contiguous().view(-1).view(_INTEGER_OF_SIZE[t.element_size()])
+        integers = _INTEGER_OF_SIZE.get(t.element_size(), torch.uint8)  # complex128: bytes
+        bits = t.detach().contiguous().view(-1).view(integers)
         position = torch.arange(1, bits.numel() + 1, device=bits.device)
         total = total.to(bits.device) + (bits.long() * (position * 2654435761 + 1)).sum()
     return total

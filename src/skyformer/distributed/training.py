@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .layout import _INTEGER_OF_SIZE, comm_device, resolve_group
+from .layout import comm_device, fingerprint, resolve_group
 
 
 def shard_bounds(n: int, world: int, rank: int) -> tuple[int, int]:
@@ -99,7 +99,7 @@ def _check_alike(named: list[tuple[str, nn.Parameter]], group: Any, values: bool
     layout = repr([(tuple(p.shape), str(p.dtype)) for _, p in named])
     sparse = [name for name, p in named if p.grad is not None and p.grad.is_sparse]
     mine = torch.tensor([len(named), zlib.crc32(layout.encode()), len(sparse),
-                         _bit_sum(p for _, p in named) if values else 0],
+                         int(fingerprint(p for _, p in named)) if values else 0],
                         device=comm_device(group))
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)
@@ -125,18 +125,6 @@ def _check_alike(named: list[tuple[str, nn.Parameter]], group: Any, values: bool
                          f"under one seed on every rank (torch.manual_seed(0) before it), or "
                          f"broadcast rank 0's parameters first (torch.distributed.broadcast of "
                          f"each).")
-
-
-def _bit_sum(parameters: Any) -> int:
-    """An integer that changes with the bits of ``parameters`` (their bits read as
-    integers and summed, exactly and in any order, modulo 2^64): equal on every rank for
-    equal values, on any device."""
-    total = 0
-    for p in parameters:
-        integers = _INTEGER_OF_SIZE.get(p.element_size(), torch.uint8)  # complex128: bytes
-        bits = p.detach().contiguous().view(-1).view(integers)
-        total = (total + int(bits.long().sum())) % 2**63
-    return total
 
 
 def destroy_process_group(group: Any = None) -> None:
