@@ -315,8 +315,16 @@ def check_errors(rank: int, world: int) -> None:
         f"rows of q, k and v (their first and last rows are equal on all {world} ranks), as "
         f"when each passes the whole sequence: each rank passes its own contiguous shard "
         f"(skyformer.distributed.shard_bounds(N, world_size, rank) gives its rows), and the "
-        f"output is that of the shards concatenated, here {world} copies of these rows."]
+        f"output is that of the shards concatenated, here {world} copies of these rows. "
+        f"(Shards of a sequence whose rows are all alike, torch.ones, look the same: then "
+        f"nothing is wrong.)"]
     assert caught[0].filename == __file__  # the warning points at the call
+    torch.manual_seed(0)  # the same weights on every rank
+    layer = skyformer.MultiHeadAttention(8, 2, "linear", process_group=dist.group.WORLD)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layer(torch.randn(1, 4 * world, 8, generator=torch.Generator().manual_seed(0)))
+    assert [w.filename for w in caught] == [__file__]  # through a layer too, not nn.py
 
 
 def _outcome(call: Callable[[], object]) -> str:
@@ -353,6 +361,7 @@ def check_one_rank_fails(rank: int, world: int) -> None:
          "float8_e4m3fn"),
     ]
     torch.manual_seed(0)
+    torch.manual_seed(0)  # the same weights on every rank
     layer = skyformer.MultiHeadAttention(8, 2, "linear", process_group=dist.group.WORLD)
     x = torch.randn(1, 4, 8)
     cases += [(lambda: layer(x[..., :6] if bad else x), "must have shape [B, N, 8]"),

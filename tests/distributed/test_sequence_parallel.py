@@ -137,8 +137,12 @@ def test_sum_gradients_of_sparse_gradients_gets_a_sentence():
 
 def test_without_an_initialised_group_the_call_says_so():
     q = torch.randn(1, 1, 4, 2)
-    with pytest.raises(RuntimeError, match=r"torch\.distributed is not initialised"):
+    with pytest.raises(RuntimeError, match=r"torch\.distributed is not initialised .* or run "
+                                           r"without sequence parallelism where one"):
         sequence_parallel_attention(q, q, q)
+    with pytest.raises(RuntimeError, match=r"sum_gradients: torch\.distributed is not "
+                                           r"initialised .* leave sum_gradients out where"):
+        sum_gradients(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="cannot run sequence parallel"):
         skyformer.MultiHeadAttention(8, 2, "reformer", process_group=object())
     # a bad method or option says so itself (nobody waits without a group)

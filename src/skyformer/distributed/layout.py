@@ -16,7 +16,6 @@ waiting for it forever.
 
 from __future__ import annotations
 
-import warnings
 import zlib
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -53,26 +52,30 @@ class ShardLayout:
     unpadded_before: bool  # every row of the ranks before this one is valid
 
 
-def resolve_group(group: Any, caller: str) -> Any:
-    """``group`` (``None`` = the default group), checked to be usable by this process."""
+def resolve_group(group: Any, caller: str,
+                  alone: str = "run without sequence parallelism where one process holds "
+                               "the sequence (skyformer.attention, or a layer built without "
+                               "process_group)") -> Any:
+    """``group`` (``None`` = the default group), checked to be usable by this process;
+    ``alone``: what the caller does without torch.distributed, for the sentence where
+    it is not initialised (never, or destroyed already)."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
-            f"{caller}: torch.distributed is not initialised; call "
-            f"torch.distributed.init_process_group(...) first (torchrun sets the environment "
-            f"it reads), or use skyformer.attention for a sequence held by one process."
-        )
+            f"{caller}: torch.distributed is not initialised (or its process group was "
+            f"destroyed already); call torch.distributed.init_process_group(...) first "
+            f"(torchrun sets the environment it reads), or {alone}.")
     group = dist.group.WORLD if group is None else group
+    outside = ValueError(f"{caller}: this process is not a member of the process group it "
+                         f"was given; pass a group that contains it (or None for all).")
     # new_group(ranks) hands a process outside ranks this marker, not a group
     if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError(f"{caller}: this process is not a member of the process group it "
-                         f"was given; pass a group that contains it (or None for all).")
+        raise outside
     if not isinstance(group, dist.ProcessGroup):  # a list of ranks, a rank: torch's words
         raise TypeError(f"{caller}: group must be a torch.distributed process group "
                         f"(torch.distributed.new_group(ranks), or None for all processes), "
                         f"got {type(group).__name__} {group!r}.")
     if dist.get_rank(group) < 0:
-        raise ValueError(f"{caller}: this process is not a member of the process group it "
-                         f"was given; pass a group that contains it (or None for all).")
+        raise outside
     return group
 
 
@@ -121,10 +124,10 @@ def agree_layout(
                          f"(see the error raised there); every rank stops.")
     shapes = headers[:, :5]
     if not (shapes == shapes[0]).all():
-        rows = "; ".join(f"rank {r}: {_describe(s)}" for r, s in enumerate(shapes.tolist()))
+        said = "; ".join(f"rank {r}: {_describe(s)}" for r, s in enumerate(shapes.tolist()))
         raise ValueError(
             f"{caller}: every rank must pass shards with the same batch size B, heads H, head "
-            f"dims D and Dv and dtype (only the sequence length may differ), got {rows}.")
+            f"dims D and Dv and dtype (only the sequence length may differ), got {said}.")
     if not (headers[:, 8] == headers[0, 8]).all():
         raise ValueError(
             f"{caller}: every rank must call the same method with the same options; rank(s) "
@@ -141,13 +144,14 @@ def agree_layout(
     lengths = headers[:, 5]
     if world > 1 and rows is not None and (headers[:, 11] == headers[0, 11]).all() \
             and (lengths == lengths[0]).all():
-        warnings.warn(
+        warn_from_user_frame(
             f"{caller}: every rank of the group passed the same {int(lengths[0])} rows of "
             f"q, k and v (their first and last rows are equal on all {world} ranks), as "
             f"when each passes the whole sequence: each rank passes its own contiguous "
             f"shard (skyformer.distributed.shard_bounds(N, world_size, rank) gives its "
             f"rows), and the output is that of the shards concatenated, here {world} copies "
-            f"of these rows.", RuntimeWarning, stacklevel=4)
+            f"of these rows. (Shards of a sequence whose rows are all alike, torch.ones, "
+            f"look the same: then nothing is wrong.)", RuntimeWarning)
     b = int(shapes[0, 0])
     counts = torch.full((b,), q.shape[2], dtype=torch.long) if key_valid is None \
         else key_valid.sum(dim=1).cpu()

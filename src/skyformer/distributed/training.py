@@ -58,7 +58,8 @@ def sum_gradients(module: nn.Module, group: Any = None, divide_by: float = 1.0) 
         raise ValueError(f"sum_gradients: divide_by must be a positive number (the number of "
                          f"data-parallel groups to average over, 1 for a sum), got "
                          f"{divide_by!r}.")
-    group = resolve_group(group, "sum_gradients")
+    group = resolve_group(group, "sum_gradients", alone="leave sum_gradients out where one "
+                          "process trains (there is nothing to sum)")
     named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
     first = module not in _SUMMED  # the values are compared at a module's first sum
     _check_alike(named, group, values=first)
