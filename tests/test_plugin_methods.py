@@ -342,3 +342,29 @@ def test_a_config_with_a_factory_or_an_optional_field_reads_as_declared():
             "sizes: tuple = tuple()\nlabel: typing.Optional[str] = None"), public.__doc__
     finally:
         registry_methods._REGISTRY.pop("plugin_shaped", None)
+
+
+def test_a_method_with_options_as_keywords_keeps_one_adapter_however_often_called():
+    """Registered in public form (options as keyword arguments), its core was adapted
+    anew at every read, and the call's cached signature took one entry a call: a leak
+    of about 600 bytes a call with an attention mask (one per layer per forward)."""
+    @dataclasses.dataclass(frozen=True)
+    class Features:
+        num_features: int = 8
+
+    @register("keyword_options", Features, Capabilities(target="softmax", attn_mask=True))
+    def keyword_options(q, k, v, *, key_padding_mask=None, query_padding_mask="auto",
+                        generator=None, num_features=8, attn_mask=None):
+        scores = (q @ k.transpose(-1, -2)).masked_fill(~attn_mask, float("-inf"))
+        return torch.softmax(scores, -1) @ v
+
+    method = skyformer.get_method("keyword_options")
+    assert method.core is method.core
+    q = torch.randn(1, 2, 6, 8)
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    skyformer.scaled_dot_product_attention(q, q, q, attn_mask=causal, method="keyword_options")
+    before = registry_methods._argument_names.cache_info().currsize
+    for _ in range(20):
+        skyformer.scaled_dot_product_attention(q, q, q, attn_mask=causal,
+                                               method="keyword_options")
+    assert registry_methods._argument_names.cache_info().currsize == before

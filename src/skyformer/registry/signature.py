@@ -197,9 +197,12 @@ def core_of(function: Callable[..., Tensor]) -> Callable[..., Tensor]:
     adapted: the config's fields become its keyword arguments.
     """
     core = getattr(function, "core", None)
-    if core is not None:
-        return core
+    return core if core is not None else _adapted(function)
 
+
+@functools.cache  # one adapter a function: callers cache by it (methods._argument_names)
+def _adapted(function: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """``core_of`` of a function taking its options as keyword arguments."""
     # named as the function (its module and name: where a sentence points, what a
     # registration again compares), which inspect.unwrap gives back
     @functools.wraps(function, assigned=("__module__", "__name__", "__qualname__"),
