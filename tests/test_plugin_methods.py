@@ -368,3 +368,19 @@ def test_a_method_with_options_as_keywords_keeps_one_adapter_however_often_calle
         skyformer.scaled_dot_product_attention(q, q, q, attn_mask=causal,
                                                method="keyword_options")
     assert registry_methods._argument_names.cache_info().currsize == before
+
+
+@pytest.mark.parametrize(("make", "said"), [
+    (lambda: lambda q, k, v, config, extra, *, key_padding_mask=None, generator=None: v,
+     r"with q, k, v, config by position \(missing a required argument: 'extra'\)"),
+    (lambda: lambda q, k, *, key_padding_mask=None, generator=None, width=2: k,
+     r"with q, k, v by position \(too many positional arguments\)"),
+])
+def test_a_function_no_call_can_run_is_refused_at_registration(make, said):
+    """Only the keyword arguments were checked: a core with an extra positional
+    parameter, or a public form without v, registered and failed at every call with
+    Python's sentence about a function the user never called."""
+    with pytest.raises(TypeError, match=r"register: the function registered as 'unrunnable' "
+                                        r"cannot be called as every call calls it, " + said):
+        register("unrunnable", _Options, Capabilities(target="softmax"))(make())
+    assert "unrunnable" not in skyformer.list_methods()

@@ -323,6 +323,7 @@ def register(
         _refuse_taken_name(name, fn)
         _check_call_arguments(name, fn)
         _check_options_taken(name, fn, config_class)
+        _check_positional_arguments(name, fn, config_class)
         public = with_options(config_class, name)(fn) if takes_config(fn) else fn
         _REGISTRY[name] = Method(name, public, config_class, capabilities, summary, state)
         TAKES_QUERY_MASK[public] = takes_keyword(fn, "query_padding_mask")
@@ -390,6 +391,31 @@ def _check_options_taken(name: str, fn: Callable[..., Tensor], config_class: typ
             f"*, key_padding_mask=None, generator=None)) nor the options "
             f"{', '.join(missing)} as keyword arguments (a public form); name its fourth "
             f"parameter config.")
+
+
+def _check_positional_arguments(name: str, fn: Callable[..., Tensor], config_class: type
+                                ) -> None:
+    """A function that cannot be called as every call calls it, ``fn(q, k, v, config,
+    **keywords)`` (a core) or ``fn(q, k, v, **options, **keywords)`` (a public form), by
+    its positional parameters (a missing ``v``, an extra one without a default) gets a
+    sentence at registration. Keyword-only parameters without a default are taken as a
+    per-layer state's arguments, which a layer passes."""
+    signature = inspect.signature(fn)
+    core = takes_config(fn)
+    positional = ("q", "k", "v", "config") if core else ("q", "k", "v")
+    keywords = dict.fromkeys(CALL_ARGUMENTS)
+    if not core:
+        keywords.update(dict.fromkeys(f.name for f in dataclasses.fields(config_class)))
+    keywords.update((p.name, None) for p in signature.parameters.values()
+                    if p.kind is p.KEYWORD_ONLY and p.default is p.empty)
+    try:
+        signature.bind(*positional, **keywords)
+    except TypeError as error:
+        form = ("def f(q, k, v, config, *, key_padding_mask=None, generator=None)" if core
+                else "def f(q, k, v, *, key_padding_mask=None, generator=None, <options>)")
+        raise TypeError(f"register: the function registered as {name!r} cannot be called "
+                        f"as every call calls it, with q, k, v{', config' * core} by "
+                        f"position ({error}); its form: {form}.") from None
 
 
 def with_options(config_class: type, method: str
