@@ -384,3 +384,57 @@ def test_a_function_no_call_can_run_is_refused_at_registration(make, said):
                                         r"cannot be called as every call calls it, " + said):
         register("unrunnable", _Options, Capabilities(target="softmax"))(make())
     assert "unrunnable" not in skyformer.list_methods()
+
+
+def _core(q, k, v, config, *, key_padding_mask=None, generator=None):
+    return torch.softmax(q @ k.transpose(-1, -2), -1) @ v
+
+
+@dataclasses.dataclass(frozen=True)
+class _ListOptions:
+    windows: list = dataclasses.field(default_factory=lambda: [1, 2])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Features:
+    num_features: int = 8
+
+
+def _keyword_form(q, k, v, *, key_padding_mask=None, generator=None, num_features=16):
+    return _core(q, k, v, None)
+
+
+@pytest.mark.parametrize(("config", "capabilities", "function", "error", "said"), [
+    (_ListOptions, Capabilities(target="softmax"), _core, TypeError,
+     r"option windows of 'misdeclared' defaults to a list, which can change .* give it a "
+     r"tuple"),
+    (_Options, Capabilities(target="softmax", attn_mask=True), _core, TypeError,
+     r"'misdeclared' declares attn_mask=True, so calls pass it an attn_mask, which the "
+     r"function registered does not take"),
+    (_Features, Capabilities(target="softmax"), _keyword_form, ValueError,
+     r"'misdeclared' defaults num_features to 16 in its function and to 8 in _Features"),
+], ids=["list-default", "attn-mask-not-taken", "two-defaults"])
+def test_a_registration_its_calls_would_contradict_is_refused(config, capabilities, function,
+                                                              error, said):
+    """A list default was shared by every call of a bound config (a core appending to
+    it changed the options); attn_mask=True on a function without it failed at its
+    first masked call naming scaled_dot_product_attention; a keyword default other
+    than the config's made direct and registered calls differ."""
+    with pytest.raises(error, match=r"register: " + said):
+        register("misdeclared", config, capabilities)(function)
+    assert "misdeclared" not in skyformer.list_methods()
+
+
+def test_an_output_on_another_device_and_a_core_under_two_names_are_said_so():
+    """An output on another device failed later in torch without the method's name; a
+    core registered twice was named by its first name alone, also in calls of the
+    second."""
+    register("first_name", _Options, Capabilities(target="softmax"))(
+        lambda q, k, v, config, *, key_padding_mask=None, generator=None: v.to("meta"))
+    core = skyformer.get_method("first_name").core
+    register("second_name", _Options, Capabilities(target="softmax"))(core)
+    q = torch.randn(1, 2, 6, 4)
+    with pytest.raises(TypeError, match=r"the attention method 'first_name' or 'second_name' "
+                                        r"\(.*\) returned a tensor on meta for q on cpu; .* "
+                                        r"device=q.device"):
+        skyformer.attention(q, q, q, "second_name")

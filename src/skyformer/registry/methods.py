@@ -318,12 +318,15 @@ def register(
         raise TypeError(f"config_class of {name!r} must be a frozen dataclass (a method's "
                         f"options are fixed once bound): declare it with "
                         f"@dataclasses.dataclass(frozen=True).")
+    _refuse_mutable_defaults(name, config_class)
 
     def decorator(fn: Callable[..., Tensor]) -> AttentionFunction:
         _refuse_taken_name(name, fn)
         _check_call_arguments(name, fn)
         _check_options_taken(name, fn, config_class)
         _check_positional_arguments(name, fn, config_class)
+        _check_declared_arguments(name, fn, capabilities)
+        _check_keyword_defaults(name, fn, config_class)
         public = with_options(config_class, name)(fn) if takes_config(fn) else fn
         _REGISTRY[name] = Method(name, public, config_class, capabilities, summary, state)
         TAKES_QUERY_MASK[public] = takes_keyword(fn, "query_padding_mask")
@@ -391,6 +394,54 @@ def _check_options_taken(name: str, fn: Callable[..., Tensor], config_class: typ
             f"*, key_padding_mask=None, generator=None)) nor the options "
             f"{', '.join(missing)} as keyword arguments (a public form); name its fourth "
             f"parameter config.")
+
+
+def _refuse_mutable_defaults(name: str, config_class: type) -> None:
+    """A default option value that can change (a list, a dict): a bound config shares
+    it with every call, so a core that appends to it changes the method's options for
+    the calls after, and the config cannot be hashed."""
+    for f in dataclasses.fields(config_class):
+        if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            value = f.default_factory()  # type: ignore[misc]
+        elif f.default is not dataclasses.MISSING:
+            value = f.default
+        else:
+            continue
+        try:
+            hash(value)
+        except TypeError:
+            raise TypeError(f"register: option {f.name} of {name!r} defaults to a "
+                            f"{type(value).__name__}, which can change after the method is "
+                            f"bound (and cannot be hashed); give it a tuple or another value "
+                            f"that cannot change.") from None
+
+
+def _check_declared_arguments(name: str, fn: Callable[..., Tensor],
+                              capabilities: Capabilities) -> None:
+    """A capability whose call passes an argument the function does not take
+    (``attn_mask``) gets a sentence at registration: its first masked call named
+    ``skyformer.scaled_dot_product_attention``, the function the user had called."""
+    if capabilities.attn_mask and not takes_keyword(fn, "attn_mask"):
+        raise TypeError(f"register: {name!r} declares attn_mask=True, so calls pass it an "
+                        f"attn_mask, which the function registered does not take; add the "
+                        f"keyword argument attn_mask=None (or leave attn_mask undeclared).")
+
+
+def _check_keyword_defaults(name: str, fn: Callable[..., Tensor], config_class: type) -> None:
+    """A public form (options as keyword arguments) whose own default of an option
+    differs from its config's: every registered call runs the config's, a direct call
+    of the function its own, one method with two defaults."""
+    if takes_config(fn):
+        return
+    parameters = inspect.signature(fn).parameters
+    for f in dataclasses.fields(config_class):
+        own = parameters[f.name].default if f.name in parameters else inspect.Parameter.empty
+        if own is inspect.Parameter.empty or f.default is dataclasses.MISSING:
+            continue
+        if own != f.default:
+            raise ValueError(f"register: {name!r} defaults {f.name} to {own!r} in its "
+                             f"function and to {f.default!r} in {config_class.__name__}; "
+                             f"registered calls run the config's, so give both one default.")
 
 
 def _check_positional_arguments(name: str, fn: Callable[..., Tensor], config_class: type

@@ -1,5 +1,5 @@
 """What a method registered from outside the library must return, checked where its
-core returns: ``[B, H, Nq, Dv]`` (q's leading dims, v's last) in q's dtype.
+core returns: ``[B, H, Nq, Dv]`` (q's leading dims, v's last) in q's dtype, on q's device.
 
 The library's own methods are tested to return that; a plugin that returns the wrong
 number of rows would otherwise reach a ``MultiHeadAttention`` layer's output silently
@@ -38,28 +38,42 @@ def check_output(core: Callable[..., Any], out: Any, q: Tensor, v: Any,
             f"{list(out.shape)} for q of shape {list(q.shape)} and v of shape "
             f"{list(v.shape)}; a method returns [B, H, Nq, Dv] = {list(expected)} in q's "
             f"dtype ({_dtype(q.dtype)}){cast}.")
+    if out.device != q.device:
+        raise TypeError(f"the attention method {name} returned a tensor on {out.device} for "
+                        f"q on {q.device}; a method returns its output on the inputs' "
+                        f"device (make new tensors with device=q.device).")
     return out
 
 
 def _named(core: Callable[..., Any]) -> str:
     """``'name' (module.function)``: the registered name and where its core is defined."""
-    where = f"{getattr(core, '__module__', '?')}.{getattr(core, '__qualname__', repr(core))}"
-    name = registered_name(core)
-    return where if name == where else f"{name!r} ({where})"
+    names = registered_names(core)
+    where = _where(core)
+    return f"{' or '.join(map(repr, names))} ({where})" if names else where
 
 
 def registered_name(core: Callable[..., Any]) -> str:
-    """The name ``core`` is registered under (``module.function`` where none)."""
+    """The name ``core`` is registered under (``module.function`` where none; ``a or
+    b`` where one function is registered under two names: a call does not say which
+    it was)."""
+    return " or ".join(registered_names(core)) or _where(core)
+
+
+def registered_names(core: Callable[..., Any]) -> list[str]:
+    """The names ``core`` is registered under, in registration order."""
     from .methods import _REGISTRY  # it imports this module (through autocast)
 
-    # a method registered with its options as keyword arguments runs an adapter made
-    # for each call (signature.core_of), which unwraps to the function
-    # over a copy (one C call, which no thread interrupts): a method registered in
-    # another thread meanwhile would end the iteration of the dict itself
-    names = [m.name for m in tuple(_REGISTRY.values())
-             if inspect.unwrap(m.core) is inspect.unwrap(core)]
-    where = f"{getattr(core, '__module__', '?')}.{getattr(core, '__qualname__', repr(core))}"
-    return names[0] if names else where
+    # a method registered with its options as keyword arguments runs an adapter
+    # (signature.core_of), which unwraps to the function; over a copy (one C call,
+    # which no thread interrupts): a method registered in another thread meanwhile
+    # would end the iteration of the dict itself
+    return [m.name for m in tuple(_REGISTRY.values())
+            if inspect.unwrap(m.core) is inspect.unwrap(core)]
+
+
+def _where(core: Callable[..., Any]) -> str:
+    """``module.function`` of ``core``."""
+    return f"{getattr(core, '__module__', '?')}.{getattr(core, '__qualname__', repr(core))}"
 
 
 def _dtype(dtype: torch.dtype) -> str:
