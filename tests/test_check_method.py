@@ -61,6 +61,7 @@ def test_each_broken_promise_is_its_own_failed_check(leaky):
     failed = {r.name: r.detail for r in check_method(leaky) if r.passed is False}
     assert set(failed) == {
         "the same generator gives the same output",
+        "a random key as generator (skyformer.random_key, which layers pass)",
         "padding gives the truncated input's outputs",
         "causal: no output depends on a later position",
         "independent queries: no output depends on another query"}
@@ -86,9 +87,14 @@ def test_a_method_that_draws_without_declaring_it_fails_one_check(monkeypatch):
     monkeypatch.setitem(registry_methods._REGISTRY, "undeclared_draws",
                         registry_methods._REGISTRY["undeclared_draws"])
     failed = {r.name: r.detail for r in check_method("undeclared_draws") if r.passed is False}
-    assert failed == {"the same generator gives the same output": (
+    assert failed.pop("the same generator gives the same output") == (
         "two seeds gave different outputs, but randomized is not declared: declare "
-        "Capabilities(randomized=True)")}
+        "Capabilities(randomized=True)")
+    # torch.rand(generator=...) takes no random key, which layers pass
+    (name, detail), = failed.items()
+    assert name == "a random key as generator (skyformer.random_key, which layers pass)"
+    assert detail.startswith("raised TypeError for a random key as generator")
+    assert "resolve_key(name, generator, q.device)" in detail
 
 
 @pytest.mark.parametrize(("kind", "sentence"), [
@@ -200,7 +206,8 @@ def test_a_window_by_position_rather_than_among_real_tokens_fails_the_padding_ch
     assert list(failed) == ["padding gives the truncated input's outputs"]
     assert failed["padding gives the truncated input's outputs"].startswith(
         "with left padding and a hole, the real rows differ from those of the real tokens "
-        "alone (windows and positions count real tokens: ops/shared/real_first.py)")
+        "alone (windows, blocks, positions and draws must follow the real tokens, not the "
+        "padded length: ops/shared/real_first.py)")
 
 
 def test_a_method_that_raises_fails_the_checks_with_its_words(monkeypatch):
@@ -226,7 +233,7 @@ def test_the_command_prints_each_check_and_fails_where_one_fails(leaky, capsys):
     assert main(["check", leaky]) == 1
     out = capsys.readouterr().out
     assert "  FAILED  causal: no output depends on a later position: outputs before" in out
-    assert out.rstrip().endswith("4 check(s) failed")
+    assert out.rstrip().endswith("5 check(s) failed")
     assert main(["check", "linear[no_such_option=1]"]) == 2
     said = capsys.readouterr()
     assert "has no option 'no_such_option'" in said.err and said.out == ""
@@ -269,3 +276,70 @@ def test_softmax_written_naively_fails_the_dtype_and_the_large_norm_checks(monke
     with pytest.raises(ValueError, match="naive_exp: num_features must be a positive "
                                          "integer, got 0"):
         check_method("naive_exp", num_features=0)
+
+
+def _softmax_core(q, k, v, key_padding_mask=None, attn_mask=None):
+    scores = q @ k.transpose(-1, -2)
+    if key_padding_mask is not None:
+        scores = scores.masked_fill(~key_padding_mask[:, None, None, :], -torch.inf)
+    return torch.softmax(scores, -1) @ v
+
+
+@dataclasses.dataclass(frozen=True)
+class _NoOptions:
+    pass
+
+
+def test_a_method_attending_to_as_many_keys_as_queries_fails_cross_attention(monkeypatch):
+    """Keeping the first Nq keys passed the cross-attention check (shapes, finite): the
+    values of the other keys must reach the output."""
+    monkeypatch.delitem(registry_methods._REGISTRY, "first_keys", raising=False)
+
+    @register("first_keys", _NoOptions, Capabilities(target="softmax"))
+    def first_keys(q, k, v, config, *, key_padding_mask=None, generator=None):
+        n = q.shape[2]
+        return _softmax_core(q, k[:, :, :n], v[:, :, :n],
+                             None if key_padding_mask is None else key_padding_mask[:, :n])
+
+    failed = {r.name: r.detail for r in check_method("first_keys") if r.passed is False}
+    assert failed == {"cross-attention: other numbers of queries and keys": (
+        "with 12 queries over 20 keys, the values of keys 12 to 19 change no output: it "
+        "attends to as many keys as there are queries")}
+
+
+def test_a_method_declaring_attn_mask_that_ignores_it_fails_its_check(monkeypatch):
+    monkeypatch.delitem(registry_methods._REGISTRY, "mask_ignored", raising=False)
+
+    @register("mask_ignored", _NoOptions, Capabilities(target="softmax", attn_mask=True))
+    def mask_ignored(q, k, v, config, *, key_padding_mask=None, generator=None,
+                     attn_mask=None):
+        return _softmax_core(q, k, v, key_padding_mask)
+
+    failed = {r.name: r.detail for r in check_method("mask_ignored") if r.passed is False}
+    (name, detail), = failed.items()
+    assert name == "attn_mask: a key hidden from a query reaches none of its output"
+    assert detail.startswith("the outputs of queries 0 to 9 changed with keys 10 to 19, "
+                             "which the attn_mask hides")
+
+
+def test_an_option_the_check_put_in_and_the_method_refuses_says_how_to_give_one(monkeypatch):
+    """check runs num_features=8 where none is given; a method taking multiples of 16
+    failed with its own sentence about an 8 the user never gave."""
+    @dataclasses.dataclass(frozen=True)
+    class Blocks:
+        num_features: int = 64
+
+        def __post_init__(self):
+            if self.num_features % 16:
+                raise ValueError(f"blocks: num_features must be a multiple of 16, got "
+                                 f"{self.num_features}")
+
+    monkeypatch.delitem(registry_methods._REGISTRY, "blocks", raising=False)
+    register("blocks", Blocks, Capabilities(target="softmax"))(
+        lambda q, k, v, config, *, key_padding_mask=None, generator=None: v)
+    with pytest.raises(ValueError, match=r"multiple of 16, got 8 \(the check runs "
+                                         r"num_features=8 where none is given: name a variant "
+                                         r"with one the method takes, "
+                                         r"'blocks\[num_features=\.\.\.\]'\)"):
+        check_method("blocks")
+    assert check_method("blocks[num_features=16]")[0].passed

@@ -7,7 +7,9 @@ method declares is checked for what it promises (``causal``: no output depends o
 later position; ``mask``: padding gives the truncated input's outputs and zero rows;
 ``independent_queries``: an output depends on its own query alone; ``weights``: the
 output is one matrix applied to the values; ``half_precision``: bfloat16 in, bfloat16
-out, close to float32's), and one it lacks is skipped. What the
+out, close to float32's; ``cross_attention``: every key's value reaches the output;
+``attn_mask``: a key hidden from a query reaches none of its output), and one it lacks
+is skipped. A random key (``skyformer.random_key``) is tried as the generator too. What the
 call guarantees for every method is not checked: a fully padded sequence gives zero
 rows and zero gradients whatever the method computes (``guard.py`` replaces padded
 inputs and outputs with ``torch.where``), and ``num_features`` below 1 is refused
@@ -28,6 +30,7 @@ from torch.autograd import gradcheck
 
 from ..logs import first_line
 from ..ops.shared.causal_nystrom import CAUSAL_FORM_DEFAULTS
+from ..sketch.rng import random_key
 from .methods import get_method
 
 # Tolerances of outputs that should be equal in float64 (other summation orders).
@@ -50,9 +53,18 @@ def check_method(name: str, **options: Any) -> list[CheckResult]:
     where the approximation and its draws matter). Never raises for what the method does:
     a failure is a ``CheckResult``."""
     spec = get_method(name)
-    if "num_features" in spec.option_names() and "num_features" not in dict(spec.preset):
+    substituted = "num_features" in spec.option_names() and "num_features" not in {
+        **dict(spec.preset), **options}
+    if substituted:
         options = {"num_features": 8, **options}
-    options = _causal_where_needed(spec, options)  # unknown or bad options fail at once
+    try:
+        options = _causal_where_needed(spec, options)  # unknown or bad options fail at once
+    except (TypeError, ValueError) as error:
+        if not substituted:
+            raise
+        raise type(error)(f"{error} (the check runs num_features=8 where none is given: "
+                          f"name a variant with one the method takes, "
+                          f"'{spec.base_name}[num_features=...]')") from None
     given = {**dict(spec.preset), **options}
     causal = given.get("causal") is True
     caps = spec.capabilities
@@ -60,10 +72,13 @@ def check_method(name: str, **options: Any) -> list[CheckResult]:
     inexact = inexact_gradient_reason(spec.bind(seq_len=256, **options).config)
 
     def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, seed: int = 0,
-            **more: Any) -> Tensor:
+            key: bool = False, attn_mask: Tensor | None = None, **more: Any) -> Tensor:
+        """The method on ``q, k, v``; its generator seeded with ``seed``, or (``key``) a
+        random key of it (``skyformer.random_key``, which layers pass)."""
         bound = spec.bind(seq_len=256, **{**options, **more})
-        return bound(q, k, v, key_padding_mask=mask,
-                     generator=torch.Generator().manual_seed(seed))
+        generator = random_key(seed) if key else torch.Generator().manual_seed(seed)
+        masks = {} if attn_mask is None else {"attn_mask": attn_mask}
+        return bound(q, k, v, key_padding_mask=mask, generator=generator, **masks)
 
     undeclared, square = "not declared", "not with causal=True (as many queries as keys)"
     cross = None if caps.cross_attention else undeclared
@@ -75,6 +90,8 @@ def check_method(name: str, **options: Any) -> list[CheckResult]:
         ("large norms: outputs stay finite and bounded", None, lambda: _large_norms(run)),
         ("the same generator gives the same output", None,
          lambda: _deterministic(run, caps.randomized, rows)),
+        ("a random key as generator (skyformer.random_key, which layers pass)", None,
+         lambda: _keyed(run, caps.randomized, rows)),
         ("batch elements are independent", None, lambda: _batch(run, caps.mask)),
         ("gradients reach q, k and v", None, lambda: _gradients(run)),
         ("the gradient is the derivative of the output (central differences)",
@@ -84,6 +101,8 @@ def check_method(name: str, **options: Any) -> list[CheckResult]:
          lambda: _padding(run, caps.fixed_length)),
         ("what padded positions hold reaches no output", None if caps.mask else undeclared,
          lambda: _padded_keys(run)),
+        ("attn_mask: a key hidden from a query reaches none of its output",
+         None if caps.attn_mask else undeclared, lambda: _attn_mask(run)),
         ("causal: no output depends on a later position",
          None if caps.causal else undeclared, lambda: _causal(run)),
         ("cross-attention: other numbers of queries and keys",
@@ -199,7 +218,9 @@ def _large_norms(run: Callable[..., Tensor]) -> str:
 def _deterministic(run: Callable[..., Tensor], randomized: bool, rows: int) -> str:
     q, k, v = _qkv(2, rows)
     first = run(q, k, v, seed=5)
-    _equal(run(q, k, v, seed=5), first, "two calls with one seed differ")
+    _equal(run(q, k, v, seed=5), first, "two calls with one seed differ: draw from the "
+           "generator the call passes (resolve_key, the skyformer.sketch samplers), not "
+           "from torch's global one")
     same = torch.allclose(first, run(q, k, v, seed=6))
     if randomized and same:
         raise _Broken("declares randomized, but two seeds gave the same output: it ignores "
@@ -209,6 +230,24 @@ def _deterministic(run: Callable[..., Tensor], randomized: bool, rows: int) -> s
                       "declare Capabilities(randomized=True)")
     return "equal for one seed" + (", different for two" if randomized else
                                    ", the same for two")
+
+
+def _keyed(run: Callable[..., Tensor], randomized: bool, rows: int) -> str:
+    """A random key (an int64 tensor) in place of a ``torch.Generator``: layers, compiled
+    code and Hugging Face's ``set_attention(seed=...)`` pass one."""
+    q, k, v = _qkv(2, rows)
+    try:
+        first = run(q, k, v, seed=5, key=True)
+    except Exception as err:  # what the method does with a key is the finding
+        raise _Broken(f"raised {type(err).__name__} for a random key as generator "
+                      f"({first_line(err)}); draw through "
+                      f"skyformer.ops.shared.inputs.resolve_key(name, generator, q.device) "
+                      f"and the skyformer.sketch samplers, which take a generator, a key "
+                      f"or None") from None
+    _equal(run(q, k, v, seed=5, key=True), first, "two calls with one random key differ")
+    if randomized and torch.allclose(first, run(q, k, v, seed=6, key=True)):
+        raise _Broken("two random keys gave the same output: it ignores a key as generator")
+    return "equal for one key" + (", different for two" if randomized else "")
 
 
 def _batch(run: Callable[..., Tensor], mask: bool) -> str:
@@ -274,7 +313,8 @@ def _padding(run: Callable[..., Tensor], fixed_length: bool) -> str:
         truncated = run(q[:, :, real], k[:, :, real], v[:, :, real])
         _equal(padded[:, :, real], truncated,
                f"with {where}, the real rows differ from those of the real tokens alone "
-               f"(windows and positions count real tokens: ops/shared/real_first.py)")
+               f"(windows, blocks, positions and draws must follow the real tokens, not the "
+               f"padded length: ops/shared/real_first.py)")
         if not torch.all(padded[:, :, ~mask[0]] == 0):
             raise _Broken(f"with {where}, the rows of padded queries are not 0")
     return (f"real rows equal the truncated input's ({', '.join(w for _, w in cases)}), "
@@ -320,14 +360,44 @@ def _causal(run: Callable[..., Tensor]) -> str:
     return f"outputs and gradients before position {cut} of {n} ignore every later input"
 
 
+def _attn_mask(run: Callable[..., Tensor]) -> str:
+    """A bool ``attn_mask`` hiding keys 10 to 19 from queries 0 to 9: their outputs ignore
+    those keys, the others' do not; the additive form (0 and -inf) gives the same."""
+    q, k, v = _qkv(1, 20, seed=12)
+    seen = torch.ones(20, 20, dtype=torch.bool)
+    seen[:10, 10:] = False
+    later = [t.clone() for t in (k, v)]
+    for t in later:
+        t[:, :, 10:] += 1.0
+    out, moved = run(q, k, v, attn_mask=seen), run(q, *later, attn_mask=seen)
+    _equal(moved[:, :, :10], out[:, :, :10], "the outputs of queries 0 to 9 changed with "
+           "keys 10 to 19, which the attn_mask hides from them: it ignores attn_mask")
+    if torch.allclose(out[:, :, 10:], moved[:, :, 10:], **_CLOSE):
+        raise _Broken("the outputs of queries 10 to 19 ignore keys 10 to 19, which the "
+                      "attn_mask lets them see")
+    additive = torch.zeros(20, 20, dtype=q.dtype).masked_fill(~seen, float("-inf"))
+    _equal(run(q, k, v, attn_mask=additive), out, "the additive attn_mask (0 and -inf) gives "
+                                                  "other outputs than the bool one")
+    return "keys hidden from a query change none of its outputs (bool and additive masks)"
+
+
 def _cross(run: Callable[..., Tensor]) -> str:
+    """Both shapes, finite; and with more keys than queries the keys past the queries'
+    count reach the output (a method that kept the first Nq keys passed the shapes)."""
     for nq, nk in ((12, 20), (20, 12)):
         q, k, v = _qkv(1, nq, nk=nk, dv=5)
         out = run(q, k, v)
         if tuple(out.shape) != (1, 2, nq, 5) or not torch.isfinite(out).all():
             raise _Broken(f"gave {list(out.shape)} for {nq} queries and {nk} keys; expected "
                           f"[1, 2, {nq}, 5], finite")
-    return "12 queries over 20 keys and 20 over 12: the right shape, finite"
+    q, k, v = _qkv(1, 12, nk=20, dv=5)
+    later_v = v.clone()
+    later_v[:, :, 12:] += 1.0
+    if torch.equal(run(q, k, later_v), run(q, k, v)):
+        raise _Broken("with 12 queries over 20 keys, the values of keys 12 to 19 change no "
+                      "output: it attends to as many keys as there are queries")
+    return ("12 queries over 20 keys and 20 over 12: the right shape, finite, every key's "
+            "value reaching the output")
 
 
 def _weights(run: Callable[..., Tensor], n: int) -> str:
