@@ -784,3 +784,18 @@ def test_a_state_seed_out_of_range_gets_a_sentence(seed):
     with pytest.raises(ValueError, match=r"new_state's seed must be an integer from 0 to "
                                          r"2\^64 - 1"):
         bound.new_state(seed=seed)
+
+
+@pytest.mark.parametrize(("variant", "said"), [
+    ("skyformer[scale=none]", "got 'none'"),
+    ("skyformer[causal=yes]", "got 'yes'"),
+])
+def test_a_variant_value_its_method_refuses_says_how_brackets_write_values(variant, said):
+    """[scale=none] needs null (or None), [causal=yes] true: the method's sentence alone
+    did not say how a variant's brackets read a value."""
+    with pytest.raises(ValueError, match=re.escape(said) + r" \(in a variant's brackets a "
+                                         r"value is a number, true / false, null \(None\) or "
+                                         r"a string, quoted where"):
+        get_method(variant)
+    with pytest.raises(ValueError, match=r"has no option 'colour'; its options are"):
+        get_method("skyformer[colour=red]")  # an unknown option: its own sentence alone

@@ -505,7 +505,7 @@ def get_method(name: str) -> Method:
             of = get_method(base)
             method = Method(name.strip(), of.function, of.config_class, of.capabilities,
                             of.summary, of.state, preset)
-            method.make_config()  # unknown options and bad values fail here, in a sentence
+            _make_variant_config(method, of)  # unknown options and bad values fail here
             cached = _VARIANTS[name] = (base, of, method)
         return cached[2]
     if isinstance(name, Tensor):  # attention(q, k, v, mask): SDPA's order
@@ -524,6 +524,24 @@ def get_method(name: str) -> Method:
             f"registers it first; on the command line, skyformer --plugin MODULE ...)."
         )
     return _REGISTRY[name]
+
+
+# How a value is written in a variant's brackets (variants.py), for a value refused there
+VARIANT_VALUES = ("in a variant's brackets a value is a number, true / false, null (None) or "
+                  "a string, quoted where it would read as one of those: [mode='1']")
+
+
+def _make_variant_config(method: Method, of: Method) -> None:
+    """The variant's options checked (``make_config``): an unknown one fails with its
+    sentence, a value its config refuses with how brackets write values too (a str
+    option given 1 needs quotes, ``None`` is written null or None)."""
+    if not all(key in of.option_names() for key, _ in method.preset):
+        method.make_config()  # the unknown option's sentence
+        return
+    try:
+        method.make_config()
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{str(error).rstrip('.')} ({VARIANT_VALUES}).") from None
 
 
 def did_you_mean(given: object, names: Iterable[str]) -> str:
