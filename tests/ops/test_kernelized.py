@@ -162,12 +162,7 @@ def test_bfloat16_gradients_where_queries_and_keys_repeat(route):
     call with gradients is computed in float32, so that SDPA's dq and the row offset's
     meet unrounded: dq and dk within 4e-3 of float64 (bfloat16's rounding, 1.7e-3;
     each rounded first they were 0.9 to 1.0 off)."""
-    g = torch.Generator().manual_seed(0)
-    centres = torch.randn(1, 2, 3, 32, generator=g, dtype=torch.float64)
-    q = centres[:, :, torch.randint(0, 3, (48,), generator=g)]
-    k = centres[:, :, torch.randint(0, 3, (48,), generator=g)]
-    v, weights = (torch.randn(1, 2, 48, 32, generator=g, dtype=torch.float64)
-                  for _ in range(2))
+    q, k, v, weights = _repeated_tokens()
     results = []
     for dtype in (torch.float64, torch.bfloat16):
         leaves = [t.to(torch.bfloat16).to(dtype).requires_grad_(True) for t in (q, k, v)]
@@ -178,6 +173,43 @@ def test_bfloat16_gradients_where_queries_and_keys_repeat(route):
     assert all(t.dtype == torch.bfloat16 for t in got)
     for name, a, e in zip(("out", "dq", "dk", "dv"), got, exact, strict=True):
         assert relative_error(a, e) < 4e-3, name
+
+
+def _repeated_tokens() -> tuple[torch.Tensor, ...]:
+    """q, k around three centres (keys repeating queries), v and output weights: float64."""
+    g = torch.Generator().manual_seed(0)
+    centres = torch.randn(1, 2, 3, 32, generator=g, dtype=torch.float64)
+    q = centres[:, :, torch.randint(0, 3, (48,), generator=g)]
+    k = centres[:, :, torch.randint(0, 3, (48,), generator=g)]
+    v, weights = (torch.randn(1, 2, 48, 32, generator=g, dtype=torch.float64)
+                  for _ in range(2))
+    return q, k, v, weights
+
+
+@needs_interpreter  # the flash kernels on CPU tensors
+def test_the_flash_backwards_fallback_computes_bfloat16_in_float32(monkeypatch):
+    """kernel="auto" where the backward kernels cannot run (a GPU too small for their
+    tiles) differentiates the SDPA augmentation: in bfloat16 its dq and dk were 0.45
+    and 0.36 off float64 on repeated tokens, where every other SDPA route with gradients
+    computes in float32 (the test above)."""
+    from skyformer.linalg.kernel_backend import KernelTooLarge
+    from skyformer.ops.kernelized import flash, triton_flash
+
+    def too_large(*args, **kwargs):
+        raise KernelTooLarge("the flash key gradient kernel needs 192 KiB", first=True)
+
+    monkeypatch.setattr(flash.FLASH_FALLBACK, "failures", set())
+    monkeypatch.setattr(triton_flash, "flash_backward", too_large)
+    q, k, v, weights = _repeated_tokens()
+    exact = [t.to(torch.bfloat16).double().requires_grad_(True) for t in (q, k, v)]
+    want = torch.autograd.grad((kernelized_attention(*exact, kernel="torch") * weights).sum(),
+                               exact)
+    leaves = [t.to(torch.bfloat16).requires_grad_(True) for t in (q, k, v)]
+    out = flash.flash_kernelized(*leaves, None, 32 ** -0.5, False, auto=True)
+    with pytest.warns(RuntimeWarning, match="takes the SDPA augmentation"):
+        got = torch.autograd.grad((out.double() * weights).sum(), leaves)
+    for name, a, e in zip(("dq", "dk", "dv"), got, want, strict=True):
+        assert a.dtype == torch.bfloat16 and relative_error(a, e) < 4e-3, name
 
 
 def test_bfloat16_makes_no_float32_copy_with_n_rows_and_d_columns():

@@ -132,18 +132,23 @@ def _augmented_gradients(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, gra
                          s: float, causal: bool, need_q: bool, need_kv: bool
                          ) -> tuple[Tensor, Tensor, Tensor]:
     """``flash_backward``'s (dq, dk, dv) through the SDPA augmentation (empty where not
-    needed; contiguous, as the operator declares): "auto"'s gradients where the backward
-    kernels cannot run. Differentiated inside the operator (``autograd_in_operator``)."""
+    needed; contiguous, in the inputs' dtype, as the operator declares): "auto"'s
+    gradients where the backward kernels cannot run. Differentiated inside the operator
+    (``autograd_in_operator``); bfloat16 in float32, as every SDPA route with gradients
+    (``kernelized.sums_in_float32_for_gradients``: in bfloat16, dq and dk came out 0.4
+    from float64)."""
     from .sdpa_augmentation import kernelized_by_sdpa
 
+    work = torch.float32 if q.dtype == torch.bfloat16 else q.dtype
     with autograd_in_operator():
-        leaves = [t.detach().requires_grad_(need)
+        leaves = [t.detach().to(work).requires_grad_(need)
                   for t, need in ((q, need_q), (k, need_kv), (v, need_kv))]
         out = kernelized_by_sdpa(*leaves, s, key_valid=_valid(key_valid), causal=causal)
         grads = iter(torch.autograd.grad(out, [t for t in leaves if t.requires_grad],
                                          grad.to(out.dtype)))
-    return tuple(next(grads).contiguous() if t.requires_grad  # type: ignore[return-value]
-                 else t.new_empty(0) for t in leaves)
+    return tuple(next(grads).to(given.dtype).contiguous()  # type: ignore[return-value]
+                 if t.requires_grad else given.new_empty(0)
+                 for t, given in zip(leaves, (q, k, v), strict=True))
 
 
 def flash_kernelized(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, s: float,
