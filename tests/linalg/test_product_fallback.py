@@ -361,6 +361,9 @@ def test_tiles_the_gpu_cannot_hold_take_pytorch_for_those_shapes_alone(monkeypat
                                              r"kernel=\"auto\" takes the PyTorch path for "
                                              r"these shapes, kernel=\"torch\" for every"):
         product(wide, "triton")
+    # the rows' dtype is y's (bfloat16 rows compile other tiles), not the landmarks'
+    with pytest.raises(KernelTooLarge, match=r"torch\.bfloat16 rows\) needs 112 KiB"):
+        gaussian_kernel_matmul(y.bfloat16(), x.float(), wide.float(), None, kernel="triton")
 
 
 def test_flash_tiles_the_gpu_cannot_hold_take_the_augmentation_for_those_shapes_alone(

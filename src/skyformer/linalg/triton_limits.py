@@ -68,5 +68,5 @@ def _sentence(name: str, args: tuple, options: dict[str, Any], error: OutOfResou
     width = options.get("BLOCK_R", options.get("BLOCK_DV"))  # products' or flash kernels'
     return (f"the Triton {name} kernel for these shapes (tiles of head dim "
             f"{options.get('BLOCK_D')} and value width {width}, "
-            f"{args[1].dtype} rows) needs {amounts[0]} of {error.name} a block, more than "
+            f"{args[0].dtype} rows) needs {amounts[0]} of {error.name} a block, more than "
             f"the {amounts[1]} of {gpu} ({device})")
