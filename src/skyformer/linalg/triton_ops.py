@@ -21,6 +21,7 @@ from torch import Tensor
 
 from . import product_fallback, triton_kernels
 from .eager_calls import custom_op
+from .kernel_backend import launch_device
 from .kernel_matmul_triton import ONE_PASS_FALLBACK, PRODUCT_FALLBACK
 from .kernel_matmul_triton import _none_to_empty as _or_empty  # fresh: outputs never alias
 from .lemma3_triton import CORE_FALLBACK, lemma3_gradients_by_pytorch
@@ -134,11 +135,14 @@ def lemma3_forward(source: Tensor, norm: Tensor | None, ridge: Tensor, iteration
                    keep: bool, backward: bool, implicit: bool) -> tuple[Tensor, Tensor]:
     """``triton_lemma3.lemma3_forward`` (``norm`` None: ``source`` is the matrix):
     (W, the iterates and, ``keep``, the step products for the ``backward`` pass;
-    ``implicit``: the latest two iterates of the Newton chain)."""
+    ``implicit``: the latest two iterates of the Newton chain). On ``source``'s GPU:
+    in eager code ``CORE_FALLBACK.run`` enters it, but a graph compiled without
+    Inductor's device guards calls this operator alone."""
     from . import triton_lemma3
 
-    return triton_lemma3.lemma3_forward(source, norm, ridge, iterations, keep, backward,
-                                        implicit)
+    with launch_device(source):
+        return triton_lemma3.lemma3_forward(source, norm, ridge, iterations, keep, backward,
+                                            implicit)
 
 
 @lemma3_forward.register_fake
