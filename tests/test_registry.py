@@ -799,3 +799,6 @@ def test_a_variant_value_its_method_refuses_says_how_brackets_write_values(varia
         get_method(variant)
     with pytest.raises(ValueError, match=r"has no option 'colour'; its options are"):
         get_method("skyformer[colour=red]")  # an unknown option: its own sentence alone
+    with pytest.raises(ValueError) as out_of_range:  # read as meant: the method's sentence
+        get_method("skyformer[gamma=0]")
+    assert "brackets" not in str(out_of_range.value)

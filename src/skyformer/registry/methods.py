@@ -541,6 +541,12 @@ def _make_variant_config(method: Method, of: Method) -> None:
     try:
         method.make_config()
     except (TypeError, ValueError) as error:
+        # a value of another type than the option takes, or a word read as a string
+        # (none, yes): perhaps written as brackets do not read it; a value out of range
+        # (gamma=0) gets the method's sentence alone
+        if not isinstance(error, TypeError) and not any(
+                isinstance(value, str) for _, value in method.preset):
+            raise
         raise type(error)(f"{str(error).rstrip('.')} ({VARIANT_VALUES}).") from None
 
 
