@@ -156,7 +156,7 @@ def test_approximate_method_refuses_a_general_mask_with_a_sentence():
     mask[:, 0] = True
     with pytest.raises(ValueError, match="approximate methods take only a key padding mask "
                                          "and, those with a causal form, causal masking; "
-                                         "skyformer is one of them: use method='softmax' or "
+                                         "skyformer is approximate: use method='softmax' or "
                                          "'kernelized'"):
         sdpa(q, k, v, mask, method="skyformer")
 

@@ -114,8 +114,8 @@ def _allowed(mask: Tensor, batch: int, query_len: int, key_len: int, advice: str
     if not _holds((mask == 0) | blocked, "the additive attention mask carries a bias"):
         raise UnsupportedMaskError(
             "the additive attention mask carries a bias (entries other than 0 and large "
-            "negatives, e.g. ALiBi or relative-position terms), which skyformer methods "
-            f"cannot add to their attention; {advice}."
+            "negatives, e.g. ALiBi or relative-position terms), which the approximate "
+            f"methods cannot add to their attention; {advice}."
         )
     return ~blocked
 
@@ -275,8 +275,8 @@ def _refuse_per_head(allowed: Tensor, what: str, advice: str) -> None:
     if allowed.shape[1] > 1 and not _holds(allowed == allowed[:, :1],
                                            f"{what} differs between heads"):
         raise UnsupportedMaskError(
-            f"{what} differs between heads; skyformer methods take one key padding mask "
-            f"for all heads; {advice}.")
+            f"{what} differs between heads; the approximate methods take one key padding "
+            f"mask for all heads; {advice}.")
 
 
 def causal_without_mask(is_causal: bool, query_len: int, key_len: int) -> bool:
