@@ -1156,3 +1156,13 @@ def test_backward_peaks_of_a_file_from_before_runs_are_not_mixed_with_new_ones(t
     capsys.readouterr()
     assert main([*argv, "--seq-lens", "16", "32", "--resume"]) == 2
     assert "before backward peaks left out the output gradient" in capsys.readouterr().err
+
+
+def test_a_method_faster_at_every_length_says_so(tiny):
+    """Faster already at the smallest length measured read "faster than softmax from
+    N <= 16384", also where that was the only length."""
+    summary = [dict(s, crossover="at most", crossover_n=64.0) if s["method"] == "skyformer"
+               else dict(s) for s in tiny.summary]
+    assert ("skyformer: faster than softmax at every N measured, the smallest N = 64 (the "
+            "crossover lies at or below it)") in format_table(
+        dataclasses.replace(tiny, summary=summary))

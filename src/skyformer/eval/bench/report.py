@@ -130,7 +130,8 @@ def _notes(result: BenchResult, g: tuple, rows: list[dict[str, Any]]) -> list[st
             elif s["crossover"] == "never":
                 parts.append(f"slower than {ref} at every N measured{ran}")
             elif s["crossover"] == "at most":
-                parts.append(f"faster than {ref} from N <= {s['crossover_n']:.0f}{ran}")
+                parts.append(f"faster than {ref} at every N measured{ran}, the smallest "
+                             f"N = {s['crossover_n']:.0f} (the crossover lies at or below it)")
             else:
                 parts.append(f"faster than {ref} from N ~ {s['crossover_n']:.0f}{ran}")
         if skipped:
