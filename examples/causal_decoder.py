@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 
 import skyformer
-from skyformer.checks import positive_int_argument
+from skyformer.checks import method_argument, positive_int_argument
 from skyformer.eval.data.text import default_text
 
 
@@ -157,6 +157,7 @@ def train(model: Decoder, args: argparse.Namespace) -> list[float]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--method", default="skyformer[num_features=16,landmark_stride=4]",
+                        type=method_argument,
                         help="a method that can be causal (skyformer, nystrom_softmax, "
                              "performer, linear, softmax, kernelized), options in brackets; "
                              "give skyformer and nystrom_softmax a landmark_stride")
@@ -182,6 +183,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="seed of the weights, the training data and landmarks, and the "
                              "generation's random key")
     args = parser.parse_args(argv)
+    if not skyformer.get_method(args.method).capabilities.causal:
+        parser.error(f"argument --method: {args.method} cannot attend causally; take one "
+                     f"of {', '.join(skyformer.registry.methods_that_can('causal'))}")
     if not args.prompt:
         parser.error("--prompt is empty; give at least one character to continue.")
     quick = args.quick

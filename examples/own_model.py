@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 import skyformer
-from skyformer.checks import positive_int_argument
+from skyformer.checks import method_argument, positive_int_argument
 
 # exact softmax, then approximations at 16 landmarks / projections / random features
 DEFAULT_METHODS = ("softmax", "skyformer[num_features=16]", "nystromformer[num_features=16]",
@@ -126,6 +126,7 @@ def train(method: str, args: argparse.Namespace) -> Result:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
+                        type=method_argument,
                         help="method names (skyformer.list_methods()) or variants "
                              "'name[option=value]'")
     size = parser.add_mutually_exclusive_group()

@@ -25,12 +25,13 @@ tokens several methods are exact.
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
 
 import torch
 
 import skyformer.hf
-from skyformer.checks import positive_int_argument
+from skyformer.checks import method_argument, positive_int_argument
 from skyformer.eval.data import load_model, read_text, sentences
 from skyformer.eval.data.qkv import max_positions
 from skyformer.eval.hf.run import embed, quality
@@ -54,7 +55,8 @@ class Result:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
-                        help="method names or variants 'name[option=value]'")
+                        type=method_argument, help="method names or variants "
+                                                   "'name[option=value]'")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", default=True,
                       help="the first 16 sentences (default)")
@@ -112,4 +114,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (OSError, ImportError) as err:  # a model folder or package missing: the sentence
+        sys.exit(f"pretrained_bert: error: {err}")

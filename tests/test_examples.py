@@ -63,9 +63,29 @@ def test_own_model_ignores_the_padding(method):
     torch.testing.assert_close(other_logits, logits)
 
 
-def test_own_model_refuses_an_unknown_method_in_a_sentence():
-    with pytest.raises(ValueError, match="unknown attention method 'skyformr'"):
-        example("own_model").main(["--methods", "skyformr", "--steps", "1"])
+@pytest.mark.parametrize(("name", "argv"), [
+    ("own_model", ["--methods", "softmax", "skyformr"]),
+    ("torch_model", ["--methods", "skyformer", "skyformr"]),
+    ("pretrained_bert", ["--methods", "skyformr"]),
+    ("causal_decoder", ["--method", "skyformr"]),
+])
+def test_examples_refuse_an_unknown_method_before_any_work(name, argv, capsys):
+    """A misspelt method was reached after the methods before it had trained (18 s in
+    torch_model, minutes with --full), and ended in a traceback."""
+    if name == "pretrained_bert":
+        pytest.importorskip("transformers")
+    with pytest.raises(SystemExit) as ended:
+        example(name).main(argv)
+    assert ended.value.code == 2
+    assert "unknown attention method 'skyformr' (did you mean 'skyformer'?)" in \
+        capsys.readouterr().err
+
+
+def test_causal_decoder_refuses_a_method_that_cannot_be_causal(capsys):
+    with pytest.raises(SystemExit):
+        example("causal_decoder").main(["--method", "nystromformer"])
+    assert "argument --method: nystromformer cannot attend causally; take one of " \
+        "softmax, kernelized, skyformer" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("name", "argv", "said"), [
@@ -340,6 +360,10 @@ def test_torch_model_says_what_its_run_shows_of_the_gaussian_methods():
     assert "as swapped, kernelized scored 0.800 against the exact model's 0.900; " \
            "softmax-trained weights need the fine-tune" in said(0.8)
     assert "they kept the exact model's accuracy (0.900) as swapped" in said(0.95)
+    assert said(0.8).startswith("kernelized computes Gaussian kernelized attention")
+    # no Gaussian method ran: nothing said of them (it named skyformer and kernelized)
+    assert module._gaussian_sentence(module.Result(0.0, {
+        module.EXACT: 0.9, "performer[num_features=8]": 0.5}, {})) == ""
 
 
 def test_causal_decoder_takes_an_odd_width():

@@ -48,6 +48,22 @@ def check_positive_ints(name: str, values: Sequence[object]) -> None:
                          f"{bad if bad else 'none'}.")
 
 
+def method_argument(text: str) -> str:
+    """An ``argparse`` type for a method's name or variant (``skyformer[num_features=8]``):
+    an unknown name or option is refused with argparse's one line and the registry's
+    sentence, before any work (a script that trains one method after another reached a
+    misspelt one after training the others)."""
+    import argparse
+
+    from .registry import get_method
+
+    try:
+        get_method(text)
+    except (TypeError, ValueError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
 def positive_int_argument(text: str) -> int:
     """An ``argparse`` type for counts and sizes: ``parser.add_argument("--steps",
     type=positive_int_argument)`` refuses 0 and negatives with argparse's one line,
