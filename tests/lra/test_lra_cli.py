@@ -483,3 +483,23 @@ def test_the_commands_task_names_are_the_tasks_and_presets_says_the_quick_batch(
     assert tuple(TASKS) == TASK_NAMES
     assert main(["lra", "presets"]) == 0
     assert f"batch_size<={QUICK_MAX_BATCH}" in capsys.readouterr().out
+
+
+def test_every_option_of_train_generate_and_stability_says_what_it_sets():
+    """lra train --help listed --steps, --lr, --warmup ... with no word, and lra generate
+    listops none of the defaults docs/lra.md gives."""
+    import argparse
+
+    from skyformer.cli import build_parser
+
+    def subparsers(parser):
+        action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        return action.choices
+
+    lra = subparsers(build_parser())["lra"]
+    commands = subparsers(lra)
+    parsers = [commands["train"], commands["stability"], *subparsers(commands["generate"])
+               .values()]
+    silent = [f"{p.prog} {a.option_strings[-1]}" for p in parsers for a in p._actions
+              if a.option_strings and a.help in (None, "") and a.dest != "help"]
+    assert silent == []

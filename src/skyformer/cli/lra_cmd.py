@@ -66,23 +66,33 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="what", metavar="KIND", required=True)
     lo = sub.add_parser("listops", help="ListOps by LRA's rules, as basic_{train,val,test}.tsv")
     lo.add_argument("--out", required=True, help="folder to write the tsv files to")
-    lo.add_argument("--train", type=int, default=96_000)
-    lo.add_argument("--dev", type=int, default=2_000)
-    lo.add_argument("--test", type=int, default=2_000)
-    lo.add_argument("--max-depth", type=int, default=10)
-    lo.add_argument("--max-args", type=int, default=10)
-    lo.add_argument("--min-length", type=int, default=500, help="exclusive lower length bound")
-    lo.add_argument("--max-length", type=int, default=2000, help="exclusive upper length bound")
-    lo.add_argument("--seed", type=int, default=0)
+    lo.add_argument("--train", type=int, default=96_000, help="training examples (default "
+                    "%(default)s, LRA's)")
+    lo.add_argument("--dev", type=int, default=2_000, help="dev examples (default %(default)s)")
+    lo.add_argument("--test", type=int, default=2_000,
+                    help="test examples (default %(default)s)")
+    lo.add_argument("--max-depth", type=int, default=10,
+                    help="deepest nesting of operators (default %(default)s)")
+    lo.add_argument("--max-args", type=int, default=10,
+                    help="most arguments of one operator (default %(default)s)")
+    lo.add_argument("--min-length", type=int, default=500,
+                    help="exclusive lower length bound, in tokens (default %(default)s)")
+    lo.add_argument("--max-length", type=int, default=2000,
+                    help="exclusive upper length bound, in tokens (default %(default)s)")
+    lo.add_argument("--seed", type=int, default=0, help="seed of the examples (default 0)")
     lo.add_argument("--replace", action="store_true",
                     help="replace the ListOps data generated in --out before")
     pf = sub.add_parser("pathfinder", help="synthetic Pathfinder-like images (release layout)")
     pf.add_argument("--out", required=True, help="folder to write imgs/ and metadata/ to")
-    pf.add_argument("--count", type=int, default=10_000)
-    pf.add_argument("--resolution", type=int, default=32)
-    pf.add_argument("--dashes", type=int, default=6, help="dashes per path")
-    pf.add_argument("--distractors", type=int, default=1, help="paths without dots")
-    pf.add_argument("--seed", type=int, default=0)
+    pf.add_argument("--count", type=int, default=10_000,
+                    help="images (default %(default)s)")
+    pf.add_argument("--resolution", type=int, default=32,
+                    help="image side in pixels (default %(default)s)")
+    pf.add_argument("--dashes", type=int, default=6,
+                    help="dashes per path (default %(default)s)")
+    pf.add_argument("--distractors", type=int, default=1,
+                    help="paths without dots (default %(default)s)")
+    pf.add_argument("--seed", type=int, default=0, help="seed of the images (default 0)")
     pf.add_argument("--replace", action="store_true",
                     help="replace the images generated in --out before")
 
@@ -101,19 +111,26 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     seeds.add_argument("--seeds", type=int, nargs="+", default=None,
                        help="one run per seed, one after another, in OUT/seedN (the papers "
                        "average 3 seeds: --seeds 0 1 2)")
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=None, help="global batch size")
-    p.add_argument("--lr", type=float, default=None)
-    p.add_argument("--warmup", type=int, default=None)
-    p.add_argument("--weight-decay", type=float, default=None)
-    p.add_argument("--eval-every", type=int, default=None)
+    preset = " (default: the task's preset, skyformer lra presets)"
+    p.add_argument("--steps", type=int, default=None, help="training steps" + preset)
+    p.add_argument("--batch-size", type=int, default=None, help="global batch size" + preset)
+    p.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate (AdamW, linear warm-up then linear decay)"
+                   + preset)
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps" + preset)
+    p.add_argument("--weight-decay", type=float, default=None,
+                   help="AdamW's weight decay" + preset)
+    p.add_argument("--eval-every", type=int, default=None,
+                   help="steps between dev evaluations" + preset)
     dev = p.add_mutually_exclusive_group()  # --full-dev would drop --eval-batches silently
     dev.add_argument("--eval-batches", type=int, default=None,
                      help="dev batches per evaluation (default: the preset's)")
     dev.add_argument("--full-dev", action="store_true", help="evaluate on the whole dev split")
     p.add_argument("--patience", type=int, default=None,
                    help="stop after this many evaluations without dev improvement")
-    p.add_argument("--grad-accum", type=int, default=None)
+    p.add_argument("--grad-accum", type=int, default=None,
+                   help="micro-batches a step accumulates (the batch size stays global)"
+                   + preset)
     clip = p.add_mutually_exclusive_group()
     clip.add_argument("--grad-clip", type=float, default=None,
                       help="clip the gradient norm to this value (default: no clipping)")
@@ -122,7 +139,7 @@ def _train_args(p: argparse.ArgumentParser) -> None:
                       "with V = 1")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
                    help="autocast dtype (fp16 needs CUDA)")
-    p.add_argument("--dropout", type=float, default=None)
+    p.add_argument("--dropout", type=float, default=None, help="dropout rate" + preset)
     p.add_argument("--dim", type=int, default=None, help="model width (preset 64)")
     p.add_argument("--hidden", type=int, default=None, help="MLP hidden width (preset 128)")
     p.add_argument("--heads", type=int, default=None,
@@ -130,8 +147,11 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=None, help="transformer layers (preset 2)")
     p.add_argument("--max-len", type=int, default=None,
                    help="truncate documents to this many tokens")
-    p.add_argument("--log-every", type=int, default=None)
-    p.add_argument("--checkpoint-every", type=int, default=None)
+    p.add_argument("--log-every", type=int, default=None,
+                   help="steps between training-loss lines of metrics.jsonl" + preset)
+    p.add_argument("--checkpoint-every", type=int, default=None,
+                   help="steps between writes of last.pt, which --resume continues from "
+                   "(default: --eval-every's; it is also written at each new best)")
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:K")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads per process (shared machines: 1 avoids contention)")
@@ -146,8 +166,10 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-after", type=int, default=None,
                    help="checkpoint and exit after this step (continue with --resume); a "
                    "run already there trains no further")
-    p.add_argument("--no-tensorboard", action="store_true")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--no-tensorboard", action="store_true",
+                   help="write no TensorBoard logs (metrics.jsonl is written either way)")
+    p.add_argument("--quiet", action="store_true",
+                   help="print no progress lines (the run's files are written either way)")
 
 
 def _report_args(p: argparse.ArgumentParser) -> None:
@@ -157,20 +179,25 @@ def _report_args(p: argparse.ArgumentParser) -> None:
 
 
 def _stability_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tasks", nargs="+", choices=TASK_NAMES, default=["listops"])
+    p.add_argument("--tasks", nargs="+", choices=TASK_NAMES, default=["listops"],
+                   help="tasks to measure on (default listops)")
     p.add_argument("--methods", nargs="+",
                    default=["nystromformer", "kernelized", "skyformer"],
                    help="methods compared with softmax (default: Table 3's rows)")
-    p.add_argument("--seeds", nargs="+", type=int, default=[0])
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--seeds", nargs="+", type=int, default=[0],
+                   help="seeds, each a run of every method (default 0)")
+    p.add_argument("--steps", type=int, default=20,
+                   help="training steps a tau is measured over (default %(default)s)")
     p.add_argument("--probe", choices=("normed", "hidden"), default="normed",
                    help="f = the encoder output after its final LayerNorm (default) or the raw "
                    "output of the last layer")
     p.add_argument("--features", type=int, default=None,
                    help="num_features of every method that has it (default: each method's)")
-    p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--max-len", type=int, default=None)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="batch size (default: the task's preset)")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="truncate documents to this many tokens (default: the prepared length)")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:K")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads (shared machines: 1 avoids contention)")
     p.add_argument("--cache", default=None, help="cache root that prepare wrote (default: "
