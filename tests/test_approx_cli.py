@@ -205,6 +205,13 @@ def test_an_interrupted_run_resumes_with_the_numbers_of_an_uninterrupted_one(
     assert (out / "approx.csv").read_text().split("\n# environment")[0] == \
         (tmp_path / "whole" / "approx.csv").read_text().split("\n# environment")[0].replace(
             "whole", "interrupted")
+    # --resume again, once it finished: nothing measured (it ran everything again and
+    # replaced the results)
+    before = (out / "approx.json").stat().st_mtime_ns
+    assert main([*RESUMABLE, "--out", str(out), "--resume"]) == 0
+    assert measured == [96]
+    assert "nothing to resume: " in capsys.readouterr().err
+    assert (out / "approx.json").stat().st_mtime_ns == before
 
 
 def test_resume_refuses_other_settings_and_starting_over_is_refused_too(

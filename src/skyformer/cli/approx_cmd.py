@@ -4,6 +4,8 @@ rank-m floors, trivial baselines, spectra and statistical dimension."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -12,10 +14,10 @@ from typing import Any
 import torch
 
 from ..eval.approx.progress import PROGRESS_FILE, kept_note, refuse_to_replace
-from ..eval.approx.report import analysis_table, format_table, write_outputs
+from ..eval.approx.report import FILES, analysis_table, format_table, rounded_floats, write_outputs
 from ..eval.approx.run import QUICK, ApproxConfig, run_approx
 from ..eval.data.sources import SOURCES
-from ..io import check_output_path, folder_lock
+from ..io import check_output_path, folder_lock, json_text
 
 NAME = "approx"
 HELP = (
@@ -115,7 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"OUT/{PROGRESS_FILE} (saved after every source and length) and "
                         f"measure the rest; the other settings and data files must be the "
                         f"same (--seq-lens and --sources may differ: blocks of others stay "
-                        f"in the file)")
+                        f"in the file); a finished run of the same settings is left as it is")
 
 
 def config_from_args(args: argparse.Namespace) -> ApproxConfig:
@@ -208,11 +210,29 @@ def run(args: argparse.Namespace) -> int:
         return _run_in_folder(args, config)
 
 
+def _finished_here(out: Path, config: ApproxConfig) -> bool:
+    """Whether ``out`` holds the results a run of ``config`` wrote at its end
+    (``approx.json``; its progress file is removed then): ``--resume`` once it
+    finished measured everything again and replaced them."""
+    try:
+        saved = json.loads((out / FILES["json"]).read_text(encoding="utf-8"))["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    ours = rounded_floats(json.loads(json_text(dataclasses.asdict(config))))
+    return isinstance(saved, dict) and all(
+        saved.get(key) == value for key, value in ours.items() if key != "progress")
+
+
 def _run_in_folder(args: argparse.Namespace, config: ApproxConfig) -> int:
     """The measurement of ``run``, its progress file and results in ``args.out``."""
     progress_file = Path(args.out) / PROGRESS_FILE
     if not args.resume:
         refuse_to_replace(progress_file)
+    elif not progress_file.exists() and _finished_here(Path(args.out), config):
+        print(f"nothing to resume: {args.out} holds the finished results of these settings "
+              f"({FILES['json']}); run without --resume to measure them again.",
+              file=sys.stderr)
+        return 0
     result = run_approx(config, progress_file=progress_file, resume=args.resume)
     print("Q/K/V:")
     for s in result.sources:

@@ -181,14 +181,14 @@ def markdown_report(result: Any, command: str | None = None, plots: bool = True)
     return "\n".join(lines)
 
 
-def _rounded(obj: Any, digits: int = 6) -> Any:
+def rounded_floats(obj: Any, digits: int = 6) -> Any:
     """``obj`` with every float rounded to ``digits`` significant digits."""
     if isinstance(obj, float):
         return float(f"{obj:.{digits}g}") if math.isfinite(obj) else obj
     if isinstance(obj, dict):
-        return {k: _rounded(v, digits) for k, v in obj.items()}
+        return {k: rounded_floats(v, digits) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_rounded(v, digits) for v in obj]
+        return [rounded_floats(v, digits) for v in obj]
     return obj
 
 
@@ -206,7 +206,7 @@ def write_outputs(result: Any, out_dir: str | Path, *, plots: bool = True,
         data["command"] = command
     with replacing_together(out) as stage:  # all of this run's files, or none of them
         # Compact, 6 significant digits: the spectra and samples are long arrays.
-        write_json(stage / FILES["json"], _rounded(data), indent=None)
+        write_json(stage / FILES["json"], rounded_floats(data), indent=None)
         write_csv(stage / FILES["csv"], result.rows, metadata={
             "config": dataclasses.asdict(result.config), "environment": result.environment,
             "command": command,
