@@ -15,6 +15,7 @@ from .ops.shared.inputs import check_attention_inputs, check_padding_mask
 from .ops.shared.options import check_probability
 from .registry import BoundMethod, Method, get_method
 from .registry.guard import warn_if_no_real_key
+from .registry.variants import base_name
 from .weights import call_with_weights, check_weights
 
 if TYPE_CHECKING:
@@ -67,16 +68,16 @@ def _refuse_whole_sequence_mask(key_padding_mask: Any, new: int, held: int) -> N
             f"sequence, pass its last columns, mask[:, -{new}:].")
 
 
-def _same_state(theirs: Any, ours: torch.nn.Module) -> bool:
-    """Whether a cache's method state module is the layer's, or an equal copy (a
-    cache unpickled holds a copy)."""
+def _same_features(theirs: Any, ours: torch.nn.Module) -> bool:
+    """Whether a cache's features module (Performer's, read at its first step) is the
+    layer's, or a copy with the same ``projection`` (an unpickled cache holds a copy;
+    its redraw counters may differ, and the layer may have moved to another dtype or
+    device since). Read once, at the cache's first step."""
     if theirs is ours:
         return True
-    if not isinstance(theirs, torch.nn.Module):
-        return False
-    a, b = theirs.state_dict(), ours.state_dict()
-    return a.keys() == b.keys() and all(
-        a[k].shape == b[k].shape and torch.equal(a[k].cpu(), b[k].cpu()) for k in a)
+    a, b = (getattr(m, "projection", None) for m in (theirs, ours))
+    return isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape \
+        and torch.equal(a.to(device=b.device, dtype=b.dtype), b)
 
 
 class BoundMethodProperties:
@@ -406,7 +407,7 @@ class MultiHeadAttention(BoundMethodProperties, nn.Module):
         (Performer's features) are not this layer's: its steps would not be the layer's
         forward."""
         fix = "make it with the layer's new_cache()"
-        if cache.method != self.method:
+        if base_name(cache.method) != self.spec.base_name:  # a variant: by its options below
             raise ValueError(f"MultiHeadAttention: this cache decodes {cache.method!r}, the "
                              f"layer runs {self.method!r}; {fix}.")
         theirs = cache.bound.options() if hasattr(cache, "bound") else {}
@@ -415,10 +416,12 @@ class MultiHeadAttention(BoundMethodProperties, nn.Module):
                 raise ValueError(f"MultiHeadAttention: this cache decodes {self.method} with "
                                  f"{name}={theirs[name]!r}, the layer with {name}={value!r}; "
                                  f"{fix}.")
-        if self.method_state is not None and not _same_state(
-                getattr(cache, "features_module", None), self.method_state):
+        # features read at the first step (Performer's): a cache that stepped holds them
+        if self.method_state is not None and hasattr(cache, "features_module") \
+                and cache.length == 0 \
+                and not _same_features(cache.features_module, self.method_state):
             raise ValueError(f"MultiHeadAttention: this cache was made without the layer's "
-                             f"own {self.method} state (its features), so it would draw "
+                             f"own {self.method} features, so its first step would draw "
                              f"others; {fix} (or pass state=layer.method_state to "
                              f"new_decoding_state).")
 

@@ -332,20 +332,25 @@ def test_a_cache_no_layer_made_must_have_the_layers_options_and_state():
         sky(x, cache=new_decoding_state(get_method("skyformer").bind(num_features=2)))
     assert sky(x, cache=new_decoding_state(sky.bound.replace(causal=False))).shape == x.shape
     performer = MultiHeadAttention(16, 2, "performer", causal=True, num_features=8).eval()
-    with pytest.raises(ValueError, match=r"made without the layer's own performer state .* "
+    with pytest.raises(ValueError, match=r"made without the layer's own performer features, .* "
                                          r"pass state=layer.method_state"):
         performer(x, cache=new_decoding_state(performer.bound))
     with torch.no_grad():
         own = new_decoding_state(performer.bound, state=performer.method_state)
         expected = performer(x)
         torch.testing.assert_close(performer(x, cache=own), expected)
+        other = MultiHeadAttention(16, 2, "performer", causal=True, num_features=8)
+        with pytest.raises(ValueError, match="made without the layer's own performer features"):
+            other(x, cache=pickle.loads(pickle.dumps(performer.new_cache())))
         cache = performer.new_cache()
         performer(x[:, :4], cache=cache)
+        performer.train()(x)  # its redraw counter moves; the features stay
+        performer.eval()
         unpickled = pickle.loads(pickle.dumps(cache))  # its features a copy, equal
         torch.testing.assert_close(performer(x[:, 4:], cache=unpickled), expected[:, 4:])
-        other = MultiHeadAttention(16, 2, "performer", causal=True, num_features=8)
-        with pytest.raises(ValueError, match="made without the layer's own performer state"):
-            other(x[:, 4:], cache=pickle.loads(pickle.dumps(cache)))
+        # a variant's state on a layer of its options is the layer's method
+        variant = new_decoding_state(get_method("skyformer[num_features=16]").bind())
+        assert sky(x, cache=variant).shape == x.shape
 
 
 @pytest.mark.parametrize(("method", "options"), [
