@@ -291,9 +291,10 @@ class _NoOptions:
 
 
 def test_a_method_attending_to_as_many_keys_as_queries_fails_cross_attention(monkeypatch):
-    """Keeping the first Nq keys passed the cross-attention check (shapes, finite): the
-    values of the other keys must reach the output."""
+    """Keeping the first (or last) Nq keys passed the cross-attention check (shapes,
+    finite): the values of every block of keys must reach the output."""
     monkeypatch.delitem(registry_methods._REGISTRY, "first_keys", raising=False)
+    monkeypatch.delitem(registry_methods._REGISTRY, "last_keys", raising=False)
 
     @register("first_keys", _NoOptions, Capabilities(target="softmax"))
     def first_keys(q, k, v, config, *, key_padding_mask=None, generator=None):
@@ -303,8 +304,18 @@ def test_a_method_attending_to_as_many_keys_as_queries_fails_cross_attention(mon
 
     failed = {r.name: r.detail for r in check_method("first_keys") if r.passed is False}
     assert failed == {"cross-attention: other numbers of queries and keys": (
-        "with 12 queries over 20 keys, the values of keys 12 to 19 change no output: it "
-        "attends to as many keys as there are queries")}
+        "with 12 queries over 20 keys, the values of keys 15 to 19 change no output: it "
+        "attends to some keys alone (as many as there are queries?)")}
+
+    @register("last_keys", _NoOptions, Capabilities(target="softmax"))
+    def last_keys(q, k, v, config, *, key_padding_mask=None, generator=None):
+        n = q.shape[2]
+        return _softmax_core(q, k[:, :, -n:], v[:, :, -n:],
+                             None if key_padding_mask is None else key_padding_mask[:, -n:])
+
+    assert [r.detail for r in check_method("last_keys") if r.passed is False] == [
+        "with 12 queries over 20 keys, the values of keys 0 to 4 change no output: it "
+        "attends to some keys alone (as many as there are queries?)"]
 
 
 def test_a_method_declaring_attn_mask_that_ignores_it_fails_its_check(monkeypatch):

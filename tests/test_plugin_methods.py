@@ -391,11 +391,6 @@ def _core(q, k, v, config, *, key_padding_mask=None, generator=None):
 
 
 @dataclasses.dataclass(frozen=True)
-class _ListOptions:
-    windows: list = dataclasses.field(default_factory=lambda: [1, 2])
-
-
-@dataclasses.dataclass(frozen=True)
 class _Features:
     num_features: int = 8
 
@@ -405,21 +400,17 @@ def _keyword_form(q, k, v, *, key_padding_mask=None, generator=None, num_feature
 
 
 @pytest.mark.parametrize(("config", "capabilities", "function", "error", "said"), [
-    (_ListOptions, Capabilities(target="softmax"), _core, TypeError,
-     r"option windows of 'misdeclared' defaults to a list, which can change .* give it a "
-     r"tuple"),
     (_Options, Capabilities(target="softmax", attn_mask=True), _core, TypeError,
      r"'misdeclared' declares attn_mask=True, so calls pass it an attn_mask, which the "
      r"function registered does not take"),
     (_Features, Capabilities(target="softmax"), _keyword_form, ValueError,
      r"'misdeclared' defaults num_features to 16 in its function and to 8 in _Features"),
-], ids=["list-default", "attn-mask-not-taken", "two-defaults"])
+], ids=["attn-mask-not-taken", "two-defaults"])
 def test_a_registration_its_calls_would_contradict_is_refused(config, capabilities, function,
                                                               error, said):
-    """A list default was shared by every call of a bound config (a core appending to
-    it changed the options); attn_mask=True on a function without it failed at its
-    first masked call naming scaled_dot_product_attention; a keyword default other
-    than the config's made direct and registered calls differ."""
+    """attn_mask=True on a function without it failed at its first masked call naming
+    scaled_dot_product_attention; a keyword default other than the config's made
+    direct and registered calls differ."""
     with pytest.raises(error, match=r"register: " + said):
         register("misdeclared", config, capabilities)(function)
     assert "misdeclared" not in skyformer.list_methods()
@@ -438,3 +429,32 @@ def test_an_output_on_another_device_and_a_core_under_two_names_are_said_so():
                                         r"\(.*\) returned a tensor on meta for q on cpu; .* "
                                         r"device=q.device"):
         skyformer.attention(q, q, q, "second_name")
+
+
+def test_defaults_and_state_arguments_registration_leaves_alone():
+    """Registration refuses what no call can run, not what runs: a keyword default of
+    None, a list or NaN beside the config's, and a state argument a layer passes by
+    name to a core with a per-layer state."""
+    @dataclasses.dataclass(frozen=True)
+    class Odd:
+        eps: float = float("nan")
+        windows: list = dataclasses.field(default_factory=lambda: [1, 2])
+        scale: float | None = 0.5
+
+    register("odd_defaults", Odd, Capabilities(target="softmax"))(
+        lambda q, k, v, *, key_padding_mask=None, generator=None, eps=float("nan"),
+        windows=(1, 2), scale=None: v)
+    q = torch.randn(1, 2, 6, 4)
+    assert skyformer.attention(q, q, q, "odd_defaults").shape == q.shape
+
+    class Scale(torch.nn.Module):
+        def forward(self, q, k):
+            return {"scale": torch.tensor(0.5)}
+
+    @register("stateful_positional", _Options, Capabilities(target="softmax"),
+              state=lambda config, heads, dim: Scale())
+    def stateful_positional(q, k, v, config, scale, *, key_padding_mask=None, generator=None):
+        return v * scale
+
+    layer = skyformer.MultiHeadAttention(8, 2, "stateful_positional")
+    assert layer(torch.randn(1, 5, 8)).shape == (1, 5, 8)

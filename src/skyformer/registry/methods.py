@@ -318,13 +318,12 @@ def register(
         raise TypeError(f"config_class of {name!r} must be a frozen dataclass (a method's "
                         f"options are fixed once bound): declare it with "
                         f"@dataclasses.dataclass(frozen=True).")
-    _refuse_mutable_defaults(name, config_class)
 
     def decorator(fn: Callable[..., Tensor]) -> AttentionFunction:
         _refuse_taken_name(name, fn)
         _check_call_arguments(name, fn)
         _check_options_taken(name, fn, config_class)
-        _check_positional_arguments(name, fn, config_class)
+        _check_positional_arguments(name, fn, config_class, state)
         _check_declared_arguments(name, fn, capabilities)
         _check_keyword_defaults(name, fn, config_class)
         public = with_options(config_class, name)(fn) if takes_config(fn) else fn
@@ -396,26 +395,6 @@ def _check_options_taken(name: str, fn: Callable[..., Tensor], config_class: typ
             f"parameter config.")
 
 
-def _refuse_mutable_defaults(name: str, config_class: type) -> None:
-    """A default option value that can change (a list, a dict): a bound config shares
-    it with every call, so a core that appends to it changes the method's options for
-    the calls after, and the config cannot be hashed."""
-    for f in dataclasses.fields(config_class):
-        if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-            value = f.default_factory()  # type: ignore[misc]
-        elif f.default is not dataclasses.MISSING:
-            value = f.default
-        else:
-            continue
-        try:
-            hash(value)
-        except TypeError:
-            raise TypeError(f"register: option {f.name} of {name!r} defaults to a "
-                            f"{type(value).__name__}, which can change after the method is "
-                            f"bound (and cannot be hashed); give it a tuple or another value "
-                            f"that cannot change.") from None
-
-
 def _check_declared_arguments(name: str, fn: Callable[..., Tensor],
                               capabilities: Capabilities) -> None:
     """A capability whose call passes an argument the function does not take
@@ -438,27 +417,32 @@ def _check_keyword_defaults(name: str, fn: Callable[..., Tensor], config_class: 
         own = parameters[f.name].default if f.name in parameters else inspect.Parameter.empty
         if own is inspect.Parameter.empty or f.default is dataclasses.MISSING:
             continue
-        if own != f.default:
+        plain = (bool, int, float, str)  # a None, tensor or list default: not compared
+        if isinstance(own, plain) and isinstance(f.default, plain) and own == own \
+                and f.default == f.default and own != f.default:  # NaN != NaN
             raise ValueError(f"register: {name!r} defaults {f.name} to {own!r} in its "
                              f"function and to {f.default!r} in {config_class.__name__}; "
                              f"registered calls run the config's, so give both one default.")
 
 
-def _check_positional_arguments(name: str, fn: Callable[..., Tensor], config_class: type
-                                ) -> None:
+def _check_positional_arguments(name: str, fn: Callable[..., Tensor], config_class: type,
+                                state: StateFactory | None) -> None:
     """A function that cannot be called as every call calls it, ``fn(q, k, v, config,
     **keywords)`` (a core) or ``fn(q, k, v, **options, **keywords)`` (a public form), by
     its positional parameters (a missing ``v``, an extra one without a default) gets a
-    sentence at registration. Keyword-only parameters without a default are taken as a
-    per-layer state's arguments, which a layer passes."""
+    sentence at registration. Keyword-only parameters without a default, and with a
+    per-layer ``state`` any parameter, are taken as the state's arguments, which a
+    layer passes by name."""
     signature = inspect.signature(fn)
     core = takes_config(fn)
     positional = ("q", "k", "v", "config") if core else ("q", "k", "v")
     keywords = dict.fromkeys(CALL_ARGUMENTS)
     if not core:
         keywords.update(dict.fromkeys(f.name for f in dataclasses.fields(config_class)))
-    keywords.update((p.name, None) for p in signature.parameters.values()
-                    if p.kind is p.KEYWORD_ONLY and p.default is p.empty)
+    by_name = (inspect.Parameter.KEYWORD_ONLY,) if state is None else (
+        inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    keywords.update((p.name, None) for p in list(signature.parameters.values())[
+        len(positional):] if p.kind in by_name and p.default is p.empty)
     try:
         signature.bind(*positional, **keywords)
     except TypeError as error:
@@ -542,12 +526,21 @@ def _make_variant_config(method: Method, of: Method) -> None:
         method.make_config()
     except (TypeError, ValueError) as error:
         # a value of another type than the option takes, or a word read as a string
-        # (none, yes): perhaps written as brackets do not read it; a value out of range
-        # (gamma=0) gets the method's sentence alone
-        if not isinstance(error, TypeError) and not any(
-                isinstance(value, str) for _, value in method.preset):
+        # (none, yes) that the sentence names: perhaps written as brackets do not read
+        # it; a value out of range (gamma=0) gets the method's sentence alone
+        words = [repr(value) for _, value in method.preset if isinstance(value, str)]
+        if not isinstance(error, TypeError) and not any(w in str(error) for w in words):
             raise
-        raise type(error)(f"{str(error).rstrip('.')} ({VARIANT_VALUES}).") from None
+        raise with_note(error, VARIANT_VALUES) from None
+
+
+def with_note(error: Exception, note: str) -> Exception:
+    """``error`` again, its sentence followed by `` (note).``; an exception of a class
+    that cannot be made from one sentence (a plugin's own) is given back unchanged."""
+    try:
+        return type(error)(f"{str(error).rstrip('.')} ({note}).")
+    except Exception:  # its own __init__: its sentence stays as it was
+        return error
 
 
 def did_you_mean(given: object, names: Iterable[str]) -> str:
@@ -604,7 +597,7 @@ def exact_method(target: Target) -> Method:
 def methods_that_can(capability: str) -> list[str]:
     """The registered methods that can do ``capability`` (a key of ``CAPABILITY_TEXT``),
     in registration order."""
-    return [m.name for m in tuple(_REGISTRY.values())  # a copy: see registered_name
+    return [m.name for m in tuple(_REGISTRY.values())  # a copy: see outputs.registered_names
             if m.capabilities.has(capability)]
 
 
