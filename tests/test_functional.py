@@ -154,9 +154,10 @@ def test_approximate_method_refuses_a_general_mask_with_a_sentence():
     q, k, v = make_qkv(1, 1, 8, 4)
     mask = torch.rand(8, 8, generator=torch.Generator().manual_seed(0)) > 0.5
     mask[:, 0] = True
-    with pytest.raises(ValueError, match="approximate methods take only a key padding mask "
-                                         "and, those with a causal form, causal masking; "
-                                         "skyformer is approximate: use method='softmax' or "
+    with pytest.raises(ValueError, match="methods without attn_mask \\(the approximate ones\\) "
+                                         "take only a key padding mask and, those with a "
+                                         "causal form, causal masking; skyformer is one of "
+                                         "those: use method='softmax' or "
                                          "'kernelized'"):
         sdpa(q, k, v, mask, method="skyformer")
 

@@ -358,7 +358,7 @@ def attn_mask_as_padding(spec: Method, attn_mask: Tensor, key_padding_mask: Tens
     ``key_padding_mask`` and ``is_causal``)."""
     b, _, lq, _ = query.shape
     lk = key.shape[2]
-    advice = (f"{spec.name} is approximate: use method='softmax' or 'kernelized', which "
+    advice = (f"{spec.name} is one of those: use method='softmax' or 'kernelized', which "
               f"take any attn_mask")
     if may_read_values(attn_mask):
         given = query_padding_mask is None or (

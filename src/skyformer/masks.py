@@ -114,8 +114,8 @@ def _allowed(mask: Tensor, batch: int, query_len: int, key_len: int, advice: str
     if not _holds((mask == 0) | blocked, "the additive attention mask carries a bias"):
         raise UnsupportedMaskError(
             "the additive attention mask carries a bias (entries other than 0 and large "
-            "negatives, e.g. ALiBi or relative-position terms), which the approximate "
-            f"methods cannot add to their attention; {advice}."
+            "negatives, e.g. ALiBi or relative-position terms), which methods without "
+            f"attn_mask (the approximate ones) cannot add to their attention; {advice}."
         )
     return ~blocked
 
@@ -224,7 +224,8 @@ def resolve_mask(
     raise UnsupportedMaskError(
         "the attention mask is neither key padding nor causal with key padding (e.g. a "
         "sliding window, packed sequences, a cached prefix or a custom pattern); the "
-        f"approximate methods take only a key padding mask and, those with a causal form, "
+        f"methods without attn_mask (the approximate ones) take only a key padding mask and, "
+        f"those with a causal form, "
         f"causal masking{lengths}; {advice}.{_hidden_queries(rows, query_valid)}"
     )
 
@@ -275,8 +276,8 @@ def _refuse_per_head(allowed: Tensor, what: str, advice: str) -> None:
     if allowed.shape[1] > 1 and not _holds(allowed == allowed[:, :1],
                                            f"{what} differs between heads"):
         raise UnsupportedMaskError(
-            f"{what} differs between heads; the approximate methods take one key padding "
-            f"mask for all heads; {advice}.")
+            f"{what} differs between heads; methods without attn_mask (the approximate "
+            f"ones) take one key padding mask for all heads; {advice}.")
 
 
 def causal_without_mask(is_causal: bool, query_len: int, key_len: int) -> bool:
