@@ -361,7 +361,6 @@ def check_one_rank_fails(rank: int, world: int) -> None:
          "float8_e4m3fn"),
     ]
     torch.manual_seed(0)
-    torch.manual_seed(0)  # the same weights on every rank
     layer = skyformer.MultiHeadAttention(8, 2, "linear", process_group=dist.group.WORLD)
     x = torch.randn(1, 4, 8)
     cases += [(lambda: layer(x[..., :6] if bad else x), "must have shape [B, N, 8]"),

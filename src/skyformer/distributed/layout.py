@@ -65,17 +65,15 @@ def resolve_group(group: Any, caller: str,
             f"destroyed already); call torch.distributed.init_process_group(...) first "
             f"(torchrun sets the environment it reads), or {alone}.")
     group = dist.group.WORLD if group is None else group
-    outside = ValueError(f"{caller}: this process is not a member of the process group it "
-                         f"was given; pass a group that contains it (or None for all).")
     # new_group(ranks) hands a process outside ranks this marker, not a group
-    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
-        raise outside
-    if not isinstance(group, dist.ProcessGroup):  # a list of ranks, a rank: torch's words
+    outside = isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER
+    if not outside and not isinstance(group, dist.ProcessGroup):  # a list of ranks, a rank
         raise TypeError(f"{caller}: group must be a torch.distributed process group "
                         f"(torch.distributed.new_group(ranks), or None for all processes), "
                         f"got {type(group).__name__} {group!r}.")
-    if dist.get_rank(group) < 0:
-        raise outside
+    if outside or dist.get_rank(group) < 0:
+        raise ValueError(f"{caller}: this process is not a member of the process group it "
+                         f"was given; pass a group that contains it (or None for all).")
     return group
 
 
@@ -222,9 +220,16 @@ def fingerprint(tensors: Any) -> Tensor:
     for t in tensors:
         integers = _INTEGER_OF_SIZE.get(t.element_size(), torch.uint8)  # complex128: bytes
         bits = t.detach().contiguous().view(-1).view(integers)
-        position = torch.arange(1, bits.numel() + 1, device=bits.device)
-        total = total.to(bits.device) + (bits.long() * (position * 2654435761 + 1)).sum()
+        total = total.to(bits.device)
+        # by slices: the int64 temporaries stay a few MiB for a parameter of any size
+        for start in range(0, bits.numel(), _FINGERPRINT_SLICE):
+            part = bits[start:start + _FINGERPRINT_SLICE].long()
+            position = torch.arange(start + 1, start + 1 + part.numel(), device=bits.device)
+            total = total + (part * (position * 2654435761 + 1)).sum()
     return total
+
+
+_FINGERPRINT_SLICE = 1 << 18  # elements of one step of fingerprint
 
 
 def rows_fingerprint(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
