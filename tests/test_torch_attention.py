@@ -848,3 +848,27 @@ def test_scripting_is_refused_with_the_ways_that_work():
                                            r"scripted with torch.jit.script .* use "
                                            r"torch.jit.trace, torch.export or torch.compile"):
         torch.jit.script(model)
+
+
+def test_a_dropout_layer_compiled_by_aot_autograd_differentiates_as_eager():
+    """Skyformer's output dropped before the merge of the heads failed in the backward
+    AOTAutograd compiles (a view of mismatched strides): nn.TransformerEncoderLayer's
+    default dropout of 0.1 with Skyformer swapped in could not train compiled. The
+    output is dropped on the merged heads."""
+    torch.manual_seed(0)
+    layer = TorchMultiheadAttention(16, 2, dropout=0.1, method="skyformer[num_features=8]",
+                                    batch_first=True)
+    x = torch.randn(2, 20, 16, requires_grad=True)
+    padding = torch.zeros(2, 20, dtype=torch.bool)
+    padding[1, 12:] = True
+
+    def call(x, key):
+        return layer(x, x, x, key_padding_mask=padding, need_weights=False, generator=key)[0]
+
+    def gradient(run):
+        torch.manual_seed(1)  # the same dropout mask
+        return torch.autograd.grad(run(x, random_key(3)).square().sum(), x)[0]
+
+    eager = gradient(call)
+    compiled = gradient(torch.compile(call, fullgraph=True, backend="aot_eager"))
+    torch.testing.assert_close(compiled, eager)

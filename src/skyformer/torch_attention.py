@@ -325,7 +325,14 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         else:
             out, kept = self._approximate(q, k, v, key_valid, padding_bias, allowed, is_causal,
                                           self_attention, generator, weights)
-        return self.out_proj(out.permute(2, 0, 1, 3).reshape(lq, b, self.embed_dim)), kept
+        merged = out.permute(2, 0, 1, 3).reshape(lq, b, self.embed_dim)
+        p = self._dropout()
+        if p and not (self.spec.capabilities.attn_mask and self.spec.capabilities.weight_dropout):
+            # the output's dropout, where the method's weights are not dropped: on the
+            # merged heads (dropped before the merge, Skyformer's permuted output failed
+            # in the backward that AOTAutograd compiles)
+            merged = F.dropout(merged, p=p, training=True)
+        return self.out_proj(merged), kept
 
     def _project(self, query: Tensor, key: Tensor, value: Tensor, self_attention: bool
                  ) -> tuple[Tensor, Tensor, Tensor]:
@@ -388,8 +395,8 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         """A method that takes any mask (``softmax``, ``kernelized``): torch's masks as
         they are, or its causal form alone (``causal``: torch's hint without its mask),
         every query real (torch's rows for padded queries); the output and, with
-        ``weights``, the weights (dropped as the output's where the method drops
-        weights)."""
+        ``weights``, the weights (dropped where the method drops weights; else
+        ``_attend`` drops the output)."""
         arguments: dict[str, Any] = {} if mask is None else {"attn_mask": mask}
         bound = self.bound.replace(causal=True) if causal else self.bound
         p = self._dropout()
@@ -399,7 +406,7 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         out, kept = call_maybe_with_weights(bound, q, k, v, weights, key_padding_mask=key_valid,
                                             query_padding_mask=None, generator=generator,
                                             state=self.method_state, **arguments)
-        return (F.dropout(out, p=p, training=True) if p and not weight_dropout else out), kept
+        return out, kept
 
     def _approximate(self, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None,
                      padding_bias: Tensor | None, allowed: Tensor | None, is_causal: bool,
@@ -434,8 +441,7 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
         out, kept = call_maybe_with_weights(bound, q, k, v, weights,
                                             key_padding_mask=key_valid, query_padding_mask=rows,
                                             generator=generator, state=self.method_state)
-        p = self._dropout()
-        return (F.dropout(out, p=p, training=True) if p else out), kept
+        return out, kept
 
     def _mask_arguments(self) -> str:
         """This layer's arguments for the masks its method takes (torch's conventions),
