@@ -872,3 +872,20 @@ def test_a_dropout_layer_compiled_by_aot_autograd_differentiates_as_eager():
     eager = gradient(call)
     compiled = gradient(torch.compile(call, fullgraph=True, backend="aot_eager"))
     torch.testing.assert_close(compiled, eager)
+
+
+def test_the_no_weights_warning_flag_is_no_guard_of_a_compiled_call():
+    """need_weights=True (torch's default) read the layer's warned-once flag while
+    compiling: an eager call that then warned recompiled the next compiled call."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    layer = TorchMultiheadAttention(16, 2, method="softmax", batch_first=True)
+    x = torch.randn(2, 5, 16)
+    compiled = torch.compile(lambda x: layer(x, x, x)[0], fullgraph=True, backend="eager")
+    compiled(x)
+    with pytest.warns(UserWarning, match=r"returns \(output, None\)"):
+        layer(x, x, x)
+    compiled(x)
+    assert counters["stats"]["unique_graphs"] == 1

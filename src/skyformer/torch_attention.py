@@ -553,9 +553,11 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
 
     def _warn_no_weights(self, need_weights: bool) -> None:
         """Warn, once per layer, that ``need_weights=True`` gets no weights (a layer
-        built without ``return_weights``)."""
-        if need_weights and not self.return_weights and not self._weights_warned \
-                and not torch.compiler.is_compiling():
+        built without ``return_weights``); in eager calls only: compiled code reads no
+        flag (it became a guard, and an eager call setting it recompiled the graph)."""
+        if torch.compiler.is_compiling():
+            return
+        if need_weights and not self.return_weights and not self._weights_warned:
             self._weights_warned = True
             instead = (f"build the layer with return_weights=True for the matrix "
                        f"{self.method} applies (its memory, [B, H, L, S], and time), "
