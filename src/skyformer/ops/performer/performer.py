@@ -253,14 +253,16 @@ class PerformerFeatures(nn.Module):
 
 
 _CAPTURED_BUFFERS = (
-    "performer: a MultiHeadAttention layer in training mode counts its calls and redraws "
-    "its features in its buffers (method_state.calls_since_redraw, .projection), in place, "
-    "which torch.func's grad, vjp, jvp, jacrev, jacfwd and hessian refuse for a buffer the "
+    "performer: a layer in training mode (MultiHeadAttention, TorchMultiheadAttention, "
+    "or one replace_attention swapped in) counts its calls and redraws its features in "
+    "its buffers (method_state.calls_since_redraw, .projection), in place, which "
+    "torch.func's grad, vjp, jvp, jacrev, jacfwd and hessian refuse for a buffer the "
     "transformed function captures. Either pass the buffers as an argument of the "
-    "transformed function (torch.func.grad(lambda params, buffers: "
-    "functional_call(model, (params, buffers), x).sum())(params, buffers): they count "
-    "there as in eager calls), or build the layer with feature_redraw_interval=None and "
-    "call layer.method_state.redraw() between steps, or call it in eval mode.")
+    "transformed function (torch.func.grad(lambda params, buffers: loss(functional_call("
+    "model, (params, buffers), inputs)))(params, buffers), with loss reducing the model's "
+    "output, a tuple for torch's layer, to a scalar: they count there as in eager "
+    "calls), or build the layer with feature_redraw_interval=None and call "
+    "layer.method_state.redraw() between steps, or call it in eval mode.")
 
 
 @custom_op("skyformer::in_recomputation")
