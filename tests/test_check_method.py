@@ -210,6 +210,49 @@ def test_a_window_by_position_rather_than_among_real_tokens_fails_the_padding_ch
         "padded length: ops/shared/real_first.py)")
 
 
+class _LeakyState(torch.nn.Module):
+    """A per-layer state handing its core a scale of the scores: learned (detached for
+    ``unused_parameter``) or, for ``mixes_batch``, grown by the mean key of the batch."""
+
+    def __init__(self, config, num_heads, head_dim, *, kind):
+        super().__init__()
+        self.kind = kind
+        self.scale = torch.nn.Parameter(torch.ones(num_heads, 1, 1))
+
+    def forward(self, q, k):
+        if self.kind == "mixes_batch":
+            return {"scale": self.scale + k.mean(dim=(0, 2, 3))[:, None, None]}
+        return {"scale": self.scale.detach()}  # unused_parameter: no gradient reaches it
+
+
+@pytest.mark.parametrize(("kind", "sentence"), [
+    ("mixes_batch", "with its per-layer state, element 0's output changed with element "
+                    "1's inputs: what the state hands the core mixes the batch elements"),
+    ("unused_parameter", "no finite, non-zero gradient reaches the state's parameters "
+                         "['scale']")])
+def test_a_per_layer_state_is_checked_as_a_layer_calls_it(monkeypatch, kind, sentence):
+    """Every other check calls a method without its state (as a bare function call
+    does): a state that mixes the batch, or whose learned parameters reach nothing,
+    passed them all and broke the layers that hand it to the core."""
+    name = f"state_{kind}"
+    monkeypatch.delitem(registry_methods._REGISTRY, name, raising=False)
+
+    def state(config, num_heads, head_dim):
+        return _LeakyState(config, num_heads, head_dim, kind=kind)
+
+    @register(name, _Leaky, Capabilities(target="softmax"), state=state)
+    def method(q, k, v, config, *, key_padding_mask=None, generator=None, scale=1.0):
+        scores = (q @ k.transpose(-1, -2)) * scale
+        if key_padding_mask is not None:
+            scores = scores.masked_fill(~key_padding_mask[:, None, None, :], -torch.inf)
+        return torch.softmax(scores, -1) @ v
+
+    monkeypatch.setitem(registry_methods._REGISTRY, name, registry_methods._REGISTRY[name])
+    failed = {r.name: r.detail for r in check_method(name) if r.passed is False}
+    check = "a per-layer state (new_state): batch elements independent, gradients reach it"
+    assert list(failed) == [check] and failed[check].startswith(sentence)
+
+
 def test_a_method_that_raises_fails_the_checks_with_its_words(monkeypatch):
     monkeypatch.delitem(registry_methods._REGISTRY, "raising_check", raising=False)
 

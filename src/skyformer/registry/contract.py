@@ -9,7 +9,9 @@ later position; ``mask``: padding gives the truncated input's outputs and zero r
 output is one matrix applied to the values; ``half_precision``: bfloat16 in, bfloat16
 out, close to float32's; ``cross_attention``: every key's value reaches the output;
 ``attn_mask``: a key hidden from a query reaches none of its output), and one it lacks
-is skipped. A random key (``skyformer.random_key``) is tried as the generator too. What the
+is skipped. A random key (``skyformer.random_key``) is tried as the generator too, and a
+method with a per-layer state (``register(state=...)``) is called with one, as a layer
+calls it. What the
 call guarantees for every method is not checked: a fully padded sequence gives zero
 rows and zero gradients whatever the method computes (``guard.py`` replaces padded
 inputs and outputs with ``torch.where``), and ``num_features`` below 1 is refused
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.autograd import gradcheck
 
 from ..logs import first_line
@@ -80,6 +82,15 @@ def check_method(name: str, **options: Any) -> list[CheckResult]:
         masks = {} if attn_mask is None else {"attn_mask": attn_mask}
         return bound(q, k, v, key_padding_mask=mask, generator=generator, **masks)
 
+    def run_in_layer(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None
+                     ) -> tuple[Tensor, nn.Module]:
+        """The method as a layer calls it: with a per-layer state (``new_state``) of
+        its own, built afresh from one seed, and the state."""
+        bound = spec.bind(q.shape[1], q.shape[-1], seq_len=256, **options)
+        state = bound.new_state(seed=0).to(q.dtype)
+        generator = torch.Generator().manual_seed(0)
+        return bound(q, k, v, key_padding_mask=mask, generator=generator, state=state), state
+
     undeclared, square = "not declared", "not with causal=True (as many queries as keys)"
     cross = None if caps.cross_attention else undeclared
     # (check, why it is skipped or None, what it runs)
@@ -112,6 +123,9 @@ def check_method(name: str, **options: Any) -> list[CheckResult]:
          lambda: _independent(run, 30 if caps.cross_attention else 40)),
         ("weights: the output is one matrix applied to the values",
          None if caps.weights else undeclared, lambda: _weights(run, rows)),
+        ("a per-layer state (new_state): batch elements independent, gradients reach it",
+         None if spec.state is not None else "no per-layer state (register(state=...))",
+         lambda: _layer_state(run_in_layer, caps.mask)),
     ]
     results = []
     for check, skipped, body in checks:
@@ -262,6 +276,38 @@ def _batch(run: Callable[..., Tensor], mask: bool) -> str:
     _equal(run(q2, k2, v2, padding if mask else None)[0], base[0],
            "element 0's output changed with element 1's inputs")
     return "element 0's output is unchanged by element 1's inputs"
+
+
+def _layer_state(run_in_layer: Callable[..., tuple[Tensor, nn.Module]], mask: bool) -> str:
+    """The calls every check above makes pass no state; a layer passes its own
+    (``Method.bind(num_heads, head_dim).new_state()``): what the state hands the core
+    must keep the batch elements apart, and its learned parameters must get gradients."""
+    q, k, v = _qkv(2, 24, seed=7)
+    padding = torch.ones(2, 24, dtype=torch.bool)
+    padding[1, 18:] = False
+    out, state = run_in_layer(q, k, v, padding if mask else None)
+    if tuple(out.shape) != tuple(v.shape) or not torch.isfinite(out).all():
+        raise _Broken(f"gave {list(out.shape)}, finite: {bool(torch.isfinite(out).all())}, "
+                      f"with its state; expected finite [B, H, Nq, Dv] = {list(v.shape)}")
+    q2, k2, v2 = (t.clone() for t in (q, k, v))
+    for t in (q2, k2, v2):
+        t[1:] = torch.randn(t[1:].shape, generator=torch.Generator().manual_seed(8),
+                            dtype=t.dtype) * 3
+    _equal(run_in_layer(q2, k2, v2, padding if mask else None)[0][0], out[0],
+           "with its per-layer state, element 0's output changed with element 1's inputs: "
+           "what the state hands the core mixes the batch elements")
+    learned = [(name, p) for name, p in state.named_parameters() if p.requires_grad]
+    if learned:
+        if out.requires_grad:
+            out.square().sum().backward()
+        missing = [name for name, p in learned
+                   if p.grad is None or not torch.isfinite(p.grad).all()
+                   or p.grad.abs().sum() == 0]
+        if missing:
+            raise _Broken(f"no finite, non-zero gradient reaches the state's parameters "
+                          f"{missing}: hand them to the core as tensors it computes with")
+    reached = f", gradients reach its {len(learned)} parameters" if learned else ""
+    return f"element 0's output is unchanged by element 1's inputs{reached}"
 
 
 def _gradients(run: Callable[..., Tensor]) -> str:
