@@ -3,6 +3,8 @@ method, and a sentence where a method cannot honour an argument."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -436,6 +438,38 @@ def test_unbatched_packed_sequences_keep_apart():
                       for s, e in ((0, 3), (3, 8))], dim=1)
     torch.testing.assert_close(sdpa(q[0], k[0], v[0], cu_seqlens=cu), want)
     torch.testing.assert_close(sdpa(q[0], k[0], v[0], cu_seqlens=cu, max_seqlen=5), want)
+
+
+def test_flash_attentions_packed_layout_is_named_with_the_transpose_that_fits():
+    """FlashAttention's varlen layout [T, H, E] was read as [H, T, E]: the sentence named
+    the head count as the packed length and the lengths as what was wrong."""
+    q, k, v = make_qkv(1, 2, 8, 4)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    flash = [t[0].transpose(0, 1) for t in (q, k, v)]  # [T, H, E]
+    with pytest.raises(ValueError, match=r"packed length 2, got \[0, 3, 8\]\. The packed "
+                       r"tokens lie along dim -2 .*FlashAttention's packed \[T, H, E\] is "
+                       r"q\.transpose\(0, 1\)"):
+        sdpa(*flash, cu_seqlens=cu)
+    torch.testing.assert_close(sdpa(*(t.transpose(0, 1) for t in flash), cu_seqlens=cu),
+                               sdpa(q[0], k[0], v[0], cu_seqlens=cu))
+
+
+def test_packed_inputs_on_two_devices_are_named_before_the_lengths():
+    """A value on another device was reported as cu_seqlens on the wrong one, with a fix
+    (cu_seqlens.to(q.device)) that changed nothing."""
+    q, k, v = make_qkv(1, 2, 8, 4)
+    with pytest.raises(ValueError, match=r"query, key and value must be on one device, got "
+                       r"cpu, cpu, meta"):
+        sdpa(q, k, v.to("meta"), cu_seqlens=torch.tensor([0, 3, 8]))
+
+
+def test_strided_cumulative_lengths_raise_no_warning_from_the_library():
+    q, k, v = make_qkv(1, 2, 8, 4)
+    strided = torch.tensor([0, 9, 3, 9, 8, 9])[::2]  # [0, 3, 8], a view of stride 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = sdpa(q, k, v, cu_seqlens=strided)
+    torch.testing.assert_close(out, sdpa(q, k, v, cu_seqlens=strided.contiguous()))
 
 
 def test_an_attn_mask_pads_queries_in_self_attention_unless_told_otherwise():

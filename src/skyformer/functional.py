@@ -26,10 +26,11 @@ naming the method where it cannot:
   as a mask, while the approximate methods' causal forms need L == S.
 - ``scale``: the methods with a ``scale`` option (every method but ``linear``).
 - ``dropout_p``: applied, as by SDPA, whenever it is positive (pass 0 in evaluation):
-  on the attention probabilities for ``softmax``, on the output for the methods that
-  have no attention matrix (the same expectation, per entry of the output rather than
-  per weight). The dropout draws from torch's global generator, as SDPA's, not from
-  ``generator``: seed torch as well for a call with dropout to repeat.
+  on the attention probabilities for the methods declaring ``weight_dropout``
+  (``softmax``), on the output for the others, ``kernelized`` included (the same
+  expectation, per entry of the output rather than per weight). The dropout draws from
+  torch's global generator, as SDPA's, not from ``generator``: seed torch as well for a
+  call with dropout to repeat.
 - ``enable_gqa``: fewer key/value heads than query heads (H a multiple of Hkv), each
   group of H / Hkv query heads sharing one key/value head, as SDPA; the key/value heads
   are repeated for the methods, so every method runs grouped-query attention.
@@ -470,6 +471,9 @@ def _varlen(spec: Method, query: Tensor, key: Tensor, value: Tensor, attn_mask: 
             max_seqlen_k: int | None, generator: Any, options: dict[str, Any]) -> Tensor:
     """Packed sequences: unpack to a padded batch with padding masks, attend, pack."""
     _check_layout(spec.name, query, key, value)
+    if not query.device == key.device == value.device:  # before cu_seqlens meets them
+        raise ValueError(f"{spec.name}: query, key and value must be on one device, got "
+                         f"{query.device}, {key.device}, {value.device}.")
     if attn_mask is not None:
         raise ValueError(f"{spec.name}: with cu_seqlens, pass no attn_mask (the sequences "
                          f"are kept apart by the cumulative lengths; use is_causal).")

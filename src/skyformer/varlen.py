@@ -1,6 +1,8 @@
 """Packed variable-length batches <-> padded batches with padding masks.
 
-A packed batch holds B sequences one after the other, ``[1, H, T, E]``, with cumulative
+A packed batch holds B sequences one after the other, ``[1, H, T, E]`` (or ``[H, T, E]``;
+not FlashAttention's ``[T, H, E]``, which ``.transpose(0, 1)`` turns into it: where
+T == H that layout cannot be told from this one), with cumulative
 lengths ``cu_seqlens = [0, n_0, n_0 + n_1, ..., T]`` (``[B + 1]``, as FlashAttention's
 varlen API and transformers' packed-sequence path pass them). The methods run on the
 padded form ``[B, H, max_len, E]`` with a key padding mask, where padding equals
@@ -38,8 +40,13 @@ def _check(cu_seqlens: object, x: Tensor, method: str, name: str = "cu_seqlens")
         _assert_on_device(ok, f"{method}: {name} must rise from 0 to the packed length T")
     elif int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != total \
             or bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
+        layout = ""
+        if int(cu_seqlens[-1]) == x.shape[1] != total:  # the tokens along the heads' dim
+            layout = (" The packed tokens lie along dim -2 ([1, H, T, E], or [H, T, E]); "
+                      "FlashAttention's packed [T, H, E] is q.transpose(0, 1) (the same "
+                      "for k and v), a [1, T, H, E] q.transpose(1, 2).")
         raise ValueError(f"{method}: {name} must rise from 0 to the packed length {total}, "
-                         f"got {cu_seqlens.tolist()}.")
+                         f"got {cu_seqlens.tolist()}.{layout}")
     return cu_seqlens.long()
 
 
@@ -76,7 +83,8 @@ def length_argument(value: object, method: str, argument: str, lengths: str) -> 
 def _slots(cu_seqlens: Tensor, total: int, max_len: int) -> Tensor:
     """The padded slot ``b * max_len + offset`` of every packed token ``[T]``."""
     position = torch.arange(total, device=cu_seqlens.device)
-    seq = torch.searchsorted(cu_seqlens[1:], position, right=True)  # [T]
+    ends = cu_seqlens[1:].contiguous()  # torch warns of a strided boundary (a [::2] view)
+    seq = torch.searchsorted(ends, position, right=True)  # [T]
     return seq * max_len + position - cu_seqlens[seq]
 
 
