@@ -133,6 +133,28 @@ def test_causal_masks_whose_padded_query_rows_see_nothing_are_accepted():
     assert got.causal is True and torch.equal(got.key_padding_mask, pad)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_padded_rows_opened_to_every_key_name_query_padding_mask(causal):
+    """transformers before 5 opened padded query rows to every key under SDPA: such a
+    row cannot be told from a real query's, so the mask is refused, and the sentence
+    named no way out; it names query_padding_mask, with which the mask is accepted."""
+    pad = padding()
+    pattern = torch.ones(N, N, dtype=torch.bool)
+    pattern = pattern.tril() if causal else pattern
+    mask = (pattern & pad[:, None, None, :]) | ~pad[:, None, :, None]
+    with pytest.raises(UnsupportedMaskError, match=r"The queries it opens to every key look "
+                       r"like padded queries .*query_padding_mask \[B, Nq\]"):
+        resolve(mask, causal=causal)
+    got = resolve_mask(mask, batch=B, query_len=N, key_len=N, is_causal=causal,
+                       query_valid=pad)
+    assert got.causal is causal and torch.equal(got.key_padding_mask, pad)
+    window = hf_mask(sdpa_mask, sliding_window_causal_mask_function(3), padding(),
+                     allow_is_causal_skip=False) | ~pad[:, None, :, None]
+    with pytest.raises(UnsupportedMaskError) as refused:  # a window is not padding
+        resolve(window, causal=True)
+    assert "opens to every key" not in str(refused.value)
+
+
 def test_bias_masks_are_refused():
     bias = torch.zeros(B, 1, N, N)
     bias[..., 0] = -0.5  # e.g. an ALiBi-like term

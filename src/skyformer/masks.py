@@ -227,6 +227,7 @@ def resolve_mask(
         f"methods without attn_mask (the approximate ones) take only a key padding mask and, "
         f"those with a causal form, "
         f"causal masking{lengths}; {advice}.{_hidden_queries(rows, query_valid)}"
+        f"{_opened_queries(rows, query_valid)}"
     )
 
 
@@ -246,6 +247,31 @@ def _hidden_queries(rows: Tensor, query_valid: Tensor | str | None) -> str:
     return (" The queries it hides from every key look like padded queries: pass them "
             "as query_padding_mask [B, Nq] (True = real query) too, and their rows come "
             "out 0.")
+
+
+def _opened_queries(rows: Tensor, query_valid: Tensor | str | None) -> str:
+    """A sentence where the queries that see every key are padded rows opened to all
+    (as transformers before 5 built for left padding under SDPA) and the mask is key
+    padding, or causal with key padding, over the others, naming the argument that
+    says so (module docstring); else ``""``. Eager code only, on the way to a refusal."""
+    if isinstance(query_valid, Tensor) or torch.compiler.is_compiling():
+        return ""
+    opened = rows.all(dim=-1)  # [B, Nq]
+    real = ~opened
+    if not bool(opened.any()):
+        return ""
+    visible = (rows & real[:, :, None]).any(dim=1)  # [B, Nk]
+    visible |= opened.all(dim=1, keepdim=True)  # an element whose every query sees all
+    patterns = [visible[:, None, :]]
+    query_len, key_len = rows.shape[-2:]
+    if query_len == key_len:
+        tril = torch.ones(query_len, key_len, dtype=torch.bool, device=rows.device).tril()
+        patterns.append(tril & visible[:, None, :])
+    if not any(bool(((rows == p) | opened[:, :, None]).all()) for p in patterns):
+        return ""
+    return (" The queries it opens to every key look like padded queries (as "
+            "transformers before 5 masked left padding): pass them as query_padding_mask "
+            "[B, Nq] (True = real query) too, and their rows come out 0.")
 
 
 def _is_causal_complement(rows: Tensor) -> bool:
