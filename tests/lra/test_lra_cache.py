@@ -167,3 +167,22 @@ def test_a_cache_root_with_a_tilde_is_the_home_folder(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv(CACHE_ENV, "~/lra-cache")
     assert default_cache_root() == tmp_path / "lra-cache"
+
+
+@pytest.mark.parametrize(("src", "cache"), [("data", "data"), ("data/listops", "data")])
+def test_preparing_into_the_folder_of_the_source_files_is_refused(tmp_path, src, cache):
+    """The reader looks for a listops/ folder, so --src data --cache data named the
+    source folder as the cache's task folder, which the build replaced whole: the .tsv
+    files were deleted and "prepared" was printed."""
+    from skyformer.lra import prepare
+    from tests.lra.release_files import make_listops_release
+
+    make_listops_release(tmp_path / "data" / "listops")
+    before = sorted(p.name for p in (tmp_path / "data" / "listops").iterdir())
+    with pytest.raises(FileExistsError, match=r"holds basic_test\.tsv, basic_train\.tsv, "
+                       r"basic_val\.tsv, which a prepared cache does not: .*pass another "
+                       r"--cache"):
+        prepare("listops", tmp_path / src, tmp_path / cache)
+    assert sorted(p.name for p in (tmp_path / "data" / "listops").iterdir()) == before
+    prepare("listops", tmp_path / src, tmp_path / "cache")
+    prepare("listops", tmp_path / src, tmp_path / "cache")  # a cache is replaced

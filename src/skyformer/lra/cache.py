@@ -181,6 +181,7 @@ def write_cache(
     if sorted(splits) != sorted(SPLITS):
         raise ValueError(f"a cache needs the splits {', '.join(SPLITS)}, got {', '.join(splits)}.")
     check_positive_int("max_len", max_len)
+    _refuse_other_files(cache_dir(cache_root, task.name))
     # Files are written plainly in tmp: renaming tmp to the cache folder is the one atomic step.
     with building_folder(cache_dir(cache_root, task.name)) as tmp:
         infos = {name: _write_split(tmp, name, task, splits[name], max_len) for name in SPLITS}
@@ -198,6 +199,22 @@ def write_cache(
         }
         (tmp / "meta.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     return cache_dir(cache_root, task.name)
+
+
+def _refuse_other_files(folder: Path) -> None:
+    """Refuse to replace ``folder`` (a task's cache folder) where it holds anything but
+    a cache's files: the source data themselves, where ``--cache`` names the folder that
+    holds them (the readers look for a ``listops/`` or ``retrieval/`` folder)."""
+    if not folder.is_dir():
+        return
+    cache_files = {"meta.json", *(f"{split}.{part}.npy" for split in SPLITS
+                                  for part in ("tokens", "lengths", "labels"))}
+    other = sorted(p.name for p in folder.iterdir() if p.name not in cache_files)
+    if other:
+        raise FileExistsError(
+            f"{folder} holds {', '.join(other[:5])}, which a prepared cache does not: "
+            f"preparing would replace the folder whole; pass another --cache (the cache's "
+            f"task folder must not be, or hold, the source files).")
 
 
 def data_fingerprint(meta: dict[str, Any]) -> dict[str, Any]:
