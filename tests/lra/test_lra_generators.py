@@ -180,6 +180,22 @@ def test_synthetic_pathfinder_round_trip_is_labelled_synthetic(tmp_path):
     assert 0 < labels.mean() < 1
 
 
+def test_a_moved_copy_of_generated_pathfinder_is_the_same_data(tmp_path):
+    """The difficulty recorded was the folder's name, for generated data the --out it
+    was given: a renamed copy (every split's digest equal) could not resume a run."""
+    import shutil
+
+    from skyformer.lra.cache import data_fingerprint
+
+    write_pathfinder(tmp_path / "pf", 12, seed=0)
+    shutil.copytree(tmp_path / "pf", tmp_path / "moved" / "pf_copy")
+    metas = [load_cache(prepare("pathfinder", tmp_path / src, tmp_path / cache).parent,
+                        "pathfinder").meta
+             for src, cache in (("pf", "c1"), ("moved/pf_copy", "c2"))]
+    assert metas[0]["difficulty"] == "synthetic"
+    assert data_fingerprint(metas[0]) == data_fingerprint(metas[1])
+
+
 def test_generating_pathfinder_without_pillow_names_the_extra(tmp_path, monkeypatch):
     """Pillow comes with the lra extra: without it the generator says so before it
     makes any folder."""
@@ -221,6 +237,36 @@ def test_replacing_the_folder_one_works_in_is_refused(tmp_path, monkeypatch):
             write_pathfinder(out, 10, seed=1, replace=True)
     (folder / "sub").rmdir()
     assert _contents(folder) == before
+
+
+def test_replace_refuses_the_releases_files_of_the_generators_names(tmp_path):
+    """The release's listops-1000/ and a Pathfinder difficulty folder hold the names the
+    generators write: --replace took them for generated data and replaced them."""
+    from tests.lra.release_files import make_listops_release, make_pathfinder_release
+
+    rules = ListOpsRules(max_depth=3, max_args=4, min_length=4, max_length=40)
+    make_listops_release(tmp_path / "listops-1000")
+    root, _ = make_pathfinder_release(tmp_path / "release")
+    difficulty = root / "curv_contour_length_14"
+    before = {f: _contents(f) for f in (tmp_path / "listops-1000", difficulty)}
+    with pytest.raises(FileExistsError, match=r"holds no generator\.json, which `generate "
+                       r"listops` writes .*--replace only replaces generated data"):
+        write_listops(tmp_path / "listops-1000", train=5, dev=5, test=5, rules=rules,
+                      replace=True)
+    with pytest.raises(FileExistsError, match=r"holds no SYNTHETIC\.txt"):
+        write_pathfinder(difficulty, 10, seed=1, replace=True)
+    assert {f: _contents(f) for f in before} == before
+
+
+def test_generating_into_the_empty_folder_one_works_in_is_refused(tmp_path, monkeypatch):
+    """The rename replaced an empty working folder too: the files landed in a new folder
+    of its name and the shell was left in the deleted one."""
+    (tmp_path / "empty").mkdir()
+    monkeypatch.chdir(tmp_path / "empty")
+    with pytest.raises(ValueError, match=r"the folder this process works in"):
+        write_pathfinder(".", 10, seed=1)
+    assert os.path.samefile(os.getcwd(), tmp_path / "empty")
+    assert list((tmp_path / "empty").iterdir()) == []
 
 
 def test_an_interrupted_replacement_leaves_the_previous_data(tmp_path, monkeypatch):

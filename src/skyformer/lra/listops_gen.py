@@ -204,7 +204,7 @@ def write_listops(out: str | os.PathLike[str], *, train: int = 96_000, dev: int 
     folder = Path(out)
     # Files are written plainly in tmp: renaming tmp to ``folder`` is the one atomic step.
     with generated_folder(folder, "listops", [*FILES.values(), GENERATOR_RECORD],
-                          replace=replace) as tmp:
+                          GENERATOR_RECORD, replace=replace) as tmp:
         examples = generate_examples(train + dev + test, rules, seed)
         start = 0
         for name, n in counts.items():

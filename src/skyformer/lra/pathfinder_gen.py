@@ -200,7 +200,7 @@ def write_pathfinder(out: str | os.PathLike[str], count: int, *,
     image = pil_image("writing Pathfinder images")  # before any folder is made
     # Files are written plainly in tmp: renaming tmp to ``folder`` is the one atomic step.
     with generated_folder(folder, "pathfinder", ["imgs", "metadata", SYNTHETIC_MARKER],
-                          replace=replace) as tmp:
+                          SYNTHETIC_MARKER, replace=replace) as tmp:
         _write_images(tmp, count, rules, seed, image)
     return folder
 

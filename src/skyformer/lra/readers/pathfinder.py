@@ -127,14 +127,16 @@ def read_pathfinder(src: str | Path, *, difficulty: str | None = None,
         name: SplitSource(len(idx), _examples([samples[i] for i in idx], side), empty=few)
         for name, idx in parts.items()
     }
+    marker = folder / SYNTHETIC_MARKER
     meta: dict[str, Any] = {
         "source": str(folder.resolve()),
-        "difficulty": folder.name,
+        # generated data's folder name is the --out it was given: a moved or renamed
+        # copy is the same data (its fingerprint leaves the path out)
+        "difficulty": "synthetic" if marker.is_file() else folder.name,
         "resolution": side,
         "empty_images_skipped": empty,
         "split_seed": split_seed,
     }
-    marker = folder / SYNTHETIC_MARKER
     if marker.is_file():
         meta["synthetic"] = True
         meta["synthetic_note"] = marker.read_text(encoding="utf-8").strip()
