@@ -499,7 +499,7 @@ def test_a_diverged_run_writes_strict_json_and_resumes_as_finished(
     are strict JSON, grad_clip = inf too); resumed, it is found finished (its config,
     read back with null for inf, is the same) and the report reads it. The divergence is
     said once while it trains, recorded, and noted by the report (it was reported as an
-    ordinary result)."""
+    ordinary result), and its accuracies are 0, not the share of class 0."""
     import importlib
 
     from skyformer.lra.report import collect_runs, tables
@@ -523,6 +523,9 @@ def test_a_diverged_run_writes_strict_json_and_resumes_as_finished(
     entries = [strict(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [e["kind"] for e in entries] == ["train", "dev", "train", "dev", "test"]
     assert all(e["loss"] is None for e in entries)
+    # NaN logits pick no class (argmax gave class 0: the share of that class was scored)
+    # (the first step's logits were finite, before the first update)
+    assert all(e["accuracy"] == 0 for e in entries[1:]) and result["test_accuracy"] == 0
     monkeypatch.setattr(Trainer, "_finish", lambda self: pytest.fail("evaluated again"))
     assert _run(cfg, listops_cache, tmp_path, resume=True) == result
     report = tables(collect_runs([tmp_path]))

@@ -17,6 +17,14 @@ from .model import LRAClassifier
 
 
 @torch.no_grad()
+def correct_predictions(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """How many rows of ``logits: [B, C]`` pick their label ``[B]`` (a 0-d tensor): a row
+    with a non-finite logit picks none (``argmax`` of NaNs is class 0, so a diverged
+    model scored the share of class 0 and could be kept as the best)."""
+    picked = logits.argmax(dim=-1) == labels
+    return (picked & torch.isfinite(logits).all(dim=-1)).sum()
+
+
 def evaluate(model: LRAClassifier, split: SplitData, *, batch_size: int, device: torch.device,
              info: DistInfo, seed: int, limit: int | None = None, max_len: int | None = None,
              autocast: Callable[[], AbstractContextManager] = contextlib.nullcontext,
@@ -40,7 +48,7 @@ def evaluate(model: LRAClassifier, split: SplitData, *, batch_size: int, device:
             with autocast():
                 logits = model(tokens, lengths, generator=generator)
             sums[0] += F.cross_entropy(logits.float(), labels, reduction="sum").double()
-            sums[1] += (logits.argmax(dim=-1) == labels).sum().double()
+            sums[1] += correct_predictions(logits, labels).double()
             sums[2] += labels.numel()
     finally:  # an error (out of memory, an interruption) leaves the mode as it was
         model.train(was_training)

@@ -64,7 +64,7 @@ from .distributed import (
     refuse_everywhere,
     shutdown,
 )
-from .evaluate import evaluate
+from .evaluate import correct_predictions, evaluate
 from .metrics import Running, peak_memory_bytes, reset_peak_memory
 from .model import LRAClassifier, ModelConfig
 from .presets import TrainConfig, learning_rate
@@ -334,7 +334,7 @@ class Trainer:
                 loss = F.cross_entropy(logits.float(), labels)
                 self.scaler.scale(loss / cfg.grad_accum).backward()
             self.running.add(loss.detach() * labels.numel(),
-                             (logits.detach().argmax(dim=-1) == labels).sum(), labels.numel())
+                             correct_predictions(logits.detach(), labels), labels.numel())
         lr = learning_rate(state.step, cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
