@@ -47,9 +47,9 @@ def test_saved_model_comes_back_with_each_layer_as_it_ran(tmp_path):
     model.save_pretrained(tmp_path)
     assert _record(tmp_path) == {"format": 1, "layers": [
         {"layer": 0, "module": "encoder.layer.0.attention.self", "method": "performer",
-         "options": {"num_features": 8}, "seed": 1},
+         "options": {"num_features": 8}, "seed": 1, "seed_offset": 0},
         {"layer": 1, "module": "encoder.layer.1.attention.self", "method": "linformer",
-         "options": {"num_features": 8}, "seed": 3}]}
+         "options": {"num_features": 8}, "seed": 3, "seed_offset": 1}]}
     assert not hasattr(model.config, RECORD_KEY)  # saving leaves the model's config alone
     loaded = shf.from_pretrained(tmp_path).eval()
     assert shf.describe(loaded) == shf.describe(model)
@@ -232,6 +232,31 @@ def test_encoder_decoder_round_trip_and_one_part_set_alone(tmp_path):
     with pytest.raises(ValueError, match=r"records attention modules that are in neither "
                                          r"part of this model"):
         shf.from_pretrained(tmp_path / "encoder")
+
+
+@torch.no_grad()
+def test_a_seeded_tower_set_alone_comes_back_with_its_draws(tmp_path):
+    """CLIP's vision tower set alone with a seed counts its layers' seed offsets from
+    its own first layer (0, 1); rebuilt on the whole model by layer number (2, 3) it drew
+    otherwise, with nothing said. The record keeps each layer's offset."""
+    from transformers import CLIPConfig, CLIPModel
+
+    sizes = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "intermediate_size": 64}
+    config = CLIPConfig(text_config=dict(sizes, vocab_size=99, max_position_embeddings=64),
+                        vision_config=dict(sizes, image_size=32, patch_size=4),
+                        projection_dim=16)
+    torch.manual_seed(0)
+    model = CLIPModel._from_config(config, attn_implementation="sdpa").eval()
+    shf.set_attention(model.vision_model, "reformer", seed=0, num_features=8)
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    want = model.get_image_features(pixel_values=pixels)
+    model.save_pretrained(tmp_path)
+    assert [(row["layer"], row["seed_offset"]) for row in _record(tmp_path)["layers"]] \
+        == [(2, 0), (3, 1)]
+    loaded = shf.from_pretrained(tmp_path).eval()
+    torch.testing.assert_close(loaded.get_image_features(pixel_values=pixels), want,
+                               rtol=0, atol=0)
 
 
 def test_a_record_that_cannot_be_made_never_stops_a_save(tmp_path, monkeypatch):

@@ -388,8 +388,13 @@ def layer_seed(seed: int, layer: LayerAttention) -> int:
     """The seed of ``layer`` for a model seeded ``seed``: (seed + its position among the
     model's attention modules) mod 2^64, a seed every generator takes
     (``skyformer.seeds``) for any seed ``check_seed`` took."""
+    return (seed + seed_offset(layer)) % SEED_LIMIT
+
+
+def seed_offset(layer: LayerAttention) -> int:
+    """What a seed given to ``layer`` is offset by: its position (else its index)."""
     offset = layer.index if layer.position is None else layer.position
-    return (seed + (offset or 0)) % SEED_LIMIT
+    return offset or 0
 
 
 def check_setting_arguments(method: str, seed: object, options: dict[str, Any]) -> None:
@@ -432,10 +437,10 @@ def build_layer(
             f"of {type(module).__name__} are unknown (no num_attention_heads/head_dim "
             f"attributes)."
         )
-    return layer, _new_state(module, layer)
+    return layer, new_state(module, layer)
 
 
-def _new_state(module: nn.Module, layer: LayerAttention) -> nn.Module:
+def new_state(module: nn.Module, layer: LayerAttention) -> nn.Module:
     """The layer's state on the module's device and dtype. Made of ordinary tensors
     also where the first forward pass runs under ``torch.inference_mode()`` (the
     ``attn_implementation`` route makes it there): inference tensors could never be

@@ -41,7 +41,13 @@ from .layers import (
     resolve_method_name,
 )
 from .model import _ORIGINAL, _implementation, check_layers, describe, set_attention
-from .record import RECORD_KEY, describe_record, placements, read_record
+from .record import (
+    RECORD_KEY,
+    describe_record,
+    placements,
+    read_record,
+    restore_seed_offsets,
+)
 
 
 def _refuse_missing_folder(path: str | Path) -> None:
@@ -159,6 +165,7 @@ def _as_recorded(path: str | Path, layers: Any, seed: Any, options: dict[str, An
     for part, setting in placements(rows, model, where):
         set_attention(part, setting.method, layers=setting.layers, seed=setting.seed,
                       **setting.options)
+    restore_seed_offsets(rows, model)
     saved = describe_record(rows)
     loaded = load_saved_state(model, path, saved, **_weights_choice(model_kwargs))
     if not loaded and any(f".{STATE_NAME}." in key for key in model.state_dict()):

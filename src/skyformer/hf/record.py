@@ -6,10 +6,13 @@ runs at the time of saving::
 
     "skyformer_attention": {"format": 1, "layers": [
         {"layer": 1, "module": "encoder.layer.1.attention.self", "method": "linformer",
-         "options": {"num_features": 64}, "seed": 0}]}
+         "options": {"num_features": 64}, "seed": 0, "seed_offset": 1}]}
 
 one entry per attention module that runs a skyformer method (exact layers are left
-out; a model running exact attention everywhere records nothing). ``options`` are those
+out; a model running exact attention everywhere records nothing). ``seed_offset``
+(rows with a seed) is what the layer's seed was offset by: its position in the part of
+the model it was set on (``set_attention(model.vision_model, ..., seed=0)`` counts from
+that tower's first layer), which loading restores. ``options`` are those
 given to ``set_attention``: the ones the model fills in (``scale``, ``max_seq_len``,
 ``causal``) are filled in again on loading. ``skyformer.hf.from_pretrained(path)`` reads
 the record and sets every layer up as saved before loading the per-layer parameters.
@@ -21,6 +24,7 @@ to add it to the written config (the model's own config is left as it was).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import threading
@@ -35,7 +39,14 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .attention import PER_LAYER, PREFIX, is_skyformer_implementation
-from .layers import EXACT, attention_modules, current_layer
+from .layers import (
+    EXACT,
+    attention_modules,
+    current_layer,
+    install_layer,
+    new_state,
+    seed_offset,
+)
 
 RECORD_KEY = "skyformer_attention"
 RECORD_FORMAT = 1
@@ -80,6 +91,8 @@ def setting_record(model: nn.Module) -> dict[str, Any] | None:
         row = {"layer": index, "module": qualified, "method": method,
                "options": {k: v for k, v in options.items() if _round_trips(v)},
                "seed": seed}
+        if seed is not None and layer is not None:
+            row["seed_offset"] = seed_offset(layer)
         unrecorded = sorted(set(options) - set(row["options"]))
         if unrecorded:  # a plugin method's option JSON cannot hold (a tuple, a function)
             row["unrecorded_options"] = unrecorded
@@ -168,7 +181,8 @@ def read_record(record: Any, where: str) -> list[dict[str, Any]]:
     for row in rows:
         if not (isinstance(row, dict) and _is_index(row.get("layer"))
                 and isinstance(row.get("method"), str) and isinstance(row.get("options"), dict)
-                and (row.get("seed") is None or _is_index(row.get("seed")))):
+                and (row.get("seed") is None or _is_index(row.get("seed")))
+                and (row.get("seed_offset") is None or _is_index(row.get("seed_offset")))):
             raise refuse(f"has a row without layer, method, options and seed ({row!r})")
         if row.get("unrecorded_options"):
             raise refuse(f"could not hold the option{'s' * (len(row['unrecorded_options']) > 1)}"
@@ -259,6 +273,22 @@ def placements(rows: list[dict[str, Any]], model: nn.Module, where: str
                          f"this model: load it with the model class it was saved from, or "
                          f"pass the method.")
     return placed
+
+
+def restore_seed_offsets(rows: list[dict[str, Any]], model: nn.Module) -> None:
+    """Give each recorded layer of ``model`` (set up by ``placements``) the offset its
+    seed had when saved, and its per-layer state drawn again under that seed: a layer
+    set on one part (CLIP's ``vision_model``) counted from that part's first layer,
+    which ``set_attention`` on the whole model by layer number cannot give."""
+    for _, name, module in attention_modules(model):
+        row = next((r for r in rows if _same_module(r.get("module"), name)), None)
+        layer = current_layer(module)
+        if row is None or row.get("seed_offset") is None or layer is None \
+                or layer.seed is None or seed_offset(layer) == row["seed_offset"]:
+            continue
+        moved = dataclasses.replace(layer, position=row["seed_offset"])
+        install_layer(module, moved, None if layer.bound is None
+                      or layer.bound.method.state is None else new_state(module, moved))
 
 
 def _same_module(recorded: Any, name: str) -> bool:
