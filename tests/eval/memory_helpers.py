@@ -34,6 +34,14 @@ def kernelized_call(shape: list[int], padded: bool, causal: bool, fold: bool = F
                                        fold_key_norms=fold)
 
 
+def method_call(method: str):
+    """A ``CallJob`` setup: ``method`` (a registered name) on small random inputs."""
+    import skyformer
+
+    q, k, v = (torch.randn(1, 2, 256, 16) for _ in range(3))
+    return lambda: skyformer.attention(q, k, v, method)
+
+
 def scaled_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """``2 v``: its forward pass holds one output-sized buffer (the output) and its
     backward pass one more (v's gradient), so the peak of forward + backward above the

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import json
 
-from skyformer.eval.measure.memory import MemoryJob, peak_memory_bytes
+from skyformer.eval.measure.memory import CallJob, MemoryJob, peak_memory_bytes
 
 
 def test_subprocess_peak_memory_grows_with_materialised_size():
@@ -52,7 +52,9 @@ def toy(q, k, v, *, key_padding_mask=None, generator=None, scale=None):
 
 def test_a_method_registered_outside_the_library_is_measured(tmp_path, monkeypatch):
     """The fresh process that measures CPU memory imports the module that registered
-    the method; a method registered in __main__ gets a sentence saying why it cannot."""
+    the method (also for a CallJob, which hf-eval's plugin rows lacked); a method
+    registered in __main__ gets a sentence saying why it cannot."""
+    import dataclasses
     import sys
 
     import pytest
@@ -66,6 +68,12 @@ def test_a_method_registered_outside_the_library_is_measured(tmp_path, monkeypat
         import toy_memory_module  # noqa: F401
 
         assert peak_memory_bytes(MemoryJob("toy_memory_method", (1, 2, 256, 16))) >= 0
+        # a call of any kind (hf-eval's model forward) names the methods it runs
+        call = CallJob("tests.eval.memory_helpers:method_call",
+                       {"method": "toy_memory_method"}, methods=("toy_memory_method",))
+        assert peak_memory_bytes(call) >= 0
+        with pytest.raises(RuntimeError, match="unknown attention method"):
+            peak_memory_bytes(dataclasses.replace(call, methods=()))
         _REGISTRY["toy_memory_method"].function.__module__ = "__main__"
         with pytest.raises(RuntimeError, match="registered in __main__"):
             peak_memory_bytes(MemoryJob("toy_memory_method", (1, 2, 256, 16)))

@@ -416,7 +416,7 @@ def evaluate(config: HFEvalConfig = HFEvalConfig(),
                         "layers": layers, "seed": config.seed,
                         "input_ids": timed_ids,  # padded there, with their mask
                         "threads": torch.get_num_threads(), "device": str(device),
-                    })
+                    }, methods=() if method == BASELINE else (method,))
                     peak, reason = peak_memory_or_reason(job, device)
                     if peak is None:  # the row keeps its metrics and time
                         row["note"] = "; ".join(filter(None, (row["note"], reason)))

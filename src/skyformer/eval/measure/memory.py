@@ -73,6 +73,7 @@ class CallJob:
 
     setup: str
     kwargs: dict[str, Any] = field(default_factory=dict)
+    methods: tuple[str, ...] = ()  # the attention methods it runs (their plugins imported)
 
 
 def available_bytes(device: torch.device | str = "cpu") -> float:
@@ -177,7 +178,8 @@ def peak_memory_bytes(
         return measure_in_this_process(job, device)
     if not Path("/proc/self/clear_refs").exists():
         raise RuntimeError("CPU peak memory needs Linux /proc (clear_refs, VmHWM).")
-    imports = _registering_module(job.method) if isinstance(job, MemoryJob) else []
+    named = [job.method] if isinstance(job, MemoryJob) else job.methods
+    imports = list(dict.fromkeys(m for name in named for m in _registering_module(name)))
     roots = [str(Path(__file__).resolve().parents[3]), *_import_roots(job, imports)]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(
@@ -263,6 +265,7 @@ def _main(argv: list[str]) -> None:
     for module in spec.pop("imports", []):  # where a method from outside is registered
         importlib.import_module(module)
     if spec.pop("kind", "MemoryJob") == "CallJob":
+        spec["methods"] = tuple(spec.get("methods", ()))
         job: MemoryJob | CallJob = CallJob(**spec)
     else:
         spec["shape"] = tuple(spec["shape"])
