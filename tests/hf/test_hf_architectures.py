@@ -932,6 +932,30 @@ def test_exact_with_options_or_a_bad_seed_is_refused_on_every_route(tmp_path):
     assert loaded.config._attn_implementation == "sdpa"
 
 
+def test_layers_take_integers_of_any_kind_and_refuse_an_empty_choice():
+    """NumPy and tensor layer numbers were refused as not layer numbers (np.int64(0)),
+    a NumPy scalar raised a bare 'not iterable', and layers=[] switched the model to
+    per-layer settings while changing no layer, with nothing said."""
+    import numpy as np
+
+    for layers, methods in ((np.arange(2), ["performer"] * 2),
+                            (torch.tensor([1]), ["exact", "performer"]),
+                            (np.int64(0), ["performer", "exact"]),
+                            (torch.tensor(1), ["exact", "performer"])):
+        model = shf.set_attention(tiny_bert(), "performer", layers=layers, num_features=4)
+        assert [row["method"] for row in shf.describe(model)] == methods, layers
+    model = tiny_bert()
+    with pytest.raises(ValueError, match=r"layers is empty, so no layer would change; pass "
+                                         r"layer numbers of this model \(0..1\), or None"):
+        shf.set_attention(model, "performer", layers=[])
+    with pytest.raises(TypeError, match=r"layers must be None \(every layer\), a layer "
+                                        r"number or a list of .*got str"):
+        shf.set_attention(model, "performer", layers="0")
+    with pytest.raises(ValueError, match=r"got True"):
+        shf.set_attention(model, "performer", layers=[True])
+    assert model.config._attn_implementation == "sdpa", "nothing changed"
+
+
 def test_linformer_without_a_position_limit_says_how_to_give_max_seq_len():
     """A model without max_position_embeddings (ViT) gives Linformer no length: the
     sentence names the option on this route too (not a MultiHeadAttention call)."""

@@ -17,10 +17,12 @@ Three ways in, one state:
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 from collections.abc import Iterable
 from typing import Any, TypeVar
 
+import torch
 from torch import nn
 
 from ..ops.shared.causal_nystrom import (
@@ -75,17 +77,33 @@ def _select(model: nn.Module, layers: Iterable[int] | None) -> tuple[list, set[i
     modules = attention_modules(model)
     if layers is None:
         return modules, None
-    if isinstance(layers, int):
-        layers = [layers]
-    chosen = set()
     valid = sorted({i for i, _, _ in modules})
-    for i in layers:
-        if isinstance(i, bool) or not isinstance(i, int) or i not in valid:
-            raise ValueError(
-                f"layers must be layer numbers of this model ({valid[0]}..{valid[-1]}), got {i!r}."
-            )
+    numbers = f"layer numbers of this model ({valid[0]}..{valid[-1]})"
+    if isinstance(layers, torch.Tensor):  # a tensor of numbers, or one number
+        layers = layers.tolist()
+    if not isinstance(layers, bool) and _as_int(layers) is not None:
+        layers = [layers]
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
+        raise TypeError(f"layers must be None (every layer), a layer number or a list of "
+                        f"{numbers}, got {type(layers).__name__}.")
+    chosen = set()
+    for given in layers:
+        i = None if isinstance(given, bool) else _as_int(given)
+        if i not in valid:
+            raise ValueError(f"layers must be {numbers}, got {given!r}.")
         chosen.add(i)
+    if not chosen:
+        raise ValueError(f"layers is empty, so no layer would change; pass {numbers}, or "
+                         f"None for every layer.")
     return modules, chosen
+
+
+def _as_int(value: object) -> int | None:
+    """An integer given as a Python, NumPy or 0-d tensor integer, else ``None``."""
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def check_layers(model: nn.Module, layers: Iterable[int] | int | None) -> None:
@@ -108,8 +126,9 @@ def set_attention(
             ``AttentionInterface`` (BERT/RoBERTa/MiniLM, ViT, Llama-type, ...).
         method: a name from ``skyformer.list_methods()`` (``"skyformer:"`` prefix allowed),
             or ``"exact"`` for the model's own (SDPA) attention.
-        layers: layer numbers (``module.layer_idx``, or the position among the model's
-            attention modules); ``None`` = every layer. Layers not listed keep what they
+        layers: a layer number or several (``module.layer_idx``, or the position among
+            the model's attention modules; Python, NumPy or tensor integers), at least
+            one; ``None`` = every layer. Layers not listed keep what they
             run now.
         seed: ``None``: randomised methods draw from torch's global generator on every
             call; an int: the i-th attention module in model order (layer i where each layer
