@@ -996,6 +996,10 @@ def test_from_pretrained_names_model_kwargs_for_the_loaders_keywords(tmp_path, m
     for method in ("performer", "exact"):
         with pytest.raises(ValueError, match=r"model_kwargs=\{'dtype': \.\.\.\}"):
             shf.from_pretrained(tmp_path, method, dtype=torch.float64)
+    # a misspelt option of the method is named as set_attention names it
+    with pytest.raises(ValueError, match=r"^performer has no option 'num_feature' \(did you "
+                                         r"mean 'num_features'\?\); its options are"):
+        shf.from_pretrained(tmp_path, "performer", num_feature=3)
 
 
 @pytest.mark.filterwarnings("ignore:.*makes its trainable parameters")
