@@ -194,6 +194,12 @@ def test_a_moved_copy_of_generated_pathfinder_is_the_same_data(tmp_path):
              for src, cache in (("pf", "c1"), ("moved/pf_copy", "c2"))]
     assert metas[0]["difficulty"] == "synthetic"
     assert data_fingerprint(metas[0]) == data_fingerprint(metas[1])
+    # a run recorded when the folder's name was the difficulty resumes on it
+    from skyformer.lra.resume import check_same_data
+
+    data = load_cache(tmp_path / "c2", "pathfinder")
+    check_same_data({"data": {**data_fingerprint(metas[0]), "difficulty": "pf"}},
+                    tmp_path / "last.pt", data, None)
 
 
 def test_generating_pathfinder_without_pillow_names_the_extra(tmp_path, monkeypatch):

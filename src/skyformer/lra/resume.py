@@ -171,7 +171,12 @@ def check_same_data(ckpt: dict[str, Any], last: Path, data: TaskData,
 def _as_recorded(current: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:
     """``current``, a data record, without the split digests (``splits.<name>.sha256``)
     that ``saved`` lacks: a run recorded before ``meta.json`` held them resumes on the
-    same files prepared again, checked on the sizes and counts it recorded."""
+    same files prepared again, checked on the sizes and counts it recorded; and with
+    the difficulty ``saved`` recorded for generated Pathfinder data (its folder's name,
+    before the reader recorded "synthetic")."""
+    if saved.get("synthetic") is True and current.get("difficulty") == "synthetic":
+        # generated Pathfinder recorded its folder's name before: any name is this data
+        current = {**current, "difficulty": saved.get("difficulty")}
     splits, then = current.get("splits"), saved.get("splits")
     if not (isinstance(splits, dict) and isinstance(then, dict)):
         return current
