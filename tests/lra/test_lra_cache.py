@@ -185,4 +185,5 @@ def test_preparing_into_the_folder_of_the_source_files_is_refused(tmp_path, src,
         prepare("listops", tmp_path / src, tmp_path / cache)
     assert sorted(p.name for p in (tmp_path / "data" / "listops").iterdir()) == before
     prepare("listops", tmp_path / src, tmp_path / "cache")
+    (tmp_path / "cache" / "listops" / ".DS_Store").write_bytes(b"")  # a file manager's
     prepare("listops", tmp_path / src, tmp_path / "cache")  # a cache is replaced

@@ -209,7 +209,10 @@ def _refuse_other_files(folder: Path) -> None:
         return
     cache_files = {"meta.json", *(f"{split}.{part}.npy" for split in SPLITS
                                   for part in ("tokens", "lengths", "labels"))}
-    other = sorted(p.name for p in folder.iterdir() if p.name not in cache_files)
+    present = [p.name for p in folder.iterdir()]
+    # a cache's hidden extras (a file manager's .DS_Store) go with it
+    other = sorted(name for name in present if name not in cache_files
+                   and not ("meta.json" in present and name.startswith(".")))
     if other:
         raise FileExistsError(
             f"{folder} holds {', '.join(other[:5])}, which a prepared cache does not: "
