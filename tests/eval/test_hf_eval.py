@@ -325,6 +325,31 @@ def test_a_text_too_short_for_the_long_setting_stops_the_run_before_any_row(tmp_
     assert steps == []
 
 
+def test_numpy_layer_numbers_reach_the_memory_process_as_json(monkeypatch):
+    """set_attention takes NumPy layer numbers; hf-eval handed them on to the memory
+    measurement's JSON payload, which failed after the first rows had run."""
+    import json
+
+    import numpy as np
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    import skyformer.eval.hf.run as hf_run
+    from skyformer.eval.data.qkv import default_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    tiny = BertModel(BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=8,
+                                num_hidden_layers=2, num_attention_heads=2,
+                                intermediate_size=16)).eval()
+    monkeypatch.setattr(hf_run, "load_model", lambda path: (tiny, tokenizer, "tiny"))
+    payloads = []
+    monkeypatch.setattr(hf_run, "peak_memory_or_reason",
+                        lambda job, device: payloads.append(json.dumps(job.kwargs)) or (0, None))
+    result = hf_run.evaluate(HFEvalConfig(methods=("softmax",), layers=(np.int64(1),),
+                                          settings=("short",), max_texts=4, repeats=1))
+    assert len(payloads) == 2 and '"layers": [1]' in payloads[1]
+    assert [row["peak_mib"] for row in result.rows] == [0, 0]
+
+
 def test_a_method_whose_num_features_changes_nothing_runs_once():
     """linear takes num_features with no effect: hf-eval ran it once per --features value
     (identical rows, each with its own memory process) and bench/compare showed the

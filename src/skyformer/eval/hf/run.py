@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -370,8 +371,9 @@ def evaluate(config: HFEvalConfig = HFEvalConfig(),
     model, tokenizer, name = load_model(config.model)
     device = parse_device(config.device)
     model.to(device)
-    layers = list(config.layers) if config.layers is not None else None
-    check_layers(model, layers)  # before any work, not as a row per configuration
+    check_layers(model, config.layers)  # before any work, not as a row per configuration
+    # as Python ints: the memory measurement's process takes them as JSON
+    layers = None if config.layers is None else [operator.index(i) for i in config.layers]
     check_seq_len(model, config.seq_len)
     scale = model_scale(model)
     rows: list[dict[str, Any]] = []
