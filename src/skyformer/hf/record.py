@@ -183,7 +183,8 @@ def read_record(record: Any, where: str) -> list[dict[str, Any]]:
                 and isinstance(row.get("method"), str) and isinstance(row.get("options"), dict)
                 and (row.get("seed") is None or _is_index(row.get("seed")))
                 and (row.get("seed_offset") is None or _is_index(row.get("seed_offset")))):
-            raise refuse(f"has a row without layer, method, options and seed ({row!r})")
+            raise refuse(f"has a row without layer, method, options and seed (and a "
+                         f"seed_offset of 0 or more, where given) ({row!r})")
         if row.get("unrecorded_options"):
             raise refuse(f"could not hold the option{'s' * (len(row['unrecorded_options']) > 1)}"
                          f" {', '.join(map(str, row['unrecorded_options']))} of "
