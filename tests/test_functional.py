@@ -447,9 +447,12 @@ def test_flash_attentions_packed_layout_is_named_with_the_transpose_that_fits():
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
     flash = [t[0].transpose(0, 1) for t in (q, k, v)]  # [T, H, E]
     with pytest.raises(ValueError, match=r"packed length 2, got \[0, 3, 8\]\. The packed "
-                       r"tokens lie along dim -2 .*FlashAttention's packed \[T, H, E\] is "
-                       r"q\.transpose\(0, 1\)"):
+                       r"tokens lie along dim -2 .*FlashAttention's packed \[T, H, E\] "
+                       r"\(here T = 8, H = 2\), pass q\.transpose\(0, 1\)"):
         sdpa(*flash, cu_seqlens=cu)
+    with pytest.raises(ValueError) as wrong_lengths:  # [1, H, T, E] with H = 8, T = 20
+        sdpa(*make_qkv(1, 8, 20, 4), cu_seqlens=cu)
+    assert "FlashAttention" not in str(wrong_lengths.value)  # the lengths are what is wrong
     torch.testing.assert_close(sdpa(*(t.transpose(0, 1) for t in flash), cu_seqlens=cu),
                                sdpa(q[0], k[0], v[0], cu_seqlens=cu))
 

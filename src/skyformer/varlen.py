@@ -41,10 +41,11 @@ def _check(cu_seqlens: object, x: Tensor, method: str, name: str = "cu_seqlens")
     elif int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != total \
             or bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
         layout = ""
-        if int(cu_seqlens[-1]) == x.shape[1] != total:  # the tokens along the heads' dim
-            layout = (" The packed tokens lie along dim -2 ([1, H, T, E], or [H, T, E]); "
-                      "FlashAttention's packed [T, H, E] is q.transpose(0, 1) (the same "
-                      "for k and v), a [1, T, H, E] q.transpose(1, 2).")
+        if int(cu_seqlens[-1]) == x.shape[1] > total:  # more "heads" than tokens
+            layout = (f" The packed tokens lie along dim -2 ([1, H, T, E], or [H, T, E]): "
+                      f"if the inputs are FlashAttention's packed [T, H, E] (here T = "
+                      f"{x.shape[1]}, H = {total}), pass q.transpose(0, 1) (the same for k "
+                      f"and v), or for [1, T, H, E] q.transpose(1, 2).")
         raise ValueError(f"{method}: {name} must rise from 0 to the packed length {total}, "
                          f"got {cu_seqlens.tolist()}.{layout}")
     return cu_seqlens.long()
