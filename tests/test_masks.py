@@ -143,11 +143,15 @@ def test_padded_rows_opened_to_every_key_name_query_padding_mask(causal):
     pattern = pattern.tril() if causal else pattern
     mask = (pattern & pad[:, None, None, :]) | ~pad[:, None, :, None]
     with pytest.raises(UnsupportedMaskError, match=r"The queries it opens to every key look "
-                       r"like padded queries .*query_padding_mask \[B, Nq\]"):
+                       r"like padded queries: pass them as query_padding_mask \[B, Nq\]"):
         resolve(mask, causal=causal)
     got = resolve_mask(mask, batch=B, query_len=N, key_len=N, is_causal=causal,
                        query_valid=pad)
     assert got.causal is causal and torch.equal(got.key_padding_mask, pad)
+    with pytest.raises(UnsupportedMaskError, match=r"look like padded queries: pass the "
+                                                   r"2-D mask\.$"):  # a caller's own way out
+        resolve_mask(mask, batch=B, query_len=N, key_len=N, is_causal=causal,
+                     name_padded_queries="pass the 2-D mask")
     window = hf_mask(sdpa_mask, sliding_window_causal_mask_function(3), padding(),
                      allow_is_causal_skip=False) | ~pad[:, None, :, None]
     with pytest.raises(UnsupportedMaskError) as refused:  # a window is not padding

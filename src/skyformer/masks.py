@@ -37,6 +37,11 @@ from torch import Tensor
 # finfo(dtype).min (or -inf), legacy BERT code -10000.
 BLOCKED_LOGIT = -1e4
 
+# How a caller names padded queries, said where a refused mask looks like one that
+# hides them or opens them to every key (the Hugging Face route passes its own).
+NAME_PADDED_QUERIES = ("pass them as query_padding_mask [B, Nq] (True = real query) too, "
+                       "and their rows come out 0")
+
 # What to do instead, named in the error sentences; callers pass their own.
 USE_EXACT = "use an exact method (softmax or kernelized), which takes any attn_mask"
 
@@ -130,6 +135,7 @@ def resolve_mask(
     query_valid: Tensor | str | None = "auto",
     advice: str = USE_EXACT,
     all_real_as_none: bool = True,
+    name_padded_queries: str = NAME_PADDED_QUERIES,
 ) -> ResolvedMask:
     """Turn a transformers attention mask into ``key_padding_mask`` and ``causal``.
 
@@ -151,6 +157,8 @@ def resolve_mask(
             (on a GPU a wait for the queue, once a layer); ``False`` for a method that
             takes key padding, whose result with a mask of real keys is the same up to
             rounding (``registry.binding.all_real_padding_as_none``).
+        name_padded_queries: how the caller names padded queries, said where a refused
+            mask looks like one that hides them, or opens them to every key.
     Returns:
         ``ResolvedMask``; its ``key_padding_mask`` is ``None`` when every key is real
         and ``all_real_as_none``.
@@ -226,52 +234,38 @@ def resolve_mask(
         "sliding window, packed sequences, a cached prefix or a custom pattern); the "
         f"methods without attn_mask (the approximate ones) take only a key padding mask and, "
         f"those with a causal form, "
-        f"causal masking{lengths}; {advice}.{_hidden_queries(rows, query_valid)}"
-        f"{_opened_queries(rows, query_valid)}"
+        f"causal masking{lengths}; {advice}."
+        f"{_padded_queries_hint(rows, query_valid, name_padded_queries)}"
     )
 
 
-def _hidden_queries(rows: Tensor, query_valid: Tensor | str | None) -> str:
-    """A sentence where some queries see no key at all and the mask is key padding
-    over the others (padded queries hidden by the mask, with no ``query_padding_mask``
-    to say so), naming the argument that takes them; else ``""``. Eager code only, on
-    the way to a refusal."""
+def _padded_queries_hint(rows: Tensor, query_valid: Tensor | str | None, fix: str) -> str:
+    """A sentence where the refused mask ``rows`` ``[B, Nq, Nk]`` would be key padding,
+    or causal with key padding, but for queries that look padded: hidden from every key,
+    or (where no row is hidden) opened to every key as transformers before 5 masked left
+    padding under SDPA; ``fix`` says how the caller names them. Else ``""``. Eager code
+    only, on the way to a refusal."""
     if isinstance(query_valid, Tensor) or torch.compiler.is_compiling():
         return ""
     seen = rows.any(dim=-1)  # [B, Nq]: queries that see some key
-    if bool(seen.all()) or not bool(seen.any(dim=1).all()):
+    if not bool(seen.all()):
+        padded, how = ~seen, "hides from every key"
+    else:
+        padded, how = rows.all(dim=-1), "opens to every key"
+    real = ~padded
+    # an element whose every query sees every key has no padding (opened rows only)
+    unpadded = padded.all(dim=1, keepdim=True) & seen.all(dim=1, keepdim=True)
+    if not bool(padded.any()) or not bool((real.any(dim=1, keepdim=True) | unpadded).all()):
         return ""
-    visible = (rows & seen[:, :, None]).any(dim=1)  # [B, Nk]
-    if not bool(((rows == visible[:, None, :]) | ~seen[:, :, None]).all()):
-        return ""
-    return (" The queries it hides from every key look like padded queries: pass them "
-            "as query_padding_mask [B, Nq] (True = real query) too, and their rows come "
-            "out 0.")
-
-
-def _opened_queries(rows: Tensor, query_valid: Tensor | str | None) -> str:
-    """A sentence where the queries that see every key are padded rows opened to all
-    (as transformers before 5 built for left padding under SDPA) and the mask is key
-    padding, or causal with key padding, over the others, naming the argument that
-    says so (module docstring); else ``""``. Eager code only, on the way to a refusal."""
-    if isinstance(query_valid, Tensor) or torch.compiler.is_compiling():
-        return ""
-    opened = rows.all(dim=-1)  # [B, Nq]
-    real = ~opened
-    if not bool(opened.any()):
-        return ""
-    visible = (rows & real[:, :, None]).any(dim=1)  # [B, Nk]
-    visible |= opened.all(dim=1, keepdim=True)  # an element whose every query sees all
+    visible = (rows & real[:, :, None]).any(dim=1) | unpadded  # [B, Nk]
     patterns = [visible[:, None, :]]
     query_len, key_len = rows.shape[-2:]
     if query_len == key_len:
         tril = torch.ones(query_len, key_len, dtype=torch.bool, device=rows.device).tril()
         patterns.append(tril & visible[:, None, :])
-    if not any(bool(((rows == p) | opened[:, :, None]).all()) for p in patterns):
+    if not any(bool(((rows == p) | padded[:, :, None]).all()) for p in patterns):
         return ""
-    return (" The queries it opens to every key look like padded queries (as "
-            "transformers before 5 masked left padding): pass them as query_padding_mask "
-            "[B, Nq] (True = real query) too, and their rows come out 0.")
+    return f" The queries it {how} look like padded queries: {fix}."
 
 
 def _is_causal_complement(rows: Tensor) -> bool:

@@ -351,7 +351,8 @@ def _attention(module: nn.Module, layer: LayerAttention, decoding: DecodingLayer
     advice = OVER_A_CACHED_PREFIX if nq < nk and not layer.cross else USE_SDPA
     resolved = resolve_mask(attention_mask, batch=b, query_len=nq, key_len=nk,
                             is_causal=is_causal, advice=advice,
-                            all_real_as_none=all_real_padding_as_none(spec))
+                            all_real_as_none=all_real_padding_as_none(spec),
+                            name_padded_queries=_NAME_PADDED_TOKENS)
     # after the mask is taken: a mask refused (a static cache's slots) says it all; a
     # one-query step of a method whose queries are independent is its causal output
     if nq < nk and not layer.cross and decoding is None \
@@ -521,6 +522,12 @@ def _decoding_step(module: nn.Module, layer: LayerAttention, decoding: DecodingL
     if module.training and dropout:
         out = F.dropout(out, p=float(dropout), training=True)
     return out.transpose(1, 2).contiguous(), None
+
+
+# How a model's caller names its padded tokens, where a refused 4-D mask looks like
+# one that hides their queries or opens them to every key (masks.NAME_PADDED_QUERIES).
+_NAME_PADDED_TOKENS = ("pass the model the 2-D padding mask [B, N] (1 = real token) as "
+                       "attention_mask instead, from which transformers builds its masks")
 
 
 def _layer_key(layer: LayerAttention, device: torch.device) -> Tensor | None:
