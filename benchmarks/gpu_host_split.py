@@ -40,7 +40,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from host_time import call_of, stubbed_launches  # benchmarks/, beside this script
+from gpu_device import device_problem  # benchmarks/, beside this script
+from host_time import call_of, stubbed_launches
 from launch_counts import as_on_cuda
 from run_metadata import run_metadata, write_report
 
@@ -148,9 +149,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="cpu: check the script (TRITON_INTERPRET=1)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("needs a CUDA device; --device cpu (with TRITON_INTERPRET=1) checks "
-                     "the script, host_time.py splits a CPU call")
+    problem = device_problem("gpu_host_split.py", args.device)
+    if problem is not None:
+        parser.error(f"{problem} (host_time.py splits a CPU call)")
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"  # the CPU checks the script at tiny sizes
     args.shape = args.shape or ("4,16,4096,64" if on_gpu else "1,1,64,16")

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import tuned  # benchmarks/, beside this script
+from gpu_device import device_problem
 from run_metadata import run_metadata
 from torch.profiler import ProfilerActivity, profile
 
@@ -167,9 +168,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(args: argparse.Namespace, argv: list[str] | None) -> int:
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("gpu_profile.py: no CUDA device here (use --device cpu for a check of the "
-              "script).", file=sys.stderr)
+    problem = device_problem("gpu_profile.py", args.device)
+    if problem is not None:  # the Triton rows need the interpreter on the CPU
+        print(f"gpu_profile.py: {problem}", file=sys.stderr)
         return 2
     on_gpu = device.type == "cuda"  # the CPU checks the script at tiny sizes
     args.shape = args.shape or ("4,16,64,bfloat16" if on_gpu else "1,1,16,float32")

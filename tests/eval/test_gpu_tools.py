@@ -51,6 +51,29 @@ def test_profile_without_cuda_says_how_to_check_the_script(capsys):
     assert "--device cpu" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("script", ["gpu_profile", "gpu_host_split"])
+def test_cpu_runs_without_the_interpreter_are_refused_up_front(script, monkeypatch, capsys):
+    """--device cpu without TRITON_INTERPRET=1 ran the PyTorch rows, then died with a
+    traceback at the first Triton kernel."""
+    import sys
+
+    module = load_benchmark(script)
+    monkeypatch.setattr(sys.modules["gpu_device"], "interpreter_on", lambda: False)
+    try:
+        code = module.main(["--device", "cpu"])
+    except SystemExit as exit_:  # argparse's error
+        code = exit_.code
+    assert code == 2 and "set TRITON_INTERPRET=1" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_a_numbered_cuda_device_is_checked_as_cuda():
+    """--device cuda:0 passed the check (it compared the string with "cuda") and failed
+    later with torch's 'not compiled with CUDA'."""
+    device_problem = load_benchmark("gpu_device").device_problem
+    assert device_problem("x.py", "cuda:0") == device_problem("x.py", "cuda") is not None
+
+
 def test_occupancy_follows_the_register_file_and_shared_memory():
     resources = load_benchmark("triton_resources")
     # 128 registers x 128 threads = 16K of the 64K registers: 4 blocks, 16 warps
