@@ -6,7 +6,8 @@
     python benchmarks/sequence_parallel.py --causal \\
         --out benchmarks/results/sequence_parallel_causal        # a decoder's layer
     python benchmarks/sequence_parallel.py --causal --inference --procs 2 \\
-        --seq-lens 262144                                        # its prefill, no gradient
+        --seq-lens 262144 --out benchmarks/results/sequence_parallel_causal_inference
+                                                                 # its prefill, no gradient
 
 For each (P, N) a fresh group of P processes (gloo, started here with
 torch.multiprocessing) runs one ``MultiHeadAttention`` layer (Skyformer or ``--method``,
