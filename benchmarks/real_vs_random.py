@@ -2,6 +2,8 @@
 
     python benchmarks/real_vs_random.py [--seq-lens 512 2048 4096] [--methods ...]
 
+(a method name, or NAME:causal for its causal form)
+
 Far landmarks give Gaussian kernel entries that underflow to subnormal numbers, and
 CPU arithmetic on subnormals is one to two orders of magnitude slower; random inputs
 never produce them, so a benchmark on random inputs alone hides the slowdown. This
@@ -65,6 +67,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=RESULTS / "real_vs_random")
     args = parser.parse_args(argv)
+    for method in args.methods:  # before the model loads and any row is timed
+        name, colon, form = method.partition(":")
+        if colon and form != "causal":
+            parser.error(f"--methods: {method!r}: the one form after ':' is 'causal' "
+                         f"(e.g. skyformer:causal).")
+        try:
+            get_method(name)
+        except ValueError as err:
+            parser.error(f"--methods: {err}")
     torch.set_num_threads(args.threads)
     model, tokenizer, name = load_model(None, pretrained=True, seed=0)
     rows = []

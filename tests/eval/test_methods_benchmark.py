@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from skyformer.cli import main
 from tests.benchmark_scripts import load_benchmark
 
@@ -30,3 +32,17 @@ def test_lengths_given_replace_the_preset_s_and_the_run_writes_them(tmp_path):
     assert main(argv) == 0
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
     assert [(r["method"], r["n"]) for r in rows] == [("softmax", 16), ("linear", 16)]
+
+
+@pytest.mark.parametrize(("methods", "sentence"), [
+    (["skyformer:bogus"], "the one form after ':' is 'causal'"),
+    (["skyformer", "bogus"], "unknown attention method 'bogus'")])
+def test_real_vs_random_refuses_unknown_methods_before_loading_the_model(
+        methods, sentence, monkeypatch, capsys):
+    """An unknown form ran the non-causal method under the name given; an unknown name
+    failed with a traceback after the model had loaded and earlier rows were timed."""
+    script = load_benchmark("real_vs_random")
+    monkeypatch.setattr(script, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+    with pytest.raises(SystemExit):
+        script.main(["--methods", *methods])
+    assert sentence in capsys.readouterr().err
