@@ -418,7 +418,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON of every cell (default results/published/METHOD.json)")
-    parser.add_argument("--fresh", action="store_true", help="ignore the saved cells")
+    parser.add_argument("--fresh", action="store_true", help="ignore the saved cells (the "
+                        "JSON keeps every cell measured; the table shows this command's)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -452,7 +453,11 @@ def main(argv: list[str] | None = None) -> None:
                         rows.append(cell(n, layer, m, variant, seed, err))
                 write_json(out, {"method": args.method, **metadata, "rows": rows})
                 print(f"N={n} layer={layer} m={m} done", flush=True)
-    report = table(rows)
+    # the table of this command's cells alone; the JSON keeps every cell measured (a
+    # later run with other lengths, layers, sizes or seeds reuses them)
+    report = table([r for r in rows if r["N"] in args.seq_lens and r["layer"] in args.layers
+                    and ((r["m"] in args.features and r["seed"] in args.seeds)
+                         or r["m"] == 0)])  # the trivial row: one, at seed 0
     atomic_write_text(out.with_suffix(".md"), f"# {args.method} against its published code\n"
                       + TARGET_NOTES.get(args.method, "") + report)
     print(report)

@@ -122,6 +122,11 @@ def test_a_run_writes_every_cell_and_a_rerun_resumes(tmp_path, capsys, fake_refo
     assert "m=32 done" in capsys.readouterr().out
     again = json.loads(out.read_text())["rows"]
     assert again[: len(rows)] == rows and len(again) == len(rows) + 4 * 2
+    # a run of other settings keeps every cell, and tables its own alone
+    published.main([*argv[:-2], "--features", "32", "--out", str(out)])
+    report = out.with_suffix(".md").read_text()
+    assert "m=32" in report and "m=8" not in report and "m=16" not in report
+    assert len(json.loads(out.read_text())["rows"]) == len(again)
 
 
 def test_a_cell_saved_as_null_is_a_nan_in_the_table():
