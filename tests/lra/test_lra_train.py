@@ -658,6 +658,7 @@ def test_an_evaluation_that_fails_leaves_the_model_in_training_mode(monkeypatch)
 
     class OutOfMemory(nn.Module):
         def forward(self, tokens, lengths, generator=None):
+            assert not torch.is_grad_enabled(), "an evaluation records no gradient"
             raise RuntimeError("out of memory")
 
     monkeypatch.setattr(evaluation, "fetch", lambda split, rows, device, max_len: (

@@ -16,7 +16,6 @@ from .distributed import DistInfo, all_reduce_sum
 from .model import LRAClassifier
 
 
-@torch.no_grad()
 def correct_predictions(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """How many rows of ``logits: [B, C]`` pick their label ``[B]`` (a 0-d tensor): a row
     with a non-finite logit picks none (``argmax`` of NaNs is class 0, so a diverged
@@ -25,6 +24,7 @@ def correct_predictions(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     return (picked & torch.isfinite(logits).all(dim=-1)).sum()
 
 
+@torch.no_grad()
 def evaluate(model: LRAClassifier, split: SplitData, *, batch_size: int, device: torch.device,
              info: DistInfo, seed: int, limit: int | None = None, max_len: int | None = None,
              autocast: Callable[[], AbstractContextManager] = contextlib.nullcontext,
