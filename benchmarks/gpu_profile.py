@@ -13,8 +13,9 @@ captured launches (CUDA graphs), a busy one faster kernels.
 
     python benchmarks/gpu_profile.py --out benchmarks/results/gpu/profile
 
-On a machine without CUDA, ``--device cpu`` profiles the CPU operators instead (for a
-quick check of the script; the numbers say nothing about a GPU). Writes OUT.json and
+On a machine without CUDA, ``--device cpu`` with ``TRITON_INTERPRET=1`` profiles the
+CPU operators instead (the Triton rows run under the interpreter; for a quick check of
+the script: the numbers say nothing about a GPU). Writes OUT.json and
 OUT.md atomically.
 """
 
