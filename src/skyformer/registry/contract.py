@@ -264,15 +264,22 @@ def _keyed(run: Callable[..., Tensor], randomized: bool, rows: int) -> str:
     return "equal for one key" + (", different for two" if randomized else "")
 
 
+def _other_elements_redrawn(tensors: tuple[Tensor, ...], seed: int) -> list[Tensor]:
+    """Copies of ``tensors`` whose batch elements after the first are drawn anew (three
+    times the spread), element 0 kept."""
+    copies = [t.clone() for t in tensors]
+    for t in copies:
+        t[1:] = torch.randn(t[1:].shape, generator=torch.Generator().manual_seed(seed),
+                            dtype=t.dtype) * 3
+    return copies
+
+
 def _batch(run: Callable[..., Tensor], mask: bool) -> str:
     q, k, v = _qkv(3, 24, seed=3)
     padding = torch.ones(3, 24, dtype=torch.bool)
     padding[2, 20:] = False
     base = run(q, k, v, padding if mask else None)
-    q2, k2, v2 = (t.clone() for t in (q, k, v))
-    for t in (q2, k2, v2):
-        t[1:] = torch.randn(t[1:].shape, generator=torch.Generator().manual_seed(4),
-                            dtype=t.dtype) * 3
+    q2, k2, v2 = _other_elements_redrawn((q, k, v), seed=4)
     _equal(run(q2, k2, v2, padding if mask else None)[0], base[0],
            "element 0's output changed with element 1's inputs")
     return "element 0's output is unchanged by element 1's inputs"
@@ -289,10 +296,7 @@ def _layer_state(run_in_layer: Callable[..., tuple[Tensor, nn.Module]], mask: bo
     if tuple(out.shape) != tuple(v.shape) or not torch.isfinite(out).all():
         raise _Broken(f"gave {list(out.shape)}, finite: {bool(torch.isfinite(out).all())}, "
                       f"with its state; expected finite [B, H, Nq, Dv] = {list(v.shape)}")
-    q2, k2, v2 = (t.clone() for t in (q, k, v))
-    for t in (q2, k2, v2):
-        t[1:] = torch.randn(t[1:].shape, generator=torch.Generator().manual_seed(8),
-                            dtype=t.dtype) * 3
+    q2, k2, v2 = _other_elements_redrawn((q, k, v), seed=8)
     _equal(run_in_layer(q2, k2, v2, padding if mask else None)[0][0], out[0],
            "with its per-layer state, element 0's output changed with element 1's inputs: "
            "what the state hands the core mixes the batch elements")
