@@ -25,12 +25,21 @@ def test_every_library_method_keeps_the_contract(method):
 @pytest.mark.parametrize("method", [
     "softmax[causal=True]", "linear[causal=True]", "skyformer[landmark_stride=2]",
     "skyformer[num_features=64]", "nystrom_softmax[num_features=64]",
-    "skyformer[causal=True]", "performer[eps=1e-4]"])
+    "skyformer[causal=True]", "performer[eps=1e-4]", "nystromformer[conv_kernel=3]"])
 def test_library_methods_keep_it_under_options_of_their_own(method):
     """Options the checks once failed on: causal ones (no cross-attention then), options
-    of the causal form alone (refused outside it), and as many landmarks as the rows
-    (no draw mattered, so 'it ignores its generator')."""
+    of the causal form alone (refused outside it), as many landmarks as the rows (no
+    draw mattered, so 'it ignores its generator'), and a convolution whose learned
+    weights the layer's state holds (a bare call is refused)."""
     assert [r for r in check_method(method) if r.passed is False] == []
+
+
+def test_options_needing_the_state_run_every_check_with_one_and_skip_cross_attention():
+    results = {r.name: r for r in check_method("nystromformer[conv_kernel=3]")}
+    cross = results["cross-attention: other numbers of queries and keys"]
+    assert cross.passed is None and "conv_kernel=3 adds the convolved value" in cross.detail
+    assert results["output shape, dtype and values"].passed
+    assert results["the gradient is the derivative of the output (central differences)"].passed
 
 
 @dataclasses.dataclass(frozen=True)

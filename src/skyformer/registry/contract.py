@@ -11,7 +11,9 @@ out, close to float32's; ``cross_attention``: every key's value reaches the outp
 ``attn_mask``: a key hidden from a query reaches none of its output), and one it lacks
 is skipped. A random key (``skyformer.random_key``) is tried as the generator too, and a
 method with a per-layer state (``register(state=...)``) is called with one, as a layer
-calls it. What the
+calls it: in every check where its config names why its options need it (a property
+``state_needed_because``, as Nystromformer's learned ``conv_kernel`` convolution does),
+and a property ``not_cross_attention_because`` skips the cross-attention check. What the
 call guarantees for every method is not checked: a fully padded sequence gives zero
 rows and zero gradients whatever the method computes (``guard.py`` replaces padded
 inputs and outputs with ``torch.where``), and ``num_features`` below 1 is refused
@@ -71,15 +73,21 @@ def check_method(name: str, **options: Any) -> list[CheckResult]:
     causal = given.get("causal") is True
     caps = spec.capabilities
     rows = _rows_for_draws(given.get("num_features"), causal)
-    inexact = inexact_gradient_reason(spec.bind(seq_len=256, **options).config)
+    config = spec.bind(seq_len=256, **options).config
+    inexact = inexact_gradient_reason(config)
+    # options whose calls need the layer's state (Nystromformer's learned convolution)
+    # are checked as a layer calls them, with one; a bare call is refused in a sentence
+    with_state = getattr(config, "state_needed_because", None) is not None
 
     def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, seed: int = 0,
             key: bool = False, attn_mask: Tensor | None = None, **more: Any) -> Tensor:
         """The method on ``q, k, v``; its generator seeded with ``seed``, or (``key``) a
         random key of it (``skyformer.random_key``, which layers pass)."""
-        bound = spec.bind(seq_len=256, **{**options, **more})
+        bound = spec.bind(q.shape[1], q.shape[-1], seq_len=256, **{**options, **more})
         generator = random_key(seed) if key else torch.Generator().manual_seed(seed)
         masks = {} if attn_mask is None else {"attn_mask": attn_mask}
+        if with_state:
+            masks["state"] = bound.new_state(seed=0).to(q.dtype)
         return bound(q, k, v, key_padding_mask=mask, generator=generator, **masks)
 
     def run_in_layer(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None
@@ -92,7 +100,8 @@ def check_method(name: str, **options: Any) -> list[CheckResult]:
         return bound(q, k, v, key_padding_mask=mask, generator=generator, state=state), state
 
     undeclared, square = "not declared", "not with causal=True (as many queries as keys)"
-    cross = None if caps.cross_attention else undeclared
+    cross = getattr(config, "not_cross_attention_because", None)
+    cross = (None if caps.cross_attention else undeclared) if cross is None else cross
     # (check, why it is skipped or None, what it runs)
     checks: list[tuple[str, str | None, Callable[[], str]]] = [
         ("output shape, dtype and values", None, lambda: _output(run)),

@@ -87,6 +87,21 @@ class NystromformerConfig:
             )
         check_scale("nystromformer", self.scale)
 
+    @property
+    def state_needed_because(self) -> str | None:
+        """Why a call needs the per-layer state (``NystromformerConv``), None if not."""
+        if self.conv_kernel is None:
+            return None
+        return f"conv_kernel={self.conv_kernel} convolves V with learned weights"
+
+    @property
+    def not_cross_attention_because(self) -> str | None:
+        """Why these options need as many queries as keys, None if they do not."""
+        if self.conv_kernel is None:
+            return None
+        return (f"conv_kernel={self.conv_kernel} adds the convolved value of each position "
+                f"to the query of that position")
+
     def budget_caps(self, nq: int, nk: int) -> dict[str, int]:
         """Options to change for Nq, Nk tokens: at most one landmark per token (segment
         means of more segments than tokens are empty)."""
