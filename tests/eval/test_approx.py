@@ -409,6 +409,14 @@ def test_a_variant_with_another_target_is_refused_before_any_work(name):
     resolve_methods(("skyformer[causal=False]", "nystrom_softmax[scale=None]"), [])
 
 
+def test_a_variant_needing_learned_weights_is_refused_before_any_work():
+    """Nystromformer's conv_kernel convolution has learned weights a layer holds: at
+    their initialisation they are no part of the attention's error."""
+    with pytest.raises(ValueError, match=r"nystromformer\[conv_kernel=3\]: conv_kernel=3 "
+                                         r"convolves V with learned weights, and approx"):
+        resolve_methods(("nystromformer[conv_kernel=3]",), [])
+
+
 def test_samples_record_the_model_heads_they_come_from():
     """With --heads 2 5 the samples of a model's Q/K/V are of heads 2 and 5, not 0 and 1;
     the synthetic sources' heads are independent draws, numbered in order."""

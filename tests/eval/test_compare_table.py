@@ -67,6 +67,16 @@ def test_a_failed_memory_measurement_keeps_the_compare_rows(monkeypatch):
     assert all(r["peak_mib"] is None and r["time_ms"] > 0 for r in rows)
 
 
+def test_a_variant_needing_learned_weights_is_refused_before_any_work():
+    import pytest
+
+    from skyformer.eval.compare.run import CompareConfig
+
+    with pytest.raises(ValueError, match=r"nystromformer\[conv_kernel=3\]: conv_kernel=3 "
+                                         r"convolves V with learned weights, and compare"):
+        CompareConfig(methods=("nystromformer[conv_kernel=3]",))
+
+
 def test_a_variant_is_compared_with_the_target_of_its_causal_and_scale():
     """``softmax[causal=True]`` and ``kernelized[scale=0.5]`` are their own targets: error
     0, not their distance to the non-causal target at the default scale; a causal row's

@@ -132,3 +132,17 @@ def refuse_swept_option(name: str, preset: tuple[tuple[str, Any], ...], option: 
     if any(key == option for key, _ in preset):
         raise ValueError(f"{name}: {sweep} sets {option} on every call; drop it from the "
                          f"brackets.")
+
+
+def refuse_learned_options(method: Any, command: str) -> None:
+    """Fail in a sentence where ``method``'s options need learned weights of the layer's
+    state (its config's ``state_needed_because``: Nystromformer's ``conv_kernel``), which
+    ``command`` cannot measure: it holds the attention alone against exact attention, and
+    weights at their initialisation are no part of it."""
+    because = getattr(method.bind().config, "state_needed_because", None)
+    if because is not None:
+        raise ValueError(
+            f"{method.name}: {because}, and {command} measures the attention against exact "
+            f"attention without a layer to learn them; drop that option from the brackets, "
+            f"or time it in a layer with skyformer bench, train it in one with skyformer "
+            f"lra train.")

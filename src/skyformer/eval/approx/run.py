@@ -40,7 +40,7 @@ from ...linalg import gaussian_scores, softmax_scores, top_singular_subspace
 from ...linalg.subspace import takes_full_svd
 from ...logs import get_logger
 from ...registry import Method, exact_method, get_method, list_methods
-from ...registry.variants import refuse_swept_option
+from ...registry.variants import refuse_learned_options, refuse_swept_option
 from ...seeds import check_seed
 from ..data.sources import (
     DEFAULT_HEADS,
@@ -239,6 +239,7 @@ def resolve_methods(names: tuple[str, ...] | None, notes: list[str]) -> list[Met
     out = []
     for spec in chosen:
         refuse_swept_option(spec.name, spec.preset, "num_features", "approx (--features)")
+        refuse_learned_options(spec, "approx")
         _refuse_other_target(spec)
         if spec.capabilities.exact:
             if explicit:

@@ -25,7 +25,7 @@ from ...io import check_output_path, environment
 from ...logs import first_line
 from ...ops.shared.inputs import AttentionInputs, check_attention_inputs
 from ...registry import get_method, list_methods
-from ...registry.variants import refuse_swept_option
+from ...registry.variants import refuse_learned_options, refuse_swept_option
 from ...seeds import check_seed
 from ..approx.plots import require_figure_format
 from ..data.qkv import QKV, MaskedQKV, load_qkv
@@ -76,6 +76,7 @@ class CompareConfig:
                                  f"more, got {self.maps_head!r}.")
         for m in self.methods or ():  # unknown names fail before any work
             method = registered_method(m)
+            refuse_learned_options(method, "compare")
             if self.num_features is not None and method.budget_changes_output():
                 refuse_swept_option(method.name, method.preset, "num_features",
                                     "compare (--features)")
