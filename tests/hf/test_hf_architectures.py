@@ -1069,6 +1069,48 @@ def test_set_attention_on_one_part_of_an_encoder_decoder_leaves_the_other_part()
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("route", ["set_attention", "attn_implementation"])
+def test_one_part_set_after_the_whole_model_leaves_the_other_part_running_its_method(route):
+    """BART's encoder and decoder read one config: after the whole model ran linear
+    (set_attention, or "skyformer:linear" by name), set_attention on the encoder
+    switched that config to the per-layer name, and the decoder went back to exact
+    attention without a word (its settings, made for the other name, were dropped).
+    Now the decoder runs linear as before, and so after restore_exact of the encoder."""
+    import copy
+
+    from transformers import BartConfig, BartModel
+
+    config = BartConfig(d_model=32, encoder_layers=1, decoder_layers=1,
+                        encoder_attention_heads=4, decoder_attention_heads=4,
+                        encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=100,
+                        max_position_embeddings=64, dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    base = BartModel(config).eval()
+    base.set_attn_implementation("sdpa")
+    ids, mask = ids_and_padding(b=2, n=12)
+    batch = {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": ids[:, :6]}
+    want = copy.deepcopy(base)
+    shf.set_attention(want, "linear")
+    shf.set_attention(want, "performer", layers=[0], num_features=8, seed=0)
+    shf.set_attention(want.get_decoder(), "linear")  # what the decoder should run
+    model = copy.deepcopy(base)
+    if route == "set_attention":
+        shf.set_attention(model, "linear")
+    else:
+        model.set_attn_implementation("skyformer:linear")
+        model(**batch)  # its layers are set up at their first forward pass
+    shf.set_attention(model.get_encoder(), "performer", num_features=8, seed=0)
+    assert [r["method"] for r in shf.describe(model)] == ["performer"] + ["linear"] * 2
+    torch.testing.assert_close(model(**batch).last_hidden_state,
+                               want(**batch).last_hidden_state, rtol=0, atol=0)
+    shf.restore_exact(model.get_encoder())
+    assert [r["method"] for r in shf.describe(model)] == ["exact"] + ["linear"] * 2
+    shf.set_attention(want.get_encoder(), "exact")
+    torch.testing.assert_close(model(**batch).last_hidden_state,
+                               want(**batch).last_hidden_state, rtol=0, atol=0)
+
+
+@torch.no_grad()
 def test_one_part_of_a_t5_model_is_described_and_kept_as_it_runs():
     """T5's encoder and decoder hold copies of the config: after set_attention(model.
     get_encoder(), "kernelized") describe(model) said every layer ran SDPA while the

@@ -158,9 +158,14 @@ def set_attention(
         model.__dict__[_ORIGINAL] = current
     # a variant has no implementation name of its own, and the other part of an
     # encoder-decoder would run one too: each layer holds its setting
-    whole = (chosen is None and name != EXACT and not is_variant(name)
-             and not _one_part(model, modules))
+    one_part = _one_part(model, modules)
+    whole = chosen is None and name != EXACT and not is_variant(name) and not one_part
     target = implementation_name(name) if whole else PER_LAYER
+    if one_part and is_skyformer_implementation(current):
+        # the other part reads the same config: under "skyformer:<m>" its layers run <m>
+        # (set up at their first forward pass), and under another name they would run
+        # exact attention, so the name stays and this part's settings are made for it
+        target = current
     if chosen is None and name == EXACT:
         return restore_exact(model)
 
@@ -247,14 +252,15 @@ def restore_exact(model: ModelT, *, layers: Iterable[int] | int | None = None) -
     With ``layers=None`` every setting and per-layer state is removed and the model gets
     back the implementation it had before ``set_attention`` (``"sdpa"`` if it was loaded
     with a skyformer implementation). One part of an encoder-decoder model (its
-    ``get_encoder()``) whose layers each run their own setting returns to exact
-    attention alone: the other part's settings stay.
+    ``get_encoder()``) running a skyformer method returns to exact attention alone: the
+    other part, which reads the same config, keeps what it runs.
     """
     if layers is not None:
         return set_attention(model, EXACT, layers=layers)
     current = _implementation(model)
     modules = attention_modules(model)
-    if current == PER_LAYER and _one_part(model, modules):  # the other part keeps its own
+    if is_skyformer_implementation(current) and _one_part(model, modules):
+        # the other part keeps what it runs (set_attention keeps the implementation)
         return set_attention(model, EXACT, layers=sorted({i for i, _, _ in modules}))
     for _, _, module in modules:
         clear_layer(module)
