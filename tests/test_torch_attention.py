@@ -719,6 +719,77 @@ def test_replace_attention_goes_from_method_to_method_and_says_when_it_did_nothi
         replace_attention(hooked, "softmax")
 
 
+def test_swapping_to_the_same_method_keeps_its_learned_state():
+    """Switching return_weights by a second swap drew Linformer's learned projections
+    anew (outside the optimizer built on the first); the same method with the same
+    options keeps the state module itself, other options draw it anew with a warning."""
+    model = nn.Sequential(nn.MultiheadAttention(E, H, dtype=F64))
+    replace_attention(model, "linformer", seq_len=L, num_features=4)
+    state = model[0].method_state
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = rand(L, B, E)
+    model[0](x, x, x, need_weights=False)[0].square().sum().backward()
+    optimizer.step()
+    before = model[0](x, x, x, need_weights=False)[0]
+    replace_attention(model, "linformer", seq_len=L, num_features=4, return_weights=True)
+    assert model[0].method_state is state and model[0].return_weights
+    torch.testing.assert_close(model[0](x, x, x, need_weights=False)[0], before, **EXACT)
+    with pytest.warns(UserWarning, match=r"model\.0 ran linformer with other options: its "
+                                         r"learned per-layer parameters are left behind"):
+        replace_attention(model, "linformer", seq_len=L, num_features=3)
+    assert model[0].method_state is not state
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        replace_attention(model, "performer", num_features=4)  # another method: no word
+
+
+def test_a_subclass_keeps_its_class_and_the_output_projection_its_hooks():
+    """A subclass of the layer was rebuilt as the base class (its forward lost), and a
+    hook or parametrization on out_proj was dropped (a new out_proj module)."""
+    class Doubled(TorchMultiheadAttention):
+        def forward(self, *args, **kwargs):
+            out, weights = super().forward(*args, **kwargs)
+            return 2 * out, weights
+
+    model = nn.Sequential(Doubled(E, H, dtype=F64, method="softmax"))
+    fired = []
+    model[0].out_proj.register_forward_hook(lambda *args: fired.append(1))
+    torch.nn.utils.parametrizations.weight_norm(model[0].out_proj)
+    x = rand(L, B, E)
+    want = model[0](x, x, x, need_weights=False)[0]
+    replace_attention(model, "kernelized")
+    assert type(model[0]) is Doubled and len(fired) == 1
+    got = model[0](x, x, x, need_weights=False)[0]
+    assert len(fired) == 2
+    assert not torch.allclose(got, want)  # another method, the same projections
+    replace_attention(model, "softmax")
+    torch.testing.assert_close(model[0](x, x, x, need_weights=False)[0], want, **EXACT)
+
+    class Odd(TorchMultiheadAttention):
+        def __init__(self, *args, scale, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    odd = nn.Sequential(Odd(E, H, method="softmax", scale=2.0))
+    with pytest.raises(TypeError, match=r"model\.0: .*Odd could not be rebuilt with "
+                                        r"TorchMultiheadAttention's arguments"):
+        replace_attention(odd, "linear")
+    assert type(odd[0]) is Odd
+
+
+def test_appended_keys_with_options_attending_as_many_queries_as_keys_are_refused():
+    """nystromformer's conv_kernel adds a position's convolved value to its query: with
+    add_bias_kv the layer was built, then every call failed in the method."""
+    with pytest.raises(CapabilityError, match=r"^TorchMultiheadAttention: add_bias_kv appends "
+                                              r"keys.*nystromformer cannot attend with these "
+                                              r"options \(conv_kernel=3 adds"):
+        TorchMultiheadAttention(E, H, add_bias_kv=True, method="nystromformer", conv_kernel=3)
+    model = nn.Sequential(nn.MultiheadAttention(E, H, add_zero_attn=True))
+    with pytest.raises(CapabilityError, match=r"^replace_attention: model\.0: add_zero_attn "
+                                              r"appends keys"):
+        replace_attention(model, "nystromformer", conv_kernel=3)
+    assert isinstance(model[0], nn.MultiheadAttention)
+
+
 def test_key_and_value_of_other_lengths_are_named_as_passed():
     _, ours = pair()
     q, k, v = rand(L, B, E), rand(S, B, E), rand(S - 1, B, E)

@@ -137,10 +137,7 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
     ) -> None:
         super().__init__()
         _check_configuration(embed_dim, num_heads, dropout, bias, kdim, vdim, NAME)
-        if "process_group" in method_options:  # read as a misspelt option of the method
-            raise TypeError(f"{NAME} attends within one process and takes no process_group; "
-                            f"sequence parallelism is skyformer.MultiHeadAttention's "
-                            f"(process_group=...; docs/distributed.md).")
+        _refuse_process_group(method_options)
         factory = {"device": device, "dtype": dtype}
         self.embed_dim = embed_dim
         self.kdim = kdim if kdim is not None else embed_dim
@@ -176,7 +173,7 @@ class TorchMultiheadAttention(BoundMethodProperties, nn.Module):
             seq_len = seq_len + self._appended_keys
         self.bound: BoundMethod = get_method(method).bind(
             num_heads, self.head_dim, seq_len=seq_len, **method_options)
-        _check_appended_keys(self.spec, self._appended_names, NAME)
+        _check_appended_keys(self.bound, self._appended_names, NAME)
         state = self.bound.new_state()  # learned projections, kept random features
         if state is not None and (device is not None or dtype is not None):
             state = state.to(**factory)
@@ -613,10 +610,27 @@ def _appending(names: list[str]) -> str:
     return f"{' and '.join(names)} append{'' if len(names) > 1 else 's'}"
 
 
-def _check_appended_keys(spec: Any, names: list[str], where: str) -> None:
+def _refuse_process_group(method_options: dict[str, Any]) -> None:
+    """A sentence for ``process_group``, which would read as a misspelt method option."""
+    if "process_group" in method_options:
+        raise TypeError(f"{NAME} attends within one process and takes no process_group; "
+                        f"sequence parallelism is skyformer.MultiHeadAttention's "
+                        f"(process_group=...; docs/distributed.md).")
+
+
+def _check_appended_keys(bound: BoundMethod, names: list[str], where: str) -> None:
     """Appended keys (``names``) make the queries fewer than the keys: a sentence where
-    the method ``spec`` attends only as many queries as keys."""
-    if names and not spec.capabilities.cross_attention:
+    the method, or its options (the config's ``not_cross_attention_because``), attend
+    only as many queries as keys."""
+    if not names:
+        return
+    spec, because = bound.method, getattr(bound.config, "not_cross_attention_because", None)
+    if because is not None:
+        raise CapabilityError(
+            f"{where}: {_appending(names)} keys, so that the queries meet more keys than "
+            f"there are queries, which {spec.name} cannot attend with these options "
+            f"({because}); leave out that option or {' and '.join(names)}.")
+    if not spec.capabilities.cross_attention:
         raise CapabilityError(
             f"{where}: {_appending(names)} keys, so that the queries meet more keys than "
             f"there are queries, which {spec.name} cannot attend (self-attention only); use "
@@ -718,8 +732,9 @@ def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
 def _from_torch(cls: type[TorchMultiheadAttention], mha: Any, where: str, method: str,
                 seq_len: int | None, options: dict[str, Any]) -> TorchMultiheadAttention:
     """``TorchMultiheadAttention.from_torch``, its sentences naming ``where``; ``mha`` is
-    torch's layer, or one of this module's (rebuilt with another method, its weights
-    kept and its method's state left behind)."""
+    torch's layer, or one of this module's, rebuilt in its own class with its weights
+    kept, and its method's state too where the method and its options are unchanged
+    (``return_weights`` switched), else left behind."""
     if not isinstance(mha, (nn.MultiheadAttention, TorchMultiheadAttention)):
         raise TypeError(f"{where}: expected a torch.nn.MultiheadAttention, got "
                         f"{type(mha).__name__}.")
@@ -735,27 +750,62 @@ def _from_torch(cls: type[TorchMultiheadAttention], mha: Any, where: str, method
             f"new.load_state_dict(mha.state_dict()).")
     _check_configuration(mha.embed_dim, mha.num_heads, mha.dropout, mha.in_proj_bias is not None,
                          mha.kdim, mha.vdim, where)
-    _check_appended_keys(get_method(method),
-                         _appended_names(mha.bias_k is not None, bool(mha.add_zero_attn)), where)
+    appended = _appended_names(mha.bias_k is not None, bool(mha.add_zero_attn))
+    method_options = {k: v for k, v in options.items() if k != "return_weights"}
+    _refuse_process_group(method_options)
+    _check_appended_keys(get_method(method).bind(seq_len=seq_len, **method_options),
+                         appended, where)
     _warn_of_hooks(mha, where)
     if options.get("return_weights") is None:  # a layer swapped before keeps its own
         options = {**options, "return_weights": _kept_return_weights(mha, method, where)}
+    # one of these layers is rebuilt in its own class: a subclass keeps its forward
+    build = type(mha) if isinstance(mha, TorchMultiheadAttention) else cls
     weight = mha.out_proj.weight
-    layer = cls(mha.embed_dim, mha.num_heads, mha.dropout, mha.in_proj_bias is not None,
-                mha.bias_k is not None, mha.add_zero_attn, kdim=mha.kdim,
-                vdim=mha.vdim, batch_first=mha.batch_first,
-                device=weight.device, dtype=weight.dtype, method=method, seq_len=seq_len,
-                **options)
-    weights = {name: t for name, t in mha.state_dict().items()
-               if not name.startswith("method_state.")}  # another method's state
+    try:
+        layer = build(mha.embed_dim, mha.num_heads, mha.dropout, mha.in_proj_bias is not None,
+                      mha.bias_k is not None, mha.add_zero_attn, kdim=mha.kdim,
+                      vdim=mha.vdim, batch_first=mha.batch_first,
+                      device=weight.device, dtype=weight.dtype, method=method,
+                      seq_len=seq_len, **options)
+    except TypeError as err:
+        if build is cls:
+            raise
+        raise TypeError(f"{where}: {build.__qualname__} could not be rebuilt with "
+                        f"{NAME}'s arguments ({err}); give it a constructor that takes "
+                        f"them, or swap it by hand.") from None
+    # the output projection itself: hooks and parametrizations on it go on working
+    layer.out_proj = mha.out_proj
+    state = _kept_state(mha, layer, where)
+    if state is not None:
+        layer.method_state = state
+    weights = {name: t for name, t in mha.state_dict().items()  # not another method's state
+               if state is not None or not name.startswith("method_state.")}
     layer.load_state_dict(weights)  # checks the names and shapes
     # then takes the parameter objects themselves: an optimizer or a weight tied to
     # another module set up before the swap goes on training and sharing them
     for name, p in mha.named_parameters(remove_duplicate=False):
-        if not name.startswith("method_state."):
+        if not name.startswith(("method_state.", "out_proj.")):
             owner, _, attr = name.rpartition(".")
             setattr(layer.get_submodule(owner), attr, p)
     return layer.train(mha.training)
+
+
+def _kept_state(mha: nn.Module, layer: TorchMultiheadAttention, where: str
+                ) -> nn.Module | None:
+    """The per-layer state of ``mha`` (the module itself: an optimizer goes on with it)
+    where ``layer`` runs the same method with the same options; ``None`` otherwise, with
+    a warning where the same method's learned parameters are left behind."""
+    old = getattr(mha, "method_state", None)
+    if not isinstance(mha, TorchMultiheadAttention) or old is None:
+        return None
+    if mha.bound.name == layer.bound.name and mha.bound.config == layer.bound.config:
+        return old
+    if mha.bound.method.base_name == layer.bound.method.base_name and any(
+            p.requires_grad for p in old.parameters()):
+        warnings.warn(f"{where} ran {mha.bound.name} with other options: its learned "
+                      f"per-layer parameters are left behind and the new layer's are "
+                      f"drawn anew.", UserWarning, stacklevel=5)
+    return None
 
 
 def _kept_return_weights(mha: nn.Module, method: str, where: str) -> bool:
@@ -798,17 +848,20 @@ def replace_attention(model: nn.Module, method: str = "skyformer", *,
                       **method_options: Any) -> nn.Module:
     """Swap every ``torch.nn.MultiheadAttention`` inside ``model`` for a
     ``TorchMultiheadAttention`` running ``method``, in place; one already swapped is
-    rebuilt with ``method`` (its weights kept), so a model can go from one method to
-    another, ``"softmax"`` included.
+    rebuilt in its own class with ``method`` (its weights kept, and its method's state
+    where the method and its options are the same), so a model can go from one method
+    to another, ``"softmax"`` included.
 
     Each keeps its parameters (the same objects: an optimizer or a tied weight set up
-    before the swap goes on with them), training mode, device and dtype
-    (``from_torch``); a layer shared by several parents is swapped for one new layer.
+    before the swap goes on with them; ``out_proj`` is the module itself, its hooks and
+    parametrizations kept), training mode, device and dtype (``from_torch``); a layer
+    shared by several parents is swapped for one new layer.
     Every layer is checked before any is swapped: one it cannot take (a subclass of
     torch's layer; appended keys for a self-attention-only method) fails in a sentence
     naming the module's path, and the model is left as it was. An unknown method fails
     at once; a model without such a layer is returned with a warning; hooks registered
-    on a layer swapped out stay there (a warning).
+    on a layer swapped out stay there (a warning), as learned per-layer parameters of
+    the same method run with other options do (a warning).
 
     Args:
         model: any module (a ``torch.nn.MultiheadAttention`` itself is returned swapped).
