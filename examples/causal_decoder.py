@@ -38,7 +38,12 @@ import torch
 from torch import Tensor, nn
 
 import skyformer
-from skyformer.checks import method_argument, positive_int_argument
+from skyformer.checks import (
+    heads_divide_width,
+    method_argument,
+    positive_float_argument,
+    positive_int_argument,
+)
 from skyformer.eval.data.text import default_text
 
 
@@ -178,7 +183,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="model width (quick 32, full 128)")
     parser.add_argument("--heads", type=positive_int_argument, default=2)
     parser.add_argument("--layers", type=positive_int_argument, default=2)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=positive_float_argument, default=3e-3)
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the weights, the training data and landmarks, and the "
                              "generation's random key")
@@ -192,9 +197,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.steps = args.steps or (30 if quick else 500)
     args.seq_len = args.seq_len or (128 if quick else 512)
     args.dim = args.dim or (32 if quick else 128)
-    if args.dim % args.heads:
-        parser.error(f"argument --heads: each of the {args.heads} heads takes dim / heads "
-                     f"features, and --dim {args.dim} does not divide by {args.heads}")
+    heads_divide_width(parser, args.dim, args.heads)
     text = len(default_text().encode("utf-8"))
     if args.seq_len > text - 2:  # windows of seq_len + 1 bytes, at more than one start
         parser.error(f"argument --seq-len: the training text holds {text} bytes, so windows "

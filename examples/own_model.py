@@ -29,7 +29,12 @@ import torch
 from torch import Tensor, nn
 
 import skyformer
-from skyformer.checks import method_argument, positive_int_argument
+from skyformer.checks import (
+    heads_divide_width,
+    method_argument,
+    positive_float_argument,
+    positive_int_argument,
+)
 
 # exact softmax, then approximations at 16 landmarks / projections / random features
 DEFAULT_METHODS = ("softmax", "skyformer[num_features=16]", "nystromformer[num_features=16]",
@@ -88,6 +93,14 @@ def synthetic_batch(batch: int, seq_len: int, vocab: int,
     return tokens, mask, labels
 
 
+def vocab_holds_the_labels(parser: argparse.ArgumentParser, vocab: int) -> None:
+    """``parser.error`` where ``synthetic_batch``'s tokens cannot hold padding, token 1
+    and token 2, whose counts the labels compare (below 3 every label is 0)."""
+    if vocab < 3:
+        parser.error(f"argument --vocab: must be at least 3 (padding, tokens 1 and 2), got "
+                     f"{vocab}")
+
+
 @dataclass
 class Result:
     method: str
@@ -143,11 +156,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--heads", type=positive_int_argument, default=2)
     parser.add_argument("--layers", type=positive_int_argument, default=1)
     parser.add_argument("--vocab", type=positive_int_argument, default=8)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=positive_float_argument, default=3e-3)
     args = parser.parse_args(argv)
-    if args.vocab < 3:  # the label counts tokens 1 and 2; 0 pads
-        parser.error(f"argument --vocab: must be at least 3 (padding, tokens 1 and 2), got "
-                     f"{args.vocab}")
+    vocab_holds_the_labels(parser, args.vocab)
+    heads_divide_width(parser, args.dim, args.heads)
     args.steps = args.steps or (30 if args.quick else 300)
     args.seq_len = args.seq_len or (32 if args.quick else 512)
     return args

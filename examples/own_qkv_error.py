@@ -74,7 +74,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     size.add_argument("--full", dest="quick", action="store_false",
                       help="median of 5 timed runs, peak memory, MiniLM at N=1024")
     parser.add_argument("--seed", type=int, default=0, help="seed of the methods' draws")
-    parser.add_argument("--json", help="also write the rows to this JSON file")
+    parser.add_argument("--json", help="also write the rows to this JSON file (one there "
+                                       "already is replaced)")
     args = parser.parse_args(argv)
     # a variant's own num_features and a --features for all cannot go together
     bracketed = any("num_features" in dict(skyformer.get_method(m).preset)

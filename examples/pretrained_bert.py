@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
     args = parse_args(argv)
     # a local folder, never the network; in eval mode (no dropout)
     model, tokenizer, _ = load_model(args.model)
+    for method in args.methods:  # a method the model refuses: now, before any embedding
+        skyformer.hf.restore_exact(skyformer.hf.set_attention(model, method, seed=args.seed))
     texts = sentences(read_text(args.text))[: args.sentences]
     if len(texts) < 2:  # recall@1 looks for each sentence's nearest other one
         raise SystemExit(f"{len(texts)} sentence(s) to embed (one ends at . ! or ? and has "
@@ -116,5 +118,5 @@ def main(argv: list[str] | None = None) -> list[Result]:
 if __name__ == "__main__":
     try:
         main()
-    except (OSError, ImportError) as err:  # a model folder or package missing: the sentence
+    except (OSError, ImportError, ValueError) as err:  # the sentence, no traceback
         sys.exit(f"pretrained_bert: error: {err}")

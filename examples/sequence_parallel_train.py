@@ -32,14 +32,15 @@ import tempfile
 import time
 from importlib import resources
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from skyformer import MultiHeadAttention
-from skyformer.checks import positive_int_argument
+from skyformer.checks import heads_divide_width, positive_float_argument, positive_int_argument
 from skyformer.distributed import destroy_process_group, shard_bounds, sum_gradients
-from skyformer.lra.distributed import init_distributed, shutdown
+from skyformer.lra.distributed import DistInfo, init_distributed, shutdown
 
 MASK_RATE = 0.15
 MASK_BLOCK = 1024  # the hidden characters are drawn per block of this many global positions
@@ -77,7 +78,8 @@ class Model(nn.Module):
         pos = torch.arange(start, start + tokens.shape[1], device=tokens.device)[:, None]
         freq = torch.exp(torch.arange(0, self.dim, 2, device=tokens.device)
                          * (-math.log(10000.0) / self.dim))
-        x = self.embed(tokens) + torch.cat([torch.sin(pos * freq), torch.cos(pos * freq)], -1)
+        angles = torch.cat([torch.sin(pos * freq), torch.cos(pos * freq)], -1)
+        x = self.embed(tokens) + angles[:, :self.dim]  # an odd dim has one angle too many
         for block in self.blocks:
             x = block(x, generator)
         return self.head(self.norm(x))
@@ -90,13 +92,19 @@ def hidden_characters(start: int, stop: int, step: int, device: torch.device) ->
     sharding: P processes hide the characters one process hides, and train as it does."""
     first = start // MASK_BLOCK
     draws = [torch.rand(MASK_BLOCK, device=device, generator=torch.Generator(device=device)
-                        .manual_seed(step * 2**32 + block))
+                        .manual_seed(_block_seed(step, block)))
              for block in range(first, (stop - 1) // MASK_BLOCK + 1)]
     offset = first * MASK_BLOCK
     return (torch.cat(draws)[start - offset:stop - offset] < MASK_RATE)[None]
 
 
-def main(argv: list[str] | None = None) -> None:
+def _block_seed(step: int, block: int) -> int:
+    """A 32-bit seed of the pair: the CPU generator reads a seed's low 32 bits alone, so
+    ``step * 2**32 + block`` hid the same characters at every step."""
+    return int(np.random.SeedSequence([step, block]).generate_state(1)[0])
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-len", type=positive_int_argument, default=2**16)
     parser.add_argument("--data-parallel", type=positive_int_argument, default=1)
@@ -105,18 +113,38 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heads", type=positive_int_argument, default=2)
     parser.add_argument("--layers", type=positive_int_argument, default=2)
     parser.add_argument("--features", type=positive_int_argument, default=128)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=positive_float_argument, default=3e-3)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--causal", action="store_true",
                         help="a decoder: causal attention, next-character prediction")
     args = parser.parse_args(argv)
-    info, device = init_distributed(args.device)
+    heads_divide_width(parser, args.dim, args.heads)
+    if args.seq_len < 2:  # one position has no other to predict it from, or to predict
+        parser.error(f"argument --seq-len: must be at least 2, got {args.seq_len}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        info, device = init_distributed(args.device)
+    except ValueError as err:  # a device this machine lacks: the sentence
+        raise SystemExit(f"sequence_parallel_train: error: argument --device: {err}") from None
     store = None
     if not info.enabled:  # one process: a group of one, so the same code runs
         store = tempfile.mkdtemp()
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 init_method=f"file://{os.path.join(store, 'store')}", rank=0,
                                 world_size=1)
+    try:
+        train(args, info, device)
+    finally:
+        if store is not None:
+            shutil.rmtree(store, ignore_errors=True)
+
+
+def train(args: argparse.Namespace, info: DistInfo, device: torch.device) -> None:
+    """The steps, on the process group ``main`` set up, which this closes."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if world % args.data_parallel:
         raise SystemExit(f"--data-parallel {args.data_parallel} must divide the {world} "
@@ -155,6 +183,7 @@ def main(argv: list[str] | None = None) -> None:
         # the sequence's mean loss over its scored characters, split over the shards
         counts = scored.sum().float().reshape(1)
         dist.all_reduce(counts, group=groups[data])
+        counts.clamp_(min=1)  # a short sequence may hide nothing at a step: no gradient
         loss = nn.functional.cross_entropy(logits[scored], targets[scored], reduction="sum")
         (loss / counts).backward()
         sum_gradients(model, divide_by=args.data_parallel)
@@ -167,8 +196,6 @@ def main(argv: list[str] | None = None) -> None:
                   f"{time.perf_counter() - t0:.2f} s", flush=True)
     dist.barrier()  # gloo: no rank closes its connections while another still reads
     destroy_process_group() if not info.enabled else shutdown(info)
-    if store is not None:
-        shutil.rmtree(store, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -46,10 +46,15 @@ import torch
 from torch import Tensor, nn
 
 import skyformer
-from skyformer.checks import method_argument, positive_int_argument
+from skyformer.checks import (
+    heads_divide_width,
+    method_argument,
+    positive_float_argument,
+    positive_int_argument,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # examples/ is no package
-from own_model import synthetic_batch  # padded sequences and their labels
+from own_model import synthetic_batch, vocab_holds_the_labels  # sequences and labels
 
 DEFAULT_METHODS = ("kernelized", "nystromformer", "performer", "skyformer")
 EXACT = "exact (torch's layers)"  # the first row: the model as trained, no swap
@@ -145,11 +150,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--heads", type=positive_int_argument, default=2)
     parser.add_argument("--layers", type=positive_int_argument, default=2)
     parser.add_argument("--vocab", type=positive_int_argument, default=8)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--finetune-lr", type=float, default=1e-3,
+    parser.add_argument("--lr", type=positive_float_argument, default=3e-3)
+    parser.add_argument("--finetune-lr", type=positive_float_argument, default=1e-3,
                         help="learning rate of the fine-tunes (3e-3 unsettles skyformer's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and draws")
     args = parser.parse_args(argv)
+    vocab_holds_the_labels(parser, args.vocab)
+    heads_divide_width(parser, args.dim, args.heads)
     args.steps = args.steps or (60 if args.quick else 600)
     args.finetune_steps = (args.finetune_steps if args.finetune_steps is not None
                            else 10 if args.quick else 150)

@@ -99,6 +99,15 @@ def test_causal_decoder_refuses_a_method_that_cannot_be_causal(capsys):
                                                         "heads takes dim / heads features"),
     ("pretrained_bert", ["--sentences", "0"], "argument --sentences: must be a positive"),
     ("sequence_parallel_train", ["--steps", "0"], "argument --steps: must be a positive"),
+    ("sequence_parallel_train", ["--seq-len", "1"], "argument --seq-len: must be at least 2"),
+    ("sequence_parallel_train", ["--heads", "3"], "argument --heads: each of the 3 heads"),
+    ("own_model", ["--heads", "3"], "argument --heads: each of the 3 heads"),
+    ("torch_model", ["--heads", "3"], "argument --heads: each of the 3 heads"),
+    ("torch_model", ["--vocab", "2"], "argument --vocab: must be at least 3"),
+    ("own_model", ["--lr", "-1"], "argument --lr: must be a positive number, got -1.0"),
+    ("torch_model", ["--finetune-lr", "nan"], "argument --finetune-lr: must be a positive "
+                                              "number, got nan"),
+    ("causal_decoder", ["--lr", "0"], "argument --lr: must be a positive number, got 0.0"),
 ])
 def test_examples_refuse_counts_below_one_in_argparse_s_line(name, argv, said, capsys):
     """``--steps 0`` ran the default 30 steps (``args.steps or 30``), ``--steps -5``
@@ -287,7 +296,7 @@ def test_own_qkv_error_takes_num_features_in_brackets_by_default(tmp_path):
     assert rows[0]["num_features"] == 8
 
 
-def test_pretrained_bert_refuses_a_model_folder_that_is_none_in_a_sentence(tmp_path):
+def test_pretrained_bert_refuses_a_model_folder_that_is_none_in_a_sentence(tmp_path, capsys):
     pytest.importorskip("transformers")
     with pytest.raises(FileNotFoundError, match=r"the model folder .*nothing' does not exist"):
         example("pretrained_bert").main(["--model", str(tmp_path / "nothing")])
@@ -298,6 +307,12 @@ def test_pretrained_bert_refuses_a_model_folder_that_is_none_in_a_sentence(tmp_p
     text.write_text("Only one sentence of four words here.")
     with pytest.raises(SystemExit, match=r"1 sentence\(s\) to embed.*needs at least 2"):
         example("pretrained_bert").main(["--text", str(text)])
+    # a method the model refuses: before any embedding, not after the earlier rows
+    capsys.readouterr()
+    with pytest.raises(ValueError, match=r"causal"):
+        example("pretrained_bert").main(["--methods", "softmax", "skyformer[causal=True]",
+                                         "--sentences", "2"])
+    assert capsys.readouterr().out == ""
 
 
 @pytest.mark.parametrize("argv, message", [(["--prompt", ""], "--prompt is empty"),
@@ -332,6 +347,29 @@ def test_sequence_parallel_train_refuses_no_data_parallel_group_in_a_sentence(ca
         example("sequence_parallel_train").main(["--data-parallel", "0"])
     assert "argument --data-parallel: must be a positive integer, got 0" in \
         capsys.readouterr().err
+
+
+def test_sequence_parallel_train_hides_other_characters_at_each_step():
+    """The seed step * 2**32 + block kept its low 32 bits alone on the CPU generator:
+    every step hid the same characters."""
+    hidden = example("sequence_parallel_train").hidden_characters
+    cpu = torch.device("cpu")
+    first, second = (hidden(0, 4096, step, cpu) for step in (0, 1))
+    assert not torch.equal(first, second)
+    assert 0.1 < first.float().mean() < 0.2  # MASK_RATE
+    torch.testing.assert_close(hidden(1000, 3000, 1, cpu), second[:, 1000:3000], rtol=0, atol=0)
+
+
+def test_sequence_parallel_train_takes_an_odd_width_and_a_device_it_lacks_in_a_sentence(
+        capsys):
+    """An odd --dim had one position angle too many; --device cuda on a machine without
+    one ended in a traceback."""
+    module = example("sequence_parallel_train")
+    module.main(["--dim", "5", "--heads", "1", "--seq-len", "64", "--steps", "1",
+                 "--layers", "1", "--features", "8"])
+    assert "step   0  loss" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"argument --device: device must be auto, cpu"):
+        module.main(["--device", "bogus"])
 
 
 def test_torch_model_swaps_attention_into_torch_layers_keeping_the_weights(capsys):

@@ -1,5 +1,6 @@
 """Checks of the integers a user passes (sizes, counts, lengths), shared by the layers,
-the methods' options and the experiments' settings.
+the methods' options and the experiments' settings, and ``argparse`` types and checks of
+the command lines (the CLI's and the examples').
 
 Each raises ``ValueError`` with a sentence naming the setting, what it must be and what
 it got: ``"MultiHeadAttention: dim must be a positive integer, got 0."``. ``True`` is
@@ -10,6 +11,7 @@ which kind is wanted.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 
 def is_integer(value: object) -> bool:
@@ -77,3 +79,27 @@ def positive_int_argument(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
+
+
+def positive_float_argument(text: str) -> float:
+    """An ``argparse`` type for rates and scales (``--lr``): a finite number above 0,
+    else argparse's one line, ``argument --lr: must be a positive number, got -1.0``
+    (torch's optimisers refuse a negative rate in a traceback, and take NaN)."""
+    import argparse
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {value}")
+    return value
+
+
+def heads_divide_width(parser: Any, dim: int, heads: int) -> None:
+    """``parser.error`` where ``heads`` heads cannot split a model width ``dim`` (each
+    takes ``dim / heads`` features): the layers refuse it after the data loads."""
+    if dim % heads:
+        parser.error(f"argument --heads: each of the {heads} heads takes dim / heads "
+                     f"features, and --dim {dim} does not divide by {heads}")
