@@ -45,7 +45,7 @@ from host_time import call_of, stubbed_launches
 from launch_counts import as_on_cuda
 from run_metadata import run_metadata, write_report
 
-from skyformer.checks import positive_int_argument
+from skyformer.checks import positive_int_argument, shape_argument
 from skyformer.eval.measure.timing import interleaved_seconds
 
 LAUNCHES = 200  # per timed loop of the per-launch costs
@@ -137,9 +137,10 @@ def launch_costs(device: torch.device) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", default=None, help="B,H,N,D (default 4,16,4096,64; CPU: "
-                        "1,1,64,16)")
-    parser.add_argument("--dtype", default=None, help="default bfloat16 (CPU: float32)")
+    parser.add_argument("--shape", type=shape_argument("B,H,N,D"), default=None,
+                        help="default 4,16,4096,64 (CPU: 1,1,64,16)")
+    parser.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                        help="default bfloat16 (CPU: float32)")
     parser.add_argument("--features", type=positive_int_argument,
                         default=None, help="default 128 (CPU: 16)")
     parser.add_argument("--calls", type=positive_int_argument,
@@ -154,12 +155,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{problem} (host_time.py splits a CPU call)")
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"  # the CPU checks the script at tiny sizes
-    args.shape = args.shape or ("4,16,4096,64" if on_gpu else "1,1,64,16")
+    args.shape = args.shape or ((4, 16, 4096, 64) if on_gpu else (1, 1, 64, 16))
     args.dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
     args.features = args.features or (128 if on_gpu else 16)
     args.calls = args.calls or (30 if on_gpu else 3)
-    shape = tuple(int(part) for part in args.shape.split(","))
-    dtype = getattr(torch, args.dtype)
+    shape, dtype = args.shape, getattr(torch, args.dtype)
     skyformer = call_of("skyformer", *shape, args.features, device=device, dtype=dtype)
     calls = {"skyformer, as it is": skyformer,
              "skyformer, Triton kernels stubbed": without_launches(skyformer),
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [(name, statistics.median(seconds)) for name, seconds in times.items()]
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (script check)"
     lines = [f"{name}, torch {torch.__version__}, Triton "
-             f"{triton.__version__}, B,H,N,D = {args.shape}, {args.dtype}, m = "
+             f"{triton.__version__}, B,H,N,D = {','.join(map(str, shape))}, {args.dtype}, m = "
              f"{args.features}, forward + backward, median of {args.calls}", "",
              "| call | wall ms |", "|---|---|"]
     lines += [f"| {name} | {seconds * 1e3:.3f} |" for name, seconds in rows]

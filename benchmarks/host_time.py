@@ -51,7 +51,7 @@ from launch_counts import as_on_cuda, guard_passes
 from run_metadata import run_metadata, write_report
 
 import skyformer
-from skyformer.checks import positive_int_argument
+from skyformer.checks import positive_int_argument, shape_argument
 from skyformer.eval.measure.timing import interleaved_seconds
 from skyformer.linalg.eager_calls import through_pytorch
 
@@ -121,7 +121,7 @@ def profile(call: Callable[[], None], top: int, calls: int = 50) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    parser.add_argument("--shape", default="1,1,256,64", help="B,H,N,D")
+    parser.add_argument("--shape", type=shape_argument("B,H,N,D"), default="1,1,256,64")
     parser.add_argument("--features", type=positive_int_argument, default=128)
     parser.add_argument("--calls", type=positive_int_argument, default=300)
     parser.add_argument("--profile", type=int, default=0, metavar="N")
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--composable", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    b, h, n, d = map(int, args.shape.split(","))
+    b, h, n, d = args.shape
     torch.set_num_threads(1)  # the host issues from one thread
     # the stubbed kernels leave their outputs unwritten: subnormal garbage would slow
     # the CPU's arithmetic on them (the m x m products), by up to 30x in one run

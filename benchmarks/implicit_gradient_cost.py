@@ -31,7 +31,7 @@ from gpu_device import device_problem  # benchmarks/, beside this script
 from run_metadata import run_metadata
 
 import skyformer
-from skyformer.checks import positive_int_argument
+from skyformer.checks import positive_int_argument, shape_argument
 from skyformer.eval.measure.timing import interleaved_median_seconds
 from skyformer.io import atomic_write_text, write_json
 from skyformer.linalg import GRADIENTS, half_sq_norm, implicit_inverse, landmark_inverse
@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=positive_int_argument,
                         default=16, help="matrices of the core alone")
     parser.add_argument("--features", type=positive_int_argument, default=128, help="landmarks m")
-    parser.add_argument("--shape", default="1,2,32", help="B,H,D of the whole calls")
+    parser.add_argument("--shape", type=shape_argument("B,H,D"), default="1,2,32",
+                        help="of the whole calls")
     parser.add_argument("--seq-lens", type=positive_int_argument, nargs="*", default=[1024, 4096])
     parser.add_argument("--repeats", type=positive_int_argument, default=30)
     parser.add_argument("--out", type=Path, default=None, help="write OUT.md and OUT.json")
@@ -108,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             print(problem, file=sys.stderr)
             return 1
-    shape = tuple(int(s) for s in args.shape.split(","))
+    shape = args.shape
+    shape_text = ",".join(map(str, shape))
     calls = core_calls(args.heads, args.features, args.kernel, args.device)
     for n in args.seq_lens:
         calls |= attention_calls(shape, n, args.features, args.kernel, args.device)
@@ -116,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                                        repeats=args.repeats)
     lines = [f"m = {args.features}, kernel={args.kernel!r}, {args.device}, "
              f"{torch.get_num_threads()} threads, torch {torch.__version__}; core: "
-             f"[1, {args.heads}, m, 64] float32 rows; calls: B,H,D = {args.shape} float32, "
+             f"[1, {args.heads}, m, 64] float32 rows; calls: B,H,D = {shape_text} float32, "
              f"forward + backward; medians of {args.repeats} interleaved rounds", "",
              "| call | unrolled ms | implicit ms | implicit by the steps ms "
              "| unrolled / implicit | steps / implicit |", "|---|---|---|---|---|---|"]

@@ -23,7 +23,7 @@ import torch
 from run_metadata import run_metadata, write_report  # benchmarks/, beside this script
 
 import skyformer
-from skyformer.checks import positive_int_argument
+from skyformer.checks import positive_int_argument, shape_argument
 from skyformer.eval.measure.timing import interleaved_median_seconds
 
 MASKS = ("none", "padding", "per query")
@@ -60,17 +60,17 @@ def measure(b: int, h: int, n: int, d: int, repeats: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="2,2,64", help="B,H,D")
-    parser.add_argument("--seq-lens", nargs="+", type=int, default=[4096])
+    parser.add_argument("--shape", type=shape_argument("B,H,D"), default="2,2,64")
+    parser.add_argument("--seq-lens", nargs="+", type=positive_int_argument, default=[4096])
     parser.add_argument("--repeats", type=positive_int_argument, default=5)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    b, h, d = map(int, args.shape.split(","))
+    b, h, d = args.shape
     rows = [row for n in args.seq_lens for row in measure(b, h, n, d, args.repeats)]
-    lines = [f"Exact kernelized attention, B,H,D = {args.shape}, float32, forward + "
+    lines = [f"Exact kernelized attention, B,H,D = {b},{h},{d}, float32, forward + "
              f"backward on the CPU ({torch.get_num_threads()} threads), medians of "
              f"{args.repeats} interleaved calls, torch {torch.__version__}", "",
              "| N | attn_mask | head dim D ms | augmented ms | augmented / head dim D |",

@@ -41,7 +41,7 @@ from run_metadata import run_metadata, write_report
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import skyformer
-from skyformer.checks import positive_int_argument
+from skyformer.checks import positive_int_argument, shape_argument
 from skyformer.linalg import kernels, nystrom
 from skyformer.linalg import pinv as pinv_module
 from skyformer.registry import guard
@@ -117,12 +117,12 @@ def count(method: str, b: int, h: int, n: int, d: int, m: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="1,2,256,64",
-                        help="B,H,N,D (the counts do not depend on B and H)")
+    parser.add_argument("--shape", type=shape_argument("B,H,N,D"), default="1,2,256,64",
+                        help="the counts do not depend on B and H")
     parser.add_argument("--features", type=positive_int_argument, nargs="+", default=[64, 128])
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    b, h, n, d = map(int, args.shape.split(","))
+    b, h, n, d = args.shape
     lines = [f"B={b}, H={h}, N={n}, D={d}, forward + backward", "",
              "| | m | PyTorch core | as chosen |", "|---|---|---|---|"]
     rows = []

@@ -48,7 +48,7 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 import skyformer
-from skyformer.checks import positive_int_argument
+from skyformer.checks import positive_int_argument, shape_argument
 from skyformer.linalg import triton_lemma3, triton_lemma3_backward
 from skyformer.ops.shared import modified_nystrom
 
@@ -163,7 +163,7 @@ def peak_mib(method: str, shape: tuple[int, int, int, int], dtype: torch.dtype,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    parser.add_argument("--shape", default="4,16,16384,64", help="B,H,N,D")
+    parser.add_argument("--shape", type=shape_argument("B,H,N,D"), default="4,16,16384,64")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--features", type=positive_int_argument, default=128)
     parser.add_argument("--rows-copied", action="store_true")
@@ -171,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--composable", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    shape = tuple(map(int, args.shape.split(",")))
+    shape = args.shape
+    shape_text = ",".join(map(str, shape))
     dtype = getattr(torch, args.dtype)
     variants = [("", contextlib.nullcontext)]
     if args.rows_copied:
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         variants.append((", step products kept", kept_products))
     if args.composable:
         variants.append((", composable", lambda: composed(True)))
-    lines = [f"B,H,N,D = {args.shape}, {args.dtype}, m = {args.features}: eager forward + "
+    lines = [f"B,H,N,D = {shape_text}, {args.dtype}, m = {args.features}: eager forward + "
              f"backward on the Triton path, launches stubbed, torch {torch.__version__}", "",
              "| method | peak MiB above the call's start | at | MiB held after the forward "
              "| peak MiB, no_grad forward |", "|---|---|---|---|---|"]

@@ -62,3 +62,26 @@ def test_bench_refuses_a_bool_in_a_shape():
 
     with pytest.raises(ValueError, match=r"a shape is \(B, H, D\) with positive integers"):
         BenchConfig(seq_lens=(64,), shapes=((1, True, 8),))
+
+
+@pytest.mark.parametrize("text", ["2,2", "2,x,64", "2,0,64", "2,2,64,1", ""])
+def test_a_shape_argument_refuses_other_counts_and_non_positive_fields(text):
+    import argparse
+
+    from skyformer.checks import shape_argument
+
+    with pytest.raises(argparse.ArgumentTypeError,
+                       match=rf"^must be B,H,D, positive integers, got {text!r}$"):
+        shape_argument("B,H,D")(text)
+    assert shape_argument("B,H,D")("2,3,64") == (2, 3, 64)
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "nan", "inf", "fast"])
+def test_a_positive_float_argument_refuses_what_no_rate_is(text):
+    import argparse
+
+    from skyformer.checks import positive_float_argument
+
+    with pytest.raises(argparse.ArgumentTypeError, match=r"^must be a positive number, got "):
+        positive_float_argument(text)
+    assert positive_float_argument("3e-3") == 0.003

@@ -10,7 +10,7 @@ which kind is wanted.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -79,6 +79,30 @@ def positive_int_argument(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
+
+
+def shape_argument(fields: str) -> Callable[[str], tuple[int, ...]]:
+    """An ``argparse`` type for a shape written ``2,2,64``, one positive integer for each
+    of ``fields`` (``"B,H,D"``): ``type=shape_argument("B,H,D")`` refuses ``2,2`` or
+    ``2,x,64`` with argparse's one line, ``argument --shape: must be B,H,D, positive
+    integers, got '2,2'``."""
+    import argparse
+
+    names = fields.split(",")
+
+    def parse(text: str) -> tuple[int, ...]:
+        parts = text.split(",")
+        try:
+            values = tuple(int(part) for part in parts)
+        except ValueError:
+            values = ()
+        if len(values) != len(names) or min(values) < 1:
+            raise argparse.ArgumentTypeError(f"must be {fields}, positive integers, got "
+                                             f"{text!r}")
+        return values
+
+    parse.__name__ = fields  # argparse names a type by it in some messages
+    return parse
 
 
 def positive_float_argument(text: str) -> float:

@@ -823,7 +823,7 @@ def test_launch_counts_writes_its_counts_settings_environment_and_command(monkey
     assert module.main(argv) == 0
     result = json.loads(out.with_suffix(".json").read_text())
     _assert_run_recorded(result, "launch_counts.py", argv)
-    assert result["config"]["shape"] == "1,2,256,64"
+    assert result["config"]["shape"] == [1, 2, 256, 64]
     assert result["rows"][0] == {"method": "skyformer", "m": 8, "pytorch_core": 8,
                                  "as_chosen": 8}
     assert "| `skyformer` | 8 | 8 | 8 |" in out.read_text()
