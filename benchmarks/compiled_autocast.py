@@ -26,7 +26,7 @@ import torch
 import torch._functorch.config as functorch_config
 
 import skyformer
-from skyformer.checks import positive_int_argument
+from skyformer.checks import method_argument, positive_int_argument
 
 MODES = ("same_as_forward", "off")
 
@@ -67,6 +67,7 @@ def main() -> None:
                         default=32, help="head dim (default 32)")
     parser.add_argument("--seed", type=int, default=0, help="data and key seed (default 0)")
     parser.add_argument("--methods", nargs="+", default=skyformer.list_methods(),
+                        type=method_argument,
                         help="methods (default: every registered one)")
     args = parser.parse_args()
     print(f"B = 1, H = 2, N = {args.n}, D = {args.head_dim}, bf16 autocast, default options; "

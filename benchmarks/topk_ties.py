@@ -18,7 +18,7 @@ from run_metadata import run_metadata  # benchmarks/, beside this script
 
 from skyformer.checks import positive_int_argument
 from skyformer.eval.measure.timing import interleaved_median_seconds
-from skyformer.io import write_json
+from skyformer.io import check_output_path, write_json
 from skyformer.linalg.top_k import top_k
 
 
@@ -28,10 +28,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clusters", type=positive_int_argument,
                         default=64, help="c, rows per head")
     parser.add_argument("--k", type=positive_int_argument, default=65, help="entries kept per row")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=positive_int_argument, default=1)
     parser.add_argument("--repeats", type=positive_int_argument, default=5)
     parser.add_argument("--out", default=None, help="writes the rows as JSON")
     args = parser.parse_args(argv)
+    try:
+        check_output_path(args.out)  # a folder or an unwritable place: now, not after timing
+    except (OSError, ValueError) as err:
+        parser.error(f"argument --out: {err}")
     torch.set_num_threads(args.threads)
     rows = []
     for n in args.seq_lens:
