@@ -152,6 +152,24 @@ def test_exact_methods_ignore_what_padding_holds_given_it_beside_an_attn_mask(me
     assert all(torch.all(g[pad] == 0) for g in results[1][1:])
 
 
+@pytest.mark.parametrize("method", ["softmax", "skyformer[num_features=4]"])
+def test_a_key_padding_mask_without_a_real_token_gets_the_conventions_warning(method):
+    """skyformer.attention and the layers warned where torch's convention (True =
+    padding) made every key padding; this entry gave rows of 0 without a word. An
+    attn_mask read as padding is SDPA's own convention, and is not warned of."""
+    q = torch.randn(2, 2, 6, 8)
+    nothing_real = torch.zeros(2, 6, dtype=torch.bool)
+    name = method.partition("[")[0]
+    with pytest.warns(UserWarning, match=rf"^{name}.*: key_padding_mask is False everywhere, "
+                                         r"so every key is padding") as caught:
+        out = sdpa(q, q, q, key_padding_mask=nothing_real, method=method)
+    assert len(caught) == 1 and caught[0].filename == __file__
+    assert (out == 0).all()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sdpa(q, q, q, attn_mask=nothing_real[:, None, None, :], method=method)
+
+
 def test_approximate_method_refuses_a_general_mask_with_a_sentence():
     q, k, v = make_qkv(1, 1, 8, 4)
     mask = torch.rand(8, 8, generator=torch.Generator().manual_seed(0)) > 0.5

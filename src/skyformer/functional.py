@@ -67,6 +67,7 @@ from .ops.shared.options import check_probability
 from .registry import CapabilityError, check_capabilities, get_method, methods_taking
 from .registry.binding import all_real_padding_as_none
 from .registry.capabilities import masks_taken
+from .registry.guard import warn_if_no_real_key
 from .registry.methods import Method, refuse_misnamed_arguments
 from .varlen import check_longest, length_argument, pack, unpack
 
@@ -131,6 +132,7 @@ def scaled_dot_product_attention(
     _check_layout(spec.name, query, key, value)
     query, key, value = _shared_batch(query, key, value)
     key, value = _grouped(spec.name, query, key, value, enable_gqa)
+    warn_if_no_real_key(spec.name, key_padding_mask, key)  # the caller's, not attn_mask's
     if is_causal and query.shape[-2] != key.shape[-2]:
         attn_mask = _top_left_causal(spec, attn_mask, query, key)
         is_causal = False
