@@ -503,6 +503,8 @@ def test_crossover_and_summary_arithmetic():
     )
     assert crossover([(512, 1.5), (1024, 3.0)]) == (512.0, "at most")
     assert crossover([(512, 0.5), (1024, 0.9)]) == (None, "never")
+    # faster at a short length, slower at the longest: not "slower at every N"
+    assert crossover([(32, 2.75), (64, 1.49), (128, 0.07)]) == (None, "not at the largest")
     # faster, slower, then faster for good: the crossover is the last one
     assert crossover([(256, 1.2), (512, 0.8), (1024, 1.6)])[0] > 512
     rows = [
@@ -1166,3 +1168,14 @@ def test_a_method_faster_at_every_length_says_so(tiny):
     assert ("skyformer: faster than softmax at every N measured, the smallest N = 64 (the "
             "crossover lies at or below it)") in format_table(
         dataclasses.replace(tiny, summary=summary))
+
+
+def test_a_method_slower_at_the_largest_length_alone_names_where_it_was_faster(tiny):
+    """Faster at short lengths and slower at the largest read "slower than softmax at
+    every N measured", beside a table of speed-ups above 1."""
+    summary = [dict(s, crossover="not at the largest", crossover_n=None, faster_at=[16, 32])
+               if s["method"] == "skyformer" else dict(s) for s in tiny.summary]
+    table = format_table(dataclasses.replace(tiny, summary=summary))
+    assert ("skyformer: faster than softmax at N = 16, 32 alone, slower at the largest N "
+            "measured") in table
+    assert "skyformer: slower than softmax at every N" not in table

@@ -129,6 +129,9 @@ def _notes(result: BenchResult, g: tuple, rows: list[dict[str, Any]]) -> list[st
                              "between come from different runs")
             elif s["crossover"] == "never":
                 parts.append(f"slower than {ref} at every N measured{ran}")
+            elif s["crossover"] == "not at the largest":
+                parts.append(f"faster than {ref} at N = {', '.join(map(str, s['faster_at']))} "
+                             f"alone, slower at the largest N measured{ran}")
             elif s["crossover"] == "at most":
                 parts.append(f"faster than {ref} at every N measured{ran}, the smallest "
                              f"N = {s['crossover_n']:.0f} (the crossover lies at or below it)")

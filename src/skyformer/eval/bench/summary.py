@@ -27,11 +27,12 @@ def crossover(points: list[tuple[int, float]]) -> tuple[float | None, str]:
     ``points``: (N, reference time / method time). Returns (N*, how): the length from
     which the method is faster at every larger measured N, interpolated in log-log
     between the last slower and the first faster length ("interpolated"); the first
-    length if it is faster everywhere ("at most"); None if it is slower at the largest.
+    length if it is faster everywhere ("at most"); None if it is slower at the largest:
+    "never" where it is slower at every length, else "not at the largest".
     """
     points = sorted(points)
     if not points or points[-1][1] < 1:
-        return None, "never"
+        return None, "never" if all(r < 1 for _, r in points) else "not at the largest"
     i = len(points) - 1
     while i > 0 and points[i - 1][1] >= 1:
         i -= 1
@@ -102,11 +103,16 @@ def _crossover_of(ok: list[tuple[int, dict[str, Any]]], against: bool) -> dict[s
     reference itself or where nothing was timed beside it, "across runs" where it is
     interpolated between two lengths measured by different runs (--resume). Each
     speed-up is a ratio of one run's times at one length, so only the interpolation
-    mixes runs: "at most" and "never" hold whatever run measured each length."""
+    mixes runs: "at most", "never" and "not at the largest" hold whatever run measured
+    each length. ``faster_at``: the lengths where it was faster (for "not at the
+    largest")."""
     timed = sorted((n, r) for n, r in ok if r["speedup"])
     if not (timed and against):
         return {"crossover_n": None, "crossover": None}
     cross, how = crossover([(n, r["speedup"]) for n, r in timed])
+    if how == "not at the largest":
+        return {"crossover_n": None, "crossover": how,
+                "faster_at": [n for n, r in timed if r["speedup"] >= 1]}
     if how == "interpolated":
         first = len(timed) - 1  # the first length of the faster tail, as crossover's
         while first > 0 and timed[first - 1][1]["speedup"] >= 1:
