@@ -405,3 +405,26 @@ def test_sigterm_ends_a_run_as_ctrl_c_does_and_gives_its_lock_back(tmp_path, mon
         "--resume to continue\n")
     assert sorted(p.name for p in out.iterdir()) == ["approx.progress.json"]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_resume_of_finished_results_refuses_data_that_changed_since(tmp_path, capsys):
+    """--resume after a run finished said "nothing to resume" and kept the results of a
+    --qkv file replaced since; the results keep the files' stamps, as the progress file
+    does, and such a resume is refused."""
+    import torch
+
+    saved = tmp_path / "mine.pt"
+    g = torch.Generator().manual_seed(0)
+    torch.save({name: torch.randn(1, 2, 24, 8, generator=g) for name in "qkv"}, saved)
+    argv = ["approx", "--sources", "qkv", "--qkv", str(saved), "--seq-lens", "24",
+            "--features", "8", "--seeds", "0", "--methods", "skyformer", "--no-analysis",
+            "--no-plots", "--no-progress", "--out", str(tmp_path / "out")]
+    assert main(argv) == 0
+    assert json.loads((tmp_path / "out" / "approx.json").read_text())["data"]["qkv"]["files"]
+    assert main([*argv, "--resume"]) == 0
+    assert "nothing to resume" in capsys.readouterr().err
+    torch.save({name: torch.randn(1, 2, 24, 8, generator=g) for name in "qkv"}, saved)
+    assert main([*argv, "--resume"]) == 2
+    assert re.search(r"cannot resume: .* holds the finished results of these settings, and "
+                     r"since they were measured, --qkv .*mine\.pt has changed \(size or "
+                     r"modification time\); run without --resume", capsys.readouterr().err)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..eval.approx.progress import PROGRESS_FILE, kept_note, refuse_to_replace
+from ..eval.approx.progress import PROGRESS_FILE, data_changes, kept_note, refuse_to_replace
 from ..eval.approx.report import FILES, analysis_table, format_table, rounded_floats, write_outputs
 from ..eval.approx.run import QUICK, ApproxConfig, run_approx
 from ..eval.data.sources import SOURCES
@@ -213,14 +213,25 @@ def run(args: argparse.Namespace) -> int:
 def _finished_here(out: Path, config: ApproxConfig) -> bool:
     """Whether ``out`` holds the results a run of ``config`` wrote at its end
     (``approx.json``; its progress file is removed then): ``--resume`` once it
-    finished measured everything again and replaced them."""
+    finished measured everything again and replaced them. Refused in a sentence where
+    the data files changed since (their stamps in the results; none in older files)."""
     try:
-        saved = json.loads((out / FILES["json"]).read_text(encoding="utf-8"))["config"]
+        results = json.loads((out / FILES["json"]).read_text(encoding="utf-8"))
+        saved = results["config"]
     except (OSError, ValueError, KeyError, TypeError):
         return False
     ours = rounded_floats(json.loads(json_text(dataclasses.asdict(config))))
-    return isinstance(saved, dict) and all(
-        saved.get(key) == value for key, value in ours.items() if key != "progress")
+    if not (isinstance(saved, dict) and all(
+            saved.get(key) == value for key, value in ours.items() if key != "progress")):
+        return False
+    stamps = results.get("data")
+    changed = data_changes(stamps, config) if isinstance(stamps, dict) else []
+    if changed:
+        raise ValueError(f"cannot resume: {out} holds the finished results of these settings, "
+                         f"and since they were measured, {', '.join(changed)}; run without "
+                         f"--resume to measure them again (replacing them), or give another "
+                         f"--out.")
+    return True
 
 
 def _run_in_folder(args: argparse.Namespace, config: ApproxConfig) -> int:

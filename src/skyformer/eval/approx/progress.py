@@ -82,14 +82,27 @@ def data_stamp(path: str) -> dict[str, Any]:
             "files": {name: [st.st_size, st.st_mtime_ns] for name, st in stats.items()}}
 
 
+def data_stamps(config: Any) -> dict[str, dict[str, Any]]:
+    """The ``data_stamp`` of each data setting ``config`` gives (``--qkv``, ``--model``,
+    ...), by setting name."""
+    return {name: data_stamp(getattr(config, name)) for name in _DATA_SETTINGS
+            if getattr(config, name) is not None}
+
+
+def data_changes(there: dict[str, Any], config: Any) -> list[str]:
+    """What changed in ``config``'s data since ``there`` (``data_stamps`` taken then)."""
+    now = data_stamps(config)
+    return [said for name in now if isinstance(there.get(name), dict)
+            for said in _changed(name, there[name], now[name])]
+
+
 def _settings(config: Any) -> dict[str, Any]:
     """The config's settings that define what a block measures, as JSON reads them; the
     data files as ``data_stamp``s under "data"."""
     settings = json.loads(json.dumps(dataclasses.asdict(config)))
     settings = {key: value for key, value in settings.items()
                 if key not in _BLOCK_SETTINGS + _DATA_SETTINGS}
-    settings["data"] = {name: data_stamp(getattr(config, name)) for name in _DATA_SETTINGS
-                        if getattr(config, name) is not None}
+    settings["data"] = data_stamps(config)
     return settings
 
 

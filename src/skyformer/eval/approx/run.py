@@ -59,7 +59,7 @@ from ..measure.metrics import (
 )
 from ..methods import TARGET_OPTIONS, refuse_repeated_methods, refuse_repeats, setting_name
 from .leverage import THEOREM_CONSTANT, leverage_analysis
-from .progress import PARTS, ProgressFile, block_key, blocks_said
+from .progress import PARTS, ProgressFile, block_key, blocks_said, data_stamps
 from .spectra import attention_spectra, lsh_mask, oracle_mask
 
 FLOOR = "svd_floor"
@@ -189,7 +189,8 @@ def quick_config(**overrides: Any) -> ApproxConfig:
 class ApproxResult:
     """Everything the study measured; ``rows`` is the results table. ``progress_left``:
     the blocks of the progress file a resumed run did not ask for (other --seq-lens or
-    --sources), which it keeps; not part of the results."""
+    --sources), which it keeps; not part of the results. ``data``: the data files'
+    stamps (size, modification time) when the run began (``progress.data_stamps``)."""
 
     config: ApproxConfig
     rows: list[dict[str, Any]]
@@ -200,10 +201,12 @@ class ApproxResult:
     environment: dict[str, Any] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     progress_left: list[str] = field(default_factory=list)
+    data: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "config": dataclasses.asdict(self.config),
+            "data": self.data,
             "environment": self.environment,
             "seconds": self.seconds,
             "sources": self.sources,
@@ -574,6 +577,7 @@ def run_approx(config: ApproxConfig = ApproxConfig(), *,
     started = time.perf_counter()
     cpu_started = time.process_time()
     load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
+    stamps = data_stamps(config)  # before any is read
     sweep = _Sweep(config, log or get_logger("approx").info)
     methods = resolve_methods(config.methods, sweep.notes)
     saved = None if progress_file is None else ProgressFile(
@@ -616,7 +620,7 @@ def run_approx(config: ApproxConfig = ApproxConfig(), *,
     env["methods"] = [s.name for s in methods]
     return ApproxResult(config, sweep.rows, sweep.samples, sweep.analysis,
                         _listed_once(sweep.sources), sweep.notes, env, sweep.seconds,
-                        list(saved.left_out) if saved is not None else [])
+                        list(saved.left_out) if saved is not None else [], stamps)
 
 
 def _listed_once(sources: list[dict[str, Any]]) -> list[dict[str, Any]]:
