@@ -337,6 +337,11 @@ def test_the_printed_tables_fit_a_windows_code_page(tmp_path, monkeypatch):
       "skips it) reads them."]),
     (["--no-analysis", "--analysis-len", "64"],
      ["--analysis-len changes nothing in this run: only the analysis"]),
+    (["--no-analysis", "--lsh-bits", "3", "--residual-block", "8"],
+     ["--residual-block, --lsh-bits change nothing in this run: only the analysis"]),
+    (["--no-sweep", "--floor-oversample", "5", "--floor-power-iterations", "0"],
+     ["--floor-oversample, --floor-power-iterations change nothing in this run: only the "
+      "sweep"]),
     (["--sources", "glove", "gaussian", "--glove", "g.txt", "--gaussian-dim", "8"], []),
 ])
 def test_flags_the_run_never_reads_are_noted(argv, said):

@@ -94,3 +94,11 @@ def test_the_figure_keeps_its_title_above_the_panels_captions(tmp_path, monkeypa
     maps.plot_maps(panels, tmp_path / "maps.png", "head 0: the matrices")
     assert shown["title"] == "head 0: the matrices"
     assert "skyformer (gaussian)\nmatrix error 0.25" in shown["captions"]
+
+
+def test_a_head_without_maps_is_noted_as_changing_nothing(capsys, saved):
+    """--maps-head 99 without --maps ran without a word; with --maps it is refused."""
+    assert main(["compare", "--qkv", str(saved[0]), "--methods", "softmax", "--repeats", "1",
+                 "--no-memory", "--maps-head", "99"]) == 0
+    assert "note: --maps-head changes nothing in this run: only --maps reads it." in \
+        capsys.readouterr().err

@@ -152,10 +152,10 @@ _READ_BY = (
     (("model", "text", "layer"), "--sources pretrained or init",
      lambda c: bool({"pretrained", "init"} & set(c.sources))),
     (("gaussian_norm", "gaussian_dim"), "--sources gaussian", lambda c: "gaussian" in c.sources),
-    (("seq_lens", "features", "seeds", "methods"), "the sweep (--no-sweep skips it)",
-     lambda c: c.sweep),
-    (("analysis_len", "eps", "delta"), "the analysis (--no-analysis skips it)",
-     lambda c: c.analysis),
+    (("seq_lens", "features", "seeds", "methods", "floor_oversample",
+      "floor_power_iterations"), "the sweep (--no-sweep skips it)", lambda c: c.sweep),
+    (("analysis_len", "eps", "delta", "residual_block", "lsh_bits"),
+     "the analysis (--no-analysis skips it)", lambda c: c.analysis),
 )
 
 

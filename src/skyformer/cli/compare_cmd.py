@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also draw the attention matrix each method applies to V for one "
                         "head of the first sequence, beside the exact one, with its relative "
                         "spectral error (a PNG, or the format its suffix names)")
-    parser.add_argument("--maps-head", type=int, default=CompareConfig.maps_head,
+    parser.add_argument("--maps-head", type=int, default=None,
                         help=f"the head --maps draws (default {CompareConfig.maps_head})")
 
 
@@ -109,8 +109,11 @@ def _measure(args: argparse.Namespace) -> dict | None:
         repeats=args.repeats,
         memory=not args.no_memory,
         maps=args.maps,
-        maps_head=args.maps_head,
+        maps_head=CompareConfig.maps_head if args.maps_head is None else args.maps_head,
     )
+    if args.maps_head is not None and not args.maps:
+        print("note: --maps-head changes nothing in this run: only --maps reads it.",
+              file=sys.stderr)
     note = unread_features_note(config.methods, config.num_features)
     if note:
         print(note, file=sys.stderr)
@@ -120,7 +123,7 @@ def _measure(args: argparse.Namespace) -> dict | None:
           + ("" if not args.random_init else " and the random weights"))
     print(format_table(result.rows))
     if args.maps:
-        print(f"wrote {args.maps}: the attention matrix of head {args.maps_head} of the first "
+        print(f"wrote {args.maps}: the attention matrix of head {config.maps_head} of the first "
               f"sequence, each method's relative spectral error against its target's:")
         print("\n".join(describe(result.maps)))
     if not args.json_path:
