@@ -973,9 +973,14 @@ def test_the_memory_panel_leaves_out_cpu_peaks_below_resolution_and_says_so(
     assert [t.get_text() for t in memory_axes.texts] == [
         "peaks under 1 MiB (the CPU measurement's resolution) not drawn"]
     for row in copy.rows:
-        row["peak_mib"] = None  # --no-memory: nothing left out, no note
+        row["peak_mib"] = None  # --no-memory: an empty panel over the lengths, said so
+    copy = dataclasses.replace(copy, config=dataclasses.replace(copy.config, memory=False))
     report.plot_results(copy, tmp_path / "bench.png")
-    assert not figures[1].axes[1].lines and not figures[1].axes[1].texts
+    time_axes, memory_axes = figures[1].axes
+    assert not memory_axes.lines
+    assert [t.get_text() for t in memory_axes.texts] == [
+        "peak memory not measured (--no-memory)"]
+    assert memory_axes.get_xlim() == time_axes.get_xlim()
 
 
 def test_a_length_with_nothing_timed_gets_no_load_average(monkeypatch):

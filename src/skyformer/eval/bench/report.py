@@ -389,7 +389,14 @@ def plot_results(result: BenchResult, path: str | Path) -> Path:
             ax.set_title(_title(g))
             ax.grid(True, which="both", alpha=0.3)
         ax_t.legend(fontsize=7)
-        if hidden:
+        if not any(r["peak_mib"] is not None for r in rows):  # an empty panel, said so
+            ax_m.set_xlim(ax_t.get_xlim())
+            ax_m.set_yscale("linear")
+            ax_m.set_yticks([])
+            ax_m.text(0.5, 0.5, "peak memory not measured" + (
+                " (--no-memory)" if not result.config.memory else ""),
+                transform=ax_m.transAxes, ha="center", va="center")
+        elif hidden:
             ax_m.text(0.01, 0.01, f"peaks under {CPU_RESOLUTION_BYTES / 2**20:g} MiB (the CPU "
                       "measurement's resolution) not drawn", transform=ax_m.transAxes,
                       fontsize=7, va="bottom")
