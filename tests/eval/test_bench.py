@@ -289,6 +289,11 @@ def test_an_interrupted_run_keeps_its_lengths_and_resume_measures_only_the_rest(
     assert final["runs"][1]["environment"] == final["environment"]
     assert final["rows"][2]["growth"] is None  # N = 128 against N = 64: another run's
     assert final["rows"][4]["growth"] is not None  # N = 256 against N = 128: this run's
+    # --resume once every length is there: nothing measured, no run added to the file
+    finished = out.with_suffix(".json").read_text()
+    assert main([*argv, "--seq-lens", "64", "128", "256", "--resume"]) == 0
+    assert "nothing to resume: " in capsys.readouterr().err
+    assert out.with_suffix(".json").read_text() == finished
     assert main([*argv, "--seq-lens", "64", "--resume", "--repeats", "2"]) == 2
     assert ("other settings or on another machine (--repeats 1 -> 2: pass --repeats 1)"
             in capsys.readouterr().err)
@@ -305,6 +310,7 @@ def test_an_interrupted_run_keeps_its_lengths_and_resume_measures_only_the_rest(
     # the rows asked for again are kept, and lose their stale ratios
     kept = json.loads(before)
     kept["rows"] = [r for r in kept["rows"] if r["n"] != 64]
+    kept["complete"] = False  # as an interrupted run's: a finished one is left as it is
     out.with_suffix(".json").write_text(json.dumps(kept))
     assert main([*argv, "--seq-lens", "128", "256", "--resume"]) == 0
     shorter = json.loads(out.with_suffix(".json").read_text())
@@ -489,7 +495,7 @@ def test_non_finite_numbers_are_null_in_the_file_and_resume_reads_them(
     assert data["config"]["max_seconds"] is None
     assert [r["rel_error"] for r in data["rows"]] == [None, None]
     capsys.readouterr()
-    assert main([*argv, "--resume"]) == 0
+    assert main([*argv, "--seq-lens", "64", "128", "--resume"]) == 0
     captured = capsys.readouterr()
     assert "2 rows measured before" in captured.err
     row = next(line for line in captured.out.splitlines() if line.startswith("skyformer"))

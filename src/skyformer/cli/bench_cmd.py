@@ -15,7 +15,7 @@ from ..eval.bench.resume import (
     refuse_to_replace_an_interrupted_run,
     resumable_rows,
 )
-from ..eval.bench.run import DTYPES, BenchConfig, BenchResult, run_bench
+from ..eval.bench.run import DTYPES, BenchConfig, BenchResult, left_to_measure, run_bench
 from ..eval.measure.timing import TIMINGS
 from ..eval.methods import unread_features_note
 from ..io import check_output_path, results_lock
@@ -185,6 +185,12 @@ def _earlier_rows(config: BenchConfig, out: str | None) -> tuple[list[dict], lis
     return rows, runs
 
 
+def _finished(out: str) -> bool:
+    """Whether ``out``'s results were written by a run that ended (``complete``)."""
+    earlier = read_earlier_result(result_path(out, ".json"))
+    return earlier is not None and earlier.get("complete") is True
+
+
 def _prefix(out: str | None) -> str | None:
     """``--out`` as the prefix of the result files: a folder (one that exists, or a path
     ending in a separator) holds ``bench.json``, ``.csv`` and ``.png``, as the other
@@ -243,6 +249,11 @@ def run(args: argparse.Namespace) -> int:
 def _measure(args: argparse.Namespace, config: BenchConfig) -> int:
     """The run of ``run``: measure, print the tables, write ``--out`` as it goes."""
     measured, runs = _earlier_rows(config, args.out) if args.resume else (None, None)
+    if measured and not left_to_measure(config, measured) and _finished(args.out):
+        # a run that added nothing would still be listed in the file, and head it
+        print(f"nothing to resume: {result_path(args.out, '.json')} holds every length of "
+              f"these settings; run without --resume to measure them again.", file=sys.stderr)
+        return 0
     command = command_line(args)
 
     def write_partial(partial: BenchResult) -> None:

@@ -349,6 +349,18 @@ def run_bench(
     return _finish(result)
 
 
+def left_to_measure(config: BenchConfig, measured: list[dict[str, Any]] | None
+                    ) -> list[tuple[tuple[int, int, int], str, int]]:
+    """The (shape, dtype, N) of ``config`` that ``measured`` (``resumable_rows``) lacks a
+    row of some method for: those ``run_bench`` measures, the others it keeps."""
+    labels = {m.label for m in resolve_all(config.method_names())}
+    earlier = _rows_by_length(measured or [])
+    device = str(torch.device(config.device))
+    return [(tuple(shape), dtype, n) for shape in config.shapes for dtype in config.dtypes
+            for n in sorted(config.seq_lens)
+            if not set(earlier.get((device, dtype, *shape, n), {})) >= labels]
+
+
 def _start(config: BenchConfig, device: torch.device, earlier_runs: list[dict[str, Any]]
            ) -> BenchResult:
     """An empty result with this run's environment and matmul rates, after the earlier
