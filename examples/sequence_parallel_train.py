@@ -128,8 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
         info, device = init_distributed(args.device)
-    except ValueError as err:  # a device this machine lacks: the sentence
-        raise SystemExit(f"sequence_parallel_train: error: argument --device: {err}") from None
+    except ValueError as err:  # a device this machine lacks (or torchrun's settings)
+        raise SystemExit(f"sequence_parallel_train: error: {err}") from None
     store = None
     if not info.enabled:  # one process: a group of one, so the same code runs
         store = tempfile.mkdtemp()

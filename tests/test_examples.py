@@ -368,7 +368,7 @@ def test_sequence_parallel_train_takes_an_odd_width_and_a_device_it_lacks_in_a_s
     module.main(["--dim", "5", "--heads", "1", "--seq-len", "64", "--steps", "1",
                  "--layers", "1", "--features", "8"])
     assert "step   0  loss" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match=r"argument --device: device must be auto, cpu"):
+    with pytest.raises(SystemExit, match=r"error: device must be auto, cpu"):
         module.main(["--device", "bogus"])
 
 

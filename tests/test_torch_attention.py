@@ -381,8 +381,9 @@ def test_return_weights_is_refused_where_the_method_has_no_weights():
     assert swapped[0].return_weights and "return_weights=True" in repr(swapped[0])
     assert replace_attention(swapped, "skyformer")[0].return_weights  # kept unless given
     with pytest.warns(UserWarning, match=r"model.0 was built with return_weights=True, but "
-                      r"kdeformer has no attention matrix"):
+                      r"kdeformer has no attention matrix") as said:
         assert not replace_attention(swapped, "kdeformer")[0].return_weights
+    assert said[0].filename == __file__  # the caller's line
     assert not replace_attention(swapped, "performer", return_weights=False)[0].return_weights
     swapped = replace_attention(swapped, "performer", return_weights=True, num_features=4)
     x = torch.randn(L, B, E)
@@ -734,9 +735,13 @@ def test_swapping_to_the_same_method_keeps_its_learned_state():
     replace_attention(model, "linformer", seq_len=L, num_features=4, return_weights=True)
     assert model[0].method_state is state and model[0].return_weights
     torch.testing.assert_close(model[0](x, x, x, need_weights=False)[0], before, **EXACT)
-    with pytest.warns(UserWarning, match=r"model\.0 ran linformer with other options: its "
-                                         r"learned per-layer parameters are left behind"):
+    replace_attention(model, "linformer[num_features=4]", seq_len=L)  # the same, written so
+    assert model[0].method_state is state
+    with pytest.warns(UserWarning, match=r"model\.0 ran linformer\[num_features=4\] with "
+                                         r"other options: its learned per-layer parameters "
+                                         r"are left behind") as said:
         replace_attention(model, "linformer", seq_len=L, num_features=3)
+    assert said[0].filename == __file__
     assert model[0].method_state is not state
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -764,6 +769,15 @@ def test_a_subclass_keeps_its_class_and_the_output_projection_its_hooks():
     assert not torch.allclose(got, want)  # another method, the same projections
     replace_attention(model, "softmax")
     torch.testing.assert_close(model[0](x, x, x, need_weights=False)[0], want, **EXACT)
+
+    class Sub(TorchMultiheadAttention):
+        pass
+
+    assert type(Sub.from_torch(model[0], "linear")) is Sub  # the class asked for
+    assert type(TorchMultiheadAttention.from_torch(model[0], "linear")) is Doubled
+    with pytest.raises(TypeError, match=r"^replace_attention: model\.0: return_weights must "
+                                        r"be True or False"):
+        replace_attention(model, "softmax", return_weights="yes")
 
     class Odd(TorchMultiheadAttention):
         def __init__(self, *args, scale, **kwargs):

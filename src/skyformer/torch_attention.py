@@ -753,13 +753,15 @@ def _from_torch(cls: type[TorchMultiheadAttention], mha: Any, where: str, method
     appended = _appended_names(mha.bias_k is not None, bool(mha.add_zero_attn))
     method_options = {k: v for k, v in options.items() if k != "return_weights"}
     _refuse_process_group(method_options)
-    _check_appended_keys(get_method(method).bind(seq_len=seq_len, **method_options),
-                         appended, where)
+    bound = get_method(method).bind(seq_len=seq_len, **method_options)
+    _check_appended_keys(bound, appended, where)
     _warn_of_hooks(mha, where)
     if options.get("return_weights") is None:  # a layer swapped before keeps its own
         options = {**options, "return_weights": _kept_return_weights(mha, method, where)}
-    # one of these layers is rebuilt in its own class: a subclass keeps its forward
-    build = type(mha) if isinstance(mha, TorchMultiheadAttention) else cls
+    _check_return_weights(options["return_weights"], bound, where)  # not the class's fault
+    # one of these layers is rebuilt in its own class where that is cls or a subclass of
+    # it: a subclass keeps its forward
+    build = type(mha) if issubclass(type(mha), cls) else cls
     weight = mha.out_proj.weight
     try:
         layer = build(mha.embed_dim, mha.num_heads, mha.dropout, mha.in_proj_bias is not None,
@@ -798,13 +800,13 @@ def _kept_state(mha: nn.Module, layer: TorchMultiheadAttention, where: str
     old = getattr(mha, "method_state", None)
     if not isinstance(mha, TorchMultiheadAttention) or old is None:
         return None
-    if mha.bound.name == layer.bound.name and mha.bound.config == layer.bound.config:
+    same = mha.bound.method.base_name == layer.bound.method.base_name
+    if same and mha.bound.config == layer.bound.config:  # a variant's name or options alike
         return old
-    if mha.bound.method.base_name == layer.bound.method.base_name and any(
-            p.requires_grad for p in old.parameters()):
+    if same and any(p.requires_grad for p in old.parameters()):
         warnings.warn(f"{where} ran {mha.bound.name} with other options: its learned "
                       f"per-layer parameters are left behind and the new layer's are "
-                      f"drawn anew.", UserWarning, stacklevel=5)
+                      f"drawn anew.", UserWarning, stacklevel=4)
     return None
 
 
@@ -815,7 +817,7 @@ def _kept_return_weights(mha: nn.Module, method: str, where: str) -> bool:
     if kept and not get_method(method).capabilities.weights:
         warnings.warn(f"{where} was built with return_weights=True, but {method} has no "
                       f"attention matrix (its output is not linear in V): the new layer "
-                      f"returns (output, None).", UserWarning, stacklevel=5)
+                      f"returns (output, None).", UserWarning, stacklevel=4)
         return False
     return kept
 

@@ -1184,6 +1184,15 @@ def test_a_method_faster_at_every_length_says_so(tiny):
 def test_a_method_slower_at_the_largest_length_alone_names_where_it_was_faster(tiny):
     """Faster at short lengths and slower at the largest read "slower than softmax at
     every N measured", beside a table of speed-ups above 1."""
+    base = {"device": "cpu", "dtype": "float32", "batch": 1, "heads": 1, "head_dim": 8,
+            "status": "ok", "peak_mib": None, "speedup": None, "memory_ratio": None,
+            "growth": None}
+    times = {"softmax": {32: 1.0, 64: 1.0, 128: 1.0}, "lin": {32: 0.4, 64: 0.7, 128: 3.0}}
+    rows = [{**base, "method": m, "n": n, "fwd_ms": t, "fwd_bwd_ms": t}
+            for m, by_n in times.items() for n, t in by_n.items()]
+    lin = {s["method"]: s for s in summarise(rows, "softmax", True)}["lin"]
+    assert (lin["crossover"], lin["crossover_n"], lin["faster_at"]) == (
+        "not at the largest", None, [32, 64])
     summary = [dict(s, crossover="not at the largest", crossover_n=None, faster_at=[16, 32])
                if s["method"] == "skyformer" else dict(s) for s in tiny.summary]
     table = format_table(dataclasses.replace(tiny, summary=summary))
