@@ -31,7 +31,7 @@ from gpu_profile import kernel_times
 from run_metadata import run_metadata, write_report
 
 import skyformer
-from skyformer.checks import positive_int_argument
+from skyformer.checks import positive_int_argument, shape_dtype_argument
 from skyformer.eval.measure.timing import interleaved_median_seconds
 from skyformer.linalg import triton_kernels
 
@@ -108,8 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--shape", default=None,
+                        type=shape_dtype_argument("B,H,D"),
                         help="B,H,D,dtype (default 4,16,64,bfloat16; on the CPU 1,1,16,float32)")
-    parser.add_argument("--seq-lens", nargs="+", type=int, default=None,
+    parser.add_argument("--seq-lens", nargs="+", type=positive_int_argument, default=None,
                         help="default 32768 4096 (CPU: 64)")
     parser.add_argument("--features", type=positive_int_argument,
                         default=None, help="default 128 (CPU: 16)")

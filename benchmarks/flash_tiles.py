@@ -31,7 +31,7 @@ from gpu_device import device_problem  # benchmarks/, beside this script
 from run_metadata import run_metadata
 
 import skyformer
-from skyformer.checks import positive_int_argument
+from skyformer.checks import positive_int_argument, shape_dtype_argument
 from skyformer.linalg import triton_kernels
 from skyformer.ops.kernelized import triton_flash
 
@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--shape", default=None,
+                        type=shape_dtype_argument("B,H,D"),
                         help="B,H,D,dtype (default 4,16,64,bfloat16; on the CPU 1,1,16,float32)")
     parser.add_argument("--seq-len", type=positive_int_argument,
                         default=None, help="default 8192 (CPU: 64)")

@@ -77,7 +77,7 @@ from launch_counts import guard_passes  # benchmarks/, beside this script
 from run_metadata import run_metadata
 
 import skyformer
-from skyformer.checks import positive_int_argument
+from skyformer.checks import positive_int_argument, shape_dtype_argument
 from skyformer.eval.measure.timing import (
     TIMINGS,
     blocked_median_seconds,
@@ -294,9 +294,10 @@ class _tf32:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=None,
+                        type=shape_dtype_argument("B,H,D"),
                         help="B,H,D,dtype (default 4,16,64,bfloat16 1,2,32,float32; on the "
                         "CPU 1,1,16,float32)")
-    parser.add_argument("--seq-lens", nargs="+", type=int, default=None,
+    parser.add_argument("--seq-lens", nargs="+", type=positive_int_argument, default=None,
                         help="default 1024 ... 32768 (on the CPU 64)")
     parser.add_argument("--features", type=positive_int_argument,
                         default=None, help="default 128 (CPU: 16)")
@@ -306,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
                         "in a block of its own (module docstring)")
     parser.add_argument("--pause", type=float, default=1.0,
                         help="seconds idle before each call's block (--timing blocked)")
-    parser.add_argument("--compile-seq-lens", nargs="*", type=int, default=None,
+    parser.add_argument("--compile-seq-lens", nargs="*", type=positive_int_argument,
+                        default=None,
                         help="lengths at which the compiled variants are timed too (default "
                         "4096; none on the CPU)")
     parser.add_argument("--compile-kernels", nargs="+", default=["triton", "auto"],

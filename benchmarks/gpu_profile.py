@@ -37,7 +37,7 @@ from run_metadata import run_metadata
 from torch.profiler import ProfilerActivity, profile
 
 import skyformer
-from skyformer.checks import positive_int_argument
+from skyformer.checks import positive_int_argument, shape_dtype_argument
 from skyformer.io import atomic_write_text, write_json
 
 METHODS = {
@@ -150,8 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--shape", default=None,
+                        type=shape_dtype_argument("B,H,D"),
                         help="B,H,D,dtype (default 4,16,64,bfloat16; CPU: 1,1,16,float32)")
-    parser.add_argument("--seq-lens", nargs="+", type=int, default=None,
+    parser.add_argument("--seq-lens", nargs="+", type=positive_int_argument, default=None,
                         help="default 4096 16384 (CPU: 64)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--features", type=positive_int_argument,

@@ -48,7 +48,7 @@ from run_metadata import run_metadata
 from tile_sweep import none_left, relative, write
 
 import skyformer
-from skyformer.checks import positive_int_argument
+from skyformer.checks import positive_int_argument, shape_argument
 from skyformer.eval.measure.timing import interleaved_median_seconds
 from skyformer.linalg import (  # the triton_* modules import Triton
     half_sq_norm,
@@ -260,7 +260,8 @@ def applied(best: dict):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--shape", default=None, help="B,H (default 4,16 on CUDA, 1,1 on CPU)")
+    parser.add_argument("--shape", default=None, type=shape_argument("B,H"),
+                        help="B,H (default 4,16 on CUDA, 1,1 on CPU)")
     parser.add_argument("--features", type=positive_int_argument, nargs="+", default=None,
                         help="numbers of landmarks m (default 128 on CUDA, 16 on CPU)")
     parser.add_argument("--head-dim", type=positive_int_argument, default=64)
@@ -275,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(problem, file=sys.stderr)
         return 1
-    batch, heads = map(int, (args.shape or ("4,16" if on_gpu else "1,1")).split(","))
+    batch, heads = args.shape or ((4, 16) if on_gpu else (1, 1))
     features = args.features or ([128] if on_gpu else [16])
     repeats = args.repeats or (10 if on_gpu else 1)
     rows, best = [], {}

@@ -30,7 +30,7 @@ from kernel_flags import one_pass_backward
 from run_metadata import run_metadata
 
 import skyformer
-from skyformer.checks import positive_int_argument
+from skyformer.checks import FLOAT_DTYPES, positive_int_argument, shape_argument
 from skyformer.io import atomic_write_text, write_json
 
 PRODUCT_KERNELS = ("_rows_kernel", "_cols_kernel", "_one_pass_kernel")
@@ -79,13 +79,14 @@ def _ratio(row: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--batch-heads", nargs="+", default=None,
+    parser.add_argument("--batch-heads", nargs="+", default=None, type=shape_argument("B,H"),
                         help="B,H pairs (default 1,2 1,16 4,16; CPU 1,1)")
-    parser.add_argument("--seq-lens", nargs="+", type=int, default=None,
+    parser.add_argument("--seq-lens", nargs="+", type=positive_int_argument, default=None,
                         help="default 1024 4096 16384 32768 (CPU 64)")
-    parser.add_argument("--head-dims", nargs="+", type=int, default=None,
+    parser.add_argument("--head-dims", nargs="+", type=positive_int_argument, default=None,
                         help="default 32 64 (CPU 16)")
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--dtypes", nargs="+", choices=FLOAT_DTYPES,
+                        default=["float32", "bfloat16"])
     parser.add_argument("--features", type=positive_int_argument, default=128)
     parser.add_argument("--iterations", type=positive_int_argument, default=3)
     parser.add_argument("--out", type=Path, default=None, help="writes OUT.json, OUT.md")
@@ -95,26 +96,26 @@ def main(argv: list[str] | None = None) -> int:
         print(problem, file=sys.stderr)
         return 2
     on_gpu = args.device == "cuda"
-    batch_heads = args.batch_heads or (["1,2", "1,16", "4,16"] if on_gpu else ["1,1"])
+    batch_heads = args.batch_heads or ([(1, 2), (1, 16), (4, 16)] if on_gpu else [(1, 1)])
     seq_lens = args.seq_lens or ([1024, 4096, 16384, 32768] if on_gpu else [64])
     head_dims = args.head_dims or ([32, 64] if on_gpu else [16])
     device = torch.device(args.device)
     rows = []
     for dtype_name in args.dtypes:
         for d in head_dims:
-            for spec in batch_heads:
-                batch, heads = map(int, spec.split(","))
+            for batch, heads in batch_heads:
                 for n in seq_lens:
                     row = {"b": batch, "h": heads, "n": n, "d": d, "dtype": dtype_name} | \
                         measure(batch, heads, n, d, getattr(torch, dtype_name),
                                 args.features, device, args.iterations)
                     rows.append(row)
-                    print(f"{dtype_name:9s} D={d:3d} B,H={spec:5s} N={n:6d}  call "
+                    print(f"{dtype_name:9s} D={d:3d} B,H={f'{batch},{heads}':5s} N={n:6d}  call "
                           f"{row['two_ms']:8.3f} / {row['one_ms']:8.3f} ms  products "
                           f"{row['two_products_ms']:8.3f} / {row['one_products_ms']:8.3f} ms"
                           f"  {_ratio(row)}", flush=True)
     name = torch.cuda.get_device_name(device) if on_gpu else "CPU (script check)"
-    config = vars(args) | {"batch_heads": batch_heads, "seq_lens": seq_lens,
+    config = vars(args) | {"batch_heads": [f"{b},{h}" for b, h in batch_heads],
+                           "seq_lens": seq_lens,
                            "head_dims": head_dims}
     if args.out is not None:
         write_json(args.out.with_suffix(".json"),

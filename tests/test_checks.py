@@ -76,6 +76,20 @@ def test_a_shape_argument_refuses_other_counts_and_non_positive_fields(text):
     assert shape_argument("B,H,D")("2,3,64") == (2, 3, 64)
 
 
+@pytest.mark.parametrize("text", ["4,16,64", "4,16,bfloat16", "4,16,64,bf16", "4,0,64,float32",
+                                  "4,16,64,int64", "float32"])
+def test_a_shape_dtype_argument_refuses_a_bad_shape_or_dtype(text):
+    import argparse
+
+    from skyformer.checks import shape_dtype_argument
+
+    with pytest.raises(argparse.ArgumentTypeError,
+                       match=rf"^must be B,H,D,dtype \(positive integers, dtype one of "
+                             rf"float32, bfloat16, float16, float64\), got {text!r}$"):
+        shape_dtype_argument("B,H,D")(text)
+    assert shape_dtype_argument("B,H,D")("4,16,64,bfloat16") == "4,16,64,bfloat16"
+
+
 @pytest.mark.parametrize("text", ["0", "-1", "nan", "inf", "fast"])
 def test_a_positive_float_argument_refuses_what_no_rate_is(text):
     import argparse

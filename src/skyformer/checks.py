@@ -105,6 +105,35 @@ def shape_argument(fields: str) -> Callable[[str], tuple[int, ...]]:
     return parse
 
 
+FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def shape_dtype_argument(fields: str) -> Callable[[str], str]:
+    """An ``argparse`` type for a shape and a floating dtype written ``4,16,64,bfloat16``,
+    as the GPU scripts take them: ``type=shape_dtype_argument("B,H,D")`` refuses
+    ``4,16,bf16`` with argparse's one line, ``argument --shape: must be B,H,D,dtype
+    (dtype one of float32, ...), got '4,16,bf16'``. It returns the text as given, which
+    the scripts print, store and split."""
+    import argparse
+
+    numbers = shape_argument(fields)
+
+    def parse(text: str) -> str:
+        head, _, dtype = text.rpartition(",")
+        try:
+            numbers(head)
+        except argparse.ArgumentTypeError:
+            dtype = ""
+        if dtype not in FLOAT_DTYPES:
+            raise argparse.ArgumentTypeError(
+                f"must be {fields},dtype (positive integers, dtype one of "
+                f"{', '.join(FLOAT_DTYPES)}), got {text!r}")
+        return text
+
+    parse.__name__ = f"{fields},dtype"
+    return parse
+
+
 def positive_float_argument(text: str) -> float:
     """An ``argparse`` type for rates and scales (``--lr``): a finite number above 0,
     else argparse's one line, ``argument --lr: must be a positive number, got -1.0``

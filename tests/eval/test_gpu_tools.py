@@ -66,6 +66,25 @@ def test_cpu_runs_without_the_interpreter_are_refused_up_front(script, monkeypat
     assert code == 2 and "set TRITON_INTERPRET=1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("script", "argv"), [
+    ("gpu_kernels", ["--shapes", "1,1,16,float32", "4,16,bf16"]),
+    ("gpu_profile", ["--shape", "1,1,float32"]),
+    ("col_slices", ["--shape", "1,1,16"]),
+    ("flash_tiles", ["--shape", "1,x,16,float32"]),
+    ("product_tiles", ["--shape", "1,1,16,int8"]),
+    ("lemma3_tiles", ["--shape", "1,1,16"]),
+    ("one_pass_sweep", ["--batch-heads", "1"]),
+])
+def test_the_gpu_scripts_refuse_a_malformed_shape_in_one_line(script, argv, capsys):
+    """A shape such as ``4,16,bf16`` died in a ValueError traceback from an unpacking
+    deep in the run, on the GPU machine, after the setup."""
+    with pytest.raises(SystemExit) as exit_:
+        load_benchmark(script).main(["--device", "cpu", *argv])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err
+    assert f"argument {argv[0]}: must be B,H" in err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
 def test_a_numbered_cuda_device_is_checked_as_cuda():
     """--device cuda:0 passed the check (it compared the string with "cuda") and failed
