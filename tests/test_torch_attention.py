@@ -746,6 +746,11 @@ def test_swapping_to_the_same_method_keeps_its_learned_state():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         replace_attention(model, "performer", num_features=4)  # another method: no word
+    features = model[0].method_state
+    with pytest.warns(UserWarning, match=r"model\.0 ran performer with other options: "
+                                         r"its per-layer random draws are left behind"):
+        replace_attention(model, "performer", num_features=6)  # Performer's features
+    assert model[0].method_state is not features
 
 
 def test_a_subclass_keeps_its_class_and_the_output_projection_its_hooks():

@@ -796,17 +796,20 @@ def _kept_state(mha: nn.Module, layer: TorchMultiheadAttention, where: str
                 ) -> nn.Module | None:
     """The per-layer state of ``mha`` (the module itself: an optimizer goes on with it)
     where ``layer`` runs the same method with the same options; ``None`` otherwise, with
-    a warning where the same method's learned parameters are left behind."""
+    a warning where the same method's learned parameters or random draws (Performer's
+    features, which the model may have been trained with) are left behind."""
     old = getattr(mha, "method_state", None)
     if not isinstance(mha, TorchMultiheadAttention) or old is None:
         return None
     same = mha.bound.method.base_name == layer.bound.method.base_name
     if same and mha.bound.config == layer.bound.config:  # a variant's name or options alike
         return old
-    if same and any(p.requires_grad for p in old.parameters()):
-        warnings.warn(f"{where} ran {mha.bound.name} with other options: its learned "
-                      f"per-layer parameters are left behind and the new layer's are "
-                      f"drawn anew.", UserWarning, stacklevel=4)
+    learned = any(p.requires_grad for p in old.parameters())
+    if same and (learned or any(True for _ in old.buffers())):
+        what = "learned per-layer parameters" if learned else "per-layer random draws"
+        warnings.warn(f"{where} ran {mha.bound.name} with other options: its {what} are "
+                      f"left behind and the new layer's are drawn anew.", UserWarning,
+                      stacklevel=4)
     return None
 
 
