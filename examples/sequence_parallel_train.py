@@ -183,17 +183,20 @@ def train(args: argparse.Namespace, info: DistInfo, device: torch.device) -> Non
         # the sequence's mean loss over its scored characters, split over the shards
         counts = scored.sum().float().reshape(1)
         dist.all_reduce(counts, group=groups[data])
+        has_scored = (counts > 0).float() / shards  # 1 / shards on each rank of the group
         counts.clamp_(min=1)  # a short sequence may hide nothing at a step: no gradient
         loss = nn.functional.cross_entropy(logits[scored], targets[scored], reduction="sum")
         (loss / counts).backward()
         sum_gradients(model, divide_by=args.data_parallel)
         optimiser.step()
         optimiser.zero_grad(set_to_none=True)
-        total = (loss.detach() / counts).reshape(1)
+        # the mean over the sequences with something scored: [sum of their losses, count]
+        total = torch.cat([(loss.detach() / counts).reshape(1), has_scored])
         dist.all_reduce(total)
         if rank == 0:
-            print(f"step {step:3d}  loss {total.item() / args.data_parallel:.3f}  "
-                  f"{time.perf_counter() - t0:.2f} s", flush=True)
+            said = (f"loss {total[0].item() / total[1].item():.3f}" if total[1] > 0.5
+                    else "nothing scored (no loss)")
+            print(f"step {step:3d}  {said}  {time.perf_counter() - t0:.2f} s", flush=True)
     dist.barrier()  # gloo: no rank closes its connections while another still reads
     destroy_process_group() if not info.enabled else shutdown(info)
 

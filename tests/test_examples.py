@@ -360,6 +360,19 @@ def test_sequence_parallel_train_hides_other_characters_at_each_step():
     torch.testing.assert_close(hidden(1000, 3000, 1, cpu), second[:, 1000:3000], rtol=0, atol=0)
 
 
+def test_sequence_parallel_train_says_when_a_step_scores_nothing(capsys):
+    """A step of a short sequence that hid no character printed ``loss 0.000``."""
+    module = example("sequence_parallel_train")
+    cpu = torch.device("cpu")
+    hid = [bool(module.hidden_characters(0, 4, step, cpu).any()) for step in range(3)]
+    assert hid == [True, True, False]
+    module.main(["--dim", "4", "--heads", "1", "--seq-len", "4", "--steps", "3",
+                 "--layers", "1", "--features", "2"])
+    steps = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step")]
+    assert [" nothing scored (no loss) " in line for line in steps] == [False, False, True]
+    assert all(float(line.split()[3]) > 0 for line in steps[:2])
+
+
 def test_sequence_parallel_train_takes_an_odd_width_and_a_device_it_lacks_in_a_sentence(
         capsys):
     """An odd --dim had one position angle too many; --device cuda on a machine without
