@@ -109,6 +109,21 @@ def test_listops_rules_that_cannot_be_met_fail_early():
         ListOpsRules(max_args=1)
 
 
+def test_listops_rules_whose_window_is_rare_fail_at_the_first_rate_check():
+    """A window rare under the rules was drawn at for up to 2000 draws an example (hours
+    at LRA's 100,000) before the refusal; the rate of trees kept now decides early."""
+    rare = ListOpsRules(max_depth=4, min_length=150, max_length=400)  # ~1 tree in 4000
+    with pytest.raises(ValueError, match=r"of the first 50000 trees drawn are distinct "
+                                         r"with 150 < length < 400: the 1000 asked for "
+                                         r"would take about [\d,]+ draws, more than the "
+                                         r"2,100,000 allowed"):
+        generate_examples(1000, rare, seed=0)
+    unmet = ListOpsRules(max_depth=3, min_length=100, max_length=200)  # 122 tokens at most
+    with pytest.raises(ValueError, match=r"^none of the first 50000 trees drawn has "
+                                         r"100 < length < 200; widen"):
+        generate_examples(100_000, unmet, seed=0)
+
+
 def test_written_listops_reads_back_with_its_generator_record(tmp_path):
     rules = ListOpsRules(max_depth=3, max_args=4, min_length=4, max_length=40)
     write_listops(tmp_path / "src", train=30, dev=5, test=5, rules=rules, seed=0)

@@ -154,15 +154,25 @@ def tree_source(tree: Tree) -> str:
     return " ".join(parts)
 
 
+# Draws between checks that the rate of trees kept so far can reach the count asked for
+RATE_CHECK_DRAWS = 50_000
+
+
 def generate_examples(count: int, rules: ListOpsRules, seed: int) -> list[tuple[str, int]]:
-    """``count`` distinct ``(source, value)`` pairs whose length satisfies the rules."""
+    """``count`` distinct ``(source, value)`` pairs whose length satisfies the rules.
+
+    Refused once the rate of trees kept so far shows the count would take more than
+    ``2000 * count + 100_000`` draws (checked every ``RATE_CHECK_DRAWS`` draws: rules
+    whose window is rare fail in seconds, not after hours of drawing)."""
     rng = random.Random(seed)
     seen: set[str] = set()
-    examples = []
+    examples: list[tuple[str, int]] = []
     budget = 2000 * count + 100_000  # draws before we call the rules too restrictive
-    for _ in range(budget):
+    for draws in range(budget):
         if len(examples) == count:
             break
+        if draws and draws % RATE_CHECK_DRAWS == 0:
+            _refuse_slow_rate(draws, len(examples), count, budget, rules)
         tree, length = random_tree(rng, rules)
         if not rules.min_length < length < rules.max_length:
             continue
@@ -178,6 +188,21 @@ def generate_examples(count: int, rules: ListOpsRules, seed: int) -> list[tuple[
             "length bounds or raise max_depth / max_args."
         )
     return examples
+
+
+def _refuse_slow_rate(draws: int, kept: int, count: int, budget: int,
+                      rules: ListOpsRules) -> None:
+    """A sentence where ``kept`` trees of ``draws`` project past ``budget`` draws."""
+    window = f"{rules.min_length} < length < {rules.max_length}"
+    if kept == 0:
+        raise ValueError(f"none of the first {draws} trees drawn has {window}; widen the "
+                         f"length bounds or raise max_depth / max_args.")
+    projected = draws * count // kept
+    if projected > budget:
+        raise ValueError(f"{kept} of the first {draws} trees drawn are distinct with "
+                         f"{window}: the {count} asked for would take about {projected:,} "
+                         f"draws, more than the {budget:,} allowed; widen the length "
+                         f"bounds, raise max_depth / max_args, or ask for fewer examples.")
 
 
 def _write_tsv(path: Path, rows: list[tuple[str, int]]) -> None:
