@@ -145,6 +145,7 @@ def test_csv_files_hold_only_the_entries_of_the_run_being_continued(listops_cach
 
     fresh = tmp_path / "fresh"
     fresh.mkdir()
+    (fresh / "config.json").write_text((folder / "config.json").read_text())  # written first
     for kind in ("train", "dev", "test"):
         (fresh / f"{kind}.csv").write_text("step,accuracy\n99,1.0\n")
     _run(cfg, listops_cache, fresh, stop_after=1)
@@ -197,6 +198,24 @@ def test_a_new_run_refuses_the_files_of_an_earlier_run_without_last_pt(listops_c
         _run(cfg, listops_cache, tmp_path)
     (tmp_path / "metrics.jsonl").unlink()
     assert _run(cfg, listops_cache, tmp_path)["steps"] == 4
+
+
+@pytest.mark.parametrize("files", [
+    {"train.csv": "id,text,label\n1,hi,0\n", "test.csv": "id,text,label\n"},
+    {"config.json": '{"model_type": "bert"}'},
+    {"config.json": "not json", "metrics.jsonl": ""},
+])
+def test_a_new_run_leaves_files_of_a_runs_names_that_no_run_wrote(listops_cache, tmp_path,
+                                                                  files):
+    """--out at a dataset's folder deleted its train/dev/test.csv (no entries of those
+    kinds) and wrote over its config.json, without a word."""
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(ValueError, match=rf"{tmp_path} holds .*{sorted(files)[-1]}.*, which "
+                                         r"a run writes over or removes, and no config.json "
+                                         r"of a run: .*choose another --out"):
+        _run(_cfg(steps=2, eval_every=2), listops_cache, tmp_path)
+    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == files
 
 
 def test_an_attempt_killed_in_its_first_checkpoint_is_started_again(listops_cache, tmp_path,

@@ -58,14 +58,46 @@ def earlier_run_files(folder: Path) -> list[str]:
     return found
 
 
+# The files a new run writes over or removes (an attempt without checkpoint left them)
+REPLACED_FILES = ("config.json", "metrics.jsonl", *(f"{kind}.csv" for kind in KINDS))
+
+
+def _is_run_config(path: Path) -> bool:
+    """Whether ``path`` is the ``config.json`` a run writes (its train and model
+    settings), not a file of another tool's that shares the name."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(config, dict) and all(isinstance(config.get(key), dict)
+                                            for key in ("train", "model"))
+
+
+def files_not_of_a_run(folder: Path) -> list[str]:
+    """The files in ``folder`` that a new run would write over or remove
+    (``REPLACED_FILES``) where they are not a run's: a run writes its config.json first,
+    so without one of its own they are the user's (``train.csv`` of a dataset, another
+    tool's ``config.json``)."""
+    present = [name for name in REPLACED_FILES if (folder / name).is_file()]
+    if not present or _is_run_config(folder / "config.json"):
+        return []
+    return present
+
+
 def check_fresh_folder(folder: Path) -> None:
     """Refuse to start a new run in ``folder`` when it holds an earlier run's files but no
-    ``last.pt`` to continue that run from."""
+    ``last.pt`` to continue that run from, or files of the names a run writes that no run
+    wrote."""
     found = earlier_run_files(folder)
     if found:
         raise ValueError(f"{folder} holds files of an earlier run ({', '.join(found)}) but no "
                          "last.pt to continue it from; choose another --out (to discard that "
                          "run instead, remove those files).")
+    foreign = files_not_of_a_run(folder)
+    if foreign:
+        raise ValueError(f"{folder} holds {', '.join(foreign)}, which a run writes over or "
+                         f"removes, and no config.json of a run: they are not a run's; "
+                         f"choose another --out (a new or empty folder).")
 
 
 def _config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
