@@ -164,6 +164,12 @@ def test_compare_on_ones_own_qkv_file(tmp_path, capsys):
     assert "--layer chooses the model's Q/K/V" in capsys.readouterr().err
     assert main(["compare", "--qkv", str(tmp_path / "missing.pt")]) == 2
     assert "--qkv '" in capsys.readouterr().err
+    before = saved.read_bytes()  # --json at the input: the tensors were replaced
+    assert main(["compare", "--qkv", str(saved), "--methods", "softmax", "--json",
+                 str(saved)]) == 2
+    assert f"--json {saved} is the --qkv file: writing it would replace what the run " \
+        f"reads" in capsys.readouterr().err
+    assert saved.read_bytes() == before
 
 
 def test_compare_json_dash_prints_only_json_on_stdout(tmp_path, capsys):

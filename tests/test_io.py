@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 
 import pytest
@@ -496,3 +497,22 @@ def test_a_killed_runs_staging_folder_is_removed_by_the_next_run(tmp_path):
     with replacing_together(tmp_path) as stage:
         (stage / "approx.json").write_text("{}")
     assert sorted(p.name for p in tmp_path.iterdir()) == [alive.name, "approx.json"]
+
+
+def test_an_output_that_is_an_input_or_another_output_is_refused(tmp_path):
+    """skyformer compare --qkv q.pt --json q.pt replaced the tensors with its results."""
+    from skyformer.io import refuse_overwriting_inputs
+
+    read = tmp_path / "q.pt"
+    read.write_bytes(b"tensors")
+    (tmp_path / "link.pt").symlink_to(read)
+    for written in (read, tmp_path / "link.pt", tmp_path / "sub" / ".." / "q.pt"):
+        with pytest.raises(ValueError, match=rf"^--json {re.escape(str(written))} is the "
+                                             r"--qkv file: writing it would replace what the "
+                                             r"run reads; choose another name\.$"):
+            refuse_overwriting_inputs({"--json": written}, {"the --qkv file": read})
+    with pytest.raises(ValueError, match=r"--maps .*new.png is the file --json writes too"):
+        refuse_overwriting_inputs({"--json": tmp_path / "new.png", "--maps": tmp_path / "new.png"},
+                                  {"the --qkv file": read})
+    refuse_overwriting_inputs({"--json": "-", "--maps": None, "--out": tmp_path / "r.json"},
+                              {"the --qkv file": read, "the --text file": None})

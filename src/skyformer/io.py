@@ -76,6 +76,33 @@ def check_output_path(path: str | os.PathLike[str] | None, *, folder: bool = Fal
         raise PermissionError(f"cannot write {target}: no write permission in {ancestor}.")
 
 
+def _file_names(path: str | os.PathLike[str]) -> set[tuple[Any, ...]]:
+    """What names one file however it is written: its resolved path, and its device and
+    inode where it exists (a hard link)."""
+    names: set[tuple[Any, ...]] = {("path", os.path.realpath(path))}
+    try:
+        info = os.stat(path)
+    except OSError:
+        return names
+    return names | {("inode", info.st_dev, info.st_ino)}
+
+
+def refuse_overwriting_inputs(outputs: dict[str, Any], inputs: dict[str, Any]) -> None:
+    """A sentence, before any work, where an output file (``{"--json": path}``; ``None``
+    and ``-`` skipped) is a file the run reads (``{"the --qkv file": path}``), which it
+    would replace, or where two outputs are one file."""
+    held = [(_file_names(path), f"{said}: writing it would replace what the run reads")
+            for said, path in inputs.items() if path is not None]
+    for flag, path in outputs.items():
+        if path is None or str(path) == "-":
+            continue
+        names = _file_names(path)
+        for other, said in held:
+            if names & other:
+                raise ValueError(f"{flag} {path} is {said}; choose another name.")
+        held.append((names, f"the file {flag} writes too"))
+
+
 _SPECIAL_FILES = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
                   (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"))
 

@@ -36,6 +36,12 @@ def test_generate_prepare_train_report_stability(tmp_path, capsys):
     assert f"| skyformer ({label.format(', num_features=4')}) |" in out  # the preset's others
     assert f"| softmax ({label.format(', scale=0.2')}) |" in out
     assert (tmp_path / "tables.md").read_text().startswith("Table 1")
+    written = runs / "softmax" / "result.json"  # --markdown at a result: it was replaced
+    before = written.read_text()
+    assert main(["lra", "report", str(runs), "--markdown", str(written)]) == 2
+    assert (f"--markdown {written} is {written}, a run the report reads: writing it would "
+            f"replace what the run reads") in capsys.readouterr().err
+    assert written.read_text() == before
     assert main(["lra", "stability", "--tasks", "listops", "--methods", "kernelized",
                  "--steps", "2", "--batch-size", "16", "--cache", str(cache)]) == 0
     assert "| kernelized |" in capsys.readouterr().out

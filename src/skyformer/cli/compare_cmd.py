@@ -12,7 +12,13 @@ from ..eval.compare.maps import MapPanel, describe
 from ..eval.compare.run import CompareResult
 from ..eval.data.qkv import load_qkv_file
 from ..eval.methods import unread_features_note
-from ..io import check_output_path, environment, json_text, write_json
+from ..io import (
+    check_output_path,
+    environment,
+    json_text,
+    refuse_overwriting_inputs,
+    write_json,
+)
 from .recorded import command_line
 
 NAME = "compare"
@@ -74,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
     to_stdout = args.json_path == "-"
     if not to_stdout:
         check_output_path(args.json_path)
+    refuse_overwriting_inputs({"--json": args.json_path, "--maps": args.maps},
+                              {"the --qkv file": args.qkv, "the --text file": args.text})
     text_out = contextlib.redirect_stdout(sys.stderr) if to_stdout else contextlib.nullcontext()
     with text_out:
         data = _measure(args)

@@ -14,7 +14,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-from ..io import check_output_path, read_to_resume
+from ..io import check_output_path, read_to_resume, refuse_overwriting_inputs
 from ..registry.variants import option_value
 from .recorded import command_line
 
@@ -384,6 +384,9 @@ def _run_report(args: argparse.Namespace) -> int:
 
         require_figure_format(args.plot, "--plot")
     runs = collect_runs(args.runs)
+    refuse_overwriting_inputs({"--markdown": args.markdown, "--plot": args.plot},
+                              {f"{run.folder / 'result.json'}, a run the report reads":
+                               run.folder / "result.json" for run in runs})
     text = tables(runs, unfinished_runs(args.runs))
     print(text)
     if args.markdown:
