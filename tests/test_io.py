@@ -516,3 +516,35 @@ def test_an_output_that_is_an_input_or_another_output_is_refused(tmp_path):
                                   {"the --qkv file": read})
     refuse_overwriting_inputs({"--json": "-", "--maps": None, "--out": tmp_path / "r.json"},
                               {"the --qkv file": read, "the --text file": None})
+
+
+def test_a_dead_lock_taken_over_meanwhile_by_another_process_is_left_to_it(tmp_path,
+                                                                          monkeypatch):
+    """Two runs finding one dead lock: the second removed the lock the first had just
+    made in its place, and both ran; the first to end then removed the other's lock."""
+    import skyformer.io as io_module
+    from skyformer.io import LOCK_FILE, _builder_tag, folder_lock
+
+    host = _builder_tag().rsplit("-", 1)[0]
+    lock = tmp_path / LOCK_FILE
+    lock.write_text(f"{host}-999999999\n")  # a killed run's
+    live = f"{host}-{os.getppid()}"  # a process that runs
+    decide = io_module._left_by_dead_process
+
+    def another_run_takes_it_first(path, holder):
+        dead = decide(path, holder)
+        if dead:
+            path.unlink()
+            path.write_text(live + "\n")  # removed, and made anew, by the other run
+        return dead
+
+    monkeypatch.setattr(io_module, "_left_by_dead_process", another_run_takes_it_first)
+    in_use = rf"in use by another run \(process {os.getppid()} on {re.escape(host)} holds"
+    with pytest.raises(ValueError, match=in_use), folder_lock(tmp_path):
+        pass
+    assert lock.read_text() == live + "\n" and sorted(os.listdir(tmp_path)) == [LOCK_FILE]
+    monkeypatch.undo()
+    lock.unlink()
+    with folder_lock(tmp_path):
+        lock.write_text(live + "\n")  # taken over by another run meanwhile
+    assert lock.read_text() == live + "\n"  # its lock, left in place

@@ -297,7 +297,8 @@ def _holding(lock: Path, in_use: str, flag: str, made: list[Path]) -> Iterator[P
     finally:
         with _HELD_GUARD:
             try:
-                Path(held).unlink(missing_ok=True)
+                if _lock_holder(Path(held)) == _builder_tag():  # not one taken over since
+                    Path(held).unlink(missing_ok=True)
             except OSError as err:  # the folder turned read-only: the run's own error first
                 if finished:
                     warnings.warn(f"could not remove the lock {held} ({err.strerror}); the "
@@ -324,11 +325,10 @@ def _take_lock(lock: Path, in_use: str, flag: str) -> None:
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, FILE_MODE)
         except FileExistsError:
-            holder = lock.read_text(encoding="utf-8", errors="replace").strip() \
-                if lock.is_file() else ""
+            holder = _lock_holder(lock) if lock.is_file() else ""
             host, _, pid = holder.rpartition("-")
             if _left_by_dead_process(lock, holder):
-                lock.unlink(missing_ok=True)  # left by a killed process: nobody writes now
+                _remove_dead_lock(lock, holder)  # left by a killed process
                 continue
             who = f"process {pid} on {host}" if host and pid.isdigit() else "another process"
             raise ValueError(f"{in_use} ({who} holds {lock}); wait for it to end, or choose "
@@ -344,6 +344,35 @@ def _take_lock(lock: Path, in_use: str, flag: str) -> None:
         return
     raise ValueError(f"cannot take {lock} (it came back after a dead process's was removed); "
                      f"remove it if no run uses {lock.parent}.")
+
+
+def _remove_dead_lock(lock: Path, holder: str) -> None:
+    """Remove ``lock``, found naming the dead ``holder``, unless another process took it
+    over first: it is moved aside in one step (of two processes at it, one moves it) and
+    read there; a live process's lock, made after the dead one's went, is put back."""
+    aside = lock.with_name(f"{lock.name}.{_builder_tag()}.stale")
+    try:
+        os.rename(lock, aside)
+    except FileNotFoundError:  # another process removed it first
+        return
+    if _lock_holder(aside) != holder:  # not the dead one's any more: put it back
+        try:
+            os.link(aside, lock)  # only where no lock was made meanwhile
+        except FileExistsError:
+            pass
+        except OSError:  # a file system without hard links
+            if not lock.exists():
+                os.rename(aside, lock)
+                return
+    aside.unlink(missing_ok=True)
+
+
+def _lock_holder(lock: Path) -> str:
+    """The ``HOST-PID`` that ``lock`` names (``""`` where it is empty or gone)."""
+    try:
+        return lock.read_text(encoding="utf-8", errors="replace").strip()
+    except OSError:
+        return ""
 
 
 def _left_by_dead_process(lock: Path, holder: str) -> bool:
