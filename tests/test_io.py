@@ -548,3 +548,43 @@ def test_a_dead_lock_taken_over_meanwhile_by_another_process_is_left_to_it(tmp_p
     with folder_lock(tmp_path):
         lock.write_text(live + "\n")  # taken over by another run meanwhile
     assert lock.read_text() == live + "\n"  # its lock, left in place
+
+
+def test_a_full_disk_names_the_file_and_the_cli_says_what_to_do(tmp_path, monkeypatch,
+                                                                  capsys):
+    """bench --out on a full disk said "[Errno 28] No space left on device" alone: no
+    file, no way on; its plot failing after the JSON was marked complete left --resume
+    nothing to do, and the plot could only be had by measuring again."""
+    import errno
+
+    import skyformer.io as io_module
+    from skyformer.cli import main
+
+    def full_disk(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    target = tmp_path / "r.json"
+    target.write_text("before")
+    with monkeypatch.context() as patched:
+        patched.setattr(io_module.os, "fsync", full_disk)
+        with pytest.raises(OSError, match=rf"^\[Errno 28\] No space left on device: "
+                                          rf"'{re.escape(str(target))}'$"):
+            atomic_write_text(target, "after")
+    assert target.read_text() == "before" and os.listdir(tmp_path) == ["r.json"]
+
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "p"
+    argv = ["bench", "--methods", "softmax", "--seq-lens", "16", "--shapes", "1,1,4",
+            "--repeats", "1", "--warmup", "0", "--no-memory", "--out", str(out)]
+
+    def no_room(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patched:
+        patched.setattr("matplotlib.figure.Figure.savefig", no_room)
+        assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"No space left on device: '{out}.png'" in err and "free space on that disk" in err
+    assert not (tmp_path / "p.png").exists()
+    assert main([*argv, "--resume"]) == 0  # not marked complete: written now
+    assert (tmp_path / "p.png").exists()

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -147,18 +148,37 @@ def atomic_writer(path: str | os.PathLike[str], mode: str = "w") -> Iterator[IO[
     target = Path(path)
     refuse_special_file(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    with _naming_a_full_disk(target):
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp",
+                                   dir=target.parent)
+        try:
+            text = {"encoding": "utf-8", "newline": "\n"} if mode == "w" else {}
+            with os.fdopen(fd, mode, **text) as handle:  # "\n" kept: the same everywhere
+                yield handle
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.chmod(tmp, FILE_MODE)  # mkstemp creates 0600: results should be readable
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+# The errors of a disk (or quota) without room for a file
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
+
+
+@contextmanager
+def _naming_a_full_disk(target: Path) -> Iterator[None]:
+    """An ``OSError`` of a full disk (or quota) raised with the file it was writing, as
+    ``[Errno 28] No space left on device: 'results/p.json'``: the bare error a write
+    or an fsync raises names none."""
     try:
-        text = {"encoding": "utf-8", "newline": "\n"} if mode == "w" else {}
-        with os.fdopen(fd, mode, **text) as handle:  # "\n" kept: the same file everywhere
-            yield handle
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, FILE_MODE)  # mkstemp creates 0600: results should be readable
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        yield
+    except OSError as err:
+        if err.errno not in FULL_DISK or err.filename is not None:
+            raise
+        raise OSError(err.errno, err.strerror, str(target)) from None
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
@@ -492,18 +512,21 @@ def save_figure(fig: Any, path: str | os.PathLike[str], **savefig: Any) -> Path:
     target = Path(path)
     refuse_special_file(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=target.suffix or ".png",
-                               dir=target.parent)
-    os.close(fd)
+    tmp = None
     try:
-        fig.savefig(tmp, **savefig)
-        os.chmod(tmp, FILE_MODE)
-        os.replace(tmp, target)
+        with _naming_a_full_disk(target):
+            fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.",
+                                       suffix=target.suffix or ".png", dir=target.parent)
+            os.close(fd)
+            fig.savefig(tmp, **savefig)
+            os.chmod(tmp, FILE_MODE)
+            os.replace(tmp, target)
     finally:
         pyplot = sys.modules.get("matplotlib.pyplot")  # not imported here: it would pick
         if pyplot is not None:  # a backend; a Figure made without it needs no closing
             pyplot.close(fig)
-        Path(tmp).unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
     return target
 
 

@@ -17,6 +17,7 @@ import traceback
 from pathlib import Path
 from types import ModuleType
 
+from ..io import FULL_DISK
 from ..logs import enable_console
 from . import (
     approx_cmd,
@@ -87,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
             said = f"out of memory ({err or 'no detail'})" if isinstance(err, MemoryError) \
                 else str(err)
             print(f"skyformer {command}: error: {said}", file=sys.stderr)
+            if isinstance(err, OSError) and err.errno in FULL_DISK:
+                print("(free space on that disk, or write elsewhere: the result files are "
+                      "written whole, so those there are as they were; a command that takes "
+                      "--resume goes on from them when run again with it)", file=sys.stderr)
             if isinstance(err, MAYBE_A_BUG):
                 print(f"(a {type(err).__name__}: where the line above names nothing you "
                       f"gave, run again with SKYFORMER_DEBUG=1 for the traceback)",

@@ -315,17 +315,17 @@ def write_results(
         data["command"] = command
         if data["runs"]:
             data["runs"] = [*data["runs"][:-1], {**data["runs"][-1], "command": command}]
-    written = [write_json(result_path(prefix, ".json"), data)]
+    # the JSON last: a run whose plot or CSV failed (a full disk) is not yet marked
+    # complete there, so --resume writes them again
+    drawn = [plot_results(result, result_path(prefix, ".png"))] if plot else []
+    if not plot:
+        remove_stale(result_path(prefix, ".png"))
     # ``# key: <json>`` lines first, as approx's CSV: pandas.read_csv(path, comment="#")
-    written.append(write_csv(result_path(prefix, ".csv"), result.rows, metadata={
+    table = write_csv(result_path(prefix, ".csv"), result.rows, metadata={
         "complete": complete, "config": data["config"], "environment": data["environment"],
         "command": command, "runs": data["runs"],
-    }))
-    if plot:
-        written.append(plot_results(result, result_path(prefix, ".png")))
-    else:
-        remove_stale(result_path(prefix, ".png"))
-    return written
+    })
+    return [write_json(result_path(prefix, ".json"), data), table, *drawn]
 
 
 def _drawn_peaks(points: list[tuple[int, float | None]], device: str
