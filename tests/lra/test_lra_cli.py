@@ -411,6 +411,20 @@ def test_stability_resume_needs_json_and_a_stability_file(tmp_path, capsys, list
     other.write_text('{"rows": []}')
     assert main([*base, "--json", str(other)]) == 2
     assert f"cannot resume from {other}: not an lra stability result" in capsys.readouterr().err
+    # hand-edited files whose parts have other shapes: raw tracebacks, or int('x')'s words
+    for text, problem in [
+        ('{"taus": {"listops": []}}', "its taus of listops are no object of methods"),
+        ('{"taus": {}, "settings": [], "environment": []}', "its settings is no object"),
+        ('{"taus": {"listops": {"softmax": {"x": [1]}}}}',
+         "its taus of softmax on listops name the seed 'x'"),
+        ('{"taus": {"listops": {"softmax": {"0": [1, "a"]}}}}',
+         "its taus of softmax on listops, seed 0, are no list of numbers"),
+    ]:
+        other.write_text(text)
+        assert main([*base, "--json", str(other)]) == 2
+        err = capsys.readouterr().err
+        assert f"cannot resume from {other}: not an lra stability result as --json writes " \
+            f"it ({problem}" in err and "Traceback" not in err
 
 
 def test_prepare_refuses_a_max_len_below_one_by_its_flag_before_reading(tmp_path, capsys):

@@ -452,7 +452,7 @@ def _refuse_replacing_taus(json_path: str | None) -> None:
 def _earlier_taus(args: argparse.Namespace) -> dict | None:
     """The file ``--resume`` continues, read (None: nothing to resume); refused when it
     holds taus the run would drop from it."""
-    from ..lra.stability import taus_left_out
+    from ..lra.stability import stability_file_problem, taus_left_out
 
     if not args.resume:
         _refuse_replacing_taus(args.json_path)
@@ -463,9 +463,10 @@ def _earlier_taus(args: argparse.Namespace) -> dict | None:
     earlier = read_to_resume(path, "an lra stability result", "--json")
     if earlier is None:
         return None
-    if not (isinstance(earlier, dict) and isinstance(earlier.get("taus"), dict)):
-        raise ValueError(f"cannot resume from {path}: not an lra stability result (an object "
-                         "with taus, as --json writes); write to another --json.")
+    problem = stability_file_problem(earlier)
+    if problem:
+        raise ValueError(f"cannot resume from {path}: not an lra stability result as --json "
+                         f"writes it ({problem}); write to another --json.")
     left_out = taus_left_out(earlier, args.tasks, args.methods, args.seeds)
     if left_out:
         shown = ", ".join(left_out[:4]) + (f" and {len(left_out) - 4} more"

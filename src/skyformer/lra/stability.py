@@ -334,6 +334,32 @@ def resumable_taus(report: StabilityReport, earlier: dict[str, Any]
     return kept
 
 
+def stability_file_problem(earlier: Any) -> str | None:
+    """What keeps ``earlier`` (a ``--json`` file read) from being a report's
+    ``to_dict()``, in a phrase; None where its parts have their shapes: ``taus`` as
+    {task: {method: {seed: [tau, ...]}}} (seeds integers, taus numbers or null), and
+    ``settings``, ``attention_options``, ``data`` and ``environment`` objects."""
+    if not isinstance(earlier, dict) or not isinstance(earlier.get("taus"), dict):
+        return "not an object with taus"
+    for name in ("settings", "attention_options", "data", "environment"):
+        if not isinstance(earlier.get(name, {}), dict):
+            return f"its {name} is no object"
+    for task, methods in earlier["taus"].items():
+        if not isinstance(methods, dict):
+            return f"its taus of {task} are no object of methods"
+        for method, per_seed in methods.items():
+            if not isinstance(per_seed, dict):
+                return f"its taus of {method} on {task} are no object of seeds"
+            for seed, taus in per_seed.items():
+                if not str(seed).lstrip("-").isdigit():
+                    return f"its taus of {method} on {task} name the seed {seed!r}"
+                if not isinstance(taus, list) or not all(
+                        tau is None or (isinstance(tau, int | float)
+                                        and not isinstance(tau, bool)) for tau in taus):
+                    return f"its taus of {method} on {task}, seed {seed}, are no list of numbers"
+    return None
+
+
 def taus_left_out(earlier: dict[str, Any], tasks: list[str], methods: list[str],
                   seeds: list[int]) -> list[str]:
     """``task method seed N`` of every tau that ``earlier`` (a report's ``to_dict()``)
