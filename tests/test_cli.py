@@ -285,6 +285,10 @@ def test_the_commands_that_plot_take_either_spelling_of_no_plot(command, flag):
      "interrupted before its first result was saved: run the same command again to start"),
     (["lra", "stability", "--tasks", "listops", "--methods", "softmax"],
      "nothing was saved (give --json to keep what a run measures)"),
+    (["lra", "stability", "--json", "taus_none_yet.json"],
+     "interrupted before its first result was saved: run the same command again to start"),
+    (["lra", "stability", "--json", "x.json"],
+     "run the same command again with --resume to continue"),
     (["lra", "train", "listops", "--attn", "softmax"],
      "its last checkpoint (last.pt), if one was written yet, is kept: run the same "
      "command again with "

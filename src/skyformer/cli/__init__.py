@@ -217,17 +217,18 @@ def interrupted_note(args: argparse.Namespace, how: str = "interrupted") -> str:
 
 def _nothing_written_yet(args: argparse.Namespace, command: str) -> bool:
     """Whether a measurement that saves as it goes stopped before its first save (``approx``
-    saves blocks to its progress file, ``bench`` its results after each length): then
+    saves blocks to its progress file, ``bench`` its results after each length, ``lra
+    stability`` its taus after each method and seed): then
     --resume would find nothing of it to continue (an earlier run's complete results
     are not this run's, unless it resumed them)."""
     if command == "approx":
         from ..eval.approx.progress import PROGRESS_FILE
 
         return not (Path(args.out) / PROGRESS_FILE).exists()
-    if command == "bench":
+    if command in ("bench", "stability"):
         from ..eval.bench.report import result_path
 
-        path = result_path(args.out, ".json")
+        path = result_path(args.out, ".json") if command == "bench" else Path(args.json_path)
         return not path.exists() or (
             not args.resume and path.stat().st_mtime < getattr(args, "_started", 0.0))
     return False
