@@ -588,3 +588,29 @@ def test_a_full_disk_names_the_file_and_the_cli_says_what_to_do(tmp_path, monkey
     assert not (tmp_path / "p.png").exists()
     assert main([*argv, "--resume"]) == 0  # not marked complete: written now
     assert (tmp_path / "p.png").exists()
+
+
+def test_bench_and_approx_remove_the_temporary_files_a_killed_write_left(tmp_path, capsys):
+    """Only lra train removed them: a kill -9 during a bench or approx write left
+    ``.NAME.XXXXXXXX.tmp`` (a progress file's size) beside the results for good."""
+    from skyformer.cli import main
+
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    left = [".p.json.abcdefgh.tmp", ".p.csv.a_c1efgh.tmp", ".p.png.abcdefgh.tmp.png"]
+    for name in [*left, ".p.json.abc.tmp", ".q.json.abcdefgh.tmp"]:  # not ours: kept
+        (bench / name).write_text("cut short")
+    assert main(["bench", "--methods", "softmax", "--seq-lens", "16", "--shapes", "1,1,4",
+                 "--repeats", "1", "--warmup", "0", "--no-memory", "--no-plot", "--out",
+                 str(bench / "p")]) == 0
+    assert sorted(p.name for p in bench.iterdir()) == [
+        ".p.json.abc.tmp", ".q.json.abcdefgh.tmp", "p.csv", "p.json"]
+    assert "removed 3 temporary file(s) of writes an interruption cut short" in \
+        capsys.readouterr().err
+
+    approx = tmp_path / "approx"
+    approx.mkdir()
+    (approx / "approx.progress.json").write_text("{}")  # refused without --resume
+    (approx / ".approx.progress.json.abcdefgh.tmp").write_text("cut short")
+    assert main(["approx", "--quick", "--no-plots", "--out", str(approx)]) == 2
+    assert sorted(p.name for p in approx.iterdir()) == ["approx.progress.json"]

@@ -189,18 +189,25 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
 
 
 def remove_interrupted_writes(folder: Path, names: tuple[str, ...]) -> list[Path]:
-    """Remove the temporary files ``.NAME.XXXXXXXX.tmp`` that writes of ``names`` through
-    a temporary file and a rename (``atomic_writer``: ``atomic_write_text``, LRA
-    checkpoints) left in ``folder`` when killed before the rename, and return them.
-    Only for a folder no other process writes these files in now."""
+    """Remove the temporary files ``.NAME.XXXXXXXX.tmp`` (``.NAME.XXXXXXXX.tmp.png`` for
+    a figure) that writes of ``names`` through a temporary file and a rename
+    (``atomic_writer``: ``atomic_write_text``, LRA checkpoints; ``save_figure``) left in
+    ``folder`` when killed before the rename, and return them. Only for a folder no
+    other process writes these files in now (under its lock)."""
     if not folder.is_dir():
         return []
-    pattern = re.compile(rf"\.({'|'.join(map(re.escape, names))})\.\w{{8}}\.tmp")
+    pattern = re.compile(rf"\.({'|'.join(map(re.escape, names))})\.\w{{8}}\.tmp(\.\w+)?")
     found = [p for p in folder.iterdir()
              if pattern.fullmatch(p.name) and p.is_file() and not p.is_symlink()]
     for path in found:
         path.unlink(missing_ok=True)
     return found
+
+
+def interrupted_writes_note(removed: list[Path]) -> str:
+    """The line that says which temporary files ``remove_interrupted_writes`` removed."""
+    return (f"removed {len(removed)} temporary file(s) of writes an interruption cut short: "
+            f"{', '.join(p.name for p in removed)}")
 
 
 def _builder_tag() -> str:
@@ -515,8 +522,9 @@ def save_figure(fig: Any, path: str | os.PathLike[str], **savefig: Any) -> Path:
     tmp = None
     try:
         with _naming_a_full_disk(target):
-            fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.",
-                                       suffix=target.suffix or ".png", dir=target.parent)
+            fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.",  # its format's suffix
+                                       suffix=f".tmp{target.suffix or '.png'}",
+                                       dir=target.parent)
             os.close(fd)
             fig.savefig(tmp, **savefig)
             os.chmod(tmp, FILE_MODE)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -409,8 +410,12 @@ def test_stability_resume_needs_json_and_a_stability_file(tmp_path, capsys, list
     assert "--resume continues the taus written to --json; give --json." in capsys.readouterr().err
     other = tmp_path / "other.json"
     other.write_text('{"rows": []}')
+    (tmp_path / ".other.json.abcdefgh.tmp").write_text("cut short")  # a killed write's
     assert main([*base, "--json", str(other)]) == 2
-    assert f"cannot resume from {other}: not an lra stability result" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"cannot resume from {other}: not an lra stability result" in err
+    assert "removed 1 temporary file(s)" in err and sorted(os.listdir(tmp_path)) == \
+        ["other.json"]
     # hand-edited files whose parts have other shapes: raw tracebacks, or int('x')'s words
     for text, problem in [
         ('{"taus": {"listops": []}}', "its taus of listops are no object of methods"),

@@ -17,7 +17,13 @@ from ..eval.approx.progress import PROGRESS_FILE, data_changes, kept_note, refus
 from ..eval.approx.report import FILES, analysis_table, format_table, rounded_floats, write_outputs
 from ..eval.approx.run import QUICK, ApproxConfig, run_approx
 from ..eval.data.sources import SOURCES
-from ..io import check_output_path, folder_lock, json_text
+from ..io import (
+    check_output_path,
+    folder_lock,
+    interrupted_writes_note,
+    json_text,
+    remove_interrupted_writes,
+)
 
 NAME = "approx"
 HELP = (
@@ -207,6 +213,9 @@ def run(args: argparse.Namespace) -> int:
     for note in unused_flags(args, config):
         print(note, file=sys.stderr)
     with folder_lock(args.out):  # one run at a time in a folder
+        removed = remove_interrupted_writes(Path(args.out), (*FILES.values(), PROGRESS_FILE))
+        if removed:
+            print(interrupted_writes_note(removed), file=sys.stderr)
         return _run_in_folder(args, config)
 
 

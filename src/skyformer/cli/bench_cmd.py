@@ -18,7 +18,12 @@ from ..eval.bench.resume import (
 from ..eval.bench.run import DTYPES, BenchConfig, BenchResult, left_to_measure, run_bench
 from ..eval.measure.timing import TIMINGS
 from ..eval.methods import unread_features_note
-from ..io import check_output_path, results_lock
+from ..io import (
+    check_output_path,
+    interrupted_writes_note,
+    remove_interrupted_writes,
+    results_lock,
+)
 from .recorded import command_line
 
 NAME = "bench"
@@ -241,6 +246,10 @@ def run(args: argparse.Namespace) -> int:
     if not args.out:
         return _measure(args, config)
     with results_lock(result_path(args.out, ".json")):  # one run at a time writes OUT.*
+        written = [result_path(args.out, suffix) for suffix in (".json", ".csv", ".png")]
+        removed = remove_interrupted_writes(written[0].parent, tuple(p.name for p in written))
+        if removed:
+            print(interrupted_writes_note(removed), file=sys.stderr)
         if not args.resume:
             refuse_to_replace_an_interrupted_run(result_path(args.out, ".json"))
         return _measure(args, config)

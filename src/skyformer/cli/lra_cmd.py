@@ -397,7 +397,12 @@ def _run_report(args: argparse.Namespace) -> int:
 
 
 def _run_stability(args: argparse.Namespace) -> int:
-    from ..io import results_lock, write_json
+    from ..io import (
+        interrupted_writes_note,
+        remove_interrupted_writes,
+        results_lock,
+        write_json,
+    )
     from ..lra.stability import StabilityReport
 
     check_output_path(args.json_path)
@@ -412,6 +417,11 @@ def _run_stability(args: argparse.Namespace) -> int:
         return write_json(args.json_path, {**report.to_dict(), "command": command})
 
     with results_lock(args.json_path, "--json") if args.json_path else nullcontext():
+        if args.json_path:
+            written = Path(args.json_path)
+            removed = remove_interrupted_writes(written.parent, (written.name,))
+            if removed:
+                print(interrupted_writes_note(removed), file=sys.stderr)
         return _measure_stability(args, overrides, save)
 
 

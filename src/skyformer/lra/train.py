@@ -36,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..io import (
     environment,
     folder_lock,
+    interrupted_writes_note,
     portable_name,
     remove_interrupted_writes,
     write_json,
@@ -521,8 +522,7 @@ class Trainer:
         removed = remove_interrupted_writes(self.folder, ATOMIC_FILES) \
             if self.info.is_main else []
         if removed:
-            self._say(f"removed {len(removed)} temporary file(s) of writes an interruption "
-                      f"cut short: {', '.join(p.name for p in removed)}")
+            self._say(interrupted_writes_note(removed))
         finished = finished_result(self.folder, self.cfg, self.state.step) if resumed \
             else finished_without_checkpoint(self.folder, self.cfg) if self.resume else None
         check_processes_agree(self.info, self.cfg.to_dict(), data_fingerprint(self.data.meta),
