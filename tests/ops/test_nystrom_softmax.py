@@ -99,6 +99,23 @@ def test_every_row_as_landmark_reproduces_softmax_attention():
     )
 
 
+def test_every_row_as_landmark_reproduces_softmax_at_moderate_norms():
+    """gamma = 0 took torch.linalg.pinv, an eigendecomposition: at |q|, |k| ~ 5 (s |x|^2
+    ~ 15, far inside float64's range) rows were 1.2 off softmax, although the core's
+    condition number is about 8. A well-conditioned core is inverted by LU; the
+    reference does the same."""
+    q, k, v = make_qkv(1, 1, 5, 3, seed=6)
+    q, k = 3 * q, 3 * k
+    key = skyformer.random_key(0)
+    out = nystrom_softmax_attention(q, k, v, generator=key, num_features=10, gamma=0.0,
+                                    pinv="exact")
+    torch.testing.assert_close(out, softmax_attention(q, k, v), rtol=1e-9, atol=1e-10)
+    lm = sample_landmarks(check_attention_inputs(q, k, v, None, method="test"), 10,
+                          q.device, key)
+    ref = reference_nystrom_softmax_attention(q, k, v, lm, gamma=0.0, pinv="exact")
+    torch.testing.assert_close(ref, out, rtol=1e-9, atol=1e-10)
+
+
 def test_error_falls_as_features_grow():
     q, k, v = make_qkv(1, 2, 96, 16, seed=4, scale=0.8)
     exact = softmax_attention(q, k, v)

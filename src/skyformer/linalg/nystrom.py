@@ -52,7 +52,8 @@ def lemma3_inverse(
         gamma: ridge added to the diagonal (Skyformer uses 0.1).
         pinv: ``"iterative"`` (Razavi et al., ``iterations`` steps) or ``"exact"``
             (for tests and analysis: with gamma > 0 the inverse of the positive
-            definite matrix, by LU; with gamma = 0 ``torch.linalg.pinv``;
+            definite matrix, by LU; with gamma = 0 the pseudo-inverse, by LU too
+            where the matrix is well conditioned, else ``torch.linalg.pinv``;
             ``exact_inverse``).
         live: ``[B, m]`` bool for ``m: [B, H, m, m]`` (shared by the heads), False for
             landmark slots that hold no landmark (more features than valid rows).
@@ -171,17 +172,30 @@ def lemma3_by_pytorch(m: Tensor, diag: Tensor, pinv: PinvMethod, iterations: int
 
 def exact_inverse(a: Tensor, definite: bool) -> Tensor:
     """``pinv="exact"`` of the normalised matrix ``a: [..., m, m]``: its inverse by LU
-    where a positive ridge makes it positive definite (``definite``), else
+    where a positive ridge makes it positive definite (``definite``), else its
+    pseudo-inverse, which is the inverse by LU too where the values may be read (eager
+    calls) and LU shows ``a`` well conditioned (``_well_conditioned``), else
     ``torch.linalg.pinv``. An eigendecomposition is exact norm-wise only: landmarks far
     apart leave entries near 1e-20 in the inverse, which it returns with errors of
     order eps, and the softmax factors exp(|k|^2 / 2) of ``nystrom_softmax`` magnify
-    them (rows 3e-2 off in float64 at |q|, |k| ~ 7); LU keeps them. A matrix that is
-    singular in floating point all the same (a ridge below rounding, repeated rows)
-    takes the pseudo-inverse where the values may be read (eager calls)."""
-
-    if not definite:
-        return torch.linalg.pinv(a, hermitian=True)
+    them (rows 3e-2 off in float64 at |q|, |k| ~ 7 with a ridge; O(1) at |q|, |k| ~ 5
+    with gamma = 0 and every row a landmark, where eq. (5) is met exactly); LU keeps
+    them. A matrix that is singular in floating point all the same (a ridge below
+    rounding, repeated rows) takes the pseudo-inverse where the values may be read."""
     inverse, info = torch.linalg.inv_ex(a)
-    if may_read_values(a) and bool(info.any()):
-        return torch.linalg.pinv(a, hermitian=True)
-    return inverse
+    if not may_read_values(a):
+        return inverse if definite else torch.linalg.pinv(a, hermitian=True)
+    usable = info == 0 if definite else (info == 0) & _well_conditioned(a, inverse)
+    if bool(usable.all()):
+        return inverse
+    return torch.where(usable[..., None, None], inverse, torch.linalg.pinv(a, hermitian=True))
+
+
+def _well_conditioned(a: Tensor, inverse: Tensor) -> Tensor:
+    """``[...]`` bool: whether ``a``'s condition number, estimated from LU's ``inverse``
+    in the 1-norm, is below 1 / (100 m eps): far from where ``torch.linalg.pinv`` drops
+    eigenvalues (below m eps of the largest), so that the two are one matrix and LU's
+    is the more accurate entry by entry."""
+    size, eps = a.shape[-1], torch.finfo(a.dtype).eps
+    condition = torch.linalg.matrix_norm(a, ord=1) * torch.linalg.matrix_norm(inverse, ord=1)
+    return torch.isfinite(condition) & (condition * (100 * size * eps) < 1)

@@ -52,7 +52,8 @@ class NystromOptions:
         ``pinv_init="scaled_transpose"`` or ``pinv="exact"`` (from the identity the
         iteration needs Lemma 3's gamma > 0).
     pinv: ``"iterative"`` (Razavi et al.) or ``"exact"`` (the inverse by LU for
-        gamma > 0, torch.linalg.pinv for gamma = 0; ``linalg.nystrom.exact_inverse``).
+        gamma > 0; for gamma = 0 the pseudo-inverse, by LU where the core is well
+        conditioned, else torch.linalg.pinv; ``linalg.nystrom.exact_inverse``).
     pinv_iterations: iterations of the iterative inverse.
     pinv_init: starting point of the iteration, ``"identity"`` (justified by Lemma 3)
         or ``"scaled_transpose"`` (A^T / (|A|_1 |A|_inf), per matrix).

@@ -38,7 +38,9 @@ def naive_lemma3_inverse(m: Tensor, gamma: float, pinv: str, iterations: int, in
     a = d_inv_sqrt @ mg @ d_inv_sqrt
     if pinv != "exact":
         a_inv = _naive_razavi(a, iterations, init)
-    elif gamma > 0:  # positive definite: its inverse (an eigendecomposition is exact
+    elif gamma > 0 or bool((torch.linalg.cond(a) * 100 * a.shape[-1]
+                            * torch.finfo(a.dtype).eps < 1).all()):
+        # invertible, far from pinv's cut: its inverse (an eigendecomposition is exact
         a_inv = torch.linalg.inv(a)  # norm-wise only, linalg.nystrom.exact_inverse)
     else:
         a_inv = torch.linalg.pinv(a, hermitian=True)
