@@ -19,7 +19,7 @@ def _num(value: Any, spec: str) -> str:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """Plain-text table; methods that are not drop-ins say why."""
-    methods = [r["method"] + (" (HF)" if r["method"] == "sdpa" else "") for r in rows]
+    methods = [r["method"] + (" (transformers)" if r["method"] == "sdpa" else "") for r in rows]
     width = max([len("method"), *map(len, methods)]) + 1  # as wide as the longest name
     header = (f"{'setting':<8}{'method':<{width}}{'features':>9}{'cos mean':>10}"
               f"{'cos min':>9}{'R@1':>7}{'time ms':>10}{'peak MiB':>10}  note")
