@@ -220,6 +220,27 @@ def test_half_precision_is_computed_in_float32():
     torch.testing.assert_close(out.float(), ref, rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize("method", ["skyformer", "nystrom_softmax", "skyformer_adaptive"])
+def test_a_ridge_below_the_dtypes_rounding_is_warned_of_at_the_callers_line(method):
+    """gamma = 1e-9 in float32 acts as 0 beside close landmarks: outputs 1e6-1e7 off, or
+    NaN, without a word (the ridge is lost to rounding; Lemma 3 no longer holds)."""
+    import warnings
+
+    q, k, v = make_qkv(1, 1, 32, 8, dtype=torch.float32)
+    call = skyformer.get_method(method).function
+    with pytest.warns(UserWarning, match=r"^gamma=1e-09 with 16 landmarks in float32: the "
+                                         r"core's condition number may reach \(m \+ gamma\) "
+                                         r"/ gamma = 1\.6e\+10, .* use gamma >= 3e-05 or "
+                                         r"float64 inputs\.$") as said:
+        call(q, k, v, num_features=16, gamma=1e-9, generator=gen(0))
+    assert said[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        call(q, k, v, num_features=16, generator=gen(0))  # gamma = 0.1
+        call(q.double(), k.double(), v.double(), num_features=16, gamma=1e-9,
+             generator=gen(0))
+
+
 def test_bad_options_name_the_problem():
     q, k, v = make_qkv(1, 1, 8, 4)
     for options, word in (

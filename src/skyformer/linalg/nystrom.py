@@ -22,6 +22,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from ..user_frame import warn_from_user_frame
 from .flush import flush_on_cpu
 from .implicit_inverse import GRADIENTS, implicit_iterations, implicit_pinv
 from .kernels import gaussian_kernel_block
@@ -74,6 +75,7 @@ def lemma3_inverse(
         ``[..., m, m]``.
     """
     size = m.shape[-1]
+    warn_of_a_ridge_below_rounding(gamma, size, m.dtype)
     iterations = core_iterations(gradient, iterations, size, gamma, pinv, init, m.dtype)
     diag = ridge_diagonal(gamma, live, size, m)
     if fused_lemma3_applies(kernel, m, size, pinv, init, iterations):
@@ -103,12 +105,33 @@ def landmark_inverse(
     size = x.shape[-2]
     steps = core_iterations(gradient, iterations, size, gamma, pinv, init, x.dtype)
     if fused_lemma3_applies(kernel, x, size, pinv, init, steps):
+        warn_of_a_ridge_below_rounding(gamma, size, x.dtype)
         ridge = ridge_diagonal(gamma, live, size, x)
         return triton_lemma3_inverse(x, x_norm, ridge.reshape(-1, size), steps,
                                      kernel=kernel, implicit=gradient == "implicit")
     return lemma3_inverse(gaussian_kernel_block(x, x, x_norm, x_norm), gamma=gamma,
                           pinv=pinv, iterations=iterations, init=init, live=live,
                           kernel=kernel, gradient=gradient)
+
+
+def warn_of_a_ridge_below_rounding(gamma: float, size: int, dtype: torch.dtype) -> None:
+    """Warn where Lemma 3's bound on the normalised core's condition number,
+    (m + gamma) / gamma, reaches 1 / (16 eps) of ``dtype``: there a positive ``gamma``
+    is lost to rounding beside close landmarks (as if 0, where the identity start
+    diverges and LU meets a singular matrix), and the output can be off by orders of
+    magnitude or NaN, with nothing else to say so (gamma = 1e-9 in float32: errors of
+    1e6 to 1e7)."""
+    if gamma <= 0 or not dtype.is_floating_point:
+        return
+    eps = torch.finfo(dtype).eps
+    if (size + gamma) / gamma * 16 * eps < 1:
+        return
+    least = 16 * size * eps / (1 - 16 * eps)
+    warn_from_user_frame(
+        f"gamma={gamma:g} with {size} landmarks in {str(dtype).removeprefix('torch.')}: the "
+        f"core's condition number may reach (m + gamma) / gamma = {(size + gamma) / gamma:.2g}, "
+        f"past what that precision resolves, where close landmarks make the inverse "
+        f"inaccurate or NaN; use gamma >= {least:.1g} or float64 inputs.", UserWarning)
 
 
 def core_iterations(gradient: str, iterations: int, size: int, gamma: float, pinv: str,
