@@ -62,6 +62,20 @@ def test_fast_matches_reference_outputs_and_gradients(options, nq):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
 
 
+@pytest.mark.parametrize("options", OPTIONS)
+def test_the_reference_gives_an_element_of_padding_only_zero_rows(options):
+    """The fast path gives such an element zero rows; the reference raised an
+    IndexError picking among its real keys (none)."""
+    q, k, v = make_qkv(2, 1, 8, 3, seed=3)
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    mask[1] = False
+    fast = kdeformer_attention(q, k, v, key_padding_mask=mask, generator=gen(2), **options)
+    ref = reference_kdeformer_attention(q, k, v, draws_for(q, 2, **options),
+                                        key_padding_mask=mask, **options)
+    torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)
+    assert not ref[1].any()
+
+
 LEGACY_KDE = {"estimator": "uniform", "normalizer": "kde"}
 
 

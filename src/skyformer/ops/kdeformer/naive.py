@@ -127,6 +127,9 @@ def reference_kdeformer_attention(
     for bi in range(b):
         k_real = [j for j in range(nk) if kv[bi, j]]
         q_real = [i for i in range(nq) if qv[bi, i]]
+        if not k_real:  # an element of padding only: zero rows, nothing to sample
+            rows.append(torch.zeros(h, nq, v.shape[-1], dtype=v.dtype))
+            continue
         real_cols = kv[bi].to(q.dtype)
         heads = []
         for hi in range(h):
