@@ -194,3 +194,19 @@ def test_a_tiny_gradient_is_not_flushed_away(init):
              for s in (1.0, 2.0**-66)]
     assert grads[0].abs().max() > 0
     torch.testing.assert_close(grads[1] * 2.0**66, grads[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("gamma", [0.0, 1e-300])
+def test_the_exact_inverse_of_a_singular_core_has_finite_gradients(gamma):
+    """A repeated landmark: LU fails on the core and its pseudo-inverse is taken. The
+    failed LU's inf, unselected in torch.where, reached the gradient (0 times inf), also
+    beside a regular core of the batch."""
+    x = torch.randn(2, 5, 2, dtype=torch.float64, generator=gen(0))
+    x[0, 4] = x[0, 0]  # batch element 0: a repeated row, singular
+    x.requires_grad_(True)
+    m = torch.exp(-(x[:, :, None] - x[:, None]).square().sum(-1) / 2)
+    w = lemma3_inverse(m, gamma=gamma, pinv="exact")
+    (grad,) = torch.autograd.grad(w.sum(), x)
+    assert bool(torch.isfinite(w).all()) and bool(torch.isfinite(grad).all())
+    torch.testing.assert_close(w[1], torch.linalg.inv(m[1] + gamma * torch.eye(5,
+                               dtype=torch.float64)), rtol=1e-9, atol=1e-9)

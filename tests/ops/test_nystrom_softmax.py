@@ -116,6 +116,28 @@ def test_every_row_as_landmark_reproduces_softmax_at_moderate_norms():
     torch.testing.assert_close(ref, out, rtol=1e-9, atol=1e-10)
 
 
+def test_a_singular_core_beside_a_regular_one_keeps_gradients_finite():
+    """A repeated key makes head 0's core singular: its pseudo-inverse is taken, and head
+    1's inverse by LU, in the fast path and in the reference alike (which chose for
+    every head of an element at once: head 1 was 5.6e-7 off), gradients finite."""
+    q, k, v = make_qkv(1, 2, 5, 3, seed=6)
+    q, k = 3 * q, 3 * k
+    k[0, 0, 1] = k[0, 0, 0]
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    key = skyformer.random_key(0)
+    out = nystrom_softmax_attention(q, k, v, generator=key, num_features=10, gamma=0.0,
+                                    pinv="exact")
+    torch.testing.assert_close(out[:, 1], softmax_attention(q, k, v)[:, 1], rtol=1e-9,
+                               atol=1e-10)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    assert all(bool(torch.isfinite(g).all()) for g in grads)
+    lm = sample_landmarks(check_attention_inputs(q, k, v, None, method="test"), 10,
+                          q.device, key)
+    ref = reference_nystrom_softmax_attention(q, k, v, lm, gamma=0.0, pinv="exact")
+    torch.testing.assert_close(ref[:, 1], out[:, 1], rtol=1e-9, atol=1e-10)
+
+
 def test_error_falls_as_features_grow():
     q, k, v = make_qkv(1, 2, 96, 16, seed=4, scale=0.8)
     exact = softmax_attention(q, k, v)

@@ -239,6 +239,9 @@ def test_a_ridge_below_the_dtypes_rounding_is_warned_of_at_the_callers_line(meth
         call(q, k, v, num_features=16, generator=gen(0))  # gamma = 0.1
         call(q.double(), k.double(), v.double(), num_features=16, gamma=1e-9,
              generator=gen(0))
+        with mock.patch("torch.compiler.is_compiling", return_value=True):  # frames
+            call(q, k, v, num_features=16, gamma=1e-9,  # untraceable
+                 generator=skyformer.random_key(0))
 
 
 def test_bad_options_name_the_problem():

@@ -121,8 +121,8 @@ def warn_of_a_ridge_below_rounding(gamma: float, size: int, dtype: torch.dtype) 
     diverges and LU meets a singular matrix), and the output can be off by orders of
     magnitude or NaN, with nothing else to say so (gamma = 1e-9 in float32: errors of
     1e6 to 1e7)."""
-    if gamma <= 0 or not dtype.is_floating_point:
-        return
+    if gamma <= 0 or not dtype.is_floating_point or torch.compiler.is_compiling():
+        return  # compiled: warn_from_user_frame reads frames, which Dynamo cannot trace
     eps = torch.finfo(dtype).eps
     if (size + gamma) / gamma * 16 * eps < 1:
         return
@@ -208,10 +208,19 @@ def exact_inverse(a: Tensor, definite: bool) -> Tensor:
     inverse, info = torch.linalg.inv_ex(a)
     if not may_read_values(a):
         return inverse if definite else torch.linalg.pinv(a, hermitian=True)
-    usable = info == 0 if definite else (info == 0) & _well_conditioned(a, inverse)
+    usable = info == 0
+    if not definite:
+        usable = usable & _well_conditioned(a.detach(), inverse.detach())
     if bool(usable.all()):
         return inverse
-    return torch.where(usable[..., None, None], inverse, torch.linalg.pinv(a, hermitian=True))
+    pseudo = torch.linalg.pinv(a, hermitian=True)
+    if not bool(usable.any()):
+        return pseudo
+    # the inverse of the usable matrices alone: a singular one's inf or NaN, unselected,
+    # would still reach the gradient through inv's backward (0 times inf)
+    keep = usable[..., None, None]
+    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+    return torch.where(keep, torch.linalg.inv(torch.where(keep, a, eye)), pseudo)
 
 
 def _well_conditioned(a: Tensor, inverse: Tensor) -> Tensor:

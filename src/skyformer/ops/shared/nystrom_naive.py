@@ -38,12 +38,14 @@ def naive_lemma3_inverse(m: Tensor, gamma: float, pinv: str, iterations: int, in
     a = d_inv_sqrt @ mg @ d_inv_sqrt
     if pinv != "exact":
         a_inv = _naive_razavi(a, iterations, init)
-    elif gamma > 0 or bool((torch.linalg.cond(a) * 100 * a.shape[-1]
-                            * torch.finfo(a.dtype).eps < 1).all()):
-        # invertible, far from pinv's cut: its inverse (an eigendecomposition is exact
+    elif gamma > 0:  # positive definite: its inverse (an eigendecomposition is exact
         a_inv = torch.linalg.inv(a)  # norm-wise only, linalg.nystrom.exact_inverse)
-    else:
-        a_inv = torch.linalg.pinv(a, hermitian=True)
+    else:  # each matrix far from pinv's cut (1-norm condition number) takes its inverse
+        invertible = torch.linalg.cond(a, p=1) * 100 * a.shape[-1] * torch.finfo(a.dtype).eps < 1
+        eye = torch.eye(a.shape[-1], dtype=a.dtype)
+        inverse = torch.linalg.inv(torch.where(invertible[..., None, None], a, eye))
+        a_inv = torch.where(invertible[..., None, None], inverse,
+                            torch.linalg.pinv(a, hermitian=True))
     return d_inv_sqrt @ a_inv @ d_inv_sqrt
 
 
