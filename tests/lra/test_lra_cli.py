@@ -40,9 +40,17 @@ def test_generate_prepare_train_report_stability(tmp_path, capsys):
     written = runs / "softmax" / "result.json"  # --markdown at a result: it was replaced
     before = written.read_text()
     assert main(["lra", "report", str(runs), "--markdown", str(written)]) == 2
-    assert (f"--markdown {written} is {written}, a run the report reads: writing it would "
+    assert (f"--markdown {written} is {written}, a file the report reads: writing it would "
             f"replace what the run reads") in capsys.readouterr().err
     assert written.read_text() == before
+    copied = tmp_path / "seed0.json"  # a result given as a file of another name
+    copied.write_text(before)
+    for output in (copied, runs / "softmax" / "metrics.jsonl"):
+        kept = output.read_text()
+        assert main(["lra", "report", str(copied), str(runs), "--markdown", str(output)]) == 2
+        assert f"--markdown {output} is {output}, a file the report reads" in \
+            capsys.readouterr().err
+        assert output.read_text() == kept
     assert main(["lra", "stability", "--tasks", "listops", "--methods", "kernelized",
                  "--steps", "2", "--batch-size", "16", "--cache", str(cache)]) == 0
     assert "| kernelized |" in capsys.readouterr().out

@@ -384,9 +384,9 @@ def _run_report(args: argparse.Namespace) -> int:
 
         require_figure_format(args.plot, "--plot")
     runs = collect_runs(args.runs)
+    read = [path for run in runs for path in (run.source, run.folder / "metrics.jsonl")]
     refuse_overwriting_inputs({"--markdown": args.markdown, "--plot": args.plot},
-                              {f"{run.folder / 'result.json'}, a run the report reads":
-                               run.folder / "result.json" for run in runs})
+                              {f"{path}, a file the report reads": path for path in read})
     text = tables(runs, unfinished_runs(args.runs))
     print(text)
     if args.markdown:

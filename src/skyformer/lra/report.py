@@ -52,6 +52,7 @@ NOT_EXPERIMENT = ("seed", "log_every", "checkpoint_every")
 class Run:
     folder: Path
     result: dict[str, Any]
+    source: Path | None = None  # the file read (folder/result.json, or one named so)
 
     @functools.cached_property
     def dev_curve(self) -> list[tuple[float, float]]:
@@ -179,7 +180,7 @@ def collect_runs(paths: list[str | os.PathLike[str]]) -> list[Run]:
                                  "that seed again, or move its folder out of the folders "
                                  "given.") from None
             _check_result(file, result)
-            runs.append(Run(file.parent, result))
+            runs.append(Run(file.parent, result, file))
     if not runs:
         raise FileNotFoundError(_no_finished_run(paths))
     return runs
