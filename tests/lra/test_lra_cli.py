@@ -400,6 +400,8 @@ def test_stability_resume_measures_only_what_an_interrupted_run_left(
     assert main(argv) == 130
     kept = json.loads(out.read_text())
     assert kept["complete"] is False and list(kept["taus"]["listops"]["softmax"]) == ["0"]
+    kept["taus"]["listops"]["softmax"]["0"][0] = None  # a NaN tau, as the file holds it
+    out.write_text(json.dumps(kept))  # (resumed, it raised a TypeError in the ratio)
     capsys.readouterr()
     assert main([*argv, "--resume"]) == 0
     captured = capsys.readouterr()
@@ -408,6 +410,7 @@ def test_stability_resume_measures_only_what_an_interrupted_run_left(
     data = json.loads(out.read_text())
     assert data["complete"] is True and data["taus"]["listops"]["softmax"] == \
         kept["taus"]["listops"]["softmax"]
+    assert data["ratios"]["listops"]["kernelized"] is None  # NaN, written as null
     assert set(data["ratios"]["listops"]) == {"kernelized"}
 
 
@@ -428,6 +431,8 @@ def test_stability_resume_needs_json_and_a_stability_file(tmp_path, capsys, list
     for text, problem in [
         ('{"taus": {"listops": []}}', "its taus of listops are no object of methods"),
         ('{"taus": {}, "settings": [], "environment": []}', "its settings is no object"),
+        ('{"taus": {}, "attention_options": {"listops": []}}',
+         "its attention_options of listops is no object"),
         ('{"taus": {"listops": {"softmax": {"x": [1]}}}}',
          "its taus of softmax on listops name the seed 'x'"),
         ('{"taus": {"listops": {"softmax": {"0": [1, "a"]}}}}',

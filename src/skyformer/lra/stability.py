@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 import statistics
 from collections.abc import Callable
@@ -316,7 +317,7 @@ def resumable_taus(report: StabilityReport, earlier: dict[str, Any]
         for method, per_seed in methods.items():
             if method != BASELINE and method not in report.methods:
                 continue
-            options = earlier.get("attention_options", {}).get(task, {}).get(method)
+            options = (earlier.get("attention_options", {}).get(task) or {}).get(method)
             current = json_ready(report.attention_options[task][method])
             if current != options:  # each option that differs, then -> now
                 then = options if isinstance(options, dict) else {}
@@ -325,7 +326,9 @@ def resumable_taus(report: StabilityReport, earlier: dict[str, Any]
                                  if then.get(key) != current.get(key))
                 differ.append(f"the options of {method} on {task} "
                               f"({said if isinstance(options, dict) else 'none recorded'})")
-            kept.update({(task, method, int(seed)): taus for seed, taus in per_seed.items()
+            kept.update({(task, method, int(seed)):  # a NaN tau is written as null
+                         [math.nan if tau is None else tau for tau in taus]
+                         for seed, taus in per_seed.items()
                          if int(seed) in report.seeds})
     if differ:
         raise ValueError(f"the earlier taus were measured with other settings "
@@ -344,6 +347,14 @@ def stability_file_problem(earlier: Any) -> str | None:
     for name in ("settings", "attention_options", "data", "environment"):
         if not isinstance(earlier.get(name, {}), dict):
             return f"its {name} is no object"
+    for name in ("settings", "attention_options", "data"):  # per task: an object or null
+        for task, value in earlier.get(name, {}).items():
+            if not isinstance(value, dict | None):
+                return f"its {name} of {task} is no object"
+    for task, per_method in earlier.get("attention_options", {}).items():
+        for method, options in (per_method or {}).items():
+            if not isinstance(options, dict | None):
+                return f"its attention_options of {method} on {task} are no object"
     for task, methods in earlier["taus"].items():
         if not isinstance(methods, dict):
             return f"its taus of {task} are no object of methods"
