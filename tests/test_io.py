@@ -614,3 +614,33 @@ def test_bench_and_approx_remove_the_temporary_files_a_killed_write_left(tmp_pat
     (approx / ".approx.progress.json.abcdefgh.tmp").write_text("cut short")
     assert main(["approx", "--quick", "--no-plots", "--out", str(approx)]) == 2
     assert sorted(p.name for p in approx.iterdir()) == ["approx.progress.json"]
+
+
+def test_a_dead_empty_lock_replaced_by_a_new_empty_one_is_left_to_its_maker(tmp_path,
+                                                                           monkeypatch):
+    """A lock left empty by a crash, judged dead; meanwhile another run removed it and
+    made its own, not yet written: the two read alike, and the new one was removed as
+    the dead one, so both runs went on."""
+    import time
+
+    import skyformer.io as io_module
+    from skyformer.io import EMPTY_LOCK_SECONDS, LOCK_FILE, folder_lock
+
+    lock = tmp_path / LOCK_FILE
+    lock.write_text("")
+    old = time.time() - EMPTY_LOCK_SECONDS - 1
+    os.utime(lock, (old, old))
+    decide = io_module._left_by_dead_process
+
+    def another_run_makes_its_own(path, holder):
+        dead = decide(path, holder)
+        if dead and holder == "":
+            path.unlink()
+            path.write_text("")  # made by the other run, its name not yet written
+        return dead
+
+    monkeypatch.setattr(io_module, "_left_by_dead_process", another_run_makes_its_own)
+    with pytest.raises(ValueError, match=r"in use by another run \(another process holds"), \
+            folder_lock(tmp_path):
+        pass
+    assert lock.exists() and sorted(os.listdir(tmp_path)) == [LOCK_FILE]

@@ -352,10 +352,11 @@ def _take_lock(lock: Path, in_use: str, flag: str) -> None:
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, FILE_MODE)
         except FileExistsError:
+            found = _file_identity(lock)  # before its text: which file was judged
             holder = _lock_holder(lock) if lock.is_file() else ""
             host, _, pid = holder.rpartition("-")
             if _left_by_dead_process(lock, holder):
-                _remove_dead_lock(lock, holder)  # left by a killed process
+                _remove_dead_lock(lock, found)  # left by a killed process
                 continue
             who = f"process {pid} on {host}" if host and pid.isdigit() else "another process"
             raise ValueError(f"{in_use} ({who} holds {lock}); wait for it to end, or choose "
@@ -373,16 +374,28 @@ def _take_lock(lock: Path, in_use: str, flag: str) -> None:
                      f"remove it if no run uses {lock.parent}.")
 
 
-def _remove_dead_lock(lock: Path, holder: str) -> None:
-    """Remove ``lock``, found naming the dead ``holder``, unless another process took it
-    over first: it is moved aside in one step (of two processes at it, one moves it) and
-    read there; a live process's lock, made after the dead one's went, is put back."""
+def _file_identity(path: Path) -> tuple[int, ...] | None:
+    """The device, inode and modification time of ``path`` (None where it is gone): the
+    one file, as its text is not (a dead empty lock and one just made read alike)."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino, info.st_mtime_ns
+
+
+def _remove_dead_lock(lock: Path, dead: tuple[int, ...] | None) -> None:
+    """Remove ``lock``, the file ``dead`` (``_file_identity``) judged a dead process's,
+    unless another process took it over first: it is moved aside in one step (of two
+    processes at it, one moves it) and compared there; a live process's lock, made after
+    the dead one's went, is put back. (Three processes at one dead lock can still meet:
+    a lock made while the live one is aside stays, and both run.)"""
     aside = lock.with_name(f"{lock.name}.{_builder_tag()}.stale")
     try:
         os.rename(lock, aside)
     except FileNotFoundError:  # another process removed it first
         return
-    if _lock_holder(aside) != holder:  # not the dead one's any more: put it back
+    if dead is None or _file_identity(aside) != dead:  # not the dead one: put it back
         try:
             os.link(aside, lock)  # only where no lock was made meanwhile
         except FileExistsError:
