@@ -14,6 +14,7 @@ release does: ``[MAX 2 9 ]`` is written ``( ( ( [MAX 2 ) 9 ) ] )``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 from dataclasses import asdict, dataclass
@@ -197,7 +198,9 @@ def _refuse_slow_rate(draws: int, kept: int, count: int, budget: int,
     if kept == 0:
         raise ValueError(f"none of the first {draws} trees drawn has {window}; widen the "
                          f"length bounds or raise max_depth / max_args.")
-    projected = draws * count // kept
+    # from a rate two standard deviations above the one found (a count of kept trees
+    # is about Poisson): rules the budget would let finish are refused 2% of the time
+    projected = int(draws * count / (kept + 2 * math.sqrt(kept) + 1))
     if projected > budget:
         raise ValueError(f"{kept} of the first {draws} trees drawn are distinct with "
                          f"{window}: the {count} asked for would take about {projected:,} "
