@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
@@ -188,12 +188,14 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
     return Path(path)
 
 
-def remove_interrupted_writes(folder: Path, names: tuple[str, ...]) -> list[Path]:
+def remove_interrupted_writes(folder: Path, names: tuple[str, ...], *,
+                              say: Callable[[str], Any] | None = None) -> list[Path]:
     """Remove the temporary files ``.NAME.XXXXXXXX.tmp`` (``.NAME.XXXXXXXX.tmp.png`` for
     a figure) that writes of ``names`` through a temporary file and a rename
     (``atomic_writer``: ``atomic_write_text``, LRA checkpoints; ``save_figure``) left in
-    ``folder`` when killed before the rename, and return them. Only for a folder no
-    other process writes these files in now (under its lock)."""
+    ``folder`` when killed before the rename, and return them; ``say`` (``print``) gets
+    a line naming them where there were any. Only for a folder no other process writes
+    these files in now (under its lock)."""
     if not folder.is_dir():
         return []
     pattern = re.compile(rf"\.({'|'.join(map(re.escape, names))})\.\w{{8}}\.tmp(\.\w+)?")
@@ -201,13 +203,10 @@ def remove_interrupted_writes(folder: Path, names: tuple[str, ...]) -> list[Path
              if pattern.fullmatch(p.name) and p.is_file() and not p.is_symlink()]
     for path in found:
         path.unlink(missing_ok=True)
+    if found and say is not None:
+        say(f"removed {len(found)} temporary file(s) of writes an interruption cut short: "
+            f"{', '.join(p.name for p in found)}")
     return found
-
-
-def interrupted_writes_note(removed: list[Path]) -> str:
-    """The line that says which temporary files ``remove_interrupted_writes`` removed."""
-    return (f"removed {len(removed)} temporary file(s) of writes an interruption cut short: "
-            f"{', '.join(p.name for p in removed)}")
 
 
 def _builder_tag() -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import shlex
 import sys
@@ -20,7 +21,6 @@ from ..eval.data.sources import SOURCES
 from ..io import (
     check_output_path,
     folder_lock,
-    interrupted_writes_note,
     json_text,
     remove_interrupted_writes,
 )
@@ -213,9 +213,8 @@ def run(args: argparse.Namespace) -> int:
     for note in unused_flags(args, config):
         print(note, file=sys.stderr)
     with folder_lock(args.out):  # one run at a time in a folder
-        removed = remove_interrupted_writes(Path(args.out), (*FILES.values(), PROGRESS_FILE))
-        if removed:
-            print(interrupted_writes_note(removed), file=sys.stderr)
+        remove_interrupted_writes(Path(args.out), (*FILES.values(), PROGRESS_FILE),
+                                  say=functools.partial(print, file=sys.stderr))
         return _run_in_folder(args, config)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -20,7 +21,6 @@ from ..eval.measure.timing import TIMINGS
 from ..eval.methods import unread_features_note
 from ..io import (
     check_output_path,
-    interrupted_writes_note,
     remove_interrupted_writes,
     results_lock,
 )
@@ -247,9 +247,8 @@ def run(args: argparse.Namespace) -> int:
         return _measure(args, config)
     with results_lock(result_path(args.out, ".json")):  # one run at a time writes OUT.*
         written = [result_path(args.out, suffix) for suffix in (".json", ".csv", ".png")]
-        removed = remove_interrupted_writes(written[0].parent, tuple(p.name for p in written))
-        if removed:
-            print(interrupted_writes_note(removed), file=sys.stderr)
+        remove_interrupted_writes(written[0].parent, tuple(p.name for p in written),
+                                  say=functools.partial(print, file=sys.stderr))
         if not args.resume:
             refuse_to_replace_an_interrupted_run(result_path(args.out, ".json"))
         return _measure(args, config)

@@ -398,7 +398,6 @@ def _run_report(args: argparse.Namespace) -> int:
 
 def _run_stability(args: argparse.Namespace) -> int:
     from ..io import (
-        interrupted_writes_note,
         remove_interrupted_writes,
         results_lock,
         write_json,
@@ -419,9 +418,7 @@ def _run_stability(args: argparse.Namespace) -> int:
     with results_lock(args.json_path, "--json") if args.json_path else nullcontext():
         if args.json_path:
             written = Path(args.json_path)
-            removed = remove_interrupted_writes(written.parent, (written.name,))
-            if removed:
-                print(interrupted_writes_note(removed), file=sys.stderr)
+            remove_interrupted_writes(written.parent, (written.name,), say=_say_now)
         return _measure_stability(args, overrides, save)
 
 

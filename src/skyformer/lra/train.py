@@ -36,7 +36,6 @@ from torch.nn.parallel import DistributedDataParallel
 from ..io import (
     environment,
     folder_lock,
-    interrupted_writes_note,
     portable_name,
     remove_interrupted_writes,
     write_json,
@@ -519,10 +518,8 @@ class Trainer:
         self._build()
         resumed = self._restore()
         self.resumed_at = self.state.step if resumed else None
-        removed = remove_interrupted_writes(self.folder, ATOMIC_FILES) \
-            if self.info.is_main else []
-        if removed:
-            self._say(interrupted_writes_note(removed))
+        if self.info.is_main:
+            remove_interrupted_writes(self.folder, ATOMIC_FILES, say=self._say)
         finished = finished_result(self.folder, self.cfg, self.state.step) if resumed \
             else finished_without_checkpoint(self.folder, self.cfg) if self.resume else None
         check_processes_agree(self.info, self.cfg.to_dict(), data_fingerprint(self.data.meta),
