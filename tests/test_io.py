@@ -357,11 +357,12 @@ def test_a_lock_left_by_an_earlier_process_of_this_id_is_taken_over(tmp_path):
     found its own ``HOST-PID`` in the lock the killed run left and refused itself as the
     run in use; a lock this process does not hold is a dead one's, while one it holds is
     still refused."""
-    from skyformer.io import LOCK_FILE, _builder_tag, folder_lock
+    from skyformer.io import LOCK_FILE, folder_lock
+    from skyformer.io.processes import builder_tag
 
-    (tmp_path / LOCK_FILE).write_text(_builder_tag() + "\n")  # the killed run's
+    (tmp_path / LOCK_FILE).write_text(builder_tag() + "\n")  # the killed run's
     with folder_lock(tmp_path) as lock:
-        assert lock.read_text() == _builder_tag() + "\n"
+        assert lock.read_text() == builder_tag() + "\n"
         with pytest.raises(ValueError, match="is in use by another run"), \
                 folder_lock(tmp_path):
             pass
@@ -377,7 +378,7 @@ def test_a_lock_that_cannot_be_written_is_removed_and_an_empty_old_one_taken_ove
     import errno
     import time
 
-    import skyformer.io as io_module
+    import skyformer.io.locks as locks
     from skyformer.io import EMPTY_LOCK_SECONDS, LOCK_FILE, folder_lock
 
     real_fdopen = os.fdopen
@@ -387,7 +388,7 @@ def test_a_lock_that_cannot_be_written_is_removed_and_an_empty_old_one_taken_ove
         raise OSError(errno.ENOSPC, "No space left on device")
 
     with monkeypatch.context() as patched:
-        patched.setattr(io_module.os, "fdopen", full_disk)
+        patched.setattr(locks.os, "fdopen", full_disk)
         with pytest.raises(OSError, match=r"cannot write the lock .*\.skyformer\.lock \(No "
                                           r"space left on device\): free space on its disk, "
                                           r"or choose another --out\."), \
@@ -438,11 +439,12 @@ def test_a_lock_of_a_killed_process_not_yet_collected_is_taken_over(tmp_path):
     import sys
     import time
 
-    from skyformer.io import LOCK_FILE, _builder_tag, _process_alive, folder_lock
+    from skyformer.io import LOCK_FILE, folder_lock
+    from skyformer.io.processes import builder_tag, process_alive
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        assert _process_alive(child.pid)
+        assert process_alive(child.pid)
         os.kill(child.pid, signal.SIGKILL)  # not waited for: a zombie
         for _ in range(200):  # until the kernel has ended it
             with open(f"/proc/{child.pid}/stat") as stat_file:
@@ -450,15 +452,15 @@ def test_a_lock_of_a_killed_process_not_yet_collected_is_taken_over(tmp_path):
             if stat_line[stat_line.rfind(")") + 2] == "Z":
                 break
             time.sleep(0.01)
-        assert not _process_alive(child.pid)
-        host = _builder_tag().rsplit("-", 1)[0]
+        assert not process_alive(child.pid)
+        host = builder_tag().rsplit("-", 1)[0]
         (tmp_path / LOCK_FILE).write_text(f"{host}-{child.pid}\n")
         with folder_lock(tmp_path) as lock:  # taken over, not "in use by another run"
             assert lock.exists()
     finally:
         child.kill()
         child.wait()
-    assert not _process_alive(child.pid) and _process_alive(os.getpid())
+    assert not process_alive(child.pid) and process_alive(os.getpid())
 
 
 def test_a_folder_the_lock_made_is_removed_when_nothing_was_written_in_it(tmp_path):
@@ -484,13 +486,14 @@ def test_a_killed_runs_staging_folder_is_removed_by_the_next_run(tmp_path):
     import subprocess
     import sys
 
-    from skyformer.io import _builder_tag, replacing_together
+    from skyformer.io import replacing_together
+    from skyformer.io.processes import builder_tag
 
-    host = _builder_tag().rsplit("-", 1)[0]
+    host = builder_tag().rsplit("-", 1)[0]
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True).stdout.strip()
     dead = tmp_path / f".staging.{host}-{gone}.abcdefgh.tmp"
-    alive = tmp_path / f".staging.{_builder_tag()}.ijklmnop.tmp"
+    alive = tmp_path / f".staging.{builder_tag()}.ijklmnop.tmp"
     for folder in (dead, alive):
         folder.mkdir()
         (folder / "approx.png").write_bytes(b"")
@@ -522,14 +525,15 @@ def test_a_dead_lock_taken_over_meanwhile_by_another_process_is_left_to_it(tmp_p
                                                                           monkeypatch):
     """Two runs finding one dead lock: the second removed the lock the first had just
     made in its place, and both ran; the first to end then removed the other's lock."""
-    import skyformer.io as io_module
-    from skyformer.io import LOCK_FILE, _builder_tag, folder_lock
+    import skyformer.io.locks as locks
+    from skyformer.io import LOCK_FILE, folder_lock
+    from skyformer.io.processes import builder_tag
 
-    host = _builder_tag().rsplit("-", 1)[0]
+    host = builder_tag().rsplit("-", 1)[0]
     lock = tmp_path / LOCK_FILE
     lock.write_text(f"{host}-999999999\n")  # a killed run's
     live = f"{host}-{os.getppid()}"  # a process that runs
-    decide = io_module._left_by_dead_process
+    decide = locks._left_by_dead_process
 
     def another_run_takes_it_first(path, holder):
         dead = decide(path, holder)
@@ -538,7 +542,7 @@ def test_a_dead_lock_taken_over_meanwhile_by_another_process_is_left_to_it(tmp_p
             path.write_text(live + "\n")  # removed, and made anew, by the other run
         return dead
 
-    monkeypatch.setattr(io_module, "_left_by_dead_process", another_run_takes_it_first)
+    monkeypatch.setattr(locks, "_left_by_dead_process", another_run_takes_it_first)
     in_use = rf"in use by another run \(process {os.getppid()} on {re.escape(host)} holds"
     with pytest.raises(ValueError, match=in_use), folder_lock(tmp_path):
         pass
@@ -557,7 +561,7 @@ def test_a_full_disk_names_the_file_and_the_cli_says_what_to_do(tmp_path, monkey
     nothing to do, and the plot could only be had by measuring again."""
     import errno
 
-    import skyformer.io as io_module
+    import skyformer.io.atomic as atomic
     from skyformer.cli import main
 
     def full_disk(fd):
@@ -566,7 +570,7 @@ def test_a_full_disk_names_the_file_and_the_cli_says_what_to_do(tmp_path, monkey
     target = tmp_path / "r.json"
     target.write_text("before")
     with monkeypatch.context() as patched:
-        patched.setattr(io_module.os, "fsync", full_disk)
+        patched.setattr(atomic.os, "fsync", full_disk)
         with pytest.raises(OSError, match=rf"^\[Errno 28\] No space left on device: "
                                           rf"'{re.escape(str(target))}'$"):
             atomic_write_text(target, "after")
@@ -623,14 +627,14 @@ def test_a_dead_empty_lock_replaced_by_a_new_empty_one_is_left_to_its_maker(tmp_
     the dead one, so both runs went on."""
     import time
 
-    import skyformer.io as io_module
+    import skyformer.io.locks as locks
     from skyformer.io import EMPTY_LOCK_SECONDS, LOCK_FILE, folder_lock
 
     lock = tmp_path / LOCK_FILE
     lock.write_text("")
     old = time.time() - EMPTY_LOCK_SECONDS - 1
     os.utime(lock, (old, old))
-    decide = io_module._left_by_dead_process
+    decide = locks._left_by_dead_process
 
     def another_run_makes_its_own(path, holder):
         dead = decide(path, holder)
@@ -639,7 +643,7 @@ def test_a_dead_empty_lock_replaced_by_a_new_empty_one_is_left_to_its_maker(tmp_
             path.write_text("")  # made by the other run, its name not yet written
         return dead
 
-    monkeypatch.setattr(io_module, "_left_by_dead_process", another_run_makes_its_own)
+    monkeypatch.setattr(locks, "_left_by_dead_process", another_run_makes_its_own)
     with pytest.raises(ValueError, match=r"in use by another run \(another process holds"), \
             folder_lock(tmp_path):
         pass

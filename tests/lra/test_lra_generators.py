@@ -324,13 +324,14 @@ def test_a_killed_builds_temporary_folder_is_removed_by_the_next_build(tmp_path)
     """A SIGKILLed `lra generate` or `prepare` runs no cleanup: its hidden temporary
     folder stayed forever. The next build removes the ones of dead processes of this
     host, and only those: a live build's, another host's or an unknown one stays."""
-    from skyformer.io import _builder_tag, building_folder
+    from skyformer.io import building_folder
+    from skyformer.io.processes import builder_tag
 
     with building_folder(tmp_path / "x") as tmp:
-        assert tmp.name.startswith(f".x.{_builder_tag()}.") and tmp.name.endswith(".tmp")
+        assert tmp.name.startswith(f".x.{builder_tag()}.") and tmp.name.endswith(".tmp")
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    host = _builder_tag().rsplit("-", 1)[0]
+    host = builder_tag().rsplit("-", 1)[0]
     names = {"dead": f".pf.{host}-{dead.pid}.abcd_123.tmp",
              "live": f".pf.{host}-{os.getpid()}.abcd_123.tmp",
              "other host": f".pf.{host}x-{dead.pid}.abcd_123.tmp",

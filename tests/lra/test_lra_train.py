@@ -487,11 +487,12 @@ def test_the_lock_a_killed_run_left_is_taken_over(listops_cache, tmp_path):
     import subprocess
     import sys
 
-    from skyformer.io import LOCK_FILE, _builder_tag
+    from skyformer.io import LOCK_FILE
+    from skyformer.io.processes import builder_tag
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    host = _builder_tag().rsplit("-", 1)[0]
+    host = builder_tag().rsplit("-", 1)[0]
     (tmp_path / LOCK_FILE).write_text(f"{host}-{dead}\n")
     assert _run(_cfg(steps=4), listops_cache, tmp_path)["steps"] == 4
     assert not (tmp_path / LOCK_FILE).exists()

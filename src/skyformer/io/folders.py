@@ -1,0 +1,130 @@
+"""Folders written whole: built aside and renamed into place (``building_folder``), or
+their files replaced together (``replacing_together``); what a killed build left is
+removed by the next (``remove_dead_builds``)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from .atomic import DIR_MODE, FILE_MODE
+from .processes import builder_tag, process_alive
+
+
+def remove_dead_builds(final: Path) -> list[Path]:
+    """Remove the temporary folders ``.NAME.HOST-PID.XXXXXXXX.tmp`` that ``building_folder``
+    left next to ``final`` in a process of this host that no longer runs (killed: no
+    ``finally`` ran), and return them. A folder of another host, of a live process (a
+    build going on now, or a reused process id) or named otherwise is left alone. Not on
+    Windows, where ``os.kill`` would end the process instead of checking it. Hosts are
+    told apart by name: containers sharing one host name and a volume, but not their
+    process ids, should build in separate folders."""
+    if os.name == "nt" or not final.parent.is_dir():
+        return []
+    host = builder_tag().rsplit("-", 1)[0]
+    pattern = re.compile(rf"\.{re.escape(final.name)}\.{re.escape(host)}-(\d+)\.\w{{8}}\.tmp")
+    removed = []
+    for entry in final.parent.iterdir():
+        match = pattern.fullmatch(entry.name)
+        if match and entry.is_dir() and not entry.is_symlink() \
+                and not process_alive(int(match.group(1))):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
+@contextmanager
+def building_folder(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """A new temporary folder next to ``path`` to fill in the ``with`` block. When the
+    block ends without error it is renamed to ``path`` (a folder already there is
+    replaced only then); otherwise it is removed and ``path`` is left as it was. Before
+    the rename every file and folder in it is flushed to disk (``_flush_tree``), so that
+    after a power cut the folder is either absent or whole; files inside need no atomic
+    writes of their own. Its files get ``FILE_MODE`` and its folders ``DIR_MODE``, as
+    atomically written results do, whatever the umask. The temporary folder is named
+    ``.NAME.HOST-PID.XXXXXXXX.tmp``: one that a killed process left is removed by the
+    next build of ``path`` on that host (``remove_dead_builds``)."""
+    final = Path(os.path.abspath(path))  # "." and ".." resolved: the folder has a name
+    final.parent.mkdir(parents=True, exist_ok=True)
+    remove_dead_builds(final)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.{builder_tag()}.", suffix=".tmp",
+                                dir=final.parent))
+    os.chmod(tmp, DIR_MODE)  # mkdtemp creates 0700; outputs are readable as results are
+    old = None
+    try:
+        yield tmp
+        _readable_tree(tmp)
+        _flush_tree(tmp)
+        if final.exists():
+            old = final.parent / f".{final.name}.old-{os.getpid()}"
+            os.replace(final, old)
+        os.replace(tmp, final)
+    except BaseException:
+        if old is not None and not final.exists():
+            os.replace(old, final)
+            old = None
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def replacing_together(folder: str | os.PathLike[str]) -> Iterator[Path]:
+    """A temporary folder inside ``folder`` to write one run's result files into. When
+    the block ends without error each file is moved into ``folder`` (one rename each, in
+    quick succession, replacing files of the same name); otherwise the temporary folder
+    is removed and ``folder`` keeps the previous run's files, none of them replaced (an
+    interruption while a plot is drawn no longer leaves a new JSON beside an old
+    report). Other files in ``folder`` are left alone, and so are the temporary folders
+    of runs going on; those of killed runs (``.staging.HOST-PID.XXXXXXXX.tmp``, the
+    process gone) are removed (``remove_dead_builds``)."""
+    target = Path(folder)
+    target.mkdir(parents=True, exist_ok=True)
+    remove_dead_builds(target / "staging")
+    stage = Path(tempfile.mkdtemp(prefix=f".staging.{builder_tag()}.", suffix=".tmp",
+                                  dir=target))
+    try:
+        yield stage
+        for path in sorted(stage.iterdir()):
+            os.replace(path, target / path.name)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _readable_tree(folder: Path) -> None:
+    """Modes of results for everything under ``folder``: files written plainly inside
+    it follow the umask (0600 under ``umask 077``)."""
+    for root, dirs, files in os.walk(folder):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), DIR_MODE)
+        for name in files:
+            os.chmod(os.path.join(root, name), FILE_MODE)
+
+
+def _flush_tree(folder: Path) -> None:
+    """``fsync`` every file under ``folder``, then every folder (its entries), deepest
+    first: only what was written here, where a global ``os.sync`` would wait on every
+    file system of the machine (a busy shared one on a cluster). A file is opened for
+    writing (it is ours, given ``FILE_MODE``): Windows flushes only through such a
+    handle, where POSIX takes any. Folders cannot be opened for a flush on Windows:
+    there only the files are flushed."""
+    for root, _, files in os.walk(folder, topdown=False):
+        for name in files:
+            _fsync(os.path.join(root, name), os.O_RDWR)
+        if hasattr(os, "O_DIRECTORY"):
+            _fsync(root, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def _fsync(path: str, flags: int) -> None:
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
