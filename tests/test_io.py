@@ -554,6 +554,43 @@ def test_a_dead_lock_taken_over_meanwhile_by_another_process_is_left_to_it(tmp_p
     assert lock.read_text() == live + "\n"  # its lock, left in place
 
 
+def test_a_dead_lock_is_judged_by_one_run_at_a_time(tmp_path):
+    """Three runs at one dead lock: the first removed it and made its own; the second,
+    which had judged the dead one before, moved the first's aside to compare it; the
+    third made its lock meanwhile, and the first's was not put back: two runs wrote one
+    folder. Judging is now done under an flock of the folder, one run at a time."""
+    fcntl = pytest.importorskip("fcntl")
+    import threading
+
+    from skyformer.io import LOCK_FILE, folder_lock
+    from skyformer.io.processes import builder_tag
+
+    host = builder_tag().rsplit("-", 1)[0]
+    lock = tmp_path / LOCK_FILE
+    lock.write_text(f"{host}-999999999\n")  # a killed run's
+    outcome = []
+
+    def second_run():
+        try:
+            with folder_lock(tmp_path):
+                outcome.append("ran")
+        except ValueError as err:
+            outcome.append(str(err))
+
+    judging = os.open(tmp_path, os.O_RDONLY)  # another run judging the dead lock now
+    fcntl.flock(judging, fcntl.LOCK_EX)
+    thread = threading.Thread(target=second_run)
+    thread.start()
+    thread.join(0.5)
+    assert thread.is_alive() and outcome == []  # waits for the judging to end
+    live = f"{host}-{os.getppid()}"
+    lock.write_text(live + "\n")  # that run removed the dead lock and took it
+    os.close(judging)
+    thread.join(10)
+    assert len(outcome) == 1 and "in use by another run" in outcome[0]
+    assert lock.read_text() == live + "\n"
+
+
 def test_a_full_disk_names_the_file_and_the_cli_says_what_to_do(tmp_path, monkeypatch,
                                                                   capsys):
     """bench --out on a full disk said "[Errno 28] No space left on device" alone: no

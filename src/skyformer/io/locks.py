@@ -98,16 +98,19 @@ def _take_lock(lock: Path, in_use: str, flag: str) -> None:
     """Create ``lock`` holding this process's ``HOST-PID``, or raise a sentence (starting
     with ``in_use``) naming the process that holds it; a lock of a dead process of this
     host is removed first."""
-    for _ in range(2):
+    for _ in range(3):
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, FILE_MODE)
         except FileExistsError:
-            found = _file_identity(lock)  # before its text: which file was judged
-            holder = _lock_holder(lock) if lock.is_file() else ""
+            with _one_takeover_at_a_time(lock.parent):
+                found = _file_identity(lock)  # before its text: which file was judged
+                if found is None:  # given back meanwhile: take it
+                    continue
+                holder = _lock_holder(lock) if lock.is_file() else ""
+                if _left_by_dead_process(lock, holder):
+                    _remove_dead_lock(lock, found)  # left by a killed process
+                    continue
             host, _, pid = holder.rpartition("-")
-            if _left_by_dead_process(lock, holder):
-                _remove_dead_lock(lock, found)  # left by a killed process
-                continue
             who = f"process {pid} on {host}" if host and pid.isdigit() else "another process"
             raise ValueError(f"{in_use} ({who} holds {lock}); wait for it to end, or choose "
                              f"another {flag}; if no run uses it (one killed on another "
@@ -120,8 +123,52 @@ def _take_lock(lock: Path, in_use: str, flag: str) -> None:
             raise OSError(err.errno, f"cannot write the lock {lock} ({err.strerror}): free "
                           f"space on its disk, or choose another {flag}.") from None
         return
-    raise ValueError(f"cannot take {lock} (it came back after a dead process's was removed); "
-                     f"remove it if no run uses {lock.parent}.")
+    raise ValueError(f"cannot take {lock}: three tries found it held and then gone (runs "
+                     f"starting at once); try again, or remove it if no run uses "
+                     f"{lock.parent}.")
+
+
+# How long a run waits for another to finish judging a lock (microseconds of work)
+# before it judges unguarded
+TAKEOVER_WAIT_SECONDS = 5.0
+
+
+@contextmanager
+def _one_takeover_at_a_time(folder: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``folder`` while a lock in it is judged and, if
+    dead, removed: processes finding one dead lock take it over one at a time, so none
+    removes a lock another made after the dead one went (the kernel releases a flock
+    when its process dies: nothing is left to clean). Where there is no flock (Windows,
+    a file system refusing it) or another process holds it past
+    ``TAKEOVER_WAIT_SECONDS`` (stopped), the block runs unguarded and the identity check
+    of ``_remove_dead_lock`` is all that guards."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        fcntl = None
+    fd = None
+    if fcntl is not None:
+        try:
+            fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except OSError:
+            fd = None
+    try:
+        if fd is not None:
+            deadline = time.monotonic() + TAKEOVER_WAIT_SECONDS
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.01)
+                except OSError:  # no flock on this file system
+                    break
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # gives the flock back
 
 
 def _file_identity(path: Path) -> tuple[int, ...] | None:
@@ -138,8 +185,9 @@ def _remove_dead_lock(lock: Path, dead: tuple[int, ...] | None) -> None:
     """Remove ``lock``, the file ``dead`` (``_file_identity``) judged a dead process's,
     unless another process took it over first: it is moved aside in one step (of two
     processes at it, one moves it) and compared there; a live process's lock, made after
-    the dead one's went, is put back. (Three processes at one dead lock can still meet:
-    a lock made while the live one is aside stays, and both run.)"""
+    the dead one's went, is put back. Called under ``_one_takeover_at_a_time``, so that
+    of three processes at one dead lock, none moves aside the lock another has just made
+    in its place while a third makes its own."""
     aside = lock.with_name(f"{lock.name}.{builder_tag()}.stale")
     try:
         os.rename(lock, aside)
