@@ -251,6 +251,36 @@ def test_a_built_folder_has_the_modes_of_results_whatever_the_umask(tmp_path):
         {"rows.tsv": 0o644, "0.png": 0o644}
 
 
+@pytest.mark.skipif(os.name == "nt", reason="no process check on Windows")
+def test_a_build_killed_between_its_renames_gets_the_previous_folder_back(tmp_path):
+    """A build killed after moving the previous folder aside (``.NAME.old-PID``) and
+    before renaming its own into place left no folder at all, and the whole previous
+    one hidden beside it forever (a generated data set: gigabytes). The next build puts
+    it back where the folder is gone, and removes it where a folder is there."""
+    import subprocess
+    import sys
+
+    from skyformer.io import building_folder
+    from skyformer.io.processes import builder_tag
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = builder_tag().rsplit("-", 1)[0]
+    aside = tmp_path / f".data.{host}-{dead.pid}.old"
+    (aside / "rows.tsv").parent.mkdir()
+    (aside / "rows.tsv").write_text("previous\n")
+    with pytest.raises(RuntimeError), building_folder(tmp_path / "data"):
+        raise RuntimeError("this build fails too")
+    assert sorted(os.listdir(tmp_path)) == ["data"]
+    assert (tmp_path / "data" / "rows.tsv").read_text() == "previous\n"
+
+    aside.mkdir()  # another killed build's, with the folder there: removed
+    with building_folder(tmp_path / "data") as tmp:
+        (tmp / "rows.tsv").write_text("new\n")
+    assert sorted(os.listdir(tmp_path)) == ["data"]
+    assert (tmp_path / "data" / "rows.tsv").read_text() == "new\n"
+
+
 def test_numpy_scalars_and_0d_tensors_are_written_as_numbers(tmp_path):
     """They were written as their str ("0.5", "tensor(2.)"), which readers take for text."""
     import numpy as np

@@ -17,24 +17,31 @@ from .processes import builder_tag, process_alive
 
 
 def remove_dead_builds(final: Path) -> list[Path]:
-    """Remove the temporary folders ``.NAME.HOST-PID.XXXXXXXX.tmp`` that ``building_folder``
-    left next to ``final`` in a process of this host that no longer runs (killed: no
-    ``finally`` ran), and return them. A folder of another host, of a live process (a
-    build going on now, or a reused process id) or named otherwise is left alone. Not on
-    Windows, where ``os.kill`` would end the process instead of checking it. Hosts are
-    told apart by name: containers sharing one host name and a volume, but not their
-    process ids, should build in separate folders."""
+    """Remove what ``building_folder`` left next to ``final`` in a process of this host
+    that no longer runs (killed: no ``finally`` ran), and return it: its temporary
+    folders ``.NAME.HOST-PID.XXXXXXXX.tmp``, and the previous ``final`` it had moved
+    aside to ``.NAME.HOST-PID.old``, which is put back instead where ``final`` is gone
+    (killed between the two renames: the previous folder was whole). A folder of another
+    host, of a live process (a build going on now, or a reused process id) or named
+    otherwise is left alone. Not on Windows, where ``os.kill`` would end the process
+    instead of checking it. Hosts are told apart by name: containers sharing one host
+    name and a volume, but not their process ids, should build in separate folders."""
     if os.name == "nt" or not final.parent.is_dir():
         return []
     host = builder_tag().rsplit("-", 1)[0]
-    pattern = re.compile(rf"\.{re.escape(final.name)}\.{re.escape(host)}-(\d+)\.\w{{8}}\.tmp")
+    pattern = re.compile(
+        rf"\.{re.escape(final.name)}\.{re.escape(host)}-(\d+)\.(\w{{8}}\.tmp|old)")
     removed = []
-    for entry in final.parent.iterdir():
+    for entry in sorted(final.parent.iterdir()):
         match = pattern.fullmatch(entry.name)
-        if match and entry.is_dir() and not entry.is_symlink() \
-                and not process_alive(int(match.group(1))):
-            shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
+        if not match or not entry.is_dir() or entry.is_symlink() \
+                or process_alive(int(match.group(1))):
+            continue
+        if match.group(2) == "old" and not final.exists():
+            os.replace(entry, final)  # the build was cut between its renames
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry)
     return removed
 
 
@@ -47,8 +54,9 @@ def building_folder(path: str | os.PathLike[str]) -> Iterator[Path]:
     after a power cut the folder is either absent or whole; files inside need no atomic
     writes of their own. Its files get ``FILE_MODE`` and its folders ``DIR_MODE``, as
     atomically written results do, whatever the umask. The temporary folder is named
-    ``.NAME.HOST-PID.XXXXXXXX.tmp``: one that a killed process left is removed by the
-    next build of ``path`` on that host (``remove_dead_builds``)."""
+    ``.NAME.HOST-PID.XXXXXXXX.tmp``, and the folder it replaces is moved aside to
+    ``.NAME.HOST-PID.old`` until the rename: what a killed process left is cleaned up by
+    the next build of ``path`` on that host (``remove_dead_builds``)."""
     final = Path(os.path.abspath(path))  # "." and ".." resolved: the folder has a name
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_dead_builds(final)
@@ -61,7 +69,7 @@ def building_folder(path: str | os.PathLike[str]) -> Iterator[Path]:
         _readable_tree(tmp)
         _flush_tree(tmp)
         if final.exists():
-            old = final.parent / f".{final.name}.old-{os.getpid()}"
+            old = final.parent / f".{final.name}.{builder_tag()}.old"
             os.replace(final, old)
         os.replace(tmp, final)
     except BaseException:
