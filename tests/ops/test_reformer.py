@@ -138,6 +138,20 @@ def test_shared_qk_uses_normalised_queries_and_ignores_k():
     torch.testing.assert_close(shared, explicit, rtol=1e-12, atol=1e-12)
 
 
+def test_shared_qk_gives_the_unused_key_projection_a_zero_gradient():
+    """With shared_qk a layer's key projection got no gradient at all, so training under
+    DistributedDataParallel (find_unused_parameters=False, as skyformer lra train sets
+    it up) stopped at its second step; it gets zeros, as every other parameter a
+    gradient."""
+    from skyformer import MultiHeadAttention
+
+    layer = MultiHeadAttention(8, 2, "reformer", num_features=8, shared_qk=True).double()
+    layer(torch.randn(2, 16, 8, dtype=torch.float64, generator=gen(0)),
+          generator=gen(1)).sum().backward()
+    assert all(p.grad is not None for p in layer.parameters())
+    assert not layer.k_proj.weight.grad.any() and layer.q_proj.weight.grad.any()
+
+
 def test_buckets_follow_the_real_length():
     cfg = ReformerConfig()  # chunk 64
     lengths = torch.tensor([1, 64, 65, 4096, 0])

@@ -382,4 +382,15 @@ def reformer_attention(
     o = torch.where(has[..., None], o, _rows_at(v_ext, pos_q))
     lse = torch.where(has, lse, self_logit)
     out = _combine_rounds(o, lse, has, rounds.q_rank)
+    if config.shared_qk:
+        out = out + _zero_of(k).to(work)
     return zero_padded_queries(out, info.query_valid).to(q.dtype)
+
+
+def _zero_of(k: Tensor) -> Tensor:
+    """A zero in the graph of ``k``, which ``shared_qk`` leaves unused: a model's key
+    projection then gets a zero gradient, where it got none and
+    DistributedDataParallel (without ``find_unused_parameters``) stopped at the next
+    step. ``where`` keeps it zero where ``k`` holds inf or NaN; one entry suffices."""
+    corner = k[..., :1, :1]
+    return torch.where(torch.zeros_like(corner, dtype=torch.bool), corner, 0).sum()
