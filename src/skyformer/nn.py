@@ -481,7 +481,7 @@ class MultiHeadAttention(BoundMethodProperties, nn.Module):
         return call_with_weights(
             self.bound, q, k, k[..., :0], key_padding_mask=key_padding_mask,
             query_padding_mask="auto" if context is None else query_padding_mask,
-            generator=generator, state=self.method_state)[1]
+            generator=generator, state=_as_next_call(self.method_state))[1]
 
     def new_cache(self, generator: torch.Generator | Tensor | None = None) -> DecodingState:
         """An empty decoding cache for ``forward(x, cache=...)``: causal self-attention of
@@ -531,6 +531,13 @@ class MultiHeadAttention(BoundMethodProperties, nn.Module):
         return f"dim={self.dim}, num_heads={self.num_heads}, method={self.method!r}" + (
             f", {options}" if options else ""
         )
+
+
+def _as_next_call(state: nn.Module | None) -> Any:
+    """``state`` as the next ``forward`` will find it, left unchanged: its ``upcoming``
+    where it has one (a state that counts its calls: Performer's, which may redraw),
+    else the state itself (its call changes nothing)."""
+    return getattr(state, "upcoming", state)
 
 
 def _refuse_torch_arguments(method_options: dict[str, Any], dim: int) -> None:

@@ -269,6 +269,21 @@ def test_gradient_accumulation_matches_the_full_batch(listops_cache, tmp_path):
         _run(dataclasses.replace(cfg, grad_accum=3), listops_cache, tmp_path / "bad")
 
 
+def test_performer_redraws_per_step_whatever_the_accumulation(listops_cache, tmp_path):
+    """Each micro-batch counted as a call: with --grad-accum 2 the features were redrawn
+    twice as often as without, in steps (and, with an odd count, between the
+    micro-batches of one step)."""
+    cfg = _cfg(steps=3, eval_every=3, attention="performer",
+               attention_options={"num_features": 4, "feature_redraw_interval": 1})
+    redraws = []
+    for accumulation in (1, 2):
+        _run(dataclasses.replace(cfg, grad_accum=accumulation), listops_cache,
+             tmp_path / str(accumulation))
+        model = load_checkpoint(tmp_path / str(accumulation) / "last.pt")["model"]
+        redraws.append(sorted(int(v) for k, v in model.items() if k.endswith(".redraws")))
+    assert redraws[0] == redraws[1] and redraws[0][0] == 2  # before steps 2 and 3
+
+
 def _initial_head(cache):
     torch.manual_seed(0)
     data = load_cache(cache, "listops")

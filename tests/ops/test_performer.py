@@ -177,6 +177,39 @@ def test_layer_state_redraws_every_interval_in_training_only():
     assert all(torch.equal(o, outs[0]) for o in outs)
 
 
+def test_held_features_are_kept_uncounted_and_the_weights_are_the_next_calls():
+    """Micro-batches after the first of one step were counted as calls (one process with
+    --grad-accum 2 redrew twice as often as two processes, and a redraw could fall
+    between the micro-batches of one step); attention_weights counted as a call and
+    could redraw, so looking at the weights changed the training run; a call refused
+    for its mask had counted too."""
+    from skyformer.ops.performer import features_held
+    from skyformer.sketch.rng import random_key
+
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(16, 2, method="performer", num_features=8, feature_redraw_interval=1)
+    state = layer.method_state
+    x = torch.randn(1, 6, 16)
+    layer(x)
+    first = state.projection.clone()
+    with features_held(layer):
+        layer(x)
+        layer(x)
+    assert torch.equal(state.projection, first) and int(state.calls_since_redraw) == 1
+    with pytest.raises(TypeError, match="must be a bool tensor"):
+        layer(x, torch.ones(1, 6, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"must have shape \[B, Nk\]"):
+        layer(x, torch.ones(1, 5, dtype=torch.bool))
+    assert torch.equal(state.projection, first) and int(state.redraws) == 0
+    weights = layer.attention_weights(x, generator=random_key(1))  # a redraw is due
+    assert torch.equal(state.projection, first) and int(state.redraws) == 0
+    out = layer(x, generator=random_key(1))  # redraws, then applies those weights
+    assert int(state.redraws) == 1 and not torch.equal(state.projection, first)
+    v = layer._split(layer.v_proj(x))
+    merged = (weights @ v).transpose(1, 2).reshape(1, 6, 16)
+    torch.testing.assert_close(out, layer.out_proj(merged), rtol=1e-5, atol=1e-6)
+
+
 def _functional_loss(layer, params, buffers, x):
     return torch.func.functional_call(layer, (params, buffers), (x,)).sum()
 

@@ -41,6 +41,7 @@ from ..io import (
     write_json,
 )
 from ..logs import get_logger
+from ..ops.performer import features_held
 from ..registry import get_method
 from ..registry.variants import canonical_variant, variant_name
 from .batches import BatchOrder, Position, fetch, micro_batches
@@ -328,7 +329,9 @@ class Trainer:
             tokens, lengths, labels = fetch(train, part, self.device, self.model_cfg.max_len)
             last = j == len(parts) - 1
             sync = contextlib.nullcontext() if last or not self.info.enabled else self.net.no_sync()
-            with sync:
+            # Performer's features: counted (and redrawn) once per step, as by K processes
+            held = features_held(self.model) if j else contextlib.nullcontext()
+            with sync, held:
                 with self.autocast():
                     logits = self.net(tokens, lengths, generator=self.attention_generator)
                 loss = F.cross_entropy(logits.float(), labels)

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from ..linalg.functional_ops import exporting
-from ..ops.shared.inputs import check_query_mask_word
+from ..ops.shared.inputs import check_attention_inputs, check_query_mask_word
 from ..seeds import check_seed
 from ..sketch.rng import cpu_draws_seeded
 from .autocast import call_core
@@ -278,9 +278,14 @@ class BoundMethod:
             raise CapabilityError(capability_sentence_for(self.method, "attn_mask"))
         if arguments and not torch.compiler.is_compiling():  # inspect is not traced
             _refuse_unknown_arguments(self.method, arguments)
-        extra = {**(state(q, k) if state is not None else {}), **arguments}
-        extra.update(query_mask_argument(
+        query_mask = query_mask_argument(
             self.method.name, TAKES_QUERY_MASK.get(self.method.function, True),
-            query_padding_mask, q, k, key_padding_mask))
+            query_padding_mask, q, k, key_padding_mask)
+        if state is not None:  # it may count the call (Performer's redraws): a call the
+            # core would refuse must not count, so the core's input checks come first
+            check_attention_inputs(q, k, v, key_padding_mask, method=self.method.name,
+                                   query_padding_mask=query_mask.get("query_padding_mask",
+                                                                     "auto"))
+        extra = {**(state(q, k) if state is not None else {}), **arguments, **query_mask}
         return call_core(self.method.core, q, k, v, self.config,
                          key_padding_mask=key_padding_mask, generator=generator, **extra)

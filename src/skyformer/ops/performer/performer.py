@@ -42,6 +42,8 @@ every ``feature_redraw_interval`` training calls, never in eval mode.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -155,8 +157,13 @@ class PerformerFeatures(nn.Module):
     features are, from ``generator`` (a CPU generator) or else the global generator, so
     it follows the model's seed. Under ``torch.compile`` the redraw is
     made with tensor operations (the fresh features are computed every training call and
-    kept only when due), so the compiled layer has no data-dependent branch.
+    kept only when due), so the compiled layer has no data-dependent branch. Under
+    ``features_held`` calls use the features as they are, uncounted (the micro-batches of
+    one optimizer step after its first); ``upcoming`` gives the features the next call
+    will use, changing nothing (``MultiHeadAttention.attention_weights``).
     """
+
+    holding = False  # set by ``features_held``: calls are neither counted nor redraw
 
     def __init__(self, config: PerformerConfig, num_heads: int, head_dim: int, *,
                  generator: torch.Generator | None = None) -> None:
@@ -233,9 +240,20 @@ class PerformerFeatures(nn.Module):
         self.calls_since_redraw.masked_fill_(due, 0)
         self.calls_since_redraw.add_(counts.long())
 
+    @torch.no_grad()
+    def upcoming(self, q: Tensor, k: Tensor) -> dict[str, Tensor]:
+        """What the next call in this mode will use (``forward``'s result), drawn where a
+        redraw is due but neither kept nor counted: a look at the weights of that call
+        that leaves the training run as it was."""
+        interval = self.config.feature_redraw_interval
+        if self.training and interval is not None and not self.holding \
+                and int(self.calls_since_redraw) >= interval:
+            return {"projection": self._features(fold_in(self.seed, self.redraws + 1))}
+        return {"projection": self.projection.clone()}
+
     def forward(self, q: Tensor, k: Tensor) -> dict[str, Tensor]:
         interval = self.config.feature_redraw_interval
-        if self.training and interval is not None:
+        if self.training and interval is not None and not self.holding:
             try:
                 self._count_call(interval)
             except RuntimeError as error:
@@ -250,6 +268,23 @@ class PerformerFeatures(nn.Module):
     def extra_repr(self) -> str:
         return (f"num_features={self.config.num_features}, head_dim={self.head_dim}, "
                 f"feature_redraw_interval={self.config.feature_redraw_interval}")
+
+
+@contextmanager
+def features_held(model: nn.Module) -> Iterator[None]:
+    """The Performer layers of ``model`` keep their features through the block and do
+    not count its calls: for the micro-batches of one optimizer step after its first
+    (gradient accumulation), so that ``feature_redraw_interval`` counts steps however a
+    batch is split (one process with K micro-batches redraws where K processes do), and
+    one step's gradient is that of one set of features."""
+    layers = [m for m in model.modules() if isinstance(m, PerformerFeatures) and not m.holding]
+    for layer in layers:
+        layer.holding = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.holding = False
 
 
 _CAPTURED_BUFFERS = (
