@@ -103,6 +103,19 @@ def test_packed_sequences_equal_cpu_float64(method, causal, device, dtype):
     assert_matches_reference(out, grads, ref, ref_grads, dtype)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda_only)])
+def test_a_generators_key_draws_as_the_generator(device):
+    """``skyformer.random_key(g)``, which the sentences for torch.compile and activation
+    checkpointing ask for, drew on the CPU and failed for a CUDA generator."""
+    key = random_key(torch.Generator(device).manual_seed(0))
+    assert key.device.type == device
+    q, k, v = (t.to(device) for t in make_qkv(1, 2, 16, 8, seed=0, dtype=torch.float32))
+    out = skyformer.attention(q, k, v, method="skyformer", num_features=4, generator=key)
+    again = skyformer.attention(q, k, v, method="skyformer", num_features=4,
+                                generator=torch.Generator(device).manual_seed(0))
+    assert torch.equal(out, again)
+
+
 @cuda_only
 @pytest.mark.parametrize("method", ["kernelized", "skyformer", "performer"])
 def test_compiled_layer_equals_the_eager_layer(method):

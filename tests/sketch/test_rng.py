@@ -34,6 +34,25 @@ def test_a_draw_depends_only_on_the_key_and_its_index():
     assert torch.equal(random_key(key), key) and torch.equal(random_key(5), random_key(5))
 
 
+def test_a_generators_key_is_drawn_on_the_generators_device(monkeypatch):
+    """random_key(g) drew on the CPU whatever g's device: torch refuses a CUDA generator
+    in a CPU draw, and the sentences for torch.compile and activation checkpointing tell
+    users to pass exactly skyformer.random_key(g)."""
+    seen = []
+
+    class CudaGenerator(torch.Generator):
+        device = torch.device("cuda", 0)
+
+    def randint(*args, generator, device, **kwargs):
+        seen.append((device, generator.device))
+        return torch.zeros(2, dtype=torch.long)
+
+    monkeypatch.setattr(torch, "randint", randint)
+    random_key(CudaGenerator())
+    assert seen == [(torch.device("cuda", 0), torch.device("cuda", 0))]
+    assert random_key(gen(0), "meta").device.type == "meta"  # drawn, then moved
+
+
 @pytest.mark.parametrize("source", ["abc", 1.5, True])
 def test_a_key_from_anything_else_is_refused_in_a_sentence(source):
     with pytest.raises(TypeError, match=r"random_key takes a torch\.Generator, an int seed"):

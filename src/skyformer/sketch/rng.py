@@ -52,14 +52,15 @@ def _mix(x: Tensor) -> Tensor:
 
 
 def random_key(source: torch.Generator | Tensor | int | None = None,
-               device: torch.device | str = "cpu") -> Tensor:
-    """A key ``[2]`` (int64 on ``device``) from a generator (one draw), an int seed in
-    [0, 2^64) (as ``torch.Generator.manual_seed`` takes), an
-    existing key (returned on ``device``) or ``None`` (one draw of torch's global
-    generator)."""
+               device: torch.device | str | None = None) -> Tensor:
+    """A key ``[2]`` (int64 on ``device``) from a generator (one draw, on the generator's
+    own device: there the key stays where ``device`` is ``None``), an int seed in
+    [0, 2^64) (as ``torch.Generator.manual_seed`` takes), an existing key or ``None``
+    (one draw of torch's global generator); ``device`` ``None``: the CPU but for a
+    generator's key."""
     if isinstance(source, Tensor):
         check_key(source)
-        return source.to(device)
+        return source.to(device or "cpu")
     if isinstance(source, numbers.Integral) and not isinstance(source, bool):
         source = int(source)  # a NumPy integer is a seed too
         check_seed("a random key's seed", source)
@@ -70,11 +71,14 @@ def random_key(source: torch.Generator | Tensor | int | None = None,
         # 2^32 (1 - 1/e) seeds below 2^32 onto one key apiece: seeds 52406 and 69315 drew
         # alike)
         first = _mix(lo ^ 0x5BD1E995)
-        return torch.stack([first, _mix(hi ^ 0x27D4EB2F ^ first)]).to(device)
+        return torch.stack([first, _mix(hi ^ 0x27D4EB2F ^ first)]).to(device or "cpu")
     if source is not None and not isinstance(source, torch.Generator):
         raise TypeError(f"random_key takes a torch.Generator, an int seed, a key tensor or "
                         f"None, got {type(source).__name__} {source!r}.")
-    return torch.randint(0, 2**31, (2,), generator=source, device=device, dtype=torch.long)
+    # a generator draws on its own device (a CUDA generator refuses a CPU draw)
+    drawn_on = source.device if source is not None else device or "cpu"
+    key = torch.randint(0, 2**31, (2,), generator=source, device=drawn_on, dtype=torch.long)
+    return key if device is None else key.to(device)
 
 
 def check_key(key: object, method: str = "skyformer") -> None:
