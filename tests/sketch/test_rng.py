@@ -199,6 +199,8 @@ def test_one_key_draws_alike_in_every_call_and_fold_in_gives_each_layer_its_own(
 @pytest.mark.parametrize(("data", "error", "words"), [
     (2**32, ValueError, r"must be in \[0, 2\^32\) .*4294967296 would give the stream of 0"),
     (-1, ValueError, r"-1 would give the stream of 4294967295"),
+    (np.int64(2**32), ValueError, r"4294967296 would give the stream of 0"),  # aliased
+    (np.int64(-1), ValueError, r"-1 would give the stream of 4294967295"),
     (1.5, TypeError, r"an int in \[0, 2\^32\) or an integer tensor, got float 1\.5"),
     (True, TypeError, r"got bool True"),
     (torch.tensor([0.5]), TypeError, r"got a torch\.float32 tensor"),

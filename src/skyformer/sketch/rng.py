@@ -105,6 +105,8 @@ def fold_in(key: Tensor, data: int | Tensor) -> Tensor:
     copy) and for anything else the data becomes a tensor first. A float, a bool or an
     int out of range is refused: its stream would be another's (1.5 and True are 1's,
     2^32 is 0's)."""
+    if isinstance(data, np.integer):  # checked for range as the int it is
+        data = int(data)
     _check_fold_in(key, data)
     if not isinstance(data, int) or torch.compiler.is_compiling():
         data = torch.as_tensor(data, device=key.device, dtype=torch.long)
