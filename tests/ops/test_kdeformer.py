@@ -239,6 +239,7 @@ def test_bad_inputs_name_the_problem():
         ({"block_size": -1}, "block_size"),
         ({"num_hyperplanes": 0}, "num_hyperplanes"),
         ({"num_hyperplanes": 40}, "num_hyperplanes"),
+        ({"num_hyperplanes": 3, "block_size": 0}, "block_size=0 leaves no sparse part"),
         ({"kde_samples": 0, "estimator": "uniform"}, "kde_samples"),
         ({"kde_samples": 8}, r"kde_samples=8 has no effect with estimator='rows' .*pass "
          r"estimator='uniform' or leave kde_samples out"),

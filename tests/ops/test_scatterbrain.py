@@ -21,10 +21,11 @@ from tests.conftest import gen, holes_mask, make_qkv
 SUPPORT_DEFAULT = "local"
 
 OPTIONS = [
-    {"num_features": 8},
-    {"num_features": 6, "block_size": 5, "num_hyperplanes": 3, "orthogonal": False},
-    {"num_features": 8, "block_size": 0},
-    {"num_features": 7, "antithetic": False},
+    {"num_features": 8, "support": "lsh"},
+    {"num_features": 6, "block_size": 5, "num_hyperplanes": 3, "orthogonal": False,
+     "support": "lsh"},
+    {"num_features": 8, "block_size": 0, "support": "lsh"},
+    {"num_features": 7, "antithetic": False, "support": "lsh"},
     {"num_features": 8, "support": "local"},
     {"num_features": 5, "block_size": 4, "support": "local", "orthogonal": False},
     {"num_features": 6, "block_size": 1, "support": "local", "antithetic": False},
@@ -216,6 +217,9 @@ def test_bad_inputs_name_the_problem():
         ({"num_features": 0}, "num_features"),
         ({"block_size": -3}, "block_size"),
         ({"num_hyperplanes": 0}, "num_hyperplanes"),
+        ({"num_hyperplanes": 3}, r"num_hyperplanes=3 .* support='local' .* changes nothing"),
+        ({"num_hyperplanes": 3, "support": "lsh", "block_size": 0},
+         "block_size=0 leaves no sparse part"),
         ({"orthogonal": None}, "orthogonal"),
         ({"scale": float("nan")}, "scale"),
         ({"support": "window"}, "support"),

@@ -155,6 +155,8 @@ class KDEformerConfig(LshBlockOptions):
         if self.kde_samples is not None:
             check_budget("kdeformer", "kde_samples", self.kde_samples)
         self._refuse_options_of_the_other_estimator()
+        self.refuse_unused_hyperplanes(
+            "kdeformer", "block_size=0 leaves no sparse part" if self.blocks == 0 else None)
         check_choice("kdeformer", "normalizer", self.normalizer, NORMALIZERS)
         if self.normalizer == "kde" and self.estimator != "uniform":
             raise ValueError(

@@ -96,6 +96,10 @@ class ScatterbrainConfig(LshBlockOptions):
     def __post_init__(self) -> None:
         self.validate("scatterbrain")
         check_choice("scatterbrain", "support", self.support, SUPPORTS)
+        self.refuse_unused_hyperplanes("scatterbrain", (
+            "block_size=0 leaves no sparse part" if self.blocks == 0 else
+            f"support={self.support!r} takes a window of neighbouring keys (pass "
+            f"support='lsh' for LSH buckets)" if self.support != "lsh" else None))
         check_random_features("scatterbrain", self.num_features)
         check_bool("scatterbrain", "antithetic", self.antithetic)
         check_bool("scatterbrain", "orthogonal", self.orthogonal)

@@ -46,6 +46,16 @@ class LshBlockOptions:
                 f"got {self.num_hyperplanes}."
             )
 
+    def refuse_unused_hyperplanes(self, method: str, without_lsh: str | None) -> None:
+        """A ``num_hyperplanes`` other than the default where no LSH runs (``without_lsh``:
+        why none does, ``None`` where one does) is refused: it would change nothing."""
+        default = type(self).__dataclass_fields__["num_hyperplanes"].default
+        if without_lsh is not None and self.num_hyperplanes != default:
+            raise ValueError(
+                f"{method}: num_hyperplanes={self.num_hyperplanes!r} shapes the LSH buckets "
+                f"of the sparse part, and {without_lsh}, where it changes nothing: leave "
+                f"it out.")
+
     def budget_caps(self, nq: int, nk: int) -> dict[str, int]:
         """Options to change for Nq, Nk tokens: blocks of at most the sequence. The
         sampled or random-feature budget is bounded at construction
