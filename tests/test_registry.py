@@ -270,6 +270,15 @@ def test_an_argument_of_a_methods_call_given_as_an_option_says_where_it_goes():
     torch.testing.assert_close(  # the way the sentence gives
         skyformer.get_method("performer").bind()(q, q, q, projection=projection),
         skyformer.ops.performer_attention(q, q, q, projection=projection))
+    # an argument of every call given to a layer or to bind(): the sentence said only
+    # that the method had no such option
+    with pytest.raises(ValueError, match=r"has no option 'generator'; .*\(generator: an "
+                                         r"argument of each call, not an option: pass it "
+                                         r"when calling, layer\(x, generator=\.\.\.\)"):
+        skyformer.MultiHeadAttention(8, 2, "skyformer", generator=torch.Generator())
+    with pytest.raises(ValueError, match=r"\(generator, key_padding_mask: arguments of each "
+                                         r"call, not options: pass them when calling"):
+        skyformer.get_method("skyformer").bind(key_padding_mask=None, generator=None)
 
 
 @pytest.mark.parametrize("text, value", [

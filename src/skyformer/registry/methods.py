@@ -159,6 +159,15 @@ class Method:
         """Where the unknown names are arguments of the method's own function (Performer's
         ``projection``, Linformer's ``proj_k``): how to pass them, which ``attention``'s
         options cannot."""
+        per_call = [name for name in unknown
+                    if name in _CALL_NAMES and name not in ("q", "k", "v", "method")]
+        if per_call:  # given to a layer's constructor or to bind(), as an option
+            one = len(per_call) == 1
+            given = ", ".join(f"{name}=..." for name in per_call)
+            return (f" ({', '.join(per_call)}: {'an argument' if one else 'arguments'} of "
+                    f"each call, not {'an option' if one else 'options'}: pass "
+                    f"{'it' if one else 'them'} when calling, layer(x, {given}) or "
+                    f"bound(q, k, v, {given}))")
         taken = [name for name in unknown if name in _argument_names(self.function)
                  and name not in _CALL_NAMES]
         if not taken:
