@@ -51,6 +51,9 @@ class NystromOptions:
     gamma: ridge added to M before the Lemma 3 normalisation; 0 only with
         ``pinv_init="scaled_transpose"`` or ``pinv="exact"`` (from the identity the
         iteration needs Lemma 3's gamma > 0).
+    pinv, pinv_iterations, pinv_init, pinv_gradient: the inverse of the non-causal
+        form; with ``causal=True`` the core is the exact ridge inverse (one Cholesky)
+        and they change nothing.
     pinv: ``"iterative"`` (Razavi et al.) or ``"exact"`` (the inverse by LU for
         gamma > 0; for gamma = 0 the pseudo-inverse, by LU where the core is well
         conditioned, else torch.linalg.pinv; ``linalg.nystrom.exact_inverse``).
