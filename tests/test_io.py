@@ -252,11 +252,13 @@ def test_a_built_folder_has_the_modes_of_results_whatever_the_umask(tmp_path):
 
 
 @pytest.mark.skipif(os.name == "nt", reason="no process check on Windows")
-def test_a_build_killed_between_its_renames_gets_the_previous_folder_back(tmp_path):
-    """A build killed after moving the previous folder aside (``.NAME.old-PID``) and
-    before renaming its own into place left no folder at all, and the whole previous
-    one hidden beside it forever (a generated data set: gigabytes). The next build puts
-    it back where the folder is gone, and removes it where a folder is there."""
+def test_the_previous_folder_a_killed_build_set_aside_is_removed_once_replaced(tmp_path):
+    """A build killed while removing the folder it replaced (seconds, for a generated
+    data set of gigabytes) left it hidden beside the new one as ``.NAME.old-PID``
+    forever. The next build removes such a folder where the new one is in place, and
+    leaves it where the folder is gone (killed between the renames: the data, whole,
+    for the user to rename back); this process's own id names an earlier process's
+    folder (a restarted container) unless it builds it now."""
     import subprocess
     import sys
 
@@ -266,16 +268,20 @@ def test_a_build_killed_between_its_renames_gets_the_previous_folder_back(tmp_pa
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     host = builder_tag().rsplit("-", 1)[0]
-    aside = tmp_path / f".data.{host}-{dead.pid}.old"
-    (aside / "rows.tsv").parent.mkdir()
-    (aside / "rows.tsv").write_text("previous\n")
+    cut_short = tmp_path / f".data.{host}-{dead.pid}.abcd1234.old"
+    (cut_short / "rows.tsv").parent.mkdir()
+    (cut_short / "rows.tsv").write_text("previous\n")
     with pytest.raises(RuntimeError), building_folder(tmp_path / "data"):
-        raise RuntimeError("this build fails too")
-    assert sorted(os.listdir(tmp_path)) == ["data"]
-    assert (tmp_path / "data" / "rows.tsv").read_text() == "previous\n"
+        raise RuntimeError("this build fails")
+    assert sorted(os.listdir(tmp_path)) == [cut_short.name]  # the data, left whole
 
-    aside.mkdir()  # another killed build's, with the folder there: removed
+    cut_short.rename(tmp_path / "data")  # put back by the user
+    left = [tmp_path / f".data.{host}-{dead.pid}.abcd1234.old",
+            tmp_path / f".data.{builder_tag()}.efgh5678.old"]  # an earlier process's
+    for folder in left:
+        folder.mkdir()
     with building_folder(tmp_path / "data") as tmp:
+        assert sorted(os.listdir(tmp_path)) == sorted(["data", tmp.name])
         (tmp / "rows.tsv").write_text("new\n")
     assert sorted(os.listdir(tmp_path)) == ["data"]
     assert (tmp_path / "data" / "rows.tsv").read_text() == "new\n"
@@ -523,7 +529,7 @@ def test_a_killed_runs_staging_folder_is_removed_by_the_next_run(tmp_path):
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True).stdout.strip()
     dead = tmp_path / f".staging.{host}-{gone}.abcdefgh.tmp"
-    alive = tmp_path / f".staging.{builder_tag()}.ijklmnop.tmp"
+    alive = tmp_path / f".staging.{host}-{os.getppid()}.ijklmnop.tmp"  # a live process's
     for folder in (dead, alive):
         folder.mkdir()
         (folder / "approx.png").write_bytes(b"")

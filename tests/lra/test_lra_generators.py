@@ -333,7 +333,7 @@ def test_a_killed_builds_temporary_folder_is_removed_by_the_next_build(tmp_path)
     dead.wait()
     host = builder_tag().rsplit("-", 1)[0]
     names = {"dead": f".pf.{host}-{dead.pid}.abcd_123.tmp",
-             "live": f".pf.{host}-{os.getpid()}.abcd_123.tmp",
+             "live": f".pf.{host}-{os.getppid()}.abcd_123.tmp",
              "other host": f".pf.{host}x-{dead.pid}.abcd_123.tmp",
              "unknown": ".pf.abcd_123.tmp", "other folder": f".lo.{host}-{dead.pid}.abcd_123.tmp",
              "no such pid": f".pf.{host}-{10**20}.abcd_123.tmp"}  # os.kill overflowed

@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,34 +16,50 @@ from pathlib import Path
 from .atomic import DIR_MODE, FILE_MODE
 from .processes import builder_tag, process_alive
 
+# The temporary and set-aside folders of builds this process has going (real paths):
+# a name with this process's own id is an earlier process's (a container restarted after
+# a kill keeps its host name and often its process ids) unless listed here
+_BUILDING: set[str] = set()
+_BUILDING_GUARD = threading.Lock()
+
 
 def remove_dead_builds(final: Path) -> list[Path]:
     """Remove what ``building_folder`` left next to ``final`` in a process of this host
     that no longer runs (killed: no ``finally`` ran), and return it: its temporary
-    folders ``.NAME.HOST-PID.XXXXXXXX.tmp``, and the previous ``final`` it had moved
-    aside to ``.NAME.HOST-PID.old``, which is put back instead where ``final`` is gone
-    (killed between the two renames: the previous folder was whole). A folder of another
-    host, of a live process (a build going on now, or a reused process id) or named
-    otherwise is left alone. Not on Windows, where ``os.kill`` would end the process
-    instead of checking it. Hosts are told apart by name: containers sharing one host
-    name and a volume, but not their process ids, should build in separate folders."""
+    folders ``.NAME.HOST-PID.XXXXXXXX.tmp``, and the previous ``final`` it had set aside
+    as ``.NAME.HOST-PID.XXXXXXXX.old`` where ``final`` is there (killed while removing
+    it). Where ``final`` is gone (killed between the two renames) the set-aside folder,
+    whole, is left for the user to rename back. A folder of another host, of a live
+    process (a build going on now, or a reused process id) or named otherwise is left
+    alone. Not on Windows, where ``os.kill`` would end the process instead of checking
+    it. Hosts are told apart by name: containers sharing one host name and a volume,
+    but not their process ids, should build in separate folders."""
     if os.name == "nt" or not final.parent.is_dir():
         return []
-    host = builder_tag().rsplit("-", 1)[0]
+    tag = builder_tag()
+    host = tag.rsplit("-", 1)[0]
     pattern = re.compile(
-        rf"\.{re.escape(final.name)}\.{re.escape(host)}-(\d+)\.(\w{{8}}\.tmp|old)")
+        rf"\.{re.escape(final.name)}\.{re.escape(host)}-(\d+)\.\w{{8}}\.(tmp|old)")
     removed = []
     for entry in sorted(final.parent.iterdir()):
         match = pattern.fullmatch(entry.name)
         if not match or not entry.is_dir() or entry.is_symlink() \
-                or process_alive(int(match.group(1))):
-            continue
-        if match.group(2) == "old" and not final.exists():
-            os.replace(entry, final)  # the build was cut between its renames
+                or (match.group(2) == "old" and not final.exists()) \
+                or not _left_by_dead_build(entry, f"{host}-{match.group(1)}", tag):
             continue
         shutil.rmtree(entry, ignore_errors=True)
         removed.append(entry)
     return removed
+
+
+def _left_by_dead_build(entry: Path, owner: str, tag: str) -> bool:
+    """Whether ``entry``, named by process ``owner`` (``HOST-PID``) of this host, was
+    left by a process that no longer runs: this process's own id means an earlier
+    process's unless this process builds it now."""
+    if owner == tag:
+        with _BUILDING_GUARD:
+            return os.path.realpath(entry) not in _BUILDING
+    return not process_alive(int(owner.rsplit("-", 1)[1]))
 
 
 @contextmanager
@@ -54,14 +71,18 @@ def building_folder(path: str | os.PathLike[str]) -> Iterator[Path]:
     after a power cut the folder is either absent or whole; files inside need no atomic
     writes of their own. Its files get ``FILE_MODE`` and its folders ``DIR_MODE``, as
     atomically written results do, whatever the umask. The temporary folder is named
-    ``.NAME.HOST-PID.XXXXXXXX.tmp``, and the folder it replaces is moved aside to
-    ``.NAME.HOST-PID.old`` until the rename: what a killed process left is cleaned up by
-    the next build of ``path`` on that host (``remove_dead_builds``)."""
+    ``.NAME.HOST-PID.XXXXXXXX.tmp``, and the folder it replaces is set aside as
+    ``.NAME.HOST-PID.XXXXXXXX.old`` until the rename: what a killed process left is
+    cleaned up by the next build of ``path`` on that host (``remove_dead_builds``)."""
     final = Path(os.path.abspath(path))  # "." and ".." resolved: the folder has a name
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_dead_builds(final)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.{builder_tag()}.", suffix=".tmp",
-                                dir=final.parent))
+    with _BUILDING_GUARD:  # listed before another thread's remove_dead_builds can see it
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.{builder_tag()}.", suffix=".tmp",
+                                    dir=final.parent))
+        aside = tmp.with_name(tmp.name.removesuffix(".tmp") + ".old")  # unique as tmp is
+        building = [os.path.realpath(tmp), os.path.realpath(aside)]
+        _BUILDING.update(building)
     os.chmod(tmp, DIR_MODE)  # mkdtemp creates 0700; outputs are readable as results are
     old = None
     try:
@@ -69,7 +90,7 @@ def building_folder(path: str | os.PathLike[str]) -> Iterator[Path]:
         _readable_tree(tmp)
         _flush_tree(tmp)
         if final.exists():
-            old = final.parent / f".{final.name}.{builder_tag()}.old"
+            old = aside
             os.replace(final, old)
         os.replace(tmp, final)
     except BaseException:
@@ -81,6 +102,8 @@ def building_folder(path: str | os.PathLike[str]) -> Iterator[Path]:
     finally:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+        with _BUILDING_GUARD:
+            _BUILDING.difference_update(building)
 
 
 @contextmanager
@@ -96,14 +119,19 @@ def replacing_together(folder: str | os.PathLike[str]) -> Iterator[Path]:
     target = Path(folder)
     target.mkdir(parents=True, exist_ok=True)
     remove_dead_builds(target / "staging")
-    stage = Path(tempfile.mkdtemp(prefix=f".staging.{builder_tag()}.", suffix=".tmp",
-                                  dir=target))
+    with _BUILDING_GUARD:  # listed before another thread's remove_dead_builds can see it
+        stage = Path(tempfile.mkdtemp(prefix=f".staging.{builder_tag()}.", suffix=".tmp",
+                                      dir=target))
+        building = os.path.realpath(stage)
+        _BUILDING.add(building)
     try:
         yield stage
         for path in sorted(stage.iterdir()):
             os.replace(path, target / path.name)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+        with _BUILDING_GUARD:
+            _BUILDING.discard(building)
 
 
 def _readable_tree(folder: Path) -> None:
