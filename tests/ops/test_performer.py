@@ -200,7 +200,15 @@ def test_held_features_are_kept_uncounted_and_the_weights_are_the_next_calls():
         layer(x, torch.ones(1, 6, dtype=torch.long))
     with pytest.raises(ValueError, match=r"must have shape \[B, Nk\]"):
         layer(x, torch.ones(1, 5, dtype=torch.bool))
+    with pytest.raises(TypeError, match=r"generator must be a torch\.Generator"):
+        layer(x, generator=1.5)
     assert torch.equal(state.projection, first) and int(state.redraws) == 0
+    # inputs that autocast makes one dtype are no refused call (Llama's rotary step
+    # gives float32 q, k beside a bfloat16 v)
+    q = torch.randn(1, 2, 6, 8)
+    with features_held(layer), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer.bound(q, q, q.bfloat16(), state=state)
+    assert out.dtype == torch.bfloat16
     weights = layer.attention_weights(x, generator=random_key(1))  # a redraw is due
     assert torch.equal(state.projection, first) and int(state.redraws) == 0
     out = layer(x, generator=random_key(1))  # redraws, then applies those weights

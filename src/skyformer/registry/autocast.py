@@ -38,7 +38,7 @@ def call_core(core: Callable[..., Tensor], q: Any, k: Any, v: Any, config: Any,
     # Llama's rotary step gives float32 q, k beside a bfloat16 v); one from outside gets
     # the same checks here, and its padded queries' rows are set to 0 after it
     outside = None if owned else check_attention_inputs(
-        *_as_autocast_hands_them(q, k, v), masks[0], method=registered_name(core),
+        *as_autocast_hands_them(q, k, v), masks[0], method=registered_name(core),
         query_padding_mask=masks[1])
     if not owned and isinstance(q, Tensor):  # its generator too (an int was taken silently)
         check_generator(registered_name(core), kwargs.get("generator"), q.device)
@@ -56,7 +56,7 @@ def call_core(core: Callable[..., Tensor], q: Any, k: Any, v: Any, config: Any,
     return out if outside is None else zero_padded_queries(out, outside.query_valid)
 
 
-def _as_autocast_hands_them(q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
+def as_autocast_hands_them(q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
     """``q, k, v`` cast as ``autocast_rule`` casts them for the method (as they are where
     they are no floating-point tensors: the checks then name what they are)."""
     if isinstance(q, Tensor) and q.is_floating_point():

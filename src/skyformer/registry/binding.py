@@ -25,10 +25,10 @@ import torch
 from torch import Tensor, nn
 
 from ..linalg.functional_ops import exporting
-from ..ops.shared.inputs import check_attention_inputs, check_query_mask_word
+from ..ops.shared.inputs import check_attention_inputs, check_generator, check_query_mask_word
 from ..seeds import check_seed
 from ..sketch.rng import cpu_draws_seeded
-from .autocast import call_core
+from .autocast import as_autocast_hands_them, call_core
 from .capabilities import CapabilityError
 
 # Whether each registered function takes query_padding_mask (filled by ``register``,
@@ -282,10 +282,16 @@ class BoundMethod:
             self.method.name, TAKES_QUERY_MASK.get(self.method.function, True),
             query_padding_mask, q, k, key_padding_mask)
         if state is not None:  # it may count the call (Performer's redraws): a call the
-            # core would refuse must not count, so the core's input checks come first
-            check_attention_inputs(q, k, v, key_padding_mask, method=self.method.name,
+            # core would refuse must not count, so the core's input checks come first, on
+            # the inputs as autocast hands them over (Llama's rotary step gives float32
+            # q, k beside a bfloat16 v), cast only where their dtypes differ
+            same = isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor) \
+                and q.dtype == k.dtype == v.dtype
+            check_attention_inputs(*((q, k, v) if same else as_autocast_hands_them(q, k, v)),
+                                   key_padding_mask, method=self.method.name,
                                    query_padding_mask=query_mask.get("query_padding_mask",
                                                                      "auto"))
+            check_generator(self.method.name, generator, q.device)
         extra = {**(state(q, k) if state is not None else {}), **arguments, **query_mask}
         return call_core(self.method.core, q, k, v, self.config,
                          key_padding_mask=key_padding_mask, generator=generator, **extra)

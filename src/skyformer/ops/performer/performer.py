@@ -247,7 +247,8 @@ class PerformerFeatures(nn.Module):
         that leaves the training run as it was."""
         interval = self.config.feature_redraw_interval
         if self.training and interval is not None and not self.holding \
-                and int(self.calls_since_redraw) >= interval:
+                and may_read_values(self.calls_since_redraw) \
+                and int(self.calls_since_redraw) >= interval:  # (meta: nothing to draw)
             return {"projection": self._features(fold_in(self.seed, self.redraws + 1))}
         return {"projection": self.projection.clone()}
 
