@@ -60,7 +60,7 @@ def random_key(source: torch.Generator | Tensor | int | None = None,
     generator's key."""
     if isinstance(source, Tensor):
         check_key(source)
-        return source.to(device or "cpu")
+        return source.to("cpu" if device is None else device)
     if isinstance(source, numbers.Integral) and not isinstance(source, bool):
         source = int(source)  # a NumPy integer is a seed too
         check_seed("a random key's seed", source)
@@ -71,12 +71,13 @@ def random_key(source: torch.Generator | Tensor | int | None = None,
         # 2^32 (1 - 1/e) seeds below 2^32 onto one key apiece: seeds 52406 and 69315 drew
         # alike)
         first = _mix(lo ^ 0x5BD1E995)
-        return torch.stack([first, _mix(hi ^ 0x27D4EB2F ^ first)]).to(device or "cpu")
+        key = torch.stack([first, _mix(hi ^ 0x27D4EB2F ^ first)])
+        return key.to("cpu" if device is None else device)
     if source is not None and not isinstance(source, torch.Generator):
         raise TypeError(f"random_key takes a torch.Generator, an int seed, a key tensor or "
                         f"None, got {type(source).__name__} {source!r}.")
     # a generator draws on its own device (a CUDA generator refuses a CPU draw)
-    drawn_on = source.device if source is not None else device or "cpu"
+    drawn_on = source.device if source is not None else "cpu" if device is None else device
     key = torch.randint(0, 2**31, (2,), generator=source, device=drawn_on, dtype=torch.long)
     return key if device is None else key.to(device)
 
