@@ -12,8 +12,8 @@ TRITON_VERSION=${2:-3.6.0}
 shift $(( $# < 2 ? $# : 2 ))
 PYTHON=${PYTHON:-python3}
 venv=".venv-torch$TORCH_VERSION"
-if [ ! -x "$venv/bin/python" ]; then
-  "$PYTHON" -m venv "$venv"
+if ! "$venv/bin/python" -m pip --version >/dev/null 2>&1; then  # absent or broken
+  "$PYTHON" -m venv --clear "$venv"
 fi
 numpy="numpy"
 if [ "$(printf '%s\n3.7\n' "$TRITON_VERSION" | sort -V | head -1)" != "3.7" ]; then

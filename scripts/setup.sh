@@ -7,8 +7,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  "$PYTHON" -m venv .venv
+# made anew where it cannot run pip: absent, its interpreter gone (Python upgraded or
+# removed), or cut short while being made
+if ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
+  "$PYTHON" -m venv --clear .venv
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "torch==2.13.0" ${TORCH_INDEX:+--index-url "$TORCH_INDEX"}
