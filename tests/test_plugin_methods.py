@@ -202,6 +202,7 @@ class _Lenient:
     mode: _Mode = _Mode.LOCAL
     widths: tuple[int, ...] = (1,)
     level: typing.Literal[1.0, 2.0] = 1.0
+    count: typing.Literal[1, 2] = 1
     rate: float = 0.5
     flag: bool = False
 
@@ -220,6 +221,7 @@ def test_the_annotation_checks_take_what_a_config_converts_and_numpy_numbers(mon
                     {"rate": np.float32(0.25)}, {"flag": np.bool_(True)}):
         assert skyformer.attention(q, q, q, "plugin_lenient", **options).shape == q.shape
     for options, said in (({"level": True}, "level must be 1.0 or 2.0"),
+                          ({"count": 2.0}, "count must be 1 or 2"),  # no count: a float
                           ({"widths": "ab"}, "widths must be a tuple"),
                           ({"rate": True}, "rate must be a float")):
         with pytest.raises(TypeError, match=said):

@@ -55,8 +55,10 @@ def _is_sequence(value: Any) -> bool:
 
 
 def _same_literal(value: Any, literal: Any) -> bool:
-    """``value == literal`` where both are flags or both are not (True is no 1)."""
-    return _is_bool(value) == _is_bool(literal) and value == literal
+    """``value == literal`` where both are flags or both are not (True is no 1), and an
+    int literal is matched by an int only (2.0 is no count, as an ``int`` option says)."""
+    return _is_bool(value) == _is_bool(literal) and value == literal \
+        and (_is_int(value) or not _is_int(literal))
 
 
 _PLAIN: dict[Any, tuple[Callable[[Any], bool], str]] = {
