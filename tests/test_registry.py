@@ -294,7 +294,7 @@ def test_values_are_numbers_words_or_strings(text, value):
 
 
 @pytest.mark.parametrize("value", [64, -2, 0.5, 1e-3, True, False, None, "implicit", "64",
-                                   "true", "1e-3", "a b"])
+                                   "true", "1e-3", "a b", " spaced", "trailing "])
 def test_a_variant_name_reads_back_the_options_it_was_given(value):
     from skyformer.registry.variants import parse_variant, variant_name
 

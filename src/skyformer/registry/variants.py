@@ -85,7 +85,7 @@ def _written(value: Any) -> str:
     false / null, and a string that would read back as something else quoted."""
     if value is None or isinstance(value, bool):
         return {None: "null", True: "true", False: "false"}[value]
-    if isinstance(value, str) and _value(value) != value:
+    if isinstance(value, str) and (_value(value) != value or value != value.strip()):
         return f'"{value}"'
     return str(value)
 
