@@ -5,6 +5,7 @@ script whose table is text writes it with a JSON beside (``write_report``)."""
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -26,7 +27,24 @@ def run_metadata(script: str, argv: list[str] | None, config: dict[str, Any],
     settings ``config``, on ``device`` (a CUDA device's name is recorded)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     return {"config": config, "environment": environment(device),
-            "command": shlex.join(["python", f"benchmarks/{Path(script).name}", *argv])}
+            "command": _command(script, argv)}
+
+
+def _command(script: str, argv: list[str]) -> str:
+    """The command as run from the repository's root; run from a folder inside it, that
+    folder first (``cd benchmarks && python host_time.py --out results/x.md``), so that
+    the relative paths typed read the same when the command is run again."""
+    root = RESULTS.parent.parent
+    here = Path.cwd().resolve()
+    try:
+        inside = here.relative_to(root)
+    except ValueError:  # run from elsewhere: the paths typed are that folder's
+        inside = Path()
+    if inside == Path():
+        return shlex.join(["python", f"benchmarks/{Path(script).name}", *argv])
+    target = os.path.relpath(Path(script).resolve(), here)
+    return (f"cd {shlex.quote(inside.as_posix())} && "
+            + shlex.join(["python", Path(target).as_posix(), *argv]))
 
 
 def write_report(out: str | Path, text: str, metadata: dict[str, Any], **data: Any) -> None:

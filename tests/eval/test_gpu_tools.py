@@ -26,6 +26,19 @@ def _assert_run_recorded(result, script, argv):
     assert result["command"] == f"python benchmarks/{script} " + " ".join(argv)
 
 
+def test_a_command_run_inside_the_repository_records_its_folder(monkeypatch):
+    """The command was recorded as run from the root whatever the folder: one run from
+    benchmarks/ with --out results/x.md, run again as recorded, wrote <root>/results."""
+    run_metadata = load_benchmark("run_metadata")
+    script = str(BENCHMARKS / "host_time.py")
+    monkeypatch.chdir(BENCHMARKS)
+    assert run_metadata.run_metadata(script, ["--out", "results/x.md"], {})["command"] \
+        == "cd benchmarks && python host_time.py --out results/x.md"
+    monkeypatch.chdir(BENCHMARKS.parent)
+    assert run_metadata.run_metadata(script, ["--out", "x.md"], {})["command"] \
+        == "python benchmarks/host_time.py --out x.md"
+
+
 def test_profile_summarises_every_method_on_the_cpu(tmp_path):
     gpu_profile = load_benchmark("gpu_profile")
     out = tmp_path / "profile"
