@@ -412,21 +412,27 @@ def test_sigterm_ends_a_run_as_ctrl_c_does_and_gives_its_lock_back(tmp_path, mon
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
-def test_resume_of_finished_results_refuses_data_that_changed_since(tmp_path, capsys):
+def test_resume_of_finished_results_refuses_data_that_changed_since(tmp_path, capsys,
+                                                                    monkeypatch):
     """--resume after a run finished said "nothing to resume" and kept the results of a
     --qkv file replaced since; the results keep the files' stamps, as the progress file
-    does, and such a resume is refused."""
+    does, and such a resume is refused. The same settings spelt otherwise (features in
+    another order, the file by a relative path) measured everything again."""
     import torch
 
     saved = tmp_path / "mine.pt"
     g = torch.Generator().manual_seed(0)
     torch.save({name: torch.randn(1, 2, 24, 8, generator=g) for name in "qkv"}, saved)
-    argv = ["approx", "--sources", "qkv", "--qkv", str(saved), "--seq-lens", "24",
-            "--features", "8", "--seeds", "0", "--methods", "skyformer", "--no-analysis",
-            "--no-plots", "--no-progress", "--out", str(tmp_path / "out")]
+    common = ["approx", "--sources", "qkv", "--seq-lens", "24", "--seeds", "0",
+              "--methods", "skyformer", "--no-analysis", "--no-plots", "--no-progress",
+              "--out", str(tmp_path / "out")]
+    argv = [*common, "--qkv", str(saved), "--features", "8", "4"]
     assert main(argv) == 0
     assert json.loads((tmp_path / "out" / "approx.json").read_text())["data"]["qkv"]["files"]
     assert main([*argv, "--resume"]) == 0
+    assert "nothing to resume" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
+    assert main([*common, "--qkv", "mine.pt", "--features", "4", "8", "--resume"]) == 0
     assert "nothing to resume" in capsys.readouterr().err
     torch.save({name: torch.randn(1, 2, 24, 8, generator=g) for name in "qkv"}, saved)
     assert main([*argv, "--resume"]) == 2

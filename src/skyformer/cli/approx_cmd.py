@@ -14,7 +14,13 @@ from typing import Any
 
 import torch
 
-from ..eval.approx.progress import PROGRESS_FILE, data_changes, kept_note, refuse_to_replace
+from ..eval.approx.progress import (
+    PROGRESS_FILE,
+    data_changes,
+    finished_alike,
+    kept_note,
+    refuse_to_replace,
+)
 from ..eval.approx.report import FILES, analysis_table, format_table, rounded_floats, write_outputs
 from ..eval.approx.run import QUICK, ApproxConfig, run_approx
 from ..eval.data.sources import SOURCES
@@ -229,10 +235,9 @@ def _finished_here(out: Path, config: ApproxConfig) -> bool:
     except (OSError, ValueError, KeyError, TypeError):
         return False
     ours = rounded_floats(json.loads(json_text(dataclasses.asdict(config))))
-    if not (isinstance(saved, dict) and all(
-            saved.get(key) == value for key, value in ours.items() if key != "progress")):
-        return False
     stamps = results.get("data")
+    if not (isinstance(saved, dict) and finished_alike(saved, stamps, ours, config)):
+        return False
     changed = data_changes(stamps, config) if isinstance(stamps, dict) else []
     if changed:
         raise ValueError(f"cannot resume: {out} holds the finished results of these settings, "

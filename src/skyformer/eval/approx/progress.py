@@ -168,6 +168,29 @@ def _same_setting(key: str, now: Any, there: Any) -> bool:
     return now == there
 
 
+def finished_alike(saved: dict[str, Any], stamps: Any, now: dict[str, Any],
+                   config: Any) -> bool:
+    """Whether the config a finished run saved in its results (``saved``, with its data
+    ``stamps``) is that of ``config`` (``now``: its settings as the results write them),
+    as a progress file's are compared: ``--features 16 8`` as ``8 16``, ``--text g.txt``
+    as ``./g.txt``; "progress" is no setting of what was measured."""
+    now_paths = {name: stamp["path"] for name, stamp in data_stamps(config).items()}
+    for key, value in now.items():
+        if key == "progress":
+            continue
+        if key in _DATA_SETTINGS:
+            there = saved.get(key)
+            if isinstance(stamps, dict) and isinstance(stamps.get(key), dict):
+                there = stamps[key].get("path")
+            elif isinstance(there, str):  # results written before the stamps were kept
+                there = str(Path(there).resolve())
+            if there != now_paths.get(key):
+                return False
+        elif not _same_setting(key, value, saved.get(key)):
+            return False
+    return True
+
+
 def _difference(key: str, there: dict, now: dict) -> str:
     """``key=[16] there, [32] now``; a key one side lacks (a file written by another
     version) is said to be missing there, not to have been None."""
