@@ -29,6 +29,14 @@ def test_word2vec_header_and_words_with_spaces(tmp_path):
     assert read_glove(path, 3).tolist() == [[1, 2], [3, 4], [5, 6]]
 
 
+def test_a_word_of_unicode_spaces_is_one_field(tmp_path):
+    """GloVe splits at spaces and tabs only: a word that is or holds NBSP or U+3000 was
+    split by str.split() and the file refused as inconsistent."""
+    path = tmp_path / "g.txt"
+    path.write_text("the 1 2\n\u00a0 3 4\nx\u30001 5 6\ntab\t7\t8\n", encoding="utf-8")
+    assert read_glove(path, 4).tolist() == [[1, 2], [3, 4], [5, 6], [7, 8]]
+
+
 def test_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         read_glove(tmp_path / "missing.txt", 1)

@@ -1,6 +1,6 @@
 """Word vectors from a GloVe-format text file (KDEformer section 4.1's data).
 
-Format: one vector per line, ``word x_1 ... x_d``, separated by spaces; an optional
+Format: one vector per line, ``word x_1 ... x_d``, separated by spaces (or tabs); an optional
 word2vec-style first line ``count dim`` is skipped. A line's vector is the run of
 numbers that ends it, less its first field (the word, which may itself be a number);
 the dimension d is that of the first vector line. A word that itself contains spaces
@@ -14,6 +14,7 @@ nothing extra.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -84,6 +85,12 @@ def _vector(fields: list[str], dim: int, path: Path, line_no: int) -> list[float
     return vector
 
 
+def _fields(line: str) -> list[str]:
+    """A line's fields, split where GloVe's tokenizer splits: at spaces and tabs only, so
+    a word that is or holds a Unicode space (NBSP, U+3000) stays one field."""
+    return [field for field in re.split(r"[ \t]+", line.strip(" \t\r\n")) if field]
+
+
 def read_glove(path: str | Path, count: int, *, at_most: bool = False) -> Tensor:
     """The first ``count`` vectors of a GloVe-format file: ``[count, d]`` float64 (with
     ``at_most``, all of them where the file holds fewer, instead of the sentence)."""
@@ -98,7 +105,7 @@ def read_glove(path: str | Path, count: int, *, at_most: bool = False) -> Tensor
     dim: int | None = None
     with p.open("r", encoding="utf-8", errors="replace") as handle:
         for line_no, line in enumerate(handle, start=1):
-            fields = line.split()
+            fields = _fields(line)
             if not fields:
                 continue
             if dim is None:
