@@ -613,7 +613,7 @@ def test_the_qkv_source_refuses_what_it_cannot_measure_before_any_work(tmp_path)
              r"holds N=40 tokens; N=48 \(--seq-lens\) needs more"),
             ({"qkv": str(path), "heads": (7,)}, r"heads must be in 0\.\.5 for the --qkv "
                                                 r"file's B x H = 6 heads"),
-            ({"qkv": str(with_padding), "seq_lens": (32,)},
+            ({"qkv": str(with_padding), "seq_lens": (32,), "heads": (0, 4)},
              r"sequence 1 has padding among its first 32 tokens"),
             ({"qkv": str(with_nan), "heads": (1, 4)},
              r"V holds NaN or inf among the first 24 tokens of head 4 \(head b \* H \+ h\)"
@@ -621,6 +621,10 @@ def test_the_qkv_source_refuses_what_it_cannot_measure_before_any_work(tmp_path)
         config = small(sources=("qkv",), **{"seq_lens": (24,), "analysis": False, **setting})
         with pytest.raises(ValueError, match=said):
             run_approx(config, log=lambda s: None)
+    # heads 0 and 2 are those of sequence 0: the padding of sequence 1 is no concern
+    config = small(sources=("qkv",), qkv=str(with_padding), seq_lens=(32,), heads=(0, 2),
+                   features=(4,), methods=("nystromformer",), analysis=False)
+    assert rows_of(run_approx(config, log=lambda s: None), method="nystromformer")
 
 
 def test_paths_given_as_path_objects_are_kept_as_the_strings_the_results_record(tmp_path):

@@ -210,13 +210,16 @@ class SourceLoader:
         if seq_len > k.shape[2]:
             raise ValueError(f"{where} holds N={k.shape[2]} tokens; N={seq_len} ({setting}) "
                              f"needs more: pass a shorter {setting}.")
-        if mask is not None and not bool(mask[:, :seq_len].all()):
-            first = int((~mask[:, :seq_len]).any(dim=1).nonzero()[0])
+        heads = self._own_heads(q.shape[0] * q.shape[1])
+        sequences = sorted({head // q.shape[1] for head in heads})  # head b * H + h
+        if mask is not None and not bool(mask[sequences, :seq_len].all()):
+            padded = (~mask[sequences, :seq_len]).any(dim=1).nonzero()
+            first = sequences[int(padded[0])]
             raise ValueError(f"{where}: sequence {first} has padding among its first "
                              f"{seq_len} tokens ({setting}); the study takes the first N "
-                             f"tokens of every sequence, all real: pass a shorter {setting}, "
-                             f"or save the sequences with enough real tokens.")
-        heads = self._own_heads(q.shape[0] * q.shape[1])
+                             f"tokens of each chosen head's sequence, all real: pass a "
+                             f"shorter {setting}, leave its heads out with --heads, or save "
+                             f"the sequences with enough real tokens.")
         for name, t in (("Q", q), ("K", k), ("V", v)):
             finite = t[:, :, :seq_len].flatten(0, 1)[heads].isfinite().flatten(1).all(1)
             if not bool(finite.all()):
