@@ -25,13 +25,33 @@ def test_every_library_method_keeps_the_contract(method):
 @pytest.mark.parametrize("method", [
     "softmax[causal=True]", "linear[causal=True]", "skyformer[landmark_stride=2]",
     "skyformer[num_features=64]", "nystrom_softmax[num_features=64]",
-    "skyformer[causal=True]", "performer[eps=1e-4]", "nystromformer[conv_kernel=3]"])
+    "skyformer[causal=True]", "performer[eps=1e-4]", "nystromformer[conv_kernel=3]",
+    "reformer[shared_qk=true]", "reformer[num_buckets=1]", "bigbird[num_random_blocks=0]",
+    "softmax_multipole[tolerance=0.1]", "skyformer[pinv=exact,gamma=0]"])
 def test_library_methods_keep_it_under_options_of_their_own(method):
     """Options the checks once failed on: causal ones (no cross-attention then), options
     of the causal form alone (refused outside it), as many landmarks as the rows (no
     draw mattered, so 'it ignores its generator'), and a convolution whose learned
-    weights the layer's state holds (a bare call is refused)."""
+    weights the layer's state holds (a bare call is refused); keys shared_qk ignores (no
+    gradient reaches k), options that draw nothing (one bucket, no random blocks), every
+    row a probe of tolerance (returned exact), and gamma=0, which no causal form takes."""
     assert [r for r in check_method(method) if r.passed is False] == []
+
+
+def test_what_options_change_is_said_where_a_check_adapts_to_it():
+    said = {r.name: r for r in check_method("skyformer[pinv=exact,gamma=0]")}
+    causal = said["causal: no output depends on a later position"]
+    assert causal.passed is None and causal.detail.startswith(
+        "these options have no causal form (skyformer: causal=True needs gamma > 0")
+    said = {r.name: r.detail for r in check_method("bigbird[num_random_blocks=0]")}
+    assert said["the same generator gives the same output"].endswith(
+        "the same for two (these options draw nothing: num_random_blocks=0 leaves the "
+        "window and global blocks alone)")
+    with pytest.raises(ValueError, match=r"linformer\[max_seq_len=16\]: the checks run "
+                                         r"inputs of up to 40 tokens, more than "
+                                         r"max_seq_len=16; check "
+                                         r"'linformer\[max_seq_len=40\]'"):
+        check_method("linformer[max_seq_len=16]")
 
 
 def test_options_needing_the_state_run_every_check_with_one_and_skip_cross_attention():
@@ -280,12 +300,14 @@ def test_a_method_that_raises_fails_the_checks_with_its_words(monkeypatch):
 def test_the_command_prints_each_check_and_fails_where_one_fails(leaky, capsys):
     assert main(["check", "linear", "bigbird[num_features=16]"]) == 0
     out = capsys.readouterr().out
-    assert "linear\n  ok      output shape, dtype and values" in out
+    assert "linear (checked as linear[num_features=8])\n  ok      output shape, dtype and " \
+           "values" in out
     assert "  skipped cross-attention: other numbers of queries and keys: not declared" in out
     assert main(["check", leaky]) == 1
     out = capsys.readouterr().out
+    assert out.startswith(f"{leaky} (checked as {leaky}[num_features=8])\n")
     assert "  FAILED  causal: no output depends on a later position: outputs before" in out
-    assert out.rstrip().endswith("5 check(s) failed")
+    assert out.rstrip().endswith(f"5 check(s) failed: {leaky} (5)")
     assert main(["check", "linear[no_such_option=1]"]) == 2
     said = capsys.readouterr()
     assert "has no option 'no_such_option'" in said.err and said.out == ""
@@ -319,15 +341,42 @@ def test_softmax_written_naively_fails_the_dtype_and_the_large_norm_checks(monke
     monkeypatch.setitem(registry_methods._REGISTRY, "naive_exp",
                         registry_methods._REGISTRY["naive_exp"])
     failed = {r.name: r.detail for r in check_method("naive_exp") if r.passed is False}
-    assert list(failed) == ["bfloat16 inputs: bfloat16 output, close to float32's",
-                            "large norms: outputs stay finite and bounded"]
-    assert "returned a float32 tensor" in failed[
-        "bfloat16 inputs: bfloat16 output, close to float32's"]
+    half = "half precision: bfloat16 and float16 inputs give their dtype, close to float32's"
+    assert list(failed) == [half, "large norms: outputs stay finite and bounded"]
+    assert "returned a float32 tensor" in failed[half]
     assert "take the largest exponent out" in failed[
         "large norms: outputs stay finite and bounded"]
     with pytest.raises(ValueError, match="naive_exp: num_features must be a positive "
                                          "integer, got 0"):
         check_method("naive_exp", num_features=0)
+
+
+def test_float16_overflow_fails_the_half_precision_check(monkeypatch):
+    """Half precision was checked in bfloat16 alone, whose range is float32's: a method
+    overflowing float16's 65504 passed the check that declares float16 inputs fine."""
+    monkeypatch.delitem(registry_methods._REGISTRY, "scaled_up", raising=False)
+
+    @register("scaled_up", _NoOptions, Capabilities(target="softmax", half_precision=True))
+    def scaled_up(q, k, v, config, *, key_padding_mask=None, generator=None):
+        return _softmax_core(q * q.shape[-1] ** -0.5, k, v * 1e5, key_padding_mask) / 1e5
+
+    failed = {r.name: r.detail for r in check_method("scaled_up") if r.passed is False}
+    assert failed == {"half precision: bfloat16 and float16 inputs give their dtype, close "
+                      "to float32's": "gave non-finite values for float16 inputs"}
+
+
+def test_a_non_finite_output_is_named_where_outputs_are_compared(monkeypatch):
+    """Two NaN outputs differ under allclose: the determinism check blamed the global
+    generator ("largest difference nan") for a method that draws nothing."""
+    monkeypatch.delitem(registry_methods._REGISTRY, "nan_out", raising=False)
+
+    @register("nan_out", _NoOptions, Capabilities(target="softmax"))
+    def nan_out(q, k, v, config, *, key_padding_mask=None, generator=None):
+        return _softmax_core(q, k, v, key_padding_mask) * float("nan")
+
+    said = {r.name: r.detail for r in check_method("nan_out")}
+    assert said["the same generator gives the same output"] == (
+        "gave non-finite values (NaN or inf) where this check compares two outputs")
 
 
 def _softmax_core(q, k, v, key_padding_mask=None, attn_mask=None):

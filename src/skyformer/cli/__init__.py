@@ -1,7 +1,8 @@
 """The ``skyformer`` command. Thin: each subcommand module parses arguments and calls
 the library; this file only wires them up and turns user errors into one-line messages.
 
-Subcommand modules define ``NAME``, ``HELP``, ``add_arguments(parser)`` and ``run(args)``.
+Subcommand modules define ``NAME``, ``HELP``, ``add_arguments(parser)`` and ``run(args)``
+(and a ``DESCRIPTION`` for ``--help`` where ``HELP`` is too short for it).
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "too; give it once per module")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in SUBCOMMANDS:
-        p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
+        p = sub.add_parser(module.NAME, help=module.HELP,
+                           description=getattr(module, "DESCRIPTION", module.HELP))
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
     return parser

@@ -7,11 +7,16 @@ import argparse
 
 from ..eval.methods import refuse_repeated_methods
 from ..registry import get_method
-from ..registry.contract import check_method
+from ..registry.contract import check_method, checked_variant
 
 NAME = "check"
 HELP = ("check a method against the contract every method keeps (shapes, padding, "
         "causality, gradients, ...) on tiny inputs")
+DESCRIPTION = (HELP[0].upper() + HELP[1:] + ". A method with num_features is checked at "
+               "num_features=8 unless its brackets give one (fewer features than rows, "
+               "where its draws matter); each method's first line names the variant that ran. "
+               "Exit status: 0 when every check passes, 1 when one fails, 2 for a name or "
+               "option refused before any check.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,14 +30,17 @@ def run(args: argparse.Namespace) -> int:
     refuse_repeated_methods(args.methods, "METHOD")
     for method in args.methods:
         get_method(method)
-    failed = 0
+    failed: dict[str, int] = {}
     for method in args.methods:
         results = check_method(method)  # an unknown name or option: refused before a line
-        print(method)
+        checked = checked_variant(method)
+        print(method if checked == method else f"{method} (checked as {checked})")
         for result in results:
             word = {True: "ok", False: "FAILED", None: "skipped"}[result.passed]
             print(f"  {word:7s} {result.name}: {result.detail}")
-            failed += result.passed is False
+            if result.passed is False:
+                failed[method] = failed.get(method, 0) + 1
     if failed:
-        print(f"{failed} check(s) failed")
+        print(f"{sum(failed.values())} check(s) failed: "
+              + ", ".join(f"{method} ({count})" for method, count in failed.items()))
     return 1 if failed else 0

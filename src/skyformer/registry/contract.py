@@ -6,14 +6,20 @@ float64 on the CPU unless it checks a dtype, with a seeded generator; a capabili
 method declares is checked for what it promises (``causal``: no output depends on a
 later position; ``mask``: padding gives the truncated input's outputs and zero rows;
 ``independent_queries``: an output depends on its own query alone; ``weights``: the
-output is one matrix applied to the values; ``half_precision``: bfloat16 in, bfloat16
-out, close to float32's; ``cross_attention``: every key's value reaches the output;
-``attn_mask``: a key hidden from a query reaches none of its output), and one it lacks
-is skipped. A random key (``skyformer.random_key``) is tried as the generator too, and a
+output is one matrix applied to the values; ``half_precision``: bfloat16 and float16
+in, the same out, close to float32's; ``cross_attention``: every key's value reaches the
+output; ``attn_mask``: a key hidden from a query reaches none of its output), and one it
+lacks is skipped. A random key (``skyformer.random_key``) is tried as the generator too, and a
 method with a per-layer state (``register(state=...)``) is called with one, as a layer
 calls it: in every check where its config names why its options need it (a property
 ``state_needed_because``, as Nystromformer's learned ``conv_kernel`` convolution does),
-and a property ``not_cross_attention_because`` skips the cross-attention check. What the
+and a property ``not_cross_attention_because`` skips the cross-attention check. Other
+config properties say what options change: ``draws_nothing_because`` (a randomized
+method's options that draw nothing, BigBird's ``num_random_blocks=0``),
+``ignored_inputs_because`` (``{"k": why}`` for Reformer's ``shared_qk``, whose gradient
+check then leaves k out) and ``exact_query_rows`` (rows returned exact whatever is drawn,
+added to the rows on which the draws must show). Options without a causal form skip the
+causal check, with the sentence binding them with ``causal=True`` gives. What the
 call guarantees for every method is not checked: a fully padded sequence gives zero
 rows and zero gradients whatever the method computes (``guard.py`` replaces padded
 inputs and outputs with ``torch.where``), and ``num_features`` below 1 is refused
@@ -36,6 +42,7 @@ from ..logs import first_line
 from ..ops.shared.causal_nystrom import CAUSAL_FORM_DEFAULTS
 from ..sketch.rng import random_key
 from .methods import get_method, with_note
+from .variants import variant_name
 
 # Tolerances of outputs that should be equal in float64 (other summation orders).
 _CLOSE = {"rtol": 1e-7, "atol": 1e-9}
@@ -57,24 +64,21 @@ def check_method(name: str, **options: Any) -> list[CheckResult]:
     where the approximation and its draws matter). Never raises for what the method does:
     a failure is a ``CheckResult``."""
     spec = get_method(name)
-    substituted = "num_features" in spec.option_names() and "num_features" not in {
-        **dict(spec.preset), **options}
-    if substituted:
-        options = {"num_features": 8, **options}
-    try:
-        options = _causal_where_needed(spec, options)  # unknown or bad options fail at once
-    except (TypeError, ValueError) as error:
-        if not substituted or "num_features" not in str(error):
-            raise
-        raise with_note(error, f"the check runs num_features=8 where none is given: name a "
-                               f"variant with one the method takes, "
-                               f"'{spec.base_name}[num_features=...]'") from None
+    options = _checked_options(spec, options)
     given = {**dict(spec.preset), **options}
     causal = given.get("causal") is True
     caps = spec.capabilities
-    rows = _rows_for_draws(given.get("num_features"), causal)
     config = spec.bind(seq_len=256, **options).config
+    # rows returned exact whatever is drawn (multipole's probes) do not show the draws
+    rows = _rows_for_draws(given.get("num_features"), causal) + getattr(
+        config, "exact_query_rows", 0)
     inexact = inexact_gradient_reason(config)
+    # options of a randomized method that draw nothing (BigBird without random blocks)
+    draws_nothing = getattr(config, "draws_nothing_because", None)
+    randomized = caps.randomized and draws_nothing is None
+    ignored = dict(getattr(config, "ignored_inputs_because", None) or {})
+    causal_skipped = _causal_skipped(spec, options, causal)
+    _refuse_short_fixed_length(spec, config, max(rows, 40 if causal_skipped else _CAUSAL_N))
     # options whose calls need the layer's state (Nystromformer's learned convolution)
     # are checked as a layer calls them, with one; a bare call is refused in a sentence
     with_state = getattr(config, "state_needed_because", None) is not None
@@ -105,15 +109,15 @@ def check_method(name: str, **options: Any) -> list[CheckResult]:
     # (check, why it is skipped or None, what it runs)
     checks: list[tuple[str, str | None, Callable[[], str]]] = [
         ("output shape, dtype and values", None, lambda: _output(run)),
-        ("bfloat16 inputs: bfloat16 output, close to float32's",
-         None if caps.half_precision else undeclared, lambda: _bfloat16(run)),
+        ("half precision: bfloat16 and float16 inputs give their dtype, close to float32's",
+         None if caps.half_precision else undeclared, lambda: _half_precision(run)),
         ("large norms: outputs stay finite and bounded", None, lambda: _large_norms(run)),
         ("the same generator gives the same output", None,
-         lambda: _deterministic(run, caps.randomized, rows)),
+         lambda: _deterministic(run, randomized, rows, draws_nothing)),
         ("a random key as generator (skyformer.random_key, which layers pass)", None,
-         lambda: _keyed(run, caps.randomized, rows)),
+         lambda: _keyed(run, randomized, rows)),
         ("batch elements are independent", None, lambda: _batch(run, caps.mask)),
-        ("gradients reach q, k and v", None, lambda: _gradients(run)),
+        ("gradients reach q, k and v", None, lambda: _gradients(run, ignored)),
         ("the gradient is the derivative of the output (central differences)",
          None if inexact is None else f"declared inexact: {inexact}",
          lambda: _derivative(run, causal)),
@@ -124,7 +128,7 @@ def check_method(name: str, **options: Any) -> list[CheckResult]:
         ("attn_mask: a key hidden from a query reaches none of its output",
          None if caps.attn_mask else undeclared, lambda: _attn_mask(run)),
         ("causal: no output depends on a later position",
-         None if caps.causal else undeclared, lambda: _causal(run)),
+         causal_skipped, lambda: _causal(run)),
         ("cross-attention: other numbers of queries and keys",
          square if causal else cross, lambda: _cross(run)),
         ("independent queries: no output depends on another query",
@@ -149,6 +153,58 @@ def check_method(name: str, **options: Any) -> list[CheckResult]:
             results.append(CheckResult(check, False,
                                        f"raised {type(err).__name__}: {first_line(err)}"))
     return results
+
+
+def checked_variant(name: str, **options: Any) -> str:
+    """The variant ``check_method(name, **options)`` checks: ``name`` with the options it
+    adds, ``"bigbird[num_features=8]"`` for ``"bigbird"``; ``name`` where it adds none."""
+    spec = get_method(name)
+    added = {key: value for key, value in _checked_options(spec, options).items()
+             if key not in options}
+    return variant_name(name, added)
+
+
+def _checked_options(spec: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` as the checks run them: ``num_features=8`` where none is given (fewer
+    features than rows, where the draws matter), ``causal=True`` where options of the
+    causal form alone need it; an unknown or bad option fails at once."""
+    substituted = "num_features" in spec.option_names() and "num_features" not in {
+        **dict(spec.preset), **options}
+    if substituted:
+        options = {"num_features": 8, **options}
+    try:
+        return _causal_where_needed(spec, options)
+    except (TypeError, ValueError) as error:
+        if not substituted or "num_features" not in str(error):
+            raise
+        raise with_note(error, f"the check runs num_features=8 where none is given: name a "
+                               f"variant with one the method takes, "
+                               f"'{spec.base_name}[num_features=...]'") from None
+
+
+def _causal_skipped(spec: Any, options: dict[str, Any], causal: bool) -> str | None:
+    """Why the causal check is skipped: the capability is not declared, or these options
+    have no causal form (``skyformer[pinv=exact,gamma=0]``: its causal form needs gamma >
+    0), which binding them with ``causal=True`` says in a sentence; None: it runs."""
+    if not spec.capabilities.causal:
+        return "not declared"
+    if not causal:
+        try:
+            spec.bind(seq_len=256, **{**options, "causal": True})
+        except (TypeError, ValueError) as error:
+            return f"these options have no causal form ({first_line(error)})"
+    return None
+
+
+def _refuse_short_fixed_length(spec: Any, config: Any, longest: int) -> None:
+    """Refuse, before any check, a ``fixed_length`` method whose ``max_seq_len`` is
+    shorter than the checks' longest input (every check would fail on its length)."""
+    limit = getattr(config, "max_seq_len", None)
+    if spec.capabilities.fixed_length and isinstance(limit, int) and limit < longest:
+        raise ValueError(f"{spec.name}: the checks run inputs of up to {longest} tokens, "
+                         f"more than max_seq_len={limit}; check "
+                         f"'{spec.base_name}[max_seq_len={longest}]' (what it promises "
+                         f"does not depend on the length), or leave max_seq_len unset.")
 
 
 def _causal_where_needed(spec: Any, options: dict[str, Any]) -> dict[str, Any]:
@@ -190,6 +246,9 @@ def _largest(a: Tensor, b: Tensor) -> float:
 
 
 def _equal(got: Tensor, want: Tensor, what: str) -> None:
+    if not (torch.isfinite(got).all() and torch.isfinite(want).all()):
+        raise _Broken("gave non-finite values (NaN or inf) where this check compares two "
+                      "outputs")
     if not torch.allclose(got, want, **_CLOSE):
         raise _Broken(f"{what} (largest difference {_largest(got, want):.3g})")
 
@@ -206,21 +265,26 @@ def _output(run: Callable[..., Tensor]) -> str:
     return "[B, H, Nq, Dv] in the inputs' dtype (float32, float64), finite"
 
 
-def _bfloat16(run: Callable[..., Tensor]) -> str:
-    """Within 5 % of the largest float32 output on the same (bfloat16) inputs: bfloat16
-    keeps 8 mantissa bits."""
-    q, k, v = (t.bfloat16() for t in _qkv(1, 32, dtype=torch.float32))
-    out = run(q, k, v)
-    if out.dtype != torch.bfloat16:
-        raise _Broken(f"gave {out.dtype} for bfloat16 inputs; expected bfloat16")
-    if not torch.isfinite(out.float()).all():
-        raise _Broken("gave non-finite values for bfloat16 inputs")
-    want = run(*(t.float() for t in (q, k, v)))
-    error = _largest(out.float(), want) / want.abs().max().clamp_min(1e-6).item()
-    if error >= 0.05:
-        raise _Broken(f"differs from the float32 output on the same inputs by {error:.3g} "
-                      f"of its largest value (bfloat16 rounding gives about 0.01)")
-    return f"bfloat16, within {error:.2g} of the float32 output's largest value"
+def _half_precision(run: Callable[..., Tensor]) -> str:
+    """Within 5 % of the largest float32 output on the same (half precision) inputs, for
+    bfloat16 (8 mantissa bits) and float16 (11 bits, a largest value of 65504)."""
+    errors = []
+    for dtype in (torch.bfloat16, torch.float16):
+        name = str(dtype).removeprefix("torch.")
+        q, k, v = (t.to(dtype) for t in _qkv(1, 32, dtype=torch.float32))
+        out = run(q, k, v)
+        if out.dtype != dtype:
+            raise _Broken(f"gave {out.dtype} for {name} inputs; expected {name}")
+        if not torch.isfinite(out.float()).all():
+            raise _Broken(f"gave non-finite values for {name} inputs")
+        want = run(*(t.float() for t in (q, k, v)))
+        error = _largest(out.float(), want) / want.abs().max().clamp_min(1e-6).item()
+        if error >= 0.05:
+            raise _Broken(f"differs from the float32 output on the same {name} inputs by "
+                          f"{error:.3g} of its largest value (its rounding gives about "
+                          f"0.01)")
+        errors.append(f"{name} within {error:.2g}")
+    return f"{', '.join(errors)} of the float32 output's largest value"
 
 
 def _large_norms(run: Callable[..., Tensor]) -> str:
@@ -238,7 +302,10 @@ def _large_norms(run: Callable[..., Tensor]) -> str:
     return "finite, within 1000 times the values' largest, for norms of 30 (float32)"
 
 
-def _deterministic(run: Callable[..., Tensor], randomized: bool, rows: int) -> str:
+def _deterministic(run: Callable[..., Tensor], randomized: bool, rows: int,
+                   draws_nothing: str | None = None) -> str:
+    """One seed twice gives one output; two seeds give two where the method draws (and
+    its options do: ``draws_nothing`` says why they draw nothing), else one."""
     q, k, v = _qkv(2, rows)
     first = run(q, k, v, seed=5)
     _equal(run(q, k, v, seed=5), first, "two calls with one seed differ: draw from the "
@@ -249,10 +316,14 @@ def _deterministic(run: Callable[..., Tensor], randomized: bool, rows: int) -> s
         raise _Broken("declares randomized, but two seeds gave the same output: it ignores "
                       "its generator (or draws nothing at these options)")
     if not randomized and not same:  # approx evaluates such a method once for all seeds
+        if draws_nothing is not None:
+            raise _Broken(f"two seeds gave different outputs, but its config says these "
+                          f"options draw nothing ({draws_nothing})")
         raise _Broken("two seeds gave different outputs, but randomized is not declared: "
                       "declare Capabilities(randomized=True)")
     return "equal for one seed" + (", different for two" if randomized else
-                                   ", the same for two")
+                                   ", the same for two") + (
+        f" (these options draw nothing: {draws_nothing})" if draws_nothing else "")
 
 
 def _keyed(run: Callable[..., Tensor], randomized: bool, rows: int) -> str:
@@ -323,13 +394,21 @@ def _layer_state(run_in_layer: Callable[..., tuple[Tensor, nn.Module]], mask: bo
     return f"element 0's output is unchanged by element 1's inputs{reached}"
 
 
-def _gradients(run: Callable[..., Tensor]) -> str:
+def _gradients(run: Callable[..., Tensor], ignored: dict[str, str]) -> str:
+    """Finite, non-zero gradients for q, k and v, but for an input the options ignore
+    (the config's ``ignored_inputs_because``: Reformer's ``shared_qk`` takes no keys)."""
     leaves = [t.requires_grad_(True) for t in _qkv(1, 16)]
     run(*leaves).square().sum().backward()
     for name, t in zip("qkv", leaves, strict=True):
+        if name in ignored:
+            continue
         if t.grad is None or not torch.isfinite(t.grad).all() or t.grad.abs().sum() == 0:
             raise _Broken(f"no finite, non-zero gradient reaches {name}")
-    return "finite and non-zero for q, k and v"
+    reached = [name for name in "qkv" if name not in ignored]
+    said = " and ".join([", ".join(reached[:-1]), reached[-1]] if len(reached) > 1
+                        else reached)
+    return f"finite and non-zero for {said}" + "".join(
+        f"; {name} is ignored: {why}" for name, why in ignored.items())
 
 
 def inexact_gradient_reason(config: Any) -> str | None:
@@ -399,8 +478,11 @@ def _padded_keys(run: Callable[..., Tensor]) -> str:
     return "junk in the padded q, k and v changes nothing (left and right padding)"
 
 
+_CAUSAL_N = 150  # the causal check's length: past a 64-token chunk (causal forms run by chunks)
+
+
 def _causal(run: Callable[..., Tensor]) -> str:
-    n, cut = 150, 70  # past a 64-token chunk: causal forms run by chunks
+    n, cut = _CAUSAL_N, 70
     q, k, v = _qkv(1, n, seed=5)
     later = [t.clone() for t in (q, k, v)]
     for t in later:
@@ -447,8 +529,8 @@ def _cross(run: Callable[..., Tensor]) -> str:
         q, k, v = _qkv(1, nq, nk=nk, dv=5)
         out = run(q, k, v)
         if tuple(out.shape) != (1, 2, nq, 5) or not torch.isfinite(out).all():
-            raise _Broken(f"gave {list(out.shape)} for {nq} queries and {nk} keys; expected "
-                          f"[1, 2, {nq}, 5], finite")
+            raise _Broken(f"gave {list(out.shape)}, finite: {bool(torch.isfinite(out).all())}, "
+                          f"for {nq} queries and {nk} keys; expected [1, 2, {nq}, 5], finite")
     q, k, v = _qkv(1, 12, nk=20, dv=5)
     out = run(q, k, v)
     for first in range(0, 20, 5):  # a method keeping any 12 keys in a row misses a block

@@ -100,6 +100,12 @@ class BigBirdConfig:
                 f"{most}{raise_budget}.")
 
     @property
+    def draws_nothing_because(self) -> str | None:
+        """Why these options draw nothing (``skyformer check``): no random blocks."""
+        return "num_random_blocks=0 leaves the window and global blocks alone" \
+            if self.num_random_blocks == 0 else None
+
+    @property
     def block_size(self) -> int:
         return max(1, self.num_features // (WINDOW_BLOCKS + GLOBAL_BLOCKS + self.num_random_blocks))
 

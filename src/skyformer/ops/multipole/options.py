@@ -63,6 +63,12 @@ class MultipoleOptions:
     probe: int = 32
     kernel: str = "auto"
 
+    @property
+    def exact_query_rows(self) -> int:
+        """Query rows returned exact whatever is drawn (``skyformer check`` adds as many
+        rows to those on which the draws must show): the probes of ``tolerance``."""
+        return self.probe if self.tolerance is not None else 0
+
     def _check_exact_keys_fit(self, method: str) -> None:
         """A window or LSH bucket wider than a quarter of the budget is refused (it was
         shrunk without a word: num_features=8 with window=3 ran as window=0)."""

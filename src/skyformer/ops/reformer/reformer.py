@@ -130,6 +130,18 @@ class ReformerConfig:
         return self.num_features // 2
 
     @property
+    def draws_nothing_because(self) -> str | None:
+        """Why these options draw nothing (``skyformer check``): one bucket, no hashing."""
+        return "num_buckets=1 puts every position in one bucket: no hashing" \
+            if self.num_buckets == 1 else None
+
+    @property
+    def ignored_inputs_because(self) -> dict[str, str]:
+        """Inputs these options ignore, and why (``skyformer check``)."""
+        return {"k": "shared_qk=True uses the normalised queries as keys"} \
+            if self.shared_qk else {}
+
+    @property
     def self_excluded(self) -> bool:
         return self.shared_qk if self.exclude_self is None else self.exclude_self
 
