@@ -19,8 +19,10 @@ by token, the state keeps
   part;
 - the keys and values of the completed chunks *only while a slot is unrevealed*: slot s
   revealed at position p needs C(x_s, k_j) v_j for every j before p's chunk. With stride
-  R every slot is revealed by position m R; from then on the state is constant
-  (m (D + m + Dv) + 63 (D + Dv) numbers per head).
+  R every slot is revealed by position m R; from then on the state is bounded: at
+  most m (D + m + Dv) + 63 (D + Dv) numbers per head, plus a norm and a flag per slot
+  and a norm per key of the current chunk (Dv + 1 value columns for
+  ``nystrom_softmax``'s normaliser); it peaks at the last key of each chunk.
 
 Outputs equal the full causal forward with the same key and ``landmark_stride`` R to
 rounding. Without a ``landmark_stride`` the state takes the prompt's default,

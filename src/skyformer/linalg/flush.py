@@ -28,10 +28,10 @@ def negligible_exponent(dtype: torch.dtype, *, base2: bool = False) -> float:
 def flush_exponent_on_cpu_(e: Tensor, *, base2: bool = False) -> Tensor:
     """Exponents of CPU tensors at or below ``negligible_exponent`` set to -inf, in
     place, so that ``exp`` (or ``exp2``) gives exact zeros there: computing a subnormal
-    result is slow too. One vectorised pass (``threshold_``), which also maps NaN to
-    -inf: a NaN exponent comes from a non-finite input (inf - inf), and the methods'
-    non-finite guard (``registry/guard.py``) marks every row such an input reaches.
-    Other devices are left as they are."""
+    result is slow too. One vectorised pass (``threshold_``); a NaN exponent stays NaN
+    (its comparison is false), as on other devices: it comes from a non-finite input
+    (inf - inf), and the methods' non-finite guard (``registry/guard.py``) marks every
+    row such an input reaches. Other devices are left as they are."""
     if e.device.type != "cpu":
         return e
     return torch.nn.functional.threshold_(e, negligible_exponent(e.dtype, base2=base2),

@@ -13,9 +13,11 @@ rebuilds each chunk instead of storing C, so memory is O(N (D + R)), not O(N m).
 With b = |x|^2/2, C is the Gaussian kernel exp(-|s y_i - x_s|^2 / 2) of the scaled rows;
 with ``row_norm=False`` it is that kernel times exp(|s y_i|^2 / 2) (the softmax kernel's
 E factor, ``nystrom_softmax``). Invalid rows (``row_valid``) and columns with b = +inf
-are exact zeros with zero gradient. The row scale s and the row norms are applied
-inside, so no scaled copy of y and no [N, D] norm temporaries are made; exp is
-evaluated as exp2 of the exponent times log2(e), folded into x and the offsets.
+are exact zeros with zero gradient where they hold finite numbers (NaN or inf there
+stays non-finite: the registry's guard zeroes padded inputs before any method). The row
+scale s and the row norms are applied inside, so no scaled copy of y and no [N, D] norm
+temporaries are made; exp is evaluated as exp2 of the exponent times log2(e), folded
+into x and the offsets.
 Single entries can be excluded (``exclude``, an [N, m] bool mask read chunk by chunk,
 e.g. a transposed view of an [m, N] mask): they are exact zeros with zero gradient,
 as for the multipole far field, which leaves out each cluster's near keys.

@@ -239,7 +239,7 @@ def core_of_rows(rows: Tensor, scale: float, options: NystromOptions, landmarks:
 
 def core_from_rows(x: Tensor, options: NystromOptions, landmarks: Landmarks) -> NystromCore:
     """``NystromCore`` of the scaled landmark rows ``x: [B, H, m, D]`` (slots that hold
-    no landmark may hold anything: their kernel entries are exact zeros)."""
+    no landmark may hold any finite numbers: their kernel entries are exact zeros)."""
     x_norm = half_sq_norm(x)  # [B, H, m]
     if landmarks.every_slot_live:  # the masks below would change nothing
         return NystromCore(x, x_norm, options, landmarks, None)
