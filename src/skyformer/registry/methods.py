@@ -147,7 +147,8 @@ class Method:
             close = did_you_mean(unknown[0], self.option_names()) if len(unknown) == 1 else ""
             raise ValueError(
                 f"{self.name} has no option {', '.join(map(repr, unknown))}{close}; "
-                f"its options are: {known}{hint}{self._call_argument_hint(unknown)}."
+                f"its options are: {known}{hint}"
+                f"{self._call_argument_hint([n for n in unknown if n not in sdpa])}."
             )
         options = {name: _python_int(value) for name, value in options.items()}
         if not in_the_library(self.config_class):
