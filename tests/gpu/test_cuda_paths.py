@@ -164,8 +164,9 @@ def test_lra_train_runs_with_bf16_autocast(device, tmp_path, capsys):
     result = json.loads((out / "result.json").read_text())
     assert result["steps"] == 4 and result["config"]["precision"] == "bf16"
     assert result["environment"]["device"].startswith(device)
-    assert result["peak_memory_kind"] == ("cuda max_memory_allocated" if device == "cuda"
-                                          else "max RSS")
+    assert result["peak_memory_kind"] in (
+        ("cuda max_memory_allocated",) if device == "cuda"
+        else ("peak RSS of the training steps", "max RSS"))
     assert torch.isfinite(torch.tensor(result["test_loss"]))
     assert 0 <= result["test_accuracy"] <= 1
     capsys.readouterr()

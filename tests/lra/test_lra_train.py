@@ -865,6 +865,26 @@ def test_peak_memory_is_that_of_training_steps_not_of_evaluations(
     assert result["peak_memory_bytes"] == 100
 
 
+def test_a_cpu_peak_is_the_runs_not_that_of_an_earlier_run_of_the_process():
+    """``lra train --seeds`` trains its seeds in one process, and the maximum resident
+    size only grows: a run reported the peak of a larger run before it. On Linux the
+    peak resident size is reset where CUDA's counter is."""
+    import sys
+
+    from skyformer.lra import metrics
+
+    cpu = torch.device("cpu")
+    metrics.reset_peak_memory(cpu)
+    if not metrics.cpu_peak_resets():
+        assert not sys.platform.startswith("linux") or not metrics._CLEAR_REFS.exists()
+        pytest.skip("no /proc/self/clear_refs: a CPU peak is the process's")
+    big = torch.ones(32 << 20)  # 128 MiB, every page touched
+    del big
+    earlier = metrics.peak_memory_bytes(cpu)
+    metrics.reset_peak_memory(cpu)
+    assert metrics.peak_memory_bytes(cpu) < earlier - (64 << 20)
+
+
 def _metrics_without_resource(monkeypatch):
     """``skyformer.lra.metrics`` imported afresh where the ``resource`` module does not
     exist (Windows)."""
@@ -885,6 +905,7 @@ def test_peak_memory_without_the_resource_module(monkeypatch):
     import types
 
     metrics = _metrics_without_resource(monkeypatch)
+    monkeypatch.setattr(metrics, "_STATUS", metrics._STATUS.with_name("no_such_file"))
     info = types.SimpleNamespace(peak_wset=3 << 20)  # psutil's Windows memory_info
     process = types.SimpleNamespace(memory_info=lambda: info)
     monkeypatch.setitem(sys.modules, "psutil", types.SimpleNamespace(Process=lambda: process))

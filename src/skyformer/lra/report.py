@@ -5,7 +5,7 @@ Reads every ``result.json`` (and its ``metrics.jsonl``) under the given folders:
 - Table 1: test accuracy (%) per method and task, mean +- std over seeds, and the
   average over the tasks a method has results for;
 - Table 2: training time (hours) and peak memory (GB) per method and task, means over
-  seeds (CUDA: ``max_memory_allocated``; CPU: max RSS, which is not comparable);
+  seeds (CUDA: ``max_memory_allocated``; CPU: peak RSS, which is not comparable);
 - Figure 2: dev accuracy against training time, one panel per task.
 
 Runs of a method on a task are averaged over seeds only when the rest of their training

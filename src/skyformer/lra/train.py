@@ -66,7 +66,7 @@ from .distributed import (
     shutdown,
 )
 from .evaluate import correct_predictions, evaluate
-from .metrics import Running, peak_memory_bytes, reset_peak_memory
+from .metrics import Running, cpu_peak_resets, peak_memory_bytes, reset_peak_memory
 from .model import LRAClassifier, ModelConfig
 from .presets import TrainConfig, learning_rate
 from .resume import (
@@ -480,7 +480,7 @@ class Trainer:
             "steps_per_second": s.step / s.train_seconds if s.train_seconds > 0 else None,
             "peak_memory_bytes": int(max(int(p) for p in peaks)),
             "peak_memory_kind": "cuda max_memory_allocated" if self.device.type == "cuda"
-            else "max RSS",
+            else "peak RSS of the training steps" if cpu_peak_resets() else "max RSS",
             "world_size": self.info.world_size,
             "diverged_at_step": diverged_at(self.log.history),
             "synthetic_data": self.data.synthetic,
