@@ -14,7 +14,12 @@ from skyformer.lra import load_cache, make_config
 from skyformer.lra.batches import BatchOrder, Position, fetch
 from skyformer.lra.model import LRAClassifier
 from skyformer.lra.presets import learning_rate
-from skyformer.lra.stability import format_table, instability_taus, run_stability
+from skyformer.lra.stability import (
+    StabilityReport,
+    format_table,
+    instability_taus,
+    run_stability,
+)
 from skyformer.lra.train import model_config
 
 
@@ -294,3 +299,15 @@ def test_settings_the_measurement_cannot_follow_are_refused(listops_cache, setti
     with pytest.raises(ValueError, match=setting):
         run_stability(["listops"], ["kernelized"], cache_root=listops_cache, steps=1,
                       overrides={"batch_size": 16, setting: value})
+
+
+def test_table_3_orders_the_tasks_as_the_papers_do_whatever_order_they_were_asked_in():
+    """--tasks retrieval listops gave the columns Retrieval, ListOps, where Table 1 and the
+    papers have ListOps first: tables pasted side by side did not line up."""
+    taus = {"softmax": {0: [1.0]}, "kernelized": {0: [0.5]}}
+    report = StabilityReport(tasks=["retrieval", "listops"], methods=["kernelized"],
+                             seeds=[0], steps=1,
+                             taus={"retrieval": taus, "listops": {**taus, "kernelized": {
+                                 0: [2.0]}}})
+    table = format_table(report)
+    assert "| model | ListOps | Retrieval |" in table and "| kernelized | 2.00 | 0.50 |" in table

@@ -431,14 +431,16 @@ def _check_configs(plan: dict[tuple[str, str, int], TrainConfig],
 
 
 def format_table(report: StabilityReport) -> str:
-    """Table 3's layout: methods as rows, tasks as columns, ratios to softmax."""
-    titles = [TASKS[t].title for t in report.tasks]
+    """Table 3's layout: methods as rows, tasks as columns in the papers' order (that of
+    Table 1), ratios to softmax."""
+    tasks = [task for task in TASKS if task in report.tasks]
+    titles = [TASKS[t].title for t in tasks]
     lines = ["Table 3: ratios of instability score (method / softmax, mean over "
              f"{report.steps} steps and {len(report.seeds)} seed(s); f = {report.probe} "
              "encoder output); < 1 = more stable.", "",
              "| model | " + " | ".join(titles) + " |",
              "|" + "|".join(" --- " for _ in range(len(titles) + 1)) + "|"]
     for method in report.methods:
-        cells = [f"{report.ratio(t, method):.2f}" for t in report.tasks]
+        cells = [f"{report.ratio(t, method):.2f}" for t in tasks]
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
