@@ -109,6 +109,18 @@ def test_is_causal_and_scale_equal_torch():
                                                               scale=0.3))
 
 
+def test_attn_mask_and_is_causal_together_both_apply():
+    """As torch's fused kernels do (its math path refuses the pair): a bias and the
+    causal mask at once, as documented."""
+    q, k, v = (torch.randn(1, 2, 5, 4, generator=torch.Generator().manual_seed(i))
+               for i in range(3))
+    bias = torch.randn(5, 5, generator=torch.Generator().manual_seed(3))
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()
+    torch.testing.assert_close(
+        sdpa(q, k, v, attn_mask=bias, is_causal=True),
+        F.scaled_dot_product_attention(q, k, v, attn_mask=bias.masked_fill(~causal, -torch.inf)))
+
+
 @pytest.mark.parametrize("method", APPROXIMATE)
 def test_padding_attn_mask_equals_key_padding_mask(method):
     """An approximate method reads a key-padding attn_mask (bool or additive) as its

@@ -23,7 +23,9 @@ naming the method where it cannot:
   gives each row the attention of its mask's row, or the mask is refused.
 - ``is_causal``: the methods with capability ``causal``; with L != S aligned top left
   as SDPA (query i sees keys j <= i) for ``softmax`` and ``kernelized``, which take it
-  as a mask, while the approximate methods' causal forms need L == S.
+  as a mask, while the approximate methods' causal forms need L == S. With ``attn_mask``
+  as well, both apply (torch's fused kernels do the same; its math path and its
+  docstring refuse the pair).
 - ``scale``: the methods with a ``scale`` option (every method but ``linear``).
 - ``dropout_p``: applied, as by SDPA, whenever it is positive (pass 0 in evaluation):
   on the attention probabilities for the methods declaring ``weight_dropout``
