@@ -12,7 +12,7 @@ from skyformer import list_methods
 from skyformer.cli import main
 from skyformer.registry import Capabilities, register
 from skyformer.registry import methods as registry_methods
-from skyformer.registry.contract import check_method
+from skyformer.registry.contract import check_method, checked_variant
 
 
 @pytest.mark.parametrize("method", list_methods())
@@ -38,7 +38,7 @@ def test_library_methods_keep_it_under_options_of_their_own(method):
     assert [r for r in check_method(method) if r.passed is False] == []
 
 
-def test_what_options_change_is_said_where_a_check_adapts_to_it():
+def test_what_options_change_is_said_where_a_check_adapts_to_it(monkeypatch):
     said = {r.name: r for r in check_method("skyformer[pinv=exact,gamma=0]")}
     causal = said["causal: no output depends on a later position"]
     assert causal.passed is None and causal.detail.startswith(
@@ -47,6 +47,24 @@ def test_what_options_change_is_said_where_a_check_adapts_to_it():
     assert said["the same generator gives the same output"].endswith(
         "the same for two (these options draw nothing: num_random_blocks=0 leaves the "
         "window and global blocks alone)")
+    # options without a causal form skip the check; a method none of whose options has
+    # one, though it declares it, fails it
+    monkeypatch.delitem(registry_methods._REGISTRY, "never_causal", raising=False)
+
+    @dataclasses.dataclass(frozen=True)
+    class NeverCausal:
+        causal: bool = False
+
+        def __post_init__(self):
+            if self.causal:
+                raise ValueError("never_causal: causal=True is not implemented yet")
+
+    register("never_causal", NeverCausal, Capabilities(target="softmax", causal=True))(
+        lambda q, k, v, config, *, key_padding_mask=None, generator=None:
+        _softmax_core(q * q.shape[-1] ** -0.5, k, v, key_padding_mask))
+    said = {r.name: r for r in check_method("never_causal")}
+    causal = said["causal: no output depends on a later position"]
+    assert causal.passed is False and "causal=True is not implemented yet" in causal.detail
     with pytest.raises(ValueError, match=r"linformer\[max_seq_len=16\]: the checks run "
                                          r"inputs of up to 40 tokens, more than "
                                          r"max_seq_len=16; check "
@@ -317,6 +335,12 @@ def test_the_command_prints_each_check_and_fails_where_one_fails(leaky, capsys):
     assert "(did you mean 'skyformer'?)" in said.err and said.out == ""
     assert main(["check", "linear", "linear"]) == 2
     assert "METHOD lists linear more than once" in capsys.readouterr().err
+    # a setting refused by the checks themselves: before any check, as a typo is
+    assert main(["check", "linear", "linformer[max_seq_len=16]"]) == 2
+    said = capsys.readouterr()
+    assert "more than max_seq_len=16" in said.err and said.out == ""
+    assert checked_variant("skyformer", landmark_stride=2) == \
+        "skyformer[num_features=8,landmark_stride=2,causal=true]"
 
 
 @dataclasses.dataclass(frozen=True)

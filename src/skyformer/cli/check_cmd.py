@@ -30,11 +30,13 @@ def run(args: argparse.Namespace) -> int:
     refuse_repeated_methods(args.methods, "METHOD")
     for method in args.methods:
         get_method(method)
+    # every setting before any check: an unknown option, or a max_seq_len too short
+    checked = {method: checked_variant(method) for method in args.methods}
     failed: dict[str, int] = {}
     for method in args.methods:
-        results = check_method(method)  # an unknown name or option: refused before a line
-        checked = checked_variant(method)
-        print(method if checked == method else f"{method} (checked as {checked})")
+        results = check_method(method)
+        said = checked[method]
+        print(method if said == method else f"{method} (checked as {said})")
         for result in results:
             word = {True: "ok", False: "FAILED", None: "skipped"}[result.passed]
             print(f"  {word:7s} {result.name}: {result.detail}")

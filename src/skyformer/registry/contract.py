@@ -63,22 +63,14 @@ def check_method(name: str, **options: Any) -> list[CheckResult]:
     methods with ``num_features`` get 8 unless it is given (fewer features than rows,
     where the approximation and its draws matter). Never raises for what the method does:
     a failure is a ``CheckResult``."""
-    spec = get_method(name)
-    options = _checked_options(spec, options)
-    given = {**dict(spec.preset), **options}
-    causal = given.get("causal") is True
-    caps = spec.capabilities
-    config = spec.bind(seq_len=256, **options).config
-    # rows returned exact whatever is drawn (multipole's probes) do not show the draws
-    rows = _rows_for_draws(given.get("num_features"), causal) + getattr(
-        config, "exact_query_rows", 0)
+    setting = _setting(name, options)
+    spec, options, config, rows = setting.spec, setting.options, setting.config, setting.rows
+    causal, causal_skipped, caps = setting.causal, setting.causal_skipped, spec.capabilities
     inexact = inexact_gradient_reason(config)
     # options of a randomized method that draw nothing (BigBird without random blocks)
     draws_nothing = getattr(config, "draws_nothing_because", None)
     randomized = caps.randomized and draws_nothing is None
     ignored = dict(getattr(config, "ignored_inputs_because", None) or {})
-    causal_skipped = _causal_skipped(spec, options, causal)
-    _refuse_short_fixed_length(spec, config, max(rows, 40 if causal_skipped else _CAUSAL_N))
     # options whose calls need the layer's state (Nystromformer's learned convolution)
     # are checked as a layer calls them, with one; a bare call is refused in a sentence
     with_state = getattr(config, "state_needed_because", None) is not None
@@ -156,12 +148,40 @@ def check_method(name: str, **options: Any) -> list[CheckResult]:
 
 
 def checked_variant(name: str, **options: Any) -> str:
-    """The variant ``check_method(name, **options)`` checks: ``name`` with the options it
-    adds, ``"bigbird[num_features=8]"`` for ``"bigbird"``; ``name`` where it adds none."""
+    """The variant ``check_method(name, **options)`` checks: ``name`` with ``options`` and
+    those it adds, ``"bigbird[num_features=8]"`` for ``"bigbird"``; ``name`` where there
+    are none. Raises, as ``check_method`` does, for a setting refused before any check."""
+    return variant_name(name, _setting(name, options).options)
+
+
+@dataclass(frozen=True)
+class _Setting:
+    """What the checks run: the method, its options (with those the checks add), its
+    config, the rows on which its draws must show, and why the causal check is skipped."""
+
+    spec: Any
+    options: dict[str, Any]
+    config: Any
+    rows: int
+    causal: bool
+    causal_skipped: str | None
+
+
+def _setting(name: str, options: dict[str, Any]) -> _Setting:
+    """The ``_Setting`` of ``name`` with ``options``; a name, option or length the checks
+    cannot run is refused here, before any check."""
     spec = get_method(name)
-    added = {key: value for key, value in _checked_options(spec, options).items()
-             if key not in options}
-    return variant_name(name, added)
+    options = _checked_options(spec, options)
+    given = {**dict(spec.preset), **options}
+    causal = given.get("causal") is True
+    config = spec.bind(seq_len=256, **options).config
+    # rows returned exact whatever is drawn (multipole's probes) do not show the draws
+    rows = _rows_for_draws(given.get("num_features"), causal) + getattr(
+        config, "exact_query_rows", 0)
+    causal_skipped = _causal_skipped(spec, options, causal)
+    _refuse_short_fixed_length(spec, config, max(
+        rows, _LONGEST_OTHER_INPUT if causal_skipped else _CAUSAL_N))
+    return _Setting(spec, options, config, rows, causal, causal_skipped)
 
 
 def _checked_options(spec: Any, options: dict[str, Any]) -> dict[str, Any]:
@@ -185,13 +205,18 @@ def _checked_options(spec: Any, options: dict[str, Any]) -> dict[str, Any]:
 def _causal_skipped(spec: Any, options: dict[str, Any], causal: bool) -> str | None:
     """Why the causal check is skipped: the capability is not declared, or these options
     have no causal form (``skyformer[pinv=exact,gamma=0]``: its causal form needs gamma >
-    0), which binding them with ``causal=True`` says in a sentence; None: it runs."""
+    0), which binding them with ``causal=True`` says in a sentence while the method's
+    defaults bind with it; None: it runs (and fails where no causal form binds)."""
     if not spec.capabilities.causal:
         return "not declared"
     if not causal:
         try:
             spec.bind(seq_len=256, **{**options, "causal": True})
         except (TypeError, ValueError) as error:
+            try:
+                get_method(spec.base_name).bind(seq_len=256, causal=True)
+            except (TypeError, ValueError):
+                return None  # the declared causal form binds at no options: a finding
             return f"these options have no causal form ({first_line(error)})"
     return None
 
@@ -479,6 +504,7 @@ def _padded_keys(run: Callable[..., Tensor]) -> str:
 
 
 _CAUSAL_N = 150  # the causal check's length: past a 64-token chunk (causal forms run by chunks)
+_LONGEST_OTHER_INPUT = 40  # the longest input of the other checks but the draws' rows
 
 
 def _causal(run: Callable[..., Tensor]) -> str:
