@@ -251,11 +251,20 @@ def test_a_bound_call_names_an_argument_it_does_not_take():
     exact = skyformer.get_method("softmax").bind()
     torch.testing.assert_close(exact(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool)),
                                exact(q, q, q))  # its own arguments still go through
-    # one hint for an SDPA argument given as an option (a second named the call as well)
-    with pytest.raises(ValueError, match=r"its options are: scale, causal \(attn_mask: "
-                                         r"skyformer\.scaled_dot_product_attention takes "
-                                         r"torch's SDPA arguments\)\.$"):
-        skyformer.attention(q, q, q, "softmax", attn_mask=torch.ones(8, 8, dtype=torch.bool))
+    # one hint for an SDPA argument given as an option (a second named SDPA as well):
+    # the method's own call where it takes it, else skyformer's SDPA
+    with pytest.raises(ValueError, match=r"its options are: scale, causal \(attn_mask: an "
+                                         r"argument of the call, not an option: pass it to "
+                                         r"skyformer\.ops\.softmax_attention\(q, k, v, "
+                                         r"attn_mask=\.\.\.\) or to skyformer\.get_method"
+                                         r"\('softmax'\)\.bind\(\)\(q, k, v, attn_mask="
+                                         r"\.\.\.\); skyformer\.scaled_dot_product_attention "
+                                         r"takes torch's SDPA arguments\)\.$"):
+        skyformer.get_method("softmax").bind(attn_mask=torch.ones(8, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"; its options are: causal, .* \(attn_mask, "
+                                         r"dropout_p: skyformer\.scaled_dot_product_attention "
+                                         r"takes torch's SDPA arguments\)\.$"):
+        skyformer.attention(q, q, q, "skyformer", attn_mask=None, dropout_p=0.1)
 
 
 def test_an_argument_of_a_methods_call_given_as_an_option_says_where_it_goes():

@@ -141,14 +141,19 @@ class Method:
             raise CapabilityError(_capability_sentence(self.name, "causal"))
         if unknown:
             known = ", ".join(self.option_names()) or "none"
+            call_hint, in_call = self._call_argument_hint(unknown)
             sdpa = sorted(set(unknown) & _SDPA_ARGUMENTS)
-            hint = (f" ({', '.join(sdpa)}: skyformer.scaled_dot_product_attention takes "
-                    f"torch's SDPA arguments)" if sdpa else "")
+            takes = "skyformer.scaled_dot_product_attention takes torch's SDPA arguments"
+            if set(sdpa) & set(in_call):  # softmax's attn_mask: both ways, one parenthesis
+                call_hint = f"{call_hint[:-1]}; {takes})"
+            # SDPA's arguments the method's own call does not take (dropout_p, or all of
+            # them for a method without attn_mask): where they go instead
+            sdpa = [name for name in sdpa if name not in in_call]
+            hint = f" ({', '.join(sdpa)}: {takes})" if sdpa else ""
             close = did_you_mean(unknown[0], self.option_names()) if len(unknown) == 1 else ""
             raise ValueError(
                 f"{self.name} has no option {', '.join(map(repr, unknown))}{close}; "
-                f"its options are: {known}{hint}"
-                f"{self._call_argument_hint([n for n in unknown if n not in sdpa])}."
+                f"its options are: {known}{hint}{call_hint}."
             )
         options = {name: _python_int(value) for name, value in options.items()}
         if not in_the_library(self.config_class):
@@ -156,10 +161,10 @@ class Method:
             _check_common_knob(self.name, options)
         return self.config_class(**options)
 
-    def _call_argument_hint(self, unknown: list[str]) -> str:
+    def _call_argument_hint(self, unknown: list[str]) -> tuple[str, list[str]]:
         """Where the unknown names are arguments of the method's own function (Performer's
-        ``projection``, Linformer's ``proj_k``): how to pass them, which ``attention``'s
-        options cannot."""
+        ``projection``, Linformer's ``proj_k``, softmax's ``attn_mask``): how to pass
+        them, which ``attention``'s options cannot; and the names it covers."""
         per_call = [name for name in unknown
                     if name in _CALL_NAMES and name not in ("q", "k", "v", "method")]
         if per_call:  # given to a layer's constructor or to bind(), as an option
@@ -168,11 +173,11 @@ class Method:
             return (f" ({', '.join(per_call)}: {'an argument' if one else 'arguments'} of "
                     f"each call, not {'an option' if one else 'options'}: pass "
                     f"{'it' if one else 'them'} when calling, layer(x, {given}) or "
-                    f"bound(q, k, v, {given}))")
+                    f"bound(q, k, v, {given}))"), per_call
         taken = [name for name in unknown if name in _argument_names(self.function)
                  and name not in _CALL_NAMES]
         if not taken:
-            return ""
+            return "", []
         given = ", ".join(f"{name}=..." for name in taken)
         ops = sys.modules.get("skyformer.ops")
         function = (f"skyformer.ops.{self.function.__name__}"
@@ -182,7 +187,7 @@ class Method:
         return (f" ({', '.join(taken)}: {'an argument' if one else 'arguments'} of the call, "
                 f"not {'an option' if one else 'options'}: pass {'it' if one else 'them'} to "
                 f"{function}(q, k, v, {given}) or to skyformer.get_method("
-                f"{self.name!r}).bind()(q, k, v, {given}))")
+                f"{self.name!r}).bind()(q, k, v, {given}))"), taken
 
     def resolve_options(self, options: dict[str, Any], seq_len: int | None) -> dict[str, Any]:
         """``options`` with the rules of a layer that sees sequences of ``seq_len`` tokens:
