@@ -869,15 +869,12 @@ def test_a_cpu_peak_is_the_runs_not_that_of_an_earlier_run_of_the_process():
     """``lra train --seeds`` trains its seeds in one process, and the maximum resident
     size only grows: a run reported the peak of a larger run before it. On Linux the
     peak resident size is reset where CUDA's counter is."""
-    import sys
-
     from skyformer.lra import metrics
 
     cpu = torch.device("cpu")
     metrics.reset_peak_memory(cpu)
-    if not metrics.cpu_peak_resets():
-        assert not sys.platform.startswith("linux") or not metrics._CLEAR_REFS.exists()
-        pytest.skip("no /proc/self/clear_refs: a CPU peak is the process's")
+    if not metrics.cpu_peak_resets():  # not Linux, or /proc read-only
+        pytest.skip("no writable /proc/self/clear_refs: a CPU peak is the process's")
     big = torch.ones(32 << 20)  # 128 MiB, every page touched
     del big
     earlier = metrics.peak_memory_bytes(cpu)

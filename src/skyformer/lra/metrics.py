@@ -28,6 +28,8 @@ def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return
+    if not sys.platform.startswith("linux"):
+        return  # _cpu_reset stays False: macOS and Windows keep no such counter
     try:
         _CLEAR_REFS.write_text("5")
         _cpu_reset["done"] = _resident_peak() is not None
@@ -49,7 +51,7 @@ def peak_memory_bytes(device: torch.device) -> int:
     interpreter and the pages of the data files it touched."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    peak = _resident_peak()
+    peak = _resident_peak() if sys.platform.startswith("linux") else None
     if peak is not None:
         return peak
     if resource is None:
