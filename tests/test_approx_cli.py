@@ -430,10 +430,10 @@ def test_resume_of_finished_results_refuses_data_that_changed_since(tmp_path, ca
     assert main(argv) == 0
     assert json.loads((tmp_path / "out" / "approx.json").read_text())["data"]["qkv"]["files"]
     assert main([*argv, "--resume"]) == 0
-    assert "nothing to resume" in capsys.readouterr().err
+    assert "holds the finished results of these settings" in capsys.readouterr().err
     monkeypatch.chdir(tmp_path)
     assert main([*common, "--qkv", "mine.pt", "--features", "4", "8", "--resume"]) == 0
-    assert "nothing to resume" in capsys.readouterr().err
+    assert "holds the finished results of these settings" in capsys.readouterr().err
     torch.save({name: torch.randn(1, 2, 24, 8, generator=g) for name in "qkv"}, saved)
     assert main([*argv, "--resume"]) == 2
     assert re.search(r"cannot resume: .* holds the finished results of these settings, and "
