@@ -60,7 +60,17 @@ def _grouped_hint(method: str, q: Tensor, k: Tensor, v: Tensor) -> str:
         return (f"; for grouped-query attention ({hkv} key/value heads, each shared by "
                 f"{h // hkv} query heads) call skyformer.scaled_dot_product_attention(q, k, "
                 f"v, enable_gqa=True, method={method!r}), which repeats them.")
+    if q.shape[0] == k.shape[0] == v.shape[0] and q.shape[2] == k.shape[2] == v.shape[2] \
+            and k.shape[1] == v.shape[1] > k.shape[2]:  # more keys than heads, read so
+        return _SEQUENCE_FIRST
     return "."
+
+
+# The end of a shape error whose tensors read as [B, N, H, D]: the layout of
+# FlashAttention's API and of a projection's output before its heads are moved
+_SEQUENCE_FIRST = ("; they read as [B, N, H, D] (sequence before heads, as "
+                   "FlashAttention takes them): pass q.transpose(1, 2), k.transpose(1, 2) "
+                   "and v.transpose(1, 2), and transpose the output back.")
 
 
 def check_attention_inputs(
@@ -119,7 +129,12 @@ def check_attention_inputs(
             f"{method}: empty input, q {tuple(q.shape)}, k {tuple(k.shape)}, v "
             f"{tuple(v.shape)}; {rule}.")
 
-    key_valid = None
+    if isinstance(key_padding_mask, Tensor) and key_padding_mask.dim() == 2 \
+            and tuple(key_padding_mask.shape) == (b, h) and h > nk:
+        raise ValueError(  # the mask has the tokens the heads' axis holds
+            f"{method}: key_padding_mask has shape {tuple(key_padding_mask.shape)}, and k "
+            f"{tuple(k.shape)} has {nk} keys at dim 2 where it should be [B, H, N, D]"
+            + _SEQUENCE_FIRST)
     key_valid = check_padding_mask(method, "key_padding_mask", key_padding_mask, b, nk, "Nk",
                                    k)
     if isinstance(query_padding_mask, str):
