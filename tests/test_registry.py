@@ -251,16 +251,20 @@ def test_a_bound_call_names_an_argument_it_does_not_take():
     exact = skyformer.get_method("softmax").bind()
     torch.testing.assert_close(exact(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool)),
                                exact(q, q, q))  # its own arguments still go through
-    # one hint for an SDPA argument given as an option (a second named SDPA as well):
-    # the method's own call where it takes it, else skyformer's SDPA
-    with pytest.raises(ValueError, match=r"its options are: scale, causal \(attn_mask: an "
+    # one parenthesis for SDPA arguments given as options (two named attn_mask): SDPA's
+    # entry, and the method's own call where it takes one, and each kind of name once
+    with pytest.raises(ValueError, match=r"its options are: scale, causal \(attn_mask, "
+                                         r"enable_gqa: skyformer\.scaled_dot_product_attention "
+                                         r"takes torch's SDPA arguments; generator: an argument "
+                                         r"of each call, not an option: .*; attn_mask: an "
                                          r"argument of the call, not an option: pass it to "
                                          r"skyformer\.ops\.softmax_attention\(q, k, v, "
                                          r"attn_mask=\.\.\.\) or to skyformer\.get_method"
                                          r"\('softmax'\)\.bind\(\)\(q, k, v, attn_mask="
-                                         r"\.\.\.\); skyformer\.scaled_dot_product_attention "
-                                         r"takes torch's SDPA arguments\)\.$"):
-        skyformer.get_method("softmax").bind(attn_mask=torch.ones(8, 8, dtype=torch.bool))
+                                         r"\.\.\.\)\)\.$"):
+        skyformer.get_method("softmax").bind(attn_mask=None, enable_gqa=True, generator=None)
+    with pytest.raises(ValueError, match=r"get_method\('performer'\)\.bind\(\)"):
+        skyformer.get_method("performer[eps=0.0]").bind(projection=None)
     with pytest.raises(ValueError, match=r"; its options are: causal, .* \(attn_mask, "
                                          r"dropout_p: skyformer\.scaled_dot_product_attention "
                                          r"takes torch's SDPA arguments\)\.$"):

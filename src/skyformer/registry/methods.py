@@ -141,19 +141,17 @@ class Method:
             raise CapabilityError(_capability_sentence(self.name, "causal"))
         if unknown:
             known = ", ".join(self.option_names()) or "none"
-            call_hint, in_call = self._call_argument_hint(unknown)
             sdpa = sorted(set(unknown) & _SDPA_ARGUMENTS)
-            takes = "skyformer.scaled_dot_product_attention takes torch's SDPA arguments"
-            if set(sdpa) & set(in_call):  # softmax's attn_mask: both ways, one parenthesis
-                call_hint = f"{call_hint[:-1]}; {takes})"
-            # SDPA's arguments the method's own call does not take (dropout_p, or all of
-            # them for a method without attn_mask): where they go instead
-            sdpa = [name for name in sdpa if name not in in_call]
-            hint = f" ({', '.join(sdpa)}: {takes})" if sdpa else ""
+            # where each unknown name goes, in one parenthesis: SDPA's entry, and the
+            # method's own call where it takes the name (softmax's attn_mask: both)
+            hints = ([f"{', '.join(sdpa)}: skyformer.scaled_dot_product_attention takes "
+                      f"torch's SDPA arguments"] if sdpa else [])
+            hints += self._call_argument_hints(unknown)
+            hint = f" ({'; '.join(hints)})" if hints else ""
             close = did_you_mean(unknown[0], self.option_names()) if len(unknown) == 1 else ""
             raise ValueError(
                 f"{self.name} has no option {', '.join(map(repr, unknown))}{close}; "
-                f"its options are: {known}{hint}{call_hint}."
+                f"its options are: {known}{hint}."
             )
         options = {name: _python_int(value) for name, value in options.items()}
         if not in_the_library(self.config_class):
@@ -161,33 +159,35 @@ class Method:
             _check_common_knob(self.name, options)
         return self.config_class(**options)
 
-    def _call_argument_hint(self, unknown: list[str]) -> tuple[str, list[str]]:
-        """Where the unknown names are arguments of the method's own function (Performer's
+    def _call_argument_hints(self, unknown: list[str]) -> list[str]:
+        """Where the unknown names are arguments of every call (``generator``, given to a
+        layer or to ``bind``) or of the method's own function (Performer's
         ``projection``, Linformer's ``proj_k``, softmax's ``attn_mask``): how to pass
-        them, which ``attention``'s options cannot; and the names it covers."""
+        them, which options cannot, one hint for each kind."""
+        hints = []
         per_call = [name for name in unknown
                     if name in _CALL_NAMES and name not in ("q", "k", "v", "method")]
         if per_call:  # given to a layer's constructor or to bind(), as an option
             one = len(per_call) == 1
             given = ", ".join(f"{name}=..." for name in per_call)
-            return (f" ({', '.join(per_call)}: {'an argument' if one else 'arguments'} of "
-                    f"each call, not {'an option' if one else 'options'}: pass "
-                    f"{'it' if one else 'them'} when calling, layer(x, {given}) or "
-                    f"bound(q, k, v, {given}))"), per_call
+            hints.append(f"{', '.join(per_call)}: {'an argument' if one else 'arguments'} of "
+                         f"each call, not {'an option' if one else 'options'}: pass "
+                         f"{'it' if one else 'them'} when calling, layer(x, {given}) or "
+                         f"bound(q, k, v, {given})")
         taken = [name for name in unknown if name in _argument_names(self.function)
                  and name not in _CALL_NAMES]
-        if not taken:
-            return "", []
-        given = ", ".join(f"{name}=..." for name in taken)
-        ops = sys.modules.get("skyformer.ops")
-        function = (f"skyformer.ops.{self.function.__name__}"
-                    if getattr(ops, self.function.__name__, None) is self.function
-                    else f"{self.function.__module__}.{self.function.__name__}")
-        one = len(taken) == 1
-        return (f" ({', '.join(taken)}: {'an argument' if one else 'arguments'} of the call, "
-                f"not {'an option' if one else 'options'}: pass {'it' if one else 'them'} to "
-                f"{function}(q, k, v, {given}) or to skyformer.get_method("
-                f"{self.name!r}).bind()(q, k, v, {given}))"), taken
+        if taken:
+            given = ", ".join(f"{name}=..." for name in taken)
+            ops = sys.modules.get("skyformer.ops")
+            function = (f"skyformer.ops.{self.function.__name__}"
+                        if getattr(ops, self.function.__name__, None) is self.function
+                        else f"{self.function.__module__}.{self.function.__name__}")
+            one = len(taken) == 1
+            hints.append(f"{', '.join(taken)}: {'an argument' if one else 'arguments'} of "
+                         f"the call, not {'an option' if one else 'options'}: pass "
+                         f"{'it' if one else 'them'} to {function}(q, k, v, {given}) or to "
+                         f"skyformer.get_method({self.base_name!r}).bind()(q, k, v, {given})")
+        return hints
 
     def resolve_options(self, options: dict[str, Any], seq_len: int | None) -> dict[str, Any]:
         """``options`` with the rules of a layer that sees sequences of ``seq_len`` tokens:
