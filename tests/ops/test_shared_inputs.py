@@ -45,16 +45,17 @@ def test_fewer_key_value_heads_point_to_grouped_query_attention(method):
 def test_sequence_first_tensors_are_named_where_their_shapes_give_them_away(method):
     """[B, N, H, D] tensors (FlashAttention's layout) were refused with "batch and head
     sizes differ" alone where the queries and keys differ in length, and a padding mask
-    of the N tokens with "must have shape [B, Nk] = [B, H]"; both now name the layout and
-    the transposes. Of one length and without a mask they cannot be told apart."""
+    of the N tokens with "must have shape [B, Nk] = [B, H]"; both now add the layout and
+    the transposes, as a possibility (a mask of the wrong length in cross-attention can
+    look alike). Of one length and without a mask the layouts cannot be told apart."""
     b, n, h, d = 2, 10, 4, 8
     q, k, v = (torch.randn(b, n, h, d) for _ in range(3))
-    transposes = (r"they read as \[B, N, H, D\] \(sequence before heads.*pass "
+    transposes = (r"; if q, k and v are \[B, N, H, D\] \(sequence before heads.*pass "
                   r"q\.transpose\(1, 2\), k\.transpose\(1, 2\) and v\.transpose\(1, 2\)")
     with pytest.raises(ValueError, match=r"batch and head sizes differ.*" + transposes):
         attention(q[:, :1], k, v, method)  # a decoding step: one query
-    with pytest.raises(ValueError, match=r"key_padding_mask has shape \(2, 10\), and k "
-                                         r"\(2, 10, 4, 8\) has 4 keys at dim 2.*" + transposes):
+    with pytest.raises(ValueError, match=r"key_padding_mask must have shape \[B, Nk\] = "
+                                         r"\[2, 4\], got \(2, 10\)" + transposes):
         attention(q, k, v, method, key_padding_mask=torch.ones(b, n, dtype=torch.bool))
 
 

@@ -68,8 +68,8 @@ def _grouped_hint(method: str, q: Tensor, k: Tensor, v: Tensor) -> str:
 
 # The end of a shape error whose tensors read as [B, N, H, D]: the layout of
 # FlashAttention's API and of a projection's output before its heads are moved
-_SEQUENCE_FIRST = ("; they read as [B, N, H, D] (sequence before heads, as "
-                   "FlashAttention takes them): pass q.transpose(1, 2), k.transpose(1, 2) "
+_SEQUENCE_FIRST = ("; if q, k and v are [B, N, H, D] (sequence before heads, as "
+                   "FlashAttention takes them), pass q.transpose(1, 2), k.transpose(1, 2) "
                    "and v.transpose(1, 2), and transpose the output back.")
 
 
@@ -129,14 +129,13 @@ def check_attention_inputs(
             f"{method}: empty input, q {tuple(q.shape)}, k {tuple(k.shape)}, v "
             f"{tuple(v.shape)}; {rule}.")
 
-    if isinstance(key_padding_mask, Tensor) and key_padding_mask.dim() == 2 \
-            and tuple(key_padding_mask.shape) == (b, h) and h > nk:
-        raise ValueError(  # the mask has the tokens the heads' axis holds
-            f"{method}: key_padding_mask has shape {tuple(key_padding_mask.shape)}, and k "
-            f"{tuple(k.shape)} has {nk} keys at dim 2 where it should be [B, H, N, D]"
-            + _SEQUENCE_FIRST)
-    key_valid = check_padding_mask(method, "key_padding_mask", key_padding_mask, b, nk, "Nk",
-                                   k)
+    try:
+        key_valid = check_padding_mask(method, "key_padding_mask", key_padding_mask, b, nk,
+                                       "Nk", k)
+    except ValueError as error:  # a mask of as many tokens as dim 1 holds: the layout?
+        if not (tuple(key_padding_mask.shape) == (b, h) and h > nk):
+            raise
+        raise ValueError(str(error).removesuffix(".") + _SEQUENCE_FIRST) from None
     if isinstance(query_padding_mask, str):
         check_query_mask_word(method, query_padding_mask)
         query_valid = key_valid if nq == nk else None
