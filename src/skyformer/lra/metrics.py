@@ -28,8 +28,9 @@ def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return
-    if not sys.platform.startswith("linux"):
-        return  # _cpu_reset stays False: macOS and Windows keep no such counter
+    if not sys.platform.startswith("linux"):  # macOS and Windows keep no such counter
+        _cpu_reset["done"] = False
+        return
     try:
         _CLEAR_REFS.write_text("5")
         _cpu_reset["done"] = _resident_peak() is not None
