@@ -54,6 +54,9 @@ def test_sequence_first_tensors_are_named_where_their_shapes_give_them_away(meth
                   r"q\.transpose\(1, 2\), k\.transpose\(1, 2\) and v\.transpose\(1, 2\)")
     with pytest.raises(ValueError, match=r"batch and head sizes differ.*" + transposes):
         attention(q[:, :1], k, v, method)  # a decoding step: one query
+    with pytest.raises(ValueError, match=r"for grouped-query attention \(5 key/value heads.*"
+                                         r"which repeats them" + transposes):  # both fit
+        attention(q, k[:, :5], v[:, :5], method)
     with pytest.raises(ValueError, match=r"key_padding_mask must have shape \[B, Nk\] = "
                                          r"\[2, 4\], got \(2, 10\)" + transposes):
         attention(q, k, v, method, key_padding_mask=torch.ones(b, n, dtype=torch.bool))

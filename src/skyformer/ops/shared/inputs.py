@@ -51,6 +51,9 @@ def _grouped_hint(method: str, q: Tensor, k: Tensor, v: Tensor) -> str:
     the call that runs them as grouped-query attention; else a full stop."""
     h, hkv = q.shape[1], k.shape[1]
     b = q.shape[0]
+    sequence_first = (q.shape[0] == k.shape[0] == v.shape[0]
+                      and q.shape[2] == k.shape[2] == v.shape[2]
+                      and k.shape[1] == v.shape[1] > k.shape[2])  # more keys than heads
     if b > 1 and k.shape[0] == v.shape[0] == 1 and k.shape[1] == v.shape[1] == h:
         return (f"; keys and values shared by the {b} batch elements (SDPA broadcasts a "
                 f"batch of one): pass k.expand({b}, -1, -1, -1) and v.expand({b}, -1, -1, "
@@ -59,11 +62,9 @@ def _grouped_hint(method: str, q: Tensor, k: Tensor, v: Tensor) -> str:
             and h % hkv == 0:
         return (f"; for grouped-query attention ({hkv} key/value heads, each shared by "
                 f"{h // hkv} query heads) call skyformer.scaled_dot_product_attention(q, k, "
-                f"v, enable_gqa=True, method={method!r}), which repeats them.")
-    if q.shape[0] == k.shape[0] == v.shape[0] and q.shape[2] == k.shape[2] == v.shape[2] \
-            and k.shape[1] == v.shape[1] > k.shape[2]:  # more keys than heads, read so
-        return _SEQUENCE_FIRST
-    return "."
+                f"v, enable_gqa=True, method={method!r}), which repeats them"
+                + (_SEQUENCE_FIRST if sequence_first else "."))
+    return _SEQUENCE_FIRST if sequence_first else "."
 
 
 # The end of a shape error whose tensors read as [B, N, H, D]: the layout of
