@@ -174,21 +174,10 @@ def finished_alike(saved: dict[str, Any], stamps: Any, now: dict[str, Any],
     ``stamps``) is that of ``config`` (``now``: its settings as the results write them),
     as a progress file's are compared: ``--features 16 8`` as ``8 16``, ``--text g.txt``
     as ``./g.txt``; "progress" is no setting of what was measured."""
-    now_paths = {name: stamp["path"] for name, stamp in data_stamps(config).items()}
-    for key, value in now.items():
-        if key == "progress":
-            continue
-        if key in _DATA_SETTINGS:
-            there = saved.get(key)
-            if isinstance(stamps, dict) and isinstance(stamps.get(key), dict):
-                there = stamps[key].get("path")
-            elif isinstance(there, str):  # results written before the stamps were kept
-                there = str(Path(there).resolve())
-            if there != now_paths.get(key):
-                return False
-        elif not _same_setting(key, value, saved.get(key)):
-            return False
-    return True
+    earlier, _ = _paths({**saved, "data": stamps} if _is_data({"data": stamps}) else saved)
+    here, _ = _paths({**now, "data": data_stamps(config)})
+    return all(_same_setting(key, value, earlier.get(key))
+               for key, value in here.items() if key != "progress")
 
 
 def _difference(key: str, there: dict, now: dict) -> str:
