@@ -9,9 +9,9 @@ later position; ``mask``: padding gives the truncated input's outputs and zero r
 output is one matrix applied to the values; ``half_precision``: bfloat16 and float16
 in, the same out, close to float32's; ``cross_attention``: every key's value reaches the
 output; ``attn_mask``: a key hidden from a query reaches none of its output), and one it
-lacks is skipped. A random key (``skyformer.random_key``) is tried as the generator too, and a
-method with a per-layer state (``register(state=...)``) is called with one, as a layer
-calls it: in every check where its config names why its options need it (a property
+lacks is skipped. A random key (``skyformer.random_key``) is tried as the generator too,
+and a method with a per-layer state (``register(state=...)``) is called with one, as a
+layer calls it: in every check where its config names why its options need it (a property
 ``state_needed_because``, as Nystromformer's learned ``conv_kernel`` convolution does),
 and a property ``not_cross_attention_because`` skips the cross-attention check. Other
 config properties say what options change: ``draws_nothing_because`` (a randomized
@@ -19,8 +19,9 @@ method's options that draw nothing, BigBird's ``num_random_blocks=0``),
 ``ignored_inputs_because`` (``{"k": why}`` for Reformer's ``shared_qk``, whose gradient
 check then leaves k out) and ``exact_query_rows`` (rows returned exact whatever is drawn,
 added to the rows on which the draws must show). Options without a causal form skip the
-causal check, with the sentence binding them with ``causal=True`` gives. What the
-call guarantees for every method is not checked: a fully padded sequence gives zero
+causal check (where the method's defaults have one), with the sentence that binding them
+with ``causal=True`` gives.
+What the call guarantees for every method is not checked: a fully padded sequence gives zero
 rows and zero gradients whatever the method computes (``guard.py`` replaces padded
 inputs and outputs with ``torch.where``), and ``num_features`` below 1 is refused
 (``methods._check_common_knob``). The library's own methods pass every check
