@@ -413,3 +413,28 @@ def test_offsets_of_a_head_past_2_31_entries_are_int64(triton_interpreter):
     _second_matrix_offsets[(1,)](out, 2**25, 64, BLOCK=16)
     rows, cols = torch.meshgrid(torch.arange(16), torch.arange(16), indexing="ij")
     assert torch.equal(out, 2**31 + rows * 64 + cols)
+
+
+def test_the_blocks_follow_the_wider_of_the_key_and_value_dims():
+    """A narrow head dim with wide values (D = 4, Dv = 160): the forward and both
+    gradient kernels hold a block of value rows each, so their blocks are chosen for 160
+    (float32 past 128 takes the smallest), not for 4."""
+    from skyformer.ops.kernelized import triton_flash
+
+    q, k, _ = make_qkv(1, 1, 20, 4, seed=3)
+    v = torch.randn(1, 1, 20, 160, dtype=torch.float64)
+    leaves = [t.float().requires_grad_(True) for t in (q, k, v)]
+    widths = []
+    original = triton_flash.flash_tiles
+
+    def recording(dtype, head_dim, kind, *rest):
+        widths.append((kind, head_dim))
+        return original(dtype, head_dim, kind, *rest)
+
+    triton_flash.flash_tiles = recording
+    try:
+        out = kernelized_attention(*leaves, kernel="triton")
+        _grads(out, leaves)
+    finally:
+        triton_flash.flash_tiles = original
+    assert sorted(widths) == [("forward", 160), ("keys", 160), ("queries", 160)]

@@ -264,19 +264,19 @@ def flash_precision(dtype: torch.dtype, device: torch.device | None = None) -> s
 
 def flash_tiles(dtype: torch.dtype, head_dim: int, kind: str,
                 capability: tuple[int, int] | None = None) -> dict:
-    """Launch options of the ``kind`` kernel (``"forward"``, ``"keys"``, ``"queries"``)
-    for inputs of ``dtype``: the block over the program's own rows (``BLOCK_M`` queries,
-    or ``BLOCK_N`` keys for ``"keys"``), the block of its loop, warps and pipeline
-    stages. Half types: blocks as FlashAttention-2's; float32 (three TF32 products a
-    dot) and float64 (the interpreter) smaller. Chosen from the kernels compiled for
-    sm_90 (``benchmarks/triton_resources.py``, Triton 3.6 and 3.9): none spills in half
-    types up to head dim 256 (8 warps from 128, where 4 spill; smaller blocks above 128)
-    nor in float32 at head dim 32; float32 spills up to 120 bytes a thread at 64-128 and
-    370-500 bytes in the backward kernels at 256 (16 x 16 blocks, the least). Not timed
-    on a GPU yet (``benchmarks/flash_tiles.py`` times candidates). ``capability``: the
-    GPU's (None: sm_90's tiles); GPUs whose dots compile otherwise
-    (``triton_kernels.dot_family``) take the blocks of ``_BY_FAMILY`` where sm_90's
-    spill there."""
+    """Launch options of the ``kind`` kernel (``"forward"``, ``"keys"``, ``"queries"``) for
+    inputs of ``dtype`` and head dim ``head_dim`` (the wider of the query/key and the value
+    dims: a program holds blocks of rows of both): the block over the program's own rows
+    (``BLOCK_M`` queries, or ``BLOCK_N`` keys for ``"keys"``), the block of its loop, warps
+    and pipeline stages. Half types: blocks as FlashAttention-2's; float32 (three TF32
+    products a dot) and float64 (the interpreter) smaller. Chosen from the kernels compiled
+    for sm_90 (``benchmarks/triton_resources.py``, Triton 3.6 and 3.9): none spills in half
+    types up to head dim 256 (8 warps from 128, where 4 spill; smaller blocks above 128) nor
+    in float32 at head dim 32; float32 spills up to 120 bytes a thread at 64-128 and 370-500
+    bytes in the backward kernels at 256 (16 x 16 blocks, the least). Not timed on a GPU yet
+    (``benchmarks/flash_tiles.py`` times candidates). ``capability``: the GPU's (None:
+    sm_90's tiles); GPUs whose dots compile otherwise (``triton_kernels.dot_family``) take
+    the blocks of ``_BY_FAMILY`` where sm_90's spill there."""
     other = None if dtype == torch.float64 else _BY_FAMILY.get(
         (triton_kernels.dot_family(capability), dtype in (torch.bfloat16, torch.float16),
          kind))
@@ -372,7 +372,7 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, s: 
     out = q.new_empty(b, h, nq, v.shape[3])
     if out.numel() == 0:
         return out
-    tiles = flash_tiles(q.dtype, q.shape[3], "forward",
+    tiles = flash_tiles(q.dtype, max(q.shape[3], v.shape[3]), "forward",
                         triton_kernels.device_capability(q.device))
     for part in _batch_slices(b):
         qp, kp, vp = _at(q, part), _at(k, part), _at(v, part)
@@ -394,6 +394,7 @@ def flash_backward(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None,
     grad = grad.contiguous().to(q.dtype)
     b, h, nq, _ = q.shape
     nk = k.shape[2]
+    width = max(q.shape[3], v.shape[3])  # the accumulators are as wide as the wider one
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if need_q else None
     dk, dv = ((torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))
               if need_kv else (None, None))
@@ -404,13 +405,13 @@ def flash_backward(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None,
         (valid, args), meta = _common(qp, kp, vp, _at(key_valid, part), s, causal)
         bp = qp.shape[0]
         if need_kv:
-            tiles = flash_tiles(q.dtype, q.shape[3], "keys",
+            tiles = flash_tiles(q.dtype, width, "keys",
                                 triton_kernels.device_capability(q.device))
             launch_within_limits(_flash_key_grad_kernel, (cdiv(nk, tiles["BLOCK_N"]), h, bp),
                                  (qp, kp, vp, valid, gp, _at(dk, part), _at(dv, part), *args,
                                   s), {**meta, **tiles}, "flash key gradient")
         if need_q:
-            tiles = flash_tiles(q.dtype, q.shape[3], "queries",
+            tiles = flash_tiles(q.dtype, width, "queries",
                                 triton_kernels.device_capability(q.device))
             launch_within_limits(_flash_query_grad_kernel, (cdiv(nq, tiles["BLOCK_M"]), h, bp),
                                  (qp, kp, vp, valid, gp, _at(dq, part), *args, s),
