@@ -5,15 +5,18 @@ rows the kernel block C(X, X) too.
 They take it where the method's products take Triton (``kernel_backend.use_triton``) and
 the kernel covers the call: the iterative inverse from the identity (the Lemma 3
 default), at least one iteration, m <= ``MAX_M`` (and head dim <= ``MAX_M`` from rows),
-float32 (float64 under Triton's
-interpreter, for the tests, from Triton 3.5: ``tl.dot`` of float64 tiles). Elsewhere the
-PyTorch path runs; both give the same W up to rounding. Under ``"auto"`` it is an eager
-choice (``torch.compile`` fuses the PyTorch path itself, tracers record its operators),
-and a kernel that fails to compile or launch, forward or backward, warns once and hands
-the call to the PyTorch path from then on, for that device and dtype (``CORE_FALLBACK``).
-``triton_lemma3`` holds the forward kernel, ``triton_lemma3_backward`` the backward
-kernel, ``triton_ops`` their custom operators (opaque to ``torch.compile``, captured by
-CUDA graphs).
+float32 (float64 under Triton's interpreter, for the tests, from Triton 3.5: ``tl.dot``
+of float64 tiles). Elsewhere the PyTorch path runs, under ``"triton"`` too where the
+kernel does not cover the call (another ``pinv`` or ``init``, no iteration, m >
+``MAX_M``, an empty matrix); a covered call that Triton cannot run there (a CPU tensor
+without the interpreter, a half type) gets the products' sentence
+(``kernel_backend.use_triton``). Both paths give the same W up to rounding. Under
+``"auto"`` it is an eager choice (``torch.compile`` fuses the PyTorch path itself,
+tracers record its operators), and a kernel that fails to compile or launch, forward or
+backward, warns once and hands the call to the PyTorch path from then on, for that
+device and dtype (``CORE_FALLBACK``). ``triton_lemma3`` holds the forward kernel,
+``triton_lemma3_backward`` the backward kernel, ``triton_ops`` their custom operators
+(opaque to ``torch.compile``, captured by CUDA graphs).
 """
 
 from __future__ import annotations
