@@ -80,10 +80,13 @@ def main(argv: list[str] | None = None) -> list[Result]:
     model, tokenizer, _ = load_model(args.model)
     for method in args.methods:  # a method the model refuses: now, before any embedding
         skyformer.hf.restore_exact(skyformer.hf.set_attention(model, method, seed=args.seed))
-    texts = sentences(read_text(args.text))[: args.sentences]
+    # each sentence once: copies' exact embeddings tie, and recall@1 would count a method
+    # that found the other copy as a miss
+    texts = list(dict.fromkeys(sentences(read_text(args.text))))[: args.sentences]
     if len(texts) < 2:  # recall@1 looks for each sentence's nearest other one
-        raise SystemExit(f"{len(texts)} sentence(s) to embed (one ends at . ! or ? and has "
-                         f"at least 4 words); the nearest-neighbour recall needs at least 2: "
+        raise SystemExit(f"{len(texts)} distinct sentence(s) to embed (one ends at . ! or ? "
+                         f"and has at least 4 words); the nearest-neighbour recall needs at "
+                         f"least 2: "
                          f"pass --sentences 2 or more, or a longer --text.")
     # cut at the model's positions (a tokenizer may allow more, or set no limit), in
     # batches of BATCH sentences in text order (one padded batch of a whole corpus would

@@ -304,9 +304,11 @@ def test_pretrained_bert_refuses_a_model_folder_that_is_none_in_a_sentence(tmp_p
     with pytest.raises(FileNotFoundError, match="is not a Hugging Face model folder"):
         example("pretrained_bert").main(["--model", str(tmp_path / "empty")])
     text = tmp_path / "one.txt"
-    text.write_text("Only one sentence of four words here.")
-    with pytest.raises(SystemExit, match=r"1 sentence\(s\) to embed.*needs at least 2"):
-        example("pretrained_bert").main(["--text", str(text)])
+    for repeats in (1, 3):  # copies count once: their exact embeddings tie
+        text.write_text(" ".join(["Only one sentence of four words here."] * repeats))
+        with pytest.raises(SystemExit,
+                           match=r"1 distinct sentence\(s\) to embed.*needs at least 2"):
+            example("pretrained_bert").main(["--text", str(text)])
     # a method the model refuses: before any embedding, not after the earlier rows
     capsys.readouterr()
     with pytest.raises(ValueError, match=r"causal"):

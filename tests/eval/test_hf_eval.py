@@ -92,11 +92,38 @@ def test_inputs_and_their_errors():
     assert sorted(i for chunk, _ in batches for i in chunk) == list(range(5))
     for chunk, batch in batches:  # grouped by length: padding only to the longest of the group
         assert batch["attention_mask"].sum(1).tolist() == [len(short.ids[i]) for i in chunk]
-    with pytest.raises(ValueError, match="long setting needs at least 2 inputs"):
+    with pytest.raises(ValueError, match="long setting needs at least 2 distinct inputs"):
         build_inputs(tokenizer, "A few words only.", "long", seq_len=128, max_texts=3)
     with pytest.raises(ValueError, match="short setting needs at least 2"):
         build_inputs(tokenizer, "A few words only.", "short", seq_len=128, max_texts=3)
     assert pad_batch([[1, 2, 3], [4]])["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+def test_a_repeated_text_is_taken_once():
+    """Copies of a sentence have tied exact embeddings, so recall@1 counted a method that
+    found the other copy (off by rounding) as a miss: each text is taken once, and
+    ``max_texts`` counts distinct texts. The long setting's repeated chunks too."""
+    from transformers import AutoTokenizer
+
+    from skyformer.eval.data.qkv import default_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    again = "The same four words here."
+    text = f"{again} First other sentence here. {again} Second other sentence here. {again}"
+    short = build_inputs(tokenizer, text, "short", seq_len=64, max_texts=3)
+    assert [tokenizer.decode(x, skip_special_tokens=True) for x in short.ids] == [
+        "the same four words here.", "first other sentence here.",
+        "second other sentence here."]
+    with pytest.raises(ValueError, match="the text has 1 distinct sentence"):
+        build_inputs(tokenizer, f"{again} {again}", "short", seq_len=64, max_texts=3)
+    chunk = " ".join(["word"] * 30)
+    with pytest.raises(ValueError, match=r"the text has 90 tokens \(3 inputs, 1 distinct: the "
+                                         r"text repeats\); the long setting needs at least 2 "
+                                         r"distinct inputs"):
+        build_inputs(tokenizer, f"{chunk} {chunk} {chunk}", "long", seq_len=32, max_texts=3)
+    long = build_inputs(tokenizer, f"{chunk} the end of it all here now {chunk}", "long",
+                        seq_len=32, max_texts=3)
+    assert len(long.ids) == 2 and long.ids[0] != long.ids[1]
 
 
 def test_config_errors():
@@ -319,7 +346,7 @@ def test_a_text_too_short_for_the_long_setting_stops_the_run_before_any_row(tmp_
     text = tmp_path / "short.txt"
     text.write_text(" ".join(f"This is sentence number {i} of a short file." for i in range(4)))
     steps = []
-    with pytest.raises(ValueError, match="the long setting needs at least 2 inputs"):
+    with pytest.raises(ValueError, match="the long setting needs at least 2 distinct inputs"):
         hf_run.evaluate(HFEvalConfig(methods=("softmax",), text=str(text), memory=False,
                                      repeats=1), progress=steps.append)
     assert steps == []

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,32 +182,53 @@ def pad_batch(ids: list[list[int]], pad_id: int = 0) -> dict[str, Tensor]:
 def build_inputs(tokenizer: Any, text: str, setting: str, *, seq_len: int,
                  max_texts: int, too_few: str = "pass a longer --text FILE, or --settings "
                                                 "long") -> Inputs:
-    """Token ids of the ``short`` (sentences) or ``long`` (``seq_len``-token) setting;
-    ``too_few``: what the sentence for a text of fewer than two sentences advises."""
+    """Token ids of the ``short`` (sentences) or ``long`` (``seq_len``-token) setting,
+    each text once (the first ``max_texts`` distinct ones: a repeated text's exact
+    embedding ties with its copy, and recall@1 counted a method that found the other
+    copy as a miss); ``too_few``: what the sentence for a text of fewer than two
+    sentences advises."""
     cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
     if setting == "short":
-        found = sentences(text)[:max_texts]
-        if len(found) < 2:
+        ids = _distinct((tokenizer(s, truncation=True, max_length=seq_len)["input_ids"]
+                         for s in sentences(text)), max_texts)
+        if len(ids) < 2:
             raise ValueError(
-                f"the text has {len(found)} sentence(s) (one ends at . ! or ? before a "
+                f"the text has {len(ids)} distinct sentence(s) (one ends at . ! or ? before a "
                 f"capital or a digit, or at a CJK full stop, and has at least 4 words); the short "
                 f"setting needs at least 2 for retrieval: {too_few}."
             )
-        ids = [tokenizer(s, truncation=True, max_length=seq_len)["input_ids"] for s in found]
         return Inputs(setting, ids)
     from ..data.qkv import _quiet_transformers
 
     with _quiet_transformers():  # the whole text is longer than the model's limit on purpose
         stream = tokenizer(text, add_special_tokens=False)["input_ids"]
     body = seq_len - 2
-    count = min(len(stream) // body, max_texts)
-    if count < 2:
+    chunks = len(stream) // body
+    ids = _distinct(([cls, *stream[i * body : (i + 1) * body], sep]
+                     for i in range(chunks)), max_texts)
+    if len(ids) < 2:
+        repeated = f" ({chunks} inputs, {len(ids)} distinct: the text repeats)" \
+            if chunks >= 2 else ""
         raise ValueError(
-            f"the text has {len(stream)} tokens; the long setting needs at least 2 inputs of "
-            f"{seq_len} tokens ({2 * body} tokens of text): pass a longer --text FILE, a "
-            f"shorter --seq-len, or --settings short."
+            f"the text has {len(stream)} tokens{repeated}; the long setting needs at least 2 "
+            f"distinct inputs of {seq_len} tokens ({2 * body} tokens of text): pass a longer "
+            f"--text FILE, a shorter --seq-len, or --settings short."
         )
-    return Inputs(setting, [[cls, *stream[i * body : (i + 1) * body], sep] for i in range(count)])
+    return Inputs(setting, ids)
+
+
+def _distinct(texts: Iterable[list[int]], limit: int) -> list[list[int]]:
+    """The first ``limit`` distinct token-id lists of ``texts``, in their order (read no
+    further than needed)."""
+    seen: set[tuple[int, ...]] = set()
+    out = []
+    for ids in texts:
+        if len(out) == limit:
+            break
+        if tuple(ids) not in seen:
+            seen.add(tuple(ids))
+            out.append(ids)
+    return out
 
 
 def embed(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
