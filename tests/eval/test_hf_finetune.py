@@ -36,6 +36,18 @@ def test_config_errors():
         FinetuneConfig(holdout=1).validate()
 
 
+def test_a_held_out_set_of_one_sentence_or_a_length_past_the_model_is_refused(tmp_path):
+    """One held-out sentence made recall@1 find that sentence itself (1.0 whatever the
+    model); a seq_len past the model's 512 positions failed inside the embeddings."""
+    text = tmp_path / "text.txt"
+    text.write_text(". ".join(TEXT.split(". ")[:4]) + ".")
+    with pytest.raises(ValueError, match=r"holdout=5 holds out 1 of the text's 4 sentences; "
+                                         r"recall@1 needs at least 2"):
+        distill(FinetuneConfig(steps=1, holdout=5, text=str(text)))
+    with pytest.raises(ValueError, match="seq_len 600 exceeds the 512 positions"):
+        distill(FinetuneConfig(steps=1, seq_len=600, text=str(text)))
+
+
 def test_the_seed_fixes_the_layers_state_too(tmp_path):
     """Two runs of one config give the same numbers whatever was drawn from torch's global
     generator before: the seed fixes the per-layer state (Linformer's projections) as

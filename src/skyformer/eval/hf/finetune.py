@@ -28,7 +28,15 @@ from ...registry import get_method
 from ...seeds import check_seed
 from ..data.qkv import load_model
 from ..data.text import read_text
-from .run import Inputs, build_inputs, embed, embed_all, pad_batch, quality
+from .run import (
+    Inputs,
+    build_inputs,
+    check_seq_len,
+    embed,
+    embed_all,
+    pad_batch,
+    quality,
+)
 
 
 @dataclass(frozen=True)
@@ -79,9 +87,15 @@ def distill(config: FinetuneConfig = FinetuneConfig(),
     """
     config.validate()
     teacher, tokenizer, _ = load_model(config.model)
+    check_seq_len(teacher, config.seq_len)
     inputs = build_inputs(tokenizer, read_text(config.text), "short", seq_len=config.seq_len,
                           max_texts=10**9, too_few="pass a longer text (--text FILE)")
     train, test = split(inputs, config.holdout)
+    if len(test.ids) < 2:  # recall@1 of one text finds that text itself
+        raise ValueError(
+            f"holdout={config.holdout} holds out {len(test.ids)} of the text's "
+            f"{len(inputs.ids)} sentences; recall@1 needs at least 2: pass a longer text "
+            f"(--text FILE) or a smaller holdout.")
     exact_train = embed_all(teacher, train, config.batch_size)
     exact_test = embed_all(teacher, test, config.batch_size)
 
