@@ -72,7 +72,7 @@ import torch
 import torch.nn.functional as F
 import tuned  # benchmarks/, beside this script
 from gpu_device import device_problem  # benchmarks/, beside this script
-from kernel_flags import composed, one_pass_backward, rows_one_bf16_pass
+from kernel_flags import composed, one_pass_backward, rows_one_bf16_pass, tf32
 from launch_counts import guard_passes  # benchmarks/, beside this script
 from run_metadata import run_metadata
 
@@ -88,12 +88,12 @@ from skyformer.io import write_json
 
 def _calls(q, k, v, grad, features, compiled, compile_kernels=("triton", "auto")):
     def run(fn, in_graph=False, one_pass=False, guard=False, rows_bf16=False,
-            composable=False):
+            composable=False, tf32_dots=False):
         def step():  # the gradients dropped after the call, so that the next call's peak
             # counts its own (as skyformer bench does)
             with one_pass_backward(one_pass), guard_passes(guard), \
                     rows_one_bf16_pass(rows_bf16), \
-                    composed(composable):
+                    composed(composable), tf32(tf32_dots):
                 fn().backward(grad)
             for t in (q, k, v):
                 t.grad = None
@@ -134,22 +134,15 @@ def _calls(q, k, v, grad, features, compiled, compile_kernels=("triton", "auto")
         extra["skyformer/triton+implicit+rows-bf16+cudagraphs"] = compiled_call(
             "triton", "reduce-overhead", "implicit", rows_bf16=True)
 
-    def tf32():
-        before = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision("high")
-        try:
-            return skyformer.attention(q, k, v, "skyformer", num_features=features,
-                                       kernel="triton", generator=key)
-        finally:
-            torch.set_float32_matmul_precision(before)
-
     return extra | {
         "sdpa": run(lambda: F.scaled_dot_product_attention(q, k, v)),
         "skyformer/torch": run(lambda: skyformer.attention(
             q, k, v, "skyformer", num_features=features, kernel="torch", generator=key)),
         "skyformer/triton": run(lambda: skyformer.attention(
             q, k, v, "skyformer", num_features=features, kernel="triton", generator=key)),
-        "skyformer/triton+tf32": run(tf32),
+        "skyformer/triton+tf32": run(lambda: skyformer.attention(
+            q, k, v, "skyformer", num_features=features, kernel="triton", generator=key),
+            tf32_dots=True),
         "skyformer/triton+implicit": run(lambda: skyformer.attention(
             q, k, v, "skyformer", num_features=features, kernel="triton",
             pinv_gradient="implicit", generator=key)),

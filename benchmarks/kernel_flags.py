@@ -4,11 +4,15 @@
 the rows) and ``triton_kernels.ROWS_ONE_BF16_PASS`` (the rows kernel's value products in
 one bfloat16 pass) are module constants, off by default, which the benchmarks turn on
 around the calls they time; ``two_nodes.TWO_NODES`` (Skyformer's eager call as two
-autograd node) is on by default, and they turn it off (``composed``)."""
+autograd node) is on by default, and they turn it off (``composed``); ``tf32`` allows TF32
+for float32 matmuls, which the kernels read at each launch, backward ones included."""
 
 from __future__ import annotations
 
 import importlib
+from contextlib import contextmanager
+
+import torch
 
 
 class switched:
@@ -43,3 +47,30 @@ def composed(on: bool) -> switched:
     """Skyformer's eager call composed of its Functions, not as its two hand-chained autograd nodes
     (``ops/skyformer/two_nodes.py``, ``TWO_NODES`` off) where ``on``."""
     return switched("skyformer.ops.skyformer.two_nodes", "TWO_NODES", not on, force=True)
+
+
+@contextmanager
+def tf32(on: bool):
+    """TF32 allowed for float32 matmuls (the kernels' float32 dots in one TF32 pass, not
+    three) where ``on``, for the forward and backward launches inside alike; nothing
+    touched otherwise. Through the per-backend setting where torch has it
+    (``triton_kernels.tf32_allowed`` reads it first): the legacy
+    ``get_float32_matmul_precision`` raises once a program has set that one."""
+    if not on:
+        yield
+        return
+    matmul = torch.backends.cuda.matmul
+    if getattr(matmul, "fp32_precision", None) is None:  # a torch before the setting
+        before = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("high")
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(before)
+        return
+    before = matmul.fp32_precision
+    matmul.fp32_precision = "tf32"
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = before

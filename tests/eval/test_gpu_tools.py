@@ -233,6 +233,46 @@ def test_the_guard_rows_leave_the_marks_to_the_guards_passes():
     assert calls == [(0, [True]), (1, [False]), (0, [True])]
 
 
+def test_the_tf32_row_allows_tf32_in_the_backward_launches_too(monkeypatch):
+    """``skyformer/triton+tf32`` put torch's float32 precision back before the backward
+    ran, so its backward kernels ran three TF32 passes as the plain row's did: every
+    launch of the row, forward and backward, reads TF32 allowed, and the setting is
+    restored after it."""
+    import traceback
+
+    from skyformer.linalg import triton_kernels
+
+    gpu_kernels = load_benchmark("gpu_kernels")
+    allowed = triton_kernels.tf32_allowed
+    seen = []
+
+    def recorded():
+        backward = any(frame.name == "backward" for frame in traceback.extract_stack())
+        seen.append(("backward" if backward else "forward", allowed()))
+        return seen[-1][1]
+
+    monkeypatch.setattr(triton_kernels, "tf32_allowed", recorded)
+    q, k, v, grad = (torch.randn(1, 1, 32, 8) for _ in range(4))
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    calls = gpu_kernels._calls(q, k, v, grad, 8, False)
+    calls["skyformer/triton+tf32"]()
+    assert {"forward", "backward"} <= {kind for kind, _ in seen}
+    assert all(on for _, on in seen), seen
+    assert matmul.fp32_precision == before
+    # the other rows leave the setting alone: with the per-backend setting made (as
+    # docs/gpu.md shows), the legacy getter they once called raised in every row
+    matmul.fp32_precision = "ieee"
+    try:
+        seen.clear()
+        calls["skyformer/triton"]()
+    finally:
+        matmul.fp32_precision = before
+    assert seen and not any(on for _, on in seen)
+
+
 def test_the_kernel_benchmark_names_a_kernel_that_fell_back(monkeypatch):
     """A row timed after its kernel gave way to the fallback times the fallback: the
     run says so (``fallbacks``)."""
