@@ -22,8 +22,9 @@ exact target of each comparison (softmax(s Q K^T) V; for Reformer, whose publish
 only has shared-QK attention, softmax_{j != i}(s q_i . q_j / |q_j|) V), averaged over
 heads; the table averages layers and seeds (± the sample std over seeds of the layer
 mean). "mean(V)" is the trivial answer every row = the mean of V. Rows are saved (atomically) after
-every (N, layer, m) and a rerun resumes, trusting the saved rows: use ``--fresh`` or
-another ``--out`` after changing either code. The JSON records the settings, the
+every (N, layer, m) and a rerun resumes, trusting the saved rows: after changing either
+code use another ``--out``, or ``--fresh``, which drops the saved cells of its command
+(a rerun without it then resumes where it stopped). The JSON records the settings, the
 environment and the command of the latest run (its rows: every run's). The tables in
 docs/approximation.md came from these calls.
 
@@ -406,6 +407,13 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _in_command(row: dict, args: argparse.Namespace) -> bool:
+    """Whether ``row`` is a cell of the command ``args`` (its lengths, layers, sizes and
+    seeds; the trivial row: one per length and layer, at seed 0)."""
+    return row["N"] in args.seq_lens and row["layer"] in args.layers \
+        and ((row["m"] in args.features and row["seed"] in args.seeds) or row["m"] == 0)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("method", choices=sorted(VARIANTS))
@@ -418,16 +426,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON of every cell (default results/published/METHOD.json)")
-    parser.add_argument("--fresh", action="store_true", help="ignore the saved cells (the "
-                        "JSON keeps every cell measured; the table shows this command's)")
+    parser.add_argument("--fresh", action="store_true", help="drop the saved cells of this "
+                        "command's lengths, layers, sizes and seeds and measure them again "
+                        "(the JSON keeps the others; a rerun without --fresh resumes an "
+                        "interrupted one; the table shows this command's)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     out = args.out or RESULTS / f"{args.method}.json"
-    saved = [] if args.fresh or not out.exists() else json.loads(out.read_text())["rows"]
-    done = {(r["N"], r["layer"], r["m"], r["variant"], r["seed"]) for r in saved}
-    rows = list(saved)
+    saved = json.loads(out.read_text())["rows"] if out.exists() else []
     metadata = run_metadata(__file__, argv, vars(args) | {"out": out})
+    if args.fresh:  # this command's cells, of any variant (one renamed since too), go,
+        kept = [r for r in saved if not _in_command(r, args)]
+        if len(kept) < len(saved):  # from the file too: a run stopped before its first
+            saved = kept  # save must not leave them to a rerun as done
+            write_json(out, {"method": args.method, **metadata, "rows": saved})
+    cells = {(r["N"], r["layer"], r["m"], r["variant"], r["seed"]): r for r in saved}
+    done = set(cells)  # after --fresh, those of this run: an interrupted one resumes
     model, tokenizer, name = load_model(None, pretrained=True, seed=0)
     for n in args.seq_lens:
         for layer in args.layers:
@@ -440,7 +455,8 @@ def main(argv: list[str] | None = None) -> None:
                 gaussian = gaussian_target(q, k, v)
             if (n, layer, 0, "mean(V)", 0) not in done:
                 trivial = v.mean(2, keepdim=True).expand_as(target)
-                rows.append(cell(n, layer, 0, "mean(V)", 0, relative_spectral(trivial, target)))
+                cells[(n, layer, 0, "mean(V)", 0)] = cell(n, layer, 0, "mean(V)", 0,
+                                                          relative_spectral(trivial, target))
             for m in args.features:
                 for variant, run in VARIANTS[args.method](q, k, v, m).items():
                     for seed in args.seeds:
@@ -450,14 +466,14 @@ def main(argv: list[str] | None = None) -> None:
                             and uses_gaussian_target(variant) else target
                         with torch.no_grad():
                             err = relative_spectral(run(seed), exact)
-                        rows.append(cell(n, layer, m, variant, seed, err))
-                write_json(out, {"method": args.method, **metadata, "rows": rows})
+                        cells[(n, layer, m, variant, seed)] = cell(n, layer, m, variant,
+                                                                   seed, err)
+                write_json(out, {"method": args.method, **metadata,
+                                 "rows": list(cells.values())})
                 print(f"N={n} layer={layer} m={m} done", flush=True)
     # the table of this command's cells alone; the JSON keeps every cell measured (a
     # later run with other lengths, layers, sizes or seeds reuses them)
-    report = table([r for r in rows if r["N"] in args.seq_lens and r["layer"] in args.layers
-                    and ((r["m"] in args.features and r["seed"] in args.seeds)
-                         or r["m"] == 0)])  # the trivial row: one, at seed 0
+    report = table([r for r in cells.values() if _in_command(r, args)])
     atomic_write_text(out.with_suffix(".md"), f"# {args.method} against its published code\n"
                       + TARGET_NOTES.get(args.method, "") + report)
     print(report)

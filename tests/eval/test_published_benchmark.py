@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -127,6 +128,28 @@ def test_a_run_writes_every_cell_and_a_rerun_resumes(tmp_path, capsys, fake_refo
     report = out.with_suffix(".md").read_text()
     assert "m=32" in report and "m=8" not in report and "m=16" not in report
     assert len(json.loads(out.read_text())["rows"]) == len(again)
+    # --fresh drops its own cells, a variant no longer measured's too, and measures them
+    # again; it keeps the others (it had rewritten the file with its own cells alone)
+    marked = [dict(r, err=-1.0 if r["m"] in (0, 32) else -2.0) for r in again]
+    stale = dict(again[-1], variant="renamed since")
+    out.write_text(json.dumps({"rows": [*marked, stale]}))
+    published.main([*argv[:-2], "--features", "32", "--fresh", "--out", str(out)])
+    fresh = {(r["m"], r["variant"], r["seed"]): r["err"]
+             for r in json.loads(out.read_text())["rows"]}
+    assert set(fresh) == {(r["m"], r["variant"], r["seed"]) for r in again}  # stale: gone
+    for (m, _, _), err in fresh.items():
+        assert err == -2.0 if m in (8, 16) else err >= 0  # kept; measured again
+    assert "renamed since" not in out.with_suffix(".md").read_text()
+    # stopped before its first cell was saved: the cells it dropped are gone from the
+    # file, so a rerun without --fresh measures them instead of trusting the old ones
+    stopped = mock.patch.object(published, "relative_spectral",
+                                side_effect=KeyboardInterrupt)
+    with stopped, pytest.raises(KeyboardInterrupt):
+        published.main([*argv[:-2], "--features", "16", "--fresh", "--out", str(out)])
+    left = json.loads(out.read_text())["rows"]
+    assert {r["m"] for r in left} == {8, 32}
+    published.main([*argv[:-2], "--features", "16", "--out", str(out)])
+    assert {r["m"] for r in json.loads(out.read_text())["rows"]} == {0, 8, 16, 32}
 
 
 def test_a_cell_saved_as_null_is_a_nan_in_the_table():
