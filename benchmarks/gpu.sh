@@ -38,7 +38,8 @@
 # script, marking nothing done; so does a stage that could not be started at all (exit
 # 125-127).
 # STAGE_SECONDS=N gives every stage N seconds instead of its own limit.
-# ONLY="NAME ..." runs those stages alone: tests tiles ptiles ftiles profile split kernels
+# ONLY="NAME ..." runs those stages alone (a name not among the mode's stages, below,
+# stops the script before it starts): tests tiles ptiles ftiles profile split kernels
 # bench_float32 bench_bfloat16 lra; with SHORT=1: tests kernels_model
 # kernels_model_interleaved paired_steps kernels_lra bench_causal half_gradients.
 # ARCHIVE=FILE.tar.gz packs OUT_DIR into that one file after every stage (and when
@@ -46,6 +47,22 @@
 # FILE in the folder that comes back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if [ -n "${SHORT:-}" ]; then
+  stages="tests kernels_model kernels_model_interleaved paired_steps kernels_lra bench_causal half_gradients"
+else
+  stages="tests tiles ptiles ftiles profile split kernels bench_float32 bench_bfloat16 lra"
+fi
+if [ -n "${ONLY:-}" ] && [ -z "${ONLY//[[:space:]]/}" ]; then  # set to blanks: no stage
+  echo "ONLY names no stage; name some of: $stages (or leave ONLY unset for all)" >&2
+  exit 2
+fi
+for name in ${ONLY:-}; do  # a misspelt name would run nothing and exit 0
+  if ! [[ " $stages " == *" $name "* ]]; then
+    echo "ONLY names '$name', which is not a stage of this run$([ -n "${SHORT:-}" ] \
+        && echo " (SHORT=1)"); its stages: $stages" >&2
+    exit 2
+  fi
+done
 out=${1:-benchmarks/results/gpu}
 mkdir -p "$out"
 # PYTHON=... names the interpreter (default python3: the machine's own torch with CUDA).
@@ -76,6 +93,10 @@ touch "$out/stages.txt"
 stage() {
   local name=$1 seconds=${STAGE_SECONDS:-$2} start=$SECONDS rc follower note=
   shift 2
+  if ! [[ " $stages " == *" $name "* ]]; then  # the list that ONLY is checked against
+    echo "stage $name is missing from the stages listed at the top of $0" >&2
+    exit 2
+  fi
   if [ -n "${ONLY:-}" ] && ! [[ " $ONLY " == *" $name "* ]]; then
     echo "+ $name: not in ONLY"
     return 0

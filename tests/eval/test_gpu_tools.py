@@ -676,6 +676,21 @@ def test_the_short_gpu_check_runs_its_own_stages_through_the_same_runner(tmp_pat
     usage = subprocess.run(["bash", str(BENCHMARKS / "gpu_short.sh")], env=env,
                            capture_output=True, text=True, timeout=60)
     assert usage.returncode != 0 and "usage" in usage.stderr
+    # a misspelt ONLY, or a stage of the whole measurement, ran nothing and exited 0: it
+    # stops before the machine is used, naming the stages it takes
+    calls.write_text("")
+    for only in ("kernels_modle", "tiles"):
+        wrong = subprocess.run(["bash", str(BENCHMARKS / "gpu_short.sh"),
+                                str(tmp_path / "wrong")], env={**env, "ONLY": only},
+                               capture_output=True, text=True, timeout=60)
+        assert wrong.returncode == 2
+        assert f"ONLY names '{only}', which is not a stage of this run (SHORT=1)" in wrong.stderr
+        assert "its stages: tests kernels_model " in wrong.stderr
+    blank = subprocess.run(["bash", str(BENCHMARKS / "gpu_short.sh"), str(tmp_path / "wrong")],
+                           env={**env, "ONLY": "  "}, capture_output=True, text=True,
+                           timeout=60)
+    assert blank.returncode == 2 and "ONLY names no stage" in blank.stderr
+    assert calls.read_text() == "" and not (tmp_path / "wrong").exists()
 
 
 def stages_of(out):
