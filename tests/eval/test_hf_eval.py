@@ -37,6 +37,19 @@ def test_sentences_and_paragraphs_of_the_shipped_text():
         == ["One two three four.", "Five six seven eight!", "Nine ten eleven twelve?"]
 
 
+def test_a_title_or_a_dotted_abbreviation_ends_no_sentence():
+    """A cut after "Mr." or "U.S." left a piece of fewer than 4 words, which was dropped:
+    the sentence lost its start. One letter alone still ends one (a numeral as often as an
+    initial), and the shipped text's "Article I. Section 1." headings stay dropped."""
+    assert sentences("Mr. Smith went to Washington today. The U.S. Constitution is old "
+                     'now. "Dr. Who" is a show on the air. Über die Brücke gehen wir dann.') \
+        == ["Mr. Smith went to Washington today.", "The U.S. Constitution is old now.",
+            '"Dr. Who" is a show on the air.', "Über die Brücke gehen wir dann."]
+    assert sentences("This is Article I. Then come the sections of it.") \
+        == ["This is Article I.", "Then come the sections of it."]
+    assert not any(s.startswith(("Article", "Section")) for s in sentences(default_text()))
+
+
 def test_sentences_of_a_text_in_other_languages():
     """A sentence starting with a capital outside A-Z (Über, Ça, Élan) or ending in a CJK
     full stop was not split off: a German or Chinese text was one sentence, refused by

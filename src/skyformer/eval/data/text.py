@@ -45,17 +45,29 @@ _SENTENCE_END = re.compile(rf"(?<=[.!?])\s+(?=[\"'(\[]?(\w))"
                            rf"|(?<=[{_CJK_END}])(?![{_CJK_END}{_CJK_CLOSE}])\s*(?=\S)")
 
 
+# a word before a full stop that does not end a sentence, after an optional opening
+# quote: a title, or letters each followed by a full stop ("U.S.", "e.g."); not one
+# letter alone, which is as often a numeral ("Article I. Section 1.") as an initial
+_ABBREVIATION = re.compile(r"[\"'(\[]?(?:Mr|Mrs|Ms|Dr|Prof|St|Jr|Sr|Mt|Rev|Gen|Gov|Sen"
+                           r"|Rep|vs|(?:[^\W\d_]\.)+[^\W\d_])\.")
+
+
 def paragraphs(text: str) -> list[str]:
     """Blank-line separated paragraphs, whitespace collapsed, empty ones dropped."""
     return [" ".join(p.split()) for p in re.split(r"\n\s*\n", text) if p.strip()]
 
 
 def _split_sentences(paragraph: str) -> list[str]:
-    """``paragraph`` cut at every ``_SENTENCE_END`` not followed by a lowercase letter."""
+    """``paragraph`` cut at every ``_SENTENCE_END`` not followed by a lowercase letter nor
+    preceded by an ``_ABBREVIATION`` (a cut after "Mr." or "U.S." left a piece too short
+    to keep, and the sentence lost its start)."""
     out, start = [], 0
     for end in _SENTENCE_END.finditer(paragraph):
         first = end.group(1)
         if first is not None and (first.islower() or first == "_"):  # "e.g. the", "a. _x"
+            continue
+        last_word = paragraph[start : end.start()].rsplit(None, 1)[-1]
+        if first is not None and _ABBREVIATION.fullmatch(last_word):
             continue
         out.append(paragraph[start : end.start()])
         start = end.end()
@@ -72,10 +84,10 @@ def _words(sentence: str) -> int:
 def sentences(text: str, *, min_words: int = 4) -> list[str]:
     """Sentences of ``text``: paragraphs split after ``.``, ``!`` or ``?`` followed by a
     letter that is not lowercase (a capital in any script, or a letter of a script without
-    case) or a digit, and after the CJK full stop, exclamation and question marks
-    (U+3002, U+FF01, U+FF1F); sentences of fewer than
-    ``min_words`` words (headings such as "Section. 2."; a CJK character counts as a word)
-    are dropped."""
+    case) or a digit, and after the CJK full stop, exclamation and question marks (U+3002,
+    U+FF01, U+FF1F), but not after a title ("Mr.", "Dr.") or a dotted abbreviation ("U.S.":
+    a sentence ending with one runs on into the next); sentences of fewer than ``min_words``
+    words (headings such as "Section. 2."; a CJK character counts as a word) are dropped."""
     out = []
     for paragraph in paragraphs(text):
         out.extend(s for s in _split_sentences(paragraph) if _words(s) >= min_words)

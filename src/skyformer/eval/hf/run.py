@@ -194,7 +194,8 @@ def build_inputs(tokenizer: Any, text: str, setting: str, *, seq_len: int,
         if len(ids) < 2:
             raise ValueError(
                 f"the text has {len(ids)} distinct sentence(s) (one ends at . ! or ? before a "
-                f"capital or a digit, or at a CJK full stop, and has at least 4 words); the short "
+                f"capital or a digit, not after a title or a dotted abbreviation such as U.S., "
+                f"or at a CJK full stop, and has at least 4 words); the short "
                 f"setting needs at least 2 for retrieval: {too_few}."
             )
         return Inputs(setting, ids)
