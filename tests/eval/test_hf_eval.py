@@ -142,6 +142,9 @@ def test_a_repeated_text_is_taken_once():
 def test_config_errors():
     with pytest.raises(ValueError, match="unknown attention method 'nope'"):
         HFEvalConfig(methods=("nope",)).validate()
+    with pytest.raises(ValueError, match=r"methods \(--methods\): 'sdpa' is the unchanged "
+                                         r"model, whose row every run has as the baseline"):
+        HFEvalConfig(methods=("softmax", "sdpa")).validate()
     with pytest.raises(ValueError, match=r"hf-eval \(--features\) sets num_features"):
         HFEvalConfig(methods=("skyformer[num_features=64]",)).validate()
     HFEvalConfig(methods=("skyformer[pinv_gradient=implicit]",)).validate()

@@ -108,6 +108,10 @@ class HFEvalConfig:
             refuse_repeats(_named(name), getattr(self, name))
         refuse_repeated_methods(self.methods)
         for m in self.methods or ():
+            if m == BASELINE:  # its row comes with every run
+                raise ValueError(f"{_named('methods')}: {BASELINE!r} is the unchanged model, "
+                                 f"whose row every run has as the baseline; name the "
+                                 f"library's methods alone (softmax is its exact one).")
             method = get_method(m)  # unknown names fail before any work
             if method.budget_changes_output():  # the sweep sets num_features on it
                 refuse_swept_option(method.name, method.preset, "num_features",
