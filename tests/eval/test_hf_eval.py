@@ -255,6 +255,11 @@ def test_hf_eval_end_to_end(tmp_path, capsys):
     table = list(csv.DictReader(lines[3:-1]))
     assert len(table) == len(data["rows"]) == 8
     assert [r["seed"] for r in table if r["method"] == "skyformer"] == ["0", "0"]
+    # an exact method and one without a feature count both leave num_features empty: the
+    # exact column tells them apart
+    assert {(r["method"], r["exact"]) for r in table} == {
+        ("sdpa", "True"), ("softmax", "True"), ("skyformer", "False"),
+        ("nystrom_softmax", "False")}
     assert (out / "hf_eval.png").stat().st_size > 10_000
     markdown = (out / "hf_eval.md").read_text()
     assert "| long | `skyformer` | 8 |" in markdown and "not a drop-in" in markdown

@@ -9,7 +9,7 @@ from typing import Any
 from ...io import save_figure
 from ...io import write_csv as write_rows_csv
 
-COLUMNS = ("setting", "method", "target", "drop_in", "num_features", "seed", "texts",
+COLUMNS = ("setting", "method", "target", "drop_in", "num_features", "exact", "seed", "texts",
            "cosine_mean", "cosine_min", "recall_at_1", "time_ms", "peak_mib", "note", "error")
 
 
