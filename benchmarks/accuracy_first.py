@@ -428,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="folder of the results (default: the committed ones, which a "
                              "run replaces; pass another folder to keep them)")
     parser.add_argument("--seeds", type=positive_int_argument, default=3)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=positive_int_argument, default=1)
     parser.add_argument("--speed-n", type=positive_int_argument, default=16384)
     parser.add_argument("--repeats", type=positive_int_argument, default=5)
     args = parser.parse_args(argv)

@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                         default=[4096, 16384])
     parser.add_argument("--features", type=positive_int_argument, default=128)
     parser.add_argument("--repeats", type=positive_int_argument, default=9)
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", type=positive_int_argument, default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.threads:

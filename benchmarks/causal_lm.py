@@ -218,7 +218,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-every", type=positive_int_argument, default=50)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", type=positive_int_argument, default=None)
     parser.add_argument("--fresh", action="store_true",
                         help="replace the rows of an earlier run (of any configuration)")
     parser.add_argument("--out", type=Path, default=RESULTS / "causal_lm" / "causal_lm")

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt", type=positive_int_argument, default=64)
     parser.add_argument("--m", type=positive_int_argument,
                         default=128, help="num_features of the approximations")
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", type=positive_int_argument, default=None)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.threads:

@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="heads of the clustered inputs at each N (0: none)")
     parser.add_argument("--no-float32", dest="float32", action="store_false",
                         help="skip the float32 calls")
-    parser.add_argument("--threads", type=int, default=1,
+    parser.add_argument("--threads", type=positive_int_argument, default=1,
                         help="torch threads (default 1: on a loaded 2-core machine two "
                              "made LAPACK's eigvalsh and matrix_norm many times slower)")
     parser.add_argument("--out", type=Path, default=RESULTS / "implicit_core_gradient.md")

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", type=shape_argument("B,H,D"), default="2,2,64")
     parser.add_argument("--seq-lens", nargs="+", type=positive_int_argument, default=[4096])
     parser.add_argument("--repeats", type=positive_int_argument, default=5)
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", type=positive_int_argument, default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.threads:

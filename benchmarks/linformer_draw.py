@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--head-dim", type=positive_int_argument, default=32)
     parser.add_argument("--features", type=positive_int_argument, default=128)
     parser.add_argument("--repeats", type=positive_int_argument, default=5)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=positive_int_argument, default=1)
     parser.add_argument("--out", type=Path, default=RESULTS / "linformer_draw")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

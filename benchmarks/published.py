@@ -423,7 +423,7 @@ def main(argv: list[str] | None = None) -> None:
                         nargs="+", default=[32, 64, 128, 256])
     parser.add_argument("--layers", type=int, nargs="+", default=[0, 2, 4])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", type=positive_int_argument, default=None)
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON of every cell (default results/published/METHOD.json)")
     parser.add_argument("--fresh", action="store_true", help="drop the saved cells of this "

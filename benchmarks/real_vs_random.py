@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--methods", nargs="+", default=METHODS)
     parser.add_argument("--features", type=positive_int_argument, default=128)
     parser.add_argument("--repeats", type=positive_int_argument, default=5)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=positive_int_argument, default=1)
     parser.add_argument("--out", type=Path, default=RESULTS / "real_vs_random")
     args = parser.parse_args(argv)
     for method in args.methods:  # before the model loads and any row is timed

@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-lens", type=positive_int_argument, nargs="+",
                         default=[2**e for e in range(16, 21)])
     parser.add_argument("--repeats", type=positive_int_argument, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--threads", type=positive_int_argument, default=1,
+                        help="torch threads per process")
     parser.add_argument("--causal", action="store_true",
                         help="a causal layer (a decoder's self-attention)")
     parser.add_argument("--method", default="skyformer",
