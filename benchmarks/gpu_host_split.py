@@ -70,6 +70,8 @@ def sdpa_call(shape: tuple[int, int, int, int], dtype: torch.dtype, device: torc
 
     def call() -> None:
         F.scaled_dot_product_attention(q, k, v).sum().backward()
+        for t in (q, k, v):  # each call makes its own gradients, as the skyformer call's
+            t.grad = None
     return call
 
 

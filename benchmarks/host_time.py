@@ -103,6 +103,8 @@ def call_of(method: str, b: int, h: int, n: int, d: int, m: int, through: bool =
                 composed(composable):
             out = skyformer.attention(q, k, v, method, kernel="triton", **options)
             out.sum().backward()
+        for t in (q, k, v):  # each call makes its own gradients, not adds to the last
+            t.grad = None
 
     return call
 

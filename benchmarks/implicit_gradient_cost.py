@@ -86,6 +86,8 @@ def attention_calls(shape: tuple[int, int, int], n: int, m: int, kernel: str, de
                                           kernel=kernel, pinv_gradient=gradient,
                                           generator=key)
                 out.sum().backward()
+            for t in (q, k, v):  # each call makes its own gradients, not adds to the last
+                t.grad = None
         return run
 
     return {f"N={n} {variant}": call(variant) for variant in VARIANTS}

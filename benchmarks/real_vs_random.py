@@ -53,6 +53,8 @@ def step(method: str, inputs: tuple[torch.Tensor, ...], m: int):
     def run() -> None:
         out = attend(*leaves, generator=torch.Generator().manual_seed(0))
         out.sum().backward()
+        for t in leaves:  # each call makes its own gradients, not adds to the last
+            t.grad = None
 
     return run
 

@@ -89,6 +89,8 @@ def _worker(rank: int, world: int, store: str, n: int, args: argparse.Namespace,
             return
         out = layer(x, generator=torch.Generator().manual_seed(0))
         out.sum().backward()
+        x.grad = None  # each step makes its own gradients, not adds to the last
+        layer.zero_grad(set_to_none=True)
 
     with count_communication() as traffic, torch.no_grad():
         layer(x, generator=torch.Generator().manual_seed(0))

@@ -420,6 +420,30 @@ def test_flash_tile_sweep_runs_on_the_cpu_under_the_interpreter(tmp_path):
     assert triton_flash.flash_tiles(torch.float32, 16, "forward")["BLOCK_M"] == 64
 
 
+def test_timed_calls_leave_no_gradient_for_the_next_to_add_into(monkeypatch):
+    """Each timed forward + backward makes its own gradients: host_time's calls (which
+    gpu_host_split times too) and gpu_host_split's SDPA call kept the last call's, so
+    every later call added into them, one accumulation more than the calls they are
+    compared with."""
+    host_time = load_benchmark("host_time")
+    split = load_benchmark("gpu_host_split")
+    leaves = []
+    real_randn = torch.randn
+
+    def recorded(*args, **kwargs):
+        leaves.append(real_randn(*args, **kwargs))
+        return leaves[-1]
+
+    monkeypatch.setattr(torch, "randn", recorded)
+    calls = [host_time.call_of("skyformer", 1, 1, 16, 8, 8),
+             split.sdpa_call((1, 1, 16, 8), torch.float32, torch.device("cpu"))]
+    monkeypatch.undo()
+    assert len(leaves) == 6 and all(t.requires_grad for t in leaves)
+    for call in calls:
+        call()
+    assert all(t.grad is None for t in leaves)
+
+
 def test_host_time_stubs_every_launch_and_reports_each_method(tmp_path, monkeypatch):
     """Host time with the Triton launches stubbed: no kernel may run (under the
     interpreter a launch that escaped the stubs would be timed as host work)."""
