@@ -74,9 +74,10 @@ def reference_performer_attention(
     real keys j <= i). ``[B, H, Nq, Dv]``."""
     info = check_attention_inputs(q, k, v, key_padding_mask, method="performer reference")
     if causal and eps > 0:  # each row's keys shifted by their maximum up to the row
-        rows = [performer_scores(q, k[:, :, :i + 1], projection, scale=scale, eps=eps,
-                                 key_padding_mask=None if key_padding_mask is None
-                                 else key_padding_mask[:, :i + 1])[:, :, i]
+        # (a query's features are its own row's: row i alone against the keys up to it)
+        rows = [performer_scores(q[:, :, i:i + 1], k[:, :, :i + 1], projection, scale=scale,
+                                 eps=eps, key_padding_mask=None if key_padding_mask is None
+                                 else key_padding_mask[:, :i + 1])[:, :, 0]
                 for i in range(q.shape[2])]
         a = torch.stack([F.pad(row, (0, k.shape[2] - row.shape[-1])) for row in rows], 2)
     else:
