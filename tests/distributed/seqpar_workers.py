@@ -65,6 +65,13 @@ def spawn(world: int, fn: Callable[..., None], *args: object) -> None:
                  join=True)
 
 
+def check_each(rank: int, world: int, *calls: tuple[Callable[..., None], tuple]) -> None:
+    """Each ``(fn, args)`` of ``calls`` in turn in one process group: one start of the
+    processes (seconds each) for several checks of the same world."""
+    for fn, args in calls:
+        fn(rank, world, *args)
+
+
 def _entry(rank: int, world: int, store: str, fn: Callable[..., None], args: tuple) -> None:
     torch.set_num_threads(1)
     # no worker passes every rank the same rows by mistake (check_errors passes them once)

@@ -15,6 +15,7 @@ from seqpar_workers import (
     check_causal_blocks,
     check_causal_collectives,
     check_causal_nystrom_softmax_shifts,
+    check_each,
     check_equal,
     check_errors,
     check_float32_norms_past_its_reach,
@@ -46,8 +47,7 @@ def test_three_processes_without_mask_and_with_a_wholly_padded_shard():
     mask = torch.ones(2, 23, dtype=torch.bool)
     mask[:, 16:] = False  # rank 2 holds only padding
     mask[1, 2:4] = False
-    spawn(3, check_equal, [5, 11, 7], mask)
-    spawn(3, check_equal, [9, 1, 6], None)
+    spawn(3, check_each, (check_equal, ([5, 11, 7], mask)), (check_equal, ([9, 1, 6], None)))
 
 
 def test_causal_nystrom_methods_over_chunks_that_cross_the_shard_boundaries():
