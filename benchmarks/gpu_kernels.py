@@ -323,8 +323,24 @@ def main(argv: list[str] | None = None) -> int:
                         help="leave out the m x m core timed alone")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    # refused before the machine's time goes to the matmul rate and the inputs
+    if not 0 <= args.pause < float("inf"):
+        parser.error(f"argument --pause: must be a finite number of seconds, at least 0, "
+                     f"got {args.pause}")
+    names = _call_names(args.compile_kernels) if args.calls else set()
+    for pattern in args.calls or ():
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
+            parser.error(f"argument --calls: {pattern!r} matches no call (it would time sdpa "
+                         f"alone); the calls: {', '.join(sorted(names))}")
     with tuned.applied(args.tiles):
         return _main(args, argv)
+
+
+def _call_names(compile_kernels) -> set[str]:
+    """The name of every call ``_calls`` can time, compiled variants included (built on a
+    tiny CPU tensor: the calls are only defined, not run)."""
+    x = torch.zeros(1, 1, 2, 2, requires_grad=True)
+    return set(_calls(x, x, x, x, 2, True, compile_kernels))
 
 
 def _main(args: argparse.Namespace, argv: list[str] | None) -> int:

@@ -236,6 +236,25 @@ def test_the_guard_rows_leave_the_marks_to_the_guards_passes():
     assert calls == [(0, [True]), (1, [False]), (0, [True])]
 
 
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--calls", "skyformr/*"], "argument --calls: 'skyformr/*' matches no call (it would "
+                                "time sdpa alone); the calls: kernelized/auto+padding, "),
+    (["--pause", "-1"], "argument --pause: must be a finite number of seconds, at least 0, "
+                        "got -1.0"),
+])
+def test_the_kernel_benchmark_refuses_a_call_pattern_or_pause_before_it_starts(
+        argv, message, monkeypatch, capsys):
+    """A misspelt --calls pattern timed sdpa alone (a short GPU loan spent on nothing), a
+    negative --pause failed in a traceback after the matmul rate was measured: both are
+    refused in argparse's line first. The compiled variants' names count as calls."""
+    benchmark = load_benchmark("gpu_kernels")
+    monkeypatch.setattr(benchmark, "_matmul_rate", lambda device: pytest.fail("measured"))
+    with pytest.raises(SystemExit) as stop:
+        benchmark.main(["--device", "cpu", *argv])
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+    assert "skyformer/triton+implicit+cudagraphs" in benchmark._call_names(["triton", "auto"])
+
+
 def test_the_tf32_row_allows_tf32_in_the_backward_launches_too(monkeypatch):
     """``skyformer/triton+tf32`` put torch's float32 precision back before the backward
     ran, so its backward kernels ran three TF32 passes as the plain row's did: every
