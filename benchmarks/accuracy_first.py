@@ -42,7 +42,7 @@ from skyformer.eval.data.qkv import extract_qkv, load_model
 from skyformer.eval.data.text import default_text
 from skyformer.eval.measure.memory import MemoryJob, peak_memory_bytes
 from skyformer.eval.measure.metrics import relative_error
-from skyformer.io import write_csv, write_json
+from skyformer.io import save_figure, write_csv, write_json
 from skyformer.linalg import gaussian_scores, softmax_scores
 from skyformer.ops.multipole import multipole_with_choice
 from skyformer.registry import attention, get_method, list_methods
@@ -407,8 +407,7 @@ def plot_baselines(rows: list[dict[str, Any]], path: Path) -> None:
         ax.set_ylabel("error / trivial answer's error")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)  # atomically, as the JSON and CSV beside it
 
 
 def write_rows(out: Path, part: str, rows: list[dict[str, Any]], metadata: dict[str, Any]) -> None:

@@ -23,7 +23,7 @@ from run_metadata import RESULTS, run_metadata  # benchmarks/, beside this scrip
 from skyformer import get_method
 from skyformer.checks import positive_int_argument
 from skyformer.eval.hf.finetune import FinetuneConfig, distill
-from skyformer.io import check_output_path, write_csv, write_json
+from skyformer.io import check_output_path, save_figure, write_csv, write_json
 
 DEFAULT_FEATURES = 32
 
@@ -135,9 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        tmp = out.with_name(f".{out.name}.tmp.png")
-        fig.savefig(tmp, dpi=110)
-        tmp.replace(out.with_suffix(".png"))
+        save_figure(fig, out.with_suffix(".png"), dpi=110)  # a temporary file of its own
     except ImportError:
         print("matplotlib not installed: no plot", file=sys.stderr)
     print(f"wrote {out.with_suffix('.json')}, {out.with_suffix('.csv')}"
