@@ -34,14 +34,15 @@
 # command limit of the machine: a stage that finished (passed or failed: see stages.txt;
 # marker OUT_DIR/.done-STAGE, delete it to measure the stage again) is skipped, and the
 # bench runs continue their JSON (--resume, written after every sequence length), so a
-# second run measures only what is missing. Ctrl-C stops the running stage and the
-# script, marking nothing done; so does a stage that could not be started at all (exit
-# 125-127).
+# second run measures only what is missing; a stage run again appends its earlier output
+# to OUT_DIR/STAGE.earlier.log. Ctrl-C stops the running stage and the script, marking
+# nothing done; so does a stage that could not be started at all (exit 125-127).
 # STAGE_SECONDS=N gives every stage N seconds instead of its own limit.
-# ONLY="NAME ..." runs those stages alone (a name not among the mode's stages, below,
-# stops the script before it starts): tests tiles ptiles ftiles profile split kernels
-# bench_float32 bench_bfloat16 lra; with SHORT=1: tests kernels_model
-# kernels_model_interleaved paired_steps kernels_lra bench_causal half_gradients.
+# ONLY="NAME ..." runs those stages alone (a name not among the mode's stages, below, or
+# tests with SKIP_TESTS set, stops the script before it starts): tests tiles ptiles
+# ftiles profile split kernels bench_float32 bench_bfloat16 lra; with SHORT=1: tests
+# kernels_model kernels_model_interleaved paired_steps kernels_lra bench_causal
+# half_gradients.
 # ARCHIVE=FILE.tar.gz packs OUT_DIR into that one file after every stage (and when
 # interrupted): for a machine that hands back only a few files, put OUT_DIR elsewhere and
 # FILE in the folder that comes back.
@@ -63,6 +64,10 @@ for name in ${ONLY:-}; do  # a misspelt name would run nothing and exit 0
     exit 2
   fi
 done
+if [ -n "${SKIP_TESTS:-}" ] && [[ " ${ONLY:-} " == *" tests "* ]]; then  # would run nothing
+  echo "ONLY names 'tests' and SKIP_TESTS skips them: unset one of the two" >&2
+  exit 2
+fi
 out=${1:-benchmarks/results/gpu}
 mkdir -p "$out"
 # PYTHON=... names the interpreter (default python3: the machine's own torch with CUDA).
@@ -106,6 +111,8 @@ stage() {
     return 0
   fi
   echo "+ $name (at most ${seconds} s): $*"
+  # a stage run again (after a time limit) keeps the earlier runs' output beside its own
+  [ -s "$out/$name.log" ] && cat "$out/$name.log" >> "$out/$name.earlier.log"
   : > "$out/$name.log"  # before tail follows it
   timeout --signal=INT --kill-after=30 "$seconds" "$@" >> "$out/$name.log" 2>&1 &
   running=$!

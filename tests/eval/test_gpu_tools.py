@@ -615,6 +615,8 @@ def test_gpu_script_runs_every_stage_past_failures_limits_and_reruns(tmp_path):
     # the CUDA check, the versions for machine.txt, the xdist check; lra
     assert len(calls.read_text().splitlines()) == before + 4
     assert stages()["lra"].startswith("0 ") and len(stages()) == 10
+    # the rerun of the stage stopped by its limit keeps that run's output beside its own
+    assert "lra started" in (out / "lra.earlier.log").read_text()
     assert second.returncode == 1  # tests and kernels failed, and stay so
     (out / ".done-tests").unlink()
     (out / ".done-kernels").unlink()
@@ -736,6 +738,11 @@ def test_the_short_gpu_check_runs_its_own_stages_through_the_same_runner(tmp_pat
                            env={**env, "ONLY": "  "}, capture_output=True, text=True,
                            timeout=60)
     assert blank.returncode == 2 and "ONLY names no stage" in blank.stderr
+    skipped = subprocess.run(["bash", str(BENCHMARKS / "gpu_short.sh"),
+                              str(tmp_path / "wrong")],
+                             env={**env, "ONLY": "tests", "SKIP_TESTS": "1"},
+                             capture_output=True, text=True, timeout=60)
+    assert skipped.returncode == 2 and "SKIP_TESTS skips them" in skipped.stderr
     assert calls.read_text() == "" and not (tmp_path / "wrong").exists()
 
 
