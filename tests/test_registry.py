@@ -312,13 +312,24 @@ def test_values_are_numbers_words_or_strings(text, value):
 
 
 @pytest.mark.parametrize("value", [64, -2, 0.5, 1e-3, True, False, None, "implicit", "64",
-                                   "true", "1e-3", "a b", " spaced", "trailing "])
+                                   "true", "1e-3", "a b", " spaced", "trailing ",
+                                   float("inf"), float("-inf"), "inf", "-inf", "nan"])
 def test_a_variant_name_reads_back_the_options_it_was_given(value):
     from skyformer.registry.variants import parse_variant, variant_name
 
     name = variant_name("m[x=1]", {"a": value})
     assert parse_variant(name) == ("m", (("x", 1), ("a", value)))
     assert variant_name(" m ", {}) == "m"
+
+
+def test_a_variant_name_reads_back_nan_as_a_float():
+    """``str(float("nan"))`` is ``nan``, which read back as the string 'nan'."""
+    import math
+
+    from skyformer.registry.variants import parse_variant, variant_name
+
+    (_, value), = parse_variant(variant_name("m", {"a": float("nan")}))[1]
+    assert isinstance(value, float) and math.isnan(value)
 
 
 def test_a_variants_values_reach_its_config():

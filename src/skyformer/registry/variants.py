@@ -9,9 +9,9 @@ keep their names in the tables::
     skyformer bench --methods skyformer "skyformer[pinv_gradient=implicit]"
 
 Inside the brackets, ``key=value`` items separated by commas. A value is a number
-(``64``, ``0.5``, ``1e-3``), ``true`` / ``false`` / ``null`` (or Python's ``True`` /
-``False`` / ``None``), a quoted string, or else the bare word as a string
-(``implicit``); no value holds a comma or a bracket. Options given at the call
+(``64``, ``0.5``, ``1e-3``, ``inf``, ``-inf``, ``nan``), ``true`` / ``false`` / ``null``
+(or Python's ``True`` / ``False`` / ``None``), a quoted string, or else the bare word as a
+string (``implicit``); no value holds a comma or a bracket. Options given at the call
 override the variant's. The parser uses string methods alone, so that ``torch.compile``
 traces a call that names a variant.
 """
@@ -97,7 +97,8 @@ def option_value(raw: str) -> Any:
 
 
 def _value(raw: str) -> Any:
-    """A number, a word of ``_WORDS``, a quoted string, or ``raw`` itself."""
+    """A number (``inf`` and ``nan`` too), a word of ``_WORDS``, a quoted string, or
+    ``raw`` itself."""
     if raw in _WORDS:
         return _WORDS[raw]
     if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "\"'":
@@ -105,6 +106,8 @@ def _value(raw: str) -> Any:
     unsigned = raw[1:] if raw[:1] in "+-" else raw
     if not unsigned.isascii():  # str.isdigit takes '²', which int() refuses; JSON has 0-9
         return raw
+    if unsigned in ("inf", "nan"):  # as str() writes a float's infinities and NaN
+        return float(raw)
     if unsigned.isdigit():
         return int(raw)
     if _is_decimal(unsigned):
