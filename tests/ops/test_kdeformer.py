@@ -216,6 +216,35 @@ def test_default_normaliser_stays_bounded_on_peaked_rows():
         assert out.abs().max() <= v.abs().max() * (1 + 1e-5)
 
 
+@pytest.mark.parametrize("options", [{"block_size": 0}, {"block_size": 0, "estimator": "uniform"},
+                                     {"block_size": 0, "estimator": "uniform",
+                                      "normalizer": "kde"}])
+def test_lowering_every_logit_of_a_row_alike_changes_nothing(options):
+    """Softmax ignores a shift common to a row's logits. Without blocks, the default
+    estimator's sampled terms were taken in units of exp(0): with every logit below
+    about -44 they underflowed in float32, and each row fell back to mean(V) with no
+    gradient ("uniform" took its sampled keys' largest logit, and kept its result)."""
+    q, k, v = make_qkv(1, 2, 32, 4, dtype=torch.float32, seed=8)
+    key = skyformer.random_key(1)
+
+    def lowered(c):  # a coordinate that takes exactly c off every scaled logit
+        extra = torch.full((*q.shape[:-1], 1), c * 5 ** 0.5)
+        return (torch.cat([q, extra], -1).requires_grad_(True),
+                torch.cat([k, -torch.ones_like(extra)], -1))
+
+    outs, grads = [], []
+    for c in (0.0, 50.0):
+        q_c, k_c = lowered(c)
+        out = skyformer.attention(q_c, k_c, v, "kdeformer", num_features=64, generator=key,
+                                  **options)
+        out.sum().backward()
+        outs.append(out.detach())
+        grads.append(q_c.grad[..., :-1])
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-3, atol=1e-3)
+    assert grads[0].abs().sum() > 0
+
+
 def test_defaults_follow_the_paper():
     cfg = get_method("kdeformer").make_config()
     assert (cfg.num_features, cfg.blocks, cfg.num_hyperplanes, cfg.normalizer) == (

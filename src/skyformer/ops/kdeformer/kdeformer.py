@@ -435,14 +435,16 @@ def kdeformer_core(
         idx_k, live_k = uniform_rows(draws.key_uniform, key_ok)
         off_k = _off_block(sparse.q_block, sparse.k_block.gather(-1, idx_k), live_k)
         logits_k = (qs @ _rows(k, idx_k).transpose(-1, -2)).masked_fill(~off_k, neg_inf)
-        shift = _finite_or(torch.maximum(sparse.row_max, logits_k.detach().amax(-1)), 0.0)
+        reached = torch.maximum(sparse.row_max, logits_k.detach().amax(-1))
+        shift = _finite_or(reached, 0.0)
         residual_sum = torch.exp(logits_k - shift[..., None]).sum(-1) * (n_keys / cfg.samples)
         spar_num, spar_den = _sparse_sums(sparse, v, shift)
         alpha = spar_den + residual_sum  # [B, H, Nq], in units of exp(shift)
         p = _uniform_estimate_probabilities(qs, k, v, sparse, alpha, shift, query_ok, key_ok,
                                             cfg, draws)
     else:
-        shift = _finite_or(sparse.row_max, 0.0)
+        reached = sparse.row_max
+        shift = _finite_or(reached, 0.0)
         spar_num, spar_den = _sparse_sums(sparse, v, shift)
         alpha = spar_den
         p = row_estimate_probabilities(qs, k, v, sparse.q_block, sparse.k_block, query_ok,
@@ -452,9 +454,14 @@ def kdeformer_core(
     idx_c, live_c, weight = draw_columns(p, order, key_ok, cfg, draws.column_uniform)
     off_c = _off_block(sparse.q_block, sparse.k_block.gather(-1, idx_c), live_c)
     logits_c = (qs @ _rows(k, idx_c).transpose(-1, -2)).masked_fill(~off_c, neg_inf)
-    shift2 = torch.maximum(shift, _finite_or(logits_c.detach().amax(-1), neg_inf))
+    # The largest logit of each row, from the raw maxima: `shift`'s fallback 0 for a row
+    # with no sparse entry (every row without blocks) would put its sampled terms in
+    # units of exp(0), which underflow where every logit is far below 0, and the row
+    # fell back to mean(V) with no gradient, where softmax ignores a common shift.
+    shift2 = _finite_or(torch.maximum(reached, logits_c.detach().amax(-1)), 0.0)
     a_c = torch.exp(logits_c - shift2[..., None]) * weight[..., None, :]  # [B, H, Nq, m]
-    factor = torch.exp(shift - shift2)[..., None]  # rescales terms computed with `shift`
+    # rescales the terms computed with `shift` (none where `reached` is -inf: all 0)
+    factor = torch.where(torch.isfinite(reached), torch.exp(shift - shift2), 0.0)[..., None]
     numerator = spar_num * factor + a_c @ _rows(v, idx_c)
     if cfg.normalizer == "sampled":
         denominator = spar_den[..., None] * factor + a_c.sum(-1, keepdim=True)
