@@ -21,11 +21,14 @@ partition the real tokens into runs of floor(n/m) or ceil(n/m) consecutive token
 mean, and a padded sequence has the landmarks of its truncation. The convolution too
 runs over ranks among the real tokens: a hole is skipped, not read as a zero value.
 
-When every real token is its own segment (n <= m on both sides, so Q~ = Q and K~ = K),
-S^ = S S^+ S = S: the approximation is exact in exact arithmetic, but 6 iterations of
-the pseudo-inverse of an n x n softmax matrix are not. Such sequences get exact softmax
-attention, computed as softmax(s Q K~^T) V~ with V~ the (one-token) segment means of
-V. The reference implementation does the same when m equals the padded length.
+When every real key is its own segment (n_k <= m, so K~ = K), the approximation is
+exact in exact arithmetic: with A = softmax(s Q~ K^T) (m_q x n_k, m_q = min(n_q, m)), S^ =
+softmax(s Q K^T) A^+ A; with fewer queries than keys Q~ = Q, so S^ = A A^+ A = A = S,
+and otherwise A^+ A = I for generic inputs (A of full column rank, which query landmarks
+that coincide would break). 6 iterations of the pseudo-inverse are not exact. Such
+sequences get exact softmax attention (whatever A's rank), computed as
+softmax(s Q K~^T) V~ with V~ the (one-token) segment means of V. The reference
+implementation does the same when m equals the padded length.
 """
 
 from __future__ import annotations
@@ -299,8 +302,7 @@ def nystromformer_attention(
     inverse = iterative_pinv(kernel_2, config.pinv_iterations, init="scaled_transpose")
     values = inverse @ kernel_3_v  # [B, H, m, Dv]
 
-    q_valid, k_valid = q_seg.n_valid, k_seg.n_valid
-    own_landmarks = (k_valid <= m) & (torch.clamp(q_valid, max=m) >= k_valid)  # [B]
+    own_landmarks = k_seg.n_valid <= m  # [B] (module docstring: exact whatever n_q)
     # K~ = K and V~ = V: kernel_1 V~ is exact softmax attention (computed for every
     # sequence, an O(N Dv) mean, so that no branch depends on the data).
     exact_values = segment_means(vw, k_seg)
