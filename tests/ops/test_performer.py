@@ -38,6 +38,21 @@ def test_fast_matches_reference_outputs_and_gradients(masked, orthogonal):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.parametrize("eps", [0.0, 1e-3])
+def test_the_reference_gives_an_element_without_a_real_key_zero_rows(eps):
+    """Cross-attention (no query padding) to an element whose keys are all padding: the
+    fast path's zeros, as softmax's, where the reference divided 0 by 0."""
+    q, k, v = make_qkv(2, 2, 5, 8, nk=7, dv=3, seed=4)
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    mask[1] = False
+    w = gaussian_projection(16, 8, generator=gen(2)).double()
+    ref = reference_performer_attention(q, k, v, w, key_padding_mask=mask, eps=eps)
+    fast = performer_attention(q, k, v, key_padding_mask=mask, num_features=16, projection=w,
+                               eps=eps)
+    torch.testing.assert_close(ref, fast, rtol=1e-10, atol=1e-12)
+    assert (ref[1] == 0).all()
+
+
 @pytest.mark.parametrize("eps", [1e-3, 0.5])
 def test_eps_matches_reference_with_performer_pytorch_features(eps):
     """eps > 0: features m^-1/2 (exp(w.x' - |x'|^2/2 - c) + eps), c = row max of w.q'

@@ -54,6 +54,22 @@ def test_fast_matches_reference_outputs_and_gradients(options, nq):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.parametrize("support", ["lsh", "local"])
+def test_the_reference_gives_an_element_without_a_real_key_zero_rows(support):
+    """Cross-attention (no query padding) to an element whose keys are all padding: the
+    fast path's zeros, as softmax's, where the reference divided 0 by 0."""
+    q, k, v = make_qkv(2, 2, 5, 6, nk=7, dv=3, seed=4)
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    mask[1] = False
+    options = {"num_features": 6, "block_size": 2, "support": support}
+    w, planes = draw_scatterbrain(2, 2, 6, ScatterbrainConfig(**options), generator=gen(2))
+    ref = reference_scatterbrain_attention(q, k, v, w.double(), planes, key_padding_mask=mask,
+                                           **options)
+    fast = scatterbrain_attention(q, k, v, key_padding_mask=mask, generator=gen(2), **options)
+    torch.testing.assert_close(ref, fast, rtol=1e-10, atol=1e-12)
+    assert (ref[1] == 0).all()
+
+
 def test_one_bucket_holding_every_key_is_exact_softmax():
     """The support covers A: the low-rank part cancels exactly."""
     q, k, v = make_qkv(2, 2, 20, 8, seed=3)

@@ -89,5 +89,7 @@ def reference_performer_attention(
     if info.query_valid is not None:  # a padded row before every real key (causal, left
         # padding) sums to 0: its 0 / 0, zeroed below, would reach the gradients as NaN
         total = torch.where(info.query_valid[:, None, :, None], total, 1.0)
+    if info.key_valid is not None:  # an element without a real key: zeros, as softmax's
+        total = torch.where(info.key_valid.any(-1)[:, None, None, None], total, 1.0)
     out = (a @ v) / total
     return zero_padded_queries(out, info.query_valid)

@@ -52,5 +52,8 @@ def reference_scatterbrain_attention(
             q.detach(), k.detach(), hyperplanes, cfg.blocks, key_padding_mask=key_padding_mask
         ).to(q.dtype)
     approx = low_rank + (exact - low_rank) * support
-    out = (approx @ v) / approx.sum(-1, keepdim=True)
+    total = approx.sum(-1, keepdim=True)
+    if info.key_valid is not None:  # an element without a real key: zeros, as softmax's
+        total = torch.where(info.key_valid.any(-1)[:, None, None, None], total, 1.0)
+    out = (approx @ v) / total
     return zero_padded_queries(out, info.query_valid)
