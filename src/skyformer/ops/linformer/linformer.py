@@ -18,8 +18,9 @@ projected key or value. A projected slot whose key row of E has no weight on any
 token holds nothing (its key is the zero vector and carries no token): it is masked
 out of the softmax instead of diluting it. With E = F = I (k = N) this makes
 Linformer exactly masked softmax attention; for dense projections no slot is empty.
-A padded input has the output of its truncation (the first N columns of E and F,
-zeroed padded rows: the same sums).
+A right-padded input has the output of its truncation (the first N columns of E and F,
+zeroed padded rows: the same sums); E and F follow absolute positions, so left padding
+or holes do not.
 
 Called directly without ``proj_k``/``proj_v``, E and F are fixed Gaussian
 Johnson-Lindenstrauss projections with N(0, 1/k) entries (the distribution of the
