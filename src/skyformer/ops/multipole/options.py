@@ -39,7 +39,9 @@ class MultipoleOptions:
         covariance term is estimated (``None`` = every key); caps its cost at
         c * tilt_sample * D * tilt_rank whatever N.
     kmeans_iterations: Lloyd iterations on the k-means sub-sample.
-    kmeans_sample: rows sub-sampled for the Lloyd iterations (``None`` = all).
+    kmeans_sample: rows sub-sampled for the Lloyd iterations (``None`` = all); at least
+        the number of clusters (a smaller one is raised to it, and the sampled rows are
+        then the centres, which Lloyd's steps leave as they are).
     tolerance: target relative error; when set, each head takes the smallest budget of
         the ladder 0, m/8 .. m (m = ``num_features``; 0 = the trivial answer, every
         row the mean of V for softmax, the mean exact probe row for the Gaussian
