@@ -263,6 +263,8 @@ def test_cpu_calls_take_the_head_dim_by_default_and_the_augmentation_on_request(
     assert route(attn_mask=causal_pattern)[0] == "kernelized_by_sdpa"
     assert route(attn_mask=causal_pattern, fold_key_norms=True) == folded
     assert route(attn_mask=keys.requires_grad_(True))[0] == "kernelized_by_sdpa"
+    with torch.no_grad():  # a learned bias not being differentiated: a fixed mask
+        assert route(attn_mask=keys) == route(attn_mask=keys, fold_key_norms=True) == folded
 
 
 @pytest.mark.parametrize("kind", ["bool", "float"])

@@ -225,8 +225,14 @@ def _one_row_per_key(attn_mask: Tensor) -> bool:
     it), which it adds to its key bias as one row; not one that requires grad. A mask
     with a row per query would be added into a ``[B, H, Nq, Nk]`` bias per head, slower
     on the CPU than the augmentation's shared one (``benchmarks/kernelized_masks.py``)."""
-    return not attn_mask.requires_grad and (
+    return not _differentiated(attn_mask) and (
         attn_mask.dim() < 2 or attn_mask.shape[-2] == 1 or attn_mask.stride(-2) == 0)
+
+
+def _differentiated(attn_mask: Tensor) -> bool:
+    """Whether autograd records the mask's gradient: it requires grad and grad mode is
+    on (under ``torch.no_grad`` a learned bias is a fixed mask)."""
+    return attn_mask.requires_grad and torch.is_grad_enabled()
 
 
 def _folded(q: Tensor, k: Tensor, v: Tensor, info: AttentionInputs, scale: float,
@@ -235,7 +241,7 @@ def _folded(q: Tensor, k: Tensor, v: Tensor, info: AttentionInputs, scale: float
     by default CPU calls (with an ``attn_mask``, ``_one_row_per_key``); the augmentation
     where no fused kernel takes the call (float64 on CUDA, devices other than the CPU and
     CUDA, forward-mode AD, which the fused kernels lack)."""
-    if attn_mask is not None and (q.device.type != "cpu" or attn_mask.requires_grad):
+    if attn_mask is not None and (q.device.type != "cpu" or _differentiated(attn_mask)):
         raise ValueError(
             "kernelized: fold_key_norms=True takes an attn_mask on the CPU only, and not "
             "one that requires grad (the fused kernels give no gradient for it; on CUDA "
