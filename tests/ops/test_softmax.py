@@ -39,8 +39,37 @@ def test_bad_options():
     q, k, v = make_qkv(1, 1, 4, 4, nk=5)
     with pytest.raises(ValueError, match="causal"):
         softmax_attention(q, k, v, causal=True)
-    with pytest.raises(ValueError, match="scale"):
-        softmax_attention(q, k, v, scale=-1.0)
+    with pytest.raises(ValueError, match="scale must be a finite number"):
+        softmax_attention(q, k, v, scale=float("nan"))
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.5])
+def test_a_zero_or_negative_scale_is_torch_sdpa_s(scale):
+    """torch's SDPA takes any finite scale (0 weighs the visible keys alike); so does
+    exact softmax, with key padding and causal (the padded causal form carries the
+    padding in an extra logit column), where it refused all but positive ones."""
+    import torch.nn.functional as F
+
+    q, k, v = make_qkv(2, 2, 7, 4, dv=3)
+    valid = torch.ones(2, 7, dtype=torch.bool)
+    valid[1, 5:] = False
+    torch.testing.assert_close(softmax_attention(q, k, v, scale=scale),
+                               F.scaled_dot_product_attention(q, k, v, scale=scale))
+    # unpadded causal: torch's CPU flash kernel gave NaN rows for scale <= 0, its math
+    # kernel and an explicit tril mask the right ones
+    tril = torch.ones(7, 7, dtype=torch.bool).tril()
+    for dtype in (torch.float64, torch.float32):
+        a, b, c = (t.to(dtype) for t in (q, k, v))
+        torch.testing.assert_close(
+            softmax_attention(a, b, c, causal=True, scale=scale),
+            F.scaled_dot_product_attention(a, b, c, attn_mask=tril, scale=scale))
+    for causal in (False, True):
+        allowed = valid[:, None, None, :] & (torch.ones(7, 7, dtype=torch.bool).tril()
+                                             if causal else True)
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+        got = softmax_attention(q, k, v, key_padding_mask=valid, causal=causal, scale=scale)
+        real = valid[:, None, :, None].expand_as(got)  # padded query rows are zeroed
+        torch.testing.assert_close(got[real], want[real])
 
 
 @pytest.mark.parametrize("shape", [(3, 1, 6, 5), (2, 4, 6, 5), (6, 4)])

@@ -72,6 +72,17 @@ def check_scale(method: str, scale: object) -> None:
             f"or None (the method's default), got {scale!r}.")
 
 
+def check_finite_scale(method: str, scale: object) -> None:
+    """Exact softmax's logit scale: any finite number, as ``scaled_dot_product_attention``
+    takes (0 weighs the visible keys alike; a negative one favours the farthest), or
+    ``None`` for 1/sqrt(head dim). The kernel methods need a positive one
+    (``check_scale``): their Gaussian or random features are not defined otherwise."""
+    if scale is not None and not _is_number(scale):
+        raise ValueError(
+            f"{method}: scale must be a finite number (the factor of the scores) or None "
+            f"(1/sqrt(head dim)), got {scale!r}.")
+
+
 def check_positive_float(method: str, name: str, value: object) -> None:
     if not _is_number(value) or not value > 0:  # type: ignore[operator]
         raise ValueError(f"{method}: {name} must be a finite positive number, got {value!r}.")

@@ -17,7 +17,7 @@ from ..shared.inputs import (
     zero_padded_queries,
 )
 from ..shared.masked import attention_bias, biased_attention
-from ..shared.options import check_bool, check_probability, check_scale
+from ..shared.options import check_bool, check_finite_scale, check_probability
 from ..shared.sdpa import sdpa
 
 _MASKED_LOGIT = -1e6  # far enough below any real logit that exp() underflows to 0
@@ -27,7 +27,8 @@ _MASKED_LOGIT = -1e6  # far enough below any real logit that exp() underflows to
 class SoftmaxConfig:
     """Options of exact softmax attention.
 
-    scale: logit scale, ``None`` = 1/sqrt(head dim).
+    scale: logit scale, any finite number as torch's SDPA takes, ``None`` = 1/sqrt(head
+        dim).
     causal: query i attends to keys j <= i (requires Nq == Nk).
     """
 
@@ -38,7 +39,7 @@ class SoftmaxConfig:
     causal: bool = False
 
     def __post_init__(self) -> None:
-        check_scale("softmax", self.scale)
+        check_finite_scale("softmax", self.scale)
         check_bool("softmax", "causal", self.causal)
 
 
@@ -47,6 +48,8 @@ def _masked_sdpa(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, *, s
     """SDPA with a key padding mask that never yields NaN (fully padded rows give 0),
     ``dropout_p`` on the probabilities (a padded key's is 0, dropped or not)."""
     if key_valid is None:
+        if causal and scale <= 0:  # torch's CPU flash kernel gives NaN rows for these
+            q, scale = q * scale, 1.0
         return sdpa(q, k, v, scale=scale, is_causal=causal, dropout_p=dropout_p)
     has_key = key_valid.any(dim=-1, keepdim=True)  # [B, 1]
     if not causal:
