@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.devices import CUDA_TESTS
+from tests.interpreter_patching import patch_the_language_once_per_launch
 from tests.interpreter_thread import run_interpreted_launches_in_a_worker_thread
 
 # Without a GPU the Triton kernels run under Triton's interpreter (read when Triton is
@@ -21,6 +22,7 @@ from tests.interpreter_thread import run_interpreted_launches_in_a_worker_thread
 if not CUDA_TESTS:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     run_interpreted_launches_in_a_worker_thread()  # the same speed at any test depth
+    patch_the_language_once_per_launch()  # not again at every helper's call
 
 # One thread a process where pytest-xdist runs the tests in several (as the README's
 # test command does: one a core); two otherwise.
