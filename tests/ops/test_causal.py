@@ -199,7 +199,8 @@ def test_outputs_before_a_failed_slot_stay_and_decoding_agrees(method):
     bound = get_method(method).bind(num_features=8, landmark_stride=8, gamma=1e-9,
                                     causal=True)
     key = random_key(3)
-    out = bound(q, q, v, generator=key)
+    with pytest.warns(UserWarning, match=r"^gamma=1e-09 with 8 landmarks in float32"):
+        out = bound(q, q, v, generator=key)  # NaN rows, as the non-causal forms, explained
     nan = torch.isnan(out).any(-1)[0, 0]  # [N]
     first = int(nan.long().argmax())
     assert 0 < first < 32 and bool(nan[first:].all()) and not bool(nan[:first].any())

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from ...linalg import gaussian_kernel_block, gaussian_kernel_matmul, half_sq_norm
 from ...linalg.flush import flush_on_cpu
+from ...linalg.nystrom import warn_of_a_ridge_below_rounding
 from ...linalg.rows import gather_rows_through
 from ...sketch.landmarks import launch_or_fall_back, use_triton_draw
 from ...sketch.rng import fold_in, stream, uniform_at
@@ -280,7 +281,10 @@ def core_of_rows(x: Tensor, live: Tensor, gamma: float) -> CausalCore:
     """The core of scaled landmark rows ``x: [B, H, m, D]`` of which ``live: [B, m]``
     hold a landmark: L^-1 of C(X, X) + gamma I with the other slots decoupled (unit
     diagonal, +inf half norms). The leading block of L^-1 depends on the leading slots
-    only, so revealing a later slot leaves it unchanged."""
+    only, so revealing a later slot leaves it unchanged. A ``gamma`` below what x's
+    dtype resolves is warned of, as the non-causal cores do (the queries of a failed
+    pivot are NaN, below)."""
+    warn_of_a_ridge_below_rounding(gamma, x.shape[-2], x.dtype)
     x_norm = torch.where(live[:, None, :], half_sq_norm(x), float("inf"))  # [B, H, m]
     # gamma in x's dtype: where() of two Python numbers gives the default dtype, whose
     # rounding of gamma (0.1 -> 0.100000001 in float32) a float64 call would carry
