@@ -162,6 +162,28 @@ def test_left_padding_and_holes_give_the_packed_outputs(method, options):
                                    atol=1e-12)
 
 
+def test_a_query_row_slot_at_a_padded_query_holds_no_landmark():
+    """With a query mask of its own, a slot that takes its token's query row where that
+    query is padded held the zeroed row, a landmark at the origin; it is dead now, and
+    the key-row slots and the other query-row slots are as drawn."""
+    from skyformer.ops.shared.causal_nystrom import draw_causal_landmarks
+    from skyformer.ops.shared.inputs import check_attention_inputs
+
+    q, k, v = make_qkv(1, 1, 12, 4)
+    queries = torch.ones(1, 12, dtype=torch.bool)
+    queries[0, 2] = False
+
+    def slots(query_padding_mask):
+        info = check_attention_inputs(q, k, v, None, method="skyformer",
+                                      query_padding_mask=query_padding_mask)
+        return draw_causal_landmarks(info, 12, 1, q.device, random_key(0))
+
+    drawn, own = slots(None), slots(queries)
+    assert drawn.position.tolist() == [list(range(12))] and bool(drawn.from_query[2])
+    assert own.live.tolist() == [[i != 2 for i in range(12)]]
+    assert own.position[0, 2] == 0 and torch.equal(own.position[0, 3:], drawn.position[0, 3:])
+
+
 def test_a_core_that_rounding_leaves_indefinite_flags_the_slots_from_the_failed_pivot(
         monkeypatch):
     """The causal core factorises C(X_S, X_S) + gamma I unchecked (no host wait); where

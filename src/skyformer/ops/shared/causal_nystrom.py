@@ -199,11 +199,19 @@ def causal_landmarks(num_features: int, stride: int | Tensor, *, batch: int, n: 
 def draw_causal_landmarks(info: AttentionInputs, num_features: int, stride: int | None,
                           device: torch.device, key: Tensor, draw: str = "auto"
                           ) -> CausalLandmarks:
-    """The landmark slots of one call (``causal_nystrom.causal_landmarks``)."""
-    return causal_landmarks(
+    """The landmark slots of one call (``causal_nystrom.causal_landmarks``). With a query
+    mask of its own, a query-row slot at a padded query holds no landmark: padded
+    queries take no part in what is computed from the set of queries
+    (``shared/inputs.py``; their rows, zeroed, put a landmark at the origin)."""
+    marks = causal_landmarks(
         num_features, landmark_stride(stride, info.key_len, num_features, info.key_valid),
         batch=info.batch, n=info.key_len, key_valid=info.key_valid, device=device, key=key,
         draw=draw)
+    if info.query_valid is None or info.query_valid is info.key_valid:
+        return marks
+    real = info.query_valid.gather(1, marks.position) | ~marks.from_query  # [B, m]
+    live = marks.live & real
+    return CausalLandmarks(torch.where(live, marks.position, 0), live, marks.from_query)
 
 
 def causal_inputs(method: str, q: Tensor, k: Tensor, v: Tensor, num_features: int,
