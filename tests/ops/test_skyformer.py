@@ -244,6 +244,26 @@ def test_a_ridge_below_the_dtypes_rounding_is_warned_of_at_the_callers_line(meth
                  generator=skyformer.random_key(0))
 
 
+@pytest.mark.parametrize(("method", "causal"), [
+    ("skyformer", False), ("nystrom_softmax", False), ("skyformer_adaptive", False),
+    ("skyformer", True), ("nystrom_softmax", True)])  # skyformer_adaptive: no causal form
+def test_a_ridge_past_the_dtypes_range_is_refused_in_a_sentence(method, causal):
+    """gamma = 1e39 in float32 stopped at filling the ridge with torch's bare overflow
+    message; float64 holds it (the output is then that of a near-zero core)."""
+    q, k, v = make_qkv(1, 1, 16, 4, dtype=torch.float32)
+    call = skyformer.get_method(method).function
+    options = {"causal": True} if causal else {}
+    for dtype in (torch.float32, torch.bfloat16):  # bfloat16: a float32 core
+        with pytest.raises(ValueError, match=r"^gamma=1e\+39 is past the largest float32 "
+                                             r"value \(3\.4e\+38\), the dtype the Nystrom "
+                                             r"core is computed in: .* float64 inputs\.$"):
+            call(*(t.to(dtype) for t in (q, k, v)), num_features=4, gamma=1e39,
+                 generator=gen(0), **options)
+    out = call(q.double(), k.double(), v.double(), num_features=4, gamma=1e39,
+               generator=gen(0), **options)
+    assert out.isfinite().all()
+
+
 def test_bad_options_name_the_problem():
     q, k, v = make_qkv(1, 1, 8, 4)
     for options, word in (

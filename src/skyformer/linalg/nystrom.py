@@ -154,11 +154,23 @@ def core_iterations(gradient: str, iterations: int, size: int, gamma: float, pin
 def ridge_diagonal(gamma: float, live: Tensor | None, size: int, like: Tensor) -> Tensor:
     """The diagonal added to M: gamma, 1 on dead slots; ``[m]`` or ``[B, 1, m]`` (for
     ``live: [B, m]``, broadcast over the heads of ``[B, H, m, m]``)."""
+    check_ridge_in_range(gamma, like.dtype)
     diag = torch.full((size,), float(gamma), dtype=like.dtype, device=like.device)
     if live is not None:
         _check_live(live, like, size)
         diag = torch.where(live[:, None, :], diag, torch.ones_like(diag))
     return diag
+
+
+def check_ridge_in_range(gamma: float, dtype: torch.dtype) -> None:
+    """A ``gamma`` past the largest value of ``dtype``, the core's (float32 for half
+    inputs), is refused in a sentence (torch would stop at filling the diagonal with a
+    bare overflow message)."""
+    if dtype.is_floating_point and gamma > torch.finfo(dtype).max:
+        raise ValueError(
+            f"gamma={gamma:g} is past the largest {str(dtype).removeprefix('torch.')} value "
+            f"({torch.finfo(dtype).max:.3g}), the dtype the Nystrom core is computed in: "
+            f"use a smaller gamma (the default is 0.1) or float64 inputs.")
 
 
 def _check_live(live: Tensor, like: Tensor, size: int) -> None:

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from ...linalg import gaussian_kernel_block, gaussian_kernel_matmul, half_sq_norm
 from ...linalg.flush import flush_on_cpu
-from ...linalg.nystrom import warn_of_a_ridge_below_rounding
+from ...linalg.nystrom import check_ridge_in_range, warn_of_a_ridge_below_rounding
 from ...linalg.rows import gather_rows_through
 from ...sketch.landmarks import launch_or_fall_back, use_triton_draw
 from ...sketch.rng import fold_in, stream, uniform_at
@@ -292,6 +292,7 @@ def core_of_rows(x: Tensor, live: Tensor, gamma: float) -> CausalCore:
     only, so revealing a later slot leaves it unchanged. A ``gamma`` below what x's
     dtype resolves is warned of, as the non-causal cores do (the queries of a failed
     pivot are NaN, below)."""
+    check_ridge_in_range(gamma, x.dtype)
     warn_of_a_ridge_below_rounding(gamma, x.shape[-2], x.dtype)
     x_norm = torch.where(live[:, None, :], half_sq_norm(x), float("inf"))  # [B, H, m]
     # gamma in x's dtype: where() of two Python numbers gives the default dtype, whose
