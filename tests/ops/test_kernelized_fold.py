@@ -223,8 +223,8 @@ def test_cpu_calls_take_the_head_dim_by_default_and_the_augmentation_on_request(
         monkeypatch):
     """Default (None): a CPU call runs SDPA's CPU kernel at head dim D, a padding-like
     attn_mask (one row over the keys) added to the key bias; False, a mask with a row per
-    query (slower at head dim D on the CPU) or one that requires grad: the augmentation
-    at D + 8. True: head dim D with any mask that does not require grad."""
+    query (slower at head dim D on the CPU): the augmentation at D + 8. True: head dim D
+    with any mask. A learned mask is routed as a fixed one of its shape."""
     from skyformer.ops.kernelized import kernelized as module
 
     q, k, v = make_qkv(1, 2, 20, 16)
@@ -262,9 +262,12 @@ def test_cpu_calls_take_the_head_dim_by_default_and_the_augmentation_on_request(
     causal_pattern = torch.ones(20, 20, dtype=torch.bool).tril()
     assert route(attn_mask=causal_pattern)[0] == "kernelized_by_sdpa"
     assert route(attn_mask=causal_pattern, fold_key_norms=True) == folded
-    assert route(attn_mask=keys.requires_grad_(True))[0] == "kernelized_by_sdpa"
-    with torch.no_grad():  # a learned bias not being differentiated: a fixed mask
-        assert route(attn_mask=keys) == route(attn_mask=keys, fold_key_norms=True) == folded
+    learned = keys.clone().requires_grad_(True)
+    assert route(attn_mask=learned) == route(attn_mask=learned, fold_key_norms=True) \
+        == folded
+    per_query = torch.rand(20, 20, generator=gen(2), dtype=torch.float64).requires_grad_()
+    assert route(attn_mask=per_query)[0] == "kernelized_by_sdpa"
+    assert route(attn_mask=per_query, fold_key_norms=True) == folded
 
 
 @pytest.mark.parametrize("kind", ["bool", "float"])
@@ -293,14 +296,54 @@ def test_an_attn_mask_with_padding_and_causal_equals_the_augmentation(kind):
     assert results[0][0][:, :, 4].eq(0).all()
 
 
+@pytest.mark.parametrize("shape", [(2, 1, 1, 30), (2, 2, 1, 30), (30, 30), (2, 2, 30, 30)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_learned_attn_mask_gets_the_augmentations_gradient(shape, causal):
+    """A float mask that requires grad (a learned bias): at head dim D its gradient is
+    the scores' (column sums for a row over the keys, P formed again for a row per
+    query), summed over what it broadcasts over; float64, with key padding, against the
+    augmentation through SDPA's own autograd. It was refused with fold_key_norms=True."""
+    q, k, v = make_qkv(2, 2, 30, 16, seed=21)
+    bias = torch.randn(shape, generator=gen(22), dtype=torch.float64)
+    padding = edge_padding(2, 30)
+    weights = torch.randn(2, 2, 30, 16, generator=gen(23), dtype=torch.float64)
+    results = []
+    for fold in (True, False):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v, bias)]
+        out = kernelized_attention(*leaves[:3], attn_mask=leaves[3], causal=causal,
+                                   key_padding_mask=padding, fold_key_norms=fold)
+        results.append([out, *torch.autograd.grad((out * weights).sum(), leaves)])
+    assert results[0][-1].shape == shape
+    assert results[0][-1].abs().max() > 1e-3  # the mask does reach the loss
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_a_learned_attn_mask_under_a_reentrant_checkpoint():
+    """The forward of a reentrant checkpoint runs without grad mode, its recomputation
+    with it: with fold_key_norms=True the recomputation raised where the mask requires
+    grad. Gradients as without the checkpoint."""
+    from torch.utils.checkpoint import checkpoint
+
+    q, k, v = make_qkv(1, 2, 12, 8, seed=24)
+    bias = torch.randn(12, 12, generator=gen(25), dtype=torch.float64)
+
+    def attend(q, k, v, bias):
+        return kernelized_attention(q, k, v, attn_mask=bias, fold_key_norms=True)
+
+    grads = []
+    for run in (attend, lambda *t: checkpoint(attend, *t, use_reentrant=True)):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v, bias)]
+        run(*leaves).square().sum().backward()  # reentrant: .backward(), not .grad()
+        grads.append([t.grad for t in leaves])
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
 def test_bad_combinations_are_refused_in_a_sentence():
     q, k, v = make_qkv(1, 2, 8, 16)
     with pytest.raises(ValueError, match=r'fold_key_norms=True .* kernel="triton"'):
         kernelized_attention(q, k, v, fold_key_norms=True, kernel="triton")
-    with pytest.raises(ValueError, match="fold_key_norms=False for that attn_mask"):
-        kernelized_attention(q, k, v, fold_key_norms=True,
-                             attn_mask=torch.zeros(8, 8, dtype=torch.float64,
-                                                   requires_grad=True))
     with pytest.raises(ValueError, match="fold_key_norms must be True, False or None"):
         kernelized_attention(q, k, v, fold_key_norms="yes")
 

@@ -60,11 +60,11 @@ class KernelizedConfig:
         float16, computed in float32) with exp(-s |k_j|^2 / 2) as a bias of the scores,
         exact; bfloat16 on CUDA with it folded into V, exact to bfloat16's rounding
         while the keys' s |k|^2 / 2 span less than 60 within a head (a head past that
-        comes out NaN); an ``attn_mask`` only on the CPU, and not one that requires grad;
-        not with ``kernel="triton"``. ``None`` (default): CPU calls (the bias form, exact,
-        and faster than the augmentation there), with an ``attn_mask`` only one row over
-        the keys (a padding mask; a row per query is slower there), not CUDA ones (not
-        yet timed on a GPU).
+        comes out NaN); an ``attn_mask`` only on the CPU (a learned one gets its
+        gradient); not with ``kernel="triton"``. ``None`` (default): CPU calls (the bias
+        form, exact, and faster than the augmentation there), with an ``attn_mask`` only
+        one row over the keys (a padding mask; a row per query is slower there), not
+        CUDA ones (not yet timed on a GPU).
         ``False``: never (the augmentation, or the flash kernels).
     """
 
@@ -120,7 +120,7 @@ def kernelized_attention(
     Returns:
         ``[B, H, Nq, Dv]`` in the dtype of ``q``; rows of padded queries
         (self-attention) are zero. On the CPU (unless ``fold_key_norms=False``, or an
-        ``attn_mask`` with a row per query or that requires grad): SDPA's flash kernel at
+        ``attn_mask`` with a row per query): SDPA's flash kernel at
         head dim D with the key norms as a bias of the scores in float32 (float64 for
         float64 inputs; ``sdpa_fold.py``), an ``attn_mask``'s row added to it. The
         augmentation otherwise (``kernel="torch"``, or ``"auto"`` where the flash kernels
@@ -222,17 +222,11 @@ def sums_in_float32_for_gradients(q: Tensor) -> bool:
 def _one_row_per_key(attn_mask: Tensor) -> bool:
     """An ``attn_mask`` that the head-dim-D form takes by default: one row over the keys,
     broadcast or expanded over the queries (a padding mask, as ``skyformer.hf`` builds
-    it), which it adds to its key bias as one row; not one that requires grad. A mask
-    with a row per query would be added into a ``[B, H, Nq, Nk]`` bias per head, slower
-    on the CPU than the augmentation's shared one (``benchmarks/kernelized_masks.py``)."""
-    return not _differentiated(attn_mask) and (
-        attn_mask.dim() < 2 or attn_mask.shape[-2] == 1 or attn_mask.stride(-2) == 0)
-
-
-def _differentiated(attn_mask: Tensor) -> bool:
-    """Whether autograd records the mask's gradient: it requires grad and grad mode is
-    on (under ``torch.no_grad`` a learned bias is a fixed mask)."""
-    return attn_mask.requires_grad and torch.is_grad_enabled()
+    it), which it adds to its key bias as one row (a learned one gets its gradient as
+    the key bias does, with no pass over the block). A mask with a row per query would
+    be added into a ``[B, H, Nq, Nk]`` bias per head, slower on the CPU than the
+    augmentation's shared one (``benchmarks/kernelized_masks.py``)."""
+    return attn_mask.dim() < 2 or attn_mask.shape[-2] == 1 or attn_mask.stride(-2) == 0
 
 
 def _folded(q: Tensor, k: Tensor, v: Tensor, info: AttentionInputs, scale: float,
@@ -241,10 +235,9 @@ def _folded(q: Tensor, k: Tensor, v: Tensor, info: AttentionInputs, scale: float
     by default CPU calls (with an ``attn_mask``, ``_one_row_per_key``); the augmentation
     where no fused kernel takes the call (float64 on CUDA, devices other than the CPU and
     CUDA, forward-mode AD, which the fused kernels lack)."""
-    if attn_mask is not None and (q.device.type != "cpu" or _differentiated(attn_mask)):
+    if attn_mask is not None and q.device.type != "cpu":
         raise ValueError(
-            "kernelized: fold_key_norms=True takes an attn_mask on the CPU only, and not "
-            "one that requires grad (the fused kernels give no gradient for it; on CUDA "
+            "kernelized: fold_key_norms=True takes an attn_mask on the CPU only (on CUDA "
             "FlashAttention takes none): pass fold_key_norms=False for that attn_mask.")
     if forward_mode_active() or q.device.type not in ("cpu", "cuda") \
             or (q.device.type == "cuda" and q.dtype == torch.float64):

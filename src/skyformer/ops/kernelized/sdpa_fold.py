@@ -138,7 +138,7 @@ def _bias_or_none(bias: Tensor) -> Tensor | None:
 
 def _scores_bias(bias: Tensor | None, mask: Tensor | None) -> Tensor | None:
     """What the operator adds to the scaled scores: the key bias ``[B, H, 1, Nk]`` and an
-    ``attn_mask``'s additive form ``[B, H|1, Nq, Nk]`` (CPU calls only)."""
+    ``attn_mask``'s additive form ``[B, H|1, 1|Nq, Nk]`` (CPU calls only)."""
     if mask is None:
         return bias
     return mask if bias is None else bias + mask
@@ -148,7 +148,7 @@ class FoldedSDPA(torch.autograd.Function):
     """exp(lse_i - a_i) O_i with (O, lse) of one fused softmax-attention call at scale s
     with the key bias added to its scores: q ``[B, H, Nq, W]``, k ``[B, H, Nk, W]``,
     v ``[B, H, Nk, W]`` in one dtype, bias ``[B, H, 1, Nk]`` and an ``attn_mask``'s
-    additive form ``[B, H|1, Nq, Nk]`` (not differentiated; CPU calls only), each an
+    additive form ``[B, H|1, 1|Nq, Nk]`` (CPU calls only; ``_mask_gradient``), each an
     empty placeholder where there is none, and a ``[B, H, Nq]``, these three in float32
     (float64 for float64 inputs). Returns that
     ``[B, H, Nq, W]`` in a's dtype, then O, lse and the dropout seed and offset (not
@@ -157,9 +157,10 @@ class FoldedSDPA(torch.autograd.Function):
     @staticmethod
     def forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor,  # type: ignore[override]
                 mask: Tensor, a: Tensor, scale: float, causal: bool) -> tuple[Tensor, ...]:
-        # the bias detached: the operators have no gradient for it (the backward below
-        # does), and export traces this forward with autograd on
-        scores_bias = _scores_bias(_bias_or_none(bias.detach()), _bias_or_none(mask))
+        # the biases detached: the operators have no gradient for them (the backward
+        # below does), and export traces this forward with autograd on
+        scores_bias = _scores_bias(_bias_or_none(bias.detach()),
+                                   _bias_or_none(mask.detach()))
         out, lse, seed, offset = _fused_forward(q, k, v, scores_bias, scale, causal)
         y = out.to(a.dtype) * torch.exp(lse[..., : q.shape[2]] - a)[..., None]
         return y, out, lse, seed, offset
@@ -209,7 +210,31 @@ class FoldedSDPA(torch.autograd.Function):
             dq, dk, dv = ((d * size).to(d.dtype) for d in (dq, dk, dv))
         grad_bias = None if bias is None or not ctx.needs_input_grad[3] \
             else (dv.to(bias.dtype) * v.to(bias.dtype)).sum(-1)[:, :, None, :]  # dV_j . v_j
-        return dq, dk, dv, grad_bias, None, grad_a, None, None
+        grad_mask = None if not ctx.needs_input_grad[4] else _mask_gradient(
+            q, k, v, bias, mask, lse, grad_out, dv, scale)
+        return dq, dk, dv, grad_bias, grad_mask, grad_a, None, None
+
+
+def _mask_gradient(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, mask: Tensor,
+                   lse: Tensor, grad_out: Tensor, dv: Tensor, scale: float) -> Tensor:
+    """The gradient of a learned ``attn_mask`` (its additive form ``[B, H|1, 1|Nq, Nk]``):
+    the scores' gradient dS_ij = P_ij (dO_i . v_j), softmax's with D = 0 (module
+    docstring), summed over what the mask broadcasts over. A row over the keys (a padding
+    mask) takes the column sums, dV_j . v_j, as the key bias does, with no pass over the
+    block; a mask with a row per query has its own ``[Nq, Nk]`` entries, and so does
+    its gradient: P is formed again from q, k and lse in the mask's dtype."""
+    work = mask.dtype
+    if mask.shape[-2] == 1:
+        grad = (dv.to(work) * v.to(work)).sum(-1)[:, :, None, :]  # [B, H, 1, Nk]
+    else:
+        logits = scale * (q.to(work) @ k.to(work).transpose(-1, -2)) + mask
+        if bias is not None:
+            logits = logits + bias
+        p = torch.exp(logits - lse[..., : q.shape[2], None].to(work))
+        # rows whose keys are all masked: lse = -inf, no weight and no gradient
+        p = torch.where(p.isnan(), 0.0, p)
+        grad = p * (grad_out.to(work) @ v.to(work).transpose(-1, -2))
+    return grad.sum(1, keepdim=True) if mask.shape[1] == 1 else grad
 
 
 def _largest_per_head(x: Tensor) -> Tensor:
@@ -243,8 +268,8 @@ def kernelized_by_folding(
     q ``[B, H, Nq, D]``, k ``[B, H, Nk, D]``, v ``[B, H, Nk, Dv]``; ``key_valid``
     ``[B, Nk]`` bool or None; ``shift`` ``[B, H, 1, D]`` (or None), detached, taken out of
     q and k (``shared/centring.keys_mean``); ``attn_mask`` SDPA's (bool, or float
-    weights exp(m_ij)), CPU calls only and not differentiated (callers send one that
-    requires grad to the augmentation). Returns ``[B, H, Nq, Dv]`` in float32 (float64
+    weights exp(m_ij)), CPU calls only; a float one that requires grad gets its
+    gradient (``_mask_gradient``). Returns ``[B, H, Nq, Dv]`` in float32 (float64
     for float64 inputs), rows of padded queries not zeroed.
     """
     dtype = fused_dtype(q.dtype)
@@ -281,7 +306,7 @@ def kernelized_by_folding(
     # the fused operators read rows of unit stride (SDPA's wrapper sees to it for them)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     mask = q.new_empty(0)
-    if attn_mask is not None:  # additive, with the causal pattern: [B, H|1, Nq, Nk]
+    if attn_mask is not None:  # additive, with the causal pattern: [B, H|1, 1|Nq, Nk]
         if q.device.type != "cpu":
             raise ValueError("kernelized_by_folding takes an attn_mask on the CPU only")
         shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
